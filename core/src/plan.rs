@@ -1,0 +1,1 @@
+//! Cluster plans (filled in below).

@@ -1,0 +1,1 @@
+//! Named registries (filled in below).

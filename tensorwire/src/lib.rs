@@ -1,0 +1,6 @@
+//! tensorwire: distributed RPC for Rust.
+//!
+//! This crate is what users add. It re-exports the pure core ([`core`]) and, as they land, the
+//! adapters picked by Cargo features.
+
+pub use tensorwire_core as core;

@@ -1,0 +1,2 @@
+//! The `tensorwire` command-line tool.
+fn main() {}

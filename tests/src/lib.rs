@@ -1,0 +1,1 @@
+//! Shared helpers for tensorwire's cross-crate and multi-process tests.
