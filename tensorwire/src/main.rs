@@ -1,2 +1,28 @@
 //! The `tensorwire` command-line tool.
-fn main() {}
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod cli;
+
+/// tensorwire: distributed RPC for Rust.
+#[derive(Debug, Parser)]
+#[command(name = "tensorwire", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Check a cluster plan's device maps before launch.
+    Validate(cli::validate::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Validate(args) => cli::validate::run(args),
+    }
+}

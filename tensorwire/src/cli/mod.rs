@@ -1,0 +1,3 @@
+//! Subcommands of the `tensorwire` tool, one module each.
+
+pub(crate) mod validate;
