@@ -18,3 +18,6 @@ pub mod plan;
 pub mod registry;
 pub mod reverse;
 pub mod validate;
+
+#[cfg(test)]
+mod proptests;
