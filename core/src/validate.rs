@@ -38,6 +38,7 @@ use crate::device::{Device, DeviceList, DeviceMap, DeviceMaps};
 
 /// What one worker tells the others about its devices, as PyTorch's agents exchange it at init.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct WorkerDeviceInfo {
     /// The worker's name.
     pub name: String,
