@@ -10,11 +10,13 @@
 //! - [`validate`]: the device-map rules of PyTorch's `_validate_device_maps`.
 //! - [`reverse`]: reverse device maps and the device list an agent handles.
 //! - [`plan`]: a whole cluster plan checked at once (what `tensorwire validate` runs).
+//! - [`protocol`]: the RPC protocol state machine: calls, timeouts, remote references.
 //! - [`registry`]: named registries for RPC backends and process-group factories.
 
 pub mod device;
 pub mod name;
 pub mod plan;
+pub mod protocol;
 pub mod registry;
 pub mod reverse;
 pub mod validate;
