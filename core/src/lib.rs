@@ -11,7 +11,9 @@
 //! - [`reverse`]: reverse device maps and the device list an agent handles.
 //! - [`plan`]: a whole cluster plan checked at once (what `tensorwire validate` runs).
 //! - [`registry`]: named registries for RPC backends and process-group factories.
+//! - [`collective`]: sans-IO schedules for barrier, broadcast, all_gather and all_reduce.
 
+pub mod collective;
 pub mod device;
 pub mod name;
 pub mod plan;
