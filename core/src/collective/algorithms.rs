@@ -69,7 +69,7 @@ pub fn broadcast(
                 sends: Vec::new(),
                 receives: vec![Receive {
                     peer: absolute(relative - top),
-                    ranges: vec![0..len],
+                    ranges: std::iter::once(0..len).collect(),
                     action: Apply::Store,
                 }],
             });
@@ -80,7 +80,7 @@ pub fn broadcast(
                 steps.push(Step {
                     sends: vec![Transfer {
                         peer: absolute(relative + distance),
-                        ranges: vec![0..len],
+                        ranges: std::iter::once(0..len).collect(),
                     }],
                     receives: Vec::new(),
                 });
