@@ -82,10 +82,10 @@ pub(super) fn run(schedules: &[Schedule], inputs: &[Vec<u8>]) -> Result<Outcome,
                 };
                 if !state.posted {
                     for send in step.sends() {
-                        let data = send
-                            .slices(&buffers[r])
-                            .ok_or_else(|| format!("rank {r}: send ranges out of the buffer"))?
-                            .concat();
+                        let mut data = Vec::with_capacity(send.len());
+                        for range in send.ranges() {
+                            data.extend_from_slice(&buffers[r][range.clone()]);
+                        }
                         mailboxes[r * n + send.peer()].push_back(Message {
                             data,
                             posted: state.start,
@@ -93,7 +93,8 @@ pub(super) fn run(schedules: &[Schedule], inputs: &[Vec<u8>]) -> Result<Outcome,
                         });
                     }
                     state.outstanding = step.sends().len();
-                    state.done = vec![false; step.receives().len()];
+                    state.done.clear();
+                    state.done.resize(step.receives().len(), false);
                     state.end = state.start;
                     state.posted = true;
                     progress = true;

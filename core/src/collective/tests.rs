@@ -395,9 +395,7 @@ fn all_reduce_every_world_both_algorithms() {
 
 #[test]
 fn all_reduce_every_op_and_element() {
-    for n in [
-        1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 31, 32, 33, 63, 64,
-    ] {
+    for n in [1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 31, 33, 64] {
         for algorithm in [
             AllReduceAlgorithm::RecursiveDoubling,
             AllReduceAlgorithm::Ring,
