@@ -142,6 +142,18 @@ fn check_all_gather(lens: &[usize], algorithm: AllGatherAlgorithm) -> Result<Out
                 "{algorithm:?} lens {lens:?}: rank {r} has the wrong blocks"
             ));
         }
+        // No block reaches a rank twice: it receives exactly the others' bytes.
+        let received: usize = schedules[r]
+            .steps()
+            .iter()
+            .flat_map(|s| s.receives())
+            .map(|x| x.len())
+            .sum();
+        if received != want.len() - lens[r] {
+            return Err(format!(
+                "{algorithm:?} lens {lens:?}: rank {r} receives {received} bytes"
+            ));
+        }
     }
     Ok(out)
 }
