@@ -12,7 +12,9 @@
 //! - [`plan`]: a whole cluster plan checked at once (what `tensorwire validate` runs).
 //! - [`protocol`]: the RPC protocol state machine: calls, timeouts, remote references.
 //! - [`registry`]: named registries for RPC backends and process-group factories.
+//! - [`collective`]: sans-IO schedules for barrier, broadcast, all_gather and all_reduce.
 
+pub mod collective;
 pub mod device;
 pub mod name;
 pub mod plan;
