@@ -18,11 +18,14 @@ struct Cli {
 enum Command {
     /// Check a cluster plan's device maps before launch.
     Validate(cli::validate::Args),
+    /// Start N local worker processes with rendezvous variables set (torchrun-style).
+    Launch(cli::launch::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Validate(args) => cli::validate::run(args),
+        Command::Launch(args) => cli::launch::run(args),
     }
 }

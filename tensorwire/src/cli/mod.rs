@@ -1,3 +1,4 @@
 //! Subcommands of the `tensorwire` tool, one module each.
 
+pub(crate) mod launch;
 pub(crate) mod validate;
