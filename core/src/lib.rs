@@ -11,10 +11,12 @@
 //! - [`reverse`]: reverse device maps and the device list an agent handles.
 //! - [`plan`]: a whole cluster plan checked at once (what `tensorwire validate` runs).
 //! - [`registry`]: named registries for RPC backends and process-group factories.
+//! - [`ports`]: the traits adapters implement ([`Store`](ports::store::Store), ...).
 
 pub mod device;
 pub mod name;
 pub mod plan;
+pub mod ports;
 pub mod registry;
 pub mod reverse;
 pub mod validate;

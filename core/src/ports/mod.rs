@@ -1,0 +1,3 @@
+//! The traits that adapters implement (ports of the ports-and-adapters design).
+
+pub mod store;
