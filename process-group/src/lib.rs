@@ -17,7 +17,7 @@ pub mod backoff;
 mod client;
 pub mod file;
 mod memory;
-mod rendezvous;
+pub mod rendezvous;
 mod server;
 mod state;
 pub mod wire;
@@ -27,6 +27,7 @@ pub use client::{ClientConfig, TcpStoreClient};
 pub use file::FileStore;
 
 pub use memory::InMemoryStore;
+pub use rendezvous::{rendezvous, Rendezvous, RendezvousError, RendezvousOptions};
 
 pub use server::{ServerConfig, TcpStoreServer};
 pub use tensorwire_core::ports::store::{Store, StoreError};
