@@ -18,11 +18,14 @@ struct Cli {
 enum Command {
     /// Check a cluster plan's device maps before launch.
     Validate(cli::validate::Args),
+    /// Run or query a c10d-compatible key-value store.
+    Store(cli::store::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Validate(args) => cli::validate::run(args),
+        Command::Store(args) => cli::store::run(args),
     }
 }

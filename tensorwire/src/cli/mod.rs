@@ -1,3 +1,4 @@
 //! Subcommands of the `tensorwire` tool, one module each.
 
+pub(crate) mod store;
 pub(crate) mod validate;
