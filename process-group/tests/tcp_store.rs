@@ -491,3 +491,26 @@ async fn shutdown_closes_client_connections() {
         "{result:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_clients_hammering_add_lose_nothing() {
+    let srv = server(ServerConfig::default()).await;
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let c = client(&srv).await;
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            for _ in 0..100 {
+                seen.push(c.add("counter", 1).await.unwrap());
+            }
+            seen
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(tokio::time::timeout(LIMIT, t).await.unwrap().unwrap());
+    }
+    // Every add returned a distinct value: 1..=1600, each exactly once.
+    all.sort_unstable();
+    assert_eq!(all, (1..=1600).collect::<Vec<i64>>());
+}

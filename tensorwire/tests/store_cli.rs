@@ -165,3 +165,54 @@ fn client_against_an_absent_server_fails_with_the_address() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&addr) && err.contains("gave up"), "{err}");
 }
+
+const PY_SERVER: &str = r#"
+from datetime import timedelta
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+s.set("from-python", "py-value")
+print(s.port, flush=True)
+s.get("cli-done")
+print("SEEN", s.get("cli-key").decode(), s.get("cli-count").decode(), flush=True)
+"#;
+
+/// The CLI against PyTorch's own store server. Skips (passes, printing why) without torch;
+/// set TENSORWIRE_TORCH_PYTHON to a Python that has it.
+#[test]
+fn cli_against_pytorch_server() {
+    let python = std::env::var("TENSORWIRE_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_torch = Command::new(&python)
+        .args(["-c", "import torch.distributed"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_torch {
+        eprintln!("SKIPPED: needs a Python with torch ({python} has none)");
+        return;
+    }
+    let mut child = Command::new(&python)
+        .args(["-c", PY_SERVER])
+        .env("PYTHONWARNINGS", "ignore")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut port = String::new();
+    stdout.read_line(&mut port).unwrap();
+    let addr = format!("127.0.0.1:{}", port.trim());
+
+    assert_eq!(ok(&client(&addr, &["get", "from-python"])), "py-value");
+    ok(&client(&addr, &["set", "cli-key", "cli-value"]));
+    assert_eq!(ok(&client(&addr, &["add", "cli-count", "5"])), "5\n");
+    assert_eq!(
+        ok(&client(&addr, &["check", "cli-key", "from-python"])),
+        "ready\n"
+    );
+    assert_eq!(ok(&client(&addr, &["num-keys"])), "3\n");
+    ok(&client(&addr, &["set", "cli-done", "1"]));
+    let mut seen = String::new();
+    stdout.read_line(&mut seen).unwrap();
+    assert_eq!(seen.trim(), "SEEN cli-value 5");
+    assert!(child.wait().unwrap().success());
+}
