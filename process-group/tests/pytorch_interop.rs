@@ -28,7 +28,7 @@ fn py() -> Command {
 
 /// `Some(reason)` when torch is not importable.
 fn torch_missing() -> Option<String> {
-    match std::process::py()
+    match std::process::Command::new(python())
         .args(["-c", "import torch.distributed"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
