@@ -170,6 +170,11 @@ impl TcpStoreClient {
         };
         match tokio::time::timeout(config.timeout, handshake).await {
             Ok(Ok(echo)) if echo == nonce => Ok(stream),
+            Ok(Ok(auth::AUTH_REQUIRED_MARKER)) => Err(Attempt::Fatal(StoreError::Auth {
+                addr: addr.to_owned(),
+                reason: "the store requires a cluster secret; configure the same secret here"
+                    .to_owned(),
+            })),
             Ok(Ok(echo)) => Err(Attempt::Fatal(StoreError::Protocol {
                 addr: addr.to_owned(),
                 reason: format!("ping failed: sent nonce {nonce}, got {echo} back"),

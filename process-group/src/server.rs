@@ -289,12 +289,15 @@ fn handle(
             };
             Ok(())
         }
-        (Phase::AuthHello, other) => Err(format!(
-            "unauthenticated client refused (first query type {}): this store has a cluster \
+        (Phase::AuthHello, other) => {
+            out.extend_from_slice(&auth::AUTH_REQUIRED_MARKER.to_ne_bytes());
+            Err(format!(
+                "unauthenticated client refused (first query type {}): this store has a cluster \
              secret; PyTorch clients cannot authenticate, run the store without a secret for \
              mixed jobs",
-            other.query_byte()
-        )),
+                other.query_byte()
+            ))
+        }
         (
             Phase::AuthProof {
                 client_nonce,
