@@ -107,6 +107,17 @@ struct ClientArgs {
 }
 
 pub(crate) fn run(args: Args) -> ExitCode {
+    if matches!(args.command, Command::Serve { .. }) {
+        // The server's warnings (refused clients, malformed requests) go to stderr;
+        // RUST_LOG overrides the level.
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .try_init();
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
