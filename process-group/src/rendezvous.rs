@@ -16,7 +16,7 @@
 //! until all `world_size` have arrived; a timeout says how many of how many did.
 //!
 //! ```no_run
-//! # async fn run() -> Result<(), tensorwire_process_group::RendezvousError> {
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! use tensorwire_process_group::{rendezvous, RendezvousOptions};
 //!
 //! // MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 RANK=0 WORLD_SIZE=2 in the environment:
