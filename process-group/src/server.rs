@@ -422,6 +422,25 @@ fn serve(
             }
             out.push(WAIT_CANCELED);
         }
+        Request::QueuePush { key, value } => shared.lock().queue_push(&key, value),
+        Request::QueuePop { key } => {
+            let (len, item) = shared.lock().queue_pop(&key);
+            out.extend_from_slice(&(len as i64).to_ne_bytes());
+            if let Some(item) = item {
+                wire::put_bytes(out, &item);
+            }
+        }
+        Request::QueueLen { key } => {
+            let len = shared.lock().queue_len(&key);
+            out.extend_from_slice(&(len as i64).to_ne_bytes());
+        }
+        Request::ListKeys => {
+            let state = shared.lock();
+            out.extend_from_slice(&(state.len() as u64).to_ne_bytes());
+            for key in state.keys() {
+                wire::put_bytes(out, key);
+            }
+        }
         Request::Validate { .. } => return Err("VALIDATE sent twice".to_owned()),
         Request::AuthHello { .. } | Request::AuthProof { .. } => {
             return Err("authentication query after validation".to_owned())

@@ -396,3 +396,73 @@ async fn mixed_group_with_pytorch_rank_zero_hosting() {
     require_torch!();
     mixed_group(0).await;
 }
+
+/// Runs one sequence of operations and prints every result; run against PyTorch's server and
+/// against ours, the outputs must be identical.
+const PY_DIFFERENTIAL: &str = r#"
+import sys, threading
+from datetime import timedelta
+import torch.distributed as dist
+
+if sys.argv[1] == "own":
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+else:
+    s = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=20))
+def show(label, f):
+    try:
+        print(label, repr(f()), flush=True)
+    except Exception as e:
+        print(label, "raised", type(e).__name__, flush=True)
+show("add", lambda: [s.add("n", 3), s.add("n", -10), s.get("n")])
+show("set-get", lambda: [s.set("k", b"\x00\xffbin"), s.get("k")])
+show("cas-missing", lambda: s.compare_set("c", "x", "y"))
+show("cas-create", lambda: s.compare_set("c", "", "y"))
+show("cas-wrong", lambda: s.compare_set("c", "z", "w"))
+show("cas-right", lambda: s.compare_set("c", "y", "w"))
+show("append", lambda: [s.append("ap", "1"), s.append("ap", "2"), s.get("ap")])
+show("multi", lambda: [s.multi_set(["m1", "m2"], ["a", "b"]), s.multi_get(["m2", "m1"])])
+show("check", lambda: [s.check(["k", "n"]), s.check(["k", "zz"]), s.check([])])
+show("delete", lambda: [s.delete_key("m1"), s.delete_key("m1")])
+show("num_keys", lambda: s.num_keys())
+show("list_keys", lambda: sorted(s.list_keys()))
+show("wait-timeout", lambda: s.wait(["never"], timedelta(milliseconds=100)))
+show("after-timeout", lambda: s.get("k"))
+show("queue", lambda: [s.queue_push("q", "a"), s.queue_push("q", "b"), s.queue_len("q"),
+                        s.queue_pop("q"), s.queue_pop("q", block=False), s.queue_len("q")])
+show("queue-empty", lambda: s.queue_pop("q", block=False))
+show("queue-counts", lambda: [s.num_keys(), s.check(["q"])])
+def later():
+    t = dist.TCPStore("127.0.0.1", s.port, is_master=False, timeout=timedelta(seconds=20))
+    t.queue_push("q2", "late")
+threading.Timer(0.2, later).start()
+show("queue-blocking", lambda: s.queue_pop("q2"))
+show("add-on-text", lambda: s.add("k", 1))
+"#;
+
+#[tokio::test]
+async fn same_results_from_pytorchs_server_and_ours() {
+    require_torch!();
+    let server = TcpStoreServer::bind("127.0.0.1:0", ServerConfig::default())
+        .await
+        .unwrap();
+    let run = |arg: String| async move {
+        let out = py()
+            .args(["-c", PY_DIFFERENTIAL, &arg])
+            .stderr(Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let theirs = run("own".to_owned()).await;
+    let ours = run(server.local_addr().port().to_string()).await;
+    eprintln!("PyTorch's server:\n{theirs}\nours:\n{ours}");
+    assert!(theirs.contains("queue-blocking b'late'"), "{theirs}");
+    let theirs: Vec<&str> = theirs.lines().collect();
+    let ours: Vec<&str> = ours.lines().collect();
+    assert_eq!(theirs.len(), 19, "{theirs:?}");
+    for (t, o) in theirs.iter().zip(&ours) {
+        assert_eq!(t, o);
+    }
+    assert_eq!(theirs.len(), ours.len());
+}

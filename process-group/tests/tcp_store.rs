@@ -513,3 +513,49 @@ async fn concurrent_clients_hammering_add_lose_nothing() {
     all.sort_unstable();
     assert_eq!(all, (1..=1600).collect::<Vec<i64>>());
 }
+
+#[tokio::test]
+async fn queues_and_list_keys_on_the_wire() {
+    let srv = server(ServerConfig::default()).await;
+    let mut s = raw(&srv).await;
+    let q = || b"/q".to_vec();
+    send(
+        &mut s,
+        Request::QueuePush {
+            key: q(),
+            value: b"a".to_vec(),
+        },
+    )
+    .await;
+    send(
+        &mut s,
+        Request::QueuePush {
+            key: q(),
+            value: b"bc".to_vec(),
+        },
+    )
+    .await;
+    send(
+        &mut s,
+        Request::Set {
+            key: b"/k".to_vec(),
+            value: b"v".to_vec(),
+        },
+    )
+    .await;
+    send(&mut s, Request::QueueLen { key: q() }).await;
+    send(&mut s, Request::QueuePop { key: q() }).await;
+    send(&mut s, Request::ListKeys).await;
+    let mut expected = Vec::new();
+    expected.extend_from_slice(&2i64.to_ne_bytes()); // QUEUE_LEN
+    expected.extend_from_slice(&2i64.to_ne_bytes()); // QUEUE_POP: length before the pop,
+    wire::put_bytes(&mut expected, b"a"); //           then the item
+    expected.extend_from_slice(&1u64.to_ne_bytes()); // LIST_KEYS: the queue is not a key
+    wire::put_bytes(&mut expected, b"/k");
+    let mut got = vec![0u8; expected.len()];
+    tokio::time::timeout(LIMIT, s.read_exact(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got, expected);
+}
