@@ -3,7 +3,9 @@
 //! Works against [`TcpStoreServer`](crate::TcpStoreServer) and against PyTorch's own server.
 //! Like PyTorch's client it prefixes every key with `/` (configurable), so a key set here as
 //! `"x"` is the key `"x"` for a Python `TCPStore` on the same server, and it runs one request at
-//! a time per connection (clone the client freely; clones share the connection).
+//! a time per connection (clone the client freely; clones share the connection). A parked
+//! `wait` or `get` therefore holds the connection until it returns, as in PyTorch: tasks that
+//! must wait concurrently should each [`connect`](TcpStoreClient::connect) their own client.
 
 use std::sync::Arc;
 use std::time::Duration;
