@@ -184,7 +184,12 @@ fn child_entry() {
 #[tokio::test]
 async fn env_rendezvous_across_os_processes() {
     let port = free_port();
-    let world = 4;
+    // 8 processes by default; TW_RDZV_WORLD=32 measures a bigger group.
+    let world: usize = std::env::var("TW_RDZV_WORLD")
+        .ok()
+        .and_then(|w| w.parse().ok())
+        .unwrap_or(8);
+    let started = std::time::Instant::now();
     let exe = std::env::current_exe().unwrap();
     let children: Vec<_> = (1..world)
         .map(|rank| {
@@ -206,7 +211,15 @@ async fn env_rendezvous_across_os_processes() {
     let keys: Vec<String> = (1..world).map(|r| format!("child/{r}")).collect();
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     g.store.wait(&keys, LIMIT).await.unwrap();
-    assert_eq!(g.store.get("ranksum").await.unwrap(), b"6");
+    let expected: usize = (1..world).sum();
+    assert_eq!(
+        g.store.get("ranksum").await.unwrap(),
+        expected.to_string().as_bytes()
+    );
+    eprintln!(
+        "env:// rendezvous of {world} processes (spawn included): {:?}",
+        started.elapsed()
+    );
     for mut c in children {
         assert!(c.wait().unwrap().success());
     }
