@@ -1,5 +1,11 @@
 //! The ports: traits that adapters implement and the runtime drives.
 //!
+//! Each trait is small and object-safe (`Box<dyn ...>`/`Arc<dyn ...>`), async through
+//! `async-trait`, and states its contract in its docs so every adapter can be checked against
+//! the same conformance suite.
+//!
+//! - [`store`]: [`Store`](store::Store): the c10d-style key-value store.
 //! - [`device`]: [`DeviceBackend`](device::DeviceBackend): copies between host and devices.
 
 pub mod device;
+pub mod store;
