@@ -28,6 +28,7 @@
 //! thread.
 
 use std::collections::HashSet;
+use std::mem::MaybeUninit;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -46,8 +47,55 @@ pub use cudarc;
 
 mod probe;
 
-/// Size in bytes of one pinned staging buffer (a transfer uses two, alternating).
+/// Default size in bytes of one pinned staging buffer (a transfer uses two, alternating).
 pub const STAGING_CHUNK: usize = 8 << 20;
+
+/// How host transfers are staged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagingOptions {
+    /// Bytes per pinned staging buffer (at least 4 KiB; default [`STAGING_CHUNK`]).
+    pub chunk: usize,
+    /// Threads that copy between pageable memory and a staging buffer (default 1). A single
+    /// thread's `memcpy` is often slower than the DMA engine; more threads split each chunk.
+    pub copy_threads: usize,
+}
+
+impl Default for StagingOptions {
+    fn default() -> Self {
+        Self {
+            chunk: STAGING_CHUNK,
+            copy_threads: 1,
+        }
+    }
+}
+
+/// Copies `src` into `dst` (same length), split over `threads` threads when it is worth it.
+fn copy_parallel(dst: &mut [MaybeUninit<u8>], src: &[u8], threads: usize) {
+    const MIN_PER_THREAD: usize = 256 << 10;
+    assert_eq!(dst.len(), src.len());
+    let copy = |d: &mut [MaybeUninit<u8>], s: &[u8]| {
+        // SAFETY: `d` and `s` have the same length and do not overlap (one is borrowed
+        // mutably, the other shared).
+        unsafe { std::ptr::copy_nonoverlapping(s.as_ptr(), d.as_mut_ptr().cast::<u8>(), s.len()) }
+    };
+    let threads = threads.min(src.len() / MIN_PER_THREAD).max(1);
+    if threads == 1 {
+        copy(dst, src);
+        return;
+    }
+    let part = src.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (d, s) in dst.chunks_mut(part).zip(src.chunks(part)) {
+            scope.spawn(move || copy(d, s));
+        }
+    });
+}
+
+/// `&mut [u8]` seen as possibly uninitialised bytes (only initialised bytes are written).
+fn as_uninit(bytes: &mut [u8]) -> &mut [MaybeUninit<u8>] {
+    // SAFETY: same layout; callers only write initialised values through it.
+    unsafe { &mut *(bytes as *mut [u8] as *mut [MaybeUninit<u8>]) }
+}
 
 /// Staging buffers kept per device for reuse (beyond these, buffers are freed after use).
 const POOLED_STAGING: usize = 8;
@@ -68,18 +116,20 @@ struct Inner {
     gpus: Vec<OnceLock<Result<Arc<Gpu>, DeviceError>>>,
     /// Ordered pairs (from, to) whose peer access has been enabled.
     peers: Mutex<HashSet<(u32, u32)>>,
+    staging: StagingOptions,
 }
 
 /// One device: its context, copy stream and staging pool.
 struct Gpu {
     ordinal: u32,
+    options: StagingOptions,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    staging: Mutex<Vec<Staging>>,
+    staging: Mutex<Vec<StagingBuffer>>,
 }
 
 /// A pinned host buffer and the event marking the end of the last copy that used it.
-struct Staging {
+struct StagingBuffer {
     host: PinnedHostSlice<u8>,
     done: CudaEvent,
 }
@@ -141,6 +191,19 @@ impl CudaDevices {
     /// Meant for tests of the no-driver path: cudarc itself always opens the driver by its own
     /// list of names, so pass names that are either absent or the real driver.
     pub fn with_driver_names(names: &[&str]) -> Self {
+        Self::with_config(names, StagingOptions::default())
+    }
+
+    /// Like [`new`](Self::new) with other staging options.
+    pub fn with_staging(staging: StagingOptions) -> Self {
+        Self::with_config(probe::DEFAULT_NAMES, staging)
+    }
+
+    fn with_config(names: &[&str], staging: StagingOptions) -> Self {
+        let staging = StagingOptions {
+            chunk: staging.chunk.max(4096),
+            copy_threads: staging.copy_threads.max(1),
+        };
         let driver = probe::probe(names);
         match &driver {
             Ok(d) => tracing::info!(
@@ -157,8 +220,14 @@ impl CudaDevices {
                 driver,
                 gpus: (0..count).map(|_| OnceLock::new()).collect(),
                 peers: Mutex::new(HashSet::new()),
+                staging,
             }),
         }
+    }
+
+    /// The staging options in use.
+    pub fn staging(&self) -> StagingOptions {
+        self.inner.staging
     }
 
     /// The CUDA version the driver supports, as `(major, minor)`, when a driver was found.
@@ -315,6 +384,7 @@ impl Inner {
                     let stream = ctx.new_stream()?;
                     Ok(Arc::new(Gpu {
                         ordinal,
+                        options: self.staging,
                         ctx,
                         stream,
                         staging: Mutex::new(Vec::new()),
@@ -365,7 +435,7 @@ impl Inner {
 
 impl Gpu {
     /// Two staging buffers from the pool (allocated when the pool is short).
-    fn take_staging(&self) -> Result<[Staging; 2], DriverError> {
+    fn take_staging(&self) -> Result<[StagingBuffer; 2], DriverError> {
         let mut taken = {
             let mut pool = self.staging.lock().unwrap_or_else(|e| e.into_inner());
             let keep = pool.len().saturating_sub(2);
@@ -374,11 +444,13 @@ impl Gpu {
         while taken.len() < 2 {
             // SAFETY: the memory is uninitialised; it is only read after a copy fills it.
             let host = unsafe {
-                self.ctx
-                    .alloc_pinned_with_flags::<u8>(STAGING_CHUNK, sys::CU_MEMHOSTALLOC_PORTABLE)
+                self.ctx.alloc_pinned_with_flags::<u8>(
+                    self.options.chunk,
+                    sys::CU_MEMHOSTALLOC_PORTABLE,
+                )
             }?;
             let done = self.ctx.new_event(None)?;
-            taken.push(Staging { host, done });
+            taken.push(StagingBuffer { host, done });
         }
         let b = taken.pop().expect("two buffers");
         let a = taken.pop().expect("two buffers");
@@ -386,7 +458,7 @@ impl Gpu {
     }
 
     /// Returns staging buffers whose copies have completed to the pool.
-    fn return_staging(&self, buffers: [Staging; 2]) {
+    fn return_staging(&self, buffers: [StagingBuffer; 2]) {
         let mut pool = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         for b in buffers {
             if pool.len() < POOLED_STAGING {
@@ -414,13 +486,14 @@ impl Gpu {
         let mut staging = self.take_staging()?;
         let copied = (|| {
             let (dptr, _record) = dst.device_ptr_mut(stream);
-            for (i, chunk) in data.chunks(STAGING_CHUNK).enumerate() {
+            let size = self.options.chunk;
+            for (i, chunk) in data.chunks(size).enumerate() {
                 let s = &mut staging[i % 2];
                 // The previous copy out of this buffer must be done before it is refilled.
                 s.done.synchronize()?;
                 let host = &mut s.host.as_mut_slice()?[..chunk.len()];
-                host.copy_from_slice(chunk);
-                let at = dptr + (i * STAGING_CHUNK) as sys::CUdeviceptr;
+                copy_parallel(as_uninit(host), chunk, self.options.copy_threads);
+                let at = dptr + (i * size) as sys::CUdeviceptr;
                 // SAFETY: `at..at+len` lies inside `dst`; `host` is pinned and stays alive
                 // (and unmodified) until `done` fires, which is waited for before reuse or
                 // before the buffer is returned or dropped.
@@ -442,12 +515,13 @@ impl Gpu {
         self.ctx.bind_to_thread()?;
         let stream = &self.stream;
         let mut staging = self.take_staging()?;
-        let chunks = len.div_ceil(STAGING_CHUNK);
+        let size = self.options.chunk;
+        let chunks = len.div_ceil(size);
         let copied = (|| {
             let (sptr, _record) = src.device_ptr(stream);
-            let issue = |i: usize, s: &mut Staging| -> Result<(), DriverError> {
-                let at = i * STAGING_CHUNK;
-                let n = STAGING_CHUNK.min(len - at);
+            let issue = |i: usize, s: &mut StagingBuffer| -> Result<(), DriverError> {
+                let at = i * size;
+                let n = size.min(len - at);
                 let host = &mut s.host.as_mut_slice()?[..n];
                 // SAFETY: `sptr+at..+n` lies inside `src`; `host` is pinned and not read until
                 // `done` fires.
@@ -468,8 +542,16 @@ impl Gpu {
                 }
                 let s = &mut staging[i % 2];
                 s.done.synchronize()?;
-                let n = STAGING_CHUNK.min(len - i * STAGING_CHUNK);
-                out.extend_from_slice(&s.host.as_slice()?[..n]);
+                let n = size.min(len - i * size);
+                let at = out.len();
+                let host = &s.host.as_slice()?[..n];
+                copy_parallel(
+                    &mut out.spare_capacity_mut()[..n],
+                    host,
+                    self.options.copy_threads,
+                );
+                // SAFETY: the `n` bytes after `at` were just written.
+                unsafe { out.set_len(at + n) };
             }
             Ok(())
         })();

@@ -4,3 +4,6 @@
 //! adapters picked by Cargo features.
 
 pub use tensorwire_core as core;
+/// The CUDA device backend (feature `cuda`).
+#[cfg(feature = "cuda")]
+pub use tensorwire_devices_cuda as devices_cuda;

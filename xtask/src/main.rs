@@ -1,7 +1,11 @@
 //! Developer tasks for tensorwire: `cargo xtask <task>`.
 //!
 //! - `ci`: what CI runs: format check, clippy with `-D warnings`, every test (nextest when
-//!   installed, else `cargo test`), doc tests, and the docs build with warnings denied.
+//!   installed, else `cargo test`), doc tests, and the docs build with warnings denied. The
+//!   `cuda` feature of `tensorwire` is built, linted and tested too (it needs no GPU).
+//! - `gpu [--out DIR]`: builds the self-contained GPU check binary `tw-gpu-check` (release) and
+//!   copies it to `DIR` (default `.gpu/` at the workspace root), then prints how to run it on a
+//!   machine with an NVIDIA GPU.
 
 use std::process::Command;
 
@@ -11,8 +15,9 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
-        Some(other) => bail!("unknown task {other:?}; tasks: ci"),
-        None => bail!("usage: cargo xtask <task>; tasks: ci"),
+        Some("gpu") => gpu(&args[1..]),
+        Some(other) => bail!("unknown task {other:?}; tasks: ci, gpu"),
+        None => bail!("usage: cargo xtask <task>; tasks: ci, gpu"),
     }
 }
 
@@ -78,6 +83,82 @@ fn ci() -> Result<()> {
         &["doc", "--workspace", "--no-deps"],
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
+    // The CUDA backend behind the `cuda` feature: builds and passes its tests without a GPU
+    // (the GPU tests print `SKIPPED: ...` with the reason; `cargo test` shows those lines).
+    run(
+        "cargo",
+        &[
+            "clippy",
+            "-p",
+            "tensorwire",
+            "--features",
+            "cuda",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &[],
+    )?;
+    run(
+        "cargo",
+        &["test", "-p", "tensorwire", "--features", "cuda"],
+        &[],
+    )?;
+    run("cargo", &["test", "-p", "tensorwire-devices-cuda"], &[])?;
     eprintln!("xtask: ci passed");
+    Ok(())
+}
+
+/// Builds `tw-gpu-check` in release mode and copies it where a GPU machine can pick it up.
+fn gpu(args: &[String]) -> Result<()> {
+    let root = workspace_root();
+    let out = match args {
+        [] => root.join(".gpu"),
+        [flag, dir] if flag == "--out" => std::path::PathBuf::from(dir),
+        _ => bail!("usage: cargo xtask gpu [--out DIR]"),
+    };
+    run(
+        "cargo",
+        &[
+            "build",
+            "--release",
+            "-p",
+            "tensorwire-devices-cuda",
+            "--bin",
+            "tw-gpu-check",
+        ],
+        &[],
+    )?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    let built = target.join("release").join("tw-gpu-check");
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let dest = out.join("tw-gpu-check");
+    std::fs::copy(&built, &dest)
+        .with_context(|| format!("cannot copy {} to {}", built.display(), dest.display()))?;
+    let glibc = Command::new("ldd")
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.lines().next().map(str::to_owned))
+        .unwrap_or_else(|| "unknown".into());
+    eprintln!(
+        "xtask: built {}\n\
+         \n\
+         Run it on a machine with an NVIDIA GPU and driver (CUDA 12.0 or newer, driver 525+); no\n\
+         CUDA toolkit is needed, the driver library libcuda.so.1 is loaded at run time:\n\
+         \n\
+         \x20   scp {} gpu-host: && ssh gpu-host ./tw-gpu-check\n\
+         \n\
+         It needs a glibc at least as new as this build machine's ({glibc}). Options:\n\
+         --no-bench (skip the throughput measurements), --bench-mib N (default 256).\n\
+         It prints PASS/FAIL per check and a SUMMARY line; exit status 0 = all passed,\n\
+         1 = a check failed, 2 = no usable CUDA device (the reason is printed).",
+        dest.display(),
+        dest.display()
+    );
     Ok(())
 }
