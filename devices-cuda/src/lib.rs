@@ -45,7 +45,11 @@ use tensorwire_core::tensor::DeviceBuffer;
 
 pub use cudarc;
 
+mod pinned;
 mod probe;
+
+use pinned::HostPool;
+use rayon::prelude::*;
 
 /// Default size in bytes of one pinned staging buffer (a transfer uses two, alternating).
 pub const STAGING_CHUNK: usize = 8 << 20;
@@ -58,13 +62,22 @@ pub struct StagingOptions {
     /// Threads that copy between pageable memory and a staging buffer (default 1). A single
     /// thread's `memcpy` is often slower than the DMA engine; more threads split each chunk.
     pub copy_threads: usize,
+    /// Idle pinned bytes kept for the outputs of device-to-host copies (default 1 GiB). Copies
+    /// of [`PINNED_OUTPUT_MIN`] bytes or more land directly in pooled pinned memory returned as
+    /// `Bytes`; dropping those `Bytes` returns the memory to the pool. 0 turns this off: such
+    /// copies are staged into ordinary heap memory.
+    pub pinned_pool: usize,
 }
+
+/// Device-to-host copies at least this large land directly in pooled pinned memory.
+pub const PINNED_OUTPUT_MIN: usize = 1 << 20;
 
 impl Default for StagingOptions {
     fn default() -> Self {
         Self {
             chunk: STAGING_CHUNK,
             copy_threads: 1,
+            pinned_pool: 1 << 30,
         }
     }
 }
@@ -84,11 +97,9 @@ fn copy_parallel(dst: &mut [MaybeUninit<u8>], src: &[u8], threads: usize) {
         return;
     }
     let part = src.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        for (d, s) in dst.chunks_mut(part).zip(src.chunks(part)) {
-            scope.spawn(move || copy(d, s));
-        }
-    });
+    dst.par_chunks_mut(part)
+        .zip(src.par_chunks(part))
+        .for_each(|(d, s)| copy(d, s));
 }
 
 /// `&mut [u8]` seen as possibly uninitialised bytes (only initialised bytes are written).
@@ -117,12 +128,14 @@ struct Inner {
     /// Ordered pairs (from, to) whose peer access has been enabled.
     peers: Mutex<HashSet<(u32, u32)>>,
     staging: StagingOptions,
+    host: Arc<HostPool>,
 }
 
 /// One device: its context, copy stream and staging pool.
 struct Gpu {
     ordinal: u32,
     options: StagingOptions,
+    host: Arc<HostPool>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     staging: Mutex<Vec<StagingBuffer>>,
@@ -203,6 +216,7 @@ impl CudaDevices {
         let staging = StagingOptions {
             chunk: staging.chunk.max(4096),
             copy_threads: staging.copy_threads.max(1),
+            ..staging
         };
         let driver = probe::probe(names);
         match &driver {
@@ -221,6 +235,7 @@ impl CudaDevices {
                 gpus: (0..count).map(|_| OnceLock::new()).collect(),
                 peers: Mutex::new(HashSet::new()),
                 staging,
+                host: HostPool::new(staging.pinned_pool),
             }),
         }
     }
@@ -385,6 +400,7 @@ impl Inner {
                     Ok(Arc::new(Gpu {
                         ordinal,
                         options: self.staging,
+                        host: self.host.clone(),
                         ctx,
                         stream,
                         staging: Mutex::new(Vec::new()),
@@ -483,6 +499,18 @@ impl Gpu {
         let stream = &self.stream;
         // SAFETY: every byte is written by the copies below before anyone reads it.
         let mut dst = unsafe { stream.alloc::<u8>(data.len()) }?;
+        if self.host.contains(data) {
+            // Already pinned (it came off a device through the pool): one DMA, no staging.
+            let copied = {
+                let (dptr, _record) = dst.device_ptr_mut(stream);
+                // SAFETY: `dst` holds `data.len()` bytes; `data` is pinned and outlives the
+                // copy, which `finish` waits for.
+                unsafe { result::memcpy_htod_async(dptr, data, stream.cu_stream()) }
+            };
+            let finished = self.finish();
+            copied.and(finished)?;
+            return Ok(Some(dst));
+        }
         let mut staging = self.take_staging()?;
         let copied = (|| {
             let (dptr, _record) = dst.device_ptr_mut(stream);
@@ -508,8 +536,35 @@ impl Gpu {
         Ok(Some(dst))
     }
 
-    /// Copies a device allocation into host memory through the staging buffers.
-    fn download(&self, src: &CudaSlice<u8>) -> Result<Vec<u8>, DriverError> {
+    /// Copies a device allocation into host memory: directly into pooled pinned memory when it
+    /// is large enough and the pool is on, else through the staging buffers.
+    fn download(&self, src: &CudaSlice<u8>) -> Result<Bytes, DriverError> {
+        let len = src.len();
+        if len < PINNED_OUTPUT_MIN || self.options.pinned_pool == 0 {
+            return self.download_staged(src).map(Bytes::from);
+        }
+        self.ctx.bind_to_thread()?;
+        let stream = &self.stream;
+        let mut buf = self.host.take(&self.ctx, len)?;
+        let copied = (|| {
+            let host = &mut buf.as_mut_slice()?[..len];
+            let (sptr, _record) = src.device_ptr(stream);
+            // SAFETY: `host` is pinned, `len` bytes long like `src`, and not read until
+            // `finish` has waited for the copy.
+            unsafe { result::memcpy_dtoh_async(host, sptr, stream.cu_stream()) }
+        })();
+        let finished = self.finish();
+        match copied.and(finished) {
+            Ok(()) => self.host.into_bytes(buf, len),
+            Err(e) => {
+                self.host.discard(buf);
+                Err(e)
+            }
+        }
+    }
+
+    /// Copies a device allocation into heap memory through the staging buffers.
+    fn download_staged(&self, src: &CudaSlice<u8>) -> Result<Vec<u8>, DriverError> {
         let len = src.len();
         let mut out = Vec::with_capacity(len);
         self.ctx.bind_to_thread()?;
@@ -597,10 +652,8 @@ impl DeviceBackend for CudaDevices {
         self.blocking(device, "device-to-host copy", move |inner| {
             let gpu = inner.gpu(device)?;
             let src = inner.ours(&buffer)?.slice.as_ref().expect("checked above");
-            let out = gpu
-                .download(src)
-                .map_err(|e| driver_error(device, "device-to-host copy", e))?;
-            Ok(Bytes::from(out))
+            gpu.download(src)
+                .map_err(|e| driver_error(device, "device-to-host copy", e))
         })
         .await
     }
@@ -644,5 +697,47 @@ impl DeviceBackend for CudaDevices {
             Ok(inner.buffer(to, slice))
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parallel_copies_copy_every_byte() {
+        let src: Vec<u8> = (0..(3 << 20) + 7)
+            .map(|i| (i * 7 + i / 251) as u8)
+            .collect();
+        for threads in [1, 2, 3, 8, 64] {
+            let mut dst = vec![0u8; src.len()];
+            copy_parallel(as_uninit(&mut dst), &src, threads);
+            assert!(dst == src, "{threads} threads");
+        }
+        let mut out: Vec<u8> = Vec::with_capacity(10);
+        copy_parallel(&mut out.spare_capacity_mut()[..10], &src[..10], 4);
+        // SAFETY: the 10 bytes were just written.
+        unsafe { out.set_len(10) };
+        assert_eq!(out, src[..10]);
+    }
+
+    #[test]
+    fn staging_options_are_clamped() {
+        let cuda = CudaDevices::with_config(
+            &["libtensorwire-no-such-driver.so"],
+            StagingOptions {
+                chunk: 1,
+                copy_threads: 0,
+                pinned_pool: 5,
+            },
+        );
+        assert_eq!(
+            cuda.staging(),
+            StagingOptions {
+                chunk: 4096,
+                copy_threads: 1,
+                pinned_pool: 5
+            }
+        );
     }
 }

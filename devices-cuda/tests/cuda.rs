@@ -190,6 +190,16 @@ async fn gpu_round_trips_keep_bytes() {
         let same = within(cuda.between(&buf, Device::Cuda(0))).await.unwrap();
         let back = within(cuda.to_host(&same)).await.unwrap();
         assert!(back == data, "round trip of {len} bytes changed them");
+        // Bytes that came off the device (pinned when large) go back up and down again.
+        let again = within(cuda.to_device(back.clone(), Device::Cuda(0)))
+            .await
+            .unwrap();
+        drop(back);
+        let back = within(cuda.to_host(&again)).await.unwrap();
+        assert!(
+            back == data,
+            "second round trip of {len} bytes changed them"
+        );
     }
 }
 

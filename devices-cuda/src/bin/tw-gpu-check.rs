@@ -180,6 +180,20 @@ async fn round_trip(cuda: &CudaDevices, data: &Bytes, d: Device) -> Result<Strin
     if back != *data {
         return Err(first_difference(data, &back));
     }
+    // The returned bytes (pooled pinned memory when large) go back up without staging.
+    let again = within("to_device", cuda.to_device(back.clone(), d))
+        .await?
+        .map_err(|e| e.to_string())?;
+    drop(back);
+    let back = within("to_host", cuda.to_host(&again))
+        .await?
+        .map_err(|e| e.to_string())?;
+    if back != *data {
+        return Err(format!(
+            "second round trip: {}",
+            first_difference(data, &back)
+        ));
+    }
     Ok(String::new())
 }
 
@@ -291,9 +305,15 @@ async fn device_maps(cuda: &CudaDevices, report: &mut Report) {
         "ps",
         [(Device::Cpu, beyond)].into_iter().collect::<DeviceMap>(),
     );
+    // (ps declares no device list here: with one, PyTorch's earlier "unexpected target
+    // devices" rule fires first.)
+    let ps_any = WorkerDeviceInfo {
+        devices: vec![],
+        ..ps.clone()
+    };
     report.record(
         &format!("device map naming {beyond} is refused"),
-        match validate_device_maps(&[bad, ps.clone()], GroupKind::Static) {
+        match validate_device_maps(&[bad, ps_any], GroupKind::Static) {
             Err(e) if e.kind() == DeviceMapErrorKind::InvalidTargetDeviceIndices => {
                 Ok(e.to_string().replace('\n', "; "))
             }
@@ -409,12 +429,18 @@ fn raw_baseline(ctx: &std::sync::Arc<CudaContext>, data: &[u8]) -> Result<(f64, 
     Ok((gbs(median(up)), gbs(median(down)), gbs(median(pageable_up))))
 }
 
-/// Backend copies with `staging`. Returns (htod, dtoh) GB/s.
-async fn backend_throughput(staging: StagingOptions, data: &Bytes) -> Result<(f64, f64), String> {
+/// Backend copies with `staging`. Returns GB/s of (htod from pageable, dtoh, htod from the
+/// `Bytes` a dtoh returned, first htod, first dtoh).
+async fn backend_throughput(
+    staging: StagingOptions,
+    data: &Bytes,
+) -> Result<(f64, f64, f64, f64, f64), String> {
     let cuda = CudaDevices::with_staging(staging);
     let d = Device::Cuda(0);
     let mut up = Vec::new();
     let mut down = Vec::new();
+    let mut again = Vec::new();
+    let mut cold = (0.0, 0.0);
     for i in 0..=ITERS {
         let t = Instant::now();
         let buf = within("to_device", cuda.to_device(data.clone(), d))
@@ -429,13 +455,29 @@ async fn backend_throughput(staging: StagingOptions, data: &Bytes) -> Result<(f6
         if i == 0 && back != *data {
             return Err(first_difference(data, &back));
         }
+        drop(buf);
+        let t = Instant::now();
+        let buf2 = within("to_device", cuda.to_device(back.clone(), d))
+            .await?
+            .map_err(|e| e.to_string())?;
+        let s3 = t.elapsed().as_secs_f64();
+        drop(buf2);
         if i > 0 {
             up.push(s);
             down.push(s2);
+            again.push(s3);
+        } else {
+            cold = (s, s2);
         }
     }
     let gbs = |s: f64| data.len() as f64 / s / 1e9;
-    Ok((gbs(median(up)), gbs(median(down))))
+    Ok((
+        gbs(median(up)),
+        gbs(median(down)),
+        gbs(median(again)),
+        gbs(cold.0),
+        gbs(cold.1),
+    ))
 }
 
 async fn throughput(cuda: &CudaDevices, len: usize, report: &mut Report) {
@@ -462,41 +504,56 @@ async fn throughput(cuda: &CudaDevices, len: usize, report: &mut Report) {
     println!(
         "  raw cudarc, pinned:   htod {raw_up:6.2} GB/s   dtoh {raw_down:6.2} GB/s   (pageable htod {raw_pageable:.2} GB/s)"
     );
-    let threads = std::thread::available_parallelism().map_or(4, |n| n.get().min(8));
+    let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
     let configs = [
         StagingOptions::default(),
         StagingOptions {
-            chunk: 2 * MIB,
-            copy_threads: 1,
-        },
-        StagingOptions {
-            chunk: 32 * MIB,
-            copy_threads: 1,
-        },
-        StagingOptions {
             chunk: 8 * MIB,
             copy_threads: 4,
+            ..Default::default()
+        },
+        StagingOptions {
+            chunk: 16 * MIB,
+            copy_threads: 8,
+            ..Default::default()
         },
         StagingOptions {
             chunk: 32 * MIB,
-            copy_threads: threads,
+            copy_threads: 8,
+            ..Default::default()
+        },
+        StagingOptions {
+            chunk: 64 * MIB,
+            copy_threads: cores.min(16),
+            ..Default::default()
+        },
+        StagingOptions {
+            chunk: 32 * MIB,
+            copy_threads: 8,
+            pinned_pool: 0,
         },
     ];
     let mut table = String::new();
     for (k, staging) in configs.into_iter().enumerate() {
         let label = format!(
-            "staging {} × {} thread(s){}",
+            "staging {} × {} thread(s){}{}",
             human(staging.chunk),
             staging.copy_threads,
+            if staging.pinned_pool == 0 {
+                ", no pinned outputs"
+            } else {
+                ""
+            },
             if k == 0 { " [default]" } else { "" }
         );
         match backend_throughput(staging, &data).await {
-            Ok((up, down)) => {
+            Ok((up, down, again, cold_up, cold_down)) => {
                 let _ = writeln!(
                     table,
-                    "  backend, {label:<32} htod {up:6.2} GB/s ({:.2}× raw)   dtoh {down:6.2} GB/s ({:.2}× raw)",
+                    "  backend, {label:<50} htod {up:6.2} GB/s ({:.2}× raw)   dtoh {down:6.2} GB/s ({:.2}× raw)   htod of a dtoh result {again:6.2} GB/s ({:.2}× raw)   first call: htod {cold_up:.2}, dtoh {cold_down:.2} GB/s",
                     up / raw_up,
-                    down / raw_down
+                    down / raw_down,
+                    again / raw_up,
                 );
                 report.record(
                     &format!("throughput {label}"),
