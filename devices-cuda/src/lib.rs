@@ -52,15 +52,19 @@ use pinned::HostPool;
 use rayon::prelude::*;
 
 /// Default size in bytes of one pinned staging buffer (a transfer uses two, alternating).
-pub const STAGING_CHUNK: usize = 8 << 20;
+///
+/// Measured on an H100 (PCIe, 16 cores) moving 256 MiB from pageable memory: 8 MiB × 1 thread
+/// reached 0.15× the raw pinned-copy rate, 32 MiB × 8 threads 0.54×, 64 MiB × 16 threads 0.59×.
+pub const STAGING_CHUNK: usize = 32 << 20;
 
 /// How host transfers are staged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StagingOptions {
     /// Bytes per pinned staging buffer (at least 4 KiB; default [`STAGING_CHUNK`]).
     pub chunk: usize,
-    /// Threads that copy between pageable memory and a staging buffer (default 1). A single
-    /// thread's `memcpy` is often slower than the DMA engine; more threads split each chunk.
+    /// Threads that copy between pageable memory and a staging buffer (default: the number of
+    /// cores, at most 8). A single thread's `memcpy` is much slower than the DMA engine (8 vs
+    /// 55 GB/s on an H100 machine); more threads split each chunk (on rayon's pool).
     pub copy_threads: usize,
     /// Idle pinned bytes kept for the outputs of device-to-host copies (default 1 GiB). Copies
     /// of [`PINNED_OUTPUT_MIN`] bytes or more land directly in pooled pinned memory returned as
@@ -76,7 +80,7 @@ impl Default for StagingOptions {
     fn default() -> Self {
         Self {
             chunk: STAGING_CHUNK,
-            copy_threads: 1,
+            copy_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
             pinned_pool: 1 << 30,
         }
     }
@@ -109,7 +113,7 @@ fn as_uninit(bytes: &mut [u8]) -> &mut [MaybeUninit<u8>] {
 }
 
 /// Staging buffers kept per device for reuse (beyond these, buffers are freed after use).
-const POOLED_STAGING: usize = 8;
+const POOLED_STAGING: usize = 4;
 
 static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
 

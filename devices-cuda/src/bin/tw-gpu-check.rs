@@ -518,8 +518,8 @@ async fn throughput(cuda: &CudaDevices, len: usize, report: &mut Report) {
             ..Default::default()
         },
         StagingOptions {
-            chunk: 32 * MIB,
-            copy_threads: 8,
+            chunk: 8 * MIB,
+            copy_threads: 1,
             ..Default::default()
         },
         StagingOptions {
@@ -528,9 +528,8 @@ async fn throughput(cuda: &CudaDevices, len: usize, report: &mut Report) {
             ..Default::default()
         },
         StagingOptions {
-            chunk: 32 * MIB,
-            copy_threads: 8,
             pinned_pool: 0,
+            ..Default::default()
         },
     ];
     let mut table = String::new();
