@@ -45,6 +45,8 @@ use tensorwire_core::tensor::DeviceBuffer;
 
 pub use cudarc;
 
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod pinned;
 mod probe;
 

@@ -284,3 +284,41 @@ async fn gpu_peer_copies_between_devices() {
     let back = within(cuda.between(&on1, Device::Cuda(0))).await.unwrap();
     assert!(within(cuda.to_host(&back)).await.unwrap() == data);
 }
+
+/// Without NCCL (this project's CI) every entry point reports why, before any collective.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_unavailable_is_a_clear_error() {
+    use tensorwire_devices_cuda::nccl::{nccl_available, NcclComm, NcclError, NcclId};
+    match nccl_available() {
+        Ok(v) => skip(format_args!(
+            "nccl_unavailable_is_a_clear_error: NCCL {v} is installed here"
+        )),
+        Err(why) => {
+            println!("no NCCL here: {why}");
+            assert!(why.to_string().contains("NCCL"), "{why}");
+            assert!(matches!(NcclId::new(), Err(NcclError::Unavailable(_))));
+            let cuda = CudaDevices::new();
+            let id = NcclId::from_bytes([0; 128]);
+            let e = NcclComm::new(&cuda, Device::Cuda(0), 0, 1, &id).unwrap_err();
+            assert!(matches!(e, NcclError::Unavailable(_)), "{e:?}");
+            assert!(e.to_string().starts_with("NCCL is unavailable: "), "{e}");
+        }
+    }
+}
+
+#[cfg(feature = "nccl")]
+#[tokio::test]
+async fn gpu_nccl_one_rank_all_reduce() {
+    let Some(cuda) = gpu_or_skip("gpu_nccl_one_rank_all_reduce") else {
+        return;
+    };
+    if let Err(why) = tensorwire_devices_cuda::nccl::nccl_available() {
+        skip(format_args!("gpu_nccl_one_rank_all_reduce: {why}"));
+        return;
+    }
+    let line = tensorwire_devices_cuda::nccl::self_check(&cuda)
+        .await
+        .unwrap();
+    assert!(line.contains("equal to the input"), "{line}");
+}

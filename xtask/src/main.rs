@@ -3,9 +3,9 @@
 //! - `ci`: what CI runs: format check, clippy with `-D warnings`, every test (nextest when
 //!   installed, else `cargo test`), doc tests, and the docs build with warnings denied. The
 //!   `cuda` feature of `tensorwire` is built, linted and tested too (it needs no GPU).
-//! - `gpu [--out DIR]`: builds the self-contained GPU check binary `tw-gpu-check` (release) and
-//!   copies it to `DIR` (default `.gpu/` at the workspace root), then prints how to run it on a
-//!   machine with an NVIDIA GPU.
+//! - `gpu [--nccl] [--out DIR]`: builds the self-contained GPU check binary `tw-gpu-check`
+//!   (release; with `--nccl` also the 1-rank NCCL check) and copies it to `DIR` (default `.gpu/`
+//!   at the workspace root), then prints how to run it on a machine with an NVIDIA GPU.
 
 use std::process::Command;
 
@@ -106,6 +106,33 @@ fn ci() -> Result<()> {
         &[],
     )?;
     run("cargo", &["test", "-p", "tensorwire-devices-cuda"], &[])?;
+    // The standalone NCCL wrapper (feature `nccl`): without NCCL it must report why.
+    run(
+        "cargo",
+        &[
+            "clippy",
+            "-p",
+            "tensorwire-devices-cuda",
+            "--features",
+            "nccl",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &[],
+    )?;
+    run(
+        "cargo",
+        &[
+            "test",
+            "-p",
+            "tensorwire-devices-cuda",
+            "--features",
+            "nccl",
+        ],
+        &[],
+    )?;
     eprintln!("xtask: ci passed");
     Ok(())
 }
@@ -113,23 +140,31 @@ fn ci() -> Result<()> {
 /// Builds `tw-gpu-check` in release mode and copies it where a GPU machine can pick it up.
 fn gpu(args: &[String]) -> Result<()> {
     let root = workspace_root();
-    let out = match args {
-        [] => root.join(".gpu"),
-        [flag, dir] if flag == "--out" => std::path::PathBuf::from(dir),
-        _ => bail!("usage: cargo xtask gpu [--out DIR]"),
-    };
-    run(
-        "cargo",
-        &[
-            "build",
-            "--release",
-            "-p",
-            "tensorwire-devices-cuda",
-            "--bin",
-            "tw-gpu-check",
-        ],
-        &[],
-    )?;
+    let mut out = root.join(".gpu");
+    let mut nccl = false;
+    let mut rest = args.iter();
+    while let Some(arg) = rest.next() {
+        match arg.as_str() {
+            "--out" => match rest.next() {
+                Some(dir) => out = std::path::PathBuf::from(dir),
+                None => bail!("--out needs a folder"),
+            },
+            "--nccl" => nccl = true,
+            _ => bail!("usage: cargo xtask gpu [--nccl] [--out DIR]"),
+        }
+    }
+    let mut build = vec![
+        "build",
+        "--release",
+        "-p",
+        "tensorwire-devices-cuda",
+        "--bin",
+        "tw-gpu-check",
+    ];
+    if nccl {
+        build.extend(["--features", "nccl"]);
+    }
+    run("cargo", &build, &[])?;
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| root.join("target"));
@@ -155,6 +190,9 @@ fn gpu(args: &[String]) -> Result<()> {
          \n\
          It needs a glibc at least as new as this build machine's ({glibc}). Options:\n\
          --no-bench (skip the throughput measurements), --bench-mib N (default 256).\n\
+         Built with --nccl, it also runs a 1-rank NCCL all_reduce; cudarc opens NCCL as\n\
+         libnccl.so, so with the nvidia-nccl-cu12/cu13 wheel put a libnccl.so symlink to its\n\
+         lib/libnccl.so.2 in a folder on LD_LIBRARY_PATH.\n\
          It prints PASS/FAIL per check and a SUMMARY line; exit status 0 = all passed,\n\
          1 = a check failed, 2 = no usable CUDA device (the reason is printed).",
         dest.display(),

@@ -144,6 +144,13 @@ async fn run() -> ExitCode {
     } else {
         println!("(throughput skipped: --no-bench)");
     }
+    #[cfg(feature = "nccl")]
+    report.record(
+        "nccl 1-rank all_reduce",
+        tensorwire_devices_cuda::nccl::self_check(&cuda).await,
+    );
+    #[cfg(not(feature = "nccl"))]
+    println!("(NCCL check not built: build with --features nccl, or `cargo xtask gpu --nccl`)");
 
     println!(
         "SUMMARY: {} — {} passed, {} failed{}",
