@@ -5,5 +5,8 @@
 
 pub use tensorwire_core as core;
 
+/// The CUDA device backend (feature `cuda`).
+#[cfg(feature = "cuda")]
+pub use tensorwire_devices_cuda as devices_cuda;
 /// Stores (c10d `TCPStore`-compatible TCP, file, in-memory) and rendezvous.
 pub use tensorwire_process_group as process_group;

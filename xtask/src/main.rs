@@ -1,7 +1,11 @@
 //! Developer tasks for tensorwire: `cargo xtask <task>`.
 //!
 //! - `ci`: what CI runs: format check, clippy with `-D warnings`, every test (nextest when
-//!   installed, else `cargo test`), doc tests, and the docs build with warnings denied.
+//!   installed, else `cargo test`), doc tests, and the docs build with warnings denied. The
+//!   `cuda` feature of `tensorwire` is built, linted and tested too (it needs no GPU).
+//! - `gpu [--nccl] [--out DIR]`: builds the self-contained GPU check binary `tw-gpu-check`
+//!   (release; with `--nccl` also the 1-rank NCCL check) and copies it to `DIR` (default `.gpu/`
+//!   at the workspace root), then prints how to run it on a machine with an NVIDIA GPU.
 
 use std::process::Command;
 
@@ -11,8 +15,9 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
-        Some(other) => bail!("unknown task {other:?}; tasks: ci"),
-        None => bail!("usage: cargo xtask <task>; tasks: ci"),
+        Some("gpu") => gpu(&args[1..]),
+        Some(other) => bail!("unknown task {other:?}; tasks: ci, gpu"),
+        None => bail!("usage: cargo xtask <task>; tasks: ci, gpu"),
     }
 }
 
@@ -78,6 +83,120 @@ fn ci() -> Result<()> {
         &["doc", "--workspace", "--no-deps"],
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
+    // The CUDA backend behind the `cuda` feature: builds and passes its tests without a GPU
+    // (the GPU tests print `SKIPPED: ...` with the reason; `cargo test` shows those lines).
+    run(
+        "cargo",
+        &[
+            "clippy",
+            "-p",
+            "tensorwire",
+            "--features",
+            "cuda",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &[],
+    )?;
+    run(
+        "cargo",
+        &["test", "-p", "tensorwire", "--features", "cuda"],
+        &[],
+    )?;
+    run("cargo", &["test", "-p", "tensorwire-devices-cuda"], &[])?;
+    // The standalone NCCL wrapper (feature `nccl`): without NCCL it must report why.
+    run(
+        "cargo",
+        &[
+            "clippy",
+            "-p",
+            "tensorwire-devices-cuda",
+            "--features",
+            "nccl",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &[],
+    )?;
+    run(
+        "cargo",
+        &[
+            "test",
+            "-p",
+            "tensorwire-devices-cuda",
+            "--features",
+            "nccl",
+        ],
+        &[],
+    )?;
     eprintln!("xtask: ci passed");
+    Ok(())
+}
+
+/// Builds `tw-gpu-check` in release mode and copies it where a GPU machine can pick it up.
+fn gpu(args: &[String]) -> Result<()> {
+    let root = workspace_root();
+    let mut out = root.join(".gpu");
+    let mut nccl = false;
+    let mut rest = args.iter();
+    while let Some(arg) = rest.next() {
+        match arg.as_str() {
+            "--out" => match rest.next() {
+                Some(dir) => out = std::path::PathBuf::from(dir),
+                None => bail!("--out needs a folder"),
+            },
+            "--nccl" => nccl = true,
+            _ => bail!("usage: cargo xtask gpu [--nccl] [--out DIR]"),
+        }
+    }
+    let mut build = vec![
+        "build",
+        "--release",
+        "-p",
+        "tensorwire-devices-cuda",
+        "--bin",
+        "tw-gpu-check",
+    ];
+    if nccl {
+        build.extend(["--features", "nccl"]);
+    }
+    run("cargo", &build, &[])?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    let built = target.join("release").join("tw-gpu-check");
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let dest = out.join("tw-gpu-check");
+    std::fs::copy(&built, &dest)
+        .with_context(|| format!("cannot copy {} to {}", built.display(), dest.display()))?;
+    let glibc = Command::new("ldd")
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.lines().next().map(str::to_owned))
+        .unwrap_or_else(|| "unknown".into());
+    eprintln!(
+        "xtask: built {}\n\
+         \n\
+         Run it on a machine with an NVIDIA GPU and driver (CUDA 12.0 or newer, driver 525+); no\n\
+         CUDA toolkit is needed, the driver library libcuda.so.1 is loaded at run time:\n\
+         \n\
+         \x20   scp {} gpu-host: && ssh gpu-host ./tw-gpu-check\n\
+         \n\
+         It needs a glibc at least as new as this build machine's ({glibc}). Options:\n\
+         --no-bench (skip the throughput measurements), --bench-mib N (default 256).\n\
+         Built with --nccl, it also runs a 1-rank NCCL all_reduce; cudarc opens NCCL as\n\
+         libnccl.so, so with the nvidia-nccl-cu12/cu13 wheel put a libnccl.so symlink to its\n\
+         lib/libnccl.so.2 in a folder on LD_LIBRARY_PATH.\n\
+         It prints PASS/FAIL per check and a SUMMARY line; exit status 0 = all passed,\n\
+         1 = a check failed, 2 = no usable CUDA device (the reason is printed).",
+        dest.display(),
+        dest.display()
+    );
     Ok(())
 }
