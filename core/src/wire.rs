@@ -663,6 +663,7 @@ impl FrameDecoder {
                         // to be addressable; saturate rather than wrap on 32-bit targets.
                         let len = usize::try_from(segments[done.len()]).unwrap_or(usize::MAX);
                         match current {
+                            None if len == 0 => done.push(Bytes::new()),
                             None if src.len() >= len => {
                                 done.push(src.split_to(len).freeze());
                                 *received += len as u64;
