@@ -10,18 +10,29 @@
 //! - [`validate`]: the device-map rules of PyTorch's `_validate_device_maps`.
 //! - [`reverse`]: reverse device maps and the device list an agent handles.
 //! - [`plan`]: a whole cluster plan checked at once (what `tensorwire validate` runs).
+//! - [`protocol`]: the RPC protocol state machine: calls, timeouts, remote references.
+//! - [`tensor`]: a minimal tensor value (dtype, shape, device, storage).
+//! - [`placement`]: device maps applied to a message's tensors.
+//! - [`ports`]: the traits adapters implement ([`DeviceBackend`](ports::device::DeviceBackend),
+//!   [`Transport`](ports::transport::Transport), ...).
+//! - [`devices_sim`]: the simulated device backend (host memory posing as CUDA devices).
 //! - [`registry`]: named registries for RPC backends and process-group factories.
 //! - [`wire`]: the frame format: fixed prefix, postcard frame header, raw payloads; bounded decoder.
-//! - [`ports`]: the traits adapters implement ([`Transport`](ports::transport::Transport), ...).
 //! - [`auth`]: challenge-response authentication on a cluster secret (HMAC-SHA256).
+//! - [`collective`]: sans-IO schedules for barrier, broadcast, all_gather and all_reduce.
 
 pub mod auth;
+pub mod collective;
 pub mod device;
+pub mod devices_sim;
 pub mod name;
+pub mod placement;
 pub mod plan;
 pub mod ports;
+pub mod protocol;
 pub mod registry;
 pub mod reverse;
+pub mod tensor;
 pub mod validate;
 pub mod wire;
 

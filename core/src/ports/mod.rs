@@ -4,7 +4,9 @@
 //! `async-trait`, and states its contract in its docs so every adapter can be checked against
 //! the same conformance suite.
 //!
+//! - [`device`]: [`DeviceBackend`](device::DeviceBackend): copies between host and devices.
 //! - [`transport`]: [`Transport`](transport::Transport): listen, connect, send and receive
 //!   [`Frame`](crate::wire::Frame)s.
 
+pub mod device;
 pub mod transport;
