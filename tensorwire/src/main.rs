@@ -22,6 +22,8 @@ enum Command {
     Bench(cli::bench::Args),
     /// Start N local worker processes with rendezvous variables set (torchrun-style).
     Launch(cli::launch::Args),
+    /// Run or query a c10d-compatible key-value store.
+    Store(cli::store::Args),
 }
 
 fn main() -> ExitCode {
@@ -30,5 +32,6 @@ fn main() -> ExitCode {
         Command::Validate(args) => cli::validate::run(args),
         Command::Bench(args) => cli::bench::run(args),
         Command::Launch(args) => cli::launch::run(args),
+        Command::Store(args) => cli::store::run(args),
     }
 }

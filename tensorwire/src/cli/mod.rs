@@ -2,4 +2,5 @@
 
 pub(crate) mod bench;
 pub(crate) mod launch;
+pub(crate) mod store;
 pub(crate) mod validate;
