@@ -13,11 +13,14 @@
 //! - [`registry`]: named registries for RPC backends and process-group factories.
 //! - [`tensor`]: a minimal tensor value (dtype, shape, device, storage).
 //! - [`placement`]: device maps applied to a message's tensors.
+//! - [`wire`]: the frame format: fixed prefix, postcard frame header, raw payloads; bounded decoder.
+//! - [`auth`]: challenge-response authentication on a cluster secret (HMAC-SHA256).
 //! - [`protocol`]: the RPC protocol state machine: calls, timeouts, remote references.
 //! - [`collective`]: sans-IO schedules for barrier, broadcast, all_gather and all_reduce.
 //! - [`ports`]: the traits adapters implement (transport, store, device backend, process group).
 //! - [`devices_sim`]: the simulated device backend (host memory posing as CUDA devices).
 
+pub mod auth;
 pub mod collective;
 pub mod device;
 pub mod devices_sim;
@@ -30,6 +33,7 @@ pub mod registry;
 pub mod reverse;
 pub mod tensor;
 pub mod validate;
+pub mod wire;
 
 #[cfg(test)]
 mod proptests;

@@ -18,6 +18,8 @@ struct Cli {
 enum Command {
     /// Check a cluster plan's device maps before launch.
     Validate(cli::validate::Args),
+    /// Measure tensorwire against a raw baseline (`bench transport`).
+    Bench(cli::bench::Args),
     /// Start N local worker processes with rendezvous variables set (torchrun-style).
     Launch(cli::launch::Args),
     /// Run or query a c10d-compatible key-value store.
@@ -28,6 +30,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Validate(args) => cli::validate::run(args),
+        Command::Bench(args) => cli::bench::run(args),
         Command::Launch(args) => cli::launch::run(args),
         Command::Store(args) => cli::store::run(args),
     }

@@ -6,6 +6,8 @@
 //! - `gpu [--nccl] [--out DIR]`: builds the self-contained GPU check binary `tw-gpu-check`
 //!   (release; with `--nccl` also the 1-rank NCCL check) and copies it to `DIR` (default `.gpu/`
 //!   at the workspace root), then prints how to run it on a machine with an NVIDIA GPU.
+//! - `fuzz TARGET [--seconds N]`: runs a cargo-fuzz target of `fuzz/` (`wire`: the frame
+//!   decoder) for N seconds (default 60), installing cargo-fuzz if missing. Not part of `ci`.
 
 use std::process::Command;
 
@@ -16,8 +18,9 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("gpu") => gpu(&args[1..]),
-        Some(other) => bail!("unknown task {other:?}; tasks: ci, gpu"),
-        None => bail!("usage: cargo xtask <task>; tasks: ci, gpu"),
+        Some("fuzz") => fuzz(&args[1..]),
+        Some(other) => bail!("unknown task {other:?}; tasks: ci, gpu, fuzz"),
+        None => bail!("usage: cargo xtask <task>; tasks: ci, gpu, fuzz"),
     }
 }
 
@@ -198,5 +201,66 @@ fn gpu(args: &[String]) -> Result<()> {
         dest.display(),
         dest.display()
     );
+    Ok(())
+}
+
+/// Fuzz targets in `fuzz/fuzz_targets/`.
+const FUZZ_TARGETS: &[&str] = &["wire"];
+
+fn fuzz(args: &[String]) -> Result<()> {
+    let usage = || {
+        format!(
+            "usage: cargo xtask fuzz TARGET [--seconds N]; targets: {}",
+            FUZZ_TARGETS.join(", ")
+        )
+    };
+    let mut target = None;
+    let mut seconds: u64 = 60;
+    let mut rest = args.iter();
+    while let Some(arg) = rest.next() {
+        match arg.as_str() {
+            "--seconds" => {
+                let n = rest.next().with_context(usage)?;
+                seconds = n
+                    .parse()
+                    .with_context(|| format!("--seconds takes a whole number, not {n:?}"))?;
+            }
+            t if target.is_none() && !t.starts_with('-') => target = Some(t.to_owned()),
+            other => bail!("unexpected argument {other:?}; {}", usage()),
+        }
+    }
+    let target = target.with_context(usage)?;
+    if !FUZZ_TARGETS.contains(&target.as_str()) {
+        bail!("unknown fuzz target {target:?}; {}", usage());
+    }
+    if seconds == 0 {
+        bail!("--seconds must be at least 1");
+    }
+    let has_cargo_fuzz = Command::new("cargo")
+        .args(["fuzz", "--version"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !has_cargo_fuzz {
+        eprintln!("xtask: cargo-fuzz not found; installing it");
+        run("cargo", &["install", "cargo-fuzz", "--locked"], &[])?;
+    }
+    // cargo-fuzz passes nightly-only flags (-Z sanitizer, -C passes=sancov); RUSTC_BOOTSTRAP
+    // lets the stable toolchain accept them.
+    let max_time = format!("-max_total_time={seconds}");
+    run(
+        "cargo",
+        &[
+            "fuzz",
+            "run",
+            &target,
+            "--",
+            &max_time,
+            "-rss_limit_mb=2048",
+            "-print_final_stats=1",
+        ],
+        &[("RUSTC_BOOTSTRAP", "1")],
+    )?;
+    eprintln!("xtask: fuzzed {target} for {seconds} s without a finding");
     Ok(())
 }
