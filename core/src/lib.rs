@@ -19,6 +19,11 @@
 //! - [`collective`]: sans-IO schedules for barrier, broadcast, all_gather and all_reduce.
 
 pub mod collective;
+//! - [`wire`]: the frame format: fixed prefix, postcard frame header, raw payloads; bounded decoder.
+//! - [`ports`]: the traits adapters implement ([`Transport`](ports::transport::Transport), ...).
+//! - [`auth`]: challenge-response authentication on a cluster secret (HMAC-SHA256).
+
+pub mod auth;
 pub mod device;
 pub mod devices_sim;
 pub mod name;
@@ -30,6 +35,7 @@ pub mod registry;
 pub mod reverse;
 pub mod tensor;
 pub mod validate;
+pub mod wire;
 
 #[cfg(test)]
 mod proptests;

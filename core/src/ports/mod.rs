@@ -3,3 +3,11 @@
 //! - [`device`]: [`DeviceBackend`](device::DeviceBackend): copies between host and devices.
 
 pub mod device;
+//! Each trait is small and object-safe (`Box<dyn ...>`/`Arc<dyn ...>`), async through
+//! `async-trait`, and states its contract in its docs so every adapter can be checked against
+//! the same conformance suite.
+//!
+//! - [`transport`]: [`Transport`](transport::Transport): listen, connect, send and receive
+//!   [`Frame`](crate::wire::Frame)s.
+
+pub mod transport;
