@@ -4,3 +4,6 @@
 //! adapters picked by Cargo features.
 
 pub use tensorwire_core as core;
+
+/// Stores (c10d `TCPStore`-compatible TCP, file, in-memory) and rendezvous.
+pub use tensorwire_process_group as process_group;

@@ -1,13 +1,14 @@
 //! The ports: traits that adapters implement and the runtime drives.
 //!
-//! - [`device`]: [`DeviceBackend`](device::DeviceBackend): copies between host and devices.
-
-pub mod device;
 //! Each trait is small and object-safe (`Box<dyn ...>`/`Arc<dyn ...>`), async through
 //! `async-trait`, and states its contract in its docs so every adapter can be checked against
 //! the same conformance suite.
 //!
 //! - [`transport`]: [`Transport`](transport::Transport): listen, connect, send and receive
 //!   [`Frame`](crate::wire::Frame)s.
+//! - [`store`]: [`Store`](store::Store): the c10d-style key-value store.
+//! - [`device`]: [`DeviceBackend`](device::DeviceBackend): copies between host and devices.
 
+pub mod device;
+pub mod store;
 pub mod transport;
