@@ -38,6 +38,9 @@ use crate::error::RpcError;
 use crate::functions::{Functions, HandlerError, Invocation, Value};
 use crate::options::RpcOptions;
 use crate::rref::RRef;
+use crate::tensors::{self, TensorTransferError, WireTensors};
+use tensorwire_core::placement::Direction;
+use tensorwire_core::ports::device::DeviceBackend;
 
 /// A worker's name and id (its rank in a static group).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -90,7 +93,10 @@ impl From<&WorkerInfo> for WorkerRef {
 pub(crate) struct Body {
     pub(crate) target: Option<RRefId>,
     pub(crate) data: Bytes,
+    pub(crate) tensors: WireTensors,
 }
+
+type Waiter = oneshot::Sender<Result<Body, CallError>>;
 
 /// What every worker publishes at init.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -102,7 +108,7 @@ struct WorkerRecord {
 
 pub(crate) struct State {
     pub(crate) ep: Endpoint<Body>,
-    waiters: HashMap<MessageId, oneshot::Sender<Result<Bytes, CallError>>>,
+    waiters: HashMap<MessageId, Waiter>,
     values: HashMap<RRefId, Arc<dyn Value>>,
     peers: HashMap<WorkerId, mpsc::UnboundedSender<Frame>>,
 }
@@ -113,6 +119,7 @@ pub(crate) struct Inner {
     by_name: HashMap<String, WorkerId>,
     rpc_timeout: Duration,
     functions: Functions,
+    backend: Arc<dyn DeviceBackend>,
     state: Mutex<State>,
     wake: Notify,
     stopped: Notify,
@@ -229,7 +236,7 @@ pub async fn init_rpc(
         addr: listener.local_addr(),
         devices: WorkerDeviceInfo {
             name: name.to_owned(),
-            device_count: options.device_count,
+            device_count: options.device_backend.device_count(),
             devices: options.devices.clone(),
             device_maps: options.device_maps.clone(),
         },
@@ -304,6 +311,7 @@ pub async fn init_rpc(
         by_name,
         rpc_timeout: options.rpc_timeout,
         functions: options.functions.clone(),
+        backend: Arc::clone(&options.device_backend),
         state: Mutex::new(State {
             ep: Endpoint::new(me_id, EndpointConfig::default()),
             waiters: HashMap::new(),
@@ -577,7 +585,7 @@ impl Agent {
     }
 
     /// Calls `function(args)` on `to` and waits for its result. `timeout` overrides the default
-    /// (zero: none).
+    /// (zero: none). Tensors in `args` move by this worker's device map for `to`.
     pub async fn rpc_sync<A, R>(
         &self,
         to: impl Into<WorkerRef>,
@@ -587,12 +595,14 @@ impl Agent {
     ) -> Result<R, RpcError>
     where
         A: Serialize + ?Sized,
-        R: DeserializeOwned,
+        R: DeserializeOwned + Send + 'static,
     {
         self.rpc_async(to, function, args, timeout)?.await
     }
 
     /// Sends `function(args)` to `to` now and returns a future of its result, to await later.
+    /// A tensor that cannot go to `to` (a CUDA tensor without a device map entry) fails here,
+    /// before anything is sent.
     pub fn rpc_async<A, R>(
         &self,
         to: impl Into<WorkerRef>,
@@ -602,10 +612,24 @@ impl Agent {
     ) -> Result<RpcFuture<R>, RpcError>
     where
         A: Serialize + ?Sized,
-        R: DeserializeOwned,
+        R: DeserializeOwned + Send + 'static,
     {
         let to = self.resolve(&to.into())?;
         self.send_call(to, function, args, None, timeout)
+    }
+
+    fn transfer_error(&self, to: WorkerId, function: &str, e: TensorTransferError) -> RpcError {
+        match e {
+            TensorTransferError::Encode(e) => RpcError::Serialization {
+                what: format!("the arguments of {function:?}"),
+                message: e.to_string(),
+            },
+            other => RpcError::Tensors {
+                to: self.name_of(to),
+                function: function.to_owned(),
+                message: other.to_string(),
+            },
+        }
     }
 
     pub(crate) fn send_call<A, R>(
@@ -618,34 +642,69 @@ impl Agent {
     ) -> Result<RpcFuture<R>, RpcError>
     where
         A: Serialize + ?Sized,
-        R: DeserializeOwned,
+        R: DeserializeOwned + Send + 'static,
     {
-        let data = codec::encode(self, to, args).map_err(|e| RpcError::Serialization {
-            what: format!("the arguments of {function:?}"),
-            message: e.to_string(),
-        })?;
+        let prepared = tensors::prepare(self, to, args, Direction::Request)
+            .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
         let (tx, rx) = oneshot::channel();
-        {
+        let call = {
+            let function = function.to_owned();
+            move |ep: &mut Endpoint<Body>, body: Body| {
+                ep.call(to, &function, body, timeout, Instant::now())
+            }
+        };
+        if prepared.on_host() {
+            let body = Body {
+                target,
+                data: prepared.data,
+                tensors: tensors::host_to_wire(prepared.tensors),
+            };
             let mut st = self.lock();
-            let id = st
-                .ep
-                .call(to, function, Body { target, data }, timeout, Instant::now())
-                .map_err(|_| RpcError::NotRunning)?;
+            let id = call(&mut st.ep, body).map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
+        } else {
+            // Device tensors are copied to host memory first; the call goes out when they are.
+            let agent = self.clone();
+            tokio::spawn(async move {
+                match tensors::to_wire(&*agent.inner.backend, prepared.tensors).await {
+                    Ok(wire) => {
+                        let body = Body {
+                            target,
+                            data: prepared.data,
+                            tensors: wire,
+                        };
+                        let mut st = agent.lock();
+                        match call(&mut st.ep, body) {
+                            Ok(id) => {
+                                st.waiters.insert(id, tx);
+                            }
+                            Err(e) => {
+                                let _ = tx.send(Err(e));
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(CallError::Local(e.to_string())));
+                    }
+                }
+                agent.wake();
+            });
         }
         self.wake();
-        Ok(RpcFuture {
-            agent: self.clone(),
+        Ok(RpcFuture::new(
+            self.clone(),
             rx,
-            to: self.name_of(to),
-            function: function.to_owned(),
-            _result: std::marker::PhantomData,
-        })
+            self.name_of(to),
+            function.to_owned(),
+        ))
     }
 
     /// Creates a value on `to` by running `function(args)` there, and returns a reference to it
     /// at once. The value lives on `to` until every reference to it is dropped.
+    ///
+    /// Arguments may hold CPU tensors (moved by the device map); CUDA tensors in `remote`
+    /// arguments are not supported yet.
     pub fn remote<A, T>(
         &self,
         to: impl Into<WorkerRef>,
@@ -658,23 +717,27 @@ impl Agent {
         T: Send + Sync + 'static,
     {
         let to = self.resolve(&to.into())?;
-        let data = codec::encode(self, to, args).map_err(|e| RpcError::Serialization {
-            what: format!("the arguments of {function:?}"),
-            message: e.to_string(),
-        })?;
+        let prepared = tensors::prepare(self, to, args, Direction::Request)
+            .map_err(|e| self.transfer_error(to, function, e))?;
+        if !prepared.on_host() {
+            return Err(RpcError::Tensors {
+                to: self.name_of(to),
+                function: function.to_owned(),
+                message: "CUDA tensors in remote() arguments are not supported yet; move them to cpu (the device map still places them at the owner)".into(),
+            });
+        }
+        let body = Body {
+            target: None,
+            data: prepared.data,
+            tensors: tensors::host_to_wire(prepared.tensors),
+        };
         let timeout = self.timeout_or_default(timeout);
         let (tx, rx) = oneshot::channel();
         let handle = {
             let mut st = self.lock();
             let (handle, id) = st
                 .ep
-                .remote(
-                    to,
-                    function,
-                    Body { target: None, data },
-                    timeout,
-                    Instant::now(),
-                )
+                .remote(to, function, body, timeout, Instant::now())
                 .map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
             handle
@@ -695,7 +758,7 @@ impl Agent {
         &self,
         handle: RRefHandle,
         timeout: Option<Duration>,
-    ) -> Result<oneshot::Receiver<Result<Bytes, CallError>>, RpcError> {
+    ) -> Result<oneshot::Receiver<Result<Body, CallError>>, RpcError> {
         let timeout = self.timeout_or_default(timeout);
         let (tx, rx) = oneshot::channel();
         {
@@ -881,10 +944,27 @@ impl Agent {
                 return;
             }
         };
-        let body = frame.payloads.into_iter().next().map(|data| Body {
-            target: envelope.target,
-            data,
-        });
+        let mut payloads = frame.payloads.into_iter();
+        let body = match payloads.next() {
+            Some(data) => {
+                let bytes: Vec<Bytes> = payloads.collect();
+                if bytes.len() != envelope.tensors.len() {
+                    warn!(
+                        "dropping a message from rank {from}: it announces {} tensors and carries {}",
+                        envelope.tensors.len(),
+                        bytes.len()
+                    );
+                    return;
+                }
+                let tensors = envelope.tensors.into_iter().zip(bytes).collect();
+                Some(Body {
+                    target: envelope.target,
+                    data,
+                    tensors,
+                })
+            }
+            None => None,
+        };
         self.lock()
             .ep
             .handle_message(from, envelope.header, body, Instant::now());
@@ -892,13 +972,20 @@ impl Agent {
     }
 
     fn send(&self, st: &mut State, t: Transmit<Body>) {
-        let (target, payloads) = match t.body {
-            Some(b) => (b.target, vec![b.data]),
-            None => (None, vec![]),
+        let (target, payloads, metas) = match t.body {
+            Some(b) => {
+                let (metas, bytes): (Vec<_>, Vec<_>) = b.tensors.into_iter().unzip();
+                let mut payloads = Vec::with_capacity(1 + bytes.len());
+                payloads.push(b.data);
+                payloads.extend(bytes);
+                (b.target, payloads, metas)
+            }
+            None => (None, vec![], vec![]),
         };
         let header = match postcard::to_allocvec(&Envelope {
             header: t.header,
             target,
+            tensors: metas,
         }) {
             Ok(h) => h,
             Err(e) => {
@@ -935,25 +1022,24 @@ impl Agent {
             } => self.serve(token, function, body, Some(rref)),
             Event::Fetch { token, rref } => {
                 let value = self.lock().values.get(&rref).cloned();
-                let outcome = match value {
-                    Some(v) => v
-                        .encode(self, token.from())
-                        .map(|data| Body { target: None, data })
-                        .map_err(|m| {
-                            remote_error(self.inner.me.id, RemoteErrorKind::Serialization, m)
-                        }),
-                    None => Err(remote_error(
-                        self.inner.me.id,
-                        RemoteErrorKind::RRef,
-                        format!("no value is kept for {rref}"),
-                    )),
-                };
-                self.lock().ep.respond(token, outcome);
-                self.wake();
+                let agent = self.clone();
+                tokio::spawn(async move {
+                    let me = agent.inner.me.id;
+                    let outcome = match value {
+                        Some(v) => agent.reply_body(&*v, token.from()).await,
+                        None => Err(remote_error(
+                            me,
+                            RemoteErrorKind::RRef,
+                            format!("no value is kept for {rref}"),
+                        )),
+                    };
+                    agent.lock().ep.respond(token, outcome);
+                    agent.wake();
+                });
             }
             Event::Completed { id, outcome } => {
                 if let Some(tx) = self.lock().waiters.remove(&id) {
-                    let _ = tx.send(outcome.map(|b| b.data));
+                    let _ = tx.send(outcome);
                 }
             }
             Event::ReleaseValue { rref } => {
@@ -961,6 +1047,27 @@ impl Agent {
             }
             _ => {}
         }
+    }
+
+    /// Encodes a result for `to`, with its tensors placed by the reverse map and copied to host.
+    async fn reply_body(&self, value: &dyn Value, to: WorkerId) -> Result<Body, RemoteError> {
+        let me = self.inner.me.id;
+        let prepared = value.prepare(self, to).map_err(|e| match e {
+            TensorTransferError::Encode(e) => remote_error(
+                me,
+                RemoteErrorKind::Serialization,
+                format!("cannot encode: {e}"),
+            ),
+            other => remote_error(me, RemoteErrorKind::DeviceMap, other.to_string()),
+        })?;
+        let wire = tensors::to_wire(&*self.inner.backend, prepared.tensors)
+            .await
+            .map_err(|e| remote_error(me, RemoteErrorKind::DeviceMap, e.to_string()))?;
+        Ok(Body {
+            target: None,
+            data: prepared.data,
+            tensors: wire,
+        })
     }
 
     /// Runs a registered function for a request, catching errors and panics.
@@ -998,9 +1105,23 @@ impl Agent {
             None => None,
         };
         tokio::spawn(async move {
+            let tensors = match tensors::from_wire(&*agent.inner.backend, body.tensors).await {
+                Ok(t) => t,
+                Err(e) => {
+                    let err = remote_error(
+                        me,
+                        RemoteErrorKind::DeviceMap,
+                        format!("cannot place the tensors of {function:?}: {e}"),
+                    );
+                    agent.lock().ep.respond(token, Err(err));
+                    agent.wake();
+                    return;
+                }
+            };
             let inv = Invocation {
                 agent: agent.clone(),
                 args: body.data,
+                tensors,
                 target,
             };
             let outcome = match tokio::spawn(handler(inv)).await {
@@ -1010,17 +1131,15 @@ impl Agent {
                         Ok(Body {
                             target: None,
                             data: Bytes::new(),
+                            tensors: Vec::new(),
                         })
                     }
-                    None => value
-                        .encode(&agent, token.from())
-                        .map(|data| Body { target: None, data })
-                        .map_err(|m| {
-                            remote_error(
-                                me,
-                                RemoteErrorKind::Serialization,
-                                format!("cannot encode the result of {function:?}: {m}"),
-                            )
+                    None => agent
+                        .reply_body(&*value, token.from())
+                        .await
+                        .map_err(|mut e| {
+                            e.message = format!("the result of {function:?}: {}", e.message);
+                            e
                         }),
                 },
                 Ok(Err(HandlerError::BadArguments(m))) => Err(remote_error(
@@ -1091,40 +1210,61 @@ async fn drive(agent: Agent) {
 
 /// The result of [`Agent::rpc_async`]: await it for the callee's result.
 pub struct RpcFuture<R> {
-    agent: Agent,
-    rx: oneshot::Receiver<Result<Bytes, CallError>>,
-    to: String,
-    function: String,
-    _result: std::marker::PhantomData<fn() -> R>,
+    inner: std::pin::Pin<Box<dyn std::future::Future<Output = Result<R, RpcError>> + Send>>,
 }
 
-impl<R: DeserializeOwned> std::future::Future for RpcFuture<R> {
+impl<R: DeserializeOwned + Send + 'static> RpcFuture<R> {
+    fn new(
+        agent: Agent,
+        rx: oneshot::Receiver<Result<Body, CallError>>,
+        to: String,
+        function: String,
+    ) -> Self {
+        Self {
+            inner: Box::pin(async move {
+                match rx.await {
+                    Ok(Ok(body)) => agent.decode_body(body, &to, &function).await,
+                    Ok(Err(source)) => Err(RpcError::Call {
+                        to,
+                        function,
+                        source,
+                    }),
+                    Err(_) => Err(RpcError::NotRunning),
+                }
+            }),
+        }
+    }
+}
+
+impl Agent {
+    /// Places a received body's tensors and decodes its value.
+    pub(crate) async fn decode_body<R: DeserializeOwned>(
+        &self,
+        body: Body,
+        from: &str,
+        what: &str,
+    ) -> Result<R, RpcError> {
+        let tensors = tensors::from_wire(&*self.inner.backend, body.tensors)
+            .await
+            .map_err(|e| RpcError::Tensors {
+                to: from.to_owned(),
+                function: what.to_owned(),
+                message: e.to_string(),
+            })?;
+        codec::decode(self, &body.data, tensors).map_err(|e| RpcError::Serialization {
+            what: format!("the result of {what:?} from {from}"),
+            message: e.to_string(),
+        })
+    }
+}
+
+impl<R> std::future::Future for RpcFuture<R> {
     type Output = Result<R, RpcError>;
 
     fn poll(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
-        let this = &mut *self;
-        match std::pin::Pin::new(&mut this.rx).poll(cx) {
-            std::task::Poll::Pending => std::task::Poll::Pending,
-            std::task::Poll::Ready(r) => {
-                let r = match r {
-                    Ok(Ok(bytes)) => {
-                        codec::decode(&this.agent, &bytes).map_err(|e| RpcError::Serialization {
-                            what: format!("the result of {:?} from {}", this.function, this.to),
-                            message: e.to_string(),
-                        })
-                    }
-                    Ok(Err(source)) => Err(RpcError::Call {
-                        to: this.to.clone(),
-                        function: this.function.clone(),
-                        source,
-                    }),
-                    Err(_) => Err(RpcError::NotRunning),
-                };
-                std::task::Poll::Ready(r)
-            }
-        }
+        self.inner.as_mut().poll(cx)
     }
 }

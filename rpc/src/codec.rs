@@ -11,6 +11,7 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tensorwire_core::protocol::{Header, RRefId, WorkerId};
+use tensorwire_core::tensor::{sidecar, Tensor, TensorMeta};
 
 use crate::agent::Agent;
 
@@ -43,14 +44,15 @@ pub(crate) fn encode<T: Serialize + ?Sized>(
     postcard::to_allocvec(value).map(Bytes::from)
 }
 
-/// Decodes a value received by this worker.
+/// Decodes a value received by this worker, with the tensors that came beside it.
 pub(crate) fn decode<T: DeserializeOwned>(
     agent: &Agent,
     bytes: &[u8],
+    tensors: Vec<Tensor>,
 ) -> Result<T, postcard::Error> {
     let prev = DECODING.with(|c| c.borrow_mut().replace(agent.clone()));
     let _restore = Restore(&DECODING, prev);
-    postcard::from_bytes(bytes)
+    sidecar::provide_tensors(tensors, || postcard::from_bytes(bytes))
 }
 
 /// The agent and destination of the encode in progress on this thread.
@@ -69,6 +71,8 @@ pub(crate) fn decoding() -> Option<Agent> {
 pub(crate) struct Envelope {
     pub(crate) header: Header,
     pub(crate) target: Option<RRefId>,
+    /// The tensors whose bytes follow the encoded value as payloads, in order.
+    pub(crate) tensors: Vec<TensorMeta>,
 }
 
 /// The first frame on every connection: who is speaking.

@@ -25,6 +25,17 @@ pub enum RpcError {
         #[source]
         source: CallError,
     },
+    /// The call's tensors cannot go where the device maps say (a CUDA tensor without a map
+    /// entry for its device, a device copy that failed, ...). Nothing was sent.
+    #[error("RPC {function:?} to {to}: {message}")]
+    Tensors {
+        /// The callee's name.
+        to: String,
+        /// The function called.
+        function: String,
+        /// What is wrong.
+        message: String,
+    },
     /// No worker has this name or rank.
     #[error("unknown worker {0}; known workers: {1}")]
     UnknownWorker(String, String),

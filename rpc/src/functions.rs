@@ -17,18 +17,21 @@ use serde::Serialize;
 
 use crate::agent::Agent;
 use crate::codec;
+use crate::tensors::{self, Prepared, TensorTransferError};
+use tensorwire_core::placement::Direction;
+use tensorwire_core::tensor::Tensor;
 
 /// A value a function produced: kept on its owner (remote references) or encoded for a reply.
-pub trait Value: Any + Send + Sync {
-    /// Encodes the value for the wire.
-    fn encode(&self, agent: &Agent, to: u32) -> Result<Bytes, String>;
+pub(crate) trait Value: Any + Send + Sync {
+    /// Encodes the value for worker `to`, with its tensors placed by the reverse device map.
+    fn prepare(&self, agent: &Agent, to: u32) -> Result<Prepared, TensorTransferError>;
     /// The value as `Any`, for typed access on its owner.
     fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
 }
 
 impl<T: Serialize + Send + Sync + 'static> Value for T {
-    fn encode(&self, agent: &Agent, to: u32) -> Result<Bytes, String> {
-        codec::encode(agent, to, self).map_err(|e| e.to_string())
+    fn prepare(&self, agent: &Agent, to: u32) -> Result<Prepared, TensorTransferError> {
+        tensors::prepare(agent, to, self, Direction::Response)
     }
     fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
         self
@@ -53,6 +56,7 @@ pub(crate) type HandlerFuture =
 pub(crate) struct Invocation {
     pub(crate) agent: Agent,
     pub(crate) args: Bytes,
+    pub(crate) tensors: Vec<Tensor>,
     pub(crate) target: Option<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -122,7 +126,7 @@ impl Functions {
             Arc::new(move |inv: Invocation| {
                 let f = Arc::clone(&f);
                 Box::pin(async move {
-                    let args: A = codec::decode(&inv.agent, &inv.args)
+                    let args: A = codec::decode(&inv.agent, &inv.args, inv.tensors)
                         .map_err(|e| HandlerError::BadArguments(e.to_string()))?;
                     match f(args).await {
                         Ok(r) => Ok(Arc::new(r) as Arc<dyn Value>),
@@ -163,7 +167,7 @@ impl Functions {
                             std::any::type_name::<T>()
                         ))
                     })?;
-                    let args: A = codec::decode(&inv.agent, &inv.args)
+                    let args: A = codec::decode(&inv.agent, &inv.args, inv.tensors)
                         .map_err(|e| HandlerError::BadArguments(e.to_string()))?;
                     match f(value, args).await {
                         Ok(r) => Ok(Arc::new(r) as Arc<dyn Value>),

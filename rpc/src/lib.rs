@@ -31,10 +31,11 @@ mod error;
 mod functions;
 mod options;
 mod rref;
+mod tensors;
 
 pub use agent::{init_rpc, Agent, RpcFuture, WorkerInfo, WorkerRef};
 pub use error::RpcError;
-pub use functions::{Functions, Value};
+pub use functions::Functions;
 pub use options::{RpcOptions, DEFAULT_RPC_TIMEOUT};
 pub use rref::RRef;
 pub use tensorwire_core::protocol::{CallError, RemoteError, RemoteErrorKind};

@@ -1,6 +1,10 @@
 //! Options of `init_rpc`.
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use tensorwire_core::devices_sim::SimulatedDevices;
+use tensorwire_core::ports::device::DeviceBackend;
 
 use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
 
@@ -30,8 +34,8 @@ pub struct RpcOptions {
     pub devices: Vec<Device>,
     /// The functions this worker serves.
     pub functions: Functions,
-    /// How many CUDA devices this worker reports (the device backend's count).
-    pub device_count: u32,
+    /// The device backend that moves tensors on and off devices (default: no devices).
+    pub device_backend: Arc<dyn DeviceBackend>,
     /// The address other workers reach this one at; by default the loopback address when the
     /// rendezvous address is local, else the local address that routes to it.
     pub listen_ip: Option<std::net::IpAddr>,
@@ -48,7 +52,7 @@ impl Default for RpcOptions {
             device_maps: DeviceMaps::new(),
             devices: Vec::new(),
             functions: Functions::new(),
-            device_count: 0,
+            device_backend: Arc::new(SimulatedDevices::new(0)),
             listen_ip: None,
         }
     }
@@ -63,6 +67,7 @@ impl std::fmt::Debug for RpcOptions {
             .field("device_maps", &self.device_maps)
             .field("devices", &self.devices)
             .field("functions", &self.functions)
+            .field("device_backend", &self.device_backend.name())
             .finish_non_exhaustive()
     }
 }

@@ -10,18 +10,17 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use serde::de::{DeserializeOwned, Error as _};
 use serde::ser::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tensorwire_core::protocol::{CallError, RRefForkData, RRefHandle};
 use tokio::sync::oneshot;
 
-use crate::agent::{Agent, WorkerInfo};
+use crate::agent::{Agent, Body, WorkerInfo};
 use crate::codec;
 use crate::error::RpcError;
 
-type Created = oneshot::Receiver<Result<Bytes, CallError>>;
+type Created = oneshot::Receiver<Result<Body, CallError>>;
 
 struct Shared {
     agent: Agent,
@@ -143,12 +142,7 @@ impl<T: Send + Sync + 'static> RRef<T> {
         let rx = self.agent().fetch(self.shared.handle, timeout)?;
         let owner = self.owner().name;
         match rx.await {
-            Ok(Ok(bytes)) => {
-                codec::decode(self.agent(), &bytes).map_err(|e| RpcError::Serialization {
-                    what: format!("the value of {}", self.shared.handle.rref),
-                    message: e.to_string(),
-                })
-            }
+            Ok(Ok(body)) => self.agent().decode_body(body, &owner, "to_here").await,
             Ok(Err(source)) => Err(RpcError::Call {
                 to: owner,
                 function: "to_here".into(),
@@ -193,7 +187,7 @@ impl<T: Send + Sync + 'static> RRef<T> {
     ) -> Result<R, RpcError>
     where
         A: Serialize + ?Sized,
-        R: DeserializeOwned,
+        R: DeserializeOwned + Send + 'static,
     {
         self.wait_created().await?;
         self.agent()

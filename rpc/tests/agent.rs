@@ -4,6 +4,9 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tensorwire_core::device::Device;
+use tensorwire_core::devices_sim::SimulatedDevices;
+use tensorwire_core::tensor::Tensor;
 use tensorwire_rpc::{
     init_rpc, Agent, CallError, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions,
 };
@@ -46,6 +49,11 @@ fn functions() -> Functions {
     });
     f.register_method("increment", |c: Arc<Counter>, by: i64| async move {
         Ok::<_, String>(c.0.fetch_add(by, Ordering::SeqCst) + by)
+    });
+    // Tensors: report where the argument landed, and send back a tensor on the same device.
+    f.register("where_and_double", |t: Tensor| async move {
+        let device = t.device().to_string();
+        Ok::<_, String>((device, t))
     });
     f.register("sum_remote", |r: RRef<Vec<i64>>| async move {
         let v = r.to_here(None).await.map_err(|e| e.to_string())?;
@@ -272,7 +280,7 @@ async fn wait_until(cond: impl Fn() -> bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_device_map_fails_init_on_every_worker() {
     let results = group(2, |rank, o| {
-        o.device_count = 1;
+        o.device_backend = Arc::new(SimulatedDevices::new(1));
         if rank == 0 {
             o.set_device_map("w1", &[("cuda:0", "cuda:3")]).unwrap();
         }
@@ -299,4 +307,77 @@ async fn after_shutdown_calls_fail_clearly() {
         .await
         .unwrap_err();
     assert!(e.to_string().contains("no longer running"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tensors_move_by_device_maps() {
+    // w0 has 2 (simulated) devices and maps its cuda:0 to w1's cuda:1 and cpu to w1's cuda:0;
+    // w1 has 2 devices and no maps: its responses go back by the reverse map.
+    let agents: Vec<Agent> = group(2, |rank, o| {
+        o.device_backend = Arc::new(SimulatedDevices::new(2));
+        if rank == 0 {
+            o.set_device_map("w1", &[("cuda:0", "cuda:1"), ("cpu", "cuda:0")])
+                .unwrap();
+        }
+    })
+    .await
+    .into_iter()
+    .map(Result::unwrap)
+    .collect();
+    let a = &agents[0];
+    let values = [1.0f32, 2.0, 3.0];
+    let cpu = Tensor::from_f32(vec![3], &values).unwrap();
+
+    // A CPU tensor lands on cuda:0 (the map's cpu entry); the reply comes back by the reverse
+    // map: w1's cuda:0 -> w0's cpu.
+    let (landed, back): (String, Tensor) = a
+        .rpc_sync("w1", "where_and_double", &cpu, None)
+        .await
+        .unwrap();
+    assert_eq!(landed, "cuda:0");
+    assert_eq!(back.device(), Device::Cpu);
+    assert_eq!(back.to_f32_vec().unwrap(), values);
+
+    // w1 -> w0: no map, so CPU tensors stay on the CPU.
+    let (landed, _): (String, Tensor) = agents[1]
+        .rpc_sync("w0", "where_and_double", &cpu, None)
+        .await
+        .unwrap();
+    assert_eq!(landed, "cpu");
+    assert_eq!(a.devices(), &[Device::Cuda(0)]);
+    shutdown_all(agents).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cuda_tensor_without_a_map_fails_at_once_and_the_agent_stays_usable() {
+    let agents: Vec<Agent> = group(2, |_, o| {
+        o.device_backend = Arc::new(SimulatedDevices::new(1))
+    })
+    .await
+    .into_iter()
+    .map(Result::unwrap)
+    .collect();
+    let a = &agents[0];
+    let sim = SimulatedDevices::new(1);
+    let cpu = Tensor::from_f32(vec![2], &[1.0, 2.0]).unwrap();
+    let on_gpu = tensorwire_core::ports::device::relocate(&sim, &cpu, Device::Cuda(0))
+        .await
+        .unwrap();
+    let e = a
+        .rpc_async::<_, (String, Tensor)>("w1", "where_and_double", &on_gpu, None)
+        .err()
+        .expect("refused before sending");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("cannot send a tensor on cuda:0 to worker w1"),
+        "{msg}"
+    );
+    assert!(matches!(e, RpcError::Tensors { .. }), "{e:?}");
+    // Still usable.
+    let (landed, _): (String, Tensor) = a
+        .rpc_sync("w1", "where_and_double", &cpu, None)
+        .await
+        .unwrap();
+    assert_eq!(landed, "cpu");
+    shutdown_all(agents).await;
 }
