@@ -111,6 +111,8 @@ pub(crate) struct State {
     waiters: HashMap<MessageId, Waiter>,
     values: HashMap<RRefId, Arc<dyn Value>>,
     peers: HashMap<WorkerId, mpsc::UnboundedSender<Frame>>,
+    /// Why the connection to a peer is gone, for the errors of later calls to it.
+    lost: HashMap<WorkerId, String>,
 }
 
 pub(crate) struct Inner {
@@ -246,29 +248,29 @@ pub async fn init_rpc(
         message: e.to_string(),
     })?;
     store.set(&format!("rpc/worker/{rank}"), &encoded).await?;
-    let keys: Vec<String> = (0..world_size).map(|r| format!("rpc/worker/{r}")).collect();
-    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    wait_keys(
+    wait_ranks(
         &*store,
-        &key_refs,
+        "rpc/worker",
+        0..world_size,
         options.init_timeout,
         "init_rpc: waiting for every worker's record",
+        rank_only,
     )
     .await?;
+    let keys: Vec<String> = (0..world_size).map(|r| format!("rpc/worker/{r}")).collect();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let raw = store.multi_get(&key_refs).await?;
     // Rank 0 hosts the store: it must not go away (say, on a validation error that every rank
     // is about to find too) before every rank has read the records.
     store.set(&format!("rpc/fetched/{rank}"), b"1").await?;
     if rank == 0 {
-        let fetched: Vec<String> = (0..world_size)
-            .map(|r| format!("rpc/fetched/{r}"))
-            .collect();
-        let refs: Vec<&str> = fetched.iter().map(String::as_str).collect();
-        wait_keys(
+        wait_ranks(
             &*store,
-            &refs,
+            "rpc/fetched",
+            0..world_size,
             options.init_timeout,
             "init_rpc: waiting for every worker to read the records",
+            rank_only,
         )
         .await?;
     }
@@ -317,6 +319,7 @@ pub async fn init_rpc(
             waiters: HashMap::new(),
             values: HashMap::new(),
             peers: HashMap::new(),
+            lost: HashMap::new(),
         }),
         wake: Notify::new(),
         stopped: Notify::new(),
@@ -447,32 +450,42 @@ async fn connect_with_retry(
     }
 }
 
-async fn wait_keys(
+/// Waits until every rank in `ranks` has set `{prefix}/{rank}` in the store. On timeout the
+/// error names the ranks that have not (`name` turns a rank into words).
+async fn wait_ranks(
     store: &dyn Store,
-    keys: &[&str],
+    prefix: &str,
+    ranks: std::ops::Range<usize>,
     timeout: Duration,
     what: &str,
+    name: impl Fn(usize) -> String,
 ) -> Result<(), RpcError> {
-    match store.wait(keys, timeout).await {
-        Ok(()) => Ok(()),
-        Err(e) => {
-            let mut missing = Vec::new();
-            for k in keys {
-                if !store.check(&[k]).await.unwrap_or(false) {
-                    missing.push((*k).to_owned());
-                }
-            }
-            if missing.is_empty() {
-                Err(RpcError::Store(e))
-            } else {
-                Err(RpcError::Timeout {
-                    what: what.to_owned(),
-                    after: timeout,
-                    waiting_for: Some(missing.join(", ")),
-                })
-            }
+    let keys: Vec<String> = ranks.clone().map(|r| format!("{prefix}/{r}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let Err(e) = store.wait(&refs, timeout).await else {
+        return Ok(());
+    };
+    let mut missing = Vec::new();
+    for (rank, key) in ranks.zip(&refs) {
+        match store.check(&[key]).await {
+            Ok(true) => {}
+            Ok(false) => missing.push(name(rank)),
+            // The store itself is gone (rank 0 left): say that, not "everyone is missing".
+            Err(_) => return Err(RpcError::Store(e)),
         }
     }
+    if missing.is_empty() {
+        return Err(RpcError::Store(e));
+    }
+    Err(RpcError::Timeout {
+        what: what.to_owned(),
+        after: timeout,
+        waiting_for: Some(missing.join(", ")),
+    })
+}
+
+fn rank_only(rank: usize) -> String {
+    format!("rank {rank}")
 }
 
 fn remote_error(
@@ -571,6 +584,11 @@ impl Agent {
             WorkerRef::Rank(r) if (*r as usize) < self.inner.workers.len() => Ok(*r),
             WorkerRef::Rank(r) => Err(RpcError::UnknownWorker(format!("rank {r}"), known())),
         }
+    }
+
+    /// "rank 2 (w2)".
+    fn describe(&self, rank: usize) -> String {
+        format!("rank {rank} ({})", self.name_of(rank as WorkerId))
     }
 
     pub(crate) fn name_of(&self, id: WorkerId) -> String {
@@ -779,6 +797,48 @@ impl Agent {
         Ok(rx)
     }
 
+    /// Gathers one value from every worker, in rank order (through the store). Every worker must
+    /// call it with the same `name`, once per name.
+    pub async fn all_gather<T: Serialize + DeserializeOwned>(
+        &self,
+        name: &str,
+        value: &T,
+        timeout: Duration,
+    ) -> Result<Vec<T>, RpcError> {
+        let me = self.inner.me.id;
+        let n = self.inner.workers.len();
+        let bytes = postcard::to_allocvec(value).map_err(|e| RpcError::Serialization {
+            what: format!("the all_gather {name:?} value"),
+            message: e.to_string(),
+        })?;
+        self.inner
+            .store
+            .set(&format!("rpc/gather/{name}/{me}"), &bytes)
+            .await?;
+        wait_ranks(
+            &*self.inner.store,
+            &format!("rpc/gather/{name}"),
+            0..n,
+            timeout,
+            &format!("all_gather {name:?}"),
+            |r| self.describe(r),
+        )
+        .await?;
+        let keys: Vec<String> = (0..n).map(|r| format!("rpc/gather/{name}/{r}")).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let values = self.inner.store.multi_get(&refs).await?;
+        values
+            .iter()
+            .enumerate()
+            .map(|(r, b)| {
+                postcard::from_bytes(b).map_err(|e| RpcError::Serialization {
+                    what: format!("the all_gather {name:?} value of rank {r}"),
+                    message: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
     /// Waits until every worker reached the barrier `name` (through the store). On timeout the
     /// error names the ranks that did not arrive.
     pub async fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RpcError> {
@@ -788,13 +848,13 @@ impl Agent {
             .store
             .set(&format!("rpc/barrier/{name}/{me}"), b"1")
             .await?;
-        let keys: Vec<String> = (0..n).map(|r| format!("rpc/barrier/{name}/{r}")).collect();
-        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        wait_keys(
+        wait_ranks(
             &*self.inner.store,
-            &refs,
+            &format!("rpc/barrier/{name}"),
+            0..n,
             timeout,
             &format!("barrier {name:?}"),
+            |r| self.describe(r),
         )
         .await
     }
@@ -822,20 +882,21 @@ impl Agent {
         for t in self.tasks().drain(..) {
             t.abort();
         }
-        // Rank 0 hosts the store: wait for the others to leave it before closing it.
-        if graceful && result.is_ok() {
+        // Rank 0 hosts the store: wait (bounded) for the others to leave it before closing it,
+        // also when the shutdown failed, so that their errors say what happened.
+        if graceful {
             let n = self.inner.workers.len();
             let me = self.inner.me.id;
             if me != 0 {
                 let _ = self.inner.store.set(&format!("rpc/left/{me}"), b"1").await;
             } else {
-                let keys: Vec<String> = (1..n).map(|r| format!("rpc/left/{r}")).collect();
-                let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-                let _ = wait_keys(
+                let _ = wait_ranks(
                     &*self.inner.store,
-                    &refs,
+                    "rpc/left",
+                    1..n,
                     timeout,
                     "shutdown: waiting for workers to leave",
+                    rank_only,
                 )
                 .await;
             }
@@ -930,8 +991,9 @@ impl Agent {
         {
             let mut st = self.lock();
             st.peers.remove(&peer);
-            st.ep
-                .handle_peer_lost(peer, &format!("{name}: {reason}"), Instant::now());
+            let reason = format!("{name}: {reason}");
+            st.ep.handle_peer_lost(peer, &reason, Instant::now());
+            st.lost.insert(peer, reason);
         }
         self.wake();
     }
@@ -1001,7 +1063,10 @@ impl Agent {
         match st.peers.get(&t.to) {
             Some(tx) if tx.send(frame).is_ok() => {}
             _ => {
-                let reason = format!("no connection to {}", self.name_of(t.to));
+                let reason = match st.lost.get(&t.to) {
+                    Some(why) => format!("the connection was lost earlier ({why})"),
+                    None => format!("no connection to {}", self.name_of(t.to)),
+                };
                 st.ep.handle_peer_lost(t.to, &reason, Instant::now());
             }
         }

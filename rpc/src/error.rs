@@ -77,7 +77,7 @@ pub enum RpcError {
     #[error("init_rpc: {0}")]
     Init(String),
     /// Something did not happen in time outside a call (init, shutdown).
-    #[error("{what} timed out after {after:?}{}", .waiting_for.as_ref().map(|w| format!("; waiting for {w}")).unwrap_or_default())]
+    #[error("{what} timed out after {:.1} s{}", .after.as_secs_f64(), .waiting_for.as_ref().map(|w| format!("; waiting for {w}")).unwrap_or_default())]
     Timeout {
         /// What timed out.
         what: String,
