@@ -16,6 +16,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a parameter server and trainers on this machine and show what happens.
+    Demo(cli::demo::Args),
     /// Check a cluster plan's device maps before launch.
     Validate(cli::validate::Args),
     /// Start N local worker processes with rendezvous variables set (torchrun-style).
@@ -27,6 +29,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Demo(args) => cli::demo::run(args),
         Command::Validate(args) => cli::validate::run(args),
         Command::Launch(args) => cli::launch::run(args),
         Command::Store(args) => cli::store::run(args),
