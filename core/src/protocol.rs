@@ -113,6 +113,9 @@ pub enum RemoteErrorKind {
     RRef,
     /// The callee is shutting down.
     ShuttingDown,
+    /// A tensor in the result cannot be sent back (no reverse device map entry for its device),
+    /// or cannot be placed on the device its map names.
+    DeviceMap,
 }
 
 impl fmt::Display for RemoteErrorKind {
@@ -124,6 +127,7 @@ impl fmt::Display for RemoteErrorKind {
             Self::Serialization => "serialization error",
             Self::RRef => "remote reference error",
             Self::ShuttingDown => "callee shutting down",
+            Self::DeviceMap => "device map error",
         })
     }
 }
@@ -157,6 +161,9 @@ pub enum CallError {
     /// The reference is not known here (dropped, or never created).
     #[error("unknown remote reference {0}")]
     UnknownRRef(RRefId),
+    /// The call could not be sent (its tensors could not be copied off their device, ...).
+    #[error("the call could not be sent: {0}")]
+    Local(String),
 }
 
 /// The header of every protocol message. Serialized with the frame; bodies ride beside it.

@@ -242,3 +242,92 @@ mod tests {
         assert!(matches!(e, Err(TensorError::Overflow(_))));
     }
 }
+
+/// What the receiver needs to rebuild a tensor sent beside a message: element type, shape, and
+/// the device it must land on there. Its bytes travel as a raw payload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorMeta {
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Where the tensor lands at the receiver.
+    pub device: Device,
+}
+
+/// Serializing tensors inside messages.
+///
+/// A [`Tensor`] inside a value being encoded is not written into the encoded bytes: it is set
+/// aside (see [`collect_tensors`]) and written as its index; its bytes travel beside the message,
+/// untouched. Decoding takes the tensors back by index (see [`provide_tensors`]). Outside these
+/// scopes, serializing a tensor is an error.
+pub mod sidecar {
+    use std::cell::RefCell;
+
+    use super::Tensor;
+
+    thread_local! {
+        static SINK: RefCell<Option<Vec<Tensor>>> = const { RefCell::new(None) };
+        static SOURCE: RefCell<Option<Vec<Option<Tensor>>>> = const { RefCell::new(None) };
+    }
+
+    /// Runs `f` (an encode) and returns its result with the tensors it set aside, in index order.
+    pub fn collect_tensors<R>(f: impl FnOnce() -> R) -> (R, Vec<Tensor>) {
+        let prev = SINK.with(|s| s.borrow_mut().replace(Vec::new()));
+        let r = f();
+        let tensors = SINK
+            .with(|s| std::mem::replace(&mut *s.borrow_mut(), prev))
+            .unwrap_or_default();
+        (r, tensors)
+    }
+
+    /// Runs `f` (a decode) with `tensors` available by index; each can be taken once.
+    pub fn provide_tensors<R>(tensors: Vec<Tensor>, f: impl FnOnce() -> R) -> R {
+        let prev = SOURCE.with(|s| {
+            s.borrow_mut()
+                .replace(tensors.into_iter().map(Some).collect())
+        });
+        let r = f();
+        SOURCE.with(|s| *s.borrow_mut() = prev);
+        r
+    }
+
+    pub(super) fn put(t: &Tensor) -> Option<u32> {
+        SINK.with(|s| {
+            let mut s = s.borrow_mut();
+            let v = s.as_mut()?;
+            v.push(t.clone());
+            u32::try_from(v.len() - 1).ok()
+        })
+    }
+
+    pub(super) fn take(i: u32) -> Result<Tensor, String> {
+        SOURCE.with(|s| {
+            let mut s = s.borrow_mut();
+            let v = s
+                .as_mut()
+                .ok_or("a tensor can only be decoded from a tensorwire message")?;
+            v.get_mut(i as usize)
+                .and_then(Option::take)
+                .ok_or_else(|| format!("the message has no tensor #{i} (or it was used twice)"))
+        })
+    }
+}
+
+impl Serialize for Tensor {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let index = sidecar::put(self).ok_or_else(|| {
+            serde::ser::Error::custom(
+                "a tensor can only be serialized as part of a tensorwire message",
+            )
+        })?;
+        serializer.serialize_u32(index)
+    }
+}
+
+impl<'de> Deserialize<'de> for Tensor {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let index = u32::deserialize(deserializer)?;
+        sidecar::take(index).map_err(serde::de::Error::custom)
+    }
+}

@@ -16,6 +16,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a parameter server and trainers on this machine and show what happens.
+    Demo(cli::demo::Args),
     /// Check a cluster plan's device maps before launch.
     Validate(cli::validate::Args),
     /// Measure tensorwire against a raw baseline (`bench transport`).
@@ -29,6 +31,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Demo(args) => cli::demo::run(args),
         Command::Validate(args) => cli::validate::run(args),
         Command::Bench(args) => cli::bench::run(args),
         Command::Launch(args) => cli::launch::run(args),

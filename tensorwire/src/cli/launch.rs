@@ -47,6 +47,22 @@ pub(crate) struct Args {
     command: Vec<String>,
 }
 
+impl Args {
+    /// `nproc` local workers running `command`, with a fresh cluster secret.
+    pub(crate) fn local(nproc: u32, command: Vec<String>) -> Self {
+        Self {
+            nproc,
+            master_addr: "127.0.0.1".into(),
+            master_port: None,
+            secret_file: None,
+            insecure: false,
+            grace: 5.0,
+            no_prefix: false,
+            command,
+        }
+    }
+}
+
 pub(crate) fn run(args: Args) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

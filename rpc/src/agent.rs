@@ -1,0 +1,1335 @@
+//! The agent: drives the protocol state machine of `core::protocol` over a transport.
+//!
+//! One driver task owns the rhythm: it takes messages the endpoint wants sent and hands them to
+//! per-peer writer tasks (one per connection, so messages to a peer keep their order), takes
+//! events and dispatches them (run a function, complete a caller's future, drop a value), and
+//! sleeps until the endpoint's next timer or until something changes. Reader tasks, one per
+//! connection, feed received frames into the endpoint.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::device::{Device, DeviceMaps};
+use tensorwire_core::name::check_worker_name;
+use tensorwire_core::ports::store::Store;
+use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::protocol::{
+    CallError, Endpoint, EndpointConfig, Event, MessageId, RRefHandle, RRefId, RemoteError,
+    RemoteErrorKind, RequestToken, Transmit, WorkerId,
+};
+use tensorwire_core::reverse::{device_list, reverse_device_maps};
+use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
+use tensorwire_core::wire::{Frame, FrameKind};
+use tensorwire_process_group::{rendezvous, Rendezvous, RendezvousOptions, Secret};
+use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
+use tokio::sync::{mpsc, oneshot, Notify};
+use tracing::{debug, info, warn};
+
+use crate::codec::{self, Envelope, Hello};
+use crate::error::RpcError;
+use crate::functions::{Functions, HandlerError, Invocation, Value};
+use crate::options::RpcOptions;
+use crate::rref::RRef;
+use crate::tensors::{self, TensorTransferError, WireTensors};
+use tensorwire_core::placement::Direction;
+use tensorwire_core::ports::device::DeviceBackend;
+
+/// A worker's name and id (its rank in a static group).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    /// The name.
+    pub name: String,
+    /// The id (rank).
+    pub id: WorkerId,
+}
+
+impl fmt::Display for WorkerInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (rank {})", self.name, self.id)
+    }
+}
+
+/// How to name a callee: by name, rank or [`WorkerInfo`].
+#[derive(Debug, Clone)]
+pub enum WorkerRef {
+    /// By name.
+    Name(String),
+    /// By rank.
+    Rank(WorkerId),
+}
+
+impl From<&str> for WorkerRef {
+    fn from(s: &str) -> Self {
+        WorkerRef::Name(s.to_owned())
+    }
+}
+impl From<String> for WorkerRef {
+    fn from(s: String) -> Self {
+        WorkerRef::Name(s)
+    }
+}
+impl From<WorkerId> for WorkerRef {
+    fn from(r: WorkerId) -> Self {
+        WorkerRef::Rank(r)
+    }
+}
+impl From<&WorkerInfo> for WorkerRef {
+    fn from(w: &WorkerInfo) -> Self {
+        WorkerRef::Rank(w.id)
+    }
+}
+
+/// What travels through the endpoint with a message: the encoded arguments or result, and for
+/// methods the reference they are called on.
+#[derive(Debug, Clone)]
+pub(crate) struct Body {
+    pub(crate) target: Option<RRefId>,
+    pub(crate) data: Bytes,
+    pub(crate) tensors: WireTensors,
+}
+
+type Waiter = oneshot::Sender<Result<Body, CallError>>;
+
+/// What every worker publishes at init.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct WorkerRecord {
+    rank: WorkerId,
+    addr: SocketAddr,
+    devices: WorkerDeviceInfo,
+}
+
+pub(crate) struct State {
+    pub(crate) ep: Endpoint<Body>,
+    waiters: HashMap<MessageId, Waiter>,
+    values: HashMap<RRefId, Arc<dyn Value>>,
+    peers: HashMap<WorkerId, mpsc::UnboundedSender<Frame>>,
+    /// Why the connection to a peer is gone, for the errors of later calls to it.
+    lost: HashMap<WorkerId, String>,
+}
+
+pub(crate) struct Inner {
+    me: WorkerInfo,
+    workers: Vec<WorkerInfo>,
+    by_name: HashMap<String, WorkerId>,
+    rpc_timeout: Duration,
+    functions: Functions,
+    backend: Arc<dyn DeviceBackend>,
+    state: Mutex<State>,
+    wake: Notify,
+    stopped: Notify,
+    store: Arc<dyn Store>,
+    reverse_device_maps: DeviceMaps,
+    devices: Vec<Device>,
+    device_maps: DeviceMaps,
+    rendezvous: Mutex<Option<Rendezvous>>,
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+/// A running RPC agent. Cheap to clone; every clone is the same agent.
+#[derive(Clone)]
+pub struct Agent {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Agent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Agent")
+            .field("me", &self.inner.me)
+            .field("world", &self.inner.workers.len())
+            .finish()
+    }
+}
+
+fn secret_bytes(options: &RpcOptions) -> Option<Vec<u8>> {
+    options.secret.clone().or_else(|| {
+        std::env::var_os(tensorwire_transport_tcp::SECRET_ENV)
+            .filter(|v| !v.is_empty())
+            .map(|v| v.into_encoded_bytes())
+    })
+}
+
+/// The address peers reach us at: loopback when the rendezvous is local, else the local
+/// address that routes to it (learned from a connected UDP socket; nothing is sent).
+fn advertise_ip(options: &RpcOptions) -> IpAddr {
+    if let Some(ip) = options.listen_ip {
+        return ip;
+    }
+    let master = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+    let port = std::env::var("MASTER_PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(29500u16);
+    let resolved = std::net::ToSocketAddrs::to_socket_addrs(&(master.as_str(), port))
+        .ok()
+        .and_then(|mut it| it.next());
+    match resolved {
+        Some(a) if a.ip().is_loopback() => a.ip(),
+        Some(a) => std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
+            .and_then(|s| s.connect(a).and_then(|()| s.local_addr()))
+            .map(|l| l.ip())
+            .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+        None => IpAddr::V4(Ipv4Addr::LOCALHOST),
+    }
+}
+
+/// Starts the agent of worker `name` with rank `rank` in a static group of `world_size`
+/// workers: rendezvous, exchange and validation of device plans, connections to every peer,
+/// and a barrier. A bad device map fails init on every worker with the same error.
+///
+/// Dynamic groups (`world_size = None`) are not supported yet and give an error.
+pub async fn init_rpc(
+    name: &str,
+    rank: usize,
+    world_size: Option<usize>,
+    options: RpcOptions,
+) -> Result<Agent, RpcError> {
+    check_worker_name(name)?;
+    let Some(world_size) = world_size else {
+        return Err(RpcError::Init(
+            "dynamic groups (world_size = None) are not supported yet".into(),
+        ));
+    };
+    if rank >= world_size {
+        return Err(RpcError::Init(format!(
+            "rank {rank} is not below world_size {world_size}"
+        )));
+    }
+    let started = Instant::now();
+    let secret = secret_bytes(&options);
+    let tcp = TcpConfig::resolve(
+        secret
+            .clone()
+            .map(ClusterSecret::new)
+            .transpose()
+            .map_err(|e| RpcError::Init(e.to_string()))?,
+        options.insecure,
+    )?;
+    let transport = TcpTransport::new(tcp)?;
+
+    let rdv_options = RendezvousOptions {
+        timeout: options.init_timeout,
+        secret: secret.clone().and_then(Secret::new),
+        ..RendezvousOptions::default()
+    };
+    let url = with_rank(&options.init_method, rank, world_size);
+    let rdv = rendezvous(&url, rdv_options).await?;
+    if rdv.rank != rank || rdv.world_size != world_size {
+        return Err(RpcError::Init(format!(
+            "rendezvous gave rank {} of {}, but init_rpc was called with rank {rank} of {world_size}",
+            rdv.rank, rdv.world_size
+        )));
+    }
+    let store = Arc::clone(&rdv.store);
+    let me_id = rank as WorkerId;
+
+    let listener = transport
+        .listen(SocketAddr::new(advertise_ip(&options), 0))
+        .await?;
+    let record = WorkerRecord {
+        rank: me_id,
+        addr: listener.local_addr(),
+        devices: WorkerDeviceInfo {
+            name: name.to_owned(),
+            device_count: options.device_backend.device_count(),
+            devices: options.devices.clone(),
+            device_maps: options.device_maps.clone(),
+        },
+    };
+    let encoded = postcard::to_allocvec(&record).map_err(|e| RpcError::Serialization {
+        what: "the worker record".into(),
+        message: e.to_string(),
+    })?;
+    store.set(&format!("rpc/worker/{rank}"), &encoded).await?;
+    wait_ranks(
+        &*store,
+        "rpc/worker",
+        0..world_size,
+        options.init_timeout,
+        "init_rpc: waiting for every worker's record",
+        rank_only,
+    )
+    .await?;
+    let keys: Vec<String> = (0..world_size).map(|r| format!("rpc/worker/{r}")).collect();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let raw = store.multi_get(&key_refs).await?;
+    // Rank 0 hosts the store: it must not go away (say, on a validation error that every rank
+    // is about to find too) before every rank has read the records.
+    store.set(&format!("rpc/fetched/{rank}"), b"1").await?;
+    if rank == 0 {
+        wait_ranks(
+            &*store,
+            "rpc/fetched",
+            0..world_size,
+            options.init_timeout,
+            "init_rpc: waiting for every worker to read the records",
+            rank_only,
+        )
+        .await?;
+    }
+    let mut records = Vec::with_capacity(world_size);
+    for (r, bytes) in raw.iter().enumerate() {
+        let rec: WorkerRecord =
+            postcard::from_bytes(bytes).map_err(|e| RpcError::Serialization {
+                what: format!("the record of rank {r}"),
+                message: e.to_string(),
+            })?;
+        records.push(rec);
+    }
+    let mut by_name = HashMap::new();
+    for rec in &records {
+        if let Some(other) = by_name.insert(rec.devices.name.clone(), rec.rank) {
+            return Err(RpcError::Init(format!(
+                "worker name {:?} is used by ranks {other} and {}",
+                rec.devices.name, rec.rank
+            )));
+        }
+    }
+    let infos: Vec<WorkerDeviceInfo> = records.iter().map(|r| r.devices.clone()).collect();
+    validate_device_maps(&infos, GroupKind::Static)
+        .map_err(|e| RpcError::DeviceMaps(Box::new(e)))?;
+    let reverse = reverse_device_maps(name, &infos);
+    let devices = device_list(&options.devices, &options.device_maps, &reverse);
+
+    let inner = Arc::new(Inner {
+        me: WorkerInfo {
+            name: name.to_owned(),
+            id: me_id,
+        },
+        workers: records
+            .iter()
+            .map(|r| WorkerInfo {
+                name: r.devices.name.clone(),
+                id: r.rank,
+            })
+            .collect(),
+        by_name,
+        rpc_timeout: options.rpc_timeout,
+        functions: options.functions.clone(),
+        backend: Arc::clone(&options.device_backend),
+        state: Mutex::new(State {
+            ep: Endpoint::new(me_id, EndpointConfig::default()),
+            waiters: HashMap::new(),
+            values: HashMap::new(),
+            peers: HashMap::new(),
+            lost: HashMap::new(),
+        }),
+        wake: Notify::new(),
+        stopped: Notify::new(),
+        store: Arc::clone(&store),
+        reverse_device_maps: reverse,
+        devices,
+        device_maps: options.device_maps.clone(),
+        rendezvous: Mutex::new(Some(rdv)),
+        tasks: Mutex::new(Vec::new()),
+    });
+    let agent = Agent { inner };
+
+    // Connections: accept from lower ranks, connect to higher ones; one per pair.
+    let expected_lower = rank;
+    let (conn_tx, mut conn_rx) = mpsc::unbounded_channel::<(WorkerId, Box<dyn Connection>)>();
+    let accept_tx = conn_tx.clone();
+    let accept_task = tokio::spawn(async move {
+        for _ in 0..expected_lower {
+            match listener.accept().await {
+                Ok(conn) => {
+                    let tx = accept_tx.clone();
+                    tokio::spawn(async move {
+                        match tokio::time::timeout(Duration::from_secs(30), conn.recv()).await {
+                            Ok(Ok(frame)) => match postcard::from_bytes::<Hello>(&frame.header) {
+                                Ok(h) => {
+                                    let _ = tx.send((h.rank, conn));
+                                }
+                                Err(e) => warn!(
+                                    "dropping a connection from {} that sent no valid hello: {e}",
+                                    conn.peer_addr()
+                                ),
+                            },
+                            Ok(Err(e)) => {
+                                warn!("dropping a connection that failed before its hello: {e}")
+                            }
+                            Err(_) => warn!(
+                                "dropping a connection from {} that sent no hello in 30 s",
+                                conn.peer_addr()
+                            ),
+                        }
+                    });
+                }
+                Err(e) => {
+                    warn!("the RPC listener failed: {e}");
+                    return;
+                }
+            }
+        }
+    });
+    for rec in records.iter().filter(|r| r.rank > me_id) {
+        let conn = connect_with_retry(&transport, rec.addr, options.init_timeout)
+            .await
+            .map_err(|e| {
+                RpcError::Init(format!(
+                    "cannot connect to {} (rank {}) at {}: {e}",
+                    rec.devices.name, rec.rank, rec.addr
+                ))
+            })?;
+        let hello = postcard::to_allocvec(&Hello {
+            rank: me_id,
+            name: name.to_owned(),
+        })
+        .map_err(|e| RpcError::Serialization {
+            what: "hello".into(),
+            message: e.to_string(),
+        })?;
+        conn.send(Frame::control(hello, vec![])).await?;
+        let _ = conn_tx.send((rec.rank, conn));
+    }
+    drop(conn_tx);
+    let mut connected = 0usize;
+    let deadline = tokio::time::Instant::now() + options.init_timeout;
+    while connected < world_size - 1 {
+        match tokio::time::timeout_at(deadline, conn_rx.recv()).await {
+            Ok(Some((peer, conn))) => {
+                agent.attach(peer, conn);
+                connected += 1;
+            }
+            Ok(None) | Err(_) => {
+                let have: Vec<WorkerId> = agent.lock().peers.keys().copied().collect();
+                let missing: Vec<String> = (0..world_size as WorkerId)
+                    .filter(|r| *r != me_id && !have.contains(r))
+                    .map(|r| r.to_string())
+                    .collect();
+                accept_task.abort();
+                return Err(RpcError::Timeout {
+                    what: "init_rpc: connecting to every worker".into(),
+                    after: options.init_timeout,
+                    waiting_for: Some(format!("ranks {}", missing.join(", "))),
+                });
+            }
+        }
+    }
+    let driver = tokio::spawn(drive(agent.clone()));
+    agent.tasks().push(driver);
+    agent.barrier("init", options.init_timeout).await?;
+    info!(worker = %agent.inner.me, world_size, took = ?started.elapsed(), "RPC agent started");
+    Ok(agent)
+}
+
+fn with_rank(url: &str, rank: usize, world_size: usize) -> String {
+    if url.starts_with("env://") && !url.contains("rank=") {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{sep}rank={rank}&world_size={world_size}")
+    } else {
+        url.to_owned()
+    }
+}
+
+async fn connect_with_retry(
+    transport: &TcpTransport,
+    addr: SocketAddr,
+    limit: Duration,
+) -> Result<Box<dyn Connection>, String> {
+    let deadline = Instant::now() + limit;
+    let mut delay = Duration::from_millis(10);
+    loop {
+        match transport.connect(addr).await {
+            Ok(c) => return Ok(c),
+            Err(e) if e.to_string().contains("authentication") => return Err(e.to_string()),
+            Err(e) if Instant::now() + delay > deadline => return Err(e.to_string()),
+            Err(e) => {
+                debug!("connect to {addr} failed ({e}); retrying in {delay:?}");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// Waits until every rank in `ranks` has set `{prefix}/{rank}` in the store. On timeout the
+/// error names the ranks that have not (`name` turns a rank into words).
+async fn wait_ranks(
+    store: &dyn Store,
+    prefix: &str,
+    ranks: std::ops::Range<usize>,
+    timeout: Duration,
+    what: &str,
+    name: impl Fn(usize) -> String,
+) -> Result<(), RpcError> {
+    let keys: Vec<String> = ranks.clone().map(|r| format!("{prefix}/{r}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let Err(e) = store.wait(&refs, timeout).await else {
+        return Ok(());
+    };
+    let mut missing = Vec::new();
+    for (rank, key) in ranks.zip(&refs) {
+        match store.check(&[key]).await {
+            Ok(true) => {}
+            Ok(false) => missing.push(name(rank)),
+            // The store itself is gone (rank 0 left): say that, not "everyone is missing".
+            Err(_) => return Err(RpcError::Store(e)),
+        }
+    }
+    if missing.is_empty() {
+        return Err(RpcError::Store(e));
+    }
+    Err(RpcError::Timeout {
+        what: what.to_owned(),
+        after: timeout,
+        waiting_for: Some(missing.join(", ")),
+    })
+}
+
+fn rank_only(rank: usize) -> String {
+    format!("rank {rank}")
+}
+
+fn remote_error(
+    worker: WorkerId,
+    kind: RemoteErrorKind,
+    message: impl Into<String>,
+) -> RemoteError {
+    RemoteError {
+        worker,
+        kind,
+        message: message.into(),
+    }
+}
+
+impl Agent {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn tasks(&self) -> MutexGuard<'_, Vec<tokio::task::JoinHandle<()>>> {
+        self.inner
+            .tasks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn wake(&self) {
+        self.inner.wake.notify_one();
+    }
+
+    /// This worker.
+    pub fn worker_info(&self) -> &WorkerInfo {
+        &self.inner.me
+    }
+
+    /// Every worker of the group, in rank order.
+    pub fn worker_infos(&self) -> &[WorkerInfo] {
+        &self.inner.workers
+    }
+
+    /// The worker named `name`.
+    pub fn get_worker_info(&self, name: &str) -> Result<&WorkerInfo, RpcError> {
+        self.resolve(&WorkerRef::Name(name.to_owned()))
+            .map(|id| &self.inner.workers[id as usize])
+    }
+
+    /// The devices this agent handles (sorted, without the CPU).
+    pub fn devices(&self) -> &[Device] {
+        &self.inner.devices
+    }
+
+    /// This worker's device maps.
+    pub fn device_maps(&self) -> &DeviceMaps {
+        &self.inner.device_maps
+    }
+
+    /// This worker's reverse device maps (where its responses' tensors land).
+    pub fn reverse_device_maps(&self) -> &DeviceMaps {
+        &self.inner.reverse_device_maps
+    }
+
+    /// The functions this worker serves; functions registered later are served too.
+    pub fn functions(&self) -> &Functions {
+        &self.inner.functions
+    }
+
+    /// How many values this worker keeps for remote references it owns.
+    pub fn owned_value_count(&self) -> usize {
+        self.lock().values.len()
+    }
+
+    /// The group's store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.inner.store
+    }
+
+    fn resolve(&self, to: &WorkerRef) -> Result<WorkerId, RpcError> {
+        let known = || {
+            self.inner
+                .workers
+                .iter()
+                .map(|w| w.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        match to {
+            WorkerRef::Name(n) => self
+                .inner
+                .by_name
+                .get(n)
+                .copied()
+                .ok_or_else(|| RpcError::UnknownWorker(n.clone(), known())),
+            WorkerRef::Rank(r) if (*r as usize) < self.inner.workers.len() => Ok(*r),
+            WorkerRef::Rank(r) => Err(RpcError::UnknownWorker(format!("rank {r}"), known())),
+        }
+    }
+
+    /// "rank 2 (w2)".
+    fn describe(&self, rank: usize) -> String {
+        format!("rank {rank} ({})", self.name_of(rank as WorkerId))
+    }
+
+    pub(crate) fn name_of(&self, id: WorkerId) -> String {
+        self.inner
+            .workers
+            .get(id as usize)
+            .map_or_else(|| format!("rank {id}"), |w| w.name.clone())
+    }
+
+    fn timeout_or_default(&self, timeout: Option<Duration>) -> Duration {
+        timeout.unwrap_or(self.inner.rpc_timeout)
+    }
+
+    /// Calls `function(args)` on `to` and waits for its result. `timeout` overrides the default
+    /// (zero: none). Tensors in `args` move by this worker's device map for `to`.
+    pub async fn rpc_sync<A, R>(
+        &self,
+        to: impl Into<WorkerRef>,
+        function: &str,
+        args: &A,
+        timeout: Option<Duration>,
+    ) -> Result<R, RpcError>
+    where
+        A: Serialize + ?Sized,
+        R: DeserializeOwned + Send + 'static,
+    {
+        self.rpc_async(to, function, args, timeout)?.await
+    }
+
+    /// Sends `function(args)` to `to` now and returns a future of its result, to await later.
+    /// A tensor that cannot go to `to` (a CUDA tensor without a device map entry) fails here,
+    /// before anything is sent.
+    pub fn rpc_async<A, R>(
+        &self,
+        to: impl Into<WorkerRef>,
+        function: &str,
+        args: &A,
+        timeout: Option<Duration>,
+    ) -> Result<RpcFuture<R>, RpcError>
+    where
+        A: Serialize + ?Sized,
+        R: DeserializeOwned + Send + 'static,
+    {
+        let to = self.resolve(&to.into())?;
+        self.send_call(to, function, args, None, timeout)
+    }
+
+    fn transfer_error(&self, to: WorkerId, function: &str, e: TensorTransferError) -> RpcError {
+        match e {
+            TensorTransferError::Encode(e) => RpcError::Serialization {
+                what: format!("the arguments of {function:?}"),
+                message: e.to_string(),
+            },
+            other => RpcError::Tensors {
+                to: self.name_of(to),
+                function: function.to_owned(),
+                message: other.to_string(),
+            },
+        }
+    }
+
+    pub(crate) fn send_call<A, R>(
+        &self,
+        to: WorkerId,
+        function: &str,
+        args: &A,
+        target: Option<RRefId>,
+        timeout: Option<Duration>,
+    ) -> Result<RpcFuture<R>, RpcError>
+    where
+        A: Serialize + ?Sized,
+        R: DeserializeOwned + Send + 'static,
+    {
+        let prepared = tensors::prepare(self, to, args, Direction::Request)
+            .map_err(|e| self.transfer_error(to, function, e))?;
+        let timeout = self.timeout_or_default(timeout);
+        let (tx, rx) = oneshot::channel();
+        let call = {
+            let function = function.to_owned();
+            move |ep: &mut Endpoint<Body>, body: Body| {
+                ep.call(to, &function, body, timeout, Instant::now())
+            }
+        };
+        if prepared.on_host() {
+            let body = Body {
+                target,
+                data: prepared.data,
+                tensors: tensors::host_to_wire(prepared.tensors),
+            };
+            let mut st = self.lock();
+            let id = call(&mut st.ep, body).map_err(|_| RpcError::NotRunning)?;
+            st.waiters.insert(id, tx);
+        } else {
+            // Device tensors are copied to host memory first; the call goes out when they are.
+            let agent = self.clone();
+            tokio::spawn(async move {
+                match tensors::to_wire(&*agent.inner.backend, prepared.tensors).await {
+                    Ok(wire) => {
+                        let body = Body {
+                            target,
+                            data: prepared.data,
+                            tensors: wire,
+                        };
+                        let mut st = agent.lock();
+                        match call(&mut st.ep, body) {
+                            Ok(id) => {
+                                st.waiters.insert(id, tx);
+                            }
+                            Err(e) => {
+                                let _ = tx.send(Err(e));
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(CallError::Local(e.to_string())));
+                    }
+                }
+                agent.wake();
+            });
+        }
+        self.wake();
+        Ok(RpcFuture::new(
+            self.clone(),
+            rx,
+            self.name_of(to),
+            function.to_owned(),
+        ))
+    }
+
+    /// Creates a value on `to` by running `function(args)` there, and returns a reference to it
+    /// at once. The value lives on `to` until every reference to it is dropped.
+    ///
+    /// Arguments may hold CPU tensors (moved by the device map); CUDA tensors in `remote`
+    /// arguments are not supported yet.
+    pub fn remote<A, T>(
+        &self,
+        to: impl Into<WorkerRef>,
+        function: &str,
+        args: &A,
+        timeout: Option<Duration>,
+    ) -> Result<RRef<T>, RpcError>
+    where
+        A: Serialize + ?Sized,
+        T: Send + Sync + 'static,
+    {
+        let to = self.resolve(&to.into())?;
+        let prepared = tensors::prepare(self, to, args, Direction::Request)
+            .map_err(|e| self.transfer_error(to, function, e))?;
+        if !prepared.on_host() {
+            return Err(RpcError::Tensors {
+                to: self.name_of(to),
+                function: function.to_owned(),
+                message: "CUDA tensors in remote() arguments are not supported yet; move them to cpu (the device map still places them at the owner)".into(),
+            });
+        }
+        let body = Body {
+            target: None,
+            data: prepared.data,
+            tensors: tensors::host_to_wire(prepared.tensors),
+        };
+        let timeout = self.timeout_or_default(timeout);
+        let (tx, rx) = oneshot::channel();
+        let handle = {
+            let mut st = self.lock();
+            let (handle, id) = st
+                .ep
+                .remote(to, function, body, timeout, Instant::now())
+                .map_err(|_| RpcError::NotRunning)?;
+            st.waiters.insert(id, tx);
+            handle
+        };
+        self.wake();
+        Ok(RRef::new(self.clone(), handle, Some(rx)))
+    }
+
+    /// The value of a reference this worker owns.
+    pub(crate) fn local_value(&self, rref: RRefId) -> Option<Arc<dyn Any + Send + Sync>> {
+        self.lock()
+            .values
+            .get(&rref)
+            .map(|v| Arc::clone(v).into_any())
+    }
+
+    pub(crate) fn fetch(
+        &self,
+        handle: RRefHandle,
+        timeout: Option<Duration>,
+    ) -> Result<oneshot::Receiver<Result<Body, CallError>>, RpcError> {
+        let timeout = self.timeout_or_default(timeout);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut st = self.lock();
+            let id = st
+                .ep
+                .fetch(handle, timeout, Instant::now())
+                .map_err(|e| match e {
+                    CallError::NotRunning => RpcError::NotRunning,
+                    other => RpcError::RRef {
+                        rref: handle.rref.to_string(),
+                        reason: other.to_string(),
+                    },
+                })?;
+            st.waiters.insert(id, tx);
+        }
+        self.wake();
+        Ok(rx)
+    }
+
+    /// Gathers one value from every worker, in rank order (through the store). Every worker must
+    /// call it with the same `name`, once per name.
+    pub async fn all_gather<T: Serialize + DeserializeOwned>(
+        &self,
+        name: &str,
+        value: &T,
+        timeout: Duration,
+    ) -> Result<Vec<T>, RpcError> {
+        let me = self.inner.me.id;
+        let n = self.inner.workers.len();
+        let bytes = postcard::to_allocvec(value).map_err(|e| RpcError::Serialization {
+            what: format!("the all_gather {name:?} value"),
+            message: e.to_string(),
+        })?;
+        self.inner
+            .store
+            .set(&format!("rpc/gather/{name}/{me}"), &bytes)
+            .await?;
+        wait_ranks(
+            &*self.inner.store,
+            &format!("rpc/gather/{name}"),
+            0..n,
+            timeout,
+            &format!("all_gather {name:?}"),
+            |r| self.describe(r),
+        )
+        .await?;
+        let keys: Vec<String> = (0..n).map(|r| format!("rpc/gather/{name}/{r}")).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let values = self.inner.store.multi_get(&refs).await?;
+        values
+            .iter()
+            .enumerate()
+            .map(|(r, b)| {
+                postcard::from_bytes(b).map_err(|e| RpcError::Serialization {
+                    what: format!("the all_gather {name:?} value of rank {r}"),
+                    message: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// Waits until every worker reached the barrier `name` (through the store). On timeout the
+    /// error names the ranks that did not arrive.
+    pub async fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RpcError> {
+        let me = self.inner.me.id;
+        let n = self.inner.workers.len();
+        self.inner
+            .store
+            .set(&format!("rpc/barrier/{name}/{me}"), b"1")
+            .await?;
+        wait_ranks(
+            &*self.inner.store,
+            &format!("rpc/barrier/{name}"),
+            0..n,
+            timeout,
+            &format!("barrier {name:?}"),
+            |r| self.describe(r),
+        )
+        .await
+    }
+
+    /// Stops the agent. Graceful: waits until this worker's calls are answered, then until every
+    /// worker got there, then until every worker has answered what it was asked, and stops; each
+    /// stage is bounded by `timeout`, and an error names the workers that did not arrive.
+    /// Immediate (`graceful = false`): pending calls fail at once. Afterwards every call fails
+    /// with "RPC is no longer running".
+    pub async fn shutdown(&self, graceful: bool, timeout: Duration) -> Result<(), RpcError> {
+        let result = if graceful {
+            self.graceful(timeout).await
+        } else {
+            Ok(())
+        };
+        {
+            let mut st = self.lock();
+            st.ep.stop();
+            st.peers.clear();
+        }
+        self.wake();
+        self.inner.stopped.notify_waiters();
+        // Let the driver deliver the failures, then stop the tasks.
+        tokio::task::yield_now().await;
+        for t in self.tasks().drain(..) {
+            t.abort();
+        }
+        // Rank 0 hosts the store: wait (bounded) for the others to leave it before closing it,
+        // also when the shutdown failed, so that their errors say what happened.
+        if graceful {
+            let n = self.inner.workers.len();
+            let me = self.inner.me.id;
+            if me != 0 {
+                let _ = self.inner.store.set(&format!("rpc/left/{me}"), b"1").await;
+            } else {
+                let _ = wait_ranks(
+                    &*self.inner.store,
+                    "rpc/left",
+                    1..n,
+                    timeout,
+                    "shutdown: waiting for workers to leave",
+                    rank_only,
+                )
+                .await;
+            }
+        }
+        let rdv = self
+            .inner
+            .rendezvous
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(rdv);
+        result
+    }
+
+    async fn graceful(&self, timeout: Duration) -> Result<(), RpcError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        // 1. Our own calls are answered.
+        loop {
+            let outstanding = self.lock().ep.outstanding_calls();
+            if outstanding == 0 {
+                break;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(RpcError::Timeout {
+                    what: format!("shutdown: {outstanding} calls of this worker still unanswered"),
+                    after: timeout,
+                    waiting_for: None,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        // 2. Everyone's calls are answered.
+        self.barrier("shutdown-calls", deadline - tokio::time::Instant::now())
+            .await?;
+        // 3. Nothing in flight here (requests answered, control messages acknowledged).
+        loop {
+            if self.lock().ep.is_idle() {
+                break;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(RpcError::Timeout {
+                    what:
+                        "shutdown: requests still being served or references still being released"
+                            .into(),
+                    after: timeout,
+                    waiting_for: None,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        self.lock().ep.begin_shutdown();
+        self.barrier("shutdown-idle", deadline - tokio::time::Instant::now())
+            .await
+    }
+
+    /// Registers the connection to `peer` and starts its reader and writer tasks.
+    fn attach(&self, peer: WorkerId, conn: Box<dyn Connection>) {
+        let conn: Arc<dyn Connection> = Arc::from(conn);
+        let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
+        self.lock().peers.insert(peer, tx);
+        let writer_conn = Arc::clone(&conn);
+        let agent = self.clone();
+        let writer = tokio::spawn(async move {
+            while let Some(frame) = rx.recv().await {
+                if let Err(e) = writer_conn.send(frame).await {
+                    agent.peer_lost(peer, &e.to_string());
+                    return;
+                }
+            }
+            let _ = writer_conn.close().await;
+        });
+        let agent = self.clone();
+        let reader = tokio::spawn(async move {
+            loop {
+                match conn.recv().await {
+                    Ok(frame) => agent.on_frame(peer, frame),
+                    Err(e) => {
+                        if agent.lock().ep.state() == tensorwire_core::protocol::RunState::Running {
+                            agent.peer_lost(peer, &e.to_string());
+                        }
+                        return;
+                    }
+                }
+            }
+        });
+        self.tasks().extend([writer, reader]);
+    }
+
+    fn peer_lost(&self, peer: WorkerId, reason: &str) {
+        let name = self.name_of(peer);
+        warn!("lost the connection to {name} (rank {peer}): {reason}");
+        {
+            let mut st = self.lock();
+            st.peers.remove(&peer);
+            let reason = format!("{name}: {reason}");
+            st.ep.handle_peer_lost(peer, &reason, Instant::now());
+            st.lost.insert(peer, reason);
+        }
+        self.wake();
+    }
+
+    fn on_frame(&self, from: WorkerId, frame: Frame) {
+        let envelope: Envelope = match postcard::from_bytes(&frame.header) {
+            Ok(e) => e,
+            Err(e) => {
+                warn!("dropping a malformed message from rank {from}: {e}");
+                return;
+            }
+        };
+        let mut payloads = frame.payloads.into_iter();
+        let body = match payloads.next() {
+            Some(data) => {
+                let bytes: Vec<Bytes> = payloads.collect();
+                if bytes.len() != envelope.tensors.len() {
+                    warn!(
+                        "dropping a message from rank {from}: it announces {} tensors and carries {}",
+                        envelope.tensors.len(),
+                        bytes.len()
+                    );
+                    return;
+                }
+                let tensors = envelope.tensors.into_iter().zip(bytes).collect();
+                Some(Body {
+                    target: envelope.target,
+                    data,
+                    tensors,
+                })
+            }
+            None => None,
+        };
+        self.lock()
+            .ep
+            .handle_message(from, envelope.header, body, Instant::now());
+        self.wake();
+    }
+
+    fn send(&self, st: &mut State, t: Transmit<Body>) {
+        let (target, payloads, metas) = match t.body {
+            Some(b) => {
+                let (metas, bytes): (Vec<_>, Vec<_>) = b.tensors.into_iter().unzip();
+                let mut payloads = Vec::with_capacity(1 + bytes.len());
+                payloads.push(b.data);
+                payloads.extend(bytes);
+                (b.target, payloads, metas)
+            }
+            None => (None, vec![], vec![]),
+        };
+        let header = match postcard::to_allocvec(&Envelope {
+            header: t.header,
+            target,
+            tensors: metas,
+        }) {
+            Ok(h) => h,
+            Err(e) => {
+                warn!("cannot encode a message header: {e}");
+                return;
+            }
+        };
+        let frame = Frame {
+            kind: FrameKind::Message,
+            header: header.into(),
+            payloads,
+        };
+        match st.peers.get(&t.to) {
+            Some(tx) if tx.send(frame).is_ok() => {}
+            _ => {
+                let reason = match st.lost.get(&t.to) {
+                    Some(why) => format!("the connection was lost earlier ({why})"),
+                    None => format!("no connection to {}", self.name_of(t.to)),
+                };
+                st.ep.handle_peer_lost(t.to, &reason, Instant::now());
+            }
+        }
+    }
+
+    fn dispatch(&self, ev: Event<Body>) {
+        match ev {
+            Event::Call {
+                token,
+                function,
+                body,
+            } => self.serve(token, function, body, None),
+            Event::Remote {
+                token,
+                function,
+                body,
+                rref,
+            } => self.serve(token, function, body, Some(rref)),
+            Event::Fetch { token, rref } => {
+                let value = self.lock().values.get(&rref).cloned();
+                let agent = self.clone();
+                tokio::spawn(async move {
+                    let me = agent.inner.me.id;
+                    let outcome = match value {
+                        Some(v) => agent.reply_body(&*v, token.from()).await,
+                        None => Err(remote_error(
+                            me,
+                            RemoteErrorKind::RRef,
+                            format!("no value is kept for {rref}"),
+                        )),
+                    };
+                    agent.lock().ep.respond(token, outcome);
+                    agent.wake();
+                });
+            }
+            Event::Completed { id, outcome } => {
+                if let Some(tx) = self.lock().waiters.remove(&id) {
+                    let _ = tx.send(outcome);
+                }
+            }
+            Event::ReleaseValue { rref } => {
+                self.lock().values.remove(&rref);
+            }
+            _ => {}
+        }
+    }
+
+    /// Encodes a result for `to`, with its tensors placed by the reverse map and copied to host.
+    async fn reply_body(&self, value: &dyn Value, to: WorkerId) -> Result<Body, RemoteError> {
+        let me = self.inner.me.id;
+        let prepared = value.prepare(self, to).map_err(|e| match e {
+            TensorTransferError::Encode(e) => remote_error(
+                me,
+                RemoteErrorKind::Serialization,
+                format!("cannot encode: {e}"),
+            ),
+            other => remote_error(me, RemoteErrorKind::DeviceMap, other.to_string()),
+        })?;
+        let wire = tensors::to_wire(&*self.inner.backend, prepared.tensors)
+            .await
+            .map_err(|e| remote_error(me, RemoteErrorKind::DeviceMap, e.to_string()))?;
+        Ok(Body {
+            target: None,
+            data: prepared.data,
+            tensors: wire,
+        })
+    }
+
+    /// Runs a registered function for a request, catching errors and panics.
+    fn serve(&self, token: RequestToken, function: String, body: Body, keep_as: Option<RRefId>) {
+        let me = self.inner.me.id;
+        let agent = self.clone();
+        let Some(handler) = self.inner.functions.get(&function) else {
+            let names = self.inner.functions.names().join(", ");
+            let err = remote_error(
+                me,
+                RemoteErrorKind::UnknownFunction,
+                format!(
+                    "no function {function:?} is registered on {} (registered: {names})",
+                    self.inner.me.name
+                ),
+            );
+            self.lock().ep.respond(token, Err(err));
+            self.wake();
+            return;
+        };
+        let target = match body.target {
+            Some(rref) => match self.local_value(rref) {
+                Some(v) => Some(v),
+                None => {
+                    let err = remote_error(
+                        me,
+                        RemoteErrorKind::RRef,
+                        format!("no value is kept for {rref} on {}", self.inner.me.name),
+                    );
+                    self.lock().ep.respond(token, Err(err));
+                    self.wake();
+                    return;
+                }
+            },
+            None => None,
+        };
+        tokio::spawn(async move {
+            let tensors = match tensors::from_wire(&*agent.inner.backend, body.tensors).await {
+                Ok(t) => t,
+                Err(e) => {
+                    let err = remote_error(
+                        me,
+                        RemoteErrorKind::DeviceMap,
+                        format!("cannot place the tensors of {function:?}: {e}"),
+                    );
+                    agent.lock().ep.respond(token, Err(err));
+                    agent.wake();
+                    return;
+                }
+            };
+            let inv = Invocation {
+                agent: agent.clone(),
+                args: body.data,
+                tensors,
+                target,
+            };
+            let outcome = match tokio::spawn(handler(inv)).await {
+                Ok(Ok(value)) => match keep_as {
+                    Some(rref) => {
+                        agent.lock().values.insert(rref, value);
+                        Ok(Body {
+                            target: None,
+                            data: Bytes::new(),
+                            tensors: Vec::new(),
+                        })
+                    }
+                    None => agent
+                        .reply_body(&*value, token.from())
+                        .await
+                        .map_err(|mut e| {
+                            e.message = format!("the result of {function:?}: {}", e.message);
+                            e
+                        }),
+                },
+                Ok(Err(HandlerError::BadArguments(m))) => Err(remote_error(
+                    me,
+                    RemoteErrorKind::Serialization,
+                    format!("bad arguments for {function:?}: {m}"),
+                )),
+                Ok(Err(HandlerError::Failed(m))) => {
+                    Err(remote_error(me, RemoteErrorKind::Failed, m))
+                }
+                Ok(Err(HandlerError::Target(m))) => Err(remote_error(me, RemoteErrorKind::RRef, m)),
+                Err(join) => {
+                    let msg = match join.try_into_panic() {
+                        Ok(p) => p
+                            .downcast_ref::<&str>()
+                            .map(|s| (*s).to_owned())
+                            .or_else(|| p.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "unknown panic".into()),
+                        Err(_) => "the handler was cancelled".into(),
+                    };
+                    Err(remote_error(
+                        me,
+                        RemoteErrorKind::Panicked,
+                        format!("{function:?} panicked: {msg}"),
+                    ))
+                }
+            };
+            agent.lock().ep.respond(token, outcome);
+            agent.wake();
+        });
+    }
+}
+
+/// The driver: moves the endpoint's output to peers and the application, and its timers.
+async fn drive(agent: Agent) {
+    loop {
+        let (events, next) = {
+            let mut st = agent.lock();
+            while let Some(t) = st.ep.poll_transmit() {
+                agent.send(&mut st, t);
+            }
+            let mut events = Vec::new();
+            while let Some(e) = st.ep.poll_event() {
+                events.push(e);
+            }
+            (events, st.ep.poll_timeout())
+        };
+        let had_events = !events.is_empty();
+        for e in events {
+            agent.dispatch(e);
+        }
+        if had_events {
+            continue;
+        }
+        match next {
+            Some(at) => {
+                tokio::select! {
+                    () = agent.inner.wake.notified() => {}
+                    () = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => {
+                        agent.lock().ep.handle_timeout(Instant::now());
+                    }
+                }
+            }
+            None => agent.inner.wake.notified().await,
+        }
+    }
+}
+
+/// The result of [`Agent::rpc_async`]: await it for the callee's result.
+pub struct RpcFuture<R> {
+    inner: std::pin::Pin<Box<dyn std::future::Future<Output = Result<R, RpcError>> + Send>>,
+}
+
+impl<R: DeserializeOwned + Send + 'static> RpcFuture<R> {
+    fn new(
+        agent: Agent,
+        rx: oneshot::Receiver<Result<Body, CallError>>,
+        to: String,
+        function: String,
+    ) -> Self {
+        Self {
+            inner: Box::pin(async move {
+                match rx.await {
+                    Ok(Ok(body)) => agent.decode_body(body, &to, &function).await,
+                    Ok(Err(source)) => Err(RpcError::Call {
+                        to,
+                        function,
+                        source,
+                    }),
+                    Err(_) => Err(RpcError::NotRunning),
+                }
+            }),
+        }
+    }
+}
+
+impl Agent {
+    /// Places a received body's tensors and decodes its value.
+    pub(crate) async fn decode_body<R: DeserializeOwned>(
+        &self,
+        body: Body,
+        from: &str,
+        what: &str,
+    ) -> Result<R, RpcError> {
+        let tensors = tensors::from_wire(&*self.inner.backend, body.tensors)
+            .await
+            .map_err(|e| RpcError::Tensors {
+                to: from.to_owned(),
+                function: what.to_owned(),
+                message: e.to_string(),
+            })?;
+        codec::decode(self, &body.data, tensors).map_err(|e| RpcError::Serialization {
+            what: format!("the result of {what:?} from {from}"),
+            message: e.to_string(),
+        })
+    }
+}
+
+impl<R> std::future::Future for RpcFuture<R> {
+    type Output = Result<R, RpcError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}

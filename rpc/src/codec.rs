@@ -1,0 +1,83 @@
+//! Encoding of arguments, results and agent messages.
+//!
+//! Arguments and results are postcard. A remote reference inside them is encoded as fork data:
+//! encoding it *forks* it for the destination, decoding it *accepts* the fork. Both need the
+//! agent and (for encoding) the destination, which a thread-local context provides for the
+//! duration of one synchronous encode or decode.
+
+use std::cell::RefCell;
+
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tensorwire_core::protocol::{Header, RRefId, WorkerId};
+use tensorwire_core::tensor::{sidecar, Tensor, TensorMeta};
+
+use crate::agent::Agent;
+
+thread_local! {
+    static ENCODING: RefCell<Option<(Agent, WorkerId)>> = const { RefCell::new(None) };
+    static DECODING: RefCell<Option<Agent>> = const { RefCell::new(None) };
+}
+
+/// Restores the previous context when dropped (encodes may nest).
+struct Restore<T: 'static>(
+    &'static std::thread::LocalKey<RefCell<Option<T>>>,
+    Option<T>,
+);
+
+impl<T: 'static> Drop for Restore<T> {
+    fn drop(&mut self) {
+        let prev = self.1.take();
+        self.0.with(|c| *c.borrow_mut() = prev);
+    }
+}
+
+/// Encodes `value` for worker `to`.
+pub(crate) fn encode<T: Serialize + ?Sized>(
+    agent: &Agent,
+    to: WorkerId,
+    value: &T,
+) -> Result<Bytes, postcard::Error> {
+    let prev = ENCODING.with(|c| c.borrow_mut().replace((agent.clone(), to)));
+    let _restore = Restore(&ENCODING, prev);
+    postcard::to_allocvec(value).map(Bytes::from)
+}
+
+/// Decodes a value received by this worker, with the tensors that came beside it.
+pub(crate) fn decode<T: DeserializeOwned>(
+    agent: &Agent,
+    bytes: &[u8],
+    tensors: Vec<Tensor>,
+) -> Result<T, postcard::Error> {
+    let prev = DECODING.with(|c| c.borrow_mut().replace(agent.clone()));
+    let _restore = Restore(&DECODING, prev);
+    sidecar::provide_tensors(tensors, || postcard::from_bytes(bytes))
+}
+
+/// The agent and destination of the encode in progress on this thread.
+pub(crate) fn encoding() -> Option<(Agent, WorkerId)> {
+    ENCODING.with(|c| c.borrow().clone())
+}
+
+/// The agent of the decode in progress on this thread.
+pub(crate) fn decoding() -> Option<Agent> {
+    DECODING.with(|c| c.borrow().clone())
+}
+
+/// The header of every agent frame: the protocol header and, for methods, the reference whose
+/// value the function is called on.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Envelope {
+    pub(crate) header: Header,
+    pub(crate) target: Option<RRefId>,
+    /// The tensors whose bytes follow the encoded value as payloads, in order.
+    pub(crate) tensors: Vec<TensorMeta>,
+}
+
+/// The first frame on every connection: who is speaking.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Hello {
+    pub(crate) rank: WorkerId,
+    pub(crate) name: String,
+}

@@ -1,0 +1,125 @@
+//! The agent's errors.
+
+use std::time::Duration;
+
+use tensorwire_core::device::DeviceParseError;
+use tensorwire_core::name::NameError;
+use tensorwire_core::ports::store::StoreError;
+use tensorwire_core::ports::transport::TransportError;
+use tensorwire_core::protocol::{CallError, RemoteError};
+use tensorwire_core::validate::DeviceMapError;
+use tensorwire_process_group::RendezvousError;
+
+/// What can go wrong in RPC.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RpcError {
+    /// The call failed: timeout, remote error or panic, unreachable peer, or RPC not running.
+    #[error("RPC {function:?} to {to}: {source}")]
+    Call {
+        /// The callee's name.
+        to: String,
+        /// The function called.
+        function: String,
+        /// Why.
+        #[source]
+        source: CallError,
+    },
+    /// The call's tensors cannot go where the device maps say (a CUDA tensor without a map
+    /// entry for its device, a device copy that failed, ...). Nothing was sent.
+    #[error("RPC {function:?} to {to}: {message}")]
+    Tensors {
+        /// The callee's name.
+        to: String,
+        /// The function called.
+        function: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// No worker has this name or rank.
+    #[error("unknown worker {0}; known workers: {1}")]
+    UnknownWorker(String, String),
+    /// Arguments or results could not be (de)serialized.
+    #[error("cannot {what}: {message}")]
+    Serialization {
+        /// What was being (de)serialized.
+        what: String,
+        /// The serializer's message.
+        message: String,
+    },
+    /// A worker name breaks the naming rule.
+    #[error(transparent)]
+    Name(#[from] NameError),
+    /// The group's device maps are invalid (every worker fails init with this error).
+    #[error("invalid device maps: {0}")]
+    DeviceMaps(#[from] Box<DeviceMapError>),
+    /// A device string is invalid.
+    #[error(transparent)]
+    Device(#[from] DeviceParseError),
+    /// A device map change is refused (not one-to-one, or conflicting with an earlier entry).
+    #[error("set_device_map({to:?}): {reason}")]
+    DeviceMapConfig {
+        /// The destination worker.
+        to: String,
+        /// Why.
+        reason: String,
+    },
+    /// Rendezvous failed.
+    #[error(transparent)]
+    Rendezvous(#[from] RendezvousError),
+    /// The store failed.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// The transport failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// Init found an inconsistency (duplicate names, ranks out of range, ...).
+    #[error("init_rpc: {0}")]
+    Init(String),
+    /// Something did not happen in time outside a call (init, shutdown).
+    #[error("{what} timed out after {:.1} s{}", .after.as_secs_f64(), .waiting_for.as_ref().map(|w| format!("; waiting for {w}")).unwrap_or_default())]
+    Timeout {
+        /// What timed out.
+        what: String,
+        /// The limit.
+        after: Duration,
+        /// Who did not answer, if known.
+        waiting_for: Option<String>,
+    },
+    /// The agent is not running (shut down).
+    #[error("RPC is no longer running on this worker")]
+    NotRunning,
+    /// A remote reference was used where it cannot be (a local value asked for on a user, a
+    /// value of another type, ...).
+    #[error("remote reference {rref}: {reason}")]
+    RRef {
+        /// The reference.
+        rref: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl RpcError {
+    /// The remote error, if the callee reported one.
+    pub fn remote(&self) -> Option<&RemoteError> {
+        match self {
+            RpcError::Call {
+                source: CallError::Remote(e),
+                ..
+            } => Some(e),
+            _ => None,
+        }
+    }
+
+    /// Whether the call timed out.
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            RpcError::Call {
+                source: CallError::Timeout { .. },
+                ..
+            } | RpcError::Timeout { .. }
+        )
+    }
+}

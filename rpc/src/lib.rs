@@ -1,0 +1,41 @@
+//! tensorwire's RPC agent: PyTorch's `torch.distributed.rpc`, in Rust.
+//!
+//! Workers with names and ranks call each other's registered functions ([`Agent::rpc_sync`],
+//! [`Agent::rpc_async`]), create values on other workers and hold references to them
+//! ([`Agent::remote`], [`RRef`]), and shut down together ([`Agent::shutdown`]). Only functions
+//! registered in [`Functions`] can run remotely; every connection is authenticated with the
+//! cluster secret before any message is read.
+//!
+//! ```no_run
+//! use tensorwire_rpc::{init_rpc, Functions, RpcOptions};
+//!
+//! # async fn run() -> Result<(), tensorwire_rpc::RpcError> {
+//! let functions = Functions::new();
+//! functions.register("add", |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) });
+//! // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and TENSORWIRE_SECRET come from the
+//! // environment (`tensorwire launch` sets them).
+//! let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+//! let agent = init_rpc(&format!("worker{rank}"), rank, Some(2), RpcOptions { functions, ..Default::default() }).await?;
+//! let sum: i64 = agent.rpc_sync("worker1", "add", &(2, 3), None).await?;
+//! assert_eq!(sum, 5);
+//! agent.shutdown(true, std::time::Duration::from_secs(30)).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Not yet: dynamic groups, tensors with device maps in calls, the QUIC transport, and a
+//! backend registry entry point (see the project's issues).
+
+mod agent;
+mod codec;
+mod error;
+mod functions;
+mod options;
+mod rref;
+mod tensors;
+
+pub use agent::{init_rpc, Agent, RpcFuture, WorkerInfo, WorkerRef};
+pub use error::RpcError;
+pub use functions::Functions;
+pub use options::{RpcOptions, DEFAULT_RPC_TIMEOUT};
+pub use rref::RRef;
+pub use tensorwire_core::protocol::{CallError, RemoteError, RemoteErrorKind};

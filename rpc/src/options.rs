@@ -1,0 +1,128 @@
+//! Options of `init_rpc`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tensorwire_core::devices_sim::SimulatedDevices;
+use tensorwire_core::ports::device::DeviceBackend;
+
+use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
+
+use crate::error::RpcError;
+use crate::functions::Functions;
+
+/// The default timeout of a call (PyTorch's too).
+pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How to start an agent.
+#[derive(Clone)]
+pub struct RpcOptions {
+    /// Default timeout of calls; zero means none.
+    pub rpc_timeout: Duration,
+    /// Rendezvous URL: `env://` (default), `tcp://host:port`, `file:///path`.
+    pub init_method: String,
+    /// How long init (rendezvous, exchange, connections) may take.
+    pub init_timeout: Duration,
+    /// The cluster secret (the same bytes on every worker); `None` reads `TENSORWIRE_SECRET`.
+    /// It authenticates both the transport and the rendezvous store.
+    pub secret: Option<Vec<u8>>,
+    /// Run without authentication (only when asked for explicitly).
+    pub insecure: bool,
+    /// Where this worker's tensors land on each destination.
+    pub device_maps: DeviceMaps,
+    /// The devices this worker uses (empty: derived from the maps).
+    pub devices: Vec<Device>,
+    /// The functions this worker serves.
+    pub functions: Functions,
+    /// The device backend that moves tensors on and off devices (default: no devices).
+    pub device_backend: Arc<dyn DeviceBackend>,
+    /// The address other workers reach this one at; by default the loopback address when the
+    /// rendezvous address is local, else the local address that routes to it.
+    pub listen_ip: Option<std::net::IpAddr>,
+}
+
+impl Default for RpcOptions {
+    fn default() -> Self {
+        Self {
+            rpc_timeout: DEFAULT_RPC_TIMEOUT,
+            init_method: "env://".into(),
+            init_timeout: Duration::from_secs(300),
+            secret: None,
+            insecure: false,
+            device_maps: DeviceMaps::new(),
+            devices: Vec::new(),
+            functions: Functions::new(),
+            device_backend: Arc::new(SimulatedDevices::new(0)),
+            listen_ip: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for RpcOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RpcOptions")
+            .field("rpc_timeout", &self.rpc_timeout)
+            .field("init_method", &self.init_method)
+            .field("insecure", &self.insecure)
+            .field("device_maps", &self.device_maps)
+            .field("devices", &self.devices)
+            .field("functions", &self.functions)
+            .field("device_backend", &self.device_backend.name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RpcOptions {
+    /// Adds entries to the device map for `to`, as PyTorch's `set_device_map`: incremental,
+    /// one-to-one, and an entry that changes an earlier one is refused.
+    pub fn set_device_map(&mut self, to: &str, map: &[(&str, &str)]) -> Result<(), RpcError> {
+        let mut parsed = Vec::with_capacity(map.len());
+        for (s, t) in map {
+            parsed.push((s.parse::<Device>()?, t.parse::<Device>()?));
+        }
+        let mut merged: DeviceMap = self.device_maps.get(to).cloned().unwrap_or_default();
+        for (s, t) in parsed {
+            if let Some(old) = merged.get(s) {
+                if old != t {
+                    return Err(RpcError::DeviceMapConfig {
+                        to: to.to_owned(),
+                        reason: format!("{s} is already mapped to {old}, not {t}"),
+                    });
+                }
+            }
+            if let Some((other, _)) = merged.iter().find(|&(o, d)| d == t && o != s) {
+                return Err(RpcError::DeviceMapConfig {
+                    to: to.to_owned(),
+                    reason: format!(
+                        "{t} is already the target of {other}; maps must be one-to-one"
+                    ),
+                });
+            }
+            merged.insert(s, t);
+        }
+        self.device_maps.insert(to, merged);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_device_map_is_incremental_and_one_to_one() {
+        let mut o = RpcOptions::default();
+        o.set_device_map("ps", &[("cuda:0", "cuda:1")]).unwrap();
+        o.set_device_map("ps", &[("cuda:1", "cuda:0"), ("cuda:0", "cuda:1")])
+            .unwrap();
+        assert_eq!(o.device_maps.get("ps").unwrap().len(), 2);
+        let e = o.set_device_map("ps", &[("cuda:0", "cuda:2")]).unwrap_err();
+        assert!(
+            e.to_string().contains("cuda:0 is already mapped to cuda:1"),
+            "{e}"
+        );
+        let e = o.set_device_map("ps", &[("cuda:2", "cuda:1")]).unwrap_err();
+        assert!(e.to_string().contains("one-to-one"), "{e}");
+        assert!(o.set_device_map("ps", &[("gpu:0", "cuda:1")]).is_err());
+    }
+}

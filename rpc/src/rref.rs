@@ -1,0 +1,236 @@
+//! Remote references.
+//!
+//! An [`RRef<T>`] names a value of type `T` that lives on its owner. Dropping the last clone of
+//! an `RRef` on a worker tells the owner (once the owner has confirmed this worker's fork);
+//! the owner frees the value when no worker refers to it any more. Passing an `RRef` inside
+//! call arguments forks it for the receiver: the sender's reference stays alive until the
+//! owner has confirmed the receiver's.
+
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use serde::de::{DeserializeOwned, Error as _};
+use serde::ser::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use tensorwire_core::protocol::{CallError, RRefForkData, RRefHandle};
+use tokio::sync::oneshot;
+
+use crate::agent::{Agent, Body, WorkerInfo};
+use crate::codec;
+use crate::error::RpcError;
+
+type Created = oneshot::Receiver<Result<Body, CallError>>;
+
+struct Shared {
+    agent: Agent,
+    handle: RRefHandle,
+    /// For the worker that called `remote`: whether creating the value succeeded.
+    created: tokio::sync::Mutex<Option<Created>>,
+    creation: Mutex<Option<Result<(), String>>>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.agent
+            .lock()
+            .ep
+            .drop_handle(self.handle, Instant::now());
+        self.agent.wake();
+    }
+}
+
+/// A reference to a value of type `T` owned by some worker.
+pub struct RRef<T> {
+    shared: Arc<Shared>,
+    _value: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for RRef<T> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+            _value: PhantomData,
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for RRef<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RRef")
+            .field("rref", &self.shared.handle.rref.to_string())
+            .field("owner", &self.shared.handle.owner)
+            .finish()
+    }
+}
+
+impl<T: Send + Sync + 'static> RRef<T> {
+    pub(crate) fn new(agent: Agent, handle: RRefHandle, created: Option<Created>) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                agent,
+                handle,
+                created: tokio::sync::Mutex::new(created),
+                creation: Mutex::new(None),
+            }),
+            _value: PhantomData,
+        }
+    }
+
+    fn agent(&self) -> &Agent {
+        &self.shared.agent
+    }
+
+    /// The owner.
+    pub fn owner(&self) -> WorkerInfo {
+        let id = self.shared.handle.owner;
+        WorkerInfo {
+            name: self.agent().name_of(id),
+            id,
+        }
+    }
+
+    /// Whether this worker owns the value.
+    pub fn is_owner(&self) -> bool {
+        self.shared.handle.owner == self.agent().worker_info().id
+    }
+
+    /// Whether the owner has confirmed this worker's reference.
+    pub fn confirmed_by_owner(&self) -> bool {
+        self.agent()
+            .lock()
+            .ep
+            .is_confirmed(self.shared.handle)
+            .unwrap_or(false)
+    }
+
+    /// Waits until the owner has created the value (for the worker that called `remote`) and
+    /// reports whether that worked.
+    async fn wait_created(&self) -> Result<(), RpcError> {
+        let mut created = self.shared.created.lock().await;
+        if let Some(rx) = created.take() {
+            let outcome = match rx.await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("RPC is no longer running on this worker".to_owned()),
+            };
+            *self
+                .shared
+                .creation
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(outcome);
+        }
+        match &*self
+            .shared
+            .creation
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+        {
+            Some(Err(e)) => Err(RpcError::RRef {
+                rref: self.shared.handle.rref.to_string(),
+                reason: format!("creating the value failed: {e}"),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Copies the value here from its owner (`timeout` overrides the default; zero: none).
+    pub async fn to_here(&self, timeout: Option<Duration>) -> Result<T, RpcError>
+    where
+        T: DeserializeOwned,
+    {
+        let rx = self.agent().fetch(self.shared.handle, timeout)?;
+        let owner = self.owner().name;
+        match rx.await {
+            Ok(Ok(body)) => self.agent().decode_body(body, &owner, "to_here").await,
+            Ok(Err(source)) => Err(RpcError::Call {
+                to: owner,
+                function: "to_here".into(),
+                source,
+            }),
+            Err(_) => Err(RpcError::NotRunning),
+        }
+    }
+
+    /// The value itself, on its owner.
+    pub async fn local_value(&self) -> Result<Arc<T>, RpcError> {
+        let rref = self.shared.handle.rref.to_string();
+        if !self.is_owner() {
+            return Err(RpcError::RRef {
+                rref,
+                reason: format!(
+                    "local_value() is only available on the owner, {}",
+                    self.owner()
+                ),
+            });
+        }
+        self.wait_created().await?;
+        let any = self
+            .agent()
+            .local_value(self.shared.handle.rref)
+            .ok_or_else(|| RpcError::RRef {
+                rref: rref.clone(),
+                reason: "the value is gone".into(),
+            })?;
+        any.downcast::<T>().map_err(|_| RpcError::RRef {
+            rref,
+            reason: format!("the value is not a {}", std::any::type_name::<T>()),
+        })
+    }
+
+    /// Calls the registered method `method` on the value, on its owner, and waits for the result.
+    pub async fn rpc_sync<A, R>(
+        &self,
+        method: &str,
+        args: &A,
+        timeout: Option<Duration>,
+    ) -> Result<R, RpcError>
+    where
+        A: Serialize + ?Sized,
+        R: DeserializeOwned + Send + 'static,
+    {
+        self.wait_created().await?;
+        self.agent()
+            .send_call(
+                self.shared.handle.owner,
+                method,
+                args,
+                Some(self.shared.handle.rref),
+                timeout,
+            )?
+            .await
+    }
+}
+
+impl<T> Serialize for RRef<T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let (agent, to) = codec::encoding().ok_or_else(|| {
+            S::Error::custom(
+                "an RRef can only be sent as an argument or result of a tensorwire call",
+            )
+        })?;
+        if !Arc::ptr_eq(&agent.inner, &self.shared.agent.inner) {
+            return Err(S::Error::custom(
+                "an RRef can only be sent by the agent that holds it",
+            ));
+        }
+        let data = agent
+            .lock()
+            .ep
+            .fork_for(self.shared.handle, to)
+            .map_err(S::Error::custom)?;
+        data.serialize(serializer)
+    }
+}
+
+impl<'de, T: Send + Sync + 'static> Deserialize<'de> for RRef<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let data = RRefForkData::deserialize(deserializer)?;
+        let agent = codec::decoding().ok_or_else(|| {
+            D::Error::custom("an RRef can only be received through a tensorwire call")
+        })?;
+        let handle = agent.lock().ep.accept_fork(data, Instant::now());
+        agent.wake();
+        Ok(RRef::new(agent, handle, None))
+    }
+}

@@ -1,0 +1,144 @@
+//! Tensors beside messages: where they land (device maps) and how their bytes travel.
+//!
+//! Sending: the value is encoded with its tensors set aside; each tensor's landing device comes
+//! from the caller's device map for the destination (requests) or the callee's reverse map for
+//! the caller (responses), and a CUDA tensor without an entry fails at once, naming the
+//! destination and the device. Device tensors are copied to host memory by the device backend;
+//! host tensors travel as they are. Receiving: each tensor is placed on its landing device
+//! before the value is decoded, so a handler or a caller sees tensors where the maps say.
+
+use bytes::Bytes;
+use serde::Serialize;
+use tensorwire_core::device::Device;
+use tensorwire_core::placement::{placements, Direction, PlacementError};
+use tensorwire_core::ports::device::{DeviceBackend, DeviceError};
+use tensorwire_core::protocol::WorkerId;
+use tensorwire_core::tensor::{sidecar, Storage, Tensor, TensorMeta};
+
+use crate::agent::Agent;
+use crate::codec;
+
+/// Tensors as they travel: where each lands, and its bytes.
+pub(crate) type WireTensors = Vec<(TensorMeta, Bytes)>;
+
+/// Why a message's tensors could not be sent or received.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum TensorTransferError {
+    #[error(transparent)]
+    Encode(#[from] postcard::Error),
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error(
+        "a tensor is to land on {device}, which this worker does not have ({count} CUDA devices)"
+    )]
+    NoSuchDevice { device: Device, count: u32 },
+    #[error("a received tensor is malformed: {0}")]
+    Malformed(String),
+}
+
+/// A value encoded for `to`, with its tensors and where they land there.
+pub(crate) struct Prepared {
+    pub(crate) data: Bytes,
+    pub(crate) tensors: Vec<(Tensor, Device)>,
+}
+
+impl Prepared {
+    /// Whether every tensor is in host memory (nothing to copy before sending).
+    pub(crate) fn on_host(&self) -> bool {
+        self.tensors.iter().all(|(t, _)| t.device().is_cpu())
+    }
+}
+
+/// Encodes `value` for `to` and decides where its tensors land.
+pub(crate) fn prepare<T: Serialize + ?Sized>(
+    agent: &Agent,
+    to: WorkerId,
+    value: &T,
+    direction: Direction,
+) -> Result<Prepared, TensorTransferError> {
+    let (data, tensors) = sidecar::collect_tensors(|| codec::encode(agent, to, value));
+    let data = data?;
+    if tensors.is_empty() {
+        return Ok(Prepared {
+            data,
+            tensors: Vec::new(),
+        });
+    }
+    let to_name = agent.name_of(to);
+    let map = match direction {
+        Direction::Request => agent.device_maps().get(&to_name),
+        Direction::Response => agent.reverse_device_maps().get(&to_name),
+    };
+    let landing = placements(&to_name, map, tensors.iter().map(Tensor::device), direction)?;
+    Ok(Prepared {
+        data,
+        tensors: tensors.into_iter().zip(landing).collect(),
+    })
+}
+
+/// The bytes of each tensor, copied off devices where needed.
+pub(crate) async fn to_wire(
+    backend: &dyn DeviceBackend,
+    tensors: Vec<(Tensor, Device)>,
+) -> Result<WireTensors, TensorTransferError> {
+    let mut out = Vec::with_capacity(tensors.len());
+    for (t, device) in tensors {
+        let bytes = match t.storage() {
+            Storage::Host(b) => b.clone(),
+            Storage::Device(buf) => backend.to_host(buf).await?,
+        };
+        out.push((
+            TensorMeta {
+                dtype: t.dtype(),
+                shape: t.shape().to_vec(),
+                device,
+            },
+            bytes,
+        ));
+    }
+    Ok(out)
+}
+
+/// Host-only tensors as they travel (no copies, no waiting).
+pub(crate) fn host_to_wire(tensors: Vec<(Tensor, Device)>) -> WireTensors {
+    tensors
+        .into_iter()
+        .filter_map(|(t, device)| {
+            let bytes = t.host_bytes()?.clone();
+            Some((
+                TensorMeta {
+                    dtype: t.dtype(),
+                    shape: t.shape().to_vec(),
+                    device,
+                },
+                bytes,
+            ))
+        })
+        .collect()
+}
+
+/// Received tensors, each placed on its landing device.
+pub(crate) async fn from_wire(
+    backend: &dyn DeviceBackend,
+    tensors: WireTensors,
+) -> Result<Vec<Tensor>, TensorTransferError> {
+    let mut out = Vec::with_capacity(tensors.len());
+    for (meta, bytes) in tensors {
+        let storage = match meta.device {
+            Device::Cpu => Storage::Host(bytes),
+            d @ Device::Cuda(i) => {
+                let count = backend.device_count();
+                if u32::from(i) >= count {
+                    return Err(TensorTransferError::NoSuchDevice { device: d, count });
+                }
+                Storage::Device(backend.to_device(bytes, d).await?)
+            }
+        };
+        let t = Tensor::new(meta.dtype, meta.shape, storage)
+            .map_err(|e| TensorTransferError::Malformed(e.to_string()))?;
+        out.push(t);
+    }
+    Ok(out)
+}

@@ -1,0 +1,383 @@
+//! Agents of a group in one process, over real loopback TCP with a cluster secret.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tensorwire_core::device::Device;
+use tensorwire_core::devices_sim::SimulatedDevices;
+use tensorwire_core::tensor::Tensor;
+use tensorwire_rpc::{
+    init_rpc, Agent, CallError, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions,
+};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[derive(Default)]
+struct Counter(AtomicI64);
+
+fn functions() -> Functions {
+    let f = Functions::new();
+    f.register(
+        "add",
+        |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) },
+    );
+    f.register("fail", |msg: String| async move {
+        Err::<(), _>(format!("refused: {msg}"))
+    });
+    f.register("boom", |(): ()| async move {
+        if true {
+            panic!("kaboom");
+        }
+        Ok::<(), String>(())
+    });
+    f.register("sleep_ms", |ms: u64| async move {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        Ok::<_, String>(ms)
+    });
+    f.register("make_vec", |n: usize| async move {
+        Ok::<_, String>((0..n as i64).collect::<Vec<i64>>())
+    });
+    f.register("make_counter", |start: i64| async move {
+        Ok::<_, String>(Counter(AtomicI64::new(start)))
+    });
+    f.register_method("increment", |c: Arc<Counter>, by: i64| async move {
+        Ok::<_, String>(c.0.fetch_add(by, Ordering::SeqCst) + by)
+    });
+    // Tensors: report where the argument landed, and send back a tensor on the same device.
+    f.register("where_and_double", |t: Tensor| async move {
+        let device = t.device().to_string();
+        Ok::<_, String>((device, t))
+    });
+    f.register("sum_remote", |r: RRef<Vec<i64>>| async move {
+        let v = r.to_here(None).await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(v.iter().sum::<i64>())
+    });
+    f
+}
+
+impl serde::Serialize for Counter {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.load(Ordering::SeqCst).serialize(s)
+    }
+}
+
+async fn group(n: usize, tweak: impl Fn(usize, &mut RpcOptions)) -> Vec<Result<Agent, RpcError>> {
+    let port = free_port();
+    let mut tasks = Vec::new();
+    for rank in 0..n {
+        let mut options = RpcOptions {
+            init_method: format!("tcp://127.0.0.1:{port}?rank={rank}&world_size={n}"),
+            init_timeout: Duration::from_secs(20),
+            secret: Some(b"in-process test secret".to_vec()),
+            functions: functions(),
+            ..RpcOptions::default()
+        };
+        tweak(rank, &mut options);
+        tasks.push(tokio::spawn(async move {
+            init_rpc(&format!("w{rank}"), rank, Some(n), options).await
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+async fn ok_group(n: usize) -> Vec<Agent> {
+    group(n, |_, _| {})
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect()
+}
+
+async fn shutdown_all(agents: Vec<Agent>) {
+    let tasks: Vec<_> = agents
+        .into_iter()
+        .map(|a| tokio::spawn(async move { a.shutdown(true, Duration::from_secs(20)).await }))
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_errors_panics_and_timeouts() {
+    let agents = ok_group(2).await;
+    let a = &agents[0];
+    assert_eq!(
+        a.rpc_sync::<_, i64>("w1", "add", &(2i64, 3i64), None)
+            .await
+            .unwrap(),
+        5
+    );
+    assert_eq!(
+        a.rpc_sync::<_, i64>(1u32, "add", &(1i64, 1i64), None)
+            .await
+            .unwrap(),
+        2
+    );
+    assert_eq!(
+        a.rpc_sync::<_, i64>("w0", "add", &(4i64, 4i64), None)
+            .await
+            .unwrap(),
+        8,
+        "calls to self"
+    );
+
+    let e = a
+        .rpc_sync::<_, ()>("w1", "nope", &(), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.remote().unwrap().kind, RemoteErrorKind::UnknownFunction);
+    assert!(e.to_string().contains("\"nope\""), "{e}");
+
+    let e = a
+        .rpc_sync::<_, ()>("w1", "fail", &"x".to_string(), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.remote().unwrap().kind, RemoteErrorKind::Failed);
+    assert!(e.to_string().contains("refused: x"), "{e}");
+
+    let e = a
+        .rpc_sync::<_, ()>("w1", "boom", &(), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.remote().unwrap().kind, RemoteErrorKind::Panicked);
+    assert!(e.to_string().contains("kaboom"), "{e}");
+    // The callee keeps serving after a panic.
+    assert_eq!(
+        a.rpc_sync::<_, i64>("w1", "add", &(1i64, 2i64), None)
+            .await
+            .unwrap(),
+        3
+    );
+
+    let e = a
+        .rpc_sync::<_, u64>(
+            "w1",
+            "sleep_ms",
+            &2_000u64,
+            Some(Duration::from_millis(100)),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            RpcError::Call {
+                source: CallError::Timeout { .. },
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("timed out"), "{e}");
+    assert_eq!(
+        a.rpc_sync::<_, u64>("w1", "sleep_ms", &50u64, Some(Duration::ZERO))
+            .await
+            .unwrap(),
+        50
+    );
+
+    // postcard is not self-describing: too few bytes is what it can always detect.
+    let e = a
+        .rpc_sync::<_, i64>("w1", "add", &(), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.remote().unwrap().kind, RemoteErrorKind::Serialization);
+    let e = a
+        .rpc_sync::<_, i64>("w9", "add", &(1i64, 1i64), None)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RpcError::UnknownWorker(..)), "{e}");
+    shutdown_all(agents).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_async_calls_in_flight() {
+    let agents = ok_group(2).await;
+    let futs: Vec<_> = (0..2000i64)
+        .map(|i| {
+            agents[0]
+                .rpc_async::<_, i64>("w1", "add", &(i, i), None)
+                .unwrap()
+        })
+        .collect();
+    for (i, f) in futs.into_iter().enumerate() {
+        assert_eq!(f.await.unwrap(), 2 * i as i64);
+    }
+    shutdown_all(agents).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_references_live_until_the_last_is_dropped() {
+    let agents = ok_group(3).await;
+    let (a, b, owner) = (&agents[0], &agents[1], &agents[2]);
+    let r: RRef<Vec<i64>> = a.remote("w2", "make_vec", &4usize, None).unwrap();
+    assert_eq!(r.owner().name, "w2");
+    assert!(!r.is_owner());
+    assert_eq!(r.to_here(None).await.unwrap(), vec![0, 1, 2, 3]);
+    assert!(r.confirmed_by_owner());
+    // Passed to a third worker, which fetches it from the owner.
+    assert_eq!(
+        a.rpc_sync::<_, i64>("w1", "sum_remote", &r, None)
+            .await
+            .unwrap(),
+        6
+    );
+    assert_eq!(owner.owned_value_count(), 1);
+    drop(r);
+    wait_until(|| owner.owned_value_count() == 0).await;
+
+    // Methods mutate the owner's value; local_value works on the owner only.
+    let c: RRef<Counter> = b.remote("w0", "make_counter", &10i64, None).unwrap();
+    assert_eq!(
+        c.rpc_sync::<_, i64>("increment", &5i64, None)
+            .await
+            .unwrap(),
+        15
+    );
+    assert_eq!(
+        c.rpc_sync::<_, i64>("increment", &1i64, None)
+            .await
+            .unwrap(),
+        16
+    );
+    assert!(c.local_value().await.is_err());
+    let own: RRef<Vec<i64>> = owner.remote("w2", "make_vec", &2usize, None).unwrap();
+    assert!(own.is_owner());
+    assert_eq!(*own.local_value().await.unwrap(), vec![0, 1]);
+
+    // A remote whose function fails reports it on use.
+    let bad: RRef<()> = a.remote("w1", "fail", &"no".to_string(), None).unwrap();
+    let e = bad.to_here(None).await.unwrap_err();
+    assert!(e.to_string().contains("refused: no"), "{e}");
+    drop((c, own, bad));
+    wait_until(|| agents.iter().all(|a| a.owned_value_count() == 0)).await;
+    shutdown_all(agents).await;
+}
+
+async fn wait_until(cond: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition not reached in 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_device_map_fails_init_on_every_worker() {
+    let results = group(2, |rank, o| {
+        o.device_backend = Arc::new(SimulatedDevices::new(1));
+        if rank == 0 {
+            o.set_device_map("w1", &[("cuda:0", "cuda:3")]).unwrap();
+        }
+    })
+    .await;
+    for r in results {
+        let e = r.unwrap_err();
+        assert!(
+            e.to_string().contains(
+                "Node w0 has target devices with invalid indices in its device map for w1"
+            ),
+            "{e}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_shutdown_calls_fail_clearly() {
+    let agents = ok_group(2).await;
+    let keep = agents[0].clone();
+    shutdown_all(agents).await;
+    let e = keep
+        .rpc_sync::<_, i64>("w1", "add", &(1i64, 1i64), None)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("no longer running"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tensors_move_by_device_maps() {
+    // w0 has 2 (simulated) devices and maps its cuda:0 to w1's cuda:1 and cpu to w1's cuda:0;
+    // w1 has 2 devices and no maps: its responses go back by the reverse map.
+    let agents: Vec<Agent> = group(2, |rank, o| {
+        o.device_backend = Arc::new(SimulatedDevices::new(2));
+        if rank == 0 {
+            o.set_device_map("w1", &[("cuda:0", "cuda:1"), ("cpu", "cuda:0")])
+                .unwrap();
+        }
+    })
+    .await
+    .into_iter()
+    .map(Result::unwrap)
+    .collect();
+    let a = &agents[0];
+    let values = [1.0f32, 2.0, 3.0];
+    let cpu = Tensor::from_f32(vec![3], &values).unwrap();
+
+    // A CPU tensor lands on cuda:0 (the map's cpu entry); the reply comes back by the reverse
+    // map: w1's cuda:0 -> w0's cpu.
+    let (landed, back): (String, Tensor) = a
+        .rpc_sync("w1", "where_and_double", &cpu, None)
+        .await
+        .unwrap();
+    assert_eq!(landed, "cuda:0");
+    assert_eq!(back.device(), Device::Cpu);
+    assert_eq!(back.to_f32_vec().unwrap(), values);
+
+    // w1 -> w0: no map, so CPU tensors stay on the CPU.
+    let (landed, _): (String, Tensor) = agents[1]
+        .rpc_sync("w0", "where_and_double", &cpu, None)
+        .await
+        .unwrap();
+    assert_eq!(landed, "cpu");
+    assert_eq!(a.devices(), &[Device::Cuda(0)]);
+    shutdown_all(agents).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cuda_tensor_without_a_map_fails_at_once_and_the_agent_stays_usable() {
+    let agents: Vec<Agent> = group(2, |_, o| {
+        o.device_backend = Arc::new(SimulatedDevices::new(1))
+    })
+    .await
+    .into_iter()
+    .map(Result::unwrap)
+    .collect();
+    let a = &agents[0];
+    let sim = SimulatedDevices::new(1);
+    let cpu = Tensor::from_f32(vec![2], &[1.0, 2.0]).unwrap();
+    let on_gpu = tensorwire_core::ports::device::relocate(&sim, &cpu, Device::Cuda(0))
+        .await
+        .unwrap();
+    let e = a
+        .rpc_async::<_, (String, Tensor)>("w1", "where_and_double", &on_gpu, None)
+        .err()
+        .expect("refused before sending");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("cannot send a tensor on cuda:0 to worker w1"),
+        "{msg}"
+    );
+    assert!(matches!(e, RpcError::Tensors { .. }), "{e:?}");
+    // Still usable.
+    let (landed, _): (String, Tensor) = a
+        .rpc_sync("w1", "where_and_double", &cpu, None)
+        .await
+        .unwrap();
+    assert_eq!(landed, "cpu");
+    shutdown_all(agents).await;
+}

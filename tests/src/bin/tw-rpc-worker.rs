@@ -1,0 +1,301 @@
+//! A worker process for the multi-process RPC tests: `tw-rpc-worker SCENARIO`, with RANK,
+//! WORLD_SIZE, MASTER_ADDR, MASTER_PORT and TENSORWIRE_SECRET in the environment.
+//!
+//! Each scenario prints `OK ...` lines the test checks, and exits 0 when everything it checked
+//! held, 1 (with the error on stderr) otherwise.
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tensorwire_core::device::Device;
+use tensorwire_core::devices_sim::SimulatedDevices;
+use tensorwire_core::tensor::Tensor;
+use tensorwire_rpc::{init_rpc, Agent, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions};
+
+struct Counter(AtomicI64);
+
+impl serde::Serialize for Counter {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.load(Ordering::SeqCst).serialize(s)
+    }
+}
+
+fn functions() -> Functions {
+    let f = Functions::new();
+    f.register(
+        "add",
+        |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) },
+    );
+    f.register("whoami", |(): ()| async move {
+        Ok::<_, String>(std::env::var("RANK").unwrap_or_default())
+    });
+    f.register("sleep_ms", |ms: u64| async move {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        Ok::<_, String>(ms)
+    });
+    f.register("fail", |(): ()| async move {
+        Err::<(), _>("deliberate failure")
+    });
+    f.register("make_counter", |start: i64| async move {
+        Ok::<_, String>(Counter(AtomicI64::new(start)))
+    });
+    f.register_method("increment", |c: Arc<Counter>, by: i64| async move {
+        Ok::<_, String>(c.0.fetch_add(by, Ordering::SeqCst) + by)
+    });
+    f.register("make_vec", |n: i64| async move {
+        Ok::<_, String>((0..n).collect::<Vec<i64>>())
+    });
+    f.register("sum_rref", |r: RRef<Vec<i64>>| async move {
+        let v = r.to_here(None).await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(v.iter().sum::<i64>())
+    });
+    f.register("tensor_where", |t: Tensor| async move {
+        Ok::<_, String>((t.device().to_string(), t))
+    });
+    f
+}
+
+fn env(name: &str) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} must be set"))
+}
+
+async fn start(
+    tweak: impl FnOnce(usize, &mut RpcOptions),
+) -> Result<(Agent, usize, usize), RpcError> {
+    let (rank, world) = (env("RANK"), env("WORLD_SIZE"));
+    let mut options = RpcOptions {
+        functions: functions(),
+        init_timeout: Duration::from_secs(60),
+        ..RpcOptions::default()
+    };
+    tweak(rank, &mut options);
+    let agent = init_rpc(&format!("w{rank}"), rank, Some(world), options).await?;
+    Ok((agent, rank, world))
+}
+
+fn check(cond: bool, what: &str) -> Result<(), RpcError> {
+    if cond {
+        Ok(())
+    } else {
+        Err(RpcError::Init(format!("check failed: {what}")))
+    }
+}
+
+async fn basic() -> Result<(), RpcError> {
+    let (agent, rank, world) = start(|rank, o| {
+        o.device_backend = Arc::new(SimulatedDevices::new(2));
+        let next = (rank + 1) % env("WORLD_SIZE");
+        o.set_device_map(&format!("w{next}"), &[("cpu", "cuda:1")])
+            .expect("valid map");
+    })
+    .await?;
+    // Everyone calls everyone, by name and by rank.
+    for peer in 0..world {
+        let got: String = agent.rpc_sync(peer as u32, "whoami", &(), None).await?;
+        check(
+            got == peer.to_string(),
+            "whoami answers with the callee's rank",
+        )?;
+        let sum: i64 = agent
+            .rpc_sync(format!("w{peer}"), "add", &(rank as i64, peer as i64), None)
+            .await?;
+        check(sum == (rank + peer) as i64, "add")?;
+    }
+    // Many calls in flight.
+    let next = (rank + 1) % world;
+    let futs: Vec<_> = (0..500i64)
+        .map(|i| agent.rpc_async::<_, i64>(next as u32, "add", &(i, 1i64), None))
+        .collect::<Result<_, _>>()?;
+    for (i, f) in futs.into_iter().enumerate() {
+        check(f.await? == i as i64 + 1, "async results in order")?;
+    }
+    // Remote errors.
+    let e = agent
+        .rpc_sync::<_, ()>(next as u32, "fail", &(), None)
+        .await
+        .expect_err("fail fails");
+    check(
+        e.remote().map(|r| r.kind) == Some(RemoteErrorKind::Failed),
+        "remote failure kind",
+    )?;
+    // RRefs: a value on the next worker, passed to the one after, methods on the owner's value.
+    let v: RRef<Vec<i64>> = agent.remote(next as u32, "make_vec", &5i64, None)?;
+    let third = (rank + 2) % world;
+    let s: i64 = agent.rpc_sync(third as u32, "sum_rref", &v, None).await?;
+    check(s == 10, "a forked RRef fetched by a third worker")?;
+    let c: RRef<Counter> = agent.remote(next as u32, "make_counter", &100i64, None)?;
+    check(
+        c.rpc_sync::<_, i64>("increment", &1i64, None).await? == 101,
+        "method on the owner's value",
+    )?;
+    check(
+        c.rpc_sync::<_, i64>("increment", &1i64, None).await? == 102,
+        "the owner's value keeps its state",
+    )?;
+    drop((v, c));
+    // Tensors: CPU tensors to the next worker land on its cuda:1; replies come back to cpu.
+    let t = Tensor::from_f32(vec![4], &[1.0, 2.0, 3.0, 4.0]).expect("tensor");
+    let (landed, back): (String, Tensor) = agent
+        .rpc_sync(next as u32, "tensor_where", &t, None)
+        .await?;
+    check(
+        landed == "cuda:1" && back.device() == Device::Cpu,
+        "device map and reverse map",
+    )?;
+    check(
+        back.to_f32_vec() == Some(vec![1.0, 2.0, 3.0, 4.0]),
+        "tensor bytes survive",
+    )?;
+    let all: Vec<usize> = agent
+        .all_gather("ranks", &rank, Duration::from_secs(30))
+        .await?;
+    check(
+        all == (0..world).collect::<Vec<_>>(),
+        "all_gather in rank order",
+    )?;
+    agent.barrier("basic-done", Duration::from_secs(30)).await?;
+    let t0 = Instant::now();
+    agent.shutdown(true, Duration::from_secs(30)).await?;
+    println!(
+        "OK basic rank {rank} shutdown_ms={}",
+        t0.elapsed().as_millis()
+    );
+    let e = agent
+        .rpc_sync::<_, i64>(next as u32, "add", &(1i64, 1i64), None)
+        .await
+        .expect_err("after shutdown");
+    check(
+        e.to_string().contains("no longer running"),
+        "calls after shutdown fail clearly",
+    )?;
+    Ok(())
+}
+
+/// Rank `WORLD_SIZE - 1` is killed by the test after READY; the others then call it and shut
+/// down, and must get errors naming it.
+async fn dead_peer() -> Result<(), RpcError> {
+    let (agent, rank, world) = start(|_, _| {}).await?;
+    let victim = (world - 1) as u32;
+    println!("READY {rank}");
+    if rank == world - 1 {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        return Ok(());
+    }
+    // Wait for the test to kill the victim: our connection to it breaks.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match agent
+            .rpc_sync::<_, String>(victim, "whoami", &(), Some(Duration::from_secs(2)))
+            .await
+        {
+            Ok(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Ok(_) => return Err(RpcError::Init("the victim never died".into())),
+            Err(e) => {
+                println!("OK call-error rank {rank}: {e}");
+                break;
+            }
+        }
+    }
+    let t0 = Instant::now();
+    match agent.shutdown(true, Duration::from_secs(3)).await {
+        Ok(()) => Err(RpcError::Init(
+            "graceful shutdown with a dead peer succeeded".into(),
+        )),
+        Err(e) => {
+            println!(
+                "OK shutdown-error rank {rank} after_ms={}: {e}",
+                t0.elapsed().as_millis()
+            );
+            Ok(())
+        }
+    }
+}
+
+async fn bad_map() -> Result<(), RpcError> {
+    let r = start(|rank, o| {
+        o.device_backend = Arc::new(SimulatedDevices::new(1));
+        if rank == 0 {
+            o.set_device_map("w1", &[("cuda:0", "cuda:5")])
+                .expect("syntactically fine");
+        }
+    })
+    .await;
+    match r {
+        Ok(_) => Err(RpcError::Init(
+            "init succeeded with a bad device map".into(),
+        )),
+        Err(e) => {
+            println!("OK init-error: {e}");
+            Ok(())
+        }
+    }
+}
+
+async fn scale() -> Result<(), RpcError> {
+    let t0 = Instant::now();
+    let (agent, rank, world) = start(|_, _| {}).await?;
+    let init = t0.elapsed();
+    let next = ((rank + 1) % world) as u32;
+    let sum: i64 = agent.rpc_sync(next, "add", &(1i64, 2i64), None).await?;
+    check(sum == 3, "add")?;
+    let t1 = Instant::now();
+    agent.shutdown(true, Duration::from_secs(60)).await?;
+    println!(
+        "OK scale rank {rank} init_ms={} shutdown_ms={}",
+        init.as_millis(),
+        t1.elapsed().as_millis()
+    );
+    Ok(())
+}
+
+async fn inflight() -> Result<(), RpcError> {
+    let (agent, rank, _) = start(|_, _| {}).await?;
+    if rank == 0 {
+        // Slow calls in flight while shutting down gracefully: they finish first.
+        let slow: Vec<_> = (0..5)
+            .map(|_| agent.rpc_async::<_, u64>(1u32, "sleep_ms", &300u64, None))
+            .collect::<Result<_, _>>()?;
+        let shut = {
+            let agent = agent.clone();
+            tokio::spawn(async move { agent.shutdown(true, Duration::from_secs(30)).await })
+        };
+        for f in slow {
+            check(
+                f.await? == 300,
+                "in-flight calls complete during a graceful shutdown",
+            )?;
+        }
+        shut.await.map_err(|e| RpcError::Init(e.to_string()))??;
+    } else {
+        agent.shutdown(true, Duration::from_secs(30)).await?;
+    }
+    println!("OK inflight rank {rank}");
+    Ok(())
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> ExitCode {
+    let scenario = std::env::args().nth(1).unwrap_or_default();
+    let result = match scenario.as_str() {
+        "basic" => basic().await,
+        "dead-peer" => dead_peer().await,
+        "bad-map" => bad_map().await,
+        "scale" => scale().await,
+        "inflight" => inflight().await,
+        other => Err(RpcError::Init(format!("unknown scenario {other:?}"))),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rank {}: {e}", std::env::var("RANK").unwrap_or_default());
+            ExitCode::FAILURE
+        }
+    }
+}

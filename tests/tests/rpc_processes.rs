@@ -1,0 +1,204 @@
+//! The RPC agent across real OS processes (`tw-rpc-worker`), rendezvous through `env://` with
+//! rank 0 hosting the store, every connection authenticated with a cluster secret.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct World {
+    children: Vec<Child>,
+    lines: mpsc::Receiver<(usize, String)>,
+}
+
+fn spawn(scenario: &str, n: usize) -> World {
+    let port = free_port().to_string();
+    let secret = format!("test-secret-{}-{port}", std::process::id());
+    let (tx, lines) = mpsc::channel();
+    let children = (0..n)
+        .map(|rank| {
+            let mut child = Command::new(env!("CARGO_BIN_EXE_tw-rpc-worker"))
+                .arg(scenario)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("TENSORWIRE_SECRET", &secret)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            for stream in [
+                Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+                Box::new(child.stderr.take().unwrap()),
+            ] {
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                        let _ = tx.send((rank, line));
+                    }
+                });
+            }
+            child
+        })
+        .collect();
+    World { children, lines }
+}
+
+impl World {
+    /// Waits for every process to exit (killing all after `limit`), and returns the exit codes
+    /// and every output line.
+    fn finish(mut self, limit: Duration) -> (Vec<Option<i32>>, Vec<(usize, String)>) {
+        let deadline = Instant::now() + limit;
+        let mut codes = vec![None; self.children.len()];
+        let mut done = vec![false; self.children.len()];
+        while done.iter().any(|d| !d) {
+            for (i, c) in self.children.iter_mut().enumerate() {
+                if !done[i] {
+                    if let Some(status) = c.try_wait().unwrap() {
+                        codes[i] = status.code();
+                        done[i] = true;
+                    }
+                }
+            }
+            if Instant::now() > deadline {
+                for c in &mut self.children {
+                    let _ = c.kill();
+                }
+                panic!(
+                    "processes still running after {limit:?}; output: {:?}",
+                    self.lines.try_iter().collect::<Vec<_>>()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        (codes, self.lines.try_iter().collect())
+    }
+}
+
+fn assert_all_ok(scenario: &str, n: usize) -> Vec<(usize, String)> {
+    let (codes, lines) = spawn(scenario, n).finish(Duration::from_secs(120));
+    assert!(
+        codes.iter().all(|c| *c == Some(0)),
+        "{scenario} x{n}: exit codes {codes:?}\n{lines:#?}"
+    );
+    for rank in 0..n {
+        assert!(
+            lines
+                .iter()
+                .any(|(r, l)| *r == rank && l.starts_with(&format!("OK {scenario} rank {rank}"))),
+            "rank {rank} did not report OK: {lines:#?}"
+        );
+    }
+    lines
+}
+
+#[test]
+fn calls_rrefs_tensors_and_shutdown_across_2_and_4_processes() {
+    assert_all_ok("basic", 2);
+    assert_all_ok("basic", 4);
+}
+
+#[test]
+fn graceful_shutdown_waits_for_calls_in_flight() {
+    assert_all_ok("inflight", 2);
+}
+
+#[test]
+fn thirty_two_workers_start_and_stop() {
+    let t0 = Instant::now();
+    let lines = assert_all_ok("scale", 32);
+    let max = |key: &str| {
+        lines
+            .iter()
+            .filter_map(|(_, l)| {
+                l.split(key)
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .max()
+            .unwrap()
+    };
+    println!(
+        "32 workers: slowest init_rpc {} ms, slowest graceful shutdown {} ms, whole run {} ms",
+        max("init_ms="),
+        max("shutdown_ms="),
+        t0.elapsed().as_millis()
+    );
+}
+
+#[test]
+fn a_bad_device_map_fails_init_on_every_worker() {
+    let (codes, lines) = spawn("bad-map", 2).finish(Duration::from_secs(60));
+    assert_eq!(codes, vec![Some(0), Some(0)], "{lines:#?}");
+    for rank in 0..2 {
+        assert!(
+            lines.iter().any(|(r, l)| *r == rank
+                && l.contains("OK init-error")
+                && l.contains(
+                    "Node w0 has target devices with invalid indices in its device map for w1"
+                )),
+            "{lines:#?}"
+        );
+    }
+}
+
+#[test]
+fn a_killed_worker_is_named_by_the_others_within_the_timeout() {
+    let n = 3;
+    let mut world = spawn("dead-peer", n);
+    let mut ready = 0;
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ready < n {
+        let (rank, line) = world
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .unwrap_or_else(|_| panic!("not all ready: {seen:?}"));
+        if line.starts_with("READY") {
+            ready += 1;
+        }
+        seen.push((rank, line));
+    }
+    world.children[n - 1].kill().unwrap();
+    let t0 = Instant::now();
+    let (codes, lines) = world.finish(Duration::from_secs(60));
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(&codes[..n - 1], &[Some(0), Some(0)], "{lines:#?}");
+    for rank in 0..n - 1 {
+        let call = lines
+            .iter()
+            .find(|(r, l)| *r == rank && l.starts_with("OK call-error"))
+            .unwrap_or_else(|| panic!("{lines:#?}"));
+        assert!(
+            call.1.contains("w2"),
+            "the call error names the dead worker: {}",
+            call.1
+        );
+        let shut = lines
+            .iter()
+            .find(|(r, l)| *r == rank && l.starts_with("OK shutdown-error"))
+            .unwrap_or_else(|| panic!("{lines:#?}"));
+        assert!(
+            shut.1.contains("waiting for rank 2 (w2)"),
+            "the shutdown error names the dead worker: {}",
+            shut.1
+        );
+    }
+}
