@@ -258,8 +258,8 @@ pub struct TensorMeta {
 /// Serializing tensors inside messages.
 ///
 /// A [`Tensor`] inside a value being encoded is not written into the encoded bytes: it is set
-/// aside (see [`collect_tensors`]) and written as its index; its bytes travel beside the message,
-/// untouched. Decoding takes the tensors back by index (see [`provide_tensors`]). Outside these
+/// aside (see [`sidecar::collect_tensors`]) and written as its index; its bytes travel beside the message,
+/// untouched. Decoding takes the tensors back by index (see [`sidecar::provide_tensors`]). Outside these
 /// scopes, serializing a tensor is an error.
 pub mod sidecar {
     use std::cell::RefCell;
