@@ -66,7 +66,11 @@ impl ClusterSecret {
         Ok(ClusterSecret(secret))
     }
 
-    fn mac(&self, label: &[u8], client_nonce: &[u8], server_nonce: &[u8]) -> [u8; MAC_LEN] {
+    /// HMAC-SHA256 under this secret of `label`, then both nonces (with the prefix
+    /// `tensorwire-auth-v1 `, so MACs of tensorwire protocols never collide with other uses of
+    /// the same secret). Other challenge-response protocols of the cluster (the store's) reuse it
+    /// with labels of their own.
+    pub fn mac(&self, label: &[u8], client_nonce: &[u8], server_nonce: &[u8]) -> [u8; MAC_LEN] {
         // HMAC accepts keys of any length; new_from_slice cannot fail for it.
         let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.0)
             .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
@@ -82,6 +86,11 @@ impl fmt::Debug for ClusterSecret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("ClusterSecret(<redacted>)")
     }
+}
+
+/// Compares two MACs in constant time.
+pub fn macs_equal(a: &[u8; MAC_LEN], b: &[u8; MAC_LEN]) -> bool {
+    a.ct_eq(b).into()
 }
 
 /// Why a handshake failed.

@@ -9,10 +9,11 @@
 //!
 //! 1. client → server: `0xA5`, `cn`
 //! 2. server → client: status `0`, a fresh 32-byte server nonce `sn`,
-//!    `HMAC-SHA256(secret, "tensorwire-store-v1 server" ‖ cn ‖ sn)`.
+//!    `HMAC-SHA256(secret, "tensorwire-auth-v1 tensorwire-store-v1 server" ‖ cn ‖ sn)` (the
+//!    cluster secret's [`mac`](ClusterSecret::mac), shared with the transports' handshake).
 //!    (A server without a secret answers status `1` and keeps the connection unauthenticated.)
 //! 3. the client checks the server's MAC (so a client with a secret never talks to a store that
-//!    does not know it), then sends `0xA6`, `HMAC-SHA256(secret, "tensorwire-store-v1 client" ‖ cn ‖ sn)`
+//!    does not know it), then sends `0xA6`, the MAC with label `tensorwire-store-v1 client`
 //! 4. server → client: status `0` (accepted) or `2` (rejected, then the server closes).
 //!
 //! MACs are compared in constant time. The server nonce makes every proof single-use, so a
@@ -28,9 +29,7 @@
 //! refuses a server without one, and gets no answer at all from PyTorch's server (its handshake
 //! times out with an error that says so).
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
-use subtle::ConstantTimeEq;
+use tensorwire_core::auth::ClusterSecret;
 
 use crate::wire::AUTH_LEN;
 
@@ -50,49 +49,17 @@ pub(crate) const AUTH_REQUIRED_MARKER: u32 = 0xA5A5_0A17;
 const SERVER_LABEL: &[u8] = b"tensorwire-store-v1 server";
 const CLIENT_LABEL: &[u8] = b"tensorwire-store-v1 client";
 
-/// A cluster secret shared by the store server and its clients.
-#[derive(Clone)]
-pub struct Secret(Vec<u8>);
-
-impl Secret {
-    /// A secret from bytes (for example read from a file or an environment variable).
-    ///
-    /// An empty secret is refused: it would authenticate anyone.
-    pub fn new(bytes: impl Into<Vec<u8>>) -> Option<Self> {
-        let bytes = bytes.into();
-        (!bytes.is_empty()).then_some(Secret(bytes))
-    }
-
-    fn mac(&self, label: &[u8], client_nonce: &[u8], server_nonce: &[u8]) -> [u8; AUTH_LEN] {
-        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.0)
-            .expect("HMAC accepts keys of any length");
-        mac.update(label);
-        mac.update(client_nonce);
-        mac.update(server_nonce);
-        mac.finalize().into_bytes().into()
-    }
-
-    /// The server's MAC over both nonces.
-    pub(crate) fn server_mac(&self, cn: &[u8], sn: &[u8]) -> [u8; AUTH_LEN] {
-        self.mac(SERVER_LABEL, cn, sn)
-    }
-
-    /// The client's MAC over both nonces.
-    pub(crate) fn client_mac(&self, cn: &[u8], sn: &[u8]) -> [u8; AUTH_LEN] {
-        self.mac(CLIENT_LABEL, cn, sn)
-    }
+/// The server's proof: the cluster secret's MAC (see [`ClusterSecret::mac`]) of both nonces.
+pub(crate) fn server_mac(secret: &ClusterSecret, cn: &[u8], sn: &[u8]) -> [u8; AUTH_LEN] {
+    secret.mac(SERVER_LABEL, cn, sn)
 }
 
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Secret(..)")
-    }
+/// The client's proof.
+pub(crate) fn client_mac(secret: &ClusterSecret, cn: &[u8], sn: &[u8]) -> [u8; AUTH_LEN] {
+    secret.mac(CLIENT_LABEL, cn, sn)
 }
 
-/// Constant-time equality of two MACs.
-pub(crate) fn macs_equal(a: &[u8; AUTH_LEN], b: &[u8; AUTH_LEN]) -> bool {
-    a.ct_eq(b).into()
-}
+pub(crate) use tensorwire_core::auth::macs_equal;
 
 /// A fresh random nonce.
 pub(crate) fn nonce() -> [u8; AUTH_LEN] {
@@ -107,22 +74,16 @@ mod tests {
 
     #[test]
     fn server_and_client_macs_differ_and_depend_on_the_secret() {
-        let s = Secret::new("abc").unwrap();
-        let t = Secret::new("abd").unwrap();
+        let s = ClusterSecret::new("abc").unwrap();
+        let t = ClusterSecret::new("abd").unwrap();
         let (cn, sn) = ([1u8; 32], [2u8; 32]);
-        assert_ne!(s.server_mac(&cn, &sn), s.client_mac(&cn, &sn));
-        assert_ne!(s.client_mac(&cn, &sn), t.client_mac(&cn, &sn));
-        assert_ne!(s.client_mac(&cn, &sn), s.client_mac(&cn, &[3u8; 32]));
-        assert!(macs_equal(&s.client_mac(&cn, &sn), &s.client_mac(&cn, &sn)));
-    }
-
-    #[test]
-    fn empty_secrets_are_refused_and_never_printed() {
-        assert!(Secret::new("").is_none());
-        assert_eq!(
-            format!("{:?}", Secret::new("hunter2").unwrap()),
-            "Secret(..)"
-        );
+        assert_ne!(server_mac(&s, &cn, &sn), client_mac(&s, &cn, &sn));
+        assert_ne!(client_mac(&s, &cn, &sn), client_mac(&t, &cn, &sn));
+        assert_ne!(client_mac(&s, &cn, &sn), client_mac(&s, &cn, &[3u8; 32]));
+        assert!(macs_equal(
+            &client_mac(&s, &cn, &sn),
+            &client_mac(&s, &cn, &sn)
+        ));
         assert_ne!(nonce(), nonce());
     }
 }

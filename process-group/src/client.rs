@@ -18,7 +18,7 @@ use tokio::sync::{Mutex, MutexGuard};
 use tokio::time::Instant;
 use tracing::debug;
 
-use crate::auth::{self, Secret};
+use crate::auth;
 use crate::backoff::Backoff;
 use crate::memory::check_multi_set;
 use crate::wire::{
@@ -26,6 +26,7 @@ use crate::wire::{
     WAIT_STOP_WAITING,
 };
 use crate::DEFAULT_TIMEOUT;
+use tensorwire_core::auth::ClusterSecret;
 
 /// Configuration of a [`TcpStoreClient`].
 #[derive(Debug, Clone)]
@@ -37,7 +38,7 @@ pub struct ClientConfig {
     /// Prepended to every key; `"/"` as PyTorch's `TCPStore` does.
     pub key_prefix: String,
     /// The cluster secret, when the server requires one (see [`crate::auth`]).
-    pub secret: Option<Secret>,
+    pub secret: Option<ClusterSecret>,
     /// Limits checked before sending, with a typed error (the c10d server would just close).
     pub limits: Limits,
 }
@@ -422,7 +423,7 @@ impl Conn {
 async fn authenticate(
     stream: &mut TcpStream,
     addr: &str,
-    secret: &Secret,
+    secret: &ClusterSecret,
     limit: Duration,
 ) -> Result<(), Attempt> {
     let fatal = |reason: String| {
@@ -471,7 +472,7 @@ async fn authenticate(
     server_mac.copy_from_slice(&rest[AUTH_LEN..]);
     if !auth::macs_equal(
         &server_mac,
-        &secret.server_mac(&client_nonce, &server_nonce),
+        &auth::server_mac(secret, &client_nonce, &server_nonce),
     ) {
         return Err(fatal(
             "the server does not know our cluster secret".to_owned(),
@@ -479,7 +480,7 @@ async fn authenticate(
     }
     let mut proof = Vec::new();
     Request::AuthProof {
-        mac: secret.client_mac(&client_nonce, &server_nonce),
+        mac: auth::client_mac(secret, &client_nonce, &server_nonce),
     }
     .encode(&mut proof);
     let verdict = async {

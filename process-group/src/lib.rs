@@ -22,9 +22,9 @@ mod server;
 mod state;
 pub mod wire;
 
-pub use auth::Secret;
 pub use client::{ClientConfig, TcpStoreClient};
 pub use file::FileStore;
+pub use tensorwire_core::auth::ClusterSecret;
 
 pub use memory::InMemoryStore;
 pub use rendezvous::{rendezvous, Rendezvous, RendezvousError, RendezvousOptions};

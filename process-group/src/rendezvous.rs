@@ -34,7 +34,8 @@ use tokio::time::Instant;
 use tracing::{debug, info};
 
 use crate::{
-    ClientConfig, FileStore, Secret, ServerConfig, TcpStoreClient, TcpStoreServer, DEFAULT_TIMEOUT,
+    ClientConfig, ClusterSecret, FileStore, ServerConfig, TcpStoreClient, TcpStoreServer,
+    DEFAULT_TIMEOUT,
 };
 
 /// The join counter, unprefixed: the key PyTorch's `TCPStore` counts workers with.
@@ -48,7 +49,7 @@ pub struct RendezvousOptions {
     /// Store timeout, and the limit for connecting and for the join.
     pub timeout: Duration,
     /// Cluster secret for the TCP store (every rank must use the same; PyTorch ranks cannot).
-    pub secret: Option<Secret>,
+    pub secret: Option<ClusterSecret>,
     /// Whether rank 0 starts the TCP store server (`false`: one runs elsewhere, for example
     /// `tensorwire store serve`).
     pub embed_server: bool,

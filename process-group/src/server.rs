@@ -21,12 +21,13 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
-use crate::auth::{self, Secret};
+use crate::auth;
 use crate::state::{AddError, KvState};
 use crate::wire::{
     self, KeyDisplay, Limits, Request, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC,
     WAIT_CANCELED, WAIT_STOP_WAITING,
 };
+use tensorwire_core::auth::ClusterSecret;
 
 /// Configuration of a [`TcpStoreServer`].
 #[derive(Debug, Clone)]
@@ -34,7 +35,7 @@ pub struct ServerConfig {
     /// Size limits on requests.
     pub limits: Limits,
     /// When set, clients must authenticate first (see [`crate::auth`]); PyTorch clients cannot.
-    pub secret: Option<Secret>,
+    pub secret: Option<ClusterSecret>,
     /// Most waits one connection may have parked at once (a client parks at most one).
     pub max_waits_per_connection: usize,
 }
@@ -282,7 +283,7 @@ fn handle(
             let server_nonce = auth::nonce();
             out.push(auth::STATUS_OK);
             out.extend_from_slice(&server_nonce);
-            out.extend_from_slice(&secret.server_mac(&client_nonce, &server_nonce));
+            out.extend_from_slice(&auth::server_mac(secret, &client_nonce, &server_nonce));
             *phase = Phase::AuthProof {
                 client_nonce,
                 server_nonce,
@@ -310,7 +311,10 @@ fn handle(
                 .secret
                 .as_ref()
                 .expect("phase implies a secret");
-            if auth::macs_equal(&mac, &secret.client_mac(&client_nonce, &server_nonce)) {
+            if auth::macs_equal(
+                &mac,
+                &auth::client_mac(secret, &client_nonce, &server_nonce),
+            ) {
                 out.push(auth::STATUS_OK);
                 *phase = Phase::Validate;
                 Ok(())

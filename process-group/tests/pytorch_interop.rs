@@ -292,7 +292,7 @@ async fn a_server_with_a_secret_refuses_pytorch_clients() {
     let server = TcpStoreServer::bind(
         "127.0.0.1:0",
         ServerConfig {
-            secret: tensorwire_process_group::Secret::new("s"),
+            secret: tensorwire_process_group::ClusterSecret::new("s").ok(),
             ..ServerConfig::default()
         },
     )

@@ -4,7 +4,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use tensorwire_process_group::rendezvous::rendezvous_with_env;
-use tensorwire_process_group::{rendezvous, RendezvousError, RendezvousOptions, Secret};
+use tensorwire_process_group::{rendezvous, ClusterSecret, RendezvousError, RendezvousOptions};
 
 const LIMIT: Duration = Duration::from_secs(20);
 
@@ -109,7 +109,7 @@ async fn tcp_join_timeout_says_how_many_arrived() {
 async fn tcp_rendezvous_with_a_secret() {
     let port = free_port();
     let opts = RendezvousOptions {
-        secret: Secret::new("cluster"),
+        secret: ClusterSecret::new("cluster").ok(),
         ..options()
     };
     let url = |rank| format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=2");

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use tensorwire_process_group::wire::{self, Limits, Request};
 use tensorwire_process_group::{
-    ClientConfig, Secret, ServerConfig, Store, StoreError, TcpStoreClient, TcpStoreServer,
+    ClientConfig, ClusterSecret, ServerConfig, Store, StoreError, TcpStoreClient, TcpStoreServer,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -353,7 +353,7 @@ async fn limits_give_typed_errors_on_the_client_and_close_on_the_server() {
 
 #[tokio::test]
 async fn secret_authenticates_and_refuses_others() {
-    let secret = Secret::new("s3cret").unwrap();
+    let secret = ClusterSecret::new("s3cret").unwrap();
     let srv = server(ServerConfig {
         secret: Some(secret.clone()),
         ..ServerConfig::default()
@@ -376,7 +376,7 @@ async fn secret_authenticates_and_refuses_others() {
     let wrong = TcpStoreClient::connect(
         &addr,
         ClientConfig {
-            secret: Some(Secret::new("guess").unwrap()),
+            secret: Some(ClusterSecret::new("guess").unwrap()),
             ..client_config()
         },
     )
@@ -417,7 +417,7 @@ async fn a_client_with_a_secret_refuses_a_server_without_one() {
     let err = TcpStoreClient::connect(
         &srv.local_addr().to_string(),
         ClientConfig {
-            secret: Some(Secret::new("x").unwrap()),
+            secret: Some(ClusterSecret::new("x").unwrap()),
             ..client_config()
         },
     )

@@ -28,7 +28,7 @@ use tensorwire_core::protocol::{
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
 use tensorwire_core::wire::{Frame, FrameKind};
-use tensorwire_process_group::{rendezvous, Rendezvous, RendezvousOptions, Secret};
+use tensorwire_process_group::{rendezvous, Rendezvous, RendezvousOptions};
 use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::{debug, info, warn};
@@ -216,7 +216,7 @@ pub async fn init_rpc(
 
     let rdv_options = RendezvousOptions {
         timeout: options.init_timeout,
-        secret: secret.clone().and_then(Secret::new),
+        secret: secret.clone().and_then(|s| ClusterSecret::new(s).ok()),
         ..RendezvousOptions::default()
     };
     let url = with_rank(&options.init_method, rank, world_size);

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context};
 use tensorwire_process_group::{
-    ClientConfig, Secret, ServerConfig, Store, TcpStoreClient, TcpStoreServer,
+    ClientConfig, ClusterSecret, ServerConfig, Store, TcpStoreClient, TcpStoreServer,
 };
 
 /// Arguments of `tensorwire store`.
@@ -138,7 +138,7 @@ pub(crate) fn run(args: Args) -> ExitCode {
     }
 }
 
-fn read_secret(path: &Option<PathBuf>) -> anyhow::Result<Option<Secret>> {
+fn read_secret(path: &Option<PathBuf>) -> anyhow::Result<Option<ClusterSecret>> {
     let Some(path) = path else {
         return Ok(None);
     };
@@ -146,9 +146,9 @@ fn read_secret(path: &Option<PathBuf>) -> anyhow::Result<Option<Secret>> {
         .with_context(|| format!("cannot read the secret file {}", path.display()))?;
     // A trailing newline from `echo` is not part of the secret.
     let trimmed = bytes.strip_suffix(b"\n").unwrap_or(&bytes).to_vec();
-    Secret::new(trimmed)
+    ClusterSecret::new(trimmed)
         .map(Some)
-        .ok_or_else(|| anyhow!("the secret file {} is empty", path.display()))
+        .map_err(|_| anyhow!("the secret file {} is empty", path.display()))
 }
 
 async fn connect(args: &ClientArgs) -> anyhow::Result<TcpStoreClient> {
