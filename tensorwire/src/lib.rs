@@ -11,6 +11,8 @@ pub use tensorwire_devices_cuda as devices_cuda;
 /// Stores (c10d `TCPStore`-compatible TCP, file, in-memory) and rendezvous.
 pub use tensorwire_process_group as process_group;
 
+/// The RPC agent: `init_rpc`, `rpc_sync`/`rpc_async`/`remote`, `RRef`, shutdown.
+pub use tensorwire_rpc as rpc;
 /// The TCP transport (Cargo feature `tcp`, on by default).
 #[cfg(feature = "tcp")]
 pub use tensorwire_transport_tcp as transport_tcp;

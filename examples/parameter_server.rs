@@ -1,0 +1,94 @@
+//! A parameter server and trainers: the server's state lives behind a remote reference, trainers
+//! call methods on it.
+//!
+//! ```sh
+//! cargo build --release -p tensorwire --example parameter_server
+//! cargo run --release -p tensorwire -- launch --nproc 3 -- target/release/examples/parameter_server
+//! ```
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tensorwire::rpc::{init_rpc, Functions, RRef, RpcError, RpcOptions};
+
+/// The server's state: a weight vector and how often it was updated.
+#[derive(serde::Serialize)]
+struct Server {
+    weights: Mutex<Vec<f64>>,
+}
+
+fn functions() -> Functions {
+    let f = Functions::new();
+    f.register("new_server", |dim: usize| async move {
+        Ok::<_, String>(Server {
+            weights: Mutex::new(vec![0.0; dim]),
+        })
+    });
+    f.register_method("weights", |s: Arc<Server>, (): ()| async move {
+        Ok::<_, String>(s.weights.lock().map_err(|e| e.to_string())?.clone())
+    });
+    f.register_method("update", |s: Arc<Server>, grad: Vec<f64>| async move {
+        let mut w = s.weights.lock().map_err(|e| e.to_string())?;
+        for (w, g) in w.iter_mut().zip(&grad) {
+            *w -= 0.1 * g;
+        }
+        Ok::<_, String>(())
+    });
+    // A trainer pulls the weights, computes a gradient towards 1.0 and pushes it, `steps` times.
+    f.register("train", |(server, steps): (RRef<Server>, u32)| async move {
+        let mut loss = 0.0;
+        for _ in 0..steps {
+            let w: Vec<f64> = server
+                .rpc_sync("weights", &(), None)
+                .await
+                .map_err(|e| e.to_string())?;
+            let grad: Vec<f64> = w.iter().map(|w| w - 1.0).collect();
+            loss = grad.iter().map(|g| g * g).sum::<f64>() / grad.len() as f64;
+            server
+                .rpc_sync::<_, ()>("update", &grad, None)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        Ok::<_, String>(loss)
+    });
+    f
+}
+
+#[tokio::main]
+async fn main() -> Result<(), RpcError> {
+    let rank: usize = std::env::var("RANK")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .expect("RANK (run me with tensorwire launch)");
+    let world: usize = std::env::var("WORLD_SIZE")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .expect("WORLD_SIZE");
+    let name = if rank == 0 {
+        "ps".to_owned()
+    } else {
+        format!("trainer{rank}")
+    };
+    let agent = init_rpc(
+        &name,
+        rank,
+        Some(world),
+        RpcOptions {
+            functions: functions(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    if rank == 0 {
+        let server: RRef<Server> = agent.remote("ps", "new_server", &4usize, None)?;
+        let runs: Vec<_> = (1..world as u32)
+            .map(|t| agent.rpc_async::<_, f64>(t, "train", &(server.clone(), 20u32), None))
+            .collect::<Result<_, _>>()?;
+        for (t, run) in runs.into_iter().enumerate() {
+            println!("trainer{}: final loss {:.6}", t + 1, run.await?);
+        }
+        let w: Vec<f64> = server.rpc_sync("weights", &(), None).await?;
+        println!("weights after training: {w:?}");
+    }
+    agent.shutdown(true, Duration::from_secs(30)).await
+}

@@ -1,0 +1,53 @@
+//! Two workers ping each other and measure the round trip.
+//!
+//! ```sh
+//! cargo build --release -p tensorwire --example ping
+//! cargo run --release -p tensorwire -- launch --nproc 2 -- target/release/examples/ping
+//! ```
+
+use std::time::{Duration, Instant};
+
+use tensorwire::rpc::{init_rpc, Functions, RpcError, RpcOptions};
+
+#[tokio::main]
+async fn main() -> Result<(), RpcError> {
+    let functions = Functions::new();
+    functions.register("ping", |n: u64| async move { Ok::<_, String>(n + 1) });
+
+    let rank: usize = std::env::var("RANK")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .expect("RANK (run me with tensorwire launch)");
+    let world: usize = std::env::var("WORLD_SIZE")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .expect("WORLD_SIZE");
+    let agent = init_rpc(
+        &format!("worker{rank}"),
+        rank,
+        Some(world),
+        RpcOptions {
+            functions,
+            ..Default::default()
+        },
+    )
+    .await?;
+
+    let peer = format!("worker{}", (rank + 1) % world);
+    let mut times = Vec::new();
+    for i in 0..1000u64 {
+        let t0 = Instant::now();
+        let back: u64 = agent.rpc_sync(peer.as_str(), "ping", &i, None).await?;
+        times.push(t0.elapsed());
+        assert_eq!(back, i + 1);
+    }
+    times.sort();
+    println!(
+        "{} -> {peer}: 1000 pings, p50 {:?}, p99 {:?}",
+        agent.worker_info().name,
+        times[500],
+        times[990]
+    );
+
+    agent.shutdown(true, Duration::from_secs(30)).await
+}
