@@ -113,6 +113,8 @@ pub(crate) struct State {
     peers: HashMap<WorkerId, mpsc::UnboundedSender<Frame>>,
     /// Why the connection to a peer is gone, for the errors of later calls to it.
     lost: HashMap<WorkerId, String>,
+    /// When the driver task wakes up next for timers (`None`: only when woken).
+    driver_wakes_at: Option<Instant>,
 }
 
 pub(crate) struct Inner {
@@ -320,6 +322,7 @@ pub async fn init_rpc(
             values: HashMap::new(),
             peers: HashMap::new(),
             lost: HashMap::new(),
+            driver_wakes_at: None,
         }),
         wake: Notify::new(),
         stopped: Notify::new(),
@@ -519,6 +522,41 @@ impl Agent {
         self.inner.wake.notify_one();
     }
 
+    /// Moves what the endpoint produced along, on the calling task: messages to the peers'
+    /// writers (in order, under the lock) and events to their handlers. Wakes the driver only
+    /// when a timer is now due earlier than the one it sleeps on. Must run inside the runtime
+    /// (dispatching may spawn tasks); `Drop` impls use [`wake`](Self::wake) instead.
+    pub(crate) fn pump(&self) {
+        loop {
+            let (events, wake_driver) = {
+                let mut st = self.lock();
+                while let Some(t) = st.ep.poll_transmit() {
+                    self.send(&mut st, t);
+                }
+                let mut events = Vec::new();
+                while let Some(e) = st.ep.poll_event() {
+                    events.push(e);
+                }
+                let next = st.ep.poll_timeout();
+                let wake_driver = match (next, st.driver_wakes_at) {
+                    (Some(n), Some(at)) => n < at,
+                    (Some(_), None) => true,
+                    (None, _) => false,
+                };
+                (events, wake_driver)
+            };
+            if wake_driver {
+                self.wake();
+            }
+            if events.is_empty() {
+                return;
+            }
+            for e in events {
+                self.dispatch(e);
+            }
+        }
+    }
+
     /// This worker.
     pub fn worker_info(&self) -> &WorkerInfo {
         &self.inner.me
@@ -706,10 +744,10 @@ impl Agent {
                         let _ = tx.send(Err(CallError::Local(e.to_string())));
                     }
                 }
-                agent.wake();
+                agent.pump();
             });
         }
-        self.wake();
+        self.pump();
         Ok(RpcFuture::new(
             self.clone(),
             rx,
@@ -760,7 +798,7 @@ impl Agent {
             st.waiters.insert(id, tx);
             handle
         };
-        self.wake();
+        self.pump();
         Ok(RRef::new(self.clone(), handle, Some(rx)))
     }
 
@@ -793,7 +831,7 @@ impl Agent {
                 })?;
             st.waiters.insert(id, tx);
         }
-        self.wake();
+        self.pump();
         Ok(rx)
     }
 
@@ -995,7 +1033,7 @@ impl Agent {
             st.ep.handle_peer_lost(peer, &reason, Instant::now());
             st.lost.insert(peer, reason);
         }
-        self.wake();
+        self.pump();
     }
 
     fn on_frame(&self, from: WorkerId, frame: Frame) {
@@ -1030,7 +1068,7 @@ impl Agent {
         self.lock()
             .ep
             .handle_message(from, envelope.header, body, Instant::now());
-        self.wake();
+        self.pump();
     }
 
     fn send(&self, st: &mut State, t: Transmit<Body>) {
@@ -1099,7 +1137,7 @@ impl Agent {
                         )),
                     };
                     agent.lock().ep.respond(token, outcome);
-                    agent.wake();
+                    agent.pump();
                 });
             }
             Event::Completed { id, outcome } => {
@@ -1150,7 +1188,7 @@ impl Agent {
                 ),
             );
             self.lock().ep.respond(token, Err(err));
-            self.wake();
+            self.pump();
             return;
         };
         let target = match body.target {
@@ -1163,7 +1201,7 @@ impl Agent {
                         format!("no value is kept for {rref} on {}", self.inner.me.name),
                     );
                     self.lock().ep.respond(token, Err(err));
-                    self.wake();
+                    self.pump();
                     return;
                 }
             },
@@ -1179,7 +1217,7 @@ impl Agent {
                         format!("cannot place the tensors of {function:?}: {e}"),
                     );
                     agent.lock().ep.respond(token, Err(err));
-                    agent.wake();
+                    agent.pump();
                     return;
                 }
             };
@@ -1189,7 +1227,11 @@ impl Agent {
                 tensors,
                 target,
             };
-            let outcome = match tokio::spawn(handler(inv)).await {
+            let outcome = match (CatchPanic {
+                inner: handler(inv),
+            })
+            .await
+            {
                 Ok(Ok(value)) => match keep_as {
                     Some(rref) => {
                         agent.lock().values.insert(rref, value);
@@ -1216,15 +1258,12 @@ impl Agent {
                     Err(remote_error(me, RemoteErrorKind::Failed, m))
                 }
                 Ok(Err(HandlerError::Target(m))) => Err(remote_error(me, RemoteErrorKind::RRef, m)),
-                Err(join) => {
-                    let msg = match join.try_into_panic() {
-                        Ok(p) => p
-                            .downcast_ref::<&str>()
-                            .map(|s| (*s).to_owned())
-                            .or_else(|| p.downcast_ref::<String>().cloned())
-                            .unwrap_or_else(|| "unknown panic".into()),
-                        Err(_) => "the handler was cancelled".into(),
-                    };
+                Err(panic) => {
+                    let msg = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "unknown panic".into());
                     Err(remote_error(
                         me,
                         RemoteErrorKind::Panicked,
@@ -1233,32 +1272,45 @@ impl Agent {
                 }
             };
             agent.lock().ep.respond(token, outcome);
-            agent.wake();
+            agent.pump();
         });
+    }
+}
+
+/// Polls a handler's future, turning a panic into an error (the handler is user code; one that
+/// panics must not take the agent down, and need not cost a task of its own).
+struct CatchPanic<F> {
+    inner: F,
+}
+
+impl<F: std::future::Future + Unpin> std::future::Future for CatchPanic<F> {
+    type Output = Result<F::Output, Box<dyn Any + Send>>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let inner = &mut self.inner;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            std::pin::Pin::new(&mut *inner).poll(cx)
+        })) {
+            Ok(std::task::Poll::Ready(v)) => std::task::Poll::Ready(Ok(v)),
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Err(panic) => std::task::Poll::Ready(Err(panic)),
+        }
     }
 }
 
 /// The driver: moves the endpoint's output to peers and the application, and its timers.
 async fn drive(agent: Agent) {
     loop {
-        let (events, next) = {
+        agent.pump();
+        let next = {
             let mut st = agent.lock();
-            while let Some(t) = st.ep.poll_transmit() {
-                agent.send(&mut st, t);
-            }
-            let mut events = Vec::new();
-            while let Some(e) = st.ep.poll_event() {
-                events.push(e);
-            }
-            (events, st.ep.poll_timeout())
+            let next = st.ep.poll_timeout();
+            st.driver_wakes_at = next;
+            next
         };
-        let had_events = !events.is_empty();
-        for e in events {
-            agent.dispatch(e);
-        }
-        if had_events {
-            continue;
-        }
         match next {
             Some(at) => {
                 tokio::select! {

@@ -32,6 +32,8 @@ pub(crate) struct Args {
 enum Bench {
     /// A transport against plain TCP sockets on loopback: ping-pong latency and bulk throughput.
     Transport(TransportArgs),
+    /// The RPC agent between two processes on loopback against plain TCP sockets.
+    Rpc(super::bench_rpc::RpcArgs),
 }
 
 /// Transports `bench transport` knows.
@@ -65,14 +67,15 @@ struct TransportArgs {
 }
 
 /// Size of a ping-pong message, raw and framed (as the frame's message header).
-const SMALL: usize = 64;
+pub(crate) const SMALL: usize = 64;
 /// Ping-pong measurements alternate between raw and framed in this many blocks.
 const BLOCKS: usize = 20;
-const MIB: usize = 1 << 20;
+pub(crate) const MIB: usize = 1 << 20;
 
 pub(crate) fn run(args: Args) -> ExitCode {
     let result = match args.bench {
         Bench::Transport(a) => bench_transport(&a),
+        Bench::Rpc(a) => super::bench_rpc::bench_rpc(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -84,7 +87,7 @@ pub(crate) fn run(args: Args) -> ExitCode {
 }
 
 /// A progress bar on standard error, hidden when it is not a terminal.
-fn progress(len: u64, what: &str) -> ProgressBar {
+pub(crate) fn progress(len: u64, what: &str) -> ProgressBar {
     let target = if std::io::stderr().is_terminal() {
         ProgressDrawTarget::stderr()
     } else {
@@ -120,19 +123,37 @@ fn make_transport(kind: TransportKind) -> Result<Arc<dyn Transport>> {
     }
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i.min(sorted.len() - 1)].as_secs_f64() * 1e6
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
 /// Megabytes (10^6 bytes) per second.
-fn mbps(bytes: usize, took: Duration) -> f64 {
+pub(crate) fn mbps(bytes: usize, took: Duration) -> f64 {
     bytes as f64 / took.as_secs_f64() / 1e6
+}
+
+/// Writes the results: to `path` (and a copy to standard error) or to standard output.
+pub(crate) fn write_json(
+    out: &serde_json::Map<String, Value>,
+    path: Option<&PathBuf>,
+) -> Result<()> {
+    let text = serde_json::to_string_pretty(&Value::Object(out.clone()))?;
+    match path {
+        Some(path) => {
+            std::fs::write(path, format!("{text}\n"))
+                .with_context(|| format!("writing {}", path.display()))?;
+            eprintln!("{text}");
+            eprintln!("tensorwire bench: wrote {}", path.display());
+        }
+        None => println!("{text}"),
+    }
+    Ok(())
 }
 
 fn bench_transport(args: &TransportArgs) -> Result<()> {
@@ -237,17 +258,7 @@ fn bench_transport(args: &TransportArgs) -> Result<()> {
             "MBps": "10^6 bytes per second; bulk = one transfer plus a 1-byte acknowledgement",
         }),
     );
-    let text = serde_json::to_string_pretty(&Value::Object(out))?;
-    match &args.json {
-        Some(path) => {
-            std::fs::write(path, format!("{text}\n"))
-                .with_context(|| format!("writing {}", path.display()))?;
-            eprintln!("{text}");
-            eprintln!("tensorwire bench: wrote {}", path.display());
-        }
-        None => println!("{text}"),
-    }
-    Ok(())
+    write_json(&out, args.json.as_ref())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -282,14 +293,14 @@ fn raw_connection(mut s: TcpStream) -> std::io::Result<()> {
 
 /// The raw baseline's client: blocking sockets to echo threads, one connection per kind of
 /// exchange.
-struct Raw {
+pub(crate) struct Raw {
     ping: TcpStream,
     bulk: Vec<(usize, TcpStream)>,
     server: std::thread::JoinHandle<std::io::Result<()>>,
 }
 
 impl Raw {
-    fn start(bulk_sizes: &[usize]) -> Result<Self> {
+    pub(crate) fn start(bulk_sizes: &[usize]) -> Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
         let addr = listener.local_addr()?;
         let connections = 1 + bulk_sizes.len();
@@ -322,7 +333,7 @@ impl Raw {
     }
 
     /// `n` round trips of [`SMALL`] bytes; the time of each.
-    fn pingpong(&mut self, n: usize) -> Result<Vec<Duration>> {
+    pub(crate) fn pingpong(&mut self, n: usize) -> Result<Vec<Duration>> {
         let msg = [7u8; SMALL];
         let mut back = [0u8; SMALL];
         let mut times = Vec::with_capacity(n);
@@ -336,7 +347,7 @@ impl Raw {
     }
 
     /// Sends `data` and waits for the 1-byte acknowledgement.
-    fn bulk(&mut self, data: &[u8]) -> Result<Duration> {
+    pub(crate) fn bulk(&mut self, data: &[u8]) -> Result<Duration> {
         let s = self
             .bulk
             .iter_mut()
@@ -350,7 +361,7 @@ impl Raw {
         Ok(t.elapsed())
     }
 
-    fn finish(self) -> Result<()> {
+    pub(crate) fn finish(self) -> Result<()> {
         drop(self.ping);
         drop(self.bulk);
         self.server

@@ -1,0 +1,221 @@
+//! `tensorwire bench rpc`: the RPC agent between two processes on loopback, against the raw TCP
+//! baseline measured in the same run.
+//!
+//! This process is worker 0 (the caller); it starts worker 1 (the callee) as a child process of
+//! the same binary. Keys: `rpc_sync_p50_us`, `rpc_sync_p99_us`, `rpc_async_calls_per_s` (many
+//! calls in flight), `rpc_tensor_1MiB_MBps`, `rpc_tensor_64MiB_MBps` (a tensor argument, a small
+//! result), `remote_to_here_p50_us`, `raw_tcp_pingpong_p50_us`, `raw_tcp_bulk_64MiB_MBps`, and
+//! `ratios`.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Map, Value};
+use tensorwire_core::tensor::Tensor;
+use tensorwire_rpc::{init_rpc, Functions, RRef, RpcOptions};
+
+use super::bench::{mbps, median, percentile, progress, write_json, Raw, MIB};
+
+/// Arguments of `tensorwire bench rpc`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct RpcArgs {
+    /// The transport the agent uses (only TCP so far).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp"])]
+    transport: String,
+    /// Write the results as one JSON object to this file (else to standard output).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Sequential `rpc_sync` calls measured (after a warm-up of a tenth as many).
+    #[arg(long, default_value_t = 5_000)]
+    calls: usize,
+    /// `rpc_async` calls for the throughput measurement.
+    #[arg(long, default_value_t = 100_000)]
+    async_calls: usize,
+    /// Calls kept in flight during the throughput measurement.
+    #[arg(long, default_value_t = 512)]
+    in_flight: usize,
+    /// Calls with a 64 MiB tensor (the median is reported).
+    #[arg(long, default_value_t = 8)]
+    tensor_64mib: usize,
+    /// Run as the callee (set by the benchmark itself).
+    #[arg(long, hide = true)]
+    serve: Option<u16>,
+}
+
+fn functions() -> Functions {
+    let f = Functions::new();
+    f.register("noop", |x: u64| async move { Ok::<_, String>(x) });
+    f.register("nbytes", |t: Tensor| async move {
+        Ok::<_, String>(t.nbytes() as u64)
+    });
+    f.register("value", |x: u64| async move { Ok::<_, String>(x) });
+    f
+}
+
+fn options(port: u16, rank: usize, secret: &[u8]) -> RpcOptions {
+    RpcOptions {
+        init_method: format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=2"),
+        init_timeout: Duration::from_secs(30),
+        secret: Some(secret.to_vec()),
+        functions: functions(),
+        ..RpcOptions::default()
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
+    let secret = std::env::var("TENSORWIRE_BENCH_SECRET").ok();
+    if let Some(port) = args.serve {
+        let secret = secret.context("the callee needs TENSORWIRE_BENCH_SECRET")?;
+        return runtime()?.block_on(async move {
+            let agent = init_rpc("callee", 1, Some(2), options(port, 1, secret.as_bytes())).await?;
+            agent.shutdown(true, Duration::from_secs(600)).await?;
+            Ok(())
+        });
+    }
+    if args.calls < 10 || args.async_calls == 0 || args.in_flight == 0 || args.tensor_64mib == 0 {
+        bail!(
+            "--calls must be at least 10; --async-calls, --in-flight and --tensor-64mib at least 1"
+        );
+    }
+
+    // The raw baseline first, in this process: blocking sockets and an echo thread.
+    let bar = progress(3, "raw TCP baseline");
+    let mut raw = Raw::start(&[64 * MIB])?;
+    raw.pingpong(args.calls / 10)?;
+    let mut raw_ping = raw.pingpong(args.calls)?;
+    raw_ping.sort();
+    bar.inc(1);
+    let data = vec![7u8; 64 * MIB];
+    raw.bulk(&data)?;
+    let raw_bulk = median(
+        (0..args.tensor_64mib)
+            .map(|_| raw.bulk(&data).map(|t| mbps(data.len(), t)))
+            .collect::<Result<_>>()?,
+    );
+    bar.inc(1);
+    raw.finish()?;
+    bar.finish_and_clear();
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let secret: [u8; 16] = rand::random();
+    let secret: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    let exe = std::env::current_exe().context("cannot find this program's path")?;
+    let mut callee = Command::new(exe)
+        .args(["bench", "rpc", "--serve", &port.to_string()])
+        .env("TENSORWIRE_BENCH_SECRET", &secret)
+        .stdin(Stdio::null())
+        .spawn()
+        .context("cannot start the callee process")?;
+
+    let result = runtime()?.block_on(measure(args, port, secret.as_bytes()));
+    let status = callee.wait()?;
+    let mut out = result?;
+    if !status.success() {
+        bail!("the callee process failed ({status})");
+    }
+    let raw_p50 = percentile(&raw_ping, 0.5);
+    out.insert("raw_tcp_pingpong_p50_us".into(), json!(raw_p50));
+    out.insert("raw_tcp_bulk_64MiB_MBps".into(), json!(raw_bulk));
+    let get = |k: &str| out.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    let ratios = json!({
+        "rpc_sync_p50_over_raw_pingpong_p50": get("rpc_sync_p50_us") / raw_p50,
+        "rpc_tensor_64MiB_over_raw_bulk_64MiB": get("rpc_tensor_64MiB_MBps") / raw_bulk,
+        "remote_to_here_p50_over_raw_pingpong_p50": get("remote_to_here_p50_us") / raw_p50,
+    });
+    out.insert("ratios".into(), ratios);
+    out.insert("transport".into(), json!(args.transport));
+    write_json(&out, args.json.as_ref())
+}
+
+async fn measure(args: &RpcArgs, port: u16, secret: &[u8]) -> Result<Map<String, Value>> {
+    let agent = init_rpc("caller", 0, Some(2), options(port, 0, secret)).await?;
+    let mut out = Map::new();
+
+    let bar = progress(5, "rpc_sync");
+    for i in 0..args.calls / 10 {
+        let _: u64 = agent.rpc_sync(1u32, "noop", &(i as u64), None).await?;
+    }
+    let mut times = Vec::with_capacity(args.calls);
+    for i in 0..args.calls {
+        let t = Instant::now();
+        let _: u64 = agent.rpc_sync(1u32, "noop", &(i as u64), None).await?;
+        times.push(t.elapsed());
+    }
+    times.sort();
+    out.insert("rpc_sync_p50_us".into(), json!(percentile(&times, 0.5)));
+    out.insert("rpc_sync_p99_us".into(), json!(percentile(&times, 0.99)));
+    bar.inc(1);
+
+    bar.set_message("rpc_async in flight");
+    let t = Instant::now();
+    let mut pending = std::collections::VecDeque::with_capacity(args.in_flight);
+    for i in 0..args.async_calls {
+        if pending.len() == args.in_flight {
+            let f: tensorwire_rpc::RpcFuture<u64> =
+                pending.pop_front().context("a call is in flight")?;
+            f.await?;
+        }
+        pending.push_back(agent.rpc_async::<_, u64>(1u32, "noop", &(i as u64), None)?);
+    }
+    for f in pending {
+        f.await?;
+    }
+    out.insert(
+        "rpc_async_calls_per_s".into(),
+        json!(args.async_calls as f64 / t.elapsed().as_secs_f64()),
+    );
+    bar.inc(1);
+
+    for (size, rounds, key) in [
+        (MIB, 100, "rpc_tensor_1MiB_MBps"),
+        (64 * MIB, args.tensor_64mib, "rpc_tensor_64MiB_MBps"),
+    ] {
+        bar.set_message(key.to_owned());
+        let floats = vec![1.0f32; size / 4];
+        let t = Tensor::from_f32(vec![floats.len()], &floats)?;
+        let _: u64 = agent.rpc_sync(1u32, "nbytes", &t, None).await?;
+        let mut rates = Vec::with_capacity(rounds);
+        for _ in 0..rounds {
+            let start = Instant::now();
+            let n: u64 = agent.rpc_sync(1u32, "nbytes", &t, None).await?;
+            rates.push(mbps(size, start.elapsed()));
+            if n as usize != size {
+                bail!("the callee saw {n} bytes instead of {size}");
+            }
+        }
+        out.insert(key.into(), json!(median(rates)));
+        bar.inc(1);
+    }
+
+    bar.set_message("remote + to_here");
+    let mut times = Vec::with_capacity(args.calls / 5);
+    for i in 0..args.calls / 5 {
+        let t = Instant::now();
+        let r: RRef<u64> = agent.remote(1u32, "value", &(i as u64), None)?;
+        let v = r.to_here(None).await?;
+        times.push(t.elapsed());
+        if v != i as u64 {
+            bail!("to_here returned {v}, expected {i}");
+        }
+    }
+    times.sort();
+    out.insert(
+        "remote_to_here_p50_us".into(),
+        json!(percentile(&times, 0.5)),
+    );
+    bar.inc(1);
+    bar.finish_and_clear();
+    agent.shutdown(true, Duration::from_secs(60)).await?;
+    Ok(out)
+}
