@@ -13,15 +13,21 @@
 //! - [`protocol`]: the RPC protocol state machine: calls, timeouts, remote references.
 //! - [`registry`]: named registries for RPC backends and process-group factories.
 //! - [`collective`]: sans-IO schedules for barrier, broadcast, all_gather and all_reduce.
+//! - [`wire`]: the frame format: fixed prefix, postcard frame header, raw payloads; bounded decoder.
+//! - [`ports`]: the traits adapters implement ([`Transport`](ports::transport::Transport), ...).
+//! - [`auth`]: challenge-response authentication on a cluster secret (HMAC-SHA256).
 
+pub mod auth;
 pub mod collective;
 pub mod device;
 pub mod name;
 pub mod plan;
+pub mod ports;
 pub mod protocol;
 pub mod registry;
 pub mod reverse;
 pub mod validate;
+pub mod wire;
 
 #[cfg(test)]
 mod proptests;
