@@ -14,7 +14,7 @@
 //! - [`registry`]: named registries for RPC backends and process-group factories.
 //! - [`collective`]: sans-IO schedules for barrier, broadcast, all_gather and all_reduce.
 //! - [`wire`]: the frame format: fixed prefix, postcard frame header, raw payloads; bounded decoder.
-//! - [`ports`]: the traits adapters implement ([`Transport`](ports::transport::Transport), ...).
+//! - [`ports`]: the traits adapters implement ([`Transport`](ports::transport::Transport), [`Store`](ports::store::Store), ...).
 //! - [`auth`]: challenge-response authentication on a cluster secret (HMAC-SHA256).
 
 pub mod auth;

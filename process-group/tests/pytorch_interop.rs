@@ -1,0 +1,230 @@
+//! Interoperability with PyTorch's own `torch.distributed.TCPStore`, both ways.
+//!
+//! Needs a Python with torch: `$TENSORWIRE_TORCH_PYTHON` if set, else `python3`. When
+//! `import torch` fails the tests print why and pass without checking anything, so CI without
+//! torch stays green; on a machine with torch they run for real.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use tensorwire_process_group::{
+    ClientConfig, ServerConfig, Store, StoreError, TcpStoreClient, TcpStoreServer,
+};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn python() -> String {
+    std::env::var("TENSORWIRE_TORCH_PYTHON").unwrap_or_else(|_| "python3".to_owned())
+}
+
+/// `Some(reason)` when torch is not importable.
+fn torch_missing() -> Option<String> {
+    match std::process::Command::new(python())
+        .args(["-c", "import torch.distributed"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+    {
+        Ok(s) if s.success() => None,
+        Ok(s) => Some(format!("`{} -c 'import torch'` exited with {s}", python())),
+        Err(e) => Some(format!("cannot run {}: {e}", python())),
+    }
+}
+
+macro_rules! require_torch {
+    () => {
+        if let Some(reason) = torch_missing() {
+            eprintln!(
+                "SKIPPED: PyTorch interop test needs torch ({reason}); set TENSORWIRE_TORCH_PYTHON"
+            );
+            return;
+        }
+    };
+}
+
+const PY_CLIENT: &str = r#"
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+
+host, port = sys.argv[1], int(sys.argv[2])
+s = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+out = []
+def check(cond, what):
+    if not cond:
+        print("FAIL", what, flush=True)
+        sys.exit(1)
+
+check(s.get("rust/set") == b"from-rust", "get a key our client set")
+s.set("py/set", "from-python")
+check(s.add("py/count", 5) == 5 and s.add("py/count", 2) == 7, "add")
+s.wait(["rust/set"])
+s.wait(["rust/set"], timedelta(seconds=5))
+check(s.check(["rust/set", "py/set"]) and not s.check(["nope"]), "check")
+check(s.compare_set("py/cas", "", "one") == b"one", "compare_set on a missing key")
+check(s.compare_set("py/cas", "one", "two") == b"two", "compare_set match")
+check(s.compare_set("py/cas", "x", "y") == b"two", "compare_set mismatch")
+check(s.compare_set("py/none", "x", "y") == b"x", "compare_set missing + expected")
+s.set("py/del", "1")
+check(s.delete_key("py/del") and not s.delete_key("py/del"), "delete_key")
+try:
+    s.wait(["never"], timedelta(milliseconds=200))
+    check(False, "wait should time out")
+except Exception as e:
+    out.append("wait-timeout-ok")
+s.set("py/after-timeout", "ok")
+check(s.get("py/after-timeout") == b"ok", "connection usable after a wait timeout")
+s.append("py/app", "a"); s.append("py/app", "b")
+check(s.get("py/app") == b"ab", "append")
+s.multi_set(["py/m1", "py/m2"], ["1", "22"])
+check(s.multi_get(["py/m1", "py/m2"]) == [b"1", b"22"], "multi_get")
+print("NUM_KEYS", s.num_keys(), flush=True)
+s.set("py/ready", "1")
+check(s.get("rust/release") == b"go", "a get parked until our client sets the key")
+print("OK", *out, flush=True)
+"#;
+
+#[tokio::test]
+async fn pytorch_client_against_our_server() {
+    require_torch!();
+    let server = TcpStoreServer::bind("127.0.0.1:0", ServerConfig::default())
+        .await
+        .unwrap();
+    let port = server.local_addr().port();
+    let ours = TcpStoreClient::connect(
+        &server.local_addr().to_string(),
+        ClientConfig {
+            timeout: LIMIT,
+            ..ClientConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    ours.set("rust/set", b"from-rust").await.unwrap();
+
+    let child = Command::new(python())
+        .args(["-c", PY_CLIENT, "127.0.0.1", &port.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    // Parked until Python has done everything else, then release its parked get.
+    assert_eq!(ours.get("py/ready").await.unwrap(), b"1");
+    ours.set("rust/release", b"go").await.unwrap();
+    let output = tokio::time::timeout(LIMIT, child.wait_with_output())
+        .await
+        .expect("python finished")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    eprintln!("python said: {stdout}");
+    assert!(output.status.success(), "python failed: {stdout}");
+    assert!(stdout.contains("OK wait-timeout-ok"), "{stdout}");
+    // rust/set, py/set, py/count, py/cas, py/after-timeout, py/app, py/m1, py/m2 (py/del deleted)
+    assert!(stdout.contains("NUM_KEYS 8"), "{stdout}");
+
+    // What Python wrote is what our client reads under the same names.
+    assert_eq!(ours.get("py/set").await.unwrap(), b"from-python");
+    assert_eq!(ours.get("py/count").await.unwrap(), b"7");
+    assert_eq!(ours.get("py/app").await.unwrap(), b"ab");
+    server.shutdown().await;
+}
+
+const PY_SERVER: &str = r#"
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+
+s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+s.set("py/hello", "from-python")
+print(s.port, flush=True)
+done = s.get("rust/done")
+ok = (s.get("rust/set") == b"v" and s.get("rust/count") == b"12" and s.get("rust/app") == b"xy"
+      and s.get("rust/cas") == b"two" and not s.check(["rust/deleted"]))
+print("CHECKED", ok, s.num_keys(), flush=True)
+"#;
+
+#[tokio::test]
+async fn our_client_against_pytorch_server() {
+    require_torch!();
+    let mut child = Command::new(python())
+        .args(["-c", PY_SERVER])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let port_line = tokio::time::timeout(LIMIT, lines.next_line())
+        .await
+        .expect("python printed its port")
+        .unwrap()
+        .expect("a port line");
+    let addr = format!("127.0.0.1:{}", port_line.trim());
+
+    let c = TcpStoreClient::connect(
+        &addr,
+        ClientConfig {
+            timeout: LIMIT,
+            ..ClientConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    c.ping().await.unwrap();
+    assert_eq!(c.get("py/hello").await.unwrap(), b"from-python");
+    c.set("rust/set", b"v").await.unwrap();
+    assert_eq!(c.add("rust/count", 10).await.unwrap(), 10);
+    assert_eq!(c.add("rust/count", 2).await.unwrap(), 12);
+    assert!(c.check(&["rust/set", "py/hello"]).await.unwrap());
+    assert!(!c.check(&["absent"]).await.unwrap());
+    c.wait(&["rust/set"], LIMIT).await.unwrap();
+    assert_eq!(
+        c.compare_set("rust/cas", b"", b"one").await.unwrap(),
+        b"one"
+    );
+    assert_eq!(
+        c.compare_set("rust/cas", b"one", b"two").await.unwrap(),
+        b"two"
+    );
+    assert_eq!(
+        c.compare_set("rust/cas", b"bad", b"three").await.unwrap(),
+        b"two"
+    );
+    assert_eq!(c.compare_set("rust/nokey", b"e", b"d").await.unwrap(), b"e");
+    c.set("rust/deleted", b"1").await.unwrap();
+    assert!(c.delete_key("rust/deleted").await.unwrap());
+    assert!(!c.delete_key("rust/deleted").await.unwrap());
+    c.append("rust/app", b"x").await.unwrap();
+    c.append("rust/app", b"y").await.unwrap();
+    c.multi_set(&["rust/m1", "rust/m2"], &[b"1", b"2"])
+        .await
+        .unwrap();
+    assert_eq!(
+        c.multi_get(&["rust/m1", "rust/m2"]).await.unwrap(),
+        vec![b"1".to_vec(), b"2".to_vec()]
+    );
+    // The wait-timeout path: CANCEL_WAIT against PyTorch's server, then the stream is in step.
+    let err = c
+        .wait(&["never"], Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Timeout { .. }), "{err}");
+    // py/hello, rust/set, rust/count, rust/cas, rust/app, rust/m1, rust/m2
+    assert_eq!(c.num_keys().await.unwrap(), 7);
+
+    c.set("rust/done", b"1").await.unwrap();
+    let checked = tokio::time::timeout(LIMIT, lines.next_line())
+        .await
+        .expect("python checked")
+        .unwrap()
+        .expect("a result line");
+    assert_eq!(checked.trim(), "CHECKED True 8");
+    let status = tokio::time::timeout(LIMIT, child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success());
+}
