@@ -6,7 +6,6 @@
 //!
 //! - [`transport`]: [`Transport`](transport::Transport): listen, connect, send and receive
 //!   [`Frame`](crate::wire::Frame)s.
-
 //! - [`store`]: [`Store`](store::Store): the c10d-style key-value store.
 
 pub mod store;
