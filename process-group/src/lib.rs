@@ -15,7 +15,7 @@ use std::time::Duration;
 pub mod auth;
 pub mod backoff;
 mod client;
-mod file;
+pub mod file;
 mod memory;
 mod rendezvous;
 mod server;
@@ -24,6 +24,7 @@ pub mod wire;
 
 pub use auth::Secret;
 pub use client::{ClientConfig, TcpStoreClient};
+pub use file::FileStore;
 
 pub use memory::InMemoryStore;
 

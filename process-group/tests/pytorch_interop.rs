@@ -228,3 +228,42 @@ async fn our_client_against_pytorch_server() {
         .unwrap();
     assert!(status.success());
 }
+
+const PY_FILESTORE: &str = r#"
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+
+s = dist.FileStore(sys.argv[1], -1)
+s.set_timeout(timedelta(seconds=30))
+s.set("py/k", "from-python")
+s.add("shared/count", 5)
+s.set("py/gone", "x")
+s.delete_key("py/gone")
+ok = s.get("rust/k") == b"from-rust"
+s.add("shared/count", 1)
+print("PYFILE", ok, s.get("shared/count").decode(), flush=True)
+"#;
+
+#[tokio::test]
+async fn pytorch_file_store_shares_our_file_format() {
+    require_torch!();
+    let path = std::env::temp_dir().join(format!("tw-interop-file-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let ours = tensorwire_process_group::FileStore::with_timeout(&path, None, LIMIT);
+    ours.set("rust/k", b"from-rust").await.unwrap();
+    assert_eq!(ours.add("shared/count", 10).await.unwrap(), 10);
+    let output = Command::new(python())
+        .args(["-c", PY_FILESTORE, path.to_str().unwrap()])
+        .stderr(Stdio::inherit())
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    assert_eq!(stdout.trim(), "PYFILE True 16");
+    assert_eq!(ours.get("py/k").await.unwrap(), b"from-python");
+    assert_eq!(ours.add("shared/count", 0).await.unwrap(), 16);
+    assert!(!ours.check(&["py/gone"]).await.unwrap());
+    std::fs::remove_file(&path).unwrap();
+}
