@@ -9,14 +9,22 @@
 //!   and `file:///path?rank=R&world_size=N`, as `torch.distributed` understands them.
 //!
 //! All stores implement [`tensorwire_core::ports::store::Store`].
+//!
+//! - [`Group`]: the built-in process group. Its collectives run the schedules of
+//!   [`tensorwire_core::collective`] over a mesh of [`Transport`](tensorwire_core::ports::transport::Transport)
+//!   connections; [`CollectivesExt`] adds typed `all_reduce`, `all_gather_object` and
+//!   `broadcast_object` to any [`ProcessGroup`](tensorwire_core::ports::process_group::ProcessGroup).
 
 use std::time::Duration;
 
 pub mod auth;
 pub mod backoff;
 mod client;
+mod executor;
 pub mod file;
+mod group;
 mod memory;
+pub mod mesh;
 mod rendezvous;
 mod server;
 mod state;
@@ -25,6 +33,7 @@ pub mod wire;
 pub use auth::Secret;
 pub use client::{ClientConfig, TcpStoreClient};
 pub use file::FileStore;
+pub use group::{CollectivesExt, Element, Group, GroupOptions, DEFAULT_COLLECTIVE_TIMEOUT};
 
 pub use memory::InMemoryStore;
 

@@ -7,6 +7,9 @@
 //! - [`transport`]: [`Transport`](transport::Transport): listen, connect, send and receive
 //!   [`Frame`](crate::wire::Frame)s.
 //! - [`store`]: [`Store`](store::Store): the c10d-style key-value store.
+//! - [`process_group`]: [`ProcessGroup`](process_group::ProcessGroup): barrier, all_gather,
+//!   broadcast and all_reduce among the ranks of a group.
 
+pub mod process_group;
 pub mod store;
 pub mod transport;

@@ -102,7 +102,9 @@ pub enum StoreError {
         max: usize,
     },
     /// A value is larger than the store accepts.
-    #[error("value for key {key:?} is {len} bytes; the store accepts values of at most {max} bytes")]
+    #[error(
+        "value for key {key:?} is {len} bytes; the store accepts values of at most {max} bytes"
+    )]
     ValueTooLarge {
         /// The key the value was meant for.
         key: String,
@@ -120,7 +122,9 @@ pub enum StoreError {
         max: usize,
     },
     /// `add` found a value that is not a decimal integer.
-    #[error("key {key:?} holds {value:?}, which is not a decimal integer, so `add` cannot update it")]
+    #[error(
+        "key {key:?} holds {value:?}, which is not a decimal integer, so `add` cannot update it"
+    )]
     NotAnInteger {
         /// The key.
         key: String,

@@ -1,0 +1,192 @@
+//! Runs a [`core::collective`](tensorwire_core::collective) schedule over the mesh.
+//!
+//! The executor follows the rules in the schedule module's docs:
+//! - within a step, the sends and the receives run concurrently (one future each, joined);
+//! - each send copies its ranges out of the buffer *before* any receive of the step lands, so
+//!   sends read the buffer as it was at the start of the step, and a reducing receive may be
+//!   applied as soon as its message arrives;
+//! - messages from one peer for one collective come out of a FIFO (the connection's order,
+//!   filed by sequence number by the mesh's reader task), so the n-th receive from a peer gets
+//!   the n-th message that peer sent in this collective;
+//! - receives are applied in the step's order, which keeps float reductions reproducible.
+//!
+//! The whole collective has one deadline; a wait that passes it fails with
+//! [`ProcessGroupError::Timeout`] naming the ranks whose messages had not arrived. A dead
+//! peer, or a broken mesh, ends the wait at once.
+
+use std::collections::HashMap;
+
+use bytes::{Bytes, BytesMut};
+use tensorwire_core::collective::Schedule;
+use tensorwire_core::ports::process_group::ProcessGroupError;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::mesh::{Incoming, Mesh};
+
+/// The collectives, as tagged on the wire (a rank that runs another collective under the same
+/// sequence number is reported instead of misread).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Barrier = 1,
+    AllGather = 2,
+    Broadcast = 3,
+    AllReduce = 4,
+    /// The lengths exchanged before a variable-size all_gather.
+    AllGatherLens = 5,
+}
+
+impl Kind {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Kind::Barrier => "barrier",
+            Kind::AllGather => "all_gather",
+            Kind::Broadcast => "broadcast",
+            Kind::AllReduce => "all_reduce",
+            Kind::AllGatherLens => "all_gather (lengths)",
+        }
+    }
+
+    fn from_wire(byte: u8) -> Option<Kind> {
+        Some(match byte {
+            1 => Kind::Barrier,
+            2 => Kind::AllGather,
+            3 => Kind::Broadcast,
+            4 => Kind::AllReduce,
+            5 => Kind::AllGatherLens,
+            _ => return None,
+        })
+    }
+}
+
+/// One collective in progress: its receivers, released when it ends.
+struct Run<'a> {
+    mesh: &'a Mesh,
+    seq: u64,
+    receivers: HashMap<usize, mpsc::UnboundedReceiver<Incoming>>,
+}
+
+impl Drop for Run<'_> {
+    fn drop(&mut self) {
+        for peer in self.receivers.keys() {
+            self.mesh.release(*peer, self.seq);
+        }
+    }
+}
+
+/// Copies a send's ranges out of the buffer into one message.
+fn gather(ranges: &[std::ops::Range<usize>], buffer: &[u8]) -> Bytes {
+    match ranges {
+        [] => Bytes::new(),
+        [one] => Bytes::copy_from_slice(&buffer[one.clone()]),
+        many => {
+            let mut out = BytesMut::with_capacity(many.iter().map(|r| r.len()).sum());
+            for r in many {
+                out.extend_from_slice(&buffer[r.clone()]);
+            }
+            out.freeze()
+        }
+    }
+}
+
+/// Runs `schedule` as collective `seq` on `buffer` (which holds the input in
+/// [`Schedule::input_range`] and has [`Schedule::buffer_len`] bytes).
+pub(crate) async fn run(
+    mesh: &Mesh,
+    seq: u64,
+    kind: Kind,
+    schedule: &Schedule,
+    buffer: &mut [u8],
+    deadline: Instant,
+    timeout: std::time::Duration,
+) -> Result<(), ProcessGroupError> {
+    debug_assert_eq!(buffer.len(), schedule.buffer_len());
+    if let Some(e) = mesh.broken() {
+        return Err(e);
+    }
+    let mut run = Run {
+        mesh,
+        seq,
+        receivers: HashMap::new(),
+    };
+    let mut failure = mesh.failure();
+    let rank = mesh.rank();
+    let timed_out = |waiting_on: Vec<usize>| ProcessGroupError::Timeout {
+        collective: kind.name(),
+        seq,
+        rank,
+        waiting_on,
+        timeout,
+    };
+    for step in schedule.steps() {
+        let outgoing: Vec<(usize, Bytes)> = step
+            .sends()
+            .iter()
+            .map(|t| (t.peer(), gather(t.ranges(), buffer)))
+            .collect();
+        for r in step.receives() {
+            run.receivers
+                .entry(r.peer())
+                .or_insert_with(|| mesh.receiver(r.peer(), seq));
+        }
+        let sends = async {
+            for (peer, payload) in outgoing {
+                tokio::time::timeout_at(deadline, mesh.send(peer, seq, kind as u8, payload))
+                    .await
+                    .map_err(|_| timed_out(vec![peer]))??;
+            }
+            Ok::<(), ProcessGroupError>(())
+        };
+        let receivers = &mut run.receivers;
+        let failure = &mut failure;
+        let buffer = &mut *buffer;
+        let receives = async move {
+            let receives = step.receives();
+            for (i, r) in receives.iter().enumerate() {
+                let peer = r.peer();
+                let rx = receivers.get_mut(&peer).expect("receiver taken above");
+                let message = tokio::select! {
+                    biased;
+                    m = rx.recv() => match m {
+                        Some(m) => m,
+                        None => return Err(mesh.closed_error(peer, kind.name(), seq)),
+                    },
+                    _ = failure.wait_for(Option::is_some) => {
+                        return Err(mesh.broken().unwrap_or(ProcessGroupError::ShutDown));
+                    }
+                    _ = tokio::time::sleep_until(deadline) => {
+                        let mut waiting = vec![peer];
+                        for later in &receives[i + 1..] {
+                            let empty = receivers.get(&later.peer()).is_none_or(|rx| rx.is_empty());
+                            if empty && !waiting.contains(&later.peer()) {
+                                waiting.push(later.peer());
+                            }
+                        }
+                        return Err(timed_out(waiting));
+                    }
+                };
+                if message.kind != kind as u8 {
+                    let theirs = Kind::from_wire(message.kind)
+                        .map(Kind::name)
+                        .unwrap_or("an unknown collective");
+                    return Err(ProcessGroupError::Mismatch {
+                        peer,
+                        collective: kind.name(),
+                        seq,
+                        reason: format!("it ran {theirs} as collective #{seq}"),
+                    });
+                }
+                r.apply(buffer, &message.payload)
+                    .map_err(|e| ProcessGroupError::Mismatch {
+                        peer,
+                        collective: kind.name(),
+                        seq,
+                        reason: e.to_string(),
+                    })?;
+            }
+            Ok(())
+        };
+        tokio::try_join!(sends, receives)?;
+    }
+    Ok(())
+}
