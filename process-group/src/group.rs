@@ -159,13 +159,6 @@ impl Group {
         self.inner.timeout
     }
 
-    /// Says goodbye to the peers and closes the connections. Peers still waiting for this
-    /// rank's messages get [`ProcessGroupError::PeerLeft`]; later collectives here fail with
-    /// [`ProcessGroupError::ShutDown`].
-    pub async fn shutdown(&self) {
-        self.inner.mesh.shutdown(Duration::from_secs(5)).await;
-    }
-
     async fn run(
         &self,
         kind: Kind,
@@ -307,6 +300,13 @@ impl ProcessGroup for Group {
         let schedule =
             collective::all_reduce(self.rank(), self.size(), count, element, op, algorithm);
         self.run(Kind::AllReduce, schedule, data).await
+    }
+
+    /// Says goodbye to the peers and closes the connections. Peers still waiting for this
+    /// rank's messages get [`ProcessGroupError::PeerLeft`]; later collectives here fail with
+    /// [`ProcessGroupError::ShutDown`]. A group dropped without it looks dead to its peers.
+    async fn shutdown(&self) {
+        self.inner.mesh.shutdown(Duration::from_secs(5)).await;
     }
 }
 

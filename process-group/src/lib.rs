@@ -14,12 +14,17 @@
 //!   [`tensorwire_core::collective`] over a mesh of [`Transport`](tensorwire_core::ports::transport::Transport)
 //!   connections; [`CollectivesExt`] adds typed `all_reduce`, `all_gather_object` and
 //!   `broadcast_object` to any [`ProcessGroup`](tensorwire_core::ports::process_group::ProcessGroup).
+//! - `torch.distributed._dist2`'s API: [`register_backend`], [`new_group`] (`env://`,
+//!   [`env_init`]), [`current_process_group`], [`with_process_group`]; the built-in backend
+//!   `tensorwire` (alias `gloo`) is [`TensorwireFactory`].
 
 use std::time::Duration;
 
 pub mod auth;
+mod backend;
 pub mod backoff;
 mod client;
+pub mod env_init;
 mod executor;
 pub mod file;
 mod group;
@@ -31,6 +36,11 @@ mod state;
 pub mod wire;
 
 pub use auth::Secret;
+pub use backend::{
+    backend_registered, current_process_group, new_group, register_backend, with_process_group,
+    with_process_group_sync, BackendOptions, DynFactory, NewGroupError, TensorwireFactory,
+    TENSORWIRE_BACKEND,
+};
 pub use client::{ClientConfig, TcpStoreClient};
 pub use file::FileStore;
 pub use group::{CollectivesExt, Element, Group, GroupOptions, DEFAULT_COLLECTIVE_TIMEOUT};

@@ -11,7 +11,7 @@
 //! # Frames
 //! - Collective messages are [`FrameKind::Message`](tensorwire_core::wire::FrameKind) frames:
 //!   a 9-byte header (sequence number `u64` LE, collective kind `u8`) and at most one payload.
-//! - Control frames carry a postcard [`Control`] value: the hello, a clean goodbye, and an abort
+//! - Control frames carry a postcard `Control` value: the hello, a clean goodbye, and an abort
 //!   that tells the others which rank was seen dying.
 //!
 //! # Failures

@@ -49,6 +49,12 @@ pub trait ProcessGroup: Send + Sync {
         element: ElementType,
         op: ReduceOp,
     ) -> Result<(), ProcessGroupError>;
+
+    /// Leaves the group cleanly: peers learn that this rank shut down (rather than died) and
+    /// later collectives here fail with [`ProcessGroupError::ShutDown`]. Call it before the
+    /// process exits, or peers still running a collective may see this rank as dead. The
+    /// default does nothing.
+    async fn shutdown(&self) {}
 }
 
 /// Why a collective (or setting up a group) failed.
