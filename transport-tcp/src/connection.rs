@@ -55,14 +55,19 @@ impl std::fmt::Debug for TcpConnection {
 }
 
 impl TcpConnection {
-    pub(crate) fn new(stream: TcpStream, peer: SocketAddr, limits: WireLimits) -> Self {
+    pub(crate) fn new(
+        stream: TcpStream,
+        peer: SocketAddr,
+        limits: WireLimits,
+        buffer_reuse: usize,
+    ) -> Self {
         let (read, write) = stream.into_split();
         TcpConnection {
             peer,
             limits,
             reader: Mutex::new(Reader {
                 half: read,
-                decoder: FrameDecoder::new(limits),
+                decoder: FrameDecoder::new(limits).with_buffer_reuse(buffer_reuse),
                 buf: BytesMut::with_capacity(READ_BUF),
             }),
             writer: Mutex::new(write),
@@ -95,7 +100,8 @@ impl TcpConnection {
     }
 }
 
-/// Marks the write side broken unless disarmed: covers errors and dropped send futures.
+/// Marks the write side broken when dropped armed: covers errors and send futures dropped
+/// half-way through a frame.
 struct BrokenOnDrop<'a>(&'a AtomicBool, bool);
 
 impl Drop for BrokenOnDrop<'_> {
@@ -129,25 +135,31 @@ impl Connection for TcpConnection {
                     .to_owned(),
             });
         }
-        let mut guard = BrokenOnDrop(&self.write_broken, true);
+        // Armed once part of the frame is on the wire: if this future is dropped (or fails)
+        // between then and the last byte, the stream holds half a frame.
+        let mut guard = BrokenOnDrop(&self.write_broken, false);
         while !out.is_done() {
             let mut slices = [IoSlice::new(&[]); MAX_IOV];
             let n = out.io_slices(&mut slices);
-            let written = writer
-                .write_vectored(&slices[..n])
-                .await
-                .map_err(|e| TransportError::io(self.peer, "sending", &e))?;
-            if written == 0 {
-                return Err(TransportError::Io {
-                    addr: self.peer,
-                    op: "sending",
-                    kind: std::io::ErrorKind::WriteZero,
-                    message: "the socket accepted no bytes".to_owned(),
-                });
-            }
+            let written = match writer.write_vectored(&slices[..n]).await {
+                Ok(0) => {
+                    guard.1 = true;
+                    return Err(TransportError::Io {
+                        addr: self.peer,
+                        op: "sending",
+                        kind: std::io::ErrorKind::WriteZero,
+                        message: "the socket accepted no bytes".to_owned(),
+                    });
+                }
+                Ok(written) => written,
+                Err(e) => {
+                    guard.1 = true;
+                    return Err(TransportError::io(self.peer, "sending", &e));
+                }
+            };
             out.advance(written);
+            guard.1 = !out.is_done();
         }
-        guard.1 = false;
         Ok(())
     }
 

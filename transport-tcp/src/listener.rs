@@ -87,7 +87,12 @@ async fn accept_loop(
                 Ok(Ok(())) => {
                     tracing::debug!(peer = %peer, "authenticated connection");
                     let _ = ready
-                        .send(TcpConnection::new(stream, peer, config.limits))
+                        .send(TcpConnection::new(
+                            stream,
+                            peer,
+                            config.limits,
+                            config.buffer_reuse,
+                        ))
                         .await;
                 }
                 Ok(Err(e)) => {
