@@ -41,6 +41,12 @@ pub(crate) const STATUS_NO_SECRET: u8 = 1;
 /// Status byte: the proof was wrong.
 pub(crate) const STATUS_REJECTED: u8 = 2;
 
+/// Four bytes a server with a secret sends to a client that did not authenticate, just before
+/// closing. They arrive where a c10d client expects its `PING` echo: tensorwire's client
+/// recognises them and fails at once with "the store requires a cluster secret" instead of
+/// retrying; PyTorch's client reports a ping mismatch. (No process id reaches this value.)
+pub(crate) const AUTH_REQUIRED_MARKER: u32 = 0xA5A5_0A17;
+
 const SERVER_LABEL: &[u8] = b"tensorwire-store-v1 server";
 const CLIENT_LABEL: &[u8] = b"tensorwire-store-v1 client";
 

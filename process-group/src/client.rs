@@ -3,7 +3,9 @@
 //! Works against [`TcpStoreServer`](crate::TcpStoreServer) and against PyTorch's own server.
 //! Like PyTorch's client it prefixes every key with `/` (configurable), so a key set here as
 //! `"x"` is the key `"x"` for a Python `TCPStore` on the same server, and it runs one request at
-//! a time per connection (clone the client freely; clones share the connection).
+//! a time per connection (clone the client freely; clones share the connection). A parked
+//! `wait` or `get` therefore holds the connection until it returns, as in PyTorch: tasks that
+//! must wait concurrently should each [`connect`](TcpStoreClient::connect) their own client.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -170,6 +172,11 @@ impl TcpStoreClient {
         };
         match tokio::time::timeout(config.timeout, handshake).await {
             Ok(Ok(echo)) if echo == nonce => Ok(stream),
+            Ok(Ok(auth::AUTH_REQUIRED_MARKER)) => Err(Attempt::Fatal(StoreError::Auth {
+                addr: addr.to_owned(),
+                reason: "the store requires a cluster secret; configure the same secret here"
+                    .to_owned(),
+            })),
             Ok(Ok(echo)) => Err(Attempt::Fatal(StoreError::Protocol {
                 addr: addr.to_owned(),
                 reason: format!("ping failed: sent nonce {nonce}, got {echo} back"),

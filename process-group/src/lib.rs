@@ -30,7 +30,7 @@ pub mod file;
 mod group;
 mod memory;
 pub mod mesh;
-mod rendezvous;
+pub mod rendezvous;
 mod server;
 mod state;
 pub mod wire;
@@ -46,6 +46,7 @@ pub use file::FileStore;
 pub use group::{CollectivesExt, Element, Group, GroupOptions, DEFAULT_COLLECTIVE_TIMEOUT};
 
 pub use memory::InMemoryStore;
+pub use rendezvous::{rendezvous, Rendezvous, RendezvousError, RendezvousOptions};
 
 pub use server::{ServerConfig, TcpStoreServer};
 pub use tensorwire_core::ports::store::{Store, StoreError};

@@ -289,12 +289,15 @@ fn handle(
             };
             Ok(())
         }
-        (Phase::AuthHello, other) => Err(format!(
-            "unauthenticated client refused (first query type {}): this store has a cluster \
+        (Phase::AuthHello, other) => {
+            out.extend_from_slice(&auth::AUTH_REQUIRED_MARKER.to_ne_bytes());
+            Err(format!(
+                "unauthenticated client refused (first query type {}): this store has a cluster \
              secret; PyTorch clients cannot authenticate, run the store without a secret for \
              mixed jobs",
-            other.query_byte()
-        )),
+                other.query_byte()
+            ))
+        }
         (
             Phase::AuthProof {
                 client_nonce,
@@ -418,6 +421,25 @@ fn serve(
                 out.push(WAIT_STOP_WAITING);
             }
             out.push(WAIT_CANCELED);
+        }
+        Request::QueuePush { key, value } => shared.lock().queue_push(&key, value),
+        Request::QueuePop { key } => {
+            let (len, item) = shared.lock().queue_pop(&key);
+            out.extend_from_slice(&(len as i64).to_ne_bytes());
+            if let Some(item) = item {
+                wire::put_bytes(out, &item);
+            }
+        }
+        Request::QueueLen { key } => {
+            let len = shared.lock().queue_len(&key);
+            out.extend_from_slice(&(len as i64).to_ne_bytes());
+        }
+        Request::ListKeys => {
+            let state = shared.lock();
+            out.extend_from_slice(&(state.len() as u64).to_ne_bytes());
+            for key in state.keys() {
+                wire::put_bytes(out, key);
+            }
         }
         Request::Validate { .. } => return Err("VALIDATE sent twice".to_owned()),
         Request::AuthHello { .. } | Request::AuthProof { .. } => {

@@ -5,7 +5,7 @@
 //! to a key (set, add, append, a successful compare_set) decrements the waiters parked on that
 //! key; a waiter whose count reaches zero gets its id sent on its channel. Nothing polls.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -31,6 +31,7 @@ pub(crate) enum AddError {
 #[derive(Default)]
 pub(crate) struct KvState {
     map: HashMap<Vec<u8>, Vec<u8>>,
+    queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
     parked: HashMap<Vec<u8>, Vec<WaiterId>>,
     waiters: HashMap<WaiterId, Waiter>,
     next_waiter: WaiterId,
@@ -57,7 +58,43 @@ impl KvState {
     }
 
     pub(crate) fn check<K: AsRef<[u8]>>(&self, keys: &[K]) -> bool {
-        keys.iter().all(|k| self.map.contains_key(k.as_ref()))
+        keys.iter().all(|k| self.present(k.as_ref()))
+    }
+
+    /// A key is present when it has a value or names a non-empty queue (as in c10d).
+    fn present(&self, key: &[u8]) -> bool {
+        self.map.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
+    }
+
+    /// All keys with a value (queues are not keys).
+    pub(crate) fn keys(&self) -> impl Iterator<Item = &Vec<u8>> {
+        self.map.keys()
+    }
+
+    /// Pushes onto a queue and releases one waiter parked on its name.
+    pub(crate) fn queue_push(&mut self, key: &[u8], value: Vec<u8>) {
+        self.queues
+            .entry(key.to_vec())
+            .or_default()
+            .push_back(value);
+        self.wake_one(key);
+    }
+
+    /// The length of the queue before the pop, and the popped item when there was one.
+    pub(crate) fn queue_pop(&mut self, key: &[u8]) -> (usize, Option<Vec<u8>>) {
+        let Some(queue) = self.queues.get_mut(key) else {
+            return (0, None);
+        };
+        let len = queue.len();
+        let item = queue.pop_front();
+        if queue.is_empty() {
+            self.queues.remove(key);
+        }
+        (len, item)
+    }
+
+    pub(crate) fn queue_len(&self, key: &[u8]) -> usize {
+        self.queues.get(key).map_or(0, VecDeque::len)
     }
 
     /// c10d semantics: a missing key matches an empty `expected`; a missing key with a
@@ -104,7 +141,7 @@ impl KvState {
         let missing: Vec<&[u8]> = keys
             .iter()
             .map(|k| k.as_ref())
-            .filter(|k| !self.map.contains_key(*k))
+            .filter(|k| !self.present(k))
             .collect();
         if missing.is_empty() {
             return None;
@@ -151,24 +188,41 @@ impl KvState {
         self.waiters.values().filter(|w| w.owner == owner).count()
     }
 
+    /// Moves the first waiter parked on `key` one key closer to release (a queue item is
+    /// for one consumer only).
+    fn wake_one(&mut self, key: &[u8]) {
+        let Some(list) = self.parked.get_mut(key) else {
+            return;
+        };
+        let id = list.remove(0);
+        if list.is_empty() {
+            self.parked.remove(key);
+        }
+        self.decrement(id);
+    }
+
+    fn decrement(&mut self, id: WaiterId) {
+        let done = match self.waiters.get_mut(&id) {
+            Some(w) => {
+                w.remaining -= 1;
+                w.remaining == 0
+            }
+            None => false,
+        };
+        if done {
+            if let Some(w) = self.waiters.remove(&id) {
+                // The receiver may be gone (connection closed); nothing to do then.
+                let _ = w.notify.send(id);
+            }
+        }
+    }
+
     fn wake(&mut self, key: &[u8]) {
         let Some(ids) = self.parked.remove(key) else {
             return;
         };
         for id in ids {
-            let done = match self.waiters.get_mut(&id) {
-                Some(w) => {
-                    w.remaining -= 1;
-                    w.remaining == 0
-                }
-                None => false,
-            };
-            if done {
-                if let Some(w) = self.waiters.remove(&id) {
-                    // The receiver may be gone (connection closed); nothing to do then.
-                    let _ = w.notify.send(id);
-                }
-            }
+            self.decrement(id);
         }
     }
 }
@@ -227,6 +281,26 @@ mod tests {
         s.add(b"k", 1).unwrap();
         assert!(rx1.try_recv().is_err());
         assert_eq!(rx2.try_recv().unwrap(), id2);
+    }
+
+    #[test]
+    fn a_queue_push_releases_one_waiter_and_queues_are_not_keys() {
+        let mut s = KvState::default();
+        let (tx, mut rx) = unbounded_channel();
+        let first = s.park(&[b"q".as_slice()], 1, tx.clone()).unwrap();
+        let second = s.park(&[b"q".as_slice()], 2, tx).unwrap();
+        s.queue_push(b"q", b"a".to_vec());
+        assert_eq!(rx.try_recv().unwrap(), first);
+        assert!(rx.try_recv().is_err());
+        s.queue_push(b"q", b"b".to_vec());
+        assert_eq!(rx.try_recv().unwrap(), second);
+        assert!(s.check(&[b"q".as_slice()]));
+        assert_eq!(s.len(), 0);
+        assert_eq!(s.queue_len(b"q"), 2);
+        assert_eq!(s.queue_pop(b"q"), (2, Some(b"a".to_vec())));
+        assert_eq!(s.queue_pop(b"q"), (1, Some(b"b".to_vec())));
+        assert_eq!(s.queue_pop(b"q"), (0, None));
+        assert!(!s.check(&[b"q".as_slice()]));
     }
 
     #[test]

@@ -24,6 +24,15 @@
 //! | 11   | `MULTI_SET`    | `u64` count, (key, value) pairs  | none                              |
 //! | 12   | `CANCEL_WAIT`  | none                             | `u8` 1 = wait canceled            |
 //! | 13   | `PING`         | `u32` nonce                      | the same `u32`                    |
+//! | 14   | `QUEUE_PUSH`   | key, value                       | none                              |
+//! | 15   | `QUEUE_POP`    | key                              | `i64` length before, value if > 0 |
+//! | 16   | `QUEUE_LEN`    | key                              | `i64`                             |
+//! | 17   | `LIST_KEYS`    | none                             | `u64` count, then the keys        |
+//!
+//! Query types 0 to 13 are those of PyTorch's `TCPStoreBackend.hpp`; 14 to 17 were checked
+//! against PyTorch 2.15's server byte for byte (its newer queue and `list_keys` API). Queues
+//! are separate from keys: `num_keys` and `LIST_KEYS` do not count them, `CHECK` and `WAIT`
+//! count a non-empty queue as present, and a push releases one waiter.
 //!
 //! A client's first request must be `VALIDATE` with the magic number; PyTorch's client then
 //! sends `PING` with its process id as nonce. `GET` is sent by clients only after a `WAIT` for
@@ -79,6 +88,14 @@ pub enum QueryType {
     CancelWait = 12,
     /// Echo a nonce.
     Ping = 13,
+    /// Push onto a queue (PyTorch 2.x `queue_push`).
+    QueuePush = 14,
+    /// Pop from a queue.
+    QueuePop = 15,
+    /// Length of a queue.
+    QueueLen = 16,
+    /// All keys.
+    ListKeys = 17,
 }
 
 /// c10d's `CheckResponseType::READY`.
@@ -193,6 +210,25 @@ pub enum Request {
         /// Echoed back.
         nonce: u32,
     },
+    /// `QUEUE_PUSH`.
+    QueuePush {
+        /// Queue name.
+        key: Vec<u8>,
+        /// Item.
+        value: Vec<u8>,
+    },
+    /// `QUEUE_POP`.
+    QueuePop {
+        /// Queue name.
+        key: Vec<u8>,
+    },
+    /// `QUEUE_LEN`.
+    QueueLen {
+        /// Queue name.
+        key: Vec<u8>,
+    },
+    /// `LIST_KEYS`.
+    ListKeys,
     /// tensorwire's [`AUTH_HELLO`].
     AuthHello {
         /// The client's nonce.
@@ -223,6 +259,10 @@ impl Request {
             Request::MultiSet { .. } => QueryType::MultiSet as u8,
             Request::CancelWait => QueryType::CancelWait as u8,
             Request::Ping { .. } => QueryType::Ping as u8,
+            Request::QueuePush { .. } => QueryType::QueuePush as u8,
+            Request::QueuePop { .. } => QueryType::QueuePop as u8,
+            Request::QueueLen { .. } => QueryType::QueueLen as u8,
+            Request::ListKeys => QueryType::ListKeys as u8,
             Request::AuthHello { .. } => AUTH_HELLO,
             Request::AuthProof { .. } => AUTH_PROOF,
         }
@@ -233,7 +273,9 @@ impl Request {
         out.push(self.query_byte());
         match self {
             Request::Validate { magic } => out.extend_from_slice(&magic.to_ne_bytes()),
-            Request::Set { key, value } | Request::Append { key, value } => {
+            Request::Set { key, value }
+            | Request::Append { key, value }
+            | Request::QueuePush { key, value } => {
                 put_bytes(out, key);
                 put_bytes(out, value);
             }
@@ -246,7 +288,10 @@ impl Request {
                 put_bytes(out, expected);
                 put_bytes(out, desired);
             }
-            Request::Get { key } | Request::DeleteKey { key } => put_bytes(out, key),
+            Request::Get { key }
+            | Request::DeleteKey { key }
+            | Request::QueuePop { key }
+            | Request::QueueLen { key } => put_bytes(out, key),
             Request::Add { key, delta } => {
                 put_bytes(out, key);
                 out.extend_from_slice(&delta.to_ne_bytes());
@@ -264,7 +309,7 @@ impl Request {
                     put_bytes(out, value);
                 }
             }
-            Request::GetNumKeys | Request::CancelWait => {}
+            Request::GetNumKeys | Request::CancelWait | Request::ListKeys => {}
             Request::Ping { nonce } => out.extend_from_slice(&nonce.to_ne_bytes()),
             Request::AuthHello { nonce } => out.extend_from_slice(nonce),
             Request::AuthProof { mac } => out.extend_from_slice(mac),
@@ -478,6 +523,13 @@ impl Reader<'_> {
             13 => Request::Ping {
                 nonce: u32::from_ne_bytes(self.array()?),
             },
+            14 => Request::QueuePush {
+                key: self.key()?,
+                value: self.value()?,
+            },
+            15 => Request::QueuePop { key: self.key()? },
+            16 => Request::QueueLen { key: self.key()? },
+            17 => Request::ListKeys,
             AUTH_HELLO => Request::AuthHello {
                 nonce: self.array()?,
             },
@@ -617,6 +669,13 @@ mod tests {
                 pairs: vec![(b"x".to_vec(), b"1".to_vec()), (b"y".to_vec(), vec![])],
             },
             Request::CancelWait,
+            Request::QueuePush {
+                key: b"q".to_vec(),
+                value: b"item".to_vec(),
+            },
+            Request::QueuePop { key: b"q".to_vec() },
+            Request::QueueLen { key: b"q".to_vec() },
+            Request::ListKeys,
             Request::AuthHello { nonce: [9; 32] },
             Request::AuthProof { mac: [3; 32] },
         ] {

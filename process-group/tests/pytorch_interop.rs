@@ -19,6 +19,13 @@ fn python() -> String {
     std::env::var("TENSORWIRE_TORCH_PYTHON").unwrap_or_else(|_| "python3".to_owned())
 }
 
+/// A Python command, quiet about torch's optional-dependency warnings.
+fn py() -> Command {
+    let mut c = Command::new(python());
+    c.env("PYTHONWARNINGS", "ignore");
+    c
+}
+
 /// `Some(reason)` when torch is not importable.
 fn torch_missing() -> Option<String> {
     match std::process::Command::new(python())
@@ -104,7 +111,7 @@ async fn pytorch_client_against_our_server() {
     .unwrap();
     ours.set("rust/set", b"from-rust").await.unwrap();
 
-    let child = Command::new(python())
+    let child = py()
         .args(["-c", PY_CLIENT, "127.0.0.1", &port.to_string()])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -149,7 +156,7 @@ print("CHECKED", ok, s.num_keys(), flush=True)
 #[tokio::test]
 async fn our_client_against_pytorch_server() {
     require_torch!();
-    let mut child = Command::new(python())
+    let mut child = py()
         .args(["-c", PY_SERVER])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -253,7 +260,7 @@ async fn pytorch_file_store_shares_our_file_format() {
     let ours = tensorwire_process_group::FileStore::with_timeout(&path, None, LIMIT);
     ours.set("rust/k", b"from-rust").await.unwrap();
     assert_eq!(ours.add("shared/count", 10).await.unwrap(), 10);
-    let output = Command::new(python())
+    let output = py()
         .args(["-c", PY_FILESTORE, path.to_str().unwrap()])
         .stderr(Stdio::inherit())
         .output()
@@ -266,4 +273,196 @@ async fn pytorch_file_store_shares_our_file_format() {
     assert_eq!(ours.add("shared/count", 0).await.unwrap(), 16);
     assert!(!ours.check(&["py/gone"]).await.unwrap());
     std::fs::remove_file(&path).unwrap();
+}
+
+const PY_REFUSED: &str = r#"
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+try:
+    dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=2))
+    print("CONNECTED", flush=True)
+except Exception as e:
+    print("REFUSED", type(e).__name__, flush=True)
+"#;
+
+#[tokio::test]
+async fn a_server_with_a_secret_refuses_pytorch_clients() {
+    require_torch!();
+    let server = TcpStoreServer::bind(
+        "127.0.0.1:0",
+        ServerConfig {
+            secret: tensorwire_process_group::Secret::new("s"),
+            ..ServerConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let output = py()
+        .args(["-c", PY_REFUSED, &server.local_addr().port().to_string()])
+        .stderr(Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.starts_with("REFUSED"), "{stdout}");
+}
+
+const PY_RANK: &str = r#"
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+
+port, rank, world = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+# What init_process_group("...", init_method="env://") does for this rank: a TCPStore with
+# world_size, hosting the server on rank 0 and counting itself in under "init/".
+s = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=(rank == 0),
+                  timeout=timedelta(seconds=30), wait_for_workers=True)
+s.set(f"rank/{rank}", "python")
+print("PEER", s.get(f"rank/{1 - rank}").decode(), flush=True)
+s.get("all-done")
+"#;
+
+async fn mixed_group(python_rank: usize) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = py()
+        .args([
+            "-c",
+            PY_RANK,
+            &port.to_string(),
+            &python_rank.to_string(),
+            "2",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let our_rank = 1 - python_rank;
+    let env = move |name: &str| match name {
+        "MASTER_ADDR" => Some("127.0.0.1".to_owned()),
+        "MASTER_PORT" => Some(port.to_string()),
+        "RANK" => Some(our_rank.to_string()),
+        "WORLD_SIZE" => Some("2".to_owned()),
+        _ => None,
+    };
+    let group = tensorwire_process_group::rendezvous::rendezvous_with_env(
+        "env://",
+        tensorwire_process_group::RendezvousOptions {
+            timeout: LIMIT,
+            ..Default::default()
+        },
+        env,
+    )
+    .await
+    .unwrap();
+    assert_eq!(group.rank, our_rank);
+    group
+        .store
+        .set(&format!("rank/{our_rank}"), b"rust")
+        .await
+        .unwrap();
+    assert_eq!(
+        group
+            .store
+            .get(&format!("rank/{python_rank}"))
+            .await
+            .unwrap(),
+        b"python"
+    );
+    // Python read our key before it waits for "all-done".
+    let mut lines = BufReader::new(child.stdout.unwrap()).lines();
+    let peer = tokio::time::timeout(LIMIT, lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(peer, "PEER rust");
+    group.store.set("all-done", b"1").await.unwrap();
+}
+
+#[tokio::test]
+async fn mixed_group_with_our_rank_zero_hosting() {
+    require_torch!();
+    mixed_group(1).await;
+}
+
+#[tokio::test]
+async fn mixed_group_with_pytorch_rank_zero_hosting() {
+    require_torch!();
+    mixed_group(0).await;
+}
+
+/// Runs one sequence of operations and prints every result; run against PyTorch's server and
+/// against ours, the outputs must be identical.
+const PY_DIFFERENTIAL: &str = r#"
+import sys, threading
+from datetime import timedelta
+import torch.distributed as dist
+
+if sys.argv[1] == "own":
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+else:
+    s = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=20))
+def show(label, f):
+    try:
+        print(label, repr(f()), flush=True)
+    except Exception as e:
+        print(label, "raised", type(e).__name__, flush=True)
+show("add", lambda: [s.add("n", 3), s.add("n", -10), s.get("n")])
+show("set-get", lambda: [s.set("k", b"\x00\xffbin"), s.get("k")])
+show("cas-missing", lambda: s.compare_set("c", "x", "y"))
+show("cas-create", lambda: s.compare_set("c", "", "y"))
+show("cas-wrong", lambda: s.compare_set("c", "z", "w"))
+show("cas-right", lambda: s.compare_set("c", "y", "w"))
+show("append", lambda: [s.append("ap", "1"), s.append("ap", "2"), s.get("ap")])
+show("multi", lambda: [s.multi_set(["m1", "m2"], ["a", "b"]), s.multi_get(["m2", "m1"])])
+show("check", lambda: [s.check(["k", "n"]), s.check(["k", "zz"]), s.check([])])
+show("delete", lambda: [s.delete_key("m1"), s.delete_key("m1")])
+show("num_keys", lambda: s.num_keys())
+show("list_keys", lambda: sorted(s.list_keys()))
+show("wait-timeout", lambda: s.wait(["never"], timedelta(milliseconds=100)))
+show("after-timeout", lambda: s.get("k"))
+show("queue", lambda: [s.queue_push("q", "a"), s.queue_push("q", "b"), s.queue_len("q"),
+                        s.queue_pop("q"), s.queue_pop("q", block=False), s.queue_len("q")])
+show("queue-empty", lambda: s.queue_pop("q", block=False))
+show("queue-counts", lambda: [s.num_keys(), s.check(["q"])])
+def later():
+    t = dist.TCPStore("127.0.0.1", s.port, is_master=False, timeout=timedelta(seconds=20))
+    t.queue_push("q2", "late")
+threading.Timer(0.2, later).start()
+show("queue-blocking", lambda: s.queue_pop("q2"))
+show("add-on-text", lambda: s.add("k", 1))
+"#;
+
+#[tokio::test]
+async fn same_results_from_pytorchs_server_and_ours() {
+    require_torch!();
+    let server = TcpStoreServer::bind("127.0.0.1:0", ServerConfig::default())
+        .await
+        .unwrap();
+    let run = |arg: String| async move {
+        let out = py()
+            .args(["-c", PY_DIFFERENTIAL, &arg])
+            .stderr(Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let theirs = run("own".to_owned()).await;
+    let ours = run(server.local_addr().port().to_string()).await;
+    eprintln!("PyTorch's server:\n{theirs}\nours:\n{ours}");
+    assert!(theirs.contains("queue-blocking b'late'"), "{theirs}");
+    let theirs: Vec<&str> = theirs.lines().collect();
+    let ours: Vec<&str> = ours.lines().collect();
+    assert_eq!(theirs.len(), 19, "{theirs:?}");
+    for (t, o) in theirs.iter().zip(&ours) {
+        assert_eq!(t, o);
+    }
+    assert_eq!(theirs.len(), ours.len());
 }

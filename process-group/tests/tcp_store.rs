@@ -384,18 +384,17 @@ async fn secret_authenticates_and_refuses_others() {
     .unwrap_err();
     assert!(matches!(wrong, StoreError::Auth { .. }), "{wrong}");
 
-    // No secret, like a PyTorch client: refused (connection closed), so connect gives up.
-    let none = TcpStoreClient::connect(
-        &addr,
-        ClientConfig {
-            connect_timeout: Duration::from_millis(300),
-            ..client_config()
-        },
-    )
-    .await
-    .unwrap_err();
-    assert!(matches!(none, StoreError::Connection { .. }), "{none}");
-    assert!(none.to_string().contains("cluster secret"), "{none}");
+    // No secret: refused at once (no retrying until the 10 s deadline), saying why.
+    let started = std::time::Instant::now();
+    let none = TcpStoreClient::connect(&addr, client_config())
+        .await
+        .unwrap_err();
+    assert!(matches!(none, StoreError::Auth { .. }), "{none}");
+    assert!(
+        none.to_string().contains("requires a cluster secret"),
+        "{none}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
 
     // A raw c10d client gets the connection closed at its first query.
     let mut raw_client = TcpStream::connect(srv.local_addr()).await.unwrap();
@@ -490,4 +489,73 @@ async fn shutdown_closes_client_connections() {
         matches!(result, Err(StoreError::Connection { .. })),
         "{result:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_clients_hammering_add_lose_nothing() {
+    let srv = server(ServerConfig::default()).await;
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let c = client(&srv).await;
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            for _ in 0..100 {
+                seen.push(c.add("counter", 1).await.unwrap());
+            }
+            seen
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(tokio::time::timeout(LIMIT, t).await.unwrap().unwrap());
+    }
+    // Every add returned a distinct value: 1..=1600, each exactly once.
+    all.sort_unstable();
+    assert_eq!(all, (1..=1600).collect::<Vec<i64>>());
+}
+
+#[tokio::test]
+async fn queues_and_list_keys_on_the_wire() {
+    let srv = server(ServerConfig::default()).await;
+    let mut s = raw(&srv).await;
+    let q = || b"/q".to_vec();
+    send(
+        &mut s,
+        Request::QueuePush {
+            key: q(),
+            value: b"a".to_vec(),
+        },
+    )
+    .await;
+    send(
+        &mut s,
+        Request::QueuePush {
+            key: q(),
+            value: b"bc".to_vec(),
+        },
+    )
+    .await;
+    send(
+        &mut s,
+        Request::Set {
+            key: b"/k".to_vec(),
+            value: b"v".to_vec(),
+        },
+    )
+    .await;
+    send(&mut s, Request::QueueLen { key: q() }).await;
+    send(&mut s, Request::QueuePop { key: q() }).await;
+    send(&mut s, Request::ListKeys).await;
+    let mut expected = Vec::new();
+    expected.extend_from_slice(&2i64.to_ne_bytes()); // QUEUE_LEN
+    expected.extend_from_slice(&2i64.to_ne_bytes()); // QUEUE_POP: length before the pop,
+    wire::put_bytes(&mut expected, b"a"); //           then the item
+    expected.extend_from_slice(&1u64.to_ne_bytes()); // LIST_KEYS: the queue is not a key
+    wire::put_bytes(&mut expected, b"/k");
+    let mut got = vec![0u8; expected.len()];
+    tokio::time::timeout(LIMIT, s.read_exact(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got, expected);
 }

@@ -20,6 +20,8 @@ enum Command {
     Validate(cli::validate::Args),
     /// Measure tensorwire against a raw baseline (`bench transport`).
     Bench(cli::bench::Args),
+    /// Run or query a c10d-compatible key-value store.
+    Store(cli::store::Args),
 }
 
 fn main() -> ExitCode {
@@ -27,5 +29,6 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Validate(args) => cli::validate::run(args),
         Command::Bench(args) => cli::bench::run(args),
+        Command::Store(args) => cli::store::run(args),
     }
 }

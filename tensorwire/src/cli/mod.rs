@@ -1,4 +1,5 @@
 //! Subcommands of the `tensorwire` tool, one module each.
 
 pub(crate) mod bench;
+pub(crate) mod store;
 pub(crate) mod validate;
