@@ -40,8 +40,9 @@ use tensorwire_core::ports::store::Store;
 use tensorwire_core::registry::{ProcessGroupFactory, Registry, RegistryError, RegistryKind};
 use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 
-use crate::env_init::{env_rendezvous, RendezvousError};
+use crate::env_init::env_rendezvous;
 use crate::group::{Group, GroupOptions};
+use crate::rendezvous::RendezvousError;
 
 /// Backend options: PyTorch's `**kwargs`, as name/value pairs.
 pub type BackendOptions = Vec<(String, String)>;
