@@ -32,6 +32,12 @@ pub(crate) struct Args {
 enum Bench {
     /// A transport against plain TCP sockets on loopback: ping-pong latency and bulk throughput.
     Transport(TransportArgs),
+    /// Process-group collectives of local processes against raw TCP (see
+    /// `bench_collectives`).
+    Collectives(super::bench_collectives::CollectivesArgs),
+    /// One rank of `bench collectives` (started by it).
+    #[command(hide = true)]
+    CollectivesWorker(super::bench_collectives::WorkerArgs),
 }
 
 /// Transports `bench transport` knows.
@@ -73,6 +79,8 @@ const MIB: usize = 1 << 20;
 pub(crate) fn run(args: Args) -> ExitCode {
     let result = match args.bench {
         Bench::Transport(a) => bench_transport(&a),
+        Bench::Collectives(a) => super::bench_collectives::run(&a),
+        Bench::CollectivesWorker(a) => super::bench_collectives::worker(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,5 +1,6 @@
 //! Subcommands of the `tensorwire` tool, one module each.
 
 pub(crate) mod bench;
+pub(crate) mod bench_collectives;
 pub(crate) mod store;
 pub(crate) mod validate;
