@@ -15,9 +15,10 @@
 //! peer, or a broken mesh, ends the wait at once.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
-use tensorwire_core::collective::Schedule;
+use tensorwire_core::collective::{Apply, Schedule};
 use tensorwire_core::ports::process_group::ProcessGroupError;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -74,11 +75,41 @@ impl Drop for Run<'_> {
     }
 }
 
-/// Copies a send's ranges out of the buffer into one message.
-fn gather(ranges: &[std::ops::Range<usize>], buffer: &[u8]) -> Bytes {
+/// Received messages that were stored whole into one range of the buffer and not changed
+/// since: a later send of exactly that range forwards the message instead of copying it out
+/// of the buffer again (the ring all_gather passes every block on this way).
+#[derive(Default)]
+struct Held {
+    entries: Vec<(Range<usize>, Bytes)>,
+}
+
+impl Held {
+    fn get(&self, range: &Range<usize>) -> Option<Bytes> {
+        self.entries
+            .iter()
+            .find(|(r, _)| r == range)
+            .map(|(_, b)| b.clone())
+    }
+
+    /// Forgets every message overlapping `range` (its bytes in the buffer change).
+    fn invalidate(&mut self, range: &Range<usize>) {
+        self.entries
+            .retain(|(r, _)| r.end <= range.start || range.end <= r.start);
+    }
+
+    fn insert(&mut self, range: Range<usize>, message: Bytes) {
+        self.invalidate(&range);
+        self.entries.push((range, message));
+    }
+}
+
+/// Copies a send's ranges out of the buffer into one message, or forwards a held message.
+fn gather(ranges: &[Range<usize>], buffer: &[u8], held: &Held) -> Bytes {
     match ranges {
         [] => Bytes::new(),
-        [one] => Bytes::copy_from_slice(&buffer[one.clone()]),
+        [one] => held
+            .get(one)
+            .unwrap_or_else(|| Bytes::copy_from_slice(&buffer[one.clone()])),
         many => {
             let mut out = BytesMut::with_capacity(many.iter().map(|r| r.len()).sum());
             for r in many {
@@ -118,11 +149,12 @@ pub(crate) async fn run(
         waiting_on,
         timeout,
     };
+    let mut held = Held::default();
     for step in schedule.steps() {
         let outgoing: Vec<(usize, Bytes)> = step
             .sends()
             .iter()
-            .map(|t| (t.peer(), gather(t.ranges(), buffer)))
+            .map(|t| (t.peer(), gather(t.ranges(), buffer, &held)))
             .collect();
         for r in step.receives() {
             run.receivers
@@ -140,6 +172,7 @@ pub(crate) async fn run(
         let receivers = &mut run.receivers;
         let failure = &mut failure;
         let buffer = &mut *buffer;
+        let held = &mut held;
         let receives = async move {
             let receives = step.receives();
             for (i, r) in receives.iter().enumerate() {
@@ -183,10 +216,45 @@ pub(crate) async fn run(
                         seq,
                         reason: e.to_string(),
                     })?;
+                match (r.action(), r.ranges()) {
+                    (Apply::Store, [one]) if !one.is_empty() => {
+                        held.insert(one.clone(), message.payload);
+                    }
+                    _ => {
+                        for range in r.ranges() {
+                            held.invalidate(range);
+                        }
+                    }
+                }
             }
             Ok(())
         };
         tokio::try_join!(sends, receives)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn held_messages_are_forwarded_until_their_bytes_change() {
+        let mut held = Held::default();
+        let buffer = vec![9u8; 16];
+        held.insert(4..8, Bytes::from_static(b"abcd"));
+        // Exactly the held range: the message itself, not the buffer's bytes.
+        assert_eq!(&gather(&[4..8], &buffer, &held)[..], b"abcd");
+        // Any other range is copied out of the buffer.
+        assert_eq!(&gather(&[4..7], &buffer, &held)[..], &[9, 9, 9]);
+        assert_eq!(&gather(&[0..2, 4..8], &buffer, &held)[..], &[9; 6]);
+        // A reduction into an overlapping range forgets it.
+        held.invalidate(&(7..9));
+        assert_eq!(&gather(&[4..8], &buffer, &held)[..], &[9; 4]);
+        // Adjacent ranges do not overlap.
+        held.insert(0..4, Bytes::from_static(b"wxyz"));
+        held.invalidate(&(4..8));
+        assert_eq!(&gather(&[0..4], &buffer, &held)[..], b"wxyz");
+        assert_eq!(&gather(&[], &buffer, &held)[..], b"");
+    }
 }
