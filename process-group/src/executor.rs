@@ -239,6 +239,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::single_range_in_vec_init)] // a slice of one range is what `gather` takes
     fn held_messages_are_forwarded_until_their_bytes_change() {
         let mut held = Held::default();
         let buffer = vec![9u8; 16];
