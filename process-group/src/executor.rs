@@ -75,41 +75,78 @@ impl Drop for Run<'_> {
     }
 }
 
-/// Received messages that were stored whole into one range of the buffer and not changed
-/// since: a later send of exactly that range forwards the message instead of copying it out
-/// of the buffer again (the ring all_gather passes every block on this way).
+/// Messages that stand for one range of the buffer each, so that a send of exactly that range
+/// forwards the message instead of copying it out of the buffer (the ring all_gather passes
+/// every block on this way).
+///
+/// An entry is *applied* when the buffer holds its bytes too, or *deferred* when only the
+/// entry does: with deferral on, a receive that stores a whole message into one range keeps
+/// the message and leaves the buffer alone. A deferred entry is copied into the buffer only
+/// when something reads or changes bytes it overlaps (a send of other ranges, a reduction, a
+/// store over several ranges) or when the caller asks ([`Held::materialize`]); an all_gather
+/// can return the messages themselves as its blocks and never touch most of its buffer.
 #[derive(Default)]
-struct Held {
-    entries: Vec<(Range<usize>, Bytes)>,
+pub(crate) struct Held {
+    entries: Vec<HeldEntry>,
+}
+
+struct HeldEntry {
+    range: Range<usize>,
+    bytes: Bytes,
+    applied: bool,
+}
+
+fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
+    a.start < b.end && b.start < a.end
 }
 
 impl Held {
-    fn get(&self, range: &Range<usize>) -> Option<Bytes> {
+    /// The message for exactly `range`, if one is held.
+    pub(crate) fn get(&self, range: &Range<usize>) -> Option<Bytes> {
         self.entries
             .iter()
-            .find(|(r, _)| r == range)
-            .map(|(_, b)| b.clone())
+            .find(|e| e.range == *range)
+            .map(|e| e.bytes.clone())
     }
 
-    /// Forgets every message overlapping `range` (its bytes in the buffer change).
+    /// Copies every deferred message overlapping one of `ranges` into `buffer`.
+    pub(crate) fn materialize(&mut self, ranges: &[Range<usize>], buffer: &mut [u8]) {
+        for e in &mut self.entries {
+            if !e.applied && ranges.iter().any(|r| overlaps(r, &e.range)) {
+                buffer[e.range.clone()].copy_from_slice(&e.bytes);
+                e.applied = true;
+            }
+        }
+    }
+
+    /// Forgets every message overlapping `range` (the buffer's bytes there change; deferred
+    /// ones must have been materialized first).
     fn invalidate(&mut self, range: &Range<usize>) {
-        self.entries
-            .retain(|(r, _)| r.end <= range.start || range.end <= r.start);
+        self.entries.retain(|e| !overlaps(&e.range, range));
     }
 
-    fn insert(&mut self, range: Range<usize>, message: Bytes) {
+    /// Holds `bytes` for `range`; `applied` says whether the buffer has them too.
+    pub(crate) fn insert(&mut self, range: Range<usize>, bytes: Bytes, applied: bool) {
         self.invalidate(&range);
-        self.entries.push((range, message));
+        self.entries.push(HeldEntry {
+            range,
+            bytes,
+            applied,
+        });
     }
 }
 
 /// Copies a send's ranges out of the buffer into one message, or forwards a held message.
-fn gather(ranges: &[Range<usize>], buffer: &[u8], held: &Held) -> Bytes {
+fn gather(ranges: &[Range<usize>], buffer: &mut [u8], held: &mut Held) -> Bytes {
+    if let [one] = ranges {
+        if let Some(bytes) = held.get(one) {
+            return bytes;
+        }
+    }
+    held.materialize(ranges, buffer);
     match ranges {
         [] => Bytes::new(),
-        [one] => held
-            .get(one)
-            .unwrap_or_else(|| Bytes::copy_from_slice(&buffer[one.clone()])),
+        [one] => Bytes::copy_from_slice(&buffer[one.clone()]),
         many => {
             let mut out = BytesMut::with_capacity(many.iter().map(|r| r.len()).sum());
             for r in many {
@@ -121,13 +158,17 @@ fn gather(ranges: &[Range<usize>], buffer: &[u8], held: &Held) -> Bytes {
 }
 
 /// Runs `schedule` as collective `seq` on `buffer` (which holds the input in
-/// [`Schedule::input_range`] and has [`Schedule::buffer_len`] bytes).
+/// [`Schedule::input_range`], or `held` does, and has [`Schedule::buffer_len`] bytes).
+/// With `defer`, whole-message stores stay in `held` (see [`Held`]); the caller materializes
+/// what it needs from the buffer.
 pub(crate) async fn run(
     mesh: &Mesh,
     seq: u64,
     kind: Kind,
     schedule: &Schedule,
     buffer: &mut [u8],
+    held: &mut Held,
+    defer: bool,
     deadline: Instant,
     timeout: std::time::Duration,
 ) -> Result<(), ProcessGroupError> {
@@ -149,12 +190,11 @@ pub(crate) async fn run(
         waiting_on,
         timeout,
     };
-    let mut held = Held::default();
     for step in schedule.steps() {
         let outgoing: Vec<(usize, Bytes)> = step
             .sends()
             .iter()
-            .map(|t| (t.peer(), gather(t.ranges(), buffer, &held)))
+            .map(|t| (t.peer(), gather(t.ranges(), buffer, held)))
             .collect();
         for r in step.receives() {
             run.receivers
@@ -172,7 +212,7 @@ pub(crate) async fn run(
         let receivers = &mut run.receivers;
         let failure = &mut failure;
         let buffer = &mut *buffer;
-        let held = &mut held;
+        let held = &mut *held;
         let receives = async move {
             let receives = step.receives();
             for (i, r) in receives.iter().enumerate() {
@@ -209,18 +249,30 @@ pub(crate) async fn run(
                         reason: format!("it ran {theirs} as collective #{seq}"),
                     });
                 }
-                r.apply(buffer, &message.payload)
-                    .map_err(|e| ProcessGroupError::Mismatch {
-                        peer,
-                        collective: kind.name(),
-                        seq,
-                        reason: e.to_string(),
-                    })?;
+                let mismatch = |reason: String| ProcessGroupError::Mismatch {
+                    peer,
+                    collective: kind.name(),
+                    seq,
+                    reason,
+                };
                 match (r.action(), r.ranges()) {
                     (Apply::Store, [one]) if !one.is_empty() => {
-                        held.insert(one.clone(), message.payload);
+                        if message.payload.len() != one.len() {
+                            return Err(mismatch(format!(
+                                "its message has {} bytes, the schedule expects {}",
+                                message.payload.len(),
+                                one.len()
+                            )));
+                        }
+                        if !defer {
+                            buffer[one.clone()].copy_from_slice(&message.payload);
+                        }
+                        held.insert(one.clone(), message.payload, !defer);
                     }
                     _ => {
+                        held.materialize(r.ranges(), buffer);
+                        r.apply(buffer, &message.payload)
+                            .map_err(|e| mismatch(e.to_string()))?;
                         for range in r.ranges() {
                             held.invalidate(range);
                         }
@@ -242,20 +294,37 @@ mod tests {
     #[allow(clippy::single_range_in_vec_init)] // a slice of one range is what `gather` takes
     fn held_messages_are_forwarded_until_their_bytes_change() {
         let mut held = Held::default();
-        let buffer = vec![9u8; 16];
-        held.insert(4..8, Bytes::from_static(b"abcd"));
+        let mut buffer = vec![9u8; 16];
+        held.insert(4..8, Bytes::from_static(b"abcd"), true);
         // Exactly the held range: the message itself, not the buffer's bytes.
-        assert_eq!(&gather(&[4..8], &buffer, &held)[..], b"abcd");
+        assert_eq!(&gather(&[4..8], &mut buffer, &mut held)[..], b"abcd");
         // Any other range is copied out of the buffer.
-        assert_eq!(&gather(&[4..7], &buffer, &held)[..], &[9, 9, 9]);
-        assert_eq!(&gather(&[0..2, 4..8], &buffer, &held)[..], &[9; 6]);
-        // A reduction into an overlapping range forgets it.
+        assert_eq!(&gather(&[4..7], &mut buffer, &mut held)[..], &[9, 9, 9]);
+        // A change to an overlapping range forgets it.
         held.invalidate(&(7..9));
-        assert_eq!(&gather(&[4..8], &buffer, &held)[..], &[9; 4]);
+        assert_eq!(&gather(&[4..8], &mut buffer, &mut held)[..], &[9; 4]);
         // Adjacent ranges do not overlap.
-        held.insert(0..4, Bytes::from_static(b"wxyz"));
+        held.insert(0..4, Bytes::from_static(b"wxyz"), true);
         held.invalidate(&(4..8));
-        assert_eq!(&gather(&[0..4], &buffer, &held)[..], b"wxyz");
-        assert_eq!(&gather(&[], &buffer, &held)[..], b"");
+        assert_eq!(&gather(&[0..4], &mut buffer, &mut held)[..], b"wxyz");
+        assert_eq!(&gather(&[], &mut buffer, &mut held)[..], b"");
+    }
+
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)]
+    fn deferred_messages_reach_the_buffer_before_anything_reads_it() {
+        let mut held = Held::default();
+        let mut buffer = vec![0u8; 8];
+        held.insert(0..2, Bytes::from_static(b"ab"), false);
+        held.insert(2..4, Bytes::from_static(b"cd"), false);
+        assert_eq!(buffer, [0; 8], "deferred: the buffer is untouched");
+        // A send spanning both copies them into the buffer first.
+        assert_eq!(&gather(&[1..3], &mut buffer, &mut held)[..], b"bc");
+        assert_eq!(&buffer[..4], b"abcd");
+        // An exact range is still forwarded without a copy.
+        assert_eq!(&gather(&[2..4], &mut buffer, &mut held)[..], b"cd");
+        held.insert(4..6, Bytes::from_static(b"ef"), false);
+        held.materialize(&[5..6], &mut buffer);
+        assert_eq!(&buffer[4..6], b"ef");
     }
 }

@@ -39,7 +39,7 @@ use tensorwire_core::ports::transport::Transport;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::executor::{self, Kind};
+use crate::executor::{self, Held, Kind};
 use crate::mesh::{Mesh, MeshSetup};
 
 /// The default collective timeout: 30 minutes, as PyTorch's default process-group timeout.
@@ -165,6 +165,18 @@ impl Group {
         schedule: Result<collective::Schedule, collective::CollectiveError>,
         buffer: &mut [u8],
     ) -> Result<(), ProcessGroupError> {
+        self.run_held(kind, schedule, buffer, &mut Held::default(), false)
+            .await
+    }
+
+    async fn run_held(
+        &self,
+        kind: Kind,
+        schedule: Result<collective::Schedule, collective::CollectiveError>,
+        buffer: &mut [u8],
+        held: &mut Held,
+        defer: bool,
+    ) -> Result<(), ProcessGroupError> {
         let seq = self.inner.next_seq.fetch_add(1, Ordering::Relaxed);
         let schedule = schedule.map_err(|source| ProcessGroupError::Arguments {
             collective: kind.name(),
@@ -178,6 +190,8 @@ impl Group {
             kind,
             &schedule,
             buffer,
+            held,
+            defer,
             deadline,
             self.inner.timeout,
         )
@@ -222,20 +236,32 @@ impl Group {
             });
         }
         let schedule = collective::all_gather(rank, lens, AllGatherAlgorithm::select(lens));
+        // Blocks that arrive whole stay the messages they came in; the buffer (zeroed pages
+        // the OS has not even mapped yet) is written only where a schedule needs contiguous
+        // bytes, so a ring all_gather copies nothing but this rank's input.
         let mut buffer = vec![0u8; schedule.as_ref().map_or(0, |s| s.buffer_len())];
+        let mut held = Held::default();
         if let Ok(s) = &schedule {
-            buffer[s.input_range()].copy_from_slice(input);
+            held.insert(s.input_range(), Bytes::copy_from_slice(input), false);
         }
-        self.run(Kind::AllGather, schedule, &mut buffer).await?;
-        let buffer = Bytes::from(buffer);
+        self.run_held(Kind::AllGather, schedule, &mut buffer, &mut held, true)
+            .await?;
+        let mut ranges = Vec::with_capacity(lens.len());
         let mut offset = 0;
-        Ok(lens
+        for len in lens {
+            ranges.push(offset..offset + len);
+            offset += len;
+        }
+        let missing: Vec<_> = ranges
             .iter()
-            .map(|len| {
-                let block = buffer.slice(offset..offset + len);
-                offset += len;
-                block
-            })
+            .filter(|r| held.get(r).is_none())
+            .cloned()
+            .collect();
+        held.materialize(&missing, &mut buffer);
+        let buffer = Bytes::from(buffer);
+        Ok(ranges
+            .into_iter()
+            .map(|r| held.get(&r).unwrap_or_else(|| buffer.slice(r)))
             .collect())
     }
 }
