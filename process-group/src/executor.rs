@@ -14,16 +14,14 @@
 //! [`ProcessGroupError::Timeout`] naming the ranks whose messages had not arrived. A dead
 //! peer, or a broken mesh, ends the wait at once.
 
-use std::collections::HashMap;
 use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
 use tensorwire_core::collective::{Apply, Schedule};
 use tensorwire_core::ports::process_group::ProcessGroupError;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::mesh::{Incoming, Mesh};
+use crate::mesh::Mesh;
 
 /// The collectives, as tagged on the wire (a rank that runs another collective under the same
 /// sequence number is reported instead of misread).
@@ -60,16 +58,16 @@ impl Kind {
     }
 }
 
-/// One collective in progress: its receivers, released when it ends.
+/// One collective in progress: the peers it received from, released when it ends.
 struct Run<'a> {
     mesh: &'a Mesh,
     seq: u64,
-    receivers: HashMap<usize, mpsc::UnboundedReceiver<Incoming>>,
+    peers: Vec<usize>,
 }
 
 impl Drop for Run<'_> {
     fn drop(&mut self) {
-        for peer in self.receivers.keys() {
+        for peer in &self.peers {
             self.mesh.release(*peer, self.seq);
         }
     }
@@ -179,7 +177,7 @@ pub(crate) async fn run(
     let mut run = Run {
         mesh,
         seq,
-        receivers: HashMap::new(),
+        peers: Vec::new(),
     };
     let mut failure = mesh.failure();
     let rank = mesh.rank();
@@ -197,9 +195,9 @@ pub(crate) async fn run(
             .map(|t| (t.peer(), gather(t.ranges(), buffer, held)))
             .collect();
         for r in step.receives() {
-            run.receivers
-                .entry(r.peer())
-                .or_insert_with(|| mesh.receiver(r.peer(), seq));
+            if !run.peers.contains(&r.peer()) {
+                run.peers.push(r.peer());
+            }
         }
         let sends = async {
             for (peer, payload) in outgoing {
@@ -209,7 +207,6 @@ pub(crate) async fn run(
             }
             Ok::<(), ProcessGroupError>(())
         };
-        let receivers = &mut run.receivers;
         let failure = &mut failure;
         let buffer = &mut *buffer;
         let held = &mut *held;
@@ -217,10 +214,9 @@ pub(crate) async fn run(
             let receives = step.receives();
             for (i, r) in receives.iter().enumerate() {
                 let peer = r.peer();
-                let rx = receivers.get_mut(&peer).expect("receiver taken above");
                 let message = tokio::select! {
                     biased;
-                    m = rx.recv() => match m {
+                    m = mesh.recv(peer, seq) => match m {
                         Some(m) => m,
                         None => return Err(mesh.closed_error(peer, kind.name(), seq)),
                     },
@@ -230,7 +226,7 @@ pub(crate) async fn run(
                     _ = tokio::time::sleep_until(deadline) => {
                         let mut waiting = vec![peer];
                         for later in &receives[i + 1..] {
-                            let empty = receivers.get(&later.peer()).is_none_or(|rx| rx.is_empty());
+                            let empty = !mesh.has_message(later.peer(), seq);
                             if empty && !waiting.contains(&later.peer()) {
                                 waiting.push(later.peer());
                             }

@@ -21,9 +21,10 @@
 //! connection that ends after a goodbye only fails the collectives that still expect that
 //! peer's messages.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -32,7 +33,7 @@ use tensorwire_core::ports::process_group::ProcessGroupError;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::wire::{Frame, FrameKind};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -96,10 +97,11 @@ enum PeerStatus {
     Dead,
 }
 
+/// Messages of one collective from one peer, and the executor waiting for them.
 #[derive(Default)]
 struct Slot {
-    tx: Option<mpsc::UnboundedSender<Incoming>>,
-    rx: Option<mpsc::UnboundedReceiver<Incoming>>,
+    queue: VecDeque<Incoming>,
+    waker: Option<Waker>,
 }
 
 struct InboxState {
@@ -126,40 +128,39 @@ impl Inbox {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn new_slot(open: bool) -> Slot {
-        let (tx, rx) = mpsc::unbounded_channel();
-        Slot {
-            tx: open.then_some(tx),
-            rx: Some(rx),
-        }
-    }
-
     fn push(&self, seq: u64, message: Incoming) {
-        let mut state = self.lock();
-        let open = matches!(state.status, PeerStatus::Open);
-        let slot = state
-            .slots
-            .entry(seq)
-            .or_insert_with(|| Self::new_slot(open));
-        if let Some(tx) = &slot.tx {
-            // The receiver lives in the slot or with the executor; a send fails only when the
-            // executor gave up on this collective, and then the message is of no use.
-            let _ = tx.send(message);
+        let waker = {
+            let mut state = self.lock();
+            let slot = state.slots.entry(seq).or_default();
+            slot.queue.push_back(message);
+            slot.waker.take()
+        };
+        if let Some(w) = waker {
+            w.wake();
         }
     }
 
-    fn take_receiver(&self, seq: u64) -> mpsc::UnboundedReceiver<Incoming> {
+    /// The next message of collective `seq`: `Ready(None)` once the peer's connection has
+    /// ended and everything that arrived before has been taken.
+    fn poll_recv(&self, seq: u64, cx: &mut Context<'_>) -> Poll<Option<Incoming>> {
         let mut state = self.lock();
         let open = matches!(state.status, PeerStatus::Open);
-        let slot = state
-            .slots
-            .entry(seq)
-            .or_insert_with(|| Self::new_slot(open));
-        match slot.rx.take() {
-            Some(rx) => rx,
-            // Taken twice for one sequence number: a second, closed channel.
-            None => mpsc::unbounded_channel().1,
+        let slot = state.slots.entry(seq).or_default();
+        if let Some(m) = slot.queue.pop_front() {
+            return Poll::Ready(Some(m));
         }
+        if !open {
+            return Poll::Ready(None);
+        }
+        slot.waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    fn has_message(&self, seq: u64) -> bool {
+        self.lock()
+            .slots
+            .get(&seq)
+            .is_some_and(|s| !s.queue.is_empty())
     }
 
     fn release(&self, seq: u64) {
@@ -168,12 +169,19 @@ impl Inbox {
 
     /// Ends delivery: receivers drain what arrived, then see the end.
     fn close(&self, status: PeerStatus) {
-        let mut state = self.lock();
-        if matches!(state.status, PeerStatus::Open) {
-            state.status = status;
-        }
-        for slot in state.slots.values_mut() {
-            slot.tx = None;
+        let wakers: Vec<Waker> = {
+            let mut state = self.lock();
+            if matches!(state.status, PeerStatus::Open) {
+                state.status = status;
+            }
+            state
+                .slots
+                .values_mut()
+                .filter_map(|s| s.waker.take())
+                .collect()
+        };
+        for w in wakers {
+            w.wake();
         }
     }
 
@@ -435,12 +443,17 @@ impl Mesh {
         self.shared.fail(error);
     }
 
-    /// Takes the receiving end for `peer`'s messages of collective `seq`.
-    pub(crate) fn receiver(&self, peer: usize, seq: u64) -> mpsc::UnboundedReceiver<Incoming> {
-        match self.shared.peer(peer) {
-            Some(link) => link.inbox.take_receiver(seq),
-            None => mpsc::unbounded_channel().1,
-        }
+    /// Receives `peer`'s next message of collective `seq` (`None`: its connection ended).
+    pub(crate) async fn recv(&self, peer: usize, seq: u64) -> Option<Incoming> {
+        let link = self.shared.peer(peer)?;
+        std::future::poll_fn(|cx| link.inbox.poll_recv(seq, cx)).await
+    }
+
+    /// Whether a message of collective `seq` from `peer` is waiting.
+    pub(crate) fn has_message(&self, peer: usize, seq: u64) -> bool {
+        self.shared
+            .peer(peer)
+            .is_some_and(|l| l.inbox.has_message(seq))
     }
 
     /// Forgets `peer`'s messages of collective `seq`.
@@ -664,6 +677,7 @@ mod tests {
     #[test]
     fn inbox_delivers_then_reports_the_end() {
         let inbox = Inbox::new();
+        let mut cx = Context::from_waker(Waker::noop());
         inbox.push(
             1,
             Incoming {
@@ -671,24 +685,23 @@ mod tests {
                 payload: Bytes::from_static(b"a"),
             },
         );
-        let mut rx1 = inbox.take_receiver(1);
-        let mut rx2 = inbox.take_receiver(2);
+        assert!(inbox.has_message(1));
+        assert!(!inbox.has_message(2));
+        assert!(inbox.poll_recv(2, &mut cx).is_pending());
         inbox.close(PeerStatus::Left);
-        assert_eq!(&rx1.try_recv().unwrap().payload[..], b"a");
-        assert!(matches!(
-            rx1.try_recv(),
-            Err(mpsc::error::TryRecvError::Disconnected)
-        ));
-        assert!(matches!(
-            rx2.try_recv(),
-            Err(mpsc::error::TryRecvError::Disconnected)
-        ));
+        match inbox.poll_recv(1, &mut cx) {
+            Poll::Ready(Some(m)) => assert_eq!(&m.payload[..], b"a"),
+            other => panic!(
+                "expected the queued message, got {:?}",
+                other.map(|m| m.is_some())
+            ),
+        }
+        assert!(matches!(inbox.poll_recv(1, &mut cx), Poll::Ready(None)));
+        assert!(matches!(inbox.poll_recv(2, &mut cx), Poll::Ready(None)));
         // Slots made after the end are closed from the start.
-        let mut rx3 = inbox.take_receiver(3);
-        assert!(matches!(
-            rx3.try_recv(),
-            Err(mpsc::error::TryRecvError::Disconnected)
-        ));
+        assert!(matches!(inbox.poll_recv(3, &mut cx), Poll::Ready(None)));
         assert!(matches!(inbox.status(), PeerStatus::Left));
+        inbox.release(1);
+        assert!(!inbox.has_message(1));
     }
 }
