@@ -155,21 +155,37 @@ fn gather(ranges: &[Range<usize>], buffer: &mut [u8], held: &mut Held) -> Bytes 
     }
 }
 
+/// Which collective a run is, and its bounds.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Op {
+    /// The collective's sequence number in the group.
+    pub(crate) seq: u64,
+    /// The collective.
+    pub(crate) kind: Kind,
+    /// When it must be done.
+    pub(crate) deadline: Instant,
+    /// The timeout the deadline came from (for error messages).
+    pub(crate) timeout: std::time::Duration,
+}
+
 /// Runs `schedule` as collective `seq` on `buffer` (which holds the input in
 /// [`Schedule::input_range`], or `held` does, and has [`Schedule::buffer_len`] bytes).
 /// With `defer`, whole-message stores stay in `held` (see [`Held`]); the caller materializes
 /// what it needs from the buffer.
 pub(crate) async fn run(
     mesh: &Mesh,
-    seq: u64,
-    kind: Kind,
+    op: Op,
     schedule: &Schedule,
     buffer: &mut [u8],
     held: &mut Held,
     defer: bool,
-    deadline: Instant,
-    timeout: std::time::Duration,
 ) -> Result<(), ProcessGroupError> {
+    let Op {
+        seq,
+        kind,
+        deadline,
+        timeout,
+    } = op;
     debug_assert_eq!(buffer.len(), schedule.buffer_len());
     if let Some(e) = mesh.broken() {
         return Err(e);

@@ -184,27 +184,23 @@ impl Group {
         })?;
         let deadline = Instant::now() + self.inner.timeout;
         let span = tracing::debug_span!("collective", kind = kind.name(), seq, rank = self.rank());
-        executor::run(
-            &self.inner.mesh,
+        let op = executor::Op {
             seq,
             kind,
-            &schedule,
-            buffer,
-            held,
-            defer,
             deadline,
-            self.inner.timeout,
-        )
-        .instrument(span)
-        .await
-        .inspect_err(|e| {
-            // The ranks no longer agree on where the collectives stand (some sent their
-            // messages for this sequence number, others never will): break the group, as
-            // PyTorch's watchdog aborts a communicator after a timeout.
-            if matches!(e, ProcessGroupError::Timeout { .. }) {
-                self.inner.mesh.fail(e.clone());
-            }
-        })
+            timeout: self.inner.timeout,
+        };
+        executor::run(&self.inner.mesh, op, &schedule, buffer, held, defer)
+            .instrument(span)
+            .await
+            .inspect_err(|e| {
+                // The ranks no longer agree on where the collectives stand (some sent their
+                // messages for this sequence number, others never will): break the group, as
+                // PyTorch's watchdog aborts a communicator after a timeout.
+                if matches!(e, ProcessGroupError::Timeout { .. }) {
+                    self.inner.mesh.fail(e.clone());
+                }
+            })
     }
 
     /// All-gather of blocks whose lengths every rank already knows (`lens[i]` is rank i's);
