@@ -4,12 +4,14 @@
 //! `async-trait`, and states its contract in its docs so every adapter can be checked against
 //! the same conformance suite.
 //!
+//! - [`store`]: [`Store`](store::Store): the c10d-style key-value store.
+//! - [`device`]: [`DeviceBackend`](device::DeviceBackend): copies between host and devices.
 //! - [`transport`]: [`Transport`](transport::Transport): listen, connect, send and receive
 //!   [`Frame`](crate::wire::Frame)s.
-//! - [`store`]: [`Store`](store::Store): the c10d-style key-value store.
 //! - [`process_group`]: [`ProcessGroup`](process_group::ProcessGroup): barrier, all_gather,
 //!   broadcast and all_reduce among the ranks of a group.
 
+pub mod device;
 pub mod process_group;
 pub mod store;
 pub mod transport;

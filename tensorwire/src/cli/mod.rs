@@ -2,5 +2,6 @@
 
 pub(crate) mod bench;
 pub(crate) mod bench_collectives;
+pub(crate) mod launch;
 pub(crate) mod store;
 pub(crate) mod validate;
