@@ -42,6 +42,10 @@ use tracing::Instrument;
 use crate::executor::{self, Held, Kind};
 use crate::mesh::{Mesh, MeshSetup};
 
+/// Blocks up to this size travel with their lengths in [`ProcessGroup::all_gather`]'s first
+/// round, so small all_gathers take one collective instead of two.
+pub const INLINE_GATHER_BYTES: usize = 56;
+
 /// The default collective timeout: 30 minutes, as PyTorch's default process-group timeout.
 pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
@@ -278,21 +282,33 @@ impl ProcessGroup for Group {
     }
 
     async fn all_gather(&self, input: &[u8]) -> Result<Vec<Bytes>, ProcessGroupError> {
+        // First round: fixed-size slots of the length and, when it fits, the data itself. If
+        // every rank's data fitted, that was all; otherwise the lengths are known and a
+        // second round moves the data.
         let world = self.size();
         let rank = self.rank();
-        let mut lens = vec![0u8; 8 * world];
-        let lens_schedule = collective::all_gather(
-            rank,
-            &vec![8; world],
-            AllGatherAlgorithm::select(&vec![8; world]),
-        );
-        lens[8 * rank..8 * rank + 8].copy_from_slice(&(input.len() as u64).to_le_bytes());
-        self.run(Kind::AllGatherLens, lens_schedule, &mut lens)
-            .await?;
-        let lens: Vec<usize> = lens
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunks")) as usize)
+        let slot = 8 + INLINE_GATHER_BYTES;
+        let slots = vec![slot; world];
+        let schedule = collective::all_gather(rank, &slots, AllGatherAlgorithm::select(&slots));
+        let mut first = vec![0u8; slot * world];
+        let mine = &mut first[slot * rank..slot * (rank + 1)];
+        mine[..8].copy_from_slice(&(input.len() as u64).to_le_bytes());
+        if input.len() <= INLINE_GATHER_BYTES {
+            mine[8..8 + input.len()].copy_from_slice(input);
+        }
+        self.run(Kind::AllGatherLens, schedule, &mut first).await?;
+        let lens: Vec<usize> = first
+            .chunks_exact(slot)
+            .map(|c| u64::from_le_bytes(c[..8].try_into().expect("8-byte length")) as usize)
             .collect();
+        if lens.iter().all(|len| *len <= INLINE_GATHER_BYTES) {
+            let first = Bytes::from(first);
+            return Ok(lens
+                .iter()
+                .enumerate()
+                .map(|(r, len)| first.slice(slot * r + 8..slot * r + 8 + len))
+                .collect());
+        }
         self.all_gather_with_lens(input, &lens).await
     }
 

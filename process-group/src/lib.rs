@@ -43,7 +43,9 @@ pub use backend::{
 };
 pub use client::{ClientConfig, TcpStoreClient};
 pub use file::FileStore;
-pub use group::{CollectivesExt, Element, Group, GroupOptions, DEFAULT_COLLECTIVE_TIMEOUT};
+pub use group::{
+    CollectivesExt, Element, Group, GroupOptions, DEFAULT_COLLECTIVE_TIMEOUT, INLINE_GATHER_BYTES,
+};
 
 pub use memory::InMemoryStore;
 pub use rendezvous::{rendezvous, Rendezvous, RendezvousError, RendezvousOptions};

@@ -216,6 +216,19 @@ async fn variable_blocks_and_objects() {
         let results = on_all(&gs, |g| async move {
             let r = g.rank();
             let blocks = g.all_gather(&block(r, r * 1000)).await.unwrap();
+            // Around the inline limit: all inline, and one rank just over it.
+            let limit = tensorwire_process_group::INLINE_GATHER_BYTES;
+            let inline = g.all_gather(&block(r, limit - r)).await.unwrap();
+            for (p, b) in inline.iter().enumerate() {
+                assert_eq!(&b[..], &block(p, limit - p)[..]);
+            }
+            let over = g
+                .all_gather(&block(r, limit + usize::from(r == 3)))
+                .await
+                .unwrap();
+            for (p, b) in over.iter().enumerate() {
+                assert_eq!(&b[..], &block(p, limit + usize::from(p == 3))[..]);
+            }
             let names: Vec<String> = g.all_gather_object(&format!("worker{r}")).await.unwrap();
             let config: Vec<u32> = g
                 .broadcast_object((r == 2).then_some(&vec![7u32, 8, 9]), 2)
