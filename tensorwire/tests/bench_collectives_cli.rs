@@ -32,6 +32,7 @@ fn bench_collectives_writes_every_key() {
         keys.push(format!("all_gather_w{n}_1MiB_us"));
         keys.push(format!("all_reduce_w{n}_1MiB_us"));
         keys.push(format!("raw_tcp_bulk_{n}x{}MiB_us", n - 1));
+        keys.push(format!("raw_tcp_barrier_w{n}_us"));
         let r = v["ratios"][format!("barrier_w{n}_over_pingpong")]
             .as_f64()
             .unwrap_or_else(|| panic!("ratio for w{n} missing in {v}"));

@@ -9,7 +9,9 @@
 //! process measures the raw baselines over blocking loopback sockets between two threads:
 //! `raw_tcp_pingpong_p50_us` (64-byte round trips, before and after the groups) and
 //! `raw_tcp_bulk_{N}x{N-1}MiB_us` (one transfer of the bytes all ranks of an all_gather of
-//! 1 MiB blocks receive together). `rendezvous_barrier_w32_ms` is the wall time from starting
+//! 1 MiB blocks receive together), and `raw_tcp_barrier_w{N}_us` (the same dissemination
+//! barrier among N threads over blocking sockets: what the scheduler allows when N processes
+//! share fewer cores). `rendezvous_barrier_w32_ms` is the wall time from starting
 //! rank 0 of 32 processes until all of them finished their first barrier.
 
 use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
@@ -124,8 +126,10 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
         bar.inc(1);
     }
 
-    bar.set_message("raw TCP bulk");
+    bar.set_message("raw TCP bulk and barrier");
     for &world in &args.world {
+        let raw = raw_barrier(world, args.small_iters).context("raw TCP barrier")?;
+        out.insert(format!("raw_tcp_barrier_w{world}_us"), json!(raw));
         let bytes = world * (world - 1) * MIB;
         let took = raw_bulk(bytes, 5).context("raw TCP bulk")?;
         out.insert(
@@ -149,6 +153,9 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
                 format!("barrier_w{world}_over_pingpong"),
                 json!(b / pingpong),
             );
+            if let Some(raw) = get(&format!("raw_tcp_barrier_w{world}_us")) {
+                ratios.insert(format!("barrier_w{world}_over_raw_barrier"), json!(b / raw));
+            }
         }
         if let (Some(a), Some(r)) = (
             get(&format!("all_gather_w{world}_1MiB_us")),
@@ -486,6 +493,65 @@ fn raw_pingpong(n: usize) -> Result<Vec<Duration>> {
         .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
     // The first tenth warms up.
     Ok(times.split_off(n / 10))
+}
+
+/// Raw baseline: the same dissemination barrier as the groups run, among `world` threads
+/// over blocking loopback sockets (one byte per message, no framing, no runtime); the median
+/// on thread 0 over `iters` barriers, in microseconds. It shows what the machine's scheduler
+/// allows when `world` exceeds the cores.
+#[allow(clippy::needless_range_loop)] // pairs (i, j) fill both conns[i][j] and conns[j][i]
+fn raw_barrier(world: usize, iters: usize) -> Result<f64> {
+    let mut conns: Vec<Vec<Option<TcpStream>>> = (0..world)
+        .map(|_| (0..world).map(|_| None).collect())
+        .collect();
+    for i in 0..world {
+        for j in i + 1..world {
+            let listener = TcpListener::bind("127.0.0.1:0")?;
+            let a = TcpStream::connect(listener.local_addr()?)?;
+            let (b, _) = listener.accept()?;
+            a.set_nodelay(true)?;
+            b.set_nodelay(true)?;
+            conns[i][j] = Some(a);
+            conns[j][i] = Some(b);
+        }
+    }
+    let threads: Vec<_> = conns
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut peers)| {
+            std::thread::spawn(move || -> std::io::Result<Vec<Duration>> {
+                let mut times = Vec::with_capacity(iters);
+                for i in 0..iters + iters / 10 {
+                    let t = Instant::now();
+                    let mut distance = 1;
+                    while distance < world {
+                        let to = (rank + distance) % world;
+                        let from = (rank + world - distance) % world;
+                        if let Some(s) = peers[to].as_mut() {
+                            s.write_all(&[1])?;
+                        }
+                        let mut byte = [0u8; 1];
+                        if let Some(s) = peers[from].as_mut() {
+                            s.read_exact(&mut byte)?;
+                        }
+                        distance *= 2;
+                    }
+                    if i >= iters / 10 {
+                        times.push(t.elapsed());
+                    }
+                }
+                Ok(times)
+            })
+        })
+        .collect();
+    let mut first = None;
+    for t in threads {
+        let times = t
+            .join()
+            .map_err(|_| anyhow::anyhow!("barrier thread panicked"))??;
+        first.get_or_insert(times);
+    }
+    Ok(median_us(first.unwrap_or_default()))
 }
 
 /// Raw baseline: `bytes` over one loopback connection, then a 1-byte acknowledgement; the
