@@ -46,6 +46,10 @@ use crate::mesh::{Mesh, MeshSetup};
 /// round, so small all_gathers take one collective instead of two.
 pub const INLINE_GATHER_BYTES: usize = 56;
 
+/// Largest block [`ProcessGroup::all_gather`] accepts from a rank: the transports' default
+/// frame limit. A larger announced length is refused before anything is allocated for it.
+pub const MAX_BLOCK_BYTES: usize = 1 << 30;
+
 /// The default collective timeout: 30 minutes, as PyTorch's default process-group timeout.
 pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
@@ -301,6 +305,25 @@ impl ProcessGroup for Group {
             .chunks_exact(slot)
             .map(|c| u64::from_le_bytes(c[..8].try_into().expect("8-byte length")) as usize)
             .collect();
+        if let Some((peer, len)) = lens
+            .iter()
+            .enumerate()
+            .find(|(_, len)| **len > MAX_BLOCK_BYTES)
+        {
+            return Err(ProcessGroupError::Mismatch {
+                peer,
+                collective: Kind::AllGather.name(),
+                seq: self
+                    .inner
+                    .next_seq
+                    .load(Ordering::Relaxed)
+                    .saturating_sub(1),
+                reason: format!(
+                    "it announced a block of {len} bytes, more than one frame carries \
+                     ({MAX_BLOCK_BYTES} bytes)"
+                ),
+            });
+        }
         if lens.iter().all(|len| *len <= INLINE_GATHER_BYTES) {
             let first = Bytes::from(first);
             return Ok(lens
@@ -459,7 +482,15 @@ pub trait CollectivesExt: ProcessGroup {
         };
         let mut len = (bytes.len() as u64).to_le_bytes();
         self.broadcast(&mut len, root).await?;
-        bytes.resize(u64::from_le_bytes(len) as usize, 0);
+        let len = u64::from_le_bytes(len);
+        if len > MAX_BLOCK_BYTES as u64 {
+            return Err(ProcessGroupError::Object {
+                rank: root,
+                op: "decoded",
+                reason: format!("it announced {len} bytes, more than {MAX_BLOCK_BYTES}"),
+            });
+        }
+        bytes.resize(len as usize, 0);
         self.broadcast(&mut bytes, root).await?;
         postcard::from_bytes(&bytes).map_err(|e| ProcessGroupError::Object {
             rank: root,

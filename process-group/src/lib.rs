@@ -45,6 +45,7 @@ pub use client::{ClientConfig, TcpStoreClient};
 pub use file::FileStore;
 pub use group::{
     CollectivesExt, Element, Group, GroupOptions, DEFAULT_COLLECTIVE_TIMEOUT, INLINE_GATHER_BYTES,
+    MAX_BLOCK_BYTES,
 };
 
 pub use memory::InMemoryStore;
