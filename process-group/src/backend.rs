@@ -24,6 +24,8 @@
 //!     pg.barrier().await
 //! })
 //! .await?;
+//! // Leave cleanly before exiting, so peers still in a collective do not see a dead rank.
+//! pg.shutdown().await;
 //! # Ok(()) }
 //! ```
 
