@@ -195,7 +195,8 @@ async fn run(scenario: &str) -> Result<ExitCode, Error> {
 fn main() -> ExitCode {
     let scenario = std::env::args().nth(1).unwrap_or_default();
     let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
+        .enable_io()
+        .enable_time()
         .build()
     {
         Ok(rt) => rt,

@@ -359,7 +359,8 @@ fn run_group(world: usize, mode: &str, args: &CollectivesArgs) -> Result<Map<Str
 /// The hidden worker: one rank.
 pub(crate) fn worker(args: &WorkerArgs) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
+        .enable_io()
+        .enable_time()
         .build()?;
     runtime.block_on(worker_main(args))
 }
