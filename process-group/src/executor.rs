@@ -195,8 +195,10 @@ pub(crate) async fn run(
         seq,
         peers: Vec::new(),
     };
-    let mut failure = mesh.failure();
     let rank = mesh.rank();
+    // One timer for the whole collective, registered once.
+    let sleep = tokio::time::sleep_until(deadline);
+    tokio::pin!(sleep);
     let timed_out = |waiting_on: Vec<usize>| ProcessGroupError::Timeout {
         collective: kind.name(),
         seq,
@@ -223,7 +225,7 @@ pub(crate) async fn run(
             }
             Ok::<(), ProcessGroupError>(())
         };
-        let failure = &mut failure;
+        let mut sleep = sleep.as_mut();
         let buffer = &mut *buffer;
         let held = &mut *held;
         let receives = async move {
@@ -236,10 +238,7 @@ pub(crate) async fn run(
                         Some(m) => m,
                         None => return Err(mesh.closed_error(peer, kind.name(), seq)),
                     },
-                    _ = failure.wait_for(Option::is_some) => {
-                        return Err(mesh.broken().unwrap_or(ProcessGroupError::ShutDown));
-                    }
-                    _ = tokio::time::sleep_until(deadline) => {
+                    _ = &mut sleep => {
                         let mut waiting = vec![peer];
                         for later in &receives[i + 1..] {
                             let empty = !mesh.has_message(later.peer(), seq);

@@ -33,7 +33,6 @@ use tensorwire_core::ports::process_group::ProcessGroupError;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::wire::{Frame, FrameKind};
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -200,7 +199,7 @@ struct Shared {
     /// One entry per rank; `None` for this rank.
     peers: Vec<Option<PeerLink>>,
     /// Set once, to the first failure that broke the mesh.
-    failure: watch::Sender<Option<ProcessGroupError>>,
+    failure: std::sync::OnceLock<ProcessGroupError>,
 }
 
 impl Shared {
@@ -208,15 +207,14 @@ impl Shared {
         self.peers.get(rank).and_then(Option::as_ref)
     }
 
-    /// Records the first failure; returns whether this call set it.
+    /// Records the first failure and ends delivery from every peer, so that every waiting
+    /// collective wakes and reports it; returns whether this call set it.
     fn fail(&self, error: ProcessGroupError) -> bool {
-        self.failure.send_if_modified(|current| {
-            if current.is_some() {
-                return false;
-            }
-            *current = Some(error);
-            true
-        })
+        let first = self.failure.set(error).is_ok();
+        for link in self.peers.iter().flatten() {
+            link.inbox.close(PeerStatus::Dead);
+        }
+        first
     }
 }
 
@@ -392,7 +390,7 @@ impl Mesh {
         for (peer, conn) in accepted.into_iter().chain(connected) {
             conns[peer] = Some(conn);
         }
-        let (failure, _) = watch::channel(None);
+        let failure = std::sync::OnceLock::new();
         let shared = Arc::new(Shared {
             rank,
             peers: conns
@@ -428,14 +426,9 @@ impl Mesh {
         self.world
     }
 
-    /// Watches the failure that broke the mesh, if any.
-    pub(crate) fn failure(&self) -> watch::Receiver<Option<ProcessGroupError>> {
-        self.shared.failure.subscribe()
-    }
-
     /// The failure that broke the mesh, if any.
     pub(crate) fn broken(&self) -> Option<ProcessGroupError> {
-        self.shared.failure.borrow().clone()
+        self.shared.failure.get().cloned()
     }
 
     /// Breaks the mesh with `error` (kept only if it is the first failure).
