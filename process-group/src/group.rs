@@ -21,6 +21,7 @@
 //! # Ok(()) }
 //! ```
 
+use std::borrow::Cow;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -94,6 +95,8 @@ impl GroupOptions {
 
 struct Inner {
     mesh: Mesh,
+    /// The barrier's schedule, the same every time.
+    barrier: collective::Schedule,
     name: String,
     next_seq: AtomicU64,
     timeout: Duration,
@@ -146,9 +149,14 @@ impl Group {
         })
         .instrument(span)
         .await?;
+        let barrier = collective::barrier(rank, world).map_err(|e| ProcessGroupError::Setup {
+            rank,
+            reason: e.to_string(),
+        })?;
         Ok(Group {
             inner: Arc::new(Inner {
                 mesh,
+                barrier,
                 name: options.name,
                 next_seq: AtomicU64::new(0),
                 timeout: options.timeout,
@@ -170,7 +178,7 @@ impl Group {
     async fn run(
         &self,
         kind: Kind,
-        schedule: Result<collective::Schedule, collective::CollectiveError>,
+        schedule: Result<Cow<'_, collective::Schedule>, collective::CollectiveError>,
         buffer: &mut [u8],
     ) -> Result<(), ProcessGroupError> {
         self.run_held(kind, schedule, buffer, &mut Held::default(), false)
@@ -180,7 +188,7 @@ impl Group {
     async fn run_held(
         &self,
         kind: Kind,
-        schedule: Result<collective::Schedule, collective::CollectiveError>,
+        schedule: Result<Cow<'_, collective::Schedule>, collective::CollectiveError>,
         buffer: &mut [u8],
         held: &mut Held,
         defer: bool,
@@ -239,7 +247,8 @@ impl Group {
                 ),
             });
         }
-        let schedule = collective::all_gather(rank, lens, AllGatherAlgorithm::select(lens));
+        let schedule = collective::all_gather(rank, lens, AllGatherAlgorithm::select(lens))
+            .map(Cow::<collective::Schedule>::Owned);
         // Blocks that arrive whole stay the messages they came in; the buffer (zeroed pages
         // the OS has not even mapped yet) is written only where a schedule needs contiguous
         // bytes, so a ring all_gather copies nothing but this rank's input.
@@ -281,7 +290,7 @@ impl ProcessGroup for Group {
     }
 
     async fn barrier(&self) -> Result<(), ProcessGroupError> {
-        let schedule = collective::barrier(self.rank(), self.size());
+        let schedule = Ok(Cow::Borrowed(&self.inner.barrier));
         self.run(Kind::Barrier, schedule, &mut []).await
     }
 
@@ -293,7 +302,8 @@ impl ProcessGroup for Group {
         let rank = self.rank();
         let slot = 8 + INLINE_GATHER_BYTES;
         let slots = vec![slot; world];
-        let schedule = collective::all_gather(rank, &slots, AllGatherAlgorithm::select(&slots));
+        let schedule = collective::all_gather(rank, &slots, AllGatherAlgorithm::select(&slots))
+            .map(Cow::<collective::Schedule>::Owned);
         let mut first = vec![0u8; slot * world];
         let mine = &mut first[slot * rank..slot * (rank + 1)];
         mine[..8].copy_from_slice(&(input.len() as u64).to_le_bytes());
@@ -336,7 +346,8 @@ impl ProcessGroup for Group {
     }
 
     async fn broadcast(&self, data: &mut [u8], root: usize) -> Result<(), ProcessGroupError> {
-        let schedule = collective::broadcast(self.rank(), self.size(), root, data.len());
+        let schedule = collective::broadcast(self.rank(), self.size(), root, data.len())
+            .map(Cow::<collective::Schedule>::Owned);
         self.run(Kind::Broadcast, schedule, data).await
     }
 
@@ -359,7 +370,8 @@ impl ProcessGroup for Group {
         let count = data.len() / element.size();
         let algorithm = AllReduceAlgorithm::select(self.size(), count, element);
         let schedule =
-            collective::all_reduce(self.rank(), self.size(), count, element, op, algorithm);
+            collective::all_reduce(self.rank(), self.size(), count, element, op, algorithm)
+                .map(Cow::<collective::Schedule>::Owned);
         self.run(Kind::AllReduce, schedule, data).await
     }
 
