@@ -9,21 +9,43 @@
 //!   and `file:///path?rank=R&world_size=N`, as `torch.distributed` understands them.
 //!
 //! All stores implement [`tensorwire_core::ports::store::Store`].
+//!
+//! - [`Group`]: the built-in process group. Its collectives run the schedules of
+//!   [`tensorwire_core::collective`] over a mesh of [`Transport`](tensorwire_core::ports::transport::Transport)
+//!   connections; [`CollectivesExt`] adds typed `all_reduce`, `all_gather_object` and
+//!   `broadcast_object` to any [`ProcessGroup`](tensorwire_core::ports::process_group::ProcessGroup).
+//! - `torch.distributed._dist2`'s API: [`register_backend`], [`new_group`] (`env://`,
+//!   [`env_init`]), [`current_process_group`], [`with_process_group`]; the built-in backend
+//!   `tensorwire` (alias `gloo`) is [`TensorwireFactory`].
 
 use std::time::Duration;
 
 pub mod auth;
+mod backend;
 pub mod backoff;
 mod client;
+pub mod env_init;
+mod executor;
 pub mod file;
+mod group;
 mod memory;
+pub mod mesh;
 pub mod rendezvous;
 mod server;
 mod state;
 pub mod wire;
 
+pub use backend::{
+    backend_registered, current_process_group, new_group, register_backend, with_process_group,
+    with_process_group_sync, BackendOptions, DynFactory, NewGroupError, TensorwireFactory,
+    TENSORWIRE_BACKEND,
+};
 pub use client::{ClientConfig, TcpStoreClient};
 pub use file::FileStore;
+pub use group::{
+    CollectivesExt, Element, Group, GroupOptions, DEFAULT_COLLECTIVE_TIMEOUT, INLINE_GATHER_BYTES,
+    MAX_BLOCK_BYTES,
+};
 pub use tensorwire_core::auth::ClusterSecret;
 
 pub use memory::InMemoryStore;

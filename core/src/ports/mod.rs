@@ -8,7 +8,9 @@
 //!   [`Frame`](crate::wire::Frame)s.
 //! - [`store`]: [`Store`](store::Store): the c10d-style key-value store.
 //! - [`device`]: [`DeviceBackend`](device::DeviceBackend): copies between host and devices.
+//! - [`process_group`]: [`ProcessGroup`](process_group::ProcessGroup): collectives among ranks.
 
 pub mod device;
+pub mod process_group;
 pub mod store;
 pub mod transport;

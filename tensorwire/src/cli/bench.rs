@@ -34,6 +34,12 @@ enum Bench {
     Transport(TransportArgs),
     /// The RPC agent between two processes on loopback against plain TCP sockets.
     Rpc(super::bench_rpc::RpcArgs),
+    /// Process-group collectives of local processes against raw TCP (see
+    /// `bench_collectives`).
+    Collectives(super::bench_collectives::CollectivesArgs),
+    /// One rank of `bench collectives` (started by it).
+    #[command(hide = true)]
+    CollectivesWorker(super::bench_collectives::WorkerArgs),
 }
 
 /// Transports `bench transport` knows.
@@ -76,6 +82,8 @@ pub(crate) fn run(args: Args) -> ExitCode {
     let result = match args.bench {
         Bench::Transport(a) => bench_transport(&a),
         Bench::Rpc(a) => super::bench_rpc::bench_rpc(&a),
+        Bench::Collectives(a) => super::bench_collectives::run(&a),
+        Bench::CollectivesWorker(a) => super::bench_collectives::worker(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,211 @@
+//! The `ProcessGroup` port: collectives among a fixed set of ranks.
+//!
+//! A process group is `size()` ranks that run the same collectives in the same order. Each
+//! collective works on bytes (tensors travel as their little-endian storage); typed helpers
+//! live with the implementations.
+//!
+//! # Contract
+//! - Every rank calls the same collectives, in the same order, with compatible arguments (the
+//!   same root, the same element type and count, the same buffer length for `broadcast`).
+//! - A collective either completes on this rank or fails with a [`ProcessGroupError`] that
+//!   names the rank(s) it was waiting on: [`Timeout`](ProcessGroupError::Timeout) after the
+//!   group's timeout, [`PeerDied`](ProcessGroupError::PeerDied) as soon as a peer's connection
+//!   breaks. It never hangs.
+//! - After a peer has died the group is broken: every later collective fails with the same
+//!   error, naming the dead rank.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::collective::{CollectiveError, ElementType, ReduceOp};
+
+/// Collectives among the ranks of a group.
+#[async_trait]
+pub trait ProcessGroup: Send + Sync {
+    /// This process's rank, in `0..size()`.
+    fn rank(&self) -> usize;
+
+    /// The number of ranks.
+    fn size(&self) -> usize;
+
+    /// Returns once every rank has entered the barrier.
+    async fn barrier(&self) -> Result<(), ProcessGroupError>;
+
+    /// Gathers one block of bytes from every rank (blocks may differ in length); the result
+    /// holds them in rank order.
+    async fn all_gather(&self, input: &[u8]) -> Result<Vec<Bytes>, ProcessGroupError>;
+
+    /// Copies `root`'s `data` into `data` on every other rank; every rank passes a buffer of
+    /// the same length.
+    async fn broadcast(&self, data: &mut [u8], root: usize) -> Result<(), ProcessGroupError>;
+
+    /// Reduces `data` (little-endian elements of `element`) element-wise across all ranks
+    /// with `op`; every rank ends with the same result, bit for bit.
+    async fn all_reduce(
+        &self,
+        data: &mut [u8],
+        element: ElementType,
+        op: ReduceOp,
+    ) -> Result<(), ProcessGroupError>;
+
+    /// Leaves the group cleanly: peers learn that this rank shut down (rather than died) and
+    /// later collectives here fail with [`ProcessGroupError::ShutDown`]. Call it before the
+    /// process exits, or peers still running a collective may see this rank as dead. The
+    /// default does nothing.
+    async fn shutdown(&self) {}
+}
+
+/// Why a collective (or setting up a group) failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProcessGroupError {
+    /// The collective did not complete within the group's timeout.
+    #[error(
+        "{collective} #{seq} on rank {rank} timed out after {timeout:?} waiting for rank(s) {}",
+        RankList(.waiting_on)
+    )]
+    Timeout {
+        /// The collective (`"barrier"`, `"all_gather"`, ...).
+        collective: &'static str,
+        /// Its sequence number in the group.
+        seq: u64,
+        /// This rank.
+        rank: usize,
+        /// The ranks whose messages had not arrived (or that had not taken ours).
+        waiting_on: Vec<usize>,
+        /// The timeout.
+        timeout: Duration,
+    },
+    /// A peer's connection broke without a clean shutdown: the process died or the network
+    /// failed. The group cannot be used any more.
+    #[error("rank {rank} died{}: {reason}", reported_by.map(|r| format!(" (reported by rank {r})")).unwrap_or_default())]
+    PeerDied {
+        /// The rank that died.
+        rank: usize,
+        /// Another rank that saw it die and told us, if we did not see it ourselves.
+        reported_by: Option<usize>,
+        /// What was seen (the transport error).
+        reason: String,
+    },
+    /// A peer shut its group down cleanly while this rank still expected messages from it.
+    #[error("rank {rank} left the group (shut down) while {collective} #{seq} still expected a message from it")]
+    PeerLeft {
+        /// The rank that left.
+        rank: usize,
+        /// The collective that needed it.
+        collective: &'static str,
+        /// Its sequence number.
+        seq: u64,
+    },
+    /// Ranks disagree about the collective: a message's kind or length does not match.
+    #[error("rank {peer} disagrees about {collective} #{seq}: {reason}")]
+    Mismatch {
+        /// The peer whose message did not fit.
+        peer: usize,
+        /// The collective this rank is running.
+        collective: &'static str,
+        /// Its sequence number.
+        seq: u64,
+        /// What did not match.
+        reason: String,
+    },
+    /// The arguments are invalid (rank out of range, buffer not whole elements, ...).
+    #[error("invalid {collective} arguments: {source}")]
+    Arguments {
+        /// The collective.
+        collective: &'static str,
+        /// What was wrong.
+        #[source]
+        source: CollectiveError,
+    },
+    /// Sending to a peer failed.
+    #[error("sending to rank {rank} failed: {reason}")]
+    Send {
+        /// The peer.
+        rank: usize,
+        /// The transport error.
+        reason: String,
+    },
+    /// Setting up the group failed (rendezvous, store, connections).
+    #[error("process group setup on rank {rank}: {reason}")]
+    Setup {
+        /// This rank.
+        rank: usize,
+        /// What failed.
+        reason: String,
+    },
+    /// The group was shut down on this rank.
+    #[error("the process group was shut down")]
+    ShutDown,
+    /// Encoding or decoding an object (`all_gather_object`) failed.
+    #[error("object from rank {rank} could not be {op}: {reason}")]
+    Object {
+        /// The rank whose object it is.
+        rank: usize,
+        /// `"encoded"` or `"decoded"`.
+        op: &'static str,
+        /// The serde error.
+        reason: String,
+    },
+}
+
+/// Displays ranks as `1, 3`, or `(none)`.
+struct RankList<'a>(&'a [usize]);
+
+impl std::fmt::Display for RankList<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("(none)");
+        }
+        for (i, rank) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{rank}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_the_ranks() {
+        let e = ProcessGroupError::Timeout {
+            collective: "barrier",
+            seq: 3,
+            rank: 0,
+            waiting_on: vec![2, 5],
+            timeout: Duration::from_secs(1),
+        };
+        assert_eq!(
+            e.to_string(),
+            "barrier #3 on rank 0 timed out after 1s waiting for rank(s) 2, 5"
+        );
+        let e = ProcessGroupError::PeerDied {
+            rank: 2,
+            reported_by: Some(1),
+            reason: "connection reset".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "rank 2 died (reported by rank 1): connection reset"
+        );
+        let e = ProcessGroupError::PeerDied {
+            rank: 4,
+            reported_by: None,
+            reason: "closed".into(),
+        };
+        assert_eq!(e.to_string(), "rank 4 died: closed");
+    }
+
+    #[test]
+    fn the_trait_is_object_safe() {
+        fn takes(_: Option<&dyn ProcessGroup>) {}
+        takes(None);
+    }
+}

@@ -1,0 +1,419 @@
+//! Process-group backends with `torch.distributed._dist2` semantics.
+//!
+//! - [`register_backend`]: names a [`ProcessGroupFactory`]; a name registered twice is an
+//!   error (`Backend NAME already registered`). The built-in backend over our transports is
+//!   registered as `tensorwire`, and as `gloo` so that code written for PyTorch's CPU backend
+//!   finds it.
+//! - [`new_group`]: `env://` rendezvous, then the named backend's factory with the store, the
+//!   rank, the world size, the timeout, the device and the options.
+//! - [`current_process_group`] and [`with_process_group`]: the group in scope. Async code uses
+//!   a tokio task-local (the scope follows the future, whatever thread polls it);
+//!   [`with_process_group_sync`] sets a thread-local for blocking code. Both restore the
+//!   previous group when the scope ends, also on panic.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use tensorwire_core::device::Device;
+//! use tensorwire_process_group::{current_process_group, new_group, with_process_group};
+//!
+//! // MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (and TENSORWIRE_SECRET) set by the launcher.
+//! let pg = new_group("tensorwire", Duration::from_secs(60), Device::Cpu, Vec::new()).await?;
+//! with_process_group(pg.clone(), async {
+//!     let pg = current_process_group().expect("in scope");
+//!     pg.barrier().await
+//! })
+//! .await?;
+//! // Leave cleanly before exiting, so peers still in a collective do not see a dead rank.
+//! pg.shutdown().await;
+//! # Ok(()) }
+//! ```
+
+use std::cell::RefCell;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tensorwire_core::device::Device;
+use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::store::Store;
+use tensorwire_core::registry::{ProcessGroupFactory, Registry, RegistryError, RegistryKind};
+use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
+
+use crate::env_init::env_rendezvous;
+use crate::group::{Group, GroupOptions};
+use crate::rendezvous::RendezvousError;
+
+/// Backend options: PyTorch's `**kwargs`, as name/value pairs.
+pub type BackendOptions = Vec<(String, String)>;
+
+/// A process-group factory as [`new_group`] calls it.
+pub type DynFactory = dyn ProcessGroupFactory<
+    Store = Arc<dyn Store>,
+    Group = Arc<dyn ProcessGroup>,
+    Options = BackendOptions,
+    Error = ProcessGroupError,
+>;
+
+/// The built-in backend's name.
+pub const TENSORWIRE_BACKEND: &str = "tensorwire";
+
+static BACKENDS: LazyLock<RwLock<Registry<DynFactory>>> = LazyLock::new(|| {
+    let mut registry = Registry::new(RegistryKind::ProcessGroup);
+    let builtin: Arc<DynFactory> = Arc::new(TensorwireFactory);
+    registry
+        .register(TENSORWIRE_BACKEND, builtin.clone())
+        .expect("empty registry");
+    registry.register("gloo", builtin).expect("distinct names");
+    RwLock::new(registry)
+});
+
+/// Registers a process-group backend under `name`.
+///
+/// # Errors
+/// [`RegistryError::AlreadyRegistered`] (`Backend NAME already registered`) when the name is
+/// taken.
+pub fn register_backend(name: &str, factory: Arc<DynFactory>) -> Result<(), RegistryError> {
+    BACKENDS
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .register(name, factory)
+}
+
+/// Whether a backend is registered under `name`.
+pub fn backend_registered(name: &str) -> bool {
+    BACKENDS
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .is_registered(name)
+}
+
+/// Why [`new_group`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NewGroupError {
+    /// The backend is not registered.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    /// The `env://` rendezvous failed.
+    #[error(transparent)]
+    Rendezvous(#[from] RendezvousError),
+    /// The backend's factory failed.
+    #[error(transparent)]
+    Backend(#[from] ProcessGroupError),
+}
+
+/// Creates a process group with the named backend: `env://` rendezvous (bounded by
+/// `timeout`), then the backend's factory. The group is not installed anywhere; use
+/// [`with_process_group`] to make it current.
+///
+/// # Errors
+/// [`NewGroupError`]: an unknown backend (checked first, as PyTorch does), a failed
+/// rendezvous, or the factory's error.
+pub async fn new_group(
+    backend: &str,
+    timeout: Duration,
+    device: Device,
+    options: BackendOptions,
+) -> Result<Arc<dyn ProcessGroup>, NewGroupError> {
+    let factory = BACKENDS
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(backend)?;
+    let rv = env_rendezvous(timeout).await?;
+    Ok(factory
+        .create(rv.store, rv.rank, rv.world_size, timeout, device, options)
+        .await?)
+}
+
+/// The built-in backend: a [`Group`] over the TCP transport.
+///
+/// Options: `group_name` (default: `tw<n>` for the n-th group this process creates, so all
+/// ranks must create their groups in the same order), `listen_ip` (default: the local address
+/// the route to `MASTER_ADDR` leaves from, else 127.0.0.1), `insecure=true` (run the transport
+/// without `TENSORWIRE_SECRET`). Any other option is refused. Only `cpu` is supported: the
+/// collectives work on host bytes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TensorwireFactory;
+
+static GROUP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The local IP that packets to `MASTER_ADDR` leave from (no packet is sent).
+fn route_ip() -> Option<IpAddr> {
+    let host = std::env::var("MASTER_ADDR").ok()?;
+    let target = std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), 9))
+        .ok()?
+        .next()?;
+    let bind: SocketAddr = match target {
+        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+        SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+    };
+    let socket = UdpSocket::bind(bind).ok()?;
+    socket.connect(target).ok()?;
+    Some(socket.local_addr().ok()?.ip())
+}
+
+#[async_trait]
+impl ProcessGroupFactory for TensorwireFactory {
+    type Store = Arc<dyn Store>;
+    type Group = Arc<dyn ProcessGroup>;
+    type Options = BackendOptions;
+    type Error = ProcessGroupError;
+
+    async fn create(
+        &self,
+        store: Arc<dyn Store>,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        device: Device,
+        options: BackendOptions,
+    ) -> Result<Arc<dyn ProcessGroup>, ProcessGroupError> {
+        let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
+        if device != Device::Cpu {
+            return Err(setup(format!(
+                "the tensorwire backend works on host memory; device {device} is not supported"
+            )));
+        }
+        let mut name = None;
+        let mut listen_ip = None;
+        let mut insecure = false;
+        for (key, value) in options {
+            match key.as_str() {
+                "group_name" => name = Some(value),
+                "listen_ip" => {
+                    listen_ip = Some(value.parse::<IpAddr>().map_err(|e| {
+                        setup(format!(
+                            "option listen_ip={value:?} is not an IP address ({e})"
+                        ))
+                    })?)
+                }
+                "insecure" => insecure = value == "true" || value == "1",
+                _ => return Err(setup(format!("Unknown option {key}"))),
+            }
+        }
+        let name =
+            name.unwrap_or_else(|| format!("tw{}", GROUP_COUNTER.fetch_add(1, Ordering::Relaxed)));
+        let ip = listen_ip
+            .or_else(route_ip)
+            .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let config = TcpConfig::resolve(None, insecure).map_err(|e| setup(e.to_string()))?;
+        let transport = Arc::new(TcpTransport::new(config).map_err(|e| setup(e.to_string()))?);
+        let options = GroupOptions::new(name)
+            .with_timeout(timeout)
+            .with_listen(SocketAddr::new(ip, 0));
+        let group = Group::connect(store, transport, rank, world_size, options).await?;
+        Ok(Arc::new(group))
+    }
+}
+
+tokio::task_local! {
+    static CURRENT: Arc<dyn ProcessGroup>;
+}
+
+thread_local! {
+    static THREAD_CURRENT: RefCell<Option<Arc<dyn ProcessGroup>>> = const { RefCell::new(None) };
+}
+
+/// The process group in scope: the innermost [`with_process_group`] of the running task, else
+/// the innermost [`with_process_group_sync`] of this thread, else `None`.
+pub fn current_process_group() -> Option<Arc<dyn ProcessGroup>> {
+    CURRENT
+        .try_with(Arc::clone)
+        .ok()
+        .or_else(|| THREAD_CURRENT.with(|c| c.borrow().clone()))
+}
+
+/// Runs `fut` with `pg` as the current process group; the previous one is current again once
+/// `fut` completes (or is dropped).
+pub async fn with_process_group<F: std::future::Future>(
+    pg: Arc<dyn ProcessGroup>,
+    fut: F,
+) -> F::Output {
+    CURRENT.scope(pg, fut).await
+}
+
+/// Runs `f` with `pg` as this thread's current process group, restoring the previous one
+/// afterwards, also when `f` panics.
+pub fn with_process_group_sync<R>(pg: Arc<dyn ProcessGroup>, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Arc<dyn ProcessGroup>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let previous = self.0.take();
+            THREAD_CURRENT.with(|c| *c.borrow_mut() = previous);
+        }
+    }
+    let previous = THREAD_CURRENT.with(|c| c.borrow_mut().replace(pg));
+    let _restore = Restore(previous);
+    f()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use tensorwire_core::collective::{ElementType, ReduceOp};
+
+    /// A group of one that only knows its rank, for scope tests.
+    struct Fake(usize);
+
+    #[async_trait]
+    impl ProcessGroup for Fake {
+        fn rank(&self) -> usize {
+            self.0
+        }
+        fn size(&self) -> usize {
+            1
+        }
+        async fn barrier(&self) -> Result<(), ProcessGroupError> {
+            Ok(())
+        }
+        async fn all_gather(&self, input: &[u8]) -> Result<Vec<Bytes>, ProcessGroupError> {
+            Ok(vec![Bytes::copy_from_slice(input)])
+        }
+        async fn broadcast(&self, _: &mut [u8], _: usize) -> Result<(), ProcessGroupError> {
+            Ok(())
+        }
+        async fn all_reduce(
+            &self,
+            _: &mut [u8],
+            _: ElementType,
+            _: ReduceOp,
+        ) -> Result<(), ProcessGroupError> {
+            Ok(())
+        }
+    }
+
+    struct FakeFactory;
+
+    #[async_trait]
+    impl ProcessGroupFactory for FakeFactory {
+        type Store = Arc<dyn Store>;
+        type Group = Arc<dyn ProcessGroup>;
+        type Options = BackendOptions;
+        type Error = ProcessGroupError;
+        async fn create(
+            &self,
+            _: Arc<dyn Store>,
+            rank: usize,
+            _: usize,
+            _: Duration,
+            _: Device,
+            _: BackendOptions,
+        ) -> Result<Arc<dyn ProcessGroup>, ProcessGroupError> {
+            Ok(Arc::new(Fake(rank)))
+        }
+    }
+
+    fn rank_of_current() -> Option<usize> {
+        current_process_group().map(|pg| pg.rank())
+    }
+
+    #[test]
+    fn builtin_backends_are_registered_and_names_are_taken_once() {
+        assert!(backend_registered("tensorwire"));
+        assert!(backend_registered("gloo"));
+        register_backend("fake-once", Arc::new(FakeFactory)).unwrap();
+        let err = register_backend("fake-once", Arc::new(FakeFactory)).unwrap_err();
+        assert_eq!(err.to_string(), "Backend fake-once already registered");
+        let err = register_backend("tensorwire", Arc::new(FakeFactory)).unwrap_err();
+        assert_eq!(err.to_string(), "Backend tensorwire already registered");
+    }
+
+    #[tokio::test]
+    async fn an_unknown_backend_is_refused_before_the_rendezvous() {
+        let err = new_group("nccl-ish", Duration::from_secs(1), Device::Cpu, Vec::new())
+            .await
+            .err()
+            .expect("unknown backend");
+        assert!(
+            err.to_string()
+                .starts_with("Backend nccl-ish not registered"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_builtin_factory_refuses_unknown_options_and_devices() {
+        let store: Arc<dyn Store> = Arc::new(crate::InMemoryStore::new());
+        let options = vec![("bogus".to_owned(), "1".to_owned())];
+        let err = TensorwireFactory
+            .create(
+                store.clone(),
+                0,
+                1,
+                Duration::from_secs(1),
+                Device::Cpu,
+                options,
+            )
+            .await
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("Unknown option bogus"), "{err}");
+        let err = TensorwireFactory
+            .create(
+                store.clone(),
+                0,
+                1,
+                Duration::from_secs(1),
+                Device::Cuda(0),
+                Vec::new(),
+            )
+            .await
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("cuda:0"), "{err}");
+        // A group of one works without any peer.
+        let options = vec![("insecure".to_owned(), "true".to_owned())];
+        let pg = TensorwireFactory
+            .create(store, 0, 1, Duration::from_secs(5), Device::Cpu, options)
+            .await
+            .unwrap();
+        pg.barrier().await.unwrap();
+        assert_eq!(
+            pg.all_gather(b"x").await.unwrap(),
+            [Bytes::from_static(b"x")]
+        );
+    }
+
+    #[tokio::test]
+    async fn task_scopes_nest_and_restore() {
+        assert_eq!(rank_of_current(), None);
+        let outer: Arc<dyn ProcessGroup> = Arc::new(Fake(1));
+        let inner: Arc<dyn ProcessGroup> = Arc::new(Fake(2));
+        with_process_group(outer, async {
+            assert_eq!(rank_of_current(), Some(1));
+            with_process_group(inner, async {
+                tokio::task::yield_now().await;
+                assert_eq!(rank_of_current(), Some(2));
+            })
+            .await;
+            assert_eq!(rank_of_current(), Some(1));
+            // A spawned task does not inherit the scope: it is a different task.
+            let seen = tokio::spawn(async { rank_of_current() }).await.unwrap();
+            assert_eq!(seen, None);
+        })
+        .await;
+        assert_eq!(rank_of_current(), None);
+    }
+
+    #[test]
+    fn thread_scopes_restore_even_on_panic() {
+        let a: Arc<dyn ProcessGroup> = Arc::new(Fake(5));
+        let b: Arc<dyn ProcessGroup> = Arc::new(Fake(6));
+        with_process_group_sync(a, || {
+            assert_eq!(rank_of_current(), Some(5));
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                with_process_group_sync(b, || {
+                    assert_eq!(rank_of_current(), Some(6));
+                    panic!("boom");
+                })
+            }));
+            assert!(caught.is_err());
+            assert_eq!(rank_of_current(), Some(5));
+        });
+        assert_eq!(rank_of_current(), None);
+    }
+}

@@ -1,0 +1,700 @@
+//! The mesh: one authenticated connection between every pair of ranks, with a reader task per
+//! connection that sorts incoming messages by (peer, collective sequence number).
+//!
+//! # Setting up
+//! Every rank listens on an ephemeral port and publishes `ip:port` in the store under
+//! `tensorwire/pg/<group>/addr/<rank>`. The higher rank of each pair connects to the lower one
+//! and sends a hello frame (group name, its rank, the world size) first; the lower rank accepts
+//! exactly the ranks above it and refuses connections with a wrong or duplicate hello (logged,
+//! without stopping the setup). Setup is bounded by the group's timeout.
+//!
+//! # Frames
+//! - Collective messages are [`FrameKind::Message`](tensorwire_core::wire::FrameKind) frames:
+//!   a 9-byte header (sequence number `u64` LE, collective kind `u8`) and at most one payload.
+//! - Control frames carry a postcard `Control` value: the hello, a clean goodbye, and an abort
+//!   that tells the others which rank was seen dying.
+//!
+//! # Failures
+//! A connection that ends without a goodbye means the peer died: the mesh is then *broken*,
+//! every waiting and later collective fails with [`ProcessGroupError::PeerDied`] naming that
+//! rank, and the other peers are told (abort frame) in case they cannot see it themselves. A
+//! connection that ends after a goodbye only fails the collectives that still expect that
+//! peer's messages.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+use tensorwire_core::ports::process_group::ProcessGroupError;
+use tensorwire_core::ports::store::Store;
+use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::wire::{Frame, FrameKind};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+/// Length of a collective message's header.
+const DATA_HEADER_LEN: usize = 9;
+/// How long a dying mesh tries to tell each other peer which rank died.
+const ABORT_SEND_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The store key under which `rank` of `group` publishes its address.
+pub fn address_key(group: &str, rank: usize) -> String {
+    format!("tensorwire/pg/{group}/addr/{rank}")
+}
+
+/// Control messages between the meshes of two ranks (postcard-encoded frame headers).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Control {
+    /// The first frame on a connection, from the connecting (higher) rank.
+    Hello {
+        /// The group's name.
+        group: String,
+        /// The sender's rank.
+        rank: u32,
+        /// The sender's world size.
+        world: u32,
+    },
+    /// The sender shuts its group down cleanly; no more messages follow.
+    Goodbye,
+    /// The sender saw `rank` die.
+    Abort {
+        /// The rank that died.
+        rank: u32,
+        /// What the sender saw.
+        reason: String,
+    },
+}
+
+impl Control {
+    fn frame(&self) -> Frame {
+        let header = postcard::to_allocvec(self).expect("control messages always encode");
+        Frame::control(header, Vec::new())
+    }
+}
+
+/// One collective message as it arrived.
+#[derive(Debug)]
+pub(crate) struct Incoming {
+    /// The collective kind the sender ran.
+    pub(crate) kind: u8,
+    /// The message bytes.
+    pub(crate) payload: Bytes,
+}
+
+/// Whether a peer's connection is still delivering.
+#[derive(Debug, Clone)]
+enum PeerStatus {
+    Open,
+    /// The peer said goodbye.
+    Left,
+    /// The connection broke.
+    Dead,
+}
+
+/// Messages of one collective from one peer, and the executor waiting for them.
+#[derive(Default)]
+struct Slot {
+    queue: VecDeque<Incoming>,
+    waker: Option<Waker>,
+}
+
+struct InboxState {
+    slots: HashMap<u64, Slot>,
+    status: PeerStatus,
+}
+
+/// Messages from one peer, sorted by sequence number.
+struct Inbox {
+    state: Mutex<InboxState>,
+}
+
+impl Inbox {
+    fn new() -> Self {
+        Inbox {
+            state: Mutex::new(InboxState {
+                slots: HashMap::new(),
+                status: PeerStatus::Open,
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, InboxState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn push(&self, seq: u64, message: Incoming) {
+        let waker = {
+            let mut state = self.lock();
+            let slot = state.slots.entry(seq).or_default();
+            slot.queue.push_back(message);
+            slot.waker.take()
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    /// The next message of collective `seq`: `Ready(None)` once the peer's connection has
+    /// ended and everything that arrived before has been taken.
+    fn poll_recv(&self, seq: u64, cx: &mut Context<'_>) -> Poll<Option<Incoming>> {
+        let mut state = self.lock();
+        let open = matches!(state.status, PeerStatus::Open);
+        let slot = state.slots.entry(seq).or_default();
+        if let Some(m) = slot.queue.pop_front() {
+            return Poll::Ready(Some(m));
+        }
+        if !open {
+            return Poll::Ready(None);
+        }
+        slot.waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    fn has_message(&self, seq: u64) -> bool {
+        self.lock()
+            .slots
+            .get(&seq)
+            .is_some_and(|s| !s.queue.is_empty())
+    }
+
+    fn release(&self, seq: u64) {
+        self.lock().slots.remove(&seq);
+    }
+
+    /// Ends delivery: receivers drain what arrived, then see the end.
+    fn close(&self, status: PeerStatus) {
+        let wakers: Vec<Waker> = {
+            let mut state = self.lock();
+            if matches!(state.status, PeerStatus::Open) {
+                state.status = status;
+            }
+            state
+                .slots
+                .values_mut()
+                .filter_map(|s| s.waker.take())
+                .collect()
+        };
+        for w in wakers {
+            w.wake();
+        }
+    }
+
+    fn status(&self) -> PeerStatus {
+        self.lock().status.clone()
+    }
+}
+
+struct PeerLink {
+    conn: Arc<dyn Connection>,
+    inbox: Inbox,
+}
+
+struct Shared {
+    rank: usize,
+    /// One entry per rank; `None` for this rank.
+    peers: Vec<Option<PeerLink>>,
+    /// Set once, to the first failure that broke the mesh.
+    failure: std::sync::OnceLock<ProcessGroupError>,
+}
+
+impl Shared {
+    fn peer(&self, rank: usize) -> Option<&PeerLink> {
+        self.peers.get(rank).and_then(Option::as_ref)
+    }
+
+    /// Records the first failure and ends delivery from every peer, so that every waiting
+    /// collective wakes and reports it; returns whether this call set it.
+    fn fail(&self, error: ProcessGroupError) -> bool {
+        let first = self.failure.set(error).is_ok();
+        for link in self.peers.iter().flatten() {
+            link.inbox.close(PeerStatus::Dead);
+        }
+        first
+    }
+}
+
+/// A fully connected set of ranks.
+pub(crate) struct Mesh {
+    shared: Arc<Shared>,
+    world: usize,
+    readers: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mesh")
+            .field("rank", &self.shared.rank)
+            .field("world", &self.world)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        for reader in &self.readers {
+            reader.abort();
+        }
+    }
+}
+
+/// What setting up a mesh needs.
+pub(crate) struct MeshSetup<'a> {
+    pub(crate) store: &'a dyn Store,
+    pub(crate) transport: &'a dyn Transport,
+    pub(crate) group: &'a str,
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+    /// Where to listen (port 0 for an ephemeral port); its IP is what peers are told.
+    pub(crate) listen: SocketAddr,
+    pub(crate) timeout: Duration,
+}
+
+impl Mesh {
+    /// Listens, publishes the address, connects to the lower ranks and accepts the higher ones.
+    pub(crate) async fn connect(setup: MeshSetup<'_>) -> Result<Mesh, ProcessGroupError> {
+        let MeshSetup {
+            store,
+            transport,
+            group,
+            rank,
+            world,
+            listen,
+            timeout,
+        } = setup;
+        let setup_err = |reason: String| ProcessGroupError::Setup { rank, reason };
+        if rank >= world {
+            return Err(setup_err(format!(
+                "rank {rank} is out of range for a world of {world} ranks"
+            )));
+        }
+        let deadline = Instant::now() + timeout;
+        let listener = transport
+            .listen(listen)
+            .await
+            .map_err(|e| setup_err(format!("cannot listen on {listen}: {e}")))?;
+        let local = listener.local_addr();
+        store
+            .set(&address_key(group, rank), local.to_string().as_bytes())
+            .await
+            .map_err(|e| setup_err(format!("cannot publish this rank's address: {e}")))?;
+        debug!(group, rank, world, %local, "mesh listening");
+
+        let mut conns: Vec<Option<Arc<dyn Connection>>> = (0..world).map(|_| None).collect();
+
+        let accept = async {
+            let mut accepted: Vec<(usize, Arc<dyn Connection>)> = Vec::new();
+            let mut have = vec![false; world];
+            while accepted.len() < world - 1 - rank {
+                let conn = tokio::time::timeout_at(deadline, listener.accept())
+                    .await
+                    .map_err(|_| {
+                        let missing: Vec<String> = (rank + 1..world)
+                            .filter(|r| !have[*r])
+                            .map(|r| r.to_string())
+                            .collect();
+                        setup_err(format!(
+                            "timed out after {timeout:?} waiting for rank(s) {} to connect",
+                            missing.join(", ")
+                        ))
+                    })?
+                    .map_err(|e| setup_err(format!("listener on {local} failed: {e}")))?;
+                let conn: Arc<dyn Connection> = Arc::from(conn);
+                let peer_addr = conn.peer_addr();
+                let hello = tokio::time::timeout_at(deadline, conn.recv()).await;
+                let from = match hello {
+                    Ok(Ok(frame)) if frame.kind == FrameKind::Control => {
+                        match postcard::from_bytes::<Control>(&frame.header) {
+                            Ok(Control::Hello {
+                                group: g,
+                                rank: r,
+                                world: w,
+                            }) if g == group
+                                && w as usize == world
+                                && (r as usize) > rank
+                                && (r as usize) < world
+                                && !have[r as usize] =>
+                            {
+                                r as usize
+                            }
+                            other => {
+                                warn!(group, rank, %peer_addr, hello = ?other, "refused a mesh connection with an unexpected hello");
+                                continue;
+                            }
+                        }
+                    }
+                    other => {
+                        warn!(group, rank, %peer_addr, first = ?other.map(|r| r.map(|f| f.kind)), "refused a mesh connection that sent no hello");
+                        continue;
+                    }
+                };
+                have[from] = true;
+                accepted.push((from, conn));
+            }
+            Ok::<_, ProcessGroupError>(accepted)
+        };
+
+        let connect = async {
+            let mut connected: Vec<(usize, Arc<dyn Connection>)> = Vec::new();
+            if rank == 0 {
+                return Ok(connected);
+            }
+            let keys: Vec<String> = (0..rank).map(|r| address_key(group, r)).collect();
+            let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            store.wait(&key_refs, remaining).await.map_err(|e| {
+                setup_err(format!("waiting for the addresses of the lower ranks: {e}"))
+            })?;
+            let values = store
+                .multi_get(&key_refs)
+                .await
+                .map_err(|e| setup_err(format!("reading the addresses of the lower ranks: {e}")))?;
+            let hello = Control::Hello {
+                group: group.to_owned(),
+                rank: rank as u32,
+                world: world as u32,
+            };
+            for (peer, value) in values.iter().enumerate() {
+                let text = String::from_utf8_lossy(value);
+                let addr: SocketAddr = text.parse().map_err(|e| {
+                    setup_err(format!(
+                        "rank {peer} published the address {text:?}, which is not ip:port ({e})"
+                    ))
+                })?;
+                let conn = tokio::time::timeout_at(deadline, transport.connect(addr))
+                    .await
+                    .map_err(|_| {
+                        setup_err(format!(
+                            "timed out connecting to rank {peer} at {addr} after {timeout:?}"
+                        ))
+                    })?
+                    .map_err(|e| {
+                        setup_err(format!("cannot connect to rank {peer} at {addr}: {e}"))
+                    })?;
+                let conn: Arc<dyn Connection> = Arc::from(conn);
+                tokio::time::timeout_at(deadline, conn.send(hello.frame()))
+                    .await
+                    .map_err(|_| setup_err(format!("timed out greeting rank {peer} at {addr}")))?
+                    .map_err(|e| setup_err(format!("cannot greet rank {peer} at {addr}: {e}")))?;
+                connected.push((peer, conn));
+            }
+            Ok(connected)
+        };
+
+        let (accepted, connected) = tokio::try_join!(accept, connect)?;
+        drop(listener);
+        for (peer, conn) in accepted.into_iter().chain(connected) {
+            conns[peer] = Some(conn);
+        }
+        let failure = std::sync::OnceLock::new();
+        let shared = Arc::new(Shared {
+            rank,
+            peers: conns
+                .into_iter()
+                .map(|c| {
+                    c.map(|conn| PeerLink {
+                        conn,
+                        inbox: Inbox::new(),
+                    })
+                })
+                .collect(),
+            failure,
+        });
+        let readers = (0..world)
+            .filter(|peer| *peer != rank)
+            .map(|peer| tokio::spawn(read_loop(shared.clone(), peer)))
+            .collect();
+        debug!(group, rank, world, "mesh connected");
+        Ok(Mesh {
+            shared,
+            world,
+            readers,
+        })
+    }
+
+    /// This rank.
+    pub(crate) fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    /// The number of ranks.
+    pub(crate) fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The failure that broke the mesh, if any.
+    pub(crate) fn broken(&self) -> Option<ProcessGroupError> {
+        self.shared.failure.get().cloned()
+    }
+
+    /// Breaks the mesh with `error` (kept only if it is the first failure).
+    pub(crate) fn fail(&self, error: ProcessGroupError) {
+        self.shared.fail(error);
+    }
+
+    /// Receives `peer`'s next message of collective `seq` (`None`: its connection ended).
+    pub(crate) async fn recv(&self, peer: usize, seq: u64) -> Option<Incoming> {
+        let link = self.shared.peer(peer)?;
+        std::future::poll_fn(|cx| link.inbox.poll_recv(seq, cx)).await
+    }
+
+    /// Whether a message of collective `seq` from `peer` is waiting.
+    pub(crate) fn has_message(&self, peer: usize, seq: u64) -> bool {
+        self.shared
+            .peer(peer)
+            .is_some_and(|l| l.inbox.has_message(seq))
+    }
+
+    /// Forgets `peer`'s messages of collective `seq`.
+    pub(crate) fn release(&self, peer: usize, seq: u64) {
+        if let Some(link) = self.shared.peer(peer) {
+            link.inbox.release(seq);
+        }
+    }
+
+    /// The error for a receive from `peer` that found the channel closed.
+    pub(crate) fn closed_error(
+        &self,
+        peer: usize,
+        collective: &'static str,
+        seq: u64,
+    ) -> ProcessGroupError {
+        if let Some(e) = self.broken() {
+            return e;
+        }
+        match self.shared.peer(peer).map(|l| l.inbox.status()) {
+            Some(PeerStatus::Left) => ProcessGroupError::PeerLeft {
+                rank: peer,
+                collective,
+                seq,
+            },
+            _ => ProcessGroupError::PeerDied {
+                rank: peer,
+                reported_by: None,
+                reason: "its connection closed".to_owned(),
+            },
+        }
+    }
+
+    /// Sends one collective message to `peer`.
+    pub(crate) async fn send(
+        &self,
+        peer: usize,
+        seq: u64,
+        kind: u8,
+        payload: Bytes,
+    ) -> Result<(), ProcessGroupError> {
+        let link = self.shared.peer(peer).ok_or(ProcessGroupError::Send {
+            rank: peer,
+            reason: "no connection to that rank".to_owned(),
+        })?;
+        let mut header = BytesMut::with_capacity(DATA_HEADER_LEN);
+        header.put_u64_le(seq);
+        header.put_u8(kind);
+        let payloads = if payload.is_empty() {
+            Vec::new()
+        } else {
+            vec![payload]
+        };
+        link.conn
+            .send(Frame::message(header.freeze(), payloads))
+            .await
+            .map_err(|e| {
+                self.broken().unwrap_or_else(|| ProcessGroupError::Send {
+                    rank: peer,
+                    reason: e.to_string(),
+                })
+            })
+    }
+
+    /// Says goodbye to every peer and closes the connections; collectives fail afterwards.
+    pub(crate) async fn shutdown(&self, timeout: Duration) {
+        self.shared.fail(ProcessGroupError::ShutDown);
+        let shared = &self.shared;
+        let goodbyes = shared.peers.iter().flatten().map(|link| async move {
+            let _ = tokio::time::timeout(timeout, async {
+                let _ = link.conn.send(Control::Goodbye.frame()).await;
+                let _ = link.conn.close().await;
+            })
+            .await;
+        });
+        for goodbye in goodbyes {
+            goodbye.await;
+        }
+        for reader in &self.readers {
+            reader.abort();
+        }
+    }
+}
+
+fn parse_data_header(header: &[u8]) -> Option<(u64, u8)> {
+    if header.len() != DATA_HEADER_LEN {
+        return None;
+    }
+    let seq = u64::from_le_bytes(header[..8].try_into().ok()?);
+    Some((seq, header[8]))
+}
+
+/// Joins a frame's payloads into one message (a sender sends at most one).
+fn message_bytes(payloads: Vec<Bytes>) -> Bytes {
+    match payloads.len() {
+        0 => Bytes::new(),
+        1 => payloads.into_iter().next().unwrap_or_default(),
+        _ => {
+            let mut all = BytesMut::with_capacity(payloads.iter().map(Bytes::len).sum());
+            for p in payloads {
+                all.extend_from_slice(&p);
+            }
+            all.freeze()
+        }
+    }
+}
+
+/// Reads `peer`'s connection until it ends, filing messages by sequence number.
+async fn read_loop(shared: Arc<Shared>, peer: usize) {
+    let Some(link) = shared.peer(peer) else {
+        return;
+    };
+    let rank = shared.rank;
+    let reason = loop {
+        match link.conn.recv().await {
+            Ok(frame) if frame.kind == FrameKind::Message => {
+                let Some((seq, kind)) = parse_data_header(&frame.header) else {
+                    break format!(
+                        "it sent a collective message with a malformed {}-byte header",
+                        frame.header.len()
+                    );
+                };
+                link.inbox.push(
+                    seq,
+                    Incoming {
+                        kind,
+                        payload: message_bytes(frame.payloads),
+                    },
+                );
+            }
+            Ok(frame) => match postcard::from_bytes::<Control>(&frame.header) {
+                Ok(Control::Goodbye) => {
+                    debug!(rank, peer, "peer said goodbye");
+                    link.inbox.close(PeerStatus::Left);
+                    return;
+                }
+                Ok(Control::Abort { rank: dead, reason }) => {
+                    let dead = dead as usize;
+                    warn!(rank, peer, dead, %reason, "peer reports a dead rank");
+                    shared.fail(ProcessGroupError::PeerDied {
+                        rank: dead,
+                        reported_by: Some(peer),
+                        reason,
+                    });
+                    // Wake the collectives waiting on this rank: the mesh is broken.
+                    for other in shared.peers.iter().flatten() {
+                        other.inbox.close(PeerStatus::Dead);
+                    }
+                }
+                Ok(Control::Hello { .. }) => {
+                    break "it sent a second hello on an established connection".to_owned()
+                }
+                Err(e) => break format!("it sent a malformed control frame ({e})"),
+            },
+            Err(e) => break e.to_string(),
+        }
+    };
+    if matches!(link.inbox.status(), PeerStatus::Left) {
+        return;
+    }
+    warn!(rank, peer, %reason, "rank died");
+    link.inbox.close(PeerStatus::Dead);
+    let first = shared.fail(ProcessGroupError::PeerDied {
+        rank: peer,
+        reported_by: None,
+        reason: reason.clone(),
+    });
+    for other in shared.peers.iter().flatten() {
+        other.inbox.close(PeerStatus::Dead);
+    }
+    if first {
+        // Tell the others, in case they cannot see it (a half-open connection elsewhere).
+        let abort = Control::Abort {
+            rank: peer as u32,
+            reason,
+        };
+        for (other, link) in shared.peers.iter().enumerate() {
+            let Some(link) = link else { continue };
+            if other == peer || matches!(link.inbox.status(), PeerStatus::Left) {
+                continue;
+            }
+            let _ = tokio::time::timeout(ABORT_SEND_TIMEOUT, link.conn.send(abort.frame())).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_messages_round_trip() {
+        for c in [
+            Control::Hello {
+                group: "g".into(),
+                rank: 3,
+                world: 8,
+            },
+            Control::Goodbye,
+            Control::Abort {
+                rank: 2,
+                reason: "reset".into(),
+            },
+        ] {
+            let frame = c.frame();
+            assert_eq!(frame.kind, FrameKind::Control);
+            assert_eq!(postcard::from_bytes::<Control>(&frame.header).unwrap(), c);
+        }
+    }
+
+    #[test]
+    fn data_headers_are_checked() {
+        let mut h = BytesMut::new();
+        h.put_u64_le(77);
+        h.put_u8(4);
+        assert_eq!(parse_data_header(&h), Some((77, 4)));
+        assert_eq!(parse_data_header(&h[..8]), None);
+        assert_eq!(parse_data_header(b""), None);
+    }
+
+    #[test]
+    fn inbox_delivers_then_reports_the_end() {
+        let inbox = Inbox::new();
+        let mut cx = Context::from_waker(Waker::noop());
+        inbox.push(
+            1,
+            Incoming {
+                kind: 0,
+                payload: Bytes::from_static(b"a"),
+            },
+        );
+        assert!(inbox.has_message(1));
+        assert!(!inbox.has_message(2));
+        assert!(inbox.poll_recv(2, &mut cx).is_pending());
+        inbox.close(PeerStatus::Left);
+        match inbox.poll_recv(1, &mut cx) {
+            Poll::Ready(Some(m)) => assert_eq!(&m.payload[..], b"a"),
+            other => panic!(
+                "expected the queued message, got {:?}",
+                other.map(|m| m.is_some())
+            ),
+        }
+        assert!(matches!(inbox.poll_recv(1, &mut cx), Poll::Ready(None)));
+        assert!(matches!(inbox.poll_recv(2, &mut cx), Poll::Ready(None)));
+        // Slots made after the end are closed from the start.
+        assert!(matches!(inbox.poll_recv(3, &mut cx), Poll::Ready(None)));
+        assert!(matches!(inbox.status(), PeerStatus::Left));
+        inbox.release(1);
+        assert!(!inbox.has_message(1));
+    }
+}

@@ -1,0 +1,411 @@
+//! Collectives of several ranks in one process, over real loopback TCP connections.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tensorwire_core::collective::{ElementType, ReduceOp};
+use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::store::Store;
+use tensorwire_process_group::{CollectivesExt, Group, GroupOptions, InMemoryStore};
+use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};
+
+/// Every test finishes well within this, or fails.
+const TEST_BOUND: Duration = Duration::from_secs(60);
+
+fn transport() -> Arc<TcpTransport> {
+    let secret = ClusterSecret::new(b"loopback test secret".to_vec()).unwrap();
+    Arc::new(TcpTransport::new(TcpConfig::new(secret)).unwrap())
+}
+
+/// Sets up `world` ranks sharing one in-memory store.
+async fn groups(world: usize, name: &str, timeout: Duration) -> Vec<Group> {
+    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+    let transport = transport();
+    let mut tasks = Vec::new();
+    for rank in 0..world {
+        let store = store.clone();
+        let transport = transport.clone();
+        let options = GroupOptions::new(name).with_timeout(timeout);
+        tasks.push(tokio::spawn(async move {
+            Group::connect(store, transport, rank, world, options).await
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap().unwrap());
+    }
+    out
+}
+
+/// Runs `f` on every rank concurrently and returns the results in rank order.
+async fn on_all<F, Fut, T>(groups: &[Group], f: F) -> Vec<T>
+where
+    F: Fn(Group) -> Fut,
+    Fut: Future<Output = T> + Send + 'static,
+    T: Send + 'static,
+{
+    let tasks: Vec<_> = groups.iter().map(|g| tokio::spawn(f(g.clone()))).collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+fn block(rank: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (rank * 31 + i * 7) as u8).collect()
+}
+
+async fn bounded<T>(f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(TEST_BOUND, f)
+        .await
+        .expect("test took too long")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_collective_gives_the_right_result_for_several_world_sizes() {
+    bounded(async {
+        for world in [1usize, 2, 3, 4, 5, 8] {
+            let gs = groups(world, &format!("sizes{world}"), Duration::from_secs(20)).await;
+            for (r, g) in gs.iter().enumerate() {
+                assert_eq!((g.rank(), g.size()), (r, world));
+            }
+            on_all(&gs, |g| async move { g.barrier().await.unwrap() }).await;
+
+            // all_gather: small (doubling/Bruck) and large (ring) blocks.
+            for len in [0usize, 1, 8, 40_000, 300_000] {
+                let results = on_all(&gs, move |g| async move {
+                    g.all_gather(&block(g.rank(), len)).await.unwrap()
+                })
+                .await;
+                for got in results {
+                    assert_eq!(got.len(), world);
+                    for (peer, b) in got.iter().enumerate() {
+                        assert_eq!(&b[..], &block(peer, len)[..], "world {world} len {len}");
+                    }
+                }
+            }
+
+            // broadcast from every root.
+            for root in 0..world {
+                for len in [0usize, 5, 200_000] {
+                    let results = on_all(&gs, move |g| async move {
+                        let mut data = if g.rank() == root {
+                            block(root, len)
+                        } else {
+                            vec![0u8; len]
+                        };
+                        g.broadcast(&mut data, root).await.unwrap();
+                        data
+                    })
+                    .await;
+                    for got in results {
+                        assert_eq!(got, block(root, len), "world {world} root {root}");
+                    }
+                }
+            }
+
+            // all_reduce: small (recursive doubling) and large (ring) i64 sums.
+            for count in [1usize, 3, 100, 70_000] {
+                let results = on_all(&gs, move |g| async move {
+                    let mut xs: Vec<i64> = (0..count)
+                        .map(|i| (i as i64) * 10 + g.rank() as i64)
+                        .collect();
+                    g.all_reduce_typed(&mut xs, ReduceOp::Sum).await.unwrap();
+                    xs
+                })
+                .await;
+                let ranks: i64 = (0..world as i64).sum();
+                let want: Vec<i64> = (0..count)
+                    .map(|i| (i as i64) * 10 * world as i64 + ranks)
+                    .collect();
+                for got in results {
+                    assert_eq!(got, want, "world {world} count {count}");
+                }
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_reduce_every_op_and_type() {
+    bounded(async {
+        let world = 3;
+        let gs = groups(world, "ops", Duration::from_secs(20)).await;
+        for count in [4usize, 100_000] {
+            for op in ReduceOp::ALL {
+                let results = on_all(&gs, move |g| async move {
+                    let r = g.rank();
+                    let v = |i: usize| ((i % 5) + r + 1) as i64;
+                    let mut a: Vec<f32> = (0..count).map(|i| v(i) as f32).collect();
+                    let mut b: Vec<f64> = (0..count).map(|i| v(i) as f64).collect();
+                    let mut c: Vec<i32> = (0..count).map(|i| v(i) as i32).collect();
+                    let mut d: Vec<i64> = (0..count).map(v).collect();
+                    g.all_reduce_typed(&mut a, op).await.unwrap();
+                    g.all_reduce_typed(&mut b, op).await.unwrap();
+                    g.all_reduce_typed(&mut c, op).await.unwrap();
+                    g.all_reduce_typed(&mut d, op).await.unwrap();
+                    (a, b, c, d)
+                })
+                .await;
+                let want: Vec<i64> = (0..count)
+                    .map(|i| {
+                        let vals = (0..world).map(|r| ((i % 5) + r + 1) as i64);
+                        match op {
+                            ReduceOp::Sum => vals.sum(),
+                            ReduceOp::Product => vals.product(),
+                            ReduceOp::Min => vals.min().unwrap(),
+                            ReduceOp::Max => vals.max().unwrap(),
+                        }
+                    })
+                    .collect();
+                for (a, b, c, d) in results {
+                    assert!(
+                        a.iter().zip(&want).all(|(x, w)| *x == *w as f32),
+                        "{op} f32"
+                    );
+                    assert!(
+                        b.iter().zip(&want).all(|(x, w)| *x == *w as f64),
+                        "{op} f64"
+                    );
+                    assert!(
+                        c.iter().zip(&want).all(|(x, w)| *x as i64 == *w),
+                        "{op} i32"
+                    );
+                    assert_eq!(d, want, "{op} i64");
+                }
+            }
+        }
+        // A byte buffer that is not whole elements is refused before anything is sent.
+        let err = gs[0]
+            .all_reduce(&mut [0u8; 6], ElementType::F32, ReduceOp::Sum)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ProcessGroupError::Arguments { .. }), "{err}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn float_sums_are_bitwise_identical_on_every_rank() {
+    bounded(async {
+        let gs = groups(5, "floats", Duration::from_secs(20)).await;
+        for count in [7usize, 100_000] {
+            let results = on_all(&gs, move |g| async move {
+                let r = g.rank() as f32;
+                let mut xs: Vec<f32> = (0..count).map(|i| 0.1 * i as f32 + r / 3.0).collect();
+                g.all_reduce_typed(&mut xs, ReduceOp::Sum).await.unwrap();
+                xs.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            })
+            .await;
+            for got in &results[1..] {
+                assert_eq!(got, &results[0]);
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn variable_blocks_and_objects() {
+    bounded(async {
+        let gs = groups(4, "objects", Duration::from_secs(20)).await;
+        let results = on_all(&gs, |g| async move {
+            let r = g.rank();
+            let blocks = g.all_gather(&block(r, r * 1000)).await.unwrap();
+            // Around the inline limit: all inline, and one rank just over it.
+            let limit = tensorwire_process_group::INLINE_GATHER_BYTES;
+            let inline = g.all_gather(&block(r, limit - r)).await.unwrap();
+            for (p, b) in inline.iter().enumerate() {
+                assert_eq!(&b[..], &block(p, limit - p)[..]);
+            }
+            let over = g
+                .all_gather(&block(r, limit + usize::from(r == 3)))
+                .await
+                .unwrap();
+            for (p, b) in over.iter().enumerate() {
+                assert_eq!(&b[..], &block(p, limit + usize::from(p == 3))[..]);
+            }
+            let names: Vec<String> = g.all_gather_object(&format!("worker{r}")).await.unwrap();
+            let config: Vec<u32> = g
+                .broadcast_object((r == 2).then_some(&vec![7u32, 8, 9]), 2)
+                .await
+                .unwrap();
+            (blocks, names, config)
+        })
+        .await;
+        for (blocks, names, config) in results {
+            let want: Vec<Bytes> = (0..4).map(|p| Bytes::from(block(p, p * 1000))).collect();
+            assert_eq!(blocks, want);
+            assert_eq!(names, ["worker0", "worker1", "worker2", "worker3"]);
+            assert_eq!(config, [7, 8, 9]);
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_collectives_in_flight_at_once() {
+    bounded(async {
+        let gs = groups(4, "inflight", Duration::from_secs(20)).await;
+        let results = on_all(&gs, |g| async move {
+            let r = g.rank();
+            let mut xs = vec![r as i64; 1000];
+            let mut ys = vec![1.0f64 + r as f64; 100_000];
+            let input = block(r, 3000);
+            let (a, b, c, d) = tokio::join!(
+                g.barrier(),
+                g.all_gather(&input),
+                g.all_reduce_typed(&mut xs, ReduceOp::Max),
+                g.all_reduce_typed(&mut ys, ReduceOp::Sum),
+            );
+            a.unwrap();
+            c.unwrap();
+            d.unwrap();
+            (b.unwrap(), xs, ys)
+        })
+        .await;
+        for (gathered, xs, ys) in results {
+            for (p, b) in gathered.iter().enumerate() {
+                assert_eq!(&b[..], &block(p, 3000)[..]);
+            }
+            assert!(xs.iter().all(|x| *x == 3));
+            assert!(ys.iter().all(|y| *y == 10.0));
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_does_not_come_is_named_by_the_timeout() {
+    bounded(async {
+        let gs = groups(3, "late", Duration::from_millis(500)).await;
+        let started = Instant::now();
+        let results = on_all(&gs[..2], |g| async move { g.barrier().await }).await;
+        assert!(started.elapsed() < Duration::from_secs(10));
+        for err in results {
+            let err = err.unwrap_err();
+            match &err {
+                ProcessGroupError::Timeout { waiting_on, .. } => {
+                    assert_eq!(waiting_on, &[2], "{err}")
+                }
+                other => panic!("expected a timeout, got {other}"),
+            }
+            assert!(err.to_string().contains("waiting for rank(s) 2"), "{err}");
+        }
+        // The ranks are out of step now, so the group is broken on the ranks that timed out.
+        let err = gs[0].barrier().await.unwrap_err();
+        assert!(matches!(err, ProcessGroupError::Timeout { .. }), "{err}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_rank_is_named_before_the_timeout() {
+    bounded(async {
+        let mut gs = groups(4, "dead", Duration::from_secs(30)).await;
+        on_all(&gs, |g| async move { g.barrier().await.unwrap() }).await;
+        // Rank 2 disappears without a goodbye: its connections just close.
+        let dead = gs.remove(2);
+        drop(dead);
+        let started = Instant::now();
+        let results = on_all(&gs, |g| async move {
+            let mut xs = vec![1i32; 10];
+            g.all_reduce_typed(&mut xs, ReduceOp::Sum).await
+        })
+        .await;
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "took {:?}",
+            started.elapsed()
+        );
+        for err in results {
+            let err = err.unwrap_err();
+            assert!(
+                matches!(err, ProcessGroupError::PeerDied { rank: 2, .. }),
+                "{err}"
+            );
+            assert!(err.to_string().contains("rank 2 died"), "{err}");
+        }
+        // The group is broken for good.
+        let err = gs[0].barrier().await.unwrap_err();
+        assert!(
+            matches!(err, ProcessGroupError::PeerDied { rank: 2, .. }),
+            "{err}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_shuts_down_is_named_as_having_left() {
+    bounded(async {
+        let gs = groups(2, "left", Duration::from_secs(30)).await;
+        gs[1].shutdown().await;
+        let err = gs[0].barrier().await.unwrap_err();
+        assert!(
+            matches!(err, ProcessGroupError::PeerLeft { rank: 1, .. }),
+            "{err}"
+        );
+        let err = gs[1].barrier().await.unwrap_err();
+        assert!(matches!(err, ProcessGroupError::ShutDown), "{err}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_running_different_collectives_are_told() {
+    bounded(async {
+        let gs = groups(2, "mismatch", Duration::from_millis(500)).await;
+        let (a, b) = tokio::join!(gs[0].barrier(), async {
+            let mut data = [0u8; 4];
+            gs[1].broadcast(&mut data, 0).await
+        });
+        let b = b.unwrap_err();
+        assert!(
+            matches!(b, ProcessGroupError::Mismatch { peer: 0, .. }),
+            "{b}"
+        );
+        assert!(b.to_string().contains("it ran barrier"), "{b}");
+        // Rank 0 waits for a barrier message rank 1 never sends.
+        assert!(matches!(a.unwrap_err(), ProcessGroupError::Timeout { .. }));
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_names_the_ranks_that_never_arrive() {
+    bounded(async {
+        let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+        let t = transport();
+        // Only rank 0 and 1 of 3 come.
+        let (a, b) = tokio::join!(
+            Group::connect(
+                store.clone(),
+                t.clone(),
+                0,
+                3,
+                GroupOptions::new("missing").with_timeout(Duration::from_millis(500))
+            ),
+            Group::connect(
+                store.clone(),
+                t.clone(),
+                1,
+                3,
+                GroupOptions::new("missing").with_timeout(Duration::from_millis(500))
+            ),
+        );
+        let a = a.unwrap_err().to_string();
+        let b = b.unwrap_err().to_string();
+        assert!(a.contains("rank(s) 2"), "{a}");
+        assert!(b.contains("rank(s) 2"), "{b}");
+        let err = Group::connect(store, t, 3, 3, GroupOptions::new("x"))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("out of range"), "{err}");
+    })
+    .await;
+}

@@ -1,0 +1,595 @@
+//! `tensorwire bench collectives`: process groups of real local processes against raw TCP.
+//!
+//! For each world size N it starts N copies of this binary (`bench collectives-worker`, a
+//! hidden subcommand) with `env://` variables and a fresh cluster secret; rank 0 embeds the
+//! store on a free port. The workers time, after warm-up and with a barrier before each series:
+//! `barrier_w{N}_us`, `all_gather_w{N}_8B_us`, `all_gather_w{N}_1MiB_us` (1 MiB per rank,
+//! through the variable-size API, lengths exchange included) and `all_reduce_w{N}_1MiB_us`
+//! (1 MiB of f32 summed), each the median over its iterations on rank 0. In the same run this
+//! process measures the raw baselines over blocking loopback sockets between two threads:
+//! `raw_tcp_pingpong_p50_us` (64-byte round trips, before and after the groups) and
+//! `raw_tcp_bulk_{N}x{N-1}MiB_us` (one transfer of the bytes all ranks of an all_gather of
+//! 1 MiB blocks receive together), and `raw_tcp_barrier_w{N}_us` (the same dissemination
+//! barrier among N threads over blocking sockets: what the scheduler allows when N processes
+//! share fewer cores). `rendezvous_barrier_w32_ms` is the wall time from starting
+//! rank 0 of 32 processes until all of them finished their first barrier.
+
+use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::{json, Map, Value};
+use tensorwire_core::collective::{ElementType, ReduceOp};
+use tensorwire_core::device::Device;
+use tensorwire_core::ports::process_group::ProcessGroup;
+use tensorwire_process_group::env_init::env_rendezvous;
+use tensorwire_process_group::new_group;
+
+const MIB: usize = 1 << 20;
+/// Bytes of a raw ping-pong message (as `bench transport`).
+const SMALL: usize = 64;
+
+/// Arguments of `tensorwire bench collectives`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct CollectivesArgs {
+    /// World sizes to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
+    world: Vec<usize>,
+    /// Write the results as one JSON object to this file (else to standard output).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Iterations of each small collective (barrier, 8-byte all_gather).
+    #[arg(long, default_value_t = 2000)]
+    small_iters: usize,
+    /// Iterations of each 1 MiB collective.
+    #[arg(long, default_value_t = 40)]
+    large_iters: usize,
+    /// Processes for the rendezvous + first barrier measurement (0 skips it).
+    #[arg(long, default_value_t = 32)]
+    rendezvous_world: usize,
+    /// Bound on each collective and on each group's run, in seconds.
+    #[arg(long, default_value_t = 120)]
+    timeout: u64,
+}
+
+/// Arguments of the hidden worker subcommand (environment: `env://` variables).
+#[derive(Debug, clap::Args)]
+pub(crate) struct WorkerArgs {
+    /// `bench` (timed series) or `rendezvous` (set up, one barrier).
+    #[arg(long)]
+    mode: String,
+    #[arg(long, default_value_t = 2000)]
+    small_iters: usize,
+    #[arg(long, default_value_t = 40)]
+    large_iters: usize,
+    #[arg(long, default_value_t = 120)]
+    timeout: u64,
+}
+
+fn progress(len: u64) -> ProgressBar {
+    let target = if std::io::stderr().is_terminal() {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    };
+    let bar = ProgressBar::with_draw_target(Some(len), target);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:40} [{bar:30}] {pos}/{len} {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+fn median_us(mut v: Vec<Duration>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort();
+    v[v.len() / 2].as_secs_f64() * 1e6
+}
+
+/// `tensorwire bench collectives`.
+pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
+    if args.world.iter().any(|w| *w < 2) || args.small_iters == 0 || args.large_iters == 0 {
+        bail!("--world sizes must be at least 2; iterations at least 1");
+    }
+    let steps = 3 + args.world.len() as u64 + u64::from(args.rendezvous_world > 0);
+    let bar = progress(steps);
+    let mut out = Map::new();
+
+    bar.set_message("raw TCP ping-pong");
+    let mut pings = raw_pingpong(10_000).context("raw TCP ping-pong")?;
+    bar.inc(1);
+
+    for &world in &args.world {
+        bar.set_message(format!("collectives, {world} processes"));
+        let results = run_group(world, "bench", args).with_context(|| format!("world {world}"))?;
+        for (k, v) in results {
+            out.insert(k, v);
+        }
+        bar.inc(1);
+    }
+
+    if args.rendezvous_world > 0 {
+        let world = args.rendezvous_world;
+        bar.set_message(format!("rendezvous + barrier, {world} processes"));
+        let results = run_group(world, "rendezvous", args)
+            .with_context(|| format!("rendezvous of {world}"))?;
+        for (k, v) in results {
+            out.insert(k, v);
+        }
+        bar.inc(1);
+    }
+
+    bar.set_message("raw TCP bulk and barrier");
+    for &world in &args.world {
+        let raw = raw_barrier(world, args.small_iters).context("raw TCP barrier")?;
+        out.insert(format!("raw_tcp_barrier_w{world}_us"), json!(raw));
+        let bytes = world * (world - 1) * MIB;
+        let took = raw_bulk(bytes, 5).context("raw TCP bulk")?;
+        out.insert(
+            format!("raw_tcp_bulk_{world}x{}MiB_us", world - 1),
+            json!(took),
+        );
+    }
+    bar.inc(1);
+    bar.set_message("raw TCP ping-pong (again)");
+    pings.extend(raw_pingpong(10_000).context("raw TCP ping-pong")?);
+    bar.inc(1);
+    bar.finish_and_clear();
+    let pingpong = median_us(pings);
+    out.insert("raw_tcp_pingpong_p50_us".into(), json!(pingpong));
+
+    let get = |k: &str| out.get(k).and_then(Value::as_f64);
+    let mut ratios = Map::new();
+    for &world in &args.world {
+        if let Some(b) = get(&format!("barrier_w{world}_us")) {
+            ratios.insert(
+                format!("barrier_w{world}_over_pingpong"),
+                json!(b / pingpong),
+            );
+            if let Some(raw) = get(&format!("raw_tcp_barrier_w{world}_us")) {
+                ratios.insert(format!("barrier_w{world}_over_raw_barrier"), json!(b / raw));
+            }
+        }
+        if let (Some(a), Some(r)) = (
+            get(&format!("all_gather_w{world}_1MiB_us")),
+            get(&format!("raw_tcp_bulk_{world}x{}MiB_us", world - 1)),
+        ) {
+            ratios.insert(
+                format!("all_gather_w{world}_1MiB_over_raw_bulk"),
+                json!(a / r),
+            );
+        }
+    }
+    let mut targets = Map::new();
+    if let Some(r) = ratios
+        .get("barrier_w2_over_pingpong")
+        .and_then(Value::as_f64)
+    {
+        targets.insert("barrier_w2 <= 1.5x pingpong".into(), json!(r <= 1.5));
+    }
+    if let Some(r) = ratios
+        .get("barrier_w8_over_pingpong")
+        .and_then(Value::as_f64)
+    {
+        targets.insert("barrier_w8 <= 8x pingpong".into(), json!(r <= 8.0));
+    }
+    if let Some(r) = ratios
+        .get("all_gather_w8_1MiB_over_raw_bulk")
+        .and_then(Value::as_f64)
+    {
+        targets.insert(
+            "all_gather_w8_1MiB <= 1.5x raw bulk of 8x7MiB".into(),
+            json!(r <= 1.5),
+        );
+    }
+    if let Some(ms) = get("rendezvous_barrier_w32_ms") {
+        targets.insert(
+            "rendezvous + first barrier w32 < 5 s".into(),
+            json!(ms < 5000.0),
+        );
+    }
+    out.insert("ratios".into(), Value::Object(ratios));
+    out.insert("targets_met".into(), Value::Object(targets));
+    out.insert(
+        "settings".into(),
+        json!({
+            "small_iters": args.small_iters,
+            "large_iters": args.large_iters,
+            "figures": "medians over iterations on rank 0, microseconds; raw baselines over blocking loopback sockets between two threads",
+            "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        }),
+    );
+    let text = serde_json::to_string_pretty(&Value::Object(out))?;
+    match &args.json {
+        Some(path) => {
+            std::fs::write(path, format!("{text}\n"))
+                .with_context(|| format!("writing {}", path.display()))?;
+            eprintln!("{text}");
+            eprintln!("tensorwire bench: wrote {}", path.display());
+        }
+        None => println!("{text}"),
+    }
+    Ok(())
+}
+
+/// One started worker: its stdout lines arrive on a channel.
+struct Worker {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    stderr: std::thread::JoinHandle<String>,
+}
+
+/// Kills every worker still running (on error paths).
+struct Workers(Vec<Worker>);
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for w in &mut self.0 {
+            let _ = w.child.kill();
+            let _ = w.child.wait();
+        }
+    }
+}
+
+fn start_worker(
+    rank: usize,
+    world: usize,
+    port: u16,
+    secret: &str,
+    mode: &str,
+    args: &CollectivesArgs,
+) -> Result<Worker> {
+    let exe = std::env::current_exe().context("finding this executable")?;
+    let mut child = Command::new(exe)
+        .args(["bench", "collectives-worker", "--mode", mode])
+        .args(["--small-iters", &args.small_iters.to_string()])
+        .args(["--large-iters", &args.large_iters.to_string()])
+        .args(["--timeout", &args.timeout.to_string()])
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("TENSORWIRE_SECRET", secret)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting a worker")?;
+    let stdout = child.stdout.take().context("worker stdout")?;
+    let mut stderr = child.stderr.take().context("worker stderr")?;
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let stderr = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    Ok(Worker {
+        child,
+        lines,
+        stderr,
+    })
+}
+
+/// Starts `world` workers in `mode`, waits for rank 0's `RESULT` line, checks every exit.
+fn run_group(world: usize, mode: &str, args: &CollectivesArgs) -> Result<Map<String, Value>> {
+    let secret = format!("{:032x}", rand::random::<u128>());
+    let bound = Duration::from_secs(args.timeout);
+    let started = Instant::now();
+    let mut workers = Workers(vec![start_worker(0, world, 0, &secret, mode, args)?]);
+    let first = workers.0[0]
+        .lines
+        .recv_timeout(bound)
+        .context("rank 0 did not report its store port")?;
+    let port: u16 = first
+        .strip_prefix("PORT ")
+        .and_then(|p| p.parse().ok())
+        .with_context(|| format!("rank 0 printed {first:?} instead of its store port"))?;
+    for rank in 1..world {
+        workers
+            .0
+            .push(start_worker(rank, world, port, &secret, mode, args)?);
+    }
+    // Every rank prints READY after its first barrier.
+    for (rank, w) in workers.0.iter().enumerate() {
+        loop {
+            let line = w.lines.recv_timeout(bound).with_context(|| {
+                format!("rank {rank} did not finish its first barrier within {bound:?}")
+            })?;
+            if line == "READY" {
+                break;
+            }
+        }
+    }
+    let all_ready = started.elapsed();
+    let mut result = Map::new();
+    if mode == "rendezvous" {
+        result.insert(
+            format!("rendezvous_barrier_w{world}_ms"),
+            json!(all_ready.as_secs_f64() * 1e3),
+        );
+    }
+    let line = loop {
+        let line = workers.0[0]
+            .lines
+            .recv_timeout(bound)
+            .context("rank 0 did not report results")?;
+        if let Some(json) = line.strip_prefix("RESULT ") {
+            break json.to_owned();
+        }
+    };
+    let reported: Map<String, Value> =
+        serde_json::from_str(&line).context("rank 0's results are not JSON")?;
+    result.extend(reported);
+    let deadline = Instant::now() + bound;
+    for (rank, w) in std::mem::take(&mut workers.0).into_iter().enumerate() {
+        let mut w = w;
+        let status = loop {
+            if let Some(s) = w.child.try_wait()? {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = w.child.kill();
+                bail!("rank {rank} did not exit");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let stderr = w.stderr.join().unwrap_or_default();
+        if !status.success() {
+            bail!("rank {rank} failed ({status}): {stderr}");
+        }
+    }
+    Ok(result)
+}
+
+/// The hidden worker: one rank.
+pub(crate) fn worker(args: &WorkerArgs) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()?;
+    runtime.block_on(worker_main(args))
+}
+
+async fn time_series<F, Fut>(pg: &dyn ProcessGroup, iters: usize, mut f: F) -> Result<Vec<Duration>>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    // Warm-up (connections, buffers, pages), then aligned starts.
+    for _ in 0..(iters / 10).max(3) {
+        f().await?;
+    }
+    pg.barrier().await?;
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        f().await?;
+        times.push(t.elapsed());
+    }
+    Ok(times)
+}
+
+async fn worker_main(args: &WorkerArgs) -> Result<()> {
+    let timeout = Duration::from_secs(args.timeout);
+    let started = Instant::now();
+    let rank: usize = std::env::var("RANK")?.parse()?;
+    let _rendezvous = if rank == 0 {
+        let rv = env_rendezvous(timeout).await?;
+        println!("PORT {}", rv.master_port);
+        std::io::stdout().flush()?;
+        Some(rv)
+    } else {
+        None
+    };
+    let pg = new_group("tensorwire", timeout, Device::Cpu, Vec::new()).await?;
+    let world = pg.size();
+    pg.barrier().await?;
+    let first_barrier = started.elapsed();
+    println!("READY");
+    std::io::stdout().flush()?;
+    let mut out = Map::new();
+    if args.mode == "rendezvous" {
+        // The slowest rank's view: from its start to its first barrier.
+        let mine = (first_barrier.as_secs_f64() * 1e3).to_le_bytes();
+        let all = pg.all_gather(&mine).await?;
+        let slowest = all
+            .iter()
+            .filter_map(|b| <[u8; 8]>::try_from(&b[..]).ok())
+            .map(f64::from_le_bytes)
+            .fold(0.0, f64::max);
+        out.insert(
+            format!("rendezvous_barrier_w{world}_in_process_ms"),
+            json!(slowest),
+        );
+    } else {
+        let p = pg.as_ref();
+        let t = time_series(p, args.small_iters, || async { Ok(p.barrier().await?) }).await?;
+        out.insert(format!("barrier_w{world}_us"), json!(median_us(t)));
+
+        let small = [rank as u8; 8];
+        let t = time_series(p, args.small_iters, || async {
+            p.all_gather(&small).await?;
+            Ok(())
+        })
+        .await?;
+        out.insert(format!("all_gather_w{world}_8B_us"), json!(median_us(t)));
+
+        let block = vec![rank as u8; MIB];
+        let t = time_series(p, args.large_iters, || async {
+            let got = p.all_gather(&block).await?;
+            if got.len() != world || got.iter().any(|b| b.len() != MIB) {
+                bail!("all_gather returned the wrong blocks");
+            }
+            Ok(())
+        })
+        .await?;
+        out.insert(format!("all_gather_w{world}_1MiB_us"), json!(median_us(t)));
+
+        let mut data = vec![0u8; MIB];
+        for (i, c) in data.chunks_exact_mut(4).enumerate() {
+            c.copy_from_slice(&((i % 7) as f32).to_le_bytes());
+        }
+        let data = std::cell::RefCell::new(data);
+        let t = time_series(p, args.large_iters, || async {
+            let mut buf = data.borrow().clone();
+            p.all_reduce(&mut buf, ElementType::F32, ReduceOp::Sum)
+                .await?;
+            Ok(())
+        })
+        .await?;
+        out.insert(format!("all_reduce_w{world}_1MiB_us"), json!(median_us(t)));
+    }
+    pg.barrier().await?;
+    if rank == 0 {
+        println!("RESULT {}", serde_json::to_string(&out)?);
+        std::io::stdout().flush()?;
+    }
+    // Everyone has what it needs from everyone before anyone leaves.
+    pg.barrier().await?;
+    pg.shutdown().await;
+    Ok(())
+}
+
+/// Raw baseline: `n` round trips of 64 bytes between two threads; the time of each.
+fn raw_pingpong(n: usize) -> Result<Vec<Duration>> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut buf = [0u8; SMALL];
+        for _ in 0..n {
+            s.read_exact(&mut buf)?;
+            s.write_all(&buf)?;
+        }
+        Ok(())
+    });
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let msg = [7u8; SMALL];
+    let mut back = [0u8; SMALL];
+    let mut times = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        s.write_all(&msg)?;
+        s.read_exact(&mut back)?;
+        times.push(t.elapsed());
+    }
+    echo.join()
+        .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
+    // The first tenth warms up.
+    Ok(times.split_off(n / 10))
+}
+
+/// Raw baseline: the same dissemination barrier as the groups run, among `world` threads
+/// over blocking loopback sockets (one byte per message, no framing, no runtime); the median
+/// on thread 0 over `iters` barriers, in microseconds. It shows what the machine's scheduler
+/// allows when `world` exceeds the cores.
+#[allow(clippy::needless_range_loop)] // pairs (i, j) fill both conns[i][j] and conns[j][i]
+fn raw_barrier(world: usize, iters: usize) -> Result<f64> {
+    let mut conns: Vec<Vec<Option<TcpStream>>> = (0..world)
+        .map(|_| (0..world).map(|_| None).collect())
+        .collect();
+    for i in 0..world {
+        for j in i + 1..world {
+            let listener = TcpListener::bind("127.0.0.1:0")?;
+            let a = TcpStream::connect(listener.local_addr()?)?;
+            let (b, _) = listener.accept()?;
+            a.set_nodelay(true)?;
+            b.set_nodelay(true)?;
+            conns[i][j] = Some(a);
+            conns[j][i] = Some(b);
+        }
+    }
+    let threads: Vec<_> = conns
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut peers)| {
+            std::thread::spawn(move || -> std::io::Result<Vec<Duration>> {
+                let mut times = Vec::with_capacity(iters);
+                for i in 0..iters + iters / 10 {
+                    let t = Instant::now();
+                    let mut distance = 1;
+                    while distance < world {
+                        let to = (rank + distance) % world;
+                        let from = (rank + world - distance) % world;
+                        if let Some(s) = peers[to].as_mut() {
+                            s.write_all(&[1])?;
+                        }
+                        let mut byte = [0u8; 1];
+                        if let Some(s) = peers[from].as_mut() {
+                            s.read_exact(&mut byte)?;
+                        }
+                        distance *= 2;
+                    }
+                    if i >= iters / 10 {
+                        times.push(t.elapsed());
+                    }
+                }
+                Ok(times)
+            })
+        })
+        .collect();
+    let mut first = None;
+    for t in threads {
+        let times = t
+            .join()
+            .map_err(|_| anyhow::anyhow!("barrier thread panicked"))??;
+        first.get_or_insert(times);
+    }
+    Ok(median_us(first.unwrap_or_default()))
+}
+
+/// Raw baseline: `bytes` over one loopback connection, then a 1-byte acknowledgement; the
+/// median of `rounds` transfers, in microseconds.
+fn raw_bulk(bytes: usize, rounds: usize) -> Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let sink = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        let mut buf = vec![0u8; MIB];
+        for _ in 0..=rounds {
+            let mut left = bytes;
+            while left > 0 {
+                let n = s.read(&mut buf[..left.min(MIB)])?;
+                if n == 0 {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                left -= n;
+            }
+            s.write_all(&[1])?;
+        }
+        Ok(())
+    });
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let data = vec![3u8; bytes];
+    let mut times = Vec::new();
+    for round in 0..=rounds {
+        let t = Instant::now();
+        s.write_all(&data)?;
+        let mut ack = [0u8; 1];
+        s.read_exact(&mut ack)?;
+        if round > 0 {
+            times.push(t.elapsed());
+        }
+    }
+    sink.join()
+        .map_err(|_| anyhow::anyhow!("sink thread panicked"))??;
+    Ok(median_us(times))
+}

@@ -1,0 +1,56 @@
+//! `tensorwire bench collectives`: it starts the processes itself and writes every key the
+//! issue asks for, with the raw baselines and ratios from the same run.
+
+use std::process::Command;
+
+#[test]
+fn bench_collectives_writes_every_key() {
+    let dir = std::env::temp_dir().join(format!("tensorwire-bench-coll-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("collectives.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args(["bench", "collectives", "--world", "2,3", "--json"])
+        .arg(&file)
+        .args(["--small-iters", "20", "--large-iters", "2"])
+        .args(["--rendezvous-world", "4", "--timeout", "60"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    let mut keys = vec![
+        "raw_tcp_pingpong_p50_us".to_owned(),
+        "rendezvous_barrier_w4_ms".to_owned(),
+        "rendezvous_barrier_w4_in_process_ms".to_owned(),
+    ];
+    for n in [2, 3] {
+        keys.push(format!("barrier_w{n}_us"));
+        keys.push(format!("all_gather_w{n}_8B_us"));
+        keys.push(format!("all_gather_w{n}_1MiB_us"));
+        keys.push(format!("all_reduce_w{n}_1MiB_us"));
+        keys.push(format!("raw_tcp_bulk_{n}x{}MiB_us", n - 1));
+        keys.push(format!("raw_tcp_barrier_w{n}_us"));
+        let r = v["ratios"][format!("barrier_w{n}_over_pingpong")]
+            .as_f64()
+            .unwrap_or_else(|| panic!("ratio for w{n} missing in {v}"));
+        assert!(r > 0.0 && r.is_finite());
+    }
+    for key in keys {
+        let x = v[&key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key} missing in {v}"));
+        assert!(x > 0.0 && x.is_finite(), "{key} = {x}");
+    }
+    assert!(v["targets_met"]["barrier_w2 <= 1.5x pingpong"].is_boolean());
+
+    // A world of one is refused with a clear message.
+    let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args(["bench", "collectives", "--world", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at least 2"));
+}
