@@ -115,6 +115,8 @@ pub(crate) struct State {
     lost: HashMap<WorkerId, String>,
     /// When the driver task wakes up next for timers (`None`: only when woken).
     driver_wakes_at: Option<Instant>,
+    /// Calls waiting for an owned value that is still being created.
+    value_waiters: HashMap<RRefId, Vec<oneshot::Sender<()>>>,
 }
 
 pub(crate) struct Inner {
@@ -323,6 +325,7 @@ pub async fn init_rpc(
             peers: HashMap::new(),
             lost: HashMap::new(),
             driver_wakes_at: None,
+            value_waiters: HashMap::new(),
         }),
         wake: Notify::new(),
         stopped: Notify::new(),
@@ -1191,23 +1194,20 @@ impl Agent {
             self.pump();
             return;
         };
-        let target = match body.target {
-            Some(rref) => match self.local_value(rref) {
-                Some(v) => Some(v),
-                None => {
-                    let err = remote_error(
-                        me,
-                        RemoteErrorKind::RRef,
-                        format!("no value is kept for {rref} on {}", self.inner.me.name),
-                    );
-                    self.lock().ep.respond(token, Err(err));
-                    self.pump();
-                    return;
-                }
-            },
-            None => None,
-        };
         tokio::spawn(async move {
+            // A method call on a value that is still being created waits for it.
+            let target = match body.target {
+                Some(rref) => match agent.owned_value(rref).await {
+                    Ok(v) => Some(v),
+                    Err(reason) => {
+                        let err = remote_error(me, RemoteErrorKind::RRef, reason);
+                        agent.lock().ep.respond(token, Err(err));
+                        agent.pump();
+                        return;
+                    }
+                },
+                None => None,
+            };
             let tensors = match tensors::from_wire(&*agent.inner.backend, body.tensors).await {
                 Ok(t) => t,
                 Err(e) => {
@@ -1234,7 +1234,14 @@ impl Agent {
             {
                 Ok(Ok(value)) => match keep_as {
                     Some(rref) => {
-                        agent.lock().values.insert(rref, value);
+                        let waiting = {
+                            let mut st = agent.lock();
+                            st.values.insert(rref, value);
+                            st.value_waiters.remove(&rref)
+                        };
+                        for w in waiting.into_iter().flatten() {
+                            let _ = w.send(());
+                        }
                         Ok(Body {
                             target: None,
                             data: Bytes::new(),
@@ -1271,9 +1278,48 @@ impl Agent {
                     ))
                 }
             };
-            agent.lock().ep.respond(token, outcome);
+            let mut st = agent.lock();
+            if let (Some(rref), Err(_)) = (keep_as, &outcome) {
+                // Creating the value failed: calls waiting for it get told so.
+                st.value_waiters.remove(&rref);
+            }
+            st.ep.respond(token, outcome);
+            drop(st);
             agent.pump();
         });
+    }
+
+    /// The value of `rref`, owned here, waiting (bounded by the RPC timeout) while it is being
+    /// created.
+    async fn owned_value(&self, rref: RRefId) -> Result<Arc<dyn Any + Send + Sync>, String> {
+        let gone = || format!("no value is kept for {rref} on {}", self.inner.me.name);
+        let rx = {
+            let mut st = self.lock();
+            if let Some(v) = st.values.get(&rref) {
+                return Ok(Arc::clone(v).into_any());
+            }
+            if !st.ep.owns(rref) {
+                return Err(gone());
+            }
+            let (tx, rx) = oneshot::channel();
+            st.value_waiters.entry(rref).or_default().push(tx);
+            rx
+        };
+        let limit = if self.inner.rpc_timeout.is_zero() {
+            Duration::from_secs(3600)
+        } else {
+            self.inner.rpc_timeout
+        };
+        match tokio::time::timeout(limit, rx).await {
+            Ok(Ok(())) => self.local_value(rref).ok_or_else(gone),
+            Ok(Err(_)) => Err(format!(
+                "creating the value of {rref} on {} failed",
+                self.inner.me.name
+            )),
+            Err(_) => Err(format!(
+                "the value of {rref} was not created within {limit:?}"
+            )),
+        }
     }
 }
 

@@ -55,6 +55,15 @@ fn functions() -> Functions {
         let device = t.device().to_string();
         Ok::<_, String>((device, t))
     });
+    f.register("make_counter_slowly", |start: i64| async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        Ok::<_, String>(Counter(AtomicI64::new(start)))
+    });
+    f.register("bump", |c: RRef<Counter>| async move {
+        c.rpc_sync::<_, i64>("increment", &1i64, None)
+            .await
+            .map_err(|e| e.to_string())
+    });
     f.register("sum_remote", |r: RRef<Vec<i64>>| async move {
         let v = r.to_here(None).await.map_err(|e| e.to_string())?;
         Ok::<_, String>(v.iter().sum::<i64>())
@@ -379,5 +388,20 @@ async fn a_cuda_tensor_without_a_map_fails_at_once_and_the_agent_stays_usable() 
         .await
         .unwrap();
     assert_eq!(landed, "cpu");
+    shutdown_all(agents).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn methods_wait_for_a_value_still_being_created() {
+    let agents = ok_group(2).await;
+    let owner = &agents[0];
+    // The owner creates the value on itself (slowly) and passes the reference on at once: the
+    // method call from w1 must wait for the value, not fail.
+    let c: RRef<Counter> = owner
+        .remote("w0", "make_counter_slowly", &41i64, None)
+        .unwrap();
+    let got: i64 = owner.rpc_sync("w1", "bump", &c, None).await.unwrap();
+    assert_eq!(got, 42);
+    drop(c);
     shutdown_all(agents).await;
 }
