@@ -87,24 +87,9 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
         );
     }
 
-    // The raw baseline first, in this process: blocking sockets and an echo thread.
-    let bar = progress(3, "raw TCP baseline");
+    // The raw baseline runs in this process (blocking sockets, an echo thread), in blocks that
+    // alternate with the agent's, so that both see the same machine load.
     let mut raw = Raw::start(&[64 * MIB])?;
-    raw.pingpong(args.calls / 10)?;
-    let mut raw_ping = raw.pingpong(args.calls)?;
-    raw_ping.sort();
-    bar.inc(1);
-    let data = vec![7u8; 64 * MIB];
-    raw.bulk(&data)?;
-    let raw_bulk = median(
-        (0..args.tensor_64mib)
-            .map(|_| raw.bulk(&data).map(|t| mbps(data.len(), t)))
-            .collect::<Result<_>>()?,
-    );
-    bar.inc(1);
-    raw.finish()?;
-    bar.finish_and_clear();
-
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -118,12 +103,14 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
         .spawn()
         .context("cannot start the callee process")?;
 
-    let result = runtime()?.block_on(measure(args, port, secret.as_bytes()));
+    let result = runtime()?.block_on(measure(args, port, secret.as_bytes(), &mut raw));
     let status = callee.wait()?;
-    let mut out = result?;
+    raw.finish()?;
+    let (mut out, mut raw_ping, raw_bulk) = result?;
     if !status.success() {
         bail!("the callee process failed ({status})");
     }
+    raw_ping.sort();
     let raw_p50 = percentile(&raw_ping, 0.5);
     out.insert("raw_tcp_pingpong_p50_us".into(), json!(raw_p50));
     out.insert("raw_tcp_bulk_64MiB_MBps".into(), json!(raw_bulk));
@@ -138,19 +125,31 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
     write_json(&out, args.json.as_ref())
 }
 
-async fn measure(args: &RpcArgs, port: u16, secret: &[u8]) -> Result<Map<String, Value>> {
+/// Blocks of a measurement that alternate between the raw baseline and the agent.
+const BLOCKS: usize = 10;
+
+/// The agent's figures, the raw ping-pong times and the raw 64 MiB bulk rate (MB/s).
+type Measured = (Map<String, Value>, Vec<Duration>, f64);
+
+async fn measure(args: &RpcArgs, port: u16, secret: &[u8], raw: &mut Raw) -> Result<Measured> {
     let agent = init_rpc("caller", 0, Some(2), options(port, 0, secret)).await?;
     let mut out = Map::new();
 
-    let bar = progress(5, "rpc_sync");
-    for i in 0..args.calls / 10 {
+    let bar = progress(5, "rpc_sync / raw ping-pong");
+    let block = (args.calls / BLOCKS).max(1);
+    tokio::task::block_in_place(|| raw.pingpong(block))?;
+    for i in 0..block {
         let _: u64 = agent.rpc_sync(1u32, "noop", &(i as u64), None).await?;
     }
     let mut times = Vec::with_capacity(args.calls);
-    for i in 0..args.calls {
-        let t = Instant::now();
-        let _: u64 = agent.rpc_sync(1u32, "noop", &(i as u64), None).await?;
-        times.push(t.elapsed());
+    let mut raw_ping = Vec::with_capacity(args.calls);
+    for _ in 0..BLOCKS {
+        raw_ping.extend(tokio::task::block_in_place(|| raw.pingpong(block))?);
+        for i in 0..block {
+            let t = Instant::now();
+            let _: u64 = agent.rpc_sync(1u32, "noop", &(i as u64), None).await?;
+            times.push(t.elapsed());
+        }
     }
     times.sort();
     out.insert("rpc_sync_p50_us".into(), json!(percentile(&times, 0.5)));
@@ -177,6 +176,8 @@ async fn measure(args: &RpcArgs, port: u16, secret: &[u8]) -> Result<Map<String,
     );
     bar.inc(1);
 
+    let raw_data = vec![7u8; 64 * MIB];
+    let mut raw_rates = Vec::with_capacity(args.tensor_64mib);
     for (size, rounds, key) in [
         (MIB, 100, "rpc_tensor_1MiB_MBps"),
         (64 * MIB, args.tensor_64mib, "rpc_tensor_64MiB_MBps"),
@@ -187,6 +188,10 @@ async fn measure(args: &RpcArgs, port: u16, secret: &[u8]) -> Result<Map<String,
         let _: u64 = agent.rpc_sync(1u32, "nbytes", &t, None).await?;
         let mut rates = Vec::with_capacity(rounds);
         for _ in 0..rounds {
+            if size == 64 * MIB {
+                let took = tokio::task::block_in_place(|| raw.bulk(&raw_data))?;
+                raw_rates.push(mbps(raw_data.len(), took));
+            }
             let start = Instant::now();
             let n: u64 = agent.rpc_sync(1u32, "nbytes", &t, None).await?;
             rates.push(mbps(size, start.elapsed()));
@@ -217,5 +222,5 @@ async fn measure(args: &RpcArgs, port: u16, secret: &[u8]) -> Result<Map<String,
     bar.inc(1);
     bar.finish_and_clear();
     agent.shutdown(true, Duration::from_secs(60)).await?;
-    Ok(out)
+    Ok((out, raw_ping, median(raw_rates)))
 }
