@@ -53,3 +53,56 @@ fn bench_transport_quic_says_it_is_not_built_in() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("QUIC transport is not built"), "{err}");
 }
+
+#[test]
+fn bench_rpc_writes_every_key() {
+    let dir = std::env::temp_dir().join(format!("tw-bench-rpc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("rpc.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args([
+            "bench",
+            "rpc",
+            "--calls",
+            "100",
+            "--async-calls",
+            "500",
+            "--in-flight",
+            "50",
+            "--tensor-64mib",
+            "1",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for key in [
+        "rpc_sync_p50_us",
+        "rpc_sync_p99_us",
+        "rpc_async_calls_per_s",
+        "rpc_tensor_1MiB_MBps",
+        "rpc_tensor_64MiB_MBps",
+        "remote_to_here_p50_us",
+        "raw_tcp_pingpong_p50_us",
+        "raw_tcp_bulk_64MiB_MBps",
+    ] {
+        let x = v[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key} missing: {v}"));
+        assert!(x.is_finite() && x > 0.0, "{key} = {x}");
+    }
+    assert!(
+        v["ratios"]["rpc_sync_p50_over_raw_pingpong_p50"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    assert_eq!(v["transport"], "tcp");
+}
