@@ -20,7 +20,7 @@ use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::device::{Device, DeviceMaps};
 use tensorwire_core::name::check_worker_name;
 use tensorwire_core::ports::store::Store;
-use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::ports::transport::{Connection, Transport, TransportError};
 use tensorwire_core::protocol::{
     CallError, Endpoint, EndpointConfig, Event, MessageId, RRefHandle, RRefId, RemoteError,
     RemoteErrorKind, RequestToken, Transmit, WorkerId,
@@ -29,7 +29,6 @@ use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
 use tensorwire_core::wire::{Frame, FrameKind};
 use tensorwire_process_group::{rendezvous, Rendezvous, RendezvousOptions};
-use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::{debug, info, warn};
 
@@ -185,8 +184,10 @@ fn advertise_ip(options: &RpcOptions) -> IpAddr {
 }
 
 /// Starts the agent of worker `name` with rank `rank` in a static group of `world_size`
-/// workers: rendezvous, exchange and validation of device plans, connections to every peer,
-/// and a barrier. A bad device map fails init on every worker with the same error.
+/// workers: rendezvous, then the backend named in `options.backend` (see
+/// [`register_backend`](crate::register_backend); `TCP` by default) exchanges and validates the
+/// device plans, connects to every peer, and ends with a barrier. A bad device map fails init on
+/// every worker with the same error.
 ///
 /// Dynamic groups (`world_size = None`) are not supported yet and give an error.
 pub async fn init_rpc(
@@ -206,21 +207,11 @@ pub async fn init_rpc(
             "rank {rank} is not below world_size {world_size}"
         )));
     }
-    let started = Instant::now();
+    let backend = crate::backend::lookup(&options.backend)?;
     let secret = secret_bytes(&options);
-    let tcp = TcpConfig::resolve(
-        secret
-            .clone()
-            .map(ClusterSecret::new)
-            .transpose()
-            .map_err(|e| RpcError::Init(e.to_string()))?,
-        options.insecure,
-    )?;
-    let transport = TcpTransport::new(tcp)?;
-
     let rdv_options = RendezvousOptions {
         timeout: options.init_timeout,
-        secret: secret.clone().and_then(|s| ClusterSecret::new(s).ok()),
+        secret: secret.and_then(|s| ClusterSecret::new(s).ok()),
         ..RendezvousOptions::default()
     };
     let url = with_rank(&options.init_method, rank, world_size);
@@ -231,6 +222,33 @@ pub async fn init_rpc(
             rdv.rank, rdv.world_size
         )));
     }
+    backend
+        .init_backend(rdv, name, rank, Some(world_size), options)
+        .await
+}
+
+/// The cluster secret from the options, else from `TENSORWIRE_SECRET`.
+pub(crate) fn cluster_secret(options: &RpcOptions) -> Result<Option<ClusterSecret>, RpcError> {
+    secret_bytes(options)
+        .map(ClusterSecret::new)
+        .transpose()
+        .map_err(|e| RpcError::Init(e.to_string()))
+}
+
+/// The agent over `transport`, for a backend's `init_backend`: publishes this worker's record
+/// and device plan in the rendezvous store, validates everyone's device maps, connects to every
+/// peer (this worker connects to the higher ranks and accepts the lower ones), and ends with a
+/// barrier.
+pub async fn start_agent(
+    transport: Arc<dyn Transport>,
+    rdv: Rendezvous,
+    name: &str,
+    rank: usize,
+    world_size: usize,
+    options: RpcOptions,
+) -> Result<Agent, RpcError> {
+    check_worker_name(name)?;
+    let started = Instant::now();
     let store = Arc::clone(&rdv.store);
     let me_id = rank as WorkerId;
 
@@ -376,7 +394,7 @@ pub async fn init_rpc(
         }
     });
     for rec in records.iter().filter(|r| r.rank > me_id) {
-        let conn = connect_with_retry(&transport, rec.addr, options.init_timeout)
+        let conn = connect_with_retry(&*transport, rec.addr, options.init_timeout)
             .await
             .map_err(|e| {
                 RpcError::Init(format!(
@@ -436,7 +454,7 @@ fn with_rank(url: &str, rank: usize, world_size: usize) -> String {
 }
 
 async fn connect_with_retry(
-    transport: &TcpTransport,
+    transport: &dyn Transport,
     addr: SocketAddr,
     limit: Duration,
 ) -> Result<Box<dyn Connection>, String> {
@@ -445,7 +463,7 @@ async fn connect_with_retry(
     loop {
         match transport.connect(addr).await {
             Ok(c) => return Ok(c),
-            Err(e) if e.to_string().contains("authentication") => return Err(e.to_string()),
+            Err(e @ TransportError::Authentication { .. }) => return Err(e.to_string()),
             Err(e) if Instant::now() + delay > deadline => return Err(e.to_string()),
             Err(e) => {
                 debug!("connect to {addr} failed ({e}); retrying in {delay:?}");

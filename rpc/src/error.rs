@@ -64,6 +64,10 @@ pub enum RpcError {
         /// Why.
         reason: String,
     },
+    /// The RPC backend is not registered (the message lists the registered ones), or a name
+    /// is registered twice.
+    #[error(transparent)]
+    Backend(#[from] tensorwire_core::registry::RegistryError),
     /// Rendezvous failed.
     #[error(transparent)]
     Rendezvous(#[from] RendezvousError),

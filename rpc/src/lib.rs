@@ -22,10 +22,13 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Not yet: dynamic groups, tensors with device maps in calls, the QUIC transport, and a
-//! backend registry entry point (see the project's issues).
+//! Backends: `TCP` is built in; [`register_backend`] adds others (PyTorch's backend registry).
+//!
+//! Not yet: dynamic groups, and the QUIC transport as a built-in backend (see the project's
+//! issues).
 
 mod agent;
+mod backend;
 mod codec;
 mod error;
 mod functions;
@@ -33,9 +36,14 @@ mod options;
 mod rref;
 mod tensors;
 
-pub use agent::{init_rpc, Agent, RpcFuture, WorkerInfo, WorkerRef};
+pub use agent::{init_rpc, start_agent, Agent, RpcFuture, WorkerInfo, WorkerRef};
+pub use backend::{
+    backend_registered, construct_rpc_backend_options, register_backend, registered_backends,
+    DynRpcBackend, TcpBackend, TCP_BACKEND,
+};
 pub use error::RpcError;
 pub use functions::Functions;
 pub use options::{RpcOptions, DEFAULT_RPC_TIMEOUT};
 pub use rref::RRef;
 pub use tensorwire_core::protocol::{CallError, RemoteError, RemoteErrorKind};
+pub use tensorwire_process_group::Rendezvous;

@@ -19,6 +19,9 @@ pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct RpcOptions {
     /// Default timeout of calls; zero means none.
     pub rpc_timeout: Duration,
+    /// The RPC backend that starts the agent, by its registered name (`TCP` by default; see
+    /// [`register_backend`](crate::register_backend)).
+    pub backend: String,
     /// Rendezvous URL: `env://` (default), `tcp://host:port`, `file:///path`.
     pub init_method: String,
     /// How long init (rendezvous, exchange, connections) may take.
@@ -45,6 +48,7 @@ impl Default for RpcOptions {
     fn default() -> Self {
         Self {
             rpc_timeout: DEFAULT_RPC_TIMEOUT,
+            backend: crate::backend::TCP_BACKEND.into(),
             init_method: "env://".into(),
             init_timeout: Duration::from_secs(300),
             secret: None,
@@ -62,6 +66,7 @@ impl std::fmt::Debug for RpcOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RpcOptions")
             .field("rpc_timeout", &self.rpc_timeout)
+            .field("backend", &self.backend)
             .field("init_method", &self.init_method)
             .field("insecure", &self.insecure)
             .field("device_maps", &self.device_maps)

@@ -405,3 +405,84 @@ async fn methods_wait_for_a_value_still_being_created() {
     drop(c);
     shutdown_all(agents).await;
 }
+
+/// A user-defined backend: the TCP agent, counting how often it was started.
+struct Counting(Arc<AtomicI64>);
+
+#[async_trait::async_trait]
+impl tensorwire_core::registry::RpcBackend for Counting {
+    type Options = RpcOptions;
+    type Store = tensorwire_rpc::Rendezvous;
+    type Agent = Agent;
+    type Error = RpcError;
+
+    fn construct_options(
+        &self,
+        rpc_timeout: Duration,
+        init_method: &str,
+    ) -> Result<RpcOptions, RpcError> {
+        tensorwire_rpc::TcpBackend.construct_options(rpc_timeout, init_method)
+    }
+
+    async fn init_backend(
+        &self,
+        store: tensorwire_rpc::Rendezvous,
+        name: &str,
+        rank: usize,
+        world_size: Option<usize>,
+        options: RpcOptions,
+    ) -> Result<Agent, RpcError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        tensorwire_rpc::TcpBackend
+            .init_backend(store, name, rank, world_size, options)
+            .await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_backends_are_registered_and_selected_by_name() {
+    use tensorwire_rpc::{backend_registered, construct_rpc_backend_options, register_backend};
+    let starts = Arc::new(AtomicI64::new(0));
+    assert!(!backend_registered("COUNTING"));
+    register_backend("COUNTING", Arc::new(Counting(Arc::clone(&starts)))).unwrap();
+    assert!(backend_registered("COUNTING") && backend_registered("TCP"));
+    let e = register_backend("TCP", Arc::new(tensorwire_rpc::TcpBackend)).unwrap_err();
+    assert_eq!(e.to_string(), "RPC backend TCP: already registered");
+    let o = construct_rpc_backend_options("COUNTING", Duration::from_secs(7), "env://").unwrap();
+    assert_eq!(
+        (o.rpc_timeout, o.backend.as_str()),
+        (Duration::from_secs(7), "COUNTING")
+    );
+
+    let agents: Vec<Agent> = group(2, |_, o| o.backend = "COUNTING".into())
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(starts.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        agents[0]
+            .rpc_sync::<_, i64>("w1", "add", &(20i64, 22i64), None)
+            .await
+            .unwrap(),
+        42
+    );
+    shutdown_all(agents).await;
+
+    let e = init_rpc(
+        "solo",
+        0,
+        Some(1),
+        RpcOptions {
+            backend: "NOPE".into(),
+            ..RpcOptions::default()
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("RPC backend NOPE: not registered (registered: TCP, COUNTING"),
+        "{e}"
+    );
+}

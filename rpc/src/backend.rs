@@ -1,0 +1,134 @@
+//! The RPC backend registry, with PyTorch's semantics (`torch.distributed.rpc.backend_registry`).
+//!
+//! A backend is a value of [`RpcBackend`](tensorwire_core::registry::RpcBackend): two hooks,
+//! one that builds the options from the common ones (`construct_options(rpc_timeout,
+//! init_method)`), one that starts the agent on a rendezvous (`init_backend(rendezvous, name,
+//! rank, world_size, options)`). `TCP` is registered by default. A user can register a backend
+//! of their own — typically one that starts [`start_agent`](crate::start_agent) over another
+//! [`Transport`](tensorwire_core::ports::transport::Transport) — and select it with
+//! [`RpcOptions::backend`]. Registering a name twice is an error that names it.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tensorwire_rpc::{backend_registered, construct_rpc_backend_options};
+//!
+//! assert!(backend_registered("TCP"));
+//! let options = construct_rpc_backend_options("TCP", Duration::from_secs(30), "env://").unwrap();
+//! assert_eq!(options.rpc_timeout, Duration::from_secs(30));
+//! assert!(construct_rpc_backend_options("SMOKE_SIGNALS", Duration::ZERO, "env://").is_err());
+//! ```
+
+use std::sync::{Arc, LazyLock, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tensorwire_core::registry::{Registry, RegistryError, RegistryKind, RpcBackend};
+use tensorwire_process_group::Rendezvous;
+use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
+
+use crate::agent::{cluster_secret, start_agent, Agent};
+use crate::error::RpcError;
+use crate::options::RpcOptions;
+
+/// An RPC backend as this crate's registry holds it.
+pub type DynRpcBackend =
+    dyn RpcBackend<Options = RpcOptions, Store = Rendezvous, Agent = Agent, Error = RpcError>;
+
+static BACKENDS: LazyLock<RwLock<Registry<DynRpcBackend>>> = LazyLock::new(|| {
+    let mut registry = Registry::new(RegistryKind::RpcBackend);
+    registry
+        .register(TCP_BACKEND, Arc::new(TcpBackend) as Arc<DynRpcBackend>)
+        .unwrap_or_else(|_| unreachable!("the registry starts empty"));
+    RwLock::new(registry)
+});
+
+/// The name of the built-in TCP backend.
+pub const TCP_BACKEND: &str = "TCP";
+
+/// Registers `backend` under `name`. A name taken already is an error that names it
+/// (`RPC backend NAME: already registered`).
+pub fn register_backend(name: &str, backend: Arc<DynRpcBackend>) -> Result<(), RegistryError> {
+    BACKENDS
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .register(name, backend)
+}
+
+/// Whether a backend is registered under `name`.
+pub fn backend_registered(name: &str) -> bool {
+    BACKENDS
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .is_registered(name)
+}
+
+/// Names of the registered backends, in registration order.
+pub fn registered_backends() -> Vec<String> {
+    BACKENDS
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .names()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// PyTorch's `construct_rpc_backend_options`: the options of backend `name` from the common ones.
+pub fn construct_rpc_backend_options(
+    name: &str,
+    rpc_timeout: Duration,
+    init_method: &str,
+) -> Result<RpcOptions, RpcError> {
+    let backend = lookup(name)?;
+    let mut options = backend.construct_options(rpc_timeout, init_method)?;
+    options.backend = name.to_owned();
+    Ok(options)
+}
+
+pub(crate) fn lookup(name: &str) -> Result<Arc<DynRpcBackend>, RpcError> {
+    BACKENDS
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(name)
+        .map_err(RpcError::Backend)
+}
+
+/// The built-in backend: the agent over tokio TCP with the cluster secret.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TcpBackend;
+
+#[async_trait]
+impl RpcBackend for TcpBackend {
+    type Options = RpcOptions;
+    type Store = Rendezvous;
+    type Agent = Agent;
+    type Error = RpcError;
+
+    fn construct_options(
+        &self,
+        rpc_timeout: Duration,
+        init_method: &str,
+    ) -> Result<RpcOptions, RpcError> {
+        Ok(RpcOptions {
+            rpc_timeout,
+            init_method: init_method.to_owned(),
+            backend: TCP_BACKEND.into(),
+            ..RpcOptions::default()
+        })
+    }
+
+    async fn init_backend(
+        &self,
+        store: Rendezvous,
+        name: &str,
+        rank: usize,
+        world_size: Option<usize>,
+        options: RpcOptions,
+    ) -> Result<Agent, RpcError> {
+        let world_size = world_size.ok_or_else(|| {
+            RpcError::Init("dynamic groups (world_size = None) are not supported yet".into())
+        })?;
+        let config = TcpConfig::resolve(cluster_secret(&options)?, options.insecure)?;
+        let transport = Arc::new(TcpTransport::new(config)?);
+        start_agent(transport, store, name, rank, world_size, options).await
+    }
+}
