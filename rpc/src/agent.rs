@@ -1031,7 +1031,12 @@ impl Agent {
         let reader = tokio::spawn(async move {
             loop {
                 match conn.recv().await {
-                    Ok(frame) => agent.on_frame(peer, frame),
+                    Ok(frame) => {
+                        if let Err(reason) = agent.on_frame(peer, frame) {
+                            agent.peer_lost(peer, &reason);
+                            return;
+                        }
+                    }
                     Err(e) => {
                         if agent.lock().ep.state() == tensorwire_core::protocol::RunState::Running {
                             agent.peer_lost(peer, &e.to_string());
@@ -1057,25 +1062,21 @@ impl Agent {
         self.pump();
     }
 
-    fn on_frame(&self, from: WorkerId, frame: Frame) {
-        let envelope: Envelope = match postcard::from_bytes(&frame.header) {
-            Ok(e) => e,
-            Err(e) => {
-                warn!("dropping a malformed message from rank {from}: {e}");
-                return;
-            }
-        };
+    /// Hands a received frame to the endpoint. A frame that breaks the protocol is an error:
+    /// the connection to that peer is dropped (its calls fail naming it), never a silent loss.
+    fn on_frame(&self, from: WorkerId, frame: Frame) -> Result<(), String> {
+        let envelope: Envelope = postcard::from_bytes(&frame.header)
+            .map_err(|e| format!("sent a malformed message header ({e})"))?;
         let mut payloads = frame.payloads.into_iter();
         let body = match payloads.next() {
             Some(data) => {
                 let bytes: Vec<Bytes> = payloads.collect();
                 if bytes.len() != envelope.tensors.len() {
-                    warn!(
-                        "dropping a message from rank {from}: it announces {} tensors and carries {}",
+                    return Err(format!(
+                        "sent a message that announces {} tensors and carries {}",
                         envelope.tensors.len(),
                         bytes.len()
-                    );
-                    return;
+                    ));
                 }
                 let tensors = envelope.tensors.into_iter().zip(bytes).collect();
                 Some(Body {
@@ -1090,6 +1091,7 @@ impl Agent {
             .ep
             .handle_message(from, envelope.header, body, Instant::now());
         self.pump();
+        Ok(())
     }
 
     fn send(&self, st: &mut State, t: Transmit<Body>) {
