@@ -11,10 +11,16 @@
 //! - [`reverse`]: reverse device maps and the device list an agent handles.
 //! - [`plan`]: a whole cluster plan checked at once (what `tensorwire validate` runs).
 //! - [`registry`]: named registries for RPC backends and process-group factories.
+//! - [`wire`]: the frame format: fixed prefix, postcard frame header, raw payloads; bounded decoder.
+//! - [`ports`]: the traits adapters implement ([`Transport`](ports::transport::Transport), ...).
+//! - [`auth`]: challenge-response authentication on a cluster secret (HMAC-SHA256).
 
+pub mod auth;
 pub mod device;
 pub mod name;
 pub mod plan;
+pub mod ports;
 pub mod registry;
 pub mod reverse;
 pub mod validate;
+pub mod wire;

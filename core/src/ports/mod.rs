@@ -1,0 +1,10 @@
+//! The ports: traits that adapters implement and the runtime drives.
+//!
+//! Each trait is small and object-safe (`Box<dyn ...>`/`Arc<dyn ...>`), async through
+//! `async-trait`, and states its contract in its docs so every adapter can be checked against
+//! the same conformance suite.
+//!
+//! - [`transport`]: [`Transport`](transport::Transport): listen, connect, send and receive
+//!   [`Frame`](crate::wire::Frame)s.
+
+pub mod transport;

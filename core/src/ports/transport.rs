@@ -1,0 +1,182 @@
+//! The `Transport` port: authenticated, framed, bidirectional connections between workers.
+//!
+//! A [`Transport`] listens and connects; both give a [`Connection`] to one peer, already
+//! authenticated (cluster secret for TCP, mutual TLS for QUIC) before any frame is decoded. A
+//! connection sends and receives [`Frame`]s, checked against the transport's
+//! [`WireLimits`](crate::wire::WireLimits).
+//!
+//! # Contract (what the conformance suite checks)
+//! - `send` and `recv` take `&self`: one reader task and any number of concurrent sender tasks
+//!   can share a connection through an `Arc<dyn Connection>`. Concurrent `send`s never
+//!   interleave the bytes of two frames.
+//! - Order: frames from one peer arrive in the order their `send` calls were *made* when each
+//!   `send` was awaited before the next began (sequential sends from one task). Frames from
+//!   concurrent `send`s arrive each exactly once, in some order. An adapter may deliver frames
+//!   of different sizes in parallel (QUIC: one stream per frame) only if it keeps this rule.
+//! - A frame is delivered whole or not at all. A peer that goes away between frames gives
+//!   [`TransportError::Closed`]; one that goes away in the middle of a frame gives
+//!   [`TransportError::ClosedMidFrame`]. Neither hangs.
+//! - Bad bytes from a peer (garbage, oversized lengths) give [`TransportError::Wire`] and close
+//!   that connection; the listener and other connections carry on.
+//! - A peer that fails authentication never reaches [`Listener::accept`]: the listener logs its
+//!   address and keeps accepting. The connecting side's `connect` gets
+//!   [`TransportError::Authentication`].
+//!
+//! Timeouts are the caller's business (wrap calls in the runtime's timeout); adapters bound only
+//! the authentication handshake.
+
+use std::net::SocketAddr;
+
+use async_trait::async_trait;
+
+use crate::auth::AuthError;
+use crate::wire::{Frame, WireError};
+
+/// A way to reach other workers: TCP, QUIC, ...
+#[async_trait]
+pub trait Transport: Send + Sync + 'static {
+    /// A short name for logs and benchmarks (`"tcp"`, `"quic"`).
+    fn name(&self) -> &'static str;
+
+    /// Starts listening on `addr` (port 0 picks a free port; see [`Listener::local_addr`]).
+    async fn listen(&self, addr: SocketAddr) -> Result<Box<dyn Listener>, TransportError>;
+
+    /// Connects to a listener at `addr` and authenticates.
+    async fn connect(&self, addr: SocketAddr) -> Result<Box<dyn Connection>, TransportError>;
+}
+
+/// Accepts authenticated connections. Dropping it stops listening.
+#[async_trait]
+pub trait Listener: Send + Sync {
+    /// The address it listens on.
+    fn local_addr(&self) -> SocketAddr;
+
+    /// The next authenticated connection. Peers that fail authentication or the handshake are
+    /// logged and skipped; an error here means the listener itself cannot go on.
+    async fn accept(&self) -> Result<Box<dyn Connection>, TransportError>;
+}
+
+/// An authenticated connection to one peer.
+#[async_trait]
+pub trait Connection: Send + Sync {
+    /// The peer's address.
+    fn peer_addr(&self) -> SocketAddr;
+
+    /// Sends one frame. Returns once the frame is handed to the operating system (or QUIC
+    /// stack), not when the peer has read it. A frame over the limits fails with
+    /// [`TransportError::Wire`] without sending anything.
+    async fn send(&self, frame: Frame) -> Result<(), TransportError>;
+
+    /// Receives the next frame. Meant for one reader task; concurrent callers are served one
+    /// after the other.
+    async fn recv(&self) -> Result<Frame, TransportError>;
+
+    /// Closes the sending direction gracefully after frames already sent: the peer's `recv`
+    /// then gives [`TransportError::Closed`]. Frames can still be received.
+    async fn close(&self) -> Result<(), TransportError>;
+}
+
+/// Why a transport operation failed. Every variant names the peer (or local) address.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// The handshake failed: the peer does not know the cluster secret, we do not, or (QUIC)
+    /// its certificate is not signed by the cluster CA.
+    #[error("authentication with {peer} failed: {reason}")]
+    Authentication {
+        /// The peer.
+        peer: SocketAddr,
+        /// Why, in words.
+        reason: String,
+        /// The core handshake error, when the shared challenge-response decided.
+        #[source]
+        source: Option<AuthError>,
+    },
+    /// The peer closed the connection between frames.
+    #[error("connection to {peer} closed by the peer")]
+    Closed {
+        /// The peer.
+        peer: SocketAddr,
+    },
+    /// The peer closed the connection (or it broke) in the middle of a frame.
+    #[error("connection to {peer} closed in the middle of a frame: {source}")]
+    ClosedMidFrame {
+        /// The peer.
+        peer: SocketAddr,
+        /// How much of the frame had arrived.
+        #[source]
+        source: WireError,
+    },
+    /// The peer sent bytes that are not a valid frame, or a frame to send breaks the limits.
+    /// The connection is closed.
+    #[error("bad frame on the connection to {peer}: {source}")]
+    Wire {
+        /// The peer.
+        peer: SocketAddr,
+        /// What was wrong.
+        #[source]
+        source: WireError,
+    },
+    /// An operating-system or QUIC-stack error.
+    #[error("I/O error on {addr} while {op}: {message}")]
+    Io {
+        /// The peer's address, or the local address for `listen`.
+        addr: SocketAddr,
+        /// What was being done (`"connecting"`, `"sending"`, ...).
+        op: &'static str,
+        /// The error kind, where the OS gave one.
+        kind: std::io::ErrorKind,
+        /// The error message.
+        message: String,
+    },
+    /// The transport is misconfigured (no secret and not explicitly insecure, unreadable
+    /// certificate, ...).
+    #[error("transport configuration: {0}")]
+    Config(String),
+}
+
+impl TransportError {
+    /// An [`Io`](Self::Io) error from a [`std::io::Error`].
+    pub fn io(addr: SocketAddr, op: &'static str, err: &std::io::Error) -> Self {
+        TransportError::Io {
+            addr,
+            op,
+            kind: err.kind(),
+            message: err.to_string(),
+        }
+    }
+
+    /// Whether this is a clean close between frames.
+    pub fn is_clean_close(&self) -> bool {
+        matches!(self, TransportError::Closed { .. })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traits_are_object_safe_and_shareable() {
+        fn assert_send_sync<T: Send + Sync + ?Sized>() {}
+        assert_send_sync::<dyn Transport>();
+        assert_send_sync::<dyn Listener>();
+        assert_send_sync::<dyn Connection>();
+        let _: Option<std::sync::Arc<dyn Connection>> = None;
+    }
+
+    #[test]
+    fn errors_name_the_peer() {
+        let peer: SocketAddr = "127.0.0.1:4000".parse().unwrap();
+        let e = TransportError::Authentication {
+            peer,
+            reason: "wrong secret".into(),
+            source: Some(AuthError::ServerProofMismatch),
+        };
+        assert!(e.to_string().contains("127.0.0.1:4000"));
+        assert!(e.to_string().contains("authentication"));
+        let e = TransportError::io(peer, "sending", &std::io::Error::other("boom"));
+        assert!(e.to_string().contains("127.0.0.1:4000") && e.to_string().contains("boom"));
+        assert!(TransportError::Closed { peer }.is_clean_close());
+    }
+}
