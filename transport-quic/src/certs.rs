@@ -26,8 +26,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose,
-    IsCa, KeyPair, KeyUsagePurpose,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose,
 };
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
@@ -62,12 +62,11 @@ impl std::fmt::Debug for ClusterCa {
 }
 
 fn ca_params() -> Result<CertificateParams, QuicError> {
-    let mut params = CertificateParams::new(Vec::<String>::new()).map_err(|source| {
-        QuicError::Generate {
+    let mut params =
+        CertificateParams::new(Vec::<String>::new()).map_err(|source| QuicError::Generate {
             what: "cluster CA parameters".into(),
             source,
-        }
-    })?;
+        })?;
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, CA_COMMON_NAME);
     dn.push(DnType::OrganizationName, ORGANIZATION);
@@ -215,7 +214,8 @@ impl ClusterCa {
         if is_dns_name(name) && name != CLUSTER_SERVER_NAME {
             sans.push(name.to_string());
         }
-        let mut params = CertificateParams::new(sans).map_err(generate("certificate parameters"))?;
+        let mut params =
+            CertificateParams::new(sans).map_err(generate("certificate parameters"))?;
         let mut dn = DistinguishedName::new();
         dn.push(DnType::CommonName, name);
         dn.push(DnType::OrganizationName, ORGANIZATION);
@@ -447,7 +447,11 @@ mod tests {
         fs::create_dir_all(&dir).unwrap();
         let ca = ClusterCa::load_or_generate(&dir).unwrap();
         let again = ClusterCa::load_or_generate(&dir).unwrap();
-        assert_eq!(ca.cert_der(), again.cert_der(), "second load must reuse the CA");
+        assert_eq!(
+            ca.cert_der(),
+            again.cert_der(),
+            "second load must reuse the CA"
+        );
         let node = ca.issue_node("worker0").unwrap();
         let (c, k) = node.write_pem_files(&dir, "worker0").unwrap();
         let loaded = NodeIdentity::from_pem_files(&c, &k).unwrap();

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use quinn::{IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
 
+use tensorwire_core::wire::WireLimits;
+
 use crate::tls::ClusterTls;
 
 /// Settings of a [`QuicTransport`](crate::QuicTransport).
@@ -33,13 +35,14 @@ pub struct QuicConfig {
     pub keep_alive: Duration,
     /// Deadline for a connection attempt, handshake and admission included.
     pub connect_timeout: Duration,
-    /// Largest frame accepted from a peer (bytes, header and payloads together).
-    pub max_frame_bytes: u64,
+    /// Bounds on frames, enforced on both sending and receiving (core's wire limits; the
+    /// largest frame is 1 GiB by default).
+    pub limits: WireLimits,
 }
 
 impl QuicConfig {
     /// Defaults for `tls`: 16 MiB socket buffers, 64 MiB stream and 256 MiB connection
-    /// windows, 4096 concurrent frames, MTU discovery up to 64 KiB, 1 GiB frames.
+    /// windows, 4096 concurrent frames, MTU discovery up to 64 KiB, core's default wire limits.
     pub fn new(tls: ClusterTls) -> Self {
         Self {
             tls,
@@ -50,10 +53,10 @@ impl QuicConfig {
             max_concurrent_frames: 4096,
             initial_mtu: 1200,
             max_mtu: 65_000,
-            idle_timeout: Duration::from_secs(60),
-            keep_alive: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(30),
+            keep_alive: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(10),
-            max_frame_bytes: 1 << 30,
+            limits: WireLimits::default(),
         }
     }
 

@@ -47,8 +47,8 @@ impl DoneSet {
     }
 
     fn covers(&self, deps: &Deps) -> bool {
-        let range_done = deps.below <= self.below
-            || (self.below..deps.below).all(|s| self.above.contains(&s));
+        let range_done =
+            deps.below <= self.below || (self.below..deps.below).all(|s| self.above.contains(&s));
         range_done && deps.extra.iter().all(|&s| self.contains(s))
     }
 }
@@ -182,7 +182,10 @@ impl std::fmt::Display for DepsError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             DepsError::TooMany(n) => {
-                write!(f, "{n} ordering dependencies, more than the {MAX_EXTRA} allowed")
+                write!(
+                    f,
+                    "{n} ordering dependencies, more than the {MAX_EXTRA} allowed"
+                )
             }
             DepsError::NotBefore { dep, seq } => {
                 write!(f, "stream {seq} depends on later stream {dep}")
@@ -275,7 +278,10 @@ mod tests {
         encode(&d, &mut buf);
         assert_eq!(buf.len(), encoded_len(&d));
         assert_eq!(check(&d, 12), Ok(()));
-        assert_eq!(check(&d, 11), Err(DepsError::NotBefore { dep: 11, seq: 11 }));
+        assert_eq!(
+            check(&d, 11),
+            Err(DepsError::NotBefore { dep: 11, seq: 11 })
+        );
         assert!(matches!(check(&d, 5), Err(DepsError::NotBefore { .. })));
     }
 

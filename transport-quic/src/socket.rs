@@ -29,7 +29,8 @@ pub fn bind_udp(
     buffer_bytes: usize,
 ) -> Result<(std::net::UdpSocket, GrantedBuffers), QuicError> {
     let err = |source| QuicError::Socket { addr, source };
-    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP)).map_err(err)?;
+    let socket =
+        Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP)).map_err(err)?;
     if addr.is_ipv6() {
         // Dual-stack where the OS allows it; failure only means IPv6-only, which is fine.
         let _ = socket.set_only_v6(false);

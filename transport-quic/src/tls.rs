@@ -91,12 +91,13 @@ impl ClusterTls {
     /// cluster CA.
     pub fn server_crypto(&self) -> Result<QuicServerConfig, QuicError> {
         let provider = Self::provider();
-        let verifier = WebPkiClientVerifier::builder_with_provider(self.root_store()?, provider.clone())
-            .build()
-            .map_err(|e| QuicError::Tls {
-                what: "client certificate verifier",
-                reason: e.to_string(),
-            })?;
+        let verifier =
+            WebPkiClientVerifier::builder_with_provider(self.root_store()?, provider.clone())
+                .build()
+                .map_err(|e| QuicError::Tls {
+                    what: "client certificate verifier",
+                    reason: e.to_string(),
+                })?;
         let mut config = rustls::ServerConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| QuicError::Tls {
@@ -104,7 +105,10 @@ impl ClusterTls {
                 reason: e.to_string(),
             })?
             .with_client_cert_verifier(verifier)
-            .with_single_cert(self.identity.chain().to_vec(), self.identity.key().clone_key())
+            .with_single_cert(
+                self.identity.chain().to_vec(),
+                self.identity.key().clone_key(),
+            )
             .map_err(|e| QuicError::Tls {
                 what: "server certificate and key",
                 reason: e.to_string(),
@@ -126,7 +130,10 @@ impl ClusterTls {
                 reason: e.to_string(),
             })?
             .with_root_certificates(self.root_store()?)
-            .with_client_auth_cert(self.identity.chain().to_vec(), self.identity.key().clone_key())
+            .with_client_auth_cert(
+                self.identity.chain().to_vec(),
+                self.identity.key().clone_key(),
+            )
             .map_err(|e| QuicError::Tls {
                 what: "client certificate and key",
                 reason: e.to_string(),
