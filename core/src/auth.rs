@@ -15,6 +15,11 @@
 //!                                                  ◀─────  VERDICT = "TWAUTHOK"
 //! ```
 //!
+//! A connecting side that runs without a secret (explicitly insecure) sends
+//! [`insecure_hello`] instead; an accepting side without a secret answers it with the verdict
+//! at once, one with a secret closes the connection (and vice versa), so a missing secret on
+//! either side shows up as a failed handshake rather than as garbled frames.
+//!
 //! Nonces come from the caller (this crate has no random source). Messages have fixed lengths,
 //! so a transport reads exactly [`HELLO_LEN`], [`CHALLENGE_LEN`], [`PROOF_LEN`] and
 //! [`VERDICT_LEN`] bytes; it only moves them. A side that finds a wrong proof closes the
@@ -33,6 +38,9 @@ pub const NONCE_LEN: usize = 32;
 pub const MAC_LEN: usize = 32;
 /// Magic and version at the start of HELLO.
 pub const HELLO_MAGIC: [u8; 8] = *b"TWAUTH01";
+/// Magic of HELLO from a connecting side that runs without a secret (explicitly insecure). It
+/// lets both sides say clearly that one of them has no secret, instead of failing obscurely.
+pub const HELLO_INSECURE_MAGIC: [u8; 8] = *b"TWNOAUTH";
 /// The accepting side's verdict when the connecting side proved the secret.
 pub const VERDICT_OK: [u8; 8] = *b"TWAUTHOK";
 /// Length of HELLO (client to server).
@@ -87,6 +95,12 @@ pub enum AuthError {
     /// authentication enabled.
     #[error("the peer did not start the authentication handshake (not a tensorwire peer, or one without a secret)")]
     NotAHandshake,
+    /// The connecting side runs without a secret, but the accepting side requires one.
+    #[error("the connecting side has no cluster secret, but this side requires one")]
+    PeerHasNoSecret,
+    /// The connecting side authenticates, but the accepting side runs without a secret.
+    #[error("the connecting side authenticates with a cluster secret, but this side runs without one (insecure)")]
+    PeerHasSecret,
     /// The accepting side's proof is wrong: it does not know the cluster secret.
     #[error("the accepting side does not know the cluster secret (its proof does not match)")]
     ServerProofMismatch,
@@ -96,6 +110,37 @@ pub enum AuthError {
     /// The accepting side answered with something other than [`VERDICT_OK`].
     #[error("the accepting side refused the handshake")]
     Refused,
+}
+
+/// HELLO of a connecting side that runs without a secret. An accepting side without a secret
+/// answers it with [`VERDICT_OK`]; one with a secret closes the connection.
+pub fn insecure_hello() -> [u8; HELLO_LEN] {
+    let mut hello = [0u8; HELLO_LEN];
+    hello[..HELLO_MAGIC.len()].copy_from_slice(&HELLO_INSECURE_MAGIC);
+    hello
+}
+
+/// What a HELLO announces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hello {
+    /// The connecting side authenticates; its nonce.
+    Authenticated([u8; NONCE_LEN]),
+    /// The connecting side runs without a secret.
+    Insecure,
+}
+
+/// Reads a HELLO.
+pub fn parse_hello(hello: &[u8; HELLO_LEN]) -> Result<Hello, AuthError> {
+    let (magic, nonce) = hello.split_at(HELLO_MAGIC.len());
+    if magic == HELLO_MAGIC {
+        let mut n = [0u8; NONCE_LEN];
+        n.copy_from_slice(nonce);
+        Ok(Hello::Authenticated(n))
+    } else if magic == HELLO_INSECURE_MAGIC {
+        Ok(Hello::Insecure)
+    } else {
+        Err(AuthError::NotAHandshake)
+    }
 }
 
 /// The connecting side of a handshake.
@@ -160,12 +205,10 @@ impl ServerHandshake {
         &mut self,
         hello: &[u8; HELLO_LEN],
     ) -> Result<[u8; CHALLENGE_LEN], AuthError> {
-        let (magic, client_nonce) = hello.split_at(HELLO_MAGIC.len());
-        if magic != HELLO_MAGIC {
-            return Err(AuthError::NotAHandshake);
-        }
-        let mut cn = [0u8; NONCE_LEN];
-        cn.copy_from_slice(client_nonce);
+        let cn = match parse_hello(hello)? {
+            Hello::Authenticated(cn) => cn,
+            Hello::Insecure => return Err(AuthError::PeerHasNoSecret),
+        };
         self.client_nonce = Some(cn);
         let mut challenge = [0u8; CHALLENGE_LEN];
         challenge[..NONCE_LEN].copy_from_slice(&self.nonce);

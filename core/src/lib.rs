@@ -24,3 +24,6 @@ pub mod registry;
 pub mod reverse;
 pub mod validate;
 pub mod wire;
+
+#[cfg(test)]
+mod proptests;

@@ -38,6 +38,7 @@ use crate::device::{Device, DeviceList, DeviceMap, DeviceMaps};
 
 /// What one worker tells the others about its devices, as PyTorch's agents exchange it at init.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct WorkerDeviceInfo {
     /// The worker's name.
     pub name: String,
@@ -296,6 +297,8 @@ fn has_duplicates<I: IntoIterator<Item = Device>>(devices: I) -> bool {
 /// assert_eq!(err.kind(), DeviceMapErrorKind::DuplicatedTargetDevices);
 /// assert!(err.to_string().starts_with("Node trainer has duplicated target devices in its device map for ps"));
 /// ```
+// The error is large, but it is returned at most once per init, never on a hot path.
+#[allow(clippy::result_large_err)]
 pub fn validate_device_maps(
     workers: &[WorkerDeviceInfo],
     group: GroupKind,
@@ -369,29 +372,26 @@ pub fn validate_device_maps(
                     device_count: source.device_count,
                 });
             }
-            match by_name.get(target) {
-                Some(dest) if !dest.devices.is_empty() => {
-                    if !map.targets().all(|d| dest.devices.contains(&d)) {
-                        return Err(DeviceMapError::UnexpectedTargetDevices {
-                            node: source.name.clone(),
-                            target: target.to_owned(),
-                            map: map.clone(),
-                            devices: dest.devices.clone(),
-                        });
-                    }
+            // Dynamic groups: a destination that has not joined yet is not checked.
+            let Some(dest) = by_name.get(target) else {
+                continue;
+            };
+            if !dest.devices.is_empty() {
+                if !map.targets().all(|d| dest.devices.contains(&d)) {
+                    return Err(DeviceMapError::UnexpectedTargetDevices {
+                        node: source.name.clone(),
+                        target: target.to_owned(),
+                        map: map.clone(),
+                        devices: dest.devices.clone(),
+                    });
                 }
-                Some(dest) => {
-                    if !all_exist(map.targets(), dest.device_count) {
-                        return Err(DeviceMapError::InvalidTargetDeviceIndices {
-                            node: source.name.clone(),
-                            target: target.to_owned(),
-                            map: map.clone(),
-                            device_count: dest.device_count,
-                        });
-                    }
-                }
-                // Dynamic groups: the destination has not joined yet.
-                None => {}
+            } else if !all_exist(map.targets(), dest.device_count) {
+                return Err(DeviceMapError::InvalidTargetDeviceIndices {
+                    node: source.name.clone(),
+                    target: target.to_owned(),
+                    map: map.clone(),
+                    device_count: dest.device_count,
+                });
             }
         }
     }

@@ -51,7 +51,14 @@ fn ci() -> Result<()> {
     run("cargo", &["fmt", "--all", "--", "--check"], &[])?;
     run(
         "cargo",
-        &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
         &[],
     )?;
     if has_nextest() {

@@ -1,0 +1,195 @@
+//! One authenticated TCP connection: framed sends and receives.
+
+use std::io::IoSlice;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use async_trait::async_trait;
+use bytes::BytesMut;
+use tensorwire_core::ports::transport::{Connection, TransportError};
+use tensorwire_core::wire::{Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::Mutex;
+
+/// Segments with at least this many bytes still missing are read straight into their final
+/// buffer; smaller reads go through the read buffer (one read syscall for many small frames).
+const DIRECT_READ_MIN: usize = 64 << 10;
+/// Size of the read buffer.
+const READ_BUF: usize = 64 << 10;
+/// At most this many slices per vectored write (Linux's IOV_MAX is 1024).
+const MAX_IOV: usize = 64;
+
+/// Sets the socket options every connection uses.
+pub(crate) fn prepare(stream: TcpStream, peer: SocketAddr) -> Result<TcpStream, TransportError> {
+    stream
+        .set_nodelay(true)
+        .map_err(|e| TransportError::io(peer, "setting TCP_NODELAY", &e))?;
+    Ok(stream)
+}
+
+struct Reader {
+    half: OwnedReadHalf,
+    decoder: FrameDecoder,
+    buf: BytesMut,
+}
+
+/// An authenticated TCP connection.
+pub(crate) struct TcpConnection {
+    peer: SocketAddr,
+    limits: WireLimits,
+    reader: Mutex<Reader>,
+    writer: Mutex<OwnedWriteHalf>,
+    /// Set when a send was abandoned half-way (its future dropped) or failed: the byte stream
+    /// may hold part of a frame, so nothing more can be sent.
+    write_broken: AtomicBool,
+}
+
+impl std::fmt::Debug for TcpConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpConnection")
+            .field("peer", &self.peer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TcpConnection {
+    pub(crate) fn new(stream: TcpStream, peer: SocketAddr, limits: WireLimits) -> Self {
+        let (read, write) = stream.into_split();
+        TcpConnection {
+            peer,
+            limits,
+            reader: Mutex::new(Reader {
+                half: read,
+                decoder: FrameDecoder::new(limits),
+                buf: BytesMut::with_capacity(READ_BUF),
+            }),
+            writer: Mutex::new(write),
+            write_broken: AtomicBool::new(false),
+        }
+    }
+
+    fn eof_error(&self, decoder: &FrameDecoder) -> TransportError {
+        match decoder.finish() {
+            Ok(()) => TransportError::Closed { peer: self.peer },
+            Err(e @ WireError::Truncated { .. }) => TransportError::ClosedMidFrame {
+                peer: self.peer,
+                source: e,
+            },
+            Err(e) => TransportError::Wire {
+                peer: self.peer,
+                source: e,
+            },
+        }
+    }
+
+    fn read_error(&self, decoder: &FrameDecoder, e: &std::io::Error) -> TransportError {
+        use std::io::ErrorKind::*;
+        match e.kind() {
+            ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof => {
+                self.eof_error(decoder)
+            }
+            _ => TransportError::io(self.peer, "receiving", e),
+        }
+    }
+}
+
+/// Marks the write side broken unless disarmed: covers errors and dropped send futures.
+struct BrokenOnDrop<'a>(&'a AtomicBool, bool);
+
+impl Drop for BrokenOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.1 {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+}
+
+#[async_trait]
+impl Connection for TcpConnection {
+    fn peer_addr(&self) -> SocketAddr {
+        self.peer
+    }
+
+    async fn send(&self, frame: Frame) -> Result<(), TransportError> {
+        let mut out =
+            OutgoingFrame::new(frame, &self.limits).map_err(|source| TransportError::Wire {
+                peer: self.peer,
+                source,
+            })?;
+        let mut writer = self.writer.lock().await;
+        if self.write_broken.load(Ordering::Acquire) {
+            return Err(TransportError::Io {
+                addr: self.peer,
+                op: "sending",
+                kind: std::io::ErrorKind::BrokenPipe,
+                message: "an earlier send failed or was cancelled half-way; the connection \
+                          cannot send any more"
+                    .to_owned(),
+            });
+        }
+        let mut guard = BrokenOnDrop(&self.write_broken, true);
+        while !out.is_done() {
+            let mut slices = [IoSlice::new(&[]); MAX_IOV];
+            let n = out.io_slices(&mut slices);
+            let written = writer
+                .write_vectored(&slices[..n])
+                .await
+                .map_err(|e| TransportError::io(self.peer, "sending", &e))?;
+            if written == 0 {
+                return Err(TransportError::Io {
+                    addr: self.peer,
+                    op: "sending",
+                    kind: std::io::ErrorKind::WriteZero,
+                    message: "the socket accepted no bytes".to_owned(),
+                });
+            }
+            out.advance(written);
+        }
+        guard.1 = false;
+        Ok(())
+    }
+
+    async fn recv(&self) -> Result<Frame, TransportError> {
+        let mut guard = self.reader.lock().await;
+        let r = &mut *guard;
+        loop {
+            match r.decoder.decode(&mut r.buf) {
+                Ok(Some(frame)) => return Ok(frame),
+                Ok(None) => {}
+                Err(source) => {
+                    // Close both directions at once: the peer sees the connection go away and
+                    // we do not need the writer's lock (a sender may hold it).
+                    let _ =
+                        socket2::SockRef::from(r.half.as_ref()).shutdown(std::net::Shutdown::Both);
+                    tracing::warn!(peer = %self.peer, error = %source, "closing connection: bad frame");
+                    return Err(TransportError::Wire {
+                        peer: self.peer,
+                        source,
+                    });
+                }
+            }
+            // The decoder consumed everything buffered; read more.
+            let read = if let Some(mut direct) = r.decoder.direct_read_buf(DIRECT_READ_MIN) {
+                r.half.read_buf(&mut direct).await
+            } else {
+                r.buf.reserve(READ_BUF);
+                r.half.read_buf(&mut r.buf).await
+            };
+            match read {
+                Ok(0) => return Err(self.eof_error(&r.decoder)),
+                Ok(_) => {}
+                Err(e) => return Err(self.read_error(&r.decoder, &e)),
+            }
+        }
+    }
+
+    async fn close(&self) -> Result<(), TransportError> {
+        let mut writer = self.writer.lock().await;
+        writer
+            .shutdown()
+            .await
+            .map_err(|e| TransportError::io(self.peer, "closing", &e))
+    }
+}

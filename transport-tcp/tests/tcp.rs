@@ -1,0 +1,206 @@
+//! TCP-specific behaviour beyond the conformance suite (which lives in `tensorwire-tests`):
+//! logs of refused peers, where the secret comes from, and mismatched security settings.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{anyhow, ensure, Result};
+use bytes::Bytes;
+use tensorwire_core::ports::transport::{Transport, TransportError};
+use tensorwire_core::wire::{Frame, WireError, WireLimits};
+use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport, SECRET_ENV};
+
+const T: Duration = Duration::from_secs(20);
+
+fn localhost() -> std::net::SocketAddr {
+    "127.0.0.1:0".parse().unwrap()
+}
+
+async fn within<F: std::future::Future>(fut: F) -> Result<F::Output> {
+    tokio::time::timeout(T, fut)
+        .await
+        .map_err(|_| anyhow!("timed out after {T:?}"))
+}
+
+fn with_secret(s: &str) -> TcpTransport {
+    TcpTransport::new(TcpConfig::new(ClusterSecret::new(s).unwrap())).unwrap()
+}
+
+/// Captured log output; wakes waiters on every write.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>, Arc<tokio::sync::Notify>);
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        self.1.notify_waiters();
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+
+    /// Waits until the logs contain `needle`.
+    async fn wait_for(&self, needle: &str) -> Result<()> {
+        within(async {
+            loop {
+                let written = self.1.notified();
+                if self.text().contains(needle) {
+                    return;
+                }
+                written.await;
+            }
+        })
+        .await
+        .map_err(|e| anyhow!("{e} waiting for {needle:?} in the logs: {}", self.text()))
+    }
+}
+
+/// A wrong secret: the connecting side hears that authentication failed, the accepting side
+/// logs the peer's address; an insecure transport logs a warning.
+#[tokio::test(flavor = "current_thread")]
+async fn wrong_secret_is_logged_with_the_peer_address() -> Result<()> {
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let listener = with_secret("right").listen(localhost()).await?;
+    let err = within(with_secret("wrong").connect(listener.local_addr()))
+        .await?
+        .err()
+        .ok_or_else(|| anyhow!("a wrong secret was accepted"))?;
+    ensure!(
+        matches!(err, TransportError::Authentication { .. }),
+        "unexpected error {err}"
+    );
+    ensure!(err.to_string().contains("authentication"), "{err}");
+    ensure!(err.to_string().contains("wrong cluster secret"), "{err}");
+
+    // The listener's handshake task logs the refusal (with the peer's address) on its own.
+    logs.wait_for("authentication failed").await?;
+    let text = logs.text();
+    ensure!(
+        text.contains("peer=127.0.0.1:"),
+        "log lacks the peer address: {text}"
+    );
+
+    let _insecure = TcpTransport::new(TcpConfig::insecure())?;
+    ensure!(
+        logs.text().contains("WITHOUT authentication"),
+        "no warning for an insecure transport: {}",
+        logs.text()
+    );
+    Ok(())
+}
+
+/// Both sides without a secret work together (when asked for); mixing fails the handshake.
+#[tokio::test]
+async fn insecure_only_with_insecure() -> Result<()> {
+    let insecure = TcpTransport::new(TcpConfig::insecure())?;
+    let listener = insecure.listen(localhost()).await?;
+    let (client, server) =
+        within(async { tokio::join!(insecure.connect(listener.local_addr()), listener.accept()) })
+            .await?;
+    let (client, server) = (client?, server?);
+    client.send(Frame::message(&b"hi"[..], vec![])).await?;
+    ensure!(&within(server.recv()).await??.header[..] == b"hi");
+
+    // A client with a secret refuses an insecure listener.
+    let err = within(with_secret("s").connect(listener.local_addr()))
+        .await?
+        .err()
+        .ok_or_else(|| anyhow!("a secure client accepted an insecure listener"))?;
+    ensure!(
+        matches!(err, TransportError::Authentication { .. }),
+        "{err}"
+    );
+
+    // An insecure client is refused by a listener with a secret.
+    let secure = with_secret("s").listen(localhost()).await?;
+    let err = within(insecure.connect(secure.local_addr()))
+        .await?
+        .err()
+        .ok_or_else(|| anyhow!("an insecure client got in"))?;
+    ensure!(
+        err.to_string().contains("requires a cluster secret"),
+        "{err}"
+    );
+    Ok(())
+}
+
+/// The secret comes from configuration first, then `TENSORWIRE_SECRET`; without either only an
+/// explicit insecure request works. (One test: it changes the process environment.)
+#[tokio::test]
+async fn secret_resolution() -> Result<()> {
+    std::env::remove_var(SECRET_ENV);
+    let err = TcpConfig::from_env().unwrap_err();
+    ensure!(err.to_string().contains(SECRET_ENV), "{err}");
+    ensure!(TcpConfig::resolve(None, true)?.secret().is_none());
+
+    std::env::set_var(SECRET_ENV, "from-env");
+    let from_env = TcpTransport::new(TcpConfig::from_env()?)?;
+    let listener = with_secret("from-env").listen(localhost()).await?;
+    let (c, s) =
+        within(async { tokio::join!(from_env.connect(listener.local_addr()), listener.accept()) })
+            .await?;
+    c?;
+    s?;
+    // Configuration wins over the environment.
+    let configured = TcpConfig::resolve(Some(ClusterSecret::new("configured")?), false)?;
+    let err = within(TcpTransport::new(configured)?.connect(listener.local_addr()))
+        .await?
+        .err()
+        .ok_or_else(|| anyhow!("the configured secret was ignored"))?;
+    ensure!(
+        matches!(err, TransportError::Authentication { .. }),
+        "{err}"
+    );
+    std::env::remove_var(SECRET_ENV);
+    ensure!(!format!("{:?}", TcpConfig::new(ClusterSecret::new("hidden")?)).contains("hidden"));
+    Ok(())
+}
+
+/// A frame over the sender's limits is refused before anything is sent; the connection stays
+/// usable.
+#[tokio::test]
+async fn oversized_send_is_refused_locally() -> Result<()> {
+    let t = TcpTransport::new(
+        TcpConfig::new(ClusterSecret::new("s")?)
+            .with_limits(WireLimits::default().with_max_frame_len(1000)),
+    )?;
+    let listener = t.listen(localhost()).await?;
+    let (c, s) =
+        within(async { tokio::join!(t.connect(listener.local_addr()), listener.accept()) }).await?;
+    let (c, s) = (c?, s?);
+    let err = c
+        .send(Frame::message(
+            Bytes::new(),
+            vec![Bytes::from(vec![0; 2000])],
+        ))
+        .await
+        .unwrap_err();
+    ensure!(
+        matches!(
+            err,
+            TransportError::Wire {
+                source: WireError::FrameTooLarge { .. },
+                ..
+            }
+        ),
+        "{err}"
+    );
+    c.send(Frame::message(&b"small"[..], vec![])).await?;
+    ensure!(&within(s.recv()).await??.header[..] == b"small");
+    Ok(())
+}
