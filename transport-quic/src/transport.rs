@@ -17,7 +17,8 @@
 //! QUIC cannot half-close a connection, and closing it discards data not yet delivered. So
 //! `close` sends a goodbye stream; the QUIC connection is closed (code 0) only once both sides
 //! have said goodbye and each has acknowledged the other's goodbye. A dropped connection says
-//! goodbye on its own and lingers (bounded) for the acknowledgements.
+//! goodbye on its own, closes as soon as the peer acknowledges it (nobody would read the peer's
+//! frames any more), and gives up after a bounded linger.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -109,12 +110,14 @@ impl QuicTransport {
     ) -> Result<quinn::Endpoint, QuicError> {
         let (socket, _granted) = crate::socket::bind_udp(addr, self.config.socket_buffer_bytes)?;
         let mut endpoint_config = quinn::EndpointConfig::default();
-        endpoint_config
-            .max_udp_payload_size(self.config.max_mtu.clamp(1200, 65527))
-            .map_err(|e| QuicError::Tls {
-                what: "endpoint UDP payload size",
-                reason: e.to_string(),
-            })?;
+        if self.config.max_mtu > 1472 {
+            endpoint_config
+                .max_udp_payload_size(self.config.max_mtu.min(65527))
+                .map_err(|e| QuicError::Tls {
+                    what: "endpoint UDP payload size",
+                    reason: e.to_string(),
+                })?;
+        }
         let runtime = quinn::default_runtime().ok_or_else(|| QuicError::Socket {
             addr,
             source: std::io::Error::other("no async runtime found (run inside tokio)"),
@@ -392,6 +395,8 @@ impl Terminal {
 enum Delivery {
     Frame(Frame, OwnedSemaphorePermit),
     End(Terminal),
+    /// The peer's goodbye; becomes `End(Closed)` when it leaves the order buffer.
+    PeerGoodbye,
 }
 
 #[derive(Debug, Default)]
@@ -402,6 +407,8 @@ struct CloseState {
     goodbye_acked: bool,
     /// We delivered the peer's goodbye.
     peer_goodbye: bool,
+    /// The handle was dropped: nobody will read what the peer sends any more.
+    dropped: bool,
 }
 
 struct RecvState {
@@ -422,17 +429,48 @@ struct Shared {
 }
 
 impl Shared {
-    /// Hands deliveries to `recv`, in order, unless the receiving side has already ended.
-    fn deliver(&self, f: impl FnOnce(&mut RecvOrder<Delivery>) -> Vec<Delivery>) {
-        let mut state = self.recv_state.lock().unwrap_or_else(|e| e.into_inner());
-        if state.ended {
-            return;
-        }
-        for d in f(&mut state.order) {
-            if let Delivery::End(_) = d {
-                state.ended = true;
+    /// Hands deliveries to `recv`, in order, unless the receiving side has already ended. When
+    /// the peer's goodbye comes out of the order buffer (everything sent before it delivered),
+    /// `recv` learns of the close and the goodbye is acknowledged.
+    fn deliver(self: &Arc<Self>, f: impl FnOnce(&mut RecvOrder<Delivery>) -> Vec<Delivery>) {
+        let mut acknowledge = false;
+        {
+            let mut state = self.recv_state.lock().unwrap_or_else(|e| e.into_inner());
+            if state.ended {
+                return;
             }
-            let _ = self.tx.send(d);
+            for d in f(&mut state.order) {
+                if state.ended {
+                    break;
+                }
+                let d = match d {
+                    Delivery::PeerGoodbye => {
+                        acknowledge = true;
+                        Delivery::End(Terminal::Closed)
+                    }
+                    other => other,
+                };
+                if let Delivery::End(_) = d {
+                    state.ended = true;
+                }
+                let _ = self.tx.send(d);
+            }
+        }
+        if acknowledge {
+            self.close
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .peer_goodbye = true;
+            let shared = self.clone();
+            tokio::spawn(async move {
+                let acked = shared
+                    .send_stream(TAG_GOODBYE_ACK, None, Vec::new(), "acknowledging goodbye")
+                    .await;
+                if let Err(e) = acked {
+                    tracing::debug!(peer = %shared.peer, "cannot acknowledge goodbye: {e}");
+                }
+                shared.maybe_finish();
+            });
         }
     }
 
@@ -445,10 +483,11 @@ impl Shared {
         }
     }
 
-    /// Closes the QUIC connection once both goodbyes are exchanged and acknowledged.
+    /// Closes the QUIC connection once both goodbyes are exchanged and acknowledged (or, for a
+    /// dropped handle, once the peer has acknowledged ours: nobody reads its frames any more).
     fn maybe_finish(&self) {
         let state = self.close.lock().unwrap_or_else(|e| e.into_inner());
-        if state.sent_goodbye && state.goodbye_acked && state.peer_goodbye {
+        if state.sent_goodbye && state.goodbye_acked && (state.peer_goodbye || state.dropped) {
             self.conn.close(CODE_DONE.into(), b"done");
         }
     }
@@ -607,6 +646,11 @@ impl QuicConnection {
 impl Drop for QuicConnection {
     fn drop(&mut self) {
         let shared = self.shared.clone();
+        shared
+            .close
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .dropped = true;
         let reader = self.reader.abort_handle();
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
@@ -615,6 +659,7 @@ impl Drop for QuicConnection {
                     // exchange a bounded time before closing for good.
                     let _ = tokio::time::timeout(LINGER, async {
                         let _ = shared.say_goodbye().await;
+                        shared.maybe_finish();
                         shared.conn.closed().await;
                     })
                     .await;
@@ -672,6 +717,13 @@ impl Connection for QuicConnection {
         }
         match rx.recv().await {
             Some(Delivery::Frame(frame, _permit)) => Ok(frame),
+            Some(Delivery::PeerGoodbye) => {
+                // `deliver` turns goodbyes into `End(Closed)`; treat a stray one alike.
+                *terminal = Some(Terminal::Closed);
+                Err(TransportError::Closed {
+                    peer: self.shared.peer,
+                })
+            }
             Some(Delivery::End(t)) => {
                 let err = t.to_error(self.shared.peer);
                 *terminal = Some(t);
@@ -752,25 +804,13 @@ enum StreamFailure {
 
 async fn read_stream(shared: Arc<Shared>, mut stream: RecvStream, permit: OwnedSemaphorePermit) {
     let seq = stream.id().index();
-    match read_carried(&mut stream, seq, &shared.limits).await {
+    let carried = read_carried(&mut stream, seq, &shared.limits).await;
+    match carried {
         Ok(Carried::Frame(deps, frame)) => {
             shared.deliver(|order| order.arrive(seq, deps, Delivery::Frame(frame, permit)));
         }
         Ok(Carried::Goodbye(deps)) => {
-            // `End(Closed)` is delivered in order: after every frame sent before the goodbye.
-            shared.deliver(|order| order.arrive(seq, deps, Delivery::End(Terminal::Closed)));
-            shared
-                .close
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .peer_goodbye = true;
-            let acked = shared
-                .send_stream(TAG_GOODBYE_ACK, None, Vec::new(), "acknowledging goodbye")
-                .await;
-            if let Err(e) = acked {
-                tracing::debug!(peer = %shared.peer, "cannot acknowledge goodbye: {e}");
-            }
-            shared.maybe_finish();
+            shared.deliver(|order| order.arrive(seq, deps, Delivery::PeerGoodbye));
         }
         Ok(Carried::GoodbyeAck) => {
             shared.deliver(|order| order.skip(seq));

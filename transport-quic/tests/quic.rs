@@ -418,3 +418,44 @@ async fn certificates_from_pem_files_work_across_transports() -> Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+/// Both directions busy at once, with frames of several packets (this once stalled with an
+/// MTU bound above 1452 bytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_directions_at_once_keep_their_order() -> Result<()> {
+    let ca = ClusterCa::generate()?;
+    let (c, s, _l) = pair(&ca).await?;
+    let c: Arc<dyn Connection> = Arc::from(c);
+    let s: Arc<dyn Connection> = Arc::from(s);
+    let n = 300u32;
+    let mut tasks = tokio::task::JoinSet::new();
+    for (dir, from, to) in [("up", c.clone(), s.clone()), ("down", s, c)] {
+        tasks.spawn(async move {
+            let sender = tokio::spawn(async move {
+                for i in 0..n {
+                    let len = (i as usize % 7) * 1000;
+                    from.send(Frame::message(
+                        Bytes::from(i.to_le_bytes().to_vec()),
+                        vec![Bytes::from(vec![1u8; len])],
+                    ))
+                    .await?;
+                }
+                anyhow::Ok(())
+            });
+            for i in 0..n {
+                let f = within(&format!("{dir} receiving {i}"), to.recv()).await??;
+                assert_eq!(
+                    f.header.as_ref(),
+                    i.to_le_bytes(),
+                    "{dir}: frame {i} out of order"
+                );
+            }
+            sender.await??;
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r??;
+    }
+    Ok(())
+}
