@@ -4,3 +4,7 @@
 //! adapters picked by Cargo features.
 
 pub use tensorwire_core as core;
+
+/// The TCP transport (Cargo feature `tcp`, on by default).
+#[cfg(feature = "tcp")]
+pub use tensorwire_transport_tcp as transport_tcp;

@@ -18,11 +18,14 @@ struct Cli {
 enum Command {
     /// Check a cluster plan's device maps before launch.
     Validate(cli::validate::Args),
+    /// Measure tensorwire against a raw baseline (`bench transport`).
+    Bench(cli::bench::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Validate(args) => cli::validate::run(args),
+        Command::Bench(args) => cli::bench::run(args),
     }
 }

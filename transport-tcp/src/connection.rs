@@ -95,7 +95,8 @@ impl TcpConnection {
     }
 }
 
-/// Marks the write side broken unless disarmed: covers errors and dropped send futures.
+/// Marks the write side broken when dropped armed: covers errors and send futures dropped
+/// half-way through a frame.
 struct BrokenOnDrop<'a>(&'a AtomicBool, bool);
 
 impl Drop for BrokenOnDrop<'_> {
@@ -129,25 +130,31 @@ impl Connection for TcpConnection {
                     .to_owned(),
             });
         }
-        let mut guard = BrokenOnDrop(&self.write_broken, true);
+        // Armed once part of the frame is on the wire: if this future is dropped (or fails)
+        // between then and the last byte, the stream holds half a frame.
+        let mut guard = BrokenOnDrop(&self.write_broken, false);
         while !out.is_done() {
             let mut slices = [IoSlice::new(&[]); MAX_IOV];
             let n = out.io_slices(&mut slices);
-            let written = writer
-                .write_vectored(&slices[..n])
-                .await
-                .map_err(|e| TransportError::io(self.peer, "sending", &e))?;
-            if written == 0 {
-                return Err(TransportError::Io {
-                    addr: self.peer,
-                    op: "sending",
-                    kind: std::io::ErrorKind::WriteZero,
-                    message: "the socket accepted no bytes".to_owned(),
-                });
-            }
+            let written = match writer.write_vectored(&slices[..n]).await {
+                Ok(0) => {
+                    guard.1 = true;
+                    return Err(TransportError::Io {
+                        addr: self.peer,
+                        op: "sending",
+                        kind: std::io::ErrorKind::WriteZero,
+                        message: "the socket accepted no bytes".to_owned(),
+                    });
+                }
+                Ok(written) => written,
+                Err(e) => {
+                    guard.1 = true;
+                    return Err(TransportError::io(self.peer, "sending", &e));
+                }
+            };
             out.advance(written);
+            guard.1 = !out.is_done();
         }
-        guard.1 = false;
         Ok(())
     }
 

@@ -10,7 +10,11 @@
 //!   warning.
 //! - `TCP_NODELAY`; one vectored write per frame (preamble, message header and payloads side by
 //!   side, no copy); payloads of 64 KiB and more are read straight into their final buffers,
-//!   smaller segments are split off the read buffer without copying.
+//!   smaller segments are split off the read buffer without copying. Large receive buffers
+//!   are reused once the application drops the frames that carried them.
+//! - `recv` is cancel-safe (usable in `select!`): a dropped `recv` loses no bytes. A `send`
+//!   dropped half-way through a frame makes later sends on that connection fail, since the
+//!   stream then holds part of a frame.
 //!
 //! ```no_run
 //! use bytes::Bytes;

@@ -204,3 +204,29 @@ async fn oversized_send_is_refused_locally() -> Result<()> {
     ensure!(&within(s.recv()).await??.header[..] == b"small");
     Ok(())
 }
+
+/// A send cancelled half-way through a frame (its future dropped) leaves no half frame for a
+/// later send to follow: later sends fail, and the peer sees the frame cut off, never garbage.
+#[tokio::test]
+async fn a_cancelled_send_poisons_the_sending_side() -> Result<()> {
+    let t = with_secret("s");
+    let listener = t.listen(localhost()).await?;
+    let (c, s) =
+        within(async { tokio::join!(t.connect(listener.local_addr()), listener.accept()) }).await?;
+    let (c, s) = (c?, s?);
+    // Nobody reads yet, so 64 MiB cannot fit in the socket buffers: the send is still
+    // running when the timeout drops it.
+    let big = Frame::message(Bytes::new(), vec![Bytes::from(vec![1u8; 64 << 20])]);
+    let cancelled = tokio::time::timeout(Duration::from_millis(200), c.send(big)).await;
+    ensure!(cancelled.is_err(), "a 64 MiB send completed with no reader");
+    let err = c
+        .send(Frame::message(&b"after"[..], vec![]))
+        .await
+        .unwrap_err();
+    ensure!(err.to_string().contains("cancelled half-way"), "{err}");
+    drop(c);
+    match within(s.recv()).await? {
+        Err(TransportError::ClosedMidFrame { .. }) => Ok(()),
+        other => Err(anyhow!("expected the frame to be cut off, got {other:?}")),
+    }
+}

@@ -1,0 +1,439 @@
+//! `tensorwire bench ...`: measurements that compare tensorwire with a raw baseline in one run.
+//!
+//! - `bench transport --transport tcp|quic [--json FILE]`: on loopback, plain blocking TCP
+//!   sockets without framing (ping-pong of small messages, bulk transfers) against the chosen
+//!   transport (frame ping-pong, bulk frames of 1 MiB and 64 MiB), with the ratios of each pair.
+//!   Absolute figures on a shared machine are noise; the ratios, measured in one run, are what
+//!   we track.
+
+use std::io::{IsTerminal, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::{json, Value};
+use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::wire::Frame;
+
+/// Arguments of `tensorwire bench`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    #[command(subcommand)]
+    bench: Bench,
+}
+
+/// What to measure.
+#[derive(Debug, clap::Subcommand)]
+enum Bench {
+    /// A transport against plain TCP sockets on loopback: ping-pong latency and bulk throughput.
+    Transport(TransportArgs),
+}
+
+/// Transports `bench transport` knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum TransportKind {
+    /// tokio TCP with a cluster secret (the default transport).
+    Tcp,
+    /// quinn QUIC with mutual TLS.
+    Quic,
+}
+
+/// Arguments of `tensorwire bench transport`.
+#[derive(Debug, clap::Args)]
+struct TransportArgs {
+    /// The transport to measure.
+    #[arg(long, value_enum, default_value = "tcp")]
+    transport: TransportKind,
+    /// Write the results as one JSON object to this file (else to standard output).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Round trips per ping-pong measurement (raw and framed alternate in 20 blocks, after one
+    /// block each for warm-up).
+    #[arg(long, default_value_t = 20_000)]
+    pingpong: usize,
+    /// Transfers of 64 MiB per bulk measurement (the median is reported).
+    #[arg(long, default_value_t = 12)]
+    bulk_64mib: usize,
+    /// Transfers of 1 MiB per bulk measurement (the median is reported).
+    #[arg(long, default_value_t = 400)]
+    bulk_1mib: usize,
+}
+
+/// Size of a ping-pong message, raw and framed (as the frame's message header).
+const SMALL: usize = 64;
+/// Ping-pong measurements alternate between raw and framed in this many blocks.
+const BLOCKS: usize = 20;
+const MIB: usize = 1 << 20;
+
+pub(crate) fn run(args: Args) -> ExitCode {
+    let result = match args.bench {
+        Bench::Transport(a) => bench_transport(&a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tensorwire bench: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// A progress bar on standard error, hidden when it is not a terminal.
+fn progress(len: u64, what: &str) -> ProgressBar {
+    let target = if std::io::stderr().is_terminal() {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    };
+    let bar = ProgressBar::with_draw_target(Some(len), target);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:32} [{bar:30}] {pos}/{len} {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message(what.to_owned());
+    bar
+}
+
+/// Builds the transport to measure. A fresh random secret: both ends are in this process.
+fn make_transport(kind: TransportKind) -> Result<Arc<dyn Transport>> {
+    match kind {
+        #[cfg(feature = "tcp")]
+        TransportKind::Tcp => {
+            use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};
+            let secret: [u8; 32] = rand::random();
+            let config = TcpConfig::new(ClusterSecret::new(secret.to_vec())?);
+            Ok(Arc::new(TcpTransport::new(config)?))
+        }
+        #[cfg(not(feature = "tcp"))]
+        TransportKind::Tcp => {
+            bail!("this tensorwire was built without the `tcp` feature; rebuild with it")
+        }
+        TransportKind::Quic => bail!(
+            "the QUIC transport is not built into this tensorwire yet \
+             (tensorwire-transport-quic, Cargo feature `quic`); use --transport tcp"
+        ),
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)].as_secs_f64() * 1e6
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Megabytes (10^6 bytes) per second.
+fn mbps(bytes: usize, took: Duration) -> f64 {
+    bytes as f64 / took.as_secs_f64() / 1e6
+}
+
+fn bench_transport(args: &TransportArgs) -> Result<()> {
+    if args.pingpong < BLOCKS || args.bulk_64mib == 0 || args.bulk_1mib == 0 {
+        bail!("--pingpong must be at least {BLOCKS}; --bulk-64mib and --bulk-1mib at least 1");
+    }
+    let transport = make_transport(args.transport)?;
+    let mut raw = Raw::start().context("raw TCP baseline")?;
+    let mut framed = Framed::start(transport).context("starting the transport")?;
+
+    // Raw and framed measurements alternate in blocks, so that both see the same load from the
+    // rest of the machine and their ratio stays meaningful on a busy host.
+    let per_block = args.pingpong / BLOCKS;
+    let bar = progress(2 * (BLOCKS as u64 + 1), "ping-pong (raw, framed)");
+    let (mut raw_times, mut frame_times) = (Vec::new(), Vec::new());
+    for block in 0..=BLOCKS {
+        let r = raw.pingpong(per_block).context("raw TCP ping-pong")?;
+        bar.inc(1);
+        let f = framed.pingpong(per_block).context("frame ping-pong")?;
+        bar.inc(1);
+        // Block 0 warms up.
+        if block > 0 {
+            raw_times.extend(r);
+            frame_times.extend(f);
+        }
+    }
+    bar.finish_and_clear();
+    raw_times.sort();
+    frame_times.sort();
+
+    let mut bulk = |size: usize, rounds: usize, what: &str| -> Result<(f64, f64)> {
+        let data = vec![3u8; size];
+        let frame = Frame::message(Bytes::new(), vec![Bytes::from(data.clone())]);
+        let bar = progress(rounds as u64 + 1, what);
+        let (mut r, mut f) = (Vec::new(), Vec::new());
+        for round in 0..=rounds {
+            let raw_took = raw.bulk(&data).context("raw TCP bulk")?;
+            let frame_took = framed.bulk(&frame).context("frame bulk")?;
+            // Round 0 warms up buffers and pages.
+            if round > 0 {
+                r.push(mbps(size, raw_took));
+                f.push(mbps(size, frame_took));
+            }
+            bar.inc(1);
+        }
+        bar.finish_and_clear();
+        Ok((median(r), median(f)))
+    };
+    let (raw_1, frame_1) = bulk(MIB, args.bulk_1mib, "bulk 1 MiB (raw, framed)")?;
+    let (raw_64, frame_64) = bulk(64 * MIB, args.bulk_64mib, "bulk 64 MiB (raw, framed)")?;
+    raw.finish()?;
+    framed.finish()?;
+
+    let raw = json!({
+        "raw_tcp_pingpong_p50_us": percentile(&raw_times, 0.5),
+        "raw_tcp_pingpong_p99_us": percentile(&raw_times, 0.99),
+        "raw_tcp_bulk_1MiB_MBps": raw_1,
+        "raw_tcp_bulk_64MiB_MBps": raw_64,
+    });
+    let framed = json!({
+        "frame_pingpong_p50_us": percentile(&frame_times, 0.5),
+        "frame_pingpong_p99_us": percentile(&frame_times, 0.99),
+        "frame_bulk_1MiB_MBps": frame_1,
+        "frame_bulk_64MiB_MBps": frame_64,
+    });
+    let ratio = |a: &str, b: &str| -> Value {
+        match (framed[a].as_f64(), raw[b].as_f64()) {
+            (Some(f), Some(r)) if r > 0.0 => json!(f / r),
+            _ => Value::Null,
+        }
+    };
+    let ratios = json!({
+        "pingpong_p50": ratio("frame_pingpong_p50_us", "raw_tcp_pingpong_p50_us"),
+        "bulk_1MiB": ratio("frame_bulk_1MiB_MBps", "raw_tcp_bulk_1MiB_MBps"),
+        "bulk_64MiB": ratio("frame_bulk_64MiB_MBps", "raw_tcp_bulk_64MiB_MBps"),
+    });
+    let mut out = serde_json::Map::new();
+    out.insert(
+        "transport".into(),
+        json!(format!("{:?}", args.transport).to_lowercase()),
+    );
+    for obj in [&raw, &framed] {
+        for (k, v) in obj.as_object().into_iter().flatten() {
+            out.insert(k.clone(), v.clone());
+        }
+    }
+    out.insert("ratios".into(), ratios);
+    out.insert(
+        "settings".into(),
+        json!({
+            "pingpong_round_trips": args.pingpong / BLOCKS * BLOCKS,
+            "interleaved_blocks": BLOCKS,
+            "pingpong_message_bytes": SMALL,
+            "bulk_64MiB_transfers": args.bulk_64mib,
+            "bulk_1MiB_transfers": args.bulk_1mib,
+            "MBps": "10^6 bytes per second; bulk = one transfer plus a 1-byte acknowledgement",
+        }),
+    );
+    let text = serde_json::to_string_pretty(&Value::Object(out))?;
+    match &args.json {
+        Some(path) => {
+            std::fs::write(path, format!("{text}\n"))
+                .with_context(|| format!("writing {}", path.display()))?;
+            eprintln!("{text}");
+            eprintln!("tensorwire bench: wrote {}", path.display());
+        }
+        None => println!("{text}"),
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw baseline: blocking std sockets, no framing, an echo thread.
+
+/// Commands of the raw echo server: the first byte of each exchange.
+const RAW_PING: u8 = 1;
+const RAW_BULK: u8 = 2;
+
+fn raw_server(listener: TcpListener) -> std::io::Result<()> {
+    let (mut s, _) = listener.accept()?;
+    s.set_nodelay(true)?;
+    let mut small = [0u8; SMALL];
+    let mut big = vec![0u8; 64 * MIB];
+    loop {
+        let mut cmd = [0u8; 1 + 8];
+        if s.read_exact(&mut cmd).is_err() {
+            return Ok(());
+        }
+        let len = u64::from_le_bytes(cmd[1..].try_into().unwrap_or_default()) as usize;
+        match cmd[0] {
+            RAW_PING => {
+                // `len` round trips of SMALL bytes each.
+                for _ in 0..len {
+                    s.read_exact(&mut small)?;
+                    s.write_all(&small)?;
+                }
+            }
+            RAW_BULK => {
+                s.read_exact(&mut big[..len])?;
+                s.write_all(&[1])?;
+            }
+            _ => return Ok(()),
+        }
+    }
+}
+
+/// The raw baseline's client: a blocking socket to an echo thread.
+struct Raw {
+    s: TcpStream,
+    server: std::thread::JoinHandle<std::io::Result<()>>,
+}
+
+impl Raw {
+    fn start() -> Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        let server = std::thread::spawn(move || raw_server(listener));
+        let s = TcpStream::connect(addr)?;
+        s.set_nodelay(true)?;
+        Ok(Raw { s, server })
+    }
+
+    fn command(&mut self, c: u8, n: usize) -> std::io::Result<()> {
+        let mut m = [c; 9];
+        m[1..].copy_from_slice(&(n as u64).to_le_bytes());
+        self.s.write_all(&m)
+    }
+
+    /// `n` round trips of [`SMALL`] bytes; the time of each.
+    fn pingpong(&mut self, n: usize) -> Result<Vec<Duration>> {
+        self.command(RAW_PING, n)?;
+        let msg = [7u8; SMALL];
+        let mut back = [0u8; SMALL];
+        let mut times = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            self.s.write_all(&msg)?;
+            self.s.read_exact(&mut back)?;
+            times.push(t.elapsed());
+        }
+        Ok(times)
+    }
+
+    /// Sends `data` and waits for the 1-byte acknowledgement.
+    fn bulk(&mut self, data: &[u8]) -> Result<Duration> {
+        let t = Instant::now();
+        self.command(RAW_BULK, data.len())?;
+        self.s.write_all(data)?;
+        let mut ack = [0u8; 1];
+        self.s.read_exact(&mut ack)?;
+        Ok(t.elapsed())
+    }
+
+    fn finish(self) -> Result<()> {
+        drop(self.s);
+        self.server
+            .join()
+            .map_err(|_| anyhow::anyhow!("raw echo thread panicked"))??;
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The transport: an echo/ack server on its own thread and runtime, the client on this one, as
+// in the raw baseline.
+
+/// Echoes frames without payloads; answers frames with payloads by a 1-byte frame.
+async fn frame_server(conn: Box<dyn Connection>) {
+    let ack = Frame::message(Bytes::from_static(&[1]), vec![]);
+    while let Ok(frame) = conn.recv().await {
+        let reply = if frame.payloads.is_empty() {
+            frame
+        } else {
+            ack.clone()
+        };
+        if conn.send(reply).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}
+
+/// The transport's client: a current-thread runtime on this thread, the server on another.
+struct Framed {
+    rt: tokio::runtime::Runtime,
+    conn: Box<dyn Connection>,
+    server: std::thread::JoinHandle<Result<()>>,
+}
+
+impl Framed {
+    fn start(transport: Arc<dyn Transport>) -> Result<Self> {
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel::<Result<SocketAddr, String>>();
+        let server_transport = transport.clone();
+        let server = std::thread::spawn(move || -> Result<()> {
+            runtime()?.block_on(async move {
+                let listener = match server_transport.listen(([127, 0, 0, 1], 0).into()).await {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let _ = addr_tx.send(Err(e.to_string()));
+                        return Ok(());
+                    }
+                };
+                let _ = addr_tx.send(Ok(listener.local_addr()));
+                let conn = listener.accept().await?;
+                frame_server(conn).await;
+                Ok(())
+            })
+        });
+        let addr = addr_rx
+            .recv_timeout(Duration::from_secs(30))
+            .context("the benchmark server did not start")?
+            .map_err(anyhow::Error::msg)?;
+        let rt = runtime()?;
+        let conn = rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(30), transport.connect(addr))
+                .await
+                .context("connecting timed out")
+        })??;
+        Ok(Framed { rt, conn, server })
+    }
+
+    /// `n` round trips of a frame with a [`SMALL`]-byte header; the time of each.
+    fn pingpong(&mut self, n: usize) -> Result<Vec<Duration>> {
+        let conn = &self.conn;
+        self.rt.block_on(async {
+            let msg = Frame::message(Bytes::from(vec![7u8; SMALL]), vec![]);
+            let mut times = Vec::with_capacity(n);
+            for _ in 0..n {
+                let t = Instant::now();
+                conn.send(msg.clone()).await?;
+                let back = conn.recv().await?;
+                times.push(t.elapsed());
+                anyhow::ensure!(back.header.len() == SMALL, "ping-pong reply garbled");
+            }
+            Ok(times)
+        })
+    }
+
+    /// Sends `frame` and waits for the acknowledgement frame.
+    fn bulk(&mut self, frame: &Frame) -> Result<Duration> {
+        let conn = &self.conn;
+        self.rt.block_on(async {
+            let t = Instant::now();
+            conn.send(frame.clone()).await?;
+            let ack = conn.recv().await?;
+            let took = t.elapsed();
+            anyhow::ensure!(ack.header[..] == [1], "bulk acknowledgement garbled");
+            Ok(took)
+        })
+    }
+
+    fn finish(self) -> Result<()> {
+        self.rt.block_on(self.conn.close())?;
+        self.server
+            .join()
+            .map_err(|_| anyhow::anyhow!("benchmark server thread panicked"))??;
+        Ok(())
+    }
+}

@@ -1,0 +1,55 @@
+//! `tensorwire bench transport`: the JSON keys the issue asks for, and a clear error for a
+//! transport that is not built in.
+
+use std::process::Command;
+
+#[test]
+fn bench_transport_tcp_writes_every_key() {
+    let dir = std::env::temp_dir().join(format!("tensorwire-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("bench.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args(["bench", "transport", "--transport", "tcp", "--json"])
+        .arg(&file)
+        .args(["--pingpong", "200", "--bulk-64mib", "1", "--bulk-1mib", "2"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    assert_eq!(v["transport"], "tcp");
+    for key in [
+        "raw_tcp_pingpong_p50_us",
+        "raw_tcp_bulk_64MiB_MBps",
+        "frame_pingpong_p50_us",
+        "frame_pingpong_p99_us",
+        "frame_bulk_1MiB_MBps",
+        "frame_bulk_64MiB_MBps",
+    ] {
+        let x = v[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key} missing in {v}"));
+        assert!(x > 0.0 && x.is_finite(), "{key} = {x}");
+    }
+    for ratio in ["pingpong_p50", "bulk_1MiB", "bulk_64MiB"] {
+        let x = v["ratios"][ratio]
+            .as_f64()
+            .unwrap_or_else(|| panic!("ratio {ratio} missing"));
+        assert!(x > 0.0 && x.is_finite(), "{ratio} = {x}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bench_transport_quic_says_it_is_not_built_in() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args(["bench", "transport", "--transport", "quic"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("QUIC transport is not built"), "{err}");
+}
