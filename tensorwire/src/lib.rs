@@ -8,3 +8,7 @@ pub use tensorwire_core as core;
 /// The TCP transport (Cargo feature `tcp`, on by default).
 #[cfg(feature = "tcp")]
 pub use tensorwire_transport_tcp as transport_tcp;
+
+/// The QUIC transport (Cargo feature `quic`).
+#[cfg(feature = "quic")]
+pub use tensorwire_transport_quic as transport_quic;
