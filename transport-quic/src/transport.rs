@@ -68,8 +68,10 @@ const LINGER: Duration = Duration::from_secs(5);
 /// ```
 pub struct QuicTransport {
     config: QuicConfig,
-    server: quinn::ServerConfig,
-    client: quinn::ClientConfig,
+    /// Server configurations for remote peers and for peers on a loopback address.
+    server: [Arc<quinn::ServerConfig>; 2],
+    /// Client configurations for remote peers and for peers on a loopback address.
+    client: [quinn::ClientConfig; 2],
     /// One client endpoint per address family, created on first use.
     client_endpoints: Mutex<[Option<quinn::Endpoint>; 2]>,
 }
@@ -85,15 +87,22 @@ impl std::fmt::Debug for QuicTransport {
 impl QuicTransport {
     /// A transport with `config`; checks the certificates and key right away.
     pub fn new(config: QuicConfig) -> Result<Self, QuicError> {
-        let transport = config.transport();
-        let mut server = quinn::ServerConfig::with_crypto(Arc::new(config.tls.server_crypto()?));
-        server.transport_config(transport.clone());
-        let mut client = quinn::ClientConfig::new(Arc::new(config.tls.client_crypto()?));
-        client.transport_config(transport);
+        let server_crypto = Arc::new(config.tls.server_crypto()?);
+        let client_crypto = Arc::new(config.tls.client_crypto()?);
+        let server = |loopback| {
+            let mut server = quinn::ServerConfig::with_crypto(server_crypto.clone());
+            server.transport_config(config.transport(loopback));
+            Arc::new(server)
+        };
+        let client = |loopback| {
+            let mut client = quinn::ClientConfig::new(client_crypto.clone());
+            client.transport_config(config.transport(loopback));
+            client
+        };
         Ok(Self {
+            server: [server(false), server(true)],
+            client: [client(false), client(true)],
             config,
-            server,
-            client,
             client_endpoints: Mutex::new([None, None]),
         })
     }
@@ -106,13 +115,13 @@ impl QuicTransport {
     fn endpoint(
         &self,
         addr: SocketAddr,
-        server: Option<quinn::ServerConfig>,
+        server: Option<Arc<quinn::ServerConfig>>,
     ) -> Result<quinn::Endpoint, QuicError> {
         let (socket, _granted) = crate::socket::bind_udp(addr, self.config.socket_buffer_bytes)?;
         let mut endpoint_config = quinn::EndpointConfig::default();
-        if self.config.max_mtu > 1472 {
+        if self.config.max_udp_payload() > 1472 {
             endpoint_config
-                .max_udp_payload_size(self.config.max_mtu.min(65527))
+                .max_udp_payload_size(self.config.max_udp_payload())
                 .map_err(|e| QuicError::Tls {
                     what: "endpoint UDP payload size",
                     reason: e.to_string(),
@@ -122,8 +131,13 @@ impl QuicTransport {
             addr,
             source: std::io::Error::other("no async runtime found (run inside tokio)"),
         })?;
-        quinn::Endpoint::new(endpoint_config, server, socket, runtime)
-            .map_err(|source| QuicError::Socket { addr, source })
+        quinn::Endpoint::new(
+            endpoint_config,
+            server.map(|s| (*s).clone()),
+            socket,
+            runtime,
+        )
+        .map_err(|source| QuicError::Socket { addr, source })
     }
 
     fn client_endpoint(&self, peer: SocketAddr) -> Result<quinn::Endpoint, QuicError> {
@@ -148,6 +162,17 @@ impl QuicTransport {
 
     fn limits(&self) -> WireLimits {
         self.config.limits
+    }
+}
+
+/// Whether `addr` is on this machine's loopback (IPv4-mapped IPv6 included): such peers get
+/// large datagrams (see [`QuicConfig::loopback_mtu`]).
+fn is_loopback(addr: SocketAddr) -> bool {
+    match addr.ip() {
+        std::net::IpAddr::V4(ip) => ip.is_loopback(),
+        std::net::IpAddr::V6(ip) => {
+            ip.is_loopback() || ip.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
     }
 }
 
@@ -200,7 +225,7 @@ impl Transport for QuicTransport {
 
     async fn listen(&self, addr: SocketAddr) -> Result<Box<dyn Listener>, TransportError> {
         let endpoint = self
-            .endpoint(addr, Some(self.server.clone()))
+            .endpoint(addr, Some(self.server[0].clone()))
             .map_err(config_error)?;
         let local_addr = endpoint
             .local_addr()
@@ -213,13 +238,16 @@ impl Transport for QuicTransport {
         };
         let handshake_timeout = self.config.connect_timeout;
         let accept_ep = endpoint.clone();
+        let servers = self.server.clone();
         let task = tokio::spawn(async move {
             while let Some(incoming) = accept_ep.accept().await {
                 let tx = tx.clone();
                 let ctx = ctx.clone();
+                let remote = incoming.remote_address();
+                let server = servers[usize::from(is_loopback(remote))].clone();
                 tokio::spawn(async move {
-                    let remote = incoming.remote_address();
-                    match tokio::time::timeout(handshake_timeout, admit(incoming, ctx)).await {
+                    let admitted = admit(incoming, server, ctx);
+                    match tokio::time::timeout(handshake_timeout, admitted).await {
                         Ok(Ok(conn)) => {
                             let _ = tx.send(conn).await;
                         }
@@ -244,7 +272,11 @@ impl Transport for QuicTransport {
     async fn connect(&self, addr: SocketAddr) -> Result<Box<dyn Connection>, TransportError> {
         let endpoint = self.client_endpoint(addr).map_err(config_error)?;
         let connecting = endpoint
-            .connect_with(self.client.clone(), addr, self.config.tls.server_name())
+            .connect_with(
+                self.client[usize::from(is_loopback(addr))].clone(),
+                addr,
+                self.config.tls.server_name(),
+            )
             .map_err(|e| TransportError::Io {
                 addr,
                 op: "connecting",
@@ -300,9 +332,16 @@ impl Transport for QuicTransport {
 
 /// Server side of the handshake: TLS (the client certificate is verified by rustls), then the
 /// admission stream.
-async fn admit(incoming: quinn::Incoming, ctx: ConnContext) -> Result<QuicConnection, String> {
+async fn admit(
+    incoming: quinn::Incoming,
+    server: Arc<quinn::ServerConfig>,
+    ctx: ConnContext,
+) -> Result<QuicConnection, String> {
     let remote = incoming.remote_address();
-    let conn = incoming.await.map_err(|e| match &e {
+    let connecting = incoming
+        .accept_with(server)
+        .map_err(|e| format!("cannot accept: {e}"))?;
+    let conn = connecting.await.map_err(|e| match &e {
         ConnectionError::TransportError(te) if is_crypto(te.code) => format!(
             "its certificate is not signed by the cluster CA or is otherwise invalid ({te})"
         ),
@@ -645,6 +684,21 @@ impl QuicConnection {
 
 impl Drop for QuicConnection {
     fn drop(&mut self) {
+        let stats = self.shared.conn.stats();
+        tracing::debug!(
+            peer = %self.shared.peer,
+            rtt_us = stats.path.rtt.as_micros() as u64,
+            cwnd = stats.path.cwnd,
+            mtu = stats.path.current_mtu,
+            sent_packets = stats.path.sent_packets,
+            lost_packets = stats.path.lost_packets,
+            congestion_events = stats.path.congestion_events,
+            udp_tx_datagrams = stats.udp_tx.datagrams,
+            udp_tx_ios = stats.udp_tx.ios,
+            udp_rx_datagrams = stats.udp_rx.datagrams,
+            udp_rx_ios = stats.udp_rx.ios,
+            "QUIC connection dropped"
+        );
         let shared = self.shared.clone();
         shared
             .close
