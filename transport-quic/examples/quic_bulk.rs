@@ -28,6 +28,9 @@ fn main() -> anyhow::Result<()> {
     if let Some(v) = env("TW_LOOP_MTU") {
         config.loopback_mtu = v as u16;
     }
+    if let Some(v) = env("TW_LOOP_WIN") {
+        config.loopback_receive_window = v << 20;
+    }
     if let Some(v) = env("TW_SWIN") {
         config.stream_receive_window = v << 20;
     }

@@ -333,11 +333,15 @@ fn is_dns_name(name: &str) -> bool {
     rustls_pki_types::DnsName::try_from(name).is_ok()
 }
 
-fn unique_suffix() -> u128 {
-    std::time::SystemTime::now()
+/// A name part no other call (in this process or, with the process id, another) uses.
+fn unique_suffix() -> String {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
-        .unwrap_or(0)
+        .unwrap_or(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{nanos}-{n}")
 }
 
 /// Waits (bounded) until another process has published `path`.
@@ -439,6 +443,30 @@ mod tests {
     fn garbage_pem_is_a_typed_error() {
         let err = ClusterCa::from_pem("not pem", "not pem").unwrap_err();
         assert!(err.to_string().contains("cluster CA certificate"), "{err}");
+    }
+
+    #[test]
+    fn concurrent_generation_agrees_on_one_ca() {
+        let dir = std::env::temp_dir().join(format!("tw-quic-race-{}", unique_suffix()));
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let dir = dir.clone();
+                std::thread::spawn(move || {
+                    ClusterCa::load_or_generate(&dir).map(|ca| ca.cert_pem())
+                })
+            })
+            .collect();
+        let pems: Vec<String> = handles
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect();
+        assert!(
+            pems.windows(2).all(|w| w[0] == w[1]),
+            "processes disagree on the CA"
+        );
+        let on_disk = fs::read_to_string(dir.join(CA_CERT_FILE)).unwrap();
+        assert_eq!(on_disk, pems[0]);
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

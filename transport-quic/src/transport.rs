@@ -465,7 +465,14 @@ struct Shared {
     close: Mutex<CloseState>,
     recv_state: Mutex<RecvState>,
     tx: mpsc::UnboundedSender<Delivery>,
+    /// Idle frame decoders. A decoder keeps large payload buffers for reuse once the frames
+    /// using them are dropped, which spares fresh pages (and a page fault per 4 KiB) for every
+    /// large tensor; streams come and go, so the decoders outlive them here.
+    decoders: Mutex<Vec<FrameDecoder>>,
 }
+
+/// Idle decoders kept per connection (each may hold pooled payload buffers).
+const IDLE_DECODERS: usize = 2;
 
 impl Shared {
     /// Hands deliveries to `recv`, in order, unless the receiving side has already ended. When
@@ -672,6 +679,7 @@ impl QuicConnection {
                 ended: false,
             }),
             tx,
+            decoders: Mutex::new(Vec::new()),
         });
         let reader = tokio::spawn(read_loop(shared.clone(), ctx.max_frames));
         Self {
@@ -858,7 +866,7 @@ enum StreamFailure {
 
 async fn read_stream(shared: Arc<Shared>, mut stream: RecvStream, permit: OwnedSemaphorePermit) {
     let seq = stream.id().index();
-    let carried = read_carried(&mut stream, seq, &shared.limits).await;
+    let carried = read_carried(&mut stream, seq, &shared).await;
     match carried {
         Ok(Carried::Frame(deps, frame)) => {
             shared.deliver(|order| order.arrive(seq, deps, Delivery::Frame(frame, permit)));
@@ -947,7 +955,7 @@ async fn read_head(
 async fn read_carried(
     stream: &mut RecvStream,
     seq: u64,
-    limits: &WireLimits,
+    shared: &Shared,
 ) -> Result<Carried, StreamFailure> {
     let mut any_read = false;
     let mut head = BytesMut::with_capacity(64);
@@ -997,7 +1005,28 @@ async fn read_carried(
 
     // The frame: read straight into the decoder's segment buffers where it has them, else into
     // a small staging buffer (prefix and frame header).
-    let mut decoder = FrameDecoder::new(*limits);
+    let mut decoder = shared
+        .decoders
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .pop()
+        .unwrap_or_else(|| FrameDecoder::new(shared.limits));
+    let carried = read_frame(stream, deps, &mut decoder).await;
+    if carried.is_ok() && !decoder.is_mid_frame() {
+        let mut idle = shared.decoders.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < IDLE_DECODERS {
+            idle.push(decoder);
+        }
+    }
+    carried
+}
+
+/// Reads the one frame of a stream with `decoder`, then checks the stream ends there.
+async fn read_frame(
+    stream: &mut RecvStream,
+    deps: Deps,
+    decoder: &mut FrameDecoder,
+) -> Result<Carried, StreamFailure> {
     let mut staging = BytesMut::new();
     loop {
         if let Some(frame) = decoder

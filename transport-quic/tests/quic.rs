@@ -481,3 +481,18 @@ async fn both_directions(loopback_mtu: u16) -> Result<()> {
     }
     Ok(())
 }
+
+/// Every rustls configuration gets the ring provider explicitly: a whole exchange leaves the
+/// process-wide default provider unset.
+#[tokio::test]
+async fn no_process_default_crypto_provider_is_needed() -> Result<()> {
+    let ca = ClusterCa::generate()?;
+    let (c, s, _l) = pair(&ca).await?;
+    c.send(frame_of(10, 1)).await?;
+    assert_eq!(within("receiving", s.recv()).await??, frame_of(10, 1));
+    assert!(
+        rustls::crypto::CryptoProvider::get_default().is_none(),
+        "a process-wide crypto provider was installed"
+    );
+    Ok(())
+}
