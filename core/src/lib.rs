@@ -2,8 +2,8 @@
 //!
 //! Everything in this crate is deterministic and free of I/O: no sockets, no clocks, no threads,
 //! no async runtime. Adapters (transports, stores, device backends) and the RPC agent depend on
-//! it; it depends on nothing of ours. Another runtime can reuse its validation, registries and
-//! (later) wire format and schedules on their own.
+//! it; it depends on nothing of ours. Another runtime can reuse its validation, registries, wire
+//! format, protocol state machine and collective schedules on their own.
 //!
 //! - [`device`]: [`Device`](device::Device) (`cpu`, `cuda:N`) and device maps.
 //! - [`name`]: worker names with PyTorch's rule.
@@ -11,17 +11,27 @@
 //! - [`reverse`]: reverse device maps and the device list an agent handles.
 //! - [`plan`]: a whole cluster plan checked at once (what `tensorwire validate` runs).
 //! - [`registry`]: named registries for RPC backends and process-group factories.
+//! - [`tensor`]: a minimal tensor value (dtype, shape, device, storage).
+//! - [`placement`]: device maps applied to a message's tensors.
+//! - [`protocol`]: the RPC protocol state machine: calls, timeouts, remote references.
+//! - [`collective`]: sans-IO schedules for barrier, broadcast, all_gather and all_reduce.
+//! - [`ports`]: the traits adapters implement (transport, store, device backend, process group).
+//! - [`devices_sim`]: the simulated device backend (host memory posing as CUDA devices).
 //! - [`wire`]: the frame format: fixed prefix, postcard frame header, raw payloads; bounded decoder.
-//! - [`ports`]: the traits adapters implement ([`Transport`](ports::transport::Transport), ...).
 //! - [`auth`]: challenge-response authentication on a cluster secret (HMAC-SHA256).
 
 pub mod auth;
+pub mod collective;
 pub mod device;
+pub mod devices_sim;
 pub mod name;
+pub mod placement;
 pub mod plan;
 pub mod ports;
+pub mod protocol;
 pub mod registry;
 pub mod reverse;
+pub mod tensor;
 pub mod validate;
 pub mod wire;
 

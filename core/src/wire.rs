@@ -86,7 +86,9 @@ impl FrameKind {
 }
 
 /// One frame: an opaque message header and raw payloads beside it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// Its `Debug` output shows lengths, not contents: payloads can be gigabytes.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Frame {
     /// What the frame carries.
     pub kind: FrameKind,
@@ -94,6 +96,29 @@ pub struct Frame {
     pub header: Bytes,
     /// Tensor payloads as raw bytes; never re-encoded.
     pub payloads: Vec<Bytes>,
+}
+
+impl std::fmt::Debug for Frame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        struct Len(usize);
+        impl std::fmt::Debug for Len {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "{} bytes", self.0)
+            }
+        }
+        f.debug_struct("Frame")
+            .field("kind", &self.kind)
+            .field("header", &Len(self.header.len()))
+            .field(
+                "payloads",
+                &self
+                    .payloads
+                    .iter()
+                    .map(|p| Len(p.len()))
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
 }
 
 impl Frame {
@@ -663,6 +688,7 @@ impl FrameDecoder {
                         // to be addressable; saturate rather than wrap on 32-bit targets.
                         let len = usize::try_from(segments[done.len()]).unwrap_or(usize::MAX);
                         match current {
+                            None if len == 0 => done.push(Bytes::new()),
                             None if src.len() >= len => {
                                 done.push(src.split_to(len).freeze());
                                 *received += len as u64;
@@ -887,6 +913,16 @@ mod tests {
             let err = decode_frame(&wire[..cut], &WireLimits::default()).unwrap_err();
             prop_assert!(matches!(err, WireError::Truncated { .. }), "{err}");
         }
+    }
+
+    #[test]
+    fn debug_shows_lengths_not_contents() {
+        let f = Frame::message(&b"secret-ish"[..], vec![Bytes::from(vec![0u8; 1000])]);
+        let text = format!("{f:?}");
+        assert_eq!(
+            text,
+            "Frame { kind: Message, header: 10 bytes, payloads: [1000 bytes] }"
+        );
     }
 
     #[test]

@@ -5,6 +5,9 @@
 
 pub use tensorwire_core as core;
 
+/// Stores (c10d `TCPStore`-compatible TCP, file, in-memory) and rendezvous.
+pub use tensorwire_process_group as process_group;
+
 /// The TCP transport (Cargo feature `tcp`, on by default).
 #[cfg(feature = "tcp")]
 pub use tensorwire_transport_tcp as transport_tcp;

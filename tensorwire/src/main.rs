@@ -20,6 +20,10 @@ enum Command {
     Validate(cli::validate::Args),
     /// Measure tensorwire against a raw baseline (`bench transport`).
     Bench(cli::bench::Args),
+    /// Start N local worker processes with rendezvous variables set (torchrun-style).
+    Launch(cli::launch::Args),
+    /// Run or query a c10d-compatible key-value store.
+    Store(cli::store::Args),
 }
 
 fn main() -> ExitCode {
@@ -27,5 +31,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Validate(args) => cli::validate::run(args),
         Command::Bench(args) => cli::bench::run(args),
+        Command::Launch(args) => cli::launch::run(args),
+        Command::Store(args) => cli::store::run(args),
     }
 }

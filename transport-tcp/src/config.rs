@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::ports::transport::TransportError;
-use tensorwire_core::wire::WireLimits;
+use tensorwire_core::wire::{WireLimits, DEFAULT_BUFFER_REUSE};
 
 /// The environment variable [`TcpConfig::from_env`] reads the cluster secret from.
 pub const SECRET_ENV: &str = "TENSORWIRE_SECRET";
@@ -18,6 +18,11 @@ pub struct TcpConfig {
     pub limits: WireLimits,
     /// How long the authentication handshake may take, on either side.
     pub handshake_timeout: Duration,
+    /// Bytes of large receive buffers each connection keeps for reuse once the application has
+    /// dropped the frames that used them (see
+    /// [`FrameDecoder::with_buffer_reuse`](tensorwire_core::wire::FrameDecoder::with_buffer_reuse));
+    /// 0 turns reuse off.
+    pub buffer_reuse: usize,
 }
 
 impl TcpConfig {
@@ -27,6 +32,7 @@ impl TcpConfig {
             secret: Some(secret),
             limits: WireLimits::default(),
             handshake_timeout: Duration::from_secs(10),
+            buffer_reuse: DEFAULT_BUFFER_REUSE,
         }
     }
 
@@ -38,6 +44,7 @@ impl TcpConfig {
             secret: None,
             limits: WireLimits::default(),
             handshake_timeout: Duration::from_secs(10),
+            buffer_reuse: DEFAULT_BUFFER_REUSE,
         }
     }
 
@@ -70,6 +77,12 @@ impl TcpConfig {
     /// These settings with other frame limits.
     pub fn with_limits(mut self, limits: WireLimits) -> Self {
         self.limits = limits;
+        self
+    }
+
+    /// These settings with another budget for reused receive buffers.
+    pub fn with_buffer_reuse(mut self, bytes: usize) -> Self {
+        self.buffer_reuse = bytes;
         self
     }
 

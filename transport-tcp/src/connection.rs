@@ -55,14 +55,19 @@ impl std::fmt::Debug for TcpConnection {
 }
 
 impl TcpConnection {
-    pub(crate) fn new(stream: TcpStream, peer: SocketAddr, limits: WireLimits) -> Self {
+    pub(crate) fn new(
+        stream: TcpStream,
+        peer: SocketAddr,
+        limits: WireLimits,
+        buffer_reuse: usize,
+    ) -> Self {
         let (read, write) = stream.into_split();
         TcpConnection {
             peer,
             limits,
             reader: Mutex::new(Reader {
                 half: read,
-                decoder: FrameDecoder::new(limits),
+                decoder: FrameDecoder::new(limits).with_buffer_reuse(buffer_reuse),
                 buf: BytesMut::with_capacity(READ_BUF),
             }),
             writer: Mutex::new(write),

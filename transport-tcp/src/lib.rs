@@ -106,6 +106,7 @@ impl Transport for TcpTransport {
             stream,
             addr,
             self.config.limits,
+            self.config.buffer_reuse,
         )))
     }
 }

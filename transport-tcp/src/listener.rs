@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tensorwire_core::ports::transport::{Connection, Listener, TransportError};
-use tokio::sync::{mpsc, Mutex};
+use tokio::sync::{mpsc, Mutex, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::config::TcpConfig;
@@ -16,6 +16,9 @@ use crate::handshake;
 
 /// Authenticated connections waiting for `accept`.
 const BACKLOG: usize = 128;
+/// Handshakes in progress at most; more connections wait in the kernel's backlog, so a flood of
+/// silent peers cannot exhaust file descriptors or memory.
+const MAX_HANDSHAKES: usize = 256;
 
 pub(crate) struct TcpListener {
     local: SocketAddr,
@@ -56,7 +59,11 @@ async fn accept_loop(
     config: Arc<TcpConfig>,
     ready: mpsc::Sender<TcpConnection>,
 ) {
+    let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
     loop {
+        let Ok(permit) = handshakes.clone().acquire_owned().await else {
+            return;
+        };
         let (stream, peer) = match socket.accept().await {
             Ok(accepted) => accepted,
             Err(e) => {
@@ -71,6 +78,7 @@ async fn accept_loop(
         let ready = ready.clone();
         // Handshakes run concurrently so a slow or silent peer does not block others.
         tokio::spawn(async move {
+            let _permit = permit;
             let mut stream = match prepare(stream, peer) {
                 Ok(s) => s,
                 Err(e) => {
@@ -87,7 +95,12 @@ async fn accept_loop(
                 Ok(Ok(())) => {
                     tracing::debug!(peer = %peer, "authenticated connection");
                     let _ = ready
-                        .send(TcpConnection::new(stream, peer, config.limits))
+                        .send(TcpConnection::new(
+                            stream,
+                            peer,
+                            config.limits,
+                            config.buffer_reuse,
+                        ))
                         .await;
                 }
                 Ok(Err(e)) => {

@@ -230,3 +230,27 @@ async fn a_cancelled_send_poisons_the_sending_side() -> Result<()> {
         other => Err(anyhow!("expected the frame to be cut off, got {other:?}")),
     }
 }
+
+/// Peers that connect and say nothing do not hold up others: handshakes run concurrently.
+#[tokio::test]
+async fn silent_peers_do_not_block_accepting() -> Result<()> {
+    let t = TcpTransport::new(
+        TcpConfig::new(ClusterSecret::new("s")?).with_handshake_timeout(Duration::from_secs(60)),
+    )?;
+    let listener = t.listen(localhost()).await?;
+    let mut silent = Vec::new();
+    for _ in 0..20 {
+        silent.push(within(tokio::net::TcpStream::connect(listener.local_addr())).await??);
+    }
+    // Well before the 60 s handshake timeout of the silent ones.
+    let (c, s) = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(t.connect(listener.local_addr()), listener.accept())
+    })
+    .await
+    .map_err(|_| anyhow!("a good peer waited behind silent ones"))?;
+    let (c, s) = (c?, s?);
+    c.send(Frame::message(&b"through"[..], vec![])).await?;
+    ensure!(&within(s.recv()).await??.header[..] == b"through");
+    drop(silent);
+    Ok(())
+}

@@ -4,7 +4,11 @@
 //! `async-trait`, and states its contract in its docs so every adapter can be checked against
 //! the same conformance suite.
 //!
+//! - [`store`]: [`Store`](store::Store): the c10d-style key-value store.
+//! - [`device`]: [`DeviceBackend`](device::DeviceBackend): copies between host and devices.
 //! - [`transport`]: [`Transport`](transport::Transport): listen, connect, send and receive
 //!   [`Frame`](crate::wire::Frame)s.
 
+pub mod device;
+pub mod store;
 pub mod transport;

@@ -57,7 +57,7 @@ struct TransportArgs {
     #[arg(long, default_value_t = 20_000)]
     pingpong: usize,
     /// Transfers of 64 MiB per bulk measurement (the median is reported).
-    #[arg(long, default_value_t = 12)]
+    #[arg(long, default_value_t = 24)]
     bulk_64mib: usize,
     /// Transfers of 1 MiB per bulk measurement (the median is reported).
     #[arg(long, default_value_t = 400)]
@@ -151,7 +151,7 @@ fn bench_transport(args: &TransportArgs) -> Result<()> {
         bail!("--pingpong must be at least {BLOCKS}; --bulk-64mib and --bulk-1mib at least 1");
     }
     let transport = make_transport(args.transport)?;
-    let mut raw = Raw::start().context("raw TCP baseline")?;
+    let mut raw = Raw::start(&[MIB, 64 * MIB]).context("raw TCP baseline")?;
     let mut framed = Framed::start(transport).context("starting the transport")?;
 
     // Raw and framed measurements alternate in blocks, so that both see the same load from the
@@ -180,8 +180,14 @@ fn bench_transport(args: &TransportArgs) -> Result<()> {
         let bar = progress(rounds as u64 + 1, what);
         let (mut r, mut f) = (Vec::new(), Vec::new());
         for round in 0..=rounds {
-            let raw_took = raw.bulk(&data).context("raw TCP bulk")?;
-            let frame_took = framed.bulk(&frame).context("frame bulk")?;
+            // Alternate which goes first, so neither always finds warmer caches.
+            let (raw_took, frame_took) = if round % 2 == 0 {
+                let r = raw.bulk(&data).context("raw TCP bulk")?;
+                (r, framed.bulk(&frame).context("frame bulk")?)
+            } else {
+                let f = framed.bulk(&frame).context("frame bulk")?;
+                (raw.bulk(&data).context("raw TCP bulk")?, f)
+            };
             // Round 0 warms up buffers and pages.
             if round > 0 {
                 r.push(mbps(size, raw_took));
@@ -258,70 +264,83 @@ fn bench_transport(args: &TransportArgs) -> Result<()> {
 // ---------------------------------------------------------------------------------------------
 // Raw baseline: blocking std sockets, no framing, an echo thread.
 
-/// Commands of the raw echo server: the first byte of each exchange.
+/// Modes of a raw connection, named once in its first message (never per exchange, so the
+/// baseline carries no framing at all).
 const RAW_PING: u8 = 1;
 const RAW_BULK: u8 = 2;
 
-fn raw_server(listener: TcpListener) -> std::io::Result<()> {
-    let (mut s, _) = listener.accept()?;
+/// Serves one raw connection: echoes [`SMALL`]-byte messages, or acknowledges each transfer
+/// of the announced size with one byte, until the client closes.
+fn raw_connection(mut s: TcpStream) -> std::io::Result<()> {
     s.set_nodelay(true)?;
-    let mut small = [0u8; SMALL];
-    let mut big = vec![0u8; 64 * MIB];
+    let mut setup = [0u8; 9];
+    s.read_exact(&mut setup)?;
+    let size = u64::from_le_bytes(setup[1..].try_into().unwrap_or_default()) as usize;
+    let mut buf = vec![0u8; if setup[0] == RAW_PING { SMALL } else { size }];
     loop {
-        let mut cmd = [0u8; 1 + 8];
-        if s.read_exact(&mut cmd).is_err() {
-            return Ok(());
+        match s.read_exact(&mut buf) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
         }
-        let len = u64::from_le_bytes(cmd[1..].try_into().unwrap_or_default()) as usize;
-        match cmd[0] {
-            RAW_PING => {
-                // `len` round trips of SMALL bytes each.
-                for _ in 0..len {
-                    s.read_exact(&mut small)?;
-                    s.write_all(&small)?;
-                }
-            }
-            RAW_BULK => {
-                s.read_exact(&mut big[..len])?;
-                s.write_all(&[1])?;
-            }
-            _ => return Ok(()),
+        if setup[0] == RAW_PING {
+            s.write_all(&buf)?;
+        } else {
+            s.write_all(&[1])?;
         }
     }
 }
 
-/// The raw baseline's client: a blocking socket to an echo thread.
+/// The raw baseline's client: blocking sockets to echo threads, one connection per kind of
+/// exchange.
 struct Raw {
-    s: TcpStream,
+    ping: TcpStream,
+    bulk: Vec<(usize, TcpStream)>,
     server: std::thread::JoinHandle<std::io::Result<()>>,
 }
 
 impl Raw {
-    fn start() -> Result<Self> {
+    fn start(bulk_sizes: &[usize]) -> Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
         let addr = listener.local_addr()?;
-        let server = std::thread::spawn(move || raw_server(listener));
-        let s = TcpStream::connect(addr)?;
-        s.set_nodelay(true)?;
-        Ok(Raw { s, server })
-    }
-
-    fn command(&mut self, c: u8, n: usize) -> std::io::Result<()> {
-        let mut m = [c; 9];
-        m[1..].copy_from_slice(&(n as u64).to_le_bytes());
-        self.s.write_all(&m)
+        let connections = 1 + bulk_sizes.len();
+        let server = std::thread::spawn(move || -> std::io::Result<()> {
+            let mut handlers = Vec::new();
+            for _ in 0..connections {
+                let (s, _) = listener.accept()?;
+                handlers.push(std::thread::spawn(move || raw_connection(s)));
+            }
+            for h in handlers {
+                h.join()
+                    .map_err(|_| std::io::Error::other("raw echo thread panicked"))??;
+            }
+            Ok(())
+        });
+        let open = |mode: u8, size: usize| -> Result<TcpStream> {
+            let mut s = TcpStream::connect(addr)?;
+            s.set_nodelay(true)?;
+            let mut setup = [mode; 9];
+            setup[1..].copy_from_slice(&(size as u64).to_le_bytes());
+            s.write_all(&setup)?;
+            Ok(s)
+        };
+        let ping = open(RAW_PING, SMALL)?;
+        let bulk = bulk_sizes
+            .iter()
+            .map(|&size| Ok((size, open(RAW_BULK, size)?)))
+            .collect::<Result<_>>()?;
+        Ok(Raw { ping, bulk, server })
     }
 
     /// `n` round trips of [`SMALL`] bytes; the time of each.
     fn pingpong(&mut self, n: usize) -> Result<Vec<Duration>> {
-        self.command(RAW_PING, n)?;
         let msg = [7u8; SMALL];
         let mut back = [0u8; SMALL];
         let mut times = Vec::with_capacity(n);
         for _ in 0..n {
             let t = Instant::now();
-            self.s.write_all(&msg)?;
-            self.s.read_exact(&mut back)?;
+            self.ping.write_all(&msg)?;
+            self.ping.read_exact(&mut back)?;
             times.push(t.elapsed());
         }
         Ok(times)
@@ -329,19 +348,25 @@ impl Raw {
 
     /// Sends `data` and waits for the 1-byte acknowledgement.
     fn bulk(&mut self, data: &[u8]) -> Result<Duration> {
+        let s = self
+            .bulk
+            .iter_mut()
+            .find(|(size, _)| *size == data.len())
+            .map(|(_, s)| s)
+            .context("no raw connection for this transfer size")?;
         let t = Instant::now();
-        self.command(RAW_BULK, data.len())?;
-        self.s.write_all(data)?;
+        s.write_all(data)?;
         let mut ack = [0u8; 1];
-        self.s.read_exact(&mut ack)?;
+        s.read_exact(&mut ack)?;
         Ok(t.elapsed())
     }
 
     fn finish(self) -> Result<()> {
-        drop(self.s);
+        drop(self.ping);
+        drop(self.bulk);
         self.server
             .join()
-            .map_err(|_| anyhow::anyhow!("raw echo thread panicked"))??;
+            .map_err(|_| anyhow::anyhow!("raw listener thread panicked"))??;
         Ok(())
     }
 }

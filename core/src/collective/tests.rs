@@ -1,0 +1,618 @@
+//! Every collective, simulated for every rank of every world size 1..=64.
+
+use proptest::prelude::*;
+
+use super::sim::{self, hand_schedule, hand_step, Outcome};
+use super::*;
+
+const MAX_WORLD: usize = 64;
+
+fn ceil_log2(n: usize) -> usize {
+    if n <= 1 {
+        0
+    } else {
+        (n - 1).ilog2() as usize + 1
+    }
+}
+
+fn everyone(n: usize) -> u128 {
+    (1u128 << n) - 1
+}
+
+/// SplitMix64: deterministic test data without a dependency.
+fn mix(seed: u64) -> u64 {
+    let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn simulate(schedules: &[Schedule], inputs: &[Vec<u8>]) -> Result<Outcome, String> {
+    sim::run(schedules, inputs)
+}
+
+// ---------------------------------------------------------------------------------------------
+// barrier
+
+#[test]
+fn barrier_every_world_is_dissemination() {
+    for n in 1..=MAX_WORLD {
+        let schedules: Vec<Schedule> = (0..n).map(|r| barrier(r, n).unwrap()).collect();
+        for (r, s) in schedules.iter().enumerate() {
+            assert_eq!(s.steps().len(), ceil_log2(n), "rank {r} of {n}");
+            for (k, step) in s.steps().iter().enumerate() {
+                let [send] = step.sends() else {
+                    panic!("one send")
+                };
+                let [recv] = step.receives() else {
+                    panic!("one receive")
+                };
+                assert_eq!(send.peer(), (r + (1 << k)) % n);
+                assert_eq!(recv.peer(), (r + n - (1 << k) % n) % n);
+                assert!(send.is_empty() && recv.is_empty());
+                assert_eq!(step.waits_on().collect::<Vec<_>>(), vec![recv.peer()]);
+            }
+        }
+        let out = simulate(&schedules, &vec![Vec::new(); n]).unwrap();
+        assert_eq!(out.depth, ceil_log2(n), "rounds for {n} ranks");
+        // The barrier's guarantee: no rank leaves before hearing (transitively) from all.
+        assert!(out.heard.iter().all(|h| *h == everyone(n)), "world {n}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// broadcast
+
+fn check_broadcast(n: usize, root: usize, len: usize) -> Result<(), String> {
+    let schedules: Vec<Schedule> = (0..n)
+        .map(|r| broadcast(r, n, root, len).unwrap())
+        .collect();
+    let payload: Vec<u8> = (0..len)
+        .map(|i| mix((root * 1000 + i) as u64) as u8)
+        .collect();
+    let inputs: Vec<Vec<u8>> = (0..n)
+        .map(|r| {
+            if r == root {
+                payload.clone()
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    let out = simulate(&schedules, &inputs)?;
+    for (r, buffer) in out.buffers.iter().enumerate() {
+        if *buffer != payload {
+            return Err(format!(
+                "world {n} root {root} len {len}: rank {r} got other bytes"
+            ));
+        }
+        let receives: usize = schedules[r]
+            .steps()
+            .iter()
+            .map(|s| s.receives().len())
+            .sum();
+        let want = usize::from(r != root && len > 0);
+        if receives != want {
+            return Err(format!("rank {r} receives {receives} times, want {want}"));
+        }
+        if len > 0 && out.heard[r] & (1 << root) == 0 {
+            return Err(format!("rank {r} never heard from root {root}"));
+        }
+    }
+    let depth = if len == 0 { 0 } else { ceil_log2(n) };
+    if out.depth != depth {
+        return Err(format!(
+            "world {n} root {root}: depth {} want {depth}",
+            out.depth
+        ));
+    }
+    Ok(())
+}
+
+#[test]
+fn broadcast_every_world_every_root() {
+    for n in 1..=MAX_WORLD {
+        for root in 0..n {
+            for len in [0, 5] {
+                check_broadcast(n, root, len).unwrap();
+            }
+        }
+        check_broadcast(n, n / 2, 1000).unwrap();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// all_gather
+
+fn check_all_gather(lens: &[usize], algorithm: AllGatherAlgorithm) -> Result<Outcome, String> {
+    let n = lens.len();
+    let schedules: Vec<Schedule> = (0..n)
+        .map(|r| all_gather(r, lens, algorithm).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    let inputs: Vec<Vec<u8>> = lens
+        .iter()
+        .enumerate()
+        .map(|(r, len)| (0..*len).map(|i| mix((r << 20 | i) as u64) as u8).collect())
+        .collect();
+    let want = inputs.concat();
+    let out = simulate(&schedules, &inputs)?;
+    for (r, buffer) in out.buffers.iter().enumerate() {
+        if *buffer != want {
+            return Err(format!(
+                "{algorithm:?} lens {lens:?}: rank {r} has the wrong blocks"
+            ));
+        }
+        // No block reaches a rank twice: it receives exactly the others' bytes.
+        let received: usize = schedules[r]
+            .steps()
+            .iter()
+            .flat_map(|s| s.receives())
+            .map(|x| x.len())
+            .sum();
+        if received != want.len() - lens[r] {
+            return Err(format!(
+                "{algorithm:?} lens {lens:?}: rank {r} receives {received} bytes"
+            ));
+        }
+    }
+    Ok(out)
+}
+
+#[test]
+fn all_gather_every_world_every_algorithm() {
+    for n in 1..=MAX_WORLD {
+        let patterns: [Vec<usize>; 5] = [
+            vec![0; n],
+            vec![1; n],
+            vec![5; n],
+            (0..n).map(|i| (i * 7 + 3) % 6).collect(),
+            (0..n).map(|i| if i == n / 2 { 9 } else { 0 }).collect(),
+        ];
+        let mut algorithms = vec![AllGatherAlgorithm::Ring, AllGatherAlgorithm::Bruck];
+        if n.is_power_of_two() {
+            algorithms.push(AllGatherAlgorithm::RecursiveDoubling);
+        }
+        for algorithm in algorithms {
+            for lens in &patterns {
+                let out = check_all_gather(lens, algorithm).unwrap();
+                if lens.iter().all(|l| *l > 0) {
+                    let depth = match algorithm {
+                        AllGatherAlgorithm::Ring => n - 1,
+                        _ => ceil_log2(n),
+                    };
+                    assert_eq!(out.depth, depth, "{algorithm:?} world {n}");
+                    assert!(out.heard.iter().all(|h| *h == everyone(n)));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn all_gather_recursive_doubling_needs_power_of_two() {
+    assert_eq!(
+        all_gather(0, &[1; 6], AllGatherAlgorithm::RecursiveDoubling),
+        Err(CollectiveError::NotPowerOfTwo { world: 6 })
+    );
+}
+
+#[test]
+fn all_gather_selection_follows_thresholds() {
+    use AllGatherAlgorithm::*;
+    assert_eq!(AllGatherAlgorithm::select(&[8; 8]), RecursiveDoubling);
+    assert_eq!(AllGatherAlgorithm::select(&[8; 7]), Bruck);
+    assert_eq!(AllGatherAlgorithm::select(&[1 << 20; 8]), Ring);
+    assert_eq!(
+        AllGatherAlgorithm::select(&[ALL_GATHER_BRUCK_MAX_BYTES / 3 + 1; 3]),
+        Ring
+    );
+    assert_eq!(AllGatherAlgorithm::select(&[1]), RecursiveDoubling);
+    assert_eq!(AllGatherAlgorithm::select(&[usize::MAX, 1, 1]), Ring);
+}
+
+// ---------------------------------------------------------------------------------------------
+// all_reduce
+
+/// One rank's input: values chosen per operation so that results stay finite, float sums
+/// depend on the order of operands, and min/max see ties between -0.0 and +0.0.
+fn element_values(rank: usize, count: usize, element: ElementType, op: ReduceOp) -> Vec<f64> {
+    (0..count)
+        .map(|i| {
+            let h = mix((rank as u64) << 32 | i as u64);
+            match (element.is_float(), op) {
+                (true, ReduceOp::Sum) => ((h % 200_001) as f64 - 100_000.0) / 77.0,
+                (true, ReduceOp::Product) => 0.5 + (h % 1000) as f64 / 1000.0,
+                (true, _) if h % 4 == 0 => {
+                    if h % 8 == 0 {
+                        -0.0
+                    } else {
+                        0.0
+                    }
+                }
+                (true, _) => ((h % 2001) as f64 - 1000.0) / 8.0,
+                (false, _) => 0.0,
+            }
+        })
+        .collect()
+}
+
+fn encode_floats(values: &[f64], element: ElementType) -> Vec<u8> {
+    match element {
+        ElementType::F32 => values
+            .iter()
+            .flat_map(|v| (*v as f32).to_le_bytes())
+            .collect(),
+        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
+fn decode_floats(bytes: &[u8], element: ElementType) -> Vec<f64> {
+    match element {
+        ElementType::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap())))
+            .collect(),
+        _ => bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+    }
+}
+
+fn int_values(rank: usize, count: usize) -> Vec<i64> {
+    (0..count)
+        .map(|i| mix((rank as u64) << 32 | i as u64 | 1 << 63) as i64)
+        .collect()
+}
+
+fn encode_ints(values: &[i64], element: ElementType) -> Vec<u8> {
+    match element {
+        ElementType::I32 => values
+            .iter()
+            .flat_map(|v| (*v as i32).to_le_bytes())
+            .collect(),
+        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
+/// Runs an all_reduce and checks it; returns the depth.
+fn check_all_reduce(
+    n: usize,
+    count: usize,
+    element: ElementType,
+    op: ReduceOp,
+    algorithm: AllReduceAlgorithm,
+) -> Result<usize, String> {
+    let context = format!("{algorithm:?} {op} {element} x{count} world {n}");
+    let schedules: Vec<Schedule> = (0..n)
+        .map(|r| all_reduce(r, n, count, element, op, algorithm).unwrap())
+        .collect();
+    let want: Vec<u8>;
+    let inputs: Vec<Vec<u8>>;
+    let mut tolerance = Vec::new();
+    let mut reference = Vec::new();
+    if element.is_float() {
+        let values: Vec<Vec<f64>> = (0..n)
+            .map(|r| {
+                let v = element_values(r, count, element, op);
+                // Round through the element type so the reference sees what the ranks see.
+                decode_floats(&encode_floats(&v, element), element)
+            })
+            .collect();
+        inputs = values.iter().map(|v| encode_floats(v, element)).collect();
+        let eps = if element == ElementType::F32 {
+            f64::from(f32::EPSILON)
+        } else {
+            f64::EPSILON
+        };
+        for i in 0..count {
+            let column = values.iter().map(|v| v[i]);
+            let (value, bound) = match op {
+                ReduceOp::Sum => {
+                    let abs: f64 = values.iter().map(|v| v[i].abs()).sum();
+                    (column.sum::<f64>(), 2.0 * n as f64 * eps * abs)
+                }
+                ReduceOp::Product => {
+                    let p: f64 = column.product();
+                    (p, 2.0 * n as f64 * eps * p.abs())
+                }
+                ReduceOp::Min => (column.fold(f64::INFINITY, f64::min), 0.0),
+                ReduceOp::Max => (column.fold(f64::NEG_INFINITY, f64::max), 0.0),
+            };
+            reference.push(value);
+            tolerance.push(bound);
+        }
+        want = Vec::new();
+    } else {
+        let values: Vec<Vec<i64>> = (0..n).map(|r| int_values(r, count)).collect();
+        inputs = values.iter().map(|v| encode_ints(v, element)).collect();
+        let narrow = |v: i64| {
+            if element == ElementType::I32 {
+                i64::from(v as i32)
+            } else {
+                v
+            }
+        };
+        let reduced: Vec<i64> = (0..count)
+            .map(|i| {
+                let mut column = values.iter().map(|v| narrow(v[i]));
+                let first = column.next().unwrap_or(0);
+                narrow(column.fold(first, |a, b| match op {
+                    ReduceOp::Sum => a.wrapping_add(b),
+                    ReduceOp::Product => a.wrapping_mul(b),
+                    ReduceOp::Min => a.min(b),
+                    ReduceOp::Max => a.max(b),
+                }))
+            })
+            .collect();
+        want = encode_ints(&reduced, element);
+    }
+    let out = simulate(&schedules, &inputs).map_err(|e| format!("{context}: {e}"))?;
+    for (r, buffer) in out.buffers.iter().enumerate() {
+        if *buffer != out.buffers[0] {
+            return Err(format!("{context}: rank {r} differs bitwise from rank 0"));
+        }
+    }
+    if element.is_float() {
+        let got = decode_floats(&out.buffers[0], element);
+        for (i, ((g, w), t)) in got.iter().zip(&reference).zip(&tolerance).enumerate() {
+            if (g - w).abs() > *t {
+                return Err(format!(
+                    "{context}: element {i} is {g}, reference {w} ± {t}"
+                ));
+            }
+        }
+    } else if out.buffers[0] != want {
+        return Err(format!("{context}: wrong integer result"));
+    }
+    if count > 0 && out.heard.iter().any(|h| *h != everyone(n)) {
+        return Err(format!(
+            "{context}: a rank's result misses some rank's data"
+        ));
+    }
+    Ok(out.depth)
+}
+
+fn expected_depth(n: usize, count: usize, algorithm: AllReduceAlgorithm) -> Option<usize> {
+    match algorithm {
+        _ if count == 0 => Some(0),
+        AllReduceAlgorithm::RecursiveDoubling => {
+            let p = 1usize << n.ilog2();
+            Some(p.ilog2() as usize + if p == n { 0 } else { 2 })
+        }
+        AllReduceAlgorithm::Ring if count >= n => Some(2 * (n - 1)),
+        // With empty chunks some ring hops are left out; the depth is then not fixed.
+        AllReduceAlgorithm::Ring => None,
+    }
+}
+
+#[test]
+fn all_reduce_every_world_both_algorithms() {
+    for n in 1..=MAX_WORLD {
+        for algorithm in [
+            AllReduceAlgorithm::RecursiveDoubling,
+            AllReduceAlgorithm::Ring,
+        ] {
+            for count in [0, 1, n.saturating_sub(1), n, 2 * n + 3] {
+                let depth =
+                    check_all_reduce(n, count, ElementType::I64, ReduceOp::Sum, algorithm).unwrap();
+                if let Some(want) = expected_depth(n, count, algorithm) {
+                    assert_eq!(depth, want, "{algorithm:?} world {n} count {count}");
+                }
+            }
+            check_all_reduce(n, n + 5, ElementType::F32, ReduceOp::Sum, algorithm).unwrap();
+        }
+    }
+}
+
+#[test]
+fn all_reduce_every_op_and_element() {
+    for n in [1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 31, 33, 64] {
+        for algorithm in [
+            AllReduceAlgorithm::RecursiveDoubling,
+            AllReduceAlgorithm::Ring,
+        ] {
+            for element in ElementType::ALL {
+                for op in ReduceOp::ALL {
+                    for count in [0, 3, n + 1, 2 * n + 5] {
+                        check_all_reduce(n, count, element, op, algorithm).unwrap();
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn all_reduce_selection_follows_thresholds() {
+    use AllReduceAlgorithm::*;
+    let big = ALL_REDUCE_RING_MIN_BYTES / 4;
+    assert_eq!(AllReduceAlgorithm::select(8, big, ElementType::F32), Ring);
+    assert_eq!(
+        AllReduceAlgorithm::select(8, big - 1, ElementType::F32),
+        RecursiveDoubling
+    );
+    assert_eq!(
+        AllReduceAlgorithm::select(2, 1 << 30, ElementType::F64),
+        RecursiveDoubling
+    );
+    assert_eq!(
+        AllReduceAlgorithm::select(1 << 20, big, ElementType::I32),
+        RecursiveDoubling
+    );
+}
+
+#[test]
+fn builders_reject_bad_arguments() {
+    assert_eq!(barrier(0, 0), Err(CollectiveError::EmptyWorld));
+    assert_eq!(
+        barrier(3, 3),
+        Err(CollectiveError::RankOutOfRange { rank: 3, world: 3 })
+    );
+    assert_eq!(
+        broadcast(0, 4, 4, 1),
+        Err(CollectiveError::RootOutOfRange { root: 4, world: 4 })
+    );
+    assert_eq!(
+        all_gather(0, &[], AllGatherAlgorithm::Ring),
+        Err(CollectiveError::EmptyWorld)
+    );
+    assert_eq!(
+        all_gather(0, &[usize::MAX, 1], AllGatherAlgorithm::Ring),
+        Err(CollectiveError::SizeOverflow)
+    );
+    assert_eq!(
+        all_reduce(
+            0,
+            2,
+            usize::MAX,
+            ElementType::I64,
+            ReduceOp::Sum,
+            AllReduceAlgorithm::Ring
+        ),
+        Err(CollectiveError::SizeOverflow)
+    );
+    let message = barrier(5, 2).unwrap_err().to_string();
+    assert_eq!(message, "rank 5 is out of range for a world of 2 ranks");
+}
+
+#[test]
+fn receive_apply_rejects_bad_messages_untouched() {
+    let schedule = all_reduce(
+        0,
+        2,
+        4,
+        ElementType::F32,
+        ReduceOp::Sum,
+        AllReduceAlgorithm::Ring,
+    )
+    .unwrap();
+    let recv = &schedule.steps()[0].receives()[0];
+    assert_eq!(recv.peer(), 1);
+    let mut buffer = vec![1u8; 16];
+    assert_eq!(
+        recv.apply(&mut buffer, &[0u8; 7]),
+        Err(CollectiveError::MessageLength {
+            peer: 1,
+            expected: 8,
+            actual: 7
+        })
+    );
+    let mut short = vec![1u8; 12];
+    assert!(matches!(
+        recv.apply(&mut short, &[0u8; 8]),
+        Err(CollectiveError::BufferTooShort { peer: 1, .. })
+    ));
+    assert_eq!(buffer, vec![1u8; 16]);
+    assert_eq!(short, vec![1u8; 12]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// the simulator catches broken schedules
+
+#[test]
+fn simulator_reports_deadlock_naming_ranks() {
+    // Both ranks receive before they send.
+    let schedules = vec![
+        hand_schedule(
+            0,
+            2,
+            4,
+            vec![hand_step(&[], &[(1, 0..4)]), hand_step(&[(1, 0..4)], &[])],
+        ),
+        hand_schedule(
+            1,
+            2,
+            4,
+            vec![hand_step(&[], &[(0, 0..4)]), hand_step(&[(0, 0..4)], &[])],
+        ),
+    ];
+    let err = simulate(&schedules, &[vec![0; 4], vec![0; 4]]).unwrap_err();
+    assert!(
+        err.contains("deadlock") && err.contains("rank 0 at step 0 waits on receives from [1]"),
+        "{err}"
+    );
+    // Both send in one step and receive in the next: fine with buffering, a deadlock when a
+    // send completes only on receipt (the model the simulator checks).
+    let schedules = vec![
+        hand_schedule(
+            0,
+            2,
+            4,
+            vec![hand_step(&[(1, 0..2)], &[]), hand_step(&[], &[(1, 2..4)])],
+        ),
+        hand_schedule(
+            1,
+            2,
+            4,
+            vec![hand_step(&[(0, 0..2)], &[]), hand_step(&[], &[(0, 2..4)])],
+        ),
+    ];
+    let err = simulate(&schedules, &[vec![0; 4], vec![0; 4]]).unwrap_err();
+    assert!(err.contains("1 unconsumed send"), "{err}");
+}
+
+#[test]
+fn simulator_reports_mismatched_lengths_and_overlaps() {
+    let schedules = vec![
+        hand_schedule(0, 2, 4, vec![hand_step(&[(1, 0..4)], &[])]),
+        hand_schedule(1, 2, 4, vec![hand_step(&[], &[(0, 0..3)])]),
+    ];
+    let err = simulate(&schedules, &[vec![0; 4], vec![0; 4]]).unwrap_err();
+    assert!(
+        err.contains("mismatched") && err.contains("from rank 0 has 4 bytes"),
+        "{err}"
+    );
+    let schedules = vec![
+        hand_schedule(0, 2, 4, vec![hand_step(&[(1, 0..2)], &[(1, 1..3)])]),
+        hand_schedule(1, 2, 4, vec![hand_step(&[(0, 0..2)], &[(0, 2..4)])]),
+    ];
+    let err = simulate(&schedules, &[vec![0; 4], vec![0; 4]]).unwrap_err();
+    assert!(err.contains("overlaps send"), "{err}");
+    let schedules = vec![
+        hand_schedule(0, 2, 4, vec![hand_step(&[(0, 0..2)], &[])]),
+        hand_schedule(1, 2, 4, vec![]),
+    ];
+    let err = simulate(&schedules, &[vec![0; 4], vec![0; 4]]).unwrap_err();
+    assert!(err.contains("bad peer 0"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// random sizes, roots and worlds
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn all_gather_random_blocks(
+        lens in (1usize..=MAX_WORLD).prop_flat_map(|n| proptest::collection::vec(0usize..24, n)),
+        pick in 0usize..3,
+    ) {
+        let algorithm = match pick {
+            0 => AllGatherAlgorithm::Ring,
+            1 => AllGatherAlgorithm::Bruck,
+            _ => AllGatherAlgorithm::select(&lens),
+        };
+        check_all_gather(&lens, algorithm).map_err(TestCaseError::fail)?;
+    }
+
+    #[test]
+    fn broadcast_random_root_and_len(
+        (n, root) in (1usize..=MAX_WORLD).prop_flat_map(|n| (Just(n), 0..n)),
+        len in 0usize..300,
+    ) {
+        check_broadcast(n, root, len).map_err(TestCaseError::fail)?;
+    }
+
+    #[test]
+    fn all_reduce_random(
+        n in 1usize..=MAX_WORLD,
+        count in 0usize..150,
+        element in proptest::sample::select(ElementType::ALL.to_vec()),
+        op in proptest::sample::select(ReduceOp::ALL.to_vec()),
+        ring in any::<bool>(),
+    ) {
+        let algorithm = if ring { AllReduceAlgorithm::Ring } else { AllReduceAlgorithm::RecursiveDoubling };
+        check_all_reduce(n, count, element, op, algorithm).map_err(TestCaseError::fail)?;
+    }
+}

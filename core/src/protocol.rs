@@ -1,0 +1,1218 @@
+//! The RPC protocol as a deterministic state machine (sans-IO, in the manner of `quinn-proto`).
+//!
+//! An [`Endpoint`] is one worker's side of the protocol. It never touches a socket, a clock or
+//! a thread: time comes in as `now`, messages come in through `handle_*`, and what must happen
+//! next comes out through `poll_*`:
+//!
+//! - commands from the application: [`call`](Endpoint::call), [`remote`](Endpoint::remote),
+//!   [`fetch`](Endpoint::fetch) (`to_here`), [`respond`](Endpoint::respond), and the RRef
+//!   handle operations [`fork_for`](Endpoint::fork_for), [`accept_fork`](Endpoint::accept_fork),
+//!   [`drop_handle`](Endpoint::drop_handle), [`clone_handle`](Endpoint::clone_handle);
+//! - input: [`handle_message`](Endpoint::handle_message), [`handle_timeout`](Endpoint::handle_timeout),
+//!   [`handle_peer_lost`](Endpoint::handle_peer_lost);
+//! - output: [`poll_transmit`](Endpoint::poll_transmit) (messages to send),
+//!   [`poll_event`](Endpoint::poll_event) (work for the application: run a function, release a
+//!   value; results of our calls), [`poll_timeout`](Endpoint::poll_timeout) (when to call
+//!   `handle_timeout` next).
+//!
+//! Bodies (`B`: serialized arguments, results and tensors) pass through untouched; the endpoint
+//! only moves them.
+//!
+//! # Calls
+//! Every outgoing call gets a [`MessageId`] and, unless its timeout is zero, a deadline. A reply
+//! completes it; the deadline, a lost peer or shutdown fail it with a [`CallError`] that says
+//! which. User calls are never retried.
+//!
+//! # Remote references
+//! PyTorch's RRef protocol: an RRef lives on its *owner*; every other holder is a *user* with
+//! its own fork id, and the owner keeps the value while any fork (or a local handle) exists.
+//! - `remote(owner, f, args)` gives the caller a user RRef at once (unconfirmed); the owner runs
+//!   `f`, keeps the value, adds the caller's fork, and its reply confirms it.
+//! - Passing a user RRef to a third worker *forks* it: the parent makes a new fork id and keeps
+//!   its own reference alive until the child says the owner has confirmed the fork
+//!   (fork request child→owner, acknowledged; then child-accept child→parent). Passing it to the
+//!   owner gives the owner a local handle; passing an owner's RRef to a user registers the fork
+//!   at once.
+//! - When the last local handle of a user RRef is dropped (and it has no unconfirmed children),
+//!   the user tells the owner (user-delete). When the owner has no forks and no local handles
+//!   left, it emits [`Event::ReleaseValue`].
+//! - Control messages (fork request, child accept, user delete) are idempotent and are resent
+//!   until acknowledged.
+
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// A worker's id within its group (its rank in a static group).
+pub type WorkerId = u32;
+
+/// The id of a message, unique among the messages one endpoint sends.
+pub type MessageId = u64;
+
+/// A globally unique id: the worker that made it and a counter local to that worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct GlobalId {
+    /// The worker that created the id.
+    pub created_on: WorkerId,
+    /// A number unique on that worker.
+    pub local: u64,
+}
+
+impl fmt::Display for GlobalId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.created_on, self.local)
+    }
+}
+
+/// Identifies a remote reference (all its forks share it).
+pub type RRefId = GlobalId;
+/// Identifies one user's fork of a remote reference.
+pub type ForkId = GlobalId;
+
+/// What a worker needs to know to hold a reference: carried inside call arguments when an RRef
+/// is passed to another worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RRefForkData {
+    /// The reference.
+    pub rref: RRefId,
+    /// The fork made for the receiver (equal to `rref` when the receiver is the owner).
+    pub fork: ForkId,
+    /// The worker that owns the value.
+    pub owner: WorkerId,
+    /// The worker that passed the reference on.
+    pub parent: WorkerId,
+}
+
+/// A failure reported by the callee.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{kind} on worker {worker}: {message}")]
+pub struct RemoteError {
+    /// The worker where it happened.
+    pub worker: WorkerId,
+    /// What kind of failure.
+    pub kind: RemoteErrorKind,
+    /// The message (the handler's error, the panic message, ...).
+    pub message: String,
+}
+
+/// The kinds of [`RemoteError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum RemoteErrorKind {
+    /// No function is registered under the name.
+    UnknownFunction,
+    /// The function returned an error.
+    Failed,
+    /// The function panicked.
+    Panicked,
+    /// The arguments or result could not be (de)serialized.
+    Serialization,
+    /// The remote reference is unknown to its owner or its value failed to be created.
+    RRef,
+    /// The callee is shutting down.
+    ShuttingDown,
+}
+
+impl fmt::Display for RemoteErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::UnknownFunction => "unknown function",
+            Self::Failed => "remote error",
+            Self::Panicked => "remote panic",
+            Self::Serialization => "serialization error",
+            Self::RRef => "remote reference error",
+            Self::ShuttingDown => "callee shutting down",
+        })
+    }
+}
+
+/// Why one of our calls failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CallError {
+    /// No reply came before the deadline.
+    #[error("RPC to worker {to} timed out after {after:?}")]
+    Timeout {
+        /// The callee.
+        to: WorkerId,
+        /// The call's timeout.
+        after: Duration,
+    },
+    /// The callee reported a failure.
+    #[error(transparent)]
+    Remote(#[from] RemoteError),
+    /// The connection to the callee is gone.
+    #[error("worker {peer} is unreachable: {reason}")]
+    PeerLost {
+        /// The callee.
+        peer: WorkerId,
+        /// What the transport said.
+        reason: String,
+    },
+    /// Our agent is shut down or shutting down.
+    #[error("RPC is no longer running on this worker")]
+    NotRunning,
+    /// The reference is not known here (dropped, or never created).
+    #[error("unknown remote reference {0}")]
+    UnknownRRef(RRefId),
+}
+
+/// The header of every protocol message. Serialized with the frame; bodies ride beside it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Header {
+    /// Run `function` with the body as arguments and reply with its result.
+    Call {
+        /// The caller's id for this call.
+        id: MessageId,
+        /// The registered function's name.
+        function: String,
+    },
+    /// Run `function`, keep its result as the value of `rref`, and reply (confirming `fork`).
+    Remote {
+        /// The caller's id for this call.
+        id: MessageId,
+        /// The registered function's name.
+        function: String,
+        /// The reference the value is kept under.
+        rref: RRefId,
+        /// The caller's fork.
+        fork: ForkId,
+    },
+    /// Reply with the value of `rref` once it exists (`to_here`).
+    Fetch {
+        /// The caller's id for this call.
+        id: MessageId,
+        /// The reference.
+        rref: RRefId,
+    },
+    /// The outcome of a call, remote or fetch; on success the body is the result.
+    Reply {
+        /// The id of the call answered.
+        id: MessageId,
+        /// `Ok` or the callee's error.
+        outcome: Result<(), RemoteError>,
+    },
+    /// Control: a child asks the owner to add its fork.
+    ForkRequest {
+        /// The control message's id (for the acknowledgement).
+        id: MessageId,
+        /// The reference.
+        rref: RRefId,
+        /// The child's fork.
+        fork: ForkId,
+    },
+    /// Control: a child tells its parent that the owner confirmed its fork.
+    ChildAccept {
+        /// The control message's id.
+        id: MessageId,
+        /// The child's fork.
+        fork: ForkId,
+    },
+    /// Control: a user dropped its last handle to a fork.
+    UserDelete {
+        /// The control message's id.
+        id: MessageId,
+        /// The reference.
+        rref: RRefId,
+        /// The fork dropped.
+        fork: ForkId,
+    },
+    /// Acknowledges a control message.
+    Ack {
+        /// The control message's id.
+        id: MessageId,
+    },
+}
+
+/// A message to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transmit<B> {
+    /// The destination.
+    pub to: WorkerId,
+    /// The header.
+    pub header: Header,
+    /// The body (empty for control messages), if any.
+    pub body: Option<B>,
+}
+
+/// Identifies an incoming request the application must answer with [`Endpoint::respond`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RequestToken {
+    from: WorkerId,
+    id: MessageId,
+    kind: RequestKind,
+}
+
+impl RequestToken {
+    /// The caller.
+    pub fn from(&self) -> WorkerId {
+        self.from
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum RequestKind {
+    Call,
+    Remote(RRefId),
+    Fetch(RRefId),
+}
+
+/// What the application must do, or learn.
+#[derive(Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Event<B> {
+    /// Run `function` on `body`; answer with [`Endpoint::respond`] and the serialized result.
+    Call {
+        /// Answer with this.
+        token: RequestToken,
+        /// The function's name.
+        function: String,
+        /// Its arguments.
+        body: B,
+    },
+    /// Run `function` on `body` and keep the result as the value of `rref`; answer with
+    /// [`Endpoint::respond`] (the body of a successful answer is ignored).
+    Remote {
+        /// Answer with this.
+        token: RequestToken,
+        /// The function's name.
+        function: String,
+        /// Its arguments.
+        body: B,
+        /// Where to keep the value.
+        rref: RRefId,
+    },
+    /// Serialize the value of `rref` (which exists now) and answer with [`Endpoint::respond`].
+    Fetch {
+        /// Answer with this.
+        token: RequestToken,
+        /// The reference.
+        rref: RRefId,
+    },
+    /// One of our calls, remotes or fetches finished.
+    Completed {
+        /// The id [`Endpoint::call`] (or `remote`, `fetch`) returned.
+        id: MessageId,
+        /// The result body, or why it failed.
+        outcome: Result<B, CallError>,
+    },
+    /// The owner confirmed our fork of `rref`.
+    Confirmed {
+        /// The reference.
+        rref: RRefId,
+    },
+    /// We own `rref` and nobody refers to it any more: drop its value.
+    ReleaseValue {
+        /// The reference.
+        rref: RRefId,
+    },
+}
+
+/// Tunables.
+#[derive(Debug, Clone)]
+pub struct EndpointConfig {
+    /// How long to wait for a control message's acknowledgement before sending it again.
+    pub control_retry: Duration,
+}
+
+impl Default for EndpointConfig {
+    fn default() -> Self {
+        Self {
+            control_retry: Duration::from_secs(1),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Pending {
+    to: WorkerId,
+    timeout: Duration,
+    deadline: Option<Instant>,
+    /// For `remote`: the fork to confirm when the reply arrives.
+    confirms: Option<RRefId>,
+}
+
+#[derive(Debug)]
+struct Unacked {
+    to: WorkerId,
+    header: Header,
+    next_try: Instant,
+}
+
+/// One holder's handle on a reference: the reference and the fork it holds it through.
+/// On the owner, `fork == rref`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RRefHandle {
+    /// The reference.
+    pub rref: RRefId,
+    /// The fork held (the reference's own id for the owner and for the worker that created it).
+    pub fork: ForkId,
+    /// The worker that owns the value.
+    pub owner: WorkerId,
+}
+
+/// The owner's record of one of its references.
+#[derive(Debug, Default)]
+struct Owned {
+    forks: HashSet<ForkId>,
+    local_handles: u32,
+    /// `None` while the value is being created; `Some(Ok)` once kept; `Some(Err)` if that failed.
+    state: Option<Result<(), RemoteError>>,
+    fetches: Vec<(WorkerId, MessageId)>,
+}
+
+/// A user's record of one fork.
+#[derive(Debug)]
+struct Used {
+    rref: RRefId,
+    owner: WorkerId,
+    /// Who to send child-accept to once the owner confirms (not for the creator's fork or a
+    /// fork the owner gave).
+    parent: Option<WorkerId>,
+    confirmed: bool,
+    handles: u32,
+    /// Forks made from this one for other workers that the owner has not confirmed yet.
+    pending_children: HashSet<ForkId>,
+    /// No user-delete is needed (the value was never created).
+    void: bool,
+}
+
+/// Whether the endpoint accepts new work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunState {
+    /// Serving and calling.
+    Running,
+    /// No new outgoing calls; incoming work is refused; pending work finishes.
+    ShuttingDown,
+    /// Everything failed or finished.
+    Stopped,
+}
+
+/// One worker's side of the RPC protocol.
+#[derive(Debug)]
+pub struct Endpoint<B> {
+    me: WorkerId,
+    config: EndpointConfig,
+    state: RunState,
+    next_id: u64,
+    pending: HashMap<MessageId, Pending>,
+    deadlines: BTreeSet<(Instant, MessageId)>,
+    unacked: HashMap<MessageId, Unacked>,
+    incoming: HashSet<RequestToken>,
+    owned: HashMap<RRefId, Owned>,
+    used: HashMap<ForkId, Used>,
+    /// Child fork -> the parent fork it was made from and the worker it was sent to.
+    children: HashMap<ForkId, (ForkId, WorkerId)>,
+    /// Control messages already handled, per sender, so resent ones are only acknowledged.
+    seen_control: HashSet<(WorkerId, MessageId)>,
+    transmits: VecDeque<Transmit<B>>,
+    events: VecDeque<Event<B>>,
+}
+
+impl<B> Endpoint<B> {
+    /// A new endpoint for worker `me`.
+    pub fn new(me: WorkerId, config: EndpointConfig) -> Self {
+        Self {
+            me,
+            config,
+            state: RunState::Running,
+            next_id: 0,
+            pending: HashMap::new(),
+            deadlines: BTreeSet::new(),
+            unacked: HashMap::new(),
+            incoming: HashSet::new(),
+            owned: HashMap::new(),
+            used: HashMap::new(),
+            children: HashMap::new(),
+            seen_control: HashSet::new(),
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+        }
+    }
+
+    // ----- getters -----
+
+    /// This worker's id.
+    pub fn id(&self) -> WorkerId {
+        self.me
+    }
+
+    /// Whether the endpoint is running, shutting down or stopped.
+    pub fn state(&self) -> RunState {
+        self.state
+    }
+
+    /// Whether nothing is outstanding: no call awaiting a reply, no request awaiting our
+    /// answer, no control message awaiting acknowledgement.
+    pub fn is_idle(&self) -> bool {
+        self.pending.is_empty() && self.incoming.is_empty() && self.unacked.is_empty()
+    }
+
+    /// Calls awaiting a reply.
+    pub fn outstanding_calls(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Whether we own `rref` and still keep it.
+    pub fn owns(&self, rref: RRefId) -> bool {
+        self.owned.contains_key(&rref)
+    }
+
+    /// Whether the owner has confirmed `handle`'s fork (always true on the owner); `None` if
+    /// the handle is unknown here.
+    pub fn is_confirmed(&self, handle: RRefHandle) -> Option<bool> {
+        if handle.owner == self.me {
+            return self.owned.contains_key(&handle.rref).then_some(true);
+        }
+        self.used.get(&handle.fork).map(|u| u.confirmed)
+    }
+
+    /// The forks the owner currently counts for `rref` (diagnostics and tests).
+    pub fn owner_fork_count(&self, rref: RRefId) -> Option<usize> {
+        self.owned.get(&rref).map(|o| o.forks.len())
+    }
+
+    /// The number of user forks this worker holds (diagnostics and tests).
+    pub fn user_fork_count(&self) -> usize {
+        self.used.len()
+    }
+
+    // ----- output -----
+
+    /// The next message to send.
+    pub fn poll_transmit(&mut self) -> Option<Transmit<B>> {
+        self.transmits.pop_front()
+    }
+
+    /// The next event for the application.
+    pub fn poll_event(&mut self) -> Option<Event<B>> {
+        self.events.pop_front()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must be called next, if ever.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let call = self.deadlines.first().map(|(t, _)| *t);
+        let control = self.unacked.values().map(|u| u.next_try).min();
+        match (call, control) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    // ----- commands -----
+
+    fn fresh_id(&mut self) -> MessageId {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn fresh_global(&mut self) -> GlobalId {
+        GlobalId {
+            created_on: self.me,
+            local: self.fresh_id(),
+        }
+    }
+
+    fn track(
+        &mut self,
+        id: MessageId,
+        to: WorkerId,
+        timeout: Duration,
+        now: Instant,
+        confirms: Option<RRefId>,
+    ) {
+        let deadline = (!timeout.is_zero()).then(|| now + timeout);
+        if let Some(d) = deadline {
+            self.deadlines.insert((d, id));
+        }
+        self.pending.insert(
+            id,
+            Pending {
+                to,
+                timeout,
+                deadline,
+                confirms,
+            },
+        );
+    }
+
+    /// Calls `function` on worker `to` (which may be this worker). `timeout` zero means no
+    /// deadline. The result arrives as [`Event::Completed`] with the returned id.
+    pub fn call(
+        &mut self,
+        to: WorkerId,
+        function: &str,
+        body: B,
+        timeout: Duration,
+        now: Instant,
+    ) -> Result<MessageId, CallError> {
+        self.ensure_running()?;
+        let id = self.fresh_id();
+        self.track(id, to, timeout, now, None);
+        if to == self.me {
+            let token = RequestToken {
+                from: self.me,
+                id,
+                kind: RequestKind::Call,
+            };
+            self.incoming.insert(token);
+            self.events.push_back(Event::Call {
+                token,
+                function: function.to_owned(),
+                body,
+            });
+        } else {
+            self.transmits.push_back(Transmit {
+                to,
+                header: Header::Call {
+                    id,
+                    function: function.to_owned(),
+                },
+                body: Some(body),
+            });
+        }
+        Ok(id)
+    }
+
+    /// Creates a value on worker `owner` by running `function` there, and returns a handle on
+    /// the new reference at once. [`Event::Completed`] with the returned message id reports
+    /// whether creating the value succeeded (its body is empty on success).
+    pub fn remote(
+        &mut self,
+        owner: WorkerId,
+        function: &str,
+        body: B,
+        timeout: Duration,
+        now: Instant,
+    ) -> Result<(RRefHandle, MessageId), CallError> {
+        self.ensure_running()?;
+        let rref = self.fresh_global();
+        let handle = RRefHandle {
+            rref,
+            fork: rref,
+            owner,
+        };
+        let id = self.fresh_id();
+        let function = function.to_owned();
+        if owner == self.me {
+            self.owned.entry(rref).or_default().local_handles += 1;
+            self.track(id, owner, timeout, now, None);
+            let token = RequestToken {
+                from: self.me,
+                id,
+                kind: RequestKind::Remote(rref),
+            };
+            self.incoming.insert(token);
+            self.events.push_back(Event::Remote {
+                token,
+                function,
+                body,
+                rref,
+            });
+        } else {
+            self.used.insert(
+                rref,
+                Used {
+                    rref,
+                    owner,
+                    parent: None,
+                    confirmed: false,
+                    handles: 1,
+                    pending_children: HashSet::new(),
+                    void: false,
+                },
+            );
+            self.track(id, owner, timeout, now, Some(rref));
+            self.transmits.push_back(Transmit {
+                to: owner,
+                header: Header::Remote {
+                    id,
+                    function,
+                    rref,
+                    fork: rref,
+                },
+                body: Some(body),
+            });
+        }
+        Ok((handle, id))
+    }
+
+    /// Asks the owner for the value behind `handle` (`to_here`); on the owner itself the
+    /// application is asked through [`Event::Fetch`] once the value exists.
+    pub fn fetch(
+        &mut self,
+        handle: RRefHandle,
+        timeout: Duration,
+        now: Instant,
+    ) -> Result<MessageId, CallError> {
+        self.ensure_running()?;
+        self.check_handle(handle)?;
+        let id = self.fresh_id();
+        self.track(id, handle.owner, timeout, now, None);
+        if handle.owner == self.me {
+            self.owner_fetch(self.me, id, handle.rref);
+        } else {
+            self.transmits.push_back(Transmit {
+                to: handle.owner,
+                header: Header::Fetch {
+                    id,
+                    rref: handle.rref,
+                },
+                body: None,
+            });
+        }
+        Ok(id)
+    }
+
+    /// Answers an incoming request. For a `Remote` request, `Ok` means the value is now kept
+    /// under its reference (the body is not sent). A token answered twice, or after
+    /// [`stop`](Self::stop), is ignored.
+    pub fn respond(&mut self, token: RequestToken, outcome: Result<B, RemoteError>) {
+        if !self.incoming.remove(&token) {
+            return;
+        }
+        let RequestKind::Remote(rref) = token.kind else {
+            self.reply(token.from, token.id, outcome);
+            return;
+        };
+        let kept = outcome.as_ref().map(|_| ()).map_err(Clone::clone);
+        let waiting = match self.owned.get_mut(&rref) {
+            Some(o) => {
+                o.state = Some(kept.clone());
+                std::mem::take(&mut o.fetches)
+            }
+            None => Vec::new(),
+        };
+        self.reply(token.from, token.id, outcome);
+        for (from, id) in waiting {
+            self.owner_fetch(from, id, rref);
+        }
+        self.maybe_release(rref);
+    }
+
+    /// Makes the data that passes `handle` to worker `to` inside call arguments: a new fork
+    /// when `to` is a third worker. Our fork stays alive until the owner confirms the child.
+    pub fn fork_for(
+        &mut self,
+        handle: RRefHandle,
+        to: WorkerId,
+    ) -> Result<RRefForkData, CallError> {
+        self.check_handle(handle)?;
+        let me = self.me;
+        if to == me || to == handle.owner {
+            // The receiver takes a local handle (the owner) or another handle on our fork.
+            return Ok(RRefForkData {
+                rref: handle.rref,
+                fork: handle.fork,
+                owner: handle.owner,
+                parent: me,
+            });
+        }
+        let fork = self.fresh_global();
+        if handle.owner == me {
+            // The owner registers the fork at once: the receiver starts confirmed.
+            if let Some(o) = self.owned.get_mut(&handle.rref) {
+                o.forks.insert(fork);
+            }
+        } else if let Some(u) = self.used.get_mut(&handle.fork) {
+            u.pending_children.insert(fork);
+            self.children.insert(fork, (handle.fork, to));
+        }
+        Ok(RRefForkData {
+            rref: handle.rref,
+            fork,
+            owner: handle.owner,
+            parent: me,
+        })
+    }
+
+    /// Takes a reference received in call arguments and returns our handle on it. A new fork
+    /// from a third worker starts the confirmation with the owner.
+    pub fn accept_fork(&mut self, data: RRefForkData, now: Instant) -> RRefHandle {
+        if data.owner == self.me {
+            self.owned.entry(data.rref).or_default().local_handles += 1;
+            return RRefHandle {
+                rref: data.rref,
+                fork: data.rref,
+                owner: self.me,
+            };
+        }
+        let handle = RRefHandle {
+            rref: data.rref,
+            fork: data.fork,
+            owner: data.owner,
+        };
+        if let Some(u) = self.used.get_mut(&data.fork) {
+            // Passed back to ourselves, or to the owner and on: one more handle on the fork.
+            u.handles += 1;
+            return handle;
+        }
+        let from_owner = data.parent == data.owner;
+        self.used.insert(
+            data.fork,
+            Used {
+                rref: data.rref,
+                owner: data.owner,
+                parent: (!from_owner).then_some(data.parent),
+                confirmed: from_owner,
+                handles: 1,
+                pending_children: HashSet::new(),
+                void: false,
+            },
+        );
+        if from_owner {
+            self.events.push_back(Event::Confirmed { rref: data.rref });
+        } else {
+            let (rref, fork) = (data.rref, data.fork);
+            self.send_control(data.owner, |id| Header::ForkRequest { id, rref, fork }, now);
+        }
+        handle
+    }
+
+    /// Adds a local handle (cloning an `RRef` value in the application).
+    pub fn clone_handle(&mut self, handle: RRefHandle) -> Result<(), CallError> {
+        self.check_handle(handle)?;
+        if handle.owner == self.me {
+            if let Some(o) = self.owned.get_mut(&handle.rref) {
+                o.local_handles += 1;
+            }
+        } else if let Some(u) = self.used.get_mut(&handle.fork) {
+            u.handles += 1;
+        }
+        Ok(())
+    }
+
+    /// Drops one local handle. A user's last handle tells the owner (once its fork is confirmed
+    /// and no child of it is pending); the owner's last reference releases the value.
+    pub fn drop_handle(&mut self, handle: RRefHandle, now: Instant) {
+        if handle.owner == self.me {
+            if let Some(o) = self.owned.get_mut(&handle.rref) {
+                o.local_handles = o.local_handles.saturating_sub(1);
+            }
+            self.maybe_release(handle.rref);
+            return;
+        }
+        if let Some(u) = self.used.get_mut(&handle.fork) {
+            u.handles = u.handles.saturating_sub(1);
+        }
+        self.maybe_delete_user(handle.fork, now);
+    }
+
+    /// Stops taking new calls; incoming requests are refused with a "shutting down" error.
+    /// Pending calls and control messages go on; see [`is_idle`](Self::is_idle).
+    pub fn begin_shutdown(&mut self) {
+        if self.state == RunState::Running {
+            self.state = RunState::ShuttingDown;
+        }
+    }
+
+    /// Fails every pending call with [`CallError::NotRunning`], forgets requests not yet
+    /// answered and control messages not yet acknowledged, and stops.
+    pub fn stop(&mut self) {
+        self.state = RunState::Stopped;
+        let ids: Vec<MessageId> = self.pending.keys().copied().collect();
+        for id in ids {
+            self.fail(id, CallError::NotRunning);
+        }
+        self.unacked.clear();
+        self.incoming.clear();
+    }
+
+    // ----- input -----
+
+    /// Handles a message from worker `from`.
+    pub fn handle_message(
+        &mut self,
+        from: WorkerId,
+        header: Header,
+        body: Option<B>,
+        now: Instant,
+    ) {
+        match header {
+            Header::Call { id, function } => {
+                let Some(body) = self.admit(from, id, body) else {
+                    return;
+                };
+                let token = RequestToken {
+                    from,
+                    id,
+                    kind: RequestKind::Call,
+                };
+                self.incoming.insert(token);
+                self.events.push_back(Event::Call {
+                    token,
+                    function,
+                    body,
+                });
+            }
+            Header::Remote {
+                id,
+                function,
+                rref,
+                fork,
+            } => {
+                let Some(body) = self.admit(from, id, body) else {
+                    return;
+                };
+                self.owned.entry(rref).or_default().forks.insert(fork);
+                let token = RequestToken {
+                    from,
+                    id,
+                    kind: RequestKind::Remote(rref),
+                };
+                self.incoming.insert(token);
+                self.events.push_back(Event::Remote {
+                    token,
+                    function,
+                    body,
+                    rref,
+                });
+            }
+            Header::Fetch { id, rref } => {
+                if self.state == RunState::Running {
+                    self.owner_fetch(from, id, rref);
+                } else {
+                    self.refuse(from, id);
+                }
+            }
+            Header::Reply { id, outcome } => {
+                let outcome = match outcome {
+                    Ok(()) => body.ok_or_else(|| {
+                        CallError::Remote(RemoteError {
+                            worker: from,
+                            kind: RemoteErrorKind::Serialization,
+                            message: "reply without a body".into(),
+                        })
+                    }),
+                    Err(e) => Err(CallError::Remote(e)),
+                };
+                self.on_reply(id, outcome, now);
+            }
+            Header::ForkRequest { id, rref, fork } => {
+                if self.first_time(from, id) {
+                    self.owned.entry(rref).or_default().forks.insert(fork);
+                }
+                self.ack(from, id);
+            }
+            Header::ChildAccept { id, fork } => {
+                if self.first_time(from, id) {
+                    if let Some((parent, _)) = self.children.remove(&fork) {
+                        if let Some(u) = self.used.get_mut(&parent) {
+                            u.pending_children.remove(&fork);
+                        }
+                        self.maybe_delete_user(parent, now);
+                    }
+                }
+                self.ack(from, id);
+            }
+            Header::UserDelete { id, rref, fork } => {
+                if self.first_time(from, id) {
+                    if let Some(o) = self.owned.get_mut(&rref) {
+                        o.forks.remove(&fork);
+                    }
+                    self.maybe_release(rref);
+                }
+                self.ack(from, id);
+            }
+            Header::Ack { id } => self.on_ack(id, now),
+        }
+    }
+
+    /// Handles the passing of time: expired calls fail, unacknowledged control messages are
+    /// sent again.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        while let Some(&(deadline, id)) = self.deadlines.first() {
+            if deadline > now {
+                break;
+            }
+            self.deadlines.pop_first();
+            if let Some(p) = self.pending.get(&id) {
+                let err = CallError::Timeout {
+                    to: p.to,
+                    after: p.timeout,
+                };
+                self.fail(id, err);
+            }
+        }
+        let retry = self.config.control_retry;
+        for u in self.unacked.values_mut() {
+            if u.next_try <= now {
+                u.next_try = now + retry;
+                self.transmits.push_back(Transmit {
+                    to: u.to,
+                    header: u.header.clone(),
+                    body: None,
+                });
+            }
+        }
+    }
+
+    /// The connection to `peer` is gone for good: its calls fail naming it, control messages
+    /// to it are dropped, requests from it are forgotten, and its forks no longer keep our
+    /// values alive.
+    pub fn handle_peer_lost(&mut self, peer: WorkerId, reason: &str, now: Instant) {
+        let ids: Vec<MessageId> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.to == peer)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            self.fail(
+                id,
+                CallError::PeerLost {
+                    peer,
+                    reason: reason.to_owned(),
+                },
+            );
+        }
+        self.unacked.retain(|_, u| u.to != peer);
+        self.incoming.retain(|t| t.from != peer);
+        // Children sent to the lost peer will never accept: stop waiting for them.
+        let orphans: Vec<(ForkId, ForkId)> = self
+            .children
+            .iter()
+            .filter(|(_, (_, to))| *to == peer)
+            .map(|(c, (p, _))| (*c, *p))
+            .collect();
+        for (child, parent) in orphans {
+            self.children.remove(&child);
+            if let Some(u) = self.used.get_mut(&parent) {
+                u.pending_children.remove(&child);
+            }
+            self.maybe_delete_user(parent, now);
+        }
+        let rrefs: Vec<RRefId> = self.owned.keys().copied().collect();
+        for rref in rrefs {
+            if let Some(o) = self.owned.get_mut(&rref) {
+                o.forks.retain(|f| f.created_on != peer);
+                o.fetches.retain(|(from, _)| *from != peer);
+            }
+            self.maybe_release(rref);
+        }
+    }
+
+    // ----- internals -----
+
+    fn ensure_running(&self) -> Result<(), CallError> {
+        match self.state {
+            RunState::Running => Ok(()),
+            _ => Err(CallError::NotRunning),
+        }
+    }
+
+    fn check_handle(&self, handle: RRefHandle) -> Result<(), CallError> {
+        let known = if handle.owner == self.me {
+            self.owned.contains_key(&handle.rref)
+        } else {
+            self.used.get(&handle.fork).is_some_and(|u| u.handles > 0)
+        };
+        known
+            .then_some(())
+            .ok_or(CallError::UnknownRRef(handle.rref))
+    }
+
+    /// Accepts an incoming request with a body, or refuses it (shutting down, no body).
+    fn admit(&mut self, from: WorkerId, id: MessageId, body: Option<B>) -> Option<B> {
+        if self.state != RunState::Running {
+            self.refuse(from, id);
+            return None;
+        }
+        if body.is_none() {
+            let err = RemoteError {
+                worker: self.me,
+                kind: RemoteErrorKind::Serialization,
+                message: "request without a body".into(),
+            };
+            self.reply(from, id, Err(err));
+        }
+        body
+    }
+
+    fn refuse(&mut self, from: WorkerId, id: MessageId) {
+        let err = RemoteError {
+            worker: self.me,
+            kind: RemoteErrorKind::ShuttingDown,
+            message: "RPC is no longer running on this worker".into(),
+        };
+        self.reply(from, id, Err(err));
+    }
+
+    fn reply(&mut self, to: WorkerId, id: MessageId, outcome: Result<B, RemoteError>) {
+        if to == self.me {
+            let outcome = outcome.map_err(CallError::Remote);
+            self.finish(id, outcome);
+            return;
+        }
+        let t = match outcome {
+            Ok(body) => Transmit {
+                to,
+                header: Header::Reply {
+                    id,
+                    outcome: Ok(()),
+                },
+                body: Some(body),
+            },
+            Err(e) => Transmit {
+                to,
+                header: Header::Reply {
+                    id,
+                    outcome: Err(e),
+                },
+                body: None,
+            },
+        };
+        self.transmits.push_back(t);
+    }
+
+    fn on_reply(&mut self, id: MessageId, outcome: Result<B, CallError>, now: Instant) {
+        let confirms = self.pending.get(&id).and_then(|p| p.confirms);
+        if let Some(fork) = confirms {
+            if let Some(u) = self.used.get_mut(&fork) {
+                u.confirmed = true;
+                if outcome.is_ok() {
+                    self.events.push_back(Event::Confirmed { rref: u.rref });
+                } else {
+                    // The value was never created: the owner keeps nothing for this fork.
+                    u.void = true;
+                }
+            }
+            self.maybe_delete_user(fork, now);
+        }
+        self.finish(id, outcome);
+    }
+
+    fn finish(&mut self, id: MessageId, outcome: Result<B, CallError>) {
+        if let Some(p) = self.pending.remove(&id) {
+            if let Some(d) = p.deadline {
+                self.deadlines.remove(&(d, id));
+            }
+            self.events.push_back(Event::Completed { id, outcome });
+        }
+    }
+
+    fn fail(&mut self, id: MessageId, err: CallError) {
+        self.finish(id, Err(err));
+    }
+
+    fn owner_fetch(&mut self, from: WorkerId, id: MessageId, rref: RRefId) {
+        let Some(o) = self.owned.get_mut(&rref) else {
+            let err = RemoteError {
+                worker: self.me,
+                kind: RemoteErrorKind::RRef,
+                message: format!(
+                    "unknown remote reference {rref} (never created here, or already released)"
+                ),
+            };
+            self.reply(from, id, Err(err));
+            return;
+        };
+        match &o.state {
+            None => o.fetches.push((from, id)),
+            Some(Err(e)) => {
+                let e = e.clone();
+                self.reply(from, id, Err(e));
+            }
+            Some(Ok(())) => {
+                let token = RequestToken {
+                    from,
+                    id,
+                    kind: RequestKind::Fetch(rref),
+                };
+                self.incoming.insert(token);
+                self.events.push_back(Event::Fetch { token, rref });
+            }
+        }
+    }
+
+    fn maybe_release(&mut self, rref: RRefId) {
+        let Some(o) = self.owned.get(&rref) else {
+            return;
+        };
+        let busy = !o.forks.is_empty() || o.local_handles > 0 || !o.fetches.is_empty();
+        let serving = self
+            .incoming
+            .iter()
+            .any(|t| matches!(t.kind, RequestKind::Remote(r) | RequestKind::Fetch(r) if r == rref));
+        if busy || serving {
+            return;
+        }
+        let had_value = matches!(o.state, Some(Ok(())));
+        self.owned.remove(&rref);
+        if had_value {
+            self.events.push_back(Event::ReleaseValue { rref });
+        }
+    }
+
+    fn maybe_delete_user(&mut self, fork: ForkId, now: Instant) {
+        let Some(u) = self.used.get(&fork) else {
+            return;
+        };
+        if u.handles > 0 || !u.pending_children.is_empty() || !u.confirmed {
+            return;
+        }
+        let (owner, rref, void) = (u.owner, u.rref, u.void);
+        self.used.remove(&fork);
+        if !void {
+            self.send_control(owner, |id| Header::UserDelete { id, rref, fork }, now);
+        }
+    }
+
+    fn send_control(&mut self, to: WorkerId, make: impl FnOnce(MessageId) -> Header, now: Instant) {
+        let id = self.fresh_id();
+        let header = make(id);
+        self.unacked.insert(
+            id,
+            Unacked {
+                to,
+                header: header.clone(),
+                next_try: now + self.config.control_retry,
+            },
+        );
+        self.transmits.push_back(Transmit {
+            to,
+            header,
+            body: None,
+        });
+    }
+
+    fn first_time(&mut self, from: WorkerId, id: MessageId) -> bool {
+        self.seen_control.insert((from, id))
+    }
+
+    fn ack(&mut self, to: WorkerId, id: MessageId) {
+        self.transmits.push_back(Transmit {
+            to,
+            header: Header::Ack { id },
+            body: None,
+        });
+    }
+
+    fn on_ack(&mut self, id: MessageId, now: Instant) {
+        let Some(u) = self.unacked.remove(&id) else {
+            return;
+        };
+        if let Header::ForkRequest { fork, .. } = u.header {
+            // The owner confirmed our fork: tell the parent, then we may delete if dropped.
+            let parent = match self.used.get_mut(&fork) {
+                Some(used) if !used.confirmed => {
+                    used.confirmed = true;
+                    self.events.push_back(Event::Confirmed { rref: used.rref });
+                    used.parent
+                }
+                _ => None,
+            };
+            if let Some(parent) = parent {
+                self.send_control(parent, |id| Header::ChildAccept { id, fork }, now);
+            }
+            self.maybe_delete_user(fork, now);
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "protocol_tests.rs"]
+mod tests;

@@ -1,0 +1,488 @@
+//! Deterministic tests of the protocol: a simulated network of endpoints with a virtual clock.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+
+use super::*;
+
+type Body = Vec<u8>;
+
+/// A cluster of endpoints, per-pair FIFO links, a virtual clock, and a tiny application per
+/// worker that runs "echo", "fail" and "make" and keeps values of the references it owns.
+struct Sim {
+    now: Instant,
+    eps: Vec<Endpoint<Body>>,
+    links: HashMap<(WorkerId, WorkerId), VecDeque<Transmit<Body>>>,
+    values: Vec<HashMap<RRefId, Body>>,
+    released: Vec<RRefId>,
+    completed: HashMap<(WorkerId, MessageId), Result<Body, CallError>>,
+    /// Defer the application's answers to `Remote` (to test fetches that wait).
+    hold_remote: bool,
+    held: Vec<(WorkerId, RequestToken, RRefId, Body)>,
+}
+
+impl Sim {
+    fn new(n: u32) -> Self {
+        let config = EndpointConfig {
+            control_retry: Duration::from_millis(100),
+        };
+        Self {
+            now: Instant::now(),
+            eps: (0..n).map(|i| Endpoint::new(i, config.clone())).collect(),
+            links: HashMap::new(),
+            values: (0..n).map(|_| HashMap::new()).collect(),
+            released: Vec::new(),
+            completed: HashMap::new(),
+            hold_remote: false,
+            held: Vec::new(),
+        }
+    }
+
+    fn ep(&mut self, w: WorkerId) -> &mut Endpoint<Body> {
+        &mut self.eps[w as usize]
+    }
+
+    /// Moves transmits to links and runs the applications until nothing is left to do locally.
+    fn pump(&mut self) {
+        loop {
+            let mut progress = false;
+            for w in 0..self.eps.len() as WorkerId {
+                while let Some(t) = self.ep(w).poll_transmit() {
+                    self.links.entry((w, t.to)).or_default().push_back(t);
+                    progress = true;
+                }
+                while let Some(ev) = self.ep(w).poll_event() {
+                    progress = true;
+                    self.app(w, ev);
+                }
+            }
+            if !progress {
+                break;
+            }
+        }
+    }
+
+    fn app(&mut self, w: WorkerId, ev: Event<Body>) {
+        match ev {
+            Event::Call {
+                token,
+                function,
+                body,
+            } => {
+                let out = match function.as_str() {
+                    "echo" => Ok(body),
+                    _ => Err(RemoteError {
+                        worker: w,
+                        kind: RemoteErrorKind::UnknownFunction,
+                        message: function,
+                    }),
+                };
+                self.ep(w).respond(token, out);
+            }
+            Event::Remote {
+                token,
+                function,
+                body,
+                rref,
+            } => {
+                if self.hold_remote {
+                    self.held.push((w, token, rref, body));
+                    return;
+                }
+                self.finish_remote(w, token, &function, rref, body);
+            }
+            Event::Fetch { token, rref } => {
+                let v = self.values[w as usize]
+                    .get(&rref)
+                    .cloned()
+                    .expect("fetch of a value the app does not keep");
+                self.ep(w).respond(token, Ok(v));
+            }
+            Event::Completed { id, outcome } => {
+                self.completed.insert((w, id), outcome);
+            }
+            Event::Confirmed { .. } => {}
+            Event::ReleaseValue { rref } => {
+                assert!(
+                    self.values[w as usize].remove(&rref).is_some(),
+                    "released {rref} twice or never kept"
+                );
+                self.released.push(rref);
+            }
+        }
+    }
+
+    fn finish_remote(
+        &mut self,
+        w: WorkerId,
+        token: RequestToken,
+        function: &str,
+        rref: RRefId,
+        body: Body,
+    ) {
+        if function == "make" {
+            self.values[w as usize].insert(rref, body);
+            self.ep(w).respond(token, Ok(Vec::new()));
+        } else {
+            let e = RemoteError {
+                worker: w,
+                kind: RemoteErrorKind::Failed,
+                message: "cannot make".into(),
+            };
+            self.ep(w).respond(token, Err(e));
+        }
+    }
+
+    fn release_held(&mut self) {
+        for (w, token, rref, body) in std::mem::take(&mut self.held) {
+            self.finish_remote(w, token, "make", rref, body);
+        }
+        self.pump();
+    }
+
+    /// Delivers the next message on one link; returns false when that link is empty.
+    fn deliver(&mut self, from: WorkerId, to: WorkerId) -> bool {
+        let Some(t) = self
+            .links
+            .get_mut(&(from, to))
+            .and_then(VecDeque::pop_front)
+        else {
+            return false;
+        };
+        let now = self.now;
+        self.ep(to).handle_message(from, t.header, t.body, now);
+        self.pump();
+        true
+    }
+
+    fn busy_links(&self) -> Vec<(WorkerId, WorkerId)> {
+        let mut v: Vec<_> = self
+            .links
+            .iter()
+            .filter(|(_, q)| !q.is_empty())
+            .map(|(k, _)| *k)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Delivers everything, in link order.
+    fn drain(&mut self) {
+        self.pump();
+        while let Some(&(f, t)) = self.busy_links().first() {
+            self.deliver(f, t);
+        }
+    }
+
+    fn advance(&mut self, d: Duration) {
+        self.now += d;
+        let now = self.now;
+        for ep in &mut self.eps {
+            ep.handle_timeout(now);
+        }
+        self.pump();
+    }
+
+    fn outcome(&self, w: WorkerId, id: MessageId) -> Option<&Result<Body, CallError>> {
+        self.completed.get(&(w, id))
+    }
+}
+
+const T: Duration = Duration::from_secs(60);
+
+#[test]
+fn call_round_trip_and_remote_errors() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    let id = s.ep(0).call(1, "echo", b"hi".to_vec(), T, now).unwrap();
+    let bad = s.ep(0).call(1, "nope", vec![], T, now).unwrap();
+    let local = s.ep(0).call(0, "echo", b"me".to_vec(), T, now).unwrap();
+    s.drain();
+    assert_eq!(s.outcome(0, id), Some(&Ok(b"hi".to_vec())));
+    assert_eq!(s.outcome(0, local), Some(&Ok(b"me".to_vec())));
+    match s.outcome(0, bad) {
+        Some(Err(CallError::Remote(e))) => {
+            assert_eq!(e.kind, RemoteErrorKind::UnknownFunction);
+            assert_eq!(e.worker, 1);
+            assert!(e.to_string().contains("nope"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(s.eps.iter().all(Endpoint::is_idle));
+}
+
+#[test]
+fn timeouts_fail_calls_and_zero_means_none() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    let timed = s
+        .ep(0)
+        .call(1, "echo", vec![], Duration::from_secs(5), now)
+        .unwrap();
+    let forever = s
+        .ep(0)
+        .call(1, "echo", vec![], Duration::ZERO, now)
+        .unwrap();
+    s.pump();
+    assert_eq!(s.ep(0).poll_timeout(), Some(now + Duration::from_secs(5)));
+    s.advance(Duration::from_secs(4));
+    assert_eq!(s.outcome(0, timed), None);
+    s.advance(Duration::from_secs(1));
+    assert_eq!(
+        s.outcome(0, timed),
+        Some(&Err(CallError::Timeout {
+            to: 1,
+            after: Duration::from_secs(5)
+        }))
+    );
+    assert_eq!(s.outcome(0, forever), None);
+    assert_eq!(s.ep(0).poll_timeout(), None);
+    // The late replies are ignored for the expired call and complete the other.
+    s.drain();
+    assert_eq!(s.outcome(0, forever), Some(&Ok(vec![])));
+    assert_eq!(
+        s.outcome(0, timed),
+        Some(&Err(CallError::Timeout {
+            to: 1,
+            after: Duration::from_secs(5)
+        }))
+    );
+}
+
+#[test]
+fn lost_peer_fails_its_calls_by_name() {
+    let mut s = Sim::new(3);
+    let now = s.now;
+    let to1 = s.ep(0).call(1, "echo", vec![], T, now).unwrap();
+    let to2 = s.ep(0).call(2, "echo", vec![], T, now).unwrap();
+    s.pump();
+    s.ep(0).handle_peer_lost(1, "connection reset", now);
+    s.pump();
+    match s.outcome(0, to1) {
+        Some(Err(e @ CallError::PeerLost { peer: 1, .. })) => {
+            assert!(e.to_string().contains("worker 1"))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.outcome(0, to2), None);
+    s.deliver(0, 2);
+    s.deliver(2, 0);
+    assert_eq!(s.outcome(0, to2), Some(&Ok(vec![])));
+}
+
+#[test]
+fn shutdown_refuses_new_work_and_stop_fails_pending() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    let pending = s.ep(0).call(1, "echo", vec![], T, now).unwrap();
+    s.ep(1).begin_shutdown();
+    s.drain();
+    match s.outcome(0, pending) {
+        Some(Err(CallError::Remote(e))) => assert_eq!(e.kind, RemoteErrorKind::ShuttingDown),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        s.ep(1).call(0, "echo", vec![], T, now),
+        Err(CallError::NotRunning)
+    );
+    let p = s.ep(0).call(1, "echo", vec![], T, now).unwrap();
+    s.pump();
+    s.ep(0).stop();
+    s.pump();
+    assert_eq!(s.outcome(0, p), Some(&Err(CallError::NotRunning)));
+    assert!(s.ep(0).is_idle());
+}
+
+#[test]
+fn remote_then_to_here_then_release() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    s.hold_remote = true;
+    let (h, made) = s
+        .ep(0)
+        .remote(1, "make", b"value".to_vec(), T, now)
+        .unwrap();
+    assert_eq!(s.ep(0).is_confirmed(h), Some(false));
+    // Fetch before the value exists: it waits on the owner.
+    let f = s.ep(0).fetch(h, T, now).unwrap();
+    s.drain();
+    assert_eq!(s.outcome(0, f), None);
+    s.release_held();
+    s.drain();
+    assert_eq!(s.outcome(0, made), Some(&Ok(vec![])));
+    assert_eq!(s.outcome(0, f), Some(&Ok(b"value".to_vec())));
+    assert_eq!(s.ep(0).is_confirmed(h), Some(true));
+    assert_eq!(s.ep(1).owner_fork_count(h.rref), Some(1));
+    s.ep(0).drop_handle(h, now);
+    s.drain();
+    assert_eq!(s.released, vec![h.rref]);
+    assert!(!s.ep(1).owns(h.rref));
+    assert!(s.eps.iter().all(Endpoint::is_idle));
+}
+
+#[test]
+fn failed_remote_reports_and_leaves_nothing() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    let (h, made) = s.ep(0).remote(1, "broken", vec![], T, now).unwrap();
+    s.drain();
+    assert!(matches!(
+        s.outcome(0, made),
+        Some(Err(CallError::Remote(_)))
+    ));
+    // to_here reports the same failure.
+    let f = s.ep(0).fetch(h, T, now).unwrap();
+    s.drain();
+    assert!(
+        matches!(s.outcome(0, f), Some(Err(CallError::Remote(e))) if e.message == "cannot make")
+    );
+    s.ep(0).drop_handle(h, now);
+    s.drain();
+    assert!(s.released.is_empty());
+    assert_eq!(s.ep(0).user_fork_count(), 0);
+}
+
+#[test]
+fn self_owned_values() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    let (h, made) = s.ep(0).remote(0, "make", b"mine".to_vec(), T, now).unwrap();
+    s.pump();
+    assert_eq!(s.outcome(0, made), Some(&Ok(vec![])));
+    let f = s.ep(0).fetch(h, T, now).unwrap();
+    s.pump();
+    assert_eq!(s.outcome(0, f), Some(&Ok(b"mine".to_vec())));
+    // The owner passes it to a user: the fork is registered at once.
+    let data = s.ep(0).fork_for(h, 1).unwrap();
+    let h1 = s.ep(1).accept_fork(data, now);
+    assert_eq!(s.ep(1).is_confirmed(h1), Some(true));
+    s.ep(0).drop_handle(h, now);
+    s.drain();
+    assert!(s.released.is_empty(), "the user's fork keeps it");
+    s.ep(1).drop_handle(h1, now);
+    s.drain();
+    assert_eq!(s.released, vec![h.rref]);
+}
+
+#[test]
+fn control_messages_are_resent_until_acked_and_idempotent() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    let (h, _) = s.ep(0).remote(1, "make", vec![7], T, now).unwrap();
+    s.drain();
+    s.ep(0).drop_handle(h, now);
+    s.pump();
+    // Lose the user-delete.
+    let lost = s.links.get_mut(&(0, 1)).unwrap().pop_front().unwrap();
+    assert!(matches!(lost.header, Header::UserDelete { .. }));
+    assert!(!s.ep(0).is_idle());
+    s.advance(Duration::from_millis(100));
+    assert!(
+        s.links[&(0, 1)].len() == 1,
+        "resent after the retry interval"
+    );
+    // Deliver a duplicate as well: one release only.
+    let dup = s.links[&(0, 1)][0].clone();
+    s.links.get_mut(&(0, 1)).unwrap().push_back(dup);
+    s.drain();
+    assert_eq!(s.released, vec![h.rref]);
+    assert!(s.eps.iter().all(Endpoint::is_idle));
+}
+
+/// A user passes its reference on: O owns, A creates, B and C receive forks.
+fn chain(s: &mut Sim) -> (RRefHandle, RRefHandle, RRefHandle) {
+    let now = s.now;
+    let (ha, _) = s.ep(1).remote(0, "make", b"v".to_vec(), T, now).unwrap();
+    let to_b = s.ep(1).fork_for(ha, 2).unwrap();
+    let hb = s.ep(2).accept_fork(to_b, now);
+    let to_c = s.ep(2).fork_for(hb, 3).unwrap();
+    let hc = s.ep(3).accept_fork(to_c, now);
+    s.pump();
+    (ha, hb, hc)
+}
+
+#[test]
+fn a_parent_outlives_its_unconfirmed_child() {
+    let mut s = Sim::new(4);
+    let now = s.now;
+    let (ha, hb, hc) = chain(&mut s);
+    // Everyone drops before any message is delivered; nothing may be released early.
+    s.ep(1).drop_handle(ha, now);
+    s.ep(2).drop_handle(hb, now);
+    s.pump();
+    assert_eq!(
+        s.ep(1).user_fork_count(),
+        1,
+        "A waits for the remote reply and for B's accept"
+    );
+    s.drain();
+    assert!(s.released.is_empty(), "C still holds it");
+    assert_eq!(s.ep(0).owner_fork_count(ha.rref), Some(1));
+    let f = s.ep(3).fetch(hc, T, now).unwrap();
+    s.drain();
+    assert_eq!(s.outcome(3, f), Some(&Ok(b"v".to_vec())));
+    s.ep(3).drop_handle(hc, now);
+    s.drain();
+    assert_eq!(s.released, vec![ha.rref]);
+    assert!(s.eps.iter().all(Endpoint::is_idle));
+    assert!(s.eps.iter().all(|e| e.user_fork_count() == 0));
+}
+
+#[test]
+fn lost_child_does_not_pin_its_parent() {
+    let mut s = Sim::new(4);
+    let now = s.now;
+    let (ha, hb, _hc) = chain(&mut s);
+    s.ep(1).drop_handle(ha, now);
+    s.ep(2).drop_handle(hb, now);
+    // C dies before its fork request is delivered.
+    s.links.remove(&(3, 0));
+    for w in 0..3 {
+        s.ep(w).handle_peer_lost(3, "killed", now);
+    }
+    s.drain();
+    assert_eq!(s.released, vec![ha.rref]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Random interleavings of deliveries and drops: the value is never released while some
+    /// worker holds a handle, and is released exactly once after the last one is dropped.
+    #[test]
+    fn rref_lifetime_under_any_interleaving(choices in proptest::collection::vec(any::<u16>(), 64)) {
+        let mut s = Sim::new(4);
+        let (ha, hb, hc) = chain(&mut s);
+        let mut held = vec![(1, ha), (2, hb), (3, hc)];
+        // The owner also takes a local handle through a fork passed to it.
+        let to_owner = s.ep(2).fork_for(hb, 0).unwrap();
+        let now = s.now;
+        held.push((0, s.ep(0).accept_fork(to_owner, now)));
+        for c in choices {
+            let links = s.busy_links();
+            let c = c as usize;
+            if c % 3 == 0 && !held.is_empty() {
+                let (w, h) = held.remove(c / 3 % held.len());
+                let now = s.now;
+                s.ep(w).drop_handle(h, now);
+                s.pump();
+            } else if !links.is_empty() {
+                let (f, t) = links[c % links.len()];
+                s.deliver(f, t);
+            }
+            if !held.is_empty() {
+                prop_assert!(s.released.is_empty(), "released while {:?} still held", held);
+            }
+        }
+        for (w, h) in held.drain(..) {
+            let now = s.now;
+            s.ep(w).drop_handle(h, now);
+        }
+        s.drain();
+        prop_assert_eq!(&s.released, &vec![ha.rref]);
+        prop_assert!(s.eps.iter().all(Endpoint::is_idle));
+        prop_assert!(s.eps.iter().all(|e| e.user_fork_count() == 0));
+    }
+}

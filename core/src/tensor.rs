@@ -1,0 +1,244 @@
+//! A minimal tensor value: element type, shape, device and storage.
+//!
+//! tensorwire moves tensors; it does not compute with them. A [`Tensor`] is a carrier: its bytes
+//! live either in host memory ([`Storage::Host`]) or in a device buffer owned by a
+//! [`DeviceBackend`](crate::ports::device::DeviceBackend) ([`Storage::Device`]).
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::Device;
+
+/// Element types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum DType {
+    /// 8-bit unsigned integer (also raw bytes).
+    U8,
+    /// 32-bit integer.
+    I32,
+    /// 64-bit integer.
+    I64,
+    /// 16-bit float.
+    F16,
+    /// 16-bit brain float.
+    BF16,
+    /// 32-bit float.
+    F32,
+    /// 64-bit float.
+    F64,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::U8 => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 => 8,
+        }
+    }
+}
+
+/// A buffer in a device's memory, created by a device backend. The handle is the backend's own
+/// type; only that backend looks inside it.
+#[derive(Clone)]
+pub struct DeviceBuffer {
+    device: Device,
+    len: usize,
+    handle: Arc<dyn Any + Send + Sync>,
+}
+
+impl DeviceBuffer {
+    /// Wraps a backend's buffer of `len` bytes on `device`.
+    pub fn new(device: Device, len: usize, handle: Arc<dyn Any + Send + Sync>) -> Self {
+        Self {
+            device,
+            len,
+            handle,
+        }
+    }
+
+    /// The device the bytes are on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The backend's handle, if it is of type `T`.
+    pub fn handle<T: Any + Send + Sync>(&self) -> Option<&T> {
+        self.handle.downcast_ref()
+    }
+}
+
+impl fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("device", &self.device)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where a tensor's bytes are.
+#[derive(Debug, Clone)]
+pub enum Storage {
+    /// Host memory.
+    Host(bytes::Bytes),
+    /// A device buffer.
+    Device(DeviceBuffer),
+}
+
+/// Why a tensor cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TensorError {
+    /// The storage does not hold exactly `shape × dtype` bytes.
+    #[error(
+        "a {dtype:?} tensor of shape {shape:?} needs {expected} bytes, the storage has {actual}"
+    )]
+    SizeMismatch {
+        /// Element type.
+        dtype: DType,
+        /// Shape.
+        shape: Vec<usize>,
+        /// Bytes needed.
+        expected: usize,
+        /// Bytes given.
+        actual: usize,
+    },
+    /// The shape's element count overflows.
+    #[error("shape {0:?} has too many elements")]
+    Overflow(Vec<usize>),
+}
+
+/// A tensor: element type, shape, and bytes on a device.
+#[derive(Debug, Clone)]
+pub struct Tensor {
+    dtype: DType,
+    shape: Vec<usize>,
+    storage: Storage,
+}
+
+impl Tensor {
+    /// A tensor over `storage`, which must hold exactly the shape's bytes.
+    pub fn new(dtype: DType, shape: Vec<usize>, storage: Storage) -> Result<Self, TensorError> {
+        let expected = shape
+            .iter()
+            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| TensorError::Overflow(shape.clone()))?;
+        let actual = match &storage {
+            Storage::Host(b) => b.len(),
+            Storage::Device(d) => d.len(),
+        };
+        if expected != actual {
+            return Err(TensorError::SizeMismatch {
+                dtype,
+                shape,
+                expected,
+                actual,
+            });
+        }
+        Ok(Self {
+            dtype,
+            shape,
+            storage,
+        })
+    }
+
+    /// A host tensor of `f32` values.
+    pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> Result<Self, TensorError> {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Self::new(DType::F32, shape, Storage::Host(bytes.into()))
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The device the bytes are on.
+    pub fn device(&self) -> Device {
+        match &self.storage {
+            Storage::Host(_) => Device::Cpu,
+            Storage::Device(d) => d.device(),
+        }
+    }
+
+    /// Size in bytes.
+    pub fn nbytes(&self) -> usize {
+        match &self.storage {
+            Storage::Host(b) => b.len(),
+            Storage::Device(d) => d.len(),
+        }
+    }
+
+    /// The storage.
+    pub fn storage(&self) -> &Storage {
+        &self.storage
+    }
+
+    /// The host bytes, for a CPU tensor.
+    pub fn host_bytes(&self) -> Option<&bytes::Bytes> {
+        match &self.storage {
+            Storage::Host(b) => Some(b),
+            Storage::Device(_) => None,
+        }
+    }
+
+    /// The same tensor over other storage of the same size (after a copy).
+    pub fn with_storage(&self, storage: Storage) -> Result<Self, TensorError> {
+        Self::new(self.dtype, self.shape.clone(), storage)
+    }
+
+    /// The values of a host `f32` tensor.
+    pub fn to_f32_vec(&self) -> Option<Vec<f32>> {
+        let b = self.host_bytes()?;
+        (self.dtype == DType::F32).then(|| {
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_are_checked() {
+        let t = Tensor::from_f32(vec![2, 3], &[1.0; 6]).unwrap();
+        assert_eq!((t.nbytes(), t.device()), (24, Device::Cpu));
+        assert_eq!(t.to_f32_vec().unwrap(), vec![1.0; 6]);
+        let e = Tensor::from_f32(vec![2, 3], &[1.0; 5]).unwrap_err();
+        assert!(
+            e.to_string().contains("needs 24 bytes, the storage has 20"),
+            "{e}"
+        );
+        let e = Tensor::new(
+            DType::F64,
+            vec![usize::MAX, 2],
+            Storage::Host(bytes::Bytes::new()),
+        );
+        assert!(matches!(e, Err(TensorError::Overflow(_))));
+    }
+}

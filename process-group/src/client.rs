@@ -1,0 +1,647 @@
+//! The TCP store client: PyTorch c10d `TCPStore`'s protocol (see [`crate::wire`]).
+//!
+//! Works against [`TcpStoreServer`](crate::TcpStoreServer) and against PyTorch's own server.
+//! Like PyTorch's client it prefixes every key with `/` (configurable), so a key set here as
+//! `"x"` is the key `"x"` for a Python `TCPStore` on the same server, and it runs one request at
+//! a time per connection (clone the client freely; clones share the connection). A parked
+//! `wait` or `get` therefore holds the connection until it returns, as in PyTorch: tasks that
+//! must wait concurrently should each [`connect`](TcpStoreClient::connect) their own client.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tensorwire_core::ports::store::{Store, StoreError};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::sync::{Mutex, MutexGuard};
+use tokio::time::Instant;
+use tracing::debug;
+
+use crate::auth::{self, Secret};
+use crate::backoff::Backoff;
+use crate::memory::check_multi_set;
+use crate::wire::{
+    Limits, Request, AUTH_LEN, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC, WAIT_CANCELED,
+    WAIT_STOP_WAITING,
+};
+use crate::DEFAULT_TIMEOUT;
+
+/// Configuration of a [`TcpStoreClient`].
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Default wait of `get`/`multi_get`, and the longest wait for any reply.
+    pub timeout: Duration,
+    /// How long [`TcpStoreClient::connect`] keeps retrying (exponential backoff with jitter).
+    pub connect_timeout: Duration,
+    /// Prepended to every key; `"/"` as PyTorch's `TCPStore` does.
+    pub key_prefix: String,
+    /// The cluster secret, when the server requires one (see [`crate::auth`]).
+    pub secret: Option<Secret>,
+    /// Limits checked before sending, with a typed error (the c10d server would just close).
+    pub limits: Limits,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            timeout: DEFAULT_TIMEOUT,
+            connect_timeout: Duration::from_secs(60),
+            key_prefix: "/".to_owned(),
+            secret: None,
+            limits: Limits::default(),
+        }
+    }
+}
+
+struct Conn {
+    stream: BufReader<TcpStream>,
+    /// Set while a request is in flight; still set afterwards if it was interrupted, in which
+    /// case the byte stream is out of step and the connection is unusable.
+    interrupted: Option<&'static str>,
+}
+
+struct Inner {
+    addr: String,
+    conn: Mutex<Conn>,
+    timeout: Duration,
+    limits: Limits,
+}
+
+/// A client of a c10d-compatible TCP store. Implements [`Store`].
+#[derive(Clone)]
+pub struct TcpStoreClient {
+    inner: Arc<Inner>,
+    prefix: Arc<str>,
+}
+
+impl std::fmt::Debug for TcpStoreClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpStoreClient")
+            .field("addr", &self.inner.addr)
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+enum Attempt {
+    Retry(String),
+    Fatal(StoreError),
+}
+
+impl TcpStoreClient {
+    /// Connects to `addr` (`host:port`), authenticates when a secret is configured, validates
+    /// and pings, retrying with exponential backoff and jitter for up to
+    /// [`connect_timeout`](ClientConfig::connect_timeout).
+    pub async fn connect(addr: &str, config: ClientConfig) -> Result<Self, StoreError> {
+        let started = Instant::now();
+        let deadline = started + config.connect_timeout;
+        let mut backoff = Backoff::default();
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            match Self::attempt(addr, &config, deadline).await {
+                Ok(stream) => {
+                    debug!(addr, attempt, "connected to store");
+                    return Ok(TcpStoreClient {
+                        inner: Arc::new(Inner {
+                            addr: addr.to_owned(),
+                            conn: Mutex::new(Conn {
+                                stream: BufReader::new(stream),
+                                interrupted: None,
+                            }),
+                            timeout: config.timeout,
+                            limits: config.limits,
+                        }),
+                        prefix: config.key_prefix.into(),
+                    });
+                }
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Retry(reason)) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(StoreError::Connection {
+                            addr: addr.to_owned(),
+                            reason: format!(
+                                "gave up after {attempt} attempt(s) in {:.1?}: {reason}",
+                                now - started
+                            ),
+                        });
+                    }
+                    let delay = backoff.next_delay().min(deadline - now);
+                    debug!(addr, attempt, ?delay, %reason, "store connection failed; retrying");
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        }
+    }
+
+    async fn attempt(
+        addr: &str,
+        config: &ClientConfig,
+        deadline: Instant,
+    ) -> Result<TcpStream, Attempt> {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let mut stream = match tokio::time::timeout(remaining, TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(Attempt::Retry(e.to_string())),
+            Err(_) => return Err(Attempt::Retry("connect timed out".to_owned())),
+        };
+        let _ = stream.set_nodelay(true);
+        if let Some(secret) = &config.secret {
+            authenticate(
+                &mut stream,
+                addr,
+                secret,
+                config.timeout.min(Duration::from_secs(30)),
+            )
+            .await?;
+        }
+        let mut hello = Vec::with_capacity(16);
+        Request::Validate {
+            magic: VALIDATION_MAGIC,
+        }
+        .encode(&mut hello);
+        let nonce = std::process::id();
+        Request::Ping { nonce }.encode(&mut hello);
+        let handshake = async {
+            stream.write_all(&hello).await?;
+            let mut echo = [0u8; 4];
+            stream.read_exact(&mut echo).await?;
+            Ok::<_, std::io::Error>(u32::from_ne_bytes(echo))
+        };
+        match tokio::time::timeout(config.timeout, handshake).await {
+            Ok(Ok(echo)) if echo == nonce => Ok(stream),
+            Ok(Ok(auth::AUTH_REQUIRED_MARKER)) => Err(Attempt::Fatal(StoreError::Auth {
+                addr: addr.to_owned(),
+                reason: "the store requires a cluster secret; configure the same secret here"
+                    .to_owned(),
+            })),
+            Ok(Ok(echo)) => Err(Attempt::Fatal(StoreError::Protocol {
+                addr: addr.to_owned(),
+                reason: format!("ping failed: sent nonce {nonce}, got {echo} back"),
+            })),
+            Ok(Err(e)) => Err(Attempt::Retry(format!(
+                "validation failed ({e}); if the store requires a cluster secret, configure it"
+            ))),
+            Err(_) => Err(Attempt::Retry("no answer to ping".to_owned())),
+        }
+    }
+
+    /// The same connection with another key prefix (`""` addresses keys exactly as stored,
+    /// such as PyTorch's `init/` join counter).
+    pub fn with_prefix(&self, prefix: &str) -> Self {
+        TcpStoreClient {
+            inner: self.inner.clone(),
+            prefix: prefix.into(),
+        }
+    }
+
+    /// The address this client connected to.
+    pub fn addr(&self) -> &str {
+        &self.inner.addr
+    }
+
+    /// Sends `PING` and checks the echo.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let nonce = rand::random::<u32>();
+        let echo = self
+            .exchange("ping", Request::Ping { nonce }, |c| {
+                Box::pin(async move { c.read_u32().await })
+            })
+            .await?;
+        if echo != nonce {
+            return Err(self.protocol(format!("ping: sent nonce {nonce}, got {echo}")));
+        }
+        Ok(())
+    }
+
+    fn full_key(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+        let mut full = Vec::with_capacity(self.prefix.len() + key.len());
+        full.extend_from_slice(self.prefix.as_bytes());
+        full.extend_from_slice(key.as_bytes());
+        if full.len() > self.inner.limits.max_key_len {
+            return Err(StoreError::key_too_large(
+                key,
+                self.inner.limits.max_key_len,
+            ));
+        }
+        Ok(full)
+    }
+
+    fn full_keys(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
+        if keys.len() > self.inner.limits.max_keys {
+            return Err(StoreError::TooManyKeys {
+                count: keys.len(),
+                max: self.inner.limits.max_keys,
+            });
+        }
+        keys.iter().map(|k| self.full_key(k)).collect()
+    }
+
+    fn check_value(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        if value.len() > self.inner.limits.max_value_len {
+            return Err(StoreError::ValueTooLarge {
+                key: key.to_owned(),
+                len: value.len(),
+                max: self.inner.limits.max_value_len,
+            });
+        }
+        Ok(())
+    }
+
+    fn protocol(&self, reason: String) -> StoreError {
+        StoreError::Protocol {
+            addr: self.inner.addr.clone(),
+            reason,
+        }
+    }
+
+    fn io_error(&self, op: &str, e: std::io::Error) -> StoreError {
+        let reason = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            format!("{op}: the server closed the connection")
+        } else {
+            format!("{op}: {e}")
+        };
+        StoreError::Connection {
+            addr: self.inner.addr.clone(),
+            reason,
+        }
+    }
+
+    async fn lock(&self, op: &'static str) -> Result<MutexGuard<'_, Conn>, StoreError> {
+        let conn = self.inner.conn.lock().await;
+        if let Some(previous) = conn.interrupted {
+            return Err(StoreError::Connection {
+                addr: self.inner.addr.clone(),
+                reason: format!(
+                    "{op}: an earlier `{previous}` was interrupted mid-request, so this \
+                     connection is out of step; connect again"
+                ),
+            });
+        }
+        Ok(conn)
+    }
+
+    /// Sends `request` and reads its reply with `read`, within the client's timeout.
+    async fn exchange<T, F>(
+        &self,
+        op: &'static str,
+        request: Request,
+        read: F,
+    ) -> Result<T, StoreError>
+    where
+        F: for<'c> FnOnce(
+            &'c mut Conn,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = std::io::Result<T>> + Send + 'c>,
+        >,
+    {
+        let mut conn = self.lock(op).await?;
+        conn.interrupted = Some(op);
+        let mut bytes = Vec::new();
+        request.encode(&mut bytes);
+        let work = async {
+            conn.stream.get_mut().write_all(&bytes).await?;
+            read(&mut conn).await
+        };
+        let result = match tokio::time::timeout(self.inner.timeout, work).await {
+            Ok(Ok(v)) => v,
+            Ok(Err(e)) => return Err(self.io_error(op, e)),
+            Err(_) => {
+                return Err(StoreError::Connection {
+                    addr: self.inner.addr.clone(),
+                    reason: format!("{op}: no reply within {:?}", self.inner.timeout),
+                })
+            }
+        };
+        conn.interrupted = None;
+        Ok(result)
+    }
+
+    /// Sends a request that has no reply.
+    async fn send_only(&self, op: &'static str, request: Request) -> Result<(), StoreError> {
+        self.exchange(op, request, |_| Box::pin(async { Ok(()) }))
+            .await
+    }
+
+    async fn wait_full(
+        &self,
+        keys: &[&str],
+        full: Vec<Vec<u8>>,
+        timeout: Duration,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.lock("wait").await?;
+        conn.interrupted = Some("wait");
+        let mut bytes = Vec::new();
+        Request::Wait { keys: full }.encode(&mut bytes);
+        conn.stream
+            .get_mut()
+            .write_all(&bytes)
+            .await
+            .map_err(|e| self.io_error("wait", e))?;
+        let first = match tokio::time::timeout(timeout, conn.read_u8()).await {
+            Ok(read) => Some(read.map_err(|e| self.io_error("wait", e))?),
+            Err(_) => None,
+        };
+        let outcome = match first {
+            Some(WAIT_STOP_WAITING) => Ok(()),
+            Some(other) => {
+                return Err(self.protocol(format!("wait: unexpected reply byte {other}")))
+            }
+            None => {
+                // Timed out: cancel, as c10d's client does. The keys may have arrived meanwhile,
+                // in which case STOP_WAITING comes before WAIT_CANCELED.
+                let mut cancel = Vec::new();
+                Request::CancelWait.encode(&mut cancel);
+                let reply = async {
+                    conn.stream.get_mut().write_all(&cancel).await?;
+                    let a = conn.read_u8().await?;
+                    let b = if a == WAIT_STOP_WAITING {
+                        Some(conn.read_u8().await?)
+                    } else {
+                        None
+                    };
+                    Ok::<_, std::io::Error>((a, b))
+                };
+                match tokio::time::timeout(self.inner.timeout, reply).await {
+                    Ok(Ok((WAIT_CANCELED, None))) => Err(StoreError::timeout(keys, timeout)),
+                    Ok(Ok((WAIT_STOP_WAITING, Some(WAIT_CANCELED)))) => Ok(()),
+                    Ok(Ok((a, b))) => {
+                        return Err(
+                            self.protocol(format!("cancel_wait: unexpected reply {a} {b:?}"))
+                        )
+                    }
+                    Ok(Err(e)) => return Err(self.io_error("cancel_wait", e)),
+                    Err(_) => {
+                        return Err(
+                            self.io_error("cancel_wait", std::io::ErrorKind::TimedOut.into())
+                        )
+                    }
+                }
+            }
+        };
+        conn.interrupted = None;
+        outcome
+    }
+}
+
+impl Conn {
+    async fn read_u8(&mut self) -> std::io::Result<u8> {
+        self.stream.read_u8().await
+    }
+
+    async fn read_u32(&mut self) -> std::io::Result<u32> {
+        let mut b = [0u8; 4];
+        self.stream.read_exact(&mut b).await?;
+        Ok(u32::from_ne_bytes(b))
+    }
+
+    async fn read_i64(&mut self) -> std::io::Result<i64> {
+        let mut b = [0u8; 8];
+        self.stream.read_exact(&mut b).await?;
+        Ok(i64::from_ne_bytes(b))
+    }
+
+    async fn read_bytes(&mut self, max: usize) -> std::io::Result<Vec<u8>> {
+        let mut b = [0u8; 8];
+        self.stream.read_exact(&mut b).await?;
+        let len = u64::from_ne_bytes(b);
+        if len > max as u64 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("the server announced a value of {len} bytes, over the limit of {max}"),
+            ));
+        }
+        let mut v = vec![0u8; len as usize];
+        self.stream.read_exact(&mut v).await?;
+        Ok(v)
+    }
+}
+
+async fn authenticate(
+    stream: &mut TcpStream,
+    addr: &str,
+    secret: &Secret,
+    limit: Duration,
+) -> Result<(), Attempt> {
+    let fatal = |reason: String| {
+        Attempt::Fatal(StoreError::Auth {
+            addr: addr.to_owned(),
+            reason,
+        })
+    };
+    let client_nonce = auth::nonce();
+    let mut hello = Vec::new();
+    Request::AuthHello {
+        nonce: client_nonce,
+    }
+    .encode(&mut hello);
+    let challenge = async {
+        stream.write_all(&hello).await?;
+        let status = stream.read_u8().await?;
+        if status != auth::STATUS_OK {
+            return Ok(Err(status));
+        }
+        let mut rest = [0u8; 2 * AUTH_LEN];
+        stream.read_exact(&mut rest).await?;
+        Ok::<_, std::io::Error>(Ok(rest))
+    };
+    let rest = match tokio::time::timeout(limit, challenge).await {
+        Ok(Ok(Ok(rest))) => rest,
+        Ok(Ok(Err(auth::STATUS_NO_SECRET))) => {
+            return Err(fatal(
+                "the server has no cluster secret; refusing to use an unauthenticated store \
+                 (configure the same secret on both sides, or none on both)"
+                    .to_owned(),
+            ))
+        }
+        Ok(Ok(Err(status))) => return Err(fatal(format!("unexpected status {status}"))),
+        Ok(Err(e)) => return Err(Attempt::Retry(format!("authentication: {e}"))),
+        Err(_) => {
+            return Err(fatal(format!(
+                "no answer to the authentication request within {limit:?}; the server may be \
+                 PyTorch's TCPStore, which does not support a cluster secret"
+            )))
+        }
+    };
+    let mut server_nonce = [0u8; AUTH_LEN];
+    server_nonce.copy_from_slice(&rest[..AUTH_LEN]);
+    let mut server_mac = [0u8; AUTH_LEN];
+    server_mac.copy_from_slice(&rest[AUTH_LEN..]);
+    if !auth::macs_equal(
+        &server_mac,
+        &secret.server_mac(&client_nonce, &server_nonce),
+    ) {
+        return Err(fatal(
+            "the server does not know our cluster secret".to_owned(),
+        ));
+    }
+    let mut proof = Vec::new();
+    Request::AuthProof {
+        mac: secret.client_mac(&client_nonce, &server_nonce),
+    }
+    .encode(&mut proof);
+    let verdict = async {
+        stream.write_all(&proof).await?;
+        stream.read_u8().await
+    };
+    match tokio::time::timeout(limit, verdict).await {
+        Ok(Ok(auth::STATUS_OK)) => Ok(()),
+        Ok(Ok(auth::STATUS_REJECTED)) => {
+            Err(fatal("the server rejected our cluster secret".to_owned()))
+        }
+        Ok(Ok(status)) => Err(fatal(format!("unexpected status {status}"))),
+        Ok(Err(e)) => Err(fatal(format!("connection lost during authentication: {e}"))),
+        Err(_) => Err(fatal(format!("no verdict within {limit:?}"))),
+    }
+}
+
+#[async_trait]
+impl Store for TcpStoreClient {
+    async fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        let full = self.full_key(key)?;
+        self.check_value(key, value)?;
+        self.send_only(
+            "set",
+            Request::Set {
+                key: full,
+                value: value.to_vec(),
+            },
+        )
+        .await
+    }
+
+    async fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+        let full = self.full_key(key)?;
+        self.wait_full(&[key], vec![full.clone()], self.inner.timeout)
+            .await?;
+        let max = self.inner.limits.max_value_len;
+        self.exchange("get", Request::Get { key: full }, move |c| {
+            Box::pin(async move { c.read_bytes(max).await })
+        })
+        .await
+    }
+
+    async fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        let full = self.full_key(key)?;
+        self.exchange("add", Request::Add { key: full, delta }, |c| {
+            Box::pin(async move { c.read_i64().await })
+        })
+        .await
+        .map_err(|e| match e {
+            StoreError::Connection { addr, reason } => StoreError::Connection {
+                addr,
+                reason: format!(
+                    "{reason} (a server closes the connection when key {key:?} does not hold a \
+                     decimal integer)"
+                ),
+            },
+            other => other,
+        })
+    }
+
+    async fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
+        let full = self.full_keys(keys)?;
+        let reply = self
+            .exchange("check", Request::Check { keys: full }, |c| {
+                Box::pin(async move { c.read_u8().await })
+            })
+            .await?;
+        match reply {
+            CHECK_READY => Ok(true),
+            CHECK_NOT_READY => Ok(false),
+            other => Err(self.protocol(format!("check: unexpected reply byte {other}"))),
+        }
+    }
+
+    async fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
+        let full = self.full_keys(keys)?;
+        self.wait_full(keys, full, timeout).await
+    }
+
+    async fn compare_set(
+        &self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> Result<Vec<u8>, StoreError> {
+        let full = self.full_key(key)?;
+        self.check_value(key, expected)?;
+        self.check_value(key, desired)?;
+        let max = self.inner.limits.max_value_len;
+        let request = Request::CompareSet {
+            key: full,
+            expected: expected.to_vec(),
+            desired: desired.to_vec(),
+        };
+        self.exchange("compare_set", request, move |c| {
+            Box::pin(async move { c.read_bytes(max).await })
+        })
+        .await
+    }
+
+    async fn delete_key(&self, key: &str) -> Result<bool, StoreError> {
+        let full = self.full_key(key)?;
+        let n = self
+            .exchange("delete_key", Request::DeleteKey { key: full }, |c| {
+                Box::pin(async move { c.read_i64().await })
+            })
+            .await?;
+        Ok(n == 1)
+    }
+
+    async fn num_keys(&self) -> Result<i64, StoreError> {
+        self.exchange("num_keys", Request::GetNumKeys, |c| {
+            Box::pin(async move { c.read_i64().await })
+        })
+        .await
+    }
+
+    async fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        let full = self.full_key(key)?;
+        self.check_value(key, value)?;
+        self.send_only(
+            "append",
+            Request::Append {
+                key: full,
+                value: value.to_vec(),
+            },
+        )
+        .await
+    }
+
+    async fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
+        let full = self.full_keys(keys)?;
+        self.wait_full(keys, full.clone(), self.inner.timeout)
+            .await?;
+        let max = self.inner.limits.max_value_len;
+        let n = full.len();
+        self.exchange("multi_get", Request::MultiGet { keys: full }, move |c| {
+            Box::pin(async move {
+                let mut values = Vec::with_capacity(n);
+                for _ in 0..n {
+                    values.push(c.read_bytes(max).await?);
+                }
+                Ok(values)
+            })
+        })
+        .await
+    }
+
+    async fn multi_set(&self, keys: &[&str], values: &[&[u8]]) -> Result<(), StoreError> {
+        check_multi_set(keys, values)?;
+        let full = self.full_keys(keys)?;
+        let mut pairs = Vec::with_capacity(keys.len());
+        for ((key, full), value) in keys.iter().zip(full).zip(values) {
+            self.check_value(key, value)?;
+            pairs.push((full, value.to_vec()));
+        }
+        self.send_only("multi_set", Request::MultiSet { pairs })
+            .await
+    }
+
+    fn timeout(&self) -> Duration {
+        self.inner.timeout
+    }
+}

@@ -1,0 +1,246 @@
+//! An in-memory [`Store`] for one process (c10d's `HashStore`): tasks and threads of the same
+//! process share it by cloning the handle.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tensorwire_core::ports::store::{Store, StoreError};
+use tokio::sync::mpsc::unbounded_channel;
+
+use crate::state::{AddError, KvState};
+use crate::DEFAULT_TIMEOUT;
+
+/// A store in this process's memory. Clones share the same table.
+///
+/// ```
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// use tensorwire_core::ports::store::Store;
+/// use tensorwire_process_group::InMemoryStore;
+///
+/// let store = InMemoryStore::new();
+/// assert_eq!(store.add("n", 2).await.unwrap(), 2);
+/// assert_eq!(store.get("n").await.unwrap(), b"2");
+/// # });
+/// ```
+#[derive(Clone)]
+pub struct InMemoryStore {
+    state: Arc<Mutex<KvState>>,
+    owners: Arc<AtomicU64>,
+    timeout: Duration,
+}
+
+impl Default for InMemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for InMemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InMemoryStore")
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl InMemoryStore {
+    /// An empty store whose `get` waits at most [`DEFAULT_TIMEOUT`].
+    pub fn new() -> Self {
+        Self::with_timeout(DEFAULT_TIMEOUT)
+    }
+
+    /// An empty store whose `get` waits at most `timeout`.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        InMemoryStore {
+            state: Arc::new(Mutex::new(KvState::default())),
+            owners: Arc::new(AtomicU64::new(0)),
+            timeout,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, KvState> {
+        // A panic while holding the lock cannot leave the table half-updated in a way that
+        // matters more than losing the store, so keep serving.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[async_trait]
+impl Store for InMemoryStore {
+    async fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.lock().set(key.as_bytes().to_vec(), value.to_vec());
+        Ok(())
+    }
+
+    async fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+        self.wait(&[key], self.timeout).await?;
+        Ok(self.lock().get(key.as_bytes()).cloned().unwrap_or_default())
+    }
+
+    async fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        self.lock()
+            .add(key.as_bytes(), delta)
+            .map_err(|e| add_error(key, e))
+    }
+
+    async fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
+        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        Ok(self.lock().check(&keys))
+    }
+
+    async fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
+        let owner = self.owners.fetch_add(1, Ordering::Relaxed);
+        let (tx, mut rx) = unbounded_channel();
+        let byte_keys: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        if self.lock().park(&byte_keys, owner, tx).is_none() {
+            return Ok(());
+        }
+        match tokio::time::timeout(timeout, rx.recv()).await {
+            Ok(Some(_)) => Ok(()),
+            _ => {
+                self.lock().cancel_owner(owner);
+                // The keys may have arrived between the timeout and the cancel.
+                if rx.try_recv().is_ok() {
+                    return Ok(());
+                }
+                Err(StoreError::timeout(keys, timeout))
+            }
+        }
+    }
+
+    async fn compare_set(
+        &self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> Result<Vec<u8>, StoreError> {
+        Ok(self
+            .lock()
+            .compare_set(key.as_bytes(), expected, desired.to_vec()))
+    }
+
+    async fn delete_key(&self, key: &str) -> Result<bool, StoreError> {
+        Ok(self.lock().delete(key.as_bytes()))
+    }
+
+    async fn num_keys(&self) -> Result<i64, StoreError> {
+        Ok(self.lock().len() as i64)
+    }
+
+    async fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.lock().append(key.as_bytes(), value);
+        Ok(())
+    }
+
+    async fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
+        self.wait(keys, self.timeout).await?;
+        let state = self.lock();
+        Ok(keys
+            .iter()
+            .map(|k| state.get(k.as_bytes()).cloned().unwrap_or_default())
+            .collect())
+    }
+
+    async fn multi_set(&self, keys: &[&str], values: &[&[u8]]) -> Result<(), StoreError> {
+        check_multi_set(keys, values)?;
+        let mut state = self.lock();
+        for (k, v) in keys.iter().zip(values) {
+            state.set(k.as_bytes().to_vec(), v.to_vec());
+        }
+        Ok(())
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}
+
+pub(crate) fn add_error(key: &str, e: AddError) -> StoreError {
+    match e {
+        AddError::NotAnInteger(v) => StoreError::NotAnInteger {
+            key: key.to_owned(),
+            value: String::from_utf8_lossy(&v).chars().take(64).collect(),
+        },
+        AddError::Overflow => StoreError::InvalidArgument {
+            reason: format!("add on key {key:?} overflows a 64-bit integer"),
+        },
+    }
+}
+
+pub(crate) fn check_multi_set(keys: &[&str], values: &[&[u8]]) -> Result<(), StoreError> {
+    if keys.len() != values.len() {
+        return Err(StoreError::InvalidArgument {
+            reason: format!(
+                "multi_set got {} keys but {} values",
+                keys.len(),
+                values.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn get_waits_for_a_set_from_another_task() {
+        let store = InMemoryStore::with_timeout(Duration::from_secs(10));
+        let getter = {
+            let store = store.clone();
+            tokio::spawn(async move { store.get("late").await })
+        };
+        // Let the getter park first; the result is the same either way.
+        tokio::task::yield_now().await;
+        store.set("late", b"here").await.unwrap();
+        assert_eq!(getter.await.unwrap().unwrap(), b"here");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_times_out_naming_the_missing_keys() {
+        let store = InMemoryStore::new();
+        store.set("a", b"1").await.unwrap();
+        let err = store
+            .wait(&["a", "b"], Duration::from_millis(50))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err,
+            StoreError::Timeout {
+                keys: vec!["a".into(), "b".into()],
+                timeout: Duration::from_millis(50)
+            }
+        );
+        // The cancelled wait left nothing parked behind.
+        assert_eq!(store.lock().parked_by(0), 0);
+    }
+
+    #[tokio::test]
+    async fn the_command_set() {
+        let store = InMemoryStore::new();
+        assert!(!store.check(&["k"]).await.unwrap());
+        store.set("k", b"v").await.unwrap();
+        store.append("k", b"w").await.unwrap();
+        assert_eq!(store.get("k").await.unwrap(), b"vw");
+        assert_eq!(store.compare_set("k", b"vw", b"z").await.unwrap(), b"z");
+        store.multi_set(&["x", "y"], &[b"1", b"2"]).await.unwrap();
+        assert_eq!(
+            store.multi_get(&["x", "y"]).await.unwrap(),
+            vec![b"1".to_vec(), b"2".to_vec()]
+        );
+        assert_eq!(store.num_keys().await.unwrap(), 3);
+        assert!(store.delete_key("x").await.unwrap());
+        assert!(!store.delete_key("x").await.unwrap());
+        assert!(matches!(
+            store.add("k", 1).await,
+            Err(StoreError::NotAnInteger { .. })
+        ));
+        assert!(matches!(
+            store.multi_set(&["a"], &[]).await,
+            Err(StoreError::InvalidArgument { .. })
+        ));
+    }
+}

@@ -1,0 +1,318 @@
+//! The key-value table with parked waiters, shared by the TCP store server and the in-memory
+//! store.
+//!
+//! A waiter is registered with the number of keys it still misses and a channel. Every write
+//! to a key (set, add, append, a successful compare_set) decrements the waiters parked on that
+//! key; a waiter whose count reaches zero gets its id sent on its channel. Nothing polls.
+
+use std::collections::{HashMap, VecDeque};
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::wire::parse_c10d_int;
+
+/// Identifies one registered wait.
+pub(crate) type WaiterId = u64;
+
+struct Waiter {
+    remaining: usize,
+    owner: u64,
+    notify: UnboundedSender<WaiterId>,
+}
+
+/// `add` found a value that is not a decimal integer, or the sum overflowed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum AddError {
+    NotAnInteger(Vec<u8>),
+    Overflow,
+}
+
+/// The table. Not synchronised: callers hold it in a mutex that is never held across `.await`.
+#[derive(Default)]
+pub(crate) struct KvState {
+    map: HashMap<Vec<u8>, Vec<u8>>,
+    queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
+    parked: HashMap<Vec<u8>, Vec<WaiterId>>,
+    waiters: HashMap<WaiterId, Waiter>,
+    next_waiter: WaiterId,
+}
+
+impl KvState {
+    pub(crate) fn set(&mut self, key: Vec<u8>, value: Vec<u8>) {
+        self.wake(&key);
+        self.map.insert(key, value);
+    }
+
+    pub(crate) fn get(&self, key: &[u8]) -> Option<&Vec<u8>> {
+        self.map.get(key)
+    }
+
+    pub(crate) fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, AddError> {
+        let current = match self.map.get(key) {
+            Some(v) => parse_c10d_int(v).ok_or_else(|| AddError::NotAnInteger(v.clone()))?,
+            None => 0,
+        };
+        let sum = current.checked_add(delta).ok_or(AddError::Overflow)?;
+        self.set(key.to_vec(), sum.to_string().into_bytes());
+        Ok(sum)
+    }
+
+    pub(crate) fn check<K: AsRef<[u8]>>(&self, keys: &[K]) -> bool {
+        keys.iter().all(|k| self.present(k.as_ref()))
+    }
+
+    /// A key is present when it has a value or names a non-empty queue (as in c10d).
+    fn present(&self, key: &[u8]) -> bool {
+        self.map.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
+    }
+
+    /// All keys with a value (queues are not keys).
+    pub(crate) fn keys(&self) -> impl Iterator<Item = &Vec<u8>> {
+        self.map.keys()
+    }
+
+    /// Pushes onto a queue and releases one waiter parked on its name.
+    pub(crate) fn queue_push(&mut self, key: &[u8], value: Vec<u8>) {
+        self.queues
+            .entry(key.to_vec())
+            .or_default()
+            .push_back(value);
+        self.wake_one(key);
+    }
+
+    /// The length of the queue before the pop, and the popped item when there was one.
+    pub(crate) fn queue_pop(&mut self, key: &[u8]) -> (usize, Option<Vec<u8>>) {
+        let Some(queue) = self.queues.get_mut(key) else {
+            return (0, None);
+        };
+        let len = queue.len();
+        let item = queue.pop_front();
+        if queue.is_empty() {
+            self.queues.remove(key);
+        }
+        (len, item)
+    }
+
+    pub(crate) fn queue_len(&self, key: &[u8]) -> usize {
+        self.queues.get(key).map_or(0, VecDeque::len)
+    }
+
+    /// c10d semantics: a missing key matches an empty `expected`; a missing key with a
+    /// non-empty `expected` is left alone and `expected` is returned.
+    pub(crate) fn compare_set(&mut self, key: &[u8], expected: &[u8], desired: Vec<u8>) -> Vec<u8> {
+        match self.map.get(key) {
+            None if expected.is_empty() => {
+                self.set(key.to_vec(), desired.clone());
+                desired
+            }
+            None => expected.to_vec(),
+            Some(current) if current.as_slice() == expected => {
+                self.set(key.to_vec(), desired.clone());
+                desired
+            }
+            Some(current) => current.clone(),
+        }
+    }
+
+    pub(crate) fn delete(&mut self, key: &[u8]) -> bool {
+        self.map.remove(key).is_some()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub(crate) fn append(&mut self, key: &[u8], value: &[u8]) {
+        self.wake(key);
+        self.map
+            .entry(key.to_vec())
+            .or_default()
+            .extend_from_slice(value);
+    }
+
+    /// Parks a wait for `keys` on behalf of `owner`. Returns `None` when every key already
+    /// exists (answer at once), else the id that will be sent on `notify` once they all do.
+    pub(crate) fn park<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        owner: u64,
+        notify: UnboundedSender<WaiterId>,
+    ) -> Option<WaiterId> {
+        let missing: Vec<&[u8]> = keys
+            .iter()
+            .map(|k| k.as_ref())
+            .filter(|k| !self.present(k))
+            .collect();
+        if missing.is_empty() {
+            return None;
+        }
+        let id = self.next_waiter;
+        self.next_waiter += 1;
+        for key in &missing {
+            self.parked.entry(key.to_vec()).or_default().push(id);
+        }
+        self.waiters.insert(
+            id,
+            Waiter {
+                remaining: missing.len(),
+                owner,
+                notify,
+            },
+        );
+        Some(id)
+    }
+
+    /// Removes every parked wait of `owner`; returns how many there were.
+    pub(crate) fn cancel_owner(&mut self, owner: u64) -> usize {
+        let ids: Vec<WaiterId> = self
+            .waiters
+            .iter()
+            .filter(|(_, w)| w.owner == owner)
+            .map(|(id, _)| *id)
+            .collect();
+        if ids.is_empty() {
+            return 0;
+        }
+        for id in &ids {
+            self.waiters.remove(id);
+        }
+        self.parked.retain(|_, list| {
+            list.retain(|id| !ids.contains(id));
+            !list.is_empty()
+        });
+        ids.len()
+    }
+
+    /// How many waits `owner` has parked.
+    pub(crate) fn parked_by(&self, owner: u64) -> usize {
+        self.waiters.values().filter(|w| w.owner == owner).count()
+    }
+
+    /// Moves the first waiter parked on `key` one key closer to release (a queue item is
+    /// for one consumer only).
+    fn wake_one(&mut self, key: &[u8]) {
+        let Some(list) = self.parked.get_mut(key) else {
+            return;
+        };
+        let id = list.remove(0);
+        if list.is_empty() {
+            self.parked.remove(key);
+        }
+        self.decrement(id);
+    }
+
+    fn decrement(&mut self, id: WaiterId) {
+        let done = match self.waiters.get_mut(&id) {
+            Some(w) => {
+                w.remaining -= 1;
+                w.remaining == 0
+            }
+            None => false,
+        };
+        if done {
+            if let Some(w) = self.waiters.remove(&id) {
+                // The receiver may be gone (connection closed); nothing to do then.
+                let _ = w.notify.send(id);
+            }
+        }
+    }
+
+    fn wake(&mut self, key: &[u8]) {
+        let Some(ids) = self.parked.remove(key) else {
+            return;
+        };
+        for id in ids {
+            self.decrement(id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::mpsc::unbounded_channel;
+
+    #[test]
+    fn add_keeps_a_decimal_string() {
+        let mut s = KvState::default();
+        assert_eq!(s.add(b"c", 3), Ok(3));
+        assert_eq!(s.add(b"c", -10), Ok(-7));
+        assert_eq!(s.get(b"c").unwrap(), b"-7");
+        s.set(b"x".to_vec(), b"abc".to_vec());
+        assert_eq!(s.add(b"x", 1), Err(AddError::NotAnInteger(b"abc".to_vec())));
+        s.set(b"m".to_vec(), i64::MAX.to_string().into_bytes());
+        assert_eq!(s.add(b"m", 1), Err(AddError::Overflow));
+    }
+
+    #[test]
+    fn compare_set_follows_c10d() {
+        let mut s = KvState::default();
+        assert_eq!(s.compare_set(b"k", b"x", b"new".to_vec()), b"x");
+        assert!(s.get(b"k").is_none());
+        assert_eq!(s.compare_set(b"k", b"", b"first".to_vec()), b"first");
+        assert_eq!(s.compare_set(b"k", b"wrong", b"second".to_vec()), b"first");
+        assert_eq!(s.compare_set(b"k", b"first", b"second".to_vec()), b"second");
+        assert_eq!(s.get(b"k").unwrap(), b"second");
+    }
+
+    #[test]
+    fn a_waiter_fires_once_all_its_keys_exist() {
+        let mut s = KvState::default();
+        let (tx, mut rx) = unbounded_channel();
+        s.set(b"a".to_vec(), vec![]);
+        assert_eq!(s.park(&[b"a".as_slice()], 1, tx.clone()), None);
+        let id = s.park(&[b"a".as_slice(), b"b", b"c"], 1, tx).unwrap();
+        s.set(b"b".to_vec(), vec![1]);
+        assert!(rx.try_recv().is_err());
+        s.append(b"c", b"x");
+        assert_eq!(rx.try_recv().unwrap(), id);
+        assert_eq!(s.parked_by(1), 0);
+    }
+
+    #[test]
+    fn cancel_removes_only_that_owners_waits() {
+        let mut s = KvState::default();
+        let (tx1, mut rx1) = unbounded_channel();
+        let (tx2, mut rx2) = unbounded_channel();
+        s.park(&[b"k".as_slice()], 1, tx1).unwrap();
+        let id2 = s.park(&[b"k".as_slice()], 2, tx2).unwrap();
+        assert_eq!(s.cancel_owner(1), 1);
+        assert_eq!(s.cancel_owner(1), 0);
+        s.add(b"k", 1).unwrap();
+        assert!(rx1.try_recv().is_err());
+        assert_eq!(rx2.try_recv().unwrap(), id2);
+    }
+
+    #[test]
+    fn a_queue_push_releases_one_waiter_and_queues_are_not_keys() {
+        let mut s = KvState::default();
+        let (tx, mut rx) = unbounded_channel();
+        let first = s.park(&[b"q".as_slice()], 1, tx.clone()).unwrap();
+        let second = s.park(&[b"q".as_slice()], 2, tx).unwrap();
+        s.queue_push(b"q", b"a".to_vec());
+        assert_eq!(rx.try_recv().unwrap(), first);
+        assert!(rx.try_recv().is_err());
+        s.queue_push(b"q", b"b".to_vec());
+        assert_eq!(rx.try_recv().unwrap(), second);
+        assert!(s.check(&[b"q".as_slice()]));
+        assert_eq!(s.len(), 0);
+        assert_eq!(s.queue_len(b"q"), 2);
+        assert_eq!(s.queue_pop(b"q"), (2, Some(b"a".to_vec())));
+        assert_eq!(s.queue_pop(b"q"), (1, Some(b"b".to_vec())));
+        assert_eq!(s.queue_pop(b"q"), (0, None));
+        assert!(!s.check(&[b"q".as_slice()]));
+    }
+
+    #[test]
+    fn deletes_and_counts() {
+        let mut s = KvState::default();
+        s.set(b"a".to_vec(), vec![]);
+        s.set(b"b".to_vec(), vec![]);
+        assert_eq!(s.len(), 2);
+        assert!(s.delete(b"a"));
+        assert!(!s.delete(b"a"));
+        assert_eq!(s.len(), 1);
+        assert!(s.check(&[b"b".as_slice()]));
+        assert!(!s.check(&[b"a".as_slice(), b"b"]));
+    }
+}

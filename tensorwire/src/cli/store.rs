@@ -1,0 +1,244 @@
+//! `tensorwire store serve|set|get|add|wait|check|delete|num-keys`: a c10d-compatible store
+//! server and a client for scripts and debugging. Both work with PyTorch's `TCPStore` too.
+
+use std::io::Write;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{anyhow, Context};
+use tensorwire_process_group::{
+    ClientConfig, Secret, ServerConfig, Store, TcpStoreClient, TcpStoreServer,
+};
+
+/// Arguments of `tensorwire store`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Run a standalone store server until Ctrl-C (prints its address first).
+    Serve {
+        /// Port to listen on (0 picks a free one).
+        #[arg(long)]
+        port: u16,
+        /// Address to listen on (all interfaces by default, as PyTorch's store).
+        #[arg(long, default_value = "0.0.0.0")]
+        host: IpAddr,
+        /// File holding the cluster secret; clients must then authenticate, which PyTorch's
+        /// clients cannot (leave it out for mixed jobs, on a trusted network).
+        #[arg(long)]
+        secret_file: Option<PathBuf>,
+    },
+    /// Set KEY to VALUE.
+    Set {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The key.
+        key: String,
+        /// The value (bytes of this argument).
+        value: String,
+    },
+    /// Print the value of KEY (raw bytes, no newline), waiting for it up to --timeout.
+    Get {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The key.
+        key: String,
+    },
+    /// Add DELTA (default 1) to the integer in KEY and print the new value.
+    Add {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The key.
+        key: String,
+        /// The amount to add.
+        #[arg(default_value_t = 1, allow_negative_numbers = true)]
+        delta: i64,
+    },
+    /// Wait until all KEYS exist (up to --timeout).
+    Wait {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The keys.
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// Print `ready` (exit 0) when all KEYS exist, else `not ready` (exit 1).
+    Check {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The keys.
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// Delete KEY; prints `deleted` or `absent`.
+    Delete {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The key.
+        key: String,
+    },
+    /// Print the number of keys in the store.
+    NumKeys {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+struct ClientArgs {
+    /// The store's address, HOST:PORT.
+    #[arg(long)]
+    addr: String,
+    /// Seconds to wait for the server, for keys and for replies.
+    #[arg(long, default_value_t = 30.0)]
+    timeout: f64,
+    /// Prefix added to every key; "/" matches what PyTorch's TCPStore clients use.
+    #[arg(long, default_value = "/")]
+    prefix: String,
+    /// File holding the cluster secret, when the server requires one.
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+}
+
+pub(crate) fn run(args: Args) -> ExitCode {
+    if matches!(args.command, Command::Serve { .. }) {
+        // The server's warnings (refused clients, malformed requests) go to stderr;
+        // RUST_LOG overrides the level.
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .try_init();
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(execute(args.command)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn read_secret(path: &Option<PathBuf>) -> anyhow::Result<Option<Secret>> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let bytes = std::fs::read(path)
+        .with_context(|| format!("cannot read the secret file {}", path.display()))?;
+    // A trailing newline from `echo` is not part of the secret.
+    let trimmed = bytes.strip_suffix(b"\n").unwrap_or(&bytes).to_vec();
+    Secret::new(trimmed)
+        .map(Some)
+        .ok_or_else(|| anyhow!("the secret file {} is empty", path.display()))
+}
+
+async fn connect(args: &ClientArgs) -> anyhow::Result<TcpStoreClient> {
+    if !(args.timeout.is_finite() && args.timeout > 0.0) {
+        return Err(anyhow!("--timeout must be a positive number of seconds"));
+    }
+    let timeout = Duration::from_secs_f64(args.timeout);
+    let config = ClientConfig {
+        timeout,
+        connect_timeout: timeout,
+        key_prefix: args.prefix.clone(),
+        secret: read_secret(&args.secret_file)?,
+        ..ClientConfig::default()
+    };
+    Ok(TcpStoreClient::connect(&args.addr, config).await?)
+}
+
+async fn execute(command: Command) -> anyhow::Result<ExitCode> {
+    let mut stdout = std::io::stdout();
+    match command {
+        Command::Serve {
+            port,
+            host,
+            secret_file,
+        } => {
+            let config = ServerConfig {
+                secret: read_secret(&secret_file)?,
+                ..ServerConfig::default()
+            };
+            let server = TcpStoreServer::bind((host, port), config)
+                .await
+                .with_context(|| format!("cannot listen on {host}:{port}"))?;
+            writeln!(
+                stdout,
+                "tensorwire store listening on {}",
+                server.local_addr()
+            )?;
+            stdout.flush()?;
+            wait_for_stop_signal().await?;
+            server.shutdown().await;
+            println!("tensorwire store stopped");
+        }
+        Command::Set { client, key, value } => {
+            connect(&client).await?.set(&key, value.as_bytes()).await?;
+        }
+        Command::Get { client, key } => {
+            let value = connect(&client).await?.get(&key).await?;
+            stdout.write_all(&value)?;
+        }
+        Command::Add { client, key, delta } => {
+            let n = connect(&client).await?.add(&key, delta).await?;
+            writeln!(stdout, "{n}")?;
+        }
+        Command::Wait { client, keys } => {
+            let timeout = Duration::from_secs_f64(client.timeout);
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            connect(&client).await?.wait(&keys, timeout).await?;
+        }
+        Command::Check { client, keys } => {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let ready = connect(&client).await?.check(&keys).await?;
+            writeln!(stdout, "{}", if ready { "ready" } else { "not ready" })?;
+            if !ready {
+                return Ok(ExitCode::from(1));
+            }
+        }
+        Command::Delete { client, key } => {
+            let deleted = connect(&client).await?.delete_key(&key).await?;
+            writeln!(stdout, "{}", if deleted { "deleted" } else { "absent" })?;
+        }
+        Command::NumKeys { client } => {
+            let n = connect(&client).await?.num_keys().await?;
+            writeln!(stdout, "{n}")?;
+        }
+    }
+    stdout.flush()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Ctrl-C (SIGINT), or SIGTERM on Unix.
+async fn wait_for_stop_signal() -> anyhow::Result<()> {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r?,
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    tokio::signal::ctrl_c().await?;
+    Ok(())
+}

@@ -1,0 +1,219 @@
+//! `tensorwire store ...` as a real binary: a server process and client processes.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tensorwire");
+
+struct Server {
+    child: Child,
+    addr: String,
+    stdout: BufReader<std::process::ChildStdout>,
+}
+
+fn serve(extra: &[&str]) -> Server {
+    let mut child = Command::new(BIN)
+        .args(["store", "serve", "--host", "127.0.0.1", "--port", "0"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("tensorwire store listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_owned();
+    Server {
+        child,
+        addr,
+        stdout,
+    }
+}
+
+fn client(addr: &str, args: &[&str]) -> Output {
+    let (sub, rest) = args.split_first().unwrap();
+    Command::new(BIN)
+        .args(["store", sub, "--addr", addr, "--timeout", "10"])
+        .args(rest)
+        .output()
+        .unwrap()
+}
+
+fn ok(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+/// Sends SIGINT (what Ctrl-C sends) and waits for a clean exit.
+fn interrupt(mut server: Server) -> String {
+    let status = Command::new("kill")
+        .args(["-INT", &server.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            assert!(status.success(), "server exited with {status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "server did not stop on SIGINT");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut server.stdout, &mut rest).unwrap();
+    rest
+}
+
+#[test]
+fn serve_and_every_client_command() {
+    let server = serve(&[]);
+    let addr = server.addr.clone();
+
+    ok(&client(&addr, &["set", "greeting", "hello world"]));
+    assert_eq!(ok(&client(&addr, &["get", "greeting"])), "hello world");
+    assert_eq!(ok(&client(&addr, &["add", "n"])), "1\n");
+    assert_eq!(ok(&client(&addr, &["add", "n", "41"])), "42\n");
+    assert_eq!(ok(&client(&addr, &["add", "n", "-2"])), "40\n");
+    ok(&client(&addr, &["wait", "greeting", "n"]));
+    assert_eq!(ok(&client(&addr, &["check", "greeting", "n"])), "ready\n");
+    let not_ready = client(&addr, &["check", "greeting", "absent"]);
+    assert_eq!(not_ready.status.code(), Some(1));
+    assert_eq!(String::from_utf8_lossy(&not_ready.stdout), "not ready\n");
+    assert_eq!(ok(&client(&addr, &["num-keys"])), "2\n");
+    assert_eq!(ok(&client(&addr, &["delete", "greeting"])), "deleted\n");
+    assert_eq!(ok(&client(&addr, &["delete", "greeting"])), "absent\n");
+    assert_eq!(ok(&client(&addr, &["num-keys"])), "1\n");
+
+    // A get parked in one process is released by a set from another.
+    let waiting = Command::new(BIN)
+        .args(["store", "get", "--addr", &addr, "--timeout", "10", "later"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    ok(&client(&addr, &["set", "later", "arrived"]));
+    let out = waiting.wait_with_output().unwrap();
+    assert_eq!(ok(&out), "arrived");
+
+    // A wait that times out names the key and fails.
+    let timed_out = Command::new(BIN)
+        .args([
+            "store",
+            "wait",
+            "--addr",
+            &addr,
+            "--timeout",
+            "0.2",
+            "never",
+        ])
+        .output()
+        .unwrap();
+    assert!(!timed_out.status.success());
+    let err = String::from_utf8_lossy(&timed_out.stderr);
+    assert!(err.contains("\"never\""), "{err}");
+
+    assert!(interrupt(server).contains("tensorwire store stopped"));
+}
+
+#[test]
+fn secret_file_protects_the_server() {
+    let dir = std::env::temp_dir();
+    let secret = dir.join(format!("tw-cli-secret-{}", std::process::id()));
+    std::fs::write(&secret, "shared-secret\n").unwrap();
+    let secret = secret.to_str().unwrap().to_owned();
+    let server = serve(&["--secret-file", &secret]);
+    let addr = server.addr.clone();
+
+    ok(&client(&addr, &["set", "k", "v", "--secret-file", &secret]));
+    assert_eq!(
+        ok(&client(&addr, &["get", "k", "--secret-file", &secret])),
+        "v"
+    );
+    let refused = Command::new(BIN)
+        .args(["store", "get", "--addr", &addr, "--timeout", "10", "k"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("requires a cluster secret"), "{err}");
+
+    interrupt(server);
+    std::fs::remove_file(&secret).unwrap();
+}
+
+#[test]
+fn client_against_an_absent_server_fails_with_the_address() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let out = Command::new(BIN)
+        .args(["store", "num-keys", "--addr", &addr, "--timeout", "0.3"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&addr) && err.contains("gave up"), "{err}");
+}
+
+const PY_SERVER: &str = r#"
+from datetime import timedelta
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+s.set("from-python", "py-value")
+print(s.port, flush=True)
+s.get("cli-done")
+print("SEEN", s.get("cli-key").decode(), s.get("cli-count").decode(), flush=True)
+"#;
+
+/// The CLI against PyTorch's own store server. Skips (passes, printing why) without torch;
+/// set TENSORWIRE_TORCH_PYTHON to a Python that has it.
+#[test]
+fn cli_against_pytorch_server() {
+    let python = std::env::var("TENSORWIRE_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_torch = Command::new(&python)
+        .args(["-c", "import torch.distributed"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_torch {
+        eprintln!("SKIPPED: needs a Python with torch ({python} has none)");
+        return;
+    }
+    let mut child = Command::new(&python)
+        .args(["-c", PY_SERVER])
+        .env("PYTHONWARNINGS", "ignore")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut port = String::new();
+    stdout.read_line(&mut port).unwrap();
+    let addr = format!("127.0.0.1:{}", port.trim());
+
+    assert_eq!(ok(&client(&addr, &["get", "from-python"])), "py-value");
+    ok(&client(&addr, &["set", "cli-key", "cli-value"]));
+    assert_eq!(ok(&client(&addr, &["add", "cli-count", "5"])), "5\n");
+    assert_eq!(
+        ok(&client(&addr, &["check", "cli-key", "from-python"])),
+        "ready\n"
+    );
+    assert_eq!(ok(&client(&addr, &["num-keys"])), "3\n");
+    ok(&client(&addr, &["set", "cli-done", "1"]));
+    let mut seen = String::new();
+    stdout.read_line(&mut seen).unwrap();
+    assert_eq!(seen.trim(), "SEEN cli-value 5");
+    assert!(child.wait().unwrap().success());
+}
