@@ -20,6 +20,13 @@ async fn within<F: std::future::Future>(what: &str, f: F) -> Result<F::Output> {
         .with_context(|| format!("timed out after {T:?} while {what}"))
 }
 
+/// Bounds a whole test, so that a wait not covered by [`within`] cannot hang it either.
+async fn bounded(test: impl std::future::Future<Output = Result<()>>) -> Result<()> {
+    tokio::time::timeout(Duration::from_secs(120), test)
+        .await
+        .context("the test did not finish within 120 s")?
+}
+
 fn node(ca: &ClusterCa, name: &str) -> Result<QuicConfig> {
     let tls = ClusterTls::new(ca.issue_node(name)?, vec![ca.cert_der().clone()]);
     let mut config = QuicConfig::new(tls);
@@ -55,6 +62,10 @@ fn frame_of(len: usize, seed: u8) -> Frame {
 
 #[tokio::test]
 async fn frames_of_many_sizes_cross_both_ways_in_order() -> Result<()> {
+    bounded(frames_of_many_sizes_cross_both_ways_in_order_body()).await
+}
+
+async fn frames_of_many_sizes_cross_both_ways_in_order_body() -> Result<()> {
     let ca = ClusterCa::generate()?;
     let (c, s, _l) = pair(&ca).await?;
     let sizes = [0usize, 1, 100, 1200, 65_536, 1 << 20, 5 << 20];
@@ -86,6 +97,10 @@ async fn frames_of_many_sizes_cross_both_ways_in_order() -> Result<()> {
 
 #[tokio::test]
 async fn sequential_sends_keep_their_order() -> Result<()> {
+    bounded(sequential_sends_keep_their_order_body()).await
+}
+
+async fn sequential_sends_keep_their_order_body() -> Result<()> {
     let ca = ClusterCa::generate()?;
     let (c, s, _l) = pair(&ca).await?;
     let n = 300u32;
@@ -116,6 +131,10 @@ async fn sequential_sends_keep_their_order() -> Result<()> {
 
 #[tokio::test]
 async fn a_thousand_concurrent_frames_arrive_exactly_once() -> Result<()> {
+    bounded(a_thousand_concurrent_frames_arrive_exactly_once_body()).await
+}
+
+async fn a_thousand_concurrent_frames_arrive_exactly_once_body() -> Result<()> {
     let ca = ClusterCa::generate()?;
     let (c, s, _l) = pair(&ca).await?;
     let c: Arc<dyn Connection> = Arc::from(c);
@@ -152,6 +171,10 @@ async fn a_thousand_concurrent_frames_arrive_exactly_once() -> Result<()> {
 
 #[tokio::test]
 async fn close_delivers_everything_then_closed_and_the_other_way_still_works() -> Result<()> {
+    bounded(close_delivers_everything_then_closed_and_the_other_way_still_works_body()).await
+}
+
+async fn close_delivers_everything_then_closed_and_the_other_way_still_works_body() -> Result<()> {
     let ca = ClusterCa::generate()?;
     let (c, s, _l) = pair(&ca).await?;
     for i in 0..10u8 {
@@ -183,6 +206,10 @@ async fn close_delivers_everything_then_closed_and_the_other_way_still_works() -
 
 #[tokio::test]
 async fn a_dropped_connection_reads_as_closed_after_its_frames() -> Result<()> {
+    bounded(a_dropped_connection_reads_as_closed_after_its_frames_body()).await
+}
+
+async fn a_dropped_connection_reads_as_closed_after_its_frames_body() -> Result<()> {
     let ca = ClusterCa::generate()?;
     let (c, s, _l) = pair(&ca).await?;
     c.send(frame_of(1 << 20, 1)).await?;
@@ -195,6 +222,10 @@ async fn a_dropped_connection_reads_as_closed_after_its_frames() -> Result<()> {
 
 #[tokio::test]
 async fn oversized_frames_are_refused_before_sending() -> Result<()> {
+    bounded(oversized_frames_are_refused_before_sending_body()).await
+}
+
+async fn oversized_frames_are_refused_before_sending_body() -> Result<()> {
     let ca = ClusterCa::generate()?;
     let mut config = node(&ca, "small")?;
     config.limits = WireLimits::default().with_max_frame_len(1000);
@@ -213,6 +244,11 @@ async fn oversized_frames_are_refused_before_sending() -> Result<()> {
 
 #[tokio::test]
 async fn a_client_with_a_foreign_certificate_is_refused_and_the_listener_goes_on() -> Result<()> {
+    bounded(a_client_with_a_foreign_certificate_is_refused_and_the_listener_goes_on_body()).await
+}
+
+async fn a_client_with_a_foreign_certificate_is_refused_and_the_listener_goes_on_body() -> Result<()>
+{
     let ca = ClusterCa::generate()?;
     let foreign = ClusterCa::generate()?;
     let server = QuicTransport::new(node(&ca, "server")?)?;
@@ -247,6 +283,10 @@ async fn a_client_with_a_foreign_certificate_is_refused_and_the_listener_goes_on
 
 #[tokio::test]
 async fn a_server_with_a_foreign_certificate_is_refused() -> Result<()> {
+    bounded(a_server_with_a_foreign_certificate_is_refused_body()).await
+}
+
+async fn a_server_with_a_foreign_certificate_is_refused_body() -> Result<()> {
     let ca = ClusterCa::generate()?;
     let foreign = ClusterCa::generate()?;
     let tls = ClusterTls::new(foreign.issue_node("impostor")?, vec![ca.cert_der().clone()]);
@@ -301,6 +341,10 @@ const FRAME_HEAD: [u8; 10] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
 
 #[tokio::test]
 async fn garbage_and_oversized_lengths_close_the_connection_not_the_process() -> Result<()> {
+    bounded(garbage_and_oversized_lengths_close_the_connection_not_the_process_body()).await
+}
+
+async fn garbage_and_oversized_lengths_close_the_connection_not_the_process_body() -> Result<()> {
     let ca = ClusterCa::generate()?;
     let server = QuicTransport::new(node(&ca, "server")?)?;
     let listener = server.listen(loopback()).await?;
@@ -352,6 +396,10 @@ async fn garbage_and_oversized_lengths_close_the_connection_not_the_process() ->
 
 #[tokio::test]
 async fn a_peer_that_goes_away_mid_frame_gives_closed_mid_frame() -> Result<()> {
+    bounded(a_peer_that_goes_away_mid_frame_gives_closed_mid_frame_body()).await
+}
+
+async fn a_peer_that_goes_away_mid_frame_gives_closed_mid_frame_body() -> Result<()> {
     let ca = ClusterCa::generate()?;
     let server = QuicTransport::new(node(&ca, "server")?)?;
     let listener = server.listen(loopback()).await?;
@@ -378,6 +426,10 @@ async fn a_peer_that_goes_away_mid_frame_gives_closed_mid_frame() -> Result<()> 
 
 #[tokio::test]
 async fn a_stream_that_ends_mid_frame_gives_closed_mid_frame() -> Result<()> {
+    bounded(a_stream_that_ends_mid_frame_gives_closed_mid_frame_body()).await
+}
+
+async fn a_stream_that_ends_mid_frame_gives_closed_mid_frame_body() -> Result<()> {
     let ca = ClusterCa::generate()?;
     let server = QuicTransport::new(node(&ca, "server")?)?;
     let listener = server.listen(loopback()).await?;
@@ -397,6 +449,10 @@ async fn a_stream_that_ends_mid_frame_gives_closed_mid_frame() -> Result<()> {
 
 #[tokio::test]
 async fn certificates_from_pem_files_work_across_transports() -> Result<()> {
+    bounded(certificates_from_pem_files_work_across_transports_body()).await
+}
+
+async fn certificates_from_pem_files_work_across_transports_body() -> Result<()> {
     let dir = std::env::temp_dir().join(format!("tw-quic-pem-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let ca = ClusterCa::load_or_generate(&dir)?;
@@ -423,6 +479,10 @@ async fn certificates_from_pem_files_work_across_transports() -> Result<()> {
 /// MTU bound above 1452 bytes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn both_directions_at_once_keep_their_order() -> Result<()> {
+    bounded(both_directions_at_once_keep_their_order_body()).await
+}
+
+async fn both_directions_at_once_keep_their_order_body() -> Result<()> {
     both_directions(60_000).await
 }
 
@@ -430,6 +490,10 @@ async fn both_directions_at_once_keep_their_order() -> Result<()> {
 /// loopback peers do not otherwise get.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_tuning_works_too() -> Result<()> {
+    bounded(remote_tuning_works_too_body()).await
+}
+
+async fn remote_tuning_works_too_body() -> Result<()> {
     both_directions(0).await
 }
 
@@ -486,6 +550,10 @@ async fn both_directions(loopback_mtu: u16) -> Result<()> {
 /// process-wide default provider unset.
 #[tokio::test]
 async fn no_process_default_crypto_provider_is_needed() -> Result<()> {
+    bounded(no_process_default_crypto_provider_is_needed_body()).await
+}
+
+async fn no_process_default_crypto_provider_is_needed_body() -> Result<()> {
     let ca = ClusterCa::generate()?;
     let (c, s, _l) = pair(&ca).await?;
     c.send(frame_of(10, 1)).await?;
