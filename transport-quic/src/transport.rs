@@ -510,7 +510,13 @@ impl Shared {
             let shared = self.clone();
             tokio::spawn(async move {
                 let acked = shared
-                    .send_stream(TAG_GOODBYE_ACK, None, Vec::new(), "acknowledging goodbye")
+                    .send_stream(
+                        TAG_GOODBYE_ACK,
+                        None,
+                        Vec::new(),
+                        "acknowledging goodbye",
+                        false,
+                    )
                     .await;
                 if let Err(e) = acked {
                     tracing::debug!(peer = %shared.peer, "cannot acknowledge goodbye: {e}");
@@ -573,13 +579,15 @@ impl Shared {
     }
 
     /// Sends a stream with `tag` and (for frames and goodbyes) ordering dependencies. `frame`
-    /// chunks follow. Cancellation resets the stream and counts it as complete.
+    /// chunks follow. Cancellation resets the stream and counts it as complete. With
+    /// `wait_acked`, returns only once the peer has acknowledged the whole stream.
     async fn send_stream(
         &self,
         tag: u8,
         deps: Option<Deps>,
         frame: Vec<bytes::Bytes>,
         op: &'static str,
+        wait_acked: bool,
     ) -> Result<(), TransportError> {
         let stream = self
             .conn
@@ -614,7 +622,17 @@ impl Shared {
             kind: std::io::ErrorKind::BrokenPipe,
             message: e.to_string(),
         })?;
-        guard.stream = None;
+        let stream = guard.stream.take();
+        drop(guard);
+        if let (true, Some(stream)) = (wait_acked, stream) {
+            // Resolves once the peer has acknowledged every byte of the stream.
+            stream.stopped().await.map_err(|e| TransportError::Io {
+                addr: self.peer,
+                op,
+                kind: std::io::ErrorKind::BrokenPipe,
+                message: e.to_string(),
+            })?;
+        }
         Ok(())
     }
 
@@ -627,7 +645,9 @@ impl Shared {
             state.sent_goodbye = true;
         }
         let deps = self.send_order().begin();
-        self.send_stream(TAG_GOODBYE, Some(deps), Vec::new(), "closing")
+        // Wait for the acknowledgement: a caller may stop driving the runtime once `close`
+        // returns, and the goodbye must have reached the peer by then.
+        self.send_stream(TAG_GOODBYE, Some(deps), Vec::new(), "closing", true)
             .await?;
         self.maybe_finish();
         Ok(())
@@ -767,7 +787,7 @@ impl Connection for QuicConnection {
         // must follow, and all of them on streams with smaller numbers.
         let deps = shared.send_order().begin();
         shared
-            .send_stream(TAG_FRAME, Some(deps), out.into_chunks(), "sending")
+            .send_stream(TAG_FRAME, Some(deps), out.into_chunks(), "sending", false)
             .await
     }
 
