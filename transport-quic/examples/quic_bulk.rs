@@ -59,6 +59,23 @@ fn main() -> anyhow::Result<()> {
                 drop(f);
             }
         });
+        if mib == 0 {
+            // Ping-pong of 64-byte messages: `rounds` round trips, median reported.
+            let ping = Frame::message(Bytes::from(vec![7u8; 64]), vec![]);
+            let mut times = Vec::with_capacity(rounds);
+            for _ in 0..rounds {
+                let t = Instant::now();
+                c.send(ping.clone()).await?;
+                c.recv().await?;
+                times.push(t.elapsed());
+            }
+            times.sort();
+            println!("ping-pong p50 {:?} p99 {:?}", times[rounds / 2], times[rounds * 99 / 100]);
+            c.close().await?;
+            drop(c);
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(2), server).await;
+            return anyhow::Ok(());
+        }
         let frame = Frame::message(Bytes::new(), vec![Bytes::from(vec![3u8; mib << 20])]);
         for round in 0..rounds {
             let t = Instant::now();
