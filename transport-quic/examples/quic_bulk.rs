@@ -70,7 +70,11 @@ fn main() -> anyhow::Result<()> {
                 times.push(t.elapsed());
             }
             times.sort();
-            println!("ping-pong p50 {:?} p99 {:?}", times[rounds / 2], times[rounds * 99 / 100]);
+            println!(
+                "ping-pong p50 {:?} p99 {:?}",
+                times[rounds / 2],
+                times[rounds * 99 / 100]
+            );
             c.close().await?;
             drop(c);
             let _ = tokio::time::timeout(std::time::Duration::from_secs(2), server).await;
