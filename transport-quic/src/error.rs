@@ -3,9 +3,11 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-/// Everything that can go wrong in the QUIC transport.
+/// What can go wrong setting up the QUIC transport: certificates, keys, TLS configuration, the
+/// UDP socket. Failures of connections and frames are the port's
+/// [`TransportError`](tensorwire_core::ports::transport::TransportError).
 ///
-/// Messages name the file, peer address or setting involved and, where there is one, what to do.
+/// Messages name the file, address or setting involved.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum QuicError {
@@ -62,49 +64,6 @@ pub enum QuicError {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// Connecting to a peer failed before the handshake completed (unreachable, timed out, ...).
-    #[error("cannot connect to {addr}: {reason}")]
-    Connect {
-        /// The peer address.
-        addr: SocketAddr,
-        /// Why.
-        reason: String,
-    },
-    /// The peer's certificate is not signed by the cluster CA (or is otherwise invalid), so the
-    /// peer was refused; or the peer refused our certificate for the same reason.
-    #[error("peer {addr} refused: {reason}")]
-    UntrustedPeer {
-        /// The peer address.
-        addr: SocketAddr,
-        /// What rustls said about the certificate.
-        reason: String,
-    },
-    /// The connection to a peer was lost or closed.
-    #[error("connection to {addr} lost: {reason}")]
-    ConnectionLost {
-        /// The peer address.
-        addr: SocketAddr,
-        /// quinn's explanation.
-        reason: String,
-    },
-    /// A frame from a peer was malformed or over the limits; the connection was closed.
-    #[error("malformed frame from {addr}, connection closed: {reason}")]
-    Malformed {
-        /// The peer address.
-        addr: SocketAddr,
-        /// What was wrong (from the wire decoder).
-        reason: String,
-    },
-    /// A stream carrying a frame ended before the whole frame arrived.
-    #[error("peer {addr} closed a stream mid-frame after {got} of {expected} bytes")]
-    Truncated {
-        /// The peer address.
-        addr: SocketAddr,
-        /// Bytes received.
-        got: u64,
-        /// Bytes the frame announced.
-        expected: u64,
-    },
     /// A wait took longer than its deadline.
     #[error("timed out after {after_ms} ms while {what}")]
     Timeout {
@@ -113,7 +72,4 @@ pub enum QuicError {
         /// The deadline in milliseconds.
         after_ms: u64,
     },
-    /// The transport was closed locally.
-    #[error("the QUIC transport is closed")]
-    Closed,
 }

@@ -176,8 +176,14 @@ fn is_loopback(addr: SocketAddr) -> bool {
     }
 }
 
+/// Socket failures are I/O errors (address in use, ...); the rest is configuration.
 fn config_error(e: QuicError) -> TransportError {
-    TransportError::Config(e.to_string())
+    match e {
+        QuicError::Socket { addr, source } => {
+            TransportError::io(addr, "binding a UDP socket", &source)
+        }
+        other => TransportError::Config(other.to_string()),
+    }
 }
 
 /// Whether a QUIC close code is a TLS alert (certificate refused and the like).

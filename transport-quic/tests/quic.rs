@@ -564,3 +564,24 @@ async fn no_process_default_crypto_provider_is_needed_body() -> Result<()> {
     );
     Ok(())
 }
+
+/// Listening on an address that is taken is an I/O error naming it.
+#[tokio::test]
+async fn listening_on_a_taken_address_is_an_io_error() -> Result<()> {
+    bounded(async {
+        let ca = ClusterCa::generate()?;
+        let first = QuicTransport::new(node(&ca, "a")?)?;
+        let second = QuicTransport::new(node(&ca, "b")?)?;
+        let listener = first.listen(loopback()).await?;
+        let addr = listener.local_addr();
+        let err = second
+            .listen(addr)
+            .await
+            .err()
+            .context("the port is taken")?;
+        assert!(matches!(err, TransportError::Io { .. }), "{err}");
+        assert!(err.to_string().contains(&addr.to_string()), "{err}");
+        Ok(())
+    })
+    .await
+}
