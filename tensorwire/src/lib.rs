@@ -16,3 +16,7 @@ pub use tensorwire_rpc as rpc;
 /// The TCP transport (Cargo feature `tcp`, on by default).
 #[cfg(feature = "tcp")]
 pub use tensorwire_transport_tcp as transport_tcp;
+
+/// The QUIC transport (Cargo feature `quic`).
+#[cfg(feature = "quic")]
+pub use tensorwire_transport_quic as transport_quic;

@@ -43,6 +43,7 @@ fn bench_transport_tcp_writes_every_key() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[cfg(not(feature = "quic"))]
 #[test]
 fn bench_transport_quic_says_it_is_not_built_in() {
     let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
@@ -105,4 +106,49 @@ fn bench_rpc_writes_every_key() {
             > 0.0
     );
     assert_eq!(v["transport"], "tcp");
+}
+
+#[cfg(feature = "quic")]
+#[test]
+fn bench_transport_quic_writes_every_key() {
+    let dir = std::env::temp_dir().join(format!("tw-bench-quic-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("quic.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args([
+            "bench",
+            "transport",
+            "--transport",
+            "quic",
+            "--pingpong",
+            "200",
+            "--bulk-64mib",
+            "1",
+            "--bulk-1mib",
+            "5",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["transport"], "quic");
+    for key in [
+        "frame_pingpong_p50_us",
+        "frame_bulk_64MiB_MBps",
+        "raw_tcp_pingpong_p50_us",
+        "raw_tcp_bulk_64MiB_MBps",
+    ] {
+        let x = v[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key} missing: {v}"));
+        assert!(x.is_finite() && x > 0.0, "{key} = {x}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

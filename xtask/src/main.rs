@@ -2,7 +2,7 @@
 //!
 //! - `ci`: what CI runs: format check, clippy with `-D warnings`, every test (nextest when
 //!   installed, else `cargo test`), doc tests, and the docs build with warnings denied. The
-//!   `cuda` feature of `tensorwire` is built, linted and tested too (it needs no GPU).
+//!   `cuda` and `quic` features of `tensorwire` are built, linted and tested too (no GPU needed).
 //! - `gpu [--nccl] [--out DIR]`: builds the self-contained GPU check binary `tw-gpu-check`
 //!   (release; with `--nccl` also the 1-rank NCCL check) and copies it to `DIR` (default `.gpu/`
 //!   at the workspace root), then prints how to run it on a machine with an NVIDIA GPU.
@@ -86,8 +86,9 @@ fn ci() -> Result<()> {
         &["doc", "--workspace", "--no-deps"],
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
-    // The CUDA backend behind the `cuda` feature: builds and passes its tests without a GPU
-    // (the GPU tests print `SKIPPED: ...` with the reason; `cargo test` shows those lines).
+    // The non-default features of `tensorwire`: the CUDA backend builds and passes its tests
+    // without a GPU (the GPU tests print `SKIPPED: ...` with the reason; `cargo test` shows
+    // those lines), and the QUIC transport is hooked into the CLI.
     run(
         "cargo",
         &[
@@ -95,7 +96,7 @@ fn ci() -> Result<()> {
             "-p",
             "tensorwire",
             "--features",
-            "cuda",
+            "cuda,quic",
             "--all-targets",
             "--",
             "-D",
@@ -105,7 +106,7 @@ fn ci() -> Result<()> {
     )?;
     run(
         "cargo",
-        &["test", "-p", "tensorwire", "--features", "cuda"],
+        &["test", "-p", "tensorwire", "--features", "cuda,quic"],
         &[],
     )?;
     run("cargo", &["test", "-p", "tensorwire-devices-cuda"], &[])?;

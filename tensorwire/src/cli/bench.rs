@@ -124,9 +124,20 @@ fn make_transport(kind: TransportKind) -> Result<Arc<dyn Transport>> {
         TransportKind::Tcp => {
             bail!("this tensorwire was built without the `tcp` feature; rebuild with it")
         }
+        // A fresh cluster CA and one node certificate: both ends are in this process.
+        #[cfg(feature = "quic")]
+        TransportKind::Quic => {
+            use tensorwire_transport_quic::{
+                certs::ClusterCa, ClusterTls, QuicConfig, QuicTransport,
+            };
+            let ca = ClusterCa::generate()?;
+            let tls = ClusterTls::new(ca.issue_node("bench")?, vec![ca.cert_der().clone()]);
+            Ok(Arc::new(QuicTransport::new(QuicConfig::new(tls))?))
+        }
+        #[cfg(not(feature = "quic"))]
         TransportKind::Quic => bail!(
-            "the QUIC transport is not built into this tensorwire yet \
-             (tensorwire-transport-quic, Cargo feature `quic`); use --transport tcp"
+            "QUIC not built in: this tensorwire was built without the `quic` feature \
+             (tensorwire-transport-quic); rebuild with `--features quic` or use --transport tcp"
         ),
     }
 }
