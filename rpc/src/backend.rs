@@ -39,11 +39,18 @@ static BACKENDS: LazyLock<RwLock<Registry<DynRpcBackend>>> = LazyLock::new(|| {
     registry
         .register(TCP_BACKEND, Arc::new(TcpBackend) as Arc<DynRpcBackend>)
         .unwrap_or_else(|_| unreachable!("the registry starts empty"));
+    #[cfg(feature = "quic")]
+    registry
+        .register(QUIC_BACKEND, Arc::new(QuicBackend) as Arc<DynRpcBackend>)
+        .unwrap_or_else(|_| unreachable!("the names differ"));
     RwLock::new(registry)
 });
 
 /// The name of the built-in TCP backend.
 pub const TCP_BACKEND: &str = "TCP";
+
+/// The name of the built-in QUIC backend (feature `quic`).
+pub const QUIC_BACKEND: &str = "QUIC";
 
 /// Registers `backend` under `name`. A name taken already is an error that names it
 /// (`RPC backend NAME: already registered`).
@@ -130,5 +137,84 @@ impl RpcBackend for TcpBackend {
         let config = TcpConfig::resolve(cluster_secret(&options)?, options.insecure)?;
         let transport = Arc::new(TcpTransport::new(config)?);
         start_agent(transport, store, name, rank, world_size, options).await
+    }
+}
+
+/// The QUIC backend: the agent over quinn with mutual TLS under the cluster CA
+/// ([`RpcOptions::tls_dir`]).
+#[cfg(feature = "quic")]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct QuicBackend;
+
+#[cfg(feature = "quic")]
+impl QuicBackend {
+    fn tls(
+        name: &str,
+        options: &RpcOptions,
+    ) -> Result<tensorwire_transport_quic::ClusterTls, RpcError> {
+        use tensorwire_transport_quic::certs::{ClusterCa, CA_CERT_FILE, CA_KEY_FILE};
+        use tensorwire_transport_quic::ClusterTls;
+        let dir = options.tls_dir.as_ref().ok_or_else(|| {
+            RpcError::Init(
+                "the QUIC backend needs RpcOptions::tls_dir (a folder for the cluster CA)".into(),
+            )
+        })?;
+        let tls_error = |e: tensorwire_transport_quic::QuicError| {
+            RpcError::Init(format!("QUIC TLS material in {}: {e}", dir.display()))
+        };
+        let own_cert = dir.join(format!("{name}.pem"));
+        if own_cert.exists() || (!dir.join(CA_KEY_FILE).exists() && dir.join(CA_CERT_FILE).exists())
+        {
+            ClusterTls::from_pem_files(
+                &dir.join(CA_CERT_FILE),
+                &own_cert,
+                &dir.join(format!("{name}.key.pem")),
+            )
+            .map_err(tls_error)
+        } else {
+            let ca = ClusterCa::load_or_generate(dir).map_err(tls_error)?;
+            let identity = ca.issue_node(name).map_err(tls_error)?;
+            Ok(ClusterTls::new(identity, vec![ca.cert_der().clone()]))
+        }
+    }
+}
+
+#[cfg(feature = "quic")]
+#[async_trait]
+impl RpcBackend for QuicBackend {
+    type Options = RpcOptions;
+    type Store = Rendezvous;
+    type Agent = Agent;
+    type Error = RpcError;
+
+    fn construct_options(
+        &self,
+        rpc_timeout: Duration,
+        init_method: &str,
+    ) -> Result<RpcOptions, RpcError> {
+        Ok(RpcOptions {
+            rpc_timeout,
+            init_method: init_method.to_owned(),
+            backend: QUIC_BACKEND.into(),
+            ..RpcOptions::default()
+        })
+    }
+
+    async fn init_backend(
+        &self,
+        store: Rendezvous,
+        name: &str,
+        rank: usize,
+        world_size: Option<usize>,
+        options: RpcOptions,
+    ) -> Result<Agent, RpcError> {
+        use tensorwire_transport_quic::{QuicConfig, QuicTransport};
+        let world_size = world_size.ok_or_else(|| {
+            RpcError::Init("dynamic groups (world_size = None) are not supported yet".into())
+        })?;
+        let tls = Self::tls(name, &options)?;
+        let transport = QuicTransport::new(QuicConfig::new(tls))
+            .map_err(|e| RpcError::Init(format!("QUIC transport: {e}")))?;
+        start_agent(Arc::new(transport), store, name, rank, world_size, options).await
     }
 }

@@ -22,10 +22,10 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Backends: `TCP` is built in; [`register_backend`] adds others (PyTorch's backend registry).
+//! Backends: `TCP` is built in, `QUIC` with the feature `quic`; [`register_backend`] adds
+//! others (PyTorch's backend registry).
 //!
-//! Not yet: dynamic groups, and the QUIC transport as a built-in backend (see the project's
-//! issues).
+//! Not yet: dynamic groups (see the project's issues).
 
 mod agent;
 mod backend;
@@ -41,6 +41,8 @@ pub use backend::{
     backend_registered, construct_rpc_backend_options, register_backend, registered_backends,
     DynRpcBackend, TcpBackend, TCP_BACKEND,
 };
+#[cfg(feature = "quic")]
+pub use backend::{QuicBackend, QUIC_BACKEND};
 pub use error::RpcError;
 pub use functions::Functions;
 pub use options::{RpcOptions, DEFAULT_RPC_TIMEOUT};

@@ -31,6 +31,11 @@ pub struct RpcOptions {
     pub secret: Option<Vec<u8>>,
     /// Run without authentication (only when asked for explicitly).
     pub insecure: bool,
+    /// TLS material for the `QUIC` backend: a folder holding either the cluster CA
+    /// (`ca.pem` and `ca.key.pem`, created there by the first worker if missing; every worker
+    /// then gets a certificate issued for its name), or `ca.pem` plus this worker's
+    /// `<name>.pem` and `<name>.key.pem` from your own PKI.
+    pub tls_dir: Option<std::path::PathBuf>,
     /// Where this worker's tensors land on each destination.
     pub device_maps: DeviceMaps,
     /// The devices this worker uses (empty: derived from the maps).
@@ -53,6 +58,7 @@ impl Default for RpcOptions {
             init_timeout: Duration::from_secs(300),
             secret: None,
             insecure: false,
+            tls_dir: None,
             device_maps: DeviceMaps::new(),
             devices: Vec::new(),
             functions: Functions::new(),

@@ -482,7 +482,53 @@ async fn user_backends_are_registered_and_selected_by_name() {
     .unwrap_err();
     assert!(
         e.to_string()
-            .starts_with("RPC backend NOPE: not registered (registered: TCP, COUNTING"),
+            .starts_with("RPC backend NOPE: not registered (registered: TCP"),
         "{e}"
     );
+}
+
+#[cfg(feature = "quic")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quic_backend_runs_the_agent_over_mutual_tls() {
+    let dir = std::env::temp_dir().join(format!("tw-rpc-quic-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let agents: Vec<Agent> = group(3, |_, o| {
+        o.backend = "QUIC".into();
+        o.tls_dir = Some(dir.clone());
+    })
+    .await
+    .into_iter()
+    .map(Result::unwrap)
+    .collect();
+    assert_eq!(
+        agents[0]
+            .rpc_sync::<_, i64>("w2", "add", &(40i64, 2i64), None)
+            .await
+            .unwrap(),
+        42
+    );
+    let r: RRef<Vec<i64>> = agents[1].remote("w2", "make_vec", &3usize, None).unwrap();
+    assert_eq!(
+        agents[1]
+            .rpc_sync::<_, i64>("w0", "sum_remote", &r, None)
+            .await
+            .unwrap(),
+        3
+    );
+    drop(r);
+    shutdown_all(agents).await;
+    assert!(dir.join("ca.pem").exists() && dir.join("ca.key.pem").exists());
+
+    // Without TLS material the backend says what it needs.
+    let e = group(1, |_, o| o.backend = "QUIC".into())
+        .await
+        .pop()
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("the QUIC backend needs RpcOptions::tls_dir"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

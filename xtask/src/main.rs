@@ -109,6 +109,27 @@ fn ci() -> Result<()> {
         &["test", "-p", "tensorwire", "--features", "cuda,quic"],
         &[],
     )?;
+    // The agent's QUIC backend.
+    run(
+        "cargo",
+        &[
+            "clippy",
+            "-p",
+            "tensorwire-rpc",
+            "--features",
+            "quic",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &[],
+    )?;
+    run(
+        "cargo",
+        &["test", "-p", "tensorwire-rpc", "--features", "quic"],
+        &[],
+    )?;
     run("cargo", &["test", "-p", "tensorwire-devices-cuda"], &[])?;
     // The standalone NCCL wrapper (feature `nccl`): without NCCL it must report why.
     run(
