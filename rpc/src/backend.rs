@@ -50,6 +50,7 @@ static BACKENDS: LazyLock<RwLock<Registry<DynRpcBackend>>> = LazyLock::new(|| {
 pub const TCP_BACKEND: &str = "TCP";
 
 /// The name of the built-in QUIC backend (feature `quic`).
+#[cfg(feature = "quic")]
 pub const QUIC_BACKEND: &str = "QUIC";
 
 /// Registers `backend` under `name`. A name taken already is an error that names it
