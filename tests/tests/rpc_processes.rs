@@ -202,3 +202,24 @@ fn a_killed_worker_is_named_by_the_others_within_the_timeout() {
         );
     }
 }
+
+#[test]
+fn cuda_tensors_move_by_device_maps_between_processes_or_skip() {
+    let (codes, lines) = spawn("cuda", 3).finish(Duration::from_secs(120));
+    assert!(
+        codes.iter().all(|c| *c == Some(0)),
+        "exit codes {codes:?}\n{lines:#?}"
+    );
+    if let Some((_, why)) = lines.iter().find(|(_, l)| l.starts_with("SKIPPED")) {
+        println!("{why}");
+        return;
+    }
+    for rank in 0..3 {
+        assert!(
+            lines
+                .iter()
+                .any(|(r, l)| *r == rank && l == &format!("OK cuda rank {rank}")),
+            "{lines:#?}"
+        );
+    }
+}

@@ -218,6 +218,63 @@ async fn dead_peer() -> Result<(), RpcError> {
     }
 }
 
+/// The same device-map paths as `basic`, on real GPUs through the CUDA backend: a tensor on
+/// this worker's `cuda:0` lands on the next worker's `cuda:0` by the map and comes back by the
+/// reverse map; one without a map entry fails before sending. Without a GPU, every worker prints
+/// `SKIPPED: <reason>` and succeeds.
+async fn cuda() -> Result<(), RpcError> {
+    use tensorwire_core::ports::device::{relocate, DeviceBackend};
+    let backend = Arc::new(tensorwire_devices_cuda::CudaDevices::new());
+    if backend.device_count() == 0 {
+        let why = backend
+            .unavailable()
+            .map_or_else(|| "no CUDA device".to_owned(), |r| r.to_string());
+        println!("SKIPPED: {why}");
+        return Ok(());
+    }
+    let dyn_backend: Arc<dyn DeviceBackend> = backend.clone();
+    let (agent, rank, world) = start(|rank, o| {
+        o.device_backend = dyn_backend;
+        let next = (rank + 1) % env("WORLD_SIZE");
+        o.set_device_map(&format!("w{next}"), &[("cuda:0", "cuda:0")])
+            .expect("valid map");
+    })
+    .await?;
+    let next = ((rank + 1) % world) as u32;
+    let values: Vec<f32> = (0..1 << 20).map(|i| i as f32).collect();
+    let host = Tensor::from_f32(vec![values.len()], &values).expect("tensor");
+    let on_gpu = relocate(&*backend, &host, Device::Cuda(0))
+        .await
+        .map_err(|e| RpcError::Init(e.to_string()))?;
+    let (landed, back): (String, Tensor) =
+        agent.rpc_sync(next, "tensor_where", &on_gpu, None).await?;
+    check(
+        landed == "cuda:0" && back.device() == Device::Cuda(0),
+        "the map and the reverse map on real GPUs",
+    )?;
+    let back_host = relocate(&*backend, &back, Device::Cpu)
+        .await
+        .map_err(|e| RpcError::Init(e.to_string()))?;
+    check(
+        back_host.to_f32_vec() == Some(values),
+        "4 MiB survive cuda:0 -> peer cuda:0 -> cuda:0",
+    )?;
+    // A worker without a map for its destination cannot send a CUDA tensor.
+    let prev = ((rank + world - 1) % world) as u32;
+    if prev != next {
+        let e = agent
+            .rpc_async::<_, (String, Tensor)>(prev, "tensor_where", &on_gpu, None)
+            .err();
+        check(
+            e.is_some_and(|e| e.to_string().contains("cannot send a tensor on cuda:0")),
+            "no map, no send",
+        )?;
+    }
+    agent.shutdown(true, Duration::from_secs(30)).await?;
+    println!("OK cuda rank {rank}");
+    Ok(())
+}
+
 async fn bad_map() -> Result<(), RpcError> {
     let r = start(|rank, o| {
         o.device_backend = Arc::new(SimulatedDevices::new(1));
@@ -289,6 +346,7 @@ async fn main() -> ExitCode {
         "bad-map" => bad_map().await,
         "scale" => scale().await,
         "inflight" => inflight().await,
+        "cuda" => cuda().await,
         other => Err(RpcError::Init(format!("unknown scenario {other:?}"))),
     };
     match result {
