@@ -140,8 +140,9 @@ pub struct TensorwireFactory;
 
 static GROUP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// The local IP that packets to `MASTER_ADDR` leave from (no packet is sent).
-fn route_ip() -> Option<IpAddr> {
+/// The local IP that packets to `MASTER_ADDR` leave from (no packet is sent): the address other
+/// ranks can reach this one at. `None` when `MASTER_ADDR` is unset or unreachable.
+pub fn route_ip() -> Option<IpAddr> {
     let host = std::env::var("MASTER_ADDR").ok()?;
     let target = std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), 9))
         .ok()?

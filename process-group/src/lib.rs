@@ -36,9 +36,9 @@ mod state;
 pub mod wire;
 
 pub use backend::{
-    backend_registered, current_process_group, new_group, register_backend, with_process_group,
-    with_process_group_sync, BackendOptions, DynFactory, NewGroupError, TensorwireFactory,
-    TENSORWIRE_BACKEND,
+    backend_registered, current_process_group, new_group, register_backend, route_ip,
+    with_process_group, with_process_group_sync, BackendOptions, DynFactory, NewGroupError,
+    TensorwireFactory, TENSORWIRE_BACKEND,
 };
 pub use client::{ClientConfig, TcpStoreClient};
 pub use file::FileStore;

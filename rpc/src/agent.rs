@@ -159,28 +159,13 @@ fn secret_bytes(options: &RpcOptions) -> Option<Vec<u8>> {
     })
 }
 
-/// The address peers reach us at: loopback when the rendezvous is local, else the local
-/// address that routes to it (learned from a connected UDP socket; nothing is sent).
+/// The address peers reach us at: the configured one, else the local address that routes to
+/// `MASTER_ADDR` (loopback when that is local), else loopback.
 fn advertise_ip(options: &RpcOptions) -> IpAddr {
-    if let Some(ip) = options.listen_ip {
-        return ip;
-    }
-    let master = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
-    let port = std::env::var("MASTER_PORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(29500u16);
-    let resolved = std::net::ToSocketAddrs::to_socket_addrs(&(master.as_str(), port))
-        .ok()
-        .and_then(|mut it| it.next());
-    match resolved {
-        Some(a) if a.ip().is_loopback() => a.ip(),
-        Some(a) => std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
-            .and_then(|s| s.connect(a).and_then(|()| s.local_addr()))
-            .map(|l| l.ip())
-            .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
-        None => IpAddr::V4(Ipv4Addr::LOCALHOST),
-    }
+    options
+        .listen_ip
+        .or_else(tensorwire_process_group::route_ip)
+        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
 }
 
 /// Starts the agent of worker `name` with rank `rank` in a static group of `world_size`

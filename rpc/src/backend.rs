@@ -100,6 +100,23 @@ pub(crate) fn lookup(name: &str) -> Result<Arc<DynRpcBackend>, RpcError> {
         .map_err(RpcError::Backend)
 }
 
+/// The common options with this backend's name.
+fn base_options(backend: &str, rpc_timeout: Duration, init_method: &str) -> RpcOptions {
+    RpcOptions {
+        rpc_timeout,
+        init_method: init_method.to_owned(),
+        backend: backend.into(),
+        ..RpcOptions::default()
+    }
+}
+
+/// The world size of a static group; dynamic groups are not supported yet.
+fn static_world(world_size: Option<usize>) -> Result<usize, RpcError> {
+    world_size.ok_or_else(|| {
+        RpcError::Init("dynamic groups (world_size = None) are not supported yet".into())
+    })
+}
+
 /// The built-in backend: the agent over tokio TCP with the cluster secret.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct TcpBackend;
@@ -116,12 +133,7 @@ impl RpcBackend for TcpBackend {
         rpc_timeout: Duration,
         init_method: &str,
     ) -> Result<RpcOptions, RpcError> {
-        Ok(RpcOptions {
-            rpc_timeout,
-            init_method: init_method.to_owned(),
-            backend: TCP_BACKEND.into(),
-            ..RpcOptions::default()
-        })
+        Ok(base_options(TCP_BACKEND, rpc_timeout, init_method))
     }
 
     async fn init_backend(
@@ -132,9 +144,7 @@ impl RpcBackend for TcpBackend {
         world_size: Option<usize>,
         options: RpcOptions,
     ) -> Result<Agent, RpcError> {
-        let world_size = world_size.ok_or_else(|| {
-            RpcError::Init("dynamic groups (world_size = None) are not supported yet".into())
-        })?;
+        let world_size = static_world(world_size)?;
         let config = TcpConfig::resolve(cluster_secret(&options)?, options.insecure)?;
         let transport = Arc::new(TcpTransport::new(config)?);
         start_agent(transport, store, name, rank, world_size, options).await
@@ -193,12 +203,7 @@ impl RpcBackend for QuicBackend {
         rpc_timeout: Duration,
         init_method: &str,
     ) -> Result<RpcOptions, RpcError> {
-        Ok(RpcOptions {
-            rpc_timeout,
-            init_method: init_method.to_owned(),
-            backend: QUIC_BACKEND.into(),
-            ..RpcOptions::default()
-        })
+        Ok(base_options(QUIC_BACKEND, rpc_timeout, init_method))
     }
 
     async fn init_backend(
@@ -210,9 +215,7 @@ impl RpcBackend for QuicBackend {
         options: RpcOptions,
     ) -> Result<Agent, RpcError> {
         use tensorwire_transport_quic::{QuicConfig, QuicTransport};
-        let world_size = world_size.ok_or_else(|| {
-            RpcError::Init("dynamic groups (world_size = None) are not supported yet".into())
-        })?;
+        let world_size = static_world(world_size)?;
         let tls = Self::tls(name, &options)?;
         let transport = QuicTransport::new(QuicConfig::new(tls))
             .map_err(|e| RpcError::Init(format!("QUIC transport: {e}")))?;

@@ -14,7 +14,7 @@
 //! share fewer cores). `rendezvous_barrier_w32_ms` is the wall time from starting
 //! rank 0 of 32 processes until all of them finished their first barrier.
 
-use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -22,7 +22,6 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Map, Value};
 use tensorwire_core::collective::{ElementType, ReduceOp};
 use tensorwire_core::device::Device;
@@ -71,20 +70,6 @@ pub(crate) struct WorkerArgs {
     timeout: u64,
 }
 
-fn progress(len: u64) -> ProgressBar {
-    let target = if std::io::stderr().is_terminal() {
-        ProgressDrawTarget::stderr()
-    } else {
-        ProgressDrawTarget::hidden()
-    };
-    let bar = ProgressBar::with_draw_target(Some(len), target);
-    bar.set_style(
-        ProgressStyle::with_template("{msg:40} [{bar:30}] {pos}/{len} {elapsed}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar
-}
-
 fn median_us(mut v: Vec<Duration>) -> f64 {
     if v.is_empty() {
         return f64::NAN;
@@ -99,7 +84,7 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
         bail!("--world sizes must be at least 2; iterations at least 1");
     }
     let steps = 3 + args.world.len() as u64 + u64::from(args.rendezvous_world > 0);
-    let bar = progress(steps);
+    let bar = super::bench::progress(steps, "");
     let mut out = Map::new();
 
     bar.set_message("raw TCP ping-pong");
