@@ -364,7 +364,8 @@ pub struct RRefHandle {
 /// The owner's record of one of its references.
 #[derive(Debug, Default)]
 struct Owned {
-    forks: HashSet<ForkId>,
+    /// Each fork, and the worker that holds it (dropped when that worker is lost).
+    forks: HashMap<ForkId, WorkerId>,
     local_handles: u32,
     /// `None` while the value is being created; `Some(Ok)` once kept; `Some(Err)` if that failed.
     state: Option<Result<(), RemoteError>>,
@@ -722,7 +723,7 @@ impl<B> Endpoint<B> {
         if handle.owner == me {
             // The owner registers the fork at once: the receiver starts confirmed.
             if let Some(o) = self.owned.get_mut(&handle.rref) {
-                o.forks.insert(fork);
+                o.forks.insert(fork, to);
             }
         } else if let Some(u) = self.used.get_mut(&handle.fork) {
             u.pending_children.insert(fork);
@@ -864,7 +865,7 @@ impl<B> Endpoint<B> {
                 let Some(body) = self.admit(from, id, body) else {
                     return;
                 };
-                self.owned.entry(rref).or_default().forks.insert(fork);
+                self.owned.entry(rref).or_default().forks.insert(fork, from);
                 let token = RequestToken {
                     from,
                     id,
@@ -900,7 +901,7 @@ impl<B> Endpoint<B> {
             }
             Header::ForkRequest { id, rref, fork } => {
                 if self.first_time(from, id) {
-                    self.owned.entry(rref).or_default().forks.insert(fork);
+                    self.owned.entry(rref).or_default().forks.insert(fork, from);
                 }
                 self.ack(from, id);
             }
@@ -995,7 +996,7 @@ impl<B> Endpoint<B> {
         let rrefs: Vec<RRefId> = self.owned.keys().copied().collect();
         for rref in rrefs {
             if let Some(o) = self.owned.get_mut(&rref) {
-                o.forks.retain(|f| f.created_on != peer);
+                o.forks.retain(|_, holder| *holder != peer);
                 o.fetches.retain(|(from, _)| *from != peer);
             }
             self.maybe_release(rref);

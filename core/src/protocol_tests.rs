@@ -446,6 +446,22 @@ fn lost_child_does_not_pin_its_parent() {
     assert_eq!(s.released, vec![ha.rref]);
 }
 
+#[test]
+fn a_fork_given_to_a_worker_that_dies_does_not_pin_the_value() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    let (h, _) = s.ep(0).remote(0, "make", b"v".to_vec(), T, now).unwrap();
+    s.pump();
+    // The owner forks for worker 1, which dies before the call carrying the fork arrives.
+    let _lost = s.ep(0).fork_for(h, 1).unwrap();
+    s.ep(0).drop_handle(h, now);
+    s.pump();
+    assert!(s.released.is_empty(), "worker 1's fork still counts");
+    s.ep(0).handle_peer_lost(1, "killed", now);
+    s.pump();
+    assert_eq!(s.released, vec![h.rref]);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
