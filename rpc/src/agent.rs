@@ -127,7 +127,6 @@ pub(crate) struct Inner {
     backend: Arc<dyn DeviceBackend>,
     state: Mutex<State>,
     wake: Notify,
-    stopped: Notify,
     store: Arc<dyn Store>,
     reverse_device_maps: DeviceMaps,
     devices: Vec<Device>,
@@ -331,7 +330,6 @@ pub async fn start_agent(
             value_waiters: HashMap::new(),
         }),
         wake: Notify::new(),
-        stopped: Notify::new(),
         store: Arc::clone(&store),
         reverse_device_maps: reverse,
         devices,
@@ -920,7 +918,6 @@ impl Agent {
             st.peers.clear();
         }
         self.wake();
-        self.inner.stopped.notify_waiters();
         // Let the driver deliver the failures, then stop the tasks.
         tokio::task::yield_now().await;
         for t in self.tasks().drain(..) {
