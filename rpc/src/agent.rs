@@ -105,11 +105,30 @@ struct WorkerRecord {
     devices: WorkerDeviceInfo,
 }
 
+/// The way to one peer: a writer task fed by a queue, and a lock that whoever writes holds —
+/// the writer task, or a task of ours that writes directly when nothing is queued (one wake-up
+/// less per message). Frames are taken from the endpoint under the state lock and either put in
+/// the queue or written under the link lock taken at that moment, so they keep their order.
+struct PeerLink {
+    tx: mpsc::UnboundedSender<Frame>,
+    conn: Arc<dyn Connection>,
+    write: Arc<tokio::sync::Mutex<()>>,
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// A frame a task writes itself, holding its peer's write lock.
+struct DirectWrite {
+    peer: WorkerId,
+    conn: Arc<dyn Connection>,
+    frame: Frame,
+    _turn: tokio::sync::OwnedMutexGuard<()>,
+}
+
 pub(crate) struct State {
     pub(crate) ep: Endpoint<Body>,
     waiters: HashMap<MessageId, Waiter>,
     values: HashMap<RRefId, Arc<dyn Value>>,
-    peers: HashMap<WorkerId, mpsc::UnboundedSender<Frame>>,
+    peers: HashMap<WorkerId, PeerLink>,
     /// Why the connection to a peer is gone, for the errors of later calls to it.
     lost: HashMap<WorkerId, String>,
     /// When the driver task wakes up next for timers (`None`: only when woken).
@@ -531,11 +550,27 @@ impl Agent {
     /// when a timer is now due earlier than the one it sleeps on. Must run inside the runtime
     /// (dispatching may spawn tasks); `Drop` impls use [`wake`](Self::wake) instead.
     pub(crate) fn pump(&self) {
+        self.pump_with(None);
+    }
+
+    /// [`pump`](Self::pump), writing messages on this task where the peer's writer is idle
+    /// (one wake-up less per message). Only for tasks of ours that nobody cancels mid-write.
+    async fn pump_direct(&self) {
+        let mut writes = Vec::new();
+        self.pump_with(Some(&mut writes));
+        for w in writes {
+            if let Err(e) = w.conn.send(w.frame).await {
+                self.peer_lost(w.peer, &e.to_string());
+            }
+        }
+    }
+
+    fn pump_with(&self, mut direct: Option<&mut Vec<DirectWrite>>) {
         loop {
             let (events, wake_driver) = {
                 let mut st = self.lock();
                 while let Some(t) = st.ep.poll_transmit() {
-                    self.send(&mut st, t);
+                    self.send(&mut st, t, direct.as_deref_mut());
                 }
                 let mut events = Vec::new();
                 while let Some(e) = st.ep.poll_event() {
@@ -997,12 +1032,26 @@ impl Agent {
     fn attach(&self, peer: WorkerId, conn: Box<dyn Connection>) {
         let conn: Arc<dyn Connection> = Arc::from(conn);
         let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
-        self.lock().peers.insert(peer, tx);
+        let write = Arc::new(tokio::sync::Mutex::new(()));
+        let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        self.lock().peers.insert(
+            peer,
+            PeerLink {
+                tx,
+                conn: Arc::clone(&conn),
+                write: Arc::clone(&write),
+                queued: Arc::clone(&queued),
+            },
+        );
         let writer_conn = Arc::clone(&conn);
         let agent = self.clone();
         let writer = tokio::spawn(async move {
             while let Some(frame) = rx.recv().await {
-                if let Err(e) = writer_conn.send(frame).await {
+                let turn = write.lock().await;
+                let sent = writer_conn.send(frame).await;
+                drop(turn);
+                queued.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                if let Err(e) = sent {
                     agent.peer_lost(peer, &e.to_string());
                     return;
                 }
@@ -1076,7 +1125,7 @@ impl Agent {
         Ok(())
     }
 
-    fn send(&self, st: &mut State, t: Transmit<Body>) {
+    fn send(&self, st: &mut State, t: Transmit<Body>, direct: Option<&mut Vec<DirectWrite>>) {
         let (target, payloads, metas) = match t.body {
             Some(b) => {
                 let (metas, bytes): (Vec<_>, Vec<_>) = b.tensors.into_iter().unzip();
@@ -1103,8 +1152,31 @@ impl Agent {
             header: header.into(),
             payloads,
         };
-        match st.peers.get(&t.to) {
-            Some(tx) if tx.send(frame).is_ok() => {}
+        if let (Some(out), Some(link)) = (direct, st.peers.get(&t.to)) {
+            if link.queued.load(std::sync::atomic::Ordering::Acquire) == 0 {
+                if let Ok(turn) = Arc::clone(&link.write).try_lock_owned() {
+                    out.push(DirectWrite {
+                        peer: t.to,
+                        conn: Arc::clone(&link.conn),
+                        frame,
+                        _turn: turn,
+                    });
+                    return;
+                }
+            }
+        }
+        let queued = st.peers.get(&t.to).map(|link| {
+            link.queued
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            let ok = link.tx.send(frame).is_ok();
+            if !ok {
+                link.queued
+                    .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            }
+            ok
+        });
+        match queued {
+            Some(true) => {}
             _ => {
                 let reason = match st.lost.get(&t.to) {
                     Some(why) => format!("the connection was lost earlier ({why})"),
@@ -1142,7 +1214,7 @@ impl Agent {
                         )),
                     };
                     agent.lock().ep.respond(token, outcome);
-                    agent.pump();
+                    agent.pump_direct().await;
                 });
             }
             Event::Completed { id, outcome } => {
@@ -1280,14 +1352,15 @@ impl Agent {
                     ))
                 }
             };
-            let mut st = agent.lock();
-            if let (Some(rref), Err(_)) = (keep_as, &outcome) {
-                // Creating the value failed: calls waiting for it get told so.
-                st.value_waiters.remove(&rref);
+            {
+                let mut st = agent.lock();
+                if let (Some(rref), Err(_)) = (keep_as, &outcome) {
+                    // Creating the value failed: calls waiting for it get told so.
+                    st.value_waiters.remove(&rref);
+                }
+                st.ep.respond(token, outcome);
             }
-            st.ep.respond(token, outcome);
-            drop(st);
-            agent.pump();
+            agent.pump_direct().await;
         });
     }
 
