@@ -39,6 +39,10 @@ pub(crate) struct RpcArgs {
     /// Calls with a 64 MiB tensor (the median is reported).
     #[arg(long, default_value_t = 8)]
     tensor_64mib: usize,
+    /// Runtime worker threads in each process (1, the default: tokio's current-thread runtime,
+    /// which keeps every task of the agent on one thread and gives the lowest latency).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
     /// Run as the callee (set by the benchmark itself).
     #[arg(long, hide = true)]
     serve: Option<u16>,
@@ -64,18 +68,33 @@ fn options(port: u16, rank: usize, secret: &[u8]) -> RpcOptions {
     }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?)
+/// A runtime with `threads` workers; 1 means tokio's current-thread runtime (every task of the
+/// agent on one thread: no wake-ups across cores).
+fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
+    let mut builder = if threads <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(threads);
+        b
+    };
+    Ok(builder.enable_all().build()?)
+}
+
+/// Runs a blocking raw-baseline step from async code (on a current-thread runtime the thread
+/// simply blocks: nothing else must run meanwhile).
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::current().runtime_flavor() {
+        tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
 }
 
 pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
     let secret = std::env::var("TENSORWIRE_BENCH_SECRET").ok();
     if let Some(port) = args.serve {
         let secret = secret.context("the callee needs TENSORWIRE_BENCH_SECRET")?;
-        return runtime()?.block_on(async move {
+        return runtime(args.threads)?.block_on(async move {
             let agent = init_rpc("callee", 1, Some(2), options(port, 1, secret.as_bytes())).await?;
             agent.shutdown(true, Duration::from_secs(600)).await?;
             Ok(())
@@ -97,13 +116,20 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
     let secret: String = secret.iter().map(|b| format!("{b:02x}")).collect();
     let exe = std::env::current_exe().context("cannot find this program's path")?;
     let mut callee = Command::new(exe)
-        .args(["bench", "rpc", "--serve", &port.to_string()])
+        .args([
+            "bench",
+            "rpc",
+            "--threads",
+            &args.threads.to_string(),
+            "--serve",
+            &port.to_string(),
+        ])
         .env("TENSORWIRE_BENCH_SECRET", &secret)
         .stdin(Stdio::null())
         .spawn()
         .context("cannot start the callee process")?;
 
-    let result = runtime()?.block_on(measure(args, port, secret.as_bytes(), &mut raw));
+    let result = runtime(args.threads)?.block_on(measure(args, port, secret.as_bytes(), &mut raw));
     let status = callee.wait()?;
     raw.finish()?;
     let (mut out, mut raw_ping, raw_bulk) = result?;
@@ -122,6 +148,7 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
     });
     out.insert("ratios".into(), ratios);
     out.insert("transport".into(), json!(args.transport));
+    out.insert("runtime_threads".into(), json!(args.threads));
     write_json(&out, args.json.as_ref())
 }
 
@@ -137,14 +164,14 @@ async fn measure(args: &RpcArgs, port: u16, secret: &[u8], raw: &mut Raw) -> Res
 
     let bar = progress(5, "rpc_sync / raw ping-pong");
     let block = (args.calls / BLOCKS).max(1);
-    tokio::task::block_in_place(|| raw.pingpong(block))?;
+    blocking(|| raw.pingpong(block))?;
     for i in 0..block {
         let _: u64 = agent.rpc_sync(1u32, "noop", &(i as u64), None).await?;
     }
     let mut times = Vec::with_capacity(args.calls);
     let mut raw_ping = Vec::with_capacity(args.calls);
     for _ in 0..BLOCKS {
-        raw_ping.extend(tokio::task::block_in_place(|| raw.pingpong(block))?);
+        raw_ping.extend(blocking(|| raw.pingpong(block))?);
         for i in 0..block {
             let t = Instant::now();
             let _: u64 = agent.rpc_sync(1u32, "noop", &(i as u64), None).await?;
@@ -189,7 +216,7 @@ async fn measure(args: &RpcArgs, port: u16, secret: &[u8], raw: &mut Raw) -> Res
         let mut rates = Vec::with_capacity(rounds);
         for _ in 0..rounds {
             if size == 64 * MIB {
-                let took = tokio::task::block_in_place(|| raw.bulk(&raw_data))?;
+                let took = blocking(|| raw.bulk(&raw_data))?;
                 raw_rates.push(mbps(raw_data.len(), took));
             }
             let start = Instant::now();
