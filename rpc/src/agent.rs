@@ -99,10 +99,10 @@ type Waiter = oneshot::Sender<Result<Body, CallError>>;
 
 /// What every worker publishes at init.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct WorkerRecord {
-    rank: WorkerId,
-    addr: SocketAddr,
-    devices: WorkerDeviceInfo,
+pub(crate) struct WorkerRecord {
+    pub(crate) rank: WorkerId,
+    pub(crate) addr: SocketAddr,
+    pub(crate) devices: WorkerDeviceInfo,
 }
 
 /// The way to one peer: a writer task fed by a queue, and a lock that whoever writes holds —
@@ -137,20 +137,61 @@ pub(crate) struct State {
     value_waiters: HashMap<RRefId, Vec<oneshot::Sender<()>>>,
 }
 
+/// Who is in the group, and what this worker derives from it. Fixed after init in a static
+/// group; in a dynamic group it changes as workers join and leave.
+#[derive(Debug, Default)]
+pub(crate) struct Membership {
+    workers: std::collections::BTreeMap<WorkerId, WorkerInfo>,
+    by_name: HashMap<String, WorkerId>,
+    /// Every member's device plan, in rank order.
+    infos: std::collections::BTreeMap<WorkerId, WorkerDeviceInfo>,
+    reverse: DeviceMaps,
+    devices: Vec<Device>,
+}
+
+impl Membership {
+    fn new(records: &[WorkerRecord]) -> Self {
+        let mut m = Membership::default();
+        for r in records {
+            m.workers.insert(
+                r.rank,
+                WorkerInfo {
+                    name: r.devices.name.clone(),
+                    id: r.rank,
+                },
+            );
+            m.by_name.insert(r.devices.name.clone(), r.rank);
+            m.infos.insert(r.rank, r.devices.clone());
+        }
+        m
+    }
+
+    /// Recomputes this worker's reverse maps and device list from the members' plans.
+    fn derive(&mut self, me: &str, declared: &[Device], maps: &DeviceMaps) {
+        let infos: Vec<WorkerDeviceInfo> = self.infos.values().cloned().collect();
+        self.reverse = reverse_device_maps(me, &infos);
+        self.devices = device_list(declared, maps, &self.reverse);
+    }
+
+    fn ranks(&self) -> Vec<usize> {
+        self.workers.keys().map(|r| *r as usize).collect()
+    }
+}
+
 pub(crate) struct Inner {
     me: WorkerInfo,
-    workers: Vec<WorkerInfo>,
-    by_name: HashMap<String, WorkerId>,
+    members: std::sync::RwLock<Membership>,
+    /// Whether workers join and leave (`world_size = None`).
+    dynamic: bool,
+    declared_devices: Vec<Device>,
     rpc_timeout: Duration,
     functions: Functions,
     backend: Arc<dyn DeviceBackend>,
     state: Mutex<State>,
     wake: Notify,
     store: Arc<dyn Store>,
-    reverse_device_maps: DeviceMaps,
-    devices: Vec<Device>,
     device_maps: DeviceMaps,
-    rendezvous: Mutex<Option<Rendezvous>>,
+    pub(crate) rendezvous: Mutex<Option<Rendezvous>>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
@@ -164,7 +205,7 @@ impl fmt::Debug for Agent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Agent")
             .field("me", &self.inner.me)
-            .field("world", &self.inner.workers.len())
+            .field("world", &self.members().workers.len())
             .finish()
     }
 }
@@ -179,7 +220,7 @@ fn secret_bytes(options: &RpcOptions) -> Option<Vec<u8>> {
 
 /// The address peers reach us at: the configured one, else the local address that routes to
 /// `MASTER_ADDR` (loopback when that is local), else loopback.
-fn advertise_ip(options: &RpcOptions) -> IpAddr {
+pub(crate) fn advertise_ip(options: &RpcOptions) -> IpAddr {
     options
         .listen_ip
         .or_else(tensorwire_process_group::route_ip)
@@ -192,7 +233,10 @@ fn advertise_ip(options: &RpcOptions) -> IpAddr {
 /// device plans, connects to every peer, and ends with a barrier. A bad device map fails init on
 /// every worker with the same error.
 ///
-/// Dynamic groups (`world_size = None`) are not supported yet and give an error.
+/// With `world_size = None` the group is dynamic: the worker joins the members that are there
+/// (rank 0 first: it hosts the store), validating everyone's device maps by the dynamic rules,
+/// and `shutdown` makes it leave; see the `dynamic` module of this crate. Static and dynamic
+/// workers never share a group.
 pub async fn init_rpc(
     name: &str,
     rank: usize,
@@ -200,34 +244,64 @@ pub async fn init_rpc(
     options: RpcOptions,
 ) -> Result<Agent, RpcError> {
     check_worker_name(name)?;
-    let Some(world_size) = world_size else {
-        return Err(RpcError::Init(
-            "dynamic groups (world_size = None) are not supported yet".into(),
-        ));
-    };
-    if rank >= world_size {
-        return Err(RpcError::Init(format!(
-            "rank {rank} is not below world_size {world_size}"
-        )));
+    if let Some(world_size) = world_size {
+        if rank >= world_size {
+            return Err(RpcError::Init(format!(
+                "rank {rank} is not below world_size {world_size}"
+            )));
+        }
     }
     let backend = crate::backend::lookup(&options.backend)?;
     let secret = secret_bytes(&options);
     let rdv_options = RendezvousOptions {
         timeout: options.init_timeout,
         secret: secret.and_then(|s| ClusterSecret::new(s).ok()),
+        // A dynamic group has no size to wait for: rank 0 hosts the store, the others join it.
+        wait_for_all: world_size.is_some(),
         ..RendezvousOptions::default()
     };
-    let url = with_rank(&options.init_method, rank, world_size);
+    let url = match world_size {
+        Some(n) => with_rank(&options.init_method, rank, n),
+        None => dynamic_url(&options.init_method, rank),
+    };
     let rdv = rendezvous(&url, rdv_options).await?;
-    if rdv.rank != rank || rdv.world_size != world_size {
+    if rdv.rank != rank || world_size.is_some_and(|n| rdv.world_size != n) {
         return Err(RpcError::Init(format!(
-            "rendezvous gave rank {} of {}, but init_rpc was called with rank {rank} of {world_size}",
+            "rendezvous gave rank {} of {}, but init_rpc was called with rank {rank} of {world_size:?}",
             rdv.rank, rdv.world_size
         )));
     }
     backend
-        .init_backend(rdv, name, rank, Some(world_size), options)
+        .init_backend(rdv, name, rank, world_size, options)
         .await
+}
+
+/// The rendezvous URL of a dynamic group's member: its rank, and a nominal world size that
+/// covers it (the rendezvous needs one; nobody waits for it).
+fn dynamic_url(url: &str, rank: usize) -> String {
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    let mut pairs: Vec<String> = query
+        .split('&')
+        .filter(|p| !p.is_empty() && !p.starts_with("rank=") && !p.starts_with("world_size="))
+        .map(str::to_owned)
+        .collect();
+    pairs.push(format!("rank={rank}"));
+    pairs.push(format!("world_size={}", rank + 1));
+    format!("{base}?{}", pairs.join("&"))
+}
+
+/// Records the group's kind in the store on first use; a worker of the other kind is refused.
+async fn guard_group_kind(store: &dyn Store, dynamic: bool) -> Result<(), RpcError> {
+    let kind: &[u8] = if dynamic { b"dynamic" } else { b"static" };
+    let held = store.compare_set("rpc/group_kind", b"", kind).await?;
+    if held != kind {
+        return Err(RpcError::Init(format!(
+            "this group is {}; a {} worker cannot join it (mixing static and dynamic members is refused)",
+            String::from_utf8_lossy(&held),
+            String::from_utf8_lossy(kind)
+        )));
+    }
+    Ok(())
 }
 
 /// The cluster secret from the options, else from `TENSORWIRE_SECRET`.
@@ -241,16 +315,20 @@ pub(crate) fn cluster_secret(options: &RpcOptions) -> Result<Option<ClusterSecre
 /// The agent over `transport`, for a backend's `init_backend`: publishes this worker's record
 /// and device plan in the rendezvous store, validates everyone's device maps, connects to every
 /// peer (this worker connects to the higher ranks and accepts the lower ones), and ends with a
-/// barrier.
+/// barrier. With `world_size = None` it joins a dynamic group instead.
 pub async fn start_agent(
     transport: Arc<dyn Transport>,
     rdv: Rendezvous,
     name: &str,
     rank: usize,
-    world_size: usize,
+    world_size: Option<usize>,
     options: RpcOptions,
 ) -> Result<Agent, RpcError> {
     check_worker_name(name)?;
+    guard_group_kind(&*rdv.store, world_size.is_none()).await?;
+    let Some(world_size) = world_size else {
+        return crate::dynamic::join(transport, rdv, name, rank, options).await;
+    };
     let started = Instant::now();
     let store = Arc::clone(&rdv.store);
     let me_id = rank as WorkerId;
@@ -276,7 +354,7 @@ pub async fn start_agent(
     wait_ranks(
         &*store,
         "rpc/worker",
-        0..world_size,
+        (0..world_size).collect(),
         options.init_timeout,
         "init_rpc: waiting for every worker's record",
         rank_only,
@@ -292,7 +370,7 @@ pub async fn start_agent(
         wait_ranks(
             &*store,
             "rpc/fetched",
-            0..world_size,
+            (0..world_size).collect(),
             options.init_timeout,
             "init_rpc: waiting for every worker to read the records",
             rank_only,
@@ -320,45 +398,84 @@ pub async fn start_agent(
     let infos: Vec<WorkerDeviceInfo> = records.iter().map(|r| r.devices.clone()).collect();
     validate_device_maps(&infos, GroupKind::Static)
         .map_err(|e| RpcError::DeviceMaps(Box::new(e)))?;
-    let reverse = reverse_device_maps(name, &infos);
-    let devices = device_list(&options.devices, &options.device_maps, &reverse);
+    drop(by_name);
+    let agent = Agent::new(name, me_id, false, &records, &rdv, &options);
+    *agent
+        .inner
+        .rendezvous
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner) = Some(rdv);
+    connect_static(
+        &agent,
+        &*transport,
+        listener,
+        &records,
+        world_size,
+        &options,
+    )
+    .await?;
+    let driver = tokio::spawn(drive(agent.clone()));
+    agent.tasks().push(driver);
+    agent.barrier("init", options.init_timeout).await?;
+    info!(worker = %agent.inner.me, world_size, took = ?started.elapsed(), "RPC agent started");
+    Ok(agent)
+}
 
-    let inner = Arc::new(Inner {
-        me: WorkerInfo {
-            name: name.to_owned(),
-            id: me_id,
-        },
-        workers: records
-            .iter()
-            .map(|r| WorkerInfo {
-                name: r.devices.name.clone(),
-                id: r.rank,
-            })
-            .collect(),
-        by_name,
-        rpc_timeout: options.rpc_timeout,
-        functions: options.functions.clone(),
-        backend: Arc::clone(&options.device_backend),
-        state: Mutex::new(State {
-            ep: Endpoint::new(me_id, EndpointConfig::default()),
-            waiters: HashMap::new(),
-            values: HashMap::new(),
-            peers: HashMap::new(),
-            lost: HashMap::new(),
-            driver_wakes_at: None,
-            value_waiters: HashMap::new(),
-        }),
-        wake: Notify::new(),
-        store: Arc::clone(&store),
-        reverse_device_maps: reverse,
-        devices,
-        device_maps: options.device_maps.clone(),
-        rendezvous: Mutex::new(Some(rdv)),
-        tasks: Mutex::new(Vec::new()),
-    });
-    let agent = Agent { inner };
+impl Agent {
+    /// A new agent (not yet connected) for worker `name` among `records`.
+    pub(crate) fn new(
+        name: &str,
+        me_id: WorkerId,
+        dynamic: bool,
+        records: &[WorkerRecord],
+        rdv: &Rendezvous,
+        options: &RpcOptions,
+    ) -> Agent {
+        let mut members = Membership::new(records);
+        members.derive(name, &options.devices, &options.device_maps);
+        let inner = Arc::new(Inner {
+            me: WorkerInfo {
+                name: name.to_owned(),
+                id: me_id,
+            },
+            members: std::sync::RwLock::new(members),
+            dynamic,
+            declared_devices: options.devices.clone(),
+            rpc_timeout: options.rpc_timeout,
+            functions: options.functions.clone(),
+            backend: Arc::clone(&options.device_backend),
+            state: Mutex::new(State {
+                ep: Endpoint::new(me_id, EndpointConfig::default()),
+                waiters: HashMap::new(),
+                values: HashMap::new(),
+                peers: HashMap::new(),
+                lost: HashMap::new(),
+                driver_wakes_at: None,
+                value_waiters: HashMap::new(),
+            }),
+            wake: Notify::new(),
+            store: Arc::clone(&rdv.store),
+            device_maps: options.device_maps.clone(),
+            rendezvous: Mutex::new(None),
+            tasks: Mutex::new(Vec::new()),
+        });
+        Agent { inner }
+    }
+}
 
-    // Connections: accept from lower ranks, connect to higher ones; one per pair.
+/// Static groups: accept from the lower ranks, connect to the higher ones; one connection per
+/// pair; fails naming the ranks that never connected.
+async fn connect_static(
+    agent: &Agent,
+    transport: &dyn Transport,
+    listener: Box<dyn tensorwire_core::ports::transport::Listener>,
+    records: &[WorkerRecord],
+    world_size: usize,
+    options: &RpcOptions,
+) -> Result<(), RpcError> {
+    let me_id = agent.inner.me.id;
+    let name = agent.inner.me.name.clone();
+    let rank = me_id as usize;
     let expected_lower = rank;
     let (conn_tx, mut conn_rx) = mpsc::unbounded_channel::<(WorkerId, Box<dyn Connection>)>();
     let accept_tx = conn_tx.clone();
@@ -396,7 +513,7 @@ pub async fn start_agent(
         }
     });
     for rec in records.iter().filter(|r| r.rank > me_id) {
-        let conn = connect_with_retry(&*transport, rec.addr, options.init_timeout)
+        let conn = connect_with_retry(transport, rec.addr, options.init_timeout)
             .await
             .map_err(|e| {
                 RpcError::Init(format!(
@@ -406,7 +523,8 @@ pub async fn start_agent(
             })?;
         let hello = postcard::to_allocvec(&Hello {
             rank: me_id,
-            name: name.to_owned(),
+            name: name.clone(),
+            record: None,
         })
         .map_err(|e| RpcError::Serialization {
             what: "hello".into(),
@@ -439,11 +557,7 @@ pub async fn start_agent(
             }
         }
     }
-    let driver = tokio::spawn(drive(agent.clone()));
-    agent.tasks().push(driver);
-    agent.barrier("init", options.init_timeout).await?;
-    info!(worker = %agent.inner.me, world_size, took = ?started.elapsed(), "RPC agent started");
-    Ok(agent)
+    Ok(())
 }
 
 fn with_rank(url: &str, rank: usize, world_size: usize) -> String {
@@ -455,7 +569,7 @@ fn with_rank(url: &str, rank: usize, world_size: usize) -> String {
     }
 }
 
-async fn connect_with_retry(
+pub(crate) async fn connect_with_retry(
     transport: &dyn Transport,
     addr: SocketAddr,
     limit: Duration,
@@ -481,18 +595,18 @@ async fn connect_with_retry(
 async fn wait_ranks(
     store: &dyn Store,
     prefix: &str,
-    ranks: std::ops::Range<usize>,
+    ranks: Vec<usize>,
     timeout: Duration,
     what: &str,
     name: impl Fn(usize) -> String,
 ) -> Result<(), RpcError> {
-    let keys: Vec<String> = ranks.clone().map(|r| format!("{prefix}/{r}")).collect();
+    let keys: Vec<String> = ranks.iter().map(|r| format!("{prefix}/{r}")).collect();
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let Err(e) = store.wait(&refs, timeout).await else {
         return Ok(());
     };
     let mut missing = Vec::new();
-    for (rank, key) in ranks.zip(&refs) {
+    for (&rank, key) in ranks.iter().zip(&refs) {
         match store.check(&[key]).await {
             Ok(true) => {}
             Ok(false) => missing.push(name(rank)),
@@ -534,7 +648,7 @@ impl Agent {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn tasks(&self) -> MutexGuard<'_, Vec<tokio::task::JoinHandle<()>>> {
+    pub(crate) fn tasks(&self) -> MutexGuard<'_, Vec<tokio::task::JoinHandle<()>>> {
         self.inner
             .tasks
             .lock()
@@ -601,20 +715,35 @@ impl Agent {
         &self.inner.me
     }
 
-    /// Every worker of the group, in rank order.
-    pub fn worker_infos(&self) -> &[WorkerInfo] {
-        &self.inner.workers
+    pub(crate) fn members(&self) -> std::sync::RwLockReadGuard<'_, Membership> {
+        self.inner
+            .members
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Every worker of the group now, in rank order.
+    pub fn worker_infos(&self) -> Vec<WorkerInfo> {
+        self.members().workers.values().cloned().collect()
     }
 
     /// The worker named `name`.
-    pub fn get_worker_info(&self, name: &str) -> Result<&WorkerInfo, RpcError> {
-        self.resolve(&WorkerRef::Name(name.to_owned()))
-            .map(|id| &self.inner.workers[id as usize])
+    pub fn get_worker_info(&self, name: &str) -> Result<WorkerInfo, RpcError> {
+        let id = self.resolve(&WorkerRef::Name(name.to_owned()))?;
+        Ok(WorkerInfo {
+            name: name.to_owned(),
+            id,
+        })
+    }
+
+    /// Whether the group's membership can change (`world_size = None` at init).
+    pub fn is_dynamic(&self) -> bool {
+        self.inner.dynamic
     }
 
     /// The devices this agent handles (sorted, without the CPU).
-    pub fn devices(&self) -> &[Device] {
-        &self.inner.devices
+    pub fn devices(&self) -> Vec<Device> {
+        self.members().devices.clone()
     }
 
     /// This worker's device maps.
@@ -623,8 +752,8 @@ impl Agent {
     }
 
     /// This worker's reverse device maps (where its responses' tensors land).
-    pub fn reverse_device_maps(&self) -> &DeviceMaps {
-        &self.inner.reverse_device_maps
+    pub fn reverse_device_maps(&self) -> DeviceMaps {
+        self.members().reverse.clone()
     }
 
     /// The functions this worker serves; functions registered later are served too.
@@ -643,24 +772,67 @@ impl Agent {
     }
 
     fn resolve(&self, to: &WorkerRef) -> Result<WorkerId, RpcError> {
+        let m = self.members();
         let known = || {
-            self.inner
-                .workers
-                .iter()
+            m.workers
+                .values()
                 .map(|w| w.to_string())
                 .collect::<Vec<_>>()
                 .join(", ")
         };
         match to {
-            WorkerRef::Name(n) => self
-                .inner
+            WorkerRef::Name(n) => m
                 .by_name
                 .get(n)
                 .copied()
                 .ok_or_else(|| RpcError::UnknownWorker(n.clone(), known())),
-            WorkerRef::Rank(r) if (*r as usize) < self.inner.workers.len() => Ok(*r),
+            WorkerRef::Rank(r) if m.workers.contains_key(r) => Ok(*r),
             WorkerRef::Rank(r) => Err(RpcError::UnknownWorker(format!("rank {r}"), known())),
         }
+    }
+
+    /// Adds a worker that joined (dynamic groups) and recomputes this worker's reverse maps and
+    /// device list.
+    pub(crate) fn add_member(&self, record: WorkerRecord) {
+        let mut m = self
+            .inner
+            .members
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        m.workers.insert(
+            record.rank,
+            WorkerInfo {
+                name: record.devices.name.clone(),
+                id: record.rank,
+            },
+        );
+        m.by_name.insert(record.devices.name.clone(), record.rank);
+        m.infos.insert(record.rank, record.devices);
+        m.derive(
+            &self.inner.me.name,
+            &self.inner.declared_devices,
+            &self.inner.device_maps,
+        );
+        drop(m);
+        self.lock().lost.remove(&record.rank);
+    }
+
+    /// Drops a worker that left or died (dynamic groups).
+    pub(crate) fn remove_member(&self, rank: WorkerId) {
+        let mut m = self
+            .inner
+            .members
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(w) = m.workers.remove(&rank) {
+            m.by_name.remove(&w.name);
+        }
+        m.infos.remove(&rank);
+        m.derive(
+            &self.inner.me.name,
+            &self.inner.declared_devices,
+            &self.inner.device_maps,
+        );
     }
 
     /// "rank 2 (w2)".
@@ -669,9 +841,9 @@ impl Agent {
     }
 
     pub(crate) fn name_of(&self, id: WorkerId) -> String {
-        self.inner
+        self.members()
             .workers
-            .get(id as usize)
+            .get(&id)
             .map_or_else(|| format!("rank {id}"), |w| w.name.clone())
     }
 
@@ -717,7 +889,7 @@ impl Agent {
         match e {
             TensorTransferError::Encode(e) => RpcError::Serialization {
                 what: format!("the arguments of {function:?}"),
-                message: e.to_string(),
+                message: codec::take_note().unwrap_or_else(|| e.to_string()),
             },
             other => RpcError::Tensors {
                 to: self.name_of(to),
@@ -883,7 +1055,7 @@ impl Agent {
         timeout: Duration,
     ) -> Result<Vec<T>, RpcError> {
         let me = self.inner.me.id;
-        let n = self.inner.workers.len();
+        let ranks = self.members().ranks();
         let bytes = postcard::to_allocvec(value).map_err(|e| RpcError::Serialization {
             what: format!("the all_gather {name:?} value"),
             message: e.to_string(),
@@ -895,13 +1067,16 @@ impl Agent {
         wait_ranks(
             &*self.inner.store,
             &format!("rpc/gather/{name}"),
-            0..n,
+            ranks.clone(),
             timeout,
             &format!("all_gather {name:?}"),
             |r| self.describe(r),
         )
         .await?;
-        let keys: Vec<String> = (0..n).map(|r| format!("rpc/gather/{name}/{r}")).collect();
+        let keys: Vec<String> = ranks
+            .iter()
+            .map(|r| format!("rpc/gather/{name}/{r}"))
+            .collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let values = self.inner.store.multi_get(&refs).await?;
         values
@@ -920,7 +1095,7 @@ impl Agent {
     /// error names the ranks that did not arrive.
     pub async fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RpcError> {
         let me = self.inner.me.id;
-        let n = self.inner.workers.len();
+        let ranks = self.members().ranks();
         self.inner
             .store
             .set(&format!("rpc/barrier/{name}/{me}"), b"1")
@@ -928,7 +1103,7 @@ impl Agent {
         wait_ranks(
             &*self.inner.store,
             &format!("rpc/barrier/{name}"),
-            0..n,
+            ranks,
             timeout,
             &format!("barrier {name:?}"),
             |r| self.describe(r),
@@ -942,10 +1117,10 @@ impl Agent {
     /// Immediate (`graceful = false`): pending calls fail at once. Afterwards every call fails
     /// with "RPC is no longer running".
     pub async fn shutdown(&self, graceful: bool, timeout: Duration) -> Result<(), RpcError> {
-        let result = if graceful {
-            self.graceful(timeout).await
-        } else {
-            Ok(())
+        let result = match (graceful, self.inner.dynamic) {
+            (true, false) => self.graceful(timeout).await,
+            (true, true) => crate::dynamic::leave(self, timeout).await,
+            (false, _) => Ok(()),
         };
         {
             let mut st = self.lock();
@@ -960,8 +1135,13 @@ impl Agent {
         }
         // Rank 0 hosts the store: wait (bounded) for the others to leave it before closing it,
         // also when the shutdown failed, so that their errors say what happened.
-        if graceful {
-            let n = self.inner.workers.len();
+        if graceful && !self.inner.dynamic {
+            let others: Vec<usize> = self
+                .members()
+                .ranks()
+                .into_iter()
+                .filter(|r| *r != 0)
+                .collect();
             let me = self.inner.me.id;
             if me != 0 {
                 let _ = self.inner.store.set(&format!("rpc/left/{me}"), b"1").await;
@@ -969,7 +1149,7 @@ impl Agent {
                 let _ = wait_ranks(
                     &*self.inner.store,
                     "rpc/left",
-                    1..n,
+                    others,
                     timeout,
                     "shutdown: waiting for workers to leave",
                     rank_only,
@@ -1029,7 +1209,7 @@ impl Agent {
     }
 
     /// Registers the connection to `peer` and starts its reader and writer tasks.
-    fn attach(&self, peer: WorkerId, conn: Box<dyn Connection>) {
+    pub(crate) fn attach(&self, peer: WorkerId, conn: Box<dyn Connection>) {
         let conn: Arc<dyn Connection> = Arc::from(conn);
         let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
         let write = Arc::new(tokio::sync::Mutex::new(()));
@@ -1089,6 +1269,9 @@ impl Agent {
             let reason = format!("{name}: {reason}");
             st.ep.handle_peer_lost(peer, &reason, Instant::now());
             st.lost.insert(peer, reason);
+        }
+        if self.inner.dynamic {
+            self.remove_member(peer);
         }
         self.pump();
     }
@@ -1423,7 +1606,7 @@ impl<F: std::future::Future + Unpin> std::future::Future for CatchPanic<F> {
 }
 
 /// The driver: moves the endpoint's output to peers and the application, and its timers.
-async fn drive(agent: Agent) {
+pub(crate) async fn drive(agent: Agent) {
     loop {
         agent.pump();
         let next = {

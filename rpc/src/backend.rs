@@ -110,13 +110,6 @@ fn base_options(backend: &str, rpc_timeout: Duration, init_method: &str) -> RpcO
     }
 }
 
-/// The world size of a static group; dynamic groups are not supported yet.
-fn static_world(world_size: Option<usize>) -> Result<usize, RpcError> {
-    world_size.ok_or_else(|| {
-        RpcError::Init("dynamic groups (world_size = None) are not supported yet".into())
-    })
-}
-
 /// The built-in backend: the agent over tokio TCP with the cluster secret.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct TcpBackend;
@@ -144,7 +137,6 @@ impl RpcBackend for TcpBackend {
         world_size: Option<usize>,
         options: RpcOptions,
     ) -> Result<Agent, RpcError> {
-        let world_size = static_world(world_size)?;
         let config = TcpConfig::resolve(cluster_secret(&options)?, options.insecure)?;
         let transport = Arc::new(TcpTransport::new(config)?);
         start_agent(transport, store, name, rank, world_size, options).await
@@ -215,7 +207,6 @@ impl RpcBackend for QuicBackend {
         options: RpcOptions,
     ) -> Result<Agent, RpcError> {
         use tensorwire_transport_quic::{QuicConfig, QuicTransport};
-        let world_size = static_world(world_size)?;
         let tls = Self::tls(name, &options)?;
         let transport = QuicTransport::new(QuicConfig::new(tls))
             .map_err(|e| RpcError::Init(format!("QUIC transport: {e}")))?;

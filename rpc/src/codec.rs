@@ -16,6 +16,9 @@ use tensorwire_core::tensor::{sidecar, Tensor, TensorMeta};
 use crate::agent::Agent;
 
 thread_local! {
+    /// The message of the last custom serialization error on this thread (postcard keeps only
+    /// "Serde Serialization Error").
+    static NOTE: RefCell<Option<String>> = const { RefCell::new(None) };
     static ENCODING: RefCell<Option<(Agent, WorkerId)>> = const { RefCell::new(None) };
     static DECODING: RefCell<Option<Agent>> = const { RefCell::new(None) };
 }
@@ -55,6 +58,16 @@ pub(crate) fn decode<T: DeserializeOwned>(
     sidecar::provide_tensors(tensors, || postcard::from_bytes(bytes))
 }
 
+/// Remembers why a value could not be serialized, for the error the caller gets.
+pub(crate) fn note(message: impl Into<String>) {
+    NOTE.with(|n| *n.borrow_mut() = Some(message.into()));
+}
+
+/// The message remembered by [`note`], if any (taking it).
+pub(crate) fn take_note() -> Option<String> {
+    NOTE.with(|n| n.borrow_mut().take())
+}
+
 /// The agent and destination of the encode in progress on this thread.
 pub(crate) fn encoding() -> Option<(Agent, WorkerId)> {
     ENCODING.with(|c| c.borrow().clone())
@@ -80,4 +93,6 @@ pub(crate) struct Envelope {
 pub(crate) struct Hello {
     pub(crate) rank: WorkerId,
     pub(crate) name: String,
+    /// In a dynamic group, the joining worker's record (address and device plan).
+    pub(crate) record: Option<crate::agent::WorkerRecord>,
 }

@@ -25,11 +25,13 @@
 //! Backends: `TCP` is built in, `QUIC` with the feature `quic`; [`register_backend`] adds
 //! others (PyTorch's backend registry).
 //!
-//! Not yet: dynamic groups (see the project's issues).
+//! Groups are static (`world_size = Some(n)`) or dynamic (`None`: workers join and leave while
+//! the group runs; rank 0 hosts the store and stays).
 
 mod agent;
 mod backend;
 mod codec;
+mod dynamic;
 mod error;
 mod functions;
 mod options;

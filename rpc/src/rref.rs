@@ -204,21 +204,21 @@ impl<T: Send + Sync + 'static> RRef<T> {
 
 impl<T> Serialize for RRef<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let fail = |m: &str| {
+            codec::note(m);
+            S::Error::custom(m)
+        };
         let (agent, to) = codec::encoding().ok_or_else(|| {
-            S::Error::custom(
-                "an RRef can only be sent as an argument or result of a tensorwire call",
-            )
+            fail("an RRef can only be sent as an argument or result of a tensorwire call")
         })?;
         if !Arc::ptr_eq(&agent.inner, &self.shared.agent.inner) {
-            return Err(S::Error::custom(
-                "an RRef can only be sent by the agent that holds it",
-            ));
+            return Err(fail("an RRef can only be sent by the agent that holds it"));
         }
         let data = agent
             .lock()
             .ep
             .fork_for(self.shared.handle, to)
-            .map_err(S::Error::custom)?;
+            .map_err(|e| fail(&e.to_string()))?;
         data.serialize(serializer)
     }
 }

@@ -68,10 +68,15 @@ pub(crate) fn prepare<T: Serialize + ?Sized>(
     }
     let to_name = agent.name_of(to);
     let map = match direction {
-        Direction::Request => agent.device_maps().get(&to_name),
-        Direction::Response => agent.reverse_device_maps().get(&to_name),
+        Direction::Request => agent.device_maps().get(&to_name).cloned(),
+        Direction::Response => agent.reverse_device_maps().get(&to_name).cloned(),
     };
-    let landing = placements(&to_name, map, tensors.iter().map(Tensor::device), direction)?;
+    let landing = placements(
+        &to_name,
+        map.as_ref(),
+        tensors.iter().map(Tensor::device),
+        direction,
+    )?;
     Ok(Prepared {
         data,
         tensors: tensors.into_iter().zip(landing).collect(),

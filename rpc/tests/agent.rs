@@ -532,3 +532,154 @@ async fn the_quic_backend_runs_the_agent_over_mutual_tls() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+async fn dynamic(
+    rank: usize,
+    port: u16,
+    tweak: impl FnOnce(&mut RpcOptions),
+) -> Result<Agent, RpcError> {
+    let mut options = RpcOptions {
+        init_method: format!("tcp://127.0.0.1:{port}"),
+        init_timeout: Duration::from_secs(20),
+        secret: Some(b"in-process test secret".to_vec()),
+        functions: functions(),
+        ..RpcOptions::default()
+    };
+    tweak(&mut options);
+    init_rpc(&format!("w{rank}"), rank, None, options).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamic_groups_let_workers_join_and_leave() {
+    let port = free_port();
+    let a0 = dynamic(0, port, |_| {}).await.unwrap();
+    assert!(a0.is_dynamic());
+    let a1 = dynamic(1, port, |_| {}).await.unwrap();
+    assert_eq!(
+        a0.rpc_sync::<_, i64>("w1", "add", &(1i64, 2i64), None)
+            .await
+            .unwrap(),
+        3
+    );
+    assert_eq!(
+        a1.rpc_sync::<_, i64>("w0", "add", &(2i64, 2i64), None)
+            .await
+            .unwrap(),
+        4
+    );
+
+    // A joiner whose map breaks a rule is refused, and the token is released for the next.
+    let e = dynamic(2, port, |o| {
+        o.device_backend = Arc::new(SimulatedDevices::new(1));
+        o.set_device_map("w0", &[("cuda:3", "cpu")]).unwrap();
+    })
+    .await
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("Node w2 has source devices with invalid indices"),
+        "{e}"
+    );
+
+    // A map to a worker that has not joined yet is fine in a dynamic group.
+    let a2 = dynamic(2, port, |o| {
+        o.device_backend = Arc::new(SimulatedDevices::new(1));
+        o.set_device_map("w7", &[("cuda:0", "cuda:0")]).unwrap();
+    })
+    .await
+    .unwrap();
+    let names = |a: &Agent| {
+        a.worker_infos()
+            .into_iter()
+            .map(|w| w.name)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(names(&a0), ["w0", "w1", "w2"]);
+    assert_eq!(names(&a2), ["w0", "w1", "w2"]);
+    assert_eq!(
+        a0.rpc_sync::<_, i64>("w2", "add", &(5i64, 5i64), None)
+            .await
+            .unwrap(),
+        10
+    );
+    assert_eq!(
+        a2.rpc_sync::<_, i64>("w1", "add", &(6i64, 6i64), None)
+            .await
+            .unwrap(),
+        12
+    );
+    let r: RRef<Vec<i64>> = a2.remote("w0", "make_vec", &3usize, None).unwrap();
+    assert_eq!(
+        a2.rpc_sync::<_, i64>("w1", "sum_remote", &r, None)
+            .await
+            .unwrap(),
+        3
+    );
+    // An RRef can only be sent by the agent that holds it, and the error says so.
+    let e = a1
+        .rpc_sync::<_, i64>("w2", "sum_remote", &r, None)
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("only be sent by the agent that holds it"),
+        "{e}"
+    );
+    drop(r);
+
+    // w2 leaves; the others forget it; it can join again.
+    a2.shutdown(true, Duration::from_secs(10)).await.unwrap();
+    wait_until(|| names(&a0) == ["w0", "w1"] && names(&a1) == ["w0", "w1"]).await;
+    let e = a0
+        .rpc_sync::<_, i64>("w2", "add", &(1i64, 1i64), None)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RpcError::UnknownWorker(..)), "{e}");
+    let again = dynamic(2, port, |_| {}).await.unwrap();
+    assert_eq!(
+        a1.rpc_sync::<_, i64>("w2", "add", &(7i64, 7i64), None)
+            .await
+            .unwrap(),
+        14
+    );
+    // The same rank or name twice is refused.
+    let e = dynamic(1, port, |_| {}).await.unwrap_err();
+    assert!(e.to_string().contains("is already a member"), "{e}");
+
+    for a in [again, a1, a0] {
+        a.shutdown(true, Duration::from_secs(10)).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_and_dynamic_members_do_not_mix() {
+    let port = free_port();
+    let statics: Vec<Agent> = {
+        let mut tasks = Vec::new();
+        for rank in 0..2usize {
+            let options = RpcOptions {
+                init_method: format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=2"),
+                init_timeout: Duration::from_secs(20),
+                secret: Some(b"in-process test secret".to_vec()),
+                functions: functions(),
+                ..RpcOptions::default()
+            };
+            tasks.push(tokio::spawn(async move {
+                init_rpc(&format!("w{rank}"), rank, Some(2), options).await
+            }));
+        }
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap().unwrap());
+        }
+        out
+    };
+    let e = dynamic(2, port, |_| {}).await.unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("mixing static and dynamic members is refused"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("this group is static"), "{e}");
+    shutdown_all(statics).await;
+}

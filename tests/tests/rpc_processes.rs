@@ -109,6 +109,19 @@ fn calls_rrefs_tensors_and_shutdown_across_2_and_4_processes() {
 }
 
 #[test]
+fn dynamic_groups_across_processes() {
+    let lines = assert_all_ok("dynamic", 3);
+    assert_eq!(
+        lines
+            .iter()
+            .filter(|(_, l)| l.starts_with("OK dynamic-joined"))
+            .count(),
+        3,
+        "{lines:#?}"
+    );
+}
+
+#[test]
 fn graceful_shutdown_waits_for_calls_in_flight() {
     assert_all_ok("inflight", 2);
 }

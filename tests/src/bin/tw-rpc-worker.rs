@@ -275,6 +275,44 @@ async fn cuda() -> Result<(), RpcError> {
     Ok(())
 }
 
+/// A dynamic group (`world_size = None`): everyone joins, waits to see the others, calls each by
+/// name, then the higher ranks leave one by one and rank 0 (the store's host) goes last.
+async fn dynamic() -> Result<(), RpcError> {
+    let (rank, world) = (env("RANK"), env("WORLD_SIZE"));
+    let options = RpcOptions {
+        functions: functions(),
+        init_timeout: Duration::from_secs(60),
+        ..RpcOptions::default()
+    };
+    let agent = init_rpc(&format!("w{rank}"), rank, None, options).await?;
+    let members = |a: &Agent| a.worker_infos().len();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while members(&agent) < world {
+        check(Instant::now() < deadline, "every worker joins")?;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for peer in (0..world).filter(|p| *p != rank) {
+        let got: String = agent
+            .rpc_sync(format!("w{peer}"), "whoami", &(), None)
+            .await?;
+        check(got == peer.to_string(), "calls by name in a dynamic group")?;
+    }
+    println!("OK dynamic-joined rank {rank}");
+    // Nobody leaves before everyone has made its calls.
+    agent
+        .barrier("dynamic-called", Duration::from_secs(30))
+        .await?;
+    // Leave from the highest rank down: each waits until the ones above it are gone.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while members(&agent) > rank + 1 {
+        check(Instant::now() < deadline, "the higher ranks leave")?;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    agent.shutdown(true, Duration::from_secs(30)).await?;
+    println!("OK dynamic rank {rank}");
+    Ok(())
+}
+
 async fn bad_map() -> Result<(), RpcError> {
     let r = start(|rank, o| {
         o.device_backend = Arc::new(SimulatedDevices::new(1));
@@ -347,6 +385,7 @@ async fn main() -> ExitCode {
         "scale" => scale().await,
         "inflight" => inflight().await,
         "cuda" => cuda().await,
+        "dynamic" => dynamic().await,
         other => Err(RpcError::Init(format!("unknown scenario {other:?}"))),
     };
     match result {
