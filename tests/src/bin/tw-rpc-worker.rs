@@ -151,6 +151,36 @@ async fn basic() -> Result<(), RpcError> {
         back.to_f32_vec() == Some(vec![1.0, 2.0, 3.0, 4.0]),
         "tensor bytes survive",
     )?;
+    // A CUDA tensor to a worker this one has no map for fails at once; the agent stays usable.
+    let prev = ((rank + world - 1) % world) as u32;
+    if prev != next as u32 {
+        let sim = SimulatedDevices::new(2);
+        let on_gpu = tensorwire_core::ports::device::relocate(&sim, &t, Device::Cuda(0))
+            .await
+            .map_err(|e| RpcError::Init(e.to_string()))?;
+        let e = agent
+            .rpc_async::<_, (String, Tensor)>(prev, "tensor_where", &on_gpu, None)
+            .err();
+        let wanted = format!("cannot send a tensor on cuda:0 to worker w{prev}");
+        check(
+            e.is_some_and(|e| e.to_string().contains(&wanted)),
+            "no map, no send",
+        )?;
+    }
+    // A call that outlives its timeout fails saying so; the callee keeps serving.
+    let e = agent
+        .rpc_sync::<_, u64>(
+            next as u32,
+            "sleep_ms",
+            &1_000u64,
+            Some(Duration::from_millis(50)),
+        )
+        .await
+        .expect_err("times out");
+    check(
+        e.is_timeout() && e.to_string().contains("timed out"),
+        "per-call timeout",
+    )?;
     let all: Vec<usize> = agent
         .all_gather("ranks", &rank, Duration::from_secs(30))
         .await?;
