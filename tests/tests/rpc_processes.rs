@@ -20,6 +20,10 @@ struct World {
 }
 
 fn spawn(scenario: &str, n: usize) -> World {
+    spawn_with(scenario, n, &[])
+}
+
+fn spawn_with(scenario: &str, n: usize, extra_env: &[(&str, &str)]) -> World {
     let port = free_port().to_string();
     let secret = format!("test-secret-{}-{port}", std::process::id());
     let (tx, lines) = mpsc::channel();
@@ -32,6 +36,7 @@ fn spawn(scenario: &str, n: usize) -> World {
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
                 .env("TENSORWIRE_SECRET", &secret)
+                .envs(extra_env.iter().copied())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -119,6 +124,32 @@ fn dynamic_groups_across_processes() {
         3,
         "{lines:#?}"
     );
+}
+
+#[test]
+fn the_quic_backend_across_processes() {
+    let dir = std::env::temp_dir().join(format!("tw-quic-procs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_s = dir.to_string_lossy().into_owned();
+    let (codes, lines) =
+        spawn_with("quic", 3, &[("TW_TLS_DIR", &dir_s)]).finish(Duration::from_secs(120));
+    assert!(
+        codes.iter().all(|c| *c == Some(0)),
+        "exit codes {codes:?}\n{lines:#?}"
+    );
+    for rank in 0..3 {
+        assert!(
+            lines
+                .iter()
+                .any(|(r, l)| *r == rank && l == &format!("OK quic rank {rank}")),
+            "{lines:#?}"
+        );
+    }
+    assert!(
+        dir.join("ca.pem").exists(),
+        "the workers shared one cluster CA"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

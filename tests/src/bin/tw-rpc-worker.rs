@@ -343,6 +343,32 @@ async fn dynamic() -> Result<(), RpcError> {
     Ok(())
 }
 
+/// The agent over the QUIC backend (mutual TLS under a cluster CA kept in `TW_TLS_DIR`, which
+/// the first worker creates): calls and a remote reference across the group.
+async fn quic() -> Result<(), RpcError> {
+    let dir =
+        std::env::var("TW_TLS_DIR").map_err(|_| RpcError::Init("TW_TLS_DIR must be set".into()))?;
+    let (agent, rank, world) = start(|_, o| {
+        o.backend = "QUIC".into();
+        o.tls_dir = Some(dir.into());
+    })
+    .await?;
+    let next = ((rank + 1) % world) as u32;
+    let sum: i64 = agent
+        .rpc_sync(next, "add", &(rank as i64, 100i64), None)
+        .await?;
+    check(sum == rank as i64 + 100, "add over QUIC")?;
+    let v: RRef<Vec<i64>> = agent.remote(next, "make_vec", &4i64, None)?;
+    check(
+        v.to_here(None).await? == vec![0, 1, 2, 3],
+        "to_here over QUIC",
+    )?;
+    drop(v);
+    agent.shutdown(true, Duration::from_secs(30)).await?;
+    println!("OK quic rank {rank}");
+    Ok(())
+}
+
 async fn bad_map() -> Result<(), RpcError> {
     let r = start(|rank, o| {
         o.device_backend = Arc::new(SimulatedDevices::new(1));
@@ -416,6 +442,7 @@ async fn main() -> ExitCode {
         "inflight" => inflight().await,
         "cuda" => cuda().await,
         "dynamic" => dynamic().await,
+        "quic" => quic().await,
         other => Err(RpcError::Init(format!("unknown scenario {other:?}"))),
     };
     match result {
