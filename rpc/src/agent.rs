@@ -116,6 +116,9 @@ struct PeerLink {
     queued: Arc<std::sync::atomic::AtomicUsize>,
 }
 
+/// At most this many queued frames go out in one `send_many`.
+const WRITE_BATCH: usize = 64;
+
 /// A frame a task writes itself, holding its peer's write lock.
 struct DirectWrite {
     peer: WorkerId,
@@ -1227,10 +1230,19 @@ impl Agent {
         let agent = self.clone();
         let writer = tokio::spawn(async move {
             while let Some(frame) = rx.recv().await {
+                // Everything queued meanwhile goes out with it, in as few writes as possible.
+                let mut batch = vec![frame];
+                while batch.len() < WRITE_BATCH {
+                    match rx.try_recv() {
+                        Ok(f) => batch.push(f),
+                        Err(_) => break,
+                    }
+                }
+                let n = batch.len();
                 let turn = write.lock().await;
-                let sent = writer_conn.send(frame).await;
+                let sent = writer_conn.send_many(batch).await;
                 drop(turn);
-                queued.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                queued.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
                 if let Err(e) = sent {
                     agent.peer_lost(peer, &e.to_string());
                     return;

@@ -196,6 +196,44 @@ pub async fn ordering_per_peer(h: impl Harness) -> Result<()> {
     Ok(())
 }
 
+/// `send_many` puts batches on the wire in order and intact: small and large frames mixed,
+/// batches of 1 to 200 frames, more segments than one vectored write takes.
+pub async fn batches_keep_order(h: impl Harness) -> Result<()> {
+    let listener = listen(&h).await?;
+    let (client, server) = connect_pair(&h, &*listener).await?;
+    let sizes = |seq: u32| match seq % 5 {
+        0 => 0,
+        1 => 7,
+        2 => 70_000,
+        3 => 1 << 20,
+        _ => 300,
+    };
+    let sender = tokio::spawn(async move {
+        let mut seq = 0u32;
+        for batch in [1u32, 2, 3, 64, 65, 200, 5] {
+            let frames: Vec<Frame> = (seq..seq + batch).map(|s| numbered(s, sizes(s))).collect();
+            seq += batch;
+            within(STEP, "send_many", client.send_many(frames)).await??;
+        }
+        anyhow::Ok(seq)
+    });
+    let total: u32 = [1u32, 2, 3, 64, 65, 200, 5].iter().sum();
+    for seq in 0..total {
+        let got = recv(&*server, "receiving a batched frame").await?;
+        ensure!(
+            seq_of(&got)? == seq,
+            "batched frame {} arrived where {seq} was expected",
+            seq_of(&got)?
+        );
+        ensure!(
+            got == numbered(seq, sizes(seq)),
+            "batched frame {seq} garbled"
+        );
+    }
+    ensure!(sender.await?? == total);
+    Ok(())
+}
+
 /// Frames of 0 bytes up to 256 MiB arrive intact; frames with many or empty payloads too.
 pub async fn frame_sizes(h: impl Harness) -> Result<()> {
     let listener = listen(&h).await?;
@@ -517,7 +555,7 @@ pub async fn foreign_peers_are_refused(h: impl Harness) -> Result<()> {
 macro_rules! transport_conformance {
     ($harness:expr) => {
         $crate::transport_conformance!(@case $harness;
-            ordering_per_peer, frame_sizes, concurrent_in_flight, peer_closes_mid_frame,
+            ordering_per_peer, batches_keep_order, frame_sizes, concurrent_in_flight, peer_closes_mid_frame,
             clean_close, garbage_is_refused, oversized_lengths_are_refused,
             foreign_peers_are_refused);
     };

@@ -163,6 +163,77 @@ impl Connection for TcpConnection {
         Ok(())
     }
 
+    async fn send_many(&self, frames: Vec<Frame>) -> Result<(), TransportError> {
+        let mut outs = frames
+            .into_iter()
+            .map(|frame| {
+                OutgoingFrame::new(frame, &self.limits).map_err(|source| TransportError::Wire {
+                    peer: self.peer,
+                    source,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut writer = self.writer.lock().await;
+        if self.write_broken.load(Ordering::Acquire) {
+            return Err(TransportError::Io {
+                addr: self.peer,
+                op: "sending",
+                kind: std::io::ErrorKind::BrokenPipe,
+                message: "an earlier send failed or was cancelled half-way; the connection \
+                          cannot send any more"
+                    .to_owned(),
+            });
+        }
+        // Armed while frames remain: a drop or failure then leaves the stream mid-frame (or,
+        // conservatively, between frames of the batch).
+        let mut guard = BrokenOnDrop(&self.write_broken, false);
+        let mut first = 0;
+        while first < outs.len() {
+            let written = {
+                // As many whole frames as fit in one vectored write, then part of the next.
+                let mut slices = [IoSlice::new(&[]); MAX_IOV];
+                let mut n = 0;
+                for out in &outs[first..] {
+                    let start = n;
+                    n += out.io_slices(&mut slices[n..]);
+                    let covered: u64 = slices[start..n].iter().map(|s| s.len() as u64).sum();
+                    if covered < out.remaining() || n == MAX_IOV {
+                        break;
+                    }
+                }
+                match writer.write_vectored(&slices[..n]).await {
+                    Ok(0) => {
+                        guard.1 = true;
+                        return Err(TransportError::Io {
+                            addr: self.peer,
+                            op: "sending",
+                            kind: std::io::ErrorKind::WriteZero,
+                            message: "the socket accepted no bytes".to_owned(),
+                        });
+                    }
+                    Ok(written) => written,
+                    Err(e) => {
+                        guard.1 = true;
+                        return Err(TransportError::io(self.peer, "sending", &e));
+                    }
+                }
+            };
+            let mut left = written;
+            while left > 0 && first < outs.len() {
+                let step = usize::try_from(outs[first].remaining())
+                    .unwrap_or(usize::MAX)
+                    .min(left);
+                outs[first].advance(step);
+                left -= step;
+                if outs[first].is_done() {
+                    first += 1;
+                }
+            }
+            guard.1 = first < outs.len();
+        }
+        Ok(())
+    }
+
     async fn recv(&self) -> Result<Frame, TransportError> {
         let mut guard = self.reader.lock().await;
         let r = &mut *guard;

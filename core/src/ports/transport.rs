@@ -67,6 +67,16 @@ pub trait Connection: Send + Sync {
     /// [`TransportError::Wire`] without sending anything.
     async fn send(&self, frame: Frame) -> Result<(), TransportError>;
 
+    /// Sends several frames, in order, as if by consecutive [`send`](Self::send)s. An adapter
+    /// may put them on the wire together (fewer system calls under load); the default sends
+    /// them one by one. Frames over the limits fail before anything is sent.
+    async fn send_many(&self, frames: Vec<Frame>) -> Result<(), TransportError> {
+        for frame in frames {
+            self.send(frame).await?;
+        }
+        Ok(())
+    }
+
     /// Receives the next frame. Meant for one reader task; concurrent callers are served one
     /// after the other.
     async fn recv(&self) -> Result<Frame, TransportError>;
