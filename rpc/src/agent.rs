@@ -119,11 +119,11 @@ struct PeerLink {
 /// At most this many queued frames go out in one `send_many`.
 const WRITE_BATCH: usize = 64;
 
-/// A frame a task writes itself, holding its peer's write lock.
+/// Frames a task writes itself, holding its peer's write lock.
 struct DirectWrite {
     peer: WorkerId,
     conn: Arc<dyn Connection>,
-    frame: Frame,
+    frames: Vec<Frame>,
     _turn: tokio::sync::OwnedMutexGuard<()>,
 }
 
@@ -676,7 +676,7 @@ impl Agent {
         let mut writes = Vec::new();
         self.pump_with(Some(&mut writes));
         for w in writes {
-            if let Err(e) = w.conn.send(w.frame).await {
+            if let Err(e) = w.conn.send_many(w.frames).await {
                 self.peer_lost(w.peer, &e.to_string());
             }
         }
@@ -1348,12 +1348,17 @@ impl Agent {
             payloads,
         };
         if let (Some(out), Some(link)) = (direct, st.peers.get(&t.to)) {
+            // Already writing to this peer: the frame joins that write.
+            if let Some(w) = out.iter_mut().find(|w| w.peer == t.to) {
+                w.frames.push(frame);
+                return;
+            }
             if link.queued.load(std::sync::atomic::Ordering::Acquire) == 0 {
                 if let Ok(turn) = Arc::clone(&link.write).try_lock_owned() {
                     out.push(DirectWrite {
                         peer: t.to,
                         conn: Arc::clone(&link.conn),
-                        frame,
+                        frames: vec![frame],
                         _turn: turn,
                     });
                     return;
@@ -1555,6 +1560,9 @@ impl Agent {
                 }
                 st.ep.respond(token, outcome);
             }
+            // Let the other handlers that are ready answer too, so that their replies leave in
+            // the same write (one scheduler turn; nothing waits when nothing else is ready).
+            tokio::task::yield_now().await;
             agent.pump_direct().await;
         });
     }
