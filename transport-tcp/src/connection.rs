@@ -119,48 +119,7 @@ impl Connection for TcpConnection {
     }
 
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {
-        let mut out =
-            OutgoingFrame::new(frame, &self.limits).map_err(|source| TransportError::Wire {
-                peer: self.peer,
-                source,
-            })?;
-        let mut writer = self.writer.lock().await;
-        if self.write_broken.load(Ordering::Acquire) {
-            return Err(TransportError::Io {
-                addr: self.peer,
-                op: "sending",
-                kind: std::io::ErrorKind::BrokenPipe,
-                message: "an earlier send failed or was cancelled half-way; the connection \
-                          cannot send any more"
-                    .to_owned(),
-            });
-        }
-        // Armed once part of the frame is on the wire: if this future is dropped (or fails)
-        // between then and the last byte, the stream holds half a frame.
-        let mut guard = BrokenOnDrop(&self.write_broken, false);
-        while !out.is_done() {
-            let mut slices = [IoSlice::new(&[]); MAX_IOV];
-            let n = out.io_slices(&mut slices);
-            let written = match writer.write_vectored(&slices[..n]).await {
-                Ok(0) => {
-                    guard.1 = true;
-                    return Err(TransportError::Io {
-                        addr: self.peer,
-                        op: "sending",
-                        kind: std::io::ErrorKind::WriteZero,
-                        message: "the socket accepted no bytes".to_owned(),
-                    });
-                }
-                Ok(written) => written,
-                Err(e) => {
-                    guard.1 = true;
-                    return Err(TransportError::io(self.peer, "sending", &e));
-                }
-            };
-            out.advance(written);
-            guard.1 = !out.is_done();
-        }
-        Ok(())
+        self.send_many(vec![frame]).await
     }
 
     async fn send_many(&self, frames: Vec<Frame>) -> Result<(), TransportError> {

@@ -86,78 +86,35 @@ fn ci() -> Result<()> {
         &["doc", "--workspace", "--no-deps"],
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
-    // The non-default features of `tensorwire`: the CUDA backend builds and passes its tests
-    // without a GPU (the GPU tests print `SKIPPED: ...` with the reason; `cargo test` shows
-    // those lines), and the QUIC transport is hooked into the CLI.
-    run(
-        "cargo",
-        &[
-            "clippy",
-            "-p",
-            "tensorwire",
-            "--features",
-            "cuda,quic",
-            "--all-targets",
-            "--",
-            "-D",
-            "warnings",
-        ],
-        &[],
-    )?;
-    run(
-        "cargo",
-        &["test", "-p", "tensorwire", "--features", "cuda,quic"],
-        &[],
-    )?;
-    // The agent's QUIC backend.
-    run(
-        "cargo",
-        &[
-            "clippy",
-            "-p",
-            "tensorwire-rpc",
-            "--features",
-            "quic",
-            "--all-targets",
-            "--",
-            "-D",
-            "warnings",
-        ],
-        &[],
-    )?;
-    run(
-        "cargo",
-        &["test", "-p", "tensorwire-rpc", "--features", "quic"],
-        &[],
-    )?;
-    run("cargo", &["test", "-p", "tensorwire-devices-cuda"], &[])?;
-    // The standalone NCCL wrapper (feature `nccl`): without NCCL it must report why.
-    run(
-        "cargo",
-        &[
-            "clippy",
-            "-p",
-            "tensorwire-devices-cuda",
-            "--features",
-            "nccl",
-            "--all-targets",
-            "--",
-            "-D",
-            "warnings",
-        ],
-        &[],
-    )?;
-    run(
-        "cargo",
-        &[
-            "test",
-            "-p",
-            "tensorwire-devices-cuda",
-            "--features",
-            "nccl",
-        ],
-        &[],
-    )?;
+    // Non-default features: the CUDA backend builds and passes its tests without a GPU (the GPU
+    // tests print `SKIPPED: ...` with the reason), the QUIC transport in the CLI and the agent's
+    // QUIC backend, and the standalone NCCL wrapper, which must say why it is unavailable.
+    for (package, features) in [
+        ("tensorwire", "cuda,quic"),
+        ("tensorwire-rpc", "quic"),
+        ("tensorwire-devices-cuda", "nccl"),
+    ] {
+        run(
+            "cargo",
+            &[
+                "clippy",
+                "-p",
+                package,
+                "--features",
+                features,
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ],
+            &[],
+        )?;
+        run(
+            "cargo",
+            &["test", "-p", package, "--features", features],
+            &[],
+        )?;
+    }
     eprintln!("xtask: ci passed");
     Ok(())
 }
