@@ -409,3 +409,59 @@ async fn setup_names_the_ranks_that_never_arrive() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tensor_collectives_on_host_tensors() {
+    use tensorwire_core::device::Device;
+    use tensorwire_core::devices_sim::SimulatedDevices;
+    use tensorwire_core::ports::device::relocate;
+    use tensorwire_core::tensor::{DType, Storage, Tensor};
+
+    let gs = bounded(groups(3, "tensors", Duration::from_secs(20))).await;
+    let results = bounded(on_all(&gs, |g| async move {
+        let rank = g.rank() as f32;
+        let t = Tensor::from_f32(vec![2, 2], &[rank, rank + 1.0, 2.0 * rank, -rank]).unwrap();
+        let summed = g.all_reduce_tensor(&t, ReduceOp::Sum).await.unwrap();
+        let gathered = g.all_gather_tensor(&t).await.unwrap();
+        let root = g.broadcast_tensor(&t, 2).await.unwrap();
+        // A dtype host reductions do not support is refused with its name.
+        let bytes = Tensor::new(
+            DType::U8,
+            vec![4],
+            Storage::Host(Bytes::from_static(b"abcd")),
+        )
+        .unwrap();
+        let e = g
+            .all_reduce_tensor(&bytes, ReduceOp::Sum)
+            .await
+            .unwrap_err();
+        // A tensor on a (simulated) CUDA device is refused by this CPU backend, before any
+        // message is sent (the group stays usable).
+        let on_gpu = relocate(&SimulatedDevices::new(1), &t, Device::Cuda(0))
+            .await
+            .unwrap();
+        let w = g.broadcast_tensor(&on_gpu, 0).await.unwrap_err();
+        g.barrier().await.unwrap();
+        (summed, gathered, root, e, w)
+    }))
+    .await;
+    for (summed, gathered, root, e, w) in results {
+        assert_eq!(summed.shape(), &[2, 2]);
+        assert_eq!(summed.to_f32_vec().unwrap(), vec![3.0, 6.0, 6.0, -3.0]);
+        assert_eq!(gathered.len(), 3);
+        for (r, t) in gathered.iter().enumerate() {
+            let r = r as f32;
+            assert_eq!(t.to_f32_vec().unwrap(), vec![r, r + 1.0, 2.0 * r, -r]);
+        }
+        assert_eq!(root.to_f32_vec().unwrap(), vec![2.0, 3.0, 4.0, -2.0]);
+        assert_eq!(
+            e.to_string(),
+            "all_reduce: the tensorwire backend does not support U8 tensors"
+        );
+        assert!(matches!(w, ProcessGroupError::WrongDevice { .. }), "{w}");
+        assert_eq!(
+            w.to_string(),
+            "broadcast: the tensor is on cuda:0, but this tensorwire group works on cpu tensors (use an nccl group for CUDA tensors)"
+        );
+    }
+}

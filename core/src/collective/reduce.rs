@@ -74,6 +74,19 @@ impl ElementType {
         }
     }
 
+    /// The element type of a tensor's dtype, when host reductions support it (`U8`, `F16` and
+    /// `BF16` they do not).
+    pub const fn from_dtype(dtype: crate::tensor::DType) -> Option<Self> {
+        use crate::tensor::DType;
+        match dtype {
+            DType::F32 => Some(ElementType::F32),
+            DType::F64 => Some(ElementType::F64),
+            DType::I32 => Some(ElementType::I32),
+            DType::I64 => Some(ElementType::I64),
+            _ => None,
+        }
+    }
+
     /// Whether the type is a floating-point type (its sums depend on the order of operands).
     pub const fn is_float(self) -> bool {
         matches!(self, ElementType::F32 | ElementType::F64)

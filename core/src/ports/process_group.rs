@@ -13,6 +13,13 @@
 //!   breaks. It never hangs.
 //! - After a peer has died the group is broken: every later collective fails with the same
 //!   error, naming the dead rank.
+//!
+//! # Tensors
+//! The `*_tensor` collectives take a [`Tensor`] on the group's [`device`](ProcessGroup::device)
+//! and return new tensors (tensors are immutable values here; PyTorch's in-place forms become
+//! "returns the result"). Their default implementations serve host backends: they check the
+//! device and run the byte collectives on the tensor's storage. A device backend (NCCL)
+//! overrides them and works on device buffers; its byte collectives stage through its device.
 
 use std::time::Duration;
 
@@ -20,6 +27,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use crate::collective::{CollectiveError, ElementType, ReduceOp};
+use crate::device::Device;
+use crate::tensor::{Storage, Tensor};
 
 /// Collectives among the ranks of a group.
 #[async_trait]
@@ -50,11 +59,105 @@ pub trait ProcessGroup: Send + Sync {
         op: ReduceOp,
     ) -> Result<(), ProcessGroupError>;
 
+    /// The backend's name, for errors and logs (`"tensorwire"`, `"nccl"`).
+    fn backend(&self) -> &'static str {
+        "tensorwire"
+    }
+
+    /// The device the tensor collectives work on: `cpu` for host backends, `cuda:N` for NCCL.
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    /// Reduces `tensor` element-wise across all ranks with `op`; returns the result (same
+    /// dtype, shape and device). Host backends support `f32`, `f64`, `i32` and `i64`.
+    async fn all_reduce_tensor(
+        &self,
+        tensor: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Tensor, ProcessGroupError> {
+        let bytes = host_storage(self.backend(), self.device(), "all_reduce", tensor)?;
+        let element = ElementType::from_dtype(tensor.dtype()).ok_or_else(|| {
+            ProcessGroupError::UnsupportedType {
+                collective: "all_reduce",
+                backend: self.backend(),
+                dtype: format!("{:?}", tensor.dtype()),
+            }
+        })?;
+        let mut data = bytes.to_vec();
+        self.all_reduce(&mut data, element, op).await?;
+        Ok(with_host_bytes(tensor, data))
+    }
+
+    /// Gathers `tensor` from every rank; the result holds one tensor per rank, in rank order.
+    /// Every rank passes a tensor of the same dtype and shape.
+    async fn all_gather_tensor(&self, tensor: &Tensor) -> Result<Vec<Tensor>, ProcessGroupError> {
+        let bytes = host_storage(self.backend(), self.device(), "all_gather", tensor)?;
+        let blocks = self.all_gather(bytes).await?;
+        blocks
+            .into_iter()
+            .enumerate()
+            .map(|(peer, block)| {
+                if block.len() != tensor.nbytes() {
+                    return Err(ProcessGroupError::Mismatch {
+                        peer,
+                        collective: "all_gather",
+                        seq: 0,
+                        reason: format!(
+                            "its tensor has {} bytes, this rank's has {}",
+                            block.len(),
+                            tensor.nbytes()
+                        ),
+                    });
+                }
+                Ok(with_host_bytes(tensor, block))
+            })
+            .collect()
+    }
+
+    /// Returns `root`'s tensor on every rank; every rank passes a tensor of the same dtype and
+    /// shape (its contents are ignored except on `root`).
+    async fn broadcast_tensor(
+        &self,
+        tensor: &Tensor,
+        root: usize,
+    ) -> Result<Tensor, ProcessGroupError> {
+        let bytes = host_storage(self.backend(), self.device(), "broadcast", tensor)?;
+        let mut data = bytes.to_vec();
+        self.broadcast(&mut data, root).await?;
+        Ok(with_host_bytes(tensor, data))
+    }
+
     /// Leaves the group cleanly: peers learn that this rank shut down (rather than died) and
     /// later collectives here fail with [`ProcessGroupError::ShutDown`]. Call it before the
     /// process exits, or peers still running a collective may see this rank as dead. The
     /// default does nothing.
     async fn shutdown(&self) {}
+}
+
+/// The host bytes of `tensor`, or the error for a tensor that is not on the group's device.
+fn host_storage<'t>(
+    backend: &'static str,
+    group: Device,
+    collective: &'static str,
+    tensor: &'t Tensor,
+) -> Result<&'t [u8], ProcessGroupError> {
+    match tensor.storage() {
+        Storage::Host(bytes) if group == Device::Cpu => Ok(bytes),
+        _ => Err(ProcessGroupError::WrongDevice {
+            collective,
+            backend,
+            tensor: tensor.device(),
+            group,
+        }),
+    }
+}
+
+/// `tensor`'s dtype and shape with `data` (of the same length) as host storage.
+fn with_host_bytes(tensor: &Tensor, data: impl Into<Bytes>) -> Tensor {
+    tensor
+        .with_storage(Storage::Host(data.into()))
+        .expect("a collective keeps the byte length")
 }
 
 /// Why a collective (or setting up a group) failed.
@@ -128,6 +231,42 @@ pub enum ProcessGroupError {
         /// The transport error.
         reason: String,
     },
+    /// A tensor is not on the device the group works on.
+    #[error("{collective}: the tensor is on {tensor}, but this {backend} group works on {group} tensors{}", if *.group == Device::Cpu { " (use an nccl group for CUDA tensors)" } else { "" })]
+    WrongDevice {
+        /// The collective.
+        collective: &'static str,
+        /// The group's backend.
+        backend: &'static str,
+        /// Where the tensor is.
+        tensor: Device,
+        /// Where the group works.
+        group: Device,
+    },
+    /// The backend cannot run the collective on tensors of this dtype.
+    #[error("{collective}: the {backend} backend does not support {dtype} tensors")]
+    UnsupportedType {
+        /// The collective.
+        collective: &'static str,
+        /// The group's backend.
+        backend: &'static str,
+        /// The tensor's dtype.
+        dtype: String,
+    },
+    /// The backend's library reported an error (NCCL); the group cannot be used any more.
+    #[error("{backend} {collective} #{seq} on rank {rank} failed: {reason}")]
+    Backend {
+        /// The group's backend.
+        backend: &'static str,
+        /// The collective.
+        collective: &'static str,
+        /// Its sequence number in the group.
+        seq: u64,
+        /// This rank.
+        rank: usize,
+        /// The library's message.
+        reason: String,
+    },
     /// Setting up the group failed (rendezvous, store, connections).
     #[error("process group setup on rank {rank}: {reason}")]
     Setup {
@@ -151,13 +290,13 @@ pub enum ProcessGroupError {
     },
 }
 
-/// Displays ranks as `1, 3`, or `(none)`.
+/// Displays ranks as `1, 3`, or says that they are unknown.
 struct RankList<'a>(&'a [usize]);
 
 impl std::fmt::Display for RankList<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.0.is_empty() {
-            return f.write_str("(none)");
+            return f.write_str("(unknown: the backend does not say which)");
         }
         for (i, rank) in self.0.iter().enumerate() {
             if i > 0 {
