@@ -1,8 +1,9 @@
 //! NCCL through cudarc's bindings, loaded at run time (feature `nccl`).
 //!
-//! A small standalone wrapper: availability with a clear reason, unique ids, a communicator per
-//! rank and an `f32` sum all-reduce on this backend's device buffers. It is not wired into the
-//! process group yet.
+//! A thin blocking wrapper: availability with a clear reason, unique ids, a communicator per
+//! rank, and all_reduce / broadcast / all_gather on this backend's device buffers, with an abort
+//! handle that ends a hung collective from another thread. The `nccl` process-group backend
+//! (`tensorwire-process-group`, feature `nccl`) builds on it.
 //!
 //! cudarc panics when it cannot open `libnccl` or misses a symbol, so [`nccl_available`] opens
 //! the library first, by the same names cudarc uses, checks the entry points and the version,
@@ -19,11 +20,15 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
 use std::time::Instant;
 
+use std::sync::{Arc, Mutex};
+
 use bytes::Bytes;
-use cudarc::nccl::{Comm, Id, ReduceOp};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::nccl::{sys, Id};
+use tensorwire_core::collective::ReduceOp;
 use tensorwire_core::device::Device;
 use tensorwire_core::ports::device::{DeviceBackend, DeviceError};
-use tensorwire_core::tensor::DeviceBuffer;
+use tensorwire_core::tensor::{DType, DeviceBuffer};
 
 use crate::{CudaBuffer, CudaDevices};
 
@@ -41,6 +46,8 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "ncclCommInitRank",
     "ncclCommAbort",
     "ncclAllReduce",
+    "ncclAllGather",
+    "ncclBroadcast",
     "ncclGetErrorString",
 ];
 
@@ -132,6 +139,17 @@ pub enum NcclError {
     /// Bad arguments.
     #[error("{0}")]
     Invalid(String),
+    /// The communicator was aborted (by [`NcclAbort::abort`], after a timeout): this call and
+    /// every later one fail.
+    #[error("{op} on rank {rank}: the NCCL communicator was aborted ({message})")]
+    Aborted {
+        /// What was being done.
+        op: &'static str,
+        /// The rank.
+        rank: usize,
+        /// What the call saw.
+        message: String,
+    },
     /// NCCL returned an error.
     #[error("{op} (rank {rank} of {world_size} on {device}) failed: {message}")]
     Failed {
@@ -235,7 +253,16 @@ impl NcclId {
     /// A fresh id (`ncclGetUniqueId`).
     pub fn new() -> Result<Self, NcclError> {
         nccl_available()?;
-        let id = nccl_call("ncclGetUniqueId", Device::Cpu, 0, 0, Id::new)?;
+        let fail = |message| NcclError::Failed {
+            op: "ncclGetUniqueId",
+            rank: 0,
+            world_size: 0,
+            device: Device::Cpu,
+            message,
+        };
+        let id = catch_unwind(Id::new)
+            .map_err(|_| fail("the NCCL bindings panicked".into()))?
+            .map_err(|e| fail(message(e.0)))?;
         Ok(Self(id.internal().map(|c| c as u8)))
     }
 
@@ -253,13 +280,81 @@ impl NcclId {
 /// One rank's NCCL communicator on one device of a [`CudaDevices`] backend.
 ///
 /// Collectives run on the backend's copy stream for the device, so they are ordered with its
-/// copies, and block until complete (call them from blocking threads in async code).
+/// copies, and block until their result is complete (call them from blocking threads in async
+/// code). One collective at a time: every rank must issue the same collectives in the same
+/// order, so a caller serialises them anyway.
+///
+/// A collective that hangs (a peer died, or never called it) can be ended from another thread
+/// with [`NcclAbort::abort`]: the communicator is aborted, the blocked call returns an error and
+/// every later call fails with [`NcclError::Aborted`].
 pub struct NcclComm {
-    comm: Option<Comm>,
+    raw: Arc<RawComm>,
     cuda: CudaDevices,
+    stream: Arc<CudaStream>,
     device: Device,
     rank: usize,
     world_size: usize,
+}
+
+/// The raw communicator, shared with [`NcclAbort`] handles.
+struct RawComm {
+    comm: sys::ncclComm_t,
+    /// Whether the communicator was aborted (its memory is then gone; nothing may use it).
+    aborted: Mutex<bool>,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread; calls on it are serialised by
+// `NcclComm` (`&self` methods are documented as one-at-a-time and `NcclGroup` holds a lock),
+// and `ncclCommAbort` is documented as callable from another thread while a call is blocked.
+unsafe impl Send for RawComm {}
+// SAFETY: as above.
+unsafe impl Sync for RawComm {}
+
+impl RawComm {
+    /// Aborts the communicator once; returns whether this call did it.
+    fn abort(&self) -> bool {
+        let mut aborted = self.aborted.lock().unwrap_or_else(|e| e.into_inner());
+        if *aborted {
+            return false;
+        }
+        *aborted = true;
+        // SAFETY: the communicator is live (not aborted before, checked under the lock).
+        let rc = unsafe { sys::ncclCommAbort(self.comm) };
+        if rc != sys::ncclResult_t::ncclSuccess {
+            tracing::warn!("ncclCommAbort: {}", message(rc));
+        }
+        true
+    }
+
+    /// Runs `f` with the communicator unless it was aborted.
+    fn with<T>(&self, f: impl FnOnce(sys::ncclComm_t) -> T) -> Option<T> {
+        let aborted = *self.aborted.lock().unwrap_or_else(|e| e.into_inner());
+        // The lock is not held while `f` runs: an abort must be able to end a blocked call.
+        (!aborted).then(|| f(self.comm))
+    }
+}
+
+/// Ends a communicator's blocked collective from another thread (see [`NcclComm`]).
+#[derive(Clone)]
+pub struct NcclAbort(Arc<RawComm>);
+
+impl std::fmt::Debug for NcclAbort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NcclAbort(..)")
+    }
+}
+
+impl NcclAbort {
+    /// Aborts the communicator (`ncclCommAbort`); returns whether this call did it (false when
+    /// it was aborted before).
+    pub fn abort(&self) -> bool {
+        self.0.abort()
+    }
+
+    /// Whether the communicator has been aborted.
+    pub fn is_aborted(&self) -> bool {
+        *self.0.aborted.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -272,9 +367,48 @@ impl std::fmt::Debug for NcclComm {
     }
 }
 
+/// NCCL's text for a result code.
+fn message(rc: sys::ncclResult_t) -> String {
+    // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any code.
+    let text = unsafe {
+        let p = sys::ncclGetErrorString(rc);
+        if p.is_null() {
+            String::new()
+        } else {
+            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    };
+    format!("{text} ({rc:?})")
+}
+
+/// The NCCL element type for a tensor dtype.
+pub fn nccl_type(dtype: DType) -> Option<sys::ncclDataType_t> {
+    use sys::ncclDataType_t as T;
+    Some(match dtype {
+        DType::U8 => T::ncclUint8,
+        DType::I32 => T::ncclInt32,
+        DType::I64 => T::ncclInt64,
+        DType::F16 => T::ncclFloat16,
+        DType::F32 => T::ncclFloat32,
+        DType::F64 => T::ncclFloat64,
+        // The NCCL 2.22 bindings have no bfloat16 (and DType is non-exhaustive).
+        _ => return None,
+    })
+}
+
+fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Product => sys::ncclRedOp_t::ncclProd,
+        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
+        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+    }
+}
+
 impl NcclComm {
     /// Joins the communicator `id` as `rank` of `world_size` on `device`. Fails with
-    /// [`NcclError::Unavailable`] when NCCL cannot be used. Blocks until every rank has joined.
+    /// [`NcclError::Unavailable`] when NCCL cannot be used. Blocks until every rank has joined
+    /// (make sure they all will: [`NcclGroup`](crate) setups wait for every rank first).
     pub fn new(
         cuda: &CudaDevices,
         device: Device,
@@ -288,19 +422,48 @@ impl NcclComm {
                 "rank {rank} is not below the world size {world_size}"
             )));
         }
+        let (Ok(nranks), Ok(my_rank)) = (c_int::try_from(world_size), c_int::try_from(rank))
+        else {
+            return Err(NcclError::Invalid(format!(
+                "world size {world_size} does not fit NCCL's int"
+            )));
+        };
         let stream = cuda.stream(device)?;
+        let fail = |message| NcclError::Failed {
+            op: "ncclCommInitRank",
+            rank,
+            world_size,
+            device,
+            message,
+        };
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| fail(format!("binding the CUDA context: {e:?}")))?;
         let internal: [c_char; 128] = id.0.map(|b| b as c_char);
-        let comm = nccl_call("ncclCommInitRank", device, rank, world_size, || {
-            stream.context().bind_to_thread().map_err(|_| {
-                cudarc::nccl::result::NcclError(
-                    cudarc::nccl::sys::ncclResult_t::ncclUnhandledCudaError,
-                )
-            })?;
-            Comm::from_rank(stream.clone(), rank, world_size, Id::uninit(internal))
-        })?;
+        let mut comm = std::mem::MaybeUninit::<sys::ncclComm_t>::uninit();
+        // SAFETY: `comm` is a valid out-pointer; the id is 128 bytes as NCCL defines it.
+        let rc = catch_unwind(AssertUnwindSafe(|| unsafe {
+            sys::ncclCommInitRank(
+                comm.as_mut_ptr(),
+                nranks,
+                sys::ncclUniqueId { internal },
+                my_rank,
+            )
+        }))
+        .map_err(|_| fail("the NCCL bindings panicked".into()))?;
+        if rc != sys::ncclResult_t::ncclSuccess {
+            return Err(fail(message(rc)));
+        }
+        // SAFETY: ncclCommInitRank succeeded, so it wrote the communicator.
+        let comm = unsafe { comm.assume_init() };
         Ok(Self {
-            comm: Some(comm),
+            raw: Arc::new(RawComm {
+                comm,
+                aborted: Mutex::new(false),
+            }),
             cuda: cuda.clone(),
+            stream,
             device,
             rank,
             world_size,
@@ -317,16 +480,29 @@ impl NcclComm {
         self.world_size
     }
 
-    /// Sums `buffer` (little-endian `f32`s on this communicator's device) over all ranks into a
-    /// new buffer, and waits for the result.
-    pub fn all_reduce_sum_f32(&self, buffer: &DeviceBuffer) -> Result<DeviceBuffer, NcclError> {
-        let fail = |op: &'static str, message: String| NcclError::Failed {
+    /// The device.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// A handle that aborts this communicator from another thread.
+    pub fn abort_handle(&self) -> NcclAbort {
+        NcclAbort(self.raw.clone())
+    }
+
+    fn fail(&self, op: &'static str, message: String) -> NcclError {
+        NcclError::Failed {
             op,
             rank: self.rank,
             world_size: self.world_size,
             device: self.device,
             message,
-        };
+        }
+    }
+
+    /// The device memory of `buffer` (`None` when empty), checked to be on this device and of
+    /// this backend.
+    fn source<'b>(&self, buffer: &'b DeviceBuffer) -> Result<Option<&'b CudaSlice<u8>>, NcclError> {
         if buffer.device() != self.device {
             return Err(NcclError::Invalid(format!(
                 "the buffer is on {}, the communicator on {}",
@@ -334,75 +510,187 @@ impl NcclComm {
                 self.device
             )));
         }
-        if buffer.len() % 4 != 0 {
-            return Err(NcclError::Invalid(format!(
-                "an f32 all_reduce needs a multiple of 4 bytes, the buffer has {}",
-                buffer.len()
-            )));
-        }
-        let src = buffer
+        let handle = buffer
             .handle::<CudaBuffer>()
             .ok_or(DeviceError::ForeignBuffer(buffer.device()))?;
-        let Some(src) = src.slice() else {
-            return Ok(buffer.clone());
-        };
-        let comm = self.comm.as_ref().expect("present until drop");
-        let stream = comm.stream();
-        let n = buffer.len() / 4;
+        Ok(handle.slice())
+    }
+
+    /// Allocates `len` bytes on the device, runs `enqueue` (which queues one NCCL call on the
+    /// stream, given the communicator, the stream and the output's address), waits for the
+    /// stream and returns the output. Panics in the bindings become errors.
+    fn run(
+        &self,
+        op: &'static str,
+        len: usize,
+        enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t, *mut std::ffi::c_void) -> sys::ncclResult_t,
+    ) -> Result<CudaSlice<u8>, NcclError> {
+        let stream = &self.stream;
         let out = catch_unwind(AssertUnwindSafe(|| {
             stream
                 .context()
                 .bind_to_thread()
-                .map_err(|e| e.to_string())?;
-            // SAFETY: the new allocation is fully written by the all_reduce before use.
-            let mut out = unsafe { stream.alloc::<u8>(buffer.len()) }.map_err(|e| e.to_string())?;
-            {
-                // SAFETY: both slices hold `n` f32 values (length checked above).
-                let send = unsafe { src.transmute::<f32>(n) }.ok_or("cannot view as f32")?;
-                let mut recv =
-                    unsafe { out.transmute_mut::<f32>(n) }.ok_or("cannot view as f32")?;
-                comm.all_reduce(&send, &mut recv, &ReduceOp::Sum)
-                    .map_err(|e| format!("{:?}", e.0))?;
+                .map_err(|e| format!("binding the CUDA context: {e:?}"))?;
+            // SAFETY: the allocation is fully written by the collective before anyone reads it.
+            let mut out = unsafe { stream.alloc::<u8>(len.max(1)) }.map_err(|e| format!("{e:?}"))?;
+            let rc = {
+                let (dst, _record) = out.device_ptr_mut(stream);
+                let raw_stream = stream.cu_stream() as sys::cudaStream_t;
+                self.raw
+                    .with(|comm| enqueue(comm, raw_stream, dst as *mut std::ffi::c_void))
+                    .ok_or_else(|| "the communicator was aborted".to_owned())?
+            };
+            if rc != sys::ncclResult_t::ncclSuccess {
+                return Err(message(rc));
             }
-            stream.synchronize().map_err(|e| e.to_string())?;
-            Ok::<_, String>(out)
+            stream.synchronize().map_err(|e| {
+                if self.abort_handle().is_aborted() {
+                    "the communicator was aborted while the collective ran".to_owned()
+                } else {
+                    format!("waiting for the stream: {e:?}")
+                }
+            })?;
+            Ok(out)
         }))
-        .map_err(|_| fail("ncclAllReduce", "the NCCL bindings panicked".into()))?
-        .map_err(|m| fail("ncclAllReduce", m))?;
+        .map_err(|_| self.fail(op, "the NCCL bindings panicked".into()))?;
+        match out {
+            Ok(out) => Ok(out),
+            Err(m) if self.abort_handle().is_aborted() => Err(NcclError::Aborted {
+                op,
+                rank: self.rank,
+                message: m,
+            }),
+            Err(m) => Err(self.fail(op, m)),
+        }
+    }
+
+    /// Reduces `buffer` (elements of `dtype`, on this communicator's device) over all ranks with
+    /// `op` into a new buffer, and waits for the result.
+    pub fn all_reduce(
+        &self,
+        buffer: &DeviceBuffer,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<DeviceBuffer, NcclError> {
+        let ty = nccl_type(dtype)
+            .ok_or_else(|| NcclError::Invalid(format!("NCCL cannot reduce {dtype:?} elements")))?;
+        if buffer.len() % dtype.size() != 0 {
+            return Err(NcclError::Invalid(format!(
+                "{} bytes are not whole {dtype:?} elements",
+                buffer.len()
+            )));
+        }
+        let Some(src) = self.source(buffer)? else {
+            return Ok(buffer.clone());
+        };
+        let count = buffer.len() / dtype.size();
+        let (src_ptr, _record) = src.device_ptr(&self.stream);
+        let out = self.run("ncclAllReduce", buffer.len(), |comm, stream, dst| {
+            // SAFETY: `src` and `dst` hold `count` elements on this communicator's device.
+            unsafe {
+                sys::ncclAllReduce(
+                    src_ptr as *const std::ffi::c_void,
+                    dst,
+                    count,
+                    ty,
+                    nccl_op(op),
+                    comm,
+                    stream,
+                )
+            }
+        })?;
         Ok(self.cuda.wrap(self.device, out)?)
+    }
+
+    /// Copies `root`'s `buffer` to every rank (every rank passes a buffer of the same length)
+    /// into a new buffer, and waits for it.
+    pub fn broadcast(&self, buffer: &DeviceBuffer, root: usize) -> Result<DeviceBuffer, NcclError> {
+        let root = c_int::try_from(root)
+            .ok()
+            .filter(|r| (*r as usize) < self.world_size)
+            .ok_or_else(|| {
+                NcclError::Invalid(format!(
+                    "broadcast root {root} is not below the world size {}",
+                    self.world_size
+                ))
+            })?;
+        let Some(src) = self.source(buffer)? else {
+            return Ok(buffer.clone());
+        };
+        let (src_ptr, _record) = src.device_ptr(&self.stream);
+        let len = buffer.len();
+        let out = self.run("ncclBroadcast", len, |comm, stream, dst| {
+            // SAFETY: `src` and `dst` hold `len` bytes on this communicator's device.
+            unsafe {
+                sys::ncclBroadcast(
+                    src_ptr as *const std::ffi::c_void,
+                    dst,
+                    len,
+                    sys::ncclDataType_t::ncclUint8,
+                    root,
+                    comm,
+                    stream,
+                )
+            }
+        })?;
+        Ok(self.cuda.wrap(self.device, out)?)
+    }
+
+    /// Gathers `buffer` from every rank (every rank passes a buffer of the same length) and
+    /// returns one buffer per rank, in rank order.
+    pub fn all_gather(&self, buffer: &DeviceBuffer) -> Result<Vec<DeviceBuffer>, NcclError> {
+        let len = buffer.len();
+        let Some(src) = self.source(buffer)? else {
+            return Ok(vec![buffer.clone(); self.world_size]);
+        };
+        let total = len
+            .checked_mul(self.world_size)
+            .ok_or_else(|| NcclError::Invalid("the gathered size overflows".into()))?;
+        let (src_ptr, _record) = src.device_ptr(&self.stream);
+        let flat = self.run("ncclAllGather", total, |comm, stream, dst| {
+            // SAFETY: `src` holds `len` bytes, `dst` `len * world_size`, on this device.
+            unsafe {
+                sys::ncclAllGather(
+                    src_ptr as *const std::ffi::c_void,
+                    dst,
+                    len,
+                    sys::ncclDataType_t::ncclUint8,
+                    comm,
+                    stream,
+                )
+            }
+        })?;
+        // One buffer per rank: device-to-device copies out of the flat result.
+        let stream = &self.stream;
+        let parts = catch_unwind(AssertUnwindSafe(|| {
+            let mut parts = Vec::with_capacity(self.world_size);
+            for r in 0..self.world_size {
+                let part = flat.slice(r * len..(r + 1) * len);
+                let copy = stream.clone_dtod(&part).map_err(|e| format!("{e:?}"))?;
+                parts.push(copy);
+            }
+            stream.synchronize().map_err(|e| format!("{e:?}"))?;
+            Ok::<_, String>(parts)
+        }))
+        .map_err(|_| self.fail("ncclAllGather", "the CUDA bindings panicked".into()))?
+        .map_err(|m| self.fail("ncclAllGather", m))?;
+        parts
+            .into_iter()
+            .map(|p| Ok(self.cuda.wrap(self.device, p)?))
+            .collect()
+    }
+
+    /// Sums `buffer` (little-endian `f32`s on this communicator's device) over all ranks into a
+    /// new buffer, and waits for the result.
+    pub fn all_reduce_sum_f32(&self, buffer: &DeviceBuffer) -> Result<DeviceBuffer, NcclError> {
+        self.all_reduce(buffer, DType::F32, ReduceOp::Sum)
     }
 }
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        if let Some(comm) = self.comm.take() {
-            // cudarc's Comm panics in drop when ncclCommAbort fails; keep that inside.
-            if catch_unwind(AssertUnwindSafe(|| drop(comm))).is_err() {
-                tracing::warn!(rank = self.rank, device = %self.device, "ncclCommAbort failed");
-            }
-        }
-    }
-}
-
-/// Runs an NCCL call, turning its error and panics into [`NcclError::Failed`].
-fn nccl_call<T>(
-    op: &'static str,
-    device: Device,
-    rank: usize,
-    world_size: usize,
-    f: impl FnOnce() -> Result<T, cudarc::nccl::result::NcclError>,
-) -> Result<T, NcclError> {
-    let fail = |message| NcclError::Failed {
-        op,
-        rank,
-        world_size,
-        device,
-        message,
-    };
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(fail(format!("{:?}", e.0))),
-        Err(_) => Err(fail("the NCCL bindings panicked".into())),
+        // Abort rather than finalize: finalizing waits for peers that may be gone.
+        let _ = catch_unwind(AssertUnwindSafe(|| self.raw.abort()));
     }
 }
 

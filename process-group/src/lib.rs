@@ -32,6 +32,7 @@ mod memory;
 pub mod mesh;
 pub mod rendezvous;
 mod server;
+pub mod setup;
 mod state;
 pub mod wire;
 
