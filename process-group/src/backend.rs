@@ -3,7 +3,8 @@
 //! - [`register_backend`]: names a [`ProcessGroupFactory`]; a name registered twice is an
 //!   error (`Backend NAME already registered`). The built-in backend over our transports is
 //!   registered as `tensorwire`, and as `gloo` so that code written for PyTorch's CPU backend
-//!   finds it.
+//!   finds it. With the feature `nccl`, [`NcclFactory`](crate::nccl::NcclFactory) is
+//!   registered as `nccl`.
 //! - [`new_group`]: `env://` rendezvous, then the named backend's factory with the store, the
 //!   rank, the world size, the timeout, the device and the options.
 //! - [`current_process_group`] and [`with_process_group`]: the group in scope. Async code uses
@@ -67,6 +68,13 @@ static BACKENDS: LazyLock<RwLock<Registry<DynFactory>>> = LazyLock::new(|| {
         .register(TENSORWIRE_BACKEND, builtin.clone())
         .expect("empty registry");
     registry.register("gloo", builtin).expect("distinct names");
+    #[cfg(feature = "nccl")]
+    registry
+        .register(
+            crate::nccl::NCCL_BACKEND,
+            Arc::new(crate::nccl::NcclFactory::new()),
+        )
+        .expect("distinct names");
     RwLock::new(registry)
 });
 

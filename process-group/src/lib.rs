@@ -29,6 +29,8 @@ mod executor;
 pub mod file;
 mod group;
 mod memory;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod mesh;
 pub mod rendezvous;
 mod server;

@@ -1,0 +1,576 @@
+//! The `nccl` process-group backend (feature `nccl`): collectives on CUDA tensors through
+//! NCCL, loaded at run time by cudarc.
+//!
+//! `new_group("nccl", timeout, Device::Cuda(n), options)` sets a group up in three steps:
+//! 1. Each rank checks that it can take part: a CUDA driver with device `n`, and an NCCL
+//!    library that loads (see [`nccl_available`]); rank 0 makes the NCCL unique id.
+//! 2. The [setup exchange](crate::setup) through the rendezvous store: rank 0 publishes the id,
+//!    every rank says whether it can join. A rank that cannot (no GPU, no NCCL, no such device)
+//!    makes `new_group` fail on *every* rank with its reason; a rank that never comes is named
+//!    by the timeout. So an unavailable NCCL is reported by `new_group`, not by the first
+//!    collective.
+//! 3. `ncclCommInitRank` on a blocking thread, bounded by what is left of the timeout.
+//!
+//! Collectives take tensors on the group's device ([`ProcessGroup::all_reduce_tensor`] and the
+//! other `*_tensor` methods) and run on the CUDA backend's copy stream for that device, so they
+//! are ordered with its copies; the result is complete when the call returns. The byte
+//! collectives of the port (and `barrier`) stage through the device. Collectives on one group
+//! run one at a time, in the order they are called.
+//!
+//! A collective that does not complete within the group's timeout aborts the communicator
+//! (`ncclCommAbort`, which ends the hung kernels) and fails with
+//! [`ProcessGroupError::Timeout`]; NCCL does not say which rank it waited for, so the error
+//! cannot name it. After a timeout or an NCCL error the group is broken: every later collective
+//! fails with the same error, as with the built-in backend.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tensorwire_core::collective::{CollectiveError, ElementType, ReduceOp};
+use tensorwire_core::device::Device;
+use tensorwire_core::ports::device::DeviceBackend;
+use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::store::Store;
+use tensorwire_core::registry::ProcessGroupFactory;
+use tensorwire_core::tensor::{DType, DeviceBuffer, Storage, Tensor};
+use tensorwire_devices_cuda::nccl::{nccl_type, NcclAbort, NcclComm, NcclError, NcclId};
+use tensorwire_devices_cuda::CudaDevices;
+
+pub use tensorwire_devices_cuda::nccl::{nccl_available, NcclUnavailable, NcclVersion};
+
+use crate::backend::BackendOptions;
+use crate::setup::{exchange, Readiness};
+
+/// The backend's registered name.
+pub const NCCL_BACKEND: &str = "nccl";
+
+static GROUP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The CUDA backend the factory uses unless given one (created on first use).
+fn shared_devices() -> &'static CudaDevices {
+    static DEVICES: OnceLock<CudaDevices> = OnceLock::new();
+    DEVICES.get_or_init(CudaDevices::new)
+}
+
+/// Creates [`NcclGroup`]s; registered as `nccl` when the feature is on.
+///
+/// Options: `group_name` (default `nccl<n>` for the n-th NCCL group this process creates, so
+/// all ranks must create their groups in the same order). Any other option is refused.
+#[derive(Clone, Default)]
+pub struct NcclFactory {
+    devices: Option<CudaDevices>,
+}
+
+impl std::fmt::Debug for NcclFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclFactory").finish_non_exhaustive()
+    }
+}
+
+impl NcclFactory {
+    /// A factory on the process-wide CUDA backend.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A factory whose groups use `devices` (share it with the RPC agent, so that tensors it
+    /// receives and the collectives use the same streams).
+    pub fn with_devices(devices: CudaDevices) -> Self {
+        Self {
+            devices: Some(devices),
+        }
+    }
+
+    fn devices(&self) -> CudaDevices {
+        self.devices.clone().unwrap_or_else(|| shared_devices().clone())
+    }
+}
+
+/// Why this rank cannot take part on `device`, if it cannot.
+fn local_readiness(cuda: &CudaDevices, device: Device) -> Result<(), String> {
+    let count = cuda.device_count();
+    if count == 0 {
+        let why = cuda
+            .unavailable()
+            .map_or_else(|| "no CUDA device".to_owned(), |u| u.to_string());
+        return Err(format!("no CUDA devices: {why}"));
+    }
+    if let Device::Cuda(n) = device {
+        if u32::from(n) >= count {
+            return Err(format!(
+                "device {device} does not exist (this machine has {count} CUDA devices)"
+            ));
+        }
+    }
+    nccl_available()
+        .map(|_| ())
+        .map_err(|e| format!("NCCL is unavailable: {e}"))
+}
+
+#[async_trait]
+impl ProcessGroupFactory for NcclFactory {
+    type Store = Arc<dyn Store>;
+    type Group = Arc<dyn ProcessGroup>;
+    type Options = BackendOptions;
+    type Error = ProcessGroupError;
+
+    async fn create(
+        &self,
+        store: Arc<dyn Store>,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        device: Device,
+        options: BackendOptions,
+    ) -> Result<Arc<dyn ProcessGroup>, ProcessGroupError> {
+        let start = Instant::now();
+        let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
+        if !matches!(device, Device::Cuda(_)) {
+            return Err(setup(format!(
+                "the nccl backend works on CUDA devices; pass cuda:N, not {device} (the tensorwire backend serves cpu)"
+            )));
+        }
+        if rank >= world_size {
+            return Err(setup(format!(
+                "rank {rank} is not below the world size {world_size}"
+            )));
+        }
+        let mut name = None;
+        for (key, value) in options {
+            match key.as_str() {
+                "group_name" => name = Some(value),
+                _ => return Err(setup(format!("Unknown option {key}"))),
+            }
+        }
+        let name = name.unwrap_or_else(|| {
+            format!("nccl{}", GROUP_COUNTER.fetch_add(1, Ordering::Relaxed))
+        });
+        let cuda = self.devices();
+        // Step 1: can this rank take part? Rank 0 also makes the id.
+        let readiness = match local_readiness(&cuda, device) {
+            Err(why) => Readiness::Unable(why),
+            Ok(()) if rank == 0 => match NcclId::new() {
+                Ok(id) => Readiness::Ready(Some(id.as_bytes().to_vec())),
+                Err(e) => Readiness::Unable(e.to_string()),
+            },
+            Ok(()) => Readiness::Ready(None),
+        };
+        // Step 2: the exchange through the store.
+        let prefix = format!("tensorwire/nccl/{name}");
+        let id = exchange(&*store, &prefix, rank, world_size, timeout, readiness).await?;
+        let id: [u8; 128] = id.try_into().map_err(|v: Vec<u8>| {
+            setup(format!(
+                "rank 0's NCCL id has {} bytes, not 128 (another program's key {prefix}/id?)",
+                v.len()
+            ))
+        })?;
+        let id = NcclId::from_bytes(id);
+        // Step 3: the communicator, bounded by what is left of the timeout.
+        let left = timeout.saturating_sub(start.elapsed());
+        let init = {
+            let cuda = cuda.clone();
+            tokio::task::spawn_blocking(move || {
+                NcclComm::new(&cuda, device, rank, world_size, &id)
+            })
+        };
+        let comm = match tokio::time::timeout(left, init).await {
+            Ok(Ok(Ok(comm))) => comm,
+            Ok(Ok(Err(e))) => return Err(setup(e.to_string())),
+            Ok(Err(join)) => return Err(setup(format!("ncclCommInitRank panicked: {join}"))),
+            // Every rank said it was ready, so this is rare (a rank died in between); the
+            // blocked thread stays until NCCL gives up.
+            Err(_) => {
+                return Err(ProcessGroupError::Timeout {
+                    collective: "ncclCommInitRank",
+                    seq: 0,
+                    rank,
+                    waiting_on: Vec::new(),
+                    timeout,
+                })
+            }
+        };
+        tracing::debug!(rank, world_size, %device, group = %name, "nccl group ready");
+        Ok(Arc::new(NcclGroup {
+            abort: comm.abort_handle(),
+            comm: Arc::new(comm),
+            cuda,
+            rank,
+            size: world_size,
+            device,
+            timeout,
+            state: tokio::sync::Mutex::new(State::default()),
+        }))
+    }
+}
+
+#[derive(Default)]
+struct State {
+    seq: u64,
+    broken: Option<ProcessGroupError>,
+    shut_down: bool,
+}
+
+/// A process group whose collectives run through NCCL on one CUDA device (see the module
+/// documentation). Made by [`NcclFactory`] (`new_group("nccl", ...)`).
+pub struct NcclGroup {
+    comm: Arc<NcclComm>,
+    abort: NcclAbort,
+    cuda: CudaDevices,
+    rank: usize,
+    size: usize,
+    device: Device,
+    timeout: Duration,
+    state: tokio::sync::Mutex<State>,
+}
+
+impl std::fmt::Debug for NcclGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclGroup")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NcclGroup {
+    /// The CUDA backend the group's buffers belong to.
+    pub fn devices(&self) -> &CudaDevices {
+        &self.cuda
+    }
+
+    /// Runs one collective on a blocking thread, one at a time, bounded by the timeout.
+    async fn run<T: Send + 'static>(
+        &self,
+        collective: &'static str,
+        f: impl FnOnce(&NcclComm) -> Result<T, NcclError> + Send + 'static,
+    ) -> Result<T, ProcessGroupError> {
+        let mut state = self.state.lock().await;
+        if state.shut_down {
+            return Err(ProcessGroupError::ShutDown);
+        }
+        if let Some(e) = &state.broken {
+            return Err(e.clone());
+        }
+        state.seq += 1;
+        let seq = state.seq;
+        let comm = self.comm.clone();
+        let job = tokio::task::spawn_blocking(move || f(&comm));
+        let failed = |reason: String| ProcessGroupError::Backend {
+            backend: NCCL_BACKEND,
+            collective,
+            seq,
+            rank: self.rank,
+            reason,
+        };
+        let error = match tokio::time::timeout(self.timeout, job).await {
+            Ok(Ok(Ok(value))) => return Ok(value),
+            Ok(Ok(Err(e))) => failed(e.to_string()),
+            Ok(Err(join)) => failed(format!("the collective's thread failed: {join}")),
+            Err(_) => {
+                // Ends the hung kernels; the blocked thread then returns an error we ignore.
+                self.abort.abort();
+                ProcessGroupError::Timeout {
+                    collective,
+                    seq,
+                    rank: self.rank,
+                    waiting_on: Vec::new(),
+                    timeout: self.timeout,
+                }
+            }
+        };
+        state.broken = Some(error.clone());
+        Err(error)
+    }
+
+    /// The device buffer of `tensor`, checked to be on this group's device.
+    fn buffer(
+        &self,
+        collective: &'static str,
+        tensor: &Tensor,
+    ) -> Result<DeviceBuffer, ProcessGroupError> {
+        match tensor.storage() {
+            Storage::Device(b) if b.device() == self.device => Ok(b.clone()),
+            _ => Err(ProcessGroupError::WrongDevice {
+                collective,
+                backend: NCCL_BACKEND,
+                tensor: tensor.device(),
+                group: self.device,
+            }),
+        }
+    }
+
+    fn staging_error(&self, collective: &'static str, e: impl std::fmt::Display) -> ProcessGroupError {
+        ProcessGroupError::Backend {
+            backend: NCCL_BACKEND,
+            collective,
+            seq: 0,
+            rank: self.rank,
+            reason: format!("staging through {}: {e}", self.device),
+        }
+    }
+
+    async fn to_device(
+        &self,
+        collective: &'static str,
+        bytes: &[u8],
+    ) -> Result<DeviceBuffer, ProcessGroupError> {
+        self.cuda
+            .to_device(Bytes::copy_from_slice(bytes), self.device)
+            .await
+            .map_err(|e| self.staging_error(collective, e))
+    }
+
+    async fn to_host(
+        &self,
+        collective: &'static str,
+        buffer: &DeviceBuffer,
+    ) -> Result<Bytes, ProcessGroupError> {
+        self.cuda
+            .to_host(buffer)
+            .await
+            .map_err(|e| self.staging_error(collective, e))
+    }
+
+    fn check_root(&self, root: usize) -> Result<(), ProcessGroupError> {
+        if root >= self.size {
+            return Err(ProcessGroupError::Arguments {
+                collective: "broadcast",
+                source: CollectiveError::RootOutOfRange {
+                    root,
+                    world: self.size,
+                },
+            });
+        }
+        Ok(())
+    }
+}
+
+fn dtype_of(element: ElementType) -> DType {
+    match element {
+        ElementType::F32 => DType::F32,
+        ElementType::F64 => DType::F64,
+        ElementType::I32 => DType::I32,
+        ElementType::I64 => DType::I64,
+    }
+}
+
+#[async_trait]
+impl ProcessGroup for NcclGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn backend(&self) -> &'static str {
+        NCCL_BACKEND
+    }
+
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    /// An all_reduce of one byte on the device, as PyTorch's NCCL barrier does.
+    async fn barrier(&self) -> Result<(), ProcessGroupError> {
+        let one = self.to_device("barrier", &[1]).await?;
+        self.run("barrier", move |c| {
+            c.all_reduce(&one, DType::U8, ReduceOp::Sum).map(drop)
+        })
+        .await
+    }
+
+    /// Staged through the device; blocks of different lengths are padded to the longest (the
+    /// lengths are gathered first).
+    async fn all_gather(&self, input: &[u8]) -> Result<Vec<Bytes>, ProcessGroupError> {
+        let len = self
+            .to_device("all_gather", &(input.len() as u64).to_le_bytes())
+            .await?;
+        let lens = self.run("all_gather", move |c| c.all_gather(&len)).await?;
+        let mut lengths = Vec::with_capacity(lens.len());
+        for b in &lens {
+            let bytes = self.to_host("all_gather", b).await?;
+            let raw: [u8; 8] = bytes[..].try_into().map_err(|_| {
+                self.staging_error("all_gather", "a gathered length is not 8 bytes")
+            })?;
+            lengths.push(u64::from_le_bytes(raw) as usize);
+        }
+        let longest = lengths.iter().copied().max().unwrap_or(0);
+        let mut padded = input.to_vec();
+        padded.resize(longest, 0);
+        let block = self.to_device("all_gather", &padded).await?;
+        let blocks = self.run("all_gather", move |c| c.all_gather(&block)).await?;
+        let mut out = Vec::with_capacity(blocks.len());
+        for (b, n) in blocks.iter().zip(lengths) {
+            let host = self.to_host("all_gather", b).await?;
+            out.push(host.slice(..n.min(host.len())));
+        }
+        Ok(out)
+    }
+
+    async fn broadcast(&self, data: &mut [u8], root: usize) -> Result<(), ProcessGroupError> {
+        self.check_root(root)?;
+        let buffer = self.to_device("broadcast", data).await?;
+        let out = self
+            .run("broadcast", move |c| c.broadcast(&buffer, root))
+            .await?;
+        data.copy_from_slice(&self.to_host("broadcast", &out).await?);
+        Ok(())
+    }
+
+    async fn all_reduce(
+        &self,
+        data: &mut [u8],
+        element: ElementType,
+        op: ReduceOp,
+    ) -> Result<(), ProcessGroupError> {
+        if data.len() % element.size() != 0 {
+            return Err(ProcessGroupError::Arguments {
+                collective: "all_reduce",
+                source: CollectiveError::SizeOverflow,
+            });
+        }
+        let buffer = self.to_device("all_reduce", data).await?;
+        let dtype = dtype_of(element);
+        let out = self
+            .run("all_reduce", move |c| c.all_reduce(&buffer, dtype, op))
+            .await?;
+        data.copy_from_slice(&self.to_host("all_reduce", &out).await?);
+        Ok(())
+    }
+
+    async fn all_reduce_tensor(
+        &self,
+        tensor: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Tensor, ProcessGroupError> {
+        let buffer = self.buffer("all_reduce", tensor)?;
+        let dtype = tensor.dtype();
+        if nccl_type(dtype).is_none() {
+            return Err(ProcessGroupError::UnsupportedType {
+                collective: "all_reduce",
+                backend: NCCL_BACKEND,
+                dtype: format!("{dtype:?}"),
+            });
+        }
+        let out = self
+            .run("all_reduce", move |c| c.all_reduce(&buffer, dtype, op))
+            .await?;
+        Ok(with_device(tensor, out))
+    }
+
+    async fn all_gather_tensor(&self, tensor: &Tensor) -> Result<Vec<Tensor>, ProcessGroupError> {
+        let buffer = self.buffer("all_gather", tensor)?;
+        let parts = self.run("all_gather", move |c| c.all_gather(&buffer)).await?;
+        Ok(parts.into_iter().map(|b| with_device(tensor, b)).collect())
+    }
+
+    async fn broadcast_tensor(
+        &self,
+        tensor: &Tensor,
+        root: usize,
+    ) -> Result<Tensor, ProcessGroupError> {
+        self.check_root(root)?;
+        let buffer = self.buffer("broadcast", tensor)?;
+        let out = self
+            .run("broadcast", move |c| c.broadcast(&buffer, root))
+            .await?;
+        Ok(with_device(tensor, out))
+    }
+
+    /// Marks the group shut down; the communicator is aborted when the last reference to the
+    /// group goes (NCCL has no clean leave that does not wait for the other ranks).
+    async fn shutdown(&self) {
+        self.state.lock().await.shut_down = true;
+    }
+}
+
+fn with_device(tensor: &Tensor, buffer: DeviceBuffer) -> Tensor {
+    tensor
+        .with_storage(Storage::Device(buffer))
+        .expect("a collective keeps the byte length")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::InMemoryStore;
+
+    fn store() -> Arc<dyn Store> {
+        Arc::new(InMemoryStore::new())
+    }
+
+    #[tokio::test]
+    async fn cpu_and_unknown_options_are_refused() {
+        let e = NcclFactory::new()
+            .create(store(), 0, 1, Duration::from_secs(1), Device::Cpu, Vec::new())
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            e.to_string().contains("the nccl backend works on CUDA devices; pass cuda:N, not cpu"),
+            "{e}"
+        );
+        let options = vec![("bogus".to_owned(), "1".to_owned())];
+        let e = NcclFactory::new()
+            .create(store(), 0, 1, Duration::from_secs(1), Device::Cuda(0), options)
+            .await
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("Unknown option bogus"), "{e}");
+    }
+
+    /// On a machine without a GPU or NCCL (CI), every rank's `new_group` fails at once naming
+    /// each rank's reason; with them, a group of one works (the GPU check runs more).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn without_cuda_or_nccl_every_rank_fails_at_setup_with_the_reason() {
+        if let Err(why) = local_readiness(shared_devices(), Device::Cuda(0)) {
+            let store = store();
+            let tasks: Vec<_> = (0..2)
+                .map(|rank| {
+                    let store = store.clone();
+                    tokio::spawn(async move {
+                        let t = Instant::now();
+                        let r = NcclFactory::new()
+                            .create(
+                                store,
+                                rank,
+                                2,
+                                Duration::from_secs(30),
+                                Device::Cuda(0),
+                                vec![("group_name".into(), "g".into())],
+                            )
+                            .await;
+                        (r.err().expect("no NCCL here"), t.elapsed())
+                    })
+                })
+                .collect();
+            for (rank, t) in tasks.into_iter().enumerate() {
+                let (e, took) = t.await.unwrap();
+                let text = e.to_string();
+                assert!(
+                    text.starts_with(&format!("process group setup on rank {rank}: ")),
+                    "{text}"
+                );
+                assert!(
+                    text.contains(&format!("rank 0 cannot join: {why}"))
+                        && text.contains(&format!("rank 1 cannot join: {why}")),
+                    "{text}"
+                );
+                assert!(took < Duration::from_secs(10), "failed fast, not at the timeout");
+            }
+            println!("SKIPPED the GPU part: {why}");
+            return;
+        }
+        let pg = NcclFactory::new()
+            .create(store(), 0, 1, Duration::from_secs(60), Device::Cuda(0), Vec::new())
+            .await
+            .unwrap();
+        pg.barrier().await.unwrap();
+    }
+}
