@@ -324,6 +324,7 @@ mod tests {
     fn builtin_backends_are_registered_and_names_are_taken_once() {
         assert!(backend_registered("tensorwire"));
         assert!(backend_registered("gloo"));
+        assert_eq!(backend_registered("nccl"), cfg!(feature = "nccl"));
         register_backend("fake-once", Arc::new(FakeFactory)).unwrap();
         let err = register_backend("fake-once", Arc::new(FakeFactory)).unwrap_err();
         assert_eq!(err.to_string(), "Backend fake-once already registered");

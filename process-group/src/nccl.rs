@@ -49,8 +49,11 @@ pub const NCCL_BACKEND: &str = "nccl";
 
 static GROUP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// The CUDA backend the factory uses unless given one (created on first use).
-fn shared_devices() -> &'static CudaDevices {
+/// The process-wide CUDA backend that [`NcclFactory::new`] (and so `new_group("nccl", ...)`)
+/// uses, created on first use. Make the tensors you pass to an NCCL group with it (or give the
+/// factory your own with [`NcclFactory::with_devices`]), and give it to the RPC agent as its
+/// device backend, so that every copy and collective on a device shares one stream.
+pub fn shared_devices() -> &'static CudaDevices {
     static DEVICES: OnceLock<CudaDevices> = OnceLock::new();
     DEVICES.get_or_init(CudaDevices::new)
 }
@@ -89,8 +92,9 @@ impl NcclFactory {
     }
 }
 
-/// Why this rank cannot take part on `device`, if it cannot.
-fn local_readiness(cuda: &CudaDevices, device: Device) -> Result<(), String> {
+/// Whether this process can take part in an NCCL group on `device`: a CUDA driver with that
+/// device and a loadable NCCL; the error says what is missing (as `new_group` reports it).
+pub fn local_readiness(cuda: &CudaDevices, device: Device) -> Result<(), String> {
     let count = cuda.device_count();
     if count == 0 {
         let why = cuda

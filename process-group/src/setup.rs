@@ -85,6 +85,34 @@ pub async fn exchange(
             timeout,
         });
     }
+    let result = read_outcome(store, &keys, &id_key, rank, readiness).await;
+    // Rank 0 usually hosts the store: it must not leave (its process may exit on an error)
+    // before every rank has read what it needs. The last reader says so.
+    let read_key = format!("{prefix}/read");
+    let all_read_key = format!("{prefix}/all-read");
+    if let Ok(n) = store.add(&read_key, 1).await {
+        if n == world_size as i64 {
+            let _ = store.set(&all_read_key, b"1").await;
+        }
+    }
+    if rank == 0 {
+        let _ = store.wait(&[all_read_key.as_str()], timeout).await;
+    }
+    result
+}
+
+/// Reads every rank's status and, when all can join, rank 0's value.
+async fn read_outcome(
+    store: &dyn Store,
+    keys: &[String],
+    id_key: &str,
+    rank: usize,
+    readiness: Readiness,
+) -> Result<Vec<u8>, ProcessGroupError> {
+    let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
+    let store_err = |what: &str, e: tensorwire_core::ports::store::StoreError| {
+        setup(format!("{what} through the store failed: {e}"))
+    };
     let mut unable = Vec::new();
     for (r, key) in keys.iter().enumerate() {
         let value = store
@@ -109,7 +137,7 @@ pub async fn exchange(
     match readiness {
         Readiness::Ready(Some(value)) if rank == 0 => Ok(value),
         _ => store
-            .get(&id_key)
+            .get(id_key)
             .await
             .map_err(|e| store_err("reading rank 0's id", e)),
     }

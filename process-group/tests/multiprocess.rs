@@ -211,3 +211,59 @@ fn killing_a_rank_makes_the_others_fail_naming_it() {
         killed_at.elapsed()
     );
 }
+
+/// Two processes form an `nccl` group (rank r on `cuda:r`). With two GPUs and NCCL they run
+/// every collective; without (this project's CI), `new_group` fails on both ranks at once,
+/// each naming every rank that cannot join and why.
+#[cfg(feature = "nccl")]
+#[test]
+fn an_nccl_group_of_two_processes_runs_or_fails_at_setup_naming_the_reason() {
+    use tensorwire_core::device::Device;
+    use tensorwire_process_group::nccl::{local_readiness, shared_devices};
+
+    let bound = Duration::from_secs(60);
+    let started = Instant::now();
+    let mut cluster = launch(2, "nccl", &[("TW_TIMEOUT_MS", "30000".into())]);
+    let mut statuses = Vec::new();
+    for r in &mut cluster.ranks {
+        statuses.push(wait(&mut r.child, started + bound));
+    }
+    let readiness: Vec<Result<(), String>> = (0..2u8)
+        .map(|d| local_readiness(shared_devices(), Device::Cuda(d)))
+        .collect();
+    let ranks = std::mem::take(&mut cluster.ranks);
+    for (rank, (r, status)) in ranks.into_iter().zip(statuses).enumerate() {
+        let (lines, stderr) = finish(r);
+        let status = status.unwrap_or_else(|| panic!("rank {rank} did not finish"));
+        if readiness.iter().all(Result::is_ok) {
+            assert!(status.success(), "rank {rank}: {lines:?} {stderr}");
+            assert!(
+                lines
+                    .iter()
+                    .any(|l| l.starts_with(&format!("OK nccl rank {rank} "))),
+                "{lines:?}"
+            );
+            continue;
+        }
+        assert_eq!(status.code(), Some(4), "rank {rank}: {lines:?} {stderr}");
+        let line = lines
+            .iter()
+            .find(|l| l.starts_with("SETUP-ERROR"))
+            .unwrap_or_else(|| panic!("rank {rank}: {lines:?} {stderr}"));
+        for (other, why) in readiness.iter().enumerate() {
+            if let Err(why) = why {
+                assert!(
+                    line.contains(&format!("rank {other} cannot join: {why}")),
+                    "rank {rank} does not name rank {other}'s reason: {line}"
+                );
+            }
+        }
+        if rank == 0 {
+            println!("SKIPPED the collectives (no two usable GPUs with NCCL here): {line}");
+        }
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "setup failed at once, not at the 30 s timeout"
+    );
+}

@@ -7,6 +7,11 @@
 //! - `check`: runs barrier, all_gather (variable sizes), all_gather_object, broadcast and
 //!   all_reduce (every op, every element type, small and large) and checks every result;
 //!   prints `OK rank R` and exits 0, or prints `ERROR: ...` on stderr and exits 1.
+//! - `nccl` (feature `nccl`): a group of the `nccl` backend on `TW_DEVICE` (default
+//!   `cuda:RANK`): barrier, tensor all_reduce / all_gather / broadcast on the device, the byte
+//!   collectives staged through it, and the typed errors (a CPU tensor, a bfloat16 reduction,
+//!   use after shutdown); prints `OK nccl rank R`. When `new_group` fails it prints
+//!   `SETUP-ERROR: ...` and exits 4 (what a machine without a GPU or NCCL does).
 //! - `kill`: sets up, runs one barrier, prints `READY rank R`; rank `TW_VICTIM` then sleeps
 //!   (to be killed), the others run another barrier and report its error (exit 3), or exit 0
 //!   if it unexpectedly succeeds.
@@ -163,6 +168,9 @@ async fn run(scenario: &str) -> Result<ExitCode, Error> {
         None
     };
     let started = Instant::now();
+    if scenario == "nccl" {
+        return nccl(rank, timeout).await;
+    }
     let pg = new_group("tensorwire", timeout, Device::Cpu, Vec::new()).await?;
     match scenario {
         "check" => {
@@ -190,6 +198,144 @@ async fn run(scenario: &str) -> Result<ExitCode, Error> {
         }
         other => Err(format!("unknown scenario {other:?}; use check or kill").into()),
     }
+}
+
+#[cfg(not(feature = "nccl"))]
+async fn nccl(_: usize, _: Duration) -> Result<ExitCode, Error> {
+    Err("this tw-pg-worker was built without the nccl feature".into())
+}
+
+#[cfg(feature = "nccl")]
+async fn nccl(rank: usize, timeout: Duration) -> Result<ExitCode, Error> {
+    use tensorwire_core::ports::device::{relocate, DeviceBackend};
+    use tensorwire_core::ports::process_group::ProcessGroupError;
+    use tensorwire_core::tensor::{DType, Storage, Tensor};
+    use tensorwire_process_group::nccl::shared_devices;
+
+    let device: Device = match std::env::var("TW_DEVICE") {
+        Ok(d) => d.parse()?,
+        Err(_) => format!("cuda:{rank}").parse()?,
+    };
+    let started = Instant::now();
+    let pg = match new_group("nccl", timeout, device, Vec::new()).await {
+        Ok(pg) => pg,
+        Err(e) => {
+            println!("SETUP-ERROR after {} ms: {e}", started.elapsed().as_millis());
+            return Ok(ExitCode::from(4));
+        }
+    };
+    let setup = started.elapsed();
+    let cuda = shared_devices();
+    let world = pg.size();
+    let on_device = |t: Tensor| async move { relocate(cuda, &t, device).await };
+    let values = |t: &Tensor| {
+        let t = t.clone();
+        async move {
+            let host = relocate(cuda, &t, Device::Cpu).await?;
+            Ok::<_, Error>(host.to_f32_vec().ok_or("not f32")?)
+        }
+    };
+    ensure(pg.device() == device && pg.backend() == "nccl", || {
+        "the group's device and backend".into()
+    })?;
+    pg.barrier().await?;
+
+    let n = 1 << 20;
+    let mine = on_device(Tensor::from_f32(vec![n], &vec![rank as f32 + 1.0; n])?).await?;
+    let sum = pg.all_reduce_tensor(&mine, ReduceOp::Sum).await?;
+    ensure(sum.device() == device, || "all_reduce result on the device".into())?;
+    let want = (world * (world + 1) / 2) as f32;
+    ensure(values(&sum).await?.iter().all(|v| *v == want), || {
+        format!("all_reduce sum of 4 MiB is not {want} everywhere")
+    })?;
+    let max = pg.all_reduce_tensor(&mine, ReduceOp::Max).await?;
+    ensure(values(&max).await?.iter().all(|v| *v == world as f32), || {
+        "all_reduce max".into()
+    })?;
+    let ints = Tensor::new(
+        DType::I64,
+        vec![3],
+        Storage::Host(
+            [rank as i64 + 2, -1, 1 << 40]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>()
+                .into(),
+        ),
+    )?;
+    let prod = pg
+        .all_reduce_tensor(&on_device(ints).await?, ReduceOp::Product)
+        .await?;
+    let prod = relocate(cuda, &prod, Device::Cpu).await?;
+    let got: Vec<i64> = prod
+        .host_bytes()
+        .ok_or("host")?
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect();
+    let want_first: i64 = (0..world as i64).map(|r| r + 2).product();
+    ensure(got[0] == want_first, || format!("i64 product: {got:?}"))?;
+
+    let row = on_device(Tensor::from_f32(vec![1000], &vec![rank as f32; 1000])?).await?;
+    let parts = pg.all_gather_tensor(&row).await?;
+    ensure(parts.len() == world, || "all_gather count".into())?;
+    for (r, p) in parts.iter().enumerate() {
+        ensure(values(p).await? == vec![r as f32; 1000], || {
+            format!("all_gather part {r}")
+        })?;
+    }
+    let root = world - 1;
+    let b = pg.broadcast_tensor(&row, root).await?;
+    ensure(values(&b).await? == vec![root as f32; 1000], || "broadcast".into())?;
+
+    // The byte collectives, staged through the device.
+    let blocks = pg.all_gather(&block(rank, rank * 100 + 1)).await?;
+    for (peer, got) in blocks.iter().enumerate() {
+        ensure(got[..] == block(peer, peer * 100 + 1)[..], || {
+            format!("byte all_gather block {peer}")
+        })?;
+    }
+    let mut data = if rank == 0 { block(7, 4096) } else { vec![0; 4096] };
+    pg.broadcast(&mut data, 0).await?;
+    ensure(data == block(7, 4096), || "byte broadcast".into())?;
+    let mut v = [rank as f64, 0.5];
+    pg.all_reduce_typed(&mut v, ReduceOp::Sum).await?;
+    ensure(v == [(world * (world - 1) / 2) as f64, 0.5 * world as f64], || {
+        format!("byte all_reduce f64: {v:?}")
+    })?;
+
+    // Typed errors, the group still usable after them.
+    let host = Tensor::from_f32(vec![2], &[1.0, 2.0])?;
+    let e = pg.all_reduce_tensor(&host, ReduceOp::Sum).await.err();
+    ensure(matches!(e, Some(ProcessGroupError::WrongDevice { .. })), || {
+        format!("a cpu tensor: {e:?}")
+    })?;
+    let bf = Tensor::new(DType::BF16, vec![2], Storage::Host(vec![0u8; 4].into()))?;
+    let e = pg
+        .all_reduce_tensor(&on_device(bf).await?, ReduceOp::Sum)
+        .await
+        .err();
+    ensure(matches!(e, Some(ProcessGroupError::UnsupportedType { .. })), || {
+        format!("bfloat16: {e:?}")
+    })?;
+    pg.barrier().await?;
+    let t = Instant::now();
+    for _ in 0..100 {
+        pg.all_reduce_tensor(&mine, ReduceOp::Sum).await?;
+    }
+    let per_call = t.elapsed() / 100;
+    pg.shutdown().await;
+    let e = pg.barrier().await.err();
+    ensure(matches!(e, Some(ProcessGroupError::ShutDown)), || {
+        format!("after shutdown: {e:?}")
+    })?;
+    let _ = cuda.device_count();
+    println!(
+        "OK nccl rank {rank} on {device}: setup {} ms, 4 MiB all_reduce {:.1} us per call",
+        setup.as_millis(),
+        per_call.as_secs_f64() * 1e6
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 fn main() -> ExitCode {
