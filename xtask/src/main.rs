@@ -88,11 +88,13 @@ fn ci() -> Result<()> {
     )?;
     // Non-default features: the CUDA backend builds and passes its tests without a GPU (the GPU
     // tests print `SKIPPED: ...` with the reason), the QUIC transport in the CLI and the agent's
-    // QUIC backend, and the standalone NCCL wrapper, which must say why it is unavailable.
+    // QUIC backend, the NCCL wrapper and the `nccl` process-group backend, which must say why
+    // they are unavailable (at `new_group`, on every rank).
     for (package, features) in [
         ("tensorwire", "cuda,quic"),
         ("tensorwire-rpc", "quic"),
         ("tensorwire-devices-cuda", "nccl"),
+        ("tensorwire-process-group", "nccl"),
     ] {
         run(
             "cargo",
@@ -155,6 +157,28 @@ fn gpu(args: &[String]) -> Result<()> {
     let dest = out.join("tw-gpu-check");
     std::fs::copy(&built, &dest)
         .with_context(|| format!("cannot copy {} to {}", built.display(), dest.display()))?;
+    if nccl {
+        // The `nccl` process-group check: tw-pg-worker's `nccl` scenario.
+        run(
+            "cargo",
+            &[
+                "build",
+                "--release",
+                "-p",
+                "tensorwire-process-group",
+                "--features",
+                "nccl",
+                "--bin",
+                "tw-pg-worker",
+            ],
+            &[],
+        )?;
+        let built = target.join("release").join("tw-pg-worker");
+        let dest = out.join("tw-pg-worker");
+        std::fs::copy(&built, &dest)
+            .with_context(|| format!("cannot copy {} to {}", built.display(), dest.display()))?;
+        eprintln!("xtask: built {}", dest.display());
+    }
     let glibc = Command::new("ldd")
         .arg("--version")
         .output()
@@ -174,7 +198,12 @@ fn gpu(args: &[String]) -> Result<()> {
          --no-bench (skip the throughput measurements), --bench-mib N (default 256).\n\
          Built with --nccl, it also runs a 1-rank NCCL all_reduce; cudarc opens NCCL as\n\
          libnccl.so, so with the nvidia-nccl-cu12/cu13 wheel put a libnccl.so symlink to its\n\
-         lib/libnccl.so.2 in a folder on LD_LIBRARY_PATH.\n\
+         lib/libnccl.so.2 in a folder on LD_LIBRARY_PATH. --nccl also builds tw-pg-worker, whose\n\
+         `nccl` scenario runs a process group of the nccl backend through new_group (every\n\
+         collective on device tensors, checked); one rank per GPU:\n\
+         \x20   MASTER_ADDR=127.0.0.1 MASTER_PORT=0 RANK=0 WORLD_SIZE=1 TENSORWIRE_SECRET=s \\\n\
+         \x20   ./tw-pg-worker nccl\n\
+         (with N GPUs: WORLD_SIZE=N; rank 0 prints PORT p, start ranks 1..N-1 with MASTER_PORT=p).\n\
          It prints PASS/FAIL per check and a SUMMARY line; exit status 0 = all passed,\n\
          1 = a check failed, 2 = no usable CUDA device (the reason is printed).",
         dest.display(),
