@@ -550,6 +550,10 @@ impl NcclComm {
                     format!("waiting for the stream: {e:?}")
                 }
             })?;
+            // An abort ends the kernels without a CUDA error: the output is then garbage.
+            if self.abort_handle().is_aborted() {
+                return Err("the communicator was aborted while the collective ran".to_owned());
+            }
             Ok(out)
         }))
         .map_err(|_| self.fail(op, "the NCCL bindings panicked".into()))?;
