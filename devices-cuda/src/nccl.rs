@@ -422,8 +422,7 @@ impl NcclComm {
                 "rank {rank} is not below the world size {world_size}"
             )));
         }
-        let (Ok(nranks), Ok(my_rank)) = (c_int::try_from(world_size), c_int::try_from(rank))
-        else {
+        let (Ok(nranks), Ok(my_rank)) = (c_int::try_from(world_size), c_int::try_from(rank)) else {
             return Err(NcclError::Invalid(format!(
                 "world size {world_size} does not fit NCCL's int"
             )));
@@ -523,7 +522,11 @@ impl NcclComm {
         &self,
         op: &'static str,
         len: usize,
-        enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t, *mut std::ffi::c_void) -> sys::ncclResult_t,
+        enqueue: impl FnOnce(
+            sys::ncclComm_t,
+            sys::cudaStream_t,
+            *mut std::ffi::c_void,
+        ) -> sys::ncclResult_t,
     ) -> Result<CudaSlice<u8>, NcclError> {
         let stream = &self.stream;
         let out = catch_unwind(AssertUnwindSafe(|| {
@@ -532,7 +535,8 @@ impl NcclComm {
                 .bind_to_thread()
                 .map_err(|e| format!("binding the CUDA context: {e:?}"))?;
             // SAFETY: the allocation is fully written by the collective before anyone reads it.
-            let mut out = unsafe { stream.alloc::<u8>(len.max(1)) }.map_err(|e| format!("{e:?}"))?;
+            let mut out =
+                unsafe { stream.alloc::<u8>(len.max(1)) }.map_err(|e| format!("{e:?}"))?;
             let rc = {
                 let (dst, _record) = out.device_ptr_mut(stream);
                 let raw_stream = stream.cu_stream() as sys::cudaStream_t;

@@ -29,9 +29,9 @@ mod executor;
 pub mod file;
 mod group;
 mod memory;
+pub mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
-pub mod mesh;
 pub mod rendezvous;
 mod server;
 pub mod setup;

@@ -88,7 +88,9 @@ impl NcclFactory {
     }
 
     fn devices(&self) -> CudaDevices {
-        self.devices.clone().unwrap_or_else(|| shared_devices().clone())
+        self.devices
+            .clone()
+            .unwrap_or_else(|| shared_devices().clone())
     }
 }
 
@@ -149,9 +151,8 @@ impl ProcessGroupFactory for NcclFactory {
                 _ => return Err(setup(format!("Unknown option {key}"))),
             }
         }
-        let name = name.unwrap_or_else(|| {
-            format!("nccl{}", GROUP_COUNTER.fetch_add(1, Ordering::Relaxed))
-        });
+        let name = name
+            .unwrap_or_else(|| format!("nccl{}", GROUP_COUNTER.fetch_add(1, Ordering::Relaxed)));
         let cuda = self.devices();
         // Step 1: can this rank take part? Rank 0 also makes the id.
         let readiness = match local_readiness(&cuda, device) {
@@ -176,9 +177,7 @@ impl ProcessGroupFactory for NcclFactory {
         let left = timeout.saturating_sub(start.elapsed());
         let init = {
             let cuda = cuda.clone();
-            tokio::task::spawn_blocking(move || {
-                NcclComm::new(&cuda, device, rank, world_size, &id)
-            })
+            tokio::task::spawn_blocking(move || NcclComm::new(&cuda, device, rank, world_size, &id))
         };
         let comm = match tokio::time::timeout(left, init).await {
             Ok(Ok(Ok(comm))) => comm,
@@ -307,7 +306,11 @@ impl NcclGroup {
         }
     }
 
-    fn staging_error(&self, collective: &'static str, e: impl std::fmt::Display) -> ProcessGroupError {
+    fn staging_error(
+        &self,
+        collective: &'static str,
+        e: impl std::fmt::Display,
+    ) -> ProcessGroupError {
         ProcessGroupError::Backend {
             backend: NCCL_BACKEND,
             collective,
@@ -408,7 +411,9 @@ impl ProcessGroup for NcclGroup {
         let mut padded = input.to_vec();
         padded.resize(longest, 0);
         let block = self.to_device("all_gather", &padded).await?;
-        let blocks = self.run("all_gather", move |c| c.all_gather(&block)).await?;
+        let blocks = self
+            .run("all_gather", move |c| c.all_gather(&block))
+            .await?;
         let mut out = Vec::with_capacity(blocks.len());
         for (b, n) in blocks.iter().zip(lengths) {
             let host = self.to_host("all_gather", b).await?;
@@ -470,7 +475,9 @@ impl ProcessGroup for NcclGroup {
 
     async fn all_gather_tensor(&self, tensor: &Tensor) -> Result<Vec<Tensor>, ProcessGroupError> {
         let buffer = self.buffer("all_gather", tensor)?;
-        let parts = self.run("all_gather", move |c| c.all_gather(&buffer)).await?;
+        let parts = self
+            .run("all_gather", move |c| c.all_gather(&buffer))
+            .await?;
         Ok(parts.into_iter().map(|b| with_device(tensor, b)).collect())
     }
 
@@ -512,17 +519,32 @@ mod tests {
     #[tokio::test]
     async fn cpu_and_unknown_options_are_refused() {
         let e = NcclFactory::new()
-            .create(store(), 0, 1, Duration::from_secs(1), Device::Cpu, Vec::new())
+            .create(
+                store(),
+                0,
+                1,
+                Duration::from_secs(1),
+                Device::Cpu,
+                Vec::new(),
+            )
             .await
             .err()
             .unwrap();
         assert!(
-            e.to_string().contains("the nccl backend works on CUDA devices; pass cuda:N, not cpu"),
+            e.to_string()
+                .contains("the nccl backend works on CUDA devices; pass cuda:N, not cpu"),
             "{e}"
         );
         let options = vec![("bogus".to_owned(), "1".to_owned())];
         let e = NcclFactory::new()
-            .create(store(), 0, 1, Duration::from_secs(1), Device::Cuda(0), options)
+            .create(
+                store(),
+                0,
+                1,
+                Duration::from_secs(1),
+                Device::Cuda(0),
+                options,
+            )
             .await
             .err()
             .unwrap();
@@ -566,13 +588,23 @@ mod tests {
                         && text.contains(&format!("rank 1 cannot join: {why}")),
                     "{text}"
                 );
-                assert!(took < Duration::from_secs(10), "failed fast, not at the timeout");
+                assert!(
+                    took < Duration::from_secs(10),
+                    "failed fast, not at the timeout"
+                );
             }
             println!("SKIPPED the GPU part: {why}");
             return;
         }
         let pg = NcclFactory::new()
-            .create(store(), 0, 1, Duration::from_secs(60), Device::Cuda(0), Vec::new())
+            .create(
+                store(),
+                0,
+                1,
+                Duration::from_secs(60),
+                Device::Cuda(0),
+                Vec::new(),
+            )
             .await
             .unwrap();
         pg.barrier().await.unwrap();

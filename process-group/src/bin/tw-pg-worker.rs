@@ -220,7 +220,10 @@ async fn nccl(rank: usize, timeout: Duration) -> Result<ExitCode, Error> {
     let pg = match new_group("nccl", timeout, device, Vec::new()).await {
         Ok(pg) => pg,
         Err(e) => {
-            println!("SETUP-ERROR after {} ms: {e}", started.elapsed().as_millis());
+            println!(
+                "SETUP-ERROR after {} ms: {e}",
+                started.elapsed().as_millis()
+            );
             return Ok(ExitCode::from(4));
         }
     };
@@ -243,15 +246,18 @@ async fn nccl(rank: usize, timeout: Duration) -> Result<ExitCode, Error> {
     let n = 1 << 20;
     let mine = on_device(Tensor::from_f32(vec![n], &vec![rank as f32 + 1.0; n])?).await?;
     let sum = pg.all_reduce_tensor(&mine, ReduceOp::Sum).await?;
-    ensure(sum.device() == device, || "all_reduce result on the device".into())?;
+    ensure(sum.device() == device, || {
+        "all_reduce result on the device".into()
+    })?;
     let want = (world * (world + 1) / 2) as f32;
     ensure(values(&sum).await?.iter().all(|v| *v == want), || {
         format!("all_reduce sum of 4 MiB is not {want} everywhere")
     })?;
     let max = pg.all_reduce_tensor(&mine, ReduceOp::Max).await?;
-    ensure(values(&max).await?.iter().all(|v| *v == world as f32), || {
-        "all_reduce max".into()
-    })?;
+    ensure(
+        values(&max).await?.iter().all(|v| *v == world as f32),
+        || "all_reduce max".into(),
+    )?;
     let ints = Tensor::new(
         DType::I64,
         vec![3],
@@ -286,7 +292,9 @@ async fn nccl(rank: usize, timeout: Duration) -> Result<ExitCode, Error> {
     }
     let root = world - 1;
     let b = pg.broadcast_tensor(&row, root).await?;
-    ensure(values(&b).await? == vec![root as f32; 1000], || "broadcast".into())?;
+    ensure(values(&b).await? == vec![root as f32; 1000], || {
+        "broadcast".into()
+    })?;
 
     // The byte collectives, staged through the device.
     let blocks = pg.all_gather(&block(rank, rank * 100 + 1)).await?;
@@ -295,29 +303,36 @@ async fn nccl(rank: usize, timeout: Duration) -> Result<ExitCode, Error> {
             format!("byte all_gather block {peer}")
         })?;
     }
-    let mut data = if rank == 0 { block(7, 4096) } else { vec![0; 4096] };
+    let mut data = if rank == 0 {
+        block(7, 4096)
+    } else {
+        vec![0; 4096]
+    };
     pg.broadcast(&mut data, 0).await?;
     ensure(data == block(7, 4096), || "byte broadcast".into())?;
     let mut v = [rank as f64, 0.5];
     pg.all_reduce_typed(&mut v, ReduceOp::Sum).await?;
-    ensure(v == [(world * (world - 1) / 2) as f64, 0.5 * world as f64], || {
-        format!("byte all_reduce f64: {v:?}")
-    })?;
+    ensure(
+        v == [(world * (world - 1) / 2) as f64, 0.5 * world as f64],
+        || format!("byte all_reduce f64: {v:?}"),
+    )?;
 
     // Typed errors, the group still usable after them.
     let host = Tensor::from_f32(vec![2], &[1.0, 2.0])?;
     let e = pg.all_reduce_tensor(&host, ReduceOp::Sum).await.err();
-    ensure(matches!(e, Some(ProcessGroupError::WrongDevice { .. })), || {
-        format!("a cpu tensor: {e:?}")
-    })?;
+    ensure(
+        matches!(e, Some(ProcessGroupError::WrongDevice { .. })),
+        || format!("a cpu tensor: {e:?}"),
+    )?;
     let bf = Tensor::new(DType::BF16, vec![2], Storage::Host(vec![0u8; 4].into()))?;
     let e = pg
         .all_reduce_tensor(&on_device(bf).await?, ReduceOp::Sum)
         .await
         .err();
-    ensure(matches!(e, Some(ProcessGroupError::UnsupportedType { .. })), || {
-        format!("bfloat16: {e:?}")
-    })?;
+    ensure(
+        matches!(e, Some(ProcessGroupError::UnsupportedType { .. })),
+        || format!("bfloat16: {e:?}"),
+    )?;
     pg.barrier().await?;
     let t = Instant::now();
     for _ in 0..100 {

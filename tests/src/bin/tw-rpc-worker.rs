@@ -3,14 +3,21 @@
 //!
 //! Each scenario prints `OK ...` lines the test checks, and exits 0 when everything it checked
 //! held, 1 (with the error on stderr) otherwise.
+//!
+//! `TW_DEVICES` picks the device backend every scenario runs on: `simulated` (the default: two
+//! simulated CUDA devices) or `cuda` (the real backend). With `cuda` and no usable GPU the
+//! worker prints `SKIPPED: <reason>` and exits 0 before doing anything else.
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::sync::OnceLock;
+
 use tensorwire_core::device::Device;
 use tensorwire_core::devices_sim::SimulatedDevices;
+use tensorwire_core::ports::device::{relocate, DeviceBackend};
 use tensorwire_core::tensor::Tensor;
 use tensorwire_rpc::{init_rpc, Agent, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions};
 
@@ -64,6 +71,36 @@ fn env(name: &str) -> usize {
         .unwrap_or_else(|| panic!("{name} must be set"))
 }
 
+static DEVICES: OnceLock<Arc<dyn DeviceBackend>> = OnceLock::new();
+
+/// The device backend `TW_DEVICES` names, or why it cannot be used here.
+fn choose_devices() -> Result<Arc<dyn DeviceBackend>, String> {
+    match std::env::var("TW_DEVICES").as_deref() {
+        Err(_) | Ok("simulated") => Ok(Arc::new(SimulatedDevices::new(2))),
+        Ok("cuda") => {
+            let cuda = tensorwire_devices_cuda::CudaDevices::new();
+            match cuda.unavailable() {
+                None => Ok(Arc::new(cuda)),
+                Some(why) => Err(format!("no CUDA device for TW_DEVICES=cuda: {why}")),
+            }
+        }
+        Ok(other) => {
+            eprintln!("unknown TW_DEVICES={other:?}; use simulated or cuda");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// The backend every scenario's agent uses (and makes its device tensors with).
+fn devices() -> Arc<dyn DeviceBackend> {
+    DEVICES.get().expect("chosen in main").clone()
+}
+
+/// The device a `cpu` map entry sends to: `cuda:1` when there are two devices, else `cuda:0`.
+fn target_device() -> Device {
+    Device::Cuda(devices().device_count().min(2).saturating_sub(1) as u8)
+}
+
 async fn start(
     tweak: impl FnOnce(usize, &mut RpcOptions),
 ) -> Result<(Agent, usize, usize), RpcError> {
@@ -71,6 +108,7 @@ async fn start(
     let mut options = RpcOptions {
         functions: functions(),
         init_timeout: Duration::from_secs(60),
+        device_backend: devices(),
         ..RpcOptions::default()
     };
     tweak(rank, &mut options);
@@ -87,10 +125,10 @@ fn check(cond: bool, what: &str) -> Result<(), RpcError> {
 }
 
 async fn basic() -> Result<(), RpcError> {
+    let target = target_device();
     let (agent, rank, world) = start(|rank, o| {
-        o.device_backend = Arc::new(SimulatedDevices::new(2));
         let next = (rank + 1) % env("WORLD_SIZE");
-        o.set_device_map(&format!("w{next}"), &[("cpu", "cuda:1")])
+        o.set_device_map(&format!("w{next}"), &[("cpu", &target.to_string())])
             .expect("valid map");
     })
     .await?;
@@ -138,13 +176,14 @@ async fn basic() -> Result<(), RpcError> {
         "the owner's value keeps its state",
     )?;
     drop((v, c));
-    // Tensors: CPU tensors to the next worker land on its cuda:1; replies come back to cpu.
+    // Tensors: CPU tensors to the next worker land on its target device (cuda:1 with two
+    // devices); replies come back to cpu.
     let t = Tensor::from_f32(vec![4], &[1.0, 2.0, 3.0, 4.0]).expect("tensor");
     let (landed, back): (String, Tensor) = agent
         .rpc_sync(next as u32, "tensor_where", &t, None)
         .await?;
     check(
-        landed == "cuda:1" && back.device() == Device::Cpu,
+        landed == target.to_string() && back.device() == Device::Cpu,
         "device map and reverse map",
     )?;
     check(
@@ -154,8 +193,7 @@ async fn basic() -> Result<(), RpcError> {
     // A CUDA tensor to a worker this one has no map for fails at once; the agent stays usable.
     let prev = ((rank + world - 1) % world) as u32;
     if prev != next as u32 {
-        let sim = SimulatedDevices::new(2);
-        let on_gpu = tensorwire_core::ports::device::relocate(&sim, &t, Device::Cuda(0))
+        let on_gpu = relocate(&*devices(), &t, Device::Cuda(0))
             .await
             .map_err(|e| RpcError::Init(e.to_string()))?;
         let e = agent
@@ -248,23 +286,13 @@ async fn dead_peer() -> Result<(), RpcError> {
     }
 }
 
-/// The same device-map paths as `basic`, on real GPUs through the CUDA backend: a tensor on
-/// this worker's `cuda:0` lands on the next worker's `cuda:0` by the map and comes back by the
-/// reverse map; one without a map entry fails before sending. Without a GPU, every worker prints
-/// `SKIPPED: <reason>` and succeeds.
-async fn cuda() -> Result<(), RpcError> {
-    use tensorwire_core::ports::device::{relocate, DeviceBackend};
-    let backend = Arc::new(tensorwire_devices_cuda::CudaDevices::new());
-    if backend.device_count() == 0 {
-        let why = backend
-            .unavailable()
-            .map_or_else(|| "no CUDA device".to_owned(), |r| r.to_string());
-        println!("SKIPPED: {why}");
-        return Ok(());
-    }
-    let dyn_backend: Arc<dyn DeviceBackend> = backend.clone();
+/// Device tensors between processes: a tensor on this worker's `cuda:0` lands on the next
+/// worker's `cuda:0` by the map and comes back by the reverse map (4 MiB, bytes checked); one
+/// without a map entry fails before sending. On the simulated or the real backend
+/// (`TW_DEVICES`).
+async fn device_tensors() -> Result<(), RpcError> {
+    let backend = devices();
     let (agent, rank, world) = start(|rank, o| {
-        o.device_backend = dyn_backend;
         let next = (rank + 1) % env("WORLD_SIZE");
         o.set_device_map(&format!("w{next}"), &[("cuda:0", "cuda:0")])
             .expect("valid map");
@@ -301,7 +329,7 @@ async fn cuda() -> Result<(), RpcError> {
         )?;
     }
     agent.shutdown(true, Duration::from_secs(30)).await?;
-    println!("OK cuda rank {rank}");
+    println!("OK device-tensors rank {rank} on {}", backend.name());
     Ok(())
 }
 
@@ -370,10 +398,11 @@ async fn quic() -> Result<(), RpcError> {
 }
 
 async fn bad_map() -> Result<(), RpcError> {
+    // A target index past every worker's devices.
+    let bad = format!("cuda:{}", devices().device_count() + 3);
     let r = start(|rank, o| {
-        o.device_backend = Arc::new(SimulatedDevices::new(1));
         if rank == 0 {
-            o.set_device_map("w1", &[("cuda:0", "cuda:5")])
+            o.set_device_map("w1", &[("cuda:0", &bad)])
                 .expect("syntactically fine");
         }
     })
@@ -434,13 +463,22 @@ async fn inflight() -> Result<(), RpcError> {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let scenario = std::env::args().nth(1).unwrap_or_default();
+    match choose_devices() {
+        Ok(d) => {
+            let _ = DEVICES.set(d);
+        }
+        Err(why) => {
+            println!("SKIPPED: {why}");
+            return ExitCode::SUCCESS;
+        }
+    }
     let result = match scenario.as_str() {
         "basic" => basic().await,
         "dead-peer" => dead_peer().await,
         "bad-map" => bad_map().await,
         "scale" => scale().await,
         "inflight" => inflight().await,
-        "cuda" => cuda().await,
+        "device-tensors" => device_tensors().await,
         "dynamic" => dynamic().await,
         "quic" => quic().await,
         other => Err(RpcError::Init(format!("unknown scenario {other:?}"))),
