@@ -137,47 +137,36 @@ fn gpu(args: &[String]) -> Result<()> {
             _ => bail!("usage: cargo xtask gpu [--nccl] [--out DIR]"),
         }
     }
-    let mut build = vec![
-        "build",
-        "--release",
-        "-p",
-        "tensorwire-devices-cuda",
-        "--bin",
-        "tw-gpu-check",
+    // (package, features, binary): the GPU check, the multi-process RPC worker and the CLI
+    // (whose `launch` starts the workers), and with --nccl the process-group worker.
+    let mut bins = vec![
+        (
+            "tensorwire-devices-cuda",
+            if nccl { "nccl" } else { "" },
+            "tw-gpu-check",
+        ),
+        ("tensorwire-tests", "", "tw-rpc-worker"),
+        ("tensorwire", "cuda", "tensorwire"),
     ];
     if nccl {
-        build.extend(["--features", "nccl"]);
+        bins.push(("tensorwire-process-group", "nccl", "tw-pg-worker"));
     }
-    run("cargo", &build, &[])?;
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| root.join("target"));
-    let built = target.join("release").join("tw-gpu-check");
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
-    let dest = out.join("tw-gpu-check");
-    std::fs::copy(&built, &dest)
-        .with_context(|| format!("cannot copy {} to {}", built.display(), dest.display()))?;
-    if nccl {
-        // The `nccl` process-group check: tw-pg-worker's `nccl` scenario.
-        run(
-            "cargo",
-            &[
-                "build",
-                "--release",
-                "-p",
-                "tensorwire-process-group",
-                "--features",
-                "nccl",
-                "--bin",
-                "tw-pg-worker",
-            ],
-            &[],
-        )?;
-        let built = target.join("release").join("tw-pg-worker");
-        let dest = out.join("tw-pg-worker");
+    for (package, features, bin) in bins {
+        let mut build = vec!["build", "--release", "-p", package, "--bin", bin];
+        if !features.is_empty() {
+            build.extend(["--features", features]);
+        }
+        run("cargo", &build, &[])?;
+        let built = target.join("release").join(bin);
+        let dest = out.join(bin);
         std::fs::copy(&built, &dest)
             .with_context(|| format!("cannot copy {} to {}", built.display(), dest.display()))?;
-        eprintln!("xtask: built {}", dest.display());
+        // Smaller to ship; best effort (the binaries work unstripped).
+        let _ = Command::new("strip").arg(&dest).status();
     }
     let glibc = Command::new("ldd")
         .arg("--version")
@@ -186,28 +175,35 @@ fn gpu(args: &[String]) -> Result<()> {
         .and_then(|o| String::from_utf8(o.stdout).ok())
         .and_then(|s| s.lines().next().map(str::to_owned))
         .unwrap_or_else(|| "unknown".into());
+    let dir = out.display();
+    let nccl_part = if nccl {
+        format!(
+            "\n\
+             tw-gpu-check also runs a 1-rank NCCL all_reduce (built with --nccl). cudarc opens\n\
+             NCCL only as libnccl.so: with the nvidia-nccl-cu12/cu13 wheel, put a libnccl.so\n\
+             symlink to its lib/libnccl.so.2 in a folder on LD_LIBRARY_PATH. The nccl process\n\
+             group (new_group(\"nccl\"), every collective on device tensors, checked), one\n\
+             rank per GPU:\n\
+             \x20   {dir}/tensorwire launch --nproc 1 -- {dir}/tw-pg-worker nccl\n"
+        )
+    } else {
+        String::new()
+    };
     eprintln!(
-        "xtask: built {}\n\
+        "xtask: built {dir}/tw-gpu-check, tw-rpc-worker, tensorwire{}\n\
          \n\
-         Run it on a machine with an NVIDIA GPU and driver (CUDA 12.0 or newer, driver 525+); no\n\
-         CUDA toolkit is needed, the driver library libcuda.so.1 is loaded at run time:\n\
+         Run them on a machine with an NVIDIA GPU and driver (CUDA 12.0 or newer, driver 525+).\n\
+         No CUDA toolkit is needed: the driver library libcuda.so.1 is loaded at run time. They\n\
+         need a glibc at least as new as this build machine's ({glibc}).\n\
          \n\
-         \x20   scp {} gpu-host: && ssh gpu-host ./tw-gpu-check\n\
-         \n\
-         It needs a glibc at least as new as this build machine's ({glibc}). Options:\n\
-         --no-bench (skip the throughput measurements), --bench-mib N (default 256).\n\
-         Built with --nccl, it also runs a 1-rank NCCL all_reduce; cudarc opens NCCL as\n\
-         libnccl.so, so with the nvidia-nccl-cu12/cu13 wheel put a libnccl.so symlink to its\n\
-         lib/libnccl.so.2 in a folder on LD_LIBRARY_PATH. --nccl also builds tw-pg-worker, whose\n\
-         `nccl` scenario runs a process group of the nccl backend through new_group (every\n\
-         collective on device tensors, checked); one rank per GPU:\n\
-         \x20   MASTER_ADDR=127.0.0.1 MASTER_PORT=0 RANK=0 WORLD_SIZE=1 TENSORWIRE_SECRET=s \\\n\
-         \x20   ./tw-pg-worker nccl\n\
-         (with N GPUs: WORLD_SIZE=N; rank 0 prints PORT p, start ranks 1..N-1 with MASTER_PORT=p).\n\
-         It prints PASS/FAIL per check and a SUMMARY line; exit status 0 = all passed,\n\
-         1 = a check failed, 2 = no usable CUDA device (the reason is printed).",
-        dest.display(),
-        dest.display()
+         The device checks and staging throughput against raw copies (PASS/FAIL per check, a\n\
+         SUMMARY line; exit 0 = all passed, 1 = a check failed, 2 = no usable CUDA device):\n\
+         \x20   {dir}/tw-gpu-check [--no-bench] [--bench-mib N]\n\
+         The multi-process RPC scenarios on the real CUDA backend (each rank prints OK ...):\n\
+         \x20   TW_DEVICES=cuda {dir}/tensorwire launch --nproc 3 -- {dir}/tw-rpc-worker device-tensors\n\
+         \x20   (also: basic, inflight, bad-map, dynamic, scale)\n\
+         {nccl_part}",
+        if nccl { ", tw-pg-worker" } else { "" },
     );
     Ok(())
 }
