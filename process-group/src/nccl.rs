@@ -22,6 +22,25 @@
 //! [`ProcessGroupError::Timeout`]; NCCL does not say which rank it waited for, so the error
 //! cannot name it. After a timeout or an NCCL error the group is broken: every later collective
 //! fails with the same error, as with the built-in backend.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use tensorwire_core::{collective::ReduceOp, device::Device, ports::device::relocate, tensor::Tensor};
+//! use tensorwire_process_group::{new_group, nccl::shared_devices};
+//!
+//! let rank: u8 = std::env::var("RANK")?.parse()?;
+//! let device = Device::Cuda(rank); // one GPU per rank
+//! let pg = new_group("nccl", Duration::from_secs(60), device, Vec::new()).await?;
+//! let cuda = shared_devices(); // the backend the group uses
+//! let grads = relocate(cuda, &Tensor::from_f32(vec![1024], &[1.0; 1024])?, device).await?;
+//! let summed = pg.all_reduce_tensor(&grads, ReduceOp::Sum).await?; // a new tensor on `device`
+//! let parts = pg.all_gather_tensor(&grads).await?; // one tensor per rank
+//! let root = pg.broadcast_tensor(&grads, 0).await?;
+//! pg.barrier().await?;
+//! # let _ = (summed, parts, root);
+//! # Ok(()) }
+//! ```
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};

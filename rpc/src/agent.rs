@@ -563,13 +563,20 @@ async fn connect_static(
     Ok(())
 }
 
+/// `url` with `rank` and `world_size` added to its query where it lacks them, for every scheme,
+/// as PyTorch's `rendezvous(url, rank, world_size)` does: `tcp://host:port` and
+/// `file:///path` work without repeating what `init_rpc` was given.
 fn with_rank(url: &str, rank: usize, world_size: usize) -> String {
-    if url.starts_with("env://") && !url.contains("rank=") {
-        let sep = if url.contains('?') { '&' } else { '?' };
-        format!("{url}{sep}rank={rank}&world_size={world_size}")
-    } else {
-        url.to_owned()
+    let query = url.split_once('?').map_or("", |(_, q)| q);
+    let has = |key: &str| query.split('&').any(|kv| kv.split('=').next() == Some(key));
+    let mut out = url.to_owned();
+    for (key, value) in [("rank", rank), ("world_size", world_size)] {
+        if !has(key) {
+            out.push(if out.contains('?') { '&' } else { '?' });
+            out.push_str(&format!("{key}={value}"));
+        }
     }
+    out
 }
 
 pub(crate) async fn connect_with_retry(
@@ -1707,5 +1714,27 @@ impl<R> std::future::Future for RpcFuture<R> {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
         self.inner.as_mut().poll(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_rank;
+
+    #[test]
+    fn init_urls_get_the_missing_rank_and_world_size() {
+        assert_eq!(with_rank("env://", 1, 4), "env://?rank=1&world_size=4");
+        assert_eq!(
+            with_rank("tcp://10.0.0.1:29500", 0, 2),
+            "tcp://10.0.0.1:29500?rank=0&world_size=2"
+        );
+        assert_eq!(
+            with_rank("file:///tmp/x?world_size=2", 1, 2),
+            "file:///tmp/x?world_size=2&rank=1"
+        );
+        assert_eq!(
+            with_rank("tcp://h:1?rank=3&world_size=5", 3, 5),
+            "tcp://h:1?rank=3&world_size=5"
+        );
     }
 }

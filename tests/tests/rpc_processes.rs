@@ -301,6 +301,10 @@ fn a_killed_worker_is_named_by_the_others_within_the_timeout(devices) {
     }
 }
 
+fn a_worker_calls_itself_with_a_device_map(devices) {
+    assert_all_ok("self-rpc", 1, devices);
+}
+
 fn device_tensors_move_by_device_maps_between_processes(devices) {
     assert_all_ok("device-tensors", 3, devices);
 }

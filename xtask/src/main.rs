@@ -3,9 +3,10 @@
 //! - `ci`: what CI runs: format check, clippy with `-D warnings`, every test (nextest when
 //!   installed, else `cargo test`), doc tests, and the docs build with warnings denied. The
 //!   `cuda` and `quic` features of `tensorwire` are built, linted and tested too (no GPU needed).
-//! - `gpu [--nccl] [--out DIR]`: builds the self-contained GPU check binary `tw-gpu-check`
-//!   (release; with `--nccl` also the 1-rank NCCL check) and copies it to `DIR` (default `.gpu/`
-//!   at the workspace root), then prints how to run it on a machine with an NVIDIA GPU.
+//! - `gpu [--nccl] [--out DIR]`: builds (release, stripped) the self-contained GPU check binary
+//!   `tw-gpu-check` (with `--nccl` also the NCCL checks), the multi-process RPC worker, the CLI
+//!   (for `launch`) and with `--nccl` the process-group worker, copies them to `DIR` (default
+//!   `.gpu/` at the workspace root), then prints how to run them on a machine with a GPU.
 //! - `fuzz TARGET [--seconds N]`: runs a cargo-fuzz target of `fuzz/` (`wire`: the frame
 //!   decoder) for N seconds (default 60), installing cargo-fuzz if missing. Not part of `ci`.
 
@@ -89,12 +90,16 @@ fn ci() -> Result<()> {
     // Non-default features: the CUDA backend builds and passes its tests without a GPU (the GPU
     // tests print `SKIPPED: ...` with the reason), the QUIC transport in the CLI and the agent's
     // QUIC backend, the NCCL wrapper and the `nccl` process-group backend, which must say why
-    // they are unavailable (at `new_group`, on every rank).
-    for (package, features) in [
-        ("tensorwire", "cuda,quic"),
-        ("tensorwire-rpc", "quic"),
-        ("tensorwire-devices-cuda", "nccl"),
-        ("tensorwire-process-group", "nccl"),
+    // they are unavailable (at `new_group`, on every rank), and the GPU check with its NCCL
+    // steps.
+    // The last element narrows the tests run: the whole multi-process suite of
+    // `tensorwire-tests` already ran above; with `nccl` only the GPU check's own tests run.
+    for (package, features, only) in [
+        ("tensorwire", "cuda,quic", None),
+        ("tensorwire-rpc", "quic", None),
+        ("tensorwire-devices-cuda", "nccl", None),
+        ("tensorwire-process-group", "nccl", None),
+        ("tensorwire-tests", "nccl", Some(["--bin", "tw-gpu-check"])),
     ] {
         run(
             "cargo",
@@ -111,17 +116,16 @@ fn ci() -> Result<()> {
             ],
             &[],
         )?;
-        run(
-            "cargo",
-            &["test", "-p", package, "--features", features],
-            &[],
-        )?;
+        let mut test = vec!["test", "-p", package, "--features", features];
+        test.extend(only.iter().flatten());
+        run("cargo", &test, &[])?;
     }
     eprintln!("xtask: ci passed");
     Ok(())
 }
 
-/// Builds `tw-gpu-check` in release mode and copies it where a GPU machine can pick it up.
+/// Builds the GPU check binaries in release mode and copies them where a GPU machine can pick
+/// them up.
 fn gpu(args: &[String]) -> Result<()> {
     let root = workspace_root();
     let mut out = root.join(".gpu");
@@ -141,7 +145,7 @@ fn gpu(args: &[String]) -> Result<()> {
     // (whose `launch` starts the workers), and with --nccl the process-group worker.
     let mut bins = vec![
         (
-            "tensorwire-devices-cuda",
+            "tensorwire-tests",
             if nccl { "nccl" } else { "" },
             "tw-gpu-check",
         ),
@@ -179,11 +183,11 @@ fn gpu(args: &[String]) -> Result<()> {
     let nccl_part = if nccl {
         format!(
             "\n\
-             tw-gpu-check also runs a 1-rank NCCL all_reduce (built with --nccl). cudarc opens\n\
-             NCCL only as libnccl.so: with the nvidia-nccl-cu12/cu13 wheel, put a libnccl.so\n\
-             symlink to its lib/libnccl.so.2 in a folder on LD_LIBRARY_PATH. The nccl process\n\
-             group (new_group(\"nccl\"), every collective on device tensors, checked), one\n\
-             rank per GPU:\n\
+             With --nccl, tw-gpu-check also runs a 1-rank NCCL all_reduce and a 1-rank nccl\n\
+             process group. cudarc opens NCCL only as libnccl.so: with the nvidia-nccl-cu12/cu13\n\
+             wheel, put a libnccl.so symlink to its lib/libnccl.so.2 in a folder on\n\
+             LD_LIBRARY_PATH. An nccl process group of N processes (new_group(\"nccl\"), every\n\
+             collective on device tensors, checked), one rank per GPU:\n\
              \x20   {dir}/tensorwire launch --nproc 1 -- {dir}/tw-pg-worker nccl\n"
         )
     } else {

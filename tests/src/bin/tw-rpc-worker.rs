@@ -333,6 +333,34 @@ async fn device_tensors() -> Result<(), RpcError> {
     Ok(())
 }
 
+/// One worker calling itself with a device map to itself (`cpu` to its target device): the
+/// request's tensor lands on the device, the response comes back to `cpu` by the reverse map.
+/// Run with `WORLD_SIZE=1`; the GPU check of the CUDA backend.
+async fn self_rpc() -> Result<(), RpcError> {
+    let target = target_device();
+    let (agent, rank, _) = start(|rank, o| {
+        o.set_device_map(&format!("w{rank}"), &[("cpu", &target.to_string())])
+            .expect("valid map");
+    })
+    .await?;
+    let values: Vec<f32> = (0..1 << 20).map(|i| i as f32 * 0.25).collect();
+    let t = Tensor::from_f32(vec![values.len()], &values).expect("tensor");
+    let (landed, back): (String, Tensor) = agent
+        .rpc_sync(format!("w{rank}"), "tensor_where", &t, None)
+        .await?;
+    check(
+        landed == target.to_string(),
+        "a self call's tensor lands by the map",
+    )?;
+    check(
+        back.device() == Device::Cpu && back.to_f32_vec() == Some(values),
+        "4 MiB come back to cpu by the reverse map",
+    )?;
+    agent.shutdown(true, Duration::from_secs(30)).await?;
+    println!("OK self-rpc rank {rank} landed on {landed}");
+    Ok(())
+}
+
 /// A dynamic group (`world_size = None`): everyone joins, waits to see the others, calls each by
 /// name, then the higher ranks leave one by one and rank 0 (the store's host) goes last.
 async fn dynamic() -> Result<(), RpcError> {
@@ -479,6 +507,7 @@ async fn main() -> ExitCode {
         "scale" => scale().await,
         "inflight" => inflight().await,
         "device-tensors" => device_tensors().await,
+        "self-rpc" => self_rpc().await,
         "dynamic" => dynamic().await,
         "quic" => quic().await,
         other => Err(RpcError::Init(format!("unknown scenario {other:?}"))),

@@ -4,8 +4,11 @@
 //! an NVIDIA GPU. It checks device count and names; host→device→host round trips of 0 B, 1 B,
 //! 4 KiB and 64 MiB with byte comparison; device→device copies (same device, and between every
 //! pair of devices when there are two or more); device maps between `cpu` and `cuda:0` through
-//! `placement`, `reverse` and `relocate`; and measures staging throughput host↔device for
-//! 256 MiB through the backend against raw cudarc copies from pinned memory in the same run.
+//! `placement`, `reverse` and `relocate`; an RPC agent calling itself with a device map
+//! (`cpu` to `cuda:0`, the reply back by the reverse map); with the feature `nccl`, a 1-rank
+//! NCCL all_reduce through the wrapper and a 1-rank `nccl` process group running every
+//! collective; and measures staging throughput host↔device for 256 MiB through the backend
+//! against raw cudarc copies from pinned memory in the same run.
 //! It prints PASS/FAIL per check and a summary, and exits non-zero when a check fails (2 when
 //! there is no device at all).
 //!
@@ -144,11 +147,18 @@ async fn run() -> ExitCode {
     } else {
         println!("(throughput skipped: --no-bench)");
     }
-    #[cfg(feature = "nccl")]
     report.record(
-        "nccl 1-rank all_reduce",
-        tensorwire_devices_cuda::nccl::self_check(&cuda).await,
+        "self-RPC with a device map",
+        self_rpc(std::sync::Arc::new(cuda.clone())).await,
     );
+    #[cfg(feature = "nccl")]
+    {
+        report.record(
+            "nccl 1-rank all_reduce",
+            tensorwire_devices_cuda::nccl::self_check(&cuda).await,
+        );
+        report.record("nccl process group, 1 rank", nccl_group(&cuda).await);
+    }
     #[cfg(not(feature = "nccl"))]
     println!("(NCCL check not built: build with --features nccl, or `cargo xtask gpu --nccl`)");
 
@@ -388,6 +398,141 @@ async fn device_maps(cuda: &CudaDevices, report: &mut Report) {
 }
 
 /// Median of timings in seconds.
+/// An agent of one worker calls itself: a 4 MiB `cpu` tensor lands on `cuda:0` by the map (the
+/// handler sees it there, on the real backend) and the reply comes back to `cpu` by the reverse
+/// map, bytes intact.
+async fn self_rpc(backend: std::sync::Arc<dyn DeviceBackend>) -> Result<String, String> {
+    use tensorwire_rpc::{init_rpc, Functions, RpcOptions};
+
+    let functions = Functions::new();
+    functions.register("where", |t: Tensor| async move {
+        Ok::<_, String>((t.device().to_string(), t))
+    });
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("no free port: {e}"))?
+        .port();
+    let mut options = RpcOptions {
+        functions,
+        init_method: format!("tcp://127.0.0.1:{port}"),
+        init_timeout: Duration::from_secs(30),
+        secret: Some(b"tw-gpu-check".to_vec()),
+        device_backend: backend,
+        ..RpcOptions::default()
+    };
+    options
+        .set_device_map("self", &[("cpu", "cuda:0")])
+        .map_err(|e| e.to_string())?;
+    let agent = within("init_rpc", init_rpc("self", 0, Some(1), options))
+        .await?
+        .map_err(|e| e.to_string())?;
+    let values: Vec<f32> = (0..MIB).map(|i| i as f32 * 0.5).collect();
+    let t = Tensor::from_f32(vec![values.len()], &values).map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let reply = within(
+        "rpc_sync",
+        agent.rpc_sync::<_, (String, Tensor)>("self", "where", &t, None),
+    )
+    .await?
+    .map_err(|e| e.to_string());
+    let took = t0.elapsed();
+    let _ = within("shutdown", agent.shutdown(true, Duration::from_secs(10))).await;
+    let (landed, back) = reply?;
+    if landed != "cuda:0" {
+        return Err(format!(
+            "the handler saw the tensor on {landed}, not cuda:0"
+        ));
+    }
+    if back.device() != Device::Cpu || back.to_f32_vec() != Some(values) {
+        return Err(format!(
+            "the reply came back on {} or changed",
+            back.device()
+        ));
+    }
+    Ok(format!(
+        "4 MiB cpu -> cuda:0 -> cpu in {:.1} ms",
+        took.as_secs_f64() * 1e3
+    ))
+}
+
+/// A 1-rank `nccl` process group on `cuda:0` (the setup exchange through an in-memory store):
+/// every tensor collective, the staged byte collectives and the typed errors.
+#[cfg(feature = "nccl")]
+async fn nccl_group(cuda: &CudaDevices) -> Result<String, String> {
+    use std::sync::Arc;
+    use tensorwire_core::collective::ReduceOp;
+    use tensorwire_core::ports::process_group::ProcessGroupError;
+    use tensorwire_core::ports::store::Store;
+    use tensorwire_core::registry::ProcessGroupFactory;
+    use tensorwire_process_group::nccl::NcclFactory;
+    use tensorwire_process_group::InMemoryStore;
+
+    let d = Device::Cuda(0);
+    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+    let t0 = Instant::now();
+    let pg = within(
+        "new nccl group",
+        NcclFactory::with_devices(cuda.clone()).create(
+            store,
+            0,
+            1,
+            Duration::from_secs(60),
+            d,
+            Vec::new(),
+        ),
+    )
+    .await?
+    .map_err(|e| e.to_string())?;
+    let setup = t0.elapsed();
+    let e = |e: ProcessGroupError| e.to_string();
+    let values: Vec<f32> = (0..MIB).map(|i| (i % 777) as f32).collect();
+    let host = Tensor::from_f32(vec![values.len()], &values).map_err(|e| e.to_string())?;
+    let on = relocate(cuda, &host, d).await.map_err(|e| e.to_string())?;
+    let back = |t: Tensor| async move {
+        relocate(cuda, &t, Device::Cpu)
+            .await
+            .map_err(|e| e.to_string())
+            .map(|t| t.to_f32_vec())
+    };
+    within("barrier", pg.barrier()).await?.map_err(e)?;
+    let t1 = Instant::now();
+    let sum = within("all_reduce", pg.all_reduce_tensor(&on, ReduceOp::Sum))
+        .await?
+        .map_err(e)?;
+    let reduce = t1.elapsed();
+    if sum.device() != d || back(sum).await? != Some(values.clone()) {
+        return Err("all_reduce over one rank changed the tensor".into());
+    }
+    let parts = within("all_gather", pg.all_gather_tensor(&on))
+        .await?
+        .map_err(e)?;
+    if parts.len() != 1 || back(parts[0].clone()).await? != Some(values.clone()) {
+        return Err("all_gather over one rank is not the input".into());
+    }
+    let b = within("broadcast", pg.broadcast_tensor(&on, 0))
+        .await?
+        .map_err(e)?;
+    if back(b).await? != Some(values) {
+        return Err("broadcast over one rank is not the input".into());
+    }
+    let blocks = within("byte all_gather", pg.all_gather(b"bytes"))
+        .await?
+        .map_err(e)?;
+    if blocks.len() != 1 || &blocks[0][..] != b"bytes" {
+        return Err(format!("byte all_gather gave {blocks:?}"));
+    }
+    match pg.all_reduce_tensor(&host, ReduceOp::Sum).await {
+        Err(ProcessGroupError::WrongDevice { .. }) => {}
+        other => return Err(format!("a cpu tensor was not refused: {other:?}")),
+    }
+    pg.shutdown().await;
+    Ok(format!(
+        "setup {:.0} ms; 4 MiB all_reduce {:.2} ms; all_gather, broadcast, byte all_gather, cpu tensor refused",
+        setup.as_secs_f64() * 1e3,
+        reduce.as_secs_f64() * 1e3
+    ))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -574,4 +719,17 @@ async fn throughput(cuda: &CudaDevices, len: usize, report: &mut Report) {
         }
     }
     print!("{table}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The self-RPC check's logic on the simulated backend (the GPU machine runs it on CUDA).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn self_rpc_on_simulated_devices() {
+        let sim = std::sync::Arc::new(tensorwire_core::devices_sim::SimulatedDevices::new(1));
+        let line = self_rpc(sim).await.unwrap();
+        assert!(line.starts_with("4 MiB cpu -> cuda:0 -> cpu"), "{line}");
+    }
 }
