@@ -612,7 +612,9 @@ mod tests {
                     "failed fast, not at the timeout"
                 );
             }
-            println!("SKIPPED the GPU part: {why}");
+            // Written directly: the test harness captures `println!` of passing tests.
+            use std::io::Write;
+            let _ = writeln!(std::io::stdout().lock(), "SKIPPED the GPU part: {why}");
             return;
         }
         let pg = NcclFactory::new()

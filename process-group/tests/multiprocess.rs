@@ -259,7 +259,11 @@ fn an_nccl_group_of_two_processes_runs_or_fails_at_setup_naming_the_reason() {
             }
         }
         if rank == 0 {
-            println!("SKIPPED the collectives (no two usable GPUs with NCCL here): {line}");
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stdout().lock(),
+                "SKIPPED the collectives (no two usable GPUs with NCCL here): {line}"
+            );
         }
     }
     assert!(
