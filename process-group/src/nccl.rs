@@ -460,7 +460,11 @@ impl ProcessGroup for NcclGroup {
         if data.len() % element.size() != 0 {
             return Err(ProcessGroupError::Arguments {
                 collective: "all_reduce",
-                source: CollectiveError::SizeOverflow,
+                source: CollectiveError::ReduceLength {
+                    element,
+                    acc: data.len(),
+                    incoming: data.len(),
+                },
             });
         }
         let buffer = self.to_device("all_reduce", data).await?;
