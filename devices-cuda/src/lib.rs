@@ -206,6 +206,14 @@ impl CudaDevices {
         Self::with_driver_names(probe::DEFAULT_NAMES)
     }
 
+    /// The process-wide backend (made by [`new`](Self::new) on first use). The RPC agent's
+    /// default device backend (feature `cuda`) and the `nccl` process groups use it, so that
+    /// their copies and collectives on a device share one stream and one staging pool.
+    pub fn shared() -> &'static CudaDevices {
+        static SHARED: OnceLock<CudaDevices> = OnceLock::new();
+        SHARED.get_or_init(CudaDevices::new)
+    }
+
     /// Like [`new`](Self::new), probing the given library names instead of the default ones.
     /// Meant for tests of the no-driver path: cudarc itself always opens the driver by its own
     /// list of names, so pass names that are either absent or the real driver.

@@ -68,13 +68,13 @@ pub const NCCL_BACKEND: &str = "nccl";
 
 static GROUP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// The process-wide CUDA backend that [`NcclFactory::new`] (and so `new_group("nccl", ...)`)
-/// uses, created on first use. Make the tensors you pass to an NCCL group with it (or give the
-/// factory your own with [`NcclFactory::with_devices`]), and give it to the RPC agent as its
-/// device backend, so that every copy and collective on a device shares one stream.
+/// The process-wide CUDA backend ([`CudaDevices::shared`]) that [`NcclFactory::new`] (and so
+/// `new_group("nccl", ...)`) uses. Make the tensors you pass to an NCCL group with it (or give
+/// the factory your own with [`NcclFactory::with_devices`]); the RPC agent uses it too by
+/// default (feature `cuda` of `tensorwire-rpc`), so every copy and collective on a device
+/// shares one stream.
 pub fn shared_devices() -> &'static CudaDevices {
-    static DEVICES: OnceLock<CudaDevices> = OnceLock::new();
-    DEVICES.get_or_init(CudaDevices::new)
+    CudaDevices::shared()
 }
 
 /// Creates [`NcclGroup`]s; registered as `nccl` when the feature is on.

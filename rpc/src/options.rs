@@ -3,7 +3,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::devices_sim::SimulatedDevices;
 use tensorwire_core::ports::device::DeviceBackend;
 
 use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
@@ -42,11 +41,25 @@ pub struct RpcOptions {
     pub devices: Vec<Device>,
     /// The functions this worker serves.
     pub functions: Functions,
-    /// The device backend that moves tensors on and off devices (default: no devices).
+    /// The device backend that moves tensors on and off devices. Default: with the feature
+    /// `cuda`, the CUDA backend (`CudaDevices::shared()`: this machine's GPUs, or none with the
+    /// reason when there is no driver); without it, a backend with no devices.
     pub device_backend: Arc<dyn DeviceBackend>,
     /// The address other workers reach this one at; by default the loopback address when the
     /// rendezvous address is local, else the local address that routes to it.
     pub listen_ip: Option<std::net::IpAddr>,
+}
+
+/// The CUDA backend when the feature `cuda` is on, else no devices.
+fn default_device_backend() -> Arc<dyn DeviceBackend> {
+    #[cfg(feature = "cuda")]
+    {
+        Arc::new(tensorwire_devices_cuda::CudaDevices::shared().clone())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Arc::new(tensorwire_core::devices_sim::SimulatedDevices::new(0))
+    }
 }
 
 impl Default for RpcOptions {
@@ -62,7 +75,7 @@ impl Default for RpcOptions {
             device_maps: DeviceMaps::new(),
             devices: Vec::new(),
             functions: Functions::new(),
-            device_backend: Arc::new(SimulatedDevices::new(0)),
+            device_backend: default_device_backend(),
             listen_ip: None,
         }
     }

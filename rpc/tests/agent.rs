@@ -306,6 +306,41 @@ async fn a_bad_device_map_fails_init_on_every_worker() {
     }
 }
 
+/// With the feature `cuda` the agent's default device backend is the CUDA one. Without a GPU
+/// (CI) it has no devices, so a map naming `cuda:0` fails validation on every worker with the
+/// usual invalid-index error; with one, the same map is accepted.
+#[cfg(feature = "cuda")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_cuda_feature_the_default_backend_is_cuda() {
+    use std::io::Write;
+    let backend = RpcOptions::default().device_backend;
+    assert_eq!(backend.name(), "cuda");
+    let results = group(2, |rank, o| {
+        if rank == 0 {
+            o.set_device_map("w1", &[("cpu", "cuda:0")]).unwrap();
+        }
+    })
+    .await;
+    if let Some(why) = backend.unavailable() {
+        for r in results {
+            let e = r.unwrap_err();
+            assert!(
+                e.to_string().contains(
+                    "Node w0 has target devices with invalid indices in its device map for w1"
+                ),
+                "{e}"
+            );
+        }
+        let _ = writeln!(
+            std::io::stdout().lock(),
+            "SKIPPED the GPU half: no CUDA device ({why})"
+        );
+        return;
+    }
+    let agents: Vec<Agent> = results.into_iter().map(Result::unwrap).collect();
+    shutdown_all(agents).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_shutdown_calls_fail_clearly() {
     let agents = ok_group(2).await;

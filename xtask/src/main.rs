@@ -96,7 +96,7 @@ fn ci() -> Result<()> {
     // `tensorwire-tests` already ran above; with `nccl` only the GPU check's own tests run.
     for (package, features, only) in [
         ("tensorwire", "cuda,quic", None),
-        ("tensorwire-rpc", "quic", None),
+        ("tensorwire-rpc", "quic,cuda", None),
         ("tensorwire-devices-cuda", "nccl", None),
         ("tensorwire-process-group", "nccl", None),
         ("tensorwire-tests", "nccl", Some(["--bin", "tw-gpu-check"])),
