@@ -18,7 +18,7 @@
 use std::ffi::{c_char, c_int};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use std::sync::{Arc, Mutex};
 
@@ -45,6 +45,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "ncclGetUniqueId",
     "ncclCommInitRank",
     "ncclCommAbort",
+    "ncclCommGetAsyncError",
     "ncclAllReduce",
     "ncclAllGather",
     "ncclBroadcast",
@@ -149,6 +150,19 @@ pub enum NcclError {
         rank: usize,
         /// What the call saw.
         message: String,
+    },
+    /// A collective did not complete within the communicator's timeout; the communicator was
+    /// aborted.
+    #[error(
+        "{op} on rank {rank} did not complete within {after:?}; the NCCL communicator was aborted"
+    )]
+    TimedOut {
+        /// What was being done.
+        op: &'static str,
+        /// The rank.
+        rank: usize,
+        /// How long it waited.
+        after: Duration,
     },
     /// NCCL returned an error.
     #[error("{op} (rank {rank} of {world_size} on {device}) failed: {message}")]
@@ -289,6 +303,8 @@ impl NcclId {
 /// every later call fails with [`NcclError::Aborted`].
 pub struct NcclComm {
     raw: Arc<RawComm>,
+    /// How long a collective may run before the communicator is aborted (`None`: no limit).
+    timeout: Option<Duration>,
     cuda: CudaDevices,
     stream: Arc<CudaStream>,
     device: Device,
@@ -354,6 +370,20 @@ impl NcclAbort {
     /// Whether the communicator has been aborted.
     pub fn is_aborted(&self) -> bool {
         *self.0.aborted.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// How waiting for a collective ended, when it did not complete.
+enum Wait {
+    /// Past the communicator's timeout (the communicator was aborted).
+    TimedOut(Duration),
+    /// Anything else, with the message.
+    Failed(String),
+}
+
+impl From<String> for Wait {
+    fn from(message: String) -> Self {
+        Wait::Failed(message)
     }
 }
 
@@ -457,6 +487,7 @@ impl NcclComm {
         // SAFETY: ncclCommInitRank succeeded, so it wrote the communicator.
         let comm = unsafe { comm.assume_init() };
         Ok(Self {
+            timeout: None,
             raw: Arc::new(RawComm {
                 comm,
                 aborted: Mutex::new(false),
@@ -482,6 +513,12 @@ impl NcclComm {
     /// The device.
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// Bounds every later collective: one that has not completed after `timeout` aborts the
+    /// communicator and fails with [`NcclError::TimedOut`]. `None` (the default) waits forever.
+    pub fn set_timeout(&mut self, timeout: Option<Duration>) {
+        self.timeout = timeout;
     }
 
     /// A handle that aborts this communicator from another thread.
@@ -515,6 +552,65 @@ impl NcclComm {
         Ok(handle.slice())
     }
 
+    /// Waits for the work queued on `stream` as NCCL's documentation recommends: polls the
+    /// stream (through an event) and the communicator's asynchronous error; on an asynchronous
+    /// error (a peer failed, a network error) or past the timeout it aborts the communicator,
+    /// which ends the hung kernels.
+    fn wait(&self, stream: &CudaStream) -> Result<(), Wait> {
+        let done = stream
+            .record_event(None)
+            .map_err(|e| Wait::Failed(format!("recording an event: {e:?}")))?;
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(0);
+        loop {
+            match done.try_is_complete() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => return Err(Wait::Failed(format!("waiting for the stream: {e:?}"))),
+            }
+            let mut async_error = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: a live communicator (`with` checks) and a valid out-pointer.
+            let rc = self
+                .raw
+                .with(|comm| unsafe { sys::ncclCommGetAsyncError(comm, &mut async_error) });
+            let Some(rc) = rc else {
+                return Err(Wait::Failed(
+                    "the communicator was aborted while the collective ran".into(),
+                ));
+            };
+            let failed = [rc, async_error].into_iter().find(|r| {
+                !matches!(
+                    r,
+                    sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+                )
+            });
+            if let Some(r) = failed {
+                self.raw.abort();
+                return Err(Wait::Failed(format!(
+                    "NCCL reported an asynchronous error: {}",
+                    message(r)
+                )));
+            }
+            if let Some(limit) = self.timeout {
+                let waited = start.elapsed();
+                if waited >= limit {
+                    self.raw.abort();
+                    return Err(Wait::TimedOut(waited));
+                }
+            }
+            // Yield at first (short collectives), then back off to at most 1 ms.
+            if pause.is_zero() {
+                std::thread::yield_now();
+                if start.elapsed() > Duration::from_micros(200) {
+                    pause = Duration::from_micros(20);
+                }
+            } else {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(1));
+            }
+        }
+    }
+
     /// Allocates `len` bytes on the device, runs `enqueue` (which queues one NCCL call on the
     /// stream, given the communicator, the stream and the output's address), waits for the
     /// stream and returns the output. Panics in the bindings become errors.
@@ -529,7 +625,7 @@ impl NcclComm {
         ) -> sys::ncclResult_t,
     ) -> Result<CudaSlice<u8>, NcclError> {
         let stream = &self.stream;
-        let out = catch_unwind(AssertUnwindSafe(|| {
+        let out = catch_unwind(AssertUnwindSafe(|| -> Result<CudaSlice<u8>, Wait> {
             stream
                 .context()
                 .bind_to_thread()
@@ -545,30 +641,31 @@ impl NcclComm {
                     .ok_or_else(|| "the communicator was aborted".to_owned())?
             };
             if rc != sys::ncclResult_t::ncclSuccess {
-                return Err(message(rc));
+                return Err(Wait::Failed(message(rc)));
             }
-            stream.synchronize().map_err(|e| {
-                if self.abort_handle().is_aborted() {
-                    "the communicator was aborted while the collective ran".to_owned()
-                } else {
-                    format!("waiting for the stream: {e:?}")
-                }
-            })?;
+            self.wait(stream)?;
             // An abort ends the kernels without a CUDA error: the output is then garbage.
             if self.abort_handle().is_aborted() {
-                return Err("the communicator was aborted while the collective ran".to_owned());
+                return Err(Wait::Failed(
+                    "the communicator was aborted while the collective ran".to_owned(),
+                ));
             }
             Ok(out)
         }))
         .map_err(|_| self.fail(op, "the NCCL bindings panicked".into()))?;
         match out {
             Ok(out) => Ok(out),
-            Err(m) if self.abort_handle().is_aborted() => Err(NcclError::Aborted {
+            Err(Wait::TimedOut(after)) => Err(NcclError::TimedOut {
+                op,
+                rank: self.rank,
+                after,
+            }),
+            Err(Wait::Failed(m)) if self.abort_handle().is_aborted() => Err(NcclError::Aborted {
                 op,
                 rank: self.rank,
                 message: m,
             }),
-            Err(m) => Err(self.fail(op, m)),
+            Err(Wait::Failed(m)) => Err(self.fail(op, m)),
         }
     }
 

@@ -17,10 +17,13 @@
 //! collectives of the port (and `barrier`) stage through the device. Collectives on one group
 //! run one at a time, in the order they are called.
 //!
-//! A collective that does not complete within the group's timeout aborts the communicator
-//! (`ncclCommAbort`, which ends the hung kernels) and fails with
-//! [`ProcessGroupError::Timeout`]; NCCL does not say which rank it waited for, so the error
-//! cannot name it. After a timeout or an NCCL error the group is broken: every later collective
+//! While a collective runs, the waiting thread polls the stream and NCCL's asynchronous error
+//! (as NCCL's documentation recommends): an asynchronous error (a peer failed, a network error)
+//! aborts the communicator and fails the collective with [`ProcessGroupError::Backend`] and
+//! NCCL's message; a collective that does not complete within the group's timeout aborts the
+//! communicator (`ncclCommAbort`, which ends the hung kernels) and fails with
+//! [`ProcessGroupError::Timeout`]. NCCL does not say which rank it waited for, so neither error
+//! can name it. After a timeout or an NCCL error the group is broken: every later collective
 //! fails with the same error, as with the built-in backend.
 //!
 //! ```no_run
@@ -198,7 +201,7 @@ impl ProcessGroupFactory for NcclFactory {
             let cuda = cuda.clone();
             tokio::task::spawn_blocking(move || NcclComm::new(&cuda, device, rank, world_size, &id))
         };
-        let comm = match tokio::time::timeout(left, init).await {
+        let mut comm = match tokio::time::timeout(left, init).await {
             Ok(Ok(Ok(comm))) => comm,
             Ok(Ok(Err(e))) => return Err(setup(e.to_string())),
             Ok(Err(join)) => return Err(setup(format!("ncclCommInitRank panicked: {join}"))),
@@ -214,6 +217,8 @@ impl ProcessGroupFactory for NcclFactory {
                 })
             }
         };
+        // The waiting thread polls NCCL's asynchronous errors and aborts past the timeout.
+        comm.set_timeout(Some(timeout));
         tracing::debug!(rank, world_size, %device, group = %name, "nccl group ready");
         Ok(Arc::new(NcclGroup {
             abort: comm.abort_handle(),
@@ -288,20 +293,25 @@ impl NcclGroup {
             rank: self.rank,
             reason,
         };
-        let error = match tokio::time::timeout(self.timeout, job).await {
+        let timed_out = || ProcessGroupError::Timeout {
+            collective,
+            seq,
+            rank: self.rank,
+            waiting_on: Vec::new(),
+            timeout: self.timeout,
+        };
+        // The blocking thread ends the collective itself at the timeout (it polls the stream);
+        // this bound only catches a thread stuck inside an NCCL call (say, connecting to a peer
+        // that never comes), which the abort from here ends.
+        let grace = (self.timeout / 10).clamp(Duration::from_secs(1), Duration::from_secs(30));
+        let error = match tokio::time::timeout(self.timeout + grace, job).await {
             Ok(Ok(Ok(value))) => return Ok(value),
+            Ok(Ok(Err(NcclError::TimedOut { .. }))) => timed_out(),
             Ok(Ok(Err(e))) => failed(e.to_string()),
             Ok(Err(join)) => failed(format!("the collective's thread failed: {join}")),
             Err(_) => {
-                // Ends the hung kernels; the blocked thread then returns an error we ignore.
                 self.abort.abort();
-                ProcessGroupError::Timeout {
-                    collective,
-                    seq,
-                    rank: self.rank,
-                    waiting_on: Vec::new(),
-                    timeout: self.timeout,
-                }
+                timed_out()
             }
         };
         state.broken = Some(error.clone());
