@@ -343,9 +343,14 @@ impl RawComm {
     }
 
     /// Runs `f` with the communicator unless it was aborted.
+    ///
+    /// The lock is released before `f` runs, so an abort from another thread can end a call
+    /// blocked inside NCCL. The price is a window between the check and the call: an abort that
+    /// lands exactly there frees the communicator under `f`. Aborts from another thread happen
+    /// only after a whole timeout has passed since the collective started, so the calling thread
+    /// would have to stall for that long between two instructions.
     fn with<T>(&self, f: impl FnOnce(sys::ncclComm_t) -> T) -> Option<T> {
         let aborted = *self.aborted.lock().unwrap_or_else(|e| e.into_inner());
-        // The lock is not held while `f` runs: an abort must be able to end a blocked call.
         (!aborted).then(|| f(self.comm))
     }
 }
