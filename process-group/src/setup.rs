@@ -49,6 +49,12 @@ pub async fn exchange(
                 let Some(value) = value else {
                     return Err(setup("rank 0 must publish the group's id".into()));
                 };
+                if store.check(&[id_key.as_str()]).await.unwrap_or(false) {
+                    return Err(setup(format!(
+                        "{id_key} is already in the store: a group of this name was set up \
+                         through it before (group names must be unique)"
+                    )));
+                }
                 store
                     .set(&id_key, value)
                     .await
@@ -207,6 +213,19 @@ mod tests {
                 )
             );
         }
+    }
+
+    #[tokio::test]
+    async fn a_group_name_used_twice_is_refused_at_rank_0() {
+        let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+        let ready = || Readiness::Ready(Some(vec![5; 128]));
+        exchange(&*store, "g", 0, 1, Duration::from_secs(5), ready())
+            .await
+            .unwrap();
+        let e = exchange(&*store, "g", 0, 1, Duration::from_secs(5), ready())
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("group names must be unique"), "{e}");
     }
 
     #[tokio::test]
