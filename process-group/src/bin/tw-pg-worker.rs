@@ -207,7 +207,7 @@ async fn nccl(_: usize, _: Duration) -> Result<ExitCode, Error> {
 
 #[cfg(feature = "nccl")]
 async fn nccl(rank: usize, timeout: Duration) -> Result<ExitCode, Error> {
-    use tensorwire_core::ports::device::{relocate, DeviceBackend};
+    use tensorwire_core::ports::device::relocate;
     use tensorwire_core::ports::process_group::ProcessGroupError;
     use tensorwire_core::tensor::{DType, Storage, Tensor};
     use tensorwire_process_group::nccl::shared_devices;
@@ -344,7 +344,6 @@ async fn nccl(rank: usize, timeout: Duration) -> Result<ExitCode, Error> {
     ensure(matches!(e, Some(ProcessGroupError::ShutDown)), || {
         format!("after shutdown: {e:?}")
     })?;
-    let _ = cuda.device_count();
     println!(
         "OK nccl rank {rank} on {device}: setup {} ms, 4 MiB all_reduce {:.1} us per call",
         setup.as_millis(),
