@@ -789,12 +789,6 @@ impl NcclComm {
             .map(|p| Ok(self.cuda.wrap(self.device, p)?))
             .collect()
     }
-
-    /// Sums `buffer` (little-endian `f32`s on this communicator's device) over all ranks into a
-    /// new buffer, and waits for the result.
-    pub fn all_reduce_sum_f32(&self, buffer: &DeviceBuffer) -> Result<DeviceBuffer, NcclError> {
-        self.all_reduce(buffer, DType::F32, ReduceOp::Sum)
-    }
 }
 
 impl Drop for NcclComm {
@@ -824,7 +818,9 @@ pub async fn self_check(cuda: &CudaDevices) -> Result<String, String> {
         .await
         .map_err(|e| e.to_string())?;
     let t = Instant::now();
-    let summed = comm.all_reduce_sum_f32(&buf).map_err(|e| e.to_string())?;
+    let summed = comm
+        .all_reduce(&buf, DType::F32, ReduceOp::Sum)
+        .map_err(|e| e.to_string())?;
     let reduce = t.elapsed();
     let back = cuda.to_host(&summed).await.map_err(|e| e.to_string())?;
     if back != bytes {

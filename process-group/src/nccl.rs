@@ -53,7 +53,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tensorwire_core::collective::{CollectiveError, ElementType, ReduceOp};
 use tensorwire_core::device::Device;
-use tensorwire_core::ports::device::DeviceBackend;
+use tensorwire_core::ports::device::{DeviceBackend, DeviceError};
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::registry::ProcessGroupFactory;
@@ -128,9 +128,7 @@ pub fn local_readiness(cuda: &CudaDevices, device: Device) -> Result<(), String>
     }
     if let Device::Cuda(n) = device {
         if u32::from(n) >= count {
-            return Err(format!(
-                "device {device} does not exist (this machine has {count} CUDA devices)"
-            ));
+            return Err(DeviceError::NoSuchDevice { device, count }.to_string());
         }
     }
     nccl_available()
@@ -385,15 +383,6 @@ impl NcclGroup {
     }
 }
 
-fn dtype_of(element: ElementType) -> DType {
-    match element {
-        ElementType::F32 => DType::F32,
-        ElementType::F64 => DType::F64,
-        ElementType::I32 => DType::I32,
-        ElementType::I64 => DType::I64,
-    }
-}
-
 #[async_trait]
 impl ProcessGroup for NcclGroup {
     fn rank(&self) -> usize {
@@ -478,7 +467,7 @@ impl ProcessGroup for NcclGroup {
             });
         }
         let buffer = self.to_device("all_reduce", data).await?;
-        let dtype = dtype_of(element);
+        let dtype = element.dtype();
         let out = self
             .run("all_reduce", move |c| c.all_reduce(&buffer, dtype, op))
             .await?;

@@ -87,6 +87,17 @@ impl ElementType {
         }
     }
 
+    /// The tensor dtype of this element type (the inverse of [`from_dtype`](Self::from_dtype)).
+    pub const fn dtype(self) -> crate::tensor::DType {
+        use crate::tensor::DType;
+        match self {
+            ElementType::F32 => DType::F32,
+            ElementType::F64 => DType::F64,
+            ElementType::I32 => DType::I32,
+            ElementType::I64 => DType::I64,
+        }
+    }
+
     /// Whether the type is a floating-point type (its sums depend on the order of operands).
     pub const fn is_float(self) -> bool {
         matches!(self, ElementType::F32 | ElementType::F64)
@@ -231,6 +242,16 @@ fn combine<T: Copy, const W: usize>(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn element_types_and_dtypes_map_both_ways() {
+        for e in ElementType::ALL {
+            assert_eq!(ElementType::from_dtype(e.dtype()), Some(e));
+            assert_eq!(e.dtype().size(), e.size());
+        }
+        assert_eq!(ElementType::from_dtype(crate::tensor::DType::F16), None);
+    }
+
     use super::*;
     use proptest::prelude::*;
 
