@@ -1132,11 +1132,18 @@ impl Agent {
             (true, true) => crate::dynamic::leave(self, timeout).await,
             (false, _) => Ok(()),
         };
-        {
+        // The values this worker kept for others go too, dropped once the guard is gone (they
+        // may hold remote references, whose `Drop` takes the lock; kept, they would also keep
+        // the agent alive through those references).
+        let (values, peers) = {
             let mut st = self.lock();
             st.ep.stop();
-            st.peers.clear();
-        }
+            (
+                std::mem::take(&mut st.values),
+                std::mem::take(&mut st.peers),
+            )
+        };
+        drop((values, peers));
         self.wake();
         // Let the driver deliver the failures, then stop the tasks.
         tokio::task::yield_now().await;
@@ -1425,12 +1432,16 @@ impl Agent {
                 });
             }
             Event::Completed { id, outcome } => {
-                if let Some(tx) = self.lock().waiters.remove(&id) {
+                let waiter = self.lock().waiters.remove(&id);
+                if let Some(tx) = waiter {
                     let _ = tx.send(outcome);
                 }
             }
             Event::ReleaseValue { rref } => {
-                self.lock().values.remove(&rref);
+                // The value leaves the map under the lock and is dropped after the guard is gone:
+                // a user value may hold remote references, whose `Drop` takes the lock again.
+                let value = self.lock().values.remove(&rref);
+                drop(value);
             }
             _ => {}
         }
@@ -1515,11 +1526,12 @@ impl Agent {
             {
                 Ok(Ok(value)) => match keep_as {
                     Some(rref) => {
-                        let waiting = {
+                        let (waiting, replaced) = {
                             let mut st = agent.lock();
-                            st.values.insert(rref, value);
-                            st.value_waiters.remove(&rref)
+                            let replaced = st.values.insert(rref, value);
+                            (st.value_waiters.remove(&rref), replaced)
                         };
+                        drop(replaced);
                         for w in waiting.into_iter().flatten() {
                             let _ = w.send(());
                         }

@@ -715,3 +715,56 @@ async fn static_and_dynamic_members_do_not_mix() {
     assert!(e.to_string().contains("this group is static"), "{e}");
     shutdown_all(statics).await;
 }
+
+/// Values that hold remote references: releasing such a value drops its references, whose
+/// `Drop` talks to the agent. That must never happen under the agent's lock (it deadlocked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_holding_rrefs_are_released_without_deadlock() {
+    type Pair = (RRef<Vec<i64>>, RRef<Vec<i64>>);
+    let agents = group(3, |_, options| {
+        options.functions.register(
+            "hold_pair",
+            |pair: Pair| async move { Ok::<_, String>(pair) },
+        );
+        options
+            .functions
+            .register("sum_pair", |(x, y): Pair| async move {
+                let (x, y) = (x.to_here(None).await, y.to_here(None).await);
+                let (x, y) = (x.map_err(|e| e.to_string())?, y.map_err(|e| e.to_string())?);
+                Ok::<_, String>(x.iter().chain(&y).sum::<i64>())
+            });
+    })
+    .await
+    .into_iter()
+    .map(Result::unwrap)
+    .collect::<Vec<_>>();
+    let (a, holder, owner) = (&agents[0], &agents[1], &agents[2]);
+    let work = async {
+        let mut held: Vec<RRef<Pair>> = Vec::new();
+        for i in 0..20usize {
+            let x: RRef<Vec<i64>> = a.remote("w2", "make_vec", &i, None).unwrap();
+            let y: RRef<Vec<i64>> = a.remote("w2", "make_vec", &(i + 1), None).unwrap();
+            held.push(a.remote("w1", "hold_pair", &(x, y), None).unwrap());
+        }
+        wait_until(|| owner.owned_value_count() == 40).await;
+        for (i, pair) in held.iter().enumerate() {
+            // Fetch the pair (forks of both references come here), and use it.
+            let (x, y) = pair.to_here(None).await.unwrap();
+            let expected = (0..i as i64).sum::<i64>() + (0..=i as i64).sum::<i64>();
+            let sum: i64 = a.rpc_sync("w1", "sum_pair", &(x, y), None).await.unwrap();
+            assert_eq!(sum, expected);
+        }
+        wait_until(|| holder.owned_value_count() == 20).await;
+        drop(held);
+        wait_until(|| holder.owned_value_count() == 0 && owner.owned_value_count() == 0).await;
+        // The holder still answers.
+        let three: i64 = a.rpc_sync("w1", "add", &(1i64, 2i64), None).await.unwrap();
+        assert_eq!(three, 3);
+    };
+    tokio::time::timeout(Duration::from_secs(60), work)
+        .await
+        .expect("the agents froze releasing values that hold remote references");
+    tokio::time::timeout(Duration::from_secs(60), shutdown_all(agents))
+        .await
+        .expect("graceful shutdown froze");
+}
