@@ -1482,6 +1482,11 @@ impl Agent {
                     self.inner.me.name
                 ),
             );
+            warn!(
+                function = %function,
+                caller = %self.name_of(token.from()),
+                "a call asked for a function that is not registered here"
+            );
             self.lock().ep.respond(token, Err(err));
             self.pump();
             return;
@@ -1571,6 +1576,16 @@ impl Agent {
                     ))
                 }
             };
+            if let Err(e) = &outcome {
+                // The caller gets the error; the callee's operator should see it too.
+                warn!(
+                    function = %function,
+                    caller = %agent.name_of(token.from()),
+                    kind = %e.kind,
+                    "a call failed on this worker: {}",
+                    e.message
+                );
+            }
             {
                 let mut st = agent.lock();
                 if let (Some(rref), Err(_)) = (keep_as, &outcome) {

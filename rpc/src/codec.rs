@@ -47,15 +47,45 @@ pub(crate) fn encode<T: Serialize + ?Sized>(
     postcard::to_allocvec(value).map(Bytes::from)
 }
 
-/// Decodes a value received by this worker, with the tensors that came beside it.
+/// Why received bytes did not decode into the expected value.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum DecodeError {
+    /// The bytes do not form the value (too few, or malformed).
+    #[error("{0}")]
+    Malformed(#[from] postcard::Error),
+    /// The value decoded, with bytes to spare: the sender encoded something else (one argument
+    /// too many, or another type). postcard is not self-describing, so this is what shows it.
+    #[error(
+        "{left} of {total} bytes were left over after decoding a {ty} (the sender sent more, or other types, than this side expects)"
+    )]
+    TrailingBytes {
+        /// Bytes not consumed.
+        left: usize,
+        /// Bytes received.
+        total: usize,
+        /// The type decoded.
+        ty: &'static str,
+    },
+}
+
+/// Decodes a value received by this worker, with the tensors that came beside it. Every byte
+/// must be used: leftovers are an error, not silently ignored.
 pub(crate) fn decode<T: DeserializeOwned>(
     agent: &Agent,
     bytes: &[u8],
     tensors: Vec<Tensor>,
-) -> Result<T, postcard::Error> {
+) -> Result<T, DecodeError> {
     let prev = DECODING.with(|c| c.borrow_mut().replace(agent.clone()));
     let _restore = Restore(&DECODING, prev);
-    sidecar::provide_tensors(tensors, || postcard::from_bytes(bytes))
+    let (value, rest) = sidecar::provide_tensors(tensors, || postcard::take_from_bytes(bytes))?;
+    if !rest.is_empty() {
+        return Err(DecodeError::TrailingBytes {
+            left: rest.len(),
+            total: bytes.len(),
+            ty: std::any::type_name::<T>(),
+        });
+    }
+    Ok(value)
 }
 
 /// Remembers why a value could not be serialized, for the error the caller gets.

@@ -768,3 +768,91 @@ async fn values_holding_rrefs_are_released_without_deadlock() {
         .await
         .expect("graceful shutdown froze");
 }
+
+/// A `tracing` writer into a shared buffer.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+// One thread: every agent task runs on it, so the thread's log subscriber sees them all.
+#[tokio::test(flavor = "current_thread")]
+async fn arguments_decode_exactly_and_the_callee_logs_failures() {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let agents = ok_group(2).await;
+    let a = &agents[0];
+
+    // One argument too many: the extra bytes are refused, naming the function.
+    let e = a
+        .rpc_sync::<_, i64>("w1", "add", &(2i64, 3i64, 4i64), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.remote().unwrap().kind, RemoteErrorKind::Serialization);
+    let text = e.to_string();
+    assert!(
+        text.contains("\"add\"") && text.contains("left over"),
+        "{text}"
+    );
+    // A wider type than the function takes is refused the same way.
+    let e = a
+        .rpc_sync::<_, i64>("w1", "make_vec", &u128::MAX, None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.remote().unwrap().kind, RemoteErrorKind::Serialization);
+    // An exact call still works.
+    let five: i64 = a.rpc_sync("w1", "add", &(2i64, 3i64), None).await.unwrap();
+    assert_eq!(five, 5);
+
+    // A failing and a panicking function are logged on the callee, naming function and caller.
+    let _ = a
+        .rpc_sync::<_, ()>("w1", "fail", &"x".to_string(), None)
+        .await;
+    let _ = a.rpc_sync::<_, ()>("w1", "boom", &(), None).await;
+    let _ = a.rpc_sync::<_, ()>("w1", "nope", &(), None).await;
+    shutdown_all(agents).await;
+    let text = logs.text();
+    let line = |needle: &str| {
+        text.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no log line with {needle:?} in:\n{text}"))
+            .to_owned()
+    };
+    let failed = line("refused: x");
+    assert!(
+        failed.contains("WARN") && failed.contains("function=fail") && failed.contains("caller=w0"),
+        "{failed}"
+    );
+    let panicked = line("kaboom");
+    assert!(
+        panicked.contains("function=boom") && panicked.contains("caller=w0"),
+        "{panicked}"
+    );
+    let unknown = line("not registered");
+    assert!(
+        unknown.contains("function=nope") && unknown.contains("caller=w0"),
+        "{unknown}"
+    );
+    let extra = line("left over");
+    assert!(extra.contains("function=add"), "{extra}");
+}
