@@ -1,0 +1,145 @@
+//! What a callee does with calls it cannot serve: exact argument decoding, and warnings in its
+//! own log. Its own test binary: `tracing` caches per call site whether anyone listens, so a
+//! capturing subscriber must not share a process with tests that log without one.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tensorwire_rpc::{init_rpc, Agent, Functions, RemoteErrorKind, RpcOptions};
+
+/// A `tracing` writer into a shared buffer.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn functions() -> Functions {
+    let f = Functions::new();
+    f.register(
+        "add",
+        |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) },
+    );
+    f.register("len", |n: usize| async move { Ok::<_, String>(n) });
+    f.register("fail", |msg: String| async move {
+        Err::<(), _>(format!("refused: {msg}"))
+    });
+    f.register("boom", |(): ()| async move {
+        if true {
+            panic!("kaboom");
+        }
+        Ok::<(), String>(())
+    });
+    f
+}
+
+async fn pair() -> Vec<Agent> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    drop(listener);
+    let mut tasks = Vec::new();
+    for rank in 0..2 {
+        let options = RpcOptions {
+            init_method: format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=2"),
+            init_timeout: Duration::from_secs(20),
+            secret: Some(b"callee log test secret".to_vec()),
+            functions: functions(),
+            ..RpcOptions::default()
+        };
+        tasks.push(tokio::spawn(async move {
+            init_rpc(&format!("w{rank}"), rank, Some(2), options).await
+        }));
+    }
+    let mut agents = Vec::new();
+    for t in tasks {
+        agents.push(t.await.unwrap().unwrap());
+    }
+    agents
+}
+
+// One thread: every agent task runs on it, so the thread's log subscriber sees them all.
+#[tokio::test(flavor = "current_thread")]
+async fn arguments_decode_exactly_and_the_callee_logs_failures() {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let agents = pair().await;
+    let a = &agents[0];
+
+    // One argument too many: the extra bytes are refused, naming the function.
+    let e = a
+        .rpc_sync::<_, i64>("w1", "add", &(2i64, 3i64, 4i64), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.remote().unwrap().kind, RemoteErrorKind::Serialization);
+    let text = e.to_string();
+    assert!(
+        text.contains("\"add\"") && text.contains("left over"),
+        "{text}"
+    );
+    // A wider type than the function takes is refused too.
+    let e = a
+        .rpc_sync::<_, usize>("w1", "len", &u128::MAX, None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.remote().unwrap().kind, RemoteErrorKind::Serialization);
+    // An exact call still works.
+    let five: i64 = a.rpc_sync("w1", "add", &(2i64, 3i64), None).await.unwrap();
+    assert_eq!(five, 5);
+
+    // A failing, a panicking and an unknown function are logged on the callee, naming the
+    // function and the caller.
+    for (function, args) in [("fail", "x".to_string()), ("boom", String::new())] {
+        if function == "boom" {
+            let _ = a.rpc_sync::<_, ()>("w1", function, &(), None).await;
+        } else {
+            let _ = a.rpc_sync::<_, ()>("w1", function, &args, None).await;
+        }
+    }
+    let e = a
+        .rpc_sync::<_, ()>("w1", "nope", &(), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.remote().unwrap().kind, RemoteErrorKind::UnknownFunction);
+    let limit = Duration::from_secs(20);
+    let (r0, r1) = tokio::join!(
+        agents[0].shutdown(true, limit),
+        agents[1].shutdown(true, limit)
+    );
+    r0.unwrap();
+    r1.unwrap();
+
+    let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    let line = |needle: &str| {
+        text.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no log line with {needle:?} in:\n{text}"))
+            .to_owned()
+    };
+    for (needle, function) in [
+        ("refused: x", "fail"),
+        ("kaboom", "boom"),
+        ("not registered", "nope"),
+        ("left over", "add"),
+    ] {
+        let l = line(needle);
+        assert!(
+            l.contains("WARN")
+                && l.contains(&format!("function={function}"))
+                && l.contains("caller=w0"),
+            "{l}"
+        );
+    }
+}
