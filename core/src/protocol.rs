@@ -164,6 +164,18 @@ pub enum CallError {
     /// The call could not be sent (its tensors could not be copied off their device, ...).
     #[error("the call could not be sent: {0}")]
     Local(String),
+    /// The `remote()` that created the reference timed out before the owner confirmed the
+    /// value (PyTorch's "RRef creation via rpc.remote() timed out"). The value may still be
+    /// created on the owner; it is freed there once no reference to it is left.
+    #[error("remote reference {rref} on worker {owner}: its creation timed out after {after:?}; the value may not exist on the owner")]
+    RRefCreationTimedOut {
+        /// The reference.
+        rref: RRefId,
+        /// Its owner.
+        owner: WorkerId,
+        /// The `remote()` call's timeout.
+        after: Duration,
+    },
 }
 
 /// The header of every protocol message. Serialized with the frame; bodies ride beside it.
@@ -176,6 +188,9 @@ pub enum Header {
         id: MessageId,
         /// The registered function's name.
         function: String,
+        /// The caller's timeout (zero: none), so that the callee bounds its own waits for
+        /// this call (values being created, references being confirmed) by the same deadline.
+        timeout: Duration,
     },
     /// Run `function`, keep its result as the value of `rref`, and reply (confirming `fork`).
     Remote {
@@ -187,6 +202,8 @@ pub enum Header {
         rref: RRefId,
         /// The caller's fork.
         fork: ForkId,
+        /// The caller's timeout (zero: none); see [`Header::Call`].
+        timeout: Duration,
     },
     /// Reply with the value of `rref` once it exists (`to_here`).
     Fetch {
@@ -279,6 +296,9 @@ pub enum Event<B> {
         function: String,
         /// Its arguments.
         body: B,
+        /// When the caller stops waiting (`None`: never). Waits on the caller's behalf end
+        /// there too.
+        deadline: Option<Instant>,
     },
     /// Run `function` on `body` and keep the result as the value of `rref`; answer with
     /// [`Endpoint::respond`] (the body of a successful answer is ignored).
@@ -291,6 +311,8 @@ pub enum Event<B> {
         body: B,
         /// Where to keep the value.
         rref: RRefId,
+        /// When the caller stops waiting (`None`: never).
+        deadline: Option<Instant>,
     },
     /// Serialize the value of `rref` (which exists now) and answer with [`Endpoint::respond`].
     Fetch {
@@ -310,6 +332,8 @@ pub enum Event<B> {
     Confirmed {
         /// The reference.
         rref: RRefId,
+        /// Our fork of it.
+        fork: ForkId,
     },
     /// We own `rref` and nobody refers to it any more: drop its value.
     ReleaseValue {
@@ -386,6 +410,68 @@ struct Used {
     pending_children: HashSet<ForkId>,
     /// No user-delete is needed (the value was never created).
     void: bool,
+    /// Why the creator's `remote()` failed (the owner's error, or a timeout): the fork cannot
+    /// be fetched or passed on, and fetching it reports this. After a timeout the fork is
+    /// still deleted at the owner once dropped.
+    creation_error: Option<CallError>,
+}
+
+/// A snapshot of an endpoint's references and calls ([`Endpoint::debug_info`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DebugInfo {
+    /// Running, shutting down or stopped.
+    pub state: RunState,
+    /// The references this worker owns, by id.
+    pub owned: Vec<OwnedInfo>,
+    /// The forks this worker holds of references owned elsewhere, by fork id.
+    pub forks: Vec<ForkInfo>,
+    /// Our calls awaiting a reply, per callee.
+    pub calls_in_flight: std::collections::BTreeMap<WorkerId, usize>,
+    /// Requests we have not answered yet, per caller.
+    pub requests_being_served: std::collections::BTreeMap<WorkerId, usize>,
+    /// Control messages (fork requests, child accepts, deletes) not yet acknowledged.
+    pub unacknowledged_control: usize,
+}
+
+impl DebugInfo {
+    /// Whether the application still holds references: a user fork with live handles, or an
+    /// owned value with local handles.
+    pub fn holds_references(&self) -> bool {
+        self.forks.iter().any(|f| f.handles > 0) || self.owned.iter().any(|o| o.local_handles > 0)
+    }
+}
+
+/// An owned reference in [`DebugInfo`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OwnedInfo {
+    /// The reference.
+    pub rref: RRefId,
+    /// Forks held by other workers.
+    pub forks: usize,
+    /// Handles held on this worker.
+    pub local_handles: u32,
+    /// The value is still being created.
+    pub being_created: bool,
+}
+
+/// A user fork in [`DebugInfo`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ForkInfo {
+    /// The reference.
+    pub rref: RRefId,
+    /// The fork.
+    pub fork: ForkId,
+    /// The owner.
+    pub owner: WorkerId,
+    /// Whether the owner has confirmed it (a pending user, if not).
+    pub confirmed: bool,
+    /// Handles held on this worker.
+    pub handles: u32,
+    /// Forks made from it that the owner has not confirmed yet.
+    pub pending_children: usize,
 }
 
 /// Whether the endpoint accepts new work.
@@ -488,6 +574,51 @@ impl<B> Endpoint<B> {
         self.used.len()
     }
 
+    /// What this endpoint holds and waits for, for debugging (PyTorch's `_get_debug_info` and
+    /// `_rref_context_get_debug_info`).
+    pub fn debug_info(&self) -> DebugInfo {
+        let mut owned: Vec<OwnedInfo> = self
+            .owned
+            .iter()
+            .map(|(rref, o)| OwnedInfo {
+                rref: *rref,
+                forks: o.forks.len(),
+                local_handles: o.local_handles,
+                being_created: o.state.is_none(),
+            })
+            .collect();
+        owned.sort_by_key(|o| o.rref);
+        let mut forks: Vec<ForkInfo> = self
+            .used
+            .iter()
+            .map(|(fork, u)| ForkInfo {
+                rref: u.rref,
+                fork: *fork,
+                owner: u.owner,
+                confirmed: u.confirmed,
+                handles: u.handles,
+                pending_children: u.pending_children.len(),
+            })
+            .collect();
+        forks.sort_by_key(|f| f.fork);
+        let mut calls_in_flight = std::collections::BTreeMap::new();
+        for p in self.pending.values() {
+            *calls_in_flight.entry(p.to).or_insert(0) += 1;
+        }
+        let mut requests_being_served = std::collections::BTreeMap::new();
+        for t in &self.incoming {
+            *requests_being_served.entry(t.from).or_insert(0) += 1;
+        }
+        DebugInfo {
+            state: self.state,
+            owned,
+            forks,
+            calls_in_flight,
+            requests_being_served,
+            unacknowledged_control: self.unacked.len(),
+        }
+    }
+
     // ----- output -----
 
     /// The next message to send.
@@ -512,6 +643,27 @@ impl<B> Endpoint<B> {
 
     // ----- commands -----
 
+    /// A reference to a value this worker already holds (PyTorch's `RRef(value)`): the
+    /// application keeps the value under the returned handle's `rref`, which starts with one
+    /// local handle.
+    pub fn local_rref(&mut self) -> Result<RRefHandle, CallError> {
+        self.ensure_running()?;
+        let rref = self.fresh_global();
+        self.owned.insert(
+            rref,
+            Owned {
+                local_handles: 1,
+                state: Some(Ok(())),
+                ..Owned::default()
+            },
+        );
+        Ok(RRefHandle {
+            rref,
+            fork: rref,
+            owner: self.me,
+        })
+    }
+
     fn fresh_id(&mut self) -> MessageId {
         self.next_id += 1;
         self.next_id
@@ -532,7 +684,7 @@ impl<B> Endpoint<B> {
         now: Instant,
         confirms: Option<RRefId>,
     ) {
-        let deadline = (!timeout.is_zero()).then(|| now + timeout);
+        let deadline = deadline_after(now, timeout);
         if let Some(d) = deadline {
             self.deadlines.insert((d, id));
         }
@@ -571,6 +723,7 @@ impl<B> Endpoint<B> {
                 token,
                 function: function.to_owned(),
                 body,
+                deadline: deadline_after(now, timeout),
             });
         } else {
             self.transmits.push_back(Transmit {
@@ -578,6 +731,7 @@ impl<B> Endpoint<B> {
                 header: Header::Call {
                     id,
                     function: function.to_owned(),
+                    timeout,
                 },
                 body: Some(body),
             });
@@ -619,6 +773,7 @@ impl<B> Endpoint<B> {
                 function,
                 body,
                 rref,
+                deadline: deadline_after(now, timeout),
             });
         } else {
             self.used.insert(
@@ -631,6 +786,7 @@ impl<B> Endpoint<B> {
                     handles: 1,
                     pending_children: HashSet::new(),
                     void: false,
+                    creation_error: None,
                 },
             );
             self.track(id, owner, timeout, now, Some(rref));
@@ -641,6 +797,7 @@ impl<B> Endpoint<B> {
                     function,
                     rref,
                     fork: rref,
+                    timeout,
                 },
                 body: Some(body),
             });
@@ -657,7 +814,7 @@ impl<B> Endpoint<B> {
         now: Instant,
     ) -> Result<MessageId, CallError> {
         self.ensure_running()?;
-        self.check_handle(handle)?;
+        self.check_usable(handle)?;
         let id = self.fresh_id();
         self.track(id, handle.owner, timeout, now, None);
         if handle.owner == self.me {
@@ -689,6 +846,11 @@ impl<B> Endpoint<B> {
         let kept = outcome.as_ref().map(|_| ()).map_err(Clone::clone);
         let waiting = match self.owned.get_mut(&rref) {
             Some(o) => {
+                if kept.is_err() && token.from != self.me {
+                    // The creator learns that no value exists and sends no delete for its
+                    // fork (the reference's own id): forget it, or the record stays forever.
+                    o.forks.remove(&rref);
+                }
                 o.state = Some(kept.clone());
                 std::mem::take(&mut o.fetches)
             }
@@ -708,7 +870,7 @@ impl<B> Endpoint<B> {
         handle: RRefHandle,
         to: WorkerId,
     ) -> Result<RRefForkData, CallError> {
-        self.check_handle(handle)?;
+        self.check_usable(handle)?;
         let me = self.me;
         if to == me || to == handle.owner {
             // The receiver takes a local handle (the owner) or another handle on our fork.
@@ -769,10 +931,14 @@ impl<B> Endpoint<B> {
                 handles: 1,
                 pending_children: HashSet::new(),
                 void: false,
+                creation_error: None,
             },
         );
         if from_owner {
-            self.events.push_back(Event::Confirmed { rref: data.rref });
+            self.events.push_back(Event::Confirmed {
+                rref: data.rref,
+                fork: data.fork,
+            });
         } else {
             let (rref, fork) = (data.rref, data.fork);
             self.send_control(data.owner, |id| Header::ForkRequest { id, rref, fork }, now);
@@ -840,7 +1006,11 @@ impl<B> Endpoint<B> {
         now: Instant,
     ) {
         match header {
-            Header::Call { id, function } => {
+            Header::Call {
+                id,
+                function,
+                timeout,
+            } => {
                 let Some(body) = self.admit(from, id, body) else {
                     return;
                 };
@@ -854,6 +1024,7 @@ impl<B> Endpoint<B> {
                     token,
                     function,
                     body,
+                    deadline: deadline_after(now, timeout),
                 });
             }
             Header::Remote {
@@ -861,6 +1032,7 @@ impl<B> Endpoint<B> {
                 function,
                 rref,
                 fork,
+                timeout,
             } => {
                 let Some(body) = self.admit(from, id, body) else {
                     return;
@@ -877,6 +1049,7 @@ impl<B> Endpoint<B> {
                     function,
                     body,
                     rref,
+                    deadline: deadline_after(now, timeout),
                 });
             }
             Header::Fetch { id, rref } => {
@@ -937,13 +1110,30 @@ impl<B> Endpoint<B> {
                 break;
             }
             self.deadlines.pop_first();
-            if let Some(p) = self.pending.get(&id) {
-                let err = CallError::Timeout {
-                    to: p.to,
-                    after: p.timeout,
-                };
-                self.fail(id, err);
-            }
+            let Some(p) = self.pending.get(&id) else {
+                continue;
+            };
+            let (to, after, confirms) = (p.to, p.timeout, p.confirms);
+            let err = match confirms.and_then(|fork| self.used.get_mut(&fork).map(|u| (fork, u))) {
+                Some((fork, u)) => {
+                    // A `remote()` whose creation timed out. Its messages to the owner keep
+                    // their order, so the owner has registered (or will register) this fork
+                    // before any delete of ours: count it as confirmed for deletion, so the
+                    // owner frees the value once it exists and nobody refers to it.
+                    u.confirmed = true;
+                    let err = CallError::RRefCreationTimedOut {
+                        rref: u.rref,
+                        owner: to,
+                        after,
+                    };
+                    u.creation_error = Some(err.clone());
+                    self.fail(id, err);
+                    self.maybe_delete_user(fork, now);
+                    continue;
+                }
+                None => CallError::Timeout { to, after },
+            };
+            self.fail(id, err);
         }
         let retry = self.config.control_retry;
         for u in self.unacked.values_mut() {
@@ -1023,6 +1213,20 @@ impl<B> Endpoint<B> {
             .ok_or(CallError::UnknownRRef(handle.rref))
     }
 
+    /// [`check_handle`](Self::check_handle), and the reference's creation did not fail or time
+    /// out: for fetching it or passing it on.
+    fn check_usable(&self, handle: RRefHandle) -> Result<(), CallError> {
+        self.check_handle(handle)?;
+        match self
+            .used
+            .get(&handle.fork)
+            .and_then(|u| u.creation_error.clone())
+        {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// Accepts an incoming request with a body, or refuses it (shutting down, no body).
     fn admit(&mut self, from: WorkerId, id: MessageId, body: Option<B>) -> Option<B> {
         if self.state != RunState::Running {
@@ -1081,11 +1285,15 @@ impl<B> Endpoint<B> {
         if let Some(fork) = confirms {
             if let Some(u) = self.used.get_mut(&fork) {
                 u.confirmed = true;
-                if outcome.is_ok() {
-                    self.events.push_back(Event::Confirmed { rref: u.rref });
-                } else {
-                    // The value was never created: the owner keeps nothing for this fork.
-                    u.void = true;
+                match &outcome {
+                    Ok(_) => self
+                        .events
+                        .push_back(Event::Confirmed { rref: u.rref, fork }),
+                    Err(e) => {
+                        // The value was never created: the owner keeps nothing for this fork.
+                        u.void = true;
+                        u.creation_error = Some(e.clone());
+                    }
                 }
             }
             self.maybe_delete_user(fork, now);
@@ -1208,7 +1416,10 @@ impl<B> Endpoint<B> {
             let parent = match self.used.get_mut(&fork) {
                 Some(used) if !used.confirmed => {
                     used.confirmed = true;
-                    self.events.push_back(Event::Confirmed { rref: used.rref });
+                    self.events.push_back(Event::Confirmed {
+                        rref: used.rref,
+                        fork,
+                    });
                     used.parent
                 }
                 _ => None,
@@ -1219,6 +1430,11 @@ impl<B> Endpoint<B> {
             self.maybe_delete_user(fork, now);
         }
     }
+}
+
+/// The deadline of something that started `now` with `timeout` (zero: none).
+fn deadline_after(now: Instant, timeout: Duration) -> Option<Instant> {
+    (!timeout.is_zero()).then(|| now + timeout)
 }
 
 #[cfg(test)]

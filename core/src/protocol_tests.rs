@@ -21,6 +21,10 @@ struct Sim {
     /// Defer the application's answers to `Remote` (to test fetches that wait).
     hold_remote: bool,
     held: Vec<(WorkerId, RequestToken, RRefId, Body)>,
+    /// The deadline of every request each worker was asked to run, in order.
+    deadlines: Vec<Vec<Option<Instant>>>,
+    /// The forks each worker was told the owner confirmed.
+    confirmed: Vec<Vec<ForkId>>,
 }
 
 impl Sim {
@@ -37,6 +41,8 @@ impl Sim {
             completed: HashMap::new(),
             hold_remote: false,
             held: Vec::new(),
+            deadlines: (0..n).map(|_| Vec::new()).collect(),
+            confirmed: (0..n).map(|_| Vec::new()).collect(),
         }
     }
 
@@ -70,7 +76,9 @@ impl Sim {
                 token,
                 function,
                 body,
+                deadline,
             } => {
+                self.deadlines[w as usize].push(deadline);
                 let out = match function.as_str() {
                     "echo" => Ok(body),
                     _ => Err(RemoteError {
@@ -86,7 +94,9 @@ impl Sim {
                 function,
                 body,
                 rref,
+                deadline,
             } => {
+                self.deadlines[w as usize].push(deadline);
                 if self.hold_remote {
                     self.held.push((w, token, rref, body));
                     return;
@@ -103,7 +113,7 @@ impl Sim {
             Event::Completed { id, outcome } => {
                 self.completed.insert((w, id), outcome);
             }
-            Event::Confirmed { .. } => {}
+            Event::Confirmed { fork, .. } => self.confirmed[w as usize].push(fork),
             Event::ReleaseValue { rref } => {
                 assert!(
                     self.values[w as usize].remove(&rref).is_some(),
@@ -332,16 +342,132 @@ fn failed_remote_reports_and_leaves_nothing() {
         s.outcome(0, made),
         Some(Err(CallError::Remote(_)))
     ));
-    // to_here reports the same failure.
-    let f = s.ep(0).fetch(h, T, now).unwrap();
-    s.drain();
+    // to_here reports the same failure, without asking the owner (which forgot the fork).
     assert!(
-        matches!(s.outcome(0, f), Some(Err(CallError::Remote(e))) if e.message == "cannot make")
+        matches!(s.ep(0).fetch(h, T, now), Err(CallError::Remote(e)) if e.message == "cannot make")
     );
     s.ep(0).drop_handle(h, now);
     s.drain();
     assert!(s.released.is_empty());
     assert_eq!(s.ep(0).user_fork_count(), 0);
+    // The owner forgot the creator's fork too: no record is left behind.
+    assert!(!s.ep(1).owns(h.rref));
+    assert!(s.eps.iter().all(Endpoint::is_idle));
+}
+
+#[test]
+fn requests_carry_the_callers_deadline() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    s.ep(0).call(1, "echo", vec![], T, now).unwrap();
+    s.ep(0)
+        .call(1, "echo", vec![], Duration::ZERO, now)
+        .unwrap();
+    s.ep(0).call(0, "echo", vec![], T, now).unwrap();
+    s.ep(0).remote(1, "make", vec![], T, now).unwrap();
+    s.drain();
+    assert_eq!(s.deadlines[1], vec![Some(now + T), None, Some(now + T)]);
+    assert_eq!(s.deadlines[0], vec![Some(now + T)]);
+}
+
+/// PyTorch: a `remote()` whose creation times out makes the reference unusable (its fetch and
+/// forks fail naming it and the owner), and the owner still frees the value once it exists
+/// and nobody refers to it.
+#[test]
+fn a_creation_that_times_out_fails_its_uses_and_leaks_nothing() {
+    for drop_before_delivery in [false, true] {
+        let mut s = Sim::new(3);
+        s.hold_remote = true;
+        let now = s.now;
+        let timeout = Duration::from_secs(1);
+        let (h, made) = s
+            .ep(0)
+            .remote(1, "make", b"v".to_vec(), timeout, now)
+            .unwrap();
+        if !drop_before_delivery {
+            s.drain();
+        }
+        s.advance(Duration::from_secs(2));
+        let expected = CallError::RRefCreationTimedOut {
+            rref: h.rref,
+            owner: 1,
+            after: timeout,
+        };
+        assert_eq!(s.outcome(0, made), Some(&Err(expected.clone())));
+        let now = s.now;
+        assert_eq!(s.ep(0).fetch(h, T, now), Err(expected.clone()));
+        assert_eq!(s.ep(0).fork_for(h, 2), Err(expected.clone()));
+        assert!(expected.to_string().contains("creation timed out"));
+        s.ep(0).drop_handle(h, now);
+        s.drain();
+        // The owner creates the value late, then frees it: nobody refers to it any more.
+        s.release_held();
+        s.drain();
+        assert_eq!(
+            s.released,
+            vec![h.rref],
+            "drop before delivery: {drop_before_delivery}"
+        );
+        assert!(!s.ep(1).owns(h.rref));
+        assert!(s.eps.iter().all(Endpoint::is_idle));
+        assert_eq!(s.ep(0).user_fork_count(), 0);
+    }
+}
+
+#[test]
+fn local_references_live_while_any_worker_holds_them() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    let h = s.ep(0).local_rref().unwrap();
+    s.values[0].insert(h.rref, b"mine".to_vec());
+    let data = s.ep(0).fork_for(h, 1).unwrap();
+    let theirs = s.ep(1).accept_fork(data, now);
+    s.pump();
+    // Given by the owner: confirmed at once.
+    assert_eq!(s.ep(1).is_confirmed(theirs), Some(true));
+    assert_eq!(s.confirmed[1], vec![theirs.fork]);
+    let f = s.ep(1).fetch(theirs, T, now).unwrap();
+    s.drain();
+    assert_eq!(s.outcome(1, f), Some(&Ok(b"mine".to_vec())));
+    s.ep(0).drop_handle(h, now);
+    s.drain();
+    assert!(s.released.is_empty());
+    let info = s.ep(0).debug_info();
+    assert_eq!(info.owned.len(), 1);
+    assert_eq!((info.owned[0].forks, info.owned[0].local_handles), (1, 0));
+    assert!(!info.holds_references());
+    assert!(s.ep(1).debug_info().holds_references());
+    s.ep(1).drop_handle(theirs, now);
+    s.drain();
+    assert_eq!(s.released, vec![h.rref]);
+    assert!(s.eps.iter().all(Endpoint::is_idle));
+}
+
+#[test]
+fn debug_info_counts_calls_forks_and_pending_users() {
+    let mut s = Sim::new(3);
+    let now = s.now;
+    s.ep(0).call(1, "echo", vec![], T, now).unwrap();
+    s.ep(0).call(1, "echo", vec![], T, now).unwrap();
+    s.ep(0).call(2, "echo", vec![], T, now).unwrap();
+    let (h, _) = s.ep(0).remote(1, "make", vec![], T, now).unwrap();
+    s.pump();
+    let info = s.ep(0).debug_info();
+    assert_eq!(info.calls_in_flight, [(1, 3), (2, 1)].into_iter().collect());
+    assert_eq!(info.forks.len(), 1);
+    assert!(
+        !info.forks[0].confirmed,
+        "a pending user until the owner replies"
+    );
+    s.drain();
+    let info = s.ep(0).debug_info();
+    assert!(info.calls_in_flight.is_empty());
+    assert!(info.forks[0].confirmed);
+    assert_eq!(s.confirmed[0], vec![h.fork]);
+    let owner = s.ep(1).debug_info();
+    assert_eq!(owner.owned.len(), 1);
+    assert_eq!(owner.owned[0].forks, 1);
+    assert!(!owner.owned[0].being_created);
 }
 
 #[test]

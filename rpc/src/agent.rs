@@ -22,8 +22,8 @@ use tensorwire_core::name::check_worker_name;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport, TransportError};
 use tensorwire_core::protocol::{
-    CallError, Endpoint, EndpointConfig, Event, MessageId, RRefHandle, RRefId, RemoteError,
-    RemoteErrorKind, RequestToken, Transmit, WorkerId,
+    CallError, DebugInfo, Endpoint, EndpointConfig, Event, ForkId, MessageId, RRefHandle, RRefId,
+    RemoteError, RemoteErrorKind, RequestToken, Transmit, WorkerId,
 };
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
@@ -53,6 +53,43 @@ pub struct WorkerInfo {
 impl fmt::Display for WorkerInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} (rank {})", self.name, self.id)
+    }
+}
+
+/// What an agent holds and waits for: [`Agent::debug_info`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct AgentDebugInfo {
+    /// This worker.
+    pub worker: WorkerInfo,
+    /// Values kept for references this worker owns.
+    pub kept_values: usize,
+    /// The protocol's view: owned references and their forks, forks held here (pending users
+    /// are the unconfirmed ones), calls in flight and requests being served per peer.
+    pub protocol: DebugInfo,
+}
+
+impl fmt::Display for AgentDebugInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = &self.protocol;
+        write!(
+            f,
+            "{}: {} values kept; owned references {}; forks held {}; calls in flight {:?}; requests being served {:?}",
+            self.worker,
+            self.kept_values,
+            p.owned
+                .iter()
+                .map(|o| format!("{} ({} forks elsewhere, {} handles here{})", o.rref, o.forks, o.local_handles, if o.being_created { ", being created" } else { "" }))
+                .collect::<Vec<_>>()
+                .join(", "),
+            p.forks
+                .iter()
+                .map(|u| format!("{} of {} on rank {} ({} handles{})", u.fork, u.rref, u.owner, u.handles, if u.confirmed { "" } else { ", pending user" }))
+                .collect::<Vec<_>>()
+                .join(", "),
+            p.calls_in_flight,
+            p.requests_being_served,
+        )
     }
 }
 
@@ -138,6 +175,9 @@ pub(crate) struct State {
     driver_wakes_at: Option<Instant>,
     /// Calls waiting for an owned value that is still being created.
     value_waiters: HashMap<RRefId, Vec<oneshot::Sender<()>>>,
+    /// Functions waiting until the owner confirms a fork in their arguments, with the owner
+    /// (a lost owner fails them).
+    confirm_waiters: HashMap<ForkId, Vec<(WorkerId, oneshot::Sender<()>)>>,
 }
 
 /// Who is in the group, and what this worker derives from it. Fixed after init in a static
@@ -187,7 +227,8 @@ pub(crate) struct Inner {
     /// Whether workers join and leave (`world_size = None`).
     dynamic: bool,
     declared_devices: Vec<Device>,
-    rpc_timeout: Duration,
+    /// The default call timeout, in nanoseconds (changed by `set_rpc_timeout`).
+    rpc_timeout_nanos: std::sync::atomic::AtomicU64,
     functions: Functions,
     backend: Arc<dyn DeviceBackend>,
     state: Mutex<State>,
@@ -444,7 +485,9 @@ impl Agent {
             members: std::sync::RwLock::new(members),
             dynamic,
             declared_devices: options.devices.clone(),
-            rpc_timeout: options.rpc_timeout,
+            rpc_timeout_nanos: std::sync::atomic::AtomicU64::new(duration_nanos(
+                options.rpc_timeout,
+            )),
             functions: options.functions.clone(),
             backend: Arc::clone(&options.device_backend),
             state: Mutex::new(State {
@@ -455,6 +498,7 @@ impl Agent {
                 lost: HashMap::new(),
                 driver_wakes_at: None,
                 value_waiters: HashMap::new(),
+                confirm_waiters: HashMap::new(),
             }),
             wake: Notify::new(),
             store: Arc::clone(&rdv.store),
@@ -632,6 +676,11 @@ async fn wait_ranks(
         after: timeout,
         waiting_for: Some(missing.join(", ")),
     })
+}
+
+/// A duration in nanoseconds, saturating (584 years).
+fn duration_nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 fn rank_only(rank: usize) -> String {
@@ -858,7 +907,26 @@ impl Agent {
     }
 
     fn timeout_or_default(&self, timeout: Option<Duration>) -> Duration {
-        timeout.unwrap_or(self.inner.rpc_timeout)
+        timeout.unwrap_or_else(|| self.rpc_timeout())
+    }
+
+    /// The default timeout of calls made without one (PyTorch's `get_rpc_timeout`); zero
+    /// means none.
+    pub fn rpc_timeout(&self) -> Duration {
+        Duration::from_nanos(
+            self.inner
+                .rpc_timeout_nanos
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
+    /// Changes the default timeout of calls made from now on without one (PyTorch's
+    /// `_set_rpc_timeout`); zero means none. Calls already sent keep theirs.
+    pub fn set_rpc_timeout(&self, timeout: Duration) {
+        self.inner.rpc_timeout_nanos.store(
+            duration_nanos(timeout),
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     /// Calls `function(args)` on `to` and waits for its result. `timeout` overrides the default
@@ -994,6 +1062,23 @@ impl Agent {
         T: Send + Sync + 'static,
     {
         let to = self.resolve(&to.into())?;
+        self.send_remote(to, function, args, None, timeout)
+    }
+
+    /// `remote`, also for methods: with `target`, `function` runs on the value of that
+    /// reference (owned by `to`).
+    pub(crate) fn send_remote<A, T>(
+        &self,
+        to: WorkerId,
+        function: &str,
+        args: &A,
+        target: Option<RRefId>,
+        timeout: Option<Duration>,
+    ) -> Result<RRef<T>, RpcError>
+    where
+        A: Serialize + ?Sized,
+        T: Send + Sync + 'static,
+    {
         let prepared = tensors::prepare(self, to, args, Direction::Request)
             .map_err(|e| self.transfer_error(to, function, e))?;
         if !prepared.on_host() {
@@ -1004,7 +1089,7 @@ impl Agent {
             });
         }
         let body = Body {
-            target: None,
+            target,
             data: prepared.data,
             tensors: tensors::host_to_wire(prepared.tensors),
         };
@@ -1020,7 +1105,37 @@ impl Agent {
             handle
         };
         self.pump();
-        Ok(RRef::new(self.clone(), handle, Some(rx)))
+        Ok(RRef::from_handle(self.clone(), handle, Some(rx)))
+    }
+
+    /// A reference to `value`, owned by this worker (PyTorch's `RRef(value)`): it can be passed
+    /// in arguments and results like any other, and the value lives until no worker refers to
+    /// it. [`RRef::new`] is the same.
+    pub fn local_rref<T>(&self, value: T) -> Result<RRef<T>, RpcError>
+    where
+        T: Serialize + Send + Sync + 'static,
+    {
+        let handle = {
+            let mut st = self.lock();
+            let handle = st.ep.local_rref().map_err(|_| RpcError::NotRunning)?;
+            st.values
+                .insert(handle.rref, Arc::new(value) as Arc<dyn Value>);
+            handle
+        };
+        Ok(RRef::from_handle(self.clone(), handle, None))
+    }
+
+    /// What this agent holds and waits for (PyTorch's `_get_debug_info` and
+    /// `_rref_context_get_debug_info`): values kept for references, the forks of references
+    /// it owns held elsewhere, forks it holds (a *pending user* until the owner confirms),
+    /// calls in flight per peer.
+    pub fn debug_info(&self) -> AgentDebugInfo {
+        let st = self.lock();
+        AgentDebugInfo {
+            worker: self.inner.me.clone(),
+            kept_values: st.values.len(),
+            protocol: st.ep.debug_info(),
+        }
     }
 
     /// The value of a reference this worker owns.
@@ -1043,17 +1158,30 @@ impl Agent {
             let id = st
                 .ep
                 .fetch(handle, timeout, Instant::now())
-                .map_err(|e| match e {
-                    CallError::NotRunning => RpcError::NotRunning,
-                    other => RpcError::RRef {
-                        rref: handle.rref.to_string(),
-                        reason: other.to_string(),
-                    },
-                })?;
+                .map_err(|e| self.rref_error(handle, e))?;
             st.waiters.insert(id, tx);
         }
         self.pump();
         Ok(rx)
+    }
+
+    /// The error of a reference that cannot be used: a failed or timed-out creation is
+    /// [`RpcError::RRefCreation`], naming the reference and its owner.
+    pub(crate) fn rref_error(&self, handle: RRefHandle, e: CallError) -> RpcError {
+        match e {
+            CallError::NotRunning => RpcError::NotRunning,
+            e @ (CallError::RRefCreationTimedOut { .. } | CallError::Remote(_)) => {
+                RpcError::RRefCreation {
+                    rref: handle.rref.to_string(),
+                    owner: self.name_of(handle.owner),
+                    source: e,
+                }
+            }
+            other => RpcError::RRef {
+                rref: handle.rref.to_string(),
+                reason: other.to_string(),
+            },
+        }
     }
 
     /// Gathers one value from every worker, in rank order (through the store). Every worker must
@@ -1185,6 +1313,12 @@ impl Agent {
     }
 
     async fn graceful(&self, timeout: Duration) -> Result<(), RpcError> {
+        let info = self.debug_info();
+        if info.protocol.holds_references() {
+            warn!(
+                "graceful shutdown while this worker still holds remote references (they stop working): {info}"
+            );
+        }
         let deadline = tokio::time::Instant::now() + timeout;
         // 1. Our own calls are answered.
         loop {
@@ -1295,6 +1429,11 @@ impl Agent {
             let reason = format!("{name}: {reason}");
             st.ep.handle_peer_lost(peer, &reason, Instant::now());
             st.lost.insert(peer, reason);
+            // Forks owned by the lost peer will never be confirmed: their waiters fail.
+            for waiters in st.confirm_waiters.values_mut() {
+                waiters.retain(|(owner, _)| *owner != peer);
+            }
+            st.confirm_waiters.retain(|_, w| !w.is_empty());
         }
         if self.inner.dynamic {
             self.remove_member(peer);
@@ -1407,13 +1546,21 @@ impl Agent {
                 token,
                 function,
                 body,
-            } => self.serve(token, function, body, None),
+                deadline,
+            } => self.serve(token, function, body, None, deadline),
             Event::Remote {
                 token,
                 function,
                 body,
                 rref,
-            } => self.serve(token, function, body, Some(rref)),
+                deadline,
+            } => self.serve(token, function, body, Some(rref), deadline),
+            Event::Confirmed { fork, .. } => {
+                let waiting = self.lock().confirm_waiters.remove(&fork);
+                for (_, tx) in waiting.into_iter().flatten() {
+                    let _ = tx.send(());
+                }
+            }
             Event::Fetch { token, rref } => {
                 let value = self.lock().values.get(&rref).cloned();
                 let agent = self.clone();
@@ -1469,7 +1616,15 @@ impl Agent {
     }
 
     /// Runs a registered function for a request, catching errors and panics.
-    fn serve(&self, token: RequestToken, function: String, body: Body, keep_as: Option<RRefId>) {
+    fn serve(
+        &self,
+        token: RequestToken,
+        function: String,
+        body: Body,
+        keep_as: Option<RRefId>,
+        deadline: Option<Instant>,
+    ) {
+        let deadline = deadline.map(tokio::time::Instant::from_std);
         let me = self.inner.me.id;
         let agent = self.clone();
         let Some(handler) = self.inner.functions.get(&function) else {
@@ -1494,7 +1649,7 @@ impl Agent {
         tokio::spawn(async move {
             // A method call on a value that is still being created waits for it.
             let target = match body.target {
-                Some(rref) => match agent.owned_value(rref).await {
+                Some(rref) => match agent.owned_value(rref, deadline).await {
                     Ok(v) => Some(v),
                     Err(reason) => {
                         let err = remote_error(me, RemoteErrorKind::RRef, reason);
@@ -1520,6 +1675,8 @@ impl Agent {
             };
             let inv = Invocation {
                 agent: agent.clone(),
+                caller: token.from(),
+                deadline,
                 args: body.data,
                 tensors,
                 target,
@@ -1601,9 +1758,13 @@ impl Agent {
         });
     }
 
-    /// The value of `rref`, owned here, waiting (bounded by the RPC timeout) while it is being
-    /// created.
-    async fn owned_value(&self, rref: RRefId) -> Result<Arc<dyn Any + Send + Sync>, String> {
+    /// The value of `rref`, owned here, waiting while it is being created (until the caller's
+    /// deadline; without one, until creation ends).
+    async fn owned_value(
+        &self,
+        rref: RRefId,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<Arc<dyn Any + Send + Sync>, String> {
         let gone = || format!("no value is kept for {rref} on {}", self.inner.me.name);
         let rx = {
             let mut st = self.lock();
@@ -1617,21 +1778,66 @@ impl Agent {
             st.value_waiters.entry(rref).or_default().push(tx);
             rx
         };
-        let limit = if self.inner.rpc_timeout.is_zero() {
-            Duration::from_secs(3600)
-        } else {
-            self.inner.rpc_timeout
+        let created = match deadline {
+            Some(at) => tokio::time::timeout_at(at, rx).await,
+            None => Ok(rx.await),
         };
-        match tokio::time::timeout(limit, rx).await {
+        match created {
             Ok(Ok(())) => self.local_value(rref).ok_or_else(gone),
             Ok(Err(_)) => Err(format!(
                 "creating the value of {rref} on {} failed",
                 self.inner.me.name
             )),
             Err(_) => Err(format!(
-                "the value of {rref} was not created within {limit:?}"
+                "the value of {rref} was still being created at the caller's deadline"
             )),
         }
+    }
+
+    /// Waits until the owner of every reference in `handles` has confirmed it, bounded by
+    /// `deadline`; the error names the reference and its owner.
+    pub(crate) async fn wait_confirmed(
+        &self,
+        handles: &[RRefHandle],
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<(), String> {
+        let mut waiting = Vec::new();
+        {
+            let mut st = self.lock();
+            for h in handles {
+                if st.ep.is_confirmed(*h) == Some(false) {
+                    let (tx, rx) = oneshot::channel();
+                    st.confirm_waiters
+                        .entry(h.fork)
+                        .or_default()
+                        .push((h.owner, tx));
+                    waiting.push((*h, rx));
+                }
+            }
+        }
+        for (h, rx) in waiting {
+            let owner = self.name_of(h.owner);
+            let confirmed = match deadline {
+                Some(at) => tokio::time::timeout_at(at, rx).await,
+                None => Ok(rx.await),
+            };
+            match confirmed {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => {
+                    return Err(format!(
+                        "remote reference {} in the arguments: its owner {owner} was lost before confirming it",
+                        h.rref
+                    ))
+                }
+                Err(_) => {
+                    return Err(format!(
+                        "remote reference {} in the arguments: its owner {owner} did not confirm it before the call's deadline",
+                        h.rref
+                    ))
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use tensorwire_core::protocol::{Header, RRefId, WorkerId};
+use tensorwire_core::protocol::{Header, RRefHandle, RRefId, WorkerId};
 use tensorwire_core::tensor::{sidecar, Tensor, TensorMeta};
 
 use crate::agent::Agent;
@@ -21,6 +21,8 @@ thread_local! {
     static NOTE: RefCell<Option<String>> = const { RefCell::new(None) };
     static ENCODING: RefCell<Option<(Agent, WorkerId)>> = const { RefCell::new(None) };
     static DECODING: RefCell<Option<Agent>> = const { RefCell::new(None) };
+    /// The references accepted by the decode in progress on this thread.
+    static ACCEPTED: RefCell<Vec<RRefHandle>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Restores the previous context when dropped (encodes may nest).
@@ -75,9 +77,22 @@ pub(crate) fn decode<T: DeserializeOwned>(
     bytes: &[u8],
     tensors: Vec<Tensor>,
 ) -> Result<T, DecodeError> {
+    decode_with_references(agent, bytes, tensors).map(|(value, _)| value)
+}
+
+/// [`decode`], also returning the remote references the value holds (accepted here while
+/// decoding), so that a function can wait until their owners have confirmed them.
+pub(crate) fn decode_with_references<T: DeserializeOwned>(
+    agent: &Agent,
+    bytes: &[u8],
+    tensors: Vec<Tensor>,
+) -> Result<(T, Vec<RRefHandle>), DecodeError> {
     let prev = DECODING.with(|c| c.borrow_mut().replace(agent.clone()));
     let _restore = Restore(&DECODING, prev);
-    let (value, rest) = sidecar::provide_tensors(tensors, || postcard::take_from_bytes(bytes))?;
+    let outer = ACCEPTED.with(|a| std::mem::take(&mut *a.borrow_mut()));
+    let decoded = sidecar::provide_tensors(tensors, || postcard::take_from_bytes(bytes));
+    let accepted = ACCEPTED.with(|a| std::mem::replace(&mut *a.borrow_mut(), outer));
+    let (value, rest) = decoded?;
     if !rest.is_empty() {
         return Err(DecodeError::TrailingBytes {
             left: rest.len(),
@@ -85,7 +100,12 @@ pub(crate) fn decode<T: DeserializeOwned>(
             ty: std::any::type_name::<T>(),
         });
     }
-    Ok(value)
+    Ok((value, accepted))
+}
+
+/// Notes a reference accepted by the decode in progress on this thread.
+pub(crate) fn accepted(handle: RRefHandle) {
+    ACCEPTED.with(|a| a.borrow_mut().push(handle));
 }
 
 /// Remembers why a value could not be serialized, for the error the caller gets.

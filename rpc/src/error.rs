@@ -93,6 +93,18 @@ pub enum RpcError {
     /// The agent is not running (shut down).
     #[error("RPC is no longer running on this worker")]
     NotRunning,
+    /// Creating the value behind a remote reference failed, or its `remote()` timed out before
+    /// the owner confirmed it; fetching it, calling methods on it and passing it on fail so.
+    #[error("remote reference {rref} owned by {owner}: {source}")]
+    RRefCreation {
+        /// The reference.
+        rref: String,
+        /// Its owner.
+        owner: String,
+        /// The creation's error.
+        #[source]
+        source: CallError,
+    },
     /// A remote reference was used where it cannot be (a local value asked for on a user, a
     /// value of another type, ...).
     #[error("remote reference {rref}: {reason}")]

@@ -15,11 +15,13 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::agent::Agent;
+use crate::agent::{Agent, WorkerInfo};
 use crate::codec;
 use crate::tensors::{self, Prepared, TensorTransferError};
 use tensorwire_core::placement::Direction;
+use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::tensor::Tensor;
+use tokio::time::Instant;
 
 /// A value a function produced: kept on its owner (remote references) or encoded for a reply.
 pub(crate) trait Value: Any + Send + Sync {
@@ -45,7 +47,8 @@ pub(crate) enum HandlerError {
     BadArguments(String),
     /// The function returned an error.
     Failed(String),
-    /// A method was called without a value, or on a value of another type.
+    /// A method was called without a value, or on a value of another type; or a reference in
+    /// the arguments was not confirmed by its owner in time.
     Target(String),
 }
 
@@ -55,12 +58,108 @@ pub(crate) type HandlerFuture =
 /// What a handler gets.
 pub(crate) struct Invocation {
     pub(crate) agent: Agent,
+    pub(crate) caller: WorkerId,
+    /// When the caller stops waiting.
+    pub(crate) deadline: Option<Instant>,
     pub(crate) args: Bytes,
     pub(crate) tensors: Vec<Tensor>,
     pub(crate) target: Option<Arc<dyn Any + Send + Sync>>,
 }
 
+impl Invocation {
+    /// Decodes the arguments and waits until the owner of every remote reference in them has
+    /// confirmed it (PyTorch runs a function only then), bounded by the call's deadline.
+    async fn arguments<A: DeserializeOwned>(&mut self) -> Result<A, HandlerError> {
+        let (args, references) = codec::decode_with_references(
+            &self.agent,
+            &self.args,
+            std::mem::take(&mut self.tensors),
+        )
+        .map_err(|e| HandlerError::BadArguments(e.to_string()))?;
+        self.agent
+            .wait_confirmed(&references, self.deadline)
+            .await
+            .map_err(HandlerError::Target)?;
+        Ok(args)
+    }
+
+    fn context(&self) -> CallContext {
+        CallContext {
+            caller: WorkerInfo {
+                name: self.agent.name_of(self.caller),
+                id: self.caller,
+            },
+            agent: self.agent.clone(),
+            deadline: self.deadline,
+        }
+    }
+}
+
+/// What a function registered with [`Functions::register_with_context`] learns about its call:
+/// who called, the agent it runs on (for nested calls, without a global), and the caller's
+/// deadline.
+#[derive(Debug, Clone)]
+pub struct CallContext {
+    caller: WorkerInfo,
+    agent: Agent,
+    deadline: Option<Instant>,
+}
+
+impl CallContext {
+    /// The worker that made the call.
+    pub fn caller(&self) -> &WorkerInfo {
+        &self.caller
+    }
+
+    /// The agent this function runs on.
+    pub fn agent(&self) -> &Agent {
+        &self.agent
+    }
+
+    /// When the caller stops waiting for the result (`None`: the call has no timeout). A
+    /// nested call can use what is left: `deadline - Instant::now()`.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
+    }
+
+    /// The time left until [`deadline`](Self::deadline) (`None`: no deadline; zero once past).
+    pub fn remaining(&self) -> Option<std::time::Duration> {
+        self.deadline
+            .map(|d| d.saturating_duration_since(Instant::now()))
+    }
+}
+
 pub(crate) type Handler = Arc<dyn Fn(Invocation) -> HandlerFuture + Send + Sync>;
+
+/// The result of a user function, as the agent keeps or sends it.
+fn finish<R, E>(outcome: Result<R, E>) -> Result<Arc<dyn Value>, HandlerError>
+where
+    R: Serialize + Send + Sync + 'static,
+    E: fmt::Display,
+{
+    match outcome {
+        Ok(r) => Ok(Arc::new(r) as Arc<dyn Value>),
+        Err(e) => Err(HandlerError::Failed(e.to_string())),
+    }
+}
+
+/// The value a method is called on, as a `T`.
+fn method_target<T: Send + Sync + 'static>(
+    name: &str,
+    target: Option<Arc<dyn Any + Send + Sync>>,
+) -> Result<Arc<T>, HandlerError> {
+    let target = target.ok_or_else(|| {
+        HandlerError::Target(format!(
+            "method {name:?} needs a remote reference to call it on"
+        ))
+    })?;
+    target.downcast::<T>().map_err(|_| {
+        HandlerError::Target(format!(
+            "method {name:?} expects a value of type {}",
+            std::any::type_name::<T>()
+        ))
+    })
+}
 
 /// The functions a worker serves. Cloning shares the table.
 #[derive(Clone, Default)]
@@ -106,7 +205,8 @@ impl Functions {
         v
     }
 
-    /// Registers `f` under `name` (replacing an earlier function of that name).
+    /// Registers `f` under `name` (replacing an earlier function of that name). The function
+    /// runs once every remote reference in its arguments is confirmed by its owner.
     ///
     /// ```
     /// let fns = tensorwire_rpc::Functions::new();
@@ -120,18 +220,39 @@ impl Functions {
         F: Fn(A) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<R, E>> + Send + 'static,
     {
+        self.register_with_context(name, move |_: CallContext, args: A| f(args));
+    }
+
+    /// Registers `f` under `name`; `f` also gets the [`CallContext`]: the caller, the agent
+    /// (for nested calls) and the deadline.
+    ///
+    /// ```
+    /// use tensorwire_rpc::{CallContext, Functions};
+    ///
+    /// let fns = Functions::new();
+    /// // Forwards to the next worker and says who asked.
+    /// fns.register_with_context("relay", |ctx: CallContext, (to, x): (String, i64)| async move {
+    ///     let doubled: i64 = ctx.agent().rpc_sync(to.as_str(), "double", &x, ctx.remaining()).await
+    ///         .map_err(|e| e.to_string())?;
+    ///     Ok::<_, String>(format!("{} asked; {doubled}", ctx.caller().name))
+    /// });
+    /// ```
+    pub fn register_with_context<A, R, E, F, Fut>(&self, name: &str, f: F)
+    where
+        A: DeserializeOwned + Send + 'static,
+        R: Serialize + Send + Sync + 'static,
+        E: fmt::Display + Send + 'static,
+        F: Fn(CallContext, A) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<R, E>> + Send + 'static,
+    {
         let f = Arc::new(f);
         self.insert(
             name,
-            Arc::new(move |inv: Invocation| {
+            Arc::new(move |mut inv: Invocation| {
                 let f = Arc::clone(&f);
                 Box::pin(async move {
-                    let args: A = codec::decode(&inv.agent, &inv.args, inv.tensors)
-                        .map_err(|e| HandlerError::BadArguments(e.to_string()))?;
-                    match f(args).await {
-                        Ok(r) => Ok(Arc::new(r) as Arc<dyn Value>),
-                        Err(e) => Err(HandlerError::Failed(e.to_string())),
-                    }
+                    let args: A = inv.arguments().await?;
+                    finish(f(inv.context(), args).await)
                 })
             }),
         );
@@ -148,31 +269,32 @@ impl Functions {
         F: Fn(Arc<T>, A) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<R, E>> + Send + 'static,
     {
+        self.register_method_with_context(name, move |_: CallContext, value: Arc<T>, args: A| {
+            f(value, args)
+        });
+    }
+
+    /// [`register_method`](Self::register_method) with the [`CallContext`].
+    pub fn register_method_with_context<T, A, R, E, F, Fut>(&self, name: &str, f: F)
+    where
+        T: Send + Sync + 'static,
+        A: DeserializeOwned + Send + 'static,
+        R: Serialize + Send + Sync + 'static,
+        E: fmt::Display + Send + 'static,
+        F: Fn(CallContext, Arc<T>, A) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<R, E>> + Send + 'static,
+    {
         let f = Arc::new(f);
         let name_owned = name.to_owned();
         self.insert(
             name,
-            Arc::new(move |inv: Invocation| {
+            Arc::new(move |mut inv: Invocation| {
                 let f = Arc::clone(&f);
                 let name = name_owned.clone();
                 Box::pin(async move {
-                    let target = inv.target.ok_or_else(|| {
-                        HandlerError::Target(format!(
-                            "method {name:?} needs a remote reference to call it on"
-                        ))
-                    })?;
-                    let value = target.downcast::<T>().map_err(|_| {
-                        HandlerError::Target(format!(
-                            "method {name:?} expects a value of type {}",
-                            std::any::type_name::<T>()
-                        ))
-                    })?;
-                    let args: A = codec::decode(&inv.agent, &inv.args, inv.tensors)
-                        .map_err(|e| HandlerError::BadArguments(e.to_string()))?;
-                    match f(value, args).await {
-                        Ok(r) => Ok(Arc::new(r) as Arc<dyn Value>),
-                        Err(e) => Err(HandlerError::Failed(e.to_string())),
-                    }
+                    let value = method_target::<T>(&name, inv.target.take())?;
+                    let args: A = inv.arguments().await?;
+                    finish(f(inv.context(), value, args).await)
                 })
             }),
         );

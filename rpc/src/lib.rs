@@ -33,12 +33,13 @@ mod backend;
 mod codec;
 mod dynamic;
 mod error;
+pub mod faults;
 mod functions;
 mod options;
 mod rref;
 mod tensors;
 
-pub use agent::{init_rpc, start_agent, Agent, RpcFuture, WorkerInfo, WorkerRef};
+pub use agent::{init_rpc, start_agent, Agent, AgentDebugInfo, RpcFuture, WorkerInfo, WorkerRef};
 pub use backend::{
     backend_registered, construct_rpc_backend_options, register_backend, registered_backends,
     DynRpcBackend, TcpBackend, TCP_BACKEND,
@@ -46,8 +47,10 @@ pub use backend::{
 #[cfg(feature = "quic")]
 pub use backend::{QuicBackend, QUIC_BACKEND};
 pub use error::RpcError;
-pub use functions::Functions;
+pub use functions::{CallContext, Functions};
 pub use options::{RpcOptions, DEFAULT_RPC_TIMEOUT};
 pub use rref::RRef;
-pub use tensorwire_core::protocol::{CallError, RemoteError, RemoteErrorKind};
+pub use tensorwire_core::protocol::{
+    CallError, DebugInfo, ForkInfo, OwnedInfo, RemoteError, RemoteErrorKind,
+};
 pub use tensorwire_process_group::Rendezvous;

@@ -16,7 +16,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tensorwire_core::protocol::{CallError, RRefForkData, RRefHandle};
 use tokio::sync::oneshot;
 
-use crate::agent::{Agent, Body, WorkerInfo};
+use crate::agent::{Agent, Body, RpcFuture, WorkerInfo};
 use crate::codec;
 use crate::error::RpcError;
 
@@ -25,9 +25,10 @@ type Created = oneshot::Receiver<Result<Body, CallError>>;
 struct Shared {
     agent: Agent,
     handle: RRefHandle,
-    /// For the worker that called `remote`: whether creating the value succeeded.
+    /// For the worker that called `remote`: the creation's outcome, until it is read.
     created: tokio::sync::Mutex<Option<Created>>,
-    creation: Mutex<Option<Result<(), String>>>,
+    /// The creation's outcome once read (`None`: not known yet, or not the creator).
+    creation: Mutex<Option<Result<(), CallError>>>,
 }
 
 impl Drop for Shared {
@@ -41,6 +42,10 @@ impl Drop for Shared {
 }
 
 /// A reference to a value of type `T` owned by some worker.
+///
+/// Made by [`Agent::remote`] (the value is created on another worker), by [`RRef::new`] (a
+/// value this worker holds) or by receiving one in arguments or results. Cloning is cheap;
+/// the value lives on its owner until no worker holds a reference to it.
 pub struct RRef<T> {
     shared: Arc<Shared>,
     _value: PhantomData<fn() -> T>,
@@ -64,8 +69,24 @@ impl<T> std::fmt::Debug for RRef<T> {
     }
 }
 
+impl<T: Serialize + Send + Sync + 'static> RRef<T> {
+    /// A reference to `value`, owned by this worker (PyTorch's `RRef(value)`), to pass to
+    /// others in arguments or results. Fails only when the agent is shut down.
+    ///
+    /// ```no_run
+    /// # async fn f(agent: tensorwire_rpc::Agent) -> Result<(), tensorwire_rpc::RpcError> {
+    /// use tensorwire_rpc::RRef;
+    /// let weights = RRef::new(&agent, vec![0.5f32; 4])?;
+    /// let sum: f32 = agent.rpc_sync("trainer", "sum_weights", &weights, None).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn new(agent: &Agent, value: T) -> Result<Self, RpcError> {
+        agent.local_rref(value)
+    }
+}
+
 impl<T: Send + Sync + 'static> RRef<T> {
-    pub(crate) fn new(agent: Agent, handle: RRefHandle, created: Option<Created>) -> Self {
+    pub(crate) fn from_handle(agent: Agent, handle: RRefHandle, created: Option<Created>) -> Self {
         Self {
             shared: Arc::new(Shared {
                 agent,
@@ -104,37 +125,44 @@ impl<T: Send + Sync + 'static> RRef<T> {
             .unwrap_or(false)
     }
 
-    /// Waits until the owner has created the value (for the worker that called `remote`) and
-    /// reports whether that worked.
-    async fn wait_created(&self) -> Result<(), RpcError> {
+    /// Waits until the owner has created the value, and says whether that worked (PyTorch's
+    /// `rref._get_future()`). Only the worker that called `remote` waits: elsewhere a
+    /// reference exists only once its value does, and this returns at once. Bounded by the
+    /// `remote()` call's own timeout: a creation that outlives it fails with
+    /// [`RpcError::RRefCreation`] (and [`CallError::RRefCreationTimedOut`] inside). Cancel
+    /// safe: dropping the future loses nothing.
+    pub async fn created(&self) -> Result<(), RpcError> {
         let mut created = self.shared.created.lock().await;
-        if let Some(rx) = created.take() {
+        if let Some(rx) = created.as_mut() {
             let outcome = match rx.await {
                 Ok(Ok(_)) => Ok(()),
-                Ok(Err(e)) => Err(e.to_string()),
-                Err(_) => Err("RPC is no longer running on this worker".to_owned()),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(CallError::NotRunning),
             };
-            *self
-                .shared
-                .creation
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner) = Some(outcome);
+            *created = None;
+            *self.creation() = Some(outcome);
         }
-        match &*self
-            .shared
+        drop(created);
+        self.known_creation()
+    }
+
+    fn creation(&self) -> std::sync::MutexGuard<'_, Option<Result<(), CallError>>> {
+        self.shared
             .creation
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-        {
-            Some(Err(e)) => Err(RpcError::RRef {
-                rref: self.shared.handle.rref.to_string(),
-                reason: format!("creating the value failed: {e}"),
-            }),
+    }
+
+    /// The creation's error, if it is known to have failed.
+    fn known_creation(&self) -> Result<(), RpcError> {
+        match &*self.creation() {
+            Some(Err(e)) => Err(self.agent().rref_error(self.shared.handle, e.clone())),
             _ => Ok(()),
         }
     }
 
     /// Copies the value here from its owner (`timeout` overrides the default; zero: none).
+    /// A reference whose creation failed or timed out fails with [`RpcError::RRefCreation`].
     pub async fn to_here(&self, timeout: Option<Duration>) -> Result<T, RpcError>
     where
         T: DeserializeOwned,
@@ -164,7 +192,7 @@ impl<T: Send + Sync + 'static> RRef<T> {
                 ),
             });
         }
-        self.wait_created().await?;
+        self.created().await?;
         let any = self
             .agent()
             .local_value(self.shared.handle.rref)
@@ -178,7 +206,8 @@ impl<T: Send + Sync + 'static> RRef<T> {
         })
     }
 
-    /// Calls the registered method `method` on the value, on its owner, and waits for the result.
+    /// Calls the registered method `method` on the value, on its owner, and waits for the
+    /// result (`rref.rpc_sync().method(args)` in PyTorch).
     pub async fn rpc_sync<A, R>(
         &self,
         method: &str,
@@ -189,16 +218,54 @@ impl<T: Send + Sync + 'static> RRef<T> {
         A: Serialize + ?Sized,
         R: DeserializeOwned + Send + 'static,
     {
-        self.wait_created().await?;
-        self.agent()
-            .send_call(
-                self.shared.handle.owner,
-                method,
-                args,
-                Some(self.shared.handle.rref),
-                timeout,
-            )?
-            .await
+        self.rpc_async(method, args, timeout)?.await
+    }
+
+    /// Sends a call of the registered method `method` on the value to its owner now, and
+    /// returns a future of its result (`rref.rpc_async().method(args)` in PyTorch). A value
+    /// still being created is waited for on the owner, within the call's timeout; a creation
+    /// known to have failed fails here.
+    pub fn rpc_async<A, R>(
+        &self,
+        method: &str,
+        args: &A,
+        timeout: Option<Duration>,
+    ) -> Result<RpcFuture<R>, RpcError>
+    where
+        A: Serialize + ?Sized,
+        R: DeserializeOwned + Send + 'static,
+    {
+        self.known_creation()?;
+        self.agent().send_call(
+            self.shared.handle.owner,
+            method,
+            args,
+            Some(self.shared.handle.rref),
+            timeout,
+        )
+    }
+
+    /// Runs the registered method `method` on the value, on its owner, and keeps its result
+    /// there as a new value (`rref.remote().method(args)` in PyTorch): returns a reference to
+    /// it at once.
+    pub fn remote<A, R>(
+        &self,
+        method: &str,
+        args: &A,
+        timeout: Option<Duration>,
+    ) -> Result<RRef<R>, RpcError>
+    where
+        A: Serialize + ?Sized,
+        R: Send + Sync + 'static,
+    {
+        self.known_creation()?;
+        self.agent().send_remote(
+            self.shared.handle.owner,
+            method,
+            args,
+            Some(self.shared.handle.rref),
+            timeout,
+        )
     }
 }
 
@@ -231,6 +298,7 @@ impl<'de, T: Send + Sync + 'static> Deserialize<'de> for RRef<T> {
         })?;
         let handle = agent.lock().ep.accept_fork(data, Instant::now());
         agent.wake();
-        Ok(RRef::new(agent, handle, None))
+        codec::accepted(handle);
+        Ok(RRef::from_handle(agent, handle, None))
     }
 }
