@@ -359,19 +359,31 @@ async fn a_rank_that_shuts_down_is_named_as_having_left() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranks_running_different_collectives_are_told() {
     bounded(async {
-        let gs = groups(2, "mismatch", Duration::from_millis(500)).await;
+        let gs = groups(2, "mismatch", Duration::from_secs(5)).await;
         let (a, b) = tokio::join!(gs[0].barrier(), async {
             let mut data = [0u8; 4];
             gs[1].broadcast(&mut data, 0).await
         });
         let b = b.unwrap_err();
         assert!(
-            matches!(b, ProcessGroupError::Mismatch { peer: 0, .. }),
+            matches!(b, ProcessGroupError::Disagreement { peer: 0, here: true, .. }),
             "{b}"
         );
-        assert!(b.to_string().contains("it ran barrier"), "{b}");
-        // Rank 0 waits for a barrier message rank 1 never sends.
-        assert!(matches!(a.unwrap_err(), ProcessGroupError::Timeout { .. }));
+        assert_eq!(
+            b.to_string(),
+            "rank 0 ran barrier as collective #0, this rank (1) broadcast(root 0, 4 bytes)"
+        );
+        // Rank 0 waited for a barrier message rank 1 never sends; rank 1 told it why.
+        let a = a.unwrap_err();
+        assert_eq!(
+            a.to_string(),
+            "rank 0 ran barrier as collective #0, rank 1 broadcast(root 0, 4 bytes) (reported by rank 1)"
+        );
+        // The group is broken on both ranks, with that reason.
+        for g in &gs {
+            let e = g.barrier().await.unwrap_err();
+            assert!(matches!(e, ProcessGroupError::Disagreement { .. }), "{e}");
+        }
     })
     .await;
 }
