@@ -250,7 +250,7 @@ impl Group {
     /// All-gather of blocks whose lengths every rank already knows (`lens[i]` is rank i's);
     /// skips the exchange of lengths that [`all_gather`](ProcessGroup::all_gather) does first.
     /// Returns the blocks in rank order, sharing one buffer. Every rank must pass the same
-    /// `lens` (their total is checked).
+    /// `lens` (ranks that do not fail with [`ProcessGroupError::Disagreement`]).
     ///
     /// # Errors
     /// [`ProcessGroupError::Arguments`] when `input` is not `lens[rank]` bytes or `lens` does
@@ -299,8 +299,7 @@ impl Group {
         let mut buffer = vec![0u8; schedule.buffer_len()];
         let mut held = Held::default();
         held.insert(schedule.input_range(), Bytes::copy_from_slice(input), false);
-        let total = schedule.buffer_len() as u64;
-        let signature = Signature::AllGather { total };
+        let signature = Signature::all_gather(lens);
         self.run_held(seq, signature, &schedule, &mut buffer, &mut held, true)
             .await?;
         let mut ranges = Vec::with_capacity(lens.len());

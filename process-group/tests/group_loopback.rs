@@ -686,3 +686,26 @@ async fn a_broadcast_root_learns_of_a_mismatch_by_its_next_collective() {
     })
     .await;
 }
+
+/// Blocks of other lengths with the same total are a disagreement too, on both ranks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_gather_with_other_lengths_is_a_disagreement() {
+    bounded(async {
+        let gs = groups(2, "lengths", Duration::from_secs(5)).await;
+        let (a, b) = tokio::join!(
+            gs[0].all_gather_with_lens(b"abc", &[3, 5]),
+            gs[1].all_gather_with_lens(b"abc", &[5, 3]),
+        );
+        let (a, b) = (a.unwrap_err(), b.unwrap_err());
+        for e in [&a, &b] {
+            assert!(matches!(e, ProcessGroupError::Disagreement { .. }), "{e}");
+        }
+        // Arguments wrong on one rank only: it is refused there (no place in the sequence).
+        let e = gs[0]
+            .all_gather_with_lens(b"abc", &[4, 5])
+            .await
+            .unwrap_err();
+        assert!(matches!(e, ProcessGroupError::Arguments { .. }), "{e}");
+    })
+    .await;
+}

@@ -26,10 +26,14 @@ pub enum Signature {
     /// The first round of a variable-size all_gather: one fixed-size slot per rank with its
     /// block's length and, when it fits, the block itself (see [`super::varlen`]).
     AllGatherLengths,
-    /// An all_gather of blocks whose lengths every rank knows; `total` is their sum in bytes.
+    /// An all_gather of blocks whose lengths every rank knows (build it with
+    /// [`Signature::all_gather`]).
     AllGather {
         /// The bytes of all blocks together.
         total: u64,
+        /// A hash of the block lengths (FNV-1a), so that ranks that pass other lengths with
+        /// the same total disagree too.
+        lengths: u32,
     },
     /// The first round of a broadcast of bytes whose length only the root knows: a fixed-size
     /// slot with the length and, when they fit, the bytes.
@@ -56,6 +60,22 @@ pub enum Signature {
 }
 
 impl Signature {
+    /// The signature of an all_gather of blocks of `lens` bytes (one per rank).
+    pub fn all_gather(lens: &[usize]) -> Signature {
+        let mut hash: u32 = 0x811c_9dc5;
+        for len in lens {
+            for byte in (*len as u64).to_le_bytes() {
+                hash = (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193);
+            }
+        }
+        Signature::AllGather {
+            total: lens
+                .iter()
+                .fold(0u64, |acc, len| acc.saturating_add(*len as u64)),
+            lengths: hash,
+        }
+    }
+
     /// The collective's name as users call it (`"all_gather"` for both of its rounds), for
     /// errors and logs.
     pub fn name(&self) -> &'static str {
@@ -72,7 +92,7 @@ impl Signature {
         let (tag, a, b, root, count) = match *self {
             Signature::Barrier => (1u8, 0u8, 0u8, 0u32, 0u64),
             Signature::AllGatherLengths => (2, 0, 0, 0, 0),
-            Signature::AllGather { total } => (3, 0, 0, 0, total),
+            Signature::AllGather { total, lengths } => (3, 0, 0, lengths, total),
             Signature::BroadcastLength { root } => (4, 0, 0, root, 0),
             Signature::Broadcast { root, len } => (5, 0, 0, root, len),
             Signature::AllReduce { op, element, count } => {
@@ -98,7 +118,10 @@ impl Signature {
         let signature = match tag {
             1 => Signature::Barrier,
             2 => Signature::AllGatherLengths,
-            3 => Signature::AllGather { total: count },
+            3 => Signature::AllGather {
+                total: count,
+                lengths: root,
+            },
             4 => Signature::BroadcastLength { root },
             5 => Signature::Broadcast { root, len: count },
             6 => Signature::AllReduce {
@@ -125,13 +148,18 @@ fn element_code(element: ElementType) -> u8 {
 }
 
 impl fmt::Display for Signature {
-    /// `barrier`, `all_gather(lengths)`, `all_gather(300 bytes in all)`,
+    /// `barrier`, `all_gather(lengths)`, `all_gather(300 bytes in all, lengths #0badf00d)`,
     /// `broadcast(root 2, length)`, `broadcast(root 0, 8 bytes)`, `all_reduce(sum, i64 x1)`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Signature::Barrier => f.write_str("barrier"),
             Signature::AllGatherLengths => f.write_str("all_gather(lengths)"),
-            Signature::AllGather { total } => write!(f, "all_gather({total} bytes in all)"),
+            Signature::AllGather { total, lengths } => {
+                write!(
+                    f,
+                    "all_gather({total} bytes in all, lengths #{lengths:08x})"
+                )
+            }
             Signature::BroadcastLength { root } => write!(f, "broadcast(root {root}, length)"),
             Signature::Broadcast { root, len } => write!(f, "broadcast(root {root}, {len} bytes)"),
             Signature::AllReduce { op, element, count } => {
@@ -150,7 +178,8 @@ mod tests {
         prop_oneof![
             Just(Signature::Barrier),
             Just(Signature::AllGatherLengths),
-            any::<u64>().prop_map(|total| Signature::AllGather { total }),
+            (any::<u64>(), any::<u32>())
+                .prop_map(|(total, lengths)| Signature::AllGather { total, lengths }),
             any::<u32>().prop_map(|root| Signature::BroadcastLength { root }),
             (any::<u32>(), any::<u64>()).prop_map(|(root, len)| Signature::Broadcast { root, len }),
             (
@@ -180,6 +209,14 @@ mod tests {
         );
         assert_eq!(Signature::Barrier.name(), "barrier");
         assert_eq!(Signature::AllGatherLengths.name(), "all_gather");
+        // The same total in other blocks is another all_gather.
+        let a = Signature::all_gather(&[3, 5]);
+        let b = Signature::all_gather(&[5, 3]);
+        assert_ne!(a, b);
+        assert!(a
+            .to_string()
+            .starts_with("all_gather(8 bytes in all, lengths #"));
+        assert_eq!(a, Signature::all_gather(&[3, 5]));
     }
 
     #[test]

@@ -165,10 +165,9 @@ impl Driver<'_> {
             }
             Call::AllGatherWithLens { lens } => {
                 let schedule = all_gather(r, lens, AllGatherAlgorithm::select(lens)).map_err(e)?;
-                let total = lens.iter().sum::<usize>() as u64;
                 Round::new(
                     base,
-                    Signature::AllGather { total },
+                    Signature::all_gather(lens),
                     schedule,
                     &input(i, r, lens[r]),
                 )
@@ -254,11 +253,10 @@ impl Driver<'_> {
                 } else {
                     let schedule = all_gather(r, &lens, AllGatherAlgorithm::select(&lens))
                         .map_err(|e| e.to_string())?;
-                    let total = lens.iter().sum::<usize>() as u64;
                     let seq = second_seq(rank);
                     run.round = Round::new(
                         seq,
-                        Signature::AllGather { total },
+                        Signature::all_gather(&lens),
                         schedule,
                         &input(i, r, lens[r]),
                     );
