@@ -11,7 +11,7 @@
 //! # Frames
 //! - Collective messages are [`FrameKind::Message`](tensorwire_core::wire::FrameKind) frames:
 //!   a 23-byte header (sequence number `u64` LE, then the round's
-//!   [`Signature`](tensorwire_core::collective::Signature), 15 bytes) and at most one payload.
+//!   [`Signature`], 15 bytes) and at most one payload.
 //! - Control frames carry a postcard `Control` value: the hello, a clean goodbye, an abort
 //!   that tells the others which rank was seen dying, and a disagreement notice that tells
 //!   them which ranks ran what under one sequence number.
