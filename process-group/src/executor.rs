@@ -8,7 +8,10 @@
 //! - messages from one peer for one collective come out of a FIFO (the connection's order,
 //!   filed by sequence number by the mesh's reader task), so the n-th receive from a peer gets
 //!   the n-th message that peer sent in this collective;
-//! - receives are applied in the step's order, which keeps float reductions reproducible.
+//! - receives are applied in the step's order, which keeps float reductions reproducible;
+//! - every message carries the round's [`Signature`]; a receive whose sender ran another one
+//!   under the same sequence number fails with [`ProcessGroupError::Disagreement`] before its
+//!   payload is looked at (the caller then breaks the group and tells the other ranks).
 //!
 //! The whole collective has one deadline; a wait that passes it fails with
 //! [`ProcessGroupError::Timeout`] naming the ranks whose messages had not arrived. A dead
@@ -17,46 +20,11 @@
 use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
-use tensorwire_core::collective::{Apply, Schedule};
+use tensorwire_core::collective::{Apply, Schedule, Signature};
 use tensorwire_core::ports::process_group::ProcessGroupError;
 use tokio::time::Instant;
 
 use crate::mesh::Mesh;
-
-/// The collectives, as tagged on the wire (a rank that runs another collective under the same
-/// sequence number is reported instead of misread).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
-    Barrier = 1,
-    AllGather = 2,
-    Broadcast = 3,
-    AllReduce = 4,
-    /// The lengths exchanged before a variable-size all_gather.
-    AllGatherLens = 5,
-}
-
-impl Kind {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Kind::Barrier => "barrier",
-            Kind::AllGather => "all_gather",
-            Kind::Broadcast => "broadcast",
-            Kind::AllReduce => "all_reduce",
-            Kind::AllGatherLens => "all_gather (lengths)",
-        }
-    }
-
-    fn from_wire(byte: u8) -> Option<Kind> {
-        Some(match byte {
-            1 => Kind::Barrier,
-            2 => Kind::AllGather,
-            3 => Kind::Broadcast,
-            4 => Kind::AllReduce,
-            5 => Kind::AllGatherLens,
-            _ => return None,
-        })
-    }
-}
 
 /// One collective in progress: the peers it received from, released when it ends.
 struct Run<'a> {
@@ -160,8 +128,8 @@ fn gather(ranges: &[Range<usize>], buffer: &mut [u8], held: &mut Held) -> Bytes 
 pub(crate) struct Op {
     /// The collective's sequence number in the group.
     pub(crate) seq: u64,
-    /// The collective.
-    pub(crate) kind: Kind,
+    /// What the ranks must agree on for this round.
+    pub(crate) signature: Signature,
     /// When it must be done.
     pub(crate) deadline: Instant,
     /// The timeout the deadline came from (for error messages).
@@ -182,10 +150,12 @@ pub(crate) async fn run(
 ) -> Result<(), ProcessGroupError> {
     let Op {
         seq,
-        kind,
+        signature,
         deadline,
         timeout,
     } = op;
+    let ours = signature.encode();
+    let name = signature.name();
     debug_assert_eq!(buffer.len(), schedule.buffer_len());
     if let Some(e) = mesh.broken() {
         return Err(e);
@@ -200,7 +170,7 @@ pub(crate) async fn run(
     let sleep = tokio::time::sleep_until(deadline);
     tokio::pin!(sleep);
     let timed_out = |waiting_on: Vec<usize>| ProcessGroupError::Timeout {
-        collective: kind.name(),
+        collective: name,
         seq,
         rank,
         waiting_on,
@@ -219,7 +189,7 @@ pub(crate) async fn run(
         }
         let sends = async {
             for (peer, payload) in outgoing {
-                tokio::time::timeout_at(deadline, mesh.send(peer, seq, kind as u8, payload))
+                tokio::time::timeout_at(deadline, mesh.send(peer, seq, &ours, payload))
                     .await
                     .map_err(|_| timed_out(vec![peer]))??;
             }
@@ -236,7 +206,7 @@ pub(crate) async fn run(
                     biased;
                     m = mesh.recv(peer, seq) => match m {
                         Some(m) => m,
-                        None => return Err(mesh.closed_error(peer, kind.name(), seq)),
+                        None => return Err(mesh.closed_error(peer, name, seq)),
                     },
                     _ = &mut sleep => {
                         let mut waiting = vec![peer];
@@ -249,20 +219,30 @@ pub(crate) async fn run(
                         return Err(timed_out(waiting));
                     }
                 };
-                if message.kind != kind as u8 {
-                    let theirs = Kind::from_wire(message.kind)
-                        .map(Kind::name)
-                        .unwrap_or("an unknown collective");
-                    return Err(ProcessGroupError::Mismatch {
-                        peer,
-                        collective: kind.name(),
-                        seq,
-                        reason: format!("it ran {theirs} as collective #{seq}"),
+                if message.signature != ours {
+                    return Err(match Signature::decode(&message.signature) {
+                        Some(theirs) => ProcessGroupError::Disagreement {
+                            seq,
+                            peer,
+                            theirs,
+                            rank,
+                            ours: signature,
+                            here: true,
+                        },
+                        None => ProcessGroupError::Mismatch {
+                            peer,
+                            collective: name,
+                            seq,
+                            reason: format!(
+                                "it ran a collective this rank does not know ({:02x?})",
+                                message.signature
+                            ),
+                        },
                     });
                 }
                 let mismatch = |reason: String| ProcessGroupError::Mismatch {
                     peer,
-                    collective: kind.name(),
+                    collective: name,
                     seq,
                     reason,
                 };

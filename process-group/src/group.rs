@@ -21,7 +21,6 @@
 //! # Ok(()) }
 //! ```
 
-use std::borrow::Cow;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,8 +30,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tensorwire_core::collective::varlen::{self, SLOT_BYTES};
 use tensorwire_core::collective::{
-    self, AllGatherAlgorithm, AllReduceAlgorithm, ElementType, ReduceOp,
+    self, AllGatherAlgorithm, AllReduceAlgorithm, CollectiveError, ElementType, ReduceOp, Schedule,
+    Signature,
 };
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
@@ -40,12 +41,13 @@ use tensorwire_core::ports::transport::Transport;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::executor::{self, Held, Kind};
+use crate::executor::{self, Held};
 use crate::mesh::{Mesh, MeshSetup};
 
 /// Blocks up to this size travel with their lengths in [`ProcessGroup::all_gather`]'s first
-/// round, so small all_gathers take one collective instead of two.
-pub const INLINE_GATHER_BYTES: usize = 56;
+/// round, so small all_gathers take one round instead of two (see
+/// [`varlen`](tensorwire_core::collective::varlen)).
+pub const INLINE_GATHER_BYTES: usize = varlen::INLINE_BYTES;
 
 /// Largest block [`ProcessGroup::all_gather`] accepts from a rank: the transports' default
 /// frame limit. A larger announced length is refused before anything is allocated for it.
@@ -96,7 +98,9 @@ impl GroupOptions {
 struct Inner {
     mesh: Mesh,
     /// The barrier's schedule, the same every time.
-    barrier: collective::Schedule,
+    barrier: Schedule,
+    /// The schedule of an all_gather's first round (one length slot per rank), likewise.
+    lengths: Schedule,
     name: String,
     next_seq: AtomicU64,
     timeout: Duration,
@@ -107,7 +111,11 @@ struct Inner {
 /// A process group over a mesh of [`Transport`] connections: the built-in backend.
 ///
 /// Cheap to clone (one shared group). Collectives take `&self`; several may be in flight at
-/// once as long as every rank starts them in the same order.
+/// once as long as every rank *issues* them in the same order: a collective is issued when
+/// its future is first polled, and then checks its arguments and numbers all its rounds
+/// before it awaits anything (see the
+/// [port's contract](tensorwire_core::ports::process_group)). Ranks that disagree about a
+/// collective fail it with [`ProcessGroupError::Disagreement`] and the group is broken.
 #[derive(Clone)]
 pub struct Group {
     inner: Arc<Inner>,
@@ -149,14 +157,19 @@ impl Group {
         })
         .instrument(span)
         .await?;
-        let barrier = collective::barrier(rank, world).map_err(|e| ProcessGroupError::Setup {
+        let setup = |e: CollectiveError| ProcessGroupError::Setup {
             rank,
             reason: e.to_string(),
-        })?;
+        };
+        let barrier = collective::barrier(rank, world).map_err(setup)?;
+        let slots = vec![SLOT_BYTES; world];
+        let lengths = collective::all_gather(rank, &slots, AllGatherAlgorithm::select(&slots))
+            .map_err(setup)?;
         Ok(Group {
             inner: Arc::new(Inner {
                 mesh,
                 barrier,
+                lengths,
                 name: options.name,
                 next_seq: AtomicU64::new(0),
                 timeout: options.timeout,
@@ -175,89 +188,119 @@ impl Group {
         self.inner.timeout
     }
 
+    /// Takes `rounds` consecutive sequence numbers and returns the first. Called when a
+    /// collective is issued, after its arguments were checked and before its first await.
+    fn reserve(&self, rounds: u64) -> u64 {
+        self.inner.next_seq.fetch_add(rounds, Ordering::Relaxed)
+    }
+
     async fn run(
         &self,
-        kind: Kind,
-        schedule: Result<Cow<'_, collective::Schedule>, collective::CollectiveError>,
+        seq: u64,
+        signature: Signature,
+        schedule: &Schedule,
         buffer: &mut [u8],
     ) -> Result<(), ProcessGroupError> {
-        self.run_held(kind, schedule, buffer, &mut Held::default(), false)
-            .await
+        self.run_held(
+            seq,
+            signature,
+            schedule,
+            buffer,
+            &mut Held::default(),
+            false,
+        )
+        .await
     }
 
     async fn run_held(
         &self,
-        kind: Kind,
-        schedule: Result<Cow<'_, collective::Schedule>, collective::CollectiveError>,
+        seq: u64,
+        signature: Signature,
+        schedule: &Schedule,
         buffer: &mut [u8],
         held: &mut Held,
         defer: bool,
     ) -> Result<(), ProcessGroupError> {
-        let seq = self.inner.next_seq.fetch_add(1, Ordering::Relaxed);
-        let schedule = schedule.map_err(|source| ProcessGroupError::Arguments {
-            collective: kind.name(),
-            source,
-        })?;
         let deadline = Instant::now() + self.inner.timeout;
-        let span = tracing::debug_span!("collective", kind = kind.name(), seq, rank = self.rank());
+        let span = tracing::debug_span!("collective", %signature, seq, rank = self.rank());
         let op = executor::Op {
             seq,
-            kind,
+            signature,
             deadline,
             timeout: self.inner.timeout,
         };
-        executor::run(&self.inner.mesh, op, &schedule, buffer, held, defer)
+        let result = executor::run(&self.inner.mesh, op, schedule, buffer, held, defer)
             .instrument(span)
-            .await
-            .inspect_err(|e| {
-                // The ranks no longer agree on where the collectives stand (some sent their
-                // messages for this sequence number, others never will): break the group, as
-                // PyTorch's watchdog aborts a communicator after a timeout.
-                if matches!(e, ProcessGroupError::Timeout { .. }) {
-                    self.inner.mesh.fail(e.clone());
-                }
-            })
+            .await;
+        match &result {
+            // The ranks no longer agree on where the collectives stand (some sent their
+            // messages for this sequence number, others never will): break the group, as
+            // PyTorch's watchdog aborts a communicator after a timeout.
+            Err(e @ ProcessGroupError::Timeout { .. }) => self.inner.mesh.fail(e.clone()),
+            // Another rank ran something else: break the group here and tell the others, so
+            // that every rank fails, senders included.
+            Err(e @ ProcessGroupError::Disagreement { here: true, .. }) => {
+                self.inner.mesh.report_disagreement(e).await
+            }
+            _ => {}
+        }
+        result
     }
 
     /// All-gather of blocks whose lengths every rank already knows (`lens[i]` is rank i's);
     /// skips the exchange of lengths that [`all_gather`](ProcessGroup::all_gather) does first.
-    /// Returns the blocks in rank order, sharing one buffer.
+    /// Returns the blocks in rank order, sharing one buffer. Every rank must pass the same
+    /// `lens` (ranks that do not fail with [`ProcessGroupError::Disagreement`]).
     ///
     /// # Errors
     /// [`ProcessGroupError::Arguments`] when `input` is not `lens[rank]` bytes or `lens` does
-    /// not have one entry per rank; the errors of every collective.
+    /// not have one entry per rank (the call then takes no place in the group's sequence);
+    /// the errors of every collective.
     pub async fn all_gather_with_lens(
         &self,
         input: &[u8],
         lens: &[usize],
     ) -> Result<Vec<Bytes>, ProcessGroupError> {
         let rank = self.rank();
-        if lens.len() != self.size() || lens[rank] != input.len() {
-            let seq = self.inner.next_seq.fetch_add(1, Ordering::Relaxed);
-            return Err(ProcessGroupError::Mismatch {
-                peer: rank,
-                collective: Kind::AllGather.name(),
-                seq,
-                reason: format!(
-                    "{} lengths for {} ranks, and this rank's input has {} bytes where its length says {}",
-                    lens.len(),
-                    self.size(),
-                    input.len(),
-                    lens.get(rank).copied().unwrap_or(0)
-                ),
-            });
+        let arguments = |source| ProcessGroupError::Arguments {
+            collective: "all_gather",
+            source,
+        };
+        if lens.len() != self.size() {
+            return Err(arguments(CollectiveError::LengthsCount {
+                lens: lens.len(),
+                world: self.size(),
+            }));
+        }
+        if lens[rank] != input.len() {
+            return Err(arguments(CollectiveError::InputLength {
+                rank,
+                expected: lens[rank],
+                actual: input.len(),
+            }));
         }
         let schedule = collective::all_gather(rank, lens, AllGatherAlgorithm::select(lens))
-            .map(Cow::<collective::Schedule>::Owned);
+            .map_err(arguments)?;
+        let seq = self.reserve(1);
+        self.gather_known(seq, schedule, input, lens).await
+    }
+
+    /// The data round of an all_gather, as collective `seq`, once the lengths are known.
+    async fn gather_known(
+        &self,
+        seq: u64,
+        schedule: Schedule,
+        input: &[u8],
+        lens: &[usize],
+    ) -> Result<Vec<Bytes>, ProcessGroupError> {
         // Blocks that arrive whole stay the messages they came in; the buffer (zeroed pages
         // the OS has not even mapped yet) is written only where a schedule needs contiguous
         // bytes, so a ring all_gather copies nothing but this rank's input.
-        let mut buffer = vec![0u8; schedule.as_ref().map_or(0, |s| s.buffer_len())];
+        let mut buffer = vec![0u8; schedule.buffer_len()];
         let mut held = Held::default();
-        if let Ok(s) = &schedule {
-            held.insert(s.input_range(), Bytes::copy_from_slice(input), false);
-        }
-        self.run_held(Kind::AllGather, schedule, &mut buffer, &mut held, true)
+        held.insert(schedule.input_range(), Bytes::copy_from_slice(input), false);
+        let signature = Signature::all_gather(lens);
+        self.run_held(seq, signature, &schedule, &mut buffer, &mut held, true)
             .await?;
         let mut ranges = Vec::with_capacity(lens.len());
         let mut offset = 0;
@@ -290,65 +333,125 @@ impl ProcessGroup for Group {
     }
 
     async fn barrier(&self) -> Result<(), ProcessGroupError> {
-        let schedule = Ok(Cow::Borrowed(&self.inner.barrier));
-        self.run(Kind::Barrier, schedule, &mut []).await
+        let seq = self.reserve(1);
+        self.run(seq, Signature::Barrier, &self.inner.barrier, &mut [])
+            .await
     }
 
+    /// Two rounds, both numbered when the call is issued: one slot per rank with its block's
+    /// length (and the block itself up to [`INLINE_GATHER_BYTES`]), then, unless every block
+    /// fitted, the blocks.
     async fn all_gather(&self, input: &[u8]) -> Result<Vec<Bytes>, ProcessGroupError> {
-        // First round: fixed-size slots of the length and, when it fits, the data itself. If
-        // every rank's data fitted, that was all; otherwise the lengths are known and a
-        // second round moves the data.
         let world = self.size();
         let rank = self.rank();
-        let slot = 8 + INLINE_GATHER_BYTES;
-        let slots = vec![slot; world];
-        let schedule = collective::all_gather(rank, &slots, AllGatherAlgorithm::select(&slots))
-            .map(Cow::<collective::Schedule>::Owned);
-        let mut first = vec![0u8; slot * world];
-        let mine = &mut first[slot * rank..slot * (rank + 1)];
-        mine[..8].copy_from_slice(&(input.len() as u64).to_le_bytes());
-        if input.len() <= INLINE_GATHER_BYTES {
-            mine[8..8 + input.len()].copy_from_slice(input);
-        }
-        self.run(Kind::AllGatherLens, schedule, &mut first).await?;
-        let lens: Vec<usize> = first
-            .chunks_exact(slot)
-            .map(|c| u64::from_le_bytes(c[..8].try_into().expect("8-byte length")) as usize)
+        let mut first = vec![0u8; SLOT_BYTES * world];
+        let mine: &mut [u8; SLOT_BYTES] = (&mut first[SLOT_BYTES * rank..SLOT_BYTES * (rank + 1)])
+            .try_into()
+            .expect("a slot is SLOT_BYTES long");
+        varlen::write_slot(mine, input);
+        let seq = self.reserve(varlen::ROUNDS);
+        self.run(
+            seq,
+            Signature::AllGatherLengths,
+            &self.inner.lengths,
+            &mut first,
+        )
+        .await?;
+        let lens: Vec<u64> = first
+            .chunks_exact(SLOT_BYTES)
+            .map(|c| varlen::slot_len(c.try_into().expect("slot-sized chunk")))
             .collect();
         if let Some((peer, len)) = lens
             .iter()
             .enumerate()
-            .find(|(_, len)| **len > MAX_BLOCK_BYTES)
+            .find(|(_, len)| **len > MAX_BLOCK_BYTES as u64)
         {
             return Err(ProcessGroupError::Mismatch {
                 peer,
-                collective: Kind::AllGather.name(),
-                seq: self
-                    .inner
-                    .next_seq
-                    .load(Ordering::Relaxed)
-                    .saturating_sub(1),
+                collective: "all_gather",
+                seq,
                 reason: format!(
                     "it announced a block of {len} bytes, more than one frame carries \
                      ({MAX_BLOCK_BYTES} bytes)"
                 ),
             });
         }
-        if lens.iter().all(|len| *len <= INLINE_GATHER_BYTES) {
+        let inline: Option<Vec<_>> = lens.iter().map(|len| varlen::inline_range(*len)).collect();
+        if let Some(inline) = inline {
             let first = Bytes::from(first);
-            return Ok(lens
-                .iter()
+            return Ok(inline
+                .into_iter()
                 .enumerate()
-                .map(|(r, len)| first.slice(slot * r + 8..slot * r + 8 + len))
+                .map(|(r, range)| {
+                    first.slice(SLOT_BYTES * r + range.start..SLOT_BYTES * r + range.end)
+                })
                 .collect());
         }
-        self.all_gather_with_lens(input, &lens).await
+        let lens: Vec<usize> = lens.into_iter().map(|len| len as usize).collect();
+        let schedule = collective::all_gather(rank, &lens, AllGatherAlgorithm::select(&lens))
+            .map_err(|source| ProcessGroupError::Arguments {
+                collective: "all_gather",
+                source,
+            })?;
+        self.gather_known(seq + 1, schedule, input, &lens).await
     }
 
     async fn broadcast(&self, data: &mut [u8], root: usize) -> Result<(), ProcessGroupError> {
-        let schedule = collective::broadcast(self.rank(), self.size(), root, data.len())
-            .map(Cow::<collective::Schedule>::Owned);
-        self.run(Kind::Broadcast, schedule, data).await
+        let schedule = collective::broadcast(self.rank(), self.size(), root, data.len()).map_err(
+            |source| ProcessGroupError::Arguments {
+                collective: "broadcast",
+                source,
+            },
+        )?;
+        let signature = Signature::Broadcast {
+            root: root as u32,
+            len: data.len() as u64,
+        };
+        let seq = self.reserve(1);
+        self.run(seq, signature, &schedule, data).await
+    }
+
+    /// Two rounds, both numbered when the call is issued: the root's length slot (with the
+    /// bytes, up to [`INLINE_GATHER_BYTES`]), then, unless they fitted, the bytes.
+    async fn broadcast_bytes(&self, data: &[u8], root: usize) -> Result<Bytes, ProcessGroupError> {
+        let (rank, world) = (self.rank(), self.size());
+        let arguments = |source| ProcessGroupError::Arguments {
+            collective: "broadcast",
+            source,
+        };
+        let first = collective::broadcast(rank, world, root, SLOT_BYTES).map_err(arguments)?;
+        let mut slot = [0u8; SLOT_BYTES];
+        if rank == root {
+            varlen::write_slot(&mut slot, data);
+        }
+        let seq = self.reserve(varlen::ROUNDS);
+        let signature = Signature::BroadcastLength { root: root as u32 };
+        self.run(seq, signature, &first, &mut slot).await?;
+        let len = varlen::slot_len(&slot);
+        if let Some(range) = varlen::inline_range(len) {
+            return Ok(Bytes::copy_from_slice(&slot[range]));
+        }
+        if len > MAX_BLOCK_BYTES as u64 {
+            return Err(ProcessGroupError::Mismatch {
+                peer: root,
+                collective: "broadcast",
+                seq,
+                reason: format!("it announced {len} bytes, more than {MAX_BLOCK_BYTES}"),
+            });
+        }
+        let len = len as usize;
+        let schedule = collective::broadcast(rank, world, root, len).map_err(arguments)?;
+        let mut out = if rank == root {
+            data.to_vec()
+        } else {
+            vec![0u8; len]
+        };
+        let signature = Signature::Broadcast {
+            root: root as u32,
+            len: len as u64,
+        };
+        self.run(seq + 1, signature, &schedule, &mut out).await?;
+        Ok(out.into())
     }
 
     async fn all_reduce(
@@ -357,22 +460,29 @@ impl ProcessGroup for Group {
         element: ElementType,
         op: ReduceOp,
     ) -> Result<(), ProcessGroupError> {
+        let arguments = |source| ProcessGroupError::Arguments {
+            collective: "all_reduce",
+            source,
+        };
         if data.len() % element.size() != 0 {
-            return Err(ProcessGroupError::Arguments {
-                collective: Kind::AllReduce.name(),
-                source: collective::CollectiveError::ReduceLength {
-                    element,
-                    acc: data.len(),
-                    incoming: data.len(),
-                },
-            });
+            return Err(arguments(CollectiveError::ReduceLength {
+                element,
+                acc: data.len(),
+                incoming: data.len(),
+            }));
         }
         let count = data.len() / element.size();
         let algorithm = AllReduceAlgorithm::select(self.size(), count, element);
         let schedule =
             collective::all_reduce(self.rank(), self.size(), count, element, op, algorithm)
-                .map(Cow::<collective::Schedule>::Owned);
-        self.run(Kind::AllReduce, schedule, data).await
+                .map_err(arguments)?;
+        let signature = Signature::AllReduce {
+            op,
+            element,
+            count: count as u64,
+        };
+        let seq = self.reserve(1);
+        self.run(seq, signature, &schedule, data).await
     }
 
     /// Says goodbye to the peers and closes the connections. Peers still waiting for this
@@ -468,7 +578,7 @@ pub trait CollectivesExt: ProcessGroup {
     }
 
     /// Sends `root`'s serde value to every rank: `value` must be `Some` on the root (other
-    /// ranks' values are ignored). The length travels first.
+    /// ranks' values are ignored). Runs [`broadcast_bytes`](ProcessGroup::broadcast_bytes).
     async fn broadcast_object<T>(
         &self,
         value: Option<&T>,
@@ -478,7 +588,7 @@ pub trait CollectivesExt: ProcessGroup {
         T: Serialize + DeserializeOwned + Sync,
     {
         let rank = self.rank();
-        let mut bytes = if rank == root {
+        let bytes = if rank == root {
             let value = value.ok_or_else(|| ProcessGroupError::Object {
                 rank,
                 op: "encoded",
@@ -492,18 +602,7 @@ pub trait CollectivesExt: ProcessGroup {
         } else {
             Vec::new()
         };
-        let mut len = (bytes.len() as u64).to_le_bytes();
-        self.broadcast(&mut len, root).await?;
-        let len = u64::from_le_bytes(len);
-        if len > MAX_BLOCK_BYTES as u64 {
-            return Err(ProcessGroupError::Object {
-                rank: root,
-                op: "decoded",
-                reason: format!("it announced {len} bytes, more than {MAX_BLOCK_BYTES}"),
-            });
-        }
-        bytes.resize(len as usize, 0);
-        self.broadcast(&mut bytes, root).await?;
+        let bytes = self.broadcast_bytes(&bytes, root).await?;
         postcard::from_bytes(&bytes).map_err(|e| ProcessGroupError::Object {
             rank: root,
             op: "decoded",

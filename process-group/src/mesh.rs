@@ -10,9 +10,11 @@
 //!
 //! # Frames
 //! - Collective messages are [`FrameKind::Message`](tensorwire_core::wire::FrameKind) frames:
-//!   a 9-byte header (sequence number `u64` LE, collective kind `u8`) and at most one payload.
-//! - Control frames carry a postcard `Control` value: the hello, a clean goodbye, and an abort
-//!   that tells the others which rank was seen dying.
+//!   a 23-byte header (sequence number `u64` LE, then the round's
+//!   [`Signature`], 15 bytes) and at most one payload.
+//! - Control frames carry a postcard `Control` value: the hello, a clean goodbye, an abort
+//!   that tells the others which rank was seen dying, and a disagreement notice that tells
+//!   them which ranks ran what under one sequence number.
 //!
 //! # Failures
 //! A connection that ends without a goodbye means the peer died: the mesh is then *broken*,
@@ -29,6 +31,7 @@ use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
+use tensorwire_core::collective::{Signature, SIGNATURE_LEN};
 use tensorwire_core::ports::process_group::ProcessGroupError;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
@@ -37,8 +40,8 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-/// Length of a collective message's header.
-const DATA_HEADER_LEN: usize = 9;
+/// Length of a collective message's header: sequence number and signature.
+const DATA_HEADER_LEN: usize = 8 + SIGNATURE_LEN;
 /// How long a dying mesh tries to tell each other peer which rank died.
 const ABORT_SEND_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -68,6 +71,18 @@ pub(crate) enum Control {
         /// What the sender saw.
         reason: String,
     },
+    /// The sender received, as collective `seq`, a message of `peer` that ran `theirs` while
+    /// it ran `ours` (encoded signatures); it has broken its group.
+    Disagreement {
+        /// The sequence number.
+        seq: u64,
+        /// The rank whose message disagreed.
+        peer: u32,
+        /// What that rank ran.
+        theirs: Vec<u8>,
+        /// What the sender ran.
+        ours: Vec<u8>,
+    },
 }
 
 impl Control {
@@ -80,8 +95,8 @@ impl Control {
 /// One collective message as it arrived.
 #[derive(Debug)]
 pub(crate) struct Incoming {
-    /// The collective kind the sender ran.
-    pub(crate) kind: u8,
+    /// The encoded signature of the round the sender ran.
+    pub(crate) signature: [u8; SIGNATURE_LEN],
     /// The message bytes.
     pub(crate) payload: Bytes,
 }
@@ -480,12 +495,41 @@ impl Mesh {
         }
     }
 
+    /// Breaks the mesh with a disagreement this rank saw, and tells every other rank.
+    pub(crate) async fn report_disagreement(&self, error: &ProcessGroupError) {
+        let ProcessGroupError::Disagreement {
+            seq,
+            peer,
+            theirs,
+            ours,
+            here: true,
+            ..
+        } = error
+        else {
+            return;
+        };
+        self.shared.fail(error.clone());
+        let notice = Control::Disagreement {
+            seq: *seq,
+            peer: *peer as u32,
+            theirs: theirs.encode().to_vec(),
+            ours: ours.encode().to_vec(),
+        }
+        .frame();
+        for link in self.shared.peers.iter().flatten() {
+            if matches!(link.inbox.status(), PeerStatus::Left) {
+                continue;
+            }
+            let _ = tokio::time::timeout(ABORT_SEND_TIMEOUT, link.conn.send(notice.clone())).await;
+        }
+    }
+
     /// Sends one collective message to `peer`.
     pub(crate) async fn send(
         &self,
         peer: usize,
         seq: u64,
-        kind: u8,
+        signature: &[u8; SIGNATURE_LEN],
         payload: Bytes,
     ) -> Result<(), ProcessGroupError> {
         let link = self.shared.peer(peer).ok_or(ProcessGroupError::Send {
@@ -494,7 +538,7 @@ impl Mesh {
         })?;
         let mut header = BytesMut::with_capacity(DATA_HEADER_LEN);
         header.put_u64_le(seq);
-        header.put_u8(kind);
+        header.put_slice(signature);
         let payloads = if payload.is_empty() {
             Vec::new()
         } else {
@@ -531,12 +575,12 @@ impl Mesh {
     }
 }
 
-fn parse_data_header(header: &[u8]) -> Option<(u64, u8)> {
+fn parse_data_header(header: &[u8]) -> Option<(u64, [u8; SIGNATURE_LEN])> {
     if header.len() != DATA_HEADER_LEN {
         return None;
     }
     let seq = u64::from_le_bytes(header[..8].try_into().ok()?);
-    Some((seq, header[8]))
+    Some((seq, header[8..].try_into().ok()?))
 }
 
 /// Joins a frame's payloads into one message (a sender sends at most one).
@@ -563,7 +607,7 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
     let reason = loop {
         match link.conn.recv().await {
             Ok(frame) if frame.kind == FrameKind::Message => {
-                let Some((seq, kind)) = parse_data_header(&frame.header) else {
+                let Some((seq, signature)) = parse_data_header(&frame.header) else {
                     break format!(
                         "it sent a collective message with a malformed {}-byte header",
                         frame.header.len()
@@ -572,7 +616,7 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
                 link.inbox.push(
                     seq,
                     Incoming {
-                        kind,
+                        signature,
                         payload: message_bytes(frame.payloads),
                     },
                 );
@@ -595,6 +639,29 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
                     for other in shared.peers.iter().flatten() {
                         other.inbox.close(PeerStatus::Dead);
                     }
+                }
+                Ok(Control::Disagreement {
+                    seq,
+                    peer: other,
+                    theirs,
+                    ours,
+                }) => {
+                    let (Some(theirs), Some(ours)) =
+                        (Signature::decode(&theirs), Signature::decode(&ours))
+                    else {
+                        break "it sent a disagreement notice with a malformed signature"
+                            .to_owned();
+                    };
+                    let error = ProcessGroupError::Disagreement {
+                        seq,
+                        peer: other as usize,
+                        theirs,
+                        rank: peer,
+                        ours,
+                        here: false,
+                    };
+                    warn!(rank, peer, %error, "peer reports a disagreement");
+                    shared.fail(error);
                 }
                 Ok(Control::Hello { .. }) => {
                     break "it sent a second hello on an established connection".to_owned()
@@ -650,6 +717,12 @@ mod tests {
                 rank: 2,
                 reason: "reset".into(),
             },
+            Control::Disagreement {
+                seq: 7,
+                peer: 1,
+                theirs: Signature::Barrier.encode().to_vec(),
+                ours: Signature::AllGatherLengths.encode().to_vec(),
+            },
         ] {
             let frame = c.frame();
             assert_eq!(frame.kind, FrameKind::Control);
@@ -661,8 +734,10 @@ mod tests {
     fn data_headers_are_checked() {
         let mut h = BytesMut::new();
         h.put_u64_le(77);
-        h.put_u8(4);
-        assert_eq!(parse_data_header(&h), Some((77, 4)));
+        let barrier = Signature::Barrier.encode();
+        h.put_slice(&barrier);
+        assert_eq!(parse_data_header(&h), Some((77, barrier)));
+        assert_eq!(parse_data_header(&h[..9]), None);
         assert_eq!(parse_data_header(&h[..8]), None);
         assert_eq!(parse_data_header(b""), None);
     }
@@ -674,7 +749,7 @@ mod tests {
         inbox.push(
             1,
             Incoming {
-                kind: 0,
+                signature: Signature::Barrier.encode(),
                 payload: Bytes::from_static(b"a"),
             },
         );

@@ -359,19 +359,31 @@ async fn a_rank_that_shuts_down_is_named_as_having_left() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranks_running_different_collectives_are_told() {
     bounded(async {
-        let gs = groups(2, "mismatch", Duration::from_millis(500)).await;
+        let gs = groups(2, "mismatch", Duration::from_secs(5)).await;
         let (a, b) = tokio::join!(gs[0].barrier(), async {
             let mut data = [0u8; 4];
             gs[1].broadcast(&mut data, 0).await
         });
         let b = b.unwrap_err();
         assert!(
-            matches!(b, ProcessGroupError::Mismatch { peer: 0, .. }),
+            matches!(b, ProcessGroupError::Disagreement { peer: 0, here: true, .. }),
             "{b}"
         );
-        assert!(b.to_string().contains("it ran barrier"), "{b}");
-        // Rank 0 waits for a barrier message rank 1 never sends.
-        assert!(matches!(a.unwrap_err(), ProcessGroupError::Timeout { .. }));
+        assert_eq!(
+            b.to_string(),
+            "rank 0 ran barrier as collective #0, this rank (1) broadcast(root 0, 4 bytes)"
+        );
+        // Rank 0 waited for a barrier message rank 1 never sends; rank 1 told it why.
+        let a = a.unwrap_err();
+        assert_eq!(
+            a.to_string(),
+            "rank 0 ran barrier as collective #0, rank 1 broadcast(root 0, 4 bytes) (reported by rank 1)"
+        );
+        // The group is broken on both ranks, with that reason.
+        for g in &gs {
+            let e = g.barrier().await.unwrap_err();
+            assert!(matches!(e, ProcessGroupError::Disagreement { .. }), "{e}");
+        }
     })
     .await;
 }
@@ -464,4 +476,236 @@ async fn tensor_collectives_on_host_tensors() {
             "broadcast: the tensor is on cuda:0, but this tensorwire group works on cpu tensors (use an nccl group for CUDA tensors)"
         );
     }
+}
+
+type Pending<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Polls `futures` to completion, each first polled in index order (the issue order the group
+/// sees), as `tokio::join!` does for a fixed number of futures.
+async fn join_in_order<T>(futures: Vec<Pending<'_, T>>) -> Vec<T> {
+    let mut futures: Vec<_> = futures.into_iter().map(Some).collect();
+    let mut out: Vec<Option<T>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (slot, result) in futures.iter_mut().zip(out.iter_mut()) {
+            if let Some(f) = slot {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => {
+                        *result = Some(v);
+                        *slot = None;
+                    }
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter()
+        .map(|v| v.expect("every future finished"))
+        .collect()
+}
+
+/// Issue 20, defect 1: all_gathers above the inline limit take two rounds; with many in
+/// flight, each must still return its own blocks on every rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_two_round_all_gathers_in_flight_return_their_own_blocks() {
+    bounded(async {
+        let world = 3;
+        let gs = groups(world, "inflight-gathers", Duration::from_secs(20)).await;
+        let n = 1000;
+        let results = on_all(&gs, move |g| async move {
+            let r = g.rank();
+            // 64 f32 elements: over the inline limit, so two rounds each.
+            let inputs: Vec<Vec<u8>> = (0..n).map(|i| block(r * 1000 + i, 256)).collect();
+            let futures: Vec<Pending<'_, Result<Vec<Bytes>, ProcessGroupError>>> = inputs
+                .iter()
+                .map(|input| Box::pin(g.all_gather(input)) as Pending<'_, _>)
+                .collect();
+            let got = join_in_order(futures).await;
+            got.into_iter()
+                .map(|blocks| blocks.unwrap())
+                .collect::<Vec<_>>()
+        })
+        .await;
+        for got in results {
+            let wrong = (0..n)
+                .filter(|i| {
+                    got[*i]
+                        .iter()
+                        .enumerate()
+                        .any(|(p, b)| b[..] != block(p * 1000 + i, 256)[..])
+                })
+                .count();
+            assert_eq!(
+                wrong, 0,
+                "{wrong} of {n} all_gathers returned other calls' blocks"
+            );
+        }
+    })
+    .await;
+}
+
+/// The same for broadcast_object, whose length and data used to be two broadcasts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_broadcast_objects_in_flight_return_their_own_values() {
+    bounded(async {
+        let world = 3;
+        let gs = groups(world, "inflight-objects", Duration::from_secs(20)).await;
+        let n = 300;
+        let results = on_all(&gs, move |g| async move {
+            let r = g.rank();
+            let values: Vec<Vec<u32>> = (0..n).map(|i| vec![i as u32; 20 + i % 7]).collect();
+            let futures: Vec<Pending<'_, Result<Vec<u32>, ProcessGroupError>>> = values
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    let root = i % world;
+                    Box::pin(g.broadcast_object((r == root).then_some(v), root)) as Pending<'_, _>
+                })
+                .collect();
+            join_in_order(futures).await
+        })
+        .await;
+        for got in results {
+            for (i, v) in got.into_iter().enumerate() {
+                let v: Vec<u32> = v.unwrap();
+                assert_eq!(v, vec![i as u32; 20 + i % 7], "broadcast_object {i}");
+            }
+        }
+    })
+    .await;
+}
+
+/// Issue 20, defect 2: f32[2] against i64[1] (8 bytes each) fails on both ranks, naming both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dtype_mismatch_fails_naming_both_sides() {
+    bounded(async {
+        let gs = groups(2, "dtype", Duration::from_secs(5)).await;
+        let (a, b) = tokio::join!(
+            async {
+                let mut xs = [1.0f32, 2.0];
+                gs[0].all_reduce_typed(&mut xs, ReduceOp::Sum).await
+            },
+            async {
+                let mut xs = [3i64];
+                gs[1].all_reduce_typed(&mut xs, ReduceOp::Sum).await
+            }
+        );
+        for (rank, e) in [(0, a.unwrap_err()), (1, b.unwrap_err())] {
+            assert!(
+                matches!(e, ProcessGroupError::Disagreement { .. }),
+                "rank {rank}: {e}"
+            );
+            let text = e.to_string();
+            assert!(text.contains("all_reduce(sum, f32 x2)"), "{text}");
+            assert!(text.contains("all_reduce(sum, i64 x1)"), "{text}");
+        }
+        // An op mismatch of the same type and count, likewise.
+        let gs = groups(2, "op", Duration::from_secs(5)).await;
+        let (mut x, mut y) = ([0u8; 8], [0u8; 8]);
+        let (a, b) = tokio::join!(
+            gs[0].all_reduce(&mut x, ElementType::I32, ReduceOp::Max),
+            gs[1].all_reduce(&mut y, ElementType::I32, ReduceOp::Min),
+        );
+        let a = a.unwrap_err().to_string();
+        assert!(a.contains("rank 1 ran all_reduce(min, i32 x2)"), "{a}");
+        let b = b.unwrap_err().to_string();
+        assert!(b.contains("rank 0 ran all_reduce(max, i32 x2)"), "{b}");
+    })
+    .await;
+}
+
+/// Issue 20, defect 3: a call refused for its own arguments takes no place in the sequence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locally_refused_call_leaves_the_group_in_step() {
+    bounded(async {
+        let world = 3;
+        let gs = groups(world, "refused", Duration::from_secs(5)).await;
+        let results = on_all(&gs, move |g| async move {
+            if g.rank() == 0 {
+                let e = g.broadcast(&mut [0u8; 4], world).await.unwrap_err();
+                assert!(matches!(e, ProcessGroupError::Arguments { .. }), "{e}");
+                let e = g.all_gather_with_lens(b"abc", &[1, 2]).await.unwrap_err();
+                assert!(matches!(e, ProcessGroupError::Arguments { .. }), "{e}");
+                let e = g
+                    .all_reduce(&mut [0u8; 6], ElementType::F32, ReduceOp::Sum)
+                    .await
+                    .unwrap_err();
+                assert!(matches!(e, ProcessGroupError::Arguments { .. }), "{e}");
+            }
+            let mut xs = [g.rank() as i64];
+            g.all_reduce_typed(&mut xs, ReduceOp::Sum).await?;
+            Ok::<_, ProcessGroupError>(xs[0])
+        })
+        .await;
+        for got in results {
+            assert_eq!(got.unwrap(), 3);
+        }
+    })
+    .await;
+}
+
+/// Issue 20, defect 4: a broadcast root only sends, yet it learns that the others ran
+/// something else, at the latest in its next collective.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broadcast_root_learns_of_a_mismatch_by_its_next_collective() {
+    bounded(async {
+        let gs = groups(3, "root", Duration::from_secs(5)).await;
+        let (root, others) = tokio::join!(
+            async {
+                let first = gs[0].broadcast(&mut [7u8; 8], 0).await;
+                (first, gs[0].barrier().await)
+            },
+            async {
+                let mut xs = [1.0f64];
+                let (b, c) = tokio::join!(
+                    async {
+                        let mut ys = [2.0f64];
+                        gs[1].all_reduce_typed(&mut ys, ReduceOp::Sum).await
+                    },
+                    gs[2].all_reduce_typed(&mut xs, ReduceOp::Sum),
+                );
+                (b, c)
+            }
+        );
+        let (first, next) = root;
+        let e = first.err().or(next.err()).expect("the root is told");
+        assert!(
+            matches!(e, ProcessGroupError::Disagreement { .. }),
+            "root: {e}"
+        );
+        assert!(e.to_string().contains("broadcast(root 0, 8 bytes)"), "{e}");
+        for e in [others.0.unwrap_err(), others.1.unwrap_err()] {
+            assert!(matches!(e, ProcessGroupError::Disagreement { .. }), "{e}");
+        }
+    })
+    .await;
+}
+
+/// Blocks of other lengths with the same total are a disagreement too, on both ranks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_gather_with_other_lengths_is_a_disagreement() {
+    bounded(async {
+        let gs = groups(2, "lengths", Duration::from_secs(5)).await;
+        let (a, b) = tokio::join!(
+            gs[0].all_gather_with_lens(b"abc", &[3, 5]),
+            gs[1].all_gather_with_lens(b"abc", &[5, 3]),
+        );
+        let (a, b) = (a.unwrap_err(), b.unwrap_err());
+        for e in [&a, &b] {
+            assert!(matches!(e, ProcessGroupError::Disagreement { .. }), "{e}");
+        }
+        // Arguments wrong on one rank only: it is refused there (no place in the sequence).
+        let e = gs[0]
+            .all_gather_with_lens(b"abc", &[4, 5])
+            .await
+            .unwrap_err();
+        assert!(matches!(e, ProcessGroupError::Arguments { .. }), "{e}");
+    })
+    .await;
 }

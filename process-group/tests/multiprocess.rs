@@ -122,8 +122,13 @@ fn finish(rank: Rank) -> (Vec<String>, String) {
 }
 
 fn run_check(world: usize, bound: Duration) {
+    run_scenario(world, "check", &[], bound);
+}
+
+/// Runs `scenario` on `world` processes; every rank must exit 0 and print `OK <what> rank R`.
+fn run_scenario(world: usize, scenario: &str, env: &[(&str, String)], bound: Duration) {
     let started = Instant::now();
-    let mut cluster = launch(world, "check", &[]);
+    let mut cluster = launch(world, scenario, env);
     let deadline = started + bound;
     let mut statuses = Vec::new();
     for r in &mut cluster.ranks {
@@ -144,7 +149,7 @@ fn run_check(world: usize, bound: Duration) {
         assert!(
             lines
                 .iter()
-                .any(|l| l.starts_with(&format!("OK rank {rank} "))),
+                .any(|l| l.starts_with("OK ") && l.contains(&format!("rank {rank} "))),
             "world {world}: rank {rank} printed {lines:?}"
         );
     }
@@ -160,6 +165,21 @@ fn worlds_of_2_4_and_8_processes_compute_the_right_results() {
 #[test]
 fn a_world_of_32_processes_computes_the_right_results() {
     run_check(32, Duration::from_secs(45));
+}
+
+/// Issue 20, defect 1: 1,000 all_gathers in flight, issued in the same order on every rank,
+/// each returns its own blocks; with 1-element blocks (one round each), 64-element blocks
+/// (two rounds each) and 100,000-element blocks (two rounds, 400 KB per rank: 20 in flight,
+/// which keeps memory and time small and still has many second rounds racing).
+#[test]
+fn a_thousand_all_gathers_in_flight_return_their_own_blocks() {
+    for (elems, inflight) in [(1usize, 1000usize), (64, 1000), (100_000, 20)] {
+        let env = [
+            ("TW_ELEMS", elems.to_string()),
+            ("TW_INFLIGHT", inflight.to_string()),
+        ];
+        run_scenario(4, "inflight", &env, Duration::from_secs(30));
+    }
 }
 
 #[test]

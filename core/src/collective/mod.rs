@@ -34,6 +34,19 @@
 //!   the n-th message rank a sends to rank b is the n-th receive b posts from a. Tag messages
 //!   with a collective sequence number if several collectives may be in flight.
 //! - A step waiting too long should fail naming [`Step::waits_on`]: the ranks it receives from.
+//! - **Every message carries the round's [`Signature`]** (kind, op, element type, count,
+//!   root) and the receiver compares it with its own before touching the payload, so ranks
+//!   that disagree about the collective fail instead of combining each other's bytes.
+//!
+//! # Several collectives in flight
+//! Each round of each collective has a sequence number, and messages are matched by (peer,
+//! sequence number). The numbers are handed out **when a collective is issued**, in the order
+//! the collectives are issued on that rank, and a collective of several rounds (see
+//! [`varlen`]) reserves all its numbers at once; arguments are checked before any number is
+//! taken, so a call refused locally leaves the numbering as it was. Ranks that issue the same
+//! collectives in the same order therefore agree on every number, however the collectives
+//! then interleave. Taking a later round's number when the earlier round *ends* would not do:
+//! rounds end in different orders on different ranks.
 //!
 //! # Reproducible floats
 //! Float sums depend on the order of operands. Every rank ends with **bitwise identical**
@@ -70,13 +83,18 @@ use std::ops::Range;
 
 mod algorithms;
 mod reduce;
+mod signature;
 #[cfg(test)]
 mod sim;
 #[cfg(test)]
+mod sim_many;
+#[cfg(test)]
 mod tests;
+pub mod varlen;
 
 pub use algorithms::{all_gather, all_reduce, barrier, broadcast};
 pub use reduce::{reduce_into, ElementType, ReduceOp};
+pub use signature::{Signature, SIGNATURE_LEN};
 
 /// Total bytes below which [`all_gather`] uses recursive doubling when the world size is a
 /// power of two (MPICH's long-message threshold for all_gather).
@@ -144,6 +162,24 @@ pub enum CollectiveError {
         /// The length the ranges need.
         needed: usize,
         /// The buffer's length.
+        actual: usize,
+    },
+    /// An all_gather was given a number of block lengths other than the world size.
+    #[error("{lens} block lengths for a world of {world} ranks")]
+    LengthsCount {
+        /// The lengths given.
+        lens: usize,
+        /// The world size.
+        world: usize,
+    },
+    /// A rank's input is not as long as the block length given for it.
+    #[error("rank {rank}'s input has {actual} bytes, but its block length says {expected}")]
+    InputLength {
+        /// The rank.
+        rank: usize,
+        /// The block length given for it.
+        expected: usize,
+        /// The input's length.
         actual: usize,
     },
     /// The slices given to a reduction differ in length or are not whole elements.

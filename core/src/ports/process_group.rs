@@ -7,6 +7,16 @@
 //! # Contract
 //! - Every rank calls the same collectives, in the same order, with compatible arguments (the
 //!   same root, the same element type and count, the same buffer length for `broadcast`).
+//! - **Order means issue order.** A collective is *issued* when its future is first polled
+//!   (an `async fn` does nothing before): that is when it checks its arguments and takes its
+//!   place in the group's sequence, all its rounds at once. Several collectives may be in
+//!   flight together (`tokio::join!`, which polls its futures in argument order, or
+//!   futures polled one by one before any is awaited) as long as every rank first-polls them
+//!   in the same order; spawning each on its own task leaves that order to the scheduler.
+//!   A call refused for its own arguments takes no place in the sequence.
+//! - Ranks that disagree (another collective, op, element type, count or root under the same
+//!   place in the sequence) are told, never given garbage: the backend fails the collective
+//!   with [`Disagreement`](ProcessGroupError::Disagreement) naming both sides.
 //! - A collective either completes on this rank or fails with a [`ProcessGroupError`] that
 //!   names the rank(s) it was waiting on: [`Timeout`](ProcessGroupError::Timeout) after the
 //!   group's timeout, [`PeerDied`](ProcessGroupError::PeerDied) as soon as a peer's connection
@@ -26,7 +36,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::collective::{CollectiveError, ElementType, ReduceOp};
+use crate::collective::{CollectiveError, ElementType, ReduceOp, Signature};
 use crate::device::Device;
 use crate::tensor::{Storage, Tensor};
 
@@ -49,6 +59,35 @@ pub trait ProcessGroup: Send + Sync {
     /// Copies `root`'s `data` into `data` on every other rank; every rank passes a buffer of
     /// the same length.
     async fn broadcast(&self, data: &mut [u8], root: usize) -> Result<(), ProcessGroupError>;
+
+    /// Sends `root`'s bytes to every rank when only the root knows how many there are: `data`
+    /// is read on the root only (pass an empty slice elsewhere); every rank returns the root's
+    /// bytes.
+    ///
+    /// The default runs two [`broadcast`](Self::broadcast)s, the length first, one after the
+    /// other. A backend that lets several collectives be in flight at once overrides it so
+    /// that both rounds are numbered when it is issued (see the contract above).
+    async fn broadcast_bytes(&self, data: &[u8], root: usize) -> Result<Bytes, ProcessGroupError> {
+        let mut len = (data.len() as u64).to_le_bytes();
+        self.broadcast(&mut len, root).await?;
+        let len = u64::from_le_bytes(len);
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|len| *len <= MAX_BROADCAST_BYTES)
+            .ok_or_else(|| ProcessGroupError::Mismatch {
+                peer: root,
+                collective: "broadcast",
+                seq: 0,
+                reason: format!("it announced {len} bytes, more than {MAX_BROADCAST_BYTES}"),
+            })?;
+        let mut out = if self.rank() == root {
+            data.to_vec()
+        } else {
+            vec![0u8; len]
+        };
+        self.broadcast(&mut out, root).await?;
+        Ok(out.into())
+    }
 
     /// Reduces `data` (little-endian elements of `element`) element-wise across all ranks
     /// with `op`; every rank ends with the same result, bit for bit.
@@ -135,6 +174,11 @@ pub trait ProcessGroup: Send + Sync {
     async fn shutdown(&self) {}
 }
 
+/// The most bytes [`ProcessGroup::broadcast_bytes`] accepts from a root (1 GiB, the
+/// transports' default frame limit); a larger announced length is refused before anything is
+/// allocated for it.
+pub const MAX_BROADCAST_BYTES: usize = 1 << 30;
+
 /// The host bytes of `tensor`, or the error for a tensor that is not on the group's device.
 fn host_storage<'t>(
     backend: &'static str,
@@ -214,6 +258,27 @@ pub enum ProcessGroupError {
         /// What did not match.
         reason: String,
     },
+    /// Ranks ran different collectives, or one collective with different arguments (op,
+    /// element type, element count, root), under the same sequence number. The rank that saw
+    /// it breaks the group and tells every other rank, whose group breaks with this error too:
+    /// a rank fails at once if it still waits in that collective, else at the latest in its
+    /// next collective that needs a message from the rank that saw it (every barrier,
+    /// all_gather and all_reduce does; a broadcast needs only its root's).
+    #[error("rank {peer} ran {theirs} as collective #{seq}, {}", Side::new(*.rank, .ours, *.here))]
+    Disagreement {
+        /// The collective's sequence number.
+        seq: u64,
+        /// The rank whose message disagreed.
+        peer: usize,
+        /// What it ran.
+        theirs: Signature,
+        /// The rank that received the message and saw the disagreement.
+        rank: usize,
+        /// What that rank ran.
+        ours: Signature,
+        /// Whether this error arose on this rank (else `rank` reported it).
+        here: bool,
+    },
     /// The arguments are invalid (rank out of range, buffer not whole elements, ...).
     #[error("invalid {collective} arguments: {source}")]
     Arguments {
@@ -290,6 +355,30 @@ pub enum ProcessGroupError {
     },
 }
 
+/// The receiving side of a [`ProcessGroupError::Disagreement`].
+struct Side<'a> {
+    rank: usize,
+    ours: &'a Signature,
+    here: bool,
+}
+
+impl<'a> Side<'a> {
+    fn new(rank: usize, ours: &'a Signature, here: bool) -> Self {
+        Side { rank, ours, here }
+    }
+}
+
+impl std::fmt::Display for Side<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Side { rank, ours, here } = self;
+        if *here {
+            write!(f, "this rank ({rank}) {ours}")
+        } else {
+            write!(f, "rank {rank} {ours} (reported by rank {rank})")
+        }
+    }
+}
+
 /// Displays ranks as `1, 3`, or says that they are unknown.
 struct RankList<'a>(&'a [usize]);
 
@@ -340,6 +429,38 @@ mod tests {
             reason: "closed".into(),
         };
         assert_eq!(e.to_string(), "rank 4 died: closed");
+    }
+
+    #[test]
+    fn disagreements_name_both_sides() {
+        let e = ProcessGroupError::Disagreement {
+            seq: 7,
+            peer: 1,
+            theirs: Signature::AllReduce {
+                op: ReduceOp::Sum,
+                element: ElementType::I64,
+                count: 1,
+            },
+            rank: 0,
+            ours: Signature::AllReduce {
+                op: ReduceOp::Sum,
+                element: ElementType::F32,
+                count: 2,
+            },
+            here: true,
+        };
+        assert_eq!(
+            e.to_string(),
+            "rank 1 ran all_reduce(sum, i64 x1) as collective #7, this rank (0) all_reduce(sum, f32 x2)"
+        );
+        let mut reported = e.clone();
+        if let ProcessGroupError::Disagreement { here, .. } = &mut reported {
+            *here = false;
+        }
+        assert_eq!(
+            reported.to_string(),
+            "rank 1 ran all_reduce(sum, i64 x1) as collective #7, rank 0 all_reduce(sum, f32 x2) (reported by rank 0)"
+        );
     }
 
     #[test]

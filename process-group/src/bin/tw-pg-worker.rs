@@ -12,6 +12,10 @@
 //!   collectives staged through it, and the typed errors (a CPU tensor, a bfloat16 reduction,
 //!   use after shutdown); prints `OK nccl rank R`. When `new_group` fails it prints
 //!   `SETUP-ERROR: ...` and exits 4 (what a machine without a GPU or NCCL does).
+//! - `inflight`: issues `TW_INFLIGHT` (default 1000) all_gathers of `TW_ELEMS` (default 64)
+//!   f32 elements per rank, every one first polled in the same order on every rank before any
+//!   has finished, then checks that each returned its own blocks; prints `OK inflight rank R`,
+//!   or `ERROR: N of M all_gathers returned other calls' blocks` and exits 1.
 //! - `kill`: sets up, runs one barrier, prints `READY rank R`; rank `TW_VICTIM` then sleeps
 //!   (to be killed), the others run another barrier and report its error (exit 3), or exit 0
 //!   if it unexpectedly succeeds.
@@ -22,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use tensorwire_core::collective::ReduceOp;
 use tensorwire_core::device::Device;
-use tensorwire_core::ports::process_group::ProcessGroup;
+use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_process_group::env_init::env_rendezvous;
 use tensorwire_process_group::{new_group, CollectivesExt};
 
@@ -154,6 +158,73 @@ async fn check(pg: &dyn ProcessGroup) -> Result<(), Error> {
     Ok(())
 }
 
+/// Call `call`'s block on `rank`: `elems` f32 values no other (call, rank) shares.
+fn call_block(call: usize, rank: usize, elems: usize) -> Vec<u8> {
+    (0..elems)
+        .flat_map(|i| ((call * 64 + rank) as f32 + i as f32 * 1e-3).to_le_bytes())
+        .collect()
+}
+
+type Pending<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// Polls every future until all are done, each first polled in index order: the issue order
+/// the group sees, the same on every rank.
+async fn join_in_order<T>(futures: Vec<Pending<'_, T>>) -> Vec<T> {
+    let mut futures: Vec<_> = futures.into_iter().map(Some).collect();
+    let mut out: Vec<Option<T>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (slot, result) in futures.iter_mut().zip(out.iter_mut()) {
+            if let Some(f) = slot {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => {
+                        *result = Some(v);
+                        *slot = None;
+                    }
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().flatten().collect()
+}
+
+async fn inflight(pg: &dyn ProcessGroup) -> Result<(), Error> {
+    let (rank, world) = (pg.rank(), pg.size());
+    let n = env_usize("TW_INFLIGHT", 1000);
+    let elems = env_usize("TW_ELEMS", 64);
+    let inputs: Vec<Vec<u8>> = (0..n).map(|i| call_block(i, rank, elems)).collect();
+    pg.barrier().await?;
+    let futures: Vec<Pending<'_, Result<Vec<bytes::Bytes>, ProcessGroupError>>> = inputs
+        .iter()
+        .map(|input| Box::pin(pg.all_gather(input)) as Pending<'_, _>)
+        .collect();
+    let results = join_in_order(futures).await;
+    let mut wrong = 0;
+    for (i, result) in results.into_iter().enumerate() {
+        let blocks = result?;
+        let ok = blocks.len() == world
+            && blocks
+                .iter()
+                .enumerate()
+                .all(|(peer, b)| b[..] == call_block(i, peer, elems)[..]);
+        if !ok {
+            wrong += 1;
+        }
+    }
+    ensure(wrong == 0, || {
+        format!("{wrong} of {n} all_gathers returned other calls' blocks")
+    })?;
+    pg.barrier().await?;
+    Ok(())
+}
+
 async fn run(scenario: &str) -> Result<ExitCode, Error> {
     let timeout = Duration::from_millis(env_usize("TW_TIMEOUT_MS", 20_000) as u64);
     let rank = env_usize("RANK", 0);
@@ -179,6 +250,12 @@ async fn run(scenario: &str) -> Result<ExitCode, Error> {
             println!("OK rank {rank} in {:?}", started.elapsed());
             Ok(ExitCode::SUCCESS)
         }
+        "inflight" => {
+            inflight(pg.as_ref()).await?;
+            pg.shutdown().await;
+            println!("OK inflight rank {rank} in {:?}", started.elapsed());
+            Ok(ExitCode::SUCCESS)
+        }
         "kill" => {
             pg.barrier().await?;
             println!("READY rank {rank}");
@@ -196,7 +273,7 @@ async fn run(scenario: &str) -> Result<ExitCode, Error> {
                 }
             }
         }
-        other => Err(format!("unknown scenario {other:?}; use check or kill").into()),
+        other => Err(format!("unknown scenario {other:?}; use check, inflight or kill").into()),
     }
 }
 

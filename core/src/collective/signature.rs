@@ -1,0 +1,253 @@
+//! What the ranks of one collective must agree on, carried in the header of every message.
+//!
+//! A rank that receives a message compares the sender's [`Signature`] with its own for the
+//! same sequence number, byte for byte, before it looks at the payload: two ranks that run
+//! different collectives, or the same collective with a different op, element type, element
+//! count or root, are told so instead of reducing one another's bytes as garbage. The encoding
+//! is fixed-size ([`SIGNATURE_LEN`] bytes), so the check is one comparison of a few bytes.
+
+use std::fmt;
+
+use super::{ElementType, ReduceOp};
+
+/// Bytes of an encoded [`Signature`]: tag, op, element type (one byte each), root (`u32`),
+/// count (`u64`), little-endian.
+pub const SIGNATURE_LEN: usize = 15;
+
+/// One round of a collective, with the arguments every rank must pass alike.
+///
+/// A collective of several rounds (a variable-size all_gather, a broadcast of bytes whose
+/// length only the root knows) has one signature per round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Signature {
+    /// A barrier.
+    Barrier,
+    /// The first round of a variable-size all_gather: one fixed-size slot per rank with its
+    /// block's length and, when it fits, the block itself (see [`super::varlen`]).
+    AllGatherLengths,
+    /// An all_gather of blocks whose lengths every rank knows (build it with
+    /// [`Signature::all_gather`]).
+    AllGather {
+        /// The bytes of all blocks together.
+        total: u64,
+        /// A hash of the block lengths (FNV-1a), so that ranks that pass other lengths with
+        /// the same total disagree too.
+        lengths: u32,
+    },
+    /// The first round of a broadcast of bytes whose length only the root knows: a fixed-size
+    /// slot with the length and, when they fit, the bytes.
+    BroadcastLength {
+        /// The root.
+        root: u32,
+    },
+    /// A broadcast of `len` bytes from `root`.
+    Broadcast {
+        /// The root.
+        root: u32,
+        /// The bytes broadcast.
+        len: u64,
+    },
+    /// An all_reduce of `count` elements of `element` with `op`.
+    AllReduce {
+        /// The operation.
+        op: ReduceOp,
+        /// The element type.
+        element: ElementType,
+        /// The number of elements.
+        count: u64,
+    },
+}
+
+impl Signature {
+    /// The signature of an all_gather of blocks of `lens` bytes (one per rank).
+    pub fn all_gather(lens: &[usize]) -> Signature {
+        let mut hash: u32 = 0x811c_9dc5;
+        for len in lens {
+            for byte in (*len as u64).to_le_bytes() {
+                hash = (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193);
+            }
+        }
+        Signature::AllGather {
+            total: lens
+                .iter()
+                .fold(0u64, |acc, len| acc.saturating_add(*len as u64)),
+            lengths: hash,
+        }
+    }
+
+    /// The collective's name as users call it (`"all_gather"` for both of its rounds), for
+    /// errors and logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Signature::Barrier => "barrier",
+            Signature::AllGatherLengths | Signature::AllGather { .. } => "all_gather",
+            Signature::BroadcastLength { .. } | Signature::Broadcast { .. } => "broadcast",
+            Signature::AllReduce { .. } => "all_reduce",
+        }
+    }
+
+    /// The fixed-size encoding carried in every message header.
+    pub fn encode(&self) -> [u8; SIGNATURE_LEN] {
+        let (tag, a, b, root, count) = match *self {
+            Signature::Barrier => (1u8, 0u8, 0u8, 0u32, 0u64),
+            Signature::AllGatherLengths => (2, 0, 0, 0, 0),
+            Signature::AllGather { total, lengths } => (3, 0, 0, lengths, total),
+            Signature::BroadcastLength { root } => (4, 0, 0, root, 0),
+            Signature::Broadcast { root, len } => (5, 0, 0, root, len),
+            Signature::AllReduce { op, element, count } => {
+                (6, op_code(op), element_code(element), 0, count)
+            }
+        };
+        let mut out = [0u8; SIGNATURE_LEN];
+        out[0] = tag;
+        out[1] = a;
+        out[2] = b;
+        out[3..7].copy_from_slice(&root.to_le_bytes());
+        out[7..15].copy_from_slice(&count.to_le_bytes());
+        out
+    }
+
+    /// Decodes [`encode`](Self::encode)'s bytes; `None` for anything it never produces (a
+    /// wrong length, an unknown tag or code, or bytes that must be zero and are not).
+    pub fn decode(bytes: &[u8]) -> Option<Signature> {
+        let bytes: &[u8; SIGNATURE_LEN] = bytes.try_into().ok()?;
+        let (tag, a, b) = (bytes[0], bytes[1], bytes[2]);
+        let root = u32::from_le_bytes(bytes[3..7].try_into().ok()?);
+        let count = u64::from_le_bytes(bytes[7..15].try_into().ok()?);
+        let signature = match tag {
+            1 => Signature::Barrier,
+            2 => Signature::AllGatherLengths,
+            3 => Signature::AllGather {
+                total: count,
+                lengths: root,
+            },
+            4 => Signature::BroadcastLength { root },
+            5 => Signature::Broadcast { root, len: count },
+            6 => Signature::AllReduce {
+                op: *ReduceOp::ALL.get(usize::from(a))?,
+                element: *ElementType::ALL.get(usize::from(b))?,
+                count,
+            },
+            _ => return None,
+        };
+        // One encoding per signature: unused fields must be zero.
+        (signature.encode() == *bytes).then_some(signature)
+    }
+}
+
+fn op_code(op: ReduceOp) -> u8 {
+    ReduceOp::ALL.iter().position(|o| *o == op).unwrap_or(0) as u8
+}
+
+fn element_code(element: ElementType) -> u8 {
+    ElementType::ALL
+        .iter()
+        .position(|e| *e == element)
+        .unwrap_or(0) as u8
+}
+
+impl fmt::Display for Signature {
+    /// `barrier`, `all_gather(lengths)`, `all_gather(300 bytes in all, lengths #0badf00d)`,
+    /// `broadcast(root 2, length)`, `broadcast(root 0, 8 bytes)`, `all_reduce(sum, i64 x1)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Signature::Barrier => f.write_str("barrier"),
+            Signature::AllGatherLengths => f.write_str("all_gather(lengths)"),
+            Signature::AllGather { total, lengths } => {
+                write!(
+                    f,
+                    "all_gather({total} bytes in all, lengths #{lengths:08x})"
+                )
+            }
+            Signature::BroadcastLength { root } => write!(f, "broadcast(root {root}, length)"),
+            Signature::Broadcast { root, len } => write!(f, "broadcast(root {root}, {len} bytes)"),
+            Signature::AllReduce { op, element, count } => {
+                write!(f, "all_reduce({op}, {element} x{count})")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn any_signature() -> impl Strategy<Value = Signature> {
+        prop_oneof![
+            Just(Signature::Barrier),
+            Just(Signature::AllGatherLengths),
+            (any::<u64>(), any::<u32>())
+                .prop_map(|(total, lengths)| Signature::AllGather { total, lengths }),
+            any::<u32>().prop_map(|root| Signature::BroadcastLength { root }),
+            (any::<u32>(), any::<u64>()).prop_map(|(root, len)| Signature::Broadcast { root, len }),
+            (
+                proptest::sample::select(ReduceOp::ALL.to_vec()),
+                proptest::sample::select(ElementType::ALL.to_vec()),
+                any::<u64>()
+            )
+                .prop_map(|(op, element, count)| Signature::AllReduce {
+                    op,
+                    element,
+                    count
+                }),
+        ]
+    }
+
+    #[test]
+    fn displays_what_a_user_called() {
+        let mine = Signature::AllReduce {
+            op: ReduceOp::Sum,
+            element: ElementType::F32,
+            count: 2,
+        };
+        assert_eq!(mine.to_string(), "all_reduce(sum, f32 x2)");
+        assert_eq!(
+            Signature::Broadcast { root: 3, len: 8 }.to_string(),
+            "broadcast(root 3, 8 bytes)"
+        );
+        assert_eq!(Signature::Barrier.name(), "barrier");
+        assert_eq!(Signature::AllGatherLengths.name(), "all_gather");
+        // The same total in other blocks is another all_gather.
+        let a = Signature::all_gather(&[3, 5]);
+        let b = Signature::all_gather(&[5, 3]);
+        assert_ne!(a, b);
+        assert!(a
+            .to_string()
+            .starts_with("all_gather(8 bytes in all, lengths #"));
+        assert_eq!(a, Signature::all_gather(&[3, 5]));
+    }
+
+    #[test]
+    fn garbage_does_not_decode() {
+        assert_eq!(Signature::decode(&[]), None);
+        assert_eq!(Signature::decode(&[0u8; SIGNATURE_LEN]), None);
+        let mut barrier = Signature::Barrier.encode();
+        barrier[9] = 1; // a count on a barrier
+        assert_eq!(Signature::decode(&barrier), None);
+        let mut reduce = Signature::AllReduce {
+            op: ReduceOp::Max,
+            element: ElementType::I64,
+            count: 1,
+        }
+        .encode();
+        reduce[1] = 4; // no such op
+        assert_eq!(Signature::decode(&reduce), None);
+    }
+
+    proptest! {
+        #[test]
+        fn encoding_round_trips_and_tells_signatures_apart(a in any_signature(), b in any_signature()) {
+            prop_assert_eq!(Signature::decode(&a.encode()), Some(a));
+            prop_assert_eq!(a.encode() == b.encode(), a == b);
+        }
+
+        #[test]
+        fn decoding_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..20)) {
+            if let Some(s) = Signature::decode(&bytes) {
+                prop_assert_eq!(&s.encode()[..], &bytes[..]);
+            }
+        }
+    }
+}

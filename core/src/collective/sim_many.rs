@@ -1,0 +1,591 @@
+//! Many collectives in flight at once, simulated: every rank issues the same random mix of
+//! collectives in the same order, and a seeded scheduler interleaves everything (when each
+//! rank issues its next call, which round of which call moves next, which message is taken)
+//! at random. Messages are matched by (sender, receiver, sequence number) and carry the round's
+//! [`Signature`], which the receiver checks, as the process group's mesh does.
+//!
+//! The driver here numbers rounds as the process group does: arguments checked first, then
+//! every round of a call reserved when the call is issued ([`Numbering::AtIssue`]). With
+//! [`Numbering::WhenRoundStarts`] (what the process group did before) the simulator finds the
+//! ranks disagreeing.
+
+use std::collections::{HashMap, VecDeque};
+
+use proptest::prelude::*;
+
+use super::varlen::{self, INLINE_BYTES, SLOT_BYTES};
+use super::*;
+
+/// One collective as a user calls it, with every rank's arguments.
+#[derive(Debug, Clone)]
+enum Call {
+    Barrier,
+    /// Variable-size all_gather: `lens[r]` is rank r's block length.
+    AllGather {
+        lens: Vec<usize>,
+    },
+    /// All_gather of blocks whose lengths every rank passes.
+    AllGatherWithLens {
+        lens: Vec<usize>,
+    },
+    Broadcast {
+        root: usize,
+        len: usize,
+    },
+    /// Broadcast of bytes whose length only the root knows.
+    BroadcastBytes {
+        root: usize,
+        len: usize,
+    },
+    AllReduce {
+        op: ReduceOp,
+        element: ElementType,
+        count: usize,
+    },
+}
+
+/// When a later round takes its sequence number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Numbering {
+    /// Every round's number reserved when the call is issued (the rule).
+    AtIssue,
+    /// A later round numbered when it starts (the old, broken way).
+    WhenRoundStarts,
+}
+
+/// Call `call`'s input on rank `rank`.
+fn input(call: usize, rank: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (call * 131 + rank * 31 + i * 7 + (i >> 8)) as u8)
+        .collect()
+}
+
+/// Small integer values (exact in every element type and under every op's order).
+fn reduce_input(call: usize, rank: usize, element: ElementType, count: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(count * element.size());
+    for i in 0..count {
+        let v = ((call + rank * 3 + i) % 5) as i64 - 2;
+        match element {
+            ElementType::F32 => out.extend((v as f32).to_le_bytes()),
+            ElementType::F64 => out.extend((v as f64).to_le_bytes()),
+            ElementType::I32 => out.extend((v as i32).to_le_bytes()),
+            ElementType::I64 => out.extend(v.to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// What a call returned on a rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Output {
+    Done,
+    Blocks(Vec<Vec<u8>>),
+    Bytes(Vec<u8>),
+}
+
+/// One round of a call running on one rank.
+struct Round {
+    seq: u64,
+    signature: Signature,
+    schedule: Schedule,
+    buffer: Vec<u8>,
+    step: usize,
+    posted: bool,
+    /// Receives of the current step taken so far (they are applied in order).
+    taken: usize,
+}
+
+impl Round {
+    fn new(seq: u64, signature: Signature, schedule: Schedule, input: &[u8]) -> Round {
+        let mut buffer = vec![0u8; schedule.buffer_len()];
+        buffer[schedule.input_range()].copy_from_slice(input);
+        Round {
+            seq,
+            signature,
+            schedule,
+            buffer,
+            step: 0,
+            posted: false,
+            taken: 0,
+        }
+    }
+}
+
+/// One call in flight on one rank.
+struct Running {
+    call: usize,
+    /// The first of the call's reserved numbers.
+    base: u64,
+    round: Round,
+}
+
+type Mailboxes = HashMap<(usize, usize, u64), VecDeque<([u8; SIGNATURE_LEN], Vec<u8>)>>;
+
+struct Rank {
+    rank: usize,
+    next_seq: u64,
+    issued: usize,
+    running: Vec<Running>,
+    outputs: Vec<Option<Output>>,
+}
+
+struct Driver<'a> {
+    calls: &'a [Call],
+    world: usize,
+    numbering: Numbering,
+}
+
+impl Driver<'_> {
+    /// Issues call `i` on `rank`: checks nothing that could fail here (the generated calls
+    /// are valid), reserves its numbers, starts its first round.
+    fn issue(&self, rank: &mut Rank, i: usize) -> Result<(), String> {
+        let r = rank.rank;
+        let world = self.world;
+        let rounds = match (&self.calls[i], self.numbering) {
+            (Call::AllGather { .. } | Call::BroadcastBytes { .. }, Numbering::AtIssue) => {
+                varlen::ROUNDS
+            }
+            _ => 1,
+        };
+        let base = rank.next_seq;
+        rank.next_seq += rounds;
+        let e = |e: CollectiveError| format!("call {i} on rank {r}: {e}");
+        let round = match &self.calls[i] {
+            Call::Barrier => {
+                Round::new(base, Signature::Barrier, barrier(r, world).map_err(e)?, &[])
+            }
+            Call::AllGather { lens } => {
+                let mine = input(i, r, lens[r]);
+                let mut slot = [0u8; SLOT_BYTES];
+                varlen::write_slot(&mut slot, &mine);
+                let slots = vec![SLOT_BYTES; world];
+                let schedule =
+                    all_gather(r, &slots, AllGatherAlgorithm::select(&slots)).map_err(e)?;
+                Round::new(base, Signature::AllGatherLengths, schedule, &slot)
+            }
+            Call::AllGatherWithLens { lens } => {
+                let schedule = all_gather(r, lens, AllGatherAlgorithm::select(lens)).map_err(e)?;
+                Round::new(
+                    base,
+                    Signature::all_gather(lens),
+                    schedule,
+                    &input(i, r, lens[r]),
+                )
+            }
+            Call::Broadcast { root, len } => {
+                let schedule = broadcast(r, world, *root, *len).map_err(e)?;
+                let data = if r == *root {
+                    input(i, r, *len)
+                } else {
+                    Vec::new()
+                };
+                let signature = Signature::Broadcast {
+                    root: *root as u32,
+                    len: *len as u64,
+                };
+                Round::new(base, signature, schedule, &data)
+            }
+            Call::BroadcastBytes { root, len } => {
+                let schedule = broadcast(r, world, *root, SLOT_BYTES).map_err(e)?;
+                let mut slot = [0u8; SLOT_BYTES];
+                if r == *root {
+                    varlen::write_slot(&mut slot, &input(i, r, *len));
+                }
+                let data: &[u8] = if r == *root { &slot } else { &[] };
+                let signature = Signature::BroadcastLength { root: *root as u32 };
+                Round::new(base, signature, schedule, data)
+            }
+            Call::AllReduce { op, element, count } => {
+                let algorithm = AllReduceAlgorithm::select(world, *count, *element);
+                let schedule = all_reduce(r, world, *count, *element, *op, algorithm).map_err(e)?;
+                let signature = Signature::AllReduce {
+                    op: *op,
+                    element: *element,
+                    count: *count as u64,
+                };
+                Round::new(
+                    base,
+                    signature,
+                    schedule,
+                    &reduce_input(i, r, *element, *count),
+                )
+            }
+        };
+        rank.running.push(Running {
+            call: i,
+            base,
+            round,
+        });
+        Ok(())
+    }
+
+    /// A round ended: the call's output, or its next round.
+    fn round_done(&self, rank: &mut Rank, mut run: Running) -> Result<(), String> {
+        let r = rank.rank;
+        let world = self.world;
+        let i = run.call;
+        let second_seq = |rank: &mut Rank| match self.numbering {
+            Numbering::AtIssue => run.base + 1,
+            Numbering::WhenRoundStarts => {
+                rank.next_seq += 1;
+                rank.next_seq - 1
+            }
+        };
+        let output = match (&self.calls[i], run.round.signature) {
+            (Call::AllGather { .. }, Signature::AllGatherLengths) => {
+                let slots: Vec<&[u8; SLOT_BYTES]> = run
+                    .round
+                    .buffer
+                    .chunks_exact(SLOT_BYTES)
+                    .map(|c| c.try_into().expect("slot-sized"))
+                    .collect();
+                let lens: Vec<usize> = slots.iter().map(|s| varlen::slot_len(s) as usize).collect();
+                if lens.iter().all(|l| *l <= INLINE_BYTES) {
+                    Output::Blocks(
+                        slots
+                            .iter()
+                            .zip(&lens)
+                            .map(|(s, l)| {
+                                s[varlen::inline_range(*l as u64).expect("inline")].to_vec()
+                            })
+                            .collect(),
+                    )
+                } else {
+                    let schedule = all_gather(r, &lens, AllGatherAlgorithm::select(&lens))
+                        .map_err(|e| e.to_string())?;
+                    let seq = second_seq(rank);
+                    run.round = Round::new(
+                        seq,
+                        Signature::all_gather(&lens),
+                        schedule,
+                        &input(i, r, lens[r]),
+                    );
+                    rank.running.push(run);
+                    return Ok(());
+                }
+            }
+            (Call::BroadcastBytes { root, .. }, Signature::BroadcastLength { .. }) => {
+                let slot: &[u8; SLOT_BYTES] = run.round.buffer[..].try_into().expect("slot-sized");
+                let len = varlen::slot_len(slot);
+                match varlen::inline_range(len) {
+                    Some(range) => Output::Bytes(slot[range].to_vec()),
+                    None => {
+                        let schedule =
+                            broadcast(r, world, *root, len as usize).map_err(|e| e.to_string())?;
+                        let data = if r == *root {
+                            input(i, r, len as usize)
+                        } else {
+                            Vec::new()
+                        };
+                        let seq = second_seq(rank);
+                        let signature = Signature::Broadcast {
+                            root: *root as u32,
+                            len,
+                        };
+                        run.round = Round::new(seq, signature, schedule, &data);
+                        rank.running.push(run);
+                        return Ok(());
+                    }
+                }
+            }
+            (Call::Barrier, _) => Output::Done,
+            (Call::AllGather { lens } | Call::AllGatherWithLens { lens }, _) => {
+                let mut blocks = Vec::new();
+                let mut offset = 0;
+                for len in lens {
+                    blocks.push(run.round.buffer[offset..offset + len].to_vec());
+                    offset += len;
+                }
+                Output::Blocks(blocks)
+            }
+            _ => Output::Bytes(run.round.buffer),
+        };
+        rank.outputs[i] = Some(output);
+        Ok(())
+    }
+}
+
+/// Runs `calls` on `world` ranks, interleaved by `seed`; returns every rank's outputs.
+fn run(
+    calls: &[Call],
+    world: usize,
+    seed: u64,
+    numbering: Numbering,
+) -> Result<Vec<Vec<Output>>, String> {
+    let driver = Driver {
+        calls,
+        world,
+        numbering,
+    };
+    let mut rng = seed;
+    let mut next = move |n: usize| {
+        rng = rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) % n as u64) as usize
+    };
+    let mut ranks: Vec<Rank> = (0..world)
+        .map(|rank| Rank {
+            rank,
+            next_seq: 0,
+            issued: 0,
+            running: Vec::new(),
+            outputs: vec![None; calls.len()],
+        })
+        .collect();
+    let mut mail: Mailboxes = HashMap::new();
+    loop {
+        // Everything that can move: (rank, None) issues the rank's next call, (rank, Some(k))
+        // moves its k-th running round.
+        let mut movable: Vec<(usize, Option<usize>)> = Vec::new();
+        for rank in &ranks {
+            if rank.issued < calls.len() {
+                movable.push((rank.rank, None));
+            }
+            for (k, run) in rank.running.iter().enumerate() {
+                let round = &run.round;
+                let ready = match round.schedule.steps().get(round.step) {
+                    None => true,
+                    Some(_) if !round.posted => true,
+                    Some(step) => step.receives().get(round.taken).is_none_or(|recv| {
+                        mail.get(&(recv.peer(), rank.rank, round.seq))
+                            .is_some_and(|q| !q.is_empty())
+                    }),
+                };
+                if ready {
+                    movable.push((rank.rank, Some(k)));
+                }
+            }
+        }
+        if movable.is_empty() {
+            break;
+        }
+        let (r, which) = movable[next(movable.len())];
+        let rank = &mut ranks[r];
+        let Some(k) = which else {
+            let i = rank.issued;
+            rank.issued += 1;
+            driver.issue(rank, i)?;
+            continue;
+        };
+        let round = &mut rank.running[k].round;
+        let Some(step) = round.schedule.steps().get(round.step) else {
+            let run = rank.running.swap_remove(k);
+            driver.round_done(rank, run)?;
+            continue;
+        };
+        if !round.posted {
+            for send in step.sends() {
+                let mut data = Vec::with_capacity(send.len());
+                for range in send.ranges() {
+                    data.extend_from_slice(&round.buffer[range.clone()]);
+                }
+                mail.entry((r, send.peer(), round.seq))
+                    .or_default()
+                    .push_back((round.signature.encode(), data));
+            }
+            round.posted = true;
+        } else if let Some(recv) = step.receives().get(round.taken) {
+            let (signature, data) = mail
+                .get_mut(&(recv.peer(), r, round.seq))
+                .and_then(VecDeque::pop_front)
+                .ok_or("a movable receive found no message")?;
+            if signature != round.signature.encode() {
+                return Err(format!(
+                    "rank {} ran {:?} as #{}, rank {r} {}",
+                    recv.peer(),
+                    Signature::decode(&signature),
+                    round.seq,
+                    round.signature
+                ));
+            }
+            recv.apply(&mut round.buffer, &data)
+                .map_err(|e| format!("rank {r} #{}: {e}", round.seq))?;
+            round.taken += 1;
+        }
+        if round.posted && round.taken == step.receives().len() {
+            round.step += 1;
+            round.posted = false;
+            round.taken = 0;
+        }
+    }
+    let mut all = Vec::with_capacity(world);
+    for rank in ranks {
+        let mut outputs = Vec::with_capacity(calls.len());
+        for (i, o) in rank.outputs.into_iter().enumerate() {
+            outputs.push(o.ok_or_else(|| {
+                format!(
+                    "rank {} never finished call {i} ({:?}): deadlock",
+                    rank.rank, calls[i]
+                )
+            })?);
+        }
+        all.push(outputs);
+    }
+    if let Some(((from, to, seq), q)) = mail.iter().find(|(_, q)| !q.is_empty()) {
+        return Err(format!(
+            "{} message(s) of #{seq} from rank {from} to rank {to} were never taken",
+            q.len()
+        ));
+    }
+    Ok(all)
+}
+
+/// What every rank must get from call `i`.
+fn expected(calls: &[Call], i: usize, world: usize) -> Output {
+    match &calls[i] {
+        Call::Barrier => Output::Done,
+        Call::AllGather { lens } | Call::AllGatherWithLens { lens } => Output::Blocks(
+            lens.iter()
+                .enumerate()
+                .map(|(r, len)| input(i, r, *len))
+                .collect(),
+        ),
+        Call::Broadcast { root, len } | Call::BroadcastBytes { root, len } => {
+            Output::Bytes(input(i, *root, *len))
+        }
+        Call::AllReduce { op, element, count } => {
+            let mut acc = reduce_input(i, 0, *element, *count);
+            for r in 1..world {
+                let incoming = reduce_input(i, r, *element, *count);
+                reduce_into(*op, *element, &mut acc, &incoming, false).expect("same lengths");
+            }
+            Output::Bytes(acc)
+        }
+    }
+}
+
+fn check(calls: &[Call], world: usize, seed: u64) -> Result<(), String> {
+    let outputs = run(calls, world, seed, Numbering::AtIssue)?;
+    for (r, outputs) in outputs.iter().enumerate() {
+        for (i, got) in outputs.iter().enumerate() {
+            if *got != expected(calls, i, world) {
+                return Err(format!(
+                    "world {world} seed {seed}: rank {r} got a wrong result for call {i} ({:?})",
+                    calls[i]
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn any_call(world: usize) -> impl Strategy<Value = Call> {
+    // Block lengths: empty, inline, just over the inline limit, and (rarely) large enough for
+    // the ring.
+    let len = prop_oneof![
+        4 => Just(0usize),
+        8 => 1..=INLINE_BYTES,
+        6 => INLINE_BYTES + 1..200,
+        1 => Just(6000usize),
+    ];
+    let lens = proptest::collection::vec(len.clone(), world);
+    let count = prop_oneof![
+        2 => Just(0usize),
+        30 => 1usize..40,
+        1 => Just(70_000usize),
+    ];
+    prop_oneof![
+        Just(Call::Barrier),
+        lens.clone().prop_map(|lens| Call::AllGather { lens }),
+        lens.prop_map(|lens| Call::AllGatherWithLens { lens }),
+        (0..world, len.clone()).prop_map(|(root, len)| Call::Broadcast { root, len }),
+        (0..world, len).prop_map(|(root, len)| Call::BroadcastBytes { root, len }),
+        (
+            proptest::sample::select(ReduceOp::ALL.to_vec()),
+            proptest::sample::select(ElementType::ALL.to_vec()),
+            count
+        )
+            .prop_map(|(op, element, count)| Call::AllReduce { op, element, count }),
+    ]
+}
+
+fn world_and_calls() -> impl Strategy<Value = (usize, Vec<Call>, u64)> {
+    (1usize..=16).prop_flat_map(|world| {
+        (
+            Just(world),
+            proptest::collection::vec(any_call(world), 1..14),
+            any::<u64>(),
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Random mixes of every collective, all in flight together, interleaved at random,
+    /// world sizes 1 to 16: every rank gets every call's right result.
+    #[test]
+    fn concurrent_collectives_issued_in_the_same_order_all_agree(
+        (world, calls, seed) in world_and_calls()
+    ) {
+        if let Err(e) = check(&calls, world, seed) {
+            return Err(TestCaseError::fail(e));
+        }
+    }
+}
+
+#[test]
+fn every_collective_at_every_world_size_in_one_concurrent_mix() {
+    for world in 1..=16 {
+        let lens: Vec<usize> = (0..world).map(|r| [0, 5, 56, 57, 300][r % 5]).collect();
+        let mut calls = vec![
+            Call::Barrier,
+            Call::AllGather {
+                lens: vec![8; world],
+            },
+            Call::AllGather { lens: lens.clone() },
+            Call::AllGatherWithLens { lens: lens.clone() },
+            Call::Broadcast {
+                root: world - 1,
+                len: 100,
+            },
+            Call::BroadcastBytes {
+                root: world / 2,
+                len: 10,
+            },
+            Call::BroadcastBytes { root: 0, len: 1000 },
+        ];
+        for op in ReduceOp::ALL {
+            for element in ElementType::ALL {
+                calls.push(Call::AllReduce {
+                    op,
+                    element,
+                    count: 1 + world,
+                });
+            }
+        }
+        for seed in 0..8 {
+            check(&calls, world, seed).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+}
+
+/// The simulator catches what the process group did before: numbering a second round when it
+/// starts lets ranks exchange rounds of different calls.
+#[test]
+fn numbering_second_rounds_when_they_start_is_caught() {
+    let world = 4;
+    let calls: Vec<Call> = (0..12)
+        .map(|i| Call::AllGather {
+            lens: vec![64 + i; world],
+        })
+        .collect();
+    let failures = (0..64)
+        .filter(
+            |seed| match run(&calls, world, *seed, Numbering::WhenRoundStarts) {
+                Err(_) => true,
+                Ok(outputs) => outputs
+                    .iter()
+                    .flatten()
+                    .enumerate()
+                    .any(|(k, got)| *got != expected(&calls, k % calls.len(), world)),
+            },
+        )
+        .count();
+    assert!(failures > 0, "no interleaving of 64 showed the old bug");
+    for seed in 0..64 {
+        check(&calls, world, seed).unwrap_or_else(|e| panic!("{e}"));
+    }
+}
