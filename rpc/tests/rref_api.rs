@@ -1,0 +1,396 @@
+//! Remote references as PyTorch has them: creation timeouts, confirmed arguments, local
+//! references, proxies on references, the call context, the timeout setting and the debug
+//! view. In-process agents over real loopback TCP; faults injected by `FaultyBackend`.
+
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tensorwire_rpc::faults::{Fault, FaultAction, FaultyBackend, MessageKind};
+use tensorwire_rpc::{
+    init_rpc, register_backend, Agent, CallContext, CallError, Functions, RRef, RemoteErrorKind,
+    RpcError, RpcOptions,
+};
+
+#[derive(Default)]
+struct Counter(AtomicI64);
+
+impl serde::Serialize for Counter {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.load(Ordering::SeqCst).serialize(s)
+    }
+}
+
+fn functions() -> Functions {
+    let f = Functions::new();
+    f.register("make_vec", |n: usize| async move {
+        Ok::<_, String>((0..n as i64).collect::<Vec<i64>>())
+    });
+    f.register(
+        "make_counter_after_ms",
+        |(ms, start): (u64, i64)| async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            Ok::<_, String>(Counter(AtomicI64::new(start)))
+        },
+    );
+    f.register("sleep_ms", |ms: u64| async move {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        Ok::<_, String>(ms)
+    });
+    f.register_method("increment", |c: Arc<Counter>, by: i64| async move {
+        Ok::<_, String>(c.0.fetch_add(by, Ordering::SeqCst) + by)
+    });
+    f.register_method("snapshot", |c: Arc<Counter>, (): ()| async move {
+        Ok::<_, String>(vec![c.0.load(Ordering::SeqCst); 2])
+    });
+    f.register("confirmed_here", |r: RRef<Vec<i64>>| async move {
+        Ok::<_, String>(r.confirmed_by_owner())
+    });
+    f.register("sum", |r: RRef<Vec<i64>>| async move {
+        let v = r.to_here(None).await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(v.iter().sum::<i64>())
+    });
+    f.register_with_context("double", |ctx: CallContext, x: i64| async move {
+        Ok::<_, String>((ctx.caller().name.clone(), 2 * x))
+    });
+    // A nested call through the context's agent, with what is left of the caller's deadline.
+    f.register_with_context(
+        "relay",
+        |ctx: CallContext, (to, x): (String, i64)| async move {
+            assert!(ctx.deadline().is_some());
+            let (asked_by, doubled): (String, i64) = ctx
+                .agent()
+                .rpc_sync(to.as_str(), "double", &x, ctx.remaining())
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(format!("{} -> {asked_by}: {doubled}", ctx.caller().name))
+        },
+    );
+    f
+}
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+/// A fresh rendezvous file: no port to pick, nothing shared between tests.
+fn rendezvous_file() -> String {
+    let dir = std::env::temp_dir().join(format!(
+        "tw-rref-api-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_file(&dir);
+    format!("file://{}", dir.display())
+}
+
+/// `n` agents in one process; `backend` names a registered backend (`TCP`, or a faulty one).
+async fn group(n: usize, backend: &str) -> Vec<Agent> {
+    let url = rendezvous_file();
+    let mut tasks = Vec::new();
+    for rank in 0..n {
+        let options = RpcOptions {
+            init_method: url.clone(),
+            init_timeout: Duration::from_secs(20),
+            secret: Some(b"rref api test secret".to_vec()),
+            functions: functions(),
+            backend: backend.to_owned(),
+            ..RpcOptions::default()
+        };
+        tasks.push(tokio::spawn(async move {
+            init_rpc(&format!("w{rank}"), rank, Some(n), options).await
+        }));
+    }
+    let mut agents = Vec::new();
+    for t in tasks {
+        agents.push(t.await.unwrap().unwrap());
+    }
+    agents
+}
+
+async fn shutdown_all(agents: Vec<Agent>) {
+    let tasks: Vec<_> = agents
+        .into_iter()
+        .map(|a| tokio::spawn(async move { a.shutdown(true, Duration::from_secs(20)).await }))
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+}
+
+/// Waits for a condition that an event elsewhere makes true (a message in flight).
+async fn wait_until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: not reached in 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn faulty(name: &str, backend: FaultyBackend) -> Arc<FaultyBackend> {
+    let backend = Arc::new(backend);
+    register_backend(name, backend.clone()).unwrap();
+    backend
+}
+
+/// Issue: a `remote` whose creation outlived its timeout returned the value from `to_here`
+/// anyway, and the owner kept the value forever after every reference was gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_creation_that_times_out_fails_every_use_and_leaks_nothing() {
+    // w0's first `remote` reaches w1 only after 1.5 s; its timeout is 200 ms.
+    let backend = faulty(
+        "FAULTY_CREATION",
+        FaultyBackend::new().with_fault(
+            0,
+            Fault::new(
+                MessageKind::Remote,
+                FaultAction::Delay(Duration::from_millis(1500)),
+                1,
+            ),
+        ),
+    );
+    let agents = group(3, "FAULTY_CREATION").await;
+    let (a, owner) = (&agents[0], &agents[1]);
+    let timeout = Duration::from_millis(200);
+    let r: RRef<Vec<i64>> = a.remote("w1", "make_vec", &3usize, Some(timeout)).unwrap();
+
+    let e = r.created().await.unwrap_err();
+    let check = |e: &RpcError| {
+        assert!(
+            matches!(
+                e,
+                RpcError::RRefCreation {
+                    owner,
+                    source: CallError::RRefCreationTimedOut { owner: 1, after, .. },
+                    ..
+                } if owner == "w1" && *after == timeout
+            ),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("w1") && text.contains("creation timed out"),
+            "{text}"
+        );
+    };
+    check(&e);
+    assert_eq!(backend.injected(0), 1);
+    // to_here, methods, and passing it on fail alike, at once.
+    check(&r.to_here(None).await.unwrap_err());
+    check(
+        &r.rpc_async::<_, i64>("increment", &1i64, None)
+            .err()
+            .unwrap(),
+    );
+    let e = a
+        .rpc_sync::<_, i64>("w2", "sum", &r, None)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("creation timed out"), "{e}");
+
+    // The owner creates the value late, keeps it while the reference lives, and frees it
+    // once it is dropped: no leak (the delete follows the delayed creation on the link).
+    wait_until("the late value is created", || {
+        owner.debug_info().kept_values == 1
+    })
+    .await;
+    drop(r);
+    wait_until("the late value is freed", || {
+        let info = owner.debug_info();
+        info.kept_values == 0 && info.protocol.owned.is_empty()
+    })
+    .await;
+    assert!(a.debug_info().protocol.forks.is_empty());
+    shutdown_all(agents).await;
+}
+
+/// Issue: `rref.rpc_sync(method, args, 10 ms)` on a reference still being created waited for
+/// the creation (2 s) instead of its own timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_method_call_on_a_value_being_created_keeps_its_own_timeout() {
+    let agents = group(2, "TCP").await;
+    let c: RRef<Counter> = agents[0]
+        .remote("w1", "make_counter_after_ms", &(3_000u64, 5i64), None)
+        .unwrap();
+    let started = Instant::now();
+    let e = c
+        .rpc_sync::<_, i64>("increment", &1i64, Some(Duration::from_millis(10)))
+        .await
+        .unwrap_err();
+    // The caller's timer, or the owner's wait bounded by the caller's deadline.
+    let owner_gave_up = e.remote().is_some_and(|r| {
+        r.message
+            .contains("still being created at the caller's deadline")
+    });
+    assert!(e.is_timeout() || owner_gave_up, "{e}");
+    assert!(
+        started.elapsed() < Duration::from_millis(2_500),
+        "the call waited for the creation: {:?}",
+        started.elapsed()
+    );
+    // Once created, methods work, and `created` says so.
+    c.created().await.unwrap();
+    assert_eq!(
+        c.rpc_sync::<_, i64>("increment", &2i64, None)
+            .await
+            .unwrap(),
+        7
+    );
+    drop(c);
+    shutdown_all(agents).await;
+}
+
+/// Issue: inside the callee, `confirmed_by_owner()` was false for an RRef received in the
+/// arguments; PyTorch runs the function only once the owner confirmed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn functions_run_once_the_references_in_their_arguments_are_confirmed() {
+    // The owner (w2) acknowledges fork requests late: without the wait, w1's function would
+    // certainly run first.
+    let backend = faulty(
+        "FAULTY_ACK",
+        FaultyBackend::new().with_fault(
+            2,
+            Fault::new(
+                MessageKind::Ack,
+                FaultAction::Delay(Duration::from_millis(300)),
+                1,
+            ),
+        ),
+    );
+    let agents = group(3, "FAULTY_ACK").await;
+    let a = &agents[0];
+    let r: RRef<Vec<i64>> = a.remote("w2", "make_vec", &4usize, None).unwrap();
+    r.created().await.unwrap();
+    let confirmed: bool = a.rpc_sync("w1", "confirmed_here", &r, None).await.unwrap();
+    assert!(confirmed);
+    assert_eq!(backend.injected(2), 1, "the ack was delayed");
+    // The wait is bounded by the call's deadline: a fork whose confirmation comes too late
+    // fails the call, naming the reference and its owner.
+    let backend2 = faulty(
+        "FAULTY_ACK_LATE",
+        FaultyBackend::new().with_fault(
+            2,
+            Fault::new(
+                MessageKind::Ack,
+                FaultAction::Delay(Duration::from_millis(1_000)),
+                1,
+            ),
+        ),
+    );
+    drop(r);
+    shutdown_all(agents).await;
+    let agents = group(3, "FAULTY_ACK_LATE").await;
+    let a = &agents[0];
+    let r: RRef<Vec<i64>> = a.remote("w2", "make_vec", &4usize, None).unwrap();
+    r.created().await.unwrap();
+    let e = a
+        .rpc_sync::<_, bool>("w1", "confirmed_here", &r, Some(Duration::from_millis(300)))
+        .await
+        .unwrap_err();
+    // Whichever side sees the deadline first reports it: the caller's timer, or the callee's
+    // bounded wait naming the reference's owner.
+    let callee_gave_up = e.remote().is_some_and(|r| {
+        r.kind == RemoteErrorKind::RRef && r.message.contains("owner w2 did not confirm")
+    });
+    assert!(e.is_timeout() || callee_gave_up, "{e}");
+    assert_eq!(backend2.injected(2), 1);
+    drop(r);
+    shutdown_all(agents).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_references_proxies_and_the_call_context() {
+    let agents = group(3, "TCP").await;
+    let (a, b) = (&agents[0], &agents[1]);
+
+    // RRef::new: a value this worker holds, passed to another worker that fetches it.
+    let mine = RRef::new(a, vec![1i64, 2, 3]).unwrap();
+    assert!(mine.is_owner() && mine.confirmed_by_owner());
+    mine.created().await.unwrap();
+    assert_eq!(*mine.local_value().await.unwrap(), vec![1, 2, 3]);
+    assert_eq!(
+        a.rpc_sync::<_, i64>("w1", "sum", &mine, None)
+            .await
+            .unwrap(),
+        6
+    );
+    assert_eq!(a.debug_info().kept_values, 1);
+    drop(mine);
+    wait_until("the local value is freed", || {
+        a.debug_info().kept_values == 0
+    })
+    .await;
+
+    // rpc_async and remote on a reference.
+    let c: RRef<Counter> = b
+        .remote("w2", "make_counter_after_ms", &(0u64, 10i64), None)
+        .unwrap();
+    let pending = c.rpc_async::<_, i64>("increment", &5i64, None).unwrap();
+    assert_eq!(pending.await.unwrap(), 15);
+    let snap: RRef<Vec<i64>> = c.remote("snapshot", &(), None).unwrap();
+    assert_eq!(snap.owner().name, "w2");
+    assert_eq!(snap.to_here(None).await.unwrap(), vec![15, 15]);
+    // A method that does not exist is reported on use.
+    let bad: RRef<i64> = c.remote("nope", &(), None).unwrap();
+    let e = bad.created().await.unwrap_err();
+    assert!(
+        matches!(&e, RpcError::RRefCreation { source: CallError::Remote(r), .. } if r.kind == RemoteErrorKind::UnknownFunction),
+        "{e:?}"
+    );
+    drop((c, snap, bad));
+
+    // The call context: the caller's name, and nested calls through the agent.
+    let relayed: String = a
+        .rpc_sync("w1", "relay", &("w2".to_string(), 21i64), None)
+        .await
+        .unwrap();
+    assert_eq!(relayed, "w0 -> w1: 42");
+    wait_until("every value is freed", || {
+        agents.iter().all(|a| a.debug_info().kept_values == 0)
+    })
+    .await;
+    shutdown_all(agents).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_timeout_can_be_read_and_changed_and_the_debug_view_counts() {
+    let agents = group(2, "TCP").await;
+    let a = &agents[0];
+    assert_eq!(a.rpc_timeout(), tensorwire_rpc::DEFAULT_RPC_TIMEOUT);
+    a.set_rpc_timeout(Duration::from_millis(50));
+    assert_eq!(a.rpc_timeout(), Duration::from_millis(50));
+    let e = a
+        .rpc_sync::<_, u64>("w1", "sleep_ms", &2_000u64, None)
+        .await
+        .unwrap_err();
+    assert!(e.is_timeout(), "{e}");
+    a.set_rpc_timeout(Duration::from_secs(60));
+
+    // Calls in flight per peer, owned values and forks.
+    let slow = [
+        a.rpc_async::<_, u64>("w1", "sleep_ms", &300u64, None)
+            .unwrap(),
+        a.rpc_async::<_, u64>("w1", "sleep_ms", &300u64, None)
+            .unwrap(),
+    ];
+    let r: RRef<Vec<i64>> = a.remote("w1", "make_vec", &2usize, None).unwrap();
+    r.created().await.unwrap();
+    let info = a.debug_info();
+    assert_eq!(info.protocol.calls_in_flight.get(&1), Some(&2), "{info}");
+    assert_eq!(info.protocol.forks.len(), 1);
+    assert!(info.protocol.forks[0].confirmed);
+    assert!(info.protocol.holds_references());
+    let owner = agents[1].debug_info();
+    assert_eq!(owner.kept_values, 1);
+    assert_eq!(owner.protocol.owned.len(), 1);
+    // The call that timed out is still being served: a callee does not learn that its caller
+    // gave up.
+    assert_eq!(owner.protocol.requests_being_served.get(&0), Some(&3));
+    assert!(info.to_string().contains("w0 (rank 0)"), "{info}");
+    for f in slow {
+        f.await.unwrap();
+    }
+    drop(r);
+    shutdown_all(agents).await;
+}
