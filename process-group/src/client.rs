@@ -341,7 +341,7 @@ impl TcpStoreClient {
     /// Sends a request that the server parks (`WAIT`, `BARRIER`) and waits up to `timeout` for
     /// its `STOP_WAITING`. On timeout it cancels, as c10d's client does, and fails with
     /// `timed_out()`, unless the server's answer crossed the cancel: then the request was
-    /// satisfied and this returns `Ok` (PyTorch's client raises in that case too).
+    /// satisfied and this returns `Ok` (PyTorch's client raises the timeout even then).
     async fn parked(
         &self,
         op: &'static str,

@@ -70,6 +70,27 @@ impl InMemoryStore {
         // matters more than losing the store, so keep serving.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Waits up to `timeout` for the wait `owner` parked to be released; on timeout cancels it
+    /// and fails with `timed_out()`, unless it was released in between.
+    async fn parked(
+        &self,
+        owner: u64,
+        mut released: UnboundedReceiver<WaiterId>,
+        timeout: Duration,
+        timed_out: impl FnOnce() -> StoreError,
+    ) -> Result<(), StoreError> {
+        match tokio::time::timeout(timeout, released.recv()).await {
+            Ok(Some(_)) => Ok(()),
+            _ => {
+                self.lock().cancel_owner(owner);
+                if released.try_recv().is_ok() {
+                    return Ok(());
+                }
+                Err(timed_out())
+            }
+        }
+    }
 }
 
 #[async_trait]
@@ -171,29 +192,6 @@ impl Store for InMemoryStore {
 
     fn timeout(&self) -> Duration {
         self.timeout
-    }
-}
-
-impl InMemoryStore {
-    /// Waits up to `timeout` for the wait `owner` parked to be released; on timeout cancels it
-    /// and fails with `timed_out()`, unless it was released in between.
-    async fn parked(
-        &self,
-        owner: u64,
-        mut released: UnboundedReceiver<WaiterId>,
-        timeout: Duration,
-        timed_out: impl FnOnce() -> StoreError,
-    ) -> Result<(), StoreError> {
-        match tokio::time::timeout(timeout, released.recv()).await {
-            Ok(Some(_)) => Ok(()),
-            _ => {
-                self.lock().cancel_owner(owner);
-                if released.try_recv().is_ok() {
-                    return Ok(());
-                }
-                Err(timed_out())
-            }
-        }
     }
 }
 
