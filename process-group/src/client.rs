@@ -4,7 +4,7 @@
 //! Like PyTorch's client it prefixes every key with `/` (configurable), so a key set here as
 //! `"x"` is the key `"x"` for a Python `TCPStore` on the same server, and it runs one request at
 //! a time per connection (clone the client freely; clones share the connection). A parked
-//! `wait` or `get` therefore holds the connection until it returns, as in PyTorch: tasks that
+//! `wait`, `get` or `barrier` therefore holds the connection until it returns, as in PyTorch: tasks that
 //! must wait concurrently should each [`connect`](TcpStoreClient::connect) their own client.
 
 use std::sync::Arc;
@@ -332,27 +332,44 @@ impl TcpStoreClient {
         full: Vec<Vec<u8>>,
         timeout: Duration,
     ) -> Result<(), StoreError> {
-        let mut conn = self.lock("wait").await?;
-        conn.interrupted = Some("wait");
+        self.parked("wait", Request::Wait { keys: full }, timeout, || {
+            StoreError::timeout(keys, timeout)
+        })
+        .await
+    }
+
+    /// Sends a request that the server parks (`WAIT`, `BARRIER`) and waits up to `timeout` for
+    /// its `STOP_WAITING`. On timeout it cancels, as c10d's client does, and fails with
+    /// `timed_out()`, unless the server's answer crossed the cancel: then the request was
+    /// satisfied and this returns `Ok` (PyTorch's client raises the timeout even then).
+    async fn parked(
+        &self,
+        op: &'static str,
+        request: Request,
+        timeout: Duration,
+        timed_out: impl FnOnce() -> StoreError,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.lock(op).await?;
+        conn.interrupted = Some(op);
         let mut bytes = Vec::new();
-        Request::Wait { keys: full }.encode(&mut bytes);
+        request.encode(&mut bytes);
         conn.stream
             .get_mut()
             .write_all(&bytes)
             .await
-            .map_err(|e| self.io_error("wait", e))?;
+            .map_err(|e| self.io_error(op, e))?;
         let first = match tokio::time::timeout(timeout, conn.read_u8()).await {
-            Ok(read) => Some(read.map_err(|e| self.io_error("wait", e))?),
+            Ok(read) => Some(read.map_err(|e| self.io_error(op, e))?),
             Err(_) => None,
         };
         let outcome = match first {
             Some(WAIT_STOP_WAITING) => Ok(()),
             Some(other) => {
-                return Err(self.protocol(format!("wait: unexpected reply byte {other}")))
+                return Err(self.protocol(format!("{op}: unexpected reply byte {other}")))
             }
             None => {
-                // Timed out: cancel, as c10d's client does. The keys may have arrived meanwhile,
-                // in which case STOP_WAITING comes before WAIT_CANCELED.
+                // Timed out: cancel, as c10d's client does. The server may have answered
+                // meanwhile, in which case STOP_WAITING comes before WAIT_CANCELED.
                 let mut cancel = Vec::new();
                 Request::CancelWait.encode(&mut cancel);
                 let reply = async {
@@ -366,7 +383,7 @@ impl TcpStoreClient {
                     Ok::<_, std::io::Error>((a, b))
                 };
                 match tokio::time::timeout(self.inner.timeout, reply).await {
-                    Ok(Ok((WAIT_CANCELED, None))) => Err(StoreError::timeout(keys, timeout)),
+                    Ok(Ok((WAIT_CANCELED, None))) => Err(timed_out()),
                     Ok(Ok((WAIT_STOP_WAITING, Some(WAIT_CANCELED)))) => Ok(()),
                     Ok(Ok((a, b))) => {
                         return Err(
@@ -640,6 +657,33 @@ impl Store for TcpStoreClient {
         }
         self.send_only("multi_set", Request::MultiSet { pairs })
             .await
+    }
+
+    async fn barrier(
+        &self,
+        key: &str,
+        world_size: i64,
+        timeout: Duration,
+    ) -> Result<(), StoreError> {
+        let full = self.full_key(key)?;
+        let request = Request::Barrier {
+            key: full,
+            world_size,
+        };
+        self.parked("barrier", request, timeout, || {
+            StoreError::barrier_timeout(key, world_size, timeout)
+        })
+        .await
+        .map_err(|e| match e {
+            StoreError::Connection { addr, reason } => StoreError::Connection {
+                addr,
+                reason: format!(
+                    "{reason} (a server closes the connection when barrier key {key:?} does not \
+                     hold a decimal integer)"
+                ),
+            },
+            other => other,
+        })
     }
 
     fn timeout(&self) -> Duration {

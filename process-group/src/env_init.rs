@@ -152,6 +152,17 @@ impl Store for Hosted {
     async fn multi_set(&self, keys: &[&str], values: &[&[u8]]) -> Result<(), StoreError> {
         self.rendezvous.store.multi_set(keys, values).await
     }
+    async fn barrier(
+        &self,
+        key: &str,
+        world_size: i64,
+        timeout: Duration,
+    ) -> Result<(), StoreError> {
+        self.rendezvous
+            .store
+            .barrier(key, world_size, timeout)
+            .await
+    }
     fn timeout(&self) -> Duration {
         self.rendezvous.store.timeout()
     }

@@ -10,6 +10,12 @@
 //! Waiting (`get`, `wait`) polls the file with a short backoff (1 ms doubling to 10 ms), as
 //! PyTorch does: change notification does not work on shared file systems such as NFS.
 //!
+//! `barrier` is PyTorch `FileStore`'s (c10d's default `Store::barrier`), so that PyTorch's
+//! processes and ours can meet at one: an arrival adds one to `KEY/num_members`, the arrival
+//! that brings it to the world size sets `KEY/last_member`, and every arrival waits for
+//! `KEY/last_member`. A world size of 1 or less is met by the first arrival (PyTorch's would
+//! wait for a count it never reaches).
+//!
 //! When opened with a world size, dropping the store counts the handle out under the key
 //! `cleanup/` and the last of `world_size` handles removes the file, as PyTorch does.
 
@@ -418,6 +424,23 @@ impl Store for FileStore {
         .await
     }
 
+    async fn barrier(
+        &self,
+        key: &str,
+        world_size: i64,
+        timeout: Duration,
+    ) -> Result<(), StoreError> {
+        let last = format!("{key}/last_member");
+        let arrived = self.add(&format!("{key}/num_members"), 1).await?;
+        if arrived == world_size.max(1) {
+            self.set(&last, b"1").await?;
+        }
+        self.wait(&[&last], timeout).await.map_err(|e| match e {
+            StoreError::Timeout { .. } => StoreError::barrier_timeout(key, world_size, timeout),
+            other => other,
+        })
+    }
+
     fn timeout(&self) -> Duration {
         self.inner.timeout
     }
@@ -464,6 +487,46 @@ mod tests {
         first.extend_from_slice(&1u32.to_ne_bytes());
         first.extend_from_slice(b"v");
         assert_eq!(&bytes[..first.len()], first.as_slice());
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[tokio::test]
+    async fn barrier_across_handles_in_pytorchs_layout() {
+        let path = temp("barrier");
+        let limit = Duration::from_secs(30);
+        let early: Vec<_> = (0..2)
+            .map(|_| {
+                let s = FileStore::new(&path, None);
+                tokio::spawn(async move { s.barrier("fb", 3, limit).await })
+            })
+            .collect();
+        let s = FileStore::new(&path, None);
+        s.barrier("fb", 3, limit).await.unwrap();
+        for arrival in early {
+            arrival.await.unwrap().unwrap();
+        }
+        assert_eq!(s.get("fb/num_members").await.unwrap(), b"3");
+        assert_eq!(s.get("fb/last_member").await.unwrap(), b"1");
+        assert_eq!(s.num_keys().await.unwrap(), 2);
+        // Reused: goes through at once and counts on.
+        s.barrier("fb", 3, limit).await.unwrap();
+        assert_eq!(s.get("fb/num_members").await.unwrap(), b"4");
+        s.barrier("alone", 0, limit).await.unwrap();
+
+        let err = s
+            .barrier("lonely", 2, Duration::from_millis(50))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err,
+            StoreError::BarrierTimeout {
+                key: "lonely".into(),
+                world_size: 2,
+                timeout: Duration::from_millis(50)
+            }
+        );
+        // The arrival that timed out has counted: one more meets the barrier.
+        s.barrier("lonely", 2, limit).await.unwrap();
         std::fs::remove_file(&path).unwrap();
     }
 

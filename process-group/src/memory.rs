@@ -1,5 +1,10 @@
 //! An in-memory [`Store`] for one process (c10d's `HashStore`): tasks and threads of the same
 //! process share it by cloning the handle.
+//!
+//! It is the table of the TCP store server without the sockets, so it behaves as that server
+//! does, `barrier` included: the count lives in the barrier's key. (PyTorch's `HashStore`
+//! counts in `key/num_members` instead; no other process can see this store, so only the
+//! waiting matters, and it is the same.)
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -7,9 +12,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tensorwire_core::ports::store::{Store, StoreError};
-use tokio::sync::mpsc::unbounded_channel;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::state::{AddError, KvState};
+use crate::state::{AddError, Arrival, KvState, WaiterId};
 use crate::DEFAULT_TIMEOUT;
 
 /// A store in this process's memory. Clones share the same table.
@@ -65,6 +70,27 @@ impl InMemoryStore {
         // matters more than losing the store, so keep serving.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Waits up to `timeout` for the wait `owner` parked to be released; on timeout cancels it
+    /// and fails with `timed_out()`, unless it was released in between.
+    async fn parked(
+        &self,
+        owner: u64,
+        mut released: UnboundedReceiver<WaiterId>,
+        timeout: Duration,
+        timed_out: impl FnOnce() -> StoreError,
+    ) -> Result<(), StoreError> {
+        match tokio::time::timeout(timeout, released.recv()).await {
+            Ok(Some(_)) => Ok(()),
+            _ => {
+                self.lock().cancel_owner(owner);
+                if released.try_recv().is_ok() {
+                    return Ok(());
+                }
+                Err(timed_out())
+            }
+        }
+    }
 }
 
 #[async_trait]
@@ -92,22 +118,13 @@ impl Store for InMemoryStore {
 
     async fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
         let owner = self.owners.fetch_add(1, Ordering::Relaxed);
-        let (tx, mut rx) = unbounded_channel();
+        let (tx, rx) = unbounded_channel();
         let byte_keys: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
         if self.lock().park(&byte_keys, owner, tx).is_none() {
             return Ok(());
         }
-        match tokio::time::timeout(timeout, rx.recv()).await {
-            Ok(Some(_)) => Ok(()),
-            _ => {
-                self.lock().cancel_owner(owner);
-                // The keys may have arrived between the timeout and the cancel.
-                if rx.try_recv().is_ok() {
-                    return Ok(());
-                }
-                Err(StoreError::timeout(keys, timeout))
-            }
-        }
+        self.parked(owner, rx, timeout, || StoreError::timeout(keys, timeout))
+            .await
     }
 
     async fn compare_set(
@@ -150,6 +167,27 @@ impl Store for InMemoryStore {
             state.set(k.as_bytes().to_vec(), v.to_vec());
         }
         Ok(())
+    }
+
+    async fn barrier(
+        &self,
+        key: &str,
+        world_size: i64,
+        timeout: Duration,
+    ) -> Result<(), StoreError> {
+        let owner = self.owners.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = unbounded_channel();
+        let arrival = self
+            .lock()
+            .barrier(key.as_bytes(), world_size, owner, tx)
+            .map_err(|e| add_error(key, e))?;
+        if arrival == Arrival::Released {
+            return Ok(());
+        }
+        self.parked(owner, rx, timeout, || {
+            StoreError::barrier_timeout(key, world_size, timeout)
+        })
+        .await
     }
 
     fn timeout(&self) -> Duration {
@@ -216,6 +254,55 @@ mod tests {
         );
         // The cancelled wait left nothing parked behind.
         assert_eq!(store.lock().parked_by(0), 0);
+    }
+
+    #[tokio::test]
+    async fn barrier_releases_everyone_at_the_world_size_and_keeps_the_count() {
+        let store = InMemoryStore::new();
+        let limit = Duration::from_secs(30);
+        let early: Vec<_> = (0..2)
+            .map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move { store.barrier("b", 3, limit).await })
+            })
+            .collect();
+        // In whatever order the three arrive, two of them are parked until the last.
+        store.barrier("b", 3, limit).await.unwrap();
+        for arrival in early {
+            arrival.await.unwrap().unwrap();
+        }
+        assert_eq!(store.get("b").await.unwrap(), b"3");
+        assert_eq!(store.num_keys().await.unwrap(), 1);
+        // Reused: goes through at once and counts on.
+        store.barrier("b", 3, limit).await.unwrap();
+        assert_eq!(store.get("b").await.unwrap(), b"4");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_barrier_times_out_naming_its_key_and_has_still_counted() {
+        let store = InMemoryStore::new();
+        let err = store
+            .barrier("lonely", 3, Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err,
+            StoreError::BarrierTimeout {
+                key: "lonely".into(),
+                world_size: 3,
+                timeout: Duration::from_millis(300)
+            }
+        );
+        assert!(err
+            .to_string()
+            .starts_with("barrier timeout after 300ms, key: \"lonely\""));
+        assert_eq!(store.get("lonely").await.unwrap(), b"1");
+        assert_eq!(store.lock().parked_by(0), 0);
+        store.set("text", b"abc").await.unwrap();
+        assert!(matches!(
+            store.barrier("text", 2, Duration::from_secs(1)).await,
+            Err(StoreError::NotAnInteger { .. })
+        ));
     }
 
     #[tokio::test]

@@ -6,8 +6,10 @@
 //! the write that provides the last missing key; nothing polls.
 //!
 //! A malformed request (unknown query type, a length over the [`Limits`], a bad magic number,
-//! `add` on a value that is not an integer) closes that connection only, as c10d does, with a
-//! warning that names the peer and what was wrong; the c10d protocol has no error reply.
+//! `add` or `barrier` on a value that is not an integer) closes that connection only, as c10d
+//! does, with a warning that names the peer and what was wrong; the c10d protocol has no error
+//! reply. So does an `add` or `barrier` that would take a count past `i64::MAX`, where
+//! PyTorch's server wraps around: the value is left as it was.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,7 +24,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use crate::auth;
-use crate::state::{AddError, KvState};
+use crate::state::{AddError, Arrival, KvState};
 use crate::wire::{
     self, KeyDisplay, Limits, Request, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC,
     WAIT_CANCELED, WAIT_STOP_WAITING,
@@ -372,17 +374,20 @@ fn serve(
         }
         Request::Add { key, delta } => match shared.lock().add(&key, delta) {
             Ok(sum) => out.extend_from_slice(&sum.to_ne_bytes()),
-            Err(AddError::NotAnInteger(v)) => {
-                return Err(format!(
-                    "add on key {} whose value {} is not a decimal integer",
-                    KeyDisplay(&key),
-                    KeyDisplay(&v)
-                ))
-            }
-            Err(AddError::Overflow) => {
-                return Err(format!("add on key {} overflows i64", KeyDisplay(&key)))
-            }
+            Err(e) => return Err(refused_count("add", &key, e)),
         },
+        Request::Barrier { key, world_size } => {
+            let mut state = shared.lock();
+            if state.parked_by(id) >= shared.config.max_waits_per_connection {
+                return Err(too_many_waits(shared));
+            }
+            match state.barrier(&key, world_size, id, notify.clone()) {
+                Ok(Arrival::Released) => out.push(WAIT_STOP_WAITING),
+                // Answered through `fired` once the count reaches the world size.
+                Ok(Arrival::Parked(_)) => {}
+                Err(e) => return Err(refused_count("barrier", &key, e)),
+            }
+        }
         Request::Check { keys } => {
             let ready = shared.lock().check(&keys);
             out.push(if ready { CHECK_READY } else { CHECK_NOT_READY });
@@ -390,10 +395,7 @@ fn serve(
         Request::Wait { keys } => {
             let mut state = shared.lock();
             if state.parked_by(id) >= shared.config.max_waits_per_connection {
-                return Err(format!(
-                    "more than {} waits parked by one connection",
-                    shared.config.max_waits_per_connection
-                ));
+                return Err(too_many_waits(shared));
             }
             if state.park(&keys, id, notify.clone()).is_none() {
                 out.push(WAIT_STOP_WAITING);
@@ -451,4 +453,23 @@ fn serve(
         }
     }
     Ok(())
+}
+
+fn too_many_waits(shared: &Shared) -> String {
+    format!(
+        "more than {} waits parked by one connection",
+        shared.config.max_waits_per_connection
+    )
+}
+
+/// Why an `add` or a `barrier` on `key` was refused.
+fn refused_count(op: &str, key: &[u8], e: AddError) -> String {
+    match e {
+        AddError::NotAnInteger(v) => format!(
+            "{op} on key {} whose value {} is not a decimal integer",
+            KeyDisplay(key),
+            KeyDisplay(&v)
+        ),
+        AddError::Overflow => format!("{op} on key {} overflows i64", KeyDisplay(key)),
+    }
 }

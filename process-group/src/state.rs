@@ -4,6 +4,12 @@
 //! A waiter is registered with the number of keys it still misses and a channel. Every write
 //! to a key (set, add, append, a successful compare_set) decrements the waiters parked on that
 //! key; a waiter whose count reaches zero gets its id sent on its channel. Nothing polls.
+//!
+//! A barrier arrival that does not complete its barrier is parked on the barrier's key in the
+//! same way, missing one key, so whatever next writes the key releases it: the arrival that
+//! completes the count, or a set, add or append by anyone (as in PyTorch's server, whose
+//! barrier waiters share the key's waiting list). An arrival that does not complete the count
+//! writes the key without waking anyone, also as PyTorch's server does.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -27,6 +33,15 @@ pub(crate) enum AddError {
     Overflow,
 }
 
+/// What a barrier arrival found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Arrival {
+    /// The count reached the world size (now or earlier): go on.
+    Released,
+    /// Parked under this id until the count reaches the world size.
+    Parked(WaiterId),
+}
+
 /// The table. Not synchronised: callers hold it in a mutex that is never held across `.await`.
 #[derive(Default)]
 pub(crate) struct KvState {
@@ -48,13 +63,39 @@ impl KvState {
     }
 
     pub(crate) fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, AddError> {
+        let sum = self.sum(key, delta)?;
+        self.set(key.to_vec(), sum.to_string().into_bytes());
+        Ok(sum)
+    }
+
+    /// The integer held by `key` (missing counts as 0) plus `delta`.
+    fn sum(&self, key: &[u8], delta: i64) -> Result<i64, AddError> {
         let current = match self.map.get(key) {
             Some(v) => parse_c10d_int(v).ok_or_else(|| AddError::NotAnInteger(v.clone()))?,
             None => 0,
         };
-        let sum = current.checked_add(delta).ok_or(AddError::Overflow)?;
-        self.set(key.to_vec(), sum.to_string().into_bytes());
-        Ok(sum)
+        current.checked_add(delta).ok_or(AddError::Overflow)
+    }
+
+    /// Counts one arrival at the barrier `key` on behalf of `owner`. Once the count reaches
+    /// `world_size` the arrival is released, with every arrival parked on the key; before that
+    /// it is parked and its id will be sent on `notify`. A value that is not an integer, or a
+    /// count past `i64::MAX`, is an error and leaves the value as it was.
+    pub(crate) fn barrier(
+        &mut self,
+        key: &[u8],
+        world_size: i64,
+        owner: u64,
+        notify: UnboundedSender<WaiterId>,
+    ) -> Result<Arrival, AddError> {
+        let count = self.sum(key, 1)?;
+        self.map
+            .insert(key.to_vec(), count.to_string().into_bytes());
+        if count >= world_size {
+            self.wake(key);
+            return Ok(Arrival::Released);
+        }
+        Ok(Arrival::Parked(self.register(&[key], owner, notify)))
     }
 
     pub(crate) fn check<K: AsRef<[u8]>>(&self, keys: &[K]) -> bool {
@@ -146,20 +187,30 @@ impl KvState {
         if missing.is_empty() {
             return None;
         }
+        Some(self.register(&missing, owner, notify))
+    }
+
+    /// Parks a new waiter on every one of `keys` (each missing once).
+    fn register(
+        &mut self,
+        keys: &[&[u8]],
+        owner: u64,
+        notify: UnboundedSender<WaiterId>,
+    ) -> WaiterId {
         let id = self.next_waiter;
         self.next_waiter += 1;
-        for key in &missing {
+        for key in keys {
             self.parked.entry(key.to_vec()).or_default().push(id);
         }
         self.waiters.insert(
             id,
             Waiter {
-                remaining: missing.len(),
+                remaining: keys.len(),
                 owner,
                 notify,
             },
         );
-        Some(id)
+        id
     }
 
     /// Removes every parked wait of `owner`; returns how many there were.
@@ -301,6 +352,104 @@ mod tests {
         assert_eq!(s.queue_pop(b"q"), (1, Some(b"b".to_vec())));
         assert_eq!(s.queue_pop(b"q"), (0, None));
         assert!(!s.check(&[b"q".as_slice()]));
+    }
+
+    #[test]
+    fn a_barrier_releases_every_arrival_once_the_count_reaches_the_world_size() {
+        let mut s = KvState::default();
+        let (tx, mut rx) = unbounded_channel();
+        let first = s.barrier(b"b", 3, 1, tx.clone()).unwrap();
+        let Arrival::Parked(first) = first else {
+            panic!("the first of three went through: {first:?}")
+        };
+        let Arrival::Parked(second) = s.barrier(b"b", 3, 2, tx.clone()).unwrap() else {
+            panic!("the second of three went through")
+        };
+        // The count is an ordinary key, and an arrival short of the world size wakes nobody.
+        assert_eq!(s.get(b"b").unwrap(), b"2");
+        assert_eq!(s.len(), 1);
+        assert!(rx.try_recv().is_err());
+        assert_eq!(s.barrier(b"b", 3, 3, tx.clone()), Ok(Arrival::Released));
+        let mut released = [rx.try_recv().unwrap(), rx.try_recv().unwrap()];
+        released.sort_unstable();
+        assert_eq!(released, [first, second]);
+        assert!(rx.try_recv().is_err());
+        // Never reset: a later arrival on the key goes through at once.
+        assert_eq!(s.barrier(b"b", 3, 4, tx), Ok(Arrival::Released));
+        assert_eq!(s.get(b"b").unwrap(), b"4");
+    }
+
+    #[test]
+    fn a_cancelled_arrival_has_still_counted() {
+        let mut s = KvState::default();
+        let (tx, mut rx) = unbounded_channel();
+        assert!(matches!(
+            s.barrier(b"lonely", 2, 1, tx.clone()),
+            Ok(Arrival::Parked(_))
+        ));
+        assert_eq!(s.cancel_owner(1), 1);
+        assert_eq!(s.barrier(b"lonely", 2, 2, tx), Ok(Arrival::Released));
+        assert!(rx.try_recv().is_err());
+        assert_eq!(s.get(b"lonely").unwrap(), b"2");
+    }
+
+    #[test]
+    fn a_world_size_of_one_or_less_goes_through_at_once() {
+        let mut s = KvState::default();
+        let (tx, _rx) = unbounded_channel();
+        for (key, world_size) in [(b"one", 1), (b"nil", 0), (b"neg", -5)] {
+            assert_eq!(
+                s.barrier(key, world_size, 1, tx.clone()),
+                Ok(Arrival::Released)
+            );
+            assert_eq!(s.get(key).unwrap(), b"1");
+        }
+    }
+
+    #[test]
+    fn a_wait_on_the_key_is_released_with_the_barrier_not_by_an_earlier_arrival() {
+        // PyTorch's server, observed: a `wait` parked before the first arrival stays parked
+        // until the count reaches the world size.
+        let mut s = KvState::default();
+        let (tx, mut rx) = unbounded_channel();
+        let waiting = s.park(&[b"w".as_slice()], 1, tx.clone()).unwrap();
+        let Arrival::Parked(arrived) = s.barrier(b"w", 2, 2, tx.clone()).unwrap() else {
+            panic!("the first of two went through")
+        };
+        assert!(rx.try_recv().is_err());
+        assert_eq!(s.barrier(b"w", 2, 3, tx), Ok(Arrival::Released));
+        let mut released = [rx.try_recv().unwrap(), rx.try_recv().unwrap()];
+        released.sort_unstable();
+        assert_eq!(released, [waiting, arrived]);
+    }
+
+    #[test]
+    fn a_set_on_the_key_releases_a_parked_arrival() {
+        // PyTorch's server, observed: barrier arrivals wait in the key's waiting list.
+        let mut s = KvState::default();
+        let (tx, mut rx) = unbounded_channel();
+        let Arrival::Parked(id) = s.barrier(b"s", 5, 1, tx).unwrap() else {
+            panic!("went through")
+        };
+        s.set(b"s".to_vec(), b"7".to_vec());
+        assert_eq!(rx.try_recv().unwrap(), id);
+    }
+
+    #[test]
+    fn a_barrier_on_a_bad_count_changes_nothing() {
+        let mut s = KvState::default();
+        let (tx, _rx) = unbounded_channel();
+        s.set(b"text".to_vec(), b"abc".to_vec());
+        assert_eq!(
+            s.barrier(b"text", 2, 1, tx.clone()),
+            Err(AddError::NotAnInteger(b"abc".to_vec()))
+        );
+        assert_eq!(s.get(b"text").unwrap(), b"abc");
+        let max = i64::MAX.to_string().into_bytes();
+        s.set(b"full".to_vec(), max.clone());
+        assert_eq!(s.barrier(b"full", 2, 1, tx), Err(AddError::Overflow));
+        assert_eq!(s.get(b"full").unwrap(), &max);
+        assert_eq!(s.parked_by(1), 0);
     }
 
     #[test]

@@ -28,11 +28,33 @@
 //! | 15   | `QUEUE_POP`    | key                              | `i64` length before, value if > 0 |
 //! | 16   | `QUEUE_LEN`    | key                              | `i64`                             |
 //! | 17   | `LIST_KEYS`    | none                             | `u64` count, then the keys        |
+//! | 18   | `BARRIER`      | key, `i64` world size            | `u8` 0 = stop waiting (when met)  |
 //!
-//! Query types 0 to 13 are those of PyTorch's `TCPStoreBackend.hpp`; 14 to 17 were checked
-//! against PyTorch 2.15's server byte for byte (its newer queue and `list_keys` API). Queues
-//! are separate from keys: `num_keys` and `LIST_KEYS` do not count them, `CHECK` and `WAIT`
-//! count a non-empty queue as present, and a push releases one waiter.
+//! What was checked against PyTorch 2.15, and how:
+//!
+//! - The list itself, 0 to 18 and nothing more: c10d's `QueryType` enum in PyTorch's
+//!   `torch/csrc/distributed/c10d/TCPStoreBackend.hpp` (the source that has `barrier`; the
+//!   wheel ships no copy of this header) ends `..., PING, QUEUE_PUSH, QUEUE_POP, QUEUE_LEN,
+//!   LIST_KEYS, BARRIER`, and the torch 2.15.0 wheel's own server closes a validated
+//!   connection that sends any byte from 19 to 255
+//!   (`pytorchs_server_knows_no_query_type_past_barrier` in `tests/pytorch_interop.rs`).
+//! - Every request, 0 to 18, as 2.15's client (`TCPStore.cpp`) sends it: the wheel's client,
+//!   talking to a scripted server, sends exactly the bytes of [`Request::encode`]
+//!   (`pytorchs_client_sends_our_encoding`).
+//! - Every answer, and what the server does to the table, from 2.15's libuv server
+//!   (`TCPStoreLibUvBackend.cpp`, PyTorch's default) and its legacy one (`TCPStoreBackend.cpp`),
+//!   then by running one script against the wheel's server and against ours and comparing
+//!   (`same_results_from_pytorchs_server_and_ours`, `same_barriers_on_pytorchs_server_and_ours`).
+//!
+//! Queues are separate from keys: `num_keys` and `LIST_KEYS` do not count them, `CHECK` and
+//! `WAIT` count a non-empty queue as present, and a push releases one waiter.
+//!
+//! `BARRIER` adds one to the decimal count held by its key (an ordinary key: `GET` reads it and
+//! `GETNUMKEYS` counts it) and answers `STOP_WAITING` once the count reaches the world size,
+//! releasing every arrival parked on the key at the same moment. Until then the arrival is
+//! parked like a `WAIT`, and a client that gives up sends `CANCEL_WAIT` as after a `WAIT`. The
+//! count is never reset: an arrival that gave up has still counted, and a later arrival on a
+//! reached key is answered at once.
 //!
 //! A client's first request must be `VALIDATE` with the magic number; PyTorch's client then
 //! sends `PING` with its process id as nonce. `GET` is sent by clients only after a `WAIT` for
@@ -96,6 +118,8 @@ pub enum QueryType {
     QueueLen = 16,
     /// All keys.
     ListKeys = 17,
+    /// Count in at a barrier and wait for the world size (PyTorch 2.15 `barrier`).
+    Barrier = 18,
 }
 
 /// c10d's `CheckResponseType::READY`.
@@ -229,6 +253,13 @@ pub enum Request {
     },
     /// `LIST_KEYS`.
     ListKeys,
+    /// `BARRIER`.
+    Barrier {
+        /// The barrier's key, which holds its count.
+        key: Vec<u8>,
+        /// How many arrivals release the barrier.
+        world_size: i64,
+    },
     /// tensorwire's [`AUTH_HELLO`].
     AuthHello {
         /// The client's nonce.
@@ -263,6 +294,7 @@ impl Request {
             Request::QueuePop { .. } => QueryType::QueuePop as u8,
             Request::QueueLen { .. } => QueryType::QueueLen as u8,
             Request::ListKeys => QueryType::ListKeys as u8,
+            Request::Barrier { .. } => QueryType::Barrier as u8,
             Request::AuthHello { .. } => AUTH_HELLO,
             Request::AuthProof { .. } => AUTH_PROOF,
         }
@@ -295,6 +327,10 @@ impl Request {
             Request::Add { key, delta } => {
                 put_bytes(out, key);
                 out.extend_from_slice(&delta.to_ne_bytes());
+            }
+            Request::Barrier { key, world_size } => {
+                put_bytes(out, key);
+                out.extend_from_slice(&world_size.to_ne_bytes());
             }
             Request::Check { keys } | Request::Wait { keys } | Request::MultiGet { keys } => {
                 out.extend_from_slice(&(keys.len() as u64).to_ne_bytes());
@@ -530,6 +566,10 @@ impl Reader<'_> {
             15 => Request::QueuePop { key: self.key()? },
             16 => Request::QueueLen { key: self.key()? },
             17 => Request::ListKeys,
+            18 => Request::Barrier {
+                key: self.key()?,
+                world_size: i64::from_ne_bytes(self.array()?),
+            },
             AUTH_HELLO => Request::AuthHello {
                 nonce: self.array()?,
             },
@@ -676,6 +716,10 @@ mod tests {
             Request::QueuePop { key: b"q".to_vec() },
             Request::QueueLen { key: b"q".to_vec() },
             Request::ListKeys,
+            Request::Barrier {
+                key: b"/b".to_vec(),
+                world_size: -3,
+            },
             Request::AuthHello { nonce: [9; 32] },
             Request::AuthProof { mac: [3; 32] },
         ] {
@@ -689,6 +733,42 @@ mod tests {
         assert_eq!(QueryType::Wait as u8, 6);
         assert_eq!(QueryType::CancelWait as u8, 12);
         assert_eq!(QueryType::Ping as u8, 13);
+        assert_eq!(QueryType::ListKeys as u8, 17);
+        assert_eq!(QueryType::Barrier as u8, 18);
+    }
+
+    #[test]
+    fn barrier_bytes_are_those_of_pytorchs_client() {
+        // Recorded from torch 2.15.0's `TCPStore.barrier("bar", 3)` (little-endian host).
+        let recorded: &[u8] = &[
+            0x12, 0x04, 0, 0, 0, 0, 0, 0, 0, b'/', b'b', b'a', b'r', 0x03, 0, 0, 0, 0, 0, 0, 0,
+        ];
+        let mut out = Vec::new();
+        Request::Barrier {
+            key: b"/bar".to_vec(),
+            world_size: 3,
+        }
+        .encode(&mut out);
+        if cfg!(target_endian = "little") {
+            assert_eq!(out, recorded);
+        }
+        let (decoded, used) = decode_request(&out, &Limits::default()).unwrap().unwrap();
+        assert_eq!(used, out.len());
+        assert_eq!(
+            decoded,
+            Request::Barrier {
+                key: b"/bar".to_vec(),
+                world_size: 3
+            }
+        );
+    }
+
+    #[test]
+    fn the_first_byte_past_barrier_is_unknown() {
+        assert_eq!(
+            decode_request(&[19], &Limits::default()),
+            Err(WireError::UnknownQuery(19))
+        );
     }
 
     #[test]

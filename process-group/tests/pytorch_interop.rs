@@ -7,10 +7,11 @@
 use std::process::Stdio;
 use std::time::Duration;
 
+use tensorwire_process_group::wire::{self, Limits, Request};
 use tensorwire_process_group::{
     ClientConfig, ServerConfig, Store, StoreError, TcpStoreClient, TcpStoreServer,
 };
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -465,4 +466,510 @@ async fn same_results_from_pytorchs_server_and_ours() {
         assert_eq!(t, o);
     }
     assert_eq!(theirs.len(), ours.len());
+}
+
+/// Runs one barrier script against PyTorch's server ("own") or ours (a port): two and three
+/// clients, a reused key, a timed-out arrival that has still counted, small world sizes, and a
+/// count that is not an integer. Each client is its own connection, as in PyTorch's jobs.
+const PY_BARRIER: &str = r#"
+import sys, threading
+from datetime import timedelta
+import torch.distributed as dist
+
+if sys.argv[1] == "own":
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    port = master.port
+else:
+    port = int(sys.argv[1])
+def client():
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
+cs = [client() for _ in range(3)]
+s = cs[0]
+def show(label, f):
+    try:
+        print(label, repr(f()), flush=True)
+    except Exception as e:
+        print(label, "raised", type(e).__name__, str(e).splitlines()[0] if isinstance(e, dist.DistStoreError) else "", flush=True)
+def meet(stores, key, world_size):
+    errors = []
+    def arrive(st):
+        try:
+            st.barrier(key, world_size)
+        except Exception as e:
+            errors.append(type(e).__name__)
+    others = [threading.Thread(target=arrive, args=(st,)) for st in stores[1:]]
+    for t in others:
+        t.start()
+    arrive(stores[0])
+    for t in others:
+        t.join()
+    return errors or "met"
+show("two", lambda: [meet(cs[:2], "b2", 2), s.get("b2")])
+show("three", lambda: [meet(cs, "b3", 3), s.get("b3")])
+show("counted", lambda: [s.num_keys(), sorted(s.list_keys())])
+show("reuse", lambda: [s.barrier("b2", 2), s.get("b2")])
+show("lonely", lambda: s.barrier("lonely", 3, timedelta(milliseconds=300)))
+show("after-timeout", lambda: [s.get("lonely"), s.check(["lonely"])])
+show("lonely-met", lambda: [meet(cs[1:], "lonely", 3), s.get("lonely")])
+show("small-worlds", lambda: [s.barrier("w1", 1), s.barrier("w0", 0), s.barrier("wn", -4), s.get("w0")])
+show("text-count", lambda: [s.set("text", "abc"), cs[2].barrier("text", 2, timedelta(seconds=5))])
+show("text-kept", lambda: s.get("text"))
+"#;
+
+#[tokio::test]
+async fn same_barriers_on_pytorchs_server_and_ours() {
+    require_torch!();
+    let server = TcpStoreServer::bind("127.0.0.1:0", ServerConfig::default())
+        .await
+        .unwrap();
+    let run = |arg: String| async move {
+        let out = tokio::time::timeout(
+            LIMIT,
+            py().args(["-c", PY_BARRIER, &arg])
+                .stderr(Stdio::null())
+                .output(),
+        )
+        .await
+        .expect("the barrier script finished")
+        .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let theirs = run("own".to_owned()).await;
+    let ours = run(server.local_addr().port().to_string()).await;
+    eprintln!("PyTorch's server:\n{theirs}\nours:\n{ours}");
+    // What PyTorch's server does, as the issue describes it.
+    for line in [
+        "two ['met', b'2']",
+        "three ['met', b'3']",
+        "counted [2, ['b2', 'b3']]",
+        "reuse [None, b'3']",
+        "lonely raised DistStoreError barrier timeout after 300ms, key: lonely",
+        "after-timeout [b'1', True]",
+        "lonely-met ['met', b'3']",
+        "small-worlds [None, None, None, b'1']",
+        "text-count raised DistNetworkError ",
+        "text-kept b'abc'",
+    ] {
+        assert!(theirs.lines().any(|l| l == line), "{line:?} in {theirs}");
+    }
+    let theirs: Vec<&str> = theirs.lines().collect();
+    let ours: Vec<&str> = ours.lines().collect();
+    assert_eq!(theirs.len(), 10, "{theirs:?}");
+    assert_eq!(theirs, ours);
+}
+
+#[tokio::test]
+async fn our_client_barriers_on_pytorchs_server() {
+    require_torch!();
+    let mut child = py()
+        .args(["-c", PY_SERVER_IDLE])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let port = tokio::time::timeout(LIMIT, lines.next_line())
+        .await
+        .expect("python printed its port")
+        .unwrap()
+        .expect("a port line");
+    let addr = format!("127.0.0.1:{}", port.trim());
+    let config = ClientConfig {
+        timeout: LIMIT,
+        ..ClientConfig::default()
+    };
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        clients.push(
+            TcpStoreClient::connect(&addr, config.clone())
+                .await
+                .unwrap(),
+        );
+    }
+    for world_size in [2usize, 3] {
+        let key = format!("rust/b{world_size}");
+        let arrivals: Vec<_> = clients[..world_size]
+            .iter()
+            .map(|c| {
+                let (c, key) = (c.clone(), key.clone());
+                tokio::spawn(async move { c.barrier(&key, world_size as i64, LIMIT).await })
+            })
+            .collect();
+        for arrival in arrivals {
+            arrival.await.unwrap().unwrap();
+        }
+        let count = clients[0].get(&key).await.unwrap();
+        assert_eq!(count, world_size.to_string().as_bytes());
+    }
+    let c = &clients[0];
+    c.barrier("rust/b2", 2, LIMIT).await.unwrap();
+    assert_eq!(c.get("rust/b2").await.unwrap(), b"3");
+    let err = c
+        .barrier("rust/lonely", 3, Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::BarrierTimeout { .. }), "{err}");
+    assert_eq!(c.get("rust/lonely").await.unwrap(), b"1");
+    assert_eq!(c.num_keys().await.unwrap(), 3);
+    c.set("done", b"1").await.unwrap();
+    let status = tokio::time::timeout(LIMIT, child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// PyTorch's server, serving until the key `done` is set.
+const PY_SERVER_IDLE: &str = r#"
+from datetime import timedelta
+import torch.distributed as dist
+
+s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+print(s.port, flush=True)
+s.get("done")
+"#;
+
+#[tokio::test]
+async fn pytorchs_server_knows_no_query_type_past_barrier() {
+    require_torch!();
+    let mut child = py()
+        .args(["-c", PY_SERVER_IDLE])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let port = tokio::time::timeout(LIMIT, lines.next_line())
+        .await
+        .expect("python printed its port")
+        .unwrap()
+        .expect("a port line");
+    let addr = format!("127.0.0.1:{}", port.trim());
+    async fn validated(addr: String) -> tokio::net::TcpStream {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let mut b = Vec::new();
+        Request::Validate {
+            magic: wire::VALIDATION_MAGIC,
+        }
+        .encode(&mut b);
+        s.write_all(&b).await.unwrap();
+        s
+    }
+    // 18 is served: a barrier of one goes through.
+    let mut s = validated(addr.clone()).await;
+    let mut b = Vec::new();
+    Request::Barrier {
+        key: b"/probe".to_vec(),
+        world_size: 1,
+    }
+    .encode(&mut b);
+    s.write_all(&b).await.unwrap();
+    let mut answer = [9u8];
+    tokio::time::timeout(LIMIT, s.read_exact(&mut answer))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(answer, [wire::WAIT_STOP_WAITING]);
+    // Every byte after it closes the connection, and our decoder refuses it too (except the two
+    // authentication queries we added, which PyTorch's server cannot know).
+    // (Concurrently; even so this takes a while, as PyTorch's server stalls for about 5 s
+    // after every fifty or so refused connections.)
+    let probes: Vec<_> = (19..=u8::MAX)
+        .map(|query| {
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                let mut s = validated(addr).await;
+                s.write_all(&[query]).await.unwrap();
+                let mut rest = Vec::new();
+                let read = tokio::time::timeout(LIMIT, s.read_to_end(&mut rest)).await;
+                assert!(
+                    matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+                    "query type {query}: {read:?} {rest:?}"
+                );
+            })
+        })
+        .collect();
+    for probe in probes {
+        probe.await.unwrap();
+    }
+    for query in 19..=u8::MAX {
+        if query != wire::AUTH_HELLO && query != wire::AUTH_PROOF {
+            assert!(wire::decode_request(&[query], &Limits::default()).is_err());
+        }
+    }
+    let done = TcpStoreClient::connect(
+        &addr,
+        ClientConfig {
+            timeout: LIMIT,
+            ..ClientConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    done.set("done", b"1").await.unwrap();
+    tokio::time::timeout(LIMIT, child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+/// PyTorch's client calling every query type once, against a scripted server.
+const PY_EVERY_QUERY: &str = r#"
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+
+s = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
+def show(label, f):
+    try:
+        print(label, repr(f()), flush=True)
+    except Exception as e:
+        print(label, "raised", type(e).__name__, str(e).splitlines()[0], flush=True)
+show("set", lambda: s.set("k", "v"))
+show("compare_set", lambda: s.compare_set("k", "v", "w"))
+show("get", lambda: s.get("k"))
+show("add", lambda: s.add("n", 5))
+show("check", lambda: s.check(["k"]))
+show("wait", lambda: s.wait(["k"]))
+show("num_keys", lambda: s.num_keys())
+show("delete_key", lambda: s.delete_key("k"))
+show("append", lambda: s.append("a", "x"))
+show("multi_get", lambda: s.multi_get(["a", "b"]))
+show("multi_set", lambda: s.multi_set(["a", "b"], ["1", "2"]))
+show("queue_push", lambda: s.queue_push("q", "i"))
+show("queue_pop", lambda: s.queue_pop("q", block=False))
+show("queue_len", lambda: s.queue_len("q"))
+show("list_keys", lambda: s.list_keys())
+show("barrier", lambda: s.barrier("bar", 3))
+show("barrier-timeout", lambda: s.barrier("bar", 7, timedelta(milliseconds=100)))
+show("wait-timeout", lambda: s.wait(["never"], timedelta(milliseconds=100)))
+"#;
+
+#[tokio::test]
+async fn pytorchs_client_sends_our_encoding() {
+    require_torch!();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let child = py()
+        .args(["-c", PY_EVERY_QUERY, &port.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let (mut conn, _) = tokio::time::timeout(LIMIT, listener.accept())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut input = Vec::new();
+    // The next request, exactly as PyTorch's client sent it.
+    let mut next = async move |conn: &mut tokio::net::TcpStream| -> (Request, Vec<u8>) {
+        loop {
+            if let Some((request, used)) = wire::decode_request(&input, &Limits::default()).unwrap()
+            {
+                let raw: Vec<u8> = input.drain(..used).collect();
+                return (request, raw);
+            }
+            let mut chunk = [0u8; 4096];
+            let n = tokio::time::timeout(LIMIT, conn.read(&mut chunk))
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(n > 0, "the client closed the connection");
+            input.extend_from_slice(&chunk[..n]);
+        }
+    };
+    let key = |k: &str| format!("/{k}").into_bytes();
+    let i64_bytes = |n: i64| n.to_ne_bytes().to_vec();
+    let value = |v: &[u8]| {
+        let mut out = Vec::new();
+        wire::put_bytes(&mut out, v);
+        out
+    };
+    let (validate, _) = next(&mut conn).await;
+    assert_eq!(
+        validate,
+        Request::Validate {
+            magic: wire::VALIDATION_MAGIC
+        }
+    );
+    let script: Vec<(Request, Vec<u8>)> = vec![
+        (
+            Request::Ping {
+                nonce: child.id().unwrap(),
+            },
+            child.id().unwrap().to_ne_bytes().to_vec(),
+        ),
+        (
+            Request::Set {
+                key: key("k"),
+                value: b"v".to_vec(),
+            },
+            vec![],
+        ),
+        (
+            Request::CompareSet {
+                key: key("k"),
+                expected: b"v".to_vec(),
+                desired: b"w".to_vec(),
+            },
+            value(b"w"),
+        ),
+        (
+            Request::Wait {
+                keys: vec![key("k")],
+            },
+            vec![wire::WAIT_STOP_WAITING],
+        ),
+        (Request::Get { key: key("k") }, value(b"w")),
+        (
+            Request::Add {
+                key: key("n"),
+                delta: 5,
+            },
+            i64_bytes(5),
+        ),
+        (
+            Request::Check {
+                keys: vec![key("k")],
+            },
+            vec![wire::CHECK_READY],
+        ),
+        (
+            Request::Wait {
+                keys: vec![key("k")],
+            },
+            vec![wire::WAIT_STOP_WAITING],
+        ),
+        (Request::GetNumKeys, i64_bytes(3)),
+        (Request::DeleteKey { key: key("k") }, i64_bytes(1)),
+        (
+            Request::Append {
+                key: key("a"),
+                value: b"x".to_vec(),
+            },
+            vec![],
+        ),
+        (
+            Request::Wait {
+                keys: vec![key("a"), key("b")],
+            },
+            vec![wire::WAIT_STOP_WAITING],
+        ),
+        (
+            Request::MultiGet {
+                keys: vec![key("a"), key("b")],
+            },
+            [value(b"x"), value(b"y")].concat(),
+        ),
+        (
+            Request::MultiSet {
+                pairs: vec![(key("a"), b"1".to_vec()), (key("b"), b"2".to_vec())],
+            },
+            vec![],
+        ),
+        (
+            Request::QueuePush {
+                key: key("q"),
+                value: b"i".to_vec(),
+            },
+            vec![],
+        ),
+        (
+            Request::QueuePop { key: key("q") },
+            [i64_bytes(1), value(b"i")].concat(),
+        ),
+        (Request::QueueLen { key: key("q") }, i64_bytes(0)),
+        (Request::ListKeys, [i64_bytes(1), value(b"/k")].concat()),
+        (
+            Request::Barrier {
+                key: key("bar"),
+                world_size: 3,
+            },
+            vec![wire::WAIT_STOP_WAITING],
+        ),
+        // Timed out: the client cancels, the server confirms.
+        (
+            Request::Barrier {
+                key: key("bar"),
+                world_size: 7,
+            },
+            vec![],
+        ),
+        (Request::CancelWait, vec![wire::WAIT_CANCELED]),
+        (
+            Request::Wait {
+                keys: vec![key("never")],
+            },
+            vec![],
+        ),
+        (Request::CancelWait, vec![wire::WAIT_CANCELED]),
+    ];
+    let mut seen = std::collections::BTreeSet::from([wire::QueryType::Validate as u8]);
+    for (expected, reply) in script {
+        let (got, raw) = next(&mut conn).await;
+        assert_eq!(got, expected);
+        let mut ours = Vec::new();
+        expected.encode(&mut ours);
+        assert_eq!(raw, ours, "bytes of {expected:?}");
+        seen.insert(raw[0]);
+        conn.write_all(&reply).await.unwrap();
+    }
+    // Every query type of c10d, 0 to 18, went by.
+    assert_eq!(seen, (0..=18).collect());
+    let output = tokio::time::timeout(LIMIT, child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    for line in [
+        "get b'w'",
+        "multi_get [b'x', b'y']",
+        "queue_pop b'i'",
+        "list_keys ['k']",
+        "barrier None",
+        "barrier-timeout raised DistStoreError barrier timeout after 100ms, key: bar",
+    ] {
+        assert!(stdout.lines().any(|l| l == line), "{line:?} in {stdout}");
+    }
+}
+
+const PY_FILE_BARRIER: &str = r#"
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+
+s = dist.FileStore(sys.argv[1], -1)
+s.set_timeout(timedelta(seconds=30))
+s.barrier("fb", 2)
+s.barrier("fb", 2)
+print("PYFILE", s.get("fb/num_members").decode(), s.get("fb/last_member").decode(), flush=True)
+"#;
+
+#[tokio::test]
+async fn pytorchs_file_store_and_ours_meet_at_one_barrier() {
+    require_torch!();
+    let path = std::env::temp_dir().join(format!("tw-interop-barrier-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let ours = tensorwire_process_group::FileStore::with_timeout(&path, None, LIMIT);
+    let child = py()
+        .args(["-c", PY_FILE_BARRIER, path.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    ours.barrier("fb", 2, LIMIT).await.unwrap();
+    let output = tokio::time::timeout(LIMIT, child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    // Python's second arrival on the reached key went through at once.
+    assert_eq!(stdout.trim(), "PYFILE 3 1");
+    std::fs::remove_file(&path).unwrap();
 }

@@ -559,3 +559,148 @@ async fn queues_and_list_keys_on_the_wire() {
         .unwrap();
     assert_eq!(got, expected);
 }
+
+/// `n` clients, each on its own connection (a parked barrier holds its connection).
+async fn clients(server: &TcpStoreServer, n: usize) -> Vec<TcpStoreClient> {
+    let mut all = Vec::with_capacity(n);
+    for _ in 0..n {
+        all.push(client(server).await);
+    }
+    all
+}
+
+/// Every client arrives at `key` at once; all must be released.
+async fn meet(all: &[TcpStoreClient], key: &'static str) {
+    let arrivals: Vec<_> = all
+        .iter()
+        .map(|c| {
+            let c = c.clone();
+            let world_size = all.len() as i64;
+            tokio::spawn(async move { c.barrier(key, world_size, LIMIT).await })
+        })
+        .collect();
+    for arrival in arrivals {
+        tokio::time::timeout(LIMIT, arrival)
+            .await
+            .expect("released")
+            .unwrap()
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn barrier_with_two_and_three_clients_counts_in_an_ordinary_key() {
+    let srv = server(ServerConfig::default()).await;
+    let three = clients(&srv, 3).await;
+    meet(&three[..2], "two").await;
+    meet(&three, "three").await;
+    let c = &three[0];
+    assert_eq!(c.get("two").await.unwrap(), b"2");
+    assert_eq!(c.get("three").await.unwrap(), b"3");
+    assert_eq!(c.num_keys().await.unwrap(), 2);
+    // The count is never reset: a later arrival goes through at once and counts on.
+    c.barrier("two", 2, LIMIT).await.unwrap();
+    assert_eq!(c.get("two").await.unwrap(), b"3");
+    // A world size of one or less needs nobody else.
+    c.barrier("alone", 1, LIMIT).await.unwrap();
+    c.barrier("nobody", 0, LIMIT).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_timed_out_arrival_names_its_key_has_counted_and_leaves_the_connection_usable() {
+    let srv = server(ServerConfig::default()).await;
+    let all = clients(&srv, 3).await;
+    let err = all[0]
+        .barrier("lonely", 3, Duration::from_millis(100))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err,
+        StoreError::BarrierTimeout {
+            key: "lonely".into(),
+            world_size: 3,
+            timeout: Duration::from_millis(100)
+        }
+    );
+    assert!(
+        err.to_string()
+            .starts_with("barrier timeout after 100ms, key: \"lonely\""),
+        "{err}"
+    );
+    // The cancelled arrival counted, and its connection is in step.
+    assert_eq!(all[0].get("lonely").await.unwrap(), b"1");
+    // So two more arrivals meet the barrier of three.
+    meet(&all[1..], "lonely").await;
+    assert_eq!(all[0].get("lonely").await.unwrap(), b"3");
+}
+
+#[tokio::test]
+async fn a_barrier_met_while_its_arrival_cancels_answers_stop_waiting_then_canceled() {
+    let srv = server(ServerConfig::default()).await;
+    let mut s = raw(&srv).await;
+    send(
+        &mut s,
+        Request::Barrier {
+            key: b"/x".to_vec(),
+            world_size: 2,
+        },
+    )
+    .await;
+    // Round-trip something on the same connection so the arrival is surely counted.
+    send(&mut s, Request::Ping { nonce: 1 }).await;
+    let mut echo = [0u8; 4];
+    s.read_exact(&mut echo).await.unwrap();
+    client(&srv).await.barrier("x", 2, LIMIT).await.unwrap();
+    send(&mut s, Request::CancelWait).await;
+    let mut two = [0u8; 2];
+    tokio::time::timeout(LIMIT, s.read_exact(&mut two))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(two, [wire::WAIT_STOP_WAITING, wire::WAIT_CANCELED]);
+}
+
+#[tokio::test]
+async fn a_count_that_is_no_integer_or_would_overflow_closes_and_stays_as_it_was() {
+    let srv = server(ServerConfig::default()).await;
+    let c = client(&srv).await;
+    c.set("text", b"abc").await.unwrap();
+    c.set("full", i64::MAX.to_string().as_bytes())
+        .await
+        .unwrap();
+    for key in ["/text", "/full"] {
+        let mut bad = raw(&srv).await;
+        send(
+            &mut bad,
+            Request::Barrier {
+                key: key.as_bytes().to_vec(),
+                world_size: 2,
+            },
+        )
+        .await;
+        expect_closed(&mut bad).await;
+    }
+    // add past the i64 range: refused the same way (PyTorch's server wraps around).
+    let mut bad = raw(&srv).await;
+    send(
+        &mut bad,
+        Request::Add {
+            key: b"/full".to_vec(),
+            delta: 1,
+        },
+    )
+    .await;
+    expect_closed(&mut bad).await;
+    assert_eq!(c.get("text").await.unwrap(), b"abc");
+    assert_eq!(
+        c.get("full").await.unwrap(),
+        i64::MAX.to_string().as_bytes()
+    );
+    // Our client says which key, and why the server may have closed.
+    let err = client(&srv)
+        .await
+        .barrier("text", 2, LIMIT)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("\"text\""), "{err}");
+}

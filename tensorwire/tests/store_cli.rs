@@ -121,6 +121,48 @@ fn serve_and_every_client_command() {
     let err = String::from_utf8_lossy(&timed_out.stderr);
     assert!(err.contains("\"never\""), "{err}");
 
+    // A barrier of two: one process parked until a second arrives; the count stays in the key.
+    let first = Command::new(BIN)
+        .args([
+            "store",
+            "barrier",
+            "--addr",
+            &addr,
+            "--timeout",
+            "10",
+            "met",
+            "2",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    ok(&client(&addr, &["barrier", "met", "2"]));
+    ok(&first.wait_with_output().unwrap());
+    assert_eq!(ok(&client(&addr, &["get", "met"])), "2");
+    // A reached barrier lets a later arrival through at once.
+    ok(&client(&addr, &["barrier", "met", "2"]));
+    // One that times out fails naming the key, and has counted.
+    let alone = Command::new(BIN)
+        .args([
+            "store",
+            "barrier",
+            "--addr",
+            &addr,
+            "--timeout",
+            "0.2",
+            "lonely",
+            "3",
+        ])
+        .output()
+        .unwrap();
+    assert!(!alone.status.success());
+    let err = String::from_utf8_lossy(&alone.stderr);
+    assert!(
+        err.contains("barrier timeout after 200ms, key: \"lonely\""),
+        "{err}"
+    );
+    assert_eq!(ok(&client(&addr, &["get", "lonely"])), "1");
+
     assert!(interrupt(server).contains("tensorwire store stopped"));
 }
 
@@ -210,7 +252,9 @@ fn cli_against_pytorch_server() {
         ok(&client(&addr, &["check", "cli-key", "from-python"])),
         "ready\n"
     );
-    assert_eq!(ok(&client(&addr, &["num-keys"])), "3\n");
+    ok(&client(&addr, &["barrier", "cli-bar", "1"]));
+    assert_eq!(ok(&client(&addr, &["get", "cli-bar"])), "1");
+    assert_eq!(ok(&client(&addr, &["num-keys"])), "4\n");
     ok(&client(&addr, &["set", "cli-done", "1"]));
     let mut seen = String::new();
     stdout.read_line(&mut seen).unwrap();

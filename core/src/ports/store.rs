@@ -2,9 +2,9 @@
 //!
 //! The command set is the one of PyTorch's `c10d::Store` (`TCPStore`, `FileStore`, `HashStore`):
 //! `set`, `get` (which waits for the key), `add` (which keeps the value as a decimal string),
-//! `check`, `wait`, `compare_set`, `delete_key`, `num_keys`, `append`, `multi_get` and
-//! `multi_set`. Adapters (a TCP store speaking `TCPStore`'s wire protocol, a file store, an
-//! in-memory store) live in `tensorwire-process-group`.
+//! `check`, `wait`, `compare_set`, `delete_key`, `num_keys`, `append`, `multi_get`,
+//! `multi_set` and `barrier`. Adapters (a TCP store speaking `TCPStore`'s wire protocol, a file
+//! store, an in-memory store) live in `tensorwire-process-group`.
 //!
 //! Keys are strings, values are bytes. Errors are [`StoreError`]s that name the keys involved.
 
@@ -23,6 +23,10 @@ use async_trait::async_trait;
 /// - [`compare_set`](Store::compare_set) sets `desired` when the current value equals `expected`
 ///   (a missing key matches an empty `expected`) and returns the value the key holds afterwards;
 ///   for a missing key with a non-empty `expected` it changes nothing and returns `expected`.
+/// - [`barrier`](Store::barrier) counts the caller in under a key and returns once `world_size`
+///   callers have been counted. The count is never reset: an arrival that timed out has still
+///   counted, and a later arrival on a key whose count already reached `world_size` returns at
+///   once. Use a fresh key for each barrier.
 ///
 /// ```
 /// # use tensorwire_core::ports::store::{Store, StoreError};
@@ -75,6 +79,27 @@ pub trait Store: Send + Sync {
     /// Sets every `keys[i]` to `values[i]`; the two slices must have the same length.
     async fn multi_set(&self, keys: &[&str], values: &[&[u8]]) -> Result<(), StoreError>;
 
+    /// Counts the caller in at the barrier `key` and waits, at most `timeout`, until
+    /// `world_size` callers have been counted there (PyTorch's `Store.barrier`).
+    ///
+    /// A `world_size` of 1 or less returns at once. The count stays in the store as ordinary
+    /// keys, so it shows in [`num_keys`](Store::num_keys); where it lives follows PyTorch's
+    /// store of the same kind, so that PyTorch's processes and ours meet at one barrier: the
+    /// TCP store keeps it in `key` itself as a decimal count (PyTorch's `TCPStore` server;
+    /// the in-memory store does the same), the file store in `key/num_members`, with
+    /// `key/last_member` set by the last arrival (PyTorch's `FileStore`). On timeout the error is [`StoreError::BarrierTimeout`], and the
+    /// arrival has still counted.
+    ///
+    /// Implementations must not build this from [`add`](Store::add) and [`wait`](Store::wait)
+    /// when their store has its own barrier (a TCP client must send the store's `BARRIER`
+    /// query), which is why there is no default method.
+    async fn barrier(
+        &self,
+        key: &str,
+        world_size: i64,
+        timeout: Duration,
+    ) -> Result<(), StoreError>;
+
     /// The default timeout of [`get`](Store::get) and [`multi_get`](Store::multi_get).
     fn timeout(&self) -> Duration;
 }
@@ -88,6 +113,21 @@ pub enum StoreError {
     Timeout {
         /// The keys that were awaited.
         keys: Vec<String>,
+        /// How long the caller waited.
+        timeout: Duration,
+    },
+    /// Fewer than `world_size` arrivals were counted at a [`barrier`](Store::barrier) within
+    /// the timeout. The message starts as PyTorch's `TCPStore` client's does.
+    #[error(
+        "barrier timeout after {}ms, key: {key:?} (waiting for {world_size} arrivals; this one \
+         has still counted)",
+        timeout.as_millis()
+    )]
+    BarrierTimeout {
+        /// The barrier's key.
+        key: String,
+        /// The number of arrivals awaited.
+        world_size: i64,
         /// How long the caller waited.
         timeout: Duration,
     },
@@ -180,6 +220,15 @@ impl StoreError {
         }
     }
 
+    /// A [`StoreError::BarrierTimeout`] for `key`.
+    pub fn barrier_timeout(key: &str, world_size: i64, timeout: Duration) -> Self {
+        StoreError::BarrierTimeout {
+            key: key.to_owned(),
+            world_size,
+            timeout,
+        }
+    }
+
     /// A [`StoreError::KeyTooLarge`] for `key`, keeping only its first 64 characters.
     pub fn key_too_large(key: &str, max: usize) -> Self {
         StoreError::KeyTooLarge {
@@ -218,6 +267,16 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "timed out after 1.5s waiting for key(s) \"rank/0\", \"rank/1\""
+        );
+    }
+
+    #[test]
+    fn barrier_timeout_reads_as_pytorchs_and_names_the_key() {
+        let err = StoreError::barrier_timeout("lonely", 3, Duration::from_millis(300));
+        assert_eq!(
+            err.to_string(),
+            "barrier timeout after 300ms, key: \"lonely\" (waiting for 3 arrivals; this one has \
+             still counted)"
         );
     }
 

@@ -1,4 +1,4 @@
-//! `tensorwire store serve|set|get|add|wait|check|delete|num-keys`: a c10d-compatible store
+//! `tensorwire store serve|set|get|add|wait|barrier|check|delete|num-keys`: a c10d-compatible store
 //! server and a client for scripts and debugging. Both work with PyTorch's `TCPStore` too.
 
 use std::io::Write;
@@ -67,6 +67,19 @@ enum Command {
         /// The keys.
         #[arg(required = true)]
         keys: Vec<String>,
+    },
+    /// Count this process in at the barrier KEY and wait (up to --timeout) until WORLD_SIZE
+    /// arrivals have been counted there; PyTorch's `store.barrier(KEY, WORLD_SIZE)`. The count
+    /// stays in KEY: a later arrival on a reached KEY returns at once, and one that times out
+    /// has still counted.
+    Barrier {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The barrier's key.
+        key: String,
+        /// How many arrivals release the barrier.
+        #[arg(allow_negative_numbers = true)]
+        world_size: i64,
     },
     /// Print `ready` (exit 0) when all KEYS exist, else `not ready` (exit 1).
     Check {
@@ -206,6 +219,17 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
             let timeout = Duration::from_secs_f64(client.timeout);
             let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
             connect(&client).await?.wait(&keys, timeout).await?;
+        }
+        Command::Barrier {
+            client,
+            key,
+            world_size,
+        } => {
+            let timeout = Duration::from_secs_f64(client.timeout);
+            connect(&client)
+                .await?
+                .barrier(&key, world_size, timeout)
+                .await?;
         }
         Command::Check { client, keys } => {
             let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
