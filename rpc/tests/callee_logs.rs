@@ -113,6 +113,9 @@ async fn arguments_decode_exactly_and_the_callee_logs_failures() {
         .await
         .unwrap_err();
     assert_eq!(e.remote().unwrap().kind, RemoteErrorKind::UnknownFunction);
+    // A graceful shutdown while this worker still holds a reference warns, listing it.
+    let held: tensorwire_rpc::RRef<usize> = a.remote("w1", "len", &3usize, None).unwrap();
+    held.created().await.unwrap();
     let limit = Duration::from_secs(20);
     let (r0, r1) = tokio::join!(
         agents[0].shutdown(true, limit),
@@ -120,6 +123,7 @@ async fn arguments_decode_exactly_and_the_callee_logs_failures() {
     );
     r0.unwrap();
     r1.unwrap();
+    drop(held);
 
     let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
     let line = |needle: &str| {
@@ -128,6 +132,11 @@ async fn arguments_decode_exactly_and_the_callee_logs_failures() {
             .unwrap_or_else(|| panic!("no log line with {needle:?} in:\n{text}"))
             .to_owned()
     };
+    let warning = line("graceful shutdown while this worker still holds remote references");
+    assert!(
+        warning.contains("w0 (rank 0)") && warning.contains("on rank 1 (1 handles)"),
+        "{warning}"
+    );
     for (needle, function) in [
         ("refused: x", "fail"),
         ("kaboom", "boom"),
