@@ -223,6 +223,9 @@ pub enum Header {
     ForkRequest {
         /// The control message's id (for the acknowledgement).
         id: MessageId,
+        /// Every control message the sender sent us with a lower id is acknowledged (the
+        /// receiver forgets them: see [`Header::ChildAccept`]'s `floor`).
+        floor: MessageId,
         /// The reference.
         rref: RRefId,
         /// The child's fork.
@@ -232,6 +235,10 @@ pub enum Header {
     ChildAccept {
         /// The control message's id.
         id: MessageId,
+        /// The sender's oldest control message to us not yet acknowledged (or its next id):
+        /// nothing below it will be sent again, so the receiver keeps no record of it. This
+        /// bounds the records kept to make resent control messages idempotent.
+        floor: MessageId,
         /// The child's fork.
         fork: ForkId,
     },
@@ -239,6 +246,8 @@ pub enum Header {
     UserDelete {
         /// The control message's id.
         id: MessageId,
+        /// See [`Header::ChildAccept`]'s `floor`.
+        floor: MessageId,
         /// The reference.
         rref: RRefId,
         /// The fork dropped.
@@ -416,6 +425,50 @@ struct Used {
     creation_error: Option<CallError>,
 }
 
+/// The control messages of one sender already handled.
+#[derive(Debug, Default)]
+struct Seen {
+    /// Everything below was handled.
+    floor: MessageId,
+    /// Handled ids at or above the floor.
+    ids: BTreeSet<MessageId>,
+}
+
+/// A message its sender had no right to send ([`Endpoint::handle_message`]). The endpoint's
+/// state is unchanged; the driver drops the connection to that peer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProtocolViolation {
+    /// A reply or acknowledgement naming an id this worker never gave out.
+    #[error("it sent a {what} for message {id}, which this worker never sent")]
+    UnknownId {
+        /// The id named.
+        id: MessageId,
+        /// `reply` or `acknowledgement`.
+        what: &'static str,
+    },
+    /// A reply or acknowledgement for a message that went to another worker.
+    #[error("it sent a {what} for message {id}, which went to worker {sent_to}")]
+    WrongPeer {
+        /// The id named.
+        id: MessageId,
+        /// `reply` or `acknowledgement`.
+        what: &'static str,
+        /// Where the message went.
+        sent_to: WorkerId,
+    },
+    /// A delete or child-accept for a fork that another worker holds.
+    #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
+    ForeignFork {
+        /// The reference.
+        rref: RRefId,
+        /// The fork.
+        fork: ForkId,
+        /// The worker that holds it.
+        holder: WorkerId,
+    },
+}
+
 /// A snapshot of an endpoint's references and calls ([`Endpoint::debug_info`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -432,6 +485,9 @@ pub struct DebugInfo {
     pub requests_being_served: std::collections::BTreeMap<WorkerId, usize>,
     /// Control messages (fork requests, child accepts, deletes) not yet acknowledged.
     pub unacknowledged_control: usize,
+    /// Records kept to acknowledge resent control messages without handling them twice (bounded
+    /// by the control messages in flight, not by how many were ever received).
+    pub idempotence_records: usize,
 }
 
 impl DebugInfo {
@@ -500,8 +556,9 @@ pub struct Endpoint<B> {
     used: HashMap<ForkId, Used>,
     /// Child fork -> the parent fork it was made from and the worker it was sent to.
     children: HashMap<ForkId, (ForkId, WorkerId)>,
-    /// Control messages already handled, per sender, so resent ones are only acknowledged.
-    seen_control: HashSet<(WorkerId, MessageId)>,
+    /// Control messages already handled, per sender, so resent ones are only acknowledged:
+    /// ids at or above the sender's floor (below it, everything was handled).
+    seen_control: HashMap<WorkerId, Seen>,
     transmits: VecDeque<Transmit<B>>,
     events: VecDeque<Event<B>>,
 }
@@ -521,7 +578,7 @@ impl<B> Endpoint<B> {
             owned: HashMap::new(),
             used: HashMap::new(),
             children: HashMap::new(),
-            seen_control: HashSet::new(),
+            seen_control: HashMap::new(),
             transmits: VecDeque::new(),
             events: VecDeque::new(),
         }
@@ -616,6 +673,7 @@ impl<B> Endpoint<B> {
             calls_in_flight,
             requests_being_served,
             unacknowledged_control: self.unacked.len(),
+            idempotence_records: self.seen_control.values().map(|s| s.ids.len()).sum(),
         }
     }
 
@@ -941,7 +999,16 @@ impl<B> Endpoint<B> {
             });
         } else {
             let (rref, fork) = (data.rref, data.fork);
-            self.send_control(data.owner, |id| Header::ForkRequest { id, rref, fork }, now);
+            self.send_control(
+                data.owner,
+                |id, floor| Header::ForkRequest {
+                    id,
+                    floor,
+                    rref,
+                    fork,
+                },
+                now,
+            );
         }
         handle
     }
@@ -997,14 +1064,19 @@ impl<B> Endpoint<B> {
 
     // ----- input -----
 
-    /// Handles a message from worker `from`.
+    /// Handles a message from worker `from`. A message `from` had no right to send (a reply to
+    /// a call that went elsewhere or was never made, a delete of a fork another worker holds,
+    /// ...) changes nothing and is a [`ProtocolViolation`]: the driver should drop that peer.
+    /// Late messages that races explain (a reply after its call timed out, a resent control
+    /// message) are not violations: they are ignored or acknowledged again.
     pub fn handle_message(
         &mut self,
         from: WorkerId,
         header: Header,
         body: Option<B>,
         now: Instant,
-    ) {
+    ) -> Result<(), ProtocolViolation> {
+        self.check_message(from, &header)?;
         match header {
             Header::Call {
                 id,
@@ -1012,7 +1084,7 @@ impl<B> Endpoint<B> {
                 timeout,
             } => {
                 let Some(body) = self.admit(from, id, body) else {
-                    return;
+                    return Ok(());
                 };
                 let token = RequestToken {
                     from,
@@ -1035,7 +1107,7 @@ impl<B> Endpoint<B> {
                 timeout,
             } => {
                 let Some(body) = self.admit(from, id, body) else {
-                    return;
+                    return Ok(());
                 };
                 self.owned.entry(rref).or_default().forks.insert(fork, from);
                 let token = RequestToken {
@@ -1072,14 +1144,19 @@ impl<B> Endpoint<B> {
                 };
                 self.on_reply(id, outcome, now);
             }
-            Header::ForkRequest { id, rref, fork } => {
-                if self.first_time(from, id) {
+            Header::ForkRequest {
+                id,
+                floor,
+                rref,
+                fork,
+            } => {
+                if self.first_time(from, id, floor) {
                     self.owned.entry(rref).or_default().forks.insert(fork, from);
                 }
                 self.ack(from, id);
             }
-            Header::ChildAccept { id, fork } => {
-                if self.first_time(from, id) {
+            Header::ChildAccept { id, floor, fork } => {
+                if self.first_time(from, id, floor) {
                     if let Some((parent, _)) = self.children.remove(&fork) {
                         if let Some(u) = self.used.get_mut(&parent) {
                             u.pending_children.remove(&fork);
@@ -1089,8 +1166,13 @@ impl<B> Endpoint<B> {
                 }
                 self.ack(from, id);
             }
-            Header::UserDelete { id, rref, fork } => {
-                if self.first_time(from, id) {
+            Header::UserDelete {
+                id,
+                floor,
+                rref,
+                fork,
+            } => {
+                if self.first_time(from, id, floor) {
                     if let Some(o) = self.owned.get_mut(&rref) {
                         o.forks.remove(&fork);
                     }
@@ -1099,6 +1181,62 @@ impl<B> Endpoint<B> {
                 self.ack(from, id);
             }
             Header::Ack { id } => self.on_ack(id, now),
+        }
+        Ok(())
+    }
+
+    /// Whether `from` may send `header`, judged against what we sent and hold.
+    fn check_message(&self, from: WorkerId, header: &Header) -> Result<(), ProtocolViolation> {
+        let never_issued = |id: MessageId| id == 0 || id > self.next_id;
+        match *header {
+            Header::Reply { id, .. } => {
+                if never_issued(id) {
+                    return Err(ProtocolViolation::UnknownId { id, what: "reply" });
+                }
+                match self.pending.get(&id) {
+                    Some(p) if p.to != from => Err(ProtocolViolation::WrongPeer {
+                        id,
+                        what: "reply",
+                        sent_to: p.to,
+                    }),
+                    // Answered, timed out or failed already: a late reply.
+                    _ => Ok(()),
+                }
+            }
+            Header::Ack { id } => {
+                if never_issued(id) {
+                    return Err(ProtocolViolation::UnknownId {
+                        id,
+                        what: "acknowledgement",
+                    });
+                }
+                match self.unacked.get(&id) {
+                    Some(u) if u.to != from => Err(ProtocolViolation::WrongPeer {
+                        id,
+                        what: "acknowledgement",
+                        sent_to: u.to,
+                    }),
+                    _ => Ok(()),
+                }
+            }
+            Header::UserDelete { rref, fork, .. } => {
+                match self.owned.get(&rref).and_then(|o| o.forks.get(&fork)) {
+                    Some(&holder) if holder != from => {
+                        Err(ProtocolViolation::ForeignFork { rref, fork, holder })
+                    }
+                    // Held by the sender, or forgotten already (a failed creation's fork).
+                    _ => Ok(()),
+                }
+            }
+            Header::ChildAccept { fork, .. } => match self.children.get(&fork) {
+                Some(&(_, to)) if to != from => Err(ProtocolViolation::ForeignFork {
+                    rref: fork,
+                    fork,
+                    holder: to,
+                }),
+                _ => Ok(()),
+            },
+            _ => Ok(()),
         }
     }
 
@@ -1373,13 +1511,30 @@ impl<B> Endpoint<B> {
         let (owner, rref, void) = (u.owner, u.rref, u.void);
         self.used.remove(&fork);
         if !void {
-            self.send_control(owner, |id| Header::UserDelete { id, rref, fork }, now);
+            self.send_control(
+                owner,
+                |id, floor| Header::UserDelete {
+                    id,
+                    floor,
+                    rref,
+                    fork,
+                },
+                now,
+            );
         }
     }
 
-    fn send_control(&mut self, to: WorkerId, make: impl FnOnce(MessageId) -> Header, now: Instant) {
+    fn send_control(
+        &mut self,
+        to: WorkerId,
+        make: impl FnOnce(MessageId, MessageId) -> Header,
+        now: Instant,
+    ) {
         let id = self.fresh_id();
-        let header = make(id);
+        // Our oldest unacknowledged control message to `to`, this one included. (A resent
+        // message keeps the floor it was made with: lower than today's, so still true.)
+        let floor = self.control_floor(to).min(id);
+        let header = make(id, floor);
         self.unacked.insert(
             id,
             Unacked {
@@ -1395,8 +1550,24 @@ impl<B> Endpoint<B> {
         });
     }
 
-    fn first_time(&mut self, from: WorkerId, id: MessageId) -> bool {
-        self.seen_control.insert((from, id))
+    fn first_time(&mut self, from: WorkerId, id: MessageId, floor: MessageId) -> bool {
+        let seen = self.seen_control.entry(from).or_default();
+        if floor > seen.floor {
+            seen.floor = floor;
+            seen.ids = seen.ids.split_off(&floor);
+        }
+        id >= seen.floor && seen.ids.insert(id)
+    }
+
+    /// The floor to put in a control message to `to`: our oldest control message to it not
+    /// yet acknowledged, or our next id.
+    fn control_floor(&self, to: WorkerId) -> MessageId {
+        self.unacked
+            .iter()
+            .filter(|(_, u)| u.to == to)
+            .map(|(id, _)| *id)
+            .min()
+            .unwrap_or(self.next_id + 1)
     }
 
     fn ack(&mut self, to: WorkerId, id: MessageId) {
@@ -1425,7 +1596,11 @@ impl<B> Endpoint<B> {
                 _ => None,
             };
             if let Some(parent) = parent {
-                self.send_control(parent, |id| Header::ChildAccept { id, fork }, now);
+                self.send_control(
+                    parent,
+                    |id, floor| Header::ChildAccept { id, floor, fork },
+                    now,
+                );
             }
             self.maybe_delete_user(fork, now);
         }

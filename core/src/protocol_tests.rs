@@ -162,7 +162,9 @@ impl Sim {
             return false;
         };
         let now = self.now;
-        self.ep(to).handle_message(from, t.header, t.body, now);
+        if let Err(v) = self.ep(to).handle_message(from, t.header, t.body, now) {
+            panic!("worker {to} saw a protocol violation from {from} in a normal flow: {v}");
+        }
         self.pump();
         true
     }
@@ -627,4 +629,155 @@ proptest! {
         prop_assert!(s.eps.iter().all(Endpoint::is_idle));
         prop_assert!(s.eps.iter().all(|e| e.user_fork_count() == 0));
     }
+}
+
+/// Forged messages: each is a violation naming what was wrong, and changes nothing.
+#[test]
+fn messages_a_peer_had_no_right_to_send_are_violations() {
+    let mut s = Sim::new(3);
+    let now = s.now;
+    let call = s.ep(0).call(1, "echo", b"x".to_vec(), T, now).unwrap();
+    s.pump();
+    // A reply to our call to 1, from 2.
+    let forged = Header::Reply {
+        id: call,
+        outcome: Ok(()),
+    };
+    assert_eq!(
+        s.ep(0).handle_message(2, forged, Some(vec![]), now),
+        Err(ProtocolViolation::WrongPeer {
+            id: call,
+            what: "reply",
+            sent_to: 1
+        })
+    );
+    assert!(
+        s.outcome(0, call).is_none(),
+        "the forged reply completed nothing"
+    );
+    // Ids never given out.
+    for header in [
+        Header::Reply {
+            id: 999,
+            outcome: Ok(()),
+        },
+        Header::Ack { id: 999 },
+    ] {
+        assert!(matches!(
+            s.ep(0).handle_message(1, header, Some(vec![]), now),
+            Err(ProtocolViolation::UnknownId { id: 999, .. })
+        ));
+    }
+    s.drain();
+    assert_eq!(s.outcome(0, call), Some(&Ok(b"x".to_vec())));
+    // A late reply (the call is done) is not a violation.
+    let late = Header::Reply {
+        id: call,
+        outcome: Ok(()),
+    };
+    assert_eq!(s.ep(0).handle_message(1, late, Some(vec![]), now), Ok(()));
+
+    // A delete of a fork that worker 0 holds, sent by worker 2.
+    let (h, _) = s.ep(0).remote(1, "make", b"v".to_vec(), T, now).unwrap();
+    s.drain();
+    let forged = Header::UserDelete {
+        id: 1,
+        floor: 1,
+        rref: h.rref,
+        fork: h.fork,
+    };
+    assert_eq!(
+        s.ep(1).handle_message(2, forged, None, now),
+        Err(ProtocolViolation::ForeignFork {
+            rref: h.rref,
+            fork: h.fork,
+            holder: 0
+        })
+    );
+    assert_eq!(
+        s.ep(1).owner_fork_count(h.rref),
+        Some(1),
+        "the fork is still counted"
+    );
+    // An acknowledgement of our control message to 1, from 2.
+    s.ep(0).drop_handle(h, now);
+    s.pump();
+    let (id, to) = match s.links.get(&(0, 1)).and_then(|q| q.back()) {
+        Some(Transmit {
+            header: Header::UserDelete { id, .. },
+            to,
+            ..
+        }) => (*id, *to),
+        other => panic!("expected a delete in flight, found {other:?}"),
+    };
+    assert_eq!(
+        s.ep(0).handle_message(2, Header::Ack { id }, None, now),
+        Err(ProtocolViolation::WrongPeer {
+            id,
+            what: "acknowledgement",
+            sent_to: to
+        })
+    );
+    s.drain();
+    assert_eq!(s.released, vec![h.rref]);
+    assert!(s.eps.iter().all(Endpoint::is_idle));
+}
+
+/// The records that make resent control messages idempotent stay bounded in a long run, and a
+/// control message resent after its acknowledgement is still handled only once.
+#[test]
+fn idempotence_records_stay_bounded() {
+    let mut s = Sim::new(3);
+    for round in 0..2_000u64 {
+        let now = s.now;
+        let (h, _) = s.ep(0).remote(1, "make", vec![1], T, now).unwrap();
+        s.drain();
+        // A fork to worker 2 makes a fork request, a child accept and two deletes.
+        let data = s.ep(0).fork_for(h, 2).unwrap();
+        let h2 = s.ep(2).accept_fork(data, now);
+        s.drain();
+        s.ep(0).drop_handle(h, now);
+        s.ep(2).drop_handle(h2, now);
+        if round % 100 == 0 {
+            // Lose nothing, but resend everything once (as after a slow acknowledgement).
+            s.advance(Duration::from_millis(150));
+        }
+        s.drain();
+    }
+    assert_eq!(s.released.len(), 2_000);
+    for w in 0..3 {
+        let records = s.ep(w).debug_info().idempotence_records;
+        assert!(records <= 4, "worker {w} keeps {records} records");
+    }
+    assert!(s.eps.iter().all(Endpoint::is_idle));
+}
+
+#[test]
+fn a_control_message_resent_after_its_acknowledgement_is_not_handled_twice() {
+    let mut s = Sim::new(3);
+    let now = s.now;
+    let (h, _) = s.ep(0).remote(1, "make", vec![1], T, now).unwrap();
+    s.drain();
+    let data = s.ep(0).fork_for(h, 2).unwrap();
+    let h2 = s.ep(2).accept_fork(data, now);
+    s.drain();
+    assert_eq!(s.ep(1).owner_fork_count(h.rref), Some(2));
+    // Worker 2's delete, delivered, acknowledged, then a copy of it arrives late.
+    s.ep(2).drop_handle(h2, now);
+    s.pump();
+    let copy = s.links[&(2, 1)].back().cloned().unwrap();
+    s.drain();
+    assert_eq!(s.ep(1).owner_fork_count(h.rref), Some(1));
+    // Worker 2 sends more control messages (its floor moves past the delete), then the copy.
+    let (h3, _) = s.ep(2).remote(1, "make", vec![2], T, now).unwrap();
+    s.drain();
+    s.ep(2).drop_handle(h3, now);
+    s.drain();
+    assert_eq!(s.ep(1).handle_message(2, copy.header, None, now), Ok(()));
+    s.pump();
+    assert_eq!(s.ep(1).owner_fork_count(h.rref), Some(1), "handled once");
+    s.drain();
+    s.ep(0).drop_handle(h, now);
+    s.drain();
+    assert!(s.eps.iter().all(Endpoint::is_idle));
 }

@@ -1466,11 +1466,12 @@ impl Agent {
             }
             None => None,
         };
-        self.lock()
+        let handled = self
+            .lock()
             .ep
             .handle_message(from, envelope.header, body, Instant::now());
         self.pump();
-        Ok(())
+        handled.map_err(|violation| format!("broke the RPC protocol: {violation}"))
     }
 
     fn send(&self, st: &mut State, t: Transmit<Body>, direct: Option<&mut Vec<DirectWrite>>) {
