@@ -560,7 +560,30 @@ pub struct Endpoint<B> {
     /// ids at or above the sender's floor (below it, everything was handled).
     seen_control: HashMap<WorkerId, Seen>,
     transmits: VecDeque<Transmit<B>>,
+    /// Per peer, messages held behind one whose body is not ready yet (see
+    /// [`call_deferred`](Endpoint::call_deferred)): they leave in the order they were made.
+    held: HashMap<WorkerId, VecDeque<Slot<B>>>,
+    /// Messages whose body is not ready yet, by id.
+    deferred: HashMap<MessageId, Deferred>,
     events: VecDeque<Event<B>>,
+}
+
+/// A place in a peer's queue of held messages.
+#[derive(Debug)]
+enum Slot<B> {
+    /// Ready to go once everything before it has.
+    Ready(Transmit<B>),
+    /// The message with this id, waiting for its body.
+    Waiting(MessageId),
+}
+
+/// A message made before its body (the body's tensors are still being copied off a device).
+#[derive(Debug)]
+struct Deferred {
+    to: WorkerId,
+    /// The header to send (to another worker); for this worker itself, the request to run.
+    header: Header,
+    deadline: Option<Instant>,
 }
 
 impl<B> Endpoint<B> {
@@ -580,6 +603,8 @@ impl<B> Endpoint<B> {
             children: HashMap::new(),
             seen_control: HashMap::new(),
             transmits: VecDeque::new(),
+            held: HashMap::new(),
+            deferred: HashMap::new(),
             events: VecDeque::new(),
         }
     }
@@ -597,9 +622,12 @@ impl<B> Endpoint<B> {
     }
 
     /// Whether nothing is outstanding: no call awaiting a reply, no request awaiting our
-    /// answer, no control message awaiting acknowledgement.
+    /// answer, no control message awaiting acknowledgement, no message waiting for its body.
     pub fn is_idle(&self) -> bool {
-        self.pending.is_empty() && self.incoming.is_empty() && self.unacked.is_empty()
+        self.pending.is_empty()
+            && self.incoming.is_empty()
+            && self.unacked.is_empty()
+            && self.deferred.is_empty()
     }
 
     /// Calls awaiting a reply.
@@ -784,7 +812,7 @@ impl<B> Endpoint<B> {
                 deadline: deadline_after(now, timeout),
             });
         } else {
-            self.transmits.push_back(Transmit {
+            self.send_out(Transmit {
                 to,
                 header: Header::Call {
                     id,
@@ -848,7 +876,7 @@ impl<B> Endpoint<B> {
                 },
             );
             self.track(id, owner, timeout, now, Some(rref));
-            self.transmits.push_back(Transmit {
+            self.send_out(Transmit {
                 to: owner,
                 header: Header::Remote {
                     id,
@@ -878,7 +906,7 @@ impl<B> Endpoint<B> {
         if handle.owner == self.me {
             self.owner_fetch(self.me, id, handle.rref);
         } else {
-            self.transmits.push_back(Transmit {
+            self.send_out(Transmit {
                 to: handle.owner,
                 header: Header::Fetch {
                     id,
@@ -1060,6 +1088,226 @@ impl<B> Endpoint<B> {
         }
         self.unacked.clear();
         self.incoming.clear();
+        self.held.clear();
+        self.deferred.clear();
+    }
+
+    /// Like [`call`](Self::call), for a call whose body is not ready yet (its tensors are
+    /// being copied off a device): the call gets its id and deadline now, and its place in
+    /// the order of messages to `to`. Messages made later for `to` wait behind it until
+    /// [`supply_body`](Self::supply_body) or [`abandon`](Self::abandon).
+    pub fn call_deferred(
+        &mut self,
+        to: WorkerId,
+        function: &str,
+        timeout: Duration,
+        now: Instant,
+    ) -> Result<MessageId, CallError> {
+        self.ensure_running()?;
+        let id = self.fresh_id();
+        self.track(id, to, timeout, now, None);
+        let header = Header::Call {
+            id,
+            function: function.to_owned(),
+            timeout,
+        };
+        self.defer(id, to, header, deadline_after(now, timeout));
+        Ok(id)
+    }
+
+    /// Like [`remote`](Self::remote), for a body that is not ready yet; see
+    /// [`call_deferred`](Self::call_deferred). The handle is usable at once: a fetch or a fork
+    /// made meanwhile reaches the owner after the creation does, so it never finds the
+    /// reference unknown.
+    pub fn remote_deferred(
+        &mut self,
+        owner: WorkerId,
+        function: &str,
+        timeout: Duration,
+        now: Instant,
+    ) -> Result<(RRefHandle, MessageId), CallError> {
+        self.ensure_running()?;
+        let rref = self.fresh_global();
+        let handle = RRefHandle {
+            rref,
+            fork: rref,
+            owner,
+        };
+        let id = self.fresh_id();
+        if owner == self.me {
+            // Fetches park on the record until the value exists.
+            self.owned.entry(rref).or_default().local_handles += 1;
+            self.track(id, owner, timeout, now, None);
+        } else {
+            self.used.insert(
+                rref,
+                Used {
+                    rref,
+                    owner,
+                    parent: None,
+                    confirmed: false,
+                    handles: 1,
+                    pending_children: HashSet::new(),
+                    void: false,
+                    creation_error: None,
+                },
+            );
+            self.track(id, owner, timeout, now, Some(rref));
+        }
+        let header = Header::Remote {
+            id,
+            function: function.to_owned(),
+            rref,
+            fork: rref,
+            timeout,
+        };
+        self.defer(id, owner, header, deadline_after(now, timeout));
+        Ok((handle, id))
+    }
+
+    fn defer(&mut self, id: MessageId, to: WorkerId, header: Header, deadline: Option<Instant>) {
+        if to != self.me {
+            self.held
+                .entry(to)
+                .or_default()
+                .push_back(Slot::Waiting(id));
+        }
+        self.deferred.insert(
+            id,
+            Deferred {
+                to,
+                header,
+                deadline,
+            },
+        );
+    }
+
+    /// The body of a deferred call or remote is ready: it goes out (with what waited behind
+    /// it), or runs here if it was for this worker. Unknown ids are ignored (stopped since).
+    pub fn supply_body(&mut self, id: MessageId, body: B) {
+        let Some(d) = self.deferred.remove(&id) else {
+            return;
+        };
+        if d.to == self.me {
+            let (token, event) = match d.header {
+                Header::Call { function, .. } => {
+                    let token = RequestToken {
+                        from: self.me,
+                        id,
+                        kind: RequestKind::Call,
+                    };
+                    let event = Event::Call {
+                        token,
+                        function,
+                        body,
+                        deadline: d.deadline,
+                    };
+                    (token, event)
+                }
+                Header::Remote { function, rref, .. } => {
+                    let token = RequestToken {
+                        from: self.me,
+                        id,
+                        kind: RequestKind::Remote(rref),
+                    };
+                    let event = Event::Remote {
+                        token,
+                        function,
+                        body,
+                        rref,
+                        deadline: d.deadline,
+                    };
+                    (token, event)
+                }
+                _ => return,
+            };
+            self.incoming.insert(token);
+            self.events.push_back(event);
+            return;
+        }
+        let ready = Transmit {
+            to: d.to,
+            header: d.header,
+            body: Some(body),
+        };
+        if let Some(queue) = self.held.get_mut(&d.to) {
+            if let Some(slot) = queue
+                .iter_mut()
+                .find(|s| matches!(s, Slot::Waiting(w) if *w == id))
+            {
+                *slot = Slot::Ready(ready);
+            }
+        }
+        self.flush_held(d.to);
+    }
+
+    /// The body of a deferred call or remote cannot be made (a device copy failed): the
+    /// call fails with [`CallError::Local`], nothing is sent, and what waited behind it goes.
+    /// A deferred `remote` leaves a reference whose uses fail with the same error.
+    pub fn abandon(&mut self, id: MessageId, reason: &str, now: Instant) {
+        let Some(d) = self.deferred.remove(&id) else {
+            return;
+        };
+        let err = CallError::Local(reason.to_owned());
+        if let Header::Remote { rref, .. } = d.header {
+            if d.to == self.me {
+                let waiting = match self.owned.get_mut(&rref) {
+                    Some(o) => {
+                        o.state = Some(Err(RemoteError {
+                            worker: self.me,
+                            kind: RemoteErrorKind::Failed,
+                            message: reason.to_owned(),
+                        }));
+                        std::mem::take(&mut o.fetches)
+                    }
+                    None => Vec::new(),
+                };
+                for (from, fetch) in waiting {
+                    self.owner_fetch(from, fetch, rref);
+                }
+            } else if let Some(u) = self.used.get_mut(&rref) {
+                // The owner never heard of it: nothing to delete there.
+                u.confirmed = true;
+                u.void = true;
+                u.creation_error = Some(err.clone());
+            }
+        }
+        if let Some(queue) = self.held.get_mut(&d.to) {
+            queue.retain(|s| !matches!(s, Slot::Waiting(w) if *w == id));
+        }
+        self.flush_held(d.to);
+        self.fail(id, err);
+        if let Header::Remote { rref, .. } = d.header {
+            if d.to == self.me {
+                self.maybe_release(rref);
+            } else {
+                self.maybe_delete_user(rref, now);
+            }
+        }
+    }
+
+    /// Sends a message now, or queues it behind messages to the same peer still waiting for
+    /// their body.
+    fn send_out(&mut self, t: Transmit<B>) {
+        match self.held.get_mut(&t.to) {
+            Some(queue) => queue.push_back(Slot::Ready(t)),
+            None => self.transmits.push_back(t),
+        }
+    }
+
+    /// Moves the ready messages at the front of `to`'s held queue out.
+    fn flush_held(&mut self, to: WorkerId) {
+        let Some(queue) = self.held.get_mut(&to) else {
+            return;
+        };
+        while let Some(Slot::Ready(_)) = queue.front() {
+            if let Some(Slot::Ready(t)) = queue.pop_front() {
+                self.transmits.push_back(t);
+            }
+        }
+        if queue.is_empty() {
+            self.held.remove(&to);
+        }
     }
 
     // ----- input -----
@@ -1274,15 +1522,19 @@ impl<B> Endpoint<B> {
             self.fail(id, err);
         }
         let retry = self.config.control_retry;
+        let mut resend = Vec::new();
         for u in self.unacked.values_mut() {
             if u.next_try <= now {
                 u.next_try = now + retry;
-                self.transmits.push_back(Transmit {
+                resend.push(Transmit {
                     to: u.to,
                     header: u.header.clone(),
                     body: None,
                 });
             }
+        }
+        for t in resend {
+            self.send_out(t);
         }
     }
 
@@ -1307,6 +1559,10 @@ impl<B> Endpoint<B> {
         }
         self.unacked.retain(|_, u| u.to != peer);
         self.incoming.retain(|t| t.from != peer);
+        // Nothing more goes to it: held messages are dropped, bodies not ready are not awaited
+        // (their calls failed above).
+        self.held.remove(&peer);
+        self.deferred.retain(|_, d| d.to != peer);
         // Children sent to the lost peer will never accept: stop waiting for them.
         let orphans: Vec<(ForkId, ForkId)> = self
             .children
@@ -1415,7 +1671,7 @@ impl<B> Endpoint<B> {
                 body: None,
             },
         };
-        self.transmits.push_back(t);
+        self.send_out(t);
     }
 
     fn on_reply(&mut self, id: MessageId, outcome: Result<B, CallError>, now: Instant) {
@@ -1543,7 +1799,7 @@ impl<B> Endpoint<B> {
                 next_try: now + self.config.control_retry,
             },
         );
-        self.transmits.push_back(Transmit {
+        self.send_out(Transmit {
             to,
             header,
             body: None,
@@ -1571,7 +1827,7 @@ impl<B> Endpoint<B> {
     }
 
     fn ack(&mut self, to: WorkerId, id: MessageId) {
-        self.transmits.push_back(Transmit {
+        self.send_out(Transmit {
             to,
             header: Header::Ack { id },
             body: None,

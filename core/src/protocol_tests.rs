@@ -781,3 +781,80 @@ fn a_control_message_resent_after_its_acknowledgement_is_not_handled_twice() {
     s.drain();
     assert!(s.eps.iter().all(Endpoint::is_idle));
 }
+
+/// A `remote` whose body is still being prepared (device copies): the creator's own fetch,
+/// made at once, reaches the owner after the creation and gets the value; so does a fork's
+/// fork request. Nothing overtakes the deferred message.
+#[test]
+fn a_deferred_remote_is_never_overtaken() {
+    let mut s = Sim::new(3);
+    let now = s.now;
+    let (h, made) = s.ep(0).remote_deferred(1, "make", T, now).unwrap();
+    let fetch = s.ep(0).fetch(h, T, now).unwrap();
+    let later_call = s.ep(0).call(1, "echo", b"later".to_vec(), T, now).unwrap();
+    let other_peer = s.ep(0).call(2, "echo", b"free".to_vec(), T, now).unwrap();
+    s.drain();
+    // Messages to other peers are not held.
+    assert_eq!(s.outcome(0, other_peer), Some(&Ok(b"free".to_vec())));
+    assert!(s.outcome(0, fetch).is_none() && s.outcome(0, later_call).is_none());
+    assert!(!s.eps[0].is_idle());
+    s.ep(0).supply_body(made, b"value".to_vec());
+    s.drain();
+    assert_eq!(s.outcome(0, made), Some(&Ok(vec![])));
+    assert_eq!(s.outcome(0, fetch), Some(&Ok(b"value".to_vec())));
+    assert_eq!(s.outcome(0, later_call), Some(&Ok(b"later".to_vec())));
+    let now = s.now;
+    s.ep(0).drop_handle(h, now);
+    s.drain();
+    assert_eq!(s.released, vec![h.rref]);
+    assert!(s.eps.iter().all(Endpoint::is_idle));
+}
+
+#[test]
+fn an_abandoned_deferred_remote_fails_its_uses_and_sends_nothing() {
+    for owner in [1, 0] {
+        let mut s = Sim::new(2);
+        let now = s.now;
+        let (h, made) = s.ep(0).remote_deferred(owner, "make", T, now).unwrap();
+        let call = s.ep(0).call(1, "echo", b"x".to_vec(), T, now).unwrap();
+        s.ep(0).abandon(made, "cuda:0 copy failed", now);
+        s.drain();
+        assert_eq!(
+            s.outcome(0, made),
+            Some(&Err(CallError::Local("cuda:0 copy failed".into())))
+        );
+        // What waited behind it went.
+        assert_eq!(s.outcome(0, call), Some(&Ok(b"x".to_vec())));
+        let now = s.now;
+        match s.ep(0).fetch(h, T, now) {
+            Err(e) => assert!(e.to_string().contains("cuda:0 copy failed"), "{e}"),
+            Ok(f) => {
+                s.drain();
+                assert!(
+                    matches!(s.outcome(0, f), Some(Err(CallError::Remote(e))) if e.message.contains("cuda:0 copy failed")),
+                    "{:?}",
+                    s.outcome(0, f)
+                );
+            }
+        }
+        s.ep(0).drop_handle(h, now);
+        s.drain();
+        assert!(s.released.is_empty());
+        assert!(!s.ep(1).owns(h.rref) && !s.ep(0).owns(h.rref));
+        assert!(s.eps.iter().all(Endpoint::is_idle), "owner {owner}");
+    }
+}
+
+/// A deferred call to this worker itself runs once its body is there.
+#[test]
+fn a_deferred_call_to_self_runs_when_supplied() {
+    let mut s = Sim::new(1);
+    let now = s.now;
+    let id = s.ep(0).call_deferred(0, "echo", T, now).unwrap();
+    s.drain();
+    assert!(s.outcome(0, id).is_none());
+    s.ep(0).supply_body(id, b"me".to_vec());
+    s.drain();
+    assert_eq!(s.outcome(0, id), Some(&Ok(b"me".to_vec())));
+    assert_eq!(s.deadlines[0], vec![Some(now + T)]);
+}

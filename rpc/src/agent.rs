@@ -993,12 +993,6 @@ impl Agent {
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
         let (tx, rx) = oneshot::channel();
-        let call = {
-            let function = function.to_owned();
-            move |ep: &mut Endpoint<Body>, body: Body| {
-                ep.call(to, &function, body, timeout, Instant::now())
-            }
-        };
         if prepared.on_host() {
             let body = Body {
                 target,
@@ -1006,35 +1000,24 @@ impl Agent {
                 tensors: tensors::host_to_wire(prepared.tensors),
             };
             let mut st = self.lock();
-            let id = call(&mut st.ep, body).map_err(|_| RpcError::NotRunning)?;
+            let id = st
+                .ep
+                .call(to, function, body, timeout, Instant::now())
+                .map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
         } else {
-            // Device tensors are copied to host memory first; the call goes out when they are.
-            let agent = self.clone();
-            tokio::spawn(async move {
-                match tensors::to_wire(&*agent.inner.backend, prepared.tensors).await {
-                    Ok(wire) => {
-                        let body = Body {
-                            target,
-                            data: prepared.data,
-                            tensors: wire,
-                        };
-                        let mut st = agent.lock();
-                        match call(&mut st.ep, body) {
-                            Ok(id) => {
-                                st.waiters.insert(id, tx);
-                            }
-                            Err(e) => {
-                                let _ = tx.send(Err(e));
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        let _ = tx.send(Err(CallError::Local(e.to_string())));
-                    }
-                }
-                agent.pump();
-            });
+            // Device tensors are copied to host memory first. The call takes its place now
+            // (id, deadline, order among our messages to `to`) and goes out when they are.
+            let id = {
+                let mut st = self.lock();
+                let id = st
+                    .ep
+                    .call_deferred(to, function, timeout, Instant::now())
+                    .map_err(|_| RpcError::NotRunning)?;
+                st.waiters.insert(id, tx);
+                id
+            };
+            self.supply_when_copied(id, target, prepared);
         }
         self.pump();
         Ok(RpcFuture::new(
@@ -1045,11 +1028,41 @@ impl Agent {
         ))
     }
 
+    /// Copies the device tensors of a deferred call or remote to host memory, then hands its
+    /// body to the endpoint (or abandons it, failing the call, if a copy fails).
+    fn supply_when_copied(
+        &self,
+        id: MessageId,
+        target: Option<RRefId>,
+        prepared: tensors::Prepared,
+    ) {
+        let agent = self.clone();
+        tokio::spawn(async move {
+            let copied = tensors::to_wire(&*agent.inner.backend, prepared.tensors).await;
+            {
+                let mut st = agent.lock();
+                match copied {
+                    Ok(wire) => st.ep.supply_body(
+                        id,
+                        Body {
+                            target,
+                            data: prepared.data,
+                            tensors: wire,
+                        },
+                    ),
+                    Err(e) => st.ep.abandon(id, &e.to_string(), Instant::now()),
+                }
+            }
+            agent.pump();
+        });
+    }
+
     /// Creates a value on `to` by running `function(args)` there, and returns a reference to it
     /// at once. The value lives on `to` until every reference to it is dropped.
     ///
-    /// Arguments may hold CPU tensors (moved by the device map); CUDA tensors in `remote`
-    /// arguments are not supported yet.
+    /// Tensors in the arguments move by this worker's device map for `to`, CUDA ones too:
+    /// their copies off the device run after `remote` returns, and the creation leaves once
+    /// they are done, ahead of anything this worker sends `to` afterwards.
     pub fn remote<A, T>(
         &self,
         to: impl Into<WorkerRef>,
@@ -1081,27 +1094,35 @@ impl Agent {
     {
         let prepared = tensors::prepare(self, to, args, Direction::Request)
             .map_err(|e| self.transfer_error(to, function, e))?;
-        if !prepared.on_host() {
-            return Err(RpcError::Tensors {
-                to: self.name_of(to),
-                function: function.to_owned(),
-                message: "CUDA tensors in remote() arguments are not supported yet; move them to cpu (the device map still places them at the owner)".into(),
-            });
-        }
-        let body = Body {
-            target,
-            data: prepared.data,
-            tensors: tensors::host_to_wire(prepared.tensors),
-        };
         let timeout = self.timeout_or_default(timeout);
         let (tx, rx) = oneshot::channel();
-        let handle = {
+        let handle = if prepared.on_host() {
+            let body = Body {
+                target,
+                data: prepared.data,
+                tensors: tensors::host_to_wire(prepared.tensors),
+            };
             let mut st = self.lock();
             let (handle, id) = st
                 .ep
                 .remote(to, function, body, timeout, Instant::now())
                 .map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
+            handle
+        } else {
+            // As in `send_call`: the reference exists now; the creation leaves when the device
+            // copies are done, and nothing we send the owner meanwhile overtakes it (so our
+            // own `to_here` never finds the reference unknown).
+            let (handle, id) = {
+                let mut st = self.lock();
+                let (handle, id) = st
+                    .ep
+                    .remote_deferred(to, function, timeout, Instant::now())
+                    .map_err(|_| RpcError::NotRunning)?;
+                st.waiters.insert(id, tx);
+                (handle, id)
+            };
+            self.supply_when_copied(id, target, prepared);
             handle
         };
         self.pump();

@@ -6,6 +6,10 @@ use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tensorwire_core::device::Device;
+use tensorwire_core::devices_sim::SimulatedDevices;
+use tensorwire_core::ports::device::relocate;
+use tensorwire_core::tensor::Tensor;
 use tensorwire_rpc::faults::{Fault, FaultAction, FaultyBackend, MessageKind};
 use tensorwire_rpc::{
     init_rpc, register_backend, Agent, CallContext, CallError, Functions, RRef, RemoteErrorKind,
@@ -42,6 +46,9 @@ fn functions() -> Functions {
     });
     f.register_method("snapshot", |c: Arc<Counter>, (): ()| async move {
         Ok::<_, String>(vec![c.0.load(Ordering::SeqCst); 2])
+    });
+    f.register("where_is", |t: Tensor| async move {
+        Ok::<_, String>((t.device().to_string(), t))
     });
     f.register("confirmed_here", |r: RRef<Vec<i64>>| async move {
         Ok::<_, String>(r.confirmed_by_owner())
@@ -84,10 +91,15 @@ fn rendezvous_file() -> String {
 
 /// `n` agents in one process; `backend` names a registered backend (`TCP`, or a faulty one).
 async fn group(n: usize, backend: &str) -> Vec<Agent> {
+    group_with(n, backend, |_, _| {}).await
+}
+
+/// [`group`], with `tweak` applied to each rank's options.
+async fn group_with(n: usize, backend: &str, tweak: impl Fn(usize, &mut RpcOptions)) -> Vec<Agent> {
     let url = rendezvous_file();
     let mut tasks = Vec::new();
     for rank in 0..n {
-        let options = RpcOptions {
+        let mut options = RpcOptions {
             init_method: url.clone(),
             init_timeout: Duration::from_secs(20),
             secret: Some(b"rref api test secret".to_vec()),
@@ -95,6 +107,7 @@ async fn group(n: usize, backend: &str) -> Vec<Agent> {
             backend: backend.to_owned(),
             ..RpcOptions::default()
         };
+        tweak(rank, &mut options);
         tasks.push(tokio::spawn(async move {
             init_rpc(&format!("w{rank}"), rank, Some(n), options).await
         }));
@@ -392,5 +405,43 @@ async fn the_default_timeout_can_be_read_and_changed_and_the_debug_view_counts()
         f.await.unwrap();
     }
     drop(r);
+    shutdown_all(agents).await;
+}
+
+/// `remote()` with a tensor on a (simulated) GPU: the reference comes back at once, the
+/// creation leaves once the tensor is copied off the device, and the creator's own `to_here`,
+/// made at once, never overtakes it. The tensor lands by the device map; the result comes
+/// back by the reverse map.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_takes_device_tensors() {
+    let devices = Arc::new(SimulatedDevices::new(2));
+    let shared = Arc::clone(&devices);
+    let agents = group_with(2, "TCP", move |rank, o| {
+        o.device_backend = shared.clone();
+        if rank == 0 {
+            o.set_device_map("w1", &[("cuda:0", "cuda:1")]).unwrap();
+        }
+    })
+    .await;
+    let a = &agents[0];
+    let values = [1.5f32, -2.0, 4.25];
+    let host = Tensor::from_f32(vec![3], &values).unwrap();
+    let on_gpu = relocate(&*devices, &host, Device::Cuda(0)).await.unwrap();
+    for _ in 0..20 {
+        let r: RRef<(String, Tensor)> = a.remote("w1", "where_is", &on_gpu, None).unwrap();
+        let (landed, back) = r.to_here(None).await.unwrap();
+        assert_eq!(landed, "cuda:1");
+        assert_eq!(back.device(), Device::Cuda(0), "back by the reverse map");
+        let back = relocate(&*devices, &back, Device::Cpu).await.unwrap();
+        assert_eq!(back.to_f32_vec().unwrap(), values);
+        r.created().await.unwrap();
+    }
+    // A device the map does not cover fails at once, before anything is sent.
+    let elsewhere = relocate(&*devices, &host, Device::Cuda(1)).await.unwrap();
+    let e = a
+        .remote::<_, (String, Tensor)>("w1", "where_is", &elsewhere, None)
+        .unwrap_err();
+    assert!(e.to_string().contains("cuda:1"), "{e}");
+    wait_until("values freed", || agents[1].debug_info().kept_values == 0).await;
     shutdown_all(agents).await;
 }
