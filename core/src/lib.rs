@@ -29,6 +29,7 @@ pub mod placement;
 pub mod plan;
 pub mod ports;
 pub mod protocol;
+pub mod protocol_sim;
 pub mod registry;
 pub mod reverse;
 pub mod tensor;

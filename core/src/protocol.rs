@@ -211,6 +211,9 @@ pub enum Header {
         id: MessageId,
         /// The reference.
         rref: RRefId,
+        /// The caller's timeout (zero: none): a fetch parked on a value still being created
+        /// is answered with an error at that deadline.
+        timeout: Duration,
     },
     /// The outcome of a call, remote or fetch; on success the body is the result.
     Reply {
@@ -252,6 +255,15 @@ pub enum Header {
         rref: RRefId,
         /// The fork dropped.
         fork: ForkId,
+    },
+    /// The creation of `rref` was abandoned before its `Remote` was sent (its tensors could
+    /// not be copied off their device): messages that referred to it arrive in its place, and
+    /// the owner settles anything they left waiting (parked fetches fail with `reason`).
+    Abandoned {
+        /// The reference that will never be created.
+        rref: RRefId,
+        /// Why.
+        reason: String,
     },
     /// Acknowledges a control message.
     Ack {
@@ -402,7 +414,8 @@ struct Owned {
     local_handles: u32,
     /// `None` while the value is being created; `Some(Ok)` once kept; `Some(Err)` if that failed.
     state: Option<Result<(), RemoteError>>,
-    fetches: Vec<(WorkerId, MessageId)>,
+    /// Fetches parked until the value exists: caller, its message id, its deadline.
+    fetches: Vec<(WorkerId, MessageId, Option<Instant>)>,
 }
 
 /// A user's record of one fork.
@@ -565,8 +578,22 @@ pub struct Endpoint<B> {
     held: HashMap<WorkerId, VecDeque<Slot<B>>>,
     /// Messages whose body is not ready yet, by id.
     deferred: HashMap<MessageId, Deferred>,
+    /// References owned here whose creation failed or was abandoned, with the error, so that
+    /// fork requests and fetches arriving later (from third parties, on other links) settle at
+    /// once instead of waiting for a creation that never comes. The most recent
+    /// [`FAILED_KEPT`]; their records are freed as soon as nobody refers to them.
+    failed: VecDeque<(RRefId, RemoteError)>,
+    /// Per creator, the highest reference id it asked us to create. Creations from one worker
+    /// arrive in order on its link, so a reference at or below it with no record here was
+    /// created and has been released (rather than not created yet).
+    created_upto: HashMap<WorkerId, u64>,
+    /// Peers lost for good (until [`handle_peer_joined`](Endpoint::handle_peer_joined)).
+    lost: HashSet<WorkerId>,
     events: VecDeque<Event<B>>,
 }
+
+/// How many failed creations an owner remembers.
+const FAILED_KEPT: usize = 4096;
 
 /// A place in a peer's queue of held messages.
 #[derive(Debug)]
@@ -605,6 +632,9 @@ impl<B> Endpoint<B> {
             transmits: VecDeque::new(),
             held: HashMap::new(),
             deferred: HashMap::new(),
+            failed: VecDeque::new(),
+            created_upto: HashMap::new(),
+            lost: HashSet::new(),
             events: VecDeque::new(),
         }
     }
@@ -721,10 +751,12 @@ impl<B> Endpoint<B> {
     pub fn poll_timeout(&self) -> Option<Instant> {
         let call = self.deadlines.first().map(|(t, _)| *t);
         let control = self.unacked.values().map(|u| u.next_try).min();
-        match (call, control) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let parked = self
+            .owned
+            .values()
+            .flat_map(|o| o.fetches.iter().filter_map(|(_, _, d)| *d))
+            .min();
+        [call, control, parked].into_iter().flatten().min()
     }
 
     // ----- commands -----
@@ -904,13 +936,14 @@ impl<B> Endpoint<B> {
         let id = self.fresh_id();
         self.track(id, handle.owner, timeout, now, None);
         if handle.owner == self.me {
-            self.owner_fetch(self.me, id, handle.rref);
+            self.owner_fetch(self.me, id, handle.rref, deadline_after(now, timeout));
         } else {
             self.send_out(Transmit {
                 to: handle.owner,
                 header: Header::Fetch {
                     id,
                     rref: handle.rref,
+                    timeout,
                 },
                 body: None,
             });
@@ -918,18 +951,31 @@ impl<B> Endpoint<B> {
         Ok(id)
     }
 
-    /// Answers an incoming request. For a `Remote` request, `Ok` means the value is now kept
-    /// under its reference (the body is not sent). A token answered twice, or after
-    /// [`stop`](Self::stop), is ignored.
-    pub fn respond(&mut self, token: RequestToken, outcome: Result<B, RemoteError>) {
+    /// Answers an incoming request; returns whether the answer was expected. For a `Remote`
+    /// request, `Ok` means the value is now kept under its reference (the body is not sent).
+    /// A token answered twice, after [`stop`](Self::stop), or from a caller lost meanwhile is
+    /// ignored (`false`): the application must then not keep the value it made.
+    pub fn respond(&mut self, token: RequestToken, outcome: Result<B, RemoteError>) -> bool {
         if !self.incoming.remove(&token) {
-            return;
+            return false;
         }
-        let RequestKind::Remote(rref) = token.kind else {
-            self.reply(token.from, token.id, outcome);
-            return;
+        let rref = match token.kind {
+            RequestKind::Remote(rref) => rref,
+            RequestKind::Fetch(rref) => {
+                // A fetch being served pins the value: the last reference may have gone since.
+                self.reply(token.from, token.id, outcome);
+                self.maybe_release(rref);
+                return true;
+            }
+            RequestKind::Call => {
+                self.reply(token.from, token.id, outcome);
+                return true;
+            }
         };
         let kept = outcome.as_ref().map(|_| ()).map_err(Clone::clone);
+        if let Err(e) = &kept {
+            self.remember_failure(rref, e);
+        }
         let waiting = match self.owned.get_mut(&rref) {
             Some(o) => {
                 if kept.is_err() && token.from != self.me {
@@ -943,10 +989,47 @@ impl<B> Endpoint<B> {
             None => Vec::new(),
         };
         self.reply(token.from, token.id, outcome);
-        for (from, id) in waiting {
-            self.owner_fetch(from, id, rref);
+        for (from, id, deadline) in waiting {
+            self.owner_fetch(from, id, rref, deadline);
         }
         self.maybe_release(rref);
+        true
+    }
+
+    /// Undoes [`fork_for`](Self::fork_for) for fork data made for worker `to` that will never
+    /// reach it (the message carrying it was abandoned before it was sent): a handle taken
+    /// for ourselves is dropped, the parent stops waiting for the child, and an owner forgets
+    /// the fork it registered.
+    pub fn cancel_fork(&mut self, data: RRefForkData, to: WorkerId, now: Instant) {
+        if data.parent != self.me {
+            return;
+        }
+        let handle = RRefHandle {
+            rref: data.rref,
+            fork: data.fork,
+            owner: data.owner,
+        };
+        if to == self.me {
+            self.drop_handle(handle, now);
+            return;
+        }
+        // Otherwise only a fresh fork for a third worker registered anything: as the owner,
+        // the fork in the reference's record; as a user, a pending child.
+        if data.owner == self.me {
+            let registered = data.fork != data.rref
+                && self
+                    .owned
+                    .get_mut(&data.rref)
+                    .is_some_and(|o| o.forks.remove(&data.fork).is_some());
+            if registered {
+                self.maybe_release(data.rref);
+            }
+        } else if let Some((parent, _)) = self.children.remove(&data.fork) {
+            if let Some(u) = self.used.get_mut(&parent) {
+                u.pending_children.remove(&data.fork);
+            }
+            self.maybe_delete_user(parent, now);
+        }
     }
 
     /// Makes the data that passes `handle` to worker `to` inside call arguments: a new fork
@@ -958,8 +1041,27 @@ impl<B> Endpoint<B> {
     ) -> Result<RRefForkData, CallError> {
         self.check_usable(handle)?;
         let me = self.me;
-        if to == me || to == handle.owner {
-            // The receiver takes a local handle (the owner) or another handle on our fork.
+        if to == me {
+            // Passed to ourselves: the receiver's handle is taken now, so the reference stays
+            // alive while the message is on its way (a handler not run yet, a body still being
+            // copied); `accept_fork` takes no other.
+            if handle.owner == me {
+                if let Some(o) = self.owned.get_mut(&handle.rref) {
+                    o.local_handles += 1;
+                }
+            } else if let Some(u) = self.used.get_mut(&handle.fork) {
+                u.handles += 1;
+            }
+            return Ok(RRefForkData {
+                rref: handle.rref,
+                fork: handle.fork,
+                owner: handle.owner,
+                parent: me,
+            });
+        }
+        if to == handle.owner {
+            // The owner takes a local handle on arrival; our fork outlives the message, since
+            // our delete of it would travel behind it.
             return Ok(RRefForkData {
                 rref: handle.rref,
                 fork: handle.fork,
@@ -988,21 +1090,36 @@ impl<B> Endpoint<B> {
     /// Takes a reference received in call arguments and returns our handle on it. A new fork
     /// from a third worker starts the confirmation with the owner.
     pub fn accept_fork(&mut self, data: RRefForkData, now: Instant) -> RRefHandle {
-        if data.owner == self.me {
-            self.owned.entry(data.rref).or_default().local_handles += 1;
-            return RRefHandle {
-                rref: data.rref,
-                fork: data.rref,
-                owner: self.me,
-            };
-        }
         let handle = RRefHandle {
             rref: data.rref,
-            fork: data.fork,
+            fork: if data.owner == self.me {
+                data.rref
+            } else {
+                data.fork
+            },
             owner: data.owner,
         };
+        if data.parent == self.me {
+            // Passed to ourselves: `fork_for` took this handle already.
+            return handle;
+        }
+        if data.owner == self.me {
+            let me = self.me;
+            let o = self.owned.entry(data.rref).or_insert_with(|| Owned {
+                // The sender's fork (or a fork request before it) would have made the record:
+                // without one, the value was never created here (its creation was abandoned).
+                state: Some(Err(RemoteError {
+                    worker: me,
+                    kind: RemoteErrorKind::RRef,
+                    message: format!("no value was ever created for {} here", data.rref),
+                })),
+                ..Owned::default()
+            });
+            o.local_handles += 1;
+            return handle;
+        }
         if let Some(u) = self.used.get_mut(&data.fork) {
-            // Passed back to ourselves, or to the owner and on: one more handle on the fork.
+            // Already held here: one more handle on the fork.
             u.handles += 1;
             return handle;
         }
@@ -1262,8 +1379,8 @@ impl<B> Endpoint<B> {
                     }
                     None => Vec::new(),
                 };
-                for (from, fetch) in waiting {
-                    self.owner_fetch(from, fetch, rref);
+                for (from, fetch, deadline) in waiting {
+                    self.owner_fetch(from, fetch, rref, deadline);
                 }
             } else if let Some(u) = self.used.get_mut(&rref) {
                 // The owner never heard of it: nothing to delete there.
@@ -1273,7 +1390,29 @@ impl<B> Endpoint<B> {
             }
         }
         if let Some(queue) = self.held.get_mut(&d.to) {
-            queue.retain(|s| !matches!(s, Slot::Waiting(w) if *w == id));
+            match (
+                &d.header,
+                queue
+                    .iter()
+                    .position(|s| matches!(s, Slot::Waiting(w) if *w == id)),
+            ) {
+                // Messages behind it may refer to the reference (a fetch, a fork passed to the
+                // owner): the owner learns that it will never exist, in the creation's place.
+                (Header::Remote { rref, .. }, Some(at)) => {
+                    queue[at] = Slot::Ready(Transmit {
+                        to: d.to,
+                        header: Header::Abandoned {
+                            rref: *rref,
+                            reason: reason.to_owned(),
+                        },
+                        body: None,
+                    });
+                }
+                (_, Some(at)) => {
+                    queue.remove(at);
+                }
+                (_, None) => {}
+            }
         }
         self.flush_held(d.to);
         self.fail(id, err);
@@ -1357,6 +1496,8 @@ impl<B> Endpoint<B> {
                 let Some(body) = self.admit(from, id, body) else {
                     return Ok(());
                 };
+                let upto = self.created_upto.entry(from).or_default();
+                *upto = (*upto).max(rref.local);
                 self.owned.entry(rref).or_default().forks.insert(fork, from);
                 let token = RequestToken {
                     from,
@@ -1372,9 +1513,9 @@ impl<B> Endpoint<B> {
                     deadline: deadline_after(now, timeout),
                 });
             }
-            Header::Fetch { id, rref } => {
+            Header::Fetch { id, rref, timeout } => {
                 if self.state == RunState::Running {
-                    self.owner_fetch(from, id, rref);
+                    self.owner_fetch(from, id, rref, deadline_after(now, timeout));
                 } else {
                     self.refuse(from, id);
                 }
@@ -1399,7 +1540,19 @@ impl<B> Endpoint<B> {
                 fork,
             } => {
                 if self.first_time(from, id, floor) {
-                    self.owned.entry(rref).or_default().forks.insert(fork, from);
+                    let failed = self
+                        .failure_of(rref)
+                        .or_else(|| self.released(rref))
+                        .or_else(|| self.creator_lost(rref))
+                        .map(Err);
+                    self.owned
+                        .entry(rref)
+                        .or_insert_with(|| Owned {
+                            state: failed,
+                            ..Owned::default()
+                        })
+                        .forks
+                        .insert(fork, from);
                 }
                 self.ack(from, id);
             }
@@ -1427,6 +1580,25 @@ impl<B> Endpoint<B> {
                     self.maybe_release(rref);
                 }
                 self.ack(from, id);
+            }
+            Header::Abandoned { rref, reason } => {
+                let err = RemoteError {
+                    worker: from,
+                    kind: RemoteErrorKind::Failed,
+                    message: reason,
+                };
+                self.remember_failure(rref, &err);
+                let waiting = match self.owned.get_mut(&rref) {
+                    Some(o) if o.state.is_none() => {
+                        o.state = Some(Err(err));
+                        std::mem::take(&mut o.fetches)
+                    }
+                    _ => Vec::new(),
+                };
+                for (caller, id, deadline) in waiting {
+                    self.owner_fetch(caller, id, rref, deadline);
+                }
+                self.maybe_release(rref);
             }
             Header::Ack { id } => self.on_ack(id, now),
         }
@@ -1476,6 +1648,13 @@ impl<B> Endpoint<B> {
                     _ => Ok(()),
                 }
             }
+            Header::Abandoned { rref, .. } if rref.created_on != from => {
+                Err(ProtocolViolation::ForeignFork {
+                    rref,
+                    fork: rref,
+                    holder: rref.created_on,
+                })
+            }
             Header::ChildAccept { fork, .. } => match self.children.get(&fork) {
                 Some(&(_, to)) if to != from => Err(ProtocolViolation::ForeignFork {
                     rref: fork,
@@ -1521,6 +1700,7 @@ impl<B> Endpoint<B> {
             };
             self.fail(id, err);
         }
+        self.expire_parked_fetches(now);
         let retry = self.config.control_retry;
         let mut resend = Vec::new();
         for u in self.unacked.values_mut() {
@@ -1542,6 +1722,7 @@ impl<B> Endpoint<B> {
     /// to it are dropped, requests from it are forgotten, and its forks no longer keep our
     /// values alive.
     pub fn handle_peer_lost(&mut self, peer: WorkerId, reason: &str, now: Instant) {
+        self.lost.insert(peer);
         let ids: Vec<MessageId> = self
             .pending
             .iter()
@@ -1563,6 +1744,19 @@ impl<B> Endpoint<B> {
         // (their calls failed above).
         self.held.remove(&peer);
         self.deferred.retain(|_, d| d.to != peer);
+        // Forks of references the lost peer owned can never be confirmed or deleted: forget
+        // them (their handles fail to fetch as unknown), and the children made from them.
+        let gone: Vec<ForkId> = self
+            .used
+            .iter()
+            .filter(|(_, u)| u.owner == peer)
+            .map(|(f, _)| *f)
+            .collect();
+        for fork in gone {
+            self.used.remove(&fork);
+        }
+        self.children
+            .retain(|_, (parent, _)| self.used.contains_key(parent));
         // Children sent to the lost peer will never accept: stop waiting for them.
         let orphans: Vec<(ForkId, ForkId)> = self
             .children
@@ -1579,12 +1773,35 @@ impl<B> Endpoint<B> {
         }
         let rrefs: Vec<RRefId> = self.owned.keys().copied().collect();
         for rref in rrefs {
+            let mut waiting = Vec::new();
             if let Some(o) = self.owned.get_mut(&rref) {
                 o.forks.retain(|_, holder| *holder != peer);
-                o.fetches.retain(|(from, _)| *from != peer);
+                o.fetches.retain(|(from, _, _)| *from != peer);
+                if o.state.is_none() && rref.created_on == peer {
+                    // Its creator is gone before its creation arrived (a placeholder made by a
+                    // third party's fork request): it will never be created.
+                    let err = RemoteError {
+                        worker: self.me,
+                        kind: RemoteErrorKind::RRef,
+                        message: format!(
+                            "{rref} was never created: its creator, worker {peer}, was lost ({reason})"
+                        ),
+                    };
+                    o.state = Some(Err(err));
+                    waiting = std::mem::take(&mut o.fetches);
+                }
+            }
+            for (from, id, deadline) in waiting {
+                self.owner_fetch(from, id, rref, deadline);
             }
             self.maybe_release(rref);
         }
+    }
+
+    /// Worker `peer` (re)joined the group (dynamic groups): it is no longer counted as lost.
+    pub fn handle_peer_joined(&mut self, peer: WorkerId) {
+        self.lost.remove(&peer);
+        self.created_upto.remove(&peer);
     }
 
     // ----- internals -----
@@ -1708,20 +1925,26 @@ impl<B> Endpoint<B> {
         self.finish(id, Err(err));
     }
 
-    fn owner_fetch(&mut self, from: WorkerId, id: MessageId, rref: RRefId) {
+    fn owner_fetch(
+        &mut self,
+        from: WorkerId,
+        id: MessageId,
+        rref: RRefId,
+        deadline: Option<Instant>,
+    ) {
         let Some(o) = self.owned.get_mut(&rref) else {
-            let err = RemoteError {
+            let err = self.failure_of(rref).unwrap_or_else(|| RemoteError {
                 worker: self.me,
                 kind: RemoteErrorKind::RRef,
                 message: format!(
                     "unknown remote reference {rref} (never created here, or already released)"
                 ),
-            };
+            });
             self.reply(from, id, Err(err));
             return;
         };
         match &o.state {
-            None => o.fetches.push((from, id)),
+            None => o.fetches.push((from, id, deadline)),
             Some(Err(e)) => {
                 let e = e.clone();
                 self.reply(from, id, Err(e));
@@ -1738,6 +1961,74 @@ impl<B> Endpoint<B> {
         }
     }
 
+    /// Remembers that creating `rref` here failed.
+    fn remember_failure(&mut self, rref: RRefId, err: &RemoteError) {
+        if self.failed.len() == FAILED_KEPT {
+            self.failed.pop_front();
+        }
+        self.failed.push_back((rref, err.clone()));
+    }
+
+    /// The error for a reference with no record here that was created and released already
+    /// (see `created_upto`), if it was.
+    fn released(&self, rref: RRefId) -> Option<RemoteError> {
+        let created = rref.created_on == self.me
+            || self
+                .created_upto
+                .get(&rref.created_on)
+                .is_some_and(|upto| rref.local <= *upto);
+        (created && !self.owned.contains_key(&rref)).then(|| RemoteError {
+            worker: self.me,
+            kind: RemoteErrorKind::RRef,
+            message: format!("{rref} was released on its owner (a worker that passed it on died before the owner learned of the fork)"),
+        })
+    }
+
+    /// The error for a reference whose creator was lost (its creation will never come).
+    fn creator_lost(&self, rref: RRefId) -> Option<RemoteError> {
+        self.lost.contains(&rref.created_on).then(|| RemoteError {
+            worker: self.me,
+            kind: RemoteErrorKind::RRef,
+            message: format!(
+                "{rref} was never created: its creator, worker {}, was lost",
+                rref.created_on
+            ),
+        })
+    }
+
+    /// Why creating `rref` here failed, if it did (and is still remembered).
+    fn failure_of(&self, rref: RRefId) -> Option<RemoteError> {
+        self.failed
+            .iter()
+            .find(|(r, _)| *r == rref)
+            .map(|(_, e)| e.clone())
+    }
+
+    /// Fetches parked on values still being created fail at their caller's deadline.
+    fn expire_parked_fetches(&mut self, now: Instant) {
+        let mut expired = Vec::new();
+        for (rref, o) in &mut self.owned {
+            o.fetches.retain(|(from, id, deadline)| {
+                let keep = deadline.is_none_or(|d| d > now);
+                if !keep {
+                    expired.push((*rref, *from, *id));
+                }
+                keep
+            });
+        }
+        for (rref, from, id) in expired {
+            let err = RemoteError {
+                worker: self.me,
+                kind: RemoteErrorKind::RRef,
+                message: format!(
+                    "the value of {rref} was still being created at the caller's deadline"
+                ),
+            };
+            self.reply(from, id, Err(err));
+            self.maybe_release(rref);
+        }
+    }
+
     fn maybe_release(&mut self, rref: RRefId) {
         let Some(o) = self.owned.get(&rref) else {
             return;
@@ -1747,7 +2038,12 @@ impl<B> Endpoint<B> {
             .incoming
             .iter()
             .any(|t| matches!(t.kind, RequestKind::Remote(r) | RequestKind::Fetch(r) if r == rref));
-        if busy || serving {
+        // A creation here whose body is still being copied is as good as one being served.
+        let creating = self
+            .deferred
+            .values()
+            .any(|d| matches!(d.header, Header::Remote { rref: r, .. } if r == rref));
+        if busy || serving || creating {
             return;
         }
         let had_value = matches!(o.state, Some(Ok(())));

@@ -858,3 +858,53 @@ fn a_deferred_call_to_self_runs_when_supplied() {
     assert_eq!(s.outcome(0, id), Some(&Ok(b"me".to_vec())));
     assert_eq!(s.deadlines[0], vec![Some(now + T)]);
 }
+
+/// The seeds the cluster simulation runs: `TW_SIM_SEED=<seed>` replays one (printed by a
+/// failure); `TW_SIM_SEEDS=<n>` runs that many.
+fn sim_seeds() -> Vec<u64> {
+    if let Some(seed) = std::env::var("TW_SIM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        return vec![seed];
+    }
+    let n = std::env::var("TW_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2_000u64);
+    (0..n).collect()
+}
+
+/// Seeded random workloads over 2 to 8 workers; every step checks the protocol's promises
+/// (see `protocol_sim`).
+#[test]
+fn cluster_simulation() {
+    let mut total = crate::protocol_sim::SimStats::default();
+    for seed in sim_seeds() {
+        let workers = 2 + (seed % 7) as u32;
+        let mut cluster = crate::protocol_sim::Cluster::new(workers, seed);
+        cluster.run(300);
+        let s = cluster.stats();
+        total.calls += s.calls;
+        total.remotes += s.remotes;
+        total.forks += s.forks;
+        total.released += s.released;
+        total.timeouts += s.timeouts;
+        total.kills += s.kills;
+        total.abandoned += s.abandoned;
+        total.lost_in_late_replies += s.lost_in_late_replies;
+    }
+    // The workload reaches every behaviour it is meant to.
+    if std::env::var("TW_SIM_SEED").is_err() {
+        assert!(
+            total.calls > 0 && total.remotes > 0 && total.forks > 0,
+            "{total:?}"
+        );
+        assert!(
+            total.released > 0 && total.timeouts > 0 && total.kills > 0,
+            "{total:?}"
+        );
+        assert!(total.abandoned > 0, "{total:?}");
+        eprintln!("cluster simulation: {total:?}");
+    }
+}

@@ -64,6 +64,8 @@ pub enum MessageKind {
     UserDelete,
     /// An acknowledgement of a control message.
     Ack,
+    /// A creation abandoned before it was sent.
+    Abandoned,
 }
 
 impl MessageKind {
@@ -77,6 +79,7 @@ impl MessageKind {
             Header::ChildAccept { .. } => Self::ChildAccept,
             Header::UserDelete { .. } => Self::UserDelete,
             Header::Ack { .. } => Self::Ack,
+            Header::Abandoned { .. } => Self::Abandoned,
             _ => return None,
         })
     }
