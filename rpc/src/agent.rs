@@ -873,7 +873,9 @@ impl Agent {
             &self.inner.device_maps,
         );
         drop(m);
-        self.lock().lost.remove(&record.rank);
+        let mut st = self.lock();
+        st.lost.remove(&record.rank);
+        st.ep.handle_peer_joined(record.rank);
     }
 
     /// Drops a worker that left or died (dynamic groups).
@@ -1017,7 +1019,7 @@ impl Agent {
                 st.waiters.insert(id, tx);
                 id
             };
-            self.supply_when_copied(id, target, prepared);
+            self.supply_when_copied(id, to, target, prepared);
         }
         self.pump();
         Ok(RpcFuture::new(
@@ -1028,11 +1030,30 @@ impl Agent {
         ))
     }
 
+    /// Undoes the forks made for `to` by an encode whose bytes will not be sent.
+    pub(crate) fn cancel_forks(
+        &self,
+        to: WorkerId,
+        forks: &[tensorwire_core::protocol::RRefForkData],
+    ) {
+        if forks.is_empty() {
+            return;
+        }
+        {
+            let mut st = self.lock();
+            for f in forks {
+                st.ep.cancel_fork(*f, to, Instant::now());
+            }
+        }
+        self.wake();
+    }
+
     /// Copies the device tensors of a deferred call or remote to host memory, then hands its
     /// body to the endpoint (or abandons it, failing the call, if a copy fails).
     fn supply_when_copied(
         &self,
         id: MessageId,
+        to: WorkerId,
         target: Option<RRefId>,
         prepared: tensors::Prepared,
     ) {
@@ -1050,7 +1071,13 @@ impl Agent {
                             tensors: wire,
                         },
                     ),
-                    Err(e) => st.ep.abandon(id, &e.to_string(), Instant::now()),
+                    Err(e) => {
+                        let now = Instant::now();
+                        st.ep.abandon(id, &e.to_string(), now);
+                        for f in &prepared.forks {
+                            st.ep.cancel_fork(*f, to, now);
+                        }
+                    }
                 }
             }
             agent.pump();
@@ -1122,7 +1149,7 @@ impl Agent {
                 st.waiters.insert(id, tx);
                 (handle, id)
             };
-            self.supply_when_copied(id, target, prepared);
+            self.supply_when_copied(id, to, target, prepared);
             handle
         };
         self.pump();
@@ -1765,14 +1792,20 @@ impl Agent {
                     e.message
                 );
             }
-            {
+            let orphan = {
                 let mut st = agent.lock();
                 if let (Some(rref), Err(_)) = (keep_as, &outcome) {
                     // Creating the value failed: calls waiting for it get told so.
                     st.value_waiters.remove(&rref);
                 }
-                st.ep.respond(token, outcome);
-            }
+                let created = keep_as.filter(|_| outcome.is_ok());
+                let expected = st.ep.respond(token, outcome);
+                // A value made for a creator lost meanwhile: nobody will ever refer to it.
+                created
+                    .filter(|_| !expected)
+                    .and_then(|rref| st.values.remove(&rref))
+            };
+            drop(orphan);
             // Let the other handlers that are ready answer too, so that their replies leave in
             // the same write (one scheduler turn; nothing waits when nothing else is ready).
             tokio::task::yield_now().await;

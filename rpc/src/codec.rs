@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use tensorwire_core::protocol::{Header, RRefHandle, RRefId, WorkerId};
+use tensorwire_core::protocol::{Header, RRefForkData, RRefHandle, RRefId, WorkerId};
 use tensorwire_core::tensor::{sidecar, Tensor, TensorMeta};
 
 use crate::agent::Agent;
@@ -23,6 +23,8 @@ thread_local! {
     static DECODING: RefCell<Option<Agent>> = const { RefCell::new(None) };
     /// The references accepted by the decode in progress on this thread.
     static ACCEPTED: RefCell<Vec<RRefHandle>> = const { RefCell::new(Vec::new()) };
+    /// The forks made by the encode in progress on this thread.
+    static FORKED: RefCell<Vec<RRefForkData>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Restores the previous context when dropped (encodes may nest).
@@ -38,15 +40,31 @@ impl<T: 'static> Drop for Restore<T> {
     }
 }
 
-/// Encodes `value` for worker `to`.
+/// Encodes `value` for worker `to`, with the forks made for the references inside it. A
+/// failed encode undoes the forks it made; a caller that then does not send the bytes must
+/// undo them with [`Agent::cancel_forks`].
 pub(crate) fn encode<T: Serialize + ?Sized>(
     agent: &Agent,
     to: WorkerId,
     value: &T,
-) -> Result<Bytes, postcard::Error> {
+) -> Result<(Bytes, Vec<RRefForkData>), postcard::Error> {
     let prev = ENCODING.with(|c| c.borrow_mut().replace((agent.clone(), to)));
     let _restore = Restore(&ENCODING, prev);
-    postcard::to_allocvec(value).map(Bytes::from)
+    let outer = FORKED.with(|f| std::mem::take(&mut *f.borrow_mut()));
+    let encoded = postcard::to_allocvec(value);
+    let forks = FORKED.with(|f| std::mem::replace(&mut *f.borrow_mut(), outer));
+    match encoded {
+        Ok(bytes) => Ok((Bytes::from(bytes), forks)),
+        Err(e) => {
+            agent.cancel_forks(to, &forks);
+            Err(e)
+        }
+    }
+}
+
+/// Notes a fork made by the encode in progress on this thread.
+pub(crate) fn forked(data: RRefForkData) {
+    FORKED.with(|f| f.borrow_mut().push(data));
 }
 
 /// Why received bytes did not decode into the expected value.

@@ -286,6 +286,7 @@ impl<T> Serialize for RRef<T> {
             .ep
             .fork_for(self.shared.handle, to)
             .map_err(|e| fail(&e.to_string()))?;
+        codec::forked(data);
         data.serialize(serializer)
     }
 }

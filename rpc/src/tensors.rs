@@ -12,6 +12,7 @@ use serde::Serialize;
 use tensorwire_core::device::Device;
 use tensorwire_core::placement::{placements, Direction, PlacementError};
 use tensorwire_core::ports::device::{DeviceBackend, DeviceError};
+use tensorwire_core::protocol::RRefForkData;
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::tensor::{sidecar, Storage, Tensor, TensorMeta};
 
@@ -42,6 +43,8 @@ pub(crate) enum TensorTransferError {
 pub(crate) struct Prepared {
     pub(crate) data: Bytes,
     pub(crate) tensors: Vec<(Tensor, Device)>,
+    /// The forks made for the references inside: undone if the message is never sent.
+    pub(crate) forks: Vec<RRefForkData>,
 }
 
 impl Prepared {
@@ -58,12 +61,13 @@ pub(crate) fn prepare<T: Serialize + ?Sized>(
     value: &T,
     direction: Direction,
 ) -> Result<Prepared, TensorTransferError> {
-    let (data, tensors) = sidecar::collect_tensors(|| codec::encode(agent, to, value));
-    let data = data?;
+    let (encoded, tensors) = sidecar::collect_tensors(|| codec::encode(agent, to, value));
+    let (data, forks) = encoded?;
     if tensors.is_empty() {
         return Ok(Prepared {
             data,
             tensors: Vec::new(),
+            forks,
         });
     }
     let to_name = agent.name_of(to);
@@ -71,15 +75,23 @@ pub(crate) fn prepare<T: Serialize + ?Sized>(
         Direction::Request => agent.device_maps().get(&to_name).cloned(),
         Direction::Response => agent.reverse_device_maps().get(&to_name).cloned(),
     };
-    let landing = placements(
+    let landing = match placements(
         &to_name,
         map.as_ref(),
         tensors.iter().map(Tensor::device),
         direction,
-    )?;
+    ) {
+        Ok(landing) => landing,
+        Err(e) => {
+            // Nothing will be sent: the forks made while encoding are undone.
+            agent.cancel_forks(to, &forks);
+            return Err(e.into());
+        }
+    };
     Ok(Prepared {
         data,
         tensors: tensors.into_iter().zip(landing).collect(),
+        forks,
     })
 }
 
