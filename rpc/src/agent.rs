@@ -1133,7 +1133,7 @@ impl Agent {
         } else {
             // Device tensors are copied to host memory first; the call goes out when they are.
             let agent = self.clone();
-            tokio::spawn(async move {
+            self.spawn(async move {
                 match tensors::to_wire(&*agent.inner.backend, prepared.tensors).await {
                     Ok(wire) => {
                         let body = Body {
@@ -1697,7 +1697,7 @@ impl Agent {
             Event::Fetch { token, rref } => {
                 let value = self.lock().values.get(&rref).cloned();
                 let agent = self.clone();
-                tokio::spawn(async move {
+                self.spawn(async move {
                     let me = agent.inner.me.id;
                     let outcome = match value {
                         Some(v) => agent.reply_body(&*v, token.from()).await,
@@ -1771,7 +1771,7 @@ impl Agent {
             self.pump();
             return;
         };
-        tokio::spawn(async move {
+        self.spawn(async move {
             // A method call on a value that is still being created waits for it.
             let target = match body.target {
                 Some(rref) => match agent.owned_value(rref).await {
