@@ -1478,8 +1478,21 @@ impl Agent {
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
+        // A barrier that times out says so with the shutdown's timeout, not its share of it.
+        let whole = |e: RpcError| match e {
+            RpcError::Timeout {
+                what, waiting_for, ..
+            } => RpcError::Timeout {
+                what: format!("shutdown: {what}"),
+                after: timeout,
+                waiting_for,
+            },
+            other => other,
+        };
         // 2. Everyone's calls are answered.
-        self.barrier("shutdown-calls", left()).await?;
+        self.barrier("shutdown-calls", left())
+            .await
+            .map_err(whole)?;
         // 3. Nothing in flight here (requests answered, control messages acknowledged).
         loop {
             if self.lock().ep.is_idle() {
@@ -1497,7 +1510,7 @@ impl Agent {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         self.lock().ep.begin_shutdown();
-        self.barrier("shutdown-idle", left()).await
+        self.barrier("shutdown-idle", left()).await.map_err(whole)
     }
 
     /// Registers the connection to `peer` and starts its reader and writer tasks.
