@@ -28,6 +28,7 @@ use tensorwire_core::protocol::{
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
 use tensorwire_core::wire::{Frame, FrameKind};
+use tensorwire_process_group::backoff::Backoff;
 use tensorwire_process_group::{rendezvous, Rendezvous, RendezvousOptions};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::{debug, info, warn};
@@ -246,8 +247,13 @@ pub(crate) fn advertise_ip(options: &RpcOptions) -> IpAddr {
 /// Starts the agent of worker `name` with rank `rank` in a static group of `world_size`
 /// workers: rendezvous, then the backend named in `options.backend` (see
 /// [`register_backend`](crate::register_backend); `TCP` by default) exchanges and validates the
-/// device plans, connects to every peer, and ends with a barrier. A bad device map fails init on
-/// every worker with the same error.
+/// device plans, connects to every peer, and ends with a handshake over those connections. A bad
+/// device map fails init on every worker with the same error.
+///
+/// In a static group, when `init_rpc` returns on any worker, every worker is connected to every
+/// other, and no worker still needs the store for init: rank 0, which hosts the store, may
+/// shut down and exit at once without failing anyone's init. A failed init has closed what it
+/// opened (the store server on rank 0 among it) when it returns.
 ///
 /// With `world_size = None` the group is dynamic: the worker joins the members that are there
 /// (rank 0 first: it hosts the store), validating everyone's device maps by the dynamic rules,
@@ -742,16 +748,18 @@ pub(crate) async fn connect_with_retry(
     limit: Duration,
 ) -> Result<Box<dyn Connection>, String> {
     let deadline = Instant::now() + limit;
-    let mut delay = Duration::from_millis(10);
+    let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
     loop {
         match transport.connect(addr).await {
             Ok(c) => return Ok(c),
             Err(e @ TransportError::Authentication { .. }) => return Err(e.to_string()),
-            Err(e) if Instant::now() + delay > deadline => return Err(e.to_string()),
             Err(e) => {
+                let delay = backoff.next_delay();
+                if Instant::now() + delay > deadline {
+                    return Err(e.to_string());
+                }
                 debug!("connect to {addr} failed ({e}); retrying in {delay:?}");
                 tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(1));
             }
         }
     }
