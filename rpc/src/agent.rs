@@ -252,8 +252,7 @@ pub(crate) fn advertise_ip(options: &RpcOptions) -> IpAddr {
 ///
 /// In a static group, when `init_rpc` returns on any worker, every worker is connected to every
 /// other, and no worker still needs the store for init: rank 0, which hosts the store, may
-/// shut down and exit at once without failing anyone's init. A failed init has closed what it
-/// opened (the store server on rank 0 among it) when it returns.
+/// shut down and exit at once without failing anyone's init.
 ///
 /// With `world_size = None` the group is dynamic: the worker joins the members that are there
 /// (rank 0 first: it hosts the store), validating everyone's device maps by the dynamic rules,
@@ -338,8 +337,8 @@ pub(crate) fn cluster_secret(options: &RpcOptions) -> Result<Option<ClusterSecre
 /// and device plan in the rendezvous store, validates everyone's device maps, connects to every
 /// peer (this worker connects to the higher ranks and accepts the lower ones), and ends with a
 /// handshake over those connections (see [`init_rpc`] for what that guarantees). With
-/// `world_size = None` it joins a dynamic group instead. On failure the rendezvous is shut down
-/// (a store this worker hosts is closed) before the error is returned.
+/// `world_size = None` it joins a dynamic group instead. A static init that fails shuts the
+/// rendezvous down (a store this worker hosts is closed) before it returns the error.
 pub async fn start_agent(
     transport: Arc<dyn Transport>,
     rdv: Rendezvous,
@@ -348,8 +347,11 @@ pub async fn start_agent(
     world_size: Option<usize>,
     options: RpcOptions,
 ) -> Result<Agent, RpcError> {
-    check_worker_name(name)?;
-    if let Err(e) = guard_group_kind(&*rdv.store, world_size.is_none()).await {
+    let checked = match check_worker_name(name) {
+        Ok(()) => guard_group_kind(&*rdv.store, world_size.is_none()).await,
+        Err(e) => Err(e.into()),
+    };
+    if let Err(e) = checked {
         rdv.shutdown().await;
         return Err(e);
     }
