@@ -510,7 +510,12 @@ async fn authenticate(
             Err(fatal("the server rejected our cluster secret".to_owned()))
         }
         Ok(Ok(status)) => Err(fatal(format!("unexpected status {status}"))),
-        Ok(Err(e)) => Err(fatal(format!("connection lost during authentication: {e}"))),
+        // A server that is closing (its process exiting, or a store stopped and started again
+        // on the same port) drops connections mid-handshake: the connection is lost, the
+        // secret was not refused, so try again within the deadline.
+        Ok(Err(e)) => Err(Attempt::Retry(format!(
+            "the connection was lost during authentication: {e}"
+        ))),
         Err(_) => Err(fatal(format!("no verdict within {limit:?}"))),
     }
 }
@@ -688,5 +693,112 @@ impl Store for TcpStoreClient {
 
     fn timeout(&self) -> Duration {
         self.inner.timeout
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ServerConfig, TcpStoreServer};
+    use tokio::net::TcpListener;
+
+    const LIMIT: Duration = Duration::from_secs(10);
+
+    fn config(secret: &ClusterSecret) -> ClientConfig {
+        ClientConfig {
+            timeout: LIMIT,
+            connect_timeout: LIMIT,
+            secret: Some(secret.clone()),
+            ..ClientConfig::default()
+        }
+    }
+
+    /// Plays a server's side of the challenge on `stream` (it knows the secret), reads the
+    /// client's proof, and returns without a verdict.
+    async fn challenge_then_stop(stream: &mut TcpStream, secret: &ClusterSecret) {
+        let mut hello = [0u8; 1 + AUTH_LEN];
+        stream.read_exact(&mut hello).await.unwrap();
+        assert_eq!(hello[0], crate::wire::AUTH_HELLO);
+        let server_nonce = auth::nonce();
+        let mut reply = vec![auth::STATUS_OK];
+        reply.extend_from_slice(&server_nonce);
+        reply.extend_from_slice(&auth::server_mac(secret, &hello[1..], &server_nonce));
+        stream.write_all(&reply).await.unwrap();
+        let mut proof = [0u8; 1 + AUTH_LEN];
+        stream.read_exact(&mut proof).await.unwrap();
+        assert_eq!(proof[0], crate::wire::AUTH_PROOF);
+    }
+
+    #[tokio::test]
+    async fn a_connection_lost_during_authentication_is_retried() {
+        let secret = ClusterSecret::new("closing store").unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let connecting = tokio::spawn({
+            let config = config(&secret);
+            async move { TcpStoreClient::connect(&addr, config).await }
+        });
+        // A store that is closing: the first connection ends in an EOF where the verdict
+        // should be, the second in a reset.
+        let accept = || async {
+            tokio::time::timeout(LIMIT, listener.accept())
+                .await
+                .expect("the client connects again after losing the connection")
+                .unwrap()
+                .0
+        };
+        let mut first = accept().await;
+        challenge_then_stop(&mut first, &secret).await;
+        drop(first);
+        let mut second = accept().await;
+        challenge_then_stop(&mut second, &secret).await;
+        // Linger 0: closing sends a reset (deprecated only because a non-zero linger blocks).
+        #[allow(deprecated)]
+        second.set_linger(Some(Duration::ZERO)).unwrap();
+        drop(second);
+        // Then the store is back on the same listener.
+        let server = TcpStoreServer::serve(
+            listener,
+            ServerConfig {
+                secret: Some(secret.clone()),
+                ..ServerConfig::default()
+            },
+        );
+        let client = tokio::time::timeout(LIMIT, connecting)
+            .await
+            .expect("connect returns")
+            .unwrap()
+            .expect("the third attempt connects");
+        client.set("k", b"v").await.unwrap();
+        assert_eq!(client.get("k").await.unwrap(), b"v");
+        server.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_rejected_secret_is_fatal_at_once() {
+        let secret = ClusterSecret::new("ours").unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let started = Instant::now();
+        let connecting = tokio::spawn({
+            let config = config(&secret);
+            async move { TcpStoreClient::connect(&addr, config).await }
+        });
+        let (mut stream, _) = listener.accept().await.unwrap();
+        challenge_then_stop(&mut stream, &secret).await;
+        stream.write_all(&[auth::STATUS_REJECTED]).await.unwrap();
+        drop(stream);
+        let err = tokio::time::timeout(LIMIT, connecting)
+            .await
+            .expect("connect returns")
+            .unwrap()
+            .expect_err("a rejected secret fails");
+        assert!(matches!(err, StoreError::Auth { .. }), "{err}");
+        assert!(err.to_string().contains("rejected"), "{err}");
+        assert!(
+            started.elapsed() < LIMIT / 2,
+            "refused at once, not retried until the deadline: {:?}",
+            started.elapsed()
+        );
     }
 }

@@ -98,6 +98,16 @@ impl Rendezvous {
     pub fn server_addr(&self) -> Option<SocketAddr> {
         self.server.as_ref().map(TcpStoreServer::local_addr)
     }
+
+    /// Lets go of the store and, on the rank that hosts it, stops the server and waits until
+    /// its listener and connections are closed (dropping a `Rendezvous` only signals the
+    /// server to stop). Other holders of [`store`](Rendezvous::store) keep their handle.
+    pub async fn shutdown(self) {
+        drop(self.store);
+        if let Some(server) = self.server {
+            server.shutdown().await;
+        }
+    }
 }
 
 /// Why a rendezvous failed.

@@ -20,7 +20,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, info, warn};
 
 use crate::auth;
@@ -126,7 +126,8 @@ impl TcpStoreServer {
         self.local_addr
     }
 
-    /// Stops accepting, closes every connection and waits for the accept loop to end.
+    /// Stops accepting, closes every connection and waits until the listener and every
+    /// connection are closed: when it returns, the port is free to bind again.
     pub async fn shutdown(mut self) {
         let _ = self.stop.send(true);
         if let Some(task) = self.task.take() {
@@ -146,6 +147,8 @@ async fn accept_loop(
     shared: Arc<Shared>,
     mut stopped: watch::Receiver<bool>,
 ) {
+    // The connections' tasks, so that stopping the server ends them too.
+    let mut connections = JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -153,7 +156,7 @@ async fn accept_loop(
                     let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
                     let shared = shared.clone();
                     let stopped = stopped.clone();
-                    tokio::spawn(async move {
+                    connections.spawn(async move {
                         let reason = serve_connection(stream, id, &shared, stopped).await;
                         shared.lock().cancel_owner(id);
                         match reason {
@@ -169,10 +172,16 @@ async fn accept_loop(
                     tokio::time::sleep(std::time::Duration::from_millis(10)).await;
                 }
             },
+            Some(_) = connections.join_next() => {}
             _ = stopped.changed() => break,
         }
     }
-    debug!("store server stopped accepting");
+    drop(listener);
+    // Every connection task ends at its next turn on the stop signal; aborting also ends one
+    // that is stuck writing to a client that does not read.
+    connections.abort_all();
+    while connections.join_next().await.is_some() {}
+    debug!("store server stopped");
 }
 
 enum Closed {

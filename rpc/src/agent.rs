@@ -28,6 +28,7 @@ use tensorwire_core::protocol::{
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
 use tensorwire_core::wire::{Frame, FrameKind};
+use tensorwire_process_group::backoff::Backoff;
 use tensorwire_process_group::{rendezvous, Rendezvous, RendezvousOptions};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::{debug, info, warn};
@@ -233,10 +234,23 @@ pub(crate) struct Inner {
     backend: Arc<dyn DeviceBackend>,
     state: Mutex<State>,
     wake: Notify,
-    store: Arc<dyn Store>,
+    /// The group's store, until shutdown lets go of it.
+    store: Mutex<Option<Arc<dyn Store>>>,
     device_maps: DeviceMaps,
     pub(crate) rendezvous: Mutex<Option<Rendezvous>>,
-    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    tasks: Mutex<Tasks>,
+}
+
+/// Every task the agent runs, so that shutdown can end them and wait until they have ended
+/// (and so let go of the connections and values they hold).
+#[derive(Default)]
+pub(crate) struct Tasks {
+    /// The connections' writers, which shutdown lets send what is queued and close first.
+    writers: tokio::task::JoinSet<()>,
+    /// Everything else: the driver, readers, accept loops, calls being served.
+    others: tokio::task::JoinSet<()>,
+    /// Set by shutdown: nothing new starts.
+    closed: bool,
 }
 
 /// A running RPC agent. Cheap to clone; every clone is the same agent.
@@ -274,8 +288,12 @@ pub(crate) fn advertise_ip(options: &RpcOptions) -> IpAddr {
 /// Starts the agent of worker `name` with rank `rank` in a static group of `world_size`
 /// workers: rendezvous, then the backend named in `options.backend` (see
 /// [`register_backend`](crate::register_backend); `TCP` by default) exchanges and validates the
-/// device plans, connects to every peer, and ends with a barrier. A bad device map fails init on
-/// every worker with the same error.
+/// device plans, connects to every peer, and ends with a handshake over those connections. A bad
+/// device map fails init on every worker with the same error.
+///
+/// In a static group, when `init_rpc` returns on any worker, every worker is connected to every
+/// other, and no worker still needs the store for init: rank 0, which hosts the store, may
+/// shut down and exit at once without failing anyone's init.
 ///
 /// With `world_size = None` the group is dynamic: the worker joins the members that are there
 /// (rank 0 first: it hosts the store), validating everyone's device maps by the dynamic rules,
@@ -359,7 +377,9 @@ pub(crate) fn cluster_secret(options: &RpcOptions) -> Result<Option<ClusterSecre
 /// The agent over `transport`, for a backend's `init_backend`: publishes this worker's record
 /// and device plan in the rendezvous store, validates everyone's device maps, connects to every
 /// peer (this worker connects to the higher ranks and accepts the lower ones), and ends with a
-/// barrier. With `world_size = None` it joins a dynamic group instead.
+/// handshake over those connections (see [`init_rpc`] for what that guarantees). With
+/// `world_size = None` it joins a dynamic group instead. A static init that fails shuts the
+/// rendezvous down (a store this worker hosts is closed) before it returns the error.
 pub async fn start_agent(
     transport: Arc<dyn Transport>,
     rdv: Rendezvous,
@@ -368,17 +388,72 @@ pub async fn start_agent(
     world_size: Option<usize>,
     options: RpcOptions,
 ) -> Result<Agent, RpcError> {
-    check_worker_name(name)?;
-    guard_group_kind(&*rdv.store, world_size.is_none()).await?;
+    let checked = match check_worker_name(name) {
+        Ok(()) => guard_group_kind(&*rdv.store, world_size.is_none()).await,
+        Err(e) => Err(e.into()),
+    };
+    if let Err(e) = checked {
+        rdv.shutdown().await;
+        return Err(e);
+    }
     let Some(world_size) = world_size else {
         return crate::dynamic::join(transport, rdv, name, rank, options).await;
     };
     let started = Instant::now();
-    let store = Arc::clone(&rdv.store);
-    let me_id = rank as WorkerId;
+    let (listener, records) =
+        match exchange_records(&*transport, &rdv, name, rank, world_size, &options).await {
+            Ok(exchanged) => exchanged,
+            Err(e) => {
+                rdv.shutdown().await;
+                return Err(e);
+            }
+        };
+    let agent = Agent::new(name, rank as WorkerId, false, &records, &rdv, &options);
+    *agent
+        .inner
+        .rendezvous
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner) = Some(rdv);
+    if let Err(e) = connect_static(
+        &agent,
+        &*transport,
+        listener,
+        &records,
+        world_size,
+        &options,
+    )
+    .await
+    {
+        agent
+            .stop_and_release(tokio::time::Instant::now(), None)
+            .await;
+        return Err(e);
+    }
+    agent.spawn(drive(agent.clone()));
+    info!(worker = %agent.inner.me, world_size, took = ?started.elapsed(), "RPC agent started");
+    Ok(agent)
+}
 
+/// Publishes this worker's record in the store, reads everyone's and validates them: returns
+/// the listener peers will connect to and the records in rank order.
+async fn exchange_records(
+    transport: &dyn Transport,
+    rdv: &Rendezvous,
+    name: &str,
+    rank: usize,
+    world_size: usize,
+    options: &RpcOptions,
+) -> Result<
+    (
+        Box<dyn tensorwire_core::ports::transport::Listener>,
+        Vec<WorkerRecord>,
+    ),
+    RpcError,
+> {
+    let store = &*rdv.store;
+    let me_id = rank as WorkerId;
     let listener = transport
-        .listen(SocketAddr::new(advertise_ip(&options), 0))
+        .listen(SocketAddr::new(advertise_ip(options), 0))
         .await?;
     let record = WorkerRecord {
         rank: me_id,
@@ -396,7 +471,7 @@ pub async fn start_agent(
     })?;
     store.set(&format!("rpc/worker/{rank}"), &encoded).await?;
     wait_ranks(
-        &*store,
+        store,
         "rpc/worker",
         (0..world_size).collect(),
         options.init_timeout,
@@ -412,7 +487,7 @@ pub async fn start_agent(
     store.set(&format!("rpc/fetched/{rank}"), b"1").await?;
     if rank == 0 {
         wait_ranks(
-            &*store,
+            store,
             "rpc/fetched",
             (0..world_size).collect(),
             options.init_timeout,
@@ -442,27 +517,7 @@ pub async fn start_agent(
     let infos: Vec<WorkerDeviceInfo> = records.iter().map(|r| r.devices.clone()).collect();
     validate_device_maps(&infos, GroupKind::Static)
         .map_err(|e| RpcError::DeviceMaps(Box::new(e)))?;
-    drop(by_name);
-    let agent = Agent::new(name, me_id, false, &records, &rdv, &options);
-    *agent
-        .inner
-        .rendezvous
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner) = Some(rdv);
-    connect_static(
-        &agent,
-        &*transport,
-        listener,
-        &records,
-        world_size,
-        &options,
-    )
-    .await?;
-    let driver = tokio::spawn(drive(agent.clone()));
-    agent.tasks().push(driver);
-    agent.barrier("init", options.init_timeout).await?;
-    info!(worker = %agent.inner.me, world_size, took = ?started.elapsed(), "RPC agent started");
-    Ok(agent)
+    Ok((listener, records))
 }
 
 impl Agent {
@@ -501,17 +556,28 @@ impl Agent {
                 confirm_waiters: HashMap::new(),
             }),
             wake: Notify::new(),
-            store: Arc::clone(&rdv.store),
+            store: Mutex::new(Some(Arc::clone(&rdv.store))),
             device_maps: options.device_maps.clone(),
             rendezvous: Mutex::new(None),
-            tasks: Mutex::new(Vec::new()),
+            tasks: Mutex::new(Tasks::default()),
         });
         Agent { inner }
     }
 }
 
+/// What a worker sends rank 0 once it is connected to every other worker, and so done with the
+/// store for init.
+const READY: &[u8] = b"tensorwire-init-ready/1";
+/// What rank 0 answers once every worker is ready: init is over on every worker.
+const GO: &[u8] = b"tensorwire-init-go/1";
+
+fn is_control(frame: &Frame, what: &[u8]) -> bool {
+    frame.kind == FrameKind::Control && &frame.header[..] == what
+}
+
 /// Static groups: accept from the lower ranks, connect to the higher ones; one connection per
-/// pair; fails naming the ranks that never connected.
+/// pair; fails naming the ranks that never connected. Then the closing handshake (see
+/// [`handshake`]), and only then are the connections handed to the agent.
 async fn connect_static(
     agent: &Agent,
     transport: &dyn Transport,
@@ -526,12 +592,15 @@ async fn connect_static(
     let expected_lower = rank;
     let (conn_tx, mut conn_rx) = mpsc::unbounded_channel::<(WorkerId, Box<dyn Connection>)>();
     let accept_tx = conn_tx.clone();
-    let accept_task = tokio::spawn(async move {
+    // Dropped on every way out, which ends the accepting and the reading of hellos.
+    let mut accepting = tokio::task::JoinSet::new();
+    accepting.spawn(async move {
+        let mut hellos = tokio::task::JoinSet::new();
         for _ in 0..expected_lower {
             match listener.accept().await {
                 Ok(conn) => {
                     let tx = accept_tx.clone();
-                    tokio::spawn(async move {
+                    hellos.spawn(async move {
                         match tokio::time::timeout(Duration::from_secs(30), conn.recv()).await {
                             Ok(Ok(frame)) => match postcard::from_bytes::<Hello>(&frame.header) {
                                 Ok(h) => {
@@ -554,10 +623,12 @@ async fn connect_static(
                 }
                 Err(e) => {
                     warn!("the RPC listener failed: {e}");
-                    return;
+                    break;
                 }
             }
         }
+        drop(listener);
+        while hellos.join_next().await.is_some() {}
     });
     for rec in records.iter().filter(|r| r.rank > me_id) {
         let conn = connect_with_retry(transport, rec.addr, options.init_timeout)
@@ -581,21 +652,18 @@ async fn connect_static(
         let _ = conn_tx.send((rec.rank, conn));
     }
     drop(conn_tx);
-    let mut connected = 0usize;
+    let mut conns: HashMap<WorkerId, Box<dyn Connection>> = HashMap::new();
     let deadline = tokio::time::Instant::now() + options.init_timeout;
-    while connected < world_size - 1 {
+    while conns.len() < world_size - 1 {
         match tokio::time::timeout_at(deadline, conn_rx.recv()).await {
             Ok(Some((peer, conn))) => {
-                agent.attach(peer, conn);
-                connected += 1;
+                conns.insert(peer, conn);
             }
             Ok(None) | Err(_) => {
-                let have: Vec<WorkerId> = agent.lock().peers.keys().copied().collect();
                 let missing: Vec<String> = (0..world_size as WorkerId)
-                    .filter(|r| *r != me_id && !have.contains(r))
+                    .filter(|r| *r != me_id && !conns.contains_key(r))
                     .map(|r| r.to_string())
                     .collect();
-                accept_task.abort();
                 return Err(RpcError::Timeout {
                     what: "init_rpc: connecting to every worker".into(),
                     after: options.init_timeout,
@@ -604,7 +672,104 @@ async fn connect_static(
             }
         }
     }
+    drop(accepting);
+    let conns = handshake(agent, conns, options.init_timeout).await?;
+    for (peer, conn) in conns {
+        agent.attach(peer, conn);
+    }
     Ok(())
+}
+
+/// Ends a static init without the store, over the new connections: every worker but rank 0
+/// sends rank 0 [`READY`] (it is connected to everyone, and its last store operation for init
+/// has been answered) and waits for [`GO`], which rank 0 sends once every worker is ready.
+/// So when init returns on any worker, no worker still needs the store, which lives in rank 0's
+/// process: rank 0 may shut down and exit at once. (A barrier through the store, as before,
+/// let rank 0 leave while the others still waited for the store's answer.)
+async fn handshake(
+    agent: &Agent,
+    mut conns: HashMap<WorkerId, Box<dyn Connection>>,
+    timeout: Duration,
+) -> Result<HashMap<WorkerId, Box<dyn Connection>>, RpcError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let lost = |peer: WorkerId, e: &dyn fmt::Display| {
+        RpcError::Init(format!(
+            "the connection to {} was lost before init ended: {e}",
+            agent.describe(peer as usize)
+        ))
+    };
+    if agent.inner.me.id != 0 {
+        let zero = conns.get(&0).ok_or_else(|| lost(0, &"no connection"))?;
+        zero.send(Frame::control(READY.to_vec(), vec![]))
+            .await
+            .map_err(|e| lost(0, &e))?;
+        return match tokio::time::timeout_at(deadline, zero.recv()).await {
+            Ok(Ok(frame)) if is_control(&frame, GO) => Ok(conns),
+            Ok(Ok(_)) => Err(RpcError::Init(format!(
+                "{} sent something else than the end of init",
+                agent.describe(0)
+            ))),
+            Ok(Err(e)) => Err(lost(0, &e)),
+            Err(_) => Err(RpcError::Timeout {
+                what: "init_rpc: waiting for rank 0 to see every worker connected".into(),
+                after: timeout,
+                waiting_for: Some(agent.describe(0)),
+            }),
+        };
+    }
+    // Rank 0: hear every worker's READY, each on its own task so a silent one can be named.
+    let mut ready = tokio::task::JoinSet::new();
+    let expected = conns.len();
+    for (peer, conn) in conns.drain() {
+        ready.spawn(async move {
+            let heard = conn.recv().await;
+            (peer, conn, heard)
+        });
+    }
+    while conns.len() < expected {
+        match tokio::time::timeout_at(deadline, ready.join_next()).await {
+            Ok(Some(Ok((peer, conn, heard)))) => match heard {
+                Ok(frame) if is_control(&frame, READY) => {
+                    conns.insert(peer, conn);
+                }
+                Ok(_) => {
+                    return Err(RpcError::Init(format!(
+                        "{} sent something else than being ready",
+                        agent.describe(peer as usize)
+                    )))
+                }
+                Err(e) => return Err(lost(peer, &e)),
+            },
+            Ok(Some(Err(e))) => return Err(RpcError::Init(format!("init handshake: {e}"))),
+            Ok(None) | Err(_) => {
+                let missing: Vec<String> = (1..=expected)
+                    .filter(|r| !conns.contains_key(&(*r as WorkerId)))
+                    .map(|r| agent.describe(r))
+                    .collect();
+                return Err(RpcError::Timeout {
+                    what: "init_rpc: waiting for every worker to connect to all others".into(),
+                    after: timeout,
+                    waiting_for: Some(missing.join(", ")),
+                });
+            }
+        }
+    }
+    for (&peer, conn) in &conns {
+        match tokio::time::timeout_at(deadline, conn.send(Frame::control(GO.to_vec(), vec![])))
+            .await
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(lost(peer, &e)),
+            Err(_) => {
+                return Err(RpcError::Timeout {
+                    what: "init_rpc: telling every worker that init is over".into(),
+                    after: timeout,
+                    waiting_for: Some(agent.describe(peer as usize)),
+                })
+            }
+        }
+    }
+    Ok(conns)
 }
 
 /// `url` with `rank` and `world_size` added to its query where it lacks them, for every scheme,
@@ -629,16 +794,18 @@ pub(crate) async fn connect_with_retry(
     limit: Duration,
 ) -> Result<Box<dyn Connection>, String> {
     let deadline = Instant::now() + limit;
-    let mut delay = Duration::from_millis(10);
+    let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
     loop {
         match transport.connect(addr).await {
             Ok(c) => return Ok(c),
             Err(e @ TransportError::Authentication { .. }) => return Err(e.to_string()),
-            Err(e) if Instant::now() + delay > deadline => return Err(e.to_string()),
             Err(e) => {
+                let delay = backoff.next_delay();
+                if Instant::now() + delay > deadline {
+                    return Err(e.to_string());
+                }
                 debug!("connect to {addr} failed ({e}); retrying in {delay:?}");
                 tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(1));
             }
         }
     }
@@ -707,11 +874,38 @@ impl Agent {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    pub(crate) fn tasks(&self) -> MutexGuard<'_, Vec<tokio::task::JoinHandle<()>>> {
+    fn tasks(&self) -> MutexGuard<'_, Tasks> {
         self.inner
             .tasks
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `task` as one of the agent's tasks: shutdown ends it and waits until it has ended.
+    /// After shutdown nothing new starts (`task` is dropped, outside the lock: it may hold
+    /// user values).
+    pub(crate) fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.track(false, task);
+    }
+
+    fn track(&self, writer: bool, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        let refused = {
+            let mut tasks = self.tasks();
+            if tasks.closed {
+                Some(task)
+            } else {
+                let set = if writer {
+                    &mut tasks.writers
+                } else {
+                    &mut tasks.others
+                };
+                // Forget the ones that ended, so the set holds the running ones only.
+                while set.try_join_next().is_some() {}
+                set.spawn(task);
+                None
+            }
+        };
+        drop(refused);
     }
 
     pub(crate) fn wake(&self) {
@@ -825,9 +1019,15 @@ impl Agent {
         self.lock().values.len()
     }
 
-    /// The group's store.
-    pub fn store(&self) -> &Arc<dyn Store> {
-        &self.inner.store
+    /// The group's store; [`RpcError::NotRunning`] once [`shutdown`](Self::shutdown) has let
+    /// go of it.
+    pub fn store(&self) -> Result<Arc<dyn Store>, RpcError> {
+        self.inner
+            .store
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .ok_or(RpcError::NotRunning)
     }
 
     fn resolve(&self, to: &WorkerRef) -> Result<WorkerId, RpcError> {
@@ -1058,7 +1258,7 @@ impl Agent {
         prepared: tensors::Prepared,
     ) {
         let agent = self.clone();
-        tokio::spawn(async move {
+        self.spawn(async move {
             let copied = tensors::to_wire(&*agent.inner.backend, prepared.tensors).await;
             {
                 let mut st = agent.lock();
@@ -1246,12 +1446,12 @@ impl Agent {
             what: format!("the all_gather {name:?} value"),
             message: e.to_string(),
         })?;
-        self.inner
-            .store
+        let store = self.store()?;
+        store
             .set(&format!("rpc/gather/{name}/{me}"), &bytes)
             .await?;
         wait_ranks(
-            &*self.inner.store,
+            &*store,
             &format!("rpc/gather/{name}"),
             ranks.clone(),
             timeout,
@@ -1264,7 +1464,7 @@ impl Agent {
             .map(|r| format!("rpc/gather/{name}/{r}"))
             .collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let values = self.inner.store.multi_get(&refs).await?;
+        let values = store.multi_get(&refs).await?;
         values
             .iter()
             .enumerate()
@@ -1282,12 +1482,10 @@ impl Agent {
     pub async fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RpcError> {
         let me = self.inner.me.id;
         let ranks = self.members().ranks();
-        self.inner
-            .store
-            .set(&format!("rpc/barrier/{name}/{me}"), b"1")
-            .await?;
+        let store = self.store()?;
+        store.set(&format!("rpc/barrier/{name}/{me}"), b"1").await?;
         wait_ranks(
-            &*self.inner.store,
+            &*store,
             &format!("rpc/barrier/{name}"),
             ranks,
             timeout,
@@ -1297,84 +1495,173 @@ impl Agent {
         .await
     }
 
-    /// Stops the agent. Graceful: waits until this worker's calls are answered, then until every
-    /// worker got there, then until every worker has answered what it was asked, and stops; each
-    /// stage is bounded by `timeout`, and an error names the workers that did not arrive.
-    /// Immediate (`graceful = false`): pending calls fail at once. Afterwards every call fails
-    /// with "RPC is no longer running".
+    /// Stops the agent, within `timeout` in all.
+    ///
+    /// Graceful: waits until this worker's calls are answered, then until every worker got
+    /// there, then until every worker has answered what it was asked, and stops; rank 0, which
+    /// hosts the store, then waits for the others to leave it. One deadline bounds all of it:
+    /// a stage that cannot finish (a dead or frozen peer) fails by the deadline with an error
+    /// that names the workers that did not arrive. Immediate (`graceful = false`): pending calls
+    /// fail at once.
+    ///
+    /// When it returns, whether it succeeded or not: every call of this agent has failed or
+    /// completed ("RPC is no longer running" afterwards); every task of the agent has ended, so
+    /// no connection of the agent is open any more (queued messages were sent and the
+    /// connections closed where the deadline allowed it); and the agent has let go of the store
+    /// — the store server this worker hosts is closed and its port free, and a `file://`
+    /// store's handle is dropped (the last worker's removes the file), also while clones of the
+    /// [`Agent`] live on. A store operation the user started and has not finished keeps its
+    /// own handle until it ends.
     pub async fn shutdown(&self, graceful: bool, timeout: Duration) -> Result<(), RpcError> {
-        let result = match (graceful, self.inner.dynamic) {
-            (true, false) => self.graceful(timeout).await,
-            (true, true) => crate::dynamic::leave(self, timeout).await,
-            (false, _) => Ok(()),
+        let deadline = tokio::time::Instant::now() + timeout;
+        let stages = async {
+            match (graceful, self.inner.dynamic) {
+                (true, false) => self.graceful(deadline, timeout).await,
+                (true, true) => crate::dynamic::leave(self, timeout).await,
+                (false, _) => Ok(()),
+            }
         };
+        // Every wait of the stages ends by the deadline and says for whom; past it, the store
+        // is what did not answer.
+        let result = tokio::time::timeout_at(deadline, stages)
+            .await
+            .unwrap_or_else(|_| {
+                Err(RpcError::Timeout {
+                    what: "shutdown".into(),
+                    after: timeout,
+                    waiting_for: Some("the store, which did not answer".into()),
+                })
+            });
+        // On a task of its own: shutdown may be called from a task of the agent (a served
+        // function), which ending the agent's tasks cancels; the agent still stops whole.
+        let agent = self.clone();
+        let leave = graceful && !self.inner.dynamic;
+        let stopped = tokio::spawn(async move {
+            agent
+                .stop_and_release(deadline, leave.then_some(deadline))
+                .await;
+        });
+        let _ = stopped.await;
+        result
+    }
+
+    /// Stops the endpoint (pending calls fail), ends every task of the agent and waits for
+    /// them, then lets go of the store. Writers get until `deadline` to send what is queued and
+    /// close their connections. With `leave_wait`, rank 0 first waits (until then) for the
+    /// others to leave the store it hosts, and the others say they left.
+    pub(crate) async fn stop_and_release(
+        &self,
+        deadline: tokio::time::Instant,
+        leave_wait: Option<tokio::time::Instant>,
+    ) {
+        let (writers, mut others) = {
+            let mut tasks = self.tasks();
+            tasks.closed = true;
+            (
+                std::mem::take(&mut tasks.writers),
+                std::mem::take(&mut tasks.others),
+            )
+        };
+        self.lock().ep.stop();
+        // Deliver the failures of pending calls now (the driver is about to stop).
+        self.pump();
         // The values this worker kept for others go too, dropped once the guard is gone (they
         // may hold remote references, whose `Drop` takes the lock; kept, they would also keep
-        // the agent alive through those references).
-        let (values, peers) = {
+        // the agent alive through those references). Dropping the links lets the writers
+        // finish; a waiter still left learns that the agent stopped.
+        let (values, peers, waiters) = {
             let mut st = self.lock();
-            st.ep.stop();
             (
                 std::mem::take(&mut st.values),
                 std::mem::take(&mut st.peers),
+                std::mem::take(&mut st.waiters),
             )
         };
-        drop((values, peers));
-        self.wake();
-        // Let the driver deliver the failures, then stop the tasks.
-        tokio::task::yield_now().await;
-        for t in self.tasks().drain(..) {
-            t.abort();
+        drop((values, peers, waiters));
+        others.abort_all();
+        while others.join_next().await.is_some() {}
+        let mut writers = writers;
+        let flushed = tokio::time::timeout_at(deadline, async {
+            while writers.join_next().await.is_some() {}
+        })
+        .await;
+        if flushed.is_err() {
+            writers.abort_all();
+            while writers.join_next().await.is_some() {}
         }
-        // Rank 0 hosts the store: wait (bounded) for the others to leave it before closing it,
-        // also when the shutdown failed, so that their errors say what happened.
-        if graceful && !self.inner.dynamic {
-            let others: Vec<usize> = self
-                .members()
-                .ranks()
-                .into_iter()
-                .filter(|r| *r != 0)
-                .collect();
-            let me = self.inner.me.id;
-            if me != 0 {
-                let _ = self.inner.store.set(&format!("rpc/left/{me}"), b"1").await;
-            } else {
-                let _ = wait_ranks(
-                    &*self.inner.store,
-                    "rpc/left",
-                    others,
-                    timeout,
-                    "shutdown: waiting for workers to leave",
-                    rank_only,
-                )
-                .await;
-            }
+        if let Some(until) = leave_wait {
+            self.leave_store(until).await;
         }
+        let store = self
+            .inner
+            .store
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(store);
         let rdv = self
             .inner
             .rendezvous
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        drop(rdv);
-        result
+        if let Some(rdv) = rdv {
+            rdv.shutdown().await;
+        }
     }
 
-    async fn graceful(&self, timeout: Duration) -> Result<(), RpcError> {
+    /// Rank 0 hosts the store: it waits (until `deadline`) for the others to say they left it
+    /// before closing it, also when the shutdown failed, so that their errors say what
+    /// happened. The others say so.
+    async fn leave_store(&self, deadline: tokio::time::Instant) {
+        let Ok(store) = self.store() else {
+            return;
+        };
+        let me = self.inner.me.id;
+        if me != 0 {
+            let key = format!("rpc/left/{me}");
+            let _ = tokio::time::timeout_at(deadline, store.set(&key, b"1")).await;
+            return;
+        }
+        let others: Vec<usize> = self
+            .members()
+            .ranks()
+            .into_iter()
+            .filter(|r| *r != 0)
+            .collect();
+        let left = wait_ranks(
+            &*store,
+            "rpc/left",
+            others,
+            deadline.saturating_duration_since(tokio::time::Instant::now()),
+            "shutdown: waiting for workers to leave",
+            rank_only,
+        );
+        let _ = tokio::time::timeout_at(deadline, left).await;
+    }
+
+    async fn graceful(
+        &self,
+        deadline: tokio::time::Instant,
+        timeout: Duration,
+    ) -> Result<(), RpcError> {
         let info = self.debug_info();
         if info.protocol.holds_references() {
             warn!(
                 "graceful shutdown while this worker still holds remote references (they stop working): {info}"
             );
         }
-        let deadline = tokio::time::Instant::now() + timeout;
+        // The waits end a little before the deadline, so that one that times out can still ask
+        // the store who is missing and say so by the deadline.
+        let waits_end = deadline - (timeout / 10).min(Duration::from_millis(500));
+        let left = || waits_end.saturating_duration_since(tokio::time::Instant::now());
         // 1. Our own calls are answered.
         loop {
             let outstanding = self.lock().ep.outstanding_calls();
             if outstanding == 0 {
                 break;
             }
-            if tokio::time::Instant::now() >= deadline {
+            if tokio::time::Instant::now() >= waits_end {
                 return Err(RpcError::Timeout {
                     what: format!("shutdown: {outstanding} calls of this worker still unanswered"),
                     after: timeout,
@@ -1383,15 +1670,27 @@ impl Agent {
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
+        // A barrier that times out says so with the shutdown's timeout, not its share of it.
+        let whole = |e: RpcError| match e {
+            RpcError::Timeout {
+                what, waiting_for, ..
+            } => RpcError::Timeout {
+                what: format!("shutdown: {what}"),
+                after: timeout,
+                waiting_for,
+            },
+            other => other,
+        };
         // 2. Everyone's calls are answered.
-        self.barrier("shutdown-calls", deadline - tokio::time::Instant::now())
-            .await?;
+        self.barrier("shutdown-calls", left())
+            .await
+            .map_err(whole)?;
         // 3. Nothing in flight here (requests answered, control messages acknowledged).
         loop {
             if self.lock().ep.is_idle() {
                 break;
             }
-            if tokio::time::Instant::now() >= deadline {
+            if tokio::time::Instant::now() >= waits_end {
                 return Err(RpcError::Timeout {
                     what:
                         "shutdown: requests still being served or references still being released"
@@ -1403,12 +1702,15 @@ impl Agent {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         self.lock().ep.begin_shutdown();
-        self.barrier("shutdown-idle", deadline - tokio::time::Instant::now())
-            .await
+        self.barrier("shutdown-idle", left()).await.map_err(whole)
     }
 
     /// Registers the connection to `peer` and starts its reader and writer tasks.
     pub(crate) fn attach(&self, peer: WorkerId, conn: Box<dyn Connection>) {
+        if self.tasks().closed {
+            // Shut down already: the connection closes here.
+            return;
+        }
         let conn: Arc<dyn Connection> = Arc::from(conn);
         let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
         let write = Arc::new(tokio::sync::Mutex::new(()));
@@ -1424,7 +1726,7 @@ impl Agent {
         );
         let writer_conn = Arc::clone(&conn);
         let agent = self.clone();
-        let writer = tokio::spawn(async move {
+        let writer = async move {
             while let Some(frame) = rx.recv().await {
                 // Everything queued meanwhile goes out with it, in as few writes as possible.
                 let mut batch = vec![frame];
@@ -1445,9 +1747,9 @@ impl Agent {
                 }
             }
             let _ = writer_conn.close().await;
-        });
+        };
         let agent = self.clone();
-        let reader = tokio::spawn(async move {
+        let reader = async move {
             loop {
                 match conn.recv().await {
                     Ok(frame) => {
@@ -1464,8 +1766,9 @@ impl Agent {
                     }
                 }
             }
-        });
-        self.tasks().extend([writer, reader]);
+        };
+        self.track(true, writer);
+        self.spawn(reader);
     }
 
     fn peer_lost(&self, peer: WorkerId, reason: &str) {
@@ -1613,7 +1916,7 @@ impl Agent {
             Event::Fetch { token, rref } => {
                 let value = self.lock().values.get(&rref).cloned();
                 let agent = self.clone();
-                tokio::spawn(async move {
+                self.spawn(async move {
                     let me = agent.inner.me.id;
                     let outcome = match value {
                         Some(v) => agent.reply_body(&*v, token.from()).await,
@@ -1695,7 +1998,7 @@ impl Agent {
             self.pump();
             return;
         };
-        tokio::spawn(async move {
+        self.spawn(async move {
             // A method call on a value that is still being created waits for it.
             let target = match body.target {
                 Some(rref) => match agent.owned_value(rref, deadline).await {

@@ -139,8 +139,7 @@ async fn join_holding_token(
         .rendezvous
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(rdv);
-    let accept = tokio::spawn(accept_joiners(agent.clone(), listener));
-    agent.tasks().push(accept);
+    agent.spawn(accept_joiners(agent.clone(), listener));
 
     let hello = postcard::to_allocvec(&Hello {
         rank: me_id,
@@ -177,8 +176,7 @@ async fn join_holding_token(
     }
     members.push(record);
     write_members(&*store, &members).await?;
-    let driver = tokio::spawn(drive(agent.clone()));
-    agent.tasks().push(driver);
+    agent.spawn(drive(agent.clone()));
     Ok(agent)
 }
 
@@ -187,7 +185,7 @@ async fn accept_joiners(agent: Agent, listener: Box<dyn Listener>) {
     loop {
         match listener.accept().await {
             Ok(conn) => {
-                tokio::spawn(welcome(agent.clone(), conn));
+                agent.spawn(welcome(agent.clone(), conn));
             }
             Err(e) => {
                 warn!("the RPC listener failed; no worker can join through this one: {e}");
@@ -250,7 +248,7 @@ pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcErr
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let store = std::sync::Arc::clone(agent.store());
+    let store = agent.store()?;
     let name = agent.worker_info().name.clone();
     acquire(&*store, &name, deadline - tokio::time::Instant::now()).await?;
     let result = async {

@@ -488,9 +488,66 @@ async fn inflight() -> Result<(), RpcError> {
     Ok(())
 }
 
+/// Init, then an immediate shutdown, then exit: rank 0 (the store's host) leaves as early as it
+/// can, which must not fail anyone's init.
+async fn init_shutdown() -> Result<(), RpcError> {
+    let (agent, rank, _) = start(|_, _| {}).await?;
+    agent.shutdown(false, Duration::from_secs(30)).await?;
+    println!("OK init-shutdown rank {rank}");
+    Ok(())
+}
+
+/// The test stops (SIGSTOP) rank `WORLD_SIZE - 1` after READY and then says `GO` on the
+/// others' standard input; they shut down gracefully with a 2 s timeout, which must fail by
+/// then naming the frozen worker.
+async fn frozen_peer() -> Result<(), RpcError> {
+    let (agent, rank, world) = start(|_, _| {}).await?;
+    println!("READY {rank}");
+    let line = tokio::task::spawn_blocking(|| {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).map(|_| line)
+    })
+    .await
+    .map_err(|e| RpcError::Init(e.to_string()))?
+    .map_err(|e| RpcError::Init(format!("reading stdin: {e}")))?;
+    if rank == world - 1 {
+        return Ok(());
+    }
+    check(line.trim() == "GO", "the test says GO")?;
+    let t0 = Instant::now();
+    match agent.shutdown(true, Duration::from_secs(2)).await {
+        Ok(()) => Err(RpcError::Init(
+            "graceful shutdown with a frozen peer succeeded".into(),
+        )),
+        Err(e) => {
+            println!(
+                "OK shutdown-error rank {rank} after_ms={}: {e}",
+                t0.elapsed().as_millis()
+            );
+            Ok(())
+        }
+    }
+}
+
+/// With `MASTER_PORT=0`, rank 0's store listens on a port of the system's choosing: print the
+/// rendezvous's log line that says where (`... rank 0 hosts the store addr=HOST:PORT ...`), so
+/// the test can start the other ranks with it.
+fn announce_store_addr() {
+    if std::env::var("RANK").as_deref() == Ok("0")
+        && std::env::var("MASTER_PORT").as_deref() == Ok("0")
+    {
+        tracing_subscriber::fmt()
+            .with_env_filter("tensorwire_process_group::rendezvous=info")
+            .with_ansi(false)
+            .with_writer(std::io::stdout)
+            .init();
+    }
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let scenario = std::env::args().nth(1).unwrap_or_default();
+    announce_store_addr();
     match choose_devices() {
         Ok(d) => {
             let _ = DEVICES.set(d);
@@ -510,6 +567,8 @@ async fn main() -> ExitCode {
         "self-rpc" => self_rpc().await,
         "dynamic" => dynamic().await,
         "quic" => quic().await,
+        "init-shutdown" => init_shutdown().await,
+        "frozen-peer" => frozen_peer().await,
         other => Err(RpcError::Init(format!("unknown scenario {other:?}"))),
     };
     match result {
