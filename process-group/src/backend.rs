@@ -31,7 +31,7 @@
 //! ```
 
 use std::cell::RefCell;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, RwLock};
 use std::time::Duration;
@@ -43,6 +43,7 @@ use tensorwire_core::ports::store::Store;
 use tensorwire_core::registry::{ProcessGroupFactory, Registry, RegistryError, RegistryKind};
 use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 
+use crate::address::advertise_ip;
 use crate::env_init::env_rendezvous;
 use crate::group::{Group, GroupOptions};
 use crate::rendezvous::RendezvousError;
@@ -139,30 +140,15 @@ pub async fn new_group(
 /// The built-in backend: a [`Group`] over the TCP transport.
 ///
 /// Options: `group_name` (default: `tw<n>` for the n-th group this process creates, so all
-/// ranks must create their groups in the same order), `listen_ip` (default: the local address
-/// the route to `MASTER_ADDR` leaves from, else 127.0.0.1), `insecure=true` (run the transport
+/// ranks must create their groups in the same order), `listen_ip` (default: the address of
+/// `TENSORWIRE_IFNAME`, else the local address the route to `MASTER_ADDR` leaves from, else
+/// 127.0.0.1; see [`crate::address`]), `insecure=true` (run the transport
 /// without `TENSORWIRE_SECRET`). Any other option is refused. Only `cpu` is supported: the
 /// collectives work on host bytes.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct TensorwireFactory;
 
 static GROUP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
-/// The local IP that packets to `MASTER_ADDR` leave from (no packet is sent): the address other
-/// ranks can reach this one at. `None` when `MASTER_ADDR` is unset or unreachable.
-pub fn route_ip() -> Option<IpAddr> {
-    let host = std::env::var("MASTER_ADDR").ok()?;
-    let target = std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), 9))
-        .ok()?
-        .next()?;
-    let bind: SocketAddr = match target {
-        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
-        SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
-    };
-    let socket = UdpSocket::bind(bind).ok()?;
-    socket.connect(target).ok()?;
-    Some(socket.local_addr().ok()?.ip())
-}
 
 #[async_trait]
 impl ProcessGroupFactory for TensorwireFactory {
@@ -205,9 +191,7 @@ impl ProcessGroupFactory for TensorwireFactory {
         }
         let name =
             name.unwrap_or_else(|| format!("tw{}", GROUP_COUNTER.fetch_add(1, Ordering::Relaxed)));
-        let ip = listen_ip
-            .or_else(route_ip)
-            .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let ip = advertise_ip(listen_ip).map_err(|e| setup(e.to_string()))?;
         let config = TcpConfig::resolve(None, insecure).map_err(|e| setup(e.to_string()))?;
         let transport = Arc::new(TcpTransport::new(config).map_err(|e| setup(e.to_string()))?);
         let options = GroupOptions::new(name)

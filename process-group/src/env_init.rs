@@ -17,6 +17,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tensorwire_core::ports::store::{Store, StoreError};
 
+use crate::launcher_env::{launcher_var_from_process, MASTER_ADDR, MASTER_PORT};
 use crate::rendezvous::{rendezvous, Rendezvous, RendezvousError, RendezvousOptions};
 use crate::ClusterSecret;
 
@@ -63,10 +64,14 @@ static TENANTS: LazyLock<Tenants> = LazyLock::new(|| Mutex::new(HashMap::new()))
 /// # Errors
 /// [`RendezvousError`]: PyTorch's texts for a missing or bad variable, or the store failure.
 pub async fn env_rendezvous(timeout: Duration) -> Result<EnvRendezvous, RendezvousError> {
-    let key = (
-        std::env::var("MASTER_ADDR").unwrap_or_default(),
-        std::env::var("MASTER_PORT").unwrap_or_default(),
-    );
+    // As the rendezvous reads them: explicit variables, else Slurm's.
+    let var = |name| {
+        launcher_var_from_process(name)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    };
+    let key = (var(MASTER_ADDR), var(MASTER_PORT));
     let existing = TENANTS
         .lock()
         .unwrap_or_else(|e| e.into_inner())

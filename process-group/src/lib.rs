@@ -20,6 +20,7 @@
 
 use std::time::Duration;
 
+pub mod address;
 pub mod auth;
 mod backend;
 pub mod backoff;
@@ -28,6 +29,8 @@ pub mod env_init;
 mod executor;
 pub mod file;
 mod group;
+pub mod hostlist;
+pub mod launcher_env;
 mod memory;
 pub mod mesh;
 #[cfg(feature = "nccl")]
@@ -39,9 +42,9 @@ mod state;
 pub mod wire;
 
 pub use backend::{
-    backend_registered, current_process_group, new_group, register_backend, route_ip,
-    with_process_group, with_process_group_sync, BackendOptions, DynFactory, NewGroupError,
-    TensorwireFactory, TENSORWIRE_BACKEND,
+    backend_registered, current_process_group, new_group, register_backend, with_process_group,
+    with_process_group_sync, BackendOptions, DynFactory, NewGroupError, TensorwireFactory,
+    TENSORWIRE_BACKEND,
 };
 pub use client::{ClientConfig, TcpStoreClient};
 pub use file::FileStore;
@@ -51,6 +54,8 @@ pub use group::{
 };
 pub use tensorwire_core::auth::ClusterSecret;
 
+pub use address::{advertise_ip, route_ip, AddressError};
+pub use launcher_env::{DistEnv, LauncherEnvError};
 pub use memory::InMemoryStore;
 pub use rendezvous::{rendezvous, Rendezvous, RendezvousError, RendezvousOptions};
 

@@ -1,7 +1,8 @@
 //! Rendezvous: how the ranks of a group find a shared [`Store`], as `torch.distributed` does it.
 //!
 //! - `env://`: `MASTER_ADDR`, `MASTER_PORT`, `RANK` and `WORLD_SIZE` from the environment
-//!   (`rank` and `world_size` may also come from the URL's query, which wins).
+//!   (`rank` and `world_size` may also come from the URL's query, which wins); under Slurm,
+//!   its variables stand in for unset ones ([`crate::launcher_env`]).
 //! - `tcp://host:port?rank=R&world_size=N`
 //! - `file:///path?rank=R&world_size=N`: a [`FileStore`] in `path`.
 //!
@@ -33,10 +34,16 @@ use tensorwire_core::ports::store::{Store, StoreError};
 use tokio::time::Instant;
 use tracing::{debug, info};
 
+use crate::launcher_env::launcher_var;
 use crate::{
     ClientConfig, ClusterSecret, FileStore, ServerConfig, TcpStoreClient, TcpStoreServer,
     DEFAULT_TIMEOUT,
 };
+
+/// Set to `1` by a launcher that serves the job's store on `MASTER_ADDR:MASTER_PORT` itself
+/// (`tensorwire launch --nnodes N`, as torchrun's `TORCHELASTIC_USE_AGENT_STORE`): rank 0 then
+/// connects to that store instead of starting one.
+pub const LAUNCHER_STORE_ENV: &str = "TENSORWIRE_LAUNCHER_STORE";
 
 /// The join counter, unprefixed: the key PyTorch's `TCPStore` counts workers with.
 const JOIN_COUNTER: &str = "init/";
@@ -172,6 +179,12 @@ pub async fn rendezvous_with_env(
     options: RendezvousOptions,
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<Rendezvous, RendezvousError> {
+    let mut options = options;
+    if env(LAUNCHER_STORE_ENV).is_some_and(|v| v == "1") {
+        // `tensorwire launch --nnodes N` serves the job's store itself (and watches it for
+        // failures); rank 0 then connects to it like every other rank.
+        options.embed_server = false;
+    }
     match parse(url, &env)? {
         Target::Tcp {
             host,
@@ -237,11 +250,14 @@ fn parse(url: &str, env: &impl Fn(&str) -> Option<String>) -> Result<Target, Ren
     };
     let target = match scheme {
         "env" => {
-            // PyTorch's order and wording; an empty variable counts as not set.
+            // PyTorch's order and wording; an empty variable counts as not set. Slurm's
+            // variables stand in for unset ones (see `launcher_env`).
             let var = |name: &str| {
-                env(name).filter(|v| !v.is_empty()).ok_or_else(|| {
-                    invalid(format!("environment variable {name} expected, but not set"))
-                })
+                launcher_var(name, env)
+                    .map_err(|e| invalid(e.to_string()))?
+                    .ok_or_else(|| {
+                        invalid(format!("environment variable {name} expected, but not set"))
+                    })
             };
             let rank = match from_query("rank") {
                 Some(v) => int("rank", v)?,
@@ -551,6 +567,42 @@ mod tests {
                 rank: 0,
                 world_size: 4
             }
+        );
+    }
+
+    #[test]
+    fn env_reads_slurm_where_explicit_variables_are_unset() {
+        let slurm = [
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "6"),
+            ("SLURM_JOB_NODELIST", "node[07-09]"),
+            ("SLURM_JOB_ID", "123"),
+        ];
+        assert_eq!(
+            parse("env://", &env_of(&slurm)).unwrap(),
+            Target::Tcp {
+                host: "node07".into(),
+                port: 15123,
+                rank: 3,
+                world_size: 6
+            }
+        );
+        let mut vars = slurm.to_vec();
+        vars.extend([("MASTER_ADDR", "10.0.0.9"), ("RANK", "1")]);
+        assert_eq!(
+            parse("env://", &env_of(&vars)).unwrap(),
+            Target::Tcp {
+                host: "10.0.0.9".into(),
+                port: 15123,
+                rank: 1,
+                world_size: 6
+            }
+        );
+        let mut vars = slurm.to_vec();
+        vars[2] = ("SLURM_JOB_NODELIST", "node[07-");
+        assert_eq!(
+            err("env://", &vars),
+            "Error initializing torch.distributed using env:// rendezvous: cannot take MASTER_ADDR from SLURM_JOB_NODELIST: host list \"node[07-\" has unbalanced brackets"
         );
     }
 

@@ -9,7 +9,7 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -276,13 +276,11 @@ fn secret_bytes(options: &RpcOptions) -> Option<Vec<u8>> {
     })
 }
 
-/// The address peers reach us at: the configured one, else the local address that routes to
-/// `MASTER_ADDR` (loopback when that is local), else loopback.
-pub(crate) fn advertise_ip(options: &RpcOptions) -> IpAddr {
-    options
-        .listen_ip
-        .or_else(tensorwire_process_group::route_ip)
-        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+/// The address peers reach us at: the configured one, else `TENSORWIRE_IFNAME`'s, else the
+/// local address that routes to `MASTER_ADDR`, else loopback; a loopback address in a group
+/// that spans hosts is an error (see `tensorwire_process_group::address`).
+pub(crate) fn advertise_ip(options: &RpcOptions) -> Result<IpAddr, RpcError> {
+    Ok(tensorwire_process_group::advertise_ip(options.listen_ip)?)
 }
 
 /// Starts the agent of worker `name` with rank `rank` in a static group of `world_size`
@@ -453,7 +451,7 @@ async fn exchange_records(
     let store = &*rdv.store;
     let me_id = rank as WorkerId;
     let listener = transport
-        .listen(SocketAddr::new(advertise_ip(options), 0))
+        .listen(SocketAddr::new(advertise_ip(options)?, 0))
         .await?;
     let record = WorkerRecord {
         rank: me_id,

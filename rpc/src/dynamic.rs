@@ -115,7 +115,7 @@ async fn join_holding_token(
         )));
     }
     let listener = transport
-        .listen(std::net::SocketAddr::new(advertise_ip(&options), 0))
+        .listen(std::net::SocketAddr::new(advertise_ip(&options)?, 0))
         .await?;
     let record = WorkerRecord {
         rank: me_id,

@@ -68,6 +68,10 @@ pub enum RpcError {
     /// is registered twice.
     #[error(transparent)]
     Backend(#[from] tensorwire_core::registry::RegistryError),
+    /// No address peers can reach could be chosen (a bad `TENSORWIRE_IFNAME`, or loopback in a
+    /// group that spans hosts).
+    #[error(transparent)]
+    Address(#[from] tensorwire_process_group::AddressError),
     /// Rendezvous failed.
     #[error(transparent)]
     Rendezvous(#[from] RendezvousError),

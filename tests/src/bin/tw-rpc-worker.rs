@@ -544,6 +544,120 @@ fn announce_store_addr() {
     }
 }
 
+/// A process group and the store across hosts: `new_group` (env://), each rank publishes the
+/// address it advertises in the group's store and checks everyone's (rank `r` must be on
+/// `10.77.0.<r / TW_PER_HOST + 1>` when `TW_PER_HOST` is set), then all_reduce, all_gather_object
+/// and barrier. Prints `OK pg rank R init_ms=...`.
+async fn pg_store() -> Result<(), RpcError> {
+    use tensorwire_core::collective::ReduceOp;
+    use tensorwire_process_group::{env_init::env_rendezvous, new_group, CollectivesExt};
+    // Explicit variables or Slurm's, as the rendezvous reads them.
+    let dist =
+        tensorwire_process_group::DistEnv::from_env().map_err(|e| RpcError::Init(e.to_string()))?;
+    let (rank, world) = (dist.rank, dist.world_size);
+    let timeout = Duration::from_secs(30);
+    let fail = |what: &str, e: &dyn std::fmt::Display| RpcError::Init(format!("{what}: {e}"));
+    let t0 = Instant::now();
+    let pg = new_group("tensorwire", timeout, Device::Cpu, Vec::new())
+        .await
+        .map_err(|e| fail("new_group", &e))?;
+    let init = t0.elapsed();
+    // The group's own store (the rendezvous is reused within the process).
+    let store = env_rendezvous(timeout)
+        .await
+        .map_err(|e| fail("env_rendezvous", &e))?
+        .store;
+    let me = tensorwire_process_group::advertise_ip(None)?;
+    store
+        .set(&format!("hosts/ip/{rank}"), me.to_string().as_bytes())
+        .await?;
+    pg.barrier().await.map_err(|e| fail("barrier", &e))?;
+    let keys: Vec<String> = (0..world).map(|r| format!("hosts/ip/{r}")).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let ips = store.multi_get(&keys).await?;
+    if let Ok(per_host) = std::env::var("TW_PER_HOST") {
+        let per_host: usize = per_host.parse().expect("TW_PER_HOST is a number");
+        for (r, ip) in ips.iter().enumerate() {
+            let want = format!("10.77.0.{}", r / per_host + 1);
+            check(
+                *ip == want.as_bytes(),
+                &format!(
+                    "rank {r} advertises {} (want {want})",
+                    String::from_utf8_lossy(ip)
+                ),
+            )?;
+        }
+    }
+    let mut sum = [rank as i64];
+    pg.all_reduce_typed(&mut sum, ReduceOp::Sum)
+        .await
+        .map_err(|e| fail("all_reduce", &e))?;
+    check(
+        sum[0] == (world * (world - 1) / 2) as i64,
+        "all_reduce across hosts",
+    )?;
+    let ranks: Vec<usize> = pg
+        .all_gather_object(&rank)
+        .await
+        .map_err(|e| fail("all_gather_object", &e))?;
+    check(
+        ranks == (0..world).collect::<Vec<_>>(),
+        "all_gather_object across hosts",
+    )?;
+    pg.barrier().await.map_err(|e| fail("barrier", &e))?;
+    pg.shutdown().await;
+    println!(
+        "OK pg rank {rank} local {} init_ms={} me={me}",
+        dist.local_rank,
+        init.as_millis()
+    );
+    Ok(())
+}
+
+/// A link cut mid-run: everyone starts and prints `READY R`, then waits for a line on stdin.
+/// Rank 0, once it reads one (the test cuts a host's link first), calls every other worker at
+/// once with a `TW_CALL_TIMEOUT_MS` bound (default 1000) and prints `OK reached wN` or
+/// `OK failed wN after_ms=T: ERROR` for each, then exits.
+async fn cut() -> Result<(), RpcError> {
+    let (agent, rank, world) = start(|_, _| {}).await?;
+    println!("READY {rank}");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = tokio::task::spawn_blocking(|| {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line)
+    })
+    .await;
+    if rank != 0 {
+        return Ok(());
+    }
+    let bound = Duration::from_millis(
+        std::env::var("TW_CALL_TIMEOUT_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1000),
+    );
+    let t0 = Instant::now();
+    let calls = (1..world)
+        .map(|peer| {
+            agent
+                .rpc_async::<_, String>(peer as u32, "whoami", &(), Some(bound))
+                .map(|f| (peer, f))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    for (peer, call) in calls {
+        match call.await {
+            Ok(_) => println!("OK reached w{peer}"),
+            Err(e) => println!(
+                "OK failed w{peer} after_ms={}: {e}",
+                t0.elapsed().as_millis()
+            ),
+        }
+    }
+    let _ = std::io::stdout().flush();
+    std::process::exit(0);
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let scenario = std::env::args().nth(1).unwrap_or_default();
@@ -569,6 +683,8 @@ async fn main() -> ExitCode {
         "quic" => quic().await,
         "init-shutdown" => init_shutdown().await,
         "frozen-peer" => frozen_peer().await,
+        "pg" => pg_store().await,
+        "cut" => cut().await,
         other => Err(RpcError::Init(format!("unknown scenario {other:?}"))),
     };
     match result {
