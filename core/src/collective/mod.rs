@@ -182,6 +182,18 @@ pub enum CollectiveError {
         /// The input's length.
         actual: usize,
     },
+    /// The reduction is not defined on the element type (see [`ReduceOp::supports`]): gloo
+    /// refuses it too.
+    #[error(
+        "{op} is not defined on {element} elements (as in gloo: band, bor and bxor take integers \
+         and bool, avg takes floating types)"
+    )]
+    UnsupportedReduction {
+        /// The operation.
+        op: ReduceOp,
+        /// The element type.
+        element: ElementType,
+    },
     /// The slices given to a reduction differ in length or are not whole elements.
     #[error(
         "cannot reduce {incoming} bytes into {acc} bytes of {element}: lengths must match and be a multiple of {} bytes",
