@@ -481,7 +481,11 @@ mod tests {
     #[test]
     fn half_floats_reduce_through_f32_and_round_to_nearest() {
         use half::{bf16, f16};
-        let a = [f16::from_f32(1.0), f16::from_f32(2048.0), f16::from_f32(-0.0)];
+        let a = [
+            f16::from_f32(1.0),
+            f16::from_f32(2048.0),
+            f16::from_f32(-0.0),
+        ];
         let b = [f16::from_f32(1e-4), f16::from_f32(1.0), f16::from_f32(0.0)];
         let mut acc: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
         let inc: Vec<u8> = b.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -513,10 +517,24 @@ mod tests {
         reduce_into(ReduceOp::Sum, ElementType::U8, &mut acc, &[10, 1, 0], true).unwrap();
         assert_eq!(acc, [4, 0b1101, 7]);
         let mut acc = vec![0b1100u8, 0b1100];
-        reduce_into(ReduceOp::BXor, ElementType::U8, &mut acc, &[0b1010, 0], true).unwrap();
+        reduce_into(
+            ReduceOp::BXor,
+            ElementType::U8,
+            &mut acc,
+            &[0b1010, 0],
+            true,
+        )
+        .unwrap();
         assert_eq!(acc, [0b0110, 0b1100]);
         let mut acc = vec![(-128i8) as u8, 5];
-        reduce_into(ReduceOp::Min, ElementType::I8, &mut acc, &[0, (-3i8) as u8], true).unwrap();
+        reduce_into(
+            ReduceOp::Min,
+            ElementType::I8,
+            &mut acc,
+            &[0, (-3i8) as u8],
+            true,
+        )
+        .unwrap();
         assert_eq!(acc, [(-128i8) as u8, (-3i8) as u8]);
         let mut acc = vec![127u8];
         reduce_into(ReduceOp::Sum, ElementType::I8, &mut acc, &[1], true).unwrap();
