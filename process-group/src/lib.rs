@@ -32,6 +32,7 @@ mod memory;
 pub mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod p2p;
 pub mod rendezvous;
 mod server;
 pub mod setup;
@@ -52,6 +53,7 @@ pub use group::{
 pub use tensorwire_core::auth::ClusterSecret;
 
 pub use memory::InMemoryStore;
+pub use p2p::Work;
 pub use rendezvous::{rendezvous, Rendezvous, RendezvousError, RendezvousOptions};
 
 pub use server::{ServerConfig, TcpStoreServer};
