@@ -35,7 +35,7 @@ use tensorwire_core::collective::{
     self, AllGatherAlgorithm, AllReduceAlgorithm, CollectiveError, ElementType, ReduceOp, Schedule,
     Signature,
 };
-use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::{Pending, ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Transport;
 use tokio::time::Instant;
@@ -287,35 +287,6 @@ impl Group {
             return Ok(());
         };
         Err(ProcessGroupError::Arguments { collective, source })
-    }
-
-    /// Sends `data` to `dst` with `tag` without waiting: the message is numbered now (so it
-    /// keeps its place among this rank's messages to `dst` with `tag`) and sent on a task;
-    /// await the returned [`Work`] for the result. See [`ProcessGroup::send`].
-    pub fn isend(&self, data: Bytes, dst: usize, tag: u32) -> Work<()> {
-        if let Err(e) = self.check_peer("send", dst) {
-            return Work::failed(e);
-        }
-        let n = self.inner.sent.take(dst, tag);
-        let group = self.clone();
-        Work::spawn("send", dst, async move {
-            group.send_numbered(data, dst, tag, n).await
-        })
-    }
-
-    /// Receives the next message `src` sends here with `tag` without waiting: the receive is
-    /// numbered now (so it gets the message after those of the receives issued before it)
-    /// and waits on a task; await the returned [`Work`] for the bytes. See
-    /// [`ProcessGroup::recv`].
-    pub fn irecv(&self, src: usize, tag: u32) -> Work<Bytes> {
-        if let Err(e) = self.check_peer("recv", src) {
-            return Work::failed(e);
-        }
-        let n = self.inner.received.take(src, tag);
-        let group = self.clone();
-        Work::spawn("recv", src, async move {
-            group.recv_numbered(src, tag, n).await
-        })
     }
 
     async fn send_numbered(
@@ -942,6 +913,34 @@ impl ProcessGroup for Group {
         self.check_peer("recv", src)?;
         let n = self.inner.received.take(src, tag);
         self.recv_numbered(src, tag, n).await
+    }
+
+    /// Sends `data` to `dst` with `tag` without waiting: the message is numbered now (so it
+    /// keeps its place among this rank's messages to `dst` with `tag`) and sent on a task;
+    /// the returned future (a [`Work`]) gives the result.
+    fn isend(&self, data: Bytes, dst: usize, tag: u32) -> Pending<'_, ()> {
+        if let Err(e) = self.check_peer("send", dst) {
+            return Box::pin(Work::failed(e));
+        }
+        let n = self.inner.sent.take(dst, tag);
+        let group = self.clone();
+        Box::pin(Work::spawn("send", dst, async move {
+            group.send_numbered(data, dst, tag, n).await
+        }))
+    }
+
+    /// Receives the next message `src` sends here with `tag` without waiting: the receive is
+    /// numbered now (so it gets the message after those of the receives issued before it)
+    /// and waits on a task; the returned future (a [`Work`]) gives the bytes.
+    fn irecv(&self, src: usize, tag: u32) -> Pending<'_, Bytes> {
+        if let Err(e) = self.check_peer("recv", src) {
+            return Box::pin(Work::failed(e));
+        }
+        let n = self.inner.received.take(src, tag);
+        let group = self.clone();
+        Box::pin(Work::spawn("recv", src, async move {
+            group.recv_numbered(src, tag, n).await
+        }))
     }
 
     /// Rank 0 receives an empty message from every other rank in one step (in rank order),

@@ -275,6 +275,23 @@ pub trait ProcessGroup: Send + Sync {
         })
     }
 
+    /// [`send`](Self::send) without waiting for it: returns a future of its result. A backend
+    /// that can overlap point-to-point messages issues the send when this returns (numbering
+    /// it, so that it keeps its place among this rank's messages to `dst` with `tag`) and
+    /// carries it out whether or not the future is polled; the default sends when the
+    /// future is first polled.
+    fn isend(&self, data: Bytes, dst: usize, tag: u32) -> Pending<'_, ()> {
+        Box::pin(async move { self.send(&data, dst, tag).await })
+    }
+
+    /// [`recv`](Self::recv) without waiting for it: returns a future of the bytes. A backend
+    /// that can overlap point-to-point messages issues the receive when this returns (so it
+    /// gets the message after those of the receives issued before it); the default receives
+    /// when the future is first polled.
+    fn irecv(&self, src: usize, tag: u32) -> Pending<'_, Bytes> {
+        Box::pin(self.recv(src, tag))
+    }
+
     /// A barrier that says who did not come: rank 0 waits up to `timeout` (the group's when
     /// `None`) for every other rank, then lets them all go. When some do not arrive in time,
     /// rank 0 fails with [`MonitoredBarrier`](ProcessGroupError::MonitoredBarrier) naming
@@ -465,6 +482,11 @@ fn decode_blocks(bytes: &[u8], count: usize) -> Option<Vec<Bytes>> {
     }
     (offset == bytes.len()).then_some(out)
 }
+
+/// A point-to-point operation in progress ([`ProcessGroup::isend`], [`ProcessGroup::irecv`]):
+/// await it for the result (PyTorch's `Work.wait()`).
+pub type Pending<'a, T> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, ProcessGroupError>> + Send + 'a>>;
 
 /// The most bytes [`ProcessGroup::broadcast_bytes`] accepts from a root (1 GiB, the
 /// transports' default frame limit); a larger announced length is refused before anything is
