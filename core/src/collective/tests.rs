@@ -685,17 +685,14 @@ fn check_reduce(
 #[test]
 fn reduce_every_world_every_root() {
     for n in 1..=MAX_WORLD {
+        let out = check_reduce(n, 0, 0, ElementType::I64, ReduceOp::Sum).unwrap();
+        assert_eq!(out.depth, 0, "world {n}");
         for root in 0..n {
-            for count in [0, 3] {
-                let out = check_reduce(n, root, count, ElementType::I64, ReduceOp::Sum).unwrap();
-                assert_eq!(
-                    out.depth,
-                    if count == 0 { 0 } else { ceil_log2(n) },
-                    "world {n}"
-                );
-            }
+            let out = check_reduce(n, root, 3, ElementType::I64, ReduceOp::Sum).unwrap();
+            assert_eq!(out.depth, ceil_log2(n), "world {n}");
         }
-        for (element, op) in supported_pairs() {
+        // A fifth of the (type, op) pairs per world size: every pair within five sizes.
+        for (element, op) in supported_pairs().into_iter().skip(n % 5).step_by(5) {
             check_reduce(n, n / 3, 2, element, op).unwrap();
         }
     }
@@ -755,7 +752,7 @@ fn reduce_scatter_every_world_even_and_uneven_chunks() {
                 assert!(out.heard.iter().all(|h| *h == everyone(n)));
             }
         }
-        for (element, op) in supported_pairs() {
+        for (element, op) in supported_pairs().into_iter().skip(n % 5).step_by(5) {
             check_reduce_scatter(&patterns[2], element, op).unwrap();
         }
     }
