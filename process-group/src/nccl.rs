@@ -533,6 +533,27 @@ fn with_device(tensor: &Tensor, buffer: DeviceBuffer) -> Tensor {
         .expect("a collective keeps the byte length")
 }
 
+/// Refuses, before anything is issued, an op the element type does not take (as gloo does)
+/// and the ops NCCL has no operation for (the bitwise ones; avg is not wired up).
+fn check_op(op: ReduceOp, element: ElementType) -> Result<(), ProcessGroupError> {
+    op.check(element)
+        .map_err(|source| ProcessGroupError::Arguments {
+            collective: "all_reduce",
+            source,
+        })?;
+    let collective = match op {
+        ReduceOp::Avg => "all_reduce with avg",
+        ReduceOp::BAnd => "all_reduce with band",
+        ReduceOp::BOr => "all_reduce with bor",
+        ReduceOp::BXor => "all_reduce with bxor",
+        _ => return Ok(()),
+    };
+    Err(ProcessGroupError::Unsupported {
+        collective,
+        backend: NCCL_BACKEND,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -639,23 +660,3 @@ mod tests {
     }
 }
 
-/// Refuses, before anything is issued, an op the element type does not take (as gloo does)
-/// and the ops NCCL has no operation for (the bitwise ones; avg is not wired up).
-fn check_op(op: ReduceOp, element: ElementType) -> Result<(), ProcessGroupError> {
-    op.check(element)
-        .map_err(|source| ProcessGroupError::Arguments {
-            collective: "all_reduce",
-            source,
-        })?;
-    let collective = match op {
-        ReduceOp::Avg => "all_reduce with avg",
-        ReduceOp::BAnd => "all_reduce with band",
-        ReduceOp::BOr => "all_reduce with bor",
-        ReduceOp::BXor => "all_reduce with bxor",
-        _ => return Ok(()),
-    };
-    Err(ProcessGroupError::Unsupported {
-        collective,
-        backend: NCCL_BACKEND,
-    })
-}
