@@ -659,4 +659,3 @@ mod tests {
         pg.barrier().await.unwrap();
     }
 }
-
