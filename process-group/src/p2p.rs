@@ -9,6 +9,9 @@
 //! n-th `recv(src, tag)` issued gets the n-th message `src` sent with `tag`, however the
 //! messages and the receives then overtake one another (an `irecv` on its own task, or two
 //! `isend`s whose frames race).
+//!
+//! A receive that times out keeps its place: the message it waited for, should it arrive
+//! later, is dropped (its slot is forgotten), and the next receive gets the message after it.
 
 use std::collections::HashMap;
 use std::future::Future;
