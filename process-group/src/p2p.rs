@@ -11,7 +11,8 @@
 //! `isend`s whose frames race).
 //!
 //! A receive that times out keeps its place: the message it waited for, should it arrive
-//! later, is dropped (its slot is forgotten), and the next receive gets the message after it.
+//! later, is never delivered (it stays filed until the group is dropped), and the next
+//! receive gets the message after it.
 
 use std::collections::HashMap;
 use std::future::Future;
