@@ -917,7 +917,7 @@ impl ProcessGroup for Group {
 
     /// Sends `data` to `dst` with `tag` without waiting: the message is numbered now (so it
     /// keeps its place among this rank's messages to `dst` with `tag`) and sent on a task;
-    /// the returned future (a [`Work`]) gives the result.
+    /// the returned future gives the result, and the send goes on if it is dropped.
     fn isend(&self, data: Bytes, dst: usize, tag: u32) -> Pending<'_, ()> {
         if let Err(e) = self.check_peer("send", dst) {
             return Box::pin(Work::failed(e));
@@ -931,7 +931,7 @@ impl ProcessGroup for Group {
 
     /// Receives the next message `src` sends here with `tag` without waiting: the receive is
     /// numbered now (so it gets the message after those of the receives issued before it)
-    /// and waits on a task; the returned future (a [`Work`]) gives the bytes.
+    /// and waits on a task; the returned future gives the bytes.
     fn irecv(&self, src: usize, tag: u32) -> Pending<'_, Bytes> {
         if let Err(e) = self.check_peer("recv", src) {
             return Box::pin(Work::failed(e));

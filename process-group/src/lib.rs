@@ -53,7 +53,6 @@ pub use group::{
 pub use tensorwire_core::auth::ClusterSecret;
 
 pub use memory::InMemoryStore;
-pub use p2p::Work;
 pub use rendezvous::{rendezvous, Rendezvous, RendezvousError, RendezvousOptions};
 
 pub use server::{ServerConfig, TcpStoreServer};

@@ -51,15 +51,15 @@ impl Counters {
     }
 }
 
-/// A point-to-point operation in progress: `isend` and `irecv` return one, and awaiting it
-/// gives the operation's result (PyTorch's `Work.wait()`).
+/// A point-to-point operation in progress: the group's `isend` and `irecv` return one (boxed),
+/// and awaiting it gives the operation's result (PyTorch's `Work.wait()`).
 ///
 /// The operation was issued (numbered and started) when `isend`/`irecv` returned; it runs on
 /// its own task and ends by itself, within the group's timeout. Dropping a `Work` does not
 /// cancel it (a send cut off halfway would break the connection): the result is then lost.
 #[must_use = "await the Work to learn whether the operation succeeded"]
 #[derive(Debug)]
-pub struct Work<T> {
+pub(crate) struct Work<T> {
     state: State<T>,
 }
 
@@ -92,14 +92,6 @@ impl<T: Send + 'static> Work<T> {
                 peer,
                 what,
             },
-        }
-    }
-
-    /// Whether the operation has ended (successfully or not); awaiting it then returns at once.
-    pub fn is_completed(&self) -> bool {
-        match &self.state {
-            State::Failed(_) => true,
-            State::Running { task, .. } => task.is_finished(),
         }
     }
 }
