@@ -308,7 +308,7 @@ fn monitored_barrier_failure(world: usize, absent: &str, wait_all: bool) -> Stri
     let env = [
         ("TW_ABSENT", absent.to_owned()),
         ("TW_WAIT_ALL", if wait_all { "1" } else { "0" }.to_owned()),
-        ("TW_MB_MS", "1500".to_owned()),
+        ("TW_MB_MS", "3000".to_owned()),
     ];
     let mut cluster = launch(world, "monitored", &env);
     for (rank, r) in cluster.ranks.iter().enumerate() {
@@ -334,7 +334,7 @@ fn monitored_barrier_failure(world: usize, absent: &str, wait_all: bool) -> Stri
 fn a_monitored_barrier_names_every_rank_that_did_not_arrive() {
     let stderr = monitored_barrier_failure(4, "1,3", true);
     assert!(
-        stderr.contains("[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 1.5s"),
+        stderr.contains("[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 3s"),
         "{stderr}"
     );
 }
@@ -343,7 +343,7 @@ fn a_monitored_barrier_names_every_rank_that_did_not_arrive() {
 fn a_monitored_barrier_without_wait_all_ranks_names_the_first() {
     let stderr = monitored_barrier_failure(4, "2,3", false);
     assert!(
-        stderr.contains("[Rank 0]: Rank 2 failed to pass monitoredBarrier in 1.5s"),
+        stderr.contains("[Rank 0]: Rank 2 failed to pass monitoredBarrier in 3s"),
         "{stderr}"
     );
 }
