@@ -630,6 +630,53 @@ fn all_reduce_every_type_and_supported_op_is_exact() {
     }
 }
 
+/// f16 and bf16 sums round at every step, so they depend on the order of operands; every rank
+/// must still end with the same bits (values here are not exact in either type).
+#[test]
+fn half_float_reductions_are_bitwise_identical_on_every_rank() {
+    for n in [2, 3, 5, 8, 13, 16, 33, 64] {
+        for element in [ElementType::F16, ElementType::BF16] {
+            for op in [
+                ReduceOp::Sum,
+                ReduceOp::Avg,
+                ReduceOp::Product,
+                ReduceOp::Max,
+            ] {
+                for algorithm in [
+                    AllReduceAlgorithm::RecursiveDoubling,
+                    AllReduceAlgorithm::Ring,
+                ] {
+                    let count = n + 3;
+                    let inputs: Vec<Vec<u8>> = (0..n)
+                        .map(|r| {
+                            (0..count)
+                                .flat_map(|i| {
+                                    let h = mix((r as u64) << 32 | i as u64);
+                                    let v = 0.9 + (h % 1000) as f32 / 4096.0;
+                                    match element {
+                                        ElementType::F16 => half::f16::from_f32(v).to_le_bytes(),
+                                        _ => half::bf16::from_f32(v).to_le_bytes(),
+                                    }
+                                })
+                                .collect()
+                        })
+                        .collect();
+                    let schedules: Vec<Schedule> = (0..n)
+                        .map(|r| all_reduce(r, n, count, element, op, algorithm).unwrap())
+                        .collect();
+                    let out = simulate(&schedules, &inputs).unwrap();
+                    for (r, buffer) in out.buffers.iter().enumerate() {
+                        assert_eq!(
+                            buffer, &out.buffers[0],
+                            "{algorithm:?} {op} {element} world {n}: rank {r} differs"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn builders_refuse_what_gloo_refuses_naming_op_and_type() {
     for (element, op) in ElementType::ALL
