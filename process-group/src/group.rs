@@ -301,20 +301,21 @@ impl Group {
         }
         let signature = Signature::Send { tag }.encode();
         let timeout = self.inner.timeout;
-        tokio::time::timeout(
-            timeout,
-            self.inner
-                .mesh
-                .send(dst, p2p::key(tag, n), &signature, data),
-        )
-        .await
-        .map_err(|_| ProcessGroupError::Timeout {
-            collective: "send",
-            seq: n,
-            rank: self.rank(),
-            waiting_on: vec![dst],
-            timeout,
-        })?
+        let span = tracing::debug_span!("send", rank = self.rank(), dst, tag, n);
+        let send = self
+            .inner
+            .mesh
+            .send(dst, p2p::key(tag, n), &signature, data);
+        tokio::time::timeout(timeout, send)
+            .instrument(span)
+            .await
+            .map_err(|_| ProcessGroupError::Timeout {
+                collective: "send",
+                seq: n,
+                rank: self.rank(),
+                waiting_on: vec![dst],
+                timeout,
+            })?
     }
 
     async fn recv_numbered(
@@ -329,7 +330,10 @@ impl Group {
         let key = p2p::key(tag, n);
         let timeout = self.inner.timeout;
         let mesh = &self.inner.mesh;
-        let message = tokio::time::timeout(timeout, mesh.recv(src, key)).await;
+        let span = tracing::debug_span!("recv", rank = self.rank(), src, tag, n);
+        let message = tokio::time::timeout(timeout, mesh.recv(src, key))
+            .instrument(span)
+            .await;
         // The message is taken (or never will be): forget its slot either way.
         mesh.release(src, key);
         let message = match message {
