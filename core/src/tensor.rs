@@ -30,13 +30,17 @@ pub enum DType {
     F32,
     /// 64-bit float.
     F64,
+    /// 8-bit signed integer.
+    I8,
+    /// Boolean, one byte: 0 is false, anything else true.
+    Bool,
 }
 
 impl DType {
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DType::U8 => 1,
+            DType::U8 | DType::I8 | DType::Bool => 1,
             DType::F16 | DType::BF16 => 2,
             DType::I32 | DType::F32 => 4,
             DType::I64 | DType::F64 => 8,

@@ -431,13 +431,16 @@ pub fn nccl_type(dtype: DType) -> Option<sys::ncclDataType_t> {
     })
 }
 
-fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
-    match op {
+/// The NCCL operation for `op`; `None` for the bitwise operations, which NCCL does not
+/// have, and for avg, which the process group does not ask NCCL for.
+fn nccl_op(op: ReduceOp) -> Option<sys::ncclRedOp_t> {
+    Some(match op {
         ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
         ReduceOp::Product => sys::ncclRedOp_t::ncclProd,
         ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
         ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
-    }
+        _ => return None,
+    })
 }
 
 impl NcclComm {
@@ -684,6 +687,8 @@ impl NcclComm {
     ) -> Result<DeviceBuffer, NcclError> {
         let ty = nccl_type(dtype)
             .ok_or_else(|| NcclError::Invalid(format!("NCCL cannot reduce {dtype:?} elements")))?;
+        let nccl_op = nccl_op(op)
+            .ok_or_else(|| NcclError::Invalid(format!("NCCL cannot reduce with {op}")))?;
         if buffer.len() % dtype.size() != 0 {
             return Err(NcclError::Invalid(format!(
                 "{} bytes are not whole {dtype:?} elements",
@@ -703,7 +708,7 @@ impl NcclComm {
                     dst,
                     count,
                     ty,
-                    nccl_op(op),
+                    nccl_op,
                     comm,
                     stream,
                 )

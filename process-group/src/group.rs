@@ -35,7 +35,7 @@ use tensorwire_core::collective::{
     self, AllGatherAlgorithm, AllReduceAlgorithm, CollectiveError, ElementType, ReduceOp, Schedule,
     Signature,
 };
-use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::{Pending, ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Transport;
 use tokio::time::Instant;
@@ -43,6 +43,7 @@ use tracing::Instrument;
 
 use crate::executor::{self, Held};
 use crate::mesh::{Mesh, MeshSetup};
+use crate::p2p::{self, Counters, Work};
 
 /// Blocks up to this size travel with their lengths in [`ProcessGroup::all_gather`]'s first
 /// round, so small all_gathers take one round instead of two (see
@@ -103,6 +104,9 @@ struct Inner {
     lengths: Schedule,
     name: String,
     next_seq: AtomicU64,
+    /// Point-to-point messages issued to each (peer, tag), and receives from each.
+    sent: Counters,
+    received: Counters,
     timeout: Duration,
     /// Kept so that an embedded store server (rank 0) lives as long as the group.
     _store: Arc<dyn Store>,
@@ -172,6 +176,8 @@ impl Group {
                 lengths,
                 name: options.name,
                 next_seq: AtomicU64::new(0),
+                sent: Counters::default(),
+                received: Counters::default(),
                 timeout: options.timeout,
                 _store: store,
             }),
@@ -221,13 +227,36 @@ impl Group {
         held: &mut Held,
         defer: bool,
     ) -> Result<(), ProcessGroupError> {
-        let deadline = Instant::now() + self.inner.timeout;
+        self.run_within(
+            seq,
+            signature,
+            schedule,
+            buffer,
+            held,
+            defer,
+            self.inner.timeout,
+        )
+        .await
+    }
+
+    #[allow(clippy::too_many_arguments)] // the executor's inputs, passed straight through
+    async fn run_within(
+        &self,
+        seq: u64,
+        signature: Signature,
+        schedule: &Schedule,
+        buffer: &mut [u8],
+        held: &mut Held,
+        defer: bool,
+        timeout: Duration,
+    ) -> Result<(), ProcessGroupError> {
+        let deadline = Instant::now() + timeout;
         let span = tracing::debug_span!("collective", %signature, seq, rank = self.rank());
         let op = executor::Op {
             seq,
             signature,
             deadline,
-            timeout: self.inner.timeout,
+            timeout,
         };
         let result = executor::run(&self.inner.mesh, op, schedule, buffer, held, defer)
             .instrument(span)
@@ -245,6 +274,151 @@ impl Group {
             _ => {}
         }
         result
+    }
+
+    /// Checks a point-to-point peer (not this rank, below the world size).
+    fn check_peer(&self, collective: &'static str, peer: usize) -> Result<(), ProcessGroupError> {
+        let (rank, world) = (self.rank(), self.size());
+        let source = if peer >= world {
+            CollectiveError::RankOutOfRange { rank: peer, world }
+        } else if peer == rank {
+            CollectiveError::PeerIsSelf { rank }
+        } else {
+            return Ok(());
+        };
+        Err(ProcessGroupError::Arguments { collective, source })
+    }
+
+    async fn send_numbered(
+        &self,
+        data: Bytes,
+        dst: usize,
+        tag: u32,
+        n: u64,
+    ) -> Result<(), ProcessGroupError> {
+        if let Some(e) = self.inner.mesh.broken() {
+            return Err(e);
+        }
+        let signature = Signature::Send { tag }.encode();
+        let timeout = self.inner.timeout;
+        let span = tracing::debug_span!("send", rank = self.rank(), dst, tag, n);
+        let send = self
+            .inner
+            .mesh
+            .send(dst, p2p::key(tag, n), &signature, data);
+        tokio::time::timeout(timeout, send)
+            .instrument(span)
+            .await
+            .map_err(|_| ProcessGroupError::Timeout {
+                collective: "send",
+                seq: n,
+                rank: self.rank(),
+                waiting_on: vec![dst],
+                timeout,
+            })?
+    }
+
+    async fn recv_numbered(
+        &self,
+        src: usize,
+        tag: u32,
+        n: u64,
+    ) -> Result<Bytes, ProcessGroupError> {
+        if let Some(e) = self.inner.mesh.broken() {
+            return Err(e);
+        }
+        let key = p2p::key(tag, n);
+        let timeout = self.inner.timeout;
+        let mesh = &self.inner.mesh;
+        let span = tracing::debug_span!("recv", rank = self.rank(), src, tag, n);
+        let message = tokio::time::timeout(timeout, mesh.recv(src, key))
+            .instrument(span)
+            .await;
+        // The message is taken (or never will be): forget its slot either way.
+        mesh.release(src, key);
+        let message = match message {
+            Ok(Some(m)) => m,
+            Ok(None) => return Err(mesh.closed_error(src, "recv", n)),
+            Err(_) => {
+                return Err(ProcessGroupError::Timeout {
+                    collective: "recv",
+                    seq: n,
+                    rank: self.rank(),
+                    waiting_on: vec![src],
+                    timeout,
+                })
+            }
+        };
+        let ours = Signature::Send { tag };
+        if message.signature != ours.encode() {
+            return Err(ProcessGroupError::Mismatch {
+                peer: src,
+                collective: "recv",
+                seq: n,
+                reason: format!(
+                    "its message is {:?}, not {ours}",
+                    Signature::decode(&message.signature)
+                ),
+            });
+        }
+        Ok(message.payload)
+    }
+
+    /// Checks an all_to_all's arguments and numbers it.
+    fn issue_all_to_all(
+        &self,
+        send: &[usize],
+        recv: &[usize],
+    ) -> Result<(Schedule, u64), ProcessGroupError> {
+        let arguments = |source| ProcessGroupError::Arguments {
+            collective: "all_to_all",
+            source,
+        };
+        for lens in [send, recv] {
+            if lens.len() != self.size() {
+                return Err(arguments(CollectiveError::LengthsCount {
+                    lens: lens.len(),
+                    world: self.size(),
+                }));
+            }
+        }
+        let schedule = collective::all_to_all(self.rank(), send, recv).map_err(arguments)?;
+        Ok((schedule, self.reserve(1)))
+    }
+
+    /// Runs an all_to_all whose buffer holds the input; returns the received blocks.
+    async fn finish_all_to_all(
+        &self,
+        seq: u64,
+        schedule: &Schedule,
+        mut buffer: Vec<u8>,
+    ) -> Result<Bytes, ProcessGroupError> {
+        if let Some((from, to)) = schedule.local_copy() {
+            buffer.copy_within(from, to.start);
+        }
+        self.run(seq, Signature::AllToAll, schedule, &mut buffer)
+            .await?;
+        Ok(Bytes::from(buffer).slice(schedule.output_range()))
+    }
+
+    /// The second round of a gather, on the root: receives the blocks too large for a slot
+    /// (`lens[i]` is rank i's length, 0 when its block came inline or is the root's own).
+    async fn gather_large(
+        &self,
+        seq: u64,
+        root: usize,
+        lens: &[usize],
+    ) -> Result<Vec<u8>, ProcessGroupError> {
+        let schedule = collective::gather(self.rank(), root, lens).map_err(|source| {
+            ProcessGroupError::Arguments {
+                collective: "gather",
+                source,
+            }
+        })?;
+        let mut buffer = vec![0u8; schedule.buffer_len()];
+        let signature = Signature::Gather { root: root as u32 };
+        self.run(seq, signature, &schedule, &mut buffer).await?;
+        Ok(buffer)
     }
 
     /// All-gather of blocks whose lengths every rank already knows (`lens[i]` is rank i's);
@@ -464,14 +638,7 @@ impl ProcessGroup for Group {
             collective: "all_reduce",
             source,
         };
-        if data.len() % element.size() != 0 {
-            return Err(arguments(CollectiveError::ReduceLength {
-                element,
-                acc: data.len(),
-                incoming: data.len(),
-            }));
-        }
-        let count = data.len() / element.size();
+        let count = whole_elements("all_reduce", data.len(), element)?;
         let algorithm = AllReduceAlgorithm::select(self.size(), count, element);
         let schedule =
             collective::all_reduce(self.rank(), self.size(), count, element, op, algorithm)
@@ -482,7 +649,341 @@ impl ProcessGroup for Group {
             count: count as u64,
         };
         let seq = self.reserve(1);
-        self.run(seq, signature, &schedule, data).await
+        self.run(seq, signature, &schedule, data).await?;
+        op.finish(element, data, self.size());
+        Ok(())
+    }
+
+    /// One round of slots to the root (each rank's length, and its block up to
+    /// [`INLINE_GATHER_BYTES`]), then, for the ranks whose blocks did not fit, the blocks;
+    /// both rounds numbered when the call is issued.
+    async fn gather(
+        &self,
+        input: &[u8],
+        root: usize,
+    ) -> Result<Option<Vec<Bytes>>, ProcessGroupError> {
+        let (rank, world) = (self.rank(), self.size());
+        let arguments = |source| ProcessGroupError::Arguments {
+            collective: "gather",
+            source,
+        };
+        let first = collective::gather(rank, root, &vec![SLOT_BYTES; world]).map_err(arguments)?;
+        let mut slots = vec![0u8; first.buffer_len()];
+        let mine: &mut [u8; SLOT_BYTES] = (&mut slots[first.input_range()])
+            .try_into()
+            .expect("a slot is SLOT_BYTES long");
+        varlen::write_slot(mine, input);
+        let seq = self.reserve(varlen::ROUNDS);
+        let signature = Signature::GatherLengths { root: root as u32 };
+        self.run(seq, signature, &first, &mut slots).await?;
+        if rank != root {
+            if input.len() > INLINE_GATHER_BYTES {
+                let mut lens = vec![0; world];
+                lens[rank] = input.len();
+                let second = collective::gather(rank, root, &lens).map_err(arguments)?;
+                let mut data = input.to_vec();
+                let signature = Signature::Gather { root: root as u32 };
+                self.run(seq + 1, signature, &second, &mut data).await?;
+            }
+            return Ok(None);
+        }
+        let lens: Vec<u64> = slots
+            .chunks_exact(SLOT_BYTES)
+            .map(|c| varlen::slot_len(c.try_into().expect("slot-sized chunk")))
+            .collect();
+        check_block_lens("gather", seq, &lens, |i| i)?;
+        let large: Vec<usize> = lens
+            .iter()
+            .enumerate()
+            .map(|(r, len)| match varlen::inline_range(*len) {
+                Some(_) => 0,
+                None if r == root => 0,
+                None => *len as usize,
+            })
+            .collect();
+        let data = if large.iter().any(|len| *len > 0) {
+            self.gather_large(seq + 1, root, &large).await?
+        } else {
+            Vec::new()
+        };
+        let (slots, data) = (Bytes::from(slots), Bytes::from(data));
+        let mut offset = 0;
+        let mut blocks = Vec::with_capacity(world);
+        for (r, len) in lens.iter().enumerate() {
+            blocks.push(if r == root {
+                Bytes::copy_from_slice(input)
+            } else if let Some(inline) = varlen::inline_range(*len) {
+                slots.slice(SLOT_BYTES * r + inline.start..SLOT_BYTES * r + inline.end)
+            } else {
+                offset += large[r];
+                data.slice(offset - large[r]..offset)
+            });
+        }
+        Ok(Some(blocks))
+    }
+
+    /// One round of slots from the root (each rank's length, and its block up to
+    /// [`INLINE_GATHER_BYTES`]), then the blocks that did not fit; both rounds numbered when
+    /// the call is issued.
+    async fn scatter(&self, blocks: &[Bytes], root: usize) -> Result<Bytes, ProcessGroupError> {
+        let (rank, world) = (self.rank(), self.size());
+        let arguments = |source| ProcessGroupError::Arguments {
+            collective: "scatter",
+            source,
+        };
+        let first = collective::scatter(rank, root, &vec![SLOT_BYTES; world]).map_err(arguments)?;
+        if rank == root && blocks.len() != world {
+            return Err(arguments(CollectiveError::LengthsCount {
+                lens: blocks.len(),
+                world,
+            }));
+        }
+        let mut slots = vec![0u8; first.buffer_len()];
+        if rank == root {
+            for (slot, block) in slots.chunks_exact_mut(SLOT_BYTES).zip(blocks) {
+                varlen::write_slot(slot.try_into().expect("slot-sized chunk"), block);
+            }
+        }
+        let seq = self.reserve(varlen::ROUNDS);
+        let signature = Signature::ScatterLengths { root: root as u32 };
+        self.run(seq, signature, &first, &mut slots).await?;
+        let second_signature = Signature::Scatter { root: root as u32 };
+        if rank == root {
+            let large: Vec<usize> = blocks
+                .iter()
+                .enumerate()
+                .map(|(r, b)| {
+                    if r == root || b.len() <= INLINE_GATHER_BYTES {
+                        0
+                    } else {
+                        b.len()
+                    }
+                })
+                .collect();
+            if large.iter().any(|len| *len > 0) {
+                let second = collective::scatter(rank, root, &large).map_err(arguments)?;
+                let mut data = Vec::with_capacity(second.buffer_len());
+                for (b, len) in blocks.iter().zip(&large) {
+                    if *len > 0 {
+                        data.extend_from_slice(b);
+                    }
+                }
+                self.run(seq + 1, second_signature, &second, &mut data)
+                    .await?;
+            }
+            return Ok(blocks[root].clone());
+        }
+        let slot: &[u8; SLOT_BYTES] = slots[..].try_into().expect("one slot");
+        let len = varlen::slot_len(slot);
+        if let Some(inline) = varlen::inline_range(len) {
+            return Ok(Bytes::copy_from_slice(&slot[inline]));
+        }
+        check_block_lens("scatter", seq, &[len], |_| root)?;
+        let mut lens = vec![0; world];
+        lens[rank] = len as usize;
+        let second = collective::scatter(rank, root, &lens).map_err(arguments)?;
+        let mut data = vec![0u8; second.buffer_len()];
+        self.run(seq + 1, second_signature, &second, &mut data)
+            .await?;
+        Ok(data.into())
+    }
+
+    async fn reduce(
+        &self,
+        data: &mut [u8],
+        element: ElementType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), ProcessGroupError> {
+        let (rank, world) = (self.rank(), self.size());
+        let count = whole_elements("reduce", data.len(), element)?;
+        let schedule =
+            collective::reduce(rank, world, root, count, element, op).map_err(|source| {
+                ProcessGroupError::Arguments {
+                    collective: "reduce",
+                    source,
+                }
+            })?;
+        let signature = Signature::Reduce {
+            op,
+            element,
+            root: root as u32,
+            count: count as u64,
+        };
+        let seq = self.reserve(1);
+        if rank == root {
+            self.run(seq, signature, &schedule, data).await?;
+            op.finish(element, data, world);
+            Ok(())
+        } else {
+            self.run(seq, signature, &schedule, &mut data.to_vec())
+                .await
+        }
+    }
+
+    async fn reduce_scatter(
+        &self,
+        input: &[u8],
+        counts: &[usize],
+        element: ElementType,
+        op: ReduceOp,
+    ) -> Result<Vec<u8>, ProcessGroupError> {
+        let arguments = |source| ProcessGroupError::Arguments {
+            collective: "reduce_scatter",
+            source,
+        };
+        if counts.len() != self.size() {
+            return Err(arguments(CollectiveError::LengthsCount {
+                lens: counts.len(),
+                world: self.size(),
+            }));
+        }
+        let schedule =
+            collective::reduce_scatter(self.rank(), counts, element, op).map_err(arguments)?;
+        if schedule.buffer_len() != input.len() {
+            return Err(arguments(CollectiveError::SplitsSum {
+                sum: schedule.buffer_len(),
+                actual: input.len(),
+            }));
+        }
+        let signature = Signature::reduce_scatter(op, element, counts);
+        let seq = self.reserve(1);
+        let mut buffer = input.to_vec();
+        self.run(seq, signature, &schedule, &mut buffer).await?;
+        let mut out = buffer[schedule.output_range()].to_vec();
+        op.finish(element, &mut out, self.size());
+        Ok(out)
+    }
+
+    async fn all_to_all(
+        &self,
+        inputs: &[Bytes],
+        output_lens: &[usize],
+    ) -> Result<Vec<Bytes>, ProcessGroupError> {
+        let splits: Vec<usize> = inputs.iter().map(Bytes::len).collect();
+        let (schedule, seq) = self.issue_all_to_all(&splits, output_lens)?;
+        let mut buffer = vec![0u8; schedule.buffer_len()];
+        let mut offset = 0;
+        for input in inputs {
+            buffer[offset..offset + input.len()].copy_from_slice(input);
+            offset += input.len();
+        }
+        let out = self.finish_all_to_all(seq, &schedule, buffer).await?;
+        let mut start = 0;
+        Ok(output_lens
+            .iter()
+            .map(|len| {
+                start += len;
+                out.slice(start - len..start)
+            })
+            .collect())
+    }
+
+    async fn all_to_all_single(
+        &self,
+        input: &[u8],
+        input_splits: &[usize],
+        output_splits: &[usize],
+    ) -> Result<Vec<u8>, ProcessGroupError> {
+        let sum = input_splits
+            .iter()
+            .try_fold(0usize, |acc, s| acc.checked_add(*s));
+        if sum != Some(input.len()) {
+            return Err(ProcessGroupError::Arguments {
+                collective: "all_to_all",
+                source: CollectiveError::SplitsSum {
+                    sum: sum.unwrap_or(usize::MAX),
+                    actual: input.len(),
+                },
+            });
+        }
+        let (schedule, seq) = self.issue_all_to_all(input_splits, output_splits)?;
+        let mut buffer = vec![0u8; schedule.buffer_len()];
+        buffer[schedule.input_range()].copy_from_slice(input);
+        Ok(self
+            .finish_all_to_all(seq, &schedule, buffer)
+            .await?
+            .to_vec())
+    }
+
+    async fn send(&self, data: &[u8], dst: usize, tag: u32) -> Result<(), ProcessGroupError> {
+        self.check_peer("send", dst)?;
+        let n = self.inner.sent.take(dst, tag);
+        self.send_numbered(Bytes::copy_from_slice(data), dst, tag, n)
+            .await
+    }
+
+    async fn recv(&self, src: usize, tag: u32) -> Result<Bytes, ProcessGroupError> {
+        self.check_peer("recv", src)?;
+        let n = self.inner.received.take(src, tag);
+        self.recv_numbered(src, tag, n).await
+    }
+
+    /// Sends `data` to `dst` with `tag` without waiting: the message is numbered now (so it
+    /// keeps its place among this rank's messages to `dst` with `tag`) and sent on a task;
+    /// the returned future gives the result, and the send goes on if it is dropped.
+    fn isend(&self, data: Bytes, dst: usize, tag: u32) -> Pending<'_, ()> {
+        if let Err(e) = self.check_peer("send", dst) {
+            return Box::pin(Work::failed(e));
+        }
+        let n = self.inner.sent.take(dst, tag);
+        let group = self.clone();
+        Box::pin(Work::spawn("send", dst, async move {
+            group.send_numbered(data, dst, tag, n).await
+        }))
+    }
+
+    /// Receives the next message `src` sends here with `tag` without waiting: the receive is
+    /// numbered now (so it gets the message after those of the receives issued before it)
+    /// and waits on a task; the returned future gives the bytes.
+    fn irecv(&self, src: usize, tag: u32) -> Pending<'_, Bytes> {
+        if let Err(e) = self.check_peer("recv", src) {
+            return Box::pin(Work::failed(e));
+        }
+        let n = self.inner.received.take(src, tag);
+        let group = self.clone();
+        Box::pin(Work::spawn("recv", src, async move {
+            group.recv_numbered(src, tag, n).await
+        }))
+    }
+
+    /// Rank 0 receives an empty message from every other rank in one step (in rank order),
+    /// then answers each; on timeout it knows which ranks had not arrived.
+    async fn monitored_barrier(
+        &self,
+        timeout: Option<Duration>,
+        wait_all_ranks: bool,
+    ) -> Result<(), ProcessGroupError> {
+        let rank = self.rank();
+        let schedule = collective::monitored_barrier(rank, self.size()).map_err(|source| {
+            ProcessGroupError::Arguments {
+                collective: "monitored_barrier",
+                source,
+            }
+        })?;
+        let timeout = timeout.unwrap_or(self.inner.timeout);
+        let seq = self.reserve(1);
+        let result = self
+            .run_within(
+                seq,
+                Signature::MonitoredBarrier,
+                &schedule,
+                &mut [],
+                &mut Held::default(),
+                false,
+                timeout,
+            )
+            .await;
+        match result {
+            Err(ProcessGroupError::Timeout { waiting_on, .. }) if rank == 0 => {
+                Err(ProcessGroupError::MonitoredBarrier {
+                    rank,
+                    missing: collective::monitored_barrier_missing(&waiting_on, wait_all_ranks),
+                    timeout,
+                })
+            }
+            other => other,
+        }
     }
 
     /// Says goodbye to the peers and closes the connections. Peers still waiting for this
@@ -493,7 +994,54 @@ impl ProcessGroup for Group {
     }
 }
 
-/// An element type [`CollectivesExt::all_reduce_typed`] can reduce: `f32`, `f64`, `i32`, `i64`.
+/// The element count of `len` bytes of `element`, or the error for bytes that are not whole
+/// elements.
+fn whole_elements(
+    collective: &'static str,
+    len: usize,
+    element: ElementType,
+) -> Result<usize, ProcessGroupError> {
+    if len % element.size() != 0 {
+        return Err(ProcessGroupError::Arguments {
+            collective,
+            source: CollectiveError::ReduceLength {
+                element,
+                acc: len,
+                incoming: len,
+            },
+        });
+    }
+    Ok(len / element.size())
+}
+
+/// Refuses block lengths announced in slots that are larger than a frame carries, naming the
+/// rank that announced one (`peers[i]` announced `lens[i]`).
+fn check_block_lens(
+    collective: &'static str,
+    seq: u64,
+    lens: &[u64],
+    peers: impl Fn(usize) -> usize,
+) -> Result<(), ProcessGroupError> {
+    match lens
+        .iter()
+        .enumerate()
+        .find(|(_, len)| **len > MAX_BLOCK_BYTES as u64)
+    {
+        Some((i, len)) => Err(ProcessGroupError::Mismatch {
+            peer: peers(i),
+            collective,
+            seq,
+            reason: format!(
+                "it announced a block of {len} bytes, more than one frame carries \
+                 ({MAX_BLOCK_BYTES} bytes)"
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// An element type the typed collectives ([`CollectivesExt::all_reduce_typed`], ...) work on:
+/// `f32`, `f64`, [`half::f16`], [`half::bf16`], `i32`, `i64`, `u8`, `i8` and `bool`.
 pub trait Element: Copy + Send + Sync + sealed::Sealed + 'static {
     /// The element type on the wire.
     const TYPE: ElementType;
@@ -509,6 +1057,11 @@ mod sealed {
     impl Sealed for f64 {}
     impl Sealed for i32 {}
     impl Sealed for i64 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for u8 {}
+    impl Sealed for i8 {}
+    impl Sealed for bool {}
 }
 
 macro_rules! element {
@@ -529,26 +1082,177 @@ element!(f32, ElementType::F32);
 element!(f64, ElementType::F64);
 element!(i32, ElementType::I32);
 element!(i64, ElementType::I64);
+element!(half::f16, ElementType::F16);
+element!(half::bf16, ElementType::BF16);
+element!(u8, ElementType::U8);
+element!(i8, ElementType::I8);
+
+impl Element for bool {
+    const TYPE: ElementType = ElementType::Bool;
+    fn write_le(self, out: &mut [u8]) {
+        out[0] = u8::from(self);
+    }
+    fn read_le(bytes: &[u8]) -> Self {
+        bytes.first().is_some_and(|b| *b != 0)
+    }
+}
+
+fn to_bytes<T: Element>(data: &[T]) -> Vec<u8> {
+    let size = T::TYPE.size();
+    let mut bytes = vec![0u8; data.len() * size];
+    for (x, out) in data.iter().zip(bytes.chunks_exact_mut(size)) {
+        x.write_le(out);
+    }
+    bytes
+}
+
+fn from_bytes<T: Element>(bytes: &[u8]) -> Vec<T> {
+    bytes.chunks_exact(T::TYPE.size()).map(T::read_le).collect()
+}
+
+fn encode_object<T: Serialize>(rank: usize, value: &T) -> Result<Vec<u8>, ProcessGroupError> {
+    postcard::to_allocvec(value).map_err(|e| ProcessGroupError::Object {
+        rank,
+        op: "encoded",
+        reason: e.to_string(),
+    })
+}
+
+fn decode_object<T: DeserializeOwned>(rank: usize, bytes: &[u8]) -> Result<T, ProcessGroupError> {
+    postcard::from_bytes(bytes).map_err(|e| ProcessGroupError::Object {
+        rank,
+        op: "decoded",
+        reason: e.to_string(),
+    })
+}
 
 /// Typed collectives on top of any [`ProcessGroup`]'s byte collectives.
 #[async_trait]
 pub trait CollectivesExt: ProcessGroup {
-    /// [`all_reduce`](ProcessGroup::all_reduce) on a slice of `f32`, `f64`, `i32` or `i64`.
+    /// [`all_reduce`](ProcessGroup::all_reduce) on a slice of any [`Element`].
     async fn all_reduce_typed<T: Element>(
         &self,
         data: &mut [T],
         op: ReduceOp,
     ) -> Result<(), ProcessGroupError> {
-        let size = T::TYPE.size();
-        let mut bytes = vec![0u8; data.len() * size];
-        for (x, out) in data.iter().zip(bytes.chunks_exact_mut(size)) {
-            x.write_le(out);
-        }
+        let mut bytes = to_bytes(data);
         self.all_reduce(&mut bytes, T::TYPE, op).await?;
-        for (x, chunk) in data.iter_mut().zip(bytes.chunks_exact(size)) {
-            *x = T::read_le(chunk);
+        data.copy_from_slice(&from_bytes(&bytes));
+        Ok(())
+    }
+
+    /// [`reduce`](ProcessGroup::reduce) on a slice: the result lands in `root`'s `data`.
+    async fn reduce_typed<T: Element>(
+        &self,
+        data: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), ProcessGroupError> {
+        let mut bytes = to_bytes(data);
+        self.reduce(&mut bytes, T::TYPE, op, root).await?;
+        if self.rank() == root {
+            data.copy_from_slice(&from_bytes(&bytes));
         }
         Ok(())
+    }
+
+    /// [`reduce_scatter`](ProcessGroup::reduce_scatter) of one slice (PyTorch's
+    /// `reduce_scatter_tensor`): chunk i of `input` is `counts[i]` elements; returns this
+    /// rank's reduced chunk.
+    async fn reduce_scatter_typed<T: Element>(
+        &self,
+        input: &[T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<Vec<T>, ProcessGroupError> {
+        let out = self
+            .reduce_scatter(&to_bytes(input), counts, T::TYPE, op)
+            .await?;
+        Ok(from_bytes(&out))
+    }
+
+    /// Reduce-scatter of a list of blocks, one per rank (PyTorch's `reduce_scatter` with an
+    /// input list): returns the reduction of every rank's block for this rank. Blocks may
+    /// differ in length; every rank passes blocks of the same lengths.
+    async fn reduce_scatter_blocks_typed<T: Element>(
+        &self,
+        blocks: &[Vec<T>],
+        op: ReduceOp,
+    ) -> Result<Vec<T>, ProcessGroupError> {
+        let counts: Vec<usize> = blocks.iter().map(Vec::len).collect();
+        let input: Vec<T> = blocks.iter().flatten().copied().collect();
+        self.reduce_scatter_typed(&input, &counts, op).await
+    }
+
+    /// [`all_to_all_single`](ProcessGroup::all_to_all_single) on a slice, with splits counted
+    /// in elements.
+    async fn all_to_all_single_typed<T: Element>(
+        &self,
+        input: &[T],
+        input_splits: &[usize],
+        output_splits: &[usize],
+    ) -> Result<Vec<T>, ProcessGroupError> {
+        let size = T::TYPE.size();
+        let bytes = |splits: &[usize]| -> Vec<usize> { splits.iter().map(|s| s * size).collect() };
+        let out = self
+            .all_to_all_single(
+                &to_bytes(input),
+                &bytes(input_splits),
+                &bytes(output_splits),
+            )
+            .await?;
+        Ok(from_bytes(&out))
+    }
+
+    /// Gathers one serde value from every rank on `root` (postcard-encoded): `Some` of them in
+    /// rank order there, `None` elsewhere. Runs [`gather`](ProcessGroup::gather).
+    async fn gather_object<T>(
+        &self,
+        value: &T,
+        root: usize,
+    ) -> Result<Option<Vec<T>>, ProcessGroupError>
+    where
+        T: Serialize + DeserializeOwned + Sync,
+    {
+        let bytes = encode_object(self.rank(), value)?;
+        let Some(blocks) = self.gather(&bytes, root).await? else {
+            return Ok(None);
+        };
+        let values = blocks
+            .iter()
+            .enumerate()
+            .map(|(peer, block)| decode_object(peer, block))
+            .collect::<Result<Vec<T>, _>>()?;
+        Ok(Some(values))
+    }
+
+    /// Sends value i of `root`'s `values` to rank i and returns this rank's (postcard-encoded;
+    /// `values` is read on the root only, where it must hold one value per rank). Runs
+    /// [`scatter`](ProcessGroup::scatter).
+    async fn scatter_object<T>(
+        &self,
+        values: Option<&[T]>,
+        root: usize,
+    ) -> Result<T, ProcessGroupError>
+    where
+        T: Serialize + DeserializeOwned + Sync,
+    {
+        let rank = self.rank();
+        let blocks = if rank == root {
+            let values = values.ok_or_else(|| ProcessGroupError::Object {
+                rank,
+                op: "encoded",
+                reason: "the root passed no values to scatter".to_owned(),
+            })?;
+            values
+                .iter()
+                .map(|v| encode_object(rank, v).map(Bytes::from))
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            Vec::new()
+        };
+        let bytes = self.scatter(&blocks, root).await?;
+        decode_object(root, &bytes)
     }
 
     /// Gathers one serde value from every rank (postcard-encoded; the lengths travel first),

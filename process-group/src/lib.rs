@@ -35,6 +35,7 @@ mod memory;
 pub mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod p2p;
 pub mod rendezvous;
 mod server;
 pub mod setup;

@@ -456,6 +456,7 @@ impl ProcessGroup for NcclGroup {
         element: ElementType,
         op: ReduceOp,
     ) -> Result<(), ProcessGroupError> {
+        check_op(op, element)?;
         if data.len() % element.size() != 0 {
             return Err(ProcessGroupError::Arguments {
                 collective: "all_reduce",
@@ -482,6 +483,9 @@ impl ProcessGroup for NcclGroup {
     ) -> Result<Tensor, ProcessGroupError> {
         let buffer = self.buffer("all_reduce", tensor)?;
         let dtype = tensor.dtype();
+        if let Some(element) = ElementType::from_dtype(dtype) {
+            check_op(op, element)?;
+        }
         if nccl_type(dtype).is_none() {
             return Err(ProcessGroupError::UnsupportedType {
                 collective: "all_reduce",
@@ -527,6 +531,27 @@ fn with_device(tensor: &Tensor, buffer: DeviceBuffer) -> Tensor {
     tensor
         .with_storage(Storage::Device(buffer))
         .expect("a collective keeps the byte length")
+}
+
+/// Refuses, before anything is issued, an op the element type does not take (as gloo does)
+/// and the ops NCCL has no operation for (the bitwise ones; avg is not wired up).
+fn check_op(op: ReduceOp, element: ElementType) -> Result<(), ProcessGroupError> {
+    op.check(element)
+        .map_err(|source| ProcessGroupError::Arguments {
+            collective: "all_reduce",
+            source,
+        })?;
+    let collective = match op {
+        ReduceOp::Avg => "all_reduce with avg",
+        ReduceOp::BAnd => "all_reduce with band",
+        ReduceOp::BOr => "all_reduce with bor",
+        ReduceOp::BXor => "all_reduce with bxor",
+        _ => return Ok(()),
+    };
+    Err(ProcessGroupError::Unsupported {
+        collective,
+        backend: NCCL_BACKEND,
+    })
 }
 
 #[cfg(test)]

@@ -136,7 +136,12 @@ async fn all_reduce_every_op_and_type() {
         let world = 3;
         let gs = groups(world, "ops", Duration::from_secs(20)).await;
         for count in [4usize, 100_000] {
-            for op in ReduceOp::ALL {
+            for op in [
+                ReduceOp::Sum,
+                ReduceOp::Product,
+                ReduceOp::Min,
+                ReduceOp::Max,
+            ] {
                 let results = on_all(&gs, move |g| async move {
                     let r = g.rank();
                     let v = |i: usize| ((i % 5) + r + 1) as i64;
@@ -159,6 +164,7 @@ async fn all_reduce_every_op_and_type() {
                             ReduceOp::Product => vals.product(),
                             ReduceOp::Min => vals.min().unwrap(),
                             ReduceOp::Max => vals.max().unwrap(),
+                            other => unreachable!("{other} is not in this loop"),
                         }
                     })
                     .collect();
@@ -436,17 +442,25 @@ async fn tensor_collectives_on_host_tensors() {
         let summed = g.all_reduce_tensor(&t, ReduceOp::Sum).await.unwrap();
         let gathered = g.all_gather_tensor(&t).await.unwrap();
         let root = g.broadcast_tensor(&t, 2).await.unwrap();
-        // A dtype host reductions do not support is refused with its name.
+        // Bytes reduce too (wrapping); an op gloo does not define on a dtype is refused
+        // naming both, before anything is sent.
         let bytes = Tensor::new(
             DType::U8,
             vec![4],
-            Storage::Host(Bytes::from_static(b"abcd")),
+            Storage::Host(Bytes::from_static(b"abc\xff")),
         )
         .unwrap();
-        let e = g
-            .all_reduce_tensor(&bytes, ReduceOp::Sum)
-            .await
-            .unwrap_err();
+        let bytes = g.all_reduce_tensor(&bytes, ReduceOp::Sum).await.unwrap();
+        assert_eq!(
+            bytes.host_bytes().unwrap()[..],
+            [
+                b'a'.wrapping_mul(3),
+                b'b'.wrapping_mul(3),
+                b'c'.wrapping_mul(3),
+                0xfd
+            ]
+        );
+        let e = g.all_reduce_tensor(&t, ReduceOp::BAnd).await.unwrap_err();
         // A tensor on a (simulated) CUDA device is refused by this CPU backend, before any
         // message is sent (the group stays usable).
         let on_gpu = relocate(&SimulatedDevices::new(1), &t, Device::Cuda(0))
@@ -468,7 +482,8 @@ async fn tensor_collectives_on_host_tensors() {
         assert_eq!(root.to_f32_vec().unwrap(), vec![2.0, 3.0, 4.0, -2.0]);
         assert_eq!(
             e.to_string(),
-            "all_reduce: the tensorwire backend does not support U8 tensors"
+            "invalid all_reduce arguments: band is not defined on f32 elements (as in gloo: \
+             band, bor and bxor take integers and bool, avg takes floating types)"
         );
         assert!(matches!(w, ProcessGroupError::WrongDevice { .. }), "{w}");
         assert_eq!(
@@ -708,4 +723,180 @@ async fn all_gather_with_other_lengths_is_a_disagreement() {
         assert!(matches!(e, ProcessGroupError::Arguments { .. }), "{e}");
     })
     .await;
+}
+
+/// Issue 20: ranks that run different new collectives (or one with other arguments) under one
+/// sequence number are told, naming both sides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_collectives_that_disagree_fail_naming_both_sides() {
+    let gs = bounded(groups(2, "disagree20", Duration::from_secs(20))).await;
+    let results = bounded(on_all(&gs, |g| async move {
+        let op = if g.rank() == 0 {
+            ReduceOp::Sum
+        } else {
+            ReduceOp::Max
+        };
+        let reduced = g.reduce(&mut [0u8; 8], ElementType::I64, op, 1).await;
+        // Rank 0 only sends in this reduce; it learns by its next collective at the latest.
+        let next = g.barrier().await;
+        (reduced, next)
+    }))
+    .await;
+    let e = results[1].0.clone().unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "rank 0 ran reduce(sum, i64 x1, root 1) as collective #0, this rank (1) reduce(max, i64 x1, root 1)"
+    );
+    let rank0 = match &results[0] {
+        (Err(e), _) | (Ok(()), Err(e)) => e.clone(),
+        (Ok(()), Ok(())) => panic!("rank 0 never learned of the disagreement"),
+    };
+    assert!(
+        matches!(rank0, ProcessGroupError::Disagreement { here: false, .. }),
+        "{rank0}"
+    );
+}
+
+/// Issue 20: calls refused for their own arguments take no place in the sequence, so the
+/// next collective still meets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_new_calls_leave_the_group_in_step() {
+    let gs = bounded(groups(3, "refused20", Duration::from_secs(20))).await;
+    let results = bounded(on_all(&gs, |g| async move {
+        let rank = g.rank();
+        let mut errors = Vec::new();
+        let mut data = [1u8; 4];
+        errors.push(
+            g.reduce(&mut data, ElementType::F32, ReduceOp::Sum, 3)
+                .await,
+        );
+        errors.push(
+            g.reduce(&mut data, ElementType::F32, ReduceOp::BOr, 0)
+                .await,
+        );
+        errors.push(
+            g.reduce_scatter(&[0u8; 8], &[1, 1], ElementType::F32, ReduceOp::Sum)
+                .await
+                .map(drop),
+        );
+        errors.push(g.all_to_all(&[], &[0, 0, 0]).await.map(drop));
+        errors.push(
+            g.all_to_all_single(&[0u8; 3], &[1, 1, 0], &[1, 1, 1])
+                .await
+                .map(drop),
+        );
+        errors.push(g.send(b"x", rank, 0).await);
+        errors.push(g.recv(7, 0).await.map(drop));
+        let mut sum = [rank as i64 + 1];
+        g.all_reduce_typed(&mut sum, ReduceOp::Sum).await.unwrap();
+        (errors, sum[0])
+    }))
+    .await;
+    for (rank, (errors, sum)) in results.into_iter().enumerate() {
+        assert_eq!(sum, 6, "rank {rank}: the group stayed in step");
+        let texts: Vec<String> = errors
+            .iter()
+            .filter_map(|e| e.as_ref().err().map(ToString::to_string))
+            .collect();
+        assert_eq!(texts.len(), 7, "rank {rank}: {texts:?}");
+        assert!(texts[0].contains("root 3 is out of range"), "{}", texts[0]);
+        assert!(
+            texts[1].contains("bor is not defined on f32"),
+            "{}",
+            texts[1]
+        );
+        assert!(texts
+            .iter()
+            .any(|t| t.contains("cannot send to or receive from itself")));
+        assert!(texts.iter().any(|t| t.contains("rank 7 is out of range")));
+    }
+}
+
+/// Issue 20: the new collectives in flight together, issued in the same order everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_collectives_in_flight_at_once() {
+    let gs = bounded(groups(3, "inflight20", Duration::from_secs(20))).await;
+    let results = bounded(on_all(&gs, |g| async move {
+        let rank = g.rank();
+        let input: Vec<u8> = (0..6u8).map(|i| i + rank as u8).collect();
+        let mine = block(rank, 100);
+        let blocks: Vec<Bytes> = (0..3).map(|i| Bytes::from(block(10 + i, 70 + i))).collect();
+        let sends: Vec<Bytes> = (0..3)
+            .map(|p| Bytes::from(vec![rank as u8; p + 1]))
+            .collect();
+        let lens = vec![rank + 1; 3];
+        let futures: Vec<Pending<'_, Result<Vec<Vec<u8>>, ProcessGroupError>>> = vec![
+            Box::pin(async {
+                g.reduce_scatter(&input, &[2, 2, 2], ElementType::U8, ReduceOp::BXor)
+                    .await
+                    .map(|b| vec![b])
+            }),
+            Box::pin(async {
+                g.gather(&mine, 1)
+                    .await
+                    .map(|b| b.unwrap_or_default().iter().map(|b| b.to_vec()).collect())
+            }),
+            Box::pin(async { g.scatter(&blocks, 2).await.map(|b| vec![b.to_vec()]) }),
+            Box::pin(async {
+                g.all_to_all(&sends, &lens)
+                    .await
+                    .map(|b| b.iter().map(|b| b.to_vec()).collect())
+            }),
+        ];
+        join_in_order(futures).await
+    }))
+    .await;
+    for (rank, out) in results.into_iter().enumerate() {
+        let out: Vec<Vec<Vec<u8>>> = out.into_iter().map(Result::unwrap).collect();
+        let xor: Vec<u8> = (0..2)
+            .map(|k| (0..3u8).fold(0, |a, r| a ^ (2 * rank as u8 + k + r)))
+            .collect();
+        assert_eq!(out[0], vec![xor], "reduce_scatter on rank {rank}");
+        if rank == 1 {
+            assert_eq!(out[1], (0..3).map(|r| block(r, 100)).collect::<Vec<_>>());
+        } else {
+            assert!(out[1].is_empty());
+        }
+        assert_eq!(out[2], vec![block(10 + rank, 70 + rank)]);
+        let want: Vec<Vec<u8>> = (0..3).map(|p| vec![p as u8; rank + 1]).collect();
+        assert_eq!(out[3], want, "all_to_all on rank {rank}");
+    }
+}
+
+/// Issue 20: a receive that times out names its sender and leaves the group usable
+/// (point-to-point messages take no place in the sequence of collectives). Rank 0 has a short
+/// timeout, rank 1 a long one, so that rank 1 is still there when rank 0 comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receive_that_times_out_names_the_sender_and_the_group_goes_on() {
+    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+    let transport = transport();
+    let mut tasks = Vec::new();
+    for (rank, timeout) in [
+        (0, Duration::from_millis(300)),
+        (1, Duration::from_secs(20)),
+    ] {
+        let (store, transport) = (store.clone(), transport.clone());
+        let options = GroupOptions::new("lonely").with_timeout(timeout);
+        tasks.push(tokio::spawn(async move {
+            let g = Group::connect(store, transport, rank, 2, options).await?;
+            if rank == 0 {
+                let e = g.recv(1, 42).await.unwrap_err();
+                g.send(b"go", 1, 1).await?;
+                g.barrier().await?;
+                Ok(Some(e))
+            } else {
+                assert_eq!(&g.recv(0, 1).await?[..], b"go");
+                g.barrier().await?;
+                Ok::<_, ProcessGroupError>(None)
+            }
+        }));
+    }
+    let mut errors = Vec::new();
+    for t in tasks {
+        errors.push(bounded(t).await.unwrap().unwrap());
+    }
+    assert_eq!(
+        errors[0].as_ref().map(ToString::to_string).as_deref(),
+        Some("recv #0 on rank 0 timed out after 300ms waiting for rank(s) 1")
+    );
 }

@@ -291,3 +291,59 @@ fn an_nccl_group_of_two_processes_runs_or_fails_at_setup_naming_the_reason() {
         "setup failed at once, not at the 30 s timeout"
     );
 }
+
+/// Issue 20, items 3 and 4: every type with gloo's ops, and reduce, reduce_scatter, gather,
+/// scatter, all_to_all(_single), send/recv, isend/irecv and monitored_barrier, against known
+/// values, at world sizes 2, 3 and 4.
+#[test]
+fn every_operation_and_type_at_worlds_of_2_3_and_4() {
+    for world in [2, 3, 4] {
+        run_scenario(world, "ops", &[], Duration::from_secs(30));
+    }
+}
+
+/// Runs the `monitored` scenario with ranks `absent` staying away; returns rank 0's stderr
+/// once it has exited with 3, after checking that it did so within `bound`.
+fn monitored_barrier_failure(world: usize, absent: &str, wait_all: bool) -> String {
+    let env = [
+        ("TW_ABSENT", absent.to_owned()),
+        ("TW_WAIT_ALL", if wait_all { "1" } else { "0" }.to_owned()),
+        ("TW_MB_MS", "3000".to_owned()),
+    ];
+    let mut cluster = launch(world, "monitored", &env);
+    for (rank, r) in cluster.ranks.iter().enumerate() {
+        let line = r
+            .lines
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|e| panic!("rank {rank} never got ready: {e}"));
+        assert_eq!(line, format!("READY rank {rank}"));
+    }
+    let status = wait(
+        &mut cluster.ranks[0].child,
+        Instant::now() + Duration::from_secs(20),
+    )
+    .expect("rank 0 reports within its timeout");
+    // The others (absent, or waiting for rank 0's answer) are ended when the cluster drops.
+    let rank0 = cluster.ranks.remove(0);
+    let (_, stderr) = finish(rank0);
+    assert_eq!(status.code(), Some(3), "rank 0: {status}; stderr: {stderr}");
+    stderr
+}
+
+#[test]
+fn a_monitored_barrier_names_every_rank_that_did_not_arrive() {
+    let stderr = monitored_barrier_failure(4, "1,3", true);
+    assert!(
+        stderr.contains("[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 3s"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_monitored_barrier_without_wait_all_ranks_names_the_first() {
+    let stderr = monitored_barrier_failure(4, "2,3", false);
+    assert!(
+        stderr.contains("[Rank 0]: Rank 2 failed to pass monitoredBarrier in 3s"),
+        "{stderr}"
+    );
+}

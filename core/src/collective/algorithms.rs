@@ -36,6 +36,8 @@ pub fn barrier(rank: usize, world: usize) -> Result<Schedule, CollectiveError> {
         world,
         buffer_len: 0,
         input: 0..0,
+        output: 0..0,
+        local: None,
         steps,
     })
 }
@@ -93,6 +95,8 @@ pub fn broadcast(
         world,
         buffer_len: len,
         input: if relative == 0 { 0..len } else { 0..0 },
+        output: 0..len,
+        local: None,
         steps,
     })
 }
@@ -178,6 +182,7 @@ pub fn all_reduce(
     algorithm: AllReduceAlgorithm,
 ) -> Result<Schedule, CollectiveError> {
     check_rank(rank, world)?;
+    op.check(element)?;
     let reduce = |incoming_first| Apply::Reduce {
         op,
         element,
@@ -243,6 +248,330 @@ pub fn all_reduce(
             Ok(plan.finish(rank, world, 0..chunks.total()))
         }
     }
+}
+
+/// Reduce of `count` elements of `element` with `op` to `root`: a binomial tree, the mirror of
+/// [`broadcast`]. The rank at distance `d` from the root (counted upwards, wrapping) receives
+/// and reduces from `d + 2^k` for each round k below the lowest set bit of `d`, then sends its
+/// partial result to `d − 2^j` (j that bit) and is done. Each partial covers a run of
+/// consecutive distances and is the left operand of what it receives, so the root computes
+/// one fixed expression in the order of distances. Depth ⌈log₂ world⌉. The root's whole
+/// buffer is the result ([`Schedule::output_range`]); other ranks' buffers end as scratch.
+///
+/// # Errors
+/// [`CollectiveError::EmptyWorld`], [`CollectiveError::RankOutOfRange`],
+/// [`CollectiveError::RootOutOfRange`], [`CollectiveError::UnsupportedReduction`],
+/// [`CollectiveError::SizeOverflow`].
+pub fn reduce(
+    rank: usize,
+    world: usize,
+    root: usize,
+    count: usize,
+    element: ElementType,
+    op: ReduceOp,
+) -> Result<Schedule, CollectiveError> {
+    check_rank(rank, world)?;
+    if root >= world {
+        return Err(CollectiveError::RootOutOfRange { root, world });
+    }
+    op.check(element)?;
+    let bytes = count
+        .checked_mul(element.size())
+        .ok_or(CollectiveError::SizeOverflow)?;
+    let whole = Blocks::new(std::iter::once(bytes))?;
+    let mut plan = Plan::new(
+        &whole,
+        Apply::Reduce {
+            op,
+            element,
+            incoming_first: false,
+        },
+    );
+    let relative = (rank + world - root) % world;
+    let absolute = |v: usize| (v + root) % world;
+    let mut distance = 1;
+    while distance < world {
+        if relative & distance != 0 {
+            plan.step(&[(absolute(relative - distance), 0, 1)], &[]);
+            break;
+        }
+        if relative + distance < world {
+            plan.step(&[], &[(absolute(relative + distance), 0, 1)]);
+        }
+        distance *= 2;
+    }
+    let mut schedule = plan.finish(rank, world, 0..bytes);
+    if relative != 0 {
+        schedule.output = 0..0;
+    }
+    Ok(schedule)
+}
+
+/// Reduce-scatter: rank i ends with the reduction, over all ranks, of chunk i, where chunk i
+/// is `counts[i]` elements (the world size is `counts.len()`; chunks may differ and be empty).
+/// Every rank's input is the whole buffer, the chunks in rank order.
+///
+/// A ring: in step s rank r sends its partial of chunk `r − s − 1` to `r + 1` and reduces the
+/// partial of chunk `r − s − 2` it receives from `r − 1` (the incoming partial first), so the
+/// partial of chunk c starts at rank c + 1 and reaches rank c complete after N − 1 steps.
+/// Bandwidth-optimal; depth N − 1.
+///
+/// # Errors
+/// [`CollectiveError::EmptyWorld`], [`CollectiveError::RankOutOfRange`],
+/// [`CollectiveError::UnsupportedReduction`], [`CollectiveError::SizeOverflow`].
+pub fn reduce_scatter(
+    rank: usize,
+    counts: &[usize],
+    element: ElementType,
+    op: ReduceOp,
+) -> Result<Schedule, CollectiveError> {
+    let world = counts.len();
+    check_rank(rank, world)?;
+    op.check(element)?;
+    let mut lens = Vec::with_capacity(world);
+    for count in counts {
+        lens.push(
+            count
+                .checked_mul(element.size())
+                .ok_or(CollectiveError::SizeOverflow)?,
+        );
+    }
+    let chunks = Blocks::new(lens.into_iter())?;
+    let mut plan = Plan::new(
+        &chunks,
+        Apply::Reduce {
+            op,
+            element,
+            incoming_first: true,
+        },
+    );
+    let right = (rank + 1) % world;
+    let left = (rank + world - 1) % world;
+    for s in 0..world - 1 {
+        plan.step(
+            &[(right, (rank + 2 * world - s - 1) % world, 1)],
+            &[(left, (rank + 2 * world - s - 2) % world, 1)],
+        );
+    }
+    let output = chunks.offsets[rank]..chunks.offsets[rank + 1];
+    let mut schedule = plan.finish(rank, world, 0..chunks.total());
+    schedule.output = output;
+    Ok(schedule)
+}
+
+/// Gather to `root`: every other rank sends its block (`lens[rank]` bytes) to the root in one
+/// message; the root receives them all in one step, in rank order. The root's buffer holds
+/// every block in rank order ([`Schedule::output_range`]); another rank's buffer is its own
+/// block only, so only `lens[rank]` is read there. Empty blocks are not sent.
+///
+/// # Errors
+/// [`CollectiveError::EmptyWorld`], [`CollectiveError::RankOutOfRange`],
+/// [`CollectiveError::RootOutOfRange`], [`CollectiveError::SizeOverflow`].
+pub fn gather(rank: usize, root: usize, lens: &[usize]) -> Result<Schedule, CollectiveError> {
+    flat(rank, root, lens, true)
+}
+
+/// Scatter from `root`: the root sends each other rank its block (`lens[i]` bytes for rank
+/// i) in one step; the others receive theirs. The root's buffer (its input) holds every block
+/// in rank order, and its result is its own block; another rank's buffer is its block only,
+/// so only `lens[rank]` is read there. Empty blocks are not sent.
+///
+/// # Errors
+/// As [`gather`].
+pub fn scatter(rank: usize, root: usize, lens: &[usize]) -> Result<Schedule, CollectiveError> {
+    flat(rank, root, lens, false)
+}
+
+/// The one-step root-to-everyone (scatter) or everyone-to-root (gather) schedule.
+fn flat(
+    rank: usize,
+    root: usize,
+    lens: &[usize],
+    to_root: bool,
+) -> Result<Schedule, CollectiveError> {
+    let world = lens.len();
+    check_rank(rank, world)?;
+    if root >= world {
+        return Err(CollectiveError::RootOutOfRange { root, world });
+    }
+    if rank != root {
+        let len = lens[rank];
+        let ranges: Vec<Range<usize>> = std::iter::once(0..len).filter(|r| !r.is_empty()).collect();
+        let mut step = Step::default();
+        if len > 0 {
+            if to_root {
+                step.sends.push(Transfer { peer: root, ranges });
+            } else {
+                step.receives.push(Receive {
+                    peer: root,
+                    ranges,
+                    action: Apply::Store,
+                });
+            }
+        }
+        return Ok(Schedule {
+            rank,
+            world,
+            buffer_len: len,
+            input: if to_root { 0..len } else { 0..0 },
+            output: if to_root { 0..0 } else { 0..len },
+            local: None,
+            steps: if len > 0 { vec![step] } else { Vec::new() },
+        });
+    }
+    let blocks = Blocks::new(lens.iter().copied())?;
+    let mut plan = Plan::new(&blocks, Apply::Store);
+    let others: Vec<(usize, usize, usize)> = (0..world)
+        .filter(|peer| *peer != root)
+        .map(|peer| (peer, peer, 1))
+        .collect();
+    if to_root {
+        plan.step(&[], &others);
+    } else {
+        plan.step(&others, &[]);
+    }
+    let own = blocks.offsets[root]..blocks.offsets[root + 1];
+    let whole = 0..blocks.total();
+    let mut schedule = plan.finish(
+        rank,
+        world,
+        if to_root { own.clone() } else { whole.clone() },
+    );
+    schedule.output = if to_root { whole } else { own };
+    Ok(schedule)
+}
+
+/// All-to-all: rank r sends `send_lens[p]` bytes to each rank p and receives `recv_lens[p]`
+/// bytes from each (one list entry per rank; rank p's `send_lens[r]` must equal rank r's
+/// `recv_lens[p]`). The buffer is the blocks to send, in rank order (the input), then the
+/// blocks received, in rank order (the output); the block a rank sends itself is a
+/// [`Schedule::local_copy`]. Step k (1 ≤ k < N) sends to `r + k` and receives from `r − k`.
+/// Every pair exchanges one message even when it is empty, so that a rank expecting another
+/// length than its peer sends fails on that message instead of waiting for one that never
+/// comes.
+///
+/// # Errors
+/// [`CollectiveError::EmptyWorld`], [`CollectiveError::RankOutOfRange`],
+/// [`CollectiveError::LengthsCount`] when the two lists differ in length,
+/// [`CollectiveError::InputLength`] when this rank's block to itself differs in the two,
+/// [`CollectiveError::SizeOverflow`].
+pub fn all_to_all(
+    rank: usize,
+    send_lens: &[usize],
+    recv_lens: &[usize],
+) -> Result<Schedule, CollectiveError> {
+    let world = send_lens.len();
+    check_rank(rank, world)?;
+    if recv_lens.len() != world {
+        return Err(CollectiveError::LengthsCount {
+            lens: recv_lens.len(),
+            world,
+        });
+    }
+    if send_lens[rank] != recv_lens[rank] {
+        return Err(CollectiveError::InputLength {
+            rank,
+            expected: recv_lens[rank],
+            actual: send_lens[rank],
+        });
+    }
+    let blocks = Blocks::new(send_lens.iter().chain(recv_lens).copied())?;
+    let send = |p: usize| blocks.offsets[p]..blocks.offsets[p + 1];
+    let recv = |p: usize| blocks.offsets[world + p]..blocks.offsets[world + p + 1];
+    let some = |r: Range<usize>| if r.is_empty() { Vec::new() } else { vec![r] };
+    let steps = (1..world)
+        .map(|k| {
+            let to = (rank + k) % world;
+            let from = (rank + world - k) % world;
+            Step {
+                sends: vec![Transfer {
+                    peer: to,
+                    ranges: some(send(to)),
+                }],
+                receives: vec![Receive {
+                    peer: from,
+                    ranges: some(recv(from)),
+                    action: Apply::Store,
+                }],
+            }
+        })
+        .collect();
+    Ok(Schedule {
+        rank,
+        world,
+        buffer_len: blocks.total(),
+        input: 0..blocks.offsets[world],
+        output: blocks.offsets[world]..blocks.total(),
+        local: Some((send(rank), recv(rank))),
+        steps,
+    })
+}
+
+/// The monitored barrier of `rank` of `world`: every other rank sends rank 0 an empty
+/// message, rank 0 receives them all (in rank order) in one step and then answers each in
+/// another. Rank 0 waits on every rank, so when it times out it knows exactly which ranks
+/// have not arrived ([`monitored_barrier_missing`] says which to name).
+///
+/// # Errors
+/// [`CollectiveError::EmptyWorld`], [`CollectiveError::RankOutOfRange`].
+pub fn monitored_barrier(rank: usize, world: usize) -> Result<Schedule, CollectiveError> {
+    check_rank(rank, world)?;
+    let empty = |peer| Transfer {
+        peer,
+        ranges: Vec::new(),
+    };
+    let hear = |peer| Receive {
+        peer,
+        ranges: Vec::new(),
+        action: Apply::Store,
+    };
+    let steps = if world == 1 {
+        Vec::new()
+    } else if rank == 0 {
+        vec![
+            Step {
+                sends: Vec::new(),
+                receives: (1..world).map(hear).collect(),
+            },
+            Step {
+                sends: (1..world).map(empty).collect(),
+                receives: Vec::new(),
+            },
+        ]
+    } else {
+        vec![
+            Step {
+                sends: vec![empty(0)],
+                receives: Vec::new(),
+            },
+            Step {
+                sends: Vec::new(),
+                receives: vec![hear(0)],
+            },
+        ]
+    };
+    Ok(Schedule {
+        rank,
+        world,
+        buffer_len: 0,
+        input: 0..0,
+        output: 0..0,
+        local: None,
+        steps,
+    })
+}
+
+/// The ranks a failed [`monitored_barrier`] names, given the ranks rank 0 was still waiting
+/// for when it timed out: all of them, in rank order, with `wait_all_ranks` (PyTorch's
+/// `wait_all_ranks=True`), else only the first.
+pub fn monitored_barrier_missing(waiting: &[usize], wait_all_ranks: bool) -> Vec<usize> {
+    let mut missing = waiting.to_vec();
+    missing.sort_unstable();
+    missing.dedup();
+    if !wait_all_ranks {
+        missing.truncate(1);
+    }
+    missing
 }
 
 fn check_rank(rank: usize, world: usize) -> Result<(), CollectiveError> {
@@ -341,11 +670,14 @@ impl<'a> Plan<'a> {
     }
 
     fn finish(self, rank: usize, world: usize, input: Range<usize>) -> Schedule {
+        let len = self.blocks.total();
         Schedule {
             rank,
             world,
-            buffer_len: self.blocks.total(),
+            buffer_len: len,
             input,
+            output: 0..len,
+            local: None,
             steps: self.steps,
         }
     }

@@ -17,6 +17,12 @@
 //! | [`broadcast`] | binomial tree from any root | ⌈log₂ N⌉ | the payload |
 //! | [`all_gather`] | recursive doubling (N a power of two) or Bruck for small, ring for large | ⌈log₂ N⌉ or N − 1 | the blocks of all ranks, in rank order; blocks may differ in size |
 //! | [`all_reduce`] | recursive doubling (extra ranks folded in) for small, ring reduce-scatter + all-gather for large | ⌊log₂ N⌋ (+2) or 2(N − 1) | `count` elements |
+//! | [`reduce`] | binomial tree towards any root | ⌈log₂ N⌉ | `count` elements; the result on the root |
+//! | [`reduce_scatter`] | ring | N − 1 | every rank's chunk, in rank order; chunks may differ in size |
+//! | [`gather`] | flat: every rank sends its block to the root | 1 | the root: every block; others: their own |
+//! | [`scatter`] | flat: the root sends each rank its block | 1 | the root: every block; others: their own |
+//! | [`all_to_all`] | pairwise shifts: step k sends to `r + k`, receives from `r − k` | N − 1 | the blocks sent, then the blocks received |
+//! | [`monitored_barrier`] | rank 0 hears from every rank, then answers each | 2 | empty |
 //!
 //! [`AllGatherAlgorithm::select`] and [`AllReduceAlgorithm::select`] pick the algorithm from
 //! the sizes; every rank must pick the same one, which holds when they pass the same arguments.
@@ -92,7 +98,10 @@ mod sim_many;
 mod tests;
 pub mod varlen;
 
-pub use algorithms::{all_gather, all_reduce, barrier, broadcast};
+pub use algorithms::{
+    all_gather, all_reduce, all_to_all, barrier, broadcast, gather, monitored_barrier,
+    monitored_barrier_missing, reduce, reduce_scatter, scatter,
+};
 pub use reduce::{reduce_into, ElementType, ReduceOp};
 pub use signature::{Signature, SIGNATURE_LEN};
 
@@ -182,6 +191,32 @@ pub enum CollectiveError {
         /// The input's length.
         actual: usize,
     },
+    /// The reduction is not defined on the element type (see [`ReduceOp::supports`]): gloo
+    /// refuses it too.
+    #[error(
+        "{op} is not defined on {element} elements (as in gloo: band, bor and bxor take integers \
+         and bool, avg takes floating types)"
+    )]
+    UnsupportedReduction {
+        /// The operation.
+        op: ReduceOp,
+        /// The element type.
+        element: ElementType,
+    },
+    /// A block-length list that must sum to the input's length does not.
+    #[error("splits sum to {sum} bytes, but the input has {actual}")]
+    SplitsSum {
+        /// The sum of the splits.
+        sum: usize,
+        /// The input's length.
+        actual: usize,
+    },
+    /// A point-to-point peer is this rank.
+    #[error("rank {rank} cannot send to or receive from itself")]
+    PeerIsSelf {
+        /// This rank.
+        rank: usize,
+    },
     /// The slices given to a reduction differ in length or are not whole elements.
     #[error(
         "cannot reduce {incoming} bytes into {acc} bytes of {element}: lengths must match and be a multiple of {} bytes",
@@ -259,6 +294,10 @@ pub struct Schedule {
     world: usize,
     buffer_len: usize,
     input: Range<usize>,
+    /// Where this rank's result lies in the buffer.
+    output: Range<usize>,
+    /// Bytes to copy within the buffer after the input is written, before the first step.
+    local: Option<(Range<usize>, Range<usize>)>,
     steps: Vec<Step>,
 }
 
@@ -283,6 +322,21 @@ impl Schedule {
     /// other broadcast ranks and for barrier.
     pub fn input_range(&self) -> Range<usize> {
         self.input.clone()
+    }
+
+    /// The part of the buffer that is this rank's result once the steps have run: the whole
+    /// buffer for barrier, broadcast, all_gather and all_reduce; the reduced buffer on the
+    /// root of a [`reduce`] and nothing elsewhere; this rank's chunk of a [`reduce_scatter`];
+    /// the gathered blocks on the root of a [`gather`] and nothing elsewhere; this rank's
+    /// block of a [`scatter`]; the received blocks of an [`all_to_all`].
+    pub fn output_range(&self) -> Range<usize> {
+        self.output.clone()
+    }
+
+    /// A copy within the buffer, `(from, to)`, that the executor makes after writing the
+    /// input and before the first step: the block an [`all_to_all`] rank sends to itself.
+    pub fn local_copy(&self) -> Option<(Range<usize>, Range<usize>)> {
+        self.local.clone()
     }
 
     /// The steps, in the order they run.

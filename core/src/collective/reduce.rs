@@ -10,27 +10,100 @@ use std::fmt;
 
 use super::CollectiveError;
 
-/// The element-wise operation an `all_reduce` applies.
+/// The element-wise operation a reduction applies.
+///
+/// Which operations an [`ElementType`] takes follows gloo (see [`ReduceOp::supports`]); a
+/// schedule builder refuses any other pair with [`CollectiveError::UnsupportedReduction`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
-    /// Sum. Integers wrap on overflow (two's complement, as PyTorch's integer tensors do).
+    /// Sum. Integers wrap on overflow (two's complement, as PyTorch's integer tensors do);
+    /// on `bool` it is a logical or (gloo adds `bool`s and stores the result as a `bool`).
     Sum,
-    /// Product. Integers wrap on overflow.
+    /// Product. Integers wrap on overflow; on `bool` a logical and.
     Product,
     /// Minimum. For floats a NaN operand makes the result NaN (as `torch.minimum` does).
     Min,
     /// Maximum. For floats a NaN operand makes the result NaN (as `torch.maximum` does).
     Max,
+    /// Average: the sum divided by the number of ranks, on floating types only. The sum is
+    /// reduced as [`Sum`](Self::Sum) is, and every rank that gets a result divides the same
+    /// sum by the same count ([`ReduceOp::finish`]), so results stay bitwise identical.
+    Avg,
+    /// Bitwise and, on integers and `bool`.
+    BAnd,
+    /// Bitwise or, on integers and `bool`.
+    BOr,
+    /// Bitwise exclusive or, on integers and `bool`.
+    BXor,
 }
 
 impl ReduceOp {
-    /// Every operation, for tests and command-line listings.
-    pub const ALL: [ReduceOp; 4] = [
+    /// Every operation, for tests and command-line listings. The position of an operation is
+    /// its code in a [`Signature`](super::Signature): new ones go at the end.
+    pub const ALL: [ReduceOp; 8] = [
         ReduceOp::Sum,
         ReduceOp::Product,
         ReduceOp::Min,
         ReduceOp::Max,
+        ReduceOp::Avg,
+        ReduceOp::BAnd,
+        ReduceOp::BOr,
+        ReduceOp::BXor,
     ];
+
+    /// Whether this operation is defined on `element`, as gloo defines it: sum, product, min
+    /// and max on every type; band, bor and bxor on integers and `bool`; avg on floating
+    /// types.
+    pub const fn supports(self, element: ElementType) -> bool {
+        match self {
+            ReduceOp::Sum | ReduceOp::Product | ReduceOp::Min | ReduceOp::Max => true,
+            ReduceOp::Avg => element.is_float(),
+            ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => !element.is_float(),
+        }
+    }
+
+    /// `Ok` when [`supports`](Self::supports) says so, else the error naming both.
+    ///
+    /// # Errors
+    /// [`CollectiveError::UnsupportedReduction`].
+    pub const fn check(self, element: ElementType) -> Result<(), CollectiveError> {
+        if self.supports(element) {
+            Ok(())
+        } else {
+            Err(CollectiveError::UnsupportedReduction { op: self, element })
+        }
+    }
+
+    /// The operation each step of a schedule applies: [`Sum`](Self::Sum) for
+    /// [`Avg`](Self::Avg) (the division comes at the end, in [`finish`](Self::finish)), the
+    /// operation itself otherwise.
+    pub const fn step_op(self) -> ReduceOp {
+        match self {
+            ReduceOp::Avg => ReduceOp::Sum,
+            op => op,
+        }
+    }
+
+    /// Completes a reduction's result in place once every rank's data is in: divides each
+    /// element by `world` for [`Avg`](Self::Avg), does nothing for the others. Floats of
+    /// 16 bits are divided in `f32` and rounded back. `data` that is not whole elements is
+    /// left as it is (the reduction itself refused it already).
+    pub fn finish(self, element: ElementType, data: &mut [u8], world: usize) {
+        if self != ReduceOp::Avg || data.len() % element.size() != 0 {
+            return;
+        }
+        match element {
+            ElementType::F32 => map(data, f32::from_le_bytes, f32::to_le_bytes, |x| {
+                x / world as f32
+            }),
+            ElementType::F64 => map(data, f64::from_le_bytes, f64::to_le_bytes, |x| {
+                x / world as f64
+            }),
+            ElementType::F16 => map(data, f16_load, f16_store, |x| x / world as f32),
+            ElementType::BF16 => map(data, bf16_load, bf16_store, |x| x / world as f32),
+            _ => {}
+        }
+    }
 }
 
 impl fmt::Display for ReduceOp {
@@ -40,11 +113,15 @@ impl fmt::Display for ReduceOp {
             ReduceOp::Product => "product",
             ReduceOp::Min => "min",
             ReduceOp::Max => "max",
+            ReduceOp::Avg => "avg",
+            ReduceOp::BAnd => "band",
+            ReduceOp::BOr => "bor",
+            ReduceOp::BXor => "bxor",
         })
     }
 }
 
-/// The kind of element an `all_reduce` combines; a tensor's dtype maps onto one of these.
+/// The kind of element a reduction combines; a tensor's dtype maps onto one of these.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ElementType {
     /// 32-bit IEEE 754 float.
@@ -55,27 +132,45 @@ pub enum ElementType {
     I32,
     /// 64-bit signed integer.
     I64,
+    /// 16-bit IEEE 754 float (half). Reduced by converting each operand to `f32`, applying
+    /// the operation and rounding back to nearest (as gloo's `c10::Half` arithmetic does).
+    F16,
+    /// bfloat16. Reduced through `f32` like [`F16`](Self::F16).
+    BF16,
+    /// 8-bit unsigned integer.
+    U8,
+    /// 8-bit signed integer.
+    I8,
+    /// Boolean, one byte: 0 is false, anything else is true; results are 0 or 1.
+    Bool,
 }
 
 impl ElementType {
-    /// Every element type, for tests and command-line listings.
-    pub const ALL: [ElementType; 4] = [
+    /// Every element type, for tests and command-line listings. The position of a type is its
+    /// code in a [`Signature`](super::Signature): new ones go at the end.
+    pub const ALL: [ElementType; 9] = [
         ElementType::F32,
         ElementType::F64,
         ElementType::I32,
         ElementType::I64,
+        ElementType::F16,
+        ElementType::BF16,
+        ElementType::U8,
+        ElementType::I8,
+        ElementType::Bool,
     ];
 
     /// The size of one element in bytes.
     pub const fn size(self) -> usize {
         match self {
+            ElementType::U8 | ElementType::I8 | ElementType::Bool => 1,
+            ElementType::F16 | ElementType::BF16 => 2,
             ElementType::F32 | ElementType::I32 => 4,
             ElementType::F64 | ElementType::I64 => 8,
         }
     }
 
-    /// The element type of a tensor's dtype, when host reductions support it (`U8`, `F16` and
-    /// `BF16` they do not).
+    /// The element type of a tensor's dtype (every dtype has one).
     pub const fn from_dtype(dtype: crate::tensor::DType) -> Option<Self> {
         use crate::tensor::DType;
         match dtype {
@@ -83,7 +178,11 @@ impl ElementType {
             DType::F64 => Some(ElementType::F64),
             DType::I32 => Some(ElementType::I32),
             DType::I64 => Some(ElementType::I64),
-            _ => None,
+            DType::F16 => Some(ElementType::F16),
+            DType::BF16 => Some(ElementType::BF16),
+            DType::U8 => Some(ElementType::U8),
+            DType::I8 => Some(ElementType::I8),
+            DType::Bool => Some(ElementType::Bool),
         }
     }
 
@@ -95,12 +194,20 @@ impl ElementType {
             ElementType::F64 => DType::F64,
             ElementType::I32 => DType::I32,
             ElementType::I64 => DType::I64,
+            ElementType::F16 => DType::F16,
+            ElementType::BF16 => DType::BF16,
+            ElementType::U8 => DType::U8,
+            ElementType::I8 => DType::I8,
+            ElementType::Bool => DType::Bool,
         }
     }
 
     /// Whether the type is a floating-point type (its sums depend on the order of operands).
     pub const fn is_float(self) -> bool {
-        matches!(self, ElementType::F32 | ElementType::F64)
+        matches!(
+            self,
+            ElementType::F32 | ElementType::F64 | ElementType::F16 | ElementType::BF16
+        )
     }
 }
 
@@ -111,16 +218,45 @@ impl fmt::Display for ElementType {
             ElementType::F64 => "f64",
             ElementType::I32 => "i32",
             ElementType::I64 => "i64",
+            ElementType::F16 => "f16",
+            ElementType::BF16 => "bf16",
+            ElementType::U8 => "u8",
+            ElementType::I8 => "i8",
+            ElementType::Bool => "bool",
         })
     }
 }
 
-/// Picks the binary function for a float type; NaN propagates through min and max, and the
-/// left operand wins ties so the result depends only on the (fixed) operand order.
+fn f16_load(b: [u8; 2]) -> f32 {
+    half::f16::from_le_bytes(b).to_f32()
+}
+
+fn f16_store(x: f32) -> [u8; 2] {
+    half::f16::from_f32(x).to_le_bytes()
+}
+
+fn bf16_load(b: [u8; 2]) -> f32 {
+    half::bf16::from_le_bytes(b).to_f32()
+}
+
+fn bf16_store(x: f32) -> [u8; 2] {
+    half::bf16::from_f32(x).to_le_bytes()
+}
+
+fn bool_load(b: [u8; 1]) -> bool {
+    b[0] != 0
+}
+
+fn bool_store(x: bool) -> [u8; 1] {
+    [u8::from(x)]
+}
+
+/// Picks the binary function for a float type (`op` is a step op: no avg, no bitwise op);
+/// NaN propagates through min and max, and the left operand wins ties so the result depends
+/// only on the (fixed) operand order.
 macro_rules! float_op {
     ($op:expr, $t:ty) => {
         match $op {
-            ReduceOp::Sum => |a: $t, b: $t| a + b,
             ReduceOp::Product => |a: $t, b: $t| a * b,
             ReduceOp::Min => |a: $t, b: $t| {
                 if a.is_nan() || (!b.is_nan() && a <= b) {
@@ -136,6 +272,8 @@ macro_rules! float_op {
                     b
                 }
             },
+            // Sum, and Avg's steps; the bitwise ops were refused before.
+            _ => |a: $t, b: $t| a + b,
         }
     };
 }
@@ -144,24 +282,32 @@ macro_rules! float_op {
 macro_rules! int_op {
     ($op:expr, $t:ty) => {
         match $op {
-            ReduceOp::Sum => |a: $t, b: $t| a.wrapping_add(b),
             ReduceOp::Product => |a: $t, b: $t| a.wrapping_mul(b),
             ReduceOp::Min => |a: $t, b: $t| a.min(b),
             ReduceOp::Max => |a: $t, b: $t| a.max(b),
+            ReduceOp::BAnd => |a: $t, b: $t| a & b,
+            ReduceOp::BOr => |a: $t, b: $t| a | b,
+            ReduceOp::BXor => |a: $t, b: $t| a ^ b,
+            // Sum (Avg was refused before).
+            _ => |a: $t, b: $t| a.wrapping_add(b),
         }
     };
 }
 
 /// Combines `incoming` into `acc` element by element: `acc[i] = op(incoming[i], acc[i])` when
-/// `incoming_first`, else `acc[i] = op(acc[i], incoming[i])`.
+/// `incoming_first`, else `acc[i] = op(acc[i], incoming[i])`. For [`ReduceOp::Avg`] this is
+/// the sum; the division is [`ReduceOp::finish`].
 ///
 /// The operand order matters for bitwise reproducibility of floats (which NaN payload
-/// propagates, which zero `min(-0.0, 0.0)` returns); the schedules fix it so that every rank
-/// computes the same expression. Both slices are little-endian and may have any alignment.
+/// propagates, which zero `min(-0.0, 0.0)` returns, how a sum rounds); the schedules fix it so
+/// that every rank computes the same expression. Both slices are little-endian and may have
+/// any alignment. `f16` and `bf16` operands are converted to `f32`, combined, and rounded back
+/// to nearest at every step, so a result depends only on the operands and their order.
 ///
 /// # Errors
-/// [`CollectiveError::ReduceLength`] when the slices differ in length or are not a whole
-/// number of elements.
+/// [`CollectiveError::UnsupportedReduction`] for an operation the type does not take (see
+/// [`ReduceOp::supports`]); [`CollectiveError::ReduceLength`] when the slices differ in length
+/// or are not a whole number of elements.
 ///
 /// ```
 /// use tensorwire_core::collective::{reduce_into, ElementType, ReduceOp};
@@ -177,6 +323,7 @@ pub fn reduce_into(
     incoming: &[u8],
     incoming_first: bool,
 ) -> Result<(), CollectiveError> {
+    op.check(element)?;
     if acc.len() != incoming.len() || acc.len() % element.size() != 0 {
         return Err(CollectiveError::ReduceLength {
             element,
@@ -184,11 +331,13 @@ pub fn reduce_into(
             incoming: incoming.len(),
         });
     }
+    let op = op.step_op();
+    let i = incoming_first;
     match element {
         ElementType::F32 => combine(
             acc,
             incoming,
-            incoming_first,
+            i,
             f32::from_le_bytes,
             f32::to_le_bytes,
             float_op!(op, f32),
@@ -196,15 +345,17 @@ pub fn reduce_into(
         ElementType::F64 => combine(
             acc,
             incoming,
-            incoming_first,
+            i,
             f64::from_le_bytes,
             f64::to_le_bytes,
             float_op!(op, f64),
         ),
+        ElementType::F16 => combine(acc, incoming, i, f16_load, f16_store, float_op!(op, f32)),
+        ElementType::BF16 => combine(acc, incoming, i, bf16_load, bf16_store, float_op!(op, f32)),
         ElementType::I32 => combine(
             acc,
             incoming,
-            incoming_first,
+            i,
             i32::from_le_bytes,
             i32::to_le_bytes,
             int_op!(op, i32),
@@ -212,11 +363,36 @@ pub fn reduce_into(
         ElementType::I64 => combine(
             acc,
             incoming,
-            incoming_first,
+            i,
             i64::from_le_bytes,
             i64::to_le_bytes,
             int_op!(op, i64),
         ),
+        ElementType::U8 => combine(
+            acc,
+            incoming,
+            i,
+            u8::from_le_bytes,
+            u8::to_le_bytes,
+            int_op!(op, u8),
+        ),
+        ElementType::I8 => combine(
+            acc,
+            incoming,
+            i,
+            i8::from_le_bytes,
+            i8::to_le_bytes,
+            int_op!(op, i8),
+        ),
+        ElementType::Bool => {
+            let f: fn(bool, bool) -> bool = match op {
+                ReduceOp::Product | ReduceOp::Min | ReduceOp::BAnd => |a, b| a & b,
+                ReduceOp::BXor => |a, b| a ^ b,
+                // Sum, Max, BOr: or (a sum of bools stored as a bool is true when any is).
+                _ => |a, b| a | b,
+            };
+            combine(acc, incoming, i, bool_load, bool_store, f)
+        }
     }
     Ok(())
 }
@@ -240,6 +416,19 @@ fn combine<T: Copy, const W: usize>(
     }
 }
 
+fn map<T: Copy, const W: usize>(
+    data: &mut [u8],
+    load: fn([u8; W]) -> T,
+    store: fn(T) -> [u8; W],
+    f: impl Fn(T) -> T,
+) {
+    for a in data.chunks_exact_mut(W) {
+        let mut x = [0u8; W];
+        x.copy_from_slice(a);
+        a.copy_from_slice(&store(f(load(x))));
+    }
+}
+
 #[cfg(test)]
 mod tests {
 
@@ -249,7 +438,121 @@ mod tests {
             assert_eq!(ElementType::from_dtype(e.dtype()), Some(e));
             assert_eq!(e.dtype().size(), e.size());
         }
-        assert_eq!(ElementType::from_dtype(crate::tensor::DType::F16), None);
+        assert_eq!(
+            ElementType::from_dtype(crate::tensor::DType::BF16),
+            Some(ElementType::BF16)
+        );
+    }
+
+    /// gloo's table: bitwise ops on integers and bool, avg on floating types, the rest on all.
+    #[test]
+    fn supported_pairs_follow_gloo_and_the_rest_are_refused_naming_both() {
+        for element in ElementType::ALL {
+            for op in ReduceOp::ALL {
+                let want = match op {
+                    ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => !element.is_float(),
+                    ReduceOp::Avg => element.is_float(),
+                    _ => true,
+                };
+                assert_eq!(op.supports(element), want, "{op} on {element}");
+                let mut acc = vec![0u8; element.size()];
+                let r = reduce_into(op, element, &mut acc, &vec![0u8; element.size()], true);
+                if want {
+                    assert!(r.is_ok());
+                } else {
+                    let e = r.unwrap_err();
+                    assert_eq!(e, CollectiveError::UnsupportedReduction { op, element });
+                    let text = e.to_string();
+                    assert!(text.contains(&op.to_string()) && text.contains(&element.to_string()));
+                }
+            }
+        }
+        assert_eq!(
+            CollectiveError::UnsupportedReduction {
+                op: ReduceOp::BXor,
+                element: ElementType::BF16
+            }
+            .to_string(),
+            "bxor is not defined on bf16 elements (as in gloo: band, bor and bxor take integers \
+             and bool, avg takes floating types)"
+        );
+    }
+
+    #[test]
+    fn half_floats_reduce_through_f32_and_round_to_nearest() {
+        use half::{bf16, f16};
+        let a = [
+            f16::from_f32(1.0),
+            f16::from_f32(2048.0),
+            f16::from_f32(-0.0),
+        ];
+        let b = [f16::from_f32(1e-4), f16::from_f32(1.0), f16::from_f32(0.0)];
+        let mut acc: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let inc: Vec<u8> = b.iter().flat_map(|x| x.to_le_bytes()).collect();
+        reduce_into(ReduceOp::Sum, ElementType::F16, &mut acc, &inc, false).unwrap();
+        let got: Vec<f16> = acc
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        let want: Vec<f16> = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| f16::from_f32(x.to_f32() + y.to_f32()))
+            .collect();
+        assert_eq!(got, want);
+        // 2048 + 1 is not representable in f16: rounds to even, back to 2048.
+        assert_eq!(got[1], f16::from_f32(2048.0));
+        let mut acc = bf16::from_f32(3.0).to_le_bytes().to_vec();
+        let inc = bf16::from_f32(0.5).to_le_bytes();
+        reduce_into(ReduceOp::Product, ElementType::BF16, &mut acc, &inc, true).unwrap();
+        assert_eq!(acc, bf16::from_f32(1.5).to_le_bytes());
+        let mut avg = f16::from_f32(3.0).to_le_bytes().to_vec();
+        ReduceOp::Avg.finish(ElementType::F16, &mut avg, 4);
+        assert_eq!(avg, f16::from_f32(0.75).to_le_bytes());
+    }
+
+    #[test]
+    fn bytes_and_bools() {
+        let mut acc = vec![250u8, 0b1100, 7];
+        reduce_into(ReduceOp::Sum, ElementType::U8, &mut acc, &[10, 1, 0], true).unwrap();
+        assert_eq!(acc, [4, 0b1101, 7]);
+        let mut acc = vec![0b1100u8, 0b1100];
+        reduce_into(
+            ReduceOp::BXor,
+            ElementType::U8,
+            &mut acc,
+            &[0b1010, 0],
+            true,
+        )
+        .unwrap();
+        assert_eq!(acc, [0b0110, 0b1100]);
+        let mut acc = vec![(-128i8) as u8, 5];
+        reduce_into(
+            ReduceOp::Min,
+            ElementType::I8,
+            &mut acc,
+            &[0, (-3i8) as u8],
+            true,
+        )
+        .unwrap();
+        assert_eq!(acc, [(-128i8) as u8, (-3i8) as u8]);
+        let mut acc = vec![127u8];
+        reduce_into(ReduceOp::Sum, ElementType::I8, &mut acc, &[1], true).unwrap();
+        assert_eq!(acc, [(-128i8) as u8]);
+        // Any nonzero byte is true; results are 0 or 1.
+        for (op, want) in [
+            (ReduceOp::Sum, [1u8, 1, 1, 0]),
+            (ReduceOp::Max, [1, 1, 1, 0]),
+            (ReduceOp::BOr, [1, 1, 1, 0]),
+            (ReduceOp::Product, [1, 0, 0, 0]),
+            (ReduceOp::Min, [1, 0, 0, 0]),
+            (ReduceOp::BAnd, [1, 0, 0, 0]),
+            (ReduceOp::BXor, [0, 1, 1, 0]),
+        ] {
+            let mut acc = vec![1u8, 7, 0, 0];
+            reduce_into(op, ElementType::Bool, &mut acc, &[9, 0, 1, 0], true).unwrap();
+            assert_eq!(acc, want, "{op}");
+        }
     }
 
     use super::*;
@@ -340,6 +643,7 @@ mod tests {
             pairs in proptest::collection::vec((any::<i64>(), any::<i64>()), 0..30),
             op in proptest::sample::select(ReduceOp::ALL.to_vec()),
         ) {
+            prop_assume!(op.supports(ElementType::I64));
             let a: Vec<i64> = pairs.iter().map(|p| p.0).collect();
             let b: Vec<i64> = pairs.iter().map(|p| p.1).collect();
             let mut acc = bytes(&a, i64::to_le_bytes);
@@ -349,6 +653,9 @@ mod tests {
                 ReduceOp::Product => y.wrapping_mul(*x),
                 ReduceOp::Min => *x.min(y),
                 ReduceOp::Max => *x.max(y),
+                ReduceOp::BAnd => x & y,
+                ReduceOp::BOr => x | y,
+                _ => x ^ y,
             }).collect();
             prop_assert_eq!(acc, bytes(&want, i64::to_le_bytes));
         }

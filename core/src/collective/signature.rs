@@ -57,22 +57,83 @@ pub enum Signature {
         /// The number of elements.
         count: u64,
     },
+    /// A reduce of `count` elements of `element` with `op` to `root`.
+    Reduce {
+        /// The operation.
+        op: ReduceOp,
+        /// The element type.
+        element: ElementType,
+        /// The root.
+        root: u32,
+        /// The number of elements.
+        count: u64,
+    },
+    /// A reduce_scatter (build it with [`Signature::reduce_scatter`]).
+    ReduceScatter {
+        /// The operation.
+        op: ReduceOp,
+        /// The element type.
+        element: ElementType,
+        /// The elements of all chunks together.
+        total: u64,
+        /// A hash of the chunk sizes (FNV-1a).
+        counts: u32,
+    },
+    /// The first round of a gather: one fixed-size slot per rank with its block's length and,
+    /// when it fits, the block.
+    GatherLengths {
+        /// The root.
+        root: u32,
+    },
+    /// The second round of a gather: the blocks too large for a slot (only the root knows all
+    /// their lengths, so they are not part of the signature; each message's length is
+    /// checked against the slot that announced it).
+    Gather {
+        /// The root.
+        root: u32,
+    },
+    /// The first round of a scatter: one slot from the root to each rank.
+    ScatterLengths {
+        /// The root.
+        root: u32,
+    },
+    /// The second round of a scatter: the blocks too large for a slot.
+    Scatter {
+        /// The root.
+        root: u32,
+    },
+    /// An all_to_all (also all_to_all_single). Block lengths are per pair of ranks; each
+    /// message's length is checked against what its receiver expects.
+    AllToAll,
+    /// A point-to-point message with `tag`.
+    Send {
+        /// The tag.
+        tag: u32,
+    },
+    /// A monitored barrier.
+    MonitoredBarrier,
 }
 
 impl Signature {
     /// The signature of an all_gather of blocks of `lens` bytes (one per rank).
     pub fn all_gather(lens: &[usize]) -> Signature {
-        let mut hash: u32 = 0x811c_9dc5;
-        for len in lens {
-            for byte in (*len as u64).to_le_bytes() {
-                hash = (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193);
-            }
-        }
         Signature::AllGather {
             total: lens
                 .iter()
                 .fold(0u64, |acc, len| acc.saturating_add(*len as u64)),
-            lengths: hash,
+            lengths: fnv(lens),
+        }
+    }
+
+    /// The signature of a reduce_scatter of chunks of `counts` elements (one per rank).
+    pub fn reduce_scatter(op: ReduceOp, element: ElementType, counts: &[usize]) -> Signature {
+        Signature::ReduceScatter {
+            op,
+            element,
+            total: counts
+                .iter()
+                .fold(0u64, |acc, c| acc.saturating_add(*c as u64)),
+            counts: fnv(counts),
         }
     }
 
@@ -84,6 +145,13 @@ impl Signature {
             Signature::AllGatherLengths | Signature::AllGather { .. } => "all_gather",
             Signature::BroadcastLength { .. } | Signature::Broadcast { .. } => "broadcast",
             Signature::AllReduce { .. } => "all_reduce",
+            Signature::Reduce { .. } => "reduce",
+            Signature::ReduceScatter { .. } => "reduce_scatter",
+            Signature::GatherLengths { .. } | Signature::Gather { .. } => "gather",
+            Signature::ScatterLengths { .. } | Signature::Scatter { .. } => "scatter",
+            Signature::AllToAll => "all_to_all",
+            Signature::Send { .. } => "send",
+            Signature::MonitoredBarrier => "monitored_barrier",
         }
     }
 
@@ -98,6 +166,25 @@ impl Signature {
             Signature::AllReduce { op, element, count } => {
                 (6, op_code(op), element_code(element), 0, count)
             }
+            Signature::Reduce {
+                op,
+                element,
+                root,
+                count,
+            } => (7, op_code(op), element_code(element), root, count),
+            Signature::ReduceScatter {
+                op,
+                element,
+                total,
+                counts,
+            } => (8, op_code(op), element_code(element), counts, total),
+            Signature::GatherLengths { root } => (9, 0, 0, root, 0),
+            Signature::Gather { root } => (10, 0, 0, root, 0),
+            Signature::ScatterLengths { root } => (11, 0, 0, root, 0),
+            Signature::Scatter { root } => (12, 0, 0, root, 0),
+            Signature::AllToAll => (13, 0, 0, 0, 0),
+            Signature::Send { tag } => (14, 0, 0, tag, 0),
+            Signature::MonitoredBarrier => (15, 0, 0, 0, 0),
         };
         let mut out = [0u8; SIGNATURE_LEN];
         out[0] = tag;
@@ -129,11 +216,41 @@ impl Signature {
                 element: *ElementType::ALL.get(usize::from(b))?,
                 count,
             },
+            7 => Signature::Reduce {
+                op: *ReduceOp::ALL.get(usize::from(a))?,
+                element: *ElementType::ALL.get(usize::from(b))?,
+                root,
+                count,
+            },
+            8 => Signature::ReduceScatter {
+                op: *ReduceOp::ALL.get(usize::from(a))?,
+                element: *ElementType::ALL.get(usize::from(b))?,
+                total: count,
+                counts: root,
+            },
+            9 => Signature::GatherLengths { root },
+            10 => Signature::Gather { root },
+            11 => Signature::ScatterLengths { root },
+            12 => Signature::Scatter { root },
+            13 => Signature::AllToAll,
+            14 => Signature::Send { tag: root },
+            15 => Signature::MonitoredBarrier,
             _ => return None,
         };
         // One encoding per signature: unused fields must be zero.
         (signature.encode() == *bytes).then_some(signature)
     }
+}
+
+/// FNV-1a over the values as little-endian `u64`s.
+fn fnv(values: &[usize]) -> u32 {
+    let mut hash: u32 = 0x811c_9dc5;
+    for v in values {
+        for byte in (*v as u64).to_le_bytes() {
+            hash = (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193);
+        }
+    }
+    hash
 }
 
 fn op_code(op: ReduceOp) -> u8 {
@@ -165,6 +282,28 @@ impl fmt::Display for Signature {
             Signature::AllReduce { op, element, count } => {
                 write!(f, "all_reduce({op}, {element} x{count})")
             }
+            Signature::Reduce {
+                op,
+                element,
+                root,
+                count,
+            } => write!(f, "reduce({op}, {element} x{count}, root {root})"),
+            Signature::ReduceScatter {
+                op,
+                element,
+                total,
+                counts,
+            } => write!(
+                f,
+                "reduce_scatter({op}, {element} x{total} in all, counts #{counts:08x})"
+            ),
+            Signature::GatherLengths { root } => write!(f, "gather(root {root}, lengths)"),
+            Signature::Gather { root } => write!(f, "gather(root {root})"),
+            Signature::ScatterLengths { root } => write!(f, "scatter(root {root}, lengths)"),
+            Signature::Scatter { root } => write!(f, "scatter(root {root})"),
+            Signature::AllToAll => f.write_str("all_to_all"),
+            Signature::Send { tag } => write!(f, "send(tag {tag})"),
+            Signature::MonitoredBarrier => f.write_str("monitored_barrier"),
         }
     }
 }
@@ -192,6 +331,37 @@ mod tests {
                     element,
                     count
                 }),
+            (
+                proptest::sample::select(ReduceOp::ALL.to_vec()),
+                proptest::sample::select(ElementType::ALL.to_vec()),
+                any::<u32>(),
+                any::<u64>()
+            )
+                .prop_map(|(op, element, root, count)| Signature::Reduce {
+                    op,
+                    element,
+                    root,
+                    count
+                }),
+            (
+                proptest::sample::select(ReduceOp::ALL.to_vec()),
+                proptest::sample::select(ElementType::ALL.to_vec()),
+                any::<u64>(),
+                any::<u32>()
+            )
+                .prop_map(|(op, element, total, counts)| Signature::ReduceScatter {
+                    op,
+                    element,
+                    total,
+                    counts
+                }),
+            any::<u32>().prop_map(|root| Signature::GatherLengths { root }),
+            any::<u32>().prop_map(|root| Signature::Gather { root }),
+            any::<u32>().prop_map(|root| Signature::ScatterLengths { root }),
+            any::<u32>().prop_map(|root| Signature::Scatter { root }),
+            Just(Signature::AllToAll),
+            any::<u32>().prop_map(|tag| Signature::Send { tag }),
+            Just(Signature::MonitoredBarrier),
         ]
     }
 
@@ -209,6 +379,23 @@ mod tests {
         );
         assert_eq!(Signature::Barrier.name(), "barrier");
         assert_eq!(Signature::AllGatherLengths.name(), "all_gather");
+        assert_eq!(
+            Signature::Reduce {
+                op: ReduceOp::BXor,
+                element: ElementType::U8,
+                root: 2,
+                count: 5
+            }
+            .to_string(),
+            "reduce(bxor, u8 x5, root 2)"
+        );
+        // Other chunk sizes with the same total are another reduce_scatter.
+        assert_ne!(
+            Signature::reduce_scatter(ReduceOp::Sum, ElementType::F16, &[1, 2]),
+            Signature::reduce_scatter(ReduceOp::Sum, ElementType::F16, &[2, 1])
+        );
+        assert_eq!(Signature::Gather { root: 1 }.name(), "gather");
+        assert_eq!(Signature::Send { tag: 9 }.to_string(), "send(tag 9)");
         // The same total in other blocks is another all_gather.
         let a = Signature::all_gather(&[3, 5]);
         let b = Signature::all_gather(&[5, 3]);
@@ -232,7 +419,7 @@ mod tests {
             count: 1,
         }
         .encode();
-        reduce[1] = 4; // no such op
+        reduce[1] = 8; // no such op
         assert_eq!(Signature::decode(&reduce), None);
     }
 

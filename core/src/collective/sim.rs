@@ -64,6 +64,9 @@ pub(super) fn run(schedules: &[Schedule], inputs: &[Vec<u8>]) -> Result<Outcome,
             ));
         }
         buffer[range].copy_from_slice(input);
+        if let Some((from, to)) = schedule.local_copy() {
+            buffer.copy_within(from, to.start);
+        }
         buffers.push(buffer);
     }
     let mut heard: Vec<u128> = (0..n).map(|r| 1u128 << r).collect();
@@ -276,6 +279,8 @@ pub(super) fn hand_schedule(rank: usize, world: usize, len: usize, steps: Vec<St
         world,
         buffer_len: len,
         input: 0..len,
+        output: 0..len,
+        local: None,
         steps,
     }
 }

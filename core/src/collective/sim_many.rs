@@ -42,6 +42,32 @@ enum Call {
         element: ElementType,
         count: usize,
     },
+    Reduce {
+        root: usize,
+        op: ReduceOp,
+        element: ElementType,
+        count: usize,
+    },
+    ReduceScatter {
+        op: ReduceOp,
+        element: ElementType,
+        counts: Vec<usize>,
+    },
+    /// Variable-size gather: `lens[r]` is rank r's block length; only the root learns them.
+    Gather {
+        root: usize,
+        lens: Vec<usize>,
+    },
+    /// Variable-size scatter: the root's block for rank r is `lens[r]` bytes.
+    Scatter {
+        root: usize,
+        lens: Vec<usize>,
+    },
+    /// `lens[a][b]` bytes from rank a to rank b.
+    AllToAll {
+        lens: Vec<Vec<usize>>,
+    },
+    MonitoredBarrier,
 }
 
 /// When a later round takes its sequence number.
@@ -70,6 +96,9 @@ fn reduce_input(call: usize, rank: usize, element: ElementType, count: usize) ->
             ElementType::F64 => out.extend((v as f64).to_le_bytes()),
             ElementType::I32 => out.extend((v as i32).to_le_bytes()),
             ElementType::I64 => out.extend(v.to_le_bytes()),
+            ElementType::F16 => out.extend(half::f16::from_f32(v as f32).to_le_bytes()),
+            ElementType::BF16 => out.extend(half::bf16::from_f32(v as f32).to_le_bytes()),
+            ElementType::U8 | ElementType::I8 | ElementType::Bool => out.push(v as u8),
         }
     }
     out
@@ -93,12 +122,18 @@ struct Round {
     posted: bool,
     /// Receives of the current step taken so far (they are applied in order).
     taken: usize,
+    /// What a later round's output needs from an earlier one (a gather root's slots, a
+    /// scatter root's own block).
+    extra: Vec<u8>,
 }
 
 impl Round {
     fn new(seq: u64, signature: Signature, schedule: Schedule, input: &[u8]) -> Round {
         let mut buffer = vec![0u8; schedule.buffer_len()];
         buffer[schedule.input_range()].copy_from_slice(input);
+        if let Some((from, to)) = schedule.local_copy() {
+            buffer.copy_within(from, to.start);
+        }
         Round {
             seq,
             signature,
@@ -107,6 +142,7 @@ impl Round {
             step: 0,
             posted: false,
             taken: 0,
+            extra: Vec::new(),
         }
     }
 }
@@ -142,9 +178,13 @@ impl Driver<'_> {
         let r = rank.rank;
         let world = self.world;
         let rounds = match (&self.calls[i], self.numbering) {
-            (Call::AllGather { .. } | Call::BroadcastBytes { .. }, Numbering::AtIssue) => {
-                varlen::ROUNDS
-            }
+            (
+                Call::AllGather { .. }
+                | Call::BroadcastBytes { .. }
+                | Call::Gather { .. }
+                | Call::Scatter { .. },
+                Numbering::AtIssue,
+            ) => varlen::ROUNDS,
             _ => 1,
         };
         let base = rank.next_seq;
@@ -210,6 +250,7 @@ impl Driver<'_> {
                     &reduce_input(i, r, *element, *count),
                 )
             }
+            _ => self.issue_more(r, i, base)?,
         };
         rank.running.push(Running {
             call: i,
@@ -217,6 +258,115 @@ impl Driver<'_> {
             round,
         });
         Ok(())
+    }
+
+    /// The first round of the calls added for issue 20.
+    fn issue_more(&self, r: usize, i: usize, base: u64) -> Result<Round, String> {
+        let world = self.world;
+        let e = |e: CollectiveError| format!("call {i} on rank {r}: {e}");
+        Ok(match &self.calls[i] {
+            Call::Reduce {
+                root,
+                op,
+                element,
+                count,
+            } => {
+                let schedule = reduce(r, world, *root, *count, *element, *op).map_err(e)?;
+                let signature = Signature::Reduce {
+                    op: *op,
+                    element: *element,
+                    root: *root as u32,
+                    count: *count as u64,
+                };
+                Round::new(
+                    base,
+                    signature,
+                    schedule,
+                    &reduce_input(i, r, *element, *count),
+                )
+            }
+            Call::ReduceScatter {
+                op,
+                element,
+                counts,
+            } => {
+                let schedule = reduce_scatter(r, counts, *element, *op).map_err(e)?;
+                let signature = Signature::reduce_scatter(*op, *element, counts);
+                let total = counts.iter().sum();
+                Round::new(
+                    base,
+                    signature,
+                    schedule,
+                    &reduce_input(i, r, *element, total),
+                )
+            }
+            Call::Gather { root, .. } => {
+                let schedule = gather(r, *root, &vec![SLOT_BYTES; world]).map_err(e)?;
+                let mut slot = [0u8; SLOT_BYTES];
+                varlen::write_slot(&mut slot, &self.gather_block(i, r));
+                let signature = Signature::GatherLengths { root: *root as u32 };
+                Round::new(base, signature, schedule, &slot)
+            }
+            Call::Scatter { root, lens } => {
+                let schedule = scatter(r, *root, &vec![SLOT_BYTES; world]).map_err(e)?;
+                let mut slots = Vec::new();
+                if r == *root {
+                    for (to, len) in lens.iter().enumerate() {
+                        let mut slot = [0u8; SLOT_BYTES];
+                        varlen::write_slot(&mut slot, &input(i, 100 + to, *len));
+                        slots.extend(slot);
+                    }
+                }
+                let signature = Signature::ScatterLengths { root: *root as u32 };
+                Round::new(base, signature, schedule, &slots)
+            }
+            Call::AllToAll { lens } => {
+                let send: Vec<usize> = (0..world).map(|p| lens[r][p]).collect();
+                let recv: Vec<usize> = (0..world).map(|p| lens[p][r]).collect();
+                let schedule = all_to_all(r, &send, &recv).map_err(e)?;
+                let data: Vec<u8> = (0..world)
+                    .flat_map(|p| input(i, r * 64 + p, lens[r][p]))
+                    .collect();
+                Round::new(base, Signature::AllToAll, schedule, &data)
+            }
+            Call::MonitoredBarrier => Round::new(
+                base,
+                Signature::MonitoredBarrier,
+                monitored_barrier(r, world).map_err(e)?,
+                &[],
+            ),
+            _ => return Err(format!("call {i} is not one of issue 20's")),
+        })
+    }
+
+    /// The root's blocks of gather call `i`: inline ones from the slots, its own from its
+    /// input, large ones from `data` in rank order.
+    fn assemble_gather(&self, i: usize, root: usize, slots: &[u8], data: &[u8]) -> Vec<Vec<u8>> {
+        let mut offset = 0;
+        slots
+            .chunks_exact(SLOT_BYTES)
+            .enumerate()
+            .map(|(p, slot)| {
+                let slot: &[u8; SLOT_BYTES] = slot.try_into().expect("slot-sized");
+                let len = varlen::slot_len(slot) as usize;
+                if p == root {
+                    self.gather_block(i, p)
+                } else if let Some(range) = varlen::inline_range(len as u64) {
+                    slot[range].to_vec()
+                } else {
+                    offset += len;
+                    data[offset - len..offset].to_vec()
+                }
+            })
+            .collect()
+    }
+
+    /// Rank `r`'s block of gather call `i`.
+    fn gather_block(&self, i: usize, r: usize) -> Vec<u8> {
+        match &self.calls[i] {
+            Call::Gather { lens, .. } => input(i, r, lens[r]),
+            _ => Vec::new(),
+        }
     }
 
     /// A round ended: the call's output, or its next round.
@@ -288,6 +438,136 @@ impl Driver<'_> {
                     }
                 }
             }
+            (Call::Gather { root, .. }, Signature::GatherLengths { .. }) => {
+                let large = |len: usize| if len > INLINE_BYTES { len } else { 0 };
+                let mut lens = vec![0; world];
+                let mut slots = Vec::new();
+                if r == *root {
+                    slots = run.round.buffer.clone();
+                    for (p, slot) in slots.chunks_exact(SLOT_BYTES).enumerate() {
+                        let slot: &[u8; SLOT_BYTES] = slot.try_into().expect("slot-sized");
+                        if p != r {
+                            lens[p] = large(varlen::slot_len(slot) as usize);
+                        }
+                    }
+                } else {
+                    lens[r] = large(self.gather_block(i, r).len());
+                }
+                if lens.iter().all(|l| *l == 0) {
+                    if r != *root {
+                        Output::Done
+                    } else {
+                        Output::Blocks(self.assemble_gather(i, *root, &slots, &[]))
+                    }
+                } else {
+                    let schedule = gather(r, *root, &lens).map_err(|e| e.to_string())?;
+                    let data = if r == *root {
+                        Vec::new()
+                    } else {
+                        self.gather_block(i, r)
+                    };
+                    let seq = second_seq(rank);
+                    run.round = Round::new(
+                        seq,
+                        Signature::Gather { root: *root as u32 },
+                        schedule,
+                        &data,
+                    );
+                    // Keep the slots for the root's answer beside the data.
+                    run.round.extra = slots;
+                    rank.running.push(run);
+                    return Ok(());
+                }
+            }
+            (Call::Gather { root, .. }, Signature::Gather { .. }) => {
+                if r == *root {
+                    let slots = std::mem::take(&mut run.round.extra);
+                    Output::Blocks(self.assemble_gather(i, *root, &slots, &run.round.buffer))
+                } else {
+                    Output::Done
+                }
+            }
+            (Call::Scatter { root, lens }, Signature::ScatterLengths { .. }) => {
+                let mine = if r == *root {
+                    Some(input(i, 100 + r, lens[r]))
+                } else {
+                    let slot: &[u8; SLOT_BYTES] =
+                        run.round.buffer[..].try_into().expect("slot-sized");
+                    varlen::inline_range(varlen::slot_len(slot)).map(|range| slot[range].to_vec())
+                };
+                let large: Vec<usize> = (0..world)
+                    .map(|p| {
+                        if p != *root && lens[p] > INLINE_BYTES {
+                            lens[p]
+                        } else {
+                            0
+                        }
+                    })
+                    .collect();
+                let needed = if r == *root {
+                    large.iter().any(|l| *l > 0)
+                } else {
+                    mine.is_none()
+                };
+                match (mine, needed) {
+                    (Some(mine), false) => Output::Bytes(mine),
+                    (mine, _) => {
+                        // Only the root reads other ranks' lengths.
+                        let view: Vec<usize> = if r == *root {
+                            large.clone()
+                        } else {
+                            let slot: &[u8; SLOT_BYTES] =
+                                run.round.buffer[..].try_into().expect("slot-sized");
+                            (0..world)
+                                .map(|p| {
+                                    if p == r {
+                                        varlen::slot_len(slot) as usize
+                                    } else {
+                                        0
+                                    }
+                                })
+                                .collect()
+                        };
+                        let schedule = scatter(r, *root, &view).map_err(|e| e.to_string())?;
+                        let data: Vec<u8> = if r == *root {
+                            (0..world)
+                                .filter(|p| large[*p] > 0)
+                                .flat_map(|p| input(i, 100 + p, lens[p]))
+                                .collect()
+                        } else {
+                            Vec::new()
+                        };
+                        let seq = second_seq(rank);
+                        run.round = Round::new(
+                            seq,
+                            Signature::Scatter { root: *root as u32 },
+                            schedule,
+                            &data,
+                        );
+                        run.round.extra = mine.unwrap_or_default();
+                        rank.running.push(run);
+                        return Ok(());
+                    }
+                }
+            }
+            (Call::Scatter { root, .. }, Signature::Scatter { .. }) => {
+                if r == *root {
+                    Output::Bytes(std::mem::take(&mut run.round.extra))
+                } else {
+                    Output::Bytes(run.round.buffer)
+                }
+            }
+            (Call::Reduce { root, .. }, _) => {
+                if r == *root {
+                    Output::Bytes(run.round.buffer)
+                } else {
+                    Output::Done
+                }
+            }
+            (Call::ReduceScatter { .. } | Call::AllToAll { .. }, _) => {
+                Output::Bytes(run.round.buffer[run.round.schedule.output_range()].to_vec())
+            }
+            (Call::MonitoredBarrier, _) => Output::Done,
             (Call::Barrier, _) => Output::Done,
             (Call::AllGather { lens } | Call::AllGatherWithLens { lens }, _) => {
                 let mut blocks = Vec::new();
@@ -453,6 +733,65 @@ fn expected(calls: &[Call], i: usize, world: usize) -> Output {
             }
             Output::Bytes(acc)
         }
+        _ => Output::Done,
+    }
+}
+
+/// What rank `r` must get from call `i` (the same as every rank's, except for the calls of
+/// issue 20 whose results differ by rank).
+fn expected_on(calls: &[Call], i: usize, world: usize, r: usize) -> Output {
+    match &calls[i] {
+        Call::Reduce {
+            root,
+            op,
+            element,
+            count,
+        } => {
+            if r != *root {
+                return Output::Done;
+            }
+            let mut acc = reduce_input(i, 0, *element, *count);
+            for p in 1..world {
+                let incoming = reduce_input(i, p, *element, *count);
+                reduce_into(*op, *element, &mut acc, &incoming, false).expect("same lengths");
+            }
+            Output::Bytes(acc)
+        }
+        Call::ReduceScatter {
+            op,
+            element,
+            counts,
+        } => {
+            let total = counts.iter().sum();
+            let mut acc = reduce_input(i, 0, *element, total);
+            for p in 1..world {
+                let incoming = reduce_input(i, p, *element, total);
+                reduce_into(*op, *element, &mut acc, &incoming, false).expect("same lengths");
+            }
+            let start: usize = counts[..r].iter().sum();
+            let size = element.size();
+            Output::Bytes(acc[start * size..(start + counts[r]) * size].to_vec())
+        }
+        Call::Gather { root, lens } => {
+            if r == *root {
+                Output::Blocks(
+                    lens.iter()
+                        .enumerate()
+                        .map(|(p, len)| input(i, p, *len))
+                        .collect(),
+                )
+            } else {
+                Output::Done
+            }
+        }
+        Call::Scatter { lens, .. } => Output::Bytes(input(i, 100 + r, lens[r])),
+        Call::AllToAll { lens } => Output::Bytes(
+            (0..world)
+                .flat_map(|p| input(i, p * 64 + r, lens[p][r]))
+                .collect(),
+        ),
+        Call::MonitoredBarrier => Output::Done,
+        _ => expected(calls, i, world),
     }
 }
 
@@ -460,7 +799,7 @@ fn check(calls: &[Call], world: usize, seed: u64) -> Result<(), String> {
     let outputs = run(calls, world, seed, Numbering::AtIssue)?;
     for (r, outputs) in outputs.iter().enumerate() {
         for (i, got) in outputs.iter().enumerate() {
-            if *got != expected(calls, i, world) {
+            if *got != expected_on(calls, i, world, r) {
                 return Err(format!(
                     "world {world} seed {seed}: rank {r} got a wrong result for call {i} ({:?})",
                     calls[i]
@@ -481,6 +820,8 @@ fn any_call(world: usize) -> impl Strategy<Value = Call> {
         1 => Just(6000usize),
     ];
     let lens = proptest::collection::vec(len.clone(), world);
+    let pair_lens = proptest::collection::vec(proptest::collection::vec(0usize..80, world), world);
+    let counts = proptest::collection::vec(0usize..6, world);
     let count = prop_oneof![
         2 => Just(0usize),
         30 => 1usize..40,
@@ -489,16 +830,44 @@ fn any_call(world: usize) -> impl Strategy<Value = Call> {
     prop_oneof![
         Just(Call::Barrier),
         lens.clone().prop_map(|lens| Call::AllGather { lens }),
-        lens.prop_map(|lens| Call::AllGatherWithLens { lens }),
+        lens.clone()
+            .prop_map(|lens| Call::AllGatherWithLens { lens }),
         (0..world, len.clone()).prop_map(|(root, len)| Call::Broadcast { root, len }),
         (0..world, len).prop_map(|(root, len)| Call::BroadcastBytes { root, len }),
+        (proptest::sample::select(supported_pairs()), count)
+            .prop_map(|((op, element), count)| Call::AllReduce { op, element, count }),
         (
-            proptest::sample::select(ReduceOp::ALL.to_vec()),
-            proptest::sample::select(ElementType::ALL.to_vec()),
-            count
+            0..world,
+            proptest::sample::select(supported_pairs()),
+            0usize..20
         )
-            .prop_map(|(op, element, count)| Call::AllReduce { op, element, count }),
+            .prop_map(|(root, (op, element), count)| Call::Reduce {
+                root,
+                op,
+                element,
+                count
+            }),
+        (proptest::sample::select(supported_pairs()), counts).prop_map(
+            |((op, element), counts)| Call::ReduceScatter {
+                op,
+                element,
+                counts
+            }
+        ),
+        (0..world, lens.clone()).prop_map(|(root, lens)| Call::Gather { root, lens }),
+        (0..world, lens).prop_map(|(root, lens)| Call::Scatter { root, lens }),
+        pair_lens.prop_map(|lens| Call::AllToAll { lens }),
+        Just(Call::MonitoredBarrier),
     ]
+}
+
+/// Every (op, element type) pair gloo supports.
+fn supported_pairs() -> Vec<(ReduceOp, ElementType)> {
+    ReduceOp::ALL
+        .iter()
+        .flat_map(|o| ElementType::ALL.iter().map(move |e| (*o, *e)))
+        .filter(|(o, e)| o.supports(*e))
+        .collect()
 }
 
 fn world_and_calls() -> impl Strategy<Value = (usize, Vec<Call>, u64)> {
@@ -547,15 +916,42 @@ fn every_collective_at_every_world_size_in_one_concurrent_mix() {
             },
             Call::BroadcastBytes { root: 0, len: 1000 },
         ];
-        for op in ReduceOp::ALL {
-            for element in ElementType::ALL {
-                calls.push(Call::AllReduce {
-                    op,
-                    element,
-                    count: 1 + world,
-                });
-            }
+        // A third of the (op, type) pairs per world size: every pair within three sizes.
+        let pairs = supported_pairs();
+        for (op, element) in pairs.into_iter().skip(world % 3).step_by(3) {
+            calls.push(Call::AllReduce {
+                op,
+                element,
+                count: 1 + world,
+            });
         }
+        calls.extend([
+            Call::Reduce {
+                root: world / 2,
+                op: ReduceOp::Avg,
+                element: ElementType::BF16,
+                count: 3,
+            },
+            Call::ReduceScatter {
+                op: ReduceOp::BXor,
+                element: ElementType::U8,
+                counts: (0..world).map(|r| r % 3).collect(),
+            },
+            Call::Gather {
+                root: world - 1,
+                lens: lens.clone(),
+            },
+            Call::Scatter {
+                root: 0,
+                lens: lens.clone(),
+            },
+            Call::AllToAll {
+                lens: (0..world)
+                    .map(|a| (0..world).map(|b| (a * 7 + b * 3) % 70).collect())
+                    .collect(),
+            },
+            Call::MonitoredBarrier,
+        ]);
         for seed in 0..8 {
             check(&calls, world, seed).unwrap_or_else(|e| panic!("{e}"));
         }

@@ -98,6 +98,219 @@ pub trait ProcessGroup: Send + Sync {
         op: ReduceOp,
     ) -> Result<(), ProcessGroupError>;
 
+    /// Reduces `data` (little-endian elements of `element`) element-wise across all ranks with
+    /// `op` into `root`'s `data`. Other ranks' `data` is left as it was.
+    ///
+    /// The default runs [`all_reduce`](Self::all_reduce) on a copy everywhere but the root;
+    /// backends override it with a tree that moves the data once.
+    async fn reduce(
+        &self,
+        data: &mut [u8],
+        element: ElementType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), ProcessGroupError> {
+        check_root("reduce", root, self.size())?;
+        if self.rank() == root {
+            self.all_reduce(data, element, op).await
+        } else {
+            self.all_reduce(&mut data.to_vec(), element, op).await
+        }
+    }
+
+    /// Reduces `input` element-wise across all ranks with `op` and returns this rank's chunk
+    /// of the result: `input` is every rank's chunk in rank order, chunk i being `counts[i]`
+    /// elements (chunks may differ in size; every rank passes the same `counts`). PyTorch's
+    /// `reduce_scatter_tensor`; the implementations' typed helpers build the list form on it.
+    ///
+    /// The default runs [`all_reduce`](Self::all_reduce) on a copy and keeps this rank's chunk.
+    async fn reduce_scatter(
+        &self,
+        input: &[u8],
+        counts: &[usize],
+        element: ElementType,
+        op: ReduceOp,
+    ) -> Result<Vec<u8>, ProcessGroupError> {
+        let range = chunk_range("reduce_scatter", input.len(), counts, element, self)?;
+        let mut data = input.to_vec();
+        self.all_reduce(&mut data, element, op).await?;
+        Ok(data[range].to_vec())
+    }
+
+    /// Gathers one block of bytes from every rank (blocks may differ in length) on `root`:
+    /// `Some` of the blocks in rank order there, `None` on every other rank.
+    ///
+    /// The default runs [`all_gather`](Self::all_gather).
+    async fn gather(
+        &self,
+        input: &[u8],
+        root: usize,
+    ) -> Result<Option<Vec<Bytes>>, ProcessGroupError> {
+        check_root("gather", root, self.size())?;
+        let blocks = self.all_gather(input).await?;
+        Ok((self.rank() == root).then_some(blocks))
+    }
+
+    /// Sends block i of `root`'s `blocks` to rank i (blocks may differ in length) and returns
+    /// this rank's block. `blocks` is read on the root only (pass an empty slice elsewhere);
+    /// there it must hold one block per rank.
+    ///
+    /// The default broadcasts every block with [`broadcast_bytes`](Self::broadcast_bytes).
+    async fn scatter(&self, blocks: &[Bytes], root: usize) -> Result<Bytes, ProcessGroupError> {
+        check_root("scatter", root, self.size())?;
+        let encoded = if self.rank() == root {
+            check_count("scatter", blocks.len(), self.size())?;
+            encode_blocks(blocks)
+        } else {
+            Vec::new()
+        };
+        let all = self.broadcast_bytes(&encoded, root).await?;
+        decode_blocks(&all, self.size())
+            .and_then(|mut blocks| blocks.get_mut(self.rank()).map(std::mem::take))
+            .ok_or_else(|| ProcessGroupError::Mismatch {
+                peer: root,
+                collective: "scatter",
+                seq: 0,
+                reason: "its blocks do not decode".to_owned(),
+            })
+    }
+
+    /// Sends `inputs[i]` to rank i and returns what every rank sent this one, in rank order;
+    /// `output_lens[i]` is the length rank i sends here (blocks may differ in length; rank i's
+    /// `inputs[r]` must be `output_lens[i]` bytes on rank r, or rank r fails with
+    /// [`Mismatch`](ProcessGroupError::Mismatch) naming rank i).
+    ///
+    /// The default gathers every rank's blocks with [`all_gather`](Self::all_gather) and keeps
+    /// its own column: correct, but it moves every block to every rank.
+    async fn all_to_all(
+        &self,
+        inputs: &[Bytes],
+        output_lens: &[usize],
+    ) -> Result<Vec<Bytes>, ProcessGroupError> {
+        let (rank, world) = (self.rank(), self.size());
+        check_count("all_to_all", inputs.len(), world)?;
+        check_count("all_to_all", output_lens.len(), world)?;
+        let all = self.all_gather(&encode_blocks(inputs)).await?;
+        let mut out = Vec::with_capacity(world);
+        for (peer, encoded) in all.iter().enumerate() {
+            let mismatch = |reason: String| ProcessGroupError::Mismatch {
+                peer,
+                collective: "all_to_all",
+                seq: 0,
+                reason,
+            };
+            let mut blocks = decode_blocks(encoded, world)
+                .ok_or_else(|| mismatch("its blocks do not decode".to_owned()))?;
+            let block = std::mem::take(&mut blocks[rank]);
+            if block.len() != output_lens[peer] {
+                return Err(mismatch(format!(
+                    "it sent {} bytes, this rank expects {}",
+                    block.len(),
+                    output_lens[peer]
+                )));
+            }
+            out.push(block);
+        }
+        Ok(out)
+    }
+
+    /// [`all_to_all`](Self::all_to_all) of one buffer: `input` split into blocks of
+    /// `input_splits` bytes (one per rank, summing to its length) goes out, and the blocks
+    /// received (`output_splits` bytes from each rank) come back concatenated in rank order.
+    /// PyTorch's `all_to_all_single` with explicit splits.
+    ///
+    /// The default splits `input` and runs [`all_to_all`](Self::all_to_all).
+    async fn all_to_all_single(
+        &self,
+        input: &[u8],
+        input_splits: &[usize],
+        output_splits: &[usize],
+    ) -> Result<Vec<u8>, ProcessGroupError> {
+        check_count("all_to_all", input_splits.len(), self.size())?;
+        let sum = input_splits
+            .iter()
+            .try_fold(0usize, |acc, s| acc.checked_add(*s));
+        if sum != Some(input.len()) {
+            return Err(ProcessGroupError::Arguments {
+                collective: "all_to_all",
+                source: CollectiveError::SplitsSum {
+                    sum: sum.unwrap_or(usize::MAX),
+                    actual: input.len(),
+                },
+            });
+        }
+        let mut blocks = Vec::with_capacity(input_splits.len());
+        let mut offset = 0;
+        for len in input_splits {
+            blocks.push(Bytes::copy_from_slice(&input[offset..offset + len]));
+            offset += len;
+        }
+        let out = self.all_to_all(&blocks, output_splits).await?;
+        Ok(out.concat())
+    }
+
+    /// Sends `data` to rank `dst` with `tag`; rank `dst` receives it with
+    /// [`recv`](Self::recv)`(this rank, tag)`. Messages between two ranks with one tag are
+    /// received in the order they were sent. Point-to-point messages take no place in the
+    /// group's sequence of collectives. Returns once the message is handed to the transport.
+    ///
+    /// The default refuses with [`Unsupported`](ProcessGroupError::Unsupported).
+    async fn send(&self, data: &[u8], dst: usize, tag: u32) -> Result<(), ProcessGroupError> {
+        let _ = (data, dst, tag);
+        Err(ProcessGroupError::Unsupported {
+            collective: "send",
+            backend: self.backend(),
+        })
+    }
+
+    /// Receives the next message rank `src` sent here with `tag` (see [`send`](Self::send)),
+    /// waiting up to the group's timeout.
+    ///
+    /// The default refuses with [`Unsupported`](ProcessGroupError::Unsupported).
+    async fn recv(&self, src: usize, tag: u32) -> Result<Bytes, ProcessGroupError> {
+        let _ = (src, tag);
+        Err(ProcessGroupError::Unsupported {
+            collective: "recv",
+            backend: self.backend(),
+        })
+    }
+
+    /// [`send`](Self::send) without waiting for it: returns a future of its result. A backend
+    /// that can overlap point-to-point messages issues the send when this returns (numbering
+    /// it, so that it keeps its place among this rank's messages to `dst` with `tag`) and
+    /// carries it out whether or not the future is polled; the default sends when the
+    /// future is first polled.
+    fn isend(&self, data: Bytes, dst: usize, tag: u32) -> Pending<'_, ()> {
+        Box::pin(async move { self.send(&data, dst, tag).await })
+    }
+
+    /// [`recv`](Self::recv) without waiting for it: returns a future of the bytes. A backend
+    /// that can overlap point-to-point messages issues the receive when this returns (so it
+    /// gets the message after those of the receives issued before it); the default receives
+    /// when the future is first polled.
+    fn irecv(&self, src: usize, tag: u32) -> Pending<'_, Bytes> {
+        Box::pin(self.recv(src, tag))
+    }
+
+    /// A barrier that says who did not come: rank 0 waits up to `timeout` (the group's when
+    /// `None`) for every other rank, then lets them all go. When some do not arrive in time,
+    /// rank 0 fails with [`MonitoredBarrier`](ProcessGroupError::MonitoredBarrier) naming
+    /// every one of them with `wait_all_ranks` (PyTorch's `wait_all_ranks=True`), else the
+    /// first; the others fail with a timeout naming rank 0.
+    ///
+    /// The default refuses with [`Unsupported`](ProcessGroupError::Unsupported).
+    async fn monitored_barrier(
+        &self,
+        timeout: Option<Duration>,
+        wait_all_ranks: bool,
+    ) -> Result<(), ProcessGroupError> {
+        let _ = (timeout, wait_all_ranks);
+        Err(ProcessGroupError::Unsupported {
+            collective: "monitored_barrier",
+            backend: self.backend(),
+        })
+    }
+
     /// The backend's name, for errors and logs (`"tensorwire"`, `"nccl"`).
     fn backend(&self) -> &'static str {
         "tensorwire"
@@ -109,7 +322,9 @@ pub trait ProcessGroup: Send + Sync {
     }
 
     /// Reduces `tensor` element-wise across all ranks with `op`; returns the result (same
-    /// dtype, shape and device). Host backends support `f32`, `f64`, `i32` and `i64`.
+    /// dtype, shape and device). Host backends support every dtype (`f32`, `f64`, `f16`,
+    /// `bf16`, `i32`, `i64`, `u8`, `i8`, `bool`) with the ops gloo allows on it
+    /// ([`ReduceOp::supports`]).
     async fn all_reduce_tensor(
         &self,
         tensor: &Tensor,
@@ -173,6 +388,105 @@ pub trait ProcessGroup: Send + Sync {
     /// default does nothing.
     async fn shutdown(&self) {}
 }
+
+/// [`ProcessGroupError::Arguments`] with [`CollectiveError::RootOutOfRange`] unless `root` is a
+/// rank.
+fn check_root(
+    collective: &'static str,
+    root: usize,
+    world: usize,
+) -> Result<(), ProcessGroupError> {
+    if root < world {
+        Ok(())
+    } else {
+        Err(ProcessGroupError::Arguments {
+            collective,
+            source: CollectiveError::RootOutOfRange { root, world },
+        })
+    }
+}
+
+/// [`ProcessGroupError::Arguments`] with [`CollectiveError::LengthsCount`] unless there is one
+/// entry per rank.
+fn check_count(
+    collective: &'static str,
+    count: usize,
+    world: usize,
+) -> Result<(), ProcessGroupError> {
+    if count == world {
+        Ok(())
+    } else {
+        Err(ProcessGroupError::Arguments {
+            collective,
+            source: CollectiveError::LengthsCount { lens: count, world },
+        })
+    }
+}
+
+/// Checks a reduce_scatter's arguments and returns the byte range of this rank's chunk.
+fn chunk_range<P: ProcessGroup + ?Sized>(
+    collective: &'static str,
+    input_len: usize,
+    counts: &[usize],
+    element: ElementType,
+    group: &P,
+) -> Result<std::ops::Range<usize>, ProcessGroupError> {
+    check_count(collective, counts.len(), group.size())?;
+    let arguments = |source| ProcessGroupError::Arguments { collective, source };
+    let bytes = |n: usize| n.checked_mul(element.size());
+    let total = counts
+        .iter()
+        .try_fold(0usize, |acc, c| acc.checked_add(*c))
+        .and_then(bytes)
+        .ok_or(arguments(CollectiveError::SizeOverflow))?;
+    if total != input_len {
+        return Err(arguments(CollectiveError::SplitsSum {
+            sum: total,
+            actual: input_len,
+        }));
+    }
+    let start = bytes(counts[..group.rank()].iter().sum()).unwrap_or(0);
+    Ok(start..start + bytes(counts[group.rank()]).unwrap_or(0))
+}
+
+/// Blocks as one byte string: their count and lengths (`u64` LE each), then their bytes.
+fn encode_blocks(blocks: &[Bytes]) -> Vec<u8> {
+    let mut out =
+        Vec::with_capacity(8 * (blocks.len() + 1) + blocks.iter().map(Bytes::len).sum::<usize>());
+    out.extend((blocks.len() as u64).to_le_bytes());
+    for b in blocks {
+        out.extend((b.len() as u64).to_le_bytes());
+    }
+    for b in blocks {
+        out.extend_from_slice(b);
+    }
+    out
+}
+
+/// The inverse of [`encode_blocks`], for exactly `count` blocks; `None` for anything else.
+fn decode_blocks(bytes: &[u8], count: usize) -> Option<Vec<Bytes>> {
+    let word = |i: usize| -> Option<usize> {
+        let raw = bytes.get(8 * i..8 * i + 8)?;
+        usize::try_from(u64::from_le_bytes(raw.try_into().ok()?)).ok()
+    };
+    if word(0)? != count {
+        return None;
+    }
+    let mut offset = 8usize.checked_mul(count.checked_add(1)?)?;
+    let mut out = Vec::with_capacity(count);
+    for i in 0..count {
+        let len = word(i + 1)?;
+        let end = offset.checked_add(len)?;
+        out.push(Bytes::copy_from_slice(bytes.get(offset..end)?));
+        offset = end;
+    }
+    (offset == bytes.len()).then_some(out)
+}
+
+/// A point-to-point operation in progress ([`ProcessGroup::isend`], [`ProcessGroup::irecv`]):
+/// await it for the result (PyTorch's `Work.wait()`).
+pub type Pending<'a, T> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, ProcessGroupError>> + Send + 'a>>;
 
 /// The most bytes [`ProcessGroup::broadcast_bytes`] accepts from a root (1 GiB, the
 /// transports' default frame limit); a larger announced length is refused before anything is
@@ -340,6 +654,29 @@ pub enum ProcessGroupError {
         /// What failed.
         reason: String,
     },
+    /// The backend does not offer this operation.
+    #[error("the {backend} backend does not support {collective}")]
+    Unsupported {
+        /// The operation.
+        collective: &'static str,
+        /// The group's backend.
+        backend: &'static str,
+    },
+    /// Ranks did not arrive at a monitored barrier in time (reported by rank 0, which waits
+    /// for everyone).
+    #[error(
+        "[Rank {rank}]: {} {} failed to pass monitoredBarrier in {timeout:?}",
+        if .missing.len() == 1 { "Rank" } else { "Ranks" },
+        RankList(.missing)
+    )]
+    MonitoredBarrier {
+        /// This rank (0).
+        rank: usize,
+        /// The ranks that did not arrive: all of them with `wait_all_ranks`, else the first.
+        missing: Vec<usize>,
+        /// How long rank 0 waited.
+        timeout: Duration,
+    },
     /// The group was shut down on this rank.
     #[error("the process group was shut down")]
     ShutDown,
@@ -461,6 +798,45 @@ mod tests {
             reported.to_string(),
             "rank 1 ran all_reduce(sum, i64 x1) as collective #7, rank 0 all_reduce(sum, f32 x2) (reported by rank 0)"
         );
+    }
+
+    #[test]
+    fn monitored_barrier_errors_read_as_pytorchs() {
+        let e = ProcessGroupError::MonitoredBarrier {
+            rank: 0,
+            missing: vec![1, 3],
+            timeout: Duration::from_millis(1500),
+        };
+        assert_eq!(
+            e.to_string(),
+            "[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 1.5s"
+        );
+        let e = ProcessGroupError::MonitoredBarrier {
+            rank: 0,
+            missing: vec![2],
+            timeout: Duration::from_secs(2),
+        };
+        assert_eq!(
+            e.to_string(),
+            "[Rank 0]: Rank 2 failed to pass monitoredBarrier in 2s"
+        );
+    }
+
+    #[test]
+    fn blocks_encode_and_refuse_garbage() {
+        let blocks = vec![
+            Bytes::from_static(b"ab"),
+            Bytes::new(),
+            Bytes::from_static(b"xyz"),
+        ];
+        let e = encode_blocks(&blocks);
+        assert_eq!(decode_blocks(&e, 3), Some(blocks));
+        assert_eq!(decode_blocks(&e, 2), None);
+        assert_eq!(decode_blocks(&e[..e.len() - 1], 3), None);
+        assert_eq!(decode_blocks(&[], 0), None);
+        let mut huge = e.clone();
+        huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert_eq!(decode_blocks(&huge, 3), None);
     }
 
     #[test]

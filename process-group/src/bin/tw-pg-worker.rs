@@ -16,6 +16,12 @@
 //!   f32 elements per rank, every one first polled in the same order on every rank before any
 //!   has finished, then checks that each returned its own blocks; prints `OK inflight rank R`,
 //!   or `ERROR: N of M all_gathers returned other calls' blocks` and exits 1.
+//! - `ops`: every element type with the ops gloo allows on it (and two it refuses), reduce,
+//!   reduce_scatter (one tensor and blocks), gather and scatter (bytes and objects),
+//!   all_to_all and all_to_all_single with uneven splits, send/recv with tags, isend/irecv
+//!   and a monitored barrier, each checked against known values; prints `OK ops rank R`.
+//! - `monitored`: the ranks in `TW_ABSENT` print `READY rank R` and stay away; the others run
+//!   a monitored barrier (`TW_WAIT_ALL`, `TW_MB_MS`) and print its error on stderr (exit 3).
 //! - `kill`: sets up, runs one barrier, prints `READY rank R`; rank `TW_VICTIM` then sleeps
 //!   (to be killed), the others run another barrier and report its error (exit 3), or exit 0
 //!   if it unexpectedly succeeds.
@@ -24,7 +30,7 @@ use std::io::Write;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use tensorwire_core::collective::ReduceOp;
+use tensorwire_core::collective::{ElementType, ReduceOp};
 use tensorwire_core::device::Device;
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_process_group::env_init::env_rendezvous;
@@ -112,6 +118,11 @@ async fn check(pg: &dyn ProcessGroup) -> Result<(), Error> {
                     ReduceOp::Product => vals.fold(1i64, |a, b| a.wrapping_mul(b)),
                     ReduceOp::Min => vals.min().unwrap_or(0),
                     ReduceOp::Max => vals.max().unwrap_or(0),
+                    ReduceOp::BAnd => vals.fold(-1i64, |a, b| a & b),
+                    ReduceOp::BOr => vals.fold(0i64, |a, b| a | b),
+                    ReduceOp::BXor => vals.fold(0i64, |a, b| a ^ b),
+                    // Not defined on integers (gloo refuses it): never asked for.
+                    ReduceOp::Avg => 0,
                 }
             })
         };
@@ -120,7 +131,10 @@ async fn check(pg: &dyn ProcessGroup) -> Result<(), Error> {
             let k = ReduceOp::ALL.iter().position(|o| *o == op).unwrap_or(0);
             table[k][i % 3]
         };
-        for op in ReduceOp::ALL {
+        for op in ReduceOp::ALL
+            .into_iter()
+            .filter(|op| op.supports(ElementType::I64))
+        {
             let mut a: Vec<i64> = (0..count).map(value).collect();
             pg.all_reduce_typed(&mut a, op).await?;
             ensure(a.iter().enumerate().all(|(i, x)| *x == fold(i, op)), || {
@@ -225,6 +239,276 @@ async fn inflight(pg: &dyn ProcessGroup) -> Result<(), Error> {
     Ok(())
 }
 
+/// Issue 20, items 3 and 4: every element type with the ops gloo allows on it, and every
+/// operation of the port, against values computed here independently.
+async fn ops(pg: &dyn ProcessGroup) -> Result<(), Error> {
+    use half::{bf16, f16};
+    let (rank, world) = (pg.rank(), pg.size());
+    let w = world as i64;
+    let tri = w * (w - 1) / 2;
+
+    // --- types and ops of all_reduce
+    let mut a = [f16::from_f32(rank as f32 + 1.0), f16::from_f32(0.5)];
+    pg.all_reduce_typed(&mut a, ReduceOp::Sum).await?;
+    ensure(
+        a == [
+            f16::from_f32((tri + w) as f32),
+            f16::from_f32(0.5 * w as f32),
+        ],
+        || format!("f16 sum: {a:?}"),
+    )?;
+    let mut a = [f16::from_f32(rank as f32 + 1.0)];
+    pg.all_reduce_typed(&mut a, ReduceOp::Avg).await?;
+    ensure(a == [f16::from_f32((w + 1) as f32 / 2.0)], || {
+        format!("f16 avg: {a:?}")
+    })?;
+    let mut b = [bf16::from_f32(rank as f32), bf16::from_f32(-(rank as f32))];
+    pg.all_reduce_typed(&mut b, ReduceOp::Max).await?;
+    ensure(
+        b == [bf16::from_f32((w - 1) as f32), bf16::from_f32(0.0)],
+        || format!("bf16 max: {b:?}"),
+    )?;
+    let mut b = [bf16::from_f32(rank as f32 + 1.0)];
+    pg.all_reduce_typed(&mut b, ReduceOp::Avg).await?;
+    ensure(b == [bf16::from_f32((w + 1) as f32 / 2.0)], || {
+        format!("bf16 avg: {b:?}")
+    })?;
+    let mut c = [2.0 * rank as f32];
+    pg.all_reduce_typed(&mut c, ReduceOp::Avg).await?;
+    ensure(c == [(w - 1) as f32], || format!("f32 avg: {c:?}"))?;
+    let mut u = [200u8, rank as u8];
+    pg.all_reduce_typed(&mut u, ReduceOp::Sum).await?;
+    ensure(u == [(200 * w) as u8, tri as u8], || {
+        format!("u8 sum: {u:?}")
+    })?;
+    let all_bits = ((1u32 << world) - 1) as u8;
+    let mut u = [1u8 << rank];
+    pg.all_reduce_typed(&mut u, ReduceOp::BOr).await?;
+    ensure(u == [all_bits], || format!("u8 bor: {u:?}"))?;
+    let mut u = [0xffu8 ^ (1 << rank)];
+    pg.all_reduce_typed(&mut u, ReduceOp::BAnd).await?;
+    ensure(u == [0xff ^ all_bits], || format!("u8 band: {u:?}"))?;
+    let mut u = [rank as u8 + 1];
+    pg.all_reduce_typed(&mut u, ReduceOp::BXor).await?;
+    let xor = (1..=world as u8).fold(0, |a, b| a ^ b);
+    ensure(u == [xor], || format!("u8 bxor: {u:?}"))?;
+    let mut i = [-(rank as i8), -1, 100];
+    pg.all_reduce_typed(&mut i, ReduceOp::Min).await?;
+    ensure(i == [-(w as i8 - 1), -1, 100], || format!("i8 min: {i:?}"))?;
+    let mut i = [-1i8, 100];
+    pg.all_reduce_typed(&mut i, ReduceOp::Product).await?;
+    let sign = if world % 2 == 0 { 1 } else { -1 };
+    ensure(i[0] == sign, || format!("i8 product: {i:?}"))?;
+    let mut i = [100i8];
+    pg.all_reduce_typed(&mut i, ReduceOp::Sum).await?;
+    ensure(i == [(100 * w) as i8], || format!("i8 sum wraps: {i:?}"))?;
+    let mut t = [rank == 0, false, true];
+    pg.all_reduce_typed(&mut t, ReduceOp::Sum).await?;
+    ensure(t == [true, false, true], || format!("bool sum: {t:?}"))?;
+    let mut t = [rank == 0, true];
+    pg.all_reduce_typed(&mut t, ReduceOp::BAnd).await?;
+    ensure(t == [world == 1, true], || format!("bool band: {t:?}"))?;
+    let mut t = [true];
+    pg.all_reduce_typed(&mut t, ReduceOp::BXor).await?;
+    ensure(t == [world % 2 == 1], || format!("bool bxor: {t:?}"))?;
+    let mut x = [rank as i32 * 3];
+    pg.all_reduce_typed(&mut x, ReduceOp::BXor).await?;
+    let want = (0..world as i32).fold(0, |a, r| a ^ (r * 3));
+    ensure(x == [want], || format!("i32 bxor: {x:?}"))?;
+    // Refused locally, naming op and type, taking no place in the sequence.
+    let e = pg
+        .all_reduce_typed(&mut [1.0f32], ReduceOp::BXor)
+        .await
+        .err();
+    ensure(
+        e.as_ref().is_some_and(|e| {
+            let s = e.to_string();
+            matches!(e, ProcessGroupError::Arguments { .. })
+                && s.contains("bxor")
+                && s.contains("f32")
+        }),
+        || format!("f32 bxor: {e:?}"),
+    )?;
+    let e = pg.reduce_typed(&mut [1i64], ReduceOp::Avg, 0).await.err();
+    ensure(
+        e.as_ref()
+            .is_some_and(|e| e.to_string().contains("avg is not defined on i64")),
+        || format!("i64 avg: {e:?}"),
+    )?;
+    pg.barrier().await?;
+
+    // --- reduce
+    let root = world - 1;
+    let mut r = [rank as i64, 10];
+    pg.reduce_typed(&mut r, ReduceOp::Sum, root).await?;
+    let want = if rank == root {
+        [tri, 10 * w]
+    } else {
+        [rank as i64, 10]
+    };
+    ensure(r == want, || format!("reduce i64 sum to {root}: {r:?}"))?;
+    let mut h = [f16::from_f32(rank as f32 + 1.0)];
+    pg.reduce_typed(&mut h, ReduceOp::Avg, 0).await?;
+    if rank == 0 {
+        ensure(h == [f16::from_f32((w + 1) as f32 / 2.0)], || {
+            format!("reduce f16 avg: {h:?}")
+        })?;
+    }
+
+    // --- reduce_scatter: one tensor with uneven chunks, and the list form
+    let counts: Vec<usize> = (0..world).map(|i| i + 1).collect();
+    let total: usize = counts.iter().sum();
+    let input: Vec<i64> = (0..total as i64).map(|j| rank as i64 * 100 + j).collect();
+    let mine = pg
+        .reduce_scatter_typed(&input, &counts, ReduceOp::Sum)
+        .await?;
+    let start: usize = counts[..rank].iter().sum();
+    let want: Vec<i64> = (start..start + counts[rank])
+        .map(|j| 100 * tri + w * j as i64)
+        .collect();
+    ensure(mine == want, || {
+        format!("reduce_scatter: {mine:?}, want {want:?}")
+    })?;
+    let blocks: Vec<Vec<f32>> = (0..world).map(|i| vec![(rank + i) as f32; i + 2]).collect();
+    let mine = pg
+        .reduce_scatter_blocks_typed(&blocks, ReduceOp::Max)
+        .await?;
+    ensure(mine == vec![(world - 1 + rank) as f32; rank + 2], || {
+        format!("reduce_scatter blocks: {mine:?}")
+    })?;
+
+    // --- gather and scatter, bytes (blocks over 56 bytes take a second round) and objects
+    let gathered = pg.gather(&block(rank, rank * 40 + 1), 0).await?;
+    if rank == 0 {
+        let blocks = gathered.ok_or("gather: no blocks on the root")?;
+        ensure(blocks.len() == world, || "gather count".into())?;
+        for (peer, b) in blocks.iter().enumerate() {
+            ensure(b[..] == block(peer, peer * 40 + 1)[..], || {
+                format!("gather: block of rank {peer}")
+            })?;
+        }
+    } else {
+        ensure(gathered.is_none(), || "gather: blocks off the root".into())?;
+    }
+    let names = pg.gather_object(&format!("worker{rank}"), root).await?;
+    if rank == root {
+        ensure(
+            names == Some((0..world).map(|r| format!("worker{r}")).collect()),
+            || format!("gather_object: {names:?}"),
+        )?;
+    }
+    let sroot = 1 % world;
+    let blocks: Vec<bytes::Bytes> = if rank == sroot {
+        (0..world)
+            .map(|i| block(100 + i, i * 50 + 3).into())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let got = pg.scatter(&blocks, sroot).await?;
+    ensure(got[..] == block(100 + rank, rank * 50 + 3)[..], || {
+        "scatter".into()
+    })?;
+    let values: Vec<(usize, String)> = (0..world).map(|i| (i, "x".repeat(i * 30))).collect();
+    let got: (usize, String) = pg
+        .scatter_object((rank == 0).then_some(&values[..]), 0)
+        .await?;
+    ensure(got == values[rank], || format!("scatter_object: {got:?}"))?;
+
+    // --- all_to_all with uneven (and empty) blocks, and all_to_all_single with uneven splits
+    let piece = |from: usize, to: usize| block(from * 10 + to, (from + to) % 3 * 30);
+    let inputs: Vec<bytes::Bytes> = (0..world).map(|p| piece(rank, p).into()).collect();
+    let lens: Vec<usize> = (0..world).map(|p| (p + rank) % 3 * 30).collect();
+    let out = pg.all_to_all(&inputs, &lens).await?;
+    for (p, b) in out.iter().enumerate() {
+        ensure(b[..] == piece(p, rank)[..], || {
+            format!("all_to_all: block from {p}")
+        })?;
+    }
+    let splits: Vec<usize> = (0..world).map(|p| rank + p + 1).collect();
+    let input: Vec<i32> = (0..world)
+        .flat_map(|p| (0..rank + p + 1).map(move |k| (rank * 1000 + p * 10 + k) as i32))
+        .collect();
+    let out = pg.all_to_all_single_typed(&input, &splits, &splits).await?;
+    let want: Vec<i32> = (0..world)
+        .flat_map(|p| (0..rank + p + 1).map(move |k| (p * 1000 + rank * 10 + k) as i32))
+        .collect();
+    ensure(out == want, || format!("all_to_all_single: {out:?}"))?;
+
+    // --- send / recv with tags, and their non-blocking forms
+    if world > 1 {
+        let (right, left) = ((rank + 1) % world, (rank + world - 1) % world);
+        pg.send(format!("a{rank}").as_bytes(), right, 7).await?;
+        pg.send(format!("b{rank}").as_bytes(), right, 7).await?;
+        pg.send(format!("c{rank}").as_bytes(), right, 3).await?;
+        // Tags are matched: tag 3 first although it was sent last.
+        let c = pg.recv(left, 3).await?;
+        let a = pg.recv(left, 7).await?;
+        let b = pg.recv(left, 7).await?;
+        ensure(
+            [&a[..], &b[..], &c[..]]
+                == [
+                    format!("a{left}").as_bytes(),
+                    format!("b{left}").as_bytes(),
+                    format!("c{left}").as_bytes(),
+                ],
+            || "send/recv with tags".into(),
+        )?;
+        // Receives posted before the sends, each getting the message of its place.
+        let first = pg.irecv(left, 9);
+        let second = pg.irecv(left, 9);
+        let s1 = pg.isend(format!("x{rank}").into(), right, 9);
+        let s2 = pg.isend(format!("y{rank}").into(), right, 9);
+        let (second, first) = (second.await?, first.await?);
+        s2.await?;
+        s1.await?;
+        ensure(
+            first[..] == *format!("x{left}").as_bytes()
+                && second[..] == *format!("y{left}").as_bytes(),
+            || "isend/irecv order".into(),
+        )?;
+    }
+    let e = pg.send(b"me", rank, 1).await.err();
+    ensure(
+        matches!(e, Some(ProcessGroupError::Arguments { .. })),
+        || format!("send to self: {e:?}"),
+    )?;
+
+    // --- everyone arrives at a monitored barrier
+    pg.monitored_barrier(Some(Duration::from_secs(10)), true)
+        .await?;
+    pg.barrier().await?;
+    Ok(())
+}
+
+/// Ranks in `TW_ABSENT` (comma-separated) never come to the monitored barrier; the others
+/// call it with `TW_WAIT_ALL` (1 or 0) and a timeout of `TW_MB_MS`.
+async fn monitored(pg: &dyn ProcessGroup) -> Result<ExitCode, Error> {
+    let rank = pg.rank();
+    let absent: Vec<usize> = std::env::var("TW_ABSENT")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|r| r.parse().ok())
+        .collect();
+    pg.barrier().await?;
+    println!("READY rank {rank}");
+    std::io::stdout().flush()?;
+    if absent.contains(&rank) {
+        // Not coming: the test ends this process once rank 0 has reported.
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let timeout = Duration::from_millis(env_usize("TW_MB_MS", 2000) as u64);
+    let wait_all = env_usize("TW_WAIT_ALL", 1) == 1;
+    match pg.monitored_barrier(Some(timeout), wait_all).await {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        Err(e) => {
+            eprintln!("FAILED: {e}");
+            Ok(ExitCode::from(3))
+        }
+    }
+}
+
 async fn run(scenario: &str) -> Result<ExitCode, Error> {
     let timeout = Duration::from_millis(env_usize("TW_TIMEOUT_MS", 20_000) as u64);
     let rank = env_usize("RANK", 0);
@@ -256,6 +540,13 @@ async fn run(scenario: &str) -> Result<ExitCode, Error> {
             println!("OK inflight rank {rank} in {:?}", started.elapsed());
             Ok(ExitCode::SUCCESS)
         }
+        "ops" => {
+            ops(pg.as_ref()).await?;
+            pg.shutdown().await;
+            println!("OK ops rank {rank} in {:?}", started.elapsed());
+            Ok(ExitCode::SUCCESS)
+        }
+        "monitored" => monitored(pg.as_ref()).await,
         "kill" => {
             pg.barrier().await?;
             println!("READY rank {rank}");
@@ -273,7 +564,10 @@ async fn run(scenario: &str) -> Result<ExitCode, Error> {
                 }
             }
         }
-        other => Err(format!("unknown scenario {other:?}; use check, inflight or kill").into()),
+        other => Err(format!(
+            "unknown scenario {other:?}; use check, ops, monitored, inflight or kill"
+        )
+        .into()),
     }
 }
 

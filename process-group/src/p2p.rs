@@ -1,0 +1,139 @@
+//! Point-to-point messages (`send`/`recv`, `isend`/`irecv`) over the mesh.
+//!
+//! Point-to-point messages share the mesh's connections with collectives but not their
+//! sequence numbers: only two ranks take part, so they cannot take places in a sequence every
+//! rank keeps. Each message is filed under a key of its own instead, in the upper half of the
+//! key space (collectives count up from zero and never get there): the tag, and how many
+//! messages with that tag the sender had sent to that receiver before. The receiver numbers
+//! its receives from that sender with that tag the same way, **when each is issued**, so the
+//! n-th `recv(src, tag)` issued gets the n-th message `src` sent with `tag`, however the
+//! messages and the receives then overtake one another (an `irecv` on its own task, or two
+//! `isend`s whose frames race).
+//!
+//! A receive that times out keeps its place: the message it waited for, should it arrive
+//! later, is never delivered (it stays filed until the group is dropped), and the next
+//! receive gets the message after it.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::task::{Context, Poll};
+
+use tensorwire_core::ports::process_group::ProcessGroupError;
+use tokio::task::JoinHandle;
+
+/// The bit that marks a point-to-point key.
+const P2P: u64 = 1 << 63;
+/// Bits of the per-(peer, tag) message number in a key. Numbers wrap after 2³¹ messages, by
+/// which time the message that shares a key with a new one has long been taken.
+const NUMBER_BITS: u32 = 31;
+
+/// The mesh key of the `n`-th message with `tag` between an ordered pair of ranks.
+pub(crate) fn key(tag: u32, n: u64) -> u64 {
+    P2P | u64::from(tag) << NUMBER_BITS | (n & ((1 << NUMBER_BITS) - 1))
+}
+
+/// Per (peer, tag) counters of messages issued in one direction.
+#[derive(Default)]
+pub(crate) struct Counters {
+    next: Mutex<HashMap<(usize, u32), u64>>,
+}
+
+impl Counters {
+    /// The number of the next message with `tag` to or from `peer`, counted.
+    pub(crate) fn take(&self, peer: usize, tag: u32) -> u64 {
+        let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+        let n = next.entry((peer, tag)).or_insert(0);
+        let taken = *n;
+        *n += 1;
+        taken
+    }
+}
+
+/// A point-to-point operation in progress: the group's `isend` and `irecv` return one (boxed),
+/// and awaiting it gives the operation's result (PyTorch's `Work.wait()`).
+///
+/// The operation was issued (numbered and started) when `isend`/`irecv` returned; it runs on
+/// its own task and ends by itself, within the group's timeout. Dropping a `Work` does not
+/// cancel it (a send cut off halfway would break the connection): the result is then lost.
+#[must_use = "await the Work to learn whether the operation succeeded"]
+#[derive(Debug)]
+pub(crate) struct Work<T> {
+    state: State<T>,
+}
+
+#[derive(Debug)]
+enum State<T> {
+    /// Refused before it was issued.
+    Failed(Option<ProcessGroupError>),
+    Running {
+        task: JoinHandle<Result<T, ProcessGroupError>>,
+        peer: usize,
+        what: &'static str,
+    },
+}
+
+impl<T: Send + 'static> Work<T> {
+    pub(crate) fn failed(error: ProcessGroupError) -> Self {
+        Work {
+            state: State::Failed(Some(error)),
+        }
+    }
+
+    pub(crate) fn spawn(
+        what: &'static str,
+        peer: usize,
+        operation: impl Future<Output = Result<T, ProcessGroupError>> + Send + 'static,
+    ) -> Self {
+        Work {
+            state: State::Running {
+                task: tokio::spawn(operation),
+                peer,
+                what,
+            },
+        }
+    }
+}
+
+impl<T> Future for Work<T> {
+    type Output = Result<T, ProcessGroupError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.get_mut().state {
+            State::Failed(error) => Poll::Ready(Err(error.take().unwrap_or(
+                ProcessGroupError::ShutDown, // polled again after it returned its error
+            ))),
+            State::Running { task, peer, what } => match Pin::new(task).poll(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(Ok(result)) => Poll::Ready(result),
+                Poll::Ready(Err(e)) => Poll::Ready(Err(ProcessGroupError::Send {
+                    rank: *peer,
+                    reason: format!("the {what} task ended abnormally: {e}"),
+                })),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_apart_from_collectives_and_from_each_other() {
+        assert!(key(0, 0) >= P2P);
+        assert_ne!(key(1, 0), key(0, 1));
+        assert_ne!(key(u32::MAX, 5), key(u32::MAX - 1, 5));
+        assert_eq!(
+            key(7, 1 << NUMBER_BITS),
+            key(7, 0),
+            "numbers wrap within their bits"
+        );
+        let c = Counters::default();
+        assert_eq!(
+            (c.take(1, 5), c.take(1, 5), c.take(2, 5), c.take(1, 6)),
+            (0, 1, 0, 0)
+        );
+    }
+}
