@@ -7,7 +7,8 @@
 //!   `tw-gpu-check` (with `--nccl` also the NCCL checks), the multi-process RPC worker, the CLI
 //!   (for `launch`) and with `--nccl` the process-group worker, copies them to `DIR` (default
 //!   `.gpu/` at the workspace root), then prints how to run them on a machine with a GPU.
-//! - `fuzz TARGET [--seconds N]`: runs a cargo-fuzz target of `fuzz/` (`wire`: the frame
+//! - `fuzz TARGET [--seconds N]`: runs a cargo-fuzz target of `fuzz/` (`protocol`: forged
+//!   headers into a simulated cluster; `wire`: the frame
 //!   decoder) for N seconds (default 60), installing cargo-fuzz if missing. Not part of `ci`.
 
 use std::process::Command;
@@ -213,7 +214,7 @@ fn gpu(args: &[String]) -> Result<()> {
 }
 
 /// Fuzz targets in `fuzz/fuzz_targets/`.
-const FUZZ_TARGETS: &[&str] = &["wire"];
+const FUZZ_TARGETS: &[&str] = &["wire", "protocol"];
 
 fn fuzz(args: &[String]) -> Result<()> {
     let usage = || {
