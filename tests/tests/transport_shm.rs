@@ -25,12 +25,19 @@ fn cluster() -> ShmTransport {
     ShmTransport::new(ShmConfig::new(secret(SECRET))).expect("config")
 }
 
-struct Shm;
+/// The harness: every frame through the ring (the default), or frames of `segment_min` bytes
+/// and more through sealed segments.
+struct Shm {
+    segment_min: usize,
+}
 
 #[async_trait]
 impl Harness for Shm {
     fn transport(&self) -> Arc<dyn Transport> {
-        Arc::new(cluster())
+        Arc::new(
+            ShmTransport::new(ShmConfig::new(secret(SECRET)).with_segment_min(self.segment_min))
+                .expect("config"),
+        )
     }
 
     fn foreign_transports(&self) -> Vec<(&'static str, Arc<dyn Transport>)> {
@@ -76,7 +83,21 @@ impl RawChannel for RawShm {
     }
 }
 
-tensorwire_tests::transport_conformance!(Shm);
+/// Every frame streams through the ring.
+mod ring {
+    use super::*;
+    tensorwire_tests::transport_conformance!(Shm {
+        segment_min: usize::MAX
+    });
+}
+
+/// Frames of 64 KiB and more go through sealed memfd segments.
+mod segments {
+    use super::*;
+    tensorwire_tests::transport_conformance!(Shm {
+        segment_min: 64 << 10
+    });
+}
 
 /// Set in the child process of `a_killed_peer_gives_an_error_not_a_hang`: the listener to cut a
 /// frame on.

@@ -29,8 +29,10 @@ pub struct ShmConfig {
     /// Frames smaller than [`segment_min`](Self::segment_min) stream through it.
     pub ring_bytes: usize,
     /// Frames of this many bytes and more (encoded) are written once into a sealed memfd segment
-    /// of their own instead of the ring: a fixed number of system calls whatever their size, and
-    /// no copy on the receiving side. Default 512 KiB.
+    /// of their own instead of streaming through the ring: a fixed number of system calls
+    /// whatever their size, and no copy on the receiving side, but fresh pages for every frame
+    /// (the kernel zeroes, maps and frees them), which costs more than the second copy of the
+    /// ring on the machines measured. Off by default (`usize::MAX`).
     pub segment_min: usize,
     /// How long a side that waits for data or ring space polls the ring before it sleeps on its
     /// eventfd (default 20 µs). Polling answers faster; sleeping frees the core.
@@ -59,7 +61,7 @@ impl ShmConfig {
             limits: WireLimits::default(),
             handshake_timeout: Duration::from_secs(10),
             ring_bytes: 2 << 20,
-            segment_min: 512 << 10,
+            segment_min: usize::MAX,
             spin: Duration::from_micros(20),
             buffer_reuse: DEFAULT_BUFFER_REUSE,
         }

@@ -29,6 +29,8 @@ use crate::sock;
 const MAX_SEGMENTS_IN_FLIGHT: u64 = 8;
 /// Segment descriptors the watcher queues at most; a peer that sends more breaks the protocol.
 const MAX_QUEUED: usize = MAX_SEGMENTS_IN_FLIGHT as usize + 1;
+/// The largest record of stream data (a few microseconds of copying).
+const MAX_RECORD: u64 = 64 << 10;
 /// Remaining bytes of a segment from which the consumer copies straight into its final buffer.
 const DIRECT_MIN: usize = 4096;
 
@@ -139,6 +141,8 @@ pub(crate) struct ShmConnection {
     limits: WireLimits,
     segment_min: usize,
     spin: Duration,
+    /// The largest record written: [`MAX_RECORD`] or a quarter of the send ring.
+    max_record: u64,
     shared: Arc<Shared>,
     rx_ring: Ring,
     tx_ring: Ring,
@@ -194,6 +198,7 @@ impl ShmConnection {
             limits,
             segment_min: segment_min.max(SEGMENT_RECORD + 1),
             spin,
+            max_record: (link.tx.capacity() / 4).min(MAX_RECORD),
             shared,
             rx_ring: link.rx,
             tx_ring: link.tx,
@@ -297,10 +302,15 @@ impl ShmConnection {
                 .producer
                 .free(&self.tx_ring)
                 .map_err(|e| self.ring_error(e))?;
+            // Small records, each published at once: the consumer copies one out while the next
+            // is copied in, and each side sees the other progress within its polling time, so
+            // neither goes to sleep (no system call) while a large frame streams through.
+            let free = free.min(self.max_record);
             if tx.producer.write_data(&self.tx_ring, free, chunks) == 0 {
-                self.publish(tx);
                 self.wait_for_space(tx, 2 * SEGMENT_RECORD as u64, 0)
                     .await?;
+            } else {
+                self.publish(tx);
             }
         }
         Ok(())
@@ -452,6 +462,8 @@ impl ShmConnection {
                         rx.consumer
                             .read_into(&self.rx_ring, len as usize, &mut rx.staging);
                     }
+                    // Free the space at once: the producer may be waiting for it.
+                    self.release(rx);
                 }
             }
         }

@@ -152,6 +152,11 @@ impl Ring {
         })
     }
 
+    /// The capacity of the data area.
+    pub(crate) fn capacity(&self) -> u64 {
+        self.cap
+    }
+
     fn u64_at(&self, off: usize) -> &AtomicU64 {
         debug_assert!(off % 8 == 0 && off + 8 <= HEADER);
         // SAFETY: `off` is a constant within the header, 8-aligned (the mapping is page-aligned);
