@@ -141,6 +141,8 @@ pub(crate) struct ShmConnection {
     limits: WireLimits,
     segment_min: usize,
     spin: Duration,
+    /// Whether busy polling found the peer's answer last time.
+    spin_paid: AtomicBool,
     /// The largest record written: [`MAX_RECORD`] or a quarter of the send ring.
     max_record: u64,
     shared: Arc<Shared>,
@@ -199,6 +201,7 @@ impl ShmConnection {
             segment_min: segment_min.max(SEGMENT_RECORD + 1),
             spin,
             max_record: (link.tx.capacity() / 4).min(MAX_RECORD),
+            spin_paid: AtomicBool::new(true),
             shared,
             rx_ring: link.rx,
             tx_ring: link.tx,
@@ -231,19 +234,29 @@ impl ShmConnection {
         efd: &AsyncFd<OwnedFd>,
         mut ready: impl FnMut() -> bool,
     ) -> Result<(), TransportError> {
-        let deadline = Instant::now() + self.spin;
-        let mut spins = 0u32;
-        while Instant::now() < deadline {
+        // Busy polling answers within a microsecond when the peer runs on another core, and only
+        // wastes time when it shares ours: poll for the whole `spin` while that paid off last
+        // time, else for an eighth of it; then hand the core over (`sched_yield`) until `spin`
+        // is up, so a peer on our core gets to run; then sleep.
+        let start = Instant::now();
+        let busy = if self.spin_paid.load(Ordering::Relaxed) {
+            self.spin
+        } else {
+            self.spin / 8
+        };
+        while start.elapsed() < busy {
+            if ready() || self.shared.is_dead() {
+                self.spin_paid.store(true, Ordering::Relaxed);
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+        self.spin_paid.store(false, Ordering::Relaxed);
+        while start.elapsed() < self.spin {
             if ready() || self.shared.is_dead() {
                 return Ok(());
             }
-            spins += 1;
-            if spins % 64 == 0 {
-                // Lets the peer run when both share a core.
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
+            std::thread::yield_now();
         }
         loop {
             let notified = self.shared.notify.notified();
