@@ -35,8 +35,8 @@ pub struct ShmConfig {
     /// ring on the machines measured. Off by default (`usize::MAX`).
     pub segment_min: usize,
     /// How long a side that waits for data or ring space polls the ring before it sleeps on its
-    /// eventfd (default 20 µs): busy polling while that pays off (the peer answers on another
-    /// core), else a short busy poll and then `sched_yield` (the peer shares our core).
+    /// eventfd (default 20 µs): busy polling while that pays off, then `sched_yield`; only the
+    /// latter when the process may run on one core only (the peer then needs that core).
     pub spin: Duration,
     /// Bytes of receive buffers kept for reuse (see
     /// [`FrameDecoder::with_buffer_reuse`](tensorwire_core::wire::FrameDecoder::with_buffer_reuse)).

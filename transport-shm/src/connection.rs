@@ -141,6 +141,8 @@ pub(crate) struct ShmConnection {
     limits: WireLimits,
     segment_min: usize,
     spin: Duration,
+    /// Whether this process may run on one core only (then waiting yields instead of polling).
+    one_core: bool,
     /// Whether busy polling found the peer's answer last time.
     spin_paid: AtomicBool,
     /// The largest record written: [`MAX_RECORD`] or a quarter of the send ring.
@@ -201,6 +203,7 @@ impl ShmConnection {
             segment_min: segment_min.max(SEGMENT_RECORD + 1),
             spin,
             max_record: (link.tx.capacity() / 4).min(MAX_RECORD),
+            one_core: std::thread::available_parallelism().map_or(true, |n| n.get() == 1),
             spin_paid: AtomicBool::new(true),
             shared,
             rx_ring: link.rx,
@@ -234,15 +237,16 @@ impl ShmConnection {
         efd: &AsyncFd<OwnedFd>,
         mut ready: impl FnMut() -> bool,
     ) -> Result<(), TransportError> {
-        // Busy polling answers within a microsecond when the peer runs on another core, and only
-        // wastes time when it shares ours: poll for the whole `spin` while that paid off last
-        // time, else for an eighth of it; then hand the core over (`sched_yield`) until `spin`
-        // is up, so a peer on our core gets to run; then sleep.
+        // Busy polling answers within a microsecond when the peer runs on another core: poll
+        // for the whole `spin` while that paid off last time, else for an eighth of it, then hand
+        // the core over (`sched_yield`) until `spin` is up. With one core to run on (`taskset -c
+        // 0`), polling would only keep the peer from running: yield from the start. Then sleep
+        // on the eventfd.
         let start = Instant::now();
-        let busy = if self.spin_paid.load(Ordering::Relaxed) {
-            self.spin
-        } else {
-            self.spin / 8
+        let busy = match (self.one_core, self.spin_paid.load(Ordering::Relaxed)) {
+            (true, _) => Duration::ZERO,
+            (false, true) => self.spin,
+            (false, false) => self.spin / 8,
         };
         while start.elapsed() < busy {
             if ready() || self.shared.is_dead() {
