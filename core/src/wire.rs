@@ -803,6 +803,66 @@ pub fn decode_frame(input: &[u8], limits: &WireLimits) -> Result<(Frame, usize),
     }
 }
 
+/// Decodes one frame from the front of `input` without copying: the message header and payloads
+/// are slices of `input`. For a transport that receives a whole frame in one buffer it owns (the
+/// shared-memory transport's sealed segments); returns the frame and the number of bytes it took.
+/// Input that ends before the frame does gives [`WireError::Truncated`].
+pub fn decode_frame_shared(
+    input: &Bytes,
+    limits: &WireLimits,
+) -> Result<(Frame, usize), WireError> {
+    let Some(prefix) = input.get(..PREFIX_LEN) else {
+        return Err(WireError::Truncated {
+            part: "prefix",
+            received: input.len() as u64,
+            expected: PREFIX_LEN as u64,
+        });
+    };
+    let mut buf = [0u8; PREFIX_LEN];
+    buf.copy_from_slice(prefix);
+    let prefix = parse_prefix(&buf, limits)?;
+    let body = &input[PREFIX_LEN..];
+    // Both validated against the limits, which fit in memory; saturate on 32-bit targets.
+    let table_len = prefix.table_len as usize;
+    let body_len = usize::try_from(prefix.body_len).unwrap_or(usize::MAX);
+    if body.len() < body_len {
+        let part = if body.len() < table_len {
+            "frame header"
+        } else {
+            "body"
+        };
+        let (received, expected) = if part == "body" {
+            (body.len() as u64, prefix.body_len)
+        } else {
+            (body.len() as u64, u64::from(prefix.table_len))
+        };
+        return Err(WireError::Truncated {
+            part,
+            received,
+            expected,
+        });
+    }
+    let segments = parse_table(&body[..table_len], &prefix, limits)?;
+    let mut at = PREFIX_LEN + table_len;
+    let mut parts = segments.into_iter().map(|len| {
+        // parse_table checked that the lengths add up to body_len, which `input` holds.
+        let len = len as usize;
+        let part = input.slice(at..at + len);
+        at += len;
+        part
+    });
+    let header = parts.next().unwrap_or_default();
+    let payloads = parts.collect();
+    Ok((
+        Frame {
+            kind: prefix.kind,
+            header,
+            payloads,
+        },
+        PREFIX_LEN + body_len,
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1202,5 +1262,31 @@ mod tests {
         let got = dec.decode(&mut staging).unwrap().unwrap();
         assert_eq!(got, f);
         assert!(!dec.is_mid_frame());
+    }
+
+    proptest! {
+        #[test]
+        fn shared_decoding_matches_the_decoder(frame in frame_strategy(), cut in any::<prop::sample::Index>()) {
+            let limits = WireLimits::default();
+            let mut wire = encode_to_vec(&frame, &limits).unwrap();
+            wire.extend_from_slice(b"next");
+            let input = Bytes::from(wire.clone());
+            let (got, used) = decode_frame_shared(&input, &limits).unwrap();
+            prop_assert_eq!(&got, &frame);
+            prop_assert_eq!(used, wire.len() - 4);
+            // Any cut before the end of the frame is a truncation, never a panic.
+            let cut = cut.index(used);
+            let short = input.slice(..cut);
+            let truncated = matches!(
+                decode_frame_shared(&short, &limits),
+                Err(WireError::Truncated { .. })
+            );
+            prop_assert!(truncated);
+        }
+
+        #[test]
+        fn shared_decoding_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = decode_frame_shared(&Bytes::from(bytes), &WireLimits::default());
+        }
     }
 }

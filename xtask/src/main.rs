@@ -2,7 +2,9 @@
 //!
 //! - `ci`: what CI runs: format check, clippy with `-D warnings`, every test (nextest when
 //!   installed, else `cargo test`), doc tests, and the docs build with warnings denied. The
-//!   `cuda` and `quic` features of `tensorwire` are built, linted and tested too (no GPU needed).
+//!   `cuda`, `quic` and `shm` features of `tensorwire` are built, linted and tested too (no GPU
+//!   needed). The shared-memory transport (`transport-shm`, a workspace member) runs the
+//!   transport conformance suite in `tensorwire-tests` (`tests/tests/transport_shm.rs`).
 //! - `gpu [--nccl] [--out DIR]`: builds (release, stripped) the self-contained GPU check binary
 //!   `tw-gpu-check` (with `--nccl` also the NCCL checks), the multi-process RPC worker, the CLI
 //!   (for `launch`) and with `--nccl` the process-group worker, copies them to `DIR` (default
@@ -96,7 +98,7 @@ fn ci() -> Result<()> {
     // The last element narrows the tests run: the whole multi-process suite of
     // `tensorwire-tests` already ran above; with `nccl` only the GPU check's own tests run.
     for (package, features, only) in [
-        ("tensorwire", "cuda,quic", None),
+        ("tensorwire", "cuda,quic,shm", None),
         ("tensorwire-rpc", "quic,cuda", None),
         ("tensorwire-devices-cuda", "nccl", None),
         ("tensorwire-process-group", "nccl", None),

@@ -1,12 +1,13 @@
 //! `tensorwire bench ...`: measurements that compare tensorwire with a raw baseline in one run.
 //!
-//! - `bench transport --transport tcp|quic [--json FILE]`: on loopback, plain blocking TCP
-//!   sockets without framing (ping-pong of small messages, bulk transfers) against the chosen
-//!   transport (frame ping-pong, bulk frames of 1 MiB and 64 MiB), with the ratios of each pair.
-//!   Absolute figures on a shared machine are noise; the ratios, measured in one run, are what
-//!   we track.
+//! - `bench transport --transport tcp|quic|shm [--json FILE]`: on loopback, plain blocking TCP
+//!   sockets without framing, served by a raw echo *process* (this binary re-run with the hidden
+//!   `bench raw-echo`; ping-pong of small messages, bulk transfers), against the chosen transport
+//!   (frame ping-pong, bulk frames of 1 MiB and 64 MiB), with the ratios of each pair; and a
+//!   64 MiB `memcpy`, the limit of any transfer on one host. Absolute figures on a shared
+//!   machine are noise; the ratios, measured in one run, are what we track.
 
-use std::io::{IsTerminal, Read, Write};
+use std::io::{BufRead, IsTerminal, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -40,6 +41,17 @@ enum Bench {
     /// One rank of `bench collectives` (started by it).
     #[command(hide = true)]
     CollectivesWorker(super::bench_collectives::WorkerArgs),
+    /// The raw TCP echo process of `bench transport` (started by it).
+    #[command(hide = true)]
+    RawEcho(RawEchoArgs),
+}
+
+/// Arguments of the hidden `bench raw-echo`.
+#[derive(Debug, clap::Args)]
+struct RawEchoArgs {
+    /// Connections to serve before exiting.
+    #[arg(long)]
+    connections: usize,
 }
 
 /// Transports `bench transport` knows.
@@ -49,6 +61,8 @@ enum TransportKind {
     Tcp,
     /// quinn QUIC with mutual TLS.
     Quic,
+    /// Shared memory between processes of one host (memfd rings, cluster secret).
+    Shm,
 }
 
 /// Arguments of `tensorwire bench transport`.
@@ -84,6 +98,7 @@ pub(crate) fn run(args: Args) -> ExitCode {
         Bench::Rpc(a) => super::bench_rpc::bench_rpc(&a),
         Bench::Collectives(a) => super::bench_collectives::run(&a),
         Bench::CollectivesWorker(a) => super::bench_collectives::worker(&a),
+        Bench::RawEcho(a) => raw_echo(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -139,6 +154,18 @@ fn make_transport(kind: TransportKind) -> Result<Arc<dyn Transport>> {
             "QUIC not built in: this tensorwire was built without the `quic` feature \
              (tensorwire-transport-quic); rebuild with `--features quic` or use --transport tcp"
         ),
+        #[cfg(feature = "shm")]
+        TransportKind::Shm => {
+            use tensorwire_transport_shm::{ClusterSecret, ShmConfig, ShmTransport};
+            let secret: [u8; 32] = rand::random();
+            let config = ShmConfig::new(ClusterSecret::new(secret.to_vec())?);
+            Ok(Arc::new(ShmTransport::new(config)?))
+        }
+        #[cfg(not(feature = "shm"))]
+        TransportKind::Shm => bail!(
+            "shared memory not built in: this tensorwire was built without the `shm` feature \
+             (tensorwire-transport-shm); rebuild with `--features shm` or use --transport tcp"
+        ),
     }
 }
 
@@ -180,7 +207,7 @@ fn bench_transport(args: &TransportArgs) -> Result<()> {
         bail!("--pingpong must be at least {BLOCKS}; --bulk-64mib and --bulk-1mib at least 1");
     }
     let transport = make_transport(args.transport)?;
-    let mut raw = Raw::start(&[MIB, 64 * MIB]).context("raw TCP baseline")?;
+    let mut raw = Raw::start_process(&[MIB, 64 * MIB]).context("raw TCP baseline")?;
     let mut framed = Framed::start(transport).context("starting the transport")?;
 
     // Raw and framed measurements alternate in blocks, so that both see the same load from the
@@ -203,12 +230,26 @@ fn bench_transport(args: &TransportArgs) -> Result<()> {
     raw_times.sort();
     frame_times.sort();
 
+    // The limit on one host: one copy of 64 MiB between buffers already faulted in.
+    let mut copy_src = vec![5u8; 64 * MIB];
+    let mut copy_dst = vec![0u8; 64 * MIB];
+    let mut memcpy = Vec::new();
     let mut bulk = |size: usize, rounds: usize, what: &str| -> Result<(f64, f64)> {
         let data = vec![3u8; size];
         let frame = Frame::message(Bytes::new(), vec![Bytes::from(data.clone())]);
         let bar = progress(rounds as u64 + 1, what);
         let (mut r, mut f) = (Vec::new(), Vec::new());
         for round in 0..=rounds {
+            if size == 64 * MIB {
+                copy_src[round % 64] = round as u8;
+                let t = Instant::now();
+                copy_dst.copy_from_slice(std::hint::black_box(&copy_src));
+                let took = t.elapsed();
+                std::hint::black_box(&copy_dst);
+                if round > 0 {
+                    memcpy.push(mbps(size, took));
+                }
+            }
             // Alternate which goes first, so neither always finds warmer caches.
             let (raw_took, frame_took) = if round % 2 == 0 {
                 let r = raw.bulk(&data).context("raw TCP bulk")?;
@@ -231,6 +272,7 @@ fn bench_transport(args: &TransportArgs) -> Result<()> {
     let (raw_64, frame_64) = bulk(64 * MIB, args.bulk_64mib, "bulk 64 MiB (raw, framed)")?;
     raw.finish()?;
     framed.finish()?;
+    let memcpy_64 = median(memcpy);
 
     let raw = json!({
         "raw_tcp_pingpong_p50_us": percentile(&raw_times, 0.5),
@@ -254,6 +296,7 @@ fn bench_transport(args: &TransportArgs) -> Result<()> {
         "pingpong_p50": ratio("frame_pingpong_p50_us", "raw_tcp_pingpong_p50_us"),
         "bulk_1MiB": ratio("frame_bulk_1MiB_MBps", "raw_tcp_bulk_1MiB_MBps"),
         "bulk_64MiB": ratio("frame_bulk_64MiB_MBps", "raw_tcp_bulk_64MiB_MBps"),
+        "bulk_64MiB_vs_memcpy": frame_64 / memcpy_64,
     });
     let mut out = serde_json::Map::new();
     out.insert(
@@ -265,6 +308,8 @@ fn bench_transport(args: &TransportArgs) -> Result<()> {
             out.insert(k.clone(), v.clone());
         }
     }
+    out.insert("memcpy_64MiB_MBps".into(), json!(memcpy_64));
+    out.insert("raw_baseline".into(), json!("process"));
     out.insert("ratios".into(), ratios);
     out.insert(
         "settings".into(),
@@ -275,6 +320,8 @@ fn bench_transport(args: &TransportArgs) -> Result<()> {
             "bulk_64MiB_transfers": args.bulk_64mib,
             "bulk_1MiB_transfers": args.bulk_1mib,
             "MBps": "10^6 bytes per second; bulk = one transfer plus a 1-byte acknowledgement",
+            "raw_baseline": "plain TCP to an echo process (bench raw-echo); the transport's two \
+                             ends are threads of this process",
         }),
     );
     write_json(&out, args.json.as_ref())
@@ -315,26 +362,74 @@ fn raw_connection(mut s: TcpStream) -> std::io::Result<()> {
 pub(crate) struct Raw {
     ping: TcpStream,
     bulk: Vec<(usize, TcpStream)>,
-    server: std::thread::JoinHandle<std::io::Result<()>>,
+    server: RawServer,
+}
+
+/// Where the raw echo runs.
+enum RawServer {
+    Thread(std::thread::JoinHandle<std::io::Result<()>>),
+    Process(std::process::Child),
+}
+
+/// Accepts `connections` raw connections on `listener` and serves each on a thread.
+fn raw_serve(listener: TcpListener, connections: usize) -> std::io::Result<()> {
+    let mut handlers = Vec::new();
+    for _ in 0..connections {
+        let (s, _) = listener.accept()?;
+        handlers.push(std::thread::spawn(move || raw_connection(s)));
+    }
+    for h in handlers {
+        h.join()
+            .map_err(|_| std::io::Error::other("raw echo thread panicked"))??;
+    }
+    Ok(())
+}
+
+/// `bench raw-echo`: serves raw connections in this process; prints its address first.
+fn raw_echo(args: &RawEchoArgs) -> Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    println!("{}", listener.local_addr()?);
+    std::io::stdout().flush()?;
+    raw_serve(listener, args.connections)?;
+    Ok(())
 }
 
 impl Raw {
+    /// The baseline with its echo on a thread of this process.
     pub(crate) fn start(bulk_sizes: &[usize]) -> Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
         let addr = listener.local_addr()?;
         let connections = 1 + bulk_sizes.len();
-        let server = std::thread::spawn(move || -> std::io::Result<()> {
-            let mut handlers = Vec::new();
-            for _ in 0..connections {
-                let (s, _) = listener.accept()?;
-                handlers.push(std::thread::spawn(move || raw_connection(s)));
-            }
-            for h in handlers {
-                h.join()
-                    .map_err(|_| std::io::Error::other("raw echo thread panicked"))??;
-            }
-            Ok(())
-        });
+        let server = std::thread::spawn(move || raw_serve(listener, connections));
+        Self::connect(addr, bulk_sizes, RawServer::Thread(server))
+    }
+
+    /// The baseline with its echo in another process (this binary, `bench raw-echo`).
+    pub(crate) fn start_process(bulk_sizes: &[usize]) -> Result<Self> {
+        let mut child = std::process::Command::new(std::env::current_exe()?)
+            .args(["bench", "raw-echo", "--connections"])
+            .arg((1 + bulk_sizes.len()).to_string())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .context("starting the raw echo process")?;
+        let mut line = String::new();
+        let read = child
+            .stdout
+            .take()
+            .map(|out| std::io::BufReader::new(out).read_line(&mut line));
+        let addr = match read {
+            Some(Ok(_)) => line.trim().parse::<SocketAddr>().ok(),
+            _ => None,
+        };
+        let Some(addr) = addr else {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("the raw echo process did not report its address (got {line:?})");
+        };
+        Self::connect(addr, bulk_sizes, RawServer::Process(child))
+    }
+
+    fn connect(addr: SocketAddr, bulk_sizes: &[usize], server: RawServer) -> Result<Self> {
         let open = |mode: u8, size: usize| -> Result<TcpStream> {
             let mut s = TcpStream::connect(addr)?;
             s.set_nodelay(true)?;
@@ -383,9 +478,17 @@ impl Raw {
     pub(crate) fn finish(self) -> Result<()> {
         drop(self.ping);
         drop(self.bulk);
-        self.server
-            .join()
-            .map_err(|_| anyhow::anyhow!("raw listener thread panicked"))??;
+        match self.server {
+            RawServer::Thread(server) => server
+                .join()
+                .map_err(|_| anyhow::anyhow!("raw listener thread panicked"))??,
+            RawServer::Process(mut child) => {
+                let status = child.wait()?;
+                if !status.success() {
+                    bail!("the raw echo process failed: {status}");
+                }
+            }
+        }
         Ok(())
     }
 }

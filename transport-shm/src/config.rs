@@ -1,0 +1,133 @@
+//! Configuration of the shared-memory transport.
+
+use std::time::Duration;
+
+use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::ports::transport::TransportError;
+use tensorwire_core::wire::{WireLimits, DEFAULT_BUFFER_REUSE};
+
+/// The environment variable [`ShmConfig::from_env`] reads the cluster secret from (the same
+/// one the TCP transport reads).
+pub const SECRET_ENV: &str = "TENSORWIRE_SECRET";
+
+/// Smallest ring a peer may offer (one page).
+pub(crate) const MIN_RING: usize = 4096;
+/// Largest ring a peer may offer.
+pub(crate) const MAX_RING: usize = 1 << 30;
+
+/// How a [`ShmTransport`](crate::ShmTransport) authenticates, what frames it accepts and how
+/// large its rings are.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ShmConfig {
+    secret: Option<ClusterSecret>,
+    /// Limits on frames sent and received.
+    pub limits: WireLimits,
+    /// How long the authentication handshake and the exchange of rings may take.
+    pub handshake_timeout: Duration,
+    /// Bytes of the ring each side receives on (a power of two, 4 KiB to 1 GiB; default 2 MiB).
+    /// Frames smaller than [`segment_min`](Self::segment_min) stream through it.
+    pub ring_bytes: usize,
+    /// Frames of this many bytes and more (encoded) are written once into a sealed memfd segment
+    /// of their own instead of streaming through the ring: a fixed number of system calls
+    /// whatever their size, and no copy on the receiving side, but fresh pages for every frame
+    /// (the kernel zeroes, maps and frees them), which costs more than the second copy of the
+    /// ring on the machines measured. Off by default (`usize::MAX`).
+    pub segment_min: usize,
+    /// How long a side that waits for data or ring space polls the ring before it sleeps on its
+    /// eventfd (default 20 µs): busy polling while that pays off, then `sched_yield`; only the
+    /// latter when the process may run on one core only (the peer then needs that core).
+    pub spin: Duration,
+    /// Bytes of receive buffers kept for reuse (see
+    /// [`FrameDecoder::with_buffer_reuse`](tensorwire_core::wire::FrameDecoder::with_buffer_reuse)).
+    pub buffer_reuse: usize,
+}
+
+impl ShmConfig {
+    /// Authenticates with `secret`.
+    pub fn new(secret: ClusterSecret) -> Self {
+        Self::with_secret(Some(secret))
+    }
+
+    /// Runs WITHOUT the cluster secret: any process of the same user that finds the listener
+    /// can talk to the worker (other users are still refused through `SO_PEERCRED`). Only for
+    /// experiments; [`ShmTransport::new`](crate::ShmTransport::new) logs a warning.
+    pub fn insecure() -> Self {
+        Self::with_secret(None)
+    }
+
+    fn with_secret(secret: Option<ClusterSecret>) -> Self {
+        ShmConfig {
+            secret,
+            limits: WireLimits::default(),
+            handshake_timeout: Duration::from_secs(10),
+            ring_bytes: 2 << 20,
+            segment_min: usize::MAX,
+            spin: Duration::from_micros(20),
+            buffer_reuse: DEFAULT_BUFFER_REUSE,
+        }
+    }
+
+    /// Takes the secret from the `TENSORWIRE_SECRET` environment variable; without it, fails
+    /// with a message saying how to set one.
+    pub fn from_env() -> Result<Self, TransportError> {
+        match std::env::var_os(SECRET_ENV) {
+            Some(value) if !value.is_empty() => {
+                let secret = ClusterSecret::new(value.into_encoded_bytes())
+                    .map_err(|e| TransportError::Config(format!("{SECRET_ENV}: {e}")))?;
+                Ok(Self::new(secret))
+            }
+            _ => Err(TransportError::Config(format!(
+                "no cluster secret: set {SECRET_ENV} (the same value on every worker); to run \
+                 without one, ask for it explicitly (ShmConfig::insecure)"
+            ))),
+        }
+    }
+
+    /// These settings with other frame limits.
+    pub fn with_limits(mut self, limits: WireLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// These settings with another ring size (a power of two, 4 KiB to 1 GiB).
+    pub fn with_ring_bytes(mut self, bytes: usize) -> Self {
+        self.ring_bytes = bytes;
+        self
+    }
+
+    /// These settings with another threshold for sealed segments.
+    pub fn with_segment_min(mut self, bytes: usize) -> Self {
+        self.segment_min = bytes;
+        self
+    }
+
+    /// These settings with another polling time before sleeping.
+    pub fn with_spin(mut self, spin: Duration) -> Self {
+        self.spin = spin;
+        self
+    }
+
+    /// These settings with another handshake timeout.
+    pub fn with_handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.handshake_timeout = timeout;
+        self
+    }
+
+    /// The secret, or `None` when insecure.
+    pub fn secret(&self) -> Option<&ClusterSecret> {
+        self.secret.as_ref()
+    }
+
+    /// Checks the settings that are not checked by their types.
+    pub(crate) fn validate(&self) -> Result<(), TransportError> {
+        if !self.ring_bytes.is_power_of_two() || !(MIN_RING..=MAX_RING).contains(&self.ring_bytes) {
+            return Err(TransportError::Config(format!(
+                "ShmConfig::ring_bytes is {}; it must be a power of two from {MIN_RING} to \
+                 {MAX_RING}",
+                self.ring_bytes
+            )));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,731 @@
+//! One connection: two rings, eventfd wake-ups, sealed segments for large frames, and a task
+//! that watches the Unix socket (segment descriptors, and the peer going away).
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::BytesMut;
+use tensorwire_core::ports::transport::{Connection, TransportError};
+use tensorwire_core::wire::{
+    decode_frame_shared, Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits, PREFIX_LEN,
+};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::sync::{Mutex, Notify};
+use tokio::task::JoinHandle;
+
+use crate::handshake::Link;
+use crate::mem;
+use crate::ring::{Chunks, Consumer, Next, Producer, Ring, RingError, SEGMENT_RECORD};
+use crate::sock;
+
+/// Segments sent and not yet taken by the receiver, at most: bounds the memory a fast sender
+/// can pin in a slow receiver (the ring bounds the rest).
+const MAX_SEGMENTS_IN_FLIGHT: u64 = 8;
+/// Segment descriptors the watcher queues at most; a peer that sends more breaks the protocol.
+const MAX_QUEUED: usize = MAX_SEGMENTS_IN_FLIGHT as usize + 1;
+/// The largest record of stream data (a few microseconds of copying).
+const MAX_RECORD: u64 = 64 << 10;
+/// Remaining bytes of a segment from which the consumer copies straight into its final buffer.
+const DIRECT_MIN: usize = 4096;
+
+/// What the watcher shares with the connection.
+#[derive(Debug)]
+struct Shared {
+    sock: AsyncFd<OwnedFd>,
+    inbox: std::sync::Mutex<Inbox>,
+    /// Set (after `inbox.gone`) when the peer has gone away.
+    dead: AtomicBool,
+    notify: Notify,
+}
+
+#[derive(Debug, Default)]
+struct Inbox {
+    /// Segment descriptors with the lengths their packets announced.
+    segments: VecDeque<(u64, OwnedFd)>,
+    /// Why the socket ended.
+    gone: Option<String>,
+}
+
+impl Shared {
+    fn die(&self, why: String) {
+        if let Ok(mut inbox) = self.inbox.lock() {
+            inbox.gone.get_or_insert(why);
+        }
+        self.dead.store(true, Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+
+    fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::SeqCst)
+    }
+
+    /// Closes the socket both ways: the peer's watcher sees the end at once.
+    fn shutdown(&self) {
+        let _ = rustix::net::shutdown(self.sock.get_ref(), rustix::net::Shutdown::Both);
+    }
+}
+
+/// Reads the socket until it ends: queues segment descriptors, and on the end (the peer closed
+/// the connection, dropped it, or its process died) wakes every waiter.
+async fn watch(shared: Arc<Shared>) {
+    loop {
+        let mut guard = match shared.sock.readable().await {
+            Ok(g) => g,
+            Err(e) => return shared.die(format!("watching the socket failed: {e}")),
+        };
+        let mut buf = [0u8; 9];
+        let packet = match guard.try_io(|fd| sock::try_recv_packet(fd.get_ref().as_fd(), &mut buf))
+        {
+            Err(_would_block) => continue,
+            Ok(Err(e)) => return shared.die(format!("reading the socket failed: {e}")),
+            Ok(Ok(p)) => p,
+        };
+        if packet.len == 0 && packet.fds.is_empty() {
+            return shared
+                .die("the peer closed its socket (it closed the connection or exited)".into());
+        }
+        let mut fds = packet.fds.into_iter();
+        let (Some(fd), None, 8, false) = (fds.next(), fds.next(), packet.len, packet.truncated)
+        else {
+            shared.shutdown();
+            return shared.die(format!(
+                "the peer sent a malformed segment packet ({} bytes)",
+                packet.len
+            ));
+        };
+        let len = u64::from_le_bytes(buf[..8].try_into().unwrap_or_default());
+        let overflow = match shared.inbox.lock() {
+            Ok(mut inbox) => {
+                inbox.segments.push_back((len, fd));
+                inbox.segments.len() > MAX_QUEUED
+            }
+            Err(_) => true,
+        };
+        if overflow {
+            shared.shutdown();
+            return shared.die(format!(
+                "the peer sent more than {MAX_QUEUED} segments ahead of the ring"
+            ));
+        }
+        shared.notify.notify_waiters();
+    }
+}
+
+struct Rx {
+    consumer: Consumer,
+    decoder: FrameDecoder,
+    staging: BytesMut,
+    segments_done: u64,
+    /// Length of the frame in the pending segment (copied once from its record).
+    pending_len: u64,
+    /// A protocol error that closed the connection; repeated by later receives.
+    failed: Option<TransportError>,
+}
+
+struct Tx {
+    producer: Producer,
+    segments_sent: u64,
+    /// Set when a send failed or was dropped half-way: the ring may hold part of a frame.
+    broken: bool,
+}
+
+/// An authenticated shared-memory connection.
+pub(crate) struct ShmConnection {
+    peer: SocketAddr,
+    limits: WireLimits,
+    segment_min: usize,
+    spin: Duration,
+    /// Whether this process may run on one core only (then waiting yields instead of polling).
+    one_core: bool,
+    /// Whether busy polling found the peer's answer last time.
+    spin_paid: AtomicBool,
+    /// The largest record written: [`MAX_RECORD`] or a quarter of the send ring.
+    max_record: u64,
+    shared: Arc<Shared>,
+    rx_ring: Ring,
+    tx_ring: Ring,
+    data_efd: AsyncFd<OwnedFd>,
+    space_efd: AsyncFd<OwnedFd>,
+    peer_data_efd: OwnedFd,
+    peer_space_efd: OwnedFd,
+    rx: Mutex<Rx>,
+    tx: Mutex<Tx>,
+    watcher: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for ShmConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmConnection")
+            .field("peer", &self.peer)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Wakes the other side if it said it sleeps (the flag), through its eventfd.
+fn wake(flag: &AtomicU32, efd: &OwnedFd) {
+    // Pairs with the fence in `wait`: either the sleeper sees our update, or we see its flag.
+    fence(Ordering::SeqCst);
+    if flag.swap(0, Ordering::SeqCst) != 0 {
+        // EAGAIN: the counter is saturated, the peer will wake anyway.
+        let _ = rustix::io::write(efd, &1u64.to_ne_bytes());
+    }
+}
+
+impl ShmConnection {
+    pub(crate) fn new(
+        link: Link,
+        peer: SocketAddr,
+        limits: WireLimits,
+        segment_min: usize,
+        spin: Duration,
+        buffer_reuse: usize,
+    ) -> Result<Self, TransportError> {
+        let efd = |fd: OwnedFd| {
+            sock::register(fd, Interest::READABLE)
+                .map_err(|e| TransportError::io(peer, "registering an eventfd", &e))
+        };
+        let shared = Arc::new(Shared {
+            sock: link.sock,
+            inbox: std::sync::Mutex::new(Inbox::default()),
+            dead: AtomicBool::new(false),
+            notify: Notify::new(),
+        });
+        let watcher = tokio::spawn(watch(shared.clone()));
+        Ok(ShmConnection {
+            peer,
+            limits,
+            segment_min: segment_min.max(SEGMENT_RECORD + 1),
+            spin,
+            max_record: (link.tx.capacity() / 4).min(MAX_RECORD),
+            one_core: std::thread::available_parallelism().map_or(true, |n| n.get() == 1),
+            spin_paid: AtomicBool::new(true),
+            shared,
+            rx_ring: link.rx,
+            tx_ring: link.tx,
+            data_efd: efd(link.data_efd)?,
+            space_efd: efd(link.space_efd)?,
+            peer_data_efd: link.peer_data_efd,
+            peer_space_efd: link.peer_space_efd,
+            rx: Mutex::new(Rx {
+                consumer: Consumer::default(),
+                decoder: FrameDecoder::new(limits).with_buffer_reuse(buffer_reuse),
+                staging: BytesMut::new(),
+                segments_done: 0,
+                pending_len: 0,
+                failed: None,
+            }),
+            tx: Mutex::new(Tx {
+                producer: Producer::default(),
+                segments_sent: 0,
+                broken: false,
+            }),
+            watcher,
+        })
+    }
+
+    /// Waits until `ready()` holds or the peer is gone: polls for `self.spin`, then sleeps on
+    /// `efd` after raising `flag` (which the other side clears when it wakes us).
+    async fn wait(
+        &self,
+        flag: &AtomicU32,
+        efd: &AsyncFd<OwnedFd>,
+        mut ready: impl FnMut() -> bool,
+    ) -> Result<(), TransportError> {
+        // Busy polling answers within a microsecond when the peer runs on another core: poll
+        // for the whole `spin` while that paid off last time, else for an eighth of it, then hand
+        // the core over (`sched_yield`) until `spin` is up. With one core to run on (`taskset -c
+        // 0`), polling would only keep the peer from running: yield from the start. Then sleep
+        // on the eventfd.
+        let start = Instant::now();
+        let busy = match (self.one_core, self.spin_paid.load(Ordering::Relaxed)) {
+            (true, _) => Duration::ZERO,
+            (false, true) => self.spin,
+            (false, false) => self.spin / 8,
+        };
+        while start.elapsed() < busy {
+            if ready() || self.shared.is_dead() {
+                self.spin_paid.store(true, Ordering::Relaxed);
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+        self.spin_paid.store(false, Ordering::Relaxed);
+        while start.elapsed() < self.spin {
+            if ready() || self.shared.is_dead() {
+                return Ok(());
+            }
+            std::thread::yield_now();
+        }
+        loop {
+            let notified = self.shared.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            flag.store(1, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            if ready() || self.shared.is_dead() {
+                flag.store(0, Ordering::SeqCst);
+                return Ok(());
+            }
+            tokio::select! {
+                guard = efd.readable() => {
+                    let mut guard =
+                        guard.map_err(|e| TransportError::io(self.peer, "waiting", &e))?;
+                    let mut counter = [0u8; 8];
+                    match guard.try_io(|fd| Ok(rustix::io::read(fd.get_ref(), &mut counter)?)) {
+                        Ok(Ok(_)) | Err(_) => {}
+                        Ok(Err(e)) => return Err(TransportError::io(self.peer, "waiting", &e)),
+                    }
+                }
+                () = &mut notified => {}
+            }
+        }
+    }
+
+    fn gone_error(&self, op: &'static str) -> TransportError {
+        let why = self
+            .shared
+            .inbox
+            .lock()
+            .ok()
+            .and_then(|i| i.gone.clone())
+            .unwrap_or_else(|| "the peer went away".to_owned());
+        TransportError::Io {
+            addr: self.peer,
+            op,
+            kind: std::io::ErrorKind::BrokenPipe,
+            message: why,
+        }
+    }
+
+    fn ring_error(&self, e: RingError) -> TransportError {
+        TransportError::Wire {
+            peer: self.peer,
+            source: WireError::MalformedHeader {
+                reason: format!("shared-memory ring: {e}"),
+            },
+        }
+    }
+
+    /// Writes `chunks` into the ring, waiting for space as needed. Publishes as it goes.
+    async fn write_stream(&self, tx: &mut Tx, chunks: &mut Chunks) -> Result<(), TransportError> {
+        while !chunks.is_done() {
+            let free = tx
+                .producer
+                .free(&self.tx_ring)
+                .map_err(|e| self.ring_error(e))?;
+            // Small records, each published at once: the consumer copies one out while the next
+            // is copied in, and each side sees the other progress within its polling time, so
+            // neither goes to sleep (no system call) while a large frame streams through.
+            let free = free.min(self.max_record);
+            if tx.producer.write_data(&self.tx_ring, free, chunks) == 0 {
+                self.wait_for_space(tx, 2 * SEGMENT_RECORD as u64, 0)
+                    .await?;
+            } else {
+                self.publish(tx);
+            }
+        }
+        Ok(())
+    }
+
+    fn publish(&self, tx: &Tx) {
+        tx.producer.publish(&self.tx_ring);
+        wake(self.tx_ring.consumer_waiting(), &self.peer_data_efd);
+    }
+
+    /// Waits until `bytes` are free in the ring and fewer than `MAX - segments` segments are in
+    /// flight.
+    async fn wait_for_space(
+        &self,
+        tx: &Tx,
+        bytes: u64,
+        segments: u64,
+    ) -> Result<(), TransportError> {
+        let check = |tx: &Tx| -> Result<bool, RingError> {
+            let done = self.tx_ring.segments_done().load(Ordering::Acquire);
+            if done > tx.segments_sent {
+                return Err(RingError::BadSegmentCount {
+                    done,
+                    sent: tx.segments_sent,
+                });
+            }
+            Ok(tx.producer.free(&self.tx_ring)? >= bytes
+                && tx.segments_sent - done + segments <= MAX_SEGMENTS_IN_FLIGHT)
+        };
+        loop {
+            if check(tx).map_err(|e| self.ring_error(e))? {
+                return Ok(());
+            }
+            if self.shared.is_dead() {
+                return Err(self.gone_error("sending"));
+            }
+            // A bad value ends the wait; `check` above reports it.
+            self.wait(self.tx_ring.producer_waiting(), &self.space_efd, || {
+                check(tx).unwrap_or(true)
+            })
+            .await?;
+        }
+    }
+
+    async fn send_frames(&self, tx: &mut Tx, outs: Vec<Prepared>) -> Result<(), TransportError> {
+        let mut published = true;
+        for out in outs {
+            match out {
+                Prepared::Inline(chunks) => {
+                    let mut chunks = Chunks::new(chunks);
+                    self.write_stream(tx, &mut chunks).await?;
+                    published = false;
+                }
+                Prepared::Segment(len, fd) => {
+                    if !published {
+                        self.publish(tx);
+                    }
+                    self.wait_for_space(tx, SEGMENT_RECORD as u64, 1).await?;
+                    if self.shared.is_dead() {
+                        return Err(self.gone_error("sending"));
+                    }
+                    sock::send_packet(&self.shared.sock, &len.to_le_bytes(), &[fd.as_fd()])
+                        .await
+                        .map_err(|e| TransportError::io(self.peer, "sending a segment", &e))?;
+                    tx.producer.write_segment(&self.tx_ring, len);
+                    tx.segments_sent += 1;
+                    self.publish(tx);
+                    published = true;
+                }
+            }
+        }
+        if !published {
+            self.publish(tx);
+        }
+        Ok(())
+    }
+
+    /// Closes the connection after a protocol error: the peer sees it go away at once.
+    fn fail(&self, rx: &mut Rx, err: TransportError) -> TransportError {
+        self.shared.shutdown();
+        tracing::warn!(peer = %self.peer, error = %err, "closing shared-memory connection");
+        rx.failed = Some(match &err {
+            TransportError::Wire { peer, source } => TransportError::Wire {
+                peer: *peer,
+                source: source.clone(),
+            },
+            other => TransportError::Io {
+                addr: self.peer,
+                op: "receiving",
+                kind: std::io::ErrorKind::InvalidData,
+                message: other.to_string(),
+            },
+        });
+        err
+    }
+
+    fn eof_error(&self, decoder: &FrameDecoder) -> TransportError {
+        match decoder.finish() {
+            Ok(()) => TransportError::Closed { peer: self.peer },
+            Err(e @ WireError::Truncated { .. }) => TransportError::ClosedMidFrame {
+                peer: self.peer,
+                source: e,
+            },
+            Err(e) => TransportError::Wire {
+                peer: self.peer,
+                source: e,
+            },
+        }
+    }
+
+    /// Copies what the ring holds into the decoder until a frame is complete, the ring is
+    /// empty, or a segment comes next.
+    fn pump(&self, rx: &mut Rx) -> Result<Pumped, TransportError> {
+        loop {
+            match rx.decoder.decode(&mut rx.staging) {
+                Ok(Some(frame)) => return Ok(Pumped::Frame(frame)),
+                Ok(None) => {}
+                Err(source) => {
+                    return Err(TransportError::Wire {
+                        peer: self.peer,
+                        source,
+                    })
+                }
+            }
+            match rx
+                .consumer
+                .next(&self.rx_ring)
+                .map_err(|e| self.ring_error(e))?
+            {
+                Next::Empty => return Ok(Pumped::Empty),
+                Next::Segment { len } => {
+                    if rx.decoder.is_mid_frame() {
+                        return Err(TransportError::Wire {
+                            peer: self.peer,
+                            source: WireError::MalformedHeader {
+                                reason: "a shared-memory segment arrived in the middle of a frame"
+                                    .into(),
+                            },
+                        });
+                    }
+                    return Ok(Pumped::Segment(len));
+                }
+                Next::Data { len, .. } => {
+                    if let Some(mut direct) = rx.decoder.direct_read_buf(DIRECT_MIN) {
+                        rx.consumer
+                            .read_into(&self.rx_ring, usize::MAX, &mut direct);
+                    } else {
+                        rx.staging.reserve(len as usize);
+                        rx.consumer
+                            .read_into(&self.rx_ring, len as usize, &mut rx.staging);
+                    }
+                    // Free the space at once: the producer may be waiting for it.
+                    self.release(rx);
+                }
+            }
+        }
+    }
+
+    /// Takes the next segment descriptor from the watcher; `None` once the peer is gone.
+    async fn next_segment(&self) -> Option<(u64, OwnedFd)> {
+        loop {
+            let notified = self.shared.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut inbox = self.shared.inbox.lock().ok()?;
+                if let Some(segment) = inbox.segments.pop_front() {
+                    return Some(segment);
+                }
+                if inbox.gone.is_some() {
+                    return None;
+                }
+            }
+            notified.await;
+        }
+    }
+
+    async fn take_segment(&self, rx: &mut Rx, len: u64) -> Result<Frame, TransportError> {
+        let bad = |reason: String| TransportError::Wire {
+            peer: self.peer,
+            source: WireError::MalformedHeader { reason },
+        };
+        let max = self.limits.max_frame_len.saturating_add(PREFIX_LEN as u64);
+        if len > max {
+            return Err(TransportError::Wire {
+                peer: self.peer,
+                source: WireError::FrameTooLarge {
+                    len,
+                    max: self.limits.max_frame_len,
+                },
+            });
+        }
+        let Some((announced, fd)) = self.next_segment().await else {
+            return Err(TransportError::ClosedMidFrame {
+                peer: self.peer,
+                source: WireError::Truncated {
+                    part: "body",
+                    received: 0,
+                    expected: len,
+                },
+            });
+        };
+        if announced != len || len < PREFIX_LEN as u64 {
+            return Err(bad(format!(
+                "segment of {announced} bytes where the ring announced {len}"
+            )));
+        }
+        let bytes = mem::open_segment(fd, len as usize)
+            .map_err(|e| bad(format!("shared-memory segment: {e}")))?;
+        let (frame, used) =
+            decode_frame_shared(&bytes, &self.limits).map_err(|source| TransportError::Wire {
+                peer: self.peer,
+                source,
+            })?;
+        if used as u64 != len {
+            return Err(bad(format!(
+                "a segment of {len} bytes holds a frame of {used}"
+            )));
+        }
+        rx.consumer.segment_taken();
+        rx.segments_done += 1;
+        self.rx_ring
+            .segments_done()
+            .store(rx.segments_done, Ordering::Release);
+        Ok(frame)
+    }
+
+    async fn recv_inner(&self, rx: &mut Rx) -> Result<Frame, TransportError> {
+        loop {
+            if rx.consumer.segment_pending() {
+                let len = rx.pending_len;
+                let frame = self.take_segment(rx, len).await;
+                self.release(rx);
+                return frame;
+            }
+            let pumped = self.pump(rx);
+            self.release(rx);
+            match pumped? {
+                Pumped::Frame(frame) => return Ok(frame),
+                Pumped::Segment(len) => {
+                    rx.pending_len = len;
+                    continue;
+                }
+                Pumped::Empty => {}
+            }
+            let r = rx.consumer.position();
+            let ended =
+                || self.rx_ring.closed().load(Ordering::Acquire) != 0 || self.shared.is_dead();
+            if ended() {
+                // Whatever was published before the end is delivered first.
+                if self.rx_ring.write_pos().load(Ordering::Acquire) == r {
+                    return Err(self.eof_error(&rx.decoder));
+                }
+                continue;
+            }
+            self.wait(self.rx_ring.consumer_waiting(), &self.data_efd, || {
+                self.rx_ring.write_pos().load(Ordering::Acquire) != r || ended()
+            })
+            .await?;
+        }
+    }
+
+    fn release(&self, rx: &Rx) {
+        rx.consumer.release(&self.rx_ring);
+        wake(self.rx_ring.producer_waiting(), &self.peer_space_efd);
+    }
+
+    /// Writes raw bytes into the ring (for the conformance suite's hostile peers).
+    #[cfg(feature = "__testing")]
+    pub(crate) async fn send_raw(&self, bytes: &[u8]) -> Result<(), TransportError> {
+        let mut tx = self.tx.lock().await;
+        let mut chunks = Chunks::new(vec![bytes::Bytes::copy_from_slice(bytes)]);
+        self.write_stream(&mut tx, &mut chunks).await?;
+        self.publish(&tx);
+        Ok(())
+    }
+
+    /// Waits until the peer has closed the socket.
+    #[cfg(feature = "__testing")]
+    pub(crate) async fn closed_by_peer(&self) {
+        while self.next_segment().await.is_some() {}
+    }
+}
+
+enum Pumped {
+    Frame(Frame),
+    Segment(u64),
+    Empty,
+}
+
+/// A frame ready to send: stream chunks for the ring, or a sealed segment.
+enum Prepared {
+    Inline(Vec<bytes::Bytes>),
+    Segment(u64, OwnedFd),
+}
+
+/// Marks the send side broken when dropped armed.
+struct BrokenOnDrop<'a>(&'a mut Tx, bool);
+
+impl Drop for BrokenOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.1 {
+            self.0.broken = true;
+        }
+    }
+}
+
+#[async_trait]
+impl Connection for ShmConnection {
+    fn peer_addr(&self) -> SocketAddr {
+        self.peer
+    }
+
+    async fn send(&self, frame: Frame) -> Result<(), TransportError> {
+        self.send_many(vec![frame]).await
+    }
+
+    async fn send_many(&self, frames: Vec<Frame>) -> Result<(), TransportError> {
+        let mut prepared = Vec::with_capacity(frames.len());
+        for frame in frames {
+            let out =
+                OutgoingFrame::new(frame, &self.limits).map_err(|source| TransportError::Wire {
+                    peer: self.peer,
+                    source,
+                })?;
+            let len = out.remaining();
+            let chunks = out.into_chunks();
+            if len < self.segment_min as u64 {
+                prepared.push(Prepared::Inline(chunks));
+                continue;
+            }
+            // The one copy of a large frame, off the runtime's threads.
+            let fd = tokio::task::spawn_blocking(move || mem::write_segment(&chunks, len as usize))
+                .await
+                .map_err(|e| {
+                    TransportError::io(self.peer, "writing a segment", &std::io::Error::other(e))
+                })?
+                .map_err(|e| {
+                    TransportError::io(self.peer, "writing a segment", &std::io::Error::other(e))
+                })?;
+            prepared.push(Prepared::Segment(len, fd));
+        }
+        let mut tx = self.tx.lock().await;
+        if tx.broken {
+            return Err(TransportError::Io {
+                addr: self.peer,
+                op: "sending",
+                kind: std::io::ErrorKind::BrokenPipe,
+                message: "an earlier send failed or was cancelled half-way; the connection \
+                          cannot send any more"
+                    .to_owned(),
+            });
+        }
+        if self.shared.is_dead() {
+            return Err(self.gone_error("sending"));
+        }
+        let mut guard = BrokenOnDrop(&mut tx, true);
+        let result = self.send_frames(guard.0, prepared).await;
+        guard.1 = result.is_err();
+        result
+    }
+
+    async fn recv(&self) -> Result<Frame, TransportError> {
+        let mut rx = self.rx.lock().await;
+        if let Some(e) = &rx.failed {
+            return Err(match e {
+                TransportError::Wire { peer, source } => TransportError::Wire {
+                    peer: *peer,
+                    source: source.clone(),
+                },
+                other => TransportError::Io {
+                    addr: self.peer,
+                    op: "receiving",
+                    kind: std::io::ErrorKind::InvalidData,
+                    message: other.to_string(),
+                },
+            });
+        }
+        match self.recv_inner(&mut rx).await {
+            Ok(frame) => Ok(frame),
+            Err(e @ (TransportError::Wire { .. } | TransportError::Io { .. })) => {
+                Err(self.fail(&mut rx, e))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn close(&self) -> Result<(), TransportError> {
+        let _tx = self.tx.lock().await;
+        self.tx_ring.closed().store(1, Ordering::Release);
+        wake(self.tx_ring.consumer_waiting(), &self.peer_data_efd);
+        Ok(())
+    }
+}
+
+impl Drop for ShmConnection {
+    fn drop(&mut self) {
+        self.shared.shutdown();
+        self.watcher.abort();
+    }
+}

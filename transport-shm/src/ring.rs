@@ -1,0 +1,610 @@
+//! The ring: a single-producer, single-consumer byte ring in a memfd shared by two processes.
+//!
+//! ```text
+//! memfd: | header (4096 bytes)                                  | data (capacity, a power of two) |
+//! header:  @64  write position (u64, producer)   @72 closed (u32, producer)
+//!               @76 producer waiting (u32)
+//!          @128 read position (u64, consumer)    @136 segments done (u64, consumer)
+//!               @144 consumer waiting (u32)
+//! ```
+//!
+//! Positions count bytes since the start and only grow; `pos % capacity` is the offset in the
+//! data area. The data is a sequence of records, each at a position that is a multiple of 8:
+//!
+//! - an 8-byte record header, `kind: u32 LE` then `len: u32 LE`;
+//! - `DATA`: `len` bytes of the connection's byte stream (wire frames, as TCP carries them),
+//!   wrapping around the end of the data area when needed;
+//! - `SEGMENT`: `len = 8`, a `u64 LE`: the length of a frame that travels in a sealed memfd
+//!   segment, whose descriptor was sent over the Unix socket before the record was published.
+//!
+//! then padding up to the next multiple of 8. The producer publishes records by storing the
+//! write position (release); the consumer frees space by storing the read position (release).
+//!
+//! Every value read from the shared memory comes from a peer that may be hostile: each side keeps
+//! its own position privately and never reads it back, loads the other side's position once per
+//! step and checks it (`write - read` within the capacity), and copies a record header out before
+//! checking it. Offsets are always masked into the data area, so nothing a peer writes can make
+//! an access leave the mapping; a bad value gives a [`RingError`].
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use bytes::{BufMut, Bytes};
+
+use crate::mem::{self, Mapping, MemError, RING_SEALS};
+
+/// Size of the header in front of the data area.
+pub(crate) const HEADER: usize = 4096;
+const WRITE_POS: usize = 64;
+const CLOSED: usize = 72;
+const PRODUCER_WAITING: usize = 76;
+const READ_POS: usize = 128;
+const SEGMENTS_DONE: usize = 136;
+const CONSUMER_WAITING: usize = 144;
+
+/// Length of a record header.
+const RECORD_HEADER: u64 = 8;
+/// Record kind: bytes of the stream.
+const DATA: u32 = 1;
+/// Record kind: a frame in a sealed segment.
+const SEGMENT: u32 = 2;
+/// Space a segment record takes.
+pub(crate) const SEGMENT_RECORD: usize = 16;
+
+/// What a peer did wrong in the shared memory.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RingError {
+    /// The producer's write position is behind the read position, more than the capacity
+    /// ahead of it, or not a multiple of 8.
+    #[error(
+        "the peer's write position {write} is not within {capacity} bytes after the read \
+         position {read} (or not a multiple of 8)"
+    )]
+    BadWritePosition {
+        /// The write position found.
+        write: u64,
+        /// Our read position.
+        read: u64,
+        /// The ring's capacity.
+        capacity: u64,
+    },
+    /// The consumer's read position is ahead of the write position or more than the capacity
+    /// behind it.
+    #[error(
+        "the peer's read position {read} is not within {capacity} bytes before the write \
+         position {write}"
+    )]
+    BadReadPosition {
+        /// The read position found.
+        read: u64,
+        /// Our write position.
+        write: u64,
+        /// The ring's capacity.
+        capacity: u64,
+    },
+    /// A record claims more bytes than were published, or has a length its kind does not allow.
+    #[error(
+        "record of kind {kind} and {len} bytes at position {pos} does not fit the {published} \
+         bytes published"
+    )]
+    BadRecord {
+        /// Where the record starts.
+        pos: u64,
+        /// Its kind.
+        kind: u32,
+        /// Its claimed length.
+        len: u32,
+        /// Bytes published from its start.
+        published: u64,
+    },
+    /// A record of a kind this version does not know.
+    #[error("unknown record kind {kind} at position {pos}")]
+    UnknownRecord {
+        /// Where the record starts.
+        pos: u64,
+        /// The kind found.
+        kind: u32,
+    },
+    /// The consumer claims to have taken more segments than were sent.
+    #[error("the peer claims {done} segments taken, but only {sent} were sent")]
+    BadSegmentCount {
+        /// Segments the peer claims.
+        done: u64,
+        /// Segments sent.
+        sent: u64,
+    },
+}
+
+/// One direction's ring, mapped.
+#[derive(Debug)]
+pub(crate) struct Ring {
+    map: Mapping,
+    cap: u64,
+}
+
+fn pad8(n: u64) -> u64 {
+    (n + 7) & !7
+}
+
+impl Ring {
+    /// A fresh ring with `cap` bytes of data (a power of two of at least 4096), and its memfd
+    /// (sealed against resizing) to send to the peer.
+    pub(crate) fn create(cap: usize) -> Result<(Ring, OwnedFd), MemError> {
+        let fd = mem::memfd("tensorwire-shm-ring", (HEADER + cap) as u64)?;
+        rustix::fs::fcntl_add_seals(&fd, RING_SEALS).map_err(|e| MemError::Os {
+            op: "sealing a ring",
+            source: e.into(),
+        })?;
+        let ring = Ring::open(&fd, cap)?;
+        Ok((ring, fd))
+    }
+
+    /// Maps the peer's ring of `cap` bytes of data (the capacity the peer announced, checked by
+    /// the caller), after checking that the memfd has exactly that size and cannot be resized.
+    pub(crate) fn open(fd: impl AsFd, cap: usize) -> Result<Ring, MemError> {
+        debug_assert!(cap.is_power_of_two() && cap >= HEADER);
+        mem::check_memfd(&fd, (HEADER + cap) as u64, RING_SEALS)?;
+        let map = Mapping::map(&fd, HEADER + cap, true, false)?;
+        Ok(Ring {
+            map,
+            cap: cap as u64,
+        })
+    }
+
+    /// The capacity of the data area.
+    pub(crate) fn capacity(&self) -> u64 {
+        self.cap
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off % 8 == 0 && off + 8 <= HEADER);
+        // SAFETY: `off` is a constant within the header, 8-aligned (the mapping is page-aligned);
+        // the memory stays mapped while `self` lives; atomics are the one sound way to share it
+        // with another process.
+        unsafe { &*self.map.ptr().add(off).cast::<AtomicU64>() }
+    }
+
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off % 4 == 0 && off + 4 <= HEADER);
+        // SAFETY: as in `u64_at`, 4-aligned.
+        unsafe { &*self.map.ptr().add(off).cast::<AtomicU32>() }
+    }
+
+    /// The producer's write position.
+    pub(crate) fn write_pos(&self) -> &AtomicU64 {
+        self.u64_at(WRITE_POS)
+    }
+
+    /// The consumer's read position.
+    pub(crate) fn read_pos(&self) -> &AtomicU64 {
+        self.u64_at(READ_POS)
+    }
+
+    /// Set by the producer once it has closed its direction.
+    pub(crate) fn closed(&self) -> &AtomicU32 {
+        self.u32_at(CLOSED)
+    }
+
+    /// Set by the producer before it sleeps waiting for space.
+    pub(crate) fn producer_waiting(&self) -> &AtomicU32 {
+        self.u32_at(PRODUCER_WAITING)
+    }
+
+    /// Set by the consumer before it sleeps waiting for data.
+    pub(crate) fn consumer_waiting(&self) -> &AtomicU32 {
+        self.u32_at(CONSUMER_WAITING)
+    }
+
+    /// Segments the consumer has taken.
+    pub(crate) fn segments_done(&self) -> &AtomicU64 {
+        self.u64_at(SEGMENTS_DONE)
+    }
+
+    fn data(&self) -> *mut u8 {
+        // SAFETY: the mapping is HEADER + cap bytes long.
+        unsafe { self.map.ptr().add(HEADER) }
+    }
+
+    /// Copies `src` into the data area at `pos`, wrapping around its end.
+    fn copy_in(&self, pos: u64, src: &[u8]) {
+        debug_assert!(src.len() as u64 <= self.cap);
+        let off = (pos & (self.cap - 1)) as usize;
+        let first = src.len().min(self.cap as usize - off);
+        // SAFETY: `off < cap` and `off + first <= cap`; the rest (`src.len() - first <= cap`)
+        // goes to the start. The producer writes only bytes the consumer has released.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(off), first);
+            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data(), src.len() - first);
+        }
+    }
+
+    /// Appends `n` bytes of the data area at `pos` to `dst` (which has room for them).
+    fn copy_out(&self, pos: u64, n: usize, dst: &mut impl BufMut) {
+        debug_assert!(n as u64 <= self.cap && dst.remaining_mut() >= n);
+        let mut pos = pos;
+        let mut left = n;
+        while left > 0 {
+            let off = (pos & (self.cap - 1)) as usize;
+            let chunk = dst.chunk_mut();
+            let k = left.min(self.cap as usize - off).min(chunk.len());
+            // SAFETY: `off + k <= cap` stays in the data area; `chunk` has at least `k` bytes
+            // of writable room. The bytes may be changed by a hostile peer while we copy, but
+            // they land in our private buffer and are validated there.
+            unsafe {
+                std::ptr::copy_nonoverlapping(self.data().add(off), chunk.as_mut_ptr(), k);
+                dst.advance_mut(k);
+            }
+            pos += k as u64;
+            left -= k;
+        }
+    }
+
+    /// The 8 bytes at the 8-aligned position `pos` (never wraps: the capacity is a multiple
+    /// of 8).
+    fn read_u64(&self, pos: u64) -> u64 {
+        let off = (pos & (self.cap - 1)) as usize;
+        debug_assert!(off % 8 == 0);
+        let mut b = [0u8; 8];
+        // SAFETY: `off` is 8-aligned and below `cap`, a multiple of 8, so `off + 8 <= cap`.
+        unsafe { std::ptr::copy_nonoverlapping(self.data().add(off), b.as_mut_ptr(), 8) };
+        u64::from_le_bytes(b)
+    }
+
+    fn write_u64(&self, pos: u64, v: u64) {
+        self.copy_in(pos, &v.to_le_bytes());
+    }
+}
+
+/// What the consumer finds next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// Nothing published.
+    Empty,
+    /// `len` bytes of stream at `pos`; report them with [`Consumer::consumed`].
+    Data { pos: u64, len: u64 },
+    /// A frame of `len` bytes in a segment; once taken, [`Consumer::segment_taken`].
+    Segment { len: u64 },
+}
+
+/// The consumer's private state.
+#[derive(Debug, Default)]
+pub(crate) struct Consumer {
+    /// Read position (ours; never read back from the shared memory).
+    r: u64,
+    /// The DATA record being read: bytes left and where it ends.
+    data: Option<(u64, u64)>,
+    /// The SEGMENT record found: where it ends.
+    segment_end: Option<u64>,
+}
+
+impl Consumer {
+    /// Our read position.
+    pub(crate) fn position(&self) -> u64 {
+        self.r
+    }
+
+    /// The next thing to read, after checking it.
+    pub(crate) fn next(&mut self, ring: &Ring) -> Result<Next, RingError> {
+        if let Some((left, _)) = self.data {
+            return Ok(Next::Data {
+                pos: self.r,
+                len: left,
+            });
+        }
+        if self.segment_end.is_some() {
+            return Err(RingError::BadRecord {
+                pos: self.r,
+                kind: SEGMENT,
+                len: 8,
+                published: 0,
+            });
+        }
+        loop {
+            let w = ring.write_pos().load(Ordering::Acquire);
+            let published = w.wrapping_sub(self.r);
+            if w < self.r || published > ring.cap || w % 8 != 0 {
+                return Err(RingError::BadWritePosition {
+                    write: w,
+                    read: self.r,
+                    capacity: ring.cap,
+                });
+            }
+            if published == 0 {
+                return Ok(Next::Empty);
+            }
+            let header = ring.read_u64(self.r);
+            let (kind, len) = (header as u32, (header >> 32) as u32);
+            let size = pad8(RECORD_HEADER + u64::from(len));
+            let bad = RingError::BadRecord {
+                pos: self.r,
+                kind,
+                len,
+                published,
+            };
+            if size > published {
+                return Err(bad);
+            }
+            let end = self.r + size;
+            match kind {
+                DATA if len == 0 => self.r = end,
+                DATA => {
+                    self.r += RECORD_HEADER;
+                    self.data = Some((u64::from(len), end));
+                    return Ok(Next::Data {
+                        pos: self.r,
+                        len: u64::from(len),
+                    });
+                }
+                SEGMENT if len == 8 => {
+                    let frame_len = ring.read_u64(self.r + RECORD_HEADER);
+                    self.segment_end = Some(end);
+                    return Ok(Next::Segment { len: frame_len });
+                }
+                SEGMENT => return Err(bad),
+                _ => {
+                    return Err(RingError::UnknownRecord { pos: self.r, kind });
+                }
+            }
+        }
+    }
+
+    /// Copies up to `max` bytes of the current DATA record into `dst`; returns how many.
+    pub(crate) fn read_into(&mut self, ring: &Ring, max: usize, dst: &mut impl BufMut) -> usize {
+        let Some((left, end)) = self.data else {
+            return 0;
+        };
+        let n = (left.min(max as u64) as usize).min(dst.remaining_mut());
+        ring.copy_out(self.r, n, dst);
+        let left = left - n as u64;
+        if left == 0 {
+            self.r = end;
+            self.data = None;
+        } else {
+            self.r += n as u64;
+            self.data = Some((left, end));
+        }
+        n
+    }
+
+    /// The SEGMENT record found by [`next`](Self::next) is taken care of.
+    pub(crate) fn segment_taken(&mut self) {
+        if let Some(end) = self.segment_end.take() {
+            self.r = end;
+        }
+    }
+
+    /// Whether a SEGMENT record waits for its descriptor.
+    pub(crate) fn segment_pending(&self) -> bool {
+        self.segment_end.is_some()
+    }
+
+    /// Releases what was read to the producer.
+    pub(crate) fn release(&self, ring: &Ring) {
+        ring.read_pos().store(self.r, Ordering::Release);
+    }
+}
+
+/// A byte stream to send: chunks and a cursor.
+#[derive(Debug, Default)]
+pub(crate) struct Chunks {
+    chunks: Vec<Bytes>,
+    next: usize,
+    offset: usize,
+}
+
+impl Chunks {
+    pub(crate) fn new(chunks: Vec<Bytes>) -> Self {
+        let mut c = Chunks {
+            chunks,
+            next: 0,
+            offset: 0,
+        };
+        c.skip_empty();
+        c
+    }
+
+    fn skip_empty(&mut self) {
+        while self.next < self.chunks.len() && self.offset >= self.chunks[self.next].len() {
+            self.next += 1;
+            self.offset = 0;
+        }
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        self.next >= self.chunks.len()
+    }
+}
+
+/// The producer's private state.
+#[derive(Debug, Default)]
+pub(crate) struct Producer {
+    /// Write position (ours; never read back from the shared memory).
+    w: u64,
+}
+
+impl Producer {
+    /// Bytes free in the ring, after checking the consumer's read position.
+    pub(crate) fn free(&self, ring: &Ring) -> Result<u64, RingError> {
+        let r = ring.read_pos().load(Ordering::Acquire);
+        let used = self.w.wrapping_sub(r);
+        if r > self.w || used > ring.cap {
+            return Err(RingError::BadReadPosition {
+                read: r,
+                write: self.w,
+                capacity: ring.cap,
+            });
+        }
+        Ok(ring.cap - used)
+    }
+
+    /// Writes as much of `src` as fits in `free` bytes as one DATA record (not yet published);
+    /// returns the bytes of stream written (0 when too little room).
+    pub(crate) fn write_data(&mut self, ring: &Ring, free: u64, src: &mut Chunks) -> u64 {
+        let room = free.saturating_sub(RECORD_HEADER) & !7;
+        let room = room.min(u64::from(u32::MAX) & !7);
+        let start = self.w + RECORD_HEADER;
+        let mut written = 0u64;
+        while written < room && !src.is_done() {
+            let chunk = &src.chunks[src.next][src.offset..];
+            let n = (chunk.len() as u64).min(room - written) as usize;
+            ring.copy_in(start + written, &chunk[..n]);
+            written += n as u64;
+            src.offset += n;
+            src.skip_empty();
+        }
+        if written > 0 {
+            ring.write_u64(self.w, u64::from(DATA) | (written << 32));
+            self.w += pad8(RECORD_HEADER + written);
+        }
+        written
+    }
+
+    /// Writes a SEGMENT record for a frame of `len` bytes (not yet published); needs
+    /// [`SEGMENT_RECORD`] bytes free.
+    pub(crate) fn write_segment(&mut self, ring: &Ring, len: u64) {
+        ring.write_u64(self.w, u64::from(SEGMENT) | (8 << 32));
+        ring.write_u64(self.w + RECORD_HEADER, len);
+        self.w += SEGMENT_RECORD as u64;
+    }
+
+    /// Makes the records written so far visible to the consumer.
+    pub(crate) fn publish(&self, ring: &Ring) {
+        ring.write_pos().store(self.w, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::BytesMut;
+    use proptest::prelude::*;
+
+    const CAP: usize = 4096;
+
+    fn pair() -> (Ring, Ring) {
+        let (a, fd) = Ring::create(CAP).unwrap();
+        let b = Ring::open(&fd, CAP).unwrap();
+        (a, b)
+    }
+
+    /// The stream bytes published, and the segment that ends them, if one does.
+    fn drain(c: &mut Consumer, ring: &Ring) -> Result<(Vec<u8>, Option<u64>), RingError> {
+        let mut out = BytesMut::with_capacity(2 * CAP);
+        loop {
+            match c.next(ring)? {
+                Next::Data { .. } => {
+                    c.read_into(ring, usize::MAX, &mut out);
+                }
+                Next::Segment { len } => {
+                    c.segment_taken();
+                    c.release(ring);
+                    return Ok((out.to_vec(), Some(len)));
+                }
+                Next::Empty => {
+                    c.release(ring);
+                    return Ok((out.to_vec(), None));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn streams_wrap_around_and_segments_interleave() {
+        let (tx, rx) = pair();
+        let (mut p, mut c) = (Producer::default(), Consumer::default());
+        let mut sent = Vec::new();
+        let mut got = Vec::new();
+        for round in 0..50u32 {
+            let bytes: Vec<u8> = (0..(round * 97 % 3000))
+                .map(|i| (i ^ round) as u8)
+                .collect();
+            let mut src = Chunks::new(vec![Bytes::from(bytes.clone()), Bytes::new()]);
+            while !src.is_done() {
+                let free = p.free(&tx).unwrap();
+                if p.write_data(&tx, free, &mut src) == 0 {
+                    p.publish(&tx);
+                    let (bytes, segment) = drain(&mut c, &rx).unwrap();
+                    assert_eq!(segment, None);
+                    got.extend(bytes);
+                }
+            }
+            sent.extend(bytes);
+            if p.free(&tx).unwrap() < SEGMENT_RECORD as u64 {
+                p.publish(&tx);
+                got.extend(drain(&mut c, &rx).unwrap().0);
+            }
+            p.write_segment(&tx, u64::from(round));
+            p.publish(&tx);
+            let (bytes, segment) = drain(&mut c, &rx).unwrap();
+            got.extend(bytes);
+            assert_eq!(segment, Some(u64::from(round)));
+        }
+        assert_eq!(got, sent);
+        assert_eq!(c.next(&rx).unwrap(), Next::Empty);
+    }
+
+    #[test]
+    fn bad_positions_are_typed_errors() {
+        let (tx, rx) = pair();
+        let mut c = Consumer::default();
+        rx.write_pos().store(CAP as u64 + 8, Ordering::Release);
+        assert!(matches!(
+            c.next(&rx),
+            Err(RingError::BadWritePosition { .. })
+        ));
+        rx.write_pos().store(3, Ordering::Release);
+        assert!(matches!(
+            c.next(&rx),
+            Err(RingError::BadWritePosition { .. })
+        ));
+        let p = Producer::default();
+        tx.read_pos().store(8, Ordering::Release);
+        assert!(matches!(
+            p.free(&tx),
+            Err(RingError::BadReadPosition { .. })
+        ));
+        // A record longer than what was published, and an unknown kind.
+        rx.write_pos().store(16, Ordering::Release);
+        rx.write_u64(0, u64::from(DATA) | (4000 << 32));
+        assert!(matches!(
+            c.next(&rx),
+            Err(RingError::BadRecord { len: 4000, .. })
+        ));
+        rx.write_u64(0, 77);
+        assert!(matches!(
+            c.next(&rx),
+            Err(RingError::UnknownRecord { kind: 77, .. })
+        ));
+    }
+
+    proptest! {
+        /// Whatever a hostile peer writes into the header and data, the consumer gives data
+        /// within the ring, a segment, or a typed error; it never panics or reads outside.
+        #[test]
+        fn hostile_contents_never_panic(
+            write in any::<u64>(),
+            words in proptest::collection::vec(any::<u64>(), 0..64),
+            reads in 1usize..8,
+        ) {
+            let (_tx, rx) = pair();
+            for (i, w) in words.iter().enumerate() {
+                rx.write_u64(i as u64 * 8, *w);
+            }
+            rx.write_pos().store(write % (2 * CAP as u64), Ordering::Release);
+            let mut c = Consumer::default();
+            let mut out = BytesMut::with_capacity(CAP);
+            for _ in 0..reads {
+                match c.next(&rx) {
+                    Ok(Next::Data { len, .. }) => {
+                        prop_assert!(len <= CAP as u64);
+                        c.read_into(&rx, CAP, &mut out);
+                        out.clear();
+                    }
+                    Ok(Next::Segment { .. }) => c.segment_taken(),
+                    Ok(Next::Empty) | Err(_) => break,
+                }
+            }
+        }
+    }
+}
