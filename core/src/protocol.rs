@@ -868,58 +868,8 @@ impl<B> Endpoint<B> {
         timeout: Duration,
         now: Instant,
     ) -> Result<(RRefHandle, MessageId), CallError> {
-        self.ensure_running()?;
-        let rref = self.fresh_global();
-        let handle = RRefHandle {
-            rref,
-            fork: rref,
-            owner,
-        };
-        let id = self.fresh_id();
-        let function = function.to_owned();
-        if owner == self.me {
-            self.owned.entry(rref).or_default().local_handles += 1;
-            self.track(id, owner, timeout, now, None);
-            let token = RequestToken {
-                from: self.me,
-                id,
-                kind: RequestKind::Remote(rref),
-            };
-            self.incoming.insert(token);
-            self.events.push_back(Event::Remote {
-                token,
-                function,
-                body,
-                rref,
-                deadline: deadline_after(now, timeout),
-            });
-        } else {
-            self.used.insert(
-                rref,
-                Used {
-                    rref,
-                    owner,
-                    parent: None,
-                    confirmed: false,
-                    handles: 1,
-                    pending_children: HashSet::new(),
-                    void: false,
-                    creation_error: None,
-                },
-            );
-            self.track(id, owner, timeout, now, Some(rref));
-            self.send_out(Transmit {
-                to: owner,
-                header: Header::Remote {
-                    id,
-                    function,
-                    rref,
-                    fork: rref,
-                    timeout,
-                },
-                body: Some(body),
-            });
-        }
+        let (handle, id) = self.remote_deferred(owner, function, timeout, now)?;
+        self.supply_body(id, body);
         Ok((handle, id))
     }
 

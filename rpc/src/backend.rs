@@ -137,9 +137,16 @@ impl RpcBackend for TcpBackend {
         world_size: Option<usize>,
         options: RpcOptions,
     ) -> Result<Agent, RpcError> {
-        let config = TcpConfig::resolve(cluster_secret(&options)?, options.insecure)?;
-        let transport = Arc::new(TcpTransport::new(config)?);
+        let transport = Arc::new(Self::transport(&options)?);
         start_agent(transport, store, name, rank, world_size, options).await
+    }
+}
+
+impl TcpBackend {
+    /// The TCP transport `options` ask for (the cluster secret, or insecure by opt-in).
+    pub(crate) fn transport(options: &RpcOptions) -> Result<TcpTransport, RpcError> {
+        let config = TcpConfig::resolve(cluster_secret(options)?, options.insecure)?;
+        Ok(TcpTransport::new(config)?)
     }
 }
 

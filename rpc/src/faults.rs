@@ -37,9 +37,8 @@ use tensorwire_core::protocol::Header;
 use tensorwire_core::registry::RpcBackend;
 use tensorwire_core::wire::{Frame, FrameKind};
 use tensorwire_process_group::Rendezvous;
-use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 
-use crate::agent::{cluster_secret, start_agent, Agent};
+use crate::agent::{start_agent, Agent};
 use crate::codec::Envelope;
 use crate::error::RpcError;
 use crate::options::RpcOptions;
@@ -325,8 +324,7 @@ impl RpcBackend for FaultyBackend {
         world_size: Option<usize>,
         options: RpcOptions,
     ) -> Result<Agent, RpcError> {
-        let config = TcpConfig::resolve(cluster_secret(&options)?, options.insecure)?;
-        let tcp: Arc<dyn Transport> = Arc::new(TcpTransport::new(config)?);
+        let tcp: Arc<dyn Transport> = Arc::new(crate::backend::TcpBackend::transport(&options)?);
         let faulty = FaultyTransport::new(tcp, self.faults.get(&rank).cloned().unwrap_or_default());
         self.injected
             .lock()
