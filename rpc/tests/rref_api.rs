@@ -445,3 +445,33 @@ async fn remote_takes_device_tensors() {
     wait_until("values freed", || agents[1].debug_info().kept_values == 0).await;
     shutdown_all(agents).await;
 }
+
+/// A call that fails before it is sent (here: a GPU tensor with no device map for the callee)
+/// undoes the forks made while encoding its arguments: the reference passed in it does not
+/// stay pinned, and the owner frees the value once the caller drops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_refused_before_sending_leaves_no_fork_behind() {
+    let devices = Arc::new(SimulatedDevices::new(2));
+    let shared = Arc::clone(&devices);
+    let agents = group_with(3, "TCP", move |_, o| {
+        o.device_backend = shared.clone();
+    })
+    .await;
+    let (a, owner) = (&agents[0], &agents[1]);
+    let r: RRef<Vec<i64>> = a.remote("w1", "make_vec", &3usize, None).unwrap();
+    r.created().await.unwrap();
+    let host = Tensor::from_f32(vec![1], &[1.0]).unwrap();
+    let on_gpu = relocate(&*devices, &host, Device::Cuda(1)).await.unwrap();
+    for _ in 0..3 {
+        let e = a
+            .rpc_async::<_, i64>("w2", "sum", &(&r, &on_gpu), None)
+            .err()
+            .expect("refused before sending");
+        assert!(e.to_string().contains("cuda:1"), "{e}");
+    }
+    assert_eq!(owner.debug_info().kept_values, 1);
+    drop(r);
+    wait_until("the value is freed", || owner.debug_info().kept_values == 0).await;
+    assert!(a.debug_info().protocol.forks.is_empty());
+    shutdown_all(agents).await;
+}
