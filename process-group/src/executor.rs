@@ -24,11 +24,11 @@ use tensorwire_core::collective::{Apply, Schedule, Signature};
 use tensorwire_core::ports::process_group::ProcessGroupError;
 use tokio::time::Instant;
 
-use crate::mesh::Mesh;
+use crate::mesh::GroupMesh;
 
 /// One collective in progress: the peers it received from, released when it ends.
 struct Run<'a> {
-    mesh: &'a Mesh,
+    mesh: &'a GroupMesh,
     seq: u64,
     peers: Vec<usize>,
 }
@@ -141,7 +141,7 @@ pub(crate) struct Op {
 /// With `defer`, whole-message stores stay in `held` (see [`Held`]); the caller materializes
 /// what it needs from the buffer.
 pub(crate) async fn run(
-    mesh: &Mesh,
+    mesh: &GroupMesh,
     op: Op,
     schedule: &Schedule,
     buffer: &mut [u8],

@@ -10,6 +10,10 @@
 //! messages and the receives then overtake one another (an `irecv` on its own task, or two
 //! `isend`s whose frames race).
 //!
+//! Keys belong to the pair of ranks, not to a group: the world group and its subgroups
+//! share the counters, keyed by world rank, so the n-th receive from a rank with a tag gets
+//! the n-th message that rank sent here with that tag, whichever group each was issued on.
+//!
 //! A receive that times out keeps its place: the message it waited for, should it arrive
 //! later, is never delivered (it stays filed until the group is dropped), and the next
 //! receive gets the message after it.

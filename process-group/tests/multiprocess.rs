@@ -347,3 +347,8 @@ fn a_monitored_barrier_without_wait_all_ranks_names_the_first() {
         "{stderr}"
     );
 }
+
+#[test]
+fn subgroups_and_split_groups_run_beside_the_world_group_in_4_processes() {
+    run_scenario(4, "groups", &[], Duration::from_secs(60));
+}
