@@ -43,7 +43,8 @@ use tracing::Instrument;
 
 use crate::executor::{self, Held};
 use crate::mesh::{GroupMesh, Mesh, MeshSetup, MAX_GROUP_ID};
-use crate::p2p::{self, Counters, Work};
+use crate::p2p::{self, Counters};
+use crate::work::{self, Work};
 
 /// Blocks up to this size travel with their lengths in [`ProcessGroup::all_gather`]'s first
 /// round, so small all_gathers take one round instead of two (see
@@ -315,6 +316,76 @@ impl Group {
         Ok(None)
     }
 
+    /// Issues an operation on this group as a [`Work`]: `operation` gets a clone of the group
+    /// and is polled once now, so the collectives it starts before its first await take their
+    /// places in the sequence **in this call** (the ordering point: every rank must issue in
+    /// the same order); the rest runs on a task of its own, whether or not anyone waits.
+    ///
+    /// ```no_run
+    /// # async fn demo(group: tensorwire_process_group::Group) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use tensorwire_core::ports::process_group::ProcessGroup;
+    /// let gathered = group.issue("all_gather", |g| async move { g.all_gather(b"mine").await });
+    /// let blocks = gathered.wait(Duration::from_secs(60)).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn issue<T, F, Fut>(&self, what: &'static str, operation: F) -> Work<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(Group) -> Fut,
+        Fut: std::future::Future<Output = Result<T, ProcessGroupError>> + Send + 'static,
+    {
+        let span = tracing::debug_span!("work", what, group = %self.name(), rank = self.rank());
+        Work::issue(what, self.rank(), operation(self.clone()).instrument(span))
+    }
+
+    /// [`barrier`](ProcessGroup::barrier) as a [`Work`], issued in this call.
+    pub fn barrier_work(&self) -> Work<()> {
+        self.issue("barrier", |g| async move { g.barrier().await })
+    }
+
+    /// [`all_reduce`](ProcessGroup::all_reduce) of owned bytes as a [`Work`], issued in this
+    /// call; gives the reduced bytes back.
+    pub fn all_reduce_work(
+        &self,
+        mut data: Vec<u8>,
+        element: ElementType,
+        op: ReduceOp,
+    ) -> Work<Vec<u8>> {
+        self.issue("all_reduce", move |g| async move {
+            g.all_reduce(&mut data, element, op).await.map(|()| data)
+        })
+    }
+
+    /// [`all_reduce_typed`](CollectivesExt::all_reduce_typed) of owned elements as a
+    /// [`Work`], issued in this call; gives the reduced elements back.
+    pub fn all_reduce_typed_work<T: Element>(
+        &self,
+        mut data: Vec<T>,
+        op: ReduceOp,
+    ) -> Work<Vec<T>> {
+        self.issue("all_reduce", move |g| async move {
+            g.all_reduce_typed(&mut data, op).await.map(|()| data)
+        })
+    }
+
+    /// [`broadcast`](ProcessGroup::broadcast) of owned bytes as a [`Work`], issued in this
+    /// call; gives `root`'s bytes back.
+    pub fn broadcast_work(&self, mut data: Vec<u8>, root: usize) -> Work<Vec<u8>> {
+        self.issue("broadcast", move |g| async move {
+            g.broadcast(&mut data, root).await.map(|()| data)
+        })
+    }
+
+    /// [`all_gather`](ProcessGroup::all_gather) as a [`Work`], issued in this call; gives
+    /// every rank's block, in rank order.
+    pub fn all_gather_work(&self, input: Vec<u8>) -> Work<Vec<Bytes>> {
+        self.issue(
+            "all_gather",
+            move |g| async move { g.all_gather(&input).await },
+        )
+    }
+
     /// The world rank of a checked group rank.
     fn world_rank(&self, peer: usize) -> usize {
         self.global_rank(peer).unwrap_or(usize::MAX)
@@ -460,10 +531,10 @@ impl Group {
             .inner
             .mesh
             .send(dst, p2p::key(tag, n), &signature, data);
-        tokio::time::timeout(timeout, send)
+        work::bounded(timeout, send)
             .instrument(span)
             .await
-            .map_err(|_| ProcessGroupError::Timeout {
+            .map_err(|timeout| ProcessGroupError::Timeout {
                 collective: "send",
                 seq: n,
                 rank: self.rank(),
@@ -485,7 +556,7 @@ impl Group {
         let timeout = self.inner.timeout;
         let mesh = &self.inner.mesh;
         let span = tracing::debug_span!("recv", rank = self.rank(), src, tag, n);
-        let message = tokio::time::timeout(timeout, mesh.recv(src, key))
+        let message = work::bounded(timeout, mesh.recv(src, key))
             .instrument(span)
             .await;
         // The message is taken (or never will be): forget its slot either way.
@@ -493,7 +564,7 @@ impl Group {
         let message = match message {
             Ok(Some(m)) => m,
             Ok(None) => return Err(mesh.closed_error(src, "recv", n)),
-            Err(_) => {
+            Err(timeout) => {
                 return Err(ProcessGroupError::Timeout {
                     collective: "recv",
                     seq: n,
@@ -1082,7 +1153,7 @@ impl ProcessGroup for Group {
         }
         let n = self.inner.sent.take(self.world_rank(dst), tag);
         let group = self.clone();
-        Box::pin(Work::spawn("send", dst, async move {
+        Box::pin(Work::issue("send", dst, async move {
             group.send_numbered(data, dst, tag, n).await
         }))
     }
@@ -1096,7 +1167,7 @@ impl ProcessGroup for Group {
         }
         let n = self.inner.received.take(self.world_rank(src), tag);
         let group = self.clone();
-        Box::pin(Work::spawn("recv", src, async move {
+        Box::pin(Work::issue("recv", src, async move {
             group.recv_numbered(src, tag, n).await
         }))
     }

@@ -27,6 +27,11 @@
 //!   lists), then rounds of an all_reduce on that subgroup while the world group runs a
 //!   barrier and an all_reduce of the same shape, and `split_group([[0, 1], [2, 3]])` whose
 //!   halves all_reduce at the same time; prints `OK groups rank R`.
+//! - `work` (world 4): collectives issued as `Work` handles and never polled by rank 0 until
+//!   every other rank has waited all of them out (so they progress on their own), then waited
+//!   out of order; `is_completed()` turns true on rank 0 without polling; then a barrier rank
+//!   3 never joins, whose `wait(300 ms)` times out on rank 0 naming rank 3 (printed as
+//!   `TIMEOUT ...`) and breaks the group there; prints `OK work rank R`.
 //! - `kill`: sets up, runs one barrier, prints `READY rank R`; rank `TW_VICTIM` then sleeps
 //!   (to be killed), the others run another barrier and report its error (exit 3), or exit 0
 //!   if it unexpectedly succeeds.
@@ -39,6 +44,7 @@ use std::time::{Duration, Instant};
 use tensorwire_core::collective::{ElementType, ReduceOp};
 use tensorwire_core::device::Device;
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::store::Store;
 use tensorwire_process_group::env_init::env_rendezvous;
 use tensorwire_process_group::{new_group, CollectivesExt, Group, GroupOptions};
 use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
@@ -492,11 +498,116 @@ async fn ops(pg: &dyn ProcessGroup) -> Result<(), Error> {
 /// call it with `TW_WAIT_ALL` (1 or 0) and a timeout of `TW_MB_MS`.
 /// A concrete [`Group`] of the `env://` world (what the `tensorwire` backend builds, without
 /// the trait object), for the scenarios that use its own methods.
-async fn connect_group(name: &str, timeout: Duration) -> Result<Group, Error> {
+async fn connect_group(name: &str, timeout: Duration) -> Result<(Group, Arc<dyn Store>), Error> {
     let rv = env_rendezvous(timeout).await?;
     let transport = Arc::new(TcpTransport::new(TcpConfig::resolve(None, false)?)?);
     let options = GroupOptions::new(name).with_timeout(timeout);
-    Ok(Group::connect(rv.store, transport, rv.rank, rv.world_size, options).await?)
+    let store = rv.store.clone();
+    let group = Group::connect(rv.store, transport, rv.rank, rv.world_size, options).await?;
+    Ok((group, store))
+}
+
+/// The `work` scenario: see the crate docs.
+async fn work(world: &Group, store: &dyn Store) -> Result<(), Error> {
+    let rank = world.rank();
+    let size = world.size();
+    ensure(size == 4, || "the work scenario runs at world 4".into())?;
+    let long = Duration::from_secs(30);
+    // Issued without being polled: the calls are the ordering point.
+    let mut sums = Vec::new();
+    for i in 0..6i64 {
+        sums.push(world.all_reduce_typed_work(vec![rank as i64 * 10 + i; 3], ReduceOp::Sum));
+    }
+    let barrier = world.barrier_work();
+    let gathered = world.all_gather_work(vec![rank as u8; rank + 1]);
+    let root = world.broadcast_work(if rank == 2 { vec![7; 5] } else { vec![0; 5] }, 2);
+    let last = world.all_reduce_typed_work(vec![1i64], ReduceOp::Sum);
+    let expected = |i: i64| [60 + 4 * i; 3];
+    if rank == 0 {
+        // Rank 0 waits on nothing until every other rank has waited out all of its Works,
+        // which needed rank 0's part: its Works made progress on their own.
+        for peer in 1..size {
+            world.recv(peer, 99).await?;
+        }
+    }
+    // Out of order: the last first.
+    ensure(last.wait(long).await? == [4], || "last all_reduce".into())?;
+    if rank == 0 {
+        // Done without ever being polled; their tasks may still be finishing up locally.
+        let deadline = tokio::time::Instant::now() + long;
+        while !(sums.iter().all(|w| w.is_completed())
+            && barrier.is_completed()
+            && gathered.is_completed()
+            && root.is_completed())
+        {
+            ensure(tokio::time::Instant::now() < deadline, || {
+                "Works still not completed 30 s after the peers finished them".into()
+            })?;
+            tokio::task::yield_now().await;
+        }
+    }
+    ensure(root.wait(long).await? == [7; 5], || "broadcast".into())?;
+    let blocks = gathered.wait(long).await?;
+    ensure(
+        blocks
+            .iter()
+            .enumerate()
+            .all(|(r, b)| b[..] == vec![r as u8; r + 1][..]),
+        || format!("all_gather gave {blocks:?}"),
+    )?;
+    barrier.wait(long).await?;
+    for (i, w) in sums.into_iter().enumerate().rev() {
+        let got = w.wait(long).await?;
+        ensure(got == expected(i as i64), || {
+            format!("all_reduce {i} gave {got:?}")
+        })?;
+    }
+    if rank != 0 {
+        world.send(b"done", 0, 99).await?;
+    }
+    world.barrier().await?;
+
+    // Rank 3 never joins this barrier: the others' waits time out, rank 0's naming rank 3
+    // (its first message in a dissemination barrier comes from rank 3).
+    if rank == 3 {
+        // Staying away until every other rank has timed out: a goodbye earlier would fail
+        // their waits with `PeerLeft` instead.
+        store
+            .wait(
+                &["work/timed-out/0", "work/timed-out/1", "work/timed-out/2"],
+                long,
+            )
+            .await
+            .map_err(|e| format!("waiting for rank 0's timeout: {e}"))?;
+        // Rank 0 serves the store: it stays until this rank is done with it, and the others
+        // leave no earlier (a goodbye must not reach a rank still waiting on its barrier).
+        store.set("work/released", b"1").await?;
+        return Ok(());
+    }
+    let short = Duration::from_millis(300);
+    let missed = world.barrier_work();
+    let err = missed.wait(short).await.err();
+    let Some(err) = err else {
+        return Err("a barrier rank 3 never joined completed".into());
+    };
+    ensure(
+        matches!(err, ProcessGroupError::Timeout { timeout, .. } if timeout == short),
+        || format!("the wait gave {err}"),
+    )?;
+    if rank == 0 {
+        ensure(err.to_string().contains("waiting for rank(s) 3"), || {
+            format!("rank 0's timeout names rank 3: {err}")
+        })?;
+        println!("TIMEOUT {err}");
+    }
+    store.set(&format!("work/timed-out/{rank}"), b"1").await?;
+    // The timed-out collective broke the group here: later ones fail saying so.
+    let later = world.barrier().await.err();
+    ensure(later.as_ref() == Some(&err), || {
+        format!("a barrier after the timeout gave {later:?}, not {err}")
+    })?;
+    store.wait(&["work/released"], long).await?;
+    Ok(())
 }
 
 async fn groups(world: &Group) -> Result<(), Error> {
@@ -642,10 +753,17 @@ async fn run(scenario: &str) -> Result<ExitCode, Error> {
         return nccl(rank, timeout).await;
     }
     if scenario == "groups" {
-        let world = connect_group("groups", timeout).await?;
+        let (world, _store) = connect_group("groups", timeout).await?;
         groups(&world).await?;
         world.shutdown().await;
         println!("OK groups rank {rank} in {:?}", started.elapsed());
+        return Ok(ExitCode::SUCCESS);
+    }
+    if scenario == "work" {
+        let (world, store) = connect_group("work", timeout).await?;
+        work(&world, store.as_ref()).await?;
+        world.shutdown().await;
+        println!("OK work rank {rank} in {:?}", started.elapsed());
         return Ok(ExitCode::SUCCESS);
     }
     let pg = new_group("tensorwire", timeout, Device::Cpu, Vec::new()).await?;
@@ -687,7 +805,7 @@ async fn run(scenario: &str) -> Result<ExitCode, Error> {
             }
         }
         other => Err(format!(
-            "unknown scenario {other:?}; use check, ops, groups, monitored, inflight or kill"
+            "unknown scenario {other:?}; use check, ops, groups, work, monitored, inflight or kill"
         )
         .into()),
     }
