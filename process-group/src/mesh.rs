@@ -8,6 +8,12 @@
 //! exactly the ranks above it and refuses connections with a wrong or duplicate hello (logged,
 //! without stopping the setup). Setup is bounded by the group's timeout.
 //!
+//! # Groups over one mesh
+//! The world group and its subgroups ([`Group::new_group`](crate::Group::new_group)) share
+//! the connections: each group has an id (0 for the world) and files its collectives under a
+//! key holding that id and its own sequence number (see `GroupMesh`), so messages of groups
+//! used at once never mix, and a failure that breaks the mesh breaks every group.
+//!
 //! # Frames
 //! - Collective messages are [`FrameKind::Message`](tensorwire_core::wire::FrameKind) frames:
 //!   a 23-byte header (sequence number `u64` LE, then the round's

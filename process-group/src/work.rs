@@ -2,9 +2,9 @@
 //! `Work`, as `async_op=True` collectives and `isend`/`irecv` return it).
 //!
 //! # Issuing
-//! [`Work::issue`] polls the operation's future once, on the caller's task: a collective
-//! checks its arguments and takes its sequence numbers in that first poll, before it awaits
-//! anything, so **the call that returns the `Work` is the ordering point**. What is left runs
+//! [`Group::issue`](crate::Group::issue), like every call that returns a [`Work`], polls the
+//! operation's future once, on the caller's task: a collective checks its arguments and takes
+//! its sequence numbers in that first poll, before it awaits anything, so **the call that returns the `Work` is the ordering point**. What is left runs
 //! on a spawned task, which makes progress whether or not anyone waits on the `Work`.
 //!
 //! # Timeouts
