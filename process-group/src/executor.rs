@@ -24,11 +24,11 @@ use tensorwire_core::collective::{Apply, Schedule, Signature};
 use tensorwire_core::ports::process_group::ProcessGroupError;
 use tokio::time::Instant;
 
-use crate::mesh::Mesh;
+use crate::mesh::GroupMesh;
 
 /// One collective in progress: the peers it received from, released when it ends.
 struct Run<'a> {
-    mesh: &'a Mesh,
+    mesh: &'a GroupMesh,
     seq: u64,
     peers: Vec<usize>,
 }
@@ -141,7 +141,7 @@ pub(crate) struct Op {
 /// With `defer`, whole-message stores stay in `held` (see [`Held`]); the caller materializes
 /// what it needs from the buffer.
 pub(crate) async fn run(
-    mesh: &Mesh,
+    mesh: &GroupMesh,
     op: Op,
     schedule: &Schedule,
     buffer: &mut [u8],
@@ -166,10 +166,21 @@ pub(crate) async fn run(
         peers: Vec::new(),
     };
     let rank = mesh.rank();
-    // One timer for the whole collective, registered once.
-    let sleep = tokio::time::sleep_until(deadline);
+    // One timer for the whole collective, registered once; it also goes off when a
+    // `Work::wait` running this collective gives up (with that wait's timeout).
+    let sleep = {
+        let expired = crate::work::expired();
+        async move {
+            tokio::select! {
+                () = tokio::time::sleep_until(deadline) => timeout,
+                after = expired => after,
+            }
+        }
+    };
     tokio::pin!(sleep);
-    let timed_out = |waiting_on: Vec<usize>| ProcessGroupError::Timeout {
+    let send_expired = crate::work::expired();
+    tokio::pin!(send_expired);
+    let timed_out = |waiting_on: Vec<usize>, timeout| ProcessGroupError::Timeout {
         collective: name,
         seq,
         rank,
@@ -187,11 +198,15 @@ pub(crate) async fn run(
                 run.peers.push(r.peer());
             }
         }
-        let sends = async {
+        let mut send_expired = send_expired.as_mut();
+        let sends = async move {
             for (peer, payload) in outgoing {
-                tokio::time::timeout_at(deadline, mesh.send(peer, seq, &ours, payload))
-                    .await
-                    .map_err(|_| timed_out(vec![peer]))??;
+                let send = tokio::time::timeout_at(deadline, mesh.send(peer, seq, &ours, payload));
+                tokio::select! {
+                    biased;
+                    sent = send => sent.map_err(|_| timed_out(vec![peer], timeout))??,
+                    after = &mut send_expired => return Err(timed_out(vec![peer], after)),
+                }
             }
             Ok::<(), ProcessGroupError>(())
         };
@@ -208,7 +223,7 @@ pub(crate) async fn run(
                         Some(m) => m,
                         None => return Err(mesh.closed_error(peer, name, seq)),
                     },
-                    _ = &mut sleep => {
+                    after = &mut sleep => {
                         let mut waiting = vec![peer];
                         for later in &receives[i + 1..] {
                             let empty = !mesh.has_message(later.peer(), seq);
@@ -216,7 +231,7 @@ pub(crate) async fn run(
                                 waiting.push(later.peer());
                             }
                         }
-                        return Err(timed_out(waiting));
+                        return Err(timed_out(waiting, after));
                     }
                 };
                 if message.signature != ours {

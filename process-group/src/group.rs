@@ -42,8 +42,9 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::executor::{self, Held};
-use crate::mesh::{Mesh, MeshSetup};
-use crate::p2p::{self, Counters, Work};
+use crate::mesh::{GroupMesh, Mesh, MeshSetup, MAX_GROUP_ID};
+use crate::p2p::{self, Counters};
+use crate::work::{self, Work};
 
 /// Blocks up to this size travel with their lengths in [`ProcessGroup::all_gather`]'s first
 /// round, so small all_gathers take one round instead of two (see
@@ -97,17 +98,22 @@ impl GroupOptions {
 }
 
 struct Inner {
-    mesh: Mesh,
+    mesh: GroupMesh,
     /// The barrier's schedule, the same every time.
     barrier: Schedule,
     /// The schedule of an all_gather's first round (one length slot per rank), likewise.
     lengths: Schedule,
     name: String,
     next_seq: AtomicU64,
-    /// Point-to-point messages issued to each (peer, tag), and receives from each.
-    sent: Counters,
-    received: Counters,
+    /// Point-to-point messages issued to each (world rank, tag), and receives from each:
+    /// shared by the world group and its subgroups, whose point-to-point messages share
+    /// keys (see [`Group::new_group`]).
+    sent: Arc<Counters>,
+    received: Arc<Counters>,
     timeout: Duration,
+    /// The next subgroup id, counted on the world group by every rank alike (every rank
+    /// calls [`Group::new_group`] and [`Group::split_group`] in the same order).
+    next_group: AtomicU64,
     /// Kept so that an embedded store server (rank 0) lives as long as the group.
     _store: Arc<dyn Store>,
 }
@@ -161,6 +167,25 @@ impl Group {
         })
         .instrument(span)
         .await?;
+        let counters = Default::default();
+        Group::over(
+            GroupMesh::whole(mesh),
+            options.name,
+            options.timeout,
+            store,
+            counters,
+        )
+    }
+
+    /// The group over `mesh`, with its fixed schedules.
+    fn over(
+        mesh: GroupMesh,
+        name: String,
+        timeout: Duration,
+        store: Arc<dyn Store>,
+        counters: (Arc<Counters>, Arc<Counters>),
+    ) -> Result<Group, ProcessGroupError> {
+        let (rank, world) = (mesh.rank(), mesh.world());
         let setup = |e: CollectiveError| ProcessGroupError::Setup {
             rank,
             reason: e.to_string(),
@@ -174,14 +199,214 @@ impl Group {
                 mesh,
                 barrier,
                 lengths,
-                name: options.name,
+                name,
                 next_seq: AtomicU64::new(0),
-                sent: Counters::default(),
-                received: Counters::default(),
-                timeout: options.timeout,
+                sent: counters.0,
+                received: counters.1,
+                timeout,
+                next_group: AtomicU64::new(1),
                 _store: store,
             }),
         })
+    }
+
+    /// A group of some of the world's `ranks` (PyTorch's `new_group(ranks=...)`), over the
+    /// world group's connections: `Some` on its members, `None` on every other rank (PyTorch's
+    /// `GroupMember.NON_GROUP_MEMBER`: a rank outside the group has nothing to issue
+    /// collectives on).
+    ///
+    /// Every rank of the world calls it, members or not, with the same `ranks` and in the same
+    /// order relative to its other `new_group` and [`split_group`](Group::split_group) calls:
+    /// each call takes the next subgroup id, with no message exchanged, and the subgroup's
+    /// messages are filed under that id. Group rank `i` is the `i`-th lowest world rank of
+    /// `ranks` (as PyTorch sorts them); an empty `ranks` means the whole world. The subgroup
+    /// numbers its collectives from zero under its own id, so it can be used at the same time
+    /// as the world group and other subgroups. Point-to-point messages are the exception:
+    /// they belong to the pair of ranks (see `send`), so a `recv` on any group gets the next
+    /// message its peer sent here with that tag on any group.
+    ///
+    /// The subgroup shares the world's connections, and so their failures: a dead peer, a
+    /// timed-out collective or a disagreement in any group breaks them all. Shutting a
+    /// subgroup down only stops it taking collectives; shutting the world group down closes
+    /// the connections under every subgroup.
+    ///
+    /// ```no_run
+    /// # async fn demo(world: tensorwire_process_group::Group) -> Result<(), Box<dyn std::error::Error>> {
+    /// use tensorwire_core::ports::process_group::ProcessGroup;
+    /// // On every rank of a world of 4:
+    /// if let Some(odd) = world.new_group(&[1, 3])? {
+    ///     assert_eq!(odd.global_rank(odd.rank()), Some(world.rank()));
+    ///     odd.barrier().await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Setup`] when a rank is out of range or listed twice, when called on
+    /// a subgroup (subgroups are made from the world group, whose ranks every rank knows), or
+    /// when the subgroup ids are used up. The call then takes no id.
+    pub fn new_group(&self, ranks: &[usize]) -> Result<Option<Group>, ProcessGroupError> {
+        let mut ranks = ranks.to_vec();
+        if ranks.is_empty() {
+            ranks = (0..self.size()).collect();
+        }
+        self.split_group(&[ranks])
+    }
+
+    /// Splits the world into disjoint subgroups (PyTorch's `split_group(split_ranks=...)`):
+    /// returns the one this rank is in, or `None` for a rank in none of them.
+    ///
+    /// Every rank of the world calls it with the same `split_ranks`; each subgroup takes the
+    /// next id in turn, as if [`new_group`](Group::new_group) were called for each, in order.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Setup`] when a rank is out of range, listed twice (in one subgroup
+    /// or two), a subgroup is empty, or as [`new_group`](Group::new_group).
+    pub fn split_group(
+        &self,
+        split_ranks: &[Vec<usize>],
+    ) -> Result<Option<Group>, ProcessGroupError> {
+        let rank = self.rank();
+        let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
+        if self.inner.mesh.id() != 0 {
+            return Err(setup(format!(
+                "subgroups are made from the world group, not from subgroup {:?}",
+                self.name()
+            )));
+        }
+        let world = self.size();
+        let mut seen = vec![false; world];
+        let mut groups: Vec<Arc<[usize]>> = Vec::with_capacity(split_ranks.len());
+        for ranks in split_ranks {
+            if ranks.is_empty() {
+                return Err(setup("a subgroup needs at least one rank".to_owned()));
+            }
+            let mut sorted = ranks.clone();
+            sorted.sort_unstable();
+            for r in &sorted {
+                if *r >= world {
+                    return Err(setup(format!(
+                        "rank {r} is out of range for a world of {world} ranks"
+                    )));
+                }
+                if std::mem::replace(&mut seen[*r], true) {
+                    return Err(setup(format!(
+                        "rank {r} is listed twice in {split_ranks:?}"
+                    )));
+                }
+            }
+            groups.push(sorted.into());
+        }
+        let count = groups.len() as u64;
+        let first = self
+            .inner
+            .next_group
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |next| {
+                (next + count <= MAX_GROUP_ID + 1).then_some(next + count)
+            })
+            .map_err(|_| setup(format!("more than {MAX_GROUP_ID} subgroups")))?;
+        for (id, members) in (first..).zip(groups) {
+            if let Some(mesh) = self.inner.mesh.subgroup(id, members) {
+                let name = format!("{}/{id}", self.name());
+                let store = self.inner._store.clone();
+                let counters = (self.inner.sent.clone(), self.inner.received.clone());
+                return Group::over(mesh, name, self.inner.timeout, store, counters).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    /// Issues an operation on this group as a [`Work`]: `operation` gets a clone of the group
+    /// and is polled once now, so the collectives it starts before its first await take their
+    /// places in the sequence **in this call** (the ordering point: every rank must issue in
+    /// the same order); the rest runs on a task of its own, whether or not anyone waits.
+    ///
+    /// ```no_run
+    /// # async fn demo(group: tensorwire_process_group::Group) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use tensorwire_core::ports::process_group::ProcessGroup;
+    /// let gathered = group.issue("all_gather", |g| async move { g.all_gather(b"mine").await });
+    /// let blocks = gathered.wait(Duration::from_secs(60)).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn issue<T, F, Fut>(&self, what: &'static str, operation: F) -> Work<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(Group) -> Fut,
+        Fut: std::future::Future<Output = Result<T, ProcessGroupError>> + Send + 'static,
+    {
+        let span = tracing::debug_span!("work", what, group = %self.name(), rank = self.rank());
+        Work::issue(what, self.rank(), operation(self.clone()).instrument(span))
+    }
+
+    /// [`barrier`](ProcessGroup::barrier) as a [`Work`], issued in this call.
+    pub fn barrier_work(&self) -> Work<()> {
+        self.issue("barrier", |g| async move { g.barrier().await })
+    }
+
+    /// [`all_reduce`](ProcessGroup::all_reduce) of owned bytes as a [`Work`], issued in this
+    /// call; gives the reduced bytes back.
+    pub fn all_reduce_work(
+        &self,
+        mut data: Vec<u8>,
+        element: ElementType,
+        op: ReduceOp,
+    ) -> Work<Vec<u8>> {
+        self.issue("all_reduce", move |g| async move {
+            g.all_reduce(&mut data, element, op).await.map(|()| data)
+        })
+    }
+
+    /// [`all_reduce_typed`](CollectivesExt::all_reduce_typed) of owned elements as a
+    /// [`Work`], issued in this call; gives the reduced elements back.
+    pub fn all_reduce_typed_work<T: Element>(
+        &self,
+        mut data: Vec<T>,
+        op: ReduceOp,
+    ) -> Work<Vec<T>> {
+        self.issue("all_reduce", move |g| async move {
+            g.all_reduce_typed(&mut data, op).await.map(|()| data)
+        })
+    }
+
+    /// [`broadcast`](ProcessGroup::broadcast) of owned bytes as a [`Work`], issued in this
+    /// call; gives `root`'s bytes back.
+    pub fn broadcast_work(&self, mut data: Vec<u8>, root: usize) -> Work<Vec<u8>> {
+        self.issue("broadcast", move |g| async move {
+            g.broadcast(&mut data, root).await.map(|()| data)
+        })
+    }
+
+    /// [`all_gather`](ProcessGroup::all_gather) as a [`Work`], issued in this call; gives
+    /// every rank's block, in rank order.
+    pub fn all_gather_work(&self, input: Vec<u8>) -> Work<Vec<Bytes>> {
+        self.issue(
+            "all_gather",
+            move |g| async move { g.all_gather(&input).await },
+        )
+    }
+
+    /// The world rank of a checked group rank.
+    fn world_rank(&self, peer: usize) -> usize {
+        self.global_rank(peer).unwrap_or(usize::MAX)
+    }
+
+    /// The group rank of world rank `global` (PyTorch's `get_group_rank`), or `None` when
+    /// that rank is not in this group.
+    pub fn group_rank(&self, global: usize) -> Option<usize> {
+        self.inner.mesh.members().iter().position(|r| *r == global)
+    }
+
+    /// The world rank of `group_rank` (PyTorch's `get_global_rank`), or `None` when the group
+    /// has no such rank.
+    pub fn global_rank(&self, group_rank: usize) -> Option<usize> {
+        self.inner.mesh.members().get(group_rank).copied()
+    }
+
+    /// The world ranks of the group's members, by group rank (PyTorch's
+    /// `get_process_group_ranks`).
+    pub fn global_ranks(&self) -> &[usize] {
+        self.inner.mesh.members()
     }
 
     /// The group's name.
@@ -306,10 +531,10 @@ impl Group {
             .inner
             .mesh
             .send(dst, p2p::key(tag, n), &signature, data);
-        tokio::time::timeout(timeout, send)
+        work::bounded(timeout, send)
             .instrument(span)
             .await
-            .map_err(|_| ProcessGroupError::Timeout {
+            .map_err(|timeout| ProcessGroupError::Timeout {
                 collective: "send",
                 seq: n,
                 rank: self.rank(),
@@ -331,7 +556,7 @@ impl Group {
         let timeout = self.inner.timeout;
         let mesh = &self.inner.mesh;
         let span = tracing::debug_span!("recv", rank = self.rank(), src, tag, n);
-        let message = tokio::time::timeout(timeout, mesh.recv(src, key))
+        let message = work::bounded(timeout, mesh.recv(src, key))
             .instrument(span)
             .await;
         // The message is taken (or never will be): forget its slot either way.
@@ -339,7 +564,7 @@ impl Group {
         let message = match message {
             Ok(Some(m)) => m,
             Ok(None) => return Err(mesh.closed_error(src, "recv", n)),
-            Err(_) => {
+            Err(timeout) => {
                 return Err(ProcessGroupError::Timeout {
                     collective: "recv",
                     seq: n,
@@ -908,14 +1133,14 @@ impl ProcessGroup for Group {
 
     async fn send(&self, data: &[u8], dst: usize, tag: u32) -> Result<(), ProcessGroupError> {
         self.check_peer("send", dst)?;
-        let n = self.inner.sent.take(dst, tag);
+        let n = self.inner.sent.take(self.world_rank(dst), tag);
         self.send_numbered(Bytes::copy_from_slice(data), dst, tag, n)
             .await
     }
 
     async fn recv(&self, src: usize, tag: u32) -> Result<Bytes, ProcessGroupError> {
         self.check_peer("recv", src)?;
-        let n = self.inner.received.take(src, tag);
+        let n = self.inner.received.take(self.world_rank(src), tag);
         self.recv_numbered(src, tag, n).await
     }
 
@@ -926,9 +1151,9 @@ impl ProcessGroup for Group {
         if let Err(e) = self.check_peer("send", dst) {
             return Box::pin(Work::failed(e));
         }
-        let n = self.inner.sent.take(dst, tag);
+        let n = self.inner.sent.take(self.world_rank(dst), tag);
         let group = self.clone();
-        Box::pin(Work::spawn("send", dst, async move {
+        Box::pin(Work::issue("send", dst, async move {
             group.send_numbered(data, dst, tag, n).await
         }))
     }
@@ -940,9 +1165,9 @@ impl ProcessGroup for Group {
         if let Err(e) = self.check_peer("recv", src) {
             return Box::pin(Work::failed(e));
         }
-        let n = self.inner.received.take(src, tag);
+        let n = self.inner.received.take(self.world_rank(src), tag);
         let group = self.clone();
-        Box::pin(Work::spawn("recv", src, async move {
+        Box::pin(Work::issue("recv", src, async move {
             group.recv_numbered(src, tag, n).await
         }))
     }

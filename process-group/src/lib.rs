@@ -41,6 +41,7 @@ mod server;
 pub mod setup;
 mod state;
 pub mod wire;
+pub mod work;
 
 pub use backend::{
     backend_registered, current_process_group, new_group, register_backend, with_process_group,
@@ -54,6 +55,7 @@ pub use group::{
     MAX_BLOCK_BYTES,
 };
 pub use tensorwire_core::auth::ClusterSecret;
+pub use work::Work;
 
 pub use address::{advertise_ip, route_ip, AddressError};
 pub use launcher_env::{DistEnv, LauncherEnvError};

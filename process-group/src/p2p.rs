@@ -10,18 +10,16 @@
 //! messages and the receives then overtake one another (an `irecv` on its own task, or two
 //! `isend`s whose frames race).
 //!
+//! Keys belong to the pair of ranks, not to a group: the world group and its subgroups
+//! share the counters, keyed by world rank, so the n-th receive from a rank with a tag gets
+//! the n-th message that rank sent here with that tag, whichever group each was issued on.
+//!
 //! A receive that times out keeps its place: the message it waited for, should it arrive
 //! later, is never delivered (it stays filed until the group is dropped), and the next
 //! receive gets the message after it.
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Mutex;
-use std::task::{Context, Poll};
-
-use tensorwire_core::ports::process_group::ProcessGroupError;
-use tokio::task::JoinHandle;
 
 /// The bit that marks a point-to-point key.
 const P2P: u64 = 1 << 63;
@@ -48,71 +46,6 @@ impl Counters {
         let taken = *n;
         *n += 1;
         taken
-    }
-}
-
-/// A point-to-point operation in progress: the group's `isend` and `irecv` return one (boxed),
-/// and awaiting it gives the operation's result (PyTorch's `Work.wait()`).
-///
-/// The operation was issued (numbered and started) when `isend`/`irecv` returned; it runs on
-/// its own task and ends by itself, within the group's timeout. Dropping a `Work` does not
-/// cancel it (a send cut off halfway would break the connection): the result is then lost.
-#[must_use = "await the Work to learn whether the operation succeeded"]
-#[derive(Debug)]
-pub(crate) struct Work<T> {
-    state: State<T>,
-}
-
-#[derive(Debug)]
-enum State<T> {
-    /// Refused before it was issued.
-    Failed(Option<ProcessGroupError>),
-    Running {
-        task: JoinHandle<Result<T, ProcessGroupError>>,
-        peer: usize,
-        what: &'static str,
-    },
-}
-
-impl<T: Send + 'static> Work<T> {
-    pub(crate) fn failed(error: ProcessGroupError) -> Self {
-        Work {
-            state: State::Failed(Some(error)),
-        }
-    }
-
-    pub(crate) fn spawn(
-        what: &'static str,
-        peer: usize,
-        operation: impl Future<Output = Result<T, ProcessGroupError>> + Send + 'static,
-    ) -> Self {
-        Work {
-            state: State::Running {
-                task: tokio::spawn(operation),
-                peer,
-                what,
-            },
-        }
-    }
-}
-
-impl<T> Future for Work<T> {
-    type Output = Result<T, ProcessGroupError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match &mut self.get_mut().state {
-            State::Failed(error) => Poll::Ready(Err(error.take().unwrap_or(
-                ProcessGroupError::ShutDown, // polled again after it returned its error
-            ))),
-            State::Running { task, peer, what } => match Pin::new(task).poll(cx) {
-                Poll::Pending => Poll::Pending,
-                Poll::Ready(Ok(result)) => Poll::Ready(result),
-                Poll::Ready(Err(e)) => Poll::Ready(Err(ProcessGroupError::Send {
-                    rank: *peer,
-                    reason: format!("the {what} task ended abnormally: {e}"),
-                })),
-            },
-        }
     }
 }
 

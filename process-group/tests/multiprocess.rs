@@ -347,3 +347,13 @@ fn a_monitored_barrier_without_wait_all_ranks_names_the_first() {
         "{stderr}"
     );
 }
+
+#[test]
+fn subgroups_and_split_groups_run_beside_the_world_group_in_4_processes() {
+    run_scenario(4, "groups", &[], Duration::from_secs(60));
+}
+
+#[test]
+fn work_handles_progress_unpolled_complete_out_of_order_and_time_out_naming_the_rank() {
+    run_scenario(4, "work", &[], Duration::from_secs(60));
+}

@@ -22,19 +22,32 @@
 //!   and a monitored barrier, each checked against known values; prints `OK ops rank R`.
 //! - `monitored`: the ranks in `TW_ABSENT` print `READY rank R` and stay away; the others run
 //!   a monitored barrier (`TW_WAIT_ALL`, `TW_MB_MS`) and print its error on stderr (exit 3).
+//! - `groups` (world 4): a concrete [`Group`] and its subgroups: `new_group([3, 1])` (rank
+//!   translation both ways on members, `None` on the non-members 0 and 2, refused bad rank
+//!   lists), then rounds of an all_reduce on that subgroup while the world group runs a
+//!   barrier and an all_reduce of the same shape, and `split_group([[0, 1], [2, 3]])` whose
+//!   halves all_reduce at the same time; prints `OK groups rank R`.
+//! - `work` (world 4): collectives issued as `Work` handles and never polled by rank 0 until
+//!   every other rank has waited all of them out (so they progress on their own), then waited
+//!   out of order; `is_completed()` turns true on rank 0 without polling; then a barrier rank
+//!   3 never joins, whose `wait(300 ms)` times out on rank 0 naming rank 3 (printed as
+//!   `TIMEOUT ...`) and breaks the group there; prints `OK work rank R`.
 //! - `kill`: sets up, runs one barrier, prints `READY rank R`; rank `TW_VICTIM` then sleeps
 //!   (to be killed), the others run another barrier and report its error (exit 3), or exit 0
 //!   if it unexpectedly succeeds.
 
 use std::io::Write;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tensorwire_core::collective::{ElementType, ReduceOp};
 use tensorwire_core::device::Device;
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::store::Store;
 use tensorwire_process_group::env_init::env_rendezvous;
-use tensorwire_process_group::{new_group, CollectivesExt};
+use tensorwire_process_group::{new_group, CollectivesExt, Group, GroupOptions};
+use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -483,6 +496,219 @@ async fn ops(pg: &dyn ProcessGroup) -> Result<(), Error> {
 
 /// Ranks in `TW_ABSENT` (comma-separated) never come to the monitored barrier; the others
 /// call it with `TW_WAIT_ALL` (1 or 0) and a timeout of `TW_MB_MS`.
+/// A concrete [`Group`] of the `env://` world (what the `tensorwire` backend builds, without
+/// the trait object), for the scenarios that use its own methods.
+async fn connect_group(name: &str, timeout: Duration) -> Result<(Group, Arc<dyn Store>), Error> {
+    let rv = env_rendezvous(timeout).await?;
+    let transport = Arc::new(TcpTransport::new(TcpConfig::resolve(None, false)?)?);
+    let options = GroupOptions::new(name).with_timeout(timeout);
+    let store = rv.store.clone();
+    let group = Group::connect(rv.store, transport, rv.rank, rv.world_size, options).await?;
+    Ok((group, store))
+}
+
+/// The `work` scenario: see the crate docs.
+async fn work(world: &Group, store: &dyn Store) -> Result<(), Error> {
+    let rank = world.rank();
+    let size = world.size();
+    ensure(size == 4, || "the work scenario runs at world 4".into())?;
+    let long = Duration::from_secs(30);
+    // Issued without being polled: the calls are the ordering point.
+    let mut sums = Vec::new();
+    for i in 0..6i64 {
+        sums.push(world.all_reduce_typed_work(vec![rank as i64 * 10 + i; 3], ReduceOp::Sum));
+    }
+    let barrier = world.barrier_work();
+    let gathered = world.all_gather_work(vec![rank as u8; rank + 1]);
+    let root = world.broadcast_work(if rank == 2 { vec![7; 5] } else { vec![0; 5] }, 2);
+    let last = world.all_reduce_typed_work(vec![1i64], ReduceOp::Sum);
+    let expected = |i: i64| [60 + 4 * i; 3];
+    if rank == 0 {
+        // Rank 0 waits on nothing until every other rank has waited out all of its Works,
+        // which needed rank 0's part: its Works made progress on their own.
+        for peer in 1..size {
+            world.recv(peer, 99).await?;
+        }
+    }
+    // Out of order: the last first.
+    ensure(last.wait(long).await? == [4], || "last all_reduce".into())?;
+    if rank == 0 {
+        // Done without ever being polled; their tasks may still be finishing up locally.
+        let deadline = tokio::time::Instant::now() + long;
+        while !(sums.iter().all(|w| w.is_completed())
+            && barrier.is_completed()
+            && gathered.is_completed()
+            && root.is_completed())
+        {
+            ensure(tokio::time::Instant::now() < deadline, || {
+                "Works still not completed 30 s after the peers finished them".into()
+            })?;
+            tokio::task::yield_now().await;
+        }
+    }
+    ensure(root.wait(long).await? == [7; 5], || "broadcast".into())?;
+    let blocks = gathered.wait(long).await?;
+    ensure(
+        blocks
+            .iter()
+            .enumerate()
+            .all(|(r, b)| b[..] == vec![r as u8; r + 1][..]),
+        || format!("all_gather gave {blocks:?}"),
+    )?;
+    barrier.wait(long).await?;
+    for (i, w) in sums.into_iter().enumerate().rev() {
+        let got = w.wait(long).await?;
+        ensure(got == expected(i as i64), || {
+            format!("all_reduce {i} gave {got:?}")
+        })?;
+    }
+    if rank != 0 {
+        world.send(b"done", 0, 99).await?;
+    }
+    world.barrier().await?;
+
+    // Rank 3 never joins this barrier: the others' waits time out, rank 0's naming rank 3
+    // (its first message in a dissemination barrier comes from rank 3).
+    if rank == 3 {
+        // Staying away until every other rank has timed out: a goodbye earlier would fail
+        // their waits with `PeerLeft` instead.
+        store
+            .wait(
+                &["work/timed-out/0", "work/timed-out/1", "work/timed-out/2"],
+                long,
+            )
+            .await
+            .map_err(|e| format!("waiting for rank 0's timeout: {e}"))?;
+        // Rank 0 serves the store: it stays until this rank is done with it, and the others
+        // leave no earlier (a goodbye must not reach a rank still waiting on its barrier).
+        store.set("work/released", b"1").await?;
+        return Ok(());
+    }
+    let short = Duration::from_millis(300);
+    let missed = world.barrier_work();
+    let err = missed.wait(short).await.err();
+    let Some(err) = err else {
+        return Err("a barrier rank 3 never joined completed".into());
+    };
+    ensure(
+        matches!(err, ProcessGroupError::Timeout { timeout, .. } if timeout == short),
+        || format!("the wait gave {err}"),
+    )?;
+    if rank == 0 {
+        ensure(err.to_string().contains("waiting for rank(s) 3"), || {
+            format!("rank 0's timeout names rank 3: {err}")
+        })?;
+        println!("TIMEOUT {err}");
+    }
+    store.set(&format!("work/timed-out/{rank}"), b"1").await?;
+    // The timed-out collective broke the group here: later ones fail saying so.
+    let later = world.barrier().await.err();
+    ensure(later.as_ref() == Some(&err), || {
+        format!("a barrier after the timeout gave {later:?}, not {err}")
+    })?;
+    store.wait(&["work/released"], long).await?;
+    Ok(())
+}
+
+async fn groups(world: &Group) -> Result<(), Error> {
+    let rank = world.rank();
+    ensure(world.size() == 4, || {
+        "the groups scenario runs at world 4".into()
+    })?;
+    // Refused lists take no subgroup id, so the ids below still agree on every rank.
+    for bad in [&[1usize, 1][..], &[0, 4][..]] {
+        let err = world.new_group(bad).err();
+        ensure(
+            err.as_ref().is_some_and(|e| e.to_string().contains("rank")),
+            || format!("new_group({bad:?}) gave {err:?}"),
+        )?;
+    }
+    let odd = world.new_group(&[3, 1])?;
+    match (&odd, rank) {
+        (None, 0 | 2) => {}
+        (Some(g), 1 | 3) => {
+            ensure(g.size() == 2 && g.rank() == rank / 2, || {
+                format!("rank {rank} is rank {} of {} in [1, 3]", g.rank(), g.size())
+            })?;
+            ensure(
+                g.group_rank(3) == Some(1) && g.group_rank(1) == Some(0),
+                || "group ranks of 1 and 3".into(),
+            )?;
+            ensure(
+                g.group_rank(0).is_none() && g.group_rank(2).is_none(),
+                || "0 and 2 have no group rank in [1, 3]".into(),
+            )?;
+            ensure(
+                g.global_rank(0) == Some(1) && g.global_rank(1) == Some(3),
+                || "global ranks of [1, 3]".into(),
+            )?;
+            ensure(g.global_rank(2).is_none(), || "no group rank 2".into())?;
+            ensure(g.global_ranks() == [1, 3], || "global_ranks".into())?;
+            let err = g.new_group(&[0]).err();
+            ensure(err.is_some(), || {
+                "new_group on a subgroup is refused".into()
+            })?;
+        }
+        (odd, _) => return Err(format!("rank {rank} got {odd:?} from new_group([3, 1])").into()),
+    }
+    let halves = world.split_group(&[vec![0, 1], vec![2, 3]])?;
+    let Some(half) = halves else {
+        return Err(format!("rank {rank} is in no half").into());
+    };
+    ensure(half.global_ranks() == [rank & !1, rank | 1], || {
+        format!("rank {rank} is in half {:?}", half.global_ranks())
+    })?;
+    ensure(half.group_rank(rank) == Some(rank % 2), || {
+        "half rank".into()
+    })?;
+    let me = rank as i64 + 1;
+    for round in 0..20i64 {
+        // The same signature in every group: were their messages mixed, the sums would be
+        // wrong rather than refused.
+        let mut in_world = [me * 100 + round; 4];
+        let mut in_odd = [me * 10 + round; 4];
+        let mut in_half = [me + round; 4];
+        let odd_sum = async {
+            match &odd {
+                Some(g) => g.all_reduce_typed(&mut in_odd, ReduceOp::Sum).await,
+                None => Ok(()),
+            }
+        };
+        let (b, w, o, h) = tokio::join!(
+            world.barrier(),
+            world.all_reduce_typed(&mut in_world, ReduceOp::Sum),
+            odd_sum,
+            half.all_reduce_typed(&mut in_half, ReduceOp::Sum),
+        );
+        b?;
+        w?;
+        o?;
+        h?;
+        ensure(in_world == [1000 + 4 * round; 4], || {
+            format!("world all_reduce round {round}: {in_world:?}")
+        })?;
+        if odd.is_some() {
+            ensure(in_odd == [60 + 2 * round; 4], || {
+                format!("[1, 3] all_reduce round {round}: {in_odd:?}")
+            })?;
+        }
+        let pair = if rank < 2 { 3 } else { 7 };
+        ensure(in_half == [pair + 2 * round; 4], || {
+            format!("half all_reduce round {round}: {in_half:?}")
+        })?;
+    }
+    half.shutdown().await;
+    ensure(half.barrier().await.is_err(), || {
+        "a shut-down subgroup refuses collectives".into()
+    })?;
+    // The world and the other subgroup go on.
+    world.barrier().await?;
+    if let Some(g) = &odd {
+        g.barrier().await?;
+    }
+    Ok(())
+}
+
 async fn monitored(pg: &dyn ProcessGroup) -> Result<ExitCode, Error> {
     let rank = pg.rank();
     let absent: Vec<usize> = std::env::var("TW_ABSENT")
@@ -526,6 +752,20 @@ async fn run(scenario: &str) -> Result<ExitCode, Error> {
     if scenario == "nccl" {
         return nccl(rank, timeout).await;
     }
+    if scenario == "groups" {
+        let (world, _store) = connect_group("groups", timeout).await?;
+        groups(&world).await?;
+        world.shutdown().await;
+        println!("OK groups rank {rank} in {:?}", started.elapsed());
+        return Ok(ExitCode::SUCCESS);
+    }
+    if scenario == "work" {
+        let (world, store) = connect_group("work", timeout).await?;
+        work(&world, store.as_ref()).await?;
+        world.shutdown().await;
+        println!("OK work rank {rank} in {:?}", started.elapsed());
+        return Ok(ExitCode::SUCCESS);
+    }
     let pg = new_group("tensorwire", timeout, Device::Cpu, Vec::new()).await?;
     match scenario {
         "check" => {
@@ -565,7 +805,7 @@ async fn run(scenario: &str) -> Result<ExitCode, Error> {
             }
         }
         other => Err(format!(
-            "unknown scenario {other:?}; use check, ops, monitored, inflight or kill"
+            "unknown scenario {other:?}; use check, ops, groups, work, monitored, inflight or kill"
         )
         .into()),
     }
