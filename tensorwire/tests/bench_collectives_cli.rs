@@ -23,6 +23,7 @@ fn bench_collectives_writes_every_key() {
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
     let mut keys = vec![
         "raw_tcp_pingpong_p50_us".to_owned(),
+        "raw_tcp_bulk_1MiB_us".to_owned(),
         "rendezvous_barrier_w4_ms".to_owned(),
         "rendezvous_barrier_w4_in_process_ms".to_owned(),
     ];
@@ -33,6 +34,13 @@ fn bench_collectives_writes_every_key() {
         keys.push(format!("all_reduce_w{n}_1MiB_us"));
         keys.push(format!("raw_tcp_bulk_{n}x{}MiB_us", n - 1));
         keys.push(format!("raw_tcp_barrier_w{n}_us"));
+        for op in ["reduce", "reduce_scatter", "all_to_all", "broadcast"] {
+            keys.push(format!("{op}_w{n}_1MiB_us"));
+            let r = v["ratios"][format!("{op}_w{n}_1MiB_over_raw_bulk_1MiB")]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{op} ratio for w{n} missing in {v}"));
+            assert!(r > 0.0 && r.is_finite());
+        }
         let r = v["ratios"][format!("barrier_w{n}_over_pingpong")]
             .as_f64()
             .unwrap_or_else(|| panic!("ratio for w{n} missing in {v}"));

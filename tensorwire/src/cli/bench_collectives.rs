@@ -5,7 +5,10 @@
 //! store on a free port. The workers time, after warm-up and with a barrier before each series:
 //! `barrier_w{N}_us`, `all_gather_w{N}_8B_us`, `all_gather_w{N}_1MiB_us` (1 MiB per rank,
 //! through the variable-size API, lengths exchange included) and `all_reduce_w{N}_1MiB_us`
-//! (1 MiB of f32 summed), each the median over its iterations on rank 0. In the same run this
+//! (1 MiB of f32 summed), `reduce_w{N}_1MiB_us` (to rank 0), `reduce_scatter_w{N}_1MiB_us`,
+//! `all_to_all_w{N}_1MiB_us` (even blocks) and `broadcast_w{N}_1MiB_us` (from rank 0), each the
+//! median over its iterations on rank 0; the last four are also given over
+//! `raw_tcp_bulk_1MiB_us` (one raw transfer of 1 MiB). In the same run this
 //! process measures the raw baselines over blocking loopback sockets between two threads:
 //! `raw_tcp_pingpong_p50_us` (64-byte round trips, before and after the groups) and
 //! `raw_tcp_bulk_{N}x{N-1}MiB_us` (one transfer of the bytes all ranks of an all_gather of
@@ -122,6 +125,8 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
             json!(took),
         );
     }
+    let took = raw_bulk(MIB, 5).context("raw TCP bulk")?;
+    out.insert("raw_tcp_bulk_1MiB_us".into(), json!(took));
     bar.inc(1);
     bar.set_message("raw TCP ping-pong (again)");
     pings.extend(raw_pingpong(10_000).context("raw TCP ping-pong")?);
@@ -133,6 +138,17 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
     let get = |k: &str| out.get(k).and_then(Value::as_f64);
     let mut ratios = Map::new();
     for &world in &args.world {
+        for op in ["reduce", "reduce_scatter", "all_to_all", "broadcast"] {
+            if let (Some(t), Some(raw)) = (
+                get(&format!("{op}_w{world}_1MiB_us")),
+                get("raw_tcp_bulk_1MiB_us"),
+            ) {
+                ratios.insert(
+                    format!("{op}_w{world}_1MiB_over_raw_bulk_1MiB"),
+                    json!(t / raw),
+                );
+            }
+        }
         if let Some(b) = get(&format!("barrier_w{world}_us")) {
             ratios.insert(
                 format!("barrier_w{world}_over_pingpong"),
@@ -438,6 +454,63 @@ async fn worker_main(args: &WorkerArgs) -> Result<()> {
         })
         .await?;
         out.insert(format!("all_reduce_w{world}_1MiB_us"), json!(median_us(t)));
+
+        // 1 MiB per rank: reduce to rank 0, reduce_scatter into even chunks, all_to_all of
+        // even blocks, broadcast from rank 0.
+        let t = time_series(p, args.large_iters, || async {
+            let mut buf = data.borrow().clone();
+            p.reduce(&mut buf, ElementType::F32, ReduceOp::Sum, 0)
+                .await?;
+            Ok(())
+        })
+        .await?;
+        out.insert(format!("reduce_w{world}_1MiB_us"), json!(median_us(t)));
+
+        let elements = MIB / 4;
+        let counts: Vec<usize> = (0..world)
+            .map(|r| elements / world + usize::from(r < elements % world))
+            .collect();
+        let t = time_series(p, args.large_iters, || async {
+            let input = data.borrow().clone();
+            let mine = p
+                .reduce_scatter(&input, &counts, ElementType::F32, ReduceOp::Sum)
+                .await?;
+            if mine.len() != counts[rank] * 4 {
+                bail!("reduce_scatter returned {} bytes", mine.len());
+            }
+            Ok(())
+        })
+        .await?;
+        out.insert(
+            format!("reduce_scatter_w{world}_1MiB_us"),
+            json!(median_us(t)),
+        );
+
+        let lens: Vec<usize> = (0..world)
+            .map(|r| MIB / world + usize::from(r < MIB % world))
+            .collect();
+        let blocks: Vec<bytes::Bytes> = lens
+            .iter()
+            .map(|n| bytes::Bytes::from(vec![rank as u8; *n]))
+            .collect();
+        let t = time_series(p, args.large_iters, || async {
+            // Block r (to rank r) has `lens[r]` bytes on every rank: `lens[rank]` from each here.
+            let got = p.all_to_all(&blocks, &vec![lens[rank]; world]).await?;
+            if got.len() != world || got.iter().any(|b| b.len() != lens[rank]) {
+                bail!("all_to_all returned the wrong blocks");
+            }
+            Ok(())
+        })
+        .await?;
+        out.insert(format!("all_to_all_w{world}_1MiB_us"), json!(median_us(t)));
+
+        let t = time_series(p, args.large_iters, || async {
+            let mut buf = data.borrow().clone();
+            p.broadcast(&mut buf, 0).await?;
+            Ok(())
+        })
+        .await?;
+        out.insert(format!("broadcast_w{world}_1MiB_us"), json!(median_us(t)));
     }
     pg.barrier().await?;
     if rank == 0 {
