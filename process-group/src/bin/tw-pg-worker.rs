@@ -582,6 +582,7 @@ async fn work(world: &Group, store: &dyn Store) -> Result<(), Error> {
         // Rank 0 serves the store: it stays until this rank is done with it, and the others
         // leave no earlier (a goodbye must not reach a rank still waiting on its barrier).
         store.set("work/released", b"1").await?;
+        done_with_store(store, rank).await;
         return Ok(());
     }
     let short = Duration::from_millis(300);
@@ -607,7 +608,21 @@ async fn work(world: &Group, store: &dyn Store) -> Result<(), Error> {
         format!("a barrier after the timeout gave {later:?}, not {err}")
     })?;
     store.wait(&["work/released"], long).await?;
+    if rank == 0 {
+        // Rank 0 serves the store: it leaves only once every other rank is done with it.
+        store
+            .wait(&["work/done/1", "work/done/2", "work/done/3"], long)
+            .await?;
+    } else {
+        done_with_store(store, rank).await;
+    }
     Ok(())
+}
+
+/// The last store operation of a rank other than 0: rank 0 (the store's host) may leave as
+/// soon as the key is set, before this rank reads the reply, so a lost reply is no error.
+async fn done_with_store(store: &dyn Store, rank: usize) {
+    let _ = store.set(&format!("work/done/{rank}"), b"1").await;
 }
 
 async fn groups(world: &Group) -> Result<(), Error> {
