@@ -5,11 +5,12 @@
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
 
+use async_trait::async_trait;
 use rand::RngCore;
 use rustix::event::EventfdFlags;
-use tensorwire_core::auth::{
-    self, AuthError, ClientHandshake, ClusterSecret, Hello, ServerHandshake, CHALLENGE_LEN,
-    HELLO_LEN, NONCE_LEN, PROOF_LEN, VERDICT_LEN, VERDICT_OK,
+use tensorwire_core::auth::{AuthError, ClusterSecret, NONCE_LEN};
+use tensorwire_core::ports::handshake::{
+    authenticate_client, authenticate_server, handshake_failed, HandshakeChannel,
 };
 use tensorwire_core::ports::transport::TransportError;
 use tokio::io::unix::AsyncFd;
@@ -46,25 +47,13 @@ fn nonce() -> [u8; NONCE_LEN] {
     n
 }
 
-fn failed(
-    peer: SocketAddr,
-    reason: impl Into<String>,
-    source: Option<AuthError>,
-) -> TransportError {
-    TransportError::Authentication {
-        peer,
-        reason: reason.into(),
-        source,
-    }
-}
-
 /// Refuses a peer that runs as another user.
 pub(crate) fn check_same_user(sock: impl AsFd, peer: SocketAddr) -> Result<u32, TransportError> {
     let (uid, pid) =
         sock::peer_cred(sock).map_err(|e| TransportError::io(peer, "reading SO_PEERCRED", &e))?;
     let me = sock::my_uid();
     if uid != me {
-        return Err(failed(
+        return Err(handshake_failed(
             peer,
             format!(
                 "the peer (pid {pid}) runs as uid {uid} and this process as uid {me}: the \
@@ -76,133 +65,47 @@ pub(crate) fn check_same_user(sock: impl AsFd, peer: SocketAddr) -> Result<u32, 
     Ok(pid)
 }
 
-async fn read_msg<const N: usize>(
-    sock: &AsyncFd<OwnedFd>,
+/// The Unix socket during the handshake: one packet per message, of exactly its length.
+struct Packets<'a> {
+    sock: &'a AsyncFd<OwnedFd>,
     peer: SocketAddr,
-    closed: &str,
-) -> Result<[u8; N], TransportError> {
-    // One byte more than expected, to notice a longer packet.
-    let mut buf = vec![0u8; N + 1];
-    let packet = sock::recv_packet(sock, &mut buf)
-        .await
-        .map_err(|e| TransportError::io(peer, "authenticating", &e))?;
-    if packet.len == 0 {
-        return Err(failed(peer, closed, None));
+}
+
+#[async_trait]
+impl HandshakeChannel for Packets<'_> {
+    fn peer(&self) -> SocketAddr {
+        self.peer
     }
-    if packet.len != N || packet.truncated || !packet.fds.is_empty() {
-        return Err(failed(
-            peer,
-            format!(
-                "the peer sent a handshake message of {} bytes, expected {N}",
-                packet.len
-            ),
-            Some(AuthError::NotAHandshake),
-        ));
+
+    async fn recv(&mut self, msg: &mut [u8], closed: &str) -> Result<(), TransportError> {
+        // One byte more than expected, to notice a longer packet.
+        let mut buf = vec![0u8; msg.len() + 1];
+        let packet = sock::recv_packet(self.sock, &mut buf)
+            .await
+            .map_err(|e| TransportError::io(self.peer, "authenticating", &e))?;
+        if packet.len == 0 {
+            return Err(handshake_failed(self.peer, closed, None));
+        }
+        if packet.len != msg.len() || packet.truncated || !packet.fds.is_empty() {
+            return Err(handshake_failed(
+                self.peer,
+                format!(
+                    "the peer sent a handshake message of {} bytes, expected {}",
+                    packet.len,
+                    msg.len()
+                ),
+                Some(AuthError::NotAHandshake),
+            ));
+        }
+        msg.copy_from_slice(&buf[..msg.len()]);
+        Ok(())
     }
-    let mut msg = [0u8; N];
-    msg.copy_from_slice(&buf[..N]);
-    Ok(msg)
-}
 
-async fn write_msg(
-    sock: &AsyncFd<OwnedFd>,
-    peer: SocketAddr,
-    msg: &[u8],
-) -> Result<(), TransportError> {
-    sock::send_packet(sock, msg, &[])
-        .await
-        .map_err(|e| TransportError::io(peer, "authenticating", &e))
-}
-
-/// The connecting side of the authentication.
-async fn client_auth(
-    sock: &AsyncFd<OwnedFd>,
-    secret: Option<&ClusterSecret>,
-    peer: SocketAddr,
-) -> Result<(), TransportError> {
-    let Some(secret) = secret else {
-        write_msg(sock, peer, &auth::insecure_hello()).await?;
-        let verdict: [u8; VERDICT_LEN] = read_msg(
-            sock,
-            peer,
-            "the listener requires a cluster secret and this side has none \
-             (set TENSORWIRE_SECRET to the cluster's secret)",
-        )
-        .await?;
-        return if verdict == VERDICT_OK {
-            Ok(())
-        } else {
-            Err(failed(
-                peer,
-                "the listener refused the connection",
-                Some(AuthError::Refused),
-            ))
-        };
-    };
-    let (hs, hello) = ClientHandshake::start(secret.clone(), nonce());
-    write_msg(sock, peer, &hello).await?;
-    let challenge: [u8; CHALLENGE_LEN] = read_msg(
-        sock,
-        peer,
-        "the listener closed the connection during the handshake (it runs without a secret)",
-    )
-    .await?;
-    let proof = hs.handle_challenge(&challenge).map_err(|e| {
-        failed(
-            peer,
-            "wrong cluster secret: the listener's proof does not match ours",
-            Some(e),
-        )
-    })?;
-    write_msg(sock, peer, &proof).await?;
-    let verdict: [u8; VERDICT_LEN] = read_msg(
-        sock,
-        peer,
-        "the listener refused our proof of the cluster secret",
-    )
-    .await?;
-    hs.handle_verdict(&verdict)
-        .map_err(|e| failed(peer, "the listener refused the handshake", Some(e)))
-}
-
-/// The accepting side of the authentication.
-async fn server_auth(
-    sock: &AsyncFd<OwnedFd>,
-    secret: Option<&ClusterSecret>,
-    peer: SocketAddr,
-) -> Result<(), TransportError> {
-    let hello: [u8; HELLO_LEN] = read_msg(
-        sock,
-        peer,
-        "the peer closed the connection before its handshake",
-    )
-    .await?;
-    let Some(secret) = secret else {
-        return match auth::parse_hello(&hello) {
-            Ok(Hello::Insecure) => write_msg(sock, peer, &VERDICT_OK).await,
-            Ok(Hello::Authenticated(_)) => Err(failed(
-                peer,
-                "the peer authenticates with a cluster secret, but this listener runs without one",
-                Some(AuthError::PeerHasSecret),
-            )),
-            Err(e) => Err(failed(peer, "the peer did not start a handshake", Some(e))),
-        };
-    };
-    let mut hs = ServerHandshake::new(secret.clone(), nonce());
-    let challenge = hs
-        .handle_hello(&hello)
-        .map_err(|e| failed(peer, e.to_string(), Some(e)))?;
-    write_msg(sock, peer, &challenge).await?;
-    let proof: [u8; PROOF_LEN] = read_msg(
-        sock,
-        peer,
-        "the peer closed the connection during the handshake (it does not know the secret)",
-    )
-    .await?;
-    let verdict = hs
-        .handle_proof(&proof)
-        .map_err(|e| failed(peer, "wrong cluster secret", Some(e)))?;
-    write_msg(sock, peer, &verdict).await
+    async fn send(&mut self, msg: &[u8]) -> Result<(), TransportError> {
+        sock::send_packet(self.sock, msg, &[])
+            .await
+            .map_err(|e| TransportError::io(self.peer, "authenticating", &e))
+    }
 }
 
 fn setup_error(peer: SocketAddr, what: impl std::fmt::Display) -> TransportError {
@@ -299,7 +202,7 @@ pub(crate) async fn client(
     peer: SocketAddr,
 ) -> Result<Link, TransportError> {
     check_same_user(&sock, peer)?;
-    client_auth(&sock, secret, peer).await?;
+    authenticate_client(&mut Packets { sock: &sock, peer }, secret, nonce()).await?;
     exchange(sock, ring_bytes, peer).await
 }
 
@@ -310,6 +213,6 @@ pub(crate) async fn server(
     ring_bytes: usize,
     peer: SocketAddr,
 ) -> Result<Link, TransportError> {
-    server_auth(&sock, secret, peer).await?;
+    authenticate_server(&mut Packets { sock: &sock, peer }, secret, nonce()).await?;
     exchange(sock, ring_bytes, peer).await
 }

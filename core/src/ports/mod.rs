@@ -11,6 +11,7 @@
 //! - [`process_group`]: [`ProcessGroup`](process_group::ProcessGroup): collectives among ranks.
 
 pub mod device;
+pub mod handshake;
 pub mod process_group;
 pub mod store;
 pub mod transport;
