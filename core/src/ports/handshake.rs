@@ -1,6 +1,6 @@
 //! The cluster-secret handshake of the transports, driven once for all of them.
 //!
-//! [`auth`](crate::auth) decides the challenge-response; this module runs it over a
+//! [`crate::auth`] decides the challenge-response; this module runs it over a
 //! [`HandshakeChannel`], which an adapter implements by moving fixed-size messages (TCP: bytes
 //! on the stream; shm: one packet per message on its Unix socket). The steps, their order and
 //! every error a peer can cause are decided here, so the adapters cannot drift apart. Nonces
