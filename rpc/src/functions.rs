@@ -23,6 +23,7 @@ use tensorwire_core::placement::Direction;
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::tensor::Tensor;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 /// A value a function produced: kept on its owner (remote references) or encoded for a reply.
 pub(crate) trait Value: Any + Send + Sync {
@@ -162,6 +163,25 @@ pub(crate) fn method_target<T: Send + Sync + 'static>(
     })
 }
 
+/// `handler`, counted in the agent's metrics and run in an `rpc_serve` span.
+fn observed(name: &str, handler: Handler) -> Handler {
+    let name: Arc<str> = Arc::from(name);
+    Arc::new(move |inv: Invocation| {
+        let bytes = crate::metrics::message_bytes(inv.args.len(), inv.tensors.iter());
+        let agent = inv.agent.clone();
+        let (span, served) = agent.inner.metrics.serve(&agent, inv.caller, &name, bytes);
+        let running = handler(inv);
+        Box::pin(
+            async move {
+                let outcome = running.await;
+                served.finish(outcome.is_ok());
+                outcome
+            }
+            .instrument(span),
+        )
+    })
+}
+
 /// The functions a worker serves. Cloning shares the table.
 #[derive(Clone, Default)]
 pub struct Functions {
@@ -198,7 +218,7 @@ impl Functions {
         if table.contains_key(name) {
             return Err(RpcError::FunctionRegistered(name.to_owned()));
         }
-        table.insert(name.to_owned(), handler);
+        table.insert(name.to_owned(), observed(name, handler));
         Ok(())
     }
 

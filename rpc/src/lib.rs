@@ -38,6 +38,7 @@ mod dynamic;
 mod error;
 pub mod faults;
 mod functions;
+pub mod metrics;
 mod options;
 mod rref;
 mod tensors;
@@ -54,6 +55,7 @@ pub use backend::{
 pub use backend::{QuicBackend, QUIC_BACKEND};
 pub use error::RpcError;
 pub use functions::{CallContext, Functions};
+pub use metrics::{PeerMetrics, RpcMetrics};
 pub use options::{RpcOptions, DEFAULT_RPC_TIMEOUT};
 pub use rref::RRef;
 pub use tensorwire_core::protocol::{
