@@ -81,7 +81,7 @@ mod handshake;
 mod listener;
 mod mem;
 mod ring;
-mod select;
+pub mod select;
 mod sock;
 #[cfg(feature = "__testing")]
 #[doc(hidden)]
