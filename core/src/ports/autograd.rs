@@ -37,7 +37,7 @@ pub trait AutogradEngine: Send + Sync + 'static {
     type Tensor: Clone + Send + Sync + 'static;
     /// The identity of a leaf (a parameter or a received tensor), under which a context keeps
     /// its gradient.
-    type LeafId: Clone + Eq + Hash + Ord + Debug + Send + Sync + 'static;
+    type LeafId: Clone + Eq + Hash + Debug + Send + Sync + 'static;
 
     /// The identity of `tensor` as a leaf.
     fn leaf_id(&self, tensor: &Self::Tensor) -> Self::LeafId;
