@@ -29,6 +29,7 @@
 //! the group runs; rank 0 hosts the store and stays).
 
 mod agent;
+pub mod autograd;
 mod backend;
 mod codec;
 mod dynamic;
@@ -40,6 +41,7 @@ mod rref;
 mod tensors;
 
 pub use agent::{init_rpc, start_agent, Agent, AgentDebugInfo, RpcFuture, WorkerInfo, WorkerRef};
+pub use autograd::{AutogradCall, AutogradContext, DistAutograd, DistAutogradError};
 pub use backend::{
     backend_registered, construct_rpc_backend_options, register_backend, registered_backends,
     DynRpcBackend, TcpBackend, TCP_BACKEND,
