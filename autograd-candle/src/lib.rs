@@ -201,6 +201,20 @@ impl AutogradEngine for CandleEngine {
             .collect())
     }
 
+    fn assign(&self, leaf: &CTensor, values: &Tensor) -> Result<(), EngineError> {
+        if !leaf.is_variable() {
+            return Err(EngineError(
+                "only a variable (a parameter) can be assigned".into(),
+            ));
+        }
+        let src = self.import(values, false)?;
+        // A variable's `Var` shares its storage: `set` writes in place.
+        Var::from_tensor(leaf)
+            .map_err(err)?
+            .set(&src.to_dtype(leaf.dtype()).map_err(err)?)
+            .map_err(err)
+    }
+
     fn accumulate(&self, sum: &CTensor, grad: &CTensor) -> Result<CTensor, EngineError> {
         sum.add(grad).map_err(err)
     }
@@ -236,6 +250,14 @@ mod tests {
             .to_vec1::<f32>()
             .unwrap();
         assert_eq!(sum, vec![4.0, 8.0, 24.0]);
+        // An optimizer step writes in place: same leaf, new values.
+        let id = w.id();
+        e.assign(&w, &Tensor::from_f32(vec![3], &[0.0, 1.0, 2.0]).unwrap())
+            .unwrap();
+        assert_eq!(
+            (w.id(), w.to_vec1::<f32>().unwrap()),
+            (id, vec![0.0, 1.0, 2.0])
+        );
     }
 
     #[test]

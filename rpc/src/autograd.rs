@@ -44,9 +44,11 @@ use tokio::sync::oneshot;
 use tracing::warn;
 
 use crate::agent::Agent;
+use crate::dist_optim::Parameter;
 use crate::error::RpcError;
 use crate::functions::CallContext;
 use crate::rref::RRef;
+use tensorwire_core::autograd::optim::Optimizer;
 
 const GRAD: &str = "__tw_autograd/grad";
 const RELEASE: &str = "__tw_autograd/release";
@@ -169,6 +171,8 @@ struct Inner<E: AutogradEngine> {
     violations: AtomicU64,
     /// The gradient and release requests' timeout.
     timeout: Mutex<Option<Duration>>,
+    /// Serializes the distributed optimizer's steps on this owner.
+    optimizer: tokio::sync::Mutex<()>,
 }
 
 /// Distributed autograd on one agent: contexts, the functions that take part in them, and the
@@ -237,6 +241,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
             }),
             violations: AtomicU64::new(0),
             timeout: Mutex::new(None),
+            optimizer: tokio::sync::Mutex::new(()),
         });
         let functions = agent.functions();
         let weak = Arc::downgrade(&inner);
@@ -255,7 +260,29 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 inner.on_release(cx, req).await
             }
         });
+        let weak = Arc::downgrade(&inner);
+        functions.register(
+            crate::dist_optim::STEP,
+            move |(context, optimizer, params): (ContextId, Optimizer, Vec<RRef<Parameter<E>>>)| {
+                let weak = weak.clone();
+                async move {
+                    let inner = upgrade(&weak)?;
+                    crate::dist_optim::owner_step(
+                        &DistAutograd { inner },
+                        context,
+                        optimizer,
+                        params,
+                    )
+                    .await
+                }
+            },
+        );
         Self { inner }
+    }
+
+    /// Held while this owner runs a distributed optimizer step.
+    pub(crate) async fn optimizer_lock(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.inner.optimizer.lock().await
     }
 
     /// Sets the timeout of gradient and release requests (default: the agent's RPC timeout).

@@ -32,6 +32,7 @@ mod agent;
 pub mod autograd;
 mod backend;
 mod codec;
+mod dist_optim;
 mod dynamic;
 mod error;
 pub mod faults;
@@ -48,10 +49,12 @@ pub use backend::{
 };
 #[cfg(feature = "quic")]
 pub use backend::{QuicBackend, QUIC_BACKEND};
+pub use dist_optim::{DistributedOptimizer, Parameter};
 pub use error::RpcError;
 pub use functions::{CallContext, Functions};
 pub use options::{RpcOptions, DEFAULT_RPC_TIMEOUT};
 pub use rref::RRef;
+pub use tensorwire_core::autograd::optim::Optimizer;
 pub use tensorwire_core::protocol::{
     CallError, DebugInfo, ForkInfo, OwnedInfo, RemoteError, RemoteErrorKind,
 };

@@ -8,8 +8,10 @@ use std::time::Duration;
 
 use tensorwire_autograd_candle::candle_core::{Device, Tensor as CTensor, Var};
 use tensorwire_autograd_candle::CandleEngine;
+use tensorwire_core::autograd::optim::{Optimizer, OptimizerState};
 use tensorwire_rpc::{
-    init_rpc, Agent, AutogradCall, DistAutograd, DistAutogradError, Functions, RRef, RpcOptions,
+    init_rpc, Agent, AutogradCall, DistAutograd, DistAutogradError, DistributedOptimizer,
+    Functions, Parameter, RRef, RpcOptions,
 };
 
 type Dist = DistAutograd<CandleEngine>;
@@ -100,6 +102,25 @@ async fn cluster(n: usize) -> Vec<Worker> {
             "forward",
             |_call: AutogradCall<CandleEngine>, layer: Arc<Layer>, (): (), ts: Vec<CTensor>| async move {
                 Ok(((), vec![hop(&ts[0], &layer.weight)]))
+            },
+        );
+        // A parameter server's parameter, with the values of this rank's, and its forward.
+        agent
+            .functions()
+            .register("make_parameter", move |(): ()| async move {
+                Ok::<_, String>(Parameter::new(&CandleEngine::new(), param(rank)))
+            });
+        dist.register_method(
+            "param_forward",
+            |_call: AutogradCall<CandleEngine>,
+             p: Arc<Parameter<CandleEngine>>,
+             (): (),
+             ts: Vec<CTensor>| async move { Ok(((), vec![hop(&ts[0], p.tensor())])) },
+        );
+        agent.functions().register_method(
+            "param_values",
+            |p: Arc<Parameter<CandleEngine>>, (): ()| async move {
+                Ok::<_, String>(values(p.tensor()))
             },
         );
         let pp = p.clone();
@@ -425,5 +446,116 @@ async fn gradients_for_unknown_contexts_or_from_outsiders_are_violations() {
         .unwrap_err();
     assert!(matches!(e, DistAutogradError::State(_)), "{e}");
     ctx.release().await.unwrap();
+    shutdown(workers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_distributed_optimizer_trains_like_one_process() {
+    let workers = cluster(3).await;
+    let w0 = &workers[0];
+    // Parameters on w1 and w2 (parameter servers), in remote references held by w0.
+    let p1: RRef<Parameter<CandleEngine>> =
+        w0.agent.remote("w1", "make_parameter", &(), None).unwrap();
+    let p2: RRef<Parameter<CandleEngine>> =
+        w0.agent.remote("w2", "make_parameter", &(), None).unwrap();
+    for optimizer in [
+        Optimizer::Sgd {
+            lr: 0.05,
+            momentum: 0.9,
+        },
+        Optimizer::adam(0.01),
+    ] {
+        // Fresh parameters for each optimizer.
+        let p1: RRef<Parameter<CandleEngine>> =
+            w0.agent.remote("w1", "make_parameter", &(), None).unwrap();
+        let p2: RRef<Parameter<CandleEngine>> =
+            w0.agent.remote("w2", "make_parameter", &(), None).unwrap();
+        let opt = DistributedOptimizer::new(&w0.dist, vec![p1.clone(), p2.clone()], optimizer);
+        // The same model in one process.
+        let local = [param(1), param(2)];
+        let mut states = [OptimizerState::default(), OptimizerState::default()];
+        let x = input();
+        for step in 0..3 {
+            let ctx = w0.dist.context().unwrap();
+            let ((), h) = ctx
+                .rref_rpc_sync(&p1, "param_forward", &(), std::slice::from_ref(&x), None)
+                .await
+                .unwrap();
+            let ((), y) = ctx
+                .rref_rpc_sync(&p2, "param_forward", &(), &h, None)
+                .await
+                .unwrap();
+            let l = loss(&y[0]);
+            ctx.backward(&[(l.clone(), None)], false).await.unwrap();
+            assert_eq!(opt.step(ctx.id()).await.unwrap(), 2);
+            ctx.release().await.unwrap();
+
+            let ly = hop(&hop(&x, &local[0]), &local[1]);
+            let ll = loss(&ly);
+            assert_close(
+                &[l.to_scalar::<f32>().unwrap()],
+                &[ll.to_scalar::<f32>().unwrap()],
+                &format!("loss at step {step} with {optimizer:?}"),
+            );
+            let g = ll.backward().unwrap();
+            for (p, s) in local.iter().zip(states.iter_mut()) {
+                let mut v = values(p);
+                optimizer
+                    .step(s, &mut v, &values(g.get(p).unwrap()))
+                    .unwrap();
+                Var::from_tensor(p)
+                    .unwrap()
+                    .set(&CTensor::from_vec(v, 3, &Device::Cpu).unwrap())
+                    .unwrap();
+            }
+        }
+        // The parameters on their owners match the local ones after the steps.
+        let got1: Vec<f32> = p1.rpc_sync("param_values", &(), None).await.unwrap();
+        let got2: Vec<f32> = p2.rpc_sync("param_values", &(), None).await.unwrap();
+        assert_close(&got1, &values(&local[0]), "w1's parameter");
+        assert_close(&got2, &values(&local[1]), "w2's parameter");
+    }
+
+    // Two optimizers (two trainers' steps) update one owner at once: the steps are serialized
+    // and none is lost
+    // (plain SGD: the result is p - lr * (g0 + g1) in either order).
+    let sgd = Optimizer::Sgd {
+        lr: 0.1,
+        momentum: 0.0,
+    };
+    let ctxs = {
+        let mut v = Vec::new();
+        for scale in [1.0f64, -2.0] {
+            let ctx = w0.dist.context().unwrap();
+            let x = (input() * scale).unwrap();
+            let ((), y) = ctx
+                .rref_rpc_sync(&p1, "param_forward", &(), &[x], None)
+                .await
+                .unwrap();
+            ctx.backward(&[(loss(&y[0]), None)], false).await.unwrap();
+            v.push(ctx);
+        }
+        v
+    };
+    let opt_a = DistributedOptimizer::new(&w0.dist, vec![p1.clone()], sgd);
+    let opt_b = DistributedOptimizer::new(&w0.dist, vec![p1.clone()], sgd);
+    let (a, b) = tokio::join!(opt_a.step(ctxs[0].id()), opt_b.step(ctxs[1].id()));
+    assert_eq!((a.unwrap(), b.unwrap()), (1, 1));
+    let mut want = param_values(1);
+    for scale in [1.0f64, -2.0] {
+        let p = param(1);
+        let g = loss(&hop(&(input() * scale).unwrap(), &p))
+            .backward()
+            .unwrap();
+        for (w, g) in want.iter_mut().zip(values(g.get(&p).unwrap())) {
+            *w -= 0.1 * g;
+        }
+    }
+    let got: Vec<f32> = p1.rpc_sync("param_values", &(), None).await.unwrap();
+    assert_close(&got, &want, "both steps applied");
+    for c in ctxs {
+        c.release().await.unwrap();
+    }
+    drop((p1, p2));
     shutdown(workers).await;
 }

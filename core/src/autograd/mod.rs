@@ -42,6 +42,7 @@
 //! [`sim`] runs whole clusters of these state machines with a model engine and checks the
 //! gradients, completion and release under seeded random schedules and worker deaths.
 
+pub mod optim;
 pub mod sim;
 #[cfg(test)]
 mod tests;

@@ -56,6 +56,10 @@ pub trait AutogradEngine: Send + Sync + 'static {
         roots: &[(Self::Tensor, Option<Self::Tensor>)],
     ) -> Result<LeafGradients<Self>, EngineError>;
 
+    /// Writes `values` into the leaf `leaf` in place (an optimizer step): the leaf keeps its
+    /// identity, so later graphs use the new values.
+    fn assign(&self, leaf: &Self::Tensor, values: &Tensor) -> Result<(), EngineError>;
+
     /// `sum + grad` (shapes equal).
     fn accumulate(
         &self,
