@@ -8,6 +8,10 @@ pub use tensorwire_core as core;
 /// The CUDA device backend (feature `cuda`).
 #[cfg(feature = "cuda")]
 pub use tensorwire_devices_cuda as devices_cuda;
+/// The model of the `dist_autograd` example and `tensorwire demo autograd` (feature
+/// `autograd-candle`).
+#[cfg(feature = "autograd-candle")]
+pub mod autograd_demo;
 /// Distributed autograd's local engine on candle (feature `autograd-candle`).
 #[cfg(feature = "autograd-candle")]
 pub use tensorwire_autograd_candle as autograd_candle;
