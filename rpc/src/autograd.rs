@@ -4,7 +4,7 @@
 //! [`AutogradEngine`], e.g. `tensorwire-autograd-candle`). A [`AutogradContext`] made from it
 //! scopes one forward and backward pass: calls made through it
 //! ([`rpc_sync`](AutogradContext::rpc_sync), [`rpc_async`](AutogradContext::rpc_async),
-//! [`rref_rpc_sync`](AutogradContext::rref_rpc_sync)) carry their tracked tensors with the
+//! [`remote`](AutogradContext::remote), [`rref_rpc_sync`](AutogradContext::rref_rpc_sync)) carry their tracked tensors with the
 //! context id and an autograd message id, so the callee records a recv function and the
 //! caller a send function for them (and the other way round for the result's tensors).
 //! [`backward`](AutogradContext::backward) runs PyTorch's FAST mode
@@ -54,6 +54,7 @@ const GRAD: &str = "__tw_autograd/grad";
 const RELEASE: &str = "__tw_autograd/release";
 const FN_PREFIX: &str = "__tw_autograd/fn/";
 const METHOD_PREFIX: &str = "__tw_autograd/method/";
+const REMOTE_PREFIX: &str = "__tw_autograd/remote/";
 
 /// What can go wrong in distributed autograd.
 #[derive(Debug, thiserror::Error)]
@@ -384,6 +385,32 @@ impl<E: AutogradEngine> DistAutograd<E> {
         );
     }
 
+    /// Registers `name` as a constructor of values kept on this worker for
+    /// [`AutogradContext::remote`]: it gets the caller's tracked tensors (with recv functions
+    /// attached) and returns the value, which may hold tensors computed from them; a method
+    /// called on the value later in the same context carries the graph through it.
+    pub fn register_remote<A, T, F, Fut>(&self, name: &str, f: F)
+    where
+        A: DeserializeOwned + Send + 'static,
+        T: Serialize + Send + Sync + 'static,
+        F: Fn(AutogradCall<E>, A, Vec<E::Tensor>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, String>> + Send + 'static,
+    {
+        let f = Arc::new(f);
+        let weak = Arc::downgrade(&self.inner);
+        self.inner.agent.functions().register_with_context(
+            &format!("{REMOTE_PREFIX}{name}"),
+            move |cx: CallContext, req: ForwardRequest<A>| {
+                let (f, weak) = (f.clone(), weak.clone());
+                async move {
+                    let inner = upgrade(&weak)?;
+                    let (context, tracked) = inner.receive(cx.caller().id, &req)?;
+                    f(AutogradCall { call: cx, context }, req.args, tracked).await
+                }
+            },
+        );
+    }
+
     /// The gradients this worker holds in `context` (see [`AutogradContext::gradients`]), for a
     /// context made elsewhere (a parameter server's view of a trainer's context).
     pub fn gradients(&self, context: ContextId) -> Option<HashMap<E::LeafId, E::Tensor>> {
@@ -486,6 +513,29 @@ impl<E: AutogradEngine> AutogradContext<E> {
             timeout,
         )?;
         self.finish_call(owner, fut).await
+    }
+
+    /// Creates a value on `to` with the constructor `function` (see
+    /// [`DistAutograd::register_remote`]) from `args` and the tracked `tensors`, in this
+    /// context, and returns a reference to it at once (`rpc.remote` within a context).
+    pub fn remote<A, T>(
+        &self,
+        to: &str,
+        function: &str,
+        args: &A,
+        tensors: &[E::Tensor],
+        timeout: Option<Duration>,
+    ) -> Result<RRef<T>, DistAutogradError>
+    where
+        A: Serialize + ?Sized,
+        T: Send + Sync + 'static,
+    {
+        let owner = self.inner.agent.get_worker_info(to)?.id;
+        let req = self.inner.send(self.id, owner, tensors, args)?;
+        Ok(self
+            .inner
+            .agent
+            .remote(owner, &format!("{REMOTE_PREFIX}{function}"), &req, timeout)?)
     }
 
     fn finish_call<R: Send + 'static>(

@@ -123,6 +123,19 @@ async fn cluster(n: usize) -> Vec<Worker> {
                 Ok::<_, String>(values(p.tensor()))
             },
         );
+        // A value made by `remote` in a context: it keeps a tensor computed from the caller's.
+        let pp = p.clone();
+        dist.register_remote(
+            "make_hidden",
+            move |_call: AutogradCall<CandleEngine>, (): (), ts: Vec<CTensor>| {
+                let p = pp.clone();
+                async move {
+                    Ok(Layer {
+                        weight: hop(&ts[0], &p),
+                    })
+                }
+            },
+        );
         let pp = p.clone();
         agent.functions().register("make_layer", move |(): ()| {
             let weight = pp.clone();
@@ -257,7 +270,7 @@ async fn chains_and_a_nested_chain_that_comes_back_match_one_process() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_diamond_a_tensor_used_twice_and_rref_methods_match_one_process() {
+async fn a_diamond_a_tensor_used_twice_rref_methods_and_remote_match_one_process() {
     let workers = cluster(3).await;
     let w0 = &workers[0];
     // Diamond: x goes to w1 and w2 at once (the same tensor, sent twice), both results feed the
@@ -323,6 +336,32 @@ async fn a_diamond_a_tensor_used_twice_and_rref_methods_match_one_process() {
     }
     ctx.release().await.unwrap();
     drop(layer);
+
+    // `remote` in a context: w1 keeps hidden = hop(x, p1) in an RRef; a method call on it in
+    // the same context uses it (forward: hop(y, hidden)); gradients reach p0 through it.
+    let ctx = w0.dist.context().unwrap();
+    let x = hop(&input(), &w0.param);
+    let hidden: RRef<Layer> = ctx.remote("w1", "make_hidden", &(), &[x], None).unwrap();
+    let y = input();
+    let ((), out) = ctx
+        .rref_rpc_sync(&hidden, "forward", &(), &[y], None)
+        .await
+        .unwrap();
+    ctx.backward(&[(loss(&out[0]), None)], false).await.unwrap();
+    {
+        let p: Vec<CTensor> = (0..2).map(param).collect();
+        let hidden = hop(&hop(&input(), &p[0]), &p[1]);
+        let g = loss(&hop(&input(), &hidden)).backward().unwrap();
+        for (r, pr) in p.iter().enumerate() {
+            assert_close(
+                &grad_on(&workers, r, ctx.id()),
+                &values(g.get(pr).unwrap()),
+                &format!("remote rank {r}"),
+            );
+        }
+    }
+    ctx.release().await.unwrap();
+    drop(hidden);
     for w in &workers {
         assert_eq!(w.dist.context_count(), 0);
     }
