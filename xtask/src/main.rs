@@ -17,14 +17,19 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
+mod chaos;
+mod soak;
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("gpu") => gpu(&args[1..]),
         Some("fuzz") => fuzz(&args[1..]),
-        Some(other) => bail!("unknown task {other:?}; tasks: ci, gpu, fuzz"),
-        None => bail!("usage: cargo xtask <task>; tasks: ci, gpu, fuzz"),
+        Some("chaos") => chaos::chaos(&args[1..]),
+        Some("soak") => soak::soak(&args[1..]),
+        Some(other) => bail!("unknown task {other:?}; tasks: ci, gpu, fuzz, chaos, soak"),
+        None => bail!("usage: cargo xtask <task>; tasks: ci, gpu, fuzz, chaos, soak"),
     }
 }
 
