@@ -22,7 +22,7 @@ use anyhow::{bail, Context, Result};
 
 #[allow(unreachable_pub, dead_code)]
 #[path = "../../tests/src/netns.rs"]
-mod netns;
+pub(crate) mod netns;
 
 use netns::Hosts;
 
