@@ -56,9 +56,10 @@ const WARMUP: f64 = 0.25;
 const GROWTH: f64 = 0.05;
 
 impl Curve {
-    fn verdict(&self, duration: f64, slack: f64) -> Option<Verdict> {
-        let warm = duration * WARMUP;
-        let quarter = (duration - warm) / 4.0;
+    /// The verdict over the window `from..to` (seconds), whose first [`WARMUP`] is warm-up.
+    fn verdict(&self, from: f64, to: f64, slack: f64) -> Option<Verdict> {
+        let warm = from + (to - from) * WARMUP;
+        let quarter = (to - warm) / 4.0;
         let mean = |from: f64, to: f64| {
             let v: Vec<f64> = self
                 .points
@@ -69,12 +70,18 @@ impl Curve {
             (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
         };
         let first_quarter = mean(warm, warm + quarter)?;
-        let last_quarter = mean(duration - quarter, duration)?;
+        let last_quarter = mean(to - quarter, to)?;
+        let window: Vec<(f64, f64)> = self
+            .points
+            .iter()
+            .copied()
+            .filter(|(t, _)| *t >= from && *t <= to)
+            .collect();
         Some(Verdict {
-            start: self.points.first()?.1,
-            after_warmup: self.points.iter().find(|(t, _)| *t >= warm)?.1,
-            end: self.points.last()?.1,
-            max: self.points.iter().map(|p| p.1).fold(f64::MIN, f64::max),
+            start: window.first()?.1,
+            after_warmup: window.iter().find(|(t, _)| *t >= warm)?.1,
+            end: window.last()?.1,
+            max: window.iter().map(|p| p.1).fold(f64::MIN, f64::max),
             first_quarter,
             last_quarter,
             flat: last_quarter <= first_quarter * (1.0 + GROWTH) + slack,
@@ -210,6 +217,8 @@ fn run(hosts: &Hosts, worker: &Path, mode: Mode) -> Result<()> {
         },
     ];
     let mut said: Vec<(usize, String)> = Vec::new();
+    // When rank 0 last reported progress of each phase (count mode), in seconds.
+    let mut progress_at: std::collections::HashMap<&str, f64> = Default::default();
     let limit = match mode {
         Mode::Mixed { minutes } => Duration::from_secs_f64(minutes * 60.0 + 300.0),
         Mode::Count { calls, rrefs } => Duration::from_secs(600 + (calls + rrefs * 10) / 1000),
@@ -244,6 +253,9 @@ fn run(hosts: &Hosts, worker: &Path, mode: Mode) -> Result<()> {
                         keys[1].points.push((t, b));
                     }
                 } else {
+                    if rank == 0 && line.starts_with("PROGRESS calls=") {
+                        progress_at.insert("calls", t);
+                    }
                     if line.starts_with("PROGRESS")
                         && last_progress.elapsed() > Duration::from_secs(15)
                     {
@@ -291,34 +303,36 @@ fn run(hosts: &Hosts, worker: &Path, mode: Mode) -> Result<()> {
         GROWTH * 100.0
     );
     println!(
-        "  {:<34} {:>9} {:>12} {:>9} {:>9} {:>10} {:>10}  flat",
+        "  {:<40} {:>9} {:>12} {:>9} {:>9} {:>10} {:>10}  flat",
         "curve", "start", "after warm", "end", "max", "1st qtr", "last qtr"
     );
     let mut failed = Vec::new();
-    let trimmed = |c: &Curve| Curve {
-        name: c.name.clone(),
-        unit: c.unit,
-        points: c.points.iter().copied().filter(|p| p.0 <= span).collect(),
-    };
-    for (curve, slack) in rss
-        .iter()
-        .map(|c| (c, 1.0))
-        .chain(keys.iter().map(|c| (c, 2.0)))
-    {
-        if curve.points.is_empty() {
-            if curve.unit == "keys" && name == "count" {
-                continue;
+    // What is judged: every curve over the whole run, or (count mode) the calls and the RRef
+    // cycles as two windows, each with its own warm-up (their steady states differ).
+    let calls_end = progress_at.get("calls").copied();
+    let mut windows: Vec<(String, &Curve, f64, f64, f64)> = Vec::new();
+    for c in &rss {
+        match (name, calls_end) {
+            ("count", Some(mid)) => {
+                windows.push((format!("{} during calls", c.name), c, 0.0, mid, 1.0));
+                windows.push((format!("{} during RRef cycles", c.name), c, mid, span, 1.0));
             }
-            failed.push(format!("{}: no samples", curve.name));
-            continue;
+            _ => windows.push((c.name.clone(), c, 0.0, span, 1.0)),
         }
-        let Some(v) = trimmed(curve).verdict(span, slack) else {
-            failed.push(format!("{}: too few samples to judge", curve.name));
+    }
+    if name == "mixed" {
+        for c in &keys {
+            windows.push((c.name.clone(), c, 0.0, span, 2.0));
+        }
+    }
+    for (label, curve, from, to, slack) in windows {
+        let Some(v) = curve.verdict(from, to, slack) else {
+            failed.push(format!("{label}: too few samples to judge"));
             continue;
         };
         println!(
-            "  {:<34} {:>9.1} {:>12.1} {:>9.1} {:>9.1} {:>10.1} {:>10.1}  {} ({})",
-            curve.name,
+            "  {:<40} {:>9.1} {:>12.1} {:>9.1} {:>9.1} {:>10.1} {:>10.1}  {} ({})",
+            label,
             v.start,
             v.after_warmup,
             v.end,
@@ -329,7 +343,7 @@ fn run(hosts: &Hosts, worker: &Path, mode: Mode) -> Result<()> {
             curve.unit
         );
         if !v.flat {
-            failed.push(format!("{} grew", curve.name));
+            failed.push(format!("{label} grew"));
         }
     }
     if let Err(e) = plot(&png, name, &rss, &keys) {

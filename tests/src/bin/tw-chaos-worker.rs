@@ -584,7 +584,9 @@ async fn count() -> Result<()> {
             ms(t1.elapsed())
         ));
     }
-    agent.shutdown(true, Duration::from_secs(120)).await?;
+    // Rank 1 waits in the graceful shutdown until rank 0 is done: bound it by the work.
+    let bound = Duration::from_secs(600 + calls / 1_000 + rrefs / 100);
+    agent.shutdown(true, bound).await?;
     Ok(())
 }
 
