@@ -74,6 +74,9 @@ pub(crate) fn chaos(args: &[String]) -> Result<()> {
         eprintln!("xtask: chaos: {name}: {:.1} s", t0.elapsed().as_secs_f64());
     }
     print_table(&rows);
+    for r in rows.iter().filter(|r| !r.pass) {
+        println!("FAILED {}: {}", r.scenario, r.observed);
+    }
     let failed = rows.iter().filter(|r| !r.pass).count();
     println!("chaos took {:.1} s", started.elapsed().as_secs_f64());
     println!("{} passed, {} failed", rows.len() - failed, failed);
@@ -295,11 +298,14 @@ impl<'h> Run<'h> {
             .collect())
     }
 
-    /// The last lines the workers printed, for errors.
+    /// The workers' failures and last lines, for errors.
     fn tail(&self) -> String {
         let start = self.seen.len().saturating_sub(12);
-        self.seen[start..]
+        let failures = self.seen[..start]
             .iter()
+            .filter(|(_, _, l)| l.starts_with("FAIL") || l.contains("panicked"));
+        failures
+            .chain(&self.seen[start..])
             .map(|(r, _, l)| format!("[{r}] {l}"))
             .collect::<Vec<_>>()
             .join(" | ")

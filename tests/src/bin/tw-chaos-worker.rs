@@ -247,10 +247,12 @@ async fn traffic() -> Result<()> {
         "OK traffic rank {rank} rounds={rounds} ms={} adds_seen={adds}",
         ms(t0.elapsed())
     ));
+    // Nobody uses the process group's store (on rank 0) after this barrier; the graceful
+    // shutdown then waits for everyone, so no rank exits while another still needs it. (A
+    // barrier after the shutdown would race: a rank that leaves it and exits can make a slower
+    // rank's barrier fail with "rank N died".)
     pg.barrier().await?;
     agent.shutdown(true, Duration::from_secs(60)).await?;
-    // Rank 0 hosts the process group's store: it leaves after everyone is past the barrier.
-    pg.barrier().await?;
     Ok(())
 }
 
@@ -308,7 +310,9 @@ async fn frozen() -> Result<()> {
             ms(took)
         )),
     }
-    // No graceful exit with a frozen member: the driver ends everyone.
+    // Stay until every survivor has reported (one leaving early would fail the others'
+    // collective naming it instead); the driver then ends everyone.
+    ready("done").await?;
     std::process::exit(0);
 }
 
@@ -490,8 +494,9 @@ async fn soak() -> Result<()> {
     if let Some(s) = sampler {
         s.abort();
     }
+    // Ranks leave from the highest down, so rank 0 (both stores' host) goes last.
     agent.shutdown(true, Duration::from_secs(60)).await?;
-    pg.barrier().await?;
+    drop(pg);
     Ok(())
 }
 
