@@ -436,13 +436,14 @@ async fn soak() -> Result<()> {
     let secs: u64 = env_or("TW_SOAK_SECS", 60);
     let end = Instant::now() + Duration::from_secs(secs);
     const STABLE: usize = 3;
+    let timeout = Duration::from_secs(120);
     if rank == STABLE {
-        return churn(end).await;
+        return churn(timeout).await;
     }
     let agent = start_rpc(rank, None, |_| {}).await?;
-    let timeout = Duration::from_secs(60);
     let rdv = pg_store(rank, STABLE, timeout).await?;
-    let pg = group(rdv.store.clone(), rank, STABLE, timeout).await?;
+    let store = rdv.store.clone();
+    let pg = group(store.clone(), rank, STABLE, timeout).await?;
     // Every stable worker sees the other stable ones before calling them.
     let deadline = Instant::now() + timeout;
     while (0..STABLE).any(|r| agent.get_worker_info(&format!("w{r}")).is_err()) {
@@ -471,7 +472,7 @@ async fn soak() -> Result<()> {
         if stop[0] > 0 {
             break;
         }
-        round(&agent, &pg, rdv.store.as_ref(), rank, STABLE, n)
+        round(&agent, &pg, store.as_ref(), rank, STABLE, n)
             .await
             .with_context(|| format!("soak round {n}"))?;
         n += 1;
@@ -480,13 +481,19 @@ async fn soak() -> Result<()> {
         }
     }
     say(format!("OK soak rank {rank} rounds={n}"));
-    // Wait for the churner to be gone, then leave from the highest rank down (rank 0 hosts the
-    // stores).
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while agent.get_worker_info(&format!("w{STABLE}")).is_ok() {
-        ensure!(Instant::now() < deadline, "the churning worker leaves");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    // The end goes through the store, not a collective (a rank that leaves a collective and
+    // exits can fail a slower rank's same collective): the churner stops, then every stable
+    // rank says it is done, then they leave from the highest rank down, so that rank 0, which
+    // hosts both stores, goes last.
+    if rank == 0 {
+        store.set("soak/stop", b"1").await?;
     }
+    store.wait(&["soak/churner-done"], timeout).await?;
+    store.set(&format!("soak/done/{rank}"), b"1").await?;
+    let done: Vec<String> = (0..STABLE).map(|r| format!("soak/done/{r}")).collect();
+    let done: Vec<&str> = done.iter().map(String::as_str).collect();
+    store.wait(&done, timeout).await?;
+    let deadline = Instant::now() + timeout;
     while agent.worker_infos().len() > rank + 1 {
         ensure!(Instant::now() < deadline, "the higher ranks leave");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -494,23 +501,24 @@ async fn soak() -> Result<()> {
     if let Some(s) = sampler {
         s.abort();
     }
-    // Ranks leave from the highest down, so rank 0 (both stores' host) goes last.
-    agent.shutdown(true, Duration::from_secs(60)).await?;
+    agent.shutdown(true, timeout).await?;
     drop(pg);
     Ok(())
 }
 
 /// Rank 3 of the soak: joins the dynamic group, calls and makes RRefs on the stable workers,
-/// leaves; again until `end`.
-async fn churn(end: Instant) -> Result<()> {
+/// leaves; again until rank 0 sets `soak/stop` in the process group's store.
+async fn churn(timeout: Duration) -> Result<()> {
     let rank = 3usize;
+    // The process group's store, as a 4th client (the join counter says 4; nobody waits on it).
+    let store = pg_store(rank, rank + 1, timeout).await?.store;
     let mut joins = 0i64;
-    while Instant::now() < end {
+    while !store.check(&["soak/stop"]).await? {
         let agent = start_rpc(rank, None, |_| {})
             .await
             .with_context(|| format!("join {}", joins + 1))?;
         joins += 1;
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + timeout;
         while (0..3).any(|r| agent.get_worker_info(&format!("w{r}")).is_err()) {
             ensure!(
                 Instant::now() < deadline,
@@ -528,12 +536,13 @@ async fn churn(end: Instant) -> Result<()> {
                 "the churner's RRef"
             );
         }
-        agent.shutdown(true, Duration::from_secs(60)).await?;
+        agent.shutdown(true, timeout).await?;
         if joins % 10 == 0 {
             say(format!("PROGRESS rank {rank} joins={joins}"));
         }
     }
     say(format!("OK churn rank {rank} joins={joins}"));
+    store.set("soak/churner-done", b"1").await?;
     Ok(())
 }
 
