@@ -520,10 +520,15 @@ async fn churn(timeout: Duration) -> Result<()> {
         joins += 1;
         let deadline = Instant::now() + timeout;
         while (0..3).any(|r| agent.get_worker_info(&format!("w{r}")).is_err()) {
-            ensure!(
-                Instant::now() < deadline,
-                "the churner sees the stable workers"
-            );
+            if Instant::now() >= deadline {
+                let mut seen: Vec<String> =
+                    agent.worker_infos().into_iter().map(|w| w.name).collect();
+                seen.sort();
+                bail!(
+                    "join {joins}: {timeout:?} after init_rpc returned, the churner still does \
+                     not see every stable worker; it sees {seen:?}"
+                );
+            }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         for i in 0..20i64 {
