@@ -45,7 +45,7 @@ use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::registry::{ProcessGroupFactory, Registry, RegistryError, RegistryKind};
 #[cfg(feature = "tcp")]
-use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
+use tensorwire_transport_tcp::TcpConfig;
 
 #[cfg(feature = "tcp")]
 use crate::address::advertise_ip;
@@ -207,7 +207,17 @@ impl ProcessGroupFactory for TensorwireFactory {
             name.unwrap_or_else(|| format!("tw{}", GROUP_COUNTER.fetch_add(1, Ordering::Relaxed)));
         let ip = advertise_ip(listen_ip).map_err(|e| setup(e.to_string()))?;
         let config = TcpConfig::resolve(None, insecure).map_err(|e| setup(e.to_string()))?;
-        let transport = Arc::new(TcpTransport::new(config).map_err(|e| setup(e.to_string()))?);
+        // Shared memory for ranks on this host, TCP for the others (TENSORWIRE_TRANSPORT).
+        #[cfg(target_os = "linux")]
+        let transport = Arc::new(
+            tensorwire_transport_shm::SelectingTransport::from_tcp_config(config)
+                .map_err(|e| setup(e.to_string()))?,
+        );
+        #[cfg(not(target_os = "linux"))]
+        let transport = Arc::new(
+            tensorwire_transport_tcp::TcpTransport::new(config)
+                .map_err(|e| setup(e.to_string()))?,
+        );
         let options = GroupOptions::new(name)
             .with_timeout(timeout)
             .with_listen(SocketAddr::new(ip, 0));

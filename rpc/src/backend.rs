@@ -146,7 +146,7 @@ impl RpcBackend for TcpBackend {
         world_size: Option<usize>,
         options: RpcOptions,
     ) -> Result<Agent, RpcError> {
-        let transport = Arc::new(Self::transport(&options)?);
+        let transport = Self::selecting_transport(&options)?;
         start_agent(transport, store, name, rank, world_size, options).await
     }
 }
@@ -157,6 +157,20 @@ impl TcpBackend {
     pub(crate) fn transport(options: &RpcOptions) -> Result<TcpTransport, RpcError> {
         let config = TcpConfig::resolve(cluster_secret(options)?, options.insecure)?;
         Ok(TcpTransport::new(config)?)
+    }
+
+    /// What the agent runs over: shared memory for peers on this host and TCP for the others,
+    /// unless `TENSORWIRE_TRANSPORT` says otherwise (see `tensorwire_transport_shm::select`).
+    fn selecting_transport(
+        options: &RpcOptions,
+    ) -> Result<Arc<dyn tensorwire_core::ports::transport::Transport>, RpcError> {
+        let config = TcpConfig::resolve(cluster_secret(options)?, options.insecure)?;
+        #[cfg(target_os = "linux")]
+        return Ok(Arc::new(
+            tensorwire_transport_shm::SelectingTransport::from_tcp_config(config)?,
+        ));
+        #[cfg(not(target_os = "linux"))]
+        return Ok(Arc::new(TcpTransport::new(config)?));
     }
 }
 
