@@ -28,6 +28,9 @@ use crate::wire::{
 use crate::DEFAULT_TIMEOUT;
 use tensorwire_core::auth::ClusterSecret;
 
+/// How long a timed-out `wait` waits for the store to answer its cancel.
+const CANCEL_GRACE: Duration = Duration::from_millis(500);
+
 /// Configuration of a [`TcpStoreClient`].
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -382,7 +385,10 @@ impl TcpStoreClient {
                     };
                     Ok::<_, std::io::Error>((a, b))
                 };
-                match tokio::time::timeout(self.inner.timeout, reply).await {
+                // A live store answers a cancel within a round trip; one that does not (its
+                // host died or was cut off) must not stretch the caller's timeout to twice
+                // its length: the wait has timed out either way.
+                match tokio::time::timeout(CANCEL_GRACE.min(self.inner.timeout), reply).await {
                     Ok(Ok((WAIT_CANCELED, None))) => Err(timed_out()),
                     Ok(Ok((WAIT_STOP_WAITING, Some(WAIT_CANCELED)))) => Ok(()),
                     Ok(Ok((a, b))) => {
@@ -391,10 +397,17 @@ impl TcpStoreClient {
                         )
                     }
                     Ok(Err(e)) => return Err(self.io_error("cancel_wait", e)),
+                    // The connection stays marked interrupted (out of step): the next request
+                    // says so and names the store.
                     Err(_) => {
-                        return Err(
-                            self.io_error("cancel_wait", std::io::ErrorKind::TimedOut.into())
-                        )
+                        return Err(StoreError::Connection {
+                            addr: self.inner.addr.clone(),
+                            reason: format!(
+                                "{}; the store did not answer the cancel within {:?} either",
+                                timed_out(),
+                                CANCEL_GRACE.min(self.inner.timeout)
+                            ),
+                        })
                     }
                 }
             }

@@ -239,7 +239,10 @@ impl RpcBackend for QuicBackend {
     ) -> Result<Agent, RpcError> {
         use tensorwire_transport_quic::{QuicConfig, QuicTransport};
         let tls = Self::tls(name, &options)?;
-        let transport = QuicTransport::new(QuicConfig::new(tls))
+        let config = QuicConfig::new(tls)
+            .with_liveness_from(|name| std::env::var(name).ok())
+            .map_err(|e| RpcError::Init(format!("QUIC transport: {e}")))?;
+        let transport = QuicTransport::new(config)
             .map_err(|e| RpcError::Init(format!("QUIC transport: {e}")))?;
         start_agent(Arc::new(transport), store, name, rank, world_size, options).await
     }

@@ -167,6 +167,76 @@ impl Hosts {
     }
 }
 
+impl Hosts {
+    /// Delays, jitters or drops host `i`'s outgoing packets: `tc qdisc replace dev eth0 root
+    /// netem ARGS` in its namespace (for example `delay 5ms 2ms loss 1%`). Applied on every
+    /// host, each packet between two hosts is treated once per direction.
+    ///
+    /// # Errors
+    /// `tc`'s message (it needs iproute2 and the kernel's `sch_netem`).
+    pub fn netem(&self, i: usize, args: &[&str]) -> Result<(), String> {
+        let mut all = vec![
+            "-n",
+            &self.names[i],
+            "qdisc",
+            "replace",
+            "dev",
+            "eth0",
+            "root",
+            "netem",
+        ];
+        all.extend_from_slice(args);
+        let out = Command::new("tc")
+            .args(&all)
+            .output()
+            .map_err(|e| format!("cannot run `tc` (install iproute2): {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "`tc {}` failed: {}",
+                all.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    }
+
+    /// A command that runs `program` in the switch's namespace, with piped stdio.
+    pub fn switch_command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.switch])
+            .arg(program)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd
+    }
+
+    /// Takes the hosts' switch ports (`h0`, `h1`, ... in the switch's namespace) off the
+    /// kernel bridge, for a program that forwards between them instead (`tw-netem`), and sets
+    /// every host's `eth0` to hand over one segment per frame (no segmentation offload
+    /// batches), so that a frame is a packet. Returns the port names.
+    ///
+    /// # Errors
+    /// `ip`'s message.
+    pub fn detach_ports(&self) -> Result<Vec<String>, String> {
+        let mut ports = Vec::new();
+        for (i, ns) in self.names.iter().enumerate() {
+            let port = format!("h{i}");
+            ip(&["-n", &self.switch, "link", "set", &port, "nomaster"])?;
+            ip(&["-n", ns, "link", "set", "eth0", "gso_max_segs", "1"])?;
+            ports.push(port);
+        }
+        Ok(ports)
+    }
+
+    /// The process id of the child started as `index` (`ip netns exec` runs the program in
+    /// its own process, so this is the program's).
+    pub fn pid(&self, index: usize) -> u32 {
+        self.with_child(index, |c| c.id())
+    }
+}
+
 impl Drop for Hosts {
     fn drop(&mut self) {
         let children = self.children.get_mut().unwrap_or_else(|e| {

@@ -8,6 +8,14 @@ use quinn::{IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
 use tensorwire_core::wire::WireLimits;
 
 use crate::tls::ClusterTls;
+use crate::QuicError;
+
+/// Overrides [`QuicConfig::idle_timeout`] in [`QuicConfig::with_liveness_from`]
+/// (milliseconds).
+pub const IDLE_TIMEOUT_ENV: &str = "TENSORWIRE_QUIC_IDLE_TIMEOUT_MS";
+
+/// Overrides [`QuicConfig::keep_alive`] in [`QuicConfig::with_liveness_from`] (milliseconds).
+pub const KEEP_ALIVE_ENV: &str = "TENSORWIRE_QUIC_KEEPALIVE_MS";
 
 /// Settings of a [`QuicTransport`](crate::QuicTransport).
 #[derive(Debug, Clone)]
@@ -45,9 +53,13 @@ pub struct QuicConfig {
     /// overflow it: the losses halve the congestion window and cost retransmissions (measured:
     /// 3% loss and half the throughput with 64 MiB windows, none with 4 MiB).
     pub loopback_receive_window: u64,
-    /// A connection with no traffic for this long is closed.
+    /// A connection that hears nothing from its peer for this long is closed, and whatever
+    /// waits on it fails: with keep-alives flowing, this is how long a peer that died or was
+    /// cut off goes unnoticed at most. Default 10 s (quinn's own default is 30 s).
     pub idle_timeout: Duration,
-    /// Keep-alive interval, so idle but wanted connections stay open.
+    /// Keep-alive interval: a connection with nothing to send pings its peer this often, so
+    /// a live but idle peer keeps it open. Must be shorter than
+    /// [`idle_timeout`](Self::idle_timeout) (a few of them fit in one). Default 2 s.
     pub keep_alive: Duration,
     /// Deadline for a connection attempt, handshake and admission included.
     pub connect_timeout: Duration,
@@ -71,11 +83,63 @@ impl QuicConfig {
             max_mtu: 1452,
             loopback_mtu: 60_000,
             loopback_receive_window: 4 << 20,
-            idle_timeout: Duration::from_secs(30),
-            keep_alive: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(10),
+            keep_alive: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(10),
             limits: WireLimits::default(),
         }
+    }
+
+    /// These settings with [`IDLE_TIMEOUT_ENV`] and [`KEEP_ALIVE_ENV`] applied, as `env` looks
+    /// them up (whole milliseconds), checked: both positive, the keep-alive shorter than the
+    /// idle timeout.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tensorwire_transport_quic::{certs::ClusterCa, ClusterTls, QuicConfig};
+    /// # let ca = ClusterCa::generate().unwrap();
+    /// # let tls = ClusterTls::new(ca.issue_node("w0").unwrap(), vec![ca.cert_der().clone()]);
+    /// let config = QuicConfig::new(tls)
+    ///     .with_liveness_from(|name| std::env::var(name).ok())
+    ///     .unwrap();
+    /// assert!(config.keep_alive < config.idle_timeout);
+    /// ```
+    ///
+    /// # Errors
+    /// [`QuicError::Setting`] naming the variable.
+    pub fn with_liveness_from(
+        mut self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, QuicError> {
+        for (name, field) in [
+            (IDLE_TIMEOUT_ENV, &mut self.idle_timeout),
+            (KEEP_ALIVE_ENV, &mut self.keep_alive),
+        ] {
+            if let Some(value) = env(name) {
+                match value.trim().parse::<u64>() {
+                    Ok(ms) if ms > 0 => *field = Duration::from_millis(ms),
+                    _ => {
+                        return Err(QuicError::Setting {
+                            setting: name.to_owned(),
+                            reason: format!(
+                                "{value:?} is not a positive whole number of milliseconds"
+                            ),
+                        })
+                    }
+                }
+            }
+        }
+        if self.keep_alive >= self.idle_timeout {
+            return Err(QuicError::Setting {
+                setting: format!("{KEEP_ALIVE_ENV} / {IDLE_TIMEOUT_ENV}"),
+                reason: format!(
+                    "the keep-alive interval ({:?}) must be shorter than the idle timeout ({:?}), \
+                     or idle connections close",
+                    self.keep_alive, self.idle_timeout
+                ),
+            });
+        }
+        Ok(self)
     }
 
     /// quinn's transport configuration for a peer on a loopback address or elsewhere.
@@ -111,5 +175,54 @@ impl QuicConfig {
     /// The largest UDP payload this node accepts (advertised to peers).
     pub(crate) fn max_udp_payload(&self) -> u16 {
         self.max_mtu.max(self.loopback_mtu).clamp(1200, 65527)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::certs::ClusterCa;
+
+    fn config() -> QuicConfig {
+        let ca = ClusterCa::generate().unwrap();
+        QuicConfig::new(ClusterTls::new(
+            ca.issue_node("w0").unwrap(),
+            vec![ca.cert_der().clone()],
+        ))
+    }
+
+    #[test]
+    fn a_dead_peer_is_noticed_within_ten_seconds_by_default() {
+        let c = config().with_liveness_from(|_| None).unwrap();
+        assert_eq!(c.idle_timeout, Duration::from_secs(10));
+        assert_eq!(c.keep_alive, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn liveness_comes_from_the_environment() {
+        let c = config()
+            .with_liveness_from(|name| match name {
+                IDLE_TIMEOUT_ENV => Some("1500".into()),
+                KEEP_ALIVE_ENV => Some("300".into()),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(c.idle_timeout, Duration::from_millis(1500));
+        assert_eq!(c.keep_alive, Duration::from_millis(300));
+    }
+
+    #[test]
+    fn bad_liveness_settings_are_errors_naming_the_variable() {
+        let e = config()
+            .with_liveness_from(|name| (name == IDLE_TIMEOUT_ENV).then(|| "0".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(IDLE_TIMEOUT_ENV) && e.contains("\"0\""), "{e}");
+        // A keep-alive as long as the idle timeout would let idle connections close.
+        let e = config()
+            .with_liveness_from(|name| (name == KEEP_ALIVE_ENV).then(|| "10000".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("must be shorter than the idle timeout"), "{e}");
     }
 }

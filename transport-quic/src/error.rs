@@ -64,6 +64,14 @@ pub enum QuicError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// A setting is out of range or malformed (from configuration or the environment).
+    #[error("invalid QUIC setting {setting}: {reason}")]
+    Setting {
+        /// The setting or environment variable.
+        setting: String,
+        /// What is wrong and what is expected.
+        reason: String,
+    },
     /// A wait took longer than its deadline.
     #[error("timed out after {after_ms} ms while {what}")]
     Timeout {

@@ -839,8 +839,14 @@ fn terminal_of(e: &ConnectionError) -> Terminal {
         {
             Terminal::Closed
         }
+        // Silence for the whole idle timeout despite keep-alives: the peer died or the
+        // network between us failed; not a close.
+        ConnectionError::TimedOut => Terminal::Io(
+            "no word from the peer for the idle timeout (keep-alives unanswered): it died or \
+             the network failed"
+                .to_owned(),
+        ),
         ConnectionError::LocallyClosed
-        | ConnectionError::TimedOut
         | ConnectionError::Reset
         | ConnectionError::ConnectionClosed(_) => Terminal::Closed,
         other => Terminal::Io(format!("the peer closed the connection: {other}")),

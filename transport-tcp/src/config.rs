@@ -9,6 +9,20 @@ use tensorwire_core::wire::{WireLimits, DEFAULT_BUFFER_REUSE};
 /// The environment variable [`TcpConfig::from_env`] reads the cluster secret from.
 pub const SECRET_ENV: &str = "TENSORWIRE_SECRET";
 
+/// Overrides [`TcpConfig::keepalive`] in [`TcpConfig::resolve`] and [`TcpConfig::from_env`]:
+/// milliseconds, `0` turns keepalive probes off.
+pub const KEEPALIVE_ENV: &str = "TENSORWIRE_TCP_KEEPALIVE_MS";
+
+/// Overrides [`TcpConfig::dead_peer_timeout`] in [`TcpConfig::resolve`] and
+/// [`TcpConfig::from_env`]: milliseconds, `0` leaves it to the operating system (hours).
+pub const DEAD_PEER_ENV: &str = "TENSORWIRE_TCP_DEAD_PEER_MS";
+
+/// Default [`TcpConfig::keepalive`].
+pub const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(5);
+
+/// Default [`TcpConfig::dead_peer_timeout`].
+pub const DEFAULT_DEAD_PEER_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// How a [`TcpTransport`](crate::TcpTransport) authenticates and what frames it accepts.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -23,6 +37,19 @@ pub struct TcpConfig {
     /// [`FrameDecoder::with_buffer_reuse`](tensorwire_core::wire::FrameDecoder::with_buffer_reuse));
     /// 0 turns reuse off.
     pub buffer_reuse: usize,
+    /// Liveness probing of idle connections: after this long without traffic, and then every
+    /// this long, the kernel sends a TCP keepalive probe (`TCP_KEEPIDLE` = `TCP_KEEPINTVL`).
+    /// `None` turns probes off; then a peer whose host died or whose link was cut is noticed
+    /// only when something is sent to it. Default 5 s ([`DEFAULT_KEEPALIVE`]).
+    pub keepalive: Option<Duration>,
+    /// How long a peer may leave our data or our keepalive probes unanswered before the
+    /// connection is declared dead and fails with an I/O error (`TCP_USER_TIMEOUT`; it also
+    /// ends keepalive probing). A frozen process still has its kernel answer, so only a dead
+    /// host or a cut link trips it. `None` leaves it to the kernel: about 15 minutes of
+    /// retransmissions, or 2 hours and 11 minutes of silence before the first keepalive.
+    /// Default 30 s ([`DEFAULT_DEAD_PEER_TIMEOUT`]): a dead peer on an idle connection is
+    /// noticed within about `dead_peer_timeout + keepalive`.
+    pub dead_peer_timeout: Option<Duration>,
 }
 
 impl TcpConfig {
@@ -33,6 +60,8 @@ impl TcpConfig {
             limits: WireLimits::default(),
             handshake_timeout: Duration::from_secs(10),
             buffer_reuse: DEFAULT_BUFFER_REUSE,
+            keepalive: Some(DEFAULT_KEEPALIVE),
+            dead_peer_timeout: Some(DEFAULT_DEAD_PEER_TIMEOUT),
         }
     }
 
@@ -45,18 +74,30 @@ impl TcpConfig {
             limits: WireLimits::default(),
             handshake_timeout: Duration::from_secs(10),
             buffer_reuse: DEFAULT_BUFFER_REUSE,
+            keepalive: Some(DEFAULT_KEEPALIVE),
+            dead_peer_timeout: Some(DEFAULT_DEAD_PEER_TIMEOUT),
         }
     }
 
     /// Takes the secret from the `TENSORWIRE_SECRET` environment variable. Without it, fails
     /// with a message saying how to set one (or to ask for [`insecure`](Self::insecure)).
+    /// Liveness settings come from [`KEEPALIVE_ENV`] and [`DEAD_PEER_ENV`] when set.
     pub fn from_env() -> Result<Self, TransportError> {
         Self::resolve(None, false)
     }
 
     /// The secret from configuration (`secret`), else from `TENSORWIRE_SECRET`, else no secret
-    /// if `insecure` is set; otherwise an error.
+    /// if `insecure` is set; otherwise an error. Liveness settings come from [`KEEPALIVE_ENV`]
+    /// and [`DEAD_PEER_ENV`] when set (a malformed value is an error naming the variable).
     pub fn resolve(secret: Option<ClusterSecret>, insecure: bool) -> Result<Self, TransportError> {
+        let config = Self::resolve_secret(secret, insecure)?;
+        config.with_liveness_from(|name| std::env::var(name).ok())
+    }
+
+    fn resolve_secret(
+        secret: Option<ClusterSecret>,
+        insecure: bool,
+    ) -> Result<Self, TransportError> {
         if let Some(secret) = secret {
             return Ok(Self::new(secret));
         }
@@ -92,8 +133,93 @@ impl TcpConfig {
         self
     }
 
+    /// These settings with other liveness probing: keepalive probes after `keepalive` of
+    /// silence and every `keepalive` after that, and a connection declared dead once the peer
+    /// has left data or probes unanswered for `dead_peer_timeout` (see the fields).
+    pub fn with_liveness(
+        mut self,
+        keepalive: Option<Duration>,
+        dead_peer_timeout: Option<Duration>,
+    ) -> Self {
+        self.keepalive = keepalive;
+        self.dead_peer_timeout = dead_peer_timeout;
+        self
+    }
+
+    /// These settings with [`KEEPALIVE_ENV`] and [`DEAD_PEER_ENV`] applied, as `env` looks
+    /// them up (milliseconds; `0` turns the setting off).
+    ///
+    /// # Errors
+    /// [`TransportError::Config`] naming the variable when a value is not a whole number.
+    pub fn with_liveness_from(
+        mut self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, TransportError> {
+        let ms = |name: &str| -> Result<Option<Option<Duration>>, TransportError> {
+            let Some(value) = env(name) else {
+                return Ok(None);
+            };
+            let ms: u64 = value.trim().parse().map_err(|_| {
+                TransportError::Config(format!(
+                    "{name}={value:?}: expected a whole number of milliseconds (0 turns it off)"
+                ))
+            })?;
+            Ok(Some((ms > 0).then(|| Duration::from_millis(ms))))
+        };
+        if let Some(keepalive) = ms(KEEPALIVE_ENV)? {
+            self.keepalive = keepalive;
+        }
+        if let Some(dead) = ms(DEAD_PEER_ENV)? {
+            self.dead_peer_timeout = dead;
+        }
+        Ok(self)
+    }
+
     /// The secret, or `None` when insecure.
     pub fn secret(&self) -> Option<&ClusterSecret> {
         self.secret.as_ref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_owned())
+        }
+    }
+
+    #[test]
+    fn liveness_defaults_bound_a_dead_peer_to_seconds() {
+        let c = TcpConfig::insecure();
+        assert_eq!(c.keepalive, Some(DEFAULT_KEEPALIVE));
+        assert_eq!(c.dead_peer_timeout, Some(DEFAULT_DEAD_PEER_TIMEOUT));
+        let c = c.with_liveness_from(env(&[])).unwrap();
+        assert_eq!(c.keepalive, Some(DEFAULT_KEEPALIVE));
+    }
+
+    #[test]
+    fn liveness_comes_from_the_environment_and_zero_turns_it_off() {
+        let c = TcpConfig::insecure()
+            .with_liveness_from(env(&[(KEEPALIVE_ENV, "250"), (DEAD_PEER_ENV, "0")]))
+            .unwrap();
+        assert_eq!(c.keepalive, Some(Duration::from_millis(250)));
+        assert_eq!(c.dead_peer_timeout, None);
+    }
+
+    #[test]
+    fn a_malformed_liveness_variable_is_an_error_naming_it() {
+        let e = TcpConfig::insecure()
+            .with_liveness_from(env(&[(DEAD_PEER_ENV, "5s")]))
+            .unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains(DEAD_PEER_ENV) && msg.contains("\"5s\""),
+            "{msg}"
+        );
     }
 }

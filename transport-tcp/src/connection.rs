@@ -13,6 +13,8 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::Mutex;
 
+use crate::config::TcpConfig;
+
 /// Segments with at least this many bytes still missing are read straight into their final
 /// buffer; smaller reads go through the read buffer (one read syscall for many small frames).
 const DIRECT_READ_MIN: usize = 64 << 10;
@@ -21,11 +23,31 @@ const READ_BUF: usize = 64 << 10;
 /// At most this many slices per vectored write (Linux's IOV_MAX is 1024).
 const MAX_IOV: usize = 64;
 
-/// Sets the socket options every connection uses.
-pub(crate) fn prepare(stream: TcpStream, peer: SocketAddr) -> Result<TcpStream, TransportError> {
+/// Sets the socket options every connection uses: `TCP_NODELAY`, and the liveness settings of
+/// `config` (keepalive probes and `TCP_USER_TIMEOUT`).
+pub(crate) fn prepare(
+    stream: TcpStream,
+    peer: SocketAddr,
+    config: &TcpConfig,
+) -> Result<TcpStream, TransportError> {
     stream
         .set_nodelay(true)
         .map_err(|e| TransportError::io(peer, "setting TCP_NODELAY", &e))?;
+    let socket = socket2::SockRef::from(&stream);
+    if let Some(every) = config.keepalive {
+        let probes = socket2::TcpKeepalive::new()
+            .with_time(every)
+            .with_interval(every);
+        socket
+            .set_tcp_keepalive(&probes)
+            .map_err(|e| TransportError::io(peer, "setting TCP keepalive", &e))?;
+    }
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    if let Some(dead) = config.dead_peer_timeout {
+        socket
+            .set_tcp_user_timeout(Some(dead))
+            .map_err(|e| TransportError::io(peer, "setting TCP_USER_TIMEOUT", &e))?;
+    }
     Ok(stream)
 }
 
@@ -233,5 +255,42 @@ impl Connection for TcpConnection {
             .shutdown()
             .await
             .map_err(|e| TransportError::io(self.peer, "closing", &e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn prepare_sets_the_liveness_options_of_the_config() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (client, _server) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let config = TcpConfig::insecure().with_liveness(
+            Some(Duration::from_secs(3)),
+            Some(Duration::from_millis(7_500)),
+        );
+        let stream = prepare(client.unwrap(), addr, &config).unwrap();
+        let socket = socket2::SockRef::from(&stream);
+        assert!(socket.keepalive().unwrap());
+        assert_eq!(socket.keepalive_time().unwrap(), Duration::from_secs(3));
+        assert_eq!(socket.keepalive_interval().unwrap(), Duration::from_secs(3));
+        #[cfg(target_os = "linux")]
+        assert_eq!(
+            socket.tcp_user_timeout().unwrap(),
+            Some(Duration::from_millis(7_500))
+        );
+        // Off means the kernel's defaults: no probes.
+        let (client, _server) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let stream = prepare(
+            client.unwrap(),
+            addr,
+            &TcpConfig::insecure().with_liveness(None, None),
+        )
+        .unwrap();
+        assert!(!socket2::SockRef::from(&stream).keepalive().unwrap());
     }
 }

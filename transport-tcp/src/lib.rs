@@ -12,6 +12,11 @@
 //!   side, no copy); payloads of 64 KiB and more are read straight into their final buffers,
 //!   smaller segments are split off the read buffer without copying. Large receive buffers
 //!   are reused once the application drops the frames that carried them.
+//! - Dead peers are noticed within a bound, not after the kernel's hours: idle connections
+//!   send TCP keepalive probes ([`TcpConfig::keepalive`], 5 s by default) and a connection
+//!   whose data or probes stay unanswered for [`TcpConfig::dead_peer_timeout`] (30 s by
+//!   default, `TCP_USER_TIMEOUT`) fails with an I/O error, so a host that died or a cut link
+//!   fails the calls waiting on it. [`KEEPALIVE_ENV`] and [`DEAD_PEER_ENV`] override both.
 //! - `recv` is cancel-safe (usable in `select!`): a dropped `recv` loses no bytes. A `send`
 //!   dropped half-way through a frame makes later sends on that connection fail, since the
 //!   stream then holds part of a frame.
@@ -43,7 +48,10 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
 
-pub use config::{TcpConfig, SECRET_ENV};
+pub use config::{
+    TcpConfig, DEAD_PEER_ENV, DEFAULT_DEAD_PEER_TIMEOUT, DEFAULT_KEEPALIVE, KEEPALIVE_ENV,
+    SECRET_ENV,
+};
 pub use tensorwire_core::auth::ClusterSecret;
 
 /// The TCP [`Transport`].
@@ -88,7 +96,7 @@ impl Transport for TcpTransport {
         let stream = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|e| TransportError::io(addr, "connecting", &e))?;
-        let mut stream = connection::prepare(stream, addr)?;
+        let mut stream = connection::prepare(stream, addr, &self.config)?;
         tokio::time::timeout(
             self.config.handshake_timeout,
             handshake::client(&mut stream, self.config.secret(), addr),

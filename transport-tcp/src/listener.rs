@@ -79,7 +79,7 @@ async fn accept_loop(
         // Handshakes run concurrently so a slow or silent peer does not block others.
         tokio::spawn(async move {
             let _permit = permit;
-            let mut stream = match prepare(stream, peer) {
+            let mut stream = match prepare(stream, peer, &config) {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::warn!(peer = %peer, error = %e, "dropping connection");

@@ -10,6 +10,13 @@
 //!   `tw-gpu-check` (with `--nccl` also the NCCL checks), the multi-process RPC worker, the CLI
 //!   (for `launch`) and with `--nccl` the process-group worker, copies them to `DIR` (default
 //!   `.gpu/` at the workspace root), then prints how to run them on a machine with a GPU.
+//! - `chaos`: faults injected into real worker processes on simulated hosts (network
+//!   namespaces): delay and loss, a frozen peer, the store's host killed, a cut link, a killed
+//!   QUIC peer; a table and `N passed, N failed` (see `chaos.rs`). Part of `ci` where it can run
+//!   (root, namespaces), else skipped with the reason.
+//! - `soak --minutes M` (or `--calls N --rrefs N`): long mixed traffic with resident memory and
+//!   store key counts sampled, passing when both stay flat; a summary and a PNG plot (see
+//!   `soak.rs`). Not part of `ci`.
 //! - `fuzz TARGET [--seconds N]`: runs a cargo-fuzz target of `fuzz/` (`protocol`: forged
 //!   headers into a simulated cluster; `wire`: the frame
 //!   decoder) for N seconds (default 60), installing cargo-fuzz if missing. Not part of `ci`.
@@ -18,14 +25,19 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
+mod chaos;
+mod soak;
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("gpu") => gpu(&args[1..]),
         Some("fuzz") => fuzz(&args[1..]),
-        Some(other) => bail!("unknown task {other:?}; tasks: ci, gpu, fuzz"),
-        None => bail!("usage: cargo xtask <task>; tasks: ci, gpu, fuzz"),
+        Some("chaos") => chaos::chaos(&args[1..]),
+        Some("soak") => soak::soak(&args[1..]),
+        Some(other) => bail!("unknown task {other:?}; tasks: ci, gpu, fuzz, chaos, soak"),
+        None => bail!("usage: cargo xtask <task>; tasks: ci, gpu, fuzz, chaos, soak"),
     }
 }
 
@@ -85,6 +97,12 @@ fn ci() -> Result<()> {
     } else {
         eprintln!("xtask: cargo-nextest not found; using cargo test");
         run("cargo", &["test", "--workspace", "--no-fail-fast"], &[])?;
+    }
+    // Faults injected into real processes on simulated hosts (about 30 s): needs root and
+    // network namespaces, else skipped with the reason.
+    match chaos::available() {
+        Ok(()) => chaos::chaos(&[])?,
+        Err(why) => eprintln!("xtask: SKIPPED chaos (needs root and network namespaces): {why}"),
     }
     run(
         "cargo",
