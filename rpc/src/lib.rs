@@ -34,6 +34,8 @@ mod codec;
 mod dynamic;
 mod error;
 pub mod faults;
+#[doc(hidden)]
+pub mod fuzzing;
 mod functions;
 mod options;
 mod rref;
