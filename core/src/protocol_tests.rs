@@ -383,7 +383,10 @@ fn a_timeout_past_the_clocks_range_is_no_deadline() {
         function: "echo".into(),
         timeout: Duration::MAX,
     };
-    assert_eq!(s.ep(1).handle_message(0, call, Some(b"x".to_vec()), now), Ok(()));
+    assert_eq!(
+        s.ep(1).handle_message(0, call, Some(b"x".to_vec()), now),
+        Ok(())
+    );
     s.ep(0).call(1, "echo", vec![], Duration::MAX, now).unwrap();
     s.drain();
     assert_eq!(s.deadlines[1], vec![None, None]);

@@ -95,7 +95,10 @@ fuzz_target!(|data: &[u8]| {
                 }
                 2 => {
                     let delta = i64::from_le_bytes(
-                        value.get(..8).and_then(|b| b.try_into().ok()).unwrap_or([1, 0, 0, 0, 0, 0, 0, 0]),
+                        value
+                            .get(..8)
+                            .and_then(|b| b.try_into().ok())
+                            .unwrap_or([1, 0, 0, 0, 0, 0, 0, 0]),
                     );
                     let got = store.add(k, delta).await;
                     if let Some(m) = &mut model {

@@ -55,8 +55,13 @@ impl Scripted<'_> {
                 }
                 (HELLO_LEN, None) => Some(auth::insecure_hello().to_vec()),
                 (PROOF_LEN, _) => {
-                    let challenge: [u8; CHALLENGE_LEN] = self.sent.last()?.as_slice().try_into().ok()?;
-                    self.client.as_ref()?.handle_challenge(&challenge).ok().map(|p| p.to_vec())
+                    let challenge: [u8; CHALLENGE_LEN] =
+                        self.sent.last()?.as_slice().try_into().ok()?;
+                    self.client
+                        .as_ref()?
+                        .handle_challenge(&challenge)
+                        .ok()
+                        .map(|p| p.to_vec())
                 }
                 _ => None,
             }
@@ -76,7 +81,11 @@ impl Scripted<'_> {
                 }
                 Some(_) => {
                     let proof: [u8; PROOF_LEN] = self.sent.last()?.as_slice().try_into().ok()?;
-                    self.server.as_ref()?.handle_proof(&proof).ok().map(|v| v.to_vec())
+                    self.server
+                        .as_ref()?
+                        .handle_proof(&proof)
+                        .ok()
+                        .map(|v| v.to_vec())
                 }
             }
         }
@@ -159,7 +168,10 @@ fuzz_target!(|data: &[u8]| {
             // The PROOF (second message received) came from the honest peer with our secret.
             (true, true) => {
                 assert_eq!(ch.received.len(), 2);
-                assert!(ch.received[1].1 && same_secret, "a forged proof was accepted");
+                assert!(
+                    ch.received[1].1 && same_secret,
+                    "a forged proof was accepted"
+                );
             }
             // Only an insecure HELLO gets in.
             (true, false) => {
@@ -168,7 +180,10 @@ fuzz_target!(|data: &[u8]| {
             }
             // The CHALLENGE (first message received) came from the honest peer with our secret.
             (false, true) => {
-                assert!(ch.received[0].1 && same_secret, "a forged challenge was accepted");
+                assert!(
+                    ch.received[0].1 && same_secret,
+                    "a forged challenge was accepted"
+                );
             }
             (false, false) => {}
         },

@@ -34,7 +34,11 @@ fn check_decoder(piece: &[u8]) {
         Ok(Some((request, used))) => {
             let mut again = Vec::new();
             request.encode(&mut again);
-            assert_eq!(again, piece[..*used], "a request re-encodes to its own bytes");
+            assert_eq!(
+                again,
+                piece[..*used],
+                "a request re-encodes to its own bytes"
+            );
             for cut in 0..*used {
                 assert_eq!(
                     decode_request(&piece[..cut], &LIMITS),
@@ -48,7 +52,11 @@ fn check_decoder(piece: &[u8]) {
     }
     let mut longer = piece.to_vec();
     longer.extend_from_slice(&[0xA5; 40]);
-    assert_eq!(decode_request(&longer, &LIMITS), result, "more bytes change nothing");
+    assert_eq!(
+        decode_request(&longer, &LIMITS),
+        result,
+        "more bytes change nothing"
+    );
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -70,7 +78,11 @@ fuzz_target!(|data: &[u8]| {
             Ok(_) => assert!(session.parked_by(conn) <= MAX_WAITS),
             Err((why, _)) => {
                 assert!(!why.is_empty());
-                assert_eq!(session.parked_by(conn), 0, "a closed connection's waits are gone");
+                assert_eq!(
+                    session.parked_by(conn),
+                    0,
+                    "a closed connection's waits are gone"
+                );
             }
         }
     }

@@ -860,7 +860,10 @@ mod tests {
             max_request_len: 209,
             ..Limits::default()
         };
-        assert!(matches!(decode_request(&req, &at_limit), Ok(Some((_, 209)))));
+        assert!(matches!(
+            decode_request(&req, &at_limit),
+            Ok(Some((_, 209)))
+        ));
     }
 
     #[test]

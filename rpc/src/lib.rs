@@ -34,9 +34,9 @@ mod codec;
 mod dynamic;
 mod error;
 pub mod faults;
+mod functions;
 #[doc(hidden)]
 pub mod fuzzing;
-mod functions;
 mod options;
 mod rref;
 mod tensors;

@@ -45,22 +45,49 @@ fn store(dir: &Path) {
     });
     let every = [
         Request::Ping { nonce: 1234 },
-        Request::Set { key: k("/a"), value: k("1") },
+        Request::Set {
+            key: k("/a"),
+            value: k("1"),
+        },
         Request::Get { key: k("/a") },
-        Request::Add { key: k("/a"), delta: 41 },
-        Request::CompareSet { key: k("/a"), expected: k("42"), desired: k("x") },
-        Request::Check { keys: vec![k("/a"), k("/b")] },
-        Request::Wait { keys: vec![k("/a")] },
+        Request::Add {
+            key: k("/a"),
+            delta: 41,
+        },
+        Request::CompareSet {
+            key: k("/a"),
+            expected: k("42"),
+            desired: k("x"),
+        },
+        Request::Check {
+            keys: vec![k("/a"), k("/b")],
+        },
+        Request::Wait {
+            keys: vec![k("/a")],
+        },
         Request::GetNumKeys,
-        Request::Append { key: k("/a"), value: k("yz") },
-        Request::MultiGet { keys: vec![k("/a")] },
-        Request::MultiSet { pairs: vec![(k("/c"), k("3")), (k("/d"), k(""))] },
-        Request::QueuePush { key: k("/q"), value: k("item") },
+        Request::Append {
+            key: k("/a"),
+            value: k("yz"),
+        },
+        Request::MultiGet {
+            keys: vec![k("/a")],
+        },
+        Request::MultiSet {
+            pairs: vec![(k("/c"), k("3")), (k("/d"), k(""))],
+        },
+        Request::QueuePush {
+            key: k("/q"),
+            value: k("item"),
+        },
         Request::QueueLen { key: k("/q") },
         Request::QueuePop { key: k("/q") },
         Request::ListKeys,
         Request::DeleteKey { key: k("/a") },
-        Request::Barrier { key: k("/bar"), world_size: 1 },
+        Request::Barrier {
+            key: k("/bar"),
+            world_size: 1,
+        },
         Request::CancelWait,
     ];
     let mut list = vec![(0, validate.clone())];
@@ -70,12 +97,40 @@ fn store(dir: &Path) {
     let list = vec![
         (0, validate.clone()),
         (1, validate.clone()),
-        (1, enc(Request::Wait { keys: vec![k("/w")] })),
-        (0, enc(Request::Set { key: k("/w"), value: k("go") })),
-        (1, enc(Request::Barrier { key: k("/b"), world_size: 2 })),
-        (0, enc(Request::Barrier { key: k("/b"), world_size: 2 })),
+        (
+            1,
+            enc(Request::Wait {
+                keys: vec![k("/w")],
+            }),
+        ),
+        (
+            0,
+            enc(Request::Set {
+                key: k("/w"),
+                value: k("go"),
+            }),
+        ),
+        (
+            1,
+            enc(Request::Barrier {
+                key: k("/b"),
+                world_size: 2,
+            }),
+        ),
+        (
+            0,
+            enc(Request::Barrier {
+                key: k("/b"),
+                world_size: 2,
+            }),
+        ),
         (2, validate.clone()),
-        (2, enc(Request::Wait { keys: vec![k("/never")] })),
+        (
+            2,
+            enc(Request::Wait {
+                keys: vec![k("/never")],
+            }),
+        ),
         (2, enc(Request::CancelWait)),
         (0x40, Vec::new()),
     ];
@@ -83,13 +138,23 @@ fn store(dir: &Path) {
     bytes.push(0x41); // connection 1 hangs up
     write(dir, "store", "waits-and-barriers", &bytes);
     // One request split across pieces.
-    let set = enc(Request::Set { key: k("/split"), value: vec![7; 40] });
+    let set = enc(Request::Set {
+        key: k("/split"),
+        value: vec![7; 40],
+    });
     let (a, b) = set.split_at(13);
-    write(dir, "store", "split-request", &pieces(&[(0, validate), (0, a.to_vec()), (0, b.to_vec())]));
+    write(
+        dir,
+        "store",
+        "split-request",
+        &pieces(&[(0, validate), (0, a.to_vec()), (0, b.to_vec())]),
+    );
 }
 
 fn store_auth(dir: &Path) {
-    let validate = enc(Request::Validate { magic: VALIDATION_MAGIC });
+    let validate = enc(Request::Validate {
+        magic: VALIDATION_MAGIC,
+    });
     let ping = enc(Request::Ping { nonce: 9 });
     // op 1 hello (nonce follows), op 2 right proof, op 4 validate, op 0 raw bytes.
     let mut ok = vec![1];
@@ -107,7 +172,12 @@ fn store_auth(dir: &Path) {
 fn handshake(dir: &Path) {
     // Every mode (side, our secret, peer's secret), with an honest peer throughout.
     for mode in 0u8..12 {
-        write(dir, "handshake", &format!("honest-mode-{mode}"), &[mode, 1, 1, 1]);
+        write(
+            dir,
+            "handshake",
+            &format!("honest-mode-{mode}"),
+            &[mode, 1, 1, 1],
+        );
     }
     // A raw HELLO to a server with a secret, then a raw PROOF.
     let (_, hello) = ClientHandshake::start(ClusterSecret::new("x").unwrap(), [1; NONCE_LEN]);
@@ -138,8 +208,16 @@ fn rpc(dir: &Path) {
         timeout: Duration::from_secs(60),
     };
     let metas = [
-        TensorMeta { dtype: DType::F32, shape: vec![2, 3], device: Device::Cpu },
-        TensorMeta { dtype: DType::I64, shape: vec![1], device: Device::Cuda(1) },
+        TensorMeta {
+            dtype: DType::F32,
+            shape: vec![2, 3],
+            device: Device::Cpu,
+        },
+        TensorMeta {
+            dtype: DType::I64,
+            shape: vec![1],
+            device: Device::Cuda(1),
+        },
     ];
     let with_tensors = Frame::message(
         encode_message_header(&call, &metas),
@@ -153,8 +231,16 @@ fn rpc(dir: &Path) {
         encode_message_header(&call, &[]),
         vec![Bytes::from_static(b"\x02\x03")],
     );
-    let ack = Frame::message(encode_message_header(&Header::Ack { id: 1 }, &[]), Vec::new());
-    write(dir, "rpc", "hello-call-tensors-ack", &frames(&[hello, with_tensors, plain, ack]));
+    let ack = Frame::message(
+        encode_message_header(&Header::Ack { id: 1 }, &[]),
+        Vec::new(),
+    );
+    write(
+        dir,
+        "rpc",
+        "hello-call-tensors-ack",
+        &frames(&[hello, with_tensors, plain, ack]),
+    );
 }
 
 fn record(out: &mut Vec<u8>, key: &[u8], value: &[u8]) {
@@ -190,7 +276,10 @@ fn file_store(dir: &Path) {
 }
 
 fn wire(dir: &Path) {
-    let f = Frame::message(encode_message_header(&Header::Ack { id: 7 }, &[]), vec![Bytes::from_static(b"body")]);
+    let f = Frame::message(
+        encode_message_header(&Header::Ack { id: 7 }, &[]),
+        vec![Bytes::from_static(b"body")],
+    );
     let c = Frame::control(Bytes::from_static(b"ctl"), Vec::new());
     let mut input = frames(&[f, c]);
     write(dir, "wire", "message-and-control", &input);
@@ -203,7 +292,11 @@ fn protocol(dir: &Path) {
     // followed by a delivery (op 2) and a timer tick (op 3).
     let id = |created_on, local| GlobalId { created_on, local };
     let headers = [
-        Header::Call { id: 100, function: "echo".into(), timeout: Duration::from_secs(5) },
+        Header::Call {
+            id: 100,
+            function: "echo".into(),
+            timeout: Duration::from_secs(5),
+        },
         Header::Remote {
             id: 101,
             function: "make".into(),
@@ -211,12 +304,36 @@ fn protocol(dir: &Path) {
             fork: id(0, 9),
             timeout: Duration::from_secs(5),
         },
-        Header::Fetch { id: 102, rref: id(1, 1), timeout: Duration::ZERO },
-        Header::Reply { id: 1, outcome: Ok(()) },
-        Header::ForkRequest { id: 103, floor: 1, rref: id(1, 1), fork: id(0, 10) },
-        Header::ChildAccept { id: 104, floor: 1, fork: id(0, 10) },
-        Header::UserDelete { id: 105, floor: 1, rref: id(1, 1), fork: id(0, 10) },
-        Header::Abandoned { rref: id(1, 1), reason: "gone".into() },
+        Header::Fetch {
+            id: 102,
+            rref: id(1, 1),
+            timeout: Duration::ZERO,
+        },
+        Header::Reply {
+            id: 1,
+            outcome: Ok(()),
+        },
+        Header::ForkRequest {
+            id: 103,
+            floor: 1,
+            rref: id(1, 1),
+            fork: id(0, 10),
+        },
+        Header::ChildAccept {
+            id: 104,
+            floor: 1,
+            fork: id(0, 10),
+        },
+        Header::UserDelete {
+            id: 105,
+            floor: 1,
+            rref: id(1, 1),
+            fork: id(0, 10),
+        },
+        Header::Abandoned {
+            rref: id(1, 1),
+            reason: "gone".into(),
+        },
         Header::Ack { id: 1 },
     ];
     for (seed, header) in headers.iter().enumerate() {
