@@ -13,6 +13,9 @@ use tensorwire_core::wire::Frame;
 use crate::codec::{Envelope, Hello};
 use crate::tensors;
 
+/// A decoded message's body: its bytes and the tensors beside them.
+pub type Body = (bytes::Bytes, Vec<Tensor>);
+
 /// Decodes `frame` as a connection's first frame (who is speaking), as the agent does.
 /// Returns the peer's rank and name.
 pub fn decode_hello(frame: &Frame) -> Result<(u32, String), String> {
@@ -28,7 +31,7 @@ pub fn decode_hello(frame: &Frame) -> Result<(u32, String), String> {
 pub fn decode_message(
     frame: Frame,
     devices: u32,
-) -> Result<(Header, Option<(bytes::Bytes, Vec<Tensor>)>), String> {
+) -> Result<(Header, Option<Body>), String> {
     let envelope: Envelope = postcard::from_bytes(&frame.header)
         .map_err(|e| format!("sent a malformed message header ({e})"))?;
     let mut payloads = frame.payloads.into_iter();
