@@ -28,10 +28,7 @@ pub fn decode_hello(frame: &Frame) -> Result<(u32, String), String> {
 /// against its type and shape, landing on a worker with `devices` (simulated) CUDA devices.
 /// Returns the header, the body's bytes and its tensors, or why the frame was refused (the
 /// agent drops the connection with that reason).
-pub fn decode_message(
-    frame: Frame,
-    devices: u32,
-) -> Result<(Header, Option<Body>), String> {
+pub fn decode_message(frame: Frame, devices: u32) -> Result<(Header, Option<Body>), String> {
     let envelope: Envelope = postcard::from_bytes(&frame.header)
         .map_err(|e| format!("sent a malformed message header ({e})"))?;
     let mut payloads = frame.payloads.into_iter();
