@@ -2,7 +2,8 @@
 //!
 //! Runs `tests/pytorch/diff_validate.py`, which uses the installed torch when it can
 //! (`TENSORWIRE_PYTHON` picks the interpreter, default `python3`) and otherwise PyTorch's
-//! functions from `shared/reference/seeds`. Skips, saying why, when neither is available.
+//! functions from `shared/reference/seeds`. Skips, saying why, when neither is available,
+//! unless `TENSORWIRE_REQUIRE_TORCH` is set (CI): then only torch will do.
 
 use std::process::Command;
 
@@ -13,21 +14,33 @@ fn validate_agrees_with_pytorch() {
         env!("CARGO_MANIFEST_DIR"),
         "/../tests/pytorch/diff_validate.py"
     );
+    // CI installs torch and sets this: the check must then run against torch itself, and a
+    // skip is a failure.
+    let required = std::env::var_os("TENSORWIRE_REQUIRE_TORCH").is_some();
+    let oracle = if required { "torch" } else { "auto" };
     let out = match Command::new(&python)
-        .args([script, env!("CARGO_BIN_EXE_tensorwire"), "--plans", "1000"])
+        .args([
+            script,
+            env!("CARGO_BIN_EXE_tensorwire"),
+            "--plans",
+            "1000",
+            "--oracle",
+            oracle,
+        ])
         .output()
     {
         Ok(out) => out,
-        Err(e) => {
+        Err(e) if !required => {
             println!("SKIPPED: cannot run {python}: {e}");
             return;
         }
+        Err(e) => panic!("TENSORWIRE_REQUIRE_TORCH is set but {python} cannot run: {e}"),
     };
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     match out.status.code() {
         Some(0) => println!("{stdout}"),
-        Some(77) => println!("SKIPPED: {stdout}"),
+        Some(77) if !required => println!("SKIPPED: {stdout}"),
         _ => panic!(
             "differential check failed ({}):\n{stdout}\n{stderr}",
             out.status

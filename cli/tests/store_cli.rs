@@ -231,6 +231,10 @@ fn cli_against_pytorch_server() {
         .status()
         .is_ok_and(|s| s.success());
     if !has_torch {
+        // CI sets this after installing torch: a skip there would hide a broken install.
+        if std::env::var_os("TENSORWIRE_REQUIRE_TORCH").is_some() {
+            panic!("TENSORWIRE_REQUIRE_TORCH is set but {python} has no torch");
+        }
         eprintln!("SKIPPED: needs a Python with torch ({python} has none)");
         return;
     }

@@ -2109,9 +2109,13 @@ impl<B> Endpoint<B> {
     }
 }
 
-/// The deadline of something that started `now` with `timeout` (zero: none).
+/// The deadline of something that started `now` with `timeout` (zero: none). A timeout past
+/// what the clock can represent (a peer may send `Duration::MAX`) is none as well, not a panic.
 fn deadline_after(now: Instant, timeout: Duration) -> Option<Instant> {
-    (!timeout.is_zero()).then(|| now + timeout)
+    if timeout.is_zero() {
+        return None;
+    }
+    now.checked_add(timeout)
 }
 
 #[cfg(test)]

@@ -372,6 +372,26 @@ fn requests_carry_the_callers_deadline() {
     assert_eq!(s.deadlines[0], vec![Some(now + T)]);
 }
 
+/// Found by the `protocol` fuzz target: a peer's request with a timeout the clock cannot add
+/// (`Duration::MAX`) panicked the endpoint (`Instant + Duration` overflow). It means no deadline.
+#[test]
+fn a_timeout_past_the_clocks_range_is_no_deadline() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    let call = Header::Call {
+        id: 1,
+        function: "echo".into(),
+        timeout: Duration::MAX,
+    };
+    assert_eq!(
+        s.ep(1).handle_message(0, call, Some(b"x".to_vec()), now),
+        Ok(())
+    );
+    s.ep(0).call(1, "echo", vec![], Duration::MAX, now).unwrap();
+    s.drain();
+    assert_eq!(s.deadlines[1], vec![None, None]);
+}
+
 /// PyTorch: a `remote()` whose creation times out makes the reference unusable (its fetch and
 /// forks fail naming it and the owner), and the owner still frees the value once it exists
 /// and nobody refers to it.

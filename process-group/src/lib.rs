@@ -45,6 +45,10 @@ pub mod work;
 
 #[cfg(feature = "tcp")]
 pub use backend::TensorwireFactory;
+/// The store server without sockets, for the fuzz targets in `fuzz/`. Not part of the API.
+#[doc(hidden)]
+pub use server::fuzzing;
+
 pub use backend::{
     backend_registered, current_process_group, new_group, register_backend, with_process_group,
     with_process_group_sync, BackendOptions, DynFactory, NewGroupError, TENSORWIRE_BACKEND,

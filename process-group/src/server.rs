@@ -31,6 +31,9 @@ use crate::wire::{
 };
 use tensorwire_core::auth::ClusterSecret;
 
+#[doc(hidden)]
+pub mod fuzzing;
+
 /// Configuration of a [`TcpStoreServer`].
 #[derive(Debug, Clone)]
 pub struct ServerConfig {

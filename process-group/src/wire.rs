@@ -405,7 +405,8 @@ pub enum WireError {
 /// Returns `Ok(None)` when `buf` holds only the beginning of a request (read more and call
 /// again), `Ok(Some((request, consumed)))` when a whole request is there. A declared length
 /// over a limit is an error as soon as the length itself has arrived, so nothing of the claimed
-/// size is ever buffered or allocated.
+/// size is ever buffered or allocated. A request over `max_request_len` is refused however its
+/// bytes arrive, all at once or in pieces.
 pub fn decode_request(buf: &[u8], limits: &Limits) -> Result<Option<(Request, usize)>, WireError> {
     let mut r = Reader {
         buf,
@@ -413,6 +414,10 @@ pub fn decode_request(buf: &[u8], limits: &Limits) -> Result<Option<(Request, us
         limits,
     };
     match r.request() {
+        Ok(_) if r.pos > limits.max_request_len => Err(WireError::RequestTooLarge {
+            len: r.pos as u64,
+            max: limits.max_request_len,
+        }),
         Ok(req) => Ok(Some((req, r.pos))),
         Err(Short::Incomplete) => Ok(None),
         Err(Short::Bad(e)) => Err(e),
@@ -823,6 +828,41 @@ mod tests {
         assert!(matches!(
             decode_request(&req, &limits),
             Err(WireError::RequestTooLarge { .. })
+        ));
+    }
+
+    /// Found by the `store` fuzz target: a request over `max_request_len` was refused when its
+    /// bytes arrived in pieces but accepted when they arrived in one read.
+    #[test]
+    fn a_request_over_the_total_limit_is_refused_however_it_arrives() {
+        let limits = Limits {
+            max_request_len: 200,
+            ..Limits::default()
+        };
+        let mut req = Vec::new();
+        Request::Set {
+            key: vec![b'k'; 64],
+            value: vec![b'v'; 128],
+        }
+        .encode(&mut req);
+        assert_eq!(req.len(), 209);
+        let refused = Err(WireError::RequestTooLarge { len: 209, max: 200 });
+        assert_eq!(decode_request(&req, &limits), refused, "all at once");
+        assert!(
+            matches!(
+                decode_request(&req[..100], &limits),
+                Err(WireError::RequestTooLarge { .. })
+            ),
+            "in pieces"
+        );
+        // At the limit exactly, it is accepted.
+        let at_limit = Limits {
+            max_request_len: 209,
+            ..Limits::default()
+        };
+        assert!(matches!(
+            decode_request(&req, &at_limit),
+            Ok(Some((_, 209)))
         ));
     }
 

@@ -1,8 +1,9 @@
 //! Interoperability with PyTorch's own `torch.distributed.TCPStore`, both ways.
 //!
 //! Needs a Python with torch: `$TENSORWIRE_TORCH_PYTHON` if set, else `python3`. When
-//! `import torch` fails the tests print why and pass without checking anything, so CI without
-//! torch stays green; on a machine with torch they run for real.
+//! `import torch` fails the tests print why and pass without checking anything, so a machine
+//! without torch stays green; on a machine with torch they run for real. CI installs torch and
+//! sets `TENSORWIRE_REQUIRE_TORCH`, which turns the skip into a failure.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -44,6 +45,10 @@ fn torch_missing() -> Option<String> {
 macro_rules! require_torch {
     () => {
         if let Some(reason) = torch_missing() {
+            // CI sets this after installing torch: a skip there would hide a broken install.
+            if std::env::var_os("TENSORWIRE_REQUIRE_TORCH").is_some() {
+                panic!("TENSORWIRE_REQUIRE_TORCH is set but torch is missing: {reason}");
+            }
             eprintln!(
                 "SKIPPED: PyTorch interop test needs torch ({reason}); set TENSORWIRE_TORCH_PYTHON"
             );

@@ -40,6 +40,8 @@ mod dynamic;
 mod error;
 pub mod faults;
 mod functions;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod metrics;
 mod options;
 mod rref;

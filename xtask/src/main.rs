@@ -17,15 +17,16 @@
 //! - `soak --minutes M` (or `--calls N --rrefs N`): long mixed traffic with resident memory and
 //!   store key counts sampled, passing when both stay flat; a summary and a PNG plot (see
 //!   `soak.rs`). Not part of `ci`.
-//! - `fuzz TARGET [--seconds N]`: runs a cargo-fuzz target of `fuzz/` (`protocol`: forged
-//!   headers into a simulated cluster; `wire`: the frame
-//!   decoder) for N seconds (default 60), installing cargo-fuzz if missing. Not part of `ci`.
+//! - `fuzz TARGET|all [--seconds N]`, `fuzz seeds`: the cargo-fuzz targets of `fuzz/`, one per
+//!   parser of network or file bytes, each run for N seconds (default 60) from the seed corpus
+//!   in `fuzz/corpus/` (`xtask/src/fuzz.rs`). `ci` runs every target for 20 s.
 
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
 mod chaos;
+mod fuzz;
 mod soak;
 
 fn main() -> Result<()> {
@@ -33,7 +34,7 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("gpu") => gpu(&args[1..]),
-        Some("fuzz") => fuzz(&args[1..]),
+        Some("fuzz") => fuzz::fuzz(&args[1..]),
         Some("chaos") => chaos::chaos(&args[1..]),
         Some("soak") => soak::soak(&args[1..]),
         Some(other) => bail!("unknown task {other:?}; tasks: ci, gpu, fuzz, chaos, soak"),
@@ -143,6 +144,7 @@ fn ci() -> Result<()> {
         run("cargo", &test, &[])?;
     }
     feature_trees()?;
+    fuzz::run_targets(&fuzz::all(), fuzz::CI_SECONDS)?;
     eprintln!("xtask: ci passed");
     Ok(())
 }
@@ -313,66 +315,5 @@ fn gpu(args: &[String]) -> Result<()> {
          {nccl_part}",
         if nccl { ", tw-pg-worker" } else { "" },
     );
-    Ok(())
-}
-
-/// Fuzz targets in `fuzz/fuzz_targets/`.
-const FUZZ_TARGETS: &[&str] = &["wire", "protocol"];
-
-fn fuzz(args: &[String]) -> Result<()> {
-    let usage = || {
-        format!(
-            "usage: cargo xtask fuzz TARGET [--seconds N]; targets: {}",
-            FUZZ_TARGETS.join(", ")
-        )
-    };
-    let mut target = None;
-    let mut seconds: u64 = 60;
-    let mut rest = args.iter();
-    while let Some(arg) = rest.next() {
-        match arg.as_str() {
-            "--seconds" => {
-                let n = rest.next().with_context(usage)?;
-                seconds = n
-                    .parse()
-                    .with_context(|| format!("--seconds takes a whole number, not {n:?}"))?;
-            }
-            t if target.is_none() && !t.starts_with('-') => target = Some(t.to_owned()),
-            other => bail!("unexpected argument {other:?}; {}", usage()),
-        }
-    }
-    let target = target.with_context(usage)?;
-    if !FUZZ_TARGETS.contains(&target.as_str()) {
-        bail!("unknown fuzz target {target:?}; {}", usage());
-    }
-    if seconds == 0 {
-        bail!("--seconds must be at least 1");
-    }
-    let has_cargo_fuzz = Command::new("cargo")
-        .args(["fuzz", "--version"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !has_cargo_fuzz {
-        eprintln!("xtask: cargo-fuzz not found; installing it");
-        run("cargo", &["install", "cargo-fuzz", "--locked"], &[])?;
-    }
-    // cargo-fuzz passes nightly-only flags (-Z sanitizer, -C passes=sancov); RUSTC_BOOTSTRAP
-    // lets the stable toolchain accept them.
-    let max_time = format!("-max_total_time={seconds}");
-    run(
-        "cargo",
-        &[
-            "fuzz",
-            "run",
-            &target,
-            "--",
-            &max_time,
-            "-rss_limit_mb=2048",
-            "-print_final_stats=1",
-        ],
-        &[("RUSTC_BOOTSTRAP", "1")],
-    )?;
-    eprintln!("xtask: fuzzed {target} for {seconds} s without a finding");
     Ok(())
 }

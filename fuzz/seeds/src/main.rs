@@ -1,0 +1,363 @@
+//! Writes the seed corpus of the fuzz targets into `fuzz/corpus/TARGET/`: real encodings made
+//! by the crates' own encoders, in each target's input format (see the targets' docs). Run by
+//! `cargo xtask fuzz seeds`; the files are kept in the repository.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tensorwire_core::auth::{insecure_hello, ClientHandshake, ClusterSecret, NONCE_LEN};
+use tensorwire_core::device::Device;
+use tensorwire_core::protocol::{GlobalId, Header};
+use tensorwire_core::tensor::{DType, TensorMeta};
+use tensorwire_core::wire::{encode_to_vec, Frame, WireLimits};
+use tensorwire_process_group::wire::{Request, VALIDATION_MAGIC};
+use tensorwire_rpc::fuzzing::{encode_hello, encode_message_header};
+
+fn write(dir: &Path, target: &str, name: &str, bytes: &[u8]) {
+    let d = dir.join(target);
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(d.join(name), bytes).unwrap();
+}
+
+fn enc(r: Request) -> Vec<u8> {
+    let mut out = Vec::new();
+    r.encode(&mut out);
+    out
+}
+
+/// `store` input: `[connection, len, bytes]` per piece.
+fn pieces(list: &[(u8, Vec<u8>)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (conn, bytes) in list {
+        assert!(bytes.len() < 256);
+        out.push(*conn);
+        out.push(bytes.len() as u8);
+        out.extend_from_slice(bytes);
+    }
+    out
+}
+
+fn store(dir: &Path) {
+    let k = |s: &str| s.as_bytes().to_vec();
+    let validate = enc(Request::Validate {
+        magic: VALIDATION_MAGIC,
+    });
+    let every = [
+        Request::Ping { nonce: 1234 },
+        Request::Set {
+            key: k("/a"),
+            value: k("1"),
+        },
+        Request::Get { key: k("/a") },
+        Request::Add {
+            key: k("/a"),
+            delta: 41,
+        },
+        Request::CompareSet {
+            key: k("/a"),
+            expected: k("42"),
+            desired: k("x"),
+        },
+        Request::Check {
+            keys: vec![k("/a"), k("/b")],
+        },
+        Request::Wait {
+            keys: vec![k("/a")],
+        },
+        Request::GetNumKeys,
+        Request::Append {
+            key: k("/a"),
+            value: k("yz"),
+        },
+        Request::MultiGet {
+            keys: vec![k("/a")],
+        },
+        Request::MultiSet {
+            pairs: vec![(k("/c"), k("3")), (k("/d"), k(""))],
+        },
+        Request::QueuePush {
+            key: k("/q"),
+            value: k("item"),
+        },
+        Request::QueueLen { key: k("/q") },
+        Request::QueuePop { key: k("/q") },
+        Request::ListKeys,
+        Request::DeleteKey { key: k("/a") },
+        Request::Barrier {
+            key: k("/bar"),
+            world_size: 1,
+        },
+        Request::CancelWait,
+    ];
+    let mut list = vec![(0, validate.clone())];
+    list.extend(every.into_iter().map(|r| (0u8, enc(r))));
+    write(dir, "store", "every-request", &pieces(&list));
+    // A wait on connection 1 released by a set on connection 0; a barrier of two; a cancel.
+    let list = vec![
+        (0, validate.clone()),
+        (1, validate.clone()),
+        (
+            1,
+            enc(Request::Wait {
+                keys: vec![k("/w")],
+            }),
+        ),
+        (
+            0,
+            enc(Request::Set {
+                key: k("/w"),
+                value: k("go"),
+            }),
+        ),
+        (
+            1,
+            enc(Request::Barrier {
+                key: k("/b"),
+                world_size: 2,
+            }),
+        ),
+        (
+            0,
+            enc(Request::Barrier {
+                key: k("/b"),
+                world_size: 2,
+            }),
+        ),
+        (2, validate.clone()),
+        (
+            2,
+            enc(Request::Wait {
+                keys: vec![k("/never")],
+            }),
+        ),
+        (2, enc(Request::CancelWait)),
+        (0x40, Vec::new()),
+    ];
+    let mut bytes = pieces(&list[..list.len() - 1]);
+    bytes.push(0x41); // connection 1 hangs up
+    write(dir, "store", "waits-and-barriers", &bytes);
+    // One request split across pieces.
+    let set = enc(Request::Set {
+        key: k("/split"),
+        value: vec![7; 40],
+    });
+    let (a, b) = set.split_at(13);
+    write(
+        dir,
+        "store",
+        "split-request",
+        &pieces(&[(0, validate), (0, a.to_vec()), (0, b.to_vec())]),
+    );
+}
+
+fn store_auth(dir: &Path) {
+    let validate = enc(Request::Validate {
+        magic: VALIDATION_MAGIC,
+    });
+    let ping = enc(Request::Ping { nonce: 9 });
+    // op 1 hello (nonce follows), op 2 right proof, op 4 validate, op 0 raw bytes.
+    let mut ok = vec![1];
+    ok.extend_from_slice(&[0x11; 32]);
+    ok.extend_from_slice(&[2, 4, 0, ping.len() as u8]);
+    ok.extend_from_slice(&ping);
+    write(dir, "store_auth", "honest-client", &ok);
+    let mut wrong = vec![1];
+    wrong.extend_from_slice(&[0x22; 32]);
+    wrong.extend_from_slice(&[3, 5, 0, validate.len() as u8]);
+    wrong.extend_from_slice(&validate);
+    write(dir, "store_auth", "wrong-proof-then-pytorch-client", &wrong);
+}
+
+fn handshake(dir: &Path) {
+    // Every mode (side, our secret, peer's secret), with an honest peer throughout.
+    for mode in 0u8..12 {
+        write(
+            dir,
+            "handshake",
+            &format!("honest-mode-{mode}"),
+            &[mode, 1, 1, 1],
+        );
+    }
+    // A raw HELLO to a server with a secret, then a raw PROOF.
+    let (_, hello) = ClientHandshake::start(ClusterSecret::new("x").unwrap(), [1; NONCE_LEN]);
+    let mut raw = vec![3, 0];
+    raw.extend_from_slice(&hello);
+    raw.push(0);
+    raw.extend_from_slice(&[0; 32]);
+    write(dir, "handshake", "raw-hello-and-proof", &raw);
+    let mut insecure = vec![1, 0];
+    insecure.extend_from_slice(&insecure_hello());
+    write(dir, "handshake", "raw-insecure-hello", &insecure);
+}
+
+fn frames(frames: &[Frame]) -> Vec<u8> {
+    let limits = WireLimits::default();
+    let mut out = vec![0x07]; // pieces of 8 bytes
+    for f in frames {
+        out.extend(encode_to_vec(f, &limits).unwrap());
+    }
+    out
+}
+
+fn rpc(dir: &Path) {
+    let hello = Frame::message(encode_hello(1, "worker1"), Vec::new());
+    let call = Header::Call {
+        id: 1,
+        function: "add".into(),
+        timeout: Duration::from_secs(60),
+    };
+    let metas = [
+        TensorMeta {
+            dtype: DType::F32,
+            shape: vec![2, 3],
+            device: Device::Cpu,
+        },
+        TensorMeta {
+            dtype: DType::I64,
+            shape: vec![1],
+            device: Device::Cuda(1),
+        },
+    ];
+    let with_tensors = Frame::message(
+        encode_message_header(&call, &metas),
+        vec![
+            Bytes::from_static(b"\x02\x03"),
+            Bytes::from(vec![0u8; 24]),
+            Bytes::from(vec![0u8; 8]),
+        ],
+    );
+    let plain = Frame::message(
+        encode_message_header(&call, &[]),
+        vec![Bytes::from_static(b"\x02\x03")],
+    );
+    let ack = Frame::message(
+        encode_message_header(&Header::Ack { id: 1 }, &[]),
+        Vec::new(),
+    );
+    write(
+        dir,
+        "rpc",
+        "hello-call-tensors-ack",
+        &frames(&[hello, with_tensors, plain, ack]),
+    );
+}
+
+fn record(out: &mut Vec<u8>, key: &[u8], value: &[u8]) {
+    out.extend_from_slice(&(key.len() as u32).to_ne_bytes());
+    out.extend_from_slice(key);
+    out.extend_from_slice(&(value.len() as u32).to_ne_bytes());
+    out.extend_from_slice(value);
+}
+
+fn file_store(dir: &Path) {
+    // A log as PyTorch's FileStore writes it: sets, an add, a deletion, the cleanup counter.
+    let mut log = Vec::new();
+    record(&mut log, b"/a", b"1");
+    record(&mut log, b"/b", b"hello");
+    record(&mut log, b"/a", b"2");
+    record(&mut log, b"-/b", b"");
+    record(&mut log, b"cleanup/", b"1");
+    // Every operation on keys "a" and "b" (op, key index, value length, value).
+    let mut ops = Vec::new();
+    for op in 0u8..9 {
+        ops.extend_from_slice(&[op, 8, 2, b'4', b'2']);
+    }
+    let mut input = (log.len() as u16).to_le_bytes().to_vec();
+    input.extend_from_slice(&log);
+    input.extend_from_slice(&ops);
+    write(dir, "file_store", "pytorch-log-every-op", &input);
+    // A torn last record (a writer died mid-write).
+    let torn = &log[..log.len() - 3];
+    let mut input = (torn.len() as u16).to_le_bytes().to_vec();
+    input.extend_from_slice(torn);
+    input.extend_from_slice(&ops);
+    write(dir, "file_store", "torn-record", &input);
+}
+
+fn wire(dir: &Path) {
+    let f = Frame::message(
+        encode_message_header(&Header::Ack { id: 7 }, &[]),
+        vec![Bytes::from_static(b"body")],
+    );
+    let c = Frame::control(Bytes::from_static(b"ctl"), Vec::new());
+    let mut input = frames(&[f, c]);
+    write(dir, "wire", "message-and-control", &input);
+    input[0] = 0x1f; // whole, through direct reads
+    write(dir, "wire", "message-and-control-direct", &input);
+}
+
+fn protocol(dir: &Path) {
+    // Every kind of header, injected from worker 0 into worker 1 (op 0x10: with a body), each
+    // followed by a delivery (op 2) and a timer tick (op 3).
+    let id = |created_on, local| GlobalId { created_on, local };
+    let headers = [
+        Header::Call {
+            id: 100,
+            function: "echo".into(),
+            timeout: Duration::from_secs(5),
+        },
+        Header::Remote {
+            id: 101,
+            function: "make".into(),
+            rref: id(0, 9),
+            fork: id(0, 9),
+            timeout: Duration::from_secs(5),
+        },
+        Header::Fetch {
+            id: 102,
+            rref: id(1, 1),
+            timeout: Duration::ZERO,
+        },
+        Header::Reply {
+            id: 1,
+            outcome: Ok(()),
+        },
+        Header::ForkRequest {
+            id: 103,
+            floor: 1,
+            rref: id(1, 1),
+            fork: id(0, 10),
+        },
+        Header::ChildAccept {
+            id: 104,
+            floor: 1,
+            fork: id(0, 10),
+        },
+        Header::UserDelete {
+            id: 105,
+            floor: 1,
+            rref: id(1, 1),
+            fork: id(0, 10),
+        },
+        Header::Abandoned {
+            rref: id(1, 1),
+            reason: "gone".into(),
+        },
+        Header::Ack { id: 1 },
+    ];
+    for (seed, header) in headers.iter().enumerate() {
+        let encoded = postcard::to_allocvec(header).unwrap();
+        assert!(encoded.len() < 64);
+        let mut input = (seed as u64 + 1).to_le_bytes().to_vec();
+        input.extend_from_slice(&[0x10, encoded.len() as u8]);
+        input.extend_from_slice(&encoded);
+        input.extend_from_slice(&[2, 2, 3]);
+        write(dir, "protocol", &format!("header-{seed}"), &input);
+    }
+}
+
+fn main() {
+    let dir: PathBuf = std::env::args_os()
+        .nth(1)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../corpus"));
+    store(&dir);
+    store_auth(&dir);
+    handshake(&dir);
+    rpc(&dir);
+    file_store(&dir);
+    wire(&dir);
+    protocol(&dir);
+    println!("seeds written to {}", dir.display());
+}

@@ -1,0 +1,80 @@
+//! What the agent does with a received frame, up to the protocol endpoint, for the `rpc` fuzz
+//! target in `fuzz/`. Not part of the API: it may change at any time.
+
+use std::future::Future;
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
+
+use tensorwire_core::devices_sim::SimulatedDevices;
+use tensorwire_core::protocol::Header;
+use tensorwire_core::tensor::{Tensor, TensorMeta};
+use tensorwire_core::wire::Frame;
+
+use crate::codec::{Envelope, Hello};
+use crate::tensors;
+
+/// A decoded message's body: its bytes and the tensors beside them.
+pub type Body = (bytes::Bytes, Vec<Tensor>);
+
+/// Decodes `frame` as a connection's first frame (who is speaking), as the agent does.
+/// Returns the peer's rank and name.
+pub fn decode_hello(frame: &Frame) -> Result<(u32, String), String> {
+    let hello: Hello = postcard::from_bytes(&frame.header).map_err(|e| e.to_string())?;
+    Ok((hello.rank, hello.name))
+}
+
+/// Decodes `frame` as a later message, as the agent does before handing it to its protocol
+/// endpoint: the header, the tensors announced against those carried, and each tensor's bytes
+/// against its type and shape, landing on a worker with `devices` (simulated) CUDA devices.
+/// Returns the header, the body's bytes and its tensors, or why the frame was refused (the
+/// agent drops the connection with that reason).
+pub fn decode_message(frame: Frame, devices: u32) -> Result<(Header, Option<Body>), String> {
+    let envelope: Envelope = postcard::from_bytes(&frame.header)
+        .map_err(|e| format!("sent a malformed message header ({e})"))?;
+    let mut payloads = frame.payloads.into_iter();
+    let Some(data) = payloads.next() else {
+        return Ok((envelope.header, None));
+    };
+    let bytes: Vec<bytes::Bytes> = payloads.collect();
+    // As the agent's `on_frame`.
+    if bytes.len() != envelope.tensors.len() {
+        return Err(format!(
+            "sent a message that announces {} tensors and carries {}",
+            envelope.tensors.len(),
+            bytes.len()
+        ));
+    }
+    let wire = envelope.tensors.into_iter().zip(bytes).collect();
+    let backend = SimulatedDevices::new(devices);
+    let tensors = ready(tensors::from_wire(&backend, wire)).map_err(|e| e.to_string())?;
+    Ok((envelope.header, Some((data, tensors))))
+}
+
+/// Encodes a message header as the agent sends it, announcing `tensors` (no target).
+pub fn encode_message_header(header: &Header, tensors: &[TensorMeta]) -> Vec<u8> {
+    postcard::to_allocvec(&Envelope {
+        header: header.clone(),
+        target: None,
+        tensors: tensors.to_vec(),
+    })
+    .expect("a header encodes")
+}
+
+/// Encodes a connection's first frame's header, as the agent sends it (static group).
+pub fn encode_hello(rank: u32, name: &str) -> Vec<u8> {
+    postcard::to_allocvec(&Hello {
+        rank,
+        name: name.to_owned(),
+        record: None,
+    })
+    .expect("a hello encodes")
+}
+
+/// Runs a future that never waits (the simulated device backend's copies).
+fn ready<F: Future>(fut: F) -> F::Output {
+    let mut fut = pin!(fut);
+    match fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(v) => v,
+        Poll::Pending => unreachable!("the simulated device backend never waits"),
+    }
+}

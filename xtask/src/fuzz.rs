@@ -1,0 +1,270 @@
+//! `cargo xtask fuzz`: the cargo-fuzz targets of `fuzz/`, built once and run for a bounded
+//! time each from the seed corpus kept in `fuzz/corpus/TARGET/`.
+//!
+//! - `cargo xtask fuzz TARGET [--seconds N]`, or `all`: builds the targets (installing
+//!   cargo-fuzz when it is missing), then runs each for N seconds (default 60). New inputs go to
+//!   `fuzz/target/corpus/TARGET/` (kept between runs, not in the repository); a crash, leak,
+//!   timeout or out-of-memory input goes to `fuzz/artifacts/TARGET/` and fails the task, which
+//!   says how to replay it.
+//! - `cargo xtask fuzz seeds`: writes the seed corpus again, from the crates' own encoders
+//!   (`fuzz/seeds`).
+//!
+//! The build uses cargo-fuzz's defaults (release, AddressSanitizer, libFuzzer's coverage
+//! instrumentation) plus debug assertions, so that integer overflows are findings too. Only a
+//! stable toolchain is installed here; `RUSTC_BOOTSTRAP=1` lets it accept the nightly flags.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+
+use crate::{run, workspace_root};
+
+/// The targets in `fuzz/fuzz_targets/`, with what each reads.
+pub(crate) const TARGETS: &[(&str, &str)] = &[
+    (
+        "store",
+        "c10d store requests, through the server's handling",
+    ),
+    ("store_auth", "the store's cluster-secret step"),
+    ("handshake", "the transports' cluster-secret handshake"),
+    ("wire", "the frame decoder"),
+    (
+        "rpc",
+        "RPC frames through to the decoded header and tensors",
+    ),
+    ("protocol", "forged headers into a simulated cluster"),
+    ("file_store", "FileStore's file format"),
+];
+
+/// Every target's name.
+pub(crate) fn all() -> Vec<&'static str> {
+    TARGETS.iter().map(|(t, _)| *t).collect()
+}
+
+/// Seconds per target in `cargo xtask ci`.
+pub(crate) const CI_SECONDS: u64 = 20;
+
+fn usage() -> String {
+    let names: Vec<String> = TARGETS
+        .iter()
+        .map(|(t, what)| format!("{t} ({what})"))
+        .collect();
+    format!(
+        "usage: cargo xtask fuzz TARGET|all [--seconds N] | cargo xtask fuzz seeds; targets: {}",
+        names.join(", ")
+    )
+}
+
+/// `cargo xtask fuzz ...`.
+pub(crate) fn fuzz(args: &[String]) -> Result<()> {
+    let mut target = None;
+    let mut seconds: u64 = 60;
+    let mut rest = args.iter();
+    while let Some(arg) = rest.next() {
+        match arg.as_str() {
+            "--seconds" => {
+                let n = rest.next().with_context(usage)?;
+                seconds = n
+                    .parse()
+                    .with_context(|| format!("--seconds takes a whole number, not {n:?}"))?;
+            }
+            t if target.is_none() && !t.starts_with('-') => target = Some(t.to_owned()),
+            other => bail!("unexpected argument {other:?}; {}", usage()),
+        }
+    }
+    let target = target.with_context(usage)?;
+    if seconds == 0 {
+        bail!("--seconds must be at least 1");
+    }
+    match target.as_str() {
+        "seeds" => seeds(),
+        "all" => run_targets(&all(), seconds),
+        t if TARGETS.iter().any(|(name, _)| *name == t) => run_targets(&[t], seconds),
+        other => bail!("unknown fuzz target {other:?}; {}", usage()),
+    }
+}
+
+/// Writes the seed corpus (a plain build of `fuzz/seeds`).
+fn seeds() -> Result<()> {
+    run(
+        "cargo",
+        &[
+            "run",
+            "--manifest-path",
+            "fuzz/Cargo.toml",
+            "-p",
+            "tensorwire-fuzz-seeds",
+        ],
+        &[],
+    )
+}
+
+fn host_triple() -> Result<String> {
+    let out = Command::new("rustc")
+        .arg("-vV")
+        .output()
+        .context("cannot run rustc -vV")?;
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("host: ").map(str::to_owned))
+        .context("rustc -vV printed no host triple")
+}
+
+/// Installs cargo-fuzz when `cargo fuzz` is missing.
+fn ensure_cargo_fuzz() -> Result<()> {
+    let has = Command::new("cargo")
+        .args(["fuzz", "--version"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !has {
+        eprintln!("xtask: cargo-fuzz not found; installing it");
+        let started = Instant::now();
+        run("cargo", &["install", "cargo-fuzz", "--locked"], &[])?;
+        eprintln!(
+            "xtask: installed cargo-fuzz in {:.0} s",
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+/// What one run of a target did.
+struct Outcome {
+    target: String,
+    runs: Option<u64>,
+    seconds: f64,
+    corpus: usize,
+    failure: Option<String>,
+}
+
+/// Builds `targets` once, then runs each for `seconds`; fails if any run found something.
+pub(crate) fn run_targets(targets: &[&str], seconds: u64) -> Result<()> {
+    ensure_cargo_fuzz()?;
+    let root = workspace_root();
+    let started = Instant::now();
+    let mut build = vec!["fuzz", "build", "--debug-assertions"];
+    // One target: build only it (all: one build of every binary).
+    if let [one] = targets {
+        build.push(one);
+    }
+    run("cargo", &build, &[("RUSTC_BOOTSTRAP", "1")])?;
+    eprintln!(
+        "xtask: built the fuzz targets in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    let bin_dir = root
+        .join("fuzz/target")
+        .join(host_triple()?)
+        .join("release");
+    let mut outcomes = Vec::new();
+    for target in targets {
+        outcomes.push(run_one(&root, &bin_dir, target, seconds)?);
+    }
+    eprintln!("\nxtask: fuzz summary ({seconds} s per target)");
+    eprintln!(
+        "  {:<12} {:>10} {:>8} {:>8}  result",
+        "target", "runs", "seconds", "corpus"
+    );
+    for o in &outcomes {
+        let runs = o.runs.map_or_else(|| "?".to_owned(), |r| r.to_string());
+        eprintln!(
+            "  {:<12} {:>10} {:>8.0} {:>8}  {}",
+            o.target,
+            runs,
+            o.seconds,
+            o.corpus,
+            o.failure.as_deref().unwrap_or("no finding")
+        );
+    }
+    let failed: Vec<&str> = outcomes
+        .iter()
+        .filter(|o| o.failure.is_some())
+        .map(|o| o.target.as_str())
+        .collect();
+    if !failed.is_empty() {
+        bail!(
+            "fuzzing found inputs that fail: {} (see above)",
+            failed.join(", ")
+        );
+    }
+    Ok(())
+}
+
+fn files_in(dir: &Path) -> usize {
+    std::fs::read_dir(dir).map_or(0, |d| d.count())
+}
+
+fn run_one(root: &Path, bin_dir: &Path, target: &str, seconds: u64) -> Result<Outcome> {
+    let bin = bin_dir.join(target);
+    let seed = root.join("fuzz/corpus").join(target);
+    // New inputs go here, not into the repository's seeds.
+    let work: PathBuf = root.join("fuzz/target/corpus").join(target);
+    let artifacts = root.join("fuzz/artifacts").join(target);
+    for dir in [&work, &artifacts] {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    if files_in(&seed) == 0 {
+        bail!(
+            "no seed corpus in {} (cargo xtask fuzz seeds writes it)",
+            seed.display()
+        );
+    }
+    let args = [
+        format!("-max_total_time={seconds}"),
+        // An input that takes this long is a hang: a finding.
+        "-timeout=10".to_owned(),
+        "-rss_limit_mb=2048".to_owned(),
+        "-print_final_stats=1".to_owned(),
+        format!("-artifact_prefix={}/", artifacts.display()),
+        work.display().to_string(),
+        seed.display().to_string(),
+    ];
+    eprintln!("xtask: $ {} {}", bin.display(), args.join(" "));
+    let started = Instant::now();
+    let out = Command::new(&bin)
+        .args(&args)
+        .current_dir(root)
+        .output()
+        .with_context(|| format!("cannot run {}", bin.display()))?;
+    let elapsed = started.elapsed().as_secs_f64();
+    let log = String::from_utf8_lossy(&out.stderr);
+    // "Done 75120 runs in 21 second(s)"; a failure instead reports "stat::number_of_executed_units".
+    let runs = log
+        .lines()
+        .find_map(|l| l.strip_prefix("Done ")?.split(' ').next()?.parse().ok())
+        .or_else(|| {
+            log.lines().find_map(|l| {
+                l.strip_prefix("stat::number_of_executed_units:")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+        });
+    let failure = if out.status.success() {
+        None
+    } else {
+        // Show what libFuzzer said about the finding (the tail holds the panic and the file).
+        let tail: Vec<&str> = log.lines().rev().take(40).collect();
+        for line in tail.iter().rev() {
+            eprintln!("  {line}");
+        }
+        let artifact = log
+            .lines()
+            .find_map(|l| l.split("Test unit written to ").nth(1))
+            .map(str::trim);
+        Some(match artifact {
+            Some(file) => format!("FOUND ({}); replay: {} {file}", out.status, bin.display()),
+            None => format!("FAILED ({})", out.status),
+        })
+    };
+    Ok(Outcome {
+        target: target.to_owned(),
+        runs,
+        seconds: elapsed,
+        corpus: files_in(&work) + files_in(&seed),
+        failure,
+    })
+}
