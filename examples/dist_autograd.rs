@@ -9,7 +9,7 @@
 //! The model is in `tensorwire::autograd_demo` (shared with `tensorwire demo autograd`).
 //!
 //! ```sh
-//! cargo run -p tensorwire --features autograd-candle --example dist_autograd
+//! cargo run -p tensorwire-cli --example dist_autograd
 //! ```
 //!
 //! Without `RANK` in the environment it starts the three processes itself (copies of this
