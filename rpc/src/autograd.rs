@@ -229,7 +229,8 @@ impl<E: AutogradEngine> DistAutograd<E> {
     /// Sets up distributed autograd on `agent` with `engine`. Registers the internal functions
     /// it needs on every worker; every worker taking part must call it (before the others
     /// send it anything in a context). The gradient requests use the agent's RPC timeout.
-    pub fn new(agent: &Agent, engine: E) -> Self {
+    /// Setting it up twice on one agent is an error (its functions are registered already).
+    pub fn new(agent: &Agent, engine: E) -> Result<Self, RpcError> {
         let inner = Arc::new(Inner {
             agent: agent.clone(),
             engine,
@@ -252,7 +253,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 let inner = upgrade(&weak)?;
                 inner.on_gradient(cx, req).await
             }
-        });
+        })?;
         let weak = Arc::downgrade(&inner);
         functions.register_with_context(RELEASE, move |cx: CallContext, req: ReleaseRequest| {
             let weak = weak.clone();
@@ -260,7 +261,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 let inner = upgrade(&weak)?;
                 inner.on_release(cx, req).await
             }
-        });
+        })?;
         let weak = Arc::downgrade(&inner);
         functions.register(
             crate::dist_optim::STEP,
@@ -277,8 +278,8 @@ impl<E: AutogradEngine> DistAutograd<E> {
                     .await
                 }
             },
-        );
-        Self { inner }
+        )?;
+        Ok(Self { inner })
     }
 
     /// Held while this owner runs a distributed optimizer step.
@@ -331,7 +332,8 @@ impl<E: AutogradEngine> DistAutograd<E> {
     /// Registers `name` as a function that takes part in autograd contexts: it gets its
     /// arguments, the caller's tracked tensors (with recv functions attached) and an
     /// [`AutogradCall`], and returns its result and the tracked tensors of the result.
-    pub fn register<A, R, F, Fut>(&self, name: &str, f: F)
+    /// Registering a name twice is an error.
+    pub fn register<A, R, F, Fut>(&self, name: &str, f: F) -> Result<(), RpcError>
     where
         A: DeserializeOwned + Send + 'static,
         R: Serialize + Send + Sync + 'static,
@@ -353,13 +355,13 @@ impl<E: AutogradEngine> DistAutograd<E> {
                     inner.respond(req.context, caller, out, result)
                 }
             },
-        );
+        )
     }
 
     /// Registers `name` as a method on values of type `T` (held in [`RRef`]s) that takes part
     /// in autograd contexts; see [`register`](Self::register) and
     /// [`AutogradContext::rref_rpc_sync`].
-    pub fn register_method<T, A, R, F, Fut>(&self, name: &str, f: F)
+    pub fn register_method<T, A, R, F, Fut>(&self, name: &str, f: F) -> Result<(), RpcError>
     where
         T: Send + Sync + 'static,
         A: DeserializeOwned + Send + 'static,
@@ -382,14 +384,14 @@ impl<E: AutogradEngine> DistAutograd<E> {
                     inner.respond(req.context, caller, out, result)
                 }
             },
-        );
+        )
     }
 
     /// Registers `name` as a constructor of values kept on this worker for
     /// [`AutogradContext::remote`]: it gets the caller's tracked tensors (with recv functions
     /// attached) and returns the value, which may hold tensors computed from them; a method
     /// called on the value later in the same context carries the graph through it.
-    pub fn register_remote<A, T, F, Fut>(&self, name: &str, f: F)
+    pub fn register_remote<A, T, F, Fut>(&self, name: &str, f: F) -> Result<(), RpcError>
     where
         A: DeserializeOwned + Send + 'static,
         T: Serialize + Send + Sync + 'static,
@@ -408,7 +410,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
                     f(AutogradCall { call: cx, context }, req.args, tracked).await
                 }
             },
-        );
+        )
     }
 
     /// The gradients this worker holds in `context` (see [`AutogradContext::gradients`]), for a

@@ -76,7 +76,7 @@ async fn cluster(n: usize) -> Vec<Worker> {
     let mut workers = Vec::new();
     for (rank, t) in tasks.into_iter().enumerate() {
         let agent = t.await.unwrap();
-        let dist = Dist::new(&agent, CandleEngine::new());
+        let dist = Dist::new(&agent, CandleEngine::new()).unwrap();
         let p = param(rank);
         // hop(route): tanh(h * p + p) here, then on along `route`, doubled on the way back.
         let pp = p.clone();
@@ -97,32 +97,38 @@ async fn cluster(n: usize) -> Vec<Worker> {
                     Ok(((), vec![(z * 2.0).unwrap()]))
                 }
             },
-        );
+        )
+        .unwrap();
         dist.register_method(
             "forward",
             |_call: AutogradCall<CandleEngine>, layer: Arc<Layer>, (): (), ts: Vec<CTensor>| async move {
                 Ok(((), vec![hop(&ts[0], &layer.weight)]))
             },
-        );
+        ).unwrap();
         // A parameter server's parameter, with the values of this rank's, and its forward.
         agent
             .functions()
             .register("make_parameter", move |(): ()| async move {
                 Ok::<_, String>(Parameter::new(&CandleEngine::new(), param(rank)))
-            });
+            })
+            .unwrap();
         dist.register_method(
             "param_forward",
             |_call: AutogradCall<CandleEngine>,
              p: Arc<Parameter<CandleEngine>>,
              (): (),
              ts: Vec<CTensor>| async move { Ok(((), vec![hop(&ts[0], p.tensor())])) },
-        );
-        agent.functions().register_method(
-            "param_values",
-            |p: Arc<Parameter<CandleEngine>>, (): ()| async move {
-                Ok::<_, String>(values(p.tensor()))
-            },
-        );
+        )
+        .unwrap();
+        agent
+            .functions()
+            .register_method(
+                "param_values",
+                |p: Arc<Parameter<CandleEngine>>, (): ()| async move {
+                    Ok::<_, String>(values(p.tensor()))
+                },
+            )
+            .unwrap();
         // A value made by `remote` in a context: it keeps a tensor computed from the caller's.
         let pp = p.clone();
         dist.register_remote(
@@ -135,12 +141,16 @@ async fn cluster(n: usize) -> Vec<Worker> {
                     })
                 }
             },
-        );
+        )
+        .unwrap();
         let pp = p.clone();
-        agent.functions().register("make_layer", move |(): ()| {
-            let weight = pp.clone();
-            async move { Ok::<_, String>(Layer { weight }) }
-        });
+        agent
+            .functions()
+            .register("make_layer", move |(): ()| {
+                let weight = pp.clone();
+                async move { Ok::<_, String>(Layer { weight }) }
+            })
+            .unwrap();
         workers.push(Worker {
             agent,
             dist,

@@ -125,7 +125,7 @@ fn values(t: &CTensor) -> Result<Vec<f32>> {
 }
 
 /// The autograd functions every worker registers.
-fn register(dist: &DistAutograd<CandleEngine>) {
+fn register(dist: &DistAutograd<CandleEngine>) -> Result<()> {
     dist.register_method(
         "layer",
         |_call: AutogradCall<CandleEngine>,
@@ -135,7 +135,7 @@ fn register(dist: &DistAutograd<CandleEngine>) {
             let x = ts.first().ok_or("no input")?;
             Ok(((), vec![layer2(x, p.tensor()).map_err(|e| e.to_string())?]))
         },
-    );
+    )?;
     dist.register_method(
         "layer1",
         |_call: AutogradCall<CandleEngine>,
@@ -145,7 +145,7 @@ fn register(dist: &DistAutograd<CandleEngine>) {
             let x = ts.first().ok_or("no input")?;
             Ok(((), vec![layer1(x, p.tensor()).map_err(|e| e.to_string())?]))
         },
-    );
+    )?;
     // The worker's part of the chain: it calls the parameter server itself.
     dist.register(
         "chain",
@@ -160,7 +160,8 @@ fn register(dist: &DistAutograd<CandleEngine>) {
             let h2 = out[0].affine(0.5, 0.0).map_err(|e| e.to_string())?;
             Ok(((), vec![h2]))
         },
-    );
+    )?;
+    Ok(())
 }
 
 /// Runs one worker of the demo (rank and world from the environment); the trainer returns its
@@ -179,7 +180,7 @@ pub async fn worker(steps: usize) -> Result<Option<Report>> {
     functions.register("make_param", |i: usize| async move {
         let t = var(w_init(i)).map_err(|e| e.to_string())?;
         Ok::<_, String>(Parameter::new(&CandleEngine::new(), t))
-    });
+    })?;
     let agent = init_rpc(
         name,
         rank,
@@ -190,8 +191,8 @@ pub async fn worker(steps: usize) -> Result<Option<Report>> {
         },
     )
     .await?;
-    let dist = DistAutograd::new(&agent, CandleEngine::new());
-    register(&dist);
+    let dist = DistAutograd::new(&agent, CandleEngine::new())?;
+    register(&dist)?;
     // A parameter's gradient in a context, read on its owner.
     let d = dist.clone();
     agent.functions().register_method(
@@ -206,7 +207,7 @@ pub async fn worker(steps: usize) -> Result<Option<Report>> {
                 g.to_vec1::<f32>().map_err(|e| e.to_string())
             }
         },
-    );
+    )?;
     agent
         .barrier("autograd-demo", Duration::from_secs(60))
         .await?;

@@ -160,7 +160,7 @@ async fn start(scenario: &str) -> Result<(Agent, Dist, CTensor, usize), String> 
         inner: CandleEngine::new(),
         hang: scenario == "kill" && rank == 2,
     };
-    let dist = Dist::new(&agent, engine);
+    let dist = Dist::new(&agent, engine).map_err(|e| e.to_string())?;
     let p = param(rank);
     let pp = p.clone();
     dist.register(
@@ -180,48 +180,59 @@ async fn start(scenario: &str) -> Result<(Agent, Dist, CTensor, usize), String> 
                 Ok(((), vec![(z * 2.0).unwrap()]))
             }
         },
-    );
+    )
+    .expect("registered once");
     dist.register_method(
         "forward",
         |_call: AutogradCall<Engine>, layer: Arc<Layer>, (): (), ts: Vec<CTensor>| async move {
             Ok(((), vec![hop(&ts[0], &layer.0)]))
         },
-    );
+    )
+    .expect("registered once");
     let pp = p.clone();
-    agent.functions().register("make_layer", move |(): ()| {
-        let p = pp.clone();
-        async move { Ok::<_, String>(Layer(p)) }
-    });
+    agent
+        .functions()
+        .register("make_layer", move |(): ()| {
+            let p = pp.clone();
+            async move { Ok::<_, String>(Layer(p)) }
+        })
+        .expect("registered once");
     // Checks this worker's gradient in a context against the one-engine computation.
     let (d, pp, me) = (dist.clone(), p.clone(), rank);
-    agent.functions().register(
-        "check",
-        move |(context, case, scale): (ContextId, String, f64)| {
-            let (d, p) = (d.clone(), pp.clone());
-            async move {
-                let (_, want) = local(&case, scale);
-                // A worker the case never reached holds no context and expects no gradient.
-                let got = match d.gradients(context) {
-                    Some(g) => g.get(&p.id()).map(|t| t.to_vec1::<f32>().unwrap()),
-                    None if want[me].is_none() => None,
-                    None => return Err(format!("w{me} does not hold {context}")),
-                };
-                match (&got, &want[me]) {
-                    (Some(g), Some(w)) if close(g, w) => Ok(()),
-                    (None, None) => Ok(()),
-                    _ => Err(format!(
-                        "w{me} {case}: gradient {got:?}, expected {:?}",
-                        want[me]
-                    )),
+    agent
+        .functions()
+        .register(
+            "check",
+            move |(context, case, scale): (ContextId, String, f64)| {
+                let (d, p) = (d.clone(), pp.clone());
+                async move {
+                    let (_, want) = local(&case, scale);
+                    // A worker the case never reached holds no context and expects no gradient.
+                    let got = match d.gradients(context) {
+                        Some(g) => g.get(&p.id()).map(|t| t.to_vec1::<f32>().unwrap()),
+                        None if want[me].is_none() => None,
+                        None => return Err(format!("w{me} does not hold {context}")),
+                    };
+                    match (&got, &want[me]) {
+                        (Some(g), Some(w)) if close(g, w) => Ok(()),
+                        (None, None) => Ok(()),
+                        _ => Err(format!(
+                            "w{me} {case}: gradient {got:?}, expected {:?}",
+                            want[me]
+                        )),
+                    }
                 }
-            }
-        },
-    );
+            },
+        )
+        .expect("registered once");
     let d = dist.clone();
-    agent.functions().register("context_count", move |(): ()| {
-        let d = d.clone();
-        async move { Ok::<_, String>(d.context_count()) }
-    });
+    agent
+        .functions()
+        .register("context_count", move |(): ()| {
+            let d = d.clone();
+            async move { Ok::<_, String>(d.context_count()) }
+        })
+        .expect("registered once");
     agent
         .barrier("autograd-setup", Duration::from_secs(60))
         .await
@@ -417,15 +428,18 @@ async fn kill() -> Result<(), String> {
     if rank == 1 {
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let tx = std::sync::Mutex::new(Some(tx));
-        agent.functions().register("done", move |(): ()| {
-            let tx = tx.lock().unwrap().take();
-            async move {
-                if let Some(tx) = tx {
-                    let _ = tx.send(());
+        agent
+            .functions()
+            .register("done", move |(): ()| {
+                let tx = tx.lock().unwrap().take();
+                async move {
+                    if let Some(tx) = tx {
+                        let _ = tx.send(());
+                    }
+                    Ok::<_, String>(())
                 }
-                Ok::<_, String>(())
-            }
-        });
+            })
+            .expect("registered once");
         let _ = tokio::time::timeout(Duration::from_secs(90), rx).await;
     }
     if rank == 2 {
@@ -513,7 +527,8 @@ async fn violation() -> Result<(), String> {
                     }
                     Ok::<_, String>(())
                 }
-            });
+            })
+            .expect("registered once");
     }
     agent
         .barrier("attacked", Duration::from_secs(60))
