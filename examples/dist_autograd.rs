@@ -15,12 +15,11 @@
 //! Without `RANK` in the environment it starts the three processes itself (copies of this
 //! program, on 127.0.0.1); under `tensorwire launch --nproc 3` each process is one worker.
 
-use anyhow::Result;
 use tensorwire_cli::autograd_demo;
 
 const STEPS: usize = 8;
 
-fn main() -> Result<()> {
+fn main() -> Result<(), autograd_demo::Error> {
     if std::env::var_os("RANK").is_some() {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .enable_all()

@@ -21,7 +21,18 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Context, Result};
+/// The demo's error: whatever went wrong, as text with its source.
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+type Result<T> = std::result::Result<T, Error>;
+
+/// `what` as an error, when `x` is `None` or an error.
+fn need<T, E: std::fmt::Display>(x: std::result::Result<T, E>, what: &str) -> Result<T> {
+    x.map_err(|e| format!("{what}: {e}").into())
+}
+
+fn some<T>(x: Option<T>, what: &str) -> Result<T> {
+    x.ok_or_else(|| what.into())
+}
 use serde::{Deserialize, Serialize};
 use tensorwire::autograd_candle::candle_core::{self, Device, Tensor as CTensor, Var};
 use tensorwire::autograd_candle::CandleEngine;
@@ -156,16 +167,13 @@ fn register(dist: &DistAutograd<CandleEngine>) -> Result<()> {
 /// Runs one worker of the demo (rank and world from the environment); the trainer returns its
 /// report.
 pub async fn worker(steps: usize) -> Result<Option<Report>> {
-    let rank: usize = std::env::var("RANK")
-        .context("RANK is not set")?
-        .parse()
-        .context("RANK")?;
-    let world: usize = std::env::var("WORLD_SIZE")
-        .context("WORLD_SIZE is not set")?
-        .parse()
-        .context("WORLD_SIZE")?;
+    let rank: usize = need(need(std::env::var("RANK"), "RANK")?.parse(), "RANK")?;
+    let world: usize = need(
+        need(std::env::var("WORLD_SIZE"), "WORLD_SIZE")?.parse(),
+        "WORLD_SIZE",
+    )?;
     if world != 3 {
-        return Err(anyhow!("the demo runs on 3 workers, not {world}"));
+        return Err(format!("the demo runs on 3 workers, not {world}").into());
     }
     let name = ["ps", "trainer", "worker"][rank];
     let functions = Functions::new();
@@ -259,7 +267,7 @@ async fn train(
             loss_first = loss;
             for (i, p) in params.iter().enumerate() {
                 let got: Vec<f32> = p.rpc_sync("grad", &ctx.id(), None).await?;
-                let want = values(grads.get(&local[i]).context("a local gradient")?)?;
+                let want = values(some(grads.get(&local[i]), "a local gradient")?)?;
                 for (g, w) in got.iter().zip(&want) {
                     max_grad_diff = max_grad_diff.max((g - w).abs());
                 }
@@ -270,8 +278,8 @@ async fn train(
         ctx.release().await?;
         for (i, p) in local.iter().enumerate() {
             let mut v = values(p)?;
-            let g = values(grads.get(p).context("a local gradient")?)?;
-            OPTIMIZER.step(&mut states[i], &mut v, &g)?;
+            let g = values(some(grads.get(p), "a local gradient")?)?;
+            need(OPTIMIZER.step(&mut states[i], &mut v, &g), "local step")?;
             Var::from_tensor(p)?.set(&CTensor::from_vec(v, DIM, &Device::Cpu)?)?;
         }
     }
@@ -312,12 +320,12 @@ pub fn run_local(exe: &str, args: &[String]) -> Result<Report> {
                 .env("TENSORWIRE_SECRET", &secret)
                 .stdout(Stdio::piped())
                 .spawn()
-                .with_context(|| format!("starting {exe}"))?,
+                .map_err(|e| format!("starting {exe}: {e}"))?,
         );
     }
     let mut report = None;
     for (rank, child) in children.iter_mut().enumerate() {
-        let out = child.stdout.take().context("a worker's output")?;
+        let out = some(child.stdout.take(), "a worker's output")?;
         for line in BufReader::new(out).lines() {
             let line = line?;
             match line.strip_prefix("REPORT ") {
@@ -329,8 +337,8 @@ pub fn run_local(exe: &str, args: &[String]) -> Result<Report> {
     for (rank, mut child) in children.into_iter().enumerate() {
         let status = child.wait()?;
         if !status.success() {
-            return Err(anyhow!("worker {rank} failed: {status}"));
+            return Err(format!("worker {rank} failed: {status}").into());
         }
     }
-    report.ok_or_else(|| anyhow!("the trainer printed no report"))
+    some(report, "the trainer printed no report")
 }

@@ -229,6 +229,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
     /// Sets up distributed autograd on `agent` with `engine`. Registers the internal functions
     /// it needs on every worker; every worker taking part must call it (before the others
     /// send it anything in a context). The gradient requests use the agent's RPC timeout.
+    /// Setting it up twice on one agent is an error (its functions are registered already).
     pub fn new(agent: &Agent, engine: E) -> Result<Self, RpcError> {
         let inner = Arc::new(Inner {
             agent: agent.clone(),
@@ -331,6 +332,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
     /// Registers `name` as a function that takes part in autograd contexts: it gets its
     /// arguments, the caller's tracked tensors (with recv functions attached) and an
     /// [`AutogradCall`], and returns its result and the tracked tensors of the result.
+    /// Registering a name twice is an error.
     pub fn register<A, R, F, Fut>(&self, name: &str, f: F) -> Result<(), RpcError>
     where
         A: DeserializeOwned + Send + 'static,
@@ -353,8 +355,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
                     inner.respond(req.context, caller, out, result)
                 }
             },
-        )?;
-        Ok(())
+        )
     }
 
     /// Registers `name` as a method on values of type `T` (held in [`RRef`]s) that takes part
@@ -383,8 +384,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
                     inner.respond(req.context, caller, out, result)
                 }
             },
-        )?;
-        Ok(())
+        )
     }
 
     /// Registers `name` as a constructor of values kept on this worker for
@@ -410,8 +410,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
                     f(AutogradCall { call: cx, context }, req.args, tracked).await
                 }
             },
-        )?;
-        Ok(())
+        )
     }
 
     /// The gradients this worker holds in `context` (see [`AutogradContext::gradients`]), for a

@@ -181,14 +181,14 @@ async fn start(scenario: &str) -> Result<(Agent, Dist, CTensor, usize), String> 
             }
         },
     )
-    .map_err(|e| e.to_string())?;
+    .expect("registered once");
     dist.register_method(
         "forward",
         |_call: AutogradCall<Engine>, layer: Arc<Layer>, (): (), ts: Vec<CTensor>| async move {
             Ok(((), vec![hop(&ts[0], &layer.0)]))
         },
     )
-    .map_err(|e| e.to_string())?;
+    .expect("registered once");
     let pp = p.clone();
     agent
         .functions()
@@ -196,7 +196,7 @@ async fn start(scenario: &str) -> Result<(Agent, Dist, CTensor, usize), String> 
             let p = pp.clone();
             async move { Ok::<_, String>(Layer(p)) }
         })
-        .map_err(|e| e.to_string())?;
+        .expect("registered once");
     // Checks this worker's gradient in a context against the one-engine computation.
     let (d, pp, me) = (dist.clone(), p.clone(), rank);
     agent
@@ -224,7 +224,7 @@ async fn start(scenario: &str) -> Result<(Agent, Dist, CTensor, usize), String> 
                 }
             },
         )
-        .map_err(|e| e.to_string())?;
+        .expect("registered once");
     let d = dist.clone();
     agent
         .functions()
@@ -232,7 +232,7 @@ async fn start(scenario: &str) -> Result<(Agent, Dist, CTensor, usize), String> 
             let d = d.clone();
             async move { Ok::<_, String>(d.context_count()) }
         })
-        .map_err(|e| e.to_string())?;
+        .expect("registered once");
     agent
         .barrier("autograd-setup", Duration::from_secs(60))
         .await
@@ -439,7 +439,7 @@ async fn kill() -> Result<(), String> {
                     Ok::<_, String>(())
                 }
             })
-            .map_err(|e| e.to_string())?;
+            .expect("registered once");
         let _ = tokio::time::timeout(Duration::from_secs(90), rx).await;
     }
     if rank == 2 {
@@ -528,7 +528,7 @@ async fn violation() -> Result<(), String> {
                     Ok::<_, String>(())
                 }
             })
-            .map_err(|e| e.to_string())?;
+            .expect("registered once");
     }
     agent
         .barrier("attacked", Duration::from_secs(60))
