@@ -239,6 +239,7 @@ pub(crate) struct Inner {
     device_maps: DeviceMaps,
     pub(crate) rendezvous: Mutex<Option<Rendezvous>>,
     tasks: Mutex<Tasks>,
+    pub(crate) metrics: crate::metrics::AgentMetrics,
 }
 
 /// Every task the agent runs, so that shutdown can end them and wait until they have ended
@@ -557,6 +558,7 @@ impl Agent {
             wake: Notify::new(),
             store: Mutex::new(Some(Arc::clone(&rdv.store))),
             device_maps: options.device_maps.clone(),
+            metrics: crate::metrics::AgentMetrics::new(name),
             rendezvous: Mutex::new(None),
             tasks: Mutex::new(Tasks::default()),
         });
@@ -1194,7 +1196,11 @@ impl Agent {
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
         let (tx, rx) = oneshot::channel();
-        if prepared.on_host() {
+        let bytes = crate::metrics::message_bytes(
+            prepared.data.len(),
+            prepared.tensors.iter().map(|t| &t.0),
+        );
+        let id = if prepared.on_host() {
             let body = Body {
                 target,
                 data: prepared.data,
@@ -1206,6 +1212,7 @@ impl Agent {
                 .call(to, function, body, timeout, Instant::now())
                 .map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
+            id
         } else {
             // Device tensors are copied to host memory first. The call takes its place now
             // (id, deadline, order among our messages to `to`) and goes out when they are.
@@ -1219,14 +1226,14 @@ impl Agent {
                 id
             };
             self.supply_when_copied(id, to, target, prepared);
-        }
+            id
+        };
         self.pump();
-        Ok(RpcFuture::new(
-            self.clone(),
-            rx,
-            self.name_of(to),
-            function.to_owned(),
-        ))
+        let future = RpcFuture::new(self.clone(), rx, self.name_of(to), function.to_owned());
+        Ok(self
+            .inner
+            .metrics
+            .call(self, to, function, id, bytes, future))
     }
 
     /// Undoes the forks made for `to` by an encode whose bytes will not be sent.
@@ -1322,6 +1329,11 @@ impl Agent {
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
         let (tx, rx) = oneshot::channel();
+        let bytes = crate::metrics::message_bytes(
+            prepared.data.len(),
+            prepared.tensors.iter().map(|t| &t.0),
+        );
+        self.inner.metrics.remote(self, to, function, bytes);
         let handle = if prepared.on_host() {
             let body = Body {
                 target,
@@ -2248,7 +2260,8 @@ pub(crate) async fn drive(agent: Agent) {
 
 /// The result of [`Agent::rpc_async`]: await it for the callee's result.
 pub struct RpcFuture<R> {
-    inner: std::pin::Pin<Box<dyn std::future::Future<Output = Result<R, RpcError>> + Send>>,
+    pub(crate) inner:
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<R, RpcError>> + Send>>,
 }
 
 impl<R: DeserializeOwned + Send + 'static> RpcFuture<R> {
