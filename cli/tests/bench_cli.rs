@@ -57,7 +57,17 @@ fn bench_transport_quic_says_it_is_not_built_in() {
 
 #[test]
 fn bench_rpc_writes_every_key() {
-    let dir = std::env::temp_dir().join(format!("tw-bench-rpc-{}", std::process::id()));
+    bench_rpc_over("tcp");
+}
+
+/// The agent over shared memory (`--transport shm`), against the same raw TCP baseline.
+#[test]
+fn bench_rpc_over_shared_memory_writes_every_key() {
+    bench_rpc_over("shm");
+}
+
+fn bench_rpc_over(transport: &str) {
+    let dir = std::env::temp_dir().join(format!("tw-bench-rpc-{transport}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("rpc.json");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tensorwire"))
@@ -72,6 +82,8 @@ fn bench_rpc_writes_every_key() {
             "50",
             "--tensor-64mib",
             "1",
+            "--transport",
+            transport,
             "--json",
         ])
         .arg(&json)
@@ -105,7 +117,42 @@ fn bench_rpc_writes_every_key() {
             .unwrap()
             > 0.0
     );
-    assert_eq!(v["transport"], "tcp");
+    assert_eq!(v["transport"], transport);
+    assert_eq!(v["raw_baseline"], "process");
+}
+
+/// `bench store`: the rendezvous of 200 clients from this process finishes and is reported.
+#[test]
+fn bench_store_reports_the_rendezvous() {
+    let dir = std::env::temp_dir().join(format!("tw-bench-store-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("store.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args([
+            "bench",
+            "store",
+            "--clients",
+            "1,200",
+            "--timeout",
+            "60",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for n in [1, 200] {
+        let s = v[format!("clients_{n}")]["rendezvous_s"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("clients_{n} missing: {v}"));
+        assert!(s.is_finite() && s > 0.0, "{n}: {s}");
+    }
 }
 
 #[cfg(feature = "quic")]

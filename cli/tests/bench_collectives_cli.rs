@@ -13,6 +13,7 @@ fn bench_collectives_writes_every_key() {
         .arg(&file)
         .args(["--small-iters", "20", "--large-iters", "2"])
         .args(["--rendezvous-world", "4", "--timeout", "60"])
+        .args(["--transport", "shm"])
         .output()
         .unwrap();
     assert!(
@@ -53,6 +54,8 @@ fn bench_collectives_writes_every_key() {
         assert!(x > 0.0 && x.is_finite(), "{key} = {x}");
     }
     assert!(v["targets_met"]["barrier_w2 <= 1.5x pingpong"].is_boolean());
+    assert_eq!(v["raw_baseline"], "process");
+    assert_eq!(v["transport"], "shm");
 
     // A world of one is refused with a clear message.
     let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))

@@ -97,11 +97,41 @@ impl std::fmt::Debug for TcpStoreServer {
     }
 }
 
+/// Listens on `addr` with the deepest backlog the system allows (as `TcpListener::bind`
+/// otherwise: `SO_REUSEADDR` on Unix).
+fn listen_deep(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    #[cfg(unix)]
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    // The kernel caps it at net.core.somaxconn.
+    socket.listen(65_535)
+}
+
 impl TcpStoreServer {
     /// Binds `addr` (port 0 picks a free port) and starts serving in the background.
+    ///
+    /// The listen backlog is as deep as the system allows (`net.core.somaxconn`), not tokio's
+    /// 1024: thousands of ranks connect at once at a rendezvous, and a connection that finds the
+    /// queue full is retried by the kernel only after a second.
     pub async fn bind(addr: impl ToSocketAddrs, config: ServerConfig) -> std::io::Result<Self> {
-        let listener = TcpListener::bind(addr).await?;
-        Ok(Self::serve(listener, config))
+        let mut last = None;
+        for addr in tokio::net::lookup_host(addr).await? {
+            match listen_deep(addr) {
+                Ok(listener) => return Ok(Self::serve(listener, config)),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "the address resolved to nothing",
+            )
+        }))
     }
 
     /// Serves on an already bound listener.

@@ -167,6 +167,9 @@ impl std::fmt::Debug for ShmConnection {
     }
 }
 
+/// Checks of the ring between two yields to the runtime while polling.
+const POLLS_PER_YIELD: usize = 64;
+
 /// Wakes the other side if it said it sleeps (the flag), through its eventfd.
 fn wake(flag: &AtomicU32, efd: &OwnedFd) {
     // Pairs with the fence in `wait`: either the sleeper sees our update, or we see its flag.
@@ -242,6 +245,11 @@ impl ShmConnection {
         // the core over (`sched_yield`) until `spin` is up. With one core to run on (`taskset -c
         // 0`), polling would only keep the peer from running: yield from the start. Then sleep
         // on the eventfd.
+        //
+        // Polling never holds the runtime's thread for long: every `POLLS_PER_YIELD` checks the
+        // task yields to the runtime, so that the other tasks of the thread (an RPC handler that
+        // is about to answer, a sender) run while this one waits. Without that, a reader task
+        // waiting here would hold a current-thread runtime for the whole `spin` on every frame.
         let start = Instant::now();
         let busy = match (self.one_core, self.spin_paid.load(Ordering::Relaxed)) {
             (true, _) => Duration::ZERO,
@@ -249,11 +257,14 @@ impl ShmConnection {
             (false, false) => self.spin / 8,
         };
         while start.elapsed() < busy {
-            if ready() || self.shared.is_dead() {
-                self.spin_paid.store(true, Ordering::Relaxed);
-                return Ok(());
+            for _ in 0..POLLS_PER_YIELD {
+                if ready() || self.shared.is_dead() {
+                    self.spin_paid.store(true, Ordering::Relaxed);
+                    return Ok(());
+                }
+                std::hint::spin_loop();
             }
-            std::hint::spin_loop();
+            tokio::task::yield_now().await;
         }
         self.spin_paid.store(false, Ordering::Relaxed);
         while start.elapsed() < self.spin {
@@ -261,6 +272,7 @@ impl ShmConnection {
                 return Ok(());
             }
             std::thread::yield_now();
+            tokio::task::yield_now().await;
         }
         loop {
             let notified = self.shared.notify.notified();

@@ -38,6 +38,8 @@ enum Bench {
     /// Process-group collectives of local processes against raw TCP (see
     /// `bench_collectives`).
     Collectives(super::bench_collectives::CollectivesArgs),
+    /// A rendezvous-shaped load on the store server from one process holding N connections.
+    Store(super::bench_store::StoreArgs),
     /// One rank of `bench collectives` (started by it).
     #[command(hide = true)]
     CollectivesWorker(super::bench_collectives::WorkerArgs),
@@ -98,6 +100,7 @@ pub(crate) fn run(args: Args) -> ExitCode {
         Bench::Rpc(a) => super::bench_rpc::bench_rpc(&a),
         Bench::Collectives(a) => super::bench_collectives::run(&a),
         Bench::CollectivesWorker(a) => super::bench_collectives::worker(&a),
+        Bench::Store(a) => super::bench_store::run(&a),
         Bench::RawEcho(a) => raw_echo(&a),
     };
     match result {

@@ -61,6 +61,10 @@ pub(crate) struct CollectivesArgs {
     /// Bound on each collective and on each group's run, in seconds.
     #[arg(long, default_value_t = 120)]
     timeout: u64,
+    /// The transport between the ranks (`TENSORWIRE_TRANSPORT`): `tcp` or `shm` force it,
+    /// `auto` lets the group choose (shared memory on one host).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm", "auto"])]
+    transport: String,
 }
 
 /// Arguments of the hidden worker subcommand (environment: `env://` variables).
@@ -177,6 +181,7 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
     let pingpong = median_us(pings);
     out.insert("raw_tcp_pingpong_p50_us".into(), json!(pingpong));
     out.insert("raw_baseline".into(), json!("process"));
+    out.insert("transport".into(), json!(args.transport));
 
     let get = |k: &str| out.get(k).and_then(Value::as_f64);
     let mut ratios = Map::new();
@@ -232,6 +237,19 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
             "all_gather_w8_1MiB <= 1.5x raw bulk of 8x7MiB".into(),
             json!(r <= 1.5),
         );
+    }
+    if args.transport == "shm" {
+        // Over shared memory (issue 12): against the same raw TCP baselines.
+        let ratio = |k: &str| ratios.get(k).and_then(Value::as_f64);
+        if let Some(r) = ratio("barrier_w8_over_pingpong") {
+            targets.insert("shm: barrier_w8 <= 4x pingpong".into(), json!(r <= 4.0));
+        }
+        if let Some(r) = ratio("all_gather_w8_1MiB_over_raw_bulk") {
+            targets.insert(
+                "shm: all_gather_w8_1MiB <= 0.5x raw bulk of 8x7MiB".into(),
+                json!(r <= 0.5),
+            );
+        }
     }
     if let Some(ms) = get("rendezvous_barrier_w32_ms") {
         targets.insert(
@@ -301,6 +319,7 @@ fn start_worker(
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", world.to_string())
         .env("TENSORWIRE_SECRET", secret)
+        .env("TENSORWIRE_TRANSPORT", &args.transport)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -19,11 +19,16 @@ use tensorwire_rpc::{init_rpc, Functions, RRef, RpcOptions};
 use super::bench::{mbps, median, percentile, progress, write_json, Raw, MIB};
 
 /// Arguments of `tensorwire bench rpc`.
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub(crate) struct RpcArgs {
-    /// The transport the agent uses (only TCP so far).
-    #[arg(long, default_value = "tcp", value_parser = ["tcp"])]
+    /// The transport the agent uses: `tcp` and `shm` force that transport
+    /// (`TENSORWIRE_TRANSPORT`), `auto` lets the agent choose (shared memory on one host), `quic`
+    /// runs the QUIC backend (feature `quic`; a throw-away cluster CA).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm", "auto", "quic"])]
     transport: String,
+    /// The folder of the throw-away QUIC cluster CA (set by the benchmark for its callee).
+    #[arg(long, hide = true)]
+    tls_dir: Option<PathBuf>,
     /// Write the results as one JSON object to this file (else to standard output).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -61,14 +66,42 @@ fn functions() -> Functions {
     f
 }
 
-fn options(port: u16, rank: usize, secret: &[u8]) -> RpcOptions {
-    RpcOptions {
+fn options(port: u16, rank: usize, secret: &[u8], args: &RpcArgs) -> RpcOptions {
+    let mut options = RpcOptions {
         init_method: format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=2"),
         init_timeout: Duration::from_secs(30),
         secret: Some(secret.to_vec()),
         functions: functions(),
         ..RpcOptions::default()
+    };
+    if args.transport == "quic" {
+        options.backend = "QUIC".into();
+        options.tls_dir = args.tls_dir.clone();
     }
+    options
+}
+
+/// Makes the agent of this process use the transport `args` asks for: `TENSORWIRE_TRANSPORT`
+/// for the TCP backend's selection (the callee inherits it), a fresh cluster CA for QUIC.
+fn choose_transport(args: &mut RpcArgs) -> Result<()> {
+    match args.transport.as_str() {
+        // Set before any runtime or thread exists.
+        "tcp" | "shm" | "auto" => std::env::set_var("TENSORWIRE_TRANSPORT", &args.transport),
+        #[cfg(feature = "quic")]
+        _ => {
+            let dir =
+                std::env::temp_dir().join(format!("tensorwire-bench-quic-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            tensorwire_transport_quic::certs::ClusterCa::load_or_generate(&dir)?;
+            args.tls_dir = Some(dir);
+        }
+        #[cfg(not(feature = "quic"))]
+        _ => bail!(
+            "QUIC not built in: this tensorwire was built without the `quic` feature; rebuild \
+             with `--features quic` or use --transport tcp"
+        ),
+    }
+    Ok(())
 }
 
 /// A runtime with `threads` workers; 1 means tokio's current-thread runtime (every task of the
@@ -98,7 +131,13 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
     if let Some(port) = args.serve {
         let secret = secret.context("the callee needs TENSORWIRE_BENCH_SECRET")?;
         return runtime(args.threads)?.block_on(async move {
-            let agent = init_rpc("callee", 1, Some(2), options(port, 1, secret.as_bytes())).await?;
+            let agent = init_rpc(
+                "callee",
+                1,
+                Some(2),
+                options(port, 1, secret.as_bytes(), args),
+            )
+            .await?;
             agent.shutdown(true, Duration::from_secs(600)).await?;
             Ok(())
         });
@@ -109,6 +148,9 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
         );
     }
 
+    let mut args = args.clone();
+    choose_transport(&mut args)?;
+    let args = &args;
     // The raw baseline: blocking sockets to an echo *process* (the shape of the agent's two
     // processes), in blocks that alternate with the agent's, so that both see the same load.
     let mut raw = Raw::start_process(&[64 * MIB]).context("raw TCP baseline")?;
@@ -124,9 +166,16 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
             "rpc",
             "--threads",
             &args.threads.to_string(),
+            "--transport",
+            &args.transport,
             "--serve",
             &port.to_string(),
         ])
+        .args(
+            args.tls_dir
+                .iter()
+                .flat_map(|d| [std::ffi::OsStr::new("--tls-dir"), d.as_os_str()]),
+        )
         .env("TENSORWIRE_BENCH_SECRET", &secret)
         .stdin(Stdio::null())
         .spawn()
@@ -135,6 +184,9 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
     let result = runtime(args.threads)?.block_on(measure(args, port, secret.as_bytes(), &mut raw));
     let status = callee.wait()?;
     raw.finish()?;
+    if let Some(dir) = &args.tls_dir {
+        let _ = std::fs::remove_dir_all(dir);
+    }
     let (mut out, mut raw_ping, raw_bulk) = result?;
     if !status.success() {
         bail!("the callee process failed ({status})");
@@ -163,7 +215,7 @@ const BLOCKS: usize = 10;
 type Measured = (Map<String, Value>, Vec<Duration>, f64);
 
 async fn measure(args: &RpcArgs, port: u16, secret: &[u8], raw: &mut Raw) -> Result<Measured> {
-    let agent = init_rpc("caller", 0, Some(2), options(port, 0, secret)).await?;
+    let agent = init_rpc("caller", 0, Some(2), options(port, 0, secret, args)).await?;
     let mut out = Map::new();
 
     let bar = progress(5, "rpc_sync / raw ping-pong");

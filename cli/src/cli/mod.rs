@@ -3,6 +3,7 @@
 pub(crate) mod bench;
 pub(crate) mod bench_collectives;
 pub(crate) mod bench_rpc;
+pub(crate) mod bench_store;
 pub(crate) mod demo;
 pub(crate) mod launch;
 pub(crate) mod store;

@@ -131,11 +131,17 @@ pub(crate) fn run(args: Args) -> ExitCode {
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .try_init();
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    // The server on one thread, as PyTorch's libuv store: a request is a read, a map lookup and a
+    // write, so the cost is system calls and wake-ups, which a second worker thread only adds to
+    // (hand-overs between threads) on a loaded machine.
+    let mut builder = if matches!(args.command, Command::Serve { .. }) {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(2);
+        b
+    };
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
