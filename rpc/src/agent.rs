@@ -33,6 +33,7 @@ use tensorwire_process_group::{rendezvous, Rendezvous, RendezvousOptions};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::{debug, info, warn};
 
+use crate::clock::{Clock, TokioClock};
 use crate::codec::{self, Envelope, Hello};
 use crate::error::RpcError;
 use crate::functions::{Functions, HandlerError, Invocation, Value};
@@ -239,6 +240,8 @@ pub(crate) struct Inner {
     device_maps: DeviceMaps,
     pub(crate) rendezvous: Mutex<Option<Rendezvous>>,
     tasks: Mutex<Tasks>,
+    /// The one clock the driver reads time from and sleeps on.
+    clock: Arc<dyn Clock>,
 }
 
 /// Every task the agent runs, so that shutdown can end them and wait until they have ended
@@ -397,7 +400,7 @@ pub async fn start_agent(
     let Some(world_size) = world_size else {
         return crate::dynamic::join(transport, rdv, name, rank, options).await;
     };
-    let started = Instant::now();
+    let started = tokio::time::Instant::now();
     let (listener, records) =
         match exchange_records(&*transport, &rdv, name, rank, world_size, &options).await {
             Ok(exchanged) => exchanged,
@@ -558,6 +561,7 @@ impl Agent {
             device_maps: options.device_maps.clone(),
             rendezvous: Mutex::new(None),
             tasks: Mutex::new(Tasks::default()),
+            clock: Arc::new(TokioClock),
         });
         Agent { inner }
     }
@@ -791,7 +795,7 @@ pub(crate) async fn connect_with_retry(
     addr: SocketAddr,
     limit: Duration,
 ) -> Result<Box<dyn Connection>, String> {
-    let deadline = Instant::now() + limit;
+    let deadline = tokio::time::Instant::now() + limit;
     let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
     loop {
         match transport.connect(addr).await {
@@ -799,7 +803,7 @@ pub(crate) async fn connect_with_retry(
             Err(e @ TransportError::Authentication { .. }) => return Err(e.to_string()),
             Err(e) => {
                 let delay = backoff.next_delay();
-                if Instant::now() + delay > deadline {
+                if tokio::time::Instant::now() + delay > deadline {
                     return Err(e.to_string());
                 }
                 debug!("connect to {addr} failed ({e}); retrying in {delay:?}");
@@ -865,6 +869,11 @@ fn remote_error(
 }
 
 impl Agent {
+    /// The current time, from the agent's one clock (see [`crate::clock`]).
+    pub(crate) fn now(&self) -> Instant {
+        self.inner.clock.now()
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.inner
             .state
@@ -1202,7 +1211,7 @@ impl Agent {
             let mut st = self.lock();
             let id = st
                 .ep
-                .call(to, function, body, timeout, Instant::now())
+                .call(to, function, body, timeout, self.now())
                 .map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
         } else {
@@ -1212,7 +1221,7 @@ impl Agent {
                 let mut st = self.lock();
                 let id = st
                     .ep
-                    .call_deferred(to, function, timeout, Instant::now())
+                    .call_deferred(to, function, timeout, self.now())
                     .map_err(|_| RpcError::NotRunning)?;
                 st.waiters.insert(id, tx);
                 id
@@ -1240,7 +1249,7 @@ impl Agent {
         {
             let mut st = self.lock();
             for f in forks {
-                st.ep.cancel_fork(*f, to, Instant::now());
+                st.ep.cancel_fork(*f, to, self.now());
             }
         }
         self.wake();
@@ -1270,7 +1279,7 @@ impl Agent {
                         },
                     ),
                     Err(e) => {
-                        let now = Instant::now();
+                        let now = agent.now();
                         st.ep.abandon(id, &e.to_string(), now);
                         for f in &prepared.forks {
                             st.ep.cancel_fork(*f, to, now);
@@ -1330,7 +1339,7 @@ impl Agent {
             let mut st = self.lock();
             let (handle, id) = st
                 .ep
-                .remote(to, function, body, timeout, Instant::now())
+                .remote(to, function, body, timeout, self.now())
                 .map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
             handle
@@ -1342,7 +1351,7 @@ impl Agent {
                 let mut st = self.lock();
                 let (handle, id) = st
                     .ep
-                    .remote_deferred(to, function, timeout, Instant::now())
+                    .remote_deferred(to, function, timeout, self.now())
                     .map_err(|_| RpcError::NotRunning)?;
                 st.waiters.insert(id, tx);
                 (handle, id)
@@ -1403,7 +1412,7 @@ impl Agent {
             let mut st = self.lock();
             let id = st
                 .ep
-                .fetch(handle, timeout, Instant::now())
+                .fetch(handle, timeout, self.now())
                 .map_err(|e| self.rref_error(handle, e))?;
             st.waiters.insert(id, tx);
         }
@@ -1776,7 +1785,7 @@ impl Agent {
             let mut st = self.lock();
             st.peers.remove(&peer);
             let reason = format!("{name}: {reason}");
-            st.ep.handle_peer_lost(peer, &reason, Instant::now());
+            st.ep.handle_peer_lost(peer, &reason, self.now());
             st.lost.insert(peer, reason);
             // Forks owned by the lost peer will never be confirmed: their waiters fail.
             for waiters in st.confirm_waiters.values_mut() {
@@ -1818,7 +1827,7 @@ impl Agent {
         let handled = self
             .lock()
             .ep
-            .handle_message(from, envelope.header, body, Instant::now());
+            .handle_message(from, envelope.header, body, self.now());
         self.pump();
         handled.map_err(|violation| format!("broke the RPC protocol: {violation}"))
     }
@@ -1885,7 +1894,7 @@ impl Agent {
                     Some(why) => format!("the connection was lost earlier ({why})"),
                     None => format!("no connection to {}", self.name_of(t.to)),
                 };
-                st.ep.handle_peer_lost(t.to, &reason, Instant::now());
+                st.ep.handle_peer_lost(t.to, &reason, self.now());
             }
         }
     }
@@ -2235,8 +2244,9 @@ pub(crate) async fn drive(agent: Agent) {
             Some(at) => {
                 tokio::select! {
                     () = agent.inner.wake.notified() => {}
-                    () = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => {
-                        agent.lock().ep.handle_timeout(Instant::now());
+                    () = agent.inner.clock.sleep_until(at) => {
+                        let now = agent.now();
+                        agent.lock().ep.handle_timeout(now);
                     }
                 }
             }

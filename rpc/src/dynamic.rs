@@ -10,7 +10,7 @@
 //! its own calls, removes itself from the list under the token and closes its connections; the
 //! others drop it from their membership. Rank 0 hosts the store, so it must stay until the end.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Listener, Transport};
@@ -38,14 +38,14 @@ fn encode_err(what: &str, e: postcard::Error) -> RpcError {
 
 /// Takes the membership token, waiting (bounded) while another worker holds it.
 async fn acquire(store: &dyn Store, name: &str, timeout: Duration) -> Result<(), RpcError> {
-    let deadline = Instant::now() + timeout;
+    let deadline = tokio::time::Instant::now() + timeout;
     let mut delay = Duration::from_millis(1);
     loop {
         let held = store.compare_set(TOKEN, b"", name.as_bytes()).await?;
         if held == name.as_bytes() {
             return Ok(());
         }
-        if Instant::now() + delay > deadline {
+        if tokio::time::Instant::now() + delay > deadline {
             return Err(RpcError::Timeout {
                 what: "waiting for the group's membership token".into(),
                 after: timeout,

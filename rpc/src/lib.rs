@@ -30,11 +30,13 @@
 
 mod agent;
 mod backend;
+pub mod clock;
 mod codec;
 mod dynamic;
 mod error;
 pub mod faults;
 mod functions;
+pub mod memory;
 mod options;
 mod rref;
 mod tensors;
