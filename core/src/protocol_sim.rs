@@ -16,7 +16,13 @@
 //!   the owner unaware of that fork, which PyTorch's protocol shares);
 //! - no message of a normal flow is a [`ProtocolViolation`](crate::protocol::ProtocolViolation);
 //! - at the end, once every reference is dropped: if no worker died, every value was released,
-//!   and every live endpoint is idle.
+//!   and every live endpoint is idle;
+//! - then the cluster shuts down gracefully (every member, or one worker leaving and the rest
+//!   of a dynamic group after it, some calls still in flight, members starting at random
+//!   moments, sometimes one member that never starts): every member's shutdown completes
+//!   exactly once and no later than its deadline; it succeeds whenever every member takes part
+//!   and none died, and otherwise fails naming only workers that were missing (dead or silent;
+//!   a member that gave up passes on whom it waited for).
 //!
 //! A failed check panics with a message naming the seed: `TW_SIM_SEED=<seed>` replays it (see
 //! the crate's tests). [`Cluster::inject`] feeds an arbitrary message from one worker, for
@@ -27,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use crate::protocol::{
     CallError, Endpoint, EndpointConfig, Event, Header, MessageId, RRefForkData, RRefHandle,
-    RRefId, RemoteError, RemoteErrorKind, RequestToken, Transmit, WorkerId,
+    RRefId, RemoteError, RemoteErrorKind, RequestToken, ShutdownError, Transmit, WorkerId,
 };
 
 /// What travels through the simulated endpoints: some bytes and the references passed along.
@@ -97,6 +103,8 @@ struct App {
     resolved: BTreeSet<MessageId>,
     /// Deferred messages whose body is not supplied yet, with their destination.
     deferred: Vec<(MessageId, WorkerId, Body)>,
+    /// Outcomes of this worker's graceful shutdown, with the step they came in.
+    shutdown: Vec<(usize, Result<(), ShutdownError>)>,
 }
 
 /// Counts of what a run did, to show a workload covers what it should.
@@ -119,6 +127,12 @@ pub struct SimStats {
     /// References that arrived inside a reply after its call had ended (see [`Cluster`]'s
     /// notes on what this pins).
     pub lost_in_late_replies: usize,
+    /// Graceful shutdowns (or leaves) that completed.
+    pub shutdowns_ok: usize,
+    /// Graceful shutdowns that failed naming who was missing.
+    pub shutdowns_failed: usize,
+    /// Workers that left a dynamic group.
+    pub leaves: usize,
 }
 
 /// N endpoints, their links, a virtual clock and a model application per worker.
@@ -135,6 +149,8 @@ pub struct Cluster {
     /// References whose fork data arrived in a reply after its call had ended.
     lost: BTreeSet<RRefId>,
     stats: SimStats,
+    /// Counts shutdown steps, to order outcomes.
+    shutdown_step: usize,
 }
 
 const FUNCTIONS: [&str; 4] = ["echo", "fail", "slow", "nested"];
@@ -157,6 +173,7 @@ impl Cluster {
             released: BTreeSet::new(),
             lost: BTreeSet::new(),
             stats: SimStats::default(),
+            shutdown_step: 0,
         }
     }
 
@@ -181,7 +198,7 @@ impl Cluster {
     }
 
     /// Runs a random workload of `steps` steps, then drops every reference and lets the
-    /// cluster settle, checking the promises after every step.
+    /// cluster settle, then shuts it down gracefully, checking the promises after every step.
     pub fn run(&mut self, steps: usize) {
         let mut rng = SimRng::new(self.seed);
         for _ in 0..steps {
@@ -189,6 +206,159 @@ impl Cluster {
             self.check();
         }
         self.finish(&mut rng);
+        self.shut_down(&mut rng);
+    }
+
+    /// The graceful shutdown of the whole cluster (see the module docs).
+    fn shut_down(&mut self, rng: &mut SimRng) {
+        let alive = self.alive();
+        // A dynamic group: one worker leaves first, and membership is whoever is alive.
+        let dynamic = rng.chance(30);
+        if dynamic && alive.len() > 1 {
+            let leaver = alive[rng.below(alive.len())];
+            self.leave(leaver, rng);
+        }
+        let alive = self.alive();
+        let silent = (alive.len() > 1 && rng.chance(20)).then(|| alive[rng.below(alive.len())]);
+        let members: Vec<WorkerId> = if dynamic {
+            alive.clone()
+        } else {
+            (0..self.n()).collect()
+        };
+        let healthy = silent.is_none() && members.iter().all(|m| !self.dead.contains(m));
+        // Some calls still in flight as the shutdown begins.
+        for _ in 0..rng.below(4) {
+            let (w, to) = (alive[rng.below(alive.len())], alive[rng.below(alive.len())]);
+            let function = ["echo", "slow", "nested"][rng.below(3)];
+            self.call(w, to, function, Body::default(), Duration::from_secs(5));
+        }
+        let deadline = self.now + Duration::from_secs(20);
+        let mut to_start: Vec<WorkerId> = alive
+            .iter()
+            .copied()
+            .filter(|w| Some(*w) != silent)
+            .collect();
+        let participants = to_start.clone();
+        loop {
+            self.shutdown_step += 1;
+            match rng.below(10) {
+                0..=2 if !to_start.is_empty() => {
+                    let w = to_start.swap_remove(rng.below(to_start.len()));
+                    self.eps[w as usize]
+                        .begin_graceful_shutdown(members.iter().copied(), Some(deadline));
+                }
+                3 => {
+                    let w = alive[rng.below(alive.len())];
+                    self.finish_slow_request(w, rng);
+                }
+                4 => self.advance(Duration::from_millis(200)),
+                _ => {
+                    self.pump();
+                    self.deliver_one(rng);
+                }
+            }
+            self.pump();
+            self.check();
+            let done = |c: &Self| {
+                participants
+                    .iter()
+                    .all(|w| !c.apps[*w as usize].shutdown.is_empty())
+            };
+            if self.now >= deadline && !done(self) {
+                self.fail(format!(
+                    "a shutdown is still incomplete at its deadline: {:?}",
+                    participants
+                        .iter()
+                        .map(|w| (w, self.eps[*w as usize].shutdown_phase()))
+                        .collect::<Vec<_>>()
+                ));
+            }
+            if to_start.is_empty() && done(self) {
+                break;
+            }
+        }
+        // Every outcome: exactly one per participant; success when healthy; otherwise a
+        // failure that names only workers that were missing (dead or silent: a member that
+        // gave up passes on whom it waited for).
+        let mut outcomes: Vec<(usize, WorkerId, Result<(), ShutdownError>)> = participants
+            .iter()
+            .map(|w| {
+                let got = &self.apps[*w as usize].shutdown;
+                if got.len() != 1 {
+                    self.fail(format!(
+                        "worker {w}'s shutdown completed {} times",
+                        got.len()
+                    ));
+                }
+                (got[0].0, *w, got[0].1.clone())
+            })
+            .collect();
+        outcomes.sort_by_key(|(step, w, _)| (*step, *w));
+        for (_, w, outcome) in &outcomes {
+            match outcome {
+                Ok(()) => self.stats.shutdowns_ok += 1,
+                Err(e) => {
+                    self.stats.shutdowns_failed += 1;
+                    if healthy {
+                        self.fail(format!(
+                            "worker {w}'s shutdown failed though every member took part: {e} {:?}",
+                            e.missing
+                        ));
+                    }
+                    let allowed = |m: &WorkerId| self.dead.contains(m) || Some(*m) == silent;
+                    if e.missing.is_empty() || !e.missing.iter().all(allowed) {
+                        self.fail(format!(
+                            "worker {w}'s shutdown failed naming {:?}; dead {:?}, silent {silent:?}",
+                            e.missing, self.dead
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Worker `w` leaves a dynamic group: its own calls are answered first, then it goes (the
+    /// others see it as lost, as when its connections close).
+    fn leave(&mut self, w: WorkerId, rng: &mut SimRng) {
+        self.call(
+            w,
+            self.alive()[rng.below(self.alive().len())],
+            "echo",
+            Body::default(),
+            Duration::from_secs(5),
+        );
+        let deadline = self.now + Duration::from_secs(10);
+        self.eps[w as usize].begin_leave(Some(deadline));
+        while self.apps[w as usize].shutdown.is_empty() {
+            if self.now >= deadline {
+                self.fail(format!("worker {w}'s leave is incomplete at its deadline"));
+            }
+            self.shutdown_step += 1;
+            if rng.chance(20) {
+                self.advance(Duration::from_millis(200));
+            } else {
+                self.pump();
+                self.deliver_one(rng);
+            }
+            self.pump();
+            if self.links.values().all(VecDeque::is_empty) {
+                self.advance(Duration::from_millis(200));
+            }
+        }
+        if let Some((_, Err(e))) = self.apps[w as usize].shutdown.first() {
+            self.fail(format!("worker {w}'s leave failed: {e}"));
+        }
+        self.stats.leaves += 1;
+        self.stats.shutdowns_ok += 1;
+        self.apps[w as usize].shutdown.clear();
+        // Gone: nothing it still holds counts any more, as for a killed worker, but the values
+        // it kept for others were all released (the cluster had settled).
+        self.dead.insert(w);
+        self.links.retain(|(f, t), _| *f != w && *t != w);
+        for other in self.alive() {
+            self.eps[other as usize].handle_peer_lost(w, "left the group", self.now);
+        }
+        self.pump();
     }
 
     fn step(&mut self, rng: &mut SimRng) {
@@ -497,6 +667,12 @@ impl Cluster {
                 }
             }
             Event::Confirmed { .. } => {}
+            Event::ShutdownComplete { outcome } => {
+                let step = self.shutdown_step;
+                self.apps[w as usize].shutdown.push((step, outcome));
+                // The driver stops the endpoint either way (pending calls fail).
+                self.eps[w as usize].stop();
+            }
             Event::ReleaseValue { rref } => {
                 let Some(inside) = self.apps[w as usize].values.remove(&rref) else {
                     self.fail(format!("worker {w} released {rref}, which it did not keep"));
@@ -883,7 +1059,8 @@ impl Cluster {
                     }
                     Event::Completed { .. }
                     | Event::Confirmed { .. }
-                    | Event::ReleaseValue { .. } => {}
+                    | Event::ReleaseValue { .. }
+                    | Event::ShutdownComplete { .. } => {}
                 }
             }
         }

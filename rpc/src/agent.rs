@@ -22,8 +22,8 @@ use tensorwire_core::name::check_worker_name;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport, TransportError};
 use tensorwire_core::protocol::{
-    CallError, DebugInfo, Endpoint, EndpointConfig, Event, ForkId, MessageId, RRefHandle, RRefId,
-    RemoteError, RemoteErrorKind, RequestToken, Transmit, WorkerId,
+    CallError, DebugInfo, Endpoint, EndpointConfig, Event, ForkId, Header, MessageId, RRefHandle,
+    RRefId, RemoteError, RemoteErrorKind, RequestToken, ShutdownError, Transmit, WorkerId,
 };
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
@@ -180,6 +180,8 @@ pub(crate) struct State {
     /// Functions waiting until the owner confirms a fork in their arguments, with the owner
     /// (a lost owner fails them).
     confirm_waiters: HashMap<ForkId, Vec<(WorkerId, oneshot::Sender<()>)>>,
+    /// The graceful shutdown (or leave) in progress: told its outcome.
+    shutdown_waiter: Option<oneshot::Sender<Result<(), ShutdownError>>>,
 }
 
 /// Who is in the group, and what this worker derives from it. Fixed after init in a static
@@ -425,9 +427,7 @@ pub async fn start_agent(
     )
     .await
     {
-        agent
-            .stop_and_release(tokio::time::Instant::now(), None)
-            .await;
+        agent.stop_and_release(tokio::time::Instant::now()).await;
         return Err(e);
     }
     agent.spawn(drive(agent.clone()));
@@ -555,6 +555,7 @@ impl Agent {
                 driver_wakes_at: None,
                 value_waiters: HashMap::new(),
                 confirm_waiters: HashMap::new(),
+                shutdown_waiter: None,
             }),
             wake: Notify::new(),
             store: Mutex::new(Some(Arc::clone(&rdv.store))),
@@ -1542,11 +1543,8 @@ impl Agent {
         // On a task of its own: shutdown may be called from a task of the agent (a served
         // function), which ending the agent's tasks cancels; the agent still stops whole.
         let agent = self.clone();
-        let leave = graceful && !self.inner.dynamic;
         let stopped = tokio::spawn(async move {
-            agent
-                .stop_and_release(deadline, leave.then_some(deadline))
-                .await;
+            agent.stop_and_release(deadline).await;
         });
         let _ = stopped.await;
         result
@@ -1554,13 +1552,9 @@ impl Agent {
 
     /// Stops the endpoint (pending calls fail), ends every task of the agent and waits for
     /// them, then lets go of the store. Writers get until `deadline` to send what is queued and
-    /// close their connections. With `leave_wait`, rank 0 first waits (until then) for the
-    /// others to leave the store it hosts, and the others say they left.
-    pub(crate) async fn stop_and_release(
-        &self,
-        deadline: tokio::time::Instant,
-        leave_wait: Option<tokio::time::Instant>,
-    ) {
+    /// close their connections. (A graceful shutdown of a static group runs over the members'
+    /// connections, not the store: rank 0, which hosts it, need not wait for anyone.)
+    pub(crate) async fn stop_and_release(&self, deadline: tokio::time::Instant) {
         let (writers, mut others) = {
             let mut tasks = self.tasks();
             tasks.closed = true;
@@ -1596,9 +1590,6 @@ impl Agent {
             writers.abort_all();
             while writers.join_next().await.is_some() {}
         }
-        if let Some(until) = leave_wait {
-            self.leave_store(until).await;
-        }
         let store = self
             .inner
             .store
@@ -1617,36 +1608,10 @@ impl Agent {
         }
     }
 
-    /// Rank 0 hosts the store: it waits (until `deadline`) for the others to say they left it
-    /// before closing it, also when the shutdown failed, so that their errors say what
-    /// happened. The others say so.
-    async fn leave_store(&self, deadline: tokio::time::Instant) {
-        let Ok(store) = self.store() else {
-            return;
-        };
-        let me = self.inner.me.id;
-        if me != 0 {
-            let key = format!("rpc/left/{me}");
-            let _ = tokio::time::timeout_at(deadline, store.set(&key, b"1")).await;
-            return;
-        }
-        let others: Vec<usize> = self
-            .members()
-            .ranks()
-            .into_iter()
-            .filter(|r| *r != 0)
-            .collect();
-        let left = wait_ranks(
-            &*store,
-            "rpc/left",
-            others,
-            deadline.saturating_duration_since(tokio::time::Instant::now()),
-            "shutdown: waiting for workers to leave",
-            rank_only,
-        );
-        let _ = tokio::time::timeout_at(deadline, left).await;
-    }
-
+    /// A graceful shutdown of a static group, decided by the endpoint (see
+    /// `tensorwire_core::protocol::shutdown`): our calls answered, every member's calls
+    /// answered, nothing outstanding here, every member idle; over the members' connections.
+    /// Fails naming the members that were lost, or at the deadline those it still waits for.
     async fn graceful(
         &self,
         deadline: tokio::time::Instant,
@@ -1658,58 +1623,58 @@ impl Agent {
                 "graceful shutdown while this worker still holds remote references (they stop working): {info}"
             );
         }
-        // The waits end a little before the deadline, so that one that times out can still ask
-        // the store who is missing and say so by the deadline.
-        let waits_end = deadline - (timeout / 10).min(Duration::from_millis(500));
-        let left = || waits_end.saturating_duration_since(tokio::time::Instant::now());
-        // 1. Our own calls are answered.
-        loop {
-            let outstanding = self.lock().ep.outstanding_calls();
-            if outstanding == 0 {
-                break;
-            }
-            if tokio::time::Instant::now() >= waits_end {
-                return Err(RpcError::Timeout {
-                    what: format!("shutdown: {outstanding} calls of this worker still unanswered"),
-                    after: timeout,
-                    waiting_for: None,
-                });
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
+        let members: Vec<WorkerId> = self.members().workers.keys().copied().collect();
+        // The endpoint's deadline comes a little before the caller's, so that its error, which
+        // names who is missing, is the one returned.
+        let ends = deadline - (timeout / 10).min(Duration::from_millis(500));
+        self.run_shutdown(timeout, |ep| {
+            ep.begin_graceful_shutdown(members, Some(ends.into_std()));
+        })
+        .await
+    }
+
+    /// Starts a shutdown of the endpoint with `begin` and waits for its outcome (the driver
+    /// delivers it as an event).
+    pub(crate) async fn run_shutdown(
+        &self,
+        timeout: Duration,
+        begin: impl FnOnce(&mut Endpoint<Body>),
+    ) -> Result<(), RpcError> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut st = self.lock();
+            st.shutdown_waiter = Some(tx);
+            begin(&mut st.ep);
         }
-        // A barrier that times out says so with the shutdown's timeout, not its share of it.
-        let whole = |e: RpcError| match e {
-            RpcError::Timeout {
-                what, waiting_for, ..
-            } => RpcError::Timeout {
-                what: format!("shutdown: {what}"),
-                after: timeout,
-                waiting_for,
-            },
-            other => other,
-        };
-        // 2. Everyone's calls are answered.
-        self.barrier("shutdown-calls", left())
-            .await
-            .map_err(whole)?;
-        // 3. Nothing in flight here (requests answered, control messages acknowledged).
-        loop {
-            if self.lock().ep.is_idle() {
-                break;
+        self.pump();
+        match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => {
+                let who: Vec<String> = e
+                    .missing
+                    .iter()
+                    .map(|r| self.describe(*r as usize))
+                    .collect();
+                let who = if who.is_empty() {
+                    "nobody in particular".to_owned()
+                } else {
+                    who.join(", ")
+                };
+                Err(if e.lost {
+                    RpcError::ShutdownIncomplete {
+                        reason: e.to_string(),
+                        waiting_for: who,
+                    }
+                } else {
+                    RpcError::Timeout {
+                        what: format!("shutdown: {e}"),
+                        after: timeout,
+                        waiting_for: Some(who),
+                    }
+                })
             }
-            if tokio::time::Instant::now() >= waits_end {
-                return Err(RpcError::Timeout {
-                    what:
-                        "shutdown: requests still being served or references still being released"
-                            .into(),
-                    after: timeout,
-                    waiting_for: None,
-                });
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
+            Err(_) => Err(RpcError::NotRunning),
         }
-        self.lock().ep.begin_shutdown();
-        self.barrier("shutdown-idle", left()).await.map_err(whole)
     }
 
     /// Registers the connection to `peer` and starts its reader and writer tasks.
@@ -1833,6 +1798,14 @@ impl Agent {
     }
 
     fn send(&self, st: &mut State, t: Transmit<Body>, direct: Option<&mut Vec<DirectWrite>>) {
+        // A shutdown's last words go through the writers, which shutdown lets finish; a task
+        // writing directly may be one that stopping the agent cancels.
+        let direct = direct.filter(|_| {
+            !matches!(
+                t.header,
+                Header::Shutdown { .. } | Header::ShutdownFailed { .. }
+            )
+        });
         let (target, payloads, metas) = match t.body {
             Some(b) => {
                 let (metas, bytes): (Vec<_>, Vec<_>) = b.tensors.into_iter().unzip();
@@ -1948,6 +1921,11 @@ impl Agent {
                 // a user value may hold remote references, whose `Drop` takes the lock again.
                 let value = self.lock().values.remove(&rref);
                 drop(value);
+            }
+            Event::ShutdownComplete { outcome } => {
+                if let Some(tx) = self.lock().shutdown_waiter.take() {
+                    let _ = tx.send(outcome);
+                }
             }
             _ => {}
         }

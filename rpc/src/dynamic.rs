@@ -232,22 +232,10 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
 /// member list under the token. The caller then closes the connections.
 pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcError> {
     let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let outstanding = agent.lock().ep.outstanding_calls();
-        if outstanding == 0 {
-            break;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(RpcError::Timeout {
-                what: format!(
-                    "leaving the group: {outstanding} calls of this worker still unanswered"
-                ),
-                after: timeout,
-                waiting_for: None,
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    // The endpoint decides when our calls are all answered (or fails by the deadline).
+    agent
+        .run_shutdown(timeout, |ep| ep.begin_leave(Some(deadline.into_std())))
+        .await?;
     let store = agent.store()?;
     let name = agent.worker_info().name.clone();
     acquire(&*store, &name, deadline - tokio::time::Instant::now()).await?;

@@ -45,6 +45,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+pub mod shutdown;
+
+pub use shutdown::{ShutdownError, ShutdownPhase, ShutdownSignal};
+
 /// A worker's id within its group (its rank in a static group).
 pub type WorkerId = u32;
 
@@ -270,6 +274,19 @@ pub enum Header {
         /// The control message's id.
         id: MessageId,
     },
+    /// A step of the sender's graceful shutdown (see [`shutdown`]).
+    Shutdown {
+        /// Which step.
+        signal: ShutdownSignal,
+    },
+    /// The sender's graceful shutdown failed, waiting for `missing`: the receiver's fails too,
+    /// naming the same workers (the cause, rather than the sender, which is about to go).
+    ShutdownFailed {
+        /// Who the sender waited for.
+        missing: Vec<WorkerId>,
+        /// Whether they were lost (else: the deadline passed).
+        lost: bool,
+    },
 }
 
 /// A message to send.
@@ -360,6 +377,14 @@ pub enum Event<B> {
     ReleaseValue {
         /// The reference.
         rref: RRefId,
+    },
+    /// The graceful shutdown (or leave) begun with
+    /// [`begin_graceful_shutdown`](Endpoint::begin_graceful_shutdown) or
+    /// [`begin_leave`](Endpoint::begin_leave) is complete, or failed naming who it waited
+    /// for. The driver stops the endpoint either way.
+    ShutdownComplete {
+        /// `Ok` once every member is idle (or, leaving, our calls are answered).
+        outcome: Result<(), ShutdownError>,
     },
 }
 
@@ -469,6 +494,14 @@ pub enum ProtocolViolation {
         what: &'static str,
         /// Where the message went.
         sent_to: WorkerId,
+    },
+    /// A shutdown signal out of order: `Idle` before `Drained`, or one said twice.
+    #[error("it said {signal:?} in its shutdown after {after:?}")]
+    ShutdownOutOfOrder {
+        /// The signal.
+        signal: ShutdownSignal,
+        /// The signal it said before (`None`: none).
+        after: Option<ShutdownSignal>,
     },
     /// A delete or child-accept for a fork that another worker holds.
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
@@ -589,6 +622,8 @@ pub struct Endpoint<B> {
     created_upto: HashMap<WorkerId, u64>,
     /// Peers lost for good (until [`handle_peer_joined`](Endpoint::handle_peer_joined)).
     lost: HashSet<WorkerId>,
+    /// Our graceful shutdown, and what peers said of theirs.
+    shutdown: shutdown::ShutdownState,
     events: VecDeque<Event<B>>,
 }
 
@@ -635,6 +670,7 @@ impl<B> Endpoint<B> {
             failed: VecDeque::new(),
             created_upto: HashMap::new(),
             lost: HashSet::new(),
+            shutdown: shutdown::ShutdownState::default(),
             events: VecDeque::new(),
         }
     }
@@ -756,7 +792,10 @@ impl<B> Endpoint<B> {
             .values()
             .flat_map(|o| o.fetches.iter().filter_map(|(_, _, d)| *d))
             .min();
-        [call, control, parked].into_iter().flatten().min()
+        [call, control, parked, self.shutdown_deadline()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     // ----- commands -----
@@ -906,6 +945,12 @@ impl<B> Endpoint<B> {
     /// A token answered twice, after [`stop`](Self::stop), or from a caller lost meanwhile is
     /// ignored (`false`): the application must then not keep the value it made.
     pub fn respond(&mut self, token: RequestToken, outcome: Result<B, RemoteError>) -> bool {
+        let answered = self.respond_inner(token, outcome);
+        self.advance_shutdown();
+        answered
+    }
+
+    fn respond_inner(&mut self, token: RequestToken, outcome: Result<B, RemoteError>) -> bool {
         if !self.incoming.remove(&token) {
             return false;
         }
@@ -1252,6 +1297,11 @@ impl<B> Endpoint<B> {
     /// The body of a deferred call or remote is ready: it goes out (with what waited behind
     /// it), or runs here if it was for this worker. Unknown ids are ignored (stopped since).
     pub fn supply_body(&mut self, id: MessageId, body: B) {
+        self.supply_body_inner(id, body);
+        self.advance_shutdown();
+    }
+
+    fn supply_body_inner(&mut self, id: MessageId, body: B) {
         let Some(d) = self.deferred.remove(&id) else {
             return;
         };
@@ -1312,6 +1362,11 @@ impl<B> Endpoint<B> {
     /// call fails with [`CallError::Local`], nothing is sent, and what waited behind it goes.
     /// A deferred `remote` leaves a reference whose uses fail with the same error.
     pub fn abandon(&mut self, id: MessageId, reason: &str, now: Instant) {
+        self.abandon_inner(id, reason, now);
+        self.advance_shutdown();
+    }
+
+    fn abandon_inner(&mut self, id: MessageId, reason: &str, now: Instant) {
         let Some(d) = self.deferred.remove(&id) else {
             return;
         };
@@ -1551,7 +1606,12 @@ impl<B> Endpoint<B> {
                 self.maybe_release(rref);
             }
             Header::Ack { id } => self.on_ack(id, now),
+            Header::Shutdown { signal } => self.on_shutdown_signal(from, signal),
+            Header::ShutdownFailed { missing, lost } => {
+                self.on_shutdown_failed(from, missing, lost);
+            }
         }
+        self.advance_shutdown();
         Ok(())
     }
 
@@ -1605,6 +1665,7 @@ impl<B> Endpoint<B> {
                     holder: rref.created_on,
                 })
             }
+            Header::Shutdown { signal } => self.check_shutdown_signal(from, signal),
             Header::ChildAccept { fork, .. } => match self.children.get(&fork) {
                 Some(&(_, to)) if to != from => Err(ProtocolViolation::ForeignFork {
                     rref: fork,
@@ -1666,6 +1727,8 @@ impl<B> Endpoint<B> {
         for t in resend {
             self.send_out(t);
         }
+        self.advance_shutdown();
+        self.expire_shutdown(now);
     }
 
     /// The connection to `peer` is gone for good: its calls fail naming it, control messages
@@ -1746,11 +1809,13 @@ impl<B> Endpoint<B> {
             }
             self.maybe_release(rref);
         }
+        self.advance_shutdown();
     }
 
     /// Worker `peer` (re)joined the group (dynamic groups): it is no longer counted as lost.
     pub fn handle_peer_joined(&mut self, peer: WorkerId) {
         self.lost.remove(&peer);
+        self.forget_shutdown_of(peer);
         self.created_upto.remove(&peer);
     }
 
@@ -2115,5 +2180,4 @@ fn deadline_after(now: Instant, timeout: Duration) -> Option<Instant> {
 }
 
 #[cfg(test)]
-#[path = "protocol_tests.rs"]
 mod tests;
