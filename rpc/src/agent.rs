@@ -22,8 +22,9 @@ use tensorwire_core::name::check_worker_name;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport, TransportError};
 use tensorwire_core::protocol::{
-    CallError, DebugInfo, Endpoint, EndpointConfig, Event, ForkId, Header, MessageId, RRefHandle,
-    RRefId, RemoteError, RemoteErrorKind, RequestToken, ShutdownError, Transmit, WorkerId,
+    membership, CallError, DebugInfo, Endpoint, EndpointConfig, Event, ForkId, Header, JoinError,
+    JoinMessage, MessageId, RRefHandle, RRefId, RemoteError, RemoteErrorKind, RequestToken,
+    ShutdownError, StaticJoin, Transmit, WorkerId,
 };
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
@@ -419,7 +420,7 @@ pub async fn start_agent(
         .unwrap_or_else(PoisonError::into_inner) = Some(rdv);
     if let Err(e) = connect_static(
         &agent,
-        &*transport,
+        Arc::clone(&transport),
         listener,
         &records,
         world_size,
@@ -568,22 +569,45 @@ impl Agent {
     }
 }
 
-/// What a worker sends rank 0 once it is connected to every other worker, and so done with the
-/// store for init.
+/// The closing handshake's messages on the wire (see `tensorwire_core::protocol::membership`).
 const READY: &[u8] = b"tensorwire-init-ready/1";
-/// What rank 0 answers once every worker is ready: init is over on every worker.
 const GO: &[u8] = b"tensorwire-init-go/1";
 
-fn is_control(frame: &Frame, what: &[u8]) -> bool {
-    frame.kind == FrameKind::Control && &frame.header[..] == what
+fn join_frame(msg: JoinMessage) -> Frame {
+    let bytes = match msg {
+        JoinMessage::Ready => READY,
+        JoinMessage::Go => GO,
+    };
+    Frame::control(bytes.to_vec(), vec![])
 }
 
-/// Static groups: accept from the lower ranks, connect to the higher ones; one connection per
-/// pair; fails naming the ranks that never connected. Then the closing handshake (see
-/// [`handshake`]), and only then are the connections handed to the agent.
+fn join_message(frame: &Frame) -> Option<JoinMessage> {
+    if frame.kind != FrameKind::Control {
+        return None;
+    }
+    match &frame.header[..] {
+        READY => Some(JoinMessage::Ready),
+        GO => Some(JoinMessage::Go),
+        _ => None,
+    }
+}
+
+/// What the tasks of a static join report to its driver loop.
+enum JoinInput {
+    /// A connection is up: dialled by us, or accepted with its hello.
+    Connected(WorkerId, bool, Box<dyn Connection>),
+    /// The handshake frame read from a peer's connection.
+    Heard(WorkerId, Result<Frame, TransportError>),
+    /// Dialling a peer failed for good.
+    DialFailed(RpcError),
+}
+
+/// Static groups: drives the join decided by `core::protocol::membership::StaticJoin` (who
+/// dials whom, when the group is complete, the closing handshake with rank 0, the deadline);
+/// this only moves connections and frames. When init ends, the connections go to the agent.
 async fn connect_static(
     agent: &Agent,
-    transport: &dyn Transport,
+    transport: Arc<dyn Transport>,
     listener: Box<dyn tensorwire_core::ports::transport::Listener>,
     records: &[WorkerRecord],
     world_size: usize,
@@ -591,15 +615,16 @@ async fn connect_static(
 ) -> Result<(), RpcError> {
     let me_id = agent.inner.me.id;
     let name = agent.inner.me.name.clone();
-    let rank = me_id as usize;
-    let expected_lower = rank;
-    let (conn_tx, mut conn_rx) = mpsc::unbounded_channel::<(WorkerId, Box<dyn Connection>)>();
-    let accept_tx = conn_tx.clone();
-    // Dropped on every way out, which ends the accepting and the reading of hellos.
-    let mut accepting = tokio::task::JoinSet::new();
-    accepting.spawn(async move {
+    let deadline = agent.now() + options.init_timeout;
+    let mut join = StaticJoin::new(me_id, world_size as u32, Some(deadline));
+    let (tx, mut rx) = mpsc::unbounded_channel::<JoinInput>();
+    // Dropped on every way out, which ends the accepting, dialling and reading.
+    let mut tasks = tokio::task::JoinSet::new();
+    let accepts = join.accepts();
+    let accept_tx = tx.clone();
+    tasks.spawn(async move {
         let mut hellos = tokio::task::JoinSet::new();
-        for _ in 0..expected_lower {
+        for _ in 0..accepts {
             match listener.accept().await {
                 Ok(conn) => {
                     let tx = accept_tx.clone();
@@ -607,7 +632,7 @@ async fn connect_static(
                         match tokio::time::timeout(Duration::from_secs(30), conn.recv()).await {
                             Ok(Ok(frame)) => match postcard::from_bytes::<Hello>(&frame.header) {
                                 Ok(h) => {
-                                    let _ = tx.send((h.rank, conn));
+                                    let _ = tx.send(JoinInput::Connected(h.rank, false, conn));
                                 }
                                 Err(e) => warn!(
                                     "dropping a connection from {} that sent no valid hello: {e}",
@@ -633,146 +658,117 @@ async fn connect_static(
         drop(listener);
         while hellos.join_next().await.is_some() {}
     });
-    for rec in records.iter().filter(|r| r.rank > me_id) {
-        let conn = connect_with_retry(transport, rec.addr, options.init_timeout)
-            .await
-            .map_err(|e| {
-                RpcError::Init(format!(
+    let hello = postcard::to_allocvec(&Hello {
+        rank: me_id,
+        name: name.clone(),
+        record: None,
+    })
+    .map_err(|e| RpcError::Serialization {
+        what: "hello".into(),
+        message: e.to_string(),
+    })?;
+    for peer in join.dials() {
+        let Some(rec) = records.iter().find(|r| r.rank == peer).cloned() else {
+            return Err(RpcError::Init(format!("no record of rank {peer}")));
+        };
+        let (tx, hello) = (tx.clone(), hello.clone());
+        let limit = options.init_timeout;
+        let transport = Arc::clone(&transport);
+        tasks.spawn(async move {
+            let input = match connect_with_retry(&*transport, rec.addr, limit).await {
+                Ok(conn) => match conn.send(Frame::control(hello, vec![])).await {
+                    Ok(()) => JoinInput::Connected(peer, true, conn),
+                    Err(e) => JoinInput::DialFailed(e.into()),
+                },
+                Err(e) => JoinInput::DialFailed(RpcError::Init(format!(
                     "cannot connect to {} (rank {}) at {}: {e}",
                     rec.devices.name, rec.rank, rec.addr
-                ))
-            })?;
-        let hello = postcard::to_allocvec(&Hello {
-            rank: me_id,
-            name: name.clone(),
-            record: None,
-        })
-        .map_err(|e| RpcError::Serialization {
-            what: "hello".into(),
-            message: e.to_string(),
-        })?;
-        conn.send(Frame::control(hello, vec![])).await?;
-        let _ = conn_tx.send((rec.rank, conn));
+                ))),
+            };
+            let _ = tx.send(input);
+        });
     }
-    drop(conn_tx);
-    let mut conns: HashMap<WorkerId, Box<dyn Connection>> = HashMap::new();
-    let deadline = tokio::time::Instant::now() + options.init_timeout;
-    while conns.len() < world_size - 1 {
-        match tokio::time::timeout_at(deadline, conn_rx.recv()).await {
-            Ok(Some((peer, conn))) => {
-                conns.insert(peer, conn);
-            }
-            Ok(None) | Err(_) => {
-                let missing: Vec<String> = (0..world_size as WorkerId)
-                    .filter(|r| *r != me_id && !conns.contains_key(r))
-                    .map(|r| r.to_string())
-                    .collect();
-                return Err(RpcError::Timeout {
-                    what: "init_rpc: connecting to every worker".into(),
-                    after: options.init_timeout,
-                    waiting_for: Some(format!("ranks {}", missing.join(", "))),
-                });
+    let mut conns: HashMap<WorkerId, Arc<dyn Connection>> = HashMap::new();
+    let outcome = loop {
+        while let Some((to, msg)) = join.poll_transmit() {
+            let sent = match conns.get(&to) {
+                Some(conn) => conn.send(join_frame(msg)).await.is_ok(),
+                None => false,
+            };
+            if !sent {
+                join.handle_lost(to);
             }
         }
-    }
-    drop(accepting);
-    let conns = handshake(agent, conns, options.init_timeout).await?;
+        if let Some(outcome) = join.poll_outcome() {
+            break outcome;
+        }
+        let at = join.poll_timeout().unwrap_or(deadline);
+        tokio::select! {
+            input = rx.recv() => match input {
+                Some(JoinInput::Connected(peer, dialled, conn)) => {
+                    match join.handle_connected(peer, dialled) {
+                        Ok(()) => {
+                            let conn: Arc<dyn Connection> = Arc::from(conn);
+                            if join.hears_from(peer) {
+                                tasks.spawn(read_one(peer, Arc::clone(&conn), tx.clone()));
+                            }
+                            conns.insert(peer, conn);
+                        }
+                        Err(e) => warn!("dropping a connection during init: {e}"),
+                    }
+                }
+                Some(JoinInput::Heard(peer, Ok(frame))) => {
+                    match join_message(&frame).map(|m| join.handle_message(peer, m)) {
+                        Some(Ok(())) => {}
+                        Some(Err(e)) => warn!("during init: {e}"),
+                        None => warn!(
+                            "{} sent something else than the init handshake",
+                            agent.describe(peer as usize)
+                        ),
+                    }
+                }
+                Some(JoinInput::Heard(peer, Err(e))) => {
+                    debug!("the connection to rank {peer} failed during init: {e}");
+                    join.handle_lost(peer);
+                }
+                Some(JoinInput::DialFailed(e)) => return Err(e),
+                None => join.handle_timeout(deadline),
+            },
+            () = agent.inner.clock.sleep_until(at) => join.handle_timeout(agent.now()),
+        }
+    };
+    // Ends the accepting and the reading of handshake frames (each read one already), so the
+    // agent's readers are the only ones left.
+    tasks.abort_all();
+    while tasks.join_next().await.is_some() {}
+    outcome.map_err(|e| match e {
+        JoinError::Timeout { phase, missing } => RpcError::Timeout {
+            what: format!("init_rpc: {}", membership::describe(phase)),
+            after: options.init_timeout,
+            waiting_for: Some(
+                missing
+                    .iter()
+                    .map(|r| agent.describe(*r as usize))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ),
+        },
+        JoinError::Lost { peer } => RpcError::Init(format!(
+            "the connection to {} was lost before init ended",
+            agent.describe(peer as usize)
+        )),
+        other => RpcError::Init(other.to_string()),
+    })?;
     for (peer, conn) in conns {
-        agent.attach(peer, conn);
+        agent.attach_shared(peer, conn);
     }
     Ok(())
 }
 
-/// Ends a static init without the store, over the new connections: every worker but rank 0
-/// sends rank 0 [`READY`] (it is connected to everyone, and its last store operation for init
-/// has been answered) and waits for [`GO`], which rank 0 sends once every worker is ready.
-/// So when init returns on any worker, no worker still needs the store, which lives in rank 0's
-/// process: rank 0 may shut down and exit at once. (A barrier through the store, as before,
-/// let rank 0 leave while the others still waited for the store's answer.)
-async fn handshake(
-    agent: &Agent,
-    mut conns: HashMap<WorkerId, Box<dyn Connection>>,
-    timeout: Duration,
-) -> Result<HashMap<WorkerId, Box<dyn Connection>>, RpcError> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    let lost = |peer: WorkerId, e: &dyn fmt::Display| {
-        RpcError::Init(format!(
-            "the connection to {} was lost before init ended: {e}",
-            agent.describe(peer as usize)
-        ))
-    };
-    if agent.inner.me.id != 0 {
-        let zero = conns.get(&0).ok_or_else(|| lost(0, &"no connection"))?;
-        zero.send(Frame::control(READY.to_vec(), vec![]))
-            .await
-            .map_err(|e| lost(0, &e))?;
-        return match tokio::time::timeout_at(deadline, zero.recv()).await {
-            Ok(Ok(frame)) if is_control(&frame, GO) => Ok(conns),
-            Ok(Ok(_)) => Err(RpcError::Init(format!(
-                "{} sent something else than the end of init",
-                agent.describe(0)
-            ))),
-            Ok(Err(e)) => Err(lost(0, &e)),
-            Err(_) => Err(RpcError::Timeout {
-                what: "init_rpc: waiting for rank 0 to see every worker connected".into(),
-                after: timeout,
-                waiting_for: Some(agent.describe(0)),
-            }),
-        };
-    }
-    // Rank 0: hear every worker's READY, each on its own task so a silent one can be named.
-    let mut ready = tokio::task::JoinSet::new();
-    let expected = conns.len();
-    for (peer, conn) in conns.drain() {
-        ready.spawn(async move {
-            let heard = conn.recv().await;
-            (peer, conn, heard)
-        });
-    }
-    while conns.len() < expected {
-        match tokio::time::timeout_at(deadline, ready.join_next()).await {
-            Ok(Some(Ok((peer, conn, heard)))) => match heard {
-                Ok(frame) if is_control(&frame, READY) => {
-                    conns.insert(peer, conn);
-                }
-                Ok(_) => {
-                    return Err(RpcError::Init(format!(
-                        "{} sent something else than being ready",
-                        agent.describe(peer as usize)
-                    )))
-                }
-                Err(e) => return Err(lost(peer, &e)),
-            },
-            Ok(Some(Err(e))) => return Err(RpcError::Init(format!("init handshake: {e}"))),
-            Ok(None) | Err(_) => {
-                let missing: Vec<String> = (1..=expected)
-                    .filter(|r| !conns.contains_key(&(*r as WorkerId)))
-                    .map(|r| agent.describe(r))
-                    .collect();
-                return Err(RpcError::Timeout {
-                    what: "init_rpc: waiting for every worker to connect to all others".into(),
-                    after: timeout,
-                    waiting_for: Some(missing.join(", ")),
-                });
-            }
-        }
-    }
-    for (&peer, conn) in &conns {
-        match tokio::time::timeout_at(deadline, conn.send(Frame::control(GO.to_vec(), vec![])))
-            .await
-        {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(lost(peer, &e)),
-            Err(_) => {
-                return Err(RpcError::Timeout {
-                    what: "init_rpc: telling every worker that init is over".into(),
-                    after: timeout,
-                    waiting_for: Some(agent.describe(peer as usize)),
-                })
-            }
-        }
-    }
-    Ok(conns)
+/// Reads the one handshake frame a peer sends during init.
+async fn read_one(peer: WorkerId, conn: Arc<dyn Connection>, tx: mpsc::UnboundedSender<JoinInput>) {
+    let heard = conn.recv().await;
+    let _ = tx.send(JoinInput::Heard(peer, heard));
 }
 
 /// `url` with `rank` and `world_size` added to its query where it lacks them, for every scheme,
@@ -1679,11 +1675,15 @@ impl Agent {
 
     /// Registers the connection to `peer` and starts its reader and writer tasks.
     pub(crate) fn attach(&self, peer: WorkerId, conn: Box<dyn Connection>) {
+        self.attach_shared(peer, Arc::from(conn));
+    }
+
+    /// [`attach`](Self::attach), for a connection already shared (init's handshake read it).
+    fn attach_shared(&self, peer: WorkerId, conn: Arc<dyn Connection>) {
         if self.tasks().closed {
             // Shut down already: the connection closes here.
             return;
         }
-        let conn: Arc<dyn Connection> = Arc::from(conn);
         let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
         let write = Arc::new(tokio::sync::Mutex::new(()));
         let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));

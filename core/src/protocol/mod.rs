@@ -45,8 +45,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+pub mod membership;
 pub mod shutdown;
 
+pub use membership::{JoinError, JoinMessage, JoinPhase, StaticJoin};
 pub use shutdown::{ShutdownError, ShutdownPhase, ShutdownSignal};
 
 /// A worker's id within its group (its rank in a static group).
