@@ -32,8 +32,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::protocol::{
-    CallError, Endpoint, EndpointConfig, Event, Header, MessageId, RRefForkData, RRefHandle,
-    RRefId, RemoteError, RemoteErrorKind, RequestToken, ShutdownError, Transmit, WorkerId,
+    CallError, Endpoint, EndpointConfig, Event, Header, MessageId, Payload, RRefForkData,
+    RRefHandle, RRefId, RemoteError, RemoteErrorKind, RequestToken, ShutdownError, Transmit,
+    WorkerId,
 };
 
 /// What travels through the simulated endpoints: some bytes and the references passed along.
@@ -43,6 +44,12 @@ pub struct Body {
     pub data: Vec<u8>,
     /// References passed inside the message (forked for its receiver).
     pub forks: Vec<RRefForkData>,
+}
+
+impl Payload for Body {
+    fn forks(&self) -> Vec<RRefForkData> {
+        self.forks.clone()
+    }
 }
 
 /// A small, fast, seeded generator (SplitMix64): the same seed gives the same run.
@@ -124,9 +131,9 @@ pub struct SimStats {
     pub kills: usize,
     /// Deferred bodies abandoned.
     pub abandoned: usize,
-    /// References that arrived inside a reply after its call had ended (see [`Cluster`]'s
-    /// notes on what this pins).
-    pub lost_in_late_replies: usize,
+    /// References that arrived inside a reply after its call had ended (the endpoint releases
+    /// them: they travel beside the body).
+    pub late_reply_forks: usize,
     /// Graceful shutdowns (or leaves) that completed.
     pub shutdowns_ok: usize,
     /// Graceful shutdowns that failed naming who was missing.
@@ -146,8 +153,6 @@ pub struct Cluster {
     dead: BTreeSet<WorkerId>,
     /// Released values, to catch a double release.
     released: BTreeSet<RRefId>,
-    /// References whose fork data arrived in a reply after its call had ended.
-    lost: BTreeSet<RRefId>,
     stats: SimStats,
     /// Counts shutdown steps, to order outcomes.
     shutdown_step: usize,
@@ -171,7 +176,6 @@ impl Cluster {
             links: BTreeMap::new(),
             dead: BTreeSet::new(),
             released: BTreeSet::new(),
-            lost: BTreeSet::new(),
             stats: SimStats::default(),
             shutdown_step: 0,
         }
@@ -818,11 +822,9 @@ impl Cluster {
         if let (Header::Reply { id, .. }, Some(body)) = (&t.header, &t.body) {
             let app = &self.apps[to as usize];
             if app.resolved.contains(id) && !body.forks.is_empty() {
-                // The endpoint drops a late reply's body, and with it the references inside:
-                // their forks are never accepted, so their parents stay pinned. Known gap (the
-                // fix is to carry forks beside the body, where the endpoint sees them).
-                self.stats.lost_in_late_replies += body.forks.len();
-                self.lost.extend(body.forks.iter().map(|f| f.rref));
+                // A late reply: its body never reaches the application; the endpoint releases
+                // the references inside (the checks at the end hold it to that).
+                self.stats.late_reply_forks += body.forks.len();
             }
         }
         if std::env::var_os("TW_SIM_TRACE").is_some() {
@@ -925,8 +927,7 @@ impl Cluster {
             if let Some(id) = app.calls.keys().find(|id| !app.resolved.contains(id)) {
                 self.fail(format!("worker {w}: call {id} never resolved"));
             }
-            let pinned = self.pinned_by_lost_forks();
-            let leaked: Vec<&RRefId> = app.values.keys().filter(|r| !pinned.contains(r)).collect();
+            let leaked: Vec<&RRefId> = app.values.keys().collect();
             if self.dead.is_empty() && !leaked.is_empty() {
                 self.fail(format!(
                     "worker {w} still keeps {:?} after every reference was dropped; values hold {:?}; endpoints: {:#?}",
@@ -935,25 +936,6 @@ impl Cluster {
                     self.alive().iter().map(|w| self.eps[*w as usize].debug_info()).collect::<Vec<_>>()
                 ));
             }
-        }
-    }
-
-    /// Values kept alive by forks lost in late replies, and the values those keep.
-    fn pinned_by_lost_forks(&self) -> BTreeSet<RRefId> {
-        let mut pinned = self.lost.clone();
-        loop {
-            let more: Vec<RRefId> = self
-                .apps
-                .iter()
-                .flat_map(|a| a.values.iter())
-                .filter(|(r, _)| pinned.contains(r))
-                .flat_map(|(_, inside)| inside.iter().map(|h| h.rref))
-                .filter(|r| !pinned.contains(r))
-                .collect();
-            if more.is_empty() {
-                return pinned;
-            }
-            pinned.extend(more);
         }
     }
 

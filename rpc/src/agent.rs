@@ -23,8 +23,8 @@ use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport, TransportError};
 use tensorwire_core::protocol::{
     membership, CallError, DebugInfo, Endpoint, EndpointConfig, Event, ForkId, Header, JoinError,
-    JoinMessage, MessageId, RRefHandle, RRefId, RemoteError, RemoteErrorKind, RequestToken,
-    ShutdownError, StaticJoin, Transmit, WorkerId,
+    JoinMessage, MessageId, Payload, RRefForkData, RRefHandle, RRefId, RemoteError,
+    RemoteErrorKind, RequestToken, ShutdownError, StaticJoin, Transmit, WorkerId,
 };
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
@@ -133,6 +133,15 @@ pub(crate) struct Body {
     pub(crate) target: Option<RRefId>,
     pub(crate) data: Bytes,
     pub(crate) tensors: WireTensors,
+    /// The forks made for the receiver of the references inside `data`: they also travel in a
+    /// reply's header, so that the receiver's endpoint releases them if the reply is late.
+    pub(crate) forks: Vec<RRefForkData>,
+}
+
+impl Payload for Body {
+    fn forks(&self) -> Vec<RRefForkData> {
+        self.forks.clone()
+    }
 }
 
 type Waiter = oneshot::Sender<Result<Body, CallError>>;
@@ -1204,6 +1213,7 @@ impl Agent {
                 target,
                 data: prepared.data,
                 tensors: tensors::host_to_wire(prepared.tensors),
+                forks: prepared.forks.clone(),
             };
             let mut st = self.lock();
             let id = st
@@ -1273,6 +1283,7 @@ impl Agent {
                             target,
                             data: prepared.data,
                             tensors: wire,
+                            forks: prepared.forks.clone(),
                         },
                     ),
                     Err(e) => {
@@ -1332,6 +1343,7 @@ impl Agent {
                 target,
                 data: prepared.data,
                 tensors: tensors::host_to_wire(prepared.tensors),
+                forks: prepared.forks.clone(),
             };
             let mut st = self.lock();
             let (handle, id) = st
@@ -1785,6 +1797,7 @@ impl Agent {
                     target: envelope.target,
                     data,
                     tensors,
+                    forks: Vec::new(),
                 })
             }
             None => None,
@@ -1949,6 +1962,7 @@ impl Agent {
             target: None,
             data: prepared.data,
             tensors: wire,
+            forks: prepared.forks,
         })
     }
 
@@ -2038,6 +2052,7 @@ impl Agent {
                             target: None,
                             data: Bytes::new(),
                             tensors: Vec::new(),
+                            forks: Vec::new(),
                         })
                     }
                     None => agent

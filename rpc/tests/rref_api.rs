@@ -65,6 +65,19 @@ fn functions() -> Functions {
     f.register_with_context("double", |ctx: CallContext, x: i64| async move {
         Ok::<_, String>((ctx.caller().name.clone(), 2 * x))
     });
+    // A reference made on a third worker, returned after `ms`.
+    f.register_with_context(
+        "slow_ref",
+        |ctx: CallContext, (ms, n): (u64, usize)| async move {
+            let r: RRef<Vec<i64>> = ctx
+                .agent()
+                .remote("w2", "make_vec", &n, None)
+                .map_err(|e| e.to_string())?;
+            r.to_here(None).await.map_err(|e| e.to_string())?;
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            Ok::<_, String>(r)
+        },
+    );
     // A nested call through the context's agent, with what is left of the caller's deadline.
     f.register_with_context(
         "relay",
@@ -473,5 +486,30 @@ async fn a_call_refused_before_sending_leaves_no_fork_behind() {
     drop(r);
     wait_until("the value is freed", || owner.debug_info().kept_values == 0).await;
     assert!(a.debug_info().protocol.forks.is_empty());
+    shutdown_all(agents).await;
+}
+
+/// A reply that arrives after its call timed out still carries references (forked for the
+/// caller): the caller's endpoint releases them, so the value behind them is freed (it was
+/// pinned for ever when they were dropped with the body).
+#[tokio::test(start_paused = true)]
+async fn references_in_a_late_reply_are_released() {
+    let agents = group(3, None).await;
+    let e = agents[0]
+        .rpc_sync::<_, RRef<Vec<i64>>>(
+            "w1",
+            "slow_ref",
+            &(500u64, 3usize),
+            Some(Duration::from_millis(100)),
+        )
+        .await
+        .unwrap_err();
+    assert!(e.is_timeout(), "{e}");
+    assert_eq!(agents[2].owned_value_count(), 1);
+    let owner = &agents[2];
+    wait_until("the late reply's reference is released", || {
+        owner.owned_value_count() == 0
+    })
+    .await;
     shutdown_all(agents).await;
 }

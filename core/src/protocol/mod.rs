@@ -91,6 +91,19 @@ pub struct RRefForkData {
     pub parent: WorkerId,
 }
 
+/// What the endpoint sees of a body it moves: the references inside it, forked for its
+/// receiver. They travel beside the body, in the reply's header, so that the receiving endpoint
+/// can release them itself when the body never reaches the application (a reply that arrives
+/// after its call ended): otherwise their parents would stay pinned for ever.
+pub trait Payload {
+    /// The forks made for the receiver of this body (none by default).
+    fn forks(&self) -> Vec<RRefForkData> {
+        Vec::new()
+    }
+}
+
+impl Payload for Vec<u8> {}
+
 /// A failure reported by the callee.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 #[error("{kind} on worker {worker}: {message}")]
@@ -227,6 +240,9 @@ pub enum Header {
         id: MessageId,
         /// `Ok` or the callee's error.
         outcome: Result<(), RemoteError>,
+        /// The references inside the body, forked for the receiver (see [`Payload`]): released
+        /// by the receiving endpoint if the call has ended when the reply arrives.
+        forks: Vec<RRefForkData>,
     },
     /// Control: a child asks the owner to add its fork.
     ForkRequest {
@@ -626,6 +642,8 @@ pub struct Endpoint<B> {
     lost: HashSet<WorkerId>,
     /// Our graceful shutdown, and what peers said of theirs.
     shutdown: shutdown::ShutdownState,
+    /// The latest time an input brought (for work that commands without a time cause).
+    last_now: Option<Instant>,
     events: VecDeque<Event<B>>,
 }
 
@@ -650,7 +668,7 @@ struct Deferred {
     deadline: Option<Instant>,
 }
 
-impl<B> Endpoint<B> {
+impl<B: Payload> Endpoint<B> {
     /// A new endpoint for worker `me`.
     pub fn new(me: WorkerId, config: EndpointConfig) -> Self {
         Self {
@@ -673,6 +691,7 @@ impl<B> Endpoint<B> {
             created_upto: HashMap::new(),
             lost: HashSet::new(),
             shutdown: shutdown::ShutdownState::default(),
+            last_now: None,
             events: VecDeque::new(),
         }
     }
@@ -1470,6 +1489,7 @@ impl<B> Endpoint<B> {
         body: Option<B>,
         now: Instant,
     ) -> Result<(), ProtocolViolation> {
+        self.last_now = Some(now);
         self.check_message(from, &header)?;
         match header {
             Header::Call {
@@ -1527,7 +1547,13 @@ impl<B> Endpoint<B> {
                     self.refuse(from, id);
                 }
             }
-            Header::Reply { id, outcome } => {
+            Header::Reply { id, outcome, forks } => {
+                if outcome.is_ok() && !self.pending.contains_key(&id) {
+                    // A late reply: its body never reaches the application, so the references
+                    // inside are accepted and dropped here, releasing their parents.
+                    self.release_forks(forks, now);
+                    return Ok(());
+                }
                 let outcome = match outcome {
                     Ok(()) => body.ok_or_else(|| {
                         CallError::Remote(RemoteError {
@@ -1683,6 +1709,7 @@ impl<B> Endpoint<B> {
     /// Handles the passing of time: expired calls fail, unacknowledged control messages are
     /// sent again.
     pub fn handle_timeout(&mut self, now: Instant) {
+        self.last_now = Some(now);
         while let Some(&(deadline, id)) = self.deadlines.first() {
             if deadline > now {
                 break;
@@ -1737,6 +1764,7 @@ impl<B> Endpoint<B> {
     /// to it are dropped, requests from it are forgotten, and its forks no longer keep our
     /// values alive.
     pub fn handle_peer_lost(&mut self, peer: WorkerId, reason: &str, now: Instant) {
+        self.last_now = Some(now);
         self.lost.insert(peer);
         let ids: Vec<MessageId> = self
             .pending
@@ -1883,6 +1911,16 @@ impl<B> Endpoint<B> {
 
     fn reply(&mut self, to: WorkerId, id: MessageId, outcome: Result<B, RemoteError>) {
         if to == self.me {
+            if let (Ok(body), false) = (&outcome, self.pending.contains_key(&id)) {
+                // Our own call ended before its answer: release what the answer carries.
+                // (A call ends by a timer or a lost peer, both handled with the time, so the
+                // endpoint has been told one.)
+                if let Some(now) = self.last_now {
+                    let forks = body.forks();
+                    self.release_forks(forks, now);
+                }
+                return;
+            }
             let outcome = outcome.map_err(CallError::Remote);
             self.finish(id, outcome);
             return;
@@ -1893,6 +1931,7 @@ impl<B> Endpoint<B> {
                 header: Header::Reply {
                     id,
                     outcome: Ok(()),
+                    forks: body.forks(),
                 },
                 body: Some(body),
             },
@@ -1901,11 +1940,21 @@ impl<B> Endpoint<B> {
                 header: Header::Reply {
                     id,
                     outcome: Err(e),
+                    forks: Vec::new(),
                 },
                 body: None,
             },
         };
         self.send_out(t);
+    }
+
+    /// Accepts and drops at once forks that arrived for us in a body nobody will see, so that
+    /// their parents and owners let go of them by the usual messages.
+    fn release_forks(&mut self, forks: Vec<RRefForkData>, now: Instant) {
+        for f in forks {
+            let handle = self.accept_fork(f, now);
+            self.drop_handle(handle, now);
+        }
     }
 
     fn on_reply(&mut self, id: MessageId, outcome: Result<B, CallError>, now: Instant) {

@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Endpoint, Event, Header, ProtocolViolation, RunState, Transmit, WorkerId};
+use super::{Endpoint, Event, Header, Payload, ProtocolViolation, RunState, Transmit, WorkerId};
 
 /// What a member tells every other during a graceful shutdown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -99,7 +99,7 @@ pub(super) struct ShutdownState {
     failed: HashMap<WorkerId, (Vec<WorkerId>, bool)>,
 }
 
-impl<B> Endpoint<B> {
+impl<B: Payload> Endpoint<B> {
     /// Begins a graceful shutdown of the whole group with the other `members` (see the
     /// [module docs](self)). `deadline` bounds it (`None`: no bound). The outcome comes as
     /// [`Event::ShutdownComplete`]. Calling it again changes nothing.

@@ -646,6 +646,7 @@ fn messages_a_peer_had_no_right_to_send_are_violations() {
     let forged = Header::Reply {
         id: call,
         outcome: Ok(()),
+        forks: vec![],
     };
     assert_eq!(
         s.ep(0).handle_message(2, forged, Some(vec![]), now),
@@ -664,6 +665,7 @@ fn messages_a_peer_had_no_right_to_send_are_violations() {
         Header::Reply {
             id: 999,
             outcome: Ok(()),
+            forks: vec![],
         },
         Header::Ack { id: 999 },
     ] {
@@ -678,6 +680,7 @@ fn messages_a_peer_had_no_right_to_send_are_violations() {
     let late = Header::Reply {
         id: call,
         outcome: Ok(()),
+        forks: vec![],
     };
     assert_eq!(s.ep(0).handle_message(1, late, Some(vec![]), now), Ok(()));
 
@@ -896,7 +899,7 @@ fn cluster_simulation() {
         total.timeouts += s.timeouts;
         total.kills += s.kills;
         total.abandoned += s.abandoned;
-        total.lost_in_late_replies += s.lost_in_late_replies;
+        total.late_reply_forks += s.late_reply_forks;
         total.shutdowns_ok += s.shutdowns_ok;
         total.shutdowns_failed += s.shutdowns_failed;
         total.leaves += s.leaves;
@@ -911,7 +914,10 @@ fn cluster_simulation() {
             total.released > 0 && total.timeouts > 0 && total.kills > 0,
             "{total:?}"
         );
-        assert!(total.abandoned > 0, "{total:?}");
+        assert!(
+            total.abandoned > 0 && total.late_reply_forks > 0,
+            "{total:?}"
+        );
         assert!(
             total.shutdowns_ok > 0 && total.shutdowns_failed > 0 && total.leaves > 0,
             "{total:?}"
