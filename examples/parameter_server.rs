@@ -2,8 +2,8 @@
 //! call methods on it.
 //!
 //! ```sh
-//! cargo build --release -p tensorwire --example parameter_server
-//! cargo run --release -p tensorwire -- launch --nproc 3 -- target/release/examples/parameter_server
+//! cargo build --release -p tensorwire-cli --example parameter_server
+//! cargo run --release -p tensorwire-cli -- launch --nproc 3 -- target/release/examples/parameter_server
 //! ```
 
 use std::sync::{Arc, Mutex};

@@ -1,8 +1,8 @@
 //! Two workers ping each other and measure the round trip.
 //!
 //! ```sh
-//! cargo build --release -p tensorwire --example ping
-//! cargo run --release -p tensorwire -- launch --nproc 2 -- target/release/examples/ping
+//! cargo build --release -p tensorwire-cli --example ping
+//! cargo run --release -p tensorwire-cli -- launch --nproc 2 -- target/release/examples/ping
 //! ```
 
 use std::time::{Duration, Instant};

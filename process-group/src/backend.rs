@@ -31,20 +31,26 @@
 //! ```
 
 use std::cell::RefCell;
+#[cfg(feature = "tcp")]
 use std::net::{IpAddr, SocketAddr};
+#[cfg(feature = "tcp")]
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, RwLock};
 use std::time::Duration;
 
+#[cfg(any(feature = "tcp", test))]
 use async_trait::async_trait;
 use tensorwire_core::device::Device;
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::registry::{ProcessGroupFactory, Registry, RegistryError, RegistryKind};
-use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
+#[cfg(feature = "tcp")]
+use tensorwire_transport_tcp::TcpConfig;
 
+#[cfg(feature = "tcp")]
 use crate::address::advertise_ip;
 use crate::env_init::env_rendezvous;
+#[cfg(feature = "tcp")]
 use crate::group::{Group, GroupOptions};
 use crate::rendezvous::RendezvousError;
 
@@ -59,16 +65,20 @@ pub type DynFactory = dyn ProcessGroupFactory<
     Error = ProcessGroupError,
 >;
 
-/// The built-in backend's name.
+/// The built-in backend's name (registered with the feature `tcp`, on by default).
 pub const TENSORWIRE_BACKEND: &str = "tensorwire";
 
 static BACKENDS: LazyLock<RwLock<Registry<DynFactory>>> = LazyLock::new(|| {
+    #[allow(unused_mut)] // without `tcp` and `nccl` nothing is built in
     let mut registry = Registry::new(RegistryKind::ProcessGroup);
-    let builtin: Arc<DynFactory> = Arc::new(TensorwireFactory);
-    registry
-        .register(TENSORWIRE_BACKEND, builtin.clone())
-        .expect("empty registry");
-    registry.register("gloo", builtin).expect("distinct names");
+    #[cfg(feature = "tcp")]
+    {
+        let builtin: Arc<DynFactory> = Arc::new(TensorwireFactory);
+        registry
+            .register(TENSORWIRE_BACKEND, builtin.clone())
+            .expect("empty registry");
+        registry.register("gloo", builtin).expect("distinct names");
+    }
     #[cfg(feature = "nccl")]
     registry
         .register(
@@ -144,12 +154,16 @@ pub async fn new_group(
 /// `TENSORWIRE_IFNAME`, else the local address the route to `MASTER_ADDR` leaves from, else
 /// 127.0.0.1; see [`crate::address`]), `insecure=true` (run the transport
 /// without `TENSORWIRE_SECRET`). Any other option is refused. Only `cpu` is supported: the
-/// collectives work on host bytes.
+/// collectives work on host bytes. Feature `tcp` (on by default); without it, register a
+/// factory that passes another transport to [`Group::connect`](crate::Group::connect).
+#[cfg(feature = "tcp")]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct TensorwireFactory;
 
+#[cfg(feature = "tcp")]
 static GROUP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
+#[cfg(feature = "tcp")]
 #[async_trait]
 impl ProcessGroupFactory for TensorwireFactory {
     type Store = Arc<dyn Store>;
@@ -193,7 +207,17 @@ impl ProcessGroupFactory for TensorwireFactory {
             name.unwrap_or_else(|| format!("tw{}", GROUP_COUNTER.fetch_add(1, Ordering::Relaxed)));
         let ip = advertise_ip(listen_ip).map_err(|e| setup(e.to_string()))?;
         let config = TcpConfig::resolve(None, insecure).map_err(|e| setup(e.to_string()))?;
-        let transport = Arc::new(TcpTransport::new(config).map_err(|e| setup(e.to_string()))?);
+        // Shared memory for ranks on this host, TCP for the others (TENSORWIRE_TRANSPORT).
+        #[cfg(target_os = "linux")]
+        let transport = Arc::new(
+            tensorwire_transport_shm::SelectingTransport::from_tcp_config(config)
+                .map_err(|e| setup(e.to_string()))?,
+        );
+        #[cfg(not(target_os = "linux"))]
+        let transport = Arc::new(
+            tensorwire_transport_tcp::TcpTransport::new(config)
+                .map_err(|e| setup(e.to_string()))?,
+        );
         let options = GroupOptions::new(name)
             .with_timeout(timeout)
             .with_listen(SocketAddr::new(ip, 0));

@@ -43,10 +43,11 @@ mod state;
 pub mod wire;
 pub mod work;
 
+#[cfg(feature = "tcp")]
+pub use backend::TensorwireFactory;
 pub use backend::{
     backend_registered, current_process_group, new_group, register_backend, with_process_group,
-    with_process_group_sync, BackendOptions, DynFactory, NewGroupError, TensorwireFactory,
-    TENSORWIRE_BACKEND,
+    with_process_group_sync, BackendOptions, DynFactory, NewGroupError, TENSORWIRE_BACKEND,
 };
 pub use client::{ClientConfig, TcpStoreClient};
 pub use file::FileStore;

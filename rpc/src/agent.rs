@@ -285,7 +285,7 @@ impl fmt::Debug for Agent {
 
 fn secret_bytes(options: &RpcOptions) -> Option<Vec<u8>> {
     options.secret.clone().or_else(|| {
-        std::env::var_os(tensorwire_transport_tcp::SECRET_ENV)
+        std::env::var_os(tensorwire_process_group::env_init::SECRET_ENV)
             .filter(|v| !v.is_empty())
             .map(|v| v.into_encoded_bytes())
     })
@@ -380,6 +380,7 @@ async fn guard_group_kind(store: &dyn Store, dynamic: bool) -> Result<(), RpcErr
 }
 
 /// The cluster secret from the options, else from `TENSORWIRE_SECRET`.
+#[cfg_attr(not(feature = "tcp"), allow(dead_code))] // the TCP backends use it
 pub(crate) fn cluster_secret(options: &RpcOptions) -> Result<Option<ClusterSecret>, RpcError> {
     secret_bytes(options)
         .map(ClusterSecret::new)

@@ -9,6 +9,7 @@
 //! [`RpcOptions::backend`]. Registering a name twice is an error that names it.
 //!
 //! ```
+//! # #[cfg(feature = "tcp")] {
 //! use std::time::Duration;
 //! use tensorwire_rpc::{backend_registered, construct_rpc_backend_options};
 //!
@@ -16,6 +17,7 @@
 //! let options = construct_rpc_backend_options("TCP", Duration::from_secs(30), "env://").unwrap();
 //! assert_eq!(options.rpc_timeout, Duration::from_secs(30));
 //! assert!(construct_rpc_backend_options("SMOKE_SIGNALS", Duration::ZERO, "env://").is_err());
+//! # }
 //! ```
 
 use std::sync::{Arc, LazyLock, RwLock};
@@ -24,9 +26,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tensorwire_core::registry::{Registry, RegistryError, RegistryKind, RpcBackend};
 use tensorwire_process_group::Rendezvous;
+#[cfg(feature = "tcp")]
 use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 
-use crate::agent::{cluster_secret, start_agent, Agent};
+#[cfg(feature = "tcp")]
+use crate::agent::cluster_secret;
+use crate::agent::{start_agent, Agent};
 use crate::error::RpcError;
 use crate::options::RpcOptions;
 
@@ -35,7 +40,9 @@ pub type DynRpcBackend =
     dyn RpcBackend<Options = RpcOptions, Store = Rendezvous, Agent = Agent, Error = RpcError>;
 
 static BACKENDS: LazyLock<RwLock<Registry<DynRpcBackend>>> = LazyLock::new(|| {
+    #[allow(unused_mut)] // without `tcp` and `quic` nothing is built in
     let mut registry = Registry::new(RegistryKind::RpcBackend);
+    #[cfg(feature = "tcp")]
     registry
         .register(TCP_BACKEND, Arc::new(TcpBackend) as Arc<DynRpcBackend>)
         .unwrap_or_else(|_| unreachable!("the registry starts empty"));
@@ -46,7 +53,7 @@ static BACKENDS: LazyLock<RwLock<Registry<DynRpcBackend>>> = LazyLock::new(|| {
     RwLock::new(registry)
 });
 
-/// The name of the built-in TCP backend.
+/// The name of the built-in TCP backend (registered with the feature `tcp`, on by default).
 pub const TCP_BACKEND: &str = "TCP";
 
 /// The name of the built-in QUIC backend (feature `quic`).
@@ -110,10 +117,12 @@ fn base_options(backend: &str, rpc_timeout: Duration, init_method: &str) -> RpcO
     }
 }
 
-/// The built-in backend: the agent over tokio TCP with the cluster secret.
+/// The built-in backend: the agent over tokio TCP with the cluster secret (feature `tcp`).
+#[cfg(feature = "tcp")]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct TcpBackend;
 
+#[cfg(feature = "tcp")]
 #[async_trait]
 impl RpcBackend for TcpBackend {
     type Options = RpcOptions;
@@ -137,16 +146,31 @@ impl RpcBackend for TcpBackend {
         world_size: Option<usize>,
         options: RpcOptions,
     ) -> Result<Agent, RpcError> {
-        let transport = Arc::new(Self::transport(&options)?);
+        let transport = Self::selecting_transport(&options)?;
         start_agent(transport, store, name, rank, world_size, options).await
     }
 }
 
+#[cfg(feature = "tcp")]
 impl TcpBackend {
     /// The TCP transport `options` ask for (the cluster secret, or insecure by opt-in).
     pub(crate) fn transport(options: &RpcOptions) -> Result<TcpTransport, RpcError> {
         let config = TcpConfig::resolve(cluster_secret(options)?, options.insecure)?;
         Ok(TcpTransport::new(config)?)
+    }
+
+    /// What the agent runs over: shared memory for peers on this host and TCP for the others,
+    /// unless `TENSORWIRE_TRANSPORT` says otherwise (see `tensorwire_transport_shm::select`).
+    fn selecting_transport(
+        options: &RpcOptions,
+    ) -> Result<Arc<dyn tensorwire_core::ports::transport::Transport>, RpcError> {
+        let config = TcpConfig::resolve(cluster_secret(options)?, options.insecure)?;
+        #[cfg(target_os = "linux")]
+        return Ok(Arc::new(
+            tensorwire_transport_shm::SelectingTransport::from_tcp_config(config)?,
+        ));
+        #[cfg(not(target_os = "linux"))]
+        return Ok(Arc::new(TcpTransport::new(config)?));
     }
 }
 

@@ -9,6 +9,7 @@
 //! creation that times out can be tested deterministically.
 //!
 //! ```
+//! # #[cfg(feature = "tcp")] {
 //! use std::time::Duration;
 //! use tensorwire_rpc::faults::{Fault, FaultAction, FaultyBackend, MessageKind};
 //!
@@ -17,6 +18,7 @@
 //!     .with_fault(1, Fault::new(MessageKind::Reply, FaultAction::Drop, 1))
 //!     .with_fault(0, Fault::new(MessageKind::Remote, FaultAction::Delay(Duration::from_secs(2)), 1));
 //! assert_eq!(backend.injected(1), 0);
+//! # }
 //! ```
 //!
 //! A delayed message holds back the messages sent after it on the same connection, as a slow
@@ -25,6 +27,7 @@
 //! creation it deletes). Only agent messages are affected; the first frame of a connection
 //! (who is speaking) always goes through.
 
+#[cfg(feature = "tcp")]
 use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
@@ -35,13 +38,18 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
 use tensorwire_core::protocol::Header;
+#[cfg(feature = "tcp")]
 use tensorwire_core::registry::RpcBackend;
 use tensorwire_core::wire::{Frame, FrameKind};
+#[cfg(feature = "tcp")]
 use tensorwire_process_group::Rendezvous;
 
+#[cfg(feature = "tcp")]
 use crate::agent::{start_agent, Agent};
 use crate::codec::Envelope;
+#[cfg(feature = "tcp")]
 use crate::error::RpcError;
+#[cfg(feature = "tcp")]
 use crate::options::RpcOptions;
 
 /// The kinds of agent message a [`Fault`] can pick.
@@ -269,13 +277,15 @@ impl Connection for FaultyConnection {
 }
 
 /// An RPC backend for tests: the agent over TCP (as the `TCP` backend), with faults chosen per
-/// rank (see the module docs).
+/// rank (see the module docs). Feature `tcp`.
+#[cfg(feature = "tcp")]
 #[derive(Debug, Default)]
 pub struct FaultyBackend {
     faults: HashMap<usize, Vec<Fault>>,
     injected: Mutex<HashMap<usize, Arc<Faults>>>,
 }
 
+#[cfg(feature = "tcp")]
 impl FaultyBackend {
     /// No faults yet.
     pub fn new() -> Self {
@@ -320,6 +330,7 @@ impl FaultyBackend {
     }
 }
 
+#[cfg(feature = "tcp")]
 #[async_trait]
 impl RpcBackend for FaultyBackend {
     type Options = RpcOptions;

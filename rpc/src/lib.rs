@@ -22,7 +22,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Backends: `TCP` is built in, `QUIC` with the feature `quic`; [`register_backend`] adds
+//! Backends: `TCP` with the feature `tcp` (on by default), `QUIC` with the feature `quic`; [`register_backend`] adds
 //! others (PyTorch's backend registry).
 //!
 //! Groups are static (`world_size = Some(n)`) or dynamic (`None`: workers join and leave while
@@ -42,9 +42,11 @@ mod rref;
 mod tensors;
 
 pub use agent::{init_rpc, start_agent, Agent, AgentDebugInfo, RpcFuture, WorkerInfo, WorkerRef};
+#[cfg(feature = "tcp")]
+pub use backend::TcpBackend;
 pub use backend::{
     backend_registered, construct_rpc_backend_options, register_backend, registered_backends,
-    DynRpcBackend, TcpBackend, TCP_BACKEND,
+    DynRpcBackend, TCP_BACKEND,
 };
 #[cfg(feature = "quic")]
 pub use backend::{QuicBackend, QUIC_BACKEND};

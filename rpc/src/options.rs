@@ -18,7 +18,8 @@ pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct RpcOptions {
     /// Default timeout of calls; zero means none.
     pub rpc_timeout: Duration,
-    /// The RPC backend that starts the agent, by its registered name (`TCP` by default; see
+    /// The RPC backend that starts the agent, by its registered name (`TCP` by default, `QUIC`
+    /// when built without `tcp` but with `quic`; see
     /// [`register_backend`](crate::register_backend)).
     pub backend: String,
     /// Rendezvous URL: `env://` (default), `tcp://host:port`, `file:///path`.
@@ -62,11 +63,24 @@ fn default_device_backend() -> Arc<dyn DeviceBackend> {
     }
 }
 
+/// `TCP` when built in (feature `tcp`), else `QUIC` when built in, else `TCP` (an init that
+/// names it fails with "not registered" until a backend of that name is registered).
+fn default_backend() -> &'static str {
+    #[cfg(all(not(feature = "tcp"), feature = "quic"))]
+    {
+        crate::backend::QUIC_BACKEND
+    }
+    #[cfg(any(feature = "tcp", not(feature = "quic")))]
+    {
+        crate::backend::TCP_BACKEND
+    }
+}
+
 impl Default for RpcOptions {
     fn default() -> Self {
         Self {
             rpc_timeout: DEFAULT_RPC_TIMEOUT,
-            backend: crate::backend::TCP_BACKEND.into(),
+            backend: default_backend().into(),
             init_method: "env://".into(),
             init_timeout: Duration::from_secs(300),
             secret: None,

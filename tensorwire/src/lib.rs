@@ -20,3 +20,7 @@ pub use tensorwire_transport_tcp as transport_tcp;
 /// The QUIC transport (Cargo feature `quic`).
 #[cfg(feature = "quic")]
 pub use tensorwire_transport_quic as transport_quic;
+
+/// The shared-memory transport for peers on one host (Cargo feature `shm`, Linux).
+#[cfg(feature = "shm")]
+pub use tensorwire_transport_shm as transport_shm;

@@ -176,7 +176,13 @@ fn process_group_and_store_across_three_hosts() {
     let Some(hosts) = hosts() else { return };
     // Odd ranks name their interface; even ones find it by the route to MASTER_ADDR.
     let mut w = start(&hosts, "pg", false, |rank| {
-        let mut env = vec![("TW_PER_HOST", PER_HOST.to_string())];
+        let mut env = vec![
+            ("TW_PER_HOST", PER_HOST.to_string()),
+            (
+                "TW_LOG",
+                "tensorwire_transport_shm::select=info".to_string(),
+            ),
+        ];
         if rank % 2 == 1 {
             env.push(("TENSORWIRE_IFNAME", "eth0".to_string()));
         }
@@ -188,6 +194,17 @@ fn process_group_and_store_across_three_hosts() {
     assert_eq!(oks.len(), WORLD, "{:#?}", w.seen);
     let max = oks.iter().map(|(_, l)| init_ms(l)).max().unwrap();
     println!("new_group across {HOSTS} hosts x {PER_HOST} workers: max {max} ms");
+    // Transport selection: shared memory to a rank on the same host, TCP to the others.
+    let dialled: Vec<&(usize, String)> = w.lines_with("connected to a peer");
+    assert!(!dialled.is_empty(), "{:#?}", w.seen);
+    for (rank, line) in dialled {
+        let own = format!("peer={}:", Hosts::ip_of(rank / PER_HOST));
+        let want = if line.contains(&own) { "shm" } else { "tcp" };
+        assert!(
+            line.contains(&format!("transport=\"{want}\"")),
+            "rank {rank}: {line}"
+        );
+    }
 }
 
 #[test]

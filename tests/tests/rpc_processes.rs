@@ -653,3 +653,76 @@ fn a_graceful_shutdown_with_a_frozen_peer_ends_by_its_timeout_naming_it() {
         "the workers exited {took:?} after GO"
     );
 }
+
+/// The log filter that makes workers print the transport chosen for each peer.
+const SELECT_LOG: (&str, &str) = ("TW_LOG", "tensorwire_transport_shm::select=info");
+
+/// The transports named by the workers' "connected to a peer" and "accepted a peer" lines.
+fn chosen_transports(lines: &[(usize, String)]) -> Vec<String> {
+    lines
+        .iter()
+        .filter(|(_, l)| l.contains("connected to a peer") || l.contains("accepted a peer"))
+        .filter_map(|(_, l)| {
+            let rest = &l[l.find("transport=")? + "transport=".len()..];
+            Some(rest.split_whitespace().next()?.trim_matches('"').to_owned())
+        })
+        .collect()
+}
+
+/// Runs `scenario` on `n` simulated workers with `env` and transport logging; every worker must
+/// succeed. Returns the transports chosen.
+fn transports_of(scenario: &str, n: usize, env: &[(&str, &str)]) -> Vec<String> {
+    let mut env = env.to_vec();
+    env.push(SELECT_LOG);
+    let (codes, lines) =
+        spawn_with(scenario, n, "simulated", &env).finish(Duration::from_secs(120));
+    assert!(
+        codes.iter().all(|c| *c == Some(0)),
+        "{scenario} x{n} {env:?}: exit codes {codes:?}\n{lines:#?}"
+    );
+    let chosen = chosen_transports(&lines);
+    assert!(!chosen.is_empty(), "no transport was logged: {lines:#?}");
+    chosen
+}
+
+/// Workers on one host reach each other over shared memory, agent and process group alike,
+/// and say so in their logs.
+#[test]
+fn workers_on_one_host_pick_shared_memory() {
+    for scenario in ["basic", "pg"] {
+        let chosen = transports_of(scenario, 3, &[]);
+        assert!(chosen.iter().all(|t| t == "shm"), "{scenario}: {chosen:?}");
+    }
+}
+
+/// `TENSORWIRE_TRANSPORT=tcp` forces TCP between workers of one host; `shm` forces shared
+/// memory.
+#[test]
+fn tensorwire_transport_overrides_the_choice() {
+    for scenario in ["basic", "pg"] {
+        let chosen = transports_of(scenario, 3, &[("TENSORWIRE_TRANSPORT", "tcp")]);
+        assert!(chosen.iter().all(|t| t == "tcp"), "{scenario}: {chosen:?}");
+        let chosen = transports_of(scenario, 3, &[("TENSORWIRE_TRANSPORT", "shm")]);
+        assert!(chosen.iter().all(|t| t == "shm"), "{scenario}: {chosen:?}");
+    }
+}
+
+/// A value of `TENSORWIRE_TRANSPORT` that names no transport fails init with an error naming the
+/// variable and the value.
+#[test]
+fn a_bad_tensorwire_transport_fails_init_naming_it() {
+    let (codes, lines) = spawn_with(
+        "basic",
+        2,
+        "simulated",
+        &[("TENSORWIRE_TRANSPORT", "carrier-pigeon")],
+    )
+    .finish(Duration::from_secs(120));
+    assert!(codes.iter().all(|c| *c != Some(0)), "{codes:?}\n{lines:#?}");
+    assert!(
+        lines.iter().any(|(r, l)| *r == 0
+            && l.contains("TENSORWIRE_TRANSPORT")
+            && l.contains("carrier-pigeon")),
+        "{lines:#?}"
+    );
+}

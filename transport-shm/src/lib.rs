@@ -81,6 +81,7 @@ mod handshake;
 mod listener;
 mod mem;
 mod ring;
+pub mod select;
 mod sock;
 #[cfg(feature = "__testing")]
 #[doc(hidden)]
@@ -94,6 +95,7 @@ use tensorwire_core::ports::transport::{Connection, Listener, Transport, Transpo
 
 pub use config::{ShmConfig, SECRET_ENV};
 pub use ring::RingError;
+pub use select::{SelectingTransport, Selection, TRANSPORT_ENV};
 pub use tensorwire_core::auth::ClusterSecret;
 
 /// The shared-memory [`Transport`], for peers on the same host.
@@ -129,6 +131,16 @@ impl ShmTransport {
         let sock = sock::connect(addr)
             .await
             .map_err(|e| TransportError::io(addr, "connecting", &e))?;
+        self.setup(sock, addr).await
+    }
+
+    /// Authenticates over `sock`, just connected to the listener of the peer at `addr`, and
+    /// maps the rings.
+    pub(crate) async fn setup(
+        &self,
+        sock: tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>,
+        addr: SocketAddr,
+    ) -> Result<connection::ShmConnection, TransportError> {
         let link = tokio::time::timeout(
             self.config.handshake_timeout,
             handshake::client(sock, self.config.secret(), self.config.ring_bytes, addr),

@@ -68,7 +68,26 @@ impl ShmListener {
                 message: format!("no free shared-memory listener id after {ID_TRIES} tries"),
             })?
         };
-        let local = SocketAddr::new(addr.ip(), port);
+        Self::start(fd, SocketAddr::new(addr.ip(), port), config)
+    }
+
+    /// A listener bound to the abstract name `name`, reporting `local` as its address.
+    pub(crate) fn bind_name(
+        name: &rustix::net::SocketAddrUnix,
+        local: SocketAddr,
+        config: Arc<ShmConfig>,
+    ) -> Result<Self, TransportError> {
+        let fd = sock::socket().map_err(|e| TransportError::io(local, "listening", &e))?;
+        rustix::net::bind(&fd, name)
+            .map_err(|e| TransportError::io(local, "listening", &e.into()))?;
+        Self::start(fd, local, config)
+    }
+
+    fn start(
+        fd: OwnedFd,
+        local: SocketAddr,
+        config: Arc<ShmConfig>,
+    ) -> Result<Self, TransportError> {
         rustix::net::listen(&fd, BACKLOG as i32)
             .map_err(|e| TransportError::io(local, "listening", &e.into()))?;
         let fd = sock::register(fd, Interest::READABLE)

@@ -23,6 +23,17 @@ pub(crate) fn listener_name(port: u16) -> std::io::Result<SocketAddrUnix> {
     )?)
 }
 
+/// The abstract-namespace name of the shared-memory side of a [`SelectingTransport`]
+/// listener whose TCP side listens on `tcp` (`tensorwire-shm-tcp:IP:PORT`, the IP as bound, so
+/// `0.0.0.0` or `::` for every interface).
+///
+/// [`SelectingTransport`]: crate::SelectingTransport
+pub(crate) fn tcp_listener_name(tcp: SocketAddr) -> std::io::Result<SocketAddrUnix> {
+    Ok(SocketAddrUnix::new_abstract_name(
+        format!("tensorwire-shm-tcp:{tcp}").as_bytes(),
+    )?)
+}
+
 /// A non-blocking `SOCK_SEQPACKET` Unix socket.
 pub(crate) fn socket() -> std::io::Result<OwnedFd> {
     Ok(rustix::net::socket_with(
@@ -35,9 +46,13 @@ pub(crate) fn socket() -> std::io::Result<OwnedFd> {
 
 /// Connects to the listener with id `addr.port()`.
 pub(crate) async fn connect(addr: SocketAddr) -> std::io::Result<AsyncFd<OwnedFd>> {
+    connect_name(&listener_name(addr.port())?).await
+}
+
+/// Connects to the listener named `name` (`ConnectionRefused` when nothing listens there).
+pub(crate) async fn connect_name(name: &SocketAddrUnix) -> std::io::Result<AsyncFd<OwnedFd>> {
     let fd = socket()?;
-    let name = listener_name(addr.port())?;
-    match rustix::net::connect(&fd, &name) {
+    match rustix::net::connect(&fd, name) {
         Ok(()) => {}
         // A full backlog: Unix sockets do not connect asynchronously, so try again once the
         // listener has made room (rare; a short pause rather than a spin).
@@ -45,7 +60,7 @@ pub(crate) async fn connect(addr: SocketAddr) -> std::io::Result<AsyncFd<OwnedFd
             let mut tries = 0;
             loop {
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-                match rustix::net::connect(&fd, &name) {
+                match rustix::net::connect(&fd, name) {
                     Ok(()) | Err(rustix::io::Errno::ISCONN) => break,
                     Err(rustix::io::Errno::AGAIN) if tries < 5000 => tries += 1,
                     Err(e) => return Err(e.into()),

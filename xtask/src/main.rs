@@ -3,7 +3,8 @@
 //! - `ci`: what CI runs: format check, clippy with `-D warnings`, every test (nextest when
 //!   installed, else `cargo test`), doc tests, and the docs build with warnings denied. The
 //!   `cuda`, `quic` and `shm` features of `tensorwire` are built, linted and tested too (no GPU
-//!   needed). The shared-memory transport (`transport-shm`, a workspace member) runs the
+//!   needed). `cargo tree` checks that the library has no CLI dependencies and that its features
+//!   remove adapters (no TCP transport with `--no-default-features --features quic`). The shared-memory transport (`transport-shm`, a workspace member) runs the
 //!   transport conformance suite in `tensorwire-tests` (`tests/tests/transport_shm.rs`).
 //! - `gpu [--nccl] [--out DIR]`: builds (release, stripped) the self-contained GPU check binary
 //!   `tw-gpu-check` (with `--nccl` also the NCCL checks), the multi-process RPC worker, the CLI
@@ -123,7 +124,89 @@ fn ci() -> Result<()> {
         test.extend(only.iter().flatten());
         run("cargo", &test, &[])?;
     }
+    feature_trees()?;
     eprintln!("xtask: ci passed");
+    Ok(())
+}
+
+/// The normal dependencies of a package with the given cargo arguments, one crate name a line.
+fn tree(args: &[&str]) -> Result<Vec<String>> {
+    let mut cmd = vec![
+        "tree", "-e", "normal", "--prefix", "none", "--format", "{p}",
+    ];
+    cmd.extend_from_slice(args);
+    eprintln!("xtask: $ cargo {}", cmd.join(" "));
+    let out = Command::new("cargo")
+        .args(&cmd)
+        .current_dir(workspace_root())
+        .output()
+        .context("could not start `cargo tree`")?;
+    if !out.status.success() {
+        bail!(
+            "`cargo {}` failed: {}",
+            cmd.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+        .collect())
+}
+
+/// Features remove code: the library carries no CLI dependencies, and without `tcp` no TCP
+/// transport is in the tree, in `tensorwire` and in the crates that take transports through the
+/// port (`rpc`, `process-group`); the no-TCP library builds.
+fn feature_trees() -> Result<()> {
+    let cli_only = ["clap", "indicatif", "anyhow", "tracing-subscriber"];
+    let lib = tree(&["-p", "tensorwire", "--features", "cuda,quic,shm"])?;
+    if let Some(dep) = lib.iter().find(|d| cli_only.contains(&d.as_str())) {
+        bail!("the tensorwire library depends on {dep}, a CLI dependency (it belongs in tensorwire-cli)");
+    }
+    for (package, features) in [
+        ("tensorwire", "quic"),
+        ("tensorwire-rpc", "quic"),
+        ("tensorwire-process-group", ""),
+    ] {
+        let deps = tree(&[
+            "-p",
+            package,
+            "--no-default-features",
+            "--features",
+            features,
+        ])?;
+        if deps.iter().any(|d| d == "tensorwire-transport-tcp") {
+            bail!("{package} without its `tcp` feature still has tensorwire-transport-tcp in its tree");
+        }
+    }
+    run(
+        "cargo",
+        &[
+            "clippy",
+            "-p",
+            "tensorwire",
+            "--no-default-features",
+            "--features",
+            "quic",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &[],
+    )?;
+    run(
+        "cargo",
+        &[
+            "clippy",
+            "-p",
+            "tensorwire-process-group",
+            "--no-default-features",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &[],
+    )?;
     Ok(())
 }
 
@@ -153,7 +236,7 @@ fn gpu(args: &[String]) -> Result<()> {
             "tw-gpu-check",
         ),
         ("tensorwire-tests", "", "tw-rpc-worker"),
-        ("tensorwire", "cuda", "tensorwire"),
+        ("tensorwire-cli", "", "tensorwire"),
     ];
     if nccl {
         bins.push(("tensorwire-process-group", "nccl", "tw-pg-worker"));

@@ -4,8 +4,8 @@
 //! This process is worker 0 (the caller); it starts worker 1 (the callee) as a child process of
 //! the same binary. Keys: `rpc_sync_p50_us`, `rpc_sync_p99_us`, `rpc_async_calls_per_s` (many
 //! calls in flight), `rpc_tensor_1MiB_MBps`, `rpc_tensor_64MiB_MBps` (a tensor argument, a small
-//! result), `remote_to_here_p50_us`, `raw_tcp_pingpong_p50_us`, `raw_tcp_bulk_64MiB_MBps`, and
-//! `ratios`.
+//! result), `remote_to_here_p50_us`, `raw_tcp_pingpong_p50_us`, `raw_tcp_bulk_64MiB_MBps` (plain TCP to an echo process, `bench raw-echo`, in blocks that
+//! alternate with the agent's), `raw_baseline` (`"process"`) and `ratios`.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -106,9 +106,9 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
         );
     }
 
-    // The raw baseline runs in this process (blocking sockets, an echo thread), in blocks that
-    // alternate with the agent's, so that both see the same machine load.
-    let mut raw = Raw::start(&[64 * MIB])?;
+    // The raw baseline: blocking sockets to an echo *process* (the shape of the agent's two
+    // processes), in blocks that alternate with the agent's, so that both see the same load.
+    let mut raw = Raw::start_process(&[64 * MIB]).context("raw TCP baseline")?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -148,6 +148,7 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
     });
     out.insert("ratios".into(), ratios);
     out.insert("transport".into(), json!(args.transport));
+    out.insert("raw_baseline".into(), json!("process"));
     out.insert("runtime_threads".into(), json!(args.threads));
     write_json(&out, args.json.as_ref())
 }

@@ -9,10 +9,11 @@
 //! `all_to_all_w{N}_1MiB_us` (even blocks) and `broadcast_w{N}_1MiB_us` (from rank 0), each the
 //! median over its iterations on rank 0; the last four are also given over
 //! `raw_tcp_bulk_1MiB_us` (one raw transfer of 1 MiB). In the same run this
-//! process measures the raw baselines over blocking loopback sockets between two threads:
-//! `raw_tcp_pingpong_p50_us` (64-byte round trips, before and after the groups) and
-//! `raw_tcp_bulk_{N}x{N-1}MiB_us` (one transfer of the bytes all ranks of an all_gather of
-//! 1 MiB blocks receive together), and `raw_tcp_barrier_w{N}_us` (the same dissemination
+//! process measures the raw baselines over plain TCP to an echo *process* (`bench raw-echo`, as
+//! `bench transport`; `"raw_baseline": "process"`), in blocks before each group and after the
+//! last: `raw_tcp_pingpong_p50_us` (64-byte round trips) and `raw_tcp_bulk_{N}x{N-1}MiB_us` (one
+//! transfer of the bytes all ranks of an all_gather of 1 MiB blocks receive together); and, among
+//! threads of this process, `raw_tcp_barrier_w{N}_us` (the same dissemination
 //! barrier among N threads over blocking sockets: what the scheduler allows when N processes
 //! share fewer cores). `rendezvous_barrier_w32_ms` is the wall time from starting
 //! rank 0 of 32 processes until all of them finished their first barrier.
@@ -32,9 +33,12 @@ use tensorwire_core::ports::process_group::ProcessGroup;
 use tensorwire_process_group::env_init::env_rendezvous;
 use tensorwire_process_group::new_group;
 
-const MIB: usize = 1 << 20;
-/// Bytes of a raw ping-pong message (as `bench transport`).
-const SMALL: usize = 64;
+use super::bench::{Raw, MIB};
+
+/// Raw ping-pong round trips in all (spread over the blocks).
+const RAW_PINGPONG: usize = 12_000;
+/// Raw bulk transfers of each size per block.
+const RAW_BULK_ROUNDS: usize = 3;
 
 /// Arguments of `tensorwire bench collectives`.
 #[derive(Debug, clap::Args)]
@@ -90,8 +94,41 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
     let bar = super::bench::progress(steps, "");
     let mut out = Map::new();
 
-    bar.set_message("raw TCP ping-pong");
-    let mut pings = raw_pingpong(10_000).context("raw TCP ping-pong")?;
+    // The raw baselines: plain TCP to an echo *process* (`bench raw-echo`, as `bench transport`),
+    // one block before each group and one after the last, so that they see the load the groups
+    // see. Bulk sizes: 1 MiB, and what all ranks of an all_gather of 1 MiB blocks receive.
+    let mut sizes = vec![MIB];
+    for &world in &args.world {
+        let bytes = world * (world - 1) * MIB;
+        if !sizes.contains(&bytes) {
+            sizes.push(bytes);
+        }
+    }
+    bar.set_message("raw TCP baseline");
+    let mut raw = Raw::start_process(&sizes).context("raw TCP baseline")?;
+    let data = vec![3u8; sizes.iter().copied().max().unwrap_or(MIB)];
+    let mut pings = Vec::new();
+    let mut bulk: Vec<Vec<Duration>> = vec![Vec::new(); sizes.len()];
+    let blocks = args.world.len() + 1;
+    let mut raw_block = |raw: &mut Raw, warm_up: bool| -> Result<()> {
+        let times = raw
+            .pingpong(RAW_PINGPONG / blocks)
+            .context("raw TCP ping-pong")?;
+        for (i, &size) in sizes.iter().enumerate() {
+            for _ in 0..RAW_BULK_ROUNDS {
+                let took = raw.bulk(&data[..size]).context("raw TCP bulk")?;
+                if !warm_up {
+                    bulk[i].push(took);
+                }
+            }
+        }
+        if !warm_up {
+            pings.extend(times);
+        }
+        Ok(())
+    };
+    raw_block(&mut raw, true)?;
+    raw_block(&mut raw, false)?;
     bar.inc(1);
 
     for &world in &args.world {
@@ -100,8 +137,10 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
         for (k, v) in results {
             out.insert(k, v);
         }
+        raw_block(&mut raw, false)?;
         bar.inc(1);
     }
+    raw.finish()?;
 
     if args.rendezvous_world > 0 {
         let world = args.rendezvous_world;
@@ -114,26 +153,30 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
         bar.inc(1);
     }
 
-    bar.set_message("raw TCP bulk and barrier");
+    bar.set_message("raw TCP barrier (threads)");
     for &world in &args.world {
         let raw = raw_barrier(world, args.small_iters).context("raw TCP barrier")?;
         out.insert(format!("raw_tcp_barrier_w{world}_us"), json!(raw));
-        let bytes = world * (world - 1) * MIB;
-        let took = raw_bulk(bytes, 5).context("raw TCP bulk")?;
-        out.insert(
-            format!("raw_tcp_bulk_{world}x{}MiB_us", world - 1),
-            json!(took),
-        );
     }
-    let took = raw_bulk(MIB, 5).context("raw TCP bulk")?;
-    out.insert("raw_tcp_bulk_1MiB_us".into(), json!(took));
-    bar.inc(1);
-    bar.set_message("raw TCP ping-pong (again)");
-    pings.extend(raw_pingpong(10_000).context("raw TCP ping-pong")?);
     bar.inc(1);
     bar.finish_and_clear();
+    let bulk_us: Vec<f64> = bulk.into_iter().map(median_us).collect();
+    let bulk_of = |bytes: usize| {
+        sizes
+            .iter()
+            .position(|s| *s == bytes)
+            .map_or(f64::NAN, |i| bulk_us[i])
+    };
+    out.insert("raw_tcp_bulk_1MiB_us".into(), json!(bulk_of(MIB)));
+    for &world in &args.world {
+        out.insert(
+            format!("raw_tcp_bulk_{world}x{}MiB_us", world - 1),
+            json!(bulk_of(world * (world - 1) * MIB)),
+        );
+    }
     let pingpong = median_us(pings);
     out.insert("raw_tcp_pingpong_p50_us".into(), json!(pingpong));
+    out.insert("raw_baseline".into(), json!("process"));
 
     let get = |k: &str| out.get(k).and_then(Value::as_f64);
     let mut ratios = Map::new();
@@ -203,7 +246,7 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
         json!({
             "small_iters": args.small_iters,
             "large_iters": args.large_iters,
-            "figures": "medians over iterations on rank 0, microseconds; raw baselines over blocking loopback sockets between two threads",
+            "figures": "medians over iterations on rank 0, microseconds; raw ping-pong and bulk over plain TCP to an echo process (bench raw-echo) in blocks between the groups; raw barrier among threads over blocking sockets",
             "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         }),
     );
@@ -523,37 +566,6 @@ async fn worker_main(args: &WorkerArgs) -> Result<()> {
     Ok(())
 }
 
-/// Raw baseline: `n` round trips of 64 bytes between two threads; the time of each.
-fn raw_pingpong(n: usize) -> Result<Vec<Duration>> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let echo = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut s, _) = listener.accept()?;
-        s.set_nodelay(true)?;
-        let mut buf = [0u8; SMALL];
-        for _ in 0..n {
-            s.read_exact(&mut buf)?;
-            s.write_all(&buf)?;
-        }
-        Ok(())
-    });
-    let mut s = TcpStream::connect(addr)?;
-    s.set_nodelay(true)?;
-    let msg = [7u8; SMALL];
-    let mut back = [0u8; SMALL];
-    let mut times = Vec::with_capacity(n);
-    for _ in 0..n {
-        let t = Instant::now();
-        s.write_all(&msg)?;
-        s.read_exact(&mut back)?;
-        times.push(t.elapsed());
-    }
-    echo.join()
-        .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
-    // The first tenth warms up.
-    Ok(times.split_off(n / 10))
-}
-
 /// Raw baseline: the same dissemination barrier as the groups run, among `world` threads
 /// over blocking loopback sockets (one byte per message, no framing, no runtime); the median
 /// on thread 0 over `iters` barriers, in microseconds. It shows what the machine's scheduler
@@ -611,43 +623,4 @@ fn raw_barrier(world: usize, iters: usize) -> Result<f64> {
         first.get_or_insert(times);
     }
     Ok(median_us(first.unwrap_or_default()))
-}
-
-/// Raw baseline: `bytes` over one loopback connection, then a 1-byte acknowledgement; the
-/// median of `rounds` transfers, in microseconds.
-fn raw_bulk(bytes: usize, rounds: usize) -> Result<f64> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let sink = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut s, _) = listener.accept()?;
-        let mut buf = vec![0u8; MIB];
-        for _ in 0..=rounds {
-            let mut left = bytes;
-            while left > 0 {
-                let n = s.read(&mut buf[..left.min(MIB)])?;
-                if n == 0 {
-                    return Err(std::io::ErrorKind::UnexpectedEof.into());
-                }
-                left -= n;
-            }
-            s.write_all(&[1])?;
-        }
-        Ok(())
-    });
-    let mut s = TcpStream::connect(addr)?;
-    s.set_nodelay(true)?;
-    let data = vec![3u8; bytes];
-    let mut times = Vec::new();
-    for round in 0..=rounds {
-        let t = Instant::now();
-        s.write_all(&data)?;
-        let mut ack = [0u8; 1];
-        s.read_exact(&mut ack)?;
-        if round > 0 {
-            times.push(t.elapsed());
-        }
-    }
-    sink.join()
-        .map_err(|_| anyhow::anyhow!("sink thread panicked"))??;
-    Ok(median_us(times))
 }

@@ -328,7 +328,8 @@ fn bench_transport(args: &TransportArgs) -> Result<()> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Raw baseline: blocking std sockets, no framing, an echo thread.
+// Raw baseline: blocking std sockets, no framing, an echo process (`bench raw-echo`) serving
+// each connection on a thread.
 
 /// Modes of a raw connection, named once in its first message (never per exchange, so the
 /// baseline carries no framing at all).
@@ -362,13 +363,8 @@ fn raw_connection(mut s: TcpStream) -> std::io::Result<()> {
 pub(crate) struct Raw {
     ping: TcpStream,
     bulk: Vec<(usize, TcpStream)>,
-    server: RawServer,
-}
-
-/// Where the raw echo runs.
-enum RawServer {
-    Thread(std::thread::JoinHandle<std::io::Result<()>>),
-    Process(std::process::Child),
+    /// The raw echo process.
+    server: std::process::Child,
 }
 
 /// Accepts `connections` raw connections on `listener` and serves each on a thread.
@@ -395,15 +391,6 @@ fn raw_echo(args: &RawEchoArgs) -> Result<()> {
 }
 
 impl Raw {
-    /// The baseline with its echo on a thread of this process.
-    pub(crate) fn start(bulk_sizes: &[usize]) -> Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0")?;
-        let addr = listener.local_addr()?;
-        let connections = 1 + bulk_sizes.len();
-        let server = std::thread::spawn(move || raw_serve(listener, connections));
-        Self::connect(addr, bulk_sizes, RawServer::Thread(server))
-    }
-
     /// The baseline with its echo in another process (this binary, `bench raw-echo`).
     pub(crate) fn start_process(bulk_sizes: &[usize]) -> Result<Self> {
         let mut child = std::process::Command::new(std::env::current_exe()?)
@@ -426,10 +413,14 @@ impl Raw {
             let _ = child.wait();
             bail!("the raw echo process did not report its address (got {line:?})");
         };
-        Self::connect(addr, bulk_sizes, RawServer::Process(child))
+        Self::connect(addr, bulk_sizes, child)
     }
 
-    fn connect(addr: SocketAddr, bulk_sizes: &[usize], server: RawServer) -> Result<Self> {
+    fn connect(
+        addr: SocketAddr,
+        bulk_sizes: &[usize],
+        server: std::process::Child,
+    ) -> Result<Self> {
         let open = |mode: u8, size: usize| -> Result<TcpStream> {
             let mut s = TcpStream::connect(addr)?;
             s.set_nodelay(true)?;
@@ -478,16 +469,10 @@ impl Raw {
     pub(crate) fn finish(self) -> Result<()> {
         drop(self.ping);
         drop(self.bulk);
-        match self.server {
-            RawServer::Thread(server) => server
-                .join()
-                .map_err(|_| anyhow::anyhow!("raw listener thread panicked"))??,
-            RawServer::Process(mut child) => {
-                let status = child.wait()?;
-                if !status.success() {
-                    bail!("the raw echo process failed: {status}");
-                }
-            }
+        let mut server = self.server;
+        let status = server.wait()?;
+        if !status.success() {
+            bail!("the raw echo process failed: {status}");
         }
         Ok(())
     }
