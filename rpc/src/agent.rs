@@ -365,10 +365,13 @@ fn dynamic_url(url: &str, rank: usize) -> String {
     format!("{base}?{}", pairs.join("&"))
 }
 
+/// The store key that holds a group's kind (`static` or `dynamic`).
+pub(crate) const GROUP_KIND: &str = "rpc/group_kind";
+
 /// Records the group's kind in the store on first use; a worker of the other kind is refused.
 async fn guard_group_kind(store: &dyn Store, dynamic: bool) -> Result<(), RpcError> {
     let kind: &[u8] = if dynamic { b"dynamic" } else { b"static" };
-    let held = store.compare_set("rpc/group_kind", b"", kind).await?;
+    let held = store.compare_set(GROUP_KIND, b"", kind).await?;
     if held != kind {
         return Err(RpcError::Init(format!(
             "this group is {}; a {} worker cannot join it (mixing static and dynamic members is refused)",
@@ -507,6 +510,12 @@ async fn exchange_records(
             rank_only,
         )
         .await?;
+        // Every worker has read every record: init needs none of these keys any more.
+        for r in 0..world_size {
+            for key in [format!("rpc/worker/{r}"), format!("rpc/fetched/{r}")] {
+                store.delete_key(&key).await?;
+            }
+        }
     }
     let mut records = Vec::with_capacity(world_size);
     for (r, bytes) in raw.iter().enumerate() {
@@ -1537,6 +1546,19 @@ impl Agent {
                 (true, true) => crate::dynamic::leave(self, timeout).await,
                 (false, _) => Ok(()),
             }
+        };
+        // Rank 0 of a static group removes the last key the agent put in the store (the group's
+        // kind); a dynamic group's last member removes its keys when it leaves.
+        let stages = async {
+            let outcome = stages.await;
+            if self.inner.me.id == 0 && !self.inner.dynamic {
+                if let Ok(store) = self.store() {
+                    if let Err(e) = store.delete_key(GROUP_KIND).await {
+                        debug!("could not remove {GROUP_KIND} from the store: {e}");
+                    }
+                }
+            }
+            outcome
         };
         // Every wait of the stages ends by the deadline and says for whom; past it, the store
         // is what did not answer.

@@ -17,6 +17,7 @@ use tensorwire_core::ports::transport::{Connection, Listener, Transport};
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
 use tensorwire_core::wire::Frame;
+use tensorwire_process_group::backoff::Backoff;
 use tensorwire_process_group::Rendezvous;
 use tracing::warn;
 
@@ -39,12 +40,14 @@ fn encode_err(what: &str, e: postcard::Error) -> RpcError {
 /// Takes the membership token, waiting (bounded) while another worker holds it.
 async fn acquire(store: &dyn Store, name: &str, timeout: Duration) -> Result<(), RpcError> {
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut delay = Duration::from_millis(1);
+    // The one backoff-with-jitter helper, as for every retry loop.
+    let mut backoff = Backoff::new(Duration::from_millis(1), Duration::from_millis(50));
     loop {
         let held = store.compare_set(TOKEN, b"", name.as_bytes()).await?;
         if held == name.as_bytes() {
             return Ok(());
         }
+        let delay = backoff.next_delay();
         if tokio::time::Instant::now() + delay > deadline {
             return Err(RpcError::Timeout {
                 what: "waiting for the group's membership token".into(),
@@ -56,7 +59,6 @@ async fn acquire(store: &dyn Store, name: &str, timeout: Duration) -> Result<(),
             });
         }
         tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(50));
     }
 }
 
@@ -242,9 +244,18 @@ pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcErr
     let result = async {
         let mut members = read_members(&*store).await?;
         members.retain(|m| m.devices.name != name);
-        write_members(&*store, &members).await
+        if members.is_empty() {
+            // The last member: the group ends, and with it every key the agents made.
+            for key in [MEMBERS, crate::agent::GROUP_KIND, TOKEN] {
+                store.delete_key(key).await?;
+            }
+            return Ok(true);
+        }
+        write_members(&*store, &members).await.map(|()| false)
     }
     .await;
-    release(&*store, &name).await;
-    result
+    if !matches!(result, Ok(true)) {
+        release(&*store, &name).await;
+    }
+    result.map(|_| ())
 }

@@ -903,3 +903,55 @@ async fn a_killed_worker_fails_its_calls_naming_it() {
     }
     let _ = dead.shutdown(false, Duration::from_secs(5)).await;
 }
+
+/// After a clean init and shutdown the store holds no key the agents made.
+#[tokio::test(start_paused = true)]
+async fn a_clean_init_and_shutdown_leaves_no_store_keys() {
+    let cluster = Cluster::new();
+    let agents: Vec<Agent> = group_in(&cluster, 3, |_, _| {})
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        agents[0]
+            .rpc_sync::<_, i64>("w2", "add", &(1i64, 2i64), None)
+            .await
+            .unwrap(),
+        3
+    );
+    // Init's own keys are gone once init is over; the group's kind stays while it runs.
+    assert_eq!(cluster.store.num_keys().await.unwrap(), 1);
+    shutdown_all(agents).await;
+    assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
+}
+
+/// A dynamic group through which 1,000 joins and leaves have passed keeps its store's key
+/// count bounded (the same as after the first), and the last member's leave removes them all.
+#[tokio::test(start_paused = true)]
+async fn a_thousand_joins_and_leaves_keep_the_store_bounded() {
+    let cluster = Cluster::new();
+    let a0 = dynamic(0, &cluster, |_| {}).await.unwrap();
+    let mut after_first = None;
+    for i in 0..1_000 {
+        let rank = 1 + i % 3;
+        let joiner = dynamic(rank, &cluster, |_| {}).await.unwrap();
+        if i % 100 == 0 {
+            let sum: i64 = joiner
+                .rpc_sync("w0", "add", &(i as i64, 1i64), None)
+                .await
+                .unwrap();
+            assert_eq!(sum, i as i64 + 1);
+        }
+        joiner
+            .shutdown(true, Duration::from_secs(10))
+            .await
+            .unwrap();
+        let keys = cluster.store.num_keys().await.unwrap();
+        let first = *after_first.get_or_insert(keys);
+        assert_eq!(keys, first, "after {} joins and leaves", i + 1);
+    }
+    assert!(after_first.unwrap() <= 3, "{after_first:?}");
+    a0.shutdown(true, Duration::from_secs(10)).await.unwrap();
+    assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
+}
