@@ -44,11 +44,17 @@ pub struct Body {
     pub data: Vec<u8>,
     /// References passed inside the message (forked for its receiver).
     pub forks: Vec<RRefForkData>,
+    /// For a method call: the reference it runs on.
+    pub target: Option<RRefId>,
 }
 
 impl Payload for Body {
     fn forks(&self) -> Vec<RRefForkData> {
         self.forks.clone()
+    }
+
+    fn target(&self) -> Option<RRefId> {
+        self.target
     }
 }
 
@@ -140,6 +146,8 @@ pub struct SimStats {
     pub shutdowns_failed: usize,
     /// Workers that left a dynamic group.
     pub leaves: usize,
+    /// Method calls made on values through references.
+    pub method_calls: usize,
 }
 
 /// N endpoints, their links, a virtual clock and a model application per worker.
@@ -383,6 +391,7 @@ impl Cluster {
                 let body = Body {
                     data: vec![1],
                     forks,
+                    target: None,
                 };
                 if rng.chance(25) {
                     self.remote_deferred(w, to, function, body, timeout);
@@ -397,8 +406,21 @@ impl Cluster {
                     let body = Body {
                         data: vec![],
                         forks,
+                        target: None,
                     };
                     self.call(w, to, "keep", body, timeout);
+                }
+            }
+            65..=69 => {
+                // A method call on a value through a reference: the owner runs it only once
+                // the value exists (the application checks), however early it arrives.
+                if let Some(h) = self.pick_held(w, rng) {
+                    let body = Body {
+                        target: Some(h.rref),
+                        ..Body::default()
+                    };
+                    self.call(w, h.owner, "method", body, timeout);
+                    self.stats.method_calls += 1;
                 }
             }
             33..=38 => {
@@ -560,11 +582,23 @@ impl Cluster {
                     body: Body {
                         data: body.data,
                         forks: vec![],
+                        target: None,
                     },
                     waits_for: None,
                     handles,
                 };
                 match function.as_str() {
+                    "method" => {
+                        let target = body.target.unwrap_or_else(|| {
+                            self.fail(format!("worker {w}: a method call without a target"))
+                        });
+                        if !self.apps[w as usize].values.contains_key(&target) {
+                            self.fail(format!(
+                                "worker {w} was asked to run a method on {target}, which it does not keep (yet)"
+                            ));
+                        }
+                        self.answer(w, serving, Ok(()));
+                    }
                     "slow" => self.apps[w as usize].serving.push(serving),
                     "nested" => {
                         // Call a third worker (or anyone) before answering.
@@ -608,6 +642,7 @@ impl Cluster {
                     body: Body {
                         data: body.data,
                         forks: vec![],
+                        target: None,
                     },
                     waits_for: None,
                     handles,
@@ -637,6 +672,7 @@ impl Cluster {
                     Ok(Body {
                         data: vec![2],
                         forks,
+                        target: None,
                     }),
                 );
             }

@@ -142,6 +142,10 @@ impl Payload for Body {
     fn forks(&self) -> Vec<RRefForkData> {
         self.forks.clone()
     }
+
+    fn target(&self) -> Option<RRefId> {
+        self.target
+    }
 }
 
 type Waiter = oneshot::Sender<Result<Body, CallError>>;
@@ -185,8 +189,6 @@ pub(crate) struct State {
     lost: HashMap<WorkerId, String>,
     /// When the driver task wakes up next for timers (`None`: only when woken).
     driver_wakes_at: Option<Instant>,
-    /// Calls waiting for an owned value that is still being created.
-    value_waiters: HashMap<RRefId, Vec<oneshot::Sender<()>>>,
     /// Functions waiting until the owner confirms a fork in their arguments, with the owner
     /// (a lost owner fails them).
     confirm_waiters: HashMap<ForkId, Vec<(WorkerId, oneshot::Sender<()>)>>,
@@ -573,7 +575,6 @@ impl Agent {
                 peers: HashMap::new(),
                 lost: HashMap::new(),
                 driver_wakes_at: None,
-                value_waiters: HashMap::new(),
                 confirm_waiters: HashMap::new(),
                 shutdown_waiter: None,
             }),
@@ -2021,9 +2022,10 @@ impl Agent {
             return;
         };
         self.spawn(async move {
-            // A method call on a value that is still being created waits for it.
+            // A method call reaches this point only once its value exists (the endpoint parks
+            // it until then, by its caller's deadline).
             let target = match body.target {
-                Some(rref) => match agent.owned_value(rref, deadline).await {
+                Some(rref) => match agent.owned_value(rref) {
                     Ok(v) => Some(v),
                     Err(reason) => {
                         let err = remote_error(me, RemoteErrorKind::RRef, reason);
@@ -2062,15 +2064,8 @@ impl Agent {
             {
                 Ok(Ok(value)) => match keep_as {
                     Some(rref) => {
-                        let (waiting, replaced) = {
-                            let mut st = agent.lock();
-                            let replaced = st.values.insert(rref, value);
-                            (st.value_waiters.remove(&rref), replaced)
-                        };
+                        let replaced = agent.lock().values.insert(rref, value);
                         drop(replaced);
-                        for w in waiting.into_iter().flatten() {
-                            let _ = w.send(());
-                        }
                         Ok(Body {
                             target: None,
                             data: Bytes::new(),
@@ -2120,10 +2115,6 @@ impl Agent {
             }
             let orphan = {
                 let mut st = agent.lock();
-                if let (Some(rref), Err(_)) = (keep_as, &outcome) {
-                    // Creating the value failed: calls waiting for it get told so.
-                    st.value_waiters.remove(&rref);
-                }
                 let created = keep_as.filter(|_| outcome.is_ok());
                 let expected = st.ep.respond(token, outcome);
                 // A value made for a creator lost meanwhile: nobody will ever refer to it.
@@ -2139,44 +2130,14 @@ impl Agent {
         });
     }
 
-    /// The value of `rref`, owned here, waiting while it is being created (until the caller's
-    /// deadline; without one, until creation ends).
-    async fn owned_value(
-        &self,
-        rref: RRefId,
-        deadline: Option<tokio::time::Instant>,
-    ) -> Result<Arc<dyn Any + Send + Sync>, String> {
-        let gone = || format!("no value is kept for {rref} on {}", self.inner.me.name);
-        let rx = {
-            let mut st = self.lock();
-            if let Some(v) = st.values.get(&rref) {
-                return Ok(Arc::clone(v).into_any());
-            }
-            if !st.ep.owns(rref) {
-                return Err(gone());
-            }
-            let (tx, rx) = oneshot::channel();
-            st.value_waiters.entry(rref).or_default().push(tx);
-            rx
-        };
-        let created = match deadline {
-            Some(at) => tokio::time::timeout_at(at, rx).await,
-            None => Ok(rx.await),
-        };
-        match created {
-            Ok(Ok(())) => self.local_value(rref).ok_or_else(gone),
-            Ok(Err(_)) => Err(format!(
-                "creating the value of {rref} on {} failed",
-                self.inner.me.name
-            )),
-            Err(_) => Err(format!(
-                "the value of {rref} was still being created at the caller's deadline"
-            )),
-        }
+    /// The value of `rref`, owned here. (A method call on a value still being created waits
+    /// in the endpoint, by its caller's deadline, and is only handed over once the value is
+    /// kept: see `Payload::target` in core.)
+    fn owned_value(&self, rref: RRefId) -> Result<Arc<dyn Any + Send + Sync>, String> {
+        self.local_value(rref)
+            .ok_or_else(|| format!("no value is kept for {rref} on {}", self.inner.me.name))
     }
 
-    /// Waits until the owner of every reference in `handles` has confirmed it, bounded by
-    /// `deadline`; the error names the reference and its owner.
     pub(crate) async fn wait_confirmed(
         &self,
         handles: &[RRefHandle],

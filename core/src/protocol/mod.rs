@@ -100,6 +100,22 @@ pub trait Payload {
     fn forks(&self) -> Vec<RRefForkData> {
         Vec::new()
     }
+
+    /// For a method call: the reference whose value the method runs on. A call on a value
+    /// this worker owns and is still creating waits (parked, by the caller's deadline) until
+    /// the value exists.
+    fn target(&self) -> Option<RRefId> {
+        None
+    }
+}
+
+/// A method call waiting for the value it runs on to be created.
+#[derive(Debug)]
+struct ParkedCall<B> {
+    token: RequestToken,
+    function: String,
+    body: B,
+    deadline: Option<Instant>,
 }
 
 impl Payload for Vec<u8> {}
@@ -640,6 +656,8 @@ pub struct Endpoint<B> {
     created_upto: HashMap<WorkerId, u64>,
     /// Peers lost for good (until [`handle_peer_joined`](Endpoint::handle_peer_joined)).
     lost: HashSet<WorkerId>,
+    /// Method calls waiting for the value they run on, by reference.
+    parked_calls: HashMap<RRefId, Vec<ParkedCall<B>>>,
     /// Our graceful shutdown, and what peers said of theirs.
     shutdown: shutdown::ShutdownState,
     /// The latest time an input brought (for work that commands without a time cause).
@@ -690,6 +708,7 @@ impl<B: Payload> Endpoint<B> {
             failed: VecDeque::new(),
             created_upto: HashMap::new(),
             lost: HashSet::new(),
+            parked_calls: HashMap::new(),
             shutdown: shutdown::ShutdownState::default(),
             last_now: None,
             events: VecDeque::new(),
@@ -813,7 +832,13 @@ impl<B: Payload> Endpoint<B> {
             .values()
             .flat_map(|o| o.fetches.iter().filter_map(|(_, _, d)| *d))
             .min();
-        [call, control, parked, self.shutdown_deadline()]
+        let parked_call = self
+            .parked_calls
+            .values()
+            .flatten()
+            .filter_map(|c| c.deadline)
+            .min();
+        [call, control, parked, parked_call, self.shutdown_deadline()]
             .into_iter()
             .flatten()
             .min()
@@ -897,12 +922,8 @@ impl<B: Payload> Endpoint<B> {
                 kind: RequestKind::Call,
             };
             self.incoming.insert(token);
-            self.events.push_back(Event::Call {
-                token,
-                function: function.to_owned(),
-                body,
-                deadline: deadline_after(now, timeout),
-            });
+            let deadline = deadline_after(now, timeout);
+            self.deliver_call(token, function.to_owned(), body, deadline);
         } else {
             self.send_out(Transmit {
                 to,
@@ -1008,6 +1029,7 @@ impl<B: Payload> Endpoint<B> {
         for (from, id, deadline) in waiting {
             self.owner_fetch(from, id, rref, deadline);
         }
+        self.settle_parked_calls(rref);
         self.maybe_release(rref);
         true
     }
@@ -1221,6 +1243,7 @@ impl<B: Payload> Endpoint<B> {
         }
         self.unacked.clear();
         self.incoming.clear();
+        self.parked_calls.clear();
         self.held.clear();
         self.deferred.clear();
     }
@@ -1408,6 +1431,7 @@ impl<B: Payload> Endpoint<B> {
                 for (from, fetch, deadline) in waiting {
                     self.owner_fetch(from, fetch, rref, deadline);
                 }
+                self.settle_parked_calls(rref);
             } else if let Some(u) = self.used.get_mut(&rref) {
                 // The owner never heard of it: nothing to delete there.
                 u.confirmed = true;
@@ -1506,12 +1530,7 @@ impl<B: Payload> Endpoint<B> {
                     kind: RequestKind::Call,
                 };
                 self.incoming.insert(token);
-                self.events.push_back(Event::Call {
-                    token,
-                    function,
-                    body,
-                    deadline: deadline_after(now, timeout),
-                });
+                self.deliver_call(token, function, body, deadline_after(now, timeout));
             }
             Header::Remote {
                 id,
@@ -1631,6 +1650,7 @@ impl<B: Payload> Endpoint<B> {
                 for (caller, id, deadline) in waiting {
                     self.owner_fetch(caller, id, rref, deadline);
                 }
+                self.settle_parked_calls(rref);
                 self.maybe_release(rref);
             }
             Header::Ack { id } => self.on_ack(id, now),
@@ -1741,6 +1761,7 @@ impl<B: Payload> Endpoint<B> {
             self.fail(id, err);
         }
         self.expire_parked_fetches(now);
+        self.expire_parked_calls(now);
         let retry = self.config.control_retry;
         let mut resend = Vec::new();
         for u in self.unacked.values_mut() {
@@ -1783,6 +1804,10 @@ impl<B: Payload> Endpoint<B> {
         }
         self.unacked.retain(|_, u| u.to != peer);
         self.incoming.retain(|t| t.from != peer);
+        for parked in self.parked_calls.values_mut() {
+            parked.retain(|c| c.token.from != peer);
+        }
+        self.parked_calls.retain(|_, v| !v.is_empty());
         // Nothing more goes to it: held messages are dropped, bodies not ready are not awaited
         // (their calls failed above).
         self.held.remove(&peer);
@@ -1837,6 +1862,7 @@ impl<B: Payload> Endpoint<B> {
             for (from, id, deadline) in waiting {
                 self.owner_fetch(from, id, rref, deadline);
             }
+            self.settle_parked_calls(rref);
             self.maybe_release(rref);
         }
         self.advance_shutdown();
@@ -2070,6 +2096,101 @@ impl<B: Payload> Endpoint<B> {
             .map(|(_, e)| e.clone())
     }
 
+    /// Hands a call to the application, unless it is a method call on a value this worker is
+    /// still creating: then it waits (parked) until the value exists, its creation fails, or
+    /// the caller's deadline passes. (The request is counted as incoming all along.)
+    fn deliver_call(
+        &mut self,
+        token: RequestToken,
+        function: String,
+        body: B,
+        deadline: Option<Instant>,
+    ) {
+        if let Some(rref) = body.target() {
+            if !self.owned.contains_key(&rref) {
+                // No record: its creation failed, or it was created and released, or its
+                // creator is gone: say so. Else its creation has not arrived yet (the caller
+                // got the reference from a third worker): wait for it, as a fork request does.
+                if let Some(err) = self
+                    .failure_of(rref)
+                    .or_else(|| self.released(rref))
+                    .or_else(|| self.creator_lost(rref))
+                {
+                    self.incoming.remove(&token);
+                    self.reply(token.from, token.id, Err(err));
+                    return;
+                }
+                self.owned.insert(rref, Owned::default());
+            }
+            match self.owned.get(&rref).map(|o| &o.state) {
+                Some(None) => {
+                    self.parked_calls.entry(rref).or_default().push(ParkedCall {
+                        token,
+                        function,
+                        body,
+                        deadline,
+                    });
+                    return;
+                }
+                Some(Some(Err(e))) => {
+                    let err = RemoteError {
+                        worker: self.me,
+                        kind: RemoteErrorKind::RRef,
+                        message: format!(
+                            "creating the value of {rref} on worker {} failed: {}",
+                            self.me, e.message
+                        ),
+                    };
+                    self.incoming.remove(&token);
+                    self.reply(token.from, token.id, Err(err));
+                    self.maybe_release(rref);
+                    return;
+                }
+                _ => {}
+            }
+        }
+        self.events.push_back(Event::Call {
+            token,
+            function,
+            body,
+            deadline,
+        });
+    }
+
+    /// The creation of `rref` ended: the calls parked on it run, or fail with it.
+    fn settle_parked_calls(&mut self, rref: RRefId) {
+        for c in self.parked_calls.remove(&rref).unwrap_or_default() {
+            self.deliver_call(c.token, c.function, c.body, c.deadline);
+        }
+    }
+
+    /// Method calls parked on values still being created fail at their caller's deadline.
+    fn expire_parked_calls(&mut self, now: Instant) {
+        let mut expired = Vec::new();
+        for (rref, parked) in &mut self.parked_calls {
+            parked.retain(|c| {
+                let keep = c.deadline.is_none_or(|d| d > now);
+                if !keep {
+                    expired.push((*rref, c.token));
+                }
+                keep
+            });
+        }
+        self.parked_calls.retain(|_, v| !v.is_empty());
+        for (rref, token) in expired {
+            self.incoming.remove(&token);
+            let err = RemoteError {
+                worker: self.me,
+                kind: RemoteErrorKind::RRef,
+                message: format!(
+                    "the value of {rref} was still being created at the caller's deadline"
+                ),
+            };
+            self.reply(token.from, token.id, Err(err));
+            self.maybe_release(rref);
+        }
+    }
+
     /// Fetches parked on values still being created fail at their caller's deadline.
     fn expire_parked_fetches(&mut self, now: Instant) {
         let mut expired = Vec::new();
@@ -2099,7 +2220,10 @@ impl<B: Payload> Endpoint<B> {
         let Some(o) = self.owned.get(&rref) else {
             return;
         };
-        let busy = !o.forks.is_empty() || o.local_handles > 0 || !o.fetches.is_empty();
+        let busy = !o.forks.is_empty()
+            || o.local_handles > 0
+            || !o.fetches.is_empty()
+            || self.parked_calls.contains_key(&rref);
         let serving = self
             .incoming
             .iter()

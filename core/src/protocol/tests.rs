@@ -903,6 +903,7 @@ fn cluster_simulation() {
         total.shutdowns_ok += s.shutdowns_ok;
         total.shutdowns_failed += s.shutdowns_failed;
         total.leaves += s.leaves;
+        total.method_calls += s.method_calls;
     }
     // The workload reaches every behaviour it is meant to.
     if std::env::var("TW_SIM_SEED").is_err() {
