@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tensorwire::rpc::{init_rpc, Functions, RRef, RpcError, RpcOptions};
+use tensorwire::rpc::{init_rpc, Function, Functions, Method, RRef, RpcError, RpcOptions};
 
 /// The server's state: a weight vector and how often it was updated.
 #[derive(serde::Serialize)]
@@ -17,41 +17,50 @@ struct Server {
     weights: Mutex<Vec<f64>>,
 }
 
-fn functions() -> Functions {
+/// Creates a server with `dim` weights (kept on the callee behind a remote reference).
+const NEW_SERVER: Function<usize, Server> = Function::new("new_server");
+/// The server's weights.
+const WEIGHTS: Method<Server, (), Vec<f64>> = Method::new("weights");
+/// Applies a gradient.
+const UPDATE: Method<Server, Vec<f64>, ()> = Method::new("update");
+/// Trains against a server for some steps; returns the final loss.
+const TRAIN: Function<(RRef<Server>, u32), f64> = Function::new("train");
+
+fn functions() -> Result<Functions, RpcError> {
     let f = Functions::new();
-    f.register("new_server", |dim: usize| async move {
+    f.serve(&NEW_SERVER, |dim| async move {
         Ok::<_, String>(Server {
             weights: Mutex::new(vec![0.0; dim]),
         })
-    });
-    f.register_method("weights", |s: Arc<Server>, (): ()| async move {
+    })?;
+    f.serve_method(&WEIGHTS, |s: Arc<Server>, ()| async move {
         Ok::<_, String>(s.weights.lock().map_err(|e| e.to_string())?.clone())
-    });
-    f.register_method("update", |s: Arc<Server>, grad: Vec<f64>| async move {
+    })?;
+    f.serve_method(&UPDATE, |s: Arc<Server>, grad| async move {
         let mut w = s.weights.lock().map_err(|e| e.to_string())?;
         for (w, g) in w.iter_mut().zip(&grad) {
             *w -= 0.1 * g;
         }
         Ok::<_, String>(())
-    });
+    })?;
     // A trainer pulls the weights, computes a gradient towards 1.0 and pushes it, `steps` times.
-    f.register("train", |(server, steps): (RRef<Server>, u32)| async move {
+    f.serve(&TRAIN, |(server, steps)| async move {
         let mut loss = 0.0;
         for _ in 0..steps {
-            let w: Vec<f64> = server
-                .rpc_sync("weights", &(), None)
+            let w = server
+                .call(&WEIGHTS, &())
                 .await
                 .map_err(|e| e.to_string())?;
             let grad: Vec<f64> = w.iter().map(|w| w - 1.0).collect();
             loss = grad.iter().map(|g| g * g).sum::<f64>() / grad.len() as f64;
             server
-                .rpc_sync::<_, ()>("update", &grad, None)
+                .call(&UPDATE, &grad)
                 .await
                 .map_err(|e| e.to_string())?;
         }
         Ok::<_, String>(loss)
-    });
-    f
+    })?;
+    Ok(f)
 }
 
 #[tokio::main]
@@ -73,21 +82,18 @@ async fn main() -> Result<(), RpcError> {
         &name,
         rank,
         Some(world),
-        RpcOptions {
-            functions: functions(),
-            ..Default::default()
-        },
+        RpcOptions::new().with_functions(functions()?),
     )
     .await?;
     if rank == 0 {
-        let server: RRef<Server> = agent.remote("ps", "new_server", &4usize, None)?;
+        let server = agent.call(&NEW_SERVER, "ps", &4).remote()?;
         let runs: Vec<_> = (1..world as u32)
-            .map(|t| agent.rpc_async::<_, f64>(t, "train", &(server.clone(), 20u32), None))
+            .map(|t| agent.call(&TRAIN, t, &(server.clone(), 20)).send())
             .collect::<Result<_, _>>()?;
         for (t, run) in runs.into_iter().enumerate() {
             println!("trainer{}: final loss {:.6}", t + 1, run.await?);
         }
-        let w: Vec<f64> = server.rpc_sync("weights", &(), None).await?;
+        let w = server.call(&WEIGHTS, &()).await?;
         println!("weights after training: {w:?}");
     }
     agent.shutdown(true, Duration::from_secs(30)).await

@@ -7,12 +7,15 @@
 
 use std::time::{Duration, Instant};
 
-use tensorwire::rpc::{init_rpc, Functions, RpcError, RpcOptions};
+use tensorwire::rpc::{init_rpc, Function, Functions, RpcError, RpcOptions};
+
+/// `n + 1`: the descriptor both sides use, so the types cannot disagree.
+const PING: Function<u64, u64> = Function::new("ping");
 
 #[tokio::main]
 async fn main() -> Result<(), RpcError> {
     let functions = Functions::new();
-    functions.register("ping", |n: u64| async move { Ok::<_, String>(n + 1) });
+    functions.serve(&PING, |n| async move { Ok::<_, String>(n + 1) })?;
 
     let rank: usize = std::env::var("RANK")
         .ok()
@@ -26,10 +29,7 @@ async fn main() -> Result<(), RpcError> {
         &format!("worker{rank}"),
         rank,
         Some(world),
-        RpcOptions {
-            functions,
-            ..Default::default()
-        },
+        RpcOptions::new().with_functions(functions),
     )
     .await?;
 
@@ -37,7 +37,7 @@ async fn main() -> Result<(), RpcError> {
     let mut times = Vec::new();
     for i in 0..1000u64 {
         let t0 = Instant::now();
-        let back: u64 = agent.rpc_sync(peer.as_str(), "ping", &i, None).await?;
+        let back = agent.call(&PING, peer.as_str(), &i).await?;
         times.push(t0.elapsed());
         assert_eq!(back, i + 1);
     }

@@ -476,7 +476,14 @@ impl Group {
         timeout: Duration,
     ) -> Result<(), ProcessGroupError> {
         let deadline = Instant::now() + timeout;
-        let span = tracing::debug_span!("collective", %signature, seq, rank = self.rank());
+        let span = tracing::debug_span!(
+            "collective",
+            group = %self.name(),
+            %signature,
+            seq,
+            rank = self.rank(),
+            bytes = buffer.len()
+        );
         let op = executor::Op {
             seq,
             signature,

@@ -256,6 +256,7 @@ pub(crate) struct Inner {
     tasks: Mutex<Tasks>,
     /// The one clock the driver reads time from and sleeps on.
     clock: Arc<dyn Clock>,
+    pub(crate) metrics: crate::metrics::AgentMetrics,
 }
 
 /// Every task the agent runs, so that shutdown can end them and wait until they have ended
@@ -581,6 +582,7 @@ impl Agent {
             wake: Notify::new(),
             store: Mutex::new(Some(Arc::clone(&rdv.store))),
             device_maps: options.device_maps.clone(),
+            metrics: crate::metrics::AgentMetrics::new(name),
             rendezvous: Mutex::new(None),
             tasks: Mutex::new(Tasks::default()),
             clock: Arc::new(TokioClock),
@@ -1219,7 +1221,11 @@ impl Agent {
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
         let (tx, rx) = oneshot::channel();
-        if prepared.on_host() {
+        let bytes = crate::metrics::message_bytes(
+            prepared.data.len(),
+            prepared.tensors.iter().map(|t| &t.0),
+        );
+        let id = if prepared.on_host() {
             let body = Body {
                 target,
                 data: prepared.data,
@@ -1232,6 +1238,7 @@ impl Agent {
                 .call(to, function, body, timeout, self.now())
                 .map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
+            id
         } else {
             // Device tensors are copied to host memory first. The call takes its place now
             // (id, deadline, order among our messages to `to`) and goes out when they are.
@@ -1245,14 +1252,14 @@ impl Agent {
                 id
             };
             self.supply_when_copied(id, to, target, prepared);
-        }
+            id
+        };
         self.pump();
-        Ok(RpcFuture::new(
-            self.clone(),
-            rx,
-            self.name_of(to),
-            function.to_owned(),
-        ))
+        let future = RpcFuture::new(self.clone(), rx, self.name_of(to), function.to_owned());
+        Ok(self
+            .inner
+            .metrics
+            .call(self, to, function, id, bytes, future))
     }
 
     /// Undoes the forks made for `to` by an encode whose bytes will not be sent.
@@ -1349,6 +1356,11 @@ impl Agent {
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
         let (tx, rx) = oneshot::channel();
+        let bytes = crate::metrics::message_bytes(
+            prepared.data.len(),
+            prepared.tensors.iter().map(|t| &t.0),
+        );
+        self.inner.metrics.remote(self, to, function, bytes);
         let handle = if prepared.on_host() {
             let body = Body {
                 target,
@@ -2234,7 +2246,8 @@ pub(crate) async fn drive(agent: Agent) {
 
 /// The result of [`Agent::rpc_async`]: await it for the callee's result.
 pub struct RpcFuture<R> {
-    inner: std::pin::Pin<Box<dyn std::future::Future<Output = Result<R, RpcError>> + Send>>,
+    pub(crate) inner:
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<R, RpcError>> + Send>>,
 }
 
 impl<R: DeserializeOwned + Send + 'static> RpcFuture<R> {

@@ -117,6 +117,10 @@ pub enum RpcError {
         #[source]
         source: CallError,
     },
+    /// A function name is registered already on this worker ([`Functions`](crate::Functions)
+    /// never replaces one silently).
+    #[error("function {0:?} is already registered on this worker")]
+    FunctionRegistered(String),
     /// A remote reference was used where it cannot be (a local value asked for on a user, a
     /// value of another type, ...).
     #[error("remote reference {rref}: {reason}")]

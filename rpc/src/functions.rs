@@ -17,11 +17,13 @@ use serde::Serialize;
 
 use crate::agent::{Agent, WorkerInfo};
 use crate::codec;
+use crate::error::RpcError;
 use crate::tensors::{self, Prepared, TensorTransferError};
 use tensorwire_core::placement::Direction;
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::tensor::Tensor;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 /// A value a function produced: kept on its owner (remote references) or encoded for a reply.
 pub(crate) trait Value: Any + Send + Sync {
@@ -69,7 +71,7 @@ pub(crate) struct Invocation {
 impl Invocation {
     /// Decodes the arguments and waits until the owner of every remote reference in them has
     /// confirmed it (PyTorch runs a function only then), bounded by the call's deadline.
-    async fn arguments<A: DeserializeOwned>(&mut self) -> Result<A, HandlerError> {
+    pub(crate) async fn arguments<A: DeserializeOwned>(&mut self) -> Result<A, HandlerError> {
         let (args, references) = codec::decode_with_references(
             &self.agent,
             &self.args,
@@ -83,7 +85,7 @@ impl Invocation {
         Ok(args)
     }
 
-    fn context(&self) -> CallContext {
+    pub(crate) fn context(&self) -> CallContext {
         CallContext {
             caller: WorkerInfo {
                 name: self.agent.name_of(self.caller),
@@ -132,7 +134,7 @@ impl CallContext {
 pub(crate) type Handler = Arc<dyn Fn(Invocation) -> HandlerFuture + Send + Sync>;
 
 /// The result of a user function, as the agent keeps or sends it.
-fn finish<R, E>(outcome: Result<R, E>) -> Result<Arc<dyn Value>, HandlerError>
+pub(crate) fn finish<R, E>(outcome: Result<R, E>) -> Result<Arc<dyn Value>, HandlerError>
 where
     R: Serialize + Send + Sync + 'static,
     E: fmt::Display,
@@ -144,7 +146,7 @@ where
 }
 
 /// The value a method is called on, as a `T`.
-fn method_target<T: Send + Sync + 'static>(
+pub(crate) fn method_target<T: Send + Sync + 'static>(
     name: &str,
     target: Option<Arc<dyn Any + Send + Sync>>,
 ) -> Result<Arc<T>, HandlerError> {
@@ -158,6 +160,25 @@ fn method_target<T: Send + Sync + 'static>(
             "method {name:?} expects a value of type {}",
             std::any::type_name::<T>()
         ))
+    })
+}
+
+/// `handler`, counted in the agent's metrics and run in an `rpc_serve` span.
+fn observed(name: &str, handler: Handler) -> Handler {
+    let name: Arc<str> = Arc::from(name);
+    Arc::new(move |inv: Invocation| {
+        let bytes = crate::metrics::message_bytes(inv.args.len(), inv.tensors.iter());
+        let agent = inv.agent.clone();
+        let (span, served) = agent.inner.metrics.serve(&agent, inv.caller, &name, bytes);
+        let running = handler(inv);
+        Box::pin(
+            async move {
+                let outcome = running.await;
+                served.finish(outcome.is_ok());
+                outcome
+            }
+            .instrument(span),
+        )
     })
 }
 
@@ -187,11 +208,28 @@ impl Functions {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn insert(&self, name: &str, handler: Handler) {
+    /// Adds `handler` under `name`; a name taken already is an error (as the backend
+    /// registries do), never a silent replacement.
+    pub(crate) fn insert(&self, name: &str, handler: Handler) -> Result<(), RpcError> {
+        let mut table = self
+            .table
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if table.contains_key(name) {
+            return Err(RpcError::FunctionRegistered(name.to_owned()));
+        }
+        table.insert(name.to_owned(), observed(name, handler));
+        Ok(())
+    }
+
+    /// Removes the function registered under `name`; whether there was one. Calls already
+    /// running finish; later calls of `name` fail as calls of an unknown function.
+    pub fn unregister(&self, name: &str) -> bool {
         self.table
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(name.to_owned(), handler);
+            .remove(name)
+            .is_some()
     }
 
     pub(crate) fn get(&self, name: &str) -> Option<Handler> {
@@ -205,14 +243,21 @@ impl Functions {
         v
     }
 
-    /// Registers `f` under `name` (replacing an earlier function of that name). The function
-    /// runs once every remote reference in its arguments is confirmed by its owner.
+    /// Registers `f` under `name`, for calls by name (the dynamic form; a
+    /// [`Function`](crate::Function) descriptor with [`serve`](Self::serve) checks the types).
+    /// The function runs once every remote reference in its arguments is confirmed by its
+    /// owner.
+    ///
+    /// # Errors
+    /// [`RpcError::FunctionRegistered`] when `name` is taken already.
     ///
     /// ```
     /// let fns = tensorwire_rpc::Functions::new();
-    /// fns.register("add", |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) });
+    /// fns.register("add", |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) })?;
+    /// assert!(fns.register("add", |x: i64| async move { Ok::<_, String>(x) }).is_err());
+    /// # Ok::<(), tensorwire_rpc::RpcError>(())
     /// ```
-    pub fn register<A, R, E, F, Fut>(&self, name: &str, f: F)
+    pub fn register<A, R, E, F, Fut>(&self, name: &str, f: F) -> Result<(), RpcError>
     where
         A: DeserializeOwned + Send + 'static,
         R: Serialize + Send + Sync + 'static,
@@ -220,11 +265,11 @@ impl Functions {
         F: Fn(A) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<R, E>> + Send + 'static,
     {
-        self.register_with_context(name, move |_: CallContext, args: A| f(args));
+        self.register_with_context(name, move |_: CallContext, args: A| f(args))
     }
 
     /// Registers `f` under `name`; `f` also gets the [`CallContext`]: the caller, the agent
-    /// (for nested calls) and the deadline.
+    /// (for nested calls) and the deadline. A name taken already is an error.
     ///
     /// ```
     /// use tensorwire_rpc::{CallContext, Functions};
@@ -235,9 +280,10 @@ impl Functions {
     ///     let doubled: i64 = ctx.agent().rpc_sync(to.as_str(), "double", &x, ctx.remaining()).await
     ///         .map_err(|e| e.to_string())?;
     ///     Ok::<_, String>(format!("{} asked; {doubled}", ctx.caller().name))
-    /// });
+    /// })?;
+    /// # Ok::<(), tensorwire_rpc::RpcError>(())
     /// ```
-    pub fn register_with_context<A, R, E, F, Fut>(&self, name: &str, f: F)
+    pub fn register_with_context<A, R, E, F, Fut>(&self, name: &str, f: F) -> Result<(), RpcError>
     where
         A: DeserializeOwned + Send + 'static,
         R: Serialize + Send + Sync + 'static,
@@ -255,12 +301,12 @@ impl Functions {
                     finish(f(inv.context(), args).await)
                 })
             }),
-        );
+        )
     }
 
     /// Registers a method on values of type `T` owned here: `rref.rpc_sync(name, args)` on an
-    /// `RRef<T>` runs `f(value, args)` on the owner.
-    pub fn register_method<T, A, R, E, F, Fut>(&self, name: &str, f: F)
+    /// `RRef<T>` runs `f(value, args)` on the owner. A name taken already is an error.
+    pub fn register_method<T, A, R, E, F, Fut>(&self, name: &str, f: F) -> Result<(), RpcError>
     where
         T: Send + Sync + 'static,
         A: DeserializeOwned + Send + 'static,
@@ -271,11 +317,15 @@ impl Functions {
     {
         self.register_method_with_context(name, move |_: CallContext, value: Arc<T>, args: A| {
             f(value, args)
-        });
+        })
     }
 
     /// [`register_method`](Self::register_method) with the [`CallContext`].
-    pub fn register_method_with_context<T, A, R, E, F, Fut>(&self, name: &str, f: F)
+    pub fn register_method_with_context<T, A, R, E, F, Fut>(
+        &self,
+        name: &str,
+        f: F,
+    ) -> Result<(), RpcError>
     where
         T: Send + Sync + 'static,
         A: DeserializeOwned + Send + 'static,
@@ -297,6 +347,6 @@ impl Functions {
                     finish(f(inv.context(), value, args).await)
                 })
             }),
-        );
+        )
     }
 }

@@ -3,20 +3,23 @@
 //! Workers with names and ranks call each other's registered functions ([`Agent::rpc_sync`],
 //! [`Agent::rpc_async`]), create values on other workers and hold references to them
 //! ([`Agent::remote`], [`RRef`]), and shut down together ([`Agent::shutdown`]). Only functions
-//! registered in [`Functions`] can run remotely; every connection is authenticated with the
+//! registered in [`Functions`] can run remotely ([`Function`] descriptors make calls typed,
+//! see [`typed`]); every connection is authenticated with the
 //! cluster secret before any message is read.
 //!
 //! ```no_run
-//! use tensorwire_rpc::{init_rpc, Functions, RpcOptions};
+//! use tensorwire_rpc::{init_rpc, Function, Functions, RpcOptions};
+//!
+//! const ADD: Function<(i64, i64), i64> = Function::new("add");
 //!
 //! # async fn run() -> Result<(), tensorwire_rpc::RpcError> {
 //! let functions = Functions::new();
-//! functions.register("add", |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) });
+//! functions.serve(&ADD, |(a, b)| async move { Ok::<_, String>(a + b) })?;
 //! // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and TENSORWIRE_SECRET come from the
 //! // environment (`tensorwire launch` sets them).
 //! let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
-//! let agent = init_rpc(&format!("worker{rank}"), rank, Some(2), RpcOptions { functions, ..Default::default() }).await?;
-//! let sum: i64 = agent.rpc_sync("worker1", "add", &(2, 3), None).await?;
+//! let agent = init_rpc(&format!("worker{rank}"), rank, Some(2), RpcOptions::new().with_functions(functions)).await?;
+//! let sum = agent.call(&ADD, "worker1", &(2, 3)).await?;
 //! assert_eq!(sum, 5);
 //! agent.shutdown(true, std::time::Duration::from_secs(30)).await?;
 //! # Ok(()) }
@@ -37,9 +40,11 @@ mod error;
 pub mod faults;
 mod functions;
 pub mod memory;
+pub mod metrics;
 mod options;
 mod rref;
 mod tensors;
+pub mod typed;
 
 pub use agent::{init_rpc, start_agent, Agent, AgentDebugInfo, RpcFuture, WorkerInfo, WorkerRef};
 #[cfg(feature = "tcp")]
@@ -52,9 +57,11 @@ pub use backend::{
 pub use backend::{QuicBackend, QUIC_BACKEND};
 pub use error::RpcError;
 pub use functions::{CallContext, Functions};
+pub use metrics::{PeerMetrics, RpcMetrics};
 pub use options::{RpcOptions, DEFAULT_RPC_TIMEOUT};
 pub use rref::RRef;
 pub use tensorwire_core::protocol::{
     CallError, DebugInfo, ForkInfo, OwnedInfo, RemoteError, RemoteErrorKind,
 };
 pub use tensorwire_process_group::Rendezvous;
+pub use typed::{Call, Function, Method, MethodCall, Signature};

@@ -110,7 +110,101 @@ impl std::fmt::Debug for RpcOptions {
     }
 }
 
+/// Builder methods: each takes the options and returns them changed, so that options read as
+/// one expression instead of a struct literal with `..Default::default()`.
+///
+/// ```
+/// use std::time::Duration;
+/// use tensorwire_rpc::{Functions, RpcOptions};
+///
+/// let options = RpcOptions::new()
+///     .with_functions(Functions::new())
+///     .with_rpc_timeout(Duration::from_secs(10))
+///     .with_init_method("tcp://10.0.0.1:29500")
+///     .with_device_map("ps", &[("cuda:0", "cuda:1")])?;
+/// assert_eq!(options.rpc_timeout, Duration::from_secs(10));
+/// # Ok::<(), tensorwire_rpc::RpcError>(())
+/// ```
 impl RpcOptions {
+    /// The defaults: `env://`, the `TCP` backend, a 60 s call timeout, the secret from
+    /// `TENSORWIRE_SECRET`, no functions, no device maps.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The functions this worker serves.
+    pub fn with_functions(mut self, functions: Functions) -> Self {
+        self.functions = functions;
+        self
+    }
+
+    /// The default timeout of calls (zero: none).
+    pub fn with_rpc_timeout(mut self, timeout: Duration) -> Self {
+        self.rpc_timeout = timeout;
+        self
+    }
+
+    /// The RPC backend, by its registered name (`TCP`, `QUIC`, or one of yours).
+    pub fn with_backend(mut self, backend: impl Into<String>) -> Self {
+        self.backend = backend.into();
+        self
+    }
+
+    /// The rendezvous URL: `env://`, `tcp://host:port`, `file:///path`.
+    pub fn with_init_method(mut self, url: impl Into<String>) -> Self {
+        self.init_method = url.into();
+        self
+    }
+
+    /// How long init may take.
+    pub fn with_init_timeout(mut self, timeout: Duration) -> Self {
+        self.init_timeout = timeout;
+        self
+    }
+
+    /// The cluster secret (instead of `TENSORWIRE_SECRET`).
+    pub fn with_secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
+        self.secret = Some(secret.into());
+        self
+    }
+
+    /// Runs without authentication: anyone who reaches the ports can call registered functions.
+    /// Only for trusted networks and tests.
+    pub fn insecure(mut self) -> Self {
+        self.insecure = true;
+        self
+    }
+
+    /// The folder of the `QUIC` backend's TLS material (see [`RpcOptions::tls_dir`]).
+    pub fn with_tls_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.tls_dir = Some(dir.into());
+        self
+    }
+
+    /// [`set_device_map`](Self::set_device_map), as a builder step.
+    pub fn with_device_map(mut self, to: &str, map: &[(&str, &str)]) -> Result<Self, RpcError> {
+        self.set_device_map(to, map)?;
+        Ok(self)
+    }
+
+    /// The devices this worker uses.
+    pub fn with_devices(mut self, devices: Vec<Device>) -> Self {
+        self.devices = devices;
+        self
+    }
+
+    /// The device backend that moves tensors on and off devices.
+    pub fn with_device_backend(mut self, backend: Arc<dyn DeviceBackend>) -> Self {
+        self.device_backend = backend;
+        self
+    }
+
+    /// The address other workers reach this one at.
+    pub fn with_listen_ip(mut self, ip: std::net::IpAddr) -> Self {
+        self.listen_ip = Some(ip);
+        self
+    }
+
     /// Adds entries to the device map for `to`, as PyTorch's `set_device_map`: incremental,
     /// one-to-one, and an entry that changes an earlier one is refused.
     pub fn set_device_map(&mut self, to: &str, map: &[(&str, &str)]) -> Result<(), RpcError> {

@@ -93,47 +93,58 @@ fn functions() -> Functions {
     f.register(
         "add",
         |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) },
-    );
+    )
+    .unwrap();
     f.register("fail", |msg: String| async move {
         Err::<(), _>(format!("refused: {msg}"))
-    });
+    })
+    .unwrap();
     f.register("boom", |(): ()| async move {
         if true {
             panic!("kaboom");
         }
         Ok::<(), String>(())
-    });
+    })
+    .unwrap();
     f.register("sleep_ms", |ms: u64| async move {
         tokio::time::sleep(Duration::from_millis(ms)).await;
         Ok::<_, String>(ms)
-    });
+    })
+    .unwrap();
     f.register("make_vec", |n: usize| async move {
         Ok::<_, String>((0..n as i64).collect::<Vec<i64>>())
-    });
+    })
+    .unwrap();
     f.register("make_counter", |start: i64| async move {
         Ok::<_, String>(Counter(AtomicI64::new(start)))
-    });
+    })
+    .unwrap();
     f.register_method("increment", |c: Arc<Counter>, by: i64| async move {
         Ok::<_, String>(c.0.fetch_add(by, Ordering::SeqCst) + by)
-    });
+    })
+    .unwrap();
     // Tensors: report where the argument landed, and send back a tensor on the same device.
     f.register("where_and_double", |t: Tensor| async move {
         let device = t.device().to_string();
         Ok::<_, String>((device, t))
-    });
+    })
+    .unwrap();
     f.register("make_counter_slowly", |start: i64| async move {
         tokio::time::sleep(Duration::from_millis(200)).await;
         Ok::<_, String>(Counter(AtomicI64::new(start)))
-    });
+    })
+    .unwrap();
     f.register("bump", |c: RRef<Counter>| async move {
         c.rpc_sync::<_, i64>("increment", &1i64, None)
             .await
             .map_err(|e| e.to_string())
-    });
+    })
+    .unwrap();
     f.register("sum_remote", |r: RRef<Vec<i64>>| async move {
         let v = r.to_here(None).await.map_err(|e| e.to_string())?;
         Ok::<_, String>(v.iter().sum::<i64>())
-    });
+    })
+    .unwrap();
     f
 }
 
@@ -817,17 +828,21 @@ async fn static_and_dynamic_members_do_not_mix() {
 async fn values_holding_rrefs_are_released_without_deadlock() {
     type Pair = (RRef<Vec<i64>>, RRef<Vec<i64>>);
     let agents = group(3, |_, options| {
-        options.functions.register(
-            "hold_pair",
-            |pair: Pair| async move { Ok::<_, String>(pair) },
-        );
+        options
+            .functions
+            .register(
+                "hold_pair",
+                |pair: Pair| async move { Ok::<_, String>(pair) },
+            )
+            .unwrap();
         options
             .functions
             .register("sum_pair", |(x, y): Pair| async move {
                 let (x, y) = (x.to_here(None).await, y.to_here(None).await);
                 let (x, y) = (x.map_err(|e| e.to_string())?, y.map_err(|e| e.to_string())?);
                 Ok::<_, String>(x.iter().chain(&y).sum::<i64>())
-            });
+            })
+            .unwrap();
     })
     .await
     .into_iter()

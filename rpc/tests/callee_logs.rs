@@ -26,17 +26,21 @@ fn functions() -> Functions {
     f.register(
         "add",
         |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) },
-    );
-    f.register("len", |n: usize| async move { Ok::<_, String>(n) });
+    )
+    .unwrap();
+    f.register("len", |n: usize| async move { Ok::<_, String>(n) })
+        .unwrap();
     f.register("fail", |msg: String| async move {
         Err::<(), _>(format!("refused: {msg}"))
-    });
+    })
+    .unwrap();
     f.register("boom", |(): ()| async move {
         if true {
             panic!("kaboom");
         }
         Ok::<(), String>(())
-    });
+    })
+    .unwrap();
     f
 }
 

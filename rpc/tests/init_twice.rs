@@ -14,7 +14,8 @@ fn functions() -> Functions {
     f.register(
         "add",
         |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) },
-    );
+    )
+    .unwrap();
     f
 }
 

@@ -34,37 +34,46 @@ fn functions() -> Functions {
     let f = Functions::new();
     f.register("make_vec", |n: usize| async move {
         Ok::<_, String>((0..n as i64).collect::<Vec<i64>>())
-    });
+    })
+    .unwrap();
     f.register(
         "make_counter_after_ms",
         |(ms, start): (u64, i64)| async move {
             tokio::time::sleep(Duration::from_millis(ms)).await;
             Ok::<_, String>(Counter(AtomicI64::new(start)))
         },
-    );
+    )
+    .unwrap();
     f.register("sleep_ms", |ms: u64| async move {
         tokio::time::sleep(Duration::from_millis(ms)).await;
         Ok::<_, String>(ms)
-    });
+    })
+    .unwrap();
     f.register_method("increment", |c: Arc<Counter>, by: i64| async move {
         Ok::<_, String>(c.0.fetch_add(by, Ordering::SeqCst) + by)
-    });
+    })
+    .unwrap();
     f.register_method("snapshot", |c: Arc<Counter>, (): ()| async move {
         Ok::<_, String>(vec![c.0.load(Ordering::SeqCst); 2])
-    });
+    })
+    .unwrap();
     f.register("where_is", |t: Tensor| async move {
         Ok::<_, String>((t.device().to_string(), t))
-    });
+    })
+    .unwrap();
     f.register("confirmed_here", |r: RRef<Vec<i64>>| async move {
         Ok::<_, String>(r.confirmed_by_owner())
-    });
+    })
+    .unwrap();
     f.register("sum", |r: RRef<Vec<i64>>| async move {
         let v = r.to_here(None).await.map_err(|e| e.to_string())?;
         Ok::<_, String>(v.iter().sum::<i64>())
-    });
+    })
+    .unwrap();
     f.register_with_context("double", |ctx: CallContext, x: i64| async move {
         Ok::<_, String>((ctx.caller().name.clone(), 2 * x))
-    });
+    })
+    .unwrap();
     // A reference made on a third worker, returned after `ms`.
     f.register_with_context(
         "slow_ref",
@@ -77,7 +86,8 @@ fn functions() -> Functions {
             tokio::time::sleep(Duration::from_millis(ms)).await;
             Ok::<_, String>(r)
         },
-    );
+    )
+    .unwrap();
     // A nested call through the context's agent, with what is left of the caller's deadline.
     f.register_with_context(
         "relay",
@@ -90,7 +100,8 @@ fn functions() -> Functions {
                 .map_err(|e| e.to_string())?;
             Ok::<_, String>(format!("{} -> {asked_by}: {doubled}", ctx.caller().name))
         },
-    );
+    )
+    .unwrap();
     f
 }
 

@@ -1,9 +1,12 @@
 //! tensorwire: distributed RPC for Rust.
 //!
-//! This crate is what users add. It re-exports the pure core ([`core`]) and, as they land, the
-//! adapters picked by Cargo features.
+//! This crate is what users add. It re-exports the pure core ([`core`]), the RPC agent
+//! ([`rpc`]), process groups and stores ([`process_group`]), and the adapters picked by Cargo
+//! features (`tcp`, the default; `quic`; `shm`; `cuda`). Start with the [`guide`].
 
 pub use tensorwire_core as core;
+
+pub mod guide;
 
 /// The CUDA device backend (feature `cuda`).
 #[cfg(feature = "cuda")]

@@ -50,11 +50,14 @@ pub(crate) struct RpcArgs {
 
 fn functions() -> Functions {
     let f = Functions::new();
-    f.register("noop", |x: u64| async move { Ok::<_, String>(x) });
+    f.register("noop", |x: u64| async move { Ok::<_, String>(x) })
+        .expect("each name is registered once");
     f.register("nbytes", |t: Tensor| async move {
         Ok::<_, String>(t.nbytes() as u64)
-    });
-    f.register("value", |x: u64| async move { Ok::<_, String>(x) });
+    })
+    .expect("each name is registered once");
+    f.register("value", |x: u64| async move { Ok::<_, String>(x) })
+        .expect("each name is registered once");
     f
 }
 

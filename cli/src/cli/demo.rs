@@ -129,10 +129,12 @@ fn functions(backend: Arc<SimulatedDevices>, steps: u32) -> Functions {
                 version: Mutex::new(0),
             })
         }
-    });
+    })
+    .expect("each name is registered once");
     f.register_method("get_weights", |ps: Arc<ParamServer>, (): ()| async move {
         Ok::<_, String>(ps.weights.lock().await.clone())
-    });
+    })
+    .expect("each name is registered once");
     f.register_method(
         "apply_gradient",
         |ps: Arc<ParamServer>, grad: Tensor| async move {
@@ -155,7 +157,8 @@ fn functions(backend: Arc<SimulatedDevices>, steps: u32) -> Functions {
             *version += 1;
             Ok::<_, String>((*version, arrived.to_string()))
         },
-    );
+    )
+    .expect("each name is registered once");
     let b = Arc::clone(&backend);
     f.register("train", move |ps: RRef<ParamServer>| {
         let b = Arc::clone(&b);
@@ -179,7 +182,7 @@ fn functions(backend: Arc<SimulatedDevices>, steps: u32) -> Functions {
             }
             Ok::<_, String>(Report { trainer: me, first_loss: first_loss.unwrap_or(0.0), last_loss, weights_landed_on: landed, last_version })
         }
-    });
+    }).expect("each name is registered once");
     f
 }
 

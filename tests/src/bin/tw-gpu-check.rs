@@ -405,9 +405,11 @@ async fn self_rpc(backend: std::sync::Arc<dyn DeviceBackend>) -> Result<String, 
     use tensorwire_rpc::{init_rpc, Functions, RpcOptions};
 
     let functions = Functions::new();
-    functions.register("where", |t: Tensor| async move {
-        Ok::<_, String>((t.device().to_string(), t))
-    });
+    functions
+        .register("where", |t: Tensor| async move {
+            Ok::<_, String>((t.device().to_string(), t))
+        })
+        .expect("each name is registered once");
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(|e| format!("no free port: {e}"))?

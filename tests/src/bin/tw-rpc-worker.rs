@@ -34,33 +34,42 @@ fn functions() -> Functions {
     f.register(
         "add",
         |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) },
-    );
+    )
+    .expect("each name is registered once");
     f.register("whoami", |(): ()| async move {
         Ok::<_, String>(std::env::var("RANK").unwrap_or_default())
-    });
+    })
+    .expect("each name is registered once");
     f.register("sleep_ms", |ms: u64| async move {
         tokio::time::sleep(Duration::from_millis(ms)).await;
         Ok::<_, String>(ms)
-    });
+    })
+    .expect("each name is registered once");
     f.register("fail", |(): ()| async move {
         Err::<(), _>("deliberate failure")
-    });
+    })
+    .expect("each name is registered once");
     f.register("make_counter", |start: i64| async move {
         Ok::<_, String>(Counter(AtomicI64::new(start)))
-    });
+    })
+    .expect("each name is registered once");
     f.register_method("increment", |c: Arc<Counter>, by: i64| async move {
         Ok::<_, String>(c.0.fetch_add(by, Ordering::SeqCst) + by)
-    });
+    })
+    .expect("each name is registered once");
     f.register("make_vec", |n: i64| async move {
         Ok::<_, String>((0..n).collect::<Vec<i64>>())
-    });
+    })
+    .expect("each name is registered once");
     f.register("sum_rref", |r: RRef<Vec<i64>>| async move {
         let v = r.to_here(None).await.map_err(|e| e.to_string())?;
         Ok::<_, String>(v.iter().sum::<i64>())
-    });
+    })
+    .expect("each name is registered once");
     f.register("tensor_where", |t: Tensor| async move {
         Ok::<_, String>((t.device().to_string(), t))
-    });
+    })
+    .expect("each name is registered once");
     f
 }
 
