@@ -16,7 +16,13 @@
 //!   the owner unaware of that fork, which PyTorch's protocol shares);
 //! - no message of a normal flow is a [`ProtocolViolation`](crate::protocol::ProtocolViolation);
 //! - at the end, once every reference is dropped: if no worker died, every value was released,
-//!   and every live endpoint is idle.
+//!   and every live endpoint is idle;
+//! - then the cluster shuts down gracefully (every member, or one worker leaving and the rest
+//!   of a dynamic group after it, some calls still in flight, members starting at random
+//!   moments, sometimes one member that never starts): every member's shutdown completes
+//!   exactly once and no later than its deadline; it succeeds whenever every member takes part
+//!   and none died, and otherwise fails naming only workers that were missing (dead or silent;
+//!   a member that gave up passes on whom it waited for).
 //!
 //! A failed check panics with a message naming the seed: `TW_SIM_SEED=<seed>` replays it (see
 //! the crate's tests). [`Cluster::inject`] feeds an arbitrary message from one worker, for
@@ -26,8 +32,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::protocol::{
-    CallError, Endpoint, EndpointConfig, Event, Header, MessageId, RRefForkData, RRefHandle,
-    RRefId, RemoteError, RemoteErrorKind, RequestToken, Transmit, WorkerId,
+    CallError, Endpoint, EndpointConfig, Event, Header, MessageId, Payload, RRefForkData,
+    RRefHandle, RRefId, RemoteError, RemoteErrorKind, RequestToken, ShutdownError, Transmit,
+    WorkerId,
 };
 
 /// What travels through the simulated endpoints: some bytes and the references passed along.
@@ -37,6 +44,18 @@ pub struct Body {
     pub data: Vec<u8>,
     /// References passed inside the message (forked for its receiver).
     pub forks: Vec<RRefForkData>,
+    /// For a method call: the reference it runs on.
+    pub target: Option<RRefId>,
+}
+
+impl Payload for Body {
+    fn forks(&self) -> Vec<RRefForkData> {
+        self.forks.clone()
+    }
+
+    fn target(&self) -> Option<RRefId> {
+        self.target
+    }
 }
 
 /// A small, fast, seeded generator (SplitMix64): the same seed gives the same run.
@@ -97,6 +116,8 @@ struct App {
     resolved: BTreeSet<MessageId>,
     /// Deferred messages whose body is not supplied yet, with their destination.
     deferred: Vec<(MessageId, WorkerId, Body)>,
+    /// Outcomes of this worker's graceful shutdown, with the step they came in.
+    shutdown: Vec<(usize, Result<(), ShutdownError>)>,
 }
 
 /// Counts of what a run did, to show a workload covers what it should.
@@ -116,9 +137,17 @@ pub struct SimStats {
     pub kills: usize,
     /// Deferred bodies abandoned.
     pub abandoned: usize,
-    /// References that arrived inside a reply after its call had ended (see [`Cluster`]'s
-    /// notes on what this pins).
-    pub lost_in_late_replies: usize,
+    /// References that arrived inside a reply after its call had ended (the endpoint releases
+    /// them: they travel beside the body).
+    pub late_reply_forks: usize,
+    /// Graceful shutdowns (or leaves) that completed.
+    pub shutdowns_ok: usize,
+    /// Graceful shutdowns that failed naming who was missing.
+    pub shutdowns_failed: usize,
+    /// Workers that left a dynamic group.
+    pub leaves: usize,
+    /// Method calls made on values through references.
+    pub method_calls: usize,
 }
 
 /// N endpoints, their links, a virtual clock and a model application per worker.
@@ -132,9 +161,9 @@ pub struct Cluster {
     dead: BTreeSet<WorkerId>,
     /// Released values, to catch a double release.
     released: BTreeSet<RRefId>,
-    /// References whose fork data arrived in a reply after its call had ended.
-    lost: BTreeSet<RRefId>,
     stats: SimStats,
+    /// Counts shutdown steps, to order outcomes.
+    shutdown_step: usize,
 }
 
 const FUNCTIONS: [&str; 4] = ["echo", "fail", "slow", "nested"];
@@ -155,8 +184,8 @@ impl Cluster {
             links: BTreeMap::new(),
             dead: BTreeSet::new(),
             released: BTreeSet::new(),
-            lost: BTreeSet::new(),
             stats: SimStats::default(),
+            shutdown_step: 0,
         }
     }
 
@@ -181,7 +210,7 @@ impl Cluster {
     }
 
     /// Runs a random workload of `steps` steps, then drops every reference and lets the
-    /// cluster settle, checking the promises after every step.
+    /// cluster settle, then shuts it down gracefully, checking the promises after every step.
     pub fn run(&mut self, steps: usize) {
         let mut rng = SimRng::new(self.seed);
         for _ in 0..steps {
@@ -189,6 +218,159 @@ impl Cluster {
             self.check();
         }
         self.finish(&mut rng);
+        self.shut_down(&mut rng);
+    }
+
+    /// The graceful shutdown of the whole cluster (see the module docs).
+    fn shut_down(&mut self, rng: &mut SimRng) {
+        let alive = self.alive();
+        // A dynamic group: one worker leaves first, and membership is whoever is alive.
+        let dynamic = rng.chance(30);
+        if dynamic && alive.len() > 1 {
+            let leaver = alive[rng.below(alive.len())];
+            self.leave(leaver, rng);
+        }
+        let alive = self.alive();
+        let silent = (alive.len() > 1 && rng.chance(20)).then(|| alive[rng.below(alive.len())]);
+        let members: Vec<WorkerId> = if dynamic {
+            alive.clone()
+        } else {
+            (0..self.n()).collect()
+        };
+        let healthy = silent.is_none() && members.iter().all(|m| !self.dead.contains(m));
+        // Some calls still in flight as the shutdown begins.
+        for _ in 0..rng.below(4) {
+            let (w, to) = (alive[rng.below(alive.len())], alive[rng.below(alive.len())]);
+            let function = ["echo", "slow", "nested"][rng.below(3)];
+            self.call(w, to, function, Body::default(), Duration::from_secs(5));
+        }
+        let deadline = self.now + Duration::from_secs(20);
+        let mut to_start: Vec<WorkerId> = alive
+            .iter()
+            .copied()
+            .filter(|w| Some(*w) != silent)
+            .collect();
+        let participants = to_start.clone();
+        loop {
+            self.shutdown_step += 1;
+            match rng.below(10) {
+                0..=2 if !to_start.is_empty() => {
+                    let w = to_start.swap_remove(rng.below(to_start.len()));
+                    self.eps[w as usize]
+                        .begin_graceful_shutdown(members.iter().copied(), Some(deadline));
+                }
+                3 => {
+                    let w = alive[rng.below(alive.len())];
+                    self.finish_slow_request(w, rng);
+                }
+                4 => self.advance(Duration::from_millis(200)),
+                _ => {
+                    self.pump();
+                    self.deliver_one(rng);
+                }
+            }
+            self.pump();
+            self.check();
+            let done = |c: &Self| {
+                participants
+                    .iter()
+                    .all(|w| !c.apps[*w as usize].shutdown.is_empty())
+            };
+            if self.now >= deadline && !done(self) {
+                self.fail(format!(
+                    "a shutdown is still incomplete at its deadline: {:?}",
+                    participants
+                        .iter()
+                        .map(|w| (w, self.eps[*w as usize].shutdown_phase()))
+                        .collect::<Vec<_>>()
+                ));
+            }
+            if to_start.is_empty() && done(self) {
+                break;
+            }
+        }
+        // Every outcome: exactly one per participant; success when healthy; otherwise a
+        // failure that names only workers that were missing (dead or silent: a member that
+        // gave up passes on whom it waited for).
+        let mut outcomes: Vec<(usize, WorkerId, Result<(), ShutdownError>)> = participants
+            .iter()
+            .map(|w| {
+                let got = &self.apps[*w as usize].shutdown;
+                if got.len() != 1 {
+                    self.fail(format!(
+                        "worker {w}'s shutdown completed {} times",
+                        got.len()
+                    ));
+                }
+                (got[0].0, *w, got[0].1.clone())
+            })
+            .collect();
+        outcomes.sort_by_key(|(step, w, _)| (*step, *w));
+        for (_, w, outcome) in &outcomes {
+            match outcome {
+                Ok(()) => self.stats.shutdowns_ok += 1,
+                Err(e) => {
+                    self.stats.shutdowns_failed += 1;
+                    if healthy {
+                        self.fail(format!(
+                            "worker {w}'s shutdown failed though every member took part: {e} {:?}",
+                            e.missing
+                        ));
+                    }
+                    let allowed = |m: &WorkerId| self.dead.contains(m) || Some(*m) == silent;
+                    if e.missing.is_empty() || !e.missing.iter().all(allowed) {
+                        self.fail(format!(
+                            "worker {w}'s shutdown failed naming {:?}; dead {:?}, silent {silent:?}",
+                            e.missing, self.dead
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Worker `w` leaves a dynamic group: its own calls are answered first, then it goes (the
+    /// others see it as lost, as when its connections close).
+    fn leave(&mut self, w: WorkerId, rng: &mut SimRng) {
+        self.call(
+            w,
+            self.alive()[rng.below(self.alive().len())],
+            "echo",
+            Body::default(),
+            Duration::from_secs(5),
+        );
+        let deadline = self.now + Duration::from_secs(10);
+        self.eps[w as usize].begin_leave(Some(deadline));
+        while self.apps[w as usize].shutdown.is_empty() {
+            if self.now >= deadline {
+                self.fail(format!("worker {w}'s leave is incomplete at its deadline"));
+            }
+            self.shutdown_step += 1;
+            if rng.chance(20) {
+                self.advance(Duration::from_millis(200));
+            } else {
+                self.pump();
+                self.deliver_one(rng);
+            }
+            self.pump();
+            if self.links.values().all(VecDeque::is_empty) {
+                self.advance(Duration::from_millis(200));
+            }
+        }
+        if let Some((_, Err(e))) = self.apps[w as usize].shutdown.first() {
+            self.fail(format!("worker {w}'s leave failed: {e}"));
+        }
+        self.stats.leaves += 1;
+        self.stats.shutdowns_ok += 1;
+        self.apps[w as usize].shutdown.clear();
+        // Gone: nothing it still holds counts any more, as for a killed worker, but the values
+        // it kept for others were all released (the cluster had settled).
+        self.dead.insert(w);
+        self.links.retain(|(f, t), _| *f != w && *t != w);
+        for other in self.alive() {
+            self.eps[other as usize].handle_peer_lost(w, "left the group", self.now);
+        }
+        self.pump();
     }
 
     fn step(&mut self, rng: &mut SimRng) {
@@ -209,6 +391,7 @@ impl Cluster {
                 let body = Body {
                     data: vec![1],
                     forks,
+                    target: None,
                 };
                 if rng.chance(25) {
                     self.remote_deferred(w, to, function, body, timeout);
@@ -223,8 +406,21 @@ impl Cluster {
                     let body = Body {
                         data: vec![],
                         forks,
+                        target: None,
                     };
                     self.call(w, to, "keep", body, timeout);
+                }
+            }
+            65..=69 => {
+                // A method call on a value through a reference: the owner runs it only once
+                // the value exists (the application checks), however early it arrives.
+                if let Some(h) = self.pick_held(w, rng) {
+                    let body = Body {
+                        target: Some(h.rref),
+                        ..Body::default()
+                    };
+                    self.call(w, h.owner, "method", body, timeout);
+                    self.stats.method_calls += 1;
                 }
             }
             33..=38 => {
@@ -386,11 +582,23 @@ impl Cluster {
                     body: Body {
                         data: body.data,
                         forks: vec![],
+                        target: None,
                     },
                     waits_for: None,
                     handles,
                 };
                 match function.as_str() {
+                    "method" => {
+                        let target = body.target.unwrap_or_else(|| {
+                            self.fail(format!("worker {w}: a method call without a target"))
+                        });
+                        if !self.apps[w as usize].values.contains_key(&target) {
+                            self.fail(format!(
+                                "worker {w} was asked to run a method on {target}, which it does not keep (yet)"
+                            ));
+                        }
+                        self.answer(w, serving, Ok(()));
+                    }
                     "slow" => self.apps[w as usize].serving.push(serving),
                     "nested" => {
                         // Call a third worker (or anyone) before answering.
@@ -434,6 +642,7 @@ impl Cluster {
                     body: Body {
                         data: body.data,
                         forks: vec![],
+                        target: None,
                     },
                     waits_for: None,
                     handles,
@@ -463,6 +672,7 @@ impl Cluster {
                     Ok(Body {
                         data: vec![2],
                         forks,
+                        target: None,
                     }),
                 );
             }
@@ -497,6 +707,12 @@ impl Cluster {
                 }
             }
             Event::Confirmed { .. } => {}
+            Event::ShutdownComplete { outcome } => {
+                let step = self.shutdown_step;
+                self.apps[w as usize].shutdown.push((step, outcome));
+                // The driver stops the endpoint either way (pending calls fail).
+                self.eps[w as usize].stop();
+            }
             Event::ReleaseValue { rref } => {
                 let Some(inside) = self.apps[w as usize].values.remove(&rref) else {
                     self.fail(format!("worker {w} released {rref}, which it did not keep"));
@@ -642,11 +858,9 @@ impl Cluster {
         if let (Header::Reply { id, .. }, Some(body)) = (&t.header, &t.body) {
             let app = &self.apps[to as usize];
             if app.resolved.contains(id) && !body.forks.is_empty() {
-                // The endpoint drops a late reply's body, and with it the references inside:
-                // their forks are never accepted, so their parents stay pinned. Known gap (the
-                // fix is to carry forks beside the body, where the endpoint sees them).
-                self.stats.lost_in_late_replies += body.forks.len();
-                self.lost.extend(body.forks.iter().map(|f| f.rref));
+                // A late reply: its body never reaches the application; the endpoint releases
+                // the references inside (the checks at the end hold it to that).
+                self.stats.late_reply_forks += body.forks.len();
             }
         }
         if std::env::var_os("TW_SIM_TRACE").is_some() {
@@ -749,8 +963,7 @@ impl Cluster {
             if let Some(id) = app.calls.keys().find(|id| !app.resolved.contains(id)) {
                 self.fail(format!("worker {w}: call {id} never resolved"));
             }
-            let pinned = self.pinned_by_lost_forks();
-            let leaked: Vec<&RRefId> = app.values.keys().filter(|r| !pinned.contains(r)).collect();
+            let leaked: Vec<&RRefId> = app.values.keys().collect();
             if self.dead.is_empty() && !leaked.is_empty() {
                 self.fail(format!(
                     "worker {w} still keeps {:?} after every reference was dropped; values hold {:?}; endpoints: {:#?}",
@@ -759,25 +972,6 @@ impl Cluster {
                     self.alive().iter().map(|w| self.eps[*w as usize].debug_info()).collect::<Vec<_>>()
                 ));
             }
-        }
-    }
-
-    /// Values kept alive by forks lost in late replies, and the values those keep.
-    fn pinned_by_lost_forks(&self) -> BTreeSet<RRefId> {
-        let mut pinned = self.lost.clone();
-        loop {
-            let more: Vec<RRefId> = self
-                .apps
-                .iter()
-                .flat_map(|a| a.values.iter())
-                .filter(|(r, _)| pinned.contains(r))
-                .flat_map(|(_, inside)| inside.iter().map(|h| h.rref))
-                .filter(|r| !pinned.contains(r))
-                .collect();
-            if more.is_empty() {
-                return pinned;
-            }
-            pinned.extend(more);
         }
     }
 
@@ -883,7 +1077,8 @@ impl Cluster {
                     }
                     Event::Completed { .. }
                     | Event::Confirmed { .. }
-                    | Event::ReleaseValue { .. } => {}
+                    | Event::ReleaseValue { .. }
+                    | Event::ShutdownComplete { .. } => {}
                 }
             }
         }

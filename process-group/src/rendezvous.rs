@@ -101,6 +101,18 @@ impl std::fmt::Debug for Rendezvous {
 }
 
 impl Rendezvous {
+    /// A rendezvous that is already done: rank `rank` of `world_size` sharing `store` (an
+    /// [`InMemoryStore`](crate::InMemoryStore) for workers in one process, or a store a launcher
+    /// set up). It hosts no server.
+    pub fn from_store(store: Arc<dyn Store>, rank: usize, world_size: usize) -> Rendezvous {
+        Rendezvous {
+            store,
+            rank,
+            world_size,
+            server: None,
+        }
+    }
+
     /// The address of the store server this process hosts (rank 0 with an embedded server).
     pub fn server_addr(&self) -> Option<SocketAddr> {
         self.server.as_ref().map(TcpStoreServer::local_addr)

@@ -22,8 +22,9 @@ use tensorwire_core::name::check_worker_name;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport, TransportError};
 use tensorwire_core::protocol::{
-    CallError, DebugInfo, Endpoint, EndpointConfig, Event, ForkId, MessageId, RRefHandle, RRefId,
-    RemoteError, RemoteErrorKind, RequestToken, Transmit, WorkerId,
+    membership, CallError, DebugInfo, Endpoint, EndpointConfig, Event, ForkId, Header, JoinError,
+    JoinMessage, MessageId, Payload, RRefForkData, RRefHandle, RRefId, RemoteError,
+    RemoteErrorKind, RequestToken, ShutdownError, StaticJoin, Transmit, WorkerId,
 };
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
@@ -33,6 +34,7 @@ use tensorwire_process_group::{rendezvous, Rendezvous, RendezvousOptions};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::{debug, info, warn};
 
+use crate::clock::{Clock, TokioClock};
 use crate::codec::{self, Envelope, Hello};
 use crate::error::RpcError;
 use crate::functions::{Functions, HandlerError, Invocation, Value};
@@ -131,6 +133,19 @@ pub(crate) struct Body {
     pub(crate) target: Option<RRefId>,
     pub(crate) data: Bytes,
     pub(crate) tensors: WireTensors,
+    /// The forks made for the receiver of the references inside `data`: they also travel in a
+    /// reply's header, so that the receiver's endpoint releases them if the reply is late.
+    pub(crate) forks: Vec<RRefForkData>,
+}
+
+impl Payload for Body {
+    fn forks(&self) -> Vec<RRefForkData> {
+        self.forks.clone()
+    }
+
+    fn target(&self) -> Option<RRefId> {
+        self.target
+    }
 }
 
 type Waiter = oneshot::Sender<Result<Body, CallError>>;
@@ -174,11 +189,11 @@ pub(crate) struct State {
     lost: HashMap<WorkerId, String>,
     /// When the driver task wakes up next for timers (`None`: only when woken).
     driver_wakes_at: Option<Instant>,
-    /// Calls waiting for an owned value that is still being created.
-    value_waiters: HashMap<RRefId, Vec<oneshot::Sender<()>>>,
     /// Functions waiting until the owner confirms a fork in their arguments, with the owner
     /// (a lost owner fails them).
     confirm_waiters: HashMap<ForkId, Vec<(WorkerId, oneshot::Sender<()>)>>,
+    /// The graceful shutdown (or leave) in progress: told its outcome.
+    shutdown_waiter: Option<oneshot::Sender<Result<(), ShutdownError>>>,
 }
 
 /// Who is in the group, and what this worker derives from it. Fixed after init in a static
@@ -239,6 +254,8 @@ pub(crate) struct Inner {
     device_maps: DeviceMaps,
     pub(crate) rendezvous: Mutex<Option<Rendezvous>>,
     tasks: Mutex<Tasks>,
+    /// The one clock the driver reads time from and sleeps on.
+    clock: Arc<dyn Clock>,
     pub(crate) metrics: crate::metrics::AgentMetrics,
 }
 
@@ -351,10 +368,13 @@ fn dynamic_url(url: &str, rank: usize) -> String {
     format!("{base}?{}", pairs.join("&"))
 }
 
+/// The store key that holds a group's kind (`static` or `dynamic`).
+pub(crate) const GROUP_KIND: &str = "rpc/group_kind";
+
 /// Records the group's kind in the store on first use; a worker of the other kind is refused.
 async fn guard_group_kind(store: &dyn Store, dynamic: bool) -> Result<(), RpcError> {
     let kind: &[u8] = if dynamic { b"dynamic" } else { b"static" };
-    let held = store.compare_set("rpc/group_kind", b"", kind).await?;
+    let held = store.compare_set(GROUP_KIND, b"", kind).await?;
     if held != kind {
         return Err(RpcError::Init(format!(
             "this group is {}; a {} worker cannot join it (mixing static and dynamic members is refused)",
@@ -399,7 +419,7 @@ pub async fn start_agent(
     let Some(world_size) = world_size else {
         return crate::dynamic::join(transport, rdv, name, rank, options).await;
     };
-    let started = Instant::now();
+    let started = tokio::time::Instant::now();
     let (listener, records) =
         match exchange_records(&*transport, &rdv, name, rank, world_size, &options).await {
             Ok(exchanged) => exchanged,
@@ -416,7 +436,7 @@ pub async fn start_agent(
         .unwrap_or_else(PoisonError::into_inner) = Some(rdv);
     if let Err(e) = connect_static(
         &agent,
-        &*transport,
+        Arc::clone(&transport),
         listener,
         &records,
         world_size,
@@ -424,9 +444,7 @@ pub async fn start_agent(
     )
     .await
     {
-        agent
-            .stop_and_release(tokio::time::Instant::now(), None)
-            .await;
+        agent.stop_and_release(tokio::time::Instant::now()).await;
         return Err(e);
     }
     agent.spawn(drive(agent.clone()));
@@ -495,6 +513,12 @@ async fn exchange_records(
             rank_only,
         )
         .await?;
+        // Every worker has read every record: init needs none of these keys any more.
+        for r in 0..world_size {
+            for key in [format!("rpc/worker/{r}"), format!("rpc/fetched/{r}")] {
+                store.delete_key(&key).await?;
+            }
+        }
     }
     let mut records = Vec::with_capacity(world_size);
     for (r, bytes) in raw.iter().enumerate() {
@@ -552,8 +576,8 @@ impl Agent {
                 peers: HashMap::new(),
                 lost: HashMap::new(),
                 driver_wakes_at: None,
-                value_waiters: HashMap::new(),
                 confirm_waiters: HashMap::new(),
+                shutdown_waiter: None,
             }),
             wake: Notify::new(),
             store: Mutex::new(Some(Arc::clone(&rdv.store))),
@@ -561,27 +585,51 @@ impl Agent {
             metrics: crate::metrics::AgentMetrics::new(name),
             rendezvous: Mutex::new(None),
             tasks: Mutex::new(Tasks::default()),
+            clock: Arc::new(TokioClock),
         });
         Agent { inner }
     }
 }
 
-/// What a worker sends rank 0 once it is connected to every other worker, and so done with the
-/// store for init.
+/// The closing handshake's messages on the wire (see `tensorwire_core::protocol::membership`).
 const READY: &[u8] = b"tensorwire-init-ready/1";
-/// What rank 0 answers once every worker is ready: init is over on every worker.
 const GO: &[u8] = b"tensorwire-init-go/1";
 
-fn is_control(frame: &Frame, what: &[u8]) -> bool {
-    frame.kind == FrameKind::Control && &frame.header[..] == what
+fn join_frame(msg: JoinMessage) -> Frame {
+    let bytes = match msg {
+        JoinMessage::Ready => READY,
+        JoinMessage::Go => GO,
+    };
+    Frame::control(bytes.to_vec(), vec![])
 }
 
-/// Static groups: accept from the lower ranks, connect to the higher ones; one connection per
-/// pair; fails naming the ranks that never connected. Then the closing handshake (see
-/// [`handshake`]), and only then are the connections handed to the agent.
+fn join_message(frame: &Frame) -> Option<JoinMessage> {
+    if frame.kind != FrameKind::Control {
+        return None;
+    }
+    match &frame.header[..] {
+        READY => Some(JoinMessage::Ready),
+        GO => Some(JoinMessage::Go),
+        _ => None,
+    }
+}
+
+/// What the tasks of a static join report to its driver loop.
+enum JoinInput {
+    /// A connection is up: dialled by us, or accepted with its hello.
+    Connected(WorkerId, bool, Box<dyn Connection>),
+    /// The handshake frame read from a peer's connection.
+    Heard(WorkerId, Result<Frame, TransportError>),
+    /// Dialling a peer failed for good.
+    DialFailed(RpcError),
+}
+
+/// Static groups: drives the join decided by `core::protocol::membership::StaticJoin` (who
+/// dials whom, when the group is complete, the closing handshake with rank 0, the deadline);
+/// this only moves connections and frames. When init ends, the connections go to the agent.
 async fn connect_static(
     agent: &Agent,
-    transport: &dyn Transport,
+    transport: Arc<dyn Transport>,
     listener: Box<dyn tensorwire_core::ports::transport::Listener>,
     records: &[WorkerRecord],
     world_size: usize,
@@ -589,15 +637,16 @@ async fn connect_static(
 ) -> Result<(), RpcError> {
     let me_id = agent.inner.me.id;
     let name = agent.inner.me.name.clone();
-    let rank = me_id as usize;
-    let expected_lower = rank;
-    let (conn_tx, mut conn_rx) = mpsc::unbounded_channel::<(WorkerId, Box<dyn Connection>)>();
-    let accept_tx = conn_tx.clone();
-    // Dropped on every way out, which ends the accepting and the reading of hellos.
-    let mut accepting = tokio::task::JoinSet::new();
-    accepting.spawn(async move {
+    let deadline = agent.now() + options.init_timeout;
+    let mut join = StaticJoin::new(me_id, world_size as u32, Some(deadline));
+    let (tx, mut rx) = mpsc::unbounded_channel::<JoinInput>();
+    // Dropped on every way out, which ends the accepting, dialling and reading.
+    let mut tasks = tokio::task::JoinSet::new();
+    let accepts = join.accepts();
+    let accept_tx = tx.clone();
+    tasks.spawn(async move {
         let mut hellos = tokio::task::JoinSet::new();
-        for _ in 0..expected_lower {
+        for _ in 0..accepts {
             match listener.accept().await {
                 Ok(conn) => {
                     let tx = accept_tx.clone();
@@ -605,7 +654,7 @@ async fn connect_static(
                         match tokio::time::timeout(Duration::from_secs(30), conn.recv()).await {
                             Ok(Ok(frame)) => match postcard::from_bytes::<Hello>(&frame.header) {
                                 Ok(h) => {
-                                    let _ = tx.send((h.rank, conn));
+                                    let _ = tx.send(JoinInput::Connected(h.rank, false, conn));
                                 }
                                 Err(e) => warn!(
                                     "dropping a connection from {} that sent no valid hello: {e}",
@@ -631,146 +680,117 @@ async fn connect_static(
         drop(listener);
         while hellos.join_next().await.is_some() {}
     });
-    for rec in records.iter().filter(|r| r.rank > me_id) {
-        let conn = connect_with_retry(transport, rec.addr, options.init_timeout)
-            .await
-            .map_err(|e| {
-                RpcError::Init(format!(
+    let hello = postcard::to_allocvec(&Hello {
+        rank: me_id,
+        name: name.clone(),
+        record: None,
+    })
+    .map_err(|e| RpcError::Serialization {
+        what: "hello".into(),
+        message: e.to_string(),
+    })?;
+    for peer in join.dials() {
+        let Some(rec) = records.iter().find(|r| r.rank == peer).cloned() else {
+            return Err(RpcError::Init(format!("no record of rank {peer}")));
+        };
+        let (tx, hello) = (tx.clone(), hello.clone());
+        let limit = options.init_timeout;
+        let transport = Arc::clone(&transport);
+        tasks.spawn(async move {
+            let input = match connect_with_retry(&*transport, rec.addr, limit).await {
+                Ok(conn) => match conn.send(Frame::control(hello, vec![])).await {
+                    Ok(()) => JoinInput::Connected(peer, true, conn),
+                    Err(e) => JoinInput::DialFailed(e.into()),
+                },
+                Err(e) => JoinInput::DialFailed(RpcError::Init(format!(
                     "cannot connect to {} (rank {}) at {}: {e}",
                     rec.devices.name, rec.rank, rec.addr
-                ))
-            })?;
-        let hello = postcard::to_allocvec(&Hello {
-            rank: me_id,
-            name: name.clone(),
-            record: None,
-        })
-        .map_err(|e| RpcError::Serialization {
-            what: "hello".into(),
-            message: e.to_string(),
-        })?;
-        conn.send(Frame::control(hello, vec![])).await?;
-        let _ = conn_tx.send((rec.rank, conn));
+                ))),
+            };
+            let _ = tx.send(input);
+        });
     }
-    drop(conn_tx);
-    let mut conns: HashMap<WorkerId, Box<dyn Connection>> = HashMap::new();
-    let deadline = tokio::time::Instant::now() + options.init_timeout;
-    while conns.len() < world_size - 1 {
-        match tokio::time::timeout_at(deadline, conn_rx.recv()).await {
-            Ok(Some((peer, conn))) => {
-                conns.insert(peer, conn);
-            }
-            Ok(None) | Err(_) => {
-                let missing: Vec<String> = (0..world_size as WorkerId)
-                    .filter(|r| *r != me_id && !conns.contains_key(r))
-                    .map(|r| r.to_string())
-                    .collect();
-                return Err(RpcError::Timeout {
-                    what: "init_rpc: connecting to every worker".into(),
-                    after: options.init_timeout,
-                    waiting_for: Some(format!("ranks {}", missing.join(", "))),
-                });
+    let mut conns: HashMap<WorkerId, Arc<dyn Connection>> = HashMap::new();
+    let outcome = loop {
+        while let Some((to, msg)) = join.poll_transmit() {
+            let sent = match conns.get(&to) {
+                Some(conn) => conn.send(join_frame(msg)).await.is_ok(),
+                None => false,
+            };
+            if !sent {
+                join.handle_lost(to);
             }
         }
-    }
-    drop(accepting);
-    let conns = handshake(agent, conns, options.init_timeout).await?;
+        if let Some(outcome) = join.poll_outcome() {
+            break outcome;
+        }
+        let at = join.poll_timeout().unwrap_or(deadline);
+        tokio::select! {
+            input = rx.recv() => match input {
+                Some(JoinInput::Connected(peer, dialled, conn)) => {
+                    match join.handle_connected(peer, dialled) {
+                        Ok(()) => {
+                            let conn: Arc<dyn Connection> = Arc::from(conn);
+                            if join.hears_from(peer) {
+                                tasks.spawn(read_one(peer, Arc::clone(&conn), tx.clone()));
+                            }
+                            conns.insert(peer, conn);
+                        }
+                        Err(e) => warn!("dropping a connection during init: {e}"),
+                    }
+                }
+                Some(JoinInput::Heard(peer, Ok(frame))) => {
+                    match join_message(&frame).map(|m| join.handle_message(peer, m)) {
+                        Some(Ok(())) => {}
+                        Some(Err(e)) => warn!("during init: {e}"),
+                        None => warn!(
+                            "{} sent something else than the init handshake",
+                            agent.describe(peer as usize)
+                        ),
+                    }
+                }
+                Some(JoinInput::Heard(peer, Err(e))) => {
+                    debug!("the connection to rank {peer} failed during init: {e}");
+                    join.handle_lost(peer);
+                }
+                Some(JoinInput::DialFailed(e)) => return Err(e),
+                None => join.handle_timeout(deadline),
+            },
+            () = agent.inner.clock.sleep_until(at) => join.handle_timeout(agent.now()),
+        }
+    };
+    // Ends the accepting and the reading of handshake frames (each read one already), so the
+    // agent's readers are the only ones left.
+    tasks.abort_all();
+    while tasks.join_next().await.is_some() {}
+    outcome.map_err(|e| match e {
+        JoinError::Timeout { phase, missing } => RpcError::Timeout {
+            what: format!("init_rpc: {}", membership::describe(phase)),
+            after: options.init_timeout,
+            waiting_for: Some(
+                missing
+                    .iter()
+                    .map(|r| agent.describe(*r as usize))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ),
+        },
+        JoinError::Lost { peer } => RpcError::Init(format!(
+            "the connection to {} was lost before init ended",
+            agent.describe(peer as usize)
+        )),
+        other => RpcError::Init(other.to_string()),
+    })?;
     for (peer, conn) in conns {
-        agent.attach(peer, conn);
+        agent.attach_shared(peer, conn);
     }
     Ok(())
 }
 
-/// Ends a static init without the store, over the new connections: every worker but rank 0
-/// sends rank 0 [`READY`] (it is connected to everyone, and its last store operation for init
-/// has been answered) and waits for [`GO`], which rank 0 sends once every worker is ready.
-/// So when init returns on any worker, no worker still needs the store, which lives in rank 0's
-/// process: rank 0 may shut down and exit at once. (A barrier through the store, as before,
-/// let rank 0 leave while the others still waited for the store's answer.)
-async fn handshake(
-    agent: &Agent,
-    mut conns: HashMap<WorkerId, Box<dyn Connection>>,
-    timeout: Duration,
-) -> Result<HashMap<WorkerId, Box<dyn Connection>>, RpcError> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    let lost = |peer: WorkerId, e: &dyn fmt::Display| {
-        RpcError::Init(format!(
-            "the connection to {} was lost before init ended: {e}",
-            agent.describe(peer as usize)
-        ))
-    };
-    if agent.inner.me.id != 0 {
-        let zero = conns.get(&0).ok_or_else(|| lost(0, &"no connection"))?;
-        zero.send(Frame::control(READY.to_vec(), vec![]))
-            .await
-            .map_err(|e| lost(0, &e))?;
-        return match tokio::time::timeout_at(deadline, zero.recv()).await {
-            Ok(Ok(frame)) if is_control(&frame, GO) => Ok(conns),
-            Ok(Ok(_)) => Err(RpcError::Init(format!(
-                "{} sent something else than the end of init",
-                agent.describe(0)
-            ))),
-            Ok(Err(e)) => Err(lost(0, &e)),
-            Err(_) => Err(RpcError::Timeout {
-                what: "init_rpc: waiting for rank 0 to see every worker connected".into(),
-                after: timeout,
-                waiting_for: Some(agent.describe(0)),
-            }),
-        };
-    }
-    // Rank 0: hear every worker's READY, each on its own task so a silent one can be named.
-    let mut ready = tokio::task::JoinSet::new();
-    let expected = conns.len();
-    for (peer, conn) in conns.drain() {
-        ready.spawn(async move {
-            let heard = conn.recv().await;
-            (peer, conn, heard)
-        });
-    }
-    while conns.len() < expected {
-        match tokio::time::timeout_at(deadline, ready.join_next()).await {
-            Ok(Some(Ok((peer, conn, heard)))) => match heard {
-                Ok(frame) if is_control(&frame, READY) => {
-                    conns.insert(peer, conn);
-                }
-                Ok(_) => {
-                    return Err(RpcError::Init(format!(
-                        "{} sent something else than being ready",
-                        agent.describe(peer as usize)
-                    )))
-                }
-                Err(e) => return Err(lost(peer, &e)),
-            },
-            Ok(Some(Err(e))) => return Err(RpcError::Init(format!("init handshake: {e}"))),
-            Ok(None) | Err(_) => {
-                let missing: Vec<String> = (1..=expected)
-                    .filter(|r| !conns.contains_key(&(*r as WorkerId)))
-                    .map(|r| agent.describe(r))
-                    .collect();
-                return Err(RpcError::Timeout {
-                    what: "init_rpc: waiting for every worker to connect to all others".into(),
-                    after: timeout,
-                    waiting_for: Some(missing.join(", ")),
-                });
-            }
-        }
-    }
-    for (&peer, conn) in &conns {
-        match tokio::time::timeout_at(deadline, conn.send(Frame::control(GO.to_vec(), vec![])))
-            .await
-        {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(lost(peer, &e)),
-            Err(_) => {
-                return Err(RpcError::Timeout {
-                    what: "init_rpc: telling every worker that init is over".into(),
-                    after: timeout,
-                    waiting_for: Some(agent.describe(peer as usize)),
-                })
-            }
-        }
-    }
-    Ok(conns)
+/// Reads the one handshake frame a peer sends during init.
+async fn read_one(peer: WorkerId, conn: Arc<dyn Connection>, tx: mpsc::UnboundedSender<JoinInput>) {
+    let heard = conn.recv().await;
+    let _ = tx.send(JoinInput::Heard(peer, heard));
 }
 
 /// `url` with `rank` and `world_size` added to its query where it lacks them, for every scheme,
@@ -794,7 +814,7 @@ pub(crate) async fn connect_with_retry(
     addr: SocketAddr,
     limit: Duration,
 ) -> Result<Box<dyn Connection>, String> {
-    let deadline = Instant::now() + limit;
+    let deadline = tokio::time::Instant::now() + limit;
     let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
     loop {
         match transport.connect(addr).await {
@@ -802,7 +822,7 @@ pub(crate) async fn connect_with_retry(
             Err(e @ TransportError::Authentication { .. }) => return Err(e.to_string()),
             Err(e) => {
                 let delay = backoff.next_delay();
-                if Instant::now() + delay > deadline {
+                if tokio::time::Instant::now() + delay > deadline {
                     return Err(e.to_string());
                 }
                 debug!("connect to {addr} failed ({e}); retrying in {delay:?}");
@@ -868,6 +888,11 @@ fn remote_error(
 }
 
 impl Agent {
+    /// The current time, from the agent's one clock (see [`crate::clock`]).
+    pub(crate) fn now(&self) -> Instant {
+        self.inner.clock.now()
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.inner
             .state
@@ -1205,11 +1230,12 @@ impl Agent {
                 target,
                 data: prepared.data,
                 tensors: tensors::host_to_wire(prepared.tensors),
+                forks: prepared.forks.clone(),
             };
             let mut st = self.lock();
             let id = st
                 .ep
-                .call(to, function, body, timeout, Instant::now())
+                .call(to, function, body, timeout, self.now())
                 .map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
             id
@@ -1220,7 +1246,7 @@ impl Agent {
                 let mut st = self.lock();
                 let id = st
                     .ep
-                    .call_deferred(to, function, timeout, Instant::now())
+                    .call_deferred(to, function, timeout, self.now())
                     .map_err(|_| RpcError::NotRunning)?;
                 st.waiters.insert(id, tx);
                 id
@@ -1248,7 +1274,7 @@ impl Agent {
         {
             let mut st = self.lock();
             for f in forks {
-                st.ep.cancel_fork(*f, to, Instant::now());
+                st.ep.cancel_fork(*f, to, self.now());
             }
         }
         self.wake();
@@ -1275,10 +1301,11 @@ impl Agent {
                             target,
                             data: prepared.data,
                             tensors: wire,
+                            forks: prepared.forks.clone(),
                         },
                     ),
                     Err(e) => {
-                        let now = Instant::now();
+                        let now = agent.now();
                         st.ep.abandon(id, &e.to_string(), now);
                         for f in &prepared.forks {
                             st.ep.cancel_fork(*f, to, now);
@@ -1339,11 +1366,12 @@ impl Agent {
                 target,
                 data: prepared.data,
                 tensors: tensors::host_to_wire(prepared.tensors),
+                forks: prepared.forks.clone(),
             };
             let mut st = self.lock();
             let (handle, id) = st
                 .ep
-                .remote(to, function, body, timeout, Instant::now())
+                .remote(to, function, body, timeout, self.now())
                 .map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
             handle
@@ -1355,7 +1383,7 @@ impl Agent {
                 let mut st = self.lock();
                 let (handle, id) = st
                     .ep
-                    .remote_deferred(to, function, timeout, Instant::now())
+                    .remote_deferred(to, function, timeout, self.now())
                     .map_err(|_| RpcError::NotRunning)?;
                 st.waiters.insert(id, tx);
                 (handle, id)
@@ -1416,7 +1444,7 @@ impl Agent {
             let mut st = self.lock();
             let id = st
                 .ep
-                .fetch(handle, timeout, Instant::now())
+                .fetch(handle, timeout, self.now())
                 .map_err(|e| self.rref_error(handle, e))?;
             st.waiters.insert(id, tx);
         }
@@ -1532,6 +1560,19 @@ impl Agent {
                 (false, _) => Ok(()),
             }
         };
+        // Rank 0 of a static group removes the last key the agent put in the store (the group's
+        // kind); a dynamic group's last member removes its keys when it leaves.
+        let stages = async {
+            let outcome = stages.await;
+            if self.inner.me.id == 0 && !self.inner.dynamic {
+                if let Ok(store) = self.store() {
+                    if let Err(e) = store.delete_key(GROUP_KIND).await {
+                        debug!("could not remove {GROUP_KIND} from the store: {e}");
+                    }
+                }
+            }
+            outcome
+        };
         // Every wait of the stages ends by the deadline and says for whom; past it, the store
         // is what did not answer.
         let result = tokio::time::timeout_at(deadline, stages)
@@ -1546,11 +1587,8 @@ impl Agent {
         // On a task of its own: shutdown may be called from a task of the agent (a served
         // function), which ending the agent's tasks cancels; the agent still stops whole.
         let agent = self.clone();
-        let leave = graceful && !self.inner.dynamic;
         let stopped = tokio::spawn(async move {
-            agent
-                .stop_and_release(deadline, leave.then_some(deadline))
-                .await;
+            agent.stop_and_release(deadline).await;
         });
         let _ = stopped.await;
         result
@@ -1558,13 +1596,9 @@ impl Agent {
 
     /// Stops the endpoint (pending calls fail), ends every task of the agent and waits for
     /// them, then lets go of the store. Writers get until `deadline` to send what is queued and
-    /// close their connections. With `leave_wait`, rank 0 first waits (until then) for the
-    /// others to leave the store it hosts, and the others say they left.
-    pub(crate) async fn stop_and_release(
-        &self,
-        deadline: tokio::time::Instant,
-        leave_wait: Option<tokio::time::Instant>,
-    ) {
+    /// close their connections. (A graceful shutdown of a static group runs over the members'
+    /// connections, not the store: rank 0, which hosts it, need not wait for anyone.)
+    pub(crate) async fn stop_and_release(&self, deadline: tokio::time::Instant) {
         let (writers, mut others) = {
             let mut tasks = self.tasks();
             tasks.closed = true;
@@ -1600,9 +1634,6 @@ impl Agent {
             writers.abort_all();
             while writers.join_next().await.is_some() {}
         }
-        if let Some(until) = leave_wait {
-            self.leave_store(until).await;
-        }
         let store = self
             .inner
             .store
@@ -1621,36 +1652,10 @@ impl Agent {
         }
     }
 
-    /// Rank 0 hosts the store: it waits (until `deadline`) for the others to say they left it
-    /// before closing it, also when the shutdown failed, so that their errors say what
-    /// happened. The others say so.
-    async fn leave_store(&self, deadline: tokio::time::Instant) {
-        let Ok(store) = self.store() else {
-            return;
-        };
-        let me = self.inner.me.id;
-        if me != 0 {
-            let key = format!("rpc/left/{me}");
-            let _ = tokio::time::timeout_at(deadline, store.set(&key, b"1")).await;
-            return;
-        }
-        let others: Vec<usize> = self
-            .members()
-            .ranks()
-            .into_iter()
-            .filter(|r| *r != 0)
-            .collect();
-        let left = wait_ranks(
-            &*store,
-            "rpc/left",
-            others,
-            deadline.saturating_duration_since(tokio::time::Instant::now()),
-            "shutdown: waiting for workers to leave",
-            rank_only,
-        );
-        let _ = tokio::time::timeout_at(deadline, left).await;
-    }
-
+    /// A graceful shutdown of a static group, decided by the endpoint (see
+    /// `tensorwire_core::protocol::shutdown`): our calls answered, every member's calls
+    /// answered, nothing outstanding here, every member idle; over the members' connections.
+    /// Fails naming the members that were lost, or at the deadline those it still waits for.
     async fn graceful(
         &self,
         deadline: tokio::time::Instant,
@@ -1662,67 +1667,71 @@ impl Agent {
                 "graceful shutdown while this worker still holds remote references (they stop working): {info}"
             );
         }
-        // The waits end a little before the deadline, so that one that times out can still ask
-        // the store who is missing and say so by the deadline.
-        let waits_end = deadline - (timeout / 10).min(Duration::from_millis(500));
-        let left = || waits_end.saturating_duration_since(tokio::time::Instant::now());
-        // 1. Our own calls are answered.
-        loop {
-            let outstanding = self.lock().ep.outstanding_calls();
-            if outstanding == 0 {
-                break;
-            }
-            if tokio::time::Instant::now() >= waits_end {
-                return Err(RpcError::Timeout {
-                    what: format!("shutdown: {outstanding} calls of this worker still unanswered"),
-                    after: timeout,
-                    waiting_for: None,
-                });
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
+        let members: Vec<WorkerId> = self.members().workers.keys().copied().collect();
+        // The endpoint's deadline comes a little before the caller's, so that its error, which
+        // names who is missing, is the one returned.
+        let ends = deadline - (timeout / 10).min(Duration::from_millis(500));
+        self.run_shutdown(timeout, |ep| {
+            ep.begin_graceful_shutdown(members, Some(ends.into_std()));
+        })
+        .await
+    }
+
+    /// Starts a shutdown of the endpoint with `begin` and waits for its outcome (the driver
+    /// delivers it as an event).
+    pub(crate) async fn run_shutdown(
+        &self,
+        timeout: Duration,
+        begin: impl FnOnce(&mut Endpoint<Body>),
+    ) -> Result<(), RpcError> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut st = self.lock();
+            st.shutdown_waiter = Some(tx);
+            begin(&mut st.ep);
         }
-        // A barrier that times out says so with the shutdown's timeout, not its share of it.
-        let whole = |e: RpcError| match e {
-            RpcError::Timeout {
-                what, waiting_for, ..
-            } => RpcError::Timeout {
-                what: format!("shutdown: {what}"),
-                after: timeout,
-                waiting_for,
-            },
-            other => other,
-        };
-        // 2. Everyone's calls are answered.
-        self.barrier("shutdown-calls", left())
-            .await
-            .map_err(whole)?;
-        // 3. Nothing in flight here (requests answered, control messages acknowledged).
-        loop {
-            if self.lock().ep.is_idle() {
-                break;
+        self.pump();
+        match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => {
+                let who: Vec<String> = e
+                    .missing
+                    .iter()
+                    .map(|r| self.describe(*r as usize))
+                    .collect();
+                let who = if who.is_empty() {
+                    "nobody in particular".to_owned()
+                } else {
+                    who.join(", ")
+                };
+                Err(if e.lost {
+                    RpcError::ShutdownIncomplete {
+                        reason: e.to_string(),
+                        waiting_for: who,
+                    }
+                } else {
+                    RpcError::Timeout {
+                        what: format!("shutdown: {e}"),
+                        after: timeout,
+                        waiting_for: Some(who),
+                    }
+                })
             }
-            if tokio::time::Instant::now() >= waits_end {
-                return Err(RpcError::Timeout {
-                    what:
-                        "shutdown: requests still being served or references still being released"
-                            .into(),
-                    after: timeout,
-                    waiting_for: None,
-                });
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
+            Err(_) => Err(RpcError::NotRunning),
         }
-        self.lock().ep.begin_shutdown();
-        self.barrier("shutdown-idle", left()).await.map_err(whole)
     }
 
     /// Registers the connection to `peer` and starts its reader and writer tasks.
     pub(crate) fn attach(&self, peer: WorkerId, conn: Box<dyn Connection>) {
+        self.attach_shared(peer, Arc::from(conn));
+    }
+
+    /// [`attach`](Self::attach), for a connection already shared (init's handshake read it).
+    fn attach_shared(&self, peer: WorkerId, conn: Arc<dyn Connection>) {
         if self.tasks().closed {
             // Shut down already: the connection closes here.
             return;
         }
-        let conn: Arc<dyn Connection> = Arc::from(conn);
         let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
         let write = Arc::new(tokio::sync::Mutex::new(()));
         let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -1789,7 +1798,7 @@ impl Agent {
             let mut st = self.lock();
             st.peers.remove(&peer);
             let reason = format!("{name}: {reason}");
-            st.ep.handle_peer_lost(peer, &reason, Instant::now());
+            st.ep.handle_peer_lost(peer, &reason, self.now());
             st.lost.insert(peer, reason);
             // Forks owned by the lost peer will never be confirmed: their waiters fail.
             for waiters in st.confirm_waiters.values_mut() {
@@ -1824,6 +1833,7 @@ impl Agent {
                     target: envelope.target,
                     data,
                     tensors,
+                    forks: Vec::new(),
                 })
             }
             None => None,
@@ -1831,12 +1841,20 @@ impl Agent {
         let handled = self
             .lock()
             .ep
-            .handle_message(from, envelope.header, body, Instant::now());
+            .handle_message(from, envelope.header, body, self.now());
         self.pump();
         handled.map_err(|violation| format!("broke the RPC protocol: {violation}"))
     }
 
     fn send(&self, st: &mut State, t: Transmit<Body>, direct: Option<&mut Vec<DirectWrite>>) {
+        // A shutdown's last words go through the writers, which shutdown lets finish; a task
+        // writing directly may be one that stopping the agent cancels.
+        let direct = direct.filter(|_| {
+            !matches!(
+                t.header,
+                Header::Shutdown { .. } | Header::ShutdownFailed { .. }
+            )
+        });
         let (target, payloads, metas) = match t.body {
             Some(b) => {
                 let (metas, bytes): (Vec<_>, Vec<_>) = b.tensors.into_iter().unzip();
@@ -1898,7 +1916,7 @@ impl Agent {
                     Some(why) => format!("the connection was lost earlier ({why})"),
                     None => format!("no connection to {}", self.name_of(t.to)),
                 };
-                st.ep.handle_peer_lost(t.to, &reason, Instant::now());
+                st.ep.handle_peer_lost(t.to, &reason, self.now());
             }
         }
     }
@@ -1953,6 +1971,11 @@ impl Agent {
                 let value = self.lock().values.remove(&rref);
                 drop(value);
             }
+            Event::ShutdownComplete { outcome } => {
+                if let Some(tx) = self.lock().shutdown_waiter.take() {
+                    let _ = tx.send(outcome);
+                }
+            }
             _ => {}
         }
     }
@@ -1975,6 +1998,7 @@ impl Agent {
             target: None,
             data: prepared.data,
             tensors: wire,
+            forks: prepared.forks,
         })
     }
 
@@ -2010,9 +2034,10 @@ impl Agent {
             return;
         };
         self.spawn(async move {
-            // A method call on a value that is still being created waits for it.
+            // A method call reaches this point only once its value exists (the endpoint parks
+            // it until then, by its caller's deadline).
             let target = match body.target {
-                Some(rref) => match agent.owned_value(rref, deadline).await {
+                Some(rref) => match agent.owned_value(rref) {
                     Ok(v) => Some(v),
                     Err(reason) => {
                         let err = remote_error(me, RemoteErrorKind::RRef, reason);
@@ -2051,19 +2076,13 @@ impl Agent {
             {
                 Ok(Ok(value)) => match keep_as {
                     Some(rref) => {
-                        let (waiting, replaced) = {
-                            let mut st = agent.lock();
-                            let replaced = st.values.insert(rref, value);
-                            (st.value_waiters.remove(&rref), replaced)
-                        };
+                        let replaced = agent.lock().values.insert(rref, value);
                         drop(replaced);
-                        for w in waiting.into_iter().flatten() {
-                            let _ = w.send(());
-                        }
                         Ok(Body {
                             target: None,
                             data: Bytes::new(),
                             tensors: Vec::new(),
+                            forks: Vec::new(),
                         })
                     }
                     None => agent
@@ -2108,10 +2127,6 @@ impl Agent {
             }
             let orphan = {
                 let mut st = agent.lock();
-                if let (Some(rref), Err(_)) = (keep_as, &outcome) {
-                    // Creating the value failed: calls waiting for it get told so.
-                    st.value_waiters.remove(&rref);
-                }
                 let created = keep_as.filter(|_| outcome.is_ok());
                 let expected = st.ep.respond(token, outcome);
                 // A value made for a creator lost meanwhile: nobody will ever refer to it.
@@ -2127,44 +2142,14 @@ impl Agent {
         });
     }
 
-    /// The value of `rref`, owned here, waiting while it is being created (until the caller's
-    /// deadline; without one, until creation ends).
-    async fn owned_value(
-        &self,
-        rref: RRefId,
-        deadline: Option<tokio::time::Instant>,
-    ) -> Result<Arc<dyn Any + Send + Sync>, String> {
-        let gone = || format!("no value is kept for {rref} on {}", self.inner.me.name);
-        let rx = {
-            let mut st = self.lock();
-            if let Some(v) = st.values.get(&rref) {
-                return Ok(Arc::clone(v).into_any());
-            }
-            if !st.ep.owns(rref) {
-                return Err(gone());
-            }
-            let (tx, rx) = oneshot::channel();
-            st.value_waiters.entry(rref).or_default().push(tx);
-            rx
-        };
-        let created = match deadline {
-            Some(at) => tokio::time::timeout_at(at, rx).await,
-            None => Ok(rx.await),
-        };
-        match created {
-            Ok(Ok(())) => self.local_value(rref).ok_or_else(gone),
-            Ok(Err(_)) => Err(format!(
-                "creating the value of {rref} on {} failed",
-                self.inner.me.name
-            )),
-            Err(_) => Err(format!(
-                "the value of {rref} was still being created at the caller's deadline"
-            )),
-        }
+    /// The value of `rref`, owned here. (A method call on a value still being created waits
+    /// in the endpoint, by its caller's deadline, and is only handed over once the value is
+    /// kept: see `Payload::target` in core.)
+    fn owned_value(&self, rref: RRefId) -> Result<Arc<dyn Any + Send + Sync>, String> {
+        self.local_value(rref)
+            .ok_or_else(|| format!("no value is kept for {rref} on {}", self.inner.me.name))
     }
 
-    /// Waits until the owner of every reference in `handles` has confirmed it, bounded by
-    /// `deadline`; the error names the reference and its owner.
     pub(crate) async fn wait_confirmed(
         &self,
         handles: &[RRefHandle],
@@ -2248,8 +2233,9 @@ pub(crate) async fn drive(agent: Agent) {
             Some(at) => {
                 tokio::select! {
                     () = agent.inner.wake.notified() => {}
-                    () = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => {
-                        agent.lock().ep.handle_timeout(Instant::now());
+                    () = agent.inner.clock.sleep_until(at) => {
+                        let now = agent.now();
+                        agent.lock().ep.handle_timeout(now);
                     }
                 }
             }

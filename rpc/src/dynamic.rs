@@ -10,13 +10,14 @@
 //! its own calls, removes itself from the list under the token and closes its connections; the
 //! others drop it from their membership. Rank 0 hosts the store, so it must stay until the end.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Listener, Transport};
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
 use tensorwire_core::wire::Frame;
+use tensorwire_process_group::backoff::Backoff;
 use tensorwire_process_group::Rendezvous;
 use tracing::warn;
 
@@ -38,14 +39,16 @@ fn encode_err(what: &str, e: postcard::Error) -> RpcError {
 
 /// Takes the membership token, waiting (bounded) while another worker holds it.
 async fn acquire(store: &dyn Store, name: &str, timeout: Duration) -> Result<(), RpcError> {
-    let deadline = Instant::now() + timeout;
-    let mut delay = Duration::from_millis(1);
+    let deadline = tokio::time::Instant::now() + timeout;
+    // The one backoff-with-jitter helper, as for every retry loop.
+    let mut backoff = Backoff::new(Duration::from_millis(1), Duration::from_millis(50));
     loop {
         let held = store.compare_set(TOKEN, b"", name.as_bytes()).await?;
         if held == name.as_bytes() {
             return Ok(());
         }
-        if Instant::now() + delay > deadline {
+        let delay = backoff.next_delay();
+        if tokio::time::Instant::now() + delay > deadline {
             return Err(RpcError::Timeout {
                 what: "waiting for the group's membership token".into(),
                 after: timeout,
@@ -56,7 +59,6 @@ async fn acquire(store: &dyn Store, name: &str, timeout: Duration) -> Result<(),
             });
         }
         tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(50));
     }
 }
 
@@ -232,31 +234,28 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
 /// member list under the token. The caller then closes the connections.
 pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcError> {
     let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let outstanding = agent.lock().ep.outstanding_calls();
-        if outstanding == 0 {
-            break;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(RpcError::Timeout {
-                what: format!(
-                    "leaving the group: {outstanding} calls of this worker still unanswered"
-                ),
-                after: timeout,
-                waiting_for: None,
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    // The endpoint decides when our calls are all answered (or fails by the deadline).
+    agent
+        .run_shutdown(timeout, |ep| ep.begin_leave(Some(deadline.into_std())))
+        .await?;
     let store = agent.store()?;
     let name = agent.worker_info().name.clone();
     acquire(&*store, &name, deadline - tokio::time::Instant::now()).await?;
     let result = async {
         let mut members = read_members(&*store).await?;
         members.retain(|m| m.devices.name != name);
-        write_members(&*store, &members).await
+        if members.is_empty() {
+            // The last member: the group ends, and with it every key the agents made.
+            for key in [MEMBERS, crate::agent::GROUP_KIND, TOKEN] {
+                store.delete_key(key).await?;
+            }
+            return Ok(true);
+        }
+        write_members(&*store, &members).await.map(|()| false)
     }
     .await;
-    release(&*store, &name).await;
-    result
+    if !matches!(result, Ok(true)) {
+        release(&*store, &name).await;
+    }
+    result.map(|_| ())
 }

@@ -94,6 +94,14 @@ pub enum RpcError {
         /// Who did not answer, if known.
         waiting_for: Option<String>,
     },
+    /// A graceful shutdown could not complete because a member was lost before it was done.
+    #[error("shutdown did not complete: {reason}; waiting for {waiting_for}")]
+    ShutdownIncomplete {
+        /// What was not done.
+        reason: String,
+        /// The workers that were lost.
+        waiting_for: String,
+    },
     /// The agent is not running (shut down).
     #[error("RPC is no longer running on this worker")]
     NotRunning,

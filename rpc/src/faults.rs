@@ -4,7 +4,8 @@
 //! [`FaultyTransport`] wraps any transport and, for each [`Fault`], drops or delays the first
 //! `count` agent messages of one [`MessageKind`] that this worker *sends*. [`FaultyBackend`]
 //! is an RPC backend (register it with [`register_backend`](crate::register_backend)) that runs
-//! the agent over TCP wrapped this way, with faults chosen per rank, so that flows such as a
+//! the agent over TCP wrapped this way (or, with [`FaultyBackend::start`], over any transport such
+//! as the in-memory one), with faults chosen per rank, so that flows such as a
 //! creation that times out can be tested deterministically.
 //!
 //! ```
@@ -297,6 +298,28 @@ impl FaultyBackend {
         self
     }
 
+    /// Starts the agent of rank `rank` (as [`start_agent`]) over `transport` wrapped with that
+    /// rank's faults: any transport, the in-memory one of tests in virtual time included.
+    pub async fn start(
+        &self,
+        transport: Arc<dyn Transport>,
+        rdv: Rendezvous,
+        name: &str,
+        rank: usize,
+        world_size: Option<usize>,
+        options: RpcOptions,
+    ) -> Result<Agent, RpcError> {
+        let faulty = FaultyTransport::new(
+            transport,
+            self.faults.get(&rank).cloned().unwrap_or_default(),
+        );
+        self.injected
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(rank, Arc::clone(&faulty.faults));
+        start_agent(Arc::new(faulty), rdv, name, rank, world_size, options).await
+    }
+
     /// How many messages rank `rank`'s agent dropped or delayed so far.
     pub fn injected(&self, rank: usize) -> usize {
         self.injected
@@ -336,11 +359,7 @@ impl RpcBackend for FaultyBackend {
         options: RpcOptions,
     ) -> Result<Agent, RpcError> {
         let tcp: Arc<dyn Transport> = Arc::new(crate::backend::TcpBackend::transport(&options)?);
-        let faulty = FaultyTransport::new(tcp, self.faults.get(&rank).cloned().unwrap_or_default());
-        self.injected
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(rank, Arc::clone(&faulty.faults));
-        start_agent(Arc::new(faulty), store, name, rank, world_size, options).await
+        self.start(tcp, store, name, rank, world_size, options)
+            .await
     }
 }

@@ -34,6 +34,7 @@
 mod agent;
 pub mod autograd;
 mod backend;
+pub mod clock;
 mod codec;
 mod dist_optim;
 mod dynamic;
@@ -42,6 +43,7 @@ pub mod faults;
 mod functions;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod memory;
 pub mod metrics;
 mod options;
 mod rref;

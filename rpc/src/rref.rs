@@ -8,7 +8,7 @@
 
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde::de::{DeserializeOwned, Error as _};
 use serde::ser::Error as _;
@@ -33,10 +33,8 @@ struct Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        self.agent
-            .lock()
-            .ep
-            .drop_handle(self.handle, Instant::now());
+        let now = self.agent.now();
+        self.agent.lock().ep.drop_handle(self.handle, now);
         self.agent.wake();
     }
 }
@@ -297,7 +295,8 @@ impl<'de, T: Send + Sync + 'static> Deserialize<'de> for RRef<T> {
         let agent = codec::decoding().ok_or_else(|| {
             D::Error::custom("an RRef can only be received through a tensorwire call")
         })?;
-        let handle = agent.lock().ep.accept_fork(data, Instant::now());
+        let now = agent.now();
+        let handle = agent.lock().ep.accept_fork(data, now);
         agent.wake();
         codec::accepted(handle);
         Ok(RRef::from_handle(agent, handle, None))

@@ -1,4 +1,7 @@
-//! Agents of a group in one process, over real loopback TCP with a cluster secret.
+//! Agents of a group in one process. Most run over the in-memory transport and store in
+//! virtual time (tokio's paused clock: timeouts and slow functions take no real time); the
+//! backend tests run over real loopback TCP (or QUIC) with a cluster secret, meeting through a
+//! file store, so no port is picked in advance.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
@@ -11,12 +14,75 @@ use tensorwire_rpc::{
     init_rpc, Agent, CallError, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions,
 };
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+use tensorwire_core::ports::store::Store;
+use tensorwire_process_group::InMemoryStore;
+use tensorwire_rpc::memory::{MemoryNetwork, MemoryTransport};
+use tensorwire_rpc::{start_agent, Rendezvous};
+
+/// A rendezvous file of its own for each test (the file store meets the ranks there).
+fn rendezvous_file() -> String {
+    static NEXT: AtomicI64 = AtomicI64::new(0);
+    let path = std::env::temp_dir().join(format!(
+        "tw-rpc-agent-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_file(&path);
+    format!("file://{}", path.display())
+}
+
+/// An in-memory cluster: one network and one store that every agent of a test shares.
+#[derive(Clone)]
+struct Cluster {
+    net: MemoryNetwork,
+    store: Arc<dyn Store>,
+    /// Each rank's host, for its kill switch.
+    hosts: Arc<std::sync::Mutex<std::collections::HashMap<usize, MemoryTransport>>>,
+}
+
+impl Cluster {
+    fn new() -> Self {
+        Cluster {
+            net: MemoryNetwork::new(),
+            store: Arc::new(InMemoryStore::new()),
+            hosts: Arc::default(),
+        }
+    }
+
+    fn options(&self) -> RpcOptions {
+        RpcOptions {
+            init_timeout: Duration::from_secs(20),
+            functions: functions(),
+            listen_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
+            ..RpcOptions::default()
+        }
+    }
+
+    /// Starts worker `w{rank}` over a new host of the network.
+    async fn start(
+        &self,
+        rank: usize,
+        world_size: Option<usize>,
+        options: RpcOptions,
+    ) -> Result<Agent, RpcError> {
+        let rdv = Rendezvous::from_store(
+            Arc::clone(&self.store),
+            rank,
+            world_size.unwrap_or(rank + 1),
+        );
+        let host = self.net.transport();
+        self.hosts.lock().unwrap().insert(rank, host.clone());
+        let transport = Arc::new(host);
+        start_agent(
+            transport,
+            rdv,
+            &format!("w{rank}"),
+            rank,
+            world_size,
+            options,
+        )
+        .await
+    }
 }
 
 #[derive(Default)]
@@ -88,12 +154,50 @@ impl serde::Serialize for Counter {
     }
 }
 
+impl Cluster {
+    /// Kills rank `rank`'s host, as a crashed process.
+    fn kill(&self, rank: usize) {
+        self.hosts.lock().unwrap()[&rank].kill();
+    }
+}
+
+/// A static group of `n` in-memory agents.
 async fn group(n: usize, tweak: impl Fn(usize, &mut RpcOptions)) -> Vec<Result<Agent, RpcError>> {
-    let port = free_port();
+    group_in(&Cluster::new(), n, tweak).await
+}
+
+/// A static group of `n` in-memory agents in `cluster`.
+async fn group_in(
+    cluster: &Cluster,
+    n: usize,
+    tweak: impl Fn(usize, &mut RpcOptions),
+) -> Vec<Result<Agent, RpcError>> {
+    let mut tasks = Vec::new();
+    for rank in 0..n {
+        let mut options = cluster.options();
+        tweak(rank, &mut options);
+        let cluster = cluster.clone();
+        tasks.push(tokio::spawn(async move {
+            cluster.start(rank, Some(n), options).await
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+/// A static group of `n` agents over the real transports, through `init_rpc`.
+async fn tcp_group(
+    n: usize,
+    tweak: impl Fn(usize, &mut RpcOptions),
+) -> Vec<Result<Agent, RpcError>> {
+    let url = rendezvous_file();
     let mut tasks = Vec::new();
     for rank in 0..n {
         let mut options = RpcOptions {
-            init_method: format!("tcp://127.0.0.1:{port}?rank={rank}&world_size={n}"),
+            init_method: format!("{url}?rank={rank}&world_size={n}"),
             init_timeout: Duration::from_secs(20),
             secret: Some(b"in-process test secret".to_vec()),
             functions: functions(),
@@ -129,7 +233,7 @@ async fn shutdown_all(agents: Vec<Agent>) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn calls_errors_panics_and_timeouts() {
     let agents = ok_group(2).await;
     let a = &agents[0];
@@ -222,7 +326,7 @@ async fn calls_errors_panics_and_timeouts() {
     shutdown_all(agents).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn many_async_calls_in_flight() {
     let agents = ok_group(2).await;
     let futs: Vec<_> = (0..2000i64)
@@ -238,7 +342,7 @@ async fn many_async_calls_in_flight() {
     shutdown_all(agents).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn remote_references_live_until_the_last_is_dropped() {
     let agents = ok_group(3).await;
     let (a, b, owner) = (&agents[0], &agents[1], &agents[2]);
@@ -286,6 +390,7 @@ async fn remote_references_live_until_the_last_is_dropped() {
     shutdown_all(agents).await;
 }
 
+/// Waits (in virtual time) until `cond` holds: the agents' tasks run between the checks.
 async fn wait_until(cond: impl Fn() -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !cond() {
@@ -293,7 +398,7 @@ async fn wait_until(cond: impl Fn() -> bool) {
             tokio::time::Instant::now() < deadline,
             "condition not reached in 10 s"
         );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 
@@ -310,7 +415,7 @@ fn assert_every_init_refuses_w0s_map(results: Vec<Result<Agent, RpcError>>) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_bad_device_map_fails_init_on_every_worker() {
     let results = group(2, |rank, o| {
         o.device_backend = Arc::new(SimulatedDevices::new(1));
@@ -349,7 +454,7 @@ async fn with_the_cuda_feature_the_default_backend_is_cuda() {
     shutdown_all(agents).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn after_shutdown_calls_fail_clearly() {
     let agents = ok_group(2).await;
     let keep = agents[0].clone();
@@ -361,7 +466,7 @@ async fn after_shutdown_calls_fail_clearly() {
     assert!(e.to_string().contains("no longer running"), "{e}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn tensors_move_by_device_maps() {
     // w0 has 2 (simulated) devices and maps its cuda:0 to w1's cuda:1 and cpu to w1's cuda:0;
     // w1 has 2 devices and no maps: its responses go back by the reverse map.
@@ -400,7 +505,7 @@ async fn tensors_move_by_device_maps() {
     shutdown_all(agents).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_cuda_tensor_without_a_map_fails_at_once_and_the_agent_stays_usable() {
     let agents: Vec<Agent> = group(2, |_, o| {
         o.device_backend = Arc::new(SimulatedDevices::new(1))
@@ -434,7 +539,7 @@ async fn a_cuda_tensor_without_a_map_fails_at_once_and_the_agent_stays_usable() 
     shutdown_all(agents).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn methods_wait_for_a_value_still_being_created() {
     let agents = ok_group(2).await;
     let owner = &agents[0];
@@ -497,7 +602,7 @@ async fn user_backends_are_registered_and_selected_by_name() {
         (Duration::from_secs(7), "COUNTING")
     );
 
-    let agents: Vec<Agent> = group(2, |_, o| o.backend = "COUNTING".into())
+    let agents: Vec<Agent> = tcp_group(2, |_, o| o.backend = "COUNTING".into())
         .await
         .into_iter()
         .map(Result::unwrap)
@@ -535,7 +640,7 @@ async fn user_backends_are_registered_and_selected_by_name() {
 async fn the_quic_backend_runs_the_agent_over_mutual_tls() {
     let dir = std::env::temp_dir().join(format!("tw-rpc-quic-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let agents: Vec<Agent> = group(3, |_, o| {
+    let agents: Vec<Agent> = tcp_group(3, |_, o| {
         o.backend = "QUIC".into();
         o.tls_dir = Some(dir.clone());
     })
@@ -563,7 +668,7 @@ async fn the_quic_backend_runs_the_agent_over_mutual_tls() {
     assert!(dir.join("ca.pem").exists() && dir.join("ca.key.pem").exists());
 
     // Without TLS material the backend says what it needs.
-    let e = group(1, |_, o| o.backend = "QUIC".into())
+    let e = tcp_group(1, |_, o| o.backend = "QUIC".into())
         .await
         .pop()
         .unwrap()
@@ -576,28 +681,23 @@ async fn the_quic_backend_runs_the_agent_over_mutual_tls() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Worker `w{rank}` joins the dynamic group of `cluster`.
 async fn dynamic(
     rank: usize,
-    port: u16,
+    cluster: &Cluster,
     tweak: impl FnOnce(&mut RpcOptions),
 ) -> Result<Agent, RpcError> {
-    let mut options = RpcOptions {
-        init_method: format!("tcp://127.0.0.1:{port}"),
-        init_timeout: Duration::from_secs(20),
-        secret: Some(b"in-process test secret".to_vec()),
-        functions: functions(),
-        ..RpcOptions::default()
-    };
+    let mut options = cluster.options();
     tweak(&mut options);
-    init_rpc(&format!("w{rank}"), rank, None, options).await
+    cluster.start(rank, None, options).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn dynamic_groups_let_workers_join_and_leave() {
-    let port = free_port();
-    let a0 = dynamic(0, port, |_| {}).await.unwrap();
+    let cluster = Cluster::new();
+    let a0 = dynamic(0, &cluster, |_| {}).await.unwrap();
     assert!(a0.is_dynamic());
-    let a1 = dynamic(1, port, |_| {}).await.unwrap();
+    let a1 = dynamic(1, &cluster, |_| {}).await.unwrap();
     assert_eq!(
         a0.rpc_sync::<_, i64>("w1", "add", &(1i64, 2i64), None)
             .await
@@ -612,7 +712,7 @@ async fn dynamic_groups_let_workers_join_and_leave() {
     );
 
     // A joiner whose map breaks a rule is refused, and the token is released for the next.
-    let e = dynamic(2, port, |o| {
+    let e = dynamic(2, &cluster, |o| {
         o.device_backend = Arc::new(SimulatedDevices::new(1));
         o.set_device_map("w0", &[("cuda:3", "cpu")]).unwrap();
     })
@@ -625,7 +725,7 @@ async fn dynamic_groups_let_workers_join_and_leave() {
     );
 
     // A map to a worker that has not joined yet is fine in a dynamic group.
-    let a2 = dynamic(2, port, |o| {
+    let a2 = dynamic(2, &cluster, |o| {
         o.device_backend = Arc::new(SimulatedDevices::new(1));
         o.set_device_map("w7", &[("cuda:0", "cuda:0")]).unwrap();
     })
@@ -678,7 +778,7 @@ async fn dynamic_groups_let_workers_join_and_leave() {
         .await
         .unwrap_err();
     assert!(matches!(e, RpcError::UnknownWorker(..)), "{e}");
-    let again = dynamic(2, port, |_| {}).await.unwrap();
+    let again = dynamic(2, &cluster, |_| {}).await.unwrap();
     assert_eq!(
         a1.rpc_sync::<_, i64>("w2", "add", &(7i64, 7i64), None)
             .await
@@ -686,7 +786,7 @@ async fn dynamic_groups_let_workers_join_and_leave() {
         14
     );
     // The same rank or name twice is refused.
-    let e = dynamic(1, port, |_| {}).await.unwrap_err();
+    let e = dynamic(1, &cluster, |_| {}).await.unwrap_err();
     assert!(e.to_string().contains("is already a member"), "{e}");
 
     for a in [again, a1, a0] {
@@ -694,21 +794,16 @@ async fn dynamic_groups_let_workers_join_and_leave() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn static_and_dynamic_members_do_not_mix() {
-    let port = free_port();
+    let cluster = Cluster::new();
     let statics: Vec<Agent> = {
         let mut tasks = Vec::new();
         for rank in 0..2usize {
-            let options = RpcOptions {
-                init_method: format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=2"),
-                init_timeout: Duration::from_secs(20),
-                secret: Some(b"in-process test secret".to_vec()),
-                functions: functions(),
-                ..RpcOptions::default()
-            };
+            let options = cluster.options();
+            let cluster = cluster.clone();
             tasks.push(tokio::spawn(async move {
-                init_rpc(&format!("w{rank}"), rank, Some(2), options).await
+                cluster.start(rank, Some(2), options).await
             }));
         }
         let mut out = Vec::new();
@@ -717,7 +812,7 @@ async fn static_and_dynamic_members_do_not_mix() {
         }
         out
     };
-    let e = dynamic(2, port, |_| {}).await.unwrap_err();
+    let e = dynamic(2, &cluster, |_| {}).await.unwrap_err();
     assert!(
         e.to_string()
             .contains("mixing static and dynamic members is refused"),
@@ -729,7 +824,7 @@ async fn static_and_dynamic_members_do_not_mix() {
 
 /// Values that hold remote references: releasing such a value drops its references, whose
 /// `Drop` talks to the agent. That must never happen under the agent's lock (it deadlocked).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn values_holding_rrefs_are_released_without_deadlock() {
     type Pair = (RRef<Vec<i64>>, RRef<Vec<i64>>);
     let agents = group(3, |_, options| {
@@ -782,4 +877,96 @@ async fn values_holding_rrefs_are_released_without_deadlock() {
     tokio::time::timeout(Duration::from_secs(60), shutdown_all(agents))
         .await
         .expect("graceful shutdown froze");
+}
+
+/// A worker whose process dies: calls in flight to it and new calls fail naming it, in virtual
+/// time and at once (no timeout waited out), and the survivors shut down without it.
+#[tokio::test(start_paused = true)]
+async fn a_killed_worker_fails_its_calls_naming_it() {
+    let cluster = Cluster::new();
+    let agents: Vec<Agent> = group_in(&cluster, 3, |_, _| {})
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let t0 = tokio::time::Instant::now();
+    let in_flight = agents[0]
+        .rpc_async::<_, u64>("w2", "sleep_ms", &60_000u64, None)
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    cluster.kill(2);
+    let e = in_flight.await.unwrap_err();
+    assert!(e.to_string().contains("w2"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    let e = agents[1]
+        .rpc_sync::<_, i64>("w2", "add", &(1i64, 1i64), None)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("w2"), "{e}");
+    // The survivors still talk.
+    assert_eq!(
+        agents[1]
+            .rpc_sync::<_, i64>("w0", "add", &(1i64, 1i64), None)
+            .await
+            .unwrap(),
+        2
+    );
+    let mut agents = agents;
+    let dead = agents.pop().unwrap();
+    for a in &agents {
+        a.shutdown(false, Duration::from_secs(5)).await.unwrap();
+    }
+    let _ = dead.shutdown(false, Duration::from_secs(5)).await;
+}
+
+/// After a clean init and shutdown the store holds no key the agents made.
+#[tokio::test(start_paused = true)]
+async fn a_clean_init_and_shutdown_leaves_no_store_keys() {
+    let cluster = Cluster::new();
+    let agents: Vec<Agent> = group_in(&cluster, 3, |_, _| {})
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        agents[0]
+            .rpc_sync::<_, i64>("w2", "add", &(1i64, 2i64), None)
+            .await
+            .unwrap(),
+        3
+    );
+    // Init's own keys are gone once init is over; the group's kind stays while it runs.
+    assert_eq!(cluster.store.num_keys().await.unwrap(), 1);
+    shutdown_all(agents).await;
+    assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
+}
+
+/// A dynamic group through which 1,000 joins and leaves have passed keeps its store's key
+/// count bounded (the same as after the first), and the last member's leave removes them all.
+#[tokio::test(start_paused = true)]
+async fn a_thousand_joins_and_leaves_keep_the_store_bounded() {
+    let cluster = Cluster::new();
+    let a0 = dynamic(0, &cluster, |_| {}).await.unwrap();
+    let mut after_first = None;
+    for i in 0..1_000 {
+        let rank = 1 + i % 3;
+        let joiner = dynamic(rank, &cluster, |_| {}).await.unwrap();
+        if i % 100 == 0 {
+            let sum: i64 = joiner
+                .rpc_sync("w0", "add", &(i as i64, 1i64), None)
+                .await
+                .unwrap();
+            assert_eq!(sum, i as i64 + 1);
+        }
+        joiner
+            .shutdown(true, Duration::from_secs(10))
+            .await
+            .unwrap();
+        let keys = cluster.store.num_keys().await.unwrap();
+        let first = *after_first.get_or_insert(keys);
+        assert_eq!(keys, first, "after {} joins and leaves", i + 1);
+    }
+    assert!(after_first.unwrap() <= 3, "{after_first:?}");
+    a0.shutdown(true, Duration::from_secs(10)).await.unwrap();
+    assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
 }

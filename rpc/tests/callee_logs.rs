@@ -45,13 +45,13 @@ fn functions() -> Functions {
 }
 
 async fn pair() -> Vec<Agent> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    drop(listener);
+    // A file store: no port to pick in advance (the agents listen on port 0).
+    let path = std::env::temp_dir().join(format!("tw-callee-logs-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
     let mut tasks = Vec::new();
     for rank in 0..2 {
         let options = RpcOptions {
-            init_method: format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=2"),
+            init_method: format!("file://{}?rank={rank}&world_size=2", path.display()),
             init_timeout: Duration::from_secs(20),
             secret: Some(b"callee log test secret".to_vec()),
             functions: functions(),

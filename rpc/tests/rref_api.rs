@@ -1,18 +1,23 @@
 //! Remote references as PyTorch has them: creation timeouts, confirmed arguments, local
 //! references, proxies on references, the call context, the timeout setting and the debug
-//! view. In-process agents over real loopback TCP; faults injected by `FaultyBackend`.
+//! view. In-process agents over the in-memory transport and store, in virtual time (tokio's
+//! paused clock); faults injected by `FaultyBackend` around that transport.
 
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use tensorwire_core::device::Device;
 use tensorwire_core::devices_sim::SimulatedDevices;
 use tensorwire_core::ports::device::relocate;
+use tensorwire_core::ports::store::Store;
 use tensorwire_core::tensor::Tensor;
+use tensorwire_process_group::InMemoryStore;
 use tensorwire_rpc::faults::{Fault, FaultAction, FaultyBackend, MessageKind};
+use tensorwire_rpc::memory::MemoryNetwork;
 use tensorwire_rpc::{
-    init_rpc, register_backend, Agent, CallContext, CallError, Functions, RRef, RemoteErrorKind,
+    start_agent, Agent, CallContext, CallError, Functions, RRef, RemoteErrorKind, Rendezvous,
     RpcError, RpcOptions,
 };
 
@@ -69,6 +74,20 @@ fn functions() -> Functions {
         Ok::<_, String>((ctx.caller().name.clone(), 2 * x))
     })
     .unwrap();
+    // A reference made on a third worker, returned after `ms`.
+    f.register_with_context(
+        "slow_ref",
+        |ctx: CallContext, (ms, n): (u64, usize)| async move {
+            let r: RRef<Vec<i64>> = ctx
+                .agent()
+                .remote("w2", "make_vec", &n, None)
+                .map_err(|e| e.to_string())?;
+            r.to_here(None).await.map_err(|e| e.to_string())?;
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            Ok::<_, String>(r)
+        },
+    )
+    .unwrap();
     // A nested call through the context's agent, with what is left of the caller's deadline.
     f.register_with_context(
         "relay",
@@ -86,40 +105,37 @@ fn functions() -> Functions {
     f
 }
 
-static NEXT: AtomicUsize = AtomicUsize::new(0);
-
-/// A fresh rendezvous file: no port to pick, nothing shared between tests.
-fn rendezvous_file() -> String {
-    let dir = std::env::temp_dir().join(format!(
-        "tw-rref-api-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_file(&dir);
-    format!("file://{}", dir.display())
-}
-
-/// `n` agents in one process; `backend` names a registered backend (`TCP`, or a faulty one).
-async fn group(n: usize, backend: &str) -> Vec<Agent> {
-    group_with(n, backend, |_, _| {}).await
+/// `n` in-memory agents in one process, over `faults` when given.
+async fn group(n: usize, faults: Option<&Arc<FaultyBackend>>) -> Vec<Agent> {
+    group_with(n, faults, |_, _| {}).await
 }
 
 /// [`group`], with `tweak` applied to each rank's options.
-async fn group_with(n: usize, backend: &str, tweak: impl Fn(usize, &mut RpcOptions)) -> Vec<Agent> {
-    let url = rendezvous_file();
+async fn group_with(
+    n: usize,
+    faults: Option<&Arc<FaultyBackend>>,
+    tweak: impl Fn(usize, &mut RpcOptions),
+) -> Vec<Agent> {
+    let net = MemoryNetwork::new();
+    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
     let mut tasks = Vec::new();
     for rank in 0..n {
         let mut options = RpcOptions {
-            init_method: url.clone(),
             init_timeout: Duration::from_secs(20),
-            secret: Some(b"rref api test secret".to_vec()),
             functions: functions(),
-            backend: backend.to_owned(),
+            listen_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
             ..RpcOptions::default()
         };
         tweak(rank, &mut options);
+        let rdv = Rendezvous::from_store(Arc::clone(&store), rank, n);
+        let transport = Arc::new(net.transport());
+        let faults = faults.cloned();
         tasks.push(tokio::spawn(async move {
-            init_rpc(&format!("w{rank}"), rank, Some(n), options).await
+            let name = format!("w{rank}");
+            match faults {
+                Some(f) => f.start(transport, rdv, &name, rank, Some(n), options).await,
+                None => start_agent(transport, rdv, &name, rank, Some(n), options).await,
+            }
         }));
     }
     let mut agents = Vec::new();
@@ -147,19 +163,17 @@ async fn wait_until(what: &str, cond: impl Fn() -> bool) {
             tokio::time::Instant::now() < deadline,
             "{what}: not reached in 10 s"
         );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 
-fn faulty(name: &str, backend: FaultyBackend) -> Arc<FaultyBackend> {
-    let backend = Arc::new(backend);
-    register_backend(name, backend.clone()).unwrap();
-    backend
+fn faulty(_name: &str, backend: FaultyBackend) -> Arc<FaultyBackend> {
+    Arc::new(backend)
 }
 
 /// Issue: a `remote` whose creation outlived its timeout returned the value from `to_here`
 /// anyway, and the owner kept the value forever after every reference was gone.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_creation_that_times_out_fails_every_use_and_leaks_nothing() {
     // w0's first `remote` reaches w1 only after 1.5 s; its timeout is 200 ms.
     let backend = faulty(
@@ -173,7 +187,7 @@ async fn a_creation_that_times_out_fails_every_use_and_leaks_nothing() {
             ),
         ),
     );
-    let agents = group(3, "FAULTY_CREATION").await;
+    let agents = group(3, Some(&backend)).await;
     let (a, owner) = (&agents[0], &agents[1]);
     let timeout = Duration::from_millis(200);
     let r: RRef<Vec<i64>> = a.remote("w1", "make_vec", &3usize, Some(timeout)).unwrap();
@@ -230,9 +244,9 @@ async fn a_creation_that_times_out_fails_every_use_and_leaks_nothing() {
 
 /// Issue: `rref.rpc_sync(method, args, 10 ms)` on a reference still being created waited for
 /// the creation (2 s) instead of its own timeout.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_method_call_on_a_value_being_created_keeps_its_own_timeout() {
-    let agents = group(2, "TCP").await;
+    let agents = group(2, None).await;
     let c: RRef<Counter> = agents[0]
         .remote("w1", "make_counter_after_ms", &(3_000u64, 5i64), None)
         .unwrap();
@@ -266,7 +280,7 @@ async fn a_method_call_on_a_value_being_created_keeps_its_own_timeout() {
 
 /// Issue: inside the callee, `confirmed_by_owner()` was false for an RRef received in the
 /// arguments; PyTorch runs the function only once the owner confirmed it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn functions_run_once_the_references_in_their_arguments_are_confirmed() {
     // The owner (w2) acknowledges fork requests late: without the wait, w1's function would
     // certainly run first.
@@ -281,7 +295,7 @@ async fn functions_run_once_the_references_in_their_arguments_are_confirmed() {
             ),
         ),
     );
-    let agents = group(3, "FAULTY_ACK").await;
+    let agents = group(3, Some(&backend)).await;
     let a = &agents[0];
     let r: RRef<Vec<i64>> = a.remote("w2", "make_vec", &4usize, None).unwrap();
     r.created().await.unwrap();
@@ -303,7 +317,7 @@ async fn functions_run_once_the_references_in_their_arguments_are_confirmed() {
     );
     drop(r);
     shutdown_all(agents).await;
-    let agents = group(3, "FAULTY_ACK_LATE").await;
+    let agents = group(3, Some(&backend2)).await;
     let a = &agents[0];
     let r: RRef<Vec<i64>> = a.remote("w2", "make_vec", &4usize, None).unwrap();
     r.created().await.unwrap();
@@ -322,9 +336,9 @@ async fn functions_run_once_the_references_in_their_arguments_are_confirmed() {
     shutdown_all(agents).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn local_references_proxies_and_the_call_context() {
-    let agents = group(3, "TCP").await;
+    let agents = group(3, None).await;
     let (a, b) = (&agents[0], &agents[1]);
 
     // RRef::new: a value this worker holds, passed to another worker that fetches it.
@@ -376,9 +390,9 @@ async fn local_references_proxies_and_the_call_context() {
     shutdown_all(agents).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn the_default_timeout_can_be_read_and_changed_and_the_debug_view_counts() {
-    let agents = group(2, "TCP").await;
+    let agents = group(2, None).await;
     let a = &agents[0];
     assert_eq!(a.rpc_timeout(), tensorwire_rpc::DEFAULT_RPC_TIMEOUT);
     a.set_rpc_timeout(Duration::from_millis(50));
@@ -422,11 +436,11 @@ async fn the_default_timeout_can_be_read_and_changed_and_the_debug_view_counts()
 /// creation leaves once the tensor is copied off the device, and the creator's own `to_here`,
 /// made at once, never overtakes it. The tensor lands by the device map; the result comes
 /// back by the reverse map.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn remote_takes_device_tensors() {
     let devices = Arc::new(SimulatedDevices::new(2));
     let shared = Arc::clone(&devices);
-    let agents = group_with(2, "TCP", move |rank, o| {
+    let agents = group_with(2, None, move |rank, o| {
         o.device_backend = shared.clone();
         if rank == 0 {
             o.set_device_map("w1", &[("cuda:0", "cuda:1")]).unwrap();
@@ -459,11 +473,11 @@ async fn remote_takes_device_tensors() {
 /// A call that fails before it is sent (here: a GPU tensor with no device map for the callee)
 /// undoes the forks made while encoding its arguments: the reference passed in it does not
 /// stay pinned, and the owner frees the value once the caller drops it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_call_refused_before_sending_leaves_no_fork_behind() {
     let devices = Arc::new(SimulatedDevices::new(2));
     let shared = Arc::clone(&devices);
-    let agents = group_with(3, "TCP", move |_, o| {
+    let agents = group_with(3, None, move |_, o| {
         o.device_backend = shared.clone();
     })
     .await;
@@ -483,5 +497,30 @@ async fn a_call_refused_before_sending_leaves_no_fork_behind() {
     drop(r);
     wait_until("the value is freed", || owner.debug_info().kept_values == 0).await;
     assert!(a.debug_info().protocol.forks.is_empty());
+    shutdown_all(agents).await;
+}
+
+/// A reply that arrives after its call timed out still carries references (forked for the
+/// caller): the caller's endpoint releases them, so the value behind them is freed (it was
+/// pinned for ever when they were dropped with the body).
+#[tokio::test(start_paused = true)]
+async fn references_in_a_late_reply_are_released() {
+    let agents = group(3, None).await;
+    let e = agents[0]
+        .rpc_sync::<_, RRef<Vec<i64>>>(
+            "w1",
+            "slow_ref",
+            &(500u64, 3usize),
+            Some(Duration::from_millis(100)),
+        )
+        .await
+        .unwrap_err();
+    assert!(e.is_timeout(), "{e}");
+    assert_eq!(agents[2].owned_value_count(), 1);
+    let owner = &agents[2];
+    wait_until("the late reply's reference is released", || {
+        owner.owned_value_count() == 0
+    })
+    .await;
     shutdown_all(agents).await;
 }

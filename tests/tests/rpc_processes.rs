@@ -10,60 +10,102 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 struct World {
     children: Vec<Child>,
     lines: mpsc::Receiver<(usize, String)>,
+    /// Lines read while waiting for rank 0 to say where its store listens, not yet taken.
+    seen: std::collections::VecDeque<(usize, String)>,
 }
 
 fn spawn(scenario: &str, n: usize, devices: &str) -> World {
     spawn_with(scenario, n, devices, &[])
 }
 
+/// Starts rank 0 with `MASTER_PORT=0` (its store listens on a port of the system's choosing and
+/// it prints where), then the other ranks with that port: no port is reserved and released first.
 fn spawn_with(scenario: &str, n: usize, devices: &str, extra_env: &[(&str, &str)]) -> World {
-    let port = free_port().to_string();
-    let secret = format!("test-secret-{}-{port}", std::process::id());
+    static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let secret = format!(
+        "test-secret-{}-{}",
+        std::process::id(),
+        STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
     let (tx, lines) = mpsc::channel();
-    let children = (0..n)
-        .map(|rank| {
-            let mut child = Command::new(env!("CARGO_BIN_EXE_tw-rpc-worker"))
-                .arg(scenario)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", n.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("TENSORWIRE_SECRET", &secret)
-                .env("TW_DEVICES", devices)
-                .envs(extra_env.iter().copied())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
-            for stream in [
-                Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-                Box::new(child.stderr.take().unwrap()),
-            ] {
-                let tx = tx.clone();
-                std::thread::spawn(move || {
-                    for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                        let _ = tx.send((rank, line));
-                    }
-                });
+    let start = |rank: usize, port: &str| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tw-rpc-worker"))
+            .arg(scenario)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port)
+            .env("TENSORWIRE_SECRET", &secret)
+            .env("TW_DEVICES", devices)
+            .envs(extra_env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        for stream in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = tx.send((rank, line));
+                }
+            });
+        }
+        child
+    };
+    let mut children = vec![start(0, "0")];
+    let mut seen = std::collections::VecDeque::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let port = loop {
+        let Ok((rank, line)) =
+            lines.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        else {
+            for c in &mut children {
+                let _ = c.kill();
             }
-            child
-        })
-        .collect();
-    World { children, lines }
+            panic!("rank 0 never said where its store listens; output: {seen:?}");
+        };
+        let port = (rank == 0 && line.contains("hosts the store"))
+            .then(|| {
+                line.split_whitespace()
+                    .find_map(|w| w.strip_prefix("addr="))
+                    .and_then(|a| a.rsplit_once(':'))
+                    .map(|(_, p)| p.to_owned())
+            })
+            .flatten();
+        let skipping = line.starts_with("SKIPPED");
+        seen.push_back((rank, line));
+        if let Some(port) = port {
+            break Some(port);
+        }
+        if skipping {
+            // No device for this backend: every rank would skip the same way.
+            break None;
+        }
+    };
+    if let Some(port) = port {
+        children.extend((1..n).map(|rank| start(rank, &port)));
+    }
+    World {
+        children,
+        lines,
+        seen,
+    }
 }
 
 impl World {
+    /// The next output line, within `timeout`.
+    fn recv_timeout(&mut self, timeout: Duration) -> Option<(usize, String)> {
+        self.seen
+            .pop_front()
+            .or_else(|| self.lines.recv_timeout(timeout).ok())
+    }
+
     /// Waits for every process to exit (killing all after `limit`), and returns the exit codes
     /// and every output line.
     fn finish(mut self, limit: Duration) -> (Vec<Option<i32>>, Vec<(usize, String)>) {
@@ -91,7 +133,9 @@ impl World {
             std::thread::sleep(Duration::from_millis(20));
         }
         std::thread::sleep(Duration::from_millis(50));
-        (codes, self.lines.try_iter().collect())
+        let mut lines: Vec<_> = std::mem::take(&mut self.seen).into();
+        lines.extend(self.lines.try_iter());
+        (codes, lines)
     }
 }
 
@@ -257,13 +301,13 @@ fn a_killed_worker_is_named_by_the_others_within_the_timeout(devices) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while ready < n {
         let (rank, line) = world
-            .lines
             .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .unwrap_or_else(|_| panic!("not all ready: {seen:?}"));
+            .unwrap_or_else(|| panic!("not all ready: {seen:?}"));
         if line.starts_with("READY") {
             ready += 1;
         }
         if line.starts_with("SKIPPED") {
+            world.seen.push_front((rank, line));
             let (_, lines) = world.finish(Duration::from_secs(60));
             assert!(skipped("dead-peer", &lines));
             return;

@@ -25,6 +25,8 @@ struct Sim {
     deadlines: Vec<Vec<Option<Instant>>>,
     /// The forks each worker was told the owner confirmed.
     confirmed: Vec<Vec<ForkId>>,
+    /// Each worker's shutdown outcomes.
+    shutdowns: Vec<Vec<Result<(), ShutdownError>>>,
 }
 
 impl Sim {
@@ -43,6 +45,7 @@ impl Sim {
             held: Vec::new(),
             deadlines: (0..n).map(|_| Vec::new()).collect(),
             confirmed: (0..n).map(|_| Vec::new()).collect(),
+            shutdowns: (0..n).map(|_| Vec::new()).collect(),
         }
     }
 
@@ -114,6 +117,7 @@ impl Sim {
                 self.completed.insert((w, id), outcome);
             }
             Event::Confirmed { fork, .. } => self.confirmed[w as usize].push(fork),
+            Event::ShutdownComplete { outcome } => self.shutdowns[w as usize].push(outcome),
             Event::ReleaseValue { rref } => {
                 assert!(
                     self.values[w as usize].remove(&rref).is_some(),
@@ -662,6 +666,7 @@ fn messages_a_peer_had_no_right_to_send_are_violations() {
     let forged = Header::Reply {
         id: call,
         outcome: Ok(()),
+        forks: vec![],
     };
     assert_eq!(
         s.ep(0).handle_message(2, forged, Some(vec![]), now),
@@ -680,6 +685,7 @@ fn messages_a_peer_had_no_right_to_send_are_violations() {
         Header::Reply {
             id: 999,
             outcome: Ok(()),
+            forks: vec![],
         },
         Header::Ack { id: 999 },
     ] {
@@ -694,6 +700,7 @@ fn messages_a_peer_had_no_right_to_send_are_violations() {
     let late = Header::Reply {
         id: call,
         outcome: Ok(()),
+        forks: vec![],
     };
     assert_eq!(s.ep(0).handle_message(1, late, Some(vec![]), now), Ok(()));
 
@@ -912,7 +919,11 @@ fn cluster_simulation() {
         total.timeouts += s.timeouts;
         total.kills += s.kills;
         total.abandoned += s.abandoned;
-        total.lost_in_late_replies += s.lost_in_late_replies;
+        total.late_reply_forks += s.late_reply_forks;
+        total.shutdowns_ok += s.shutdowns_ok;
+        total.shutdowns_failed += s.shutdowns_failed;
+        total.leaves += s.leaves;
+        total.method_calls += s.method_calls;
     }
     // The workload reaches every behaviour it is meant to.
     if std::env::var("TW_SIM_SEED").is_err() {
@@ -924,7 +935,14 @@ fn cluster_simulation() {
             total.released > 0 && total.timeouts > 0 && total.kills > 0,
             "{total:?}"
         );
-        assert!(total.abandoned > 0, "{total:?}");
+        assert!(
+            total.abandoned > 0 && total.late_reply_forks > 0,
+            "{total:?}"
+        );
+        assert!(
+            total.shutdowns_ok > 0 && total.shutdowns_failed > 0 && total.leaves > 0,
+            "{total:?}"
+        );
         eprintln!("cluster simulation: {total:?}");
     }
 }
@@ -947,4 +965,209 @@ fn the_fuzz_driver_reports_violations() {
     let mut input = vec![0u8, header.len() as u8];
     input.extend(&header);
     assert_eq!(crate::protocol_sim::Cluster::fuzz(7, &input), 1);
+}
+
+// ----- graceful shutdown (see `shutdown`) -----
+
+/// Every member shuts down: complete once calls in flight are answered, and not before.
+#[test]
+fn a_graceful_shutdown_waits_for_calls_everywhere_then_completes_on_every_member() {
+    let mut s = Sim::new(3);
+    let now = s.now;
+    let id = s.ep(1).call(2, "echo", b"x".to_vec(), T, now).unwrap();
+    s.pump();
+    let deadline = Some(now + Duration::from_secs(10));
+    for w in 0..3 {
+        s.ep(w).begin_graceful_shutdown(0..3, deadline);
+    }
+    s.pump();
+    // Worker 1's call is not answered yet: it has not said Drained, so nobody settles.
+    assert_eq!(
+        s.ep(1).shutdown_phase(),
+        Some(ShutdownPhase::DrainingOwnCalls)
+    );
+    assert_eq!(
+        s.ep(0).shutdown_phase(),
+        Some(ShutdownPhase::WaitingForDrained)
+    );
+    s.drain();
+    assert_eq!(s.outcome(1, id), Some(&Ok(b"x".to_vec())));
+    for w in 0..3 {
+        assert_eq!(s.shutdowns[w], vec![Ok(())], "worker {w}");
+        assert_eq!(s.ep(w as WorkerId).state(), RunState::ShuttingDown);
+    }
+    // Nothing more comes, also after the deadline.
+    s.advance(Duration::from_secs(20));
+    assert!(s.shutdowns.iter().all(|o| o.len() == 1));
+}
+
+/// A member that never shuts down is named at the deadline, and not before.
+#[test]
+fn a_silent_member_is_named_at_the_deadline() {
+    let mut s = Sim::new(3);
+    let deadline = Some(s.now + Duration::from_secs(5));
+    for w in 0..2 {
+        s.ep(w).begin_graceful_shutdown([0, 1, 2], deadline);
+    }
+    s.drain();
+    s.advance(Duration::from_secs(4));
+    assert!(s.shutdowns[0].is_empty());
+    assert_eq!(s.ep(0).poll_timeout(), deadline);
+    s.advance(Duration::from_secs(1));
+    for w in 0..2 {
+        let e = s.shutdowns[w][0].clone().unwrap_err();
+        assert_eq!(
+            (e.phase, e.missing.clone(), e.lost),
+            (ShutdownPhase::WaitingForDrained, vec![2], false)
+        );
+        assert!(e.to_string().contains("not every member"), "{e}");
+    }
+}
+
+/// A member lost before it said Idle fails the shutdown at once, naming it; one lost after
+/// it said Idle (it completed and closed its connections) does not.
+#[test]
+fn a_lost_member_fails_the_shutdown_at_once_unless_it_was_idle() {
+    let mut s = Sim::new(3);
+    let now = s.now;
+    s.ep(0).begin_graceful_shutdown([0, 1, 2], None);
+    s.ep(1).begin_graceful_shutdown([0, 1, 2], None);
+    s.drain();
+    s.ep(0).handle_peer_lost(2, "killed", now);
+    s.pump();
+    let e = s.shutdowns[0][0].clone().unwrap_err();
+    assert_eq!((e.missing, e.lost), (vec![2], true));
+
+    let mut s = Sim::new(2);
+    s.ep(0).begin_graceful_shutdown([0, 1], None);
+    s.ep(1).begin_graceful_shutdown([0, 1], None);
+    s.drain();
+    assert_eq!(s.shutdowns, vec![vec![Ok(())], vec![Ok(())]]);
+    s.ep(0).handle_peer_lost(1, "closed", now);
+    s.pump();
+    assert_eq!(s.shutdowns[0].len(), 1);
+}
+
+/// At the deadline, a worker whose own calls are unanswered names the peers they went to.
+#[test]
+fn unanswered_calls_at_the_deadline_name_their_callees() {
+    let mut s = Sim::new(3);
+    let now = s.now;
+    s.ep(0)
+        .call(2, "echo", vec![], Duration::ZERO, now)
+        .unwrap();
+    s.pump();
+    s.ep(0)
+        .begin_graceful_shutdown([0, 1, 2], Some(now + Duration::from_secs(1)));
+    s.advance(Duration::from_secs(1));
+    let e = s.shutdowns[0][0].clone().unwrap_err();
+    assert_eq!(
+        (e.phase, e.missing),
+        (ShutdownPhase::DrainingOwnCalls, vec![2])
+    );
+}
+
+/// Shutdown signals out of order are violations that change nothing.
+#[test]
+fn shutdown_signals_out_of_order_are_violations() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    let idle = Header::Shutdown {
+        signal: ShutdownSignal::Idle,
+    };
+    let drained = Header::Shutdown {
+        signal: ShutdownSignal::Drained,
+    };
+    assert!(matches!(
+        s.ep(0).handle_message(1, idle.clone(), None, now),
+        Err(ProtocolViolation::ShutdownOutOfOrder { .. })
+    ));
+    s.ep(0)
+        .handle_message(1, drained.clone(), None, now)
+        .unwrap();
+    assert!(s.ep(0).handle_message(1, drained, None, now).is_err());
+    s.ep(0).handle_message(1, idle.clone(), None, now).unwrap();
+    assert!(s.ep(0).handle_message(1, idle, None, now).is_err());
+    // Signals heard before our own shutdown count once it begins.
+    s.ep(0).begin_graceful_shutdown([0, 1], None);
+    s.pump();
+    assert_eq!(s.shutdowns[0], vec![Ok(())]);
+}
+
+/// Leaving a dynamic group waits for our own calls only.
+#[test]
+fn leaving_waits_for_our_calls_only() {
+    let mut s = Sim::new(3);
+    let now = s.now;
+    let id = s.ep(0).call(1, "echo", vec![7], T, now).unwrap();
+    s.pump();
+    s.ep(0).begin_leave(Some(now + T));
+    s.pump();
+    assert!(s.shutdowns[0].is_empty());
+    s.drain();
+    assert!(s.outcome(0, id).is_some());
+    assert_eq!(s.shutdowns[0], vec![Ok(())]);
+    // Worker 2 was never asked anything.
+    assert!(s.shutdowns[2].is_empty());
+}
+
+/// Once idle (every member drained), new requests are refused.
+#[test]
+fn after_saying_idle_new_requests_are_refused() {
+    let mut s = Sim::new(3);
+    for w in 0..2 {
+        s.ep(w).begin_graceful_shutdown([0, 1, 2], None);
+    }
+    s.drain();
+    assert_eq!(s.ep(0).state(), RunState::Running, "2 has not drained");
+    s.ep(2).begin_graceful_shutdown([0, 1, 2], None);
+    s.drain();
+    assert_eq!(s.ep(0).state(), RunState::ShuttingDown);
+    let now = s.now;
+    s.ep(0)
+        .handle_message(
+            1,
+            Header::Call {
+                id: 1,
+                function: "echo".into(),
+                timeout: T,
+            },
+            Some(vec![]),
+            now,
+        )
+        .unwrap();
+    s.pump();
+    let refused = s.links.get(&(0, 1)).and_then(|q| q.back()).cloned();
+    assert!(
+        matches!(
+            refused,
+            Some(Transmit {
+                header: Header::Reply {
+                    outcome: Err(_),
+                    ..
+                },
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+}
+
+/// A member whose shutdown fails tells the others whom it waited for, and their shutdowns fail
+/// naming the same workers (not the member that gave up and went).
+#[test]
+fn a_failed_shutdown_passes_on_whom_it_waited_for() {
+    let mut s = Sim::new(3);
+    let now = s.now;
+    s.ep(0).begin_graceful_shutdown([0, 1, 2], None);
+    s.drain();
+    s.ep(0).handle_peer_lost(2, "killed", now);
+    s.pump();
+    // Worker 1 begins later, after 0 gave up: it names 2, not 0.
+    s.ep(1).begin_graceful_shutdown([0, 1, 2], None);
+    s.drain();
+    for w in 0..2 {
+        let e = s.shutdowns[w][0].clone().unwrap_err();
+        assert_eq!((e.missing, e.lost), (vec![2], true), "worker {w}");
+    }
 }

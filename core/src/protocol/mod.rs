@@ -16,7 +16,18 @@
 //!   `handle_timeout` next).
 //!
 //! Bodies (`B`: serialized arguments, results and tensors) pass through untouched; the endpoint
-//! only moves them.
+//! only moves them, and sees of them only what [`Payload`] tells: the references inside (so a
+//! late reply's references are released) and a method call's target (so a call on a value
+//! still being created waits for it).
+//!
+//! # Modules
+//! - this module: the types, the wire [`Header`], the endpoint's state, getters, `poll_*`, and
+//!   input (`handle_message`, `handle_timeout`, `handle_peer_lost`, `handle_peer_joined`);
+//! - `calls`: commands that make calls, remotes and fetches, and answers to requests;
+//! - `rrefs`: commands on reference handles (fork, accept, clone, drop, undo);
+//! - [`shutdown`]: the phases of a graceful shutdown and of leaving a dynamic group;
+//! - [`membership`]: joining a static group ([`StaticJoin`]: who dials whom, when the group is
+//!   complete, the closing handshake).
 //!
 //! # Calls
 //! Every outgoing call gets a [`MessageId`] and, unless its timeout is zero, a deadline. A reply
@@ -44,6 +55,14 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+
+mod calls;
+pub mod membership;
+mod rrefs;
+pub mod shutdown;
+
+pub use membership::{JoinError, JoinMessage, JoinPhase, StaticJoin};
+pub use shutdown::{ShutdownError, ShutdownPhase, ShutdownSignal};
 
 /// A worker's id within its group (its rank in a static group).
 pub type WorkerId = u32;
@@ -84,6 +103,35 @@ pub struct RRefForkData {
     /// The worker that passed the reference on.
     pub parent: WorkerId,
 }
+
+/// What the endpoint sees of a body it moves: the references inside it, forked for its
+/// receiver. They travel beside the body, in the reply's header, so that the receiving endpoint
+/// can release them itself when the body never reaches the application (a reply that arrives
+/// after its call ended): otherwise their parents would stay pinned for ever.
+pub trait Payload {
+    /// The forks made for the receiver of this body (none by default).
+    fn forks(&self) -> Vec<RRefForkData> {
+        Vec::new()
+    }
+
+    /// For a method call: the reference whose value the method runs on. A call on a value
+    /// this worker owns and is still creating waits (parked, by the caller's deadline) until
+    /// the value exists.
+    fn target(&self) -> Option<RRefId> {
+        None
+    }
+}
+
+/// A method call waiting for the value it runs on to be created.
+#[derive(Debug)]
+struct ParkedCall<B> {
+    token: RequestToken,
+    function: String,
+    body: B,
+    deadline: Option<Instant>,
+}
+
+impl Payload for Vec<u8> {}
 
 /// A failure reported by the callee.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
@@ -221,6 +269,9 @@ pub enum Header {
         id: MessageId,
         /// `Ok` or the callee's error.
         outcome: Result<(), RemoteError>,
+        /// The references inside the body, forked for the receiver (see [`Payload`]): released
+        /// by the receiving endpoint if the call has ended when the reply arrives.
+        forks: Vec<RRefForkData>,
     },
     /// Control: a child asks the owner to add its fork.
     ForkRequest {
@@ -269,6 +320,19 @@ pub enum Header {
     Ack {
         /// The control message's id.
         id: MessageId,
+    },
+    /// A step of the sender's graceful shutdown (see [`shutdown`]).
+    Shutdown {
+        /// Which step.
+        signal: ShutdownSignal,
+    },
+    /// The sender's graceful shutdown failed, waiting for `missing`: the receiver's fails too,
+    /// naming the same workers (the cause, rather than the sender, which is about to go).
+    ShutdownFailed {
+        /// Who the sender waited for.
+        missing: Vec<WorkerId>,
+        /// Whether they were lost (else: the deadline passed).
+        lost: bool,
     },
 }
 
@@ -360,6 +424,14 @@ pub enum Event<B> {
     ReleaseValue {
         /// The reference.
         rref: RRefId,
+    },
+    /// The graceful shutdown (or leave) begun with
+    /// [`begin_graceful_shutdown`](Endpoint::begin_graceful_shutdown) or
+    /// [`begin_leave`](Endpoint::begin_leave) is complete, or failed naming who it waited
+    /// for. The driver stops the endpoint either way.
+    ShutdownComplete {
+        /// `Ok` once every member is idle (or, leaving, our calls are answered).
+        outcome: Result<(), ShutdownError>,
     },
 }
 
@@ -469,6 +541,14 @@ pub enum ProtocolViolation {
         what: &'static str,
         /// Where the message went.
         sent_to: WorkerId,
+    },
+    /// A shutdown signal out of order: `Idle` before `Drained`, or one said twice.
+    #[error("it said {signal:?} in its shutdown after {after:?}")]
+    ShutdownOutOfOrder {
+        /// The signal.
+        signal: ShutdownSignal,
+        /// The signal it said before (`None`: none).
+        after: Option<ShutdownSignal>,
     },
     /// A delete or child-accept for a fork that another worker holds.
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
@@ -589,6 +669,12 @@ pub struct Endpoint<B> {
     created_upto: HashMap<WorkerId, u64>,
     /// Peers lost for good (until [`handle_peer_joined`](Endpoint::handle_peer_joined)).
     lost: HashSet<WorkerId>,
+    /// Method calls waiting for the value they run on, by reference.
+    parked_calls: HashMap<RRefId, Vec<ParkedCall<B>>>,
+    /// Our graceful shutdown, and what peers said of theirs.
+    shutdown: shutdown::ShutdownState,
+    /// The latest time an input brought (for work that commands without a time cause).
+    last_now: Option<Instant>,
     events: VecDeque<Event<B>>,
 }
 
@@ -613,7 +699,7 @@ struct Deferred {
     deadline: Option<Instant>,
 }
 
-impl<B> Endpoint<B> {
+impl<B: Payload> Endpoint<B> {
     /// A new endpoint for worker `me`.
     pub fn new(me: WorkerId, config: EndpointConfig) -> Self {
         Self {
@@ -635,6 +721,9 @@ impl<B> Endpoint<B> {
             failed: VecDeque::new(),
             created_upto: HashMap::new(),
             lost: HashSet::new(),
+            parked_calls: HashMap::new(),
+            shutdown: shutdown::ShutdownState::default(),
+            last_now: None,
             events: VecDeque::new(),
         }
     }
@@ -756,31 +845,19 @@ impl<B> Endpoint<B> {
             .values()
             .flat_map(|o| o.fetches.iter().filter_map(|(_, _, d)| *d))
             .min();
-        [call, control, parked].into_iter().flatten().min()
+        let parked_call = self
+            .parked_calls
+            .values()
+            .flatten()
+            .filter_map(|c| c.deadline)
+            .min();
+        [call, control, parked, parked_call, self.shutdown_deadline()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     // ----- commands -----
-
-    /// A reference to a value this worker already holds (PyTorch's `RRef(value)`): the
-    /// application keeps the value under the returned handle's `rref`, which starts with one
-    /// local handle.
-    pub fn local_rref(&mut self) -> Result<RRefHandle, CallError> {
-        self.ensure_running()?;
-        let rref = self.fresh_global();
-        self.owned.insert(
-            rref,
-            Owned {
-                local_handles: 1,
-                state: Some(Ok(())),
-                ..Owned::default()
-            },
-        );
-        Ok(RRefHandle {
-            rref,
-            fork: rref,
-            owner: self.me,
-        })
-    }
 
     fn fresh_id(&mut self) -> MessageId {
         self.next_id += 1;
@@ -817,326 +894,6 @@ impl<B> Endpoint<B> {
         );
     }
 
-    /// Calls `function` on worker `to` (which may be this worker). `timeout` zero means no
-    /// deadline. The result arrives as [`Event::Completed`] with the returned id.
-    pub fn call(
-        &mut self,
-        to: WorkerId,
-        function: &str,
-        body: B,
-        timeout: Duration,
-        now: Instant,
-    ) -> Result<MessageId, CallError> {
-        self.ensure_running()?;
-        let id = self.fresh_id();
-        self.track(id, to, timeout, now, None);
-        if to == self.me {
-            let token = RequestToken {
-                from: self.me,
-                id,
-                kind: RequestKind::Call,
-            };
-            self.incoming.insert(token);
-            self.events.push_back(Event::Call {
-                token,
-                function: function.to_owned(),
-                body,
-                deadline: deadline_after(now, timeout),
-            });
-        } else {
-            self.send_out(Transmit {
-                to,
-                header: Header::Call {
-                    id,
-                    function: function.to_owned(),
-                    timeout,
-                },
-                body: Some(body),
-            });
-        }
-        Ok(id)
-    }
-
-    /// Creates a value on worker `owner` by running `function` there, and returns a handle on
-    /// the new reference at once. [`Event::Completed`] with the returned message id reports
-    /// whether creating the value succeeded (its body is empty on success).
-    pub fn remote(
-        &mut self,
-        owner: WorkerId,
-        function: &str,
-        body: B,
-        timeout: Duration,
-        now: Instant,
-    ) -> Result<(RRefHandle, MessageId), CallError> {
-        let (handle, id) = self.remote_deferred(owner, function, timeout, now)?;
-        self.supply_body(id, body);
-        Ok((handle, id))
-    }
-
-    /// Asks the owner for the value behind `handle` (`to_here`); on the owner itself the
-    /// application is asked through [`Event::Fetch`] once the value exists.
-    pub fn fetch(
-        &mut self,
-        handle: RRefHandle,
-        timeout: Duration,
-        now: Instant,
-    ) -> Result<MessageId, CallError> {
-        self.ensure_running()?;
-        self.check_usable(handle)?;
-        let id = self.fresh_id();
-        self.track(id, handle.owner, timeout, now, None);
-        if handle.owner == self.me {
-            self.owner_fetch(self.me, id, handle.rref, deadline_after(now, timeout));
-        } else {
-            self.send_out(Transmit {
-                to: handle.owner,
-                header: Header::Fetch {
-                    id,
-                    rref: handle.rref,
-                    timeout,
-                },
-                body: None,
-            });
-        }
-        Ok(id)
-    }
-
-    /// Answers an incoming request; returns whether the answer was expected. For a `Remote`
-    /// request, `Ok` means the value is now kept under its reference (the body is not sent).
-    /// A token answered twice, after [`stop`](Self::stop), or from a caller lost meanwhile is
-    /// ignored (`false`): the application must then not keep the value it made.
-    pub fn respond(&mut self, token: RequestToken, outcome: Result<B, RemoteError>) -> bool {
-        if !self.incoming.remove(&token) {
-            return false;
-        }
-        let rref = match token.kind {
-            RequestKind::Remote(rref) => rref,
-            RequestKind::Fetch(rref) => {
-                // A fetch being served pins the value: the last reference may have gone since.
-                self.reply(token.from, token.id, outcome);
-                self.maybe_release(rref);
-                return true;
-            }
-            RequestKind::Call => {
-                self.reply(token.from, token.id, outcome);
-                return true;
-            }
-        };
-        let kept = outcome.as_ref().map(|_| ()).map_err(Clone::clone);
-        if let Err(e) = &kept {
-            self.remember_failure(rref, e);
-        }
-        let waiting = match self.owned.get_mut(&rref) {
-            Some(o) => {
-                if kept.is_err() && token.from != self.me {
-                    // The creator learns that no value exists and sends no delete for its
-                    // fork (the reference's own id): forget it, or the record stays forever.
-                    o.forks.remove(&rref);
-                }
-                o.state = Some(kept.clone());
-                std::mem::take(&mut o.fetches)
-            }
-            None => Vec::new(),
-        };
-        self.reply(token.from, token.id, outcome);
-        for (from, id, deadline) in waiting {
-            self.owner_fetch(from, id, rref, deadline);
-        }
-        self.maybe_release(rref);
-        true
-    }
-
-    /// Undoes [`fork_for`](Self::fork_for) for fork data made for worker `to` that will never
-    /// reach it (the message carrying it was abandoned before it was sent): a handle taken
-    /// for ourselves is dropped, the parent stops waiting for the child, and an owner forgets
-    /// the fork it registered.
-    pub fn cancel_fork(&mut self, data: RRefForkData, to: WorkerId, now: Instant) {
-        if data.parent != self.me {
-            return;
-        }
-        let handle = RRefHandle {
-            rref: data.rref,
-            fork: data.fork,
-            owner: data.owner,
-        };
-        if to == self.me {
-            self.drop_handle(handle, now);
-            return;
-        }
-        // Otherwise only a fresh fork for a third worker registered anything: as the owner,
-        // the fork in the reference's record; as a user, a pending child.
-        if data.owner == self.me {
-            let registered = data.fork != data.rref
-                && self
-                    .owned
-                    .get_mut(&data.rref)
-                    .is_some_and(|o| o.forks.remove(&data.fork).is_some());
-            if registered {
-                self.maybe_release(data.rref);
-            }
-        } else if let Some((parent, _)) = self.children.remove(&data.fork) {
-            if let Some(u) = self.used.get_mut(&parent) {
-                u.pending_children.remove(&data.fork);
-            }
-            self.maybe_delete_user(parent, now);
-        }
-    }
-
-    /// Makes the data that passes `handle` to worker `to` inside call arguments: a new fork
-    /// when `to` is a third worker. Our fork stays alive until the owner confirms the child.
-    pub fn fork_for(
-        &mut self,
-        handle: RRefHandle,
-        to: WorkerId,
-    ) -> Result<RRefForkData, CallError> {
-        self.check_usable(handle)?;
-        let me = self.me;
-        if to == me {
-            // Passed to ourselves: the receiver's handle is taken now, so the reference stays
-            // alive while the message is on its way (a handler not run yet, a body still being
-            // copied); `accept_fork` takes no other.
-            if handle.owner == me {
-                if let Some(o) = self.owned.get_mut(&handle.rref) {
-                    o.local_handles += 1;
-                }
-            } else if let Some(u) = self.used.get_mut(&handle.fork) {
-                u.handles += 1;
-            }
-            return Ok(RRefForkData {
-                rref: handle.rref,
-                fork: handle.fork,
-                owner: handle.owner,
-                parent: me,
-            });
-        }
-        if to == handle.owner {
-            // The owner takes a local handle on arrival; our fork outlives the message, since
-            // our delete of it would travel behind it.
-            return Ok(RRefForkData {
-                rref: handle.rref,
-                fork: handle.fork,
-                owner: handle.owner,
-                parent: me,
-            });
-        }
-        let fork = self.fresh_global();
-        if handle.owner == me {
-            // The owner registers the fork at once: the receiver starts confirmed.
-            if let Some(o) = self.owned.get_mut(&handle.rref) {
-                o.forks.insert(fork, to);
-            }
-        } else if let Some(u) = self.used.get_mut(&handle.fork) {
-            u.pending_children.insert(fork);
-            self.children.insert(fork, (handle.fork, to));
-        }
-        Ok(RRefForkData {
-            rref: handle.rref,
-            fork,
-            owner: handle.owner,
-            parent: me,
-        })
-    }
-
-    /// Takes a reference received in call arguments and returns our handle on it. A new fork
-    /// from a third worker starts the confirmation with the owner.
-    pub fn accept_fork(&mut self, data: RRefForkData, now: Instant) -> RRefHandle {
-        let handle = RRefHandle {
-            rref: data.rref,
-            fork: if data.owner == self.me {
-                data.rref
-            } else {
-                data.fork
-            },
-            owner: data.owner,
-        };
-        if data.parent == self.me {
-            // Passed to ourselves: `fork_for` took this handle already.
-            return handle;
-        }
-        if data.owner == self.me {
-            let me = self.me;
-            let o = self.owned.entry(data.rref).or_insert_with(|| Owned {
-                // The sender's fork (or a fork request before it) would have made the record:
-                // without one, the value was never created here (its creation was abandoned).
-                state: Some(Err(RemoteError {
-                    worker: me,
-                    kind: RemoteErrorKind::RRef,
-                    message: format!("no value was ever created for {} here", data.rref),
-                })),
-                ..Owned::default()
-            });
-            o.local_handles += 1;
-            return handle;
-        }
-        if let Some(u) = self.used.get_mut(&data.fork) {
-            // Already held here: one more handle on the fork.
-            u.handles += 1;
-            return handle;
-        }
-        let from_owner = data.parent == data.owner;
-        self.used.insert(
-            data.fork,
-            Used {
-                rref: data.rref,
-                owner: data.owner,
-                parent: (!from_owner).then_some(data.parent),
-                confirmed: from_owner,
-                handles: 1,
-                pending_children: HashSet::new(),
-                void: false,
-                creation_error: None,
-            },
-        );
-        if from_owner {
-            self.events.push_back(Event::Confirmed {
-                rref: data.rref,
-                fork: data.fork,
-            });
-        } else {
-            let (rref, fork) = (data.rref, data.fork);
-            self.send_control(
-                data.owner,
-                |id, floor| Header::ForkRequest {
-                    id,
-                    floor,
-                    rref,
-                    fork,
-                },
-                now,
-            );
-        }
-        handle
-    }
-
-    /// Adds a local handle (cloning an `RRef` value in the application).
-    pub fn clone_handle(&mut self, handle: RRefHandle) -> Result<(), CallError> {
-        self.check_handle(handle)?;
-        if handle.owner == self.me {
-            if let Some(o) = self.owned.get_mut(&handle.rref) {
-                o.local_handles += 1;
-            }
-        } else if let Some(u) = self.used.get_mut(&handle.fork) {
-            u.handles += 1;
-        }
-        Ok(())
-    }
-
-    /// Drops one local handle. A user's last handle tells the owner (once its fork is confirmed
-    /// and no child of it is pending); the owner's last reference releases the value.
-    pub fn drop_handle(&mut self, handle: RRefHandle, now: Instant) {
-        if handle.owner == self.me {
-            if let Some(o) = self.owned.get_mut(&handle.rref) {
-                o.local_handles = o.local_handles.saturating_sub(1);
-            }
-            self.maybe_release(handle.rref);
-            return;
-        }
-        if let Some(u) = self.used.get_mut(&handle.fork) {
-            u.handles = u.handles.saturating_sub(1);
-        }
-        self.maybe_delete_user(handle.fork, now);
-    }
-
     /// Stops taking new calls; incoming requests are refused with a "shutting down" error.
     /// Pending calls and control messages go on; see [`is_idle`](Self::is_idle).
     pub fn begin_shutdown(&mut self) {
@@ -1155,81 +912,9 @@ impl<B> Endpoint<B> {
         }
         self.unacked.clear();
         self.incoming.clear();
+        self.parked_calls.clear();
         self.held.clear();
         self.deferred.clear();
-    }
-
-    /// Like [`call`](Self::call), for a call whose body is not ready yet (its tensors are
-    /// being copied off a device): the call gets its id and deadline now, and its place in
-    /// the order of messages to `to`. Messages made later for `to` wait behind it until
-    /// [`supply_body`](Self::supply_body) or [`abandon`](Self::abandon).
-    pub fn call_deferred(
-        &mut self,
-        to: WorkerId,
-        function: &str,
-        timeout: Duration,
-        now: Instant,
-    ) -> Result<MessageId, CallError> {
-        self.ensure_running()?;
-        let id = self.fresh_id();
-        self.track(id, to, timeout, now, None);
-        let header = Header::Call {
-            id,
-            function: function.to_owned(),
-            timeout,
-        };
-        self.defer(id, to, header, deadline_after(now, timeout));
-        Ok(id)
-    }
-
-    /// Like [`remote`](Self::remote), for a body that is not ready yet; see
-    /// [`call_deferred`](Self::call_deferred). The handle is usable at once: a fetch or a fork
-    /// made meanwhile reaches the owner after the creation does, so it never finds the
-    /// reference unknown.
-    pub fn remote_deferred(
-        &mut self,
-        owner: WorkerId,
-        function: &str,
-        timeout: Duration,
-        now: Instant,
-    ) -> Result<(RRefHandle, MessageId), CallError> {
-        self.ensure_running()?;
-        let rref = self.fresh_global();
-        let handle = RRefHandle {
-            rref,
-            fork: rref,
-            owner,
-        };
-        let id = self.fresh_id();
-        if owner == self.me {
-            // Fetches park on the record until the value exists.
-            self.owned.entry(rref).or_default().local_handles += 1;
-            self.track(id, owner, timeout, now, None);
-        } else {
-            self.used.insert(
-                rref,
-                Used {
-                    rref,
-                    owner,
-                    parent: None,
-                    confirmed: false,
-                    handles: 1,
-                    pending_children: HashSet::new(),
-                    void: false,
-                    creation_error: None,
-                },
-            );
-            self.track(id, owner, timeout, now, Some(rref));
-        }
-        let header = Header::Remote {
-            id,
-            function: function.to_owned(),
-            rref,
-            fork: rref,
-            timeout,
-        };
-        self.defer(id, owner, header, deadline_after(now, timeout));
-        Ok((handle, id))
     }
 
     fn defer(&mut self, id: MessageId, to: WorkerId, header: Header, deadline: Option<Instant>) {
@@ -1247,132 +932,6 @@ impl<B> Endpoint<B> {
                 deadline,
             },
         );
-    }
-
-    /// The body of a deferred call or remote is ready: it goes out (with what waited behind
-    /// it), or runs here if it was for this worker. Unknown ids are ignored (stopped since).
-    pub fn supply_body(&mut self, id: MessageId, body: B) {
-        let Some(d) = self.deferred.remove(&id) else {
-            return;
-        };
-        if d.to == self.me {
-            let (token, event) = match d.header {
-                Header::Call { function, .. } => {
-                    let token = RequestToken {
-                        from: self.me,
-                        id,
-                        kind: RequestKind::Call,
-                    };
-                    let event = Event::Call {
-                        token,
-                        function,
-                        body,
-                        deadline: d.deadline,
-                    };
-                    (token, event)
-                }
-                Header::Remote { function, rref, .. } => {
-                    let token = RequestToken {
-                        from: self.me,
-                        id,
-                        kind: RequestKind::Remote(rref),
-                    };
-                    let event = Event::Remote {
-                        token,
-                        function,
-                        body,
-                        rref,
-                        deadline: d.deadline,
-                    };
-                    (token, event)
-                }
-                _ => return,
-            };
-            self.incoming.insert(token);
-            self.events.push_back(event);
-            return;
-        }
-        let ready = Transmit {
-            to: d.to,
-            header: d.header,
-            body: Some(body),
-        };
-        if let Some(queue) = self.held.get_mut(&d.to) {
-            if let Some(slot) = queue
-                .iter_mut()
-                .find(|s| matches!(s, Slot::Waiting(w) if *w == id))
-            {
-                *slot = Slot::Ready(ready);
-            }
-        }
-        self.flush_held(d.to);
-    }
-
-    /// The body of a deferred call or remote cannot be made (a device copy failed): the
-    /// call fails with [`CallError::Local`], nothing is sent, and what waited behind it goes.
-    /// A deferred `remote` leaves a reference whose uses fail with the same error.
-    pub fn abandon(&mut self, id: MessageId, reason: &str, now: Instant) {
-        let Some(d) = self.deferred.remove(&id) else {
-            return;
-        };
-        let err = CallError::Local(reason.to_owned());
-        if let Header::Remote { rref, .. } = d.header {
-            if d.to == self.me {
-                let waiting = match self.owned.get_mut(&rref) {
-                    Some(o) => {
-                        o.state = Some(Err(RemoteError {
-                            worker: self.me,
-                            kind: RemoteErrorKind::Failed,
-                            message: reason.to_owned(),
-                        }));
-                        std::mem::take(&mut o.fetches)
-                    }
-                    None => Vec::new(),
-                };
-                for (from, fetch, deadline) in waiting {
-                    self.owner_fetch(from, fetch, rref, deadline);
-                }
-            } else if let Some(u) = self.used.get_mut(&rref) {
-                // The owner never heard of it: nothing to delete there.
-                u.confirmed = true;
-                u.void = true;
-                u.creation_error = Some(err.clone());
-            }
-        }
-        if let Some(queue) = self.held.get_mut(&d.to) {
-            match (
-                &d.header,
-                queue
-                    .iter()
-                    .position(|s| matches!(s, Slot::Waiting(w) if *w == id)),
-            ) {
-                // Messages behind it may refer to the reference (a fetch, a fork passed to the
-                // owner): the owner learns that it will never exist, in the creation's place.
-                (Header::Remote { rref, .. }, Some(at)) => {
-                    queue[at] = Slot::Ready(Transmit {
-                        to: d.to,
-                        header: Header::Abandoned {
-                            rref: *rref,
-                            reason: reason.to_owned(),
-                        },
-                        body: None,
-                    });
-                }
-                (_, Some(at)) => {
-                    queue.remove(at);
-                }
-                (_, None) => {}
-            }
-        }
-        self.flush_held(d.to);
-        self.fail(id, err);
-        if let Header::Remote { rref, .. } = d.header {
-            if d.to == self.me {
-                self.maybe_release(rref);
-            } else {
-                self.maybe_delete_user(rref, now);
-            }
-        }
     }
 
     /// Sends a message now, or queues it behind messages to the same peer still waiting for
@@ -1413,6 +972,7 @@ impl<B> Endpoint<B> {
         body: Option<B>,
         now: Instant,
     ) -> Result<(), ProtocolViolation> {
+        self.last_now = Some(now);
         self.check_message(from, &header)?;
         match header {
             Header::Call {
@@ -1429,12 +989,7 @@ impl<B> Endpoint<B> {
                     kind: RequestKind::Call,
                 };
                 self.incoming.insert(token);
-                self.events.push_back(Event::Call {
-                    token,
-                    function,
-                    body,
-                    deadline: deadline_after(now, timeout),
-                });
+                self.deliver_call(token, function, body, deadline_after(now, timeout));
             }
             Header::Remote {
                 id,
@@ -1470,7 +1025,13 @@ impl<B> Endpoint<B> {
                     self.refuse(from, id);
                 }
             }
-            Header::Reply { id, outcome } => {
+            Header::Reply { id, outcome, forks } => {
+                if outcome.is_ok() && !self.pending.contains_key(&id) {
+                    // A late reply: its body never reaches the application, so the references
+                    // inside are accepted and dropped here, releasing their parents.
+                    self.release_forks(forks, now);
+                    return Ok(());
+                }
                 let outcome = match outcome {
                     Ok(()) => body.ok_or_else(|| {
                         CallError::Remote(RemoteError {
@@ -1548,10 +1109,16 @@ impl<B> Endpoint<B> {
                 for (caller, id, deadline) in waiting {
                     self.owner_fetch(caller, id, rref, deadline);
                 }
+                self.settle_parked_calls(rref);
                 self.maybe_release(rref);
             }
             Header::Ack { id } => self.on_ack(id, now),
+            Header::Shutdown { signal } => self.on_shutdown_signal(from, signal),
+            Header::ShutdownFailed { missing, lost } => {
+                self.on_shutdown_failed(from, missing, lost);
+            }
         }
+        self.advance_shutdown();
         Ok(())
     }
 
@@ -1605,6 +1172,7 @@ impl<B> Endpoint<B> {
                     holder: rref.created_on,
                 })
             }
+            Header::Shutdown { signal } => self.check_shutdown_signal(from, signal),
             Header::ChildAccept { fork, .. } => match self.children.get(&fork) {
                 Some(&(_, to)) if to != from => Err(ProtocolViolation::ForeignFork {
                     rref: fork,
@@ -1620,6 +1188,7 @@ impl<B> Endpoint<B> {
     /// Handles the passing of time: expired calls fail, unacknowledged control messages are
     /// sent again.
     pub fn handle_timeout(&mut self, now: Instant) {
+        self.last_now = Some(now);
         while let Some(&(deadline, id)) = self.deadlines.first() {
             if deadline > now {
                 break;
@@ -1651,6 +1220,7 @@ impl<B> Endpoint<B> {
             self.fail(id, err);
         }
         self.expire_parked_fetches(now);
+        self.expire_parked_calls(now);
         let retry = self.config.control_retry;
         let mut resend = Vec::new();
         for u in self.unacked.values_mut() {
@@ -1666,12 +1236,15 @@ impl<B> Endpoint<B> {
         for t in resend {
             self.send_out(t);
         }
+        self.advance_shutdown();
+        self.expire_shutdown(now);
     }
 
     /// The connection to `peer` is gone for good: its calls fail naming it, control messages
     /// to it are dropped, requests from it are forgotten, and its forks no longer keep our
     /// values alive.
     pub fn handle_peer_lost(&mut self, peer: WorkerId, reason: &str, now: Instant) {
+        self.last_now = Some(now);
         self.lost.insert(peer);
         let ids: Vec<MessageId> = self
             .pending
@@ -1690,6 +1263,10 @@ impl<B> Endpoint<B> {
         }
         self.unacked.retain(|_, u| u.to != peer);
         self.incoming.retain(|t| t.from != peer);
+        for parked in self.parked_calls.values_mut() {
+            parked.retain(|c| c.token.from != peer);
+        }
+        self.parked_calls.retain(|_, v| !v.is_empty());
         // Nothing more goes to it: held messages are dropped, bodies not ready are not awaited
         // (their calls failed above).
         self.held.remove(&peer);
@@ -1744,13 +1321,16 @@ impl<B> Endpoint<B> {
             for (from, id, deadline) in waiting {
                 self.owner_fetch(from, id, rref, deadline);
             }
+            self.settle_parked_calls(rref);
             self.maybe_release(rref);
         }
+        self.advance_shutdown();
     }
 
     /// Worker `peer` (re)joined the group (dynamic groups): it is no longer counted as lost.
     pub fn handle_peer_joined(&mut self, peer: WorkerId) {
         self.lost.remove(&peer);
+        self.forget_shutdown_of(peer);
         self.created_upto.remove(&peer);
     }
 
@@ -1816,6 +1396,16 @@ impl<B> Endpoint<B> {
 
     fn reply(&mut self, to: WorkerId, id: MessageId, outcome: Result<B, RemoteError>) {
         if to == self.me {
+            if let (Ok(body), false) = (&outcome, self.pending.contains_key(&id)) {
+                // Our own call ended before its answer: release what the answer carries.
+                // (A call ends by a timer or a lost peer, both handled with the time, so the
+                // endpoint has been told one.)
+                if let Some(now) = self.last_now {
+                    let forks = body.forks();
+                    self.release_forks(forks, now);
+                }
+                return;
+            }
             let outcome = outcome.map_err(CallError::Remote);
             self.finish(id, outcome);
             return;
@@ -1826,6 +1416,7 @@ impl<B> Endpoint<B> {
                 header: Header::Reply {
                     id,
                     outcome: Ok(()),
+                    forks: body.forks(),
                 },
                 body: Some(body),
             },
@@ -1834,11 +1425,21 @@ impl<B> Endpoint<B> {
                 header: Header::Reply {
                     id,
                     outcome: Err(e),
+                    forks: Vec::new(),
                 },
                 body: None,
             },
         };
         self.send_out(t);
+    }
+
+    /// Accepts and drops at once forks that arrived for us in a body nobody will see, so that
+    /// their parents and owners let go of them by the usual messages.
+    fn release_forks(&mut self, forks: Vec<RRefForkData>, now: Instant) {
+        for f in forks {
+            let handle = self.accept_fork(f, now);
+            self.drop_handle(handle, now);
+        }
     }
 
     fn on_reply(&mut self, id: MessageId, outcome: Result<B, CallError>, now: Instant) {
@@ -1954,6 +1555,101 @@ impl<B> Endpoint<B> {
             .map(|(_, e)| e.clone())
     }
 
+    /// Hands a call to the application, unless it is a method call on a value this worker is
+    /// still creating: then it waits (parked) until the value exists, its creation fails, or
+    /// the caller's deadline passes. (The request is counted as incoming all along.)
+    fn deliver_call(
+        &mut self,
+        token: RequestToken,
+        function: String,
+        body: B,
+        deadline: Option<Instant>,
+    ) {
+        if let Some(rref) = body.target() {
+            if !self.owned.contains_key(&rref) {
+                // No record: its creation failed, or it was created and released, or its
+                // creator is gone: say so. Else its creation has not arrived yet (the caller
+                // got the reference from a third worker): wait for it, as a fork request does.
+                if let Some(err) = self
+                    .failure_of(rref)
+                    .or_else(|| self.released(rref))
+                    .or_else(|| self.creator_lost(rref))
+                {
+                    self.incoming.remove(&token);
+                    self.reply(token.from, token.id, Err(err));
+                    return;
+                }
+                self.owned.insert(rref, Owned::default());
+            }
+            match self.owned.get(&rref).map(|o| &o.state) {
+                Some(None) => {
+                    self.parked_calls.entry(rref).or_default().push(ParkedCall {
+                        token,
+                        function,
+                        body,
+                        deadline,
+                    });
+                    return;
+                }
+                Some(Some(Err(e))) => {
+                    let err = RemoteError {
+                        worker: self.me,
+                        kind: RemoteErrorKind::RRef,
+                        message: format!(
+                            "creating the value of {rref} on worker {} failed: {}",
+                            self.me, e.message
+                        ),
+                    };
+                    self.incoming.remove(&token);
+                    self.reply(token.from, token.id, Err(err));
+                    self.maybe_release(rref);
+                    return;
+                }
+                _ => {}
+            }
+        }
+        self.events.push_back(Event::Call {
+            token,
+            function,
+            body,
+            deadline,
+        });
+    }
+
+    /// The creation of `rref` ended: the calls parked on it run, or fail with it.
+    fn settle_parked_calls(&mut self, rref: RRefId) {
+        for c in self.parked_calls.remove(&rref).unwrap_or_default() {
+            self.deliver_call(c.token, c.function, c.body, c.deadline);
+        }
+    }
+
+    /// Method calls parked on values still being created fail at their caller's deadline.
+    fn expire_parked_calls(&mut self, now: Instant) {
+        let mut expired = Vec::new();
+        for (rref, parked) in &mut self.parked_calls {
+            parked.retain(|c| {
+                let keep = c.deadline.is_none_or(|d| d > now);
+                if !keep {
+                    expired.push((*rref, c.token));
+                }
+                keep
+            });
+        }
+        self.parked_calls.retain(|_, v| !v.is_empty());
+        for (rref, token) in expired {
+            self.incoming.remove(&token);
+            let err = RemoteError {
+                worker: self.me,
+                kind: RemoteErrorKind::RRef,
+                message: format!(
+                    "the value of {rref} was still being created at the caller's deadline"
+                ),
+            };
+            self.reply(token.from, token.id, Err(err));
+            self.maybe_release(rref);
+        }
+    }
+
     /// Fetches parked on values still being created fail at their caller's deadline.
     fn expire_parked_fetches(&mut self, now: Instant) {
         let mut expired = Vec::new();
@@ -1983,7 +1679,10 @@ impl<B> Endpoint<B> {
         let Some(o) = self.owned.get(&rref) else {
             return;
         };
-        let busy = !o.forks.is_empty() || o.local_handles > 0 || !o.fetches.is_empty();
+        let busy = !o.forks.is_empty()
+            || o.local_handles > 0
+            || !o.fetches.is_empty()
+            || self.parked_calls.contains_key(&rref);
         let serving = self
             .incoming
             .iter()
@@ -2119,5 +1818,4 @@ fn deadline_after(now: Instant, timeout: Duration) -> Option<Instant> {
 }
 
 #[cfg(test)]
-#[path = "protocol_tests.rs"]
 mod tests;
