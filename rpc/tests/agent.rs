@@ -122,7 +122,12 @@ async fn ok_group(n: usize) -> Vec<Agent> {
 async fn shutdown_all(agents: Vec<Agent>) {
     let tasks: Vec<_> = agents
         .into_iter()
-        .map(|a| tokio::spawn(async move { a.shutdown(true, Duration::from_secs(20)).await }))
+        .map(|a| {
+            tokio::spawn(async move {
+                a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(20)))
+                    .await
+            })
+        })
         .collect();
     for t in tasks {
         t.await.unwrap().unwrap();
@@ -671,7 +676,9 @@ async fn dynamic_groups_let_workers_join_and_leave() {
     drop(r);
 
     // w2 leaves; the others forget it; it can join again.
-    a2.shutdown(true, Duration::from_secs(10)).await.unwrap();
+    a2.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
+        .await
+        .unwrap();
     wait_until(|| names(&a0) == ["w0", "w1"] && names(&a1) == ["w0", "w1"]).await;
     let e = a0
         .rpc_sync::<_, i64>("w2", "add", &(1i64, 1i64), None)
@@ -690,7 +697,9 @@ async fn dynamic_groups_let_workers_join_and_leave() {
     assert!(e.to_string().contains("is already a member"), "{e}");
 
     for a in [again, a1, a0] {
-        a.shutdown(true, Duration::from_secs(10)).await.unwrap();
+        a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
+            .await
+            .unwrap();
     }
 }
 

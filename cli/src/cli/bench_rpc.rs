@@ -99,7 +99,9 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
         let secret = secret.context("the callee needs TENSORWIRE_BENCH_SECRET")?;
         return runtime(args.threads)?.block_on(async move {
             let agent = init_rpc("callee", 1, Some(2), options(port, 1, secret.as_bytes())).await?;
-            agent.shutdown(true, Duration::from_secs(600)).await?;
+            agent
+                .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(600)))
+                .await?;
             Ok(())
         });
     }
@@ -252,6 +254,8 @@ async fn measure(args: &RpcArgs, port: u16, secret: &[u8], raw: &mut Raw) -> Res
     );
     bar.inc(1);
     bar.finish_and_clear();
-    agent.shutdown(true, Duration::from_secs(60)).await?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(60)))
+        .await?;
     Ok((out, raw_ping, median(raw_rates)))
 }
