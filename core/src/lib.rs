@@ -17,10 +17,12 @@
 //! - [`auth`]: challenge-response authentication on a cluster secret (HMAC-SHA256).
 //! - [`protocol`]: the RPC protocol state machine: calls, timeouts, remote references.
 //! - [`collective`]: sans-IO schedules for barrier, broadcast, all_gather and all_reduce.
+//! - [`autograd`]: distributed autograd (PyTorch's FAST mode) as a state machine, and its simulation.
 //! - [`ports`]: the traits adapters implement (transport, store, device backend, process group).
 //! - [`devices_sim`]: the simulated device backend (host memory posing as CUDA devices).
 
 pub mod auth;
+pub mod autograd;
 pub mod collective;
 pub mod device;
 pub mod devices_sim;

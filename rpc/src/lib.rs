@@ -32,8 +32,10 @@
 //! the group runs; rank 0 hosts the store and stays).
 
 mod agent;
+pub mod autograd;
 mod backend;
 mod codec;
+mod dist_optim;
 mod dynamic;
 mod error;
 pub mod faults;
@@ -45,6 +47,7 @@ mod tensors;
 pub mod typed;
 
 pub use agent::{init_rpc, start_agent, Agent, AgentDebugInfo, RpcFuture, WorkerInfo, WorkerRef};
+pub use autograd::{AutogradCall, AutogradContext, DistAutograd, DistAutogradError};
 #[cfg(feature = "tcp")]
 pub use backend::TcpBackend;
 pub use backend::{
@@ -53,11 +56,13 @@ pub use backend::{
 };
 #[cfg(feature = "quic")]
 pub use backend::{QuicBackend, QUIC_BACKEND};
+pub use dist_optim::{DistributedOptimizer, Parameter};
 pub use error::RpcError;
 pub use functions::{CallContext, Functions};
 pub use metrics::{PeerMetrics, RpcMetrics};
 pub use options::{RpcOptions, Shutdown, DEFAULT_RPC_TIMEOUT, IMMEDIATE_CLOSE_TIMEOUT};
 pub use rref::RRef;
+pub use tensorwire_core::autograd::optim::Optimizer;
 pub use tensorwire_core::protocol::{
     CallError, DebugInfo, ForkInfo, OwnedInfo, RemoteError, RemoteErrorKind,
 };

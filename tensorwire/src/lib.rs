@@ -8,6 +8,9 @@ pub use tensorwire_core as core;
 
 pub mod guide;
 
+/// Distributed autograd's local engine on candle (feature `autograd-candle`).
+#[cfg(feature = "autograd-candle")]
+pub use tensorwire_autograd_candle as autograd_candle;
 /// The CUDA device backend (feature `cuda`).
 #[cfg(feature = "cuda")]
 pub use tensorwire_devices_cuda as devices_cuda;

@@ -102,7 +102,7 @@ fn ci() -> Result<()> {
     // The last element narrows the tests run: the whole multi-process suite of
     // `tensorwire-tests` already ran above; with `nccl` only the GPU check's own tests run.
     for (package, features, only) in [
-        ("tensorwire", "cuda,quic,shm", None),
+        ("tensorwire", "cuda,quic,shm,autograd-candle", None),
         ("tensorwire-rpc", "quic,cuda", None),
         ("tensorwire-devices-cuda", "nccl", None),
         ("tensorwire-process-group", "nccl", None),

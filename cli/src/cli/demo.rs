@@ -33,9 +33,127 @@ pub(crate) struct Args {
     /// Run as one worker of the demo (set by the demo itself).
     #[arg(long, hide = true)]
     worker: bool,
+    /// Another demo.
+    #[command(subcommand)]
+    kind: Option<Kind>,
+}
+
+/// The other demos.
+#[derive(Debug, clap::Subcommand)]
+pub(crate) enum Kind {
+    /// Distributed autograd: a model split across 3 processes (parameter server, trainer, a
+    /// worker in a chain), trained with the distributed optimizer and compared with the same
+    /// model in one process (needs the feature `autograd-candle`).
+    Autograd(AutogradArgs),
+}
+
+/// Arguments of `tensorwire demo autograd`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct AutogradArgs {
+    /// Training steps.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    steps: u32,
+    /// Print one JSON object on standard output (workers' logs go to standard error).
+    #[arg(long)]
+    json: bool,
+    /// Run as one worker of the demo (set by the demo itself).
+    #[arg(long, hide = true)]
+    worker: bool,
+}
+
+#[cfg(feature = "autograd-candle")]
+fn run_autograd(args: AutogradArgs) -> ExitCode {
+    use tensorwire_cli::autograd_demo;
+    if args.worker {
+        let rt = match tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                eprintln!("demo worker: cannot start a runtime: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        return match rt.block_on(autograd_demo::worker(args.steps as usize)) {
+            Ok(Some(report)) => match serde_json::to_string(&report) {
+                Ok(json) => {
+                    println!("REPORT {json}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("demo worker: {e}");
+                    ExitCode::FAILURE
+                }
+            },
+            Ok(None) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("demo worker failed: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let exe = match std::env::current_exe() {
+        Ok(p) => p.to_string_lossy().into_owned(),
+        Err(e) => {
+            eprintln!("tensorwire demo autograd: cannot find this program's path: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let worker_args: Vec<String> = vec![
+        "demo".into(),
+        "autograd".into(),
+        "--worker".into(),
+        "--steps".into(),
+        args.steps.to_string(),
+    ];
+    match autograd_demo::run_local(&exe, &worker_args) {
+        Ok(r) if args.json => match serde_json::to_string(&r) {
+            Ok(json) => {
+                println!("{json}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("tensorwire demo autograd: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Ok(r) => {
+            println!(
+                "distributed autograd: {} workers (ps, trainer, worker), {} steps",
+                r.workers, r.steps
+            );
+            println!("loss {:.5} -> {:.5}", r.loss_first, r.loss_last);
+            println!(
+                "first-step gradients vs one process: max abs diff {:.3e}; losses: max abs diff {:.3e}",
+                r.max_abs_grad_diff_vs_local, r.max_abs_loss_diff_vs_local
+            );
+            println!(
+                "backward: distributed {:.0} us, one process {:.0} us (ratio {:.1})",
+                r.dist_backward_us, r.local_backward_us, r.dist_backward_over_local_backward
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tensorwire demo autograd: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(not(feature = "autograd-candle"))]
+fn run_autograd(_: AutogradArgs) -> ExitCode {
+    eprintln!(
+        "tensorwire demo autograd: this build has no autograd engine; build with \
+         `--features autograd-candle`"
+    );
+    ExitCode::from(2)
 }
 
 pub(crate) fn run(args: Args) -> ExitCode {
+    if let Some(Kind::Autograd(a)) = args.kind {
+        return run_autograd(a);
+    }
     if args.worker {
         return match worker(&args) {
             Ok(()) => ExitCode::SUCCESS,

@@ -8,8 +8,11 @@
 //!   [`Frame`](crate::wire::Frame)s.
 //! - [`store`]: [`Store`](store::Store): the c10d-style key-value store.
 //! - [`device`]: [`DeviceBackend`](device::DeviceBackend): copies between host and devices.
+//! - [`autograd`]: [`AutogradEngine`](autograd::AutogradEngine): the local autodiff engine of
+//!   distributed autograd.
 //! - [`process_group`]: [`ProcessGroup`](process_group::ProcessGroup): collectives among ranks.
 
+pub mod autograd;
 pub mod device;
 pub mod handshake;
 pub mod process_group;

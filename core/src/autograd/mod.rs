@@ -1,0 +1,855 @@
+//! Distributed autograd as a pure state machine: PyTorch's FAST mode.
+//!
+//! A forward pass that crosses workers leaves, on every worker it touched, an *autograd
+//! context*: a [`ContextId`] (the creating worker's id in the high bits, a counter in the low
+//! bits) with
+//!
+//! - a **send record** for every message that carried tracked tensors *out* of this worker
+//!   (keyed by the [`AutogradMessageId`] the message carried, and naming its receiver),
+//! - a **recv record** for every such message that came *in* (naming its sender),
+//! - the set of **known workers**: every worker this one sent to or received from in the
+//!   context.
+//!
+//! The backward pass follows PyTorch's FAST mode:
+//!
+//! - every send function has exactly one dependency, the gradient its receiver sends back: it
+//!   runs as soon as that gradient arrives ([`DistAutograd::handle_gradient`]);
+//! - a worker prepares its part of the context (its local dependencies) when the first
+//!   gradient for that context arrives, or when it starts the backward itself
+//!   ([`Output::Prepare`]);
+//! - when the local engine reaches a recv function, its gradient goes back to the sender with
+//!   (context, message id) ([`Output::SendGradient`]); the sender runs the matching send
+//!   function.
+//!
+//! **Completion** is PyTorch's: a gradient request is answered once the local work it started
+//! is done *and* every gradient request that work sent on has been answered, so
+//! [`Output::BackwardDone`] on the root worker means every worker the backward reached has
+//! finished, cycles (A→B→C→A) included.
+//!
+//! **Release** ([`DistAutograd::release`]) drops the context here and tells every known worker,
+//! which drops it and tells *its* known workers (the fan-out stops at workers that no longer
+//! have it). A **lost peer** ([`DistAutograd::handle_peer_lost`]) fails every backward that
+//! involves it, naming it, and drops (with the same fan-out) every context that knew it: no
+//! survivor keeps a context for a dead worker (PyTorch leaks them, pytorch#26379). A failed
+//! backward releases its context everywhere.
+//!
+//! Input is checked against state: a gradient for an unknown context, from a worker outside
+//! the context, for a message id this worker never sent to that worker, or a recv record with
+//! a forged message id is a [`ProtocolViolation`]; the state is left unchanged.
+//!
+//! The state machine never touches a tensor: the driver keeps them under the ids given here
+//! and runs its engine (see [`crate::ports::autograd`]) when told to ([`Output::RunLocal`]).
+//! [`sim`] runs whole clusters of these state machines with a model engine and checks the
+//! gradients, completion and release under seeded random schedules and worker deaths.
+
+pub mod optim;
+pub mod sim;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::protocol::WorkerId;
+
+/// Bits of a [`ContextId`] or [`AutogradMessageId`] below the worker id.
+const COUNTER_BITS: u32 = 32;
+const COUNTER_MASK: u64 = (1 << COUNTER_BITS) - 1;
+
+/// A distributed autograd context: the creating worker's id in the high 32 bits, that worker's
+/// counter in the low 32 bits (PyTorch: 16 and 48; our worker ids are 32-bit).
+///
+/// ```
+/// use tensorwire_core::autograd::ContextId;
+/// let id = ContextId::new(7, 3);
+/// assert_eq!((id.worker(), id.counter()), (7, 3));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ContextId(pub u64);
+
+impl ContextId {
+    /// The id of the `counter`th context made by `worker`.
+    pub fn new(worker: WorkerId, counter: u64) -> Self {
+        Self((u64::from(worker) << COUNTER_BITS) | (counter & COUNTER_MASK))
+    }
+
+    /// The worker that made the context.
+    pub fn worker(self) -> WorkerId {
+        (self.0 >> COUNTER_BITS) as WorkerId
+    }
+
+    /// The creator's counter.
+    pub fn counter(self) -> u64 {
+        self.0 & COUNTER_MASK
+    }
+}
+
+impl fmt::Display for ContextId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "context {}:{}", self.worker(), self.counter())
+    }
+}
+
+/// The id of a message that carried tracked tensors: the sending worker's id in the high 32
+/// bits, its counter in the low 32 bits. The sender keeps a send record and the receiver a recv
+/// record under it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct AutogradMessageId(pub u64);
+
+impl AutogradMessageId {
+    /// The id of the `counter`th message sent by `worker`.
+    pub fn new(worker: WorkerId, counter: u64) -> Self {
+        Self((u64::from(worker) << COUNTER_BITS) | (counter & COUNTER_MASK))
+    }
+
+    /// The worker that sent the message.
+    pub fn worker(self) -> WorkerId {
+        (self.0 >> COUNTER_BITS) as WorkerId
+    }
+}
+
+impl fmt::Display for AutogradMessageId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "message {}:{}", self.worker(), self.0 & COUNTER_MASK)
+    }
+}
+
+/// A piece of local backward work: the root's backward, or one send function run for a
+/// gradient that arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TaskId(pub u64);
+
+/// A gradient request this worker sent (the driver matches its answer to it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GradientId(pub u64);
+
+/// The driver's handle for an incoming gradient request, given back in [`Output::Reply`].
+pub type RequestToken = u64;
+
+/// Where a local run starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Entry {
+    /// The roots given to [`DistAutograd::backward`], with their seed gradients.
+    Roots,
+    /// The send function of this message, with the gradient its receiver sent back.
+    Send(AutogradMessageId),
+}
+
+/// Why a backward failed. It travels back along the chain of gradient requests, so the root
+/// learns which worker was at fault.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackwardError {
+    /// A worker the backward needed was lost.
+    #[error("worker {worker} was lost during the backward pass of {context}")]
+    PeerLost {
+        /// The lost worker.
+        worker: WorkerId,
+        /// The context.
+        context: ContextId,
+    },
+    /// A gradient request to a worker failed (timeout, refused, transport error).
+    #[error("the gradient request to worker {worker} in {context} failed: {reason}")]
+    Request {
+        /// The worker that did not answer.
+        worker: WorkerId,
+        /// The context.
+        context: ContextId,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A worker's local engine failed.
+    #[error("the autograd engine of worker {worker} failed in {context}: {reason}")]
+    Engine {
+        /// The worker whose engine failed.
+        worker: WorkerId,
+        /// The context.
+        context: ContextId,
+        /// What the engine said.
+        reason: String,
+    },
+    /// The context was released while the backward ran.
+    #[error("{context} was released on worker {worker} during the backward pass")]
+    Released {
+        /// The worker that released it.
+        worker: WorkerId,
+        /// The context.
+        context: ContextId,
+    },
+}
+
+impl BackwardError {
+    /// The worker the error names.
+    pub fn worker(&self) -> WorkerId {
+        match self {
+            BackwardError::PeerLost { worker, .. }
+            | BackwardError::Request { worker, .. }
+            | BackwardError::Engine { worker, .. }
+            | BackwardError::Released { worker, .. } => *worker,
+        }
+    }
+}
+
+/// A local call that the state does not allow.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AutogradError {
+    /// No such context on this worker (never made, or released).
+    #[error("{0} does not exist on this worker (never made here, or released)")]
+    UnknownContext(ContextId),
+    /// A backward is already running in this context from this worker.
+    #[error("a backward pass is already running in {0} from this worker")]
+    BackwardRunning(ContextId),
+    /// The graph was freed by an earlier backward without `retain_graph`.
+    #[error("the graph of {0} was freed by an earlier backward pass; pass retain_graph = true to run backward twice")]
+    GraphFreed(ContextId),
+    /// The counter of contexts or messages is spent.
+    #[error("worker {0} has used up its 2^32 autograd ids")]
+    IdsExhausted(WorkerId),
+}
+
+/// A message that a peer had no right to send. The state is unchanged; the driver reports it
+/// (and may drop the peer).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProtocolViolation {
+    /// A gradient for a context this worker does not have.
+    #[error("worker {from} sent a gradient for {context}, which this worker does not have")]
+    UnknownContext {
+        /// The sender.
+        from: WorkerId,
+        /// The context.
+        context: ContextId,
+    },
+    /// A message in a context the sender is not part of here.
+    #[error("worker {from} is not part of {context} on this worker")]
+    NotInContext {
+        /// The sender.
+        from: WorkerId,
+        /// The context.
+        context: ContextId,
+    },
+    /// A gradient for a message this worker never sent to that worker.
+    #[error("worker {from} sent a gradient for {message} in {context}, which this worker never sent to it")]
+    UnknownMessage {
+        /// The sender.
+        from: WorkerId,
+        /// The context.
+        context: ContextId,
+        /// The message id it named.
+        message: AutogradMessageId,
+    },
+    /// A message whose autograd id does not carry its sender's worker id, or repeats one.
+    #[error("worker {from} sent {message} in {context}: not an id of its own, or a repeated one")]
+    BadMessageId {
+        /// The sender.
+        from: WorkerId,
+        /// The context.
+        context: ContextId,
+        /// The message id.
+        message: AutogradMessageId,
+    },
+}
+
+/// What the driver must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Output {
+    /// First backward work for this context here: compute the local dependencies of its graph.
+    Prepare {
+        /// The context.
+        context: ContextId,
+    },
+    /// Run the local engine from `entry` and report with [`DistAutograd::local_done`] (the
+    /// recv functions it reached) or [`DistAutograd::local_failed`]. Gradients of leaves go
+    /// into the context's gradients.
+    RunLocal {
+        /// The task to report on.
+        task: TaskId,
+        /// The context.
+        context: ContextId,
+        /// Where the run starts.
+        entry: Entry,
+    },
+    /// Send the gradient of the recv function of `message` to `to` (its sender) and report the
+    /// answer with [`DistAutograd::handle_gradient_reply`].
+    SendGradient {
+        /// The request.
+        gradient: GradientId,
+        /// The local run that produced the gradient.
+        task: TaskId,
+        /// The worker that sent `message` in the forward pass.
+        to: WorkerId,
+        /// The context.
+        context: ContextId,
+        /// The message whose recv function produced the gradient.
+        message: AutogradMessageId,
+    },
+    /// Answer the gradient request `request` from `to`.
+    Reply {
+        /// The requester.
+        to: WorkerId,
+        /// The driver's token for the request.
+        request: RequestToken,
+        /// Whether its work, and all work it started, succeeded.
+        result: Result<(), BackwardError>,
+    },
+    /// The backward started here finished (every worker it reached is done) or failed.
+    BackwardDone {
+        /// The context.
+        context: ContextId,
+        /// The outcome.
+        result: Result<(), BackwardError>,
+    },
+    /// Tell `to` that the context is released.
+    Release {
+        /// The worker to tell.
+        to: WorkerId,
+        /// The context.
+        context: ContextId,
+        /// Why, when a failure released it (the receiver fails its work with this error, so
+        /// the root learns which worker was lost); `None` for a plain release.
+        cause: Option<BackwardError>,
+    },
+    /// The context is gone here: free its tensors and gradients.
+    Dropped {
+        /// The context.
+        context: ContextId,
+    },
+}
+
+#[derive(Debug)]
+struct Context {
+    /// Message id -> the worker it was sent to.
+    sends: BTreeMap<AutogradMessageId, WorkerId>,
+    /// Message id -> the worker that sent it.
+    recvs: BTreeMap<AutogradMessageId, WorkerId>,
+    known: BTreeSet<WorkerId>,
+    tasks: BTreeSet<TaskId>,
+    prepared: bool,
+    root_running: bool,
+    graph_freed: bool,
+}
+
+impl Context {
+    fn new() -> Self {
+        Self {
+            sends: BTreeMap::new(),
+            recvs: BTreeMap::new(),
+            known: BTreeSet::new(),
+            tasks: BTreeSet::new(),
+            prepared: false,
+            root_running: false,
+            graph_freed: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Origin {
+    Root {
+        retain_graph: bool,
+    },
+    Gradient {
+        from: WorkerId,
+        request: RequestToken,
+    },
+}
+
+#[derive(Debug)]
+struct Task {
+    context: ContextId,
+    origin: Origin,
+    local_done: bool,
+    outstanding: BTreeSet<GradientId>,
+}
+
+#[derive(Debug)]
+struct Outgoing {
+    task: TaskId,
+}
+
+/// One worker's distributed autograd state: its contexts, its running backward work and the
+/// gradient requests it waits for.
+///
+/// Commands: [`new_context`](Self::new_context), [`record_send`](Self::record_send),
+/// [`backward`](Self::backward), [`release`](Self::release). Input: `handle_*`,
+/// [`local_done`](Self::local_done) and [`local_failed`](Self::local_failed). Output:
+/// [`poll`](Self::poll).
+#[derive(Debug)]
+pub struct DistAutograd {
+    me: WorkerId,
+    next_context: u64,
+    next_message: u64,
+    next_task: u64,
+    next_gradient: u64,
+    contexts: BTreeMap<ContextId, Context>,
+    tasks: BTreeMap<TaskId, Task>,
+    outgoing: BTreeMap<GradientId, Outgoing>,
+    out: VecDeque<Output>,
+}
+
+impl DistAutograd {
+    /// The state of worker `me`.
+    pub fn new(me: WorkerId) -> Self {
+        Self {
+            me,
+            next_context: 0,
+            next_message: 0,
+            next_task: 0,
+            next_gradient: 0,
+            contexts: BTreeMap::new(),
+            tasks: BTreeMap::new(),
+            outgoing: BTreeMap::new(),
+            out: VecDeque::new(),
+        }
+    }
+
+    // --- getters ---
+
+    /// This worker's id.
+    pub fn worker(&self) -> WorkerId {
+        self.me
+    }
+
+    /// How many contexts this worker holds.
+    pub fn context_count(&self) -> usize {
+        self.contexts.len()
+    }
+
+    /// Whether this worker holds `context`.
+    pub fn has_context(&self, context: ContextId) -> bool {
+        self.contexts.contains_key(&context)
+    }
+
+    /// The contexts this worker holds.
+    pub fn contexts(&self) -> impl Iterator<Item = ContextId> + '_ {
+        self.contexts.keys().copied()
+    }
+
+    /// The workers this worker exchanged tracked tensors with in `context`.
+    pub fn known_workers(&self, context: ContextId) -> Option<Vec<WorkerId>> {
+        self.contexts
+            .get(&context)
+            .map(|c| c.known.iter().copied().collect())
+    }
+
+    /// The send records of `context`: message id and receiver.
+    pub fn send_records(&self, context: ContextId) -> Vec<(AutogradMessageId, WorkerId)> {
+        self.contexts
+            .get(&context)
+            .map(|c| c.sends.iter().map(|(m, w)| (*m, *w)).collect())
+            .unwrap_or_default()
+    }
+
+    /// The recv records of `context`: message id and sender.
+    pub fn recv_records(&self, context: ContextId) -> Vec<(AutogradMessageId, WorkerId)> {
+        self.contexts
+            .get(&context)
+            .map(|c| c.recvs.iter().map(|(m, w)| (*m, *w)).collect())
+            .unwrap_or_default()
+    }
+
+    /// How many pieces of backward work are running (local runs or waiting for answers).
+    pub fn running_tasks(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// Whether backward work of `context` is running here.
+    pub fn is_busy(&self, context: ContextId) -> bool {
+        self.contexts
+            .get(&context)
+            .is_some_and(|c| !c.tasks.is_empty())
+    }
+
+    /// Whether nothing is running and no answer is awaited.
+    pub fn is_idle(&self) -> bool {
+        self.tasks.is_empty() && self.outgoing.is_empty() && self.out.is_empty()
+    }
+
+    // --- commands ---
+
+    /// A new context made by this worker.
+    pub fn new_context(&mut self) -> Result<ContextId, AutogradError> {
+        if self.next_context > COUNTER_MASK {
+            return Err(AutogradError::IdsExhausted(self.me));
+        }
+        let id = ContextId::new(self.me, self.next_context);
+        self.next_context += 1;
+        self.contexts.insert(id, Context::new());
+        Ok(id)
+    }
+
+    /// Records that a message carrying tracked tensors leaves for `to` in `context`; the message
+    /// carries the returned id. The driver keeps the tensors sent under it (the send function).
+    pub fn record_send(
+        &mut self,
+        context: ContextId,
+        to: WorkerId,
+    ) -> Result<AutogradMessageId, AutogradError> {
+        if self.next_message > COUNTER_MASK {
+            return Err(AutogradError::IdsExhausted(self.me));
+        }
+        let ctx = self
+            .contexts
+            .get_mut(&context)
+            .ok_or(AutogradError::UnknownContext(context))?;
+        let id = AutogradMessageId::new(self.me, self.next_message);
+        self.next_message += 1;
+        ctx.sends.insert(id, to);
+        ctx.known.insert(to);
+        Ok(id)
+    }
+
+    /// Starts a backward pass in `context` from roots held here. The driver gets
+    /// [`Output::Prepare`] (first time) and [`Output::RunLocal`] with [`Entry::Roots`], and in
+    /// the end [`Output::BackwardDone`].
+    pub fn backward(
+        &mut self,
+        context: ContextId,
+        retain_graph: bool,
+    ) -> Result<TaskId, AutogradError> {
+        let ctx = self
+            .contexts
+            .get_mut(&context)
+            .ok_or(AutogradError::UnknownContext(context))?;
+        if ctx.root_running {
+            return Err(AutogradError::BackwardRunning(context));
+        }
+        if ctx.graph_freed {
+            return Err(AutogradError::GraphFreed(context));
+        }
+        ctx.root_running = true;
+        Ok(self.start_task(context, Origin::Root { retain_graph }, Entry::Roots))
+    }
+
+    /// Releases `context`: drops it here (failing any backward work in it) and tells every
+    /// known worker. Releasing a context this worker does not hold is an error.
+    pub fn release(&mut self, context: ContextId) -> Result<(), AutogradError> {
+        if !self.contexts.contains_key(&context) {
+            return Err(AutogradError::UnknownContext(context));
+        }
+        let error = BackwardError::Released {
+            worker: self.me,
+            context,
+        };
+        self.drop_context(context, None, &error, false);
+        Ok(())
+    }
+
+    // --- input ---
+
+    /// A message from `from` in `context` carried tracked tensors under `message`: keep a recv
+    /// record (the driver attaches a recv function to them). The context is created here if
+    /// this is its first message.
+    pub fn handle_recv(
+        &mut self,
+        from: WorkerId,
+        context: ContextId,
+        message: AutogradMessageId,
+    ) -> Result<(), ProtocolViolation> {
+        let bad = ProtocolViolation::BadMessageId {
+            from,
+            context,
+            message,
+        };
+        if message.worker() != from {
+            return Err(bad);
+        }
+        if self
+            .contexts
+            .get(&context)
+            .is_some_and(|c| c.recvs.contains_key(&message))
+        {
+            return Err(bad);
+        }
+        let ctx = self.contexts.entry(context).or_insert_with(Context::new);
+        ctx.recvs.insert(message, from);
+        ctx.known.insert(from);
+        Ok(())
+    }
+
+    /// `from` sent the gradient for the send function of `message` (request `request`): run it.
+    /// The driver gets [`Output::RunLocal`] and, once the work and everything it started are
+    /// done, [`Output::Reply`] for `request`.
+    pub fn handle_gradient(
+        &mut self,
+        from: WorkerId,
+        context: ContextId,
+        message: AutogradMessageId,
+        request: RequestToken,
+    ) -> Result<TaskId, ProtocolViolation> {
+        let ctx = self
+            .contexts
+            .get(&context)
+            .ok_or(ProtocolViolation::UnknownContext { from, context })?;
+        if !ctx.known.contains(&from) {
+            return Err(ProtocolViolation::NotInContext { from, context });
+        }
+        if ctx.sends.get(&message) != Some(&from) {
+            return Err(ProtocolViolation::UnknownMessage {
+                from,
+                context,
+                message,
+            });
+        }
+        Ok(self.start_task(
+            context,
+            Origin::Gradient { from, request },
+            Entry::Send(message),
+        ))
+    }
+
+    /// The answer to gradient request `gradient`: the receiver's work (and all it started)
+    /// succeeded or failed. Answers to requests of work already failed or dropped are ignored.
+    pub fn handle_gradient_reply(
+        &mut self,
+        gradient: GradientId,
+        result: Result<(), BackwardError>,
+    ) {
+        let Some(Outgoing { task }) = self.outgoing.remove(&gradient) else {
+            return;
+        };
+        match result {
+            Ok(()) => {
+                if let Some(t) = self.tasks.get_mut(&task) {
+                    t.outstanding.remove(&gradient);
+                }
+                self.maybe_complete(task);
+            }
+            Err(e) => self.fail_task(task, e),
+        }
+    }
+
+    /// `from` says `context` is released: drop it here and tell the other known workers. A
+    /// release for a context this worker no longer holds is normal (fan-outs cross) and
+    /// ignored; one from a worker outside the context is a violation.
+    pub fn handle_release(
+        &mut self,
+        from: WorkerId,
+        context: ContextId,
+        cause: Option<BackwardError>,
+    ) -> Result<(), ProtocolViolation> {
+        let Some(ctx) = self.contexts.get(&context) else {
+            return Ok(());
+        };
+        if !ctx.known.contains(&from) {
+            return Err(ProtocolViolation::NotInContext { from, context });
+        }
+        let failure = cause.is_some();
+        let error = cause.unwrap_or(BackwardError::Released {
+            worker: from,
+            context,
+        });
+        self.drop_context(context, Some(from), &error, failure);
+        Ok(())
+    }
+
+    /// `peer` is gone: every context that knew it fails its backward work (naming `peer`) and
+    /// is dropped here, with a release to the other known workers.
+    pub fn handle_peer_lost(&mut self, peer: WorkerId) {
+        let hit: Vec<ContextId> = self
+            .contexts
+            .iter()
+            .filter(|(_, c)| c.known.contains(&peer))
+            .map(|(id, _)| *id)
+            .collect();
+        for context in hit {
+            let error = BackwardError::PeerLost {
+                worker: peer,
+                context,
+            };
+            self.drop_context(context, Some(peer), &error, true);
+        }
+    }
+
+    /// The local run of `task` finished; it reached the recv functions of `reached` (their
+    /// gradients go to their senders). A task no longer running (its context was dropped) is
+    /// ignored. A message id that is not a recv record of the context fails the task.
+    pub fn local_done(&mut self, task: TaskId, reached: &[AutogradMessageId]) {
+        let Some(t) = self.tasks.get(&task) else {
+            return;
+        };
+        let context = t.context;
+        let Some(ctx) = self.contexts.get(&context) else {
+            return;
+        };
+        let mut targets = Vec::with_capacity(reached.len());
+        for m in reached {
+            match ctx.recvs.get(m) {
+                Some(from) => targets.push((*m, *from)),
+                None => {
+                    let e = BackwardError::Engine {
+                        worker: self.me,
+                        context,
+                        reason: format!("the engine reached {m}, which has no recv record"),
+                    };
+                    self.fail_task(task, e);
+                    return;
+                }
+            }
+        }
+        for (message, to) in targets {
+            let gradient = GradientId(self.next_gradient);
+            self.next_gradient += 1;
+            self.outgoing.insert(gradient, Outgoing { task });
+            if let Some(t) = self.tasks.get_mut(&task) {
+                t.outstanding.insert(gradient);
+            }
+            self.out.push_back(Output::SendGradient {
+                gradient,
+                task,
+                to,
+                context,
+                message,
+            });
+        }
+        if let Some(t) = self.tasks.get_mut(&task) {
+            t.local_done = true;
+        }
+        self.maybe_complete(task);
+    }
+
+    /// The local run of `task` failed.
+    pub fn local_failed(&mut self, task: TaskId, reason: impl Into<String>) {
+        let Some(t) = self.tasks.get(&task) else {
+            return;
+        };
+        let e = BackwardError::Engine {
+            worker: self.me,
+            context: t.context,
+            reason: reason.into(),
+        };
+        self.fail_task(task, e);
+    }
+
+    // --- output ---
+
+    /// The next thing the driver must do.
+    pub fn poll(&mut self) -> Option<Output> {
+        self.out.pop_front()
+    }
+
+    // --- internals ---
+
+    fn start_task(&mut self, context: ContextId, origin: Origin, entry: Entry) -> TaskId {
+        let task = TaskId(self.next_task);
+        self.next_task += 1;
+        let ctx = self
+            .contexts
+            .get_mut(&context)
+            .expect("callers check the context");
+        if !ctx.prepared {
+            ctx.prepared = true;
+            self.out.push_back(Output::Prepare { context });
+        }
+        ctx.tasks.insert(task);
+        self.tasks.insert(
+            task,
+            Task {
+                context,
+                origin,
+                local_done: false,
+                outstanding: BTreeSet::new(),
+            },
+        );
+        self.out.push_back(Output::RunLocal {
+            task,
+            context,
+            entry,
+        });
+        task
+    }
+
+    fn maybe_complete(&mut self, task: TaskId) {
+        let done = self
+            .tasks
+            .get(&task)
+            .is_some_and(|t| t.local_done && t.outstanding.is_empty());
+        if !done {
+            return;
+        }
+        let t = self.tasks.remove(&task).expect("checked above");
+        let ctx = self.contexts.get_mut(&t.context);
+        if let Some(ctx) = ctx {
+            ctx.tasks.remove(&task);
+            if let Origin::Root { retain_graph } = t.origin {
+                ctx.root_running = false;
+                ctx.graph_freed |= !retain_graph;
+            }
+        }
+        self.finish(t, Ok(()));
+    }
+
+    fn finish(&mut self, t: Task, result: Result<(), BackwardError>) {
+        match t.origin {
+            Origin::Root { .. } => self.out.push_back(Output::BackwardDone {
+                context: t.context,
+                result,
+            }),
+            Origin::Gradient { from, request } => self.out.push_back(Output::Reply {
+                to: from,
+                request,
+                result,
+            }),
+        }
+    }
+
+    /// Fails `task`. A failed root backward releases its context everywhere; a failed
+    /// gradient request is answered with the error (its requester fails in turn).
+    fn fail_task(&mut self, task: TaskId, error: BackwardError) {
+        let Some(t) = self.tasks.remove(&task) else {
+            return;
+        };
+        self.outgoing.retain(|_, o| o.task != task);
+        let context = t.context;
+        let is_root = matches!(t.origin, Origin::Root { .. });
+        if let Some(ctx) = self.contexts.get_mut(&context) {
+            ctx.tasks.remove(&task);
+            if is_root {
+                ctx.root_running = false;
+            }
+        }
+        if is_root && self.contexts.contains_key(&context) {
+            self.drop_context(context, None, &error, true);
+        }
+        self.finish(t, Err(error));
+    }
+
+    /// Drops `context`: its running work fails with `error`, every known worker but `except`
+    /// is told (with `error` as the cause when `failure`), and the driver frees it.
+    fn drop_context(
+        &mut self,
+        context: ContextId,
+        except: Option<WorkerId>,
+        error: &BackwardError,
+        failure: bool,
+    ) {
+        let Some(ctx) = self.contexts.remove(&context) else {
+            return;
+        };
+        for task in &ctx.tasks {
+            if let Some(t) = self.tasks.remove(task) {
+                self.outgoing.retain(|_, o| o.task != *task);
+                // A requester that is the lost (or releasing) worker gets no answer.
+                if let Origin::Gradient { from, .. } = t.origin {
+                    if Some(from) == except {
+                        continue;
+                    }
+                }
+                self.finish(t, Err(error.clone()));
+            }
+        }
+        for to in ctx.known {
+            if Some(to) != except && to != self.me {
+                self.out.push_back(Output::Release {
+                    to,
+                    context,
+                    cause: failure.then(|| error.clone()),
+                });
+            }
+        }
+        self.out.push_back(Output::Dropped { context });
+    }
+}

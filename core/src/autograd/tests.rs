@@ -1,0 +1,344 @@
+use super::sim::{self, SimConfig};
+use super::*;
+
+fn drain(s: &mut DistAutograd) -> Vec<Output> {
+    std::iter::from_fn(|| s.poll()).collect()
+}
+
+fn task_of(outputs: &[Output]) -> TaskId {
+    outputs
+        .iter()
+        .find_map(|o| match o {
+            Output::RunLocal { task, .. } => Some(*task),
+            _ => None,
+        })
+        .expect("a local run")
+}
+
+/// A forward pass a -> b (message m1) and b -> a (result, message m2), as `rpc_sync` makes.
+fn chain() -> (
+    DistAutograd,
+    DistAutograd,
+    ContextId,
+    AutogradMessageId,
+    AutogradMessageId,
+) {
+    let mut a = DistAutograd::new(0);
+    let mut b = DistAutograd::new(1);
+    let c = a.new_context().unwrap();
+    let m1 = a.record_send(c, 1).unwrap();
+    b.handle_recv(0, c, m1).unwrap();
+    let m2 = b.record_send(c, 0).unwrap();
+    a.handle_recv(1, c, m2).unwrap();
+    (a, b, c, m1, m2)
+}
+
+#[test]
+fn ids_carry_the_worker_in_the_high_bits() {
+    let mut s = DistAutograd::new(5);
+    let c0 = s.new_context().unwrap();
+    let c1 = s.new_context().unwrap();
+    assert_eq!((c0.worker(), c0.counter(), c1.counter()), (5, 0, 1));
+    assert_eq!(c0.0, 5 << 32);
+    let m = s.record_send(c0, 2).unwrap();
+    assert_eq!(m.worker(), 5);
+    assert_eq!(s.known_workers(c0), Some(vec![2]));
+    assert_eq!(s.send_records(c0), vec![(m, 2)]);
+    assert_eq!(c1.to_string(), "context 5:1");
+}
+
+#[test]
+fn a_chain_completes_only_after_the_callee_answers() {
+    let (mut a, mut b, c, m1, m2) = chain();
+    a.backward(c, false).unwrap();
+    let out = drain(&mut a);
+    assert_eq!(out[0], Output::Prepare { context: c });
+    let t = task_of(&out);
+    a.local_done(t, &[m2]);
+    let out = drain(&mut a);
+    let Output::SendGradient {
+        gradient,
+        to,
+        message,
+        ..
+    } = out[0].clone()
+    else {
+        panic!("{out:?}")
+    };
+    assert_eq!((to, message), (1, m2));
+    // b runs the send function of m2, which reaches the recv of m1 (a's send).
+    let tb = b.handle_gradient(0, c, m2, 77).unwrap();
+    let out_b = drain(&mut b);
+    assert!(out_b.contains(&Output::Prepare { context: c }));
+    assert!(out_b.contains(&Output::RunLocal {
+        task: tb,
+        context: c,
+        entry: Entry::Send(m2)
+    }));
+    b.local_done(tb, &[m1]);
+    let out_b = drain(&mut b);
+    let Output::SendGradient { gradient: gb, .. } = out_b[0].clone() else {
+        panic!("{out_b:?}")
+    };
+    // a runs its send function of m1 (a new task in the same context, while the root waits).
+    let ta = a.handle_gradient(1, c, m1, 5).unwrap();
+    drain(&mut a);
+    a.local_done(ta, &[]);
+    assert_eq!(
+        drain(&mut a),
+        vec![Output::Reply {
+            to: 1,
+            request: 5,
+            result: Ok(())
+        }]
+    );
+    // b may answer only now: its send function's work includes a's.
+    assert!(b.is_busy(c));
+    b.handle_gradient_reply(gb, Ok(()));
+    assert_eq!(
+        drain(&mut b),
+        vec![Output::Reply {
+            to: 0,
+            request: 77,
+            result: Ok(())
+        }]
+    );
+    assert!(a.is_busy(c));
+    a.handle_gradient_reply(gradient, Ok(()));
+    assert_eq!(
+        drain(&mut a),
+        vec![Output::BackwardDone {
+            context: c,
+            result: Ok(())
+        }]
+    );
+    assert!(a.is_idle() && b.is_idle());
+    // Without retain_graph the graph is gone.
+    assert_eq!(a.backward(c, false), Err(AutogradError::GraphFreed(c)));
+}
+
+#[test]
+fn release_fans_out_to_known_workers_and_stops() {
+    let (mut a, mut b, c, _, _) = chain();
+    a.release(c).unwrap();
+    let out = drain(&mut a);
+    assert_eq!(
+        out,
+        vec![
+            Output::Release {
+                to: 1,
+                context: c,
+                cause: None
+            },
+            Output::Dropped { context: c }
+        ]
+    );
+    b.handle_release(0, c, None).unwrap();
+    // b's only known worker is a, which released: nothing more to tell.
+    assert_eq!(drain(&mut b), vec![Output::Dropped { context: c }]);
+    assert_eq!((a.context_count(), b.context_count()), (0, 0));
+    // A late or crossing release is harmless.
+    b.handle_release(0, c, None).unwrap();
+    assert!(drain(&mut b).is_empty());
+    assert_eq!(a.release(c), Err(AutogradError::UnknownContext(c)));
+}
+
+#[test]
+fn a_lost_peer_fails_the_backward_naming_it_and_drops_the_context() {
+    // a -> b -> c; the backward waits on b when c dies; b learns it first.
+    let mut a = DistAutograd::new(0);
+    let mut b = DistAutograd::new(1);
+    let ctx = a.new_context().unwrap();
+    let m1 = a.record_send(ctx, 1).unwrap();
+    b.handle_recv(0, ctx, m1).unwrap();
+    let m2 = b.record_send(ctx, 2).unwrap();
+    let m3 = b.record_send(ctx, 0).unwrap();
+    a.handle_recv(1, ctx, m3).unwrap();
+    a.backward(ctx, false).unwrap();
+    let t = task_of(&drain(&mut a));
+    a.local_done(t, &[m3]);
+    drain(&mut a);
+    let tb = b.handle_gradient(0, ctx, m3, 9).unwrap();
+    drain(&mut b);
+    // b's send function of m3 reaches a recv from c? No: b forwarded to c; model the wait on c
+    // as b's run reaching nothing but b still waiting on a gradient to c for m2's pair.
+    let _ = m2;
+    b.handle_peer_lost(2);
+    let out = drain(&mut b);
+    let lost = BackwardError::PeerLost {
+        worker: 2,
+        context: ctx,
+    };
+    assert_eq!(
+        out,
+        vec![
+            Output::Reply {
+                to: 0,
+                request: 9,
+                result: Err(lost.clone())
+            },
+            Output::Release {
+                to: 0,
+                context: ctx,
+                cause: Some(lost.clone())
+            },
+            Output::Dropped { context: ctx }
+        ]
+    );
+    let _ = tb;
+    // a gets the failed reply: the root fails naming worker 2 and releases everywhere.
+    let gradient = GradientId(0);
+    a.handle_gradient_reply(gradient, Err(lost.clone()));
+    let out = drain(&mut a);
+    assert!(out.contains(&Output::BackwardDone {
+        context: ctx,
+        result: Err(lost.clone())
+    }));
+    assert!(out.contains(&Output::Dropped { context: ctx }));
+    assert_eq!(a.context_count(), 0);
+    assert!(lost.to_string().contains("worker 2 was lost"));
+    // b's release arriving later finds nothing.
+    a.handle_release(1, ctx, Some(lost)).unwrap();
+    assert!(drain(&mut a).is_empty());
+}
+
+#[test]
+fn violations_are_typed_and_change_nothing() {
+    let (mut a, mut b, c, m1, m2) = chain();
+    let unknown = ContextId::new(9, 9);
+    assert_eq!(
+        b.handle_gradient(0, unknown, m1, 0),
+        Err(ProtocolViolation::UnknownContext {
+            from: 0,
+            context: unknown
+        })
+    );
+    // Worker 3 never exchanged anything in c.
+    assert_eq!(
+        a.handle_gradient(3, c, m1, 0),
+        Err(ProtocolViolation::NotInContext {
+            from: 3,
+            context: c
+        })
+    );
+    // b never sent m1 (a did).
+    assert_eq!(
+        b.handle_gradient(0, c, m1, 0),
+        Err(ProtocolViolation::UnknownMessage {
+            from: 0,
+            context: c,
+            message: m1
+        })
+    );
+    // A recv whose id is not the sender's, or a repeated one.
+    assert!(matches!(
+        a.handle_recv(1, c, m1),
+        Err(ProtocolViolation::BadMessageId { .. })
+    ));
+    assert!(matches!(
+        a.handle_recv(1, c, m2),
+        Err(ProtocolViolation::BadMessageId { .. })
+    ));
+    assert_eq!(
+        a.handle_release(3, c, None),
+        Err(ProtocolViolation::NotInContext {
+            from: 3,
+            context: c
+        })
+    );
+    assert!(drain(&mut a).is_empty() && drain(&mut b).is_empty());
+    assert_eq!((a.context_count(), b.context_count()), (1, 1));
+    assert!(a.is_idle() && b.is_idle());
+    assert!(ProtocolViolation::UnknownContext {
+        from: 0,
+        context: unknown
+    }
+    .to_string()
+    .contains("which this worker does not have"));
+}
+
+#[test]
+fn an_engine_failure_fails_the_backward() {
+    let (mut a, _b, c, _, m2) = chain();
+    a.backward(c, true).unwrap();
+    let t = task_of(&drain(&mut a));
+    // The engine reports a recv that does not exist: the task fails.
+    a.local_done(t, &[AutogradMessageId::new(1, 99)]);
+    let out = drain(&mut a);
+    assert!(
+        matches!(
+            &out[..],
+            [
+                ..,
+                Output::BackwardDone {
+                    result: Err(BackwardError::Engine { worker: 0, .. }),
+                    ..
+                }
+            ]
+        ),
+        "{out:?}"
+    );
+    assert_eq!(a.context_count(), 0);
+    let _ = m2;
+}
+
+#[test]
+fn a_second_backward_while_one_runs_is_refused() {
+    let (mut a, _b, c, _, _) = chain();
+    a.backward(c, true).unwrap();
+    assert_eq!(a.backward(c, true), Err(AutogradError::BackwardRunning(c)));
+}
+
+fn seeds() -> Vec<u64> {
+    match std::env::var("TW_SIM_SEED") {
+        Ok(s) => vec![s.parse().expect("TW_SIM_SEED is a number")],
+        Err(_) => (0..300).collect(),
+    }
+}
+
+#[test]
+fn simulation_gradients_and_completion() {
+    let mut cycles = 0;
+    let mut grads = 0;
+    for seed in seeds() {
+        let r = sim::run(
+            seed,
+            &SimConfig {
+                workers: 2 + (seed % 4) as usize,
+                contexts: 1 + (seed % 3) as usize,
+                max_depth: 3,
+                kill: false,
+            },
+        );
+        assert_eq!(r.failed, 0);
+        cycles += r.cycles;
+        grads += r.gradients;
+    }
+    if std::env::var("TW_SIM_SEED").is_err() {
+        // The workload does produce cycles (A→B→C→A) and real traffic.
+        assert!(
+            cycles > 50 && grads > 1000,
+            "{cycles} cycles, {grads} gradients"
+        );
+    }
+}
+
+#[test]
+fn simulation_with_a_worker_killed_mid_backward() {
+    let mut failed = 0;
+    for seed in seeds() {
+        let r = sim::run(
+            seed,
+            &SimConfig {
+                workers: 3 + (seed % 3) as usize,
+                contexts: 1 + (seed % 3) as usize,
+                max_depth: 3,
+                kill: true,
+            },
+        );
+        failed += r.failed;
+    }
+    if std::env::var("TW_SIM_SEED").is_err() {
+        assert!(failed > 20, "only {failed} backward passes failed");
+    }
+}

@@ -1,0 +1,1195 @@
+//! Distributed autograd (`torch.distributed.autograd`), shaped for Rust.
+//!
+//! [`DistAutograd`] sets it up on an agent with a local engine (an
+//! [`AutogradEngine`], e.g. `tensorwire-autograd-candle`). A [`AutogradContext`] made from it
+//! scopes one forward and backward pass: calls made through it
+//! ([`rpc_sync`](AutogradContext::rpc_sync), [`rpc_async`](AutogradContext::rpc_async),
+//! [`remote`](AutogradContext::remote), [`rref_rpc_sync`](AutogradContext::rref_rpc_sync)) carry their tracked tensors with the
+//! context id and an autograd message id, so the callee records a recv function and the
+//! caller a send function for them (and the other way round for the result's tensors).
+//! [`backward`](AutogradContext::backward) runs PyTorch's FAST mode
+//! ([`tensorwire_core::autograd`] decides; this module moves the messages and runs the engine),
+//! and returns once every worker it reached is done. Each worker keeps the gradients it
+//! computed in the context ([`gradients`](AutogradContext::gradients)).
+//!
+//! Tracked tensors travel beside the arguments, as a list: a function registered with
+//! [`DistAutograd::register`] gets them as engine tensors, with recv functions attached, and
+//! returns the tensors of its result the same way.
+//!
+//! Under the hood the calls are registered functions of the agent (`__tw_autograd/...`), like
+//! PyTorch's autograd message types: forward calls wrap the user's arguments with
+//! (context, message id, tensors); gradients go back with (context, message id) and are
+//! answered once the receiver's work, and all work it started, is done; releases fan out.
+//! A gradient for an unknown context, or from a worker outside the context, is a protocol
+//! violation: the sender gets an error naming it, and this worker carries on.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tensorwire_core::autograd::{
+    AutogradError, AutogradMessageId, BackwardError, ContextId, DistAutograd as State, Entry,
+    GradientId, Output, RequestToken, TaskId,
+};
+use tensorwire_core::ports::autograd::{AutogradEngine, EngineError};
+use tensorwire_core::protocol::{CallError, WorkerId};
+use tensorwire_core::tensor::Tensor;
+use tokio::sync::oneshot;
+use tracing::warn;
+
+use crate::agent::Agent;
+use crate::dist_optim::Parameter;
+use crate::error::RpcError;
+use crate::functions::CallContext;
+use crate::rref::RRef;
+use tensorwire_core::autograd::optim::Optimizer;
+
+const GRAD: &str = "__tw_autograd/grad";
+const RELEASE: &str = "__tw_autograd/release";
+const FN_PREFIX: &str = "__tw_autograd/fn/";
+const METHOD_PREFIX: &str = "__tw_autograd/method/";
+const REMOTE_PREFIX: &str = "__tw_autograd/remote/";
+
+/// What can go wrong in distributed autograd.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DistAutogradError {
+    /// An RPC of the forward pass failed.
+    #[error(transparent)]
+    Rpc(#[from] RpcError),
+    /// The local engine failed (a tensor it cannot hold, shapes that do not match, ...).
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The call does not fit the context's state (unknown or released context, a backward
+    /// already running, a freed graph).
+    #[error(transparent)]
+    State(#[from] AutogradError),
+    /// The backward pass failed; the message names the worker at fault.
+    #[error("distributed backward failed: {message}")]
+    Backward {
+        /// What happened, with worker names.
+        message: String,
+        /// The rank of the worker at fault.
+        worker: WorkerId,
+        /// The protocol's error.
+        source: BackwardError,
+    },
+    /// A peer sent an autograd message it had no right to send.
+    #[error("protocol violation by {from}: {message}")]
+    Violation {
+        /// The peer's name.
+        from: String,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+/// The request of a forward call made in a context.
+#[derive(Serialize, Deserialize)]
+struct ForwardRequest<A> {
+    context: ContextId,
+    message: Option<AutogradMessageId>,
+    tensors: Vec<Tensor>,
+    args: A,
+}
+
+/// Its response: the result and the tracked tensors of the result.
+#[derive(Serialize, Deserialize)]
+struct ForwardResponse<R> {
+    message: Option<AutogradMessageId>,
+    tensors: Vec<Tensor>,
+    result: R,
+}
+
+#[derive(Serialize, Deserialize)]
+struct GradientRequest {
+    context: ContextId,
+    message: AutogradMessageId,
+    /// One per tensor of the message (`None`: no gradient reached it).
+    grads: Vec<Option<Tensor>>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ReleaseRequest {
+    context: ContextId,
+    cause: Option<BackwardError>,
+}
+
+type Roots<E> = Vec<(
+    <E as AutogradEngine>::Tensor,
+    Option<<E as AutogradEngine>::Tensor>,
+)>;
+
+struct ContextData<E: AutogradEngine> {
+    /// Tensors sent under each message (the send functions).
+    sends: HashMap<AutogradMessageId, Vec<E::Tensor>>,
+    /// Tensors received under each message, tracked (the recv functions).
+    recvs: HashMap<AutogradMessageId, Vec<E::Tensor>>,
+    /// Which recv tensor a leaf is.
+    recv_leaves: HashMap<E::LeafId, (AutogradMessageId, usize)>,
+    /// Seeds of the runs started by gradients.
+    seeds: HashMap<TaskId, Vec<Option<E::Tensor>>>,
+    /// Gradients a run produced for recv functions, until they are sent.
+    produced: HashMap<(TaskId, AutogradMessageId), Vec<Option<E::Tensor>>>,
+    /// The roots of a backward started here.
+    roots: Roots<E>,
+    /// Gradients of this worker's leaves.
+    grads: HashMap<E::LeafId, E::Tensor>,
+}
+
+impl<E: AutogradEngine> ContextData<E> {
+    fn new() -> Self {
+        Self {
+            sends: HashMap::new(),
+            recvs: HashMap::new(),
+            recv_leaves: HashMap::new(),
+            seeds: HashMap::new(),
+            produced: HashMap::new(),
+            roots: Vec::new(),
+            grads: HashMap::new(),
+        }
+    }
+}
+
+struct Shared<E: AutogradEngine> {
+    state: State,
+    data: HashMap<ContextId, ContextData<E>>,
+    roots: HashMap<ContextId, oneshot::Sender<Result<(), BackwardError>>>,
+    requests: HashMap<RequestToken, oneshot::Sender<Result<(), BackwardError>>>,
+    next_token: RequestToken,
+}
+
+struct Inner<E: AutogradEngine> {
+    agent: Agent,
+    engine: E,
+    shared: Mutex<Shared<E>>,
+    violations: AtomicU64,
+    /// The gradient and release requests' timeout.
+    timeout: Mutex<Option<Duration>>,
+    /// Serializes the distributed optimizer's steps on this owner.
+    optimizer: tokio::sync::Mutex<()>,
+}
+
+/// Distributed autograd on one agent: contexts, the functions that take part in them, and the
+/// backward pass. Cheap to clone.
+pub struct DistAutograd<E: AutogradEngine> {
+    inner: Arc<Inner<E>>,
+}
+
+impl<E: AutogradEngine> Clone for DistAutograd<E> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<E: AutogradEngine> fmt::Debug for DistAutograd<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DistAutograd")
+            .field("worker", &self.inner.agent.worker_info().name)
+            .field("contexts", &self.context_count())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A pinned, boxed future.
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// The result of a call in a context: the function's result and the tracked tensors of it.
+pub type CallResult<R, E> = Result<(R, Vec<<E as AutogradEngine>::Tensor>), DistAutogradError>;
+
+/// What a function registered with [`DistAutograd::register`] learns about its call: the RPC
+/// context (caller, deadline) and the autograd context, for nested calls in it.
+pub struct AutogradCall<E: AutogradEngine> {
+    call: CallContext,
+    context: AutogradContext<E>,
+}
+
+impl<E: AutogradEngine> AutogradCall<E> {
+    /// The RPC's context: who called, the deadline.
+    pub fn call(&self) -> &CallContext {
+        &self.call
+    }
+
+    /// The autograd context the call belongs to (nested calls made through it are recorded
+    /// too). It is not released when dropped: its creator releases it.
+    pub fn context(&self) -> &AutogradContext<E> {
+        &self.context
+    }
+}
+
+impl<E: AutogradEngine> DistAutograd<E> {
+    /// Sets up distributed autograd on `agent` with `engine`. Registers the internal functions
+    /// it needs on every worker; every worker taking part must call it (before the others
+    /// send it anything in a context). The gradient requests use the agent's RPC timeout.
+    pub fn new(agent: &Agent, engine: E) -> Result<Self, RpcError> {
+        let inner = Arc::new(Inner {
+            agent: agent.clone(),
+            engine,
+            shared: Mutex::new(Shared {
+                state: State::new(agent.worker_info().id),
+                data: HashMap::new(),
+                roots: HashMap::new(),
+                requests: HashMap::new(),
+                next_token: 0,
+            }),
+            violations: AtomicU64::new(0),
+            timeout: Mutex::new(None),
+            optimizer: tokio::sync::Mutex::new(()),
+        });
+        let functions = agent.functions();
+        let weak = Arc::downgrade(&inner);
+        functions.register_with_context(GRAD, move |cx: CallContext, req: GradientRequest| {
+            let weak = weak.clone();
+            async move {
+                let inner = upgrade(&weak)?;
+                inner.on_gradient(cx, req).await
+            }
+        })?;
+        let weak = Arc::downgrade(&inner);
+        functions.register_with_context(RELEASE, move |cx: CallContext, req: ReleaseRequest| {
+            let weak = weak.clone();
+            async move {
+                let inner = upgrade(&weak)?;
+                inner.on_release(cx, req).await
+            }
+        })?;
+        let weak = Arc::downgrade(&inner);
+        functions.register(
+            crate::dist_optim::STEP,
+            move |(context, optimizer, params): (ContextId, Optimizer, Vec<RRef<Parameter<E>>>)| {
+                let weak = weak.clone();
+                async move {
+                    let inner = upgrade(&weak)?;
+                    crate::dist_optim::owner_step(
+                        &DistAutograd { inner },
+                        context,
+                        optimizer,
+                        params,
+                    )
+                    .await
+                }
+            },
+        )?;
+        Ok(Self { inner })
+    }
+
+    /// Held while this owner runs a distributed optimizer step.
+    pub(crate) async fn optimizer_lock(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.inner.optimizer.lock().await
+    }
+
+    /// Sets the timeout of gradient and release requests (default: the agent's RPC timeout).
+    /// A backward whose next worker does not answer in time fails naming it.
+    pub fn set_timeout(&self, timeout: Duration) {
+        *self.inner.timeout.lock().unwrap_or_else(|e| e.into_inner()) = Some(timeout);
+    }
+
+    /// A new context made by this worker. Release it with [`AutogradContext::release`]; one
+    /// dropped without it is released in the background.
+    pub fn context(&self) -> Result<AutogradContext<E>, DistAutogradError> {
+        let id = {
+            let mut sh = self.inner.lock();
+            let id = sh.state.new_context()?;
+            sh.data.insert(id, ContextData::new());
+            id
+        };
+        Ok(AutogradContext {
+            inner: self.inner.clone(),
+            id,
+            owned: true,
+        })
+    }
+
+    /// How many contexts this worker holds (its own and the ones calls brought in).
+    pub fn context_count(&self) -> usize {
+        self.inner.lock().state.context_count()
+    }
+
+    /// How many autograd messages from peers were protocol violations.
+    pub fn violations(&self) -> u64 {
+        self.inner.violations.load(Ordering::Relaxed)
+    }
+
+    /// The local engine.
+    pub fn engine(&self) -> &E {
+        &self.inner.engine
+    }
+
+    /// The agent.
+    pub fn agent(&self) -> &Agent {
+        &self.inner.agent
+    }
+
+    /// Registers `name` as a function that takes part in autograd contexts: it gets its
+    /// arguments, the caller's tracked tensors (with recv functions attached) and an
+    /// [`AutogradCall`], and returns its result and the tracked tensors of the result.
+    pub fn register<A, R, F, Fut>(&self, name: &str, f: F) -> Result<(), RpcError>
+    where
+        A: DeserializeOwned + Send + 'static,
+        R: Serialize + Send + Sync + 'static,
+        F: Fn(AutogradCall<E>, A, Vec<E::Tensor>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(R, Vec<E::Tensor>), String>> + Send + 'static,
+    {
+        let f = Arc::new(f);
+        let weak = Arc::downgrade(&self.inner);
+        self.inner.agent.functions().register_with_context(
+            &format!("{FN_PREFIX}{name}"),
+            move |cx: CallContext, req: ForwardRequest<A>| {
+                let (f, weak) = (f.clone(), weak.clone());
+                async move {
+                    let inner = upgrade(&weak)?;
+                    let caller = cx.caller().id;
+                    let (context, tracked) = inner.receive(caller, &req)?;
+                    let call = AutogradCall { call: cx, context };
+                    let (result, out) = f(call, req.args, tracked).await?;
+                    inner.respond(req.context, caller, out, result)
+                }
+            },
+        )?;
+        Ok(())
+    }
+
+    /// Registers `name` as a method on values of type `T` (held in [`RRef`]s) that takes part
+    /// in autograd contexts; see [`register`](Self::register) and
+    /// [`AutogradContext::rref_rpc_sync`].
+    pub fn register_method<T, A, R, F, Fut>(&self, name: &str, f: F) -> Result<(), RpcError>
+    where
+        T: Send + Sync + 'static,
+        A: DeserializeOwned + Send + 'static,
+        R: Serialize + Send + Sync + 'static,
+        F: Fn(AutogradCall<E>, Arc<T>, A, Vec<E::Tensor>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(R, Vec<E::Tensor>), String>> + Send + 'static,
+    {
+        let f = Arc::new(f);
+        let weak = Arc::downgrade(&self.inner);
+        self.inner.agent.functions().register_method_with_context(
+            &format!("{METHOD_PREFIX}{name}"),
+            move |cx: CallContext, value: Arc<T>, req: ForwardRequest<A>| {
+                let (f, weak) = (f.clone(), weak.clone());
+                async move {
+                    let inner = upgrade(&weak)?;
+                    let caller = cx.caller().id;
+                    let (context, tracked) = inner.receive(caller, &req)?;
+                    let call = AutogradCall { call: cx, context };
+                    let (result, out) = f(call, value, req.args, tracked).await?;
+                    inner.respond(req.context, caller, out, result)
+                }
+            },
+        )?;
+        Ok(())
+    }
+
+    /// Registers `name` as a constructor of values kept on this worker for
+    /// [`AutogradContext::remote`]: it gets the caller's tracked tensors (with recv functions
+    /// attached) and returns the value, which may hold tensors computed from them; a method
+    /// called on the value later in the same context carries the graph through it.
+    pub fn register_remote<A, T, F, Fut>(&self, name: &str, f: F) -> Result<(), RpcError>
+    where
+        A: DeserializeOwned + Send + 'static,
+        T: Serialize + Send + Sync + 'static,
+        F: Fn(AutogradCall<E>, A, Vec<E::Tensor>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, String>> + Send + 'static,
+    {
+        let f = Arc::new(f);
+        let weak = Arc::downgrade(&self.inner);
+        self.inner.agent.functions().register_with_context(
+            &format!("{REMOTE_PREFIX}{name}"),
+            move |cx: CallContext, req: ForwardRequest<A>| {
+                let (f, weak) = (f.clone(), weak.clone());
+                async move {
+                    let inner = upgrade(&weak)?;
+                    let (context, tracked) = inner.receive(cx.caller().id, &req)?;
+                    f(AutogradCall { call: cx, context }, req.args, tracked).await
+                }
+            },
+        )?;
+        Ok(())
+    }
+
+    /// The gradients this worker holds in `context` (see [`AutogradContext::gradients`]), for a
+    /// context made elsewhere (a parameter server's view of a trainer's context).
+    pub fn gradients(&self, context: ContextId) -> Option<HashMap<E::LeafId, E::Tensor>> {
+        self.inner
+            .lock()
+            .data
+            .get(&context)
+            .map(|d| d.grads.clone())
+    }
+}
+
+fn upgrade<E: AutogradEngine>(weak: &Weak<Inner<E>>) -> Result<Arc<Inner<E>>, String> {
+    weak.upgrade()
+        .ok_or_else(|| "distributed autograd is no longer set up on this worker".to_owned())
+}
+
+/// One distributed autograd context, on this worker.
+pub struct AutogradContext<E: AutogradEngine> {
+    inner: Arc<Inner<E>>,
+    id: ContextId,
+    /// Made here by the user: released when dropped.
+    owned: bool,
+}
+
+impl<E: AutogradEngine> fmt::Debug for AutogradContext<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AutogradContext")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E: AutogradEngine> AutogradContext<E> {
+    /// The context's id.
+    pub fn id(&self) -> ContextId {
+        self.id
+    }
+
+    /// Calls the autograd function `function` on `to` with `args` and the tracked `tensors`,
+    /// and waits for its result and the tracked tensors of its result.
+    pub async fn rpc_sync<A, R>(
+        &self,
+        to: &str,
+        function: &str,
+        args: &A,
+        tensors: &[E::Tensor],
+        timeout: Option<Duration>,
+    ) -> Result<(R, Vec<E::Tensor>), DistAutogradError>
+    where
+        A: Serialize + ?Sized,
+        R: DeserializeOwned + Send + 'static,
+    {
+        self.rpc_async(to, function, args, tensors, timeout)?.await
+    }
+
+    /// [`rpc_sync`](Self::rpc_sync), sent now; the future gives the result.
+    pub fn rpc_async<A, R>(
+        &self,
+        to: &str,
+        function: &str,
+        args: &A,
+        tensors: &[E::Tensor],
+        timeout: Option<Duration>,
+    ) -> Result<BoxFuture<CallResult<R, E>>, DistAutogradError>
+    where
+        A: Serialize + ?Sized,
+        R: DeserializeOwned + Send + 'static,
+    {
+        let callee = self.inner.agent.get_worker_info(to)?.id;
+        let req = self.inner.send(self.id, callee, tensors, args)?;
+        let fut = self.inner.agent.rpc_async::<_, ForwardResponse<R>>(
+            callee,
+            &format!("{FN_PREFIX}{function}"),
+            &req,
+            timeout,
+        )?;
+        Ok(self.finish_call(callee, fut))
+    }
+
+    /// Calls the autograd method `method` (see [`DistAutograd::register_method`]) on the value
+    /// `rref` refers to, on its owner, in this context.
+    pub async fn rref_rpc_sync<T, A, R>(
+        &self,
+        rref: &RRef<T>,
+        method: &str,
+        args: &A,
+        tensors: &[E::Tensor],
+        timeout: Option<Duration>,
+    ) -> Result<(R, Vec<E::Tensor>), DistAutogradError>
+    where
+        T: Send + Sync + 'static,
+        A: Serialize + ?Sized,
+        R: DeserializeOwned + Send + 'static,
+    {
+        let owner = rref.owner().id;
+        let req = self.inner.send(self.id, owner, tensors, args)?;
+        let fut = rref.rpc_async::<_, ForwardResponse<R>>(
+            &format!("{METHOD_PREFIX}{method}"),
+            &req,
+            timeout,
+        )?;
+        self.finish_call(owner, fut).await
+    }
+
+    /// Creates a value on `to` with the constructor `function` (see
+    /// [`DistAutograd::register_remote`]) from `args` and the tracked `tensors`, in this
+    /// context, and returns a reference to it at once (`rpc.remote` within a context).
+    pub fn remote<A, T>(
+        &self,
+        to: &str,
+        function: &str,
+        args: &A,
+        tensors: &[E::Tensor],
+        timeout: Option<Duration>,
+    ) -> Result<RRef<T>, DistAutogradError>
+    where
+        A: Serialize + ?Sized,
+        T: Send + Sync + 'static,
+    {
+        let owner = self.inner.agent.get_worker_info(to)?.id;
+        let req = self.inner.send(self.id, owner, tensors, args)?;
+        Ok(self
+            .inner
+            .agent
+            .remote(owner, &format!("{REMOTE_PREFIX}{function}"), &req, timeout)?)
+    }
+
+    fn finish_call<R: Send + 'static>(
+        &self,
+        callee: WorkerId,
+        fut: impl Future<Output = Result<ForwardResponse<R>, RpcError>> + Send + 'static,
+    ) -> BoxFuture<CallResult<R, E>> {
+        let inner = self.inner.clone();
+        let id = self.id;
+        Box::pin(async move {
+            let resp = fut.await?;
+            let tracked = match resp.message {
+                Some(m) => inner
+                    .track(callee, id, m, &resp.tensors)
+                    .map_err(|message| DistAutogradError::Violation {
+                        from: inner.agent.name_of(callee),
+                        message,
+                    })?,
+                None => Vec::new(),
+            };
+            Ok((resp.result, tracked))
+        })
+    }
+
+    /// Runs the backward pass from `roots` (each with its seed gradient; `None`: ones, for a
+    /// scalar loss), and returns once every worker it reached is done. Gradients of leaves
+    /// accumulate in the context on the worker that holds them. Without `retain_graph` a
+    /// second backward in this context is refused. A lost or silent worker fails it, naming
+    /// the worker; the context is then released everywhere.
+    pub async fn backward(
+        &self,
+        roots: &[(E::Tensor, Option<E::Tensor>)],
+        retain_graph: bool,
+    ) -> Result<(), DistAutogradError> {
+        let rx = {
+            let mut sh = self.inner.lock();
+            let data = sh
+                .data
+                .get_mut(&self.id)
+                .ok_or(AutogradError::UnknownContext(self.id))?;
+            data.roots = roots.to_vec();
+            sh.state.backward(self.id, retain_graph)?;
+            let (tx, rx) = oneshot::channel();
+            sh.roots.insert(self.id, tx);
+            rx
+        };
+        self.inner.pump();
+        let result = rx.await.unwrap_or_else(|_| {
+            Err(BackwardError::Released {
+                worker: self.inner.agent.worker_info().id,
+                context: self.id,
+            })
+        });
+        result.map_err(|e| self.inner.named(e))
+    }
+
+    /// The gradients this worker holds in the context, by leaf.
+    pub fn gradients(&self) -> HashMap<E::LeafId, E::Tensor> {
+        self.inner
+            .lock()
+            .data
+            .get(&self.id)
+            .map(|d| d.grads.clone())
+            .unwrap_or_default()
+    }
+
+    /// The gradient of `leaf` in the context, if the backward reached it here.
+    pub fn gradient(&self, leaf: &E::Tensor) -> Option<E::Tensor> {
+        let id = self.inner.engine.leaf_id(leaf);
+        self.inner
+            .lock()
+            .data
+            .get(&self.id)
+            .and_then(|d| d.grads.get(&id).cloned())
+    }
+
+    /// Releases the context here and on every worker it reached, and waits until they have
+    /// dropped it (or are unreachable). Releasing a context already released (a failed
+    /// backward releases it) is not an error.
+    pub async fn release(mut self) -> Result<(), DistAutogradError> {
+        self.owned = false;
+        let started = {
+            let mut sh = self.inner.lock();
+            if sh.state.has_context(self.id) {
+                sh.state.release(self.id)?;
+                true
+            } else {
+                false
+            }
+        };
+        if started {
+            self.inner.pump_and_wait_releases().await;
+        }
+        Ok(())
+    }
+}
+
+impl<E: AutogradEngine> Drop for AutogradContext<E> {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        let released = {
+            let mut sh = self.inner.lock();
+            sh.state.has_context(self.id) && sh.state.release(self.id).is_ok()
+        };
+        if released {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let inner = self.inner.clone();
+                rt.spawn(async move { inner.pump_and_wait_releases().await });
+            }
+        }
+    }
+}
+
+/// What the driver does after the state machine spoke, outside the lock.
+enum Action<E: AutogradEngine> {
+    Run {
+        task: TaskId,
+        roots: Roots<E>,
+        context: ContextId,
+    },
+    Gradient {
+        gradient: GradientId,
+        to: WorkerId,
+        req: GradientRequest,
+    },
+    GradientFailed {
+        gradient: GradientId,
+        error: BackwardError,
+    },
+    Release {
+        to: WorkerId,
+        req: ReleaseRequest,
+    },
+    Reply {
+        tx: oneshot::Sender<Result<(), BackwardError>>,
+        result: Result<(), BackwardError>,
+    },
+    Drop(Box<ContextData<E>>),
+}
+
+impl<E: AutogradEngine> Inner<E> {
+    fn lock(&self) -> MutexGuard<'_, Shared<E>> {
+        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        *self.timeout.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn named(&self, e: BackwardError) -> DistAutogradError {
+        let worker = e.worker();
+        let name = self.agent.name_of(worker);
+        DistAutogradError::Backward {
+            message: format!("{name} (rank {worker}): {e}"),
+            worker,
+            source: e,
+        }
+    }
+
+    /// Records the send of `tensors` to `to` and builds the request.
+    fn send<'a, A: Serialize + ?Sized>(
+        &self,
+        context: ContextId,
+        to: WorkerId,
+        tensors: &[E::Tensor],
+        args: &'a A,
+    ) -> Result<ForwardRequest<&'a A>, DistAutogradError> {
+        let wire = tensors
+            .iter()
+            .map(|t| self.engine.export(t))
+            .collect::<Result<Vec<_>, _>>()?;
+        let message = if tensors.is_empty() {
+            None
+        } else {
+            let mut sh = self.lock();
+            let m = sh.state.record_send(context, to)?;
+            sh.data
+                .entry(context)
+                .or_insert_with(ContextData::new)
+                .sends
+                .insert(m, tensors.to_vec());
+            Some(m)
+        };
+        Ok(ForwardRequest {
+            context,
+            message,
+            tensors: wire,
+            args,
+        })
+    }
+
+    /// Callee side of a forward call: records the recv and tracks the tensors.
+    fn receive<A>(
+        self: &Arc<Self>,
+        caller: WorkerId,
+        req: &ForwardRequest<A>,
+    ) -> Result<(AutogradContext<E>, Vec<E::Tensor>), String> {
+        let tracked = match req.message {
+            Some(m) => self.track(caller, req.context, m, &req.tensors)?,
+            None => {
+                if !req.tensors.is_empty() {
+                    return Err("tensors without an autograd message id".into());
+                }
+                Vec::new()
+            }
+        };
+        let context = AutogradContext {
+            inner: self.clone(),
+            id: req.context,
+            owned: false,
+        };
+        Ok((context, tracked))
+    }
+
+    /// Records a recv from `from` and returns its tensors as tracked leaves.
+    fn track(
+        &self,
+        from: WorkerId,
+        context: ContextId,
+        message: AutogradMessageId,
+        tensors: &[Tensor],
+    ) -> Result<Vec<E::Tensor>, String> {
+        let tracked = tensors
+            .iter()
+            .map(|t| {
+                self.engine
+                    .import(&host(t)?, true)
+                    .map_err(|e| e.to_string())
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut sh = self.lock();
+        if let Err(v) = sh.state.handle_recv(from, context, message) {
+            drop(sh);
+            self.violation(from, &v.to_string());
+            return Err(v.to_string());
+        }
+        let data = sh.data.entry(context).or_insert_with(ContextData::new);
+        for (i, t) in tracked.iter().enumerate() {
+            data.recv_leaves
+                .insert(self.engine.leaf_id(t), (message, i));
+        }
+        data.recvs.insert(message, tracked.clone());
+        Ok(tracked)
+    }
+
+    /// Callee side: records the send of the result's tensors back to the caller.
+    fn respond<R>(
+        &self,
+        context: ContextId,
+        caller: WorkerId,
+        out: Vec<E::Tensor>,
+        result: R,
+    ) -> Result<ForwardResponse<R>, String> {
+        let req = self
+            .send(context, caller, &out, &())
+            .map_err(|e| e.to_string())?;
+        Ok(ForwardResponse {
+            message: req.message,
+            tensors: req.tensors,
+            result,
+        })
+    }
+
+    fn violation(&self, from: WorkerId, what: &str) {
+        self.violations.fetch_add(1, Ordering::Relaxed);
+        warn!(
+            "autograd protocol violation by {} (rank {from}): {what}",
+            self.agent.name_of(from)
+        );
+    }
+
+    async fn on_gradient(
+        self: Arc<Self>,
+        cx: CallContext,
+        req: GradientRequest,
+    ) -> Result<Result<(), BackwardError>, String> {
+        let from = cx.caller().id;
+        let mut seeds = Vec::with_capacity(req.grads.len());
+        for g in &req.grads {
+            seeds.push(match g {
+                Some(t) => Some(
+                    self.engine
+                        .import(&host(t)?, false)
+                        .map_err(|e| e.to_string())?,
+                ),
+                None => None,
+            });
+        }
+        let rx = {
+            let mut sh = self.lock();
+            let token = sh.next_token;
+            sh.next_token += 1;
+            match sh
+                .state
+                .handle_gradient(from, req.context, req.message, token)
+            {
+                Ok(task) => {
+                    if let Some(d) = sh.data.get_mut(&req.context) {
+                        d.seeds.insert(task, seeds);
+                    }
+                    let (tx, rx) = oneshot::channel();
+                    sh.requests.insert(token, tx);
+                    rx
+                }
+                Err(v) => {
+                    drop(sh);
+                    self.violation(from, &v.to_string());
+                    return Err(format!("protocol violation: {v}"));
+                }
+            }
+        };
+        self.pump();
+        Ok(rx.await.unwrap_or_else(|_| {
+            Err(BackwardError::Released {
+                worker: self.agent.worker_info().id,
+                context: req.context,
+            })
+        }))
+    }
+
+    async fn on_release(
+        self: Arc<Self>,
+        cx: CallContext,
+        req: ReleaseRequest,
+    ) -> Result<(), String> {
+        let from = cx.caller().id;
+        let r = self
+            .lock()
+            .state
+            .handle_release(from, req.context, req.cause);
+        if let Err(v) = r {
+            self.violation(from, &v.to_string());
+            return Err(format!("protocol violation: {v}"));
+        }
+        self.pump_and_wait_releases().await;
+        Ok(())
+    }
+
+    /// Carries out what the state machine asked for. Releases are sent in the background.
+    fn pump(self: &Arc<Self>) {
+        let inner = self.clone();
+        let releases = self.pump_collect();
+        if !releases.is_empty() {
+            tokio::spawn(async move { inner.send_releases(releases).await });
+        }
+    }
+
+    /// [`pump`](Self::pump), waiting for the releases it sends to be answered.
+    async fn pump_and_wait_releases(self: &Arc<Self>) {
+        let releases = self.pump_collect();
+        self.send_releases(releases).await;
+    }
+
+    async fn send_releases(self: &Arc<Self>, releases: Vec<(WorkerId, ReleaseRequest)>) {
+        let mut waits = Vec::new();
+        for (to, req) in releases {
+            match self
+                .agent
+                .rpc_async::<_, ()>(to, RELEASE, &req, self.timeout())
+            {
+                Ok(f) => waits.push((to, f)),
+                Err(e) => warn!(
+                    "could not send the release of {} to rank {to}: {e}",
+                    req.context
+                ),
+            }
+        }
+        for (to, f) in waits {
+            if let Err(e) = f.await {
+                if let Some(peer) = lost_peer(&e) {
+                    self.peer_lost(peer);
+                }
+                warn!("the release sent to rank {to} failed: {e}");
+            }
+        }
+    }
+
+    fn peer_lost(self: &Arc<Self>, peer: WorkerId) {
+        self.lock().state.handle_peer_lost(peer);
+        self.pump();
+    }
+
+    /// Drains the state machine's outputs into actions, runs them, and returns the releases.
+    fn pump_collect(self: &Arc<Self>) -> Vec<(WorkerId, ReleaseRequest)> {
+        let mut releases = Vec::new();
+        loop {
+            let actions = self.collect();
+            if actions.is_empty() {
+                return releases;
+            }
+            for a in actions {
+                match a {
+                    Action::Run {
+                        task,
+                        roots,
+                        context,
+                    } => {
+                        let inner = self.clone();
+                        tokio::spawn(async move { inner.run(task, context, roots).await });
+                    }
+                    Action::Gradient { gradient, to, req } => {
+                        let inner = self.clone();
+                        match self.agent.rpc_async::<_, Result<(), BackwardError>>(
+                            to,
+                            GRAD,
+                            &req,
+                            self.timeout(),
+                        ) {
+                            Ok(f) => {
+                                tokio::spawn(async move {
+                                    let result = f.await;
+                                    inner.on_gradient_answer(gradient, to, req.context, result);
+                                });
+                            }
+                            Err(e) => {
+                                inner.on_gradient_answer(gradient, to, req.context, Err(e));
+                            }
+                        }
+                    }
+                    Action::GradientFailed { gradient, error } => {
+                        self.lock()
+                            .state
+                            .handle_gradient_reply(gradient, Err(error));
+                    }
+                    Action::Release { to, req } => releases.push((to, req)),
+                    Action::Reply { tx, result } => {
+                        let _ = tx.send(result);
+                    }
+                    Action::Drop(data) => drop(data),
+                }
+            }
+        }
+    }
+
+    fn on_gradient_answer(
+        self: &Arc<Self>,
+        gradient: GradientId,
+        to: WorkerId,
+        context: ContextId,
+        result: Result<Result<(), BackwardError>, RpcError>,
+    ) {
+        let (result, lost) = match result {
+            Ok(r) => (r, None),
+            Err(e) => {
+                let lost = lost_peer(&e);
+                let error = match lost {
+                    Some(peer) => BackwardError::PeerLost {
+                        worker: peer,
+                        context,
+                    },
+                    None => BackwardError::Request {
+                        worker: to,
+                        context,
+                        reason: e.to_string(),
+                    },
+                };
+                (Err(error), lost)
+            }
+        };
+        {
+            let mut sh = self.lock();
+            sh.state.handle_gradient_reply(gradient, result);
+            if let Some(peer) = lost {
+                sh.state.handle_peer_lost(peer);
+            }
+        }
+        self.pump();
+    }
+
+    /// Turns the state machine's outputs into actions (under the lock).
+    fn collect(&self) -> Vec<Action<E>> {
+        let mut sh = self.lock();
+        let mut actions = Vec::new();
+        while let Some(o) = sh.state.poll() {
+            match o {
+                Output::Prepare { .. } => {
+                    // candle-style engines keep the graph in the tensors: the dependencies of a
+                    // send function are found when it runs.
+                }
+                Output::RunLocal {
+                    task,
+                    context,
+                    entry,
+                } => {
+                    let Some(d) = sh.data.get_mut(&context) else {
+                        continue;
+                    };
+                    let roots = match entry {
+                        Entry::Roots => std::mem::take(&mut d.roots),
+                        Entry::Send(m) => {
+                            let seeds = d.seeds.remove(&task).unwrap_or_default();
+                            d.sends
+                                .get(&m)
+                                .map(|ts| {
+                                    ts.iter()
+                                        .cloned()
+                                        .zip(seeds)
+                                        .filter_map(|(t, s)| s.map(|s| (t, Some(s))))
+                                        .collect()
+                                })
+                                .unwrap_or_default()
+                        }
+                    };
+                    actions.push(Action::Run {
+                        task,
+                        roots,
+                        context,
+                    });
+                }
+                Output::SendGradient {
+                    gradient,
+                    task,
+                    to,
+                    context,
+                    message,
+                } => {
+                    let grads = sh
+                        .data
+                        .get_mut(&context)
+                        .and_then(|d| d.produced.remove(&(task, message)))
+                        .unwrap_or_default();
+                    let wire: Result<Vec<Option<Tensor>>, EngineError> = grads
+                        .iter()
+                        .map(|g| g.as_ref().map(|g| self.engine.export(g)).transpose())
+                        .collect();
+                    match wire {
+                        Ok(grads) => actions.push(Action::Gradient {
+                            gradient,
+                            to,
+                            req: GradientRequest {
+                                context,
+                                message,
+                                grads,
+                            },
+                        }),
+                        Err(e) => actions.push(Action::GradientFailed {
+                            gradient,
+                            error: BackwardError::Engine {
+                                worker: sh.state.worker(),
+                                context,
+                                reason: e.to_string(),
+                            },
+                        }),
+                    }
+                }
+                Output::Reply {
+                    request, result, ..
+                } => {
+                    if let Some(tx) = sh.requests.remove(&request) {
+                        actions.push(Action::Reply { tx, result });
+                    }
+                }
+                Output::BackwardDone { context, result } => {
+                    if let Some(tx) = sh.roots.remove(&context) {
+                        actions.push(Action::Reply { tx, result });
+                    }
+                }
+                Output::Release { to, context, cause } => actions.push(Action::Release {
+                    to,
+                    req: ReleaseRequest { context, cause },
+                }),
+                Output::Dropped { context } => {
+                    if let Some(d) = sh.data.remove(&context) {
+                        actions.push(Action::Drop(Box::new(d)));
+                    }
+                }
+            }
+        }
+        actions
+    }
+
+    /// Runs the engine for a task and reports to the state machine.
+    async fn run(self: Arc<Self>, task: TaskId, context: ContextId, roots: Roots<E>) {
+        let inner = self.clone();
+        let computed = tokio::task::spawn_blocking(move || inner.engine.backward(&roots)).await;
+        let grads = match computed {
+            Ok(Ok(g)) => g,
+            Ok(Err(e)) => {
+                self.lock().state.local_failed(task, e.to_string());
+                self.pump();
+                return;
+            }
+            Err(e) => {
+                self.lock()
+                    .state
+                    .local_failed(task, format!("the engine panicked: {e}"));
+                self.pump();
+                return;
+            }
+        };
+        {
+            let mut sh = self.lock();
+            let Some(d) = sh.data.get_mut(&context) else {
+                return;
+            };
+            let mut reached: Vec<AutogradMessageId> = Vec::new();
+            let mut failed = None;
+            for (leaf, g) in grads {
+                if let Some(&(m, i)) = d.recv_leaves.get(&leaf) {
+                    let n = d.recvs.get(&m).map_or(0, Vec::len);
+                    let slot = d.produced.entry((task, m)).or_insert_with(|| vec![None; n]);
+                    if let Some(s) = slot.get_mut(i) {
+                        *s = Some(g);
+                    }
+                    if !reached.contains(&m) {
+                        reached.push(m);
+                    }
+                } else {
+                    let sum = match d.grads.get(&leaf) {
+                        Some(prev) => match self.engine.accumulate(prev, &g) {
+                            Ok(s) => s,
+                            Err(e) => {
+                                failed = Some(e.to_string());
+                                break;
+                            }
+                        },
+                        None => g,
+                    };
+                    d.grads.insert(leaf, sum);
+                }
+            }
+            match failed {
+                Some(e) => sh.state.local_failed(task, e),
+                None => sh.state.local_done(task, &reached),
+            }
+        }
+        self.pump();
+    }
+}
+
+/// A host copy of `t` (the engine computes on the host).
+fn host(t: &Tensor) -> Result<Tensor, String> {
+    if t.host_bytes().is_some() {
+        Ok(t.clone())
+    } else {
+        Err(format!(
+            "a tracked tensor arrived on {}; this engine takes host tensors",
+            t.device()
+        ))
+    }
+}
+
+/// The peer an RPC error says is gone.
+fn lost_peer(e: &RpcError) -> Option<WorkerId> {
+    match e {
+        RpcError::Call {
+            source: CallError::PeerLost { peer, .. },
+            ..
+        } => Some(*peer),
+        _ => None,
+    }
+}

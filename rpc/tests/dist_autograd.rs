@@ -1,0 +1,610 @@
+//! Distributed autograd across agents of one process (loopback TCP), with the candle engine:
+//! gradients equal the same computation in one engine, for a chain, a diamond, a nested chain
+//! that comes back (A→B→C→A), RRef method calls and a tensor used twice; concurrent contexts;
+//! violations; release.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tensorwire_autograd_candle::candle_core::{Device, Tensor as CTensor, Var};
+use tensorwire_autograd_candle::CandleEngine;
+use tensorwire_core::autograd::optim::{Optimizer, OptimizerState};
+use tensorwire_rpc::{
+    init_rpc, Agent, AutogradCall, DistAutograd, DistAutogradError, DistributedOptimizer,
+    Functions, Parameter, RRef, RpcOptions,
+};
+
+type Dist = DistAutograd<CandleEngine>;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn param_values(rank: usize) -> Vec<f32> {
+    let r = rank as f32 + 1.0;
+    vec![0.1 * r, -0.2 + 0.05 * r, 0.3 / r]
+}
+
+fn param(rank: usize) -> CTensor {
+    let t = CTensor::from_vec(param_values(rank), 3, &Device::Cpu).unwrap();
+    Var::from_tensor(&t).unwrap().as_tensor().clone()
+}
+
+/// One hop of the model: tanh(h * p + p).
+fn hop(h: &CTensor, p: &CTensor) -> CTensor {
+    h.mul(p).unwrap().add(p).unwrap().tanh().unwrap()
+}
+
+/// Parameters kept in a remote reference on their owner.
+struct Layer {
+    weight: CTensor,
+}
+
+impl serde::Serialize for Layer {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        values(&self.weight).serialize(s)
+    }
+}
+
+struct Worker {
+    agent: Agent,
+    dist: Dist,
+    param: CTensor,
+}
+
+async fn cluster(n: usize) -> Vec<Worker> {
+    let port = free_port();
+    let mut tasks = Vec::new();
+    for rank in 0..n {
+        let options = RpcOptions {
+            init_method: format!("tcp://127.0.0.1:{port}?rank={rank}&world_size={n}"),
+            init_timeout: Duration::from_secs(20),
+            secret: Some(b"autograd test secret".to_vec()),
+            functions: Functions::new(),
+            ..RpcOptions::default()
+        };
+        tasks.push(tokio::spawn(async move {
+            init_rpc(&format!("w{rank}"), rank, Some(n), options)
+                .await
+                .unwrap()
+        }));
+    }
+    let mut workers = Vec::new();
+    for (rank, t) in tasks.into_iter().enumerate() {
+        let agent = t.await.unwrap();
+        let dist = Dist::new(&agent, CandleEngine::new()).unwrap();
+        let p = param(rank);
+        // hop(route): tanh(h * p + p) here, then on along `route`, doubled on the way back.
+        let pp = p.clone();
+        dist.register(
+            "hop",
+            move |call: AutogradCall<CandleEngine>, route: Vec<String>, ts: Vec<CTensor>| {
+                let p = pp.clone();
+                async move {
+                    let mut z = hop(&ts[0], &p);
+                    if let Some((next, rest)) = route.split_first() {
+                        let ((), out) = call
+                            .context()
+                            .rpc_sync(next, "hop", &rest.to_vec(), &[z], None)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        z = out[0].clone();
+                    }
+                    Ok(((), vec![(z * 2.0).unwrap()]))
+                }
+            },
+        )
+        .unwrap();
+        dist.register_method(
+            "forward",
+            |_call: AutogradCall<CandleEngine>, layer: Arc<Layer>, (): (), ts: Vec<CTensor>| async move {
+                Ok(((), vec![hop(&ts[0], &layer.weight)]))
+            },
+        ).unwrap();
+        // A parameter server's parameter, with the values of this rank's, and its forward.
+        agent
+            .functions()
+            .register("make_parameter", move |(): ()| async move {
+                Ok::<_, String>(Parameter::new(&CandleEngine::new(), param(rank)))
+            })
+            .unwrap();
+        dist.register_method(
+            "param_forward",
+            |_call: AutogradCall<CandleEngine>,
+             p: Arc<Parameter<CandleEngine>>,
+             (): (),
+             ts: Vec<CTensor>| async move { Ok(((), vec![hop(&ts[0], p.tensor())])) },
+        )
+        .unwrap();
+        agent
+            .functions()
+            .register_method(
+                "param_values",
+                |p: Arc<Parameter<CandleEngine>>, (): ()| async move {
+                    Ok::<_, String>(values(p.tensor()))
+                },
+            )
+            .unwrap();
+        // A value made by `remote` in a context: it keeps a tensor computed from the caller's.
+        let pp = p.clone();
+        dist.register_remote(
+            "make_hidden",
+            move |_call: AutogradCall<CandleEngine>, (): (), ts: Vec<CTensor>| {
+                let p = pp.clone();
+                async move {
+                    Ok(Layer {
+                        weight: hop(&ts[0], &p),
+                    })
+                }
+            },
+        )
+        .unwrap();
+        let pp = p.clone();
+        agent
+            .functions()
+            .register("make_layer", move |(): ()| {
+                let weight = pp.clone();
+                async move { Ok::<_, String>(Layer { weight }) }
+            })
+            .unwrap();
+        workers.push(Worker {
+            agent,
+            dist,
+            param: p,
+        });
+    }
+    // Every worker has set up distributed autograd before anyone sends in a context.
+    let barriers: Vec<_> = workers
+        .iter()
+        .map(|w| {
+            let a = w.agent.clone();
+            tokio::spawn(async move { a.barrier("autograd-setup", Duration::from_secs(20)).await })
+        })
+        .collect();
+    for b in barriers {
+        b.await.unwrap().unwrap();
+    }
+    workers
+}
+
+async fn shutdown(workers: Vec<Worker>) {
+    let mut tasks = Vec::new();
+    for w in workers {
+        tasks.push(tokio::spawn(async move {
+            w.agent.shutdown(true, Duration::from_secs(20)).await
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+}
+
+fn input() -> CTensor {
+    CTensor::new(&[0.5f32, -1.0, 2.0], &Device::Cpu).unwrap()
+}
+
+fn values(t: &CTensor) -> Vec<f32> {
+    t.to_vec1::<f32>().unwrap()
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (g, w) in got.iter().zip(want) {
+        assert!(
+            (g - w).abs() <= 1e-5 * w.abs().max(1e-3),
+            "{what}: got {got:?}, want {want:?}"
+        );
+    }
+}
+
+/// The gradient of worker `rank`'s parameter in `ctx`, from that worker.
+fn grad_on(workers: &[Worker], rank: usize, ctx: tensorwire_core::autograd::ContextId) -> Vec<f32> {
+    let w = &workers[rank];
+    let grads = w.dist.gradients(ctx).expect("the context is there");
+    values(
+        grads
+            .get(&w.param.id())
+            .expect("a gradient of the parameter"),
+    )
+}
+
+/// The loss: sum of squares of what came back.
+fn loss(t: &CTensor) -> CTensor {
+    t.sqr().unwrap().sum_all().unwrap()
+}
+
+/// The same computation in one engine, with fresh parameters of the same values: the loss of a
+/// route from worker 0 (`route[0]` first), and the gradient of every rank's parameter.
+fn local_route(route: &[usize], n: usize) -> Vec<Option<Vec<f32>>> {
+    let params: Vec<CTensor> = (0..n).map(param).collect();
+    fn go(h: CTensor, route: &[usize], params: &[CTensor]) -> CTensor {
+        let Some((first, rest)) = route.split_first() else {
+            return h;
+        };
+        let z = hop(&h, &params[*first]);
+        let z = go(z, rest, params);
+        (z * 2.0).unwrap()
+    }
+    let x = hop(&input(), &params[0]);
+    let out = go(x, route, &params);
+    let grads = loss(&out).backward().unwrap();
+    params.iter().map(|p| grads.get(p).map(values)).collect()
+}
+
+async fn route_case(workers: &[Worker], route: &[usize]) {
+    let n = workers.len();
+    let w0 = &workers[0];
+    let ctx = w0.dist.context().unwrap();
+    let x = hop(&input(), &w0.param);
+    let names: Vec<String> = route.iter().map(|r| format!("w{r}")).collect();
+    let ((), out) = ctx
+        .rpc_sync(&names[0], "hop", &names[1..].to_vec(), &[x], None)
+        .await
+        .unwrap();
+    ctx.backward(&[(loss(&out[0]), None)], false).await.unwrap();
+    let want = local_route(route, n);
+    for (rank, want) in want.iter().enumerate() {
+        if let Some(want) = want {
+            assert_close(
+                &grad_on(workers, rank, ctx.id()),
+                want,
+                &format!("rank {rank}, route {route:?}"),
+            );
+        }
+    }
+    let id = ctx.id();
+    ctx.release().await.unwrap();
+    for w in workers {
+        assert_eq!(
+            w.dist.context_count(),
+            0,
+            "{id} left on {}",
+            w.agent.worker_info().name
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chains_and_a_nested_chain_that_comes_back_match_one_process() {
+    let workers = cluster(3).await;
+    // A chain w0 -> w1, a longer one w0 -> w1 -> w2, and w0 -> w1 -> w2 -> w0 (A→B→C→A).
+    route_case(&workers, &[1]).await;
+    route_case(&workers, &[1, 2]).await;
+    route_case(&workers, &[1, 2, 0]).await;
+    route_case(&workers, &[2, 0, 1, 0]).await;
+    shutdown(workers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_diamond_a_tensor_used_twice_rref_methods_and_remote_match_one_process() {
+    let workers = cluster(3).await;
+    let w0 = &workers[0];
+    // Diamond: x goes to w1 and w2 at once (the same tensor, sent twice), both results feed the
+    // loss, and w1's result is used twice.
+    let ctx = w0.dist.context().unwrap();
+    let x = hop(&input(), &w0.param);
+    let none: Vec<String> = Vec::new();
+    let b = ctx
+        .rpc_async::<_, ()>("w1", "hop", &none, std::slice::from_ref(&x), None)
+        .unwrap();
+    let c = ctx
+        .rpc_async::<_, ()>("w2", "hop", &none, std::slice::from_ref(&x), None)
+        .unwrap();
+    let ((), b) = b.await.unwrap();
+    let ((), c) = c.await.unwrap();
+    let y = b[0].mul(&c[0]).unwrap().add(&b[0]).unwrap();
+    ctx.backward(&[(loss(&y), None)], false).await.unwrap();
+    {
+        let p: Vec<CTensor> = (0..3).map(param).collect();
+        let x = hop(&input(), &p[0]);
+        let b = (hop(&x, &p[1]) * 2.0).unwrap();
+        let c = (hop(&x, &p[2]) * 2.0).unwrap();
+        let y = b.mul(&c).unwrap().add(&b).unwrap();
+        let g = loss(&y).backward().unwrap();
+        for (r, pr) in p.iter().enumerate() {
+            assert_close(
+                &grad_on(&workers, r, ctx.id()),
+                &values(g.get(pr).unwrap()),
+                &format!("diamond rank {r}"),
+            );
+        }
+    }
+    ctx.release().await.unwrap();
+
+    // RRef method calls: the layer lives on w1, held in a remote reference.
+    let layer: RRef<Layer> = w0.agent.remote("w1", "make_layer", &(), None).unwrap();
+    let ctx = w0.dist.context().unwrap();
+    let x = hop(&input(), &w0.param);
+    let ((), out) = ctx
+        .rref_rpc_sync(&layer, "forward", &(), &[x], None)
+        .await
+        .unwrap();
+    // Called twice on its output: the layer's parameter is used twice.
+    let ((), out2) = ctx
+        .rref_rpc_sync(&layer, "forward", &(), &[out[0].clone()], None)
+        .await
+        .unwrap();
+    ctx.backward(&[(loss(&out2[0]), None)], false)
+        .await
+        .unwrap();
+    {
+        let p: Vec<CTensor> = (0..2).map(param).collect();
+        let x = hop(&input(), &p[0]);
+        let y = hop(&hop(&x, &p[1]), &p[1]);
+        let g = loss(&y).backward().unwrap();
+        for (r, pr) in p.iter().enumerate() {
+            assert_close(
+                &grad_on(&workers, r, ctx.id()),
+                &values(g.get(pr).unwrap()),
+                &format!("rref rank {r}"),
+            );
+        }
+    }
+    ctx.release().await.unwrap();
+    drop(layer);
+
+    // `remote` in a context: w1 keeps hidden = hop(x, p1) in an RRef; a method call on it in
+    // the same context uses it (forward: hop(y, hidden)); gradients reach p0 through it.
+    let ctx = w0.dist.context().unwrap();
+    let x = hop(&input(), &w0.param);
+    let hidden: RRef<Layer> = ctx.remote("w1", "make_hidden", &(), &[x], None).unwrap();
+    let y = input();
+    let ((), out) = ctx
+        .rref_rpc_sync(&hidden, "forward", &(), &[y], None)
+        .await
+        .unwrap();
+    ctx.backward(&[(loss(&out[0]), None)], false).await.unwrap();
+    {
+        let p: Vec<CTensor> = (0..2).map(param).collect();
+        let hidden = hop(&hop(&input(), &p[0]), &p[1]);
+        let g = loss(&hop(&input(), &hidden)).backward().unwrap();
+        for (r, pr) in p.iter().enumerate() {
+            assert_close(
+                &grad_on(&workers, r, ctx.id()),
+                &values(g.get(pr).unwrap()),
+                &format!("remote rank {r}"),
+            );
+        }
+    }
+    ctx.release().await.unwrap();
+    drop(hidden);
+    for w in &workers {
+        assert_eq!(w.dist.context_count(), 0);
+    }
+    shutdown(workers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_contexts_from_two_trainers_keep_their_gradients_apart() {
+    let workers = cluster(3).await;
+    // w0 and w1 train at once through w2; each context holds its own gradients on w2.
+    let run = |rank: usize, scale: f32| {
+        let w = &workers[rank];
+        async move {
+            let ctx = w.dist.context().unwrap();
+            let x = (hop(&input(), &w.param) * scale as f64).unwrap();
+            let ((), out) = ctx
+                .rpc_sync("w2", "hop", &Vec::<String>::new(), &[x], None)
+                .await
+                .unwrap();
+            ctx.backward(&[(loss(&out[0]), None)], false).await.unwrap();
+            ctx
+        }
+    };
+    let (c0, c1) = tokio::join!(run(0, 1.0), run(1, 3.0));
+    assert_ne!(c0.id(), c1.id());
+    for (rank, ctx, scale) in [(0usize, &c0, 1.0f64), (1, &c1, 3.0)] {
+        let p = [param(rank), param(2)];
+        let x = (hop(&input(), &p[0]) * scale).unwrap();
+        let y = (hop(&x, &p[1]) * 2.0).unwrap();
+        let g = loss(&y).backward().unwrap();
+        assert_close(
+            &grad_on(&workers, rank, ctx.id()),
+            &values(g.get(&p[0]).unwrap()),
+            "trainer",
+        );
+        assert_close(
+            &grad_on(&workers, 2, ctx.id()),
+            &values(g.get(&p[1]).unwrap()),
+            "w2",
+        );
+    }
+    assert_eq!(workers[2].dist.context_count(), 2);
+    c0.release().await.unwrap();
+    c1.release().await.unwrap();
+    for w in &workers {
+        assert_eq!(w.dist.context_count(), 0);
+    }
+    shutdown(workers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gradients_for_unknown_contexts_or_from_outsiders_are_violations() {
+    let workers = cluster(3).await;
+    let w0 = &workers[0];
+    let ctx = w0.dist.context().unwrap();
+    let x = hop(&input(), &w0.param);
+    let ((), _out) = ctx
+        .rpc_sync("w1", "hop", &Vec::<String>::new(), &[x], None)
+        .await
+        .unwrap();
+    // A gradient for a context w1 never heard of, sent as the autograd layer would.
+    #[derive(serde::Serialize)]
+    struct GradientRequest {
+        context: tensorwire_core::autograd::ContextId,
+        message: tensorwire_core::autograd::AutogradMessageId,
+        grads: Vec<Option<tensorwire_core::tensor::Tensor>>,
+    }
+    let bogus = GradientRequest {
+        context: tensorwire_core::autograd::ContextId::new(0, 999),
+        message: tensorwire_core::autograd::AutogradMessageId::new(1, 0),
+        grads: vec![None],
+    };
+    let e = w0
+        .agent
+        .rpc_sync::<_, Result<(), tensorwire_core::autograd::BackwardError>>(
+            "w1",
+            "__tw_autograd/grad",
+            &bogus,
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("which this worker does not have"),
+        "{e}"
+    );
+    // w2 is outside the context: its gradient for w1's message is refused too.
+    let from_outsider = GradientRequest {
+        context: ctx.id(),
+        message: tensorwire_core::autograd::AutogradMessageId::new(1, 0),
+        grads: vec![None],
+    };
+    let e = workers[2]
+        .agent
+        .rpc_sync::<_, Result<(), tensorwire_core::autograd::BackwardError>>(
+            "w1",
+            "__tw_autograd/grad",
+            &from_outsider,
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("is not part of"), "{e}");
+    assert_eq!(workers[1].dist.violations(), 2);
+    // w1 carries on: the context still works end to end.
+    let ((), out) = ctx
+        .rpc_sync(
+            "w1",
+            "hop",
+            &Vec::<String>::new(),
+            &[hop(&input(), &w0.param)],
+            None,
+        )
+        .await
+        .unwrap();
+    ctx.backward(&[(loss(&out[0]), None)], false).await.unwrap();
+    // A second backward without retain_graph is refused with a typed error.
+    let e = ctx
+        .backward(&[(loss(&out[0]), None)], false)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, DistAutogradError::State(_)), "{e}");
+    ctx.release().await.unwrap();
+    shutdown(workers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_distributed_optimizer_trains_like_one_process() {
+    let workers = cluster(3).await;
+    let w0 = &workers[0];
+    // Parameters on w1 and w2 (parameter servers), in remote references held by w0.
+    let p1: RRef<Parameter<CandleEngine>> =
+        w0.agent.remote("w1", "make_parameter", &(), None).unwrap();
+    let p2: RRef<Parameter<CandleEngine>> =
+        w0.agent.remote("w2", "make_parameter", &(), None).unwrap();
+    for optimizer in [
+        Optimizer::Sgd {
+            lr: 0.05,
+            momentum: 0.9,
+        },
+        Optimizer::adam(0.01),
+    ] {
+        // Fresh parameters for each optimizer.
+        let p1: RRef<Parameter<CandleEngine>> =
+            w0.agent.remote("w1", "make_parameter", &(), None).unwrap();
+        let p2: RRef<Parameter<CandleEngine>> =
+            w0.agent.remote("w2", "make_parameter", &(), None).unwrap();
+        let opt = DistributedOptimizer::new(&w0.dist, vec![p1.clone(), p2.clone()], optimizer);
+        // The same model in one process.
+        let local = [param(1), param(2)];
+        let mut states = [OptimizerState::default(), OptimizerState::default()];
+        let x = input();
+        for step in 0..3 {
+            let ctx = w0.dist.context().unwrap();
+            let ((), h) = ctx
+                .rref_rpc_sync(&p1, "param_forward", &(), std::slice::from_ref(&x), None)
+                .await
+                .unwrap();
+            let ((), y) = ctx
+                .rref_rpc_sync(&p2, "param_forward", &(), &h, None)
+                .await
+                .unwrap();
+            let l = loss(&y[0]);
+            ctx.backward(&[(l.clone(), None)], false).await.unwrap();
+            assert_eq!(opt.step(ctx.id()).await.unwrap(), 2);
+            ctx.release().await.unwrap();
+
+            let ly = hop(&hop(&x, &local[0]), &local[1]);
+            let ll = loss(&ly);
+            assert_close(
+                &[l.to_scalar::<f32>().unwrap()],
+                &[ll.to_scalar::<f32>().unwrap()],
+                &format!("loss at step {step} with {optimizer:?}"),
+            );
+            let g = ll.backward().unwrap();
+            for (p, s) in local.iter().zip(states.iter_mut()) {
+                let mut v = values(p);
+                optimizer
+                    .step(s, &mut v, &values(g.get(p).unwrap()))
+                    .unwrap();
+                Var::from_tensor(p)
+                    .unwrap()
+                    .set(&CTensor::from_vec(v, 3, &Device::Cpu).unwrap())
+                    .unwrap();
+            }
+        }
+        // The parameters on their owners match the local ones after the steps.
+        let got1: Vec<f32> = p1.rpc_sync("param_values", &(), None).await.unwrap();
+        let got2: Vec<f32> = p2.rpc_sync("param_values", &(), None).await.unwrap();
+        assert_close(&got1, &values(&local[0]), "w1's parameter");
+        assert_close(&got2, &values(&local[1]), "w2's parameter");
+    }
+
+    // Two optimizers (two trainers' steps) update one owner at once: the steps are serialized
+    // and none is lost
+    // (plain SGD: the result is p - lr * (g0 + g1) in either order).
+    let sgd = Optimizer::Sgd {
+        lr: 0.1,
+        momentum: 0.0,
+    };
+    let ctxs = {
+        let mut v = Vec::new();
+        for scale in [1.0f64, -2.0] {
+            let ctx = w0.dist.context().unwrap();
+            let x = (input() * scale).unwrap();
+            let ((), y) = ctx
+                .rref_rpc_sync(&p1, "param_forward", &(), &[x], None)
+                .await
+                .unwrap();
+            ctx.backward(&[(loss(&y[0]), None)], false).await.unwrap();
+            v.push(ctx);
+        }
+        v
+    };
+    let opt_a = DistributedOptimizer::new(&w0.dist, vec![p1.clone()], sgd);
+    let opt_b = DistributedOptimizer::new(&w0.dist, vec![p1.clone()], sgd);
+    let (a, b) = tokio::join!(opt_a.step(ctxs[0].id()), opt_b.step(ctxs[1].id()));
+    assert_eq!((a.unwrap(), b.unwrap()), (1, 1));
+    let mut want = param_values(1);
+    for scale in [1.0f64, -2.0] {
+        let p = param(1);
+        let g = loss(&hop(&(input() * scale).unwrap(), &p))
+            .backward()
+            .unwrap();
+        for (w, g) in want.iter_mut().zip(values(g.get(&p).unwrap())) {
+            *w -= 0.1 * g;
+        }
+    }
+    let got: Vec<f32> = p1.rpc_sync("param_values", &(), None).await.unwrap();
+    assert_close(&got, &want, "both steps applied");
+    for c in ctxs {
+        c.release().await.unwrap();
+    }
+    drop((p1, p2));
+    shutdown(workers).await;
+}

@@ -1,0 +1,565 @@
+//! A worker process for the multi-process distributed autograd tests:
+//! `tw-autograd-worker SCENARIO`, with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+//! TENSORWIRE_SECRET in the environment, and the candle engine.
+//!
+//! Scenarios (3 workers, `w0`, `w1`, `w2`; `w0` drives):
+//! - `gradients`: a chain, a longer chain, A→B→C→A, a diamond with a tensor sent twice, RRef
+//!   method calls; every worker checks its own gradients against the same model computed in one
+//!   engine (relative 1e-5);
+//! - `concurrent`: `w0` and `w1` train through `w2` at once;
+//! - `kill`: `w0` runs a backward through `w1` to `w2`; `w2` prints `IN_BACKWARD` inside its
+//!   backward (the test SIGKILLs it then); `w0` checks the backward fails naming `w2` and that
+//!   the survivors hold no context;
+//! - `violation`: `w2` sends `w1` a gradient for an unknown context and one for a context it is
+//!   not part of; `w1` refuses both and keeps working.
+//!
+//! Each prints `OK <scenario> rank R` when everything it checked held, and exits 0.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tensorwire_autograd_candle::candle_core::{Device, Tensor as CTensor, Var};
+use tensorwire_autograd_candle::CandleEngine;
+use tensorwire_core::autograd::{AutogradMessageId, BackwardError, ContextId};
+use tensorwire_core::ports::autograd::{AutogradEngine, EngineError, LeafGradients};
+use tensorwire_core::tensor::Tensor;
+use tensorwire_rpc::{init_rpc, Agent, AutogradCall, DistAutograd, Functions, RRef, RpcOptions};
+
+/// The candle engine, which on `w2` in the `kill` scenario announces its backward pass and
+/// then hangs in it (so the test can kill the process mid-backward).
+#[derive(Clone)]
+struct Engine {
+    inner: CandleEngine,
+    hang: bool,
+}
+
+impl AutogradEngine for Engine {
+    type Tensor = CTensor;
+    type LeafId = <CandleEngine as AutogradEngine>::LeafId;
+    fn leaf_id(&self, t: &CTensor) -> Self::LeafId {
+        self.inner.leaf_id(t)
+    }
+    fn import(&self, t: &Tensor, requires_grad: bool) -> Result<CTensor, EngineError> {
+        self.inner.import(t, requires_grad)
+    }
+    fn export(&self, t: &CTensor) -> Result<Tensor, EngineError> {
+        self.inner.export(t)
+    }
+    fn backward(
+        &self,
+        roots: &[(CTensor, Option<CTensor>)],
+    ) -> Result<LeafGradients<Self>, EngineError> {
+        if self.hang {
+            println!("IN_BACKWARD");
+            // Killed here by the test; the bound only keeps an orphan from living forever.
+            std::thread::sleep(Duration::from_secs(120));
+        }
+        self.inner.backward(roots)
+    }
+    fn assign(&self, leaf: &CTensor, values: &Tensor) -> Result<(), EngineError> {
+        self.inner.assign(leaf, values)
+    }
+    fn accumulate(&self, a: &CTensor, b: &CTensor) -> Result<CTensor, EngineError> {
+        self.inner.accumulate(a, b)
+    }
+}
+
+type Dist = DistAutograd<Engine>;
+
+fn env(name: &str) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} must be set"))
+}
+
+fn param(rank: usize) -> CTensor {
+    let r = rank as f32 + 1.0;
+    let t = CTensor::from_vec(vec![0.1 * r, -0.2 + 0.05 * r, 0.3 / r], 3, &Device::Cpu).unwrap();
+    Var::from_tensor(&t).unwrap().as_tensor().clone()
+}
+
+fn hop(h: &CTensor, p: &CTensor) -> CTensor {
+    h.mul(p).unwrap().add(p).unwrap().tanh().unwrap()
+}
+
+fn input() -> CTensor {
+    CTensor::new(&[0.5f32, -1.0, 2.0], &Device::Cpu).unwrap()
+}
+
+fn loss(t: &CTensor) -> CTensor {
+    t.sqr().unwrap().sum_all().unwrap()
+}
+
+/// The cases `w0` runs; `local(case)` computes each in one engine.
+const CASES: [&str; 6] = ["chain", "chain2", "cycle", "cycle2", "diamond", "rref"];
+
+fn route(case: &str) -> &'static [usize] {
+    match case {
+        "chain" => &[1],
+        "chain2" => &[1, 2],
+        "cycle" => &[1, 2, 0],
+        "cycle2" => &[2, 0, 1, 0],
+        _ => &[],
+    }
+}
+
+fn go(h: CTensor, route: &[usize], params: &[CTensor]) -> CTensor {
+    let Some((first, rest)) = route.split_first() else {
+        return h;
+    };
+    let z = go(hop(&h, &params[*first]), rest, params);
+    (z * 2.0).unwrap()
+}
+
+/// The loss of `case` in one engine, and the gradient of every rank's parameter.
+fn local(case: &str, scale: f64) -> (f32, Vec<Option<Vec<f32>>>) {
+    let p: Vec<CTensor> = (0..3).map(param).collect();
+    let x = (hop(&input(), &p[0]) * scale).unwrap();
+    let y = match case {
+        "diamond" => {
+            let b = (hop(&x, &p[1]) * 2.0).unwrap();
+            let c = (hop(&x, &p[2]) * 2.0).unwrap();
+            b.mul(&c).unwrap().add(&b).unwrap()
+        }
+        "rref" => hop(&hop(&x, &p[1]), &p[1]),
+        "via2" => (hop(&x, &p[2]) * 2.0).unwrap(),
+        other => go(x, route(other), &p),
+    };
+    let l = loss(&y);
+    let g = l.backward().unwrap();
+    let grads = p
+        .iter()
+        .map(|p| g.get(p).map(|t| t.to_vec1::<f32>().unwrap()))
+        .collect();
+    (l.to_scalar::<f32>().unwrap(), grads)
+}
+
+struct Layer(CTensor);
+
+impl serde::Serialize for Layer {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.to_vec1::<f32>().unwrap().serialize(s)
+    }
+}
+
+async fn start(scenario: &str) -> Result<(Agent, Dist, CTensor, usize), String> {
+    let rank = env("RANK");
+    let world = env("WORLD_SIZE");
+    let options = RpcOptions {
+        functions: Functions::new(),
+        init_timeout: Duration::from_secs(60),
+        rpc_timeout: Duration::from_secs(20),
+        ..RpcOptions::default()
+    };
+    let agent = init_rpc(&format!("w{rank}"), rank, Some(world), options)
+        .await
+        .map_err(|e| e.to_string())?;
+    let engine = Engine {
+        inner: CandleEngine::new(),
+        hang: scenario == "kill" && rank == 2,
+    };
+    let dist = Dist::new(&agent, engine).map_err(|e| e.to_string())?;
+    let p = param(rank);
+    let pp = p.clone();
+    dist.register(
+        "hop",
+        move |call: AutogradCall<Engine>, route: Vec<String>, ts: Vec<CTensor>| {
+            let p = pp.clone();
+            async move {
+                let mut z = hop(&ts[0], &p);
+                if let Some((next, rest)) = route.split_first() {
+                    let ((), out) = call
+                        .context()
+                        .rpc_sync(next, "hop", &rest.to_vec(), &[z], None)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    z = out[0].clone();
+                }
+                Ok(((), vec![(z * 2.0).unwrap()]))
+            }
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    dist.register_method(
+        "forward",
+        |_call: AutogradCall<Engine>, layer: Arc<Layer>, (): (), ts: Vec<CTensor>| async move {
+            Ok(((), vec![hop(&ts[0], &layer.0)]))
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let pp = p.clone();
+    agent
+        .functions()
+        .register("make_layer", move |(): ()| {
+            let p = pp.clone();
+            async move { Ok::<_, String>(Layer(p)) }
+        })
+        .map_err(|e| e.to_string())?;
+    // Checks this worker's gradient in a context against the one-engine computation.
+    let (d, pp, me) = (dist.clone(), p.clone(), rank);
+    agent
+        .functions()
+        .register(
+            "check",
+            move |(context, case, scale): (ContextId, String, f64)| {
+                let (d, p) = (d.clone(), pp.clone());
+                async move {
+                    let (_, want) = local(&case, scale);
+                    // A worker the case never reached holds no context and expects no gradient.
+                    let got = match d.gradients(context) {
+                        Some(g) => g.get(&p.id()).map(|t| t.to_vec1::<f32>().unwrap()),
+                        None if want[me].is_none() => None,
+                        None => return Err(format!("w{me} does not hold {context}")),
+                    };
+                    match (&got, &want[me]) {
+                        (Some(g), Some(w)) if close(g, w) => Ok(()),
+                        (None, None) => Ok(()),
+                        _ => Err(format!(
+                            "w{me} {case}: gradient {got:?}, expected {:?}",
+                            want[me]
+                        )),
+                    }
+                }
+            },
+        )
+        .map_err(|e| e.to_string())?;
+    let d = dist.clone();
+    agent
+        .functions()
+        .register("context_count", move |(): ()| {
+            let d = d.clone();
+            async move { Ok::<_, String>(d.context_count()) }
+        })
+        .map_err(|e| e.to_string())?;
+    agent
+        .barrier("autograd-setup", Duration::from_secs(60))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((agent, dist, p, rank))
+}
+
+fn close(got: &[f32], want: &[f32]) -> bool {
+    got.len() == want.len()
+        && got
+            .iter()
+            .zip(want)
+            .all(|(g, w)| (g - w).abs() <= 1e-5 * w.abs().max(1e-3))
+}
+
+async fn check_everywhere(
+    agent: &Agent,
+    context: ContextId,
+    case: &str,
+    scale: f64,
+) -> Result<(), String> {
+    for r in 0..3 {
+        agent
+            .rpc_sync::<_, ()>(
+                format!("w{r}").as_str(),
+                "check",
+                &(context, case.to_owned(), scale),
+                None,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+async fn finish(agent: Agent, graceful: bool) -> Result<(), String> {
+    agent
+        .shutdown(graceful, Duration::from_secs(30))
+        .await
+        .map_err(|e| e.to_string())
+}
+
+async fn gradients() -> Result<(), String> {
+    let (agent, dist, p, rank) = start("gradients").await?;
+    if rank == 0 {
+        for case in CASES {
+            let ctx = dist.context().map_err(|e| e.to_string())?;
+            let x = hop(&input(), &p);
+            let y = match case {
+                "diamond" => {
+                    // The same tensor sent to w1 and w2 at once; w1's result used twice.
+                    let none = Vec::<String>::new();
+                    let b = ctx
+                        .rpc_async::<_, ()>("w1", "hop", &none, std::slice::from_ref(&x), None)
+                        .map_err(|e| e.to_string())?;
+                    let c = ctx
+                        .rpc_async::<_, ()>("w2", "hop", &none, std::slice::from_ref(&x), None)
+                        .map_err(|e| e.to_string())?;
+                    let ((), b) = b.await.map_err(|e| e.to_string())?;
+                    let ((), c) = c.await.map_err(|e| e.to_string())?;
+                    b[0].mul(&c[0]).unwrap().add(&b[0]).unwrap()
+                }
+                "rref" => {
+                    let layer: RRef<Layer> = agent
+                        .remote("w1", "make_layer", &(), None)
+                        .map_err(|e| e.to_string())?;
+                    let ((), h) = ctx
+                        .rref_rpc_sync(&layer, "forward", &(), &[x], None)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let ((), y) = ctx
+                        .rref_rpc_sync(&layer, "forward", &(), &h, None)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    y[0].clone()
+                }
+                other => {
+                    let names: Vec<String> = route(other).iter().map(|r| format!("w{r}")).collect();
+                    let ((), out) = ctx
+                        .rpc_sync(&names[0], "hop", &names[1..].to_vec(), &[x], None)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    out[0].clone()
+                }
+            };
+            ctx.backward(&[(loss(&y), None)], false)
+                .await
+                .map_err(|e| e.to_string())?;
+            check_everywhere(&agent, ctx.id(), case, 1.0).await?;
+            ctx.release().await.map_err(|e| e.to_string())?;
+            println!("OK case {case}");
+        }
+        for r in 0..3 {
+            let n: usize = agent
+                .rpc_sync(format!("w{r}").as_str(), "context_count", &(), None)
+                .await
+                .map_err(|e| e.to_string())?;
+            if n != 0 {
+                return Err(format!("w{r} still holds {n} contexts"));
+            }
+        }
+    }
+    finish(agent, true).await?;
+    println!("OK gradients rank {rank}");
+    Ok(())
+}
+
+async fn concurrent() -> Result<(), String> {
+    let (agent, dist, p, rank) = start("concurrent").await?;
+    if rank < 2 {
+        // w0 and w1 each train through w2, at the same time, several times.
+        for _ in 0..5 {
+            let ctx = dist.context().map_err(|e| e.to_string())?;
+            let scale = if rank == 0 { 1.0 } else { 3.0 };
+            // w1 plays w0's part with its own parameter: compare against rank 0's model with
+            // w1's parameter standing in, computed here.
+            let x = (hop(&input(), &p) * scale).unwrap();
+            let ((), y) = ctx
+                .rpc_sync("w2", "hop", &Vec::<String>::new(), &[x], None)
+                .await
+                .map_err(|e| e.to_string())?;
+            ctx.backward(&[(loss(&y[0]), None)], false)
+                .await
+                .map_err(|e| e.to_string())?;
+            let mine = ctx.gradient(&p).map(|t| t.to_vec1::<f32>().unwrap());
+            let want = {
+                let ps = [param(rank), param(2)];
+                let x = (hop(&input(), &ps[0]) * scale).unwrap();
+                let g = loss(&(hop(&x, &ps[1]) * 2.0).unwrap()).backward().unwrap();
+                g.get(&ps[0]).map(|t| t.to_vec1::<f32>().unwrap())
+            };
+            match (&mine, &want) {
+                (Some(a), Some(b)) if close(a, b) => {}
+                _ => return Err(format!("w{rank}: gradient {mine:?}, expected {want:?}")),
+            }
+            ctx.release().await.map_err(|e| e.to_string())?;
+        }
+        println!("OK trained rank {rank}");
+    }
+    agent
+        .barrier("trained", Duration::from_secs(60))
+        .await
+        .map_err(|e| e.to_string())?;
+    if dist.context_count() != 0 {
+        return Err(format!(
+            "w{rank} still holds {} contexts",
+            dist.context_count()
+        ));
+    }
+    finish(agent, true).await?;
+    println!("OK concurrent rank {rank}");
+    Ok(())
+}
+
+async fn kill() -> Result<(), String> {
+    let (agent, dist, p, rank) = start("kill").await?;
+    dist.set_timeout(Duration::from_secs(20));
+    if rank == 0 {
+        let ctx = dist.context().map_err(|e| e.to_string())?;
+        let x = hop(&input(), &p);
+        let route = vec!["w2".to_owned()];
+        let ((), out) = ctx
+            .rpc_sync("w1", "hop", &route, &[x], None)
+            .await
+            .map_err(|e| e.to_string())?;
+        let t0 = std::time::Instant::now();
+        let e = match ctx.backward(&[(loss(&out[0]), None)], false).await {
+            Ok(()) => return Err("the backward succeeded with w2 killed".into()),
+            Err(e) => e.to_string(),
+        };
+        println!(
+            "OK backward-error after_ms={} {e}",
+            t0.elapsed().as_millis()
+        );
+        if !e.contains("w2") {
+            return Err(format!("the error does not name w2: {e}"));
+        }
+        ctx.release().await.map_err(|e| e.to_string())?;
+        let n1: usize = agent
+            .rpc_sync("w1", "context_count", &(), None)
+            .await
+            .map_err(|e| e.to_string())?;
+        let n0 = dist.context_count();
+        println!("OK context-counts w0={n0} w1={n1}");
+        if (n0, n1) != (0, 0) {
+            return Err(format!("contexts left: w0 {n0}, w1 {n1}"));
+        }
+        // w1 leaves as soon as it has this call, so its answer may be cut off: not an error.
+        if let Err(e) = agent.rpc_sync::<_, ()>("w1", "done", &(), None).await {
+            println!("w1 left: {e}");
+        }
+    }
+    if rank == 1 {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let tx = std::sync::Mutex::new(Some(tx));
+        agent
+            .functions()
+            .register("done", move |(): ()| {
+                let tx = tx.lock().unwrap().take();
+                async move {
+                    if let Some(tx) = tx {
+                        let _ = tx.send(());
+                    }
+                    Ok::<_, String>(())
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        let _ = tokio::time::timeout(Duration::from_secs(90), rx).await;
+    }
+    if rank == 2 {
+        // Waits to be killed inside its backward.
+        tokio::time::sleep(Duration::from_secs(120)).await;
+    }
+    // w2 is dead: no graceful shutdown.
+    finish(agent, false).await?;
+    println!("OK kill rank {rank}");
+    Ok(())
+}
+
+async fn violation() -> Result<(), String> {
+    let (agent, dist, p, rank) = start("violation").await?;
+    #[derive(serde::Serialize)]
+    struct GradientRequest {
+        context: ContextId,
+        message: AutogradMessageId,
+        grads: Vec<Option<Tensor>>,
+    }
+    if rank == 0 {
+        // A context with w1 only; its id goes to w2, which is outside it.
+        let ctx = dist.context().map_err(|e| e.to_string())?;
+        let ((), out) = ctx
+            .rpc_sync(
+                "w1",
+                "hop",
+                &Vec::<String>::new(),
+                &[hop(&input(), &p)],
+                None,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        agent
+            .rpc_sync::<_, ()>("w2", "attack", &ctx.id(), None)
+            .await
+            .map_err(|e| e.to_string())?;
+        // w1 carries on: the backward through it still works.
+        ctx.backward(&[(loss(&out[0]), None)], false)
+            .await
+            .map_err(|e| e.to_string())?;
+        check_everywhere(&agent, ctx.id(), "chain", 1.0).await?;
+        ctx.release().await.map_err(|e| e.to_string())?;
+    }
+    if rank == 2 {
+        let a = agent.clone();
+        agent
+            .functions()
+            .register("attack", move |context: ContextId| {
+                let a = a.clone();
+                async move {
+                    let unknown = GradientRequest {
+                        context: ContextId::new(0, 4242),
+                        message: AutogradMessageId::new(1, 0),
+                        grads: vec![None],
+                    };
+                    let outsider = GradientRequest {
+                        context,
+                        message: AutogradMessageId::new(1, 0),
+                        grads: vec![None],
+                    };
+                    for (what, req, expect) in [
+                        (
+                            "unknown context",
+                            unknown,
+                            "which this worker does not have",
+                        ),
+                        ("outsider", outsider, "is not part of"),
+                    ] {
+                        match a
+                            .rpc_sync::<_, Result<(), BackwardError>>(
+                                "w1",
+                                "__tw_autograd/grad",
+                                &req,
+                                None,
+                            )
+                            .await
+                        {
+                            Ok(_) => return Err(format!("{what}: accepted")),
+                            Err(e) if e.to_string().contains(expect) => {
+                                println!("OK refused {what}: {e}")
+                            }
+                            Err(e) => return Err(format!("{what}: unexpected error {e}")),
+                        }
+                    }
+                    Ok::<_, String>(())
+                }
+            })
+            .map_err(|e| e.to_string())?;
+    }
+    agent
+        .barrier("attacked", Duration::from_secs(60))
+        .await
+        .map_err(|e| e.to_string())?;
+    if rank == 1 && dist.violations() != 2 {
+        return Err(format!(
+            "w1 counted {} violations, expected 2",
+            dist.violations()
+        ));
+    }
+    finish(agent, true).await?;
+    println!("OK violation rank {rank}");
+    Ok(())
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> ExitCode {
+    let scenario = std::env::args().nth(1).unwrap_or_default();
+    let result = match scenario.as_str() {
+        "gradients" => gradients().await,
+        "concurrent" => concurrent().await,
+        "kill" => kill().await,
+        "violation" => violation().await,
+        other => Err(format!("unknown scenario {other:?}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rank {}: {e}", std::env::var("RANK").unwrap_or_default());
+            ExitCode::FAILURE
+        }
+    }
+}

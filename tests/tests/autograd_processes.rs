@@ -1,0 +1,193 @@
+//! Distributed autograd across real OS processes (`tw-autograd-worker`, candle engine), three
+//! workers rendezvousing through `env://` with rank 0 hosting the store.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct World {
+    children: Vec<Child>,
+    lines: mpsc::Receiver<(usize, String)>,
+    seen: Vec<(usize, String)>,
+}
+
+fn spawn(scenario: &str, n: usize) -> World {
+    let port = free_port().to_string();
+    let secret = format!("autograd-secret-{}-{port}", std::process::id());
+    let (tx, lines) = mpsc::channel();
+    let children = (0..n)
+        .map(|rank| {
+            let mut child = Command::new(env!("CARGO_BIN_EXE_tw-autograd-worker"))
+                .arg(scenario)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("TENSORWIRE_SECRET", &secret)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            for stream in [
+                Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+                Box::new(child.stderr.take().unwrap()),
+            ] {
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                        let _ = tx.send((rank, line));
+                    }
+                });
+            }
+            child
+        })
+        .collect();
+    World {
+        children,
+        lines,
+        seen: Vec::new(),
+    }
+}
+
+impl World {
+    /// Waits (on the output, no polling) for `rank` to print a line starting with `prefix`.
+    fn wait_for(&mut self, rank: usize, prefix: &str, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok((r, line)) => {
+                    let hit = r == rank && line.starts_with(prefix);
+                    self.seen.push((r, line));
+                    if hit {
+                        return;
+                    }
+                }
+                Err(_) => panic!("rank {rank} never printed {prefix:?}: {:#?}", self.seen),
+            }
+        }
+    }
+
+    /// Waits for every process to exit and returns the exit codes and every output line.
+    fn finish(mut self, limit: Duration) -> (Vec<Option<i32>>, Vec<(usize, String)>) {
+        let deadline = Instant::now() + limit;
+        let mut codes = Vec::new();
+        for c in &mut self.children {
+            loop {
+                if let Some(status) = c.try_wait().unwrap() {
+                    codes.push(status.code());
+                    break;
+                }
+                if Instant::now() > deadline {
+                    let _ = c.kill();
+                    panic!(
+                        "a worker is still running after {limit:?}: {:#?}",
+                        self.seen
+                    );
+                }
+                // Drain output while waiting (bounded wait on the channel, not a sleep).
+                if let Ok(l) = self.lines.recv_timeout(Duration::from_millis(50)) {
+                    self.seen.push(l);
+                }
+            }
+        }
+        // The readers end with the processes' pipes.
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(200)) {
+            self.seen.push(l);
+        }
+        (codes, self.seen)
+    }
+}
+
+fn assert_all_ok(scenario: &str) -> Vec<(usize, String)> {
+    let (codes, lines) = spawn(scenario, 3).finish(Duration::from_secs(180));
+    assert!(
+        codes.iter().all(|c| *c == Some(0)),
+        "{scenario}: exit codes {codes:?}\n{lines:#?}"
+    );
+    for rank in 0..3 {
+        assert!(
+            lines
+                .iter()
+                .any(|(r, l)| *r == rank && l.starts_with(&format!("OK {scenario} rank {rank}"))),
+            "rank {rank} did not report OK: {lines:#?}"
+        );
+    }
+    lines
+}
+
+/// Chain, longer chain, A→B→C→A (twice through w0), a diamond with a tensor sent twice and a
+/// result used twice, RRef method calls: every worker's gradients equal one engine's.
+#[test]
+fn gradients_across_processes_equal_one_process() {
+    let lines = assert_all_ok("gradients");
+    for case in ["chain", "chain2", "cycle", "cycle2", "diamond", "rref"] {
+        assert!(
+            lines
+                .iter()
+                .any(|(r, l)| *r == 0 && l == &format!("OK case {case}")),
+            "{case} not checked: {lines:#?}"
+        );
+    }
+}
+
+/// Two trainers run contexts through one worker at once.
+#[test]
+fn concurrent_contexts_across_processes() {
+    let lines = assert_all_ok("concurrent");
+    assert!(lines
+        .iter()
+        .any(|(r, l)| *r == 1 && l.starts_with("OK trained")));
+}
+
+/// Gradients for an unknown context, or from a worker outside the context, are refused as
+/// violations; the receiver keeps working.
+#[test]
+fn violations_across_processes_are_refused_not_fatal() {
+    let lines = assert_all_ok("violation");
+    assert_eq!(
+        lines
+            .iter()
+            .filter(|(r, l)| *r == 2 && l.starts_with("OK refused"))
+            .count(),
+        2,
+        "{lines:#?}"
+    );
+}
+
+/// w2 is SIGKILLed inside its part of the backward: w0's backward fails within its timeout
+/// naming w2, and the survivors hold no context afterwards.
+#[test]
+fn a_worker_killed_mid_backward_fails_it_naming_the_worker() {
+    let mut world = spawn("kill", 3);
+    world.wait_for(2, "IN_BACKWARD", Duration::from_secs(90));
+    let t0 = Instant::now();
+    world.children[2].kill().unwrap();
+    let (codes, lines) = world.finish(Duration::from_secs(120));
+    assert!(
+        t0.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(&codes[..2], &[Some(0), Some(0)], "{lines:#?}");
+    let err = lines
+        .iter()
+        .find(|(r, l)| *r == 0 && l.starts_with("OK backward-error"))
+        .unwrap_or_else(|| panic!("{lines:#?}"));
+    assert!(err.1.contains("w2"), "{}", err.1);
+    assert!(
+        lines
+            .iter()
+            .any(|(r, l)| *r == 0 && l == "OK context-counts w0=0 w1=0"),
+        "{lines:#?}"
+    );
+}
