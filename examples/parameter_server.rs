@@ -9,7 +9,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tensorwire::rpc::{init_rpc, Function, Functions, Method, RRef, RpcError, RpcOptions};
+use tensorwire::rpc::{
+    init_rpc, Function, Functions, Method, RRef, RpcError, RpcOptions, Shutdown,
+};
 
 /// The server's state: a weight vector and how often it was updated.
 #[derive(serde::Serialize)]
@@ -96,5 +98,7 @@ async fn main() -> Result<(), RpcError> {
         let w = server.call(&WEIGHTS, &()).await?;
         println!("weights after training: {w:?}");
     }
-    agent.shutdown(true, Duration::from_secs(30)).await
+    agent
+        .shutdown(Shutdown::graceful(Duration::from_secs(30)))
+        .await
 }

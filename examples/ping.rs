@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use tensorwire::rpc::{init_rpc, Function, Functions, RpcError, RpcOptions};
+use tensorwire::rpc::{init_rpc, Function, Functions, RpcError, RpcOptions, Shutdown};
 
 /// `n + 1`: the descriptor both sides use, so the types cannot disagree.
 const PING: Function<u64, u64> = Function::new("ping");
@@ -49,5 +49,7 @@ async fn main() -> Result<(), RpcError> {
         times[990]
     );
 
-    agent.shutdown(true, Duration::from_secs(30)).await
+    agent
+        .shutdown(Shutdown::graceful(Duration::from_secs(30)))
+        .await
 }

@@ -219,7 +219,9 @@ pub async fn worker(steps: usize) -> Result<Option<Report>> {
     agent
         .barrier("autograd-demo-done", Duration::from_secs(600))
         .await?;
-    agent.shutdown(true, Duration::from_secs(30)).await?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(30)))
+        .await?;
     Ok(report)
 }
 

@@ -1534,13 +1534,14 @@ impl Agent {
         .await
     }
 
-    /// Stops the agent, within `timeout` in all.
+    /// Stops the agent, [`Shutdown::Graceful`](crate::Shutdown::Graceful) within its
+    /// `timeout` in all.
     ///
     /// Graceful: waits until this worker's calls are answered, then until every worker got
     /// there, then until every worker has answered what it was asked, and stops; rank 0, which
     /// hosts the store, then waits for the others to leave it. One deadline bounds all of it:
     /// a stage that cannot finish (a dead or frozen peer) fails by the deadline with an error
-    /// that names the workers that did not arrive. Immediate (`graceful = false`): pending calls
+    /// that names the workers that did not arrive. [`Shutdown::Immediate`](crate::Shutdown::Immediate): pending calls
     /// fail at once.
     ///
     /// When it returns, whether it succeeded or not: every call of this agent has failed or
@@ -1551,7 +1552,8 @@ impl Agent {
     /// store's handle is dropped (the last worker's removes the file), also while clones of the
     /// [`Agent`] live on. A store operation the user started and has not finished keeps its
     /// own handle until it ends.
-    pub async fn shutdown(&self, graceful: bool, timeout: Duration) -> Result<(), RpcError> {
+    pub async fn shutdown(&self, how: crate::Shutdown) -> Result<(), RpcError> {
+        let (graceful, timeout) = how.parts();
         let deadline = tokio::time::Instant::now() + timeout;
         let stages = async {
             match (graceful, self.inner.dynamic) {

@@ -21,7 +21,7 @@
 //! let agent = init_rpc(&format!("worker{rank}"), rank, Some(2), RpcOptions::new().with_functions(functions)).await?;
 //! let sum = agent.call(&ADD, "worker1", &(2, 3)).await?;
 //! assert_eq!(sum, 5);
-//! agent.shutdown(true, std::time::Duration::from_secs(30)).await?;
+//! agent.shutdown(tensorwire_rpc::Shutdown::graceful(std::time::Duration::from_secs(30))).await?;
 //! # Ok(()) }
 //! ```
 //!
@@ -64,7 +64,7 @@ pub use dist_optim::{DistributedOptimizer, Parameter};
 pub use error::RpcError;
 pub use functions::{CallContext, Functions};
 pub use metrics::{PeerMetrics, RpcMetrics};
-pub use options::{RpcOptions, DEFAULT_RPC_TIMEOUT};
+pub use options::{RpcOptions, Shutdown, DEFAULT_RPC_TIMEOUT, IMMEDIATE_CLOSE_TIMEOUT};
 pub use rref::RRef;
 pub use tensorwire_core::autograd::optim::Optimizer;
 pub use tensorwire_core::protocol::{

@@ -13,6 +13,50 @@ use crate::functions::Functions;
 /// The default timeout of a call (PyTorch's too).
 pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How [`Agent::shutdown`](crate::Agent::shutdown) stops the agent.
+///
+/// ```
+/// use std::time::Duration;
+/// use tensorwire_rpc::Shutdown;
+///
+/// assert_eq!(
+///     Shutdown::graceful(Duration::from_secs(30)),
+///     Shutdown::Graceful { timeout: Duration::from_secs(30) }
+/// );
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Shutdown {
+    /// Wait until this worker's calls are answered, then until every worker got there and
+    /// answered what it was asked, then stop; all within `timeout` (PyTorch's
+    /// `shutdown(graceful=True)`).
+    Graceful {
+        /// The bound on the whole shutdown.
+        timeout: Duration,
+    },
+    /// Fail pending calls at once and stop; queued messages get
+    /// [`IMMEDIATE_CLOSE_TIMEOUT`] to leave before the connections close.
+    Immediate,
+}
+
+/// How long an immediate shutdown lets queued messages leave before it closes the connections.
+pub const IMMEDIATE_CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl Shutdown {
+    /// [`Shutdown::Graceful`] within `timeout`.
+    pub const fn graceful(timeout: Duration) -> Self {
+        Shutdown::Graceful { timeout }
+    }
+
+    /// Whether to wait for the others, and the bound on the whole shutdown.
+    pub(crate) fn parts(self) -> (bool, Duration) {
+        match self {
+            Shutdown::Graceful { timeout } => (true, timeout),
+            Shutdown::Immediate => (false, IMMEDIATE_CLOSE_TIMEOUT),
+        }
+    }
+}
+
 /// How to start an agent.
 #[derive(Clone)]
 pub struct RpcOptions {

@@ -226,7 +226,12 @@ async fn ok_group(n: usize) -> Vec<Agent> {
 async fn shutdown_all(agents: Vec<Agent>) {
     let tasks: Vec<_> = agents
         .into_iter()
-        .map(|a| tokio::spawn(async move { a.shutdown(true, Duration::from_secs(20)).await }))
+        .map(|a| {
+            tokio::spawn(async move {
+                a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(20)))
+                    .await
+            })
+        })
         .collect();
     for t in tasks {
         t.await.unwrap().unwrap();
@@ -771,7 +776,9 @@ async fn dynamic_groups_let_workers_join_and_leave() {
     drop(r);
 
     // w2 leaves; the others forget it; it can join again.
-    a2.shutdown(true, Duration::from_secs(10)).await.unwrap();
+    a2.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
+        .await
+        .unwrap();
     wait_until(|| names(&a0) == ["w0", "w1"] && names(&a1) == ["w0", "w1"]).await;
     let e = a0
         .rpc_sync::<_, i64>("w2", "add", &(1i64, 1i64), None)
@@ -790,7 +797,9 @@ async fn dynamic_groups_let_workers_join_and_leave() {
     assert!(e.to_string().contains("is already a member"), "{e}");
 
     for a in [again, a1, a0] {
-        a.shutdown(true, Duration::from_secs(10)).await.unwrap();
+        a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
+            .await
+            .unwrap();
     }
 }
 
@@ -914,9 +923,11 @@ async fn a_killed_worker_fails_its_calls_naming_it() {
     let mut agents = agents;
     let dead = agents.pop().unwrap();
     for a in &agents {
-        a.shutdown(false, Duration::from_secs(5)).await.unwrap();
+        a.shutdown(tensorwire_rpc::Shutdown::Immediate)
+            .await
+            .unwrap();
     }
-    let _ = dead.shutdown(false, Duration::from_secs(5)).await;
+    let _ = dead.shutdown(tensorwire_rpc::Shutdown::Immediate).await;
 }
 
 /// After a clean init and shutdown the store holds no key the agents made.
@@ -959,7 +970,7 @@ async fn a_thousand_joins_and_leaves_keep_the_store_bounded() {
             assert_eq!(sum, i as i64 + 1);
         }
         joiner
-            .shutdown(true, Duration::from_secs(10))
+            .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
             .await
             .unwrap();
         let keys = cluster.store.num_keys().await.unwrap();
@@ -967,6 +978,8 @@ async fn a_thousand_joins_and_leaves_keep_the_store_bounded() {
         assert_eq!(keys, first, "after {} joins and leaves", i + 1);
     }
     assert!(after_first.unwrap() <= 3, "{after_first:?}");
-    a0.shutdown(true, Duration::from_secs(10)).await.unwrap();
+    a0.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
+        .await
+        .unwrap();
     assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
 }

@@ -122,8 +122,8 @@ async fn arguments_decode_exactly_and_the_callee_logs_failures() {
     held.created().await.unwrap();
     let limit = Duration::from_secs(20);
     let (r0, r1) = tokio::join!(
-        agents[0].shutdown(true, limit),
-        agents[1].shutdown(true, limit)
+        agents[0].shutdown(tensorwire_rpc::Shutdown::graceful(limit)),
+        agents[1].shutdown(tensorwire_rpc::Shutdown::graceful(limit))
     );
     r0.unwrap();
     r1.unwrap();

@@ -175,7 +175,9 @@ async fn shutdown(workers: Vec<Worker>) {
     let mut tasks = Vec::new();
     for w in workers {
         tasks.push(tokio::spawn(async move {
-            w.agent.shutdown(true, Duration::from_secs(20)).await
+            w.agent
+                .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(20)))
+                .await
         }));
     }
     for t in tasks {

@@ -52,7 +52,16 @@ async fn use_and_shut_down(agents: &[Agent], graceful: bool) {
     let shutdowns: Vec<_> = agents
         .iter()
         .cloned()
-        .map(|a| tokio::spawn(async move { a.shutdown(graceful, Duration::from_secs(20)).await }))
+        .map(|a| {
+            tokio::spawn(async move {
+                a.shutdown(if graceful {
+                    tensorwire_rpc::Shutdown::graceful(Duration::from_secs(20))
+                } else {
+                    tensorwire_rpc::Shutdown::Immediate
+                })
+                .await
+            })
+        })
         .collect();
     for s in shutdowns {
         s.await.unwrap().expect("shutdown");

@@ -163,8 +163,14 @@ async fn counters_per_peer_from_the_agent_and_the_facade() {
     );
 
     let (a, b) = (w0.clone(), w1.clone());
-    let t0 = tokio::spawn(async move { a.shutdown(true, Duration::from_secs(20)).await });
-    let t1 = tokio::spawn(async move { b.shutdown(true, Duration::from_secs(20)).await });
+    let t0 = tokio::spawn(async move {
+        a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(20)))
+            .await
+    });
+    let t1 = tokio::spawn(async move {
+        b.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(20)))
+            .await
+    });
     t0.await.unwrap().unwrap();
     t1.await.unwrap().unwrap();
 }

@@ -148,7 +148,12 @@ async fn group_with(
 async fn shutdown_all(agents: Vec<Agent>) {
     let tasks: Vec<_> = agents
         .into_iter()
-        .map(|a| tokio::spawn(async move { a.shutdown(true, Duration::from_secs(20)).await }))
+        .map(|a| {
+            tokio::spawn(async move {
+                a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(20)))
+                    .await
+            })
+        })
         .collect();
     for t in tasks {
         t.await.unwrap().unwrap();

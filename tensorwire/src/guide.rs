@@ -25,7 +25,7 @@ pub mod getting_started {
     //!
     //! ```
     //! use std::time::Duration;
-    //! use tensorwire::rpc::{init_rpc, Function, Functions, RpcError, RpcOptions};
+    //! use tensorwire::rpc::{init_rpc, Function, Functions, RpcError, RpcOptions, Shutdown};
     //!
     //! /// Shared by every worker (in a real job: in a crate all your binaries use).
     //! const ADD: Function<(i64, i64), i64> = Function::new("add");
@@ -73,7 +73,7 @@ pub mod getting_started {
     //!     // A graceful shutdown waits until every worker's calls are answered.
     //!     let mut leaving = Vec::new();
     //!     for a in agents {
-    //!         leaving.push(tokio::spawn(async move { a.shutdown(true, Duration::from_secs(30)).await }));
+    //!         leaving.push(tokio::spawn(async move { a.shutdown(Shutdown::graceful(Duration::from_secs(30))).await }));
     //!     }
     //!     for l in leaving {
     //!         l.await.expect("shutdown task")?;
@@ -125,7 +125,7 @@ pub mod device_maps {
     //! use tensorwire::core::devices_sim::SimulatedDevices;
     //! use tensorwire::core::ports::device::relocate;
     //! use tensorwire::core::tensor::Tensor;
-    //! use tensorwire::rpc::{init_rpc, Function, Functions, RpcOptions};
+    //! use tensorwire::rpc::{init_rpc, Function, Functions, RpcOptions, Shutdown};
     //!
     //! /// Where did the tensor land?
     //! const WHERE: Function<Tensor, String> = Function::new("where");
@@ -160,7 +160,7 @@ pub mod device_maps {
     //!
     //!     let mut leaving = Vec::new();
     //!     for a in agents {
-    //!         leaving.push(tokio::spawn(async move { a.shutdown(true, Duration::from_secs(30)).await }));
+    //!         leaving.push(tokio::spawn(async move { a.shutdown(Shutdown::graceful(Duration::from_secs(30))).await }));
     //!     }
     //!     for l in leaving {
     //!         l.await??;
@@ -371,7 +371,7 @@ pub mod many_machines {
     //!
     //! ```no_run
     //! use tensorwire::process_group::DistEnv;
-    //! use tensorwire::rpc::{init_rpc, Functions, RpcOptions};
+    //! use tensorwire::rpc::{init_rpc, Functions, RpcOptions, Shutdown};
     //!
     //! #[tokio::main]
     //! async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -379,7 +379,7 @@ pub mod many_machines {
     //!     let options = RpcOptions::new().with_functions(Functions::new());
     //!     let agent = init_rpc(&format!("worker{}", env.rank), env.rank, Some(env.world_size), options).await?;
     //!     // ... calls ...
-    //!     agent.shutdown(true, std::time::Duration::from_secs(60)).await?;
+    //!     agent.shutdown(Shutdown::graceful(std::time::Duration::from_secs(60))).await?;
     //!     Ok(())
     //! }
     //! ```

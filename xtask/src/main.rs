@@ -6,6 +6,8 @@
 //!   needed). `cargo tree` checks that the library has no CLI dependencies and that its features
 //!   remove adapters (no TCP transport with `--no-default-features --features quic`). The shared-memory transport (`transport-shm`, a workspace member) runs the
 //!   transport conformance suite in `tensorwire-tests` (`tests/tests/transport_shm.rs`).
+//! - `features`: the `cargo tree` checks of `ci` alone (no CLI dependencies in the library, no
+//!   TCP transport without `tcp`) and clippy of the no-TCP builds.
 //! - `gpu [--nccl] [--out DIR]`: builds (release, stripped) the self-contained GPU check binary
 //!   `tw-gpu-check` (with `--nccl` also the NCCL checks), the multi-process RPC worker, the CLI
 //!   (for `launch`) and with `--nccl` the process-group worker, copies them to `DIR` (default
@@ -37,8 +39,9 @@ fn main() -> Result<()> {
         Some("fuzz") => fuzz::fuzz(&args[1..]),
         Some("chaos") => chaos::chaos(&args[1..]),
         Some("soak") => soak::soak(&args[1..]),
-        Some(other) => bail!("unknown task {other:?}; tasks: ci, gpu, fuzz, chaos, soak"),
-        None => bail!("usage: cargo xtask <task>; tasks: ci, gpu, fuzz, chaos, soak"),
+        Some("features") => feature_trees(),
+        Some(other) => bail!("unknown task {other:?}; tasks: ci, features, gpu, fuzz, chaos, soak"),
+        None => bail!("usage: cargo xtask <task>; tasks: ci, features, gpu, fuzz, chaos, soak"),
     }
 }
 

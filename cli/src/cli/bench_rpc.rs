@@ -138,7 +138,9 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
                 options(port, 1, secret.as_bytes(), args),
             )
             .await?;
-            agent.shutdown(true, Duration::from_secs(600)).await?;
+            agent
+                .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(600)))
+                .await?;
             Ok(())
         });
     }
@@ -304,6 +306,8 @@ async fn measure(args: &RpcArgs, port: u16, secret: &[u8], raw: &mut Raw) -> Res
     );
     bar.inc(1);
     bar.finish_and_clear();
-    agent.shutdown(true, Duration::from_secs(60)).await?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(60)))
+        .await?;
     Ok((out, raw_ping, median(raw_rates)))
 }

@@ -394,6 +394,8 @@ async fn worker(args: &Args) -> Result<()> {
             return Err(anyhow!("the loss did not go down"));
         }
     }
-    agent.shutdown(true, Duration::from_secs(30)).await?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(30)))
+        .await?;
     Ok(())
 }

@@ -270,7 +270,11 @@ async fn check_everywhere(
 
 async fn finish(agent: Agent, graceful: bool) -> Result<(), String> {
     agent
-        .shutdown(graceful, Duration::from_secs(30))
+        .shutdown(if graceful {
+            tensorwire_rpc::Shutdown::graceful(Duration::from_secs(30))
+        } else {
+            tensorwire_rpc::Shutdown::Immediate
+        })
         .await
         .map_err(|e| e.to_string())
 }

@@ -259,7 +259,9 @@ async fn traffic() -> Result<()> {
     // barrier after the shutdown would race: a rank that leaves it and exits can make a slower
     // rank's barrier fail with "rank N died".)
     pg.barrier().await?;
-    agent.shutdown(true, Duration::from_secs(60)).await?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(60)))
+        .await?;
     Ok(())
 }
 
@@ -508,7 +510,9 @@ async fn soak() -> Result<()> {
     if let Some(s) = sampler {
         s.abort();
     }
-    agent.shutdown(true, timeout).await?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(timeout))
+        .await?;
     drop(pg);
     Ok(())
 }
@@ -548,7 +552,9 @@ async fn churn(timeout: Duration) -> Result<()> {
                 "the churner's RRef"
             );
         }
-        agent.shutdown(true, timeout).await?;
+        agent
+            .shutdown(tensorwire_rpc::Shutdown::graceful(timeout))
+            .await?;
         if joins % 10 == 0 {
             say(format!("PROGRESS rank {rank} joins={joins}"));
         }
@@ -612,7 +618,9 @@ async fn count() -> Result<()> {
     }
     // Rank 1 waits in the graceful shutdown until rank 0 is done: bound it by the work.
     let bound = Duration::from_secs(600 + calls / 1_000 + rrefs / 100);
-    agent.shutdown(true, bound).await?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(bound))
+        .await?;
     Ok(())
 }
 

@@ -438,7 +438,11 @@ async fn self_rpc(backend: std::sync::Arc<dyn DeviceBackend>) -> Result<String, 
     .await?
     .map_err(|e| e.to_string());
     let took = t0.elapsed();
-    let _ = within("shutdown", agent.shutdown(true, Duration::from_secs(10))).await;
+    let _ = within(
+        "shutdown",
+        agent.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10))),
+    )
+    .await;
     let (landed, back) = reply?;
     if landed != "cuda:0" {
         return Err(format!(

@@ -237,7 +237,9 @@ async fn basic() -> Result<(), RpcError> {
     )?;
     agent.barrier("basic-done", Duration::from_secs(30)).await?;
     let t0 = Instant::now();
-    agent.shutdown(true, Duration::from_secs(30)).await?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(30)))
+        .await?;
     println!(
         "OK basic rank {rank} shutdown_ms={}",
         t0.elapsed().as_millis()
@@ -281,7 +283,10 @@ async fn dead_peer() -> Result<(), RpcError> {
         }
     }
     let t0 = Instant::now();
-    match agent.shutdown(true, Duration::from_secs(3)).await {
+    match agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(3)))
+        .await
+    {
         Ok(()) => Err(RpcError::Init(
             "graceful shutdown with a dead peer succeeded".into(),
         )),
@@ -337,7 +342,9 @@ async fn device_tensors() -> Result<(), RpcError> {
             "no map, no send",
         )?;
     }
-    agent.shutdown(true, Duration::from_secs(30)).await?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(30)))
+        .await?;
     println!("OK device-tensors rank {rank} on {}", backend.name());
     Ok(())
 }
@@ -365,7 +372,9 @@ async fn self_rpc() -> Result<(), RpcError> {
         back.device() == Device::Cpu && back.to_f32_vec() == Some(values),
         "4 MiB come back to cpu by the reverse map",
     )?;
-    agent.shutdown(true, Duration::from_secs(30)).await?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(30)))
+        .await?;
     println!("OK self-rpc rank {rank} landed on {landed}");
     Ok(())
 }
@@ -403,7 +412,9 @@ async fn dynamic() -> Result<(), RpcError> {
         check(Instant::now() < deadline, "the higher ranks leave")?;
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    agent.shutdown(true, Duration::from_secs(30)).await?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(30)))
+        .await?;
     println!("OK dynamic rank {rank}");
     Ok(())
 }
@@ -429,7 +440,9 @@ async fn quic() -> Result<(), RpcError> {
         "to_here over QUIC",
     )?;
     drop(v);
-    agent.shutdown(true, Duration::from_secs(30)).await?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(30)))
+        .await?;
     println!("OK quic rank {rank}");
     Ok(())
 }
@@ -463,7 +476,9 @@ async fn scale() -> Result<(), RpcError> {
     let sum: i64 = agent.rpc_sync(next, "add", &(1i64, 2i64), None).await?;
     check(sum == 3, "add")?;
     let t1 = Instant::now();
-    agent.shutdown(true, Duration::from_secs(60)).await?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(60)))
+        .await?;
     println!(
         "OK scale rank {rank} init_ms={} shutdown_ms={}",
         init.as_millis(),
@@ -481,7 +496,11 @@ async fn inflight() -> Result<(), RpcError> {
             .collect::<Result<_, _>>()?;
         let shut = {
             let agent = agent.clone();
-            tokio::spawn(async move { agent.shutdown(true, Duration::from_secs(30)).await })
+            tokio::spawn(async move {
+                agent
+                    .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(30)))
+                    .await
+            })
         };
         for f in slow {
             check(
@@ -491,7 +510,9 @@ async fn inflight() -> Result<(), RpcError> {
         }
         shut.await.map_err(|e| RpcError::Init(e.to_string()))??;
     } else {
-        agent.shutdown(true, Duration::from_secs(30)).await?;
+        agent
+            .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(30)))
+            .await?;
     }
     println!("OK inflight rank {rank}");
     Ok(())
@@ -501,7 +522,7 @@ async fn inflight() -> Result<(), RpcError> {
 /// can, which must not fail anyone's init.
 async fn init_shutdown() -> Result<(), RpcError> {
     let (agent, rank, _) = start(|_, _| {}).await?;
-    agent.shutdown(false, Duration::from_secs(30)).await?;
+    agent.shutdown(tensorwire_rpc::Shutdown::Immediate).await?;
     println!("OK init-shutdown rank {rank}");
     Ok(())
 }
@@ -524,7 +545,10 @@ async fn frozen_peer() -> Result<(), RpcError> {
     }
     check(line.trim() == "GO", "the test says GO")?;
     let t0 = Instant::now();
-    match agent.shutdown(true, Duration::from_secs(2)).await {
+    match agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(2)))
+        .await
+    {
         Ok(()) => Err(RpcError::Init(
             "graceful shutdown with a frozen peer succeeded".into(),
         )),
