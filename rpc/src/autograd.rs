@@ -41,7 +41,7 @@ use tensorwire_core::ports::autograd::{AutogradEngine, EngineError};
 use tensorwire_core::protocol::{CallError, WorkerId};
 use tensorwire_core::tensor::Tensor;
 use tokio::sync::oneshot;
-use tracing::warn;
+use tracing::{warn, Instrument};
 
 use crate::agent::Agent;
 use crate::dist_optim::Parameter;
@@ -303,6 +303,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
             id
         };
         Ok(AutogradContext {
+            span: context_span(&self.inner.agent, id),
             inner: self.inner.clone(),
             id,
             owned: true,
@@ -424,6 +425,17 @@ impl<E: AutogradEngine> DistAutograd<E> {
     }
 }
 
+/// The `tracing` span of one autograd context on this worker (debug level): the worker and the
+/// context id. The calls made in the context, its backward pass and its release run in it, and
+/// so do this worker's parts of other workers' backward passes and releases.
+fn context_span(agent: &Agent, context: ContextId) -> tracing::Span {
+    tracing::debug_span!(
+        "autograd_context",
+        worker = %agent.worker_info().name,
+        context = %context,
+    )
+}
+
 fn upgrade<E: AutogradEngine>(weak: &Weak<Inner<E>>) -> Result<Arc<Inner<E>>, String> {
     weak.upgrade()
         .ok_or_else(|| "distributed autograd is no longer set up on this worker".to_owned())
@@ -435,6 +447,8 @@ pub struct AutogradContext<E: AutogradEngine> {
     id: ContextId,
     /// Made here by the user: released when dropped.
     owned: bool,
+    /// The `autograd_context` span: calls, backward and release in this context run in it.
+    span: tracing::Span,
 }
 
 impl<E: AutogradEngine> fmt::Debug for AutogradContext<E> {
@@ -547,8 +561,9 @@ impl<E: AutogradEngine> AutogradContext<E> {
     ) -> BoxFuture<CallResult<R, E>> {
         let inner = self.inner.clone();
         let id = self.id;
+        let span = self.span.clone();
         Box::pin(async move {
-            let resp = fut.await?;
+            let resp = fut.instrument(span).await?;
             let tracked = match resp.message {
                 Some(m) => inner
                     .track(callee, id, m, &resp.tensors)
@@ -585,7 +600,7 @@ impl<E: AutogradEngine> AutogradContext<E> {
             rx
         };
         self.inner.pump();
-        let result = rx.await.unwrap_or_else(|_| {
+        let result = rx.instrument(self.span.clone()).await.unwrap_or_else(|_| {
             Err(BackwardError::Released {
                 worker: self.inner.agent.worker_info().id,
                 context: self.id,
@@ -629,7 +644,10 @@ impl<E: AutogradEngine> AutogradContext<E> {
             }
         };
         if started {
-            self.inner.pump_and_wait_releases().await;
+            self.inner
+                .pump_and_wait_releases()
+                .instrument(self.span.clone())
+                .await;
         }
         Ok(())
     }
@@ -747,6 +765,7 @@ impl<E: AutogradEngine> Inner<E> {
             }
         };
         let context = AutogradContext {
+            span: context_span(&self.agent, req.context),
             inner: self.clone(),
             id: req.context,
             owned: false,
@@ -852,7 +871,8 @@ impl<E: AutogradEngine> Inner<E> {
             }
         };
         self.pump();
-        Ok(rx.await.unwrap_or_else(|_| {
+        let span = context_span(&self.agent, req.context);
+        Ok(rx.instrument(span).await.unwrap_or_else(|_| {
             Err(BackwardError::Released {
                 worker: self.agent.worker_info().id,
                 context: req.context,
@@ -874,7 +894,9 @@ impl<E: AutogradEngine> Inner<E> {
             self.violation(from, &v.to_string());
             return Err(format!("protocol violation: {v}"));
         }
-        self.pump_and_wait_releases().await;
+        self.pump_and_wait_releases()
+            .instrument(context_span(&self.agent, req.context))
+            .await;
         Ok(())
     }
 
