@@ -78,7 +78,7 @@ async fn a_context_s_calls_backward_and_release_run_in_its_span() {
     let ctx = dists[0].context().unwrap();
     let id = ctx.id();
     let ((), out) = ctx
-        .rpc_sync::<_, ()>("w1", "square", &(), &[x.clone()], None)
+        .rpc_sync::<_, ()>("w1", "square", &(), std::slice::from_ref(&x), None)
         .await
         .unwrap();
     ctx.backward(&[(out[0].sum_all().unwrap(), None)], false)
