@@ -33,7 +33,6 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,47 +47,9 @@ use tensorwire_process_group::{
 use tensorwire_rpc::{init_rpc, Agent, Functions, RRef, RpcOptions};
 use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 
-struct Counter(AtomicI64);
-
-impl serde::Serialize for Counter {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.0.load(Ordering::SeqCst).serialize(s)
-    }
-}
-
 fn functions() -> Functions {
     let f = Functions::new();
-    f.register(
-        "add",
-        |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) },
-    )
-    .expect("each name is registered once");
-    f.register("whoami", |(): ()| async move {
-        Ok::<_, String>(std::env::var("RANK").unwrap_or_default())
-    })
-    .expect("each name is registered once");
-    f.register("sleep_ms", |ms: u64| async move {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-        Ok::<_, String>(ms)
-    })
-    .expect("each name is registered once");
-    f.register("make_counter", |start: i64| async move {
-        Ok::<_, String>(Counter(AtomicI64::new(start)))
-    })
-    .expect("each name is registered once");
-    f.register_method("increment", |c: Arc<Counter>, by: i64| async move {
-        Ok::<_, String>(c.0.fetch_add(by, Ordering::SeqCst) + by)
-    })
-    .expect("each name is registered once");
-    f.register("make_vec", |n: i64| async move {
-        Ok::<_, String>((0..n).collect::<Vec<i64>>())
-    })
-    .expect("each name is registered once");
-    f.register("sum_rref", |r: RRef<Vec<i64>>| async move {
-        let v = r.to_here(None).await.map_err(|e| e.to_string())?;
-        Ok::<_, String>(v.iter().sum::<i64>())
-    })
-    .expect("each name is registered once");
+    tensorwire_tests::workload::register(&f);
     f
 }
 
@@ -207,7 +168,8 @@ async fn round(
     let s: i64 = agent.rpc_sync(third, "sum_rref", &v, None).await?;
     ensure!(s == want, "a forked RRef summed to {s}, not {want}");
     ensure!(v.to_here(None).await?.len() == (n + 3) as usize, "to_here");
-    let c: RRef<Counter> = agent.remote(next, "make_counter", &n, None)?;
+    let c: RRef<tensorwire_tests::workload::Counter> =
+        agent.remote(next, "make_counter", &n, None)?;
     let got: i64 = c.rpc_sync("increment", &2i64, None).await?;
     ensure!(got == n + 2, "a method on the owner's value gave {got}");
     drop((v, c));

@@ -9,7 +9,6 @@
 //! worker prints `SKIPPED: <reason>` and exits 0 before doing anything else.
 
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,49 +20,11 @@ use tensorwire_core::ports::device::{relocate, DeviceBackend};
 use tensorwire_core::tensor::Tensor;
 use tensorwire_rpc::{init_rpc, Agent, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions};
 
-struct Counter(AtomicI64);
-
-impl serde::Serialize for Counter {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.0.load(Ordering::SeqCst).serialize(s)
-    }
-}
-
 fn functions() -> Functions {
     let f = Functions::new();
-    f.register(
-        "add",
-        |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) },
-    )
-    .expect("each name is registered once");
-    f.register("whoami", |(): ()| async move {
-        Ok::<_, String>(std::env::var("RANK").unwrap_or_default())
-    })
-    .expect("each name is registered once");
-    f.register("sleep_ms", |ms: u64| async move {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-        Ok::<_, String>(ms)
-    })
-    .expect("each name is registered once");
+    tensorwire_tests::workload::register(&f);
     f.register("fail", |(): ()| async move {
         Err::<(), _>("deliberate failure")
-    })
-    .expect("each name is registered once");
-    f.register("make_counter", |start: i64| async move {
-        Ok::<_, String>(Counter(AtomicI64::new(start)))
-    })
-    .expect("each name is registered once");
-    f.register_method("increment", |c: Arc<Counter>, by: i64| async move {
-        Ok::<_, String>(c.0.fetch_add(by, Ordering::SeqCst) + by)
-    })
-    .expect("each name is registered once");
-    f.register("make_vec", |n: i64| async move {
-        Ok::<_, String>((0..n).collect::<Vec<i64>>())
-    })
-    .expect("each name is registered once");
-    f.register("sum_rref", |r: RRef<Vec<i64>>| async move {
-        let v = r.to_here(None).await.map_err(|e| e.to_string())?;
-        Ok::<_, String>(v.iter().sum::<i64>())
     })
     .expect("each name is registered once");
     f.register("tensor_where", |t: Tensor| async move {
@@ -175,7 +136,8 @@ async fn basic() -> Result<(), RpcError> {
     let third = (rank + 2) % world;
     let s: i64 = agent.rpc_sync(third as u32, "sum_rref", &v, None).await?;
     check(s == 10, "a forked RRef fetched by a third worker")?;
-    let c: RRef<Counter> = agent.remote(next as u32, "make_counter", &100i64, None)?;
+    let c: RRef<tensorwire_tests::workload::Counter> =
+        agent.remote(next as u32, "make_counter", &100i64, None)?;
     check(
         c.rpc_sync::<_, i64>("increment", &1i64, None).await? == 101,
         "method on the owner's value",
