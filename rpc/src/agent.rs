@@ -257,6 +257,8 @@ pub(crate) struct Inner {
     /// The one clock the driver reads time from and sleeps on.
     clock: Arc<dyn Clock>,
     pub(crate) metrics: crate::metrics::AgentMetrics,
+    /// Who hears of lost and joined peers ([`Agent::peer_events`]).
+    peer_events: crate::peer_events::PeerEventHub,
 }
 
 /// Every task the agent runs, so that shutdown can end them and wait until they have ended
@@ -586,6 +588,7 @@ impl Agent {
             rendezvous: Mutex::new(None),
             tasks: Mutex::new(Tasks::default()),
             clock: Arc::new(TokioClock),
+            peer_events: crate::peer_events::PeerEventHub::new(),
         });
         Agent { inner }
     }
@@ -1102,6 +1105,12 @@ impl Agent {
         let mut st = self.lock();
         st.lost.remove(&record.rank);
         st.ep.handle_peer_joined(record.rank);
+        drop(st);
+        self.inner
+            .peer_events
+            .emit(crate::peer_events::PeerEvent::Joined {
+                worker: record.rank,
+            });
     }
 
     /// Drops a worker that left or died (dynamic groups).
@@ -1217,7 +1226,32 @@ impl Agent {
         A: Serialize + ?Sized,
         R: DeserializeOwned + Send + 'static,
     {
-        let prepared = tensors::prepare(self, to, args, Direction::Request)
+        self.send_call_placed(to, function, args, target, timeout, Direction::Request)
+    }
+
+    /// The backend that copies this agent's tensors between host and devices.
+    pub(crate) fn device_backend(&self) -> &Arc<dyn DeviceBackend> {
+        &self.inner.backend
+    }
+
+    /// [`send_call`](Self::send_call), with the tensors of `args` placed as `placement` says:
+    /// by this worker's map for `to` (a request) or by its reverse map for `to` (the way a
+    /// response goes; distributed autograd sends a gradient back by the reverse of the map
+    /// its forward message took).
+    pub(crate) fn send_call_placed<A, R>(
+        &self,
+        to: WorkerId,
+        function: &str,
+        args: &A,
+        target: Option<RRefId>,
+        timeout: Option<Duration>,
+        placement: Direction,
+    ) -> Result<RpcFuture<R>, RpcError>
+    where
+        A: Serialize + ?Sized,
+        R: DeserializeOwned + Send + 'static,
+    {
+        let prepared = tensors::prepare(self, to, args, placement)
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
         let (tx, rx) = oneshot::channel();
@@ -1610,6 +1644,7 @@ impl Agent {
             )
         };
         self.lock().ep.stop();
+        self.inner.peer_events.close();
         // Deliver the failures of pending calls now (the driver is about to stop).
         self.pump();
         // The values this worker kept for others go too, dropped once the guard is gone (they
@@ -1793,25 +1828,42 @@ impl Agent {
         self.spawn(reader);
     }
 
+    /// Subscribes to what happens to peers: a peer lost (its connection broke; told once per
+    /// loss, whether or not a call to it was pending) or a worker joined. Each subscription
+    /// sees every event after it was made, in order; it ends when the agent shuts down.
+    pub fn peer_events(&self) -> crate::peer_events::PeerEvents {
+        self.inner.peer_events.subscribe()
+    }
+
     fn peer_lost(&self, peer: WorkerId, reason: &str) {
         let name = self.name_of(peer);
         warn!("lost the connection to {name} (rank {peer}): {reason}");
-        {
+        let first = {
             let mut st = self.lock();
             st.peers.remove(&peer);
             let reason = format!("{name}: {reason}");
             st.ep.handle_peer_lost(peer, &reason, self.now());
-            st.lost.insert(peer, reason);
+            let first = st.lost.insert(peer, reason.clone()).is_none();
             // Forks owned by the lost peer will never be confirmed: their waiters fail.
             for waiters in st.confirm_waiters.values_mut() {
                 waiters.retain(|(owner, _)| *owner != peer);
             }
             st.confirm_waiters.retain(|_, w| !w.is_empty());
-        }
+            first.then_some(reason)
+        };
         if self.inner.dynamic {
             self.remove_member(peer);
         }
         self.pump();
+        // The reader and the writer of a link may both report its end: subscribers hear once.
+        if let Some(reason) = first {
+            self.inner
+                .peer_events
+                .emit(crate::peer_events::PeerEvent::Lost {
+                    worker: peer,
+                    reason,
+                });
+        }
     }
 
     /// Hands a received frame to the endpoint. A frame that breaks the protocol is an error:

@@ -35,18 +35,22 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tensorwire_core::autograd::{
     AutogradError, AutogradMessageId, BackwardError, ContextId, DistAutograd as State, Entry,
-    GradientId, Output, RequestToken, TaskId,
+    GradientId, Output, RecvError, RequestToken, TaskId,
 };
+use tensorwire_core::device::Device;
+use tensorwire_core::placement::Direction;
 use tensorwire_core::ports::autograd::{AutogradEngine, EngineError};
+use tensorwire_core::ports::device::relocate;
 use tensorwire_core::protocol::{CallError, WorkerId};
 use tensorwire_core::tensor::Tensor;
 use tokio::sync::oneshot;
-use tracing::{warn, Instrument};
+use tracing::{debug, warn, Instrument};
 
 use crate::agent::Agent;
 use crate::dist_optim::Parameter;
 use crate::error::RpcError;
 use crate::functions::CallContext;
+use crate::peer_events::PeerEvent;
 use crate::rref::RRef;
 use tensorwire_core::autograd::optim::Optimizer;
 
@@ -126,6 +130,17 @@ type Roots<E> = Vec<(
     Option<<E as AutogradEngine>::Tensor>,
 )>;
 
+/// Where the tensors of one recv landed, and how their gradients travel back.
+#[derive(Debug, Clone)]
+struct RecvPlacement {
+    /// The device each tensor landed on here (its gradient is put there before it is sent).
+    devices: Vec<Device>,
+    /// The reverse of the map the forward message took: a request's tensors (moved by the
+    /// sender's map) send their gradients by this worker's reverse map for the sender, a
+    /// response's (moved by the sender's reverse map) by this worker's map for it.
+    gradients_go: Direction,
+}
+
 struct ContextData<E: AutogradEngine> {
     /// Tensors sent under each message (the send functions).
     sends: HashMap<AutogradMessageId, Vec<E::Tensor>>,
@@ -133,6 +148,8 @@ struct ContextData<E: AutogradEngine> {
     recvs: HashMap<AutogradMessageId, Vec<E::Tensor>>,
     /// Which recv tensor a leaf is.
     recv_leaves: HashMap<E::LeafId, (AutogradMessageId, usize)>,
+    /// Where each recv's tensors landed, and by which map their gradients go back.
+    recv_devices: HashMap<AutogradMessageId, RecvPlacement>,
     /// Seeds of the runs started by gradients.
     seeds: HashMap<TaskId, Vec<Option<E::Tensor>>>,
     /// Gradients a run produced for recv functions, until they are sent.
@@ -149,6 +166,7 @@ impl<E: AutogradEngine> ContextData<E> {
             sends: HashMap::new(),
             recvs: HashMap::new(),
             recv_leaves: HashMap::new(),
+            recv_devices: HashMap::new(),
             seeds: HashMap::new(),
             produced: HashMap::new(),
             roots: Vec::new(),
@@ -230,7 +248,19 @@ impl<E: AutogradEngine> DistAutograd<E> {
     /// it needs on every worker; every worker taking part must call it (before the others
     /// send it anything in a context). The gradient requests use the agent's RPC timeout.
     /// Setting it up twice on one agent is an error (its functions are registered already).
+    ///
+    /// It listens to the agent's [`peer_events`](Agent::peer_events): when a peer is lost,
+    /// every context it made or took part in is dropped here (a backward running in it fails
+    /// naming the peer), whether or not a backward was running. Must be called inside the
+    /// agent's tokio runtime.
     pub fn new(agent: &Agent, engine: E) -> Result<Self, RpcError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(RpcError::Init(
+                "DistAutograd::new must be called inside a tokio runtime (it starts a task that follows lost peers)".into(),
+            ));
+        }
+        // Subscribed before anything can be recorded: no loss goes unheard.
+        let mut events = agent.peer_events();
         let inner = Arc::new(Inner {
             agent: agent.clone(),
             engine,
@@ -279,6 +309,24 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 }
             },
         )?;
+        // One of the agent's tasks: its shutdown ends it.
+        let weak = Arc::downgrade(&inner);
+        agent.spawn(async move {
+            while let Some(event) = events.recv().await {
+                let Some(inner) = weak.upgrade() else {
+                    return;
+                };
+                match event {
+                    PeerEvent::Lost { worker, reason } => {
+                        debug!(
+                            "autograd: worker {worker} was lost ({reason}); dropping its contexts"
+                        );
+                        inner.peer_lost(worker);
+                    }
+                    PeerEvent::Joined { worker } => inner.lock().state.handle_peer_joined(worker),
+                }
+            }
+        });
         Ok(Self { inner })
     }
 
@@ -350,7 +398,9 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 async move {
                     let inner = upgrade(&weak)?;
                     let caller = cx.caller().id;
-                    let (context, tracked) = inner.receive(caller, &req)?;
+                    let (context, tracked) = inner
+                        .receive(caller, req.context, req.message, &req.tensors)
+                        .await?;
                     let call = AutogradCall { call: cx, context };
                     let (result, out) = f(call, req.args, tracked).await?;
                     inner.respond(req.context, caller, out, result)
@@ -379,7 +429,9 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 async move {
                     let inner = upgrade(&weak)?;
                     let caller = cx.caller().id;
-                    let (context, tracked) = inner.receive(caller, &req)?;
+                    let (context, tracked) = inner
+                        .receive(caller, req.context, req.message, &req.tensors)
+                        .await?;
                     let call = AutogradCall { call: cx, context };
                     let (result, out) = f(call, value, req.args, tracked).await?;
                     inner.respond(req.context, caller, out, result)
@@ -407,7 +459,9 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 let (f, weak) = (f.clone(), weak.clone());
                 async move {
                     let inner = upgrade(&weak)?;
-                    let (context, tracked) = inner.receive(cx.caller().id, &req)?;
+                    let (context, tracked) = inner
+                        .receive(cx.caller().id, req.context, req.message, &req.tensors)
+                        .await?;
                     f(AutogradCall { call: cx, context }, req.args, tracked).await
                 }
             },
@@ -566,7 +620,8 @@ impl<E: AutogradEngine> AutogradContext<E> {
             let resp = fut.instrument(span).await?;
             let tracked = match resp.message {
                 Some(m) => inner
-                    .track(callee, id, m, &resp.tensors)
+                    .track(callee, id, m, &resp.tensors, Direction::Response)
+                    .await
                     .map_err(|message| DistAutogradError::Violation {
                         from: inner.agent.name_of(callee),
                         message,
@@ -682,6 +737,7 @@ enum Action<E: AutogradEngine> {
         gradient: GradientId,
         to: WorkerId,
         req: GradientRequest,
+        placement: RecvPlacement,
     },
     GradientFailed {
         gradient: GradientId,
@@ -750,50 +806,62 @@ impl<E: AutogradEngine> Inner<E> {
     }
 
     /// Callee side of a forward call: records the recv and tracks the tensors.
-    fn receive<A>(
+    async fn receive(
         self: &Arc<Self>,
         caller: WorkerId,
-        req: &ForwardRequest<A>,
+        context_id: ContextId,
+        message: Option<AutogradMessageId>,
+        tensors: &[Tensor],
     ) -> Result<(AutogradContext<E>, Vec<E::Tensor>), String> {
-        let tracked = match req.message {
-            Some(m) => self.track(caller, req.context, m, &req.tensors)?,
+        let tracked = match message {
+            Some(m) => {
+                self.track(caller, context_id, m, tensors, Direction::Request)
+                    .await?
+            }
             None => {
-                if !req.tensors.is_empty() {
+                if !tensors.is_empty() {
                     return Err("tensors without an autograd message id".into());
                 }
                 Vec::new()
             }
         };
         let context = AutogradContext {
-            span: context_span(&self.agent, req.context),
+            span: context_span(&self.agent, context_id),
             inner: self.clone(),
-            id: req.context,
+            id: context_id,
             owned: false,
         };
         Ok((context, tracked))
     }
 
-    /// Records a recv from `from` and returns its tensors as tracked leaves.
-    fn track(
+    /// Records a recv from `from` and returns its tensors as tracked leaves. `moved_by` says
+    /// which map placed them (a request's: the sender's map; a response's: the sender's
+    /// reverse map): their gradients go back by the other. The devices they landed on are
+    /// kept: the engine gets host copies, and each gradient is put back on its tensor's
+    /// device before it is sent.
+    async fn track(
         &self,
         from: WorkerId,
         context: ContextId,
         message: AutogradMessageId,
         tensors: &[Tensor],
+        moved_by: Direction,
     ) -> Result<Vec<E::Tensor>, String> {
-        let tracked = tensors
-            .iter()
-            .map(|t| {
-                self.engine
-                    .import(&host(t)?, true)
-                    .map_err(|e| e.to_string())
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let devices: Vec<Device> = tensors.iter().map(Tensor::device).collect();
+        let mut tracked = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            let host = self.to_host(t).await?;
+            tracked.push(self.engine.import(&host, true).map_err(|e| e.to_string())?);
+        }
         let mut sh = self.lock();
-        if let Err(v) = sh.state.handle_recv(from, context, message) {
-            drop(sh);
-            self.violation(from, &v.to_string());
-            return Err(v.to_string());
+        match sh.state.handle_recv(from, context, message) {
+            Ok(()) => {}
+            Err(RecvError::Violation(v)) => {
+                drop(sh);
+                self.violation(from, &v.to_string());
+                return Err(v.to_string());
+            }
+            Err(e) => return Err(e.to_string()),
         }
         let data = sh.data.entry(context).or_insert_with(ContextData::new);
         for (i, t) in tracked.iter().enumerate() {
@@ -801,6 +869,16 @@ impl<E: AutogradEngine> Inner<E> {
                 .insert(self.engine.leaf_id(t), (message, i));
         }
         data.recvs.insert(message, tracked.clone());
+        data.recv_devices.insert(
+            message,
+            RecvPlacement {
+                devices,
+                gradients_go: match moved_by {
+                    Direction::Request => Direction::Response,
+                    Direction::Response => Direction::Request,
+                },
+            },
+        );
         Ok(tracked)
     }
 
@@ -822,6 +900,19 @@ impl<E: AutogradEngine> Inner<E> {
         })
     }
 
+    /// `t` in host memory, for the engine (which computes on the host): copied off its device
+    /// by the agent's device backend when it is on one.
+    async fn to_host(&self, t: &Tensor) -> Result<Tensor, String> {
+        relocate(&**self.agent.device_backend(), t, Device::Cpu)
+            .await
+            .map_err(|e| {
+                format!(
+                    "a tensor on {} could not be copied to the host: {e}",
+                    t.device()
+                )
+            })
+    }
+
     fn violation(&self, from: WorkerId, what: &str) {
         self.violations.fetch_add(1, Ordering::Relaxed);
         warn!(
@@ -841,7 +932,7 @@ impl<E: AutogradEngine> Inner<E> {
             seeds.push(match g {
                 Some(t) => Some(
                     self.engine
-                        .import(&host(t)?, false)
+                        .import(&self.to_host(t).await?, false)
                         .map_err(|e| e.to_string())?,
                 ),
                 None => None,
@@ -962,23 +1053,35 @@ impl<E: AutogradEngine> Inner<E> {
                         let inner = self.clone();
                         tokio::spawn(async move { inner.run(task, context, roots).await });
                     }
-                    Action::Gradient { gradient, to, req } => {
+                    Action::Gradient {
+                        gradient,
+                        to,
+                        req,
+                        placement,
+                    } => {
                         let inner = self.clone();
-                        match self.agent.rpc_async::<_, Result<(), BackwardError>>(
-                            to,
-                            GRAD,
-                            &req,
-                            self.timeout(),
-                        ) {
-                            Ok(f) => {
-                                tokio::spawn(async move {
-                                    let result = f.await;
-                                    inner.on_gradient_answer(gradient, to, req.context, result);
-                                });
-                            }
-                            Err(e) => {
-                                inner.on_gradient_answer(gradient, to, req.context, Err(e));
-                            }
+                        if placement.devices.iter().all(|d| d.is_cpu()) {
+                            inner.send_gradient(gradient, to, req, placement.gradients_go);
+                        } else {
+                            // Each gradient goes on its tensor's device first (a copy by the
+                            // device backend), then travels by the reverse map from there.
+                            tokio::spawn(async move {
+                                match inner.place_gradients(req, &placement.devices).await {
+                                    Ok(req) => inner.send_gradient(
+                                        gradient,
+                                        to,
+                                        req,
+                                        placement.gradients_go,
+                                    ),
+                                    Err(error) => {
+                                        inner
+                                            .lock()
+                                            .state
+                                            .handle_gradient_reply(gradient, Err(error));
+                                        inner.pump();
+                                    }
+                                }
+                            });
                         }
                     }
                     Action::GradientFailed { gradient, error } => {
@@ -994,6 +1097,55 @@ impl<E: AutogradEngine> Inner<E> {
                 }
             }
         }
+    }
+
+    /// Sends `req` to `to` as gradient request `gradient`, its tensors placed by the map
+    /// `placement` names, and reports the answer to the state machine.
+    fn send_gradient(
+        self: &Arc<Self>,
+        gradient: GradientId,
+        to: WorkerId,
+        req: GradientRequest,
+        placement: Direction,
+    ) {
+        let inner = self.clone();
+        match self.agent.send_call_placed::<_, Result<(), BackwardError>>(
+            to,
+            GRAD,
+            &req,
+            None,
+            self.timeout(),
+            placement,
+        ) {
+            Ok(f) => {
+                tokio::spawn(async move {
+                    let result = f.await;
+                    inner.on_gradient_answer(gradient, to, req.context, result);
+                });
+            }
+            Err(e) => inner.on_gradient_answer(gradient, to, req.context, Err(e)),
+        }
+    }
+
+    /// Puts each gradient of `req` on the device its tensor landed on here.
+    async fn place_gradients(
+        &self,
+        mut req: GradientRequest,
+        devices: &[Device],
+    ) -> Result<GradientRequest, BackwardError> {
+        let backend = self.agent.device_backend();
+        for (g, device) in req.grads.iter_mut().zip(devices) {
+            if let Some(t) = g {
+                *t = relocate(&**backend, t, *device)
+                    .await
+                    .map_err(|e| BackwardError::Engine {
+                        worker: self.agent.worker_info().id,
+                        context: req.context,
+                        reason: format!("the gradient could not be put on {device}: {e}"),
+                    })?;
+            }
+        }
+        Ok(req)
     }
 
     fn on_gradient_answer(
@@ -1078,11 +1230,22 @@ impl<E: AutogradEngine> Inner<E> {
                     context,
                     message,
                 } => {
-                    let grads = sh
+                    let (grads, placement) = sh
                         .data
                         .get_mut(&context)
-                        .and_then(|d| d.produced.remove(&(task, message)))
+                        .map(|d| {
+                            (
+                                d.produced.remove(&(task, message)).unwrap_or_default(),
+                                d.recv_devices.get(&message).cloned(),
+                            )
+                        })
                         .unwrap_or_default();
+                    // A recv always has its placement; without one the gradient stays on the
+                    // host and goes back the way a response would.
+                    let placement = placement.unwrap_or(RecvPlacement {
+                        devices: Vec::new(),
+                        gradients_go: Direction::Response,
+                    });
                     let wire: Result<Vec<Option<Tensor>>, EngineError> = grads
                         .iter()
                         .map(|g| g.as_ref().map(|g| self.engine.export(g)).transpose())
@@ -1096,6 +1259,7 @@ impl<E: AutogradEngine> Inner<E> {
                                 message,
                                 grads,
                             },
+                            placement,
                         }),
                         Err(e) => actions.push(Action::GradientFailed {
                             gradient,
@@ -1189,18 +1353,6 @@ impl<E: AutogradEngine> Inner<E> {
             }
         }
         self.pump();
-    }
-}
-
-/// A host copy of `t` (the engine computes on the host).
-fn host(t: &Tensor) -> Result<Tensor, String> {
-    if t.host_bytes().is_some() {
-        Ok(t.clone())
-    } else {
-        Err(format!(
-            "a tracked tensor arrived on {}; this engine takes host tensors",
-            t.device()
-        ))
     }
 }
 

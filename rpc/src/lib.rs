@@ -46,6 +46,7 @@ pub mod fuzzing;
 pub mod memory;
 pub mod metrics;
 mod options;
+pub mod peer_events;
 mod rref;
 mod tensors;
 pub mod typed;
@@ -65,6 +66,7 @@ pub use error::RpcError;
 pub use functions::{CallContext, Functions};
 pub use metrics::{PeerMetrics, RpcMetrics};
 pub use options::{RpcOptions, Shutdown, DEFAULT_RPC_TIMEOUT, IMMEDIATE_CLOSE_TIMEOUT};
+pub use peer_events::{PeerEvent, PeerEvents};
 pub use rref::RRef;
 pub use tensorwire_core::autograd::optim::Optimizer;
 pub use tensorwire_core::protocol::{

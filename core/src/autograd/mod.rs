@@ -208,6 +208,33 @@ pub enum AutogradError {
     /// The counter of contexts or messages is spent.
     #[error("worker {0} has used up its 2^32 autograd ids")]
     IdsExhausted(WorkerId),
+    /// Tracked tensors cannot go to a worker known to be lost: nothing would ever send their
+    /// gradients back, and a context left with it would never be released.
+    #[error("worker {worker} was lost; tracked tensors in {context} cannot be sent to it")]
+    PeerLost {
+        /// The lost worker.
+        worker: WorkerId,
+        /// The context.
+        context: ContextId,
+    },
+}
+
+/// Why a recv record was refused ([`DistAutograd::handle_recv`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RecvError {
+    /// The message breaks the protocol.
+    #[error(transparent)]
+    Violation(#[from] ProtocolViolation),
+    /// The sender was declared lost before its message was handled (the message raced the
+    /// news of its death): recording it would leave a context that nobody releases.
+    #[error("worker {from} was lost; its message in {context} is not recorded")]
+    PeerLost {
+        /// The lost sender.
+        from: WorkerId,
+        /// The context.
+        context: ContextId,
+    },
 }
 
 /// A message that a peer had no right to send. The state is unchanged; the driver reports it
@@ -387,6 +414,8 @@ pub struct DistAutograd {
     contexts: BTreeMap<ContextId, Context>,
     tasks: BTreeMap<TaskId, Task>,
     outgoing: BTreeMap<GradientId, Outgoing>,
+    /// Workers declared lost (and not back since): no context is made with them again.
+    lost: BTreeSet<WorkerId>,
     out: VecDeque<Output>,
 }
 
@@ -402,6 +431,7 @@ impl DistAutograd {
             contexts: BTreeMap::new(),
             tasks: BTreeMap::new(),
             outgoing: BTreeMap::new(),
+            lost: BTreeSet::new(),
             out: VecDeque::new(),
         }
     }
@@ -491,6 +521,12 @@ impl DistAutograd {
         if self.next_message > COUNTER_MASK {
             return Err(AutogradError::IdsExhausted(self.me));
         }
+        if self.lost.contains(&to) {
+            return Err(AutogradError::PeerLost {
+                worker: to,
+                context,
+            });
+        }
         let ctx = self
             .contexts
             .get_mut(&context)
@@ -542,27 +578,31 @@ impl DistAutograd {
 
     /// A message from `from` in `context` carried tracked tensors under `message`: keep a recv
     /// record (the driver attaches a recv function to them). The context is created here if
-    /// this is its first message.
+    /// this is its first message. A message from a worker already declared lost is refused
+    /// ([`RecvError::PeerLost`]), so that no context is made that its loss can no longer drop.
     pub fn handle_recv(
         &mut self,
         from: WorkerId,
         context: ContextId,
         message: AutogradMessageId,
-    ) -> Result<(), ProtocolViolation> {
+    ) -> Result<(), RecvError> {
         let bad = ProtocolViolation::BadMessageId {
             from,
             context,
             message,
         };
         if message.worker() != from {
-            return Err(bad);
+            return Err(bad.into());
         }
         if self
             .contexts
             .get(&context)
             .is_some_and(|c| c.recvs.contains_key(&message))
         {
-            return Err(bad);
+            return Err(bad.into());
+        }
+        if self.lost.contains(&from) || self.lost.contains(&context.worker()) {
+            return Err(RecvError::PeerLost { from, context });
         }
         let ctx = self.contexts.entry(context).or_insert_with(Context::new);
         ctx.recvs.insert(message, from);
@@ -646,13 +686,18 @@ impl DistAutograd {
         Ok(())
     }
 
-    /// `peer` is gone: every context that knew it fails its backward work (naming `peer`) and
-    /// is dropped here, with a release to the other known workers.
+    /// `peer` is gone: every context that it made or that knew it fails its backward work
+    /// (naming `peer`) and is dropped here, with a release to the other known workers. This
+    /// holds whether or not a backward is running: a context whose forward pass reached a
+    /// worker that then died is dropped too (PyTorch keeps it until shutdown, pytorch#26379).
+    /// From now on no message from `peer` is recorded and no tracked tensor goes to it, until
+    /// [`handle_peer_joined`](Self::handle_peer_joined). Telling it twice is harmless.
     pub fn handle_peer_lost(&mut self, peer: WorkerId) {
+        self.lost.insert(peer);
         let hit: Vec<ContextId> = self
             .contexts
             .iter()
-            .filter(|(_, c)| c.known.contains(&peer))
+            .filter(|(id, c)| id.worker() == peer || c.known.contains(&peer))
             .map(|(id, _)| *id)
             .collect();
         for context in hit {
@@ -662,6 +707,17 @@ impl DistAutograd {
             };
             self.drop_context(context, Some(peer), &error, true);
         }
+    }
+
+    /// A worker joined the group under `peer`'s id (a dynamic group reuses the id of a worker
+    /// that left or died): contexts with it may be made again.
+    pub fn handle_peer_joined(&mut self, peer: WorkerId) {
+        self.lost.remove(&peer);
+    }
+
+    /// Whether `peer` was declared lost (and has not joined again since).
+    pub fn is_lost(&self, peer: WorkerId) -> bool {
+        self.lost.contains(&peer)
     }
 
     /// The local run of `task` finished; it reached the recv functions of `reached` (their

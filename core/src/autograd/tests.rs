@@ -233,11 +233,11 @@ fn violations_are_typed_and_change_nothing() {
     // A recv whose id is not the sender's, or a repeated one.
     assert!(matches!(
         a.handle_recv(1, c, m1),
-        Err(ProtocolViolation::BadMessageId { .. })
+        Err(RecvError::Violation(ProtocolViolation::BadMessageId { .. }))
     ));
     assert!(matches!(
         a.handle_recv(1, c, m2),
-        Err(ProtocolViolation::BadMessageId { .. })
+        Err(RecvError::Violation(ProtocolViolation::BadMessageId { .. }))
     ));
     assert_eq!(
         a.handle_release(3, c, None),
@@ -341,4 +341,79 @@ fn simulation_with_a_worker_killed_mid_backward() {
     if std::env::var("TW_SIM_SEED").is_err() {
         assert!(failed > 20, "only {failed} backward passes failed");
     }
+}
+
+/// A forward pass c -> b -> a with no backward: when c dies, every survivor drops the context,
+/// each on its own notice (a never exchanged anything with c: the context's id names c as its
+/// maker), and b's release to a finds nothing left. Nothing of c's is recorded afterwards, and
+/// no tracked tensor goes to it, until a worker joins under its id again.
+#[test]
+fn a_lost_peer_drops_its_contexts_on_every_survivor_without_a_backward() {
+    let mut a = DistAutograd::new(0);
+    let mut b = DistAutograd::new(1);
+    let mut c = DistAutograd::new(2);
+    let ctx = c.new_context().unwrap();
+    let m1 = c.record_send(ctx, 1).unwrap();
+    b.handle_recv(2, ctx, m1).unwrap();
+    let m2 = b.record_send(ctx, 0).unwrap();
+    a.handle_recv(1, ctx, m2).unwrap();
+    // A context of a's own that reached only b survives c's death.
+    let mine = a.new_context().unwrap();
+    let m3 = a.record_send(mine, 1).unwrap();
+    b.handle_recv(0, mine, m3).unwrap();
+    assert_eq!(a.known_workers(ctx), Some(vec![1]));
+
+    a.handle_peer_lost(2);
+    assert_eq!(
+        drain(&mut a),
+        vec![
+            Output::Release {
+                to: 1,
+                context: ctx,
+                cause: Some(BackwardError::PeerLost {
+                    worker: 2,
+                    context: ctx
+                })
+            },
+            Output::Dropped { context: ctx }
+        ]
+    );
+    b.handle_peer_lost(2);
+    b.handle_peer_lost(2);
+    let out = drain(&mut b);
+    assert!(out.contains(&Output::Dropped { context: ctx }), "{out:?}");
+    assert!(
+        !out.iter()
+            .any(|o| matches!(o, Output::Release { to: 2, .. })),
+        "{out:?}"
+    );
+    assert_eq!((a.context_count(), b.context_count()), (1, 1));
+    assert!(a.has_context(mine) && b.has_context(mine));
+    // b's release reaches a after a dropped the context on its own: nothing happens.
+    a.handle_release(1, ctx, None).unwrap();
+    assert!(drain(&mut a).is_empty());
+
+    // A message from c that raced the news is refused, not recorded.
+    let late = AutogradMessageId::new(2, 7);
+    let theirs = ContextId::new(2, 1);
+    assert_eq!(
+        b.handle_recv(2, theirs, late),
+        Err(RecvError::PeerLost {
+            from: 2,
+            context: theirs
+        })
+    );
+    assert_eq!(
+        a.record_send(mine, 2),
+        Err(AutogradError::PeerLost {
+            worker: 2,
+            context: mine
+        })
+    );
+    assert_eq!(b.context_count(), 1);
+    // A worker that joins under c's id is a new worker.
+    b.handle_peer_joined(2);
+    assert!(!b.is_lost(2));
+    b.handle_recv(2, theirs, late).unwrap();
+    assert!(b.has_context(theirs));
 }
