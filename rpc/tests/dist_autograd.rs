@@ -1,7 +1,9 @@
-//! Distributed autograd across agents of one process (loopback TCP), with the candle engine:
-//! gradients equal the same computation in one engine, for a chain, a diamond, a nested chain
-//! that comes back (A→B→C→A), RRef method calls and a tensor used twice; concurrent contexts;
-//! violations; release.
+//! Distributed autograd across agents of one process (the in-memory transport and store), with
+//! the candle engine: gradients equal the same computation in one engine, for a chain, a
+//! diamond, a nested chain that comes back (A→B→C→A), RRef method calls and a tensor used
+//! twice; concurrent contexts; violations; release; a worker lost with contexts open (in
+//! virtual time); gradients sent back by the reverse of the forward's device maps (simulated
+//! devices).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,20 +11,14 @@ use std::time::Duration;
 use tensorwire_autograd_candle::candle_core::{Device, Tensor as CTensor, Var};
 use tensorwire_autograd_candle::CandleEngine;
 use tensorwire_core::autograd::optim::{Optimizer, OptimizerState};
+use tensorwire_process_group::InMemoryStore;
+use tensorwire_rpc::memory::{MemoryNetwork, MemoryTransport};
 use tensorwire_rpc::{
-    init_rpc, Agent, AutogradCall, DistAutograd, DistAutogradError, DistributedOptimizer,
-    Functions, Parameter, RRef, RpcOptions,
+    start_agent, Agent, AutogradCall, DistAutograd, DistAutogradError, DistributedOptimizer,
+    Functions, Parameter, RRef, Rendezvous, RpcOptions,
 };
 
 type Dist = DistAutograd<CandleEngine>;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn param_values(rank: usize) -> Vec<f32> {
     let r = rank as f32 + 1.0;
@@ -54,28 +50,40 @@ struct Worker {
     agent: Agent,
     dist: Dist,
     param: CTensor,
+    /// This worker's host on the in-memory network: its kill switch.
+    host: MemoryTransport,
 }
 
 async fn cluster(n: usize) -> Vec<Worker> {
-    let port = free_port();
+    cluster_with(n, |_, _| {}).await
+}
+
+/// `n` workers over one in-memory network and store; `tweak` adjusts each rank's options.
+async fn cluster_with(n: usize, tweak: impl Fn(usize, &mut RpcOptions)) -> Vec<Worker> {
+    let net = MemoryNetwork::new();
+    let store: Arc<dyn tensorwire_core::ports::store::Store> = Arc::new(InMemoryStore::new());
     let mut tasks = Vec::new();
     for rank in 0..n {
-        let options = RpcOptions {
-            init_method: format!("tcp://127.0.0.1:{port}?rank={rank}&world_size={n}"),
+        let mut options = RpcOptions {
             init_timeout: Duration::from_secs(20),
-            secret: Some(b"autograd test secret".to_vec()),
             functions: Functions::new(),
+            listen_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
             ..RpcOptions::default()
         };
+        tweak(rank, &mut options);
+        let host = net.transport();
+        let rdv = Rendezvous::from_store(Arc::clone(&store), rank, n);
+        let transport = Arc::new(host.clone());
         tasks.push(tokio::spawn(async move {
-            init_rpc(&format!("w{rank}"), rank, Some(n), options)
+            let agent = start_agent(transport, rdv, &format!("w{rank}"), rank, Some(n), options)
                 .await
-                .unwrap()
+                .unwrap();
+            (agent, host)
         }));
     }
     let mut workers = Vec::new();
     for (rank, t) in tasks.into_iter().enumerate() {
-        let agent = t.await.unwrap();
+        let (agent, host) = t.await.unwrap();
         let dist = Dist::new(&agent, CandleEngine::new()).unwrap();
         let p = param(rank);
         // hop(route): tanh(h * p + p) here, then on along `route`, doubled on the way back.
@@ -155,6 +163,7 @@ async fn cluster(n: usize) -> Vec<Worker> {
             agent,
             dist,
             param: p,
+            host,
         });
     }
     // Every worker has set up distributed autograd before anyone sends in a context.
@@ -608,5 +617,248 @@ async fn the_distributed_optimizer_trains_like_one_process() {
         c.release().await.unwrap();
     }
     drop((p1, p2));
+    shutdown(workers).await;
+}
+
+/// Waits, in virtual time, until `cond` holds; fails after `limit`.
+async fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: not within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// w2 makes a context whose forward pass goes w2 → w1 → w0 and back, w0 makes one that
+/// reaches w2 and one that reaches only w1; then w2's process dies, before any backward. Every
+/// survivor drops each context w2 made or took part in, on its own, at once (virtual time: no
+/// timeout is waited out), and keeps the other, which still trains and releases. Nothing more
+/// goes to w2 in a context.
+#[tokio::test(start_paused = true)]
+async fn a_worker_lost_with_contexts_open_leaves_none_of_them_on_the_survivors() {
+    let workers = cluster(3).await;
+    let (w0, w1, w2) = (&workers[0], &workers[1], &workers[2]);
+    let theirs = w2.dist.context().unwrap();
+    let ((), _) = theirs
+        .rpc_sync(
+            "w1",
+            "hop",
+            &vec!["w0".to_owned()],
+            &[hop(&input(), &w2.param)],
+            None,
+        )
+        .await
+        .unwrap();
+    let via2 = w0.dist.context().unwrap();
+    let ((), out2) = via2
+        .rpc_sync(
+            "w2",
+            "hop",
+            &Vec::<String>::new(),
+            &[hop(&input(), &w0.param)],
+            None,
+        )
+        .await
+        .unwrap();
+    let mine = w0.dist.context().unwrap();
+    let ((), out) = mine
+        .rpc_sync(
+            "w1",
+            "hop",
+            &Vec::<String>::new(),
+            &[hop(&input(), &w0.param)],
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (w0.dist.context_count(), w1.dist.context_count()),
+        (3, 2),
+        "before the death"
+    );
+
+    let t0 = tokio::time::Instant::now();
+    w2.host.kill();
+    wait_until(
+        Duration::from_secs(1),
+        "survivors drop w2's contexts",
+        || w0.dist.context_count() == 1 && w1.dist.context_count() == 1,
+    )
+    .await;
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert!(w0.dist.gradients(mine.id()).is_some());
+    assert!(w0.dist.gradients(via2.id()).is_none());
+    assert!(w1.dist.gradients(theirs.id()).is_none());
+
+    // The context w2 never saw still trains, with the gradients of one process.
+    mine.backward(&[(loss(&out[0]), None)], false)
+        .await
+        .unwrap();
+    let want = local_route(&[1], 3);
+    assert_close(
+        &grad_on(&workers, 0, mine.id()),
+        want[0].as_ref().unwrap(),
+        "w0",
+    );
+    assert_close(
+        &grad_on(&workers, 1, mine.id()),
+        want[1].as_ref().unwrap(),
+        "w1",
+    );
+    // The dropped one refuses a backward with a typed error; releasing it is not an error.
+    let e = via2
+        .backward(&[(loss(&out2[0]), None)], false)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            DistAutogradError::State(tensorwire_core::autograd::AutogradError::UnknownContext(_))
+        ),
+        "{e}"
+    );
+    via2.release().await.unwrap();
+    // No tracked tensor goes to a worker known to be lost.
+    let next = w0.dist.context().unwrap();
+    let e = next
+        .rpc_sync::<_, ()>(
+            "w2",
+            "hop",
+            &Vec::<String>::new(),
+            &[hop(&input(), &w0.param)],
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("worker 2 was lost"), "{e}");
+    next.release().await.unwrap();
+    mine.release().await.unwrap();
+    assert_eq!((w0.dist.context_count(), w1.dist.context_count()), (0, 0));
+    drop(theirs);
+    for w in workers {
+        let _ = w.agent.shutdown(tensorwire_rpc::Shutdown::Immediate).await;
+    }
+}
+
+/// A device backend that records the devices it copies host bytes to.
+#[derive(Debug)]
+struct RecordingDevices {
+    inner: tensorwire_core::devices_sim::SimulatedDevices,
+    to_device: std::sync::Mutex<Vec<tensorwire_core::device::Device>>,
+}
+
+impl RecordingDevices {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            inner: tensorwire_core::devices_sim::SimulatedDevices::new(2),
+            to_device: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    fn take(&self) -> Vec<String> {
+        std::mem::take(&mut *self.to_device.lock().unwrap())
+            .into_iter()
+            .map(|d| d.to_string())
+            .collect()
+    }
+}
+
+#[async_trait::async_trait]
+impl tensorwire_core::ports::device::DeviceBackend for RecordingDevices {
+    fn name(&self) -> &'static str {
+        "recording"
+    }
+    fn device_count(&self) -> u32 {
+        self.inner.device_count()
+    }
+    fn unavailable(&self) -> Option<tensorwire_core::ports::device::DeviceUnavailable> {
+        self.inner.unavailable()
+    }
+    async fn to_device(
+        &self,
+        data: bytes::Bytes,
+        device: tensorwire_core::device::Device,
+    ) -> Result<tensorwire_core::tensor::DeviceBuffer, tensorwire_core::ports::device::DeviceError>
+    {
+        self.to_device.lock().unwrap().push(device);
+        self.inner.to_device(data, device).await
+    }
+    async fn to_host(
+        &self,
+        buffer: &tensorwire_core::tensor::DeviceBuffer,
+    ) -> Result<bytes::Bytes, tensorwire_core::ports::device::DeviceError> {
+        self.inner.to_host(buffer).await
+    }
+    async fn between(
+        &self,
+        buffer: &tensorwire_core::tensor::DeviceBuffer,
+        to: tensorwire_core::device::Device,
+    ) -> Result<tensorwire_core::tensor::DeviceBuffer, tensorwire_core::ports::device::DeviceError>
+    {
+        self.inner.between(buffer, to).await
+    }
+}
+
+/// A chain w0 → w1 → w2 over simulated devices, with device maps both ways: w0 sends to w1 by
+/// {cpu: cuda:1}, w1 to w2 by {cpu: cuda:0}, and (to tell the reverse map from a plain
+/// request's) w1 to w0 by {cpu: cuda:0} and w2 to w1 by {cpu: cuda:1}. The forward's tensors
+/// land on w1's cuda:1 and w2's cuda:0; each gradient is put on the device its tensor landed
+/// on and goes back by the reverse of the forward's map: w2's reaches w1 on the host, w1's
+/// reaches w0 on the host (where w0's tensor was), never by the senders' own maps (which would
+/// put them on w1's cuda:1 and w0's cuda:0). The gradients equal one process's.
+#[tokio::test(start_paused = true)]
+async fn gradients_go_back_by_the_reverse_of_the_forward_device_maps() {
+    let backends: Vec<Arc<RecordingDevices>> = (0..3).map(|_| RecordingDevices::new()).collect();
+    let maps: [&[(&str, &str)]; 3] = [
+        &[("w1", "cuda:1")],
+        &[("w2", "cuda:0"), ("w0", "cuda:0")],
+        &[("w1", "cuda:1")],
+    ];
+    let b = backends.clone();
+    let workers = cluster_with(3, move |rank, o| {
+        o.device_backend = b[rank].clone();
+        for (to, target) in maps[rank] {
+            o.set_device_map(to, &[("cpu", target)]).unwrap();
+        }
+    })
+    .await;
+    let w0 = &workers[0];
+    let ctx = w0.dist.context().unwrap();
+    let ((), out) = ctx
+        .rpc_sync(
+            "w1",
+            "hop",
+            &vec!["w2".to_owned()],
+            &[hop(&input(), &w0.param)],
+            None,
+        )
+        .await
+        .unwrap();
+    // The forward: w1 got w0's tensor on cuda:1, w2 got w1's on cuda:0; the results came back
+    // on the host (the callees' reverse maps have no entry for it).
+    assert_eq!(backends[1].take(), ["cuda:1"]);
+    assert_eq!(backends[2].take(), ["cuda:0"]);
+    assert!(backends[0].take().is_empty());
+
+    ctx.backward(&[(loss(&out[0]), None)], false).await.unwrap();
+    // w0's gradient of w1's result goes by w0's map (the reverse of w1's reverse map) and lands
+    // on cuda:1; w1's gradient of w0's tensor is put on cuda:1, where that tensor landed.
+    assert_eq!(backends[1].take(), ["cuda:1", "cuda:1"]);
+    // w1's gradient of w2's result lands on cuda:0; w2's gradient of w1's tensor is put there.
+    assert_eq!(backends[2].take(), ["cuda:0", "cuda:0"]);
+    // Nothing reached w0 on a device: its tensor's gradient came back to the host.
+    assert!(backends[0].take().is_empty());
+    let want = local_route(&[1, 2], 3);
+    for (rank, want) in want.iter().enumerate() {
+        assert_close(
+            &grad_on(&workers, rank, ctx.id()),
+            want.as_ref().unwrap(),
+            &format!("rank {rank}"),
+        );
+    }
+    ctx.release().await.unwrap();
     shutdown(workers).await;
 }
