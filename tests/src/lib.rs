@@ -3,7 +3,29 @@
 //! - [`transport_suite`]: the transport conformance suite, generic over the `Transport` port.
 //! - [`netns`]: simulated hosts (network namespaces joined by a bridge) for multi-host tests.
 //! - [`workload`]: the functions every multi-process RPC worker serves.
+//! - [`announce_store_addr`]: how a worker with `MASTER_PORT=0` says where its store listens.
 
 pub mod netns;
 pub mod transport_suite;
 pub mod workload;
+
+/// With `MASTER_PORT=0`, rank 0's store listens on a port of the system's choosing: print the
+/// rendezvous's log line that says where (`... rank 0 hosts the store addr=HOST:PORT ...`), so
+/// the test can start the other ranks with it.
+/// `TW_LOG` (a tracing filter, say `tensorwire_transport_shm::select=info`) adds those log
+/// lines, as the transport chosen for each peer.
+pub fn announce_store_addr() {
+    let mut filter = std::env::var("TW_LOG").unwrap_or_default();
+    if std::env::var("RANK").as_deref() == Ok("0")
+        && std::env::var("MASTER_PORT").as_deref() == Ok("0")
+    {
+        filter = format!("tensorwire_process_group::rendezvous=info,{filter}");
+    }
+    if !filter.is_empty() {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter.trim_end_matches(','))
+            .with_ansi(false)
+            .with_writer(std::io::stdout)
+            .init();
+    }
+}

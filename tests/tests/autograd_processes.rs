@@ -1,18 +1,12 @@
 //! Distributed autograd across real OS processes (`tw-autograd-worker`, candle engine), three
-//! workers rendezvousing through `env://` with rank 0 hosting the store.
+//! workers rendezvousing through `env://` with rank 0 hosting the store. Rank 0 starts with
+//! `MASTER_PORT=0` and says where its store listens; the others start with that port (no port
+//! is reserved and released first).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 struct World {
     children: Vec<Child>,
@@ -21,58 +15,98 @@ struct World {
 }
 
 fn spawn(scenario: &str, n: usize) -> World {
-    let port = free_port().to_string();
-    let secret = format!("autograd-secret-{}-{port}", std::process::id());
+    static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let secret = format!(
+        "autograd-secret-{}-{}",
+        std::process::id(),
+        STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
     let (tx, lines) = mpsc::channel();
-    let children = (0..n)
-        .map(|rank| {
-            let mut child = Command::new(env!("CARGO_BIN_EXE_tw-autograd-worker"))
-                .arg(scenario)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", n.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("TENSORWIRE_SECRET", &secret)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
-            for stream in [
-                Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-                Box::new(child.stderr.take().unwrap()),
-            ] {
-                let tx = tx.clone();
-                std::thread::spawn(move || {
-                    for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                        let _ = tx.send((rank, line));
-                    }
-                });
-            }
-            child
-        })
-        .collect();
-    World {
-        children,
+    let start = |rank: usize, port: &str| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tw-autograd-worker"))
+            .arg(scenario)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port)
+            .env("TENSORWIRE_SECRET", &secret)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        for stream in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = tx.send((rank, line));
+                }
+            });
+        }
+        child
+    };
+    let mut world = World {
+        children: vec![start(0, "0")],
         lines,
         seen: Vec::new(),
-    }
+    };
+    let announced = world.wait_for_line(|r, l| r == 0 && l.contains("hosts the store"));
+    let port = announced
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("addr="))
+        .and_then(|a| a.rsplit_once(':'))
+        .map(|(_, p)| p.to_owned())
+        .unwrap_or_else(|| panic!("no addr=HOST:PORT in {announced:?}"));
+    world.children.extend((1..n).map(|rank| start(rank, &port)));
+    world
 }
 
 impl World {
     /// Waits (on the output, no polling) for `rank` to print a line starting with `prefix`.
     fn wait_for(&mut self, rank: usize, prefix: &str, limit: Duration) {
+        self.wait_until(limit, |r, l| r == rank && l.starts_with(prefix));
+    }
+
+    /// Waits up to a minute for rank 0's store announcement (killing every worker if it never
+    /// comes) and returns that line.
+    fn wait_for_line(&mut self, hit: impl Fn(usize, &str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok((r, line)) => {
+                    let found = hit(r, &line);
+                    self.seen.push((r, line.clone()));
+                    if found {
+                        return line;
+                    }
+                }
+                Err(_) => {
+                    for c in &mut self.children {
+                        let _ = c.kill();
+                    }
+                    panic!("the awaited line never came: {:#?}", self.seen);
+                }
+            }
+        }
+    }
+
+    /// Waits (on the output, no polling) for a line that `hit` accepts.
+    fn wait_until(&mut self, limit: Duration, hit: impl Fn(usize, &str) -> bool) {
         let deadline = Instant::now() + limit;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
                 Ok((r, line)) => {
-                    let hit = r == rank && line.starts_with(prefix);
+                    let found = hit(r, &line);
                     self.seen.push((r, line));
-                    if hit {
+                    if found {
                         return;
                     }
                 }
-                Err(_) => panic!("rank {rank} never printed {prefix:?}: {:#?}", self.seen),
+                Err(_) => panic!("the awaited line never came: {:#?}", self.seen),
             }
         }
     }
@@ -188,6 +222,32 @@ fn a_worker_killed_mid_backward_fails_it_naming_the_worker() {
         lines
             .iter()
             .any(|(r, l)| *r == 0 && l == "OK context-counts w0=0 w1=0"),
+        "{lines:#?}"
+    );
+}
+
+/// w2 opened a context (its forward went w2→w1→w0 and back) and took part in one of w0's, and
+/// no backward runs, when it is SIGKILLed: the survivors drop both contexts on their own, within
+/// a bound (PyTorch keeps them, pytorch#26379), and keep w0's context through w1 only, which
+/// still trains and releases.
+#[test]
+fn a_worker_killed_with_contexts_open_leaves_none_of_them_on_the_survivors() {
+    let mut world = spawn("lost", 3);
+    world.wait_for(0, "CONTEXTS_OPEN", Duration::from_secs(90));
+    let t0 = Instant::now();
+    world.children[2].kill().unwrap();
+    world.wait_for(0, "OK lost-counts w0=1 w1=1", Duration::from_secs(60));
+    let dropped_after = t0.elapsed();
+    let (codes, lines) = world.finish(Duration::from_secs(120));
+    assert!(
+        dropped_after < Duration::from_secs(20),
+        "the survivors dropped w2's contexts only after {dropped_after:?}: {lines:#?}"
+    );
+    assert_eq!(&codes[..2], &[Some(0), Some(0)], "{lines:#?}");
+    assert!(
+        lines
+            .iter()
+            .any(|(r, l)| *r == 0 && l == "OK lost-released"),
         "{lines:#?}"
     );
 }

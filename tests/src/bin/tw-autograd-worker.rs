@@ -11,7 +11,14 @@
 //!   backward (the test SIGKILLs it then); `w0` checks the backward fails naming `w2` and that
 //!   the survivors hold no context;
 //! - `violation`: `w2` sends `w1` a gradient for an unknown context and one for a context it is
-//!   not part of; `w1` refuses both and keeps working.
+//!   not part of; `w1` refuses both and keeps working;
+//! - `lost`: `w2` opens a context (forward w2→w1→w0 and back, no backward), `w0` opens one
+//!   through `w2` and one through `w1` only; `w0` checks the counts and prints `CONTEXTS_OPEN`
+//!   (the test SIGKILLs `w2` then); `w0` waits (bounded) until it and `w1` hold only the context `w2` never saw, prints
+//!   `OK lost-counts w0=1 w1=1`, trains that context and releases it.
+//!
+//! With `MASTER_PORT=0`, rank 0's store listens on a port of the system's choosing and rank 0
+//! prints where (see `tensorwire_tests::announce_store_addr`).
 //!
 //! Each prints `OK <scenario> rank R` when everything it checked held, and exits 0.
 
@@ -424,27 +431,10 @@ async fn kill() -> Result<(), String> {
         if (n0, n1) != (0, 0) {
             return Err(format!("contexts left: w0 {n0}, w1 {n1}"));
         }
-        // w1 leaves as soon as it has this call, so its answer may be cut off: not an error.
-        if let Err(e) = agent.rpc_sync::<_, ()>("w1", "done", &(), None).await {
-            println!("w1 left: {e}");
-        }
+        release_w1(&agent).await;
     }
     if rank == 1 {
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let tx = std::sync::Mutex::new(Some(tx));
-        agent
-            .functions()
-            .register("done", move |(): ()| {
-                let tx = tx.lock().unwrap().take();
-                async move {
-                    if let Some(tx) = tx {
-                        let _ = tx.send(());
-                    }
-                    Ok::<_, String>(())
-                }
-            })
-            .expect("registered once");
-        let _ = tokio::time::timeout(Duration::from_secs(90), rx).await;
+        wait_done(&agent).await;
     }
     if rank == 2 {
         // Waits to be killed inside its backward.
@@ -453,6 +443,133 @@ async fn kill() -> Result<(), String> {
     // w2 is dead: no graceful shutdown.
     finish(agent, false).await?;
     println!("OK kill rank {rank}");
+    Ok(())
+}
+
+/// Tells w1 (waiting in [`wait_done`]) that it may leave; its answer may be cut off.
+async fn release_w1(agent: &Agent) {
+    if let Err(e) = agent.rpc_sync::<_, ()>("w1", "done", &(), None).await {
+        println!("w1 left: {e}");
+    }
+}
+
+/// Waits (bounded) until w0 says it may leave.
+async fn wait_done(agent: &Agent) {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let tx = std::sync::Mutex::new(Some(tx));
+    agent
+        .functions()
+        .register("done", move |(): ()| {
+            let tx = tx.lock().unwrap().take();
+            async move {
+                if let Some(tx) = tx {
+                    let _ = tx.send(());
+                }
+                Ok::<_, String>(())
+            }
+        })
+        .expect("registered once");
+    let _ = tokio::time::timeout(Duration::from_secs(90), rx).await;
+}
+
+async fn lost() -> Result<(), String> {
+    let (agent, dist, p, rank) = start("lost").await?;
+    let none = Vec::<String>::new();
+    if rank == 2 {
+        // Opens a context on w0's request (w2 -> w1 -> w0 and back), keeps it, and waits to
+        // be killed.
+        let (d, pp) = (dist.clone(), p.clone());
+        let kept = Arc::new(std::sync::Mutex::new(Vec::new()));
+        agent
+            .functions()
+            .register("open_context", move |(): ()| {
+                let (d, p, kept) = (d.clone(), pp.clone(), kept.clone());
+                async move {
+                    let ctx = d.context().map_err(|e| e.to_string())?;
+                    let route = vec!["w0".to_owned()];
+                    ctx.rpc_sync::<_, ()>("w1", "hop", &route, &[hop(&input(), &p)], None)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    kept.lock().unwrap().push(ctx);
+                    Ok::<_, String>(())
+                }
+            })
+            .expect("registered once");
+    }
+    agent
+        .barrier("lost-ready", Duration::from_secs(60))
+        .await
+        .map_err(|e| e.to_string())?;
+    if rank == 1 {
+        wait_done(&agent).await;
+    }
+    if rank == 0 {
+        let via2 = dist.context().map_err(|e| e.to_string())?;
+        via2.rpc_sync::<_, ()>("w2", "hop", &none, &[hop(&input(), &p)], None)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mine = dist.context().map_err(|e| e.to_string())?;
+        let ((), out) = mine
+            .rpc_sync("w1", "hop", &none, &[hop(&input(), &p)], None)
+            .await
+            .map_err(|e| e.to_string())?;
+        agent
+            .rpc_sync::<_, ()>("w2", "open_context", &(), None)
+            .await
+            .map_err(|e| e.to_string())?;
+        let counts = |agent: Agent, dist: Dist| async move {
+            let n1: usize = agent
+                .rpc_sync("w1", "context_count", &(), None)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>((dist.context_count(), n1))
+        };
+        let before = counts(agent.clone(), dist.clone()).await?;
+        if before != (3, 2) {
+            return Err(format!("before the death: contexts (w0, w1) = {before:?}"));
+        }
+        // The test kills w2 now; survivors must drop its contexts on their own (no backward
+        // runs).
+        println!("CONTEXTS_OPEN");
+        let t0 = std::time::Instant::now();
+        let limit = Duration::from_secs(30);
+        loop {
+            let now = counts(agent.clone(), dist.clone()).await?;
+            if now == (1, 1) {
+                break;
+            }
+            if t0.elapsed() > limit {
+                return Err(format!("contexts (w0, w1) = {now:?} after {limit:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        println!(
+            "OK lost-counts w0=1 w1=1 after_ms={}",
+            t0.elapsed().as_millis()
+        );
+        mine.backward(&[(loss(&out[0]), None)], false)
+            .await
+            .map_err(|e| e.to_string())?;
+        let (_, want) = local("chain", 1.0);
+        let got = mine.gradient(&p).map(|t| t.to_vec1::<f32>().unwrap());
+        match (&got, &want[0]) {
+            (Some(g), Some(w)) if close(g, w) => {}
+            _ => return Err(format!("w0: gradient {got:?}, expected {:?}", want[0])),
+        }
+        mine.release().await.map_err(|e| e.to_string())?;
+        via2.release().await.map_err(|e| e.to_string())?;
+        let after = counts(agent.clone(), dist.clone()).await?;
+        if after != (0, 0) {
+            return Err(format!("after the release: contexts (w0, w1) = {after:?}"));
+        }
+        println!("OK lost-released");
+        release_w1(&agent).await;
+    }
+    if rank == 2 {
+        tokio::time::sleep(Duration::from_secs(120)).await;
+    }
+    finish(agent, false).await?;
+    println!("OK lost rank {rank}");
     Ok(())
 }
 
@@ -552,11 +669,13 @@ async fn violation() -> Result<(), String> {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let scenario = std::env::args().nth(1).unwrap_or_default();
+    tensorwire_tests::announce_store_addr();
     let result = match scenario.as_str() {
         "gradients" => gradients().await,
         "concurrent" => concurrent().await,
         "kill" => kill().await,
         "violation" => violation().await,
+        "lost" => lost().await,
         other => Err(format!("unknown scenario {other:?}")),
     };
     match result {

@@ -524,27 +524,6 @@ async fn frozen_peer() -> Result<(), RpcError> {
     }
 }
 
-/// With `MASTER_PORT=0`, rank 0's store listens on a port of the system's choosing: print the
-/// rendezvous's log line that says where (`... rank 0 hosts the store addr=HOST:PORT ...`), so
-/// the test can start the other ranks with it.
-/// `TW_LOG` (a tracing filter, say `tensorwire_transport_shm::select=info`) adds those log
-/// lines, as the transport chosen for each peer.
-fn announce_store_addr() {
-    let mut filter = std::env::var("TW_LOG").unwrap_or_default();
-    if std::env::var("RANK").as_deref() == Ok("0")
-        && std::env::var("MASTER_PORT").as_deref() == Ok("0")
-    {
-        filter = format!("tensorwire_process_group::rendezvous=info,{filter}");
-    }
-    if !filter.is_empty() {
-        tracing_subscriber::fmt()
-            .with_env_filter(filter.trim_end_matches(','))
-            .with_ansi(false)
-            .with_writer(std::io::stdout)
-            .init();
-    }
-}
-
 /// A process group and the store across hosts: `new_group` (env://), each rank publishes the
 /// address it advertises in the group's store and checks everyone's (rank `r` must be on
 /// `10.77.0.<r / TW_PER_HOST + 1>` when `TW_PER_HOST` is set), then all_reduce, all_gather_object
@@ -662,7 +641,7 @@ async fn cut() -> Result<(), RpcError> {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let scenario = std::env::args().nth(1).unwrap_or_default();
-    announce_store_addr();
+    tensorwire_tests::announce_store_addr();
     match choose_devices() {
         Ok(d) => {
             let _ = DEVICES.set(d);
