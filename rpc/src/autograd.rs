@@ -655,8 +655,9 @@ impl<E: AutogradEngine> AutogradContext<E> {
             rx
         };
         self.inner.pump();
+        // The answer's sender goes away unanswered only with this worker's autograd state.
         let result = rx.instrument(self.span.clone()).await.unwrap_or_else(|_| {
-            Err(BackwardError::Released {
+            Err(BackwardError::Stopped {
                 worker: self.inner.agent.worker_info().id,
                 context: self.id,
             })
@@ -963,8 +964,10 @@ impl<E: AutogradEngine> Inner<E> {
         };
         self.pump();
         let span = context_span(&self.agent, req.context);
+        // Every request is answered by the state machine (even when its context is dropped);
+        // the sender goes away unanswered only with this worker's autograd state.
         Ok(rx.instrument(span).await.unwrap_or_else(|_| {
-            Err(BackwardError::Released {
+            Err(BackwardError::Stopped {
                 worker: self.agent.worker_info().id,
                 context: req.context,
             })

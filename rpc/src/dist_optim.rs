@@ -24,6 +24,15 @@ pub(crate) const STEP: &str = "__tw_autograd/optim_step";
 
 /// A parameter: a leaf tensor of the engine, kept on its owner (in an [`RRef`]) with its
 /// optimizer state.
+///
+/// It lives on its owner: use it there (autograd methods registered with
+/// [`DistAutograd::register_method`] get it as `Arc<Parameter<E>>`). It is `Serialize` only
+/// because values kept in references and results of functions must be; what travels is a
+/// **copy of its current values**, as a plain [`Tensor`] (read it as one: a function returning
+/// a `Parameter` called with `rpc_sync::<_, Tensor>`). The copy is detached: no gradient
+/// flows back through it, it carries no optimizer state, and later steps on the owner do not
+/// reach it. `RRef<Parameter<E>>::to_here` does not compile (a parameter cannot be rebuilt
+/// without its engine); call a method on the owner that returns its values instead.
 pub struct Parameter<E: AutogradEngine> {
     tensor: E::Tensor,
     engine: E,
@@ -53,7 +62,8 @@ impl<E: AutogradEngine> Parameter<E> {
     }
 }
 
-/// A parameter travels (`to_here`) as its current values.
+/// A parameter travels as a detached [`Tensor`] copy of its current values (see
+/// [`Parameter`]).
 impl<E: AutogradEngine> Serialize for Parameter<E> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         self.engine

@@ -513,6 +513,13 @@ async fn gradients_for_unknown_contexts_or_from_outsiders_are_violations() {
 async fn the_distributed_optimizer_trains_like_one_process() {
     let workers = cluster(3).await;
     let w0 = &workers[0];
+    // A parameter that travels arrives as a plain tensor: a copy of its values.
+    let copy: tensorwire_core::tensor::Tensor = w0
+        .agent
+        .rpc_sync("w1", "make_parameter", &(), None)
+        .await
+        .unwrap();
+    assert_eq!(copy.to_f32_vec().unwrap(), param_values(1));
     // Parameters on w1 and w2 (parameter servers), in remote references held by w0.
     let p1: RRef<Parameter<CandleEngine>> =
         w0.agent.remote("w1", "make_parameter", &(), None).unwrap();

@@ -178,6 +178,15 @@ pub enum BackwardError {
         /// The context.
         context: ContextId,
     },
+    /// Distributed autograd stopped on a worker (it was dropped, or its agent shut down)
+    /// before that worker's part of the backward pass was done.
+    #[error("distributed autograd stopped on worker {worker} before its part of the backward pass of {context} was done")]
+    Stopped {
+        /// The worker where it stopped.
+        worker: WorkerId,
+        /// The context.
+        context: ContextId,
+    },
 }
 
 impl BackwardError {
@@ -187,7 +196,8 @@ impl BackwardError {
             BackwardError::PeerLost { worker, .. }
             | BackwardError::Request { worker, .. }
             | BackwardError::Engine { worker, .. }
-            | BackwardError::Released { worker, .. } => *worker,
+            | BackwardError::Released { worker, .. }
+            | BackwardError::Stopped { worker, .. } => *worker,
         }
     }
 }
@@ -888,12 +898,9 @@ impl DistAutograd {
         for task in &ctx.tasks {
             if let Some(t) = self.tasks.remove(task) {
                 self.outgoing.retain(|_, o| o.task != *task);
-                // A requester that is the lost (or releasing) worker gets no answer.
-                if let Origin::Gradient { from, .. } = t.origin {
-                    if Some(from) == except {
-                        continue;
-                    }
-                }
+                // Every request is answered, even one from the lost (or releasing) worker:
+                // nobody may read that answer, but the driver learns that the request is over
+                // (and stops serving it) instead of waiting for an answer that never comes.
                 self.finish(t, Err(error.clone()));
             }
         }

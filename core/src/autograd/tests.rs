@@ -417,3 +417,43 @@ fn a_lost_peer_drops_its_contexts_on_every_survivor_without_a_backward() {
     b.handle_recv(2, theirs, late).unwrap();
     assert!(b.has_context(theirs));
 }
+
+/// A gradient request being served when its requester releases the context (or dies) is
+/// answered with the error all the same: the driver stops serving it at once instead of
+/// waiting for an answer that never comes.
+#[test]
+fn work_for_a_requester_that_releases_or_dies_is_answered_not_abandoned() {
+    for lost in [false, true] {
+        let (mut a, mut b, c, _m1, m2) = chain();
+        b.handle_gradient(0, c, m2, 9).unwrap();
+        drain(&mut b);
+        let error = if lost {
+            b.handle_peer_lost(0);
+            BackwardError::PeerLost {
+                worker: 0,
+                context: c,
+            }
+        } else {
+            b.handle_release(0, c, None).unwrap();
+            BackwardError::Released {
+                worker: 0,
+                context: c,
+            }
+        };
+        let out = drain(&mut b);
+        assert_eq!(
+            out,
+            vec![
+                Output::Reply {
+                    to: 0,
+                    request: 9,
+                    result: Err(error)
+                },
+                Output::Dropped { context: c }
+            ],
+            "lost: {lost}"
+        );
+        assert!(b.is_idle());
+        let _ = a.release(c);
+    }
+}
