@@ -22,6 +22,17 @@
 //! answered once the receiver's work, and all work it started, is done; releases fan out.
 //! A gradient for an unknown context, or from a worker outside the context, is a protocol
 //! violation: the sender gets an error naming it, and this worker carries on.
+//!
+//! **Lost peers.** [`DistAutograd`] follows the agent's [`peer_events`](Agent::peer_events):
+//! when a peer's connection breaks, every context that peer made or took part in is dropped
+//! here at once (a backward running in it fails naming the peer), whether or not a backward
+//! runs, so no survivor keeps a dead worker's contexts.
+//!
+//! **Devices.** The engine computes on the host: a tracked tensor that lands on a device (by a
+//! device map) is copied to the host for it, and the device is kept. Its gradient is put back
+//! on that device and travels by the reverse of the map the forward message took (a request's
+//! tensors: this worker's reverse map for the sender; a response's: this worker's map for it),
+//! so it arrives where the tensor came from; the receiver copies it to the host for its engine.
 
 use std::collections::HashMap;
 use std::fmt;
