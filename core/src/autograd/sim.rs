@@ -4,7 +4,9 @@
 //! back to a worker already on the path such as A→B→C→A, a tensor sent twice or a result used
 //! twice), then runs every context's backward at once, delivering messages over per-pair FIFO
 //! links in a random order, running local engine work at random moments, and (when asked)
-//! killing a worker in the middle and telling each survivor at a random later moment.
+//! killing a worker in the middle and telling each survivor at a random later moment. Some
+//! contexts can be left idle (forward pass only, no backward): a killed worker's idle contexts
+//! must then vanish from every survivor, as its other contexts do.
 //!
 //! The model engine is linear: every local node is a weighted sum of leaves (parameters),
 //! received tensors and earlier nodes, so the exact gradient of every leaf is known from the
@@ -40,6 +42,9 @@ pub struct SimConfig {
     pub max_depth: usize,
     /// Kill one random worker during the backward.
     pub kill: bool,
+    /// Contexts whose forward pass runs but whose backward never does (a worker that made one
+    /// and died must leave it on no survivor).
+    pub idle_contexts: usize,
 }
 
 /// What a run did, for tests that want more than "no check failed".
@@ -55,6 +60,8 @@ pub struct SimReport {
     pub cycles: usize,
     /// The worker killed, if any.
     pub killed: Option<WorkerId>,
+    /// Idle contexts (no backward) made by the worker killed: every survivor dropped them.
+    pub idle_of_dead: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -126,6 +133,8 @@ struct Sim {
     expected: BTreeMap<ContextId, (WorkerId, Form)>,
     outcomes: BTreeMap<ContextId, Result<(), BackwardError>>,
     dead: BTreeSet<WorkerId>,
+    /// Contexts whose backward never runs.
+    idle: BTreeSet<ContextId>,
     report: SimReport,
 }
 
@@ -152,6 +161,7 @@ pub fn run(seed: u64, config: &SimConfig) -> SimReport {
         expected: BTreeMap::new(),
         outcomes: BTreeMap::new(),
         dead: BTreeSet::new(),
+        idle: BTreeSet::new(),
         report: SimReport::default(),
     };
     for _ in 0..config.contexts.max(1) {
@@ -159,6 +169,10 @@ pub fn run(seed: u64, config: &SimConfig) -> SimReport {
     }
     let roots: Vec<(ContextId, WorkerId)> =
         sim.expected.iter().map(|(c, (w, _))| (*c, *w)).collect();
+    for _ in 0..config.idle_contexts {
+        let context = sim.forward(config.max_depth);
+        sim.idle.insert(context);
+    }
     for (context, root) in roots {
         let w = &mut sim.workers[root as usize];
         if let Err(e) = w.state.backward(context, false) {
@@ -177,8 +191,17 @@ pub fn run(seed: u64, config: &SimConfig) -> SimReport {
             sim.fail("the simulation does not end");
         }
         if !sim.step() {
+            if config.kill && sim.dead.is_empty() {
+                // Everything ended before the kill came: the worker dies now, with its idle
+                // contexts open.
+                sim.kill();
+                continue;
+            }
             break;
         }
+    }
+    if let Some(victim) = sim.report.killed {
+        sim.report.idle_of_dead = sim.idle.iter().filter(|c| c.worker() == victim).count();
     }
     // The roots release what they still hold (a user leaving the context's scope).
     let held: Vec<(ContextId, WorkerId)> =
@@ -218,7 +241,7 @@ impl Sim {
     }
 
     /// One forward pass rooted on a random worker.
-    fn forward(&mut self, max_depth: usize) {
+    fn forward(&mut self, max_depth: usize) -> ContextId {
         let n = self.workers.len();
         let root = self.rng.below(n) as WorkerId;
         let context = self.workers[root as usize]
@@ -236,6 +259,7 @@ impl Sim {
         let mut forms: BTreeMap<(WorkerId, usize), Form> = BTreeMap::new();
         let expected = self.form(root, context, node, &mut forms);
         self.expected.insert(context, (root, expected));
+        context
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -648,6 +672,9 @@ impl Sim {
     fn check_end(&mut self) {
         for (context, (root, _)) in self.expected.clone() {
             let root_alive = self.workers[root as usize].alive;
+            if self.idle.contains(&context) {
+                continue;
+            }
             match self.outcomes.get(&context) {
                 None if root_alive => self.fail(&format!("{context}'s backward never finished")),
                 Some(Err(e)) if self.dead.is_empty() => {

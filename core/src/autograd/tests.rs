@@ -308,6 +308,7 @@ fn simulation_gradients_and_completion() {
                 contexts: 1 + (seed % 3) as usize,
                 max_depth: 3,
                 kill: false,
+                idle_contexts: (seed % 2) as usize,
             },
         );
         assert_eq!(r.failed, 0);
@@ -325,7 +326,7 @@ fn simulation_gradients_and_completion() {
 
 #[test]
 fn simulation_with_a_worker_killed_mid_backward() {
-    let mut failed = 0;
+    let (mut failed, mut idle_of_dead) = (0, 0);
     for seed in seeds() {
         let r = sim::run(
             seed,
@@ -334,12 +335,20 @@ fn simulation_with_a_worker_killed_mid_backward() {
                 contexts: 1 + (seed % 3) as usize,
                 max_depth: 3,
                 kill: true,
+                idle_contexts: 1 + (seed % 3) as usize,
             },
         );
         failed += r.failed;
+        idle_of_dead += r.idle_of_dead;
     }
     if std::env::var("TW_SIM_SEED").is_err() {
         assert!(failed > 20, "only {failed} backward passes failed");
+        // Dead workers did leave idle contexts behind, which no survivor kept (checked in
+        // each run).
+        assert!(
+            idle_of_dead > 20,
+            "only {idle_of_dead} idle contexts of dead workers"
+        );
     }
 }
 
