@@ -983,3 +983,60 @@ async fn a_thousand_joins_and_leaves_keep_the_store_bounded() {
         .unwrap();
     assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
 }
+
+/// `peer_events`: each survivor's subscription hears of a killed worker once, at once (virtual
+/// time: no timeout is waited out), whether or not a call to it was pending; the subscription
+/// ends when the agent shuts down (a peer that shut down first is told as lost).
+#[tokio::test(start_paused = true)]
+async fn peer_events_tell_each_survivor_once_of_a_lost_worker() {
+    use tensorwire_rpc::PeerEvent;
+    let cluster = Cluster::new();
+    let agents: Vec<Agent> = group_in(&cluster, 3, |_, _| {})
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let mut events: Vec<_> = agents[..2].iter().map(Agent::peer_events).collect();
+    assert!(events.iter_mut().all(|e| e.try_recv().is_none()));
+    let t0 = tokio::time::Instant::now();
+    cluster.kill(2);
+    for (rank, e) in events.iter_mut().enumerate() {
+        let got = tokio::time::timeout(Duration::from_secs(1), e.recv())
+            .await
+            .unwrap_or_else(|_| panic!("w{rank} never heard of w2's loss"));
+        match got {
+            Some(PeerEvent::Lost { worker: 2, reason }) => {
+                assert!(reason.contains("w2"), "{reason}")
+            }
+            other => panic!("w{rank}: {other:?}"),
+        }
+    }
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    // A call to the dead worker fails; the loss is not told twice.
+    assert!(agents[0]
+        .rpc_sync::<_, i64>("w2", "add", &(1i64, 1i64), None)
+        .await
+        .is_err());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        events.iter_mut().all(|e| e.try_recv().is_none()),
+        "a loss told twice"
+    );
+    let mut agents = agents;
+    let dead = agents.pop().unwrap();
+    for a in &agents {
+        a.shutdown(tensorwire_rpc::Shutdown::Immediate)
+            .await
+            .unwrap();
+    }
+    // A worker that shut down is gone too; then the subscription ends.
+    for e in &mut events {
+        while let Some(ev) = e.recv().await {
+            assert!(
+                matches!(ev, PeerEvent::Lost { worker: 0 | 1, .. }),
+                "{ev:?}"
+            );
+        }
+    }
+    let _ = dead.shutdown(tensorwire_rpc::Shutdown::Immediate).await;
+}
