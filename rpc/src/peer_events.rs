@@ -15,8 +15,8 @@ use tokio::sync::mpsc;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum PeerEvent {
-    /// The connection to `worker` is gone (it crashed, shut down, or its link broke): its calls failed,
-    /// and nothing more comes from it.
+    /// The connection to `worker` is gone (it crashed, shut down, or its link broke): its
+    /// calls failed, and nothing more comes from it.
     Lost {
         /// The lost worker's rank.
         worker: WorkerId,
