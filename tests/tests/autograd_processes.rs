@@ -251,3 +251,20 @@ fn a_worker_killed_with_contexts_open_leaves_none_of_them_on_the_survivors() {
         "{lines:#?}"
     );
 }
+
+/// Device maps in the backward pass, across processes on simulated devices: the forward's
+/// tensors land on w1's and w2's devices, each gradient is put where its tensor landed and goes
+/// back by the reverse of the forward's map (nothing reaches w0 on a device), and every
+/// worker's gradients equal one engine's, for a chain and A→B→C→A.
+#[test]
+fn gradients_go_back_by_the_reverse_device_maps_across_processes() {
+    let lines = assert_all_ok("devices");
+    for case in ["chain2", "cycle"] {
+        assert!(
+            lines
+                .iter()
+                .any(|(r, l)| *r == 0 && l == &format!("OK case {case}")),
+            "{case} not checked: {lines:#?}"
+        );
+    }
+}

@@ -15,7 +15,14 @@
 //! - `lost`: `w2` opens a context (forward w2→w1→w0 and back, no backward), `w0` opens one
 //!   through `w2` and one through `w1` only; `w0` checks the counts and prints `CONTEXTS_OPEN`
 //!   (the test SIGKILLs `w2` then); `w0` waits (bounded) until it and `w1` hold only the context `w2` never saw, prints
-//!   `OK lost-counts w0=1 w1=1`, trains that context and releases it.
+//!   `OK lost-counts w0=1 w1=1`, trains that context and releases it;
+//! - `devices`: device maps w0→w1 `{cpu: cuda:H}`, w1→w2 `{cpu: cuda:0}`, and (to tell the
+//!   reverse maps from the senders' own) w1→w0 `{cpu: cuda:0}`, w2→w1 `{cpu: cuda:H}`
+//!   (`H` = 1 with two devices, else 0), on the device backend `TW_DEVICES` names (`simulated`,
+//!   the default, or `cuda`); `w0` runs a chain and A→B→C→A, every worker checks its gradients,
+//!   and each reports the devices gradients were copied to in the backward: none on `w0` (its
+//!   tensors' gradients come back to the host, by the reverse maps), only `cuda:H` on `w1` and
+//!   only `cuda:0` on `w2` (where the forward's tensors landed there).
 //!
 //! With `MASTER_PORT=0`, rank 0's store listens on a port of the system's choosing and rank 0
 //! prints where (see `tensorwire_tests::announce_store_addr`).
@@ -30,7 +37,8 @@ use tensorwire_autograd_candle::candle_core::{Device, Tensor as CTensor, Var};
 use tensorwire_autograd_candle::CandleEngine;
 use tensorwire_core::autograd::{AutogradMessageId, BackwardError, ContextId};
 use tensorwire_core::ports::autograd::{AutogradEngine, EngineError, LeafGradients};
-use tensorwire_core::tensor::Tensor;
+use tensorwire_core::ports::device::{DeviceBackend, DeviceError, DeviceUnavailable};
+use tensorwire_core::tensor::{DeviceBuffer, Tensor};
 use tensorwire_rpc::{init_rpc, Agent, AutogradCall, DistAutograd, Functions, RRef, RpcOptions};
 
 /// The candle engine, which on `w2` in the `kill` scenario announces its backward pass and
@@ -73,6 +81,63 @@ impl AutogradEngine for Engine {
 }
 
 type Dist = DistAutograd<Engine>;
+
+/// A device backend that records the devices it copies host bytes to (the `devices` scenario).
+struct Recording {
+    inner: Arc<dyn DeviceBackend>,
+    to_device: std::sync::Mutex<Vec<String>>,
+}
+
+#[async_trait::async_trait]
+impl DeviceBackend for Recording {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn device_count(&self) -> u32 {
+        self.inner.device_count()
+    }
+    fn unavailable(&self) -> Option<DeviceUnavailable> {
+        self.inner.unavailable()
+    }
+    async fn to_device(
+        &self,
+        data: bytes::Bytes,
+        device: tensorwire_core::device::Device,
+    ) -> Result<DeviceBuffer, DeviceError> {
+        self.to_device.lock().unwrap().push(device.to_string());
+        self.inner.to_device(data, device).await
+    }
+    async fn to_host(&self, buffer: &DeviceBuffer) -> Result<bytes::Bytes, DeviceError> {
+        self.inner.to_host(buffer).await
+    }
+    async fn between(
+        &self,
+        buffer: &DeviceBuffer,
+        to: tensorwire_core::device::Device,
+    ) -> Result<DeviceBuffer, DeviceError> {
+        self.inner.between(buffer, to).await
+    }
+}
+
+/// The backend `TW_DEVICES` names (`simulated`: two simulated CUDA devices; `cuda`), or why
+/// it cannot be used here.
+fn choose_devices() -> Result<Arc<dyn DeviceBackend>, String> {
+    match std::env::var("TW_DEVICES").as_deref() {
+        Err(_) | Ok("simulated") => Ok(Arc::new(
+            tensorwire_core::devices_sim::SimulatedDevices::new(2),
+        )),
+        Ok("cuda") => {
+            let cuda = tensorwire_devices_cuda::CudaDevices::new();
+            match cuda.unavailable() {
+                None => Ok(Arc::new(cuda)),
+                Some(why) => Err(format!("no CUDA device for TW_DEVICES=cuda: {why}")),
+            }
+        }
+        Ok(other) => Err(format!(
+            "unknown TW_DEVICES={other:?}; use simulated or cuda"
+        )),
+    }
+}
 
 fn env(name: &str) -> usize {
     std::env::var(name)
@@ -154,11 +219,32 @@ impl serde::Serialize for Layer {
 async fn start(scenario: &str) -> Result<(Agent, Dist, CTensor, usize), String> {
     let rank = env("RANK");
     let world = env("WORLD_SIZE");
-    let options = RpcOptions {
+    let mut options = RpcOptions {
         functions: Functions::new(),
         init_timeout: Duration::from_secs(60),
         rpc_timeout: Duration::from_secs(20),
         ..RpcOptions::default()
+    };
+    let recording = if scenario == "devices" {
+        let backend = Arc::new(Recording {
+            inner: choose_devices()?,
+            to_device: std::sync::Mutex::new(Vec::new()),
+        });
+        let hi = format!("cuda:{}", backend.device_count().min(2).saturating_sub(1));
+        let maps: [Vec<(&str, &str)>; 3] = [
+            vec![("w1", hi.as_str())],
+            vec![("w2", "cuda:0"), ("w0", "cuda:0")],
+            vec![("w1", hi.as_str())],
+        ];
+        for (to, target) in &maps[rank] {
+            options
+                .set_device_map(to, &[("cpu", target)])
+                .map_err(|e| e.to_string())?;
+        }
+        options.device_backend = backend.clone();
+        Some(backend)
+    } else {
+        None
     };
     let agent = init_rpc(&format!("w{rank}"), rank, Some(world), options)
         .await
@@ -231,6 +317,16 @@ async fn start(scenario: &str) -> Result<(Agent, Dist, CTensor, usize), String> 
                 }
             },
         )
+        .expect("registered once");
+    agent
+        .functions()
+        .register("devices_seen", move |(): ()| {
+            let seen = recording
+                .as_ref()
+                .map(|r| std::mem::take(&mut *r.to_device.lock().unwrap()))
+                .unwrap_or_default();
+            async move { Ok::<_, String>(seen) }
+        })
         .expect("registered once");
     let d = dist.clone();
     agent
@@ -573,6 +669,63 @@ async fn lost() -> Result<(), String> {
     Ok(())
 }
 
+async fn devices() -> Result<(), String> {
+    let (agent, dist, p, rank) = start("devices").await?;
+    if rank == 0 {
+        let hi = format!(
+            "cuda:{}",
+            choose_devices()?.device_count().min(2).saturating_sub(1)
+        );
+        for case in ["chain2", "cycle"] {
+            let ctx = dist.context().map_err(|e| e.to_string())?;
+            let names: Vec<String> = route(case).iter().map(|r| format!("w{r}")).collect();
+            let ((), out) = ctx
+                .rpc_sync(
+                    &names[0],
+                    "hop",
+                    &names[1..].to_vec(),
+                    &[hop(&input(), &p)],
+                    None,
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut seen = Vec::new();
+            for r in 0..3 {
+                let s: Vec<String> = agent
+                    .rpc_sync(format!("w{r}").as_str(), "devices_seen", &(), None)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                seen.push(s);
+            }
+            println!("forward {case}: copies to devices {seen:?}");
+            ctx.backward(&[(loss(&out[0]), None)], false)
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut seen = Vec::new();
+            for r in 0..3 {
+                let s: Vec<String> = agent
+                    .rpc_sync(format!("w{r}").as_str(), "devices_seen", &(), None)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                seen.push(s);
+            }
+            println!("backward {case}: copies to devices {seen:?}");
+            let only = |s: &[String], d: &str| !s.is_empty() && s.iter().all(|x| x == d);
+            if !seen[0].is_empty() || !only(&seen[1], &hi) || !only(&seen[2], "cuda:0") {
+                return Err(format!(
+                    "{case}: gradients were copied to {seen:?}; expected none on w0, only {hi} on w1, only cuda:0 on w2"
+                ));
+            }
+            check_everywhere(&agent, ctx.id(), case, 1.0).await?;
+            ctx.release().await.map_err(|e| e.to_string())?;
+            println!("OK case {case}");
+        }
+    }
+    finish(agent, true).await?;
+    println!("OK devices rank {rank}");
+    Ok(())
+}
+
 async fn violation() -> Result<(), String> {
     let (agent, dist, p, rank) = start("violation").await?;
     #[derive(serde::Serialize)]
@@ -676,6 +829,7 @@ async fn main() -> ExitCode {
         "kill" => kill().await,
         "violation" => violation().await,
         "lost" => lost().await,
+        "devices" => devices().await,
         other => Err(format!("unknown scenario {other:?}")),
     };
     match result {
