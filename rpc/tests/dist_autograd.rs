@@ -1,9 +1,10 @@
 //! Distributed autograd across agents of one process (the in-memory transport and store), with
 //! the candle engine: gradients equal the same computation in one engine, for a chain, a
 //! diamond, a nested chain that comes back (A→B→C→A), RRef method calls and a tensor used
-//! twice; concurrent contexts; violations; release; a worker lost with contexts open (in
-//! virtual time); gradients sent back by the reverse of the forward's device maps (simulated
-//! devices).
+//! twice; concurrent contexts; violations; release; a worker lost with contexts open;
+//! gradients sent back by the reverse of the forward's device maps (simulated
+//! devices). All in virtual time (tokio's paused clock): the engine runs on blocking threads,
+//! which hold the clock while they compute.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -279,7 +280,7 @@ async fn route_case(workers: &[Worker], route: &[usize]) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn chains_and_a_nested_chain_that_comes_back_match_one_process() {
     let workers = cluster(3).await;
     // A chain w0 -> w1, a longer one w0 -> w1 -> w2, and w0 -> w1 -> w2 -> w0 (A→B→C→A).
@@ -290,7 +291,7 @@ async fn chains_and_a_nested_chain_that_comes_back_match_one_process() {
     shutdown(workers).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_diamond_a_tensor_used_twice_rref_methods_and_remote_match_one_process() {
     let workers = cluster(3).await;
     let w0 = &workers[0];
@@ -389,7 +390,7 @@ async fn a_diamond_a_tensor_used_twice_rref_methods_and_remote_match_one_process
     shutdown(workers).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn concurrent_contexts_from_two_trainers_keep_their_gradients_apart() {
     let workers = cluster(3).await;
     // w0 and w1 train at once through w2; each context holds its own gradients on w2.
@@ -433,7 +434,7 @@ async fn concurrent_contexts_from_two_trainers_keep_their_gradients_apart() {
     shutdown(workers).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn gradients_for_unknown_contexts_or_from_outsiders_are_violations() {
     let workers = cluster(3).await;
     let w0 = &workers[0];
@@ -509,7 +510,7 @@ async fn gradients_for_unknown_contexts_or_from_outsiders_are_violations() {
     shutdown(workers).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn the_distributed_optimizer_trains_like_one_process() {
     let workers = cluster(3).await;
     let w0 = &workers[0];
