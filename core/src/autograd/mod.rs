@@ -29,9 +29,13 @@
 //! **Release** ([`DistAutograd::release`]) drops the context here and tells every known worker,
 //! which drops it and tells *its* known workers (the fan-out stops at workers that no longer
 //! have it). A **lost peer** ([`DistAutograd::handle_peer_lost`]) fails every backward that
-//! involves it, naming it, and drops (with the same fan-out) every context that knew it: no
-//! survivor keeps a context for a dead worker (PyTorch leaks them, pytorch#26379). A failed
-//! backward releases its context everywhere.
+//! involves it, naming it, and drops (with the same fan-out) every context that it made or
+//! that knew it, whether or not a backward runs: no survivor keeps a context for a dead worker
+//! (PyTorch leaks them, pytorch#26379). Nothing from a lost peer is recorded afterwards, and no
+//! tracked tensor goes to it ([`RecvError::PeerLost`], [`AutogradError::PeerLost`]), until a
+//! worker joins under its id ([`DistAutograd::handle_peer_joined`]). A failed backward
+//! releases its context everywhere, and every gradient request is answered, even one from the
+//! worker that released the context or died.
 //!
 //! Input is checked against state: a gradient for an unknown context, from a worker outside
 //! the context, for a message id this worker never sent to that worker, or a recv record with
