@@ -655,10 +655,18 @@ impl<E: AutogradEngine> AutogradContext<E> {
     ) -> Result<(), DistAutogradError> {
         let rx = {
             let mut sh = self.inner.lock();
-            let data = sh
-                .data
-                .get_mut(&self.id)
-                .ok_or(AutogradError::UnknownContext(self.id))?;
+            if !sh.data.contains_key(&self.id) {
+                // Gone: dropped by a failure (say so, naming the cause) or released.
+                let e = match sh.state.dropped_cause(self.id) {
+                    Some(cause) => AutogradError::Dropped {
+                        context: self.id,
+                        cause: cause.clone(),
+                    },
+                    None => AutogradError::UnknownContext(self.id),
+                };
+                return Err(e.into());
+            }
+            let data = sh.data.get_mut(&self.id).expect("checked above");
             data.roots = roots.to_vec();
             sh.state.backward(self.id, retain_graph)?;
             let (tx, rx) = oneshot::channel();
@@ -707,6 +715,8 @@ impl<E: AutogradEngine> AutogradContext<E> {
                 sh.state.release(self.id)?;
                 true
             } else {
+                // Dropped by a failure earlier: the cause kept for this handle goes.
+                sh.state.forget(self.id);
                 false
             }
         };
@@ -727,7 +737,12 @@ impl<E: AutogradEngine> Drop for AutogradContext<E> {
         }
         let released = {
             let mut sh = self.inner.lock();
-            sh.state.has_context(self.id) && sh.state.release(self.id).is_ok()
+            if sh.state.has_context(self.id) {
+                sh.state.release(self.id).is_ok()
+            } else {
+                sh.state.forget(self.id);
+                false
+            }
         };
         if released {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {

@@ -716,18 +716,22 @@ async fn a_worker_lost_with_contexts_open_leaves_none_of_them_on_the_survivors()
         want[1].as_ref().unwrap(),
         "w1",
     );
-    // The dropped one refuses a backward with a typed error; releasing it is not an error.
+    // The dropped one refuses a backward, saying why; releasing it is not an error.
     let e = via2
         .backward(&[(loss(&out2[0]), None)], false)
         .await
         .unwrap_err();
     assert!(
         matches!(
-            e,
-            DistAutogradError::State(tensorwire_core::autograd::AutogradError::UnknownContext(_))
+            &e,
+            DistAutogradError::State(tensorwire_core::autograd::AutogradError::Dropped {
+                cause: tensorwire_core::autograd::BackwardError::PeerLost { worker: 2, .. },
+                ..
+            })
         ),
         "{e}"
     );
+    assert!(e.to_string().contains("worker 2 was lost"), "{e}");
     via2.release().await.unwrap();
     // No tracked tensor goes to a worker known to be lost.
     let next = w0.dist.context().unwrap();

@@ -62,6 +62,9 @@ use crate::protocol::WorkerId;
 const COUNTER_BITS: u32 = 32;
 const COUNTER_MASK: u64 = (1 << COUNTER_BITS) - 1;
 
+/// How many failure-dropped contexts of its own a worker remembers the cause of.
+pub const DROPPED_KEPT: usize = 1024;
+
 /// A distributed autograd context: the creating worker's id in the high 32 bits, that worker's
 /// counter in the low 32 bits (PyTorch: 16 and 48; our worker ids are 32-bit).
 ///
@@ -222,6 +225,15 @@ pub enum AutogradError {
     /// The counter of contexts or messages is spent.
     #[error("worker {0} has used up its 2^32 autograd ids")]
     IdsExhausted(WorkerId),
+    /// A context this worker made was dropped by a failure (a lost peer, a failed backward):
+    /// the cause says which worker and what happened.
+    #[error("{context} was dropped on this worker: {cause}")]
+    Dropped {
+        /// The context.
+        context: ContextId,
+        /// Why it was dropped.
+        cause: BackwardError,
+    },
     /// Tracked tensors cannot go to a worker known to be lost: nothing would ever send their
     /// gradients back, and a context left with it would never be released.
     #[error("worker {worker} was lost; tracked tensors in {context} cannot be sent to it")]
@@ -430,6 +442,9 @@ pub struct DistAutograd {
     outgoing: BTreeMap<GradientId, Outgoing>,
     /// Workers declared lost (and not back since): no context is made with them again.
     lost: BTreeSet<WorkerId>,
+    /// Why contexts made here were dropped by a failure, until the user lets go of them
+    /// ([`forget`](Self::forget)); at most [`DROPPED_KEPT`], the oldest forgotten first.
+    dropped: BTreeMap<ContextId, BackwardError>,
     out: VecDeque<Output>,
 }
 
@@ -446,6 +461,7 @@ impl DistAutograd {
             tasks: BTreeMap::new(),
             outgoing: BTreeMap::new(),
             lost: BTreeSet::new(),
+            dropped: BTreeMap::new(),
             out: VecDeque::new(),
         }
     }
@@ -544,7 +560,7 @@ impl DistAutograd {
         let ctx = self
             .contexts
             .get_mut(&context)
-            .ok_or(AutogradError::UnknownContext(context))?;
+            .ok_or_else(|| missing(&self.dropped, context))?;
         let id = AutogradMessageId::new(self.me, self.next_message);
         self.next_message += 1;
         ctx.sends.insert(id, to);
@@ -563,7 +579,7 @@ impl DistAutograd {
         let ctx = self
             .contexts
             .get_mut(&context)
-            .ok_or(AutogradError::UnknownContext(context))?;
+            .ok_or_else(|| missing(&self.dropped, context))?;
         if ctx.root_running {
             return Err(AutogradError::BackwardRunning(context));
         }
@@ -572,6 +588,18 @@ impl DistAutograd {
         }
         ctx.root_running = true;
         Ok(self.start_task(context, Origin::Root { retain_graph }, Entry::Roots))
+    }
+
+    /// Why `context` (made here) was dropped by a failure, if it was and the user has not let
+    /// go of it yet.
+    pub fn dropped_cause(&self, context: ContextId) -> Option<&BackwardError> {
+        self.dropped.get(&context)
+    }
+
+    /// The user let go of `context` (released or dropped its handle): a cause kept for it is
+    /// forgotten.
+    pub fn forget(&mut self, context: ContextId) {
+        self.dropped.remove(&context);
     }
 
     /// Releases `context`: drops it here (failing any backward work in it) and tells every
@@ -899,6 +927,12 @@ impl DistAutograd {
         let Some(ctx) = self.contexts.remove(&context) else {
             return;
         };
+        if failure && context.worker() == self.me {
+            self.dropped.insert(context, error.clone());
+            while self.dropped.len() > DROPPED_KEPT {
+                self.dropped.pop_first();
+            }
+        }
         for task in &ctx.tasks {
             if let Some(t) = self.tasks.remove(task) {
                 self.outgoing.retain(|_, o| o.task != *task);
@@ -918,5 +952,16 @@ impl DistAutograd {
             }
         }
         self.out.push_back(Output::Dropped { context });
+    }
+}
+
+/// The error for a context this worker does not hold: why it was dropped, if known.
+fn missing(dropped: &BTreeMap<ContextId, BackwardError>, context: ContextId) -> AutogradError {
+    match dropped.get(&context) {
+        Some(cause) => AutogradError::Dropped {
+            context,
+            cause: cause.clone(),
+        },
+        None => AutogradError::UnknownContext(context),
     }
 }

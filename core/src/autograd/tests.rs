@@ -420,6 +420,32 @@ fn a_lost_peer_drops_its_contexts_on_every_survivor_without_a_backward() {
         })
     );
     assert_eq!(b.context_count(), 1);
+    // A context of a's own that reached c is dropped too; using it says why, until a lets go.
+    let mut a2 = DistAutograd::new(0);
+    let theirs2 = a2.new_context().unwrap();
+    a2.record_send(theirs2, 2).unwrap();
+    a2.handle_peer_lost(2);
+    drain(&mut a2);
+    let cause = BackwardError::PeerLost {
+        worker: 2,
+        context: theirs2,
+    };
+    let dropped = AutogradError::Dropped {
+        context: theirs2,
+        cause: cause.clone(),
+    };
+    assert_eq!(a2.backward(theirs2, false), Err(dropped.clone()));
+    assert_eq!(a2.record_send(theirs2, 1), Err(dropped.clone()));
+    assert!(
+        dropped.to_string().contains("worker 2 was lost"),
+        "{dropped}"
+    );
+    assert_eq!(a2.dropped_cause(theirs2), Some(&cause));
+    a2.forget(theirs2);
+    assert_eq!(
+        a2.backward(theirs2, false),
+        Err(AutogradError::UnknownContext(theirs2))
+    );
     // A worker that joins under c's id is a new worker.
     b.handle_peer_joined(2);
     assert!(!b.is_lost(2));
