@@ -15,6 +15,12 @@ struct World {
 }
 
 fn spawn(scenario: &str, n: usize) -> World {
+    spawn_with(scenario, n, &[])
+}
+
+/// [`spawn`] with more environment. A rank 0 that prints `SKIPPED` (no device for
+/// `TW_DEVICES`) is the only process started.
+fn spawn_with(scenario: &str, n: usize, extra_env: &[(&str, &str)]) -> World {
     static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let secret = format!(
         "autograd-secret-{}-{}",
@@ -30,6 +36,7 @@ fn spawn(scenario: &str, n: usize) -> World {
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port)
             .env("TENSORWIRE_SECRET", &secret)
+            .envs(extra_env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -52,7 +59,12 @@ fn spawn(scenario: &str, n: usize) -> World {
         lines,
         seen: Vec::new(),
     };
-    let announced = world.wait_for_line(|r, l| r == 0 && l.contains("hosts the store"));
+    let announced = world.wait_for_line(|r, l| {
+        r == 0 && (l.contains("hosts the store") || l.starts_with("SKIPPED"))
+    });
+    if announced.starts_with("SKIPPED") {
+        return world;
+    }
     let port = announced
         .split_whitespace()
         .find_map(|w| w.strip_prefix("addr="))
@@ -69,8 +81,8 @@ impl World {
         self.wait_until(limit, |r, l| r == rank && l.starts_with(prefix));
     }
 
-    /// Waits up to a minute for rank 0's store announcement (killing every worker if it never
-    /// comes) and returns that line.
+    /// Waits up to a minute for a line that `hit` accepts (killing every worker if it never
+    /// comes) and returns it.
     fn wait_for_line(&mut self, hit: impl Fn(usize, &str) -> bool) -> String {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -259,6 +271,34 @@ fn a_worker_killed_with_contexts_open_leaves_none_of_them_on_the_survivors() {
 #[test]
 fn gradients_go_back_by_the_reverse_device_maps_across_processes() {
     let lines = assert_all_ok("devices");
+    for case in ["chain2", "cycle"] {
+        assert!(
+            lines
+                .iter()
+                .any(|(r, l)| *r == 0 && l == &format!("OK case {case}")),
+            "{case} not checked: {lines:#?}"
+        );
+    }
+}
+
+/// The same on real CUDA devices (`TW_DEVICES=cuda`) where a GPU is usable; elsewhere rank 0
+/// says why it skips (`SKIPPED: ...`) and exits 0.
+#[test]
+fn gradients_go_back_by_the_reverse_device_maps_across_processes_on_cuda() {
+    let (codes, lines) =
+        spawn_with("devices", 3, &[("TW_DEVICES", "cuda")]).finish(Duration::from_secs(180));
+    if let Some((_, skipped)) = lines
+        .iter()
+        .find(|(r, l)| *r == 0 && l.starts_with("SKIPPED"))
+    {
+        println!("devices on cuda: {skipped}");
+        assert_eq!(codes, [Some(0)], "{lines:#?}");
+        return;
+    }
+    assert!(
+        codes.iter().all(|c| *c == Some(0)),
+        "exit codes {codes:?}\n{lines:#?}"
+    );
     for case in ["chain2", "cycle"] {
         assert!(
             lines
