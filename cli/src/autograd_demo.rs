@@ -304,12 +304,31 @@ async fn train(
 /// Starts the 3 workers as processes of `exe` (with `args`, which make it call [`worker`] and
 /// print its report as `REPORT <json>`), on 127.0.0.1, and returns the trainer's report.
 /// Other output of the workers goes to standard error.
+///
+/// The group's store is served here, as `tensorwire launch` serves a job's, on a port the
+/// system picks (`TENSORWIRE_LAUNCHER_STORE=1` tells rank 0 to connect to it instead of
+/// hosting one): no port is reserved and released first.
 pub fn run_local(exe: &str, args: &[String]) -> Result<Report> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port()
-        .to_string();
-    let secret = format!("autograd-demo-{}-{port}", std::process::id());
+    use tensorwire_process_group::rendezvous::LAUNCHER_STORE_ENV;
+    use tensorwire_process_group::{ClusterSecret, ServerConfig, TcpStoreServer};
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    let secret = format!("autograd-demo-{}-{nonce}", std::process::id());
+    // One thread serves the store while this one waits on the workers.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let server = rt.block_on(TcpStoreServer::bind(
+        std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, 0)),
+        ServerConfig {
+            secret: Some(ClusterSecret::new(secret.as_bytes().to_vec())?),
+            ..ServerConfig::default()
+        },
+    ))?;
+    let port = server.local_addr().port().to_string();
     let mut children = Vec::new();
     for rank in 0..3 {
         children.push(
@@ -320,6 +339,7 @@ pub fn run_local(exe: &str, args: &[String]) -> Result<Report> {
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
                 .env("TENSORWIRE_SECRET", &secret)
+                .env(LAUNCHER_STORE_ENV, "1")
                 .stdout(Stdio::piped())
                 .spawn()
                 .map_err(|e| format!("starting {exe}: {e}"))?,
@@ -342,5 +362,7 @@ pub fn run_local(exe: &str, args: &[String]) -> Result<Report> {
             return Err(format!("worker {rank} failed: {status}").into());
         }
     }
+    drop(server);
+    drop(rt);
     some(report, "the trainer printed no report")
 }
