@@ -150,13 +150,8 @@ impl Payload for Body {
 
 type Waiter = oneshot::Sender<Result<Body, CallError>>;
 
-/// What every worker publishes at init.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct WorkerRecord {
-    pub(crate) rank: WorkerId,
-    pub(crate) addr: SocketAddr,
-    pub(crate) devices: WorkerDeviceInfo,
-}
+/// What every worker publishes at init (the membership protocol's record).
+pub(crate) type WorkerRecord = tensorwire_core::protocol::membership::MemberRecord;
 
 /// The way to one peer: a writer task fed by a queue, and a lock that whoever writes holds —
 /// the writer task, or a task of ours that writes directly when nothing is queued (one wake-up
@@ -255,7 +250,12 @@ pub(crate) struct Inner {
     pub(crate) rendezvous: Mutex<Option<Rendezvous>>,
     tasks: Mutex<Tasks>,
     /// The one clock the driver reads time from and sleeps on.
-    clock: Arc<dyn Clock>,
+    pub(crate) clock: Arc<dyn Clock>,
+    /// A dynamic group's membership (see [`crate::dynamic`]); its own lock, never held with
+    /// the state's.
+    pub(crate) membership: Mutex<crate::dynamic::DynState>,
+    /// Wakes the membership's timer.
+    pub(crate) membership_wake: Notify,
     pub(crate) metrics: crate::metrics::AgentMetrics,
 }
 
@@ -586,6 +586,8 @@ impl Agent {
             rendezvous: Mutex::new(None),
             tasks: Mutex::new(Tasks::default()),
             clock: Arc::new(TokioClock),
+            membership: crate::dynamic::new_state(),
+            membership_wake: Notify::new(),
         });
         Agent { inner }
     }
@@ -1764,7 +1766,7 @@ impl Agent {
                 drop(turn);
                 queued.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
                 if let Err(e) = sent {
-                    agent.peer_lost(peer, &e.to_string());
+                    agent.peer_lost_on(peer, &e.to_string(), &writer_conn);
                     return;
                 }
             }
@@ -1776,13 +1778,13 @@ impl Agent {
                 match conn.recv().await {
                     Ok(frame) => {
                         if let Err(reason) = agent.on_frame(peer, frame) {
-                            agent.peer_lost(peer, &reason);
+                            agent.peer_lost_on(peer, &reason, &conn);
                             return;
                         }
                     }
                     Err(e) => {
                         if agent.lock().ep.state() == tensorwire_core::protocol::RunState::Running {
-                            agent.peer_lost(peer, &e.to_string());
+                            agent.peer_lost_on(peer, &e.to_string(), &conn);
                         }
                         return;
                     }
@@ -1791,6 +1793,62 @@ impl Agent {
         };
         self.track(true, writer);
         self.spawn(reader);
+    }
+
+    /// [`peer_lost`](Self::peer_lost), if `conn` is still the connection to `peer` (a worker
+    /// that left and joined again has a new one, which the old one's end must not touch).
+    fn peer_lost_on(&self, peer: WorkerId, reason: &str, conn: &Arc<dyn Connection>) {
+        let current = self
+            .lock()
+            .peers
+            .get(&peer)
+            .is_some_and(|l| Arc::ptr_eq(&l.conn, conn));
+        if current {
+            self.peer_lost(peer, reason);
+        } else {
+            debug!("an old connection to rank {peer} ended: {reason}");
+        }
+    }
+
+    /// Member `peer` left a dynamic group (the membership decided it): the endpoint treats it
+    /// as a lost peer (its calls fail naming it, its forks stop keeping our values alive, the
+    /// forks of its values are forgotten), and its connection closes once what is queued for
+    /// it is sent.
+    pub(crate) fn member_left(&self, peer: WorkerId, reason: &str) {
+        let link = {
+            let mut st = self.lock();
+            let link = st.peers.remove(&peer);
+            st.ep.handle_peer_lost(peer, reason, self.now());
+            st.lost.insert(peer, reason.to_owned());
+            for waiters in st.confirm_waiters.values_mut() {
+                waiters.retain(|(owner, _)| *owner != peer);
+            }
+            st.confirm_waiters.retain(|_, w| !w.is_empty());
+            link
+        };
+        drop(link);
+    }
+
+    /// Drops every connection (a join that failed, before it is tried again).
+    pub(crate) fn close_links(&self) {
+        let links = std::mem::take(&mut self.lock().peers);
+        drop(links);
+    }
+
+    /// Queues a control frame (the membership protocol's) for `to`'s writer.
+    pub(crate) fn send_control(&self, to: WorkerId, frame: Frame) {
+        let st = self.lock();
+        match st.peers.get(&to) {
+            Some(link) => {
+                link.queued
+                    .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                if link.tx.send(frame).is_err() {
+                    link.queued
+                        .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                }
+            }
+            None => debug!("no connection to rank {to} for a membership message"),
+        }
     }
 
     fn peer_lost(&self, peer: WorkerId, reason: &str) {
@@ -1809,7 +1867,9 @@ impl Agent {
             st.confirm_waiters.retain(|_, w| !w.is_empty());
         }
         if self.inner.dynamic {
-            self.remove_member(peer);
+            // The membership drops it (and hands coordination on, if it coordinated).
+            let now = self.now();
+            self.with_membership(|m| m.handle_lost(peer, now));
         }
         self.pump();
     }
@@ -1817,6 +1877,12 @@ impl Agent {
     /// Hands a received frame to the endpoint. A frame that breaks the protocol is an error:
     /// the connection to that peer is dropped (its calls fail naming it), never a silent loss.
     fn on_frame(&self, from: WorkerId, frame: Frame) -> Result<(), String> {
+        if frame.kind == FrameKind::Control {
+            return self.on_membership_frame(from, &frame);
+        }
+        if self.inner.dynamic && !self.may_call(from) {
+            return Err("sent RPC traffic without being a member of the group".into());
+        }
         let envelope: Envelope = postcard::from_bytes(&frame.header)
             .map_err(|e| format!("sent a malformed message header ({e})"))?;
         let mut payloads = frame.payloads.into_iter();

@@ -158,7 +158,7 @@ pub enum MembershipError {
     },
     /// The device plans of the members and the joiner break a rule.
     #[error(transparent)]
-    DeviceMaps(#[from] DeviceMapError),
+    DeviceMaps(Box<DeviceMapError>),
     /// The deadline passed.
     #[error("{what} (waiting for ranks {missing:?})")]
     Timeout {
@@ -425,7 +425,8 @@ impl DynamicMembership {
 
     /// A connection with `peer` is up: accepted from it (with its `record`, from its hello),
     /// or dialled by this joiner (`record: None`). A connection nobody announced is refused:
-    /// the driver drops it.
+    /// the driver drops it. On the coordinator, a worker whose rank or name is a member's is
+    /// refused with [`MembershipError::Refused`], whose reason the driver tells it.
     pub fn handle_connected(
         &mut self,
         peer: WorkerId,
@@ -462,8 +463,16 @@ impl DynamicMembership {
                 .push_back(MembershipEvent::MemberAdded(record.clone()));
             return Ok(Accepted::Member);
         }
-        if self.is_coordinator() && !self.is_member(peer) && self.applicants.insert(peer) {
-            return Ok(Accepted::Applicant);
+        if self.is_coordinator() {
+            if let Some(reason) = self.in_use(record) {
+                return Err(MembershipError::Refused {
+                    reason,
+                    retry: false,
+                });
+            }
+            if self.applicants.insert(peer) {
+                return Ok(Accepted::Applicant);
+            }
         }
         refuse("a connection from a worker nobody announced")
     }
@@ -559,7 +568,7 @@ impl DynamicMembership {
                             reason: e.to_string(),
                         },
                     ));
-                    self.fail_join(e.into());
+                    self.fail_join(MembershipError::DeviceMaps(Box::new(e)));
                     return Ok(());
                 }
                 let me = self.me.rank;
@@ -617,6 +626,8 @@ impl DynamicMembership {
                 }
                 if let Role::Joining(j) = std::mem::replace(&mut self.role, Role::Member) {
                     for (s, r) in j.to_connect.into_values() {
+                        self.events
+                            .push_back(MembershipEvent::MemberAdded(r.clone()));
                         self.members.insert(s, r);
                     }
                     self.members
@@ -734,17 +745,16 @@ impl DynamicMembership {
         }
         match &self.role {
             Role::Joining(j) if due(j.deadline) => {
-                let missing: Vec<WorkerId> = if j.admitted.is_none() {
-                    vec![j.coordinator]
-                } else if j.connected.len() == j.to_connect.len() {
-                    vec![j.coordinator]
-                } else {
-                    j.to_connect
-                        .keys()
-                        .filter(|r| !j.connected.contains(r))
-                        .copied()
-                        .collect()
-                };
+                let missing: Vec<WorkerId> =
+                    if j.admitted.is_none() || j.connected.len() == j.to_connect.len() {
+                        vec![j.coordinator]
+                    } else {
+                        j.to_connect
+                            .keys()
+                            .filter(|r| !j.connected.contains(r))
+                            .copied()
+                            .collect()
+                    };
                 self.fail_join(MembershipError::Timeout {
                     what: "joining the group",
                     missing,
@@ -892,20 +902,24 @@ impl DynamicMembership {
         }
     }
 
-    fn start_join(&mut self, record: MemberRecord, now: Instant) {
-        let joiner = record.rank;
-        let taken = self
+    /// Why `record` cannot join: its rank or name is a member's.
+    fn in_use(&self, record: &MemberRecord) -> Option<String> {
+        let m = self
             .members
             .values()
-            .find(|m| m.rank == record.rank || m.name() == record.name());
-        if let Some(m) = taken {
-            let reason = format!(
-                "{} (rank {}) cannot join: {} (rank {}) is already a member",
-                record.name(),
-                record.rank,
-                m.name(),
-                m.rank
-            );
+            .find(|m| m.rank == record.rank || m.name() == record.name())?;
+        Some(format!(
+            "{} (rank {}) cannot join: {} (rank {}) is already a member",
+            record.name(),
+            record.rank,
+            m.name(),
+            m.rank
+        ))
+    }
+
+    fn start_join(&mut self, record: MemberRecord, now: Instant) {
+        let joiner = record.rank;
+        if let Some(reason) = self.in_use(&record) {
             self.applicants.remove(&joiner);
             self.transmits.push_back((
                 joiner,

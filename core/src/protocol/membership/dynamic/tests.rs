@@ -189,23 +189,26 @@ fn a_name_or_rank_in_use_is_refused() {
     let c = 0;
     let mut dup = DynamicMembership::join(record(1), c, OP, None);
     let r = record(1);
-    // The coordinator sees a connection from a member's rank: refused.
+    // The coordinator sees a connection from a member's rank: refused, saying why.
+    match net.ms.get_mut(&c).unwrap().handle_connected(1, Some(&r)) {
+        Err(MembershipError::Refused { reason, retry }) => {
+            assert!(reason.contains("w1 (rank 1) cannot join: w1 (rank 1) is already a member"));
+            assert!(!retry);
+        }
+        other => panic!("{other:?}"),
+    }
+    // A fresh rank with a used name is refused by the coordinator's decision.
+    let mut same_name = record(5);
+    same_name.devices.name = "w1".into();
     assert!(net
         .ms
         .get_mut(&c)
         .unwrap()
-        .handle_connected(1, Some(&r))
+        .handle_connected(5, Some(&same_name))
         .is_err());
-    // A fresh rank with a used name is refused by the coordinator's decision.
-    let mut same_name = record(5);
-    same_name.devices.name = "w1".into();
-    assert_eq!(
-        net.ms
-            .get_mut(&c)
-            .unwrap()
-            .handle_connected(5, Some(&same_name)),
-        Ok(Accepted::Applicant)
-    );
+    // Asked while rank 1 was still joining (so let in as an applicant), it is refused when
+    // its turn comes.
+    net.ms.get_mut(&c).unwrap().applicants.insert(5);
     net.ms
         .get_mut(&c)
         .unwrap()
