@@ -131,6 +131,10 @@ impl Agent {
                 }
             }
             MembershipEvent::MemberAdded(record) => self.add_member(record),
+            MembershipEvent::Admitted { seq } => {
+                // Ids above every earlier incarnation of this rank's.
+                self.lock().ep.begin_incarnation(seq);
+            }
             MembershipEvent::MemberRemoved { rank, left } => {
                 if left {
                     let reason = format!("{} left the group", self.name_of(rank));

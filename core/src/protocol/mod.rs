@@ -641,6 +641,9 @@ pub struct Endpoint<B> {
     config: EndpointConfig,
     state: RunState,
     next_id: u64,
+    /// Ids at or below it were never issued here (see
+    /// [`begin_incarnation`](Endpoint::begin_incarnation)).
+    first_id: u64,
     pending: HashMap<MessageId, Pending>,
     deadlines: BTreeSet<(Instant, MessageId)>,
     unacked: HashMap<MessageId, Unacked>,
@@ -707,6 +710,7 @@ impl<B: Payload> Endpoint<B> {
             config,
             state: RunState::Running,
             next_id: 0,
+            first_id: 0,
             pending: HashMap::new(),
             deadlines: BTreeSet::new(),
             unacked: HashMap::new(),
@@ -980,7 +984,7 @@ impl<B: Payload> Endpoint<B> {
                 function,
                 timeout,
             } => {
-                let Some(body) = self.admit(from, id, body) else {
+                let Some(body) = self.admit(from, id, body, now) else {
                     return Ok(());
                 };
                 let token = RequestToken {
@@ -998,7 +1002,16 @@ impl<B: Payload> Endpoint<B> {
                 fork,
                 timeout,
             } => {
-                let Some(body) = self.admit(from, id, body) else {
+                let Some(body) = self.admit(from, id, body, now) else {
+                    // Refused (shutting down, leaving, no body): the value will never be
+                    // created, so what waits for it here (fork requests, fetches, method
+                    // calls from third parties) settles now.
+                    let err = RemoteError {
+                        worker: self.me,
+                        kind: RemoteErrorKind::ShuttingDown,
+                        message: format!("{rref} was not created: worker {} refused it", self.me),
+                    };
+                    self.fail_creation(rref, err);
                     return Ok(());
                 };
                 let upto = self.created_upto.entry(from).or_default();
@@ -1019,7 +1032,7 @@ impl<B: Payload> Endpoint<B> {
                 });
             }
             Header::Fetch { id, rref, timeout } => {
-                if self.state == RunState::Running {
+                if self.takes_requests() {
                     self.owner_fetch(from, id, rref, deadline_after(now, timeout));
                 } else {
                     self.refuse(from, id);
@@ -1098,19 +1111,7 @@ impl<B: Payload> Endpoint<B> {
                     kind: RemoteErrorKind::Failed,
                     message: reason,
                 };
-                self.remember_failure(rref, &err);
-                let waiting = match self.owned.get_mut(&rref) {
-                    Some(o) if o.state.is_none() => {
-                        o.state = Some(Err(err));
-                        std::mem::take(&mut o.fetches)
-                    }
-                    _ => Vec::new(),
-                };
-                for (caller, id, deadline) in waiting {
-                    self.owner_fetch(caller, id, rref, deadline);
-                }
-                self.settle_parked_calls(rref);
-                self.maybe_release(rref);
+                self.fail_creation(rref, err);
             }
             Header::Ack { id } => self.on_ack(id, now),
             Header::Shutdown { signal } => self.on_shutdown_signal(from, signal),
@@ -1124,7 +1125,7 @@ impl<B: Payload> Endpoint<B> {
 
     /// Whether `from` may send `header`, judged against what we sent and hold.
     fn check_message(&self, from: WorkerId, header: &Header) -> Result<(), ProtocolViolation> {
-        let never_issued = |id: MessageId| id == 0 || id > self.next_id;
+        let never_issued = |id: MessageId| id <= self.first_id || id > self.next_id;
         match *header {
             Header::Reply { id, .. } => {
                 if never_issued(id) {
@@ -1327,9 +1328,26 @@ impl<B: Payload> Endpoint<B> {
         self.advance_shutdown();
     }
 
-    /// Worker `peer` (re)joined the group (dynamic groups): it is no longer counted as lost.
+    /// Starts this endpoint's ids (message ids and the ids of references it creates) above
+    /// every id of its earlier incarnations: a worker that joins a dynamic group again under
+    /// the same rank (`incarnation`: its place in the group's admission order) must not reuse
+    /// an id its peers may still hold from the earlier one. Only before any id was issued;
+    /// returns whether it took effect.
+    pub fn begin_incarnation(&mut self, incarnation: u64) -> bool {
+        if self.next_id != self.first_id {
+            return false;
+        }
+        self.first_id = incarnation.saturating_mul(1 << 40);
+        self.next_id = self.first_id;
+        true
+    }
+
+    /// Worker `peer` (re)joined the group (dynamic groups): it is no longer counted as lost,
+    /// and a new incarnation of it starts with a clean slate (its control messages' ids
+    /// start afresh).
     pub fn handle_peer_joined(&mut self, peer: WorkerId) {
         self.lost.remove(&peer);
+        self.seen_control.remove(&peer);
         self.forget_shutdown_of(peer);
         self.created_upto.remove(&peer);
     }
@@ -1369,9 +1387,14 @@ impl<B: Payload> Endpoint<B> {
     }
 
     /// Accepts an incoming request with a body, or refuses it (shutting down, no body).
-    fn admit(&mut self, from: WorkerId, id: MessageId, body: Option<B>) -> Option<B> {
-        if self.state != RunState::Running {
+    fn admit(&mut self, from: WorkerId, id: MessageId, body: Option<B>, now: Instant) -> Option<B> {
+        if !self.takes_requests() {
             self.refuse(from, id);
+            // The references the request carried were forked for this worker: accepted and
+            // dropped here, so that their parents stop waiting for them.
+            if let Some(b) = body {
+                self.release_forks(b.forks(), now);
+            }
             return None;
         }
         if body.is_none() {
@@ -1385,11 +1408,40 @@ impl<B: Payload> Endpoint<B> {
         body
     }
 
+    /// The value of `rref` will never be created here: remembered, and what waits for it
+    /// settles with `err`.
+    fn fail_creation(&mut self, rref: RRefId, err: RemoteError) {
+        self.remember_failure(rref, &err);
+        let waiting = match self.owned.get_mut(&rref) {
+            Some(o) if o.state.is_none() => {
+                o.state = Some(Err(err));
+                std::mem::take(&mut o.fetches)
+            }
+            _ => Vec::new(),
+        };
+        for (caller, id, deadline) in waiting {
+            self.owner_fetch(caller, id, rref, deadline);
+        }
+        self.settle_parked_calls(rref);
+        self.maybe_release(rref);
+    }
+
+    /// Whether new requests from peers are served: running, and not leaving a dynamic group
+    /// (a leaver answers what it took, and nothing more, so that it settles).
+    fn takes_requests(&self) -> bool {
+        self.state == RunState::Running && !self.is_leaving()
+    }
+
     fn refuse(&mut self, from: WorkerId, id: MessageId) {
+        let message = if self.is_leaving() {
+            format!("worker {} is leaving the group", self.me)
+        } else {
+            "RPC is no longer running on this worker".into()
+        };
         let err = RemoteError {
             worker: self.me,
             kind: RemoteErrorKind::ShuttingDown,
-            message: "RPC is no longer running on this worker".into(),
+            message,
         };
         self.reply(from, id, Err(err));
     }

@@ -924,6 +924,13 @@ fn cluster_simulation() {
         total.shutdowns_failed += s.shutdowns_failed;
         total.leaves += s.leaves;
         total.method_calls += s.method_calls;
+        total.dynamic_groups += s.dynamic_groups;
+        total.static_joins += s.static_joins;
+        total.static_joins_failed += s.static_joins_failed;
+        total.joins += s.joins;
+        total.joins_failed += s.joins_failed;
+        total.rejoins += s.rejoins;
+        total.from_non_members += s.from_non_members;
     }
     // The workload reaches every behaviour it is meant to.
     if std::env::var("TW_SIM_SEED").is_err() {
@@ -941,6 +948,16 @@ fn cluster_simulation() {
         );
         assert!(
             total.shutdowns_ok > 0 && total.shutdowns_failed > 0 && total.leaves > 0,
+            "{total:?}"
+        );
+        // Static joins (some with a rank that never starts) and dynamic groups, whose workers
+        // join, leave and join again during the workload.
+        assert!(
+            total.static_joins > 0 && total.static_joins_failed > 0 && total.dynamic_groups > 0,
+            "{total:?}"
+        );
+        assert!(
+            total.joins > 0 && total.rejoins > 0 && total.joins_failed > 0,
             "{total:?}"
         );
         eprintln!("cluster simulation: {total:?}");

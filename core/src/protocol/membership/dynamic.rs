@@ -115,6 +115,14 @@ pub enum DynMessage {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum MembershipEvent {
+    /// Joiner: the coordinator admitted it at place `seq` of the admission order. The driver
+    /// starts the endpoint's ids there
+    /// ([`Endpoint::begin_incarnation`](crate::protocol::Endpoint::begin_incarnation)) before
+    /// any member can reach it.
+    Admitted {
+        /// Its place.
+        seq: u64,
+    },
     /// Joiner: connect to these members (send them this worker's record in the hello), and
     /// report each with [`DynamicMembership::handle_connected`] or
     /// [`DynamicMembership::handle_connect_failed`].
@@ -272,9 +280,15 @@ pub struct DynamicMembership {
     next_seq: u64,
     op_timeout: Duration,
     last_now: Option<Instant>,
+    /// Coordinator messages from members that are not the coordinator yet in this worker's
+    /// view (see [`handle_message`](Self::handle_message)).
+    early: BTreeMap<WorkerId, VecDeque<DynMessage>>,
     transmits: VecDeque<(WorkerId, DynMessage)>,
     events: VecDeque<MembershipEvent>,
 }
+
+/// How many early coordinator messages are kept per member.
+const EARLY_KEPT: usize = 64;
 
 impl DynamicMembership {
     fn with_role(me: MemberRecord, role: Role, op_timeout: Duration) -> Self {
@@ -289,6 +303,7 @@ impl DynamicMembership {
             next_seq: 0,
             op_timeout,
             last_now: None,
+            early: BTreeMap::new(),
             transmits: VecDeque::new(),
             events: VecDeque::new(),
         }
@@ -343,7 +358,11 @@ impl DynamicMembership {
     /// Whether `rank` may send calls and replies here: a member. (A joiner is one for a
     /// member once it connected; an applicant only speaks the membership protocol.)
     pub fn may_call(&self, rank: WorkerId) -> bool {
-        self.is_member(rank)
+        match &self.role {
+            // Members it connected to count it a member already.
+            Role::Joining(j) => j.connected.contains(&rank) && j.to_connect.contains_key(&rank),
+            _ => self.is_member(rank),
+        }
     }
 
     /// The members, in admission order.
@@ -363,6 +382,19 @@ impl DynamicMembership {
     pub fn is_coordinator(&self) -> bool {
         !matches!(self.role, Role::Joining(_) | Role::Gone)
             && self.coordinator() == Some(self.me.rank)
+    }
+
+    /// This worker's place in the admission order (unique in the group's lifetime: a worker
+    /// that joins again under the same rank gets a new one), once admitted.
+    pub fn seq(&self) -> Option<u64> {
+        match &self.role {
+            Role::Joining(j) => j.admitted,
+            _ => self
+                .members
+                .iter()
+                .find(|(_, r)| r.rank == self.me.rank)
+                .map(|(s, _)| *s),
+        }
     }
 
     /// Whether this worker is a member (its join complete, its leave not).
@@ -477,16 +509,17 @@ impl DynamicMembership {
         refuse("a connection from a worker nobody announced")
     }
 
-    /// The joiner could not connect to member `peer`: the join fails naming it.
+    /// The joiner could not connect to member `peer`. The coordinator: the join fails (the
+    /// driver may try again). Another member: it may have died after the joiner was admitted,
+    /// in which case the coordinator says so ([`DynMessage::Left`]) and the join goes on
+    /// without it; else the join fails at its deadline naming it.
     pub fn handle_connect_failed(&mut self, peer: WorkerId) {
         if let Role::Joining(j) = &self.role {
-            if j.to_connect.contains_key(&peer) || peer == j.coordinator {
-                let what = if peer == j.coordinator {
-                    LOST_COORDINATOR
-                } else {
-                    "the joiner connected to the members"
-                };
-                self.fail_join(MembershipError::Lost { peer, what });
+            if peer == j.coordinator {
+                self.fail_join(MembershipError::Lost {
+                    peer,
+                    what: LOST_COORDINATOR,
+                });
             }
         }
     }
@@ -506,6 +539,24 @@ impl DynamicMembership {
         }
         let violation = |what| Err(MembershipError::Violation { peer: from, what });
         let from_coordinator = self.coordinator() == Some(from);
+        let known_member = match &self.role {
+            Role::Joining(j) => j.connected.contains(&from) && j.to_connect.contains_key(&from),
+            _ => self.is_joined() && self.is_member(from),
+        };
+        if !from_coordinator
+            && known_member
+            && matches!(msg, DynMessage::Joining { .. } | DynMessage::Left { .. })
+        {
+            // A member that learned before this worker that it coordinates now (its
+            // predecessor left or was lost; that news travels on another connection): its
+            // word counts once this worker learns it too. Bounded per member.
+            let held = self.early.entry(from).or_default();
+            if held.len() >= EARLY_KEPT {
+                return violation("spoke as the coordinator, which it is not");
+            }
+            held.push_back(msg);
+            return Ok(());
+        }
         match msg {
             DynMessage::JoinRequest { record } => {
                 if !self.is_coordinator() || !self.applicants.contains(&from) {
@@ -535,6 +586,7 @@ impl DynamicMembership {
                     return violation("announced a joiner without coordinating");
                 }
                 let rank = record.rank;
+                self.next_seq = self.next_seq.max(seq + 1);
                 self.expected.insert(rank, (seq, record));
                 self.transmits
                     .push_back((from, DynMessage::Expecting { rank }));
@@ -556,6 +608,8 @@ impl DynamicMembership {
                     return violation("admitted this joiner out of turn");
                 }
                 j.admitted = Some(seq);
+                self.next_seq = self.next_seq.max(seq + 1);
+                self.events.push_back(MembershipEvent::Admitted { seq });
                 // The joiner's own check of everyone's device plans, by the dynamic rules.
                 let mut infos: Vec<WorkerDeviceInfo> =
                     members.iter().map(|(_, r)| r.devices.clone()).collect();
@@ -651,8 +705,15 @@ impl DynamicMembership {
                 }
             }
             DynMessage::LeaveRequest => {
-                if !self.is_joined() || !self.is_member(from) {
-                    return violation("asked to leave a group it is not a member of");
+                if !self.is_joined() {
+                    return violation("asked to leave a worker that is not a member");
+                }
+                if !self.is_member(from) {
+                    // Removed already (its leave was granted by a coordinator that went before
+                    // telling it): say so again.
+                    self.transmits
+                        .push_back((from, DynMessage::Left { rank: from }));
+                    return Ok(());
                 }
                 // The sender may learn that this worker coordinates (its predecessor left)
                 // before this worker does: the request waits until it does.
@@ -806,6 +867,7 @@ impl DynamicMembership {
     /// Drops member `rank` (it left, or was lost); if it coordinated, the next oldest does.
     fn remove(&mut self, rank: WorkerId, left: bool, now: Instant) {
         self.expected.remove(&rank);
+        self.early.remove(&rank);
         let was_coordinator = self.coordinator() == Some(rank);
         let before = self.members.len();
         self.members.retain(|_, r| r.rank != rank);
@@ -815,10 +877,21 @@ impl DynamicMembership {
         self.events
             .push_back(MembershipEvent::MemberRemoved { rank, left });
         if was_coordinator && self.is_coordinator() {
+            // Places already given (to members that left since, too) are never given again.
+            let after_members = self.members.keys().next_back().map_or(0, |s| s + 1);
+            self.next_seq = self.next_seq.max(after_members);
             self.events.push_back(MembershipEvent::Coordinate);
-            self.next_seq = self.members.keys().next_back().map_or(0, |s| s + 1);
         }
         if was_coordinator {
+            // What the new coordinator said before this worker knew it counts now.
+            if let Some(next) = self.coordinator() {
+                for msg in self.early.remove(&next).unwrap_or_default() {
+                    if let Err(e) = self.handle_message(next, msg, now) {
+                        // Judged now as it would have been on arrival; nothing changed.
+                        let _ = e;
+                    }
+                }
+            }
             if let Role::Leaving { to, .. } = &mut self.role {
                 // The old coordinator never granted it: ask the new one.
                 if let Some(next) = self.members.values().next().map(|r| r.rank) {
