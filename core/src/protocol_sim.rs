@@ -102,6 +102,8 @@ struct Serving {
     waits_for: Option<MessageId>,
     /// References received in the arguments (handles held while serving).
     handles: Vec<RRefHandle>,
+    /// Waiting until those are confirmed: the wait, the function to run, a method's target.
+    confirming: Option<(crate::protocol::WaitId, String, Option<RRefId>)>,
 }
 
 /// One worker's model application.
@@ -165,6 +167,10 @@ pub struct SimStats {
     pub rejoins: usize,
     /// Messages from a worker no longer a member, dropped by the receiver.
     pub from_non_members: usize,
+    /// Functions that waited for the references in their arguments to be confirmed.
+    pub confirm_waits: usize,
+    /// Of those, waits that failed (an owner lost, a creation failed, the deadline).
+    pub confirm_waits_failed: usize,
 }
 
 /// A dynamic group: every worker's membership, the membership messages in flight, and what the
@@ -1149,7 +1155,7 @@ impl Cluster {
                 token,
                 function,
                 body,
-                ..
+                deadline,
             } => {
                 let handles = self.accept_all(w, &body.forks);
                 let mut serving = Serving {
@@ -1162,46 +1168,40 @@ impl Cluster {
                     },
                     waits_for: None,
                     handles,
+                    confirming: None,
                 };
-                match function.as_str() {
-                    "method" => {
-                        let target = body.target.unwrap_or_else(|| {
-                            self.fail(format!("worker {w}: a method call without a target"))
-                        });
-                        if !self.apps[w as usize].values.contains_key(&target) {
-                            self.fail(format!(
-                                "worker {w} was asked to run a method on {target}, which it does not keep (yet)"
-                            ));
-                        }
-                        self.answer(w, serving, Ok(()));
+                // A function runs once the references in its arguments are confirmed (the
+                // endpoint parks the wait, by the caller's deadline).
+                if !serving.handles.is_empty() {
+                    if let Some(wait) =
+                        self.eps[w as usize].wait_confirmed(&serving.handles, deadline)
+                    {
+                        self.stats.confirm_waits += 1;
+                        serving.confirming = Some((wait, function, body.target));
+                        self.apps[w as usize].serving.push(serving);
+                        return;
                     }
-                    "slow" => self.apps[w as usize].serving.push(serving),
-                    "nested" => {
-                        // Call a third worker (or anyone) before answering.
-                        let alive = self.alive();
-                        let third = alive[(w as usize + 1) % alive.len()];
-                        if let Ok(id) = self.eps[w as usize].call(
-                            third,
-                            "echo",
-                            Body::default(),
-                            Duration::from_secs(1),
-                            now,
-                        ) {
-                            self.stats.calls += 1;
-                            self.track_call(w, id, Duration::from_secs(1));
-                            serving.waits_for = Some(id);
-                            self.apps[w as usize].serving.push(serving);
-                        } else {
-                            self.answer(w, serving, Ok(()));
-                        }
+                }
+                self.run_function(w, serving, &function, body.target);
+            }
+            Event::ConfirmWaitDone { wait, outcome } => {
+                let serving = &mut self.apps[w as usize].serving;
+                let Some(i) = serving
+                    .iter()
+                    .position(|s| s.confirming.as_ref().is_some_and(|c| c.0 == wait))
+                else {
+                    return; // answered already (the end of the run answers everything)
+                };
+                let mut s = serving.remove(i);
+                let Some((_, function, target)) = s.confirming.take() else {
+                    return;
+                };
+                match outcome {
+                    Ok(()) => self.run_function(w, s, &function, target),
+                    Err(e) => {
+                        self.stats.confirm_waits_failed += 1;
+                        self.answer(w, s, Err(e.to_string()));
                     }
-                    "keep" => {
-                        let kept = std::mem::take(&mut serving.handles);
-                        self.apps[w as usize].held.extend(kept);
-                        self.answer(w, serving, Ok(()));
-                    }
-                    "fail" => self.answer(w, serving, Err("refused".into())),
-                    _ => self.answer(w, serving, Ok(())),
                 }
             }
             Event::Remote {
@@ -1222,6 +1222,7 @@ impl Cluster {
                     },
                     waits_for: None,
                     handles,
+                    confirming: None,
                 };
                 // `make` values keep the references they were given; `broken` fails.
                 let outcome = if function == "make" {
@@ -1320,6 +1321,56 @@ impl Cluster {
         }
     }
 
+    /// Runs the model function `function` for a request whose references are confirmed.
+    fn run_function(
+        &mut self,
+        w: WorkerId,
+        mut serving: Serving,
+        function: &str,
+        target: Option<RRefId>,
+    ) {
+        match function {
+            "method" => {
+                let target = target.unwrap_or_else(|| {
+                    self.fail(format!("worker {w}: a method call without a target"))
+                });
+                if !self.apps[w as usize].values.contains_key(&target) {
+                    self.fail(format!(
+                        "worker {w} was asked to run a method on {target}, which it does not keep (yet)"
+                    ));
+                }
+                self.answer(w, serving, Ok(()));
+            }
+            "slow" => self.apps[w as usize].serving.push(serving),
+            "nested" => {
+                // Call a third worker (or anyone) before answering.
+                let alive = self.alive();
+                let third = alive[(w as usize + 1) % alive.len()];
+                if let Ok(id) = self.eps[w as usize].call(
+                    third,
+                    "echo",
+                    Body::default(),
+                    Duration::from_secs(1),
+                    self.now,
+                ) {
+                    self.stats.calls += 1;
+                    self.track_call(w, id, Duration::from_secs(1));
+                    serving.waits_for = Some(id);
+                    self.apps[w as usize].serving.push(serving);
+                } else {
+                    self.answer(w, serving, Ok(()));
+                }
+            }
+            "keep" => {
+                let kept = std::mem::take(&mut serving.handles);
+                self.apps[w as usize].held.extend(kept);
+                self.answer(w, serving, Ok(()));
+            }
+            "fail" => self.answer(w, serving, Err("refused".into())),
+            _ => self.answer(w, serving, Ok(())),
+        }
+    }
+
     /// Answers a request; a `remote` keeps the references it got inside the value.
     fn answer(&mut self, w: WorkerId, s: Serving, outcome: Result<(), String>) {
         let now = self.now;
@@ -1364,7 +1415,7 @@ impl Cluster {
     fn finish_slow_request(&mut self, w: WorkerId, rng: &mut SimRng) {
         let serving = &mut self.apps[w as usize].serving;
         let slow: Vec<usize> = (0..serving.len())
-            .filter(|i| serving[*i].waits_for.is_none())
+            .filter(|i| serving[*i].waits_for.is_none() && serving[*i].confirming.is_none())
             .collect();
         if !slow.is_empty() {
             let s = serving.remove(slow[rng.below(slow.len())]);
@@ -1417,7 +1468,7 @@ impl Cluster {
             }
         }
         for ((from, to), queue) in &self.links {
-            if departing(from) || departing(to) {
+            if departing(from) || departing(to) || self.is_gone(*from) || self.is_gone(*to) {
                 continue;
             }
             let carried = queue
@@ -1754,6 +1805,7 @@ impl Cluster {
                         self.eps[w as usize].respond(token, Ok(Body::default()));
                     }
                     Event::Completed { .. }
+                    | Event::ConfirmWaitDone { .. }
                     | Event::Confirmed { .. }
                     | Event::ReleaseValue { .. }
                     | Event::ShutdownComplete { .. } => {}

@@ -425,6 +425,14 @@ pub enum Event<B> {
         /// The reference.
         rref: RRefId,
     },
+    /// A wait begun with [`Endpoint::wait_confirmed`] ended: every reference is confirmed, or
+    /// why not.
+    ConfirmWaitDone {
+        /// The wait.
+        wait: WaitId,
+        /// `Ok` once every reference is confirmed.
+        outcome: Result<(), ConfirmError>,
+    },
     /// The graceful shutdown (or leave) begun with
     /// [`begin_graceful_shutdown`](Endpoint::begin_graceful_shutdown) or
     /// [`begin_leave`](Endpoint::begin_leave) is complete, or failed naming who it waited
@@ -674,11 +682,56 @@ pub struct Endpoint<B> {
     lost: HashSet<WorkerId>,
     /// Method calls waiting for the value they run on, by reference.
     parked_calls: HashMap<RRefId, Vec<ParkedCall<B>>>,
+    /// Functions waiting until the owners confirm the references in their arguments (see
+    /// [`wait_confirmed`](Endpoint::wait_confirmed)), by wait id.
+    confirm_waits: HashMap<WaitId, ConfirmWait>,
+    next_wait: WaitId,
     /// Our graceful shutdown, and what peers said of theirs.
     shutdown: shutdown::ShutdownState,
     /// The latest time an input brought (for work that commands without a time cause).
     last_now: Option<Instant>,
     events: VecDeque<Event<B>>,
+}
+
+/// Identifies a wait begun with [`Endpoint::wait_confirmed`].
+pub type WaitId = u64;
+
+/// A function's wait for the owners to confirm the references in its arguments.
+#[derive(Debug)]
+struct ConfirmWait {
+    /// The handles not confirmed yet.
+    handles: Vec<RRefHandle>,
+    deadline: Option<Instant>,
+}
+
+/// Why a wait begun with [`Endpoint::wait_confirmed`] failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfirmError {
+    /// The owner was lost (or left) before it confirmed the reference.
+    #[error("remote reference {rref} in the arguments: its owner, worker {owner}, was lost before confirming it")]
+    OwnerLost {
+        /// The reference.
+        rref: RRefId,
+        /// Its owner.
+        owner: WorkerId,
+    },
+    /// The deadline passed first.
+    #[error("remote reference {rref} in the arguments: its owner, worker {owner}, did not confirm it before the call's deadline")]
+    Deadline {
+        /// The reference.
+        rref: RRefId,
+        /// Its owner.
+        owner: WorkerId,
+    },
+    /// The reference's creation failed or timed out.
+    #[error("remote reference {rref} in the arguments: {error}")]
+    Creation {
+        /// The reference.
+        rref: RRefId,
+        /// Why.
+        error: CallError,
+    },
 }
 
 /// How many failed creations an owner remembers.
@@ -726,6 +779,8 @@ impl<B: Payload> Endpoint<B> {
             created_upto: HashMap::new(),
             lost: HashSet::new(),
             parked_calls: HashMap::new(),
+            confirm_waits: HashMap::new(),
+            next_wait: 0,
             shutdown: shutdown::ShutdownState::default(),
             last_now: None,
             events: VecDeque::new(),
@@ -855,10 +910,18 @@ impl<B: Payload> Endpoint<B> {
             .flatten()
             .filter_map(|c| c.deadline)
             .min();
-        [call, control, parked, parked_call, self.shutdown_deadline()]
-            .into_iter()
-            .flatten()
-            .min()
+        let confirm = self.confirm_waits.values().filter_map(|w| w.deadline).min();
+        [
+            call,
+            control,
+            parked,
+            parked_call,
+            confirm,
+            self.shutdown_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     // ----- commands -----
@@ -917,6 +980,7 @@ impl<B: Payload> Endpoint<B> {
         self.unacked.clear();
         self.incoming.clear();
         self.parked_calls.clear();
+        self.confirm_waits.clear();
         self.held.clear();
         self.deferred.clear();
     }
@@ -1119,6 +1183,9 @@ impl<B: Payload> Endpoint<B> {
                 self.on_shutdown_failed(from, missing, lost);
             }
         }
+        if !self.confirm_waits.is_empty() {
+            self.settle_confirm_waits(Some(now));
+        }
         self.advance_shutdown();
         Ok(())
     }
@@ -1237,6 +1304,7 @@ impl<B: Payload> Endpoint<B> {
         for t in resend {
             self.send_out(t);
         }
+        self.settle_confirm_waits(Some(now));
         self.advance_shutdown();
         self.expire_shutdown(now);
     }
@@ -1325,6 +1393,7 @@ impl<B: Payload> Endpoint<B> {
             self.settle_parked_calls(rref);
             self.maybe_release(rref);
         }
+        self.settle_confirm_waits(None);
         self.advance_shutdown();
     }
 

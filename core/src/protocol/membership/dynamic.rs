@@ -539,6 +539,22 @@ impl DynamicMembership {
         }
         let violation = |what| Err(MembershipError::Violation { peer: from, what });
         let from_coordinator = self.coordinator() == Some(from);
+        if let DynMessage::Left { rank } = msg {
+            if rank == from && !from_coordinator {
+                // A worker announcing its own departure (it coordinated its own leave after
+                // its coordinator was lost before granting it): authoritative about itself.
+                if let Role::Joining(j) = &mut self.role {
+                    if j.to_connect.remove(&from).is_some() {
+                        j.connected.remove(&from);
+                        self.maybe_connected();
+                    }
+                } else {
+                    self.remove(from, true, now);
+                }
+                self.advance(now);
+                return Ok(());
+            }
+        }
         let known_member = match &self.role {
             Role::Joining(j) => j.connected.contains(&from) && j.to_connect.contains_key(&from),
             _ => self.is_joined() && self.is_member(from),
@@ -876,7 +892,9 @@ impl DynamicMembership {
         }
         self.events
             .push_back(MembershipEvent::MemberRemoved { rank, left });
-        if was_coordinator && self.is_coordinator() {
+        // (A leaver that inherits coordination only grants its own leave: it never publishes
+        // itself for joiners.)
+        if was_coordinator && self.is_coordinator() && !matches!(self.role, Role::Leaving { .. }) {
             // Places already given (to members that left since, too) are never given again.
             let after_members = self.members.keys().next_back().map_or(0, |s| s + 1);
             self.next_seq = self.next_seq.max(after_members);
