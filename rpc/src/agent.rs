@@ -22,9 +22,9 @@ use tensorwire_core::name::check_worker_name;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport, TransportError};
 use tensorwire_core::protocol::{
-    membership, CallError, DebugInfo, Endpoint, EndpointConfig, Event, ForkId, Header, JoinError,
-    JoinMessage, MessageId, Payload, RRefForkData, RRefHandle, RRefId, RemoteError,
-    RemoteErrorKind, RequestToken, ShutdownError, StaticJoin, Transmit, WorkerId,
+    membership, CallError, ConfirmError, DebugInfo, Endpoint, EndpointConfig, Event, Header,
+    JoinError, JoinMessage, MessageId, Payload, RRefForkData, RRefHandle, RRefId, RemoteError,
+    RemoteErrorKind, RequestToken, ShutdownError, StaticJoin, Transmit, WaitId, WorkerId,
 };
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
@@ -184,9 +184,9 @@ pub(crate) struct State {
     lost: HashMap<WorkerId, String>,
     /// When the driver task wakes up next for timers (`None`: only when woken).
     driver_wakes_at: Option<Instant>,
-    /// Functions waiting until the owner confirms a fork in their arguments, with the owner
-    /// (a lost owner fails them).
-    confirm_waiters: HashMap<ForkId, Vec<(WorkerId, oneshot::Sender<()>)>>,
+    /// Functions waiting until the owners confirm the references in their arguments (the
+    /// endpoint decides when, and fails them by their deadline or a lost owner).
+    confirm_waits: HashMap<WaitId, oneshot::Sender<Result<(), ConfirmError>>>,
     /// The graceful shutdown (or leave) in progress: told its outcome.
     shutdown_waiter: Option<oneshot::Sender<Result<(), ShutdownError>>>,
 }
@@ -576,7 +576,7 @@ impl Agent {
                 peers: HashMap::new(),
                 lost: HashMap::new(),
                 driver_wakes_at: None,
-                confirm_waiters: HashMap::new(),
+                confirm_waits: HashMap::new(),
                 shutdown_waiter: None,
             }),
             wake: Notify::new(),
@@ -1820,10 +1820,6 @@ impl Agent {
             let link = st.peers.remove(&peer);
             st.ep.handle_peer_lost(peer, reason, self.now());
             st.lost.insert(peer, reason.to_owned());
-            for waiters in st.confirm_waiters.values_mut() {
-                waiters.retain(|(owner, _)| *owner != peer);
-            }
-            st.confirm_waiters.retain(|_, w| !w.is_empty());
             link
         };
         drop(link);
@@ -1860,11 +1856,6 @@ impl Agent {
             let reason = format!("{name}: {reason}");
             st.ep.handle_peer_lost(peer, &reason, self.now());
             st.lost.insert(peer, reason);
-            // Forks owned by the lost peer will never be confirmed: their waiters fail.
-            for waiters in st.confirm_waiters.values_mut() {
-                waiters.retain(|(owner, _)| *owner != peer);
-            }
-            st.confirm_waiters.retain(|_, w| !w.is_empty());
         }
         if self.inner.dynamic {
             // The membership drops it (and hands coordination on, if it coordinated).
@@ -2004,10 +1995,9 @@ impl Agent {
                 rref,
                 deadline,
             } => self.serve(token, function, body, Some(rref), deadline),
-            Event::Confirmed { fork, .. } => {
-                let waiting = self.lock().confirm_waiters.remove(&fork);
-                for (_, tx) in waiting.into_iter().flatten() {
-                    let _ = tx.send(());
+            Event::ConfirmWaitDone { wait, outcome } => {
+                if let Some(tx) = self.lock().confirm_waits.remove(&wait) {
+                    let _ = tx.send(outcome);
                 }
             }
             Event::Fetch { token, rref } => {
@@ -2218,48 +2208,41 @@ impl Agent {
             .ok_or_else(|| format!("no value is kept for {rref} on {}", self.inner.me.name))
     }
 
+    /// Waits until the owners confirm every reference of `handles` (PyTorch runs a function
+    /// only then): the endpoint parks the wait, with `deadline` among its deadlines, and
+    /// decides when it ends.
     pub(crate) async fn wait_confirmed(
         &self,
         handles: &[RRefHandle],
         deadline: Option<tokio::time::Instant>,
     ) -> Result<(), String> {
-        let mut waiting = Vec::new();
-        {
+        let rx = {
             let mut st = self.lock();
-            for h in handles {
-                if st.ep.is_confirmed(*h) == Some(false) {
-                    let (tx, rx) = oneshot::channel();
-                    st.confirm_waiters
-                        .entry(h.fork)
-                        .or_default()
-                        .push((h.owner, tx));
-                    waiting.push((*h, rx));
-                }
-            }
-        }
-        for (h, rx) in waiting {
-            let owner = self.name_of(h.owner);
-            let confirmed = match deadline {
-                Some(at) => tokio::time::timeout_at(at, rx).await,
-                None => Ok(rx.await),
+            let Some(wait) = st
+                .ep
+                .wait_confirmed(handles, deadline.map(tokio::time::Instant::into_std))
+            else {
+                return Ok(());
             };
-            match confirmed {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) => {
-                    return Err(format!(
-                        "remote reference {} in the arguments: its owner {owner} was lost before confirming it",
-                        h.rref
-                    ))
-                }
-                Err(_) => {
-                    return Err(format!(
-                        "remote reference {} in the arguments: its owner {owner} did not confirm it before the call's deadline",
-                        h.rref
-                    ))
-                }
-            }
+            let (tx, rx) = oneshot::channel();
+            st.confirm_waits.insert(wait, tx);
+            rx
+        };
+        // The driver's timer may have to wake earlier now.
+        self.pump();
+        match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(ConfirmError::OwnerLost { rref, owner })) => Err(format!(
+                "remote reference {rref} in the arguments: its owner {} was lost before confirming it",
+                self.name_of(owner)
+            )),
+            Ok(Err(ConfirmError::Deadline { rref, owner })) => Err(format!(
+                "remote reference {rref} in the arguments: its owner {} did not confirm it before the call's deadline",
+                self.name_of(owner)
+            )),
+            Ok(Err(other)) => Err(other.to_string()),
+            Err(_) => Err("RPC is no longer running on this worker".into()),
         }
-        Ok(())
     }
 }
 
