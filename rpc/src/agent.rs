@@ -868,6 +868,23 @@ async fn wait_ranks(
     })
 }
 
+/// Counts this worker out of a store rendezvous (`done`, one of `n`) that it has read all it
+/// needs from; the last of the `n` removes `keys` and the counter, so that nothing of it stays
+/// in the store. (Every worker has read the keys before it counts itself out.)
+async fn leave_keys_behind_none(
+    store: &dyn Store,
+    done: &str,
+    n: usize,
+    keys: &[String],
+) -> Result<(), RpcError> {
+    if store.add(done, 1).await? >= n as i64 {
+        for key in keys.iter().map(String::as_str).chain([done]) {
+            store.delete_key(key).await?;
+        }
+    }
+    Ok(())
+}
+
 /// A duration in nanoseconds, saturating (584 years).
 fn duration_nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
@@ -1474,7 +1491,8 @@ impl Agent {
     }
 
     /// Gathers one value from every worker, in rank order (through the store). Every worker must
-    /// call it with the same `name`, once per name.
+    /// call it with the same `name`; once every worker has its values the store holds no key of
+    /// it (the last worker to finish removes them), so a name may be used again after that.
     pub async fn all_gather<T: Serialize + DeserializeOwned>(
         &self,
         name: &str,
@@ -1506,6 +1524,8 @@ impl Agent {
             .collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let values = store.multi_get(&refs).await?;
+        let done = format!("rpc/gather/{name}/done");
+        leave_keys_behind_none(&*store, &done, ranks.len(), &keys).await?;
         values
             .iter()
             .enumerate()
@@ -1519,7 +1539,8 @@ impl Agent {
     }
 
     /// Waits until every worker reached the barrier `name` (through the store). On timeout the
-    /// error names the ranks that did not arrive.
+    /// error names the ranks that did not arrive. Once every worker passed, the store holds no
+    /// key of it (the last worker through removes them).
     pub async fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RpcError> {
         let me = self.inner.me.id;
         let ranks = self.members().ranks();
@@ -1528,12 +1549,18 @@ impl Agent {
         wait_ranks(
             &*store,
             &format!("rpc/barrier/{name}"),
-            ranks,
+            ranks.clone(),
             timeout,
             &format!("barrier {name:?}"),
             |r| self.describe(r),
         )
-        .await
+        .await?;
+        let keys: Vec<String> = ranks
+            .iter()
+            .map(|r| format!("rpc/barrier/{name}/{r}"))
+            .collect();
+        let done = format!("rpc/barrier/{name}/done");
+        leave_keys_behind_none(&*store, &done, ranks.len(), &keys).await
     }
 
     /// Stops the agent, [`Shutdown::Graceful`](crate::Shutdown::Graceful) within its

@@ -948,6 +948,29 @@ async fn a_clean_init_and_shutdown_leaves_no_store_keys() {
     );
     // Init's own keys are gone once init is over; the group's kind stays while it runs.
     assert_eq!(cluster.store.num_keys().await.unwrap(), 1);
+    // Barriers and all_gathers leave nothing behind once every worker is through, and a
+    // name may then be used again.
+    for round in 0..2 {
+        let t = Duration::from_secs(10);
+        let tasks: Vec<_> = agents
+            .iter()
+            .cloned()
+            .map(|a| {
+                tokio::spawn(async move {
+                    a.barrier("b", t).await.unwrap();
+                    let rank = a.worker_info().id;
+                    a.all_gather("g", &(rank, round), t).await.unwrap()
+                })
+            })
+            .collect();
+        for task in tasks {
+            assert_eq!(
+                task.await.unwrap(),
+                vec![(0, round), (1, round), (2, round)]
+            );
+        }
+        assert_eq!(cluster.store.num_keys().await.unwrap(), 1, "round {round}");
+    }
     shutdown_all(agents).await;
     assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
 }
@@ -968,6 +991,14 @@ async fn a_thousand_joins_and_leaves_keep_the_store_bounded() {
                 .await
                 .unwrap();
             assert_eq!(sum, i as i64 + 1);
+            // The members' barrier and all_gather leave no key behind either.
+            let t = Duration::from_secs(10);
+            let (b0, b1) = tokio::join!(a0.barrier("b", t), joiner.barrier("b", t));
+            b0.unwrap();
+            b1.unwrap();
+            let (g0, g1) = tokio::join!(a0.all_gather("g", &i, t), joiner.all_gather("g", &i, t));
+            assert_eq!(g0.unwrap(), vec![i, i]);
+            assert_eq!(g1.unwrap(), vec![i, i]);
         }
         joiner
             .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
