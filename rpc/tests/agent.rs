@@ -716,7 +716,7 @@ async fn dynamic_groups_let_workers_join_and_leave() {
         4
     );
 
-    // A joiner whose map breaks a rule is refused, and the token is released for the next.
+    // A joiner whose map breaks a rule is refused (it withdraws), and the coordinator goes on.
     let e = dynamic(2, &cluster, |o| {
         o.device_backend = Arc::new(SimulatedDevices::new(1));
         o.set_device_map("w0", &[("cuda:3", "cpu")]).unwrap();
