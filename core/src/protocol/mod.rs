@@ -27,7 +27,9 @@
 //! - `rrefs`: commands on reference handles (fork, accept, clone, drop, undo);
 //! - [`shutdown`]: the phases of a graceful shutdown and of leaving a dynamic group;
 //! - [`membership`]: joining a static group ([`StaticJoin`]: who dials whom, when the group is
-//!   complete, the closing handshake).
+//!   complete, the closing handshake), and joining and leaving a dynamic one
+//!   ([`membership::DynamicMembership`]: a coordinator serializes them over the members'
+//!   connections).
 //!
 //! # Calls
 //! Every outgoing call gets a [`MessageId`] and, unless its timeout is zero, a deadline. A reply
