@@ -803,6 +803,56 @@ async fn dynamic_groups_let_workers_join_and_leave() {
     }
 }
 
+/// A worker that leaves a dynamic group: new calls to it are refused while it settles, calls it
+/// took are answered, and once it is gone the values it referred to on the others are freed and
+/// the references to values it owned fail naming it.
+#[tokio::test(start_paused = true)]
+async fn a_leaving_worker_takes_its_references_with_it() {
+    let cluster = Cluster::new();
+    let a0 = dynamic(0, &cluster, |_| {}).await.unwrap();
+    let a1 = dynamic(1, &cluster, |_| {}).await.unwrap();
+    let a2 = dynamic(2, &cluster, |_| {}).await.unwrap();
+    // w2 keeps a value on w0 alive through its reference; w0 refers to a value on w2.
+    let on_w0: RRef<Vec<i64>> = a2.remote("w0", "make_vec", &3usize, None).unwrap();
+    let on_w2: RRef<Vec<i64>> = a0.remote("w2", "make_vec", &4usize, None).unwrap();
+    assert_eq!(on_w0.to_here(None).await.unwrap().len(), 3);
+    assert_eq!(on_w2.to_here(None).await.unwrap().len(), 4);
+    assert_eq!(a0.owned_value_count(), 1);
+    // A slow call to w2 is in flight as it begins to leave: it is answered.
+    let slow = a1
+        .rpc_async::<_, u64>("w2", "sleep_ms", &50u64, None)
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let leaving = {
+        let a2 = a2.clone();
+        tokio::spawn(async move {
+            a2.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let refused = a1
+        .rpc_sync::<_, i64>("w2", "add", &(1i64, 1i64), None)
+        .await
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("is leaving the group"),
+        "{refused}"
+    );
+    assert_eq!(slow.await.unwrap(), 50);
+    leaving.await.unwrap().unwrap();
+    // w2 went without dropping its reference: w0 frees the value it kept for it.
+    wait_until(|| a0.owned_value_count() == 0).await;
+    let e = on_w2.to_here(None).await.unwrap_err();
+    assert!(e.to_string().contains("is gone"), "{e}");
+    drop((on_w0, on_w2));
+    for a in [a1, a0] {
+        a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
+            .await
+            .unwrap();
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn static_and_dynamic_members_do_not_mix() {
     let cluster = Cluster::new();

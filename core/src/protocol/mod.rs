@@ -1438,9 +1438,20 @@ impl<B: Payload> Endpoint<B> {
         } else {
             self.used.get(&handle.fork).is_some_and(|u| u.handles > 0)
         };
-        known
-            .then_some(())
-            .ok_or(CallError::UnknownRRef(handle.rref))
+        if known {
+            Ok(())
+        } else if self.lost.contains(&handle.owner) {
+            // Forgotten with its owner: say so, rather than "unknown".
+            Err(CallError::PeerLost {
+                peer: handle.owner,
+                reason: format!(
+                    "it owned {} and is gone (it left the group or was lost)",
+                    handle.rref
+                ),
+            })
+        } else {
+            Err(CallError::UnknownRRef(handle.rref))
+        }
     }
 
     /// [`check_handle`](Self::check_handle), and the reference's creation did not fail or time
