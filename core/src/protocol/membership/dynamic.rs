@@ -602,7 +602,7 @@ impl DynamicMembership {
                     return violation("announced a joiner without coordinating");
                 }
                 let rank = record.rank;
-                self.next_seq = self.next_seq.max(seq + 1);
+                self.next_seq = self.next_seq.max(seq.saturating_add(1));
                 self.expected.insert(rank, (seq, record));
                 self.transmits
                     .push_back((from, DynMessage::Expecting { rank }));
@@ -624,7 +624,7 @@ impl DynamicMembership {
                     return violation("admitted this joiner out of turn");
                 }
                 j.admitted = Some(seq);
-                self.next_seq = self.next_seq.max(seq + 1);
+                self.next_seq = self.next_seq.max(seq.saturating_add(1));
                 self.events.push_back(MembershipEvent::Admitted { seq });
                 // The joiner's own check of everyone's device plans, by the dynamic rules.
                 let mut infos: Vec<WorkerDeviceInfo> =
@@ -896,7 +896,11 @@ impl DynamicMembership {
         // itself for joiners.)
         if was_coordinator && self.is_coordinator() && !matches!(self.role, Role::Leaving { .. }) {
             // Places already given (to members that left since, too) are never given again.
-            let after_members = self.members.keys().next_back().map_or(0, |s| s + 1);
+            let after_members = self
+                .members
+                .keys()
+                .next_back()
+                .map_or(0, |s| s.saturating_add(1));
             self.next_seq = self.next_seq.max(after_members);
             self.events.push_back(MembershipEvent::Coordinate);
         }
@@ -1022,7 +1026,7 @@ impl DynamicMembership {
             return;
         }
         let seq = self.next_seq;
-        self.next_seq += 1;
+        self.next_seq = self.next_seq.saturating_add(1);
         let others: BTreeSet<WorkerId> = self
             .members
             .values()

@@ -438,3 +438,62 @@ fn a_joiner_with_a_bad_device_map_withdraws() {
     net.settle(&mut rng);
     assert_eq!(net.views_agree(), vec![0, 2]);
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+    /// Forged membership traffic (any message, from any rank, to any of three members, mixed
+    /// with lost connections, new connections and timers): nothing panics, and a violation
+    /// leaves the receiver's member list as it was.
+    #[test]
+    fn forged_membership_messages_never_panic(
+        ops in proptest::collection::vec(
+            (0u8..13, 0u32..6, 0u32..6, proptest::prelude::any::<u64>()),
+            0..64,
+        )
+    ) {
+        let mut rng = SimRng::new(0);
+        let mut net = Net::new();
+        net.start_join(1);
+        net.start_join(2);
+        net.settle(&mut rng);
+        for (kind, from, rank, x) in ops {
+            let now = net.now;
+            let to = (x % 3) as WorkerId;
+            let Some(m) = net.ms.get_mut(&to) else { continue };
+            let msg = match kind {
+                0 => DynMessage::JoinRequest { record: record(rank) },
+                1 => DynMessage::Joining { seq: x, record: record(rank) },
+                2 => DynMessage::Expecting { rank },
+                3 => DynMessage::Admit { seq: x, members: vec![(x, record(rank))] },
+                4 => DynMessage::Connected,
+                5 => DynMessage::Withdraw { reason: "no".into() },
+                6 => DynMessage::Welcome,
+                7 => DynMessage::Refused { reason: "no".into(), retry: x % 2 == 0 },
+                8 => DynMessage::LeaveRequest,
+                9 => DynMessage::Left { rank },
+                10 => {
+                    m.handle_lost(from, now);
+                    continue;
+                }
+                11 => {
+                    let _ = m.handle_connected(from, Some(&record(from)));
+                    continue;
+                }
+                _ => {
+                    net.now += Duration::from_secs(x % 100);
+                    let now = net.now;
+                    m.handle_timeout(now);
+                    m.begin_leave(now, Some(now + OP));
+                    continue;
+                }
+            };
+            let before = m.members();
+            if m.handle_message(from, msg, now).is_err() {
+                proptest::prop_assert_eq!(m.members(), before);
+            }
+            while m.poll_transmit().is_some() {}
+            while m.poll_event().is_some() {}
+        }
+    }
+}
