@@ -31,10 +31,13 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use crate::protocol::membership::{
+    Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
+};
 use crate::protocol::{
-    CallError, Endpoint, EndpointConfig, Event, Header, MessageId, Payload, RRefForkData,
-    RRefHandle, RRefId, RemoteError, RemoteErrorKind, RequestToken, ShutdownError, Transmit,
-    WorkerId,
+    CallError, Endpoint, EndpointConfig, Event, Header, JoinError, JoinMessage, MessageId, Payload,
+    RRefForkData, RRefHandle, RRefId, RemoteError, RemoteErrorKind, RequestToken, ShutdownError,
+    StaticJoin, Transmit, WorkerId,
 };
 
 /// What travels through the simulated endpoints: some bytes and the references passed along.
@@ -99,6 +102,8 @@ struct Serving {
     waits_for: Option<MessageId>,
     /// References received in the arguments (handles held while serving).
     handles: Vec<RRefHandle>,
+    /// Waiting until those are confirmed: the wait, the function to run, a method's target.
+    confirming: Option<(crate::protocol::WaitId, String, Option<RRefId>)>,
 }
 
 /// One worker's model application.
@@ -148,6 +153,58 @@ pub struct SimStats {
     pub leaves: usize,
     /// Method calls made on values through references.
     pub method_calls: usize,
+    /// Runs of a dynamic group (the others join a static group first).
+    pub dynamic_groups: usize,
+    /// Static joins that completed on every worker.
+    pub static_joins: usize,
+    /// Static joins that failed on every worker, naming the rank that never started.
+    pub static_joins_failed: usize,
+    /// Joins of a dynamic group that completed.
+    pub joins: usize,
+    /// Joins that failed (their coordinator died) or were refused.
+    pub joins_failed: usize,
+    /// Workers that joined again under a rank that had left.
+    pub rejoins: usize,
+    /// Messages from a worker no longer a member, dropped by the receiver.
+    pub from_non_members: usize,
+    /// Functions that waited for the references in their arguments to be confirmed.
+    pub confirm_waits: usize,
+    /// Of those, waits that failed (an owner lost, a creation failed, the deadline).
+    pub confirm_waits_failed: usize,
+}
+
+/// A dynamic group: every worker's membership, the membership messages in flight, and what the
+/// store says.
+#[derive(Debug, Default)]
+struct DynGroup {
+    /// `None`: not started, or gone (left, killed, or its join failed).
+    ms: Vec<Option<DynamicMembership>>,
+    links: BTreeMap<(WorkerId, WorkerId), VecDeque<DynMessage>>,
+    /// The rank the store names as the coordinator.
+    published: WorkerId,
+    /// Workers that are not members: not joined yet, joining, or left.
+    outside: BTreeSet<WorkerId>,
+    joining: BTreeSet<WorkerId>,
+    /// Leaving: `false` while the endpoint settles, `true` once the membership leave began;
+    /// with the deadline.
+    leaving: BTreeMap<WorkerId, (bool, Instant)>,
+    /// Workers that left at least once.
+    ever_left: BTreeSet<WorkerId>,
+    /// Leaves that completed, and whether each said it was the last.
+    left: Vec<(WorkerId, bool)>,
+}
+
+const OP_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn sim_record(w: WorkerId) -> MemberRecord {
+    MemberRecord {
+        rank: w,
+        addr: std::net::SocketAddr::from(([10, 0, 0, 1], 1000 + w as u16)),
+        devices: crate::validate::WorkerDeviceInfo {
+            name: format!("w{w}"),
+            ..Default::default()
+        },
+    }
 }
 
 /// N endpoints, their links, a virtual clock and a model application per worker.
@@ -164,6 +221,8 @@ pub struct Cluster {
     stats: SimStats,
     /// Counts shutdown steps, to order outcomes.
     shutdown_step: usize,
+    /// A dynamic group's membership (`None`: a static group).
+    group: Option<DynGroup>,
 }
 
 const FUNCTIONS: [&str; 4] = ["echo", "fail", "slow", "nested"];
@@ -186,6 +245,7 @@ impl Cluster {
             released: BTreeSet::new(),
             stats: SimStats::default(),
             shutdown_step: 0,
+            group: None,
         }
     }
 
@@ -198,8 +258,12 @@ impl Cluster {
         self.eps.len() as u32
     }
 
+    /// The workers that take part: not dead, and members (in a dynamic group).
     fn alive(&self) -> Vec<WorkerId> {
-        (0..self.n()).filter(|w| !self.dead.contains(w)).collect()
+        let outside = self.group.as_ref().map(|g| &g.outside);
+        (0..self.n())
+            .filter(|w| !self.dead.contains(w) && !outside.is_some_and(|o| o.contains(w)))
+            .collect()
     }
 
     fn fail(&self, what: impl std::fmt::Display) -> ! {
@@ -213,12 +277,278 @@ impl Cluster {
     /// cluster settle, then shuts it down gracefully, checking the promises after every step.
     pub fn run(&mut self, steps: usize) {
         let mut rng = SimRng::new(self.seed);
+        let dynamic = self.n() > 1 && rng.chance(40);
+        if dynamic {
+            self.found_group(&mut rng);
+        } else {
+            self.static_join(&mut rng);
+        }
         for _ in 0..steps {
             self.step(&mut rng);
             self.check();
         }
         self.finish(&mut rng);
-        self.shut_down(&mut rng);
+        if dynamic {
+            self.leave_all(&mut rng);
+        } else {
+            self.shut_down(&mut rng);
+        }
+    }
+
+    /// A static group's init ([`StaticJoin`]): connections made and handshake messages
+    /// delivered in a seeded order. Sometimes one rank never starts: every other worker's join
+    /// fails at its deadline naming it (and then the group starts again, whole). Else every
+    /// join completes, and only after rank 0 heard every worker.
+    fn static_join(&mut self, rng: &mut SimRng) {
+        let n = self.n();
+        let absent = (n > 1 && rng.chance(10)).then(|| rng.below(n as usize) as WorkerId);
+        for attempt in [absent, None] {
+            if attempt.is_none() && absent.is_some() {
+                self.stats.static_joins_failed += 1;
+            }
+            let deadline = self.now + Duration::from_secs(60);
+            let mut joins: Vec<StaticJoin> = (0..n)
+                .map(|r| StaticJoin::new(r, n, Some(deadline)))
+                .collect();
+            let mut pairs: Vec<(WorkerId, WorkerId)> = (0..n)
+                .flat_map(|a| (a + 1..n).map(move |b| (a, b)))
+                .filter(|(a, b)| Some(*a) != attempt && Some(*b) != attempt)
+                .collect();
+            let mut wire: Vec<VecDeque<(WorkerId, WorkerId, JoinMessage)>> = Vec::new();
+            let mut queues: BTreeMap<(WorkerId, WorkerId), VecDeque<JoinMessage>> = BTreeMap::new();
+            wire.clear();
+            loop {
+                // Collect handshake messages (a rank that never started sends nothing).
+                for (from, j) in joins.iter_mut().enumerate() {
+                    while let Some((to, m)) = j.poll_transmit() {
+                        if Some(from as WorkerId) != attempt && Some(to) != attempt {
+                            queues
+                                .entry((from as WorkerId, to))
+                                .or_default()
+                                .push_back(m);
+                        }
+                    }
+                }
+                let busy: Vec<(WorkerId, WorkerId)> = queues
+                    .iter()
+                    .filter(|(_, q)| !q.is_empty())
+                    .map(|(k, _)| *k)
+                    .collect();
+                if pairs.is_empty() && busy.is_empty() {
+                    break;
+                }
+                if !pairs.is_empty() && (busy.is_empty() || rng.chance(50)) {
+                    let (a, b) = pairs.swap_remove(rng.below(pairs.len()));
+                    for (w, peer, dialled) in [(a, b, true), (b, a, false)] {
+                        if let Err(e) = joins[w as usize].handle_connected(peer, dialled) {
+                            self.fail(format!("static join: rank {w} refused rank {peer}: {e}"));
+                        }
+                    }
+                } else {
+                    let (from, to) = busy[rng.below(busy.len())];
+                    if let Some(m) = queues.get_mut(&(from, to)).and_then(VecDeque::pop_front) {
+                        if let Err(e) = joins[to as usize].handle_message(from, m) {
+                            self.fail(format!("static join: rank {to} refused {m:?}: {e}"));
+                        }
+                    }
+                }
+            }
+            for j in &mut joins {
+                j.handle_timeout(deadline);
+            }
+            for (r, j) in joins.iter_mut().enumerate() {
+                let r = r as WorkerId;
+                if Some(r) == attempt {
+                    continue;
+                }
+                match (j.poll_outcome(), attempt) {
+                    (Some(Ok(())), None) => {}
+                    (Some(Err(JoinError::Timeout { missing, .. })), Some(gone))
+                        if missing.contains(&gone) || (missing == [0] && r != 0) => {}
+                    (other, _) => self.fail(format!(
+                        "static join of {n} workers, rank {attempt:?} absent: rank {r} ended with {other:?}"
+                    )),
+                }
+            }
+        }
+        self.stats.static_joins += 1;
+    }
+
+    /// A dynamic group: worker 0 founds it, some others join at once (concurrently), the rest
+    /// join during the workload.
+    fn found_group(&mut self, rng: &mut SimRng) {
+        self.stats.dynamic_groups += 1;
+        let n = self.n();
+        let mut g = DynGroup {
+            ms: (0..n).map(|_| None).collect(),
+            outside: (1..n).collect(),
+            ..DynGroup::default()
+        };
+        g.ms[0] = Some(DynamicMembership::found(sim_record(0), OP_TIMEOUT));
+        self.group = Some(g);
+        for w in 1..n {
+            if rng.chance(60) {
+                self.start_join(w);
+            }
+        }
+        let deadline = self.now + OP_TIMEOUT;
+        while self.group.as_ref().is_some_and(|g| !g.joining.is_empty()) {
+            if self.now > deadline {
+                self.fail("the first joins did not complete by their deadline");
+            }
+            if !self.deliver_one(rng) {
+                self.advance(Duration::from_millis(100));
+            }
+        }
+    }
+
+    /// Worker `w` (outside the group) asks the coordinator the store names to join. A new
+    /// incarnation: a fresh endpoint and application.
+    fn start_join(&mut self, w: WorkerId) {
+        let now = self.now;
+        let Some(g) = self.group.as_mut() else {
+            return;
+        };
+        let c = g.published;
+        if self.dead.contains(&w) || g.joining.contains(&w) || !g.outside.contains(&w) {
+            return;
+        }
+        if self.dead.contains(&c) || g.ms[c as usize].is_none() {
+            // The store names a coordinator that is gone (a real joiner retries later).
+            return;
+        }
+        let rec = sim_record(w);
+        let accepted = g.ms[c as usize]
+            .as_mut()
+            .map(|m| m.handle_connected(w, Some(&rec)));
+        match accepted {
+            Some(Ok(Accepted::Applicant)) => {}
+            Some(Err(MembershipError::Refused { .. })) => {
+                self.stats.joins_failed += 1;
+                return;
+            }
+            other => self.fail(format!(
+                "coordinator {c} took joiner {w}'s connection as {other:?}"
+            )),
+        }
+        let mut m = DynamicMembership::join(rec, c, OP_TIMEOUT, Some(now + OP_TIMEOUT));
+        let _ = m.handle_connected(c, None);
+        g.ms[w as usize] = Some(m);
+        g.joining.insert(w);
+        if g.ever_left.contains(&w) {
+            self.stats.rejoins += 1;
+        }
+        let config = EndpointConfig {
+            control_retry: Duration::from_millis(100),
+        };
+        self.eps[w as usize] = Endpoint::new(w, config);
+        self.apps[w as usize] = App::default();
+        self.links.retain(|(f, t), _| *f != w && *t != w);
+        self.pump();
+    }
+
+    /// Worker `w` begins leaving: its endpoint settles, then the coordinator removes it.
+    fn start_leave(&mut self, w: WorkerId) {
+        let deadline = self.now + Duration::from_secs(60);
+        let Some(g) = self.group.as_mut() else {
+            return;
+        };
+        if g.leaving.contains_key(&w) || g.outside.contains(&w) || self.dead.contains(&w) {
+            return;
+        }
+        g.leaving.insert(w, (false, deadline));
+        if std::env::var_os("TW_SIM_TRACE").is_some() {
+            eprintln!("worker {w} begins leaving at {:?}", self.now);
+        }
+        self.eps[w as usize].begin_leave(Some(deadline));
+        self.pump();
+    }
+
+    /// Moves leaves on: a leaver whose endpoint settled asks the coordinator.
+    fn progress_leaves(&mut self) {
+        let now = self.now;
+        let Some(g) = self.group.as_ref() else {
+            return;
+        };
+        let settled: Vec<(WorkerId, Instant)> = g
+            .leaving
+            .iter()
+            .filter(|(w, (asked, _))| !asked && !self.apps[**w as usize].shutdown.is_empty())
+            .map(|(w, (_, d))| (*w, *d))
+            .collect();
+        for (w, _) in settled {
+            // (A pump below may have moved this one on already.)
+            let still = self
+                .group
+                .as_ref()
+                .is_some_and(|g| matches!(g.leaving.get(&w), Some((false, _))));
+            if !still || self.apps[w as usize].shutdown.is_empty() {
+                continue;
+            }
+            let deadline = now + Duration::from_secs(60);
+            if let Some((_, Err(e))) = self.apps[w as usize].shutdown.first() {
+                self.fail(format!(
+                    "worker {w}'s endpoint did not settle to leave: {e} {:?}; {:?}",
+                    e.missing,
+                    self.eps[w as usize].debug_info()
+                ));
+            }
+            self.apps[w as usize].shutdown.clear();
+            if let Some(g) = self.group.as_mut() {
+                g.leaving.insert(w, (true, deadline));
+                if let Some(m) = g.ms[w as usize].as_mut() {
+                    m.begin_leave(now, Some(deadline));
+                }
+            }
+            self.pump();
+        }
+        if let Some(g) = self.group.as_ref() {
+            if let Some((w, _)) = g.leaving.iter().find(|(_, (_, d))| *d < now) {
+                self.fail(format!(
+                    "worker {w}'s leave is incomplete past its deadline"
+                ));
+            }
+        }
+    }
+
+    /// The end of a dynamic group: every member leaves, at random moments; every leave
+    /// completes, and exactly one says it was the last.
+    fn leave_all(&mut self, rng: &mut SimRng) {
+        let before = self.group.as_ref().map_or(0, |g| g.left.len());
+        let mut to_leave = self.alive();
+        let expected = to_leave.len();
+        loop {
+            self.shutdown_step += 1;
+            match rng.below(10) {
+                0..=2 if !to_leave.is_empty() => {
+                    let w = to_leave.swap_remove(rng.below(to_leave.len()));
+                    self.start_leave(w);
+                }
+                3 => self.advance(Duration::from_millis(200)),
+                _ => {
+                    if !self.deliver_one(rng) {
+                        self.advance(Duration::from_millis(200));
+                    }
+                }
+            }
+            self.pump();
+            self.check();
+            let g = self.group.as_ref().unwrap_or_else(|| self.fail("no group"));
+            if to_leave.is_empty() && g.leaving.is_empty() {
+                break;
+            }
+        }
+        let g = self.group.as_ref().unwrap_or_else(|| self.fail("no group"));
+        let done = &g.left[before..];
+        // The last member says so (so that its driver removes the group's store keys); one
+        // removed just before may say so too (it deletes keys the last deletes anyway), and
+        // nobody says so while a member stays (checked as each leave completes).
+        if done.len() != expected || !done.iter().any(|(_, l)| *l) {
+            self.fail(format!(
+                "the group's end: {expected} members left as {done:?} (the last must say so)"
+            ));
+        }
+        self.stats.shutdowns_ok += expected;
     }
 
     /// The graceful shutdown of the whole cluster (see the module docs).
@@ -375,7 +705,30 @@ impl Cluster {
 
     fn step(&mut self, rng: &mut SimRng) {
         let alive = self.alive();
+        if alive.is_empty() {
+            // (A dynamic group whose members all went: only messages and timers move.)
+            if !self.deliver_one(rng) {
+                self.advance(Duration::from_millis(30));
+            }
+            return;
+        }
         let w = alive[rng.below(alive.len())];
+        if self
+            .group
+            .as_ref()
+            .is_some_and(|g| g.leaving.contains_key(&w))
+        {
+            // A worker that is leaving starts no new work; it only answers.
+            match rng.below(4) {
+                0 => self.finish_slow_request(w, rng),
+                1 => self.advance(Duration::from_millis(30)),
+                _ => {
+                    self.deliver_one(rng);
+                }
+            }
+            self.pump();
+            return;
+        }
         let to = alive[rng.below(alive.len())];
         let timeout = match rng.below(4) {
             0 => Duration::ZERO,
@@ -414,7 +767,10 @@ impl Cluster {
             65..=69 => {
                 // A method call on a value through a reference: the owner runs it only once
                 // the value exists (the application checks), however early it arrives.
-                if let Some(h) = self.pick_held(w, rng) {
+                // (Through a handle the endpoint still knows: one whose owner was lost is
+                // forgotten, and the rank may have joined again since as another worker.)
+                let known = |c: &Self, h: RRefHandle| c.eps[w as usize].is_confirmed(h).is_some();
+                if let Some(h) = self.pick_held(w, rng).filter(|h| known(self, *h)) {
                     let body = Body {
                         target: Some(h.rref),
                         ..Body::default()
@@ -457,7 +813,25 @@ impl Cluster {
             }
             55..=59 => self.finish_slow_request(w, rng),
             60..=63 => self.advance(Duration::from_millis(30)),
-            64 if self.dead.is_empty() && alive.len() > 2 && rng.chance(30) => self.kill(w),
+            64 if self.dead.is_empty()
+                && alive.len() > 2
+                && (self.group.is_none() || self.staying() > 2)
+                && rng.chance(30) =>
+            {
+                self.kill(w)
+            }
+            70..=72 if self.group.is_some() => {
+                // A worker outside the group (never joined, or left) joins.
+                let outside: Vec<WorkerId> = self
+                    .group
+                    .as_ref()
+                    .map(|g| g.outside.iter().copied().collect())
+                    .unwrap_or_default();
+                if !outside.is_empty() {
+                    self.start_join(outside[rng.below(outside.len())]);
+                }
+            }
+            73..=74 if self.staying() > 1 => self.start_leave(w),
             _ => {
                 self.pump();
                 self.deliver_one(rng);
@@ -526,14 +900,14 @@ impl Cluster {
     /// Moves transmits to links and runs the applications until nothing is left locally.
     fn pump(&mut self) {
         loop {
-            let mut progress = false;
+            let mut progress = self.pump_membership();
             for w in 0..self.n() {
                 while let Some(t) = self.eps[w as usize].poll_transmit() {
                     progress = true;
-                    if self.dead.contains(&w) {
+                    if self.dead.contains(&w) || self.is_gone(w) {
                         continue;
                     }
-                    if self.dead.contains(&t.to) {
+                    if self.dead.contains(&t.to) || self.is_gone(t.to) {
                         // As the agent's driver does when a peer has no connection.
                         self.eps[w as usize].handle_peer_lost(t.to, "killed", self.now);
                         continue;
@@ -552,6 +926,214 @@ impl Cluster {
             }
             if !progress {
                 break;
+            }
+        }
+        self.progress_leaves();
+    }
+
+    /// Members of a dynamic group that are not leaving (0 for a static group): the workload
+    /// always keeps one.
+    fn staying(&self) -> usize {
+        self.group.as_ref().map_or(0, |g| {
+            self.alive()
+                .iter()
+                .filter(|w| !g.leaving.contains_key(w))
+                .count()
+        })
+    }
+
+    /// Whether `w` has no connections: outside a dynamic group and not joining.
+    fn is_gone(&self, w: WorkerId) -> bool {
+        self.group
+            .as_ref()
+            .is_some_and(|g| g.ms.get(w as usize).is_none_or(Option::is_none))
+    }
+
+    /// Moves membership messages to their links and acts on membership events as the driver
+    /// does. Returns whether anything moved.
+    fn pump_membership(&mut self) -> bool {
+        let mut progress = false;
+        for w in 0..self.n() {
+            loop {
+                let Some(g) = self.group.as_mut() else {
+                    return false;
+                };
+                let Some(m) = g.ms[w as usize].as_mut() else {
+                    break;
+                };
+                if let Some((to, msg)) = m.poll_transmit() {
+                    progress = true;
+                    if g.ms.get(to as usize).is_some_and(Option::is_some) {
+                        g.links.entry((w, to)).or_default().push_back(msg);
+                    }
+                    continue;
+                }
+                let Some(ev) = m.poll_event() else {
+                    break;
+                };
+                progress = true;
+                self.membership_event(w, ev);
+            }
+        }
+        progress
+    }
+
+    fn membership_event(&mut self, w: WorkerId, ev: MembershipEvent) {
+        let now = self.now;
+        if std::env::var_os("TW_SIM_TRACE").is_some() {
+            eprintln!("membership event at {w}: {ev:?}");
+        }
+        match ev {
+            MembershipEvent::Admitted { seq } => {
+                self.eps[w as usize].begin_incarnation(seq);
+            }
+            MembershipEvent::Connect(records) => {
+                let me = sim_record(w);
+                for r in records {
+                    let accepted = self.group.as_mut().and_then(|g| {
+                        g.ms[r.rank as usize]
+                            .as_mut()
+                            .map(|m| m.handle_connected(w, Some(&me)))
+                    });
+                    let Some(g) = self.group.as_mut() else {
+                        return;
+                    };
+                    match accepted {
+                        Some(Ok(Accepted::Member)) => {
+                            if let Some(m) = g.ms[w as usize].as_mut() {
+                                if let Err(e) = m.handle_connected(r.rank, None) {
+                                    self.fail(format!(
+                                        "joiner {w} refused its own dial to {}: {e}",
+                                        r.rank
+                                    ));
+                                }
+                            }
+                        }
+                        None => {
+                            if let Some(m) = g.ms[w as usize].as_mut() {
+                                m.handle_connect_failed(r.rank);
+                            }
+                        }
+                        other => self.fail(format!(
+                            "member {} took joiner {w}'s connection as {other:?}",
+                            r.rank
+                        )),
+                    }
+                }
+            }
+            MembershipEvent::MemberAdded(r) => self.eps[w as usize].handle_peer_joined(r.rank),
+            MembershipEvent::MemberRemoved { rank, left } => {
+                if left {
+                    self.eps[w as usize].handle_peer_lost(rank, "left the group", now);
+                }
+                // Sends to it still waiting for their bodies are dropped by the endpoint (their
+                // references went with it): the driver drops them too.
+                self.apps[w as usize]
+                    .deferred
+                    .retain(|(_, to, _)| *to != rank);
+            }
+            MembershipEvent::Joined => {
+                if let Some(g) = self.group.as_mut() {
+                    g.joining.remove(&w);
+                    g.outside.remove(&w);
+                }
+                self.stats.joins += 1;
+            }
+            MembershipEvent::JoinFailed(e) => {
+                if !e.is_retryable() {
+                    self.fail(format!("worker {w}'s join failed: {e}"));
+                }
+                self.stats.joins_failed += 1;
+                self.disconnect(w);
+            }
+            MembershipEvent::Left { last } => {
+                let calls_open = {
+                    let app = &self.apps[w as usize];
+                    app.calls.keys().any(|id| !app.resolved.contains(id))
+                };
+                // (Control messages may still be unacknowledged: a value it kept was released
+                // after it settled, dropping the references inside. The others handle its
+                // departure as a lost peer, which covers them.)
+                if calls_open || self.eps[w as usize].outstanding_calls() > 0 {
+                    self.fail(format!(
+                        "worker {w} left with work outstanding: {:?}",
+                        self.eps[w as usize].debug_info()
+                    ));
+                }
+                if let Some(g) = self.group.as_mut() {
+                    g.leaving.remove(&w);
+                    g.ever_left.insert(w);
+                    g.left.push((w, last));
+                }
+                self.stats.leaves += 1;
+                self.disconnect(w);
+                // Saying "last" ends the group (its store keys go): nobody may stay in it.
+                let staying = self.staying();
+                if last && staying > 0 {
+                    self.fail(format!(
+                        "worker {w} left as the last member while {staying} stay"
+                    ));
+                }
+            }
+            MembershipEvent::LeaveFailed(e) => self.fail(format!("worker {w}'s leave failed: {e}")),
+            MembershipEvent::Coordinate => {
+                if let Some(g) = self.group.as_mut() {
+                    g.published = w;
+                }
+            }
+        }
+    }
+
+    /// `w`'s connections close (it left, or its join failed): it is outside the group, and
+    /// every worker that knew it sees it lost, after what it sent before (a connection
+    /// delivers what was sent before it closes).
+    fn disconnect(&mut self, w: WorkerId) {
+        let now = self.now;
+        let Some(g) = self.group.as_mut() else {
+            return;
+        };
+        g.ms[w as usize] = None;
+        g.joining.remove(&w);
+        g.outside.insert(w);
+        g.links.retain(|(_, t), _| *t != w);
+        self.links.retain(|(_, t), _| *t != w);
+        let from_w: Vec<WorkerId> = g
+            .links
+            .keys()
+            .chain(self.links.keys())
+            .filter(|(f, _)| *f == w)
+            .map(|(_, t)| *t)
+            .collect();
+        for to in from_w {
+            while self
+                .group
+                .as_ref()
+                .is_some_and(|g| g.links.get(&(w, to)).is_some_and(|q| !q.is_empty()))
+            {
+                self.deliver_membership(w, to);
+            }
+            while self.links.get(&(w, to)).is_some_and(|q| !q.is_empty()) {
+                self.deliver(w, to);
+            }
+        }
+        if let Some(g) = self.group.as_mut() {
+            g.links.retain(|(f, _), _| *f != w);
+        }
+        self.links.retain(|(f, _), _| *f != w);
+        for app in &mut self.apps {
+            app.deferred.retain(|(_, to, _)| *to != w);
+        }
+        for other in 0..self.n() {
+            if other == w || self.dead.contains(&other) {
+                continue;
+            }
+            if let Some(m) = self
+                .group
+                .as_mut()
+                .and_then(|g| g.ms[other as usize].as_mut())
+            {
+                m.handle_lost(w, now);
+                self.eps[other as usize].handle_peer_lost(w, "its connection closed", now);
             }
         }
     }
@@ -573,7 +1155,7 @@ impl Cluster {
                 token,
                 function,
                 body,
-                ..
+                deadline,
             } => {
                 let handles = self.accept_all(w, &body.forks);
                 let mut serving = Serving {
@@ -586,46 +1168,40 @@ impl Cluster {
                     },
                     waits_for: None,
                     handles,
+                    confirming: None,
                 };
-                match function.as_str() {
-                    "method" => {
-                        let target = body.target.unwrap_or_else(|| {
-                            self.fail(format!("worker {w}: a method call without a target"))
-                        });
-                        if !self.apps[w as usize].values.contains_key(&target) {
-                            self.fail(format!(
-                                "worker {w} was asked to run a method on {target}, which it does not keep (yet)"
-                            ));
-                        }
-                        self.answer(w, serving, Ok(()));
+                // A function runs once the references in its arguments are confirmed (the
+                // endpoint parks the wait, by the caller's deadline).
+                if !serving.handles.is_empty() {
+                    if let Some(wait) =
+                        self.eps[w as usize].wait_confirmed(&serving.handles, deadline)
+                    {
+                        self.stats.confirm_waits += 1;
+                        serving.confirming = Some((wait, function, body.target));
+                        self.apps[w as usize].serving.push(serving);
+                        return;
                     }
-                    "slow" => self.apps[w as usize].serving.push(serving),
-                    "nested" => {
-                        // Call a third worker (or anyone) before answering.
-                        let alive = self.alive();
-                        let third = alive[(w as usize + 1) % alive.len()];
-                        if let Ok(id) = self.eps[w as usize].call(
-                            third,
-                            "echo",
-                            Body::default(),
-                            Duration::from_secs(1),
-                            now,
-                        ) {
-                            self.stats.calls += 1;
-                            self.track_call(w, id, Duration::from_secs(1));
-                            serving.waits_for = Some(id);
-                            self.apps[w as usize].serving.push(serving);
-                        } else {
-                            self.answer(w, serving, Ok(()));
-                        }
+                }
+                self.run_function(w, serving, &function, body.target);
+            }
+            Event::ConfirmWaitDone { wait, outcome } => {
+                let serving = &mut self.apps[w as usize].serving;
+                let Some(i) = serving
+                    .iter()
+                    .position(|s| s.confirming.as_ref().is_some_and(|c| c.0 == wait))
+                else {
+                    return; // answered already (the end of the run answers everything)
+                };
+                let mut s = serving.remove(i);
+                let Some((_, function, target)) = s.confirming.take() else {
+                    return;
+                };
+                match outcome {
+                    Ok(()) => self.run_function(w, s, &function, target),
+                    Err(e) => {
+                        self.stats.confirm_waits_failed += 1;
+                        self.answer(w, s, Err(e.to_string()));
                     }
-                    "keep" => {
-                        let kept = std::mem::take(&mut serving.handles);
-                        self.apps[w as usize].held.extend(kept);
-                        self.answer(w, serving, Ok(()));
-                    }
-                    "fail" => self.answer(w, serving, Err("refused".into())),
-                    _ => self.answer(w, serving, Ok(())),
                 }
             }
             Event::Remote {
@@ -646,6 +1222,7 @@ impl Cluster {
                     },
                     waits_for: None,
                     handles,
+                    confirming: None,
                 };
                 // `make` values keep the references they were given; `broken` fails.
                 let outcome = if function == "make" {
@@ -710,8 +1287,15 @@ impl Cluster {
             Event::ShutdownComplete { outcome } => {
                 let step = self.shutdown_step;
                 self.apps[w as usize].shutdown.push((step, outcome));
-                // The driver stops the endpoint either way (pending calls fail).
-                self.eps[w as usize].stop();
+                // The driver stops the endpoint either way (pending calls fail); a leaver's
+                // once its membership leave is over.
+                if !self
+                    .group
+                    .as_ref()
+                    .is_some_and(|g| g.leaving.contains_key(&w))
+                {
+                    self.eps[w as usize].stop();
+                }
             }
             Event::ReleaseValue { rref } => {
                 let Some(inside) = self.apps[w as usize].values.remove(&rref) else {
@@ -725,7 +1309,8 @@ impl Cluster {
                 // on is unconfirmed leaves the owner unaware of that fork (as in PyTorch).
                 if let Some(holder) = self.dead.is_empty().then(|| self.holder_of(rref)).flatten() {
                     self.fail(format!(
-                        "worker {w} released {rref} while {holder} still refers to it"
+                        "worker {w} released {rref} while {holder} still refers to it; deferred {:?}",
+                        self.apps.iter().map(|a| &a.deferred).collect::<Vec<_>>()
                     ));
                 }
                 // The value's own references go with it.
@@ -733,6 +1318,56 @@ impl Cluster {
                     self.eps[w as usize].drop_handle(h, now);
                 }
             }
+        }
+    }
+
+    /// Runs the model function `function` for a request whose references are confirmed.
+    fn run_function(
+        &mut self,
+        w: WorkerId,
+        mut serving: Serving,
+        function: &str,
+        target: Option<RRefId>,
+    ) {
+        match function {
+            "method" => {
+                let target = target.unwrap_or_else(|| {
+                    self.fail(format!("worker {w}: a method call without a target"))
+                });
+                if !self.apps[w as usize].values.contains_key(&target) {
+                    self.fail(format!(
+                        "worker {w} was asked to run a method on {target}, which it does not keep (yet)"
+                    ));
+                }
+                self.answer(w, serving, Ok(()));
+            }
+            "slow" => self.apps[w as usize].serving.push(serving),
+            "nested" => {
+                // Call a third worker (or anyone) before answering.
+                let alive = self.alive();
+                let third = alive[(w as usize + 1) % alive.len()];
+                if let Ok(id) = self.eps[w as usize].call(
+                    third,
+                    "echo",
+                    Body::default(),
+                    Duration::from_secs(1),
+                    self.now,
+                ) {
+                    self.stats.calls += 1;
+                    self.track_call(w, id, Duration::from_secs(1));
+                    serving.waits_for = Some(id);
+                    self.apps[w as usize].serving.push(serving);
+                } else {
+                    self.answer(w, serving, Ok(()));
+                }
+            }
+            "keep" => {
+                let kept = std::mem::take(&mut serving.handles);
+                self.apps[w as usize].held.extend(kept);
+                self.answer(w, serving, Ok(()));
+            }
+            "fail" => self.answer(w, serving, Err("refused".into())),
+            _ => self.answer(w, serving, Ok(())),
         }
     }
 
@@ -780,7 +1415,7 @@ impl Cluster {
     fn finish_slow_request(&mut self, w: WorkerId, rng: &mut SimRng) {
         let serving = &mut self.apps[w as usize].serving;
         let slow: Vec<usize> = (0..serving.len())
-            .filter(|i| serving[*i].waits_for.is_none())
+            .filter(|i| serving[*i].waits_for.is_none() && serving[*i].confirming.is_none())
             .collect();
         if !slow.is_empty() {
             let s = serving.remove(slow[rng.below(slow.len())]);
@@ -791,7 +1426,17 @@ impl Cluster {
     /// Who (alive) still refers to `rref`: a handle held by an application, a handle inside a
     /// kept value or a request being served, or fork data inside an undelivered message.
     fn holder_of(&self, rref: RRefId) -> Option<String> {
+        // Settled and asked to leave: what it holds, and what travels to or from it, goes
+        // with it.
+        let departing = |w: &WorkerId| {
+            self.group
+                .as_ref()
+                .is_some_and(|g| matches!(g.leaving.get(w), Some((true, _))))
+        };
         for w in self.alive() {
+            if departing(&w) {
+                continue;
+            }
             let app = &self.apps[w as usize];
             let direct = app.held.iter().any(|h| h.rref == rref);
             let inside = app.values.values().flatten().any(|h| h.rref == rref);
@@ -800,9 +1445,11 @@ impl Cluster {
                 .iter()
                 .flat_map(|s| &s.handles)
                 .any(|h| h.rref == rref);
+            // (A message for a worker that left never goes: its forks went with that worker.)
             let deferred = app
                 .deferred
                 .iter()
+                .filter(|(_, to, _)| !self.is_gone(*to) && !departing(to))
                 .flat_map(|(_, _, b)| &b.forks)
                 .any(|f| f.rref == rref);
             if direct || inside || serving || deferred {
@@ -821,6 +1468,9 @@ impl Cluster {
             }
         }
         for ((from, to), queue) in &self.links {
+            if departing(from) || departing(to) || self.is_gone(*from) || self.is_gone(*to) {
+                continue;
+            }
             let carried = queue
                 .iter()
                 .filter_map(|t| t.body.as_ref())
@@ -833,18 +1483,52 @@ impl Cluster {
         None
     }
 
-    fn deliver_one(&mut self, rng: &mut SimRng) {
-        let busy: Vec<(WorkerId, WorkerId)> = self
+    /// Delivers one message (of the protocol or of the membership); returns whether there
+    /// was one.
+    fn deliver_one(&mut self, rng: &mut SimRng) -> bool {
+        let mut busy: Vec<(bool, WorkerId, WorkerId)> = self
             .links
             .iter()
             .filter(|(_, q)| !q.is_empty())
-            .map(|(k, _)| *k)
+            .map(|((f, t), _)| (false, *f, *t))
             .collect();
-        if busy.is_empty() {
-            return;
+        if let Some(g) = &self.group {
+            busy.extend(
+                g.links
+                    .iter()
+                    .filter(|(_, q)| !q.is_empty())
+                    .map(|((f, t), _)| (true, *f, *t)),
+            );
         }
-        let (from, to) = busy[rng.below(busy.len())];
-        self.deliver(from, to);
+        if busy.is_empty() {
+            return false;
+        }
+        match busy[rng.below(busy.len())] {
+            (false, from, to) => self.deliver(from, to),
+            (true, from, to) => self.deliver_membership(from, to),
+        }
+        true
+    }
+
+    fn deliver_membership(&mut self, from: WorkerId, to: WorkerId) {
+        let now = self.now;
+        let Some(g) = self.group.as_mut() else {
+            return;
+        };
+        let Some(msg) = g.links.get_mut(&(from, to)).and_then(VecDeque::pop_front) else {
+            return;
+        };
+        if std::env::var_os("TW_SIM_TRACE").is_some() {
+            eprintln!("deliver membership {from} -> {to}: {msg:?}");
+        }
+        if let Some(m) = g.ms[to as usize].as_mut() {
+            if let Err(e) = m.handle_message(from, msg.clone(), now) {
+                self.fail(format!(
+                    "worker {to} saw a membership violation from {from} in a normal flow: {e} ({msg:?})"
+                ));
+            }
+        }
+        self.pump();
     }
 
     fn deliver(&mut self, from: WorkerId, to: WorkerId) {
@@ -855,6 +1539,17 @@ impl Cluster {
         else {
             return;
         };
+        // The driver refuses calls and replies from a worker that is not a member (one that
+        // left: its last messages may arrive after the coordinator said so).
+        let refused = self.group.as_ref().is_some_and(|g| {
+            g.ms[to as usize]
+                .as_ref()
+                .is_some_and(|m| !m.may_call(from))
+        });
+        if refused {
+            self.stats.from_non_members += 1;
+            return;
+        }
         if let (Header::Reply { id, .. }, Some(body)) = (&t.header, &t.body) {
             let app = &self.apps[to as usize];
             if app.resolved.contains(id) && !body.forks.is_empty() {
@@ -877,8 +1572,15 @@ impl Cluster {
     /// Moves the clock and lets every endpoint handle its timers.
     pub fn advance(&mut self, d: Duration) {
         self.now += d;
-        for w in self.alive() {
-            self.eps[w as usize].handle_timeout(self.now);
+        let now = self.now;
+        for w in 0..self.n() {
+            if self.dead.contains(&w) || self.is_gone(w) {
+                continue;
+            }
+            self.eps[w as usize].handle_timeout(now);
+            if let Some(m) = self.group.as_mut().and_then(|g| g.ms[w as usize].as_mut()) {
+                m.handle_timeout(now);
+            }
         }
         self.pump();
     }
@@ -887,8 +1589,19 @@ impl Cluster {
         self.stats.kills += 1;
         self.dead.insert(victim);
         self.links.retain(|(f, t), _| *f != victim && *t != victim);
-        for w in self.alive() {
-            self.eps[w as usize].handle_peer_lost(victim, "killed", self.now);
+        let now = self.now;
+        if let Some(g) = self.group.as_mut() {
+            g.ms[victim as usize] = None;
+            g.leaving.remove(&victim);
+            g.links.retain(|(f, t), _| *f != victim && *t != victim);
+            for m in g.ms.iter_mut().flatten() {
+                m.handle_lost(victim, now);
+            }
+        }
+        for w in 0..self.n() {
+            if !self.dead.contains(&w) && !self.is_gone(w) {
+                self.eps[w as usize].handle_peer_lost(victim, "killed", now);
+            }
         }
         self.pump();
     }
@@ -924,9 +1637,7 @@ impl Cluster {
                 }
             }
             self.pump();
-            while self.links.values().any(|q| !q.is_empty()) {
-                self.deliver_one(rng);
-            }
+            while self.deliver_one(rng) {}
             self.advance(Duration::from_secs(6));
             self.check();
             let settled = self.alive().iter().all(|w| {
@@ -935,7 +1646,10 @@ impl Cluster {
                     && app.serving.is_empty()
                     && app.held.is_empty()
                     && app.deferred.is_empty()
-            }) && self.links.values().all(VecDeque::is_empty);
+            }) && self.links.values().all(VecDeque::is_empty)
+                && self.group.as_ref().is_none_or(|g| {
+                    g.joining.is_empty() && g.links.values().all(VecDeque::is_empty)
+                });
             if settled {
                 break;
             }
@@ -956,6 +1670,21 @@ impl Cluster {
                     })
                     .collect();
                 self.fail(format!("the cluster did not settle: {state:#?}"));
+            }
+        }
+        if let Some(g) = &self.group {
+            // Every member's view of the group is the same: who is alive.
+            for w in self.alive() {
+                let view: BTreeSet<WorkerId> = g.ms[w as usize]
+                    .as_ref()
+                    .map(|m| m.members().iter().map(|r| r.rank).collect())
+                    .unwrap_or_default();
+                if view != self.alive().into_iter().collect() {
+                    self.fail(format!(
+                        "worker {w} sees members {view:?}; alive {:?}",
+                        self.alive()
+                    ));
+                }
             }
         }
         for w in self.alive() {
@@ -1076,6 +1805,7 @@ impl Cluster {
                         self.eps[w as usize].respond(token, Ok(Body::default()));
                     }
                     Event::Completed { .. }
+                    | Event::ConfirmWaitDone { .. }
                     | Event::Confirmed { .. }
                     | Event::ReleaseValue { .. }
                     | Event::ShutdownComplete { .. } => {}

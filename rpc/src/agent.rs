@@ -22,9 +22,9 @@ use tensorwire_core::name::check_worker_name;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport, TransportError};
 use tensorwire_core::protocol::{
-    membership, CallError, DebugInfo, Endpoint, EndpointConfig, Event, ForkId, Header, JoinError,
-    JoinMessage, MessageId, Payload, RRefForkData, RRefHandle, RRefId, RemoteError,
-    RemoteErrorKind, RequestToken, ShutdownError, StaticJoin, Transmit, WorkerId,
+    membership, CallError, ConfirmError, DebugInfo, Endpoint, EndpointConfig, Event, Header,
+    JoinError, JoinMessage, MessageId, Payload, RRefForkData, RRefHandle, RRefId, RemoteError,
+    RemoteErrorKind, RequestToken, ShutdownError, StaticJoin, Transmit, WaitId, WorkerId,
 };
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
@@ -150,13 +150,8 @@ impl Payload for Body {
 
 type Waiter = oneshot::Sender<Result<Body, CallError>>;
 
-/// What every worker publishes at init.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct WorkerRecord {
-    pub(crate) rank: WorkerId,
-    pub(crate) addr: SocketAddr,
-    pub(crate) devices: WorkerDeviceInfo,
-}
+/// What every worker publishes at init (the membership protocol's record).
+pub(crate) type WorkerRecord = tensorwire_core::protocol::membership::MemberRecord;
 
 /// The way to one peer: a writer task fed by a queue, and a lock that whoever writes holds —
 /// the writer task, or a task of ours that writes directly when nothing is queued (one wake-up
@@ -189,9 +184,9 @@ pub(crate) struct State {
     lost: HashMap<WorkerId, String>,
     /// When the driver task wakes up next for timers (`None`: only when woken).
     driver_wakes_at: Option<Instant>,
-    /// Functions waiting until the owner confirms a fork in their arguments, with the owner
-    /// (a lost owner fails them).
-    confirm_waiters: HashMap<ForkId, Vec<(WorkerId, oneshot::Sender<()>)>>,
+    /// Functions waiting until the owners confirm the references in their arguments (the
+    /// endpoint decides when, and fails them by their deadline or a lost owner).
+    confirm_waits: HashMap<WaitId, oneshot::Sender<Result<(), ConfirmError>>>,
     /// The graceful shutdown (or leave) in progress: told its outcome.
     shutdown_waiter: Option<oneshot::Sender<Result<(), ShutdownError>>>,
 }
@@ -255,7 +250,12 @@ pub(crate) struct Inner {
     pub(crate) rendezvous: Mutex<Option<Rendezvous>>,
     tasks: Mutex<Tasks>,
     /// The one clock the driver reads time from and sleeps on.
-    clock: Arc<dyn Clock>,
+    pub(crate) clock: Arc<dyn Clock>,
+    /// A dynamic group's membership (see [`crate::dynamic`]); its own lock, never held with
+    /// the state's.
+    pub(crate) membership: Mutex<crate::dynamic::DynState>,
+    /// Wakes the membership's timer.
+    pub(crate) membership_wake: Notify,
     pub(crate) metrics: crate::metrics::AgentMetrics,
     /// Who hears of lost and joined peers ([`Agent::peer_events`]).
     peer_events: crate::peer_events::PeerEventHub,
@@ -578,7 +578,7 @@ impl Agent {
                 peers: HashMap::new(),
                 lost: HashMap::new(),
                 driver_wakes_at: None,
-                confirm_waiters: HashMap::new(),
+                confirm_waits: HashMap::new(),
                 shutdown_waiter: None,
             }),
             wake: Notify::new(),
@@ -589,6 +589,8 @@ impl Agent {
             tasks: Mutex::new(Tasks::default()),
             clock: Arc::new(TokioClock),
             peer_events: crate::peer_events::PeerEventHub::new(),
+            membership: crate::dynamic::new_state(),
+            membership_wake: Notify::new(),
         });
         Agent { inner }
     }
@@ -867,6 +869,23 @@ async fn wait_ranks(
         after: timeout,
         waiting_for: Some(missing.join(", ")),
     })
+}
+
+/// Counts this worker out of a store rendezvous (`done`, one of `n`) that it has read all it
+/// needs from; the last of the `n` removes `keys` and the counter, so that nothing of it stays
+/// in the store. (Every worker has read the keys before it counts itself out.)
+async fn leave_keys_behind_none(
+    store: &dyn Store,
+    done: &str,
+    n: usize,
+    keys: &[String],
+) -> Result<(), RpcError> {
+    if store.add(done, 1).await? >= n as i64 {
+        for key in keys.iter().map(String::as_str).chain([done]) {
+            store.delete_key(key).await?;
+        }
+    }
+    Ok(())
 }
 
 /// A duration in nanoseconds, saturating (584 years).
@@ -1506,7 +1525,8 @@ impl Agent {
     }
 
     /// Gathers one value from every worker, in rank order (through the store). Every worker must
-    /// call it with the same `name`, once per name.
+    /// call it with the same `name`; once every worker has its values the store holds no key of
+    /// it (the last worker to finish removes them), so a name may be used again after that.
     pub async fn all_gather<T: Serialize + DeserializeOwned>(
         &self,
         name: &str,
@@ -1538,6 +1558,8 @@ impl Agent {
             .collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let values = store.multi_get(&refs).await?;
+        let done = format!("rpc/gather/{name}/done");
+        leave_keys_behind_none(&*store, &done, ranks.len(), &keys).await?;
         values
             .iter()
             .enumerate()
@@ -1551,7 +1573,8 @@ impl Agent {
     }
 
     /// Waits until every worker reached the barrier `name` (through the store). On timeout the
-    /// error names the ranks that did not arrive.
+    /// error names the ranks that did not arrive. Once every worker passed, the store holds no
+    /// key of it (the last worker through removes them).
     pub async fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RpcError> {
         let me = self.inner.me.id;
         let ranks = self.members().ranks();
@@ -1560,12 +1583,18 @@ impl Agent {
         wait_ranks(
             &*store,
             &format!("rpc/barrier/{name}"),
-            ranks,
+            ranks.clone(),
             timeout,
             &format!("barrier {name:?}"),
             |r| self.describe(r),
         )
-        .await
+        .await?;
+        let keys: Vec<String> = ranks
+            .iter()
+            .map(|r| format!("rpc/barrier/{name}/{r}"))
+            .collect();
+        let done = format!("rpc/barrier/{name}/done");
+        leave_keys_behind_none(&*store, &done, ranks.len(), &keys).await
     }
 
     /// Stops the agent, [`Shutdown::Graceful`](crate::Shutdown::Graceful) within its
@@ -1799,7 +1828,7 @@ impl Agent {
                 drop(turn);
                 queued.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
                 if let Err(e) = sent {
-                    agent.peer_lost(peer, &e.to_string());
+                    agent.peer_lost_on(peer, &e.to_string(), &writer_conn);
                     return;
                 }
             }
@@ -1811,13 +1840,13 @@ impl Agent {
                 match conn.recv().await {
                     Ok(frame) => {
                         if let Err(reason) = agent.on_frame(peer, frame) {
-                            agent.peer_lost(peer, &reason);
+                            agent.peer_lost_on(peer, &reason, &conn);
                             return;
                         }
                     }
                     Err(e) => {
                         if agent.lock().ep.state() == tensorwire_core::protocol::RunState::Running {
-                            agent.peer_lost(peer, &e.to_string());
+                            agent.peer_lost_on(peer, &e.to_string(), &conn);
                         }
                         return;
                     }
@@ -1835,6 +1864,68 @@ impl Agent {
         self.inner.peer_events.subscribe()
     }
 
+    /// [`peer_lost`](Self::peer_lost), if `conn` is still the connection to `peer` (a worker
+    /// that left and joined again has a new one, which the old one's end must not touch).
+    fn peer_lost_on(&self, peer: WorkerId, reason: &str, conn: &Arc<dyn Connection>) {
+        let current = self
+            .lock()
+            .peers
+            .get(&peer)
+            .is_some_and(|l| Arc::ptr_eq(&l.conn, conn));
+        if current {
+            self.peer_lost(peer, reason);
+        } else {
+            debug!("an old connection to rank {peer} ended: {reason}");
+        }
+    }
+
+    /// Member `peer` left a dynamic group (the membership decided it): the endpoint treats it
+    /// as a lost peer (its calls fail naming it, its forks stop keeping our values alive, the
+    /// forks of its values are forgotten), and its connection closes once what is queued for
+    /// it is sent.
+    pub(crate) fn member_left(&self, peer: WorkerId, reason: &str) {
+        let (link, first) = {
+            let mut st = self.lock();
+            let link = st.peers.remove(&peer);
+            st.ep.handle_peer_lost(peer, reason, self.now());
+            let first = st.lost.insert(peer, reason.to_owned()).is_none();
+            (link, first)
+        };
+        drop(link);
+        // For subscribers a member that left is gone as a lost one is (autograd drops the
+        // contexts it made or knew).
+        if first {
+            self.inner
+                .peer_events
+                .emit(crate::peer_events::PeerEvent::Lost {
+                    worker: peer,
+                    reason: reason.to_owned(),
+                });
+        }
+    }
+
+    /// Drops every connection (a join that failed, before it is tried again).
+    pub(crate) fn close_links(&self) {
+        let links = std::mem::take(&mut self.lock().peers);
+        drop(links);
+    }
+
+    /// Queues a control frame (the membership protocol's) for `to`'s writer.
+    pub(crate) fn send_control(&self, to: WorkerId, frame: Frame) {
+        let st = self.lock();
+        match st.peers.get(&to) {
+            Some(link) => {
+                link.queued
+                    .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                if link.tx.send(frame).is_err() {
+                    link.queued
+                        .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                }
+            }
+            None => debug!("no connection to rank {to} for a membership message"),
+        }
+    }
+
     fn peer_lost(&self, peer: WorkerId, reason: &str) {
         let name = self.name_of(peer);
         warn!("lost the connection to {name} (rank {peer}): {reason}");
@@ -1844,15 +1935,12 @@ impl Agent {
             let reason = format!("{name}: {reason}");
             st.ep.handle_peer_lost(peer, &reason, self.now());
             let first = st.lost.insert(peer, reason.clone()).is_none();
-            // Forks owned by the lost peer will never be confirmed: their waiters fail.
-            for waiters in st.confirm_waiters.values_mut() {
-                waiters.retain(|(owner, _)| *owner != peer);
-            }
-            st.confirm_waiters.retain(|_, w| !w.is_empty());
             first.then_some(reason)
         };
         if self.inner.dynamic {
-            self.remove_member(peer);
+            // The membership drops it (and hands coordination on, if it coordinated).
+            let now = self.now();
+            self.with_membership(|m| m.handle_lost(peer, now));
         }
         self.pump();
         // The reader and the writer of a link may both report its end: subscribers hear once.
@@ -1869,6 +1957,12 @@ impl Agent {
     /// Hands a received frame to the endpoint. A frame that breaks the protocol is an error:
     /// the connection to that peer is dropped (its calls fail naming it), never a silent loss.
     fn on_frame(&self, from: WorkerId, frame: Frame) -> Result<(), String> {
+        if frame.kind == FrameKind::Control {
+            return self.on_membership_frame(from, &frame);
+        }
+        if self.inner.dynamic && !self.may_call(from) {
+            return Err("sent RPC traffic without being a member of the group".into());
+        }
         let envelope: Envelope = postcard::from_bytes(&frame.header)
             .map_err(|e| format!("sent a malformed message header ({e})"))?;
         let mut payloads = frame.payloads.into_iter();
@@ -1990,10 +2084,9 @@ impl Agent {
                 rref,
                 deadline,
             } => self.serve(token, function, body, Some(rref), deadline),
-            Event::Confirmed { fork, .. } => {
-                let waiting = self.lock().confirm_waiters.remove(&fork);
-                for (_, tx) in waiting.into_iter().flatten() {
-                    let _ = tx.send(());
+            Event::ConfirmWaitDone { wait, outcome } => {
+                if let Some(tx) = self.lock().confirm_waits.remove(&wait) {
+                    let _ = tx.send(outcome);
                 }
             }
             Event::Fetch { token, rref } => {
@@ -2204,48 +2297,41 @@ impl Agent {
             .ok_or_else(|| format!("no value is kept for {rref} on {}", self.inner.me.name))
     }
 
+    /// Waits until the owners confirm every reference of `handles` (PyTorch runs a function
+    /// only then): the endpoint parks the wait, with `deadline` among its deadlines, and
+    /// decides when it ends.
     pub(crate) async fn wait_confirmed(
         &self,
         handles: &[RRefHandle],
         deadline: Option<tokio::time::Instant>,
     ) -> Result<(), String> {
-        let mut waiting = Vec::new();
-        {
+        let rx = {
             let mut st = self.lock();
-            for h in handles {
-                if st.ep.is_confirmed(*h) == Some(false) {
-                    let (tx, rx) = oneshot::channel();
-                    st.confirm_waiters
-                        .entry(h.fork)
-                        .or_default()
-                        .push((h.owner, tx));
-                    waiting.push((*h, rx));
-                }
-            }
-        }
-        for (h, rx) in waiting {
-            let owner = self.name_of(h.owner);
-            let confirmed = match deadline {
-                Some(at) => tokio::time::timeout_at(at, rx).await,
-                None => Ok(rx.await),
+            let Some(wait) = st
+                .ep
+                .wait_confirmed(handles, deadline.map(tokio::time::Instant::into_std))
+            else {
+                return Ok(());
             };
-            match confirmed {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) => {
-                    return Err(format!(
-                        "remote reference {} in the arguments: its owner {owner} was lost before confirming it",
-                        h.rref
-                    ))
-                }
-                Err(_) => {
-                    return Err(format!(
-                        "remote reference {} in the arguments: its owner {owner} did not confirm it before the call's deadline",
-                        h.rref
-                    ))
-                }
-            }
+            let (tx, rx) = oneshot::channel();
+            st.confirm_waits.insert(wait, tx);
+            rx
+        };
+        // The driver's timer may have to wake earlier now.
+        self.pump();
+        match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(ConfirmError::OwnerLost { rref, owner })) => Err(format!(
+                "remote reference {rref} in the arguments: its owner {} was lost before confirming it",
+                self.name_of(owner)
+            )),
+            Ok(Err(ConfirmError::Deadline { rref, owner })) => Err(format!(
+                "remote reference {rref} in the arguments: its owner {} did not confirm it before the call's deadline",
+                self.name_of(owner)
+            )),
+            Ok(Err(other)) => Err(other.to_string()),
+            Err(_) => Err("RPC is no longer running on this worker".into()),
         }
-        Ok(())
     }
 }
 

@@ -1,34 +1,50 @@
 //! Dynamic groups (`init_rpc` with `world_size = None`): workers join and leave while the group
 //! runs, as in PyTorch's dynamic RPC.
 //!
-//! Joining and leaving are serialized by a token in the store (`rpc/dyn/token`, taken with
-//! compare-and-set). Holding it, a joiner reads the member list (`rpc/dyn/members`), validates
-//! every member's device plan with its own by the dynamic rules (maps may name workers that
-//! have not joined yet), connects to every member and introduces itself (its address and device
-//! plan); each member adds it, recomputes its reverse maps and device list, and welcomes it.
-//! Only then is the joiner added to the list and the token released. A leaving worker waits for
-//! its own calls, removes itself from the list under the token and closes its connections; the
-//! others drop it from their membership. Rank 0 hosts the store, so it must stay until the end.
+//! This module is the driver of `tensorwire_core::protocol::membership::dynamic`, which decides
+//! everything: who coordinates, the order of joins and leaves, when a joiner is complete, what
+//! a leave does. The driver moves its messages over the members' connections (as control
+//! frames), dials whom it says, runs its timer, and uses the store only where a joiner must
+//! find the group: the key `rpc/dyn/coordinator` holds the coordinating member's record
+//! (written by the first member with compare-and-set, rewritten by a member that takes over
+//! coordination, deleted with the group's kind by the last member's leave). Rank 0 hosts the
+//! store, so no worker can join once it has left.
 
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Listener, Transport};
+use tensorwire_core::protocol::membership::{
+    Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
+};
 use tensorwire_core::protocol::WorkerId;
-use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
+use tensorwire_core::validate::WorkerDeviceInfo;
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::backoff::Backoff;
 use tensorwire_process_group::Rendezvous;
-use tracing::warn;
+use tokio::sync::oneshot;
+use tracing::{debug, warn};
 
 use crate::agent::{advertise_ip, connect_with_retry, drive, Agent, WorkerRecord};
 use crate::codec::Hello;
 use crate::error::RpcError;
 use crate::options::RpcOptions;
 
-const TOKEN: &str = "rpc/dyn/token";
-const MEMBERS: &str = "rpc/dyn/members";
+const COORDINATOR: &str = "rpc/dyn/coordinator";
 const WELCOME: &[u8] = b"tensorwire-welcome/1";
+
+/// The driver's side of a dynamic group's membership, beside the agent's state (its own lock:
+/// never held together with the agent's).
+#[derive(Default)]
+pub(crate) struct DynState {
+    membership: Option<DynamicMembership>,
+    /// This worker's record, and the transport a joiner dials the members with.
+    record: Option<MemberRecord>,
+    transport: Option<Arc<dyn Transport>>,
+    join_waiter: Option<oneshot::Sender<Result<(), MembershipError>>>,
+    leave_waiter: Option<oneshot::Sender<Result<bool, MembershipError>>>,
+}
 
 fn encode_err(what: &str, e: postcard::Error) -> RpcError {
     RpcError::Serialization {
@@ -37,88 +53,184 @@ fn encode_err(what: &str, e: postcard::Error) -> RpcError {
     }
 }
 
-/// Takes the membership token, waiting (bounded) while another worker holds it.
-async fn acquire(store: &dyn Store, name: &str, timeout: Duration) -> Result<(), RpcError> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    // The one backoff-with-jitter helper, as for every retry loop.
-    let mut backoff = Backoff::new(Duration::from_millis(1), Duration::from_millis(50));
+impl Agent {
+    fn dyn_state(&self) -> std::sync::MutexGuard<'_, DynState> {
+        self.inner
+            .membership
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the membership (if this worker has one), then moves its output along.
+    pub(crate) fn with_membership<T>(
+        &self,
+        f: impl FnOnce(&mut DynamicMembership) -> T,
+    ) -> Option<T> {
+        let out = self.dyn_state().membership.as_mut().map(f);
+        self.pump_membership();
+        out
+    }
+
+    /// Whether `from` may send calls and replies: in a dynamic group, a member only.
+    pub(crate) fn may_call(&self, from: WorkerId) -> bool {
+        !self.is_dynamic()
+            || self
+                .dyn_state()
+                .membership
+                .as_ref()
+                .is_some_and(|m| m.may_call(from))
+    }
+
+    /// A membership message from `from` (a control frame on its connection).
+    pub(crate) fn on_membership_frame(&self, from: WorkerId, frame: &Frame) -> Result<(), String> {
+        let msg: DynMessage = postcard::from_bytes(&frame.header)
+            .map_err(|e| format!("sent a malformed membership message ({e})"))?;
+        let now = self.now();
+        let handled = self.with_membership(|m| m.handle_message(from, msg, now));
+        match handled {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(format!("broke the membership protocol: {e}")),
+            None => Err("sent a membership message to a worker of a static group".into()),
+        }
+    }
+
+    /// Moves the membership's messages to the peers' writers and acts on its events.
+    pub(crate) fn pump_membership(&self) {
+        loop {
+            let (transmits, events) = {
+                let mut st = self.dyn_state();
+                let Some(m) = st.membership.as_mut() else {
+                    return;
+                };
+                let transmits: Vec<_> = std::iter::from_fn(|| m.poll_transmit()).collect();
+                let events: Vec<_> = std::iter::from_fn(|| m.poll_event()).collect();
+                (transmits, events)
+            };
+            if transmits.is_empty() && events.is_empty() {
+                break;
+            }
+            self.inner.membership_wake.notify_one();
+            for (to, msg) in transmits {
+                match postcard::to_allocvec(&msg) {
+                    Ok(bytes) => self.send_control(to, Frame::control(bytes, vec![])),
+                    Err(e) => warn!("cannot encode a membership message: {e}"),
+                }
+            }
+            for ev in events {
+                self.on_membership_event(ev);
+            }
+        }
+        self.pump();
+    }
+
+    fn on_membership_event(&self, ev: MembershipEvent) {
+        match ev {
+            MembershipEvent::Connect(records) => {
+                for record in records {
+                    self.spawn(dial_member(self.clone(), record));
+                }
+            }
+            MembershipEvent::MemberAdded(record) => self.add_member(record),
+            MembershipEvent::Admitted { seq } => {
+                // Ids above every earlier incarnation of this rank's.
+                self.lock().ep.begin_incarnation(seq);
+            }
+            MembershipEvent::MemberRemoved { rank, left } => {
+                if left {
+                    let reason = format!("{} left the group", self.name_of(rank));
+                    self.member_left(rank, &reason);
+                }
+                self.remove_member(rank);
+            }
+            MembershipEvent::Joined => {
+                if let Some(tx) = self.dyn_state().join_waiter.take() {
+                    let _ = tx.send(Ok(()));
+                }
+            }
+            MembershipEvent::JoinFailed(e) => {
+                if let Some(tx) = self.dyn_state().join_waiter.take() {
+                    let _ = tx.send(Err(e));
+                }
+            }
+            MembershipEvent::Left { last } => {
+                if let Some(tx) = self.dyn_state().leave_waiter.take() {
+                    let _ = tx.send(Ok(last));
+                }
+            }
+            MembershipEvent::LeaveFailed(e) => {
+                if let Some(tx) = self.dyn_state().leave_waiter.take() {
+                    let _ = tx.send(Err(e));
+                }
+            }
+            MembershipEvent::Coordinate => {
+                let agent = self.clone();
+                self.spawn(async move {
+                    if let Err(e) = agent.publish_coordinator().await {
+                        warn!("could not publish this worker as the group's coordinator: {e}");
+                    }
+                });
+            }
+            _ => {}
+        }
+    }
+
+    async fn publish_coordinator(&self) -> Result<(), RpcError> {
+        let record = self.own_record()?;
+        let bytes = postcard::to_allocvec(&record).map_err(|e| encode_err("a record", e))?;
+        self.store()?.set(COORDINATOR, &bytes).await?;
+        Ok(())
+    }
+
+    fn own_record(&self) -> Result<MemberRecord, RpcError> {
+        self.dyn_state().record.clone().ok_or(RpcError::NotRunning)
+    }
+}
+
+/// The membership's timer: calls `handle_timeout` at its `poll_timeout`, for as long as the
+/// agent runs.
+async fn membership_timer(agent: Agent) {
     loop {
-        let held = store.compare_set(TOKEN, b"", name.as_bytes()).await?;
-        if held == name.as_bytes() {
-            return Ok(());
+        let next = agent
+            .dyn_state()
+            .membership
+            .as_ref()
+            .and_then(DynamicMembership::poll_timeout);
+        match next {
+            Some(at) => {
+                tokio::select! {
+                    () = agent.inner.membership_wake.notified() => {}
+                    () = agent.inner.clock.sleep_until(at) => {
+                        let now = agent.now();
+                        agent.with_membership(|m| m.handle_timeout(now));
+                    }
+                }
+            }
+            None => agent.inner.membership_wake.notified().await,
         }
-        let delay = backoff.next_delay();
-        if tokio::time::Instant::now() + delay > deadline {
-            return Err(RpcError::Timeout {
-                what: "waiting for the group's membership token".into(),
-                after: timeout,
-                waiting_for: Some(format!(
-                    "{}, which holds it",
-                    String::from_utf8_lossy(&held)
-                )),
-            });
-        }
-        tokio::time::sleep(delay).await;
     }
-}
-
-async fn release(store: &dyn Store, name: &str) {
-    if let Err(e) = store.compare_set(TOKEN, name.as_bytes(), b"").await {
-        warn!("could not release the membership token: {e}");
-    }
-}
-
-async fn read_members(store: &dyn Store) -> Result<Vec<WorkerRecord>, RpcError> {
-    if !store.check(&[MEMBERS]).await? {
-        return Ok(Vec::new());
-    }
-    let bytes = store.get(MEMBERS).await?;
-    postcard::from_bytes(&bytes).map_err(|e| encode_err("the member list", e))
-}
-
-async fn write_members(store: &dyn Store, members: &[WorkerRecord]) -> Result<(), RpcError> {
-    let bytes = postcard::to_allocvec(members).map_err(|e| encode_err("the member list", e))?;
-    store.set(MEMBERS, &bytes).await?;
-    Ok(())
 }
 
 /// Joins the dynamic group of `rdv`'s store as worker `name` of rank `rank`.
 pub(crate) async fn join(
-    transport: std::sync::Arc<dyn Transport>,
+    transport: Arc<dyn Transport>,
     rdv: Rendezvous,
     name: &str,
     rank: usize,
     options: RpcOptions,
 ) -> Result<Agent, RpcError> {
-    let store = std::sync::Arc::clone(&rdv.store);
-    acquire(&*store, name, options.init_timeout).await?;
-    let joined = join_holding_token(transport, rdv, name, rank, options).await;
-    release(&*store, name).await;
-    joined
-}
-
-async fn join_holding_token(
-    transport: std::sync::Arc<dyn Transport>,
-    rdv: Rendezvous,
-    name: &str,
-    rank: usize,
-    options: RpcOptions,
-) -> Result<Agent, RpcError> {
-    let store = std::sync::Arc::clone(&rdv.store);
+    let store = Arc::clone(&rdv.store);
     let me_id = rank as WorkerId;
-    let mut members = read_members(&*store).await?;
-    if let Some(m) = members
-        .iter()
-        .find(|m| m.rank == me_id || m.devices.name == name)
-    {
-        return Err(RpcError::Init(format!(
-            "{name} (rank {rank}) cannot join: {} (rank {}) is already a member",
-            m.devices.name, m.rank
-        )));
-    }
-    let listener = transport
+    let deadline = tokio::time::Instant::now() + options.init_timeout;
+    let listener = match transport
         .listen(std::net::SocketAddr::new(advertise_ip(&options)?, 0))
-        .await?;
+        .await
+    {
+        Ok(l) => l,
+        Err(e) => {
+            rdv.shutdown().await;
+            return Err(e.into());
+        }
+    };
     let record = WorkerRecord {
         rank: me_id,
         addr: listener.local_addr(),
@@ -129,66 +241,256 @@ async fn join_holding_token(
             device_maps: options.device_maps.clone(),
         },
     };
-    let mut all = members.clone();
-    all.push(record.clone());
-    let infos: Vec<WorkerDeviceInfo> = all.iter().map(|r| r.devices.clone()).collect();
-    validate_device_maps(&infos, GroupKind::Dynamic)
-        .map_err(|e| RpcError::DeviceMaps(Box::new(e)))?;
-
-    let agent = Agent::new(name, me_id, true, &all, &rdv, &options);
+    let agent = Agent::new(
+        name,
+        me_id,
+        true,
+        std::slice::from_ref(&record),
+        &rdv,
+        &options,
+    );
+    {
+        let mut st = agent.dyn_state();
+        st.record = Some(record.clone());
+        st.transport = Some(Arc::clone(&transport));
+    }
     *agent
         .inner
         .rendezvous
         .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(rdv);
-    agent.spawn(accept_joiners(agent.clone(), listener));
-
-    let hello = postcard::to_allocvec(&Hello {
-        rank: me_id,
-        name: name.to_owned(),
-        record: Some(record.clone()),
-    })
-    .map_err(|e| encode_err("hello", e))?;
-    for m in &members {
-        let who = format!("{} (rank {}) at {}", m.devices.name, m.rank, m.addr);
-        let conn = connect_with_retry(&*transport, m.addr, options.init_timeout)
-            .await
-            .map_err(|e| RpcError::Init(format!("cannot connect to {who}: {e}")))?;
-        conn.send(Frame::control(hello.clone(), vec![])).await?;
-        match tokio::time::timeout(options.init_timeout, conn.recv()).await {
-            Ok(Ok(f)) if &f.header[..] == WELCOME => agent.attach(m.rank, conn),
-            Ok(Ok(_)) => {
-                return Err(RpcError::Init(format!(
-                    "{who} answered the introduction with something else"
-                )))
+        .unwrap_or_else(PoisonError::into_inner) = Some(rdv);
+    agent.spawn(accept_connections(agent.clone(), listener));
+    agent.spawn(drive(agent.clone()));
+    agent.spawn(membership_timer(agent.clone()));
+    let mut backoff = Backoff::new(Duration::from_millis(1), Duration::from_millis(50));
+    loop {
+        let attempt = join_once(
+            &agent,
+            &*transport,
+            &*store,
+            &record,
+            options.init_timeout,
+            deadline,
+        )
+        .await;
+        let delay = backoff.next_delay();
+        match attempt {
+            Ok(()) => return Ok(agent),
+            Err(Attempt::Retry(why)) if tokio::time::Instant::now() + delay < deadline => {
+                debug!("joining the group again: {why}");
+                tokio::time::sleep(delay).await;
             }
-            Ok(Err(e)) => {
-                return Err(RpcError::Init(format!(
-                    "{who} did not welcome this worker: {e}"
-                )))
-            }
-            Err(_) => {
+            Err(Attempt::Retry(why)) => {
+                agent.stop_and_release(tokio::time::Instant::now()).await;
                 return Err(RpcError::Timeout {
                     what: "joining the group".into(),
                     after: options.init_timeout,
-                    waiting_for: Some(who),
-                })
+                    waiting_for: Some(why),
+                });
+            }
+            Err(Attempt::Fail(e)) => {
+                agent.stop_and_release(tokio::time::Instant::now()).await;
+                return Err(e);
             }
         }
     }
-    members.push(record);
-    write_members(&*store, &members).await?;
-    agent.spawn(drive(agent.clone()));
-    Ok(agent)
 }
 
-/// Accepts the workers that join after this one, for as long as the agent runs.
-async fn accept_joiners(agent: Agent, listener: Box<dyn Listener>) {
+enum Attempt {
+    /// Worth trying again (the coordinator named in the store is gone or leaving).
+    Retry(String),
+    Fail(RpcError),
+}
+
+impl From<RpcError> for Attempt {
+    fn from(e: RpcError) -> Self {
+        Attempt::Fail(e)
+    }
+}
+
+/// One try: found the group, or ask its coordinator to be admitted and wait for the outcome.
+async fn join_once(
+    agent: &Agent,
+    transport: &dyn Transport,
+    store: &dyn Store,
+    record: &MemberRecord,
+    op_timeout: Duration,
+    deadline: tokio::time::Instant,
+) -> Result<(), Attempt> {
+    let encoded =
+        postcard::to_allocvec(record).map_err(|e| encode_err("this worker's record", e))?;
+    let held = store
+        .compare_set(COORDINATOR, b"", &encoded)
+        .await
+        .map_err(RpcError::from)?;
+    if held == encoded {
+        // The first member: it coordinates.
+        agent.dyn_state().membership = Some(DynamicMembership::found(record.clone(), op_timeout));
+        return Ok(());
+    }
+    let coordinator: MemberRecord =
+        postcard::from_bytes(&held).map_err(|e| encode_err("the coordinator's record", e))?;
+    if coordinator.rank == record.rank || coordinator.name() == record.name() {
+        return Err(Attempt::Fail(RpcError::Init(format!(
+            "{} (rank {}) cannot join: {} (rank {}) is already a member",
+            record.name(),
+            record.rank,
+            coordinator.name(),
+            coordinator.rank
+        ))));
+    }
+    let who = format!(
+        "{} (rank {}) at {}",
+        coordinator.name(),
+        coordinator.rank,
+        coordinator.addr
+    );
+    // A record left by a coordinator that died is replaced by the next one: read it again
+    // after a short while rather than dialling a dead address until the deadline.
+    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+    let conn = match introduce(
+        transport,
+        record,
+        coordinator.addr,
+        left.min(Duration::from_secs(2)),
+    )
+    .await
+    {
+        Ok(c) => c,
+        Err(Introduction::Refused(reason)) => return Err(Attempt::Fail(RpcError::Init(reason))),
+        Err(Introduction::Failed(e)) => return Err(Attempt::Retry(format!("{who}: {e}"))),
+    };
+    let (tx, rx) = oneshot::channel();
+    {
+        let mut st = agent.dyn_state();
+        let mut m = DynamicMembership::join(
+            record.clone(),
+            coordinator.rank,
+            op_timeout,
+            Some(deadline.into_std()),
+        );
+        let _ = m.handle_connected(coordinator.rank, None);
+        st.membership = Some(m);
+        st.join_waiter = Some(tx);
+    }
+    agent.attach(coordinator.rank, conn);
+    agent.inner.membership_wake.notify_one();
+    agent.pump_membership();
+    match rx.await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => {
+            // Whatever this try connected to goes; the next try starts clean.
+            agent.close_links();
+            if e.is_retryable() {
+                Err(Attempt::Retry(format!("{who}: {e}")))
+            } else {
+                Err(Attempt::Fail(match e {
+                    MembershipError::DeviceMaps(e) => RpcError::DeviceMaps(e),
+                    MembershipError::Timeout { .. } => RpcError::Timeout {
+                        what: format!("joining the group: {e}"),
+                        after: op_timeout,
+                        waiting_for: Some(who),
+                    },
+                    other => RpcError::Init(other.to_string()),
+                }))
+            }
+        }
+        Err(_) => Err(Attempt::Fail(RpcError::NotRunning)),
+    }
+}
+
+/// Why an introduction did not get a welcome.
+enum Introduction {
+    /// The member refused this worker, saying why.
+    Refused(String),
+    /// It could not be reached, or did not answer.
+    Failed(String),
+}
+
+impl std::fmt::Display for Introduction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Refused(s) | Self::Failed(s) => f.write_str(s),
+        }
+    }
+}
+
+/// Connects to `addr`, says who this worker is, and waits for the welcome.
+async fn introduce(
+    transport: &dyn Transport,
+    record: &MemberRecord,
+    addr: std::net::SocketAddr,
+    limit: Duration,
+) -> Result<Box<dyn Connection>, Introduction> {
+    let failed = |e: String| Introduction::Failed(e);
+    let hello = postcard::to_allocvec(&Hello {
+        rank: record.rank,
+        name: record.name().to_owned(),
+        record: Some(record.clone()),
+    })
+    .map_err(|e| failed(e.to_string()))?;
+    let conn = connect_with_retry(transport, addr, limit)
+        .await
+        .map_err(failed)?;
+    conn.send(Frame::control(hello, vec![]))
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    match tokio::time::timeout(limit.max(Duration::from_secs(1)), conn.recv()).await {
+        Ok(Ok(f)) if &f.header[..] == WELCOME => Ok(conn),
+        Ok(Ok(f)) => match postcard::from_bytes::<DynMessage>(&f.header) {
+            Ok(DynMessage::Refused { reason, .. }) => Err(Introduction::Refused(reason)),
+            _ => Err(failed(
+                "it answered the introduction with something else".into(),
+            )),
+        },
+        Ok(Err(e)) => Err(failed(format!("it did not welcome this worker: {e}"))),
+        Err(_) => Err(failed("it did not answer the introduction".into())),
+    }
+}
+
+/// A joiner connects to a member the coordinator admitted it to.
+async fn dial_member(agent: Agent, member: MemberRecord) {
+    let (record, transport) = {
+        let st = agent.dyn_state();
+        match (st.record.clone(), st.transport.clone()) {
+            (Some(r), Some(t)) => (r, t),
+            _ => return,
+        }
+    };
+    let left = agent
+        .dyn_state()
+        .membership
+        .as_ref()
+        .and_then(DynamicMembership::poll_timeout)
+        .map_or(Duration::from_secs(30), |d| {
+            d.saturating_duration_since(agent.now())
+        });
+    match introduce(&*transport, &record, member.addr, left).await {
+        Ok(conn) => {
+            agent.attach(member.rank, conn);
+            let accepted = agent.with_membership(|m| m.handle_connected(member.rank, None));
+            if let Some(Err(e)) = accepted {
+                warn!("a connection the join did not ask for: {e}");
+            }
+        }
+        Err(e) => {
+            warn!(
+                "cannot connect to {} (rank {}) at {}: {e}",
+                member.name(),
+                member.rank,
+                member.addr
+            );
+            agent.with_membership(|m| m.handle_connect_failed(member.rank));
+        }
+    }
+}
+
+/// Accepts connections from joiners (and, on the coordinator, from workers asking to join),
+/// for as long as the agent runs.
+async fn accept_connections(agent: Agent, listener: Box<dyn Listener>) {
     loop {
         match listener.accept().await {
-            Ok(conn) => {
-                agent.spawn(welcome(agent.clone(), conn));
-            }
+            Ok(conn) => agent.spawn(welcome(agent.clone(), conn)),
             Err(e) => {
                 warn!("the RPC listener failed; no worker can join through this one: {e}");
                 return;
@@ -210,52 +512,92 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
             return;
         }
     };
-    let (rank, record) = match hello {
-        Ok(Hello {
-            rank,
-            record: Some(record),
-            ..
-        }) if record.rank == rank => (rank, record),
-        _ => {
-            warn!("dropping a connection from {peer} that sent no valid introduction");
+    let Ok(Hello {
+        rank,
+        record: Some(record),
+        ..
+    }) = hello
+    else {
+        warn!("dropping a connection from {peer} that sent no valid introduction");
+        return;
+    };
+    // The membership decides whether this connection is one it expects.
+    let accepted = agent
+        .dyn_state()
+        .membership
+        .as_mut()
+        .map(|m| m.handle_connected(rank, Some(&record)));
+    match accepted {
+        Some(Ok(Accepted::Member | Accepted::Applicant)) => {}
+        Some(Ok(Accepted::Dialled)) | None => return,
+        Some(Err(MembershipError::Refused { reason, retry })) => {
+            // Told why, so that its init fails with the reason rather than a timeout.
+            if let Ok(bytes) = postcard::to_allocvec(&DynMessage::Refused { reason, retry }) {
+                let _ = conn.send(Frame::control(bytes, vec![])).await;
+            }
+            let _ = conn.close().await;
             return;
         }
-    };
-    agent.add_member(record);
+        Some(Err(e)) => {
+            warn!("dropping a connection from {peer}: {e}");
+            return;
+        }
+    }
     if let Err(e) = conn.send(Frame::control(WELCOME.to_vec(), vec![])).await {
         warn!("could not welcome rank {rank}: {e}");
-        agent.remove_member(rank);
+        let now = agent.now();
+        agent.with_membership(|m| m.handle_lost(rank, now));
         return;
     }
     agent.attach(rank, conn);
+    agent.pump_membership();
 }
 
-/// Leaves the group: waits (bounded) for this worker's own calls, then removes it from the
-/// member list under the token. The caller then closes the connections.
+/// Leaves the group: waits (bounded) until this worker's own calls are answered, then asks
+/// the coordinator, which removes it from every member in turn with joins and other leaves.
+/// The caller then closes the connections. The last member removes the group's keys.
 pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcError> {
     let deadline = tokio::time::Instant::now() + timeout;
     // The endpoint decides when our calls are all answered (or fails by the deadline).
     agent
         .run_shutdown(timeout, |ep| ep.begin_leave(Some(deadline.into_std())))
         .await?;
-    let store = agent.store()?;
-    let name = agent.worker_info().name.clone();
-    acquire(&*store, &name, deadline - tokio::time::Instant::now()).await?;
-    let result = async {
-        let mut members = read_members(&*store).await?;
-        members.retain(|m| m.devices.name != name);
-        if members.is_empty() {
-            // The last member: the group ends, and with it every key the agents made.
-            for key in [MEMBERS, crate::agent::GROUP_KIND, TOKEN] {
-                store.delete_key(key).await?;
-            }
-            return Ok(true);
+    let (tx, rx) = oneshot::channel();
+    agent.dyn_state().leave_waiter = Some(tx);
+    let now = agent.now();
+    if agent
+        .with_membership(|m| m.begin_leave(now, Some(deadline.into_std())))
+        .is_none()
+    {
+        return Err(RpcError::NotRunning);
+    }
+    let last = match rx.await {
+        Ok(Ok(last)) => last,
+        Ok(Err(e)) => {
+            return Err(RpcError::Timeout {
+                what: format!("leaving the group: {e}"),
+                after: timeout,
+                waiting_for: agent
+                    .dyn_state()
+                    .membership
+                    .as_ref()
+                    .and_then(DynamicMembership::coordinator)
+                    .map(|c| agent.name_of(c)),
+            })
         }
-        write_members(&*store, &members).await.map(|()| false)
+        Err(_) => return Err(RpcError::NotRunning),
+    };
+    if last {
+        // The last member: the group ends, and with it every key the agents made.
+        let store = agent.store()?;
+        for key in [COORDINATOR, crate::agent::GROUP_KIND] {
+            store.delete_key(key).await?;
+        }
     }
-    .await;
-    if !matches!(result, Ok(true)) {
-        release(&*store, &name).await;
-    }
-    result.map(|_| ())
+    Ok(())
+}
+
+/// The shared handle for the state above, created with the agent.
+pub(crate) fn new_state() -> Mutex<DynState> {
+    Mutex::new(DynState::default())
 }

@@ -716,7 +716,7 @@ async fn dynamic_groups_let_workers_join_and_leave() {
         4
     );
 
-    // A joiner whose map breaks a rule is refused, and the token is released for the next.
+    // A joiner whose map breaks a rule is refused (it withdraws), and the coordinator goes on.
     let e = dynamic(2, &cluster, |o| {
         o.device_backend = Arc::new(SimulatedDevices::new(1));
         o.set_device_map("w0", &[("cuda:3", "cpu")]).unwrap();
@@ -797,6 +797,56 @@ async fn dynamic_groups_let_workers_join_and_leave() {
     assert!(e.to_string().contains("is already a member"), "{e}");
 
     for a in [again, a1, a0] {
+        a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
+            .await
+            .unwrap();
+    }
+}
+
+/// A worker that leaves a dynamic group: new calls to it are refused while it settles, calls it
+/// took are answered, and once it is gone the values it referred to on the others are freed and
+/// the references to values it owned fail naming it.
+#[tokio::test(start_paused = true)]
+async fn a_leaving_worker_takes_its_references_with_it() {
+    let cluster = Cluster::new();
+    let a0 = dynamic(0, &cluster, |_| {}).await.unwrap();
+    let a1 = dynamic(1, &cluster, |_| {}).await.unwrap();
+    let a2 = dynamic(2, &cluster, |_| {}).await.unwrap();
+    // w2 keeps a value on w0 alive through its reference; w0 refers to a value on w2.
+    let on_w0: RRef<Vec<i64>> = a2.remote("w0", "make_vec", &3usize, None).unwrap();
+    let on_w2: RRef<Vec<i64>> = a0.remote("w2", "make_vec", &4usize, None).unwrap();
+    assert_eq!(on_w0.to_here(None).await.unwrap().len(), 3);
+    assert_eq!(on_w2.to_here(None).await.unwrap().len(), 4);
+    assert_eq!(a0.owned_value_count(), 1);
+    // A slow call to w2 is in flight as it begins to leave: it is answered.
+    let slow = a1
+        .rpc_async::<_, u64>("w2", "sleep_ms", &50u64, None)
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let leaving = {
+        let a2 = a2.clone();
+        tokio::spawn(async move {
+            a2.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let refused = a1
+        .rpc_sync::<_, i64>("w2", "add", &(1i64, 1i64), None)
+        .await
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("is leaving the group"),
+        "{refused}"
+    );
+    assert_eq!(slow.await.unwrap(), 50);
+    leaving.await.unwrap().unwrap();
+    // w2 went without dropping its reference: w0 frees the value it kept for it.
+    wait_until(|| a0.owned_value_count() == 0).await;
+    let e = on_w2.to_here(None).await.unwrap_err();
+    assert!(e.to_string().contains("is gone"), "{e}");
+    drop((on_w0, on_w2));
+    for a in [a1, a0] {
         a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
             .await
             .unwrap();
@@ -948,6 +998,29 @@ async fn a_clean_init_and_shutdown_leaves_no_store_keys() {
     );
     // Init's own keys are gone once init is over; the group's kind stays while it runs.
     assert_eq!(cluster.store.num_keys().await.unwrap(), 1);
+    // Barriers and all_gathers leave nothing behind once every worker is through, and a
+    // name may then be used again.
+    for round in 0..2 {
+        let t = Duration::from_secs(10);
+        let tasks: Vec<_> = agents
+            .iter()
+            .cloned()
+            .map(|a| {
+                tokio::spawn(async move {
+                    a.barrier("b", t).await.unwrap();
+                    let rank = a.worker_info().id;
+                    a.all_gather("g", &(rank, round), t).await.unwrap()
+                })
+            })
+            .collect();
+        for task in tasks {
+            assert_eq!(
+                task.await.unwrap(),
+                vec![(0, round), (1, round), (2, round)]
+            );
+        }
+        assert_eq!(cluster.store.num_keys().await.unwrap(), 1, "round {round}");
+    }
     shutdown_all(agents).await;
     assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
 }
@@ -968,6 +1041,14 @@ async fn a_thousand_joins_and_leaves_keep_the_store_bounded() {
                 .await
                 .unwrap();
             assert_eq!(sum, i as i64 + 1);
+            // The members' barrier and all_gather leave no key behind either.
+            let t = Duration::from_secs(10);
+            let (b0, b1) = tokio::join!(a0.barrier("b", t), joiner.barrier("b", t));
+            b0.unwrap();
+            b1.unwrap();
+            let (g0, g1) = tokio::join!(a0.all_gather("g", &i, t), joiner.all_gather("g", &i, t));
+            assert_eq!(g0.unwrap(), vec![i, i]);
+            assert_eq!(g1.unwrap(), vec![i, i]);
         }
         joiner
             .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))

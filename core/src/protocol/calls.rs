@@ -281,6 +281,7 @@ impl<B: Payload> Endpoint<B> {
     /// A deferred `remote` leaves a reference whose uses fail with the same error.
     pub fn abandon(&mut self, id: MessageId, reason: &str, now: Instant) {
         self.abandon_inner(id, reason, now);
+        self.settle_confirm_waits(None);
         self.advance_shutdown();
     }
 

@@ -1,4 +1,4 @@
-//! Joining a static group: who dials whom, when the group is complete, and the closing
+//! Joining a static group (and, in [`dynamic`], joining and leaving a dynamic one): who dials whom, when the group is complete, and the closing
 //! handshake that makes init end on every worker only once no worker needs the store for it.
 //!
 //! A [`StaticJoin`] is one worker's side, sans-IO like the [`Endpoint`](super::Endpoint): the
@@ -21,6 +21,11 @@
 
 use std::collections::{BTreeSet, VecDeque};
 use std::time::Instant;
+
+pub mod dynamic;
+pub use dynamic::{
+    Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
+};
 
 use serde::{Deserialize, Serialize};
 

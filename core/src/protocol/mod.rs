@@ -27,7 +27,9 @@
 //! - `rrefs`: commands on reference handles (fork, accept, clone, drop, undo);
 //! - [`shutdown`]: the phases of a graceful shutdown and of leaving a dynamic group;
 //! - [`membership`]: joining a static group ([`StaticJoin`]: who dials whom, when the group is
-//!   complete, the closing handshake).
+//!   complete, the closing handshake), and joining and leaving a dynamic one
+//!   ([`membership::DynamicMembership`]: a coordinator serializes them over the members'
+//!   connections).
 //!
 //! # Calls
 //! Every outgoing call gets a [`MessageId`] and, unless its timeout is zero, a deadline. A reply
@@ -425,6 +427,14 @@ pub enum Event<B> {
         /// The reference.
         rref: RRefId,
     },
+    /// A wait begun with [`Endpoint::wait_confirmed`] ended: every reference is confirmed, or
+    /// why not.
+    ConfirmWaitDone {
+        /// The wait.
+        wait: WaitId,
+        /// `Ok` once every reference is confirmed.
+        outcome: Result<(), ConfirmError>,
+    },
     /// The graceful shutdown (or leave) begun with
     /// [`begin_graceful_shutdown`](Endpoint::begin_graceful_shutdown) or
     /// [`begin_leave`](Endpoint::begin_leave) is complete, or failed naming who it waited
@@ -641,6 +651,9 @@ pub struct Endpoint<B> {
     config: EndpointConfig,
     state: RunState,
     next_id: u64,
+    /// Ids at or below it were never issued here (see
+    /// [`begin_incarnation`](Endpoint::begin_incarnation)).
+    first_id: u64,
     pending: HashMap<MessageId, Pending>,
     deadlines: BTreeSet<(Instant, MessageId)>,
     unacked: HashMap<MessageId, Unacked>,
@@ -671,11 +684,56 @@ pub struct Endpoint<B> {
     lost: HashSet<WorkerId>,
     /// Method calls waiting for the value they run on, by reference.
     parked_calls: HashMap<RRefId, Vec<ParkedCall<B>>>,
+    /// Functions waiting until the owners confirm the references in their arguments (see
+    /// [`wait_confirmed`](Endpoint::wait_confirmed)), by wait id.
+    confirm_waits: HashMap<WaitId, ConfirmWait>,
+    next_wait: WaitId,
     /// Our graceful shutdown, and what peers said of theirs.
     shutdown: shutdown::ShutdownState,
     /// The latest time an input brought (for work that commands without a time cause).
     last_now: Option<Instant>,
     events: VecDeque<Event<B>>,
+}
+
+/// Identifies a wait begun with [`Endpoint::wait_confirmed`].
+pub type WaitId = u64;
+
+/// A function's wait for the owners to confirm the references in its arguments.
+#[derive(Debug)]
+struct ConfirmWait {
+    /// The handles not confirmed yet.
+    handles: Vec<RRefHandle>,
+    deadline: Option<Instant>,
+}
+
+/// Why a wait begun with [`Endpoint::wait_confirmed`] failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfirmError {
+    /// The owner was lost (or left) before it confirmed the reference.
+    #[error("remote reference {rref} in the arguments: its owner, worker {owner}, was lost before confirming it")]
+    OwnerLost {
+        /// The reference.
+        rref: RRefId,
+        /// Its owner.
+        owner: WorkerId,
+    },
+    /// The deadline passed first.
+    #[error("remote reference {rref} in the arguments: its owner, worker {owner}, did not confirm it before the call's deadline")]
+    Deadline {
+        /// The reference.
+        rref: RRefId,
+        /// Its owner.
+        owner: WorkerId,
+    },
+    /// The reference's creation failed or timed out.
+    #[error("remote reference {rref} in the arguments: {error}")]
+    Creation {
+        /// The reference.
+        rref: RRefId,
+        /// Why.
+        error: CallError,
+    },
 }
 
 /// How many failed creations an owner remembers.
@@ -707,6 +765,7 @@ impl<B: Payload> Endpoint<B> {
             config,
             state: RunState::Running,
             next_id: 0,
+            first_id: 0,
             pending: HashMap::new(),
             deadlines: BTreeSet::new(),
             unacked: HashMap::new(),
@@ -722,6 +781,8 @@ impl<B: Payload> Endpoint<B> {
             created_upto: HashMap::new(),
             lost: HashSet::new(),
             parked_calls: HashMap::new(),
+            confirm_waits: HashMap::new(),
+            next_wait: 0,
             shutdown: shutdown::ShutdownState::default(),
             last_now: None,
             events: VecDeque::new(),
@@ -851,10 +912,18 @@ impl<B: Payload> Endpoint<B> {
             .flatten()
             .filter_map(|c| c.deadline)
             .min();
-        [call, control, parked, parked_call, self.shutdown_deadline()]
-            .into_iter()
-            .flatten()
-            .min()
+        let confirm = self.confirm_waits.values().filter_map(|w| w.deadline).min();
+        [
+            call,
+            control,
+            parked,
+            parked_call,
+            confirm,
+            self.shutdown_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     // ----- commands -----
@@ -913,6 +982,7 @@ impl<B: Payload> Endpoint<B> {
         self.unacked.clear();
         self.incoming.clear();
         self.parked_calls.clear();
+        self.confirm_waits.clear();
         self.held.clear();
         self.deferred.clear();
     }
@@ -980,7 +1050,7 @@ impl<B: Payload> Endpoint<B> {
                 function,
                 timeout,
             } => {
-                let Some(body) = self.admit(from, id, body) else {
+                let Some(body) = self.admit(from, id, body, now) else {
                     return Ok(());
                 };
                 let token = RequestToken {
@@ -998,7 +1068,16 @@ impl<B: Payload> Endpoint<B> {
                 fork,
                 timeout,
             } => {
-                let Some(body) = self.admit(from, id, body) else {
+                let Some(body) = self.admit(from, id, body, now) else {
+                    // Refused (shutting down, leaving, no body): the value will never be
+                    // created, so what waits for it here (fork requests, fetches, method
+                    // calls from third parties) settles now.
+                    let err = RemoteError {
+                        worker: self.me,
+                        kind: RemoteErrorKind::ShuttingDown,
+                        message: format!("{rref} was not created: worker {} refused it", self.me),
+                    };
+                    self.fail_creation(rref, err);
                     return Ok(());
                 };
                 let upto = self.created_upto.entry(from).or_default();
@@ -1019,7 +1098,7 @@ impl<B: Payload> Endpoint<B> {
                 });
             }
             Header::Fetch { id, rref, timeout } => {
-                if self.state == RunState::Running {
+                if self.takes_requests() {
                     self.owner_fetch(from, id, rref, deadline_after(now, timeout));
                 } else {
                     self.refuse(from, id);
@@ -1098,19 +1177,7 @@ impl<B: Payload> Endpoint<B> {
                     kind: RemoteErrorKind::Failed,
                     message: reason,
                 };
-                self.remember_failure(rref, &err);
-                let waiting = match self.owned.get_mut(&rref) {
-                    Some(o) if o.state.is_none() => {
-                        o.state = Some(Err(err));
-                        std::mem::take(&mut o.fetches)
-                    }
-                    _ => Vec::new(),
-                };
-                for (caller, id, deadline) in waiting {
-                    self.owner_fetch(caller, id, rref, deadline);
-                }
-                self.settle_parked_calls(rref);
-                self.maybe_release(rref);
+                self.fail_creation(rref, err);
             }
             Header::Ack { id } => self.on_ack(id, now),
             Header::Shutdown { signal } => self.on_shutdown_signal(from, signal),
@@ -1118,13 +1185,16 @@ impl<B: Payload> Endpoint<B> {
                 self.on_shutdown_failed(from, missing, lost);
             }
         }
+        if !self.confirm_waits.is_empty() {
+            self.settle_confirm_waits(Some(now));
+        }
         self.advance_shutdown();
         Ok(())
     }
 
     /// Whether `from` may send `header`, judged against what we sent and hold.
     fn check_message(&self, from: WorkerId, header: &Header) -> Result<(), ProtocolViolation> {
-        let never_issued = |id: MessageId| id == 0 || id > self.next_id;
+        let never_issued = |id: MessageId| id <= self.first_id || id > self.next_id;
         match *header {
             Header::Reply { id, .. } => {
                 if never_issued(id) {
@@ -1236,6 +1306,7 @@ impl<B: Payload> Endpoint<B> {
         for t in resend {
             self.send_out(t);
         }
+        self.settle_confirm_waits(Some(now));
         self.advance_shutdown();
         self.expire_shutdown(now);
     }
@@ -1324,12 +1395,30 @@ impl<B: Payload> Endpoint<B> {
             self.settle_parked_calls(rref);
             self.maybe_release(rref);
         }
+        self.settle_confirm_waits(None);
         self.advance_shutdown();
     }
 
-    /// Worker `peer` (re)joined the group (dynamic groups): it is no longer counted as lost.
+    /// Starts this endpoint's ids (message ids and the ids of references it creates) above
+    /// every id of its earlier incarnations: a worker that joins a dynamic group again under
+    /// the same rank (`incarnation`: its place in the group's admission order) must not reuse
+    /// an id its peers may still hold from the earlier one. Only before any id was issued;
+    /// returns whether it took effect.
+    pub fn begin_incarnation(&mut self, incarnation: u64) -> bool {
+        if self.next_id != self.first_id {
+            return false;
+        }
+        self.first_id = incarnation.saturating_mul(1 << 40);
+        self.next_id = self.first_id;
+        true
+    }
+
+    /// Worker `peer` (re)joined the group (dynamic groups): it is no longer counted as lost,
+    /// and a new incarnation of it starts with a clean slate (its control messages' ids
+    /// start afresh).
     pub fn handle_peer_joined(&mut self, peer: WorkerId) {
         self.lost.remove(&peer);
+        self.seen_control.remove(&peer);
         self.forget_shutdown_of(peer);
         self.created_upto.remove(&peer);
     }
@@ -1349,9 +1438,20 @@ impl<B: Payload> Endpoint<B> {
         } else {
             self.used.get(&handle.fork).is_some_and(|u| u.handles > 0)
         };
-        known
-            .then_some(())
-            .ok_or(CallError::UnknownRRef(handle.rref))
+        if known {
+            Ok(())
+        } else if self.lost.contains(&handle.owner) {
+            // Forgotten with its owner: say so, rather than "unknown".
+            Err(CallError::PeerLost {
+                peer: handle.owner,
+                reason: format!(
+                    "it owned {} and is gone (it left the group or was lost)",
+                    handle.rref
+                ),
+            })
+        } else {
+            Err(CallError::UnknownRRef(handle.rref))
+        }
     }
 
     /// [`check_handle`](Self::check_handle), and the reference's creation did not fail or time
@@ -1369,9 +1469,14 @@ impl<B: Payload> Endpoint<B> {
     }
 
     /// Accepts an incoming request with a body, or refuses it (shutting down, no body).
-    fn admit(&mut self, from: WorkerId, id: MessageId, body: Option<B>) -> Option<B> {
-        if self.state != RunState::Running {
+    fn admit(&mut self, from: WorkerId, id: MessageId, body: Option<B>, now: Instant) -> Option<B> {
+        if !self.takes_requests() {
             self.refuse(from, id);
+            // The references the request carried were forked for this worker: accepted and
+            // dropped here, so that their parents stop waiting for them.
+            if let Some(b) = body {
+                self.release_forks(b.forks(), now);
+            }
             return None;
         }
         if body.is_none() {
@@ -1385,11 +1490,40 @@ impl<B: Payload> Endpoint<B> {
         body
     }
 
+    /// The value of `rref` will never be created here: remembered, and what waits for it
+    /// settles with `err`.
+    fn fail_creation(&mut self, rref: RRefId, err: RemoteError) {
+        self.remember_failure(rref, &err);
+        let waiting = match self.owned.get_mut(&rref) {
+            Some(o) if o.state.is_none() => {
+                o.state = Some(Err(err));
+                std::mem::take(&mut o.fetches)
+            }
+            _ => Vec::new(),
+        };
+        for (caller, id, deadline) in waiting {
+            self.owner_fetch(caller, id, rref, deadline);
+        }
+        self.settle_parked_calls(rref);
+        self.maybe_release(rref);
+    }
+
+    /// Whether new requests from peers are served: running, and not leaving a dynamic group
+    /// (a leaver answers what it took, and nothing more, so that it settles).
+    fn takes_requests(&self) -> bool {
+        self.state == RunState::Running && !self.is_leaving()
+    }
+
     fn refuse(&mut self, from: WorkerId, id: MessageId) {
+        let message = if self.is_leaving() {
+            format!("worker {} is leaving the group", self.me)
+        } else {
+            "RPC is no longer running on this worker".into()
+        };
         let err = RemoteError {
             worker: self.me,
             kind: RemoteErrorKind::ShuttingDown,
-            message: "RPC is no longer running on this worker".into(),
+            message,
         };
         self.reply(from, id, Err(err));
     }

@@ -7,6 +7,80 @@ use std::time::Instant;
 use super::*;
 
 impl<B: Payload> Endpoint<B> {
+    /// Waits (without blocking: parked here, with `deadline` among the endpoint's deadlines)
+    /// until the owners confirm every reference of `handles` (PyTorch runs a function only once
+    /// the references in its arguments are confirmed). `None`: nothing to wait for. Else the
+    /// outcome comes as [`Event::ConfirmWaitDone`] with the returned id: once all are
+    /// confirmed, or failing when an owner is lost, a creation fails, or the deadline passes.
+    pub fn wait_confirmed(
+        &mut self,
+        handles: &[RRefHandle],
+        deadline: Option<Instant>,
+    ) -> Option<WaitId> {
+        let handles: Vec<RRefHandle> = handles
+            .iter()
+            .copied()
+            .filter(|h| self.is_confirmed(*h) == Some(false))
+            .collect();
+        if handles.is_empty() {
+            return None;
+        }
+        self.next_wait += 1;
+        let wait = self.next_wait;
+        self.confirm_waits
+            .insert(wait, ConfirmWait { handles, deadline });
+        Some(wait)
+    }
+
+    /// Ends the waits whose references are all confirmed, or whose owner is lost, whose
+    /// creation failed, or (with `now`) whose deadline passed.
+    pub(super) fn settle_confirm_waits(&mut self, now: Option<Instant>) {
+        let mut done = Vec::new();
+        for (wait, w) in &mut self.confirm_waits {
+            let mut failed = None;
+            w.handles.retain(|h| match self.used.get(&h.fork) {
+                Some(u) => match &u.creation_error {
+                    Some(e) => {
+                        failed.get_or_insert(ConfirmError::Creation {
+                            rref: h.rref,
+                            error: e.clone(),
+                        });
+                        false
+                    }
+                    None => !u.confirmed,
+                },
+                None => {
+                    if self.lost.contains(&h.owner) {
+                        failed.get_or_insert(ConfirmError::OwnerLost {
+                            rref: h.rref,
+                            owner: h.owner,
+                        });
+                    }
+                    false
+                }
+            });
+            if failed.is_none() && now.zip(w.deadline).is_some_and(|(n, d)| d <= n) {
+                if let Some(h) = w.handles.first() {
+                    failed = Some(ConfirmError::Deadline {
+                        rref: h.rref,
+                        owner: h.owner,
+                    });
+                }
+            }
+            match failed {
+                Some(e) => done.push((*wait, Err(e))),
+                None if w.handles.is_empty() => done.push((*wait, Ok(()))),
+                None => {}
+            }
+        }
+        done.sort_by_key(|(wait, _)| *wait);
+        for (wait, outcome) in done {
+            self.confirm_waits.remove(&wait);
+            self.events
+                .push_back(Event::ConfirmWaitDone { wait, outcome });
+        }
+    }
+
     /// A reference to a value this worker already holds (PyTorch's `RRef(value)`): the
     /// application keeps the value under the returned handle's `rref`, which starts with one
     /// local handle.

@@ -82,7 +82,7 @@ pub struct ShutdownError {
 pub(super) struct Shutdown {
     /// The other members (empty when leaving a dynamic group).
     members: BTreeSet<WorkerId>,
-    /// Whether only this worker leaves (a dynamic group): it only drains its calls.
+    /// Whether only this worker leaves (a dynamic group): it settles without telling anyone.
     leave: bool,
     deadline: Option<Instant>,
     phase: ShutdownPhase,
@@ -121,9 +121,12 @@ impl<B: Payload> Endpoint<B> {
         self.advance_shutdown();
     }
 
-    /// Begins leaving a dynamic group: complete once this worker's own calls are answered
-    /// (by `deadline`); the others are not waited for. The outcome comes as
-    /// [`Event::ShutdownComplete`].
+    /// Begins leaving a dynamic group: new requests from peers are refused from now on
+    /// (requests already taken are answered); complete (by `deadline`) once this worker's own
+    /// calls are answered, nothing is outstanding here (requests answered, control messages
+    /// acknowledged) and every reference it passed on is confirmed by its owner; it then takes
+    /// no new work. The others are not waited for: the membership protocol then removes this
+    /// worker from them. The outcome comes as [`Event::ShutdownComplete`].
     pub fn begin_leave(&mut self, deadline: Option<Instant>) {
         if self.shutdown.ours.is_some() {
             return;
@@ -135,6 +138,11 @@ impl<B: Payload> Endpoint<B> {
             phase: ShutdownPhase::DrainingOwnCalls,
         });
         self.advance_shutdown();
+    }
+
+    /// Whether this worker began leaving a dynamic group ([`begin_leave`](Self::begin_leave)).
+    pub fn is_leaving(&self) -> bool {
+        self.shutdown.ours.as_ref().is_some_and(|s| s.leave)
     }
 
     /// The phase of this worker's graceful shutdown, if one began.
@@ -245,7 +253,8 @@ impl<B: Payload> Endpoint<B> {
                         return;
                     }
                     if leave {
-                        ShutdownPhase::Done
+                        // No member to tell: settle (below), then leave.
+                        ShutdownPhase::Settling
                     } else {
                         self.signal_members(ShutdownSignal::Drained);
                         ShutdownPhase::WaitingForDrained
@@ -262,6 +271,11 @@ impl<B: Payload> Endpoint<B> {
                 }
                 ShutdownPhase::Settling => {
                     if self.fail_if_member_lost(phase) || !self.is_idle() {
+                        return;
+                    }
+                    // A leaver also waits until the references it passed on are confirmed by
+                    // their owners: once it is gone, its own fork no longer keeps them alive.
+                    if leave && self.used.values().any(|u| !u.pending_children.is_empty()) {
                         return;
                     }
                     if self.state == RunState::Running {
@@ -313,6 +327,7 @@ impl<B: Payload> Endpoint<B> {
                 with.extend(self.incoming.iter().map(|t| t.from));
                 with.extend(self.unacked.values().map(|u| u.to));
                 with.extend(self.deferred.values().map(|d| d.to));
+                with.extend(self.children.values().map(|(_, to)| *to));
                 with.into_iter().collect()
             }
             ShutdownPhase::WaitingForIdle => self.missing_signal(ShutdownSignal::Idle),

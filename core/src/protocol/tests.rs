@@ -27,6 +27,8 @@ struct Sim {
     confirmed: Vec<Vec<ForkId>>,
     /// Each worker's shutdown outcomes.
     shutdowns: Vec<Vec<Result<(), ShutdownError>>>,
+    /// The ends of waits for confirmation, per worker.
+    confirm_waits: Vec<Vec<(WaitId, Result<(), ConfirmError>)>>,
 }
 
 impl Sim {
@@ -46,6 +48,7 @@ impl Sim {
             deadlines: (0..n).map(|_| Vec::new()).collect(),
             confirmed: (0..n).map(|_| Vec::new()).collect(),
             shutdowns: (0..n).map(|_| Vec::new()).collect(),
+            confirm_waits: (0..n).map(|_| Vec::new()).collect(),
         }
     }
 
@@ -118,6 +121,9 @@ impl Sim {
             }
             Event::Confirmed { fork, .. } => self.confirmed[w as usize].push(fork),
             Event::ShutdownComplete { outcome } => self.shutdowns[w as usize].push(outcome),
+            Event::ConfirmWaitDone { wait, outcome } => {
+                self.confirm_waits[w as usize].push((wait, outcome));
+            }
             Event::ReleaseValue { rref } => {
                 assert!(
                     self.values[w as usize].remove(&rref).is_some(),
@@ -582,6 +588,61 @@ fn a_parent_outlives_its_unconfirmed_child() {
     assert!(s.eps.iter().all(|e| e.user_fork_count() == 0));
 }
 
+/// A function waiting for the references in its arguments: parked in the endpoint until the
+/// owner confirms them, failing at its deadline (among the endpoint's deadlines) or when the
+/// owner is lost; a wait on confirmed references ends at once.
+#[test]
+fn waits_for_confirmation_are_parked_with_their_deadlines() {
+    let mut s = Sim::new(4);
+    let now = s.now;
+    let (ha, hb, hc) = chain(&mut s);
+    assert_eq!(s.ep(1).is_confirmed(ha), Some(false));
+    let d = now + Duration::from_secs(2);
+    let w1 = s.ep(3).wait_confirmed(&[hc], Some(d)).unwrap();
+    let w2 = s
+        .ep(3)
+        .wait_confirmed(&[hc], Some(now + Duration::from_millis(10)))
+        .unwrap();
+    assert_eq!(
+        s.ep(3).poll_timeout(),
+        Some(now + Duration::from_millis(10))
+    );
+    s.advance(Duration::from_millis(10));
+    assert_eq!(
+        s.confirm_waits[3],
+        vec![(
+            w2,
+            Err(ConfirmError::Deadline {
+                rref: ha.rref,
+                owner: 0
+            })
+        )]
+    );
+    s.drain();
+    assert_eq!(s.confirm_waits[3][1], (w1, Ok(())));
+    assert_eq!(
+        s.ep(3).wait_confirmed(&[hc], Some(d)),
+        None,
+        "confirmed already"
+    );
+    // A fork of a worker whose owner is lost fails its wait, naming the owner.
+    let to_c = s.ep(2).fork_for(hb, 3).unwrap();
+    let hc2 = s.ep(3).accept_fork(to_c, now);
+    let w3 = s.ep(3).wait_confirmed(&[hc, hc2], None).unwrap();
+    s.ep(3).handle_peer_lost(0, "killed", now);
+    s.pump();
+    assert_eq!(
+        s.confirm_waits[3][2],
+        (
+            w3,
+            Err(ConfirmError::OwnerLost {
+                rref: ha.rref,
+                owner: 0
+            })
+        )
+    );
+}
+
 #[test]
 fn lost_child_does_not_pin_its_parent() {
     let mut s = Sim::new(4);
@@ -924,6 +985,15 @@ fn cluster_simulation() {
         total.shutdowns_failed += s.shutdowns_failed;
         total.leaves += s.leaves;
         total.method_calls += s.method_calls;
+        total.dynamic_groups += s.dynamic_groups;
+        total.static_joins += s.static_joins;
+        total.static_joins_failed += s.static_joins_failed;
+        total.joins += s.joins;
+        total.joins_failed += s.joins_failed;
+        total.rejoins += s.rejoins;
+        total.from_non_members += s.from_non_members;
+        total.confirm_waits += s.confirm_waits;
+        total.confirm_waits_failed += s.confirm_waits_failed;
     }
     // The workload reaches every behaviour it is meant to.
     if std::env::var("TW_SIM_SEED").is_err() {
@@ -941,6 +1011,20 @@ fn cluster_simulation() {
         );
         assert!(
             total.shutdowns_ok > 0 && total.shutdowns_failed > 0 && total.leaves > 0,
+            "{total:?}"
+        );
+        // Static joins (some with a rank that never starts) and dynamic groups, whose workers
+        // join, leave and join again during the workload.
+        assert!(
+            total.static_joins > 0 && total.static_joins_failed > 0 && total.dynamic_groups > 0,
+            "{total:?}"
+        );
+        assert!(
+            total.joins > 0 && total.rejoins > 0 && total.joins_failed > 0,
+            "{total:?}"
+        );
+        assert!(
+            total.confirm_waits > 0 && total.confirm_waits_failed > 0,
             "{total:?}"
         );
         eprintln!("cluster simulation: {total:?}");
