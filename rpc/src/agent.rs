@@ -59,6 +59,17 @@ impl fmt::Display for WorkerInfo {
     }
 }
 
+/// The connection to one peer: [`Agent::connections`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PeerConnection {
+    /// The peer.
+    pub peer: WorkerInfo,
+    /// The transport chosen for it: `"tcp"`, `"shm"` (shared memory, for a peer on this host),
+    /// `"quic"` or `"memory"` (the in-memory transport of tests).
+    pub transport: &'static str,
+}
+
 /// What an agent holds and waits for: [`Agent::debug_info`].
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -165,6 +176,8 @@ pub(crate) struct WorkerRecord {
 struct PeerLink {
     tx: mpsc::UnboundedSender<Frame>,
     conn: Arc<dyn Connection>,
+    /// The connection's transport (`Connection::transport`), for [`Agent::connections`].
+    transport: &'static str,
     write: Arc<tokio::sync::Mutex<()>>,
     queued: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -1425,6 +1438,28 @@ impl Agent {
         }
     }
 
+    /// The connections to the peers this worker is connected to, in rank order, each with the
+    /// transport chosen for it (shared memory for a peer on this host unless
+    /// `TENSORWIRE_TRANSPORT=tcp`; TCP across hosts). A lost peer is not listed.
+    pub fn connections(&self) -> Vec<PeerConnection> {
+        let mut out: Vec<(WorkerId, &'static str)> = self
+            .lock()
+            .peers
+            .iter()
+            .map(|(id, link)| (*id, link.transport))
+            .collect();
+        out.sort_unstable_by_key(|(id, _)| *id);
+        out.into_iter()
+            .map(|(id, transport)| PeerConnection {
+                peer: WorkerInfo {
+                    name: self.name_of(id),
+                    id,
+                },
+                transport,
+            })
+            .collect()
+    }
+
     /// The value of a reference this worker owns.
     pub(crate) fn local_value(&self, rref: RRefId) -> Option<Arc<dyn Any + Send + Sync>> {
         self.lock()
@@ -1741,6 +1776,7 @@ impl Agent {
             peer,
             PeerLink {
                 tx,
+                transport: conn.transport(),
                 conn: Arc::clone(&conn),
                 write: Arc::clone(&write),
                 queued: Arc::clone(&queued),

@@ -241,6 +241,10 @@ impl Connection for FaultyConnection {
         self.inner.peer_addr()
     }
 
+    fn transport(&self) -> &'static str {
+        self.inner.transport()
+    }
+
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {
         self.send_many(vec![frame]).await
     }

@@ -653,6 +653,10 @@ impl Connection for ShmConnection {
         self.peer
     }
 
+    fn transport(&self) -> &'static str {
+        "shm"
+    }
+
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {
         self.send_many(vec![frame]).await
     }

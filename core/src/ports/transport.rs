@@ -62,6 +62,11 @@ pub trait Connection: Send + Sync {
     /// The peer's address.
     fn peer_addr(&self) -> SocketAddr;
 
+    /// The kind of transport this connection runs over, in lower case: `"tcp"`, `"shm"`,
+    /// `"quic"`, `"memory"`. What the agent reports per peer (see `Agent::connections` in
+    /// `tensorwire-rpc`), so that a user can see which transport was chosen.
+    fn transport(&self) -> &'static str;
+
     /// Sends one frame. Returns once the frame is handed to the operating system (or QUIC
     /// stack), not when the peer has read it. A frame over the limits fails with
     /// [`TransportError::Wire`] without sending anything.
