@@ -270,6 +270,9 @@ pub(crate) struct Inner {
     /// The one clock the driver reads time from and sleeps on.
     clock: Arc<dyn Clock>,
     pub(crate) metrics: crate::metrics::AgentMetrics,
+    /// Handlers running now (requests being served), so that one that finishes alone writes its
+    /// reply at once instead of waiting for others to join it.
+    serving: std::sync::atomic::AtomicUsize,
 }
 
 /// Every task the agent runs, so that shutdown can end them and wait until they have ended
@@ -599,6 +602,7 @@ impl Agent {
             rendezvous: Mutex::new(None),
             tasks: Mutex::new(Tasks::default()),
             clock: Arc::new(TokioClock),
+            serving: std::sync::atomic::AtomicUsize::new(0),
         });
         Agent { inner }
     }
@@ -971,6 +975,34 @@ impl Agent {
         }
     }
 
+    /// [`pump`](Self::pump) for a task that cannot wait (a caller's `rpc_async`): messages to a
+    /// peer whose writer is idle are written on this task as far as the connection takes them
+    /// without waiting (one wake-up of the writer less per message); the rest of such a write
+    /// goes on in a writer task, which shutdown lets finish, holding the peer's write turn (so
+    /// order is kept).
+    fn pump_now(&self) {
+        let mut writes = Vec::new();
+        self.pump_with(Some(&mut writes));
+        for w in writes {
+            let agent = self.clone();
+            let mut write = Box::pin(async move {
+                let DirectWrite {
+                    peer,
+                    conn,
+                    frames,
+                    _turn,
+                } = w;
+                if let Err(e) = conn.send_many(frames).await {
+                    agent.peer_lost(peer, &e.to_string());
+                }
+            });
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if std::future::Future::poll(write.as_mut(), &mut cx).is_pending() {
+                self.track(true, write);
+            }
+        }
+    }
+
     fn pump_with(&self, mut direct: Option<&mut Vec<DirectWrite>>) {
         loop {
             let (events, wake_driver) = {
@@ -1238,6 +1270,7 @@ impl Agent {
             prepared.data.len(),
             prepared.tensors.iter().map(|t| &t.0),
         );
+        let mut alone = false;
         let id = if prepared.on_host() {
             let body = Body {
                 target,
@@ -1251,6 +1284,9 @@ impl Agent {
                 .call(to, function, body, timeout, self.now())
                 .map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
+            // The only call waiting: nothing would join it in the writer's batch, so it is
+            // written here and now. With others in flight, the writer batches them.
+            alone = st.waiters.len() == 1;
             id
         } else {
             // Device tensors are copied to host memory first. The call takes its place now
@@ -1267,7 +1303,11 @@ impl Agent {
             self.supply_when_copied(id, to, target, prepared);
             id
         };
-        self.pump();
+        if alone {
+            self.pump_now();
+        } else {
+            self.pump();
+        }
         let future = RpcFuture::new(self.clone(), rx, self.name_of(to), function.to_owned());
         Ok(self
             .inner
@@ -1983,7 +2023,7 @@ impl Agent {
             Event::Fetch { token, rref } => {
                 let value = self.lock().values.get(&rref).cloned();
                 let agent = self.clone();
-                self.spawn(async move {
+                let answer = async move {
                     let me = agent.inner.me.id;
                     let outcome = match value {
                         Some(v) => agent.reply_body(&*v, token.from()).await,
@@ -1994,8 +2034,20 @@ impl Agent {
                         )),
                     };
                     agent.lock().ep.respond(token, outcome);
-                    agent.pump_direct().await;
-                });
+                };
+                // A value in host memory is answered here and now (the pump that dispatched
+                // this sends the reply, in the same write as what it sends already: after a
+                // `remote`, its acknowledgement); one with device tensors waits for the copies
+                // in a task of its own.
+                let mut answer = Box::pin(answer);
+                let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                if std::future::Future::poll(answer.as_mut(), &mut cx).is_pending() {
+                    let agent = self.clone();
+                    self.spawn(async move {
+                        answer.await;
+                        agent.pump_direct().await;
+                    });
+                }
             }
             Event::Completed { id, outcome } => {
                 let waiter = self.lock().waiters.remove(&id);
@@ -2071,7 +2123,8 @@ impl Agent {
             self.pump();
             return;
         };
-        self.spawn(async move {
+        let serving = Serving::enter(self);
+        let task = async move {
             // A method call reaches this point only once its value exists (the endpoint parks
             // it until then, by its caller's deadline).
             let target = match body.target {
@@ -2081,7 +2134,7 @@ impl Agent {
                         let err = remote_error(me, RemoteErrorKind::RRef, reason);
                         agent.lock().ep.respond(token, Err(err));
                         agent.pump();
-                        return;
+                        return serving;
                     }
                 },
                 None => None,
@@ -2096,7 +2149,7 @@ impl Agent {
                     );
                     agent.lock().ep.respond(token, Err(err));
                     agent.pump();
-                    return;
+                    return serving;
                 }
             };
             let inv = Invocation {
@@ -2173,9 +2226,36 @@ impl Agent {
                     .and_then(|rref| st.values.remove(&rref))
             };
             drop(orphan);
+            serving
+        };
+        // On a current-thread runtime every task runs on this thread anyway: the handler starts
+        // here, on the task that received the request, instead of in a task of its own (no
+        // spawn, no turn of the scheduler). One that finishes at once has answered: the pump
+        // that dispatched this request sends the reply, with whatever else it sends (replies
+        // to the other requests of the same read, in one write). One that waits goes on in a
+        // task. On a multi-thread runtime handlers always get a task, so that they run in
+        // parallel.
+        let inline = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
+        let mut task = Box::pin(task);
+        if inline {
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if let std::task::Poll::Ready(serving) =
+                std::future::Future::poll(task.as_mut(), &mut cx)
+            {
+                drop(serving);
+                return;
+            }
+        }
+        let agent = self.clone();
+        self.spawn(async move {
+            let serving = task.await;
             // Let the other handlers that are ready answer too, so that their replies leave in
-            // the same write (one scheduler turn; nothing waits when nothing else is ready).
-            tokio::task::yield_now().await;
+            // the same write (one scheduler turn). Alone, the reply leaves at once: a yield
+            // would cost a turn of the runtime's I/O driver (a system call) for nothing.
+            if serving.leave() > 0 {
+                tokio::task::yield_now().await;
+            }
             agent.pump_direct().await;
         });
     }
@@ -2230,6 +2310,45 @@ impl Agent {
             }
         }
         Ok(())
+    }
+}
+
+/// A request being served, counted in `Inner::serving` until it leaves (or is dropped: a
+/// cancelled handler).
+struct Serving(Option<Agent>);
+
+impl Serving {
+    fn enter(agent: &Agent) -> Self {
+        agent
+            .inner
+            .serving
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Serving(Some(agent.clone()))
+    }
+
+    /// Stops counting this one; returns how many others are still being served.
+    fn leave(mut self) -> usize {
+        match self.0.take() {
+            Some(agent) => {
+                agent
+                    .inner
+                    .serving
+                    .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
+                    - 1
+            }
+            None => 0,
+        }
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        if let Some(agent) = self.0.take() {
+            agent
+                .inner
+                .serving
+                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        }
     }
 }
 
