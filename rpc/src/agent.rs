@@ -2022,6 +2022,7 @@ impl Agent {
             }
             Event::Fetch { token, rref } => {
                 let value = self.lock().values.get(&rref).cloned();
+                let from_peer = token.from() != self.inner.me.id;
                 let agent = self.clone();
                 let answer = async move {
                     let me = agent.inner.me.id;
@@ -2038,10 +2039,11 @@ impl Agent {
                 // A value in host memory is answered here and now (the pump that dispatched
                 // this sends the reply, in the same write as what it sends already: after a
                 // `remote`, its acknowledgement); one with device tensors waits for the copies
-                // in a task of its own.
+                // in a task of its own, as does a fetch by this worker itself (dispatched from
+                // inside its `to_here`).
                 let mut answer = Box::pin(answer);
                 let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-                if std::future::Future::poll(answer.as_mut(), &mut cx).is_pending() {
+                if !from_peer || std::future::Future::poll(answer.as_mut(), &mut cx).is_pending() {
                     let agent = self.clone();
                     self.spawn(async move {
                         answer.await;
@@ -2124,6 +2126,7 @@ impl Agent {
             return;
         };
         let serving = Serving::enter(self);
+        let from_peer = token.from() != me;
         let task = async move {
             // A method call reaches this point only once its value exists (the endpoint parks
             // it until then, by its caller's deadline).
@@ -2234,9 +2237,11 @@ impl Agent {
         // that dispatched this request sends the reply, with whatever else it sends (replies
         // to the other requests of the same read, in one write). One that waits goes on in a
         // task. On a multi-thread runtime handlers always get a task, so that they run in
-        // parallel.
-        let inline = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
+        // parallel; so does a call to this worker itself (it is dispatched from inside the
+        // caller's `rpc_async`, where the caller may hold locks its handler takes).
+        let inline = from_peer
+            && tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
         let mut task = Box::pin(task);
         if inline {
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
