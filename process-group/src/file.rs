@@ -16,6 +16,12 @@
 //! `KEY/last_member`. A world size of 1 or less is met by the first arrival (PyTorch's would
 //! wait for a count it never reaches).
 //!
+//! A record cut short at the end of the file (its writer died mid-append; every writer holds
+//! the exclusive lock, so no live writer's record is ever seen half-written) was never
+//! acknowledged to anyone: readers ignore it, and the next writer truncates it away before
+//! appending, with a warning naming the offset. PyTorch's `FileStore` fails on such a file until
+//! it is removed; we recover, since no completed operation is lost.
+//!
 //! When opened with a world size, dropping the store counts the handle out under the key
 //! `cleanup/` and the last of `world_size` handles removes the file, as PyTorch does.
 
@@ -179,8 +185,10 @@ impl Inner {
         }
     }
 
-    /// Reads the records appended since the last refresh into the cache.
-    fn refresh(&self, file: &mut File, cache: &mut Cache) -> Result<(), StoreError> {
+    /// Reads the records appended since the last refresh into the cache. A torn last record is
+    /// ignored; holding the exclusive lock (`writer`), it is also cut off the file, so that the
+    /// next record starts where the last complete one ended.
+    fn refresh(&self, file: &mut File, cache: &mut Cache, writer: bool) -> Result<(), StoreError> {
         let size = file.metadata().map_err(|e| self.err("stat", e))?.len();
         if size == cache.pos {
             return Ok(());
@@ -205,10 +213,20 @@ impl Inner {
         while at < rest.len() {
             let record_at = cache.pos + at as u64;
             let (Some(key), Some(value)) = (field(&mut at), field(&mut at)) else {
-                return Err(self.err(
-                    "read",
-                    format!("truncated record at offset {record_at} (a writer died mid-write?)"),
-                ));
+                // Only a writer that died mid-append leaves this: every writer holds the
+                // exclusive lock, and this handle holds a lock too.
+                if writer {
+                    file.set_len(record_at)
+                        .map_err(|e| self.err("truncate a torn record", e))?;
+                    tracing::warn!(
+                        path = %self.path.display(),
+                        offset = record_at,
+                        bytes = size - record_at,
+                        "file store: removed a torn last record (its writer died mid-append)"
+                    );
+                }
+                cache.pos = record_at;
+                return Ok(());
             };
             if let Some(deleted) = key.strip_prefix(DELETE_PREFIX.as_bytes()) {
                 cache.map.remove(deleted);
@@ -251,7 +269,7 @@ impl Inner {
     ) -> Result<T, StoreError> {
         let mut cache = self.cache();
         let mut file = self.open(exclusive)?;
-        self.refresh(&mut file, &mut cache)?;
+        self.refresh(&mut file, &mut cache, exclusive)?;
         f(self, &mut file, &mut cache)
     }
 
@@ -454,6 +472,48 @@ mod tests {
         let p = std::env::temp_dir().join(format!("tw-filestore-{name}-{}", std::process::id()));
         let _ = std::fs::remove_file(&p);
         p
+    }
+
+    #[tokio::test]
+    async fn a_torn_last_record_is_ignored_by_readers_and_cut_off_by_the_next_writer() {
+        let path = temp("torn");
+        let s = FileStore::with_timeout(&path, None, Duration::ZERO);
+        s.set("done", b"1").await.unwrap();
+        let complete = std::fs::metadata(&path).unwrap().len();
+        // A writer that died after the key and half of the value's length field.
+        let mut torn = Vec::new();
+        torn.extend_from_slice(&5u32.to_ne_bytes());
+        torn.extend_from_slice(b"/half");
+        torn.extend_from_slice(&[7, 0]);
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap()
+            .write_all(&torn)
+            .unwrap();
+        // A fresh handle (another process) reads the complete records and not the torn one.
+        let reader = FileStore::with_timeout(&path, None, Duration::ZERO);
+        assert_eq!(reader.get("done").await.unwrap(), b"1");
+        assert!(!reader.check(&["half"]).await.unwrap());
+        assert_eq!(reader.num_keys().await.unwrap(), 1);
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            complete + torn.len() as u64
+        );
+        // The next write cuts the torn bytes off and lands right after the last complete record.
+        reader.set("next", b"2").await.unwrap();
+        let record = 4 + "/next".len() as u64 + 4 + 1;
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), complete + record);
+        for h in [
+            &s,
+            &reader,
+            &FileStore::with_timeout(&path, None, Duration::ZERO),
+        ] {
+            assert_eq!(h.get("next").await.unwrap(), b"2");
+            assert_eq!(h.get("done").await.unwrap(), b"1");
+            assert_eq!(h.num_keys().await.unwrap(), 2);
+        }
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[tokio::test]

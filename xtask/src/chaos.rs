@@ -582,9 +582,10 @@ fn link_cut(worker: &std::path::Path) -> Result<Vec<Row>> {
     run.say(0, "GO")?;
     run.say(1, "GO")?;
     run.each(&[0], "CALLING", Duration::from_secs(10))?;
-    // Let the request and the collective's first message reach rank 1: what is then left is an
-    // idle connection, which only keepalive can find dead.
-    std::thread::sleep(Duration::from_millis(300));
+    // Rank 1 runs the call, so its request arrived; the collective's message went out as rank 0
+    // began it (if it is still unacknowledged at the cut, the dead-peer bound covers it too).
+    // What is then left is an idle connection, which only keepalive can find dead.
+    run.each(&[1], "SERVING", Duration::from_secs(10))?;
     hosts.cut(1).map_err(|e| anyhow::anyhow!(e))?;
     let cut_at = Instant::now();
     let detected = run.each(&[0], "DETECT call", Duration::from_secs(60));
@@ -638,7 +639,7 @@ fn quic_killed(worker: &std::path::Path) -> Result<Vec<Row>> {
         run.say(0, "GO")?;
         run.say(1, "GO")?;
         run.each(&[0], "CALLING", Duration::from_secs(10))?;
-        std::thread::sleep(Duration::from_millis(300));
+        run.each(&[1], "SERVING", Duration::from_secs(10))?;
         run.signal(1, "KILL")?;
         let killed_at = Instant::now();
         run.reap(1);

@@ -10,6 +10,7 @@
 //!   began, and the error the caller got (the driver checks that it names the peer);
 //! - `CALLING`: an operation that only a fault can end is in flight (the driver injects it
 //!   then, and times detection itself);
+//! - `SERVING`: the callee of such an operation is running it (its request has arrived);
 //! - `KEYS t_ms=T rpc=N pg=M`, `PROGRESS ...` (soak).
 //!
 //! A check that fails exits 1 with the reason on stderr.
@@ -50,6 +51,13 @@ use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 fn functions() -> Functions {
     let f = Functions::new();
     tensorwire_tests::workload::register(&f);
+    // A call that only a fault can end: says `SERVING` once its request has arrived.
+    f.register("hold_ms", |ms: u64| async move {
+        say("SERVING");
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        Ok::<_, String>(ms)
+    })
+    .expect("each name is registered once");
     f
 }
 
@@ -364,7 +372,7 @@ async fn lost_peer(quic: bool) -> Result<()> {
         tokio::time::sleep(long).await;
         return Ok(());
     }
-    let call = agent.rpc_async::<_, u64>(1u32, "sleep_ms", &600_000u64, Some(Duration::ZERO))?;
+    let call = agent.rpc_async::<_, u64>(1u32, "hold_ms", &600_000u64, Some(Duration::ZERO))?;
     let coll = async {
         if let Some((pg, _)) = &pg {
             // Rank 1 never joins this one.
