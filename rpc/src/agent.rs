@@ -1847,11 +1847,12 @@ impl Agent {
             let _ = writer_conn.close().await;
         };
         let agent = self.clone();
+        let cheap_sends = conn.cheap_sends();
         let reader = async move {
             loop {
                 match conn.recv().await {
                     Ok(frame) => {
-                        if let Err(reason) = agent.on_frame(peer, frame) {
+                        if let Err(reason) = agent.on_frame(peer, frame, cheap_sends) {
                             agent.peer_lost(peer, &reason);
                             return;
                         }
@@ -1892,7 +1893,12 @@ impl Agent {
 
     /// Hands a received frame to the endpoint. A frame that breaks the protocol is an error:
     /// the connection to that peer is dropped (its calls fail naming it), never a silent loss.
-    fn on_frame(&self, from: WorkerId, frame: Frame) -> Result<(), String> {
+    ///
+    /// With `direct` (a connection whose sends are cheap, see `Connection::cheap_sends`), what
+    /// handling it produced is written on the reader's task, before it waits for the next
+    /// frame (see [`pump_now`](Self::pump_now)); else it goes through the writers, which batch
+    /// it with the replies to the other frames of the same read.
+    fn on_frame(&self, from: WorkerId, frame: Frame, direct: bool) -> Result<(), String> {
         let envelope: Envelope = postcard::from_bytes(&frame.header)
             .map_err(|e| format!("sent a malformed message header ({e})"))?;
         let mut payloads = frame.payloads.into_iter();
@@ -1920,7 +1926,11 @@ impl Agent {
             .lock()
             .ep
             .handle_message(from, envelope.header, body, self.now());
-        self.pump();
+        if direct {
+            self.pump_now();
+        } else {
+            self.pump();
+        }
         handled.map_err(|violation| format!("broke the RPC protocol: {violation}"))
     }
 

@@ -245,6 +245,10 @@ impl Connection for FaultyConnection {
         self.inner.transport()
     }
 
+    fn cheap_sends(&self) -> bool {
+        self.inner.cheap_sends()
+    }
+
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {
         self.send_many(vec![frame]).await
     }

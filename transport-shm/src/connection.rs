@@ -657,6 +657,10 @@ impl Connection for ShmConnection {
         "shm"
     }
 
+    fn cheap_sends(&self) -> bool {
+        true
+    }
+
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {
         self.send_many(vec![frame]).await
     }
