@@ -59,6 +59,17 @@ impl fmt::Display for WorkerInfo {
     }
 }
 
+/// The connection to one peer: [`Agent::connections`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PeerConnection {
+    /// The peer.
+    pub peer: WorkerInfo,
+    /// The transport chosen for it: `"tcp"`, `"shm"` (shared memory, for a peer on this host),
+    /// `"quic"` or `"memory"` (the in-memory transport of tests).
+    pub transport: &'static str,
+}
+
 /// What an agent holds and waits for: [`Agent::debug_info`].
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -160,6 +171,8 @@ pub(crate) type WorkerRecord = tensorwire_core::protocol::membership::MemberReco
 struct PeerLink {
     tx: mpsc::UnboundedSender<Frame>,
     conn: Arc<dyn Connection>,
+    /// The connection's transport (`Connection::transport`), for [`Agent::connections`].
+    transport: &'static str,
     write: Arc<tokio::sync::Mutex<()>>,
     queued: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -259,6 +272,9 @@ pub(crate) struct Inner {
     pub(crate) metrics: crate::metrics::AgentMetrics,
     /// Who hears of lost and joined peers ([`Agent::peer_events`]).
     peer_events: crate::peer_events::PeerEventHub,
+    /// Handlers running now (requests being served), so that one that finishes alone writes its
+    /// reply at once instead of waiting for others to join it.
+    serving: std::sync::atomic::AtomicUsize,
 }
 
 /// Every task the agent runs, so that shutdown can end them and wait until they have ended
@@ -591,6 +607,7 @@ impl Agent {
             peer_events: crate::peer_events::PeerEventHub::new(),
             membership: crate::dynamic::new_state(),
             membership_wake: Notify::new(),
+            serving: std::sync::atomic::AtomicUsize::new(0),
         });
         Agent { inner }
     }
@@ -980,6 +997,34 @@ impl Agent {
         }
     }
 
+    /// [`pump`](Self::pump) for a task that cannot wait (a caller's `rpc_async`): messages to a
+    /// peer whose writer is idle are written on this task as far as the connection takes them
+    /// without waiting (one wake-up of the writer less per message); the rest of such a write
+    /// goes on in a writer task, which shutdown lets finish, holding the peer's write turn (so
+    /// order is kept).
+    fn pump_now(&self) {
+        let mut writes = Vec::new();
+        self.pump_with(Some(&mut writes));
+        for w in writes {
+            let agent = self.clone();
+            let mut write = Box::pin(async move {
+                let DirectWrite {
+                    peer,
+                    conn,
+                    frames,
+                    _turn,
+                } = w;
+                if let Err(e) = conn.send_many(frames).await {
+                    agent.peer_lost(peer, &e.to_string());
+                }
+            });
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if std::future::Future::poll(write.as_mut(), &mut cx).is_pending() {
+                self.track(true, write);
+            }
+        }
+    }
+
     fn pump_with(&self, mut direct: Option<&mut Vec<DirectWrite>>) {
         loop {
             let (events, wake_driver) = {
@@ -1278,6 +1323,7 @@ impl Agent {
             prepared.data.len(),
             prepared.tensors.iter().map(|t| &t.0),
         );
+        let mut alone = false;
         let id = if prepared.on_host() {
             let body = Body {
                 target,
@@ -1291,6 +1337,9 @@ impl Agent {
                 .call(to, function, body, timeout, self.now())
                 .map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
+            // The only call waiting: nothing would join it in the writer's batch, so it is
+            // written here and now. With others in flight, the writer batches them.
+            alone = st.waiters.len() == 1;
             id
         } else {
             // Device tensors are copied to host memory first. The call takes its place now
@@ -1307,7 +1356,11 @@ impl Agent {
             self.supply_when_copied(id, to, target, prepared);
             id
         };
-        self.pump();
+        if alone {
+            self.pump_now();
+        } else {
+            self.pump();
+        }
         let future = RpcFuture::new(self.clone(), rx, self.name_of(to), function.to_owned());
         Ok(self
             .inner
@@ -1476,6 +1529,28 @@ impl Agent {
             kept_values: st.values.len(),
             protocol: st.ep.debug_info(),
         }
+    }
+
+    /// The connections to the peers this worker is connected to, in rank order, each with the
+    /// transport chosen for it (shared memory for a peer on this host unless
+    /// `TENSORWIRE_TRANSPORT=tcp`; TCP across hosts). A lost peer is not listed.
+    pub fn connections(&self) -> Vec<PeerConnection> {
+        let mut out: Vec<(WorkerId, &'static str)> = self
+            .lock()
+            .peers
+            .iter()
+            .map(|(id, link)| (*id, link.transport))
+            .collect();
+        out.sort_unstable_by_key(|(id, _)| *id);
+        out.into_iter()
+            .map(|(id, transport)| PeerConnection {
+                peer: WorkerInfo {
+                    name: self.name_of(id),
+                    id,
+                },
+                transport,
+            })
+            .collect()
     }
 
     /// The value of a reference this worker owns.
@@ -1805,6 +1880,7 @@ impl Agent {
             peer,
             PeerLink {
                 tx,
+                transport: conn.transport(),
                 conn: Arc::clone(&conn),
                 write: Arc::clone(&write),
                 queued: Arc::clone(&queued),
@@ -1835,11 +1911,12 @@ impl Agent {
             let _ = writer_conn.close().await;
         };
         let agent = self.clone();
+        let cheap_sends = conn.cheap_sends();
         let reader = async move {
             loop {
                 match conn.recv().await {
                     Ok(frame) => {
-                        if let Err(reason) = agent.on_frame(peer, frame) {
+                        if let Err(reason) = agent.on_frame(peer, frame, cheap_sends) {
                             agent.peer_lost_on(peer, &reason, &conn);
                             return;
                         }
@@ -1956,7 +2033,12 @@ impl Agent {
 
     /// Hands a received frame to the endpoint. A frame that breaks the protocol is an error:
     /// the connection to that peer is dropped (its calls fail naming it), never a silent loss.
-    fn on_frame(&self, from: WorkerId, frame: Frame) -> Result<(), String> {
+    ///
+    /// With `direct` (a connection whose sends are cheap, see `Connection::cheap_sends`), what
+    /// handling it produced is written on the reader's task, before it waits for the next
+    /// frame (see [`pump_now`](Self::pump_now)); else it goes through the writers, which batch
+    /// it with the replies to the other frames of the same read.
+    fn on_frame(&self, from: WorkerId, frame: Frame, direct: bool) -> Result<(), String> {
         if frame.kind == FrameKind::Control {
             return self.on_membership_frame(from, &frame);
         }
@@ -1990,7 +2072,11 @@ impl Agent {
             .lock()
             .ep
             .handle_message(from, envelope.header, body, self.now());
-        self.pump();
+        if direct {
+            self.pump_now();
+        } else {
+            self.pump();
+        }
         handled.map_err(|violation| format!("broke the RPC protocol: {violation}"))
     }
 
@@ -2091,8 +2177,9 @@ impl Agent {
             }
             Event::Fetch { token, rref } => {
                 let value = self.lock().values.get(&rref).cloned();
+                let from_peer = token.from() != self.inner.me.id;
                 let agent = self.clone();
-                self.spawn(async move {
+                let answer = async move {
                     let me = agent.inner.me.id;
                     let outcome = match value {
                         Some(v) => agent.reply_body(&*v, token.from()).await,
@@ -2103,8 +2190,21 @@ impl Agent {
                         )),
                     };
                     agent.lock().ep.respond(token, outcome);
-                    agent.pump_direct().await;
-                });
+                };
+                // A value in host memory is answered here and now (the pump that dispatched
+                // this sends the reply, in the same write as what it sends already: after a
+                // `remote`, its acknowledgement); one with device tensors waits for the copies
+                // in a task of its own, as does a fetch by this worker itself (dispatched from
+                // inside its `to_here`).
+                let mut answer = Box::pin(answer);
+                let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                if !from_peer || std::future::Future::poll(answer.as_mut(), &mut cx).is_pending() {
+                    let agent = self.clone();
+                    self.spawn(async move {
+                        answer.await;
+                        agent.pump_direct().await;
+                    });
+                }
             }
             Event::Completed { id, outcome } => {
                 let waiter = self.lock().waiters.remove(&id);
@@ -2180,7 +2280,9 @@ impl Agent {
             self.pump();
             return;
         };
-        self.spawn(async move {
+        let serving = Serving::enter(self);
+        let from_peer = token.from() != me;
+        let task = async move {
             // A method call reaches this point only once its value exists (the endpoint parks
             // it until then, by its caller's deadline).
             let target = match body.target {
@@ -2190,7 +2292,7 @@ impl Agent {
                         let err = remote_error(me, RemoteErrorKind::RRef, reason);
                         agent.lock().ep.respond(token, Err(err));
                         agent.pump();
-                        return;
+                        return serving;
                     }
                 },
                 None => None,
@@ -2205,7 +2307,7 @@ impl Agent {
                     );
                     agent.lock().ep.respond(token, Err(err));
                     agent.pump();
-                    return;
+                    return serving;
                 }
             };
             let inv = Invocation {
@@ -2282,9 +2384,38 @@ impl Agent {
                     .and_then(|rref| st.values.remove(&rref))
             };
             drop(orphan);
+            serving
+        };
+        // On a current-thread runtime every task runs on this thread anyway: the handler starts
+        // here, on the task that received the request, instead of in a task of its own (no
+        // spawn, no turn of the scheduler). One that finishes at once has answered: the pump
+        // that dispatched this request sends the reply, with whatever else it sends (replies
+        // to the other requests of the same read, in one write). One that waits goes on in a
+        // task. On a multi-thread runtime handlers always get a task, so that they run in
+        // parallel; so does a call to this worker itself (it is dispatched from inside the
+        // caller's `rpc_async`, where the caller may hold locks its handler takes).
+        let inline = from_peer
+            && tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
+        let mut task = Box::pin(task);
+        if inline {
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if let std::task::Poll::Ready(serving) =
+                std::future::Future::poll(task.as_mut(), &mut cx)
+            {
+                drop(serving);
+                return;
+            }
+        }
+        let agent = self.clone();
+        self.spawn(async move {
+            let serving = task.await;
             // Let the other handlers that are ready answer too, so that their replies leave in
-            // the same write (one scheduler turn; nothing waits when nothing else is ready).
-            tokio::task::yield_now().await;
+            // the same write (one scheduler turn). Alone, the reply leaves at once: a yield
+            // would cost a turn of the runtime's I/O driver (a system call) for nothing.
+            if serving.leave() > 0 {
+                tokio::task::yield_now().await;
+            }
             agent.pump_direct().await;
         });
     }
@@ -2331,6 +2462,45 @@ impl Agent {
             )),
             Ok(Err(other)) => Err(other.to_string()),
             Err(_) => Err("RPC is no longer running on this worker".into()),
+        }
+    }
+}
+
+/// A request being served, counted in `Inner::serving` until it leaves (or is dropped: a
+/// cancelled handler).
+struct Serving(Option<Agent>);
+
+impl Serving {
+    fn enter(agent: &Agent) -> Self {
+        agent
+            .inner
+            .serving
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Serving(Some(agent.clone()))
+    }
+
+    /// Stops counting this one; returns how many others are still being served.
+    fn leave(mut self) -> usize {
+        match self.0.take() {
+            Some(agent) => {
+                agent
+                    .inner
+                    .serving
+                    .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
+                    - 1
+            }
+            None => 0,
+        }
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        if let Some(agent) = self.0.take() {
+            agent
+                .inner
+                .serving
+                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
         }
     }
 }

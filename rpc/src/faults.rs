@@ -241,6 +241,14 @@ impl Connection for FaultyConnection {
         self.inner.peer_addr()
     }
 
+    fn transport(&self) -> &'static str {
+        self.inner.transport()
+    }
+
+    fn cheap_sends(&self) -> bool {
+        self.inner.cheap_sends()
+    }
+
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {
         self.send_many(vec![frame]).await
     }

@@ -51,7 +51,9 @@ mod rref;
 mod tensors;
 pub mod typed;
 
-pub use agent::{init_rpc, start_agent, Agent, AgentDebugInfo, RpcFuture, WorkerInfo, WorkerRef};
+pub use agent::{
+    init_rpc, start_agent, Agent, AgentDebugInfo, PeerConnection, RpcFuture, WorkerInfo, WorkerRef,
+};
 pub use autograd::{AutogradCall, AutogradContext, DistAutograd, DistAutogradError};
 #[cfg(feature = "tcp")]
 pub use backend::TcpBackend;

@@ -272,6 +272,10 @@ impl Connection for MemoryConnection {
         self.peer
     }
 
+    fn transport(&self) -> &'static str {
+        "memory"
+    }
+
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {
         if self.killed() {
             return Err(reset(self.peer, "sending"));

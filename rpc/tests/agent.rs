@@ -331,6 +331,41 @@ async fn calls_errors_panics_and_timeouts() {
     shutdown_all(agents).await;
 }
 
+/// Every agent names, per peer, the transport its connection runs over; a lost peer is no
+/// longer listed.
+#[tokio::test(start_paused = true)]
+async fn agents_report_the_transport_of_each_peer() {
+    let cluster = Cluster::new();
+    let agents: Vec<Agent> = group_in(&cluster, 3, |_, _| {})
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    for (rank, a) in agents.iter().enumerate() {
+        let seen: Vec<_> = a
+            .connections()
+            .into_iter()
+            .map(|c| (c.peer.id, c.peer.name, c.transport))
+            .collect();
+        let expected: Vec<_> = (0..3u32)
+            .filter(|r| *r as usize != rank)
+            .map(|r| (r, format!("w{r}"), "memory"))
+            .collect();
+        assert_eq!(seen, expected, "rank {rank}");
+    }
+    // Rank 2 dies: once rank 0 has noticed (a call to it fails), it lists rank 1 only.
+    cluster.kill(2);
+    assert!(agents[0]
+        .rpc_sync::<_, i64>("w2", "add", &(1i64, 1i64), None)
+        .await
+        .is_err());
+    let left: Vec<_> = agents[0].connections().iter().map(|c| c.peer.id).collect();
+    assert_eq!(left, [1]);
+    for a in agents {
+        let _ = a.shutdown(tensorwire_rpc::Shutdown::Immediate).await;
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn many_async_calls_in_flight() {
     let agents = ok_group(2).await;
@@ -653,6 +688,10 @@ async fn the_quic_backend_runs_the_agent_over_mutual_tls() {
     .into_iter()
     .map(Result::unwrap)
     .collect();
+    for a in &agents {
+        let transports: Vec<_> = a.connections().iter().map(|c| c.transport).collect();
+        assert_eq!(transports, ["quic", "quic"], "{}", a.worker_info());
+    }
     assert_eq!(
         agents[0]
             .rpc_sync::<_, i64>("w2", "add", &(40i64, 2i64), None)

@@ -669,8 +669,19 @@ fn chosen_transports(lines: &[(usize, String)]) -> Vec<String> {
         .collect()
 }
 
+/// The transports the agents report per peer (`Agent::connections`, printed by the worker's
+/// `basic` scenario as `PEER-TRANSPORT rank peer transport`).
+fn reported_transports(lines: &[(usize, String)]) -> Vec<String> {
+    lines
+        .iter()
+        .filter_map(|(_, l)| l.strip_prefix("PEER-TRANSPORT "))
+        .filter_map(|rest| Some(rest.split_whitespace().nth(2)?.to_owned()))
+        .collect()
+}
+
 /// Runs `scenario` on `n` simulated workers with `env` and transport logging; every worker must
-/// succeed. Returns the transports chosen.
+/// succeed. Returns the transports chosen: as logged, and in the `basic` scenario also as each
+/// agent reports them per peer (which must agree with the log).
 fn transports_of(scenario: &str, n: usize, env: &[(&str, &str)]) -> Vec<String> {
     let mut env = env.to_vec();
     env.push(SELECT_LOG);
@@ -680,13 +691,29 @@ fn transports_of(scenario: &str, n: usize, env: &[(&str, &str)]) -> Vec<String> 
         codes.iter().all(|c| *c == Some(0)),
         "{scenario} x{n} {env:?}: exit codes {codes:?}\n{lines:#?}"
     );
-    let chosen = chosen_transports(&lines);
+    let mut chosen = chosen_transports(&lines);
     assert!(!chosen.is_empty(), "no transport was logged: {lines:#?}");
+    if scenario == "basic" {
+        let reported = reported_transports(&lines);
+        assert_eq!(
+            reported.len(),
+            n * (n - 1),
+            "every agent reports a transport for every peer: {lines:#?}"
+        );
+        let mut logged = chosen.clone();
+        logged.sort();
+        let mut sorted = reported.clone();
+        sorted.sort();
+        logged.dedup();
+        sorted.dedup();
+        assert_eq!(logged, sorted, "the agents report what was logged");
+        chosen.extend(reported);
+    }
     chosen
 }
 
 /// Workers on one host reach each other over shared memory, agent and process group alike,
-/// and say so in their logs.
+/// and say so in their logs and in `Agent::connections` (per peer).
 #[test]
 fn workers_on_one_host_pick_shared_memory() {
     for scenario in ["basic", "pg"] {

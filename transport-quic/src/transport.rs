@@ -769,6 +769,10 @@ impl Connection for QuicConnection {
         self.shared.peer
     }
 
+    fn transport(&self) -> &'static str {
+        "quic"
+    }
+
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {
         let shared = &*self.shared;
         if shared

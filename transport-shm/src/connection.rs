@@ -653,6 +653,14 @@ impl Connection for ShmConnection {
         self.peer
     }
 
+    fn transport(&self) -> &'static str {
+        "shm"
+    }
+
+    fn cheap_sends(&self) -> bool {
+        true
+    }
+
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {
         self.send_many(vec![frame]).await
     }

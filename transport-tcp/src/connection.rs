@@ -140,6 +140,10 @@ impl Connection for TcpConnection {
         self.peer
     }
 
+    fn transport(&self) -> &'static str {
+        "tcp"
+    }
+
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {
         self.send_many(vec![frame]).await
     }

@@ -62,6 +62,20 @@ pub trait Connection: Send + Sync {
     /// The peer's address.
     fn peer_addr(&self) -> SocketAddr;
 
+    /// The kind of transport this connection runs over, in lower case: `"tcp"`, `"shm"`,
+    /// `"quic"`, `"memory"`. What the agent reports per peer (see `Agent::connections` in
+    /// `tensorwire-rpc`), so that a user can see which transport was chosen.
+    fn transport(&self) -> &'static str;
+
+    /// Whether sending a small frame costs no system call while the peer is busy reading
+    /// (shared memory: a copy into a ring, and a wake-up only for a peer that sleeps). A driver
+    /// then sends each reply as soon as it is ready rather than batching replies into fewer
+    /// writes; with a socket, where every write is a system call, it batches. `false` unless
+    /// the adapter says otherwise.
+    fn cheap_sends(&self) -> bool {
+        false
+    }
+
     /// Sends one frame. Returns once the frame is handed to the operating system (or QUIC
     /// stack), not when the peer has read it. A frame over the limits fails with
     /// [`TransportError::Wire`] without sending anything.

@@ -102,6 +102,15 @@ async fn basic() -> Result<(), RpcError> {
             .expect("valid map");
     })
     .await?;
+    // The agent says which transport it chose for each peer (a static group connects to all).
+    let connections = agent.connections();
+    check(
+        connections.len() == world - 1,
+        "one connection per other worker",
+    )?;
+    for c in &connections {
+        println!("PEER-TRANSPORT {rank} {} {}", c.peer.name, c.transport);
+    }
     // Everyone calls everyone, by name and by rank.
     for peer in 0..world {
         let got: String = agent.rpc_sync(peer as u32, "whoami", &(), None).await?;
