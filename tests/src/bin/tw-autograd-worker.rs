@@ -734,30 +734,6 @@ async fn violation() -> Result<(), String> {
         message: AutogradMessageId,
         grads: Vec<Option<Tensor>>,
     }
-    if rank == 0 {
-        // A context with w1 only; its id goes to w2, which is outside it.
-        let ctx = dist.context().map_err(|e| e.to_string())?;
-        let ((), out) = ctx
-            .rpc_sync(
-                "w1",
-                "hop",
-                &Vec::<String>::new(),
-                &[hop(&input(), &p)],
-                None,
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-        agent
-            .rpc_sync::<_, ()>("w2", "attack", &ctx.id(), None)
-            .await
-            .map_err(|e| e.to_string())?;
-        // w1 carries on: the backward through it still works.
-        ctx.backward(&[(loss(&out[0]), None)], false)
-            .await
-            .map_err(|e| e.to_string())?;
-        check_everywhere(&agent, ctx.id(), "chain", 1.0).await?;
-        ctx.release().await.map_err(|e| e.to_string())?;
-    }
     if rank == 2 {
         let a = agent.clone();
         agent
@@ -803,6 +779,35 @@ async fn violation() -> Result<(), String> {
                 }
             })
             .expect("registered once");
+    }
+    // w2's function is registered before anyone calls it.
+    agent
+        .barrier("armed", Duration::from_secs(60))
+        .await
+        .map_err(|e| e.to_string())?;
+    if rank == 0 {
+        // A context with w1 only; its id goes to w2, which is outside it.
+        let ctx = dist.context().map_err(|e| e.to_string())?;
+        let ((), out) = ctx
+            .rpc_sync(
+                "w1",
+                "hop",
+                &Vec::<String>::new(),
+                &[hop(&input(), &p)],
+                None,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        agent
+            .rpc_sync::<_, ()>("w2", "attack", &ctx.id(), None)
+            .await
+            .map_err(|e| e.to_string())?;
+        // w1 carries on: the backward through it still works.
+        ctx.backward(&[(loss(&out[0]), None)], false)
+            .await
+            .map_err(|e| e.to_string())?;
+        check_everywhere(&agent, ctx.id(), "chain", 1.0).await?;
+        ctx.release().await.map_err(|e| e.to_string())?;
     }
     agent
         .barrier("attacked", Duration::from_secs(60))
