@@ -659,7 +659,7 @@ async fn connect_static(
 ) -> Result<(), RpcError> {
     let me_id = agent.inner.me.id;
     let name = agent.inner.me.name.clone();
-    let deadline = agent.now() + options.init_timeout;
+    let deadline = crate::clock::deadline_after(agent.now(), options.init_timeout);
     let mut join = StaticJoin::new(me_id, world_size as u32, Some(deadline));
     let (tx, mut rx) = mpsc::unbounded_channel::<JoinInput>();
     // Dropped on every way out, which ends the accepting, dialling and reading.
@@ -836,7 +836,7 @@ pub(crate) async fn connect_with_retry(
     addr: SocketAddr,
     limit: Duration,
 ) -> Result<Box<dyn Connection>, String> {
-    let deadline = tokio::time::Instant::now() + limit;
+    let deadline = crate::clock::tokio_deadline_after(limit);
     let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
     loop {
         match transport.connect(addr).await {
@@ -1692,7 +1692,7 @@ impl Agent {
     /// own handle until it ends.
     pub async fn shutdown(&self, how: crate::Shutdown) -> Result<(), RpcError> {
         let (graceful, timeout) = how.parts();
-        let deadline = tokio::time::Instant::now() + timeout;
+        let deadline = crate::clock::tokio_deadline_after(timeout);
         let stages = async {
             match (graceful, self.inner.dynamic) {
                 (true, false) => self.graceful(deadline, timeout).await,

@@ -8,7 +8,24 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// `now + after`, or about 30 years from now when that is past the clock's range: a caller's
+/// `Duration::MAX` (init timeout, shutdown timeout) means "no deadline" and must not panic.
+pub(crate) fn deadline_after(now: Instant, after: Duration) -> Instant {
+    const FAR: Duration = Duration::from_secs(30 * 365 * 86_400);
+    now.checked_add(after.min(FAR))
+        .or_else(|| now.checked_add(Duration::from_secs(86_400)))
+        .unwrap_or(now)
+}
+
+/// [`deadline_after`] on tokio's clock.
+pub(crate) fn tokio_deadline_after(after: Duration) -> tokio::time::Instant {
+    tokio::time::Instant::from_std(deadline_after(
+        tokio::time::Instant::now().into_std(),
+        after,
+    ))
+}
 
 /// Where the agent reads the time, and how it waits until a given time.
 pub trait Clock: Send + Sync + std::fmt::Debug + 'static {
@@ -36,7 +53,17 @@ impl Clock for TokioClock {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+
+    #[test]
+    fn a_deadline_past_the_clocks_range_is_far_not_a_panic() {
+        let now = Instant::now();
+        let far = deadline_after(now, Duration::MAX);
+        assert!(far > now + Duration::from_secs(365 * 86_400));
+        assert_eq!(
+            deadline_after(now, Duration::from_secs(5)),
+            now + Duration::from_secs(5)
+        );
+    }
 
     #[tokio::test(start_paused = true)]
     async fn the_tokio_clock_follows_a_paused_runtime() {

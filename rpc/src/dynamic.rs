@@ -220,7 +220,7 @@ pub(crate) async fn join(
 ) -> Result<Agent, RpcError> {
     let store = Arc::clone(&rdv.store);
     let me_id = rank as WorkerId;
-    let deadline = tokio::time::Instant::now() + options.init_timeout;
+    let deadline = crate::clock::tokio_deadline_after(options.init_timeout);
     let listener = match transport
         .listen(std::net::SocketAddr::new(advertise_ip(&options)?, 0))
         .await
@@ -557,7 +557,7 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
 /// the coordinator, which removes it from every member in turn with joins and other leaves.
 /// The caller then closes the connections. The last member removes the group's keys.
 pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcError> {
-    let deadline = tokio::time::Instant::now() + timeout;
+    let deadline = crate::clock::tokio_deadline_after(timeout);
     // The endpoint decides when our calls are all answered (or fails by the deadline).
     agent
         .run_shutdown(timeout, |ep| ep.begin_leave(Some(deadline.into_std())))

@@ -494,6 +494,34 @@ async fn with_the_cuda_feature_the_default_backend_is_cuda() {
     shutdown_all(agents).await;
 }
 
+/// `Duration::MAX` as a timeout means no deadline: init and a graceful shutdown with it work
+/// (the deadline was `now + timeout`, which panicked).
+#[tokio::test(start_paused = true)]
+async fn timeouts_of_duration_max_are_no_deadline_not_a_panic() {
+    let agents: Vec<Agent> = group(2, |_, o| o.init_timeout = Duration::MAX)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let sum: i64 = agents[0]
+        .rpc_sync("w1", "add", &(2i64, 3i64), Some(Duration::MAX))
+        .await
+        .unwrap();
+    assert_eq!(sum, 5);
+    let tasks: Vec<_> = agents
+        .into_iter()
+        .map(|a| {
+            tokio::spawn(async move {
+                a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::MAX))
+                    .await
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn after_shutdown_calls_fail_clearly() {
     let agents = ok_group(2).await;
