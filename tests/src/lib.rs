@@ -29,3 +29,32 @@ pub fn announce_store_addr() {
             .init();
     }
 }
+
+/// Forwards every line `child` writes to stdout or stderr to `tx`, tagged with `rank`, each
+/// stream on a thread of its own (the multi-process tests read their workers this way).
+pub fn forward_lines(
+    child: &mut std::process::Child,
+    rank: usize,
+    tx: &std::sync::mpsc::Sender<(usize, String)>,
+) {
+    use std::io::BufRead;
+    let out = child
+        .stdout
+        .take()
+        .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>);
+    let err = child
+        .stderr
+        .take()
+        .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>);
+    for stream in [out, err].into_iter().flatten() {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stream)
+                .lines()
+                .map_while(Result::ok)
+            {
+                let _ = tx.send((rank, line));
+            }
+        });
+    }
+}

@@ -3,7 +3,6 @@
 //! `MASTER_PORT=0` and says where its store listens; the others start with that port (no port
 //! is reserved and released first).
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -41,17 +40,7 @@ fn spawn_with(scenario: &str, n: usize, extra_env: &[(&str, &str)]) -> World {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        for stream in [
-            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stderr.take().unwrap()),
-        ] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send((rank, line));
-                }
-            });
-        }
+        tensorwire_tests::forward_lines(&mut child, rank, &tx);
         child
     };
     let mut world = World {

@@ -45,17 +45,7 @@ fn spawn_with(scenario: &str, n: usize, devices: &str, extra_env: &[(&str, &str)
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        for stream in [
-            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stderr.take().unwrap()),
-        ] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send((rank, line));
-                }
-            });
-        }
+        tensorwire_tests::forward_lines(&mut child, rank, &tx);
         child
     };
     let mut children = vec![start(0, "0")];
