@@ -1283,7 +1283,7 @@ impl Agent {
         to: WorkerId,
         function: &str,
         args: &A,
-        target: Option<RRefId>,
+        target: Option<RRefHandle>,
         timeout: Option<Duration>,
     ) -> Result<RpcFuture<R>, RpcError>
     where
@@ -1307,7 +1307,7 @@ impl Agent {
         to: WorkerId,
         function: &str,
         args: &A,
-        target: Option<RRefId>,
+        target: Option<RRefHandle>,
         timeout: Option<Duration>,
         placement: Direction,
     ) -> Result<RpcFuture<R>, RpcError>
@@ -1326,12 +1326,13 @@ impl Agent {
         let mut alone = false;
         let id = if prepared.on_host() {
             let body = Body {
-                target,
+                target: target.map(|h| h.rref),
                 data: prepared.data,
                 tensors: tensors::host_to_wire(prepared.tensors),
                 forks: prepared.forks.clone(),
             };
             let mut st = self.lock();
+            self.check_target(&st, target)?;
             let id = st
                 .ep
                 .call(to, function, body, timeout, self.now())
@@ -1346,6 +1347,7 @@ impl Agent {
             // (id, deadline, order among our messages to `to`) and goes out when they are.
             let id = {
                 let mut st = self.lock();
+                self.check_target(&st, target)?;
                 let id = st
                     .ep
                     .call_deferred(to, function, timeout, self.now())
@@ -1353,7 +1355,7 @@ impl Agent {
                 st.waiters.insert(id, tx);
                 id
             };
-            self.supply_when_copied(id, to, target, prepared);
+            self.supply_when_copied(id, to, target.map(|h| h.rref), prepared);
             id
         };
         if alone {
@@ -1451,7 +1453,7 @@ impl Agent {
         to: WorkerId,
         function: &str,
         args: &A,
-        target: Option<RRefId>,
+        target: Option<RRefHandle>,
         timeout: Option<Duration>,
     ) -> Result<RRef<T>, RpcError>
     where
@@ -1469,12 +1471,13 @@ impl Agent {
         self.inner.metrics.remote(self, to, function, bytes);
         let handle = if prepared.on_host() {
             let body = Body {
-                target,
+                target: target.map(|h| h.rref),
                 data: prepared.data,
                 tensors: tensors::host_to_wire(prepared.tensors),
                 forks: prepared.forks.clone(),
             };
             let mut st = self.lock();
+            self.check_target(&st, target)?;
             let (handle, id) = st
                 .ep
                 .remote(to, function, body, timeout, self.now())
@@ -1487,6 +1490,7 @@ impl Agent {
             // own `to_here` never finds the reference unknown).
             let (handle, id) = {
                 let mut st = self.lock();
+                self.check_target(&st, target)?;
                 let (handle, id) = st
                     .ep
                     .remote_deferred(to, function, timeout, self.now())
@@ -1494,7 +1498,7 @@ impl Agent {
                 st.waiters.insert(id, tx);
                 (handle, id)
             };
-            self.supply_when_copied(id, to, target, prepared);
+            self.supply_when_copied(id, to, target.map(|h| h.rref), prepared);
             handle
         };
         self.pump();
@@ -1582,6 +1586,17 @@ impl Agent {
 
     /// The error of a reference that cannot be used: a failed or timed-out creation is
     /// [`RpcError::RRefCreation`], naming the reference and its owner.
+    /// A method call (or remote method) on `target` may go: the endpoint still holds the
+    /// reference. Checked under the same lock as the call is made, so a reference whose owner
+    /// leaves (and whose rank a new worker takes) in between cannot slip through to the new
+    /// worker, which never had the value.
+    fn check_target(&self, st: &State, target: Option<RRefHandle>) -> Result<(), RpcError> {
+        match target {
+            Some(h) => st.ep.check_reference(h).map_err(|e| self.rref_error(h, e)),
+            None => Ok(()),
+        }
+    }
+
     pub(crate) fn rref_error(&self, handle: RRefHandle, e: CallError) -> RpcError {
         match e {
             CallError::NotRunning => RpcError::NotRunning,

@@ -238,7 +238,7 @@ impl<T: Send + Sync + 'static> RRef<T> {
             self.shared.handle.owner,
             method,
             args,
-            Some(self.shared.handle.rref),
+            Some(self.shared.handle),
             timeout,
         )
     }
@@ -261,7 +261,7 @@ impl<T: Send + Sync + 'static> RRef<T> {
             self.shared.handle.owner,
             method,
             args,
-            Some(self.shared.handle.rref),
+            Some(self.shared.handle),
             timeout,
         )
     }

@@ -920,6 +920,62 @@ async fn a_leaving_worker_takes_its_references_with_it() {
     }
 }
 
+/// A reference to a value on a worker that left stays dead when a new worker joins under the
+/// same rank: a method call through it fails at once (the new worker never had the value),
+/// even with no timeout. Before, the call went to the new worker and waited there for a
+/// creation that never comes: forever with a zero timeout.
+#[tokio::test(start_paused = true)]
+async fn a_reference_to_a_worker_that_left_stays_dead_when_its_rank_rejoins() {
+    let cluster = Cluster::new();
+    let a0 = dynamic(0, &cluster, |_| {}).await.unwrap();
+    let a1 = dynamic(1, &cluster, |_| {}).await.unwrap();
+    let counter: RRef<Counter> = a0.remote("w1", "make_counter", &10i64, None).unwrap();
+    assert_eq!(
+        counter
+            .rpc_sync::<_, i64>("increment", &1i64, None)
+            .await
+            .unwrap(),
+        11
+    );
+    a1.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    wait_until(|| a0.worker_infos().len() == 1).await;
+    let again = dynamic(1, &cluster, |_| {}).await.unwrap();
+    wait_until(|| a0.worker_infos().len() == 2).await;
+    // The rank is back, but not the value: no timeout, and still an answer at once.
+    let e = tokio::time::timeout(
+        Duration::from_secs(5),
+        counter.rpc_sync::<_, i64>("increment", &1i64, Some(Duration::ZERO)),
+    )
+    .await
+    .expect("a method call through a dead reference must not wait")
+    .unwrap_err();
+    assert!(matches!(e, RpcError::RRef { .. }), "{e}");
+    assert!(
+        format!("{counter:?}").contains(&format!("{:?}", rref_of(&e))),
+        "{e}"
+    );
+    // A remote method through it is refused when made, too.
+    let e = counter
+        .remote::<_, i64>("increment", &1i64, Some(Duration::ZERO))
+        .unwrap_err();
+    assert!(matches!(e, RpcError::RRef { .. }), "{e}");
+    drop(counter);
+    for a in [again, a0] {
+        a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
+            .await
+            .unwrap();
+    }
+}
+
+fn rref_of(e: &RpcError) -> &str {
+    match e {
+        RpcError::RRef { rref, .. } => rref,
+        _ => "",
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn static_and_dynamic_members_do_not_mix() {
     let cluster = Cluster::new();

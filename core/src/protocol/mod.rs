@@ -820,6 +820,16 @@ impl<B: Payload> Endpoint<B> {
         self.owned.contains_key(&rref)
     }
 
+    /// Whether `handle` can be used for a call on its value now: this worker holds it (or owns
+    /// the value) and its creation did not fail. A reference whose owner left or was lost is
+    /// forgotten with it, and stays unusable when a new worker later joins under the owner's
+    /// rank: the new incarnation never had the value, so a method call sent to it would wait
+    /// for a creation that never comes. The application checks this when it sends a method
+    /// call or remote method on a reference (the call itself carries only the value's id).
+    pub fn check_reference(&self, handle: RRefHandle) -> Result<(), CallError> {
+        self.check_usable(handle)
+    }
+
     /// Whether the owner has confirmed `handle`'s fork (always true on the owner); `None` if
     /// the handle is unknown here.
     pub fn is_confirmed(&self, handle: RRefHandle) -> Option<bool> {

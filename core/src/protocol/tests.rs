@@ -1255,3 +1255,21 @@ fn a_failed_shutdown_passes_on_whom_it_waited_for() {
         assert_eq!((e.missing, e.lost), (vec![2], true), "worker {w}");
     }
 }
+
+#[test]
+fn a_reference_whose_owner_left_stays_unusable_after_its_rank_rejoins() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    let (h, _) = s.ep(0).remote(1, "make", b"v".to_vec(), T, now).unwrap();
+    s.drain();
+    assert_eq!(s.ep(0).check_reference(h), Ok(()));
+    s.ep(0).handle_peer_lost(1, "left the group", now);
+    assert!(matches!(
+        s.ep(0).check_reference(h),
+        Err(CallError::PeerLost { peer: 1, .. })
+    ));
+    // A new worker takes rank 1: calls to it go through, but not through the old reference.
+    s.ep(0).handle_peer_joined(1);
+    assert!(s.ep(0).check_reference(h).is_err());
+    assert!(s.ep(0).fetch(h, T, now).is_err());
+}
