@@ -1188,3 +1188,136 @@ async fn peer_events_tell_each_survivor_once_of_a_lost_worker() {
     }
     let _ = dead.shutdown(tensorwire_rpc::Shutdown::Immediate).await;
 }
+
+/// A transport that counts the connections it dialled (every connection has one dialler).
+#[derive(Debug)]
+struct CountingTransport {
+    inner: MemoryTransport,
+    dialled: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl tensorwire_core::ports::transport::Transport for CountingTransport {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    async fn listen(
+        &self,
+        addr: std::net::SocketAddr,
+    ) -> Result<
+        Box<dyn tensorwire_core::ports::transport::Listener>,
+        tensorwire_core::ports::transport::TransportError,
+    > {
+        self.inner.listen(addr).await
+    }
+
+    async fn connect(
+        &self,
+        addr: std::net::SocketAddr,
+    ) -> Result<
+        Box<dyn tensorwire_core::ports::transport::Connection>,
+        tensorwire_core::ports::transport::TransportError,
+    > {
+        let conn = self.inner.connect(addr).await?;
+        self.dialled.fetch_add(1, Ordering::SeqCst);
+        Ok(conn)
+    }
+}
+
+/// The agent and its world process group share one connection per pair of workers: a static
+/// group of 4 dials 6 connections in all, through init, calls both ways, barriers and
+/// all_gathers, and the store never holds a worker record (only the group's kind).
+#[tokio::test(start_paused = true)]
+async fn the_agent_and_its_group_share_one_connection_per_pair_of_workers() {
+    let cluster = Cluster::new();
+    let dialled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let n = 4;
+    let mut tasks = Vec::new();
+    for rank in 0..n {
+        let (store, options) = (Arc::clone(&cluster.store), cluster.options());
+        let transport = Arc::new(CountingTransport {
+            inner: cluster.net.transport(),
+            dialled: Arc::clone(&dialled),
+        });
+        tasks.push(tokio::spawn(async move {
+            let rdv = Rendezvous::from_store(store, rank, n);
+            start_agent(transport, rdv, &format!("w{rank}"), rank, Some(n), options).await
+        }));
+    }
+    let mut agents = Vec::new();
+    for t in tasks {
+        agents.push(t.await.unwrap().unwrap());
+    }
+    assert_eq!(
+        cluster.store.num_keys().await.unwrap(),
+        1,
+        "only the group's kind"
+    );
+    for a in &agents {
+        assert_eq!(a.connections().len(), n - 1);
+        for b in &agents {
+            let sum: i64 = a
+                .rpc_sync(b.worker_info().name.as_str(), "add", &(1i64, 2i64), None)
+                .await
+                .unwrap();
+            assert_eq!(sum, 3);
+        }
+    }
+    let t = Duration::from_secs(10);
+    let gathers: Vec<_> = agents
+        .iter()
+        .cloned()
+        .map(|a| {
+            tokio::spawn(async move {
+                a.barrier("b", t).await.unwrap();
+                a.all_gather("g", &a.worker_info().id, t).await.unwrap()
+            })
+        })
+        .collect();
+    for g in gathers {
+        assert_eq!(g.await.unwrap(), vec![0, 1, 2, 3]);
+    }
+    assert_eq!(dialled.load(Ordering::SeqCst), n * (n - 1) / 2);
+    assert_eq!(cluster.store.num_keys().await.unwrap(), 1);
+    shutdown_all(agents).await;
+    assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
+}
+
+/// A barrier that times out in a static group names the workers that did not arrive and
+/// leaves no key in the store.
+#[tokio::test(start_paused = true)]
+async fn a_barrier_that_times_out_names_who_is_missing_and_leaves_no_key() {
+    let cluster = Cluster::new();
+    let agents: Vec<Agent> = group_in(&cluster, 3, |_, _| {})
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let t = Duration::from_secs(5);
+    let (b0, b1) = tokio::join!(agents[0].barrier("b", t), agents[1].barrier("b", t));
+    // Rank 0 monitors the barrier: it names who did not arrive.
+    let e = b0.unwrap_err();
+    assert!(
+        matches!(&e, RpcError::Timeout { waiting_for: Some(w), .. } if w.contains("w2")),
+        "{e}"
+    );
+    assert!(b1.is_err());
+    assert_eq!(
+        cluster.store.num_keys().await.unwrap(),
+        1,
+        "only the group's kind"
+    );
+    // Calls go on.
+    let sum: i64 = agents[2]
+        .rpc_sync("w0", "add", &(2i64, 2i64), None)
+        .await
+        .unwrap();
+    assert_eq!(sum, 4);
+    for a in agents {
+        a.shutdown(tensorwire_rpc::Shutdown::Immediate)
+            .await
+            .unwrap();
+    }
+    assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
+}

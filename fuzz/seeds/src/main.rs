@@ -201,7 +201,7 @@ fn frames(frames: &[Frame]) -> Vec<u8> {
 }
 
 fn rpc(dir: &Path) {
-    let hello = Frame::message(encode_hello(1, "worker1"), Vec::new());
+    let hello = encode_hello(1, "rpc");
     let call = Header::Call {
         id: 1,
         function: "add".into(),
