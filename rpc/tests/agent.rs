@@ -14,7 +14,7 @@ use tensorwire_rpc::{
     init_rpc, Agent, CallError, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions,
 };
 
-use tensorwire_core::ports::store::Store;
+use tensorwire_core::ports::store::{Store, StoreError};
 use tensorwire_process_group::InMemoryStore;
 use tensorwire_rpc::memory::{MemoryNetwork, MemoryTransport};
 use tensorwire_rpc::{start_agent, Rendezvous};
@@ -1225,12 +1225,93 @@ impl tensorwire_core::ports::transport::Transport for CountingTransport {
     }
 }
 
+/// A store that notes every key written to it.
+struct RecordingStore {
+    inner: InMemoryStore,
+    written: std::sync::Mutex<std::collections::BTreeSet<String>>,
+}
+
+impl RecordingStore {
+    fn note(&self, key: &str) {
+        self.written.lock().unwrap().insert(key.to_owned());
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for RecordingStore {
+    async fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.note(key);
+        self.inner.set(key, value).await
+    }
+    async fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+        self.inner.get(key).await
+    }
+    async fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        self.note(key);
+        self.inner.add(key, delta).await
+    }
+    async fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
+        self.inner.check(keys).await
+    }
+    async fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
+        self.inner.wait(keys, timeout).await
+    }
+    async fn compare_set(
+        &self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> Result<Vec<u8>, StoreError> {
+        self.note(key);
+        self.inner.compare_set(key, expected, desired).await
+    }
+    async fn delete_key(&self, key: &str) -> Result<bool, StoreError> {
+        self.inner.delete_key(key).await
+    }
+    async fn num_keys(&self) -> Result<i64, StoreError> {
+        self.inner.num_keys().await
+    }
+    async fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.note(key);
+        self.inner.append(key, value).await
+    }
+    async fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
+        self.inner.multi_get(keys).await
+    }
+    async fn multi_set(&self, keys: &[&str], values: &[&[u8]]) -> Result<(), StoreError> {
+        for k in keys {
+            self.note(k);
+        }
+        self.inner.multi_set(keys, values).await
+    }
+    async fn barrier(
+        &self,
+        key: &str,
+        world_size: i64,
+        timeout: Duration,
+    ) -> Result<(), StoreError> {
+        self.note(key);
+        self.inner.barrier(key, world_size, timeout).await
+    }
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+}
+
 /// The agent and its world process group share one connection per pair of workers: a static
 /// group of 4 dials 6 connections in all, through init, calls both ways, barriers and
-/// all_gathers, and the store never holds a worker record (only the group's kind).
+/// all_gathers; and the agent never writes a key to the store but the group's kind (no worker
+/// records, no barrier or all_gather keys: they run over the group).
 #[tokio::test(start_paused = true)]
 async fn the_agent_and_its_group_share_one_connection_per_pair_of_workers() {
-    let cluster = Cluster::new();
+    let recording = Arc::new(RecordingStore {
+        inner: InMemoryStore::new(),
+        written: Default::default(),
+    });
+    let cluster = Cluster {
+        store: recording.clone(),
+        ..Cluster::new()
+    };
     let dialled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let n = 4;
     let mut tasks = Vec::new();
@@ -1282,6 +1363,18 @@ async fn the_agent_and_its_group_share_one_connection_per_pair_of_workers() {
     assert_eq!(cluster.store.num_keys().await.unwrap(), 1);
     shutdown_all(agents).await;
     assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
+    // The agent's one key, and the group's published addresses (ranks 1 to 3; rank 0 dials
+    // everyone and so publishes none).
+    let written: Vec<String> = recording.written.lock().unwrap().iter().cloned().collect();
+    assert_eq!(
+        written,
+        [
+            "rpc/group_kind",
+            "tensorwire/pg/rpc/addr/1",
+            "tensorwire/pg/rpc/addr/2",
+            "tensorwire/pg/rpc/addr/3"
+        ]
+    );
 }
 
 /// A barrier that times out in a static group names the workers that did not arrive and
