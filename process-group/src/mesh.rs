@@ -380,12 +380,15 @@ impl Mesh {
                 };
                 let from = hello.rank;
                 let fits = hello.group == group && hello.world == Some(world32);
-                match fits
-                    .then(|| lock_join().handle_connected(from, false))
-                    .unwrap_or(Err(JoinError::Refused {
+                let checked = if fits {
+                    lock_join().handle_connected(from, false)
+                } else {
+                    Err(JoinError::Refused {
                         peer: from,
                         what: "a hello for another group or world size",
-                    })) {
+                    })
+                };
+                match checked {
                     Ok(()) => accepted.push((from as usize, conn)),
                     Err(e) => {
                         warn!(group, rank, peer = %conn.peer_addr(), ?hello, "refused a mesh connection: {e}");

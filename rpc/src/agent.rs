@@ -1536,6 +1536,16 @@ impl Agent {
         leave_keys_behind_none(&*store, &done, ranks.len(), &keys).await
     }
 
+    /// A static group's world process group: the group init ran over, whose connections the
+    /// agent shares (`None` in a dynamic group, which has none, as in PyTorch). Its
+    /// collectives (and subgroups) run beside the calls on the same connections; they are
+    /// numbered with the agent's own [`barrier`](Self::barrier)s and
+    /// [`all_gather`](Self::all_gather)s, so every worker issues all of them in the same
+    /// order. The agent's shutdown shuts it down.
+    pub fn process_group(&self) -> Option<Group> {
+        self.group()
+    }
+
     /// A static group's world process group.
     fn group(&self) -> Option<Group> {
         self.inner

@@ -1352,7 +1352,14 @@ async fn the_agent_and_its_group_share_one_connection_per_pair_of_workers() {
         .map(|a| {
             tokio::spawn(async move {
                 a.barrier("b", t).await.unwrap();
-                a.all_gather("g", &a.worker_info().id, t).await.unwrap()
+                let ids = a.all_gather("g", &a.worker_info().id, t).await.unwrap();
+                // The world group itself, beside the agent, on the same connections.
+                use tensorwire_core::ports::process_group::ProcessGroup;
+                use tensorwire_process_group::CollectivesExt;
+                let pg = a.process_group().expect("a static group has one");
+                let ranks: Vec<usize> = pg.all_gather_object(&pg.rank()).await.unwrap();
+                assert_eq!(ranks, vec![0, 1, 2, 3]);
+                ids
             })
         })
         .collect();
