@@ -318,6 +318,7 @@ fn protocol(dir: &Path) {
         Header::Reply {
             id: 1,
             outcome: Ok(()),
+            forks: Vec::new(),
         },
         Header::ForkRequest {
             id: 103,
