@@ -572,8 +572,10 @@ fn init_error(e: ProcessGroupError, what: &str, after: Duration) -> RpcError {
 }
 
 /// The agent's side of its static group's connections: the frames that are not the group's
-/// own, handled on the connection's reader task as the agent's own readers would.
-struct AgentFrames(std::sync::Weak<Inner>);
+/// own, handled on the connection's reader task as the agent's own readers would. It holds
+/// the agent as a reader task does; the agent's shutdown lets go of the group, whose readers
+/// then end, and with them this.
+struct AgentFrames(Agent);
 
 impl FrameSink for AgentFrames {
     fn on_frame(
@@ -582,10 +584,7 @@ impl FrameSink for AgentFrames {
         conn: &Arc<dyn Connection>,
         frame: Frame,
     ) -> Result<(), String> {
-        let Some(inner) = self.0.upgrade() else {
-            return Ok(());
-        };
-        let agent = Agent { inner };
+        let agent = &self.0;
         let peer = peer as WorkerId;
         agent
             .on_frame(peer, frame, conn.cheap_sends())
@@ -593,10 +592,7 @@ impl FrameSink for AgentFrames {
     }
 
     fn on_closed(&self, peer: usize, reason: &str) {
-        let Some(inner) = self.0.upgrade() else {
-            return;
-        };
-        let agent = Agent { inner };
+        let agent = &self.0;
         let peer = peer as WorkerId;
         let current = {
             let st = agent.lock();
@@ -1793,7 +1789,7 @@ impl Agent {
     /// beside the group's, and a barrier makes sure that every worker has attached before any
     /// sends the others a call. The agent's shutdown shuts the group down.
     async fn attach_group(&self, group: Group, timeout: Duration) -> Result<(), RpcError> {
-        let sink: Arc<dyn FrameSink> = Arc::new(AgentFrames(Arc::downgrade(&self.inner)));
+        let sink: Arc<dyn FrameSink> = Arc::new(AgentFrames(self.clone()));
         let routed = group.route_frames(sink);
         for (peer, conn) in group.connections() {
             self.attach_conn(peer as WorkerId, conn, false);

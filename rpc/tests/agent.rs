@@ -1421,3 +1421,24 @@ async fn a_barrier_that_times_out_names_who_is_missing_and_leaves_no_key() {
     }
     assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
 }
+
+/// A static init that a worker never joins fails by the init timeout on the others, naming
+/// the missing rank, and leaves no key of the group in the store.
+#[tokio::test(start_paused = true)]
+async fn an_init_that_a_worker_never_joins_times_out_naming_it() {
+    let cluster = Cluster::new();
+    let mut tasks = Vec::new();
+    for rank in 0..2 {
+        let cluster = cluster.clone();
+        tasks.push(tokio::spawn(async move {
+            cluster.start(rank, Some(3), cluster.options()).await
+        }));
+    }
+    for t in tasks {
+        let e = t.await.unwrap().unwrap_err();
+        assert!(
+            matches!(&e, RpcError::Timeout { waiting_for: Some(w), .. } if w == "rank 2"),
+            "{e}"
+        );
+    }
+}
