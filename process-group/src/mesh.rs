@@ -363,15 +363,25 @@ impl Mesh {
             let Some(listener) = &listener else {
                 return Ok(accepted);
             };
+            // Hellos are read beside the accepting, so that a connection that says nothing
+            // holds up nobody else's (dropping the set ends those still unread).
+            let mut hellos = tokio::task::JoinSet::new();
             while accepted.len() < accepts {
-                let conn = tokio::time::timeout_at(deadline, listener.accept())
-                    .await
-                    .map_err(|_| timed_out())?
-                    .map_err(|e| {
-                        setup_err(format!("listener on {} failed: {e}", listener.local_addr()))
-                    })?;
-                let conn: Arc<dyn Connection> = Arc::from(conn);
-                let hello = match link::read_hello(&*conn, deadline).await {
+                let (conn, hello) = tokio::select! {
+                    conn = listener.accept() => {
+                        let conn: Arc<dyn Connection> = Arc::from(conn.map_err(|e| {
+                            setup_err(format!("listener on {} failed: {e}", listener.local_addr()))
+                        })?);
+                        hellos.spawn(async move {
+                            let hello = link::read_hello(&*conn, deadline).await;
+                            (conn, hello)
+                        });
+                        continue;
+                    }
+                    Some(Ok(read)) = hellos.join_next() => read,
+                    () = tokio::time::sleep_until(deadline) => return Err(timed_out()),
+                };
+                let hello = match hello {
                     Ok(h) => h,
                     Err(e) => {
                         warn!(group, rank, "refused a mesh connection: {e}");

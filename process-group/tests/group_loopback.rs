@@ -1022,3 +1022,33 @@ async fn a_group_without_a_sink_takes_a_foreign_frame_as_a_broken_peer() {
     })
     .await;
 }
+
+/// A connection that says nothing holds up no other rank's: setup completes with it open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_connection_does_not_hold_up_setup() {
+    use tensorwire_core::ports::transport::Transport;
+    bounded(async {
+        let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+        let t = transport();
+        let options = || GroupOptions::new("silent").with_timeout(Duration::from_secs(20));
+        let one = tokio::spawn(Group::connect(store.clone(), t.clone(), 1, 2, options()));
+        let key = tensorwire_process_group::mesh::address_key("silent", 1);
+        store.wait(&[&key], Duration::from_secs(20)).await.unwrap();
+        let addr: std::net::SocketAddr = String::from_utf8(store.get(&key).await.unwrap())
+            .unwrap()
+            .parse()
+            .unwrap();
+        // Authenticated (it has the secret), then silent.
+        let _silent = t.connect(addr).await.unwrap();
+        // Read in turn, the silent one would keep rank 1 from rank 0's hello until the setup
+        // deadline, and both would fail.
+        let zero = Group::connect(store.clone(), t.clone(), 0, 2, options())
+            .await
+            .unwrap();
+        let one = one.await.unwrap().unwrap();
+        on_all(&[zero, one], |g| async move { g.barrier().await.unwrap() }).await;
+        // Its address is gone from the store once every lower rank connected.
+        assert!(!store.check(&[&key]).await.unwrap());
+    })
+    .await;
+}
