@@ -991,15 +991,13 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
         return;
     }
     warn!(rank, peer, %reason, "rank died");
-    link.inbox.close(PeerStatus::Dead);
+    // The failure is recorded before any inbox closes (`fail` closes them all), so that a
+    // collective woken by the close reports why, not just that the connection closed.
     let first = shared.fail(ProcessGroupError::PeerDied {
         rank: peer,
         reported_by: None,
         reason: reason.clone(),
     });
-    for other in shared.peers.iter().flatten() {
-        other.inbox.close(PeerStatus::Dead);
-    }
     if first {
         // Tell the others, in case they cannot see it (a half-open connection elsewhere).
         let abort = Control::Abort {
