@@ -64,6 +64,10 @@ pub enum FrameKind {
     Message,
     /// A control message of the layers above (keep-alive, shutdown, membership, ...).
     Control,
+    /// A process group's own traffic (collective messages and the group's control), on a
+    /// connection whose [`Message`](FrameKind::Message) and [`Control`](FrameKind::Control)
+    /// frames belong to the RPC agent: one connection per pair of workers carries both.
+    Collective,
 }
 
 impl FrameKind {
@@ -72,6 +76,7 @@ impl FrameKind {
         match self {
             FrameKind::Message => 1,
             FrameKind::Control => 2,
+            FrameKind::Collective => 3,
         }
     }
 
@@ -80,6 +85,7 @@ impl FrameKind {
         match byte {
             1 => Some(FrameKind::Message),
             2 => Some(FrameKind::Control),
+            3 => Some(FrameKind::Collective),
             _ => None,
         }
     }
@@ -135,6 +141,15 @@ impl Frame {
     pub fn control(header: impl Into<Bytes>, payloads: Vec<Bytes>) -> Self {
         Frame {
             kind: FrameKind::Control,
+            header: header.into(),
+            payloads,
+        }
+    }
+
+    /// A [`FrameKind::Collective`] frame.
+    pub fn collective(header: impl Into<Bytes>, payloads: Vec<Bytes>) -> Self {
+        Frame {
+            kind: FrameKind::Collective,
             header: header.into(),
             payloads,
         }
@@ -208,7 +223,9 @@ pub enum WireError {
         found: u8,
     },
     /// The kind byte names no known [`FrameKind`].
-    #[error("unknown frame kind {found}; known kinds are 1 (message) and 2 (control)")]
+    #[error(
+        "unknown frame kind {found}; known kinds are 1 (message), 2 (control) and 3 (collective)"
+    )]
     UnknownKind {
         /// The kind byte found.
         found: u8,
@@ -870,16 +887,12 @@ mod tests {
 
     fn frame_strategy() -> impl Strategy<Value = Frame> {
         (
-            any::<bool>(),
+            1u8..=3,
             proptest::collection::vec(any::<u8>(), 0..64),
             proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..300), 0..6),
         )
-            .prop_map(|(control, header, payloads)| Frame {
-                kind: if control {
-                    FrameKind::Control
-                } else {
-                    FrameKind::Message
-                },
+            .prop_map(|(kind, header, payloads)| Frame {
+                kind: FrameKind::from_wire(kind).expect("1 to 3 are kinds"),
                 header: Bytes::from(header),
                 payloads: payloads.into_iter().map(Bytes::from).collect(),
             })

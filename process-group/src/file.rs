@@ -135,7 +135,9 @@ impl FileStore {
     ) -> Result<T, StoreError> {
         let probe = Arc::new(probe);
         let started = Instant::now();
-        let mut delay = Duration::from_millis(1);
+        // The one backoff-with-jitter helper: ranks polling one file spread out.
+        let mut backoff =
+            crate::backoff::Backoff::new(Duration::from_millis(1), Duration::from_millis(10));
         loop {
             let p = probe.clone();
             if let Some(v) = self.run(move |inner| p(inner)).await? {
@@ -144,8 +146,8 @@ impl FileStore {
             if started.elapsed() >= timeout {
                 return Err(StoreError::timeout(keys, timeout));
             }
+            let delay = backoff.next_delay();
             tokio::time::sleep(delay.min(timeout.saturating_sub(started.elapsed()))).await;
-            delay = (delay * 2).min(Duration::from_millis(10));
         }
     }
 }

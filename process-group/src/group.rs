@@ -37,8 +37,7 @@ use tensorwire_core::collective::{
 };
 use tensorwire_core::ports::process_group::{Pending, ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
-use tensorwire_core::ports::transport::Transport;
-use tokio::time::Instant;
+use tensorwire_core::ports::transport::{Connection, Transport};
 use tracing::Instrument;
 
 use crate::executor::{self, Held};
@@ -175,6 +174,37 @@ impl Group {
             store,
             counters,
         )
+    }
+
+    /// Multiplexes another layer's traffic (the RPC agent's) over this group's connections:
+    /// frames of every kind but [`FrameKind::Collective`](tensorwire_core::wire::FrameKind)
+    /// that arrive on them go to `sink`, on the connection's reader task; the layer sends its
+    /// own frames on [`connections`](Group::connections). This is how the RPC agent and its
+    /// world group share one connection per pair of workers.
+    ///
+    /// Set once, on the world group (not a subgroup), before any peer sends such a frame (a
+    /// frame that comes first breaks the group, as one from a stranger would).
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Setup`] on a subgroup or when a sink is set already.
+    pub fn route_frames(
+        &self,
+        sink: Arc<dyn crate::mesh::FrameSink>,
+    ) -> Result<(), ProcessGroupError> {
+        if self.inner.mesh.route_frames(sink) {
+            Ok(())
+        } else {
+            Err(ProcessGroupError::Setup {
+                rank: self.inner.mesh.rank(),
+                reason: "frames are routed on the world group only, and once".to_owned(),
+            })
+        }
+    }
+
+    /// The connection to each other rank of the world, by world rank (one per pair of ranks,
+    /// shared by the world group and its subgroups).
+    pub fn connections(&self) -> Vec<(usize, Arc<dyn Connection>)> {
+        self.inner.mesh.connections()
     }
 
     /// The group over `mesh`, with its fixed schedules.
@@ -475,7 +505,7 @@ impl Group {
         defer: bool,
         timeout: Duration,
     ) -> Result<(), ProcessGroupError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::link::deadline_after(timeout);
         let span = tracing::debug_span!(
             "collective",
             group = %self.name(),

@@ -31,6 +31,7 @@ pub mod file;
 mod group;
 pub mod hostlist;
 pub mod launcher_env;
+pub mod link;
 mod memory;
 pub mod mesh;
 #[cfg(feature = "nccl")]
@@ -59,6 +60,7 @@ pub use group::{
     CollectivesExt, Element, Group, GroupOptions, DEFAULT_COLLECTIVE_TIMEOUT, INLINE_GATHER_BYTES,
     MAX_BLOCK_BYTES,
 };
+pub use mesh::FrameSink;
 pub use tensorwire_core::auth::ClusterSecret;
 pub use work::Work;
 

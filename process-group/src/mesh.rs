@@ -2,11 +2,13 @@
 //! connection that sorts incoming messages by (peer, collective sequence number).
 //!
 //! # Setting up
-//! Every rank listens on an ephemeral port and publishes `ip:port` in the store under
-//! `tensorwire/pg/<group>/addr/<rank>`. The higher rank of each pair connects to the lower one
-//! and sends a hello frame (group name, its rank, the world size) first; the lower rank accepts
-//! exactly the ranks above it and refuses connections with a wrong or duplicate hello (logged,
-//! without stopping the setup). Setup is bounded by the group's timeout.
+//! Through [`crate::link`], as core's `StaticJoin` decides: the lower rank of each pair dials
+//! the higher one and sends a [`Hello`](crate::link::Hello) (group name, its rank, the world
+//! size) first. Every rank but 0 listens on an ephemeral port and publishes `ip:port` in the
+//! store under `tensorwire/pg/<group>/addr/<rank>`, accepts exactly the ranks below it,
+//! refusing connections with a wrong or duplicate hello (logged, without stopping the setup),
+//! and then removes its key. Setup is bounded by the group's timeout; its timeout error names
+//! the ranks that did not connect.
 //!
 //! # Groups over one mesh
 //! The world group and its subgroups ([`Group::new_group`](crate::Group::new_group)) share
@@ -15,12 +17,17 @@
 //! used at once never mix, and a failure that breaks the mesh breaks every group.
 //!
 //! # Frames
-//! - Collective messages are [`FrameKind::Message`](tensorwire_core::wire::FrameKind) frames:
-//!   a 23-byte header (sequence number `u64` LE, then the round's
-//!   [`Signature`], 15 bytes) and at most one payload.
-//! - Control frames carry a postcard `Control` value: the hello, a clean goodbye, an abort
-//!   that tells the others which rank was seen dying, and a disagreement notice that tells
-//!   them which ranks ran what under one sequence number.
+//! The group's own frames are [`FrameKind::Collective`](tensorwire_core::wire::FrameKind)
+//! frames, whose header starts with a tag byte:
+//! - `0`, a collective message: a 24-byte header (the tag, the sequence number `u64` LE, then
+//!   the round's [`Signature`], 15 bytes) and at most one payload;
+//! - `1`, a control frame: a postcard `Control` value: a clean goodbye, an abort that tells
+//!   the others which rank was seen dying, and a disagreement notice that tells them which
+//!   ranks ran what under one sequence number.
+//!
+//! Every other frame belongs to the layer that shares the connections (the RPC agent) and goes
+//! to the [`FrameSink`] it set, on the reader task, without another hop; a group without one
+//! takes such a frame as a broken peer.
 //!
 //! # Failures
 //! A connection that ends without a goodbye means the peer died: the mesh is then *broken*,
@@ -41,13 +48,16 @@ use tensorwire_core::collective::{Signature, SIGNATURE_LEN};
 use tensorwire_core::ports::process_group::ProcessGroupError;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::protocol::membership::{JoinError, StaticJoin};
 use tensorwire_core::wire::{Frame, FrameKind};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-/// Length of a collective message's header: sequence number and signature.
-const DATA_HEADER_LEN: usize = 8 + SIGNATURE_LEN;
+use crate::link;
+
+/// Length of a collective message's header: tag, sequence number and signature.
+const DATA_HEADER_LEN: usize = 1 + 8 + SIGNATURE_LEN;
 /// How long a dying mesh tries to tell each other peer which rank died.
 const ABORT_SEND_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -59,15 +69,6 @@ pub fn address_key(group: &str, rank: usize) -> String {
 /// Control messages between the meshes of two ranks (postcard-encoded frame headers).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Control {
-    /// The first frame on a connection, from the connecting (higher) rank.
-    Hello {
-        /// The group's name.
-        group: String,
-        /// The sender's rank.
-        rank: u32,
-        /// The sender's world size.
-        world: u32,
-    },
     /// The sender shuts its group down cleanly; no more messages follow.
     Goodbye,
     /// The sender saw `rank` die.
@@ -93,9 +94,31 @@ pub(crate) enum Control {
 
 impl Control {
     fn frame(&self) -> Frame {
-        let header = postcard::to_allocvec(self).expect("control messages always encode");
-        Frame::control(header, Vec::new())
+        let mut header = vec![CONTROL_TAG];
+        header.extend(postcard::to_allocvec(self).expect("control messages always encode"));
+        Frame::collective(header, Vec::new())
     }
+}
+
+/// The first header byte of a group's own frames ([`FrameKind::Collective`]): a collective
+/// message.
+const DATA_TAG: u8 = 0;
+/// The first header byte of the group's control frames.
+const CONTROL_TAG: u8 = 1;
+
+/// Where the frames on a group's connections that are not the group's own go: the RPC
+/// agent's traffic, multiplexed over the same connection per pair of ranks.
+///
+/// Called on the connection's reader task, in the order the frames arrive.
+pub trait FrameSink: Send + Sync {
+    /// A frame (kind [`FrameKind::Message`] or [`FrameKind::Control`]) from world rank
+    /// `peer`, on `conn`. An error means the peer broke the protocol above: its connection is
+    /// dropped, which the group takes as that rank dying.
+    fn on_frame(&self, peer: usize, conn: &Arc<dyn Connection>, frame: Frame)
+        -> Result<(), String>;
+    /// Rank `peer`'s connection delivers nothing more (`reason`: it said goodbye, broke, or
+    /// broke the protocol).
+    fn on_closed(&self, peer: usize, reason: &str);
 }
 
 /// One collective message as it arrived.
@@ -221,6 +244,8 @@ struct Shared {
     peers: Vec<Option<PeerLink>>,
     /// Set once, to the first failure that broke the mesh.
     failure: std::sync::OnceLock<ProcessGroupError>,
+    /// Where frames that are not the group's own go (see [`FrameSink`]).
+    sink: std::sync::OnceLock<Arc<dyn FrameSink>>,
 }
 
 impl Shared {
@@ -276,7 +301,11 @@ pub(crate) struct MeshSetup<'a> {
 }
 
 impl Mesh {
-    /// Listens, publishes the address, connects to the lower ranks and accepts the higher ones.
+    /// Connects to every other rank: this rank dials the higher ranks and accepts the lower
+    /// ones (as `core::protocol::membership::StaticJoin` decides), through [`crate::link`].
+    /// A rank that accepts anyone listens and publishes its address under [`address_key`], and
+    /// removes that key once every lower rank has connected (nobody needs it any more), so a
+    /// set-up group leaves no key in the store.
     pub(crate) async fn connect(setup: MeshSetup<'_>) -> Result<Mesh, ProcessGroupError> {
         let MeshSetup {
             store,
@@ -293,121 +322,154 @@ impl Mesh {
                 "rank {rank} is out of range for a world of {world} ranks"
             )));
         }
-        let deadline = Instant::now() + timeout;
-        let listener = transport
-            .listen(listen)
-            .await
-            .map_err(|e| setup_err(format!("cannot listen on {listen}: {e}")))?;
-        let local = listener.local_addr();
-        store
-            .set(&address_key(group, rank), local.to_string().as_bytes())
-            .await
-            .map_err(|e| setup_err(format!("cannot publish this rank's address: {e}")))?;
-        debug!(group, rank, world, %local, "mesh listening");
-
-        let mut conns: Vec<Option<Arc<dyn Connection>>> = (0..world).map(|_| None).collect();
+        let (Ok(me), Ok(world32)) = (u32::try_from(rank), u32::try_from(world)) else {
+            return Err(setup_err(format!("a world of {world} ranks is too large")));
+        };
+        let deadline = link::deadline_after(timeout);
+        let join = Mutex::new(StaticJoin::new(me, world32, None));
+        let lock_join = || join.lock().unwrap_or_else(|e| e.into_inner());
+        let (dials, accepts) = {
+            let j = lock_join();
+            (j.dials(), j.accepts())
+        };
+        let timed_out = || {
+            let missing = lock_join().missing();
+            ProcessGroupError::SetupTimeout {
+                rank,
+                waiting_on: missing.into_iter().map(|r| r as usize).collect(),
+                timeout,
+            }
+        };
+        let listener = if accepts > 0 {
+            let listener = transport
+                .listen(listen)
+                .await
+                .map_err(|e| setup_err(format!("cannot listen on {listen}: {e}")))?;
+            store
+                .set(
+                    &address_key(group, rank),
+                    listener.local_addr().to_string().as_bytes(),
+                )
+                .await
+                .map_err(|e| setup_err(format!("cannot publish this rank's address: {e}")))?;
+            debug!(group, rank, world, local = %listener.local_addr(), "mesh listening");
+            Some(listener)
+        } else {
+            None
+        };
 
         let accept = async {
             let mut accepted: Vec<(usize, Arc<dyn Connection>)> = Vec::new();
-            let mut have = vec![false; world];
-            while accepted.len() < world - 1 - rank {
-                let conn = tokio::time::timeout_at(deadline, listener.accept())
-                    .await
-                    .map_err(|_| {
-                        let missing: Vec<String> = (rank + 1..world)
-                            .filter(|r| !have[*r])
-                            .map(|r| r.to_string())
-                            .collect();
-                        setup_err(format!(
-                            "timed out after {timeout:?} waiting for rank(s) {} to connect",
-                            missing.join(", ")
-                        ))
-                    })?
-                    .map_err(|e| setup_err(format!("listener on {local} failed: {e}")))?;
-                let conn: Arc<dyn Connection> = Arc::from(conn);
-                let peer_addr = conn.peer_addr();
-                let hello = tokio::time::timeout_at(deadline, conn.recv()).await;
-                let from = match hello {
-                    Ok(Ok(frame)) if frame.kind == FrameKind::Control => {
-                        match postcard::from_bytes::<Control>(&frame.header) {
-                            Ok(Control::Hello {
-                                group: g,
-                                rank: r,
-                                world: w,
-                            }) if g == group
-                                && w as usize == world
-                                && (r as usize) > rank
-                                && (r as usize) < world
-                                && !have[r as usize] =>
-                            {
-                                r as usize
-                            }
-                            other => {
-                                warn!(group, rank, %peer_addr, hello = ?other, "refused a mesh connection with an unexpected hello");
-                                continue;
-                            }
-                        }
+            let Some(listener) = &listener else {
+                return Ok(accepted);
+            };
+            // Hellos are read beside the accepting, so that a connection that says nothing
+            // holds up nobody else's (dropping the set ends those still unread).
+            let mut hellos = tokio::task::JoinSet::new();
+            while accepted.len() < accepts {
+                let (conn, hello) = tokio::select! {
+                    conn = listener.accept() => {
+                        let conn: Arc<dyn Connection> = Arc::from(conn.map_err(|e| {
+                            setup_err(format!("listener on {} failed: {e}", listener.local_addr()))
+                        })?);
+                        hellos.spawn(async move {
+                            let hello = link::read_hello(&*conn, deadline).await;
+                            (conn, hello)
+                        });
+                        continue;
                     }
-                    other => {
-                        warn!(group, rank, %peer_addr, first = ?other.map(|r| r.map(|f| f.kind)), "refused a mesh connection that sent no hello");
+                    Some(Ok(read)) = hellos.join_next() => read,
+                    () = tokio::time::sleep_until(deadline) => return Err(timed_out()),
+                };
+                let hello = match hello {
+                    Ok(h) => h,
+                    Err(e) => {
+                        warn!(group, rank, "refused a mesh connection: {e}");
                         continue;
                     }
                 };
-                have[from] = true;
-                accepted.push((from, conn));
+                let from = hello.rank;
+                let fits = hello.group == group && hello.world == Some(world32);
+                let checked = if fits {
+                    lock_join().handle_connected(from, false)
+                } else {
+                    Err(JoinError::Refused {
+                        peer: from,
+                        what: "a hello for another group or world size",
+                    })
+                };
+                match checked {
+                    Ok(()) => accepted.push((from as usize, conn)),
+                    Err(e) => {
+                        warn!(group, rank, peer = %conn.peer_addr(), ?hello, "refused a mesh connection: {e}");
+                    }
+                }
+            }
+            // Every rank that needed this address has connected.
+            if let Err(e) = store.delete_key(&address_key(group, rank)).await {
+                debug!(
+                    group,
+                    rank, "could not remove this rank's address from the store: {e}"
+                );
             }
             Ok::<_, ProcessGroupError>(accepted)
         };
 
         let connect = async {
             let mut connected: Vec<(usize, Arc<dyn Connection>)> = Vec::new();
-            if rank == 0 {
+            if dials.is_empty() {
                 return Ok(connected);
             }
-            let keys: Vec<String> = (0..rank).map(|r| address_key(group, r)).collect();
+            let keys: Vec<String> = dials
+                .iter()
+                .map(|r| address_key(group, *r as usize))
+                .collect();
             let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
             let remaining = deadline.saturating_duration_since(Instant::now());
-            store.wait(&key_refs, remaining).await.map_err(|e| {
-                setup_err(format!("waiting for the addresses of the lower ranks: {e}"))
+            if store.wait(&key_refs, remaining).await.is_err() {
+                // Who has not published: those this rank still misses, as far as it knows.
+                let mut unpublished = Vec::new();
+                for (r, key) in dials.iter().zip(&key_refs) {
+                    if !store.check(&[key]).await.unwrap_or(false) {
+                        unpublished.push(*r as usize);
+                    }
+                }
+                return Err(ProcessGroupError::SetupTimeout {
+                    rank,
+                    waiting_on: unpublished,
+                    timeout,
+                });
+            }
+            let values = store.multi_get(&key_refs).await.map_err(|e| {
+                setup_err(format!("reading the addresses of the higher ranks: {e}"))
             })?;
-            let values = store
-                .multi_get(&key_refs)
-                .await
-                .map_err(|e| setup_err(format!("reading the addresses of the lower ranks: {e}")))?;
-            let hello = Control::Hello {
+            let hello = link::Hello {
                 group: group.to_owned(),
-                rank: rank as u32,
-                world: world as u32,
+                rank: me,
+                world: Some(world32),
+                introduction: Vec::new(),
             };
-            for (peer, value) in values.iter().enumerate() {
+            for (&peer, value) in dials.iter().zip(&values) {
                 let text = String::from_utf8_lossy(value);
                 let addr: SocketAddr = text.parse().map_err(|e| {
                     setup_err(format!(
                         "rank {peer} published the address {text:?}, which is not ip:port ({e})"
                     ))
                 })?;
-                let conn = tokio::time::timeout_at(deadline, transport.connect(addr))
+                let conn = link::dial(transport, addr, &hello, deadline)
                     .await
-                    .map_err(|_| {
-                        setup_err(format!(
-                            "timed out connecting to rank {peer} at {addr} after {timeout:?}"
-                        ))
-                    })?
-                    .map_err(|e| {
-                        setup_err(format!("cannot connect to rank {peer} at {addr}: {e}"))
-                    })?;
-                let conn: Arc<dyn Connection> = Arc::from(conn);
-                tokio::time::timeout_at(deadline, conn.send(hello.frame()))
-                    .await
-                    .map_err(|_| setup_err(format!("timed out greeting rank {peer} at {addr}")))?
-                    .map_err(|e| setup_err(format!("cannot greet rank {peer} at {addr}: {e}")))?;
-                connected.push((peer, conn));
+                    .map_err(|e| setup_err(format!("rank {peer}: {e}")))?;
+                lock_join()
+                    .handle_connected(peer, true)
+                    .map_err(|e| setup_err(e.to_string()))?;
+                connected.push((peer as usize, Arc::from(conn)));
             }
             Ok(connected)
         };
 
         let (accepted, connected) = tokio::try_join!(accept, connect)?;
         drop(listener);
+        let mut conns: Vec<Option<Arc<dyn Connection>>> = (0..world).map(|_| None).collect();
         for (peer, conn) in accepted.into_iter().chain(connected) {
             conns[peer] = Some(conn);
         }
@@ -424,6 +486,7 @@ impl Mesh {
                 })
                 .collect(),
             failure,
+            sink: std::sync::OnceLock::new(),
         });
         let readers = (0..world)
             .filter(|peer| *peer != rank)
@@ -435,6 +498,22 @@ impl Mesh {
             world,
             readers,
         })
+    }
+
+    /// Sends the frames on these connections that are not the group's own (every kind but
+    /// [`FrameKind::Collective`]) to `sink`; `false` if a sink was set already.
+    pub(crate) fn route_frames(&self, sink: Arc<dyn FrameSink>) -> bool {
+        self.shared.sink.set(sink).is_ok()
+    }
+
+    /// The connection to each other rank, by world rank.
+    pub(crate) fn connections(&self) -> Vec<(usize, Arc<dyn Connection>)> {
+        self.shared
+            .peers
+            .iter()
+            .enumerate()
+            .filter_map(|(r, l)| l.as_ref().map(|l| (r, Arc::clone(&l.conn))))
+            .collect()
     }
 
     /// This rank.
@@ -543,6 +622,7 @@ impl Mesh {
             reason: "no connection to that rank".to_owned(),
         })?;
         let mut header = BytesMut::with_capacity(DATA_HEADER_LEN);
+        header.put_u8(DATA_TAG);
         header.put_u64_le(seq);
         header.put_slice(signature);
         let payloads = if payload.is_empty() {
@@ -551,7 +631,7 @@ impl Mesh {
             vec![payload]
         };
         link.conn
-            .send(Frame::message(header.freeze(), payloads))
+            .send(Frame::collective(header.freeze(), payloads))
             .await
             .map_err(|e| {
                 self.broken().unwrap_or_else(|| ProcessGroupError::Send {
@@ -649,6 +729,16 @@ impl GroupMesh {
             rank,
             closed: std::sync::OnceLock::new(),
         })
+    }
+
+    /// See [`Mesh::route_frames`]; on the world group only (`false` on a subgroup).
+    pub(crate) fn route_frames(&self, sink: Arc<dyn FrameSink>) -> bool {
+        self.id == 0 && self.mesh.route_frames(sink)
+    }
+
+    /// The connections under the group, by world rank.
+    pub(crate) fn connections(&self) -> Vec<(usize, Arc<dyn Connection>)> {
+        self.mesh.connections()
     }
 
     /// The group's id (0: the world group).
@@ -781,11 +871,11 @@ impl GroupMesh {
 }
 
 fn parse_data_header(header: &[u8]) -> Option<(u64, [u8; SIGNATURE_LEN])> {
-    if header.len() != DATA_HEADER_LEN {
+    if header.len() != DATA_HEADER_LEN || header[0] != DATA_TAG {
         return None;
     }
-    let seq = u64::from_le_bytes(header[..8].try_into().ok()?);
-    Some((seq, header[8..].try_into().ok()?))
+    let seq = u64::from_le_bytes(header[1..9].try_into().ok()?);
+    Some((seq, header[9..].try_into().ok()?))
 }
 
 /// Joins a frame's payloads into one message (a sender sends at most one).
@@ -803,15 +893,33 @@ fn message_bytes(payloads: Vec<Bytes>) -> Bytes {
     }
 }
 
-/// Reads `peer`'s connection until it ends, filing messages by sequence number.
+/// Reads `peer`'s connection until it ends: the group's own frames are filed by sequence
+/// number or acted on; every other frame goes to the [`FrameSink`], on this task.
 async fn read_loop(shared: Arc<Shared>, peer: usize) {
     let Some(link) = shared.peer(peer) else {
         return;
     };
     let rank = shared.rank;
     let reason = loop {
-        match link.conn.recv().await {
-            Ok(frame) if frame.kind == FrameKind::Message => {
+        let frame = match link.conn.recv().await {
+            Ok(frame) => frame,
+            Err(e) => break e.to_string(),
+        };
+        if frame.kind != FrameKind::Collective {
+            let Some(sink) = shared.sink.get() else {
+                break format!(
+                    "it sent a {:?} frame, which a process group does not take",
+                    frame.kind
+                );
+            };
+            if let Err(reason) = sink.on_frame(peer, &link.conn, frame) {
+                let _ = link.conn.close().await;
+                break reason;
+            }
+            continue;
+        }
+        match frame.header.first() {
+            Some(&DATA_TAG) => {
                 let Some((seq, signature)) = parse_data_header(&frame.header) else {
                     break format!(
                         "it sent a collective message with a malformed {}-byte header",
@@ -826,10 +934,13 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
                     },
                 );
             }
-            Ok(frame) => match postcard::from_bytes::<Control>(&frame.header) {
+            Some(&CONTROL_TAG) => match postcard::from_bytes::<Control>(&frame.header[1..]) {
                 Ok(Control::Goodbye) => {
                     debug!(rank, peer, "peer said goodbye");
                     link.inbox.close(PeerStatus::Left);
+                    if let Some(sink) = shared.sink.get() {
+                        sink.on_closed(peer, "it shut its group down");
+                    }
                     return;
                 }
                 Ok(Control::Abort { rank: dead, reason }) => {
@@ -868,27 +979,25 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
                     warn!(rank, peer, %error, "peer reports a disagreement");
                     shared.fail(error);
                 }
-                Ok(Control::Hello { .. }) => {
-                    break "it sent a second hello on an established connection".to_owned()
-                }
                 Err(e) => break format!("it sent a malformed control frame ({e})"),
             },
-            Err(e) => break e.to_string(),
+            _ => break "it sent a group frame with an unknown tag".to_owned(),
         }
     };
+    if let Some(sink) = shared.sink.get() {
+        sink.on_closed(peer, &reason);
+    }
     if matches!(link.inbox.status(), PeerStatus::Left) {
         return;
     }
     warn!(rank, peer, %reason, "rank died");
-    link.inbox.close(PeerStatus::Dead);
+    // The failure is recorded before any inbox closes (`fail` closes them all), so that a
+    // collective woken by the close reports why, not just that the connection closed.
     let first = shared.fail(ProcessGroupError::PeerDied {
         rank: peer,
         reported_by: None,
         reason: reason.clone(),
     });
-    for other in shared.peers.iter().flatten() {
-        other.inbox.close(PeerStatus::Dead);
-    }
     if first {
         // Tell the others, in case they cannot see it (a half-open connection elsewhere).
         let abort = Control::Abort {
@@ -912,11 +1021,6 @@ mod tests {
     #[test]
     fn control_messages_round_trip() {
         for c in [
-            Control::Hello {
-                group: "g".into(),
-                rank: 3,
-                world: 8,
-            },
             Control::Goodbye,
             Control::Abort {
                 rank: 2,
@@ -930,21 +1034,28 @@ mod tests {
             },
         ] {
             let frame = c.frame();
-            assert_eq!(frame.kind, FrameKind::Control);
-            assert_eq!(postcard::from_bytes::<Control>(&frame.header).unwrap(), c);
+            assert_eq!(frame.kind, FrameKind::Collective);
+            assert_eq!(frame.header[0], CONTROL_TAG);
+            assert_eq!(
+                postcard::from_bytes::<Control>(&frame.header[1..]).unwrap(),
+                c
+            );
         }
     }
 
     #[test]
     fn data_headers_are_checked() {
         let mut h = BytesMut::new();
+        h.put_u8(DATA_TAG);
         h.put_u64_le(77);
         let barrier = Signature::Barrier.encode();
         h.put_slice(&barrier);
         assert_eq!(parse_data_header(&h), Some((77, barrier)));
+        assert_eq!(parse_data_header(&h[..10]), None);
         assert_eq!(parse_data_header(&h[..9]), None);
-        assert_eq!(parse_data_header(&h[..8]), None);
         assert_eq!(parse_data_header(b""), None);
+        h[0] = CONTROL_TAG;
+        assert_eq!(parse_data_header(&h), None);
     }
 
     #[test]

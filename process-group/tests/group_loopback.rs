@@ -900,3 +900,155 @@ async fn a_receive_that_times_out_names_the_sender_and_the_group_goes_on() {
         Some("recv #0 on rank 0 timed out after 300ms waiting for rank(s) 1")
     );
 }
+
+/// A sink that records the frames it is given and the peers whose connections ended; it
+/// refuses a frame whose header is `bad`.
+#[derive(Default)]
+struct Recorder {
+    frames: std::sync::Mutex<Vec<(usize, Vec<u8>)>>,
+    closed: std::sync::Mutex<Vec<usize>>,
+}
+
+impl tensorwire_process_group::FrameSink for Recorder {
+    fn on_frame(
+        &self,
+        peer: usize,
+        _conn: &Arc<dyn tensorwire_core::ports::transport::Connection>,
+        frame: tensorwire_core::wire::Frame,
+    ) -> Result<(), String> {
+        if &frame.header[..] == b"bad" {
+            return Err("sent a bad frame".to_owned());
+        }
+        self.frames
+            .lock()
+            .unwrap()
+            .push((peer, frame.header.to_vec()));
+        Ok(())
+    }
+
+    fn on_closed(&self, peer: usize, _reason: &str) {
+        self.closed.lock().unwrap().push(peer);
+    }
+}
+
+/// Frames of another layer, sent on a group's connections, reach the sink set on the world
+/// group in order, on the same connections as the collectives running beside them; a frame
+/// the sink refuses breaks the group naming the sender.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_frames_share_the_connections_with_the_collectives() {
+    use tensorwire_core::wire::Frame;
+    bounded(async {
+        let gs = groups(3, "shared", Duration::from_secs(20)).await;
+        let sinks: Vec<Arc<Recorder>> = (0..3).map(|_| Arc::new(Recorder::default())).collect();
+        for (g, s) in gs.iter().zip(&sinks) {
+            g.route_frames(s.clone()).unwrap();
+            // Once only, and on the world group only.
+            assert!(g.route_frames(s.clone()).is_err());
+            assert_eq!(g.connections().len(), 2);
+        }
+        // Every rank sends each other rank 50 frames of its own, between collectives.
+        let gathered = on_all(&gs, |g| async move {
+            let mut all = Vec::new();
+            for i in 0..50u8 {
+                for (_, conn) in g.connections() {
+                    conn.send(Frame::message(vec![g.rank() as u8, i], Vec::new()))
+                        .await
+                        .unwrap();
+                }
+                if i % 10 == 0 {
+                    all.push(g.all_gather_object(&(g.rank(), i)).await.unwrap());
+                }
+            }
+            g.barrier().await.unwrap();
+            all
+        })
+        .await;
+        for all in gathered {
+            assert_eq!(all.len(), 5);
+        }
+        for (rank, s) in sinks.iter().enumerate() {
+            let frames = s.frames.lock().unwrap().clone();
+            for peer in (0..3).filter(|p| *p != rank) {
+                let from: Vec<u8> = frames
+                    .iter()
+                    .filter(|(p, _)| *p == peer)
+                    .map(|(_, h)| {
+                        assert_eq!(h[0] as usize, peer);
+                        h[1]
+                    })
+                    .collect();
+                assert_eq!(
+                    from,
+                    (0..50).collect::<Vec<u8>>(),
+                    "rank {rank} from {peer}"
+                );
+            }
+        }
+        // A frame the sink refuses drops that peer: the group breaks naming it.
+        let (_, to_zero) = gs[1]
+            .connections()
+            .into_iter()
+            .find(|(p, _)| *p == 0)
+            .unwrap();
+        to_zero
+            .send(Frame::message(b"bad".to_vec(), Vec::new()))
+            .await
+            .unwrap();
+        let e = gs[0].barrier().await.unwrap_err();
+        assert!(
+            matches!(e, ProcessGroupError::PeerDied { rank: 1, .. }),
+            "{e}"
+        );
+        assert!(sinks[0].closed.lock().unwrap().contains(&1));
+    })
+    .await;
+}
+
+/// A group whose frames no other layer takes treats another layer's frame as a broken peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_without_a_sink_takes_a_foreign_frame_as_a_broken_peer() {
+    use tensorwire_core::wire::Frame;
+    bounded(async {
+        let gs = groups(2, "nosink", Duration::from_secs(20)).await;
+        let (_, conn) = gs[1].connections().pop().unwrap();
+        conn.send(Frame::message(b"rpc?".to_vec(), Vec::new()))
+            .await
+            .unwrap();
+        let e = gs[0].barrier().await.unwrap_err();
+        assert!(
+            matches!(&e, ProcessGroupError::PeerDied { rank: 1, reason, .. } if reason.contains("does not take")),
+            "{e}"
+        );
+    })
+    .await;
+}
+
+/// A connection that says nothing holds up no other rank's: setup completes with it open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_connection_does_not_hold_up_setup() {
+    use tensorwire_core::ports::transport::Transport;
+    bounded(async {
+        let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+        let t = transport();
+        let options = || GroupOptions::new("silent").with_timeout(Duration::from_secs(20));
+        let one = tokio::spawn(Group::connect(store.clone(), t.clone(), 1, 2, options()));
+        let key = tensorwire_process_group::mesh::address_key("silent", 1);
+        store.wait(&[&key], Duration::from_secs(20)).await.unwrap();
+        let addr: std::net::SocketAddr = String::from_utf8(store.get(&key).await.unwrap())
+            .unwrap()
+            .parse()
+            .unwrap();
+        // Authenticated (it has the secret), then silent.
+        let _silent = t.connect(addr).await.unwrap();
+        // Read in turn, the silent one would keep rank 1 from rank 0's hello until the setup
+        // deadline, and both would fail.
+        let zero = Group::connect(store.clone(), t.clone(), 0, 2, options())
+            .await
+            .unwrap();
+        let one = one.await.unwrap().unwrap();
+        on_all(&[zero, one], |g| async move { g.barrier().await.unwrap() }).await;
+        // Its address is gone from the store once every lower rank connected.
+        assert!(!store.check(&[&key]).await.unwrap());
+    })
+    .await;
+}

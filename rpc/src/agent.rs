@@ -3,8 +3,10 @@
 //! One driver task owns the rhythm: it takes messages the endpoint wants sent and hands them to
 //! per-peer writer tasks (one per connection, so messages to a peer keep their order), takes
 //! events and dispatches them (run a function, complete a caller's future, drop a value), and
-//! sleeps until the endpoint's next timer or until something changes. Reader tasks, one per
-//! connection, feed received frames into the endpoint.
+//! sleeps until the endpoint's next timer or until something changes. Received frames are fed
+//! into the endpoint on the connection's reader task: in a static group the world process
+//! group's (the agent shares its connections, see [`FrameSink`]), in a dynamic group the
+//! agent's own.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -19,23 +21,25 @@ use serde::{Deserialize, Serialize};
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::device::{Device, DeviceMaps};
 use tensorwire_core::name::check_worker_name;
+use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
-use tensorwire_core::ports::transport::{Connection, Transport, TransportError};
+use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::protocol::{
-    membership, CallError, ConfirmError, DebugInfo, Endpoint, EndpointConfig, Event, Header,
-    JoinError, JoinMessage, MessageId, Payload, RRefForkData, RRefHandle, RRefId, RemoteError,
-    RemoteErrorKind, RequestToken, ShutdownError, StaticJoin, Transmit, WaitId, WorkerId,
+    CallError, ConfirmError, DebugInfo, Endpoint, EndpointConfig, Event, Header, MessageId,
+    Payload, RRefForkData, RRefHandle, RRefId, RemoteError, RemoteErrorKind, RequestToken,
+    ShutdownError, Transmit, WaitId, WorkerId,
 };
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
 use tensorwire_core::wire::{Frame, FrameKind};
-use tensorwire_process_group::backoff::Backoff;
-use tensorwire_process_group::{rendezvous, Rendezvous, RendezvousOptions};
+use tensorwire_process_group::{
+    rendezvous, CollectivesExt, FrameSink, Group, GroupOptions, Rendezvous, RendezvousOptions,
+};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::{debug, info, warn};
 
 use crate::clock::{Clock, TokioClock};
-use crate::codec::{self, Envelope, Hello};
+use crate::codec::{self, Envelope};
 use crate::error::RpcError;
 use crate::functions::{Functions, HandlerError, Invocation, Value};
 use crate::options::RpcOptions;
@@ -261,6 +265,9 @@ pub(crate) struct Inner {
     store: Mutex<Option<Arc<dyn Store>>>,
     device_maps: DeviceMaps,
     pub(crate) rendezvous: Mutex<Option<Rendezvous>>,
+    /// A static group's world process group, whose connections the agent shares; shut down
+    /// with the agent.
+    group: Mutex<Option<Group>>,
     tasks: Mutex<Tasks>,
     /// The one clock the driver reads time from and sleeps on.
     pub(crate) clock: Arc<dyn Clock>,
@@ -320,19 +327,24 @@ pub(crate) fn advertise_ip(options: &RpcOptions) -> Result<IpAddr, RpcError> {
 }
 
 /// Starts the agent of worker `name` with rank `rank` in a static group of `world_size`
-/// workers: rendezvous, then the backend named in `options.backend` (see
-/// [`register_backend`](crate::register_backend); `TCP` by default) exchanges and validates the
-/// device plans, connects to every peer, and ends with a handshake over those connections. A bad
-/// device map fails init on every worker with the same error.
+/// workers, as PyTorch's `init_rpc`: rendezvous, then the backend named in `options.backend`
+/// (see [`register_backend`](crate::register_backend); `TCP` by default) sets up the world
+/// process group over its transport (one connection per pair of workers), gathers every
+/// worker's record (name, devices, device maps) with its `all_gather_object`, validates them
+/// (the same error on every worker: duplicate names, bad device maps), and starts the agent over
+/// the group's connections, ending with a barrier. Calls and the group's collectives share
+/// those connections; the store holds no worker record at any time.
 ///
 /// In a static group, when `init_rpc` returns on any worker, every worker is connected to every
 /// other, and no worker still needs the store for init: rank 0, which hosts the store, may
-/// shut down and exit at once without failing anyone's init.
+/// shut down and exit at once without failing anyone's init. An init that does not finish in
+/// `init_timeout` fails with [`RpcError::Timeout`] naming the ranks it waited for.
 ///
 /// With `world_size = None` the group is dynamic: the worker joins the members that are there
 /// (rank 0 first: it hosts the store), validating everyone's device maps by the dynamic rules,
-/// and `shutdown` makes it leave; see the `dynamic` module of this crate. Static and dynamic
-/// workers never share a group.
+/// and `shutdown` makes it leave; see the `dynamic` module of this crate. A dynamic group has
+/// no process group (nor has PyTorch's), but dials and greets with the same functions
+/// (`tensorwire_process_group::link`). Static and dynamic workers never share a group.
 pub async fn init_rpc(
     name: &str,
     rank: usize,
@@ -412,12 +424,12 @@ pub(crate) fn cluster_secret(options: &RpcOptions) -> Result<Option<ClusterSecre
         .map_err(|e| RpcError::Init(e.to_string()))
 }
 
-/// The agent over `transport`, for a backend's `init_backend`: publishes this worker's record
-/// and device plan in the rendezvous store, validates everyone's device maps, connects to every
-/// peer (this worker connects to the higher ranks and accepts the lower ones), and ends with a
-/// handshake over those connections (see [`init_rpc`] for what that guarantees). With
-/// `world_size = None` it joins a dynamic group instead. A static init that fails shuts the
-/// rendezvous down (a store this worker hosts is closed) before it returns the error.
+/// The agent over `transport`, for a backend's `init_backend`: the world process group over
+/// `transport` on the rendezvous store, an `all_gather_object` of the worker records, their
+/// validation, then the agent over the group's connections (see [`init_rpc`] for what that
+/// guarantees). With `world_size = None` it joins a dynamic group instead. A static init that
+/// fails shuts the group and the rendezvous down (a store this worker hosts is closed) before
+/// it returns the error.
 pub async fn start_agent(
     transport: Arc<dyn Transport>,
     rdv: Rendezvous,
@@ -438,9 +450,9 @@ pub async fn start_agent(
         return crate::dynamic::join(transport, rdv, name, rank, options).await;
     };
     let started = tokio::time::Instant::now();
-    let (listener, records) =
-        match exchange_records(&*transport, &rdv, name, rank, world_size, &options).await {
-            Ok(exchanged) => exchanged,
+    let (group, records) =
+        match join_static(transport, &rdv, name, rank, world_size, &options).await {
+            Ok(joined) => joined,
             Err(e) => {
                 rdv.shutdown().await;
                 return Err(e);
@@ -452,16 +464,7 @@ pub async fn start_agent(
         .rendezvous
         .lock()
         .unwrap_or_else(PoisonError::into_inner) = Some(rdv);
-    if let Err(e) = connect_static(
-        &agent,
-        Arc::clone(&transport),
-        listener,
-        &records,
-        world_size,
-        &options,
-    )
-    .await
-    {
+    if let Err(e) = agent.attach_group(group, options.init_timeout).await {
         agent.stop_and_release(tokio::time::Instant::now()).await;
         return Err(e);
     }
@@ -470,30 +473,37 @@ pub async fn start_agent(
     Ok(agent)
 }
 
-/// Publishes this worker's record in the store, reads everyone's and validates them: returns
-/// the listener peers will connect to and the records in rank order.
-async fn exchange_records(
-    transport: &dyn Transport,
+/// The name of the process group under a static RPC group (its store keys, its hello).
+pub(crate) const RPC_GROUP: &str = "rpc";
+
+/// Static groups, as DESIGN's init flow: the world process group over `transport` (one
+/// connection per pair of workers, which the agent then shares), an `all_gather_object` of the
+/// worker records, and their validation (names, device maps). The store holds no record.
+async fn join_static(
+    transport: Arc<dyn Transport>,
     rdv: &Rendezvous,
     name: &str,
     rank: usize,
     world_size: usize,
     options: &RpcOptions,
-) -> Result<
-    (
-        Box<dyn tensorwire_core::ports::transport::Listener>,
-        Vec<WorkerRecord>,
-    ),
-    RpcError,
-> {
-    let store = &*rdv.store;
-    let me_id = rank as WorkerId;
-    let listener = transport
-        .listen(SocketAddr::new(advertise_ip(options)?, 0))
-        .await?;
+) -> Result<(Group, Vec<WorkerRecord>), RpcError> {
+    let ip = advertise_ip(options)?;
+    let group_options = GroupOptions::new(RPC_GROUP)
+        .with_listen(SocketAddr::new(ip, 0))
+        .with_timeout(options.init_timeout);
+    let group = Group::connect(
+        Arc::clone(&rdv.store),
+        transport,
+        rank,
+        world_size,
+        group_options,
+    )
+    .await
+    .map_err(|e| init_error(e, "connecting to every worker", options.init_timeout))?;
     let record = WorkerRecord {
-        rank: me_id,
-        addr: listener.local_addr(),
+        rank: rank as WorkerId,
+        // Nobody dials this: the group's connections are the agent's.
+        addr: SocketAddr::new(ip, 0),
         devices: WorkerDeviceInfo {
             name: name.to_owned(),
             device_count: options.device_backend.device_count(),
@@ -501,54 +511,35 @@ async fn exchange_records(
             device_maps: options.device_maps.clone(),
         },
     };
-    let encoded = postcard::to_allocvec(&record).map_err(|e| RpcError::Serialization {
-        what: "the worker record".into(),
-        message: e.to_string(),
-    })?;
-    store.set(&format!("rpc/worker/{rank}"), &encoded).await?;
-    wait_ranks(
-        store,
-        "rpc/worker",
-        (0..world_size).collect(),
-        options.init_timeout,
-        "init_rpc: waiting for every worker's record",
-        rank_only,
-    )
-    .await?;
-    let keys: Vec<String> = (0..world_size).map(|r| format!("rpc/worker/{r}")).collect();
-    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let raw = store.multi_get(&key_refs).await?;
-    // Rank 0 hosts the store: it must not go away (say, on a validation error that every rank
-    // is about to find too) before every rank has read the records.
-    store.set(&format!("rpc/fetched/{rank}"), b"1").await?;
-    if rank == 0 {
-        wait_ranks(
-            store,
-            "rpc/fetched",
-            (0..world_size).collect(),
-            options.init_timeout,
-            "init_rpc: waiting for every worker to read the records",
-            rank_only,
-        )
-        .await?;
-        // Every worker has read every record: init needs none of these keys any more.
-        for r in 0..world_size {
-            for key in [format!("rpc/worker/{r}"), format!("rpc/fetched/{r}")] {
-                store.delete_key(&key).await?;
-            }
+    let records = match group.all_gather_object(&record).await {
+        Ok(records) => records,
+        Err(e) => {
+            group.shutdown().await;
+            return Err(init_error(
+                e,
+                "gathering every worker's record",
+                options.init_timeout,
+            ));
         }
+    };
+    if let Err(e) = validate_records(&records) {
+        group.shutdown().await;
+        return Err(e);
     }
-    let mut records = Vec::with_capacity(world_size);
-    for (r, bytes) in raw.iter().enumerate() {
-        let rec: WorkerRecord =
-            postcard::from_bytes(bytes).map_err(|e| RpcError::Serialization {
-                what: format!("the record of rank {r}"),
-                message: e.to_string(),
-            })?;
-        records.push(rec);
-    }
+    Ok((group, records))
+}
+
+/// Every worker's record is its own rank's, names are unique, and the device maps keep the
+/// rules of a static group.
+fn validate_records(records: &[WorkerRecord]) -> Result<(), RpcError> {
     let mut by_name = HashMap::new();
-    for rec in &records {
+    for (r, rec) in records.iter().enumerate() {
+        if rec.rank as usize != r {
+            return Err(RpcError::Init(format!(
+                "rank {r} sent the record of rank {}",
+                rec.rank
+            )));
+        }
         if let Some(other) = by_name.insert(rec.devices.name.clone(), rec.rank) {
             return Err(RpcError::Init(format!(
                 "worker name {:?} is used by ranks {other} and {}",
@@ -557,9 +548,61 @@ async fn exchange_records(
         }
     }
     let infos: Vec<WorkerDeviceInfo> = records.iter().map(|r| r.devices.clone()).collect();
-    validate_device_maps(&infos, GroupKind::Static)
-        .map_err(|e| RpcError::DeviceMaps(Box::new(e)))?;
-    Ok((listener, records))
+    validate_device_maps(&infos, GroupKind::Static).map_err(|e| RpcError::DeviceMaps(Box::new(e)))
+}
+
+/// A failure of the group under init: a timeout names the ranks it waited for.
+fn init_error(e: ProcessGroupError, what: &str, after: Duration) -> RpcError {
+    let waiting_on = match &e {
+        ProcessGroupError::SetupTimeout { waiting_on, .. }
+        | ProcessGroupError::Timeout { waiting_on, .. } => waiting_on.clone(),
+        _ => return RpcError::ProcessGroup(e),
+    };
+    RpcError::Timeout {
+        what: format!("init_rpc: {what}"),
+        after,
+        waiting_for: Some(
+            waiting_on
+                .iter()
+                .map(|r| rank_only(*r))
+                .collect::<Vec<_>>()
+                .join(", "),
+        ),
+    }
+}
+
+/// The agent's side of its static group's connections: the frames that are not the group's
+/// own, handled on the connection's reader task as the agent's own readers would. It holds
+/// the agent as a reader task does; the agent's shutdown lets go of the group, whose readers
+/// then end, and with them this.
+struct AgentFrames(Agent);
+
+impl FrameSink for AgentFrames {
+    fn on_frame(
+        &self,
+        peer: usize,
+        conn: &Arc<dyn Connection>,
+        frame: Frame,
+    ) -> Result<(), String> {
+        let agent = &self.0;
+        let peer = peer as WorkerId;
+        agent
+            .on_frame(peer, frame, conn.cheap_sends())
+            .inspect_err(|reason| agent.peer_lost_on(peer, reason, conn))
+    }
+
+    fn on_closed(&self, peer: usize, reason: &str) {
+        let agent = &self.0;
+        let peer = peer as WorkerId;
+        let current = {
+            let st = agent.lock();
+            st.ep.state() == tensorwire_core::protocol::RunState::Running
+                && st.peers.contains_key(&peer)
+        };
+        if current {
+            agent.peer_lost(peer, reason);
+        }
+    }
 }
 
 impl Agent {
@@ -602,6 +645,7 @@ impl Agent {
             device_maps: options.device_maps.clone(),
             metrics: crate::metrics::AgentMetrics::new(name),
             rendezvous: Mutex::new(None),
+            group: Mutex::new(None),
             tasks: Mutex::new(Tasks::default()),
             clock: Arc::new(TokioClock),
             peer_events: crate::peer_events::PeerEventHub::new(),
@@ -611,208 +655,6 @@ impl Agent {
         });
         Agent { inner }
     }
-}
-
-/// The closing handshake's messages on the wire (see `tensorwire_core::protocol::membership`).
-const READY: &[u8] = b"tensorwire-init-ready/1";
-const GO: &[u8] = b"tensorwire-init-go/1";
-
-fn join_frame(msg: JoinMessage) -> Frame {
-    let bytes = match msg {
-        JoinMessage::Ready => READY,
-        JoinMessage::Go => GO,
-    };
-    Frame::control(bytes.to_vec(), vec![])
-}
-
-fn join_message(frame: &Frame) -> Option<JoinMessage> {
-    if frame.kind != FrameKind::Control {
-        return None;
-    }
-    match &frame.header[..] {
-        READY => Some(JoinMessage::Ready),
-        GO => Some(JoinMessage::Go),
-        _ => None,
-    }
-}
-
-/// What the tasks of a static join report to its driver loop.
-enum JoinInput {
-    /// A connection is up: dialled by us, or accepted with its hello.
-    Connected(WorkerId, bool, Box<dyn Connection>),
-    /// The handshake frame read from a peer's connection.
-    Heard(WorkerId, Result<Frame, TransportError>),
-    /// Dialling a peer failed for good.
-    DialFailed(RpcError),
-}
-
-/// Static groups: drives the join decided by `core::protocol::membership::StaticJoin` (who
-/// dials whom, when the group is complete, the closing handshake with rank 0, the deadline);
-/// this only moves connections and frames. When init ends, the connections go to the agent.
-async fn connect_static(
-    agent: &Agent,
-    transport: Arc<dyn Transport>,
-    listener: Box<dyn tensorwire_core::ports::transport::Listener>,
-    records: &[WorkerRecord],
-    world_size: usize,
-    options: &RpcOptions,
-) -> Result<(), RpcError> {
-    let me_id = agent.inner.me.id;
-    let name = agent.inner.me.name.clone();
-    let deadline = crate::clock::deadline_after(agent.now(), options.init_timeout);
-    let mut join = StaticJoin::new(me_id, world_size as u32, Some(deadline));
-    let (tx, mut rx) = mpsc::unbounded_channel::<JoinInput>();
-    // Dropped on every way out, which ends the accepting, dialling and reading.
-    let mut tasks = tokio::task::JoinSet::new();
-    let accepts = join.accepts();
-    let accept_tx = tx.clone();
-    tasks.spawn(async move {
-        let mut hellos = tokio::task::JoinSet::new();
-        for _ in 0..accepts {
-            match listener.accept().await {
-                Ok(conn) => {
-                    let tx = accept_tx.clone();
-                    hellos.spawn(async move {
-                        match tokio::time::timeout(Duration::from_secs(30), conn.recv()).await {
-                            Ok(Ok(frame)) => match postcard::from_bytes::<Hello>(&frame.header) {
-                                Ok(h) => {
-                                    let _ = tx.send(JoinInput::Connected(h.rank, false, conn));
-                                }
-                                Err(e) => warn!(
-                                    "dropping a connection from {} that sent no valid hello: {e}",
-                                    conn.peer_addr()
-                                ),
-                            },
-                            Ok(Err(e)) => {
-                                warn!("dropping a connection that failed before its hello: {e}")
-                            }
-                            Err(_) => warn!(
-                                "dropping a connection from {} that sent no hello in 30 s",
-                                conn.peer_addr()
-                            ),
-                        }
-                    });
-                }
-                Err(e) => {
-                    warn!("the RPC listener failed: {e}");
-                    break;
-                }
-            }
-        }
-        drop(listener);
-        while hellos.join_next().await.is_some() {}
-    });
-    let hello = postcard::to_allocvec(&Hello {
-        rank: me_id,
-        name: name.clone(),
-        record: None,
-    })
-    .map_err(|e| RpcError::Serialization {
-        what: "hello".into(),
-        message: e.to_string(),
-    })?;
-    for peer in join.dials() {
-        let Some(rec) = records.iter().find(|r| r.rank == peer).cloned() else {
-            return Err(RpcError::Init(format!("no record of rank {peer}")));
-        };
-        let (tx, hello) = (tx.clone(), hello.clone());
-        let limit = options.init_timeout;
-        let transport = Arc::clone(&transport);
-        tasks.spawn(async move {
-            let input = match connect_with_retry(&*transport, rec.addr, limit).await {
-                Ok(conn) => match conn.send(Frame::control(hello, vec![])).await {
-                    Ok(()) => JoinInput::Connected(peer, true, conn),
-                    Err(e) => JoinInput::DialFailed(e.into()),
-                },
-                Err(e) => JoinInput::DialFailed(RpcError::Init(format!(
-                    "cannot connect to {} (rank {}) at {}: {e}",
-                    rec.devices.name, rec.rank, rec.addr
-                ))),
-            };
-            let _ = tx.send(input);
-        });
-    }
-    let mut conns: HashMap<WorkerId, Arc<dyn Connection>> = HashMap::new();
-    let outcome = loop {
-        while let Some((to, msg)) = join.poll_transmit() {
-            let sent = match conns.get(&to) {
-                Some(conn) => conn.send(join_frame(msg)).await.is_ok(),
-                None => false,
-            };
-            if !sent {
-                join.handle_lost(to);
-            }
-        }
-        if let Some(outcome) = join.poll_outcome() {
-            break outcome;
-        }
-        let at = join.poll_timeout().unwrap_or(deadline);
-        tokio::select! {
-            input = rx.recv() => match input {
-                Some(JoinInput::Connected(peer, dialled, conn)) => {
-                    match join.handle_connected(peer, dialled) {
-                        Ok(()) => {
-                            let conn: Arc<dyn Connection> = Arc::from(conn);
-                            if join.hears_from(peer) {
-                                tasks.spawn(read_one(peer, Arc::clone(&conn), tx.clone()));
-                            }
-                            conns.insert(peer, conn);
-                        }
-                        Err(e) => warn!("dropping a connection during init: {e}"),
-                    }
-                }
-                Some(JoinInput::Heard(peer, Ok(frame))) => {
-                    match join_message(&frame).map(|m| join.handle_message(peer, m)) {
-                        Some(Ok(())) => {}
-                        Some(Err(e)) => warn!("during init: {e}"),
-                        None => warn!(
-                            "{} sent something else than the init handshake",
-                            agent.describe(peer as usize)
-                        ),
-                    }
-                }
-                Some(JoinInput::Heard(peer, Err(e))) => {
-                    debug!("the connection to rank {peer} failed during init: {e}");
-                    join.handle_lost(peer);
-                }
-                Some(JoinInput::DialFailed(e)) => return Err(e),
-                None => join.handle_timeout(deadline),
-            },
-            () = agent.inner.clock.sleep_until(at) => join.handle_timeout(agent.now()),
-        }
-    };
-    // Ends the accepting and the reading of handshake frames (each read one already), so the
-    // agent's readers are the only ones left.
-    tasks.abort_all();
-    while tasks.join_next().await.is_some() {}
-    outcome.map_err(|e| match e {
-        JoinError::Timeout { phase, missing } => RpcError::Timeout {
-            what: format!("init_rpc: {}", membership::describe(phase)),
-            after: options.init_timeout,
-            waiting_for: Some(
-                missing
-                    .iter()
-                    .map(|r| agent.describe(*r as usize))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            ),
-        },
-        JoinError::Lost { peer } => RpcError::Init(format!(
-            "the connection to {} was lost before init ended",
-            agent.describe(peer as usize)
-        )),
-        other => RpcError::Init(other.to_string()),
-    })?;
-    for (peer, conn) in conns {
-        agent.attach_shared(peer, conn);
-    }
-    Ok(())
-}
-
-/// Reads the one handshake frame a peer sends during init.
-async fn read_one(peer: WorkerId, conn: Arc<dyn Connection>, tx: mpsc::UnboundedSender<JoinInput>) {
-    let heard = conn.recv().await;
-    let _ = tx.send(JoinInput::Heard(peer, heard));
 }
 
 /// `url` with `rank` and `world_size` added to its query where it lacks them, for every scheme,
@@ -829,29 +671,6 @@ fn with_rank(url: &str, rank: usize, world_size: usize) -> String {
         }
     }
     out
-}
-
-pub(crate) async fn connect_with_retry(
-    transport: &dyn Transport,
-    addr: SocketAddr,
-    limit: Duration,
-) -> Result<Box<dyn Connection>, String> {
-    let deadline = crate::clock::tokio_deadline_after(limit);
-    let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
-    loop {
-        match transport.connect(addr).await {
-            Ok(c) => return Ok(c),
-            Err(e @ TransportError::Authentication { .. }) => return Err(e.to_string()),
-            Err(e) => {
-                let delay = backoff.next_delay();
-                if tokio::time::Instant::now() + delay > deadline {
-                    return Err(e.to_string());
-                }
-                debug!("connect to {addr} failed ({e}); retrying in {delay:?}");
-                tokio::time::sleep(delay).await;
-            }
-        }
-    }
 }
 
 /// Waits until every rank in `ranks` has set `{prefix}/{rank}` in the store. On timeout the
@@ -1614,15 +1433,45 @@ impl Agent {
         }
     }
 
-    /// Gathers one value from every worker, in rank order (through the store). Every worker must
-    /// call it with the same `name`; once every worker has its values the store holds no key of
-    /// it (the last worker to finish removes them), so a name may be used again after that.
+    /// Gathers one value from every worker, in rank order.
+    ///
+    /// In a static group it runs as an `all_gather_object` of the world process group, over
+    /// the agent's connections (no store key): every worker calls `all_gather`s and
+    /// [`barrier`](Self::barrier)s in the same order, and `name` only labels errors. It is
+    /// bounded by `timeout`; a timeout breaks the group, so later barriers and all_gathers fail
+    /// with the same error (calls go on).
+    ///
+    /// In a dynamic group (which has no process group) it runs through the store: every worker
+    /// must call it with the same `name`; once every worker has its values the store holds no
+    /// key of it (the last worker to finish removes them), so a name may be used again after
+    /// that.
     pub async fn all_gather<T: Serialize + DeserializeOwned>(
         &self,
         name: &str,
         value: &T,
         timeout: Duration,
     ) -> Result<Vec<T>, RpcError> {
+        if let Some(group) = self.group() {
+            let bytes = postcard::to_allocvec(value).map_err(|e| RpcError::Serialization {
+                what: format!("the all_gather {name:?} value"),
+                message: e.to_string(),
+            })?;
+            let blocks = group
+                .all_gather_work(bytes)
+                .wait(timeout)
+                .await
+                .map_err(|e| self.group_error(e, &format!("all_gather {name:?}"), timeout))?;
+            return blocks
+                .iter()
+                .enumerate()
+                .map(|(r, b)| {
+                    postcard::from_bytes(b).map_err(|e| RpcError::Serialization {
+                        what: format!("the all_gather {name:?} value of rank {r}"),
+                        message: e.to_string(),
+                    })
+                })
+                .collect();
+        }
         let me = self.inner.me.id;
         let ranks = self.members().ranks();
         let bytes = postcard::to_allocvec(value).map_err(|e| RpcError::Serialization {
@@ -1662,10 +1511,21 @@ impl Agent {
             .collect()
     }
 
-    /// Waits until every worker reached the barrier `name` (through the store). On timeout the
-    /// error names the ranks that did not arrive. Once every worker passed, the store holds no
-    /// key of it (the last worker through removes them).
+    /// Waits until every worker reached the barrier `name`. On timeout the error names the
+    /// workers that did not arrive.
+    ///
+    /// In a static group it is a monitored barrier of the world process group, over the
+    /// agent's connections (no store key); workers call barriers and
+    /// [`all_gather`](Self::all_gather)s in the same order, and `name` only labels errors. In
+    /// a dynamic group it runs through the store, and once every worker passed the store holds
+    /// no key of it (the last worker through removes them).
     pub async fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RpcError> {
+        if let Some(group) = self.group() {
+            return group
+                .monitored_barrier(Some(timeout), true)
+                .await
+                .map_err(|e| self.group_error(e, &format!("barrier {name:?}"), timeout));
+        }
         let me = self.inner.me.id;
         let ranks = self.members().ranks();
         let store = self.store()?;
@@ -1685,6 +1545,48 @@ impl Agent {
             .collect();
         let done = format!("rpc/barrier/{name}/done");
         leave_keys_behind_none(&*store, &done, ranks.len(), &keys).await
+    }
+
+    /// A static group's world process group: the group init ran over, whose connections the
+    /// agent shares (`None` in a dynamic group, which has none, as in PyTorch). Its
+    /// collectives (and subgroups) run beside the calls on the same connections; they are
+    /// numbered with the agent's own [`barrier`](Self::barrier)s and
+    /// [`all_gather`](Self::all_gather)s, so every worker issues all of them in the same
+    /// order. The agent's shutdown shuts it down.
+    pub fn process_group(&self) -> Option<Group> {
+        self.group()
+    }
+
+    /// A static group's world process group.
+    fn group(&self) -> Option<Group> {
+        self.inner
+            .group
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// A failed collective of the agent's group: a timeout names the workers it waited for.
+    fn group_error(&self, e: ProcessGroupError, what: &str, after: Duration) -> RpcError {
+        match e {
+            ProcessGroupError::Timeout { waiting_on, .. }
+            | ProcessGroupError::MonitoredBarrier {
+                missing: waiting_on,
+                ..
+            } => RpcError::Timeout {
+                what: what.to_owned(),
+                after,
+                waiting_for: Some(
+                    waiting_on
+                        .iter()
+                        .map(|r| self.describe(*r))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                ),
+            },
+            ProcessGroupError::ShutDown => RpcError::NotRunning,
+            other => RpcError::ProcessGroup(other),
+        }
     }
 
     /// Stops the agent, [`Shutdown::Graceful`](crate::Shutdown::Graceful) within its
@@ -1790,6 +1692,21 @@ impl Agent {
             writers.abort_all();
             while writers.join_next().await.is_some() {}
         }
+        // The group's goodbyes close the shared connections (its readers end with them).
+        let group = self
+            .inner
+            .group
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(group) = group {
+            if tokio::time::timeout_at(deadline, group.shutdown())
+                .await
+                .is_err()
+            {
+                debug!("the group's goodbyes did not all go out before the deadline");
+            }
+        }
         let store = self
             .inner
             .store
@@ -1879,11 +1796,34 @@ impl Agent {
 
     /// Registers the connection to `peer` and starts its reader and writer tasks.
     pub(crate) fn attach(&self, peer: WorkerId, conn: Box<dyn Connection>) {
-        self.attach_shared(peer, Arc::from(conn));
+        self.attach_conn(peer, Arc::from(conn), true);
     }
 
-    /// [`attach`](Self::attach), for a connection already shared (init's handshake read it).
-    fn attach_shared(&self, peer: WorkerId, conn: Arc<dyn Connection>) {
+    /// Shares the connections of the static group's world process group: its reader tasks
+    /// hand the agent's frames to the agent (see [`AgentFrames`]), the agent writes its own
+    /// beside the group's, and a barrier makes sure that every worker has attached before any
+    /// sends the others a call. The agent's shutdown shuts the group down.
+    async fn attach_group(&self, group: Group, timeout: Duration) -> Result<(), RpcError> {
+        let sink: Arc<dyn FrameSink> = Arc::new(AgentFrames(self.clone()));
+        let routed = group.route_frames(sink);
+        for (peer, conn) in group.connections() {
+            self.attach_conn(peer as WorkerId, conn, false);
+        }
+        *self
+            .inner
+            .group
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(group.clone());
+        routed.map_err(RpcError::ProcessGroup)?;
+        group
+            .barrier()
+            .await
+            .map_err(|e| init_error(e, "waiting for every worker to start", timeout))
+    }
+
+    /// Registers the connection to `peer` and starts its writer task, and its reader task if
+    /// `read` (else the connection's owner, the static group, reads it and keeps it open).
+    fn attach_conn(&self, peer: WorkerId, conn: Arc<dyn Connection>, read: bool) {
         if self.tasks().closed {
             // Shut down already: the connection closes here.
             return;
@@ -1923,7 +1863,9 @@ impl Agent {
                     return;
                 }
             }
-            let _ = writer_conn.close().await;
+            if read {
+                let _ = writer_conn.close().await;
+            }
         };
         let agent = self.clone();
         let cheap_sends = conn.cheap_sends();
@@ -1946,7 +1888,9 @@ impl Agent {
             }
         };
         self.track(true, writer);
-        self.spawn(reader);
+        if read {
+            self.spawn(reader);
+        }
     }
 
     /// Subscribes to what happens to peers: a peer lost (its connection broke; told once per

@@ -155,12 +155,3 @@ pub(crate) struct Envelope {
     /// The tensors whose bytes follow the encoded value as payloads, in order.
     pub(crate) tensors: Vec<TensorMeta>,
 }
-
-/// The first frame on every connection: who is speaking.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct Hello {
-    pub(crate) rank: WorkerId,
-    pub(crate) name: String,
-    /// In a dynamic group, the joining worker's record (address and device plan).
-    pub(crate) record: Option<crate::agent::WorkerRecord>,
-}

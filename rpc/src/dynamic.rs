@@ -22,12 +22,11 @@ use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::validate::WorkerDeviceInfo;
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::backoff::Backoff;
-use tensorwire_process_group::Rendezvous;
+use tensorwire_process_group::{link, Rendezvous};
 use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
-use crate::agent::{advertise_ip, connect_with_retry, drive, Agent, WorkerRecord};
-use crate::codec::Hello;
+use crate::agent::{advertise_ip, drive, Agent, WorkerRecord, RPC_GROUP};
 use crate::error::RpcError;
 use crate::options::RpcOptions;
 
@@ -423,16 +422,14 @@ async fn introduce(
     limit: Duration,
 ) -> Result<Box<dyn Connection>, Introduction> {
     let failed = |e: String| Introduction::Failed(e);
-    let hello = postcard::to_allocvec(&Hello {
+    let hello = link::Hello {
+        group: RPC_GROUP.to_owned(),
         rank: record.rank,
-        name: record.name().to_owned(),
-        record: Some(record.clone()),
-    })
-    .map_err(|e| failed(e.to_string()))?;
-    let conn = connect_with_retry(transport, addr, limit)
-        .await
-        .map_err(failed)?;
-    conn.send(Frame::control(hello, vec![]))
+        world: None,
+        introduction: postcard::to_allocvec(record).map_err(|e| failed(e.to_string()))?,
+    };
+    let deadline = crate::clock::tokio_deadline_after(limit);
+    let conn = link::dial(transport, addr, &hello, deadline)
         .await
         .map_err(|e| failed(e.to_string()))?;
     match tokio::time::timeout(limit.max(Duration::from_secs(1)), conn.recv()).await {
@@ -501,25 +498,25 @@ async fn accept_connections(agent: Agent, listener: Box<dyn Listener>) {
 
 async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
     let peer = conn.peer_addr();
-    let hello = match tokio::time::timeout(Duration::from_secs(30), conn.recv()).await {
-        Ok(Ok(frame)) => postcard::from_bytes::<Hello>(&frame.header),
-        Ok(Err(e)) => {
-            warn!("dropping a connection from {peer} that failed before its introduction: {e}");
+    let deadline = crate::clock::tokio_deadline_after(Duration::from_secs(30));
+    let hello = match link::read_hello(&*conn, deadline).await {
+        Ok(hello) if hello.group == RPC_GROUP && hello.world.is_none() => hello,
+        Ok(hello) => {
+            warn!("dropping a connection from {peer} with a hello for another group: {hello:?}");
             return;
         }
-        Err(_) => {
-            warn!("dropping a connection from {peer} that sent no introduction in 30 s");
+        Err(e) => {
+            warn!("dropping a connection: {e}");
             return;
         }
     };
-    let Ok(Hello {
-        rank,
-        record: Some(record),
-        ..
-    }) = hello
-    else {
-        warn!("dropping a connection from {peer} that sent no valid introduction");
-        return;
+    let rank = hello.rank;
+    let record = match postcard::from_bytes::<MemberRecord>(&hello.introduction) {
+        Ok(record) if record.rank == rank => record,
+        _ => {
+            warn!("dropping a connection from {peer} that sent no valid introduction");
+            return;
+        }
     };
     // The membership decides whether this connection is one it expects.
     let accepted = agent

@@ -75,6 +75,10 @@ pub enum RpcError {
     /// Rendezvous failed.
     #[error(transparent)]
     Rendezvous(#[from] RendezvousError),
+    /// The process group under a static group failed (it carries the agent's init, barriers
+    /// and all_gathers).
+    #[error(transparent)]
+    ProcessGroup(#[from] tensorwire_core::ports::process_group::ProcessGroupError),
     /// The store failed.
     #[error("store: {0}")]
     Store(#[from] StoreError),

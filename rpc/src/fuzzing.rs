@@ -10,17 +10,17 @@ use tensorwire_core::protocol::Header;
 use tensorwire_core::tensor::{Tensor, TensorMeta};
 use tensorwire_core::wire::Frame;
 
-use crate::codec::{Envelope, Hello};
+use crate::codec::Envelope;
 use crate::tensors;
 
 /// A decoded message's body: its bytes and the tensors beside them.
 pub type Body = (bytes::Bytes, Vec<Tensor>);
 
-/// Decodes `frame` as a connection's first frame (who is speaking), as the agent does.
-/// Returns the peer's rank and name.
+/// Decodes `frame` as a connection's first frame (who is speaking, for which group), as the
+/// agent's dynamic groups and process groups do. Returns the peer's rank and group.
 pub fn decode_hello(frame: &Frame) -> Result<(u32, String), String> {
-    let hello: Hello = postcard::from_bytes(&frame.header).map_err(|e| e.to_string())?;
-    Ok((hello.rank, hello.name))
+    let hello = tensorwire_process_group::link::Hello::from_frame(frame)?;
+    Ok((hello.rank, hello.group))
 }
 
 /// Decodes `frame` as a later message, as the agent does before handing it to its protocol
@@ -60,14 +60,16 @@ pub fn encode_message_header(header: &Header, tensors: &[TensorMeta]) -> Vec<u8>
     .expect("a header encodes")
 }
 
-/// Encodes a connection's first frame's header, as the agent sends it (static group).
-pub fn encode_hello(rank: u32, name: &str) -> Vec<u8> {
-    postcard::to_allocvec(&Hello {
+/// A connection's first frame, as [`decode_hello`] reads it: rank `rank` of group `group`,
+/// without a world size (as a dynamic group's joiner sends it).
+pub fn encode_hello(rank: u32, group: &str) -> Frame {
+    tensorwire_process_group::link::Hello {
+        group: group.to_owned(),
         rank,
-        name: name.to_owned(),
-        record: None,
-    })
-    .expect("a hello encodes")
+        world: None,
+        introduction: Vec::new(),
+    }
+    .frame()
 }
 
 /// Runs a future that never waits (the simulated device backend's copies).

@@ -14,7 +14,7 @@ use tensorwire_rpc::{
     init_rpc, Agent, CallError, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions,
 };
 
-use tensorwire_core::ports::store::Store;
+use tensorwire_core::ports::store::{Store, StoreError};
 use tensorwire_process_group::InMemoryStore;
 use tensorwire_rpc::memory::{MemoryNetwork, MemoryTransport};
 use tensorwire_rpc::{start_agent, Rendezvous};
@@ -1243,4 +1243,258 @@ async fn peer_events_tell_each_survivor_once_of_a_lost_worker() {
         }
     }
     let _ = dead.shutdown(tensorwire_rpc::Shutdown::Immediate).await;
+}
+
+/// A transport that counts the connections it dialled (every connection has one dialler).
+#[derive(Debug)]
+struct CountingTransport {
+    inner: MemoryTransport,
+    dialled: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl tensorwire_core::ports::transport::Transport for CountingTransport {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    async fn listen(
+        &self,
+        addr: std::net::SocketAddr,
+    ) -> Result<
+        Box<dyn tensorwire_core::ports::transport::Listener>,
+        tensorwire_core::ports::transport::TransportError,
+    > {
+        self.inner.listen(addr).await
+    }
+
+    async fn connect(
+        &self,
+        addr: std::net::SocketAddr,
+    ) -> Result<
+        Box<dyn tensorwire_core::ports::transport::Connection>,
+        tensorwire_core::ports::transport::TransportError,
+    > {
+        let conn = self.inner.connect(addr).await?;
+        self.dialled.fetch_add(1, Ordering::SeqCst);
+        Ok(conn)
+    }
+}
+
+/// A store that notes every key written to it.
+struct RecordingStore {
+    inner: InMemoryStore,
+    written: std::sync::Mutex<std::collections::BTreeSet<String>>,
+}
+
+impl RecordingStore {
+    fn note(&self, key: &str) {
+        self.written.lock().unwrap().insert(key.to_owned());
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for RecordingStore {
+    async fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.note(key);
+        self.inner.set(key, value).await
+    }
+    async fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+        self.inner.get(key).await
+    }
+    async fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        self.note(key);
+        self.inner.add(key, delta).await
+    }
+    async fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
+        self.inner.check(keys).await
+    }
+    async fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
+        self.inner.wait(keys, timeout).await
+    }
+    async fn compare_set(
+        &self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> Result<Vec<u8>, StoreError> {
+        self.note(key);
+        self.inner.compare_set(key, expected, desired).await
+    }
+    async fn delete_key(&self, key: &str) -> Result<bool, StoreError> {
+        self.inner.delete_key(key).await
+    }
+    async fn num_keys(&self) -> Result<i64, StoreError> {
+        self.inner.num_keys().await
+    }
+    async fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.note(key);
+        self.inner.append(key, value).await
+    }
+    async fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
+        self.inner.multi_get(keys).await
+    }
+    async fn multi_set(&self, keys: &[&str], values: &[&[u8]]) -> Result<(), StoreError> {
+        for k in keys {
+            self.note(k);
+        }
+        self.inner.multi_set(keys, values).await
+    }
+    async fn barrier(
+        &self,
+        key: &str,
+        world_size: i64,
+        timeout: Duration,
+    ) -> Result<(), StoreError> {
+        self.note(key);
+        self.inner.barrier(key, world_size, timeout).await
+    }
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+}
+
+/// The agent and its world process group share one connection per pair of workers: a static
+/// group of 4 dials 6 connections in all, through init, calls both ways, barriers and
+/// all_gathers; and the agent never writes a key to the store but the group's kind (no worker
+/// records, no barrier or all_gather keys: they run over the group).
+#[tokio::test(start_paused = true)]
+async fn the_agent_and_its_group_share_one_connection_per_pair_of_workers() {
+    let recording = Arc::new(RecordingStore {
+        inner: InMemoryStore::new(),
+        written: Default::default(),
+    });
+    let cluster = Cluster {
+        store: recording.clone(),
+        ..Cluster::new()
+    };
+    let dialled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let n = 4;
+    let mut tasks = Vec::new();
+    for rank in 0..n {
+        let (store, options) = (Arc::clone(&cluster.store), cluster.options());
+        let transport = Arc::new(CountingTransport {
+            inner: cluster.net.transport(),
+            dialled: Arc::clone(&dialled),
+        });
+        tasks.push(tokio::spawn(async move {
+            let rdv = Rendezvous::from_store(store, rank, n);
+            start_agent(transport, rdv, &format!("w{rank}"), rank, Some(n), options).await
+        }));
+    }
+    let mut agents = Vec::new();
+    for t in tasks {
+        agents.push(t.await.unwrap().unwrap());
+    }
+    assert_eq!(
+        cluster.store.num_keys().await.unwrap(),
+        1,
+        "only the group's kind"
+    );
+    for a in &agents {
+        assert_eq!(a.connections().len(), n - 1);
+        for b in &agents {
+            let sum: i64 = a
+                .rpc_sync(b.worker_info().name.as_str(), "add", &(1i64, 2i64), None)
+                .await
+                .unwrap();
+            assert_eq!(sum, 3);
+        }
+    }
+    let t = Duration::from_secs(10);
+    let gathers: Vec<_> = agents
+        .iter()
+        .cloned()
+        .map(|a| {
+            tokio::spawn(async move {
+                a.barrier("b", t).await.unwrap();
+                let ids = a.all_gather("g", &a.worker_info().id, t).await.unwrap();
+                // The world group itself, beside the agent, on the same connections.
+                use tensorwire_core::ports::process_group::ProcessGroup;
+                use tensorwire_process_group::CollectivesExt;
+                let pg = a.process_group().expect("a static group has one");
+                let ranks: Vec<usize> = pg.all_gather_object(&pg.rank()).await.unwrap();
+                assert_eq!(ranks, vec![0, 1, 2, 3]);
+                ids
+            })
+        })
+        .collect();
+    for g in gathers {
+        assert_eq!(g.await.unwrap(), vec![0, 1, 2, 3]);
+    }
+    assert_eq!(dialled.load(Ordering::SeqCst), n * (n - 1) / 2);
+    assert_eq!(cluster.store.num_keys().await.unwrap(), 1);
+    shutdown_all(agents).await;
+    assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
+    // The agent's one key, and the group's published addresses (ranks 1 to 3; rank 0 dials
+    // everyone and so publishes none).
+    let written: Vec<String> = recording.written.lock().unwrap().iter().cloned().collect();
+    assert_eq!(
+        written,
+        [
+            "rpc/group_kind",
+            "tensorwire/pg/rpc/addr/1",
+            "tensorwire/pg/rpc/addr/2",
+            "tensorwire/pg/rpc/addr/3"
+        ]
+    );
+}
+
+/// A barrier that times out in a static group names the workers that did not arrive and
+/// leaves no key in the store.
+#[tokio::test(start_paused = true)]
+async fn a_barrier_that_times_out_names_who_is_missing_and_leaves_no_key() {
+    let cluster = Cluster::new();
+    let agents: Vec<Agent> = group_in(&cluster, 3, |_, _| {})
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let t = Duration::from_secs(5);
+    let (b0, b1) = tokio::join!(agents[0].barrier("b", t), agents[1].barrier("b", t));
+    // Rank 0 monitors the barrier: it names who did not arrive.
+    let e = b0.unwrap_err();
+    assert!(
+        matches!(&e, RpcError::Timeout { waiting_for: Some(w), .. } if w.contains("w2")),
+        "{e}"
+    );
+    assert!(b1.is_err());
+    assert_eq!(
+        cluster.store.num_keys().await.unwrap(),
+        1,
+        "only the group's kind"
+    );
+    // Calls go on.
+    let sum: i64 = agents[2]
+        .rpc_sync("w0", "add", &(2i64, 2i64), None)
+        .await
+        .unwrap();
+    assert_eq!(sum, 4);
+    for a in agents {
+        a.shutdown(tensorwire_rpc::Shutdown::Immediate)
+            .await
+            .unwrap();
+    }
+    assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
+}
+
+/// A static init that a worker never joins fails by the init timeout on the others, naming
+/// the missing rank, and leaves no key of the group in the store.
+#[tokio::test(start_paused = true)]
+async fn an_init_that_a_worker_never_joins_times_out_naming_it() {
+    let cluster = Cluster::new();
+    let mut tasks = Vec::new();
+    for rank in 0..2 {
+        let cluster = cluster.clone();
+        tasks.push(tokio::spawn(async move {
+            cluster.start(rank, Some(3), cluster.options()).await
+        }));
+    }
+    for t in tasks {
+        let e = t.await.unwrap().unwrap_err();
+        assert!(
+            matches!(&e, RpcError::Timeout { waiting_for: Some(w), .. } if w == "rank 2"),
+            "{e}"
+        );
+    }
 }

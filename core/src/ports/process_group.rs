@@ -646,6 +646,19 @@ pub enum ProcessGroupError {
         /// The library's message.
         reason: String,
     },
+    /// Setting up the group did not finish in time: these ranks did not connect.
+    #[error(
+        "process group setup on rank {rank} timed out after {timeout:?} waiting for rank(s) {} to connect",
+        RankList(.waiting_on)
+    )]
+    SetupTimeout {
+        /// This rank.
+        rank: usize,
+        /// The ranks that did not connect (or publish their address), ascending.
+        waiting_on: Vec<usize>,
+        /// The setup's timeout.
+        timeout: Duration,
+    },
     /// Setting up the group failed (rendezvous, store, connections).
     #[error("process group setup on rank {rank}: {reason}")]
     Setup {

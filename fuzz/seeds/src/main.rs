@@ -201,7 +201,7 @@ fn frames(frames: &[Frame]) -> Vec<u8> {
 }
 
 fn rpc(dir: &Path) {
-    let hello = Frame::message(encode_hello(1, "worker1"), Vec::new());
+    let hello = encode_hello(1, "rpc");
     let call = Header::Call {
         id: 1,
         function: "add".into(),
@@ -281,10 +281,16 @@ fn wire(dir: &Path) {
         vec![Bytes::from_static(b"body")],
     );
     let c = Frame::control(Bytes::from_static(b"ctl"), Vec::new());
-    let mut input = frames(&[f, c]);
+    let mut input = frames(&[f.clone(), c.clone()]);
     write(dir, "wire", "message-and-control", &input);
     input[0] = 0x1f; // whole, through direct reads
     write(dir, "wire", "message-and-control-direct", &input);
+    // A process group's own frame (tag 0: a collective message) between the agent's.
+    let mut data = vec![0u8];
+    data.extend_from_slice(&7u64.to_le_bytes());
+    data.extend_from_slice(&[0; 15]);
+    let g = Frame::collective(data, vec![Bytes::from_static(b"block")]);
+    write(dir, "wire", "message-collective-control", &frames(&[f, g, c]));
 }
 
 fn protocol(dir: &Path) {
@@ -312,6 +318,7 @@ fn protocol(dir: &Path) {
         Header::Reply {
             id: 1,
             outcome: Ok(()),
+            forks: Vec::new(),
         },
         Header::ForkRequest {
             id: 103,
