@@ -243,10 +243,6 @@ impl Membership {
         self.reverse = reverse_device_maps(me, &infos);
         self.devices = device_list(declared, maps, &self.reverse);
     }
-
-    fn ranks(&self) -> Vec<usize> {
-        self.workers.keys().map(|r| *r as usize).collect()
-    }
 }
 
 pub(crate) struct Inner {
@@ -268,6 +264,8 @@ pub(crate) struct Inner {
     /// A static group's world process group, whose connections the agent shares; shut down
     /// with the agent.
     group: Mutex<Option<Group>>,
+    /// The dynamic-group gathers this worker leads (see [`crate::gather`]).
+    gathers: crate::gather::Gathers,
     tasks: Mutex<Tasks>,
     /// The one clock the driver reads time from and sleeps on.
     pub(crate) clock: Arc<dyn Clock>,
@@ -646,6 +644,7 @@ impl Agent {
             metrics: crate::metrics::AgentMetrics::new(name),
             rendezvous: Mutex::new(None),
             group: Mutex::new(None),
+            gathers: crate::gather::Gathers::default(),
             tasks: Mutex::new(Tasks::default()),
             clock: Arc::new(TokioClock),
             peer_events: crate::peer_events::PeerEventHub::new(),
@@ -671,57 +670,6 @@ fn with_rank(url: &str, rank: usize, world_size: usize) -> String {
         }
     }
     out
-}
-
-/// Waits until every rank in `ranks` has set `{prefix}/{rank}` in the store. On timeout the
-/// error names the ranks that have not (`name` turns a rank into words).
-async fn wait_ranks(
-    store: &dyn Store,
-    prefix: &str,
-    ranks: Vec<usize>,
-    timeout: Duration,
-    what: &str,
-    name: impl Fn(usize) -> String,
-) -> Result<(), RpcError> {
-    let keys: Vec<String> = ranks.iter().map(|r| format!("{prefix}/{r}")).collect();
-    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let Err(e) = store.wait(&refs, timeout).await else {
-        return Ok(());
-    };
-    let mut missing = Vec::new();
-    for (&rank, key) in ranks.iter().zip(&refs) {
-        match store.check(&[key]).await {
-            Ok(true) => {}
-            Ok(false) => missing.push(name(rank)),
-            // The store itself is gone (rank 0 left): say that, not "everyone is missing".
-            Err(_) => return Err(RpcError::Store(e)),
-        }
-    }
-    if missing.is_empty() {
-        return Err(RpcError::Store(e));
-    }
-    Err(RpcError::Timeout {
-        what: what.to_owned(),
-        after: timeout,
-        waiting_for: Some(missing.join(", ")),
-    })
-}
-
-/// Counts this worker out of a store rendezvous (`done`, one of `n`) that it has read all it
-/// needs from; the last of the `n` removes `keys` and the counter, so that nothing of it stays
-/// in the store. (Every worker has read the keys before it counts itself out.)
-async fn leave_keys_behind_none(
-    store: &dyn Store,
-    done: &str,
-    n: usize,
-    keys: &[String],
-) -> Result<(), RpcError> {
-    if store.add(done, 1).await? >= n as i64 {
-        for key in keys.iter().map(String::as_str).chain([done]) {
-            store.delete_key(key).await?;
-        }
-    }
-    Ok(())
 }
 
 /// A duration in nanoseconds, saturating (584 years).
@@ -1441,70 +1389,43 @@ impl Agent {
     /// bounded by `timeout`; a timeout breaks the group, so later barriers and all_gathers fail
     /// with the same error (calls go on).
     ///
-    /// In a dynamic group (which has no process group) it runs through the store: every worker
-    /// must call it with the same `name`; once every worker has its values the store holds no
-    /// key of it (the last worker to finish removes them), so a name may be used again after
-    /// that.
+    /// In a dynamic group (which has no process group) it runs over RPC, as PyTorch's
+    /// `rpc.api._all_gather`: every member sends its value to the leader (the lowest rank among
+    /// the members), which answers them all once every member has sent; every member calls it
+    /// with the same `name`, which may be used again once it has returned. Nothing goes
+    /// through the store. A member that joins or leaves meanwhile makes it fail, saying so; on
+    /// timeout the error names the members that did not send. (Values in rank order; a
+    /// dynamic group's ranks need not be contiguous.)
     pub async fn all_gather<T: Serialize + DeserializeOwned>(
         &self,
         name: &str,
         value: &T,
         timeout: Duration,
     ) -> Result<Vec<T>, RpcError> {
-        if let Some(group) = self.group() {
-            let bytes = postcard::to_allocvec(value).map_err(|e| RpcError::Serialization {
-                what: format!("the all_gather {name:?} value"),
-                message: e.to_string(),
-            })?;
-            let blocks = group
+        let what = format!("all_gather {name:?}");
+        let bytes = postcard::to_allocvec(value).map_err(|e| RpcError::Serialization {
+            what: format!("the {what} value"),
+            message: e.to_string(),
+        })?;
+        let blocks = match self.group() {
+            Some(group) => group
                 .all_gather_work(bytes)
                 .wait(timeout)
                 .await
-                .map_err(|e| self.group_error(e, &format!("all_gather {name:?}"), timeout))?;
-            return blocks
-                .iter()
-                .enumerate()
-                .map(|(r, b)| {
-                    postcard::from_bytes(b).map_err(|e| RpcError::Serialization {
-                        what: format!("the all_gather {name:?} value of rank {r}"),
-                        message: e.to_string(),
-                    })
-                })
-                .collect();
-        }
-        let me = self.inner.me.id;
-        let ranks = self.members().ranks();
-        let bytes = postcard::to_allocvec(value).map_err(|e| RpcError::Serialization {
-            what: format!("the all_gather {name:?} value"),
-            message: e.to_string(),
-        })?;
-        let store = self.store()?;
-        store
-            .set(&format!("rpc/gather/{name}/{me}"), &bytes)
-            .await?;
-        wait_ranks(
-            &*store,
-            &format!("rpc/gather/{name}"),
-            ranks.clone(),
-            timeout,
-            &format!("all_gather {name:?}"),
-            |r| self.describe(r),
-        )
-        .await?;
-        let keys: Vec<String> = ranks
-            .iter()
-            .map(|r| format!("rpc/gather/{name}/{r}"))
-            .collect();
-        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let values = store.multi_get(&refs).await?;
-        let done = format!("rpc/gather/{name}/done");
-        leave_keys_behind_none(&*store, &done, ranks.len(), &keys).await?;
-        values
+                .map_err(|e| self.group_error(e, &what, timeout))?,
+            None => self
+                .gather_dynamic(&what, name, bytes, timeout)
+                .await?
+                .into_iter()
+                .map(Bytes::from)
+                .collect(),
+        };
+        blocks
             .iter()
             .enumerate()
             .map(|(r, b)| {
                 postcard::from_bytes(b).map_err(|e| RpcError::Serialization {
-                    what: format!("the all_gather {name:?} value of rank {r}"),
+                    what: format!("the {what} value of member {r}"),
                     message: e.to_string(),
                 })
             })
@@ -1517,8 +1438,8 @@ impl Agent {
     /// In a static group it is a monitored barrier of the world process group, over the
     /// agent's connections (no store key); workers call barriers and
     /// [`all_gather`](Self::all_gather)s in the same order, and `name` only labels errors. In
-    /// a dynamic group it runs through the store, and once every worker passed the store holds
-    /// no key of it (the last worker through removes them).
+    /// a dynamic group it is an [`all_gather`](Self::all_gather) of nothing over RPC (through
+    /// the leader; no store key).
     pub async fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RpcError> {
         if let Some(group) = self.group() {
             return group
@@ -1526,25 +1447,10 @@ impl Agent {
                 .await
                 .map_err(|e| self.group_error(e, &format!("barrier {name:?}"), timeout));
         }
-        let me = self.inner.me.id;
-        let ranks = self.members().ranks();
-        let store = self.store()?;
-        store.set(&format!("rpc/barrier/{name}/{me}"), b"1").await?;
-        wait_ranks(
-            &*store,
-            &format!("rpc/barrier/{name}"),
-            ranks.clone(),
-            timeout,
-            &format!("barrier {name:?}"),
-            |r| self.describe(r),
-        )
-        .await?;
-        let keys: Vec<String> = ranks
-            .iter()
-            .map(|r| format!("rpc/barrier/{name}/{r}"))
-            .collect();
-        let done = format!("rpc/barrier/{name}/done");
-        leave_keys_behind_none(&*store, &done, ranks.len(), &keys).await
+        let what = format!("barrier {name:?}");
+        self.gather_dynamic(&what, &format!("barrier/{name}"), Vec::new(), timeout)
+            .await
+            .map(drop)
     }
 
     /// A static group's world process group: the group init ran over, whose connections the
@@ -1555,6 +1461,11 @@ impl Agent {
     /// order. The agent's shutdown shuts it down.
     pub fn process_group(&self) -> Option<Group> {
         self.group()
+    }
+
+    /// The dynamic-group gathers this worker leads.
+    pub(crate) fn gathers(&self) -> &crate::gather::Gathers {
+        &self.inner.gathers
     }
 
     /// A static group's world process group.
@@ -2220,7 +2131,12 @@ impl Agent {
         let deadline = deadline.map(tokio::time::Instant::from_std);
         let me = self.inner.me.id;
         let agent = self.clone();
-        let Some(handler) = self.inner.functions.get(&function) else {
+        let handler = if function == crate::gather::GATHER {
+            Some(crate::gather::handler())
+        } else {
+            self.inner.functions.get(&function)
+        };
+        let Some(handler) = handler else {
             let names = self.inner.functions.names().join(", ");
             let err = remote_error(
                 me,

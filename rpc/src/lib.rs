@@ -43,6 +43,7 @@ pub mod faults;
 mod functions;
 #[doc(hidden)]
 pub mod fuzzing;
+mod gather;
 pub mod memory;
 pub mod metrics;
 mod options;

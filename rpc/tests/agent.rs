@@ -1188,6 +1188,96 @@ async fn a_thousand_joins_and_leaves_keep_the_store_bounded() {
     assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
 }
 
+/// A dynamic group's barrier and all_gather run over RPC through the leader (as PyTorch's
+/// `_all_gather`), not the store: no key is ever written for them, values come in rank order,
+/// a member that never arrives is named on timeout, and the leader keeps nothing of a round
+/// that timed out (the same name works again at once).
+#[tokio::test(start_paused = true)]
+async fn dynamic_barriers_and_all_gathers_run_over_rpc_and_name_who_is_missing() {
+    let cluster = Cluster::new();
+    let mut agents = Vec::new();
+    for rank in 0..3 {
+        agents.push(dynamic(rank, &cluster, |_| {}).await.unwrap());
+    }
+    let keys = cluster.store.num_keys().await.unwrap();
+    let t = Duration::from_secs(10);
+    let gathered = futures_join(agents.iter().map(|a| {
+        let a = a.clone();
+        async move {
+            let me = a.worker_info().id as i64;
+            a.all_gather("g", &(me * 10), t).await
+        }
+    }))
+    .await;
+    for g in gathered {
+        assert_eq!(g.unwrap(), vec![0, 10, 20]);
+    }
+    let passed = futures_join(agents.iter().map(|a| {
+        let a = a.clone();
+        async move { a.barrier("b", t).await }
+    }))
+    .await;
+    assert!(passed.iter().all(Result::is_ok), "{passed:?}");
+    // Back to back under one name: a fast member's next round never meets the last one.
+    let rounds = futures_join(agents.iter().map(|a| {
+        let a = a.clone();
+        async move {
+            for i in 0..20u32 {
+                let got = a.all_gather("again", &i, t).await?;
+                assert_eq!(got, vec![i; 3]);
+            }
+            Ok::<_, RpcError>(())
+        }
+    }))
+    .await;
+    assert!(rounds.iter().all(Result::is_ok), "{rounds:?}");
+    assert_eq!(cluster.store.num_keys().await.unwrap(), keys);
+
+    // w2 never arrives: the others fail by their timeout, naming it.
+    let short = Duration::from_secs(1);
+    let started = tokio::time::Instant::now();
+    let (e0, e1) = tokio::join!(
+        agents[0].barrier("late", short),
+        agents[1].barrier("late", short)
+    );
+    for e in [e0.unwrap_err(), e1.unwrap_err()] {
+        assert!(matches!(e, RpcError::Timeout { .. }), "{e}");
+        assert!(e.to_string().contains("rank 2 (w2)"), "{e}");
+        assert!(
+            !e.to_string().contains("(w0)") && !e.to_string().contains("(w1)"),
+            "{e}"
+        );
+    }
+    assert!(started.elapsed() < short + Duration::from_secs(1));
+    // Nothing of that round is left: all three pass the same barrier now.
+    let passed = futures_join(agents.iter().map(|a| {
+        let a = a.clone();
+        async move { a.barrier("late", t).await }
+    }))
+    .await;
+    assert!(passed.iter().all(Result::is_ok), "{passed:?}");
+    assert_eq!(cluster.store.num_keys().await.unwrap(), keys);
+    for a in agents.into_iter().rev() {
+        a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
+            .await
+            .unwrap();
+    }
+}
+
+/// Runs the futures at once (each on its own task), in order of their outputs.
+async fn futures_join<F>(futures: impl Iterator<Item = F>) -> Vec<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let tasks: Vec<_> = futures.map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
 /// `peer_events`: each survivor's subscription hears of a killed worker once, at once (virtual
 /// time: no timeout is waited out), whether or not a call to it was pending; the subscription
 /// ends when the agent shuts down (a peer that shut down first is told as lost).
