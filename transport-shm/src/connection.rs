@@ -240,6 +240,9 @@ impl std::fmt::Debug for ShmConnection {
     }
 }
 
+/// A `sched_yield` that takes longer than this ran another thread on our core.
+const SOMEONE_ELSE_RAN: Duration = Duration::from_micros(3);
+
 /// Checks of the ring between two yields to the runtime while polling.
 const POLLS_PER_YIELD: usize = 64;
 
@@ -340,34 +343,42 @@ impl ShmConnection {
         mut ready: impl FnMut() -> bool,
     ) -> Result<(), TransportError> {
         // Busy polling answers within a microsecond when the peer runs on another core: poll
-        // for the whole `spin` while that paid off last time, else for an eighth of it, then hand
-        // the core over (`sched_yield`) until `spin` is up. With one core to run on (`taskset -c
-        // 0`), polling would only keep the peer from running: yield from the start. Then sleep
-        // on the eventfd.
+        // for the whole `spin` while that paid off last time, else not at all; then hand the
+        // core over (`sched_yield`) until `spin` is up, then sleep on the eventfd. With one core
+        // to run on (`taskset -c 0`), polling would only keep the peer from running: yield from
+        // the start.
+        //
+        // Whether polling pays is learnt while yielding: a `sched_yield` that comes back at once
+        // found nothing else to run on this core, so the peer (which then answered) runs on
+        // another one, and polling pays next time; one that took long ran someone else here,
+        // most likely the peer, which polling would only have kept waiting. (Unpinned on two
+        // cores the scheduler often puts both ends on one core: an eighth of `spin` polled in
+        // vain on every wait doubled the round trip.)
         //
         // Polling never holds the runtime's thread for long: every `POLLS_PER_YIELD` checks the
         // task yields to the runtime, so that the other tasks of the thread (an RPC handler that
         // is about to answer, a sender) run while this one waits. Without that, a reader task
         // waiting here would hold a current-thread runtime for the whole `spin` on every frame.
         let start = Instant::now();
-        let busy = match (self.one_core, self.spin_paid.load(Ordering::Relaxed)) {
-            (true, _) => Duration::ZERO,
-            (false, true) => self.spin,
-            (false, false) => self.spin / 8,
+        let busy = if self.one_core || !self.spin_paid.load(Ordering::Relaxed) {
+            Duration::ZERO
+        } else {
+            self.spin
         };
         while start.elapsed() < busy {
             for _ in 0..POLLS_PER_YIELD {
                 if ready() || self.shared.is_dead() {
-                    self.spin_paid.store(true, Ordering::Relaxed);
                     return Ok(());
                 }
                 std::hint::spin_loop();
             }
             requeue().await;
         }
-        self.spin_paid.store(false, Ordering::Relaxed);
+        // `sched_yield`s made, and whether one of them ran someone else.
+        let mut yields = (0u32, false);
         while start.elapsed() < self.spin {
             if ready() || self.shared.is_dead() {
+                self.learn_spin(yields);
                 return Ok(());
             }
             // This runtime's other ready tasks first (on the caller's side, the one that sends
@@ -375,10 +386,15 @@ impl ShmConnection {
             // it back here with nothing new to read.
             requeue().await;
             if ready() || self.shared.is_dead() {
+                self.learn_spin(yields);
                 return Ok(());
             }
+            let before = Instant::now();
             std::thread::yield_now();
+            yields.0 += 1;
+            yields.1 |= before.elapsed() > SOMEONE_ELSE_RAN;
         }
+        self.spin_paid.store(false, Ordering::Relaxed);
         loop {
             let notified = self.shared.notify.notified();
             tokio::pin!(notified);
@@ -406,6 +422,15 @@ impl ShmConnection {
                 }
                 () = &mut notified => {}
             }
+        }
+    }
+
+    /// Remembers whether polling would have paid in the wait that just ended, from its
+    /// `sched_yield`s (how many, and whether one ran someone else; see `wait`). A wait that
+    /// made none tells nothing.
+    fn learn_spin(&self, (yields, someone_else_ran): (u32, bool)) {
+        if !self.one_core && yields > 0 {
+            self.spin_paid.store(!someone_else_ran, Ordering::Relaxed);
         }
     }
 
