@@ -58,7 +58,7 @@ struct RecvSlab {
     ring: Arc<Ring>,
 }
 
-/// The bytes of one frame in a slab of the peer's, as the owner of received [`Bytes`]: when
+/// The bytes of one frame in a slab of the peer's, as the owner of received [`Bytes`](bytes::Bytes): when
 /// the last of them drops, the peer may write the slab again.
 struct SlabView {
     slab: Arc<RecvSlab>,
