@@ -58,8 +58,8 @@ struct RecvSlab {
     ring: Arc<Ring>,
 }
 
-/// The bytes of one frame in a slab of the peer's, as the owner of received [`Bytes`](bytes::Bytes): when
-/// the last of them drops, the peer may write the slab again.
+/// The bytes of one frame in a slab of the peer's, as the owner of received
+/// [`Bytes`](bytes::Bytes): when the last of them drops, the peer may write the slab again.
 struct SlabView {
     slab: Arc<RecvSlab>,
     len: usize,

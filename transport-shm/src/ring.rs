@@ -293,7 +293,7 @@ impl Ring {
 pub(crate) enum Next {
     /// Nothing published.
     Empty,
-    /// `len` bytes of stream at `pos`; report them with [`Consumer::consumed`].
+    /// `len` bytes of stream at `pos`; read them with [`Consumer::read_into`].
     Data { pos: u64, len: u64 },
     /// A frame of `len` bytes in a segment; once taken, [`Consumer::segment_taken`].
     Segment { len: u64 },
