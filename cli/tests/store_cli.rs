@@ -74,6 +74,33 @@ fn interrupt(mut server: Server) -> String {
     rest
 }
 
+/// A server whose standard output nobody reads any more (a benchmark read the address and
+/// closed the pipe) still stops cleanly: it panicked on EPIPE writing its last line.
+#[test]
+fn a_server_whose_stdout_is_closed_stops_cleanly() {
+    let Server {
+        mut child,
+        addr,
+        stdout,
+    } = serve(&[]);
+    drop(stdout);
+    ok(&client(&addr, &["set", "k", "v"]));
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "server exited with {status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "server did not stop on SIGINT");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn serve_and_every_client_command() {
     let server = serve(&[]);

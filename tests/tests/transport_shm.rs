@@ -25,18 +25,23 @@ fn cluster() -> ShmTransport {
     ShmTransport::new(ShmConfig::new(secret(SECRET))).expect("config")
 }
 
-/// The harness: every frame through the ring (the default), or frames of `segment_min` bytes
-/// and more through sealed segments.
+/// The harness: every frame through the ring, frames of `slab_min` bytes and more through
+/// reused slabs, or frames of `segment_min` bytes and more through sealed segments.
 struct Shm {
     segment_min: usize,
+    slab_min: usize,
 }
 
 #[async_trait]
 impl Harness for Shm {
     fn transport(&self) -> Arc<dyn Transport> {
         Arc::new(
-            ShmTransport::new(ShmConfig::new(secret(SECRET)).with_segment_min(self.segment_min))
-                .expect("config"),
+            ShmTransport::new(
+                ShmConfig::new(secret(SECRET))
+                    .with_segment_min(self.segment_min)
+                    .with_slab_min(self.slab_min),
+            )
+            .expect("config"),
         )
     }
 
@@ -87,7 +92,17 @@ impl RawChannel for RawShm {
 mod ring {
     use super::*;
     tensorwire_tests::transport_conformance!(Shm {
-        segment_min: usize::MAX
+        segment_min: usize::MAX,
+        slab_min: usize::MAX,
+    });
+}
+
+/// Frames of 64 KiB and more go through reused slabs (while one is free).
+mod slabs {
+    use super::*;
+    tensorwire_tests::transport_conformance!(Shm {
+        segment_min: usize::MAX,
+        slab_min: 64 << 10,
     });
 }
 
@@ -95,8 +110,127 @@ mod ring {
 mod segments {
     use super::*;
     tensorwire_tests::transport_conformance!(Shm {
-        segment_min: 64 << 10
+        segment_min: 64 << 10,
+        slab_min: usize::MAX,
     });
+}
+
+/// `len` bytes cycling through 251 values from `seed`.
+fn pattern(len: usize, seed: u8) -> Bytes {
+    (0..len)
+        .map(|i| ((i % 251) as u8).wrapping_add(seed))
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+/// A receiver that keeps the payloads of large frames while the sender sends more: what it keeps
+/// never changes (the sender writes a slab again only once the receiver dropped every byte of
+/// it), whether the next frames find a free slab, a new one, or (the budget spent) the ring.
+#[tokio::test]
+async fn payloads_a_receiver_keeps_are_never_overwritten() -> Result<()> {
+    // Room for two slabs of 2 MiB: frames of 1 MiB and more go in slabs while one is free.
+    let transport = ShmTransport::new(
+        ShmConfig::new(secret(SECRET))
+            .with_slab_min(64 << 10)
+            .with_slab_bytes(4 << 20),
+    )?;
+    let listener = transport.listen(([127, 0, 0, 1], 0).into()).await?;
+    let (client, server) =
+        tokio::join!(transport.connect(listener.local_addr()), listener.accept());
+    let (client, server) = (client?, server?);
+    let mut kept: Vec<(u8, Bytes)> = Vec::new();
+    for round in 0..40u8 {
+        let payload = pattern((1 << 20) + usize::from(round) * 4099, round);
+        let frame = Frame::message(Bytes::from(vec![round]), vec![payload.clone()]);
+        let (sent, got) = within(STEP, "moving a large frame", async {
+            tokio::join!(client.send(frame), server.recv())
+        })
+        .await?;
+        sent?;
+        let got = got?;
+        ensure!(got.header[..] == [round], "round {round}: header garbled");
+        ensure!(got.payloads[0] == payload, "round {round}: payload garbled");
+        // Keep every third payload for a while, some to the end.
+        if round % 3 == 0 {
+            kept.push((round, got.payloads[0].clone()));
+        }
+        if round % 7 == 6 {
+            kept.retain(|(r, _)| r % 2 == 0);
+        }
+        for (r, bytes) in &kept {
+            let expected = pattern((1 << 20) + usize::from(*r) * 4099, *r);
+            ensure!(
+                *bytes == expected,
+                "the payload of round {r}, kept by the receiver, changed by round {round}"
+            );
+        }
+        drop(got);
+    }
+    Ok(())
+}
+
+/// Set in the child process of `a_killed_sender_leaves_what_it_sent_readable`.
+const SLAB_CHILD_ENV: &str = "TW_SHM_TEST_SLAB_SENDER_ADDR";
+
+/// The child's part: sends one 8 MiB frame (through a slab), says so, waits to be killed.
+#[tokio::test]
+async fn slab_sender_child() -> Result<()> {
+    let Ok(addr) = std::env::var(SLAB_CHILD_ENV) else {
+        return Ok(()); // Only meaningful as the child of the test below.
+    };
+    let conn = cluster().connect(addr.parse()?).await?;
+    conn.send(Frame::message(
+        Bytes::from_static(b"slab"),
+        vec![pattern(8 << 20, 42)],
+    ))
+    .await?;
+    println!("READY");
+    std::future::pending::<()>().await;
+    Ok(())
+}
+
+/// A sender killed (SIGKILL) after sending a large frame: the frame's bytes, which live in the
+/// dead process's slab, stay readable and unchanged; the next receive is an error, not a hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_sender_leaves_what_it_sent_readable() -> Result<()> {
+    let transport = cluster();
+    let listener = transport.listen(([127, 0, 0, 1], 0).into()).await?;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args([
+            "--exact",
+            "slab_sender_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(SLAB_CHILD_ENV, listener.local_addr().to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the peer process")?;
+    let server = within(STEP, "accepting the peer process", listener.accept()).await??;
+    let frame = within(STEP, "receiving the large frame", server.recv()).await??;
+    let stdout = child.stdout.take().context("child stdout")?;
+    let ready = tokio::task::spawn_blocking(move || {
+        std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line.contains("READY"))
+    });
+    ensure!(
+        within(STEP, "waiting for the peer", ready).await??,
+        "the peer process did not send its frame"
+    );
+    child.kill()?;
+    child.wait()?;
+    match within(STEP, "receiving from a killed peer", server.recv()).await? {
+        Err(TransportError::Closed { .. } | TransportError::Io { .. }) => {}
+        Err(e) => bail!("a killed peer gave {e}, expected Closed"),
+        Ok(_) => bail!("a second frame arrived from a killed peer"),
+    }
+    ensure!(
+        frame.header[..] == *b"slab" && frame.payloads[0] == pattern(8 << 20, 42),
+        "the frame of a killed sender changed"
+    );
+    Ok(())
 }
 
 /// Set in the child process of `a_killed_peer_gives_an_error_not_a_hang`: the listener to cut a

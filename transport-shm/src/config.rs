@@ -34,6 +34,16 @@ pub struct ShmConfig {
     /// (the kernel zeroes, maps and frees them), which costs more than the second copy of the
     /// ring on the machines measured. Off by default (`usize::MAX`).
     pub segment_min: usize,
+    /// Frames of this many bytes and more (encoded; default 1 MiB) are written once into a
+    /// *slab*: a memfd of the sender's, sealed against resizing, that the receiver maps once and
+    /// the sender reuses. The receiver hands the payloads up as [`Bytes`](bytes::Bytes) over the
+    /// mapping, without copying them; when the last of them is dropped, the sender may write the
+    /// slab again. One copy in all, no system call per frame once the slab exists, and no fresh
+    /// pages. While every slab is still referenced (a receiver that keeps its tensors), frames
+    /// stream through the ring instead, so a receiver never holds up a sender.
+    pub slab_min: usize,
+    /// Bytes of slabs a sender keeps per connection at most (default 256 MiB; at most 8 slabs).
+    pub slab_bytes: usize,
     /// How long a side that waits for data or ring space polls the ring before it sleeps on its
     /// eventfd (default 20 µs): busy polling while that pays off, then `sched_yield`; only the
     /// latter when the process may run on one core only (the peer then needs that core).
@@ -63,6 +73,8 @@ impl ShmConfig {
             handshake_timeout: Duration::from_secs(10),
             ring_bytes: 2 << 20,
             segment_min: usize::MAX,
+            slab_min: 1 << 20,
+            slab_bytes: 256 << 20,
             spin: Duration::from_micros(20),
             buffer_reuse: DEFAULT_BUFFER_REUSE,
         }
@@ -99,6 +111,18 @@ impl ShmConfig {
     /// These settings with another threshold for sealed segments.
     pub fn with_segment_min(mut self, bytes: usize) -> Self {
         self.segment_min = bytes;
+        self
+    }
+
+    /// These settings with another threshold for slabs (`usize::MAX`: none).
+    pub fn with_slab_min(mut self, bytes: usize) -> Self {
+        self.slab_min = bytes;
+        self
+    }
+
+    /// These settings with another budget for slabs per connection.
+    pub fn with_slab_bytes(mut self, bytes: usize) -> Self {
+        self.slab_bytes = bytes;
         self
     }
 

@@ -21,7 +21,9 @@ use tokio::task::JoinHandle;
 
 use crate::handshake::Link;
 use crate::mem;
-use crate::ring::{Chunks, Consumer, Next, Producer, Ring, RingError, SEGMENT_RECORD};
+use crate::ring::{
+    Chunks, Consumer, Next, Producer, Ring, RingError, MAX_SLABS, SEGMENT_RECORD, SLAB_RECORD,
+};
 use crate::sock;
 
 /// Segments sent and not yet taken by the receiver, at most: bounds the memory a fast sender
@@ -33,6 +35,71 @@ const MAX_QUEUED: usize = MAX_SEGMENTS_IN_FLIGHT as usize + 1;
 const MAX_RECORD: u64 = 64 << 10;
 /// Remaining bytes of a segment from which the consumer copies straight into its final buffer.
 const DIRECT_MIN: usize = 4096;
+/// Slabs are sized in multiples of this (so that frames of about one size reuse one slab).
+const SLAB_ALIGN: usize = 1 << 20;
+/// Bytes a sender copies into a slab between two turns of the runtime's other tasks.
+const SLAB_COPY_STEP: usize = 4 << 20;
+
+/// A slab of ours that the peer maps: we write a frame at its start, the peer hands the bytes
+/// up without copying and tells us (`slab_done` in the ring) when nothing references them.
+#[derive(Debug)]
+struct SendSlab {
+    map: mem::Mapping,
+    /// The last use (0: never used yet; uses count from 1).
+    seq: u64,
+}
+
+/// A slab of the peer's, mapped read-only; the last [`SlabView`] of a use releases it.
+#[derive(Debug)]
+struct RecvSlab {
+    map: mem::Mapping,
+    id: u32,
+    /// The ring whose header says which uses are done.
+    ring: Arc<Ring>,
+}
+
+/// The bytes of one frame in a slab of the peer's, as the owner of received
+/// [`Bytes`](bytes::Bytes): when the last of them drops, the peer may write the slab again.
+struct SlabView {
+    slab: Arc<RecvSlab>,
+    len: usize,
+    seq: u64,
+}
+
+impl AsRef<[u8]> for SlabView {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `len <= map.len()` (checked in `take_slab`); the slab's memfd is sealed against
+        // shrinking (checked before mapping), so the pages stay backed while the mapping lives,
+        // and `self` keeps it alive. The sender does not write the slab until we store `seq` in
+        // `slab_done`, which only `drop` does, after every borrow of `self` has ended. A sender
+        // that broke that rule could change the bytes under us (never their length or where they
+        // are): the same user can write our memory through `/proc/PID/mem` anyway, and the frame
+        // structure was decoded and its header copied before any of these bytes were handed out.
+        unsafe { std::slice::from_raw_parts(self.slab.map.ptr(), self.len) }
+    }
+}
+
+impl Drop for SlabView {
+    fn drop(&mut self) {
+        // Release: our reads of the bytes happen before the sender sees the slab free.
+        self.slab
+            .ring
+            .slab_done(self.slab.id)
+            .store(self.seq, Ordering::Release);
+    }
+}
+
+/// A SEGMENT or SLAB record found in the ring, waiting to be taken.
+#[derive(Debug, Clone, Copy)]
+enum Pending {
+    Segment(u64),
+    Slab {
+        id: u32,
+        new: bool,
+        seq: u64,
+        len: u64,
+    },
+}
 
 /// What the watcher shares with the connection.
 #[derive(Debug)]
@@ -122,8 +189,10 @@ struct Rx {
     decoder: FrameDecoder,
     staging: BytesMut,
     segments_done: u64,
-    /// Length of the frame in the pending segment (copied once from its record).
-    pending_len: u64,
+    /// The SEGMENT or SLAB record found (copied once from the ring).
+    pending: Option<Pending>,
+    /// The peer's slabs, by id.
+    slabs: Vec<Option<Arc<RecvSlab>>>,
     /// A protocol error that closed the connection; repeated by later receives.
     failed: Option<TransportError>,
 }
@@ -131,6 +200,8 @@ struct Rx {
 struct Tx {
     producer: Producer,
     segments_sent: u64,
+    /// Our slabs, by id.
+    slabs: Vec<Option<SendSlab>>,
     /// Set when a send failed or was dropped half-way: the ring may hold part of a frame.
     broken: bool,
 }
@@ -140,6 +211,8 @@ pub(crate) struct ShmConnection {
     peer: SocketAddr,
     limits: WireLimits,
     segment_min: usize,
+    slab_min: usize,
+    slab_bytes: usize,
     spin: Duration,
     /// Whether this process may run on one core only (then waiting yields instead of polling).
     one_core: bool,
@@ -148,7 +221,7 @@ pub(crate) struct ShmConnection {
     /// The largest record written: [`MAX_RECORD`] or a quarter of the send ring.
     max_record: u64,
     shared: Arc<Shared>,
-    rx_ring: Ring,
+    rx_ring: Arc<Ring>,
     tx_ring: Ring,
     data_efd: AsyncFd<OwnedFd>,
     space_efd: AsyncFd<OwnedFd>,
@@ -167,8 +240,32 @@ impl std::fmt::Debug for ShmConnection {
     }
 }
 
+/// A `sched_yield` that takes longer than this ran another thread on our core.
+const SOMEONE_ELSE_RAN: Duration = Duration::from_micros(3);
+
 /// Checks of the ring between two yields to the runtime while polling.
 const POLLS_PER_YIELD: usize = 64;
+
+/// Lets the runtime's other ready tasks run once, then resumes this one.
+///
+/// Unlike `tokio::task::yield_now`, which defers the task until the runtime has polled its I/O
+/// driver (one `epoll_wait` with a zero timeout per yield), this wakes the task at once: it goes
+/// to the back of the run queue, behind every task that is ready. The driver is still polled
+/// every `event_interval` ticks (61 by default) and whenever nothing is ready, so a wait that
+/// yields in a loop costs no system call per turn.
+async fn requeue() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            std::task::Poll::Ready(())
+        } else {
+            yielded = true;
+            cx.waker().wake_by_ref();
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+}
 
 /// Wakes the other side if it said it sleeps (the flag), through its eventfd.
 fn wake(flag: &AtomicU32, efd: &OwnedFd) {
@@ -186,6 +283,7 @@ impl ShmConnection {
         peer: SocketAddr,
         limits: WireLimits,
         segment_min: usize,
+        (slab_min, slab_bytes): (usize, usize),
         spin: Duration,
         buffer_reuse: usize,
     ) -> Result<Self, TransportError> {
@@ -204,12 +302,14 @@ impl ShmConnection {
             peer,
             limits,
             segment_min: segment_min.max(SEGMENT_RECORD + 1),
+            slab_min: slab_min.max(PREFIX_LEN + 1),
+            slab_bytes,
             spin,
             max_record: (link.tx.capacity() / 4).min(MAX_RECORD),
             one_core: std::thread::available_parallelism().map_or(true, |n| n.get() == 1),
             spin_paid: AtomicBool::new(true),
             shared,
-            rx_ring: link.rx,
+            rx_ring: Arc::new(link.rx),
             tx_ring: link.tx,
             data_efd: efd(link.data_efd)?,
             space_efd: efd(link.space_efd)?,
@@ -220,12 +320,14 @@ impl ShmConnection {
                 decoder: FrameDecoder::new(limits).with_buffer_reuse(buffer_reuse),
                 staging: BytesMut::new(),
                 segments_done: 0,
-                pending_len: 0,
+                pending: None,
+                slabs: (0..MAX_SLABS).map(|_| None).collect(),
                 failed: None,
             }),
             tx: Mutex::new(Tx {
                 producer: Producer::default(),
                 segments_sent: 0,
+                slabs: (0..MAX_SLABS).map(|_| None).collect(),
                 broken: false,
             }),
             watcher,
@@ -241,39 +343,58 @@ impl ShmConnection {
         mut ready: impl FnMut() -> bool,
     ) -> Result<(), TransportError> {
         // Busy polling answers within a microsecond when the peer runs on another core: poll
-        // for the whole `spin` while that paid off last time, else for an eighth of it, then hand
-        // the core over (`sched_yield`) until `spin` is up. With one core to run on (`taskset -c
-        // 0`), polling would only keep the peer from running: yield from the start. Then sleep
-        // on the eventfd.
+        // for the whole `spin` while that paid off last time, else not at all; then hand the
+        // core over (`sched_yield`) until `spin` is up, then sleep on the eventfd. With one core
+        // to run on (`taskset -c 0`), polling would only keep the peer from running: yield from
+        // the start.
+        //
+        // Whether polling pays is learnt while yielding: a `sched_yield` that comes back at once
+        // found nothing else to run on this core, so the peer (which then answered) runs on
+        // another one, and polling pays next time; one that took long ran someone else here,
+        // most likely the peer, which polling would only have kept waiting. (Unpinned on two
+        // cores the scheduler often puts both ends on one core: an eighth of `spin` polled in
+        // vain on every wait doubled the round trip.)
         //
         // Polling never holds the runtime's thread for long: every `POLLS_PER_YIELD` checks the
         // task yields to the runtime, so that the other tasks of the thread (an RPC handler that
         // is about to answer, a sender) run while this one waits. Without that, a reader task
         // waiting here would hold a current-thread runtime for the whole `spin` on every frame.
         let start = Instant::now();
-        let busy = match (self.one_core, self.spin_paid.load(Ordering::Relaxed)) {
-            (true, _) => Duration::ZERO,
-            (false, true) => self.spin,
-            (false, false) => self.spin / 8,
+        let busy = if self.one_core || !self.spin_paid.load(Ordering::Relaxed) {
+            Duration::ZERO
+        } else {
+            self.spin
         };
         while start.elapsed() < busy {
             for _ in 0..POLLS_PER_YIELD {
                 if ready() || self.shared.is_dead() {
-                    self.spin_paid.store(true, Ordering::Relaxed);
                     return Ok(());
                 }
                 std::hint::spin_loop();
             }
-            tokio::task::yield_now().await;
+            requeue().await;
         }
-        self.spin_paid.store(false, Ordering::Relaxed);
+        // `sched_yield`s made, and whether one of them ran someone else.
+        let mut yields = (0u32, false);
         while start.elapsed() < self.spin {
             if ready() || self.shared.is_dead() {
+                self.learn_spin(yields);
                 return Ok(());
             }
+            // This runtime's other ready tasks first (on the caller's side, the one that sends
+            // the next request): handing the core to the peer before they ran would only bring
+            // it back here with nothing new to read.
+            requeue().await;
+            if ready() || self.shared.is_dead() {
+                self.learn_spin(yields);
+                return Ok(());
+            }
+            let before = Instant::now();
             std::thread::yield_now();
-            tokio::task::yield_now().await;
+            yields.0 += 1;
+            yields.1 |= before.elapsed() > SOMEONE_ELSE_RAN;
         }
+        self.spin_paid.store(false, Ordering::Relaxed);
         loop {
             let notified = self.shared.notify.notified();
             tokio::pin!(notified);
@@ -290,12 +411,26 @@ impl ShmConnection {
                         guard.map_err(|e| TransportError::io(self.peer, "waiting", &e))?;
                     let mut counter = [0u8; 8];
                     match guard.try_io(|fd| Ok(rustix::io::read(fd.get_ref(), &mut counter)?)) {
-                        Ok(Ok(_)) | Err(_) => {}
+                        // The read emptied the counter: it is not readable until the peer
+                        // writes again, which the edge-triggered registration reports as a new
+                        // event (one tokio does not clear here). Without this, the next wait
+                        // would find the stale readiness and pay a read that fails with EAGAIN.
+                        Ok(Ok(_)) => guard.clear_ready(),
+                        Err(_would_block) => {}
                         Ok(Err(e)) => return Err(TransportError::io(self.peer, "waiting", &e)),
                     }
                 }
                 () = &mut notified => {}
             }
+        }
+    }
+
+    /// Remembers whether polling would have paid in the wait that just ended, from its
+    /// `sched_yield`s (how many, and whether one ran someone else; see `wait`). A wait that
+    /// made none tells nothing.
+    fn learn_spin(&self, (yields, someone_else_ran): (u32, bool)) {
+        if !self.one_core && yields > 0 {
+            self.spin_paid.store(!someone_else_ran, Ordering::Relaxed);
         }
     }
 
@@ -393,6 +528,19 @@ impl ShmConnection {
                     self.write_stream(tx, &mut chunks).await?;
                     published = false;
                 }
+                Prepared::Slab(chunks) => {
+                    if !published {
+                        self.publish(tx);
+                        published = true;
+                    }
+                    if !self.send_in_slab(tx, &chunks).await? {
+                        // Every slab is still referenced by the peer (or the budget is spent):
+                        // the frame streams through the ring instead.
+                        let mut chunks = Chunks::new(chunks);
+                        self.write_stream(tx, &mut chunks).await?;
+                        published = false;
+                    }
+                }
                 Prepared::Segment(len, fd) => {
                     if !published {
                         self.publish(tx);
@@ -415,6 +563,124 @@ impl ShmConnection {
             self.publish(tx);
         }
         Ok(())
+    }
+
+    /// Picks a slab for a frame of `len` bytes: the smallest free one that holds it, else a
+    /// new one (in a free id, or replacing a free one too small) within `slab_bytes`. Returns
+    /// its id and whether it is new (its descriptor still to be sent), or `None`.
+    fn pick_slab(
+        &self,
+        tx: &mut Tx,
+        len: usize,
+    ) -> Result<Option<(u32, Option<OwnedFd>)>, TransportError> {
+        let free = |id: usize, slab: &SendSlab| {
+            self.tx_ring.slab_done(id as u32).load(Ordering::Acquire) == slab.seq
+        };
+        let mut best: Option<(usize, usize)> = None;
+        let mut replace: Option<usize> = None;
+        let mut empty: Option<usize> = None;
+        let mut total = 0usize;
+        for (id, slot) in tx.slabs.iter().enumerate() {
+            match slot {
+                None => {
+                    empty.get_or_insert(id);
+                }
+                Some(slab) => {
+                    total += slab.map.len();
+                    if !free(id, slab) {
+                        continue;
+                    }
+                    let cap = slab.map.len();
+                    if cap >= len {
+                        if best.is_none_or(|(_, c)| cap < c) {
+                            best = Some((id, cap));
+                        }
+                    } else if replace
+                        .is_none_or(|r| tx.slabs[r].as_ref().is_some_and(|s| s.map.len() > cap))
+                    {
+                        replace = Some(id);
+                    }
+                }
+            }
+        }
+        if let Some((id, _)) = best {
+            return Ok(Some((id as u32, None)));
+        }
+        let cap = len.div_ceil(SLAB_ALIGN) * SLAB_ALIGN;
+        let id = match (empty, replace) {
+            (Some(id), _) if total + cap <= self.slab_bytes => id,
+            (_, Some(id))
+                if total - tx.slabs[id].as_ref().map_or(0, |s| s.map.len()) + cap
+                    <= self.slab_bytes =>
+            {
+                id
+            }
+            _ => return Ok(None),
+        };
+        let (map, fd) = mem::create_slab(cap).map_err(|e| {
+            TransportError::io(self.peer, "creating a slab", &std::io::Error::other(e))
+        })?;
+        // A replaced slab keeps counting uses where it was: the peer's "done" is at its last.
+        let seq = tx.slabs[id].as_ref().map_or(0, |s| s.seq);
+        tx.slabs[id] = Some(SendSlab { map, seq });
+        Ok(Some((id as u32, Some(fd))))
+    }
+
+    /// Sends one frame, `chunks`, in a slab: one copy into memory the peer maps, then a slab
+    /// record in the ring. `false` when no slab is free (nothing was sent).
+    async fn send_in_slab(
+        &self,
+        tx: &mut Tx,
+        chunks: &[bytes::Bytes],
+    ) -> Result<bool, TransportError> {
+        let len: usize = chunks.iter().map(|c| c.len()).sum();
+        let Some((id, fd)) = self.pick_slab(tx, len)? else {
+            return Ok(false);
+        };
+        // The copy, in steps between which the runtime's other tasks run.
+        let mut at = 0usize;
+        for chunk in chunks {
+            let mut rest = &chunk[..];
+            while !rest.is_empty() {
+                let n = rest.len().min(SLAB_COPY_STEP);
+                let slab = tx.slabs[id as usize]
+                    .as_ref()
+                    .map(|s| s.map.ptr())
+                    .ok_or_else(|| self.gone_error("sending"))?;
+                // SAFETY: the slab holds at least `len` bytes (`pick_slab`) and `at + n <= len`;
+                // the peer is done with its last use (`slab_done`), so nothing reads them, and
+                // nothing else of ours writes them (we hold the send side).
+                unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), slab.add(at), n) };
+                at += n;
+                rest = &rest[n..];
+                if at < len {
+                    requeue().await;
+                }
+            }
+        }
+        let new = fd.is_some();
+        if let Some(fd) = fd {
+            self.wait_for_space(tx, SLAB_RECORD as u64, 1).await?;
+            if self.shared.is_dead() {
+                return Err(self.gone_error("sending"));
+            }
+            let cap = tx.slabs[id as usize].as_ref().map_or(0, |s| s.map.len()) as u64;
+            sock::send_packet(&self.shared.sock, &cap.to_le_bytes(), &[fd.as_fd()])
+                .await
+                .map_err(|e| TransportError::io(self.peer, "sending a slab", &e))?;
+            tx.segments_sent += 1;
+        } else {
+            self.wait_for_space(tx, SLAB_RECORD as u64, 0).await?;
+        }
+        let slab = tx.slabs[id as usize]
+            .as_mut()
+            .ok_or_else(|| self.gone_error("sending"))?;
+        slab.seq += 1;
+        let seq = slab.seq;
+        tx.producer
+            .write_slab(&self.tx_ring, id, new, seq, len as u64);
+        self.publish(tx);
+        Ok(true)
     }
 
     /// Closes the connection after a protocol error: the peer sees it go away at once.
@@ -470,7 +736,7 @@ impl ShmConnection {
                 .map_err(|e| self.ring_error(e))?
             {
                 Next::Empty => return Ok(Pumped::Empty),
-                Next::Segment { len } => {
+                next @ (Next::Segment { .. } | Next::Slab { .. }) => {
                     if rx.decoder.is_mid_frame() {
                         return Err(TransportError::Wire {
                             peer: self.peer,
@@ -480,7 +746,11 @@ impl ShmConnection {
                             },
                         });
                     }
-                    return Ok(Pumped::Segment(len));
+                    return Ok(Pumped::Pending(match next {
+                        Next::Slab { id, new, seq, len } => Pending::Slab { id, new, seq, len },
+                        Next::Segment { len } => Pending::Segment(len),
+                        Next::Empty | Next::Data { .. } => unreachable!("matched above"),
+                    }));
                 }
                 Next::Data { len, .. } => {
                     if let Some(mut direct) = rx.decoder.direct_read_buf(DIRECT_MIN) {
@@ -569,9 +839,14 @@ impl ShmConnection {
 
     async fn recv_inner(&self, rx: &mut Rx) -> Result<Frame, TransportError> {
         loop {
-            if rx.consumer.segment_pending() {
-                let len = rx.pending_len;
-                let frame = self.take_segment(rx, len).await;
+            if let (true, Some(pending)) = (rx.consumer.segment_pending(), rx.pending) {
+                let frame = match pending {
+                    Pending::Segment(len) => self.take_segment(rx, len).await,
+                    Pending::Slab { id, new, seq, len } => {
+                        self.take_slab(rx, id, new, seq, len).await
+                    }
+                };
+                rx.pending = None;
                 self.release(rx);
                 return frame;
             }
@@ -579,8 +854,8 @@ impl ShmConnection {
             self.release(rx);
             match pumped? {
                 Pumped::Frame(frame) => return Ok(frame),
-                Pumped::Segment(len) => {
-                    rx.pending_len = len;
+                Pumped::Pending(pending) => {
+                    rx.pending = Some(pending);
                     continue;
                 }
                 Pumped::Empty => {}
@@ -600,6 +875,93 @@ impl ShmConnection {
             })
             .await?;
         }
+    }
+
+    /// Takes the frame of a SLAB record: maps the slab if it is new, checks the frame, and
+    /// hands its bytes up without copying (the header excepted).
+    async fn take_slab(
+        &self,
+        rx: &mut Rx,
+        id: u32,
+        new: bool,
+        seq: u64,
+        len: u64,
+    ) -> Result<Frame, TransportError> {
+        let bad = |reason: String| TransportError::Wire {
+            peer: self.peer,
+            source: WireError::MalformedHeader { reason },
+        };
+        let max = self.limits.max_frame_len.saturating_add(PREFIX_LEN as u64);
+        if len > max {
+            return Err(TransportError::Wire {
+                peer: self.peer,
+                source: WireError::FrameTooLarge {
+                    len,
+                    max: self.limits.max_frame_len,
+                },
+            });
+        }
+        if len < PREFIX_LEN as u64 {
+            return Err(bad(format!(
+                "a slab record announces a frame of {len} bytes"
+            )));
+        }
+        if new {
+            let Some((cap, fd)) = self.next_segment().await else {
+                return Err(TransportError::ClosedMidFrame {
+                    peer: self.peer,
+                    source: WireError::Truncated {
+                        part: "body",
+                        received: 0,
+                        expected: len,
+                    },
+                });
+            };
+            if cap < len || cap > max.saturating_add(SLAB_ALIGN as u64) {
+                return Err(bad(format!(
+                    "a slab of {cap} bytes for a frame of {len} (at most {max} allowed)"
+                )));
+            }
+            let map = mem::open_slab(fd, cap as usize)
+                .map_err(|e| bad(format!("shared-memory slab: {e}")))?;
+            rx.segments_done += 1;
+            self.rx_ring
+                .segments_done()
+                .store(rx.segments_done, Ordering::Release);
+            rx.slabs[id as usize] = Some(Arc::new(RecvSlab {
+                map,
+                id,
+                ring: Arc::clone(&self.rx_ring),
+            }));
+        }
+        let Some(slab) = rx.slabs[id as usize].clone() else {
+            return Err(bad(format!("a slab record names slab {id}, never sent")));
+        };
+        if len > slab.map.len() as u64 {
+            return Err(bad(format!(
+                "a frame of {len} bytes in slab {id} of {} bytes",
+                slab.map.len()
+            )));
+        }
+        let bytes = bytes::Bytes::from_owner(SlabView {
+            slab,
+            len: len as usize,
+            seq,
+        });
+        let (mut frame, used) =
+            decode_frame_shared(&bytes, &self.limits).map_err(|source| TransportError::Wire {
+                peer: self.peer,
+                source,
+            })?;
+        if used as u64 != len {
+            return Err(bad(format!(
+                "a slab frame of {len} bytes holds a frame of {used}"
+            )));
+        }
+        // The header is parsed by the layers above: ours, so that nothing can change it.
+        frame.header = bytes::Bytes::copy_from_slice(&frame.header);
+        rx.consumer.segment_taken();
+        Ok(frame)
     }
 
     fn release(&self, rx: &Rx) {
@@ -626,13 +988,14 @@ impl ShmConnection {
 
 enum Pumped {
     Frame(Frame),
-    Segment(u64),
+    Pending(Pending),
     Empty,
 }
 
-/// A frame ready to send: stream chunks for the ring, or a sealed segment.
+/// A frame ready to send: stream chunks for the ring, chunks for a slab, or a sealed segment.
 enum Prepared {
     Inline(Vec<bytes::Bytes>),
+    Slab(Vec<bytes::Bytes>),
     Segment(u64, OwnedFd),
 }
 
@@ -676,7 +1039,11 @@ impl Connection for ShmConnection {
             let len = out.remaining();
             let chunks = out.into_chunks();
             if len < self.segment_min as u64 {
-                prepared.push(Prepared::Inline(chunks));
+                prepared.push(if len >= self.slab_min as u64 {
+                    Prepared::Slab(chunks)
+                } else {
+                    Prepared::Inline(chunks)
+                });
                 continue;
             }
             // The one copy of a large frame, off the runtime's threads.

@@ -31,6 +31,21 @@
 //! since each side sees the other progress within its polling time, neither sleeps: 64 MiB moves
 //! without a system call per chunk (on one core, the sides hand over with `sched_yield`).
 //!
+//! Frames of 1 MiB and more ([`ShmConfig::slab_min`]) take another path: the sender writes them
+//! once into a *slab*, a memfd of its own sealed against resizing (not against writes), which it
+//! creates the first time (its descriptor goes over the Unix socket with `SCM_RIGHTS`) and reuses
+//! afterwards; the ring carries a 32-byte record naming the slab and the use. The receiver maps
+//! each slab once, read-only, and hands the payloads up as [`Bytes`](bytes::Bytes) over the
+//! mapping without copying them (the small frame header is copied). When the last of those bytes
+//! is dropped, the receiver stores the use number in the ring's header, and only then does the
+//! sender write that slab again: a receiver that keeps a tensor keeps it unchanged. While every
+//! slab is still referenced (or the budget, [`ShmConfig::slab_bytes`], is spent), frames stream
+//! through the ring instead, so a receiver never holds up a sender. One copy in all, and no
+//! system call per frame once the slab exists. *Deliberate difference from the sealed segments
+//! below:* a misbehaving sender of the same user could change a slab's bytes while the receiver
+//! reads them (never their length or place); a process of the same user can write our memory
+//! through `/proc/PID/mem` anyway.
+//!
 //! Optionally ([`ShmConfig::segment_min`]), frames from a given size on are written once into a
 //! memfd of their own, sealed against writes and resizing, whose descriptor goes over the Unix
 //! socket (`SCM_RIGHTS`); the ring carries a 16-byte record that says where it belongs in the
@@ -159,6 +174,7 @@ impl ShmTransport {
             addr,
             self.config.limits,
             self.config.segment_min,
+            (self.config.slab_min, self.config.slab_bytes),
             self.config.spin,
             self.config.buffer_reuse,
         )

@@ -179,6 +179,7 @@ async fn accept_loop(
                 peer,
                 config.limits,
                 config.segment_min,
+                (config.slab_min, config.slab_bytes),
                 config.spin,
                 config.buffer_reuse,
             ) {

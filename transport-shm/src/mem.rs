@@ -158,6 +158,22 @@ pub(crate) fn write_segment(chunks: &[Bytes], len: usize) -> Result<OwnedFd, Mem
     Ok(fd)
 }
 
+/// A fresh slab of `cap` bytes: a memfd sealed against resizing (not against writes: the
+/// sender reuses it), mapped writable with its pages faulted in; and its descriptor, to send.
+pub(crate) fn create_slab(cap: usize) -> Result<(Mapping, OwnedFd), MemError> {
+    let fd = memfd("tensorwire-shm-slab", cap as u64)?;
+    rustix::fs::fcntl_add_seals(&fd, RING_SEALS | SealFlags::SEAL).map_err(os("sealing a slab"))?;
+    let map = Mapping::map(&fd, cap, true, true)?;
+    Ok((map, fd))
+}
+
+/// Maps the peer's slab of `cap` bytes read-only, after checking that it holds exactly that
+/// many and cannot be resized (so the mapping stays backed for as long as it lives).
+pub(crate) fn open_slab(fd: OwnedFd, cap: usize) -> Result<Mapping, MemError> {
+    check_memfd(&fd, cap as u64, RING_SEALS)?;
+    Mapping::map(&fd, cap, false, true)
+}
+
 /// Maps a segment received from the peer, after checking that it is sealed and holds `len`
 /// bytes, as [`Bytes`] that own the mapping (no copy).
 pub(crate) fn open_segment(fd: OwnedFd, len: usize) -> Result<Bytes, MemError> {

@@ -15,7 +15,13 @@
 //! - `DATA`: `len` bytes of the connection's byte stream (wire frames, as TCP carries them),
 //!   wrapping around the end of the data area when needed;
 //! - `SEGMENT`: `len = 8`, a `u64 LE`: the length of a frame that travels in a sealed memfd
-//!   segment, whose descriptor was sent over the Unix socket before the record was published.
+//!   segment, whose descriptor was sent over the Unix socket before the record was published;
+//! - `SLAB`: `len = 24`, `id: u32 LE`, `flags: u32 LE` (bit 0: new), `use: u64 LE`,
+//!   `frame: u64 LE`: a frame of `frame` bytes at the start of the sender's slab `id` (a memfd
+//!   sealed against resizing that the sender reuses), its use number `use`. A new slab's
+//!   descriptor (and its size) was sent over the Unix socket before the record was published;
+//!   it replaces any earlier slab of that id. The consumer stores `use` in "slab i done" once
+//!   nothing references the frame any more; only then may the producer write the slab again.
 //!
 //! then padding up to the next multiple of 8. The producer publishes records by storing the
 //! write position (release); the consumer frees space by storing the read position (release).
@@ -41,6 +47,10 @@ const PRODUCER_WAITING: usize = 76;
 const READ_POS: usize = 128;
 const SEGMENTS_DONE: usize = 136;
 const CONSUMER_WAITING: usize = 144;
+const SLAB_DONE: usize = 1024;
+
+/// Slabs a producer may have per ring.
+pub(crate) const MAX_SLABS: u32 = 8;
 
 /// Length of a record header.
 const RECORD_HEADER: u64 = 8;
@@ -48,8 +58,14 @@ const RECORD_HEADER: u64 = 8;
 const DATA: u32 = 1;
 /// Record kind: a frame in a sealed segment.
 const SEGMENT: u32 = 2;
+/// Record kind: a frame in a reused slab.
+const SLAB: u32 = 3;
 /// Space a segment record takes.
 pub(crate) const SEGMENT_RECORD: usize = 16;
+/// Space a slab record takes.
+pub(crate) const SLAB_RECORD: usize = 32;
+/// Bit of a slab record's flags: the slab is new (its descriptor came over the socket).
+const SLAB_NEW: u32 = 1;
 
 /// What a peer did wrong in the shared memory.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -105,6 +121,16 @@ pub enum RingError {
         pos: u64,
         /// The kind found.
         kind: u32,
+    },
+    /// A slab record names a slab that cannot exist, or has unknown flags.
+    #[error("slab record at position {pos} names slab {id} with flags {flags:#x}")]
+    BadSlab {
+        /// Where the record starts.
+        pos: u64,
+        /// The slab id found.
+        id: u32,
+        /// The flags found.
+        flags: u32,
     },
     /// The consumer claims to have taken more segments than were sent.
     #[error("the peer claims {done} segments taken, but only {sent} were sent")]
@@ -196,6 +222,12 @@ impl Ring {
         self.u32_at(CONSUMER_WAITING)
     }
 
+    /// The last use of the producer's slab `id` that the consumer has finished with.
+    pub(crate) fn slab_done(&self, id: u32) -> &AtomicU64 {
+        assert!(id < MAX_SLABS, "slab id {id} out of range");
+        self.u64_at(SLAB_DONE + 8 * id as usize)
+    }
+
     /// Segments the consumer has taken.
     pub(crate) fn segments_done(&self) -> &AtomicU64 {
         self.u64_at(SEGMENTS_DONE)
@@ -261,10 +293,19 @@ impl Ring {
 pub(crate) enum Next {
     /// Nothing published.
     Empty,
-    /// `len` bytes of stream at `pos`; report them with [`Consumer::consumed`].
+    /// `len` bytes of stream at `pos`; read them with [`Consumer::read_into`].
     Data { pos: u64, len: u64 },
     /// A frame of `len` bytes in a segment; once taken, [`Consumer::segment_taken`].
     Segment { len: u64 },
+    /// A frame of `len` bytes at the start of the producer's slab `id` (a new one, whose
+    /// descriptor is next on the socket, with `new`), use number `seq`; once taken,
+    /// [`Consumer::segment_taken`].
+    Slab {
+        id: u32,
+        new: bool,
+        seq: u64,
+        len: u64,
+    },
 }
 
 /// The consumer's private state.
@@ -342,6 +383,27 @@ impl Consumer {
                     return Ok(Next::Segment { len: frame_len });
                 }
                 SEGMENT => return Err(bad),
+                SLAB if len == 24 => {
+                    let word = ring.read_u64(self.r + RECORD_HEADER);
+                    let (id, flags) = (word as u32, (word >> 32) as u32);
+                    if id >= MAX_SLABS || flags & !SLAB_NEW != 0 {
+                        return Err(RingError::BadSlab {
+                            pos: self.r,
+                            id,
+                            flags,
+                        });
+                    }
+                    let seq = ring.read_u64(self.r + RECORD_HEADER + 8);
+                    let frame_len = ring.read_u64(self.r + RECORD_HEADER + 16);
+                    self.segment_end = Some(end);
+                    return Ok(Next::Slab {
+                        id,
+                        new: flags & SLAB_NEW != 0,
+                        seq,
+                        len: frame_len,
+                    });
+                }
+                SLAB => return Err(bad),
                 _ => {
                     return Err(RingError::UnknownRecord { pos: self.r, kind });
                 }
@@ -367,14 +429,14 @@ impl Consumer {
         n
     }
 
-    /// The SEGMENT record found by [`next`](Self::next) is taken care of.
+    /// The SEGMENT or SLAB record found by [`next`](Self::next) is taken care of.
     pub(crate) fn segment_taken(&mut self) {
         if let Some(end) = self.segment_end.take() {
             self.r = end;
         }
     }
 
-    /// Whether a SEGMENT record waits for its descriptor.
+    /// Whether a SEGMENT or SLAB record waits to be taken.
     pub(crate) fn segment_pending(&self) -> bool {
         self.segment_end.is_some()
     }
@@ -468,6 +530,21 @@ impl Producer {
         self.w += SEGMENT_RECORD as u64;
     }
 
+    /// Writes a SLAB record for a frame of `len` bytes in slab `id`, use `seq` (not yet
+    /// published); needs [`SLAB_RECORD`] bytes free.
+    pub(crate) fn write_slab(&mut self, ring: &Ring, id: u32, new: bool, seq: u64, len: u64) {
+        debug_assert!(id < MAX_SLABS);
+        let flags = if new { SLAB_NEW } else { 0 };
+        ring.write_u64(self.w, u64::from(SLAB) | (24 << 32));
+        ring.write_u64(
+            self.w + RECORD_HEADER,
+            u64::from(id) | (u64::from(flags) << 32),
+        );
+        ring.write_u64(self.w + RECORD_HEADER + 8, seq);
+        ring.write_u64(self.w + RECORD_HEADER + 16, len);
+        self.w += SLAB_RECORD as u64;
+    }
+
     /// Makes the records written so far visible to the consumer.
     pub(crate) fn publish(&self, ring: &Ring) {
         ring.write_pos().store(self.w, Ordering::Release);
@@ -496,7 +573,7 @@ mod tests {
                 Next::Data { .. } => {
                     c.read_into(ring, usize::MAX, &mut out);
                 }
-                Next::Segment { len } => {
+                Next::Segment { len } | Next::Slab { len, .. } => {
                     c.segment_taken();
                     c.release(ring);
                     return Ok((out.to_vec(), Some(len)));
@@ -542,6 +619,71 @@ mod tests {
         }
         assert_eq!(got, sent);
         assert_eq!(c.next(&rx).unwrap(), Next::Empty);
+    }
+
+    #[test]
+    fn slab_records_round_trip_and_bad_ones_are_typed_errors() {
+        let (tx, rx) = pair();
+        let (mut p, mut c) = (Producer::default(), Consumer::default());
+        p.write_slab(&tx, 3, true, 1, 70 << 20);
+        p.write_slab(&tx, 7, false, 12, 100);
+        p.publish(&tx);
+        assert_eq!(
+            c.next(&rx).unwrap(),
+            Next::Slab {
+                id: 3,
+                new: true,
+                seq: 1,
+                len: 70 << 20
+            }
+        );
+        // The record must be taken before anything else is read.
+        assert!(c.next(&rx).is_err());
+        c.segment_taken();
+        assert_eq!(
+            c.next(&rx).unwrap(),
+            Next::Slab {
+                id: 7,
+                new: false,
+                seq: 12,
+                len: 100
+            }
+        );
+        c.segment_taken();
+        assert_eq!(c.next(&rx).unwrap(), Next::Empty);
+        // The consumer's "done" counters are where the producer reads them.
+        rx.slab_done(3).store(1, Ordering::Release);
+        assert_eq!(tx.slab_done(3).load(Ordering::Acquire), 1);
+
+        // A slab id out of range, unknown flags.
+        let (tx, rx) = pair();
+        let (mut p, mut c) = (Producer::default(), Consumer::default());
+        p.write_slab(&tx, 0, false, 1, 100);
+        p.publish(&tx);
+        rx.write_u64(8, u64::from(MAX_SLABS));
+        assert!(matches!(
+            c.next(&rx),
+            Err(RingError::BadSlab { id: MAX_SLABS, .. })
+        ));
+        rx.write_u64(8, 1 | (4 << 32));
+        assert!(matches!(
+            c.next(&rx),
+            Err(RingError::BadSlab {
+                id: 1,
+                flags: 4,
+                ..
+            })
+        ));
+        // A slab record of the wrong length.
+        rx.write_u64(0, u64::from(SLAB) | (16 << 32));
+        assert!(matches!(
+            c.next(&rx),
+            Err(RingError::BadRecord {
+                kind: SLAB,
+                len: 16,
+                ..
+            })
+        ));
     }
 
     #[test]
@@ -600,6 +742,10 @@ mod tests {
                         prop_assert!(len <= CAP as u64);
                         c.read_into(&rx, CAP, &mut out);
                         out.clear();
+                    }
+                    Ok(Next::Slab { id, .. }) => {
+                        prop_assert!(id < MAX_SLABS);
+                        c.segment_taken();
                     }
                     Ok(Next::Segment { .. }) => c.segment_taken(),
                     Ok(Next::Empty) | Err(_) => break,

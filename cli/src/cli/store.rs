@@ -208,7 +208,9 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
             stdout.flush()?;
             wait_for_stop_signal().await?;
             server.shutdown().await;
-            println!("tensorwire store stopped");
+            // Whoever started us may have stopped reading (a benchmark that read the address and
+            // closed the pipe): a clean stop is still a clean stop, not a panic on EPIPE.
+            let _ = writeln!(std::io::stdout(), "tensorwire store stopped");
         }
         Command::Set { client, key, value } => {
             connect(&client).await?.set(&key, value.as_bytes()).await?;
