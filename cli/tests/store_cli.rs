@@ -2,7 +2,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tensorwire");
 
@@ -53,24 +53,33 @@ fn ok(out: &Output) -> String {
     String::from_utf8(out.stdout.clone()).unwrap()
 }
 
-/// Sends SIGINT (what Ctrl-C sends) and waits for a clean exit.
-fn interrupt(mut server: Server) -> String {
+/// Sends SIGINT (what Ctrl-C sends) to `child` and waits (on a thread, without polling) for it
+/// to exit successfully, within 10 s.
+fn stops_cleanly_on_sigint(mut child: Child) {
     let status = Command::new("kill")
-        .args(["-INT", &server.child.id().to_string()])
+        .args(["-INT", &child.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(status) = server.child.try_wait().unwrap() {
-            assert!(status.success(), "server exited with {status}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "server did not stop on SIGINT");
-        std::thread::sleep(Duration::from_millis(20));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait());
+    });
+    match rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(Ok(status)) => assert!(status.success(), "server exited with {status}"),
+        Ok(Err(e)) => panic!("waiting for the server: {e}"),
+        Err(_) => panic!("server did not stop on SIGINT"),
     }
+}
+
+/// Sends SIGINT and waits for a clean exit; returns what the server printed meanwhile.
+fn interrupt(server: Server) -> String {
+    let Server {
+        child, mut stdout, ..
+    } = server;
+    stops_cleanly_on_sigint(child);
     let mut rest = String::new();
-    std::io::Read::read_to_string(&mut server.stdout, &mut rest).unwrap();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
     rest
 }
 
@@ -79,26 +88,13 @@ fn interrupt(mut server: Server) -> String {
 #[test]
 fn a_server_whose_stdout_is_closed_stops_cleanly() {
     let Server {
-        mut child,
+        child,
         addr,
         stdout,
     } = serve(&[]);
     drop(stdout);
     ok(&client(&addr, &["set", "k", "v"]));
-    let status = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(status.success(), "server exited with {status}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "server did not stop on SIGINT");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    stops_cleanly_on_sigint(child);
 }
 
 #[test]
