@@ -787,11 +787,17 @@ impl ShmConnection {
         }
     }
 
-    async fn take_segment(&self, rx: &mut Rx, len: u64) -> Result<Frame, TransportError> {
-        let bad = |reason: String| TransportError::Wire {
+    /// A malformed frame from the peer.
+    fn malformed(&self, reason: String) -> TransportError {
+        TransportError::Wire {
             peer: self.peer,
             source: WireError::MalformedHeader { reason },
-        };
+        }
+    }
+
+    /// A frame of `len` bytes (with its prefix) is within the limit; returns the limit (with
+    /// the prefix).
+    fn check_len(&self, len: u64) -> Result<u64, TransportError> {
         let max = self.limits.max_frame_len.saturating_add(PREFIX_LEN as u64);
         if len > max {
             return Err(TransportError::Wire {
@@ -802,6 +808,12 @@ impl ShmConnection {
                 },
             });
         }
+        Ok(max)
+    }
+
+    async fn take_segment(&self, rx: &mut Rx, len: u64) -> Result<Frame, TransportError> {
+        let bad = |reason: String| self.malformed(reason);
+        self.check_len(len)?;
         let Some((announced, fd)) = self.next_segment().await else {
             return Err(TransportError::ClosedMidFrame {
                 peer: self.peer,
@@ -887,20 +899,8 @@ impl ShmConnection {
         seq: u64,
         len: u64,
     ) -> Result<Frame, TransportError> {
-        let bad = |reason: String| TransportError::Wire {
-            peer: self.peer,
-            source: WireError::MalformedHeader { reason },
-        };
-        let max = self.limits.max_frame_len.saturating_add(PREFIX_LEN as u64);
-        if len > max {
-            return Err(TransportError::Wire {
-                peer: self.peer,
-                source: WireError::FrameTooLarge {
-                    len,
-                    max: self.limits.max_frame_len,
-                },
-            });
-        }
+        let bad = |reason: String| self.malformed(reason);
+        let max = self.check_len(len)?;
         if len < PREFIX_LEN as u64 {
             return Err(bad(format!(
                 "a slab record announces a frame of {len} bytes"
