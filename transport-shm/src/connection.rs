@@ -787,6 +787,18 @@ impl ShmConnection {
         }
     }
 
+    /// The peer closed before the memory of a frame of `len` bytes arrived.
+    fn closed_before_body(&self, len: u64) -> TransportError {
+        TransportError::ClosedMidFrame {
+            peer: self.peer,
+            source: WireError::Truncated {
+                part: "body",
+                received: 0,
+                expected: len,
+            },
+        }
+    }
+
     /// A malformed frame from the peer.
     fn malformed(&self, reason: String) -> TransportError {
         TransportError::Wire {
@@ -815,14 +827,7 @@ impl ShmConnection {
         let bad = |reason: String| self.malformed(reason);
         self.check_len(len)?;
         let Some((announced, fd)) = self.next_segment().await else {
-            return Err(TransportError::ClosedMidFrame {
-                peer: self.peer,
-                source: WireError::Truncated {
-                    part: "body",
-                    received: 0,
-                    expected: len,
-                },
-            });
+            return Err(self.closed_before_body(len));
         };
         if announced != len || len < PREFIX_LEN as u64 {
             return Err(bad(format!(
@@ -908,14 +913,7 @@ impl ShmConnection {
         }
         if new {
             let Some((cap, fd)) = self.next_segment().await else {
-                return Err(TransportError::ClosedMidFrame {
-                    peer: self.peer,
-                    source: WireError::Truncated {
-                        part: "body",
-                        received: 0,
-                        expected: len,
-                    },
-                });
+                return Err(self.closed_before_body(len));
             };
             if cap < len || cap > max.saturating_add(SLAB_ALIGN as u64) {
                 return Err(bad(format!(
