@@ -18,11 +18,14 @@
 //! - at the end, once every reference is dropped: if no worker died, every value was released,
 //!   and every live endpoint is idle;
 //! - then the cluster shuts down gracefully (every member, or one worker leaving and the rest
-//!   of a dynamic group after it, some calls still in flight, members starting at random
-//!   moments, sometimes one member that never starts): every member's shutdown completes
-//!   exactly once and no later than its deadline; it succeeds whenever every member takes part
-//!   and none died, and otherwise fails naming only workers that were missing (dead or silent;
-//!   a member that gave up passes on whom it waited for).
+//!   of a dynamic group after it, some calls still in flight, fire-and-forget chains of nested
+//!   calls — each hop starts the next and answers without waiting for it, some passing a
+//!   reference along — members starting at random moments, sometimes one member that never
+//!   starts): every member's shutdown completes exactly once and no later than its deadline;
+//!   it succeeds whenever every member takes part and none died, and otherwise fails naming
+//!   only workers that were missing (dead or silent; a member that gave up passes on whom it
+//!   waited for); and when it succeeds, it refused no work started before every member called
+//!   shutdown: every hop of every chain ran and was answered.
 //!
 //! A failed check panics with a message naming the seed: `TW_SIM_SEED=<seed>` replays it (see
 //! the crate's tests). [`Cluster::inject`] feeds an arbitrary message from one worker, for
@@ -169,6 +172,8 @@ pub struct SimStats {
     pub from_non_members: usize,
     /// Functions that waited for the references in their arguments to be confirmed.
     pub confirm_waits: usize,
+    /// Hops of fire-and-forget chains run during graceful shutdowns.
+    pub chain_hops: usize,
     /// Of those, waits that failed (an owner lost, a creation failed, the deadline).
     pub confirm_waits_failed: usize,
 }
@@ -223,6 +228,9 @@ pub struct Cluster {
     shutdown_step: usize,
     /// A dynamic group's membership (`None`: a static group).
     group: Option<DynGroup>,
+    /// Calls made by fire-and-forget chains (caller, id), and those that failed, with why.
+    chain_calls: BTreeSet<(WorkerId, MessageId)>,
+    chain_failures: Vec<(WorkerId, MessageId, CallError)>,
 }
 
 const FUNCTIONS: [&str; 4] = ["echo", "fail", "slow", "nested"];
@@ -246,6 +254,8 @@ impl Cluster {
             stats: SimStats::default(),
             shutdown_step: 0,
             group: None,
+            chain_calls: BTreeSet::new(),
+            chain_failures: Vec::new(),
         }
     }
 
@@ -574,7 +584,26 @@ impl Cluster {
             let function = ["echo", "slow", "nested"][rng.below(3)];
             self.call(w, to, function, Body::default(), Duration::from_secs(5));
         }
-        let deadline = self.now + Duration::from_secs(20);
+        // Fire-and-forget chains, some passing a reference along hop after hop.
+        self.chain_calls.clear();
+        self.chain_failures.clear();
+        for _ in 0..rng.below(4) {
+            let (w, to) = (alive[rng.below(alive.len())], alive[rng.below(alive.len())]);
+            let hops = rng.below(16) as u8;
+            let mut handles = Vec::new();
+            if rng.chance(50) {
+                if let Ok(h) = self.eps[w as usize].local_rref() {
+                    self.apps[w as usize].values.insert(h.rref, Vec::new());
+                    handles.push(h);
+                }
+            }
+            self.start_chain(w, to, hops, &handles);
+            for h in handles {
+                self.eps[w as usize].drop_handle(h, self.now);
+            }
+        }
+        // Room for every chain hop (the clock moves 200 ms in one step of ten).
+        let deadline = self.now + Duration::from_secs(120);
         let mut to_start: Vec<WorkerId> = alive
             .iter()
             .copied()
@@ -636,6 +665,12 @@ impl Cluster {
             })
             .collect();
         outcomes.sort_by_key(|(step, w, _)| (*step, *w));
+        if healthy && !self.chain_failures.is_empty() {
+            self.fail(format!(
+                "the shutdown refused work started before every member called it: chain calls failed {:?}; outcomes {outcomes:?}",
+                self.chain_failures
+            ));
+        }
         for (_, w, outcome) in &outcomes {
             match outcome {
                 Ok(()) => self.stats.shutdowns_ok += 1,
@@ -1264,6 +1299,9 @@ impl Cluster {
                     self.fail(format!("worker {w}: call {id} resolved twice"));
                 }
                 let _ = deadline; // `check` holds every call to its deadline after each step.
+                if let (true, Err(e)) = (self.chain_calls.contains(&(w, id)), &outcome) {
+                    self.chain_failures.push((w, id, e.clone()));
+                }
                 match &outcome {
                     Err(CallError::Timeout { .. } | CallError::RRefCreationTimedOut { .. }) => {
                         self.stats.timeouts += 1;
@@ -1366,8 +1404,42 @@ impl Cluster {
                 self.apps[w as usize].held.extend(kept);
                 self.answer(w, serving, Ok(()));
             }
+            "chain" => {
+                // A hop of a fire-and-forget chain: start the next hop (passing on the
+                // references it got) and answer at once, without waiting for it.
+                self.stats.chain_hops += 1;
+                let left = serving.body.data.first().copied().unwrap_or(0);
+                if left > 0 {
+                    let alive = self.alive();
+                    let next = alive[(w as usize + 1) % alive.len()];
+                    let handles = serving.handles.clone();
+                    self.start_chain(w, next, left - 1, &handles);
+                }
+                self.answer(w, serving, Ok(()));
+            }
             "fail" => self.answer(w, serving, Err("refused".into())),
             _ => self.answer(w, serving, Ok(())),
+        }
+    }
+
+    /// Worker `w` calls hop `left` of a fire-and-forget chain on `to`, passing on `handles`.
+    fn start_chain(&mut self, w: WorkerId, to: WorkerId, left: u8, handles: &[RRefHandle]) {
+        let forks = handles
+            .iter()
+            .filter_map(|h| self.eps[w as usize].fork_for(*h, to).ok())
+            .collect();
+        let body = Body {
+            data: vec![left],
+            forks,
+            target: None,
+        };
+        match self.eps[w as usize].call(to, "chain", body, Duration::ZERO, self.now) {
+            Ok(id) => {
+                self.stats.calls += 1;
+                self.track_call(w, id, Duration::ZERO);
+                self.chain_calls.insert((w, id));
+            }
+            Err(e) => self.chain_failures.push((w, 0, e)),
         }
     }
 

@@ -178,7 +178,10 @@ impl<T: Send + Sync + 'static> RRef<T> {
         }
     }
 
-    /// The value itself, on its owner.
+    /// The value itself, on its owner. A value still being created here (the function of a
+    /// `remote()` to this worker is still running) is waited for, as PyTorch's owner does,
+    /// within the agent's default RPC timeout ([`Agent::rpc_timeout`]; zero: no bound); a
+    /// creation that fails fails this with its error.
     pub async fn local_value(&self) -> Result<Arc<T>, RpcError> {
         let rref = self.shared.handle.rref.to_string();
         if !self.is_owner() {
@@ -191,6 +194,15 @@ impl<T: Send + Sync + 'static> RRef<T> {
             });
         }
         self.created().await?;
+        let bound = self.agent().rpc_timeout();
+        let deadline = (!bound.is_zero()).then(|| crate::clock::tokio_deadline_after(bound));
+        self.agent()
+            .wait_confirmed(&[self.shared.handle], deadline)
+            .await
+            .map_err(|reason| RpcError::RRef {
+                rref: rref.clone(),
+                reason,
+            })?;
         let any = self
             .agent()
             .local_value(self.shared.handle.rref)

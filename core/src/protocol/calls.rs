@@ -93,6 +93,10 @@ impl<B: Payload> Endpoint<B> {
     /// ignored (`false`): the application must then not keep the value it made.
     pub fn respond(&mut self, token: RequestToken, outcome: Result<B, RemoteError>) -> bool {
         let answered = self.respond_inner(token, outcome);
+        if !self.confirm_waits.is_empty() {
+            // A value kept (or failed) here ends the waits for its creation.
+            self.settle_confirm_waits(None);
+        }
         self.advance_shutdown();
         answered
     }
@@ -101,6 +105,8 @@ impl<B: Payload> Endpoint<B> {
         if !self.incoming.remove(&token) {
             return false;
         }
+        // A request answered counts as activity even when it was our own (no message).
+        self.count_activity(None);
         let rref = match token.kind {
             RequestKind::Remote(rref) => rref,
             RequestKind::Fetch(rref) => {

@@ -552,13 +552,16 @@ pub enum ProtocolViolation {
         /// Where the message went.
         sent_to: WorkerId,
     },
-    /// A shutdown signal out of order: `Idle` before `Drained`, or one said twice.
-    #[error("it said {signal:?} in its shutdown after {after:?}")]
+    /// A shutdown report out of order: not the round after the sender's last, more than one
+    /// round ahead of ours, or an activity count that went down.
+    #[error("it reported round {} (activity {}) in its shutdown after {after:?}, while this worker reported round {our_round}", .signal.round, .signal.activity)]
     ShutdownOutOfOrder {
-        /// The signal.
+        /// The report.
         signal: ShutdownSignal,
-        /// The signal it said before (`None`: none).
+        /// The report it sent before (`None`: none).
         after: Option<ShutdownSignal>,
+        /// The last round this worker reported (0: none).
+        our_round: u32,
     },
     /// A delete or child-accept for a fork that another worker holds.
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
@@ -998,6 +1001,7 @@ impl<B: Payload> Endpoint<B> {
     }
 
     fn defer(&mut self, id: MessageId, to: WorkerId, header: Header, deadline: Option<Instant>) {
+        self.count_activity(None);
         if to != self.me {
             self.held
                 .entry(to)
@@ -1017,6 +1021,7 @@ impl<B: Payload> Endpoint<B> {
     /// Sends a message now, or queues it behind messages to the same peer still waiting for
     /// their body.
     fn send_out(&mut self, t: Transmit<B>) {
+        self.count_activity(Some(&t.header));
         match self.held.get_mut(&t.to) {
             Some(queue) => queue.push_back(Slot::Ready(t)),
             None => self.transmits.push_back(t),
@@ -1054,6 +1059,7 @@ impl<B: Payload> Endpoint<B> {
     ) -> Result<(), ProtocolViolation> {
         self.last_now = Some(now);
         self.check_message(from, &header)?;
+        self.count_activity(Some(&header));
         match header {
             Header::Call {
                 id,

@@ -12,6 +12,11 @@ impl<B: Payload> Endpoint<B> {
     /// the references in its arguments are confirmed). `None`: nothing to wait for. Else the
     /// outcome comes as [`Event::ConfirmWaitDone`] with the returned id: once all are
     /// confirmed, or failing when an owner is lost, a creation fails, or the deadline passes.
+    ///
+    /// On the owner, a reference whose value is still being created (a `remote()` whose
+    /// function runs here now) counts as unconfirmed until the value is kept, and fails with
+    /// the creation's error: so a function given a reference to a value its own worker is
+    /// creating, or the owner's `local_value()`, waits for the value as PyTorch's owner does.
     pub fn wait_confirmed(
         &mut self,
         handles: &[RRefHandle],
@@ -20,7 +25,7 @@ impl<B: Payload> Endpoint<B> {
         let handles: Vec<RRefHandle> = handles
             .iter()
             .copied()
-            .filter(|h| self.is_confirmed(*h) == Some(false))
+            .filter(|h| self.is_confirmed(*h) == Some(false) || self.being_created_here(*h))
             .collect();
         if handles.is_empty() {
             return None;
@@ -36,28 +41,56 @@ impl<B: Payload> Endpoint<B> {
     /// creation failed, or (with `now`) whose deadline passed.
     pub(super) fn settle_confirm_waits(&mut self, now: Option<Instant>) {
         let mut done = Vec::new();
+        let me = self.me;
         for (wait, w) in &mut self.confirm_waits {
             let mut failed = None;
-            w.handles.retain(|h| match self.used.get(&h.fork) {
-                Some(u) => match &u.creation_error {
-                    Some(e) => {
+            w.handles.retain(|h| {
+                if h.owner != me {
+                    return true;
+                }
+                // Our own value, still being created when the wait began: until it exists.
+                match self.owned.get(&h.rref).map(|o| &o.state) {
+                    Some(None) => true,
+                    Some(Some(Ok(()))) => false,
+                    Some(Some(Err(e))) => {
                         failed.get_or_insert(ConfirmError::Creation {
                             rref: h.rref,
-                            error: e.clone(),
+                            error: CallError::Remote(e.clone()),
                         });
                         false
                     }
-                    None => !u.confirmed,
-                },
-                None => {
-                    if self.lost.contains(&h.owner) {
-                        failed.get_or_insert(ConfirmError::OwnerLost {
+                    None => {
+                        failed.get_or_insert(ConfirmError::Creation {
                             rref: h.rref,
-                            owner: h.owner,
+                            error: CallError::UnknownRRef(h.rref),
                         });
+                        false
                     }
-                    false
                 }
+            });
+            w.handles.retain(|h| {
+                h.owner == me
+                    || match self.used.get(&h.fork) {
+                        Some(u) => match &u.creation_error {
+                            Some(e) => {
+                                failed.get_or_insert(ConfirmError::Creation {
+                                    rref: h.rref,
+                                    error: e.clone(),
+                                });
+                                false
+                            }
+                            None => !u.confirmed,
+                        },
+                        None => {
+                            if self.lost.contains(&h.owner) {
+                                failed.get_or_insert(ConfirmError::OwnerLost {
+                                    rref: h.rref,
+                                    owner: h.owner,
+                                });
+                            }
+                            false
+                        }
+                    }
             });
             if failed.is_none() && now.zip(w.deadline).is_some_and(|(n, d)| d <= n) {
                 if let Some(h) = w.handles.first() {
@@ -79,6 +112,15 @@ impl<B: Payload> Endpoint<B> {
             self.events
                 .push_back(Event::ConfirmWaitDone { wait, outcome });
         }
+    }
+
+    /// Whether `handle` names a value this worker owns whose creation has not ended yet.
+    pub(super) fn being_created_here(&self, handle: RRefHandle) -> bool {
+        handle.owner == self.me
+            && self
+                .owned
+                .get(&handle.rref)
+                .is_some_and(|o| o.state.is_none())
     }
 
     /// A reference to a value this worker already holds (PyTorch's `RRef(value)`): the

@@ -1,24 +1,52 @@
-//! Graceful shutdown as phases of the protocol, over the members' own connections (no store, no
-//! polling): the driver starts it with [`Endpoint::begin_graceful_shutdown`] (a static group:
+//! Graceful shutdown as a termination detection, over the members' own connections (no store,
+//! no polling): the driver starts it with [`Endpoint::begin_graceful_shutdown`] (a static group:
 //! every member stops together) or [`Endpoint::begin_leave`] (one worker leaves a dynamic
 //! group), and learns the outcome from [`Event::ShutdownComplete`].
 //!
-//! A group's shutdown, on every member:
-//! 1. *Drain ours*: wait until this worker's own calls are answered, then tell every member
-//!    [`ShutdownSignal::Drained`].
-//! 2. Wait until every member said `Drained`: nobody has a call in flight, so no new request
-//!    will arrive (a function served on behalf of a caller finishes before that caller's call
-//!    is answered, so its nested calls are answered before its caller drains).
-//! 3. *Settle*: wait until nothing is outstanding here (requests answered, control messages
-//!    acknowledged, bodies supplied), stop taking new calls ([`RunState::ShuttingDown`]), and
-//!    tell every member [`ShutdownSignal::Idle`].
-//! 4. *Leave*: once every member said `Idle`, the shutdown is complete; the driver stops.
+//! # A group's shutdown: rounds until two agree
+//! A graceful shutdown must not cut work that is still spreading: a function that starts a
+//! nested call and returns without awaiting it (a fire-and-forget chain) answers its own caller
+//! while its nested call is still on its way, so "every member's own calls are answered" says
+//! nothing about the calls those calls started. PyTorch's `_wait_all_workers` repeats a global
+//! count until a round sees no work; we do the same without a leader:
 //!
-//! Connections keep their order, so a member that completed and closed its connections has
-//! delivered its `Idle` first. A member lost before it said `Idle` can never say it: the
+//! 1. *Settle*: wait until this worker is idle ([`Endpoint::is_idle`]: no call of ours
+//!    awaiting a reply, no request being served, no control message unacknowledged, no body
+//!    being prepared).
+//! 2. *Report*: send every member [`ShutdownSignal`] `{ round, activity }`: the round number
+//!    (1, 2, …) and this worker's *activity*, a count of the protocol messages it has sent and
+//!    received and of the requests it answered (shutdown messages not counted).
+//! 3. *Decide*: once every member's report of the round is in, every member decides the same
+//!    thing, from the same reports: if the round is the second or later and **every** member
+//!    (this worker included) reported the same activity as in the round before, the group has
+//!    terminated: the shutdown is complete, and the endpoint stops taking new calls
+//!    ([`RunState::ShuttingDown`]). Otherwise the next round begins (back to 1).
+//!
+//! Why this is safe: a member reports only when idle, and sends its report of round `r + 1`
+//! only after it has every member's report of round `r`. So the moment the last report of round
+//! `r` was sent lies, for every member, between its own two reports. A member whose activity
+//! did not change between them sent and received nothing in between, so it was idle at that
+//! moment too. At that moment every member was idle; and every message in flight keeps its
+//! sender or its receiver from being idle (a request: the caller waits for the reply; a reply:
+//! the caller has not had it; a control message: its sender waits for the acknowledgement; an
+//! acknowledgement: the same). So nothing was in flight and no member was working: nothing
+//! can start again except new work a user starts after the shutdown, which is refused. Work
+//! started before every worker called shutdown, however far it spreads, is never refused.
+//! Rounds cost one message per member pair each, and a busy member holds a round back (it
+//! reports only when idle) instead of letting rounds spin; an idle group completes in two.
+//!
+//! A report's round must follow the sender's last one, may be at most one ahead of ours (a
+//! member sends round `r + 1` only once it has our round `r`), and its activity never goes
+//! down: anything else is a [`ProtocolViolation::ShutdownOutOfOrder`]. Connections keep their
+//! order, so a member that completed and closed its connections has delivered its last report
+//! first. A member lost before its report of the round we wait for can never send it: the
 //! shutdown fails at once, naming it. At the deadline the shutdown fails naming who is missing:
-//! the members whose signal did not come, or the peers this worker's unanswered calls and
-//! unfinished work are with.
+//! the members whose report did not come, or the peers this worker's unfinished work is with.
+//!
+//! # Leaving a dynamic group
+//! The leaver refuses new requests, waits until its own calls are answered, nothing is
+//! outstanding here and the references it passed on are confirmed by their owners, and is
+//! done; the others are not waited for (the membership protocol removes it from them).
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
@@ -27,26 +55,26 @@ use serde::{Deserialize, Serialize};
 
 use super::{Endpoint, Event, Header, Payload, ProtocolViolation, RunState, Transmit, WorkerId};
 
-/// What a member tells every other during a graceful shutdown.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum ShutdownSignal {
-    /// Every call of the sender is answered.
-    Drained,
-    /// The sender has nothing outstanding and takes no new calls.
-    Idle,
+/// One member's report in a round of a graceful shutdown (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct ShutdownSignal {
+    /// The round, from 1.
+    pub round: u32,
+    /// The sender's count of protocol messages sent and received and requests answered,
+    /// when it reported (it reports only when idle).
+    pub activity: u64,
 }
 
 /// How far a graceful shutdown got.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ShutdownPhase {
-    /// Waiting for this worker's own calls to be answered.
+    /// Leaving a dynamic group: waiting for this worker's own calls to be answered.
     DrainingOwnCalls,
-    /// Waiting for every member to say its calls are answered.
-    WaitingForDrained,
-    /// Waiting until nothing is outstanding here.
+    /// Waiting until nothing is outstanding here (to report the next round, or to leave).
     Settling,
-    /// Waiting for every member to say it is idle.
-    WaitingForIdle,
+    /// Waiting for every member's report of the current round.
+    WaitingForReports,
     /// Complete.
     Done,
 }
@@ -55,11 +83,8 @@ impl ShutdownPhase {
     fn describe(self) -> &'static str {
         match self {
             Self::DrainingOwnCalls => "this worker's calls are not all answered",
-            Self::WaitingForDrained => "not every member has its calls answered",
-            Self::Settling => {
-                "requests are still being served or references still being released here"
-            }
-            Self::WaitingForIdle => "not every member is idle",
+            Self::Settling => "calls, requests or reference messages are still outstanding here",
+            Self::WaitingForReports => "not every member reported that it is idle",
             Self::Done => "complete",
         }
     }
@@ -86,6 +111,43 @@ pub(super) struct Shutdown {
     leave: bool,
     deadline: Option<Instant>,
     phase: ShutdownPhase,
+    /// Our reports: the latest (its round is the round we wait for) and the one before.
+    reports: Reports,
+}
+
+/// A member's last two reports.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Reports {
+    latest: Option<ShutdownSignal>,
+    previous: Option<ShutdownSignal>,
+}
+
+impl Reports {
+    fn round(&self) -> u32 {
+        self.latest.map_or(0, |s| s.round)
+    }
+
+    fn push(&mut self, signal: ShutdownSignal) {
+        self.previous = self.latest.replace(signal);
+    }
+
+    /// The activity reported in `round`, if that is one of the two kept.
+    fn activity_in(&self, round: u32) -> Option<u64> {
+        [self.latest, self.previous]
+            .into_iter()
+            .flatten()
+            .find(|s| s.round == round)
+            .map(|s| s.activity)
+    }
+
+    /// Whether `round` (≥ 2) reported the same activity as the round before it.
+    fn unchanged_in(&self, round: u32) -> bool {
+        round >= 2
+            && matches!(
+                (self.activity_in(round), self.activity_in(round - 1)),
+                (Some(a), Some(b)) if a == b
+            )
+    }
 }
 
 /// The shutdown state of an endpoint: its own shutdown, and what its peers said of theirs
@@ -93,10 +155,12 @@ pub(super) struct Shutdown {
 #[derive(Debug, Default)]
 pub(super) struct ShutdownState {
     ours: Option<Shutdown>,
-    /// The latest signal from each peer.
-    heard: HashMap<WorkerId, ShutdownSignal>,
+    /// Each peer's last two reports. Bounded: one record per peer, two reports each.
+    heard: HashMap<WorkerId, Reports>,
     /// Peers whose shutdown failed, with who they waited for and whether those were lost.
     failed: HashMap<WorkerId, (Vec<WorkerId>, bool)>,
+    /// Messages sent and received and requests answered (see [`ShutdownSignal::activity`]).
+    activity: u64,
 }
 
 impl<B: Payload> Endpoint<B> {
@@ -116,7 +180,8 @@ impl<B: Payload> Endpoint<B> {
             members: members.into_iter().filter(|m| *m != me).collect(),
             leave: false,
             deadline,
-            phase: ShutdownPhase::DrainingOwnCalls,
+            phase: ShutdownPhase::Settling,
+            reports: Reports::default(),
         });
         self.advance_shutdown();
     }
@@ -136,6 +201,7 @@ impl<B: Payload> Endpoint<B> {
             leave: true,
             deadline,
             phase: ShutdownPhase::DrainingOwnCalls,
+            reports: Reports::default(),
         });
         self.advance_shutdown();
     }
@@ -150,6 +216,11 @@ impl<B: Payload> Endpoint<B> {
         self.shutdown.ours.as_ref().map(|s| s.phase)
     }
 
+    /// The round of the graceful shutdown this worker reported last (0: none yet).
+    pub fn shutdown_round(&self) -> u32 {
+        self.shutdown.ours.as_ref().map_or(0, |s| s.reports.round())
+    }
+
     /// The deadline of a shutdown in progress, for [`poll_timeout`](Self::poll_timeout).
     pub(super) fn shutdown_deadline(&self) -> Option<Instant> {
         self.shutdown
@@ -159,34 +230,42 @@ impl<B: Payload> Endpoint<B> {
             .and_then(|s| s.deadline)
     }
 
-    /// Whether `from` may send `signal`: `Idle` only after `Drained`, each once.
+    /// Counts a message sent or received, or a request answered, for the termination
+    /// detection (shutdown messages are not counted: see the [module docs](self)).
+    pub(super) fn count_activity(&mut self, header: Option<&Header>) {
+        if !matches!(
+            header,
+            Some(Header::Shutdown { .. } | Header::ShutdownFailed { .. })
+        ) {
+            self.shutdown.activity = self.shutdown.activity.wrapping_add(1);
+        }
+    }
+
+    /// Whether `from` may send `signal`: the round after its last one, at most one round ahead
+    /// of ours, and an activity that did not go down.
     pub(super) fn check_shutdown_signal(
         &self,
         from: WorkerId,
         signal: ShutdownSignal,
     ) -> Result<(), ProtocolViolation> {
-        let expected = match self.shutdown.heard.get(&from) {
-            None => ShutdownSignal::Drained,
-            Some(ShutdownSignal::Drained) => ShutdownSignal::Idle,
-            Some(ShutdownSignal::Idle) => {
-                return Err(ProtocolViolation::ShutdownOutOfOrder {
-                    signal,
-                    after: Some(ShutdownSignal::Idle),
-                })
-            }
-        };
-        if signal == expected {
+        let heard = self.shutdown.heard.get(&from).copied().unwrap_or_default();
+        let ours = self.shutdown_round();
+        let in_order = signal.round == heard.round() + 1
+            && signal.round <= ours + 1
+            && heard.latest.is_none_or(|l| signal.activity >= l.activity);
+        if in_order {
             Ok(())
         } else {
             Err(ProtocolViolation::ShutdownOutOfOrder {
                 signal,
-                after: self.shutdown.heard.get(&from).copied(),
+                after: heard.latest,
+                our_round: ours,
             })
         }
     }
 
     pub(super) fn on_shutdown_signal(&mut self, from: WorkerId, signal: ShutdownSignal) {
-        self.shutdown.heard.insert(from, signal);
+        self.shutdown.heard.entry(from).or_default().push(signal);
         self.advance_shutdown();
     }
 
@@ -252,46 +331,37 @@ impl<B: Payload> Endpoint<B> {
                     if !(self.pending.is_empty() && self.deferred.is_empty()) {
                         return;
                     }
-                    if leave {
-                        // No member to tell: settle (below), then leave.
-                        ShutdownPhase::Settling
-                    } else {
-                        self.signal_members(ShutdownSignal::Drained);
-                        ShutdownPhase::WaitingForDrained
-                    }
-                }
-                ShutdownPhase::WaitingForDrained => {
-                    if self.fail_if_member_lost(phase) {
-                        return;
-                    }
-                    if !self.missing_signal(ShutdownSignal::Drained).is_empty() {
-                        return;
-                    }
                     ShutdownPhase::Settling
                 }
                 ShutdownPhase::Settling => {
                     if self.fail_if_member_lost(phase) || !self.is_idle() {
                         return;
                     }
-                    // A leaver also waits until the references it passed on are confirmed by
-                    // their owners: once it is gone, its own fork no longer keeps them alive.
-                    if leave && self.used.values().any(|u| !u.pending_children.is_empty()) {
-                        return;
+                    if leave {
+                        // A leaver also waits until the references it passed on are confirmed
+                        // by their owners: once it is gone, its own fork no longer keeps them
+                        // alive.
+                        if self.used.values().any(|u| !u.pending_children.is_empty()) {
+                            return;
+                        }
+                        ShutdownPhase::Done
+                    } else {
+                        self.report_round();
+                        ShutdownPhase::WaitingForReports
                     }
-                    if self.state == RunState::Running {
-                        self.state = RunState::ShuttingDown;
-                    }
-                    self.signal_members(ShutdownSignal::Idle);
-                    ShutdownPhase::WaitingForIdle
                 }
-                ShutdownPhase::WaitingForIdle => {
+                ShutdownPhase::WaitingForReports => {
                     if self.fail_if_member_lost(phase) {
                         return;
                     }
-                    if !self.missing_signal(ShutdownSignal::Idle).is_empty() {
+                    if !self.missing_reports().is_empty() {
                         return;
                     }
-                    ShutdownPhase::Done
+                    if self.round_agrees() {
+                        ShutdownPhase::Done
+                    } else {
+                        ShutdownPhase::Settling
+                    }
                 }
                 ShutdownPhase::Done => return,
             };
@@ -299,11 +369,71 @@ impl<B: Payload> Endpoint<B> {
                 s.phase = next;
             }
             if next == ShutdownPhase::Done {
+                if self.state == RunState::Running {
+                    self.state = RunState::ShuttingDown;
+                }
                 self.events
                     .push_back(Event::ShutdownComplete { outcome: Ok(()) });
                 return;
             }
         }
+    }
+
+    /// Sends every member our report of the next round.
+    fn report_round(&mut self) {
+        let activity = self.shutdown.activity;
+        let Some(s) = self.shutdown.ours.as_mut() else {
+            return;
+        };
+        let signal = ShutdownSignal {
+            round: s.reports.round() + 1,
+            activity,
+        };
+        s.reports.push(signal);
+        let members: Vec<WorkerId> = s.members.iter().copied().collect();
+        for to in members {
+            if !self.lost.contains(&to) {
+                self.send_out(Transmit {
+                    to,
+                    header: Header::Shutdown { signal },
+                    body: None,
+                });
+            }
+        }
+    }
+
+    /// Whether every member, this worker included, reported the same activity in the current
+    /// round as in the one before (the group terminated: see the [module docs](self)).
+    fn round_agrees(&self) -> bool {
+        let Some(s) = self.shutdown.ours.as_ref() else {
+            return false;
+        };
+        let round = s.reports.round();
+        s.reports.unchanged_in(round)
+            && s.members.iter().all(|m| {
+                self.shutdown
+                    .heard
+                    .get(m)
+                    .is_some_and(|r| r.unchanged_in(round))
+            })
+    }
+
+    /// The members whose report of the round we wait for has not come.
+    fn missing_reports(&self) -> Vec<WorkerId> {
+        let Some(s) = self.shutdown.ours.as_ref() else {
+            return Vec::new();
+        };
+        let round = s.reports.round();
+        s.members
+            .iter()
+            .copied()
+            .filter(|m| {
+                self.shutdown
+                    .heard
+                    .get(m)
+                    .is_none_or(|r| r.activity_in(round).is_none())
+            })
+            .collect()
     }
 
     /// At the deadline, a shutdown not yet complete fails naming who it waits for.
@@ -321,7 +451,6 @@ impl<B: Payload> Endpoint<B> {
                 to.extend(self.deferred.values().map(|d| d.to));
                 to.into_iter().collect()
             }
-            ShutdownPhase::WaitingForDrained => self.missing_signal(ShutdownSignal::Drained),
             ShutdownPhase::Settling => {
                 let mut with: BTreeSet<WorkerId> = self.pending.values().map(|p| p.to).collect();
                 with.extend(self.incoming.iter().map(|t| t.from));
@@ -330,7 +459,7 @@ impl<B: Payload> Endpoint<B> {
                 with.extend(self.children.values().map(|(_, to)| *to));
                 with.into_iter().collect()
             }
-            ShutdownPhase::WaitingForIdle => self.missing_signal(ShutdownSignal::Idle),
+            ShutdownPhase::WaitingForReports => self.missing_reports(),
             ShutdownPhase::Done => return,
         };
         self.finish_shutdown_with(ShutdownError {
@@ -367,17 +496,28 @@ impl<B: Payload> Endpoint<B> {
             .push_back(Event::ShutdownComplete { outcome: Err(err) });
     }
 
-    /// Members lost before they said `Idle` can never say it: fail naming them.
+    /// Members lost before their report of the round we wait for (or, settling, of the next
+    /// one) can never send it: fail naming them. A member that completed and closed its
+    /// connections delivered its last report first, and we complete on that same round.
     fn fail_if_member_lost(&mut self, phase: ShutdownPhase) -> bool {
         let Some(s) = self.shutdown.ours.as_ref() else {
             return false;
+        };
+        let round = match phase {
+            ShutdownPhase::WaitingForReports => s.reports.round(),
+            _ => s.reports.round() + 1,
         };
         let gone: Vec<WorkerId> = s
             .members
             .iter()
             .copied()
             .filter(|m| {
-                self.lost.contains(m) && self.shutdown.heard.get(m) != Some(&ShutdownSignal::Idle)
+                self.lost.contains(m)
+                    && self
+                        .shutdown
+                        .heard
+                        .get(m)
+                        .is_none_or(|r| r.activity_in(round).is_none())
             })
             .collect();
         if gone.is_empty() {
@@ -389,36 +529,5 @@ impl<B: Payload> Endpoint<B> {
             lost: true,
         });
         true
-    }
-
-    /// The members that have not said `signal` (or a later one).
-    fn missing_signal(&self, signal: ShutdownSignal) -> Vec<WorkerId> {
-        let Some(s) = self.shutdown.ours.as_ref() else {
-            return Vec::new();
-        };
-        s.members
-            .iter()
-            .copied()
-            .filter(|m| self.shutdown.heard.get(m).is_none_or(|h| *h < signal))
-            .collect()
-    }
-
-    fn signal_members(&mut self, signal: ShutdownSignal) {
-        let members: Vec<WorkerId> = self
-            .shutdown
-            .ours
-            .as_ref()
-            .map(|s| s.members.iter().copied().collect())
-            .unwrap_or_default();
-        for to in members {
-            if self.lost.contains(&to) {
-                continue;
-            }
-            self.send_out(Transmit {
-                to,
-                header: Header::Shutdown { signal },
-                body: None,
-            });
-        }
     }
 }

@@ -29,6 +29,10 @@ struct Sim {
     shutdowns: Vec<Vec<Result<(), ShutdownError>>>,
     /// The ends of waits for confirmation, per worker.
     confirm_waits: Vec<Vec<(WaitId, Result<(), ConfirmError>)>>,
+    /// Hops of fire-and-forget chains ("relay") each worker ran.
+    relayed: Vec<usize>,
+    /// The calls those hops started (caller, id), never awaited by the hop.
+    relay_calls: Vec<(WorkerId, MessageId)>,
 }
 
 impl Sim {
@@ -49,6 +53,8 @@ impl Sim {
             confirmed: (0..n).map(|_| Vec::new()).collect(),
             shutdowns: (0..n).map(|_| Vec::new()).collect(),
             confirm_waits: (0..n).map(|_| Vec::new()).collect(),
+            relayed: vec![0; n as usize],
+            relay_calls: Vec::new(),
         }
     }
 
@@ -87,6 +93,23 @@ impl Sim {
                 self.deadlines[w as usize].push(deadline);
                 let out = match function.as_str() {
                     "echo" => Ok(body),
+                    "relay" => {
+                        // A hop of a fire-and-forget chain: starts the next hop on the next
+                        // worker, and answers at once without waiting for it.
+                        self.relayed[w as usize] += 1;
+                        if let Some((&left, rest)) = body.split_first() {
+                            if left > 0 {
+                                let next = (w + 1) % self.eps.len() as WorkerId;
+                                let mut args = vec![left - 1];
+                                args.extend(rest);
+                                let now = self.now;
+                                let id = self.ep(w).call(next, "relay", args, T, now);
+                                self.relay_calls
+                                    .push((w, id.expect("the next hop is refused")));
+                            }
+                        }
+                        Ok(Vec::new())
+                    }
                     _ => Err(RemoteError {
                         worker: w,
                         kind: RemoteErrorKind::UnknownFunction,
@@ -194,6 +217,16 @@ impl Sim {
     fn drain(&mut self) {
         self.pump();
         while let Some(&(f, t)) = self.busy_links().first() {
+            self.deliver(f, t);
+        }
+    }
+
+    /// Delivers the message at the head of the busy link `choice` picks (modulo their number).
+    fn step_one(&mut self, choice: usize) {
+        self.pump();
+        let busy = self.busy_links();
+        if !busy.is_empty() {
+            let (f, t) = busy[choice % busy.len()];
             self.deliver(f, t);
         }
     }
@@ -342,6 +375,46 @@ fn remote_then_to_here_then_release() {
     assert_eq!(s.released, vec![h.rref]);
     assert!(!s.ep(1).owns(h.rref));
     assert!(s.eps.iter().all(Endpoint::is_idle));
+}
+
+/// On the owner, a reference to a value still being created (passed back to it before the
+/// creating function returned) is waited for: the wait ends once the value is kept, or fails
+/// with the creation's error. (PyTorch's owner-side `local_value()` waits the same way.)
+#[test]
+fn the_owner_waits_for_a_value_it_is_still_creating() {
+    for succeeds in [true, false] {
+        let mut s = Sim::new(2);
+        let now = s.now;
+        s.hold_remote = true;
+        let function = if succeeds { "make" } else { "broken" };
+        let (h, _) = s.ep(0).remote(1, function, b"v".to_vec(), T, now).unwrap();
+        s.drain();
+        // Worker 0 passes the reference back to its owner, which is still creating it.
+        let data = s.ep(0).fork_for(h, 1).unwrap();
+        let mine = s.ep(1).accept_fork(data, now);
+        assert_eq!(mine.owner, 1);
+        let wait = s.ep(1).wait_confirmed(&[mine], Some(now + T));
+        let wait = wait.expect("a value being created is waited for");
+        s.drain();
+        assert!(
+            s.confirm_waits[1].is_empty(),
+            "it waits while the value is made"
+        );
+        let held = std::mem::take(&mut s.held);
+        for (w, token, rref, body) in held {
+            s.finish_remote(w, token, function, rref, body);
+        }
+        s.drain();
+        match &s.confirm_waits[1][..] {
+            [(w, Ok(()))] if succeeds => assert_eq!(*w, wait),
+            [(w, Err(ConfirmError::Creation { rref, .. }))] if !succeeds => {
+                assert_eq!((*w, *rref), (wait, h.rref));
+            }
+            other => panic!("succeeds={succeeds}: {other:?}"),
+        }
+        // Once the value exists (or failed), nothing is waited for.
+        assert_eq!(s.ep(1).wait_confirmed(&[mine], Some(now + T)), None);
+    }
 }
 
 #[test]
@@ -994,6 +1067,7 @@ fn cluster_simulation() {
         total.from_non_members += s.from_non_members;
         total.confirm_waits += s.confirm_waits;
         total.confirm_waits_failed += s.confirm_waits_failed;
+        total.chain_hops += s.chain_hops;
     }
     // The workload reaches every behaviour it is meant to.
     if std::env::var("TW_SIM_SEED").is_err() {
@@ -1013,6 +1087,7 @@ fn cluster_simulation() {
             total.shutdowns_ok > 0 && total.shutdowns_failed > 0 && total.leaves > 0,
             "{total:?}"
         );
+        assert!(total.chain_hops > 0, "{total:?}");
         // Static joins (some with a rank that never starts) and dynamic groups, whose workers
         // join, leave and join again during the workload.
         assert!(
@@ -1065,14 +1140,12 @@ fn a_graceful_shutdown_waits_for_calls_everywhere_then_completes_on_every_member
         s.ep(w).begin_graceful_shutdown(0..3, deadline);
     }
     s.pump();
-    // Worker 1's call is not answered yet: it has not said Drained, so nobody settles.
-    assert_eq!(
-        s.ep(1).shutdown_phase(),
-        Some(ShutdownPhase::DrainingOwnCalls)
-    );
+    // Worker 1's call is not answered yet: it is not idle and has not reported, so nobody
+    // completes.
+    assert_eq!(s.ep(1).shutdown_phase(), Some(ShutdownPhase::Settling));
     assert_eq!(
         s.ep(0).shutdown_phase(),
-        Some(ShutdownPhase::WaitingForDrained)
+        Some(ShutdownPhase::WaitingForReports)
     );
     s.drain();
     assert_eq!(s.outcome(1, id), Some(&Ok(b"x".to_vec())));
@@ -1102,7 +1175,7 @@ fn a_silent_member_is_named_at_the_deadline() {
         let e = s.shutdowns[w][0].clone().unwrap_err();
         assert_eq!(
             (e.phase, e.missing.clone(), e.lost),
-            (ShutdownPhase::WaitingForDrained, vec![2], false)
+            (ShutdownPhase::WaitingForReports, vec![2], false)
         );
         assert!(e.to_string().contains("not every member"), "{e}");
     }
@@ -1145,37 +1218,109 @@ fn unanswered_calls_at_the_deadline_name_their_callees() {
         .begin_graceful_shutdown([0, 1, 2], Some(now + Duration::from_secs(1)));
     s.advance(Duration::from_secs(1));
     let e = s.shutdowns[0][0].clone().unwrap_err();
-    assert_eq!(
-        (e.phase, e.missing),
-        (ShutdownPhase::DrainingOwnCalls, vec![2])
-    );
+    assert_eq!((e.phase, e.missing), (ShutdownPhase::Settling, vec![2]));
 }
 
-/// Shutdown signals out of order are violations that change nothing.
+/// Shutdown reports out of order are violations that change nothing.
 #[test]
-fn shutdown_signals_out_of_order_are_violations() {
+fn shutdown_reports_out_of_order_are_violations() {
     let mut s = Sim::new(2);
     let now = s.now;
-    let idle = Header::Shutdown {
-        signal: ShutdownSignal::Idle,
+    let report = |round, activity| Header::Shutdown {
+        signal: ShutdownSignal { round, activity },
     };
-    let drained = Header::Shutdown {
-        signal: ShutdownSignal::Drained,
-    };
+    // Not starting at round 1.
     assert!(matches!(
-        s.ep(0).handle_message(1, idle.clone(), None, now),
+        s.ep(0).handle_message(1, report(2, 0), None, now),
         Err(ProtocolViolation::ShutdownOutOfOrder { .. })
     ));
-    s.ep(0)
-        .handle_message(1, drained.clone(), None, now)
-        .unwrap();
-    assert!(s.ep(0).handle_message(1, drained, None, now).is_err());
-    s.ep(0).handle_message(1, idle.clone(), None, now).unwrap();
-    assert!(s.ep(0).handle_message(1, idle, None, now).is_err());
-    // Signals heard before our own shutdown count once it begins.
+    s.ep(0).handle_message(1, report(1, 5), None, now).unwrap();
+    // A round said twice.
+    assert!(s.ep(0).handle_message(1, report(1, 5), None, now).is_err());
+    // Round 2 before it could have had our round 1.
+    let e = s
+        .ep(0)
+        .handle_message(1, report(2, 5), None, now)
+        .unwrap_err();
+    assert!(e.to_string().contains("round 2"), "{e}");
+    // Reports heard before our own shutdown count once it begins: round 1 is complete at
+    // once, and (idle) we report round 2 at once too.
     s.ep(0).begin_graceful_shutdown([0, 1], None);
+    assert_eq!(s.ep(0).shutdown_round(), 2);
+    // Round 2 may come now, but not with an activity that went down, nor round 3.
+    assert!(s.ep(0).handle_message(1, report(2, 4), None, now).is_err());
+    assert!(s.ep(0).handle_message(1, report(3, 5), None, now).is_err());
+    assert!(s.shutdowns[0].is_empty());
+    s.ep(0).handle_message(1, report(2, 5), None, now).unwrap();
     s.pump();
     assert_eq!(s.shutdowns[0], vec![Ok(())]);
+}
+
+/// An idle group agrees in two rounds: one report per member pair each.
+#[test]
+fn an_idle_group_completes_in_two_rounds() {
+    let mut s = Sim::new(4);
+    for w in 0..4 {
+        s.ep(w).begin_graceful_shutdown(0..4, None);
+    }
+    s.drain();
+    for w in 0..4 {
+        assert_eq!(s.shutdowns[w as usize], vec![Ok(())], "worker {w}");
+        assert_eq!(s.ep(w).shutdown_round(), 2, "worker {w}");
+    }
+}
+
+/// Every worker starts a chain of nested calls that each hop sends on without awaiting it
+/// (fire and forget), and begins its shutdown at once: every hop runs, none is refused, and
+/// the shutdown completes on every worker only after the last hop (PyTorch's
+/// `_wait_all_workers` semantics). Under the earlier "drained, then idle" phases, hops that
+/// arrived after a worker had said idle were refused. `steps` picks which link delivers next
+/// before, between and after the shutdowns begin.
+fn fire_and_forget_chains_finish(steps: &[u16]) {
+    const HOPS: u8 = 20;
+    let mut s = Sim::new(3);
+    let now = s.now;
+    let mut first = Vec::new();
+    for w in 0..3 {
+        let id = s.ep(w).call((w + 1) % 3, "relay", vec![HOPS - 1], T, now);
+        first.push((w, id.unwrap()));
+    }
+    let mut steps = steps.iter().map(|c| *c as usize);
+    for w in 0..3 {
+        for c in steps.by_ref().take(3) {
+            s.step_one(c);
+        }
+        s.ep(w)
+            .begin_graceful_shutdown(0..3, Some(now + Duration::from_secs(30)));
+    }
+    for c in steps {
+        s.step_one(c);
+    }
+    s.drain();
+    assert_eq!(s.relayed.iter().sum::<usize>(), 3 * HOPS as usize);
+    for (w, id) in first.iter().copied().chain(s.relay_calls.clone()) {
+        assert_eq!(s.outcome(w, id), Some(&Ok(Vec::new())), "call {w}:{id}");
+    }
+    for w in 0..3 {
+        assert_eq!(s.shutdowns[w], vec![Ok(())], "worker {w}");
+        assert_eq!(s.ep(w as WorkerId).state(), RunState::ShuttingDown);
+    }
+}
+
+#[test]
+fn shutdown_lets_fire_and_forget_chains_finish() {
+    fire_and_forget_chains_finish(&[]);
+    fire_and_forget_chains_finish(&[0; 9]);
+    fire_and_forget_chains_finish(&(0..200).collect::<Vec<u16>>());
+}
+
+proptest! {
+    #[test]
+    fn shutdown_lets_fire_and_forget_chains_finish_in_any_order(
+        steps in proptest::collection::vec(any::<u16>(), 0..300)
+    ) {
+        fire_and_forget_chains_finish(&steps);
+    }
 }
 
 /// Leaving a dynamic group waits for our own calls only.
@@ -1195,9 +1340,9 @@ fn leaving_waits_for_our_calls_only() {
     assert!(s.shutdowns[2].is_empty());
 }
 
-/// Once idle (every member drained), new requests are refused.
+/// Once the shutdown is complete (every member agreed), new requests are refused.
 #[test]
-fn after_saying_idle_new_requests_are_refused() {
+fn once_complete_new_requests_are_refused() {
     let mut s = Sim::new(3);
     for w in 0..2 {
         s.ep(w).begin_graceful_shutdown([0, 1, 2], None);

@@ -18,7 +18,9 @@ use tensorwire_core::device::Device;
 use tensorwire_core::devices_sim::SimulatedDevices;
 use tensorwire_core::ports::device::{relocate, DeviceBackend};
 use tensorwire_core::tensor::Tensor;
-use tensorwire_rpc::{init_rpc, Agent, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions};
+use tensorwire_rpc::{
+    init_rpc, Agent, CallContext, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions,
+};
 
 fn functions() -> Functions {
     let f = Functions::new();
@@ -31,7 +33,44 @@ fn functions() -> Functions {
         Ok::<_, String>((t.device().to_string(), t))
     })
     .expect("each name is registered once");
+    register_chain_and_owner_functions(&f);
     f
+}
+
+/// Hops of fire-and-forget chains run on this worker (scenario `chains`).
+static HOPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The functions of the `chains` and `owner-local` scenarios.
+fn register_chain_and_owner_functions(f: &Functions) {
+    // A hop of a chain: count it, start the next hop on the next worker without awaiting it
+    // (fire and forget: PyTorch's `rpc_async` whose future is dropped), and return at once.
+    f.register_with_context("hop", |ctx: CallContext, left: u32| async move {
+        HOPS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if left > 0 {
+            let agent = ctx.agent();
+            let world = agent.worker_infos().len() as u32;
+            let next = (agent.worker_info().id + 1) % world;
+            let _unawaited = agent
+                .rpc_async::<_, ()>(next, "hop", &(left - 1), None)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok::<_, String>(())
+    })
+    .expect("each name is registered once");
+    // A value that takes a while to make: the owner runs it as the creation of a `remote()`.
+    f.register("slow_value", |n: u64| async move {
+        for _ in 0..64 {
+            tokio::task::yield_now().await;
+        }
+        Ok::<_, String>(vec![n; 4])
+    })
+    .expect("each name is registered once");
+    // Reads the value of a reference this worker owns (PyTorch's `rref.local_value()`).
+    f.register("sum_local", |r: RRef<Vec<u64>>| async move {
+        let v = r.local_value().await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(v.iter().sum::<u64>())
+    })
+    .expect("each name is registered once");
 }
 
 fn env(name: &str) -> usize {
@@ -498,6 +537,49 @@ async fn init_shutdown() -> Result<(), RpcError> {
     Ok(())
 }
 
+/// Every worker starts a 20-hop chain of fire-and-forget calls (each hop calls the next
+/// worker with `rpc_async` and returns without awaiting it) and shuts down gracefully at once;
+/// prints `HOPS R N`, the hops that ran here. The test checks they add up to 20 per worker.
+async fn chains() -> Result<(), RpcError> {
+    let (agent, rank, world) = start(|_, _| {}).await?;
+    let next = ((rank + 1) % world) as u32;
+    let first = agent.rpc_async::<_, ()>(next, "hop", &19u32, None)?;
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(60)))
+        .await?;
+    first.await?;
+    println!(
+        "HOPS {rank} {}",
+        HOPS.load(std::sync::atomic::Ordering::SeqCst)
+    );
+    println!("OK chains rank {rank}");
+    Ok(())
+}
+
+/// The owner's reference while its value is being created: rank 0 makes a value on rank 1
+/// with `remote()` and at once calls rank 1 with that reference, where the function reads it
+/// with `local_value()`; `TW_REPEAT` times (default 200). Every call must see the value.
+async fn owner_local() -> Result<(), RpcError> {
+    let (agent, rank, _) = start(|_, _| {}).await?;
+    if rank == 0 {
+        let repeat = std::env::var("TW_REPEAT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(200u64);
+        for i in 0..repeat {
+            let r: RRef<Vec<u64>> = agent.remote(1u32, "slow_value", &i, None)?;
+            let sum: u64 = agent.rpc_sync(1u32, "sum_local", &r, None).await?;
+            check(sum == 4 * i, "the owner read the value it created")?;
+        }
+        println!("OK owner-local rank 0 repeat={repeat}");
+    } else {
+        println!("OK owner-local rank {rank}");
+    }
+    agent
+        .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(60)))
+        .await
+}
+
 /// The test stops (SIGSTOP) rank `WORLD_SIZE - 1` after READY and then says `GO` on the
 /// others' standard input; they shut down gracefully with a 2 s timeout, which must fail by
 /// then naming the frozen worker.
@@ -674,6 +756,8 @@ async fn main() -> ExitCode {
         "frozen-peer" => frozen_peer().await,
         "pg" => pg_store().await,
         "cut" => cut().await,
+        "chains" => chains().await,
+        "owner-local" => owner_local().await,
         other => Err(RpcError::Init(format!("unknown scenario {other:?}"))),
     };
     match result {
