@@ -563,7 +563,25 @@ pub enum ProtocolViolation {
         /// The last round this worker reported (0: none).
         our_round: u32,
     },
-    /// A delete or child-accept for a fork that another worker holds.
+    /// A creation (`remote`) of a reference that another worker made: only the worker that
+    /// made a reference's id may ask its owner to create its value.
+    #[error("it asked this worker to create remote reference {rref}, which worker {creator} made")]
+    ForeignCreation {
+        /// The reference.
+        rref: RRefId,
+        /// The worker whose id it is.
+        creator: WorkerId,
+    },
+    /// A creation of a reference whose creation already arrived (creations from one worker
+    /// arrive in the order they were made), or for a fork other than the reference's own.
+    #[error("it asked this worker to create remote reference {rref} again (or under fork {fork})")]
+    RepeatedCreation {
+        /// The reference.
+        rref: RRefId,
+        /// The fork it named.
+        fork: ForkId,
+    },
+    /// A delete, fork request or child-accept for a fork that another worker holds.
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
     ForeignFork {
         /// The reference.
@@ -1242,7 +1260,22 @@ impl<B: Payload> Endpoint<B> {
                     _ => Ok(()),
                 }
             }
-            Header::UserDelete { rref, fork, .. } => {
+            Header::Remote { rref, fork, .. } => {
+                if rref.created_on != from {
+                    return Err(ProtocolViolation::ForeignCreation {
+                        rref,
+                        creator: rref.created_on,
+                    });
+                }
+                let upto = self.created_upto.get(&from).copied().unwrap_or(0);
+                if fork != rref || rref.local <= upto {
+                    return Err(ProtocolViolation::RepeatedCreation { rref, fork });
+                }
+                Ok(())
+            }
+            // A fork is registered by the worker it was made for; a resent request comes from
+            // that same worker.
+            Header::UserDelete { rref, fork, .. } | Header::ForkRequest { rref, fork, .. } => {
                 match self.owned.get(&rref).and_then(|o| o.forks.get(&fork)) {
                     Some(&holder) if holder != from => {
                         Err(ProtocolViolation::ForeignFork { rref, fork, holder })

@@ -789,6 +789,82 @@ proptest! {
     }
 }
 
+/// Reference hijacking (issue: an authenticated peer re-creating another worker's reference,
+/// or taking over another worker's fork and then deleting it): both are violations that change
+/// nothing, and the honest holders keep their values.
+#[test]
+fn a_peer_can_neither_recreate_another_workers_reference_nor_claim_its_fork() {
+    let mut s = Sim::new(3);
+    let now = s.now;
+    // Worker 0 creates a value on 1 and passes its reference to 2 (a confirmed fork there).
+    let (h, _) = s
+        .ep(0)
+        .remote(1, "make", b"honest".to_vec(), T, now)
+        .unwrap();
+    s.drain();
+    let data = s.ep(0).fork_for(h, 2).unwrap();
+    let on2 = s.ep(2).accept_fork(data, now);
+    s.drain();
+    assert_eq!(s.ep(2).is_confirmed(on2), Some(true));
+    let forks_before = s.ep(1).owner_fork_count(h.rref);
+
+    // Worker 2 asks 1 to create worker 0's reference again, with its own value.
+    let recreate = |fork| Header::Remote {
+        id: 77,
+        function: "make".into(),
+        rref: h.rref,
+        fork,
+        timeout: T,
+    };
+    assert_eq!(
+        s.ep(1)
+            .handle_message(2, recreate(h.rref), Some(b"forged".to_vec()), now),
+        Err(ProtocolViolation::ForeignCreation {
+            rref: h.rref,
+            creator: 0
+        })
+    );
+    // Worker 0 itself may not create it twice, nor under another fork.
+    for fork in [h.rref, on2.fork] {
+        assert!(matches!(
+            s.ep(1)
+                .handle_message(0, recreate(fork), Some(b"again".to_vec()), now),
+            Err(ProtocolViolation::RepeatedCreation { .. })
+        ));
+    }
+    // Another worker (here 0) claims worker 2's fork, then deletes it.
+    let claim = Header::ForkRequest {
+        id: 5,
+        floor: 5,
+        rref: h.rref,
+        fork: on2.fork,
+    };
+    assert_eq!(
+        s.ep(1).handle_message(0, claim, None, now),
+        Err(ProtocolViolation::ForeignFork {
+            rref: h.rref,
+            fork: on2.fork,
+            holder: 2
+        })
+    );
+    let delete = Header::UserDelete {
+        id: 6,
+        floor: 6,
+        rref: h.rref,
+        fork: on2.fork,
+    };
+    assert!(s.ep(1).handle_message(0, delete, None, now).is_err());
+    s.pump();
+    assert_eq!(s.ep(1).owner_fork_count(h.rref), forks_before);
+    assert!(s.released.is_empty(), "nothing was freed under its holders");
+    // The honest holders still read the honest value.
+    for (w, handle) in [(0, h), (2, on2)] {
+        let f = s.ep(w).fetch(handle, T, now).unwrap();
+        s.drain();
+        assert_eq!(s.outcome(w, f), Some(&Ok(b"honest".to_vec())), "worker {w}");
+    }
+}
+
 /// Forged messages: each is a violation naming what was wrong, and changes nothing.
 #[test]
 fn messages_a_peer_had_no_right_to_send_are_violations() {
