@@ -6,6 +6,12 @@
 //! calls in flight), `rpc_tensor_1MiB_MBps`, `rpc_tensor_64MiB_MBps` (a tensor argument, a small
 //! result), `remote_to_here_p50_us`, `raw_tcp_pingpong_p50_us`, `raw_tcp_bulk_64MiB_MBps` (plain TCP to an echo process, `bench raw-echo`, in blocks that
 //! alternate with the agent's), `raw_baseline` (`"process"`) and `ratios`.
+//!
+//! With `--rrefs 0,1000,100000`, also `with_rrefs`: for each count N (ascending), the caller
+//! holds N remote references (values kept by the callee, made by `remote()` in batches of
+//! 1,000, each batch timed until every creation is confirmed), then measures `rpc_sync` p50
+//! and p99 with them held, in blocks that alternate with raw ping-pongs; `ratios` gains
+//! `rpc_sync_p50_with_N_rrefs_over_with_FIRST` (the cost of live references on every call).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -48,6 +54,10 @@ pub(crate) struct RpcArgs {
     /// which keeps every task of the agent on one thread and gives the lowest latency).
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Live remote references to hold while measuring `rpc_sync` again, one measurement per
+    /// count (comma-separated, e.g. `0,1000,100000`).
+    #[arg(long, value_delimiter = ',')]
+    rrefs: Vec<usize>,
     /// Run as the callee (set by the benchmark itself).
     #[arg(long, hide = true)]
     serve: Option<u16>,
@@ -216,6 +226,23 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
         "rpc_tensor_64MiB_over_raw_bulk_64MiB": get("rpc_tensor_64MiB_MBps") / raw_bulk,
         "remote_to_here_p50_over_raw_pingpong_p50": get("remote_to_here_p50_us") / raw_p50,
     });
+    let mut ratios = ratios;
+    if let (Some(rows), Some(map)) = (
+        out.get("with_rrefs").and_then(Value::as_array).cloned(),
+        ratios.as_object_mut(),
+    ) {
+        let p50 = |row: &Value| row.get("rpc_sync_p50_us").and_then(Value::as_f64);
+        if let Some(first) = rows.first().and_then(p50) {
+            let first_n = rows[0].get("held").and_then(Value::as_u64).unwrap_or(0);
+            for row in &rows[1..] {
+                let n = row.get("held").and_then(Value::as_u64).unwrap_or(0);
+                map.insert(
+                    format!("rpc_sync_p50_with_{n}_rrefs_over_with_{first_n}"),
+                    json!(p50(row).unwrap_or(f64::NAN) / first),
+                );
+            }
+        }
+    }
     out.insert("ratios".into(), ratios);
     out.insert("transport".into(), json!(args.transport));
     out.insert("raw_baseline".into(), json!("process"));
@@ -319,8 +346,69 @@ async fn measure(args: &RpcArgs, port: u16, secret: &[u8], raw: &mut Raw) -> Res
     );
     bar.inc(1);
     bar.finish_and_clear();
+    if !args.rrefs.is_empty() {
+        let rows = measure_with_rrefs(&agent, args, raw, &mut raw_ping).await?;
+        out.insert("with_rrefs".into(), Value::Array(rows));
+    }
     agent
         .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(60)))
         .await?;
     Ok((out, raw_ping, median(raw_rates)))
+}
+
+/// `rpc_sync` latency with growing numbers of live remote references held (see the module
+/// docs); raw ping-pongs alternate with it and join `raw_ping`.
+async fn measure_with_rrefs(
+    agent: &tensorwire_rpc::Agent,
+    args: &RpcArgs,
+    raw: &mut Raw,
+    raw_ping: &mut Vec<Duration>,
+) -> Result<Vec<Value>> {
+    const BATCH: usize = 1_000;
+    let mut counts = args.rrefs.clone();
+    counts.sort_unstable();
+    counts.dedup();
+    let bar = progress(counts.len() as u64, "rpc_sync with live references");
+    let mut held: Vec<RRef<u64>> = Vec::with_capacity(counts.last().copied().unwrap_or(0));
+    let mut rows = Vec::new();
+    let block = (args.calls / BLOCKS).max(1);
+    for n in counts {
+        bar.set_message(format!("making {n} references"));
+        let mut batches = Vec::new();
+        while held.len() < n {
+            let size = BATCH.min(n - held.len());
+            let t = Instant::now();
+            let batch = (0..size)
+                .map(|i| agent.remote::<_, u64>(1u32, "value", &(i as u64), None))
+                .collect::<Result<Vec<RRef<u64>>, _>>()?;
+            for r in &batch {
+                r.created().await?;
+            }
+            batches.push(t.elapsed());
+            held.extend(batch);
+        }
+        bar.set_message(format!("rpc_sync with {n} references"));
+        let mut times = Vec::with_capacity(args.calls);
+        for _ in 0..BLOCKS {
+            raw_ping.extend(blocking(|| raw.pingpong(block))?);
+            for i in 0..block {
+                let t = Instant::now();
+                let _: u64 = agent.rpc_sync(1u32, "noop", &(i as u64), None).await?;
+                times.push(t.elapsed());
+            }
+        }
+        times.sort();
+        let batch_ms = (!batches.is_empty())
+            .then(|| median(batches.iter().map(|d| d.as_secs_f64() * 1e3).collect()));
+        rows.push(json!({
+            "held": n,
+            "rpc_sync_p50_us": percentile(&times, 0.5),
+            "rpc_sync_p99_us": percentile(&times, 0.99),
+            "remote_batch_of_1000_median_ms": batch_ms,
+        }));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    drop(held);
+    Ok(rows)
 }

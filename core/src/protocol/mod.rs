@@ -676,8 +676,13 @@ pub struct Endpoint<B> {
     /// [`begin_incarnation`](Endpoint::begin_incarnation)).
     first_id: u64,
     pending: HashMap<MessageId, Pending>,
-    deadlines: BTreeSet<(Instant, MessageId)>,
+    /// Every deadline of the endpoint in one ordered set, so that
+    /// [`poll_timeout`](Self::poll_timeout) is O(log n) whatever the number of calls,
+    /// references and waits (see [`Timer`]).
+    timers: BTreeSet<(Instant, Timer)>,
     unacked: HashMap<MessageId, Unacked>,
+    /// The ids of `unacked`, per destination (for each message's floor, in O(log n)).
+    unacked_to: HashMap<WorkerId, BTreeSet<MessageId>>,
     incoming: HashSet<RequestToken>,
     owned: HashMap<RRefId, Owned>,
     used: HashMap<ForkId, Used>,
@@ -718,6 +723,24 @@ pub struct Endpoint<B> {
 
 /// Identifies a wait begun with [`Endpoint::wait_confirmed`].
 pub type WaitId = u64;
+
+/// What a deadline in the endpoint's timer set is for. Calls, control messages and
+/// confirmation waits take their timer out when they end; the timers of fetches and method
+/// calls parked on a value being created are checked when they fire instead (a value's
+/// creation ends them all at once, and they expire by the caller's deadline anyway).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Timer {
+    /// A call's deadline.
+    Call(MessageId),
+    /// When to send an unacknowledged control message again.
+    Control(MessageId),
+    /// A fetch parked on this value may be due.
+    Fetches(RRefId),
+    /// A method call parked on this value may be due.
+    ParkedCalls(RRefId),
+    /// A wait for confirmations.
+    ConfirmWait(WaitId),
+}
 
 /// A function's wait for the owners to confirm the references in its arguments.
 #[derive(Debug)]
@@ -788,8 +811,9 @@ impl<B: Payload> Endpoint<B> {
             next_id: 0,
             first_id: 0,
             pending: HashMap::new(),
-            deadlines: BTreeSet::new(),
+            timers: BTreeSet::new(),
             unacked: HashMap::new(),
+            unacked_to: HashMap::new(),
             incoming: HashSet::new(),
             owned: HashMap::new(),
             used: HashMap::new(),
@@ -929,32 +953,10 @@ impl<B: Payload> Endpoint<B> {
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) must be called next, if ever.
+    /// O(log n): every deadline is in one ordered set.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let call = self.deadlines.first().map(|(t, _)| *t);
-        let control = self.unacked.values().map(|u| u.next_try).min();
-        let parked = self
-            .owned
-            .values()
-            .flat_map(|o| o.fetches.iter().filter_map(|(_, _, d)| *d))
-            .min();
-        let parked_call = self
-            .parked_calls
-            .values()
-            .flatten()
-            .filter_map(|c| c.deadline)
-            .min();
-        let confirm = self.confirm_waits.values().filter_map(|w| w.deadline).min();
-        [
-            call,
-            control,
-            parked,
-            parked_call,
-            confirm,
-            self.shutdown_deadline(),
-        ]
-        .into_iter()
-        .flatten()
-        .min()
+        let first = self.timers.first().map(|(t, _)| *t);
+        [first, self.shutdown_deadline()].into_iter().flatten().min()
     }
 
     // ----- commands -----
@@ -981,7 +983,7 @@ impl<B: Payload> Endpoint<B> {
     ) {
         let deadline = deadline_after(now, timeout);
         if let Some(d) = deadline {
-            self.deadlines.insert((d, id));
+            self.timers.insert((d, Timer::Call(id)));
         }
         self.pending.insert(
             id,
@@ -1011,6 +1013,8 @@ impl<B: Payload> Endpoint<B> {
             self.fail(id, CallError::NotRunning);
         }
         self.unacked.clear();
+        self.unacked_to.clear();
+        self.timers.clear();
         self.incoming.clear();
         self.parked_calls.clear();
         self.confirm_waits.clear();
@@ -1308,11 +1312,35 @@ impl<B: Payload> Endpoint<B> {
     /// sent again.
     pub fn handle_timeout(&mut self, now: Instant) {
         self.last_now = Some(now);
-        while let Some(&(deadline, id)) = self.deadlines.first() {
+        let retry = self.config.control_retry;
+        let mut resend = Vec::new();
+        while let Some(&(deadline, timer)) = self.timers.first() {
             if deadline > now {
                 break;
             }
-            self.deadlines.pop_first();
+            self.timers.pop_first();
+            let id = match timer {
+                Timer::Call(id) => id,
+                Timer::Control(id) => {
+                    if let Some(u) = self.unacked.get_mut(&id) {
+                        if u.next_try <= now {
+                            u.next_try = now + retry;
+                            resend.push((id, u.next_try));
+                        }
+                    }
+                    continue;
+                }
+                Timer::Fetches(rref) => {
+                    self.expire_parked_fetches(rref, now);
+                    continue;
+                }
+                Timer::ParkedCalls(rref) => {
+                    self.expire_parked_calls(rref, now);
+                    continue;
+                }
+                // Settled below, with every other wait.
+                Timer::ConfirmWait(_) => continue,
+            };
             let Some(p) = self.pending.get(&id) else {
                 continue;
             };
@@ -1338,22 +1366,17 @@ impl<B: Payload> Endpoint<B> {
             };
             self.fail(id, err);
         }
-        self.expire_parked_fetches(now);
-        self.expire_parked_calls(now);
-        let retry = self.config.control_retry;
-        let mut resend = Vec::new();
-        for u in self.unacked.values_mut() {
-            if u.next_try <= now {
-                u.next_try = now + retry;
-                resend.push(Transmit {
+        // (Timers for resends go in after the loop: a zero retry interval must not spin it.)
+        for (id, next_try) in resend {
+            self.timers.insert((next_try, Timer::Control(id)));
+            if let Some(u) = self.unacked.get(&id) {
+                let t = Transmit {
                     to: u.to,
                     header: u.header.clone(),
                     body: None,
-                });
+                };
+                self.send_out(t);
             }
-        }
-        for t in resend {
-            self.send_out(t);
         }
         self.settle_confirm_waits(Some(now));
         self.advance_shutdown();
@@ -1382,6 +1405,7 @@ impl<B: Payload> Endpoint<B> {
             );
         }
         self.unacked.retain(|_, u| u.to != peer);
+        self.unacked_to.remove(&peer);
         self.incoming.retain(|t| t.from != peer);
         for parked in self.parked_calls.values_mut() {
             parked.retain(|c| c.token.from != peer);
@@ -1649,7 +1673,7 @@ impl<B: Payload> Endpoint<B> {
     fn finish(&mut self, id: MessageId, outcome: Result<B, CallError>) {
         if let Some(p) = self.pending.remove(&id) {
             if let Some(d) = p.deadline {
-                self.deadlines.remove(&(d, id));
+                self.timers.remove(&(d, Timer::Call(id)));
             }
             self.events.push_back(Event::Completed { id, outcome });
         }
@@ -1678,7 +1702,12 @@ impl<B: Payload> Endpoint<B> {
             return;
         };
         match &o.state {
-            None => o.fetches.push((from, id, deadline)),
+            None => {
+                o.fetches.push((from, id, deadline));
+                if let Some(d) = deadline {
+                    self.timers.insert((d, Timer::Fetches(rref)));
+                }
+            }
             Some(Err(e)) => {
                 let e = e.clone();
                 self.reply(from, id, Err(e));
@@ -1766,6 +1795,9 @@ impl<B: Payload> Endpoint<B> {
             }
             match self.owned.get(&rref).map(|o| &o.state) {
                 Some(None) => {
+                    if let Some(d) = deadline {
+                        self.timers.insert((d, Timer::ParkedCalls(rref)));
+                    }
                     self.parked_calls.entry(rref).or_default().push(ParkedCall {
                         token,
                         function,
@@ -1806,20 +1838,22 @@ impl<B: Payload> Endpoint<B> {
         }
     }
 
-    /// Method calls parked on values still being created fail at their caller's deadline.
-    fn expire_parked_calls(&mut self, now: Instant) {
+    /// Method calls parked on `rref`, still being created, fail at their caller's deadline.
+    fn expire_parked_calls(&mut self, rref: RRefId, now: Instant) {
         let mut expired = Vec::new();
-        for (rref, parked) in &mut self.parked_calls {
+        if let Some(parked) = self.parked_calls.get_mut(&rref) {
             parked.retain(|c| {
                 let keep = c.deadline.is_none_or(|d| d > now);
                 if !keep {
-                    expired.push((*rref, c.token));
+                    expired.push(c.token);
                 }
                 keep
             });
+            if parked.is_empty() {
+                self.parked_calls.remove(&rref);
+            }
         }
-        self.parked_calls.retain(|_, v| !v.is_empty());
-        for (rref, token) in expired {
+        for token in expired {
             self.incoming.remove(&token);
             let err = RemoteError {
                 worker: self.me,
@@ -1833,19 +1867,19 @@ impl<B: Payload> Endpoint<B> {
         }
     }
 
-    /// Fetches parked on values still being created fail at their caller's deadline.
-    fn expire_parked_fetches(&mut self, now: Instant) {
+    /// Fetches parked on `rref`, still being created, fail at their caller's deadline.
+    fn expire_parked_fetches(&mut self, rref: RRefId, now: Instant) {
         let mut expired = Vec::new();
-        for (rref, o) in &mut self.owned {
+        if let Some(o) = self.owned.get_mut(&rref) {
             o.fetches.retain(|(from, id, deadline)| {
                 let keep = deadline.is_none_or(|d| d > now);
                 if !keep {
-                    expired.push((*rref, *from, *id));
+                    expired.push((*from, *id));
                 }
                 keep
             });
         }
-        for (rref, from, id) in expired {
+        for (from, id) in expired {
             let err = RemoteError {
                 worker: self.me,
                 kind: RemoteErrorKind::RRef,
@@ -1919,12 +1953,15 @@ impl<B: Payload> Endpoint<B> {
         // message keeps the floor it was made with: lower than today's, so still true.)
         let floor = self.control_floor(to).min(id);
         let header = make(id, floor);
+        let next_try = now + self.config.control_retry;
+        self.timers.insert((next_try, Timer::Control(id)));
+        self.unacked_to.entry(to).or_default().insert(id);
         self.unacked.insert(
             id,
             Unacked {
                 to,
                 header: header.clone(),
-                next_try: now + self.config.control_retry,
+                next_try,
             },
         );
         self.send_out(Transmit {
@@ -1946,11 +1983,9 @@ impl<B: Payload> Endpoint<B> {
     /// The floor to put in a control message to `to`: our oldest control message to it not
     /// yet acknowledged, or our next id.
     fn control_floor(&self, to: WorkerId) -> MessageId {
-        self.unacked
-            .iter()
-            .filter(|(_, u)| u.to == to)
-            .map(|(id, _)| *id)
-            .min()
+        self.unacked_to
+            .get(&to)
+            .and_then(|ids| ids.first().copied())
             .unwrap_or(self.next_id + 1)
     }
 
@@ -1966,6 +2001,13 @@ impl<B: Payload> Endpoint<B> {
         let Some(u) = self.unacked.remove(&id) else {
             return;
         };
+        self.timers.remove(&(u.next_try, Timer::Control(id)));
+        if let Some(ids) = self.unacked_to.get_mut(&u.to) {
+            ids.remove(&id);
+            if ids.is_empty() {
+                self.unacked_to.remove(&u.to);
+            }
+        }
         if let Header::ForkRequest { fork, .. } = u.header {
             // The owner confirmed our fork: tell the parent, then we may delete if dropped.
             let parent = match self.used.get_mut(&fork) {

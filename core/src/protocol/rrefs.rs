@@ -32,6 +32,9 @@ impl<B: Payload> Endpoint<B> {
         }
         self.next_wait += 1;
         let wait = self.next_wait;
+        if let Some(d) = deadline {
+            self.timers.insert((d, Timer::ConfirmWait(wait)));
+        }
         self.confirm_waits
             .insert(wait, ConfirmWait { handles, deadline });
         Some(wait)
@@ -108,7 +111,9 @@ impl<B: Payload> Endpoint<B> {
         }
         done.sort_by_key(|(wait, _)| *wait);
         for (wait, outcome) in done {
-            self.confirm_waits.remove(&wait);
+            if let Some(d) = self.confirm_waits.remove(&wait).and_then(|w| w.deadline) {
+                self.timers.remove(&(d, Timer::ConfirmWait(wait)));
+            }
             self.events
                 .push_back(Event::ConfirmWaitDone { wait, outcome });
         }
