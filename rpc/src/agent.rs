@@ -1503,8 +1503,10 @@ impl Agent {
     /// Stops the agent, [`Shutdown::Graceful`](crate::Shutdown::Graceful) within its
     /// `timeout` in all.
     ///
-    /// Graceful: waits until this worker's calls are answered, then until every worker got
-    /// there, then until every worker has answered what it was asked, and stops; rank 0, which
+    /// Graceful: a termination detection over the members' connections — every worker, once
+    /// idle, reports how much it has sent and received, in rounds, until two rounds in a row
+    /// agree everywhere — so that nothing in flight anywhere is refused, however far the calls
+    /// that functions started without awaiting them spread; then it stops; rank 0, which
     /// hosts the store, then waits for the others to leave it. One deadline bounds all of it:
     /// a stage that cannot finish (a dead or frozen peer) fails by the deadline with an error
     /// that names the workers that did not arrive. [`Shutdown::Immediate`](crate::Shutdown::Immediate): pending calls

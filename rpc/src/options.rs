@@ -27,9 +27,11 @@ pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Shutdown {
-    /// Wait until this worker's calls are answered, then until every worker got there and
-    /// answered what it was asked, then stop; all within `timeout` (PyTorch's
-    /// `shutdown(graceful=True)`).
+    /// Wait until no worker has work left and no call is in flight anywhere — including the
+    /// calls that functions started without awaiting them (fire-and-forget chains) — then
+    /// stop; all within `timeout` (PyTorch's `shutdown(graceful=True)`, whose
+    /// `_wait_all_workers` repeats a global count of calls in flight until a round sees none;
+    /// see `tensorwire_core::protocol::shutdown` for ours).
     Graceful {
         /// The bound on the whole shutdown.
         timeout: Duration,
