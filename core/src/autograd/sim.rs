@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use super::{
     AutogradMessageId, BackwardError, ContextId, DistAutograd, Entry, GradientId, Output,
-    ProtocolViolation, RequestToken, TaskId,
+    ProtocolViolation, RequestToken, Root, TaskId,
 };
 use crate::protocol::WorkerId;
 use crate::protocol_sim::SimRng;
@@ -175,7 +175,7 @@ pub fn run(seed: u64, config: &SimConfig) -> SimReport {
     }
     for (context, root) in roots {
         let w = &mut sim.workers[root as usize];
-        if let Err(e) = w.state.backward(context, false) {
+        if let Err(e) = w.state.backward(context, false, &[Root::scalar()]) {
             sim.fail(&format!("backward refused: {e}"));
         }
         sim.pump(root);
