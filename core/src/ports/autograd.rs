@@ -42,6 +42,14 @@ pub trait AutogradEngine: Send + Sync + 'static {
     /// The identity of `tensor` as a leaf.
     fn leaf_id(&self, tensor: &Self::Tensor) -> Self::LeafId;
 
+    /// Whether `tensor` requires grad: a leaf that records its gradient, or computed from one
+    /// (a backward pass from it reaches a leaf). Roots that do not are refused.
+    fn requires_grad(&self, tensor: &Self::Tensor) -> bool;
+
+    /// The shape of `tensor` (roots without a seed must be scalars; a seed has its root's
+    /// shape).
+    fn shape(&self, tensor: &Self::Tensor) -> Vec<usize>;
+
     /// A host tensor as an engine tensor; with `requires_grad`, a leaf whose gradient a
     /// backward pass computes. Fails for element types or devices the engine cannot hold.
     fn import(&self, tensor: &Tensor, requires_grad: bool) -> Result<Self::Tensor, EngineError>;

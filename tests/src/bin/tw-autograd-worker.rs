@@ -55,6 +55,12 @@ impl AutogradEngine for Engine {
     fn leaf_id(&self, t: &CTensor) -> Self::LeafId {
         self.inner.leaf_id(t)
     }
+    fn requires_grad(&self, t: &CTensor) -> bool {
+        self.inner.requires_grad(t)
+    }
+    fn shape(&self, t: &CTensor) -> Vec<usize> {
+        self.inner.shape(t)
+    }
     fn import(&self, t: &Tensor, requires_grad: bool) -> Result<CTensor, EngineError> {
         self.inner.import(t, requires_grad)
     }
