@@ -465,6 +465,7 @@ fn simulation_gradients_and_completion() {
                 max_depth: 3,
                 kill: false,
                 idle_contexts: (seed % 2) as usize,
+                faulty_engine: false,
             },
         );
         assert_eq!(r.failed, 0);
@@ -492,6 +493,7 @@ fn simulation_with_a_worker_killed_mid_backward() {
                 max_depth: 3,
                 kill: true,
                 idle_contexts: 1 + (seed % 3) as usize,
+                faulty_engine: false,
             },
         );
         failed += r.failed;
@@ -504,6 +506,45 @@ fn simulation_with_a_worker_killed_mid_backward() {
         assert!(
             idle_of_dead > 20,
             "only {idle_of_dead} idle contexts of dead workers"
+        );
+    }
+}
+
+/// One worker's engine fails every local run of each context's first backward (with and
+/// without a death on top): each such backward fails naming that worker only once no work of
+/// it is left, every worker keeps the context, and the same backward run again succeeds with
+/// the exact gradients added to what the failed pass left (checked in each run).
+#[test]
+fn simulation_with_a_faulty_engine() {
+    let (mut retried, mut failed) = (0, 0);
+    for seed in seeds() {
+        for kill in [false, true] {
+            let r = sim::run(
+                seed,
+                &SimConfig {
+                    workers: 2 + usize::from(kill) + (seed % 3) as usize,
+                    contexts: 1 + (seed % 3) as usize,
+                    max_depth: 3,
+                    kill,
+                    idle_contexts: (seed % 2) as usize,
+                    faulty_engine: true,
+                },
+            );
+            if !kill {
+                assert_eq!(r.failed, 0, "seed {seed}");
+            }
+            retried += r.retried;
+            failed += r.failed;
+        }
+    }
+    if std::env::var("TW_SIM_SEED").is_err() {
+        assert!(
+            retried > 100,
+            "only {retried} backward passes failed on the engine"
+        );
+        assert!(
+            failed > 10,
+            "only {failed} backward passes failed on a death"
         );
     }
 }
