@@ -14,7 +14,35 @@
 //!
 //! Tracked tensors travel beside the arguments, as a list: a function registered with
 //! [`DistAutograd::register`] gets them as engine tensors, with recv functions attached, and
-//! returns the tensors of its result the same way.
+//! returns the tensors of its result the same way. Every call made in a context is recorded on
+//! both sides, even one that carries no tensor (PyTorch records every Python call in a context
+//! the same way), so the callee holds the context and may return tracked tensors, or send them
+//! on, whatever its arguments: PyTorch's usual model, whose input needs no grad and whose
+//! first stage returns a tensor that does, works from its first step.
+//!
+//! [`AutogradContext::to_here`] is `rref.to_here()` inside a context: the tensors of the value
+//! come back tracked both ways (the fetch is recorded, and so is the reply), so their gradients
+//! reach the owner: a [`Parameter`] fetched from a parameter server gets its gradient there,
+//! where a [`DistributedOptimizer`](crate::DistributedOptimizer) steps it; a [`TensorList`]
+//! made by [`AutogradContext::remote`] carries gradients back through the graph it was computed
+//! in. Other value types take part once they implement [`TrackedValue`] and are registered
+//! ([`DistAutograd::register_tracked_value`]). A plain [`RRef::to_here`] only copies values.
+//!
+//! **Backward.** [`AutogradContext::backward`] checks its roots before anything runs (at least
+//! one; each requires grad; each a scalar unless it comes with a seed of its shape) and refuses
+//! bad ones with [`AutogradError::InvalidRoots`], changing nothing. A backward that fails on
+//! some worker without losing it (its engine failed, a gradient request timed out) fails
+//! naming that worker once all the work it started has answered, and leaves the context usable
+//! on every worker: a later backward in it may succeed (PyTorch's
+//! `test_multiple_backward_with_errors`). Only a lost peer drops a context.
+//!
+//! **Where this differs from PyTorch on purpose**: `backward` takes seed gradients (PyTorch's
+//! `dist_autograd.backward` takes scalar roots only); a failed backward is reported once all
+//! the work it started has answered, not at its first error, so nothing of it still runs when
+//! the next one starts; there is no ambient "current context" (a thread-local in PyTorch):
+//! calls are tracked when made through an [`AutogradContext`], and only those; a lost peer
+//! drops every context it took part in on every survivor at once (PyTorch keeps them until
+//! shutdown, pytorch#26379).
 //!
 //! Under the hood the calls are registered functions of the agent (`__tw_autograd/...`), like
 //! PyTorch's autograd message types: forward calls wrap the user's arguments with
