@@ -32,15 +32,16 @@
 //! one; each requires grad; each a scalar unless it comes with a seed of its shape) and refuses
 //! bad ones with [`AutogradError::InvalidRoots`], changing nothing. A backward that fails on
 //! some worker without losing it (its engine failed, a gradient request timed out) fails
-//! naming that worker once all the work it started has answered, and leaves the context usable
-//! on every worker: a later backward in it may succeed (PyTorch's
+//! naming that worker once all the work it started has answered (or timed out), and leaves
+//! the context usable on every worker: a later backward in it may succeed (PyTorch's
 //! `test_multiple_backward_with_errors`). Only a lost peer drops a context.
 //!
 //! **Where this differs from PyTorch on purpose**: `backward` takes seed gradients (PyTorch's
 //! `dist_autograd.backward` takes scalar roots only); a failed backward is reported once all
-//! the work it started has answered, not at its first error, so nothing of it still runs when
-//! the next one starts; there is no ambient "current context" (a thread-local in PyTorch):
-//! calls are tracked when made through an [`AutogradContext`], and only those; a lost peer
+//! the work it started has answered or timed out, not at its first error, so nothing of it
+//! still runs when the next one starts (but on a worker that timed out); there is no ambient
+//! "current context" (a thread-local in PyTorch): calls are tracked when made through an
+//! [`AutogradContext`], and only those; a lost peer
 //! drops every context it took part in on every survivor at once (PyTorch keeps them until
 //! shutdown, pytorch#26379).
 //!
@@ -817,9 +818,10 @@ impl<E: AutogradEngine> AutogradContext<E> {
     /// all scalars.)
     ///
     /// A pass that fails on some worker (its engine failed, a request timed out) fails naming
-    /// that worker, once all the work it started is over, and leaves the context usable: a
-    /// later backward in it may succeed (gradients the failed pass accumulated stay). A lost
-    /// worker fails it at once, naming the worker, and the context is dropped everywhere.
+    /// that worker, once all the work it started has answered or timed out, and leaves the
+    /// context usable: a later backward in it may succeed (gradients the failed pass
+    /// accumulated stay). A lost worker fails it at once, naming the worker, and the context is
+    /// dropped everywhere.
     pub async fn backward(
         &self,
         roots: &[(E::Tensor, Option<E::Tensor>)],

@@ -39,8 +39,9 @@
 //! A backward that **fails** without a loss (an engine error on some worker, a gradient request
 //! that timed out or was refused) leaves the context usable everywhere, as PyTorch does: the
 //! failure travels back to the root, which reports it once every piece of work the pass started
-//! has answered (so nothing of the failed pass still runs when the next one starts), and a later
-//! backward in the context may succeed. Only a lost peer (or a release) drops a context.
+//! has answered (so nothing of the failed pass still runs when the next one starts, unless a
+//! request timed out: a timeout counts as an answer), and a later backward in the context may
+//! succeed. Only a lost peer (or a release) drops a context.
 //!
 //! **Roots** are checked before anything runs ([`DistAutograd::backward`], [`Root`]): at least
 //! one; each requires grad; each is a scalar or comes with a seed gradient of its shape. A
