@@ -10,7 +10,10 @@
 //! - run a backward pass from given roots with given seed gradients, *keeping the graph*
 //!   (FAST mode runs a send function again for every gradient that reaches it), and return the
 //!   gradient of every leaf reached ([`backward`](AutogradEngine::backward));
-//! - add gradients, so the context can accumulate them ([`accumulate`](AutogradEngine::accumulate)).
+//! - add gradients, so the context can accumulate them ([`accumulate`](AutogradEngine::accumulate));
+//! - say whether a tensor requires grad and what its shape is, so that the roots of a backward
+//!   pass are checked before anything runs ([`requires_grad`](AutogradEngine::requires_grad),
+//!   [`shape`](AutogradEngine::shape)).
 //!
 //! The adapter is `tensorwire-autograd-candle` (candle's autodiff; burn's backward consumes its
 //! graph, so a send function could not run twice).
