@@ -97,6 +97,16 @@ impl AutogradEngine for CandleEngine {
         tensor.id()
     }
 
+    fn requires_grad(&self, tensor: &CTensor) -> bool {
+        // A variable, or the result of an operation on one (candle records the operation only
+        // then).
+        tensor.track_op()
+    }
+
+    fn shape(&self, tensor: &CTensor) -> Vec<usize> {
+        tensor.dims().to_vec()
+    }
+
     fn import(&self, tensor: &Tensor, requires_grad: bool) -> Result<CTensor, EngineError> {
         let Storage::Host(bytes) = tensor.storage() else {
             return Err(EngineError(format!(
@@ -274,6 +284,12 @@ mod tests {
         assert!(e.import(&i, false).unwrap_err().0.contains("f32 and f64"));
         let w = e.parameter(&[2], &[1.0, 2.0]).unwrap();
         let bad = CTensor::new(&[1.0f32], &Device::Cpu).unwrap();
-        assert!(e.backward(&[(w, Some(bad))]).is_err());
+        assert!(e.backward(&[(w.clone(), Some(bad.clone()))]).is_err());
+        // What root checks read: a variable and what is computed from it require grad, a
+        // constant does not; shapes.
+        assert!(e.requires_grad(&w) && e.requires_grad(&w.sqr().unwrap()));
+        assert!(!e.requires_grad(&bad) && !e.requires_grad(&bad.sqr().unwrap()));
+        assert_eq!(e.shape(&w), vec![2]);
+        assert_eq!(e.shape(&w.sum_all().unwrap()), Vec::<usize>::new());
     }
 }

@@ -36,7 +36,7 @@ fn some<T>(x: Option<T>, what: &str) -> Result<T> {
 use serde::{Deserialize, Serialize};
 use tensorwire::autograd_candle::candle_core::{self, Device, Tensor as CTensor, Var};
 use tensorwire::autograd_candle::CandleEngine;
-use tensorwire_core::autograd::optim::{Optimizer, OptimizerState};
+use tensorwire_core::autograd::optim::{Optimizer, OptimizerState, Sgd};
 use tensorwire_core::autograd::ContextId;
 use tensorwire_rpc::{
     init_rpc, AutogradCall, DistAutograd, DistributedOptimizer, Functions, Parameter, RRef,
@@ -47,10 +47,7 @@ use tensorwire_rpc::{
 pub const DIM: usize = 16;
 
 /// The optimizer both runs use.
-pub const OPTIMIZER: Optimizer = Optimizer::Sgd {
-    lr: 0.02,
-    momentum: 0.9,
-};
+pub const OPTIMIZER: Optimizer = Optimizer::Sgd(Sgd::new(0.02).momentum(0.9));
 
 /// What the trainer reports (the demo's `--json` output).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -235,7 +232,7 @@ async fn train(
     let w0 = agent.local_rref(Parameter::new(&CandleEngine::new(), var(w_init(0))?))?;
     let w0_tensor = w0.local_value().await?.tensor().clone();
     let params = vec![w0.clone(), w1.clone(), w2.clone()];
-    let opt = DistributedOptimizer::new(dist, params.clone(), OPTIMIZER);
+    let opt = DistributedOptimizer::new(dist, params.clone(), OPTIMIZER)?;
 
     // The same model in one process.
     let local: Vec<CTensor> = (0..3).map(|i| var(w_init(i))).collect::<Result<_>>()?;

@@ -169,6 +169,12 @@ impl Tensor {
         Self::new(DType::F32, shape, Storage::Host(bytes.into()))
     }
 
+    /// A host tensor of `f64` values.
+    pub fn from_f64(shape: Vec<usize>, values: &[f64]) -> Result<Self, TensorError> {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Self::new(DType::F64, shape, Storage::Host(bytes.into()))
+    }
+
     /// The element type.
     pub fn dtype(&self) -> DType {
         self.dtype
@@ -219,6 +225,16 @@ impl Tensor {
         (self.dtype == DType::F32).then(|| {
             b.chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        })
+    }
+
+    /// The values of a host `f64` tensor.
+    pub fn to_f64_vec(&self) -> Option<Vec<f64>> {
+        let b = self.host_bytes()?;
+        (self.dtype == DType::F64).then(|| {
+            b.chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
                 .collect()
         })
     }

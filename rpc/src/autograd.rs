@@ -14,7 +14,36 @@
 //!
 //! Tracked tensors travel beside the arguments, as a list: a function registered with
 //! [`DistAutograd::register`] gets them as engine tensors, with recv functions attached, and
-//! returns the tensors of its result the same way.
+//! returns the tensors of its result the same way. Every call made in a context is recorded on
+//! both sides, even one that carries no tensor (PyTorch records every Python call in a context
+//! the same way), so the callee holds the context and may return tracked tensors, or send them
+//! on, whatever its arguments: PyTorch's usual model, whose input needs no grad and whose
+//! first stage returns a tensor that does, works from its first step.
+//!
+//! [`AutogradContext::to_here`] is `rref.to_here()` inside a context: the tensors of the value
+//! come back tracked both ways (the fetch is recorded, and so is the reply), so their gradients
+//! reach the owner: a [`Parameter`] fetched from a parameter server gets its gradient there,
+//! where a [`DistributedOptimizer`](crate::DistributedOptimizer) steps it; a [`TensorList`]
+//! made by [`AutogradContext::remote`] carries gradients back through the graph it was computed
+//! in. Other value types take part once they implement [`TrackedValue`] and are registered
+//! ([`DistAutograd::register_tracked_value`]). A plain [`RRef::to_here`] only copies values.
+//!
+//! **Backward.** [`AutogradContext::backward`] checks its roots before anything runs (at least
+//! one; each requires grad; each a scalar unless it comes with a seed of its shape) and refuses
+//! bad ones with [`AutogradError::InvalidRoots`], changing nothing. A backward that fails on
+//! some worker without losing it (its engine failed, a gradient request timed out) fails
+//! naming that worker once all the work it started has answered (or timed out), and leaves
+//! the context usable on every worker: a later backward in it may succeed (PyTorch's
+//! `test_multiple_backward_with_errors`). Only a lost peer drops a context.
+//!
+//! **Where this differs from PyTorch on purpose**: `backward` takes seed gradients (PyTorch's
+//! `dist_autograd.backward` takes scalar roots only); a failed backward is reported once all
+//! the work it started has answered or timed out, not at its first error, so nothing of it
+//! still runs when the next one starts (but on a worker that timed out); there is no ambient
+//! "current context" (a thread-local in PyTorch): calls are tracked when made through an
+//! [`AutogradContext`], and only those; a lost peer
+//! drops every context it took part in on every survivor at once (PyTorch keeps them until
+//! shutdown, pytorch#26379).
 //!
 //! Under the hood the calls are registered functions of the agent (`__tw_autograd/...`), like
 //! PyTorch's autograd message types: forward calls wrap the user's arguments with
@@ -46,7 +75,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tensorwire_core::autograd::{
     AutogradError, AutogradMessageId, BackwardError, ContextId, DistAutograd as State, Entry,
-    GradientId, Output, RecvError, RequestToken, TaskId,
+    GradientId, Output, RecvError, RequestToken, Root, TaskId,
 };
 use tensorwire_core::device::Device;
 use tensorwire_core::placement::Direction;
@@ -58,18 +87,20 @@ use tokio::sync::oneshot;
 use tracing::{debug, warn, Instrument};
 
 use crate::agent::Agent;
-use crate::dist_optim::Parameter;
+use crate::dist_optim::{LocalOptimizer, Parameter};
 use crate::error::RpcError;
 use crate::functions::CallContext;
 use crate::peer_events::PeerEvent;
 use crate::rref::RRef;
 use tensorwire_core::autograd::optim::Optimizer;
+use tensorwire_core::tensor::Tensor as HostTensor;
 
 const GRAD: &str = "__tw_autograd/grad";
 const RELEASE: &str = "__tw_autograd/release";
 const FN_PREFIX: &str = "__tw_autograd/fn/";
 const METHOD_PREFIX: &str = "__tw_autograd/method/";
 const REMOTE_PREFIX: &str = "__tw_autograd/remote/";
+const FETCH_PREFIX: &str = "__tw_autograd/to_here/";
 
 /// What can go wrong in distributed autograd.
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +125,14 @@ pub enum DistAutogradError {
         worker: WorkerId,
         /// The protocol's error.
         source: BackwardError,
+    },
+    /// A distributed optimizer's hyper-parameters are invalid.
+    #[error("invalid {optimizer} optimizer: {message}")]
+    Optimizer {
+        /// The optimizer's [`LocalOptimizer::NAME`].
+        optimizer: &'static str,
+        /// What is wrong.
+        message: String,
     },
     /// A peer sent an autograd message it had no right to send.
     #[error("protocol violation by {from}: {message}")]
@@ -254,6 +293,74 @@ impl<E: AutogradEngine> AutogradCall<E> {
     }
 }
 
+/// A value kept in an [`RRef`] whose tensors [`AutogradContext::to_here`] copies into a
+/// context *tracked*: the owner records a send function for them and the caller a recv
+/// function, so the backward pass carries gradients back to the owner's tensors (PyTorch's
+/// `rref.to_here()` inside a distributed autograd context). Register a type on the workers
+/// that own such values with [`DistAutograd::register_tracked_value`]; [`Parameter`] and
+/// [`TensorList`] are registered already.
+pub trait TrackedValue<E: AutogradEngine>: Send + Sync + 'static {
+    /// The name its fetch is registered under on the owners: unique per type, the same on
+    /// every worker.
+    const NAME: &'static str;
+    /// The tensors a tracked fetch copies to the caller; their gradients come back here.
+    fn tracked_tensors(&self) -> Vec<E::Tensor>;
+}
+
+/// A parameter fetched into a context is its tensor, tracked: gradients reach the parameter on
+/// its owner, where a [`DistributedOptimizer`](crate::DistributedOptimizer) steps it.
+impl<E: AutogradEngine> TrackedValue<E> for Parameter<E> {
+    const NAME: &'static str = "parameter";
+    fn tracked_tensors(&self) -> Vec<E::Tensor> {
+        vec![self.tensor().clone()]
+    }
+}
+
+/// Engine tensors kept on their owner in an [`RRef`] (say, made by
+/// [`AutogradContext::remote`] from the caller's tracked tensors): PyTorch's
+/// `rpc.remote(owner, torch.add, ...)`. [`AutogradContext::to_here`] fetches them tracked; a
+/// plain [`RRef::to_here`] gets detached copies (`Vec<Tensor>` of host tensors).
+pub struct TensorList<E: AutogradEngine> {
+    tensors: Vec<E::Tensor>,
+    engine: E,
+}
+
+impl<E: AutogradEngine + Clone> TensorList<E> {
+    /// `tensors`, to keep in an [`RRef`].
+    pub fn new(engine: &E, tensors: Vec<E::Tensor>) -> Self {
+        Self {
+            tensors,
+            engine: engine.clone(),
+        }
+    }
+}
+
+impl<E: AutogradEngine> TensorList<E> {
+    /// The tensors (on their owner).
+    pub fn tensors(&self) -> &[E::Tensor] {
+        &self.tensors
+    }
+}
+
+impl<E: AutogradEngine> TrackedValue<E> for TensorList<E> {
+    const NAME: &'static str = "tensor-list";
+    fn tracked_tensors(&self) -> Vec<E::Tensor> {
+        self.tensors.clone()
+    }
+}
+
+/// Travels as detached host copies of the tensors' values (`Vec<Tensor>`).
+impl<E: AutogradEngine> Serialize for TensorList<E> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.tensors
+            .iter()
+            .map(|t| self.engine.export(t))
+            .collect::<Result<Vec<HostTensor>, _>>()
+            .map_err(serde::ser::Error::custom)?
+            .serialize(s)
+    }
+}
+
 impl<E: AutogradEngine> DistAutograd<E> {
     /// Sets up distributed autograd on `agent` with `engine`. Registers the internal functions
     /// it needs on every worker; every worker taking part must call it (before the others
@@ -303,23 +410,6 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 inner.on_release(cx, req).await
             }
         })?;
-        let weak = Arc::downgrade(&inner);
-        functions.register(
-            crate::dist_optim::STEP,
-            move |(context, optimizer, params): (ContextId, Optimizer, Vec<RRef<Parameter<E>>>)| {
-                let weak = weak.clone();
-                async move {
-                    let inner = upgrade(&weak)?;
-                    crate::dist_optim::owner_step(
-                        &DistAutograd { inner },
-                        context,
-                        optimizer,
-                        params,
-                    )
-                    .await
-                }
-            },
-        )?;
         // One of the agent's tasks: its shutdown ends it.
         let weak = Arc::downgrade(&inner);
         agent.spawn(async move {
@@ -338,7 +428,56 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 }
             }
         });
-        Ok(Self { inner })
+        let dist = Self { inner };
+        dist.register_optimizer::<Optimizer>()?;
+        dist.register_tracked_value::<Parameter<E>>()?;
+        dist.register_tracked_value::<TensorList<E>>()?;
+        Ok(dist)
+    }
+
+    /// Registers the local optimizer `O` on this worker, so that a
+    /// [`DistributedOptimizer`](crate::DistributedOptimizer) of `O` can step the parameters it
+    /// owns. `torch.optim`'s ([`Optimizer`]) is registered by [`new`](Self::new); register
+    /// your own on every worker that owns parameters. Registering one name twice is an error.
+    pub fn register_optimizer<O: LocalOptimizer>(&self) -> Result<(), RpcError> {
+        let weak = Arc::downgrade(&self.inner);
+        self.inner.agent.functions().register(
+            &format!("{}{}", crate::dist_optim::STEP, O::NAME),
+            move |(context, optimizer, params): (ContextId, O, Vec<RRef<Parameter<E>>>)| {
+                let weak = weak.clone();
+                async move {
+                    let inner = upgrade(&weak)?;
+                    crate::dist_optim::owner_step(
+                        &DistAutograd { inner },
+                        context,
+                        optimizer,
+                        params,
+                    )
+                    .await
+                }
+            },
+        )
+    }
+
+    /// Registers `T` as a value whose tensors [`AutogradContext::to_here`] fetches tracked
+    /// from this worker. [`Parameter`] and [`TensorList`] are registered by
+    /// [`new`](Self::new); register your own types on every worker that owns them.
+    pub fn register_tracked_value<T: TrackedValue<E>>(&self) -> Result<(), RpcError> {
+        let weak = Arc::downgrade(&self.inner);
+        self.inner.agent.functions().register_method_with_context(
+            &format!("{FETCH_PREFIX}{}", T::NAME),
+            move |cx: CallContext, value: Arc<T>, req: ForwardRequest<()>| {
+                let weak = weak.clone();
+                async move {
+                    let inner = upgrade(&weak)?;
+                    let caller = cx.caller().id;
+                    inner
+                        .receive(caller, req.context, req.message, &req.tensors)
+                        .await?;
+                    inner.respond(req.context, caller, value.tracked_tensors(), ())
+                }
+            },
+        )
     }
 
     /// Held while this owner runs a distributed optimizer step.
@@ -561,7 +700,7 @@ impl<E: AutogradEngine> AutogradContext<E> {
         R: DeserializeOwned + Send + 'static,
     {
         let callee = self.inner.agent.get_worker_info(to)?.id;
-        let req = self.inner.send(self.id, callee, tensors, args)?;
+        let req = self.inner.send(self.id, callee, tensors, args, true)?;
         let fut = self.inner.agent.rpc_async::<_, ForwardResponse<R>>(
             callee,
             &format!("{FN_PREFIX}{function}"),
@@ -587,7 +726,7 @@ impl<E: AutogradEngine> AutogradContext<E> {
         R: DeserializeOwned + Send + 'static,
     {
         let owner = rref.owner().id;
-        let req = self.inner.send(self.id, owner, tensors, args)?;
+        let req = self.inner.send(self.id, owner, tensors, args, true)?;
         let fut = rref.rpc_async::<_, ForwardResponse<R>>(
             &format!("{METHOD_PREFIX}{method}"),
             &req,
@@ -612,11 +751,36 @@ impl<E: AutogradEngine> AutogradContext<E> {
         T: Send + Sync + 'static,
     {
         let owner = self.inner.agent.get_worker_info(to)?.id;
-        let req = self.inner.send(self.id, owner, tensors, args)?;
+        let req = self.inner.send(self.id, owner, tensors, args, true)?;
         Ok(self
             .inner
             .agent
             .remote(owner, &format!("{REMOTE_PREFIX}{function}"), &req, timeout)?)
+    }
+
+    /// Copies the tensors of the value `rref` refers to into this context, **tracked** (PyTorch's
+    /// `rref.to_here()` inside a context): the owner records a send function for them and this
+    /// worker a recv function, so the backward pass carries their gradients back to the owner
+    /// (to a [`Parameter`]'s leaf, or through the graph a [`TensorList`] was computed in).
+    /// On the owner itself the value's tensors are returned as they are (the local graph
+    /// carries their gradients). A plain [`RRef::to_here`] is never tracked: it copies values.
+    pub async fn to_here<T: TrackedValue<E>>(
+        &self,
+        rref: &RRef<T>,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<E::Tensor>, DistAutogradError> {
+        if rref.is_owner() {
+            return Ok(rref.local_value().await?.tracked_tensors());
+        }
+        let owner = rref.owner().id;
+        let req = self.inner.send(self.id, owner, &[], &(), true)?;
+        let fut = rref.rpc_async::<_, ForwardResponse<()>>(
+            &format!("{FETCH_PREFIX}{}", T::NAME),
+            &req,
+            timeout,
+        )?;
+        let ((), tensors) = self.finish_call(owner, fut).await?;
+        Ok(tensors)
     }
 
     fn finish_call<R: Send + 'static>(
@@ -646,8 +810,18 @@ impl<E: AutogradEngine> AutogradContext<E> {
     /// Runs the backward pass from `roots` (each with its seed gradient; `None`: ones, for a
     /// scalar loss), and returns once every worker it reached is done. Gradients of leaves
     /// accumulate in the context on the worker that holds them. Without `retain_graph` a
-    /// second backward in this context is refused. A lost or silent worker fails it, naming
-    /// the worker; the context is then released everywhere.
+    /// second backward in this context is refused.
+    ///
+    /// The roots are checked first, as PyTorch does: at least one, each requiring grad, each a
+    /// scalar unless it has a seed (of its shape); otherwise [`AutogradError::InvalidRoots`]
+    /// and nothing changes. (PyTorch's `dist_autograd.backward` takes no seeds: its roots are
+    /// all scalars.)
+    ///
+    /// A pass that fails on some worker (its engine failed, a request timed out) fails naming
+    /// that worker, once all the work it started has answered or timed out, and leaves the
+    /// context usable: a later backward in it may succeed (gradients the failed pass
+    /// accumulated stay). A lost worker fails it at once, naming the worker, and the context is
+    /// dropped everywhere.
     pub async fn backward(
         &self,
         roots: &[(E::Tensor, Option<E::Tensor>)],
@@ -666,9 +840,18 @@ impl<E: AutogradEngine> AutogradContext<E> {
                 };
                 return Err(e.into());
             }
+            let engine = &self.inner.engine;
+            let checked: Vec<Root> = roots
+                .iter()
+                .map(|(t, seed)| Root {
+                    shape: engine.shape(t),
+                    requires_grad: engine.requires_grad(t),
+                    seed: seed.as_ref().map(|s| engine.shape(s)),
+                })
+                .collect();
+            sh.state.backward(self.id, retain_graph, &checked)?;
             let data = sh.data.get_mut(&self.id).expect("checked above");
             data.roots = roots.to_vec();
-            sh.state.backward(self.id, retain_graph)?;
             let (tx, rx) = oneshot::channel();
             sh.roots.insert(self.id, tx);
             rx
@@ -800,19 +983,23 @@ impl<E: AutogradEngine> Inner<E> {
         }
     }
 
-    /// Records the send of `tensors` to `to` and builds the request.
+    /// Records the send of `tensors` to `to` and builds the request. With `force` the send
+    /// is recorded even without tensors: a call made in a context always is (PyTorch records
+    /// every Python call in a context), so the callee holds the context and may return
+    /// tracked tensors, or send them on, whatever its arguments were.
     fn send<'a, A: Serialize + ?Sized>(
         &self,
         context: ContextId,
         to: WorkerId,
         tensors: &[E::Tensor],
         args: &'a A,
+        force: bool,
     ) -> Result<ForwardRequest<&'a A>, DistAutogradError> {
         let wire = tensors
             .iter()
             .map(|t| self.engine.export(t))
             .collect::<Result<Vec<_>, _>>()?;
-        let message = if tensors.is_empty() {
+        let message = if tensors.is_empty() && !force {
             None
         } else {
             let mut sh = self.lock();
@@ -918,7 +1105,7 @@ impl<E: AutogradEngine> Inner<E> {
         result: R,
     ) -> Result<ForwardResponse<R>, String> {
         let req = self
-            .send(context, caller, &out, &())
+            .send(context, caller, &out, &(), false)
             .map_err(|e| e.to_string())?;
         Ok(ForwardResponse {
             message: req.message,
@@ -1377,7 +1564,10 @@ impl<E: AutogradEngine> Inner<E> {
                 }
             }
             match failed {
-                Some(e) => sh.state.local_failed(task, e),
+                Some(e) => {
+                    d.produced.retain(|(t, _), _| *t != task);
+                    sh.state.local_failed(task, e)
+                }
                 None => sh.state.local_done(task, &reached),
             }
         }

@@ -55,7 +55,9 @@ pub mod typed;
 pub use agent::{
     init_rpc, start_agent, Agent, AgentDebugInfo, PeerConnection, RpcFuture, WorkerInfo, WorkerRef,
 };
-pub use autograd::{AutogradCall, AutogradContext, DistAutograd, DistAutogradError};
+pub use autograd::{
+    AutogradCall, AutogradContext, DistAutograd, DistAutogradError, TensorList, TrackedValue,
+};
 #[cfg(feature = "tcp")]
 pub use backend::TcpBackend;
 pub use backend::{
@@ -64,14 +66,14 @@ pub use backend::{
 };
 #[cfg(feature = "quic")]
 pub use backend::{QuicBackend, QUIC_BACKEND};
-pub use dist_optim::{DistributedOptimizer, Parameter};
+pub use dist_optim::{BuiltinState, DistributedOptimizer, LocalOptimizer, Parameter};
 pub use error::RpcError;
 pub use functions::{CallContext, Functions};
 pub use metrics::{PeerMetrics, RpcMetrics};
 pub use options::{RpcOptions, Shutdown, DEFAULT_RPC_TIMEOUT, IMMEDIATE_CLOSE_TIMEOUT};
 pub use peer_events::{PeerEvent, PeerEvents};
 pub use rref::RRef;
-pub use tensorwire_core::autograd::optim::Optimizer;
+pub use tensorwire_core::autograd::optim::{Adagrad, Adam, AdamW, Optimizer, RmsProp, Sgd};
 pub use tensorwire_core::protocol::{
     CallError, DebugInfo, ForkInfo, OwnedInfo, RemoteError, RemoteErrorKind,
 };

@@ -11,12 +11,15 @@ use std::time::Duration;
 
 use tensorwire_autograd_candle::candle_core::{Device, Tensor as CTensor, Var};
 use tensorwire_autograd_candle::CandleEngine;
-use tensorwire_core::autograd::optim::{Optimizer, OptimizerState};
+use tensorwire_core::autograd::optim::{
+    Adagrad, Adam, AdamW, Optimizer, OptimizerState, RmsProp, Sgd,
+};
+use tensorwire_core::autograd::{AutogradError, RootProblem};
 use tensorwire_process_group::InMemoryStore;
 use tensorwire_rpc::memory::{MemoryNetwork, MemoryTransport};
 use tensorwire_rpc::{
     start_agent, Agent, AutogradCall, DistAutograd, DistAutogradError, DistributedOptimizer,
-    Functions, Parameter, RRef, Rendezvous, RpcOptions,
+    Functions, LocalOptimizer, Parameter, RRef, Rendezvous, RpcOptions, TensorList,
 };
 
 type Dist = DistAutograd<CandleEngine>;
@@ -149,6 +152,42 @@ async fn cluster_with(n: usize, tweak: impl Fn(usize, &mut RpcOptions)) -> Vec<W
                         weight: hop(&ts[0], &p),
                     })
                 }
+            },
+        )
+        .unwrap();
+        // The first stage of PyTorch's usual model: its input needs no grad (it comes in the
+        // arguments, no tracked tensor), its result does; then on along `route`.
+        let pp = p.clone();
+        dist.register(
+            "stage",
+            move |call: AutogradCall<CandleEngine>,
+                  (x, route): (Vec<f32>, Vec<String>),
+                  ts: Vec<CTensor>| {
+                let p = pp.clone();
+                async move {
+                    assert!(ts.is_empty(), "no tracked tensor comes in");
+                    let x = CTensor::from_vec(x, 3, &Device::Cpu).unwrap();
+                    let mut z = hop(&x, &p);
+                    if let Some((next, rest)) = route.split_first() {
+                        let ((), out) = call
+                            .context()
+                            .rpc_sync(next, "hop", &rest.to_vec(), &[z], None)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        z = out[0].clone();
+                    }
+                    Ok(((), vec![(z * 2.0).unwrap()]))
+                }
+            },
+        )
+        .unwrap();
+        // Tensors kept on their owner, computed from the caller's: `rpc.remote(owner, f, ...)`.
+        let pp = p.clone();
+        dist.register_remote(
+            "make_list",
+            move |_call: AutogradCall<CandleEngine>, (): (), ts: Vec<CTensor>| {
+                let p = pp.clone();
+                async move { Ok(TensorList::new(&CandleEngine::new(), vec![hop(&ts[0], &p)])) }
             },
         )
         .unwrap();
@@ -527,18 +566,24 @@ async fn the_distributed_optimizer_trains_like_one_process() {
     let p2: RRef<Parameter<CandleEngine>> =
         w0.agent.remote("w2", "make_parameter", &(), None).unwrap();
     for optimizer in [
-        Optimizer::Sgd {
-            lr: 0.05,
-            momentum: 0.9,
-        },
-        Optimizer::adam(0.01),
+        Optimizer::from(Sgd::new(0.05).momentum(0.9)),
+        Sgd::new(0.05)
+            .momentum(0.9)
+            .nesterov(true)
+            .weight_decay(0.01)
+            .into(),
+        Adam::new(0.01).into(),
+        AdamW::new(0.01).amsgrad(true).into(),
+        RmsProp::new(0.01).momentum(0.5).centered(true).into(),
+        Adagrad::new(0.1).lr_decay(0.01).into(),
     ] {
         // Fresh parameters for each optimizer.
         let p1: RRef<Parameter<CandleEngine>> =
             w0.agent.remote("w1", "make_parameter", &(), None).unwrap();
         let p2: RRef<Parameter<CandleEngine>> =
             w0.agent.remote("w2", "make_parameter", &(), None).unwrap();
-        let opt = DistributedOptimizer::new(&w0.dist, vec![p1.clone(), p2.clone()], optimizer);
+        let opt =
+            DistributedOptimizer::new(&w0.dist, vec![p1.clone(), p2.clone()], optimizer).unwrap();
         // The same model in one process.
         let local = [param(1), param(2)];
         let mut states = [OptimizerState::default(), OptimizerState::default()];
@@ -587,10 +632,7 @@ async fn the_distributed_optimizer_trains_like_one_process() {
     // Two optimizers (two trainers' steps) update one owner at once: the steps are serialized
     // and none is lost
     // (plain SGD: the result is p - lr * (g0 + g1) in either order).
-    let sgd = Optimizer::Sgd {
-        lr: 0.1,
-        momentum: 0.0,
-    };
+    let sgd = Optimizer::from(Sgd::new(0.1));
     let ctxs = {
         let mut v = Vec::new();
         for scale in [1.0f64, -2.0] {
@@ -605,8 +647,8 @@ async fn the_distributed_optimizer_trains_like_one_process() {
         }
         v
     };
-    let opt_a = DistributedOptimizer::new(&w0.dist, vec![p1.clone()], sgd);
-    let opt_b = DistributedOptimizer::new(&w0.dist, vec![p1.clone()], sgd);
+    let opt_a = DistributedOptimizer::new(&w0.dist, vec![p1.clone()], sgd).unwrap();
+    let opt_b = DistributedOptimizer::new(&w0.dist, vec![p1.clone()], sgd).unwrap();
     let (a, b) = tokio::join!(opt_a.step(ctxs[0].id()), opt_b.step(ctxs[1].id()));
     assert_eq!((a.unwrap(), b.unwrap()), (1, 1));
     let mut want = param_values(1);
@@ -872,5 +914,305 @@ async fn gradients_go_back_by_the_reverse_of_the_forward_device_maps() {
         );
     }
     ctx.release().await.unwrap();
+    shutdown(workers).await;
+}
+
+/// PyTorch's usual model: the input needs no grad, the first stage returns a tensor that does.
+/// A call whose arguments hold no tracked tensor returns tracked ones (and sends them on, here
+/// w1 → w2), and the backward reaches both stages' parameters with one process's gradients
+/// (`record_send` used to fail: the callee held no context).
+#[tokio::test(start_paused = true)]
+async fn a_call_without_tracked_arguments_may_return_and_send_tracked_tensors() {
+    let workers = cluster(3).await;
+    let w0 = &workers[0];
+    for route in [vec![], vec!["w2".to_owned()]] {
+        let ctx = w0.dist.context().unwrap();
+        let ((), out) = ctx
+            .rpc_sync::<_, ()>("w1", "stage", &(values(&input()), route.clone()), &[], None)
+            .await
+            .unwrap();
+        ctx.backward(&[(loss(&out[0]), None)], false).await.unwrap();
+        let p: Vec<CTensor> = (0..3).map(param).collect();
+        let mut z = hop(&input(), &p[1]);
+        if !route.is_empty() {
+            z = (hop(&z, &p[2]) * 2.0).unwrap();
+        }
+        let g = loss(&(z * 2.0).unwrap()).backward().unwrap();
+        for (r, pr) in p.iter().enumerate().skip(1).take(route.len() + 1) {
+            assert_close(
+                &grad_on(&workers, r, ctx.id()),
+                &values(g.get(pr).unwrap()),
+                &format!("rank {r}, route {route:?}"),
+            );
+        }
+        ctx.release().await.unwrap();
+        for w in &workers {
+            assert_eq!(w.dist.context_count(), 0, "route {route:?}");
+        }
+    }
+    shutdown(workers).await;
+}
+
+/// Empty roots, a non-scalar root without a seed, a root that does not require grad and a seed
+/// of the wrong shape are refused at once with a typed error and change nothing: no gradient
+/// accumulates, the graph is not marked freed, and the real backward afterwards (without
+/// retain_graph) gives one process's gradients.
+#[tokio::test(start_paused = true)]
+async fn backward_roots_are_checked_before_anything_runs() {
+    let workers = cluster(2).await;
+    let w0 = &workers[0];
+    let ctx = w0.dist.context().unwrap();
+    let x = hop(&input(), &w0.param);
+    let ((), out) = ctx
+        .rpc_sync("w1", "hop", &Vec::<String>::new(), &[x], None)
+        .await
+        .unwrap();
+    let wrong_seed = CTensor::new(&[1.0f32, 2.0], &Device::Cpu).unwrap();
+    for (roots, want) in [
+        (vec![], RootProblem::Empty),
+        (
+            vec![(out[0].clone(), None)],
+            RootProblem::NotScalar {
+                index: 0,
+                shape: vec![3],
+            },
+        ),
+        (
+            vec![(loss(&out[0]), None), (loss(&input()), None)],
+            RootProblem::NoGrad { index: 1 },
+        ),
+        (
+            vec![(out[0].clone(), Some(wrong_seed))],
+            RootProblem::SeedShape {
+                index: 0,
+                root: vec![3],
+                seed: vec![2],
+            },
+        ),
+    ] {
+        match ctx.backward(&roots, false).await {
+            Err(DistAutogradError::State(AutogradError::InvalidRoots { problem, .. })) => {
+                assert_eq!(problem, want)
+            }
+            other => panic!("{want:?}: {other:?}"),
+        }
+        assert!(ctx.gradients().is_empty(), "{want:?} accumulated gradients");
+        assert!(workers[1].dist.gradients(ctx.id()).unwrap().is_empty());
+    }
+    ctx.backward(&[(loss(&out[0]), None)], false).await.unwrap();
+    let want = local_route(&[1], 2);
+    for (rank, want) in want.iter().enumerate() {
+        assert_close(
+            &grad_on(&workers, rank, ctx.id()),
+            want.as_ref().unwrap(),
+            &format!("rank {rank}"),
+        );
+    }
+    ctx.release().await.unwrap();
+    shutdown(workers).await;
+}
+
+/// `to_here` inside a context is tracked both ways (PyTorch's `test_backward_rref*`): a
+/// parameter fetched from its owner gets its gradient there, and a DistributedOptimizer steps
+/// it; tensors w1 computed (by `remote` in the context) from w0's pass gradients back through
+/// w1's graph to w0's parameter. Fetching on the owner gives the value's own tensors.
+#[tokio::test(start_paused = true)]
+async fn to_here_in_a_context_is_tracked() {
+    let workers = cluster(2).await;
+    let w0 = &workers[0];
+    // A parameter on w1, fetched into w0's context.
+    let p1: RRef<Parameter<CandleEngine>> =
+        w0.agent.remote("w1", "make_parameter", &(), None).unwrap();
+    let ctx = w0.dist.context().unwrap();
+    let fetched = ctx.to_here(&p1, None).await.unwrap();
+    assert_eq!(values(&fetched[0]), param_values(1));
+    let y = hop(&hop(&input(), &w0.param), &fetched[0]);
+    ctx.backward(&[(loss(&y), None)], false).await.unwrap();
+    let p: Vec<CTensor> = (0..2).map(param).collect();
+    let g = loss(&hop(&hop(&input(), &p[0]), &p[1])).backward().unwrap();
+    assert_close(
+        &grad_on(&workers, 0, ctx.id()),
+        &values(g.get(&p[0]).unwrap()),
+        "w0",
+    );
+    let on_owner = workers[1]
+        .dist
+        .gradients(ctx.id())
+        .expect("w1 holds the context");
+    assert_eq!(on_owner.len(), 1, "only the parameter's gradient");
+    let got = values(on_owner.values().next().unwrap());
+    assert_close(&got, &values(g.get(&p[1]).unwrap()), "w1's parameter");
+    let opt = DistributedOptimizer::new(&w0.dist, vec![p1.clone()], Optimizer::from(Sgd::new(0.5)))
+        .unwrap();
+    assert_eq!(opt.step(ctx.id()).await.unwrap(), 1);
+    let stepped: Vec<f32> = p1.rpc_sync("param_values", &(), None).await.unwrap();
+    let want: Vec<f32> = param_values(1)
+        .iter()
+        .zip(&got)
+        .map(|(p, g)| p - 0.5 * g)
+        .collect();
+    assert_close(&stepped, &want, "stepped");
+    ctx.release().await.unwrap();
+
+    // Tensors kept on w1, made from w0's tracked tensor in the same context, fetched back.
+    let ctx = w0.dist.context().unwrap();
+    let x = hop(&input(), &w0.param);
+    let list: RRef<TensorList<CandleEngine>> =
+        ctx.remote("w1", "make_list", &(), &[x], None).unwrap();
+    let h = ctx.to_here(&list, None).await.unwrap();
+    ctx.backward(&[(loss(&h[0]), None)], false).await.unwrap();
+    let g = loss(&hop(&hop(&input(), &p[0]), &p[1])).backward().unwrap();
+    for (r, pr) in p.iter().enumerate() {
+        assert_close(
+            &grad_on(&workers, r, ctx.id()),
+            &values(g.get(pr).unwrap()),
+            &format!("list rank {r}"),
+        );
+    }
+    ctx.release().await.unwrap();
+    // On the owner, to_here gives the value's own tensors (the local graph tracks them).
+    let mine = w0
+        .agent
+        .local_rref(TensorList::new(
+            &CandleEngine::new(),
+            vec![w0.param.clone()],
+        ))
+        .unwrap();
+    let ctx = w0.dist.context().unwrap();
+    let own = ctx.to_here(&mine, None).await.unwrap();
+    assert_eq!(own[0].id(), w0.param.id());
+    ctx.release().await.unwrap();
+    drop((p1, list, mine));
+    for w in &workers {
+        assert_eq!(w.dist.context_count(), 0);
+    }
+    shutdown(workers).await;
+}
+
+/// A user brings their own optimizer: registered on the owners, run by a DistributedOptimizer
+/// on f32 and f64 parameters alike; one not registered on an owner fails the step naming it;
+/// invalid built-in hyper-parameters are refused when the optimizer is made.
+#[tokio::test(start_paused = true)]
+async fn a_user_optimizer_and_f64_parameters() {
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct SignSgd {
+        lr: f64,
+    }
+    impl LocalOptimizer for SignSgd {
+        const NAME: &'static str = "sign-sgd";
+        type State = u32;
+        type Error = String;
+        fn step(
+            &self,
+            steps: &mut u32,
+            param: &tensorwire_core::tensor::Tensor,
+            grad: &tensorwire_core::tensor::Tensor,
+        ) -> Result<tensorwire_core::tensor::Tensor, String> {
+            *steps += 1;
+            let (p, g) = (param.to_f64_vec().unwrap(), grad.to_f64_vec().unwrap());
+            let new: Vec<f64> = p
+                .iter()
+                .zip(&g)
+                .map(|(p, g)| p - self.lr * g.signum() / f64::from(*steps))
+                .collect();
+            tensorwire_core::tensor::Tensor::from_f64(param.shape().to_vec(), &new)
+                .map_err(|e| e.to_string())
+        }
+    }
+    let workers = cluster(2).await;
+    workers[1].dist.register_optimizer::<SignSgd>().unwrap();
+    let w0 = &workers[0];
+    let values64 = [0.5f64, -0.25, 2.0];
+    let make = |w: &Worker| {
+        let t = CTensor::new(&values64, &Device::Cpu).unwrap();
+        let v = Var::from_tensor(&t).unwrap().as_tensor().clone();
+        w.agent
+            .local_rref(Parameter::new(&CandleEngine::new(), v))
+            .unwrap()
+    };
+    let p1 = make(&workers[1]);
+    // w1 hands its parameter to w0 (an RRef travels in a call's result).
+    let p1: RRef<Parameter<CandleEngine>> = {
+        let a = workers[1].agent.clone();
+        let keep = p1.clone();
+        a.functions()
+            .register("give_p64", move |(): ()| {
+                let r = keep.clone();
+                async move { Ok::<_, String>(r) }
+            })
+            .unwrap();
+        w0.agent
+            .rpc_sync("w1", "give_p64", &(), None)
+            .await
+            .unwrap()
+    };
+    let x = CTensor::new(&[1.0f64, 2.0, -1.0], &Device::Cpu).unwrap();
+    async fn run(
+        ctx: &tensorwire_rpc::AutogradContext<CandleEngine>,
+        p: &RRef<Parameter<CandleEngine>>,
+        x: &CTensor,
+    ) {
+        let w = ctx.to_here(p, None).await.unwrap();
+        let l = w[0].mul(x).unwrap().sum_all().unwrap();
+        ctx.backward(&[(l, None)], false).await.unwrap();
+    }
+    // The gradient of sum(w * x) is x: sign-SGD moves each value by lr * sign(x) / step.
+    let own = DistributedOptimizer::new(&w0.dist, vec![p1.clone()], SignSgd { lr: 0.1 }).unwrap();
+    let mut want = values64.to_vec();
+    for step in 1..=2 {
+        let ctx = w0.dist.context().unwrap();
+        run(&ctx, &p1, &x).await;
+        assert_eq!(own.step(ctx.id()).await.unwrap(), 1);
+        for (w, x) in want.iter_mut().zip([1.0f64, 2.0, -1.0]) {
+            *w -= 0.1 * x.signum() / f64::from(step);
+        }
+        ctx.release().await.unwrap();
+    }
+    // The built-in optimizers step f64 parameters too (Adam: the first step is lr * sign(g)).
+    let adam =
+        DistributedOptimizer::new(&w0.dist, vec![p1.clone()], Optimizer::from(Adam::new(0.01)))
+            .unwrap();
+    let ctx = w0.dist.context().unwrap();
+    run(&ctx, &p1, &x).await;
+    assert_eq!(adam.step(ctx.id()).await.unwrap(), 1);
+    for (w, x) in want.iter_mut().zip([1.0f64, 2.0, -1.0]) {
+        *w -= 0.01 * x.signum();
+    }
+    workers[1]
+        .agent
+        .functions()
+        .register_method(
+            "param_values64",
+            |p: Arc<Parameter<CandleEngine>>, (): ()| async move {
+                Ok::<_, String>(p.tensor().to_vec1::<f64>().unwrap())
+            },
+        )
+        .unwrap();
+    let on_owner: Vec<f64> = p1.rpc_sync("param_values64", &(), None).await.unwrap();
+    for (g, w) in on_owner.iter().zip(&want) {
+        assert!((g - w).abs() < 1e-9, "got {on_owner:?}, want {want:?}");
+    }
+    ctx.release().await.unwrap();
+    // Not registered on w0's side for w0-owned parameters: the step fails naming the function.
+    let p0 = make(w0);
+    let ctx = w0.dist.context().unwrap();
+    let w = ctx.to_here(&p0, None).await.unwrap();
+    let l = w[0].mul(&x).unwrap().sum_all().unwrap();
+    ctx.backward(&[(l, None)], false).await.unwrap();
+    let unregistered =
+        DistributedOptimizer::new(&w0.dist, vec![p0.clone()], SignSgd { lr: 0.1 }).unwrap();
+    let e = unregistered.step(ctx.id()).await.unwrap_err();
+    assert!(e.to_string().contains("sign-sgd"), "{e}");
+    ctx.release().await.unwrap();
+    // Invalid hyper-parameters are refused at once, naming the one that is wrong.
+    let e = DistributedOptimizer::new(
+        &w0.dist,
+        vec![p0.clone()],
+        Optimizer::from(Sgd::new(0.1).nesterov(true)),
+    )
+    .unwrap_err();
+    assert!(matches!(e, DistAutogradError::Optimizer { .. }), "{e}");
+    assert!(e.to_string().contains("Nesterov"), "{e}");
+    drop((p0, p1));
     shutdown(workers).await;
 }

@@ -175,6 +175,31 @@ fn gradients_across_processes_equal_one_process() {
     }
 }
 
+/// Flows ported from PyTorch's `dist_autograd_test.py` and `dist_optimizer_test.py`, across
+/// processes: the usual model (the input needs no grad, the first stage returns a tensor that
+/// does); a backward failing on a remote worker again and again, the context kept everywhere,
+/// then a backward that succeeds (`test_multiple_backward_with_errors`); roots refused before
+/// anything runs; `to_here` inside a context, tracked (`test_backward_rref*`), with the
+/// distributed optimizer stepping the fetched parameter on its owner.
+#[test]
+fn pytorch_flows_across_processes() {
+    let lines = assert_all_ok("pytorch");
+    for case in [
+        "standard-model",
+        "backward-errors",
+        "roots",
+        "to-here-parameter",
+        "to-here-list",
+    ] {
+        assert!(
+            lines
+                .iter()
+                .any(|(r, l)| *r == 0 && l == &format!("OK case {case}")),
+            "{case} not checked: {lines:#?}"
+        );
+    }
+}
+
 /// Two trainers run contexts through one worker at once.
 #[test]
 fn concurrent_contexts_across_processes() {

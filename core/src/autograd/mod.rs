@@ -33,9 +33,20 @@
 //! that knew it, whether or not a backward runs: no survivor keeps a context for a dead worker
 //! (PyTorch leaks them, pytorch#26379). Nothing from a lost peer is recorded afterwards, and no
 //! tracked tensor goes to it ([`RecvError::PeerLost`], [`AutogradError::PeerLost`]), until a
-//! worker joins under its id ([`DistAutograd::handle_peer_joined`]). A failed backward
-//! releases its context everywhere, and every gradient request is answered, even one from the
-//! worker that released the context or died.
+//! worker joins under its id ([`DistAutograd::handle_peer_joined`]). Every gradient request is
+//! answered, even one from the worker that released the context or died.
+//!
+//! A backward that **fails** without a loss (an engine error on some worker, a gradient request
+//! that timed out or was refused) leaves the context usable everywhere, as PyTorch does: the
+//! failure travels back to the root, which reports it once every piece of work the pass started
+//! has answered (so nothing of the failed pass still runs when the next one starts, unless a
+//! request timed out: a timeout counts as an answer), and a later backward in the context may
+//! succeed. Only a lost peer (or a release) drops a context.
+//!
+//! **Roots** are checked before anything runs ([`DistAutograd::backward`], [`Root`]): at least
+//! one; each requires grad; each is a scalar or comes with a seed gradient of its shape. A
+//! refused backward changes nothing (PyTorch's `dist_autograd.backward` raises at once too; it
+//! takes no seeds, so its roots must all be scalars).
 //!
 //! Input is checked against state: a gradient for an unknown context, from a worker outside
 //! the context, for a message id this worker never sent to that worker, or a recv record with
@@ -197,6 +208,18 @@ pub enum BackwardError {
 }
 
 impl BackwardError {
+    /// Whether the failure means the context is gone (a lost peer, a release, autograd stopped
+    /// on a worker): then it is dropped everywhere. Other failures (an engine error, a request
+    /// that failed) leave the context usable.
+    pub fn drops_context(&self) -> bool {
+        matches!(
+            self,
+            BackwardError::PeerLost { .. }
+                | BackwardError::Released { .. }
+                | BackwardError::Stopped { .. }
+        )
+    }
+
     /// The worker the error names.
     pub fn worker(&self) -> WorkerId {
         match self {
@@ -225,7 +248,7 @@ pub enum AutogradError {
     /// The counter of contexts or messages is spent.
     #[error("worker {0} has used up its 2^32 autograd ids")]
     IdsExhausted(WorkerId),
-    /// A context this worker made was dropped by a failure (a lost peer, a failed backward):
+    /// A context this worker made was dropped by a failure (a lost peer, or a release a failure caused):
     /// the cause says which worker and what happened.
     #[error("{context} was dropped on this worker: {cause}")]
     Dropped {
@@ -233,6 +256,15 @@ pub enum AutogradError {
         context: ContextId,
         /// Why it was dropped.
         cause: BackwardError,
+    },
+    /// The roots given to [`DistAutograd::backward`] cannot start a backward pass; nothing
+    /// was changed.
+    #[error("backward in {context} refused: {problem}")]
+    InvalidRoots {
+        /// The context.
+        context: ContextId,
+        /// What is wrong with the roots.
+        problem: RootProblem,
     },
     /// Tracked tensors cannot go to a worker known to be lost: nothing would ever send their
     /// gradients back, and a context left with it would never be released.
@@ -243,6 +275,90 @@ pub enum AutogradError {
         /// The context.
         context: ContextId,
     },
+}
+
+/// What [`DistAutograd::backward`] checks of one root before anything runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Root {
+    /// The root's shape (a scalar: every dimension 1, or none).
+    pub shape: Vec<usize>,
+    /// Whether the root requires grad (it was computed from a tensor that records gradients).
+    pub requires_grad: bool,
+    /// The shape of the seed gradient given with it, if one is.
+    pub seed: Option<Vec<usize>>,
+}
+
+/// What is wrong with the roots of a backward pass.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RootProblem {
+    /// No root was given.
+    #[error("no tensors were given as roots")]
+    Empty,
+    /// A root does not require grad: no gradient could flow from it.
+    #[error("root {index} does not require grad (no leaf that records gradients reaches it)")]
+    NoGrad {
+        /// The root's position.
+        index: usize,
+    },
+    /// A root that is not a scalar came without a seed gradient.
+    #[error("root {index} has shape {shape:?}: a gradient can be created implicitly only for a scalar; pass a seed gradient")]
+    NotScalar {
+        /// The root's position.
+        index: usize,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+    /// A seed gradient whose shape differs from its root's.
+    #[error("root {index} has shape {root:?} but its seed gradient has shape {seed:?}")]
+    SeedShape {
+        /// The root's position.
+        index: usize,
+        /// The root's shape.
+        root: Vec<usize>,
+        /// The seed's shape.
+        seed: Vec<usize>,
+    },
+}
+
+impl Root {
+    /// A scalar root that requires grad, without a seed (a loss).
+    pub fn scalar() -> Self {
+        Self {
+            shape: Vec::new(),
+            requires_grad: true,
+            seed: None,
+        }
+    }
+}
+
+/// Checks roots as PyTorch does before a backward pass (with seeds allowed for non-scalars).
+pub fn check_roots(roots: &[Root]) -> Result<(), RootProblem> {
+    if roots.is_empty() {
+        return Err(RootProblem::Empty);
+    }
+    for (index, r) in roots.iter().enumerate() {
+        if !r.requires_grad {
+            return Err(RootProblem::NoGrad { index });
+        }
+        match &r.seed {
+            None if r.shape.iter().product::<usize>() != 1 => {
+                return Err(RootProblem::NotScalar {
+                    index,
+                    shape: r.shape.clone(),
+                })
+            }
+            Some(seed) if *seed != r.shape => {
+                return Err(RootProblem::SeedShape {
+                    index,
+                    root: r.shape.clone(),
+                    seed: seed.clone(),
+                })
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Why a recv record was refused ([`DistAutograd::handle_recv`]).
@@ -416,6 +532,9 @@ struct Task {
     origin: Origin,
     local_done: bool,
     outstanding: BTreeSet<GradientId>,
+    /// The first failure that leaves the context usable: the task reports it once its local
+    /// run and every request it sent are over.
+    error: Option<BackwardError>,
 }
 
 #[derive(Debug)]
@@ -568,13 +687,16 @@ impl DistAutograd {
         Ok(id)
     }
 
-    /// Starts a backward pass in `context` from roots held here. The driver gets
+    /// Starts a backward pass in `context` from `roots` held here. The roots are checked
+    /// first ([`check_roots`]); a refused backward changes nothing. The driver gets
     /// [`Output::Prepare`] (first time) and [`Output::RunLocal`] with [`Entry::Roots`], and in
-    /// the end [`Output::BackwardDone`].
+    /// the end [`Output::BackwardDone`]. A pass that fails without a loss leaves the graph and
+    /// the context as they were; one that succeeds without `retain_graph` frees the graph.
     pub fn backward(
         &mut self,
         context: ContextId,
         retain_graph: bool,
+        roots: &[Root],
     ) -> Result<TaskId, AutogradError> {
         let ctx = self
             .contexts
@@ -586,6 +708,7 @@ impl DistAutograd {
         if ctx.graph_freed {
             return Err(AutogradError::GraphFreed(context));
         }
+        check_roots(roots).map_err(|problem| AutogradError::InvalidRoots { context, problem })?;
         ctx.root_running = true;
         Ok(self.start_task(context, Origin::Root { retain_graph }, Entry::Roots))
     }
@@ -693,13 +816,11 @@ impl DistAutograd {
         let Some(Outgoing { task }) = self.outgoing.remove(&gradient) else {
             return;
         };
+        if let Some(t) = self.tasks.get_mut(&task) {
+            t.outstanding.remove(&gradient);
+        }
         match result {
-            Ok(()) => {
-                if let Some(t) = self.tasks.get_mut(&task) {
-                    t.outstanding.remove(&gradient);
-                }
-                self.maybe_complete(task);
-            }
+            Ok(()) => self.maybe_complete(task),
             Err(e) => self.fail_task(task, e),
         }
     }
@@ -783,6 +904,9 @@ impl DistAutograd {
                         context,
                         reason: format!("the engine reached {m}, which has no recv record"),
                     };
+                    if let Some(t) = self.tasks.get_mut(&task) {
+                        t.local_done = true;
+                    }
                     self.fail_task(task, e);
                     return;
                 }
@@ -819,6 +943,10 @@ impl DistAutograd {
             context: t.context,
             reason: reason.into(),
         };
+        // The run is over (it sent nothing).
+        if let Some(t) = self.tasks.get_mut(&task) {
+            t.local_done = true;
+        }
         self.fail_task(task, e);
     }
 
@@ -850,6 +978,7 @@ impl DistAutograd {
                 origin,
                 local_done: false,
                 outstanding: BTreeSet::new(),
+                error: None,
             },
         );
         self.out.push_back(Output::RunLocal {
@@ -868,16 +997,17 @@ impl DistAutograd {
         if !done {
             return;
         }
-        let t = self.tasks.remove(&task).expect("checked above");
+        let mut t = self.tasks.remove(&task).expect("checked above");
+        let result = t.error.take().map_or(Ok(()), Err);
         let ctx = self.contexts.get_mut(&t.context);
         if let Some(ctx) = ctx {
             ctx.tasks.remove(&task);
             if let Origin::Root { retain_graph } = t.origin {
                 ctx.root_running = false;
-                ctx.graph_freed |= !retain_graph;
+                ctx.graph_freed |= result.is_ok() && !retain_graph;
             }
         }
-        self.finish(t, Ok(()));
+        self.finish(t, result);
     }
 
     fn finish(&mut self, t: Task, result: Result<(), BackwardError>) {
@@ -894,9 +1024,19 @@ impl DistAutograd {
         }
     }
 
-    /// Fails `task`. A failed root backward releases its context everywhere; a failed
-    /// gradient request is answered with the error (its requester fails in turn).
+    /// Fails `task`. An error that leaves the context usable is kept, and the task reports it
+    /// once its local run and its requests are over ([`maybe_complete`](Self::maybe_complete)).
+    /// An error that means the context is gone ([`BackwardError::drops_context`]) fails the
+    /// task at once, and a root releases its context everywhere. Either way a failed gradient
+    /// request is answered with the error (its requester fails in turn).
     fn fail_task(&mut self, task: TaskId, error: BackwardError) {
+        if !error.drops_context() {
+            if let Some(t) = self.tasks.get_mut(&task) {
+                t.error.get_or_insert(error);
+            }
+            self.maybe_complete(task);
+            return;
+        }
         let Some(t) = self.tasks.remove(&task) else {
             return;
         };

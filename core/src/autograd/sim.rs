@@ -4,7 +4,9 @@
 //! back to a worker already on the path such as A→B→C→A, a tensor sent twice or a result used
 //! twice), then runs every context's backward at once, delivering messages over per-pair FIFO
 //! links in a random order, running local engine work at random moments, and (when asked)
-//! killing a worker in the middle and telling each survivor at a random later moment. Some
+//! killing a worker in the middle and telling each survivor at a random later moment, or (when
+//! asked) with one worker's engine failing every local run of each context's first backward.
+//! Some
 //! contexts can be left idle (forward pass only, no backward): a killed worker's idle contexts
 //! must then vanish from every survivor, as its other contexts do.
 //!
@@ -16,7 +18,10 @@
 //!   gradient of it is in flight, and every leaf's gradient equals the exact one (after a
 //!   death: on every worker that still holds the context);
 //! - with no death, every backward succeeds and no message is a protocol violation;
-//! - a backward that fails names a dead worker;
+//! - a backward that fails names a dead worker, or the worker whose engine failed; one that
+//!   failed on an engine is reported only once no work of it is left anywhere, leaves the
+//!   context on every worker, and is run again (the engine healed), when it must succeed with
+//!   the exact gradients on top of what the failed pass accumulated;
 //! - at the end (after the roots release their contexts) every live worker holds no context
 //!   and is idle; nothing hangs.
 //!
@@ -26,7 +31,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use super::{
     AutogradMessageId, BackwardError, ContextId, DistAutograd, Entry, GradientId, Output,
-    ProtocolViolation, RequestToken, TaskId,
+    ProtocolViolation, RequestToken, Root, TaskId,
 };
 use crate::protocol::WorkerId;
 use crate::protocol_sim::SimRng;
@@ -45,6 +50,9 @@ pub struct SimConfig {
     /// Contexts whose forward pass runs but whose backward never does (a worker that made one
     /// and died must leave it on no survivor).
     pub idle_contexts: usize,
+    /// One random worker's engine fails every local run in each context until that context's
+    /// backward has failed once; the root then runs it again.
+    pub faulty_engine: bool,
 }
 
 /// What a run did, for tests that want more than "no check failed".
@@ -62,6 +70,8 @@ pub struct SimReport {
     pub killed: Option<WorkerId>,
     /// Idle contexts (no backward) made by the worker killed: every survivor dropped them.
     pub idle_of_dead: usize,
+    /// Backward passes that failed on the faulty engine and were run again.
+    pub retried: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -135,6 +145,11 @@ struct Sim {
     dead: BTreeSet<WorkerId>,
     /// Contexts whose backward never runs.
     idle: BTreeSet<ContextId>,
+    /// The worker whose engine fails, if any, and the contexts where it works again.
+    faulty: Option<WorkerId>,
+    healed: BTreeSet<ContextId>,
+    /// Leaf gradients a failed pass left, which the next pass adds to.
+    baseline: BTreeMap<ContextId, Form>,
     report: SimReport,
 }
 
@@ -162,8 +177,14 @@ pub fn run(seed: u64, config: &SimConfig) -> SimReport {
         outcomes: BTreeMap::new(),
         dead: BTreeSet::new(),
         idle: BTreeSet::new(),
+        faulty: None,
+        healed: BTreeSet::new(),
+        baseline: BTreeMap::new(),
         report: SimReport::default(),
     };
+    if config.faulty_engine {
+        sim.faulty = Some(sim.rng.below(n) as WorkerId);
+    }
     for _ in 0..config.contexts.max(1) {
         sim.forward(config.max_depth);
     }
@@ -175,7 +196,7 @@ pub fn run(seed: u64, config: &SimConfig) -> SimReport {
     }
     for (context, root) in roots {
         let w = &mut sim.workers[root as usize];
-        if let Err(e) = w.state.backward(context, false) {
+        if let Err(e) = w.state.backward(context, false, &[Root::scalar()]) {
             sim.fail(&format!("backward refused: {e}"));
         }
         sim.pump(root);
@@ -443,12 +464,20 @@ impl Sim {
                     if self.outcomes.contains_key(&context) {
                         self.fail(&format!("{context} finished twice"));
                     }
-                    if result.is_ok() {
-                        self.check_success(context);
-                    } else if let Err(e) = &result {
-                        if !self.dead.contains(&e.worker()) {
-                            self.fail(&format!("{context} failed naming a live worker: {e}"));
+                    match &result {
+                        Ok(()) => self.check_success(context),
+                        Err(BackwardError::Engine { worker, .. })
+                            if Some(*worker) == self.faulty && !self.healed.contains(&context) =>
+                        {
+                            self.check_failed_on_engine(context);
+                            if self.retry(w, context) {
+                                continue;
+                            }
                         }
+                        Err(e) if !self.dead.contains(&e.worker()) => {
+                            self.fail(&format!("{context} failed naming a live worker: {e}"))
+                        }
+                        Err(_) => {}
                     }
                     self.outcomes.insert(context, result);
                 }
@@ -573,6 +602,13 @@ impl Sim {
 
     /// The model engine: propagates the seed from `entry` through the local nodes.
     fn run_local(&mut self, w: WorkerId, (task, context, entry): (TaskId, ContextId, Entry)) {
+        if Some(w) == self.faulty && !self.healed.contains(&context) {
+            let worker = &mut self.workers[w as usize];
+            worker.seeds.remove(&task);
+            worker.state.local_failed(task, "simulated engine failure");
+            self.pump(w);
+            return;
+        }
         let worker = &mut self.workers[w as usize];
         let Some(g) = worker.graphs.get_mut(&context) else {
             return;
@@ -622,8 +658,54 @@ impl Sim {
         }
     }
 
-    fn check_success(&mut self, context: ContextId) {
-        self.report.succeeded += 1;
+    /// A backward of `context` failed on the faulty engine: no work of it is left anywhere, and
+    /// (without a death) every worker it reached still holds the context.
+    fn check_failed_on_engine(&mut self, context: ContextId) {
+        self.check_quiet(context);
+        if self.dead.is_empty() {
+            for w in &self.workers {
+                if w.graphs.contains_key(&context) && !w.state.has_context(context) {
+                    self.fail(&format!(
+                        "{context} failed on an engine and worker {} dropped it",
+                        w.state.worker()
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Runs the backward of `context` again from its root `w`, the faulty engine healed for
+    /// it; what the failed pass accumulated becomes the baseline. False when the root no
+    /// longer holds the context (a death dropped it meanwhile).
+    fn retry(&mut self, w: WorkerId, context: ContextId) -> bool {
+        if !self.workers[w as usize].state.has_context(context) {
+            return false;
+        }
+        self.healed.insert(context);
+        self.report.retried += 1;
+        let mut baseline = Form::new();
+        for (i, worker) in self.workers.iter().enumerate() {
+            if let Some(g) = worker.graphs.get(&context) {
+                for (l, v) in &g.grads {
+                    baseline.insert((i as WorkerId, *l), *v);
+                }
+            }
+        }
+        self.baseline.insert(context, baseline);
+        if let Err(e) = self.workers[w as usize]
+            .state
+            .backward(context, false, &[Root::scalar()])
+        {
+            self.fail(&format!(
+                "{context}: the backward after a failure is refused: {e}"
+            ));
+        }
+        true
+    }
+
+    /// No work of `context` is running or queued anywhere, and none of its gradients or answers
+    /// is in flight.
+    fn check_quiet(&mut self, context: ContextId) {
         for w in &self.workers {
             if w.alive && w.state.is_busy(context) {
                 self.fail(&format!(
@@ -649,7 +731,13 @@ impl Sim {
                 }
             }
         }
+    }
+
+    fn check_success(&mut self, context: ContextId) {
+        self.report.succeeded += 1;
+        self.check_quiet(context);
         let expected = self.expected[&context].1.clone();
+        let baseline = self.baseline.get(&context).cloned().unwrap_or_default();
         for (i, w) in self.workers.iter().enumerate() {
             let got = w.graphs.get(&context).map(|g| g.grads.clone());
             if !self.dead.is_empty() && (got.is_none() || !w.alive) {
@@ -658,7 +746,8 @@ impl Sim {
                 continue;
             }
             for l in 0..LEAVES {
-                let want = expected.get(&(i as WorkerId, l)).copied().unwrap_or(0.0);
+                let want = expected.get(&(i as WorkerId, l)).copied().unwrap_or(0.0)
+                    + baseline.get(&(i as WorkerId, l)).copied().unwrap_or(0.0);
                 let have = got.as_ref().and_then(|g| g.get(&l).copied()).unwrap_or(0.0);
                 if (want - have).abs() > 1e-9 * want.abs().max(1.0) {
                     self.fail(&format!(

@@ -10,7 +10,10 @@
 //! - run a backward pass from given roots with given seed gradients, *keeping the graph*
 //!   (FAST mode runs a send function again for every gradient that reaches it), and return the
 //!   gradient of every leaf reached ([`backward`](AutogradEngine::backward));
-//! - add gradients, so the context can accumulate them ([`accumulate`](AutogradEngine::accumulate)).
+//! - add gradients, so the context can accumulate them ([`accumulate`](AutogradEngine::accumulate));
+//! - say whether a tensor requires grad and what its shape is, so that the roots of a backward
+//!   pass are checked before anything runs ([`requires_grad`](AutogradEngine::requires_grad),
+//!   [`shape`](AutogradEngine::shape)).
 //!
 //! The adapter is `tensorwire-autograd-candle` (candle's autodiff; burn's backward consumes its
 //! graph, so a send function could not run twice).
@@ -41,6 +44,14 @@ pub trait AutogradEngine: Send + Sync + 'static {
 
     /// The identity of `tensor` as a leaf.
     fn leaf_id(&self, tensor: &Self::Tensor) -> Self::LeafId;
+
+    /// Whether `tensor` requires grad: a leaf that records its gradient, or computed from one
+    /// (a backward pass from it reaches a leaf). Roots that do not are refused.
+    fn requires_grad(&self, tensor: &Self::Tensor) -> bool;
+
+    /// The shape of `tensor` (roots without a seed must be scalars; a seed has its root's
+    /// shape).
+    fn shape(&self, tensor: &Self::Tensor) -> Vec<usize>;
 
     /// A host tensor as an engine tensor; with `requires_grad`, a leaf whose gradient a
     /// backward pass computes. Fails for element types or devices the engine cannot hold.

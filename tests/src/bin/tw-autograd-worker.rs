@@ -24,12 +24,23 @@
 //!   tensors' gradients come back to the host, by the reverse maps), only `cuda:H` on `w1` and
 //!   only `cuda:0` on `w2` (where the forward's tensors landed there).
 //!
+//! - `pytorch`: flows ported from PyTorch's `dist_autograd_test.py` and
+//!   `dist_optimizer_test.py`: the usual model (the input needs no grad, the first stage on
+//!   `w1` returns a tensor that does, and sends one on to `w2`); a backward failing on `w2`
+//!   again and again (`test_multiple_backward_with_errors`: each fails naming `w2`, the context
+//!   stays on every worker, and once `w2` recovers a backward succeeds with the right
+//!   gradients); roots refused before anything runs (none, a non-scalar) with the real backward
+//!   working afterwards; `to_here` inside a context (`test_backward_rref*`): a parameter on `w1`
+//!   fetched tracked gets its gradient there and a `DistributedOptimizer` steps it, and tensors
+//!   `w1` computed by `remote` from `w0`'s pass carry gradients back to `w0`.
+//!
 //! With `MASTER_PORT=0`, rank 0's store listens on a port of the system's choosing and rank 0
 //! prints where (see `tensorwire_tests::announce_store_addr`).
 //!
 //! Each prints `OK <scenario> rank R` when everything it checked held, and exits 0.
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,14 +50,19 @@ use tensorwire_core::autograd::{AutogradMessageId, BackwardError, ContextId};
 use tensorwire_core::ports::autograd::{AutogradEngine, EngineError, LeafGradients};
 use tensorwire_core::ports::device::{DeviceBackend, DeviceError, DeviceUnavailable};
 use tensorwire_core::tensor::{DeviceBuffer, Tensor};
-use tensorwire_rpc::{init_rpc, Agent, AutogradCall, DistAutograd, Functions, RRef, RpcOptions};
+use tensorwire_rpc::{
+    init_rpc, Agent, AutogradCall, DistAutograd, DistributedOptimizer, Functions, Optimizer,
+    Parameter, RRef, RpcOptions, Sgd, TensorList,
+};
 
 /// The candle engine, which on `w2` in the `kill` scenario announces its backward pass and
-/// then hangs in it (so the test can kill the process mid-backward).
+/// then hangs in it (so the test can kill the process mid-backward), and fails its backward
+/// while `fail` is set (the `pytorch` scenario, which sets it through `fail_backward`).
 #[derive(Clone)]
 struct Engine {
     inner: CandleEngine,
     hang: bool,
+    fail: Arc<AtomicBool>,
 }
 
 impl AutogradEngine for Engine {
@@ -54,6 +70,12 @@ impl AutogradEngine for Engine {
     type LeafId = <CandleEngine as AutogradEngine>::LeafId;
     fn leaf_id(&self, t: &CTensor) -> Self::LeafId {
         self.inner.leaf_id(t)
+    }
+    fn requires_grad(&self, t: &CTensor) -> bool {
+        self.inner.requires_grad(t)
+    }
+    fn shape(&self, t: &CTensor) -> Vec<usize> {
+        self.inner.shape(t)
     }
     fn import(&self, t: &Tensor, requires_grad: bool) -> Result<CTensor, EngineError> {
         self.inner.import(t, requires_grad)
@@ -69,6 +91,9 @@ impl AutogradEngine for Engine {
             println!("IN_BACKWARD");
             // Killed here by the test; the bound only keeps an orphan from living forever.
             std::thread::sleep(Duration::from_secs(120));
+        }
+        if self.fail.load(Ordering::SeqCst) {
+            return Err(EngineError("simulated error on the backward pass".into()));
         }
         self.inner.backward(roots)
     }
@@ -196,6 +221,9 @@ fn local(case: &str, scale: f64) -> (f32, Vec<Option<Vec<f32>>>) {
             b.mul(&c).unwrap().add(&b).unwrap()
         }
         "rref" => hop(&hop(&x, &p[1]), &p[1]),
+        "list" => hop(&x, &p[1]),
+        // The input needs no grad; w1's stage, then w2's hop (doubled), doubled on w1.
+        "stage" => ((hop(&hop(&input(), &p[1]), &p[2]) * 2.0).unwrap() * 2.0).unwrap(),
         "via2" => (hop(&x, &p[2]) * 2.0).unwrap(),
         other => go(x, route(other), &p),
     };
@@ -249,9 +277,11 @@ async fn start(scenario: &str) -> Result<(Agent, Dist, CTensor, usize), String> 
     let agent = init_rpc(&format!("w{rank}"), rank, Some(world), options)
         .await
         .map_err(|e| e.to_string())?;
+    let fail = Arc::new(AtomicBool::new(false));
     let engine = Engine {
         inner: CandleEngine::new(),
         hang: scenario == "kill" && rank == 2,
+        fail: fail.clone(),
     };
     let dist = Dist::new(&agent, engine).map_err(|e| e.to_string())?;
     let p = param(rank);
@@ -275,6 +305,65 @@ async fn start(scenario: &str) -> Result<(Agent, Dist, CTensor, usize), String> 
         },
     )
     .expect("registered once");
+    // The first stage of PyTorch's usual model: the input comes in the arguments (it needs no
+    // grad), the result is tracked; then on along `route`.
+    let pp = p.clone();
+    dist.register(
+        "stage",
+        move |call: AutogradCall<Engine>, (x, route): (Vec<f32>, Vec<String>), ts: Vec<CTensor>| {
+            let p = pp.clone();
+            async move {
+                if !ts.is_empty() {
+                    return Err("the stage takes no tracked tensor".to_owned());
+                }
+                let x = CTensor::from_vec(x, 3, &Device::Cpu).map_err(|e| e.to_string())?;
+                let mut z = hop(&x, &p);
+                if let Some((next, rest)) = route.split_first() {
+                    let ((), out) = call
+                        .context()
+                        .rpc_sync(next, "hop", &rest.to_vec(), &[z], None)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    z = out[0].clone();
+                }
+                Ok(((), vec![(z * 2.0).unwrap()]))
+            }
+        },
+    )
+    .expect("registered once");
+    let (pp, engine) = (p.clone(), dist.engine().clone());
+    dist.register_remote(
+        "make_list",
+        move |_call: AutogradCall<Engine>, (): (), ts: Vec<CTensor>| {
+            let (p, engine) = (pp.clone(), engine.clone());
+            async move { Ok(TensorList::new(&engine, vec![hop(&ts[0], &p)])) }
+        },
+    )
+    .expect("registered once");
+    let engine = dist.engine().clone();
+    agent
+        .functions()
+        .register("make_parameter", move |(): ()| {
+            let engine = engine.clone();
+            async move { Ok::<_, String>(Parameter::new(&engine, param(rank))) }
+        })
+        .expect("registered once");
+    agent
+        .functions()
+        .register_method(
+            "param_values",
+            |p: Arc<Parameter<Engine>>, (): ()| async move {
+                p.tensor().to_vec1::<f32>().map_err(|e| e.to_string())
+            },
+        )
+        .expect("registered once");
+    agent
+        .functions()
+        .register("fail_backward", move |on: bool| {
+            fail.store(on, Ordering::SeqCst);
+            async move { Ok::<_, String>(()) }
+        })
+        .expect("registered once");
     dist.register_method(
         "forward",
         |_call: AutogradCall<Engine>, layer: Arc<Layer>, (): (), ts: Vec<CTensor>| async move {
@@ -824,6 +913,180 @@ async fn violation() -> Result<(), String> {
     Ok(())
 }
 
+async fn pytorch() -> Result<(), String> {
+    let (agent, dist, p, rank) = start("pytorch").await?;
+    let fail = |on: bool| {
+        let agent = agent.clone();
+        async move {
+            agent
+                .rpc_sync::<_, ()>("w2", "fail_backward", &on, None)
+                .await
+                .map_err(|e| e.to_string())
+        }
+    };
+    let counts = || async {
+        let mut n = Vec::new();
+        for r in 0..3 {
+            let c: usize = agent
+                .rpc_sync(format!("w{r}").as_str(), "context_count", &(), None)
+                .await
+                .map_err(|e| e.to_string())?;
+            n.push(c);
+        }
+        Ok::<_, String>(n)
+    };
+    if rank == 0 {
+        // The usual model: the input needs no grad; w1's stage returns a tracked tensor and
+        // sends one on to w2.
+        let ctx = dist.context().map_err(|e| e.to_string())?;
+        let ((), y) = ctx
+            .rpc_sync::<_, ()>(
+                "w1",
+                "stage",
+                &(input().to_vec1::<f32>().unwrap(), vec!["w2".to_owned()]),
+                &[],
+                None,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        ctx.backward(&[(loss(&y[0]), None)], false)
+            .await
+            .map_err(|e| e.to_string())?;
+        check_everywhere(&agent, ctx.id(), "stage", 1.0).await?;
+        ctx.release().await.map_err(|e| e.to_string())?;
+        println!("OK case standard-model");
+
+        // test_multiple_backward_with_errors: w2's backward fails, again and again; the
+        // context stays everywhere; once w2 recovers a backward succeeds.
+        let ctx = dist.context().map_err(|e| e.to_string())?;
+        let ((), y) = ctx
+            .rpc_sync(
+                "w1",
+                "hop",
+                &vec!["w2".to_owned()],
+                &[hop(&input(), &p)],
+                None,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        let l = loss(&y[0]);
+        fail(true).await?;
+        for _ in 0..3 {
+            match ctx.backward(&[(l.clone(), None)], true).await {
+                Ok(()) => return Err("a backward succeeded while w2 failed".into()),
+                Err(e) => {
+                    let e = e.to_string();
+                    if !e.contains("w2") || !e.contains("simulated error") {
+                        return Err(format!("the error does not name w2's failure: {e}"));
+                    }
+                }
+            }
+            if counts().await? != [1, 1, 1] {
+                return Err(format!(
+                    "contexts after a failed backward: {:?}",
+                    counts().await?
+                ));
+            }
+        }
+        fail(false).await?;
+        ctx.backward(&[(l, None)], false)
+            .await
+            .map_err(|e| e.to_string())?;
+        check_everywhere(&agent, ctx.id(), "chain2", 1.0).await?;
+        ctx.release().await.map_err(|e| e.to_string())?;
+        println!("OK case backward-errors");
+
+        // Roots: none, or a non-scalar without a seed, are refused at once and change nothing.
+        let ctx = dist.context().map_err(|e| e.to_string())?;
+        let ((), y) = ctx
+            .rpc_sync(
+                "w1",
+                "hop",
+                &Vec::<String>::new(),
+                &[hop(&input(), &p)],
+                None,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        for roots in [vec![], vec![(y[0].clone(), None)]] {
+            match ctx.backward(&roots, false).await {
+                Err(tensorwire_rpc::DistAutogradError::State(e)) => println!("refused: {e}"),
+                other => return Err(format!("roots {} accepted: {other:?}", roots.len())),
+            }
+        }
+        ctx.backward(&[(loss(&y[0]), None)], false)
+            .await
+            .map_err(|e| e.to_string())?;
+        check_everywhere(&agent, ctx.id(), "chain", 1.0).await?;
+        ctx.release().await.map_err(|e| e.to_string())?;
+        println!("OK case roots");
+
+        // to_here of a parameter on w1, tracked: its gradient reaches w1, where the
+        // distributed optimizer steps it.
+        let p1: RRef<Parameter<Engine>> = agent
+            .remote("w1", "make_parameter", &(), None)
+            .map_err(|e| e.to_string())?;
+        let ctx = dist.context().map_err(|e| e.to_string())?;
+        let w = ctx.to_here(&p1, None).await.map_err(|e| e.to_string())?;
+        let l = loss(&hop(&hop(&input(), &p), &w[0]));
+        ctx.backward(&[(l, None)], false)
+            .await
+            .map_err(|e| e.to_string())?;
+        let opt =
+            DistributedOptimizer::new(&dist, vec![p1.clone()], Optimizer::from(Sgd::new(0.5)))
+                .map_err(|e| e.to_string())?;
+        let stepped = opt.step(ctx.id()).await.map_err(|e| e.to_string())?;
+        let got: Vec<f32> = p1
+            .rpc_sync("param_values", &(), None)
+            .await
+            .map_err(|e| e.to_string())?;
+        let (lp, g) = {
+            let lp = [param(0), param(1)];
+            let g = loss(&hop(&hop(&input(), &lp[0]), &lp[1]))
+                .backward()
+                .unwrap();
+            (lp, g)
+        };
+        let want: Vec<f32> = lp[1]
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .zip(g.get(&lp[1]).unwrap().to_vec1::<f32>().unwrap())
+            .map(|(p, g)| p - 0.5 * g)
+            .collect();
+        let mine = ctx.gradient(&p).map(|t| t.to_vec1::<f32>().unwrap());
+        let want0 = g.get(&lp[0]).unwrap().to_vec1::<f32>().unwrap();
+        if stepped != 1 || !close(&got, &want) || !mine.as_deref().is_some_and(|m| close(m, &want0))
+        {
+            return Err(format!(
+                "to_here: stepped {stepped}, w1's parameter {got:?} (want {want:?}), w0's gradient {mine:?} (want {want0:?})"
+            ));
+        }
+        ctx.release().await.map_err(|e| e.to_string())?;
+        println!("OK case to-here-parameter");
+
+        // Tensors w1 computed by `remote` from w0's pass, fetched back tracked.
+        let ctx = dist.context().map_err(|e| e.to_string())?;
+        let list: RRef<TensorList<Engine>> = ctx
+            .remote("w1", "make_list", &(), &[hop(&input(), &p)], None)
+            .map_err(|e| e.to_string())?;
+        let h = ctx.to_here(&list, None).await.map_err(|e| e.to_string())?;
+        ctx.backward(&[(loss(&h[0]), None)], false)
+            .await
+            .map_err(|e| e.to_string())?;
+        check_everywhere(&agent, ctx.id(), "list", 1.0).await?;
+        ctx.release().await.map_err(|e| e.to_string())?;
+        drop((p1, list));
+        if counts().await? != [0, 0, 0] {
+            return Err(format!("contexts left: {:?}", counts().await?));
+        }
+        println!("OK case to-here-list");
+    }
+    finish(agent, true).await?;
+    println!("OK pytorch rank {rank}");
+    Ok(())
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let scenario = std::env::args().nth(1).unwrap_or_default();
@@ -842,6 +1105,7 @@ async fn main() -> ExitCode {
         "violation" => violation().await,
         "lost" => lost().await,
         "devices" => devices().await,
+        "pytorch" => pytorch().await,
         other => Err(format!("unknown scenario {other:?}")),
     };
     match result {
