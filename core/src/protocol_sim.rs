@@ -38,9 +38,9 @@ use crate::protocol::membership::{
     Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
 };
 use crate::protocol::{
-    CallError, Endpoint, EndpointConfig, Event, Header, JoinError, JoinMessage, MessageId, Payload,
-    RRefForkData, RRefHandle, RRefId, RemoteError, RemoteErrorKind, RequestToken, ShutdownError,
-    StaticJoin, Transmit, WorkerId,
+    CallError, Endpoint, EndpointConfig, Event, Header, JoinError, JoinMessage, LostCause,
+    MessageId, Payload, RRefForkData, RRefHandle, RRefId, RemoteError, RemoteErrorKind,
+    RequestToken, ShutdownError, StaticJoin, Transmit, WorkerId,
 };
 
 /// What travels through the simulated endpoints: some bytes and the references passed along.
@@ -733,7 +733,7 @@ impl Cluster {
         self.dead.insert(w);
         self.links.retain(|(f, t), _| *f != w && *t != w);
         for other in self.alive() {
-            self.eps[other as usize].handle_peer_lost(w, "left the group", self.now);
+            self.eps[other as usize].handle_peer_lost(w, LostCause::Left, self.now);
         }
         self.pump();
     }
@@ -944,7 +944,11 @@ impl Cluster {
                     }
                     if self.dead.contains(&t.to) || self.is_gone(t.to) {
                         // As the agent's driver does when a peer has no connection.
-                        self.eps[w as usize].handle_peer_lost(t.to, "killed", self.now);
+                        self.eps[w as usize].handle_peer_lost(
+                            t.to,
+                            LostCause::Transport("killed".into()),
+                            self.now,
+                        );
                         continue;
                     }
                     if t.to == w {
@@ -1059,7 +1063,7 @@ impl Cluster {
             MembershipEvent::MemberAdded(r) => self.eps[w as usize].handle_peer_joined(r.rank),
             MembershipEvent::MemberRemoved { rank, left } => {
                 if left {
-                    self.eps[w as usize].handle_peer_lost(rank, "left the group", now);
+                    self.eps[w as usize].handle_peer_lost(rank, LostCause::Left, now);
                 }
                 // Sends to it still waiting for their bodies are dropped by the endpoint (their
                 // references went with it): the driver drops them too.
@@ -1168,7 +1172,11 @@ impl Cluster {
                 .and_then(|g| g.ms[other as usize].as_mut())
             {
                 m.handle_lost(w, now);
-                self.eps[other as usize].handle_peer_lost(w, "its connection closed", now);
+                self.eps[other as usize].handle_peer_lost(
+                    w,
+                    LostCause::Transport("its connection closed".into()),
+                    now,
+                );
             }
         }
     }
@@ -1672,7 +1680,11 @@ impl Cluster {
         }
         for w in 0..self.n() {
             if !self.dead.contains(&w) && !self.is_gone(w) {
-                self.eps[w as usize].handle_peer_lost(victim, "killed", now);
+                self.eps[w as usize].handle_peer_lost(
+                    victim,
+                    LostCause::Transport("killed".into()),
+                    now,
+                );
             }
         }
         self.pump();

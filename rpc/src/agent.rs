@@ -25,9 +25,9 @@ use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, DebugInfo, Endpoint, EndpointConfig, Event, Header, MessageId,
-    Payload, RRefForkData, RRefHandle, RRefId, RemoteError, RemoteErrorKind, RequestToken,
-    ShutdownError, Transmit, WaitId, WorkerId,
+    CallError, ConfirmError, DebugInfo, Endpoint, EndpointConfig, Event, Header, LostCause,
+    MessageId, Payload, ProtocolViolation, RRefForkData, RRefHandle, RRefId, RemoteError,
+    RemoteErrorKind, RequestToken, ShutdownError, Transmit, WaitId, WorkerId,
 };
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
@@ -197,8 +197,6 @@ pub(crate) struct State {
     waiters: HashMap<MessageId, Waiter>,
     values: HashMap<RRefId, Arc<dyn Value>>,
     peers: HashMap<WorkerId, PeerLink>,
-    /// Why the connection to a peer is gone, for the errors of later calls to it.
-    lost: HashMap<WorkerId, String>,
     /// When the driver task wakes up next for timers (`None`: only when woken).
     driver_wakes_at: Option<Instant>,
     /// Functions waiting until the owners confirm the references in their arguments (the
@@ -586,7 +584,11 @@ impl FrameSink for AgentFrames {
         let peer = peer as WorkerId;
         agent
             .on_frame(peer, frame, conn.cheap_sends())
-            .inspect_err(|reason| agent.peer_lost_on(peer, reason, conn))
+            .map_err(|violation| {
+                let reason = format!("broke the RPC protocol: {violation}");
+                agent.peer_lost_on(peer, LostCause::Misbehaved(Box::new(violation)), conn);
+                reason
+            })
     }
 
     fn on_closed(&self, peer: usize, reason: &str) {
@@ -598,7 +600,7 @@ impl FrameSink for AgentFrames {
                 && st.peers.contains_key(&peer)
         };
         if current {
-            agent.peer_lost(peer, reason);
+            agent.peer_lost(peer, LostCause::Transport(reason.to_owned()));
         }
     }
 }
@@ -633,7 +635,6 @@ impl Agent {
                 waiters: HashMap::new(),
                 values: HashMap::new(),
                 peers: HashMap::new(),
-                lost: HashMap::new(),
                 driver_wakes_at: None,
                 confirm_waits: HashMap::new(),
                 shutdown_waiter: None,
@@ -759,7 +760,7 @@ impl Agent {
         self.pump_with(Some(&mut writes));
         for w in writes {
             if let Err(e) = w.conn.send_many(w.frames).await {
-                self.peer_lost(w.peer, &e.to_string());
+                self.peer_lost(w.peer, LostCause::Transport(e.to_string()));
             }
         }
     }
@@ -782,7 +783,7 @@ impl Agent {
                     _turn,
                 } = w;
                 if let Err(e) = conn.send_many(frames).await {
-                    agent.peer_lost(peer, &e.to_string());
+                    agent.peer_lost(peer, LostCause::Transport(e.to_string()));
                 }
             });
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
@@ -934,7 +935,6 @@ impl Agent {
         );
         drop(m);
         let mut st = self.lock();
-        st.lost.remove(&record.rank);
         st.ep.handle_peer_joined(record.rank);
         drop(st);
         self.inner
@@ -1772,7 +1772,7 @@ impl Agent {
                 drop(turn);
                 queued.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
                 if let Err(e) = sent {
-                    agent.peer_lost_on(peer, &e.to_string(), &writer_conn);
+                    agent.peer_lost_on(peer, LostCause::Transport(e.to_string()), &writer_conn);
                     return;
                 }
             }
@@ -1786,14 +1786,18 @@ impl Agent {
             loop {
                 match conn.recv().await {
                     Ok(frame) => {
-                        if let Err(reason) = agent.on_frame(peer, frame, cheap_sends) {
-                            agent.peer_lost_on(peer, &reason, &conn);
+                        if let Err(violation) = agent.on_frame(peer, frame, cheap_sends) {
+                            agent.peer_lost_on(
+                                peer,
+                                LostCause::Misbehaved(Box::new(violation)),
+                                &conn,
+                            );
                             return;
                         }
                     }
                     Err(e) => {
                         if agent.lock().ep.state() == tensorwire_core::protocol::RunState::Running {
-                            agent.peer_lost_on(peer, &e.to_string(), &conn);
+                            agent.peer_lost_on(peer, LostCause::Transport(e.to_string()), &conn);
                         }
                         return;
                     }
@@ -1815,16 +1819,16 @@ impl Agent {
 
     /// [`peer_lost`](Self::peer_lost), if `conn` is still the connection to `peer` (a worker
     /// that left and joined again has a new one, which the old one's end must not touch).
-    fn peer_lost_on(&self, peer: WorkerId, reason: &str, conn: &Arc<dyn Connection>) {
+    fn peer_lost_on(&self, peer: WorkerId, cause: LostCause, conn: &Arc<dyn Connection>) {
         let current = self
             .lock()
             .peers
             .get(&peer)
             .is_some_and(|l| Arc::ptr_eq(&l.conn, conn));
         if current {
-            self.peer_lost(peer, reason);
+            self.peer_lost(peer, cause);
         } else {
-            debug!("an old connection to rank {peer} ended: {reason}");
+            debug!("an old connection to rank {peer} ended: {cause}");
         }
     }
 
@@ -1832,12 +1836,12 @@ impl Agent {
     /// as a lost peer (its calls fail naming it, its forks stop keeping our values alive, the
     /// forks of its values are forgotten), and its connection closes once what is queued for
     /// it is sent.
-    pub(crate) fn member_left(&self, peer: WorkerId, reason: &str) {
+    pub(crate) fn member_left(&self, peer: WorkerId) {
         let (link, first) = {
             let mut st = self.lock();
             let link = st.peers.remove(&peer);
-            st.ep.handle_peer_lost(peer, reason, self.now());
-            let first = st.lost.insert(peer, reason.to_owned()).is_none();
+            let first = st.ep.lost_cause(peer).is_none();
+            st.ep.handle_peer_lost(peer, LostCause::Left, self.now());
             (link, first)
         };
         drop(link);
@@ -1848,7 +1852,7 @@ impl Agent {
                 .peer_events
                 .emit(crate::peer_events::PeerEvent::Lost {
                     worker: peer,
-                    reason: reason.to_owned(),
+                    cause: LostCause::Left,
                 });
         }
     }
@@ -1875,16 +1879,17 @@ impl Agent {
         }
     }
 
-    fn peer_lost(&self, peer: WorkerId, reason: &str) {
+    /// The connection to `peer` is gone for `cause`: recorded once, in the endpoint (the first
+    /// cause stays), and told to subscribers once.
+    fn peer_lost(&self, peer: WorkerId, cause: LostCause) {
         let name = self.name_of(peer);
-        warn!("lost the connection to {name} (rank {peer}): {reason}");
+        warn!("lost the connection to {name} (rank {peer}): {cause}");
         let first = {
             let mut st = self.lock();
             st.peers.remove(&peer);
-            let reason = format!("{name}: {reason}");
-            st.ep.handle_peer_lost(peer, &reason, self.now());
-            let first = st.lost.insert(peer, reason.clone()).is_none();
-            first.then_some(reason)
+            let first = st.ep.lost_cause(peer).is_none();
+            st.ep.handle_peer_lost(peer, cause, self.now());
+            first.then(|| st.ep.lost_cause(peer).cloned()).flatten()
         };
         if self.inner.dynamic {
             // The membership drops it (and hands coordination on, if it coordinated).
@@ -1893,12 +1898,12 @@ impl Agent {
         }
         self.pump();
         // The reader and the writer of a link may both report its end: subscribers hear once.
-        if let Some(reason) = first {
+        if let Some(cause) = first {
             self.inner
                 .peer_events
                 .emit(crate::peer_events::PeerEvent::Lost {
                     worker: peer,
-                    reason,
+                    cause,
                 });
         }
     }
@@ -1910,25 +1915,34 @@ impl Agent {
     /// handling it produced is written on the reader's task, before it waits for the next
     /// frame (see [`pump_now`](Self::pump_now)); else it goes through the writers, which batch
     /// it with the replies to the other frames of the same read.
-    fn on_frame(&self, from: WorkerId, frame: Frame, direct: bool) -> Result<(), String> {
+    fn on_frame(
+        &self,
+        from: WorkerId,
+        frame: Frame,
+        direct: bool,
+    ) -> Result<(), ProtocolViolation> {
         if frame.kind == FrameKind::Control {
             return self.on_membership_frame(from, &frame);
         }
         if self.inner.dynamic && !self.may_call(from) {
-            return Err("sent RPC traffic without being a member of the group".into());
+            return Err(ProtocolViolation::NotAMember);
         }
-        let envelope: Envelope = postcard::from_bytes(&frame.header)
-            .map_err(|e| format!("sent a malformed message header ({e})"))?;
+        let envelope: Envelope =
+            postcard::from_bytes(&frame.header).map_err(|e| ProtocolViolation::Malformed {
+                what: format!("a message header that does not parse ({e})"),
+            })?;
         let mut payloads = frame.payloads.into_iter();
         let body = match payloads.next() {
             Some(data) => {
                 let bytes: Vec<Bytes> = payloads.collect();
                 if bytes.len() != envelope.tensors.len() {
-                    return Err(format!(
-                        "sent a message that announces {} tensors and carries {}",
-                        envelope.tensors.len(),
-                        bytes.len()
-                    ));
+                    return Err(ProtocolViolation::Malformed {
+                        what: format!(
+                            "a message that announces {} tensors and carries {}",
+                            envelope.tensors.len(),
+                            bytes.len()
+                        ),
+                    });
                 }
                 let tensors = envelope.tensors.into_iter().zip(bytes).collect();
                 Some(Body {
@@ -1949,7 +1963,7 @@ impl Agent {
         } else {
             self.pump();
         }
-        handled.map_err(|violation| format!("broke the RPC protocol: {violation}"))
+        handled
     }
 
     fn send(&self, st: &mut State, t: Transmit<Body>, direct: Option<&mut Vec<DirectWrite>>) {
@@ -2018,11 +2032,10 @@ impl Agent {
         match queued {
             Some(true) => {}
             _ => {
-                let reason = match st.lost.get(&t.to) {
-                    Some(why) => format!("the connection was lost earlier ({why})"),
-                    None => format!("no connection to {}", self.name_of(t.to)),
-                };
-                st.ep.handle_peer_lost(t.to, &reason, self.now());
+                // Lost earlier: the endpoint keeps that first cause.
+                let cause =
+                    LostCause::Transport(format!("no connection to {}", self.name_of(t.to)));
+                st.ep.handle_peer_lost(t.to, cause, self.now());
             }
         }
     }

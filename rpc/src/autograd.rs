@@ -418,9 +418,9 @@ impl<E: AutogradEngine> DistAutograd<E> {
                     return;
                 };
                 match event {
-                    PeerEvent::Lost { worker, reason } => {
+                    PeerEvent::Lost { worker, cause } => {
                         debug!(
-                            "autograd: worker {worker} was lost ({reason}); dropping its contexts"
+                            "autograd: worker {worker} was lost ({cause}); dropping its contexts"
                         );
                         inner.peer_lost(worker);
                     }

@@ -18,7 +18,7 @@ use tensorwire_core::ports::transport::{Connection, Listener, Transport};
 use tensorwire_core::protocol::membership::{
     Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
 };
-use tensorwire_core::protocol::WorkerId;
+use tensorwire_core::protocol::{ProtocolViolation, WorkerId};
 use tensorwire_core::validate::WorkerDeviceInfo;
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::backoff::Backoff;
@@ -81,15 +81,25 @@ impl Agent {
     }
 
     /// A membership message from `from` (a control frame on its connection).
-    pub(crate) fn on_membership_frame(&self, from: WorkerId, frame: &Frame) -> Result<(), String> {
-        let msg: DynMessage = postcard::from_bytes(&frame.header)
-            .map_err(|e| format!("sent a malformed membership message ({e})"))?;
+    pub(crate) fn on_membership_frame(
+        &self,
+        from: WorkerId,
+        frame: &Frame,
+    ) -> Result<(), ProtocolViolation> {
+        let msg: DynMessage =
+            postcard::from_bytes(&frame.header).map_err(|e| ProtocolViolation::Malformed {
+                what: format!("a membership message that does not parse ({e})"),
+            })?;
         let now = self.now();
         let handled = self.with_membership(|m| m.handle_message(from, msg, now));
         match handled {
             Some(Ok(())) => Ok(()),
-            Some(Err(e)) => Err(format!("broke the membership protocol: {e}")),
-            None => Err("sent a membership message to a worker of a static group".into()),
+            Some(Err(e)) => Err(ProtocolViolation::Membership {
+                what: e.to_string(),
+            }),
+            None => Err(ProtocolViolation::Membership {
+                what: "a membership message to a worker of a static group".into(),
+            }),
         }
     }
 
@@ -136,8 +146,7 @@ impl Agent {
             }
             MembershipEvent::MemberRemoved { rank, left } => {
                 if left {
-                    let reason = format!("{} left the group", self.name_of(rank));
-                    self.member_left(rank, &reason);
+                    self.member_left(rank);
                 }
                 self.remove_member(rank);
             }

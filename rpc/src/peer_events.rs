@@ -8,7 +8,7 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use tensorwire_core::protocol::WorkerId;
+use tensorwire_core::protocol::{LostCause, WorkerId};
 use tokio::sync::mpsc;
 
 /// Something that happened to a peer.
@@ -20,8 +20,8 @@ pub enum PeerEvent {
     Lost {
         /// The lost worker's rank.
         worker: WorkerId,
-        /// Why, as the agent logged it.
-        reason: String,
+        /// Why (the first cause the agent saw; also in the errors of calls to it).
+        cause: LostCause,
     },
     /// A worker joined a dynamic group under `worker`'s rank (which may be the rank of a
     /// worker lost before: it is a new worker).

@@ -197,13 +197,24 @@ pub enum CallError {
     /// The callee reported a failure.
     #[error(transparent)]
     Remote(#[from] RemoteError),
-    /// The connection to the callee is gone.
-    #[error("worker {peer} is unreachable: {reason}")]
+    /// The callee is gone (for a call on a reference: the reference's owner).
+    #[error("worker {peer} is unreachable: {cause}")]
     PeerLost {
         /// The callee.
         peer: WorkerId,
-        /// What the transport said.
-        reason: String,
+        /// Why it is gone.
+        cause: LostCause,
+    },
+    /// The reference's owner is gone (it left the group or was lost): the reference is
+    /// forgotten with it, also once a new worker takes the owner's rank.
+    #[error("remote reference {rref}: its owner, worker {owner}, is gone: {cause}")]
+    OwnerLost {
+        /// The reference.
+        rref: RRefId,
+        /// Its owner.
+        owner: WorkerId,
+        /// Why the owner is gone.
+        cause: LostCause,
     },
     /// Our agent is shut down or shutting down.
     #[error("RPC is no longer running on this worker")]
@@ -336,6 +347,27 @@ pub enum Header {
         /// Whether they were lost (else: the deadline passed).
         lost: bool,
     },
+}
+
+/// Why a peer is gone ([`Endpoint::handle_peer_lost`]), recorded once per peer: the first
+/// cause the driver reports stays (a link's reader and writer may both see its end).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LostCause {
+    /// Its connection broke or closed: the transport's words.
+    #[error("{0}")]
+    Transport(String),
+    /// It sent what it had no right to send (or bytes that are no message): the driver
+    /// dropped it. Every survivor's calls to it fail with this. (Boxed: errors that carry a
+    /// cause stay small.)
+    #[error("it broke the RPC protocol: {0}")]
+    Misbehaved(Box<ProtocolViolation>),
+    /// It left the group (dynamic groups).
+    #[error("it left the group")]
+    Left,
+    /// It shut down (its graceful shutdown completed, or it stopped at once).
+    #[error("it shut down")]
+    Shutdown,
 }
 
 /// A message to send.
@@ -581,6 +613,22 @@ pub enum ProtocolViolation {
         /// The fork it named.
         fork: ForkId,
     },
+    /// RPC traffic from a worker that is not (or no longer) a member of the dynamic group.
+    #[error("it sent RPC traffic without being a member of the group")]
+    NotAMember,
+    /// A membership message the dynamic group's protocol refused (its error's words).
+    #[error("it broke the membership protocol: {what}")]
+    Membership {
+        /// What the membership protocol said.
+        what: String,
+    },
+    /// A frame whose bytes are no valid message (the driver decodes it before the endpoint
+    /// sees it: a header that does not parse, tensors it announces and does not carry, ...).
+    #[error("it sent a malformed message: {what}")]
+    Malformed {
+        /// What was wrong.
+        what: String,
+    },
     /// A delete, fork request or child-accept for a fork that another worker holds.
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
     ForeignFork {
@@ -706,8 +754,9 @@ pub struct Endpoint<B> {
     /// arrive in order on its link, so a reference at or below it with no record here was
     /// created and has been released (rather than not created yet).
     created_upto: HashMap<WorkerId, u64>,
-    /// Peers lost for good (until [`handle_peer_joined`](Endpoint::handle_peer_joined)).
-    lost: HashSet<WorkerId>,
+    /// Peers lost for good (until [`handle_peer_joined`](Endpoint::handle_peer_joined)), with
+    /// why: the one record of a lost peer (the driver asks [`lost_cause`](Endpoint::lost_cause)).
+    lost: HashMap<WorkerId, LostCause>,
     /// Method calls waiting for the value they run on, by reference.
     parked_calls: HashMap<RRefId, Vec<ParkedCall<B>>>,
     /// Functions waiting until the owners confirm the references in their arguments (see
@@ -824,7 +873,7 @@ impl<B: Payload> Endpoint<B> {
             deferred: HashMap::new(),
             failed: VecDeque::new(),
             created_upto: HashMap::new(),
-            lost: HashSet::new(),
+            lost: HashMap::new(),
             parked_calls: HashMap::new(),
             confirm_waits: HashMap::new(),
             next_wait: 0,
@@ -858,6 +907,11 @@ impl<B: Payload> Endpoint<B> {
     /// Calls awaiting a reply.
     pub fn outstanding_calls(&self) -> usize {
         self.pending.len()
+    }
+
+    /// Why `peer` is gone, if the driver reported it lost (and it did not join again since).
+    pub fn lost_cause(&self, peer: WorkerId) -> Option<&LostCause> {
+        self.lost.get(&peer)
     }
 
     /// Whether we own `rref` and still keep it.
@@ -956,7 +1010,10 @@ impl<B: Payload> Endpoint<B> {
     /// O(log n): every deadline is in one ordered set.
     pub fn poll_timeout(&self) -> Option<Instant> {
         let first = self.timers.first().map(|(t, _)| *t);
-        [first, self.shutdown_deadline()].into_iter().flatten().min()
+        [first, self.shutdown_deadline()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     // ----- commands -----
@@ -1386,9 +1443,9 @@ impl<B: Payload> Endpoint<B> {
     /// The connection to `peer` is gone for good: its calls fail naming it, control messages
     /// to it are dropped, requests from it are forgotten, and its forks no longer keep our
     /// values alive.
-    pub fn handle_peer_lost(&mut self, peer: WorkerId, reason: &str, now: Instant) {
+    pub fn handle_peer_lost(&mut self, peer: WorkerId, cause: LostCause, now: Instant) {
         self.last_now = Some(now);
-        self.lost.insert(peer);
+        let cause = self.lost.entry(peer).or_insert(cause).clone();
         let ids: Vec<MessageId> = self
             .pending
             .iter()
@@ -1400,7 +1457,7 @@ impl<B: Payload> Endpoint<B> {
                 id,
                 CallError::PeerLost {
                     peer,
-                    reason: reason.to_owned(),
+                    cause: cause.clone(),
                 },
             );
         }
@@ -1455,7 +1512,7 @@ impl<B: Payload> Endpoint<B> {
                         worker: self.me,
                         kind: RemoteErrorKind::RRef,
                         message: format!(
-                            "{rref} was never created: its creator, worker {peer}, was lost ({reason})"
+                            "{rref} was never created: its creator, worker {peer}, is gone ({cause})"
                         ),
                     };
                     o.state = Some(Err(err));
@@ -1513,14 +1570,12 @@ impl<B: Payload> Endpoint<B> {
         };
         if known {
             Ok(())
-        } else if self.lost.contains(&handle.owner) {
+        } else if let Some(cause) = self.lost.get(&handle.owner) {
             // Forgotten with its owner: say so, rather than "unknown".
-            Err(CallError::PeerLost {
-                peer: handle.owner,
-                reason: format!(
-                    "it owned {} and is gone (it left the group or was lost)",
-                    handle.rref
-                ),
+            Err(CallError::OwnerLost {
+                rref: handle.rref,
+                owner: handle.owner,
+                cause: cause.clone(),
             })
         } else {
             Err(CallError::UnknownRRef(handle.rref))
@@ -1749,14 +1804,16 @@ impl<B: Payload> Endpoint<B> {
 
     /// The error for a reference whose creator was lost (its creation will never come).
     fn creator_lost(&self, rref: RRefId) -> Option<RemoteError> {
-        self.lost.contains(&rref.created_on).then(|| RemoteError {
-            worker: self.me,
-            kind: RemoteErrorKind::RRef,
-            message: format!(
-                "{rref} was never created: its creator, worker {}, was lost",
-                rref.created_on
-            ),
-        })
+        self.lost
+            .contains_key(&rref.created_on)
+            .then(|| RemoteError {
+                worker: self.me,
+                kind: RemoteErrorKind::RRef,
+                message: format!(
+                    "{rref} was never created: its creator, worker {}, was lost",
+                    rref.created_on
+                ),
+            })
     }
 
     /// Why creating `rref` here failed, if it did (and is still remembered).

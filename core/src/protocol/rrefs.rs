@@ -85,7 +85,7 @@ impl<B: Payload> Endpoint<B> {
                             None => !u.confirmed,
                         },
                         None => {
-                            if self.lost.contains(&h.owner) {
+                            if self.lost.contains_key(&h.owner) {
                                 failed.get_or_insert(ConfirmError::OwnerLost {
                                     rref: h.rref,
                                     owner: h.owner,

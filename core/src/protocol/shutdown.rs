@@ -392,7 +392,7 @@ impl<B: Payload> Endpoint<B> {
         s.reports.push(signal);
         let members: Vec<WorkerId> = s.members.iter().copied().collect();
         for to in members {
-            if !self.lost.contains(&to) {
+            if !self.lost.contains_key(&to) {
                 self.send_out(Transmit {
                     to,
                     header: Header::Shutdown { signal },
@@ -481,7 +481,7 @@ impl<B: Payload> Endpoint<B> {
             .map(|s| s.members.iter().copied().collect())
             .unwrap_or_default();
         for to in members {
-            if !self.lost.contains(&to) {
+            if !self.lost.contains_key(&to) {
                 self.send_out(Transmit {
                     to,
                     header: Header::ShutdownFailed {
@@ -512,7 +512,7 @@ impl<B: Payload> Endpoint<B> {
             .iter()
             .copied()
             .filter(|m| {
-                self.lost.contains(m)
+                self.lost.contains_key(m)
                     && self
                         .shutdown
                         .heard

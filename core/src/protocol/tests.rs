@@ -313,7 +313,8 @@ fn lost_peer_fails_its_calls_by_name() {
     let to1 = s.ep(0).call(1, "echo", vec![], T, now).unwrap();
     let to2 = s.ep(0).call(2, "echo", vec![], T, now).unwrap();
     s.pump();
-    s.ep(0).handle_peer_lost(1, "connection reset", now);
+    s.ep(0)
+        .handle_peer_lost(1, LostCause::Transport("connection reset".into()), now);
     s.pump();
     match s.outcome(0, to1) {
         Some(Err(e @ CallError::PeerLost { peer: 1, .. })) => {
@@ -702,7 +703,8 @@ fn waits_for_confirmation_are_parked_with_their_deadlines() {
     let to_c = s.ep(2).fork_for(hb, 3).unwrap();
     let hc2 = s.ep(3).accept_fork(to_c, now);
     let w3 = s.ep(3).wait_confirmed(&[hc, hc2], None).unwrap();
-    s.ep(3).handle_peer_lost(0, "killed", now);
+    s.ep(3)
+        .handle_peer_lost(0, LostCause::Transport("killed".into()), now);
     s.pump();
     assert_eq!(
         s.confirm_waits[3][2],
@@ -726,7 +728,8 @@ fn lost_child_does_not_pin_its_parent() {
     // C dies before its fork request is delivered.
     s.links.remove(&(3, 0));
     for w in 0..3 {
-        s.ep(w).handle_peer_lost(3, "killed", now);
+        s.ep(w)
+            .handle_peer_lost(3, LostCause::Transport("killed".into()), now);
     }
     s.drain();
     assert_eq!(s.released, vec![ha.rref]);
@@ -743,7 +746,8 @@ fn a_fork_given_to_a_worker_that_dies_does_not_pin_the_value() {
     s.ep(0).drop_handle(h, now);
     s.pump();
     assert!(s.released.is_empty(), "worker 1's fork still counts");
-    s.ep(0).handle_peer_lost(1, "killed", now);
+    s.ep(0)
+        .handle_peer_lost(1, LostCause::Transport("killed".into()), now);
     s.pump();
     assert_eq!(s.released, vec![h.rref]);
 }
@@ -1266,7 +1270,8 @@ fn a_lost_member_fails_the_shutdown_at_once_unless_it_was_idle() {
     s.ep(0).begin_graceful_shutdown([0, 1, 2], None);
     s.ep(1).begin_graceful_shutdown([0, 1, 2], None);
     s.drain();
-    s.ep(0).handle_peer_lost(2, "killed", now);
+    s.ep(0)
+        .handle_peer_lost(2, LostCause::Transport("killed".into()), now);
     s.pump();
     let e = s.shutdowns[0][0].clone().unwrap_err();
     assert_eq!((e.missing, e.lost), (vec![2], true));
@@ -1276,7 +1281,8 @@ fn a_lost_member_fails_the_shutdown_at_once_unless_it_was_idle() {
     s.ep(1).begin_graceful_shutdown([0, 1], None);
     s.drain();
     assert_eq!(s.shutdowns, vec![vec![Ok(())], vec![Ok(())]]);
-    s.ep(0).handle_peer_lost(1, "closed", now);
+    s.ep(0)
+        .handle_peer_lost(1, LostCause::Transport("closed".into()), now);
     s.pump();
     assert_eq!(s.shutdowns[0].len(), 1);
 }
@@ -1466,7 +1472,8 @@ fn a_failed_shutdown_passes_on_whom_it_waited_for() {
     let now = s.now;
     s.ep(0).begin_graceful_shutdown([0, 1, 2], None);
     s.drain();
-    s.ep(0).handle_peer_lost(2, "killed", now);
+    s.ep(0)
+        .handle_peer_lost(2, LostCause::Transport("killed".into()), now);
     s.pump();
     // Worker 1 begins later, after 0 gave up: it names 2, not 0.
     s.ep(1).begin_graceful_shutdown([0, 1, 2], None);
@@ -1484,13 +1491,48 @@ fn a_reference_whose_owner_left_stays_unusable_after_its_rank_rejoins() {
     let (h, _) = s.ep(0).remote(1, "make", b"v".to_vec(), T, now).unwrap();
     s.drain();
     assert_eq!(s.ep(0).check_reference(h), Ok(()));
-    s.ep(0).handle_peer_lost(1, "left the group", now);
+    s.ep(0).handle_peer_lost(1, LostCause::Left, now);
     assert!(matches!(
         s.ep(0).check_reference(h),
-        Err(CallError::PeerLost { peer: 1, .. })
+        Err(CallError::OwnerLost {
+            owner: 1,
+            cause: LostCause::Left,
+            ..
+        })
     ));
     // A new worker takes rank 1: calls to it go through, but not through the old reference.
     s.ep(0).handle_peer_joined(1);
     assert!(s.ep(0).check_reference(h).is_err());
     assert!(s.ep(0).fetch(h, T, now).is_err());
+}
+
+/// A lost peer is recorded once, with the first cause the driver gives (a link's reader and
+/// writer may both report its end), and its callers are told that cause, typed.
+#[test]
+fn a_lost_peer_keeps_its_first_typed_cause() {
+    let mut s = Sim::new(2);
+    let now = s.now;
+    let call = s.ep(0).call(1, "echo", vec![1], T, now).unwrap();
+    let violation = ProtocolViolation::UnknownId {
+        id: 9,
+        what: "reply",
+    };
+    s.ep(0)
+        .handle_peer_lost(1, LostCause::Misbehaved(Box::new(violation.clone())), now);
+    s.ep(0)
+        .handle_peer_lost(1, LostCause::Transport("connection reset".into()), now);
+    s.pump();
+    let expected = LostCause::Misbehaved(Box::new(violation));
+    assert_eq!(s.ep(0).lost_cause(1), Some(&expected));
+    let e = s.outcome(0, call).cloned().unwrap().unwrap_err();
+    assert_eq!(
+        e,
+        CallError::PeerLost {
+            peer: 1,
+            cause: expected
+        }
+    );
+    assert!(e.to_string().contains("broke the RPC protocol"), "{e}");
+    s.ep(0).handle_peer_joined(1);
+    assert_eq!(s.ep(0).lost_cause(1), None);
 }
