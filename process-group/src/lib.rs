@@ -18,44 +18,29 @@
 //!   [`env_init`]), [`current_process_group`], [`with_process_group`]; the built-in backend
 //!   `tensorwire` (alias `gloo`) is [`TensorwireFactory`].
 
-use std::time::Duration;
-
 pub mod address;
-pub mod auth;
 mod backend;
-pub mod backoff;
-mod client;
 pub mod env_init;
 mod executor;
-pub mod file;
 mod group;
 pub mod hostlist;
 pub mod launcher_env;
 pub mod link;
-mod memory;
 pub mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod p2p;
 pub mod rendezvous;
-mod server;
 pub mod setup;
-mod state;
-pub mod wire;
 pub mod work;
 
 #[cfg(feature = "tcp")]
 pub use backend::TensorwireFactory;
-/// The store server without sockets, for the fuzz targets in `fuzz/`. Not part of the API.
-#[doc(hidden)]
-pub use server::fuzzing;
 
 pub use backend::{
     backend_registered, current_process_group, new_group, register_backend, with_process_group,
     with_process_group_sync, BackendOptions, DynFactory, NewGroupError, TENSORWIRE_BACKEND,
 };
-pub use client::{ClientConfig, TcpStoreClient};
-pub use file::FileStore;
 pub use group::{
     CollectivesExt, Element, Group, GroupOptions, DEFAULT_COLLECTIVE_TIMEOUT, INLINE_GATHER_BYTES,
     MAX_BLOCK_BYTES,
@@ -66,11 +51,16 @@ pub use work::Work;
 
 pub use address::{advertise_ip, route_ip, AddressError};
 pub use launcher_env::{DistEnv, LauncherEnvError};
-pub use memory::InMemoryStore;
 pub use rendezvous::{rendezvous, Rendezvous, RendezvousError, RendezvousOptions};
 
-pub use server::{ServerConfig, TcpStoreServer};
 pub use tensorwire_core::ports::store::{Store, StoreError};
 
-/// The default timeout of store operations: 300 s, as PyTorch's `TCPStore`.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+// The stores moved to `tensorwire-store`; their old paths here stay for existing code.
+/// The store's cluster-secret step: moved to [`tensorwire_store::handshake`].
+pub use tensorwire_store::handshake as auth;
+/// The c10d store's wire format: moved to [`tensorwire_store::protocol`].
+pub use tensorwire_store::protocol as wire;
+pub use tensorwire_store::{
+    backoff, file, ClientConfig, FileStore, InMemoryStore, ServerConfig, TcpStoreClient,
+    TcpStoreServer, DEFAULT_TIMEOUT,
+};

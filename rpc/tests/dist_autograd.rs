@@ -12,12 +12,12 @@ use std::time::Duration;
 use tensorwire_autograd_candle::candle_core::{Device, Tensor as CTensor, Var};
 use tensorwire_autograd_candle::CandleEngine;
 use tensorwire_core::autograd::optim::{Optimizer, OptimizerState};
-use tensorwire_process_group::InMemoryStore;
 use tensorwire_rpc::memory::{MemoryNetwork, MemoryTransport};
 use tensorwire_rpc::{
     start_agent, Agent, AutogradCall, DistAutograd, DistAutogradError, DistributedOptimizer,
     Functions, Parameter, RRef, Rendezvous, RpcOptions,
 };
+use tensorwire_store::InMemoryStore;
 
 type Dist = DistAutograd<CandleEngine>;
 

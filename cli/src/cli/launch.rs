@@ -47,7 +47,7 @@ use tokio::process::{Child, Command};
 use tokio::task::JoinSet;
 
 use tensorwire_process_group::rendezvous::LAUNCHER_STORE_ENV;
-use tensorwire_process_group::{
+use tensorwire_store::{
     ClientConfig, ClusterSecret, ServerConfig, Store, StoreError, TcpStoreClient, TcpStoreServer,
 };
 
