@@ -18,19 +18,14 @@
 //!   [`env_init`]), [`current_process_group`], [`with_process_group`]; the built-in backend
 //!   `tensorwire` (alias `gloo`) is [`TensorwireFactory`].
 
-pub mod address;
 mod backend;
-pub mod env_init;
 mod executor;
 mod group;
-pub mod hostlist;
-pub mod launcher_env;
 pub mod link;
 pub mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod p2p;
-pub mod rendezvous;
 pub mod setup;
 pub mod work;
 
@@ -49,10 +44,6 @@ pub use mesh::FrameSink;
 pub use tensorwire_core::auth::ClusterSecret;
 pub use work::Work;
 
-pub use address::{advertise_ip, route_ip, AddressError};
-pub use launcher_env::{DistEnv, LauncherEnvError};
-pub use rendezvous::{rendezvous, Rendezvous, RendezvousError, RendezvousOptions};
-
 pub use tensorwire_core::ports::store::{Store, StoreError};
 
 // The stores moved to `tensorwire-store`; their old paths here stay for existing code.
@@ -63,4 +54,12 @@ pub use tensorwire_store::protocol as wire;
 pub use tensorwire_store::{
     backoff, file, ClientConfig, FileStore, InMemoryStore, ServerConfig, TcpStoreClient,
     TcpStoreServer, DEFAULT_TIMEOUT,
+};
+
+// Rendezvous moved to `tensorwire-rendezvous`; its old paths here stay for existing code.
+/// `env://`, `tcp://` and `file://`: moved to [`tensorwire_rendezvous::init_method`].
+pub use tensorwire_rendezvous::init_method as rendezvous;
+pub use tensorwire_rendezvous::{
+    address, advertise_ip, env_init, hostlist, launcher_env, rendezvous, route_ip, AddressError,
+    DistEnv, LauncherEnvError, Rendezvous, RendezvousError, RendezvousOptions,
 };

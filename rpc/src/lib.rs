@@ -75,5 +75,5 @@ pub use tensorwire_core::autograd::optim::Optimizer;
 pub use tensorwire_core::protocol::{
     CallError, DebugInfo, ForkInfo, OwnedInfo, RemoteError, RemoteErrorKind,
 };
-pub use tensorwire_process_group::Rendezvous;
+pub use tensorwire_rendezvous::Rendezvous;
 pub use typed::{Call, Function, Method, MethodCall, Signature};

@@ -1,9 +1,9 @@
 //! tensorwire: distributed RPC for Rust.
 //!
 //! This crate is what users add. It re-exports the pure core ([`core`]), the RPC agent
-//! ([`rpc`]), process groups ([`process_group`]), the c10d store ([`store`]), and the adapters
-//! picked by Cargo features (`tcp`, the default; `quic`; `shm`; `cuda`). Start with the
-//! [`guide`].
+//! ([`rpc`]), process groups ([`process_group`]), the c10d store ([`store`]), rendezvous
+//! ([`rendezvous`]), and the adapters picked by Cargo features (`tcp`, the default; `quic`;
+//! `shm`; `cuda`). Start with the [`guide`].
 
 pub use tensorwire_core as core;
 
@@ -18,6 +18,8 @@ pub use tensorwire_devices_cuda as devices_cuda;
 /// Process groups and collectives; also re-exports the stores and rendezvous under their old
 /// paths.
 pub use tensorwire_process_group as process_group;
+/// Rendezvous: `env://`, `tcp://`, `file://`, launcher environments, addresses.
+pub use tensorwire_rendezvous as rendezvous;
 /// The c10d store: `TCPStore`-compatible server and client, file store, in-memory store.
 pub use tensorwire_store as store;
 

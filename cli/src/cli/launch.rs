@@ -46,7 +46,7 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::task::JoinSet;
 
-use tensorwire_process_group::rendezvous::LAUNCHER_STORE_ENV;
+use tensorwire_rendezvous::LAUNCHER_STORE_ENV;
 use tensorwire_store::{
     ClientConfig, ClusterSecret, ServerConfig, Store, StoreError, TcpStoreClient, TcpStoreServer,
 };
