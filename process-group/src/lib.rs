@@ -21,8 +21,6 @@
 mod backend;
 mod executor;
 mod group;
-pub mod link;
-pub mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod p2p;
@@ -40,7 +38,6 @@ pub use group::{
     CollectivesExt, Element, Group, GroupOptions, DEFAULT_COLLECTIVE_TIMEOUT, INLINE_GATHER_BYTES,
     MAX_BLOCK_BYTES,
 };
-pub use mesh::FrameSink;
 pub use tensorwire_core::auth::ClusterSecret;
 pub use work::Work;
 
@@ -63,3 +60,6 @@ pub use tensorwire_rendezvous::{
     address, advertise_ip, env_init, hostlist, launcher_env, rendezvous, route_ip, AddressError,
     DistEnv, LauncherEnvError, Rendezvous, RendezvousError, RendezvousOptions,
 };
+
+// The mesh moved to `tensorwire-mesh`; its old paths here stay for existing code.
+pub use tensorwire_mesh::{link, mesh, FrameSink};

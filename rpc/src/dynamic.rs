@@ -21,7 +21,7 @@ use tensorwire_core::protocol::membership::{
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::validate::WorkerDeviceInfo;
 use tensorwire_core::wire::Frame;
-use tensorwire_process_group::link;
+use tensorwire_mesh::link;
 use tensorwire_rendezvous::Rendezvous;
 use tensorwire_store::backoff::Backoff;
 use tokio::sync::oneshot;
