@@ -82,8 +82,8 @@ static BACKENDS: LazyLock<RwLock<Registry<DynFactory>>> = LazyLock::new(|| {
     #[cfg(feature = "nccl")]
     registry
         .register(
-            crate::nccl::NCCL_BACKEND,
-            Arc::new(crate::nccl::NcclFactory::new()),
+            tensorwire_devices_cuda::nccl_group::NCCL_BACKEND,
+            Arc::new(tensorwire_devices_cuda::nccl_group::NcclFactory::new()),
         )
         .expect("distinct names");
     RwLock::new(registry)

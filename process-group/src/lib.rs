@@ -1,14 +1,5 @@
-//! Stores and rendezvous for tensorwire process groups.
-//!
-//! - [`TcpStoreServer`] and [`TcpStoreClient`]: PyTorch c10d `TCPStore`'s wire protocol
-//!   ([`wire`]), so PyTorch's `TCPStore` clients can use our server and our client can use
-//!   PyTorch's server. Optional cluster secret ([`auth`]).
-//! - [`FileStore`]: a store in a file shared by processes, in PyTorch `FileStore`'s format.
-//! - [`InMemoryStore`]: a store inside one process.
-//! - [`rendezvous`](rendezvous::rendezvous): `env://`, `tcp://host:port?rank=R&world_size=N`
-//!   and `file:///path?rank=R&world_size=N`, as `torch.distributed` understands them.
-//!
-//! All stores implement [`tensorwire_core::ports::store::Store`].
+//! Process groups of tensorwire: groups, collectives and work handles over the mesh, and
+//! `torch.distributed._dist2`'s backend registry.
 //!
 //! - [`Group`]: the built-in process group. Its collectives run the schedules of
 //!   [`tensorwire_core::collective`] over a mesh of [`Transport`](tensorwire_core::ports::transport::Transport)
@@ -16,15 +7,17 @@
 //!   `broadcast_object` to any [`ProcessGroup`](tensorwire_core::ports::process_group::ProcessGroup).
 //! - `torch.distributed._dist2`'s API: [`register_backend`], [`new_group`] (`env://`,
 //!   [`env_init`]), [`current_process_group`], [`with_process_group`]; the built-in backend
-//!   `tensorwire` (alias `gloo`) is [`TensorwireFactory`].
+//!   `tensorwire` (alias `gloo`) is [`TensorwireFactory`]; with the feature `nccl`, the `nccl`
+//!   backend of `tensorwire-devices-cuda` is registered too.
+//!
+//! The stores ([`tensorwire_store`]), rendezvous ([`tensorwire_rendezvous`]), the mesh
+//! ([`tensorwire_mesh`]) and the `nccl` backend lived here; they are re-exported under their
+//! old paths, so code written against them keeps compiling.
 
 mod backend;
 mod executor;
 mod group;
-#[cfg(feature = "nccl")]
-pub mod nccl;
 mod p2p;
-pub mod setup;
 pub mod work;
 
 #[cfg(feature = "tcp")]
@@ -63,3 +56,10 @@ pub use tensorwire_rendezvous::{
 
 // The mesh moved to `tensorwire-mesh`; its old paths here stay for existing code.
 pub use tensorwire_mesh::{link, mesh, FrameSink};
+
+/// The `nccl` backend (feature `nccl`): moved to `tensorwire_devices_cuda::nccl_group`.
+#[cfg(feature = "nccl")]
+pub use tensorwire_devices_cuda::nccl_group as nccl;
+/// The setup exchange of the `nccl` backend: moved to `tensorwire_devices_cuda::nccl_group`.
+#[cfg(feature = "nccl")]
+pub use tensorwire_devices_cuda::nccl_group::setup;
