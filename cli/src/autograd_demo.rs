@@ -306,8 +306,8 @@ async fn train(
 /// system picks (`TENSORWIRE_LAUNCHER_STORE=1` tells rank 0 to connect to it instead of
 /// hosting one): no port is reserved and released first.
 pub fn run_local(exe: &str, args: &[String]) -> Result<Report> {
-    use tensorwire_process_group::rendezvous::LAUNCHER_STORE_ENV;
-    use tensorwire_process_group::{ClusterSecret, ServerConfig, TcpStoreServer};
+    use tensorwire_rendezvous::LAUNCHER_STORE_ENV;
+    use tensorwire_store::{ClusterSecret, ServerConfig, TcpStoreServer};
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())

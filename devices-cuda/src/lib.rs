@@ -47,6 +47,8 @@ pub use cudarc;
 
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(feature = "nccl")]
+pub mod nccl_group;
 mod pinned;
 mod probe;
 

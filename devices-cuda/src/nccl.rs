@@ -3,7 +3,8 @@
 //! A thin blocking wrapper: availability with a clear reason, unique ids, a communicator per
 //! rank, and all_reduce / broadcast / all_gather on this backend's device buffers, with an abort
 //! handle that ends a hung collective from another thread. The `nccl` process-group backend
-//! (`tensorwire-process-group`, feature `nccl`) builds on it.
+//! ([`nccl_group`](crate::nccl_group), registered by `tensorwire-process-group`'s feature
+//! `nccl`) builds on it.
 //!
 //! cudarc panics when it cannot open `libnccl` or misses a symbol, so [`nccl_available`] opens
 //! the library first, by the same names cudarc uses, checks the entry points and the version,

@@ -15,8 +15,8 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
-use tensorwire_process_group::wire::parse_c10d_int;
-use tensorwire_process_group::{FileStore, Store, StoreError};
+use tensorwire_store::protocol::parse_c10d_int;
+use tensorwire_store::{FileStore, Store, StoreError};
 
 const KEYS: [&str; 5] = ["a", "b", "a/b", "", "-"];
 

@@ -1,6 +1,6 @@
 //! Fuzzes the c10d store server's request decoder and request handling: three client
 //! connections to one table deliver arbitrary bytes in arbitrary pieces (and hang up), through
-//! the server's own decode-and-handle code (`tensorwire_process_group::fuzzing::Session`).
+//! the server's own decode-and-handle code (`tensorwire_store::fuzzing::Session`).
 //!
 //! Input: a sequence of `[selector, len, len bytes...]`; the selector picks the connection
 //! (`% 3`), and with bit 6 set the client hangs up instead. Every delivered piece is also
@@ -16,8 +16,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tensorwire_process_group::fuzzing::Session;
-use tensorwire_process_group::wire::{decode_request, Limits};
+use tensorwire_store::fuzzing::Session;
+use tensorwire_store::protocol::{decode_request, Limits};
 
 /// Small limits, so that every limit is reachable.
 const LIMITS: Limits = Limits {

@@ -1,4 +1,4 @@
-//! Fuzzes the store's cluster-secret step (`tensorwire_process_group::auth`) on the server's
+//! Fuzzes the store's cluster-secret step (`tensorwire_store::handshake`) on the server's
 //! own request handling: a scripted client mixes arbitrary bytes with honest steps (a hello, the
 //! proof computed with the right secret or a wrong one, `VALIDATE`) and hangs up at will.
 //!
@@ -9,8 +9,8 @@
 
 use libfuzzer_sys::fuzz_target;
 use tensorwire_core::auth::ClusterSecret;
-use tensorwire_process_group::fuzzing::Session;
-use tensorwire_process_group::wire::{Limits, Request, AUTH_LEN, VALIDATION_MAGIC};
+use tensorwire_store::fuzzing::Session;
+use tensorwire_store::protocol::{Limits, Request, AUTH_LEN, VALIDATION_MAGIC};
 
 const LIMITS: Limits = Limits {
     max_key_len: 64,
@@ -18,7 +18,7 @@ const LIMITS: Limits = Limits {
     max_keys: 8,
     max_request_len: 512,
 };
-/// The labels of the store's MACs (process-group/src/auth.rs).
+/// The labels of the store's MACs (store/src/handshake.rs).
 const SERVER_LABEL: &[u8] = b"tensorwire-store-v1 server";
 const CLIENT_LABEL: &[u8] = b"tensorwire-store-v1 client";
 

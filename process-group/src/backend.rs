@@ -48,11 +48,11 @@ use tensorwire_core::registry::{ProcessGroupFactory, Registry, RegistryError, Re
 use tensorwire_transport_tcp::TcpConfig;
 
 #[cfg(feature = "tcp")]
-use crate::address::advertise_ip;
-use crate::env_init::env_rendezvous;
-#[cfg(feature = "tcp")]
 use crate::group::{Group, GroupOptions};
-use crate::rendezvous::RendezvousError;
+#[cfg(feature = "tcp")]
+use tensorwire_rendezvous::advertise_ip;
+use tensorwire_rendezvous::env_init::env_rendezvous;
+use tensorwire_rendezvous::RendezvousError;
 
 /// Backend options: PyTorch's `**kwargs`, as name/value pairs.
 pub type BackendOptions = Vec<(String, String)>;
@@ -82,8 +82,8 @@ static BACKENDS: LazyLock<RwLock<Registry<DynFactory>>> = LazyLock::new(|| {
     #[cfg(feature = "nccl")]
     registry
         .register(
-            crate::nccl::NCCL_BACKEND,
-            Arc::new(crate::nccl::NcclFactory::new()),
+            tensorwire_devices_cuda::nccl_group::NCCL_BACKEND,
+            Arc::new(tensorwire_devices_cuda::nccl_group::NcclFactory::new()),
         )
         .expect("distinct names");
     RwLock::new(registry)
@@ -152,7 +152,7 @@ pub async fn new_group(
 /// Options: `group_name` (default: `tw<n>` for the n-th group this process creates, so all
 /// ranks must create their groups in the same order), `listen_ip` (default: the address of
 /// `TENSORWIRE_IFNAME`, else the local address the route to `MASTER_ADDR` leaves from, else
-/// 127.0.0.1; see [`crate::address`]), `insecure=true` (run the transport
+/// 127.0.0.1; see [`tensorwire_rendezvous::address`]), `insecure=true` (run the transport
 /// without `TENSORWIRE_SECRET`). Any other option is refused. Only `cpu` is supported: the
 /// collectives work on host bytes. Feature `tcp` (on by default); without it, register a
 /// factory that passes another transport to [`Group::connect`](crate::Group::connect).

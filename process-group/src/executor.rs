@@ -24,7 +24,7 @@ use tensorwire_core::collective::{Apply, Schedule, Signature};
 use tensorwire_core::ports::process_group::ProcessGroupError;
 use tokio::time::Instant;
 
-use crate::mesh::GroupMesh;
+use tensorwire_mesh::GroupMesh;
 
 /// One collective in progress: the peers it received from, released when it ends.
 struct Run<'a> {

@@ -41,9 +41,9 @@ use tensorwire_core::ports::transport::{Connection, Transport};
 use tracing::Instrument;
 
 use crate::executor::{self, Held};
-use crate::mesh::{GroupMesh, Mesh, MeshSetup, MAX_GROUP_ID};
 use crate::p2p::{self, Counters};
 use crate::work::{self, Work};
+use tensorwire_mesh::{GroupMesh, Mesh, MeshSetup, MAX_GROUP_ID};
 
 /// Blocks up to this size travel with their lengths in [`ProcessGroup::all_gather`]'s first
 /// round, so small all_gathers take one round instead of two (see
@@ -189,7 +189,7 @@ impl Group {
     /// [`ProcessGroupError::Setup`] on a subgroup or when a sink is set already.
     pub fn route_frames(
         &self,
-        sink: Arc<dyn crate::mesh::FrameSink>,
+        sink: Arc<dyn tensorwire_mesh::FrameSink>,
     ) -> Result<(), ProcessGroupError> {
         if self.inner.mesh.route_frames(sink) {
             Ok(())
@@ -505,7 +505,7 @@ impl Group {
         defer: bool,
         timeout: Duration,
     ) -> Result<(), ProcessGroupError> {
-        let deadline = crate::link::deadline_after(timeout);
+        let deadline = tensorwire_mesh::link::deadline_after(timeout);
         let span = tracing::debug_span!(
             "collective",
             group = %self.name(),

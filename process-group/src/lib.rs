@@ -1,14 +1,5 @@
-//! Stores and rendezvous for tensorwire process groups.
-//!
-//! - [`TcpStoreServer`] and [`TcpStoreClient`]: PyTorch c10d `TCPStore`'s wire protocol
-//!   ([`wire`]), so PyTorch's `TCPStore` clients can use our server and our client can use
-//!   PyTorch's server. Optional cluster secret ([`auth`]).
-//! - [`FileStore`]: a store in a file shared by processes, in PyTorch `FileStore`'s format.
-//! - [`InMemoryStore`]: a store inside one process.
-//! - [`rendezvous`](rendezvous::rendezvous): `env://`, `tcp://host:port?rank=R&world_size=N`
-//!   and `file:///path?rank=R&world_size=N`, as `torch.distributed` understands them.
-//!
-//! All stores implement [`tensorwire_core::ports::store::Store`].
+//! Process groups of tensorwire: groups, collectives and work handles over the mesh, and
+//! `torch.distributed._dist2`'s backend registry.
 //!
 //! - [`Group`]: the built-in process group. Its collectives run the schedules of
 //!   [`tensorwire_core::collective`] over a mesh of [`Transport`](tensorwire_core::ports::transport::Transport)
@@ -16,61 +7,59 @@
 //!   `broadcast_object` to any [`ProcessGroup`](tensorwire_core::ports::process_group::ProcessGroup).
 //! - `torch.distributed._dist2`'s API: [`register_backend`], [`new_group`] (`env://`,
 //!   [`env_init`]), [`current_process_group`], [`with_process_group`]; the built-in backend
-//!   `tensorwire` (alias `gloo`) is [`TensorwireFactory`].
+//!   `tensorwire` (alias `gloo`) is [`TensorwireFactory`]; with the feature `nccl`, the `nccl`
+//!   backend of `tensorwire-devices-cuda` is registered too.
+//!
+//! The stores ([`tensorwire_store`]), rendezvous ([`tensorwire_rendezvous`]), the mesh
+//! ([`tensorwire_mesh`]) and the `nccl` backend lived here; they are re-exported under their
+//! old paths, so code written against them keeps compiling.
 
-use std::time::Duration;
-
-pub mod address;
-pub mod auth;
 mod backend;
-pub mod backoff;
-mod client;
-pub mod env_init;
 mod executor;
-pub mod file;
 mod group;
-pub mod hostlist;
-pub mod launcher_env;
-pub mod link;
-mod memory;
-pub mod mesh;
-#[cfg(feature = "nccl")]
-pub mod nccl;
 mod p2p;
-pub mod rendezvous;
-mod server;
-pub mod setup;
-mod state;
-pub mod wire;
 pub mod work;
 
 #[cfg(feature = "tcp")]
 pub use backend::TensorwireFactory;
-/// The store server without sockets, for the fuzz targets in `fuzz/`. Not part of the API.
-#[doc(hidden)]
-pub use server::fuzzing;
 
 pub use backend::{
     backend_registered, current_process_group, new_group, register_backend, with_process_group,
     with_process_group_sync, BackendOptions, DynFactory, NewGroupError, TENSORWIRE_BACKEND,
 };
-pub use client::{ClientConfig, TcpStoreClient};
-pub use file::FileStore;
 pub use group::{
     CollectivesExt, Element, Group, GroupOptions, DEFAULT_COLLECTIVE_TIMEOUT, INLINE_GATHER_BYTES,
     MAX_BLOCK_BYTES,
 };
-pub use mesh::FrameSink;
 pub use tensorwire_core::auth::ClusterSecret;
 pub use work::Work;
 
-pub use address::{advertise_ip, route_ip, AddressError};
-pub use launcher_env::{DistEnv, LauncherEnvError};
-pub use memory::InMemoryStore;
-pub use rendezvous::{rendezvous, Rendezvous, RendezvousError, RendezvousOptions};
-
-pub use server::{ServerConfig, TcpStoreServer};
 pub use tensorwire_core::ports::store::{Store, StoreError};
 
-/// The default timeout of store operations: 300 s, as PyTorch's `TCPStore`.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+// The stores moved to `tensorwire-store`; their old paths here stay for existing code.
+/// The store's cluster-secret step: moved to [`tensorwire_store::handshake`].
+pub use tensorwire_store::handshake as auth;
+/// The c10d store's wire format: moved to [`tensorwire_store::protocol`].
+pub use tensorwire_store::protocol as wire;
+pub use tensorwire_store::{
+    backoff, file, ClientConfig, FileStore, InMemoryStore, ServerConfig, TcpStoreClient,
+    TcpStoreServer, DEFAULT_TIMEOUT,
+};
+
+// Rendezvous moved to `tensorwire-rendezvous`; its old paths here stay for existing code.
+/// `env://`, `tcp://` and `file://`: moved to [`tensorwire_rendezvous::init_method`].
+pub use tensorwire_rendezvous::init_method as rendezvous;
+pub use tensorwire_rendezvous::{
+    address, advertise_ip, env_init, hostlist, launcher_env, rendezvous, route_ip, AddressError,
+    DistEnv, LauncherEnvError, Rendezvous, RendezvousError, RendezvousOptions,
+};
+
+// The mesh moved to `tensorwire-mesh`; its old paths here stay for existing code.
+pub use tensorwire_mesh::{link, mesh, FrameSink};
+
+/// The `nccl` backend (feature `nccl`): moved to `tensorwire_devices_cuda::nccl_group`.
+#[cfg(feature = "nccl")]
+pub use tensorwire_devices_cuda::nccl_group as nccl;
+/// The setup exchange of the `nccl` backend: moved to `tensorwire_devices_cuda::nccl_group`.
+#[cfg(feature = "nccl")]
+pub use tensorwire_devices_cuda::nccl_group::setup;

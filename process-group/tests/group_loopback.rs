@@ -909,7 +909,7 @@ struct Recorder {
     closed: std::sync::Mutex<Vec<usize>>,
 }
 
-impl tensorwire_process_group::FrameSink for Recorder {
+impl tensorwire_mesh::FrameSink for Recorder {
     fn on_frame(
         &self,
         peer: usize,
@@ -1032,7 +1032,7 @@ async fn a_silent_connection_does_not_hold_up_setup() {
         let t = transport();
         let options = || GroupOptions::new("silent").with_timeout(Duration::from_secs(20));
         let one = tokio::spawn(Group::connect(store.clone(), t.clone(), 1, 2, options()));
-        let key = tensorwire_process_group::mesh::address_key("silent", 1);
+        let key = tensorwire_mesh::address_key("silent", 1);
         store.wait(&[&key], Duration::from_secs(20)).await.unwrap();
         let addr: std::net::SocketAddr = String::from_utf8(store.get(&key).await.unwrap())
             .unwrap()

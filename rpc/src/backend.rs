@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tensorwire_core::registry::{Registry, RegistryError, RegistryKind, RpcBackend};
-use tensorwire_process_group::Rendezvous;
+use tensorwire_rendezvous::Rendezvous;
 #[cfg(feature = "tcp")]
 use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 

@@ -21,8 +21,9 @@ use tensorwire_core::protocol::membership::{
 use tensorwire_core::protocol::{ProtocolViolation, WorkerId};
 use tensorwire_core::validate::WorkerDeviceInfo;
 use tensorwire_core::wire::Frame;
-use tensorwire_process_group::backoff::Backoff;
-use tensorwire_process_group::{link, Rendezvous};
+use tensorwire_mesh::link;
+use tensorwire_rendezvous::Rendezvous;
+use tensorwire_store::backoff::Backoff;
 use tokio::sync::oneshot;
 use tracing::{debug, warn};
 

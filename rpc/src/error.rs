@@ -8,7 +8,7 @@ use tensorwire_core::ports::store::StoreError;
 use tensorwire_core::ports::transport::TransportError;
 use tensorwire_core::protocol::{CallError, RemoteError};
 use tensorwire_core::validate::DeviceMapError;
-use tensorwire_process_group::RendezvousError;
+use tensorwire_rendezvous::RendezvousError;
 
 /// What can go wrong in RPC.
 #[derive(Debug, thiserror::Error)]
@@ -71,7 +71,7 @@ pub enum RpcError {
     /// No address peers can reach could be chosen (a bad `TENSORWIRE_IFNAME`, or loopback in a
     /// group that spans hosts).
     #[error(transparent)]
-    Address(#[from] tensorwire_process_group::AddressError),
+    Address(#[from] tensorwire_rendezvous::AddressError),
     /// Rendezvous failed.
     #[error(transparent)]
     Rendezvous(#[from] RendezvousError),

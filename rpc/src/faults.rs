@@ -42,7 +42,7 @@ use tensorwire_core::protocol::Header;
 use tensorwire_core::registry::RpcBackend;
 use tensorwire_core::wire::{Frame, FrameKind};
 #[cfg(feature = "tcp")]
-use tensorwire_process_group::Rendezvous;
+use tensorwire_rendezvous::Rendezvous;
 
 #[cfg(feature = "tcp")]
 use crate::agent::{start_agent, Agent};

@@ -19,7 +19,7 @@ pub type Body = (bytes::Bytes, Vec<Tensor>);
 /// Decodes `frame` as a connection's first frame (who is speaking, for which group), as the
 /// agent's dynamic groups and process groups do. Returns the peer's rank and group.
 pub fn decode_hello(frame: &Frame) -> Result<(u32, String), String> {
-    let hello = tensorwire_process_group::link::Hello::from_frame(frame)?;
+    let hello = tensorwire_mesh::link::Hello::from_frame(frame)?;
     Ok((hello.rank, hello.group))
 }
 
@@ -63,7 +63,7 @@ pub fn encode_message_header(header: &Header, tensors: &[TensorMeta]) -> Vec<u8>
 /// A connection's first frame, as [`decode_hello`] reads it: rank `rank` of group `group`,
 /// without a world size (as a dynamic group's joiner sends it).
 pub fn encode_hello(rank: u32, group: &str) -> Frame {
-    tensorwire_process_group::link::Hello {
+    tensorwire_mesh::link::Hello {
         group: group.to_owned(),
         rank,
         world: None,

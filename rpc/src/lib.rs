@@ -77,5 +77,5 @@ pub use tensorwire_core::autograd::optim::{Adagrad, Adam, AdamW, Optimizer, RmsP
 pub use tensorwire_core::protocol::{
     CallError, DebugInfo, ForkInfo, OwnedInfo, RemoteError, RemoteErrorKind,
 };
-pub use tensorwire_process_group::Rendezvous;
+pub use tensorwire_rendezvous::Rendezvous;
 pub use typed::{Call, Function, Method, MethodCall, Signature};

@@ -15,9 +15,9 @@ use tensorwire_rpc::{
 };
 
 use tensorwire_core::ports::store::{Store, StoreError};
-use tensorwire_process_group::InMemoryStore;
 use tensorwire_rpc::memory::{MemoryNetwork, MemoryTransport};
 use tensorwire_rpc::{start_agent, Rendezvous};
+use tensorwire_store::InMemoryStore;
 
 /// A rendezvous file of its own for each test (the file store meets the ranks there).
 fn rendezvous_file() -> String {

@@ -15,12 +15,12 @@ use tensorwire_core::autograd::optim::{
     Adagrad, Adam, AdamW, Optimizer, OptimizerState, RmsProp, Sgd,
 };
 use tensorwire_core::autograd::{AutogradError, RootProblem};
-use tensorwire_process_group::InMemoryStore;
 use tensorwire_rpc::memory::{MemoryNetwork, MemoryTransport};
 use tensorwire_rpc::{
     start_agent, Agent, AutogradCall, DistAutograd, DistAutogradError, DistributedOptimizer,
     Functions, LocalOptimizer, Parameter, RRef, Rendezvous, RpcOptions, TensorList,
 };
+use tensorwire_store::InMemoryStore;
 
 type Dist = DistAutograd<CandleEngine>;
 

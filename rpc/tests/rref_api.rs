@@ -13,13 +13,13 @@ use tensorwire_core::devices_sim::SimulatedDevices;
 use tensorwire_core::ports::device::relocate;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::tensor::Tensor;
-use tensorwire_process_group::InMemoryStore;
 use tensorwire_rpc::faults::{Fault, FaultAction, FaultyBackend, MessageKind};
 use tensorwire_rpc::memory::MemoryNetwork;
 use tensorwire_rpc::{
     start_agent, Agent, CallContext, CallError, Functions, RRef, RemoteErrorKind, Rendezvous,
     RpcError, RpcOptions,
 };
+use tensorwire_store::InMemoryStore;
 
 #[derive(Default)]
 struct Counter(AtomicI64);

@@ -1,8 +1,9 @@
 //! tensorwire: distributed RPC for Rust.
 //!
 //! This crate is what users add. It re-exports the pure core ([`core`]), the RPC agent
-//! ([`rpc`]), process groups and stores ([`process_group`]), and the adapters picked by Cargo
-//! features (`tcp`, the default; `quic`; `shm`; `cuda`). Start with the [`guide`].
+//! ([`rpc`]), process groups ([`process_group`]), the c10d store ([`store`]), rendezvous
+//! ([`rendezvous`]), and the adapters picked by Cargo features (`tcp`, the default; `quic`;
+//! `shm`; `cuda`). Start with the [`guide`].
 
 pub use tensorwire_core as core;
 
@@ -14,8 +15,13 @@ pub use tensorwire_autograd_candle as autograd_candle;
 /// The CUDA device backend (feature `cuda`).
 #[cfg(feature = "cuda")]
 pub use tensorwire_devices_cuda as devices_cuda;
-/// Stores (c10d `TCPStore`-compatible TCP, file, in-memory) and rendezvous.
+/// Process groups and collectives; also re-exports the stores and rendezvous under their old
+/// paths.
 pub use tensorwire_process_group as process_group;
+/// Rendezvous: `env://`, `tcp://`, `file://`, launcher environments, addresses.
+pub use tensorwire_rendezvous as rendezvous;
+/// The c10d store: `TCPStore`-compatible server and client, file store, in-memory store.
+pub use tensorwire_store as store;
 
 /// The RPC agent: `init_rpc`, `rpc_sync`/`rpc_async`/`remote`, `RRef`, shutdown.
 pub use tensorwire_rpc as rpc;

@@ -19,7 +19,7 @@ pub fn announce_store_addr() {
     if std::env::var("RANK").as_deref() == Ok("0")
         && std::env::var("MASTER_PORT").as_deref() == Ok("0")
     {
-        filter = format!("tensorwire_process_group::rendezvous=info,{filter}");
+        filter = format!("tensorwire_rendezvous::init_method=info,{filter}");
     }
     if !filter.is_empty() {
         tracing_subscriber::fmt()

@@ -119,13 +119,18 @@ fn ci() -> Result<()> {
     // they are unavailable (at `new_group`, on every rank), and the GPU check with its NCCL
     // steps.
     // The last element narrows the tests run: the whole multi-process suite of
-    // `tensorwire-tests` already ran above; with `nccl` only the GPU check's own tests run.
+    // `tensorwire-tests` already ran above; with `nccl` only the GPU check's own tests and the
+    // process-group processes (whose `nccl` group of two processes needs the feature) run.
     for (package, features, only) in [
         ("tensorwire", "cuda,quic,shm,autograd-candle", None),
         ("tensorwire-rpc", "quic,cuda", None),
         ("tensorwire-devices-cuda", "nccl", None),
         ("tensorwire-process-group", "nccl", None),
-        ("tensorwire-tests", "nccl", Some(["--bin", "tw-gpu-check"])),
+        (
+            "tensorwire-tests",
+            "nccl",
+            Some(["--bin", "tw-gpu-check", "--test", "pg_processes"]),
+        ),
     ] {
         run(
             "cargo",
@@ -262,7 +267,7 @@ fn gpu(args: &[String]) -> Result<()> {
         ("tensorwire-cli", "", "tensorwire"),
     ];
     if nccl {
-        bins.push(("tensorwire-process-group", "nccl", "tw-pg-worker"));
+        bins.push(("tensorwire-tests", "nccl", "tw-pg-worker"));
     }
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(std::path::PathBuf::from)

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map};
-use tensorwire_process_group::{ClientConfig, Store, TcpStoreClient};
+use tensorwire_store::{ClientConfig, Store, TcpStoreClient};
 
 use super::bench::write_json;
 

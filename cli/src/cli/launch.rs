@@ -46,8 +46,8 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::task::JoinSet;
 
-use tensorwire_process_group::rendezvous::LAUNCHER_STORE_ENV;
-use tensorwire_process_group::{
+use tensorwire_rendezvous::LAUNCHER_STORE_ENV;
+use tensorwire_store::{
     ClientConfig, ClusterSecret, ServerConfig, Store, StoreError, TcpStoreClient, TcpStoreServer,
 };
 

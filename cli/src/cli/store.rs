@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{anyhow, Context};
-use tensorwire_process_group::{
+use tensorwire_store::{
     ClientConfig, ClusterSecret, ServerConfig, Store, TcpStoreClient, TcpStoreServer,
 };
 

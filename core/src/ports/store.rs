@@ -4,7 +4,7 @@
 //! `set`, `get` (which waits for the key), `add` (which keeps the value as a decimal string),
 //! `check`, `wait`, `compare_set`, `delete_key`, `num_keys`, `append`, `multi_get`,
 //! `multi_set` and `barrier`. Adapters (a TCP store speaking `TCPStore`'s wire protocol, a file
-//! store, an in-memory store) live in `tensorwire-process-group`.
+//! store, an in-memory store) live in `tensorwire-store`.
 //!
 //! Keys are strings, values are bytes. Errors are [`StoreError`]s that name the keys involved.
 

@@ -11,7 +11,7 @@ use tensorwire_core::device::Device;
 use tensorwire_core::protocol::{GlobalId, Header};
 use tensorwire_core::tensor::{DType, TensorMeta};
 use tensorwire_core::wire::{encode_to_vec, Frame, WireLimits};
-use tensorwire_process_group::wire::{Request, VALIDATION_MAGIC};
+use tensorwire_store::protocol::{Request, VALIDATION_MAGIC};
 use tensorwire_rpc::fuzzing::{encode_hello, encode_message_header};
 
 fn write(dir: &Path, target: &str, name: &str, bytes: &[u8]) {

@@ -41,11 +41,10 @@ use anyhow::{bail, ensure, Context, Result};
 use tensorwire_core::collective::ReduceOp;
 use tensorwire_core::ports::process_group::ProcessGroup;
 use tensorwire_core::ports::store::Store;
-use tensorwire_process_group::{
-    advertise_ip, rendezvous, ClientConfig, ClusterSecret, CollectivesExt, Group, GroupOptions,
-    Rendezvous, RendezvousOptions, TcpStoreClient,
-};
+use tensorwire_process_group::{CollectivesExt, Group, GroupOptions};
+use tensorwire_rendezvous::{advertise_ip, rendezvous, Rendezvous, RendezvousOptions};
 use tensorwire_rpc::{init_rpc, Agent, Functions, RRef, RpcOptions};
+use tensorwire_store::{ClientConfig, ClusterSecret, TcpStoreClient};
 use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 
 fn functions() -> Functions {

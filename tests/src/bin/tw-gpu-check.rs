@@ -470,8 +470,8 @@ async fn nccl_group(cuda: &CudaDevices) -> Result<String, String> {
     use tensorwire_core::ports::process_group::ProcessGroupError;
     use tensorwire_core::ports::store::Store;
     use tensorwire_core::registry::ProcessGroupFactory;
-    use tensorwire_process_group::nccl::NcclFactory;
-    use tensorwire_process_group::InMemoryStore;
+    use tensorwire_devices_cuda::nccl_group::NcclFactory;
+    use tensorwire_store::InMemoryStore;
 
     let d = Device::Cuda(0);
     let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());

@@ -621,10 +621,11 @@ async fn frozen_peer() -> Result<(), RpcError> {
 /// and barrier. Prints `OK pg rank R init_ms=...`.
 async fn pg_store() -> Result<(), RpcError> {
     use tensorwire_core::collective::ReduceOp;
-    use tensorwire_process_group::{env_init::env_rendezvous, new_group, CollectivesExt};
+    use tensorwire_process_group::{new_group, CollectivesExt};
+    use tensorwire_rendezvous::env_init::env_rendezvous;
     // Explicit variables or Slurm's, as the rendezvous reads them.
     let dist =
-        tensorwire_process_group::DistEnv::from_env().map_err(|e| RpcError::Init(e.to_string()))?;
+        tensorwire_rendezvous::DistEnv::from_env().map_err(|e| RpcError::Init(e.to_string()))?;
     let (rank, world) = (dist.rank, dist.world_size);
     let timeout = Duration::from_secs(30);
     let fail = |what: &str, e: &dyn std::fmt::Display| RpcError::Init(format!("{what}: {e}"));
@@ -638,7 +639,7 @@ async fn pg_store() -> Result<(), RpcError> {
         .await
         .map_err(|e| fail("env_rendezvous", &e))?
         .store;
-    let me = tensorwire_process_group::advertise_ip(None)?;
+    let me = tensorwire_rendezvous::advertise_ip(None)?;
     store
         .set(&format!("hosts/ip/{rank}"), me.to_string().as_bytes())
         .await?;

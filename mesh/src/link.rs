@@ -1,6 +1,6 @@
 //! Links between workers: the one place that dials, greets and accepts.
 //!
-//! Process groups ([`Group::connect`](crate::Group::connect), through the mesh) and the RPC
+//! Process groups (`Group::connect`, through the [mesh](crate::Mesh)) and the RPC
 //! agent's dynamic groups set their connections up with these functions, so there is one hello,
 //! one retry policy and one way to refuse a stranger:
 //!
@@ -22,7 +22,7 @@ use tensorwire_core::wire::{Frame, FrameKind};
 use tokio::time::Instant;
 use tracing::debug;
 
-use crate::backoff::Backoff;
+use tensorwire_store::backoff::Backoff;
 
 /// The first frame on every link (a [`FrameKind::Control`] frame, postcard-encoded): who is
 /// dialling, and for which group.
@@ -56,7 +56,7 @@ impl Hello {
 }
 
 /// `timeout` from now, saturating: a timeout too long to add is no deadline (30 years; a day where even that does not fit).
-pub(crate) fn deadline_after(timeout: Duration) -> Instant {
+pub fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(timeout.min(Duration::from_secs(30 * 365 * 86_400)))
         .unwrap_or_else(|| now + Duration::from_secs(86_400))

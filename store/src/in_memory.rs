@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use tensorwire_core::ports::store::{Store, StoreError};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::state::{AddError, Arrival, KvState, WaiterId};
+use crate::table::{AddError, Arrival, KvState, WaiterId};
 use crate::DEFAULT_TIMEOUT;
 
 /// A store in this process's memory. Clones share the same table.
@@ -22,7 +22,7 @@ use crate::DEFAULT_TIMEOUT;
 /// ```
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// use tensorwire_core::ports::store::Store;
-/// use tensorwire_process_group::InMemoryStore;
+/// use tensorwire_store::InMemoryStore;
 ///
 /// let store = InMemoryStore::new();
 /// assert_eq!(store.add("n", 2).await.unwrap(), 2);

@@ -63,7 +63,7 @@
 //! keys arrived in between.
 //!
 //! tensorwire adds two query types, outside c10d's range, for the optional cluster secret
-//! (see [`crate::auth`]): [`AUTH_HELLO`] and [`AUTH_PROOF`].
+//! (see [`crate::handshake`]): [`AUTH_HELLO`] and [`AUTH_PROOF`].
 
 use std::fmt;
 

@@ -1,4 +1,4 @@
-//! The TCP store server: PyTorch c10d `TCPStore`'s protocol (see [`crate::wire`]) on tokio.
+//! The TCP store server: PyTorch c10d `TCPStore`'s protocol (see [`crate::protocol`]) on tokio.
 //!
 //! One task per connection. A connection's task reads requests into a buffer, decodes every
 //! complete one, answers in order, and otherwise sleeps on three events: more bytes, one of its
@@ -23,12 +23,12 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, info, warn};
 
-use crate::auth;
-use crate::state::{AddError, Arrival, KvState};
-use crate::wire::{
+use crate::handshake;
+use crate::protocol::{
     self, KeyDisplay, Limits, Request, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC,
     WAIT_CANCELED, WAIT_STOP_WAITING,
 };
+use crate::table::{AddError, Arrival, KvState};
 use tensorwire_core::auth::ClusterSecret;
 
 #[doc(hidden)]
@@ -39,7 +39,7 @@ pub mod fuzzing;
 pub struct ServerConfig {
     /// Size limits on requests.
     pub limits: Limits,
-    /// When set, clients must authenticate first (see [`crate::auth`]); PyTorch clients cannot.
+    /// When set, clients must authenticate first (see [`crate::handshake`]); PyTorch clients cannot.
     pub secret: Option<ClusterSecret>,
     /// Most waits one connection may have parked at once (a client parks at most one).
     pub max_waits_per_connection: usize,
@@ -72,7 +72,7 @@ impl Shared {
 /// ```
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// use tensorwire_core::ports::store::Store;
-/// use tensorwire_process_group::{ClientConfig, ServerConfig, TcpStoreClient, TcpStoreServer};
+/// use tensorwire_store::{ClientConfig, ServerConfig, TcpStoreClient, TcpStoreServer};
 ///
 /// let server = TcpStoreServer::bind("127.0.0.1:0", ServerConfig::default()).await.unwrap();
 /// let client = TcpStoreClient::connect(&server.local_addr().to_string(), ClientConfig::default())
@@ -236,8 +236,8 @@ enum Phase {
     AuthHello,
     /// Challenge sent: waiting for `AUTH_PROOF`.
     AuthProof {
-        client_nonce: [u8; wire::AUTH_LEN],
-        server_nonce: [u8; wire::AUTH_LEN],
+        client_nonce: [u8; protocol::AUTH_LEN],
+        server_nonce: [u8; protocol::AUTH_LEN],
     },
     /// Waiting for c10d's `VALIDATE`.
     Validate,
@@ -263,7 +263,7 @@ async fn serve_connection(
     let (notify, mut fired) = unbounded_channel();
     loop {
         loop {
-            let (request, used) = match wire::decode_request(&input, &config.limits) {
+            let (request, used) = match protocol::decode_request(&input, &config.limits) {
                 Ok(Some(decoded)) => decoded,
                 Ok(None) => break,
                 Err(e) => return Closed::Refused(format!("malformed request: {e}")),
@@ -324,10 +324,10 @@ fn handle(
                 .secret
                 .as_ref()
                 .expect("phase implies a secret");
-            let server_nonce = auth::nonce();
-            out.push(auth::STATUS_OK);
+            let server_nonce = handshake::nonce();
+            out.push(handshake::STATUS_OK);
             out.extend_from_slice(&server_nonce);
-            out.extend_from_slice(&auth::server_mac(secret, &client_nonce, &server_nonce));
+            out.extend_from_slice(&handshake::server_mac(secret, &client_nonce, &server_nonce));
             *phase = Phase::AuthProof {
                 client_nonce,
                 server_nonce,
@@ -335,7 +335,7 @@ fn handle(
             Ok(())
         }
         (Phase::AuthHello, other) => {
-            out.extend_from_slice(&auth::AUTH_REQUIRED_MARKER.to_ne_bytes());
+            out.extend_from_slice(&handshake::AUTH_REQUIRED_MARKER.to_ne_bytes());
             Err(format!(
                 "unauthenticated client refused (first query type {}): this store has a cluster \
              secret; PyTorch clients cannot authenticate, run the store without a secret for \
@@ -355,15 +355,15 @@ fn handle(
                 .secret
                 .as_ref()
                 .expect("phase implies a secret");
-            if auth::macs_equal(
+            if handshake::macs_equal(
                 &mac,
-                &auth::client_mac(secret, &client_nonce, &server_nonce),
+                &handshake::client_mac(secret, &client_nonce, &server_nonce),
             ) {
-                out.push(auth::STATUS_OK);
+                out.push(handshake::STATUS_OK);
                 *phase = Phase::Validate;
                 Ok(())
             } else {
-                out.push(auth::STATUS_REJECTED);
+                out.push(handshake::STATUS_REJECTED);
                 Err("authentication failed: wrong cluster secret".to_owned())
             }
         }
@@ -373,7 +373,7 @@ fn handle(
         )),
         (Phase::Validate, Request::AuthHello { .. }) if shared.config.secret.is_none() => {
             // Tell a tensorwire client with a secret that this server has none; it decides.
-            out.push(auth::STATUS_NO_SECRET);
+            out.push(handshake::STATUS_NO_SECRET);
             Ok(())
         }
         (Phase::Validate, Request::Validate { magic }) if magic == VALIDATION_MAGIC => {
@@ -408,11 +408,11 @@ fn serve(
             desired,
         } => {
             let value = shared.lock().compare_set(&key, &expected, desired);
-            wire::put_bytes(out, &value);
+            protocol::put_bytes(out, &value);
         }
         Request::Get { key } => {
             let state = shared.lock();
-            wire::put_bytes(out, state.get(&key).map(Vec::as_slice).unwrap_or_default());
+            protocol::put_bytes(out, state.get(&key).map(Vec::as_slice).unwrap_or_default());
         }
         Request::Add { key, delta } => match shared.lock().add(&key, delta) {
             Ok(sum) => out.extend_from_slice(&sum.to_ne_bytes()),
@@ -452,7 +452,7 @@ fn serve(
         Request::MultiGet { keys } => {
             let state = shared.lock();
             for key in &keys {
-                wire::put_bytes(out, state.get(key).map(Vec::as_slice).unwrap_or_default());
+                protocol::put_bytes(out, state.get(key).map(Vec::as_slice).unwrap_or_default());
             }
         }
         Request::MultiSet { pairs } => {
@@ -475,7 +475,7 @@ fn serve(
             let (len, item) = shared.lock().queue_pop(&key);
             out.extend_from_slice(&(len as i64).to_ne_bytes());
             if let Some(item) = item {
-                wire::put_bytes(out, &item);
+                protocol::put_bytes(out, &item);
             }
         }
         Request::QueueLen { key } => {
@@ -486,7 +486,7 @@ fn serve(
             let state = shared.lock();
             out.extend_from_slice(&(state.len() as u64).to_ne_bytes());
             for key in state.keys() {
-                wire::put_bytes(out, key);
+                protocol::put_bytes(out, key);
             }
         }
         Request::Validate { .. } => return Err("VALIDATE sent twice".to_owned()),

@@ -4,7 +4,7 @@
 //! `new_group("nccl", timeout, Device::Cuda(n), options)` sets a group up in three steps:
 //! 1. Each rank checks that it can take part: a CUDA driver with device `n`, and an NCCL
 //!    library that loads (see [`nccl_available`]); rank 0 makes the NCCL unique id.
-//! 2. The [setup exchange](crate::setup) through the rendezvous store: rank 0 publishes the id,
+//! 2. The [setup exchange](setup) through the rendezvous store: rank 0 publishes the id,
 //!    every rank says whether it can join. A rank that cannot (no GPU, no NCCL, no such device)
 //!    makes `new_group` fail on *every* rank with its reason; a rank that never comes is named
 //!    by the timeout. So an unavailable NCCL is reported by `new_group`, not by the first
@@ -26,15 +26,25 @@
 //! can name it. After a timeout or an NCCL error the group is broken: every later collective
 //! fails with the same error, as with the built-in backend.
 //!
+//! Code usually calls `new_group("nccl", timeout, device, options)` of
+//! `tensorwire-process-group` (feature `nccl`, which registers [`NcclFactory`]): it runs the
+//! `env://` rendezvous and then this factory with the rendezvous store.
+//!
 //! ```no_run
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! # use std::sync::Arc;
+//! # use tensorwire_core::ports::store::Store;
+//! # async fn demo(store: Arc<dyn Store>) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::time::Duration;
 //! use tensorwire_core::{collective::ReduceOp, device::Device, ports::device::relocate, tensor::Tensor};
-//! use tensorwire_process_group::{new_group, nccl::shared_devices};
+//! use tensorwire_core::registry::ProcessGroupFactory;
+//! use tensorwire_devices_cuda::nccl_group::{shared_devices, NcclFactory};
 //!
-//! let rank: u8 = std::env::var("RANK")?.parse()?;
-//! let device = Device::Cuda(rank); // one GPU per rank
-//! let pg = new_group("nccl", Duration::from_secs(60), device, Vec::new()).await?;
+//! let rank: usize = std::env::var("RANK")?.parse()?;
+//! let world_size: usize = std::env::var("WORLD_SIZE")?.parse()?;
+//! let device = Device::Cuda(rank as u8); // one GPU per rank
+//! let timeout = Duration::from_secs(60);
+//! // `store`: the job's rendezvous store, shared by every rank.
+//! let pg = NcclFactory::new().create(store, rank, world_size, timeout, device, Vec::new()).await?;
 //! let cuda = shared_devices(); // the backend the group uses
 //! let grads = relocate(cuda, &Tensor::from_f32(vec![1024], &[1.0; 1024])?, device).await?;
 //! let summed = pg.all_reduce_tensor(&grads, ReduceOp::Sum).await?; // a new tensor on `device`
@@ -58,13 +68,19 @@ use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::registry::ProcessGroupFactory;
 use tensorwire_core::tensor::{DType, DeviceBuffer, Storage, Tensor};
-use tensorwire_devices_cuda::nccl::{nccl_type, NcclAbort, NcclComm, NcclError, NcclId};
-use tensorwire_devices_cuda::CudaDevices;
 
-pub use tensorwire_devices_cuda::nccl::{nccl_available, NcclUnavailable, NcclVersion};
+use crate::nccl::{nccl_type, NcclAbort, NcclComm, NcclError, NcclId};
+use crate::CudaDevices;
 
-use crate::backend::BackendOptions;
-use crate::setup::{exchange, Readiness};
+pub use crate::nccl::{nccl_available, NcclUnavailable, NcclVersion};
+
+use setup::{exchange, Readiness};
+
+pub mod setup;
+
+/// Backend options as `new_group` passes them (process groups' `BackendOptions`): PyTorch's
+/// `**kwargs`, as name/value pairs.
+type BackendOptions = Vec<(String, String)>;
 
 /// The backend's registered name.
 pub const NCCL_BACKEND: &str = "nccl";
@@ -557,7 +573,7 @@ fn check_op(op: ReduceOp, element: ElementType) -> Result<(), ProcessGroupError>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::InMemoryStore;
+    use tensorwire_store::InMemoryStore;
 
     fn store() -> Arc<dyn Store> {
         Arc::new(InMemoryStore::new())

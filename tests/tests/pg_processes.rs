@@ -239,7 +239,7 @@ fn killing_a_rank_makes_the_others_fail_naming_it() {
 #[test]
 fn an_nccl_group_of_two_processes_runs_or_fails_at_setup_naming_the_reason() {
     use tensorwire_core::device::Device;
-    use tensorwire_process_group::nccl::{local_readiness, shared_devices};
+    use tensorwire_devices_cuda::nccl_group::{local_readiness, shared_devices};
 
     let bound = Duration::from_secs(60);
     let started = Instant::now();

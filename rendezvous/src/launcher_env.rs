@@ -1,5 +1,5 @@
 //! The environments launchers give their workers, read the same way by `env://` rendezvous
-//! ([`new_group`](crate::new_group), `init_rpc`) and by [`DistEnv::from_env`].
+//! (process groups' `new_group`, `init_rpc`) and by [`DistEnv::from_env`].
 //!
 //! | variable | explicit (torchrun, PyTorchJob, `tensorwire launch`) | else, under Slurm (`srun`) |
 //! | --- | --- | --- |
@@ -160,7 +160,7 @@ impl DistEnv {
     ///
     /// ```no_run
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let env = tensorwire_process_group::DistEnv::from_env()?;
+    /// let env = tensorwire_rendezvous::DistEnv::from_env()?;
     /// println!("worker {} of {} (local {})", env.rank, env.world_size, env.local_rank);
     /// # Ok(()) }
     /// ```

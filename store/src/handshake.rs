@@ -4,7 +4,7 @@
 //! # Protocol
 //!
 //! When the server has a secret, the first bytes a client sends must be tensorwire's
-//! [`AUTH_HELLO`](crate::wire::AUTH_HELLO) query (`0xA5`, outside c10d's query range) with a
+//! [`AUTH_HELLO`](crate::protocol::AUTH_HELLO) query (`0xA5`, outside c10d's query range) with a
 //! fresh 32-byte client nonce `cn`:
 //!
 //! 1. client → server: `0xA5`, `cn`
@@ -31,7 +31,7 @@
 
 use tensorwire_core::auth::ClusterSecret;
 
-use crate::wire::AUTH_LEN;
+use crate::protocol::AUTH_LEN;
 
 /// Status byte: the challenge follows / the proof is accepted.
 pub(crate) const STATUS_OK: u8 = 0;

@@ -11,13 +11,13 @@
 //! size, and [`HostList::expand`] refuses lists longer than a limit.
 //!
 //! ```
-//! use tensorwire_process_group::hostlist::HostList;
+//! use tensorwire_rendezvous::hostlist::HostList;
 //!
 //! let hosts = HostList::parse("node[01-03,07],gpu-a[1-2]")?;
 //! assert_eq!(hosts.first(), "node01");
 //! assert_eq!(hosts.len(), 6);
 //! assert_eq!(hosts.expand(100)?, ["node01", "node02", "node03", "node07", "gpu-a1", "gpu-a2"]);
-//! # Ok::<(), tensorwire_process_group::hostlist::HostListError>(())
+//! # Ok::<(), tensorwire_rendezvous::hostlist::HostListError>(())
 //! ```
 
 use std::fmt::Write as _;

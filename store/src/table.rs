@@ -15,7 +15,7 @@ use std::collections::{HashMap, VecDeque};
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::wire::parse_c10d_int;
+use crate::protocol::parse_c10d_int;
 
 /// Identifies one registered wait.
 pub(crate) type WaiterId = u64;

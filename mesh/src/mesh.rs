@@ -11,7 +11,7 @@
 //! the ranks that did not connect.
 //!
 //! # Groups over one mesh
-//! The world group and its subgroups ([`Group::new_group`](crate::Group::new_group)) share
+//! The world group and its subgroups (process groups' `Group::new_group`) share
 //! the connections: each group has an id (0 for the world) and files its collectives under a
 //! key holding that id and its own sequence number (see `GroupMesh`), so messages of groups
 //! used at once never mix, and a failure that breaks the mesh breaks every group.
@@ -123,11 +123,11 @@ pub trait FrameSink: Send + Sync {
 
 /// One collective message as it arrived.
 #[derive(Debug)]
-pub(crate) struct Incoming {
+pub struct Incoming {
     /// The encoded signature of the round the sender ran.
-    pub(crate) signature: [u8; SIGNATURE_LEN],
+    pub signature: [u8; SIGNATURE_LEN],
     /// The message bytes.
-    pub(crate) payload: Bytes,
+    pub payload: Bytes,
 }
 
 /// Whether a peer's connection is still delivering.
@@ -265,7 +265,7 @@ impl Shared {
 }
 
 /// A fully connected set of ranks.
-pub(crate) struct Mesh {
+pub struct Mesh {
     shared: Arc<Shared>,
     world: usize,
     readers: Vec<JoinHandle<()>>,
@@ -289,15 +289,21 @@ impl Drop for Mesh {
 }
 
 /// What setting up a mesh needs.
-pub(crate) struct MeshSetup<'a> {
-    pub(crate) store: &'a dyn Store,
-    pub(crate) transport: &'a dyn Transport,
-    pub(crate) group: &'a str,
-    pub(crate) rank: usize,
-    pub(crate) world: usize,
+pub struct MeshSetup<'a> {
+    /// The store through which ranks publish where they listen.
+    pub store: &'a dyn Store,
+    /// The transport that dials and listens.
+    pub transport: &'a dyn Transport,
+    /// The group's name: it scopes the store keys and is checked in every hello.
+    pub group: &'a str,
+    /// This rank.
+    pub rank: usize,
+    /// The number of ranks.
+    pub world: usize,
     /// Where to listen (port 0 for an ephemeral port); its IP is what peers are told.
-    pub(crate) listen: SocketAddr,
-    pub(crate) timeout: Duration,
+    pub listen: SocketAddr,
+    /// How long the whole setup may take.
+    pub timeout: Duration,
 }
 
 impl Mesh {
@@ -306,7 +312,7 @@ impl Mesh {
     /// A rank that accepts anyone listens and publishes its address under [`address_key`], and
     /// removes that key once every lower rank has connected (nobody needs it any more), so a
     /// set-up group leaves no key in the store.
-    pub(crate) async fn connect(setup: MeshSetup<'_>) -> Result<Mesh, ProcessGroupError> {
+    pub async fn connect(setup: MeshSetup<'_>) -> Result<Mesh, ProcessGroupError> {
         let MeshSetup {
             store,
             transport,
@@ -502,12 +508,12 @@ impl Mesh {
 
     /// Sends the frames on these connections that are not the group's own (every kind but
     /// [`FrameKind::Collective`]) to `sink`; `false` if a sink was set already.
-    pub(crate) fn route_frames(&self, sink: Arc<dyn FrameSink>) -> bool {
+    pub fn route_frames(&self, sink: Arc<dyn FrameSink>) -> bool {
         self.shared.sink.set(sink).is_ok()
     }
 
     /// The connection to each other rank, by world rank.
-    pub(crate) fn connections(&self) -> Vec<(usize, Arc<dyn Connection>)> {
+    pub fn connections(&self) -> Vec<(usize, Arc<dyn Connection>)> {
         self.shared
             .peers
             .iter()
@@ -517,47 +523,47 @@ impl Mesh {
     }
 
     /// This rank.
-    pub(crate) fn rank(&self) -> usize {
+    pub fn rank(&self) -> usize {
         self.shared.rank
     }
 
     /// The number of ranks.
-    pub(crate) fn world(&self) -> usize {
+    pub fn world(&self) -> usize {
         self.world
     }
 
     /// The failure that broke the mesh, if any.
-    pub(crate) fn broken(&self) -> Option<ProcessGroupError> {
+    pub fn broken(&self) -> Option<ProcessGroupError> {
         self.shared.failure.get().cloned()
     }
 
     /// Breaks the mesh with `error` (kept only if it is the first failure).
-    pub(crate) fn fail(&self, error: ProcessGroupError) {
+    pub fn fail(&self, error: ProcessGroupError) {
         self.shared.fail(error);
     }
 
     /// Receives `peer`'s next message of collective `seq` (`None`: its connection ended).
-    pub(crate) async fn recv(&self, peer: usize, seq: u64) -> Option<Incoming> {
+    pub async fn recv(&self, peer: usize, seq: u64) -> Option<Incoming> {
         let link = self.shared.peer(peer)?;
         std::future::poll_fn(|cx| link.inbox.poll_recv(seq, cx)).await
     }
 
     /// Whether a message of collective `seq` from `peer` is waiting.
-    pub(crate) fn has_message(&self, peer: usize, seq: u64) -> bool {
+    pub fn has_message(&self, peer: usize, seq: u64) -> bool {
         self.shared
             .peer(peer)
             .is_some_and(|l| l.inbox.has_message(seq))
     }
 
     /// Forgets `peer`'s messages of collective `seq`.
-    pub(crate) fn release(&self, peer: usize, seq: u64) {
+    pub fn release(&self, peer: usize, seq: u64) {
         if let Some(link) = self.shared.peer(peer) {
             link.inbox.release(seq);
         }
     }
 
     /// The error for a receive from `peer` that found the channel closed.
-    pub(crate) fn closed_error(
+    pub fn closed_error(
         &self,
         peer: usize,
         collective: &'static str,
@@ -581,7 +587,7 @@ impl Mesh {
     }
 
     /// Breaks the mesh with a disagreement this rank saw, and tells every other rank.
-    pub(crate) async fn report_disagreement(&self, error: &ProcessGroupError) {
+    pub async fn report_disagreement(&self, error: &ProcessGroupError) {
         let ProcessGroupError::Disagreement {
             seq,
             peer,
@@ -610,7 +616,7 @@ impl Mesh {
     }
 
     /// Sends one collective message to `peer`.
-    pub(crate) async fn send(
+    pub async fn send(
         &self,
         peer: usize,
         seq: u64,
@@ -642,7 +648,7 @@ impl Mesh {
     }
 
     /// Says goodbye to every peer and closes the connections; collectives fail afterwards.
-    pub(crate) async fn shutdown(&self, timeout: Duration) {
+    pub async fn shutdown(&self, timeout: Duration) {
         self.shared.fail(ProcessGroupError::ShutDown);
         let shared = &self.shared;
         let goodbyes = shared.peers.iter().flatten().map(|link| async move {
@@ -665,12 +671,12 @@ impl Mesh {
 /// in the low 48 bits, and its id (0 for the world group) sits above them, so groups over one
 /// mesh never file two messages under one key.
 const GROUP_SHIFT: u32 = 48;
-/// The bit that marks a point-to-point key (see [`crate::p2p`]): such keys belong to a pair
-/// of ranks, not to a group, and pass through a [`GroupMesh`] unchanged.
+/// The bit that marks a point-to-point key (process groups' `send` and `recv`): such keys
+/// belong to a pair of ranks, not to a group, and pass through a [`GroupMesh`] unchanged.
 const P2P_BIT: u64 = 1 << 63;
 /// The largest subgroup id: ids fill the 15 bits between the sequence numbers and
-/// [`P2P_BIT`].
-pub(crate) const MAX_GROUP_ID: u64 = (1 << (63 - GROUP_SHIFT)) - 1;
+/// `P2P_BIT`.
+pub const MAX_GROUP_ID: u64 = (1 << (63 - GROUP_SHIFT)) - 1;
 
 /// One group's view of a shared [`Mesh`]: the world group, or a subgroup of some of its ranks
 /// over the same connections.
@@ -681,7 +687,7 @@ pub(crate) const MAX_GROUP_ID: u64 = (1 << (63 - GROUP_SHIFT)) - 1;
 /// mesh's: a dead peer, a timeout or a disagreement in any group breaks every group over
 /// these connections (the ranks of one group no longer agree where its collectives stand,
 /// and a rank that is out of step in one group cannot vouch for another).
-pub(crate) struct GroupMesh {
+pub struct GroupMesh {
     mesh: Arc<Mesh>,
     /// The group's id: 0 for the world group.
     id: u64,
@@ -705,7 +711,7 @@ impl std::fmt::Debug for GroupMesh {
 
 impl GroupMesh {
     /// The world group over `mesh`.
-    pub(crate) fn whole(mesh: Mesh) -> Self {
+    pub fn whole(mesh: Mesh) -> Self {
         let members: Arc<[usize]> = (0..mesh.world()).collect();
         GroupMesh {
             rank: mesh.rank(),
@@ -718,7 +724,7 @@ impl GroupMesh {
 
     /// Subgroup `id` of `members` (ascending world ranks, this rank among them) over the
     /// same mesh.
-    pub(crate) fn subgroup(&self, id: u64, members: Arc<[usize]>) -> Option<Self> {
+    pub fn subgroup(&self, id: u64, members: Arc<[usize]>) -> Option<Self> {
         debug_assert!(id > 0 && id <= MAX_GROUP_ID);
         let here = self.mesh.rank();
         let rank = members.iter().position(|r| *r == here)?;
@@ -732,32 +738,32 @@ impl GroupMesh {
     }
 
     /// See [`Mesh::route_frames`]; on the world group only (`false` on a subgroup).
-    pub(crate) fn route_frames(&self, sink: Arc<dyn FrameSink>) -> bool {
+    pub fn route_frames(&self, sink: Arc<dyn FrameSink>) -> bool {
         self.id == 0 && self.mesh.route_frames(sink)
     }
 
     /// The connections under the group, by world rank.
-    pub(crate) fn connections(&self) -> Vec<(usize, Arc<dyn Connection>)> {
+    pub fn connections(&self) -> Vec<(usize, Arc<dyn Connection>)> {
         self.mesh.connections()
     }
 
     /// The group's id (0: the world group).
-    pub(crate) fn id(&self) -> u64 {
+    pub fn id(&self) -> u64 {
         self.id
     }
 
     /// World rank of each group rank.
-    pub(crate) fn members(&self) -> &Arc<[usize]> {
+    pub fn members(&self) -> &Arc<[usize]> {
         &self.members
     }
 
     /// This rank in the group.
-    pub(crate) fn rank(&self) -> usize {
+    pub fn rank(&self) -> usize {
         self.rank
     }
 
     /// The group's size.
-    pub(crate) fn world(&self) -> usize {
+    pub fn world(&self) -> usize {
         self.members.len()
     }
 
@@ -775,34 +781,34 @@ impl GroupMesh {
     }
 
     /// The failure that broke the group, if any.
-    pub(crate) fn broken(&self) -> Option<ProcessGroupError> {
+    pub fn broken(&self) -> Option<ProcessGroupError> {
         self.closed.get().cloned().or_else(|| self.mesh.broken())
     }
 
     /// Breaks the mesh, and so every group over it, with `error`.
-    pub(crate) fn fail(&self, error: ProcessGroupError) {
+    pub fn fail(&self, error: ProcessGroupError) {
         self.mesh.fail(error);
     }
 
     /// Receives group rank `peer`'s next message of collective `seq`.
-    pub(crate) async fn recv(&self, peer: usize, seq: u64) -> Option<Incoming> {
+    pub async fn recv(&self, peer: usize, seq: u64) -> Option<Incoming> {
         self.mesh.recv(self.peer(peer), self.key(seq)).await
     }
 
     /// Whether a message of collective `seq` from group rank `peer` is waiting.
-    pub(crate) fn has_message(&self, peer: usize, seq: u64) -> bool {
+    pub fn has_message(&self, peer: usize, seq: u64) -> bool {
         self.mesh.has_message(self.peer(peer), self.key(seq))
     }
 
     /// Forgets group rank `peer`'s messages of collective `seq`.
-    pub(crate) fn release(&self, peer: usize, seq: u64) {
+    pub fn release(&self, peer: usize, seq: u64) {
         self.mesh.release(self.peer(peer), self.key(seq));
     }
 
     /// The error for a receive from group rank `peer` that found the channel closed: a peer
     /// that left is named by its group rank, a dead one (which broke every group) by its
     /// world rank.
-    pub(crate) fn closed_error(
+    pub fn closed_error(
         &self,
         peer: usize,
         collective: &'static str,
@@ -823,7 +829,7 @@ impl GroupMesh {
 
     /// Breaks the mesh with a disagreement this rank saw (in group ranks), and tells every
     /// other rank (in world ranks).
-    pub(crate) async fn report_disagreement(&self, error: &ProcessGroupError) {
+    pub async fn report_disagreement(&self, error: &ProcessGroupError) {
         let ProcessGroupError::Disagreement {
             seq,
             peer,
@@ -847,7 +853,7 @@ impl GroupMesh {
     }
 
     /// Sends one message of collective `seq` to group rank `peer`.
-    pub(crate) async fn send(
+    pub async fn send(
         &self,
         peer: usize,
         seq: u64,
@@ -861,7 +867,7 @@ impl GroupMesh {
 
     /// The world group says goodbye and closes the connections (every group over them then
     /// fails with [`ProcessGroupError::ShutDown`]); a subgroup only stops taking collectives.
-    pub(crate) async fn shutdown(&self, timeout: Duration) {
+    pub async fn shutdown(&self, timeout: Duration) {
         if self.id == 0 {
             self.mesh.shutdown(timeout).await;
         } else {

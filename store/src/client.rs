@@ -1,4 +1,4 @@
-//! The TCP store client: PyTorch c10d `TCPStore`'s protocol (see [`crate::wire`]).
+//! The TCP store client: PyTorch c10d `TCPStore`'s protocol (see [`crate::protocol`]).
 //!
 //! Works against [`TcpStoreServer`](crate::TcpStoreServer) and against PyTorch's own server.
 //! Like PyTorch's client it prefixes every key with `/` (configurable), so a key set here as
@@ -18,10 +18,10 @@ use tokio::sync::{Mutex, MutexGuard};
 use tokio::time::Instant;
 use tracing::debug;
 
-use crate::auth;
 use crate::backoff::Backoff;
-use crate::memory::check_multi_set;
-use crate::wire::{
+use crate::handshake;
+use crate::in_memory::check_multi_set;
+use crate::protocol::{
     Limits, Request, AUTH_LEN, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC, WAIT_CANCELED,
     WAIT_STOP_WAITING,
 };
@@ -40,7 +40,7 @@ pub struct ClientConfig {
     pub connect_timeout: Duration,
     /// Prepended to every key; `"/"` as PyTorch's `TCPStore` does.
     pub key_prefix: String,
-    /// The cluster secret, when the server requires one (see [`crate::auth`]).
+    /// The cluster secret, when the server requires one (see [`crate::handshake`]).
     pub secret: Option<ClusterSecret>,
     /// Limits checked before sending, with a typed error (the c10d server would just close).
     pub limits: Limits,
@@ -176,7 +176,7 @@ impl TcpStoreClient {
         };
         match tokio::time::timeout(config.timeout, handshake).await {
             Ok(Ok(echo)) if echo == nonce => Ok(stream),
-            Ok(Ok(auth::AUTH_REQUIRED_MARKER)) => Err(Attempt::Fatal(StoreError::Auth {
+            Ok(Ok(handshake::AUTH_REQUIRED_MARKER)) => Err(Attempt::Fatal(StoreError::Auth {
                 addr: addr.to_owned(),
                 reason: "the store requires a cluster secret; configure the same secret here"
                     .to_owned(),
@@ -462,7 +462,7 @@ async fn authenticate(
             reason,
         })
     };
-    let client_nonce = auth::nonce();
+    let client_nonce = handshake::nonce();
     let mut hello = Vec::new();
     Request::AuthHello {
         nonce: client_nonce,
@@ -471,7 +471,7 @@ async fn authenticate(
     let challenge = async {
         stream.write_all(&hello).await?;
         let status = stream.read_u8().await?;
-        if status != auth::STATUS_OK {
+        if status != handshake::STATUS_OK {
             return Ok(Err(status));
         }
         let mut rest = [0u8; 2 * AUTH_LEN];
@@ -480,7 +480,7 @@ async fn authenticate(
     };
     let rest = match tokio::time::timeout(limit, challenge).await {
         Ok(Ok(Ok(rest))) => rest,
-        Ok(Ok(Err(auth::STATUS_NO_SECRET))) => {
+        Ok(Ok(Err(handshake::STATUS_NO_SECRET))) => {
             return Err(fatal(
                 "the server has no cluster secret; refusing to use an unauthenticated store \
                  (configure the same secret on both sides, or none on both)"
@@ -500,9 +500,9 @@ async fn authenticate(
     server_nonce.copy_from_slice(&rest[..AUTH_LEN]);
     let mut server_mac = [0u8; AUTH_LEN];
     server_mac.copy_from_slice(&rest[AUTH_LEN..]);
-    if !auth::macs_equal(
+    if !handshake::macs_equal(
         &server_mac,
-        &auth::server_mac(secret, &client_nonce, &server_nonce),
+        &handshake::server_mac(secret, &client_nonce, &server_nonce),
     ) {
         return Err(fatal(
             "the server does not know our cluster secret".to_owned(),
@@ -510,7 +510,7 @@ async fn authenticate(
     }
     let mut proof = Vec::new();
     Request::AuthProof {
-        mac: auth::client_mac(secret, &client_nonce, &server_nonce),
+        mac: handshake::client_mac(secret, &client_nonce, &server_nonce),
     }
     .encode(&mut proof);
     let verdict = async {
@@ -518,8 +518,8 @@ async fn authenticate(
         stream.read_u8().await
     };
     match tokio::time::timeout(limit, verdict).await {
-        Ok(Ok(auth::STATUS_OK)) => Ok(()),
-        Ok(Ok(auth::STATUS_REJECTED)) => {
+        Ok(Ok(handshake::STATUS_OK)) => Ok(()),
+        Ok(Ok(handshake::STATUS_REJECTED)) => {
             Err(fatal("the server rejected our cluster secret".to_owned()))
         }
         Ok(Ok(status)) => Err(fatal(format!("unexpected status {status}"))),
@@ -731,15 +731,15 @@ mod tests {
     async fn challenge_then_stop(stream: &mut TcpStream, secret: &ClusterSecret) {
         let mut hello = [0u8; 1 + AUTH_LEN];
         stream.read_exact(&mut hello).await.unwrap();
-        assert_eq!(hello[0], crate::wire::AUTH_HELLO);
-        let server_nonce = auth::nonce();
-        let mut reply = vec![auth::STATUS_OK];
+        assert_eq!(hello[0], crate::protocol::AUTH_HELLO);
+        let server_nonce = handshake::nonce();
+        let mut reply = vec![handshake::STATUS_OK];
         reply.extend_from_slice(&server_nonce);
-        reply.extend_from_slice(&auth::server_mac(secret, &hello[1..], &server_nonce));
+        reply.extend_from_slice(&handshake::server_mac(secret, &hello[1..], &server_nonce));
         stream.write_all(&reply).await.unwrap();
         let mut proof = [0u8; 1 + AUTH_LEN];
         stream.read_exact(&mut proof).await.unwrap();
-        assert_eq!(proof[0], crate::wire::AUTH_PROOF);
+        assert_eq!(proof[0], crate::protocol::AUTH_PROOF);
     }
 
     #[tokio::test]
@@ -799,7 +799,10 @@ mod tests {
         });
         let (mut stream, _) = listener.accept().await.unwrap();
         challenge_then_stop(&mut stream, &secret).await;
-        stream.write_all(&[auth::STATUS_REJECTED]).await.unwrap();
+        stream
+            .write_all(&[handshake::STATUS_REJECTED])
+            .await
+            .unwrap();
         drop(stream);
         let err = tokio::time::timeout(LIMIT, connecting)
             .await

@@ -2,7 +2,7 @@
 //! (`store`, `store_auth`). Not part of the API: it may change at any time.
 //!
 //! A [`Session`] is a server with a fixed number of client connections. Bytes delivered on a
-//! connection go through the code a real connection runs ([`wire::decode_request`], then the
+//! connection go through the code a real connection runs ([`protocol::decode_request`], then the
 //! server's `handle`), against one shared table, so waits and barriers parked by one connection
 //! are released by another. Only the socket is missing.
 
@@ -10,8 +10,8 @@ use bytes::{Buf, BytesMut};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::{handle, Phase, ServerConfig, Shared};
-use crate::state::KvState;
-use crate::wire::{self, Limits, AUTH_LEN, WAIT_STOP_WAITING};
+use crate::protocol::{self, Limits, AUTH_LEN, WAIT_STOP_WAITING};
+use crate::table::KvState;
 use tensorwire_core::auth::ClusterSecret;
 
 struct Conn {
@@ -92,7 +92,7 @@ impl Session {
         c.input.extend_from_slice(bytes);
         let mut out = std::mem::take(&mut c.released);
         let result = loop {
-            let (request, used) = match wire::decode_request(&c.input, &limits) {
+            let (request, used) = match protocol::decode_request(&c.input, &limits) {
                 Ok(Some(decoded)) => decoded,
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(format!("malformed request: {e}")),

@@ -18,7 +18,7 @@
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! use tensorwire_process_group::{rendezvous, RendezvousOptions};
+//! use tensorwire_rendezvous::{rendezvous, RendezvousOptions};
 //!
 //! // MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 RANK=0 WORLD_SIZE=2 in the environment:
 //! let group = rendezvous("env://", RendezvousOptions::default()).await?;
@@ -35,7 +35,7 @@ use tokio::time::Instant;
 use tracing::{debug, info};
 
 use crate::launcher_env::launcher_var;
-use crate::{
+use tensorwire_store::{
     ClientConfig, ClusterSecret, FileStore, ServerConfig, TcpStoreClient, TcpStoreServer,
     DEFAULT_TIMEOUT,
 };
@@ -102,7 +102,7 @@ impl std::fmt::Debug for Rendezvous {
 
 impl Rendezvous {
     /// A rendezvous that is already done: rank `rank` of `world_size` sharing `store` (an
-    /// [`InMemoryStore`](crate::InMemoryStore) for workers in one process, or a store a launcher
+    /// [`InMemoryStore`](tensorwire_store::InMemoryStore) for workers in one process, or a store a launcher
     /// set up). It hosts no server.
     pub fn from_store(store: Arc<dyn Store>, rank: usize, world_size: usize) -> Rendezvous {
         Rendezvous {

@@ -45,8 +45,8 @@ use tensorwire_core::collective::{ElementType, ReduceOp};
 use tensorwire_core::device::Device;
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
-use tensorwire_process_group::env_init::env_rendezvous;
 use tensorwire_process_group::{new_group, CollectivesExt, Group, GroupOptions};
+use tensorwire_rendezvous::env_init::env_rendezvous;
 use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -836,7 +836,7 @@ async fn nccl(rank: usize, timeout: Duration) -> Result<ExitCode, Error> {
     use tensorwire_core::ports::device::relocate;
     use tensorwire_core::ports::process_group::ProcessGroupError;
     use tensorwire_core::tensor::{DType, Storage, Tensor};
-    use tensorwire_process_group::nccl::shared_devices;
+    use tensorwire_devices_cuda::nccl_group::shared_devices;
 
     let device: Device = match std::env::var("TW_DEVICE") {
         Ok(d) => d.parse()?,

@@ -3,8 +3,9 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use tensorwire_process_group::rendezvous::rendezvous_with_env;
-use tensorwire_process_group::{rendezvous, ClusterSecret, RendezvousError, RendezvousOptions};
+use tensorwire_rendezvous::init_method::rendezvous_with_env;
+use tensorwire_rendezvous::{rendezvous, RendezvousError, RendezvousOptions};
+use tensorwire_store::ClusterSecret;
 
 const LIMIT: Duration = Duration::from_secs(20);
 
@@ -77,9 +78,9 @@ async fn env_rendezvous_of_four_ranks_shares_one_store() {
 async fn tcp_join_timeout_says_how_many_arrived() {
     // A standalone server (as `tensorwire store serve`), so that every rank outlives its
     // deadline and reports it, rather than losing rank 0's store.
-    let server = tensorwire_process_group::TcpStoreServer::bind(
+    let server = tensorwire_store::TcpStoreServer::bind(
         "127.0.0.1:0",
-        tensorwire_process_group::ServerConfig::default(),
+        tensorwire_store::ServerConfig::default(),
     )
     .await
     .unwrap();

@@ -154,7 +154,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::InMemoryStore;
+    use tensorwire_store::InMemoryStore;
 
     async fn run_all(
         world: usize,

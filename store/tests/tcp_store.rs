@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use tensorwire_process_group::wire::{self, Limits, Request};
-use tensorwire_process_group::{
+use tensorwire_store::protocol::{self, Limits, Request};
+use tensorwire_store::{
     ClientConfig, ClusterSecret, ServerConfig, Store, StoreError, TcpStoreClient, TcpStoreServer,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -34,7 +34,7 @@ async fn raw(server: &TcpStoreServer) -> TcpStream {
     let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
     let mut b = Vec::new();
     Request::Validate {
-        magic: wire::VALIDATION_MAGIC,
+        magic: protocol::VALIDATION_MAGIC,
     }
     .encode(&mut b);
     s.write_all(&b).await.unwrap();
@@ -138,7 +138,7 @@ async fn a_parked_wait_is_released_by_a_set_from_another_client() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(byte[0], wire::WAIT_STOP_WAITING);
+    assert_eq!(byte[0], protocol::WAIT_STOP_WAITING);
     let got = tokio::time::timeout(LIMIT, parked).await.unwrap().unwrap();
     assert_eq!(got.unwrap(), b"now");
 }
@@ -232,7 +232,7 @@ async fn cancel_after_the_keys_arrived_answers_stop_waiting_then_canceled() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(two, [wire::WAIT_STOP_WAITING, wire::WAIT_CANCELED]);
+    assert_eq!(two, [protocol::WAIT_STOP_WAITING, protocol::WAIT_CANCELED]);
 }
 
 #[tokio::test]
@@ -401,7 +401,7 @@ async fn secret_authenticates_and_refuses_others() {
     send(
         &mut raw_client,
         Request::Validate {
-            magic: wire::VALIDATION_MAGIC,
+            magic: protocol::VALIDATION_MAGIC,
         },
     )
     .await;
@@ -549,9 +549,9 @@ async fn queues_and_list_keys_on_the_wire() {
     let mut expected = Vec::new();
     expected.extend_from_slice(&2i64.to_ne_bytes()); // QUEUE_LEN
     expected.extend_from_slice(&2i64.to_ne_bytes()); // QUEUE_POP: length before the pop,
-    wire::put_bytes(&mut expected, b"a"); //           then the item
+    protocol::put_bytes(&mut expected, b"a"); //           then the item
     expected.extend_from_slice(&1u64.to_ne_bytes()); // LIST_KEYS: the queue is not a key
-    wire::put_bytes(&mut expected, b"/k");
+    protocol::put_bytes(&mut expected, b"/k");
     let mut got = vec![0u8; expected.len()];
     tokio::time::timeout(LIMIT, s.read_exact(&mut got))
         .await
@@ -657,7 +657,7 @@ async fn a_barrier_met_while_its_arrival_cancels_answers_stop_waiting_then_cance
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(two, [wire::WAIT_STOP_WAITING, wire::WAIT_CANCELED]);
+    assert_eq!(two, [protocol::WAIT_STOP_WAITING, protocol::WAIT_CANCELED]);
 }
 
 #[tokio::test]

@@ -36,8 +36,8 @@ use async_trait::async_trait;
 use rustix::fs::{flock, FlockOperation};
 use tensorwire_core::ports::store::{Store, StoreError};
 
-use crate::memory::check_multi_set;
-use crate::wire::parse_c10d_int;
+use crate::in_memory::check_multi_set;
+use crate::protocol::parse_c10d_int;
 use crate::DEFAULT_TIMEOUT;
 
 const REGULAR_PREFIX: &str = "/";
@@ -49,7 +49,7 @@ const CLEANUP_KEY: &str = "cleanup/";
 /// ```
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// use tensorwire_core::ports::store::Store;
-/// use tensorwire_process_group::FileStore;
+/// use tensorwire_store::FileStore;
 ///
 /// let path = std::env::temp_dir().join(format!("tw-doc-{}", std::process::id()));
 /// let a = FileStore::new(&path, None);

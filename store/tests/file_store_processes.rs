@@ -3,7 +3,7 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use tensorwire_process_group::{FileStore, Store};
+use tensorwire_store::{FileStore, Store};
 
 const CHILD_ENV: &str = "TW_FILESTORE_CHILD_PATH";
 const ADDS_PER_PROCESS: i64 = 100;

@@ -8,8 +8,8 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use tensorwire_process_group::wire::{self, Limits, Request};
-use tensorwire_process_group::{
+use tensorwire_store::protocol::{self, Limits, Request};
+use tensorwire_store::{
     ClientConfig, ServerConfig, Store, StoreError, TcpStoreClient, TcpStoreServer,
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -263,7 +263,7 @@ async fn pytorch_file_store_shares_our_file_format() {
     require_torch!();
     let path = std::env::temp_dir().join(format!("tw-interop-file-{}", std::process::id()));
     let _ = std::fs::remove_file(&path);
-    let ours = tensorwire_process_group::FileStore::with_timeout(&path, None, LIMIT);
+    let ours = tensorwire_store::FileStore::with_timeout(&path, None, LIMIT);
     ours.set("rust/k", b"from-rust").await.unwrap();
     assert_eq!(ours.add("shared/count", 10).await.unwrap(), 10);
     let output = py()
@@ -298,7 +298,7 @@ async fn a_server_with_a_secret_refuses_pytorch_clients() {
     let server = TcpStoreServer::bind(
         "127.0.0.1:0",
         ServerConfig {
-            secret: tensorwire_process_group::ClusterSecret::new("s").ok(),
+            secret: tensorwire_store::ClusterSecret::new("s").ok(),
             ..ServerConfig::default()
         },
     )
@@ -356,9 +356,9 @@ async fn mixed_group(python_rank: usize) {
         "WORLD_SIZE" => Some("2".to_owned()),
         _ => None,
     };
-    let group = tensorwire_process_group::rendezvous::rendezvous_with_env(
+    let group = tensorwire_rendezvous::init_method::rendezvous_with_env(
         "env://",
-        tensorwire_process_group::RendezvousOptions {
+        tensorwire_rendezvous::RendezvousOptions {
             timeout: LIMIT,
             ..Default::default()
         },
@@ -656,7 +656,7 @@ async fn pytorchs_server_knows_no_query_type_past_barrier() {
         let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
         let mut b = Vec::new();
         Request::Validate {
-            magic: wire::VALIDATION_MAGIC,
+            magic: protocol::VALIDATION_MAGIC,
         }
         .encode(&mut b);
         s.write_all(&b).await.unwrap();
@@ -676,7 +676,7 @@ async fn pytorchs_server_knows_no_query_type_past_barrier() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(answer, [wire::WAIT_STOP_WAITING]);
+    assert_eq!(answer, [protocol::WAIT_STOP_WAITING]);
     // Every byte after it closes the connection, and our decoder refuses it too (except the two
     // authentication queries we added, which PyTorch's server cannot know).
     // (Concurrently; even so this takes a while, as PyTorch's server stalls for about 5 s
@@ -700,8 +700,8 @@ async fn pytorchs_server_knows_no_query_type_past_barrier() {
         probe.await.unwrap();
     }
     for query in 19..=u8::MAX {
-        if query != wire::AUTH_HELLO && query != wire::AUTH_PROOF {
-            assert!(wire::decode_request(&[query], &Limits::default()).is_err());
+        if query != protocol::AUTH_HELLO && query != protocol::AUTH_PROOF {
+            assert!(protocol::decode_request(&[query], &Limits::default()).is_err());
         }
     }
     let done = TcpStoreClient::connect(
@@ -772,7 +772,8 @@ async fn pytorchs_client_sends_our_encoding() {
     // The next request, exactly as PyTorch's client sent it.
     let mut next = async move |conn: &mut tokio::net::TcpStream| -> (Request, Vec<u8>) {
         loop {
-            if let Some((request, used)) = wire::decode_request(&input, &Limits::default()).unwrap()
+            if let Some((request, used)) =
+                protocol::decode_request(&input, &Limits::default()).unwrap()
             {
                 let raw: Vec<u8> = input.drain(..used).collect();
                 return (request, raw);
@@ -790,14 +791,14 @@ async fn pytorchs_client_sends_our_encoding() {
     let i64_bytes = |n: i64| n.to_ne_bytes().to_vec();
     let value = |v: &[u8]| {
         let mut out = Vec::new();
-        wire::put_bytes(&mut out, v);
+        protocol::put_bytes(&mut out, v);
         out
     };
     let (validate, _) = next(&mut conn).await;
     assert_eq!(
         validate,
         Request::Validate {
-            magic: wire::VALIDATION_MAGIC
+            magic: protocol::VALIDATION_MAGIC
         }
     );
     let script: Vec<(Request, Vec<u8>)> = vec![
@@ -826,7 +827,7 @@ async fn pytorchs_client_sends_our_encoding() {
             Request::Wait {
                 keys: vec![key("k")],
             },
-            vec![wire::WAIT_STOP_WAITING],
+            vec![protocol::WAIT_STOP_WAITING],
         ),
         (Request::Get { key: key("k") }, value(b"w")),
         (
@@ -840,13 +841,13 @@ async fn pytorchs_client_sends_our_encoding() {
             Request::Check {
                 keys: vec![key("k")],
             },
-            vec![wire::CHECK_READY],
+            vec![protocol::CHECK_READY],
         ),
         (
             Request::Wait {
                 keys: vec![key("k")],
             },
-            vec![wire::WAIT_STOP_WAITING],
+            vec![protocol::WAIT_STOP_WAITING],
         ),
         (Request::GetNumKeys, i64_bytes(3)),
         (Request::DeleteKey { key: key("k") }, i64_bytes(1)),
@@ -861,7 +862,7 @@ async fn pytorchs_client_sends_our_encoding() {
             Request::Wait {
                 keys: vec![key("a"), key("b")],
             },
-            vec![wire::WAIT_STOP_WAITING],
+            vec![protocol::WAIT_STOP_WAITING],
         ),
         (
             Request::MultiGet {
@@ -893,7 +894,7 @@ async fn pytorchs_client_sends_our_encoding() {
                 key: key("bar"),
                 world_size: 3,
             },
-            vec![wire::WAIT_STOP_WAITING],
+            vec![protocol::WAIT_STOP_WAITING],
         ),
         // Timed out: the client cancels, the server confirms.
         (
@@ -903,16 +904,16 @@ async fn pytorchs_client_sends_our_encoding() {
             },
             vec![],
         ),
-        (Request::CancelWait, vec![wire::WAIT_CANCELED]),
+        (Request::CancelWait, vec![protocol::WAIT_CANCELED]),
         (
             Request::Wait {
                 keys: vec![key("never")],
             },
             vec![],
         ),
-        (Request::CancelWait, vec![wire::WAIT_CANCELED]),
+        (Request::CancelWait, vec![protocol::WAIT_CANCELED]),
     ];
-    let mut seen = std::collections::BTreeSet::from([wire::QueryType::Validate as u8]);
+    let mut seen = std::collections::BTreeSet::from([protocol::QueryType::Validate as u8]);
     for (expected, reply) in script {
         let (got, raw) = next(&mut conn).await;
         assert_eq!(got, expected);
@@ -959,7 +960,7 @@ async fn pytorchs_file_store_and_ours_meet_at_one_barrier() {
     require_torch!();
     let path = std::env::temp_dir().join(format!("tw-interop-barrier-{}", std::process::id()));
     let _ = std::fs::remove_file(&path);
-    let ours = tensorwire_process_group::FileStore::with_timeout(&path, None, LIMIT);
+    let ours = tensorwire_store::FileStore::with_timeout(&path, None, LIMIT);
     let child = py()
         .args(["-c", PY_FILE_BARRIER, path.to_str().unwrap()])
         .stdout(Stdio::piped())

@@ -1,4 +1,4 @@
-//! `env://` for [`new_group`](crate::new_group): the store helper's
+//! `env://` for process groups' `new_group`: the store helper's
 //! [`rendezvous`](crate::rendezvous()), plus reuse of the store within one process.
 //!
 //! Rank 0 serves the TCP store on `MASTER_ADDR:MASTER_PORT` (port 0 picks a free one, see
@@ -17,9 +17,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tensorwire_core::ports::store::{Store, StoreError};
 
+use crate::init_method::{rendezvous, Rendezvous, RendezvousError, RendezvousOptions};
 use crate::launcher_env::{launcher_var_from_process, MASTER_ADDR, MASTER_PORT};
-use crate::rendezvous::{rendezvous, Rendezvous, RendezvousError, RendezvousOptions};
-use crate::ClusterSecret;
+use tensorwire_store::ClusterSecret;
 
 /// The environment variable holding the cluster secret (shared with the TCP transport).
 pub const SECRET_ENV: &str = "TENSORWIRE_SECRET";
