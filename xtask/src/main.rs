@@ -7,7 +7,8 @@
 //!   feature builds or fuzzing). The
 //!   `cuda`, `quic` and `shm` features of `tensorwire` are built, linted and tested too (no GPU
 //!   needed). `cargo tree` checks that the library has no CLI dependencies and that its features
-//!   remove adapters (no TCP transport with `--no-default-features --features quic`). The shared-memory transport (`transport-shm`, a workspace member) runs the
+//!   remove adapters (no TCP transport with `--no-default-features --features quic`, nor with
+//!   `shm`). The shared-memory transport (`transport-shm`, a workspace member) runs the
 //!   transport conformance suite in `tensorwire-tests` (`tests/tests/transport_shm.rs`).
 //! - `features`: the `cargo tree` checks of `ci` alone (no CLI dependencies in the library, no
 //!   TCP transport without `tcp`) and clippy of the no-TCP builds.
@@ -212,6 +213,8 @@ fn feature_trees() -> Result<()> {
     }
     for (package, features) in [
         ("tensorwire", "quic"),
+        ("tensorwire", "shm"),
+        ("tensorwire-transport-shm", ""),
         ("tensorwire-rpc", "quic"),
         ("tensorwire-process-group", ""),
     ] {
@@ -226,21 +229,23 @@ fn feature_trees() -> Result<()> {
             bail!("{package} without its `tcp` feature still has tensorwire-transport-tcp in its tree");
         }
     }
-    run(
-        "cargo",
-        &[
-            "clippy",
-            "-p",
-            "tensorwire",
-            "--no-default-features",
-            "--features",
-            "quic",
-            "--",
-            "-D",
-            "warnings",
-        ],
-        &[],
-    )?;
+    for features in ["quic", "shm"] {
+        run(
+            "cargo",
+            &[
+                "clippy",
+                "-p",
+                "tensorwire",
+                "--no-default-features",
+                "--features",
+                features,
+                "--",
+                "-D",
+                "warnings",
+            ],
+            &[],
+        )?;
+    }
     run(
         "cargo",
         &[
