@@ -140,6 +140,15 @@ fn free_port(addr: &str) -> Result<u16> {
 
 fn secret(args: &Args) -> Result<Option<String>> {
     if args.insecure {
+        eprintln!(
+            "tensorwire launch: warning: --insecure: the workers{} accept any peer that can \
+             reach them, with no cluster secret; use it only on a trusted network",
+            if args.nnodes > 1 {
+                " and the job's store"
+            } else {
+                ""
+            }
+        );
         return Ok(None);
     }
     if let Some(path) = &args.secret_file {
@@ -164,16 +173,9 @@ fn secret(args: &Args) -> Result<Option<String>> {
             args.nnodes
         );
     }
-    let mut bytes = [0u8; 32];
-    getrandom(&mut bytes)?;
+    // A cryptographically secure generator seeded from the OS (rand's thread RNG).
+    let bytes: [u8; 32] = rand::random();
     Ok(Some(bytes.iter().map(|b| format!("{b:02x}")).collect()))
-}
-
-fn getrandom(buf: &mut [u8]) -> Result<()> {
-    use std::io::Read;
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(buf))
-        .context("cannot read /dev/urandom to make a cluster secret")
 }
 
 /// How one worker ended.
