@@ -62,6 +62,9 @@ impl Payload for Body {
 }
 
 /// A small, fast, seeded generator (SplitMix64): the same seed gives the same run.
+// Written here rather than taken from `rand` on purpose: a seed printed by a failing simulation
+// must replay the same run for good, and rand documents that its seeded generators' streams
+// may change between releases; core also stays free of dependencies it does not need.
 #[derive(Debug, Clone)]
 pub struct SimRng(u64);
 
