@@ -191,8 +191,8 @@ fn serve_and_every_client_command() {
 
 #[test]
 fn secret_file_protects_the_server() {
-    let dir = std::env::temp_dir();
-    let secret = dir.join(format!("tw-cli-secret-{}", std::process::id()));
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("secret");
     std::fs::write(&secret, "shared-secret\n").unwrap();
     let secret = secret.to_str().unwrap().to_owned();
     let server = serve(&["--secret-file", &secret]);
@@ -212,7 +212,6 @@ fn secret_file_protects_the_server() {
     assert!(err.contains("requires a cluster secret"), "{err}");
 
     interrupt(server);
-    std::fs::remove_file(&secret).unwrap();
 }
 
 #[test]

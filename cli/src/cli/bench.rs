@@ -178,6 +178,9 @@ fn make_transport(kind: TransportKind) -> Result<Arc<dyn Transport>> {
     }
 }
 
+/// The `p` quantile (0 to 1) of `sorted`, in microseconds: the benchmarks' one percentile.
+// Exact, from the sorted samples: a run keeps at most some thousands of them, so a histogram
+// (hdrhistogram) would save nothing and add its bucket error.
 pub(crate) fn percentile(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i.min(sorted.len() - 1)].as_secs_f64() * 1e6

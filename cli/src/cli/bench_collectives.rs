@@ -86,7 +86,7 @@ fn median_us(mut v: Vec<Duration>) -> f64 {
         return f64::NAN;
     }
     v.sort();
-    v[v.len() / 2].as_secs_f64() * 1e6
+    super::bench::percentile(&v, 0.5)
 }
 
 /// `tensorwire bench collectives`.
