@@ -27,6 +27,7 @@
 //! - [`cuda`]: the CUDA backend and NCCL process groups (feature `cuda`).
 //! - [`validate`]: checking a cluster plan's device maps before launch.
 //! - [`bad_input`]: what every kind of hostile input gets, and the test that checks it.
+//! - [`checks`]: what `cargo xtask ci` and CI run, and the first build.
 //! - [`layout`]: the crates of the workspace.
 //!
 //! The crate's features pick the adapters: `tcp` (default), `quic`, `shm`, `cuda`. A feature
@@ -477,6 +478,9 @@ pub mod validate {}
 
 #[doc = include_str!("guide/bad_input.md")]
 pub mod bad_input {}
+
+#[doc = include_str!("guide/checks.md")]
+pub mod checks {}
 
 // Kept last, as it was in the README, so that edits to the table merge easily.
 #[doc = include_str!("guide/layout.md")]
