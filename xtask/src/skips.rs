@@ -135,9 +135,19 @@ fn test_name(status_line: &str) -> String {
 }
 
 /// The part of a `SKIPPED` line that says why, short enough to group by: "SKIPPED: test: no
-/// CUDA device (the driver library ...)" -> "no CUDA device".
+/// CUDA device (the driver library ...)" -> "no CUDA device"; "SKIPPED the GPU half: no CUDA
+/// device (...)" (what was skipped, then why) -> "no CUDA device".
 fn reason_group(test: &str, reason: &str) -> String {
-    let mut r = reason.trim_start_matches([':', ' ']);
+    let mut r = match reason.strip_prefix(':') {
+        Some(why) => why,
+        // "SKIPPED <what>: <why>": the reason is after the colon.
+        None => reason.split_once(": ").map_or(reason, |(_, why)| why),
+    };
+    r = r.trim_start_matches([':', ' ']);
+    r = r
+        .strip_prefix("SKIPPED")
+        .unwrap_or(r)
+        .trim_start_matches([':', ' ']);
     let fn_name = test.rsplit([' ', ':']).next().unwrap_or(test);
     if let Some(rest) = r.strip_prefix(fn_name) {
         r = rest.trim_start_matches([':', ' ']);
@@ -183,6 +193,40 @@ mod tests {
   stdout ───
     SKIPPED: cannot simulate hosts with network namespaces: not root
 ";
+
+    #[test]
+    fn reasons_group_by_their_first_words() {
+        let g = |test, line: &str| reason_group(test, line.strip_prefix("SKIPPED").unwrap());
+        assert_eq!(
+            g(
+                "c::cuda gpu_x",
+                "SKIPPED: gpu_x: no CUDA device (no driver)"
+            ),
+            "no CUDA device"
+        );
+        assert_eq!(
+            g(
+                "r::agent t",
+                "SKIPPED the GPU half: no CUDA device (no driver)"
+            ),
+            "no CUDA device"
+        );
+        assert_eq!(
+            g(
+                "p::interop t",
+                "SKIPPED: PyTorch interop test needs torch (none); set X"
+            ),
+            "PyTorch interop test needs torch"
+        );
+        assert_eq!(
+            g(
+                "p::mp t",
+                "SKIPPED the collectives (no GPUs): SKIPPED: no CUDA device (x)"
+            ),
+            "no CUDA device"
+        );
+        assert_eq!(g("t", "SKIPPED"), "(no reason given)");
+    }
 
     #[test]
     fn skips_are_counted_by_reason_and_their_blocks_held_back() {
