@@ -140,8 +140,14 @@ fn test_name(status_line: &str) -> String {
 fn reason_group(test: &str, reason: &str) -> String {
     let mut r = match reason.strip_prefix(':') {
         Some(why) => why,
-        // "SKIPPED <what>: <why>": the reason is after the colon.
-        None => reason.split_once(": ").map_or(reason, |(_, why)| why),
+        // "SKIPPED <what> (<why>): <details>", or "SKIPPED <what>: <why>".
+        None => match reason.split_once(": ") {
+            Some((what, details)) => match what.split_once(" (") {
+                Some((_, why)) if why.ends_with(')') => &why[..why.len() - 1],
+                _ => details,
+            },
+            None => reason,
+        },
     };
     r = r.trim_start_matches([':', ' ']);
     r = r
@@ -221,9 +227,9 @@ mod tests {
         assert_eq!(
             g(
                 "p::mp t",
-                "SKIPPED the collectives (no GPUs): SKIPPED: no CUDA device (x)"
+                "SKIPPED the collectives (no two usable GPUs): rank 0: SETUP-ERROR"
             ),
-            "no CUDA device"
+            "no two usable GPUs"
         );
         assert_eq!(g("t", "SKIPPED"), "(no reason given)");
     }
