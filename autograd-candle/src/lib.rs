@@ -5,8 +5,8 @@
 //! (the recv functions), a backward pass runs from roots with seed gradients, and gradients of
 //! every variable reached come back. candle keeps the graph in the tensors themselves, so a
 //! send function can run once per gradient that reaches it (FAST mode) without the graph being
-//! consumed; burn's autodiff backend frees its graph on the first backward (see the crate's
-//! README entry in the workspace README).
+//! consumed; burn's autodiff backend frees its graph on the first backward (see the guide's
+//! distributed autograd page, `tensorwire::guide::autograd`).
 //!
 //! Tensors are `f32` or `f64` on the CPU. Conversions: a tensorwire tensor's bytes are read
 //! once into candle's own storage (candle owns a `Vec` per tensor, so sharing the bytes is not

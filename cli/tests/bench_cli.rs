@@ -5,8 +5,8 @@ use std::process::Command;
 
 #[test]
 fn bench_transport_tcp_writes_every_key() {
-    let dir = std::env::temp_dir().join(format!("tensorwire-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let file = dir.join("bench.json");
     let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
         .args(["bench", "transport", "--transport", "tcp", "--json"])
@@ -40,7 +40,6 @@ fn bench_transport_tcp_writes_every_key() {
             .unwrap_or_else(|| panic!("ratio {ratio} missing"));
         assert!(x > 0.0 && x.is_finite(), "{ratio} = {x}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[cfg(not(feature = "quic"))]
@@ -67,8 +66,8 @@ fn bench_rpc_over_shared_memory_writes_every_key() {
 }
 
 fn bench_rpc_over(transport: &str) {
-    let dir = std::env::temp_dir().join(format!("tw-bench-rpc-{transport}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let json = dir.join("rpc.json");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tensorwire"))
         .args([
@@ -124,8 +123,8 @@ fn bench_rpc_over(transport: &str) {
 /// `bench store`: the rendezvous of 200 clients from this process finishes and is reported.
 #[test]
 fn bench_store_reports_the_rendezvous() {
-    let dir = std::env::temp_dir().join(format!("tw-bench-store-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let json = dir.join("store.json");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tensorwire"))
         .args([
@@ -158,8 +157,8 @@ fn bench_store_reports_the_rendezvous() {
 #[cfg(feature = "quic")]
 #[test]
 fn bench_transport_quic_writes_every_key() {
-    let dir = std::env::temp_dir().join(format!("tw-bench-quic-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let json = dir.join("quic.json");
     let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
         .args([
@@ -197,5 +196,4 @@ fn bench_transport_quic_writes_every_key() {
             .unwrap_or_else(|| panic!("{key} missing: {v}"));
         assert!(x.is_finite() && x > 0.0, "{key} = {x}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -5,8 +5,8 @@ use std::process::Command;
 
 #[test]
 fn bench_collectives_writes_every_key() {
-    let dir = std::env::temp_dir().join(format!("tensorwire-bench-coll-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let file = dir.join("collectives.json");
     let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
         .args(["bench", "collectives", "--world", "2,3", "--json"])

@@ -32,3 +32,40 @@ fn bad_demo_arguments_exit_2() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// RUST_LOG reaches the demo's workers (every command sets up logging the same way).
+#[test]
+fn rust_log_shows_the_workers_logs() {
+    let run = |log: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tensorwire"));
+        cmd.args(["demo", "--trainers", "1", "--steps", "2"])
+            .env_remove("TENSORWIRE_SECRET")
+            .env_remove("RUST_LOG");
+        if let Some(log) = log {
+            cmd.env("RUST_LOG", log);
+        }
+        let out = cmd.output().unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let logged = run(Some("tensorwire_process_group=info"));
+    assert!(
+        logged.contains("INFO") && logged.contains("store server listening"),
+        "{logged}"
+    );
+    let quiet = run(None);
+    assert!(!quiet.contains("store server listening"), "{quiet}");
+}
+
+/// `--help` documents the exit codes and RUST_LOG.
+#[test]
+fn help_documents_exit_codes() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("Exit codes: 0 success; 1"), "{help}");
+    assert!(help.contains("2 a usage"), "{help}");
+    assert!(help.contains("RUST_LOG"), "{help}");
+}

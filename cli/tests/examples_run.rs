@@ -55,3 +55,21 @@ fn parameter_server() {
         "the weights moved towards 1.0: {weights}"
     );
 }
+
+/// Started by hand, without `tensorwire launch`: a clean error naming the missing variable and
+/// how to run it, exit code 1, no panic.
+#[test]
+fn examples_without_rank_say_which_variable_is_missing() {
+    for name in ["ping", "parameter_server"] {
+        let out = Command::new(example(name))
+            .env_remove("RANK")
+            .env_remove("SLURM_PROCID")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {stderr}");
+        assert!(stderr.contains("RANK"), "{name}: {stderr}");
+        assert!(stderr.contains("tensorwire launch"), "{name}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{name}: {stderr}");
+    }
+}

@@ -51,8 +51,8 @@ fn every_worker_gets_its_rendezvous_variables() {
 }
 
 #[test]
-fn insecure_passes_no_secret() {
-    let (code, out, _, _) = launch(&[
+fn insecure_passes_no_secret_and_warns() {
+    let (code, out, err, _) = launch(&[
         "--nproc",
         "1",
         "--insecure",
@@ -63,6 +63,10 @@ fn insecure_passes_no_secret() {
         "echo ${TENSORWIRE_SECRET:-none} $TENSORWIRE_INSECURE",
     ]);
     assert_eq!((code, out.as_str()), (Some(0), "none 1\n"));
+    assert!(
+        err.contains("warning: --insecure") && err.contains("trusted network"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -191,8 +191,8 @@ fn serve_and_every_client_command() {
 
 #[test]
 fn secret_file_protects_the_server() {
-    let dir = std::env::temp_dir();
-    let secret = dir.join(format!("tw-cli-secret-{}", std::process::id()));
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("secret");
     std::fs::write(&secret, "shared-secret\n").unwrap();
     let secret = secret.to_str().unwrap().to_owned();
     let server = serve(&["--secret-file", &secret]);
@@ -212,7 +212,45 @@ fn secret_file_protects_the_server() {
     assert!(err.contains("requires a cluster secret"), "{err}");
 
     interrupt(server);
-    std::fs::remove_file(&secret).unwrap();
+}
+
+#[test]
+fn serving_without_a_secret_warns() {
+    let mut child = Command::new(BIN)
+        .args(["store", "serve", "--host", "127.0.0.1", "--port", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("tensorwire store listening on"), "{line}");
+    stops_cleanly_on_sigint(child);
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut err).unwrap();
+    assert!(
+        err.contains("warning: no --secret-file") && err.contains("127.0.0.1:0"),
+        "{err}"
+    );
+}
+
+/// A malformed --addr is a usage error at once (exit 2), not 30 s of retries.
+#[test]
+fn an_invalid_address_is_refused_at_once() {
+    for addr in ["nohost", "host:port", ":29500"] {
+        let started = std::time::Instant::now();
+        let out = Command::new(BIN)
+            .args(["store", "get", "--addr", addr, "k"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{addr}: {err}");
+        assert!(err.contains("HOST:PORT") && err.contains(addr), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    }
 }
 
 #[test]

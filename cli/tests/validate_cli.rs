@@ -6,9 +6,8 @@ use std::process::{Command, Output, Stdio};
 use serde_json::Value;
 
 fn validate(plan: &str, json: bool) -> Output {
-    let dir = std::env::temp_dir().join(format!("tw-validate-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("plan-{:x}.json", fxhash(plan) ^ u64::from(json)));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("plan.json");
     std::fs::write(&path, plan).unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tensorwire"));
     cmd.arg("validate").arg(&path);
@@ -16,12 +15,6 @@ fn validate(plan: &str, json: bool) -> Output {
         cmd.arg("--json");
     }
     cmd.output().unwrap()
-}
-
-fn fxhash(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    })
 }
 
 /// Runs with `--json` and returns (exit code, the one JSON object on stdout).

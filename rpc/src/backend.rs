@@ -23,6 +23,7 @@
 use std::sync::{Arc, LazyLock, RwLock};
 use std::time::Duration;
 
+#[cfg(any(feature = "tcp", feature = "quic"))]
 use async_trait::async_trait;
 use tensorwire_core::registry::{Registry, RegistryError, RegistryKind, RpcBackend};
 use tensorwire_rendezvous::Rendezvous;
@@ -31,7 +32,9 @@ use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 
 #[cfg(feature = "tcp")]
 use crate::agent::cluster_secret;
-use crate::agent::{start_agent, Agent};
+#[cfg(any(feature = "tcp", feature = "quic"))]
+use crate::agent::start_agent;
+use crate::agent::Agent;
 use crate::error::RpcError;
 use crate::options::RpcOptions;
 
@@ -108,6 +111,7 @@ pub(crate) fn lookup(name: &str) -> Result<Arc<DynRpcBackend>, RpcError> {
 }
 
 /// The common options with this backend's name.
+#[cfg(any(feature = "tcp", feature = "quic"))]
 fn base_options(backend: &str, rpc_timeout: Duration, init_method: &str) -> RpcOptions {
     RpcOptions {
         rpc_timeout,

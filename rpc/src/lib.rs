@@ -31,6 +31,9 @@
 //! Groups are static (`world_size = Some(n)`) or dynamic (`None`: workers join and leave while
 //! the group runs; rank 0 hosts the store and stays).
 
+// docs.rs (`--cfg docsrs`, nightly) marks each item with the Cargo feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 mod agent;
 pub mod autograd;
 mod backend;

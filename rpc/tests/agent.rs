@@ -706,8 +706,8 @@ async fn user_backends_are_registered_and_selected_by_name() {
 #[cfg(feature = "quic")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_quic_backend_runs_the_agent_over_mutual_tls() {
-    let dir = std::env::temp_dir().join(format!("tw-rpc-quic-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tls");
     let agents: Vec<Agent> = tcp_group(3, |_, o| {
         o.backend = "QUIC".into();
         o.tls_dir = Some(dir.clone());
@@ -750,7 +750,6 @@ async fn the_quic_backend_runs_the_agent_over_mutual_tls() {
             .contains("the QUIC backend needs RpcOptions::tls_dir"),
         "{e}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Worker `w{rank}` joins the dynamic group of `cluster`.

@@ -70,9 +70,8 @@ async fn use_and_shut_down(agents: &[Agent], graceful: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn init_shutdown_init_with_a_file_store_50_times() {
-    let dir = std::env::temp_dir().join(format!("tw-init-twice-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("store");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
     let url = |rank: usize| format!("file://{}?rank={rank}&world_size={WORLD}", path.display());
     for round in 0..ROUNDS {
         for graceful in [false, true] {
@@ -86,7 +85,6 @@ async fn init_shutdown_init_with_a_file_store_50_times() {
             drop(agents);
         }
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

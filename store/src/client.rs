@@ -93,11 +93,35 @@ enum Attempt {
     Fatal(StoreError),
 }
 
+/// Fails unless `addr` has the form `HOST:PORT` (`[V6]:PORT` for IPv6) with a port number.
+fn check_addr(addr: &str) -> Result<(), StoreError> {
+    let bad = |why: &str| StoreError::Connection {
+        addr: addr.to_owned(),
+        reason: format!("not a store address: {why} (expected HOST:PORT, such as 10.0.0.1:29500)"),
+    };
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err(bad("no port"));
+    };
+    if host.is_empty() || host == "[]" {
+        return Err(bad("no host"));
+    }
+    if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
+        return Err(bad("an IPv6 host must be in brackets"));
+    }
+    port.parse::<u16>().map(|_| ()).map_err(|_| {
+        bad(&format!(
+            "the port {port:?} is not a number from 0 to 65535"
+        ))
+    })
+}
+
 impl TcpStoreClient {
     /// Connects to `addr` (`host:port`), authenticates when a secret is configured, validates
     /// and pings, retrying with exponential backoff and jitter for up to
     /// [`connect_timeout`](ClientConfig::connect_timeout).
     pub async fn connect(addr: &str, config: ClientConfig) -> Result<Self, StoreError> {
+        // A malformed address never connects: say so now, not after the retries.
+        check_addr(addr)?;
         let started = Instant::now();
         let deadline = started + config.connect_timeout;
         let mut backoff = Backoff::default();

@@ -452,6 +452,35 @@ async fn connect_retries_until_the_server_appears() {
     drop(srv);
 }
 
+/// An address that can never connect fails at once, whatever the connect timeout.
+#[tokio::test]
+async fn a_malformed_address_fails_at_once() {
+    for addr in [
+        "nohost",
+        "host:port",
+        ":29500",
+        "::1:29500",
+        "10.0.0.1:70000",
+    ] {
+        let config = ClientConfig {
+            connect_timeout: Duration::from_secs(3600),
+            ..client_config()
+        };
+        let err = tokio::time::timeout(
+            Duration::from_secs(60),
+            TcpStoreClient::connect(addr, config),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{addr}: still retrying after 60 s"))
+        .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("not a store address") && text.contains(addr),
+            "{text}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn connect_gives_up_at_the_deadline_with_the_attempt_count() {
     let port = {

@@ -5,6 +5,9 @@
 //! ([`rendezvous`]), and the adapters picked by Cargo features (`tcp`, the default; `quic`;
 //! `shm`; `cuda`). Start with the [`guide`].
 
+// docs.rs (`--cfg docsrs`, nightly) marks each item with the Cargo feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 pub use tensorwire_core as core;
 
 pub mod guide;

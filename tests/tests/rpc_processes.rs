@@ -207,8 +207,9 @@ fn dynamic_groups_across_processes(devices) {
 }
 
 fn the_quic_backend_across_processes(devices) {
-    let dir = std::env::temp_dir().join(format!("tw-quic-procs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    // A folder of its own: the variants of this test may run at once in one process.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tls");
     let dir_s = dir.to_string_lossy().into_owned();
     let (codes, lines) =
         spawn_with("quic", 3, devices, &[("TW_TLS_DIR", &dir_s)]).finish(Duration::from_secs(120));
@@ -231,7 +232,6 @@ fn the_quic_backend_across_processes(devices) {
         dir.join("ca.pem").exists(),
         "the workers shared one cluster CA"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn graceful_shutdown_waits_for_calls_in_flight(devices) {

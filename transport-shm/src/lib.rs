@@ -96,6 +96,7 @@ mod handshake;
 mod listener;
 mod mem;
 mod ring;
+#[cfg(feature = "tcp")]
 pub mod select;
 mod sock;
 #[cfg(feature = "__testing")]
@@ -110,6 +111,7 @@ use tensorwire_core::ports::transport::{Connection, Listener, Transport, Transpo
 
 pub use config::{ShmConfig, SECRET_ENV};
 pub use ring::RingError;
+#[cfg(feature = "tcp")]
 pub use select::{SelectingTransport, Selection, TRANSPORT_ENV};
 pub use tensorwire_core::auth::ClusterSecret;
 

@@ -72,6 +72,7 @@ impl ShmListener {
     }
 
     /// A listener bound to the abstract name `name`, reporting `local` as its address.
+    #[cfg(feature = "tcp")]
     pub(crate) fn bind_name(
         name: &rustix::net::SocketAddrUnix,
         local: SocketAddr,

@@ -28,6 +28,7 @@ pub(crate) fn listener_name(port: u16) -> std::io::Result<SocketAddrUnix> {
 /// `0.0.0.0` or `::` for every interface).
 ///
 /// [`SelectingTransport`]: crate::SelectingTransport
+#[cfg(feature = "tcp")]
 pub(crate) fn tcp_listener_name(tcp: SocketAddr) -> std::io::Result<SocketAddrUnix> {
     Ok(SocketAddrUnix::new_abstract_name(
         format!("tensorwire-shm-tcp:{tcp}").as_bytes(),

@@ -3,7 +3,8 @@
 //!
 //! - `cargo xtask fuzz TARGET [--seconds N]`, or `all`: builds the targets (installing
 //!   cargo-fuzz when it is missing), then runs each for N seconds (default 60). New inputs go to
-//!   `fuzz/target/corpus/TARGET/` (kept between runs, not in the repository); a crash, leak,
+//!   `corpus/TARGET/` in the fuzz workspace's target directory (`fuzz/target/`, or
+//!   `$CARGO_TARGET_DIR`; kept between runs, not in the repository); a crash, leak,
 //!   timeout or out-of-memory input goes to `fuzz/artifacts/TARGET/` and fails the task, which
 //!   says how to replay it.
 //! - `cargo xtask fuzz seeds`: writes the seed corpus again, from the crates' own encoders
@@ -112,6 +113,44 @@ fn host_triple() -> Result<String> {
         .context("rustc -vV printed no host triple")
 }
 
+/// The fuzz workspace's target directory, as cargo resolves it: `fuzz/target/` by default,
+/// `CARGO_TARGET_DIR` or a `build.target-dir` setting when one is given. `cargo fuzz build`
+/// puts the binaries in `<it>/<host triple>/release/`.
+pub(crate) fn target_dir(root: &Path) -> Result<PathBuf> {
+    target_dir_of(metadata_command(root))
+}
+
+/// `cargo metadata` of the fuzz workspace (its own workspace, so its own target directory).
+fn metadata_command(root: &Path) -> Command {
+    let mut cmd = Command::new("cargo");
+    cmd.args([
+        "metadata",
+        "--format-version",
+        "1",
+        "--no-deps",
+        "--manifest-path",
+    ])
+    .arg(root.join("fuzz/Cargo.toml"))
+    .current_dir(root);
+    cmd
+}
+
+fn target_dir_of(mut metadata: Command) -> Result<PathBuf> {
+    let out = metadata.output().context("cannot run cargo metadata")?;
+    if !out.status.success() {
+        bail!(
+            "`cargo metadata` of the fuzz workspace failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let meta: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("cargo metadata printed no JSON")?;
+    meta["target_directory"]
+        .as_str()
+        .map(PathBuf::from)
+        .context("cargo metadata printed no target_directory")
+}
+
 /// Installs cargo-fuzz when `cargo fuzz` is missing.
 fn ensure_cargo_fuzz() -> Result<()> {
     let has = Command::new("cargo")
@@ -120,7 +159,10 @@ fn ensure_cargo_fuzz() -> Result<()> {
         .map(|o| o.status.success())
         .unwrap_or(false);
     if !has {
-        eprintln!("xtask: cargo-fuzz not found; installing it");
+        eprintln!(
+            "xtask: cargo-fuzz not found; installing it with `cargo install cargo-fuzz --locked` \
+             (a few minutes; libFuzzer needs a C++ compiler)"
+        );
         let started = Instant::now();
         run("cargo", &["install", "cargo-fuzz", "--locked"], &[])?;
         eprintln!(
@@ -144,6 +186,13 @@ struct Outcome {
 pub(crate) fn run_targets(targets: &[&str], seconds: u64) -> Result<()> {
     ensure_cargo_fuzz()?;
     let root = workspace_root();
+    let target_dir = target_dir(&root)?;
+    eprintln!(
+        "xtask: fuzzing {} target(s) for {seconds} s each: first a release build with \
+         AddressSanitizer into {} (several minutes the first time)",
+        targets.len(),
+        target_dir.display()
+    );
     let started = Instant::now();
     let mut build = vec!["fuzz", "build", "--debug-assertions"];
     // One target: build only it (all: one build of every binary).
@@ -155,13 +204,10 @@ pub(crate) fn run_targets(targets: &[&str], seconds: u64) -> Result<()> {
         "xtask: built the fuzz targets in {:.0} s",
         started.elapsed().as_secs_f64()
     );
-    let bin_dir = root
-        .join("fuzz/target")
-        .join(host_triple()?)
-        .join("release");
+    let bin_dir = target_dir.join(host_triple()?).join("release");
     let mut outcomes = Vec::new();
     for target in targets {
-        outcomes.push(run_one(&root, &bin_dir, target, seconds)?);
+        outcomes.push(run_one(&root, &target_dir, &bin_dir, target, seconds)?);
     }
     eprintln!("\nxtask: fuzz summary ({seconds} s per target)");
     eprintln!(
@@ -197,11 +243,24 @@ fn files_in(dir: &Path) -> usize {
     std::fs::read_dir(dir).map_or(0, |d| d.count())
 }
 
-fn run_one(root: &Path, bin_dir: &Path, target: &str, seconds: u64) -> Result<Outcome> {
+fn run_one(
+    root: &Path,
+    target_dir: &Path,
+    bin_dir: &Path,
+    target: &str,
+    seconds: u64,
+) -> Result<Outcome> {
     let bin = bin_dir.join(target);
+    if !bin.is_file() {
+        bail!(
+            "cargo fuzz build succeeded but left no {} (the fuzz workspace's target directory is {})",
+            bin.display(),
+            target_dir.display()
+        );
+    }
     let seed = root.join("fuzz/corpus").join(target);
     // New inputs go here, not into the repository's seeds.
-    let work: PathBuf = root.join("fuzz/target/corpus").join(target);
+    let work: PathBuf = target_dir.join("corpus").join(target);
     let artifacts = root.join("fuzz/artifacts").join(target);
     for dir in [&work, &artifacts] {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
@@ -267,4 +326,24 @@ fn run_one(root: &Path, bin_dir: &Path, target: &str, seconds: u64) -> Result<Ou
         corpus: files_in(&work) + files_in(&seed),
         failure,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bug this guards against: with `CARGO_TARGET_DIR` set, `cargo fuzz build` wrote the
+    /// binaries there while xtask looked in `fuzz/target/`.
+    #[test]
+    fn cargo_target_dir_moves_the_fuzz_binaries() {
+        let root = workspace_root();
+        let elsewhere = std::env::temp_dir().join("tensorwire-xtask-target-dir-test");
+        let mut cmd = metadata_command(&root);
+        cmd.env("CARGO_TARGET_DIR", &elsewhere);
+        assert_eq!(target_dir_of(cmd).unwrap(), elsewhere);
+
+        let mut cmd = metadata_command(&root);
+        cmd.env_remove("CARGO_TARGET_DIR");
+        assert_eq!(target_dir_of(cmd).unwrap(), root.join("fuzz/target"));
+    }
 }

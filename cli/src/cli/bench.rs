@@ -18,6 +18,8 @@ use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Value};
+
+use super::Usage;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::wire::Frame;
 
@@ -107,7 +109,7 @@ pub(crate) fn run(args: Args) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tensorwire bench: error: {e:#}");
-            ExitCode::from(2)
+            super::exit_code(&e)
         }
     }
 }
@@ -140,7 +142,9 @@ fn make_transport(kind: TransportKind) -> Result<Arc<dyn Transport>> {
         }
         #[cfg(not(feature = "tcp"))]
         TransportKind::Tcp => {
-            bail!("this tensorwire was built without the `tcp` feature; rebuild with it")
+            bail!(Usage(
+                "this tensorwire was built without the `tcp` feature; rebuild with it".into()
+            ))
         }
         // A fresh cluster CA and one node certificate: both ends are in this process.
         #[cfg(feature = "quic")]
@@ -153,10 +157,11 @@ fn make_transport(kind: TransportKind) -> Result<Arc<dyn Transport>> {
             Ok(Arc::new(QuicTransport::new(QuicConfig::new(tls))?))
         }
         #[cfg(not(feature = "quic"))]
-        TransportKind::Quic => bail!(
+        TransportKind::Quic => bail!(Usage(
             "QUIC not built in: this tensorwire was built without the `quic` feature \
              (tensorwire-transport-quic); rebuild with `--features quic` or use --transport tcp"
-        ),
+                .into()
+        )),
         #[cfg(feature = "shm")]
         TransportKind::Shm => {
             use tensorwire_transport_shm::{ClusterSecret, ShmConfig, ShmTransport};
@@ -165,13 +170,17 @@ fn make_transport(kind: TransportKind) -> Result<Arc<dyn Transport>> {
             Ok(Arc::new(ShmTransport::new(config)?))
         }
         #[cfg(not(feature = "shm"))]
-        TransportKind::Shm => bail!(
+        TransportKind::Shm => bail!(Usage(
             "shared memory not built in: this tensorwire was built without the `shm` feature \
              (tensorwire-transport-shm); rebuild with `--features shm` or use --transport tcp"
-        ),
+                .into()
+        )),
     }
 }
 
+/// The `p` quantile (0 to 1) of `sorted`, in microseconds: the benchmarks' one percentile.
+// Exact, from the sorted samples: a run keeps at most some thousands of them, so a histogram
+// (hdrhistogram) would save nothing and add its bucket error.
 pub(crate) fn percentile(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i.min(sorted.len() - 1)].as_secs_f64() * 1e6
@@ -207,7 +216,9 @@ pub(crate) fn write_json(
 
 fn bench_transport(args: &TransportArgs) -> Result<()> {
     if args.pingpong < BLOCKS || args.bulk_64mib == 0 || args.bulk_1mib == 0 {
-        bail!("--pingpong must be at least {BLOCKS}; --bulk-64mib and --bulk-1mib at least 1");
+        bail!(Usage(format!(
+            "--pingpong must be at least {BLOCKS}; --bulk-64mib and --bulk-1mib at least 1"
+        )));
     }
     let transport = make_transport(args.transport)?;
     let mut raw = Raw::start_process(&[MIB, 64 * MIB]).context("raw TCP baseline")?;

@@ -86,13 +86,15 @@ fn median_us(mut v: Vec<Duration>) -> f64 {
         return f64::NAN;
     }
     v.sort();
-    v[v.len() / 2].as_secs_f64() * 1e6
+    super::bench::percentile(&v, 0.5)
 }
 
 /// `tensorwire bench collectives`.
 pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
     if args.world.iter().any(|w| *w < 2) || args.small_iters == 0 || args.large_iters == 0 {
-        bail!("--world sizes must be at least 2; iterations at least 1");
+        bail!(super::Usage(
+            "--world sizes must be at least 2; iterations at least 1".into()
+        ));
     }
     let steps = 3 + args.world.len() as u64 + u64::from(args.rendezvous_world > 0);
     let bar = super::bench::progress(steps, "");

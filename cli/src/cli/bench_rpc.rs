@@ -106,10 +106,11 @@ fn choose_transport(args: &mut RpcArgs) -> Result<()> {
             args.tls_dir = Some(dir);
         }
         #[cfg(not(feature = "quic"))]
-        _ => bail!(
+        _ => bail!(super::Usage(
             "QUIC not built in: this tensorwire was built without the `quic` feature; rebuild \
              with `--features quic` or use --transport tcp"
-        ),
+                .into()
+        )),
     }
     Ok(())
 }
@@ -155,9 +156,10 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
         });
     }
     if args.calls < 10 || args.async_calls == 0 || args.in_flight == 0 || args.tensor_64mib == 0 {
-        bail!(
+        bail!(super::Usage(
             "--calls must be at least 10; --async-calls, --in-flight and --tensor-64mib at least 1"
-        );
+                .into()
+        ));
     }
 
     let mut args = args.clone();

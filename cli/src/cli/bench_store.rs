@@ -184,7 +184,9 @@ async fn rendezvous(
 /// `tensorwire bench store`.
 pub(crate) fn run(args: &StoreArgs) -> Result<()> {
     if args.clients.is_empty() || args.clients.contains(&0) {
-        bail!("--clients takes numbers of clients of at least 1");
+        bail!(super::Usage(
+            "--clients takes numbers of clients of at least 1".into()
+        ));
     }
     let limit = raise_nofile()?;
     let most = args.clients.iter().copied().max().unwrap_or(1) as u64;

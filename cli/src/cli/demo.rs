@@ -97,7 +97,7 @@ fn run_autograd(args: AutogradArgs) -> ExitCode {
         Ok(p) => p.to_string_lossy().into_owned(),
         Err(e) => {
             eprintln!("tensorwire demo autograd: cannot find this program's path: {e}");
-            return ExitCode::from(2);
+            return ExitCode::FAILURE;
         }
     };
     let worker_args: Vec<String> = vec![
@@ -167,7 +167,7 @@ pub(crate) fn run(args: Args) -> ExitCode {
         Ok(p) => p.to_string_lossy().into_owned(),
         Err(e) => {
             eprintln!("tensorwire demo: cannot find this program's path: {e}");
-            return ExitCode::from(2);
+            return ExitCode::FAILURE;
         }
     };
     println!(

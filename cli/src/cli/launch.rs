@@ -42,6 +42,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use rustix::process::{kill_process_group, Pid, Signal};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::task::JoinSet;
@@ -140,6 +141,15 @@ fn free_port(addr: &str) -> Result<u16> {
 
 fn secret(args: &Args) -> Result<Option<String>> {
     if args.insecure {
+        eprintln!(
+            "tensorwire launch: warning: --insecure: the workers{} accept any peer that can \
+             reach them, with no cluster secret; use it only on a trusted network",
+            if args.nnodes > 1 {
+                " and the job's store"
+            } else {
+                ""
+            }
+        );
         return Ok(None);
     }
     if let Some(path) = &args.secret_file {
@@ -164,16 +174,9 @@ fn secret(args: &Args) -> Result<Option<String>> {
             args.nnodes
         );
     }
-    let mut bytes = [0u8; 32];
-    getrandom(&mut bytes)?;
+    // A cryptographically secure generator seeded from the OS (rand's thread RNG).
+    let bytes: [u8; 32] = rand::random();
     Ok(Some(bytes.iter().map(|b| format!("{b:02x}")).collect()))
-}
-
-fn getrandom(buf: &mut [u8]) -> Result<()> {
-    use std::io::Read;
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(buf))
-        .context("cannot read /dev/urandom to make a cluster secret")
 }
 
 /// How one worker ended.
@@ -559,27 +562,25 @@ fn lock(alive: &Alive) -> std::sync::MutexGuard<'_, Vec<Option<u32>>> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn signal_all(alive: &Alive, signal: i32) {
+fn signal_all(alive: &Alive, signal: Signal) {
     // Under the lock, a pid is still ours: the watcher marks it None right after reaping it.
     let pids = lock(alive);
     for pid in pids.iter().flatten() {
-        let Ok(pid) = i32::try_from(*pid) else {
+        let Some(pid) = i32::try_from(*pid).ok().and_then(Pid::from_raw) else {
             continue;
         };
-        // SAFETY: kill(2) has no memory-safety preconditions; the pid is a child not yet marked
-        // as reaped, and it leads its own process group (the negative pid names the group).
-        unsafe {
-            libc::kill(-pid, signal);
-        }
+        // Each worker leads its own process group: the signal reaches what it started too. A
+        // group already gone (ESRCH) is what we wanted.
+        let _ = kill_process_group(pid, signal);
     }
 }
 
 fn terminate(alive: &Alive) {
-    signal_all(alive, libc::SIGTERM);
+    signal_all(alive, Signal::TERM);
 }
 
 fn kill(alive: &Alive) {
-    signal_all(alive, libc::SIGKILL);
+    signal_all(alive, Signal::KILL);
 }
 
 async fn relay(stream: impl AsyncRead + Unpin, prefix: Option<String>, stderr: bool) {

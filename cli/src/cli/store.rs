@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{anyhow, Context};
+use anyhow::Context;
+
+use super::Usage;
 use tensorwire_store::{
     ClientConfig, ClusterSecret, ServerConfig, Store, TcpStoreClient, TcpStoreServer,
 };
@@ -106,7 +108,7 @@ enum Command {
 #[derive(Debug, clap::Args)]
 struct ClientArgs {
     /// The store's address, HOST:PORT.
-    #[arg(long)]
+    #[arg(long, value_parser = host_port)]
     addr: String,
     /// Seconds to wait for the server, for keys and for replies.
     #[arg(long, default_value_t = 30.0)]
@@ -120,17 +122,6 @@ struct ClientArgs {
 }
 
 pub(crate) fn run(args: Args) -> ExitCode {
-    if matches!(args.command, Command::Serve { .. }) {
-        // The server's warnings (refused clients, malformed requests) go to stderr;
-        // RUST_LOG overrides the level.
-        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .try_init();
-    }
     // The server on one thread, as PyTorch's libuv store: a request is a read, a map lookup and a
     // write, so the cost is system calls and wake-ups, which a second worker thread only adds to
     // (hand-overs between threads) on a loaded machine.
@@ -152,8 +143,19 @@ pub(crate) fn run(args: Args) -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            super::exit_code(&e)
         }
+    }
+}
+
+/// `--addr` must be HOST:PORT: anything else is a usage error at once, not retries until the
+/// timeout.
+fn host_port(s: &str) -> Result<String, String> {
+    match s.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(s.to_owned()),
+        _ => Err(format!(
+            "{s:?} is not HOST:PORT (a host and a port number, such as 127.0.0.1:29500)"
+        )),
     }
 }
 
@@ -161,18 +163,22 @@ fn read_secret(path: &Option<PathBuf>) -> anyhow::Result<Option<ClusterSecret>> 
     let Some(path) = path else {
         return Ok(None);
     };
-    let bytes = std::fs::read(path)
-        .with_context(|| format!("cannot read the secret file {}", path.display()))?;
+    let bytes = std::fs::read(path).map_err(|e| {
+        Usage(format!(
+            "cannot read the secret file {}: {e}",
+            path.display()
+        ))
+    })?;
     // A trailing newline from `echo` is not part of the secret.
     let trimmed = bytes.strip_suffix(b"\n").unwrap_or(&bytes).to_vec();
     ClusterSecret::new(trimmed)
         .map(Some)
-        .map_err(|_| anyhow!("the secret file {} is empty", path.display()))
+        .map_err(|_| Usage(format!("the secret file {} is empty", path.display())).into())
 }
 
 async fn connect(args: &ClientArgs) -> anyhow::Result<TcpStoreClient> {
     if !(args.timeout.is_finite() && args.timeout > 0.0) {
-        return Err(anyhow!("--timeout must be a positive number of seconds"));
+        return Err(Usage("--timeout must be a positive number of seconds".into()).into());
     }
     let timeout = Duration::from_secs_f64(args.timeout);
     let config = ClientConfig {
@@ -197,6 +203,13 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
                 secret: read_secret(&secret_file)?,
                 ..ServerConfig::default()
             };
+            if config.secret.is_none() {
+                eprintln!(
+                    "tensorwire store: warning: no --secret-file: any client that can reach \
+                     {host}:{port} may read, change and delete every key (needed for PyTorch \
+                     clients; keep it to a trusted network)"
+                );
+            }
             let server = TcpStoreServer::bind((host, port), config)
                 .await
                 .with_context(|| format!("cannot listen on {host}:{port}"))?;

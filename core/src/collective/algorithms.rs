@@ -223,7 +223,7 @@ pub fn all_reduce(
             let folded = world - p;
             // Ranks below 2·folded pair up: the even one hands its data to the odd one.
             let new_rank = if rank < 2 * folded {
-                if rank % 2 == 0 {
+                if rank.is_multiple_of(2) {
                     plan.step(&[(rank + 1, 0, 1)], &[]);
                     plan.step(&[], &[(rank + 1, 0, 1)]);
                     return Ok(plan.finish(rank, world, 0..chunks.total()));

@@ -89,7 +89,7 @@ impl ReduceOp {
     /// 16 bits are divided in `f32` and rounded back. `data` that is not whole elements is
     /// left as it is (the reduction itself refused it already).
     pub fn finish(self, element: ElementType, data: &mut [u8], world: usize) {
-        if self != ReduceOp::Avg || data.len() % element.size() != 0 {
+        if self != ReduceOp::Avg || !data.len().is_multiple_of(element.size()) {
             return;
         }
         match element {
@@ -324,7 +324,7 @@ pub fn reduce_into(
     incoming_first: bool,
 ) -> Result<(), CollectiveError> {
     op.check(element)?;
-    if acc.len() != incoming.len() || acc.len() % element.size() != 0 {
+    if acc.len() != incoming.len() || !acc.len().is_multiple_of(element.size()) {
         return Err(CollectiveError::ReduceLength {
             element,
             acc: acc.len(),

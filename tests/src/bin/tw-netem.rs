@@ -15,6 +15,8 @@ use std::ffi::CString;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use rand::{Rng as _, SeedableRng};
+
 /// `PACKET_VNET_HDR` and `PACKET_OUTGOING` from `<linux/if_packet.h>`.
 const PACKET_VNET_HDR: libc::c_int = 15;
 const PACKET_OUTGOING: u8 = 4;
@@ -49,18 +51,6 @@ impl Ord for Due {
 struct Queue {
     heap: Mutex<(BinaryHeap<Due>, u64)>,
     ready: Condvar,
-}
-
-/// xorshift64*: the emulator's own randomness (seeded from the clock and the port).
-struct Rng(u64);
-
-impl Rng {
-    fn next_f64(&mut self) -> f64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 fn fail(what: &str) -> ! {
@@ -124,14 +114,9 @@ fn main() {
     let (delay, jitter, loss) = (num(0), num(1), num(2));
     let ports: Vec<libc::c_int> = args[3..].iter().map(|p| open(p)).collect();
     let queue = Arc::new(Queue::default());
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1)
-        | 1;
     for (from, &fd) in ports.iter().enumerate() {
         let queue = queue.clone();
-        let mut rng = Rng(seed ^ ((from as u64 + 1) << 32));
+        let mut rng = rand::rngs::SmallRng::from_entropy();
         std::thread::spawn(move || {
             let mut buf = vec![0u8; 1 << 17];
             loop {
@@ -153,10 +138,10 @@ fn main() {
                     fail("recvfrom");
                 }
                 // Our own transmissions on this port come back as outgoing: not for us.
-                if kind == PACKET_OUTGOING || rng.next_f64() < loss {
+                if kind == PACKET_OUTGOING || rng.gen::<f64>() < loss {
                     continue;
                 }
-                let ms = (delay + jitter * (2.0 * rng.next_f64() - 1.0)).max(0.0);
+                let ms = (delay + jitter * (2.0 * rng.gen::<f64>() - 1.0)).max(0.0);
                 let due = Instant::now() + Duration::from_secs_f64(ms / 1000.0);
                 let mut q = queue.heap.lock().unwrap_or_else(|e| e.into_inner());
                 q.1 += 1;

@@ -5,26 +5,33 @@
 //! cargo run --release -p tensorwire-cli -- launch --nproc 2 -- target/release/examples/ping
 //! ```
 
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use tensorwire::rpc::{init_rpc, Function, Functions, RpcError, RpcOptions, Shutdown};
+use tensorwire::process_group::DistEnv;
+use tensorwire::rpc::{init_rpc, Function, Functions, RpcOptions, Shutdown};
 
 /// `n + 1`: the descriptor both sides use, so the types cannot disagree.
 const PING: Function<u64, u64> = Function::new("ping");
 
 #[tokio::main]
-async fn main() -> Result<(), RpcError> {
+async fn main() -> ExitCode {
+    match run().await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ping: {e}\n(run me with `tensorwire launch --nproc 2 -- PATH/TO/ping`)");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let functions = Functions::new();
     functions.serve(&PING, |n| async move { Ok::<_, String>(n + 1) })?;
 
-    let rank: usize = std::env::var("RANK")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .expect("RANK (run me with tensorwire launch)");
-    let world: usize = std::env::var("WORLD_SIZE")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .expect("WORLD_SIZE");
+    // RANK and WORLD_SIZE (or Slurm's), as `tensorwire launch` sets them.
+    let env = DistEnv::from_env()?;
+    let (rank, world) = (env.rank, env.world_size);
     let agent = init_rpc(
         &format!("worker{rank}"),
         rank,
@@ -51,5 +58,6 @@ async fn main() -> Result<(), RpcError> {
 
     agent
         .shutdown(Shutdown::graceful(Duration::from_secs(30)))
-        .await
+        .await?;
+    Ok(())
 }

@@ -6,9 +6,11 @@
 //! cargo run --release -p tensorwire-cli -- launch --nproc 3 -- target/release/examples/parameter_server
 //! ```
 
+use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tensorwire::process_group::DistEnv;
 use tensorwire::rpc::{
     init_rpc, Function, Functions, Method, RRef, RpcError, RpcOptions, Shutdown,
 };
@@ -66,15 +68,20 @@ fn functions() -> Result<Functions, RpcError> {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), RpcError> {
-    let rank: usize = std::env::var("RANK")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .expect("RANK (run me with tensorwire launch)");
-    let world: usize = std::env::var("WORLD_SIZE")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .expect("WORLD_SIZE");
+async fn main() -> ExitCode {
+    match run().await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("parameter_server: {e}\n(run me with `tensorwire launch --nproc 3 -- PATH/TO/parameter_server`)");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    // RANK and WORLD_SIZE (or Slurm's), as `tensorwire launch` sets them.
+    let env = DistEnv::from_env()?;
+    let (rank, world) = (env.rank, env.world_size);
     let name = if rank == 0 {
         "ps".to_owned()
     } else {
@@ -100,5 +107,6 @@ async fn main() -> Result<(), RpcError> {
     }
     agent
         .shutdown(Shutdown::graceful(Duration::from_secs(30)))
-        .await
+        .await?;
+    Ok(())
 }
