@@ -402,7 +402,8 @@ async fn serve_connection(
     let (notify, mut fired) = unbounded_channel();
     let accepted = Instant::now();
     let mut last_read = accepted;
-    let mut last_written = accepted;
+    // Since when replies have waited with none written.
+    let mut stalled_since: Option<Instant> = None;
     let (mut reader, mut writer) = stream.split();
     loop {
         // Back-pressure: requests wait in `input` (and the socket) while replies pile up.
@@ -434,7 +435,7 @@ async fn serve_connection(
         gauge.set(output.len());
         let now = Instant::now();
         if output.is_empty() {
-            last_written = now;
+            stalled_since = None;
         }
         let expiry = if phase != Phase::Ready {
             let handshake = accepted + config.handshake_timeout;
@@ -445,7 +446,8 @@ async fn serve_connection(
                 Some((idle, Expiry::Idle))
             }
         } else if !output.is_empty() {
-            Some((last_written + config.write_stall_timeout, Expiry::Stall))
+            let since = *stalled_since.get_or_insert(now);
+            Some((since + config.write_stall_timeout, Expiry::Stall))
         } else {
             None
         };
@@ -461,7 +463,7 @@ async fn serve_connection(
                 Err(e) => return e.into(),
             },
             written = output.write_some(&mut writer), if !output.is_empty() => match written {
-                Ok(_) => last_written = Instant::now(),
+                Ok(_) => stalled_since = None,
                 Err(e) => return e.into(),
             },
             Some(_) = fired.recv() => output.push(WAIT_STOP_WAITING),
