@@ -65,13 +65,13 @@ impl Output {
         writer: &mut W,
     ) -> std::io::Result<usize> {
         self.seal();
-        let slices: Vec<IoSlice<'_>> = self
-            .chunks
-            .iter()
-            .take(MAX_SLICES)
-            .map(|c| IoSlice::new(c))
-            .collect();
-        let n = writer.write_vectored(&slices).await?;
+        let mut slices = [IoSlice::new(&[]); MAX_SLICES];
+        let mut count = 0;
+        for (slot, chunk) in slices.iter_mut().zip(&self.chunks) {
+            *slot = IoSlice::new(chunk);
+            count += 1;
+        }
+        let n = writer.write_vectored(&slices[..count]).await?;
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
