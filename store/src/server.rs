@@ -68,7 +68,7 @@ pub struct ServerConfig {
     /// Most waits one connection may have parked at once (a client parks at most one).
     pub max_waits_per_connection: usize,
     /// Most connections open at once; a connection past it is closed as soon as accepted.
-    /// Default 16,384.
+    /// Default 65,536 (a rank holds one or two; the open-file limit may well bind first).
     pub max_connections: usize,
     /// Longest time from accepting a connection to its `VALIDATE` (the authentication
     /// included). Default 30 s.
@@ -95,7 +95,7 @@ impl Default for ServerConfig {
             limits: Limits::default(),
             secret: None,
             max_waits_per_connection: 64,
-            max_connections: 16 * 1024,
+            max_connections: 64 * 1024,
             handshake_timeout: Duration::from_secs(30),
             unauthenticated_idle_timeout: Duration::from_secs(10),
             max_stored_keys: 1024 * 1024,

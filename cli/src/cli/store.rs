@@ -17,7 +17,7 @@ use tensorwire_store::{
 /// the client; the others are served on.
 #[derive(Debug, clap::Args)]
 struct BoundArgs {
-    /// Most connections open at once [default: 16384].
+    /// Most connections open at once [default: 65536].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
     /// Seconds a connection may take to authenticate and validate [default: 30].
@@ -398,7 +398,7 @@ mod tests {
     fn bounds_left_out_keep_the_defaults_the_help_names() {
         let c = config(&[]).unwrap();
         let d = ServerConfig::default();
-        assert_eq!(c.max_connections, 16_384);
+        assert_eq!(c.max_connections, 65_536);
         assert_eq!(c.handshake_timeout, Duration::from_secs(30));
         assert_eq!(c.unauthenticated_idle_timeout, Duration::from_secs(10));
         assert_eq!(c.max_stored_keys, 1_048_576);
