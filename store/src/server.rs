@@ -678,12 +678,15 @@ fn serve(
             }
         }
         Request::MultiSet { pairs } => {
-            let mut state = shared.lock();
-            for (key, value) in pairs {
-                state
-                    .set(&key, Bytes::from(value))
-                    .map_err(|e| refused_write("MULTI_SET", &key, e))?;
-            }
+            let first = pairs.first().map(|(k, _)| k.clone()).unwrap_or_default();
+            let pairs = pairs
+                .into_iter()
+                .map(|(k, v)| (k, Bytes::from(v)))
+                .collect();
+            shared
+                .lock()
+                .set_all(pairs)
+                .map_err(|e| refused_write("MULTI_SET", &first, e))?;
         }
         Request::CancelWait => {
             // After this no wait of ours can fire, so whatever fired before is in the channel:

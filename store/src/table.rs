@@ -187,6 +187,46 @@ impl KvState {
         Ok(())
     }
 
+    /// Sets every pair, in order, or none: a pair past a bound refuses them all.
+    pub(crate) fn set_all(&mut self, pairs: Vec<(Vec<u8>, Bytes)>) -> Result<(), BudgetError> {
+        let b = self.budget;
+        // What each key would hold after the pairs before it.
+        let mut after: HashMap<&[u8], usize> = HashMap::new();
+        let (mut entries, mut held) = (self.entries, self.held);
+        for (key, value) in &pairs {
+            if value.len() > b.max_value_len {
+                return Err(BudgetError::ValueTooLarge {
+                    len: value.len(),
+                    max: b.max_value_len,
+                });
+            }
+            let before = match after.get(key.as_slice()) {
+                Some(len) => Some(*len),
+                None => self.map.get(key).map(Bytes::len),
+            };
+            match before {
+                Some(len) => held -= key.len() + len,
+                None if entries >= b.max_entries => {
+                    return Err(BudgetError::TooManyEntries { max: b.max_entries })
+                }
+                None => entries += 1,
+            }
+            held = held.saturating_add(key.len() + value.len());
+            if held > b.max_bytes {
+                return Err(BudgetError::OverBudget {
+                    needed: held,
+                    max: b.max_bytes,
+                });
+            }
+            after.insert(key, value.len());
+        }
+        drop(after);
+        for (key, value) in pairs {
+            self.set(&key, value)?;
+        }
+        Ok(())
+    }
+
     pub(crate) fn get(&self, key: &[u8]) -> Option<&Bytes> {
         self.map.get(key)
     }
@@ -503,6 +543,42 @@ mod tests {
         assert_eq!(s.queue_pop(b"q").0, 1);
         s.add(b"c", 1).unwrap();
         assert_eq!(s.entries(), 2);
+    }
+
+    #[test]
+    fn a_multi_set_past_a_bound_sets_nothing() {
+        let mut s = KvState::with_budget(budget(10, 3, 30));
+        s.set(b"a", Bytes::from_static(b"1")).unwrap();
+        let pairs = |list: &[(&[u8], usize)]| -> Vec<(Vec<u8>, Bytes)> {
+            list.iter()
+                .map(|(k, n)| (k.to_vec(), Bytes::from(vec![0; *n])))
+                .collect()
+        };
+        // Three new keys where two fit.
+        assert_eq!(
+            s.set_all(pairs(&[(b"b", 1), (b"c", 1), (b"d", 1)])),
+            Err(BudgetError::TooManyEntries { max: 3 })
+        );
+        // The same key twice counts once, with its last value.
+        s.set_all(pairs(&[(b"b", 9), (b"b", 2), (b"c", 2)]))
+            .unwrap();
+        assert_eq!(s.get(b"b").unwrap().len(), 2);
+        assert_eq!((s.entries(), s.bytes_held()), (3, 2 + 3 + 3));
+        // Growing three values past the bytes: none grows.
+        assert!(matches!(
+            s.set_all(pairs(&[(b"b", 9), (b"c", 9), (b"a", 10)])),
+            Err(BudgetError::OverBudget {
+                needed: 31,
+                max: 30
+            })
+        ));
+        assert_eq!(s.get(b"b").unwrap().len(), 2);
+        assert_eq!(
+            s.set_all(pairs(&[(b"a", 1), (b"b", 11)])),
+            Err(BudgetError::ValueTooLarge { len: 11, max: 10 })
+        );
+        assert_eq!(s.get(b"a").unwrap().as_ref(), b"1");
+        assert_eq!(s.bytes_held(), 8);
     }
 
     #[test]
