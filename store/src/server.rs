@@ -118,8 +118,12 @@ pub struct ServerStats {
     /// Open connections (bounded by [`ServerConfig::max_connections`]).
     pub connections: usize,
     /// Reply bytes waiting to be written, all connections together (values shared with the
-    /// table are counted in full).
+    /// table are counted in full). At most [`ServerConfig::max_queued_bytes`] plus one reply a
+    /// connection.
     pub bytes_queued: usize,
+    /// Request bytes read and not yet handled, all connections together. At most
+    /// [`Limits::max_request_len`] plus one read a connection.
+    pub bytes_buffered: usize,
 }
 
 struct Shared {
@@ -128,6 +132,7 @@ struct Shared {
     next_conn: AtomicU64,
     connections: AtomicUsize,
     queued: AtomicUsize,
+    buffered: AtomicUsize,
 }
 
 impl Shared {
@@ -143,6 +148,7 @@ impl Shared {
             next_conn: AtomicU64::new(0),
             connections: AtomicUsize::new(0),
             queued: AtomicUsize::new(0),
+            buffered: AtomicUsize::new(0),
         }
     }
 
@@ -160,17 +166,19 @@ impl Shared {
             keys_held,
             connections: self.connections.load(Ordering::Relaxed),
             bytes_queued: self.queued.load(Ordering::Relaxed),
+            bytes_buffered: self.buffered.load(Ordering::Relaxed),
         }
     }
 }
 
-/// One connection's share of [`Shared::queued`], given back when the connection ends.
-struct QueuedGauge<'a> {
+/// One connection's share of a gauge of [`Shared`] (queued or buffered bytes), given back when
+/// the connection ends.
+struct Gauge<'a> {
     total: &'a AtomicUsize,
     mine: usize,
 }
 
-impl QueuedGauge<'_> {
+impl Gauge<'_> {
     fn set(&mut self, now: usize) {
         if now > self.mine {
             self.total.fetch_add(now - self.mine, Ordering::Relaxed);
@@ -181,7 +189,7 @@ impl QueuedGauge<'_> {
     }
 }
 
-impl Drop for QueuedGauge<'_> {
+impl Drop for Gauge<'_> {
     fn drop(&mut self) {
         self.set(0);
     }
@@ -395,8 +403,12 @@ async fn serve_connection(
     };
     let mut input = BytesMut::with_capacity(4096);
     let mut output = Output::default();
-    let mut gauge = QueuedGauge {
+    let mut gauge = Gauge {
         total: &shared.queued,
+        mine: 0,
+    };
+    let mut buffered = Gauge {
+        total: &shared.buffered,
         mine: 0,
     };
     let (notify, mut fired) = unbounded_channel();
@@ -433,6 +445,7 @@ async fn serve_connection(
             }
         }
         gauge.set(output.len());
+        buffered.set(input.len());
         let now = Instant::now();
         if output.is_empty() {
             stalled_since = None;

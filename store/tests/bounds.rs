@@ -300,3 +300,44 @@ async fn idle_unauthenticated_connections_are_capped_and_closed_at_their_deadlin
     assert!(closed <= Duration::from_secs(35), "{closed:?}");
     honest_work(&c, "idle").await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_partial_request_is_held_only_within_the_request_bound() {
+    let srv = server(ServerConfig::default()).await;
+    let c = honest(&srv).await;
+    let mut slow = raw(&srv).await;
+    // A SET announcing an 8 MiB value, of which 1 MiB comes.
+    let mut request = encode(Request::Set {
+        key: b"/slow".to_vec(),
+        value: vec![5; 8 * MIB],
+    });
+    request.truncate(request.len() - 7 * MIB);
+    slow.write_all(&request).await.unwrap();
+    settle().await;
+    let stats = srv.stats();
+    assert!(
+        stats.bytes_buffered >= MIB && stats.bytes_buffered <= 2 * MIB,
+        "{stats:?}"
+    );
+    honest_work(&c, "partial").await;
+    // A request announcing more than the bounds allow is refused from its header.
+    let mut greedy = raw(&srv).await;
+    greedy
+        .write_all(&[protocol::QueryType::MultiSet as u8])
+        .await
+        .unwrap();
+    greedy
+        .write_all(&(u64::MAX / 2).to_ne_bytes())
+        .await
+        .unwrap();
+    until_closed(&mut greedy).await;
+    drop(slow);
+    settle().await;
+    let stats = srv.stats();
+    assert_eq!(
+        (stats.bytes_buffered, stats.connections),
+        (0, 1),
+        "{stats:?}"
+    );
+    assert!(!c.check(&["slow"]).await.unwrap());
+}
