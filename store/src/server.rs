@@ -55,9 +55,18 @@ use tensorwire_core::auth::ClusterSecret;
 pub mod fuzzing;
 mod output;
 
-/// Configuration of a [`TcpStoreServer`]: its secret and its bounds (see the
-/// [module documentation](self)). PyTorch's server has none of these bounds; the defaults are
-/// far above what a training job's rendezvous and process groups use.
+/// Configuration of a [`TcpStoreServer`]: its secret and its bounds.
+///
+/// One client must not take the server down, so the server keeps to bounds PyTorch's server
+/// does not have; the defaults are far above what a training job's rendezvous and process
+/// groups use. A request that would pass a bound is refused as a malformed one is: that
+/// connection is closed (c10d has no error reply) with a warning naming the bound and the
+/// client, the table is left as it was, and everyone else is served on. Replies are written
+/// from shared handles on the stored values after the table's lock is released. While more
+/// than [`max_queued_bytes`](ServerConfig::max_queued_bytes) of replies wait for a client, its
+/// requests are not read; a client that then reads none for
+/// [`write_stall_timeout`](ServerConfig::write_stall_timeout) is dropped.
+/// [`TcpStoreServer::stats`] reports the server's own accounting.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Size limits on requests: key length, value size (which also bounds what `APPEND` grows a
