@@ -14,7 +14,9 @@ use async_trait::async_trait;
 use tensorwire_core::ports::store::{Store, StoreError};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::table::{AddError, Arrival, KvState, WaiterId};
+use bytes::Bytes;
+
+use crate::table::{AddError, AddOrBudget, Arrival, BudgetError, KvState, WaiterId};
 use crate::DEFAULT_TIMEOUT;
 
 /// A store in this process's memory. Clones share the same table.
@@ -96,13 +98,18 @@ impl InMemoryStore {
 #[async_trait]
 impl Store for InMemoryStore {
     async fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.lock().set(key.as_bytes().to_vec(), value.to_vec());
-        Ok(())
+        self.lock()
+            .set(key.as_bytes(), Bytes::copy_from_slice(value))
+            .map_err(|e| budget_error(key, e))
     }
 
     async fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
         self.wait(&[key], self.timeout).await?;
-        Ok(self.lock().get(key.as_bytes()).cloned().unwrap_or_default())
+        Ok(self
+            .lock()
+            .get(key.as_bytes())
+            .map(|v| v.to_vec())
+            .unwrap_or_default())
     }
 
     async fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
@@ -133,9 +140,10 @@ impl Store for InMemoryStore {
         expected: &[u8],
         desired: &[u8],
     ) -> Result<Vec<u8>, StoreError> {
-        Ok(self
-            .lock()
-            .compare_set(key.as_bytes(), expected, desired.to_vec()))
+        self.lock()
+            .compare_set(key.as_bytes(), expected, Bytes::copy_from_slice(desired))
+            .map(|v| v.to_vec())
+            .map_err(|e| budget_error(key, e))
     }
 
     async fn delete_key(&self, key: &str) -> Result<bool, StoreError> {
@@ -147,8 +155,9 @@ impl Store for InMemoryStore {
     }
 
     async fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.lock().append(key.as_bytes(), value);
-        Ok(())
+        self.lock()
+            .append(key.as_bytes(), value)
+            .map_err(|e| budget_error(key, e))
     }
 
     async fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
@@ -156,7 +165,12 @@ impl Store for InMemoryStore {
         let state = self.lock();
         Ok(keys
             .iter()
-            .map(|k| state.get(k.as_bytes()).cloned().unwrap_or_default())
+            .map(|k| {
+                state
+                    .get(k.as_bytes())
+                    .map(|v| v.to_vec())
+                    .unwrap_or_default()
+            })
             .collect())
     }
 
@@ -164,7 +178,9 @@ impl Store for InMemoryStore {
         check_multi_set(keys, values)?;
         let mut state = self.lock();
         for (k, v) in keys.iter().zip(values) {
-            state.set(k.as_bytes().to_vec(), v.to_vec());
+            state
+                .set(k.as_bytes(), Bytes::copy_from_slice(v))
+                .map_err(|e| budget_error(k, e))?;
         }
         Ok(())
     }
@@ -195,7 +211,30 @@ impl Store for InMemoryStore {
     }
 }
 
-pub(crate) fn add_error(key: &str, e: AddError) -> StoreError {
+/// The error of an `add` or a `barrier` on `key`.
+pub(crate) fn add_error(key: &str, e: AddOrBudget) -> StoreError {
+    match e {
+        AddOrBudget::Add(e) => count_error(key, e),
+        AddOrBudget::Budget(e) => budget_error(key, e),
+    }
+}
+
+/// A write to `key` the table's budget refused (this store's budget has no bounds, but the
+/// table is shared with the server).
+fn budget_error(key: &str, e: BudgetError) -> StoreError {
+    match e {
+        BudgetError::ValueTooLarge { len, max } => StoreError::ValueTooLarge {
+            key: key.chars().take(64).collect(),
+            len,
+            max,
+        },
+        other => StoreError::InvalidArgument {
+            reason: format!("write to key {key:?}: {other}"),
+        },
+    }
+}
+
+fn count_error(key: &str, e: AddError) -> StoreError {
     match e {
         AddError::NotAnInteger(v) => StoreError::NotAnInteger {
             key: key.to_owned(),

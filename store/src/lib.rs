@@ -26,7 +26,7 @@ pub use server::fuzzing;
 pub use client::{ClientConfig, TcpStoreClient};
 pub use file::FileStore;
 pub use in_memory::InMemoryStore;
-pub use server::{ServerConfig, TcpStoreServer};
+pub use server::{ServerConfig, ServerStats, TcpStoreServer};
 pub use tensorwire_core::auth::ClusterSecret;
 pub use tensorwire_core::ports::store::{Store, StoreError};
 

@@ -10,17 +10,36 @@
 //! does, with a warning that names the peer and what was wrong; the c10d protocol has no error
 //! reply. So does an `add` or `barrier` that would take a count past `i64::MAX`, where
 //! PyTorch's server wraps around: the value is left as it was.
+//!
+//! # Bounds
+//!
+//! One client must not take the server down, so the server keeps to bounds PyTorch's server
+//! does not have (each a field of [`ServerConfig`], and a flag of `tensorwire store serve`):
+//! how many connections are open, how long a connection may take to authenticate and
+//! validate, how many keys and how many bytes of keys and values the table holds, how large a
+//! value may grow (`APPEND` included), how large a request and a reply may be, and how many
+//! reply bytes may wait for a client that does not read. A request that would pass a bound is
+//! refused as a malformed one is: the connection is closed with a warning that names the
+//! bound and the client, the table is left as it was, and everyone else is served on.
+//!
+//! Replies are not assembled under the table's lock: a `GET` or `MULTI_GET` takes shared
+//! handles on the stored values under the lock and writes them after releasing it, as the
+//! socket accepts them. While more than [`ServerConfig::max_queued_bytes`] wait for a client,
+//! its requests are not read (back-pressure); a client that accepts nothing for
+//! [`ServerConfig::write_stall_timeout`] is dropped.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
-use bytes::{Buf, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::handshake;
@@ -28,21 +47,55 @@ use crate::protocol::{
     self, KeyDisplay, Limits, Request, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC,
     WAIT_CANCELED, WAIT_STOP_WAITING,
 };
-use crate::table::{AddError, Arrival, KvState};
+use crate::table::{AddError, AddOrBudget, Arrival, Budget, BudgetError, KvState};
+use output::Output;
 use tensorwire_core::auth::ClusterSecret;
 
 #[doc(hidden)]
 pub mod fuzzing;
+mod output;
 
-/// Configuration of a [`TcpStoreServer`].
+/// Configuration of a [`TcpStoreServer`]: its secret and its bounds.
+///
+/// One client must not take the server down, so the server keeps to bounds PyTorch's server
+/// does not have; the defaults are far above what a training job's rendezvous and process
+/// groups use. A request that would pass a bound is refused as a malformed one is: that
+/// connection is closed (c10d has no error reply) with a warning naming the bound and the
+/// client, the table is left as it was, and everyone else is served on. Replies are written
+/// from shared handles on the stored values after the table's lock is released. While more
+/// than [`max_queued_bytes`](ServerConfig::max_queued_bytes) of replies wait for a client, its
+/// requests are not read; a client that then reads none for
+/// [`write_stall_timeout`](ServerConfig::write_stall_timeout) is dropped.
+/// [`TcpStoreServer::stats`] reports the server's own accounting.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Size limits on requests.
+    /// Size limits on requests: key length, value size (which also bounds what `APPEND` grows a
+    /// value to), keys per request and request size.
     pub limits: Limits,
     /// When set, clients must authenticate first (see [`crate::handshake`]); PyTorch clients cannot.
     pub secret: Option<ClusterSecret>,
     /// Most waits one connection may have parked at once (a client parks at most one).
     pub max_waits_per_connection: usize,
+    /// Most connections open at once; a connection past it is closed as soon as accepted.
+    /// Default 65,536 (a rank holds one or two; the open-file limit may well bind first).
+    pub max_connections: usize,
+    /// Longest time from accepting a connection to its `VALIDATE` (the authentication
+    /// included). Default 30 s.
+    pub handshake_timeout: Duration,
+    /// Longest silence of a connection that has not yet validated. Default 10 s.
+    pub unauthenticated_idle_timeout: Duration,
+    /// Most keys held: keys with a value plus items in queues. Default 1,048,576.
+    pub max_stored_keys: usize,
+    /// Most bytes of keys and values held in all: the store's memory budget. Default 1 GiB.
+    pub memory_budget: usize,
+    /// Largest reply to one request (a `MULTI_GET` or `LIST_KEYS`), in bytes. Default 64 MiB.
+    pub max_response_len: usize,
+    /// Reply bytes waiting for a client past which its requests are no longer read, until it
+    /// has read some. Default 16 MiB.
+    pub max_queued_bytes: usize,
+    /// Longest time a client with replies waiting may accept none of them before it is
+    /// dropped. Default 30 s.
+    pub write_stall_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -51,19 +104,103 @@ impl Default for ServerConfig {
             limits: Limits::default(),
             secret: None,
             max_waits_per_connection: 64,
+            max_connections: 64 * 1024,
+            handshake_timeout: Duration::from_secs(30),
+            unauthenticated_idle_timeout: Duration::from_secs(10),
+            max_stored_keys: 1024 * 1024,
+            memory_budget: 1024 * 1024 * 1024,
+            max_response_len: 64 * 1024 * 1024,
+            max_queued_bytes: 16 * 1024 * 1024,
+            write_stall_timeout: Duration::from_secs(30),
         }
     }
+}
+
+/// What a running server holds, from its own accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ServerStats {
+    /// Bytes of keys and values held (bounded by [`ServerConfig::memory_budget`]).
+    pub bytes_held: usize,
+    /// Keys with a value plus items in queues (bounded by [`ServerConfig::max_stored_keys`]).
+    pub keys_held: usize,
+    /// Open connections (bounded by [`ServerConfig::max_connections`]).
+    pub connections: usize,
+    /// Reply bytes waiting to be written, all connections together (values shared with the
+    /// table are counted in full). At most [`ServerConfig::max_queued_bytes`] plus one reply a
+    /// connection.
+    pub bytes_queued: usize,
+    /// Request bytes read and not yet handled, all connections together. At most
+    /// [`Limits::max_request_len`] plus one read a connection.
+    pub bytes_buffered: usize,
 }
 
 struct Shared {
     state: Mutex<KvState>,
     config: ServerConfig,
     next_conn: AtomicU64,
+    connections: AtomicUsize,
+    queued: AtomicUsize,
+    buffered: AtomicUsize,
 }
 
 impl Shared {
+    fn new(config: ServerConfig) -> Self {
+        let budget = Budget {
+            max_value_len: config.limits.max_value_len,
+            max_entries: config.max_stored_keys,
+            max_bytes: config.memory_budget,
+        };
+        Shared {
+            state: Mutex::new(KvState::with_budget(budget)),
+            config,
+            next_conn: AtomicU64::new(0),
+            connections: AtomicUsize::new(0),
+            queued: AtomicUsize::new(0),
+            buffered: AtomicUsize::new(0),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, KvState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn stats(&self) -> ServerStats {
+        let (bytes_held, keys_held) = {
+            let state = self.lock();
+            (state.bytes_held(), state.entries())
+        };
+        ServerStats {
+            bytes_held,
+            keys_held,
+            connections: self.connections.load(Ordering::Relaxed),
+            bytes_queued: self.queued.load(Ordering::Relaxed),
+            bytes_buffered: self.buffered.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// One connection's share of a gauge of [`Shared`] (queued or buffered bytes), given back when
+/// the connection ends.
+struct Gauge<'a> {
+    total: &'a AtomicUsize,
+    mine: usize,
+}
+
+impl Gauge<'_> {
+    fn set(&mut self, now: usize) {
+        if now > self.mine {
+            self.total.fetch_add(now - self.mine, Ordering::Relaxed);
+        } else {
+            self.total.fetch_sub(self.mine - now, Ordering::Relaxed);
+        }
+        self.mine = now;
+    }
+}
+
+impl Drop for Gauge<'_> {
+    fn drop(&mut self) {
+        self.set(0);
     }
 }
 
@@ -85,6 +222,7 @@ impl Shared {
 /// ```
 pub struct TcpStoreServer {
     local_addr: SocketAddr,
+    shared: Arc<Shared>,
     stop: watch::Sender<bool>,
     task: Option<JoinHandle<()>>,
 }
@@ -140,15 +278,12 @@ impl TcpStoreServer {
             .local_addr()
             .expect("a bound listener has a local address");
         let (stop, stopped) = watch::channel(false);
-        let shared = Arc::new(Shared {
-            state: Mutex::new(KvState::default()),
-            config,
-            next_conn: AtomicU64::new(0),
-        });
+        let shared = Arc::new(Shared::new(config));
         info!(%local_addr, secret = shared.config.secret.is_some(), "store server listening");
-        let task = tokio::spawn(accept_loop(listener, shared, stopped));
+        let task = tokio::spawn(accept_loop(listener, shared.clone(), stopped));
         TcpStoreServer {
             local_addr,
+            shared,
             stop,
             task: Some(task),
         }
@@ -157,6 +292,11 @@ impl TcpStoreServer {
     /// The address the server listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// What the server holds now: bytes and keys in the table, connections, queued replies.
+    pub fn stats(&self) -> ServerStats {
+        self.shared.stats()
     }
 
     /// Stops accepting, closes every connection and waits until the listener and every
@@ -186,12 +326,24 @@ async fn accept_loop(
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
+                    let max = shared.config.max_connections;
+                    if shared.connections.load(Ordering::Relaxed) >= max {
+                        warn!(
+                            %peer,
+                            "refusing a store connection: {max} connections are open, the bound \
+                             max_connections (--max-connections)"
+                        );
+                        drop(stream);
+                        continue;
+                    }
+                    shared.connections.fetch_add(1, Ordering::Relaxed);
                     let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
                     let shared = shared.clone();
                     let stopped = stopped.clone();
                     connections.spawn(async move {
                         let reason = serve_connection(stream, id, &shared, stopped).await;
                         shared.lock().cancel_owner(id);
+                        shared.connections.fetch_sub(1, Ordering::Relaxed);
                         match reason {
                             Closed::Eof | Closed::Shutdown => debug!(%peer, "store connection closed"),
                             Closed::Io(e) => debug!(%peer, error = %e, "store connection lost"),
@@ -259,10 +411,24 @@ async fn serve_connection(
         Phase::Validate
     };
     let mut input = BytesMut::with_capacity(4096);
-    let mut output = Vec::with_capacity(256);
+    let mut output = Output::default();
+    let mut gauge = Gauge {
+        total: &shared.queued,
+        mine: 0,
+    };
+    let mut buffered = Gauge {
+        total: &shared.buffered,
+        mine: 0,
+    };
     let (notify, mut fired) = unbounded_channel();
+    let accepted = Instant::now();
+    let mut last_read = accepted;
+    // Since when replies have waited with none written.
+    let mut stalled_since: Option<Instant> = None;
+    let (mut reader, mut writer) = stream.split();
     loop {
-        loop {
+        // Back-pressure: requests wait in `input` (and the socket) while replies pile up.
+        while output.len() < config.max_queued_bytes {
             let (request, used) = match protocol::decode_request(&input, &config.limits) {
                 Ok(Some(decoded)) => decoded,
                 Ok(None) => break,
@@ -279,26 +445,84 @@ async fn serve_connection(
                 &mut output,
             );
             if let Err(why) = step {
-                // Send what was answered before the bad request (the auth rejection, say).
-                let _ = stream.write_all(&output).await;
+                gauge.set(output.len());
+                // Send what was answered before the bad request (the auth rejection, say), unless
+                // the client does not read.
+                let flush = output.write_all(&mut writer);
+                let _ = tokio::time::timeout(config.write_stall_timeout, flush).await;
                 return Closed::Refused(why);
             }
         }
-        if !output.is_empty() {
-            if let Err(e) = stream.write_all(&output).await {
-                return e.into();
-            }
-            output.clear();
+        gauge.set(output.len());
+        buffered.set(input.len());
+        let now = Instant::now();
+        if output.is_empty() {
+            stalled_since = None;
         }
+        let expiry = if phase != Phase::Ready {
+            let handshake = accepted + config.handshake_timeout;
+            let idle = last_read + config.unauthenticated_idle_timeout;
+            if handshake <= idle {
+                Some((handshake, Expiry::Handshake))
+            } else {
+                Some((idle, Expiry::Idle))
+            }
+        } else if !output.is_empty() {
+            let since = *stalled_since.get_or_insert(now);
+            Some((since + config.write_stall_timeout, Expiry::Stall))
+        } else {
+            None
+        };
+        let (at, why) = match expiry {
+            Some((at, why)) => (at, Some(why)),
+            None => (now, None),
+        };
+        let reading = output.len() < config.max_queued_bytes;
         tokio::select! {
-            read = stream.read_buf(&mut input) => match read {
+            read = reader.read_buf(&mut input), if reading => match read {
                 Ok(0) => return Closed::Eof,
-                Ok(_) => {}
+                Ok(_) => last_read = Instant::now(),
+                Err(e) => return e.into(),
+            },
+            written = output.write_some(&mut writer), if !output.is_empty() => match written {
+                Ok(_) => stalled_since = None,
                 Err(e) => return e.into(),
             },
             Some(_) = fired.recv() => output.push(WAIT_STOP_WAITING),
             _ = stopped.changed() => return Closed::Shutdown,
+            _ = tokio::time::sleep_until(at), if why.is_some() => {
+                return Closed::Refused(expired(why, config, output.len()));
+            }
         }
+    }
+}
+
+/// Which time bound a connection is up against.
+#[derive(Clone, Copy)]
+enum Expiry {
+    Handshake,
+    Idle,
+    Stall,
+}
+
+/// Why a connection whose time bound expired is closed.
+fn expired(why: Option<Expiry>, config: &ServerConfig, queued: usize) -> String {
+    match why {
+        Some(Expiry::Handshake) => format!(
+            "did not validate within {:?}, the bound handshake_timeout (--handshake-timeout)",
+            config.handshake_timeout
+        ),
+        Some(Expiry::Idle) => format!(
+            "silent for {:?} before validating, the bound unauthenticated_idle_timeout \
+             (--unauthenticated-idle-timeout)",
+            config.unauthenticated_idle_timeout
+        ),
+        Some(Expiry::Stall) | None => format!(
+            "read none of its {queued} queued reply bytes for {:?}, the bound \
+             write_stall_timeout (--write-stall-timeout); its requests had stopped being read \
+             past max_queued_bytes = {} (--max-queued-bytes)",
+            config.write_stall_timeout, config.max_queued_bytes
+        ),
     }
 }
 
@@ -310,7 +534,7 @@ fn handle(
     shared: &Shared,
     notify: &tokio::sync::mpsc::UnboundedSender<u64>,
     fired: &mut UnboundedReceiver<u64>,
-    out: &mut Vec<u8>,
+    out: &mut Output,
 ) -> Result<(), String> {
     match (*phase, request) {
         (
@@ -397,22 +621,29 @@ fn serve(
     shared: &Shared,
     notify: &tokio::sync::mpsc::UnboundedSender<u64>,
     fired: &mut UnboundedReceiver<u64>,
-    out: &mut Vec<u8>,
+    out: &mut Output,
 ) -> Result<(), String> {
     match request {
         Request::Ping { nonce } => out.extend_from_slice(&nonce.to_ne_bytes()),
-        Request::Set { key, value } => shared.lock().set(key, value),
+        Request::Set { key, value } => shared
+            .lock()
+            .set(&key, Bytes::from(value))
+            .map_err(|e| refused_write("SET", &key, e))?,
         Request::CompareSet {
             key,
             expected,
             desired,
         } => {
-            let value = shared.lock().compare_set(&key, &expected, desired);
-            protocol::put_bytes(out, &value);
+            let value = shared
+                .lock()
+                .compare_set(&key, &expected, Bytes::from(desired))
+                .map_err(|e| refused_write("COMPARE_SET", &key, e))?;
+            out.put_value(value);
         }
         Request::Get { key } => {
-            let state = shared.lock();
-            protocol::put_bytes(out, state.get(&key).map(Vec::as_slice).unwrap_or_default());
+            // A handle on the stored value; it is written after the lock is released.
+            let value = shared.lock().get(&key).cloned().unwrap_or_default();
+            out.put_value(value);
         }
         Request::Add { key, delta } => match shared.lock().add(&key, delta) {
             Ok(sum) => out.extend_from_slice(&sum.to_ne_bytes()),
@@ -448,18 +679,36 @@ fn serve(
             let deleted = shared.lock().delete(&key);
             out.extend_from_slice(&i64::from(deleted).to_ne_bytes());
         }
-        Request::Append { key, value } => shared.lock().append(&key, &value),
+        Request::Append { key, value } => shared
+            .lock()
+            .append(&key, &value)
+            .map_err(|e| refused_write("APPEND", &key, e))?,
         Request::MultiGet { keys } => {
-            let state = shared.lock();
-            for key in &keys {
-                protocol::put_bytes(out, state.get(key).map(Vec::as_slice).unwrap_or_default());
+            // Handles on the stored values; written after the lock is released.
+            let values: Vec<Bytes> = {
+                let state = shared.lock();
+                keys.iter()
+                    .map(|key| state.get(key).cloned().unwrap_or_default())
+                    .collect()
+            };
+            let len: usize = values.iter().map(|v| 8 + v.len()).sum();
+            if len > shared.config.max_response_len {
+                return Err(too_long_a_reply("MULTI_GET", keys.len(), len, shared));
+            }
+            for value in values {
+                out.put_value(value);
             }
         }
         Request::MultiSet { pairs } => {
-            let mut state = shared.lock();
-            for (key, value) in pairs {
-                state.set(key, value);
-            }
+            let first = pairs.first().map(|(k, _)| k.clone()).unwrap_or_default();
+            let pairs = pairs
+                .into_iter()
+                .map(|(k, v)| (k, Bytes::from(v)))
+                .collect();
+            shared
+                .lock()
+                .set_all(pairs)
+                .map_err(|e| refused_write("MULTI_SET", &first, e))?;
         }
         Request::CancelWait => {
             // After this no wait of ours can fire, so whatever fired before is in the channel:
@@ -470,12 +719,15 @@ fn serve(
             }
             out.push(WAIT_CANCELED);
         }
-        Request::QueuePush { key, value } => shared.lock().queue_push(&key, value),
+        Request::QueuePush { key, value } => shared
+            .lock()
+            .queue_push(&key, Bytes::from(value))
+            .map_err(|e| refused_write("QUEUE_PUSH", &key, e))?,
         Request::QueuePop { key } => {
             let (len, item) = shared.lock().queue_pop(&key);
             out.extend_from_slice(&(len as i64).to_ne_bytes());
             if let Some(item) = item {
-                protocol::put_bytes(out, &item);
+                out.put_value(item);
             }
         }
         Request::QueueLen { key } => {
@@ -484,9 +736,15 @@ fn serve(
         }
         Request::ListKeys => {
             let state = shared.lock();
+            let len: usize = 8 + state.keys().map(|k| 8 + k.len()).sum::<usize>();
+            if len > shared.config.max_response_len {
+                return Err(too_long_a_reply("LIST_KEYS", state.len(), len, shared));
+            }
+            // Keys are short and few next to values (bounded by the reply bound just checked).
             out.extend_from_slice(&(state.len() as u64).to_ne_bytes());
             for key in state.keys() {
-                protocol::put_bytes(out, key);
+                out.extend_from_slice(&(key.len() as u64).to_ne_bytes());
+                out.extend_from_slice(key);
             }
         }
         Request::Validate { .. } => return Err("VALIDATE sent twice".to_owned()),
@@ -504,8 +762,34 @@ fn too_many_waits(shared: &Shared) -> String {
     )
 }
 
+/// Why a write of `op` to `key` was refused by the table's budget, naming the bound.
+fn refused_write(op: &str, key: &[u8], e: BudgetError) -> String {
+    let bound = match e {
+        BudgetError::ValueTooLarge { .. } => "limits.max_value_len (--max-value-size)",
+        BudgetError::TooManyEntries { .. } => "max_stored_keys (--max-keys)",
+        BudgetError::OverBudget { .. } => "memory_budget (--memory-budget)",
+    };
+    format!(
+        "{op} on key {} refused: {e}; the bound {bound}",
+        KeyDisplay(key)
+    )
+}
+
+/// Why a request whose reply would be `len` bytes was refused.
+fn too_long_a_reply(op: &str, keys: usize, len: usize, shared: &Shared) -> String {
+    format!(
+        "{op} of {keys} keys would be answered with {len} bytes, over the bound \
+         max_response_len = {} (--max-response-size)",
+        shared.config.max_response_len
+    )
+}
+
 /// Why an `add` or a `barrier` on `key` was refused.
-fn refused_count(op: &str, key: &[u8], e: AddError) -> String {
+fn refused_count(op: &str, key: &[u8], e: AddOrBudget) -> String {
+    let e = match e {
+        AddOrBudget::Add(e) => e,
+        AddOrBudget::Budget(e) => return refused_write(op, key, e),
+    };
     match e {
         AddError::NotAnInteger(v) => format!(
             "{op} on key {} whose value {} is not a decimal integer",

@@ -10,12 +10,74 @@
 //! completes the count, or a set, add or append by anyone (as in PyTorch's server, whose
 //! barrier waiters share the key's waiting list). An arrival that does not complete the count
 //! writes the key without waking anyone, also as PyTorch's server does.
+//!
+//! The table keeps to a [`Budget`]: how many entries it holds, how large one value may grow
+//! (`APPEND` included) and how many bytes of keys and values it holds in all. A write that would
+//! pass a bound is refused with a [`BudgetError`] naming it, and changes nothing. Values are
+//! shared [`Bytes`], so a reply hands out the stored value without copying it.
 
 use std::collections::{HashMap, VecDeque};
 
+use bytes::Bytes;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::protocol::parse_c10d_int;
+
+/// The bounds of a table. [`Budget::UNLIMITED`] has none (PyTorch's server has none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Budget {
+    /// Largest value, in bytes, including what `APPEND` grows a value to.
+    pub(crate) max_value_len: usize,
+    /// Most entries held: keys with a value plus items waiting in queues.
+    pub(crate) max_entries: usize,
+    /// Most bytes of keys and values (queue names and items included) held in all.
+    pub(crate) max_bytes: usize,
+}
+
+impl Budget {
+    /// No bounds.
+    pub(crate) const UNLIMITED: Budget = Budget {
+        max_value_len: usize::MAX,
+        max_entries: usize::MAX,
+        max_bytes: usize::MAX,
+    };
+}
+
+/// A write refused because it would pass a bound of the table's [`Budget`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum BudgetError {
+    /// The value would be larger than `max_value_len`.
+    #[error("the value would be {len} bytes, over the value size bound of {max} bytes")]
+    ValueTooLarge { len: usize, max: usize },
+    /// A new entry would pass `max_entries`.
+    #[error("the store holds {max} keys, its bound on keys")]
+    TooManyEntries { max: usize },
+    /// The bytes held would pass `max_bytes`.
+    #[error(
+        "the store would hold {needed} bytes of keys and values, over its memory budget of {max} \
+         bytes"
+    )]
+    OverBudget { needed: usize, max: usize },
+}
+
+/// Why a write to the table failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum AddOrBudget {
+    Add(AddError),
+    Budget(BudgetError),
+}
+
+impl From<AddError> for AddOrBudget {
+    fn from(e: AddError) -> Self {
+        AddOrBudget::Add(e)
+    }
+}
+
+impl From<BudgetError> for AddOrBudget {
+    fn from(e: BudgetError) -> Self {
+        AddOrBudget::Budget(e)
+    }
+}
 
 /// Identifies one registered wait.
 pub(crate) type WaiterId = u64;
@@ -43,35 +105,142 @@ pub(crate) enum Arrival {
 }
 
 /// The table. Not synchronised: callers hold it in a mutex that is never held across `.await`.
-#[derive(Default)]
 pub(crate) struct KvState {
-    map: HashMap<Vec<u8>, Vec<u8>>,
-    queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
+    map: HashMap<Vec<u8>, Bytes>,
+    queues: HashMap<Vec<u8>, VecDeque<Bytes>>,
     parked: HashMap<Vec<u8>, Vec<WaiterId>>,
     waiters: HashMap<WaiterId, Waiter>,
     next_waiter: WaiterId,
+    budget: Budget,
+    /// Keys with a value plus queued items.
+    entries: usize,
+    /// Bytes of keys and values held (a queue's name counted with each of its items).
+    held: usize,
+}
+
+impl Default for KvState {
+    fn default() -> Self {
+        KvState::with_budget(Budget::UNLIMITED)
+    }
 }
 
 impl KvState {
-    pub(crate) fn set(&mut self, key: Vec<u8>, value: Vec<u8>) {
-        self.wake(&key);
-        self.map.insert(key, value);
+    pub(crate) fn with_budget(budget: Budget) -> Self {
+        KvState {
+            map: HashMap::new(),
+            queues: HashMap::new(),
+            parked: HashMap::new(),
+            waiters: HashMap::new(),
+            next_waiter: 0,
+            budget,
+            entries: 0,
+            held: 0,
+        }
     }
 
-    pub(crate) fn get(&self, key: &[u8]) -> Option<&Vec<u8>> {
+    /// Bytes of keys and values held (what the memory budget bounds).
+    pub(crate) fn bytes_held(&self) -> usize {
+        self.held
+    }
+
+    /// Keys with a value plus items in queues (what the bound on keys bounds).
+    pub(crate) fn entries(&self) -> usize {
+        self.entries
+    }
+
+    /// Checks that `key` may hold a value of `len` bytes; returns the bytes then held.
+    fn admit(&self, key: &[u8], len: usize) -> Result<usize, BudgetError> {
+        let b = &self.budget;
+        if len > b.max_value_len {
+            return Err(BudgetError::ValueTooLarge {
+                len,
+                max: b.max_value_len,
+            });
+        }
+        let old = self.map.get(key).map(|v| key.len() + v.len());
+        if old.is_none() && self.entries >= b.max_entries {
+            return Err(BudgetError::TooManyEntries { max: b.max_entries });
+        }
+        let needed = (self.held - old.unwrap_or(0)).saturating_add(key.len() + len);
+        if needed > b.max_bytes {
+            return Err(BudgetError::OverBudget {
+                needed,
+                max: b.max_bytes,
+            });
+        }
+        Ok(needed)
+    }
+
+    /// Stores `value` under `key` within the budget, without waking anyone.
+    fn put(&mut self, key: &[u8], value: Bytes) -> Result<(), BudgetError> {
+        let held = self.admit(key, value.len())?;
+        if self.map.insert(key.to_vec(), value).is_none() {
+            self.entries += 1;
+        }
+        self.held = held;
+        Ok(())
+    }
+
+    pub(crate) fn set(&mut self, key: &[u8], value: Bytes) -> Result<(), BudgetError> {
+        self.put(key, value)?;
+        self.wake(key);
+        Ok(())
+    }
+
+    /// Sets every pair, in order, or none: a pair past a bound refuses them all.
+    pub(crate) fn set_all(&mut self, pairs: Vec<(Vec<u8>, Bytes)>) -> Result<(), BudgetError> {
+        let b = self.budget;
+        // What each key would hold after the pairs before it.
+        let mut after: HashMap<&[u8], usize> = HashMap::new();
+        let (mut entries, mut held) = (self.entries, self.held);
+        for (key, value) in &pairs {
+            if value.len() > b.max_value_len {
+                return Err(BudgetError::ValueTooLarge {
+                    len: value.len(),
+                    max: b.max_value_len,
+                });
+            }
+            let before = match after.get(key.as_slice()) {
+                Some(len) => Some(*len),
+                None => self.map.get(key).map(Bytes::len),
+            };
+            match before {
+                Some(len) => held -= key.len() + len,
+                None if entries >= b.max_entries => {
+                    return Err(BudgetError::TooManyEntries { max: b.max_entries })
+                }
+                None => entries += 1,
+            }
+            held = held.saturating_add(key.len() + value.len());
+            if held > b.max_bytes {
+                return Err(BudgetError::OverBudget {
+                    needed: held,
+                    max: b.max_bytes,
+                });
+            }
+            after.insert(key, value.len());
+        }
+        drop(after);
+        for (key, value) in pairs {
+            self.set(&key, value)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn get(&self, key: &[u8]) -> Option<&Bytes> {
         self.map.get(key)
     }
 
-    pub(crate) fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, AddError> {
+    pub(crate) fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, AddOrBudget> {
         let sum = self.sum(key, delta)?;
-        self.set(key.to_vec(), sum.to_string().into_bytes());
+        self.set(key, Bytes::from(sum.to_string()))?;
         Ok(sum)
     }
 
     /// The integer held by `key` (missing counts as 0) plus `delta`.
     fn sum(&self, key: &[u8], delta: i64) -> Result<i64, AddError> {
         let current = match self.map.get(key) {
-            Some(v) => parse_c10d_int(v).ok_or_else(|| AddError::NotAnInteger(v.clone()))?,
+            Some(v) => parse_c10d_int(v).ok_or_else(|| AddError::NotAnInteger(v.to_vec()))?,
             None => 0,
         };
         current.checked_add(delta).ok_or(AddError::Overflow)
@@ -79,18 +248,18 @@ impl KvState {
 
     /// Counts one arrival at the barrier `key` on behalf of `owner`. Once the count reaches
     /// `world_size` the arrival is released, with every arrival parked on the key; before that
-    /// it is parked and its id will be sent on `notify`. A value that is not an integer, or a
-    /// count past `i64::MAX`, is an error and leaves the value as it was.
+    /// it is parked and its id will be sent on `notify`. A value that is not an integer, a
+    /// count past `i64::MAX` or a count the budget has no room for is an error and leaves the
+    /// value as it was.
     pub(crate) fn barrier(
         &mut self,
         key: &[u8],
         world_size: i64,
         owner: u64,
         notify: UnboundedSender<WaiterId>,
-    ) -> Result<Arrival, AddError> {
+    ) -> Result<Arrival, AddOrBudget> {
         let count = self.sum(key, 1)?;
-        self.map
-            .insert(key.to_vec(), count.to_string().into_bytes());
+        self.put(key, Bytes::from(count.to_string()))?;
         if count >= world_size {
             self.wake(key);
             return Ok(Arrival::Released);
@@ -113,21 +282,45 @@ impl KvState {
     }
 
     /// Pushes onto a queue and releases one waiter parked on its name.
-    pub(crate) fn queue_push(&mut self, key: &[u8], value: Vec<u8>) {
+    pub(crate) fn queue_push(&mut self, key: &[u8], value: Bytes) -> Result<(), BudgetError> {
+        let b = &self.budget;
+        if value.len() > b.max_value_len {
+            return Err(BudgetError::ValueTooLarge {
+                len: value.len(),
+                max: b.max_value_len,
+            });
+        }
+        if self.entries >= b.max_entries {
+            return Err(BudgetError::TooManyEntries { max: b.max_entries });
+        }
+        let needed = self.held.saturating_add(key.len() + value.len());
+        if needed > b.max_bytes {
+            return Err(BudgetError::OverBudget {
+                needed,
+                max: b.max_bytes,
+            });
+        }
+        self.held = needed;
+        self.entries += 1;
         self.queues
             .entry(key.to_vec())
             .or_default()
             .push_back(value);
         self.wake_one(key);
+        Ok(())
     }
 
     /// The length of the queue before the pop, and the popped item when there was one.
-    pub(crate) fn queue_pop(&mut self, key: &[u8]) -> (usize, Option<Vec<u8>>) {
+    pub(crate) fn queue_pop(&mut self, key: &[u8]) -> (usize, Option<Bytes>) {
         let Some(queue) = self.queues.get_mut(key) else {
             return (0, None);
         };
         let len = queue.len();
         let item = queue.pop_front();
+        if let Some(item) = &item {
+            self.held -= key.len() + item.len();
+            self.entries -= 1;
+        }
         if queue.is_empty() {
             self.queues.remove(key);
         }
@@ -140,35 +333,51 @@ impl KvState {
 
     /// c10d semantics: a missing key matches an empty `expected`; a missing key with a
     /// non-empty `expected` is left alone and `expected` is returned.
-    pub(crate) fn compare_set(&mut self, key: &[u8], expected: &[u8], desired: Vec<u8>) -> Vec<u8> {
+    pub(crate) fn compare_set(
+        &mut self,
+        key: &[u8],
+        expected: &[u8],
+        desired: Bytes,
+    ) -> Result<Bytes, BudgetError> {
         match self.map.get(key) {
             None if expected.is_empty() => {
-                self.set(key.to_vec(), desired.clone());
-                desired
+                self.set(key, desired.clone())?;
+                Ok(desired)
             }
-            None => expected.to_vec(),
-            Some(current) if current.as_slice() == expected => {
-                self.set(key.to_vec(), desired.clone());
-                desired
+            None => Ok(Bytes::copy_from_slice(expected)),
+            Some(current) if current.as_ref() == expected => {
+                self.set(key, desired.clone())?;
+                Ok(desired)
             }
-            Some(current) => current.clone(),
+            Some(current) => Ok(current.clone()),
         }
     }
 
     pub(crate) fn delete(&mut self, key: &[u8]) -> bool {
-        self.map.remove(key).is_some()
+        match self.map.remove(key) {
+            Some(value) => {
+                self.held -= key.len() + value.len();
+                self.entries -= 1;
+                true
+            }
+            None => false,
+        }
     }
 
     pub(crate) fn len(&self) -> usize {
         self.map.len()
     }
 
-    pub(crate) fn append(&mut self, key: &[u8], value: &[u8]) {
-        self.wake(key);
-        self.map
-            .entry(key.to_vec())
-            .or_default()
-            .extend_from_slice(value);
+    /// Appends `value` to the value of `key` (a missing key counts as empty); the grown value
+    /// is bound by the value size bound as any other.
+    pub(crate) fn append(&mut self, key: &[u8], value: &[u8]) -> Result<(), BudgetError> {
+        let old = self.map.get(key).map_or(0, Bytes::len);
+        // Checked before anything is allocated.
+        self.admit(key, old.saturating_add(value.len()))?;
+        let mut grown = Vec::with_capacity(old + value.len());
+        grown.extend_from_slice(self.map.get(key).map_or(&[][..], |v| v.as_ref()));
+        grown.extend_from_slice(value);
+        self.set(key, Bytes::from(grown))
     }
 
     /// Parks a wait for `keys` on behalf of `owner`. Returns `None` when every key already
@@ -283,39 +492,185 @@ mod tests {
     use super::*;
     use tokio::sync::mpsc::unbounded_channel;
 
+    fn budget(max_value_len: usize, max_entries: usize, max_bytes: usize) -> Budget {
+        Budget {
+            max_value_len,
+            max_entries,
+            max_bytes,
+        }
+    }
+
+    #[test]
+    fn append_stops_at_the_value_size_bound_and_changes_nothing() {
+        let mut s = KvState::with_budget(budget(8, 100, 1000));
+        s.append(b"k", b"12345").unwrap();
+        assert_eq!(
+            s.append(b"k", b"6789"),
+            Err(BudgetError::ValueTooLarge { len: 9, max: 8 })
+        );
+        assert_eq!(s.get(b"k").unwrap(), b"12345".as_slice());
+        s.append(b"k", b"678").unwrap();
+        assert_eq!(s.get(b"k").unwrap(), b"12345678".as_slice());
+        assert_eq!(s.bytes_held(), 1 + 8);
+        let err = s.append(b"k", b"9").unwrap_err();
+        assert!(
+            err.to_string().contains("value size bound of 8 bytes"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_bound_on_keys_counts_values_and_queue_items() {
+        let mut s = KvState::with_budget(budget(100, 2, 1000));
+        s.set(b"a", Bytes::from_static(b"1")).unwrap();
+        s.queue_push(b"q", Bytes::from_static(b"x")).unwrap();
+        assert_eq!(
+            s.set(b"b", Bytes::new()),
+            Err(BudgetError::TooManyEntries { max: 2 })
+        );
+        assert_eq!(
+            s.queue_push(b"q", Bytes::new()),
+            Err(BudgetError::TooManyEntries { max: 2 })
+        );
+        assert_eq!(
+            s.add(b"c", 1),
+            Err(BudgetError::TooManyEntries { max: 2 }.into())
+        );
+        // Overwriting is no new key; deleting or popping makes room.
+        s.set(b"a", Bytes::from_static(b"2")).unwrap();
+        assert!(s.delete(b"a"));
+        s.set(b"b", Bytes::new()).unwrap();
+        assert_eq!(s.queue_pop(b"q").0, 1);
+        s.add(b"c", 1).unwrap();
+        assert_eq!(s.entries(), 2);
+    }
+
+    #[test]
+    fn a_multi_set_past_a_bound_sets_nothing() {
+        let mut s = KvState::with_budget(budget(10, 3, 30));
+        s.set(b"a", Bytes::from_static(b"1")).unwrap();
+        let pairs = |list: &[(&[u8], usize)]| -> Vec<(Vec<u8>, Bytes)> {
+            list.iter()
+                .map(|(k, n)| (k.to_vec(), Bytes::from(vec![0; *n])))
+                .collect()
+        };
+        // Three new keys where two fit.
+        assert_eq!(
+            s.set_all(pairs(&[(b"b", 1), (b"c", 1), (b"d", 1)])),
+            Err(BudgetError::TooManyEntries { max: 3 })
+        );
+        // The same key twice counts once, with its last value.
+        s.set_all(pairs(&[(b"b", 9), (b"b", 2), (b"c", 2)]))
+            .unwrap();
+        assert_eq!(s.get(b"b").unwrap().len(), 2);
+        assert_eq!((s.entries(), s.bytes_held()), (3, 2 + 3 + 3));
+        // Growing three values past the bytes: none grows.
+        assert!(matches!(
+            s.set_all(pairs(&[(b"b", 9), (b"c", 9), (b"a", 10)])),
+            Err(BudgetError::OverBudget {
+                needed: 31,
+                max: 30
+            })
+        ));
+        assert_eq!(s.get(b"b").unwrap().len(), 2);
+        assert_eq!(
+            s.set_all(pairs(&[(b"a", 1), (b"b", 11)])),
+            Err(BudgetError::ValueTooLarge { len: 11, max: 10 })
+        );
+        assert_eq!(s.get(b"a").unwrap().as_ref(), b"1");
+        assert_eq!(s.bytes_held(), 8);
+    }
+
+    #[test]
+    fn the_memory_budget_counts_keys_and_values_and_is_given_back() {
+        let mut s = KvState::with_budget(budget(100, 100, 20));
+        s.set(b"k1", Bytes::from(vec![0; 8])).unwrap();
+        assert_eq!(s.bytes_held(), 10);
+        assert_eq!(
+            s.set(b"k2", Bytes::from(vec![0; 9])),
+            Err(BudgetError::OverBudget {
+                needed: 21,
+                max: 20
+            })
+        );
+        assert!(s.get(b"k2").is_none());
+        // Replacing a value frees the old one first.
+        s.set(b"k1", Bytes::from(vec![0; 18])).unwrap();
+        assert_eq!(s.bytes_held(), 20);
+        let (tx, _rx) = unbounded_channel();
+        assert!(matches!(
+            s.barrier(b"b", 2, 1, tx),
+            Err(AddOrBudget::Budget(BudgetError::OverBudget { .. }))
+        ));
+        assert!(s.get(b"b").is_none());
+        assert!(matches!(
+            s.compare_set(b"k1", &[0; 18], Bytes::from(vec![1; 19])),
+            Err(BudgetError::OverBudget {
+                needed: 21,
+                max: 20
+            })
+        ));
+        assert!(s.delete(b"k1"));
+        assert_eq!(s.bytes_held(), 0);
+        s.queue_push(b"q", Bytes::from(vec![0; 19])).unwrap();
+        assert_eq!(s.bytes_held(), 20);
+        s.queue_pop(b"q");
+        assert_eq!((s.bytes_held(), s.entries()), (0, 0));
+    }
+
     #[test]
     fn add_keeps_a_decimal_string() {
         let mut s = KvState::default();
         assert_eq!(s.add(b"c", 3), Ok(3));
         assert_eq!(s.add(b"c", -10), Ok(-7));
-        assert_eq!(s.get(b"c").unwrap(), b"-7");
-        s.set(b"x".to_vec(), b"abc".to_vec());
-        assert_eq!(s.add(b"x", 1), Err(AddError::NotAnInteger(b"abc".to_vec())));
-        s.set(b"m".to_vec(), i64::MAX.to_string().into_bytes());
-        assert_eq!(s.add(b"m", 1), Err(AddError::Overflow));
+        assert_eq!(s.get(b"c").unwrap(), b"-7".as_slice());
+        s.set(b"x", Bytes::from_static(b"abc")).unwrap();
+        assert_eq!(
+            s.add(b"x", 1),
+            Err(AddError::NotAnInteger(b"abc".to_vec()).into())
+        );
+        s.set(b"m", Bytes::from(i64::MAX.to_string().into_bytes()))
+            .unwrap();
+        assert_eq!(s.add(b"m", 1), Err(AddError::Overflow.into()));
     }
 
     #[test]
     fn compare_set_follows_c10d() {
         let mut s = KvState::default();
-        assert_eq!(s.compare_set(b"k", b"x", b"new".to_vec()), b"x");
+        assert_eq!(
+            s.compare_set(b"k", b"x", Bytes::from_static(b"new"))
+                .unwrap(),
+            b"x".as_slice()
+        );
         assert!(s.get(b"k").is_none());
-        assert_eq!(s.compare_set(b"k", b"", b"first".to_vec()), b"first");
-        assert_eq!(s.compare_set(b"k", b"wrong", b"second".to_vec()), b"first");
-        assert_eq!(s.compare_set(b"k", b"first", b"second".to_vec()), b"second");
-        assert_eq!(s.get(b"k").unwrap(), b"second");
+        assert_eq!(
+            s.compare_set(b"k", b"", Bytes::from_static(b"first"))
+                .unwrap(),
+            b"first".as_slice()
+        );
+        assert_eq!(
+            s.compare_set(b"k", b"wrong", Bytes::from_static(b"second"))
+                .unwrap(),
+            b"first".as_slice()
+        );
+        assert_eq!(
+            s.compare_set(b"k", b"first", Bytes::from_static(b"second"))
+                .unwrap(),
+            b"second".as_slice()
+        );
+        assert_eq!(s.get(b"k").unwrap(), b"second".as_slice());
     }
 
     #[test]
     fn a_waiter_fires_once_all_its_keys_exist() {
         let mut s = KvState::default();
         let (tx, mut rx) = unbounded_channel();
-        s.set(b"a".to_vec(), vec![]);
+        s.set(b"a", Bytes::new()).unwrap();
         assert_eq!(s.park(&[b"a".as_slice()], 1, tx.clone()), None);
         let id = s.park(&[b"a".as_slice(), b"b", b"c"], 1, tx).unwrap();
-        s.set(b"b".to_vec(), vec![1]);
+        s.set(b"b", Bytes::from(vec![1])).unwrap();
         assert!(rx.try_recv().is_err());
-        s.append(b"c", b"x");
+        s.append(b"c", b"x").unwrap();
         assert_eq!(rx.try_recv().unwrap(), id);
         assert_eq!(s.parked_by(1), 0);
     }
@@ -340,16 +695,16 @@ mod tests {
         let (tx, mut rx) = unbounded_channel();
         let first = s.park(&[b"q".as_slice()], 1, tx.clone()).unwrap();
         let second = s.park(&[b"q".as_slice()], 2, tx).unwrap();
-        s.queue_push(b"q", b"a".to_vec());
+        s.queue_push(b"q", Bytes::from_static(b"a")).unwrap();
         assert_eq!(rx.try_recv().unwrap(), first);
         assert!(rx.try_recv().is_err());
-        s.queue_push(b"q", b"b".to_vec());
+        s.queue_push(b"q", Bytes::from_static(b"b")).unwrap();
         assert_eq!(rx.try_recv().unwrap(), second);
         assert!(s.check(&[b"q".as_slice()]));
         assert_eq!(s.len(), 0);
         assert_eq!(s.queue_len(b"q"), 2);
-        assert_eq!(s.queue_pop(b"q"), (2, Some(b"a".to_vec())));
-        assert_eq!(s.queue_pop(b"q"), (1, Some(b"b".to_vec())));
+        assert_eq!(s.queue_pop(b"q"), (2, Some(Bytes::from_static(b"a"))));
+        assert_eq!(s.queue_pop(b"q"), (1, Some(Bytes::from_static(b"b"))));
         assert_eq!(s.queue_pop(b"q"), (0, None));
         assert!(!s.check(&[b"q".as_slice()]));
     }
@@ -366,7 +721,7 @@ mod tests {
             panic!("the second of three went through")
         };
         // The count is an ordinary key, and an arrival short of the world size wakes nobody.
-        assert_eq!(s.get(b"b").unwrap(), b"2");
+        assert_eq!(s.get(b"b").unwrap(), b"2".as_slice());
         assert_eq!(s.len(), 1);
         assert!(rx.try_recv().is_err());
         assert_eq!(s.barrier(b"b", 3, 3, tx.clone()), Ok(Arrival::Released));
@@ -376,7 +731,7 @@ mod tests {
         assert!(rx.try_recv().is_err());
         // Never reset: a later arrival on the key goes through at once.
         assert_eq!(s.barrier(b"b", 3, 4, tx), Ok(Arrival::Released));
-        assert_eq!(s.get(b"b").unwrap(), b"4");
+        assert_eq!(s.get(b"b").unwrap(), b"4".as_slice());
     }
 
     #[test]
@@ -390,7 +745,7 @@ mod tests {
         assert_eq!(s.cancel_owner(1), 1);
         assert_eq!(s.barrier(b"lonely", 2, 2, tx), Ok(Arrival::Released));
         assert!(rx.try_recv().is_err());
-        assert_eq!(s.get(b"lonely").unwrap(), b"2");
+        assert_eq!(s.get(b"lonely").unwrap(), b"2".as_slice());
     }
 
     #[test]
@@ -402,7 +757,7 @@ mod tests {
                 s.barrier(key, world_size, 1, tx.clone()),
                 Ok(Arrival::Released)
             );
-            assert_eq!(s.get(key).unwrap(), b"1");
+            assert_eq!(s.get(key).unwrap(), b"1".as_slice());
         }
     }
 
@@ -431,7 +786,7 @@ mod tests {
         let Arrival::Parked(id) = s.barrier(b"s", 5, 1, tx).unwrap() else {
             panic!("went through")
         };
-        s.set(b"s".to_vec(), b"7".to_vec());
+        s.set(b"s", Bytes::from_static(b"7")).unwrap();
         assert_eq!(rx.try_recv().unwrap(), id);
     }
 
@@ -439,15 +794,15 @@ mod tests {
     fn a_barrier_on_a_bad_count_changes_nothing() {
         let mut s = KvState::default();
         let (tx, _rx) = unbounded_channel();
-        s.set(b"text".to_vec(), b"abc".to_vec());
+        s.set(b"text", Bytes::from_static(b"abc")).unwrap();
         assert_eq!(
             s.barrier(b"text", 2, 1, tx.clone()),
-            Err(AddError::NotAnInteger(b"abc".to_vec()))
+            Err(AddError::NotAnInteger(b"abc".to_vec()).into())
         );
-        assert_eq!(s.get(b"text").unwrap(), b"abc");
+        assert_eq!(s.get(b"text").unwrap(), b"abc".as_slice());
         let max = i64::MAX.to_string().into_bytes();
-        s.set(b"full".to_vec(), max.clone());
-        assert_eq!(s.barrier(b"full", 2, 1, tx), Err(AddError::Overflow));
+        s.set(b"full", Bytes::from(max.clone())).unwrap();
+        assert_eq!(s.barrier(b"full", 2, 1, tx), Err(AddError::Overflow.into()));
         assert_eq!(s.get(b"full").unwrap(), &max);
         assert_eq!(s.parked_by(1), 0);
     }
@@ -455,8 +810,8 @@ mod tests {
     #[test]
     fn deletes_and_counts() {
         let mut s = KvState::default();
-        s.set(b"a".to_vec(), vec![]);
-        s.set(b"b".to_vec(), vec![]);
+        s.set(b"a", Bytes::new()).unwrap();
+        s.set(b"b", Bytes::new()).unwrap();
         assert_eq!(s.len(), 2);
         assert!(s.delete(b"a"));
         assert!(!s.delete(b"a"));

@@ -14,6 +14,105 @@ use tensorwire_store::{
     ClientConfig, ClusterSecret, ServerConfig, Store, TcpStoreClient, TcpStoreServer,
 };
 
+/// The bounds of `tensorwire store serve`; each left out keeps [`ServerConfig::default`]'s.
+/// A client that reaches one has its connection closed, with a warning naming the bound and
+/// the client; the others are served on.
+#[derive(Debug, clap::Args)]
+struct BoundArgs {
+    /// Most connections open at once [default: 65536].
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
+    /// Seconds a connection may take to authenticate and validate [default: 30].
+    #[arg(long, value_name = "SECONDS")]
+    handshake_timeout: Option<f64>,
+    /// Seconds a connection that has not validated may stay silent [default: 10].
+    #[arg(long, value_name = "SECONDS")]
+    unauthenticated_idle_timeout: Option<f64>,
+    /// Most keys held, queue items included [default: 1048576].
+    #[arg(long, value_name = "N")]
+    max_keys: Option<usize>,
+    /// Most bytes of keys and values held in all [default: 1073741824, 1 GiB].
+    #[arg(long, value_name = "BYTES")]
+    memory_budget: Option<usize>,
+    /// Largest value, including what APPEND grows one to [default: 8388608, 8 MiB].
+    #[arg(long, value_name = "BYTES")]
+    max_value_size: Option<usize>,
+    /// Largest request [default: 67108864, 64 MiB].
+    #[arg(long, value_name = "BYTES")]
+    max_request_size: Option<usize>,
+    /// Largest reply to one request (MULTI_GET, LIST_KEYS) [default: 67108864, 64 MiB].
+    #[arg(long, value_name = "BYTES")]
+    max_response_size: Option<usize>,
+    /// Reply bytes waiting for a client past which its requests are not read until it reads
+    /// [default: 16777216, 16 MiB].
+    #[arg(long, value_name = "BYTES")]
+    max_queued_bytes: Option<usize>,
+    /// Seconds a client with replies waiting may read none before it is dropped [default: 30].
+    #[arg(long, value_name = "SECONDS")]
+    write_stall_timeout: Option<f64>,
+}
+
+impl BoundArgs {
+    /// `config` with the bounds given on the command line.
+    fn apply(&self, mut config: ServerConfig) -> anyhow::Result<ServerConfig> {
+        let seconds = |flag: &str, v: Option<f64>, default: Duration| match v {
+            None => Ok(default),
+            Some(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
+            Some(s) => Err(anyhow!(
+                "--{flag} must be a positive number of seconds, not {s}"
+            )),
+        };
+        let count = |flag: &str, v: Option<usize>, default: usize| match v {
+            None => Ok(default),
+            Some(0) => Err(anyhow!("--{flag} must be at least 1")),
+            Some(n) => Ok(n),
+        };
+        config.max_connections = count(
+            "max-connections",
+            self.max_connections,
+            config.max_connections,
+        )?;
+        config.handshake_timeout = seconds(
+            "handshake-timeout",
+            self.handshake_timeout,
+            config.handshake_timeout,
+        )?;
+        config.unauthenticated_idle_timeout = seconds(
+            "unauthenticated-idle-timeout",
+            self.unauthenticated_idle_timeout,
+            config.unauthenticated_idle_timeout,
+        )?;
+        config.max_stored_keys = count("max-keys", self.max_keys, config.max_stored_keys)?;
+        config.memory_budget = count("memory-budget", self.memory_budget, config.memory_budget)?;
+        config.limits.max_value_len = count(
+            "max-value-size",
+            self.max_value_size,
+            config.limits.max_value_len,
+        )?;
+        config.limits.max_request_len = count(
+            "max-request-size",
+            self.max_request_size,
+            config.limits.max_request_len,
+        )?;
+        config.max_response_len = count(
+            "max-response-size",
+            self.max_response_size,
+            config.max_response_len,
+        )?;
+        config.max_queued_bytes = count(
+            "max-queued-bytes",
+            self.max_queued_bytes,
+            config.max_queued_bytes,
+        )?;
+        config.write_stall_timeout = seconds(
+            "write-stall-timeout",
+            self.write_stall_timeout,
+            config.write_stall_timeout,
+        )?;
+        Ok(config)
+    }
+}
+
 /// Arguments of `tensorwire store`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
@@ -35,6 +134,9 @@ enum Command {
         /// clients cannot (leave it out for mixed jobs, on a trusted network).
         #[arg(long)]
         secret_file: Option<PathBuf>,
+        /// The server's bounds (PyTorch's server has none).
+        #[command(flatten)]
+        bounds: BoundArgs,
     },
     /// Set KEY to VALUE.
     Set {
@@ -198,11 +300,12 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
             port,
             host,
             secret_file,
+            bounds,
         } => {
-            let config = ServerConfig {
+            let config = bounds.apply(ServerConfig {
                 secret: read_secret(&secret_file)?,
                 ..ServerConfig::default()
-            };
+            })?;
             if config.secret.is_none() {
                 eprintln!(
                     "tensorwire store: warning: no --secret-file: any client that can reach \
@@ -286,4 +389,75 @@ async fn wait_for_stop_signal() -> anyhow::Result<()> {
     #[cfg(not(unix))]
     tokio::signal::ctrl_c().await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, clap::Parser)]
+    struct Serve {
+        #[command(flatten)]
+        bounds: BoundArgs,
+    }
+
+    fn config(args: &[&str]) -> anyhow::Result<ServerConfig> {
+        let parsed = Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))?;
+        parsed.bounds.apply(ServerConfig::default())
+    }
+
+    #[test]
+    fn bounds_left_out_keep_the_defaults_the_help_names() {
+        let c = config(&[]).unwrap();
+        let d = ServerConfig::default();
+        assert_eq!(c.max_connections, 65_536);
+        assert_eq!(c.handshake_timeout, Duration::from_secs(30));
+        assert_eq!(c.unauthenticated_idle_timeout, Duration::from_secs(10));
+        assert_eq!(c.max_stored_keys, 1_048_576);
+        assert_eq!(c.memory_budget, 1 << 30);
+        assert_eq!(c.limits, d.limits);
+        assert_eq!(c.limits.max_value_len, 8 << 20);
+        assert_eq!(c.limits.max_request_len, 64 << 20);
+        assert_eq!(c.max_response_len, 64 << 20);
+        assert_eq!(c.max_queued_bytes, 16 << 20);
+        assert_eq!(c.write_stall_timeout, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn each_bound_has_its_flag_and_nonsense_is_refused() {
+        let c = config(&[
+            "--max-connections=2",
+            "--handshake-timeout=1.5",
+            "--unauthenticated-idle-timeout=0.5",
+            "--max-keys=3",
+            "--memory-budget=4",
+            "--max-value-size=5",
+            "--max-request-size=6",
+            "--max-response-size=7",
+            "--max-queued-bytes=8",
+            "--write-stall-timeout=9",
+        ])
+        .unwrap();
+        assert_eq!(c.max_connections, 2);
+        assert_eq!(c.handshake_timeout, Duration::from_millis(1500));
+        assert_eq!(c.unauthenticated_idle_timeout, Duration::from_millis(500));
+        assert_eq!(
+            (c.max_stored_keys, c.memory_budget, c.limits.max_value_len),
+            (3, 4, 5)
+        );
+        assert_eq!(
+            (
+                c.limits.max_request_len,
+                c.max_response_len,
+                c.max_queued_bytes
+            ),
+            (6, 7, 8)
+        );
+        assert_eq!(c.write_stall_timeout, Duration::from_secs(9));
+        let err = config(&["--handshake-timeout=0"]).unwrap_err();
+        assert!(err.to_string().contains("--handshake-timeout"), "{err}");
+        let err = config(&["--max-keys=0"]).unwrap_err();
+        assert!(err.to_string().contains("--max-keys"), "{err}");
+    }
 }

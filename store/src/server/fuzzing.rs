@@ -9,9 +9,8 @@
 use bytes::{Buf, BytesMut};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use super::{handle, Phase, ServerConfig, Shared};
+use super::{handle, Output, Phase, ServerConfig, Shared};
 use crate::protocol::{self, Limits, AUTH_LEN, WAIT_STOP_WAITING};
-use crate::table::KvState;
 use tensorwire_core::auth::ClusterSecret;
 
 struct Conn {
@@ -39,15 +38,12 @@ impl Session {
         max_waits: usize,
         connections: usize,
     ) -> Self {
-        let shared = Shared {
-            state: std::sync::Mutex::new(KvState::default()),
-            config: ServerConfig {
-                limits,
-                secret,
-                max_waits_per_connection: max_waits,
-            },
-            next_conn: std::sync::atomic::AtomicU64::new(0),
-        };
+        let shared = Shared::new(ServerConfig {
+            limits,
+            secret,
+            max_waits_per_connection: max_waits,
+            ..ServerConfig::default()
+        });
         let mut session = Session {
             shared,
             conns: Vec::new(),
@@ -90,7 +86,8 @@ impl Session {
         let limits = self.shared.config.limits;
         let c = &mut self.conns[conn];
         c.input.extend_from_slice(bytes);
-        let mut out = std::mem::take(&mut c.released);
+        let mut out = Output::default();
+        out.extend_from_slice(&std::mem::take(&mut c.released));
         let result = loop {
             let (request, used) = match protocol::decode_request(&c.input, &limits) {
                 Ok(Some(decoded)) => decoded,
@@ -112,7 +109,7 @@ impl Session {
         };
         if let Err(why) = result {
             self.close(conn);
-            return Err((why, out));
+            return Err((why, out.into_vec()));
         }
         // Waits released by this delivery, on any connection (as each connection's task
         // would be woken).
@@ -125,7 +122,7 @@ impl Session {
                 }
             }
         }
-        Ok(out)
+        Ok(out.into_vec())
     }
 
     /// The client of `conn` hung up (or the server closed it): its parked waits are dropped,

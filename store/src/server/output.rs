@@ -1,0 +1,153 @@
+//! The replies queued to one connection: small answers copied together, values as the shared
+//! [`Bytes`] the table holds, written as the socket accepts them.
+
+use std::collections::VecDeque;
+use std::io::IoSlice;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+
+/// Values up to this size are copied into the reply instead of queued as their own chunk.
+const COPY_BELOW: usize = 512;
+
+/// Most chunks handed to one vectored write.
+const MAX_SLICES: usize = 32;
+
+/// Replies waiting to be written, in order.
+#[derive(Default)]
+pub(crate) struct Output {
+    chunks: VecDeque<Bytes>,
+    small: BytesMut,
+    len: usize,
+}
+
+impl Output {
+    /// Bytes queued.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(crate) fn push(&mut self, byte: u8) {
+        self.small.put_u8(byte);
+        self.len += 1;
+    }
+
+    pub(crate) fn extend_from_slice(&mut self, bytes: &[u8]) {
+        self.small.extend_from_slice(bytes);
+        self.len += bytes.len();
+    }
+
+    /// Queues a c10d string: `u64` length, then the bytes (shared, not copied, unless small).
+    pub(crate) fn put_value(&mut self, value: Bytes) {
+        self.extend_from_slice(&(value.len() as u64).to_ne_bytes());
+        if value.len() < COPY_BELOW {
+            self.extend_from_slice(&value);
+        } else {
+            self.seal();
+            self.len += value.len();
+            self.chunks.push_back(value);
+        }
+    }
+
+    fn seal(&mut self) {
+        if !self.small.is_empty() {
+            self.chunks.push_back(self.small.split().freeze());
+        }
+    }
+
+    /// Writes what the socket accepts in one vectored write; returns how many bytes.
+    pub(crate) async fn write_some<W: AsyncWrite + Unpin>(
+        &mut self,
+        writer: &mut W,
+    ) -> std::io::Result<usize> {
+        self.seal();
+        let mut slices = [IoSlice::new(&[]); MAX_SLICES];
+        let mut count = 0;
+        for (slot, chunk) in slices.iter_mut().zip(&self.chunks) {
+            *slot = IoSlice::new(chunk);
+            count += 1;
+        }
+        let n = writer.write_vectored(&slices[..count]).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        self.advance(n);
+        Ok(n)
+    }
+
+    /// Writes everything queued.
+    pub(crate) async fn write_all<W: AsyncWrite + Unpin>(
+        &mut self,
+        writer: &mut W,
+    ) -> std::io::Result<()> {
+        while !self.is_empty() {
+            self.write_some(writer).await?;
+        }
+        Ok(())
+    }
+
+    fn advance(&mut self, mut n: usize) {
+        self.len -= n;
+        while n > 0 {
+            let front = self.chunks.front_mut().expect("written bytes were queued");
+            if front.len() <= n {
+                n -= front.len();
+                self.chunks.pop_front();
+            } else {
+                front.advance(n);
+                n = 0;
+            }
+        }
+    }
+
+    /// Everything queued, as one buffer (for the fuzz targets).
+    pub(crate) fn into_vec(mut self) -> Vec<u8> {
+        self.seal();
+        let mut all = Vec::with_capacity(self.len);
+        for chunk in &self.chunks {
+            all.extend_from_slice(chunk);
+        }
+        all
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn values_are_written_in_order_whatever_the_socket_accepts() {
+        let mut out = Output::default();
+        out.push(7);
+        out.put_value(Bytes::from(vec![1; 3000]));
+        out.put_value(Bytes::from_static(b"abc"));
+        out.extend_from_slice(&[9, 9]);
+        let expected = {
+            let mut v = vec![7];
+            v.extend_from_slice(&3000u64.to_ne_bytes());
+            v.extend_from_slice(&[1; 3000]);
+            v.extend_from_slice(&3u64.to_ne_bytes());
+            v.extend_from_slice(b"abc");
+            v.extend_from_slice(&[9, 9]);
+            v
+        };
+        assert_eq!(out.len(), expected.len());
+        // A pipe that takes 100 bytes at a time.
+        let (mut w, mut r) = tokio::io::duplex(100);
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            tokio::io::AsyncReadExt::read_to_end(&mut r, &mut got)
+                .await
+                .unwrap();
+            got
+        });
+        out.write_all(&mut w).await.unwrap();
+        assert!(out.is_empty());
+        drop(w);
+        assert_eq!(reader.await.unwrap(), expected);
+    }
+}
