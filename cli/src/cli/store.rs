@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::Context;
+use anyhow::{anyhow, Context};
 
 use super::Usage;
 use tensorwire_store::{
