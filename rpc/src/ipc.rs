@@ -119,8 +119,9 @@ pub(crate) async fn to_wire(
         let bytes = match t.storage() {
             Storage::Host(b) => b.clone(),
             Storage::Device(buf) => {
+                // An empty buffer has no memory to share: it travels as its (no) bytes.
                 let route = match device {
-                    Device::Cuda(_) if to != me => {
+                    Device::Cuda(_) if to != me && !buf.is_empty() => {
                         let route =
                             agent
                                 .ipc()
