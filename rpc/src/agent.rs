@@ -630,7 +630,7 @@ impl Agent {
             )),
             functions: options.functions.clone(),
             backend: Arc::clone(&options.device_backend),
-            ipc: crate::ipc::IpcLink::new(&*options.device_backend),
+            ipc: crate::ipc::IpcLink::new(&*options.device_backend, options.share_device_memory),
             state: Mutex::new(State {
                 ep: Endpoint::new(me_id, EndpointConfig::default()),
                 waiters: HashMap::new(),

@@ -5,8 +5,8 @@
 //! ([`DeviceBackend::ipc`]) and both workers agree ([`tensorwire_core::ipc::decide`]); core
 //! decides, this module asks the backend to export and import and moves the IPC messages (hello,
 //! release, refused) as control frames. The sender holds each exported buffer until the
-//! receiver says it copied it out, or is lost. `TENSORWIRE_CUDA_IPC=0` turns sharing off in a
-//! worker (its peers then stage too).
+//! receiver says it copied it out, or is lost. `RpcOptions::share_device_memory = false` or
+//! `TENSORWIRE_CUDA_IPC=0` turns sharing off in a worker (its peers then stage too).
 
 use std::any::Any;
 use std::sync::{Mutex, PoisonError};
@@ -34,10 +34,10 @@ pub(crate) struct IpcLink {
 }
 
 impl IpcLink {
-    /// The state of an agent over `backend` (sharing unless the backend cannot or
-    /// `TENSORWIRE_CUDA_IPC=0`).
-    pub(crate) fn new(backend: &dyn DeviceBackend) -> Self {
-        let enabled = std::env::var("TENSORWIRE_CUDA_IPC").map_or(true, |v| v != "0");
+    /// The state of an agent over `backend` (sharing unless the backend cannot, `share` is
+    /// off, or `TENSORWIRE_CUDA_IPC=0`).
+    pub(crate) fn new(backend: &dyn DeviceBackend, share: bool) -> Self {
+        let enabled = share && std::env::var("TENSORWIRE_CUDA_IPC").map_or(true, |v| v != "0");
         let me = backend.ipc().filter(|_| enabled).map(DeviceIpc::identity);
         Self {
             state: Mutex::new(IpcState::new(me, IpcConfig::default())),

@@ -26,8 +26,17 @@ fn functions() -> Functions {
     f
 }
 
-/// Two agents, w0 and w1, over `backends`, each mapping its cuda:0 to the other's `to`.
+/// Two agents, w0 and w1, over `backends`, w0 mapping its cuda:0 to w1's `to`.
 async fn pair(backends: [Arc<SimulatedDevices>; 2], to: &str) -> Vec<Agent> {
+    pair_sharing(backends, to, [true, true]).await
+}
+
+/// [`pair`] with `RpcOptions::share_device_memory` of each.
+async fn pair_sharing(
+    backends: [Arc<SimulatedDevices>; 2],
+    to: &str,
+    share: [bool; 2],
+) -> Vec<Agent> {
     let net = MemoryNetwork::new();
     let store: Arc<dyn tensorwire_core::ports::store::Store> = Arc::new(InMemoryStore::new());
     let mut tasks = Vec::new();
@@ -39,6 +48,7 @@ async fn pair(backends: [Arc<SimulatedDevices>; 2], to: &str) -> Vec<Agent> {
             ..RpcOptions::default()
         };
         o.device_backend = backend;
+        o.share_device_memory = share[rank];
         if rank == 0 {
             o.set_device_map("w1", &[("cuda:0", to)]).unwrap();
         }
@@ -313,5 +323,23 @@ async fn a_lost_peer_frees_every_buffer_held_for_it() {
         .await
         .unwrap_err();
     assert!(e.to_string().contains("is not open"), "{e}");
+    shutdown(agents).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn sharing_turned_off_in_the_options_stages_both_ways() {
+    let host = SimHost::new("host-o");
+    let b0 = Arc::new(SimulatedDevices::sharing(1, host.clone()));
+    let b1 = Arc::new(SimulatedDevices::sharing(1, host));
+    let agents = pair_sharing([b0.clone(), b1], "cuda:0", [true, false]).await;
+    let (t, values) = on_gpu(&b0, 10).await;
+    for _ in 0..3 {
+        round_trip(&agents[0], &t, &values, &b0).await;
+    }
+    let w0 = &agents[0].device_paths()[0];
+    assert_eq!((w0.sent_ipc, w0.received_ipc), (0, 0));
+    assert_eq!(w0.last_staged, Some(StagedReason::PeerNotSupported));
+    let w1 = &agents[1].device_paths()[0];
+    assert_eq!(w1.last_staged, Some(StagedReason::NotSupported));
     shutdown(agents).await;
 }
