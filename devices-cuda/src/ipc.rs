@@ -4,9 +4,12 @@
 //! the driver calls:
 //!
 //! - **Export** (sender): `cuIpcGetMemHandle` of the buffer's allocation. Memory from the
-//!   stream-ordered pool (`cuMemAllocAsync`, what cudarc allocates) cannot be shared by a legacy
-//!   IPC handle: such a buffer is first copied (on the device, stream-ordered) into an
-//!   allocation made with `cuMemAlloc`, kept in a small per-device pool for reuse. An
+//!   stream-ordered pool (`cuMemAllocAsync`, what cudarc allocates on every GPU that has memory
+//!   pools) cannot be shared by a legacy IPC handle: such a buffer is first copied (on the
+//!   device, stream-ordered) into an allocation made with `cuMemAlloc`, kept in a small
+//!   per-device pool for reuse. That copy costs a second pass over the memory; sharing pool
+//!   memory directly needs `cuMemPoolExportToShareableHandle` and a file descriptor passed
+//!   over a Unix socket (not done). An
 //!   interprocess event is recorded on the copy stream after the work that wrote the memory and
 //!   shared by `cuIpcGetEventHandle`. The [`IpcExport::keep`] value holds the memory and the
 //!   event: until the receiver releases the export, nothing reuses them.
@@ -347,8 +350,15 @@ fn export(inner: &Inner, buffer: &DeviceBuffer, device: Device) -> Result<IpcExp
     let (ptr, _record) = slice.device_ptr(stream);
     // SAFETY: CUipcMemHandle is plain bytes.
     let mut handle: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-    // SAFETY: `ptr` is a live allocation of this context; `handle` is a live out value.
-    let direct = unsafe { sys::cuIpcGetMemHandle(&mut handle, ptr) }.result();
+    // With memory pools, every buffer of this backend comes from the stream-ordered pool,
+    // which a legacy IPC handle cannot share (the driver may even hand out a handle that the
+    // receiver then fails to open): share a copy. Without pools, the buffer itself.
+    let direct = if gpu.ctx.has_async_alloc() {
+        Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED))
+    } else {
+        // SAFETY: `ptr` is a live allocation of this context; `handle` is a live out value.
+        unsafe { sys::cuIpcGetMemHandle(&mut handle, ptr) }.result()
+    };
     let (memory, offset) = match direct {
         Ok(()) => {
             let (mut base, mut size) = (0, 0);

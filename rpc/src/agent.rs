@@ -630,7 +630,11 @@ impl Agent {
             )),
             functions: options.functions.clone(),
             backend: Arc::clone(&options.device_backend),
-            ipc: crate::ipc::IpcLink::new(&*options.device_backend, options.share_device_memory),
+            ipc: crate::ipc::IpcLink::new(
+                &*options.device_backend,
+                options.share_device_memory,
+                options.ipc_limits,
+            ),
             state: Mutex::new(State {
                 ep: Endpoint::new(me_id, EndpointConfig::default()),
                 waiters: HashMap::new(),

@@ -36,11 +36,11 @@ pub(crate) struct IpcLink {
 impl IpcLink {
     /// The state of an agent over `backend` (sharing unless the backend cannot, `share` is
     /// off, or `TENSORWIRE_CUDA_IPC=0`).
-    pub(crate) fn new(backend: &dyn DeviceBackend, share: bool) -> Self {
+    pub(crate) fn new(backend: &dyn DeviceBackend, share: bool, limits: IpcConfig) -> Self {
         let enabled = share && std::env::var("TENSORWIRE_CUDA_IPC").map_or(true, |v| v != "0");
         let me = backend.ipc().filter(|_| enabled).map(DeviceIpc::identity);
         Self {
-            state: Mutex::new(IpcState::new(me, IpcConfig::default())),
+            state: Mutex::new(IpcState::new(me, limits)),
         }
     }
 

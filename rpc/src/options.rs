@@ -97,6 +97,9 @@ pub struct RpcOptions {
     /// (default `true`; `TENSORWIRE_CUDA_IPC=0` turns it off too). Off, they are staged through
     /// host memory; the peers then stage too. See `Agent::device_paths`.
     pub share_device_memory: bool,
+    /// What a peer can make this worker hold of its shared device memory, awaiting the peer's
+    /// release (default: 64 buffers and 8 GiB per peer; past either, tensors to it are staged).
+    pub ipc_limits: tensorwire_core::ipc::IpcConfig,
 }
 
 /// The CUDA backend when the feature `cuda` is on, else no devices.
@@ -140,6 +143,7 @@ impl Default for RpcOptions {
             device_backend: default_device_backend(),
             listen_ip: None,
             share_device_memory: true,
+            ipc_limits: tensorwire_core::ipc::IpcConfig::default(),
         }
     }
 }

@@ -146,23 +146,7 @@ export BIN HERE PY GPUS
 export -f gpu_check
 check "tw-gpu-check (backend, device maps, 1-rank NCCL, staging vs raw copies)" 120 gpu_check
 
-# 2. The `::cuda` multi-process RPC and autograd tests, one check each (TW_DEVICES=cuda).
-run_tests() {
-    local exe=$1 pattern=$2 limit=$3
-    local t
-    if [ ! -x "$exe" ]; then
-        record "$(basename "$exe")" skip 0 "not in this bundle"
-        return
-    fi
-    for t in $("$exe" --list --format terse 2>/dev/null | sed -n 's/: test$//p' | grep -E "$pattern"); do
-        check "$(basename "$exe")::$t" "$limit" "$exe" --exact "$t" --test-threads 1
-    done
-}
-run_tests "$HERE/tests/rpc_processes" '::cuda$' 90
-run_tests "$HERE/tests/autograd_processes" 'on_cuda' 120
-run_tests "$HERE/tests/rpc_agent" 'cuda' 60
-
-# 3. Same-host CUDA IPC against the staged path, remote() with CUDA tensors, the benches
+# 2. Same-host CUDA IPC against the staged path, remote() with CUDA tensors, the benches
 #    (256 MiB device to device over IPC / staged / a memcpy; small calls CUDA vs CPU).
 check "ipc: 2 processes on cuda:0, by IPC handle (+ benches)" 90 \
     "${LAUNCH[@]}" --nproc 2 -- "$BIN/tw-gpu-suite" ipc
@@ -171,7 +155,7 @@ check "ipc: the same over the staged path (TENSORWIRE_CUDA_IPC=0)" 90 \
 check "device-tensors: 2 processes, CUDA tensors by device maps (tw-rpc-worker)" 60 \
     env TW_DEVICES=cuda "${LAUNCH[@]}" --nproc 2 -- "$BIN/tw-rpc-worker" device-tensors
 
-# 4. The nccl process group: every collective (one rank per GPU), its bench against
+# 3. The nccl process group: every collective (one rank per GPU), its bench against
 #    torch.distributed, the timeout abort of a rank hung on purpose, NCCL's async error.
 check "nccl group: every collective, $GPUS rank(s) (tw-pg-worker nccl)" 90 \
     env TW_TIMEOUT_MS=60000 "${LAUNCH[@]}" --nproc "$GPUS" -- "$BIN/tw-pg-worker" nccl
@@ -188,6 +172,23 @@ check "nccl timeout abort: rank 1 hangs on purpose" 60 \
     "${LAUNCH[@]}" --nproc 2 -- "$BIN/tw-gpu-suite" nccl-timeout
 check "nccl async error: rank 1 exits mid-group" 60 \
     "${LAUNCH[@]}" --nproc 2 -- "$BIN/tw-gpu-suite" nccl-async-error
+
+# 4. The `::cuda` multi-process RPC and autograd tests, one check each (TW_DEVICES=cuda);
+#    last, as the longest (32 workers in one of them): what the budget leaves.
+run_tests() {
+    local exe=$1 pattern=$2 limit=$3
+    local t
+    if [ ! -x "$exe" ]; then
+        record "$(basename "$exe")" skip 0 "not in this bundle"
+        return
+    fi
+    for t in $("$exe" --list --format terse 2>/dev/null | sed -n 's/: test$//p' | grep -E "$pattern"); do
+        check "$(basename "$exe")::$t" "$limit" "$exe" --exact "$t" --test-threads 1
+    done
+}
+run_tests "$HERE/tests/rpc_processes" '::cuda$' 90
+run_tests "$HERE/tests/autograd_processes" 'on_cuda' 120
+run_tests "$HERE/tests/rpc_agent" 'default_backend_is_cuda' 60
 
 # --- the report -------------------------------------------------------------------------------
 field() { # field CHECK_NAME_PREFIX KEY

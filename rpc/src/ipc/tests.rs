@@ -28,14 +28,14 @@ fn functions() -> Functions {
 
 /// Two agents, w0 and w1, over `backends`, w0 mapping its cuda:0 to w1's `to`.
 async fn pair(backends: [Arc<SimulatedDevices>; 2], to: &str) -> Vec<Agent> {
-    pair_sharing(backends, to, [true, true]).await
+    pair_with(backends, to, |_, _| {}).await
 }
 
-/// [`pair`] with `RpcOptions::share_device_memory` of each.
-async fn pair_sharing(
+/// [`pair`] with each rank's options changed by `tweak`.
+async fn pair_with(
     backends: [Arc<SimulatedDevices>; 2],
     to: &str,
-    share: [bool; 2],
+    tweak: impl Fn(usize, &mut RpcOptions),
 ) -> Vec<Agent> {
     let net = MemoryNetwork::new();
     let store: Arc<dyn tensorwire_core::ports::store::Store> = Arc::new(InMemoryStore::new());
@@ -48,7 +48,7 @@ async fn pair_sharing(
             ..RpcOptions::default()
         };
         o.device_backend = backend;
-        o.share_device_memory = share[rank];
+        tweak(rank, &mut o);
         if rank == 0 {
             o.set_device_map("w1", &[("cuda:0", to)]).unwrap();
         }
@@ -331,7 +331,10 @@ async fn sharing_turned_off_in_the_options_stages_both_ways() {
     let host = SimHost::new("host-o");
     let b0 = Arc::new(SimulatedDevices::sharing(1, host.clone()));
     let b1 = Arc::new(SimulatedDevices::sharing(1, host));
-    let agents = pair_sharing([b0.clone(), b1], "cuda:0", [true, false]).await;
+    let agents = pair_with([b0.clone(), b1], "cuda:0", |rank, o| {
+        o.share_device_memory = rank == 0;
+    })
+    .await;
     let (t, values) = on_gpu(&b0, 10).await;
     for _ in 0..3 {
         round_trip(&agents[0], &t, &values, &b0).await;
@@ -341,5 +344,31 @@ async fn sharing_turned_off_in_the_options_stages_both_ways() {
     assert_eq!(w0.last_staged, Some(StagedReason::PeerNotSupported));
     let w1 = &agents[1].device_paths()[0];
     assert_eq!(w1.last_staged, Some(StagedReason::NotSupported));
+    shutdown(agents).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_limits_in_the_options_bound_what_a_peer_makes_us_hold() {
+    let host = SimHost::new("host-b");
+    let b0 = Arc::new(SimulatedDevices::sharing(1, host.clone()));
+    let b1 = Arc::new(SimulatedDevices::sharing(1, host));
+    // w0 holds at most 100 bytes for a peer: a 400-byte tensor never goes by IPC.
+    let agents = pair_with([b0.clone(), b1], "cuda:0", |_, o| {
+        o.ipc_limits = tensorwire_core::ipc::IpcConfig::new(8, 100);
+    })
+    .await;
+    let (t, values) = on_gpu(&b0, 100).await;
+    for _ in 0..3 {
+        round_trip(&agents[0], &t, &values, &b0).await;
+    }
+    let w0 = &agents[0].device_paths()[0];
+    assert_eq!(w0.sent_ipc, 0);
+    assert!(
+        matches!(
+            w0.last_staged,
+            Some(StagedReason::Bound { max_bytes: 100, .. })
+        ),
+        "{w0:?}"
+    );
     shutdown(agents).await;
 }

@@ -314,7 +314,7 @@ async fn nccl_fault(cuda: CudaDevices, hang: bool) -> Result<(), Error> {
         if hang {
             // Hang on purpose: never join the next collective.
             println!("OK rank 1 hangs");
-            tokio::time::sleep(Duration::from_secs(40)).await;
+            tokio::time::sleep(Duration::from_secs(25)).await;
         } else {
             println!("OK rank 1 exits");
         }
