@@ -13,6 +13,9 @@
 //!   finding their workers through `TW_BIN_DIR`;
 //! - `run.sh` and `torch_allreduce.py` (from `xtask/gpu-bundle/`), `README.txt`.
 //!
+//! `bin/` and `tests/` travel as `payload.tar.gz` (stripped binaries shrink about threefold),
+//! which `run.sh` unpacks into a temporary folder.
+//!
 //! The packages, binaries and tests are named in [`BINS`] and [`TESTS`] by package and target
 //! name only, so that moving code between crates changes one line here. The whole folder must
 //! stay under [`MAX_BYTES`] (what travels to a device machine with the working tree). `--run`
@@ -104,6 +107,12 @@ pub(crate) fn gpu_bundle(args: &[String]) -> Result<()> {
     }
     for (name, exe) in &tests {
         copy_stripped(exe, &out.join("tests").join(name))?;
+    }
+    // Stripped Rust binaries shrink about threefold in gzip: they travel as one archive that
+    // run.sh unpacks into a temporary folder (gzip is on every machine).
+    run_in(&out, "tar", &["-czf", "payload.tar.gz", "bin", "tests"])?;
+    for sub in ["bin", "tests"] {
+        std::fs::remove_dir_all(out.join(sub))?;
     }
     write(&out.join("run.sh"), RUN_SH, true)?;
     write(&out.join("torch_allreduce.py"), TORCH_PY, false)?;
@@ -222,6 +231,23 @@ fn package_matches(id: &str, package: &str) -> bool {
             .is_some_and(|last| last.split('#').next() == Some(package) && !last.contains('@'))
 }
 
+/// Runs `program` in `dir`, failing with its command line if it fails.
+fn run_in(dir: &Path, program: &str, args: &[&str]) -> Result<()> {
+    let status = Command::new(program)
+        .args(args)
+        .current_dir(dir)
+        .status()
+        .with_context(|| format!("could not start {program}"))?;
+    if !status.success() {
+        bail!(
+            "`{program} {}` in {} failed ({status})",
+            args.join(" "),
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
 fn copy_stripped(from: &Path, to: &Path) -> Result<()> {
     std::fs::copy(from, to)
         .with_context(|| format!("cannot copy {} to {}", from.display(), to.display()))?;
@@ -338,7 +364,7 @@ mod tests {
         assert_eq!(names.len(), TESTS.len());
         for (_, _, n) in TESTS {
             assert!(
-                RUN_SH.contains(&format!("$HERE/tests/{n}")),
+                RUN_SH.contains(&format!("$ROOT/tests/{n}")),
                 "run.sh does not run {n}"
             );
         }
