@@ -20,12 +20,15 @@
 //! - [`autograd`]: distributed autograd (PyTorch's FAST mode) as a state machine, and its simulation.
 //! - [`ports`]: the traits adapters implement (transport, store, device backend, process group).
 //! - [`devices_sim`]: the simulated device backend (host memory posing as CUDA devices).
+//! - [`ipc`]: same-host CUDA IPC: the path each device tensor takes to a peer, and the
+//!   lifetime of shared buffers.
 
 pub mod auth;
 pub mod autograd;
 pub mod collective;
 pub mod device;
 pub mod devices_sim;
+pub mod ipc;
 pub mod name;
 pub mod placement;
 pub mod plan;

@@ -137,13 +137,18 @@ pub struct Tensor {
     storage: Storage,
 }
 
+/// The bytes a tensor of `dtype` and `shape` holds (an error when the product overflows).
+pub fn byte_len(dtype: DType, shape: &[usize]) -> Result<usize, TensorError> {
+    shape
+        .iter()
+        .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| TensorError::Overflow(shape.to_vec()))
+}
+
 impl Tensor {
     /// A tensor over `storage`, which must hold exactly the shape's bytes.
     pub fn new(dtype: DType, shape: Vec<usize>, storage: Storage) -> Result<Self, TensorError> {
-        let expected = shape
-            .iter()
-            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| TensorError::Overflow(shape.clone()))?;
+        let expected = byte_len(dtype, &shape)?;
         let actual = match &storage {
             Storage::Host(b) => b.len(),
             Storage::Device(d) => d.len(),
@@ -273,6 +278,10 @@ pub struct TensorMeta {
     pub shape: Vec<usize>,
     /// Where the tensor lands at the receiver.
     pub device: Device,
+    /// `Some(export)`: the payload is not the bytes but the sender's IPC descriptor of its
+    /// buffer, export `export` to this receiver (see [`crate::ipc`]), to be copied device to
+    /// device and released.
+    pub ipc: Option<crate::ipc::ExportId>,
 }
 
 /// Serializing tensors inside messages.

@@ -19,6 +19,9 @@
 //!   staged through host memory.
 //! - Every call waits for its copy to complete (an event on the copy stream) before it returns,
 //!   so a buffer handed to the user is ready.
+//! - To another process of this host: CUDA IPC handles ([`DeviceIpc`], used by the RPC agent
+//!   where `tensorwire_core::ipc` decides so): the receiver copies device to device out of the
+//!   sender's memory, which the sender holds until the receiver releases it.
 //!
 //! # Runtimes
 //!
@@ -40,11 +43,12 @@ use cudarc::driver::{
     DriverError, PinnedHostSlice,
 };
 use tensorwire_core::device::Device;
-use tensorwire_core::ports::device::{DeviceBackend, DeviceError, DeviceUnavailable};
+use tensorwire_core::ports::device::{DeviceBackend, DeviceError, DeviceIpc, DeviceUnavailable};
 use tensorwire_core::tensor::DeviceBuffer;
 
 pub use cudarc;
 
+mod ipc;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 #[cfg(feature = "nccl")]
@@ -147,6 +151,8 @@ struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     staging: Mutex<Vec<StagingBuffer>>,
+    /// Exportable allocations for CUDA IPC (see `ipc`).
+    ipc: ipc::GpuIpc,
 }
 
 /// A pinned host buffer and the event marking the end of the last copy that used it.
@@ -420,6 +426,7 @@ impl Inner {
                         ctx,
                         stream,
                         staging: Mutex::new(Vec::new()),
+                        ipc: ipc::GpuIpc::default(),
                     }))
                 })
             })
@@ -713,6 +720,12 @@ impl DeviceBackend for CudaDevices {
             Ok(inner.buffer(to, slice))
         })
         .await
+    }
+
+    /// CUDA IPC with other processes of this host, when a driver and a device are there (see
+    /// the `ipc` module: `cuIpcGetMemHandle`, `cuIpcOpenMemHandle`, interprocess events).
+    fn ipc(&self) -> Option<&dyn DeviceIpc> {
+        self.inner.driver.is_ok().then_some(self as &dyn DeviceIpc)
     }
 }
 

@@ -58,6 +58,14 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemsetD8Async",
     "cuGetErrorName",
     "cuGetErrorString",
+    // CUDA IPC (the `ipc` module).
+    "cuDeviceGetUuid_v2",
+    "cuMemGetAddressRange_v2",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
+    "cuIpcGetEventHandle",
+    "cuIpcOpenEventHandle",
 ];
 
 const CUDA_ERROR_INSUFFICIENT_DRIVER: c_int = 35;

@@ -253,6 +253,8 @@ pub(crate) struct Inner {
     rpc_timeout_nanos: std::sync::atomic::AtomicU64,
     functions: Functions,
     backend: Arc<dyn DeviceBackend>,
+    /// Same-host device memory sharing (CUDA IPC) with the peers.
+    ipc: crate::ipc::IpcLink,
     state: Mutex<State>,
     wake: Notify,
     /// The group's store, until shutdown lets go of it.
@@ -630,6 +632,11 @@ impl Agent {
             )),
             functions: options.functions.clone(),
             backend: Arc::clone(&options.device_backend),
+            ipc: crate::ipc::IpcLink::new(
+                &*options.device_backend,
+                options.share_device_memory,
+                options.ipc_limits,
+            ),
             state: Mutex::new(State {
                 ep: Endpoint::new(me_id, EndpointConfig::default()),
                 waiters: HashMap::new(),
@@ -1061,6 +1068,18 @@ impl Agent {
     }
 
     /// The backend that copies this agent's tensors between host and devices.
+    /// This agent's IPC state (see [`crate::ipc`]).
+    pub(crate) fn ipc(&self) -> &crate::ipc::IpcLink {
+        &self.inner.ipc
+    }
+
+    /// Which way device tensors went to each peer, in rank order: by CUDA IPC handle (same
+    /// host, same GPU, both sides able to share) or staged through host memory, with the
+    /// reason for the last staged one and the buffers held for the peer awaiting its release.
+    pub fn device_paths(&self) -> Vec<tensorwire_core::ipc::PeerPaths> {
+        self.inner.ipc.report()
+    }
+
     pub(crate) fn device_backend(&self) -> &Arc<dyn DeviceBackend> {
         &self.inner.backend
     }
@@ -1166,7 +1185,7 @@ impl Agent {
     ) {
         let agent = self.clone();
         self.spawn(async move {
-            let copied = tensors::to_wire(&*agent.inner.backend, prepared.tensors).await;
+            let copied = crate::ipc::to_wire(&agent, to, prepared.tensors).await;
             {
                 let mut st = agent.lock();
                 match copied {
@@ -1837,6 +1856,7 @@ impl Agent {
     /// forks of its values are forgotten), and its connection closes once what is queued for
     /// it is sent.
     pub(crate) fn member_left(&self, peer: WorkerId) {
+        crate::ipc::peer_lost(self, peer);
         let (link, first) = {
             let mut st = self.lock();
             let link = st.peers.remove(&peer);
@@ -1884,6 +1904,7 @@ impl Agent {
     fn peer_lost(&self, peer: WorkerId, cause: LostCause) {
         let name = self.name_of(peer);
         warn!("lost the connection to {name} (rank {peer}): {cause}");
+        crate::ipc::peer_lost(self, peer);
         let first = {
             let mut st = self.lock();
             st.peers.remove(&peer);
@@ -1922,6 +1943,9 @@ impl Agent {
         direct: bool,
     ) -> Result<(), ProtocolViolation> {
         if frame.kind == FrameKind::Control {
+            if let Some(handled) = crate::ipc::on_control(self, from, &frame) {
+                return handled;
+            }
             return self.on_membership_frame(from, &frame);
         }
         if self.inner.dynamic && !self.may_call(from) {
@@ -1931,6 +1955,10 @@ impl Agent {
             postcard::from_bytes(&frame.header).map_err(|e| ProtocolViolation::Malformed {
                 what: format!("a message header that does not parse ({e})"),
             })?;
+        self.inner
+            .ipc
+            .check_received(from, &envelope.tensors)
+            .map_err(ProtocolViolation::Ipc)?;
         let mut payloads = frame.payloads.into_iter();
         let body = match payloads.next() {
             Some(data) => {
@@ -2123,7 +2151,7 @@ impl Agent {
             ),
             other => remote_error(me, RemoteErrorKind::DeviceMap, other.to_string()),
         })?;
-        let wire = tensors::to_wire(&*self.inner.backend, prepared.tensors)
+        let wire = crate::ipc::to_wire(self, to, prepared.tensors)
             .await
             .map_err(|e| remote_error(me, RemoteErrorKind::DeviceMap, e.to_string()))?;
         Ok(Body {
@@ -2187,7 +2215,7 @@ impl Agent {
                 },
                 None => None,
             };
-            let tensors = match tensors::from_wire(&*agent.inner.backend, body.tensors).await {
+            let tensors = match crate::ipc::from_wire(&agent, token.from(), body.tensors).await {
                 Ok(t) => t,
                 Err(e) => {
                     let err = remote_error(
@@ -2481,7 +2509,10 @@ impl Agent {
         from: &str,
         what: &str,
     ) -> Result<R, RpcError> {
-        let tensors = tensors::from_wire(&*self.inner.backend, body.tensors)
+        let from_id = self
+            .resolve(&WorkerRef::Name(from.to_owned()))
+            .unwrap_or(WorkerId::MAX);
+        let tensors = crate::ipc::from_wire(self, from_id, body.tensors)
             .await
             .map_err(|e| RpcError::Tensors {
                 to: from.to_owned(),

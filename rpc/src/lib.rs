@@ -47,6 +47,7 @@ mod functions;
 #[doc(hidden)]
 pub mod fuzzing;
 mod gather;
+mod ipc;
 pub mod memory;
 pub mod metrics;
 mod options;

@@ -95,6 +95,13 @@ pub struct RpcOptions {
     /// The address other workers reach this one at; by default the loopback address when the
     /// rendezvous address is local, else the local address that routes to it.
     pub listen_ip: Option<std::net::IpAddr>,
+    /// Whether device tensors to other processes of this host may go by CUDA IPC handle
+    /// (default `true`; `TENSORWIRE_CUDA_IPC=0` turns it off too). Off, they are staged through
+    /// host memory; the peers then stage too. See `Agent::device_paths`.
+    pub share_device_memory: bool,
+    /// What a peer can make this worker hold of its shared device memory, awaiting the peer's
+    /// release (default: 64 buffers and 8 GiB per peer; past either, tensors to it are staged).
+    pub ipc_limits: tensorwire_core::ipc::IpcConfig,
 }
 
 /// The CUDA backend when the feature `cuda` is on, else no devices.
@@ -137,6 +144,8 @@ impl Default for RpcOptions {
             functions: Functions::new(),
             device_backend: default_device_backend(),
             listen_ip: None,
+            share_device_memory: true,
+            ipc_limits: tensorwire_core::ipc::IpcConfig::default(),
         }
     }
 }
@@ -152,6 +161,7 @@ impl std::fmt::Debug for RpcOptions {
             .field("devices", &self.devices)
             .field("functions", &self.functions)
             .field("device_backend", &self.device_backend.name())
+            .field("share_device_memory", &self.share_device_memory)
             .finish_non_exhaustive()
     }
 }

@@ -95,29 +95,6 @@ pub(crate) fn prepare<T: Serialize + ?Sized>(
     })
 }
 
-/// The bytes of each tensor, copied off devices where needed.
-pub(crate) async fn to_wire(
-    backend: &dyn DeviceBackend,
-    tensors: Vec<(Tensor, Device)>,
-) -> Result<WireTensors, TensorTransferError> {
-    let mut out = Vec::with_capacity(tensors.len());
-    for (t, device) in tensors {
-        let bytes = match t.storage() {
-            Storage::Host(b) => b.clone(),
-            Storage::Device(buf) => backend.to_host(buf).await?,
-        };
-        out.push((
-            TensorMeta {
-                dtype: t.dtype(),
-                shape: t.shape().to_vec(),
-                device,
-            },
-            bytes,
-        ));
-    }
-    Ok(out)
-}
-
 /// Host-only tensors as they travel (no copies, no waiting).
 pub(crate) fn host_to_wire(tensors: Vec<(Tensor, Device)>) -> WireTensors {
     tensors
@@ -129,6 +106,7 @@ pub(crate) fn host_to_wire(tensors: Vec<(Tensor, Device)>) -> WireTensors {
                     dtype: t.dtype(),
                     shape: t.shape().to_vec(),
                     device,
+                    ipc: None,
                 },
                 bytes,
             ))
@@ -136,26 +114,40 @@ pub(crate) fn host_to_wire(tensors: Vec<(Tensor, Device)>) -> WireTensors {
         .collect()
 }
 
-/// Received tensors, each placed on its landing device.
+/// Received tensors, each placed on its landing device (bytes only: an IPC descriptor is
+/// refused here; the agent's `ipc::from_wire` opens them).
 pub(crate) async fn from_wire(
     backend: &dyn DeviceBackend,
     tensors: WireTensors,
 ) -> Result<Vec<Tensor>, TensorTransferError> {
     let mut out = Vec::with_capacity(tensors.len());
     for (meta, bytes) in tensors {
-        let storage = match meta.device {
-            Device::Cpu => Storage::Host(bytes),
-            d @ Device::Cuda(i) => {
-                let count = backend.device_count();
-                if u32::from(i) >= count {
-                    return Err(TensorTransferError::NoSuchDevice { device: d, count });
-                }
-                Storage::Device(backend.to_device(bytes, d).await?)
-            }
-        };
-        let t = Tensor::new(meta.dtype, meta.shape, storage)
-            .map_err(|e| TensorTransferError::Malformed(e.to_string()))?;
-        out.push(t);
+        if meta.ipc.is_some() {
+            return Err(TensorTransferError::Malformed(
+                "a tensor came by IPC handle outside an agent".into(),
+            ));
+        }
+        out.push(place(backend, meta, bytes).await?);
     }
     Ok(out)
+}
+
+/// One received tensor's bytes, placed on its landing device.
+pub(crate) async fn place(
+    backend: &dyn DeviceBackend,
+    meta: TensorMeta,
+    bytes: Bytes,
+) -> Result<Tensor, TensorTransferError> {
+    let storage = match meta.device {
+        Device::Cpu => Storage::Host(bytes),
+        d @ Device::Cuda(i) => {
+            let count = backend.device_count();
+            if u32::from(i) >= count {
+                return Err(TensorTransferError::NoSuchDevice { device: d, count });
+            }
+            Storage::Device(backend.to_device(bytes, d).await?)
+        }
+    };
+    Tensor::new(meta.dtype, meta.shape, storage)
+        .map_err(|e| TensorTransferError::Malformed(e.to_string()))
 }

@@ -58,3 +58,13 @@ pub fn forward_lines(
         });
     }
 }
+
+/// The worker binary `name` for a multi-process test: the one in `TW_BIN_DIR` when that is set
+/// (the GPU bundle runs the test executables on another machine, next to their workers), else
+/// `built`, the path cargo compiled in (`env!("CARGO_BIN_EXE_<name>")`).
+pub fn worker_bin(name: &str, built: &str) -> std::path::PathBuf {
+    match std::env::var_os("TW_BIN_DIR") {
+        Some(dir) => std::path::Path::new(&dir).join(name),
+        None => built.into(),
+    }
+}

@@ -28,18 +28,21 @@ fn spawn_with(scenario: &str, n: usize, extra_env: &[(&str, &str)]) -> World {
     );
     let (tx, lines) = mpsc::channel();
     let start = |rank: usize, port: &str| {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tw-autograd-worker"))
-            .arg(scenario)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port)
-            .env("TENSORWIRE_SECRET", &secret)
-            .envs(extra_env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = Command::new(tensorwire_tests::worker_bin(
+            "tw-autograd-worker",
+            env!("CARGO_BIN_EXE_tw-autograd-worker"),
+        ))
+        .arg(scenario)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", n.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port)
+        .env("TENSORWIRE_SECRET", &secret)
+        .envs(extra_env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
         tensorwire_tests::forward_lines(&mut child, rank, &tx);
         child
     };

@@ -32,19 +32,22 @@ fn spawn_with(scenario: &str, n: usize, devices: &str, extra_env: &[(&str, &str)
     );
     let (tx, lines) = mpsc::channel();
     let start = |rank: usize, port: &str| {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tw-rpc-worker"))
-            .arg(scenario)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port)
-            .env("TENSORWIRE_SECRET", &secret)
-            .env("TW_DEVICES", devices)
-            .envs(extra_env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = Command::new(tensorwire_tests::worker_bin(
+            "tw-rpc-worker",
+            env!("CARGO_BIN_EXE_tw-rpc-worker"),
+        ))
+        .arg(scenario)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", n.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port)
+        .env("TENSORWIRE_SECRET", &secret)
+        .env("TW_DEVICES", devices)
+        .envs(extra_env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
         tensorwire_tests::forward_lines(&mut child, rank, &tx);
         child
     };
@@ -360,19 +363,22 @@ impl Worker {
         secret: &str,
         lines: &mpsc::Sender<(usize, String)>,
     ) -> Worker {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tw-rpc-worker"))
-            .arg(scenario)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port)
-            .env("TENSORWIRE_SECRET", secret)
-            .env("TW_DEVICES", "simulated")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = Command::new(tensorwire_tests::worker_bin(
+            "tw-rpc-worker",
+            env!("CARGO_BIN_EXE_tw-rpc-worker"),
+        ))
+        .arg(scenario)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", n.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port)
+        .env("TENSORWIRE_SECRET", secret)
+        .env("TW_DEVICES", "simulated")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
         let readers = [
             Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
             Box::new(child.stderr.take().unwrap()),

@@ -16,6 +16,10 @@
 //!   `tw-gpu-check` (with `--nccl` also the NCCL checks), the multi-process RPC worker, the CLI
 //!   (for `launch`) and with `--nccl` the process-group worker, copies them to `DIR` (default
 //!   `.gpu/` at the workspace root), then prints how to run them on a machine with a GPU.
+//! - `gpu-bundle [--out DIR] [--run]`: every GPU check (the `nccl` group, the `::cuda` RPC and
+//!   autograd tests, CUDA IPC against the staged path, the benches) built in release into one
+//!   git-ignored folder (default `.gpu-bundle/`, under 64 MiB) with `run.sh`, which a GPU
+//!   machine runs in 8 minutes at most (see `gpu_bundle.rs`); `--run` runs it here too.
 //! - `chaos`: faults injected into real worker processes on simulated hosts (network
 //!   namespaces): delay and loss, a frozen peer, the store's host killed, a cut link, a killed
 //!   QUIC peer; a table and `N passed, N failed` (see `chaos.rs`). Part of `ci` where it can run
@@ -33,6 +37,7 @@ use anyhow::{bail, Context, Result};
 
 mod chaos;
 mod fuzz;
+mod gpu_bundle;
 mod skips;
 mod soak;
 
@@ -45,12 +50,17 @@ fn main() -> Result<()> {
             _ => bail!("usage: cargo xtask ci [--quick]"),
         },
         Some("gpu") => gpu(&args[1..]),
+        Some("gpu-bundle") => gpu_bundle::gpu_bundle(&args[1..]),
         Some("fuzz") => fuzz::fuzz(&args[1..]),
         Some("chaos") => chaos::chaos(&args[1..]),
         Some("soak") => soak::soak(&args[1..]),
         Some("features") => feature_trees(),
-        Some(other) => bail!("unknown task {other:?}; tasks: ci, features, gpu, fuzz, chaos, soak"),
-        None => bail!("usage: cargo xtask <task>; tasks: ci, features, gpu, fuzz, chaos, soak"),
+        Some(other) => {
+            bail!("unknown task {other:?}; tasks: ci, features, gpu, gpu-bundle, fuzz, chaos, soak")
+        }
+        None => bail!(
+            "usage: cargo xtask <task>; tasks: ci, features, gpu, gpu-bundle, fuzz, chaos, soak"
+        ),
     }
 }
 

@@ -10,6 +10,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use crate::device::Device;
+use crate::ipc::IpcIdentity;
 use crate::tensor::{DeviceBuffer, Storage, Tensor};
 
 /// Why a backend has no devices.
@@ -86,6 +87,52 @@ pub trait DeviceBackend: Send + Sync + 'static {
     /// Copies a device buffer to another device (peer-to-peer where possible).
     async fn between(&self, buffer: &DeviceBuffer, to: Device)
         -> Result<DeviceBuffer, DeviceError>;
+
+    /// Sharing device memory with other processes on this host (CUDA IPC), when the backend
+    /// can. The default: it cannot, and device tensors to other processes are staged through
+    /// host memory.
+    fn ipc(&self) -> Option<&dyn DeviceIpc> {
+        None
+    }
+}
+
+/// A device buffer exported to another process: what travels, and what keeps it valid.
+pub struct IpcExport {
+    /// What the receiver's backend needs to open it (the backend's own encoding: for CUDA, the
+    /// memory and event handles, the offset and the length).
+    pub descriptor: Bytes,
+    /// Keeps the memory (and whatever orders it) valid and unused until the receiver releases
+    /// it: dropping it lets the memory be reused.
+    pub keep: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for IpcExport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IpcExport")
+            .field("descriptor", &self.descriptor.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Device memory shared between processes of one host (see [`crate::ipc`] for when it is used
+/// and how long an export lives).
+#[async_trait]
+pub trait DeviceIpc: Send + Sync {
+    /// Who this process is, for its peers' decision (host, namespaces, GPUs).
+    fn identity(&self) -> IpcIdentity;
+
+    /// Exports `buffer` for another process: its descriptor, and what keeps it valid.
+    async fn export(&self, buffer: &DeviceBuffer) -> Result<IpcExport, DeviceError>;
+
+    /// Opens another process's export, copies its `len` bytes device to device into a new
+    /// buffer on `to`, waits for the copy, and closes the handle. A descriptor that is
+    /// malformed, of another length, or cannot be opened is an error.
+    async fn import(
+        &self,
+        descriptor: &[u8],
+        len: usize,
+        to: Device,
+    ) -> Result<DeviceBuffer, DeviceError>;
 }
 
 /// Moves `tensor` to `to` through `backend` (no copy when it is already there).

@@ -622,6 +622,9 @@ pub enum ProtocolViolation {
         /// What the membership protocol said.
         what: String,
     },
+    /// A same-host CUDA IPC message (or descriptor) it had no right to send.
+    #[error("it broke the IPC protocol: {0}")]
+    Ipc(crate::ipc::IpcViolation),
     /// A frame whose bytes are no valid message (the driver decodes it before the endpoint
     /// sees it: a header that does not parse, tensors it announces and does not carry, ...).
     #[error("it sent a malformed message: {what}")]

@@ -212,11 +212,13 @@ fn rpc(dir: &Path) {
             dtype: DType::F32,
             shape: vec![2, 3],
             device: Device::Cpu,
+            ipc: None,
         },
         TensorMeta {
             dtype: DType::I64,
             shape: vec![1],
             device: Device::Cuda(1),
+            ipc: None,
         },
     ];
     let with_tensors = Frame::message(

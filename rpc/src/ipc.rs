@@ -1,0 +1,236 @@
+//! Same-host CUDA IPC in the agent: the driver of [`tensorwire_core::ipc`].
+//!
+//! A device tensor to another process on this host, landing on the GPU it leaves, travels as
+//! an IPC descriptor instead of its bytes when the device backend can share memory
+//! ([`DeviceBackend::ipc`]) and both workers agree ([`tensorwire_core::ipc::decide`]); core
+//! decides, this module asks the backend to export and import and moves the IPC messages (hello,
+//! release, refused) as control frames. The sender holds each exported buffer until the
+//! receiver says it copied it out, or is lost. `RpcOptions::share_device_memory = false` or
+//! `TENSORWIRE_CUDA_IPC=0` turns sharing off in a worker (its peers then stage too).
+
+use std::any::Any;
+use std::sync::{Mutex, PoisonError};
+
+use bytes::Bytes;
+use tensorwire_core::device::Device;
+use tensorwire_core::ipc::{
+    decode_message, encode_message, IpcConfig, IpcState, IpcViolation, PeerPaths, Route,
+    StagedReason,
+};
+use tensorwire_core::ports::device::{DeviceBackend, DeviceIpc};
+use tensorwire_core::protocol::{ProtocolViolation, WorkerId};
+use tensorwire_core::tensor::{Storage, Tensor, TensorMeta};
+use tensorwire_core::wire::Frame;
+
+use crate::agent::Agent;
+use crate::tensors::{TensorTransferError, WireTensors};
+
+/// What keeps one export valid (the backend's value), held until released.
+type Held = Box<dyn Any + Send + Sync>;
+
+/// One agent's IPC state.
+pub(crate) struct IpcLink {
+    state: Mutex<IpcState<Held>>,
+}
+
+impl IpcLink {
+    /// The state of an agent over `backend` (sharing unless the backend cannot, `share` is
+    /// off, or `TENSORWIRE_CUDA_IPC=0`).
+    pub(crate) fn new(backend: &dyn DeviceBackend, share: bool, limits: IpcConfig) -> Self {
+        let enabled = share && std::env::var("TENSORWIRE_CUDA_IPC").map_or(true, |v| v != "0");
+        let me = backend.ipc().filter(|_| enabled).map(DeviceIpc::identity);
+        Self {
+            state: Mutex::new(IpcState::new(me, limits)),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, IpcState<Held>> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The paths each peer's device tensors took.
+    pub(crate) fn report(&self) -> Vec<PeerPaths> {
+        self.state().report()
+    }
+
+    /// Checks the IPC descriptors a received message announces against state, before anything
+    /// is handled: a descriptor from a peer that never agreed to IPC is a violation.
+    pub(crate) fn check_received(
+        &self,
+        from: WorkerId,
+        metas: &[TensorMeta],
+    ) -> Result<(), IpcViolation> {
+        if metas.iter().any(|m| m.ipc.is_some()) {
+            self.state().check_import(from)?;
+        }
+        Ok(())
+    }
+}
+
+/// Sends what the IPC state has queued.
+fn flush(agent: &Agent) {
+    let out: Vec<_> = {
+        let mut st = agent.ipc().state();
+        std::iter::from_fn(|| st.poll_transmit()).collect()
+    };
+    for (to, msg) in out {
+        agent.send_control(to, Frame::control(encode_message(&msg), vec![]));
+    }
+}
+
+/// Handles a control frame if it is an IPC message (`None` if it is not one). A violation is
+/// an error: the connection to that peer is dropped.
+pub(crate) fn on_control(
+    agent: &Agent,
+    from: WorkerId,
+    frame: &Frame,
+) -> Option<Result<(), ProtocolViolation>> {
+    let msg = decode_message(&frame.header)?;
+    let handled = msg.and_then(|m| agent.ipc().state().handle_message(from, m));
+    flush(agent);
+    Some(match handled {
+        // The released buffers are dropped here, outside the lock.
+        Ok(released) => {
+            drop(released);
+            Ok(())
+        }
+        Err(violation) => Err(ProtocolViolation::Ipc(violation)),
+    })
+}
+
+/// `peer` is gone: the buffers held for it are freed.
+pub(crate) fn peer_lost(agent: &Agent, peer: WorkerId) {
+    let released = agent.ipc().state().peer_lost(peer);
+    drop(released);
+}
+
+/// The bytes of each tensor for `to`: device tensors by IPC descriptor where core says so,
+/// else copied off the device.
+pub(crate) async fn to_wire(
+    agent: &Agent,
+    to: WorkerId,
+    tensors: Vec<(Tensor, Device)>,
+) -> Result<WireTensors, TensorTransferError> {
+    let backend = agent.device_backend().clone();
+    let me = agent.worker_info().id;
+    let mut out = Vec::with_capacity(tensors.len());
+    for (t, device) in tensors {
+        let mut ipc = None;
+        let bytes = match t.storage() {
+            Storage::Host(b) => b.clone(),
+            Storage::Device(buf) => {
+                // An empty buffer has no memory to share: it travels as its (no) bytes.
+                let route = match device {
+                    Device::Cuda(_) if to != me && !buf.is_empty() => {
+                        let route =
+                            agent
+                                .ipc()
+                                .state()
+                                .route(to, buf.device(), device, buf.len() as u64);
+                        flush(agent);
+                        route
+                    }
+                    _ => Route::Staged(StagedReason::SameProcess),
+                };
+                let shared = match (route, backend.ipc()) {
+                    (Route::Ipc(id), Some(sharing)) => match sharing.export(buf).await {
+                        Ok(export) => {
+                            agent.ipc().state().exported(to, id, export.keep);
+                            ipc = Some(id);
+                            Some(export.descriptor)
+                        }
+                        Err(e) => {
+                            tracing::debug!(peer = to, "IPC export failed, staging: {e}");
+                            agent.ipc().state().export_failed(to, id, e.to_string());
+                            None
+                        }
+                    },
+                    (Route::Ipc(id), None) => {
+                        let why = "the device backend does not share memory".to_owned();
+                        agent.ipc().state().export_failed(to, id, why);
+                        None
+                    }
+                    (Route::Staged(_), _) => None,
+                };
+                match shared {
+                    Some(descriptor) => descriptor,
+                    None => backend.to_host(buf).await?,
+                }
+            }
+        };
+        out.push((
+            TensorMeta {
+                dtype: t.dtype(),
+                shape: t.shape().to_vec(),
+                device,
+                ipc,
+            },
+            bytes,
+        ));
+    }
+    Ok(out)
+}
+
+/// Received tensors from `from`, each placed on its landing device; IPC descriptors are
+/// opened, copied device to device and released.
+pub(crate) async fn from_wire(
+    agent: &Agent,
+    from: WorkerId,
+    tensors: WireTensors,
+) -> Result<Vec<Tensor>, TensorTransferError> {
+    let backend = agent.device_backend().clone();
+    let mut out = Vec::with_capacity(tensors.len());
+    let mut failed = None;
+    for (meta, bytes) in tensors {
+        let Some(id) = meta.ipc else {
+            out.push(crate::tensors::place(&*backend, meta, bytes).await?);
+            continue;
+        };
+        let landed = import(&*backend, &meta, &bytes).await;
+        {
+            let mut st = agent.ipc().state();
+            match &landed {
+                Ok(_) => st.imported(from, id),
+                Err(e) => st.import_failed(from, id, e.to_string()),
+            }
+        }
+        match landed {
+            Ok(t) => out.push(t),
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    flush(agent);
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}
+
+/// Opens one IPC descriptor into a tensor on its landing device.
+async fn import(
+    backend: &dyn DeviceBackend,
+    meta: &TensorMeta,
+    descriptor: &Bytes,
+) -> Result<Tensor, TensorTransferError> {
+    let Some(sharing) = backend.ipc() else {
+        return Err(TensorTransferError::Malformed(
+            "a tensor came by IPC handle, which this worker's device backend cannot open".into(),
+        ));
+    };
+    if meta.device.is_cpu() {
+        return Err(TensorTransferError::Malformed(
+            "a tensor landing on the cpu came by IPC handle".into(),
+        ));
+    }
+    let len = tensorwire_core::tensor::byte_len(meta.dtype, &meta.shape)
+        .map_err(|e| TensorTransferError::Malformed(e.to_string()))?;
+    let buffer = sharing.import(descriptor, len, meta.device).await?;
+    Tensor::new(meta.dtype, meta.shape.clone(), Storage::Device(buffer))
+        .map_err(|e| TensorTransferError::Malformed(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests;
