@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tensorwire_core::collective::{ElementType, ReduceOp};
+use tensorwire_core::collective::{DebugLevel, ElementType, ReduceOp};
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_process_group::{CollectivesExt, Group, GroupOptions, InMemoryStore};
@@ -21,13 +21,18 @@ fn transport() -> Arc<TcpTransport> {
 
 /// Sets up `world` ranks sharing one in-memory store.
 async fn groups(world: usize, name: &str, timeout: Duration) -> Vec<Group> {
+    groups_with(world, GroupOptions::new(name).with_timeout(timeout)).await
+}
+
+/// Sets up `world` ranks sharing one in-memory store, each with `options`.
+async fn groups_with(world: usize, options: GroupOptions) -> Vec<Group> {
     let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
     let transport = transport();
     let mut tasks = Vec::new();
     for rank in 0..world {
         let store = store.clone();
         let transport = transport.clone();
-        let options = GroupOptions::new(name).with_timeout(timeout);
+        let options = options.clone();
         tasks.push(tokio::spawn(async move {
             Group::connect(store, transport, rank, world, options).await
         }));
@@ -1051,4 +1056,77 @@ async fn a_silent_connection_does_not_hold_up_setup() {
         assert!(!store.check(&[&key]).await.unwrap());
     })
     .await;
+}
+
+/// Issue 26, item 4: under `TENSORWIRE_DEBUG=detail` a rank that only sends fails the
+/// mismatched collective itself (not just its next one), naming what the others ran; today's
+/// default returns `Ok` on the broadcast's root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_detail_every_rank_of_a_mismatched_collective_fails() {
+    let detail = |name: &str| {
+        GroupOptions::new(name)
+            .with_timeout(Duration::from_secs(30))
+            .with_debug(DebugLevel::Detail)
+    };
+    // Rank 0 broadcasts from root 0, rank 1 runs all_gather: both fail, the root included.
+    let gs = bounded(groups_with(2, detail("detail-bcast"))).await;
+    let mut data = [7u8; 8];
+    let (a, b) =
+        bounded(async { tokio::join!(gs[0].broadcast(&mut data, 0), gs[1].all_gather(b"abcd")) })
+            .await;
+    let a = a.expect_err("the root of a mismatched broadcast fails it");
+    let b = b.expect_err("the all_gather fails");
+    for e in [&a, &b] {
+        assert!(matches!(e, ProcessGroupError::Disagreement { .. }), "{e}");
+        let text = e.to_string();
+        assert!(text.contains("broadcast(root 0, 8 bytes)"), "{text}");
+        assert!(text.contains("all_gather"), "{text}");
+    }
+    // Even ranks reduce to root 0, odd ones to root 1 (their trees wait on each other in a
+    // cycle): every rank fails with the disagreement, none times out, none returns Ok.
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups_with(world, detail(&format!("detail-reduce{world}")))).await;
+        let results = bounded(on_all(&gs, |g| async move {
+            let root = g.rank() % 2;
+            g.reduce(&mut [0u8; 8], ElementType::I64, ReduceOp::Sum, root)
+                .await
+        }))
+        .await;
+        for (rank, r) in results.into_iter().enumerate() {
+            let e = r.expect_err("every rank fails");
+            assert!(
+                matches!(e, ProcessGroupError::Disagreement { .. }),
+                "world {world} rank {rank}: {e}"
+            );
+            let text = e.to_string();
+            assert!(text.contains("root 0") && text.contains("root 1"), "{text}");
+        }
+    }
+    // Agreeing ranks run every checked collective to its right result.
+    let gs = bounded(groups_with(3, detail("detail-ok"))).await;
+    let results = bounded(on_all(&gs, |g| async move {
+        let mut data = if g.rank() == 1 { [5u8; 4] } else { [0u8; 4] };
+        g.broadcast(&mut data, 1).await.unwrap();
+        let mut sum = (g.rank() as i64 + 1).to_le_bytes();
+        g.reduce(&mut sum, ElementType::I64, ReduceOp::Sum, 2)
+            .await
+            .unwrap();
+        let gathered = g.gather(&[g.rank() as u8; 3], 0).await.unwrap();
+        let blocks = g.all_gather(&[g.rank() as u8]).await.unwrap();
+        (data, i64::from_le_bytes(sum), gathered, blocks)
+    }))
+    .await;
+    for (rank, (data, sum, gathered, blocks)) in results.into_iter().enumerate() {
+        assert_eq!(data, [5u8; 4]);
+        if rank == 2 {
+            assert_eq!(sum, 6);
+        }
+        if rank == 0 {
+            let gathered = gathered.expect("the root gets the blocks");
+            for (r, b) in gathered.iter().enumerate() {
+                assert_eq!(&b[..], &[r as u8; 3]);
+            }
+        }
+        assert_eq!(blocks.len(), 3);
+    }
 }

@@ -88,6 +88,7 @@
 use std::ops::Range;
 
 mod algorithms;
+pub mod check;
 mod reduce;
 mod signature;
 #[cfg(test)]
@@ -102,6 +103,7 @@ pub use algorithms::{
     all_gather, all_reduce, all_to_all, barrier, broadcast, gather, monitored_barrier,
     monitored_barrier_missing, reduce, reduce_scatter, scatter,
 };
+pub use check::{agreement_check, DebugLevel, UnknownDebugLevel, DEBUG_ENV};
 pub use reduce::{reduce_into, ElementType, ReduceOp};
 pub use signature::{Signature, SIGNATURE_LEN};
 
