@@ -1225,6 +1225,65 @@ impl ProcessGroup for Group {
         self.recv_numbered(src, tag, n).await
     }
 
+    /// Waits until a message with `tag` from some peer is the next one that peer's receives
+    /// expect, claims its number, then takes it as [`recv`](ProcessGroup::recv) would. A
+    /// receive from a given source issued while this waits may take that number first; this
+    /// then waits for the next message.
+    async fn recv_any(&self, tag: u32) -> Result<(usize, Bytes), ProcessGroupError> {
+        if let Some(e) = self.inner.mesh.broken() {
+            return Err(e);
+        }
+        let (rank, world) = (self.rank(), self.size());
+        if world == 1 {
+            // The only rank that could send is this one: refuse instead of waiting.
+            return Err(ProcessGroupError::Arguments {
+                collective: "recv",
+                source: CollectiveError::PeerIsSelf { rank },
+            });
+        }
+        let peers: Vec<usize> = (0..world).filter(|p| *p != rank).collect();
+        let mesh = &self.inner.mesh;
+        let received = &self.inner.received;
+        let claim = std::future::poll_fn(|cx| {
+            let mut open = false;
+            for &peer in &peers {
+                let global = self.world_rank(peer);
+                let n = received.peek(global, tag);
+                match mesh.poll_arrived(peer, p2p::key(tag, n), cx) {
+                    std::task::Poll::Ready(true) => {
+                        if received.claim(global, tag, n) {
+                            return std::task::Poll::Ready(Ok((peer, n)));
+                        }
+                        // A receive from that peer took the number: look again.
+                        cx.waker().wake_by_ref();
+                        return std::task::Poll::Pending;
+                    }
+                    std::task::Poll::Ready(false) => {}
+                    std::task::Poll::Pending => open = true,
+                }
+            }
+            if open {
+                std::task::Poll::Pending
+            } else {
+                let last = peers.last().copied().unwrap_or(rank);
+                std::task::Poll::Ready(Err(mesh.closed_error(last, "recv", 0)))
+            }
+        });
+        let span = tracing::debug_span!("recv_any", rank, tag);
+        let (src, n) = work::bounded(self.inner.timeout, claim)
+            .instrument(span)
+            .await
+            .map_err(|timeout| ProcessGroupError::Timeout {
+                collective: "recv",
+                seq: 0,
+                rank,
+                waiting_on: peers.clone(),
+                timeout,
+            })??;
+        let bytes = self.recv_numbered(src, tag, n).await?;
+        Ok((src, bytes))
+    }
+
     /// Sends `data` to `dst` with `tag` without waiting: the message is numbered now (so it
     /// keeps its place among this rank's messages to `dst` with `tag`) and sent on a task;
     /// the returned future gives the result, and the send goes on if it is dropped.

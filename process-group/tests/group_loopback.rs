@@ -1130,3 +1130,69 @@ async fn under_detail_every_rank_of_a_mismatched_collective_fails() {
         assert_eq!(blocks.len(), 3);
     }
 }
+
+/// Issue 26, item 5: `recv` from any source returns the sender, takes every message once, in
+/// each sender's order, and counts as that sender's next message for a later `recv`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receive_from_any_source_names_the_sender() {
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups(
+            world,
+            &format!("any{world}"),
+            Duration::from_secs(20),
+        ))
+        .await;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let rank = g.rank();
+            if rank != 0 {
+                for k in 0..2u8 {
+                    g.send(&[rank as u8, k], 0, 7).await.unwrap();
+                }
+                // The third only once rank 0 has taken the first two of every sender.
+                g.barrier().await.unwrap();
+                g.send(&[rank as u8, 2], 0, 7).await.unwrap();
+                return Vec::new();
+            }
+            let mut got = Vec::new();
+            for _ in 0..2 * (world - 1) {
+                let (src, bytes) = g.recv_any(7).await.unwrap();
+                got.push((src, bytes.to_vec()));
+            }
+            g.barrier().await.unwrap();
+            // The third message of each sender is what a plain recv from it gets now.
+            for src in 1..world {
+                got.push((src, g.recv(src, 7).await.unwrap().to_vec()));
+            }
+            got
+        }))
+        .await;
+        let got = &results[0];
+        for src in 1..world {
+            let from: Vec<&Vec<u8>> = got
+                .iter()
+                .filter(|(s, _)| *s == src)
+                .map(|(_, b)| b)
+                .collect();
+            let expected: Vec<Vec<u8>> = (0..3u8).map(|k| vec![src as u8, k]).collect();
+            assert_eq!(
+                from,
+                expected.iter().collect::<Vec<_>>(),
+                "world {world}, sender {src}"
+            );
+        }
+    }
+    // Nobody sends: the receive times out naming every other rank, and the group goes on.
+    let gs = bounded(groups(3, "any-timeout", Duration::from_millis(300))).await;
+    let e = bounded(gs[1].recv_any(9)).await.unwrap_err();
+    assert!(
+        matches!(&e, ProcessGroupError::Timeout { waiting_on, .. } if waiting_on == &[0, 2]),
+        "{e}"
+    );
+    let (a, b, c) =
+        bounded(async { tokio::join!(gs[0].barrier(), gs[1].barrier(), gs[2].barrier()) }).await;
+    a.and(b).and(c).unwrap();
+    // A group of one has no other source.
+    let solo = bounded(groups(1, "any-solo", Duration::from_secs(5))).await;
+    let e = solo[0].recv_any(0).await.unwrap_err();
+    assert!(matches!(e, ProcessGroupError::Arguments { .. }), "{e}");
+}

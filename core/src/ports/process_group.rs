@@ -275,6 +275,21 @@ pub trait ProcessGroup: Send + Sync {
         })
     }
 
+    /// Receives the next message any other rank sent here with `tag` (PyTorch's `recv` with
+    /// `src=None`, which gloo implements): returns the sender's rank and the bytes, waiting
+    /// up to the group's timeout. The message taken is the one that arrives first; it counts
+    /// as that sender's next message with `tag`, so a later [`recv`](Self::recv) from that
+    /// sender gets the one after it.
+    ///
+    /// The default refuses with [`Unsupported`](ProcessGroupError::Unsupported).
+    async fn recv_any(&self, tag: u32) -> Result<(usize, Bytes), ProcessGroupError> {
+        let _ = tag;
+        Err(ProcessGroupError::Unsupported {
+            collective: "recv",
+            backend: self.backend(),
+        })
+    }
+
     /// [`send`](Self::send) without waiting for it: returns a future of its result. A backend
     /// that can overlap point-to-point messages issues the send when this returns (numbering
     /// it, so that it keeps its place among this rank's messages to `dst` with `tag`) and
