@@ -1,0 +1,204 @@
+//! The c10d calls tensorwire adds for PyTorch users, against real PyTorch with gloo: the same
+//! inputs on the same world sizes, and the results compared.
+//!
+//! Needs a Python with torch: `$TENSORWIRE_TORCH_PYTHON` if set, else `python3` (the CI venv
+//! is `~/.cache/tensorwire-ci/torch-venv/bin/python`). Without torch the tests print why and
+//! pass without checking anything; `TENSORWIRE_REQUIRE_TORCH` turns the skip into a failure.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tensorwire_core::ports::process_group::ProcessGroup;
+use tensorwire_core::ports::store::Store;
+use tensorwire_process_group::{Group, GroupOptions, InMemoryStore};
+use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn python() -> String {
+    std::env::var("TENSORWIRE_TORCH_PYTHON").unwrap_or_else(|_| "python3".to_owned())
+}
+
+/// `Some(reason)` when torch is not importable.
+fn torch_missing() -> Option<String> {
+    match std::process::Command::new(python())
+        .args(["-c", "import torch.distributed"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+    {
+        Ok(s) if s.success() => None,
+        Ok(s) => Some(format!("`{} -c 'import torch'` exited with {s}", python())),
+        Err(e) => Some(format!("cannot run {}: {e}", python())),
+    }
+}
+
+macro_rules! require_torch {
+    () => {
+        if let Some(reason) = torch_missing() {
+            if std::env::var_os("TENSORWIRE_REQUIRE_TORCH").is_some() {
+                panic!("TENSORWIRE_REQUIRE_TORCH is set but torch is missing: {reason}");
+            }
+            eprintln!(
+                "SKIPPED: gloo parity test needs torch ({reason}); set TENSORWIRE_TORCH_PYTHON"
+            );
+            return;
+        }
+    };
+}
+
+/// Runs `scenario` on `world` gloo ranks (forked processes over `tcp://`); prints one JSON
+/// object mapping each rank to what its scenario returned.
+const GLOO: &str = r#"
+import json, socket, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+scenario, world = sys.argv[1], int(sys.argv[2])
+
+def recv_any(rank):
+    # Every other rank sends [rank, k] for k = 0, 1 with tag 7; rank 0 receives from any source.
+    if rank != 0:
+        for k in range(2):
+            dist.send(torch.tensor([rank, k], dtype=torch.int64), 0, tag=7)
+        return None
+    got = {}
+    for _ in range(2 * (world - 1)):
+        t = torch.zeros(2, dtype=torch.int64)
+        src = dist.recv(t, tag=7)
+        got.setdefault(str(src), []).append(t.tolist())
+    return got
+
+def run(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        out = globals()[scenario](rank)
+    except Exception as e:
+        out = {"error": type(e).__name__ + ": " + str(e)}
+    q.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=run, args=(r, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=100) for _ in range(world))
+    for p in procs:
+        p.join(timeout=100)
+    print(json.dumps({str(r): results[r] for r in range(world)}))
+"#;
+
+/// gloo's results of `scenario` on `world` ranks.
+async fn gloo(scenario: &str, world: usize) -> serde_json::Value {
+    let out = tokio::time::timeout(
+        LIMIT,
+        tokio::process::Command::new(python())
+            .env("PYTHONWARNINGS", "ignore")
+            .args(["-c", GLOO, scenario, &world.to_string()])
+            .stderr(Stdio::inherit())
+            .output(),
+    )
+    .await
+    .expect("gloo finished in time")
+    .expect("python runs");
+    assert!(
+        out.status.success(),
+        "gloo {scenario} w{world}: {}",
+        out.status
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().last().unwrap_or_default();
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("gloo printed {text:?}: {e}"))
+}
+
+/// `world` ranks of our group over loopback TCP, in this process.
+async fn groups(world: usize, name: &str) -> Vec<Group> {
+    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+    let secret = ClusterSecret::new(b"gloo parity secret".to_vec()).unwrap();
+    let transport = Arc::new(TcpTransport::new(TcpConfig::new(secret)).unwrap());
+    let mut tasks = Vec::new();
+    for rank in 0..world {
+        let (store, transport) = (store.clone(), transport.clone());
+        let options = GroupOptions::new(name).with_timeout(Duration::from_secs(30));
+        tasks.push(tokio::spawn(async move {
+            Group::connect(store, transport, rank, world, options).await
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap().unwrap());
+    }
+    out
+}
+
+/// Runs `f` on every rank at once; the results in rank order.
+async fn on_all<F, Fut, T>(groups: &[Group], f: F) -> Vec<T>
+where
+    F: Fn(Group) -> Fut,
+    Fut: Future<Output = T> + Send + 'static,
+    T: Send + 'static,
+{
+    let tasks: Vec<_> = groups.iter().map(|g| tokio::spawn(f(g.clone()))).collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+fn i64s(bytes: &[u8]) -> Vec<i64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// `recv` from any source: per sender, the same messages in the same order as gloo's
+/// `dist.recv(t, src=None)`, which returns the sender.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recv_from_any_source_matches_gloo() {
+    require_torch!();
+    for world in [2usize, 3, 4] {
+        let theirs = gloo("recv_any", world).await;
+        let gs = groups(world, &format!("any{world}")).await;
+        let results = tokio::time::timeout(
+            LIMIT,
+            on_all(&gs, move |g| async move {
+                let rank = g.rank();
+                let mut got: BTreeMap<String, Vec<Vec<i64>>> = BTreeMap::new();
+                if rank != 0 {
+                    for k in 0..2i64 {
+                        let bytes: Vec<u8> = [rank as i64, k]
+                            .iter()
+                            .flat_map(|v| v.to_le_bytes())
+                            .collect();
+                        g.send(&bytes, 0, 7).await.unwrap();
+                    }
+                } else {
+                    for _ in 0..2 * (world - 1) {
+                        let (src, bytes) = g.recv_any(7).await.unwrap();
+                        got.entry(src.to_string()).or_default().push(i64s(&bytes));
+                    }
+                }
+                g.barrier().await.unwrap();
+                got
+            }),
+        )
+        .await
+        .expect("ours finished in time");
+        let ours = serde_json::to_value(&results[0]).unwrap();
+        assert_eq!(ours, theirs["0"], "world {world}");
+    }
+}
