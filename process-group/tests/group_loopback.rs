@@ -1196,3 +1196,118 @@ async fn a_receive_from_any_source_names_the_sender() {
     let e = solo[0].recv_any(0).await.unwrap_err();
     assert!(matches!(e, ProcessGroupError::Arguments { .. }), "{e}");
 }
+
+/// Issue 26, item 5: `all_gather_into_tensor` and `reduce_scatter_tensor` fill the caller's
+/// output tensor, and refuse gloo's wrong sizes and types before taking a place in the
+/// sequence (the barrier after them still meets).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn into_tensor_collectives_fill_the_callers_output() {
+    use tensorwire_core::collective::CollectiveError;
+    use tensorwire_core::tensor::{DType, Tensor};
+
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups(
+            world,
+            &format!("into{world}"),
+            Duration::from_secs(20),
+        ))
+        .await;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let r = g.rank() as f32;
+            let input =
+                Tensor::from_f32(vec![2, 3], &[r, r + 1.0, r + 2.0, -r, 0.5, 2.0 * r]).unwrap();
+            let mut gathered = Tensor::from_f32(vec![2 * world, 3], &vec![9.0; 6 * world]).unwrap();
+            g.all_gather_into_tensor(&mut gathered, &input)
+                .await
+                .unwrap();
+            let values: Vec<f32> = (0..6 * world).map(|i| i as f32 * (r + 1.0)).collect();
+            let stacked = Tensor::from_f32(vec![2 * world, 3], &values).unwrap();
+            let mut mine = Tensor::from_f32(vec![2, 3], &[0.0; 6]).unwrap();
+            g.reduce_scatter_tensor(&mut mine, &stacked, ReduceOp::Sum)
+                .await
+                .unwrap();
+            // Wrong sizes and types: refused here, nothing sent.
+            let mut short =
+                Tensor::from_f32(vec![2 * world - 1, 3], &vec![0.0; 6 * world - 3]).unwrap();
+            let size = g
+                .all_gather_into_tensor(&mut short, &input)
+                .await
+                .unwrap_err();
+            let mut flat = Tensor::from_f32(vec![6 * world], &vec![0.0; 6 * world]).unwrap();
+            let flat = g
+                .all_gather_into_tensor(&mut flat, &input)
+                .await
+                .unwrap_err();
+            let mut ints = Tensor::new(
+                DType::I64,
+                vec![2, 3],
+                tensorwire_core::tensor::Storage::Host(Bytes::from(vec![0u8; 48])),
+            )
+            .unwrap();
+            let kind = g
+                .reduce_scatter_tensor(&mut ints, &stacked, ReduceOp::Sum)
+                .await
+                .unwrap_err();
+            let mut wide = Tensor::from_f32(vec![3, 3], &[0.0; 9]).unwrap();
+            let rs_size = g
+                .reduce_scatter_tensor(&mut wide, &stacked, ReduceOp::Sum)
+                .await
+                .unwrap_err();
+            g.barrier().await.unwrap();
+            (
+                gathered.to_f32_vec().unwrap(),
+                mine.to_f32_vec().unwrap(),
+                [size, flat, kind, rs_size],
+            )
+        }))
+        .await;
+        for (rank, (gathered, mine, errors)) in results.into_iter().enumerate() {
+            let expected: Vec<f32> = (0..world)
+                .flat_map(|s| {
+                    let s = s as f32;
+                    [s, s + 1.0, s + 2.0, -s, 0.5, 2.0 * s]
+                })
+                .collect();
+            assert_eq!(gathered, expected, "world {world} rank {rank}");
+            // Sum over ranks of i * (r + 1) for this rank's chunk.
+            let factor: f32 = (1..=world).map(|x| x as f32).sum();
+            let chunk: Vec<f32> = (6 * rank..6 * rank + 6)
+                .map(|i| i as f32 * factor)
+                .collect();
+            assert_eq!(mine, chunk, "world {world} rank {rank}");
+            let texts: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+            for e in &errors {
+                assert!(
+                    matches!(
+                        e,
+                        ProcessGroupError::Arguments {
+                            source: CollectiveError::TensorSize { .. }
+                                | CollectiveError::TensorType { .. },
+                            ..
+                        }
+                    ),
+                    "{e}"
+                );
+            }
+            assert!(
+                texts[0].contains(&format!(
+                    "invalid output tensor size (expected [{}, 3], got [{}, 3])",
+                    2 * world,
+                    2 * world - 1
+                )),
+                "{}",
+                texts[0]
+            );
+            assert!(
+                texts[2].contains("invalid input tensor type"),
+                "{}",
+                texts[2]
+            );
+            assert!(
+                texts[3].contains("invalid input tensor size"),
+                "{}",
+                texts[3]
+            );
+        }
+    }
+}

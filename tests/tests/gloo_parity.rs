@@ -73,6 +73,27 @@ def recv_any(rank):
         got.setdefault(str(src), []).append(t.tolist())
     return got
 
+def into_tensor(rank):
+    r = float(rank)
+    inp = torch.tensor([[r, r + 1, r + 2], [-r, 0.5, 2 * r]])
+    out = torch.full((2 * world, 3), 9.0)
+    dist.all_gather_into_tensor(out, inp)
+    stacked = torch.arange(6 * world, dtype=torch.float32).reshape(2 * world, 3) * (r + 1)
+    mine = torch.zeros(2, 3)
+    dist.reduce_scatter_tensor(mine, stacked)
+    errors = []
+    for f in [lambda: dist.all_gather_into_tensor(torch.zeros(2 * world - 1, 3), inp),
+              lambda: dist.all_gather_into_tensor(torch.zeros(6 * world), inp),
+              lambda: dist.reduce_scatter_tensor(torch.zeros(2, 3, dtype=torch.int64), stacked),
+              lambda: dist.reduce_scatter_tensor(torch.zeros(3, 3), stacked)]:
+        try:
+            f()
+            errors.append(False)
+        except Exception:
+            errors.append(True)
+    return {"gathered": out.flatten().tolist(), "mine": mine.flatten().tolist(),
+            "errors": errors}
+
 def run(rank, port, q):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -200,5 +221,69 @@ async fn recv_from_any_source_matches_gloo() {
         .expect("ours finished in time");
         let ours = serde_json::to_value(&results[0]).unwrap();
         assert_eq!(ours, theirs["0"], "world {world}");
+    }
+}
+
+/// `all_gather_into_tensor` and `reduce_scatter_tensor` into the caller's output: the same
+/// values as gloo, and an error wherever gloo raises one for a wrong size or type.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn into_tensor_collectives_match_gloo() {
+    use tensorwire_core::collective::ReduceOp;
+    use tensorwire_core::tensor::{DType, Storage, Tensor};
+    require_torch!();
+    for world in [2usize, 3, 4] {
+        let theirs = gloo("into_tensor", world).await;
+        let gs = groups(world, &format!("into{world}")).await;
+        let results = tokio::time::timeout(
+            LIMIT,
+            on_all(&gs, move |g| async move {
+                let r = g.rank() as f32;
+                let input =
+                    Tensor::from_f32(vec![2, 3], &[r, r + 1.0, r + 2.0, -r, 0.5, 2.0 * r]).unwrap();
+                let mut out = Tensor::from_f32(vec![2 * world, 3], &vec![9.0; 6 * world]).unwrap();
+                g.all_gather_into_tensor(&mut out, &input).await.unwrap();
+                let values: Vec<f32> = (0..6 * world).map(|i| i as f32 * (r + 1.0)).collect();
+                let stacked = Tensor::from_f32(vec![2 * world, 3], &values).unwrap();
+                let mut mine = Tensor::from_f32(vec![2, 3], &[0.0; 6]).unwrap();
+                g.reduce_scatter_tensor(&mut mine, &stacked, ReduceOp::Sum)
+                    .await
+                    .unwrap();
+                let zeros = |shape: Vec<usize>| {
+                    let n: usize = shape.iter().product();
+                    Tensor::from_f32(shape, &vec![0.0; n]).unwrap()
+                };
+                let mut ints = Tensor::new(
+                    DType::I64,
+                    vec![2, 3],
+                    Storage::Host(bytes::Bytes::from(vec![0u8; 48])),
+                )
+                .unwrap();
+                let errors = vec![
+                    g.all_gather_into_tensor(&mut zeros(vec![2 * world - 1, 3]), &input)
+                        .await
+                        .is_err(),
+                    g.all_gather_into_tensor(&mut zeros(vec![6 * world]), &input)
+                        .await
+                        .is_err(),
+                    g.reduce_scatter_tensor(&mut ints, &stacked, ReduceOp::Sum)
+                        .await
+                        .is_err(),
+                    g.reduce_scatter_tensor(&mut zeros(vec![3, 3]), &stacked, ReduceOp::Sum)
+                        .await
+                        .is_err(),
+                ];
+                g.barrier().await.unwrap();
+                serde_json::json!({
+                    "gathered": out.to_f32_vec().unwrap(),
+                    "mine": mine.to_f32_vec().unwrap(),
+                    "errors": errors,
+                })
+            }),
+        )
+        .await
+        .expect("ours finished in time");
+        for (rank, ours) in results.iter().enumerate() {
+            assert_eq!(ours, &theirs[rank.to_string()], "world {world} rank {rank}");
+        }
     }
 }

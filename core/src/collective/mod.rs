@@ -175,6 +175,27 @@ pub enum CollectiveError {
         /// The buffer's length.
         actual: usize,
     },
+    /// A tensor of the wrong shape for the collective (gloo's "invalid tensor size").
+    #[error("invalid {tensor} tensor size (expected {expected:?}, got {actual:?})")]
+    TensorSize {
+        /// Which tensor (`"output"`, `"input"`).
+        tensor: &'static str,
+        /// The shape the collective needs.
+        expected: Vec<usize>,
+        /// The tensor's shape.
+        actual: Vec<usize>,
+    },
+    /// Tensors of different dtypes where the collective needs one (gloo's "invalid tensor
+    /// type").
+    #[error("invalid {tensor} tensor type (expected {expected}, got {actual})")]
+    TensorType {
+        /// Which tensor (`"output"`).
+        tensor: &'static str,
+        /// The input's dtype.
+        expected: String,
+        /// The tensor's dtype.
+        actual: String,
+    },
     /// An all_gather was given a number of block lengths other than the world size.
     #[error("{lens} block lengths for a world of {world} ranks")]
     LengthsCount {

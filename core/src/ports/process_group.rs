@@ -384,6 +384,80 @@ pub trait ProcessGroup: Send + Sync {
             .collect()
     }
 
+    /// Gathers `input` from every rank into `output` (PyTorch's `all_gather_into_tensor`):
+    /// the ranks' tensors concatenated along the first dimension, in rank order, so `output`
+    /// must have `input`'s dtype and shape `[world * input.shape[0], input.shape[1..]]`
+    /// (`[world]` for a scalar input); its contents are replaced.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Arguments`] with [`CollectiveError::TensorType`] or
+    /// [`CollectiveError::TensorSize`] (gloo's "invalid tensor type / size"), before the call
+    /// takes a place in the group's sequence; the errors of [`all_gather`](Self::all_gather).
+    async fn all_gather_into_tensor(
+        &self,
+        output: &mut Tensor,
+        input: &Tensor,
+    ) -> Result<(), ProcessGroupError> {
+        const NAME: &str = "all_gather_into_tensor";
+        check_stacked(NAME, "output", output, input, self.size())?;
+        let bytes = host_storage(self.backend(), self.device(), NAME, input)?;
+        host_storage(self.backend(), self.device(), NAME, output)?;
+        let blocks = self.all_gather(bytes).await?;
+        let mut data = Vec::with_capacity(output.nbytes());
+        for (peer, block) in blocks.iter().enumerate() {
+            if block.len() != input.nbytes() {
+                return Err(ProcessGroupError::Mismatch {
+                    peer,
+                    collective: NAME,
+                    seq: 0,
+                    reason: format!(
+                        "its tensor has {} bytes, this rank's has {}",
+                        block.len(),
+                        input.nbytes()
+                    ),
+                });
+            }
+            data.extend_from_slice(block);
+        }
+        *output = with_host_bytes(output, data);
+        Ok(())
+    }
+
+    /// Reduces `input` across all ranks with `op` and leaves this rank's chunk in `output`
+    /// (PyTorch's `reduce_scatter_tensor`): `input` is every rank's chunk concatenated along
+    /// the first dimension, so it must have `output`'s dtype and shape
+    /// `[world * output.shape[0], output.shape[1..]]`; `output`'s contents are replaced.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Arguments`] with [`CollectiveError::TensorType`] or
+    /// [`CollectiveError::TensorSize`] before the call takes a place in the sequence;
+    /// [`ProcessGroupError::UnsupportedType`]; the errors of
+    /// [`reduce_scatter`](Self::reduce_scatter).
+    async fn reduce_scatter_tensor(
+        &self,
+        output: &mut Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<(), ProcessGroupError> {
+        const NAME: &str = "reduce_scatter_tensor";
+        check_stacked(NAME, "input", input, output, self.size())?;
+        let bytes = host_storage(self.backend(), self.device(), NAME, input)?;
+        host_storage(self.backend(), self.device(), NAME, output)?;
+        let element = ElementType::from_dtype(input.dtype()).ok_or_else(|| {
+            ProcessGroupError::UnsupportedType {
+                collective: NAME,
+                backend: self.backend(),
+                dtype: format!("{:?}", input.dtype()),
+            }
+        })?;
+        let count = output.nbytes() / element.size();
+        let chunk = self
+            .reduce_scatter(bytes, &vec![count; self.size()], element, op)
+            .await?;
+        *output = with_host_bytes(output, chunk);
+        Ok(())
+    }
+
     /// Returns `root`'s tensor on every rank; every rank passes a tensor of the same dtype and
     /// shape (its contents are ignored except on `root`).
     async fn broadcast_tensor(
@@ -524,6 +598,39 @@ fn host_storage<'t>(
             group,
         }),
     }
+}
+
+/// Checks that `stacked` (the tensor named `which`) has `one`'s dtype and holds `world` of
+/// it along the first dimension (gloo's checks of the `_tensor` collectives).
+fn check_stacked(
+    collective: &'static str,
+    which: &'static str,
+    stacked: &Tensor,
+    one: &Tensor,
+    world: usize,
+) -> Result<(), ProcessGroupError> {
+    let arguments = |source| ProcessGroupError::Arguments { collective, source };
+    if stacked.dtype() != one.dtype() {
+        return Err(arguments(CollectiveError::TensorType {
+            tensor: which,
+            expected: format!("{:?}", one.dtype()),
+            actual: format!("{:?}", stacked.dtype()),
+        }));
+    }
+    let expected = match one.shape() {
+        [] => vec![world],
+        [first, rest @ ..] => std::iter::once(first.saturating_mul(world))
+            .chain(rest.iter().copied())
+            .collect(),
+    };
+    if stacked.shape() != expected.as_slice() {
+        return Err(arguments(CollectiveError::TensorSize {
+            tensor: which,
+            expected,
+            actual: stacked.shape().to_vec(),
+        }));
+    }
+    Ok(())
 }
 
 /// `tensor`'s dtype and shape with `data` (of the same length) as host storage.
