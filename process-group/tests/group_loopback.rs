@@ -1311,3 +1311,101 @@ async fn into_tensor_collectives_fill_the_callers_output() {
         }
     }
 }
+
+/// Issue 26, item 5: the tensor forms of reduce, gather and scatter, with PyTorch's list
+/// rules (the list on the root only, one tensor per rank of the same dtype and shape).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rooted_tensor_collectives_follow_pytorchs_rules() {
+    use tensorwire_core::collective::CollectiveError;
+    use tensorwire_core::tensor::Tensor;
+
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups(
+            world,
+            &format!("rooted{world}"),
+            Duration::from_secs(20),
+        ))
+        .await;
+        let root = world - 1;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let r = g.rank() as f32;
+            let mut t = Tensor::from_f32(vec![2], &[r, 1.0]).unwrap();
+            g.reduce_tensor(&mut t, ReduceOp::Sum, root).await.unwrap();
+            let mine = Tensor::from_f32(vec![2], &[r, -r]).unwrap();
+            let mut list: Vec<Tensor> = (0..world)
+                .map(|_| Tensor::from_f32(vec![2], &[0.0; 2]).unwrap())
+                .collect();
+            let on_root = g.rank() == root;
+            g.gather_tensor(&mine, on_root.then_some(&mut list[..]), root)
+                .await
+                .unwrap();
+            let parts: Vec<Tensor> = (0..world)
+                .map(|i| Tensor::from_f32(vec![2], &[i as f32, 10.0 * i as f32]).unwrap())
+                .collect();
+            let mut out = Tensor::from_f32(vec![2], &[0.0; 2]).unwrap();
+            g.scatter_tensor(&mut out, on_root.then_some(&parts[..]), root)
+                .await
+                .unwrap();
+            // The list where it must not be, or missing where it must: refused here.
+            let wrong = g
+                .gather_tensor(&mine, (!on_root).then_some(&mut list[..]), root)
+                .await
+                .unwrap_err();
+            let short = if on_root {
+                Some(
+                    g.scatter_tensor(&mut out.clone(), Some(&parts[1..]), root)
+                        .await
+                        .unwrap_err(),
+                )
+            } else {
+                None
+            };
+            g.barrier().await.unwrap();
+            let gathered: Vec<Vec<f32>> = list.iter().map(|t| t.to_f32_vec().unwrap()).collect();
+            (
+                t.to_f32_vec().unwrap(),
+                gathered,
+                out.to_f32_vec().unwrap(),
+                wrong,
+                short,
+            )
+        }))
+        .await;
+        let total: f32 = (0..world).map(|r| r as f32).sum();
+        for (rank, (reduced, gathered, scattered, wrong, short)) in results.into_iter().enumerate()
+        {
+            let r = rank as f32;
+            if rank == root {
+                assert_eq!(reduced, vec![total, world as f32]);
+                let expected: Vec<Vec<f32>> =
+                    (0..world).map(|s| vec![s as f32, -(s as f32)]).collect();
+                assert_eq!(gathered, expected);
+                let e = short.expect("the root tried");
+                assert!(
+                    matches!(
+                        e,
+                        ProcessGroupError::Arguments {
+                            source: CollectiveError::LengthsCount { .. },
+                            ..
+                        }
+                    ),
+                    "{e}"
+                );
+            } else {
+                assert_eq!(reduced, vec![r, 1.0], "untouched off the root");
+            }
+            assert_eq!(scattered, vec![r, 10.0 * r]);
+            let on_root = rank == root;
+            assert!(
+                matches!(
+                    &wrong,
+                    ProcessGroupError::Arguments {
+                        source: CollectiveError::TensorList { on_root: o, .. },
+                        ..
+                    } if *o == on_root
+                ),
+                "{wrong}"
+            );
+        }
+    }
+}

@@ -94,6 +94,28 @@ def into_tensor(rank):
     return {"gathered": out.flatten().tolist(), "mine": mine.flatten().tolist(),
             "errors": errors}
 
+def rooted(rank):
+    root, r = world - 1, float(rank)
+    t = torch.tensor([r, 1.0])
+    dist.reduce(t, root)
+    mine = torch.tensor([r, -r])
+    lst = [torch.zeros(2) for _ in range(world)]
+    dist.gather(mine, lst if rank == root else None, root)
+    parts = [torch.tensor([float(i), 10.0 * i]) for i in range(world)]
+    out = torch.zeros(2)
+    dist.scatter(out, parts if rank == root else None, root)
+    def fails(f):
+        try:
+            f()
+            return False
+        except Exception:
+            return True
+    wrong = fails(lambda: dist.gather(mine, lst if rank != root else None, root))
+    short = fails(lambda: dist.scatter(out.clone(), parts[1:], root)) if rank == root else None
+    return {"reduced": t.tolist() if rank == root else None,
+            "gathered": [x.tolist() for x in lst] if rank == root else None,
+            "scattered": out.tolist(), "wrong": wrong, "short": short}
+
 def run(rank, port, q):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -277,6 +299,71 @@ async fn into_tensor_collectives_match_gloo() {
                     "gathered": out.to_f32_vec().unwrap(),
                     "mine": mine.to_f32_vec().unwrap(),
                     "errors": errors,
+                })
+            }),
+        )
+        .await
+        .expect("ours finished in time");
+        for (rank, ours) in results.iter().enumerate() {
+            assert_eq!(ours, &theirs[rank.to_string()], "world {world} rank {rank}");
+        }
+    }
+}
+
+/// The tensor forms of reduce, gather and scatter: gloo's values on the root and every rank,
+/// and an error wherever gloo raises one for a list given or missing, or too short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rooted_tensor_collectives_match_gloo() {
+    use tensorwire_core::collective::ReduceOp;
+    use tensorwire_core::tensor::Tensor;
+    require_torch!();
+    for world in [2usize, 3, 4] {
+        let theirs = gloo("rooted", world).await;
+        let gs = groups(world, &format!("rooted{world}")).await;
+        let root = world - 1;
+        let results = tokio::time::timeout(
+            LIMIT,
+            on_all(&gs, move |g| async move {
+                let r = g.rank() as f32;
+                let on_root = g.rank() == root;
+                let mut t = Tensor::from_f32(vec![2], &[r, 1.0]).unwrap();
+                g.reduce_tensor(&mut t, ReduceOp::Sum, root).await.unwrap();
+                let mine = Tensor::from_f32(vec![2], &[r, -r]).unwrap();
+                let mut list: Vec<Tensor> = (0..world)
+                    .map(|_| Tensor::from_f32(vec![2], &[0.0; 2]).unwrap())
+                    .collect();
+                g.gather_tensor(&mine, on_root.then_some(&mut list[..]), root)
+                    .await
+                    .unwrap();
+                let parts: Vec<Tensor> = (0..world)
+                    .map(|i| Tensor::from_f32(vec![2], &[i as f32, 10.0 * i as f32]).unwrap())
+                    .collect();
+                let mut out = Tensor::from_f32(vec![2], &[0.0; 2]).unwrap();
+                g.scatter_tensor(&mut out, on_root.then_some(&parts[..]), root)
+                    .await
+                    .unwrap();
+                let wrong = g
+                    .gather_tensor(&mine, (!on_root).then_some(&mut list[..]), root)
+                    .await
+                    .is_err();
+                let short = if on_root {
+                    Some(
+                        g.scatter_tensor(&mut out.clone(), Some(&parts[1..]), root)
+                            .await
+                            .is_err(),
+                    )
+                } else {
+                    None
+                };
+                g.barrier().await.unwrap();
+                let gathered: Vec<Vec<f32>> =
+                    list.iter().map(|t| t.to_f32_vec().unwrap()).collect();
+                serde_json::json!({
+                    "reduced": on_root.then(|| t.to_f32_vec().unwrap()),
+                    "gathered": on_root.then_some(gathered),
+                    "scattered": out.to_f32_vec().unwrap(),
+                    "wrong": wrong,
+                    "short": short,
                 })
             }),
         )

@@ -196,6 +196,19 @@ pub enum CollectiveError {
         /// The tensor's dtype.
         actual: String,
     },
+    /// A tensor list missing on the root or given elsewhere (PyTorch's "Argument
+    /// `gather_list` must be specified on destination rank").
+    #[error(
+        "argument {list} must {} on {}",
+        if *.on_root { "be specified" } else { "NOT be specified" },
+        if *.on_root { "the root" } else { "ranks other than the root" }
+    )]
+    TensorList {
+        /// The argument (`"gather_list"`, `"scatter_list"`).
+        list: &'static str,
+        /// True when it is missing on the root, false when given elsewhere.
+        on_root: bool,
+    },
     /// An all_gather was given a number of block lengths other than the world size.
     #[error("{lens} block lengths for a world of {world} ranks")]
     LengthsCount {

@@ -458,6 +458,124 @@ pub trait ProcessGroup: Send + Sync {
         Ok(())
     }
 
+    /// Reduces `tensor` across all ranks with `op` into `root`'s `tensor` (PyTorch's
+    /// `reduce(tensor, dst, op)`); other ranks' tensors are left as they were.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::UnsupportedType`]; the errors of [`reduce`](Self::reduce).
+    async fn reduce_tensor(
+        &self,
+        tensor: &mut Tensor,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), ProcessGroupError> {
+        let bytes = host_storage(self.backend(), self.device(), "reduce", tensor)?;
+        let element = ElementType::from_dtype(tensor.dtype()).ok_or_else(|| {
+            ProcessGroupError::UnsupportedType {
+                collective: "reduce",
+                backend: self.backend(),
+                dtype: format!("{:?}", tensor.dtype()),
+            }
+        })?;
+        let mut data = bytes.to_vec();
+        self.reduce(&mut data, element, op, root).await?;
+        if self.rank() == root {
+            *tensor = with_host_bytes(tensor, data);
+        }
+        Ok(())
+    }
+
+    /// Gathers `input` from every rank into `root`'s `gather_list` (PyTorch's
+    /// `gather(tensor, gather_list, dst)`): there it must hold one tensor per rank of
+    /// `input`'s dtype and shape, whose contents are replaced; elsewhere it must be `None`.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Arguments`] with [`CollectiveError::TensorList`],
+    /// [`CollectiveError::LengthsCount`], [`CollectiveError::TensorType`] or
+    /// [`CollectiveError::TensorSize`] before the call takes a place in the sequence; a
+    /// [`ProcessGroupError::Mismatch`] when another rank's tensor has another size; the
+    /// errors of [`gather`](Self::gather).
+    async fn gather_tensor(
+        &self,
+        input: &Tensor,
+        gather_list: Option<&mut [Tensor]>,
+        root: usize,
+    ) -> Result<(), ProcessGroupError> {
+        const NAME: &str = "gather";
+        check_root(NAME, root, self.size())?;
+        check_list(
+            NAME,
+            "gather_list",
+            gather_list.as_deref(),
+            input,
+            root,
+            self,
+        )?;
+        let bytes = host_storage(self.backend(), self.device(), NAME, input)?;
+        let blocks = self.gather(bytes, root).await?;
+        if let (Some(list), Some(blocks)) = (gather_list, blocks) {
+            for (peer, (slot, block)) in list.iter_mut().zip(blocks).enumerate() {
+                if block.len() != input.nbytes() {
+                    return Err(ProcessGroupError::Mismatch {
+                        peer,
+                        collective: NAME,
+                        seq: 0,
+                        reason: format!(
+                            "its tensor has {} bytes, the root's has {}",
+                            block.len(),
+                            input.nbytes()
+                        ),
+                    });
+                }
+                *slot = with_host_bytes(slot, block);
+            }
+        }
+        Ok(())
+    }
+
+    /// Scatters `root`'s `scatter_list` (one tensor per rank, each of `output`'s dtype and
+    /// shape) so that rank i's `output` gets tensor i (PyTorch's
+    /// `scatter(tensor, scatter_list, src)`); elsewhere `scatter_list` must be `None`.
+    ///
+    /// # Errors
+    /// As [`gather_tensor`](Self::gather_tensor), with the errors of
+    /// [`scatter`](Self::scatter).
+    async fn scatter_tensor(
+        &self,
+        output: &mut Tensor,
+        scatter_list: Option<&[Tensor]>,
+        root: usize,
+    ) -> Result<(), ProcessGroupError> {
+        const NAME: &str = "scatter";
+        check_root(NAME, root, self.size())?;
+        check_list(NAME, "scatter_list", scatter_list, output, root, self)?;
+        host_storage(self.backend(), self.device(), NAME, output)?;
+        let blocks = match scatter_list {
+            Some(list) => list
+                .iter()
+                .map(|t| {
+                    host_storage(self.backend(), self.device(), NAME, t).map(Bytes::copy_from_slice)
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            None => Vec::new(),
+        };
+        let mine = self.scatter(&blocks, root).await?;
+        if mine.len() != output.nbytes() {
+            return Err(ProcessGroupError::Mismatch {
+                peer: root,
+                collective: NAME,
+                seq: 0,
+                reason: format!(
+                    "its tensor for this rank has {} bytes, the output {}",
+                    mine.len(),
+                    output.nbytes()
+                ),
+            });
+        }
+        *output = with_host_bytes(output, mine);
+        Ok(())
+    }
+
     /// Returns `root`'s tensor on every rank; every rank passes a tensor of the same dtype and
     /// shape (its contents are ignored except on `root`).
     async fn broadcast_tensor(
@@ -631,6 +749,47 @@ fn check_stacked(
         }));
     }
     Ok(())
+}
+
+/// Checks a gather's or scatter's tensor list: present (one tensor per rank, each of `one`'s
+/// dtype and shape) on the root, absent elsewhere.
+fn check_list<P: ProcessGroup + ?Sized>(
+    collective: &'static str,
+    name: &'static str,
+    list: Option<&[Tensor]>,
+    one: &Tensor,
+    root: usize,
+    group: &P,
+) -> Result<(), ProcessGroupError> {
+    let arguments = |source| ProcessGroupError::Arguments { collective, source };
+    let on_root = group.rank() == root;
+    match list {
+        Some(list) if on_root => {
+            check_count(collective, list.len(), group.size())?;
+            for t in list {
+                if t.dtype() != one.dtype() {
+                    return Err(arguments(CollectiveError::TensorType {
+                        tensor: name,
+                        expected: format!("{:?}", one.dtype()),
+                        actual: format!("{:?}", t.dtype()),
+                    }));
+                }
+                if t.shape() != one.shape() {
+                    return Err(arguments(CollectiveError::TensorSize {
+                        tensor: name,
+                        expected: one.shape().to_vec(),
+                        actual: t.shape().to_vec(),
+                    }));
+                }
+            }
+            Ok(())
+        }
+        None if !on_root => Ok(()),
+        _ => Err(arguments(CollectiveError::TensorList {
+            list: name,
+            on_root,
+        })),
+    }
 }
 
 /// `tensor`'s dtype and shape with `data` (of the same length) as host storage.
