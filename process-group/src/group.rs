@@ -804,6 +804,14 @@ impl Group {
 
 #[async_trait]
 impl ProcessGroup for Group {
+    /// [`Group::new_group`] behind the port, for the group `new_group` returns.
+    fn new_group(
+        &self,
+        ranks: &[usize],
+    ) -> Result<Option<Arc<dyn ProcessGroup>>, ProcessGroupError> {
+        Ok(Group::new_group(self, ranks)?.map(|g| Arc::new(g) as Arc<dyn ProcessGroup>))
+    }
+
     fn rank(&self) -> usize {
         self.inner.mesh.rank()
     }

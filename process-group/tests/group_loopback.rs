@@ -1409,3 +1409,47 @@ async fn rooted_tensor_collectives_follow_pytorchs_rules() {
         }
     }
 }
+
+/// Issue 26, item 5: `new_group(ranks)` on the group a user holds as `dyn ProcessGroup` (what
+/// `new_group` of the backend registry returns): the members get a working subgroup, the
+/// others `None`, and bad ranks are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_group_works_on_the_dyn_group() {
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups(
+            world,
+            &format!("dynsub{world}"),
+            Duration::from_secs(20),
+        ))
+        .await;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let pg: Arc<dyn ProcessGroup> = Arc::new(g);
+            let even: Vec<usize> = (0..world).step_by(2).collect();
+            let bad = pg.new_group(&[0, world]).map(|_| ()).unwrap_err();
+            let sub = pg.new_group(&even).unwrap();
+            let sum = match &sub {
+                Some(sub) => {
+                    let mut x = (pg.rank() as i64 + 1).to_le_bytes();
+                    sub.all_reduce(&mut x, ElementType::I64, ReduceOp::Sum)
+                        .await
+                        .unwrap();
+                    Some((sub.rank(), sub.size(), i64::from_le_bytes(x)))
+                }
+                None => None,
+            };
+            pg.barrier().await.unwrap();
+            (sum, bad)
+        }))
+        .await;
+        let even: Vec<usize> = (0..world).step_by(2).collect();
+        let total: i64 = even.iter().map(|r| *r as i64 + 1).sum();
+        for (rank, (sum, bad)) in results.into_iter().enumerate() {
+            if rank % 2 == 0 {
+                assert_eq!(sum, Some((rank / 2, even.len(), total)), "world {world}");
+            } else {
+                assert_eq!(sum, None, "world {world} rank {rank}");
+            }
+            assert!(matches!(bad, ProcessGroupError::Setup { .. }), "{bad}");
+        }
+    }
+}

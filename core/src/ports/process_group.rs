@@ -326,6 +326,23 @@ pub trait ProcessGroup: Send + Sync {
         })
     }
 
+    /// A subgroup of the world ranks `ranks` (PyTorch's `new_group(ranks)`), on a group a
+    /// user got as `dyn ProcessGroup` (from `new_group`): every rank of this group calls it
+    /// with the same ranks, in the same order as its other `new_group` calls; the members get
+    /// `Some`, the other ranks `None`.
+    ///
+    /// The default refuses with [`Unsupported`](ProcessGroupError::Unsupported).
+    fn new_group(
+        &self,
+        ranks: &[usize],
+    ) -> Result<Option<std::sync::Arc<dyn ProcessGroup>>, ProcessGroupError> {
+        let _ = ranks;
+        Err(ProcessGroupError::Unsupported {
+            collective: "new_group",
+            backend: self.backend(),
+        })
+    }
+
     /// The backend's name, for errors and logs (`"tensorwire"`, `"nccl"`).
     fn backend(&self) -> &'static str {
         "tensorwire"
