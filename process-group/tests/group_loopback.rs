@@ -1453,3 +1453,78 @@ async fn new_group_works_on_the_dyn_group() {
         }
     }
 }
+
+/// Issue 26, item 5: the tensor form of all_to_all_single, with uneven and even splits, and
+/// PyTorch's refusals (splits not summing to the rows, rows that do not divide evenly).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_to_all_single_tensor_moves_rows() {
+    use tensorwire_core::collective::CollectiveError;
+    use tensorwire_core::tensor::Tensor;
+
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups(
+            world,
+            &format!("a2a{world}"),
+            Duration::from_secs(20),
+        ))
+        .await;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let r = g.rank();
+            // Rank r sends 1 + (r + j) % 2 rows of two columns to rank j.
+            let splits: Vec<usize> = (0..world).map(|j| 1 + (r + j) % 2).collect();
+            let rows: usize = splits.iter().sum();
+            let values: Vec<f32> = (0..2 * rows).map(|i| (100 * r + i) as f32).collect();
+            let input = Tensor::from_f32(vec![rows, 2], &values).unwrap();
+            let mut output = Tensor::from_f32(vec![rows, 2], &vec![0.0; 2 * rows]).unwrap();
+            g.all_to_all_single_tensor(&mut output, &input, Some(&splits), Some(&splits))
+                .await
+                .unwrap();
+            let even_in = Tensor::from_f32(vec![world], &vec![r as f32; world]).unwrap();
+            let mut even_out = Tensor::from_f32(vec![world], &vec![0.0; world]).unwrap();
+            g.all_to_all_single_tensor(&mut even_out, &even_in, None, None)
+                .await
+                .unwrap();
+            let odd = Tensor::from_f32(vec![world + 1], &vec![0.0; world + 1]).unwrap();
+            let uneven = g
+                .all_to_all_single_tensor(&mut odd.clone(), &odd, None, None)
+                .await
+                .unwrap_err();
+            let wrong_sum = g
+                .all_to_all_single_tensor(&mut output.clone(), &input, Some(&splits), Some(&[1]))
+                .await
+                .unwrap_err();
+            g.barrier().await.unwrap();
+            (
+                output.to_f32_vec().unwrap(),
+                even_out.to_f32_vec().unwrap(),
+                uneven,
+                wrong_sum,
+            )
+        }))
+        .await;
+        for (rank, (out, even, uneven, wrong)) in results.into_iter().enumerate() {
+            // From rank s: its rows for `rank`, which start after the rows it sent to lower ranks.
+            let mut expected = Vec::new();
+            for s in 0..world {
+                let start: usize = (0..rank).map(|j| 1 + (s + j) % 2).sum();
+                let n = 1 + (s + rank) % 2;
+                expected.extend((2 * start..2 * (start + n)).map(|i| (100 * s + i) as f32));
+            }
+            assert_eq!(out, expected, "world {world} rank {rank}");
+            assert_eq!(even, (0..world).map(|s| s as f32).collect::<Vec<_>>());
+            for e in [uneven, wrong] {
+                assert!(
+                    matches!(
+                        e,
+                        ProcessGroupError::Arguments {
+                            source: CollectiveError::SplitsSum { .. }
+                                | CollectiveError::LengthsCount { .. },
+                            ..
+                        }
+                    ),
+                    "{e}"
+                );
+            }
+        }
+    }
+}

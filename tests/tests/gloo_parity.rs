@@ -116,6 +116,26 @@ def rooted(rank):
             "gathered": [x.tolist() for x in lst] if rank == root else None,
             "scattered": out.tolist(), "wrong": wrong, "short": short}
 
+def a2a(rank):
+    splits = [1 + (rank + j) % 2 for j in range(world)]
+    rows = sum(splits)
+    inp = torch.arange(2 * rows, dtype=torch.float32).reshape(rows, 2) + 100 * rank
+    out = torch.zeros(rows, 2)
+    dist.all_to_all_single(out, inp, splits, splits)
+    even_out = torch.zeros(world)
+    dist.all_to_all_single(even_out, torch.full((world,), float(rank)))
+    def fails(f):
+        try:
+            f()
+            return False
+        except Exception:
+            return True
+    odd = torch.zeros(world + 1)
+    uneven = fails(lambda: dist.all_to_all_single(odd.clone(), odd))
+    wrong = fails(lambda: dist.all_to_all_single(out.clone(), inp, splits, [1]))
+    return {"out": out.flatten().tolist(), "even": even_out.tolist(), "uneven": uneven,
+            "wrong": wrong}
+
 def run(rank, port, q):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -364,6 +384,58 @@ async fn rooted_tensor_collectives_match_gloo() {
                     "scattered": out.to_f32_vec().unwrap(),
                     "wrong": wrong,
                     "short": short,
+                })
+            }),
+        )
+        .await
+        .expect("ours finished in time");
+        for (rank, ours) in results.iter().enumerate() {
+            assert_eq!(ours, &theirs[rank.to_string()], "world {world} rank {rank}");
+        }
+    }
+}
+
+/// The tensor form of all_to_all_single: gloo's rows with uneven and even splits, and an
+/// error wherever gloo raises one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_to_all_single_tensor_matches_gloo() {
+    use tensorwire_core::tensor::Tensor;
+    require_torch!();
+    for world in [2usize, 3, 4] {
+        let theirs = gloo("a2a", world).await;
+        let gs = groups(world, &format!("a2a{world}")).await;
+        let results = tokio::time::timeout(
+            LIMIT,
+            on_all(&gs, move |g| async move {
+                let r = g.rank();
+                let splits: Vec<usize> = (0..world).map(|j| 1 + (r + j) % 2).collect();
+                let rows: usize = splits.iter().sum();
+                let values: Vec<f32> = (0..2 * rows).map(|i| (100 * r + i) as f32).collect();
+                let input = Tensor::from_f32(vec![rows, 2], &values).unwrap();
+                let mut out = Tensor::from_f32(vec![rows, 2], &vec![0.0; 2 * rows]).unwrap();
+                g.all_to_all_single_tensor(&mut out, &input, Some(&splits), Some(&splits))
+                    .await
+                    .unwrap();
+                let even_in = Tensor::from_f32(vec![world], &vec![r as f32; world]).unwrap();
+                let mut even = Tensor::from_f32(vec![world], &vec![0.0; world]).unwrap();
+                g.all_to_all_single_tensor(&mut even, &even_in, None, None)
+                    .await
+                    .unwrap();
+                let odd = Tensor::from_f32(vec![world + 1], &vec![0.0; world + 1]).unwrap();
+                let uneven = g
+                    .all_to_all_single_tensor(&mut odd.clone(), &odd, None, None)
+                    .await
+                    .is_err();
+                let wrong = g
+                    .all_to_all_single_tensor(&mut out.clone(), &input, Some(&splits), Some(&[1]))
+                    .await
+                    .is_err();
+                g.barrier().await.unwrap();
+                serde_json::json!({
+                    "out": out.to_f32_vec().unwrap(),
+                    "even": even.to_f32_vec().unwrap(),
+                    "uneven": uneven,
+                    "wrong": wrong,
                 })
             }),
         )

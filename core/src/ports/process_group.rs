@@ -593,6 +593,89 @@ pub trait ProcessGroup: Send + Sync {
         Ok(())
     }
 
+    /// PyTorch's `all_to_all_single(output, input, output_split_sizes, input_split_sizes)`:
+    /// `input`'s rows (first dimension) split into one run per rank go out, and the runs
+    /// received fill `output` in rank order. Split sizes count rows; `None` splits evenly
+    /// (the first dimension must then divide by the world size). `output` has `input`'s
+    /// dtype and trailing dimensions; its contents are replaced.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Arguments`] with [`CollectiveError::TensorType`],
+    /// [`CollectiveError::TensorSize`], [`CollectiveError::LengthsCount`] or
+    /// [`CollectiveError::SplitsSum`] before the call takes a place in the sequence; the
+    /// errors of [`all_to_all`](Self::all_to_all).
+    async fn all_to_all_single_tensor(
+        &self,
+        output: &mut Tensor,
+        input: &Tensor,
+        output_split_sizes: Option<&[usize]>,
+        input_split_sizes: Option<&[usize]>,
+    ) -> Result<(), ProcessGroupError> {
+        const NAME: &str = "all_to_all_single";
+        let world = self.size();
+        let arguments = |source| ProcessGroupError::Arguments {
+            collective: NAME,
+            source,
+        };
+        if output.dtype() != input.dtype() {
+            return Err(arguments(CollectiveError::TensorType {
+                tensor: "output",
+                expected: format!("{:?}", input.dtype()),
+                actual: format!("{:?}", output.dtype()),
+            }));
+        }
+        let (Some((&out_rows, out_rest)), Some((&in_rows, in_rest))) =
+            (output.shape().split_first(), input.shape().split_first())
+        else {
+            return Err(arguments(CollectiveError::TensorSize {
+                tensor: if output.shape().is_empty() {
+                    "output"
+                } else {
+                    "input"
+                },
+                expected: vec![world],
+                actual: Vec::new(),
+            }));
+        };
+        if out_rest != in_rest {
+            let mut expected = vec![out_rows];
+            expected.extend_from_slice(in_rest);
+            return Err(arguments(CollectiveError::TensorSize {
+                tensor: "output",
+                expected,
+                actual: output.shape().to_vec(),
+            }));
+        }
+        let row = in_rest.iter().product::<usize>() * input.dtype().size();
+        let splits = |given: Option<&[usize]>, rows: usize| match given {
+            Some(s) => {
+                check_count(NAME, s.len(), world)?;
+                let sum = s.iter().try_fold(0usize, |a, x| a.checked_add(*x));
+                if sum != Some(rows) {
+                    return Err(arguments(CollectiveError::SplitsSum {
+                        sum: sum.unwrap_or(usize::MAX),
+                        actual: rows,
+                    }));
+                }
+                Ok(s.iter().map(|x| x * row).collect::<Vec<_>>())
+            }
+            None if rows % world == 0 => Ok(vec![rows / world * row; world]),
+            None => Err(arguments(CollectiveError::SplitsSum {
+                sum: rows / world * world,
+                actual: rows,
+            })),
+        };
+        let out_splits = splits(output_split_sizes, out_rows)?;
+        let in_splits = splits(input_split_sizes, in_rows)?;
+        let bytes = host_storage(self.backend(), self.device(), NAME, input)?;
+        host_storage(self.backend(), self.device(), NAME, output)?;
+        let data = self
+            .all_to_all_single(bytes, &in_splits, &out_splits)
+            .await?;
+        *output = with_host_bytes(output, data);
+        Ok(())
+    }
+
     /// Returns `root`'s tensor on every rank; every rank passes a tensor of the same dtype and
     /// shape (its contents are ignored except on `root`).
     async fn broadcast_tensor(
