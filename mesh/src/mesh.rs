@@ -199,6 +199,23 @@ impl Inbox {
         Poll::Pending
     }
 
+    /// Whether a message of collective `seq` waits, without taking it: `Ready(true)` when one
+    /// does, `Ready(false)` once the connection has ended with none left, else `Pending` (and
+    /// the task is woken when one arrives).
+    fn poll_arrived(&self, seq: u64, cx: &mut Context<'_>) -> Poll<bool> {
+        let mut state = self.lock();
+        let open = matches!(state.status, PeerStatus::Open);
+        let slot = state.slots.entry(seq).or_default();
+        if !slot.queue.is_empty() {
+            return Poll::Ready(true);
+        }
+        if !open {
+            return Poll::Ready(false);
+        }
+        slot.waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
     fn has_message(&self, seq: u64) -> bool {
         self.lock()
             .slots
@@ -548,6 +565,15 @@ impl Mesh {
         std::future::poll_fn(|cx| link.inbox.poll_recv(seq, cx)).await
     }
 
+    /// Polls whether a message of collective `seq` from `peer` waits, without taking it:
+    /// `Ready(false)` once its connection has ended with none left (or there is none).
+    pub fn poll_arrived(&self, peer: usize, seq: u64, cx: &mut Context<'_>) -> Poll<bool> {
+        match self.shared.peer(peer) {
+            Some(link) => link.inbox.poll_arrived(seq, cx),
+            None => Poll::Ready(false),
+        }
+    }
+
     /// Whether a message of collective `seq` from `peer` is waiting.
     pub fn has_message(&self, peer: usize, seq: u64) -> bool {
         self.shared
@@ -793,6 +819,12 @@ impl GroupMesh {
     /// Receives group rank `peer`'s next message of collective `seq`.
     pub async fn recv(&self, peer: usize, seq: u64) -> Option<Incoming> {
         self.mesh.recv(self.peer(peer), self.key(seq)).await
+    }
+
+    /// Polls whether a message of collective `seq` from group rank `peer` waits, without
+    /// taking it (see [`Mesh::poll_arrived`]).
+    pub fn poll_arrived(&self, peer: usize, seq: u64, cx: &mut Context<'_>) -> Poll<bool> {
+        self.mesh.poll_arrived(self.peer(peer), self.key(seq), cx)
     }
 
     /// Whether a message of collective `seq` from group rank `peer` is waiting.

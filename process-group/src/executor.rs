@@ -137,12 +137,17 @@ pub(crate) struct Op {
 }
 
 /// Runs `schedule` as collective `seq` on `buffer` (which holds the input in
-/// [`Schedule::input_range`], or `held` does, and has [`Schedule::buffer_len`] bytes).
+/// [`Schedule::input_range`], or `held` does, and has [`Schedule::buffer_len`] bytes),
+/// preceded by `check`'s steps when given (core's agreement check: empty messages under the
+/// same sequence number and signature, so that a rank that disagrees fails before anything
+/// of the collective's is sent).
 /// With `defer`, whole-message stores stay in `held` (see [`Held`]); the caller materializes
 /// what it needs from the buffer.
+#[allow(clippy::too_many_arguments)] // one collective's inputs
 pub(crate) async fn run(
     mesh: &GroupMesh,
     op: Op,
+    check: Option<&Schedule>,
     schedule: &Schedule,
     buffer: &mut [u8],
     held: &mut Held,
@@ -187,7 +192,8 @@ pub(crate) async fn run(
         waiting_on,
         timeout,
     };
-    for step in schedule.steps() {
+    let check_steps = check.map(Schedule::steps).unwrap_or_default();
+    for step in check_steps.iter().chain(schedule.steps()) {
         let outgoing: Vec<(usize, Bytes)> = step
             .sends()
             .iter()

@@ -32,8 +32,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tensorwire_core::collective::varlen::{self, SLOT_BYTES};
 use tensorwire_core::collective::{
-    self, AllGatherAlgorithm, AllReduceAlgorithm, CollectiveError, ElementType, ReduceOp, Schedule,
-    Signature,
+    self, AllGatherAlgorithm, AllReduceAlgorithm, CollectiveError, DebugLevel, ElementType,
+    ReduceOp, Schedule, Signature, DEBUG_ENV,
 };
 use tensorwire_core::ports::process_group::{Pending, ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
@@ -71,6 +71,10 @@ pub struct GroupOptions {
     /// leaves the ranks out of step, so it breaks the group: later collectives on this rank
     /// fail with the same error.
     pub timeout: Duration,
+    /// Which collectives run the agreement check first
+    /// ([`tensorwire_core::collective::check`]); `None` (the default) reads
+    /// `TENSORWIRE_DEBUG` when the group connects. Every rank must use the same level.
+    pub debug: Option<DebugLevel>,
 }
 
 impl GroupOptions {
@@ -80,7 +84,14 @@ impl GroupOptions {
             name: name.into(),
             listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
             timeout: DEFAULT_COLLECTIVE_TIMEOUT,
+            debug: None,
         }
+    }
+
+    /// These options with a debug level, instead of the one `TENSORWIRE_DEBUG` sets.
+    pub fn with_debug(mut self, debug: DebugLevel) -> Self {
+        self.debug = Some(debug);
+        self
     }
 
     /// These options with another timeout.
@@ -102,6 +113,9 @@ struct Inner {
     barrier: Schedule,
     /// The schedule of an all_gather's first round (one length slot per rank), likewise.
     lengths: Schedule,
+    /// The agreement check's schedule, likewise, and which collectives run it.
+    check: Schedule,
+    debug: DebugLevel,
     name: String,
     next_seq: AtomicU64,
     /// Point-to-point messages issued to each (world rank, tag), and receives from each:
@@ -154,6 +168,16 @@ impl Group {
         world: usize,
         options: GroupOptions,
     ) -> Result<Group, ProcessGroupError> {
+        let debug =
+            match options.debug {
+                Some(level) => level,
+                None => DebugLevel::parse(&std::env::var(DEBUG_ENV).unwrap_or_default()).map_err(
+                    |e| ProcessGroupError::Setup {
+                        rank,
+                        reason: e.to_string(),
+                    },
+                )?,
+            };
         let span = tracing::debug_span!("pg_connect", group = %options.name, rank, world);
         let mesh = Mesh::connect(MeshSetup {
             store: store.as_ref(),
@@ -171,6 +195,7 @@ impl Group {
             GroupMesh::whole(mesh),
             options.name,
             options.timeout,
+            debug,
             store,
             counters,
         )
@@ -212,6 +237,7 @@ impl Group {
         mesh: GroupMesh,
         name: String,
         timeout: Duration,
+        debug: DebugLevel,
         store: Arc<dyn Store>,
         counters: (Arc<Counters>, Arc<Counters>),
     ) -> Result<Group, ProcessGroupError> {
@@ -221,6 +247,7 @@ impl Group {
             reason: e.to_string(),
         };
         let barrier = collective::barrier(rank, world).map_err(setup)?;
+        let check = collective::agreement_check(rank, world).map_err(setup)?;
         let slots = vec![SLOT_BYTES; world];
         let lengths = collective::all_gather(rank, &slots, AllGatherAlgorithm::select(&slots))
             .map_err(setup)?;
@@ -229,6 +256,8 @@ impl Group {
                 mesh,
                 barrier,
                 lengths,
+                check,
+                debug,
                 name,
                 next_seq: AtomicU64::new(0),
                 sent: counters.0,
@@ -340,7 +369,15 @@ impl Group {
                 let name = format!("{}/{id}", self.name());
                 let store = self.inner._store.clone();
                 let counters = (self.inner.sent.clone(), self.inner.received.clone());
-                return Group::over(mesh, name, self.inner.timeout, store, counters).map(Some);
+                return Group::over(
+                    mesh,
+                    name,
+                    self.inner.timeout,
+                    self.inner.debug,
+                    store,
+                    counters,
+                )
+                .map(Some);
             }
         }
         Ok(None)
@@ -520,7 +557,14 @@ impl Group {
             deadline,
             timeout,
         };
-        let result = executor::run(&self.inner.mesh, op, schedule, buffer, held, defer)
+        // Under `TENSORWIRE_DEBUG=detail` the ranks first make sure they all run this
+        // collective (core's agreement check), so that none returns `Ok` from a mismatch.
+        let check = self
+            .inner
+            .debug
+            .checks(&signature)
+            .then_some(&self.inner.check);
+        let result = executor::run(&self.inner.mesh, op, check, schedule, buffer, held, defer)
             .instrument(span)
             .await;
         match &result {
@@ -760,6 +804,14 @@ impl Group {
 
 #[async_trait]
 impl ProcessGroup for Group {
+    /// [`Group::new_group`] behind the port, for the group `new_group` returns.
+    fn new_group(
+        &self,
+        ranks: &[usize],
+    ) -> Result<Option<Arc<dyn ProcessGroup>>, ProcessGroupError> {
+        Ok(Group::new_group(self, ranks)?.map(|g| Arc::new(g) as Arc<dyn ProcessGroup>))
+    }
+
     fn rank(&self) -> usize {
         self.inner.mesh.rank()
     }
@@ -1179,6 +1231,65 @@ impl ProcessGroup for Group {
         self.check_peer("recv", src)?;
         let n = self.inner.received.take(self.world_rank(src), tag);
         self.recv_numbered(src, tag, n).await
+    }
+
+    /// Waits until a message with `tag` from some peer is the next one that peer's receives
+    /// expect, claims its number, then takes it as [`recv`](ProcessGroup::recv) would. A
+    /// receive from a given source issued while this waits may take that number first; this
+    /// then waits for the next message.
+    async fn recv_any(&self, tag: u32) -> Result<(usize, Bytes), ProcessGroupError> {
+        if let Some(e) = self.inner.mesh.broken() {
+            return Err(e);
+        }
+        let (rank, world) = (self.rank(), self.size());
+        if world == 1 {
+            // The only rank that could send is this one: refuse instead of waiting.
+            return Err(ProcessGroupError::Arguments {
+                collective: "recv",
+                source: CollectiveError::PeerIsSelf { rank },
+            });
+        }
+        let peers: Vec<usize> = (0..world).filter(|p| *p != rank).collect();
+        let mesh = &self.inner.mesh;
+        let received = &self.inner.received;
+        let claim = std::future::poll_fn(|cx| {
+            let mut open = false;
+            for &peer in &peers {
+                let global = self.world_rank(peer);
+                let n = received.peek(global, tag);
+                match mesh.poll_arrived(peer, p2p::key(tag, n), cx) {
+                    std::task::Poll::Ready(true) => {
+                        if received.claim(global, tag, n) {
+                            return std::task::Poll::Ready(Ok((peer, n)));
+                        }
+                        // A receive from that peer took the number: look again.
+                        cx.waker().wake_by_ref();
+                        return std::task::Poll::Pending;
+                    }
+                    std::task::Poll::Ready(false) => {}
+                    std::task::Poll::Pending => open = true,
+                }
+            }
+            if open {
+                std::task::Poll::Pending
+            } else {
+                let last = peers.last().copied().unwrap_or(rank);
+                std::task::Poll::Ready(Err(mesh.closed_error(last, "recv", 0)))
+            }
+        });
+        let span = tracing::debug_span!("recv_any", rank, tag);
+        let (src, n) = work::bounded(self.inner.timeout, claim)
+            .instrument(span)
+            .await
+            .map_err(|timeout| ProcessGroupError::Timeout {
+                collective: "recv",
+                seq: 0,
+                rank,
+                waiting_on: peers.clone(),
+                timeout,
+            })??;
+        let bytes = self.recv_numbered(src, tag, n).await?;
+        Ok((src, bytes))
     }
 
     /// Sends `data` to `dst` with `tag` without waiting: the message is numbered now (so it

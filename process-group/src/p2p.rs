@@ -47,6 +47,24 @@ impl Counters {
         *n += 1;
         taken
     }
+
+    /// The number the next message with `tag` to or from `peer` will get.
+    pub(crate) fn peek(&self, peer: usize, tag: u32) -> u64 {
+        let next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+        next.get(&(peer, tag)).copied().unwrap_or(0)
+    }
+
+    /// Takes number `n` for `peer` and `tag` if it is still the next one (a receive from any
+    /// source claims the message it saw arrive); false when another receive took it first.
+    pub(crate) fn claim(&self, peer: usize, tag: u32, n: u64) -> bool {
+        let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+        let next = next.entry((peer, tag)).or_insert(0);
+        if *next != n {
+            return false;
+        }
+        *next += 1;
+        true
+    }
 }
 
 #[cfg(test)]
@@ -68,5 +86,9 @@ mod tests {
             (c.take(1, 5), c.take(1, 5), c.take(2, 5), c.take(1, 6)),
             (0, 1, 0, 0)
         );
+        assert_eq!(c.peek(1, 5), 2);
+        assert!(!c.claim(1, 5, 1), "taken already");
+        assert!(c.claim(1, 5, 2));
+        assert_eq!((c.peek(1, 5), c.take(1, 5)), (3, 3));
     }
 }

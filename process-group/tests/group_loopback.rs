@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tensorwire_core::collective::{ElementType, ReduceOp};
+use tensorwire_core::collective::{DebugLevel, ElementType, ReduceOp};
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_process_group::{CollectivesExt, Group, GroupOptions, InMemoryStore};
@@ -21,13 +21,18 @@ fn transport() -> Arc<TcpTransport> {
 
 /// Sets up `world` ranks sharing one in-memory store.
 async fn groups(world: usize, name: &str, timeout: Duration) -> Vec<Group> {
+    groups_with(world, GroupOptions::new(name).with_timeout(timeout)).await
+}
+
+/// Sets up `world` ranks sharing one in-memory store, each with `options`.
+async fn groups_with(world: usize, options: GroupOptions) -> Vec<Group> {
     let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
     let transport = transport();
     let mut tasks = Vec::new();
     for rank in 0..world {
         let store = store.clone();
         let transport = transport.clone();
-        let options = GroupOptions::new(name).with_timeout(timeout);
+        let options = options.clone();
         tasks.push(tokio::spawn(async move {
             Group::connect(store, transport, rank, world, options).await
         }));
@@ -1051,4 +1056,475 @@ async fn a_silent_connection_does_not_hold_up_setup() {
         assert!(!store.check(&[&key]).await.unwrap());
     })
     .await;
+}
+
+/// Issue 26, item 4: under `TENSORWIRE_DEBUG=detail` a rank that only sends fails the
+/// mismatched collective itself (not just its next one), naming what the others ran; today's
+/// default returns `Ok` on the broadcast's root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_detail_every_rank_of_a_mismatched_collective_fails() {
+    let detail = |name: &str| {
+        GroupOptions::new(name)
+            .with_timeout(Duration::from_secs(30))
+            .with_debug(DebugLevel::Detail)
+    };
+    // Rank 0 broadcasts from root 0, rank 1 runs all_gather: both fail, the root included.
+    let gs = bounded(groups_with(2, detail("detail-bcast"))).await;
+    let mut data = [7u8; 8];
+    let (a, b) =
+        bounded(async { tokio::join!(gs[0].broadcast(&mut data, 0), gs[1].all_gather(b"abcd")) })
+            .await;
+    let a = a.expect_err("the root of a mismatched broadcast fails it");
+    let b = b.expect_err("the all_gather fails");
+    for e in [&a, &b] {
+        assert!(matches!(e, ProcessGroupError::Disagreement { .. }), "{e}");
+        let text = e.to_string();
+        assert!(text.contains("broadcast(root 0, 8 bytes)"), "{text}");
+        assert!(text.contains("all_gather"), "{text}");
+    }
+    // Even ranks reduce to root 0, odd ones to root 1 (their trees wait on each other in a
+    // cycle): every rank fails with the disagreement, none times out, none returns Ok.
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups_with(world, detail(&format!("detail-reduce{world}")))).await;
+        let results = bounded(on_all(&gs, |g| async move {
+            let root = g.rank() % 2;
+            g.reduce(&mut [0u8; 8], ElementType::I64, ReduceOp::Sum, root)
+                .await
+        }))
+        .await;
+        for (rank, r) in results.into_iter().enumerate() {
+            let e = r.expect_err("every rank fails");
+            assert!(
+                matches!(e, ProcessGroupError::Disagreement { .. }),
+                "world {world} rank {rank}: {e}"
+            );
+            let text = e.to_string();
+            assert!(text.contains("root 0") && text.contains("root 1"), "{text}");
+        }
+    }
+    // Agreeing ranks run every checked collective to its right result.
+    let gs = bounded(groups_with(3, detail("detail-ok"))).await;
+    let results = bounded(on_all(&gs, |g| async move {
+        let mut data = if g.rank() == 1 { [5u8; 4] } else { [0u8; 4] };
+        g.broadcast(&mut data, 1).await.unwrap();
+        let mut sum = (g.rank() as i64 + 1).to_le_bytes();
+        g.reduce(&mut sum, ElementType::I64, ReduceOp::Sum, 2)
+            .await
+            .unwrap();
+        let gathered = g.gather(&[g.rank() as u8; 3], 0).await.unwrap();
+        let blocks = g.all_gather(&[g.rank() as u8]).await.unwrap();
+        (data, i64::from_le_bytes(sum), gathered, blocks)
+    }))
+    .await;
+    for (rank, (data, sum, gathered, blocks)) in results.into_iter().enumerate() {
+        assert_eq!(data, [5u8; 4]);
+        if rank == 2 {
+            assert_eq!(sum, 6);
+        }
+        if rank == 0 {
+            let gathered = gathered.expect("the root gets the blocks");
+            for (r, b) in gathered.iter().enumerate() {
+                assert_eq!(&b[..], &[r as u8; 3]);
+            }
+        }
+        assert_eq!(blocks.len(), 3);
+    }
+}
+
+/// Issue 26, item 5: `recv` from any source returns the sender, takes every message once, in
+/// each sender's order, and counts as that sender's next message for a later `recv`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receive_from_any_source_names_the_sender() {
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups(
+            world,
+            &format!("any{world}"),
+            Duration::from_secs(20),
+        ))
+        .await;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let rank = g.rank();
+            if rank != 0 {
+                for k in 0..2u8 {
+                    g.send(&[rank as u8, k], 0, 7).await.unwrap();
+                }
+                // The third only once rank 0 has taken the first two of every sender.
+                g.barrier().await.unwrap();
+                g.send(&[rank as u8, 2], 0, 7).await.unwrap();
+                return Vec::new();
+            }
+            let mut got = Vec::new();
+            for _ in 0..2 * (world - 1) {
+                let (src, bytes) = g.recv_any(7).await.unwrap();
+                got.push((src, bytes.to_vec()));
+            }
+            g.barrier().await.unwrap();
+            // The third message of each sender is what a plain recv from it gets now.
+            for src in 1..world {
+                got.push((src, g.recv(src, 7).await.unwrap().to_vec()));
+            }
+            got
+        }))
+        .await;
+        let got = &results[0];
+        for src in 1..world {
+            let from: Vec<&Vec<u8>> = got
+                .iter()
+                .filter(|(s, _)| *s == src)
+                .map(|(_, b)| b)
+                .collect();
+            let expected: Vec<Vec<u8>> = (0..3u8).map(|k| vec![src as u8, k]).collect();
+            assert_eq!(
+                from,
+                expected.iter().collect::<Vec<_>>(),
+                "world {world}, sender {src}"
+            );
+        }
+    }
+    // Nobody sends: the receive times out naming every other rank, and the group goes on.
+    let gs = bounded(groups(3, "any-timeout", Duration::from_millis(300))).await;
+    let e = bounded(gs[1].recv_any(9)).await.unwrap_err();
+    assert!(
+        matches!(&e, ProcessGroupError::Timeout { waiting_on, .. } if waiting_on == &[0, 2]),
+        "{e}"
+    );
+    let (a, b, c) =
+        bounded(async { tokio::join!(gs[0].barrier(), gs[1].barrier(), gs[2].barrier()) }).await;
+    a.and(b).and(c).unwrap();
+    // A group of one has no other source.
+    let solo = bounded(groups(1, "any-solo", Duration::from_secs(5))).await;
+    let e = solo[0].recv_any(0).await.unwrap_err();
+    assert!(matches!(e, ProcessGroupError::Arguments { .. }), "{e}");
+}
+
+/// Issue 26, item 5: `all_gather_into_tensor` and `reduce_scatter_tensor` fill the caller's
+/// output tensor, and refuse gloo's wrong sizes and types before taking a place in the
+/// sequence (the barrier after them still meets).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn into_tensor_collectives_fill_the_callers_output() {
+    use tensorwire_core::collective::CollectiveError;
+    use tensorwire_core::tensor::{DType, Tensor};
+
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups(
+            world,
+            &format!("into{world}"),
+            Duration::from_secs(20),
+        ))
+        .await;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let r = g.rank() as f32;
+            let input =
+                Tensor::from_f32(vec![2, 3], &[r, r + 1.0, r + 2.0, -r, 0.5, 2.0 * r]).unwrap();
+            let mut gathered = Tensor::from_f32(vec![2 * world, 3], &vec![9.0; 6 * world]).unwrap();
+            g.all_gather_into_tensor(&mut gathered, &input)
+                .await
+                .unwrap();
+            let values: Vec<f32> = (0..6 * world).map(|i| i as f32 * (r + 1.0)).collect();
+            let stacked = Tensor::from_f32(vec![2 * world, 3], &values).unwrap();
+            let mut mine = Tensor::from_f32(vec![2, 3], &[0.0; 6]).unwrap();
+            g.reduce_scatter_tensor(&mut mine, &stacked, ReduceOp::Sum)
+                .await
+                .unwrap();
+            // Wrong sizes and types: refused here, nothing sent.
+            let mut short =
+                Tensor::from_f32(vec![2 * world - 1, 3], &vec![0.0; 6 * world - 3]).unwrap();
+            let size = g
+                .all_gather_into_tensor(&mut short, &input)
+                .await
+                .unwrap_err();
+            let mut flat = Tensor::from_f32(vec![6 * world], &vec![0.0; 6 * world]).unwrap();
+            let flat = g
+                .all_gather_into_tensor(&mut flat, &input)
+                .await
+                .unwrap_err();
+            let mut ints = Tensor::new(
+                DType::I64,
+                vec![2, 3],
+                tensorwire_core::tensor::Storage::Host(Bytes::from(vec![0u8; 48])),
+            )
+            .unwrap();
+            let kind = g
+                .reduce_scatter_tensor(&mut ints, &stacked, ReduceOp::Sum)
+                .await
+                .unwrap_err();
+            let mut wide = Tensor::from_f32(vec![3, 3], &[0.0; 9]).unwrap();
+            let rs_size = g
+                .reduce_scatter_tensor(&mut wide, &stacked, ReduceOp::Sum)
+                .await
+                .unwrap_err();
+            g.barrier().await.unwrap();
+            (
+                gathered.to_f32_vec().unwrap(),
+                mine.to_f32_vec().unwrap(),
+                [size, flat, kind, rs_size],
+            )
+        }))
+        .await;
+        for (rank, (gathered, mine, errors)) in results.into_iter().enumerate() {
+            let expected: Vec<f32> = (0..world)
+                .flat_map(|s| {
+                    let s = s as f32;
+                    [s, s + 1.0, s + 2.0, -s, 0.5, 2.0 * s]
+                })
+                .collect();
+            assert_eq!(gathered, expected, "world {world} rank {rank}");
+            // Sum over ranks of i * (r + 1) for this rank's chunk.
+            let factor: f32 = (1..=world).map(|x| x as f32).sum();
+            let chunk: Vec<f32> = (6 * rank..6 * rank + 6)
+                .map(|i| i as f32 * factor)
+                .collect();
+            assert_eq!(mine, chunk, "world {world} rank {rank}");
+            let texts: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+            for e in &errors {
+                assert!(
+                    matches!(
+                        e,
+                        ProcessGroupError::Arguments {
+                            source: CollectiveError::TensorSize { .. }
+                                | CollectiveError::TensorType { .. },
+                            ..
+                        }
+                    ),
+                    "{e}"
+                );
+            }
+            assert!(
+                texts[0].contains(&format!(
+                    "invalid output tensor size (expected [{}, 3], got [{}, 3])",
+                    2 * world,
+                    2 * world - 1
+                )),
+                "{}",
+                texts[0]
+            );
+            assert!(
+                texts[2].contains("invalid input tensor type"),
+                "{}",
+                texts[2]
+            );
+            assert!(
+                texts[3].contains("invalid input tensor size"),
+                "{}",
+                texts[3]
+            );
+        }
+    }
+}
+
+/// Issue 26, item 5: the tensor forms of reduce, gather and scatter, with PyTorch's list
+/// rules (the list on the root only, one tensor per rank of the same dtype and shape).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rooted_tensor_collectives_follow_pytorchs_rules() {
+    use tensorwire_core::collective::CollectiveError;
+    use tensorwire_core::tensor::Tensor;
+
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups(
+            world,
+            &format!("rooted{world}"),
+            Duration::from_secs(20),
+        ))
+        .await;
+        let root = world - 1;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let r = g.rank() as f32;
+            let mut t = Tensor::from_f32(vec![2], &[r, 1.0]).unwrap();
+            g.reduce_tensor(&mut t, ReduceOp::Sum, root).await.unwrap();
+            let mine = Tensor::from_f32(vec![2], &[r, -r]).unwrap();
+            let mut list: Vec<Tensor> = (0..world)
+                .map(|_| Tensor::from_f32(vec![2], &[0.0; 2]).unwrap())
+                .collect();
+            let on_root = g.rank() == root;
+            g.gather_tensor(&mine, on_root.then_some(&mut list[..]), root)
+                .await
+                .unwrap();
+            let parts: Vec<Tensor> = (0..world)
+                .map(|i| Tensor::from_f32(vec![2], &[i as f32, 10.0 * i as f32]).unwrap())
+                .collect();
+            let mut out = Tensor::from_f32(vec![2], &[0.0; 2]).unwrap();
+            g.scatter_tensor(&mut out, on_root.then_some(&parts[..]), root)
+                .await
+                .unwrap();
+            // The list where it must not be, or missing where it must: refused here.
+            let wrong = g
+                .gather_tensor(&mine, (!on_root).then_some(&mut list[..]), root)
+                .await
+                .unwrap_err();
+            let short = if on_root {
+                Some(
+                    g.scatter_tensor(&mut out.clone(), Some(&parts[1..]), root)
+                        .await
+                        .unwrap_err(),
+                )
+            } else {
+                None
+            };
+            g.barrier().await.unwrap();
+            let gathered: Vec<Vec<f32>> = list.iter().map(|t| t.to_f32_vec().unwrap()).collect();
+            (
+                t.to_f32_vec().unwrap(),
+                gathered,
+                out.to_f32_vec().unwrap(),
+                wrong,
+                short,
+            )
+        }))
+        .await;
+        let total: f32 = (0..world).map(|r| r as f32).sum();
+        for (rank, (reduced, gathered, scattered, wrong, short)) in results.into_iter().enumerate()
+        {
+            let r = rank as f32;
+            if rank == root {
+                assert_eq!(reduced, vec![total, world as f32]);
+                let expected: Vec<Vec<f32>> =
+                    (0..world).map(|s| vec![s as f32, -(s as f32)]).collect();
+                assert_eq!(gathered, expected);
+                let e = short.expect("the root tried");
+                assert!(
+                    matches!(
+                        e,
+                        ProcessGroupError::Arguments {
+                            source: CollectiveError::LengthsCount { .. },
+                            ..
+                        }
+                    ),
+                    "{e}"
+                );
+            } else {
+                assert_eq!(reduced, vec![r, 1.0], "untouched off the root");
+            }
+            assert_eq!(scattered, vec![r, 10.0 * r]);
+            let on_root = rank == root;
+            assert!(
+                matches!(
+                    &wrong,
+                    ProcessGroupError::Arguments {
+                        source: CollectiveError::TensorList { on_root: o, .. },
+                        ..
+                    } if *o == on_root
+                ),
+                "{wrong}"
+            );
+        }
+    }
+}
+
+/// Issue 26, item 5: `new_group(ranks)` on the group a user holds as `dyn ProcessGroup` (what
+/// `new_group` of the backend registry returns): the members get a working subgroup, the
+/// others `None`, and bad ranks are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_group_works_on_the_dyn_group() {
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups(
+            world,
+            &format!("dynsub{world}"),
+            Duration::from_secs(20),
+        ))
+        .await;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let pg: Arc<dyn ProcessGroup> = Arc::new(g);
+            let even: Vec<usize> = (0..world).step_by(2).collect();
+            let bad = pg.new_group(&[0, world]).map(|_| ()).unwrap_err();
+            let sub = pg.new_group(&even).unwrap();
+            let sum = match &sub {
+                Some(sub) => {
+                    let mut x = (pg.rank() as i64 + 1).to_le_bytes();
+                    sub.all_reduce(&mut x, ElementType::I64, ReduceOp::Sum)
+                        .await
+                        .unwrap();
+                    Some((sub.rank(), sub.size(), i64::from_le_bytes(x)))
+                }
+                None => None,
+            };
+            pg.barrier().await.unwrap();
+            (sum, bad)
+        }))
+        .await;
+        let even: Vec<usize> = (0..world).step_by(2).collect();
+        let total: i64 = even.iter().map(|r| *r as i64 + 1).sum();
+        for (rank, (sum, bad)) in results.into_iter().enumerate() {
+            if rank % 2 == 0 {
+                assert_eq!(sum, Some((rank / 2, even.len(), total)), "world {world}");
+            } else {
+                assert_eq!(sum, None, "world {world} rank {rank}");
+            }
+            assert!(matches!(bad, ProcessGroupError::Setup { .. }), "{bad}");
+        }
+    }
+}
+
+/// Issue 26, item 5: the tensor form of all_to_all_single, with uneven and even splits, and
+/// PyTorch's refusals (splits not summing to the rows, rows that do not divide evenly).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_to_all_single_tensor_moves_rows() {
+    use tensorwire_core::collective::CollectiveError;
+    use tensorwire_core::tensor::Tensor;
+
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups(
+            world,
+            &format!("a2a{world}"),
+            Duration::from_secs(20),
+        ))
+        .await;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let r = g.rank();
+            // Rank r sends 1 + (r + j) % 2 rows of two columns to rank j.
+            let splits: Vec<usize> = (0..world).map(|j| 1 + (r + j) % 2).collect();
+            let rows: usize = splits.iter().sum();
+            let values: Vec<f32> = (0..2 * rows).map(|i| (100 * r + i) as f32).collect();
+            let input = Tensor::from_f32(vec![rows, 2], &values).unwrap();
+            let mut output = Tensor::from_f32(vec![rows, 2], &vec![0.0; 2 * rows]).unwrap();
+            g.all_to_all_single_tensor(&mut output, &input, Some(&splits), Some(&splits))
+                .await
+                .unwrap();
+            let even_in = Tensor::from_f32(vec![world], &vec![r as f32; world]).unwrap();
+            let mut even_out = Tensor::from_f32(vec![world], &vec![0.0; world]).unwrap();
+            g.all_to_all_single_tensor(&mut even_out, &even_in, None, None)
+                .await
+                .unwrap();
+            let odd = Tensor::from_f32(vec![world + 1], &vec![0.0; world + 1]).unwrap();
+            let uneven = g
+                .all_to_all_single_tensor(&mut odd.clone(), &odd, None, None)
+                .await
+                .unwrap_err();
+            let wrong_sum = g
+                .all_to_all_single_tensor(&mut output.clone(), &input, Some(&splits), Some(&[1]))
+                .await
+                .unwrap_err();
+            g.barrier().await.unwrap();
+            (
+                output.to_f32_vec().unwrap(),
+                even_out.to_f32_vec().unwrap(),
+                uneven,
+                wrong_sum,
+            )
+        }))
+        .await;
+        for (rank, (out, even, uneven, wrong)) in results.into_iter().enumerate() {
+            // From rank s: its rows for `rank`, which start after the rows it sent to lower ranks.
+            let mut expected = Vec::new();
+            for s in 0..world {
+                let start: usize = (0..rank).map(|j| 1 + (s + j) % 2).sum();
+                let n = 1 + (s + rank) % 2;
+                expected.extend((2 * start..2 * (start + n)).map(|i| (100 * s + i) as f32));
+            }
+            assert_eq!(out, expected, "world {world} rank {rank}");
+            assert_eq!(even, (0..world).map(|s| s as f32).collect::<Vec<_>>());
+            for e in [uneven, wrong] {
+                assert!(
+                    matches!(
+                        e,
+                        ProcessGroupError::Arguments {
+                            source: CollectiveError::SplitsSum { .. }
+                                | CollectiveError::LengthsCount { .. },
+                            ..
+                        }
+                    ),
+                    "{e}"
+                );
+            }
+        }
+    }
 }

@@ -3,7 +3,8 @@
 //! For each world size N it starts N copies of this binary (`bench collectives-worker`, a
 //! hidden subcommand) with `env://` variables and a fresh cluster secret; rank 0 embeds the
 //! store on a free port. The workers time, after warm-up and with a barrier before each series:
-//! `barrier_w{N}_us`, `all_gather_w{N}_8B_us`, `all_gather_w{N}_1MiB_us` (1 MiB per rank,
+//! `barrier_w{N}_us`, `all_gather_w{N}_8B_us`, `broadcast_w{N}_8B_us` and `reduce_w{N}_8B_us`
+//! (8 bytes from / to rank 0), `all_gather_w{N}_1MiB_us` (1 MiB per rank,
 //! through the variable-size API, lengths exchange included) and `all_reduce_w{N}_1MiB_us`
 //! (1 MiB of f32 summed), `reduce_w{N}_1MiB_us` (to rank 0), `reduce_scatter_w{N}_1MiB_us`,
 //! `all_to_all_w{N}_1MiB_us` (even blocks) and `broadcast_w{N}_1MiB_us` (from rank 0), each the
@@ -493,6 +494,24 @@ async fn worker_main(args: &WorkerArgs) -> Result<()> {
         })
         .await?;
         out.insert(format!("all_gather_w{world}_8B_us"), json!(median_us(t)));
+
+        // Small rooted collectives (8 bytes from / to rank 0): where a per-collective cost
+        // such as the agreement check (`TENSORWIRE_DEBUG=detail`) shows most.
+        let t = time_series(p, args.small_iters, || async {
+            let mut buf = [rank as u8; 8];
+            p.broadcast(&mut buf, 0).await?;
+            Ok(())
+        })
+        .await?;
+        out.insert(format!("broadcast_w{world}_8B_us"), json!(median_us(t)));
+        let t = time_series(p, args.small_iters, || async {
+            let mut buf = (rank as i64).to_le_bytes();
+            p.reduce(&mut buf, ElementType::I64, ReduceOp::Sum, 0)
+                .await?;
+            Ok(())
+        })
+        .await?;
+        out.insert(format!("reduce_w{world}_8B_us"), json!(median_us(t)));
 
         let block = vec![rank as u8; MIB];
         let t = time_series(p, args.large_iters, || async {

@@ -88,6 +88,7 @@
 use std::ops::Range;
 
 mod algorithms;
+pub mod check;
 mod reduce;
 mod signature;
 #[cfg(test)]
@@ -102,6 +103,7 @@ pub use algorithms::{
     all_gather, all_reduce, all_to_all, barrier, broadcast, gather, monitored_barrier,
     monitored_barrier_missing, reduce, reduce_scatter, scatter,
 };
+pub use check::{agreement_check, DebugLevel, UnknownDebugLevel, DEBUG_ENV};
 pub use reduce::{reduce_into, ElementType, ReduceOp};
 pub use signature::{Signature, SIGNATURE_LEN};
 
@@ -172,6 +174,40 @@ pub enum CollectiveError {
         needed: usize,
         /// The buffer's length.
         actual: usize,
+    },
+    /// A tensor of the wrong shape for the collective (gloo's "invalid tensor size").
+    #[error("invalid {tensor} tensor size (expected {expected:?}, got {actual:?})")]
+    TensorSize {
+        /// Which tensor (`"output"`, `"input"`).
+        tensor: &'static str,
+        /// The shape the collective needs.
+        expected: Vec<usize>,
+        /// The tensor's shape.
+        actual: Vec<usize>,
+    },
+    /// Tensors of different dtypes where the collective needs one (gloo's "invalid tensor
+    /// type").
+    #[error("invalid {tensor} tensor type (expected {expected}, got {actual})")]
+    TensorType {
+        /// Which tensor (`"output"`).
+        tensor: &'static str,
+        /// The input's dtype.
+        expected: String,
+        /// The tensor's dtype.
+        actual: String,
+    },
+    /// A tensor list missing on the root or given elsewhere (PyTorch's "Argument
+    /// `gather_list` must be specified on destination rank").
+    #[error(
+        "argument {list} must {} on {}",
+        if *.on_root { "be specified" } else { "NOT be specified" },
+        if *.on_root { "the root" } else { "ranks other than the root" }
+    )]
+    TensorList {
+        /// The argument (`"gather_list"`, `"scatter_list"`).
+        list: &'static str,
+        /// True when it is missing on the root, false when given elsewhere.
+        on_root: bool,
     },
     /// An all_gather was given a number of block lengths other than the world size.
     #[error("{lens} block lengths for a world of {world} ranks")]

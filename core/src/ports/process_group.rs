@@ -275,6 +275,21 @@ pub trait ProcessGroup: Send + Sync {
         })
     }
 
+    /// Receives the next message any other rank sent here with `tag` (PyTorch's `recv` with
+    /// `src=None`, which gloo implements): returns the sender's rank and the bytes, waiting
+    /// up to the group's timeout. The message taken is the one that arrives first; it counts
+    /// as that sender's next message with `tag`, so a later [`recv`](Self::recv) from that
+    /// sender gets the one after it.
+    ///
+    /// The default refuses with [`Unsupported`](ProcessGroupError::Unsupported).
+    async fn recv_any(&self, tag: u32) -> Result<(usize, Bytes), ProcessGroupError> {
+        let _ = tag;
+        Err(ProcessGroupError::Unsupported {
+            collective: "recv",
+            backend: self.backend(),
+        })
+    }
+
     /// [`send`](Self::send) without waiting for it: returns a future of its result. A backend
     /// that can overlap point-to-point messages issues the send when this returns (numbering
     /// it, so that it keeps its place among this rank's messages to `dst` with `tag`) and
@@ -307,6 +322,23 @@ pub trait ProcessGroup: Send + Sync {
         let _ = (timeout, wait_all_ranks);
         Err(ProcessGroupError::Unsupported {
             collective: "monitored_barrier",
+            backend: self.backend(),
+        })
+    }
+
+    /// A subgroup of the world ranks `ranks` (PyTorch's `new_group(ranks)`), on a group a
+    /// user got as `dyn ProcessGroup` (from `new_group`): every rank of this group calls it
+    /// with the same ranks, in the same order as its other `new_group` calls; the members get
+    /// `Some`, the other ranks `None`.
+    ///
+    /// The default refuses with [`Unsupported`](ProcessGroupError::Unsupported).
+    fn new_group(
+        &self,
+        ranks: &[usize],
+    ) -> Result<Option<std::sync::Arc<dyn ProcessGroup>>, ProcessGroupError> {
+        let _ = ranks;
+        Err(ProcessGroupError::Unsupported {
+            collective: "new_group",
             backend: self.backend(),
         })
     }
@@ -367,6 +399,281 @@ pub trait ProcessGroup: Send + Sync {
                 Ok(with_host_bytes(tensor, block))
             })
             .collect()
+    }
+
+    /// Gathers `input` from every rank into `output` (PyTorch's `all_gather_into_tensor`):
+    /// the ranks' tensors concatenated along the first dimension, in rank order, so `output`
+    /// must have `input`'s dtype and shape `[world * input.shape[0], input.shape[1..]]`
+    /// (`[world]` for a scalar input); its contents are replaced.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Arguments`] with [`CollectiveError::TensorType`] or
+    /// [`CollectiveError::TensorSize`] (gloo's "invalid tensor type / size"), before the call
+    /// takes a place in the group's sequence; the errors of [`all_gather`](Self::all_gather).
+    async fn all_gather_into_tensor(
+        &self,
+        output: &mut Tensor,
+        input: &Tensor,
+    ) -> Result<(), ProcessGroupError> {
+        const NAME: &str = "all_gather_into_tensor";
+        check_stacked(NAME, "output", output, input, self.size())?;
+        let bytes = host_storage(self.backend(), self.device(), NAME, input)?;
+        host_storage(self.backend(), self.device(), NAME, output)?;
+        let blocks = self.all_gather(bytes).await?;
+        let mut data = Vec::with_capacity(output.nbytes());
+        for (peer, block) in blocks.iter().enumerate() {
+            if block.len() != input.nbytes() {
+                return Err(ProcessGroupError::Mismatch {
+                    peer,
+                    collective: NAME,
+                    seq: 0,
+                    reason: format!(
+                        "its tensor has {} bytes, this rank's has {}",
+                        block.len(),
+                        input.nbytes()
+                    ),
+                });
+            }
+            data.extend_from_slice(block);
+        }
+        *output = with_host_bytes(output, data);
+        Ok(())
+    }
+
+    /// Reduces `input` across all ranks with `op` and leaves this rank's chunk in `output`
+    /// (PyTorch's `reduce_scatter_tensor`): `input` is every rank's chunk concatenated along
+    /// the first dimension, so it must have `output`'s dtype and shape
+    /// `[world * output.shape[0], output.shape[1..]]`; `output`'s contents are replaced.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Arguments`] with [`CollectiveError::TensorType`] or
+    /// [`CollectiveError::TensorSize`] before the call takes a place in the sequence;
+    /// [`ProcessGroupError::UnsupportedType`]; the errors of
+    /// [`reduce_scatter`](Self::reduce_scatter).
+    async fn reduce_scatter_tensor(
+        &self,
+        output: &mut Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<(), ProcessGroupError> {
+        const NAME: &str = "reduce_scatter_tensor";
+        check_stacked(NAME, "input", input, output, self.size())?;
+        let bytes = host_storage(self.backend(), self.device(), NAME, input)?;
+        host_storage(self.backend(), self.device(), NAME, output)?;
+        let element = ElementType::from_dtype(input.dtype()).ok_or_else(|| {
+            ProcessGroupError::UnsupportedType {
+                collective: NAME,
+                backend: self.backend(),
+                dtype: format!("{:?}", input.dtype()),
+            }
+        })?;
+        let count = output.nbytes() / element.size();
+        let chunk = self
+            .reduce_scatter(bytes, &vec![count; self.size()], element, op)
+            .await?;
+        *output = with_host_bytes(output, chunk);
+        Ok(())
+    }
+
+    /// Reduces `tensor` across all ranks with `op` into `root`'s `tensor` (PyTorch's
+    /// `reduce(tensor, dst, op)`); other ranks' tensors are left as they were.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::UnsupportedType`]; the errors of [`reduce`](Self::reduce).
+    async fn reduce_tensor(
+        &self,
+        tensor: &mut Tensor,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), ProcessGroupError> {
+        let bytes = host_storage(self.backend(), self.device(), "reduce", tensor)?;
+        let element = ElementType::from_dtype(tensor.dtype()).ok_or_else(|| {
+            ProcessGroupError::UnsupportedType {
+                collective: "reduce",
+                backend: self.backend(),
+                dtype: format!("{:?}", tensor.dtype()),
+            }
+        })?;
+        let mut data = bytes.to_vec();
+        self.reduce(&mut data, element, op, root).await?;
+        if self.rank() == root {
+            *tensor = with_host_bytes(tensor, data);
+        }
+        Ok(())
+    }
+
+    /// Gathers `input` from every rank into `root`'s `gather_list` (PyTorch's
+    /// `gather(tensor, gather_list, dst)`): there it must hold one tensor per rank of
+    /// `input`'s dtype and shape, whose contents are replaced; elsewhere it must be `None`.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Arguments`] with [`CollectiveError::TensorList`],
+    /// [`CollectiveError::LengthsCount`], [`CollectiveError::TensorType`] or
+    /// [`CollectiveError::TensorSize`] before the call takes a place in the sequence; a
+    /// [`ProcessGroupError::Mismatch`] when another rank's tensor has another size; the
+    /// errors of [`gather`](Self::gather).
+    async fn gather_tensor(
+        &self,
+        input: &Tensor,
+        gather_list: Option<&mut [Tensor]>,
+        root: usize,
+    ) -> Result<(), ProcessGroupError> {
+        const NAME: &str = "gather";
+        check_root(NAME, root, self.size())?;
+        check_list(
+            NAME,
+            "gather_list",
+            gather_list.as_deref(),
+            input,
+            root,
+            self,
+        )?;
+        let bytes = host_storage(self.backend(), self.device(), NAME, input)?;
+        let blocks = self.gather(bytes, root).await?;
+        if let (Some(list), Some(blocks)) = (gather_list, blocks) {
+            for (peer, (slot, block)) in list.iter_mut().zip(blocks).enumerate() {
+                if block.len() != input.nbytes() {
+                    return Err(ProcessGroupError::Mismatch {
+                        peer,
+                        collective: NAME,
+                        seq: 0,
+                        reason: format!(
+                            "its tensor has {} bytes, the root's has {}",
+                            block.len(),
+                            input.nbytes()
+                        ),
+                    });
+                }
+                *slot = with_host_bytes(slot, block);
+            }
+        }
+        Ok(())
+    }
+
+    /// Scatters `root`'s `scatter_list` (one tensor per rank, each of `output`'s dtype and
+    /// shape) so that rank i's `output` gets tensor i (PyTorch's
+    /// `scatter(tensor, scatter_list, src)`); elsewhere `scatter_list` must be `None`.
+    ///
+    /// # Errors
+    /// As [`gather_tensor`](Self::gather_tensor), with the errors of
+    /// [`scatter`](Self::scatter).
+    async fn scatter_tensor(
+        &self,
+        output: &mut Tensor,
+        scatter_list: Option<&[Tensor]>,
+        root: usize,
+    ) -> Result<(), ProcessGroupError> {
+        const NAME: &str = "scatter";
+        check_root(NAME, root, self.size())?;
+        check_list(NAME, "scatter_list", scatter_list, output, root, self)?;
+        host_storage(self.backend(), self.device(), NAME, output)?;
+        let blocks = match scatter_list {
+            Some(list) => list
+                .iter()
+                .map(|t| {
+                    host_storage(self.backend(), self.device(), NAME, t).map(Bytes::copy_from_slice)
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            None => Vec::new(),
+        };
+        let mine = self.scatter(&blocks, root).await?;
+        if mine.len() != output.nbytes() {
+            return Err(ProcessGroupError::Mismatch {
+                peer: root,
+                collective: NAME,
+                seq: 0,
+                reason: format!(
+                    "its tensor for this rank has {} bytes, the output {}",
+                    mine.len(),
+                    output.nbytes()
+                ),
+            });
+        }
+        *output = with_host_bytes(output, mine);
+        Ok(())
+    }
+
+    /// PyTorch's `all_to_all_single(output, input, output_split_sizes, input_split_sizes)`:
+    /// `input`'s rows (first dimension) split into one run per rank go out, and the runs
+    /// received fill `output` in rank order. Split sizes count rows; `None` splits evenly
+    /// (the first dimension must then divide by the world size). `output` has `input`'s
+    /// dtype and trailing dimensions; its contents are replaced.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Arguments`] with [`CollectiveError::TensorType`],
+    /// [`CollectiveError::TensorSize`], [`CollectiveError::LengthsCount`] or
+    /// [`CollectiveError::SplitsSum`] before the call takes a place in the sequence; the
+    /// errors of [`all_to_all`](Self::all_to_all).
+    async fn all_to_all_single_tensor(
+        &self,
+        output: &mut Tensor,
+        input: &Tensor,
+        output_split_sizes: Option<&[usize]>,
+        input_split_sizes: Option<&[usize]>,
+    ) -> Result<(), ProcessGroupError> {
+        const NAME: &str = "all_to_all_single";
+        let world = self.size();
+        let arguments = |source| ProcessGroupError::Arguments {
+            collective: NAME,
+            source,
+        };
+        if output.dtype() != input.dtype() {
+            return Err(arguments(CollectiveError::TensorType {
+                tensor: "output",
+                expected: format!("{:?}", input.dtype()),
+                actual: format!("{:?}", output.dtype()),
+            }));
+        }
+        let (Some((&out_rows, out_rest)), Some((&in_rows, in_rest))) =
+            (output.shape().split_first(), input.shape().split_first())
+        else {
+            return Err(arguments(CollectiveError::TensorSize {
+                tensor: if output.shape().is_empty() {
+                    "output"
+                } else {
+                    "input"
+                },
+                expected: vec![world],
+                actual: Vec::new(),
+            }));
+        };
+        if out_rest != in_rest {
+            let mut expected = vec![out_rows];
+            expected.extend_from_slice(in_rest);
+            return Err(arguments(CollectiveError::TensorSize {
+                tensor: "output",
+                expected,
+                actual: output.shape().to_vec(),
+            }));
+        }
+        let row = in_rest.iter().product::<usize>() * input.dtype().size();
+        let splits = |given: Option<&[usize]>, rows: usize| match given {
+            Some(s) => {
+                check_count(NAME, s.len(), world)?;
+                let sum = s.iter().try_fold(0usize, |a, x| a.checked_add(*x));
+                if sum != Some(rows) {
+                    return Err(arguments(CollectiveError::SplitsSum {
+                        sum: sum.unwrap_or(usize::MAX),
+                        actual: rows,
+                    }));
+                }
+                Ok(s.iter().map(|x| x * row).collect::<Vec<_>>())
+            }
+            None if rows % world == 0 => Ok(vec![rows / world * row; world]),
+            None => Err(arguments(CollectiveError::SplitsSum {
+                sum: rows / world * world,
+                actual: rows,
+            })),
+        };
+        let out_splits = splits(output_split_sizes, out_rows)?;
+        let in_splits = splits(input_split_sizes, in_rows)?;
+        let bytes = host_storage(self.backend(), self.device(), NAME, input)?;
+        host_storage(self.backend(), self.device(), NAME, output)?;
+        let data = self
+            .all_to_all_single(bytes, &in_splits, &out_splits)
+            .await?;
+        *output = with_host_bytes(output, data);
+        Ok(())
     }
 
     /// Returns `root`'s tensor on every rank; every rank passes a tensor of the same dtype and
@@ -508,6 +815,80 @@ fn host_storage<'t>(
             tensor: tensor.device(),
             group,
         }),
+    }
+}
+
+/// Checks that `stacked` (the tensor named `which`) has `one`'s dtype and holds `world` of
+/// it along the first dimension (gloo's checks of the `_tensor` collectives).
+fn check_stacked(
+    collective: &'static str,
+    which: &'static str,
+    stacked: &Tensor,
+    one: &Tensor,
+    world: usize,
+) -> Result<(), ProcessGroupError> {
+    let arguments = |source| ProcessGroupError::Arguments { collective, source };
+    if stacked.dtype() != one.dtype() {
+        return Err(arguments(CollectiveError::TensorType {
+            tensor: which,
+            expected: format!("{:?}", one.dtype()),
+            actual: format!("{:?}", stacked.dtype()),
+        }));
+    }
+    let expected = match one.shape() {
+        [] => vec![world],
+        [first, rest @ ..] => std::iter::once(first.saturating_mul(world))
+            .chain(rest.iter().copied())
+            .collect(),
+    };
+    if stacked.shape() != expected.as_slice() {
+        return Err(arguments(CollectiveError::TensorSize {
+            tensor: which,
+            expected,
+            actual: stacked.shape().to_vec(),
+        }));
+    }
+    Ok(())
+}
+
+/// Checks a gather's or scatter's tensor list: present (one tensor per rank, each of `one`'s
+/// dtype and shape) on the root, absent elsewhere.
+fn check_list<P: ProcessGroup + ?Sized>(
+    collective: &'static str,
+    name: &'static str,
+    list: Option<&[Tensor]>,
+    one: &Tensor,
+    root: usize,
+    group: &P,
+) -> Result<(), ProcessGroupError> {
+    let arguments = |source| ProcessGroupError::Arguments { collective, source };
+    let on_root = group.rank() == root;
+    match list {
+        Some(list) if on_root => {
+            check_count(collective, list.len(), group.size())?;
+            for t in list {
+                if t.dtype() != one.dtype() {
+                    return Err(arguments(CollectiveError::TensorType {
+                        tensor: name,
+                        expected: format!("{:?}", one.dtype()),
+                        actual: format!("{:?}", t.dtype()),
+                    }));
+                }
+                if t.shape() != one.shape() {
+                    return Err(arguments(CollectiveError::TensorSize {
+                        tensor: name,
+                        expected: one.shape().to_vec(),
+                        actual: t.shape().to_vec(),
+                    }));
+                }
+            }
+            Ok(())
+        }
+        None if !on_root => Ok(()),
+        _ => Err(arguments(CollectiveError::TensorList {
+            list: name,
+            on_root,
+        })),
     }
 }
 

@@ -1,0 +1,448 @@
+//! The c10d calls tensorwire adds for PyTorch users, against real PyTorch with gloo: the same
+//! inputs on the same world sizes, and the results compared.
+//!
+//! Needs a Python with torch: `$TENSORWIRE_TORCH_PYTHON` if set, else `python3` (the CI venv
+//! is `~/.cache/tensorwire-ci/torch-venv/bin/python`). Without torch the tests print why and
+//! pass without checking anything; `TENSORWIRE_REQUIRE_TORCH` turns the skip into a failure.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tensorwire_core::ports::process_group::ProcessGroup;
+use tensorwire_core::ports::store::Store;
+use tensorwire_process_group::{Group, GroupOptions, InMemoryStore};
+use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn python() -> String {
+    std::env::var("TENSORWIRE_TORCH_PYTHON").unwrap_or_else(|_| "python3".to_owned())
+}
+
+/// `Some(reason)` when torch is not importable.
+fn torch_missing() -> Option<String> {
+    match std::process::Command::new(python())
+        .args(["-c", "import torch.distributed"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+    {
+        Ok(s) if s.success() => None,
+        Ok(s) => Some(format!("`{} -c 'import torch'` exited with {s}", python())),
+        Err(e) => Some(format!("cannot run {}: {e}", python())),
+    }
+}
+
+macro_rules! require_torch {
+    () => {
+        if let Some(reason) = torch_missing() {
+            if std::env::var_os("TENSORWIRE_REQUIRE_TORCH").is_some() {
+                panic!("TENSORWIRE_REQUIRE_TORCH is set but torch is missing: {reason}");
+            }
+            eprintln!(
+                "SKIPPED: gloo parity test needs torch ({reason}); set TENSORWIRE_TORCH_PYTHON"
+            );
+            return;
+        }
+    };
+}
+
+/// Runs `scenario` on `world` gloo ranks (forked processes over `tcp://`); prints one JSON
+/// object mapping each rank to what its scenario returned.
+const GLOO: &str = r#"
+import json, socket, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+scenario, world = sys.argv[1], int(sys.argv[2])
+
+def recv_any(rank):
+    # Every other rank sends [rank, k] for k = 0, 1 with tag 7; rank 0 receives from any source.
+    if rank != 0:
+        for k in range(2):
+            dist.send(torch.tensor([rank, k], dtype=torch.int64), 0, tag=7)
+        return None
+    got = {}
+    for _ in range(2 * (world - 1)):
+        t = torch.zeros(2, dtype=torch.int64)
+        src = dist.recv(t, tag=7)
+        got.setdefault(str(src), []).append(t.tolist())
+    return got
+
+def into_tensor(rank):
+    r = float(rank)
+    inp = torch.tensor([[r, r + 1, r + 2], [-r, 0.5, 2 * r]])
+    out = torch.full((2 * world, 3), 9.0)
+    dist.all_gather_into_tensor(out, inp)
+    stacked = torch.arange(6 * world, dtype=torch.float32).reshape(2 * world, 3) * (r + 1)
+    mine = torch.zeros(2, 3)
+    dist.reduce_scatter_tensor(mine, stacked)
+    errors = []
+    for f in [lambda: dist.all_gather_into_tensor(torch.zeros(2 * world - 1, 3), inp),
+              lambda: dist.all_gather_into_tensor(torch.zeros(6 * world), inp),
+              lambda: dist.reduce_scatter_tensor(torch.zeros(2, 3, dtype=torch.int64), stacked),
+              lambda: dist.reduce_scatter_tensor(torch.zeros(3, 3), stacked)]:
+        try:
+            f()
+            errors.append(False)
+        except Exception:
+            errors.append(True)
+    return {"gathered": out.flatten().tolist(), "mine": mine.flatten().tolist(),
+            "errors": errors}
+
+def rooted(rank):
+    root, r = world - 1, float(rank)
+    t = torch.tensor([r, 1.0])
+    dist.reduce(t, root)
+    mine = torch.tensor([r, -r])
+    lst = [torch.zeros(2) for _ in range(world)]
+    dist.gather(mine, lst if rank == root else None, root)
+    parts = [torch.tensor([float(i), 10.0 * i]) for i in range(world)]
+    out = torch.zeros(2)
+    dist.scatter(out, parts if rank == root else None, root)
+    def fails(f):
+        try:
+            f()
+            return False
+        except Exception:
+            return True
+    wrong = fails(lambda: dist.gather(mine, lst if rank != root else None, root))
+    short = fails(lambda: dist.scatter(out.clone(), parts[1:], root)) if rank == root else None
+    return {"reduced": t.tolist() if rank == root else None,
+            "gathered": [x.tolist() for x in lst] if rank == root else None,
+            "scattered": out.tolist(), "wrong": wrong, "short": short}
+
+def a2a(rank):
+    splits = [1 + (rank + j) % 2 for j in range(world)]
+    rows = sum(splits)
+    inp = torch.arange(2 * rows, dtype=torch.float32).reshape(rows, 2) + 100 * rank
+    out = torch.zeros(rows, 2)
+    dist.all_to_all_single(out, inp, splits, splits)
+    even_out = torch.zeros(world)
+    dist.all_to_all_single(even_out, torch.full((world,), float(rank)))
+    def fails(f):
+        try:
+            f()
+            return False
+        except Exception:
+            return True
+    odd = torch.zeros(world + 1)
+    uneven = fails(lambda: dist.all_to_all_single(odd.clone(), odd))
+    wrong = fails(lambda: dist.all_to_all_single(out.clone(), inp, splits, [1]))
+    return {"out": out.flatten().tolist(), "even": even_out.tolist(), "uneven": uneven,
+            "wrong": wrong}
+
+def run(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        out = globals()[scenario](rank)
+    except Exception as e:
+        out = {"error": type(e).__name__ + ": " + str(e)}
+    q.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=run, args=(r, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=100) for _ in range(world))
+    for p in procs:
+        p.join(timeout=100)
+    print(json.dumps({str(r): results[r] for r in range(world)}))
+"#;
+
+/// gloo's results of `scenario` on `world` ranks.
+async fn gloo(scenario: &str, world: usize) -> serde_json::Value {
+    let out = tokio::time::timeout(
+        LIMIT,
+        tokio::process::Command::new(python())
+            .env("PYTHONWARNINGS", "ignore")
+            .args(["-c", GLOO, scenario, &world.to_string()])
+            .stderr(Stdio::inherit())
+            .output(),
+    )
+    .await
+    .expect("gloo finished in time")
+    .expect("python runs");
+    assert!(
+        out.status.success(),
+        "gloo {scenario} w{world}: {}",
+        out.status
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().last().unwrap_or_default();
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("gloo printed {text:?}: {e}"))
+}
+
+/// `world` ranks of our group over loopback TCP, in this process.
+async fn groups(world: usize, name: &str) -> Vec<Group> {
+    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+    let secret = ClusterSecret::new(b"gloo parity secret".to_vec()).unwrap();
+    let transport = Arc::new(TcpTransport::new(TcpConfig::new(secret)).unwrap());
+    let mut tasks = Vec::new();
+    for rank in 0..world {
+        let (store, transport) = (store.clone(), transport.clone());
+        let options = GroupOptions::new(name).with_timeout(Duration::from_secs(30));
+        tasks.push(tokio::spawn(async move {
+            Group::connect(store, transport, rank, world, options).await
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap().unwrap());
+    }
+    out
+}
+
+/// Runs `f` on every rank at once; the results in rank order.
+async fn on_all<F, Fut, T>(groups: &[Group], f: F) -> Vec<T>
+where
+    F: Fn(Group) -> Fut,
+    Fut: Future<Output = T> + Send + 'static,
+    T: Send + 'static,
+{
+    let tasks: Vec<_> = groups.iter().map(|g| tokio::spawn(f(g.clone()))).collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+fn i64s(bytes: &[u8]) -> Vec<i64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// `recv` from any source: per sender, the same messages in the same order as gloo's
+/// `dist.recv(t, src=None)`, which returns the sender.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recv_from_any_source_matches_gloo() {
+    require_torch!();
+    for world in [2usize, 3, 4] {
+        let theirs = gloo("recv_any", world).await;
+        let gs = groups(world, &format!("any{world}")).await;
+        let results = tokio::time::timeout(
+            LIMIT,
+            on_all(&gs, move |g| async move {
+                let rank = g.rank();
+                let mut got: BTreeMap<String, Vec<Vec<i64>>> = BTreeMap::new();
+                if rank != 0 {
+                    for k in 0..2i64 {
+                        let bytes: Vec<u8> = [rank as i64, k]
+                            .iter()
+                            .flat_map(|v| v.to_le_bytes())
+                            .collect();
+                        g.send(&bytes, 0, 7).await.unwrap();
+                    }
+                } else {
+                    for _ in 0..2 * (world - 1) {
+                        let (src, bytes) = g.recv_any(7).await.unwrap();
+                        got.entry(src.to_string()).or_default().push(i64s(&bytes));
+                    }
+                }
+                g.barrier().await.unwrap();
+                got
+            }),
+        )
+        .await
+        .expect("ours finished in time");
+        let ours = serde_json::to_value(&results[0]).unwrap();
+        assert_eq!(ours, theirs["0"], "world {world}");
+    }
+}
+
+/// `all_gather_into_tensor` and `reduce_scatter_tensor` into the caller's output: the same
+/// values as gloo, and an error wherever gloo raises one for a wrong size or type.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn into_tensor_collectives_match_gloo() {
+    use tensorwire_core::collective::ReduceOp;
+    use tensorwire_core::tensor::{DType, Storage, Tensor};
+    require_torch!();
+    for world in [2usize, 3, 4] {
+        let theirs = gloo("into_tensor", world).await;
+        let gs = groups(world, &format!("into{world}")).await;
+        let results = tokio::time::timeout(
+            LIMIT,
+            on_all(&gs, move |g| async move {
+                let r = g.rank() as f32;
+                let input =
+                    Tensor::from_f32(vec![2, 3], &[r, r + 1.0, r + 2.0, -r, 0.5, 2.0 * r]).unwrap();
+                let mut out = Tensor::from_f32(vec![2 * world, 3], &vec![9.0; 6 * world]).unwrap();
+                g.all_gather_into_tensor(&mut out, &input).await.unwrap();
+                let values: Vec<f32> = (0..6 * world).map(|i| i as f32 * (r + 1.0)).collect();
+                let stacked = Tensor::from_f32(vec![2 * world, 3], &values).unwrap();
+                let mut mine = Tensor::from_f32(vec![2, 3], &[0.0; 6]).unwrap();
+                g.reduce_scatter_tensor(&mut mine, &stacked, ReduceOp::Sum)
+                    .await
+                    .unwrap();
+                let zeros = |shape: Vec<usize>| {
+                    let n: usize = shape.iter().product();
+                    Tensor::from_f32(shape, &vec![0.0; n]).unwrap()
+                };
+                let mut ints = Tensor::new(
+                    DType::I64,
+                    vec![2, 3],
+                    Storage::Host(bytes::Bytes::from(vec![0u8; 48])),
+                )
+                .unwrap();
+                let errors = vec![
+                    g.all_gather_into_tensor(&mut zeros(vec![2 * world - 1, 3]), &input)
+                        .await
+                        .is_err(),
+                    g.all_gather_into_tensor(&mut zeros(vec![6 * world]), &input)
+                        .await
+                        .is_err(),
+                    g.reduce_scatter_tensor(&mut ints, &stacked, ReduceOp::Sum)
+                        .await
+                        .is_err(),
+                    g.reduce_scatter_tensor(&mut zeros(vec![3, 3]), &stacked, ReduceOp::Sum)
+                        .await
+                        .is_err(),
+                ];
+                g.barrier().await.unwrap();
+                serde_json::json!({
+                    "gathered": out.to_f32_vec().unwrap(),
+                    "mine": mine.to_f32_vec().unwrap(),
+                    "errors": errors,
+                })
+            }),
+        )
+        .await
+        .expect("ours finished in time");
+        for (rank, ours) in results.iter().enumerate() {
+            assert_eq!(ours, &theirs[rank.to_string()], "world {world} rank {rank}");
+        }
+    }
+}
+
+/// The tensor forms of reduce, gather and scatter: gloo's values on the root and every rank,
+/// and an error wherever gloo raises one for a list given or missing, or too short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rooted_tensor_collectives_match_gloo() {
+    use tensorwire_core::collective::ReduceOp;
+    use tensorwire_core::tensor::Tensor;
+    require_torch!();
+    for world in [2usize, 3, 4] {
+        let theirs = gloo("rooted", world).await;
+        let gs = groups(world, &format!("rooted{world}")).await;
+        let root = world - 1;
+        let results = tokio::time::timeout(
+            LIMIT,
+            on_all(&gs, move |g| async move {
+                let r = g.rank() as f32;
+                let on_root = g.rank() == root;
+                let mut t = Tensor::from_f32(vec![2], &[r, 1.0]).unwrap();
+                g.reduce_tensor(&mut t, ReduceOp::Sum, root).await.unwrap();
+                let mine = Tensor::from_f32(vec![2], &[r, -r]).unwrap();
+                let mut list: Vec<Tensor> = (0..world)
+                    .map(|_| Tensor::from_f32(vec![2], &[0.0; 2]).unwrap())
+                    .collect();
+                g.gather_tensor(&mine, on_root.then_some(&mut list[..]), root)
+                    .await
+                    .unwrap();
+                let parts: Vec<Tensor> = (0..world)
+                    .map(|i| Tensor::from_f32(vec![2], &[i as f32, 10.0 * i as f32]).unwrap())
+                    .collect();
+                let mut out = Tensor::from_f32(vec![2], &[0.0; 2]).unwrap();
+                g.scatter_tensor(&mut out, on_root.then_some(&parts[..]), root)
+                    .await
+                    .unwrap();
+                let wrong = g
+                    .gather_tensor(&mine, (!on_root).then_some(&mut list[..]), root)
+                    .await
+                    .is_err();
+                let short = if on_root {
+                    Some(
+                        g.scatter_tensor(&mut out.clone(), Some(&parts[1..]), root)
+                            .await
+                            .is_err(),
+                    )
+                } else {
+                    None
+                };
+                g.barrier().await.unwrap();
+                let gathered: Vec<Vec<f32>> =
+                    list.iter().map(|t| t.to_f32_vec().unwrap()).collect();
+                serde_json::json!({
+                    "reduced": on_root.then(|| t.to_f32_vec().unwrap()),
+                    "gathered": on_root.then_some(gathered),
+                    "scattered": out.to_f32_vec().unwrap(),
+                    "wrong": wrong,
+                    "short": short,
+                })
+            }),
+        )
+        .await
+        .expect("ours finished in time");
+        for (rank, ours) in results.iter().enumerate() {
+            assert_eq!(ours, &theirs[rank.to_string()], "world {world} rank {rank}");
+        }
+    }
+}
+
+/// The tensor form of all_to_all_single: gloo's rows with uneven and even splits, and an
+/// error wherever gloo raises one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_to_all_single_tensor_matches_gloo() {
+    use tensorwire_core::tensor::Tensor;
+    require_torch!();
+    for world in [2usize, 3, 4] {
+        let theirs = gloo("a2a", world).await;
+        let gs = groups(world, &format!("a2a{world}")).await;
+        let results = tokio::time::timeout(
+            LIMIT,
+            on_all(&gs, move |g| async move {
+                let r = g.rank();
+                let splits: Vec<usize> = (0..world).map(|j| 1 + (r + j) % 2).collect();
+                let rows: usize = splits.iter().sum();
+                let values: Vec<f32> = (0..2 * rows).map(|i| (100 * r + i) as f32).collect();
+                let input = Tensor::from_f32(vec![rows, 2], &values).unwrap();
+                let mut out = Tensor::from_f32(vec![rows, 2], &vec![0.0; 2 * rows]).unwrap();
+                g.all_to_all_single_tensor(&mut out, &input, Some(&splits), Some(&splits))
+                    .await
+                    .unwrap();
+                let even_in = Tensor::from_f32(vec![world], &vec![r as f32; world]).unwrap();
+                let mut even = Tensor::from_f32(vec![world], &vec![0.0; world]).unwrap();
+                g.all_to_all_single_tensor(&mut even, &even_in, None, None)
+                    .await
+                    .unwrap();
+                let odd = Tensor::from_f32(vec![world + 1], &vec![0.0; world + 1]).unwrap();
+                let uneven = g
+                    .all_to_all_single_tensor(&mut odd.clone(), &odd, None, None)
+                    .await
+                    .is_err();
+                let wrong = g
+                    .all_to_all_single_tensor(&mut out.clone(), &input, Some(&splits), Some(&[1]))
+                    .await
+                    .is_err();
+                g.barrier().await.unwrap();
+                serde_json::json!({
+                    "out": out.to_f32_vec().unwrap(),
+                    "even": even.to_f32_vec().unwrap(),
+                    "uneven": uneven,
+                    "wrong": wrong,
+                })
+            }),
+        )
+        .await
+        .expect("ours finished in time");
+        for (rank, ours) in results.iter().enumerate() {
+            assert_eq!(ours, &theirs[rank.to_string()], "world {world} rank {rank}");
+        }
+    }
+}
