@@ -48,7 +48,7 @@ fn rust_log_shows_the_workers_logs() {
         assert_eq!(out.status.code(), Some(0));
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
-    let logged = run(Some("tensorwire_process_group=info"));
+    let logged = run(Some("tensorwire_store=info"));
     assert!(
         logged.contains("INFO") && logged.contains("store server listening"),
         "{logged}"
