@@ -68,3 +68,43 @@ pub fn worker_bin(name: &str, built: &str) -> std::path::PathBuf {
         None => built.into(),
     }
 }
+
+/// The Python with PyTorch for the interoperability tests (`TENSORWIRE_TORCH_PYTHON`, else
+/// `python3`).
+pub fn torch_python() -> String {
+    std::env::var("TENSORWIRE_TORCH_PYTHON").unwrap_or_else(|_| "python3".to_owned())
+}
+
+/// `Some(reason)` when `torch.distributed` cannot be imported by [`torch_python`].
+pub fn torch_missing() -> Option<String> {
+    let python = torch_python();
+    match std::process::Command::new(&python)
+        .args(["-c", "import torch.distributed"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+    {
+        Ok(s) if s.success() => None,
+        Ok(s) => Some(format!("`{python} -c 'import torch'` exited with {s}")),
+        Err(e) => Some(format!("cannot run {python}: {e}")),
+    }
+}
+
+/// Returns from the test, printing `SKIPPED: <what> needs torch (<reason>)`, when torch is
+/// missing; panics instead when `TENSORWIRE_REQUIRE_TORCH` is set (CI sets it after installing
+/// torch: a skip there would hide a broken install).
+#[macro_export]
+macro_rules! require_torch {
+    ($what:expr) => {
+        if let Some(reason) = $crate::torch_missing() {
+            if std::env::var_os("TENSORWIRE_REQUIRE_TORCH").is_some() {
+                panic!("TENSORWIRE_REQUIRE_TORCH is set but torch is missing: {reason}");
+            }
+            eprintln!(
+                "SKIPPED: {} needs torch ({reason}); set TENSORWIRE_TORCH_PYTHON",
+                $what
+            );
+            return;
+        }
+    };
+}

@@ -10,6 +10,7 @@ use std::future::Future;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
+use tensorwire_tests::torch_python as python;
 
 use tensorwire_core::ports::process_group::ProcessGroup;
 use tensorwire_core::ports::store::Store;
@@ -17,38 +18,6 @@ use tensorwire_process_group::{Group, GroupOptions, InMemoryStore};
 use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};
 
 const LIMIT: Duration = Duration::from_secs(120);
-
-fn python() -> String {
-    std::env::var("TENSORWIRE_TORCH_PYTHON").unwrap_or_else(|_| "python3".to_owned())
-}
-
-/// `Some(reason)` when torch is not importable.
-fn torch_missing() -> Option<String> {
-    match std::process::Command::new(python())
-        .args(["-c", "import torch.distributed"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-    {
-        Ok(s) if s.success() => None,
-        Ok(s) => Some(format!("`{} -c 'import torch'` exited with {s}", python())),
-        Err(e) => Some(format!("cannot run {}: {e}", python())),
-    }
-}
-
-macro_rules! require_torch {
-    () => {
-        if let Some(reason) = torch_missing() {
-            if std::env::var_os("TENSORWIRE_REQUIRE_TORCH").is_some() {
-                panic!("TENSORWIRE_REQUIRE_TORCH is set but torch is missing: {reason}");
-            }
-            eprintln!(
-                "SKIPPED: gloo parity test needs torch ({reason}); set TENSORWIRE_TORCH_PYTHON"
-            );
-            return;
-        }
-    };
-}
 
 /// Runs `scenario` on `world` gloo ranks (forked processes over `tcp://`); prints one JSON
 /// object mapping each rank to what its scenario returned.
@@ -232,7 +201,7 @@ fn i64s(bytes: &[u8]) -> Vec<i64> {
 /// `dist.recv(t, src=None)`, which returns the sender.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recv_from_any_source_matches_gloo() {
-    require_torch!();
+    tensorwire_tests::require_torch!("gloo parity test");
     for world in [2usize, 3, 4] {
         let theirs = gloo("recv_any", world).await;
         let gs = groups(world, &format!("any{world}")).await;
@@ -272,7 +241,7 @@ async fn recv_from_any_source_matches_gloo() {
 async fn into_tensor_collectives_match_gloo() {
     use tensorwire_core::collective::ReduceOp;
     use tensorwire_core::tensor::{DType, Storage, Tensor};
-    require_torch!();
+    tensorwire_tests::require_torch!("gloo parity test");
     for world in [2usize, 3, 4] {
         let theirs = gloo("into_tensor", world).await;
         let gs = groups(world, &format!("into{world}")).await;
@@ -336,7 +305,7 @@ async fn into_tensor_collectives_match_gloo() {
 async fn rooted_tensor_collectives_match_gloo() {
     use tensorwire_core::collective::ReduceOp;
     use tensorwire_core::tensor::Tensor;
-    require_torch!();
+    tensorwire_tests::require_torch!("gloo parity test");
     for world in [2usize, 3, 4] {
         let theirs = gloo("rooted", world).await;
         let gs = groups(world, &format!("rooted{world}")).await;
@@ -400,7 +369,7 @@ async fn rooted_tensor_collectives_match_gloo() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_to_all_single_tensor_matches_gloo() {
     use tensorwire_core::tensor::Tensor;
-    require_torch!();
+    tensorwire_tests::require_torch!("gloo parity test");
     for world in [2usize, 3, 4] {
         let theirs = gloo("a2a", world).await;
         let gs = groups(world, &format!("a2a{world}")).await;

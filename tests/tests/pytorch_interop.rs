@@ -7,6 +7,7 @@
 
 use std::process::Stdio;
 use std::time::Duration;
+use tensorwire_tests::torch_python as python;
 
 use tensorwire_store::protocol::{self, Limits, Request};
 use tensorwire_store::{
@@ -17,44 +18,11 @@ use tokio::process::Command;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
-fn python() -> String {
-    std::env::var("TENSORWIRE_TORCH_PYTHON").unwrap_or_else(|_| "python3".to_owned())
-}
-
 /// A Python command, quiet about torch's optional-dependency warnings.
 fn py() -> Command {
     let mut c = Command::new(python());
     c.env("PYTHONWARNINGS", "ignore");
     c
-}
-
-/// `Some(reason)` when torch is not importable.
-fn torch_missing() -> Option<String> {
-    match std::process::Command::new(python())
-        .args(["-c", "import torch.distributed"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-    {
-        Ok(s) if s.success() => None,
-        Ok(s) => Some(format!("`{} -c 'import torch'` exited with {s}", python())),
-        Err(e) => Some(format!("cannot run {}: {e}", python())),
-    }
-}
-
-macro_rules! require_torch {
-    () => {
-        if let Some(reason) = torch_missing() {
-            // CI sets this after installing torch: a skip there would hide a broken install.
-            if std::env::var_os("TENSORWIRE_REQUIRE_TORCH").is_some() {
-                panic!("TENSORWIRE_REQUIRE_TORCH is set but torch is missing: {reason}");
-            }
-            eprintln!(
-                "SKIPPED: PyTorch interop test needs torch ({reason}); set TENSORWIRE_TORCH_PYTHON"
-            );
-            return;
-        }
-    };
 }
 
 const PY_CLIENT: &str = r#"
@@ -101,7 +69,7 @@ print("OK", *out, flush=True)
 
 #[tokio::test]
 async fn pytorch_client_against_our_server() {
-    require_torch!();
+    tensorwire_tests::require_torch!("PyTorch interop test");
     let server = TcpStoreServer::bind("127.0.0.1:0", ServerConfig::default())
         .await
         .unwrap();
@@ -161,7 +129,7 @@ print("CHECKED", ok, s.num_keys(), flush=True)
 
 #[tokio::test]
 async fn our_client_against_pytorch_server() {
-    require_torch!();
+    tensorwire_tests::require_torch!("PyTorch interop test");
     let mut child = py()
         .args(["-c", PY_SERVER])
         .stdout(Stdio::piped())
@@ -260,7 +228,7 @@ print("PYFILE", ok, s.get("shared/count").decode(), flush=True)
 
 #[tokio::test]
 async fn pytorch_file_store_shares_our_file_format() {
-    require_torch!();
+    tensorwire_tests::require_torch!("PyTorch interop test");
     let path = std::env::temp_dir().join(format!("tw-interop-file-{}", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let ours = tensorwire_store::FileStore::with_timeout(&path, None, LIMIT);
@@ -294,7 +262,7 @@ except Exception as e:
 
 #[tokio::test]
 async fn a_server_with_a_secret_refuses_pytorch_clients() {
-    require_torch!();
+    tensorwire_tests::require_torch!("PyTorch interop test");
     let server = TcpStoreServer::bind(
         "127.0.0.1:0",
         ServerConfig {
@@ -393,13 +361,13 @@ async fn mixed_group(python_rank: usize) {
 
 #[tokio::test]
 async fn mixed_group_with_our_rank_zero_hosting() {
-    require_torch!();
+    tensorwire_tests::require_torch!("PyTorch interop test");
     mixed_group(1).await;
 }
 
 #[tokio::test]
 async fn mixed_group_with_pytorch_rank_zero_hosting() {
-    require_torch!();
+    tensorwire_tests::require_torch!("PyTorch interop test");
     mixed_group(0).await;
 }
 
@@ -447,7 +415,7 @@ show("add-on-text", lambda: s.add("k", 1))
 
 #[tokio::test]
 async fn same_results_from_pytorchs_server_and_ours() {
-    require_torch!();
+    tensorwire_tests::require_torch!("PyTorch interop test");
     let server = TcpStoreServer::bind("127.0.0.1:0", ServerConfig::default())
         .await
         .unwrap();
@@ -523,7 +491,7 @@ show("text-kept", lambda: s.get("text"))
 
 #[tokio::test]
 async fn same_barriers_on_pytorchs_server_and_ours() {
-    require_torch!();
+    tensorwire_tests::require_torch!("PyTorch interop test");
     let server = TcpStoreServer::bind("127.0.0.1:0", ServerConfig::default())
         .await
         .unwrap();
@@ -565,7 +533,7 @@ async fn same_barriers_on_pytorchs_server_and_ours() {
 
 #[tokio::test]
 async fn our_client_barriers_on_pytorchs_server() {
-    require_torch!();
+    tensorwire_tests::require_torch!("PyTorch interop test");
     let mut child = py()
         .args(["-c", PY_SERVER_IDLE])
         .stdout(Stdio::piped())
@@ -637,7 +605,7 @@ s.get("done")
 
 #[tokio::test]
 async fn pytorchs_server_knows_no_query_type_past_barrier() {
-    require_torch!();
+    tensorwire_tests::require_torch!("PyTorch interop test");
     let mut child = py()
         .args(["-c", PY_SERVER_IDLE])
         .stdout(Stdio::piped())
@@ -754,7 +722,7 @@ show("wait-timeout", lambda: s.wait(["never"], timedelta(milliseconds=100)))
 
 #[tokio::test]
 async fn pytorchs_client_sends_our_encoding() {
-    require_torch!();
+    tensorwire_tests::require_torch!("PyTorch interop test");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let child = py()
@@ -957,7 +925,7 @@ print("PYFILE", s.get("fb/num_members").decode(), s.get("fb/last_member").decode
 
 #[tokio::test]
 async fn pytorchs_file_store_and_ours_meet_at_one_barrier() {
-    require_torch!();
+    tensorwire_tests::require_torch!("PyTorch interop test");
     let path = std::env::temp_dir().join(format!("tw-interop-barrier-{}", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let ours = tensorwire_store::FileStore::with_timeout(&path, None, LIMIT);
