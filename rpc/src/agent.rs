@@ -2060,10 +2060,20 @@ impl Agent {
         match queued {
             Some(true) => {}
             _ => {
-                // Lost earlier: the endpoint keeps that first cause.
+                // Lost earlier: the endpoint keeps that first cause. Never connected: this is
+                // its loss, and subscribers hear of it as of any other (once).
+                let first = st.ep.lost_cause(t.to).is_none();
                 let cause =
                     LostCause::Transport(format!("no connection to {}", self.name_of(t.to)));
-                st.ep.handle_peer_lost(t.to, cause, self.now());
+                st.ep.handle_peer_lost(t.to, cause.clone(), self.now());
+                if first {
+                    self.inner
+                        .peer_events
+                        .emit(crate::peer_events::PeerEvent::Lost {
+                            worker: t.to,
+                            cause,
+                        });
+                }
             }
         }
     }
