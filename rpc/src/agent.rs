@@ -1472,6 +1472,40 @@ impl Agent {
             .map(drop)
     }
 
+    /// A barrier among `workers` only (PyTorch's `rpc.api._barrier(worker_names)`): each of
+    /// them calls it with the same list and name, and it returns once all of them have; the
+    /// others take no part. It runs over RPC through the lowest-ranked of them (as the dynamic
+    /// group's barrier does), in static and dynamic groups alike, and writes nothing to the
+    /// store. This worker must be in the list; an unknown worker fails with
+    /// [`RpcError::UnknownWorker`]. A timeout (zero: none) names the workers that did not come.
+    pub async fn barrier_among<W: Into<WorkerRef>>(
+        &self,
+        name: &str,
+        workers: impl IntoIterator<Item = W>,
+        timeout: Duration,
+    ) -> Result<(), RpcError> {
+        let mut members = std::collections::BTreeSet::new();
+        for w in workers {
+            members.insert(self.resolve(&w.into())?);
+        }
+        if !members.contains(&self.inner.me.id) {
+            return Err(RpcError::InvalidArgument(format!(
+                "barrier_among {name:?}: this worker ({}) is not among the workers listed",
+                self.inner.me.name
+            )));
+        }
+        let what = format!("barrier {name:?} among {} workers", members.len());
+        self.gather_among(
+            &what,
+            &format!("barrier-among/{name}"),
+            Vec::new(),
+            timeout,
+            members,
+        )
+        .await
+        .map(drop)
+    }
+
     /// A static group's world process group: the group init ran over, whose connections the
     /// agent shares (`None` in a dynamic group, which has none, as in PyTorch). Its
     /// collectives (and subgroups) run beside the calls on the same connections; they are

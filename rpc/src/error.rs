@@ -134,6 +134,9 @@ pub enum RpcError {
         /// Why.
         reason: String,
     },
+    /// An argument of an agent method that cannot be used (the message says which and why).
+    #[error("{0}")]
+    InvalidArgument(String),
 }
 
 impl RpcError {

@@ -183,13 +183,22 @@ impl Agent {
         value: Vec<u8>,
         timeout: Duration,
     ) -> Result<Vec<Vec<u8>>, RpcError> {
-        let expected: Vec<WorkerId> = self
-            .worker_infos()
-            .iter()
-            .map(|w| w.id)
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
+        let everyone: BTreeSet<WorkerId> = self.worker_infos().iter().map(|w| w.id).collect();
+        self.gather_among(what, name, value, timeout, everyone)
+            .await
+    }
+
+    /// [`gather_dynamic`](Self::gather_dynamic) among `members` only (this worker one of
+    /// them): the leader is the lowest of them, and only they take part.
+    pub(crate) async fn gather_among(
+        &self,
+        what: &str,
+        name: &str,
+        value: Vec<u8>,
+        timeout: Duration,
+        members: BTreeSet<WorkerId>,
+    ) -> Result<Vec<Vec<u8>>, RpcError> {
+        let expected: Vec<WorkerId> = members.into_iter().collect();
         let leader = *expected.first().ok_or(RpcError::NotRunning)?;
         // Zero: no deadline, as for calls.
         let (wait, call_timeout) = if timeout.is_zero() {

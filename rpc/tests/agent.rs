@@ -1533,6 +1533,68 @@ async fn the_agent_and_its_group_share_one_connection_per_pair_of_workers() {
     );
 }
 
+/// A barrier among some workers (PyTorch's `test_rpc_barrier_subset`): only the listed workers
+/// take part, by name or rank, in a static group; one that does not come is named at the
+/// timeout; a worker not in its own list, or an unknown one, is refused at once.
+#[tokio::test(start_paused = true)]
+async fn a_barrier_among_some_workers_needs_only_them() {
+    let cluster = Cluster::new();
+    let agents: Vec<Agent> = group_in(&cluster, 4, |_, _| {})
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let keys = cluster.store.num_keys().await.unwrap();
+    let t = Duration::from_secs(5);
+    // w1 and w3 only (the leader is w1); w0 and w2 do nothing.
+    let (a, b) = tokio::join!(
+        agents[1].barrier_among("odd", ["w1", "w3"], t),
+        agents[3].barrier_among("odd", [1u32, 3u32], t)
+    );
+    assert!(a.is_ok() && b.is_ok(), "{a:?} {b:?}");
+    // Back to back, and a subset with w0 and w2 beside it under another name.
+    for round in 0..3 {
+        let (a, b, c, d) = tokio::join!(
+            agents[1].barrier_among("odd", ["w1", "w3"], t),
+            agents[3].barrier_among("odd", ["w1", "w3"], t),
+            agents[0].barrier_among("even", ["w0", "w2"], t),
+            agents[2].barrier_among("even", ["w0", "w2"], t),
+        );
+        for r in [a, b, c, d] {
+            assert!(r.is_ok(), "round {round}: {r:?}");
+        }
+    }
+    // w3 does not come: w1 fails by its timeout, naming it.
+    let e = agents[1]
+        .barrier_among("late", ["w1", "w3"], t)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, RpcError::Timeout { waiting_for: Some(w), .. } if w.contains("w3")),
+        "{e}"
+    );
+    let e = agents[0]
+        .barrier_among("x", ["w1", "w3"], t)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RpcError::InvalidArgument(_)), "{e}");
+    let e = agents[0]
+        .barrier_among("x", ["w0", "w9"], t)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RpcError::UnknownWorker(..)), "{e}");
+    assert_eq!(cluster.store.num_keys().await.unwrap(), keys);
+    let down = futures_join(agents.iter().map(|a| {
+        let a = a.clone();
+        async move {
+            a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
+                .await
+        }
+    }))
+    .await;
+    assert!(down.iter().all(Result::is_ok), "{down:?}");
+}
+
 /// A barrier that times out in a static group names the workers that did not arrive and
 /// leaves no key in the store.
 #[tokio::test(start_paused = true)]
