@@ -631,7 +631,7 @@ fn quic_killed(worker: &std::path::Path) -> Result<Vec<Row>> {
                 "TENSORWIRE_QUIC_KEEPALIVE_MS",
                 keep_alive.as_millis().to_string(),
             ),
-            ("TW_TLS_DIR", tls.display().to_string()),
+            ("TW_TLS_DIR", tls.path().display().to_string()),
         ],
     );
     let outcome = (|| {
@@ -660,7 +660,7 @@ fn quic_killed(worker: &std::path::Path) -> Result<Vec<Row>> {
             took,
         ))
     })();
-    let _ = std::fs::remove_dir_all(&tls);
+    drop(tls);
     Ok(vec![outcome?])
 }
 
@@ -678,16 +678,10 @@ pub(crate) fn build_test_bins(bins: &[&str]) -> Result<PathBuf> {
     Ok(target.join("debug"))
 }
 
-/// A new empty folder under the system's temporary folder.
-pub(crate) fn tempdir(what: &str) -> Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!(
-        "tw-{what}-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0)
-    ));
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    Ok(dir)
+/// A new empty folder under the system's temporary folder, removed when the guard drops.
+pub(crate) fn tempdir(what: &str) -> Result<tempfile::TempDir> {
+    tempfile::Builder::new()
+        .prefix(&format!("tw-{what}-"))
+        .tempdir()
+        .with_context(|| format!("cannot create a temporary folder for {what}"))
 }
