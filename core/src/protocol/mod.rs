@@ -482,12 +482,23 @@ pub enum Event<B> {
 pub struct EndpointConfig {
     /// How long to wait for a control message's acknowledgement before sending it again.
     pub control_retry: Duration,
+    /// Records of handled control messages kept per peer to acknowledge a resent one without
+    /// handling it twice. The peer's floor frees them as its acknowledgements arrive; beyond
+    /// this many, the oldest are forgotten (ids below the oldest kept count as handled), so a
+    /// peer that never raises its floor cannot grow them. Default 65,536.
+    pub idempotence_records_per_peer: usize,
+    /// Owner records a peer may make by fork requests for references that are not created
+    /// here (not yet, or never): beyond this many, a fork request for another such reference
+    /// is a [`ProtocolViolation::TooManyPendingForks`]. Default 16,384.
+    pub pending_forks_per_peer: usize,
 }
 
 impl Default for EndpointConfig {
     fn default() -> Self {
         Self {
             control_retry: Duration::from_secs(1),
+            idempotence_records_per_peer: 1 << 16,
+            pending_forks_per_peer: 1 << 14,
         }
     }
 }
@@ -632,6 +643,13 @@ pub enum ProtocolViolation {
         /// What was wrong.
         what: String,
     },
+    /// A fork request for a reference not created here while the sender already has
+    /// [`EndpointConfig::pending_forks_per_peer`] records of such references.
+    #[error("it asked for forks of more than {limit} references this worker has not created")]
+    TooManyPendingForks {
+        /// The bound.
+        limit: usize,
+    },
     /// A delete, fork request or child-accept for a fork that another worker holds.
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
     ForeignFork {
@@ -742,6 +760,10 @@ pub struct Endpoint<B> {
     /// Control messages already handled, per sender, so resent ones are only acknowledged:
     /// ids at or above the sender's floor (below it, everything was handled).
     seen_control: HashMap<WorkerId, Seen>,
+    /// Per peer, the owner records its fork requests made for references not created here
+    /// (bounded by [`EndpointConfig::pending_forks_per_peer`]); an entry whose reference has
+    /// since been created or released no longer counts, and is pruned when the set fills.
+    placeholders: HashMap<WorkerId, HashSet<RRefId>>,
     transmits: VecDeque<Transmit<B>>,
     /// Per peer, messages held behind one whose body is not ready yet (see
     /// [`call_deferred`](Endpoint::call_deferred)): they leave in the order they were made.
@@ -871,6 +893,7 @@ impl<B: Payload> Endpoint<B> {
             used: HashMap::new(),
             children: HashMap::new(),
             seen_control: HashMap::new(),
+            placeholders: HashMap::new(),
             transmits: VecDeque::new(),
             held: HashMap::new(),
             deferred: HashMap::new(),
@@ -1228,6 +1251,9 @@ impl<B: Payload> Endpoint<B> {
                 fork,
             } => {
                 if self.first_time(from, id, floor) {
+                    if !self.owned.contains_key(&rref) {
+                        self.note_placeholder(from, rref);
+                    }
                     let failed = self
                         .failure_of(rref)
                         .or_else(|| self.released(rref))
@@ -1342,11 +1368,19 @@ impl<B: Payload> Endpoint<B> {
             Header::UserDelete { rref, fork, .. } | Header::ForkRequest { rref, fork, .. } => {
                 match self.owned.get(&rref).and_then(|o| o.forks.get(&fork)) {
                     Some(&holder) if holder != from => {
-                        Err(ProtocolViolation::ForeignFork { rref, fork, holder })
+                        return Err(ProtocolViolation::ForeignFork { rref, fork, holder });
                     }
                     // Held by the sender, or forgotten already (a failed creation's fork).
-                    _ => Ok(()),
+                    _ => {}
                 }
+                let limit = self.config.pending_forks_per_peer;
+                if matches!(header, Header::ForkRequest { .. })
+                    && !self.owned.contains_key(&rref)
+                    && self.pending_forks_of(from) >= limit
+                {
+                    return Err(ProtocolViolation::TooManyPendingForks { limit });
+                }
+                Ok(())
             }
             Header::Abandoned { rref, .. } if rref.created_on != from => {
                 Err(ProtocolViolation::ForeignFork {
@@ -1449,6 +1483,7 @@ impl<B: Payload> Endpoint<B> {
     pub fn handle_peer_lost(&mut self, peer: WorkerId, cause: LostCause, now: Instant) {
         self.last_now = Some(now);
         let cause = self.lost.entry(peer).or_insert(cause).clone();
+        self.placeholders.remove(&peer);
         let ids: Vec<MessageId> = self
             .pending
             .iter()
@@ -1552,6 +1587,7 @@ impl<B: Payload> Endpoint<B> {
     pub fn handle_peer_joined(&mut self, peer: WorkerId) {
         self.lost.remove(&peer);
         self.seen_control.remove(&peer);
+        self.placeholders.remove(&peer);
         self.forget_shutdown_of(peer);
         self.created_upto.remove(&peer);
     }
@@ -2037,7 +2073,44 @@ impl<B: Payload> Endpoint<B> {
             seen.floor = floor;
             seen.ids = seen.ids.split_off(&floor);
         }
-        id >= seen.floor && seen.ids.insert(id)
+        let first = id >= seen.floor && seen.ids.insert(id);
+        // Our bound, whatever floor the peer sends: forget the oldest records. A peer's
+        // control messages reach us in the order of their ids on its link, so an id below the
+        // oldest kept one has arrived already (a copy of it is acknowledged, not handled).
+        while seen.ids.len() > self.config.idempotence_records_per_peer {
+            seen.ids.pop_first();
+            if let Some(&oldest) = seen.ids.first() {
+                seen.floor = oldest;
+            }
+        }
+        first
+    }
+
+    /// The owner records `from`'s fork requests made for references not created (or no
+    /// longer kept) here.
+    fn pending_forks_of(&self, from: WorkerId) -> usize {
+        self.placeholders.get(&from).map_or(0, |set| {
+            set.iter().filter(|r| self.is_placeholder(**r)).count()
+        })
+    }
+
+    /// Whether `rref` has an owner record here whose value is not kept (being created, or
+    /// failed).
+    fn is_placeholder(&self, rref: RRefId) -> bool {
+        self.owned
+            .get(&rref)
+            .is_some_and(|o| !matches!(o.state, Some(Ok(()))))
+    }
+
+    /// `from`'s fork request makes the owner record of `rref` (not created here).
+    fn note_placeholder(&mut self, from: WorkerId, rref: RRefId) {
+        let limit = self.config.pending_forks_per_peer;
+        let mut set = self.placeholders.remove(&from).unwrap_or_default();
+        if set.len() >= limit {
+            set.retain(|r| self.is_placeholder(*r));
+        }
+        set.insert(rref);
+        self.placeholders.insert(from, set);
     }
 
     /// The floor to put in a control message to `to`: our oldest control message to it not
