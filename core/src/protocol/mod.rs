@@ -166,6 +166,9 @@ pub enum RemoteErrorKind {
     /// A tensor in the result cannot be sent back (no reverse device map entry for its device),
     /// or cannot be placed on the device its map names.
     DeviceMap,
+    /// The callee is already serving as many requests from this caller as it takes at once
+    /// ([`EndpointConfig::requests_per_peer`]); nothing ran. Retry later.
+    Busy,
 }
 
 impl fmt::Display for RemoteErrorKind {
@@ -178,6 +181,7 @@ impl fmt::Display for RemoteErrorKind {
             Self::RRef => "remote reference error",
             Self::ShuttingDown => "callee shutting down",
             Self::DeviceMap => "device map error",
+            Self::Busy => "callee busy",
         })
     }
 }
@@ -491,6 +495,11 @@ pub struct EndpointConfig {
     /// here (not yet, or never): beyond this many, a fork request for another such reference
     /// is a [`ProtocolViolation::TooManyPendingForks`]. Default 16,384.
     pub pending_forks_per_peer: usize,
+    /// Requests (calls, remotes, fetches) one peer may have being served here at once:
+    /// handed to the application (a handler task each) or parked, not answered yet. A
+    /// request beyond it is answered at once with a [`RemoteErrorKind::Busy`] error naming
+    /// the bound, and runs nothing. Default 4,096.
+    pub requests_per_peer: usize,
 }
 
 impl Default for EndpointConfig {
@@ -499,6 +508,7 @@ impl Default for EndpointConfig {
             control_retry: Duration::from_secs(1),
             idempotence_records_per_peer: 1 << 16,
             pending_forks_per_peer: 1 << 14,
+            requests_per_peer: 4096,
         }
     }
 }
@@ -561,6 +571,70 @@ struct Used {
     /// be fetched or passed on, and fetching it reports this. After a timeout the fork is
     /// still deleted at the owner once dropped.
     creation_error: Option<CallError>,
+}
+
+/// Requests being served (handed to the application, not answered yet), counted per caller
+/// so that admission can bound each caller's share
+/// ([`EndpointConfig::requests_per_peer`]).
+#[derive(Debug, Default)]
+struct Serving {
+    tokens: HashSet<RequestToken>,
+    per_peer: HashMap<WorkerId, usize>,
+}
+
+impl Serving {
+    fn insert(&mut self, token: RequestToken) -> bool {
+        let new = self.tokens.insert(token);
+        if new {
+            *self.per_peer.entry(token.from).or_insert(0) += 1;
+        }
+        new
+    }
+
+    fn remove(&mut self, token: &RequestToken) -> bool {
+        let had = self.tokens.remove(token);
+        if had {
+            if let Some(n) = self.per_peer.get_mut(&token.from) {
+                *n -= 1;
+                if *n == 0 {
+                    self.per_peer.remove(&token.from);
+                }
+            }
+        }
+        had
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&RequestToken) -> bool) {
+        let per_peer = &mut self.per_peer;
+        self.tokens.retain(|t| {
+            let k = keep(t);
+            if !k {
+                if let Some(n) = per_peer.get_mut(&t.from) {
+                    *n -= 1;
+                }
+            }
+            k
+        });
+        per_peer.retain(|_, n| *n > 0);
+    }
+
+    fn clear(&mut self) {
+        self.tokens.clear();
+        self.per_peer.clear();
+    }
+
+    fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &RequestToken> {
+        self.tokens.iter()
+    }
+
+    /// Requests from `peer` being served.
+    fn of(&self, peer: WorkerId) -> usize {
+        self.per_peer.get(&peer).copied().unwrap_or(0)
+    }
 }
 
 /// The control messages of one sender already handled.
@@ -752,7 +826,7 @@ pub struct Endpoint<B> {
     unacked: HashMap<MessageId, Unacked>,
     /// The ids of `unacked`, per destination (for each message's floor, in O(log n)).
     unacked_to: HashMap<WorkerId, BTreeSet<MessageId>>,
-    incoming: HashSet<RequestToken>,
+    incoming: Serving,
     owned: HashMap<RRefId, Owned>,
     used: HashMap<ForkId, Used>,
     /// Child fork -> the parent fork it was made from and the worker it was sent to.
@@ -888,7 +962,7 @@ impl<B: Payload> Endpoint<B> {
             timers: BTreeSet::new(),
             unacked: HashMap::new(),
             unacked_to: HashMap::new(),
-            incoming: HashSet::new(),
+            incoming: Serving::default(),
             owned: HashMap::new(),
             used: HashMap::new(),
             children: HashMap::new(),
@@ -1006,7 +1080,7 @@ impl<B: Payload> Endpoint<B> {
             *calls_in_flight.entry(p.to).or_insert(0) += 1;
         }
         let mut requests_being_served = std::collections::BTreeMap::new();
-        for t in &self.incoming {
+        for t in self.incoming.iter() {
             *requests_being_served.entry(t.from).or_insert(0) += 1;
         }
         DebugInfo {
@@ -1190,12 +1264,17 @@ impl<B: Payload> Endpoint<B> {
                 timeout,
             } => {
                 let Some(body) = self.admit(from, id, body, now) else {
-                    // Refused (shutting down, leaving, no body): the value will never be
-                    // created, so what waits for it here (fork requests, fetches, method
+                    // Refused (shutting down, leaving, busy, no body): the value will never
+                    // be created, so what waits for it here (fork requests, fetches, method
                     // calls from third parties) settles now.
+                    let kind = if self.takes_requests() {
+                        RemoteErrorKind::Busy
+                    } else {
+                        RemoteErrorKind::ShuttingDown
+                    };
                     let err = RemoteError {
                         worker: self.me,
-                        kind: RemoteErrorKind::ShuttingDown,
+                        kind,
                         message: format!("{rref} was not created: worker {} refused it", self.me),
                     };
                     self.fail_creation(rref, err);
@@ -1219,10 +1298,10 @@ impl<B: Payload> Endpoint<B> {
                 });
             }
             Header::Fetch { id, rref, timeout } => {
-                if self.takes_requests() {
-                    self.owner_fetch(from, id, rref, deadline_after(now, timeout));
-                } else {
+                if !self.takes_requests() {
                     self.refuse(from, id);
+                } else if !self.refused_as_busy(from, id) {
+                    self.owner_fetch(from, id, rref, deadline_after(now, timeout));
                 }
             }
             Header::Reply { id, outcome, forks } => {
@@ -1654,7 +1733,33 @@ impl<B: Payload> Endpoint<B> {
             };
             self.reply(from, id, Err(err));
         }
+        if self.refused_as_busy(from, id) {
+            if let Some(b) = body {
+                self.release_forks(b.forks(), now);
+            }
+            return None;
+        }
         body
+    }
+
+    /// Answers request `id` from `from` with [`RemoteErrorKind::Busy`] if `from` already has
+    /// its share of requests being served here; whether it did.
+    fn refused_as_busy(&mut self, from: WorkerId, id: MessageId) -> bool {
+        let limit = self.config.requests_per_peer;
+        if from == self.me || self.incoming.of(from) < limit {
+            return false;
+        }
+        let err = RemoteError {
+            worker: self.me,
+            kind: RemoteErrorKind::Busy,
+            message: format!(
+                "worker {} is already serving {limit} requests from worker {from}, its bound \
+                 per caller (requests_per_peer)",
+                self.me
+            ),
+        };
+        self.reply(from, id, Err(err));
+        true
     }
 
     /// The value of `rref` will never be created here: remembered, and what waits for it

@@ -1050,6 +1050,62 @@ fn a_fork_request_flood_for_references_never_created_is_bounded() {
     assert_eq!(owner.debug_info().owned.len(), 1);
 }
 
+/// A caller that keeps more requests in flight than its share: the ones beyond it are
+/// answered at once with a typed "busy" error naming the bound, run nothing, and hold nothing;
+/// once the callee answers one, the caller may send another. Other callers are not affected.
+#[test]
+fn requests_beyond_a_callers_share_are_answered_busy() {
+    let config = EndpointConfig {
+        requests_per_peer: 2,
+        ..EndpointConfig::default()
+    };
+    let mut callee = Endpoint::<Body>::new(1, config);
+    let now = Instant::now();
+    let call = |id: u64| Header::Call {
+        id,
+        function: "slow".into(),
+        timeout: T,
+    };
+    let mut tokens = Vec::new();
+    for id in 1..=3 {
+        assert_eq!(
+            callee.handle_message(2, call(id), Some(vec![]), now),
+            Ok(())
+        );
+    }
+    while let Some(ev) = callee.poll_event() {
+        if let Event::Call { token, .. } = ev {
+            tokens.push(token);
+        }
+    }
+    assert_eq!(tokens.len(), 2, "only the caller's share runs");
+    let busy: Vec<_> = std::iter::from_fn(|| callee.poll_transmit()).collect();
+    match &busy[..] {
+        [Transmit {
+            to: 2,
+            header:
+                Header::Reply {
+                    id: 3,
+                    outcome: Err(e),
+                    ..
+                },
+            ..
+        }] => {
+            assert_eq!(e.kind, RemoteErrorKind::Busy);
+            assert!(e.message.contains("requests_per_peer"), "{}", e.message);
+        }
+        other => panic!("expected one busy reply, got {other:?}"),
+    }
+    assert_eq!(callee.debug_info().requests_being_served.get(&2), Some(&2));
+    // Another caller has a share of its own.
+    assert_eq!(callee.handle_message(3, call(1), Some(vec![]), now), Ok(()));
+    assert!(matches!(callee.poll_event(), Some(Event::Call { .. })));
+    // Once one is answered, the caller may send another.
+    assert!(callee.respond(tokens[0], Ok(vec![])));
+    assert_eq!(callee.handle_message(2, call(4), Some(vec![]), now), Ok(()));
+    assert!(matches!(callee.poll_event(), Some(Event::Call { .. })));
+}
+
 /// A peer that never raises its floor cannot grow the idempotence records past our bound;
 /// a copy of a recent message is still acknowledged and not handled again.
 #[test]
