@@ -21,9 +21,15 @@
 //! frames, whose header starts with a tag byte:
 //! - `0`, a collective message: a 24-byte header (the tag, the sequence number `u64` LE, then
 //!   the round's [`Signature`], 15 bytes) and at most one payload;
-//! - `1`, a control frame: a postcard `Control` value: a clean goodbye, an abort that tells
-//!   the others which rank was seen dying, and a disagreement notice that tells them which
-//!   ranks ran what under one sequence number.
+//! - `1`, a control frame: a postcard `Control` value: a clean goodbye, an abort in the
+//!   sender's own name (what it saw, in its words: a rank may only report its own abort, and
+//!   an abort naming another rank is a violation of its sender), and a disagreement notice
+//!   that tells them which ranks ran what under one sequence number.
+//!
+//! Before a collective message is filed it is checked against core's
+//! [`Admission`](tensorwire_core::collective::inbox::Admission): the sender must be a member
+//! of the group, the sequence number within the window, and what the sender leaves unclaimed
+//! within the bounds; anything else is a [`MeshViolation`] of the sender, which is dropped.
 //!
 //! Every other frame belongs to the layer that shares the connections (the RPC agent) and goes
 //! to the [`FrameSink`] it set, on the reader task, without another hop; a group without one
@@ -32,7 +38,8 @@
 //! # Failures
 //! A connection that ends without a goodbye means the peer died: the mesh is then *broken*,
 //! every waiting and later collective fails with [`ProcessGroupError::PeerDied`] naming that
-//! rank, and the other peers are told (abort frame) in case they cannot see it themselves. A
+//! rank (or [`ProcessGroupError::Misbehaved`] for a peer dropped for a violation), and the
+//! other peers are told (an abort in this rank's name) in case they cannot see it themselves. A
 //! connection that ends after a goodbye only fails the collectives that still expect that
 //! peer's messages.
 
