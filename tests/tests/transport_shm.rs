@@ -200,7 +200,7 @@ async fn a_receiver_maps_slabs_only_within_its_own_budget() -> Result<()> {
                 ..
             }) => {
                 ensure!(reason.contains("slab budget"), "{reason}");
-                ensure!(kept.len() >= 1, "refused the first slab");
+                ensure!(!kept.is_empty(), "refused the first slab");
                 return Ok(());
             }
             Err(e) => bail!("round {round}: {e}"),
