@@ -27,7 +27,7 @@
 //!   that tells them which ranks ran what under one sequence number.
 //!
 //! Before a collective message is filed it is checked against core's
-//! [`Admission`](tensorwire_core::collective::inbox::Admission): the sender must be a member
+//! [`Admission`]: the sender must be a member
 //! of the group, the sequence number within the window, and what the sender leaves unclaimed
 //! within the bounds; anything else is a [`MeshViolation`] of the sender, which is dropped.
 //!
