@@ -247,6 +247,7 @@ impl Cluster {
     pub fn new(n: u32, seed: u64) -> Self {
         let config = EndpointConfig {
             control_retry: Duration::from_millis(100),
+            ..EndpointConfig::default()
         };
         Self {
             seed,
@@ -457,6 +458,7 @@ impl Cluster {
         }
         let config = EndpointConfig {
             control_retry: Duration::from_millis(100),
+            ..EndpointConfig::default()
         };
         self.eps[w as usize] = Endpoint::new(w, config);
         self.apps[w as usize] = App::default();

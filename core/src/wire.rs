@@ -537,8 +537,11 @@ enum State {
         segments: Vec<u64>,
         /// Completed segments.
         done: Vec<Bytes>,
-        /// The segment being filled, once started. Capacity reserved only after validation.
+        /// The segment being filled, once started. Capacity reserved only after validation,
+        /// and only as data arrives (see [`GROWTH_STEP`]), unless a free pooled buffer fits.
         current: Option<BytesMut>,
+        /// Whether `current` is a pooled buffer (else it joins the pool once complete).
+        pooled: bool,
         /// Bytes of the completed segments (for truncation reports).
         received: u64,
     },
@@ -561,6 +564,11 @@ pub struct FrameDecoder {
 
 /// Segments at least this large get their buffers from the [`BufferPool`].
 const POOL_MIN_SEGMENT: usize = 64 << 10;
+/// A fresh segment buffer starts with room for at most this many bytes and at least doubles
+/// (never past the segment's length) each time it fills: a peer that announces a large
+/// segment and then sends little makes the receiver hold about twice what it sent, not what
+/// it announced.
+pub const GROWTH_STEP: usize = 1 << 20;
 /// At most this many buffers are kept for reuse.
 const POOL_MAX_BUFFERS: usize = 8;
 /// Default for [`FrameDecoder::with_buffer_reuse`].
@@ -586,28 +594,55 @@ impl BufferPool {
         self.handles.iter().map(|(_, cap)| cap).sum()
     }
 
-    /// An empty buffer with room for `len` bytes; reserves nothing more than `len`.
-    fn take(&mut self, len: usize) -> BytesMut {
-        if len < POOL_MIN_SEGMENT || len > self.budget {
-            return BytesMut::with_capacity(len);
-        }
-        for (handle, cap) in &mut self.handles {
-            // Succeeds only when no frame uses the allocation any more.
-            if *cap >= len && handle.try_reclaim(len) {
-                return handle.split_off(0);
+    /// An empty buffer for a segment of `len` bytes, and whether it is pooled: a free pooled
+    /// allocation that fits (already ours), else a fresh one with room for at most
+    /// [`GROWTH_STEP`] bytes, grown by [`grow`] as data arrives.
+    fn take(&mut self, len: usize) -> (BytesMut, bool) {
+        if (POOL_MIN_SEGMENT..=self.budget).contains(&len) {
+            for (handle, cap) in &mut self.handles {
+                // Succeeds only when no frame uses the allocation any more.
+                if *cap >= len && handle.try_reclaim(len) {
+                    return (handle.split_off(0), true);
+                }
             }
         }
+        (BytesMut::with_capacity(len.min(GROWTH_STEP)), false)
+    }
+
+    /// A fresh segment, now complete: kept for reuse (once every frame using it is dropped)
+    /// if it is of a pooled size.
+    fn adopt(&mut self, segment: BytesMut) -> BytesMut {
+        let cap = segment.capacity();
+        if segment.len() < POOL_MIN_SEGMENT || cap > self.budget {
+            return segment;
+        }
         while !self.handles.is_empty()
-            && (self.pooled() + len > self.budget || self.handles.len() >= POOL_MAX_BUFFERS)
+            && (self.pooled() + cap > self.budget || self.handles.len() >= POOL_MAX_BUFFERS)
         {
             // Forget the oldest; frames still using it keep it alive until they are dropped.
             self.handles.remove(0);
         }
-        let mut handle = BytesMut::with_capacity(len);
+        let mut handle = segment;
         let buf = handle.split_off(0);
-        self.handles.push((handle, len));
+        self.handles.push((handle, cap));
         buf
     }
+}
+
+/// Makes room in `cur` (a segment of `len` bytes being filled) for at least one more byte
+/// when it is full: at least doubles it, never past `len`.
+fn grow(cur: &mut BytesMut, len: usize) {
+    if cur.capacity() > cur.len() || cur.len() >= len {
+        return;
+    }
+    let cap = cur
+        .capacity()
+        .max(GROWTH_STEP / 2)
+        .saturating_mul(2)
+        .min(len);
+    let mut bigger = BytesMut::with_capacity(cap);
+    bigger.extend_from_slice(cur);
+    *cur = bigger;
 }
 
 impl FrameDecoder {
@@ -690,6 +725,7 @@ impl FrameDecoder {
                         done: Vec::with_capacity(segments.len()),
                         segments,
                         current: None,
+                        pooled: false,
                         received: 0,
                     };
                 }
@@ -697,6 +733,7 @@ impl FrameDecoder {
                     segments,
                     done,
                     current,
+                    pooled,
                     received,
                     prefix,
                 } => {
@@ -711,15 +748,30 @@ impl FrameDecoder {
                                 *received += len as u64;
                             }
                             _ => {
-                                let cur = current.get_or_insert_with(|| self.pool.take(len));
-                                let n = (len - cur.len()).min(src.len());
-                                cur.extend_from_slice(&src[..n]);
-                                src.advance(n);
+                                let cur = current.get_or_insert_with(|| {
+                                    let (buf, from_pool) = self.pool.take(len);
+                                    *pooled = from_pool;
+                                    buf
+                                });
+                                let mut n = (len - cur.len()).min(src.len());
+                                while n > 0 {
+                                    grow(cur, len);
+                                    let k = n.min(cur.capacity() - cur.len());
+                                    cur.extend_from_slice(&src[..k]);
+                                    src.advance(k);
+                                    n -= k;
+                                }
                                 if cur.len() < len {
                                     return Ok(None);
                                 }
                                 *received += len as u64;
-                                done.push(current.take().unwrap_or_default().freeze());
+                                let segment = current.take().unwrap_or_default();
+                                let segment = if *pooled {
+                                    segment
+                                } else {
+                                    self.pool.adopt(segment)
+                                };
+                                done.push(segment.freeze());
                             }
                         }
                     }
@@ -753,6 +805,7 @@ impl FrameDecoder {
             segments,
             done,
             current,
+            pooled,
             ..
         } = &mut self.state
         else {
@@ -764,8 +817,48 @@ impl FrameDecoder {
         if missing < min.max(1) {
             return None;
         }
-        let cur = current.get_or_insert_with(|| self.pool.take(len));
+        let cur = current.get_or_insert_with(|| {
+            let (buf, from_pool) = self.pool.take(len);
+            *pooled = from_pool;
+            buf
+        });
+        grow(cur, len);
         Some(cur.limit(missing))
+    }
+
+    /// Bytes of the frame being received that have arrived so far (0 between frames).
+    pub fn received(&self) -> u64 {
+        match &self.finish() {
+            Err(WireError::Truncated {
+                part: "prefix",
+                received,
+                ..
+            }) => *received,
+            // The frame header's and the body's counts start after the prefix.
+            Err(WireError::Truncated { received, .. }) => PREFIX_LEN as u64 + *received,
+            _ => 0,
+        }
+    }
+
+    /// Bytes reserved for the segment being received (0 between segments): about what has
+    /// arrived of it, not what the peer announced (see [`GROWTH_STEP`]).
+    pub fn reserved(&self) -> usize {
+        match &self.state {
+            State::Body {
+                current: Some(c), ..
+            } => c.capacity(),
+            _ => 0,
+        }
+    }
+
+    /// Gives up the connection's buffers (the segment being received and the pooled ones),
+    /// for a connection that will read nothing more (its peer died or timed out): if a frame
+    /// was cut off, the decoder then fails with what [`finish`](Self::finish) said.
+    pub fn release(&mut self) {
+        if let Err(e) = self.finish() {
+            self.state = State::Failed(e);
+        }
+        self.pool.handles.clear();
     }
 
     /// Reports whether the input may end here: `Ok` between frames, [`WireError::Truncated`]
@@ -1225,6 +1318,52 @@ mod tests {
             out.advance(took);
         }
         assert_eq!(written, whole);
+    }
+
+    /// A peer announces a 1 GiB payload and sends 3 MiB: the receiver holds about what
+    /// arrived, whichever way it reads, and gives it up when told the peer is gone.
+    #[test]
+    fn an_announced_length_is_not_reserved_up_front() {
+        let limits = WireLimits::default();
+        let big: u64 = (1 << 30) - 64;
+        let table = postcard::to_allocvec(&FrameHeader {
+            message_len: 0,
+            payload_lens: vec![big],
+        })
+        .unwrap();
+        let mut preamble = prefix(1, table.len() as u32, table.len() as u64 + big);
+        preamble.extend_from_slice(&table);
+        for direct in [false, true] {
+            let mut dec = FrameDecoder::new(limits);
+            let mut src = BytesMut::from(&preamble[..]);
+            assert_eq!(dec.decode(&mut src).unwrap(), None);
+            let mut sent = 0usize;
+            while sent < 3 << 20 {
+                let chunk = [7u8; 64 << 10];
+                if direct {
+                    let mut buf = dec.direct_read_buf(1).unwrap();
+                    let k = chunk.len().min(buf.remaining_mut());
+                    buf.put_slice(&chunk[..k]);
+                    sent += k;
+                    assert_eq!(dec.decode(&mut BytesMut::new()).unwrap(), None);
+                } else {
+                    let mut src = BytesMut::from(&chunk[..]);
+                    assert_eq!(dec.decode(&mut src).unwrap(), None);
+                    sent += chunk.len();
+                }
+                assert!(
+                    dec.reserved() <= 2 * sent + GROWTH_STEP,
+                    "{} bytes reserved after {sent} arrived (direct: {direct})",
+                    dec.reserved()
+                );
+            }
+            dec.release();
+            assert_eq!(dec.reserved(), 0);
+            assert!(matches!(
+                dec.decode(&mut BytesMut::new()),
+                Err(WireError::Truncated { part: "body", .. })
+            ));
+        }
     }
 
     #[test]

@@ -21,9 +21,15 @@
 //! frames, whose header starts with a tag byte:
 //! - `0`, a collective message: a 24-byte header (the tag, the sequence number `u64` LE, then
 //!   the round's [`Signature`], 15 bytes) and at most one payload;
-//! - `1`, a control frame: a postcard `Control` value: a clean goodbye, an abort that tells
-//!   the others which rank was seen dying, and a disagreement notice that tells them which
-//!   ranks ran what under one sequence number.
+//! - `1`, a control frame: a postcard `Control` value: a clean goodbye, an abort in the
+//!   sender's own name (what it saw, in its words: a rank may only report its own abort, and
+//!   an abort naming another rank is a violation of its sender), and a disagreement notice
+//!   that tells them which ranks ran what under one sequence number.
+//!
+//! Before a collective message is filed it is checked against core's
+//! [`Admission`]: the sender must be a member
+//! of the group, the sequence number within the window, and what the sender leaves unclaimed
+//! within the bounds; anything else is a [`MeshViolation`] of the sender, which is dropped.
 //!
 //! Every other frame belongs to the layer that shares the connections (the RPC agent) and goes
 //! to the [`FrameSink`] it set, on the reader task, without another hop; a group without one
@@ -32,7 +38,8 @@
 //! # Failures
 //! A connection that ends without a goodbye means the peer died: the mesh is then *broken*,
 //! every waiting and later collective fails with [`ProcessGroupError::PeerDied`] naming that
-//! rank, and the other peers are told (abort frame) in case they cannot see it themselves. A
+//! rank (or [`ProcessGroupError::Misbehaved`] for a peer dropped for a violation), and the
+//! other peers are told (an abort in this rank's name) in case they cannot see it themselves. A
 //! connection that ends after a goodbye only fails the collectives that still expect that
 //! peer's messages.
 
@@ -44,8 +51,9 @@ use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
+use tensorwire_core::collective::inbox::{self, Admission, Held, InboxLimits};
 use tensorwire_core::collective::{Signature, SIGNATURE_LEN};
-use tensorwire_core::ports::process_group::ProcessGroupError;
+use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::protocol::membership::{JoinError, StaticJoin};
@@ -71,11 +79,12 @@ pub fn address_key(group: &str, rank: usize) -> String {
 pub(crate) enum Control {
     /// The sender shuts its group down cleanly; no more messages follow.
     Goodbye,
-    /// The sender saw `rank` die.
+    /// The sender aborted its group (it saw a failure: a rank dying, a violation).
     Abort {
-        /// The rank that died.
+        /// The sender's own rank: a rank may only report its own abort, and an abort naming
+        /// another rank is a violation of its sender.
         rank: u32,
-        /// What the sender saw.
+        /// What the sender saw, in its words.
         reason: String,
     },
     /// The sender received, as collective `seq`, a message of `peer` that ran `theirs` while
@@ -150,6 +159,8 @@ struct Slot {
 struct InboxState {
     slots: HashMap<u64, Slot>,
     status: PeerStatus,
+    /// What the slots hold: bounded by the mesh's [`InboxLimits`].
+    held: Held,
 }
 
 /// Messages from one peer, sorted by sequence number.
@@ -163,6 +174,7 @@ impl Inbox {
             state: Mutex::new(InboxState {
                 slots: HashMap::new(),
                 status: PeerStatus::Open,
+                held: Held::default(),
             }),
         }
     }
@@ -171,9 +183,27 @@ impl Inbox {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn push(&self, seq: u64, message: Incoming) {
+    /// Files `message` under collective key `seq` if `admit` (given what the inbox holds and
+    /// whether a collective waits for exactly this message) lets it in; a message from a peer
+    /// that is no longer open is dropped.
+    fn push(
+        &self,
+        seq: u64,
+        message: Incoming,
+        admit: impl FnOnce(Held, bool) -> Result<(), MeshViolation>,
+    ) -> Result<(), MeshViolation> {
         let waker = {
             let mut state = self.lock();
+            if !matches!(state.status, PeerStatus::Open) {
+                return Ok(());
+            }
+            let waited_on = state
+                .slots
+                .get(&seq)
+                .is_some_and(|s| s.waker.is_some() && s.queue.is_empty());
+            admit(state.held, waited_on)?;
+            state.held.bytes += message.payload.len();
+            state.held.messages += 1;
             let slot = state.slots.entry(seq).or_default();
             slot.queue.push_back(message);
             slot.waker.take()
@@ -181,6 +211,7 @@ impl Inbox {
         if let Some(w) = waker {
             w.wake();
         }
+        Ok(())
     }
 
     /// The next message of collective `seq`: `Ready(None)` once the peer's connection has
@@ -190,6 +221,8 @@ impl Inbox {
         let open = matches!(state.status, PeerStatus::Open);
         let slot = state.slots.entry(seq).or_default();
         if let Some(m) = slot.queue.pop_front() {
+            state.held.bytes -= m.payload.len();
+            state.held.messages -= 1;
             return Poll::Ready(Some(m));
         }
         if !open {
@@ -216,6 +249,11 @@ impl Inbox {
         Poll::Pending
     }
 
+    #[cfg(test)]
+    fn held(&self) -> Held {
+        self.lock().held
+    }
+
     fn has_message(&self, seq: u64) -> bool {
         self.lock()
             .slots
@@ -224,21 +262,56 @@ impl Inbox {
     }
 
     fn release(&self, seq: u64) {
-        self.lock().slots.remove(&seq);
+        let mut state = self.lock();
+        if let Some(slot) = state.slots.remove(&seq) {
+            state.held.bytes -= slot.queue.iter().map(|m| m.payload.len()).sum::<usize>();
+            state.held.messages -= slot.queue.len();
+        }
     }
 
-    /// Ends delivery: receivers drain what arrived, then see the end.
-    fn close(&self, status: PeerStatus) {
+    /// Forgets every message filed under a key `of` selects; whether there was one.
+    fn purge(&self, of: impl Fn(u64) -> bool) -> bool {
+        let mut state = self.lock();
+        let keys: Vec<u64> = state.slots.keys().copied().filter(|k| of(*k)).collect();
+        let mut any = false;
+        for k in keys {
+            if let Some(slot) = state.slots.remove(&k) {
+                any |= !slot.queue.is_empty();
+                state.held.bytes -= slot.queue.iter().map(|m| m.payload.len()).sum::<usize>();
+                state.held.messages -= slot.queue.len();
+            }
+        }
+        any
+    }
+
+    /// Ends delivery: receivers drain what arrived, then see the end. Once the peer is dead
+    /// (the mesh is broken: no collective starts any more) only the messages `taken` says a
+    /// collective already running may still take are kept; the rest are dropped at once.
+    fn close(&self, status: PeerStatus, taken: impl Fn(u64) -> bool) {
         let wakers: Vec<Waker> = {
             let mut state = self.lock();
             if matches!(state.status, PeerStatus::Open) {
                 state.status = status;
             }
-            state
+            let dead = matches!(state.status, PeerStatus::Dead);
+            let wakers = state
                 .slots
                 .values_mut()
                 .filter_map(|s| s.waker.take())
-                .collect()
+                .collect();
+            if dead {
+                let state = &mut *state;
+                let held = &mut state.held;
+                state.slots.retain(|key, slot| {
+                    let keep = taken(*key);
+                    if !keep {
+                        held.bytes -= slot.queue.iter().map(|m| m.payload.len()).sum::<usize>();
+                        held.messages -= slot.queue.len();
+                    }
+                    keep
+                });
+            }
+            wakers
         };
         for w in wakers {
             w.wake();
@@ -263,6 +336,9 @@ struct Shared {
     failure: std::sync::OnceLock<ProcessGroupError>,
     /// Where frames that are not the group's own go (see [`FrameSink`]).
     sink: std::sync::OnceLock<Arc<dyn FrameSink>>,
+    /// The groups made here and how far this rank is in each: what every collective frame is
+    /// checked against before it is filed.
+    admission: Mutex<Admission>,
 }
 
 impl Shared {
@@ -270,12 +346,30 @@ impl Shared {
         self.peers.get(rank).and_then(Option::as_ref)
     }
 
+    fn admission(&self) -> MutexGuard<'_, Admission> {
+        self.admission.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a collective already running here may take a message filed under `key`: a
+    /// point-to-point message, or one of a collective this rank has reached.
+    fn may_be_taken(&self, key: u64) -> bool {
+        split_key(key).is_none_or(|(group, seq)| self.admission().reached(group, seq))
+    }
+
+    /// This rank sends, awaits or takes a message under collective key `key`.
+    fn touch(&self, key: u64) {
+        if let Some((group, seq)) = split_key(key) {
+            self.admission().touched(group, seq);
+        }
+    }
+
     /// Records the first failure and ends delivery from every peer, so that every waiting
     /// collective wakes and reports it; returns whether this call set it.
     fn fail(&self, error: ProcessGroupError) -> bool {
         let first = self.failure.set(error).is_ok();
         for link in self.peers.iter().flatten() {
-            link.inbox.close(PeerStatus::Dead);
+            link.inbox
+                .close(PeerStatus::Dead, |key| self.may_be_taken(key));
         }
         first
     }
@@ -321,6 +415,8 @@ pub struct MeshSetup<'a> {
     pub listen: SocketAddr,
     /// How long the whole setup may take.
     pub timeout: Duration,
+    /// What a peer may make this rank hold in its collective inboxes.
+    pub limits: InboxLimits,
 }
 
 impl Mesh {
@@ -338,6 +434,7 @@ impl Mesh {
             world,
             listen,
             timeout,
+            limits,
         } = setup;
         let setup_err = |reason: String| ProcessGroupError::Setup { rank, reason };
         if rank >= world {
@@ -510,6 +607,7 @@ impl Mesh {
                 .collect(),
             failure,
             sink: std::sync::OnceLock::new(),
+            admission: Mutex::new(Admission::new(world, limits)),
         });
         let readers = (0..world)
             .filter(|peer| *peer != rank)
@@ -521,6 +619,34 @@ impl Mesh {
             world,
             readers,
         })
+    }
+
+    /// Group `id` (a subgroup of `members`, world ranks) is made on this rank: from now on its
+    /// frames are taken only from its members. A non-member whose frames for it arrived
+    /// before (held while the group was unknown here) broke the protocol: its frames are
+    /// dropped, its connection closed, and the mesh fails naming it.
+    fn register_group(&self, id: u64, members: &[usize]) {
+        self.shared.admission().register_group(id, members);
+        for (rank, link) in self.shared.peers.iter().enumerate() {
+            let Some(link) = link else { continue };
+            if members.contains(&rank)
+                || !link
+                    .inbox
+                    .purge(|key| split_key(key).is_some_and(|(g, _)| g == id))
+            {
+                continue;
+            }
+            let violation = MeshViolation::NotInGroup { group: id };
+            warn!(rank = self.shared.rank, peer = rank, %violation, "dropping a peer");
+            self.shared
+                .fail(ProcessGroupError::Misbehaved { rank, violation });
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let conn = link.conn.clone();
+                rt.spawn(async move {
+                    let _ = conn.close().await;
+                });
+            }
+        }
     }
 
     /// Sends the frames on these connections that are not the group's own (every kind but
@@ -562,12 +688,14 @@ impl Mesh {
     /// Receives `peer`'s next message of collective `seq` (`None`: its connection ended).
     pub async fn recv(&self, peer: usize, seq: u64) -> Option<Incoming> {
         let link = self.shared.peer(peer)?;
+        self.shared.touch(seq);
         std::future::poll_fn(|cx| link.inbox.poll_recv(seq, cx)).await
     }
 
     /// Polls whether a message of collective `seq` from `peer` waits, without taking it:
     /// `Ready(false)` once its connection has ended with none left (or there is none).
     pub fn poll_arrived(&self, peer: usize, seq: u64, cx: &mut Context<'_>) -> Poll<bool> {
+        self.shared.touch(seq);
         match self.shared.peer(peer) {
             Some(link) => link.inbox.poll_arrived(seq, cx),
             None => Poll::Ready(false),
@@ -653,6 +781,7 @@ impl Mesh {
             rank: peer,
             reason: "no connection to that rank".to_owned(),
         })?;
+        self.shared.touch(seq);
         let mut header = BytesMut::with_capacity(DATA_HEADER_LEN);
         header.put_u8(DATA_TAG);
         header.put_u64_le(seq);
@@ -753,6 +882,7 @@ impl GroupMesh {
     pub fn subgroup(&self, id: u64, members: Arc<[usize]>) -> Option<Self> {
         debug_assert!(id > 0 && id <= MAX_GROUP_ID);
         let here = self.mesh.rank();
+        self.mesh.register_group(id, &members);
         let rank = members.iter().position(|r| *r == here)?;
         Some(GroupMesh {
             mesh: self.mesh.clone(),
@@ -908,6 +1038,19 @@ impl GroupMesh {
     }
 }
 
+/// The (group id, sequence number) of a collective key; `None` for a point-to-point key.
+fn split_key(key: u64) -> Option<(u64, u64)> {
+    (key & P2P_BIT == 0).then_some((key >> GROUP_SHIFT, key & ((1 << GROUP_SHIFT) - 1)))
+}
+
+/// Why a peer's connection delivers nothing more.
+enum End {
+    /// It broke, or sent what no layer takes (the words say what).
+    Broken(String),
+    /// It sent a group frame it had no right to send.
+    Violation(MeshViolation),
+}
+
 fn parse_data_header(header: &[u8]) -> Option<(u64, [u8; SIGNATURE_LEN])> {
     if header.len() != DATA_HEADER_LEN || header[0] != DATA_TAG {
         return None;
@@ -938,61 +1081,64 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
         return;
     };
     let rank = shared.rank;
-    let reason = loop {
+    let end = 'read: loop {
         let frame = match link.conn.recv().await {
             Ok(frame) => frame,
-            Err(e) => break e.to_string(),
+            Err(e) => break End::Broken(e.to_string()),
         };
         if frame.kind != FrameKind::Collective {
             let Some(sink) = shared.sink.get() else {
-                break format!(
+                break End::Broken(format!(
                     "it sent a {:?} frame, which a process group does not take",
                     frame.kind
-                );
+                ));
             };
             if let Err(reason) = sink.on_frame(peer, &link.conn, frame) {
                 let _ = link.conn.close().await;
-                break reason;
+                break End::Broken(reason);
             }
             continue;
         }
         match frame.header.first() {
             Some(&DATA_TAG) => {
                 let Some((seq, signature)) = parse_data_header(&frame.header) else {
-                    break format!(
+                    break End::Broken(format!(
                         "it sent a collective message with a malformed {}-byte header",
                         frame.header.len()
-                    );
+                    ));
                 };
-                link.inbox.push(
-                    seq,
-                    Incoming {
-                        signature,
-                        payload: message_bytes(frame.payloads),
-                    },
-                );
+                let payload = message_bytes(frame.payloads);
+                let len = payload.len();
+                let filed =
+                    link.inbox
+                        .push(seq, Incoming { signature, payload }, |held, waited_on| {
+                            shared
+                                .admission()
+                                .check(peer, split_key(seq), len, waited_on, held)
+                        });
+                if let Err(v) = filed {
+                    break End::Violation(v);
+                }
             }
             Some(&CONTROL_TAG) => match postcard::from_bytes::<Control>(&frame.header[1..]) {
                 Ok(Control::Goodbye) => {
                     debug!(rank, peer, "peer said goodbye");
-                    link.inbox.close(PeerStatus::Left);
+                    link.inbox.close(PeerStatus::Left, |_| true);
                     if let Some(sink) = shared.sink.get() {
                         sink.on_closed(peer, "it shut its group down");
                     }
                     return;
                 }
-                Ok(Control::Abort { rank: dead, reason }) => {
-                    let dead = dead as usize;
-                    warn!(rank, peer, dead, %reason, "peer reports a dead rank");
-                    shared.fail(ProcessGroupError::PeerDied {
-                        rank: dead,
-                        reported_by: Some(peer),
-                        reason,
-                    });
-                    // Wake the collectives waiting on this rank: the mesh is broken.
-                    for other in shared.peers.iter().flatten() {
-                        other.inbox.close(PeerStatus::Dead);
+                Ok(Control::Abort {
+                    rank: named,
+                    reason,
+                }) => {
+                    if let Err(v) = inbox::check_abort(peer, named as usize) {
+                        break 'read End::Violation(v);
                     }
+                    warn!(rank, peer, %reason, "peer aborted its group");
+                    // Breaking the mesh wakes every collective waiting on any rank.
+                    shared.fail(ProcessGroupError::PeerAborted { rank: peer, reason });
                 }
                 Ok(Control::Disagreement {
                     seq,
@@ -1003,8 +1149,9 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
                     let (Some(theirs), Some(ours)) =
                         (Signature::decode(&theirs), Signature::decode(&ours))
                     else {
-                        break "it sent a disagreement notice with a malformed signature"
-                            .to_owned();
+                        break 'read End::Broken(
+                            "it sent a disagreement notice with a malformed signature".to_owned(),
+                        );
                     };
                     let error = ProcessGroupError::Disagreement {
                         seq,
@@ -1017,9 +1164,30 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
                     warn!(rank, peer, %error, "peer reports a disagreement");
                     shared.fail(error);
                 }
-                Err(e) => break format!("it sent a malformed control frame ({e})"),
+                Err(e) => break End::Broken(format!("it sent a malformed control frame ({e})")),
             },
-            _ => break "it sent a group frame with an unknown tag".to_owned(),
+            _ => break End::Broken("it sent a group frame with an unknown tag".to_owned()),
+        }
+    };
+    let (reason, error) = match end {
+        End::Broken(reason) => {
+            let error = ProcessGroupError::PeerDied {
+                rank: peer,
+                reported_by: None,
+                reason: reason.clone(),
+            };
+            (reason, error)
+        }
+        End::Violation(violation) => {
+            // Dropped: nothing more is read from it.
+            let _ = link.conn.close().await;
+            (
+                violation.to_string(),
+                ProcessGroupError::Misbehaved {
+                    rank: peer,
+                    violation,
+                },
+            )
         }
     };
     if let Some(sink) = shared.sink.get() {
@@ -1028,19 +1196,16 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
     if matches!(link.inbox.status(), PeerStatus::Left) {
         return;
     }
-    warn!(rank, peer, %reason, "rank died");
+    warn!(rank, peer, %error, "dropping the peer");
     // The failure is recorded before any inbox closes (`fail` closes them all), so that a
     // collective woken by the close reports why, not just that the connection closed.
-    let first = shared.fail(ProcessGroupError::PeerDied {
-        rank: peer,
-        reported_by: None,
-        reason: reason.clone(),
-    });
+    let first = shared.fail(error.clone());
     if first {
-        // Tell the others, in case they cannot see it (a half-open connection elsewhere).
+        // Tell the others, in case they cannot see it (a half-open connection elsewhere):
+        // this rank aborts, in its own name; the reason says what it saw.
         let abort = Control::Abort {
-            rank: peer as u32,
-            reason,
+            rank: rank as u32,
+            reason: error.to_string(),
         };
         for (other, link) in shared.peers.iter().enumerate() {
             let Some(link) = link else { continue };
@@ -1100,17 +1265,21 @@ mod tests {
     fn inbox_delivers_then_reports_the_end() {
         let inbox = Inbox::new();
         let mut cx = Context::from_waker(Waker::noop());
-        inbox.push(
-            1,
-            Incoming {
-                signature: Signature::Barrier.encode(),
-                payload: Bytes::from_static(b"a"),
-            },
-        );
+        inbox
+            .push(
+                1,
+                Incoming {
+                    signature: Signature::Barrier.encode(),
+                    payload: Bytes::from_static(b"a"),
+                },
+                |_, _| Ok(()),
+            )
+            .unwrap();
+        assert_eq!(inbox.held().bytes, 1);
         assert!(inbox.has_message(1));
         assert!(!inbox.has_message(2));
         assert!(inbox.poll_recv(2, &mut cx).is_pending());
-        inbox.close(PeerStatus::Left);
+        inbox.close(PeerStatus::Left, |_| false);
         match inbox.poll_recv(1, &mut cx) {
             Poll::Ready(Some(m)) => assert_eq!(&m.payload[..], b"a"),
             other => panic!(
@@ -1125,5 +1294,57 @@ mod tests {
         assert!(matches!(inbox.status(), PeerStatus::Left));
         inbox.release(1);
         assert!(!inbox.has_message(1));
+    }
+
+    #[test]
+    fn a_dead_peers_messages_are_dropped_but_those_a_running_collective_may_take() {
+        let inbox = Inbox::new();
+        let mut cx = Context::from_waker(Waker::noop());
+        for (key, len) in [(1u64, 3usize), (5, 100), (P2P_BIT | 9, 7)] {
+            inbox
+                .push(
+                    key,
+                    Incoming {
+                        signature: Signature::Barrier.encode(),
+                        payload: Bytes::from(vec![0u8; len]),
+                    },
+                    |_, _| Ok(()),
+                )
+                .unwrap();
+        }
+        assert_eq!(
+            inbox.held(),
+            Held {
+                bytes: 110,
+                messages: 3
+            }
+        );
+        // This rank has reached collective 1 only; collective 5 will never run.
+        inbox.close(PeerStatus::Dead, |key| {
+            split_key(key).is_none_or(|(_, s)| s <= 1)
+        });
+        assert_eq!(
+            inbox.held(),
+            Held {
+                bytes: 10,
+                messages: 2
+            }
+        );
+        assert!(!inbox.has_message(5));
+        assert!(matches!(inbox.poll_recv(1, &mut cx), Poll::Ready(Some(_))));
+        assert!(matches!(inbox.poll_recv(1, &mut cx), Poll::Ready(None)));
+        // Nothing is filed after the end.
+        assert_eq!(
+            inbox.push(
+                2,
+                Incoming {
+                    signature: Signature::Barrier.encode(),
+                    payload: Bytes::from_static(b"late"),
+                },
+                |_, _| Ok(()),
+            ),
+            Ok(())
+        );
+        assert!(!inbox.has_message(2));
     }
 }

@@ -30,6 +30,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tensorwire_core::collective::inbox::InboxLimits;
 use tensorwire_core::collective::varlen::{self, SLOT_BYTES};
 use tensorwire_core::collective::{
     self, AllGatherAlgorithm, AllReduceAlgorithm, CollectiveError, DebugLevel, ElementType,
@@ -75,6 +76,10 @@ pub struct GroupOptions {
     /// ([`tensorwire_core::collective::check`]); `None` (the default) reads
     /// `TENSORWIRE_DEBUG` when the group connects. Every rank must use the same level.
     pub debug: Option<DebugLevel>,
+    /// What one peer may make this rank hold in its collective inboxes (sequence window,
+    /// bytes and messages not yet taken; see [`tensorwire_core::collective::inbox`]). A peer
+    /// past a bound is dropped and the group fails with [`ProcessGroupError::Misbehaved`].
+    pub inbox_limits: InboxLimits,
 }
 
 impl GroupOptions {
@@ -85,7 +90,14 @@ impl GroupOptions {
             listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
             timeout: DEFAULT_COLLECTIVE_TIMEOUT,
             debug: None,
+            inbox_limits: InboxLimits::default(),
         }
+    }
+
+    /// These options with other inbox bounds.
+    pub fn with_inbox_limits(mut self, limits: InboxLimits) -> Self {
+        self.inbox_limits = limits;
+        self
     }
 
     /// These options with a debug level, instead of the one `TENSORWIRE_DEBUG` sets.
@@ -187,6 +199,7 @@ impl Group {
             world,
             listen: options.listen,
             timeout: options.timeout,
+            limits: options.inbox_limits,
         })
         .instrument(span)
         .await?;

@@ -169,6 +169,49 @@ async fn payloads_a_receiver_keeps_are_never_overwritten() -> Result<()> {
     Ok(())
 }
 
+/// A sender whose slab budget is larger than the receiver's (as a hostile peer's may be):
+/// the receiver maps the peer's slabs only up to its own budget, then refuses the connection
+/// naming it, instead of mapping whatever the sender makes.
+#[tokio::test]
+async fn a_receiver_maps_slabs_only_within_its_own_budget() -> Result<()> {
+    let config = |budget: usize| {
+        ShmConfig::new(secret(SECRET))
+            .with_slab_min(64 << 10)
+            .with_slab_bytes(budget)
+    };
+    let sender = ShmTransport::new(config(64 << 20))?;
+    let receiver = ShmTransport::new(config(4 << 20))?;
+    let listener = receiver.listen(([127, 0, 0, 1], 0).into()).await?;
+    let (client, server) = tokio::join!(sender.connect(listener.local_addr()), listener.accept());
+    let (client, server) = (client?, server?);
+    // The receiver keeps every payload, so each frame needs a new slab of about 2 MiB.
+    let mut kept = Vec::new();
+    for round in 0..4u8 {
+        let frame = Frame::message(Bytes::new(), vec![pattern(2 << 20, round)]);
+        let (sent, got) = within(STEP, "moving a large frame", async {
+            tokio::join!(client.send(frame), server.recv())
+        })
+        .await?;
+        sent?;
+        match got {
+            Ok(frame) => kept.push(frame),
+            Err(TransportError::Wire {
+                source: WireError::MalformedHeader { reason },
+                ..
+            }) => {
+                ensure!(reason.contains("slab budget"), "{reason}");
+                ensure!(!kept.is_empty(), "refused the first slab");
+                return Ok(());
+            }
+            Err(e) => bail!("round {round}: {e}"),
+        }
+    }
+    bail!(
+        "the receiver mapped {} slabs of 2 MiB within a budget of 4 MiB",
+        kept.len()
+    )
+}
+
 /// Set in the child process of `a_killed_sender_leaves_what_it_sent_readable`.
 const SLAB_CHILD_ENV: &str = "TW_SHM_TEST_SLAB_SENDER_ADDR";
 

@@ -32,6 +32,12 @@ pub struct QuicConfig {
     pub send_window: u64,
     /// Frames a peer may have in flight to us at once (concurrent unidirectional streams).
     pub max_concurrent_frames: u32,
+    /// Bytes of frames read from the peer and not yet taken by `recv` (whole and partly read
+    /// ones together) at most: a peer past it fails the connection with
+    /// [`TransportError::PendingBytes`](tensorwire_core::ports::transport::TransportError).
+    /// One frame alone may pass it (the largest frame is `limits.max_frame_len`). Default
+    /// 1 GiB.
+    pub max_pending_bytes: usize,
     /// UDP payload size to start with towards remote peers (bytes); 1200 is safe everywhere.
     pub initial_mtu: u16,
     /// Largest UDP payload MTU discovery may probe for towards remote peers (bytes); 1452 fits
@@ -79,6 +85,7 @@ impl QuicConfig {
             connection_receive_window: 256 << 20,
             send_window: 256 << 20,
             max_concurrent_frames: 4096,
+            max_pending_bytes: 1 << 30,
             initial_mtu: 1200,
             max_mtu: 1452,
             loopback_mtu: 60_000,

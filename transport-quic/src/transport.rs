@@ -21,6 +21,7 @@
 //! frames any more), and gives up after a bounded linger.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -241,6 +242,7 @@ impl Transport for QuicTransport {
             endpoint: endpoint.clone(),
             limits: self.limits(),
             max_frames: self.config.max_concurrent_frames as usize,
+            max_pending_bytes: self.config.max_pending_bytes,
         };
         let handshake_timeout = self.config.connect_timeout;
         let accept_ep = endpoint.clone();
@@ -293,6 +295,7 @@ impl Transport for QuicTransport {
             endpoint: endpoint.clone(),
             limits: self.limits(),
             max_frames: self.config.max_concurrent_frames as usize,
+            max_pending_bytes: self.config.max_pending_bytes,
         };
         let timeout = self.config.connect_timeout;
         let handshake = async move {
@@ -403,12 +406,15 @@ struct ConnContext {
     endpoint: quinn::Endpoint,
     limits: WireLimits,
     max_frames: usize,
+    max_pending_bytes: usize,
 }
 
 /// How a connection's receiving side ended; repeated by every later `recv`.
 #[derive(Debug, Clone)]
 enum Terminal {
     Closed,
+    /// The peer passed the bound on pending bytes.
+    Pending(usize),
     MidFrame(WireError),
     Wire(WireError),
     Io(String),
@@ -418,6 +424,10 @@ impl Terminal {
     fn to_error(&self, peer: SocketAddr) -> TransportError {
         match self {
             Terminal::Closed => TransportError::Closed { peer },
+            Terminal::Pending(limit) => TransportError::PendingBytes {
+                peer,
+                limit: *limit,
+            },
             Terminal::MidFrame(source) => TransportError::ClosedMidFrame {
                 peer,
                 source: source.clone(),
@@ -438,7 +448,7 @@ impl Terminal {
 
 /// What the reader hands to `recv`.
 enum Delivery {
-    Frame(Frame, OwnedSemaphorePermit),
+    Frame(Frame, OwnedSemaphorePermit, HeldBytes),
     End(Terminal),
     /// The peer's goodbye; becomes `End(Closed)` when it leaves the order buffer.
     PeerGoodbye,
@@ -475,6 +485,34 @@ struct Shared {
     /// using them are dropped, which spares fresh pages (and a page fault per 4 KiB) for every
     /// large tensor; streams come and go, so the decoders outlive them here.
     decoders: Mutex<Vec<FrameDecoder>>,
+    /// Bytes of frames read and not yet taken by `recv`, and their bound.
+    pending: Arc<AtomicUsize>,
+    max_pending_bytes: usize,
+}
+
+/// Bytes of one frame counted in [`Shared::pending`] until it is taken (or dropped).
+struct HeldBytes {
+    pending: Arc<AtomicUsize>,
+    n: usize,
+}
+
+impl HeldBytes {
+    /// The frame now holds `n` bytes; the connection's total, this frame's included.
+    fn set(&mut self, n: usize) -> usize {
+        let total = if n >= self.n {
+            self.pending.fetch_add(n - self.n, Ordering::AcqRel) + (n - self.n)
+        } else {
+            self.pending.fetch_sub(self.n - n, Ordering::AcqRel) - (self.n - n)
+        };
+        self.n = n;
+        total
+    }
+}
+
+impl Drop for HeldBytes {
+    fn drop(&mut self) {
+        self.pending.fetch_sub(self.n, Ordering::AcqRel);
+    }
 }
 
 /// Idle decoders kept per connection (each may hold pooled payload buffers).
@@ -706,6 +744,8 @@ impl QuicConnection {
             }),
             tx,
             decoders: Mutex::new(Vec::new()),
+            pending: Arc::new(AtomicUsize::new(0)),
+            max_pending_bytes: ctx.max_pending_bytes,
         });
         let reader = tokio::spawn(read_loop(shared.clone(), ctx.max_frames));
         Self {
@@ -808,7 +848,7 @@ impl Connection for QuicConnection {
             return Err(t.to_error(self.shared.peer));
         }
         match rx.recv().await {
-            Some(Delivery::Frame(frame, _permit)) => Ok(frame),
+            Some(Delivery::Frame(frame, _permit, _held)) => Ok(frame),
             Some(Delivery::PeerGoodbye) => {
                 // `deliver` turns goodbyes into `End(Closed)`; treat a stray one alike.
                 *terminal = Some(Terminal::Closed);
@@ -885,7 +925,7 @@ async fn read_loop(shared: Arc<Shared>, max_frames: usize) {
 
 /// What one stream turned out to carry.
 enum Carried {
-    Frame(Deps, Frame),
+    Frame(Deps, Frame, HeldBytes),
     Goodbye(Deps),
     GoodbyeAck,
     /// Reset by the sender (a cancelled send): nothing to deliver.
@@ -898,14 +938,16 @@ enum StreamFailure {
     MidFrame(WireError),
     /// The connection ended before any byte of this stream arrived.
     Lost,
+    /// Frames read and not yet taken would pass the bound (the bound).
+    OverBudget(usize),
 }
 
 async fn read_stream(shared: Arc<Shared>, mut stream: RecvStream, permit: OwnedSemaphorePermit) {
     let seq = stream.id().index();
     let carried = read_carried(&mut stream, seq, &shared).await;
     match carried {
-        Ok(Carried::Frame(deps, frame)) => {
-            shared.deliver(|order| order.arrive(seq, deps, Delivery::Frame(frame, permit)));
+        Ok(Carried::Frame(deps, frame, held)) => {
+            shared.deliver(|order| order.arrive(seq, deps, Delivery::Frame(frame, permit, held)));
         }
         Ok(Carried::Goodbye(deps)) => {
             shared.deliver(|order| order.arrive(seq, deps, Delivery::PeerGoodbye));
@@ -923,6 +965,13 @@ async fn read_stream(shared: Arc<Shared>, mut stream: RecvStream, permit: OwnedS
         Err(StreamFailure::Malformed(e)) => shared.fail_malformed(e),
         Err(StreamFailure::MidFrame(e)) => shared.end(Terminal::MidFrame(e)),
         Err(StreamFailure::Lost) => {}
+        Err(StreamFailure::OverBudget(limit)) => {
+            tracing::warn!(peer = %shared.peer, limit, "closing the QUIC connection: too many bytes pending");
+            shared.end(Terminal::Pending(limit));
+            shared
+                .conn
+                .close(CODE_MALFORMED.into(), b"too many bytes pending");
+        }
     }
 }
 
@@ -1047,7 +1096,11 @@ async fn read_carried(
         .unwrap_or_else(|e| e.into_inner())
         .pop()
         .unwrap_or_else(|| FrameDecoder::new(shared.limits));
-    let carried = read_frame(stream, deps, &mut decoder).await;
+    let held = HeldBytes {
+        pending: shared.pending.clone(),
+        n: 0,
+    };
+    let carried = read_frame(stream, deps, &mut decoder, held, shared.max_pending_bytes).await;
     if carried.is_ok() && !decoder.is_mid_frame() {
         let mut idle = shared.decoders.lock().unwrap_or_else(|e| e.into_inner());
         if idle.len() < IDLE_DECODERS {
@@ -1062,6 +1115,8 @@ async fn read_frame(
     stream: &mut RecvStream,
     deps: Deps,
     decoder: &mut FrameDecoder,
+    mut held: HeldBytes,
+    max_pending: usize,
 ) -> Result<Carried, StreamFailure> {
     let mut staging = BytesMut::new();
     loop {
@@ -1077,7 +1132,7 @@ async fn read_frame(
             }
             let mut probe = [0u8; 1];
             return match stream.read(&mut probe).await {
-                Ok(None) => Ok(Carried::Frame(deps, frame)),
+                Ok(None) => Ok(Carried::Frame(deps, frame, held)),
                 Ok(Some(_)) => Err(StreamFailure::Malformed(WireError::MalformedHeader {
                     reason: "bytes after the frame on its stream".into(),
                 })),
@@ -1094,7 +1149,14 @@ async fn read_frame(
             }
         };
         match read {
-            Ok(true) => {}
+            Ok(true) => {
+                let mine = decoder.received() as usize;
+                let total = held.set(mine);
+                // One frame alone may pass the bound; frames together may not.
+                if total > max_pending && total > mine {
+                    return Err(StreamFailure::OverBudget(max_pending));
+                }
+            }
             Ok(false) => {
                 return Err(StreamFailure::MidFrame(
                     decoder

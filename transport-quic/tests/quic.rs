@@ -585,3 +585,47 @@ async fn listening_on_a_taken_address_is_an_io_error() -> Result<()> {
     })
     .await
 }
+
+/// A peer that sends more than the receiver will hold of frames not yet taken by `recv`:
+/// the receiver hands up what came before the bound, then fails naming it (before, only the
+/// count of such frames was bounded, 4,096 frames of up to 1 GiB each).
+#[tokio::test]
+async fn frames_pending_beyond_the_byte_bound_fail_the_connection() -> Result<()> {
+    bounded(async {
+        let ca = ClusterCa::generate()?;
+        let mut config = node(&ca, "server")?;
+        config.max_pending_bytes = 2 << 20;
+        let server = QuicTransport::new(config)?;
+        let client = QuicTransport::new(node(&ca, "client")?)?;
+        let listener = server.listen(loopback()).await?;
+        let addr = listener.local_addr();
+        let (c, s) = within("connecting", async {
+            tokio::join!(client.connect(addr), listener.accept())
+        })
+        .await?;
+        let (c, s) = (c?, s?);
+        // Nobody receives while the sender sends four frames of 1 MiB.
+        for seed in 0..4u8 {
+            if c.send(frame_of(1 << 20, seed)).await.is_err() {
+                break;
+            }
+        }
+        let mut taken = 0;
+        let err = loop {
+            match within("receiving", s.recv()).await? {
+                Ok(frame) => {
+                    anyhow::ensure!(frame.header[..] == [taken; 3], "frame {taken} garbled");
+                    taken += 1;
+                }
+                Err(e) => break e,
+            }
+        };
+        anyhow::ensure!(
+            matches!(err, TransportError::PendingBytes { limit, .. } if limit == 2 << 20),
+            "{err}"
+        );
+        anyhow::ensure!(taken < 4, "all {taken} frames were held");
+        Ok(())
+    })
+    .await
+}

@@ -42,7 +42,9 @@ pub struct ShmConfig {
     /// pages. While every slab is still referenced (a receiver that keeps its tensors), frames
     /// stream through the ring instead, so a receiver never holds up a sender.
     pub slab_min: usize,
-    /// Bytes of slabs a sender keeps per connection at most (default 256 MiB; at most 8 slabs).
+    /// Bytes of slabs a sender keeps per connection at most (default 256 MiB; at most 8 slabs),
+    /// and bytes of the peer's slabs a receiver maps per connection at most: a peer that sends
+    /// a new slab past it is refused (the connection fails with an error naming the budget).
     pub slab_bytes: usize,
     /// How long a side that waits for data or ring space polls the ring before it sleeps on its
     /// eventfd (default 20 µs): busy polling while that pays off, then `sched_yield`; only the

@@ -920,6 +920,22 @@ impl ShmConnection {
                     "a slab of {cap} bytes for a frame of {len} (at most {max} allowed)"
                 )));
             }
+            // Our own budget binds what we map, whatever the sender's says.
+            let mapped: u64 = rx
+                .slabs
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != id as usize)
+                .filter_map(|(_, s)| s.as_ref().map(|s| s.map.len() as u64))
+                .sum();
+            if mapped + cap > self.slab_bytes as u64 {
+                return Err(bad(format!(
+                    "a new slab of {cap} bytes would make the peer's slabs mapped here \
+                     {} bytes, over this side's slab budget (slab_bytes) of {}",
+                    mapped + cap,
+                    self.slab_bytes
+                )));
+            }
             let map = mem::open_slab(fd, cap as usize)
                 .map_err(|e| bad(format!("shared-memory slab: {e}")))?;
             rx.segments_done += 1;

@@ -20,6 +20,12 @@ pub const DEAD_PEER_ENV: &str = "TENSORWIRE_TCP_DEAD_PEER_MS";
 /// Default [`TcpConfig::keepalive`].
 pub const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(5);
 
+/// Default [`TcpConfig::handshakes_per_source`].
+pub const DEFAULT_HANDSHAKES_PER_SOURCE: usize = 16;
+
+/// Default [`TcpConfig::frame_timeout`].
+pub const DEFAULT_FRAME_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// Default [`TcpConfig::dead_peer_timeout`].
 pub const DEFAULT_DEAD_PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -50,6 +56,15 @@ pub struct TcpConfig {
     /// Default 30 s ([`DEFAULT_DEAD_PEER_TIMEOUT`]): a dead peer on an idle connection is
     /// noticed within about `dead_peer_timeout + keepalive`.
     pub dead_peer_timeout: Option<Duration>,
+    /// How long one frame may take to arrive once its first byte has: a peer that starts a
+    /// frame and stalls fails with [`TransportError::FrameTimeout`] and the connection is
+    /// closed, its buffers freed. `None`: no bound. Default 120 s ([`DEFAULT_FRAME_TIMEOUT`]),
+    /// room for a 1 GiB frame at about 70 Mbit/s.
+    pub frame_timeout: Option<Duration>,
+    /// Handshakes one source IP address may have in progress at once (of the listener's 256);
+    /// a connection beyond it is closed at once. Default 16
+    /// ([`DEFAULT_HANDSHAKES_PER_SOURCE`]).
+    pub handshakes_per_source: usize,
 }
 
 impl TcpConfig {
@@ -62,6 +77,8 @@ impl TcpConfig {
             buffer_reuse: DEFAULT_BUFFER_REUSE,
             keepalive: Some(DEFAULT_KEEPALIVE),
             dead_peer_timeout: Some(DEFAULT_DEAD_PEER_TIMEOUT),
+            frame_timeout: Some(DEFAULT_FRAME_TIMEOUT),
+            handshakes_per_source: DEFAULT_HANDSHAKES_PER_SOURCE,
         }
     }
 
@@ -76,6 +93,8 @@ impl TcpConfig {
             buffer_reuse: DEFAULT_BUFFER_REUSE,
             keepalive: Some(DEFAULT_KEEPALIVE),
             dead_peer_timeout: Some(DEFAULT_DEAD_PEER_TIMEOUT),
+            frame_timeout: Some(DEFAULT_FRAME_TIMEOUT),
+            handshakes_per_source: DEFAULT_HANDSHAKES_PER_SOURCE,
         }
     }
 
@@ -113,6 +132,18 @@ impl TcpConfig {
                  configure one; to run without authentication, ask for it explicitly (insecure)"
             ))),
         }
+    }
+
+    /// These settings with another per-frame deadline (`None`: no bound).
+    pub fn with_frame_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.frame_timeout = timeout;
+        self
+    }
+
+    /// These settings with another bound on handshakes in progress per source address.
+    pub fn with_handshakes_per_source(mut self, limit: usize) -> Self {
+        self.handshakes_per_source = limit;
+        self
     }
 
     /// These settings with other frame limits.

@@ -55,12 +55,25 @@ struct Reader {
     half: OwnedReadHalf,
     decoder: FrameDecoder,
     buf: BytesMut,
+    /// When the frame being received must be complete (set when its first byte arrives).
+    frame_deadline: Option<tokio::time::Instant>,
+}
+
+impl Reader {
+    /// Nothing more will be read: frees the frame being received and the pooled buffers.
+    fn release(&mut self) {
+        self.decoder.release();
+        self.buf = BytesMut::new();
+        self.frame_deadline = None;
+    }
 }
 
 /// An authenticated TCP connection.
 pub(crate) struct TcpConnection {
     peer: SocketAddr,
     limits: WireLimits,
+    /// See [`TcpConfig::frame_timeout`].
+    frame_timeout: Option<std::time::Duration>,
     reader: Mutex<Reader>,
     writer: Mutex<OwnedWriteHalf>,
     /// Set when a send was abandoned half-way (its future dropped) or failed: the byte stream
@@ -77,20 +90,18 @@ impl std::fmt::Debug for TcpConnection {
 }
 
 impl TcpConnection {
-    pub(crate) fn new(
-        stream: TcpStream,
-        peer: SocketAddr,
-        limits: WireLimits,
-        buffer_reuse: usize,
-    ) -> Self {
+    pub(crate) fn new(stream: TcpStream, peer: SocketAddr, config: &TcpConfig) -> Self {
         let (read, write) = stream.into_split();
+        let limits = config.limits;
         TcpConnection {
             peer,
             limits,
+            frame_timeout: config.frame_timeout,
             reader: Mutex::new(Reader {
                 half: read,
-                decoder: FrameDecoder::new(limits).with_buffer_reuse(buffer_reuse),
+                decoder: FrameDecoder::new(limits).with_buffer_reuse(config.buffer_reuse),
                 buf: BytesMut::with_capacity(READ_BUF),
+                frame_deadline: None,
             }),
             writer: Mutex::new(write),
             write_broken: AtomicBool::new(false),
@@ -222,15 +233,21 @@ impl Connection for TcpConnection {
     async fn recv(&self) -> Result<Frame, TransportError> {
         let mut guard = self.reader.lock().await;
         let r = &mut *guard;
+        // Close both directions at once: the peer sees the connection go away and we do not
+        // need the writer's lock (a sender may hold it).
+        let shut = |r: &Reader| {
+            let _ = socket2::SockRef::from(r.half.as_ref()).shutdown(std::net::Shutdown::Both);
+        };
         loop {
             match r.decoder.decode(&mut r.buf) {
-                Ok(Some(frame)) => return Ok(frame),
+                Ok(Some(frame)) => {
+                    r.frame_deadline = None;
+                    return Ok(frame);
+                }
                 Ok(None) => {}
                 Err(source) => {
-                    // Close both directions at once: the peer sees the connection go away and
-                    // we do not need the writer's lock (a sender may hold it).
-                    let _ =
-                        socket2::SockRef::from(r.half.as_ref()).shutdown(std::net::Shutdown::Both);
+                    shut(r);
+                    r.release();
                     tracing::warn!(peer = %self.peer, error = %source, "closing connection: bad frame");
                     return Err(TransportError::Wire {
                         peer: self.peer,
@@ -238,17 +255,50 @@ impl Connection for TcpConnection {
                     });
                 }
             }
+            if r.decoder.is_mid_frame() && r.frame_deadline.is_none() {
+                r.frame_deadline = self.frame_timeout.map(|t| tokio::time::Instant::now() + t);
+            }
             // The decoder consumed everything buffered; read more.
-            let read = if let Some(mut direct) = r.decoder.direct_read_buf(DIRECT_READ_MIN) {
-                r.half.read_buf(&mut direct).await
-            } else {
-                r.buf.reserve(READ_BUF);
-                r.half.read_buf(&mut r.buf).await
+            let deadline = r.frame_deadline;
+            let reader = &mut *r;
+            let read = async {
+                if let Some(mut direct) = reader.decoder.direct_read_buf(DIRECT_READ_MIN) {
+                    reader.half.read_buf(&mut direct).await
+                } else {
+                    reader.buf.reserve(READ_BUF);
+                    reader.half.read_buf(&mut reader.buf).await
+                }
+            };
+            let read = match deadline {
+                Some(at) => match tokio::time::timeout_at(at, read).await {
+                    Ok(read) => read,
+                    Err(_) => {
+                        let received = r.decoder.received();
+                        shut(r);
+                        r.release();
+                        let after = self.frame_timeout.unwrap_or_default();
+                        tracing::warn!(peer = %self.peer, ?after, received, "closing connection: a frame stalled");
+                        return Err(TransportError::FrameTimeout {
+                            peer: self.peer,
+                            after,
+                            received,
+                        });
+                    }
+                },
+                None => read.await,
             };
             match read {
-                Ok(0) => return Err(self.eof_error(&r.decoder)),
+                Ok(0) => {
+                    let e = self.eof_error(&r.decoder);
+                    r.release();
+                    return Err(e);
+                }
                 Ok(_) => {}
-                Err(e) => return Err(self.read_error(&r.decoder, &e)),
+                Err(e) => {
+                    let e = self.read_error(&r.decoder, &e);
+                    r.release();
+                    return Err(e);
+                }
             }
         }
     }

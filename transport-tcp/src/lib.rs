@@ -49,8 +49,8 @@ use async_trait::async_trait;
 use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
 
 pub use config::{
-    TcpConfig, DEAD_PEER_ENV, DEFAULT_DEAD_PEER_TIMEOUT, DEFAULT_KEEPALIVE, KEEPALIVE_ENV,
-    SECRET_ENV,
+    TcpConfig, DEAD_PEER_ENV, DEFAULT_DEAD_PEER_TIMEOUT, DEFAULT_FRAME_TIMEOUT,
+    DEFAULT_HANDSHAKES_PER_SOURCE, DEFAULT_KEEPALIVE, KEEPALIVE_ENV, SECRET_ENV,
 };
 pub use tensorwire_core::auth::ClusterSecret;
 
@@ -113,8 +113,7 @@ impl Transport for TcpTransport {
         Ok(Box::new(connection::TcpConnection::new(
             stream,
             addr,
-            self.config.limits,
-            self.config.buffer_reuse,
+            &self.config,
         )))
     }
 }

@@ -1,7 +1,8 @@
 //! Accepting connections: a background task accepts and authenticates, `accept` hands out the
 //! authenticated ones.
 
-use std::net::SocketAddr;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,6 +61,7 @@ async fn accept_loop(
     ready: mpsc::Sender<TcpConnection>,
 ) {
     let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+    let per_source: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>> = Arc::default();
     loop {
         let Ok(permit) = handshakes.clone().acquire_owned().await else {
             return;
@@ -74,11 +76,20 @@ async fn accept_loop(
                 continue;
             }
         };
+        // One source address may hold only so many of the handshake slots, so that silent
+        // connections from one place cannot keep everyone else waiting.
+        let Some(slot) = SourceSlot::take(&per_source, peer.ip(), config.handshakes_per_source)
+        else {
+            tracing::warn!(peer = %peer, listener = %local, limit = config.handshakes_per_source,
+                "refused connection: too many handshakes in progress from its address");
+            continue;
+        };
         let config = config.clone();
         let ready = ready.clone();
         // Handshakes run concurrently so a slow or silent peer does not block others.
         tokio::spawn(async move {
             let _permit = permit;
+            let _slot = slot;
             let mut stream = match prepare(stream, peer, &config) {
                 Ok(s) => s,
                 Err(e) => {
@@ -94,14 +105,7 @@ async fn accept_loop(
             match outcome {
                 Ok(Ok(())) => {
                     tracing::debug!(peer = %peer, "authenticated connection");
-                    let _ = ready
-                        .send(TcpConnection::new(
-                            stream,
-                            peer,
-                            config.limits,
-                            config.buffer_reuse,
-                        ))
-                        .await;
+                    let _ = ready.send(TcpConnection::new(stream, peer, &config)).await;
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(peer = %peer, listener = %local, error = %e,
@@ -114,6 +118,44 @@ async fn accept_loop(
                 }
             }
         });
+    }
+}
+
+/// One of a source address's handshake slots, given back when dropped.
+struct SourceSlot {
+    counts: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+    ip: IpAddr,
+}
+
+impl SourceSlot {
+    /// A slot for `ip`, unless it holds `limit` already.
+    fn take(
+        counts: &Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+        ip: IpAddr,
+        limit: usize,
+    ) -> Option<SourceSlot> {
+        let mut map = counts.lock().unwrap_or_else(|e| e.into_inner());
+        let n = map.entry(ip).or_insert(0);
+        if *n >= limit {
+            return None;
+        }
+        *n += 1;
+        Some(SourceSlot {
+            counts: counts.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        let mut map = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = map.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.ip);
+            }
+        }
     }
 }
 

@@ -232,15 +232,22 @@ async fn a_cancelled_send_poisons_the_sending_side() -> Result<()> {
 }
 
 /// Peers that connect and say nothing do not hold up others: handshakes run concurrently.
+/// Silent connections (no handshake) from one source address hold only that address's share
+/// of the handshake slots: a good peer from another address is served at once, even with more
+/// silent connections than there are slots (256), and the excess from the flooding address is
+/// closed at once.
 #[tokio::test]
 async fn silent_peers_do_not_block_accepting() -> Result<()> {
     let t = TcpTransport::new(
         TcpConfig::new(ClusterSecret::new("s")?).with_handshake_timeout(Duration::from_secs(60)),
     )?;
     let listener = t.listen(localhost()).await?;
+    let flooder: std::net::SocketAddr = "127.0.0.2:0".parse()?;
     let mut silent = Vec::new();
-    for _ in 0..20 {
-        silent.push(within(tokio::net::TcpStream::connect(listener.local_addr())).await??);
+    for _ in 0..300 {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(flooder)?;
+        silent.push(within(socket.connect(listener.local_addr())).await??);
     }
     // Well before the 60 s handshake timeout of the silent ones.
     let (c, s) = tokio::time::timeout(Duration::from_secs(10), async {
@@ -251,6 +258,59 @@ async fn silent_peers_do_not_block_accepting() -> Result<()> {
     let (c, s) = (c?, s?);
     c.send(Frame::message(&b"through"[..], vec![])).await?;
     ensure!(&within(s.recv()).await??.header[..] == b"through");
+    // The last silent connection is beyond its address's share: closed without a word.
+    let mut last = silent.pop().unwrap();
+    let mut byte = [0u8; 1];
+    use tokio::io::AsyncReadExt;
+    ensure!(matches!(
+        within(last.read(&mut byte)).await?,
+        Ok(0) | Err(_)
+    ));
     drop(silent);
+    Ok(())
+}
+
+/// A peer that completes the handshake, starts a frame and stalls: the receive fails once the
+/// frame's deadline passes, naming the bound, and the connection is closed.
+#[tokio::test]
+async fn a_frame_that_stalls_fails_at_its_deadline() -> Result<()> {
+    use tensorwire_core::auth::{ClientHandshake, CHALLENGE_LEN, VERDICT_LEN};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let timeout = Duration::from_millis(300);
+    let t = TcpTransport::new(
+        TcpConfig::new(ClusterSecret::new("s")?).with_frame_timeout(Some(timeout)),
+    )?;
+    let listener = t.listen(localhost()).await?;
+    let hostile = async {
+        let mut stream = tokio::net::TcpStream::connect(listener.local_addr()).await?;
+        let (hs, hello) = ClientHandshake::start(ClusterSecret::new("s")?, [7u8; 32]);
+        stream.write_all(&hello).await?;
+        let mut challenge = [0u8; CHALLENGE_LEN];
+        stream.read_exact(&mut challenge).await?;
+        stream.write_all(&hs.handle_challenge(&challenge)?).await?;
+        let mut verdict = [0u8; VERDICT_LEN];
+        stream.read_exact(&mut verdict).await?;
+        hs.handle_verdict(&verdict)?;
+        Ok::<_, anyhow::Error>(stream)
+    };
+    let (stream, server) = within(async { tokio::join!(hostile, listener.accept()) }).await?;
+    let (mut stream, server) = (stream?, server?);
+    // A 4 MiB frame, of which the preamble and 1 MiB arrive.
+    let frame = Frame::message(Bytes::new(), vec![Bytes::from(vec![3u8; 4 << 20])]);
+    let preamble = tensorwire_core::wire::encode_preamble(&frame, &WireLimits::default())?;
+    stream.write_all(&preamble).await?;
+    stream.write_all(&vec![3u8; 1 << 20]).await?;
+    match within(server.recv()).await? {
+        Err(TransportError::FrameTimeout {
+            after, received, ..
+        }) => {
+            ensure!(after == timeout);
+            ensure!(received == preamble.len() as u64 + (1 << 20), "{received}");
+        }
+        other => return Err(anyhow!("expected a frame timeout, got {other:?}")),
+    }
+    let mut rest = Vec::new();
+    let _ = within(stream.read_to_end(&mut rest)).await?;
+    ensure!(rest.is_empty(), "the stalled peer got {} bytes", rest.len());
     Ok(())
 }

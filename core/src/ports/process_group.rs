@@ -931,6 +931,25 @@ pub enum ProcessGroupError {
         /// What was seen (the transport error).
         reason: String,
     },
+    /// A peer aborted its group (it saw a failure of its own and told the others); `reason`
+    /// is its account, attributed to it: a rank may only report its own abort, so no other
+    /// rank is blamed on its word.
+    #[error("rank {rank} aborted its group: {reason}")]
+    PeerAborted {
+        /// The rank that aborted (the sender of the abort).
+        rank: usize,
+        /// What it said it saw.
+        reason: String,
+    },
+    /// A peer sent a frame it had no right to send; its connection was dropped, which breaks
+    /// the group as a dead rank would, naming it and what it did.
+    #[error("rank {rank} broke the group's protocol: {violation}")]
+    Misbehaved {
+        /// The rank that sent the frame.
+        rank: usize,
+        /// What it did.
+        violation: MeshViolation,
+    },
     /// A peer shut its group down cleanly while this rank still expected messages from it.
     #[error("rank {rank} left the group (shut down) while {collective} #{seq} still expected a message from it")]
     PeerLeft {
@@ -1083,6 +1102,56 @@ pub enum ProcessGroupError {
         op: &'static str,
         /// The serde error.
         reason: String,
+    },
+}
+
+/// A group frame its sender had no right to send (see DESIGN "Trust: what a peer may do"):
+/// the receiving mesh drops the sender and fails with [`ProcessGroupError::Misbehaved`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MeshViolation {
+    /// An abort naming another rank: a rank may only report its own abort.
+    #[error("it sent an abort naming rank {named}, but a rank may only report its own abort")]
+    ForeignAbort {
+        /// The rank the abort named.
+        named: usize,
+    },
+    /// A collective frame for a group the sender is not a member of.
+    #[error("it sent a collective frame for group {group}, of which it is not a member")]
+    NotInGroup {
+        /// The group's id (0: the world group).
+        group: u64,
+    },
+    /// A collective frame for a group id further beyond the newest group made on this rank
+    /// than `InboxLimits::group_id_window` ([`crate::collective::inbox::InboxLimits`]).
+    #[error("it sent a collective frame for group {group}, more than {window} ids beyond the newest group here ({newest})")]
+    UnknownGroup {
+        /// The id it named.
+        group: u64,
+        /// The newest group id made on this rank.
+        newest: u64,
+        /// The bound.
+        window: u64,
+    },
+    /// A collective frame for a sequence number too far ahead of this rank's own collectives.
+    #[error("it sent a frame for collective #{seq} of group {group}, more than {window} ahead of this rank's newest ({here})")]
+    AheadOfWindow {
+        /// The group's id.
+        group: u64,
+        /// The sequence number it sent.
+        seq: u64,
+        /// The newest sequence number this rank has run in the group.
+        here: u64,
+        /// The bound (`InboxLimits::sequence_window`, [`crate::collective::inbox::InboxLimits`]).
+        window: u64,
+    },
+    /// It made this rank hold more unclaimed messages than a peer may.
+    #[error("it sent more than {limit} {what} that no collective here has taken yet")]
+    InboxFull {
+        /// `"bytes"` or `"messages"`.
+        what: &'static str,
+        /// The bound.
+        limit: usize,
     },
 }
 

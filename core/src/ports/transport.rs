@@ -131,6 +131,26 @@ pub enum TransportError {
         #[source]
         source: WireError,
     },
+    /// A frame that had started did not complete within the transport's per-frame deadline
+    /// (the peer stalled mid-frame). The connection is closed and its buffers freed.
+    #[error("a frame from {peer} did not complete within {after:?} of its start ({received} bytes had arrived)")]
+    FrameTimeout {
+        /// The peer.
+        peer: SocketAddr,
+        /// The deadline.
+        after: std::time::Duration,
+        /// Bytes of the frame that had arrived (prefix, frame header and segments so far).
+        received: u64,
+    },
+    /// The peer made this side hold more bytes of frames not yet taken by `recv` than the
+    /// transport's bound allows. The connection is closed.
+    #[error("{peer} sent more than {limit} bytes of frames not yet received")]
+    PendingBytes {
+        /// The peer.
+        peer: SocketAddr,
+        /// The bound.
+        limit: usize,
+    },
     /// The peer sent bytes that are not a valid frame, or a frame to send breaks the limits.
     /// The connection is closed.
     #[error("bad frame on the connection to {peer}: {source}")]

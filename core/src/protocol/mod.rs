@@ -166,6 +166,9 @@ pub enum RemoteErrorKind {
     /// A tensor in the result cannot be sent back (no reverse device map entry for its device),
     /// or cannot be placed on the device its map names.
     DeviceMap,
+    /// The callee is already serving as many requests from this caller as it takes at once
+    /// ([`EndpointConfig::requests_per_peer`]); nothing ran. Retry later.
+    Busy,
 }
 
 impl fmt::Display for RemoteErrorKind {
@@ -178,6 +181,7 @@ impl fmt::Display for RemoteErrorKind {
             Self::RRef => "remote reference error",
             Self::ShuttingDown => "callee shutting down",
             Self::DeviceMap => "device map error",
+            Self::Busy => "callee busy",
         })
     }
 }
@@ -482,12 +486,29 @@ pub enum Event<B> {
 pub struct EndpointConfig {
     /// How long to wait for a control message's acknowledgement before sending it again.
     pub control_retry: Duration,
+    /// Records of handled control messages kept per peer to acknowledge a resent one without
+    /// handling it twice. The peer's floor frees them as its acknowledgements arrive; beyond
+    /// this many, the oldest are forgotten (ids below the oldest kept count as handled), so a
+    /// peer that never raises its floor cannot grow them. Default 65,536.
+    pub idempotence_records_per_peer: usize,
+    /// Owner records a peer may make by fork requests for references that are not created
+    /// here (not yet, or never): beyond this many, a fork request for another such reference
+    /// is a [`ProtocolViolation::TooManyPendingForks`]. Default 16,384.
+    pub pending_forks_per_peer: usize,
+    /// Requests (calls, remotes, fetches) one peer may have being served here at once:
+    /// handed to the application (a handler task each) or parked, not answered yet. A
+    /// request beyond it is answered at once with a [`RemoteErrorKind::Busy`] error naming
+    /// the bound, and runs nothing. Default 4,096.
+    pub requests_per_peer: usize,
 }
 
 impl Default for EndpointConfig {
     fn default() -> Self {
         Self {
             control_retry: Duration::from_secs(1),
+            idempotence_records_per_peer: 1 << 16,
+            pending_forks_per_peer: 1 << 14,
+            requests_per_peer: 4096,
         }
     }
 }
@@ -550,6 +571,70 @@ struct Used {
     /// be fetched or passed on, and fetching it reports this. After a timeout the fork is
     /// still deleted at the owner once dropped.
     creation_error: Option<CallError>,
+}
+
+/// Requests being served (handed to the application, not answered yet), counted per caller
+/// so that admission can bound each caller's share
+/// ([`EndpointConfig::requests_per_peer`]).
+#[derive(Debug, Default)]
+struct Serving {
+    tokens: HashSet<RequestToken>,
+    per_peer: HashMap<WorkerId, usize>,
+}
+
+impl Serving {
+    fn insert(&mut self, token: RequestToken) -> bool {
+        let new = self.tokens.insert(token);
+        if new {
+            *self.per_peer.entry(token.from).or_insert(0) += 1;
+        }
+        new
+    }
+
+    fn remove(&mut self, token: &RequestToken) -> bool {
+        let had = self.tokens.remove(token);
+        if had {
+            if let Some(n) = self.per_peer.get_mut(&token.from) {
+                *n -= 1;
+                if *n == 0 {
+                    self.per_peer.remove(&token.from);
+                }
+            }
+        }
+        had
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&RequestToken) -> bool) {
+        let per_peer = &mut self.per_peer;
+        self.tokens.retain(|t| {
+            let k = keep(t);
+            if !k {
+                if let Some(n) = per_peer.get_mut(&t.from) {
+                    *n -= 1;
+                }
+            }
+            k
+        });
+        per_peer.retain(|_, n| *n > 0);
+    }
+
+    fn clear(&mut self) {
+        self.tokens.clear();
+        self.per_peer.clear();
+    }
+
+    fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &RequestToken> {
+        self.tokens.iter()
+    }
+
+    /// Requests from `peer` being served.
+    fn of(&self, peer: WorkerId) -> usize {
+        self.per_peer.get(&peer).copied().unwrap_or(0)
+    }
 }
 
 /// The control messages of one sender already handled.
@@ -631,6 +716,13 @@ pub enum ProtocolViolation {
     Malformed {
         /// What was wrong.
         what: String,
+    },
+    /// A fork request for a reference not created here while the sender already has
+    /// [`EndpointConfig::pending_forks_per_peer`] records of such references.
+    #[error("it asked for forks of more than {limit} references this worker has not created")]
+    TooManyPendingForks {
+        /// The bound.
+        limit: usize,
     },
     /// A delete, fork request or child-accept for a fork that another worker holds.
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
@@ -734,7 +826,7 @@ pub struct Endpoint<B> {
     unacked: HashMap<MessageId, Unacked>,
     /// The ids of `unacked`, per destination (for each message's floor, in O(log n)).
     unacked_to: HashMap<WorkerId, BTreeSet<MessageId>>,
-    incoming: HashSet<RequestToken>,
+    incoming: Serving,
     owned: HashMap<RRefId, Owned>,
     used: HashMap<ForkId, Used>,
     /// Child fork -> the parent fork it was made from and the worker it was sent to.
@@ -742,6 +834,10 @@ pub struct Endpoint<B> {
     /// Control messages already handled, per sender, so resent ones are only acknowledged:
     /// ids at or above the sender's floor (below it, everything was handled).
     seen_control: HashMap<WorkerId, Seen>,
+    /// Per peer, the owner records its fork requests made for references not created here
+    /// (bounded by [`EndpointConfig::pending_forks_per_peer`]); an entry whose reference has
+    /// since been created or released no longer counts, and is pruned when the set fills.
+    placeholders: HashMap<WorkerId, HashSet<RRefId>>,
     transmits: VecDeque<Transmit<B>>,
     /// Per peer, messages held behind one whose body is not ready yet (see
     /// [`call_deferred`](Endpoint::call_deferred)): they leave in the order they were made.
@@ -866,11 +962,12 @@ impl<B: Payload> Endpoint<B> {
             timers: BTreeSet::new(),
             unacked: HashMap::new(),
             unacked_to: HashMap::new(),
-            incoming: HashSet::new(),
+            incoming: Serving::default(),
             owned: HashMap::new(),
             used: HashMap::new(),
             children: HashMap::new(),
             seen_control: HashMap::new(),
+            placeholders: HashMap::new(),
             transmits: VecDeque::new(),
             held: HashMap::new(),
             deferred: HashMap::new(),
@@ -983,7 +1080,7 @@ impl<B: Payload> Endpoint<B> {
             *calls_in_flight.entry(p.to).or_insert(0) += 1;
         }
         let mut requests_being_served = std::collections::BTreeMap::new();
-        for t in &self.incoming {
+        for t in self.incoming.iter() {
             *requests_being_served.entry(t.from).or_insert(0) += 1;
         }
         DebugInfo {
@@ -1167,12 +1264,17 @@ impl<B: Payload> Endpoint<B> {
                 timeout,
             } => {
                 let Some(body) = self.admit(from, id, body, now) else {
-                    // Refused (shutting down, leaving, no body): the value will never be
-                    // created, so what waits for it here (fork requests, fetches, method
+                    // Refused (shutting down, leaving, busy, no body): the value will never
+                    // be created, so what waits for it here (fork requests, fetches, method
                     // calls from third parties) settles now.
+                    let kind = if self.takes_requests() {
+                        RemoteErrorKind::Busy
+                    } else {
+                        RemoteErrorKind::ShuttingDown
+                    };
                     let err = RemoteError {
                         worker: self.me,
-                        kind: RemoteErrorKind::ShuttingDown,
+                        kind,
                         message: format!("{rref} was not created: worker {} refused it", self.me),
                     };
                     self.fail_creation(rref, err);
@@ -1196,10 +1298,10 @@ impl<B: Payload> Endpoint<B> {
                 });
             }
             Header::Fetch { id, rref, timeout } => {
-                if self.takes_requests() {
-                    self.owner_fetch(from, id, rref, deadline_after(now, timeout));
-                } else {
+                if !self.takes_requests() {
                     self.refuse(from, id);
+                } else if !self.refused_as_busy(from, id) {
+                    self.owner_fetch(from, id, rref, deadline_after(now, timeout));
                 }
             }
             Header::Reply { id, outcome, forks } => {
@@ -1228,6 +1330,9 @@ impl<B: Payload> Endpoint<B> {
                 fork,
             } => {
                 if self.first_time(from, id, floor) {
+                    if !self.owned.contains_key(&rref) {
+                        self.note_placeholder(from, rref);
+                    }
                     let failed = self
                         .failure_of(rref)
                         .or_else(|| self.released(rref))
@@ -1342,11 +1447,19 @@ impl<B: Payload> Endpoint<B> {
             Header::UserDelete { rref, fork, .. } | Header::ForkRequest { rref, fork, .. } => {
                 match self.owned.get(&rref).and_then(|o| o.forks.get(&fork)) {
                     Some(&holder) if holder != from => {
-                        Err(ProtocolViolation::ForeignFork { rref, fork, holder })
+                        return Err(ProtocolViolation::ForeignFork { rref, fork, holder });
                     }
                     // Held by the sender, or forgotten already (a failed creation's fork).
-                    _ => Ok(()),
+                    _ => {}
                 }
+                let limit = self.config.pending_forks_per_peer;
+                if matches!(header, Header::ForkRequest { .. })
+                    && !self.owned.contains_key(&rref)
+                    && self.pending_forks_of(from) >= limit
+                {
+                    return Err(ProtocolViolation::TooManyPendingForks { limit });
+                }
+                Ok(())
             }
             Header::Abandoned { rref, .. } if rref.created_on != from => {
                 Err(ProtocolViolation::ForeignFork {
@@ -1449,6 +1562,7 @@ impl<B: Payload> Endpoint<B> {
     pub fn handle_peer_lost(&mut self, peer: WorkerId, cause: LostCause, now: Instant) {
         self.last_now = Some(now);
         let cause = self.lost.entry(peer).or_insert(cause).clone();
+        self.placeholders.remove(&peer);
         let ids: Vec<MessageId> = self
             .pending
             .iter()
@@ -1552,6 +1666,7 @@ impl<B: Payload> Endpoint<B> {
     pub fn handle_peer_joined(&mut self, peer: WorkerId) {
         self.lost.remove(&peer);
         self.seen_control.remove(&peer);
+        self.placeholders.remove(&peer);
         self.forget_shutdown_of(peer);
         self.created_upto.remove(&peer);
     }
@@ -1618,7 +1733,33 @@ impl<B: Payload> Endpoint<B> {
             };
             self.reply(from, id, Err(err));
         }
+        if self.refused_as_busy(from, id) {
+            if let Some(b) = body {
+                self.release_forks(b.forks(), now);
+            }
+            return None;
+        }
         body
+    }
+
+    /// Answers request `id` from `from` with [`RemoteErrorKind::Busy`] if `from` already has
+    /// its share of requests being served here; whether it did.
+    fn refused_as_busy(&mut self, from: WorkerId, id: MessageId) -> bool {
+        let limit = self.config.requests_per_peer;
+        if from == self.me || self.incoming.of(from) < limit {
+            return false;
+        }
+        let err = RemoteError {
+            worker: self.me,
+            kind: RemoteErrorKind::Busy,
+            message: format!(
+                "worker {} is already serving {limit} requests from worker {from}, its bound \
+                 per caller (requests_per_peer)",
+                self.me
+            ),
+        };
+        self.reply(from, id, Err(err));
+        true
     }
 
     /// The value of `rref` will never be created here: remembered, and what waits for it
@@ -2037,7 +2178,44 @@ impl<B: Payload> Endpoint<B> {
             seen.floor = floor;
             seen.ids = seen.ids.split_off(&floor);
         }
-        id >= seen.floor && seen.ids.insert(id)
+        let first = id >= seen.floor && seen.ids.insert(id);
+        // Our bound, whatever floor the peer sends: forget the oldest records. A peer's
+        // control messages reach us in the order of their ids on its link, so an id below the
+        // oldest kept one has arrived already (a copy of it is acknowledged, not handled).
+        while seen.ids.len() > self.config.idempotence_records_per_peer {
+            seen.ids.pop_first();
+            if let Some(&oldest) = seen.ids.first() {
+                seen.floor = oldest;
+            }
+        }
+        first
+    }
+
+    /// The owner records `from`'s fork requests made for references not created (or no
+    /// longer kept) here.
+    fn pending_forks_of(&self, from: WorkerId) -> usize {
+        self.placeholders.get(&from).map_or(0, |set| {
+            set.iter().filter(|r| self.is_placeholder(**r)).count()
+        })
+    }
+
+    /// Whether `rref` has an owner record here whose value is not kept (being created, or
+    /// failed).
+    fn is_placeholder(&self, rref: RRefId) -> bool {
+        self.owned
+            .get(&rref)
+            .is_some_and(|o| !matches!(o.state, Some(Ok(()))))
+    }
+
+    /// `from`'s fork request makes the owner record of `rref` (not created here).
+    fn note_placeholder(&mut self, from: WorkerId, rref: RRefId) {
+        let limit = self.config.pending_forks_per_peer;
+        let mut set = self.placeholders.remove(&from).unwrap_or_default();
+        if set.len() >= limit {
+            set.retain(|r| self.is_placeholder(*r));
+        }
+        set.insert(rref);
+        self.placeholders.insert(from, set);
     }
 
     /// The floor to put in a control message to `to`: our oldest control message to it not

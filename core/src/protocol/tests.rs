@@ -39,6 +39,7 @@ impl Sim {
     fn new(n: u32) -> Self {
         let config = EndpointConfig {
             control_retry: Duration::from_millis(100),
+            ..EndpointConfig::default()
         };
         Self {
             now: Instant::now(),
@@ -991,6 +992,148 @@ fn idempotence_records_stay_bounded() {
         assert!(records <= 4, "worker {w} keeps {records} records");
     }
     assert!(s.eps.iter().all(Endpoint::is_idle));
+}
+
+/// A peer floods fork requests for references that were never created here (worker 0's
+/// ids, which worker 0 never asked this owner to create): the owner records only so many per
+/// peer, then the next is a violation that changes nothing.
+#[test]
+fn a_fork_request_flood_for_references_never_created_is_bounded() {
+    let config = EndpointConfig {
+        pending_forks_per_peer: 8,
+        ..EndpointConfig::default()
+    };
+    let mut owner = Endpoint::<Body>::new(1, config);
+    let now = Instant::now();
+    let request = |i: u64| Header::ForkRequest {
+        id: 10 + i,
+        floor: 10,
+        rref: GlobalId {
+            created_on: 0,
+            local: 1_000 + i,
+        },
+        fork: GlobalId {
+            created_on: 2,
+            local: 1_000 + i,
+        },
+    };
+    for i in 0..8 {
+        assert_eq!(owner.handle_message(2, request(i), None, now), Ok(()));
+    }
+    assert_eq!(
+        owner.handle_message(2, request(8), None, now),
+        Err(ProtocolViolation::TooManyPendingForks { limit: 8 })
+    );
+    assert_eq!(
+        owner.debug_info().owned.len(),
+        8,
+        "the refused one left no record"
+    );
+    // A copy of a request already handled makes no new record, so it is not refused.
+    assert_eq!(owner.handle_message(2, request(3), None, now), Ok(()));
+    // Another peer has a share of its own.
+    let other = Header::ForkRequest {
+        id: 5,
+        floor: 5,
+        rref: GlobalId {
+            created_on: 0,
+            local: 5_000,
+        },
+        fork: GlobalId {
+            created_on: 3,
+            local: 1,
+        },
+    };
+    assert_eq!(owner.handle_message(3, other, None, now), Ok(()));
+    // Once the requester is lost, its records go, and so does its count.
+    owner.handle_peer_lost(2, LostCause::Left, now);
+    assert_eq!(owner.debug_info().owned.len(), 1);
+}
+
+/// A caller that keeps more requests in flight than its share: the ones beyond it are
+/// answered at once with a typed "busy" error naming the bound, run nothing, and hold nothing;
+/// once the callee answers one, the caller may send another. Other callers are not affected.
+#[test]
+fn requests_beyond_a_callers_share_are_answered_busy() {
+    let config = EndpointConfig {
+        requests_per_peer: 2,
+        ..EndpointConfig::default()
+    };
+    let mut callee = Endpoint::<Body>::new(1, config);
+    let now = Instant::now();
+    let call = |id: u64| Header::Call {
+        id,
+        function: "slow".into(),
+        timeout: T,
+    };
+    let mut tokens = Vec::new();
+    for id in 1..=3 {
+        assert_eq!(
+            callee.handle_message(2, call(id), Some(vec![]), now),
+            Ok(())
+        );
+    }
+    while let Some(ev) = callee.poll_event() {
+        if let Event::Call { token, .. } = ev {
+            tokens.push(token);
+        }
+    }
+    assert_eq!(tokens.len(), 2, "only the caller's share runs");
+    let busy: Vec<_> = std::iter::from_fn(|| callee.poll_transmit()).collect();
+    match &busy[..] {
+        [Transmit {
+            to: 2,
+            header:
+                Header::Reply {
+                    id: 3,
+                    outcome: Err(e),
+                    ..
+                },
+            ..
+        }] => {
+            assert_eq!(e.kind, RemoteErrorKind::Busy);
+            assert!(e.message.contains("requests_per_peer"), "{}", e.message);
+        }
+        other => panic!("expected one busy reply, got {other:?}"),
+    }
+    assert_eq!(callee.debug_info().requests_being_served.get(&2), Some(&2));
+    // Another caller has a share of its own.
+    assert_eq!(callee.handle_message(3, call(1), Some(vec![]), now), Ok(()));
+    assert!(matches!(callee.poll_event(), Some(Event::Call { .. })));
+    // Once one is answered, the caller may send another.
+    assert!(callee.respond(tokens[0], Ok(vec![])));
+    assert_eq!(callee.handle_message(2, call(4), Some(vec![]), now), Ok(()));
+    assert!(matches!(callee.poll_event(), Some(Event::Call { .. })));
+}
+
+/// A peer that never raises its floor cannot grow the idempotence records past our bound;
+/// a copy of a recent message is still acknowledged and not handled again.
+#[test]
+fn idempotence_records_are_bounded_by_us_not_by_the_peers_floor() {
+    let config = EndpointConfig {
+        idempotence_records_per_peer: 16,
+        ..EndpointConfig::default()
+    };
+    let mut owner = Endpoint::<Body>::new(1, config);
+    let now = Instant::now();
+    let delete = |id: u64| Header::UserDelete {
+        id,
+        floor: 1,
+        rref: GlobalId {
+            created_on: 2,
+            local: id,
+        },
+        fork: GlobalId {
+            created_on: 2,
+            local: id,
+        },
+    };
+    for id in 1..=1_000 {
+        assert_eq!(owner.handle_message(2, delete(id), None, now), Ok(()));
+    }
+    assert_eq!(owner.debug_info().idempotence_records, 16);
+    assert_eq!(owner.handle_message(2, delete(1_000), None, now), Ok(()));
+    assert_eq!(owner.debug_info().idempotence_records, 16);
 }
 
 #[test]

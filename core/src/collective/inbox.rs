@@ -1,0 +1,299 @@
+//! What a rank takes into its collective inboxes from a peer, decided without I/O.
+//!
+//! A mesh files every collective message by (peer, group, sequence number) until a collective
+//! takes it. An authenticated peer may only send collective frames for groups it is a member
+//! of, and may only make this rank hold so much; [`Admission`] decides, for each frame, whether
+//! it is taken or is a [`MeshViolation`] of its sender (whom the mesh then drops):
+//!
+//! | bound ([`InboxLimits`]) | default | a frame beyond it |
+//! |---|---|---|
+//! | group membership | the group's ranks | [`MeshViolation::NotInGroup`] |
+//! | `group_id_window` | 1,024 ids beyond the newest group made here | [`MeshViolation::UnknownGroup`] |
+//! | `sequence_window` | 65,536 beyond this rank's newest collective in the group | [`MeshViolation::AheadOfWindow`] |
+//! | `buffered_bytes` | 1 GiB not yet taken, per peer | [`MeshViolation::InboxFull`] |
+//! | `buffered_messages` | 65,536 not yet taken, per peer | [`MeshViolation::InboxFull`] |
+//!
+//! A message a collective is already waiting for is always taken (it is handed over at once);
+//! so is a peer's first unclaimed message whatever its size, so one honest message larger than
+//! the byte bound still passes. Groups are made on each rank without a round trip, so a peer
+//! may send for a group this rank has not made yet: such frames are held (within the bounds)
+//! and checked against the members once the group is made ([`Admission::register_group`]).
+//! An abort names its sender's own rank ([`check_abort`]).
+//!
+//! ```
+//! use tensorwire_core::collective::inbox::{Admission, Held, InboxLimits};
+//! use tensorwire_core::ports::process_group::MeshViolation;
+//!
+//! let mut a = Admission::new(3, InboxLimits::default());
+//! a.register_group(1, &[0, 1]);
+//! let held = Held::default();
+//! assert_eq!(a.check(1, Some((1, 0)), 8, false, held), Ok(()));
+//! assert_eq!(
+//!     a.check(2, Some((1, 0)), 8, false, held),
+//!     Err(MeshViolation::NotInGroup { group: 1 })
+//! );
+//! ```
+
+use std::collections::BTreeMap;
+
+use crate::ports::process_group::MeshViolation;
+
+/// The bounds on what one peer may make this rank hold in its collective inboxes (see the
+/// module docs for the defaults and what a peer that passes one gets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InboxLimits {
+    /// How many sequence numbers a peer's frames may run ahead of this rank's newest
+    /// collective in the same group.
+    pub sequence_window: u64,
+    /// How many group ids beyond the newest group made on this rank a frame may name.
+    pub group_id_window: u64,
+    /// Bytes of messages a peer may have waiting that no collective has taken.
+    pub buffered_bytes: usize,
+    /// Messages a peer may have waiting that no collective has taken.
+    pub buffered_messages: usize,
+}
+
+impl Default for InboxLimits {
+    fn default() -> Self {
+        InboxLimits {
+            sequence_window: 1 << 16,
+            group_id_window: 1024,
+            buffered_bytes: 1 << 30,
+            buffered_messages: 1 << 16,
+        }
+    }
+}
+
+/// What a peer's inbox holds now: messages that arrived and no collective has taken.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    /// Their payload bytes.
+    pub bytes: usize,
+    /// How many.
+    pub messages: usize,
+}
+
+/// The groups this rank knows and how far it has got in each: the state every incoming
+/// collective frame is checked against.
+#[derive(Debug, Clone)]
+pub struct Admission {
+    limits: InboxLimits,
+    /// Members (world ranks) of each group made here; 0 is the world.
+    groups: BTreeMap<u64, Box<[usize]>>,
+    /// The newest sequence number this rank has sent, awaited or received in each group.
+    here: BTreeMap<u64, u64>,
+}
+
+impl Admission {
+    /// A rank of a world of `world` ranks, which knows only the world group (id 0).
+    pub fn new(world: usize, limits: InboxLimits) -> Self {
+        let mut groups = BTreeMap::new();
+        groups.insert(0, (0..world).collect());
+        Admission {
+            limits,
+            groups,
+            here: BTreeMap::new(),
+        }
+    }
+
+    /// The bounds in force.
+    pub fn limits(&self) -> InboxLimits {
+        self.limits
+    }
+
+    /// Group `id` was made on this rank with `members` (world ranks). Frames held for it from
+    /// other ranks must now be checked with [`Admission::is_member`].
+    pub fn register_group(&mut self, id: u64, members: &[usize]) {
+        self.groups.insert(id, members.into());
+    }
+
+    /// Whether world rank `rank` may send frames for group `id` (`None`: the group is not
+    /// made here yet).
+    pub fn is_member(&self, id: u64, rank: usize) -> Option<bool> {
+        self.groups.get(&id).map(|m| m.contains(&rank))
+    }
+
+    /// This rank sent, awaits or received a message of collective `seq` of group `id`.
+    pub fn touched(&mut self, id: u64, seq: u64) {
+        let here = self.here.entry(id).or_insert(seq);
+        *here = (*here).max(seq);
+    }
+
+    /// Whether this rank has reached collective `seq` of group `id` (sent, awaited or taken
+    /// a message of it or of a later one).
+    pub fn reached(&self, id: u64, seq: u64) -> bool {
+        self.here.get(&id).is_some_and(|here| seq <= *here)
+    }
+
+    /// Whether world rank `sender` may have a message of `len` bytes filed: for collective
+    /// `seq` of group `id` (`key`), or for a point-to-point exchange (`key` `None`, ordered by
+    /// the pair alone). `waited_on`: a collective here already waits for exactly this
+    /// message. `held`: what the sender's inbox holds before this message.
+    pub fn check(
+        &self,
+        sender: usize,
+        key: Option<(u64, u64)>,
+        len: usize,
+        waited_on: bool,
+        held: Held,
+    ) -> Result<(), MeshViolation> {
+        if let Some((group, seq)) = key {
+            match self.is_member(group, sender) {
+                Some(false) => return Err(MeshViolation::NotInGroup { group }),
+                Some(true) => {}
+                None => {
+                    let newest = self.groups.keys().next_back().copied().unwrap_or(0);
+                    if group > newest.saturating_add(self.limits.group_id_window) {
+                        return Err(MeshViolation::UnknownGroup {
+                            group,
+                            newest,
+                            window: self.limits.group_id_window,
+                        });
+                    }
+                }
+            }
+            let here = self.here.get(&group).copied().unwrap_or(0);
+            if seq > here.saturating_add(self.limits.sequence_window) {
+                return Err(MeshViolation::AheadOfWindow {
+                    group,
+                    seq,
+                    here,
+                    window: self.limits.sequence_window,
+                });
+            }
+        }
+        if waited_on || held.messages == 0 {
+            return Ok(());
+        }
+        if held.messages >= self.limits.buffered_messages {
+            return Err(MeshViolation::InboxFull {
+                what: "messages",
+                limit: self.limits.buffered_messages,
+            });
+        }
+        if held.bytes.saturating_add(len) > self.limits.buffered_bytes {
+            return Err(MeshViolation::InboxFull {
+                what: "bytes",
+                limit: self.limits.buffered_bytes,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Whether world rank `sender` may send an abort naming `named`: only its own.
+pub fn check_abort(sender: usize, named: usize) -> Result<(), MeshViolation> {
+    if sender == named {
+        Ok(())
+    } else {
+        Err(MeshViolation::ForeignAbort { named })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> InboxLimits {
+        InboxLimits {
+            sequence_window: 10,
+            group_id_window: 2,
+            buffered_bytes: 100,
+            buffered_messages: 3,
+        }
+    }
+
+    #[test]
+    fn an_abort_may_name_only_its_sender() {
+        assert_eq!(check_abort(2, 2), Ok(()));
+        assert_eq!(
+            check_abort(2, 1),
+            Err(MeshViolation::ForeignAbort { named: 1 })
+        );
+    }
+
+    #[test]
+    fn frames_for_a_group_are_taken_only_from_its_members() {
+        let mut a = Admission::new(4, limits());
+        let none = Held::default();
+        for r in 0..4 {
+            assert_eq!(a.check(r, Some((0, 0)), 1, false, none), Ok(()));
+        }
+        a.register_group(1, &[1, 3]);
+        assert_eq!(a.check(3, Some((1, 0)), 1, false, none), Ok(()));
+        assert_eq!(
+            a.check(2, Some((1, 0)), 1, false, none),
+            Err(MeshViolation::NotInGroup { group: 1 })
+        );
+        // Waiting for it changes nothing: a non-member is never heard.
+        assert_eq!(
+            a.check(0, Some((1, 0)), 1, true, none),
+            Err(MeshViolation::NotInGroup { group: 1 })
+        );
+        // A group not made here yet: held if close to the newest, refused if far beyond.
+        assert_eq!(a.is_member(3, 2), None);
+        assert_eq!(a.check(2, Some((3, 0)), 1, false, none), Ok(()));
+        assert_eq!(
+            a.check(2, Some((4, 0)), 1, false, none),
+            Err(MeshViolation::UnknownGroup {
+                group: 4,
+                newest: 1,
+                window: 2
+            })
+        );
+        a.register_group(3, &[0, 1]);
+        assert_eq!(a.is_member(3, 2), Some(false));
+        assert_eq!(a.check(2, Some((5, 0)), 1, false, none), Ok(()));
+    }
+
+    #[test]
+    fn sequence_numbers_beyond_the_window_are_refused() {
+        let mut a = Admission::new(2, limits());
+        let none = Held::default();
+        assert_eq!(a.check(1, Some((0, 10)), 0, false, none), Ok(()));
+        assert_eq!(
+            a.check(1, Some((0, 11)), 0, false, none),
+            Err(MeshViolation::AheadOfWindow {
+                group: 0,
+                seq: 11,
+                here: 0,
+                window: 10
+            })
+        );
+        assert!(!a.reached(0, 0));
+        a.touched(0, 5);
+        a.touched(0, 3);
+        assert!(a.reached(0, 5) && !a.reached(0, 6) && !a.reached(1, 0));
+        assert_eq!(a.check(1, Some((0, 15)), 0, false, none), Ok(()));
+        assert!(a.check(1, Some((0, 16)), 0, false, none).is_err());
+        // Windows are per group; point-to-point messages have none.
+        assert!(a.check(0, Some((0, u64::MAX)), 0, false, none).is_err());
+        assert_eq!(a.check(1, None, 0, false, none), Ok(()));
+    }
+
+    #[test]
+    fn what_a_peer_holds_is_bounded_by_bytes_and_count() {
+        let a = Admission::new(2, limits());
+        let held = |bytes, messages| Held { bytes, messages };
+        // The first unclaimed message passes whatever its size.
+        assert_eq!(a.check(1, None, 1000, false, held(0, 0)), Ok(()));
+        assert_eq!(a.check(1, Some((0, 1)), 60, false, held(40, 1)), Ok(()));
+        assert_eq!(
+            a.check(1, Some((0, 1)), 61, false, held(40, 1)),
+            Err(MeshViolation::InboxFull {
+                what: "bytes",
+                limit: 100
+            })
+        );
+        assert_eq!(
+            a.check(1, Some((0, 1)), 0, false, held(0, 3)),
+            Err(MeshViolation::InboxFull {
+                what: "messages",
+                limit: 3
+            })
+        );
+        // A message a collective waits for is handed over at once.
+        assert_eq!(a.check(1, Some((0, 1)), 500, true, held(90, 3)), Ok(()));
+    }
+}

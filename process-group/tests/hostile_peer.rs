@@ -1,0 +1,252 @@
+//! A hostile rank that completes the real setup (it holds the cluster secret and greets like a
+//! rank) and then sends group frames it has no right to send, over real loopback TCP: each
+//! is a violation of the sender, who is dropped and named, and no innocent rank is blamed.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tensorwire_core::collective::inbox::InboxLimits;
+use tensorwire_core::collective::Signature;
+use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::store::Store;
+use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::wire::Frame;
+use tensorwire_process_group::{Group, GroupOptions, InMemoryStore};
+use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};
+
+const TEST_BOUND: Duration = Duration::from_secs(60);
+const WORLD: usize = 3;
+/// The hostile rank: the highest, so the honest ranks dial it and it only accepts.
+const HOSTILE: usize = 2;
+
+async fn bounded<T>(f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(TEST_BOUND, f)
+        .await
+        .expect("test took too long")
+}
+
+/// Honest ranks 0 and 1 and the hostile rank's connections to them (by rank).
+struct Cluster {
+    honest: Vec<Group>,
+    hostile: Vec<Arc<dyn Connection>>,
+}
+
+async fn cluster(name: &str, options: GroupOptions) -> Cluster {
+    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+    let secret = ClusterSecret::new(b"hostile peer test secret".to_vec()).unwrap();
+    let transport = Arc::new(TcpTransport::new(TcpConfig::new(secret)).unwrap());
+    let listener = transport
+        .listen("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    store
+        .set(
+            &tensorwire_mesh::address_key(name, HOSTILE),
+            listener.local_addr().to_string().as_bytes(),
+        )
+        .await
+        .unwrap();
+    let tasks: Vec<_> = (0..HOSTILE)
+        .map(|rank| {
+            let (store, transport, options) = (store.clone(), transport.clone(), options.clone());
+            tokio::spawn(
+                async move { Group::connect(store, transport, rank, WORLD, options).await },
+            )
+        })
+        .collect();
+    let mut hostile: Vec<Option<Arc<dyn Connection>>> = vec![None, None];
+    let deadline = tensorwire_mesh::link::deadline_after(Duration::from_secs(20));
+    for _ in 0..HOSTILE {
+        let conn: Arc<dyn Connection> = Arc::from(listener.accept().await.unwrap());
+        let hello = tensorwire_mesh::link::read_hello(&*conn, deadline)
+            .await
+            .unwrap();
+        hostile[hello.rank as usize] = Some(conn);
+    }
+    let mut honest = Vec::new();
+    for t in tasks {
+        honest.push(t.await.unwrap().unwrap());
+    }
+    Cluster {
+        honest,
+        hostile: hostile.into_iter().map(Option::unwrap).collect(),
+    }
+}
+
+/// A control frame saying that `rank` aborted, as the mesh encodes it (tag 1, then postcard:
+/// the variant index of `Abort`, the rank, the reason).
+fn abort_frame(rank: u8, reason: &str) -> Frame {
+    let mut header = vec![1u8, 1, rank, reason.len() as u8];
+    header.extend_from_slice(reason.as_bytes());
+    Frame::collective(header, Vec::new())
+}
+
+/// A collective message under `key` (group id in bits 48.., sequence number below).
+fn data_frame(key: u64, payload: Bytes) -> Frame {
+    let mut header = vec![0u8];
+    header.extend_from_slice(&key.to_le_bytes());
+    header.extend_from_slice(&Signature::Barrier.encode());
+    Frame::collective(header, vec![payload])
+}
+
+/// The hostile rank's connection to `rank` is dropped: it ends without another frame.
+async fn assert_dropped(conn: &Arc<dyn Connection>) {
+    assert!(
+        conn.recv().await.is_err(),
+        "the victim kept the hostile peer's connection open"
+    );
+}
+
+fn options(name: &str) -> GroupOptions {
+    GroupOptions::new(name).with_timeout(Duration::from_secs(30))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_naming_another_rank_is_the_senders_violation() {
+    bounded(async {
+        let c = cluster("forged-abort", options("forged-abort")).await;
+        // Rank 2 tells rank 0 that rank 1 aborted.
+        c.hostile[0]
+            .send(abort_frame(1, "rank 1 died"))
+            .await
+            .unwrap();
+        let err = c.honest[0].barrier().await.unwrap_err();
+        assert_eq!(
+            err,
+            ProcessGroupError::Misbehaved {
+                rank: HOSTILE,
+                violation: MeshViolation::ForeignAbort { named: 1 }
+            }
+        );
+        assert!(!err.to_string().contains("rank 1 died"), "{err}");
+        assert_dropped(&c.hostile[0]).await;
+        // Rank 1 hears of it from rank 0, in rank 0's name, or sees rank 2's drop itself:
+        // either way rank 1 is never the one blamed.
+        let err = c.honest[1].barrier().await.unwrap_err();
+        match &err {
+            ProcessGroupError::PeerAborted { rank: 0, reason } => {
+                assert!(
+                    reason.contains("rank 2 broke the group's protocol"),
+                    "{err}"
+                )
+            }
+            ProcessGroupError::PeerDied { rank: HOSTILE, .. } => {}
+            other => panic!("rank 1 failed with {other}"),
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_in_the_senders_own_name_breaks_the_group_naming_it() {
+    bounded(async {
+        let c = cluster("own-abort", options("own-abort")).await;
+        c.hostile[0]
+            .send(abort_frame(2, "it saw something"))
+            .await
+            .unwrap();
+        let err = c.honest[0].barrier().await.unwrap_err();
+        assert_eq!(
+            err,
+            ProcessGroupError::PeerAborted {
+                rank: HOSTILE,
+                reason: "it saw something".into()
+            }
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn collective_frames_for_a_group_the_sender_is_not_in_are_refused() {
+    bounded(async {
+        let c = cluster("not-in-group", options("not-in-group")).await;
+        let pair: Vec<Group> = c
+            .honest
+            .iter()
+            .map(|g| g.new_group(&[0, 1]).unwrap().unwrap())
+            .collect();
+        // Both honest ranks made the subgroup (id 1); it works.
+        let (a, b) = tokio::join!(pair[0].barrier(), pair[1].barrier());
+        a.unwrap();
+        b.unwrap();
+        // Rank 2 sends 1 MiB as collective #1 of the subgroup it is not in.
+        c.hostile[0]
+            .send(data_frame(1 << 48 | 1, Bytes::from(vec![7u8; 1 << 20])))
+            .await
+            .unwrap();
+        assert_dropped(&c.hostile[0]).await;
+        let err = c.honest[0].barrier().await.unwrap_err();
+        assert_eq!(
+            err,
+            ProcessGroupError::Misbehaved {
+                rank: HOSTILE,
+                violation: MeshViolation::NotInGroup { group: 1 }
+            }
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_number_beyond_the_window_is_refused() {
+    bounded(async {
+        let c = cluster("window", options("window")).await;
+        let window = InboxLimits::default().sequence_window;
+        c.hostile[0]
+            .send(data_frame(window + 1, Bytes::new()))
+            .await
+            .unwrap();
+        assert_dropped(&c.hostile[0]).await;
+        let err = c.honest[0].barrier().await.unwrap_err();
+        assert_eq!(
+            err,
+            ProcessGroupError::Misbehaved {
+                rank: HOSTILE,
+                violation: MeshViolation::AheadOfWindow {
+                    group: 0,
+                    seq: window + 1,
+                    here: 0,
+                    window
+                }
+            }
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_may_hold_only_so_many_unclaimed_bytes() {
+    bounded(async {
+        let mut limits = InboxLimits::default();
+        limits.buffered_bytes = 1 << 20;
+        let c = cluster(
+            "inbox-bytes",
+            options("inbox-bytes").with_inbox_limits(limits),
+        )
+        .await;
+        // Collectives #1.. that rank 0 has not run: the first is held, the second passes
+        // the bound.
+        for seq in 1..=2 {
+            c.hostile[0]
+                .send(data_frame(seq, Bytes::from(vec![1u8; 700 << 10])))
+                .await
+                .unwrap();
+        }
+        assert_dropped(&c.hostile[0]).await;
+        let err = c.honest[0].barrier().await.unwrap_err();
+        assert_eq!(
+            err,
+            ProcessGroupError::Misbehaved {
+                rank: HOSTILE,
+                violation: MeshViolation::InboxFull {
+                    what: "bytes",
+                    limit: 1 << 20
+                }
+            }
+        );
+    })
+    .await;
+}
