@@ -167,3 +167,73 @@ fn a_bad_world_size_is_a_usage_error() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `bench autograd`: each shape's distributed and local backward, its overhead in round trips
+/// and the cost model's parts, after the distributed loss matched the local one.
+#[cfg(feature = "autograd-candle")]
+#[test]
+fn bench_autograd_reports_every_shape() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("autograd.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args([
+            "bench",
+            "autograd",
+            "--steps",
+            "3",
+            "--timeout",
+            "60",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for key in [
+        "rpc_rtt_p50_us",
+        "raw_tcp_pingpong_p50_us",
+        "rpc_rtt_over_raw",
+    ] {
+        let x = v[key].as_f64().unwrap_or(f64::NAN);
+        assert!(x.is_finite() && x > 0.0, "{key} = {x}: {v}");
+    }
+    for shape in ["chain", "diamond", "ps"] {
+        let s = &v["shapes"][shape];
+        for key in [
+            "dist_backward_us",
+            "local_backward_us",
+            "dist_over_local",
+            "expected_us",
+        ] {
+            let x = s[key].as_f64().unwrap_or(f64::NAN);
+            assert!(x.is_finite() && x > 0.0, "{shape}.{key} = {x}: {v}");
+        }
+        assert!(
+            s["sequential_gradient_messages"].as_u64().unwrap() >= 3,
+            "{v}"
+        );
+        assert!(
+            s["max_abs_loss_diff_vs_local"].as_f64().unwrap() <= 1e-3,
+            "{v}"
+        );
+    }
+}
+
+#[test]
+fn bench_autograd_rejects_an_unknown_shape() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args(["bench", "autograd", "--shapes", "chain,ring"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("ring") || err.contains("autograd-candle"),
+        "{err}"
+    );
+}

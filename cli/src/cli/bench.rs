@@ -43,6 +43,9 @@ enum Bench {
     /// How costs grow (references, peers, world size, payload size), each against a raw
     /// baseline measured in the same run; JSON and a PNG plot.
     Curve(super::bench_curves::CurveArgs),
+    /// Distributed autograd's backward (chain, diamond, parameter server) against the local
+    /// backward of the same model, with its overhead in round trips.
+    Autograd(AutogradArgs),
     /// One rank of a `bench curve` group (started by it).
     #[command(hide = true)]
     CurveWorker(super::bench_curves::CurveWorkerArgs),
@@ -54,6 +57,18 @@ enum Bench {
     /// The raw TCP echo process of `bench transport` (started by it).
     #[command(hide = true)]
     RawEcho(RawEchoArgs),
+}
+
+#[cfg(feature = "autograd-candle")]
+use super::bench_autograd::AutogradArgs;
+
+/// Arguments of `bench autograd` in a build without distributed autograd (it says so).
+#[cfg(not(feature = "autograd-candle"))]
+#[derive(Debug, clap::Args)]
+struct AutogradArgs {
+    /// Ignored: the build has no distributed autograd.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+    rest: Vec<String>,
 }
 
 /// Arguments of the hidden `bench raw-echo`.
@@ -108,6 +123,14 @@ pub(crate) fn run(args: Args) -> ExitCode {
         Bench::Rpc(a) => super::bench_rpc::bench_rpc(&a),
         Bench::Collectives(a) => super::bench_collectives::run(&a),
         Bench::Curve(a) => super::bench_curves::run(&a),
+        #[cfg(feature = "autograd-candle")]
+        Bench::Autograd(a) => super::bench_autograd::run(&a),
+        #[cfg(not(feature = "autograd-candle"))]
+        Bench::Autograd(_) => Err(Usage(
+            "this tensorwire was built without the `autograd-candle` feature; rebuild with it"
+                .into(),
+        )
+        .into()),
         Bench::CurveWorker(a) => super::bench_curves::worker(&a),
         Bench::CollectivesWorker(a) => super::bench_collectives::worker(&a),
         Bench::Store(a) => super::bench_store::run(&a),

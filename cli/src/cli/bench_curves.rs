@@ -176,6 +176,9 @@ pub(crate) struct CurveWorkerArgs {
     /// Only meet the benchmark raw at this address: dial, send a byte, wait for one, exit.
     #[arg(long)]
     raw_rendezvous: Option<SocketAddr>,
+    /// Serve `bench autograd`'s function after init (see `bench_autograd`).
+    #[arg(long)]
+    autograd: bool,
 }
 
 /// `tensorwire bench curve ...`.
@@ -199,8 +202,8 @@ pub(crate) fn run(args: &CurveArgs) -> Result<()> {
 // Groups of processes with this one as rank 0.
 
 /// A group whose rank 0 is this process: the store it serves, the other ranks' processes.
-struct Group {
-    agent: Agent,
+pub(crate) struct Group {
+    pub(crate) agent: Agent,
     children: Vec<Child>,
     /// Wall time from starting the first process until every rank returned from `init_rpc`.
     init_wall: Duration,
@@ -228,6 +231,15 @@ fn set_transport(transport: &str) {
 
 /// Starts a group of `world` processes on 127.0.0.1 (this one rank 0) with a fresh secret.
 async fn start_group(world: usize, timeout: Duration) -> Result<Group> {
+    start_group_with(world, timeout, &[]).await
+}
+
+/// [`start_group`], with `extra` arguments for the other ranks' `bench curve-worker`.
+pub(crate) async fn start_group_with(
+    world: usize,
+    timeout: Duration,
+    extra: &[&str],
+) -> Result<Group> {
     use tensorwire_store::{ClusterSecret, ServerConfig, TcpStoreServer};
     let secret = format!("{:032x}", rand::random::<u128>());
     let store = TcpStoreServer::bind(
@@ -250,6 +262,7 @@ async fn start_group(world: usize, timeout: Duration) -> Result<Group> {
             .args(["--rank", &rank.to_string(), "--world", &world.to_string()])
             .args(["--port", &port.to_string()])
             .args(["--timeout", &timeout.as_secs().to_string()])
+            .args(extra)
             .env("TENSORWIRE_BENCH_SECRET", &secret)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -308,7 +321,7 @@ async fn start_group(world: usize, timeout: Duration) -> Result<Group> {
 
 impl Group {
     /// Shuts the group down gracefully and checks that every rank exited successfully.
-    async fn finish(mut self, timeout: Duration) -> Result<()> {
+    pub(crate) async fn finish(mut self, timeout: Duration) -> Result<()> {
         self.agent
             .shutdown(tensorwire_rpc::Shutdown::graceful(timeout))
             .await?;
@@ -367,6 +380,20 @@ pub(crate) fn worker(args: &CurveWorkerArgs) -> Result<()> {
         .await?;
         println!("INIT {}", t.elapsed().as_micros());
         std::io::stdout().flush()?;
+        #[cfg(feature = "autograd-candle")]
+        let _dist = if args.autograd {
+            let dist = super::bench_autograd::serve(&agent, args.rank)?;
+            agent
+                .barrier(super::bench_autograd::READY_BARRIER, timeout)
+                .await?;
+            Some(dist)
+        } else {
+            None
+        };
+        #[cfg(not(feature = "autograd-candle"))]
+        if args.autograd {
+            bail!("built without the `autograd-candle` feature");
+        }
         agent
             .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(
                 3600,
