@@ -1,7 +1,9 @@
 //! `tensorwire bench autograd`: the distributed backward pass of three model shapes over four
 //! processes on this host, against the same model's backward in one process, measured in the
-//! same run, with the cost model "local backward + sequential gradient messages × half a round
-//! trip" and what it leaves unexplained.
+//! same run, with the cost model "local backward + hops × round trip" and what it leaves
+//! unexplained. A hop is a gradient request that cannot start before the previous one: each is
+//! an RPC answered only once the work it started, nested requests included, is done (FAST
+//! mode's completion), so each costs a whole round trip on the critical path.
 //!
 //! This process is the trainer (rank 0, `w0`); ranks 1 to 3 (`w1`..`w3`) each hold one weight
 //! `w_r` and serve `hop`: `y = tanh(x * w_r + w_r)` on the tracked input, then, when the route
@@ -9,13 +11,14 @@
 //! `sum((y - target)^2)` on the trainer. Shapes (the input does not require a gradient):
 //!
 //! - `chain`: `w1 -> w2 -> w3` nested. The gradient goes 0 -> 1 -> 2 -> 3, and back 3 -> 2 -> 1
-//!   for the inputs of the nested calls: 5 gradient messages one after another.
+//!   for the inputs of the nested calls: 5 hops.
 //! - `diamond`: `w1 -> w3` and `w2 -> w3` at once, the results summed: per branch 0 -> 1 -> 3
-//!   -> 1, the branches at the same time: 3 messages deep.
+//!   -> 1, the branches at the same time: 3 hops.
 //! - `ps` (parameter server): `w1` twice in a row, the trainer's own `tanh` between: 0 -> 1 for
-//!   the second call, 1 -> 0 for its input, 0 -> 1 for the first call: 3 messages.
+//!   the second call, 1 -> 0 for its input, 0 -> 1 for the first call: 3 hops.
 //!
-//! Each figure is the median over `--steps` passes, each pass in a fresh context released after
+//! `dist_forward_us` (with `forward_calls_in_a_row`) times the forward pass, the same RPCs
+//! carrying the same tensors, for comparison. Each figure is the median over `--steps` passes, each pass in a fresh context released after
 //! it (the release is not timed). `rpc_rtt_p50_us` is `rpc_sync` of a no-op to `w1` measured in
 //! blocks between the shapes, `raw_tcp_pingpong_p50_us` plain TCP to an echo process likewise.
 
@@ -139,11 +142,20 @@ impl Shape {
         }
     }
 
-    /// Gradient messages that must go one after another (see the module docs).
-    fn sequential_messages(self) -> usize {
+    /// Gradient requests that must go one after another (see the module docs).
+    fn hops(self) -> usize {
         match self {
             Shape::Chain => 5,
             Shape::Diamond | Shape::Ps => 3,
+        }
+    }
+
+    /// Calls of the forward pass that go one after another (nested or in sequence): the
+    /// forward's own "hops", for comparison.
+    fn forward_calls(self) -> usize {
+        match self {
+            Shape::Chain => 3,
+            Shape::Diamond | Shape::Ps => 2,
         }
     }
 
@@ -235,12 +247,14 @@ pub(crate) fn run(args: &AutogradArgs) -> Result<()> {
         let mut rows = Vec::new();
         for shape in &shapes {
             bar.set_message(shape.name());
-            let (mut dist_t, mut local_t) = (Vec::new(), Vec::new());
+            let (mut dist_t, mut local_t, mut fwd_t) = (Vec::new(), Vec::new(), Vec::new());
             let mut max_loss_diff = 0f32;
             let warm = (args.steps / 10).max(2);
             for step in 0..warm + args.steps {
                 let ctx = dist.context()?;
+                let t = Instant::now();
                 let y = shape.forward(&ctx, &x).await?;
+                let forward_took = t.elapsed();
                 let loss = loss_of(&y)?;
                 let t = Instant::now();
                 ctx.backward(&[(loss.clone(), None)], false).await?;
@@ -257,6 +271,7 @@ pub(crate) fn run(args: &AutogradArgs) -> Result<()> {
                 if step >= warm {
                     dist_t.push(took);
                     local_t.push(local_took);
+                    fwd_t.push(forward_took);
                 }
             }
             // The same model: a distributed forward pass that differs is a bug, not noise.
@@ -266,7 +281,13 @@ pub(crate) fn run(args: &AutogradArgs) -> Result<()> {
                     shape.name()
                 );
             }
-            rows.push((*shape, median_us(dist_t), median_us(local_t), max_loss_diff));
+            rows.push((
+                *shape,
+                median_us(dist_t),
+                median_us(local_t),
+                median_us(fwd_t),
+                max_loss_diff,
+            ));
             round_trips(agent, &mut raw, &mut rtts, &mut raw_rtts).await?;
             bar.inc(1);
         }
@@ -277,17 +298,19 @@ pub(crate) fn run(args: &AutogradArgs) -> Result<()> {
     raw.finish()?;
     let mut out = Map::new();
     let mut shapes_out = Map::new();
-    for (shape, dist, local, loss_diff) in rows {
-        let messages = shape.sequential_messages();
-        let expected = local + messages as f64 * rtt / 2.0;
+    for (shape, dist, local, forward, loss_diff) in rows {
+        let hops = shape.hops();
+        let expected = local + hops as f64 * rtt;
         shapes_out.insert(
             shape.name().into(),
             json!({
                 "dist_backward_us": dist,
+                "dist_forward_us": forward,
+                "forward_calls_in_a_row": shape.forward_calls(),
                 "local_backward_us": local,
                 "dist_over_local": dist / local,
                 "overhead_us": dist - local,
-                "sequential_gradient_messages": messages,
+                "hops": hops,
                 "overhead_in_round_trips": (dist - local) / rtt,
                 "expected_us": expected,
                 "unexplained_us": dist - expected,
@@ -301,7 +324,7 @@ pub(crate) fn run(args: &AutogradArgs) -> Result<()> {
     out.insert("rpc_rtt_over_raw".into(), json!(rtt / raw_rtt));
     out.insert(
         "model".into(),
-        json!("expected_us = local_backward_us + sequential_gradient_messages x rpc_rtt_p50_us / 2; unexplained_us is the rest (engine bookkeeping, encoding, scheduling)"),
+        json!("expected_us = local_backward_us + hops x rpc_rtt_p50_us (hops: gradient requests one after another, each answered once its nested work is done); unexplained_us is the rest"),
     );
     out.insert(
         "settings".into(),
