@@ -40,6 +40,15 @@ enum Bench {
     /// Process-group collectives of local processes against raw TCP (see
     /// `bench_collectives`).
     Collectives(super::bench_collectives::CollectivesArgs),
+    /// How costs grow (references, peers, world size, payload size), each against a raw
+    /// baseline measured in the same run; JSON and a PNG plot.
+    Curve(super::bench_curves::CurveArgs),
+    /// Distributed autograd's backward (chain, diamond, parameter server) against the local
+    /// backward of the same model, with its overhead in round trips.
+    Autograd(AutogradArgs),
+    /// One rank of a `bench curve` group (started by it).
+    #[command(hide = true)]
+    CurveWorker(super::bench_curves::CurveWorkerArgs),
     /// A rendezvous-shaped load on the store server from one process holding N connections.
     Store(super::bench_store::StoreArgs),
     /// One rank of `bench collectives` (started by it).
@@ -48,6 +57,18 @@ enum Bench {
     /// The raw TCP echo process of `bench transport` (started by it).
     #[command(hide = true)]
     RawEcho(RawEchoArgs),
+}
+
+#[cfg(feature = "autograd-candle")]
+use super::bench_autograd::AutogradArgs;
+
+/// Arguments of `bench autograd` in a build without distributed autograd (it says so).
+#[cfg(not(feature = "autograd-candle"))]
+#[derive(Debug, clap::Args)]
+struct AutogradArgs {
+    /// Ignored: the build has no distributed autograd.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+    rest: Vec<String>,
 }
 
 /// Arguments of the hidden `bench raw-echo`.
@@ -101,6 +122,16 @@ pub(crate) fn run(args: Args) -> ExitCode {
         Bench::Transport(a) => bench_transport(&a),
         Bench::Rpc(a) => super::bench_rpc::bench_rpc(&a),
         Bench::Collectives(a) => super::bench_collectives::run(&a),
+        Bench::Curve(a) => super::bench_curves::run(&a),
+        #[cfg(feature = "autograd-candle")]
+        Bench::Autograd(a) => super::bench_autograd::run(&a),
+        #[cfg(not(feature = "autograd-candle"))]
+        Bench::Autograd(_) => Err(Usage(
+            "this tensorwire was built without the `autograd-candle` feature; rebuild with it"
+                .into(),
+        )
+        .into()),
+        Bench::CurveWorker(a) => super::bench_curves::worker(&a),
         Bench::CollectivesWorker(a) => super::bench_collectives::worker(&a),
         Bench::Store(a) => super::bench_store::run(&a),
         Bench::RawEcho(a) => raw_echo(&a),
@@ -375,7 +406,8 @@ fn raw_connection(mut s: TcpStream) -> std::io::Result<()> {
 /// The raw baseline's client: blocking sockets to echo threads, one connection per kind of
 /// exchange.
 pub(crate) struct Raw {
-    ping: TcpStream,
+    /// Ping-pong connections, each served by its own echo thread.
+    pings: Vec<TcpStream>,
     bulk: Vec<(usize, TcpStream)>,
     /// The raw echo process.
     server: std::process::Child,
@@ -407,9 +439,16 @@ fn raw_echo(args: &RawEchoArgs) -> Result<()> {
 impl Raw {
     /// The baseline with its echo in another process (this binary, `bench raw-echo`).
     pub(crate) fn start_process(bulk_sizes: &[usize]) -> Result<Self> {
+        Self::start_process_pings(1, bulk_sizes)
+    }
+
+    /// The baseline with `pings` ping-pong connections (at least 1) to the echo process, for
+    /// round trips spread over several peers ([`Raw::pingpong_round_robin`]).
+    pub(crate) fn start_process_pings(pings: usize, bulk_sizes: &[usize]) -> Result<Self> {
+        let pings = pings.max(1);
         let mut child = std::process::Command::new(std::env::current_exe()?)
             .args(["bench", "raw-echo", "--connections"])
-            .arg((1 + bulk_sizes.len()).to_string())
+            .arg((pings + bulk_sizes.len()).to_string())
             .stdout(std::process::Stdio::piped())
             .spawn()
             .context("starting the raw echo process")?;
@@ -427,11 +466,12 @@ impl Raw {
             let _ = child.wait();
             bail!("the raw echo process did not report its address (got {line:?})");
         };
-        Self::connect(addr, bulk_sizes, child)
+        Self::connect(addr, pings, bulk_sizes, child)
     }
 
     fn connect(
         addr: SocketAddr,
+        pings: usize,
         bulk_sizes: &[usize],
         server: std::process::Child,
     ) -> Result<Self> {
@@ -443,23 +483,40 @@ impl Raw {
             s.write_all(&setup)?;
             Ok(s)
         };
-        let ping = open(RAW_PING, SMALL)?;
+        let pings = (0..pings)
+            .map(|_| open(RAW_PING, SMALL))
+            .collect::<Result<_>>()?;
         let bulk = bulk_sizes
             .iter()
             .map(|&size| Ok((size, open(RAW_BULK, size)?)))
             .collect::<Result<_>>()?;
-        Ok(Raw { ping, bulk, server })
+        Ok(Raw {
+            pings,
+            bulk,
+            server,
+        })
     }
 
-    /// `n` round trips of [`SMALL`] bytes; the time of each.
+    /// `n` round trips of [`SMALL`] bytes on the first connection; the time of each.
     pub(crate) fn pingpong(&mut self, n: usize) -> Result<Vec<Duration>> {
+        self.pingpong_on(n, 1)
+    }
+
+    /// `n` round trips of [`SMALL`] bytes, each on the next of the ping-pong connections in
+    /// turn; the time of each.
+    pub(crate) fn pingpong_round_robin(&mut self, n: usize) -> Result<Vec<Duration>> {
+        self.pingpong_on(n, self.pings.len())
+    }
+
+    fn pingpong_on(&mut self, n: usize, connections: usize) -> Result<Vec<Duration>> {
         let msg = [7u8; SMALL];
         let mut back = [0u8; SMALL];
         let mut times = Vec::with_capacity(n);
-        for _ in 0..n {
+        for i in 0..n {
+            let s = &mut self.pings[i % connections];
             let t = Instant::now();
-            self.ping.write_all(&msg)?;
-            self.ping.read_exact(&mut back)?;
+            s.write_all(&msg)?;
+            s.read_exact(&mut back)?;
             times.push(t.elapsed());
         }
         Ok(times)
@@ -481,7 +538,7 @@ impl Raw {
     }
 
     pub(crate) fn finish(self) -> Result<()> {
-        drop(self.ping);
+        drop(self.pings);
         drop(self.bulk);
         let mut server = self.server;
         let status = server.wait()?;

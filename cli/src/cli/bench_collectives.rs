@@ -80,9 +80,12 @@ pub(crate) struct WorkerArgs {
     large_iters: usize,
     #[arg(long, default_value_t = 120)]
     timeout: u64,
+    /// Message sizes in bytes for `--mode curve` (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    sizes: Vec<usize>,
 }
 
-fn median_us(mut v: Vec<Duration>) -> f64 {
+pub(crate) fn median_us(mut v: Vec<Duration>) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
@@ -310,13 +313,21 @@ fn start_worker(
     secret: &str,
     mode: &str,
     args: &CollectivesArgs,
+    sizes: &[usize],
 ) -> Result<Worker> {
+    let sizes: Vec<String> = sizes.iter().map(usize::to_string).collect();
     let exe = std::env::current_exe().context("finding this executable")?;
     let mut child = Command::new(exe)
         .args(["bench", "collectives-worker", "--mode", mode])
         .args(["--small-iters", &args.small_iters.to_string()])
         .args(["--large-iters", &args.large_iters.to_string()])
         .args(["--timeout", &args.timeout.to_string()])
+        .args(
+            (!sizes.is_empty())
+                .then(|| ["--sizes".to_owned(), sizes.join(",")])
+                .into_iter()
+                .flatten(),
+        )
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
         .env("RANK", rank.to_string())
@@ -351,12 +362,44 @@ fn start_worker(
     })
 }
 
+/// One group of `bench curve collectives`: `world` processes time a barrier, then broadcast,
+/// all_reduce (f32 sum) and all_gather of each of `sizes` bytes (`iters` iterations for the
+/// barrier and the smallest sizes, fewer for large ones); rank 0's medians, in microseconds,
+/// keyed `barrier_us` and `{op}_{bytes}_us`.
+pub(crate) fn run_curve_group(
+    world: usize,
+    sizes: &[usize],
+    iters: usize,
+    timeout: u64,
+    transport: &str,
+) -> Result<Map<String, Value>> {
+    let args = CollectivesArgs {
+        world: vec![world],
+        json: None,
+        small_iters: iters,
+        large_iters: iters,
+        rendezvous_world: 0,
+        timeout,
+        transport: transport.to_owned(),
+    };
+    run_group_sized(world, "curve", &args, sizes)
+}
+
 /// Starts `world` workers in `mode`, waits for rank 0's `RESULT` line, checks every exit.
 fn run_group(world: usize, mode: &str, args: &CollectivesArgs) -> Result<Map<String, Value>> {
+    run_group_sized(world, mode, args, &[])
+}
+
+fn run_group_sized(
+    world: usize,
+    mode: &str,
+    args: &CollectivesArgs,
+    sizes: &[usize],
+) -> Result<Map<String, Value>> {
     let secret = format!("{:032x}", rand::random::<u128>());
     let bound = Duration::from_secs(args.timeout);
     let started = Instant::now();
-    let mut workers = Workers(vec![start_worker(0, world, 0, &secret, mode, args)?]);
+    let mut workers = Workers(vec![start_worker(0, world, 0, &secret, mode, args, sizes)?]);
     let first = workers.0[0]
         .lines
         .recv_timeout(bound)
@@ -368,7 +411,7 @@ fn run_group(world: usize, mode: &str, args: &CollectivesArgs) -> Result<Map<Str
     for rank in 1..world {
         workers
             .0
-            .push(start_worker(rank, world, port, &secret, mode, args)?);
+            .push(start_worker(rank, world, port, &secret, mode, args, sizes)?);
     }
     // Every rank prints READY after its first barrier.
     for (rank, w) in workers.0.iter().enumerate() {
@@ -482,6 +525,8 @@ async fn worker_main(args: &WorkerArgs) -> Result<()> {
             format!("rendezvous_barrier_w{world}_in_process_ms"),
             json!(slowest),
         );
+    } else if args.mode == "curve" {
+        curve_series(pg.as_ref(), rank, world, args, &mut out).await?;
     } else {
         let p = pg.as_ref();
         let t = time_series(p, args.small_iters, || async { Ok(p.barrier().await?) }).await?;
@@ -606,12 +651,67 @@ async fn worker_main(args: &WorkerArgs) -> Result<()> {
     Ok(())
 }
 
+/// Iterations for a series of `bytes`-byte messages: `iters` up to 64 KiB, then fewer, so that
+/// each series moves about as many bytes as 64 KiB ones do (at least 5).
+pub(crate) fn iters_for(iters: usize, bytes: usize) -> usize {
+    if bytes <= 64 << 10 {
+        iters
+    } else {
+        (iters * (64 << 10) / bytes).max(5)
+    }
+}
+
+/// The series of `--mode curve` (see [`run_curve_group`]).
+async fn curve_series(
+    p: &dyn ProcessGroup,
+    rank: usize,
+    world: usize,
+    args: &WorkerArgs,
+    out: &mut Map<String, Value>,
+) -> Result<()> {
+    let t = time_series(p, args.small_iters, || async { Ok(p.barrier().await?) }).await?;
+    out.insert("barrier_us".into(), json!(median_us(t)));
+    for &bytes in &args.sizes {
+        let iters = iters_for(args.small_iters, bytes);
+        // f32 elements for all_reduce: the size rounded down to whole elements (at least one).
+        let data: Vec<u8> = (0..bytes.max(4) / 4 * 4)
+            .map(|i| if i % 4 == 3 { 0x3f } else { 0 })
+            .collect();
+        let t = time_series(p, iters, || async {
+            let mut buf = vec![rank as u8; bytes];
+            p.broadcast(&mut buf, 0).await?;
+            Ok(())
+        })
+        .await?;
+        out.insert(format!("broadcast_{bytes}_us"), json!(median_us(t)));
+        let t = time_series(p, iters, || async {
+            let mut buf = data.clone();
+            p.all_reduce(&mut buf, ElementType::F32, ReduceOp::Sum)
+                .await?;
+            Ok(())
+        })
+        .await?;
+        out.insert(format!("all_reduce_{bytes}_us"), json!(median_us(t)));
+        let block = vec![rank as u8; bytes];
+        let t = time_series(p, iters, || async {
+            let got = p.all_gather(&block).await?;
+            if got.len() != world || got.iter().any(|b| b.len() != bytes) {
+                bail!("all_gather returned the wrong blocks");
+            }
+            Ok(())
+        })
+        .await?;
+        out.insert(format!("all_gather_{bytes}_us"), json!(median_us(t)));
+    }
+    Ok(())
+}
+
 /// Raw baseline: the same dissemination barrier as the groups run, among `world` threads
 /// over blocking loopback sockets (one byte per message, no framing, no runtime); the median
 /// on thread 0 over `iters` barriers, in microseconds. It shows what the machine's scheduler
 /// allows when `world` exceeds the cores.
 #[allow(clippy::needless_range_loop)] // pairs (i, j) fill both conns[i][j] and conns[j][i]
-fn raw_barrier(world: usize, iters: usize) -> Result<f64> {
+pub(crate) fn raw_barrier(world: usize, iters: usize) -> Result<f64> {
     let mut conns: Vec<Vec<Option<TcpStream>>> = (0..world)
         .map(|_| (0..world).map(|_| None).collect())
         .collect();

@@ -63,7 +63,9 @@ pub(crate) struct RpcArgs {
     serve: Option<u16>,
 }
 
-fn functions() -> Functions {
+/// The functions the benchmark's callees serve: `noop` and `value` (a `u64` back), `nbytes`
+/// (a tensor's size).
+pub(crate) fn functions() -> Functions {
     let f = Functions::new();
     f.register("noop", |x: u64| async move { Ok::<_, String>(x) })
         .expect("each name is registered once");
@@ -117,7 +119,7 @@ fn choose_transport(args: &mut RpcArgs) -> Result<()> {
 
 /// A runtime with `threads` workers; 1 means tokio's current-thread runtime (every task of the
 /// agent on one thread: no wake-ups across cores).
-fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
     let mut builder = if threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
     } else {
@@ -130,7 +132,7 @@ fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
 
 /// Runs a blocking raw-baseline step from async code (on a current-thread runtime the thread
 /// simply blocks: nothing else must run meanwhile).
-fn blocking<T>(f: impl FnOnce() -> T) -> T {
+pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::current().runtime_flavor() {
         tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
         _ => f(),
@@ -349,7 +351,11 @@ async fn measure(args: &RpcArgs, port: u16, secret: &[u8], raw: &mut Raw) -> Res
     bar.inc(1);
     bar.finish_and_clear();
     if !args.rrefs.is_empty() {
-        let rows = measure_with_rrefs(&agent, args, raw, &mut raw_ping).await?;
+        let rows = measure_with_rrefs(&agent, 1, &args.rrefs, args.calls, raw, &mut raw_ping)
+            .await?
+            .into_iter()
+            .map(|(row, _)| row)
+            .collect();
         out.insert("with_rrefs".into(), Value::Array(rows));
     }
     agent
@@ -358,22 +364,25 @@ async fn measure(args: &RpcArgs, port: u16, secret: &[u8], raw: &mut Raw) -> Res
     Ok((out, raw_ping, median(raw_rates)))
 }
 
-/// `rpc_sync` latency with growing numbers of live remote references held (see the module
-/// docs); raw ping-pongs alternate with it and join `raw_ping`.
-async fn measure_with_rrefs(
+/// `rpc_sync` latency to rank `callee` with growing numbers of live remote references held
+/// (see the module docs), `calls` calls per count; raw ping-pongs alternate with it and join
+/// `raw_ping`. Each row comes with the raw ping-pong p50 measured in its own blocks.
+pub(crate) async fn measure_with_rrefs(
     agent: &tensorwire_rpc::Agent,
-    args: &RpcArgs,
+    callee: u32,
+    counts: &[usize],
+    calls: usize,
     raw: &mut Raw,
     raw_ping: &mut Vec<Duration>,
-) -> Result<Vec<Value>> {
+) -> Result<Vec<(Value, f64)>> {
     const BATCH: usize = 1_000;
-    let mut counts = args.rrefs.clone();
+    let mut counts = counts.to_vec();
     counts.sort_unstable();
     counts.dedup();
     let bar = progress(counts.len() as u64, "rpc_sync with live references");
     let mut held: Vec<RRef<u64>> = Vec::with_capacity(counts.last().copied().unwrap_or(0));
     let mut rows = Vec::new();
-    let block = (args.calls / BLOCKS).max(1);
+    let block = (calls / BLOCKS).max(1);
     for n in counts {
         bar.set_message(format!("making {n} references"));
         let mut batches = Vec::new();
@@ -381,7 +390,7 @@ async fn measure_with_rrefs(
             let size = BATCH.min(n - held.len());
             let t = Instant::now();
             let batch = (0..size)
-                .map(|i| agent.remote::<_, u64>(1u32, "value", &(i as u64), None))
+                .map(|i| agent.remote::<_, u64>(callee, "value", &(i as u64), None))
                 .collect::<Result<Vec<RRef<u64>>, _>>()?;
             for r in &batch {
                 r.created().await?;
@@ -390,24 +399,30 @@ async fn measure_with_rrefs(
             held.extend(batch);
         }
         bar.set_message(format!("rpc_sync with {n} references"));
-        let mut times = Vec::with_capacity(args.calls);
+        let mut times = Vec::with_capacity(calls);
+        let mut raw_times = Vec::with_capacity(calls);
         for _ in 0..BLOCKS {
-            raw_ping.extend(blocking(|| raw.pingpong(block))?);
+            raw_times.extend(blocking(|| raw.pingpong(block))?);
             for i in 0..block {
                 let t = Instant::now();
-                let _: u64 = agent.rpc_sync(1u32, "noop", &(i as u64), None).await?;
+                let _: u64 = agent.rpc_sync(callee, "noop", &(i as u64), None).await?;
                 times.push(t.elapsed());
             }
         }
         times.sort();
+        raw_ping.extend_from_slice(&raw_times);
+        raw_times.sort();
         let batch_ms = (!batches.is_empty())
             .then(|| median(batches.iter().map(|d| d.as_secs_f64() * 1e3).collect()));
-        rows.push(json!({
-            "held": n,
-            "rpc_sync_p50_us": percentile(&times, 0.5),
-            "rpc_sync_p99_us": percentile(&times, 0.99),
-            "remote_batch_of_1000_median_ms": batch_ms,
-        }));
+        rows.push((
+            json!({
+                "held": n,
+                "rpc_sync_p50_us": percentile(&times, 0.5),
+                "rpc_sync_p99_us": percentile(&times, 0.99),
+                "remote_batch_of_1000_median_ms": batch_ms,
+            }),
+            percentile(&raw_times, 0.5),
+        ));
         bar.inc(1);
     }
     bar.finish_and_clear();

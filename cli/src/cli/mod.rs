@@ -1,7 +1,10 @@
 //! Subcommands of the `tensorwire` tool, one module each.
 
 pub(crate) mod bench;
+#[cfg(feature = "autograd-candle")]
+pub(crate) mod bench_autograd;
 pub(crate) mod bench_collectives;
+pub(crate) mod bench_curves;
 pub(crate) mod bench_rpc;
 pub(crate) mod bench_store;
 pub(crate) mod demo;
