@@ -716,3 +716,119 @@ fn seeded_gather_simulation() {
     assert!(completed > 500, "{completed} completed gathers");
     assert!(failed > 50, "{failed} failed gathers");
 }
+
+/// One input to a leader in [`forged_traffic_stays_within_bounds_and_leaves_nothing`].
+#[derive(Debug, Clone)]
+enum Op {
+    Contribute {
+        from: WorkerId,
+        name: u8,
+        expected: Vec<WorkerId>,
+        wait_ms: u64,
+        len: usize,
+    },
+    Advance(u64),
+    Lost(WorkerId),
+    Abandon(GatherToken),
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => (
+            0u32..5,
+            0u8..6,
+            proptest::collection::vec(0u32..5, 0..5),
+            0u64..200,
+            0usize..24,
+        )
+            .prop_map(|(from, name, expected, wait_ms, len)| Op::Contribute {
+                from,
+                name,
+                expected,
+                wait_ms,
+                len,
+            }),
+        1 => (0u64..150).prop_map(Op::Advance),
+        1 => (0u32..5).prop_map(Op::Lost),
+        1 => (0u64..40).prop_map(Op::Abandon),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+    /// Any traffic (member lists unsorted, foreign, for another leader; names reused; values
+    /// large; losses and abandoned calls): no panic, every contribution answered at most once,
+    /// a refusal answered at once and changing nothing, the bounds never passed, and once the
+    /// waits have ended the leader holds nothing and has answered every caller still there.
+    #[test]
+    fn forged_traffic_stays_within_bounds_and_leaves_nothing(
+        ops in proptest::collection::vec(op(), 0..80)
+    ) {
+        let cfg = GatherConfig::default().with_max_rounds(3).with_max_bytes(40).with_max_name_len(8);
+        let mut l = GatherLeader::new(0, cfg);
+        let t0 = Instant::now();
+        let mut now = t0;
+        let mut answered = BTreeSet::new();
+        let mut gone = BTreeSet::new();
+        let mut callers = BTreeMap::new();
+        let collect = |l: &mut GatherLeader, answered: &mut BTreeSet<GatherToken>| {
+            let got = answers(l);
+            for (token, _) in &got {
+                assert!(answered.insert(*token), "token {token} answered twice");
+            }
+            got
+        };
+        for op in ops {
+            match op {
+                Op::Contribute { from, name, expected, wait_ms, len } => {
+                    let before = held(&l);
+                    let c = Contribution {
+                        name: if name == 5 { "x".repeat(9) } else { format!("g{name}") },
+                        expected,
+                        wait: Duration::from_millis(wait_ms),
+                        value: vec![from as u8; len],
+                    };
+                    let token = l.handle_contribution(now, from, c);
+                    callers.insert(token, from);
+                    for (t, outcome) in collect(&mut l, &mut answered) {
+                        if let GatherOutcome::Failed(e) = &outcome {
+                            if t == token && !matches!(e, GatherError::MemberLost { .. }) {
+                                assert_eq!(held(&l), before, "{e}");
+                            }
+                        }
+                    }
+                }
+                Op::Advance(ms) => {
+                    now += Duration::from_millis(ms);
+                    l.handle_timeout(now);
+                    collect(&mut l, &mut answered);
+                }
+                Op::Lost(w) => {
+                    l.handle_peer_lost(w);
+                    for (t, c) in &callers {
+                        if *c == w {
+                            gone.insert(*t);
+                        }
+                    }
+                    collect(&mut l, &mut answered);
+                }
+                Op::Abandon(t) => {
+                    l.handle_abandoned(t);
+                    gone.insert(t);
+                    collect(&mut l, &mut answered);
+                }
+            }
+            assert!(l.rounds() <= 3);
+            assert!(l.held_bytes() <= 40);
+        }
+        now += Duration::from_secs(1);
+        l.handle_timeout(now);
+        collect(&mut l, &mut answered);
+        assert!(l.is_idle(), "{l:?}");
+        for t in callers.keys() {
+            assert!(answered.contains(t) || gone.contains(t), "token {t} never answered");
+        }
+    }
+}
