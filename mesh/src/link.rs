@@ -16,44 +16,16 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use tensorwire_core::ports::transport::{Connection, Transport, TransportError};
-use tensorwire_core::wire::{Frame, FrameKind};
 use tokio::time::Instant;
 use tracing::debug;
 
 use tensorwire_store::backoff::Backoff;
 
-/// The first frame on every link (a [`FrameKind::Control`] frame, postcard-encoded): who is
-/// dialling, and for which group.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Hello {
-    /// The group the link belongs to (a process group's name; the RPC agent's group).
-    pub group: String,
-    /// The dialler's rank.
-    pub rank: u32,
-    /// The dialler's world size; `None` in a group without one (a dynamic RPC group).
-    pub world: Option<u32>,
-    /// What the layer above tells about the dialler (a dynamic RPC group's joiner sends its
-    /// encoded record); empty for process groups.
-    pub introduction: Vec<u8>,
-}
-
-impl Hello {
-    /// The hello as a frame.
-    pub fn frame(&self) -> Frame {
-        let header = postcard::to_allocvec(self).expect("a hello always encodes");
-        Frame::control(header, Vec::new())
-    }
-
-    /// The hello a frame carries, if it is one.
-    pub fn from_frame(frame: &Frame) -> Result<Hello, String> {
-        if frame.kind != FrameKind::Control {
-            return Err(format!("its first frame is a {:?} frame", frame.kind));
-        }
-        postcard::from_bytes(&frame.header).map_err(|e| format!("malformed hello ({e})"))
-    }
-}
+/// The first frame on every link (a [`Control`](tensorwire_core::wire::FrameKind::Control)
+/// frame): who is dialling, and for which group. Encoded and decoded in core
+/// ([`tensorwire_core::protocol::mesh`]).
+pub use tensorwire_core::protocol::mesh::Hello;
 
 /// `timeout` from now, saturating: a timeout too long to add is no deadline (30 years; a day where even that does not fit).
 pub fn deadline_after(timeout: Duration) -> Instant {
@@ -143,28 +115,8 @@ pub async fn read_hello(conn: &dyn Connection, deadline: Instant) -> Result<Hell
     let addr = conn.peer_addr();
     let no_hello = |reason: String| LinkError::NoHello { addr, reason };
     match tokio::time::timeout_at(deadline, conn.recv()).await {
-        Ok(Ok(frame)) => Hello::from_frame(&frame).map_err(no_hello),
+        Ok(Ok(frame)) => Hello::from_frame(&frame).map_err(|e| no_hello(e.to_string())),
         Ok(Err(e)) => Err(no_hello(e.to_string())),
         Err(_) => Err(no_hello("none arrived in time".to_owned())),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hellos_round_trip_and_other_frames_are_not_hellos() {
-        let h = Hello {
-            group: "rpc".into(),
-            rank: 3,
-            world: Some(8),
-            introduction: vec![1, 2],
-        };
-        assert_eq!(Hello::from_frame(&h.frame()).unwrap(), h);
-        let e = Hello::from_frame(&Frame::message(h.frame().header, Vec::new())).unwrap_err();
-        assert!(e.contains("Message"), "{e}");
-        let e = Hello::from_frame(&Frame::control(vec![0xff; 3], Vec::new())).unwrap_err();
-        assert!(e.contains("malformed hello"), "{e}");
     }
 }

@@ -18,13 +18,12 @@
 //!
 //! # Frames
 //! The group's own frames are [`FrameKind::Collective`](tensorwire_core::wire::FrameKind)
-//! frames, whose header starts with a tag byte:
-//! - `0`, a collective message: a 24-byte header (the tag, the sequence number `u64` LE, then
-//!   the round's [`Signature`], 15 bytes) and at most one payload;
-//! - `1`, a control frame: a postcard `Control` value: a clean goodbye, an abort in the
-//!   sender's own name (what it saw, in its words: a rank may only report its own abort, and
-//!   an abort naming another rank is a violation of its sender), and a disagreement notice
-//!   that tells them which ranks ran what under one sequence number.
+//! frames whose header is a [`GroupFrame`], encoded and decoded in core
+//! ([`tensorwire_core::protocol::mesh`]): a collective message (its sequence number and the
+//! round's [`Signature`](tensorwire_core::collective::Signature), with at most one payload), a
+//! clean goodbye, an abort in the sender's own name (what it saw, in its words: a rank may only
+//! report its own abort, and an abort naming another rank is a violation of its sender), and a
+//! disagreement notice that tells them which ranks ran what under one sequence number.
 //!
 //! Before a collective message is filed it is checked against core's
 //! [`Admission`]: the sender must be a member
@@ -49,14 +48,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use bytes::{BufMut, Bytes, BytesMut};
-use serde::{Deserialize, Serialize};
+use bytes::{Bytes, BytesMut};
 use tensorwire_core::collective::inbox::{self, Admission, Held, InboxLimits};
-use tensorwire_core::collective::{Signature, SIGNATURE_LEN};
+use tensorwire_core::collective::SIGNATURE_LEN;
 use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::protocol::membership::{JoinError, StaticJoin};
+use tensorwire_core::protocol::mesh::GroupFrame;
 use tensorwire_core::wire::{Frame, FrameKind};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -64,8 +63,6 @@ use tracing::{debug, warn};
 
 use crate::link;
 
-/// Length of a collective message's header: tag, sequence number and signature.
-const DATA_HEADER_LEN: usize = 1 + 8 + SIGNATURE_LEN;
 /// How long a dying mesh tries to tell each other peer which rank died.
 const ABORT_SEND_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -73,47 +70,6 @@ const ABORT_SEND_TIMEOUT: Duration = Duration::from_secs(1);
 pub fn address_key(group: &str, rank: usize) -> String {
     format!("tensorwire/pg/{group}/addr/{rank}")
 }
-
-/// Control messages between the meshes of two ranks (postcard-encoded frame headers).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) enum Control {
-    /// The sender shuts its group down cleanly; no more messages follow.
-    Goodbye,
-    /// The sender aborted its group (it saw a failure: a rank dying, a violation).
-    Abort {
-        /// The sender's own rank: a rank may only report its own abort, and an abort naming
-        /// another rank is a violation of its sender.
-        rank: u32,
-        /// What the sender saw, in its words.
-        reason: String,
-    },
-    /// The sender received, as collective `seq`, a message of `peer` that ran `theirs` while
-    /// it ran `ours` (encoded signatures); it has broken its group.
-    Disagreement {
-        /// The sequence number.
-        seq: u64,
-        /// The rank whose message disagreed.
-        peer: u32,
-        /// What that rank ran.
-        theirs: Vec<u8>,
-        /// What the sender ran.
-        ours: Vec<u8>,
-    },
-}
-
-impl Control {
-    fn frame(&self) -> Frame {
-        let mut header = vec![CONTROL_TAG];
-        header.extend(postcard::to_allocvec(self).expect("control messages always encode"));
-        Frame::collective(header, Vec::new())
-    }
-}
-
-/// The first header byte of a group's own frames ([`FrameKind::Collective`]): a collective
-/// message.
-const DATA_TAG: u8 = 0;
-/// The first header byte of the group's control frames.
-const CONTROL_TAG: u8 = 1;
 
 /// Where the frames on a group's connections that are not the group's own go: the RPC
 /// agent's traffic, multiplexed over the same connection per pair of ranks.
@@ -754,13 +710,13 @@ impl Mesh {
             return;
         };
         self.shared.fail(error.clone());
-        let notice = Control::Disagreement {
+        let notice = GroupFrame::Disagreement {
             seq: *seq,
             peer: *peer as u32,
-            theirs: theirs.encode().to_vec(),
-            ours: ours.encode().to_vec(),
+            theirs: *theirs,
+            ours: *ours,
         }
-        .frame();
+        .frame(Vec::new());
         for link in self.shared.peers.iter().flatten() {
             if matches!(link.inbox.status(), PeerStatus::Left) {
                 continue;
@@ -782,17 +738,14 @@ impl Mesh {
             reason: "no connection to that rank".to_owned(),
         })?;
         self.shared.touch(seq);
-        let mut header = BytesMut::with_capacity(DATA_HEADER_LEN);
-        header.put_u8(DATA_TAG);
-        header.put_u64_le(seq);
-        header.put_slice(signature);
+        let header = GroupFrame::data_header(seq, signature);
         let payloads = if payload.is_empty() {
             Vec::new()
         } else {
             vec![payload]
         };
         link.conn
-            .send(Frame::collective(header.freeze(), payloads))
+            .send(Frame::collective(header, payloads))
             .await
             .map_err(|e| {
                 self.broken().unwrap_or_else(|| ProcessGroupError::Send {
@@ -808,7 +761,7 @@ impl Mesh {
         let shared = &self.shared;
         let goodbyes = shared.peers.iter().flatten().map(|link| async move {
             let _ = tokio::time::timeout(timeout, async {
-                let _ = link.conn.send(Control::Goodbye.frame()).await;
+                let _ = link.conn.send(GroupFrame::Goodbye.frame(Vec::new())).await;
                 let _ = link.conn.close().await;
             })
             .await;
@@ -1051,14 +1004,6 @@ enum End {
     Violation(MeshViolation),
 }
 
-fn parse_data_header(header: &[u8]) -> Option<(u64, [u8; SIGNATURE_LEN])> {
-    if header.len() != DATA_HEADER_LEN || header[0] != DATA_TAG {
-        return None;
-    }
-    let seq = u64::from_le_bytes(header[1..9].try_into().ok()?);
-    Some((seq, header[9..].try_into().ok()?))
-}
-
 /// Joins a frame's payloads into one message (a sender sends at most one).
 fn message_bytes(payloads: Vec<Bytes>) -> Bytes {
     match payloads.len() {
@@ -1099,14 +1044,8 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
             }
             continue;
         }
-        match frame.header.first() {
-            Some(&DATA_TAG) => {
-                let Some((seq, signature)) = parse_data_header(&frame.header) else {
-                    break End::Broken(format!(
-                        "it sent a collective message with a malformed {}-byte header",
-                        frame.header.len()
-                    ));
-                };
+        match GroupFrame::decode(&frame.header) {
+            Ok(GroupFrame::Data { seq, signature }) => {
                 let payload = message_bytes(frame.payloads);
                 let len = payload.len();
                 let filed =
@@ -1120,53 +1059,43 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
                     break End::Violation(v);
                 }
             }
-            Some(&CONTROL_TAG) => match postcard::from_bytes::<Control>(&frame.header[1..]) {
-                Ok(Control::Goodbye) => {
-                    debug!(rank, peer, "peer said goodbye");
-                    link.inbox.close(PeerStatus::Left, |_| true);
-                    if let Some(sink) = shared.sink.get() {
-                        sink.on_closed(peer, "it shut its group down");
-                    }
-                    return;
+            Ok(GroupFrame::Goodbye) => {
+                debug!(rank, peer, "peer said goodbye");
+                link.inbox.close(PeerStatus::Left, |_| true);
+                if let Some(sink) = shared.sink.get() {
+                    sink.on_closed(peer, "it shut its group down");
                 }
-                Ok(Control::Abort {
-                    rank: named,
-                    reason,
-                }) => {
-                    if let Err(v) = inbox::check_abort(peer, named as usize) {
-                        break 'read End::Violation(v);
-                    }
-                    warn!(rank, peer, %reason, "peer aborted its group");
-                    // Breaking the mesh wakes every collective waiting on any rank.
-                    shared.fail(ProcessGroupError::PeerAborted { rank: peer, reason });
+                return;
+            }
+            Ok(GroupFrame::Abort {
+                rank: named,
+                reason,
+            }) => {
+                if let Err(v) = inbox::check_abort(peer, named as usize) {
+                    break 'read End::Violation(v);
                 }
-                Ok(Control::Disagreement {
+                warn!(rank, peer, %reason, "peer aborted its group");
+                // Breaking the mesh wakes every collective waiting on any rank.
+                shared.fail(ProcessGroupError::PeerAborted { rank: peer, reason });
+            }
+            Ok(GroupFrame::Disagreement {
+                seq,
+                peer: other,
+                theirs,
+                ours,
+            }) => {
+                let error = ProcessGroupError::Disagreement {
                     seq,
-                    peer: other,
+                    peer: other as usize,
                     theirs,
+                    rank: peer,
                     ours,
-                }) => {
-                    let (Some(theirs), Some(ours)) =
-                        (Signature::decode(&theirs), Signature::decode(&ours))
-                    else {
-                        break 'read End::Broken(
-                            "it sent a disagreement notice with a malformed signature".to_owned(),
-                        );
-                    };
-                    let error = ProcessGroupError::Disagreement {
-                        seq,
-                        peer: other as usize,
-                        theirs,
-                        rank: peer,
-                        ours,
-                        here: false,
-                    };
-                    warn!(rank, peer, %error, "peer reports a disagreement");
-                    shared.fail(error);
-                }
-                Err(e) => break End::Broken(format!("it sent a malformed control frame ({e})")),
-            },
-            _ => break End::Broken("it sent a group frame with an unknown tag".to_owned()),
+                    here: false,
+                };
+                warn!(rank, peer, %error, "peer reports a disagreement");
+                shared.fail(error);
+            }
+            Err(e) => break End::Broken(format!("it sent a bad group frame: {e}")),
         }
     };
     let (reason, error) = match end {
@@ -1203,16 +1132,17 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
     if first {
         // Tell the others, in case they cannot see it (a half-open connection elsewhere):
         // this rank aborts, in its own name; the reason says what it saw.
-        let abort = Control::Abort {
+        let abort = GroupFrame::Abort {
             rank: rank as u32,
             reason: error.to_string(),
-        };
+        }
+        .frame(Vec::new());
         for (other, link) in shared.peers.iter().enumerate() {
             let Some(link) = link else { continue };
             if other == peer || matches!(link.inbox.status(), PeerStatus::Left) {
                 continue;
             }
-            let _ = tokio::time::timeout(ABORT_SEND_TIMEOUT, link.conn.send(abort.frame())).await;
+            let _ = tokio::time::timeout(ABORT_SEND_TIMEOUT, link.conn.send(abort.clone())).await;
         }
     }
 }
@@ -1220,46 +1150,7 @@ async fn read_loop(shared: Arc<Shared>, peer: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn control_messages_round_trip() {
-        for c in [
-            Control::Goodbye,
-            Control::Abort {
-                rank: 2,
-                reason: "reset".into(),
-            },
-            Control::Disagreement {
-                seq: 7,
-                peer: 1,
-                theirs: Signature::Barrier.encode().to_vec(),
-                ours: Signature::AllGatherLengths.encode().to_vec(),
-            },
-        ] {
-            let frame = c.frame();
-            assert_eq!(frame.kind, FrameKind::Collective);
-            assert_eq!(frame.header[0], CONTROL_TAG);
-            assert_eq!(
-                postcard::from_bytes::<Control>(&frame.header[1..]).unwrap(),
-                c
-            );
-        }
-    }
-
-    #[test]
-    fn data_headers_are_checked() {
-        let mut h = BytesMut::new();
-        h.put_u8(DATA_TAG);
-        h.put_u64_le(77);
-        let barrier = Signature::Barrier.encode();
-        h.put_slice(&barrier);
-        assert_eq!(parse_data_header(&h), Some((77, barrier)));
-        assert_eq!(parse_data_header(&h[..10]), None);
-        assert_eq!(parse_data_header(&h[..9]), None);
-        assert_eq!(parse_data_header(b""), None);
-        h[0] = CONTROL_TAG;
-        assert_eq!(parse_data_header(&h), None);
-    }
+    use tensorwire_core::collective::Signature;
 
     #[test]
     fn inbox_delivers_then_reports_the_end() {

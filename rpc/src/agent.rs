@@ -1432,8 +1432,7 @@ impl Agent {
                 .wait(timeout)
                 .await
                 .map_err(|e| self.group_error(e, &what, timeout))?,
-            None => self
-                .gather_dynamic(&what, name, bytes, timeout)
+            None => crate::gather::gather_dynamic(self, &what, name, bytes, timeout)
                 .await?
                 .into_iter()
                 .map(Bytes::from)
@@ -1467,7 +1466,7 @@ impl Agent {
                 .map_err(|e| self.group_error(e, &format!("barrier {name:?}"), timeout));
         }
         let what = format!("barrier {name:?}");
-        self.gather_dynamic(&what, &format!("barrier/{name}"), Vec::new(), timeout)
+        crate::gather::gather_dynamic(self, &what, &format!("barrier/{name}"), Vec::new(), timeout)
             .await
             .map(drop)
     }
@@ -1495,7 +1494,8 @@ impl Agent {
             )));
         }
         let what = format!("barrier {name:?} among {} workers", members.len());
-        self.gather_among(
+        crate::gather::gather_among(
+            self,
             &what,
             &format!("barrier-among/{name}"),
             Vec::new(),

@@ -18,6 +18,7 @@ use tensorwire_core::ports::transport::{Connection, Listener, Transport};
 use tensorwire_core::protocol::membership::{
     Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
 };
+use tensorwire_core::protocol::mesh::HelloReply;
 use tensorwire_core::protocol::{ProtocolViolation, WorkerId};
 use tensorwire_core::validate::WorkerDeviceInfo;
 use tensorwire_core::wire::Frame;
@@ -32,7 +33,6 @@ use crate::error::RpcError;
 use crate::options::RpcOptions;
 
 const COORDINATOR: &str = "rpc/dyn/coordinator";
-const WELCOME: &[u8] = b"tensorwire-welcome/1";
 
 /// The driver's side of a dynamic group's membership, beside the agent's state (its own lock:
 /// never held together with the agent's).
@@ -443,12 +443,12 @@ async fn introduce(
         .await
         .map_err(|e| failed(e.to_string()))?;
     match tokio::time::timeout(limit.max(Duration::from_secs(1)), conn.recv()).await {
-        Ok(Ok(f)) if &f.header[..] == WELCOME => Ok(conn),
-        Ok(Ok(f)) => match postcard::from_bytes::<DynMessage>(&f.header) {
-            Ok(DynMessage::Refused { reason, .. }) => Err(Introduction::Refused(reason)),
-            _ => Err(failed(
-                "it answered the introduction with something else".into(),
-            )),
+        Ok(Ok(f)) => match HelloReply::from_frame(&f) {
+            Ok(HelloReply::Welcome) => Ok(conn),
+            Ok(HelloReply::Refused { reason, .. }) => Err(Introduction::Refused(reason)),
+            Err(e) => Err(failed(format!(
+                "it answered the introduction with something else: {e}"
+            ))),
         },
         Ok(Err(e)) => Err(failed(format!("it did not welcome this worker: {e}"))),
         Err(_) => Err(failed("it did not answer the introduction".into())),
@@ -539,9 +539,9 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
         Some(Ok(Accepted::Dialled)) | None => return,
         Some(Err(MembershipError::Refused { reason, retry })) => {
             // Told why, so that its init fails with the reason rather than a timeout.
-            if let Ok(bytes) = postcard::to_allocvec(&DynMessage::Refused { reason, retry }) {
-                let _ = conn.send(Frame::control(bytes, vec![])).await;
-            }
+            let _ = conn
+                .send(HelloReply::Refused { reason, retry }.frame())
+                .await;
             let _ = conn.close().await;
             return;
         }
@@ -550,7 +550,7 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
             return;
         }
     }
-    if let Err(e) = conn.send(Frame::control(WELCOME.to_vec(), vec![])).await {
+    if let Err(e) = conn.send(HelloReply::Welcome.frame()).await {
         warn!("could not welcome rank {rank}: {e}");
         let now = agent.now();
         agent.with_membership(|m| m.handle_lost(rank, now));

@@ -19,7 +19,7 @@ pub type Body = (bytes::Bytes, Vec<Tensor>);
 /// Decodes `frame` as a connection's first frame (who is speaking, for which group), as the
 /// agent's dynamic groups and process groups do. Returns the peer's rank and group.
 pub fn decode_hello(frame: &Frame) -> Result<(u32, String), String> {
-    let hello = tensorwire_mesh::link::Hello::from_frame(frame)?;
+    let hello = tensorwire_mesh::link::Hello::from_frame(frame).map_err(|e| e.to_string())?;
     Ok((hello.rank, hello.group))
 }
 

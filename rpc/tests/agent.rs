@@ -1263,6 +1263,40 @@ async fn dynamic_barriers_and_all_gathers_run_over_rpc_and_name_who_is_missing()
     }
 }
 
+/// A dynamic group's gather fails at once, naming the member, when a member that has not sent
+/// its value is lost: the leader does not wait out the timeout for a value that cannot come.
+#[tokio::test(start_paused = true)]
+async fn a_dynamic_gather_fails_at_once_when_a_missing_member_is_lost() {
+    let cluster = Cluster::new();
+    let mut agents = Vec::new();
+    for rank in 0..3 {
+        agents.push(dynamic(rank, &cluster, |_| {}).await.unwrap());
+    }
+    let long = Duration::from_secs(60);
+    let t0 = tokio::time::Instant::now();
+    let waiting = futures_join(agents[..2].iter().map(|a| {
+        let a = a.clone();
+        async move { a.barrier("never", long).await }
+    }));
+    let kill = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        cluster.kill(2);
+    };
+    let (results, ()) = tokio::join!(waiting, kill);
+    for r in results {
+        let e = r.unwrap_err();
+        assert!(e.to_string().contains("member 2 was lost"), "{e}");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    let dead = agents.pop().unwrap();
+    for a in &agents {
+        a.shutdown(tensorwire_rpc::Shutdown::Immediate)
+            .await
+            .unwrap();
+    }
+    drop(dead);
+}
+
 /// Runs the futures at once (each on its own task), in order of their outputs.
 async fn futures_join<F>(futures: impl Iterator<Item = F>) -> Vec<F::Output>
 where

@@ -37,6 +37,10 @@ pub(crate) const TARGETS: &[(&str, &str)] = &[
     ),
     ("protocol", "forged headers into a simulated cluster"),
     ("file_store", "FileStore's file format"),
+    (
+        "mesh_frames",
+        "the mesh's frames: group frames, hellos and their answers",
+    ),
 ];
 
 /// Every target's name.

@@ -26,6 +26,9 @@
 //! - `calls`: commands that make calls, remotes and fetches, and answers to requests;
 //! - `rrefs`: commands on reference handles (fork, accept, clone, drop, undo);
 //! - [`shutdown`]: the phases of a graceful shutdown and of leaving a dynamic group;
+//! - [`gather`]: barriers and all_gathers of a dynamic group through a leader
+//!   ([`gather::GatherLeader`]).
+//! - [`mesh`]: the mesh's frames (hellos and their answers, a process group's own frames).
 //! - [`membership`]: joining a static group ([`StaticJoin`]: who dials whom, when the group is
 //!   complete, the closing handshake), and joining and leaving a dynamic one
 //!   ([`membership::DynamicMembership`]: a coordinator serializes them over the members'
@@ -59,7 +62,9 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 mod calls;
+pub mod gather;
 pub mod membership;
+pub mod mesh;
 mod rrefs;
 pub mod shutdown;
 

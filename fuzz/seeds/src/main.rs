@@ -8,6 +8,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use tensorwire_core::auth::{insecure_hello, ClientHandshake, ClusterSecret, NONCE_LEN};
 use tensorwire_core::device::Device;
+use tensorwire_core::collective::Signature;
+use tensorwire_core::protocol::mesh::{GroupFrame, Hello, HelloReply};
 use tensorwire_core::protocol::{GlobalId, Header};
 use tensorwire_core::tensor::{DType, TensorMeta};
 use tensorwire_core::wire::{encode_to_vec, Frame, WireLimits};
@@ -287,12 +289,60 @@ fn wire(dir: &Path) {
     write(dir, "wire", "message-and-control", &input);
     input[0] = 0x1f; // whole, through direct reads
     write(dir, "wire", "message-and-control-direct", &input);
-    // A process group's own frame (tag 0: a collective message) between the agent's.
-    let mut data = vec![0u8];
-    data.extend_from_slice(&7u64.to_le_bytes());
-    data.extend_from_slice(&[0; 15]);
-    let g = Frame::collective(data, vec![Bytes::from_static(b"block")]);
+    // A process group's own frame (a collective message) between the agent's.
+    let g = Frame::collective(
+        GroupFrame::data_header(7, &Signature::Barrier.encode()),
+        vec![Bytes::from_static(b"block")],
+    );
     write(dir, "wire", "message-collective-control", &frames(&[f, g, c]));
+}
+
+fn mesh_frames(dir: &Path) {
+    let group = [
+        GroupFrame::Data {
+            seq: 7,
+            signature: Signature::Barrier.encode(),
+        },
+        GroupFrame::Goodbye,
+        GroupFrame::Abort {
+            rank: 2,
+            reason: "connection reset".into(),
+        },
+        GroupFrame::Disagreement {
+            seq: 3,
+            peer: 1,
+            theirs: Signature::Barrier,
+            ours: Signature::AllToAll,
+        },
+    ];
+    for (i, f) in group.iter().enumerate() {
+        let mut input = vec![0u8];
+        input.extend_from_slice(&f.header());
+        write(dir, "mesh_frames", &format!("group-{i}"), &input);
+    }
+    let hello = Hello {
+        group: "rpc".into(),
+        rank: 3,
+        world: None,
+        introduction: vec![1, 2, 3],
+    };
+    let mut input = vec![1u8];
+    input.extend_from_slice(&hello.frame().header);
+    write(dir, "mesh_frames", "hello", &input);
+    for (i, r) in [
+        HelloReply::Welcome,
+        HelloReply::Refused {
+            reason: "rank 3 is taken".into(),
+            retry: true,
+        },
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut input = vec![2u8];
+        input.extend_from_slice(&r.frame().header);
+        write(dir, "mesh_frames", &format!("hello-reply-{i}"), &input);
+    }
 }
 
 fn protocol(dir: &Path) {
@@ -368,5 +418,6 @@ fn main() {
     file_store(&dir);
     wire(&dir);
     protocol(&dir);
+    mesh_frames(&dir);
     println!("seeds written to {}", dir.display());
 }
