@@ -5,7 +5,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tensorwire_rpc::{init_rpc, Agent, Functions, RemoteErrorKind, RpcOptions};
+use tensorwire_rpc::{Agent, Functions, RemoteErrorKind};
+use tensorwire_testkit::TcpCluster;
 
 /// A `tracing` writer into a shared buffer.
 #[derive(Clone, Default)]
@@ -44,28 +45,17 @@ fn functions() -> Functions {
     f
 }
 
-async fn pair() -> Vec<Agent> {
-    // A file store: no port to pick in advance (the agents listen on port 0).
-    let path = std::env::temp_dir().join(format!("tw-callee-logs-{}", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let mut tasks = Vec::new();
-    for rank in 0..2 {
-        let options = RpcOptions {
-            init_method: format!("file://{}?rank={rank}&world_size=2", path.display()),
-            init_timeout: Duration::from_secs(20),
-            secret: Some(b"callee log test secret".to_vec()),
-            functions: functions(),
-            ..RpcOptions::default()
-        };
-        tasks.push(tokio::spawn(async move {
-            init_rpc(&format!("w{rank}"), rank, Some(2), options).await
-        }));
-    }
-    let mut agents = Vec::new();
-    for t in tasks {
-        agents.push(t.await.unwrap().unwrap());
-    }
-    agents
+/// Two agents over real loopback TCP (the cluster keeps their rendezvous folder).
+async fn pair() -> (TcpCluster, Vec<Agent>) {
+    let cluster = TcpCluster::new();
+    let agents = cluster
+        .group(2, |_, o| {
+            o.secret = Some(b"callee log test secret".to_vec());
+            o.functions = functions();
+        })
+        .await
+        .unwrap();
+    (cluster, agents)
 }
 
 // One thread: every agent task runs on it, so the thread's log subscriber sees them all.
@@ -79,7 +69,7 @@ async fn arguments_decode_exactly_and_the_callee_logs_failures() {
         .with_max_level(tracing::Level::WARN)
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
-    let agents = pair().await;
+    let (_cluster, agents) = pair().await;
     let a = &agents[0];
 
     // One argument too many: the extra bytes are refused, naming the function.
