@@ -2,25 +2,11 @@
 //! own log. Its own test binary: `tracing` caches per call site whether anyone listens, so a
 //! capturing subscriber must not share a process with tests that log without one.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tensorwire_rpc::{Agent, Functions, RemoteErrorKind};
+use tensorwire_testkit::CapturedLogs;
 use tensorwire_testkit::TcpCluster;
-
-/// A `tracing` writer into a shared buffer.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 fn functions() -> Functions {
     let f = Functions::new();
@@ -61,7 +47,7 @@ async fn pair() -> (TcpCluster, Vec<Agent>) {
 // One thread: every agent task runs on it, so the thread's log subscriber sees them all.
 #[tokio::test(flavor = "current_thread")]
 async fn arguments_decode_exactly_and_the_callee_logs_failures() {
-    let logs = Captured::default();
+    let logs = CapturedLogs::default();
     let writer = logs.clone();
     let subscriber = tracing_subscriber::fmt()
         .with_writer(move || writer.clone())
@@ -119,7 +105,7 @@ async fn arguments_decode_exactly_and_the_callee_logs_failures() {
     r1.unwrap();
     drop(held);
 
-    let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    let text = logs.text();
     let line = |needle: &str| {
         text.lines()
             .find(|l| l.contains(needle))

@@ -9,6 +9,7 @@
 //!   agent listens on port 0 and publishes the port it got), so nothing can take it first.
 //! - [`wait_until`] and [`wait_for`]: wait for a condition, by its deadline.
 //! - [`RecordingDevices`]: a device backend that records where it copies tensors to.
+//! - [`CapturedLogs`]: a log writer whose text a test reads back.
 //!
 //! ```
 //! use std::time::Duration;
@@ -28,10 +29,12 @@
 
 mod cluster;
 mod devices;
+mod logs;
 mod wait;
 
 pub use cluster::{base_options, MemoryCluster, StartError, TcpCluster};
 pub use devices::RecordingDevices;
+pub use logs::CapturedLogs;
 pub use wait::{wait_for, wait_until};
 
 /// The in-memory network (hosts with kill switches), from `tensorwire_rpc`.
