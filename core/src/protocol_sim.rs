@@ -42,8 +42,7 @@ use crate::protocol::{
     MessageId, Payload, RRefForkData, RRefHandle, RRefId, RemoteError, RemoteErrorKind,
     RequestToken, ShutdownError, StaticJoin, Transmit, WorkerId,
 };
-pub use crate::sim::SimRng;
-use crate::sim::{Clock, Links};
+use crate::sim::{Clock, Links, SimRng};
 
 /// What travels through the simulated endpoints: some bytes and the references passed along.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
