@@ -19,6 +19,8 @@
 //! - [`collective`]: sans-IO schedules for barrier, broadcast, all_gather and all_reduce.
 //! - [`autograd`]: distributed autograd (PyTorch's FAST mode) as a state machine, and its simulation.
 //! - [`ports`]: the traits adapters implement (transport, store, device backend, process group).
+//! - `sim` (tests and the `sim` feature): the simulation kit (seeded RNG, faulty links, virtual
+//!   clock) every simulation is built from; `protocol_sim`, a whole-cluster simulation on it.
 //! - [`devices_sim`]: the simulated device backend (host memory posing as CUDA devices).
 //! - [`ipc`]: same-host CUDA IPC: the path each device tensor takes to a peer, and the
 //!   lifetime of shared buffers.
@@ -34,9 +36,14 @@ pub mod placement;
 pub mod plan;
 pub mod ports;
 pub mod protocol;
+// The simulations: compiled for tests, and for fuzz targets and other crates' tests through the
+// `sim` feature; not part of the stable API.
+#[cfg(any(test, feature = "sim"))]
 pub mod protocol_sim;
 pub mod registry;
 pub mod reverse;
+#[cfg(any(test, feature = "sim"))]
+pub mod sim;
 pub mod tensor;
 pub mod validate;
 pub mod wire;

@@ -31,7 +31,7 @@
 //! the crate's tests). [`Cluster::inject`] feeds an arbitrary message from one worker, for
 //! fuzzing: it must never panic, and a violation is reported, not acted on.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use crate::protocol::membership::{
@@ -42,6 +42,7 @@ use crate::protocol::{
     MessageId, Payload, RRefForkData, RRefHandle, RRefId, RemoteError, RemoteErrorKind,
     RequestToken, ShutdownError, StaticJoin, Transmit, WorkerId,
 };
+use crate::sim::{Clock, Links, SimRng};
 
 /// What travels through the simulated endpoints: some bytes and the references passed along.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -61,39 +62,6 @@ impl Payload for Body {
 
     fn target(&self) -> Option<RRefId> {
         self.target
-    }
-}
-
-/// A small, fast, seeded generator (SplitMix64): the same seed gives the same run.
-// Written here rather than taken from `rand` on purpose: a seed printed by a failing simulation
-// must replay the same run for good, and rand documents that its seeded generators' streams
-// may change between releases; core also stays free of dependencies it does not need.
-#[derive(Debug, Clone)]
-pub struct SimRng(u64);
-
-impl SimRng {
-    /// A generator for `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self(seed ^ 0x9e37_79b9_7f4a_7c15)
-    }
-
-    /// The next number.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// A number below `n` (`n > 0`).
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n.max(1) as u64) as usize
-    }
-
-    /// True with probability `percent` / 100.
-    pub fn chance(&mut self, percent: u64) -> bool {
-        self.next_u64() % 100 < percent
     }
 }
 
@@ -187,7 +155,7 @@ pub struct SimStats {
 struct DynGroup {
     /// `None`: not started, or gone (left, killed, or its join failed).
     ms: Vec<Option<DynamicMembership>>,
-    links: BTreeMap<(WorkerId, WorkerId), VecDeque<DynMessage>>,
+    links: Links<(WorkerId, WorkerId), DynMessage>,
     /// The rank the store names as the coordinator.
     published: WorkerId,
     /// Workers that are not members: not joined yet, joining, or left.
@@ -223,10 +191,10 @@ fn sim_record(w: WorkerId) -> MemberRecord {
 #[derive(Debug)]
 pub struct Cluster {
     seed: u64,
-    now: Instant,
+    clock: Clock,
     eps: Vec<Endpoint<Body>>,
     apps: Vec<App>,
-    links: BTreeMap<(WorkerId, WorkerId), VecDeque<Transmit<Body>>>,
+    links: Links<(WorkerId, WorkerId), Transmit<Body>>,
     dead: BTreeSet<WorkerId>,
     /// Released values, to catch a double release.
     released: BTreeSet<RRefId>,
@@ -251,12 +219,12 @@ impl Cluster {
         };
         Self {
             seed,
-            now: Instant::now(),
+            clock: Clock::new(),
             eps: (0..n.max(1))
                 .map(|i| Endpoint::new(i, config.clone()))
                 .collect(),
             apps: (0..n.max(1)).map(|_| App::default()).collect(),
-            links: BTreeMap::new(),
+            links: Links::new(),
             dead: BTreeSet::new(),
             released: BTreeSet::new(),
             stats: SimStats::default(),
@@ -324,7 +292,7 @@ impl Cluster {
             if attempt.is_none() && absent.is_some() {
                 self.stats.static_joins_failed += 1;
             }
-            let deadline = self.now + Duration::from_secs(60);
+            let deadline = self.clock.now() + Duration::from_secs(60);
             let mut joins: Vec<StaticJoin> = (0..n)
                 .map(|r| StaticJoin::new(r, n, Some(deadline)))
                 .collect();
@@ -332,26 +300,17 @@ impl Cluster {
                 .flat_map(|a| (a + 1..n).map(move |b| (a, b)))
                 .filter(|(a, b)| Some(*a) != attempt && Some(*b) != attempt)
                 .collect();
-            let mut wire: Vec<VecDeque<(WorkerId, WorkerId, JoinMessage)>> = Vec::new();
-            let mut queues: BTreeMap<(WorkerId, WorkerId), VecDeque<JoinMessage>> = BTreeMap::new();
-            wire.clear();
+            let mut queues: Links<(WorkerId, WorkerId), JoinMessage> = Links::new();
             loop {
                 // Collect handshake messages (a rank that never started sends nothing).
                 for (from, j) in joins.iter_mut().enumerate() {
                     while let Some((to, m)) = j.poll_transmit() {
                         if Some(from as WorkerId) != attempt && Some(to) != attempt {
-                            queues
-                                .entry((from as WorkerId, to))
-                                .or_default()
-                                .push_back(m);
+                            queues.send((from as WorkerId, to), m);
                         }
                     }
                 }
-                let busy: Vec<(WorkerId, WorkerId)> = queues
-                    .iter()
-                    .filter(|(_, q)| !q.is_empty())
-                    .map(|(k, _)| *k)
-                    .collect();
+                let busy = queues.ready();
                 if pairs.is_empty() && busy.is_empty() {
                     break;
                 }
@@ -364,7 +323,7 @@ impl Cluster {
                     }
                 } else {
                     let (from, to) = busy[rng.below(busy.len())];
-                    if let Some(m) = queues.get_mut(&(from, to)).and_then(VecDeque::pop_front) {
+                    if let Some(m) = queues.pop((from, to)) {
                         if let Err(e) = joins[to as usize].handle_message(from, m) {
                             self.fail(format!("static join: rank {to} refused {m:?}: {e}"));
                         }
@@ -409,9 +368,9 @@ impl Cluster {
                 self.start_join(w);
             }
         }
-        let deadline = self.now + OP_TIMEOUT;
+        let deadline = self.clock.now() + OP_TIMEOUT;
         while self.group.as_ref().is_some_and(|g| !g.joining.is_empty()) {
-            if self.now > deadline {
+            if self.clock.now() > deadline {
                 self.fail("the first joins did not complete by their deadline");
             }
             if !self.deliver_one(rng) {
@@ -423,7 +382,7 @@ impl Cluster {
     /// Worker `w` (outside the group) asks the coordinator the store names to join. A new
     /// incarnation: a fresh endpoint and application.
     fn start_join(&mut self, w: WorkerId) {
-        let now = self.now;
+        let now = self.clock.now();
         let Some(g) = self.group.as_mut() else {
             return;
         };
@@ -462,13 +421,13 @@ impl Cluster {
         };
         self.eps[w as usize] = Endpoint::new(w, config);
         self.apps[w as usize] = App::default();
-        self.links.retain(|(f, t), _| *f != w && *t != w);
+        self.links.retain(|(f, t)| f != w && t != w);
         self.pump();
     }
 
     /// Worker `w` begins leaving: its endpoint settles, then the coordinator removes it.
     fn start_leave(&mut self, w: WorkerId) {
-        let deadline = self.now + Duration::from_secs(60);
+        let deadline = self.clock.now() + Duration::from_secs(60);
         let Some(g) = self.group.as_mut() else {
             return;
         };
@@ -477,7 +436,7 @@ impl Cluster {
         }
         g.leaving.insert(w, (false, deadline));
         if std::env::var_os("TW_SIM_TRACE").is_some() {
-            eprintln!("worker {w} begins leaving at {:?}", self.now);
+            eprintln!("worker {w} begins leaving at {:?}", self.clock.now());
         }
         self.eps[w as usize].begin_leave(Some(deadline));
         self.pump();
@@ -485,7 +444,7 @@ impl Cluster {
 
     /// Moves leaves on: a leaver whose endpoint settled asks the coordinator.
     fn progress_leaves(&mut self) {
-        let now = self.now;
+        let now = self.clock.now();
         let Some(g) = self.group.as_ref() else {
             return;
         };
@@ -608,11 +567,11 @@ impl Cluster {
             }
             self.start_chain(w, to, hops, &handles);
             for h in handles {
-                self.eps[w as usize].drop_handle(h, self.now);
+                self.eps[w as usize].drop_handle(h, self.clock.now());
             }
         }
         // Room for every chain hop (the clock moves 200 ms in one step of ten).
-        let deadline = self.now + Duration::from_secs(120);
+        let deadline = self.clock.now() + Duration::from_secs(120);
         let mut to_start: Vec<WorkerId> = alive
             .iter()
             .copied()
@@ -644,7 +603,7 @@ impl Cluster {
                     .iter()
                     .all(|w| !c.apps[*w as usize].shutdown.is_empty())
             };
-            if self.now >= deadline && !done(self) {
+            if self.clock.now() >= deadline && !done(self) {
                 self.fail(format!(
                     "a shutdown is still incomplete at its deadline: {:?}",
                     participants
@@ -713,10 +672,10 @@ impl Cluster {
             Body::default(),
             Duration::from_secs(5),
         );
-        let deadline = self.now + Duration::from_secs(10);
+        let deadline = self.clock.now() + Duration::from_secs(10);
         self.eps[w as usize].begin_leave(Some(deadline));
         while self.apps[w as usize].shutdown.is_empty() {
-            if self.now >= deadline {
+            if self.clock.now() >= deadline {
                 self.fail(format!("worker {w}'s leave is incomplete at its deadline"));
             }
             self.shutdown_step += 1;
@@ -727,7 +686,7 @@ impl Cluster {
                 self.deliver_one(rng);
             }
             self.pump();
-            if self.links.values().all(VecDeque::is_empty) {
+            if self.links.is_empty() {
                 self.advance(Duration::from_millis(200));
             }
         }
@@ -740,9 +699,9 @@ impl Cluster {
         // Gone: nothing it still holds counts any more, as for a killed worker, but the values
         // it kept for others were all released (the cluster had settled).
         self.dead.insert(w);
-        self.links.retain(|(f, t), _| *f != w && *t != w);
+        self.links.retain(|(f, t)| f != w && t != w);
         for other in self.alive() {
-            self.eps[other as usize].handle_peer_lost(w, LostCause::Left, self.now);
+            self.eps[other as usize].handle_peer_lost(w, LostCause::Left, self.clock.now());
         }
         self.pump();
     }
@@ -825,7 +784,7 @@ impl Cluster {
             }
             33..=38 => {
                 if let Some(h) = self.pick_held(w, rng) {
-                    if let Ok(id) = self.eps[w as usize].fetch(h, timeout, self.now) {
+                    if let Ok(id) = self.eps[w as usize].fetch(h, timeout, self.clock.now()) {
                         self.track_call(w, id, timeout);
                     }
                 }
@@ -834,7 +793,7 @@ impl Cluster {
                 let held = &mut self.apps[w as usize].held;
                 if !held.is_empty() {
                     let h = held.swap_remove(rng.below(held.len()));
-                    self.eps[w as usize].drop_handle(h, self.now);
+                    self.eps[w as usize].drop_handle(h, self.clock.now());
                 }
             }
             51..=54 => {
@@ -845,10 +804,10 @@ impl Cluster {
                     if rng.chance(20) {
                         self.stats.abandoned += 1;
                         let ep = &mut self.eps[w as usize];
-                        ep.abandon(id, "copy failed", self.now);
+                        ep.abandon(id, "copy failed", self.clock.now());
                         // The references inside never leave: undo their forks.
                         for f in body.forks {
-                            ep.cancel_fork(f, to, self.now);
+                            ep.cancel_fork(f, to, self.clock.now());
                         }
                     } else {
                         self.eps[w as usize].supply_body(id, body);
@@ -904,21 +863,23 @@ impl Cluster {
     }
 
     fn track_call(&mut self, w: WorkerId, id: MessageId, timeout: Duration) {
-        let deadline = (!timeout.is_zero()).then(|| self.now + timeout);
+        let deadline = (!timeout.is_zero()).then(|| self.clock.now() + timeout);
         if self.apps[w as usize].calls.insert(id, deadline).is_some() {
             self.fail(format!("worker {w} got message id {id} twice"));
         }
     }
 
     fn call(&mut self, w: WorkerId, to: WorkerId, function: &str, body: Body, timeout: Duration) {
-        if let Ok(id) = self.eps[w as usize].call(to, function, body, timeout, self.now) {
+        if let Ok(id) = self.eps[w as usize].call(to, function, body, timeout, self.clock.now()) {
             self.stats.calls += 1;
             self.track_call(w, id, timeout);
         }
     }
 
     fn remote(&mut self, w: WorkerId, to: WorkerId, function: &str, body: Body, timeout: Duration) {
-        if let Ok((h, id)) = self.eps[w as usize].remote(to, function, body, timeout, self.now) {
+        if let Ok((h, id)) =
+            self.eps[w as usize].remote(to, function, body, timeout, self.clock.now())
+        {
             self.stats.remotes += 1;
             self.track_call(w, id, timeout);
             self.apps[w as usize].held.push(h);
@@ -933,7 +894,9 @@ impl Cluster {
         body: Body,
         timeout: Duration,
     ) {
-        if let Ok((h, id)) = self.eps[w as usize].remote_deferred(to, function, timeout, self.now) {
+        if let Ok((h, id)) =
+            self.eps[w as usize].remote_deferred(to, function, timeout, self.clock.now())
+        {
             self.stats.remotes += 1;
             self.track_call(w, id, timeout);
             self.apps[w as usize].held.push(h);
@@ -956,14 +919,14 @@ impl Cluster {
                         self.eps[w as usize].handle_peer_lost(
                             t.to,
                             LostCause::Transport("killed".into()),
-                            self.now,
+                            self.clock.now(),
                         );
                         continue;
                     }
                     if t.to == w {
                         self.fail(format!("worker {w} sent a message to itself: {t:?}"));
                     }
-                    self.links.entry((w, t.to)).or_default().push_back(t);
+                    self.links.send((w, t.to), t);
                 }
                 while let Some(ev) = self.eps[w as usize].poll_event() {
                     progress = true;
@@ -1012,7 +975,7 @@ impl Cluster {
                 if let Some((to, msg)) = m.poll_transmit() {
                     progress = true;
                     if g.ms.get(to as usize).is_some_and(Option::is_some) {
-                        g.links.entry((w, to)).or_default().push_back(msg);
+                        g.links.send((w, to), msg);
                     }
                     continue;
                 }
@@ -1027,7 +990,7 @@ impl Cluster {
     }
 
     fn membership_event(&mut self, w: WorkerId, ev: MembershipEvent) {
-        let now = self.now;
+        let now = self.clock.now();
         if std::env::var_os("TW_SIM_TRACE").is_some() {
             eprintln!("membership event at {w}: {ev:?}");
         }
@@ -1136,38 +1099,39 @@ impl Cluster {
     /// every worker that knew it sees it lost, after what it sent before (a connection
     /// delivers what was sent before it closes).
     fn disconnect(&mut self, w: WorkerId) {
-        let now = self.now;
+        let now = self.clock.now();
         let Some(g) = self.group.as_mut() else {
             return;
         };
         g.ms[w as usize] = None;
         g.joining.remove(&w);
         g.outside.insert(w);
-        g.links.retain(|(_, t), _| *t != w);
-        self.links.retain(|(_, t), _| *t != w);
+        g.links.retain(|(_, t)| t != w);
+        self.links.retain(|(_, t)| t != w);
         let from_w: Vec<WorkerId> = g
             .links
-            .keys()
-            .chain(self.links.keys())
+            .iter()
+            .map(|(k, _)| k)
+            .chain(self.links.iter().map(|(k, _)| k))
             .filter(|(f, _)| *f == w)
-            .map(|(_, t)| *t)
+            .map(|(_, t)| t)
             .collect();
         for to in from_w {
             while self
                 .group
                 .as_ref()
-                .is_some_and(|g| g.links.get(&(w, to)).is_some_and(|q| !q.is_empty()))
+                .is_some_and(|g| g.links.is_busy((w, to)))
             {
                 self.deliver_membership(w, to);
             }
-            while self.links.get(&(w, to)).is_some_and(|q| !q.is_empty()) {
+            while self.links.is_busy((w, to)) {
                 self.deliver(w, to);
             }
         }
         if let Some(g) = self.group.as_mut() {
-            g.links.retain(|(f, _), _| *f != w);
+            g.links.retain(|(f, _)| f != w);
         }
-        self.links.retain(|(f, _), _| *f != w);
+        self.links.retain(|(f, _)| f != w);
         for app in &mut self.apps {
             app.deferred.retain(|(_, to, _)| *to != w);
         }
@@ -1193,12 +1157,12 @@ impl Cluster {
     fn accept_all(&mut self, w: WorkerId, forks: &[RRefForkData]) -> Vec<RRefHandle> {
         forks
             .iter()
-            .map(|f| self.eps[w as usize].accept_fork(*f, self.now))
+            .map(|f| self.eps[w as usize].accept_fork(*f, self.clock.now()))
             .collect()
     }
 
     fn app(&mut self, w: WorkerId, ev: Event<Body>) {
-        let now = self.now;
+        let now = self.clock.now();
         if std::env::var_os("TW_SIM_TRACE").is_some() {
             eprintln!("event at {w}: {ev:?}");
         }
@@ -1406,7 +1370,7 @@ impl Cluster {
                     "echo",
                     Body::default(),
                     Duration::from_secs(1),
-                    self.now,
+                    self.clock.now(),
                 ) {
                     self.stats.calls += 1;
                     self.track_call(w, id, Duration::from_secs(1));
@@ -1450,7 +1414,7 @@ impl Cluster {
             forks,
             target: None,
         };
-        match self.eps[w as usize].call(to, "chain", body, Duration::ZERO, self.now) {
+        match self.eps[w as usize].call(to, "chain", body, Duration::ZERO, self.clock.now()) {
             Ok(id) => {
                 self.stats.calls += 1;
                 self.track_call(w, id, Duration::ZERO);
@@ -1462,7 +1426,7 @@ impl Cluster {
 
     /// Answers a request; a `remote` keeps the references it got inside the value.
     fn answer(&mut self, w: WorkerId, s: Serving, outcome: Result<(), String>) {
-        let now = self.now;
+        let now = self.clock.now();
         match outcome {
             Ok(()) => {
                 if let Some(rref) = s.keep_as {
@@ -1556,12 +1520,12 @@ impl Cluster {
                 return Some(format!("worker {w} ({how})"));
             }
         }
-        for ((from, to), queue) in &self.links {
-            if departing(from) || departing(to) || self.is_gone(*from) || self.is_gone(*to) {
+        for ((from, to), mut queue) in self.links.iter() {
+            if departing(&from) || departing(&to) || self.is_gone(from) || self.is_gone(to) {
                 continue;
             }
             let carried = queue
-                .iter()
+                .by_ref()
                 .filter_map(|t| t.body.as_ref())
                 .flat_map(|b| &b.forks)
                 .any(|f| f.rref == rref);
@@ -1577,17 +1541,12 @@ impl Cluster {
     fn deliver_one(&mut self, rng: &mut SimRng) -> bool {
         let mut busy: Vec<(bool, WorkerId, WorkerId)> = self
             .links
-            .iter()
-            .filter(|(_, q)| !q.is_empty())
-            .map(|((f, t), _)| (false, *f, *t))
+            .ready()
+            .into_iter()
+            .map(|(f, t)| (false, f, t))
             .collect();
         if let Some(g) = &self.group {
-            busy.extend(
-                g.links
-                    .iter()
-                    .filter(|(_, q)| !q.is_empty())
-                    .map(|((f, t), _)| (true, *f, *t)),
-            );
+            busy.extend(g.links.ready().into_iter().map(|(f, t)| (true, f, t)));
         }
         if busy.is_empty() {
             return false;
@@ -1600,11 +1559,11 @@ impl Cluster {
     }
 
     fn deliver_membership(&mut self, from: WorkerId, to: WorkerId) {
-        let now = self.now;
+        let now = self.clock.now();
         let Some(g) = self.group.as_mut() else {
             return;
         };
-        let Some(msg) = g.links.get_mut(&(from, to)).and_then(VecDeque::pop_front) else {
+        let Some(msg) = g.links.pop((from, to)) else {
             return;
         };
         if std::env::var_os("TW_SIM_TRACE").is_some() {
@@ -1621,11 +1580,7 @@ impl Cluster {
     }
 
     fn deliver(&mut self, from: WorkerId, to: WorkerId) {
-        let Some(t) = self
-            .links
-            .get_mut(&(from, to))
-            .and_then(VecDeque::pop_front)
-        else {
+        let Some(t) = self.links.pop((from, to)) else {
             return;
         };
         // The driver refuses calls and replies from a worker that is not a member (one that
@@ -1650,7 +1605,9 @@ impl Cluster {
         if std::env::var_os("TW_SIM_TRACE").is_some() {
             eprintln!("deliver {from} -> {to}: {:?} {:?}", t.header, t.body);
         }
-        if let Err(v) = self.eps[to as usize].handle_message(from, t.header, t.body, self.now) {
+        if let Err(v) =
+            self.eps[to as usize].handle_message(from, t.header, t.body, self.clock.now())
+        {
             self.fail(format!(
                 "worker {to} saw a protocol violation from {from} in a normal flow: {v}"
             ));
@@ -1660,8 +1617,8 @@ impl Cluster {
 
     /// Moves the clock and lets every endpoint handle its timers.
     pub fn advance(&mut self, d: Duration) {
-        self.now += d;
-        let now = self.now;
+        self.clock.advance(d);
+        let now = self.clock.now();
         for w in 0..self.n() {
             if self.dead.contains(&w) || self.is_gone(w) {
                 continue;
@@ -1677,12 +1634,12 @@ impl Cluster {
     fn kill(&mut self, victim: WorkerId) {
         self.stats.kills += 1;
         self.dead.insert(victim);
-        self.links.retain(|(f, t), _| *f != victim && *t != victim);
-        let now = self.now;
+        self.links.retain(|(f, t)| f != victim && t != victim);
+        let now = self.clock.now();
         if let Some(g) = self.group.as_mut() {
             g.ms[victim as usize] = None;
             g.leaving.remove(&victim);
-            g.links.retain(|(f, t), _| *f != victim && *t != victim);
+            g.links.retain(|(f, t)| f != victim && t != victim);
             for m in g.ms.iter_mut().flatten() {
                 m.handle_lost(victim, now);
             }
@@ -1704,7 +1661,7 @@ impl Cluster {
         for w in self.alive() {
             let app = &self.apps[w as usize];
             for (id, deadline) in &app.calls {
-                if deadline.is_some_and(|d| self.now > d) && !app.resolved.contains(id) {
+                if deadline.is_some_and(|d| self.clock.now() > d) && !app.resolved.contains(id) {
                     self.fail(format!(
                         "worker {w}: call {id} is still unresolved past its deadline"
                     ));
@@ -1726,7 +1683,7 @@ impl Cluster {
                     self.eps[w as usize].supply_body(id, body);
                 }
                 for h in std::mem::take(&mut self.apps[w as usize].held) {
-                    self.eps[w as usize].drop_handle(h, self.now);
+                    self.eps[w as usize].drop_handle(h, self.clock.now());
                 }
             }
             self.pump();
@@ -1739,10 +1696,11 @@ impl Cluster {
                     && app.serving.is_empty()
                     && app.held.is_empty()
                     && app.deferred.is_empty()
-            }) && self.links.values().all(VecDeque::is_empty)
-                && self.group.as_ref().is_none_or(|g| {
-                    g.joining.is_empty() && g.links.values().all(VecDeque::is_empty)
-                });
+            }) && self.links.is_empty()
+                && self
+                    .group
+                    .as_ref()
+                    .is_none_or(|g| g.joining.is_empty() && g.links.is_empty());
             if settled {
                 break;
             }
@@ -1827,19 +1785,10 @@ impl Cluster {
                 }
                 2 => {
                     // Deliver something, leniently (forged traffic may have confused anyone).
-                    let busy: Vec<(WorkerId, WorkerId)> = cluster
-                        .links
-                        .iter()
-                        .filter(|(_, q)| !q.is_empty())
-                        .map(|(k, _)| *k)
-                        .collect();
+                    let busy = cluster.links.ready();
                     if let Some(&(from, to)) = busy.get(usize::from(op >> 2) % busy.len().max(1)) {
-                        if let Some(t) = cluster
-                            .links
-                            .get_mut(&(from, to))
-                            .and_then(VecDeque::pop_front)
-                        {
-                            let now = cluster.now;
+                        if let Some(t) = cluster.links.pop((from, to)) {
+                            let now = cluster.clock.now();
                             let _ = cluster.eps[to as usize]
                                 .handle_message(from, t.header, t.body, now);
                             cluster.pump_lenient();
@@ -1847,8 +1796,10 @@ impl Cluster {
                     }
                 }
                 _ => {
-                    cluster.now += Duration::from_millis(u64::from(op >> 2) * 10);
-                    let now = cluster.now;
+                    cluster
+                        .clock
+                        .advance(Duration::from_millis(u64::from(op >> 2) * 10));
+                    let now = cluster.clock.now();
                     for ep in &mut cluster.eps {
                         ep.handle_timeout(now);
                     }
@@ -1873,7 +1824,7 @@ impl Cluster {
             return false;
         }
         let violation = self.eps[to as usize]
-            .handle_message(from, header, body, self.now)
+            .handle_message(from, header, body, self.clock.now())
             .is_err();
         // Whatever the endpoint made of it goes through the applications, which must cope.
         self.pump_lenient();
@@ -1886,7 +1837,7 @@ impl Cluster {
         for w in 0..self.n() {
             while let Some(t) = self.eps[w as usize].poll_transmit() {
                 if t.to < self.n() && t.to != w && !self.dead.contains(&t.to) {
-                    self.links.entry((w, t.to)).or_default().push_back(t);
+                    self.links.send((w, t.to), t);
                 }
             }
             while let Some(ev) = self.eps[w as usize].poll_event() {

@@ -15,73 +15,16 @@ use tensorwire_rpc::{
 };
 
 use tensorwire_core::ports::store::{Store, StoreError};
-use tensorwire_rpc::memory::{MemoryNetwork, MemoryTransport};
+use tensorwire_rpc::memory::MemoryTransport;
 use tensorwire_rpc::{start_agent, Rendezvous};
 use tensorwire_store::InMemoryStore;
+use tensorwire_testkit::{base_options, MemoryCluster as Cluster, TcpCluster};
 
-/// A rendezvous file of its own for each test (the file store meets the ranks there).
-fn rendezvous_file() -> String {
-    static NEXT: AtomicI64 = AtomicI64::new(0);
-    let path = std::env::temp_dir().join(format!(
-        "tw-rpc-agent-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::SeqCst)
-    ));
-    let _ = std::fs::remove_file(&path);
-    format!("file://{}", path.display())
-}
-
-/// An in-memory cluster: one network and one store that every agent of a test shares.
-#[derive(Clone)]
-struct Cluster {
-    net: MemoryNetwork,
-    store: Arc<dyn Store>,
-    /// Each rank's host, for its kill switch.
-    hosts: Arc<std::sync::Mutex<std::collections::HashMap<usize, MemoryTransport>>>,
-}
-
-impl Cluster {
-    fn new() -> Self {
-        Cluster {
-            net: MemoryNetwork::new(),
-            store: Arc::new(InMemoryStore::new()),
-            hosts: Arc::default(),
-        }
-    }
-
-    fn options(&self) -> RpcOptions {
-        RpcOptions {
-            init_timeout: Duration::from_secs(20),
-            functions: functions(),
-            listen_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
-            ..RpcOptions::default()
-        }
-    }
-
-    /// Starts worker `w{rank}` over a new host of the network.
-    async fn start(
-        &self,
-        rank: usize,
-        world_size: Option<usize>,
-        options: RpcOptions,
-    ) -> Result<Agent, RpcError> {
-        let rdv = Rendezvous::from_store(
-            Arc::clone(&self.store),
-            rank,
-            world_size.unwrap_or(rank + 1),
-        );
-        let host = self.net.transport();
-        self.hosts.lock().unwrap().insert(rank, host.clone());
-        let transport = Arc::new(host);
-        start_agent(
-            transport,
-            rdv,
-            &format!("w{rank}"),
-            rank,
-            world_size,
-            options,
-        )
-        .await
+/// The options of this file's agents: the testkit's, serving [`functions`].
+fn options() -> RpcOptions {
+    RpcOptions {
+        functions: functions(),
+        ..base_options()
     }
 }
 
@@ -154,65 +97,40 @@ impl serde::Serialize for Counter {
     }
 }
 
-impl Cluster {
-    /// Kills rank `rank`'s host, as a crashed process.
-    fn kill(&self, rank: usize) {
-        self.hosts.lock().unwrap()[&rank].kill();
-    }
-}
-
 /// A static group of `n` in-memory agents.
 async fn group(n: usize, tweak: impl Fn(usize, &mut RpcOptions)) -> Vec<Result<Agent, RpcError>> {
     group_in(&Cluster::new(), n, tweak).await
 }
 
-/// A static group of `n` in-memory agents in `cluster`.
+/// A static group of `n` in-memory agents in `cluster`, serving [`functions`].
 async fn group_in(
     cluster: &Cluster,
     n: usize,
     tweak: impl Fn(usize, &mut RpcOptions),
 ) -> Vec<Result<Agent, RpcError>> {
-    let mut tasks = Vec::new();
-    for rank in 0..n {
-        let mut options = cluster.options();
-        tweak(rank, &mut options);
-        let cluster = cluster.clone();
-        tasks.push(tokio::spawn(async move {
-            cluster.start(rank, Some(n), options).await
-        }));
-    }
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap());
-    }
-    out
+    cluster
+        .start_all(n, |rank, o| {
+            o.functions = functions();
+            tweak(rank, o);
+        })
+        .await
 }
 
-/// A static group of `n` agents over the real transports, through `init_rpc`.
+/// A static group of `n` agents over the real transports, through `init_rpc`, serving
+/// [`functions`] (the cluster keeps their rendezvous folder).
 async fn tcp_group(
     n: usize,
     tweak: impl Fn(usize, &mut RpcOptions),
-) -> Vec<Result<Agent, RpcError>> {
-    let url = rendezvous_file();
-    let mut tasks = Vec::new();
-    for rank in 0..n {
-        let mut options = RpcOptions {
-            init_method: format!("{url}?rank={rank}&world_size={n}"),
-            init_timeout: Duration::from_secs(20),
-            secret: Some(b"in-process test secret".to_vec()),
-            functions: functions(),
-            ..RpcOptions::default()
-        };
-        tweak(rank, &mut options);
-        tasks.push(tokio::spawn(async move {
-            init_rpc(&format!("w{rank}"), rank, Some(n), options).await
-        }));
-    }
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap());
-    }
-    out
+) -> (TcpCluster, Vec<Result<Agent, RpcError>>) {
+    let cluster = TcpCluster::new();
+    let agents = cluster
+        .start_all(n, |rank, o| {
+            o.secret = Some(b"in-process test secret".to_vec());
+            o.functions = functions();
+            tweak(rank, o);
+        })
+        .await;
+    (cluster, agents)
 }
 
 async fn ok_group(n: usize) -> Vec<Agent> {
@@ -432,14 +350,7 @@ async fn remote_references_live_until_the_last_is_dropped() {
 
 /// Waits (in virtual time) until `cond` holds: the agents' tasks run between the checks.
 async fn wait_until(cond: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "condition not reached in 10 s"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    tensorwire_testkit::wait_until("condition", Duration::from_secs(10), cond).await;
 }
 
 /// Every worker's init failed because w0's map for w1 names a device w1 does not have.
@@ -670,11 +581,8 @@ async fn user_backends_are_registered_and_selected_by_name() {
         (Duration::from_secs(7), "COUNTING")
     );
 
-    let agents: Vec<Agent> = tcp_group(2, |_, o| o.backend = "COUNTING".into())
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let (_cluster, agents) = tcp_group(2, |_, o| o.backend = "COUNTING".into()).await;
+    let agents: Vec<Agent> = agents.into_iter().map(Result::unwrap).collect();
     assert_eq!(starts.load(Ordering::SeqCst), 2);
     assert_eq!(
         agents[0]
@@ -708,14 +616,12 @@ async fn user_backends_are_registered_and_selected_by_name() {
 async fn the_quic_backend_runs_the_agent_over_mutual_tls() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("tls");
-    let agents: Vec<Agent> = tcp_group(3, |_, o| {
+    let (_cluster, agents) = tcp_group(3, |_, o| {
         o.backend = "QUIC".into();
         o.tls_dir = Some(dir.clone());
     })
-    .await
-    .into_iter()
-    .map(Result::unwrap)
-    .collect();
+    .await;
+    let agents: Vec<Agent> = agents.into_iter().map(Result::unwrap).collect();
     for a in &agents {
         let transports: Vec<_> = a.connections().iter().map(|c| c.transport).collect();
         assert_eq!(transports, ["quic", "quic"], "{}", a.worker_info());
@@ -742,6 +648,7 @@ async fn the_quic_backend_runs_the_agent_over_mutual_tls() {
     // Without TLS material the backend says what it needs.
     let e = tcp_group(1, |_, o| o.backend = "QUIC".into())
         .await
+        .1
         .pop()
         .unwrap()
         .unwrap_err();
@@ -758,7 +665,7 @@ async fn dynamic(
     cluster: &Cluster,
     tweak: impl FnOnce(&mut RpcOptions),
 ) -> Result<Agent, RpcError> {
-    let mut options = cluster.options();
+    let mut options = options();
     tweak(&mut options);
     cluster.start(rank, None, options).await
 }
@@ -981,7 +888,7 @@ async fn static_and_dynamic_members_do_not_mix() {
     let statics: Vec<Agent> = {
         let mut tasks = Vec::new();
         for rank in 0..2usize {
-            let options = cluster.options();
+            let options = options();
             let cluster = cluster.clone();
             tasks.push(tokio::spawn(async move {
                 cluster.start(rank, Some(2), options).await
@@ -1119,7 +1026,7 @@ async fn a_clean_init_and_shutdown_leaves_no_store_keys() {
         3
     );
     // Init's own keys are gone once init is over; the group's kind stays while it runs.
-    assert_eq!(cluster.store.num_keys().await.unwrap(), 1);
+    assert_eq!(cluster.store().num_keys().await.unwrap(), 1);
     // Barriers and all_gathers leave nothing behind once every worker is through, and a
     // name may then be used again.
     for round in 0..2 {
@@ -1141,10 +1048,14 @@ async fn a_clean_init_and_shutdown_leaves_no_store_keys() {
                 vec![(0, round), (1, round), (2, round)]
             );
         }
-        assert_eq!(cluster.store.num_keys().await.unwrap(), 1, "round {round}");
+        assert_eq!(
+            cluster.store().num_keys().await.unwrap(),
+            1,
+            "round {round}"
+        );
     }
     shutdown_all(agents).await;
-    assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
+    assert_eq!(cluster.store().num_keys().await.unwrap(), 0);
 }
 
 /// A dynamic group through which 1,000 joins and leaves have passed keeps its store's key
@@ -1176,7 +1087,7 @@ async fn a_thousand_joins_and_leaves_keep_the_store_bounded() {
             .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
             .await
             .unwrap();
-        let keys = cluster.store.num_keys().await.unwrap();
+        let keys = cluster.store().num_keys().await.unwrap();
         let first = *after_first.get_or_insert(keys);
         assert_eq!(keys, first, "after {} joins and leaves", i + 1);
     }
@@ -1184,7 +1095,7 @@ async fn a_thousand_joins_and_leaves_keep_the_store_bounded() {
     a0.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
         .await
         .unwrap();
-    assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
+    assert_eq!(cluster.store().num_keys().await.unwrap(), 0);
 }
 
 /// A dynamic group's barrier and all_gather run over RPC through the leader (as PyTorch's
@@ -1198,7 +1109,7 @@ async fn dynamic_barriers_and_all_gathers_run_over_rpc_and_name_who_is_missing()
     for rank in 0..3 {
         agents.push(dynamic(rank, &cluster, |_| {}).await.unwrap());
     }
-    let keys = cluster.store.num_keys().await.unwrap();
+    let keys = cluster.store().num_keys().await.unwrap();
     let t = Duration::from_secs(10);
     let gathered = futures_join(agents.iter().map(|a| {
         let a = a.clone();
@@ -1230,7 +1141,7 @@ async fn dynamic_barriers_and_all_gathers_run_over_rpc_and_name_who_is_missing()
     }))
     .await;
     assert!(rounds.iter().all(Result::is_ok), "{rounds:?}");
-    assert_eq!(cluster.store.num_keys().await.unwrap(), keys);
+    assert_eq!(cluster.store().num_keys().await.unwrap(), keys);
 
     // w2 never arrives: the others fail by their timeout, naming it.
     let short = Duration::from_secs(1);
@@ -1255,7 +1166,7 @@ async fn dynamic_barriers_and_all_gathers_run_over_rpc_and_name_who_is_missing()
     }))
     .await;
     assert!(passed.iter().all(Result::is_ok), "{passed:?}");
-    assert_eq!(cluster.store.num_keys().await.unwrap(), keys);
+    assert_eq!(cluster.store().num_keys().await.unwrap(), keys);
     for a in agents.into_iter().rev() {
         a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))
             .await
@@ -1491,17 +1402,14 @@ async fn the_agent_and_its_group_share_one_connection_per_pair_of_workers() {
         inner: InMemoryStore::new(),
         written: Default::default(),
     });
-    let cluster = Cluster {
-        store: recording.clone(),
-        ..Cluster::new()
-    };
+    let cluster = Cluster::new().with_store(recording.clone());
     let dialled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let n = 4;
     let mut tasks = Vec::new();
     for rank in 0..n {
-        let (store, options) = (Arc::clone(&cluster.store), cluster.options());
+        let (store, options) = (cluster.store(), options());
         let transport = Arc::new(CountingTransport {
-            inner: cluster.net.transport(),
+            inner: cluster.network().transport(),
             dialled: Arc::clone(&dialled),
         });
         tasks.push(tokio::spawn(async move {
@@ -1514,7 +1422,7 @@ async fn the_agent_and_its_group_share_one_connection_per_pair_of_workers() {
         agents.push(t.await.unwrap().unwrap());
     }
     assert_eq!(
-        cluster.store.num_keys().await.unwrap(),
+        cluster.store().num_keys().await.unwrap(),
         1,
         "only the group's kind"
     );
@@ -1550,9 +1458,9 @@ async fn the_agent_and_its_group_share_one_connection_per_pair_of_workers() {
         assert_eq!(g.await.unwrap(), vec![0, 1, 2, 3]);
     }
     assert_eq!(dialled.load(Ordering::SeqCst), n * (n - 1) / 2);
-    assert_eq!(cluster.store.num_keys().await.unwrap(), 1);
+    assert_eq!(cluster.store().num_keys().await.unwrap(), 1);
     shutdown_all(agents).await;
-    assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
+    assert_eq!(cluster.store().num_keys().await.unwrap(), 0);
     // The agent's one key, and the group's published addresses (ranks 1 to 3; rank 0 dials
     // everyone and so publishes none).
     let written: Vec<String> = recording.written.lock().unwrap().iter().cloned().collect();
@@ -1578,7 +1486,7 @@ async fn a_barrier_among_some_workers_needs_only_them() {
         .into_iter()
         .map(Result::unwrap)
         .collect();
-    let keys = cluster.store.num_keys().await.unwrap();
+    let keys = cluster.store().num_keys().await.unwrap();
     let t = Duration::from_secs(5);
     // w1 and w3 only (the leader is w1); w0 and w2 do nothing.
     let (a, b) = tokio::join!(
@@ -1617,7 +1525,7 @@ async fn a_barrier_among_some_workers_needs_only_them() {
         .await
         .unwrap_err();
     assert!(matches!(e, RpcError::UnknownWorker(..)), "{e}");
-    assert_eq!(cluster.store.num_keys().await.unwrap(), keys);
+    assert_eq!(cluster.store().num_keys().await.unwrap(), keys);
     let down = futures_join(agents.iter().map(|a| {
         let a = a.clone();
         async move {
@@ -1649,7 +1557,7 @@ async fn a_barrier_that_times_out_names_who_is_missing_and_leaves_no_key() {
     );
     assert!(b1.is_err());
     assert_eq!(
-        cluster.store.num_keys().await.unwrap(),
+        cluster.store().num_keys().await.unwrap(),
         1,
         "only the group's kind"
     );
@@ -1664,7 +1572,7 @@ async fn a_barrier_that_times_out_names_who_is_missing_and_leaves_no_key() {
             .await
             .unwrap();
     }
-    assert_eq!(cluster.store.num_keys().await.unwrap(), 0);
+    assert_eq!(cluster.store().num_keys().await.unwrap(), 0);
 }
 
 /// A static init that a worker never joins fails by the init timeout on the others, naming
@@ -1676,7 +1584,7 @@ async fn an_init_that_a_worker_never_joins_times_out_naming_it() {
     for rank in 0..2 {
         let cluster = cluster.clone();
         tasks.push(tokio::spawn(async move {
-            cluster.start(rank, Some(3), cluster.options()).await
+            cluster.start(rank, Some(3), options()).await
         }));
     }
     for t in tasks {

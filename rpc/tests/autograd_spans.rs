@@ -3,32 +3,18 @@
 //! binary: `tracing` caches per call site whether anyone listens, so a capturing subscriber must
 //! not share a process with tests that log without one.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tensorwire_autograd_candle::candle_core::{Device, Tensor as CTensor, Var};
 use tensorwire_autograd_candle::CandleEngine;
-use tensorwire_rpc::{init_rpc, AutogradCall, DistAutograd, Functions, RpcOptions, Shutdown};
+use tensorwire_rpc::{AutogradCall, DistAutograd, Shutdown};
+use tensorwire_testkit::{CapturedLogs, TcpCluster};
 use tracing_subscriber::fmt::format::FmtSpan;
-
-/// A `tracing` writer into a shared buffer.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 // One thread: every agent task runs on it, so the thread's subscriber sees them all.
 #[tokio::test(flavor = "current_thread")]
 async fn a_context_s_calls_backward_and_release_run_in_its_span() {
-    let logs = Captured::default();
+    let logs = CapturedLogs::default();
     let writer = logs.clone();
     let subscriber = tracing_subscriber::fmt()
         .with_writer(move || writer.clone())
@@ -38,26 +24,14 @@ async fn a_context_s_calls_backward_and_release_run_in_its_span() {
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
 
-    // A file store: no port to pick in advance (the agents listen on port 0).
-    let path = std::env::temp_dir().join(format!("tw-autograd-spans-{}", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let mut starting = Vec::new();
-    for rank in 0..2 {
-        let options = RpcOptions {
-            init_method: format!("file://{}?rank={rank}&world_size=2", path.display()),
-            init_timeout: Duration::from_secs(20),
-            secret: Some(b"autograd span test secret".to_vec()),
-            functions: Functions::new(),
-            ..RpcOptions::default()
-        };
-        starting.push(tokio::spawn(async move {
-            init_rpc(&format!("w{rank}"), rank, Some(2), options).await
-        }));
-    }
-    let mut agents = Vec::new();
-    for s in starting {
-        agents.push(s.await.unwrap().unwrap());
-    }
+    // Real loopback TCP; the agents listen on port 0 and meet through a file store.
+    let cluster = TcpCluster::new();
+    let agents = cluster
+        .group(2, |_, o| {
+            o.secret = Some(b"autograd span test secret".to_vec())
+        })
+        .await
+        .unwrap();
     let dists: Vec<_> = agents
         .iter()
         .map(|a| DistAutograd::new(a, CandleEngine::new()).unwrap())
@@ -101,9 +75,8 @@ async fn a_context_s_calls_backward_and_release_run_in_its_span() {
     for s in stopping {
         s.await.unwrap().unwrap();
     }
-    let _ = std::fs::remove_file(&path);
 
-    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let text = logs.text();
     let closed = |worker: &str| {
         text.lines()
             .filter(|l| {

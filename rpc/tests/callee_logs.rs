@@ -2,24 +2,11 @@
 //! own log. Its own test binary: `tracing` caches per call site whether anyone listens, so a
 //! capturing subscriber must not share a process with tests that log without one.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tensorwire_rpc::{init_rpc, Agent, Functions, RemoteErrorKind, RpcOptions};
-
-/// A `tracing` writer into a shared buffer.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+use tensorwire_rpc::{Agent, Functions, RemoteErrorKind};
+use tensorwire_testkit::CapturedLogs;
+use tensorwire_testkit::TcpCluster;
 
 fn functions() -> Functions {
     let f = Functions::new();
@@ -44,34 +31,23 @@ fn functions() -> Functions {
     f
 }
 
-async fn pair() -> Vec<Agent> {
-    // A file store: no port to pick in advance (the agents listen on port 0).
-    let path = std::env::temp_dir().join(format!("tw-callee-logs-{}", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let mut tasks = Vec::new();
-    for rank in 0..2 {
-        let options = RpcOptions {
-            init_method: format!("file://{}?rank={rank}&world_size=2", path.display()),
-            init_timeout: Duration::from_secs(20),
-            secret: Some(b"callee log test secret".to_vec()),
-            functions: functions(),
-            ..RpcOptions::default()
-        };
-        tasks.push(tokio::spawn(async move {
-            init_rpc(&format!("w{rank}"), rank, Some(2), options).await
-        }));
-    }
-    let mut agents = Vec::new();
-    for t in tasks {
-        agents.push(t.await.unwrap().unwrap());
-    }
-    agents
+/// Two agents over real loopback TCP (the cluster keeps their rendezvous folder).
+async fn pair() -> (TcpCluster, Vec<Agent>) {
+    let cluster = TcpCluster::new();
+    let agents = cluster
+        .group(2, |_, o| {
+            o.secret = Some(b"callee log test secret".to_vec());
+            o.functions = functions();
+        })
+        .await
+        .unwrap();
+    (cluster, agents)
 }
 
 // One thread: every agent task runs on it, so the thread's log subscriber sees them all.
 #[tokio::test(flavor = "current_thread")]
 async fn arguments_decode_exactly_and_the_callee_logs_failures() {
-    let logs = Captured::default();
+    let logs = CapturedLogs::default();
     let writer = logs.clone();
     let subscriber = tracing_subscriber::fmt()
         .with_writer(move || writer.clone())
@@ -79,7 +55,7 @@ async fn arguments_decode_exactly_and_the_callee_logs_failures() {
         .with_max_level(tracing::Level::WARN)
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
-    let agents = pair().await;
+    let (_cluster, agents) = pair().await;
     let a = &agents[0];
 
     // One argument too many: the extra bytes are refused, naming the function.
@@ -129,7 +105,7 @@ async fn arguments_decode_exactly_and_the_callee_logs_failures() {
     r1.unwrap();
     drop(held);
 
-    let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    let text = logs.text();
     let line = |needle: &str| {
         text.lines()
             .find(|l| l.contains(needle))

@@ -15,12 +15,12 @@ use tensorwire_core::autograd::optim::{
     Adagrad, Adam, AdamW, Optimizer, OptimizerState, RmsProp, Sgd,
 };
 use tensorwire_core::autograd::{AutogradError, RootProblem};
-use tensorwire_rpc::memory::{MemoryNetwork, MemoryTransport};
+use tensorwire_rpc::memory::MemoryTransport;
 use tensorwire_rpc::{
-    start_agent, Agent, AutogradCall, DistAutograd, DistAutogradError, DistributedOptimizer,
-    Functions, LocalOptimizer, Parameter, RRef, Rendezvous, RpcOptions, TensorList,
+    Agent, AutogradCall, DistAutograd, DistAutogradError, DistributedOptimizer, LocalOptimizer,
+    Parameter, RRef, RpcOptions, TensorList,
 };
-use tensorwire_store::InMemoryStore;
+use tensorwire_testkit::{MemoryCluster, RecordingDevices};
 
 type Dist = DistAutograd<CandleEngine>;
 
@@ -64,30 +64,11 @@ async fn cluster(n: usize) -> Vec<Worker> {
 
 /// `n` workers over one in-memory network and store; `tweak` adjusts each rank's options.
 async fn cluster_with(n: usize, tweak: impl Fn(usize, &mut RpcOptions)) -> Vec<Worker> {
-    let net = MemoryNetwork::new();
-    let store: Arc<dyn tensorwire_core::ports::store::Store> = Arc::new(InMemoryStore::new());
-    let mut tasks = Vec::new();
-    for rank in 0..n {
-        let mut options = RpcOptions {
-            init_timeout: Duration::from_secs(20),
-            functions: Functions::new(),
-            listen_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
-            ..RpcOptions::default()
-        };
-        tweak(rank, &mut options);
-        let host = net.transport();
-        let rdv = Rendezvous::from_store(Arc::clone(&store), rank, n);
-        let transport = Arc::new(host.clone());
-        tasks.push(tokio::spawn(async move {
-            let agent = start_agent(transport, rdv, &format!("w{rank}"), rank, Some(n), options)
-                .await
-                .unwrap();
-            (agent, host)
-        }));
-    }
+    let cluster = MemoryCluster::new();
+    let agents = cluster.group(n, tweak).await.unwrap();
     let mut workers = Vec::new();
-    for (rank, t) in tasks.into_iter().enumerate() {
-        let (agent, host) = t.await.unwrap();
+    for (rank, agent) in agents.into_iter().enumerate() {
+        let host = cluster.host(rank).expect("started");
         let dist = Dist::new(&agent, CandleEngine::new()).unwrap();
         let p = param(rank);
         // hop(route): tanh(h * p + p) here, then on along `route`, doubled on the way back.
@@ -671,15 +652,8 @@ async fn the_distributed_optimizer_trains_like_one_process() {
 }
 
 /// Waits, in virtual time, until `cond` holds; fails after `limit`.
-async fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + limit;
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}: not within {limit:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+async fn wait_until(limit: Duration, what: &str, cond: impl FnMut() -> bool) {
+    tensorwire_testkit::wait_until(what, limit, cond).await;
 }
 
 /// w2 makes a context whose forward pass goes w2 → w1 → w0 and back, w0 makes one that
@@ -797,65 +771,6 @@ async fn a_worker_lost_with_contexts_open_leaves_none_of_them_on_the_survivors()
     }
 }
 
-/// A device backend that records the devices it copies host bytes to.
-#[derive(Debug)]
-struct RecordingDevices {
-    inner: tensorwire_core::devices_sim::SimulatedDevices,
-    to_device: std::sync::Mutex<Vec<tensorwire_core::device::Device>>,
-}
-
-impl RecordingDevices {
-    fn new() -> Arc<Self> {
-        Arc::new(Self {
-            inner: tensorwire_core::devices_sim::SimulatedDevices::new(2),
-            to_device: std::sync::Mutex::new(Vec::new()),
-        })
-    }
-
-    fn take(&self) -> Vec<String> {
-        std::mem::take(&mut *self.to_device.lock().unwrap())
-            .into_iter()
-            .map(|d| d.to_string())
-            .collect()
-    }
-}
-
-#[async_trait::async_trait]
-impl tensorwire_core::ports::device::DeviceBackend for RecordingDevices {
-    fn name(&self) -> &'static str {
-        "recording"
-    }
-    fn device_count(&self) -> u32 {
-        self.inner.device_count()
-    }
-    fn unavailable(&self) -> Option<tensorwire_core::ports::device::DeviceUnavailable> {
-        self.inner.unavailable()
-    }
-    async fn to_device(
-        &self,
-        data: bytes::Bytes,
-        device: tensorwire_core::device::Device,
-    ) -> Result<tensorwire_core::tensor::DeviceBuffer, tensorwire_core::ports::device::DeviceError>
-    {
-        self.to_device.lock().unwrap().push(device);
-        self.inner.to_device(data, device).await
-    }
-    async fn to_host(
-        &self,
-        buffer: &tensorwire_core::tensor::DeviceBuffer,
-    ) -> Result<bytes::Bytes, tensorwire_core::ports::device::DeviceError> {
-        self.inner.to_host(buffer).await
-    }
-    async fn between(
-        &self,
-        buffer: &tensorwire_core::tensor::DeviceBuffer,
-        to: tensorwire_core::device::Device,
-    ) -> Result<tensorwire_core::tensor::DeviceBuffer, tensorwire_core::ports::device::DeviceError>
-    {
-        self.inner.between(buffer, to).await
-    }
-}
-
 /// A chain w0 → w1 → w2 over simulated devices, with device maps both ways: w0 sends to w1 by
 /// {cpu: cuda:1}, w1 to w2 by {cpu: cuda:0}, and (to tell the reverse map from a plain
 /// request's) w1 to w0 by {cpu: cuda:0} and w2 to w1 by {cpu: cuda:1}. The forward's tensors
@@ -865,7 +780,8 @@ impl tensorwire_core::ports::device::DeviceBackend for RecordingDevices {
 /// put them on w1's cuda:1 and w0's cuda:0). The gradients equal one process's.
 #[tokio::test(start_paused = true)]
 async fn gradients_go_back_by_the_reverse_of_the_forward_device_maps() {
-    let backends: Vec<Arc<RecordingDevices>> = (0..3).map(|_| RecordingDevices::new()).collect();
+    let backends: Vec<Arc<RecordingDevices>> =
+        (0..3).map(|_| RecordingDevices::simulated(2)).collect();
     let maps: [&[(&str, &str)]; 3] = [
         &[("w1", "cuda:1")],
         &[("w2", "cuda:0"), ("w0", "cuda:0")],

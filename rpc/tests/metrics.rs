@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
-use tensorwire_rpc::{init_rpc, Agent, Function, Functions, RpcOptions};
+use tensorwire_rpc::{Agent, Function, Functions};
+use tensorwire_testkit::TcpCluster;
 
 const ADD: Function<(i64, i64), i64> = Function::new("add");
 const FAIL: Function<(), ()> = Function::new("fail");
@@ -77,43 +78,32 @@ impl Recorder for Shared {
     }
 }
 
-async fn pair() -> (Agent, Agent) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut tasks = Vec::new();
-    for rank in 0..2usize {
-        let functions = Functions::new();
-        functions
-            .serve(&ADD, |(a, b)| async move { Ok::<_, String>(a + b) })
-            .unwrap();
-        functions
-            .serve(&FAIL, |()| async move { Err::<(), _>("asked to fail") })
-            .unwrap();
-        let options = RpcOptions::new()
-            .with_functions(functions)
-            .with_init_method(format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=2"))
-            .with_init_timeout(Duration::from_secs(20))
-            .with_secret(b"metrics test secret".to_vec());
-        tasks.push(tokio::spawn(async move {
-            init_rpc(&format!("w{rank}"), rank, Some(2), options).await
-        }));
-    }
-    let mut agents = Vec::new();
-    for t in tasks {
-        agents.push(t.await.unwrap().unwrap());
-    }
+/// Two agents over real loopback TCP (the cluster keeps their rendezvous folder).
+async fn pair() -> (TcpCluster, Agent, Agent) {
+    let cluster = TcpCluster::new();
+    let mut agents = cluster
+        .group(2, |_, o| {
+            let functions = Functions::new();
+            functions
+                .serve(&ADD, |(a, b)| async move { Ok::<_, String>(a + b) })
+                .unwrap();
+            functions
+                .serve(&FAIL, |()| async move { Err::<(), _>("asked to fail") })
+                .unwrap();
+            o.functions = functions;
+            o.secret = Some(b"metrics test secret".to_vec());
+        })
+        .await
+        .unwrap();
     let b = agents.pop().unwrap();
-    (agents.pop().unwrap(), b)
+    (cluster, agents.pop().unwrap(), b)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counters_per_peer_from_the_agent_and_the_facade() {
     let recorder = Arc::new(TestRecorder::default());
     metrics::set_global_recorder(Shared(Arc::clone(&recorder))).unwrap();
-    let (w0, w1) = pair().await;
+    let (_cluster, w0, w1) = pair().await;
 
     for i in 0..3 {
         assert_eq!(w0.call(&ADD, "w1", &(i, 1)).await.unwrap(), i + 1);

@@ -11,15 +11,12 @@ use tokio::time::Instant;
 use tensorwire_core::device::Device;
 use tensorwire_core::devices_sim::SimulatedDevices;
 use tensorwire_core::ports::device::relocate;
-use tensorwire_core::ports::store::Store;
 use tensorwire_core::tensor::Tensor;
 use tensorwire_rpc::faults::{Fault, FaultAction, FaultyBackend, MessageKind};
-use tensorwire_rpc::memory::MemoryNetwork;
 use tensorwire_rpc::{
-    start_agent, Agent, CallContext, CallError, Functions, RRef, RemoteErrorKind, Rendezvous,
-    RpcError, RpcOptions,
+    Agent, CallContext, CallError, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions,
 };
-use tensorwire_store::InMemoryStore;
+use tensorwire_testkit::MemoryCluster;
 
 #[derive(Default)]
 struct Counter(AtomicI64);
@@ -116,33 +113,17 @@ async fn group_with(
     faults: Option<&Arc<FaultyBackend>>,
     tweak: impl Fn(usize, &mut RpcOptions),
 ) -> Vec<Agent> {
-    let net = MemoryNetwork::new();
-    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
-    let mut tasks = Vec::new();
-    for rank in 0..n {
-        let mut options = RpcOptions {
-            init_timeout: Duration::from_secs(20),
-            functions: functions(),
-            listen_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
-            ..RpcOptions::default()
-        };
-        tweak(rank, &mut options);
-        let rdv = Rendezvous::from_store(Arc::clone(&store), rank, n);
-        let transport = Arc::new(net.transport());
-        let faults = faults.cloned();
-        tasks.push(tokio::spawn(async move {
-            let name = format!("w{rank}");
-            match faults {
-                Some(f) => f.start(transport, rdv, &name, rank, Some(n), options).await,
-                None => start_agent(transport, rdv, &name, rank, Some(n), options).await,
-            }
-        }));
+    let mut cluster = MemoryCluster::new();
+    if let Some(f) = faults {
+        cluster = cluster.with_faults(Arc::clone(f));
     }
-    let mut agents = Vec::new();
-    for t in tasks {
-        agents.push(t.await.unwrap().unwrap());
-    }
-    agents
+    cluster
+        .group(n, |rank, o| {
+            o.functions = functions();
+            tweak(rank, o);
+        })
+        .await
+        .unwrap()
 }
 
 async fn shutdown_all(agents: Vec<Agent>) {
@@ -162,14 +143,7 @@ async fn shutdown_all(agents: Vec<Agent>) {
 
 /// Waits for a condition that an event elsewhere makes true (a message in flight).
 async fn wait_until(what: &str, cond: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}: not reached in 10 s"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    tensorwire_testkit::wait_until(what, Duration::from_secs(10), cond).await;
 }
 
 fn faulty(_name: &str, backend: FaultyBackend) -> Arc<FaultyBackend> {

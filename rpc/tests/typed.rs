@@ -5,7 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_rpc::{init_rpc, Agent, Function, Functions, Method, RemoteErrorKind, RpcOptions};
+use tensorwire_rpc::{Agent, Function, Functions, Method, RemoteErrorKind};
+use tensorwire_testkit::TcpCluster;
 
 const ADD: Function<(i64, i64), i64> = Function::new("add");
 /// What a binary built from other sources might call "add".
@@ -13,62 +14,46 @@ const OTHER_ADD: Function<(String,), i64> = Function::new("add");
 const NEW_LIST: Function<usize, Vec<u32>> = Function::new("new_list");
 const LEN: Method<Vec<u32>, (), usize> = Method::new("len");
 
-fn port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Rank 0 serves `ADD` and the list functions; rank 1 serves `OTHER_ADD`.
-async fn pair() -> (Agent, Agent) {
-    let port = port();
-    let mut tasks = Vec::new();
-    for rank in 0..2usize {
-        let functions = Functions::new();
-        if rank == 0 {
-            functions
-                .serve(&ADD, |(a, b)| async move { Ok::<_, String>(a + b) })
-                .unwrap();
-            functions
-                .serve(&NEW_LIST, |n| async move {
-                    Ok::<_, String>((0..n as u32).collect())
-                })
-                .unwrap();
-            functions
-                .serve_method(&LEN, |v: Arc<Vec<u32>>, ()| async move {
-                    Ok::<_, String>(v.len())
-                })
-                .unwrap();
-        } else {
-            functions
-                .serve(
-                    &OTHER_ADD,
-                    |(s,)| async move { Ok::<_, String>(s.len() as i64) },
-                )
-                .unwrap();
-        }
-        let options = RpcOptions::new()
-            .with_functions(functions)
-            .with_init_method(format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=2"))
-            .with_init_timeout(Duration::from_secs(20))
-            .with_secret(b"typed test secret".to_vec());
-        tasks.push(tokio::spawn(async move {
-            init_rpc(&format!("w{rank}"), rank, Some(2), options).await
-        }));
-    }
-    let mut agents = Vec::new();
-    for t in tasks {
-        agents.push(t.await.unwrap().unwrap());
-    }
+async fn pair() -> (TcpCluster, Agent, Agent) {
+    let cluster = TcpCluster::new();
+    let mut agents = cluster
+        .group(2, |rank, o| {
+            let functions = Functions::new();
+            if rank == 0 {
+                functions
+                    .serve(&ADD, |(a, b)| async move { Ok::<_, String>(a + b) })
+                    .unwrap();
+                functions
+                    .serve(&NEW_LIST, |n| async move {
+                        Ok::<_, String>((0..n as u32).collect())
+                    })
+                    .unwrap();
+                functions
+                    .serve_method(&LEN, |v: Arc<Vec<u32>>, ()| async move {
+                        Ok::<_, String>(v.len())
+                    })
+                    .unwrap();
+            } else {
+                functions
+                    .serve(
+                        &OTHER_ADD,
+                        |(s,)| async move { Ok::<_, String>(s.len() as i64) },
+                    )
+                    .unwrap();
+            }
+            o.functions = functions;
+            o.secret = Some(b"typed test secret".to_vec());
+        })
+        .await
+        .unwrap();
     let b = agents.pop().unwrap();
-    (agents.pop().unwrap(), b)
+    (cluster, agents.pop().unwrap(), b)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn typed_calls_check_their_types_across_workers() {
-    let (w0, w1) = pair().await;
+    let (_cluster, w0, w1) = pair().await;
 
     // The same descriptor on both sides: the result is typed, no turbofish.
     let sum = w1.call(&ADD, "w0", &(2, 3)).await.unwrap();

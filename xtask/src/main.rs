@@ -149,7 +149,7 @@ fn ci(quick: bool) -> Result<()> {
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
     // Non-default features: the CUDA backend builds and passes its tests without a GPU (the GPU
-    // tests print `SKIPPED: ...` with the reason), the QUIC transport in the CLI and the agent's
+    // tests print `SKIPPED: ...` with the reason), core's simulation kit (`sim`), the QUIC transport in the CLI and the agent's
     // QUIC backend, the NCCL wrapper and the `nccl` process-group backend, which must say why
     // they are unavailable (at `new_group`, on every rank), and the GPU check with its NCCL
     // steps.
@@ -161,6 +161,8 @@ fn ci(quick: bool) -> Result<()> {
         ("tensorwire-rpc", "quic,cuda", None),
         ("tensorwire-devices-cuda", "nccl", None),
         ("tensorwire-process-group", "nccl", None),
+        // The simulation kit as other crates and the fuzz targets see it (its doc tests too).
+        ("tensorwire-core", "sim", None),
         (
             "tensorwire-tests",
             "nccl",

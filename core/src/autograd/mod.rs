@@ -54,10 +54,11 @@
 //!
 //! The state machine never touches a tensor: the driver keeps them under the ids given here
 //! and runs its engine (see [`crate::ports::autograd`]) when told to ([`Output::RunLocal`]).
-//! [`sim`] runs whole clusters of these state machines with a model engine and checks the
+//! `sim` (tests and the `sim` feature) runs whole clusters of these state machines with a model engine and checks the
 //! gradients, completion and release under seeded random schedules and worker deaths.
 
 pub mod optim;
+#[cfg(any(test, feature = "sim"))]
 pub mod sim;
 #[cfg(test)]
 mod tests;

@@ -27,14 +27,14 @@
 //!
 //! A failed check panics with the seed; `TW_SIM_SEED=<seed>` replays it (see the tests).
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::{
     AutogradMessageId, BackwardError, ContextId, DistAutograd, Entry, GradientId, Output,
     ProtocolViolation, RequestToken, Root, TaskId,
 };
 use crate::protocol::WorkerId;
-use crate::protocol_sim::SimRng;
+use crate::sim::{Links, SimRng};
 
 /// What to simulate.
 #[derive(Debug, Clone)]
@@ -136,7 +136,7 @@ struct Sim {
     rng: SimRng,
     seed: u64,
     workers: Vec<Worker>,
-    links: BTreeMap<(WorkerId, WorkerId), VecDeque<Msg>>,
+    links: Links<(WorkerId, WorkerId), Msg>,
     /// Peer-lost notices not yet delivered: (survivor, dead).
     notices: Vec<(WorkerId, WorkerId)>,
     /// Root context -> (root worker, expected gradients per (worker, leaf)).
@@ -171,7 +171,7 @@ pub fn run(seed: u64, config: &SimConfig) -> SimReport {
                 alive: true,
             })
             .collect(),
-        links: BTreeMap::new(),
+        links: Links::new(),
         notices: Vec::new(),
         expected: BTreeMap::new(),
         outcomes: BTreeMap::new(),
@@ -495,18 +495,13 @@ impl Sim {
 
     fn send(&mut self, from: WorkerId, to: WorkerId, msg: Msg) {
         if self.workers[from as usize].alive && self.workers[to as usize].alive {
-            self.links.entry((from, to)).or_default().push_back(msg);
+            self.links.send((from, to), msg);
         }
     }
 
     /// One random action; false when nothing is left to do.
     fn step(&mut self) -> bool {
-        let links: Vec<(WorkerId, WorkerId)> = self
-            .links
-            .iter()
-            .filter(|(_, q)| !q.is_empty())
-            .map(|(k, _)| *k)
-            .collect();
+        let links = self.links.ready();
         let jobs: Vec<(WorkerId, usize)> = self
             .workers
             .iter()
@@ -521,11 +516,7 @@ impl Sim {
         let pick = self.rng.below(choices);
         if pick < links.len() {
             let (from, to) = links[pick];
-            let msg = self
-                .links
-                .get_mut(&(from, to))
-                .and_then(VecDeque::pop_front)
-                .expect("non-empty");
+            let msg = self.links.pop((from, to)).expect("ready");
             self.deliver(from, to, msg);
         } else if pick < links.len() + jobs.len() {
             let (w, j) = jobs[pick - links.len()];
@@ -650,7 +641,7 @@ impl Sim {
         self.workers[victim as usize].alive = false;
         self.dead.insert(victim);
         self.report.killed = Some(victim);
-        self.links.retain(|(a, b), _| *a != victim && *b != victim);
+        self.links.retain(|(a, b)| a != victim && b != victim);
         for s in 0..n as WorkerId {
             if s != victim {
                 self.notices.push((s, victim));
@@ -720,7 +711,7 @@ impl Sim {
                 ));
             }
         }
-        for q in self.links.values() {
+        for (_, q) in self.links.iter() {
             for m in q {
                 let c = match m {
                     Msg::Gradient { context, .. } | Msg::Reply { context, .. } => *context,

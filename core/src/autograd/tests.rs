@@ -446,10 +446,7 @@ fn a_second_backward_while_one_runs_is_refused() {
 }
 
 fn seeds() -> Vec<u64> {
-    match std::env::var("TW_SIM_SEED") {
-        Ok(s) => vec![s.parse().expect("TW_SIM_SEED is a number")],
-        Err(_) => (0..300).collect(),
-    }
+    crate::sim::seeds(0..300)
 }
 
 #[test]
@@ -472,7 +469,7 @@ fn simulation_gradients_and_completion() {
         cycles += r.cycles;
         grads += r.gradients;
     }
-    if std::env::var("TW_SIM_SEED").is_err() {
+    if !crate::sim::replaying() {
         // The workload does produce cycles (A→B→C→A) and real traffic.
         assert!(
             cycles > 50 && grads > 1000,
@@ -499,7 +496,7 @@ fn simulation_with_a_worker_killed_mid_backward() {
         failed += r.failed;
         idle_of_dead += r.idle_of_dead;
     }
-    if std::env::var("TW_SIM_SEED").is_err() {
+    if !crate::sim::replaying() {
         assert!(failed > 20, "only {failed} backward passes failed");
         // Dead workers did leave idle contexts behind, which no survivor kept (checked in
         // each run).
@@ -537,7 +534,7 @@ fn simulation_with_a_faulty_engine() {
             failed += r.failed;
         }
     }
-    if std::env::var("TW_SIM_SEED").is_err() {
+    if !crate::sim::replaying() {
         assert!(
             retried > 100,
             "only {retried} backward passes failed on the engine"

@@ -11,10 +11,10 @@
 //! to a rank that reached its receive at time u completes at max(t, u) + 1) and tracks, per
 //! rank, which ranks' entry into the collective it has heard of (for the barrier's guarantee).
 
-use std::collections::VecDeque;
 use std::ops::Range;
 
 use super::{Apply, Schedule, Step};
+use crate::sim::Links;
 
 /// What every rank ended with.
 #[derive(Debug)]
@@ -70,7 +70,8 @@ pub(super) fn run(schedules: &[Schedule], inputs: &[Vec<u8>]) -> Result<Outcome,
         buffers.push(buffer);
     }
     let mut heard: Vec<u128> = (0..n).map(|r| 1u128 << r).collect();
-    let mut mailboxes: Vec<VecDeque<Message>> = (0..n * n).map(|_| VecDeque::new()).collect();
+    // One FIFO per ordered pair (sender, receiver).
+    let mut mailboxes: Links<(usize, usize), Message> = Links::new();
     let mut states: Vec<RankState> = (0..n).map(|_| RankState::default()).collect();
     loop {
         let mut progress = false;
@@ -89,11 +90,14 @@ pub(super) fn run(schedules: &[Schedule], inputs: &[Vec<u8>]) -> Result<Outcome,
                         for range in send.ranges() {
                             data.extend_from_slice(&buffers[r][range.clone()]);
                         }
-                        mailboxes[r * n + send.peer()].push_back(Message {
-                            data,
-                            posted: state.start,
-                            heard: heard[r],
-                        });
+                        mailboxes.send(
+                            (r, send.peer()),
+                            Message {
+                                data,
+                                posted: state.start,
+                                heard: heard[r],
+                            },
+                        );
                     }
                     state.outstanding = step.sends().len();
                     state.done.clear();
@@ -107,7 +111,7 @@ pub(super) fn run(schedules: &[Schedule], inputs: &[Vec<u8>]) -> Result<Outcome,
                         continue;
                     }
                     let peer = recv.peer();
-                    let Some(message) = mailboxes[peer * n + r].pop_front() else {
+                    let Some(message) = mailboxes.pop((peer, r)) else {
                         continue;
                     };
                     recv.apply(&mut buffers[r], &message.data).map_err(|e| {
@@ -141,13 +145,11 @@ pub(super) fn run(schedules: &[Schedule], inputs: &[Vec<u8>]) -> Result<Outcome,
             return Err(deadlock(schedules, &states));
         }
     }
-    for (i, mailbox) in mailboxes.iter().enumerate() {
-        if !mailbox.is_empty() {
+    for ((from, to), mailbox) in mailboxes.iter() {
+        let left = mailbox.count();
+        if left > 0 {
             return Err(format!(
-                "{} unmatched message(s) from rank {} to rank {}",
-                mailbox.len(),
-                i / n,
-                i % n
+                "{left} unmatched message(s) from rank {from} to rank {to}"
             ));
         }
     }

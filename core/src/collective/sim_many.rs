@@ -9,12 +9,11 @@
 //! [`Numbering::WhenRoundStarts`] (what the process group did before) the simulator finds the
 //! ranks disagreeing.
 
-use std::collections::{HashMap, VecDeque};
-
 use proptest::prelude::*;
 
 use super::varlen::{self, INLINE_BYTES, SLOT_BYTES};
 use super::*;
+use crate::sim::{Links, SimRng};
 
 /// One collective as a user calls it, with every rank's arguments.
 #[derive(Debug, Clone)]
@@ -155,7 +154,8 @@ struct Running {
     round: Round,
 }
 
-type Mailboxes = HashMap<(usize, usize, u64), VecDeque<([u8; SIGNATURE_LEN], Vec<u8>)>>;
+/// Keyed by (sender, receiver, sequence number).
+type Mailboxes = Links<(usize, usize, u64), ([u8; SIGNATURE_LEN], Vec<u8>)>;
 
 struct Rank {
     rank: usize,
@@ -597,14 +597,7 @@ fn run(
         world,
         numbering,
     };
-    let mut rng = seed;
-    let mut next = move |n: usize| {
-        rng = rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = rng;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) % n as u64) as usize
-    };
+    let mut rng = SimRng::new(seed);
     let mut ranks: Vec<Rank> = (0..world)
         .map(|rank| Rank {
             rank,
@@ -614,7 +607,7 @@ fn run(
             outputs: vec![None; calls.len()],
         })
         .collect();
-    let mut mail: Mailboxes = HashMap::new();
+    let mut mail: Mailboxes = Links::new();
     loop {
         // Everything that can move: (rank, None) issues the rank's next call, (rank, Some(k))
         // moves its k-th running round.
@@ -628,10 +621,10 @@ fn run(
                 let ready = match round.schedule.steps().get(round.step) {
                     None => true,
                     Some(_) if !round.posted => true,
-                    Some(step) => step.receives().get(round.taken).is_none_or(|recv| {
-                        mail.get(&(recv.peer(), rank.rank, round.seq))
-                            .is_some_and(|q| !q.is_empty())
-                    }),
+                    Some(step) => step
+                        .receives()
+                        .get(round.taken)
+                        .is_none_or(|recv| mail.is_busy((recv.peer(), rank.rank, round.seq))),
                 };
                 if ready {
                     movable.push((rank.rank, Some(k)));
@@ -641,7 +634,7 @@ fn run(
         if movable.is_empty() {
             break;
         }
-        let (r, which) = movable[next(movable.len())];
+        let (r, which) = movable[rng.below(movable.len())];
         let rank = &mut ranks[r];
         let Some(k) = which else {
             let i = rank.issued;
@@ -661,15 +654,15 @@ fn run(
                 for range in send.ranges() {
                     data.extend_from_slice(&round.buffer[range.clone()]);
                 }
-                mail.entry((r, send.peer(), round.seq))
-                    .or_default()
-                    .push_back((round.signature.encode(), data));
+                mail.send(
+                    (r, send.peer(), round.seq),
+                    (round.signature.encode(), data),
+                );
             }
             round.posted = true;
         } else if let Some(recv) = step.receives().get(round.taken) {
             let (signature, data) = mail
-                .get_mut(&(recv.peer(), r, round.seq))
-                .and_then(VecDeque::pop_front)
+                .pop((recv.peer(), r, round.seq))
                 .ok_or("a movable receive found no message")?;
             if signature != round.signature.encode() {
                 return Err(format!(
@@ -703,10 +696,13 @@ fn run(
         }
         all.push(outputs);
     }
-    if let Some(((from, to, seq), q)) = mail.iter().find(|(_, q)| !q.is_empty()) {
+    if let Some(((from, to, seq), left)) = mail
+        .iter()
+        .map(|(k, q)| (k, q.count()))
+        .find(|(_, left)| *left > 0)
+    {
         return Err(format!(
-            "{} message(s) of #{seq} from rank {from} to rank {to} were never taken",
-            q.len()
+            "{left} message(s) of #{seq} from rank {from} to rank {to} were never taken"
         ));
     }
     Ok(all)

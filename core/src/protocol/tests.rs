@@ -1,20 +1,21 @@
 //! Deterministic tests of the protocol: a simulated network of endpoints with a virtual clock.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 
 use super::*;
+use crate::sim::{Clock, Links};
 
 type Body = Vec<u8>;
 
 /// A cluster of endpoints, per-pair FIFO links, a virtual clock, and a tiny application per
 /// worker that runs "echo", "fail" and "make" and keeps values of the references it owns.
 struct Sim {
-    now: Instant,
+    clock: Clock,
     eps: Vec<Endpoint<Body>>,
-    links: HashMap<(WorkerId, WorkerId), VecDeque<Transmit<Body>>>,
+    links: Links<(WorkerId, WorkerId), Transmit<Body>>,
     values: Vec<HashMap<RRefId, Body>>,
     released: Vec<RRefId>,
     completed: HashMap<(WorkerId, MessageId), Result<Body, CallError>>,
@@ -42,9 +43,9 @@ impl Sim {
             ..EndpointConfig::default()
         };
         Self {
-            now: Instant::now(),
+            clock: Clock::new(),
             eps: (0..n).map(|i| Endpoint::new(i, config.clone())).collect(),
-            links: HashMap::new(),
+            links: Links::new(),
             values: (0..n).map(|_| HashMap::new()).collect(),
             released: Vec::new(),
             completed: HashMap::new(),
@@ -69,7 +70,7 @@ impl Sim {
             let mut progress = false;
             for w in 0..self.eps.len() as WorkerId {
                 while let Some(t) = self.ep(w).poll_transmit() {
-                    self.links.entry((w, t.to)).or_default().push_back(t);
+                    self.links.send((w, t.to), t);
                     progress = true;
                 }
                 while let Some(ev) = self.ep(w).poll_event() {
@@ -103,7 +104,7 @@ impl Sim {
                                 let next = (w + 1) % self.eps.len() as WorkerId;
                                 let mut args = vec![left - 1];
                                 args.extend(rest);
-                                let now = self.now;
+                                let now = self.clock.now();
                                 let id = self.ep(w).call(next, "relay", args, T, now);
                                 self.relay_calls
                                     .push((w, id.expect("the next hop is refused")));
@@ -188,14 +189,10 @@ impl Sim {
 
     /// Delivers the next message on one link; returns false when that link is empty.
     fn deliver(&mut self, from: WorkerId, to: WorkerId) -> bool {
-        let Some(t) = self
-            .links
-            .get_mut(&(from, to))
-            .and_then(VecDeque::pop_front)
-        else {
+        let Some(t) = self.links.pop((from, to)) else {
             return false;
         };
-        let now = self.now;
+        let now = self.clock.now();
         if let Err(v) = self.ep(to).handle_message(from, t.header, t.body, now) {
             panic!("worker {to} saw a protocol violation from {from} in a normal flow: {v}");
         }
@@ -204,14 +201,7 @@ impl Sim {
     }
 
     fn busy_links(&self) -> Vec<(WorkerId, WorkerId)> {
-        let mut v: Vec<_> = self
-            .links
-            .iter()
-            .filter(|(_, q)| !q.is_empty())
-            .map(|(k, _)| *k)
-            .collect();
-        v.sort_unstable();
-        v
+        self.links.ready()
     }
 
     /// Delivers everything, in link order.
@@ -233,8 +223,8 @@ impl Sim {
     }
 
     fn advance(&mut self, d: Duration) {
-        self.now += d;
-        let now = self.now;
+        self.clock.advance(d);
+        let now = self.clock.now();
         for ep in &mut self.eps {
             ep.handle_timeout(now);
         }
@@ -251,7 +241,7 @@ const T: Duration = Duration::from_secs(60);
 #[test]
 fn call_round_trip_and_remote_errors() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     let id = s.ep(0).call(1, "echo", b"hi".to_vec(), T, now).unwrap();
     let bad = s.ep(0).call(1, "nope", vec![], T, now).unwrap();
     let local = s.ep(0).call(0, "echo", b"me".to_vec(), T, now).unwrap();
@@ -272,7 +262,7 @@ fn call_round_trip_and_remote_errors() {
 #[test]
 fn timeouts_fail_calls_and_zero_means_none() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     let timed = s
         .ep(0)
         .call(1, "echo", vec![], Duration::from_secs(5), now)
@@ -310,7 +300,7 @@ fn timeouts_fail_calls_and_zero_means_none() {
 #[test]
 fn lost_peer_fails_its_calls_by_name() {
     let mut s = Sim::new(3);
-    let now = s.now;
+    let now = s.clock.now();
     let to1 = s.ep(0).call(1, "echo", vec![], T, now).unwrap();
     let to2 = s.ep(0).call(2, "echo", vec![], T, now).unwrap();
     s.pump();
@@ -332,7 +322,7 @@ fn lost_peer_fails_its_calls_by_name() {
 #[test]
 fn shutdown_refuses_new_work_and_stop_fails_pending() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     let pending = s.ep(0).call(1, "echo", vec![], T, now).unwrap();
     s.ep(1).begin_shutdown();
     s.drain();
@@ -355,7 +345,7 @@ fn shutdown_refuses_new_work_and_stop_fails_pending() {
 #[test]
 fn remote_then_to_here_then_release() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     s.hold_remote = true;
     let (h, made) = s
         .ep(0)
@@ -386,7 +376,7 @@ fn remote_then_to_here_then_release() {
 fn the_owner_waits_for_a_value_it_is_still_creating() {
     for succeeds in [true, false] {
         let mut s = Sim::new(2);
-        let now = s.now;
+        let now = s.clock.now();
         s.hold_remote = true;
         let function = if succeeds { "make" } else { "broken" };
         let (h, _) = s.ep(0).remote(1, function, b"v".to_vec(), T, now).unwrap();
@@ -422,7 +412,7 @@ fn the_owner_waits_for_a_value_it_is_still_creating() {
 #[test]
 fn failed_remote_reports_and_leaves_nothing() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     let (h, made) = s.ep(0).remote(1, "broken", vec![], T, now).unwrap();
     s.drain();
     assert!(matches!(
@@ -445,7 +435,7 @@ fn failed_remote_reports_and_leaves_nothing() {
 #[test]
 fn requests_carry_the_callers_deadline() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     s.ep(0).call(1, "echo", vec![], T, now).unwrap();
     s.ep(0)
         .call(1, "echo", vec![], Duration::ZERO, now)
@@ -462,7 +452,7 @@ fn requests_carry_the_callers_deadline() {
 #[test]
 fn a_timeout_past_the_clocks_range_is_no_deadline() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     let call = Header::Call {
         id: 1,
         function: "echo".into(),
@@ -485,7 +475,7 @@ fn a_creation_that_times_out_fails_its_uses_and_leaks_nothing() {
     for drop_before_delivery in [false, true] {
         let mut s = Sim::new(3);
         s.hold_remote = true;
-        let now = s.now;
+        let now = s.clock.now();
         let timeout = Duration::from_secs(1);
         let (h, made) = s
             .ep(0)
@@ -501,7 +491,7 @@ fn a_creation_that_times_out_fails_its_uses_and_leaks_nothing() {
             after: timeout,
         };
         assert_eq!(s.outcome(0, made), Some(&Err(expected.clone())));
-        let now = s.now;
+        let now = s.clock.now();
         assert_eq!(s.ep(0).fetch(h, T, now), Err(expected.clone()));
         assert_eq!(s.ep(0).fork_for(h, 2), Err(expected.clone()));
         assert!(expected.to_string().contains("creation timed out"));
@@ -524,7 +514,7 @@ fn a_creation_that_times_out_fails_its_uses_and_leaks_nothing() {
 #[test]
 fn local_references_live_while_any_worker_holds_them() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     let h = s.ep(0).local_rref().unwrap();
     s.values[0].insert(h.rref, b"mine".to_vec());
     let data = s.ep(0).fork_for(h, 1).unwrap();
@@ -553,7 +543,7 @@ fn local_references_live_while_any_worker_holds_them() {
 #[test]
 fn debug_info_counts_calls_forks_and_pending_users() {
     let mut s = Sim::new(3);
-    let now = s.now;
+    let now = s.clock.now();
     s.ep(0).call(1, "echo", vec![], T, now).unwrap();
     s.ep(0).call(1, "echo", vec![], T, now).unwrap();
     s.ep(0).call(2, "echo", vec![], T, now).unwrap();
@@ -580,7 +570,7 @@ fn debug_info_counts_calls_forks_and_pending_users() {
 #[test]
 fn self_owned_values() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     let (h, made) = s.ep(0).remote(0, "make", b"mine".to_vec(), T, now).unwrap();
     s.pump();
     assert_eq!(s.outcome(0, made), Some(&Ok(vec![])));
@@ -602,23 +592,20 @@ fn self_owned_values() {
 #[test]
 fn control_messages_are_resent_until_acked_and_idempotent() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     let (h, _) = s.ep(0).remote(1, "make", vec![7], T, now).unwrap();
     s.drain();
     s.ep(0).drop_handle(h, now);
     s.pump();
     // Lose the user-delete.
-    let lost = s.links.get_mut(&(0, 1)).unwrap().pop_front().unwrap();
+    let lost = s.links.pop((0, 1)).unwrap();
     assert!(matches!(lost.header, Header::UserDelete { .. }));
     assert!(!s.ep(0).is_idle());
     s.advance(Duration::from_millis(100));
-    assert!(
-        s.links[&(0, 1)].len() == 1,
-        "resent after the retry interval"
-    );
+    assert!(s.links.len((0, 1)) == 1, "resent after the retry interval");
     // Deliver a duplicate as well: one release only.
-    let dup = s.links[&(0, 1)][0].clone();
-    s.links.get_mut(&(0, 1)).unwrap().push_back(dup);
+    let dup = s.links.messages((0, 1)).next().cloned().unwrap();
+    s.links.send((0, 1), dup);
     s.drain();
     assert_eq!(s.released, vec![h.rref]);
     assert!(s.eps.iter().all(Endpoint::is_idle));
@@ -626,7 +613,7 @@ fn control_messages_are_resent_until_acked_and_idempotent() {
 
 /// A user passes its reference on: O owns, A creates, B and C receive forks.
 fn chain(s: &mut Sim) -> (RRefHandle, RRefHandle, RRefHandle) {
-    let now = s.now;
+    let now = s.clock.now();
     let (ha, _) = s.ep(1).remote(0, "make", b"v".to_vec(), T, now).unwrap();
     let to_b = s.ep(1).fork_for(ha, 2).unwrap();
     let hb = s.ep(2).accept_fork(to_b, now);
@@ -639,7 +626,7 @@ fn chain(s: &mut Sim) -> (RRefHandle, RRefHandle, RRefHandle) {
 #[test]
 fn a_parent_outlives_its_unconfirmed_child() {
     let mut s = Sim::new(4);
-    let now = s.now;
+    let now = s.clock.now();
     let (ha, hb, hc) = chain(&mut s);
     // Everyone drops before any message is delivered; nothing may be released early.
     s.ep(1).drop_handle(ha, now);
@@ -669,7 +656,7 @@ fn a_parent_outlives_its_unconfirmed_child() {
 #[test]
 fn waits_for_confirmation_are_parked_with_their_deadlines() {
     let mut s = Sim::new(4);
-    let now = s.now;
+    let now = s.clock.now();
     let (ha, hb, hc) = chain(&mut s);
     assert_eq!(s.ep(1).is_confirmed(ha), Some(false));
     let d = now + Duration::from_secs(2);
@@ -722,12 +709,12 @@ fn waits_for_confirmation_are_parked_with_their_deadlines() {
 #[test]
 fn lost_child_does_not_pin_its_parent() {
     let mut s = Sim::new(4);
-    let now = s.now;
+    let now = s.clock.now();
     let (ha, hb, _hc) = chain(&mut s);
     s.ep(1).drop_handle(ha, now);
     s.ep(2).drop_handle(hb, now);
     // C dies before its fork request is delivered.
-    s.links.remove(&(3, 0));
+    s.links.clear((3, 0));
     for w in 0..3 {
         s.ep(w)
             .handle_peer_lost(3, LostCause::Transport("killed".into()), now);
@@ -739,7 +726,7 @@ fn lost_child_does_not_pin_its_parent() {
 #[test]
 fn a_fork_given_to_a_worker_that_dies_does_not_pin_the_value() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     let (h, _) = s.ep(0).remote(0, "make", b"v".to_vec(), T, now).unwrap();
     s.pump();
     // The owner forks for worker 1, which dies before the call carrying the fork arrives.
@@ -765,14 +752,14 @@ proptest! {
         let mut held = vec![(1, ha), (2, hb), (3, hc)];
         // The owner also takes a local handle through a fork passed to it.
         let to_owner = s.ep(2).fork_for(hb, 0).unwrap();
-        let now = s.now;
+        let now = s.clock.now();
         held.push((0, s.ep(0).accept_fork(to_owner, now)));
         for c in choices {
             let links = s.busy_links();
             let c = c as usize;
             if c % 3 == 0 && !held.is_empty() {
                 let (w, h) = held.remove(c / 3 % held.len());
-                let now = s.now;
+                let now = s.clock.now();
                 s.ep(w).drop_handle(h, now);
                 s.pump();
             } else if !links.is_empty() {
@@ -784,7 +771,7 @@ proptest! {
             }
         }
         for (w, h) in held.drain(..) {
-            let now = s.now;
+            let now = s.clock.now();
             s.ep(w).drop_handle(h, now);
         }
         s.drain();
@@ -800,7 +787,7 @@ proptest! {
 #[test]
 fn a_peer_can_neither_recreate_another_workers_reference_nor_claim_its_fork() {
     let mut s = Sim::new(3);
-    let now = s.now;
+    let now = s.clock.now();
     // Worker 0 creates a value on 1 and passes its reference to 2 (a confirmed fork there).
     let (h, _) = s
         .ep(0)
@@ -874,7 +861,7 @@ fn a_peer_can_neither_recreate_another_workers_reference_nor_claim_its_fork() {
 #[test]
 fn messages_a_peer_had_no_right_to_send_are_violations() {
     let mut s = Sim::new(3);
-    let now = s.now;
+    let now = s.clock.now();
     let call = s.ep(0).call(1, "echo", b"x".to_vec(), T, now).unwrap();
     s.pump();
     // A reply to our call to 1, from 2.
@@ -944,7 +931,7 @@ fn messages_a_peer_had_no_right_to_send_are_violations() {
     // An acknowledgement of our control message to 1, from 2.
     s.ep(0).drop_handle(h, now);
     s.pump();
-    let (id, to) = match s.links.get(&(0, 1)).and_then(|q| q.back()) {
+    let (id, to) = match s.links.messages((0, 1)).next_back() {
         Some(Transmit {
             header: Header::UserDelete { id, .. },
             to,
@@ -971,7 +958,7 @@ fn messages_a_peer_had_no_right_to_send_are_violations() {
 fn idempotence_records_stay_bounded() {
     let mut s = Sim::new(3);
     for round in 0..2_000u64 {
-        let now = s.now;
+        let now = s.clock.now();
         let (h, _) = s.ep(0).remote(1, "make", vec![1], T, now).unwrap();
         s.drain();
         // A fork to worker 2 makes a fork request, a child accept and two deletes.
@@ -1139,7 +1126,7 @@ fn idempotence_records_are_bounded_by_us_not_by_the_peers_floor() {
 #[test]
 fn a_control_message_resent_after_its_acknowledgement_is_not_handled_twice() {
     let mut s = Sim::new(3);
-    let now = s.now;
+    let now = s.clock.now();
     let (h, _) = s.ep(0).remote(1, "make", vec![1], T, now).unwrap();
     s.drain();
     let data = s.ep(0).fork_for(h, 2).unwrap();
@@ -1149,7 +1136,7 @@ fn a_control_message_resent_after_its_acknowledgement_is_not_handled_twice() {
     // Worker 2's delete, delivered, acknowledged, then a copy of it arrives late.
     s.ep(2).drop_handle(h2, now);
     s.pump();
-    let copy = s.links[&(2, 1)].back().cloned().unwrap();
+    let copy = s.links.messages((2, 1)).next_back().cloned().unwrap();
     s.drain();
     assert_eq!(s.ep(1).owner_fork_count(h.rref), Some(1));
     // Worker 2 sends more control messages (its floor moves past the delete), then the copy.
@@ -1172,7 +1159,7 @@ fn a_control_message_resent_after_its_acknowledgement_is_not_handled_twice() {
 #[test]
 fn a_deferred_remote_is_never_overtaken() {
     let mut s = Sim::new(3);
-    let now = s.now;
+    let now = s.clock.now();
     let (h, made) = s.ep(0).remote_deferred(1, "make", T, now).unwrap();
     let fetch = s.ep(0).fetch(h, T, now).unwrap();
     let later_call = s.ep(0).call(1, "echo", b"later".to_vec(), T, now).unwrap();
@@ -1187,7 +1174,7 @@ fn a_deferred_remote_is_never_overtaken() {
     assert_eq!(s.outcome(0, made), Some(&Ok(vec![])));
     assert_eq!(s.outcome(0, fetch), Some(&Ok(b"value".to_vec())));
     assert_eq!(s.outcome(0, later_call), Some(&Ok(b"later".to_vec())));
-    let now = s.now;
+    let now = s.clock.now();
     s.ep(0).drop_handle(h, now);
     s.drain();
     assert_eq!(s.released, vec![h.rref]);
@@ -1198,7 +1185,7 @@ fn a_deferred_remote_is_never_overtaken() {
 fn an_abandoned_deferred_remote_fails_its_uses_and_sends_nothing() {
     for owner in [1, 0] {
         let mut s = Sim::new(2);
-        let now = s.now;
+        let now = s.clock.now();
         let (h, made) = s.ep(0).remote_deferred(owner, "make", T, now).unwrap();
         let call = s.ep(0).call(1, "echo", b"x".to_vec(), T, now).unwrap();
         s.ep(0).abandon(made, "cuda:0 copy failed", now);
@@ -1209,7 +1196,7 @@ fn an_abandoned_deferred_remote_fails_its_uses_and_sends_nothing() {
         );
         // What waited behind it went.
         assert_eq!(s.outcome(0, call), Some(&Ok(b"x".to_vec())));
-        let now = s.now;
+        let now = s.clock.now();
         match s.ep(0).fetch(h, T, now) {
             Err(e) => assert!(e.to_string().contains("cuda:0 copy failed"), "{e}"),
             Ok(f) => {
@@ -1233,7 +1220,7 @@ fn an_abandoned_deferred_remote_fails_its_uses_and_sends_nothing() {
 #[test]
 fn a_deferred_call_to_self_runs_when_supplied() {
     let mut s = Sim::new(1);
-    let now = s.now;
+    let now = s.clock.now();
     let id = s.ep(0).call_deferred(0, "echo", T, now).unwrap();
     s.drain();
     assert!(s.outcome(0, id).is_none());
@@ -1246,17 +1233,7 @@ fn a_deferred_call_to_self_runs_when_supplied() {
 /// The seeds the cluster simulation runs: `TW_SIM_SEED=<seed>` replays one (printed by a
 /// failure); `TW_SIM_SEEDS=<n>` runs that many.
 fn sim_seeds() -> Vec<u64> {
-    if let Some(seed) = std::env::var("TW_SIM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
-        return vec![seed];
-    }
-    let n = std::env::var("TW_SIM_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2_000u64);
-    (0..n).collect()
+    crate::sim::seeds(0..2_000)
 }
 
 /// Seeded random workloads over 2 to 8 workers; every step checks the protocol's promises
@@ -1293,7 +1270,7 @@ fn cluster_simulation() {
         total.chain_hops += s.chain_hops;
     }
     // The workload reaches every behaviour it is meant to.
-    if std::env::var("TW_SIM_SEED").is_err() {
+    if !crate::sim::replaying() {
         assert!(
             total.calls > 0 && total.remotes > 0 && total.forks > 0,
             "{total:?}"
@@ -1355,7 +1332,7 @@ fn the_fuzz_driver_reports_violations() {
 #[test]
 fn a_graceful_shutdown_waits_for_calls_everywhere_then_completes_on_every_member() {
     let mut s = Sim::new(3);
-    let now = s.now;
+    let now = s.clock.now();
     let id = s.ep(1).call(2, "echo", b"x".to_vec(), T, now).unwrap();
     s.pump();
     let deadline = Some(now + Duration::from_secs(10));
@@ -1385,7 +1362,7 @@ fn a_graceful_shutdown_waits_for_calls_everywhere_then_completes_on_every_member
 #[test]
 fn a_silent_member_is_named_at_the_deadline() {
     let mut s = Sim::new(3);
-    let deadline = Some(s.now + Duration::from_secs(5));
+    let deadline = Some(s.clock.now() + Duration::from_secs(5));
     for w in 0..2 {
         s.ep(w).begin_graceful_shutdown([0, 1, 2], deadline);
     }
@@ -1409,7 +1386,7 @@ fn a_silent_member_is_named_at_the_deadline() {
 #[test]
 fn a_lost_member_fails_the_shutdown_at_once_unless_it_was_idle() {
     let mut s = Sim::new(3);
-    let now = s.now;
+    let now = s.clock.now();
     s.ep(0).begin_graceful_shutdown([0, 1, 2], None);
     s.ep(1).begin_graceful_shutdown([0, 1, 2], None);
     s.drain();
@@ -1434,7 +1411,7 @@ fn a_lost_member_fails_the_shutdown_at_once_unless_it_was_idle() {
 #[test]
 fn unanswered_calls_at_the_deadline_name_their_callees() {
     let mut s = Sim::new(3);
-    let now = s.now;
+    let now = s.clock.now();
     s.ep(0)
         .call(2, "echo", vec![], Duration::ZERO, now)
         .unwrap();
@@ -1450,7 +1427,7 @@ fn unanswered_calls_at_the_deadline_name_their_callees() {
 #[test]
 fn shutdown_reports_out_of_order_are_violations() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     let report = |round, activity| Header::Shutdown {
         signal: ShutdownSignal { round, activity },
     };
@@ -1504,7 +1481,7 @@ fn an_idle_group_completes_in_two_rounds() {
 fn fire_and_forget_chains_finish(steps: &[u16]) {
     const HOPS: u8 = 20;
     let mut s = Sim::new(3);
-    let now = s.now;
+    let now = s.clock.now();
     let mut first = Vec::new();
     for w in 0..3 {
         let id = s.ep(w).call((w + 1) % 3, "relay", vec![HOPS - 1], T, now);
@@ -1552,7 +1529,7 @@ proptest! {
 #[test]
 fn leaving_waits_for_our_calls_only() {
     let mut s = Sim::new(3);
-    let now = s.now;
+    let now = s.clock.now();
     let id = s.ep(0).call(1, "echo", vec![7], T, now).unwrap();
     s.pump();
     s.ep(0).begin_leave(Some(now + T));
@@ -1577,7 +1554,7 @@ fn once_complete_new_requests_are_refused() {
     s.ep(2).begin_graceful_shutdown([0, 1, 2], None);
     s.drain();
     assert_eq!(s.ep(0).state(), RunState::ShuttingDown);
-    let now = s.now;
+    let now = s.clock.now();
     s.ep(0)
         .handle_message(
             1,
@@ -1591,7 +1568,7 @@ fn once_complete_new_requests_are_refused() {
         )
         .unwrap();
     s.pump();
-    let refused = s.links.get(&(0, 1)).and_then(|q| q.back()).cloned();
+    let refused = s.links.messages((0, 1)).next_back().cloned();
     assert!(
         matches!(
             refused,
@@ -1612,7 +1589,7 @@ fn once_complete_new_requests_are_refused() {
 #[test]
 fn a_failed_shutdown_passes_on_whom_it_waited_for() {
     let mut s = Sim::new(3);
-    let now = s.now;
+    let now = s.clock.now();
     s.ep(0).begin_graceful_shutdown([0, 1, 2], None);
     s.drain();
     s.ep(0)
@@ -1630,7 +1607,7 @@ fn a_failed_shutdown_passes_on_whom_it_waited_for() {
 #[test]
 fn a_reference_whose_owner_left_stays_unusable_after_its_rank_rejoins() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     let (h, _) = s.ep(0).remote(1, "make", b"v".to_vec(), T, now).unwrap();
     s.drain();
     assert_eq!(s.ep(0).check_reference(h), Ok(()));
@@ -1654,7 +1631,7 @@ fn a_reference_whose_owner_left_stays_unusable_after_its_rank_rejoins() {
 #[test]
 fn a_lost_peer_keeps_its_first_typed_cause() {
     let mut s = Sim::new(2);
-    let now = s.now;
+    let now = s.clock.now();
     let call = s.ep(0).call(1, "echo", vec![1], T, now).unwrap();
     let violation = ProtocolViolation::UnknownId {
         id: 9,

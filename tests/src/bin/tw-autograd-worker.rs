@@ -48,12 +48,13 @@ use tensorwire_autograd_candle::candle_core::{Device, Tensor as CTensor, Var};
 use tensorwire_autograd_candle::CandleEngine;
 use tensorwire_core::autograd::{AutogradMessageId, BackwardError, ContextId};
 use tensorwire_core::ports::autograd::{AutogradEngine, EngineError, LeafGradients};
-use tensorwire_core::ports::device::{DeviceBackend, DeviceError, DeviceUnavailable};
-use tensorwire_core::tensor::{DeviceBuffer, Tensor};
+use tensorwire_core::ports::device::DeviceBackend;
+use tensorwire_core::tensor::Tensor;
 use tensorwire_rpc::{
     init_rpc, Agent, AutogradCall, DistAutograd, DistributedOptimizer, Functions, Optimizer,
     Parameter, RRef, RpcOptions, Sgd, TensorList,
 };
+use tensorwire_testkit::RecordingDevices;
 
 /// The candle engine, which on `w2` in the `kill` scenario announces its backward pass and
 /// then hangs in it (so the test can kill the process mid-backward), and fails its backward
@@ -106,43 +107,6 @@ impl AutogradEngine for Engine {
 }
 
 type Dist = DistAutograd<Engine>;
-
-/// A device backend that records the devices it copies host bytes to (the `devices` scenario).
-struct Recording {
-    inner: Arc<dyn DeviceBackend>,
-    to_device: std::sync::Mutex<Vec<String>>,
-}
-
-#[async_trait::async_trait]
-impl DeviceBackend for Recording {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn device_count(&self) -> u32 {
-        self.inner.device_count()
-    }
-    fn unavailable(&self) -> Option<DeviceUnavailable> {
-        self.inner.unavailable()
-    }
-    async fn to_device(
-        &self,
-        data: bytes::Bytes,
-        device: tensorwire_core::device::Device,
-    ) -> Result<DeviceBuffer, DeviceError> {
-        self.to_device.lock().unwrap().push(device.to_string());
-        self.inner.to_device(data, device).await
-    }
-    async fn to_host(&self, buffer: &DeviceBuffer) -> Result<bytes::Bytes, DeviceError> {
-        self.inner.to_host(buffer).await
-    }
-    async fn between(
-        &self,
-        buffer: &DeviceBuffer,
-        to: tensorwire_core::device::Device,
-    ) -> Result<DeviceBuffer, DeviceError> {
-        self.inner.between(buffer, to).await
-    }
-}
 
 /// The backend `TW_DEVICES` names (`simulated`: two simulated CUDA devices; `cuda`), or why
 /// it cannot be used here.
@@ -254,10 +218,8 @@ async fn start(scenario: &str) -> Result<(Agent, Dist, CTensor, usize), String> 
         ..RpcOptions::default()
     };
     let recording = if scenario == "devices" {
-        let backend = Arc::new(Recording {
-            inner: choose_devices()?,
-            to_device: std::sync::Mutex::new(Vec::new()),
-        });
+        // Records where tensors land (the `devices` scenario).
+        let backend = RecordingDevices::new(choose_devices()?);
         let hi = format!("cuda:{}", backend.device_count().min(2).saturating_sub(1));
         let maps: [Vec<(&str, &str)>; 3] = [
             vec![("w1", hi.as_str())],
@@ -410,10 +372,7 @@ async fn start(scenario: &str) -> Result<(Agent, Dist, CTensor, usize), String> 
     agent
         .functions()
         .register("devices_seen", move |(): ()| {
-            let seen = recording
-                .as_ref()
-                .map(|r| std::mem::take(&mut *r.to_device.lock().unwrap()))
-                .unwrap_or_default();
+            let seen = recording.as_ref().map(|r| r.take()).unwrap_or_default();
             async move { Ok::<_, String>(seen) }
         })
         .expect("registered once");

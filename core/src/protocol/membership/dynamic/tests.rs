@@ -1,7 +1,7 @@
 use std::collections::BTreeMap;
 
 use super::*;
-use crate::protocol_sim::SimRng;
+use crate::sim::{self, Clock, Faults, Links, SimRng};
 
 fn record(rank: WorkerId) -> MemberRecord {
     MemberRecord {
@@ -18,9 +18,9 @@ const OP: Duration = Duration::from_secs(30);
 
 /// Workers' memberships over FIFO links, with connections made as the protocol asks.
 struct Net {
-    now: Instant,
+    clock: Clock,
     ms: BTreeMap<WorkerId, DynamicMembership>,
-    links: BTreeMap<(WorkerId, WorkerId), VecDeque<DynMessage>>,
+    links: Links<(WorkerId, WorkerId), DynMessage>,
     events: BTreeMap<WorkerId, Vec<MembershipEvent>>,
     /// The rank the store names as coordinator.
     published: WorkerId,
@@ -31,17 +31,29 @@ impl Net {
         let mut ms = BTreeMap::new();
         ms.insert(0, DynamicMembership::found(record(0), OP));
         Self {
-            now: Instant::now(),
+            clock: Clock::new(),
             ms,
-            links: BTreeMap::new(),
+            links: Links::new(),
             events: BTreeMap::new(),
             published: 0,
         }
     }
 
+    /// Like [`new`](Self::new), over links where every message takes a random 1 to 500 ms
+    /// (each link stays FIFO, as a TCP connection is), drawn from `seed`.
+    fn delayed(seed: u64) -> Self {
+        let mut net = Self::new();
+        let faults = Faults {
+            delay: Some((Duration::from_millis(1), Duration::from_millis(500))),
+            ..Faults::NONE
+        };
+        net.links = Links::with_faults(faults, seed, net.clock.now());
+        net
+    }
+
     fn start_join(&mut self, rank: WorkerId) {
         let c = self.published;
-        let deadline = Some(self.now + Duration::from_secs(60));
+        let deadline = Some(self.clock.now() + Duration::from_secs(60));
         self.ms
             .insert(rank, DynamicMembership::join(record(rank), c, OP, deadline));
         let r = record(rank);
@@ -67,7 +79,7 @@ impl Net {
                 while let Some((to, msg)) = self.ms.get_mut(&w).unwrap().poll_transmit() {
                     progress = true;
                     if self.ms.contains_key(&to) {
-                        self.links.entry((w, to)).or_default().push_back(msg);
+                        self.links.send((w, to), msg);
                     }
                 }
                 while let Some(ev) = self.ms.get_mut(&w).unwrap().poll_event() {
@@ -92,8 +104,8 @@ impl Net {
                         }
                         MembershipEvent::Coordinate => self.published = w,
                         MembershipEvent::MemberRemoved { rank, left: false } => {
-                            self.links.remove(&(w, *rank));
-                            self.links.remove(&(*rank, w));
+                            self.links.clear((w, *rank));
+                            self.links.clear((*rank, w));
                         }
                         _ => {}
                     }
@@ -107,24 +119,19 @@ impl Net {
     }
 
     fn deliver(&mut self, rng: &mut SimRng) -> bool {
-        let busy: Vec<(WorkerId, WorkerId)> = self
-            .links
-            .iter()
-            .filter(|(_, q)| !q.is_empty())
-            .map(|(k, _)| *k)
-            .collect();
-        if busy.is_empty() {
-            return false;
+        if self.links.ready().is_empty() {
+            // Only delayed messages left: time moves on to the next one.
+            let Some(next) = self.links.next_ready_at() else {
+                return false;
+            };
+            self.clock.advance_to(next);
+            self.links.set_now(self.clock.now());
         }
-        let (from, to) = busy[rng.below(busy.len())];
-        let msg = self
-            .links
-            .get_mut(&(from, to))
-            .unwrap()
-            .pop_front()
-            .unwrap();
+        let Some(((from, to), msg)) = self.links.pop_any(rng) else {
+            return false;
+        };
         if let Some(m) = self.ms.get_mut(&to) {
-            m.handle_message(from, msg.clone(), self.now)
+            m.handle_message(from, msg.clone(), self.clock.now())
                 .unwrap_or_else(|e| panic!("{to} refused {msg:?} from {from}: {e}"));
         }
         self.pump();
@@ -155,7 +162,7 @@ impl Net {
 /// one at a time, and every member ends with the same member list in admission order.
 #[test]
 fn concurrent_joins_are_serialized_and_views_agree() {
-    for seed in 0..200 {
+    sim::for_each_seed("concurrent joins", 0..200, |seed| {
         let mut rng = SimRng::new(seed);
         let mut net = Net::new();
         let n = 2 + rng.below(6) as u32;
@@ -175,7 +182,38 @@ fn concurrent_joins_are_serialized_and_views_agree() {
         let view = net.views_agree();
         assert_eq!(view.len(), n as usize, "seed {seed}");
         assert_eq!(net.ms[&0].coordinator(), Some(0));
-    }
+    });
+}
+
+/// The same joins over links that delay every message (virtual time moves on to each
+/// arrival): every join still completes and the views agree; the run took virtual time.
+#[test]
+fn concurrent_joins_over_delayed_links_are_serialized_and_views_agree() {
+    sim::for_each_seed("concurrent joins, delayed links", 0..200, |seed| {
+        let mut rng = SimRng::new(seed);
+        let mut net = Net::delayed(seed);
+        let n = 2 + rng.below(6) as u32;
+        for rank in 1..n {
+            net.start_join(rank);
+            for _ in 0..rng.below(4) {
+                net.deliver(&mut rng);
+            }
+        }
+        net.settle(&mut rng);
+        for rank in 1..n {
+            assert!(
+                net.got(rank, &MembershipEvent::Joined),
+                "seed {seed} rank {rank}"
+            );
+        }
+        assert_eq!(net.views_agree().len(), n as usize, "seed {seed}");
+        assert!(
+            net.clock.elapsed() >= Duration::from_millis(1),
+            "seed {seed}"
+        );
+        let s = net.links.stats();
+        assert!(s.delivered > 0 && s.lost == 0, "seed {seed}: {s:?}");
+    });
 }
 
 #[test]
@@ -217,7 +255,7 @@ fn a_name_or_rank_in_use_is_refused() {
             DynMessage::JoinRequest {
                 record: same_name.clone(),
             },
-            net.now,
+            net.clock.now(),
         )
         .unwrap();
     let refusal = std::iter::from_fn(|| net.ms.get_mut(&c).unwrap().poll_transmit())
@@ -247,7 +285,7 @@ fn leaves_hand_over_coordination_and_the_last_ends_the_group() {
         net.start_join(rank);
         net.settle(&mut rng);
     }
-    let now = net.now;
+    let now = net.clock.now();
     // Rank 2 asks to leave; before it is granted, the coordinator leaves too.
     net.ms.get_mut(&0).unwrap().begin_leave(now, None);
     net.ms.get_mut(&2).unwrap().begin_leave(now, None);
@@ -292,23 +330,23 @@ fn a_stalled_join_is_refused_at_the_deadline_and_the_next_proceeds() {
     net.start_join(2);
     // Deliver the request and the announcement, but the joiner never hears its admission.
     while net.deliver(&mut rng) {
-        if net.links.get(&(0, 2)).is_some_and(|q| !q.is_empty()) {
+        if net.links.is_busy((0, 2)) {
             break;
         }
     }
-    net.links.remove(&(0, 2));
+    net.links.clear((0, 2));
     net.start_join(3);
     net.settle(&mut rng);
     assert!(
         !net.got(3, &MembershipEvent::Joined),
         "the queue is blocked"
     );
-    assert_eq!(net.ms[&0].poll_timeout(), Some(net.now + OP));
-    net.now += OP;
-    let now = net.now;
+    assert_eq!(net.ms[&0].poll_timeout(), Some(net.clock.now() + OP));
+    net.clock.advance(OP);
+    let now = net.clock.now();
     net.ms.get_mut(&0).unwrap().handle_timeout(now);
     net.pump();
-    net.links.remove(&(0, 2));
+    net.links.clear((0, 2));
     net.settle(&mut rng);
     assert!(net.got(3, &MembershipEvent::Joined));
     net.ms.remove(&2);
@@ -325,9 +363,9 @@ fn lost_workers_during_a_join_do_not_block_the_group() {
     net.start_join(1);
     net.start_join(2);
     net.deliver(&mut rng);
-    let now = net.now;
+    let now = net.clock.now();
     net.ms.remove(&1);
-    net.links.retain(|(f, t), _| *f != 1 && *t != 1);
+    net.links.retain(|(f, t)| f != 1 && t != 1);
     net.ms.get_mut(&0).unwrap().handle_lost(1, now);
     if let Some(m) = net.ms.get_mut(&2) {
         m.handle_lost(1, now);
@@ -345,7 +383,7 @@ fn messages_out_of_turn_are_violations_and_change_nothing() {
     net.start_join(1);
     net.start_join(2);
     net.settle(&mut rng);
-    let now = net.now;
+    let now = net.clock.now();
     let m1 = net.ms.get_mut(&1).unwrap();
     // Only the coordinator welcomes and admits; a stranger announces nothing.
     for (from, msg) in [
@@ -458,7 +496,7 @@ proptest::proptest! {
         net.start_join(2);
         net.settle(&mut rng);
         for (kind, from, rank, x) in ops {
-            let now = net.now;
+            let now = net.clock.now();
             let to = (x % 3) as WorkerId;
             let Some(m) = net.ms.get_mut(&to) else { continue };
             let msg = match kind {
@@ -481,8 +519,8 @@ proptest::proptest! {
                     continue;
                 }
                 _ => {
-                    net.now += Duration::from_secs(x % 100);
-                    let now = net.now;
+                    net.clock.advance(Duration::from_secs(x % 100));
+                    let now = net.clock.now();
                     m.handle_timeout(now);
                     m.begin_leave(now, Some(now + OP));
                     continue;

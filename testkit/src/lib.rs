@@ -1,0 +1,45 @@
+//! Test helpers for tensorwire, shared by the crates' tests (a dev-dependency only; never a
+//! dependency of a crate users build).
+//!
+//! - [`MemoryCluster`]: agents of one group over the in-memory network and an in-memory store,
+//!   for tests in virtual time (tokio's paused clock), each host with its kill switch and,
+//!   optionally, faults per rank ([`faults`]: PyTorch's faulty agent).
+//! - [`TcpCluster`]: agents over real loopback TCP with a cluster secret, through `init_rpc`,
+//!   meeting through a file store in a temporary folder: no port is picked in advance (every
+//!   agent listens on port 0 and publishes the port it got), so nothing can take it first.
+//! - [`wait_until`] and [`wait_for`]: wait for a condition, by its deadline.
+//! - [`RecordingDevices`]: a device backend that records where it copies tensors to.
+//! - [`CapturedLogs`]: a log writer whose text a test reads back.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tensorwire_testkit::{MemoryCluster, wait_until};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap().block_on(async {
+//! let cluster = MemoryCluster::new();
+//! let agents = cluster.group(2, |_, _| {}).await.unwrap();
+//! assert_eq!(agents[1].worker_info().name, "w1");
+//! wait_until("both see each other", Duration::from_secs(10), || {
+//!     agents.iter().all(|a| a.worker_infos().len() == 2)
+//! })
+//! .await;
+//! # for a in agents { a.shutdown(tensorwire_rpc::Shutdown::Immediate).await.unwrap(); }
+//! # });
+//! ```
+
+mod cluster;
+mod devices;
+mod logs;
+mod wait;
+
+pub use cluster::{base_options, MemoryCluster, StartError, TcpCluster};
+pub use devices::RecordingDevices;
+pub use logs::CapturedLogs;
+pub use wait::{wait_for, wait_until};
+
+/// The in-memory network (hosts with kill switches), from `tensorwire_rpc`.
+pub use tensorwire_rpc::memory;
+
+/// Faulty peers: PyTorch's faulty agent as a transport wrapper (drop or delay the first
+/// messages of a kind a rank sends), from `tensorwire_rpc`.
+pub use tensorwire_rpc::faults;
