@@ -38,12 +38,12 @@ use tensorwire_process_group::{
 use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::{debug, info, warn};
 
-use crate::clock::{Clock, TokioClock};
 use crate::codec::{self, Envelope};
 use crate::error::RpcError;
 use crate::functions::{Functions, HandlerError, Invocation, Value};
 use crate::options::RpcOptions;
 use crate::rref::RRef;
+use crate::runtime::Runtime;
 use crate::tensors::{self, TensorTransferError, WireTensors};
 use tensorwire_core::placement::Direction;
 use tensorwire_core::ports::device::DeviceBackend;
@@ -267,8 +267,8 @@ pub(crate) struct Inner {
     /// The dynamic-group gathers this worker leads (see [`crate::gather`]).
     gathers: crate::gather::Gathers,
     tasks: Mutex<Tasks>,
-    /// The one clock the driver reads time from and sleeps on.
-    pub(crate) clock: Arc<dyn Clock>,
+    /// The one runtime the agent reads time from, sleeps on and spawns with.
+    pub(crate) runtime: Arc<dyn Runtime>,
     /// A dynamic group's membership (see [`crate::dynamic`]); its own lock, never held with
     /// the state's.
     pub(crate) membership: Mutex<crate::dynamic::DynState>,
@@ -447,7 +447,8 @@ pub async fn start_agent(
     let Some(world_size) = world_size else {
         return crate::dynamic::join(transport, rdv, name, rank, options).await;
     };
-    let started = tokio::time::Instant::now();
+    let runtime = Arc::clone(&options.runtime);
+    let started = runtime.now();
     let (group, records) =
         match join_static(transport, &rdv, name, rank, world_size, &options).await {
             Ok(joined) => joined,
@@ -463,11 +464,11 @@ pub async fn start_agent(
         .lock()
         .unwrap_or_else(PoisonError::into_inner) = Some(rdv);
     if let Err(e) = agent.attach_group(group, options.init_timeout).await {
-        agent.stop_and_release(tokio::time::Instant::now()).await;
+        agent.stop_and_release(agent.now()).await;
         return Err(e);
     }
     agent.spawn(drive(agent.clone()));
-    info!(worker = %agent.inner.me, world_size, took = ?started.elapsed(), "RPC agent started");
+    info!(worker = %agent.inner.me, world_size, took = ?runtime.now().saturating_duration_since(started), "RPC agent started");
     Ok(agent)
 }
 
@@ -654,7 +655,7 @@ impl Agent {
             group: Mutex::new(None),
             gathers: crate::gather::Gathers::default(),
             tasks: Mutex::new(Tasks::default()),
-            clock: Arc::new(TokioClock),
+            runtime: Arc::clone(&options.runtime),
             peer_events: crate::peer_events::PeerEventHub::new(),
             membership: crate::dynamic::new_state(),
             membership_wake: Notify::new(),
@@ -702,9 +703,14 @@ fn remote_error(
 }
 
 impl Agent {
-    /// The current time, from the agent's one clock (see [`crate::clock`]).
+    /// The current time, from the agent's one runtime (see [`crate::runtime`]).
     pub(crate) fn now(&self) -> Instant {
-        self.inner.clock.now()
+        self.inner.runtime.now()
+    }
+
+    /// The agent's runtime: its clock, timers and spawner.
+    pub(crate) fn runtime(&self) -> &dyn Runtime {
+        &*self.inner.runtime
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
@@ -1575,7 +1581,7 @@ impl Agent {
     /// own handle until it ends.
     pub async fn shutdown(&self, how: crate::Shutdown) -> Result<(), RpcError> {
         let (graceful, timeout) = how.parts();
-        let deadline = crate::clock::tokio_deadline_after(timeout);
+        let deadline = self.runtime().deadline_after(timeout);
         let stages = async {
             match (graceful, self.inner.dynamic) {
                 (true, false) => self.graceful(deadline, timeout).await,
@@ -1598,7 +1604,9 @@ impl Agent {
         };
         // Every wait of the stages ends by the deadline and says for whom; past it, the store
         // is what did not answer.
-        let result = tokio::time::timeout_at(deadline, stages)
+        let result = self
+            .runtime()
+            .timeout_at(deadline, stages)
             .await
             .unwrap_or_else(|_| {
                 Err(RpcError::Timeout {
@@ -1610,10 +1618,11 @@ impl Agent {
         // On a task of its own: shutdown may be called from a task of the agent (a served
         // function), which ending the agent's tasks cancels; the agent still stops whole.
         let agent = self.clone();
-        let stopped = tokio::spawn(async move {
-            agent.stop_and_release(deadline).await;
-        });
-        let _ = stopped.await;
+        self.runtime()
+            .spawn(Box::pin(async move {
+                agent.stop_and_release(deadline).await;
+            }))
+            .await;
         result
     }
 
@@ -1621,7 +1630,7 @@ impl Agent {
     /// them, then lets go of the store. Writers get until `deadline` to send what is queued and
     /// close their connections. (A graceful shutdown of a static group runs over the members'
     /// connections, not the store: rank 0, which hosts it, need not wait for anyone.)
-    pub(crate) async fn stop_and_release(&self, deadline: tokio::time::Instant) {
+    pub(crate) async fn stop_and_release(&self, deadline: Instant) {
         let (writers, mut others) = {
             let mut tasks = self.tasks();
             tasks.closed = true;
@@ -1650,10 +1659,12 @@ impl Agent {
         others.abort_all();
         while others.join_next().await.is_some() {}
         let mut writers = writers;
-        let flushed = tokio::time::timeout_at(deadline, async {
-            while writers.join_next().await.is_some() {}
-        })
-        .await;
+        let flushed = self
+            .runtime()
+            .timeout_at(deadline, async {
+                while writers.join_next().await.is_some() {}
+            })
+            .await;
         if flushed.is_err() {
             writers.abort_all();
             while writers.join_next().await.is_some() {}
@@ -1666,7 +1677,9 @@ impl Agent {
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         if let Some(group) = group {
-            if tokio::time::timeout_at(deadline, group.shutdown())
+            if self
+                .runtime()
+                .timeout_at(deadline, group.shutdown())
                 .await
                 .is_err()
             {
@@ -1695,11 +1708,7 @@ impl Agent {
     /// `tensorwire_core::protocol::shutdown`): our calls answered, every member's calls
     /// answered, nothing outstanding here, every member idle; over the members' connections.
     /// Fails naming the members that were lost, or at the deadline those it still waits for.
-    async fn graceful(
-        &self,
-        deadline: tokio::time::Instant,
-        timeout: Duration,
-    ) -> Result<(), RpcError> {
+    async fn graceful(&self, deadline: Instant, timeout: Duration) -> Result<(), RpcError> {
         let info = self.debug_info();
         if info.protocol.holds_references() {
             warn!(
@@ -1711,7 +1720,7 @@ impl Agent {
         // names who is missing, is the one returned.
         let ends = deadline - (timeout / 10).min(Duration::from_millis(500));
         self.run_shutdown(timeout, |ep| {
-            ep.begin_graceful_shutdown(members, Some(ends.into_std()));
+            ep.begin_graceful_shutdown(members, Some(ends));
         })
         .await
     }
@@ -2215,7 +2224,6 @@ impl Agent {
         keep_as: Option<RRefId>,
         deadline: Option<Instant>,
     ) {
-        let deadline = deadline.map(tokio::time::Instant::from_std);
         let me = self.inner.me.id;
         let agent = self.clone();
         let handler = if function == crate::gather::GATHER {
@@ -2396,14 +2404,11 @@ impl Agent {
     pub(crate) async fn wait_confirmed(
         &self,
         handles: &[RRefHandle],
-        deadline: Option<tokio::time::Instant>,
+        deadline: Option<Instant>,
     ) -> Result<(), String> {
         let rx = {
             let mut st = self.lock();
-            let Some(wait) = st
-                .ep
-                .wait_confirmed(handles, deadline.map(tokio::time::Instant::into_std))
-            else {
+            let Some(wait) = st.ep.wait_confirmed(handles, deadline) else {
                 return Ok(());
             };
             let (tx, rx) = oneshot::channel();
@@ -2505,7 +2510,7 @@ pub(crate) async fn drive(agent: Agent) {
             Some(at) => {
                 tokio::select! {
                     () = agent.inner.wake.notified() => {}
-                    () = agent.inner.clock.sleep_until(at) => {
+                    () = agent.inner.runtime.sleep_until(at) => {
                         let now = agent.now();
                         agent.lock().ep.handle_timeout(now);
                     }

@@ -264,7 +264,7 @@ impl Connection for FaultyConnection {
                     if !ready.is_empty() {
                         self.inner.send_many(std::mem::take(&mut ready)).await?;
                     }
-                    tokio::time::sleep(d).await;
+                    crate::runtime::tokio().sleep(d).await;
                     ready.push(frame);
                 }
             }

@@ -37,7 +37,6 @@
 mod agent;
 pub mod autograd;
 mod backend;
-pub mod clock;
 mod codec;
 mod dist_optim;
 mod dynamic;
@@ -53,6 +52,7 @@ pub mod metrics;
 mod options;
 pub mod peer_events;
 mod rref;
+pub mod runtime;
 mod tensors;
 pub mod typed;
 
@@ -77,6 +77,7 @@ pub use metrics::{PeerMetrics, RpcMetrics};
 pub use options::{RpcOptions, Shutdown, DEFAULT_RPC_TIMEOUT, IMMEDIATE_CLOSE_TIMEOUT};
 pub use peer_events::{PeerEvent, PeerEvents};
 pub use rref::RRef;
+pub use runtime::{Runtime, TokioRuntime};
 pub use tensorwire_core::autograd::optim::{Adagrad, Adam, AdamW, Optimizer, RmsProp, Sgd};
 pub use tensorwire_core::protocol::{
     CallError, DebugInfo, ForkInfo, OwnedInfo, RemoteError, RemoteErrorKind,

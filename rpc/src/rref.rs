@@ -198,7 +198,7 @@ impl<T: Send + Sync + 'static> RRef<T> {
         }
         self.created().await?;
         let bound = self.agent().rpc_timeout();
-        let deadline = (!bound.is_zero()).then(|| crate::clock::tokio_deadline_after(bound));
+        let deadline = (!bound.is_zero()).then(|| self.agent().runtime().deadline_after(bound));
         self.agent()
             .wait_confirmed(&[self.shared.handle], deadline)
             .await
