@@ -41,10 +41,12 @@ use tracing::{debug, info, warn};
 use crate::codec::{self, Envelope};
 use crate::error::RpcError;
 use crate::functions::{Functions, HandlerError, Invocation, Value};
+use crate::metrics::RpcMetrics;
 use crate::options::RpcOptions;
 use crate::rref::RRef;
 use crate::runtime::Runtime;
 use crate::tensors::{self, TensorTransferError, WireTensors};
+use crate::typed::{Call, Function};
 use tensorwire_core::placement::Direction;
 use tensorwire_core::ports::device::DeviceBackend;
 
@@ -1347,6 +1349,66 @@ impl Agent {
                 transport,
             })
             .collect()
+    }
+
+    /// Calls `function(args)` on `to` (by name, rank or [`WorkerInfo`]): `.await` the returned
+    /// [`Call`] for the result, or use its `timeout`, `send` and `remote`. The argument and
+    /// result types come from the descriptor, so they cannot disagree with what
+    /// [`Functions::serve`] registered in the same codebase; across binaries the callee checks
+    /// them (see the [`typed`](crate::typed) module).
+    pub fn call<'a, A, R>(
+        &'a self,
+        function: &Function<A, R>,
+        to: impl Into<WorkerRef>,
+        args: &'a A,
+    ) -> Call<'a, A, R>
+    where
+        A: Serialize + 'static,
+        R: 'static,
+    {
+        Call::new(self, function, to.into(), args)
+    }
+
+    /// This agent's counters: calls, bytes, errors and calls in flight, in total and per peer.
+    /// The same numbers go to the [`metrics`] facade (see the [`metrics`](crate::metrics)
+    /// module).
+    pub fn metrics(&self) -> RpcMetrics {
+        self.inner.metrics.read()
+    }
+
+    /// A reference handle of this worker's is gone (its last [`RRef`] clone dropped): the
+    /// endpoint tells the owner when it may.
+    pub(crate) fn drop_reference(&self, handle: RRefHandle) {
+        let now = self.now();
+        self.lock().ep.drop_handle(handle, now);
+        self.wake();
+    }
+
+    /// Whether the owner has confirmed this worker's `handle`.
+    pub(crate) fn reference_confirmed(&self, handle: RRefHandle) -> bool {
+        self.lock().ep.is_confirmed(handle).unwrap_or(false)
+    }
+
+    /// Forks `handle` for worker `to` (a reference being sent to it).
+    pub(crate) fn fork_reference(
+        &self,
+        handle: RRefHandle,
+        to: WorkerId,
+    ) -> Result<RRefForkData, CallError> {
+        self.lock().ep.fork_for(handle, to)
+    }
+
+    /// Accepts a fork received from a peer, as a handle of this worker's.
+    pub(crate) fn accept_reference(&self, data: RRefForkData) -> RRefHandle {
+        let now = self.now();
+        let handle = self.lock().ep.accept_fork(data, now);
+        self.wake();
+        handle
+    }
+
+    /// Whether `self` and `other` are the same agent (clones of one).
+    pub(crate) fn same_as(&self, other: &Agent) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// The value of a reference this worker owns.

@@ -33,9 +33,7 @@ struct Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let now = self.agent.now();
-        self.agent.lock().ep.drop_handle(self.handle, now);
-        self.agent.wake();
+        self.agent.drop_reference(self.handle);
     }
 }
 
@@ -116,11 +114,7 @@ impl<T: Send + Sync + 'static> RRef<T> {
 
     /// Whether the owner has confirmed this worker's reference.
     pub fn confirmed_by_owner(&self) -> bool {
-        self.agent()
-            .lock()
-            .ep
-            .is_confirmed(self.shared.handle)
-            .unwrap_or(false)
+        self.agent().reference_confirmed(self.shared.handle)
     }
 
     /// Waits until the owner has created the value, and says whether that worked (PyTorch's
@@ -291,13 +285,11 @@ impl<T> Serialize for RRef<T> {
         let (agent, to) = codec::encoding().ok_or_else(|| {
             fail("an RRef can only be sent as an argument or result of a tensorwire call")
         })?;
-        if !Arc::ptr_eq(&agent.inner, &self.shared.agent.inner) {
+        if !agent.same_as(&self.shared.agent) {
             return Err(fail("an RRef can only be sent by the agent that holds it"));
         }
         let data = agent
-            .lock()
-            .ep
-            .fork_for(self.shared.handle, to)
+            .fork_reference(self.shared.handle, to)
             .map_err(|e| fail(&e.to_string()))?;
         codec::forked(data);
         data.serialize(serializer)
@@ -310,9 +302,7 @@ impl<'de, T: Send + Sync + 'static> Deserialize<'de> for RRef<T> {
         let agent = codec::decoding().ok_or_else(|| {
             D::Error::custom("an RRef can only be received through a tensorwire call")
         })?;
-        let now = agent.now();
-        let handle = agent.lock().ep.accept_fork(data, now);
-        agent.wake();
+        let handle = agent.accept_reference(data);
         codec::accepted(handle);
         Ok(RRef::from_handle(agent, handle, None))
     }
