@@ -16,9 +16,10 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tensorwire_core::protocol::{CallError, RRefForkData, RRefHandle};
 use tokio::sync::oneshot;
 
-use crate::agent::{Agent, Body, RpcFuture, WorkerInfo};
+use crate::agent::{Agent, RpcFuture, WorkerInfo};
 use crate::codec;
 use crate::error::RpcError;
+use crate::state::Body;
 
 type Created = oneshot::Receiver<Result<Body, CallError>>;
 
