@@ -344,21 +344,22 @@ impl Agent {
 
     fn resolve(&self, to: &WorkerRef) -> Result<WorkerId, RpcError> {
         let m = self.members();
-        let known = || {
-            m.workers
-                .values()
-                .map(|w| w.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
+        let known = || m.workers.values().cloned().collect::<Vec<_>>();
         match to {
-            WorkerRef::Name(n) => m
-                .by_name
-                .get(n)
-                .copied()
-                .ok_or_else(|| RpcError::UnknownWorker(n.clone(), known())),
+            WorkerRef::Name(n) => {
+                m.by_name
+                    .get(n)
+                    .copied()
+                    .ok_or_else(|| RpcError::UnknownWorker {
+                        worker: n.clone(),
+                        known: known(),
+                    })
+            }
             WorkerRef::Rank(r) if m.workers.contains_key(r) => Ok(*r),
-            WorkerRef::Rank(r) => Err(RpcError::UnknownWorker(format!("rank {r}"), known())),
+            WorkerRef::Rank(r) => Err(RpcError::UnknownWorker {
+                worker: format!("rank {r}"),
+                known: known(),
+            }),
         }
     }
 
@@ -388,6 +389,14 @@ impl Agent {
     /// "rank 2 (w2)".
     pub(crate) fn describe(&self, rank: usize) -> String {
         format!("rank {rank} ({})", self.name_of(rank as WorkerId))
+    }
+
+    /// Worker `id`, named as [`name_of`](Self::name_of) does.
+    pub(crate) fn worker(&self, id: WorkerId) -> WorkerInfo {
+        WorkerInfo {
+            name: self.name_of(id),
+            id,
+        }
     }
 
     pub(crate) fn name_of(&self, id: WorkerId) -> String {

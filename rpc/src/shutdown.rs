@@ -133,7 +133,12 @@ pub(crate) async fn run_shutdown(
     this.pump();
     match rx.await {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => {
+        Ok(Err(e)) => Err(if e.lost {
+            RpcError::ShutdownIncomplete {
+                reason: e.to_string(),
+                waiting_for: e.missing.iter().map(|r| this.worker(*r)).collect(),
+            }
+        } else {
             let who: Vec<String> = e
                 .missing
                 .iter()
@@ -144,19 +149,12 @@ pub(crate) async fn run_shutdown(
             } else {
                 who.join(", ")
             };
-            Err(if e.lost {
-                RpcError::ShutdownIncomplete {
-                    reason: e.to_string(),
-                    waiting_for: who,
-                }
-            } else {
-                RpcError::Timeout {
-                    what: format!("shutdown: {e}"),
-                    after: timeout,
-                    waiting_for: Some(who),
-                }
-            })
-        }
+            RpcError::Timeout {
+                what: format!("shutdown: {e}"),
+                after: timeout,
+                waiting_for: Some(who),
+            }
+        }),
         Err(_) => Err(RpcError::NotRunning),
     }
 }

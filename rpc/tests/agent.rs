@@ -328,7 +328,7 @@ async fn calls_errors_panics_and_timeouts() {
         .rpc_sync::<_, i64>("w9", "add", &(1i64, 1i64), None)
         .await
         .unwrap_err();
-    assert!(matches!(e, RpcError::UnknownWorker(..)), "{e}");
+    assert!(matches!(e, RpcError::UnknownWorker { .. }), "{e}");
     shutdown_all(agents).await;
 }
 
@@ -851,7 +851,7 @@ async fn dynamic_groups_let_workers_join_and_leave() {
         .rpc_sync::<_, i64>("w2", "add", &(1i64, 1i64), None)
         .await
         .unwrap_err();
-    assert!(matches!(e, RpcError::UnknownWorker(..)), "{e}");
+    assert!(matches!(e, RpcError::UnknownWorker { .. }), "{e}");
     let again = dynamic(2, &cluster, |_| {}).await.unwrap();
     assert_eq!(
         a1.rpc_sync::<_, i64>("w2", "add", &(7i64, 7i64), None)
@@ -1001,6 +1001,10 @@ async fn static_and_dynamic_members_do_not_mix() {
         "{e}"
     );
     assert!(e.to_string().contains("this group is static"), "{e}");
+    assert!(
+        matches!(&e, RpcError::GroupKindMismatch { group, worker: "dynamic" } if group == "static"),
+        "{e:?}"
+    );
     shutdown_all(statics).await;
 }
 
@@ -1583,7 +1587,7 @@ async fn a_barrier_among_some_workers_needs_only_them() {
         .barrier_among("x", ["w0", "w9"], t)
         .await
         .unwrap_err();
-    assert!(matches!(e, RpcError::UnknownWorker(..)), "{e}");
+    assert!(matches!(e, RpcError::UnknownWorker { .. }), "{e}");
     assert_eq!(cluster.store.num_keys().await.unwrap(), keys);
     let down = futures_join(agents.iter().map(|a| {
         let a = a.clone();

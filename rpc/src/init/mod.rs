@@ -65,9 +65,7 @@ pub async fn init_rpc(
     check_worker_name(name)?;
     if let Some(world_size) = world_size {
         if rank >= world_size {
-            return Err(RpcError::Init(format!(
-                "rank {rank} is not below world_size {world_size}"
-            )));
+            return Err(RpcError::RankOutOfRange { rank, world_size });
         }
     }
     let backend = crate::backend::lookup(&options.backend)?;
@@ -85,10 +83,12 @@ pub async fn init_rpc(
     };
     let rdv = rendezvous(&url, rdv_options).await?;
     if rdv.rank != rank || world_size.is_some_and(|n| rdv.world_size != n) {
-        return Err(RpcError::Init(format!(
-            "rendezvous gave rank {} of {}, but init_rpc was called with rank {rank} of {world_size:?}",
-            rdv.rank, rdv.world_size
-        )));
+        return Err(RpcError::RendezvousMismatch {
+            rank,
+            world_size,
+            got_rank: rdv.rank,
+            got_world_size: rdv.world_size,
+        });
     }
     backend
         .init_backend(rdv, name, rank, world_size, options)
@@ -114,14 +114,13 @@ pub(crate) const GROUP_KIND: &str = "rpc/group_kind";
 
 /// Records the group's kind in the store on first use; a worker of the other kind is refused.
 async fn guard_group_kind(store: &dyn Store, dynamic: bool) -> Result<(), RpcError> {
-    let kind: &[u8] = if dynamic { b"dynamic" } else { b"static" };
-    let held = store.compare_set(GROUP_KIND, b"", kind).await?;
-    if held != kind {
-        return Err(RpcError::Init(format!(
-            "this group is {}; a {} worker cannot join it (mixing static and dynamic members is refused)",
-            String::from_utf8_lossy(&held),
-            String::from_utf8_lossy(kind)
-        )));
+    let kind = if dynamic { "dynamic" } else { "static" };
+    let held = store.compare_set(GROUP_KIND, b"", kind.as_bytes()).await?;
+    if held != kind.as_bytes() {
+        return Err(RpcError::GroupKindMismatch {
+            group: String::from_utf8_lossy(&held).into_owned(),
+            worker: kind,
+        });
     }
     Ok(())
 }
@@ -132,7 +131,7 @@ pub(crate) fn cluster_secret(options: &RpcOptions) -> Result<Option<ClusterSecre
     secret_bytes(options)
         .map(ClusterSecret::new)
         .transpose()
-        .map_err(|e| RpcError::Init(e.to_string()))
+        .map_err(RpcError::Secret)
 }
 
 /// The agent over `transport`, for a backend's `init_backend`: the world process group over

@@ -83,16 +83,17 @@ fn validate_records(records: &[WorkerRecord]) -> Result<(), RpcError> {
     let mut by_name = HashMap::new();
     for (r, rec) in records.iter().enumerate() {
         if rec.rank as usize != r {
-            return Err(RpcError::Init(format!(
-                "rank {r} sent the record of rank {}",
-                rec.rank
-            )));
+            return Err(RpcError::RecordOfAnotherRank {
+                rank: r as WorkerId,
+                claimed: rec.rank,
+            });
         }
         if let Some(other) = by_name.insert(rec.devices.name.clone(), rec.rank) {
-            return Err(RpcError::Init(format!(
-                "worker name {:?} is used by ranks {other} and {}",
-                rec.devices.name, rec.rank
-            )));
+            return Err(RpcError::DuplicateName {
+                name: rec.devices.name.clone(),
+                first: other,
+                second: rec.rank,
+            });
         }
     }
     let infos: Vec<WorkerDeviceInfo> = records.iter().map(|r| r.devices.clone()).collect();
@@ -184,4 +185,47 @@ pub(crate) async fn attach_group(
         .barrier()
         .await
         .map_err(|e| init_error(e, "waiting for every worker to start", timeout))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(rank: WorkerId, name: &str) -> WorkerRecord {
+        WorkerRecord {
+            rank,
+            addr: "127.0.0.1:0".parse().unwrap(),
+            devices: WorkerDeviceInfo {
+                name: name.to_owned(),
+                device_count: 0,
+                devices: Vec::new(),
+                device_maps: Default::default(),
+            },
+        }
+    }
+
+    #[test]
+    fn a_bad_set_of_records_is_a_typed_error_naming_the_ranks() {
+        assert!(validate_records(&[record(0, "a"), record(1, "b")]).is_ok());
+        let e = validate_records(&[record(0, "a"), record(1, "a")]).unwrap_err();
+        assert!(
+            matches!(&e, RpcError::DuplicateName { name, first: 0, second: 1 } if name == "a"),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "init_rpc: worker name \"a\" is used by ranks 0 and 1"
+        );
+        let e = validate_records(&[record(0, "a"), record(2, "b")]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                RpcError::RecordOfAnotherRank {
+                    rank: 1,
+                    claimed: 2
+                }
+            ),
+            "{e:?}"
+        );
+    }
 }
