@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tensorwire_core::device::{Device, DeviceMaps};
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
@@ -41,24 +41,10 @@ pub(crate) use crate::state::WorkerRecord;
 use crate::state::{Body, Inner, Membership, State, Tasks};
 use crate::tensors::{self, TensorTransferError};
 use crate::typed::{Call, Function};
+pub use crate::worker::{WorkerInfo, WorkerRef};
 use crate::{driver, links, shutdown};
 use tensorwire_core::placement::Direction;
 use tensorwire_core::ports::device::DeviceBackend;
-
-/// A worker's name and id (its rank in a static group).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct WorkerInfo {
-    /// The name.
-    pub name: String,
-    /// The id (rank).
-    pub id: WorkerId,
-}
-
-impl fmt::Display for WorkerInfo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} (rank {})", self.name, self.id)
-    }
-}
 
 /// The connection to one peer: [`Agent::connections`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,36 +91,6 @@ impl fmt::Display for AgentDebugInfo {
             p.calls_in_flight,
             p.requests_being_served,
         )
-    }
-}
-
-/// How to name a callee: by name, rank or [`WorkerInfo`].
-#[derive(Debug, Clone)]
-pub enum WorkerRef {
-    /// By name.
-    Name(String),
-    /// By rank.
-    Rank(WorkerId),
-}
-
-impl From<&str> for WorkerRef {
-    fn from(s: &str) -> Self {
-        WorkerRef::Name(s.to_owned())
-    }
-}
-impl From<String> for WorkerRef {
-    fn from(s: String) -> Self {
-        WorkerRef::Name(s)
-    }
-}
-impl From<WorkerId> for WorkerRef {
-    fn from(r: WorkerId) -> Self {
-        WorkerRef::Rank(r)
-    }
-}
-impl From<&WorkerInfo> for WorkerRef {
-    fn from(w: &WorkerInfo) -> Self {
-        WorkerRef::Rank(w.id)
     }
 }
 

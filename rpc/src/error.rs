@@ -11,7 +11,20 @@ use tensorwire_core::protocol::{CallError, RemoteError, WorkerId};
 use tensorwire_core::validate::DeviceMapError;
 use tensorwire_rendezvous::RendezvousError;
 
-use crate::agent::WorkerInfo;
+use crate::worker::WorkerInfo;
+
+/// `workers` as "rank 0 (w0), rank 1 (w1)" (as the agent's other waits name them), or
+/// "nobody in particular".
+fn by_rank(workers: &[WorkerInfo]) -> String {
+    if workers.is_empty() {
+        return "nobody in particular".to_owned();
+    }
+    workers
+        .iter()
+        .map(|w| format!("rank {} ({})", w.id, w.name))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// `workers` as "w0 (rank 0), w1 (rank 1)", or `none` when there are none.
 fn list(workers: &[WorkerInfo], none: &str) -> String {
@@ -169,7 +182,7 @@ pub enum RpcError {
         waiting_for: Option<String>,
     },
     /// A graceful shutdown could not complete because a member was lost before it was done.
-    #[error("shutdown did not complete: {reason}; waiting for {}", list(.waiting_for, "nobody in particular"))]
+    #[error("shutdown did not complete: {reason}; waiting for {}", by_rank(.waiting_for))]
     ShutdownIncomplete {
         /// What was not done.
         reason: String,
@@ -260,7 +273,7 @@ mod tests {
         };
         assert_eq!(
             e.to_string(),
-            "shutdown did not complete: a member was lost; waiting for w2 (rank 2)"
+            "shutdown did not complete: a member was lost; waiting for rank 2 (w2)"
         );
         let e = RpcError::ShutdownIncomplete {
             reason: "a member was lost".into(),

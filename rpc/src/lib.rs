@@ -61,6 +61,7 @@ mod shutdown;
 mod state;
 mod tensors;
 pub mod typed;
+mod worker;
 
 pub use agent::{Agent, AgentDebugInfo, PeerConnection, RpcFuture, WorkerInfo, WorkerRef};
 pub use autograd::{
