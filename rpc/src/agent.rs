@@ -1,67 +1,50 @@
-//! The agent: drives the protocol state machine of `core::protocol` over a transport.
+//! The agent's handle: the API a user holds ([`Agent`], cheap to clone) — calls, remote
+//! references, collectives of the agent, options and the debug view. Each call locks the
+//! state, hands the endpoint of `core::protocol` a command and moves its output along.
 //!
-//! One driver task owns the rhythm: it takes messages the endpoint wants sent and hands them to
-//! per-peer writer tasks (one per connection, so messages to a peer keep their order), takes
-//! events and dispatches them (run a function, complete a caller's future, drop a value), and
-//! sleeps until the endpoint's next timer or until something changes. Received frames are fed
-//! into the endpoint on the connection's reader task: in a static group the world process
-//! group's (the agent shares its connections, see [`FrameSink`]), in a dynamic group the
-//! agent's own.
+//! The rest of the agent lives beside it: what it holds in `state`, its connections in
+//! `links`, the driver task in `driver`, running functions in `serve`, its start in `init`
+//! and its end in `shutdown`.
 
 use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
-use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
-use tensorwire_core::auth::ClusterSecret;
+use serde::Serialize;
 use tensorwire_core::device::{Device, DeviceMaps};
-use tensorwire_core::name::check_worker_name;
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
-use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, DebugInfo, Endpoint, EndpointConfig, Event, Header, LostCause,
-    MessageId, Payload, ProtocolViolation, RRefForkData, RRefHandle, RRefId, RemoteError,
-    RemoteErrorKind, RequestToken, ShutdownError, Transmit, WaitId, WorkerId,
+    CallError, ConfirmError, DebugInfo, Endpoint, EndpointConfig, RRefForkData, RRefHandle, RRefId,
+    WorkerId,
 };
-use tensorwire_core::reverse::{device_list, reverse_device_maps};
-use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
-use tensorwire_core::wire::{Frame, FrameKind};
-use tensorwire_process_group::{
-    rendezvous, CollectivesExt, FrameSink, Group, GroupOptions, Rendezvous, RendezvousOptions,
-};
-use tokio::sync::{mpsc, oneshot, Notify};
-use tracing::{debug, info, warn};
+use tensorwire_core::wire::Frame;
+use tensorwire_process_group::{Group, Rendezvous};
+use tokio::sync::{oneshot, Notify};
 
-use crate::clock::{Clock, TokioClock};
-use crate::codec::{self, Envelope};
+use crate::codec::{self};
+pub(crate) use crate::driver::drive;
 use crate::error::RpcError;
-use crate::functions::{Functions, HandlerError, Invocation, Value};
+use crate::functions::{Functions, Value};
+pub(crate) use crate::init::static_group::RPC_GROUP;
+pub(crate) use crate::init::{advertise_ip, GROUP_KIND};
+use crate::metrics::RpcMetrics;
 use crate::options::RpcOptions;
 use crate::rref::RRef;
-use crate::tensors::{self, TensorTransferError, WireTensors};
+use crate::runtime::Runtime;
+pub(crate) use crate::state::WorkerRecord;
+use crate::state::{Body, Inner, Membership, State, Tasks};
+use crate::tensors::{self, TensorTransferError};
+use crate::typed::{Call, Function};
+pub use crate::worker::{WorkerInfo, WorkerRef};
+use crate::{driver, links, shutdown};
 use tensorwire_core::placement::Direction;
 use tensorwire_core::ports::device::DeviceBackend;
-
-/// A worker's name and id (its rank in a static group).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct WorkerInfo {
-    /// The name.
-    pub name: String,
-    /// The id (rank).
-    pub id: WorkerId,
-}
-
-impl fmt::Display for WorkerInfo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} (rank {})", self.name, self.id)
-    }
-}
 
 /// The connection to one peer: [`Agent::connections`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,189 +94,6 @@ impl fmt::Display for AgentDebugInfo {
     }
 }
 
-/// How to name a callee: by name, rank or [`WorkerInfo`].
-#[derive(Debug, Clone)]
-pub enum WorkerRef {
-    /// By name.
-    Name(String),
-    /// By rank.
-    Rank(WorkerId),
-}
-
-impl From<&str> for WorkerRef {
-    fn from(s: &str) -> Self {
-        WorkerRef::Name(s.to_owned())
-    }
-}
-impl From<String> for WorkerRef {
-    fn from(s: String) -> Self {
-        WorkerRef::Name(s)
-    }
-}
-impl From<WorkerId> for WorkerRef {
-    fn from(r: WorkerId) -> Self {
-        WorkerRef::Rank(r)
-    }
-}
-impl From<&WorkerInfo> for WorkerRef {
-    fn from(w: &WorkerInfo) -> Self {
-        WorkerRef::Rank(w.id)
-    }
-}
-
-/// What travels through the endpoint with a message: the encoded arguments or result, and for
-/// methods the reference they are called on.
-#[derive(Debug, Clone)]
-pub(crate) struct Body {
-    pub(crate) target: Option<RRefId>,
-    pub(crate) data: Bytes,
-    pub(crate) tensors: WireTensors,
-    /// The forks made for the receiver of the references inside `data`: they also travel in a
-    /// reply's header, so that the receiver's endpoint releases them if the reply is late.
-    pub(crate) forks: Vec<RRefForkData>,
-}
-
-impl Payload for Body {
-    fn forks(&self) -> Vec<RRefForkData> {
-        self.forks.clone()
-    }
-
-    fn target(&self) -> Option<RRefId> {
-        self.target
-    }
-}
-
-type Waiter = oneshot::Sender<Result<Body, CallError>>;
-
-/// What every worker publishes at init (the membership protocol's record).
-pub(crate) type WorkerRecord = tensorwire_core::protocol::membership::MemberRecord;
-
-/// The way to one peer: a writer task fed by a queue, and a lock that whoever writes holds —
-/// the writer task, or a task of ours that writes directly when nothing is queued (one wake-up
-/// less per message). Frames are taken from the endpoint under the state lock and either put in
-/// the queue or written under the link lock taken at that moment, so they keep their order.
-struct PeerLink {
-    tx: mpsc::UnboundedSender<Frame>,
-    conn: Arc<dyn Connection>,
-    /// The connection's transport (`Connection::transport`), for [`Agent::connections`].
-    transport: &'static str,
-    write: Arc<tokio::sync::Mutex<()>>,
-    queued: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-/// At most this many queued frames go out in one `send_many`.
-const WRITE_BATCH: usize = 64;
-
-/// Frames a task writes itself, holding its peer's write lock.
-struct DirectWrite {
-    peer: WorkerId,
-    conn: Arc<dyn Connection>,
-    frames: Vec<Frame>,
-    _turn: tokio::sync::OwnedMutexGuard<()>,
-}
-
-pub(crate) struct State {
-    pub(crate) ep: Endpoint<Body>,
-    waiters: HashMap<MessageId, Waiter>,
-    values: HashMap<RRefId, Arc<dyn Value>>,
-    peers: HashMap<WorkerId, PeerLink>,
-    /// When the driver task wakes up next for timers (`None`: only when woken).
-    driver_wakes_at: Option<Instant>,
-    /// Functions waiting until the owners confirm the references in their arguments (the
-    /// endpoint decides when, and fails them by their deadline or a lost owner).
-    confirm_waits: HashMap<WaitId, oneshot::Sender<Result<(), ConfirmError>>>,
-    /// The graceful shutdown (or leave) in progress: told its outcome.
-    shutdown_waiter: Option<oneshot::Sender<Result<(), ShutdownError>>>,
-}
-
-/// Who is in the group, and what this worker derives from it. Fixed after init in a static
-/// group; in a dynamic group it changes as workers join and leave.
-#[derive(Debug, Default)]
-pub(crate) struct Membership {
-    workers: std::collections::BTreeMap<WorkerId, WorkerInfo>,
-    by_name: HashMap<String, WorkerId>,
-    /// Every member's device plan, in rank order.
-    infos: std::collections::BTreeMap<WorkerId, WorkerDeviceInfo>,
-    reverse: DeviceMaps,
-    devices: Vec<Device>,
-}
-
-impl Membership {
-    fn new(records: &[WorkerRecord]) -> Self {
-        let mut m = Membership::default();
-        for r in records {
-            m.workers.insert(
-                r.rank,
-                WorkerInfo {
-                    name: r.devices.name.clone(),
-                    id: r.rank,
-                },
-            );
-            m.by_name.insert(r.devices.name.clone(), r.rank);
-            m.infos.insert(r.rank, r.devices.clone());
-        }
-        m
-    }
-
-    /// Recomputes this worker's reverse maps and device list from the members' plans.
-    fn derive(&mut self, me: &str, declared: &[Device], maps: &DeviceMaps) {
-        let infos: Vec<WorkerDeviceInfo> = self.infos.values().cloned().collect();
-        self.reverse = reverse_device_maps(me, &infos);
-        self.devices = device_list(declared, maps, &self.reverse);
-    }
-}
-
-pub(crate) struct Inner {
-    me: WorkerInfo,
-    members: std::sync::RwLock<Membership>,
-    /// Whether workers join and leave (`world_size = None`).
-    dynamic: bool,
-    declared_devices: Vec<Device>,
-    /// The default call timeout, in nanoseconds (changed by `set_rpc_timeout`).
-    rpc_timeout_nanos: std::sync::atomic::AtomicU64,
-    functions: Functions,
-    backend: Arc<dyn DeviceBackend>,
-    /// Same-host device memory sharing (CUDA IPC) with the peers.
-    ipc: crate::ipc::IpcLink,
-    state: Mutex<State>,
-    wake: Notify,
-    /// The group's store, until shutdown lets go of it.
-    store: Mutex<Option<Arc<dyn Store>>>,
-    device_maps: DeviceMaps,
-    pub(crate) rendezvous: Mutex<Option<Rendezvous>>,
-    /// A static group's world process group, whose connections the agent shares; shut down
-    /// with the agent.
-    group: Mutex<Option<Group>>,
-    /// The dynamic-group gathers this worker leads (see [`crate::gather`]).
-    gathers: crate::gather::Gathers,
-    tasks: Mutex<Tasks>,
-    /// The one clock the driver reads time from and sleeps on.
-    pub(crate) clock: Arc<dyn Clock>,
-    /// A dynamic group's membership (see [`crate::dynamic`]); its own lock, never held with
-    /// the state's.
-    pub(crate) membership: Mutex<crate::dynamic::DynState>,
-    /// Wakes the membership's timer.
-    pub(crate) membership_wake: Notify,
-    pub(crate) metrics: crate::metrics::AgentMetrics,
-    /// Who hears of lost and joined peers ([`Agent::peer_events`]).
-    peer_events: crate::peer_events::PeerEventHub,
-    /// Handlers running now (requests being served), so that one that finishes alone writes its
-    /// reply at once instead of waiting for others to join it.
-    serving: std::sync::atomic::AtomicUsize,
-}
-
-/// Every task the agent runs, so that shutdown can end them and wait until they have ended
-/// (and so let go of the connections and values they hold).
-#[derive(Default)]
-pub(crate) struct Tasks {
-    /// The connections' writers, which shutdown lets send what is queued and close first.
-    writers: tokio::task::JoinSet<()>,
-    /// Everything else: the driver, readers, accept loops, calls being served.
-    others: tokio::task::JoinSet<()>,
-    /// Set by shutdown: nothing new starts.
-    closed: bool,
-}
-
 /// A running RPC agent. Cheap to clone; every clone is the same agent.
 #[derive(Clone)]
 pub struct Agent {
@@ -306,304 +106,6 @@ impl fmt::Debug for Agent {
             .field("me", &self.inner.me)
             .field("world", &self.members().workers.len())
             .finish()
-    }
-}
-
-fn secret_bytes(options: &RpcOptions) -> Option<Vec<u8>> {
-    options.secret.clone().or_else(|| {
-        std::env::var_os(tensorwire_process_group::env_init::SECRET_ENV)
-            .filter(|v| !v.is_empty())
-            .map(|v| v.into_encoded_bytes())
-    })
-}
-
-/// The address peers reach us at: the configured one, else `TENSORWIRE_IFNAME`'s, else the
-/// local address that routes to `MASTER_ADDR`, else loopback; a loopback address in a group
-/// that spans hosts is an error (see `tensorwire_process_group::address`).
-pub(crate) fn advertise_ip(options: &RpcOptions) -> Result<IpAddr, RpcError> {
-    Ok(tensorwire_process_group::advertise_ip(options.listen_ip)?)
-}
-
-/// Starts the agent of worker `name` with rank `rank` in a static group of `world_size`
-/// workers, as PyTorch's `init_rpc`: rendezvous, then the backend named in `options.backend`
-/// (see [`register_backend`](crate::register_backend); `TCP` by default) sets up the world
-/// process group over its transport (one connection per pair of workers), gathers every
-/// worker's record (name, devices, device maps) with its `all_gather_object`, validates them
-/// (the same error on every worker: duplicate names, bad device maps), and starts the agent over
-/// the group's connections, ending with a barrier. Calls and the group's collectives share
-/// those connections; the store holds no worker record at any time.
-///
-/// In a static group, when `init_rpc` returns on any worker, every worker is connected to every
-/// other, and no worker still needs the store for init: rank 0, which hosts the store, may
-/// shut down and exit at once without failing anyone's init. An init that does not finish in
-/// `init_timeout` fails with [`RpcError::Timeout`] naming the ranks it waited for.
-///
-/// With `world_size = None` the group is dynamic: the worker joins the members that are there
-/// (rank 0 first: it hosts the store), validating everyone's device maps by the dynamic rules,
-/// and `shutdown` makes it leave; see the `dynamic` module of this crate. A dynamic group has
-/// no process group (nor has PyTorch's), but dials and greets with the same functions
-/// (`tensorwire_process_group::link`). Static and dynamic workers never share a group.
-pub async fn init_rpc(
-    name: &str,
-    rank: usize,
-    world_size: Option<usize>,
-    options: RpcOptions,
-) -> Result<Agent, RpcError> {
-    check_worker_name(name)?;
-    if let Some(world_size) = world_size {
-        if rank >= world_size {
-            return Err(RpcError::Init(format!(
-                "rank {rank} is not below world_size {world_size}"
-            )));
-        }
-    }
-    let backend = crate::backend::lookup(&options.backend)?;
-    let secret = secret_bytes(&options);
-    let rdv_options = RendezvousOptions {
-        timeout: options.init_timeout,
-        secret: secret.and_then(|s| ClusterSecret::new(s).ok()),
-        // A dynamic group has no size to wait for: rank 0 hosts the store, the others join it.
-        wait_for_all: world_size.is_some(),
-        ..RendezvousOptions::default()
-    };
-    let url = match world_size {
-        Some(n) => with_rank(&options.init_method, rank, n),
-        None => dynamic_url(&options.init_method, rank),
-    };
-    let rdv = rendezvous(&url, rdv_options).await?;
-    if rdv.rank != rank || world_size.is_some_and(|n| rdv.world_size != n) {
-        return Err(RpcError::Init(format!(
-            "rendezvous gave rank {} of {}, but init_rpc was called with rank {rank} of {world_size:?}",
-            rdv.rank, rdv.world_size
-        )));
-    }
-    backend
-        .init_backend(rdv, name, rank, world_size, options)
-        .await
-}
-
-/// The rendezvous URL of a dynamic group's member: its rank, and a nominal world size that
-/// covers it (the rendezvous needs one; nobody waits for it).
-fn dynamic_url(url: &str, rank: usize) -> String {
-    let (base, query) = url.split_once('?').unwrap_or((url, ""));
-    let mut pairs: Vec<String> = query
-        .split('&')
-        .filter(|p| !p.is_empty() && !p.starts_with("rank=") && !p.starts_with("world_size="))
-        .map(str::to_owned)
-        .collect();
-    pairs.push(format!("rank={rank}"));
-    pairs.push(format!("world_size={}", rank + 1));
-    format!("{base}?{}", pairs.join("&"))
-}
-
-/// The store key that holds a group's kind (`static` or `dynamic`).
-pub(crate) const GROUP_KIND: &str = "rpc/group_kind";
-
-/// Records the group's kind in the store on first use; a worker of the other kind is refused.
-async fn guard_group_kind(store: &dyn Store, dynamic: bool) -> Result<(), RpcError> {
-    let kind: &[u8] = if dynamic { b"dynamic" } else { b"static" };
-    let held = store.compare_set(GROUP_KIND, b"", kind).await?;
-    if held != kind {
-        return Err(RpcError::Init(format!(
-            "this group is {}; a {} worker cannot join it (mixing static and dynamic members is refused)",
-            String::from_utf8_lossy(&held),
-            String::from_utf8_lossy(kind)
-        )));
-    }
-    Ok(())
-}
-
-/// The cluster secret from the options, else from `TENSORWIRE_SECRET`.
-#[cfg_attr(not(feature = "tcp"), allow(dead_code))] // the TCP backends use it
-pub(crate) fn cluster_secret(options: &RpcOptions) -> Result<Option<ClusterSecret>, RpcError> {
-    secret_bytes(options)
-        .map(ClusterSecret::new)
-        .transpose()
-        .map_err(|e| RpcError::Init(e.to_string()))
-}
-
-/// The agent over `transport`, for a backend's `init_backend`: the world process group over
-/// `transport` on the rendezvous store, an `all_gather_object` of the worker records, their
-/// validation, then the agent over the group's connections (see [`init_rpc`] for what that
-/// guarantees). With `world_size = None` it joins a dynamic group instead. A static init that
-/// fails shuts the group and the rendezvous down (a store this worker hosts is closed) before
-/// it returns the error.
-pub async fn start_agent(
-    transport: Arc<dyn Transport>,
-    rdv: Rendezvous,
-    name: &str,
-    rank: usize,
-    world_size: Option<usize>,
-    options: RpcOptions,
-) -> Result<Agent, RpcError> {
-    let checked = match check_worker_name(name) {
-        Ok(()) => guard_group_kind(&*rdv.store, world_size.is_none()).await,
-        Err(e) => Err(e.into()),
-    };
-    if let Err(e) = checked {
-        rdv.shutdown().await;
-        return Err(e);
-    }
-    let Some(world_size) = world_size else {
-        return crate::dynamic::join(transport, rdv, name, rank, options).await;
-    };
-    let started = tokio::time::Instant::now();
-    let (group, records) =
-        match join_static(transport, &rdv, name, rank, world_size, &options).await {
-            Ok(joined) => joined,
-            Err(e) => {
-                rdv.shutdown().await;
-                return Err(e);
-            }
-        };
-    let agent = Agent::new(name, rank as WorkerId, false, &records, &rdv, &options);
-    *agent
-        .inner
-        .rendezvous
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner) = Some(rdv);
-    if let Err(e) = agent.attach_group(group, options.init_timeout).await {
-        agent.stop_and_release(tokio::time::Instant::now()).await;
-        return Err(e);
-    }
-    agent.spawn(drive(agent.clone()));
-    info!(worker = %agent.inner.me, world_size, took = ?started.elapsed(), "RPC agent started");
-    Ok(agent)
-}
-
-/// The name of the process group under a static RPC group (its store keys, its hello).
-pub(crate) const RPC_GROUP: &str = "rpc";
-
-/// Static groups, as DESIGN's init flow: the world process group over `transport` (one
-/// connection per pair of workers, which the agent then shares), an `all_gather_object` of the
-/// worker records, and their validation (names, device maps). The store holds no record.
-async fn join_static(
-    transport: Arc<dyn Transport>,
-    rdv: &Rendezvous,
-    name: &str,
-    rank: usize,
-    world_size: usize,
-    options: &RpcOptions,
-) -> Result<(Group, Vec<WorkerRecord>), RpcError> {
-    let ip = advertise_ip(options)?;
-    let group_options = GroupOptions::new(RPC_GROUP)
-        .with_listen(SocketAddr::new(ip, 0))
-        .with_timeout(options.init_timeout);
-    let group = Group::connect(
-        Arc::clone(&rdv.store),
-        transport,
-        rank,
-        world_size,
-        group_options,
-    )
-    .await
-    .map_err(|e| init_error(e, "connecting to every worker", options.init_timeout))?;
-    let record = WorkerRecord {
-        rank: rank as WorkerId,
-        // Nobody dials this: the group's connections are the agent's.
-        addr: SocketAddr::new(ip, 0),
-        devices: WorkerDeviceInfo {
-            name: name.to_owned(),
-            device_count: options.device_backend.device_count(),
-            devices: options.devices.clone(),
-            device_maps: options.device_maps.clone(),
-        },
-    };
-    let records = match group.all_gather_object(&record).await {
-        Ok(records) => records,
-        Err(e) => {
-            group.shutdown().await;
-            return Err(init_error(
-                e,
-                "gathering every worker's record",
-                options.init_timeout,
-            ));
-        }
-    };
-    if let Err(e) = validate_records(&records) {
-        group.shutdown().await;
-        return Err(e);
-    }
-    Ok((group, records))
-}
-
-/// Every worker's record is its own rank's, names are unique, and the device maps keep the
-/// rules of a static group.
-fn validate_records(records: &[WorkerRecord]) -> Result<(), RpcError> {
-    let mut by_name = HashMap::new();
-    for (r, rec) in records.iter().enumerate() {
-        if rec.rank as usize != r {
-            return Err(RpcError::Init(format!(
-                "rank {r} sent the record of rank {}",
-                rec.rank
-            )));
-        }
-        if let Some(other) = by_name.insert(rec.devices.name.clone(), rec.rank) {
-            return Err(RpcError::Init(format!(
-                "worker name {:?} is used by ranks {other} and {}",
-                rec.devices.name, rec.rank
-            )));
-        }
-    }
-    let infos: Vec<WorkerDeviceInfo> = records.iter().map(|r| r.devices.clone()).collect();
-    validate_device_maps(&infos, GroupKind::Static).map_err(|e| RpcError::DeviceMaps(Box::new(e)))
-}
-
-/// A failure of the group under init: a timeout names the ranks it waited for.
-fn init_error(e: ProcessGroupError, what: &str, after: Duration) -> RpcError {
-    let waiting_on = match &e {
-        ProcessGroupError::SetupTimeout { waiting_on, .. }
-        | ProcessGroupError::Timeout { waiting_on, .. } => waiting_on.clone(),
-        _ => return RpcError::ProcessGroup(e),
-    };
-    RpcError::Timeout {
-        what: format!("init_rpc: {what}"),
-        after,
-        waiting_for: Some(
-            waiting_on
-                .iter()
-                .map(|r| rank_only(*r))
-                .collect::<Vec<_>>()
-                .join(", "),
-        ),
-    }
-}
-
-/// The agent's side of its static group's connections: the frames that are not the group's
-/// own, handled on the connection's reader task as the agent's own readers would. It holds
-/// the agent as a reader task does; the agent's shutdown lets go of the group, whose readers
-/// then end, and with them this.
-struct AgentFrames(Agent);
-
-impl FrameSink for AgentFrames {
-    fn on_frame(
-        &self,
-        peer: usize,
-        conn: &Arc<dyn Connection>,
-        frame: Frame,
-    ) -> Result<(), String> {
-        let agent = &self.0;
-        let peer = peer as WorkerId;
-        agent
-            .on_frame(peer, frame, conn.cheap_sends())
-            .map_err(|violation| {
-                let reason = format!("broke the RPC protocol: {violation}");
-                agent.peer_lost_on(peer, LostCause::Misbehaved(Box::new(violation)), conn);
-                reason
-            })
-    }
-
-    fn on_closed(&self, peer: usize, reason: &str) {
-        let agent = &self.0;
-        let peer = peer as WorkerId;
-        let current = {
-            let st = agent.lock();
-            st.ep.state() == tensorwire_core::protocol::RunState::Running
-                && st.peers.contains_key(&peer)
-        };
-        if current {
-            agent.peer_lost(peer, LostCause::Transport(reason.to_owned()));
-        }
     }
 }
 
@@ -654,7 +156,7 @@ impl Agent {
             group: Mutex::new(None),
             gathers: crate::gather::Gathers::default(),
             tasks: Mutex::new(Tasks::default()),
-            clock: Arc::new(TokioClock),
+            runtime: Arc::clone(&options.runtime),
             peer_events: crate::peer_events::PeerEventHub::new(),
             membership: crate::dynamic::new_state(),
             membership_wake: Notify::new(),
@@ -664,47 +166,20 @@ impl Agent {
     }
 }
 
-/// `url` with `rank` and `world_size` added to its query where it lacks them, for every scheme,
-/// as PyTorch's `rendezvous(url, rank, world_size)` does: `tcp://host:port` and
-/// `file:///path` work without repeating what `init_rpc` was given.
-fn with_rank(url: &str, rank: usize, world_size: usize) -> String {
-    let query = url.split_once('?').map_or("", |(_, q)| q);
-    let has = |key: &str| query.split('&').any(|kv| kv.split('=').next() == Some(key));
-    let mut out = url.to_owned();
-    for (key, value) in [("rank", rank), ("world_size", world_size)] {
-        if !has(key) {
-            out.push(if out.contains('?') { '&' } else { '?' });
-            out.push_str(&format!("{key}={value}"));
-        }
-    }
-    out
-}
-
 /// A duration in nanoseconds, saturating (584 years).
 fn duration_nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-fn rank_only(rank: usize) -> String {
-    format!("rank {rank}")
-}
-
-fn remote_error(
-    worker: WorkerId,
-    kind: RemoteErrorKind,
-    message: impl Into<String>,
-) -> RemoteError {
-    RemoteError {
-        worker,
-        kind,
-        message: message.into(),
-    }
-}
-
 impl Agent {
-    /// The current time, from the agent's one clock (see [`crate::clock`]).
+    /// The current time, from the agent's one runtime (see [`crate::runtime`]).
     pub(crate) fn now(&self) -> Instant {
-        self.inner.clock.now()
+        self.inner.runtime.now()
+    }
+
+    /// The agent's runtime: its clock, timers and spawner.
+    pub(crate) fn runtime(&self) -> &dyn Runtime {
+        &*self.inner.runtime
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
@@ -714,7 +189,7 @@ impl Agent {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn tasks(&self) -> MutexGuard<'_, Tasks> {
+    pub(crate) fn tasks(&self) -> MutexGuard<'_, Tasks> {
         self.inner
             .tasks
             .lock()
@@ -728,7 +203,11 @@ impl Agent {
         self.track(false, task);
     }
 
-    fn track(&self, writer: bool, task: impl std::future::Future<Output = ()> + Send + 'static) {
+    pub(crate) fn track(
+        &self,
+        writer: bool,
+        task: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
         let refused = {
             let mut tasks = self.tasks();
             if tasks.closed {
@@ -750,85 +229,6 @@ impl Agent {
 
     pub(crate) fn wake(&self) {
         self.inner.wake.notify_one();
-    }
-
-    /// Moves what the endpoint produced along, on the calling task: messages to the peers'
-    /// writers (in order, under the lock) and events to their handlers. Wakes the driver only
-    /// when a timer is now due earlier than the one it sleeps on. Must run inside the runtime
-    /// (dispatching may spawn tasks); `Drop` impls use [`wake`](Self::wake) instead.
-    pub(crate) fn pump(&self) {
-        self.pump_with(None);
-    }
-
-    /// [`pump`](Self::pump), writing messages on this task where the peer's writer is idle
-    /// (one wake-up less per message). Only for tasks of ours that nobody cancels mid-write.
-    async fn pump_direct(&self) {
-        let mut writes = Vec::new();
-        self.pump_with(Some(&mut writes));
-        for w in writes {
-            if let Err(e) = w.conn.send_many(w.frames).await {
-                self.peer_lost(w.peer, LostCause::Transport(e.to_string()));
-            }
-        }
-    }
-
-    /// [`pump`](Self::pump) for a task that cannot wait (a caller's `rpc_async`): messages to a
-    /// peer whose writer is idle are written on this task as far as the connection takes them
-    /// without waiting (one wake-up of the writer less per message); the rest of such a write
-    /// goes on in a writer task, which shutdown lets finish, holding the peer's write turn (so
-    /// order is kept).
-    fn pump_now(&self) {
-        let mut writes = Vec::new();
-        self.pump_with(Some(&mut writes));
-        for w in writes {
-            let agent = self.clone();
-            let mut write = Box::pin(async move {
-                let DirectWrite {
-                    peer,
-                    conn,
-                    frames,
-                    _turn,
-                } = w;
-                if let Err(e) = conn.send_many(frames).await {
-                    agent.peer_lost(peer, LostCause::Transport(e.to_string()));
-                }
-            });
-            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            if std::future::Future::poll(write.as_mut(), &mut cx).is_pending() {
-                self.track(true, write);
-            }
-        }
-    }
-
-    fn pump_with(&self, mut direct: Option<&mut Vec<DirectWrite>>) {
-        loop {
-            let (events, wake_driver) = {
-                let mut st = self.lock();
-                while let Some(t) = st.ep.poll_transmit() {
-                    self.send(&mut st, t, direct.as_deref_mut());
-                }
-                let mut events = Vec::new();
-                while let Some(e) = st.ep.poll_event() {
-                    events.push(e);
-                }
-                let next = st.ep.poll_timeout();
-                let wake_driver = match (next, st.driver_wakes_at) {
-                    (Some(n), Some(at)) => n < at,
-                    (Some(_), None) => true,
-                    (None, _) => false,
-                };
-                (events, wake_driver)
-            };
-            if wake_driver {
-                self.wake();
-            }
-            if events.is_empty() {
-                return;
-            }
-            for e in events {
-                self.dispatch(e);
-            }
-        }
     }
 
     /// This worker.
@@ -900,78 +300,59 @@ impl Agent {
 
     fn resolve(&self, to: &WorkerRef) -> Result<WorkerId, RpcError> {
         let m = self.members();
-        let known = || {
-            m.workers
-                .values()
-                .map(|w| w.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
+        let known = || m.workers.values().cloned().collect::<Vec<_>>();
         match to {
-            WorkerRef::Name(n) => m
-                .by_name
-                .get(n)
-                .copied()
-                .ok_or_else(|| RpcError::UnknownWorker(n.clone(), known())),
+            WorkerRef::Name(n) => {
+                m.by_name
+                    .get(n)
+                    .copied()
+                    .ok_or_else(|| RpcError::UnknownWorker {
+                        worker: n.clone(),
+                        known: known(),
+                    })
+            }
             WorkerRef::Rank(r) if m.workers.contains_key(r) => Ok(*r),
-            WorkerRef::Rank(r) => Err(RpcError::UnknownWorker(format!("rank {r}"), known())),
+            WorkerRef::Rank(r) => Err(RpcError::UnknownWorker {
+                worker: format!("rank {r}"),
+                known: known(),
+            }),
         }
     }
 
     /// Adds a worker that joined (dynamic groups) and recomputes this worker's reverse maps and
     /// device list.
     pub(crate) fn add_member(&self, record: WorkerRecord) {
-        let mut m = self
-            .inner
-            .members
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
-        m.workers.insert(
-            record.rank,
-            WorkerInfo {
-                name: record.devices.name.clone(),
-                id: record.rank,
-            },
-        );
-        m.by_name.insert(record.devices.name.clone(), record.rank);
-        m.infos.insert(record.rank, record.devices);
-        m.derive(
-            &self.inner.me.name,
-            &self.inner.declared_devices,
-            &self.inner.device_maps,
-        );
-        drop(m);
-        let mut st = self.lock();
-        st.ep.handle_peer_joined(record.rank);
-        drop(st);
+        let rank = record.rank;
+        self.members_mut().insert(record, &self.inner);
+        self.lock().ep.handle_peer_joined(rank);
         self.inner
             .peer_events
-            .emit(crate::peer_events::PeerEvent::Joined {
-                worker: record.rank,
-            });
+            .emit(crate::peer_events::PeerEvent::Joined { worker: rank });
     }
 
     /// Drops a worker that left or died (dynamic groups).
     pub(crate) fn remove_member(&self, rank: WorkerId) {
-        let mut m = self
-            .inner
+        self.members_mut().remove(rank, &self.inner);
+    }
+
+    fn members_mut(&self) -> std::sync::RwLockWriteGuard<'_, Membership> {
+        self.inner
             .members
             .write()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(w) = m.workers.remove(&rank) {
-            m.by_name.remove(&w.name);
-        }
-        m.infos.remove(&rank);
-        m.derive(
-            &self.inner.me.name,
-            &self.inner.declared_devices,
-            &self.inner.device_maps,
-        );
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// "rank 2 (w2)".
-    fn describe(&self, rank: usize) -> String {
+    pub(crate) fn describe(&self, rank: usize) -> String {
         format!("rank {rank} ({})", self.name_of(rank as WorkerId))
+    }
+
+    /// Worker `id`, named as [`name_of`](Self::name_of) does.
+    pub(crate) fn worker(&self, id: WorkerId) -> WorkerInfo {
+        WorkerInfo {
+            name: self.name_of(id),
+            id,
+        }
     }
 
     pub(crate) fn name_of(&self, id: WorkerId) -> String {
@@ -1141,11 +522,11 @@ impl Agent {
                 st.waiters.insert(id, tx);
                 id
             };
-            self.supply_when_copied(id, to, target.map(|h| h.rref), prepared);
+            links::supply_when_copied(self, id, to, target.map(|h| h.rref), prepared);
             id
         };
         if alone {
-            self.pump_now();
+            driver::pump_now(self);
         } else {
             self.pump();
         }
@@ -1172,43 +553,6 @@ impl Agent {
             }
         }
         self.wake();
-    }
-
-    /// Copies the device tensors of a deferred call or remote to host memory, then hands its
-    /// body to the endpoint (or abandons it, failing the call, if a copy fails).
-    fn supply_when_copied(
-        &self,
-        id: MessageId,
-        to: WorkerId,
-        target: Option<RRefId>,
-        prepared: tensors::Prepared,
-    ) {
-        let agent = self.clone();
-        self.spawn(async move {
-            let copied = crate::ipc::to_wire(&agent, to, prepared.tensors).await;
-            {
-                let mut st = agent.lock();
-                match copied {
-                    Ok(wire) => st.ep.supply_body(
-                        id,
-                        Body {
-                            target,
-                            data: prepared.data,
-                            tensors: wire,
-                            forks: prepared.forks.clone(),
-                        },
-                    ),
-                    Err(e) => {
-                        let now = agent.now();
-                        st.ep.abandon(id, &e.to_string(), now);
-                        for f in &prepared.forks {
-                            st.ep.cancel_fork(*f, to, now);
-                        }
-                    }
-                }
-            }
-            agent.pump();
-        });
     }
 
     /// Creates a value on `to` by running `function(args)` there, and returns a reference to it
@@ -1284,7 +628,7 @@ impl Agent {
                 st.waiters.insert(id, tx);
                 (handle, id)
             };
-            self.supply_when_copied(id, to, target.map(|h| h.rref), prepared);
+            links::supply_when_copied(self, id, to, target.map(|h| h.rref), prepared);
             handle
         };
         self.pump();
@@ -1341,6 +685,66 @@ impl Agent {
                 transport,
             })
             .collect()
+    }
+
+    /// Calls `function(args)` on `to` (by name, rank or [`WorkerInfo`]): `.await` the returned
+    /// [`Call`] for the result, or use its `timeout`, `send` and `remote`. The argument and
+    /// result types come from the descriptor, so they cannot disagree with what
+    /// [`Functions::serve`] registered in the same codebase; across binaries the callee checks
+    /// them (see the [`typed`](crate::typed) module).
+    pub fn call<'a, A, R>(
+        &'a self,
+        function: &Function<A, R>,
+        to: impl Into<WorkerRef>,
+        args: &'a A,
+    ) -> Call<'a, A, R>
+    where
+        A: Serialize + 'static,
+        R: 'static,
+    {
+        Call::new(self, function, to.into(), args)
+    }
+
+    /// This agent's counters: calls, bytes, errors and calls in flight, in total and per peer.
+    /// The same numbers go to the [`metrics`] facade (see the [`metrics`](crate::metrics)
+    /// module).
+    pub fn metrics(&self) -> RpcMetrics {
+        self.inner.metrics.read()
+    }
+
+    /// A reference handle of this worker's is gone (its last [`RRef`] clone dropped): the
+    /// endpoint tells the owner when it may.
+    pub(crate) fn drop_reference(&self, handle: RRefHandle) {
+        let now = self.now();
+        self.lock().ep.drop_handle(handle, now);
+        self.wake();
+    }
+
+    /// Whether the owner has confirmed this worker's `handle`.
+    pub(crate) fn reference_confirmed(&self, handle: RRefHandle) -> bool {
+        self.lock().ep.is_confirmed(handle).unwrap_or(false)
+    }
+
+    /// Forks `handle` for worker `to` (a reference being sent to it).
+    pub(crate) fn fork_reference(
+        &self,
+        handle: RRefHandle,
+        to: WorkerId,
+    ) -> Result<RRefForkData, CallError> {
+        self.lock().ep.fork_for(handle, to)
+    }
+
+    /// Accepts a fork received from a peer, as a handle of this worker's.
+    pub(crate) fn accept_reference(&self, data: RRefForkData) -> RRefHandle {
+        let now = self.now();
+        let handle = self.lock().ep.accept_fork(data, now);
+        self.wake();
+        handle
+    }
+
+    /// Whether `self` and `other` are the same agent (clones of one).
+    pub(crate) fn same_as(&self, other: &Agent) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// The value of a reference this worker owns.
@@ -1522,7 +926,7 @@ impl Agent {
     }
 
     /// A static group's world process group.
-    fn group(&self) -> Option<Group> {
+    pub(crate) fn group(&self) -> Option<Group> {
         self.inner
             .group
             .lock()
@@ -1574,293 +978,48 @@ impl Agent {
     /// [`Agent`] live on. A store operation the user started and has not finished keeps its
     /// own handle until it ends.
     pub async fn shutdown(&self, how: crate::Shutdown) -> Result<(), RpcError> {
-        let (graceful, timeout) = how.parts();
-        let deadline = crate::clock::tokio_deadline_after(timeout);
-        let stages = async {
-            match (graceful, self.inner.dynamic) {
-                (true, false) => self.graceful(deadline, timeout).await,
-                (true, true) => crate::dynamic::leave(self, timeout).await,
-                (false, _) => Ok(()),
-            }
-        };
-        // Rank 0 of a static group removes the last key the agent put in the store (the group's
-        // kind); a dynamic group's last member removes its keys when it leaves.
-        let stages = async {
-            let outcome = stages.await;
-            if self.inner.me.id == 0 && !self.inner.dynamic {
-                if let Ok(store) = self.store() {
-                    if let Err(e) = store.delete_key(GROUP_KIND).await {
-                        debug!("could not remove {GROUP_KIND} from the store: {e}");
-                    }
-                }
-            }
-            outcome
-        };
-        // Every wait of the stages ends by the deadline and says for whom; past it, the store
-        // is what did not answer.
-        let result = tokio::time::timeout_at(deadline, stages)
-            .await
-            .unwrap_or_else(|_| {
-                Err(RpcError::Timeout {
-                    what: "shutdown".into(),
-                    after: timeout,
-                    waiting_for: Some("the store, which did not answer".into()),
-                })
-            });
-        // On a task of its own: shutdown may be called from a task of the agent (a served
-        // function), which ending the agent's tasks cancels; the agent still stops whole.
-        let agent = self.clone();
-        let stopped = tokio::spawn(async move {
-            agent.stop_and_release(deadline).await;
-        });
-        let _ = stopped.await;
-        result
+        shutdown::shutdown(self, how).await
     }
 
-    /// Stops the endpoint (pending calls fail), ends every task of the agent and waits for
-    /// them, then lets go of the store. Writers get until `deadline` to send what is queued and
-    /// close their connections. (A graceful shutdown of a static group runs over the members'
-    /// connections, not the store: rank 0, which hosts it, need not wait for anyone.)
-    pub(crate) async fn stop_and_release(&self, deadline: tokio::time::Instant) {
-        let (writers, mut others) = {
-            let mut tasks = self.tasks();
-            tasks.closed = true;
-            (
-                std::mem::take(&mut tasks.writers),
-                std::mem::take(&mut tasks.others),
-            )
-        };
-        self.lock().ep.stop();
-        self.inner.peer_events.close();
-        // Deliver the failures of pending calls now (the driver is about to stop).
-        self.pump();
-        // The values this worker kept for others go too, dropped once the guard is gone (they
-        // may hold remote references, whose `Drop` takes the lock; kept, they would also keep
-        // the agent alive through those references). Dropping the links lets the writers
-        // finish; a waiter still left learns that the agent stopped.
-        let (values, peers, waiters) = {
-            let mut st = self.lock();
-            (
-                std::mem::take(&mut st.values),
-                std::mem::take(&mut st.peers),
-                std::mem::take(&mut st.waiters),
-            )
-        };
-        drop((values, peers, waiters));
-        others.abort_all();
-        while others.join_next().await.is_some() {}
-        let mut writers = writers;
-        let flushed = tokio::time::timeout_at(deadline, async {
-            while writers.join_next().await.is_some() {}
-        })
-        .await;
-        if flushed.is_err() {
-            writers.abort_all();
-            while writers.join_next().await.is_some() {}
-        }
-        // The group's goodbyes close the shared connections (its readers end with them).
-        let group = self
-            .inner
-            .group
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(group) = group {
-            if tokio::time::timeout_at(deadline, group.shutdown())
-                .await
-                .is_err()
-            {
-                debug!("the group's goodbyes did not all go out before the deadline");
-            }
-        }
-        let store = self
-            .inner
-            .store
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        drop(store);
-        let rdv = self
-            .inner
-            .rendezvous
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(rdv) = rdv {
-            rdv.shutdown().await;
-        }
+    /// Registers the connection to `peer` and starts its reader and writer tasks.
+    pub(crate) fn attach(&self, peer: WorkerId, conn: Box<dyn Connection>) {
+        links::attach_conn(self, peer, Arc::from(conn), true);
     }
 
-    /// A graceful shutdown of a static group, decided by the endpoint (see
-    /// `tensorwire_core::protocol::shutdown`): our calls answered, every member's calls
-    /// answered, nothing outstanding here, every member idle; over the members' connections.
-    /// Fails naming the members that were lost, or at the deadline those it still waits for.
-    async fn graceful(
-        &self,
-        deadline: tokio::time::Instant,
-        timeout: Duration,
-    ) -> Result<(), RpcError> {
-        let info = self.debug_info();
-        if info.protocol.holds_references() {
-            warn!(
-                "graceful shutdown while this worker still holds remote references (they stop working): {info}"
-            );
-        }
-        let members: Vec<WorkerId> = self.members().workers.keys().copied().collect();
-        // The endpoint's deadline comes a little before the caller's, so that its error, which
-        // names who is missing, is the one returned.
-        let ends = deadline - (timeout / 10).min(Duration::from_millis(500));
-        self.run_shutdown(timeout, |ep| {
-            ep.begin_graceful_shutdown(members, Some(ends.into_std()));
-        })
-        .await
+    /// Moves what the endpoint produced along, on the calling task (see [`driver::pump`]).
+    pub(crate) fn pump(&self) {
+        driver::pump(self);
     }
 
-    /// Starts a shutdown of the endpoint with `begin` and waits for its outcome (the driver
-    /// delivers it as an event).
+    /// Member `peer` left a dynamic group (see [`links::member_left`]).
+    pub(crate) fn member_left(&self, peer: WorkerId) {
+        links::member_left(self, peer);
+    }
+
+    /// Drops every connection (a join that failed, before it is tried again).
+    pub(crate) fn close_links(&self) {
+        links::close_links(self);
+    }
+
+    /// Queues a control frame (the membership protocol's) for `to`'s writer.
+    pub(crate) fn send_control(&self, to: WorkerId, frame: Frame) {
+        links::send_control(self, to, frame);
+    }
+
+    /// Stops the endpoint, ends every task and lets go of the store (see
+    /// [`shutdown::stop_and_release`]).
+    pub(crate) async fn stop_and_release(&self, deadline: Instant) {
+        shutdown::stop_and_release(self, deadline).await;
+    }
+
+    /// Starts a shutdown of the endpoint with `begin` and waits for its outcome (see
+    /// [`shutdown::run_shutdown`]).
     pub(crate) async fn run_shutdown(
         &self,
         timeout: Duration,
         begin: impl FnOnce(&mut Endpoint<Body>),
     ) -> Result<(), RpcError> {
-        let (tx, rx) = oneshot::channel();
-        {
-            let mut st = self.lock();
-            st.shutdown_waiter = Some(tx);
-            begin(&mut st.ep);
-        }
-        self.pump();
-        match rx.await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => {
-                let who: Vec<String> = e
-                    .missing
-                    .iter()
-                    .map(|r| self.describe(*r as usize))
-                    .collect();
-                let who = if who.is_empty() {
-                    "nobody in particular".to_owned()
-                } else {
-                    who.join(", ")
-                };
-                Err(if e.lost {
-                    RpcError::ShutdownIncomplete {
-                        reason: e.to_string(),
-                        waiting_for: who,
-                    }
-                } else {
-                    RpcError::Timeout {
-                        what: format!("shutdown: {e}"),
-                        after: timeout,
-                        waiting_for: Some(who),
-                    }
-                })
-            }
-            Err(_) => Err(RpcError::NotRunning),
-        }
-    }
-
-    /// Registers the connection to `peer` and starts its reader and writer tasks.
-    pub(crate) fn attach(&self, peer: WorkerId, conn: Box<dyn Connection>) {
-        self.attach_conn(peer, Arc::from(conn), true);
-    }
-
-    /// Shares the connections of the static group's world process group: its reader tasks
-    /// hand the agent's frames to the agent (see [`AgentFrames`]), the agent writes its own
-    /// beside the group's, and a barrier makes sure that every worker has attached before any
-    /// sends the others a call. The agent's shutdown shuts the group down.
-    async fn attach_group(&self, group: Group, timeout: Duration) -> Result<(), RpcError> {
-        let sink: Arc<dyn FrameSink> = Arc::new(AgentFrames(self.clone()));
-        let routed = group.route_frames(sink);
-        for (peer, conn) in group.connections() {
-            self.attach_conn(peer as WorkerId, conn, false);
-        }
-        *self
-            .inner
-            .group
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(group.clone());
-        routed.map_err(RpcError::ProcessGroup)?;
-        group
-            .barrier()
-            .await
-            .map_err(|e| init_error(e, "waiting for every worker to start", timeout))
-    }
-
-    /// Registers the connection to `peer` and starts its writer task, and its reader task if
-    /// `read` (else the connection's owner, the static group, reads it and keeps it open).
-    fn attach_conn(&self, peer: WorkerId, conn: Arc<dyn Connection>, read: bool) {
-        if self.tasks().closed {
-            // Shut down already: the connection closes here.
-            return;
-        }
-        let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
-        let write = Arc::new(tokio::sync::Mutex::new(()));
-        let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        self.lock().peers.insert(
-            peer,
-            PeerLink {
-                tx,
-                transport: conn.transport(),
-                conn: Arc::clone(&conn),
-                write: Arc::clone(&write),
-                queued: Arc::clone(&queued),
-            },
-        );
-        let writer_conn = Arc::clone(&conn);
-        let agent = self.clone();
-        let writer = async move {
-            while let Some(frame) = rx.recv().await {
-                // Everything queued meanwhile goes out with it, in as few writes as possible.
-                let mut batch = vec![frame];
-                while batch.len() < WRITE_BATCH {
-                    match rx.try_recv() {
-                        Ok(f) => batch.push(f),
-                        Err(_) => break,
-                    }
-                }
-                let n = batch.len();
-                let turn = write.lock().await;
-                let sent = writer_conn.send_many(batch).await;
-                drop(turn);
-                queued.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
-                if let Err(e) = sent {
-                    agent.peer_lost_on(peer, LostCause::Transport(e.to_string()), &writer_conn);
-                    return;
-                }
-            }
-            if read {
-                let _ = writer_conn.close().await;
-            }
-        };
-        let agent = self.clone();
-        let cheap_sends = conn.cheap_sends();
-        let reader = async move {
-            loop {
-                match conn.recv().await {
-                    Ok(frame) => {
-                        if let Err(violation) = agent.on_frame(peer, frame, cheap_sends) {
-                            agent.peer_lost_on(
-                                peer,
-                                LostCause::Misbehaved(Box::new(violation)),
-                                &conn,
-                            );
-                            return;
-                        }
-                    }
-                    Err(e) => {
-                        if agent.lock().ep.state() == tensorwire_core::protocol::RunState::Running {
-                            agent.peer_lost_on(peer, LostCause::Transport(e.to_string()), &conn);
-                        }
-                        return;
-                    }
-                }
-            }
-        };
-        self.track(true, writer);
-        if read {
-            self.spawn(reader);
-        }
+        shutdown::run_shutdown(self, timeout, begin).await
     }
 
     /// Subscribes to what happens to peers: a peer lost (its connection broke; told once per
@@ -1870,540 +1029,17 @@ impl Agent {
         self.inner.peer_events.subscribe()
     }
 
-    /// [`peer_lost`](Self::peer_lost), if `conn` is still the connection to `peer` (a worker
-    /// that left and joined again has a new one, which the old one's end must not touch).
-    fn peer_lost_on(&self, peer: WorkerId, cause: LostCause, conn: &Arc<dyn Connection>) {
-        let current = self
-            .lock()
-            .peers
-            .get(&peer)
-            .is_some_and(|l| Arc::ptr_eq(&l.conn, conn));
-        if current {
-            self.peer_lost(peer, cause);
-        } else {
-            debug!("an old connection to rank {peer} ended: {cause}");
-        }
-    }
-
-    /// Member `peer` left a dynamic group (the membership decided it): the endpoint treats it
-    /// as a lost peer (its calls fail naming it, its forks stop keeping our values alive, the
-    /// forks of its values are forgotten), and its connection closes once what is queued for
-    /// it is sent.
-    pub(crate) fn member_left(&self, peer: WorkerId) {
-        crate::ipc::peer_lost(self, peer);
-        let (link, first) = {
-            let mut st = self.lock();
-            let link = st.peers.remove(&peer);
-            let first = st.ep.lost_cause(peer).is_none();
-            st.ep.handle_peer_lost(peer, LostCause::Left, self.now());
-            (link, first)
-        };
-        drop(link);
-        // For subscribers a member that left is gone as a lost one is (autograd drops the
-        // contexts it made or knew).
-        if first {
-            self.inner
-                .peer_events
-                .emit(crate::peer_events::PeerEvent::Lost {
-                    worker: peer,
-                    cause: LostCause::Left,
-                });
-        }
-    }
-
-    /// Drops every connection (a join that failed, before it is tried again).
-    pub(crate) fn close_links(&self) {
-        let links = std::mem::take(&mut self.lock().peers);
-        drop(links);
-    }
-
-    /// Queues a control frame (the membership protocol's) for `to`'s writer.
-    pub(crate) fn send_control(&self, to: WorkerId, frame: Frame) {
-        let st = self.lock();
-        match st.peers.get(&to) {
-            Some(link) => {
-                link.queued
-                    .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-                if link.tx.send(frame).is_err() {
-                    link.queued
-                        .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-                }
-            }
-            None => debug!("no connection to rank {to} for a membership message"),
-        }
-    }
-
-    /// The connection to `peer` is gone for `cause`: recorded once, in the endpoint (the first
-    /// cause stays), and told to subscribers once.
-    fn peer_lost(&self, peer: WorkerId, cause: LostCause) {
-        let name = self.name_of(peer);
-        warn!("lost the connection to {name} (rank {peer}): {cause}");
-        crate::ipc::peer_lost(self, peer);
-        let first = {
-            let mut st = self.lock();
-            st.peers.remove(&peer);
-            let first = st.ep.lost_cause(peer).is_none();
-            st.ep.handle_peer_lost(peer, cause, self.now());
-            first.then(|| st.ep.lost_cause(peer).cloned()).flatten()
-        };
-        if self.inner.dynamic {
-            // The membership drops it (and hands coordination on, if it coordinated).
-            let now = self.now();
-            self.with_membership(|m| m.handle_lost(peer, now));
-        }
-        self.pump();
-        // The reader and the writer of a link may both report its end: subscribers hear once.
-        if let Some(cause) = first {
-            self.inner
-                .peer_events
-                .emit(crate::peer_events::PeerEvent::Lost {
-                    worker: peer,
-                    cause,
-                });
-        }
-    }
-
-    /// Hands a received frame to the endpoint. A frame that breaks the protocol is an error:
-    /// the connection to that peer is dropped (its calls fail naming it), never a silent loss.
-    ///
-    /// With `direct` (a connection whose sends are cheap, see `Connection::cheap_sends`), what
-    /// handling it produced is written on the reader's task, before it waits for the next
-    /// frame (see [`pump_now`](Self::pump_now)); else it goes through the writers, which batch
-    /// it with the replies to the other frames of the same read.
-    fn on_frame(
-        &self,
-        from: WorkerId,
-        frame: Frame,
-        direct: bool,
-    ) -> Result<(), ProtocolViolation> {
-        if frame.kind == FrameKind::Control {
-            if let Some(handled) = crate::ipc::on_control(self, from, &frame) {
-                return handled;
-            }
-            return self.on_membership_frame(from, &frame);
-        }
-        if self.inner.dynamic && !self.may_call(from) {
-            return Err(ProtocolViolation::NotAMember);
-        }
-        let envelope: Envelope =
-            postcard::from_bytes(&frame.header).map_err(|e| ProtocolViolation::Malformed {
-                what: format!("a message header that does not parse ({e})"),
-            })?;
-        self.inner
-            .ipc
-            .check_received(from, &envelope.tensors)
-            .map_err(ProtocolViolation::Ipc)?;
-        let mut payloads = frame.payloads.into_iter();
-        let body = match payloads.next() {
-            Some(data) => {
-                let bytes: Vec<Bytes> = payloads.collect();
-                if bytes.len() != envelope.tensors.len() {
-                    return Err(ProtocolViolation::Malformed {
-                        what: format!(
-                            "a message that announces {} tensors and carries {}",
-                            envelope.tensors.len(),
-                            bytes.len()
-                        ),
-                    });
-                }
-                let tensors = envelope.tensors.into_iter().zip(bytes).collect();
-                Some(Body {
-                    target: envelope.target,
-                    data,
-                    tensors,
-                    forks: Vec::new(),
-                })
-            }
-            None => None,
-        };
-        let handled = self
-            .lock()
-            .ep
-            .handle_message(from, envelope.header, body, self.now());
-        if direct {
-            self.pump_now();
-        } else {
-            self.pump();
-        }
-        handled
-    }
-
-    fn send(&self, st: &mut State, t: Transmit<Body>, direct: Option<&mut Vec<DirectWrite>>) {
-        // A shutdown's last words go through the writers, which shutdown lets finish; a task
-        // writing directly may be one that stopping the agent cancels.
-        let direct = direct.filter(|_| {
-            !matches!(
-                t.header,
-                Header::Shutdown { .. } | Header::ShutdownFailed { .. }
-            )
-        });
-        let (target, payloads, metas) = match t.body {
-            Some(b) => {
-                let (metas, bytes): (Vec<_>, Vec<_>) = b.tensors.into_iter().unzip();
-                let mut payloads = Vec::with_capacity(1 + bytes.len());
-                payloads.push(b.data);
-                payloads.extend(bytes);
-                (b.target, payloads, metas)
-            }
-            None => (None, vec![], vec![]),
-        };
-        let header = match postcard::to_allocvec(&Envelope {
-            header: t.header,
-            target,
-            tensors: metas,
-        }) {
-            Ok(h) => h,
-            Err(e) => {
-                warn!("cannot encode a message header: {e}");
-                return;
-            }
-        };
-        let frame = Frame {
-            kind: FrameKind::Message,
-            header: header.into(),
-            payloads,
-        };
-        if let (Some(out), Some(link)) = (direct, st.peers.get(&t.to)) {
-            // Already writing to this peer: the frame joins that write.
-            if let Some(w) = out.iter_mut().find(|w| w.peer == t.to) {
-                w.frames.push(frame);
-                return;
-            }
-            if link.queued.load(std::sync::atomic::Ordering::Acquire) == 0 {
-                if let Ok(turn) = Arc::clone(&link.write).try_lock_owned() {
-                    out.push(DirectWrite {
-                        peer: t.to,
-                        conn: Arc::clone(&link.conn),
-                        frames: vec![frame],
-                        _turn: turn,
-                    });
-                    return;
-                }
-            }
-        }
-        let queued = st.peers.get(&t.to).map(|link| {
-            link.queued
-                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-            let ok = link.tx.send(frame).is_ok();
-            if !ok {
-                link.queued
-                    .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-            }
-            ok
-        });
-        match queued {
-            Some(true) => {}
-            _ => {
-                // Lost earlier: the endpoint keeps that first cause. Never connected: this is
-                // its loss, and subscribers hear of it as of any other (once).
-                let first = st.ep.lost_cause(t.to).is_none();
-                let cause =
-                    LostCause::Transport(format!("no connection to {}", self.name_of(t.to)));
-                st.ep.handle_peer_lost(t.to, cause.clone(), self.now());
-                if first {
-                    self.inner
-                        .peer_events
-                        .emit(crate::peer_events::PeerEvent::Lost {
-                            worker: t.to,
-                            cause,
-                        });
-                }
-            }
-        }
-    }
-
-    fn dispatch(&self, ev: Event<Body>) {
-        match ev {
-            Event::Call {
-                token,
-                function,
-                body,
-                deadline,
-            } => self.serve(token, function, body, None, deadline),
-            Event::Remote {
-                token,
-                function,
-                body,
-                rref,
-                deadline,
-            } => self.serve(token, function, body, Some(rref), deadline),
-            Event::ConfirmWaitDone { wait, outcome } => {
-                if let Some(tx) = self.lock().confirm_waits.remove(&wait) {
-                    let _ = tx.send(outcome);
-                }
-            }
-            Event::Fetch { token, rref } => {
-                let value = self.lock().values.get(&rref).cloned();
-                let from_peer = token.from() != self.inner.me.id;
-                let agent = self.clone();
-                let answer = async move {
-                    let me = agent.inner.me.id;
-                    let outcome = match value {
-                        Some(v) => agent.reply_body(&*v, token.from()).await,
-                        None => Err(remote_error(
-                            me,
-                            RemoteErrorKind::RRef,
-                            format!("no value is kept for {rref}"),
-                        )),
-                    };
-                    agent.lock().ep.respond(token, outcome);
-                };
-                // A value in host memory is answered here and now (the pump that dispatched
-                // this sends the reply, in the same write as what it sends already: after a
-                // `remote`, its acknowledgement); one with device tensors waits for the copies
-                // in a task of its own, as does a fetch by this worker itself (dispatched from
-                // inside its `to_here`).
-                let mut answer = Box::pin(answer);
-                let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-                if !from_peer || std::future::Future::poll(answer.as_mut(), &mut cx).is_pending() {
-                    let agent = self.clone();
-                    self.spawn(async move {
-                        answer.await;
-                        agent.pump_direct().await;
-                    });
-                }
-            }
-            Event::Completed { id, outcome } => {
-                let waiter = self.lock().waiters.remove(&id);
-                if let Some(tx) = waiter {
-                    let _ = tx.send(outcome);
-                }
-            }
-            Event::ReleaseValue { rref } => {
-                // The value leaves the map under the lock and is dropped after the guard is gone:
-                // a user value may hold remote references, whose `Drop` takes the lock again.
-                let value = self.lock().values.remove(&rref);
-                drop(value);
-            }
-            Event::ShutdownComplete { outcome } => {
-                if let Some(tx) = self.lock().shutdown_waiter.take() {
-                    let _ = tx.send(outcome);
-                }
-            }
-            _ => {}
-        }
-    }
-
-    /// Encodes a result for `to`, with its tensors placed by the reverse map and copied to host.
-    async fn reply_body(&self, value: &dyn Value, to: WorkerId) -> Result<Body, RemoteError> {
-        let me = self.inner.me.id;
-        let prepared = value.prepare(self, to).map_err(|e| match e {
-            TensorTransferError::Encode(e) => remote_error(
-                me,
-                RemoteErrorKind::Serialization,
-                format!("cannot encode: {e}"),
-            ),
-            other => remote_error(me, RemoteErrorKind::DeviceMap, other.to_string()),
-        })?;
-        let wire = crate::ipc::to_wire(self, to, prepared.tensors)
-            .await
-            .map_err(|e| remote_error(me, RemoteErrorKind::DeviceMap, e.to_string()))?;
-        Ok(Body {
-            target: None,
-            data: prepared.data,
-            tensors: wire,
-            forks: prepared.forks,
-        })
-    }
-
-    /// Runs a registered function for a request, catching errors and panics.
-    fn serve(
-        &self,
-        token: RequestToken,
-        function: String,
-        body: Body,
-        keep_as: Option<RRefId>,
-        deadline: Option<Instant>,
-    ) {
-        let deadline = deadline.map(tokio::time::Instant::from_std);
-        let me = self.inner.me.id;
-        let agent = self.clone();
-        let handler = if function == crate::gather::GATHER {
-            Some(crate::gather::handler())
-        } else {
-            self.inner.functions.get(&function)
-        };
-        let Some(handler) = handler else {
-            let names = self.inner.functions.names().join(", ");
-            let err = remote_error(
-                me,
-                RemoteErrorKind::UnknownFunction,
-                format!(
-                    "no function {function:?} is registered on {} (registered: {names})",
-                    self.inner.me.name
-                ),
-            );
-            warn!(
-                function = %function,
-                caller = %self.name_of(token.from()),
-                "a call asked for a function that is not registered here"
-            );
-            self.lock().ep.respond(token, Err(err));
-            self.pump();
-            return;
-        };
-        let serving = Serving::enter(self);
-        let from_peer = token.from() != me;
-        let task = async move {
-            // A method call reaches this point only once its value exists (the endpoint parks
-            // it until then, by its caller's deadline).
-            let target = match body.target {
-                Some(rref) => match agent.owned_value(rref) {
-                    Ok(v) => Some(v),
-                    Err(reason) => {
-                        let err = remote_error(me, RemoteErrorKind::RRef, reason);
-                        agent.lock().ep.respond(token, Err(err));
-                        agent.pump();
-                        return serving;
-                    }
-                },
-                None => None,
-            };
-            let tensors = match crate::ipc::from_wire(&agent, token.from(), body.tensors).await {
-                Ok(t) => t,
-                Err(e) => {
-                    let err = remote_error(
-                        me,
-                        RemoteErrorKind::DeviceMap,
-                        format!("cannot place the tensors of {function:?}: {e}"),
-                    );
-                    agent.lock().ep.respond(token, Err(err));
-                    agent.pump();
-                    return serving;
-                }
-            };
-            let inv = Invocation {
-                agent: agent.clone(),
-                caller: token.from(),
-                deadline,
-                args: body.data,
-                tensors,
-                target,
-            };
-            let outcome = match (CatchPanic {
-                inner: handler(inv),
-            })
-            .await
-            {
-                Ok(Ok(value)) => match keep_as {
-                    Some(rref) => {
-                        let replaced = agent.lock().values.insert(rref, value);
-                        drop(replaced);
-                        Ok(Body {
-                            target: None,
-                            data: Bytes::new(),
-                            tensors: Vec::new(),
-                            forks: Vec::new(),
-                        })
-                    }
-                    None => agent
-                        .reply_body(&*value, token.from())
-                        .await
-                        .map_err(|mut e| {
-                            e.message = format!("the result of {function:?}: {}", e.message);
-                            e
-                        }),
-                },
-                Ok(Err(HandlerError::BadArguments(m))) => Err(remote_error(
-                    me,
-                    RemoteErrorKind::Serialization,
-                    format!("bad arguments for {function:?}: {m}"),
-                )),
-                Ok(Err(HandlerError::Failed(m))) => {
-                    Err(remote_error(me, RemoteErrorKind::Failed, m))
-                }
-                Ok(Err(HandlerError::Target(m))) => Err(remote_error(me, RemoteErrorKind::RRef, m)),
-                Err(panic) => {
-                    let msg = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| (*s).to_owned())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "unknown panic".into());
-                    Err(remote_error(
-                        me,
-                        RemoteErrorKind::Panicked,
-                        format!("{function:?} panicked: {msg}"),
-                    ))
-                }
-            };
-            if let Err(e) = &outcome {
-                // The caller gets the error; the callee's operator should see it too.
-                warn!(
-                    function = %function,
-                    caller = %agent.name_of(token.from()),
-                    kind = %e.kind,
-                    "a call failed on this worker: {}",
-                    e.message
-                );
-            }
-            let orphan = {
-                let mut st = agent.lock();
-                let created = keep_as.filter(|_| outcome.is_ok());
-                let expected = st.ep.respond(token, outcome);
-                // A value made for a creator lost meanwhile: nobody will ever refer to it.
-                created
-                    .filter(|_| !expected)
-                    .and_then(|rref| st.values.remove(&rref))
-            };
-            drop(orphan);
-            serving
-        };
-        // On a current-thread runtime every task runs on this thread anyway: the handler starts
-        // here, on the task that received the request, instead of in a task of its own (no
-        // spawn, no turn of the scheduler). One that finishes at once has answered: the pump
-        // that dispatched this request sends the reply, with whatever else it sends (replies
-        // to the other requests of the same read, in one write). One that waits goes on in a
-        // task. On a multi-thread runtime handlers always get a task, so that they run in
-        // parallel; so does a call to this worker itself (it is dispatched from inside the
-        // caller's `rpc_async`, where the caller may hold locks its handler takes).
-        let inline = from_peer
-            && tokio::runtime::Handle::try_current()
-                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
-        let mut task = Box::pin(task);
-        if inline {
-            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            if let std::task::Poll::Ready(serving) =
-                std::future::Future::poll(task.as_mut(), &mut cx)
-            {
-                drop(serving);
-                return;
-            }
-        }
-        let agent = self.clone();
-        self.spawn(async move {
-            let serving = task.await;
-            // Let the other handlers that are ready answer too, so that their replies leave in
-            // the same write (one scheduler turn). Alone, the reply leaves at once: a yield
-            // would cost a turn of the runtime's I/O driver (a system call) for nothing.
-            if serving.leave() > 0 {
-                tokio::task::yield_now().await;
-            }
-            agent.pump_direct().await;
-        });
-    }
-
-    /// The value of `rref`, owned here. (A method call on a value still being created waits
-    /// in the endpoint, by its caller's deadline, and is only handed over once the value is
-    /// kept: see `Payload::target` in core.)
-    fn owned_value(&self, rref: RRefId) -> Result<Arc<dyn Any + Send + Sync>, String> {
-        self.local_value(rref)
-            .ok_or_else(|| format!("no value is kept for {rref} on {}", self.inner.me.name))
-    }
-
     /// Waits until the owners confirm every reference of `handles` (PyTorch runs a function
     /// only then): the endpoint parks the wait, with `deadline` among its deadlines, and
     /// decides when it ends.
     pub(crate) async fn wait_confirmed(
         &self,
         handles: &[RRefHandle],
-        deadline: Option<tokio::time::Instant>,
+        deadline: Option<Instant>,
     ) -> Result<(), String> {
         let rx = {
             let mut st = self.lock();
-            let Some(wait) = st
-                .ep
-                .wait_confirmed(handles, deadline.map(tokio::time::Instant::into_std))
-            else {
+            let Some(wait) = st.ep.wait_confirmed(handles, deadline) else {
                 return Ok(());
             };
             let (tx, rx) = oneshot::channel();
@@ -2424,94 +1060,6 @@ impl Agent {
             )),
             Ok(Err(other)) => Err(other.to_string()),
             Err(_) => Err("RPC is no longer running on this worker".into()),
-        }
-    }
-}
-
-/// A request being served, counted in `Inner::serving` until it leaves (or is dropped: a
-/// cancelled handler).
-struct Serving(Option<Agent>);
-
-impl Serving {
-    fn enter(agent: &Agent) -> Self {
-        agent
-            .inner
-            .serving
-            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        Serving(Some(agent.clone()))
-    }
-
-    /// Stops counting this one; returns how many others are still being served.
-    fn leave(mut self) -> usize {
-        match self.0.take() {
-            Some(agent) => {
-                agent
-                    .inner
-                    .serving
-                    .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
-                    - 1
-            }
-            None => 0,
-        }
-    }
-}
-
-impl Drop for Serving {
-    fn drop(&mut self) {
-        if let Some(agent) = self.0.take() {
-            agent
-                .inner
-                .serving
-                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-        }
-    }
-}
-
-/// Polls a handler's future, turning a panic into an error (the handler is user code; one that
-/// panics must not take the agent down, and need not cost a task of its own).
-struct CatchPanic<F> {
-    inner: F,
-}
-
-impl<F: std::future::Future + Unpin> std::future::Future for CatchPanic<F> {
-    type Output = Result<F::Output, Box<dyn Any + Send>>;
-
-    fn poll(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Self::Output> {
-        let inner = &mut self.inner;
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            std::pin::Pin::new(&mut *inner).poll(cx)
-        })) {
-            Ok(std::task::Poll::Ready(v)) => std::task::Poll::Ready(Ok(v)),
-            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
-            Err(panic) => std::task::Poll::Ready(Err(panic)),
-        }
-    }
-}
-
-/// The driver: moves the endpoint's output to peers and the application, and its timers.
-pub(crate) async fn drive(agent: Agent) {
-    loop {
-        agent.pump();
-        let next = {
-            let mut st = agent.lock();
-            let next = st.ep.poll_timeout();
-            st.driver_wakes_at = next;
-            next
-        };
-        match next {
-            Some(at) => {
-                tokio::select! {
-                    () = agent.inner.wake.notified() => {}
-                    () = agent.inner.clock.sleep_until(at) => {
-                        let now = agent.now();
-                        agent.lock().ep.handle_timeout(now);
-                    }
-                }
-            }
-            None => agent.inner.wake.notified().await,
         }
     }
 }
@@ -2578,27 +1126,5 @@ impl<R> std::future::Future for RpcFuture<R> {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
         self.inner.as_mut().poll(cx)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::with_rank;
-
-    #[test]
-    fn init_urls_get_the_missing_rank_and_world_size() {
-        assert_eq!(with_rank("env://", 1, 4), "env://?rank=1&world_size=4");
-        assert_eq!(
-            with_rank("tcp://10.0.0.1:29500", 0, 2),
-            "tcp://10.0.0.1:29500?rank=0&world_size=2"
-        );
-        assert_eq!(
-            with_rank("file:///tmp/x?world_size=2", 1, 2),
-            "file:///tmp/x?world_size=2&rank=1"
-        );
-        assert_eq!(
-            with_rank("tcp://h:1?rank=3&world_size=5", 3, 5),
-            "tcp://h:1?rank=3&world_size=5"
-        );
     }
 }

@@ -30,12 +30,12 @@ use tensorwire_rendezvous::Rendezvous;
 #[cfg(feature = "tcp")]
 use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 
-#[cfg(feature = "tcp")]
-use crate::agent::cluster_secret;
-#[cfg(any(feature = "tcp", feature = "quic"))]
-use crate::agent::start_agent;
 use crate::agent::Agent;
 use crate::error::RpcError;
+#[cfg(feature = "tcp")]
+use crate::init::cluster_secret;
+#[cfg(any(feature = "tcp", feature = "quic"))]
+use crate::init::start_agent;
 use crate::options::RpcOptions;
 
 /// An RPC backend as this crate's registry holds it.

@@ -208,7 +208,7 @@ async fn membership_timer(agent: Agent) {
             Some(at) => {
                 tokio::select! {
                     () = agent.inner.membership_wake.notified() => {}
-                    () = agent.inner.clock.sleep_until(at) => {
+                    () = agent.inner.runtime.sleep_until(at) => {
                         let now = agent.now();
                         agent.with_membership(|m| m.handle_timeout(now));
                     }
@@ -229,7 +229,7 @@ pub(crate) async fn join(
 ) -> Result<Agent, RpcError> {
     let store = Arc::clone(&rdv.store);
     let me_id = rank as WorkerId;
-    let deadline = crate::clock::tokio_deadline_after(options.init_timeout);
+    let deadline = crate::runtime::tokio_deadline_after(options.init_timeout);
     let listener = match transport
         .listen(std::net::SocketAddr::new(advertise_ip(&options)?, 0))
         .await
@@ -290,7 +290,7 @@ pub(crate) async fn join(
                 tokio::time::sleep(delay).await;
             }
             Err(Attempt::Retry(why)) => {
-                agent.stop_and_release(tokio::time::Instant::now()).await;
+                agent.stop_and_release(agent.now()).await;
                 return Err(RpcError::Timeout {
                     what: "joining the group".into(),
                     after: options.init_timeout,
@@ -298,7 +298,7 @@ pub(crate) async fn join(
                 });
             }
             Err(Attempt::Fail(e)) => {
-                agent.stop_and_release(tokio::time::Instant::now()).await;
+                agent.stop_and_release(agent.now()).await;
                 return Err(e);
             }
         }
@@ -438,7 +438,7 @@ async fn introduce(
         world: None,
         introduction: postcard::to_allocvec(record).map_err(|e| failed(e.to_string()))?,
     };
-    let deadline = crate::clock::tokio_deadline_after(limit);
+    let deadline = crate::runtime::tokio_deadline_after(limit);
     let conn = link::dial(transport, addr, &hello, deadline)
         .await
         .map_err(|e| failed(e.to_string()))?;
@@ -508,7 +508,7 @@ async fn accept_connections(agent: Agent, listener: Box<dyn Listener>) {
 
 async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
     let peer = conn.peer_addr();
-    let deadline = crate::clock::tokio_deadline_after(Duration::from_secs(30));
+    let deadline = crate::runtime::tokio_deadline_after(Duration::from_secs(30));
     let hello = match link::read_hello(&*conn, deadline).await {
         Ok(hello) if hello.group == RPC_GROUP && hello.world.is_none() => hello,
         Ok(hello) => {
@@ -564,7 +564,7 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
 /// the coordinator, which removes it from every member in turn with joins and other leaves.
 /// The caller then closes the connections. The last member removes the group's keys.
 pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcError> {
-    let deadline = crate::clock::tokio_deadline_after(timeout);
+    let deadline = crate::runtime::tokio_deadline_after(timeout);
     // The endpoint decides when our calls are all answered (or fails by the deadline).
     agent
         .run_shutdown(timeout, |ep| ep.begin_leave(Some(deadline.into_std())))

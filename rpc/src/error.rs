@@ -2,13 +2,41 @@
 
 use std::time::Duration;
 
+use tensorwire_core::auth::AuthError;
 use tensorwire_core::device::DeviceParseError;
 use tensorwire_core::name::NameError;
 use tensorwire_core::ports::store::StoreError;
 use tensorwire_core::ports::transport::TransportError;
-use tensorwire_core::protocol::{CallError, RemoteError};
+use tensorwire_core::protocol::{CallError, RemoteError, WorkerId};
 use tensorwire_core::validate::DeviceMapError;
 use tensorwire_rendezvous::RendezvousError;
+
+use crate::worker::WorkerInfo;
+
+/// `workers` as "rank 0 (w0), rank 1 (w1)" (as the agent's other waits name them), or
+/// "nobody in particular".
+fn by_rank(workers: &[WorkerInfo]) -> String {
+    if workers.is_empty() {
+        return "nobody in particular".to_owned();
+    }
+    workers
+        .iter()
+        .map(|w| format!("rank {} ({})", w.id, w.name))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `workers` as "w0 (rank 0), w1 (rank 1)", or `none` when there are none.
+fn list(workers: &[WorkerInfo], none: &str) -> String {
+    if workers.is_empty() {
+        return none.to_owned();
+    }
+    workers
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// What can go wrong in RPC.
 #[derive(Debug, thiserror::Error)]
@@ -37,8 +65,13 @@ pub enum RpcError {
         message: String,
     },
     /// No worker has this name or rank.
-    #[error("unknown worker {0}; known workers: {1}")]
-    UnknownWorker(String, String),
+    #[error("unknown worker {worker}; known workers: {}", list(.known, "none"))]
+    UnknownWorker {
+        /// The name, or "rank N", asked for.
+        worker: String,
+        /// The workers of the group at that moment, in rank order.
+        known: Vec<WorkerInfo>,
+    },
     /// Arguments or results could not be (de)serialized.
     #[error("cannot {what}: {message}")]
     Serialization {
@@ -85,9 +118,59 @@ pub enum RpcError {
     /// The transport failed.
     #[error(transparent)]
     Transport(#[from] TransportError),
-    /// Init found an inconsistency (duplicate names, ranks out of range, ...).
+    /// Init found an inconsistency that has no variant of its own (a dynamic join refused, a
+    /// backend's TLS material unusable, ...); the message says what.
     #[error("init_rpc: {0}")]
     Init(String),
+    /// `init_rpc` was given a rank that is not below its world size.
+    #[error("init_rpc: rank {rank} is not below world_size {world_size}")]
+    RankOutOfRange {
+        /// The rank given.
+        rank: usize,
+        /// The world size given.
+        world_size: usize,
+    },
+    /// The rendezvous assigned another rank or world size than `init_rpc` was called with.
+    #[error("init_rpc: rendezvous gave rank {got_rank} of {got_world_size}, but init_rpc was called with rank {rank} of {world_size:?}")]
+    RendezvousMismatch {
+        /// The rank given to `init_rpc`.
+        rank: usize,
+        /// The world size given to `init_rpc` (`None`: a dynamic group).
+        world_size: Option<usize>,
+        /// The rank the rendezvous gave.
+        got_rank: usize,
+        /// The world size the rendezvous gave.
+        got_world_size: usize,
+    },
+    /// A static worker tried to join a dynamic group, or the other way round.
+    #[error("init_rpc: this group is {group}; a {worker} worker cannot join it (mixing static and dynamic members is refused)")]
+    GroupKindMismatch {
+        /// The group's kind, as the store holds it (`static` or `dynamic`).
+        group: String,
+        /// This worker's kind.
+        worker: &'static str,
+    },
+    /// The cluster secret cannot be used (it is empty).
+    #[error("init_rpc: the cluster secret: {0}")]
+    Secret(#[source] AuthError),
+    /// In a static group's exchange of worker records, a rank sent another rank's record.
+    #[error("init_rpc: rank {rank} sent the record of rank {claimed}")]
+    RecordOfAnotherRank {
+        /// The rank that sent it.
+        rank: WorkerId,
+        /// The rank the record claims.
+        claimed: WorkerId,
+    },
+    /// Two workers of a group have the same name.
+    #[error("init_rpc: worker name {name:?} is used by ranks {first} and {second}")]
+    DuplicateName {
+        /// The name.
+        name: String,
+        /// The lower rank using it.
+        first: WorkerId,
+        /// The other rank using it.
+        second: WorkerId,
+    },
     /// Something did not happen in time outside a call (init, shutdown).
     #[error("{what} timed out after {:.1} s{}", .after.as_secs_f64(), .waiting_for.as_ref().map(|w| format!("; waiting for {w}")).unwrap_or_default())]
     Timeout {
@@ -99,12 +182,12 @@ pub enum RpcError {
         waiting_for: Option<String>,
     },
     /// A graceful shutdown could not complete because a member was lost before it was done.
-    #[error("shutdown did not complete: {reason}; waiting for {waiting_for}")]
+    #[error("shutdown did not complete: {reason}; waiting for {}", by_rank(.waiting_for))]
     ShutdownIncomplete {
         /// What was not done.
         reason: String,
-        /// The workers that were lost.
-        waiting_for: String,
+        /// The workers it still waited for, in rank order.
+        waiting_for: Vec<WorkerInfo>,
     },
     /// The agent is not running (shut down).
     #[error("RPC is no longer running on this worker")]
@@ -160,5 +243,42 @@ impl RpcError {
                 ..
             } | RpcError::Timeout { .. }
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(name: &str, id: WorkerId) -> WorkerInfo {
+        WorkerInfo {
+            name: name.to_owned(),
+            id,
+        }
+    }
+
+    #[test]
+    fn lists_of_workers_are_rendered_when_displayed() {
+        let e = RpcError::UnknownWorker {
+            worker: "w9".into(),
+            known: vec![w("w0", 0), w("w1", 1)],
+        };
+        assert_eq!(
+            e.to_string(),
+            "unknown worker w9; known workers: w0 (rank 0), w1 (rank 1)"
+        );
+        let e = RpcError::ShutdownIncomplete {
+            reason: "a member was lost".into(),
+            waiting_for: vec![w("w2", 2)],
+        };
+        assert_eq!(
+            e.to_string(),
+            "shutdown did not complete: a member was lost; waiting for rank 2 (w2)"
+        );
+        let e = RpcError::ShutdownIncomplete {
+            reason: "a member was lost".into(),
+            waiting_for: Vec::new(),
+        };
+        assert!(e.to_string().ends_with("waiting for nobody in particular"));
     }
 }

@@ -45,10 +45,11 @@ use tensorwire_core::wire::{Frame, FrameKind};
 use tensorwire_rendezvous::Rendezvous;
 
 #[cfg(feature = "tcp")]
-use crate::agent::{start_agent, Agent};
+use crate::agent::Agent;
 use crate::codec::Envelope;
 #[cfg(feature = "tcp")]
 use crate::error::RpcError;
+use crate::init::start_agent;
 #[cfg(feature = "tcp")]
 use crate::options::RpcOptions;
 
@@ -264,7 +265,7 @@ impl Connection for FaultyConnection {
                     if !ready.is_empty() {
                         self.inner.send_many(std::mem::take(&mut ready)).await?;
                     }
-                    tokio::time::sleep(d).await;
+                    crate::runtime::tokio().sleep(d).await;
                     ready.push(frame);
                 }
             }

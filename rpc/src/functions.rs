@@ -19,10 +19,10 @@ use crate::agent::{Agent, WorkerInfo};
 use crate::codec;
 use crate::error::RpcError;
 use crate::tensors::{self, Prepared, TensorTransferError};
+use std::time::Instant;
 use tensorwire_core::placement::Direction;
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::tensor::Tensor;
-use tokio::time::Instant;
 use tracing::Instrument;
 
 /// A value a function produced: kept on its owner (remote references) or encoded for a reply.
@@ -118,8 +118,9 @@ impl CallContext {
         &self.agent
     }
 
-    /// When the caller stops waiting for the result (`None`: the call has no timeout). A
-    /// nested call can use what is left: `deadline - Instant::now()`.
+    /// When the caller stops waiting for the result (`None`: the call has no timeout), on the
+    /// agent's runtime clock (see [`RpcOptions::runtime`](crate::RpcOptions::runtime)). A
+    /// nested call can use what is left: [`remaining`](Self::remaining).
     pub fn deadline(&self) -> Option<Instant> {
         self.deadline
     }
@@ -127,7 +128,7 @@ impl CallContext {
     /// The time left until [`deadline`](Self::deadline) (`None`: no deadline; zero once past).
     pub fn remaining(&self) -> Option<std::time::Duration> {
         self.deadline
-            .map(|d| d.saturating_duration_since(Instant::now()))
+            .map(|d| d.saturating_duration_since(self.agent.runtime().now()))
     }
 }
 

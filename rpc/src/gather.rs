@@ -128,7 +128,7 @@ async fn lead(agent: &Agent, from: WorkerId, c: Contribution) -> GatherOutcome {
         };
         tokio::select! {
             outcome = &mut rx => return outcome.unwrap_or(GatherOutcome::Missing(Vec::new())),
-            () = agent.inner.clock.sleep_until(at) => {
+            () = agent.inner.runtime.sleep_until(at) => {
                 if let Some(l) = lock(&gathers.leading).as_mut() {
                     l.leader.handle_timeout(agent.now());
                     l.deliver();

@@ -37,9 +37,9 @@
 mod agent;
 pub mod autograd;
 mod backend;
-pub mod clock;
 mod codec;
 mod dist_optim;
+mod driver;
 mod dynamic;
 mod error;
 pub mod faults;
@@ -47,18 +47,23 @@ mod functions;
 #[doc(hidden)]
 pub mod fuzzing;
 mod gather;
+mod init;
 mod ipc;
+mod links;
 pub mod memory;
 pub mod metrics;
 mod options;
 pub mod peer_events;
 mod rref;
+pub mod runtime;
+mod serve;
+mod shutdown;
+mod state;
 mod tensors;
 pub mod typed;
+mod worker;
 
-pub use agent::{
-    init_rpc, start_agent, Agent, AgentDebugInfo, PeerConnection, RpcFuture, WorkerInfo, WorkerRef,
-};
+pub use agent::{Agent, AgentDebugInfo, PeerConnection, RpcFuture, WorkerInfo, WorkerRef};
 pub use autograd::{
     AutogradCall, AutogradContext, DistAutograd, DistAutogradError, TensorList, TrackedValue,
 };
@@ -73,10 +78,12 @@ pub use backend::{QuicBackend, QUIC_BACKEND};
 pub use dist_optim::{BuiltinState, DistributedOptimizer, LocalOptimizer, Parameter};
 pub use error::RpcError;
 pub use functions::{CallContext, Functions};
+pub use init::{init_rpc, start_agent};
 pub use metrics::{PeerMetrics, RpcMetrics};
 pub use options::{RpcOptions, Shutdown, DEFAULT_RPC_TIMEOUT, IMMEDIATE_CLOSE_TIMEOUT};
 pub use peer_events::{PeerEvent, PeerEvents};
 pub use rref::RRef;
+pub use runtime::{Runtime, TokioRuntime};
 pub use tensorwire_core::autograd::optim::{Adagrad, Adam, AdamW, Optimizer, RmsProp, Sgd};
 pub use tensorwire_core::protocol::{
     CallError, DebugInfo, ForkInfo, OwnedInfo, RemoteError, RemoteErrorKind,

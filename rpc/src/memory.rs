@@ -31,10 +31,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use std::time::Instant;
 use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
 use tensorwire_core::wire::Frame;
 use tokio::sync::{mpsc, watch};
-use tokio::time::Instant;
 
 /// The wire between in-memory transports: their listeners by address, and the delay of every
 /// frame. Cheap to clone; clones are the same network.
@@ -280,7 +280,7 @@ impl Connection for MemoryConnection {
         if self.killed() {
             return Err(reset(self.peer, "sending"));
         }
-        let at = Instant::now() + self.delay;
+        let at = crate::runtime::tokio().now() + self.delay;
         let tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
         match tx.as_ref() {
             Some(tx) => tx
@@ -301,7 +301,7 @@ impl Connection for MemoryConnection {
                 .recv()
                 .await
                 .ok_or(TransportError::Closed { peer: self.peer })?;
-            tokio::time::sleep_until(at).await;
+            crate::runtime::tokio().sleep_until(at).await;
             Ok(frame)
         };
         tokio::select! {
@@ -348,7 +348,8 @@ mod tests {
     async fn frames_arrive_after_the_delay_in_order() {
         let net = MemoryNetwork::with_delay(Duration::from_millis(30));
         let (_a, _b, client, server) = pair(&net).await;
-        let t0 = Instant::now();
+        let rt = crate::runtime::tokio();
+        let t0 = rt.now();
         for i in 0..5 {
             client.send(frame(i)).await.unwrap();
         }
@@ -356,10 +357,10 @@ mod tests {
             assert_eq!(server.recv().await.unwrap().header[..], [i]);
         }
         // Sent together, so they arrive together: one delay, not five.
-        assert_eq!(t0.elapsed(), Duration::from_millis(30));
+        assert_eq!(rt.now() - t0, Duration::from_millis(30));
         server.send(frame(9)).await.unwrap();
         assert_eq!(client.recv().await.unwrap().header[..], [9]);
-        assert_eq!(t0.elapsed(), Duration::from_millis(60));
+        assert_eq!(rt.now() - t0, Duration::from_millis(60));
     }
 
     #[tokio::test(start_paused = true)]

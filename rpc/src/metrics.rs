@@ -325,12 +325,3 @@ impl Drop for Served {
         }
     }
 }
-
-impl Agent {
-    /// This agent's counters: calls, bytes, errors and calls in flight, in total and per peer.
-    /// The same numbers go to the [`metrics`] facade (see the [`metrics`](crate::metrics)
-    /// module).
-    pub fn metrics(&self) -> RpcMetrics {
-        self.inner.metrics.read()
-    }
-}

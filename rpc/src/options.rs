@@ -9,6 +9,7 @@ use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
 
 use crate::error::RpcError;
 use crate::functions::Functions;
+use crate::runtime::{Runtime, TokioRuntime};
 
 /// The default timeout of a call (PyTorch's too).
 pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(60);
@@ -102,6 +103,10 @@ pub struct RpcOptions {
     /// What a peer can make this worker hold of its shared device memory, awaiting the peer's
     /// release (default: 64 buffers and 8 GiB per peer; past either, tensors to it are staged).
     pub ipc_limits: tensorwire_core::ipc::IpcConfig,
+    /// Where the agent reads the time, sleeps and spawns (default [`TokioRuntime`]: tokio's
+    /// clock, which a paused test runtime makes virtual). Every deadline of the agent comes
+    /// from it.
+    pub runtime: Arc<dyn Runtime>,
 }
 
 /// The CUDA backend when the feature `cuda` is on, else no devices.
@@ -146,6 +151,7 @@ impl Default for RpcOptions {
             listen_ip: None,
             share_device_memory: true,
             ipc_limits: tensorwire_core::ipc::IpcConfig::default(),
+            runtime: Arc::new(TokioRuntime),
         }
     }
 }
@@ -162,6 +168,7 @@ impl std::fmt::Debug for RpcOptions {
             .field("functions", &self.functions)
             .field("device_backend", &self.device_backend.name())
             .field("share_device_memory", &self.share_device_memory)
+            .field("runtime", &self.runtime)
             .finish_non_exhaustive()
     }
 }
@@ -249,7 +256,14 @@ impl RpcOptions {
         self
     }
 
-    /// The device backend that moves tensors on and off devices.
+    /// The runtime the agent reads time from, sleeps and spawns with (see
+    /// [`RpcOptions::runtime`]).
+    pub fn with_runtime(mut self, runtime: Arc<dyn Runtime>) -> Self {
+        self.runtime = runtime;
+        self
+    }
+
+    /// The device backend (see [`RpcOptions::device_backend`]).
     pub fn with_device_backend(mut self, backend: Arc<dyn DeviceBackend>) -> Self {
         self.device_backend = backend;
         self

@@ -16,9 +16,10 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tensorwire_core::protocol::{CallError, RRefForkData, RRefHandle};
 use tokio::sync::oneshot;
 
-use crate::agent::{Agent, Body, RpcFuture, WorkerInfo};
+use crate::agent::{Agent, RpcFuture, WorkerInfo};
 use crate::codec;
 use crate::error::RpcError;
+use crate::state::Body;
 
 type Created = oneshot::Receiver<Result<Body, CallError>>;
 
@@ -33,9 +34,7 @@ struct Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let now = self.agent.now();
-        self.agent.lock().ep.drop_handle(self.handle, now);
-        self.agent.wake();
+        self.agent.drop_reference(self.handle);
     }
 }
 
@@ -116,11 +115,7 @@ impl<T: Send + Sync + 'static> RRef<T> {
 
     /// Whether the owner has confirmed this worker's reference.
     pub fn confirmed_by_owner(&self) -> bool {
-        self.agent()
-            .lock()
-            .ep
-            .is_confirmed(self.shared.handle)
-            .unwrap_or(false)
+        self.agent().reference_confirmed(self.shared.handle)
     }
 
     /// Waits until the owner has created the value, and says whether that worked (PyTorch's
@@ -198,7 +193,7 @@ impl<T: Send + Sync + 'static> RRef<T> {
         }
         self.created().await?;
         let bound = self.agent().rpc_timeout();
-        let deadline = (!bound.is_zero()).then(|| crate::clock::tokio_deadline_after(bound));
+        let deadline = (!bound.is_zero()).then(|| self.agent().runtime().deadline_after(bound));
         self.agent()
             .wait_confirmed(&[self.shared.handle], deadline)
             .await
@@ -291,13 +286,11 @@ impl<T> Serialize for RRef<T> {
         let (agent, to) = codec::encoding().ok_or_else(|| {
             fail("an RRef can only be sent as an argument or result of a tensorwire call")
         })?;
-        if !Arc::ptr_eq(&agent.inner, &self.shared.agent.inner) {
+        if !agent.same_as(&self.shared.agent) {
             return Err(fail("an RRef can only be sent by the agent that holds it"));
         }
         let data = agent
-            .lock()
-            .ep
-            .fork_for(self.shared.handle, to)
+            .fork_reference(self.shared.handle, to)
             .map_err(|e| fail(&e.to_string()))?;
         codec::forked(data);
         data.serialize(serializer)
@@ -310,9 +303,7 @@ impl<'de, T: Send + Sync + 'static> Deserialize<'de> for RRef<T> {
         let agent = codec::decoding().ok_or_else(|| {
             D::Error::custom("an RRef can only be received through a tensorwire call")
         })?;
-        let now = agent.now();
-        let handle = agent.lock().ep.accept_fork(data, now);
-        agent.wake();
+        let handle = agent.accept_reference(data);
         codec::accepted(handle);
         Ok(RRef::from_handle(agent, handle, None))
     }

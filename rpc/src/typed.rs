@@ -398,27 +398,23 @@ where
     }
 }
 
-impl Agent {
-    /// Calls `function(args)` on `to` (by name, rank or [`WorkerInfo`](crate::WorkerInfo)):
-    /// `.await` the returned [`Call`] for the result, or use its `timeout`, `send` and `remote`.
-    /// The argument and result types come from the descriptor, so they cannot disagree with
-    /// what [`Functions::serve`] registered in the same codebase; across binaries the callee
-    /// checks them (see the [`typed`](crate::typed) module).
-    pub fn call<'a, A, R>(
-        &'a self,
+impl<'a, A, R> Call<'a, A, R>
+where
+    A: Serialize + 'static,
+    R: 'static,
+{
+    /// A call of `function(args)` on `to` by `agent`, not sent yet (see [`Agent::call`]).
+    pub(crate) fn new(
+        agent: &'a Agent,
         function: &Function<A, R>,
-        to: impl Into<WorkerRef>,
+        to: WorkerRef,
         args: &'a A,
-    ) -> Call<'a, A, R>
-    where
-        A: Serialize + 'static,
-        R: 'static,
-    {
+    ) -> Self {
         Call {
-            agent: self,
+            agent,
             name: function.name,
             signature: function.signature(),
-            to: to.into(),
+            to,
             args,
             timeout: None,
             result: PhantomData,

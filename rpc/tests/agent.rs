@@ -11,7 +11,8 @@ use tensorwire_core::device::Device;
 use tensorwire_core::devices_sim::SimulatedDevices;
 use tensorwire_core::tensor::Tensor;
 use tensorwire_rpc::{
-    init_rpc, Agent, CallError, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions,
+    init_rpc, Agent, CallError, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions, Runtime,
+    TokioRuntime,
 };
 
 use tensorwire_core::ports::store::{Store, StoreError};
@@ -245,7 +246,7 @@ async fn calls_errors_panics_and_timeouts() {
         .rpc_sync::<_, i64>("w9", "add", &(1i64, 1i64), None)
         .await
         .unwrap_err();
-    assert!(matches!(e, RpcError::UnknownWorker(..)), "{e}");
+    assert!(matches!(e, RpcError::UnknownWorker { .. }), "{e}");
     shutdown_all(agents).await;
 }
 
@@ -757,7 +758,7 @@ async fn dynamic_groups_let_workers_join_and_leave() {
         .rpc_sync::<_, i64>("w2", "add", &(1i64, 1i64), None)
         .await
         .unwrap_err();
-    assert!(matches!(e, RpcError::UnknownWorker(..)), "{e}");
+    assert!(matches!(e, RpcError::UnknownWorker { .. }), "{e}");
     let again = dynamic(2, &cluster, |_| {}).await.unwrap();
     assert_eq!(
         a1.rpc_sync::<_, i64>("w2", "add", &(7i64, 7i64), None)
@@ -907,6 +908,10 @@ async fn static_and_dynamic_members_do_not_mix() {
         "{e}"
     );
     assert!(e.to_string().contains("this group is static"), "{e}");
+    assert!(
+        matches!(&e, RpcError::GroupKindMismatch { group, worker: "dynamic" } if group == "static"),
+        "{e:?}"
+    );
     shutdown_all(statics).await;
 }
 
@@ -1524,7 +1529,7 @@ async fn a_barrier_among_some_workers_needs_only_them() {
         .barrier_among("x", ["w0", "w9"], t)
         .await
         .unwrap_err();
-    assert!(matches!(e, RpcError::UnknownWorker(..)), "{e}");
+    assert!(matches!(e, RpcError::UnknownWorker { .. }), "{e}");
     assert_eq!(cluster.store().num_keys().await.unwrap(), keys);
     let down = futures_join(agents.iter().map(|a| {
         let a = a.clone();
@@ -1594,4 +1599,83 @@ async fn an_init_that_a_worker_never_joins_times_out_naming_it() {
             "{e}"
         );
     }
+}
+
+/// tokio's runtime, recording every time the agent asks to be woken at and every task it
+/// spawns on it.
+#[derive(Debug, Default)]
+struct RecordingRuntime {
+    wakes: std::sync::Mutex<Vec<std::time::Instant>>,
+    spawned: AtomicI64,
+}
+
+impl Runtime for RecordingRuntime {
+    fn now(&self) -> std::time::Instant {
+        TokioRuntime.now()
+    }
+
+    fn sleep_until(&self, at: std::time::Instant) -> tensorwire_rpc::runtime::BoxFuture {
+        self.wakes.lock().unwrap().push(at);
+        TokioRuntime.sleep_until(at)
+    }
+
+    fn spawn(
+        &self,
+        task: tensorwire_rpc::runtime::BoxFuture,
+    ) -> tensorwire_rpc::runtime::BoxFuture {
+        self.spawned.fetch_add(1, Ordering::SeqCst);
+        TokioRuntime.spawn(task)
+    }
+}
+
+/// The runtime in the options is the one the agent keeps time on: a call's deadline is a
+/// wake-up asked of it (and fires in virtual time), and shutdown's last stage is spawned on it.
+#[tokio::test(start_paused = true)]
+async fn the_agent_keeps_time_on_the_runtime_it_was_given() {
+    let runtime = Arc::new(RecordingRuntime::default());
+    let injected: Arc<dyn Runtime> = runtime.clone();
+    let agents: Vec<Agent> = group(2, move |rank, o| {
+        if rank == 0 {
+            o.runtime = Arc::clone(&injected);
+        }
+    })
+    .await
+    .into_iter()
+    .map(Result::unwrap)
+    .collect();
+    let t0 = runtime.now();
+    let e = agents[0]
+        .rpc_sync::<_, u64>("w1", "sleep_ms", &60_000u64, Some(Duration::from_secs(7)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            RpcError::Call {
+                source: CallError::Timeout { .. },
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let waited = runtime.now() - t0;
+    assert!(
+        waited >= Duration::from_secs(7) && waited < Duration::from_secs(8),
+        "{waited:?}"
+    );
+    assert!(
+        runtime
+            .wakes
+            .lock()
+            .unwrap()
+            .contains(&(t0 + Duration::from_secs(7))),
+        "the call's deadline was not a wake-up asked of the injected runtime"
+    );
+    assert_eq!(runtime.spawned.load(Ordering::SeqCst), 0);
+    for a in agents {
+        a.shutdown(tensorwire_rpc::Shutdown::Immediate)
+            .await
+            .unwrap();
+    }
+    assert_eq!(runtime.spawned.load(Ordering::SeqCst), 1);
 }

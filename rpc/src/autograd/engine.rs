@@ -1,0 +1,656 @@
+//! The engine side of distributed autograd: what a worker does once its state machine
+//! (`tensorwire_core::autograd`) has spoken — requests tracked and answered, gradients placed,
+//! sent and received, releases fanned out, backward tasks run on the local engine.
+
+// The state, messages and helpers of the parent module.
+use super::*;
+
+/// What the driver does after the state machine spoke, outside the lock.
+pub(super) enum Action<E: AutogradEngine> {
+    Run {
+        task: TaskId,
+        roots: Roots<E>,
+        context: ContextId,
+    },
+    Gradient {
+        gradient: GradientId,
+        to: WorkerId,
+        req: GradientRequest,
+        placement: RecvPlacement,
+    },
+    GradientFailed {
+        gradient: GradientId,
+        error: BackwardError,
+    },
+    Release {
+        to: WorkerId,
+        req: ReleaseRequest,
+    },
+    Reply {
+        tx: oneshot::Sender<Result<(), BackwardError>>,
+        result: Result<(), BackwardError>,
+    },
+    Drop(Box<ContextData<E>>),
+}
+
+impl<E: AutogradEngine> Inner<E> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, Shared<E>> {
+        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn timeout(&self) -> Option<Duration> {
+        *self.timeout.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn named(&self, e: BackwardError) -> DistAutogradError {
+        let worker = e.worker();
+        let name = self.agent.name_of(worker);
+        DistAutogradError::Backward {
+            message: format!("{name} (rank {worker}): {e}"),
+            worker,
+            source: e,
+        }
+    }
+
+    /// Records the send of `tensors` to `to` and builds the request. With `force` the send
+    /// is recorded even without tensors: a call made in a context always is (PyTorch records
+    /// every Python call in a context), so the callee holds the context and may return
+    /// tracked tensors, or send them on, whatever its arguments were.
+    pub(super) fn send<'a, A: Serialize + ?Sized>(
+        &self,
+        context: ContextId,
+        to: WorkerId,
+        tensors: &[E::Tensor],
+        args: &'a A,
+        force: bool,
+    ) -> Result<ForwardRequest<&'a A>, DistAutogradError> {
+        let wire = tensors
+            .iter()
+            .map(|t| self.engine.export(t))
+            .collect::<Result<Vec<_>, _>>()?;
+        let message = if tensors.is_empty() && !force {
+            None
+        } else {
+            let mut sh = self.lock();
+            let m = sh.state.record_send(context, to)?;
+            sh.data
+                .entry(context)
+                .or_insert_with(ContextData::new)
+                .sends
+                .insert(m, tensors.to_vec());
+            Some(m)
+        };
+        Ok(ForwardRequest {
+            context,
+            message,
+            tensors: wire,
+            args,
+        })
+    }
+
+    /// Callee side of a forward call: records the recv and tracks the tensors.
+    pub(super) async fn receive(
+        self: &Arc<Self>,
+        caller: WorkerId,
+        context_id: ContextId,
+        message: Option<AutogradMessageId>,
+        tensors: &[Tensor],
+    ) -> Result<(AutogradContext<E>, Vec<E::Tensor>), String> {
+        let tracked = match message {
+            Some(m) => {
+                self.track(caller, context_id, m, tensors, Direction::Request)
+                    .await?
+            }
+            None => {
+                if !tensors.is_empty() {
+                    return Err("tensors without an autograd message id".into());
+                }
+                Vec::new()
+            }
+        };
+        let context = AutogradContext {
+            span: context_span(&self.agent, context_id),
+            inner: self.clone(),
+            id: context_id,
+            owned: false,
+        };
+        Ok((context, tracked))
+    }
+
+    /// Records a recv from `from` and returns its tensors as tracked leaves. `moved_by` says
+    /// which map placed them (a request's: the sender's map; a response's: the sender's
+    /// reverse map): their gradients go back by the other. The devices they landed on are
+    /// kept: the engine gets host copies, and each gradient is put back on its tensor's
+    /// device before it is sent.
+    pub(super) async fn track(
+        &self,
+        from: WorkerId,
+        context: ContextId,
+        message: AutogradMessageId,
+        tensors: &[Tensor],
+        moved_by: Direction,
+    ) -> Result<Vec<E::Tensor>, String> {
+        let devices: Vec<Device> = tensors.iter().map(Tensor::device).collect();
+        let mut tracked = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            let host = self.to_host(t).await?;
+            tracked.push(self.engine.import(&host, true).map_err(|e| e.to_string())?);
+        }
+        let mut sh = self.lock();
+        match sh.state.handle_recv(from, context, message) {
+            Ok(()) => {}
+            Err(RecvError::Violation(v)) => {
+                drop(sh);
+                self.violation(from, &v.to_string());
+                return Err(v.to_string());
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+        let data = sh.data.entry(context).or_insert_with(ContextData::new);
+        for (i, t) in tracked.iter().enumerate() {
+            data.recv_leaves
+                .insert(self.engine.leaf_id(t), (message, i));
+        }
+        data.recvs.insert(message, tracked.clone());
+        data.recv_devices.insert(
+            message,
+            RecvPlacement {
+                devices,
+                gradients_go: match moved_by {
+                    Direction::Request => Direction::Response,
+                    Direction::Response => Direction::Request,
+                },
+            },
+        );
+        Ok(tracked)
+    }
+
+    /// Callee side: records the send of the result's tensors back to the caller.
+    pub(super) fn respond<R>(
+        &self,
+        context: ContextId,
+        caller: WorkerId,
+        out: Vec<E::Tensor>,
+        result: R,
+    ) -> Result<ForwardResponse<R>, String> {
+        let req = self
+            .send(context, caller, &out, &(), false)
+            .map_err(|e| e.to_string())?;
+        Ok(ForwardResponse {
+            message: req.message,
+            tensors: req.tensors,
+            result,
+        })
+    }
+
+    /// `t` in host memory, for the engine (which computes on the host): copied off its device
+    /// by the agent's device backend when it is on one.
+    pub(super) async fn to_host(&self, t: &Tensor) -> Result<Tensor, String> {
+        relocate(&**self.agent.device_backend(), t, Device::Cpu)
+            .await
+            .map_err(|e| {
+                format!(
+                    "a tensor on {} could not be copied to the host: {e}",
+                    t.device()
+                )
+            })
+    }
+
+    pub(super) fn violation(&self, from: WorkerId, what: &str) {
+        self.violations.fetch_add(1, Ordering::Relaxed);
+        warn!(
+            "autograd protocol violation by {} (rank {from}): {what}",
+            self.agent.name_of(from)
+        );
+    }
+
+    pub(super) async fn on_gradient(
+        self: Arc<Self>,
+        cx: CallContext,
+        req: GradientRequest,
+    ) -> Result<Result<(), BackwardError>, String> {
+        let from = cx.caller().id;
+        let mut seeds = Vec::with_capacity(req.grads.len());
+        for g in &req.grads {
+            seeds.push(match g {
+                Some(t) => Some(
+                    self.engine
+                        .import(&self.to_host(t).await?, false)
+                        .map_err(|e| e.to_string())?,
+                ),
+                None => None,
+            });
+        }
+        let rx = {
+            let mut sh = self.lock();
+            let token = sh.next_token;
+            sh.next_token += 1;
+            match sh
+                .state
+                .handle_gradient(from, req.context, req.message, token)
+            {
+                Ok(task) => {
+                    if let Some(d) = sh.data.get_mut(&req.context) {
+                        d.seeds.insert(task, seeds);
+                    }
+                    let (tx, rx) = oneshot::channel();
+                    sh.requests.insert(token, tx);
+                    rx
+                }
+                Err(v) => {
+                    drop(sh);
+                    self.violation(from, &v.to_string());
+                    return Err(format!("protocol violation: {v}"));
+                }
+            }
+        };
+        self.pump();
+        let span = context_span(&self.agent, req.context);
+        // Every request is answered by the state machine (even when its context is dropped);
+        // the sender goes away unanswered only with this worker's autograd state.
+        Ok(rx.instrument(span).await.unwrap_or_else(|_| {
+            Err(BackwardError::Stopped {
+                worker: self.agent.worker_info().id,
+                context: req.context,
+            })
+        }))
+    }
+
+    pub(super) async fn on_release(
+        self: Arc<Self>,
+        cx: CallContext,
+        req: ReleaseRequest,
+    ) -> Result<(), String> {
+        let from = cx.caller().id;
+        let r = self
+            .lock()
+            .state
+            .handle_release(from, req.context, req.cause);
+        if let Err(v) = r {
+            self.violation(from, &v.to_string());
+            return Err(format!("protocol violation: {v}"));
+        }
+        self.pump_and_wait_releases()
+            .instrument(context_span(&self.agent, req.context))
+            .await;
+        Ok(())
+    }
+
+    /// Carries out what the state machine asked for. Releases are sent in the background.
+    pub(super) fn pump(self: &Arc<Self>) {
+        let inner = self.clone();
+        let releases = self.pump_collect();
+        if !releases.is_empty() {
+            tokio::spawn(async move { inner.send_releases(releases).await });
+        }
+    }
+
+    /// [`pump`](Self::pump), waiting for the releases it sends to be answered.
+    pub(super) async fn pump_and_wait_releases(self: &Arc<Self>) {
+        let releases = self.pump_collect();
+        self.send_releases(releases).await;
+    }
+
+    pub(super) async fn send_releases(self: &Arc<Self>, releases: Vec<(WorkerId, ReleaseRequest)>) {
+        let mut waits = Vec::new();
+        for (to, req) in releases {
+            match self
+                .agent
+                .rpc_async::<_, ()>(to, RELEASE, &req, self.timeout())
+            {
+                Ok(f) => waits.push((to, f)),
+                Err(e) => warn!(
+                    "could not send the release of {} to rank {to}: {e}",
+                    req.context
+                ),
+            }
+        }
+        for (to, f) in waits {
+            if let Err(e) = f.await {
+                if let Some(peer) = lost_peer(&e) {
+                    self.peer_lost(peer);
+                }
+                warn!("the release sent to rank {to} failed: {e}");
+            }
+        }
+    }
+
+    pub(super) fn peer_lost(self: &Arc<Self>, peer: WorkerId) {
+        self.lock().state.handle_peer_lost(peer);
+        self.pump();
+    }
+
+    /// Drains the state machine's outputs into actions, runs them, and returns the releases.
+    pub(super) fn pump_collect(self: &Arc<Self>) -> Vec<(WorkerId, ReleaseRequest)> {
+        let mut releases = Vec::new();
+        loop {
+            let actions = self.collect();
+            if actions.is_empty() {
+                return releases;
+            }
+            for a in actions {
+                match a {
+                    Action::Run {
+                        task,
+                        roots,
+                        context,
+                    } => {
+                        let inner = self.clone();
+                        tokio::spawn(async move { inner.run(task, context, roots).await });
+                    }
+                    Action::Gradient {
+                        gradient,
+                        to,
+                        req,
+                        placement,
+                    } => {
+                        let inner = self.clone();
+                        if placement.devices.iter().all(|d| d.is_cpu()) {
+                            inner.send_gradient(gradient, to, req, placement.gradients_go);
+                        } else {
+                            // Each gradient goes on its tensor's device first (a copy by the
+                            // device backend), then travels by the reverse map from there.
+                            tokio::spawn(async move {
+                                match inner.place_gradients(req, &placement.devices).await {
+                                    Ok(req) => inner.send_gradient(
+                                        gradient,
+                                        to,
+                                        req,
+                                        placement.gradients_go,
+                                    ),
+                                    Err(error) => {
+                                        inner
+                                            .lock()
+                                            .state
+                                            .handle_gradient_reply(gradient, Err(error));
+                                        inner.pump();
+                                    }
+                                }
+                            });
+                        }
+                    }
+                    Action::GradientFailed { gradient, error } => {
+                        self.lock()
+                            .state
+                            .handle_gradient_reply(gradient, Err(error));
+                    }
+                    Action::Release { to, req } => releases.push((to, req)),
+                    Action::Reply { tx, result } => {
+                        let _ = tx.send(result);
+                    }
+                    Action::Drop(data) => drop(data),
+                }
+            }
+        }
+    }
+
+    /// Sends `req` to `to` as gradient request `gradient`, its tensors placed by the map
+    /// `placement` names, and reports the answer to the state machine.
+    pub(super) fn send_gradient(
+        self: &Arc<Self>,
+        gradient: GradientId,
+        to: WorkerId,
+        req: GradientRequest,
+        placement: Direction,
+    ) {
+        let inner = self.clone();
+        match self.agent.send_call_placed::<_, Result<(), BackwardError>>(
+            to,
+            GRAD,
+            &req,
+            None,
+            self.timeout(),
+            placement,
+        ) {
+            Ok(f) => {
+                tokio::spawn(async move {
+                    let result = f.await;
+                    inner.on_gradient_answer(gradient, to, req.context, result);
+                });
+            }
+            Err(e) => inner.on_gradient_answer(gradient, to, req.context, Err(e)),
+        }
+    }
+
+    /// Puts each gradient of `req` on the device its tensor landed on here.
+    pub(super) async fn place_gradients(
+        &self,
+        mut req: GradientRequest,
+        devices: &[Device],
+    ) -> Result<GradientRequest, BackwardError> {
+        let backend = self.agent.device_backend();
+        for (g, device) in req.grads.iter_mut().zip(devices) {
+            if let Some(t) = g {
+                *t = relocate(&**backend, t, *device)
+                    .await
+                    .map_err(|e| BackwardError::Engine {
+                        worker: self.agent.worker_info().id,
+                        context: req.context,
+                        reason: format!("the gradient could not be put on {device}: {e}"),
+                    })?;
+            }
+        }
+        Ok(req)
+    }
+
+    pub(super) fn on_gradient_answer(
+        self: &Arc<Self>,
+        gradient: GradientId,
+        to: WorkerId,
+        context: ContextId,
+        result: Result<Result<(), BackwardError>, RpcError>,
+    ) {
+        let (result, lost) = match result {
+            Ok(r) => (r, None),
+            Err(e) => {
+                let lost = lost_peer(&e);
+                let error = match lost {
+                    Some(peer) => BackwardError::PeerLost {
+                        worker: peer,
+                        context,
+                    },
+                    None => BackwardError::Request {
+                        worker: to,
+                        context,
+                        reason: e.to_string(),
+                    },
+                };
+                (Err(error), lost)
+            }
+        };
+        {
+            let mut sh = self.lock();
+            sh.state.handle_gradient_reply(gradient, result);
+            if let Some(peer) = lost {
+                sh.state.handle_peer_lost(peer);
+            }
+        }
+        self.pump();
+    }
+
+    /// Turns the state machine's outputs into actions (under the lock).
+    pub(super) fn collect(&self) -> Vec<Action<E>> {
+        let mut sh = self.lock();
+        let mut actions = Vec::new();
+        while let Some(o) = sh.state.poll() {
+            match o {
+                Output::Prepare { .. } => {
+                    // candle-style engines keep the graph in the tensors: the dependencies of a
+                    // send function are found when it runs.
+                }
+                Output::RunLocal {
+                    task,
+                    context,
+                    entry,
+                } => {
+                    let Some(d) = sh.data.get_mut(&context) else {
+                        continue;
+                    };
+                    let roots = match entry {
+                        Entry::Roots => std::mem::take(&mut d.roots),
+                        Entry::Send(m) => {
+                            let seeds = d.seeds.remove(&task).unwrap_or_default();
+                            d.sends
+                                .get(&m)
+                                .map(|ts| {
+                                    ts.iter()
+                                        .cloned()
+                                        .zip(seeds)
+                                        .filter_map(|(t, s)| s.map(|s| (t, Some(s))))
+                                        .collect()
+                                })
+                                .unwrap_or_default()
+                        }
+                    };
+                    actions.push(Action::Run {
+                        task,
+                        roots,
+                        context,
+                    });
+                }
+                Output::SendGradient {
+                    gradient,
+                    task,
+                    to,
+                    context,
+                    message,
+                } => {
+                    let (grads, placement) = sh
+                        .data
+                        .get_mut(&context)
+                        .map(|d| {
+                            (
+                                d.produced.remove(&(task, message)).unwrap_or_default(),
+                                d.recv_devices.get(&message).cloned(),
+                            )
+                        })
+                        .unwrap_or_default();
+                    // A recv always has its placement; without one the gradient stays on the
+                    // host and goes back the way a response would.
+                    let placement = placement.unwrap_or(RecvPlacement {
+                        devices: Vec::new(),
+                        gradients_go: Direction::Response,
+                    });
+                    let wire: Result<Vec<Option<Tensor>>, EngineError> = grads
+                        .iter()
+                        .map(|g| g.as_ref().map(|g| self.engine.export(g)).transpose())
+                        .collect();
+                    match wire {
+                        Ok(grads) => actions.push(Action::Gradient {
+                            gradient,
+                            to,
+                            req: GradientRequest {
+                                context,
+                                message,
+                                grads,
+                            },
+                            placement,
+                        }),
+                        Err(e) => actions.push(Action::GradientFailed {
+                            gradient,
+                            error: BackwardError::Engine {
+                                worker: sh.state.worker(),
+                                context,
+                                reason: e.to_string(),
+                            },
+                        }),
+                    }
+                }
+                Output::Reply {
+                    request, result, ..
+                } => {
+                    if let Some(tx) = sh.requests.remove(&request) {
+                        actions.push(Action::Reply { tx, result });
+                    }
+                }
+                Output::BackwardDone { context, result } => {
+                    if let Some(tx) = sh.roots.remove(&context) {
+                        actions.push(Action::Reply { tx, result });
+                    }
+                }
+                Output::Release { to, context, cause } => actions.push(Action::Release {
+                    to,
+                    req: ReleaseRequest { context, cause },
+                }),
+                Output::Dropped { context } => {
+                    if let Some(d) = sh.data.remove(&context) {
+                        actions.push(Action::Drop(Box::new(d)));
+                    }
+                }
+            }
+        }
+        actions
+    }
+
+    /// Runs the engine for a task and reports to the state machine.
+    pub(super) async fn run(self: Arc<Self>, task: TaskId, context: ContextId, roots: Roots<E>) {
+        let inner = self.clone();
+        let computed = tokio::task::spawn_blocking(move || inner.engine.backward(&roots)).await;
+        let grads = match computed {
+            Ok(Ok(g)) => g,
+            Ok(Err(e)) => {
+                self.lock().state.local_failed(task, e.to_string());
+                self.pump();
+                return;
+            }
+            Err(e) => {
+                self.lock()
+                    .state
+                    .local_failed(task, format!("the engine panicked: {e}"));
+                self.pump();
+                return;
+            }
+        };
+        {
+            let mut sh = self.lock();
+            let Some(d) = sh.data.get_mut(&context) else {
+                return;
+            };
+            let mut reached: Vec<AutogradMessageId> = Vec::new();
+            let mut failed = None;
+            for (leaf, g) in grads {
+                if let Some(&(m, i)) = d.recv_leaves.get(&leaf) {
+                    let n = d.recvs.get(&m).map_or(0, Vec::len);
+                    let slot = d.produced.entry((task, m)).or_insert_with(|| vec![None; n]);
+                    if let Some(s) = slot.get_mut(i) {
+                        *s = Some(g);
+                    }
+                    if !reached.contains(&m) {
+                        reached.push(m);
+                    }
+                } else {
+                    let sum = match d.grads.get(&leaf) {
+                        Some(prev) => match self.engine.accumulate(prev, &g) {
+                            Ok(s) => s,
+                            Err(e) => {
+                                failed = Some(e.to_string());
+                                break;
+                            }
+                        },
+                        None => g,
+                    };
+                    d.grads.insert(leaf, sum);
+                }
+            }
+            match failed {
+                Some(e) => {
+                    d.produced.retain(|(t, _), _| *t != task);
+                    sh.state.local_failed(task, e)
+                }
+                None => sh.state.local_done(task, &reached),
+            }
+        }
+        self.pump();
+    }
+}
+
+/// The peer an RPC error says is gone.
+fn lost_peer(e: &RpcError) -> Option<WorkerId> {
+    match e {
+        RpcError::Call {
+            source: CallError::PeerLost { peer, .. },
+            ..
+        } => Some(*peer),
+        _ => None,
+    }
+}

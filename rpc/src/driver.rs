@@ -1,0 +1,188 @@
+//! The driver: moves what the endpoint produced along (messages to the peers' writers, events
+//! to their handlers) and sleeps until the endpoint's next timer or until woken.
+//!
+//! Today the endpoint is also pumped on the calling task of an API call or a reader (one
+//! wake-up less per message); DESIGN's target is this driver alone polling the endpoint.
+
+use tensorwire_core::protocol::{Event, LostCause, RemoteErrorKind};
+
+use crate::agent::Agent;
+use crate::links::{self, DirectWrite};
+use crate::serve::{self, remote_error};
+use crate::state::Body;
+
+/// Moves what the endpoint produced along, on the calling task: messages to the peers'
+/// writers (in order, under the lock) and events to their handlers. Wakes the driver only
+/// when a timer is now due earlier than the one it sleeps on. Must run inside the runtime
+/// (dispatching may spawn tasks); `Drop` impls use [`wake`](Self::wake) instead.
+pub(crate) fn pump(this: &Agent) {
+    pump_with(this, None);
+}
+
+/// [`pump`](Self::pump), writing messages on this task where the peer's writer is idle
+/// (one wake-up less per message). Only for tasks of ours that nobody cancels mid-write.
+pub(crate) async fn pump_direct(this: &Agent) {
+    let mut writes = Vec::new();
+    pump_with(this, Some(&mut writes));
+    for w in writes {
+        if let Err(e) = w.conn.send_many(w.frames).await {
+            links::peer_lost(this, w.peer, LostCause::Transport(e.to_string()));
+        }
+    }
+}
+
+/// [`pump`](Self::pump) for a task that cannot wait (a caller's `rpc_async`): messages to a
+/// peer whose writer is idle are written on this task as far as the connection takes them
+/// without waiting (one wake-up of the writer less per message); the rest of such a write
+/// goes on in a writer task, which shutdown lets finish, holding the peer's write turn (so
+/// order is kept).
+pub(crate) fn pump_now(this: &Agent) {
+    let mut writes = Vec::new();
+    pump_with(this, Some(&mut writes));
+    for w in writes {
+        let agent = this.clone();
+        let mut write = Box::pin(async move {
+            let DirectWrite {
+                peer,
+                conn,
+                frames,
+                _turn,
+            } = w;
+            if let Err(e) = conn.send_many(frames).await {
+                links::peer_lost(&agent, peer, LostCause::Transport(e.to_string()));
+            }
+        });
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if std::future::Future::poll(write.as_mut(), &mut cx).is_pending() {
+            this.track(true, write);
+        }
+    }
+}
+
+pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>) {
+    loop {
+        let (events, wake_driver) = {
+            let mut st = this.lock();
+            while let Some(t) = st.ep.poll_transmit() {
+                links::send(this, &mut st, t, direct.as_deref_mut());
+            }
+            let mut events = Vec::new();
+            while let Some(e) = st.ep.poll_event() {
+                events.push(e);
+            }
+            let next = st.ep.poll_timeout();
+            let wake_driver = match (next, st.driver_wakes_at) {
+                (Some(n), Some(at)) => n < at,
+                (Some(_), None) => true,
+                (None, _) => false,
+            };
+            (events, wake_driver)
+        };
+        if wake_driver {
+            this.wake();
+        }
+        if events.is_empty() {
+            return;
+        }
+        for e in events {
+            dispatch(this, e);
+        }
+    }
+}
+
+pub(crate) fn dispatch(this: &Agent, ev: Event<Body>) {
+    match ev {
+        Event::Call {
+            token,
+            function,
+            body,
+            deadline,
+        } => serve::serve(this, token, function, body, None, deadline),
+        Event::Remote {
+            token,
+            function,
+            body,
+            rref,
+            deadline,
+        } => serve::serve(this, token, function, body, Some(rref), deadline),
+        Event::ConfirmWaitDone { wait, outcome } => {
+            if let Some(tx) = this.lock().confirm_waits.remove(&wait) {
+                let _ = tx.send(outcome);
+            }
+        }
+        Event::Fetch { token, rref } => {
+            let value = this.lock().values.get(&rref).cloned();
+            let from_peer = token.from() != this.inner.me.id;
+            let agent = this.clone();
+            let answer = async move {
+                let me = agent.inner.me.id;
+                let outcome = match value {
+                    Some(v) => serve::reply_body(&agent, &*v, token.from()).await,
+                    None => Err(remote_error(
+                        me,
+                        RemoteErrorKind::RRef,
+                        format!("no value is kept for {rref}"),
+                    )),
+                };
+                agent.lock().ep.respond(token, outcome);
+            };
+            // A value in host memory is answered here and now (the pump that dispatched
+            // this sends the reply, in the same write as what it sends already: after a
+            // `remote`, its acknowledgement); one with device tensors waits for the copies
+            // in a task of its own, as does a fetch by this worker itself (dispatched from
+            // inside its `to_here`).
+            let mut answer = Box::pin(answer);
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if !from_peer || std::future::Future::poll(answer.as_mut(), &mut cx).is_pending() {
+                let agent = this.clone();
+                this.spawn(async move {
+                    answer.await;
+                    pump_direct(&agent).await;
+                });
+            }
+        }
+        Event::Completed { id, outcome } => {
+            let waiter = this.lock().waiters.remove(&id);
+            if let Some(tx) = waiter {
+                let _ = tx.send(outcome);
+            }
+        }
+        Event::ReleaseValue { rref } => {
+            // The value leaves the map under the lock and is dropped after the guard is gone:
+            // a user value may hold remote references, whose `Drop` takes the lock again.
+            let value = this.lock().values.remove(&rref);
+            drop(value);
+        }
+        Event::ShutdownComplete { outcome } => {
+            if let Some(tx) = this.lock().shutdown_waiter.take() {
+                let _ = tx.send(outcome);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The driver: moves the endpoint's output to peers and the application, and its timers.
+pub(crate) async fn drive(agent: Agent) {
+    loop {
+        agent.pump();
+        let next = {
+            let mut st = agent.lock();
+            let next = st.ep.poll_timeout();
+            st.driver_wakes_at = next;
+            next
+        };
+        match next {
+            Some(at) => {
+                tokio::select! {
+                    () = agent.inner.wake.notified() => {}
+                    () = agent.inner.runtime.sleep_until(at) => {
+                        let now = agent.now();
+                        agent.lock().ep.handle_timeout(now);
+                    }
+                }
+            }
+            None => agent.inner.wake.notified().await,
+        }
+    }
+}

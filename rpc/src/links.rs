@@ -1,0 +1,401 @@
+//! The agent's connections to its peers: a writer task per connection fed by a queue, the
+//! direct-write fast path (a task of ours writes itself when the peer's writer is idle), the
+//! reader tasks that hand received frames to the endpoint, and the loss of a peer.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tensorwire_core::ports::transport::Connection;
+use tensorwire_core::protocol::{
+    Header, LostCause, MessageId, ProtocolViolation, RRefId, Transmit, WorkerId,
+};
+use tensorwire_core::wire::{Frame, FrameKind};
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use crate::agent::Agent;
+use crate::codec::Envelope;
+use crate::driver;
+use crate::state::{Body, PeerLink, State};
+use crate::tensors;
+
+/// At most this many queued frames go out in one `send_many`.
+pub(crate) const WRITE_BATCH: usize = 64;
+
+/// Frames a task writes itself, holding its peer's write lock.
+pub(crate) struct DirectWrite {
+    pub(crate) peer: WorkerId,
+    pub(crate) conn: Arc<dyn Connection>,
+    pub(crate) frames: Vec<Frame>,
+    pub(crate) _turn: tokio::sync::OwnedMutexGuard<()>,
+}
+
+/// Registers the connection to `peer` and starts its writer task, and its reader task if
+/// `read` (else the connection's owner, the static group, reads it and keeps it open).
+pub(crate) fn attach_conn(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection>, read: bool) {
+    if this.tasks().closed {
+        // Shut down already: the connection closes here.
+        return;
+    }
+    let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
+    let write = Arc::new(tokio::sync::Mutex::new(()));
+    let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    this.lock().peers.insert(
+        peer,
+        PeerLink {
+            tx,
+            transport: conn.transport(),
+            conn: Arc::clone(&conn),
+            write: Arc::clone(&write),
+            queued: Arc::clone(&queued),
+        },
+    );
+    let writer_conn = Arc::clone(&conn);
+    let agent = this.clone();
+    let writer = async move {
+        while let Some(frame) = rx.recv().await {
+            // Everything queued meanwhile goes out with it, in as few writes as possible.
+            let mut batch = vec![frame];
+            while batch.len() < WRITE_BATCH {
+                match rx.try_recv() {
+                    Ok(f) => batch.push(f),
+                    Err(_) => break,
+                }
+            }
+            let n = batch.len();
+            let turn = write.lock().await;
+            let sent = writer_conn.send_many(batch).await;
+            drop(turn);
+            queued.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
+            if let Err(e) = sent {
+                peer_lost_on(
+                    &agent,
+                    peer,
+                    LostCause::Transport(e.to_string()),
+                    &writer_conn,
+                );
+                return;
+            }
+        }
+        if read {
+            let _ = writer_conn.close().await;
+        }
+    };
+    let agent = this.clone();
+    let cheap_sends = conn.cheap_sends();
+    let reader = async move {
+        loop {
+            match conn.recv().await {
+                Ok(frame) => {
+                    if let Err(violation) = on_frame(&agent, peer, frame, cheap_sends) {
+                        peer_lost_on(
+                            &agent,
+                            peer,
+                            LostCause::Misbehaved(Box::new(violation)),
+                            &conn,
+                        );
+                        return;
+                    }
+                }
+                Err(e) => {
+                    if agent.lock().ep.state() == tensorwire_core::protocol::RunState::Running {
+                        peer_lost_on(&agent, peer, LostCause::Transport(e.to_string()), &conn);
+                    }
+                    return;
+                }
+            }
+        }
+    };
+    this.track(true, writer);
+    if read {
+        this.spawn(reader);
+    }
+}
+
+/// [`peer_lost`](Self::peer_lost), if `conn` is still the connection to `peer` (a worker
+/// that left and joined again has a new one, which the old one's end must not touch).
+pub(crate) fn peer_lost_on(
+    this: &Agent,
+    peer: WorkerId,
+    cause: LostCause,
+    conn: &Arc<dyn Connection>,
+) {
+    let current = this
+        .lock()
+        .peers
+        .get(&peer)
+        .is_some_and(|l| Arc::ptr_eq(&l.conn, conn));
+    if current {
+        peer_lost(this, peer, cause);
+    } else {
+        debug!("an old connection to rank {peer} ended: {cause}");
+    }
+}
+
+/// Member `peer` left a dynamic group (the membership decided it): the endpoint treats it
+/// as a lost peer (its calls fail naming it, its forks stop keeping our values alive, the
+/// forks of its values are forgotten), and its connection closes once what is queued for
+/// it is sent.
+pub(crate) fn member_left(this: &Agent, peer: WorkerId) {
+    crate::ipc::peer_lost(this, peer);
+    let (link, first) = {
+        let mut st = this.lock();
+        let link = st.peers.remove(&peer);
+        let first = st.ep.lost_cause(peer).is_none();
+        st.ep.handle_peer_lost(peer, LostCause::Left, this.now());
+        (link, first)
+    };
+    drop(link);
+    // For subscribers a member that left is gone as a lost one is (autograd drops the
+    // contexts it made or knew).
+    if first {
+        this.inner
+            .peer_events
+            .emit(crate::peer_events::PeerEvent::Lost {
+                worker: peer,
+                cause: LostCause::Left,
+            });
+    }
+}
+
+/// Drops every connection (a join that failed, before it is tried again).
+pub(crate) fn close_links(this: &Agent) {
+    let links = std::mem::take(&mut this.lock().peers);
+    drop(links);
+}
+
+/// Queues a control frame (the membership protocol's) for `to`'s writer.
+pub(crate) fn send_control(this: &Agent, to: WorkerId, frame: Frame) {
+    let st = this.lock();
+    match st.peers.get(&to) {
+        Some(link) => {
+            link.queued
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            if link.tx.send(frame).is_err() {
+                link.queued
+                    .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            }
+        }
+        None => debug!("no connection to rank {to} for a membership message"),
+    }
+}
+
+/// The connection to `peer` is gone for `cause`: recorded once, in the endpoint (the first
+/// cause stays), and told to subscribers once.
+pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
+    let name = this.name_of(peer);
+    warn!("lost the connection to {name} (rank {peer}): {cause}");
+    crate::ipc::peer_lost(this, peer);
+    let first = {
+        let mut st = this.lock();
+        st.peers.remove(&peer);
+        let first = st.ep.lost_cause(peer).is_none();
+        st.ep.handle_peer_lost(peer, cause, this.now());
+        first.then(|| st.ep.lost_cause(peer).cloned()).flatten()
+    };
+    if this.inner.dynamic {
+        // The membership drops it (and hands coordination on, if it coordinated).
+        let now = this.now();
+        this.with_membership(|m| m.handle_lost(peer, now));
+    }
+    this.pump();
+    // The reader and the writer of a link may both report its end: subscribers hear once.
+    if let Some(cause) = first {
+        this.inner
+            .peer_events
+            .emit(crate::peer_events::PeerEvent::Lost {
+                worker: peer,
+                cause,
+            });
+    }
+}
+
+/// Hands a received frame to the endpoint. A frame that breaks the protocol is an error:
+/// the connection to that peer is dropped (its calls fail naming it), never a silent loss.
+///
+/// With `direct` (a connection whose sends are cheap, see `Connection::cheap_sends`), what
+/// handling it produced is written on the reader's task, before it waits for the next
+/// frame (see [`pump_now`](Self::pump_now)); else it goes through the writers, which batch
+/// it with the replies to the other frames of the same read.
+pub(crate) fn on_frame(
+    this: &Agent,
+    from: WorkerId,
+    frame: Frame,
+    direct: bool,
+) -> Result<(), ProtocolViolation> {
+    if frame.kind == FrameKind::Control {
+        if let Some(handled) = crate::ipc::on_control(this, from, &frame) {
+            return handled;
+        }
+        return this.on_membership_frame(from, &frame);
+    }
+    if this.inner.dynamic && !this.may_call(from) {
+        return Err(ProtocolViolation::NotAMember);
+    }
+    let envelope: Envelope =
+        postcard::from_bytes(&frame.header).map_err(|e| ProtocolViolation::Malformed {
+            what: format!("a message header that does not parse ({e})"),
+        })?;
+    this.inner
+        .ipc
+        .check_received(from, &envelope.tensors)
+        .map_err(ProtocolViolation::Ipc)?;
+    let mut payloads = frame.payloads.into_iter();
+    let body = match payloads.next() {
+        Some(data) => {
+            let bytes: Vec<Bytes> = payloads.collect();
+            if bytes.len() != envelope.tensors.len() {
+                return Err(ProtocolViolation::Malformed {
+                    what: format!(
+                        "a message that announces {} tensors and carries {}",
+                        envelope.tensors.len(),
+                        bytes.len()
+                    ),
+                });
+            }
+            let tensors = envelope.tensors.into_iter().zip(bytes).collect();
+            Some(Body {
+                target: envelope.target,
+                data,
+                tensors,
+                forks: Vec::new(),
+            })
+        }
+        None => None,
+    };
+    let handled = this
+        .lock()
+        .ep
+        .handle_message(from, envelope.header, body, this.now());
+    if direct {
+        driver::pump_now(this);
+    } else {
+        this.pump();
+    }
+    handled
+}
+
+pub(crate) fn send(
+    this: &Agent,
+    st: &mut State,
+    t: Transmit<Body>,
+    direct: Option<&mut Vec<DirectWrite>>,
+) {
+    // A shutdown's last words go through the writers, which shutdown lets finish; a task
+    // writing directly may be one that stopping the agent cancels.
+    let direct = direct.filter(|_| {
+        !matches!(
+            t.header,
+            Header::Shutdown { .. } | Header::ShutdownFailed { .. }
+        )
+    });
+    let (target, payloads, metas) = match t.body {
+        Some(b) => {
+            let (metas, bytes): (Vec<_>, Vec<_>) = b.tensors.into_iter().unzip();
+            let mut payloads = Vec::with_capacity(1 + bytes.len());
+            payloads.push(b.data);
+            payloads.extend(bytes);
+            (b.target, payloads, metas)
+        }
+        None => (None, vec![], vec![]),
+    };
+    let header = match postcard::to_allocvec(&Envelope {
+        header: t.header,
+        target,
+        tensors: metas,
+    }) {
+        Ok(h) => h,
+        Err(e) => {
+            warn!("cannot encode a message header: {e}");
+            return;
+        }
+    };
+    let frame = Frame {
+        kind: FrameKind::Message,
+        header: header.into(),
+        payloads,
+    };
+    if let (Some(out), Some(link)) = (direct, st.peers.get(&t.to)) {
+        // Already writing to this peer: the frame joins that write.
+        if let Some(w) = out.iter_mut().find(|w| w.peer == t.to) {
+            w.frames.push(frame);
+            return;
+        }
+        if link.queued.load(std::sync::atomic::Ordering::Acquire) == 0 {
+            if let Ok(turn) = Arc::clone(&link.write).try_lock_owned() {
+                out.push(DirectWrite {
+                    peer: t.to,
+                    conn: Arc::clone(&link.conn),
+                    frames: vec![frame],
+                    _turn: turn,
+                });
+                return;
+            }
+        }
+    }
+    let queued = st.peers.get(&t.to).map(|link| {
+        link.queued
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let ok = link.tx.send(frame).is_ok();
+        if !ok {
+            link.queued
+                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        }
+        ok
+    });
+    match queued {
+        Some(true) => {}
+        _ => {
+            // Lost earlier: the endpoint keeps that first cause. Never connected: this is
+            // its loss, and subscribers hear of it as of any other (once).
+            let first = st.ep.lost_cause(t.to).is_none();
+            let cause = LostCause::Transport(format!("no connection to {}", this.name_of(t.to)));
+            st.ep.handle_peer_lost(t.to, cause.clone(), this.now());
+            if first {
+                this.inner
+                    .peer_events
+                    .emit(crate::peer_events::PeerEvent::Lost {
+                        worker: t.to,
+                        cause,
+                    });
+            }
+        }
+    }
+}
+
+/// Copies the device tensors of a deferred call or remote to host memory, then hands its
+/// body to the endpoint (or abandons it, failing the call, if a copy fails).
+pub(crate) fn supply_when_copied(
+    this: &Agent,
+    id: MessageId,
+    to: WorkerId,
+    target: Option<RRefId>,
+    prepared: tensors::Prepared,
+) {
+    let agent = this.clone();
+    this.spawn(async move {
+        let copied = crate::ipc::to_wire(&agent, to, prepared.tensors).await;
+        {
+            let mut st = agent.lock();
+            match copied {
+                Ok(wire) => st.ep.supply_body(
+                    id,
+                    Body {
+                        target,
+                        data: prepared.data,
+                        tensors: wire,
+                        forks: prepared.forks.clone(),
+                    },
+                ),
+                Err(e) => {
+                    let now = agent.now();
+                    st.ep.abandon(id, &e.to_string(), now);
+                    for f in &prepared.forks {
+                        st.ep.cancel_fork(*f, to, now);
+                    }
+                }
+            }
+        }
+        agent.pump();
+    });
+}

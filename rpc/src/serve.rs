@@ -1,0 +1,298 @@
+//! Running registered functions for requests (and answering fetches of owned values): their
+//! arguments placed and decoded, panics caught, results encoded and placed for the caller.
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use tensorwire_core::protocol::{RRefId, RemoteError, RemoteErrorKind, RequestToken, WorkerId};
+use tracing::warn;
+
+use crate::agent::Agent;
+use crate::driver;
+use crate::functions::{HandlerError, Invocation, Value};
+use crate::state::Body;
+use crate::tensors::TensorTransferError;
+
+pub(crate) fn remote_error(
+    worker: WorkerId,
+    kind: RemoteErrorKind,
+    message: impl Into<String>,
+) -> RemoteError {
+    RemoteError {
+        worker,
+        kind,
+        message: message.into(),
+    }
+}
+
+/// Encodes a result for `to`, with its tensors placed by the reverse map and copied to host.
+pub(crate) async fn reply_body(
+    this: &Agent,
+    value: &dyn Value,
+    to: WorkerId,
+) -> Result<Body, RemoteError> {
+    let me = this.inner.me.id;
+    let prepared = value.prepare(this, to).map_err(|e| match e {
+        TensorTransferError::Encode(e) => remote_error(
+            me,
+            RemoteErrorKind::Serialization,
+            format!("cannot encode: {e}"),
+        ),
+        other => remote_error(me, RemoteErrorKind::DeviceMap, other.to_string()),
+    })?;
+    let wire = crate::ipc::to_wire(this, to, prepared.tensors)
+        .await
+        .map_err(|e| remote_error(me, RemoteErrorKind::DeviceMap, e.to_string()))?;
+    Ok(Body {
+        target: None,
+        data: prepared.data,
+        tensors: wire,
+        forks: prepared.forks,
+    })
+}
+
+/// Runs a registered function for a request, catching errors and panics.
+pub(crate) fn serve(
+    this: &Agent,
+    token: RequestToken,
+    function: String,
+    body: Body,
+    keep_as: Option<RRefId>,
+    deadline: Option<Instant>,
+) {
+    let me = this.inner.me.id;
+    let agent = this.clone();
+    let handler = if function == crate::gather::GATHER {
+        Some(crate::gather::handler())
+    } else {
+        this.inner.functions.get(&function)
+    };
+    let Some(handler) = handler else {
+        let names = this.inner.functions.names().join(", ");
+        let err = remote_error(
+            me,
+            RemoteErrorKind::UnknownFunction,
+            format!(
+                "no function {function:?} is registered on {} (registered: {names})",
+                this.inner.me.name
+            ),
+        );
+        warn!(
+            function = %function,
+            caller = %this.name_of(token.from()),
+            "a call asked for a function that is not registered here"
+        );
+        this.lock().ep.respond(token, Err(err));
+        this.pump();
+        return;
+    };
+    let serving = Serving::enter(this);
+    let from_peer = token.from() != me;
+    let task = async move {
+        // A method call reaches this point only once its value exists (the endpoint parks
+        // it until then, by its caller's deadline).
+        let target = match body.target {
+            Some(rref) => match owned_value(&agent, rref) {
+                Ok(v) => Some(v),
+                Err(reason) => {
+                    let err = remote_error(me, RemoteErrorKind::RRef, reason);
+                    agent.lock().ep.respond(token, Err(err));
+                    agent.pump();
+                    return serving;
+                }
+            },
+            None => None,
+        };
+        let tensors = match crate::ipc::from_wire(&agent, token.from(), body.tensors).await {
+            Ok(t) => t,
+            Err(e) => {
+                let err = remote_error(
+                    me,
+                    RemoteErrorKind::DeviceMap,
+                    format!("cannot place the tensors of {function:?}: {e}"),
+                );
+                agent.lock().ep.respond(token, Err(err));
+                agent.pump();
+                return serving;
+            }
+        };
+        let inv = Invocation {
+            agent: agent.clone(),
+            caller: token.from(),
+            deadline,
+            args: body.data,
+            tensors,
+            target,
+        };
+        let outcome = match (CatchPanic {
+            inner: handler(inv),
+        })
+        .await
+        {
+            Ok(Ok(value)) => match keep_as {
+                Some(rref) => {
+                    let replaced = agent.lock().values.insert(rref, value);
+                    drop(replaced);
+                    Ok(Body {
+                        target: None,
+                        data: Bytes::new(),
+                        tensors: Vec::new(),
+                        forks: Vec::new(),
+                    })
+                }
+                None => reply_body(&agent, &*value, token.from())
+                    .await
+                    .map_err(|mut e| {
+                        e.message = format!("the result of {function:?}: {}", e.message);
+                        e
+                    }),
+            },
+            Ok(Err(HandlerError::BadArguments(m))) => Err(remote_error(
+                me,
+                RemoteErrorKind::Serialization,
+                format!("bad arguments for {function:?}: {m}"),
+            )),
+            Ok(Err(HandlerError::Failed(m))) => Err(remote_error(me, RemoteErrorKind::Failed, m)),
+            Ok(Err(HandlerError::Target(m))) => Err(remote_error(me, RemoteErrorKind::RRef, m)),
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".into());
+                Err(remote_error(
+                    me,
+                    RemoteErrorKind::Panicked,
+                    format!("{function:?} panicked: {msg}"),
+                ))
+            }
+        };
+        if let Err(e) = &outcome {
+            // The caller gets the error; the callee's operator should see it too.
+            warn!(
+                function = %function,
+                caller = %agent.name_of(token.from()),
+                kind = %e.kind,
+                "a call failed on this worker: {}",
+                e.message
+            );
+        }
+        let orphan = {
+            let mut st = agent.lock();
+            let created = keep_as.filter(|_| outcome.is_ok());
+            let expected = st.ep.respond(token, outcome);
+            // A value made for a creator lost meanwhile: nobody will ever refer to it.
+            created
+                .filter(|_| !expected)
+                .and_then(|rref| st.values.remove(&rref))
+        };
+        drop(orphan);
+        serving
+    };
+    // On a current-thread runtime every task runs on this thread anyway: the handler starts
+    // here, on the task that received the request, instead of in a task of its own (no
+    // spawn, no turn of the scheduler). One that finishes at once has answered: the pump
+    // that dispatched this request sends the reply, with whatever else it sends (replies
+    // to the other requests of the same read, in one write). One that waits goes on in a
+    // task. On a multi-thread runtime handlers always get a task, so that they run in
+    // parallel; so does a call to this worker itself (it is dispatched from inside the
+    // caller's `rpc_async`, where the caller may hold locks its handler takes).
+    let inline = from_peer
+        && tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
+    let mut task = Box::pin(task);
+    if inline {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if let std::task::Poll::Ready(serving) = std::future::Future::poll(task.as_mut(), &mut cx) {
+            drop(serving);
+            return;
+        }
+    }
+    let agent = this.clone();
+    this.spawn(async move {
+        let serving = task.await;
+        // Let the other handlers that are ready answer too, so that their replies leave in
+        // the same write (one scheduler turn). Alone, the reply leaves at once: a yield
+        // would cost a turn of the runtime's I/O driver (a system call) for nothing.
+        if serving.leave() > 0 {
+            tokio::task::yield_now().await;
+        }
+        driver::pump_direct(&agent).await;
+    });
+}
+
+/// The value of `rref`, owned here. (A method call on a value still being created waits
+/// in the endpoint, by its caller's deadline, and is only handed over once the value is
+/// kept: see `Payload::target` in core.)
+pub(crate) fn owned_value(
+    this: &Agent,
+    rref: RRefId,
+) -> Result<Arc<dyn Any + Send + Sync>, String> {
+    this.local_value(rref)
+        .ok_or_else(|| format!("no value is kept for {rref} on {}", this.inner.me.name))
+}
+
+/// A request being served, counted in `Inner::serving` until it leaves (or is dropped: a
+/// cancelled handler).
+struct Serving(Option<Agent>);
+
+impl Serving {
+    fn enter(agent: &Agent) -> Self {
+        agent
+            .inner
+            .serving
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Serving(Some(agent.clone()))
+    }
+
+    /// Stops counting this one; returns how many others are still being served.
+    fn leave(mut self) -> usize {
+        match self.0.take() {
+            Some(agent) => {
+                agent
+                    .inner
+                    .serving
+                    .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
+                    - 1
+            }
+            None => 0,
+        }
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        if let Some(agent) = self.0.take() {
+            agent
+                .inner
+                .serving
+                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        }
+    }
+}
+
+/// Polls a handler's future, turning a panic into an error (the handler is user code; one that
+/// panics must not take the agent down, and need not cost a task of its own).
+struct CatchPanic<F> {
+    inner: F,
+}
+
+impl<F: std::future::Future + Unpin> std::future::Future for CatchPanic<F> {
+    type Output = Result<F::Output, Box<dyn Any + Send>>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let inner = &mut self.inner;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            std::pin::Pin::new(&mut *inner).poll(cx)
+        })) {
+            Ok(std::task::Poll::Ready(v)) => std::task::Poll::Ready(Ok(v)),
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Err(panic) => std::task::Poll::Ready(Err(panic)),
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! Stopping an agent: the graceful termination detection of a static group (decided by the
+//! endpoint), and the release of everything the agent holds, within one deadline.
+
+use std::sync::PoisonError;
+use std::time::{Duration, Instant};
+
+use tensorwire_core::ports::process_group::ProcessGroup;
+use tensorwire_core::protocol::{Endpoint, WorkerId};
+use tokio::sync::oneshot;
+use tracing::{debug, warn};
+
+use crate::agent::Agent;
+use crate::error::RpcError;
+use crate::init::GROUP_KIND;
+use crate::state::Body;
+
+/// Stops the endpoint (pending calls fail), ends every task of the agent and waits for
+/// them, then lets go of the store. Writers get until `deadline` to send what is queued and
+/// close their connections. (A graceful shutdown of a static group runs over the members'
+/// connections, not the store: rank 0, which hosts it, need not wait for anyone.)
+pub(crate) async fn stop_and_release(this: &Agent, deadline: Instant) {
+    let (writers, mut others) = {
+        let mut tasks = this.tasks();
+        tasks.closed = true;
+        (
+            std::mem::take(&mut tasks.writers),
+            std::mem::take(&mut tasks.others),
+        )
+    };
+    this.lock().ep.stop();
+    this.inner.peer_events.close();
+    // Deliver the failures of pending calls now (the driver is about to stop).
+    this.pump();
+    // The values this worker kept for others go too, dropped once the guard is gone (they
+    // may hold remote references, whose `Drop` takes the lock; kept, they would also keep
+    // the agent alive through those references). Dropping the links lets the writers
+    // finish; a waiter still left learns that the agent stopped.
+    let (values, peers, waiters) = {
+        let mut st = this.lock();
+        (
+            std::mem::take(&mut st.values),
+            std::mem::take(&mut st.peers),
+            std::mem::take(&mut st.waiters),
+        )
+    };
+    drop((values, peers, waiters));
+    others.abort_all();
+    while others.join_next().await.is_some() {}
+    let mut writers = writers;
+    let flushed = this
+        .runtime()
+        .timeout_at(deadline, async {
+            while writers.join_next().await.is_some() {}
+        })
+        .await;
+    if flushed.is_err() {
+        writers.abort_all();
+        while writers.join_next().await.is_some() {}
+    }
+    // The group's goodbyes close the shared connections (its readers end with them).
+    let group = this
+        .inner
+        .group
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    if let Some(group) = group {
+        if this
+            .runtime()
+            .timeout_at(deadline, group.shutdown())
+            .await
+            .is_err()
+        {
+            debug!("the group's goodbyes did not all go out before the deadline");
+        }
+    }
+    let store = this
+        .inner
+        .store
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    drop(store);
+    let rdv = this
+        .inner
+        .rendezvous
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    if let Some(rdv) = rdv {
+        rdv.shutdown().await;
+    }
+}
+
+/// A graceful shutdown of a static group, decided by the endpoint (see
+/// `tensorwire_core::protocol::shutdown`): our calls answered, every member's calls
+/// answered, nothing outstanding here, every member idle; over the members' connections.
+/// Fails naming the members that were lost, or at the deadline those it still waits for.
+pub(crate) async fn graceful(
+    this: &Agent,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<(), RpcError> {
+    let info = this.debug_info();
+    if info.protocol.holds_references() {
+        warn!(
+            "graceful shutdown while this worker still holds remote references (they stop working): {info}"
+        );
+    }
+    let members: Vec<WorkerId> = this.members().workers.keys().copied().collect();
+    // The endpoint's deadline comes a little before the caller's, so that its error, which
+    // names who is missing, is the one returned.
+    let ends = deadline - (timeout / 10).min(Duration::from_millis(500));
+    this.run_shutdown(timeout, |ep| {
+        ep.begin_graceful_shutdown(members, Some(ends));
+    })
+    .await
+}
+
+/// Starts a shutdown of the endpoint with `begin` and waits for its outcome (the driver
+/// delivers it as an event).
+pub(crate) async fn run_shutdown(
+    this: &Agent,
+    timeout: Duration,
+    begin: impl FnOnce(&mut Endpoint<Body>),
+) -> Result<(), RpcError> {
+    let (tx, rx) = oneshot::channel();
+    {
+        let mut st = this.lock();
+        st.shutdown_waiter = Some(tx);
+        begin(&mut st.ep);
+    }
+    this.pump();
+    match rx.await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(if e.lost {
+            RpcError::ShutdownIncomplete {
+                reason: e.to_string(),
+                waiting_for: e.missing.iter().map(|r| this.worker(*r)).collect(),
+            }
+        } else {
+            let who: Vec<String> = e
+                .missing
+                .iter()
+                .map(|r| this.describe(*r as usize))
+                .collect();
+            let who = if who.is_empty() {
+                "nobody in particular".to_owned()
+            } else {
+                who.join(", ")
+            };
+            RpcError::Timeout {
+                what: format!("shutdown: {e}"),
+                after: timeout,
+                waiting_for: Some(who),
+            }
+        }),
+        Err(_) => Err(RpcError::NotRunning),
+    }
+}
+
+/// [`Agent::shutdown`]: the stages within one deadline, then the release on a task of its own.
+pub(crate) async fn shutdown(this: &Agent, how: crate::Shutdown) -> Result<(), RpcError> {
+    let (graceful, timeout) = how.parts();
+    let deadline = this.runtime().deadline_after(timeout);
+    let stages = async {
+        match (graceful, this.inner.dynamic) {
+            (true, false) => self::graceful(this, deadline, timeout).await,
+            (true, true) => crate::dynamic::leave(this, timeout).await,
+            (false, _) => Ok(()),
+        }
+    };
+    // Rank 0 of a static group removes the last key the agent put in the store (the group's
+    // kind); a dynamic group's last member removes its keys when it leaves.
+    let stages = async {
+        let outcome = stages.await;
+        if this.inner.me.id == 0 && !this.inner.dynamic {
+            if let Ok(store) = this.store() {
+                if let Err(e) = store.delete_key(GROUP_KIND).await {
+                    debug!("could not remove {GROUP_KIND} from the store: {e}");
+                }
+            }
+        }
+        outcome
+    };
+    // Every wait of the stages ends by the deadline and says for whom; past it, the store
+    // is what did not answer.
+    let result = this
+        .runtime()
+        .timeout_at(deadline, stages)
+        .await
+        .unwrap_or_else(|_| {
+            Err(RpcError::Timeout {
+                what: "shutdown".into(),
+                after: timeout,
+                waiting_for: Some("the store, which did not answer".into()),
+            })
+        });
+    // On a task of its own: shutdown may be called from a task of the agent (a served
+    // function), which ending the agent's tasks cancels; the agent still stops whole.
+    let agent = this.clone();
+    this.runtime()
+        .spawn(Box::pin(async move {
+            agent.stop_and_release(deadline).await;
+        }))
+        .await;
+    result
+}

@@ -1,0 +1,193 @@
+//! What the agent holds, shared by its handle, its driver and its tasks: the endpoint and what
+//! waits on it (`State`, under one lock), who is in the group (`Membership`), and the rest of
+//! the agent (`Inner`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::Bytes;
+use tensorwire_core::device::{Device, DeviceMaps};
+use tensorwire_core::ports::store::Store;
+use tensorwire_core::ports::transport::Connection;
+use tensorwire_core::protocol::{
+    CallError, ConfirmError, Endpoint, MessageId, Payload, RRefForkData, RRefId, ShutdownError,
+    WaitId, WorkerId,
+};
+use tensorwire_core::reverse::{device_list, reverse_device_maps};
+use tensorwire_core::validate::WorkerDeviceInfo;
+use tensorwire_core::wire::Frame;
+use tensorwire_process_group::{Group, Rendezvous};
+use tokio::sync::{mpsc, oneshot, Notify};
+
+use crate::agent::WorkerInfo;
+use crate::functions::{Functions, Value};
+use crate::runtime::Runtime;
+use crate::tensors::WireTensors;
+use tensorwire_core::ports::device::DeviceBackend;
+
+/// What travels through the endpoint with a message: the encoded arguments or result, and for
+/// methods the reference they are called on.
+#[derive(Debug, Clone)]
+pub(crate) struct Body {
+    pub(crate) target: Option<RRefId>,
+    pub(crate) data: Bytes,
+    pub(crate) tensors: WireTensors,
+    /// The forks made for the receiver of the references inside `data`: they also travel in a
+    /// reply's header, so that the receiver's endpoint releases them if the reply is late.
+    pub(crate) forks: Vec<RRefForkData>,
+}
+
+impl Payload for Body {
+    fn forks(&self) -> Vec<RRefForkData> {
+        self.forks.clone()
+    }
+
+    fn target(&self) -> Option<RRefId> {
+        self.target
+    }
+}
+
+pub(crate) type Waiter = oneshot::Sender<Result<Body, CallError>>;
+
+/// What every worker publishes at init (the membership protocol's record).
+pub(crate) type WorkerRecord = tensorwire_core::protocol::membership::MemberRecord;
+
+/// The way to one peer: a writer task fed by a queue, and a lock that whoever writes holds —
+/// the writer task, or a task of ours that writes directly when nothing is queued (one wake-up
+/// less per message). Frames are taken from the endpoint under the state lock and either put in
+/// the queue or written under the link lock taken at that moment, so they keep their order.
+pub(crate) struct PeerLink {
+    pub(crate) tx: mpsc::UnboundedSender<Frame>,
+    pub(crate) conn: Arc<dyn Connection>,
+    /// The connection's transport (`Connection::transport`), for [`Agent::connections`].
+    pub(crate) transport: &'static str,
+    pub(crate) write: Arc<tokio::sync::Mutex<()>>,
+    pub(crate) queued: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+pub(crate) struct State {
+    pub(crate) ep: Endpoint<Body>,
+    pub(crate) waiters: HashMap<MessageId, Waiter>,
+    pub(crate) values: HashMap<RRefId, Arc<dyn Value>>,
+    pub(crate) peers: HashMap<WorkerId, PeerLink>,
+    /// When the driver task wakes up next for timers (`None`: only when woken).
+    pub(crate) driver_wakes_at: Option<Instant>,
+    /// Functions waiting until the owners confirm the references in their arguments (the
+    /// endpoint decides when, and fails them by their deadline or a lost owner).
+    pub(crate) confirm_waits: HashMap<WaitId, oneshot::Sender<Result<(), ConfirmError>>>,
+    /// The graceful shutdown (or leave) in progress: told its outcome.
+    pub(crate) shutdown_waiter: Option<oneshot::Sender<Result<(), ShutdownError>>>,
+}
+
+/// Who is in the group, and what this worker derives from it. Fixed after init in a static
+/// group; in a dynamic group it changes as workers join and leave.
+#[derive(Debug, Default)]
+pub(crate) struct Membership {
+    pub(crate) workers: std::collections::BTreeMap<WorkerId, WorkerInfo>,
+    pub(crate) by_name: HashMap<String, WorkerId>,
+    /// Every member's device plan, in rank order.
+    pub(crate) infos: std::collections::BTreeMap<WorkerId, WorkerDeviceInfo>,
+    pub(crate) reverse: DeviceMaps,
+    pub(crate) devices: Vec<Device>,
+}
+
+impl Membership {
+    pub(crate) fn new(records: &[WorkerRecord]) -> Self {
+        let mut m = Membership::default();
+        for r in records {
+            m.workers.insert(
+                r.rank,
+                WorkerInfo {
+                    name: r.devices.name.clone(),
+                    id: r.rank,
+                },
+            );
+            m.by_name.insert(r.devices.name.clone(), r.rank);
+            m.infos.insert(r.rank, r.devices.clone());
+        }
+        m
+    }
+
+    /// Adds a worker that joined, and derives `inner`'s worker's maps again.
+    pub(crate) fn insert(&mut self, record: WorkerRecord, inner: &Inner) {
+        self.workers.insert(
+            record.rank,
+            WorkerInfo {
+                name: record.devices.name.clone(),
+                id: record.rank,
+            },
+        );
+        self.by_name
+            .insert(record.devices.name.clone(), record.rank);
+        self.infos.insert(record.rank, record.devices);
+        self.derive(&inner.me.name, &inner.declared_devices, &inner.device_maps);
+    }
+
+    /// Drops a worker that left or died, and derives `inner`'s worker's maps again.
+    pub(crate) fn remove(&mut self, rank: WorkerId, inner: &Inner) {
+        if let Some(w) = self.workers.remove(&rank) {
+            self.by_name.remove(&w.name);
+        }
+        self.infos.remove(&rank);
+        self.derive(&inner.me.name, &inner.declared_devices, &inner.device_maps);
+    }
+
+    /// Recomputes this worker's reverse maps and device list from the members' plans.
+    pub(crate) fn derive(&mut self, me: &str, declared: &[Device], maps: &DeviceMaps) {
+        let infos: Vec<WorkerDeviceInfo> = self.infos.values().cloned().collect();
+        self.reverse = reverse_device_maps(me, &infos);
+        self.devices = device_list(declared, maps, &self.reverse);
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) me: WorkerInfo,
+    pub(crate) members: std::sync::RwLock<Membership>,
+    /// Whether workers join and leave (`world_size = None`).
+    pub(crate) dynamic: bool,
+    pub(crate) declared_devices: Vec<Device>,
+    /// The default call timeout, in nanoseconds (changed by `set_rpc_timeout`).
+    pub(crate) rpc_timeout_nanos: std::sync::atomic::AtomicU64,
+    pub(crate) functions: Functions,
+    pub(crate) backend: Arc<dyn DeviceBackend>,
+    /// Same-host device memory sharing (CUDA IPC) with the peers.
+    pub(crate) ipc: crate::ipc::IpcLink,
+    pub(crate) state: Mutex<State>,
+    pub(crate) wake: Notify,
+    /// The group's store, until shutdown lets go of it.
+    pub(crate) store: Mutex<Option<Arc<dyn Store>>>,
+    pub(crate) device_maps: DeviceMaps,
+    pub(crate) rendezvous: Mutex<Option<Rendezvous>>,
+    /// A static group's world process group, whose connections the agent shares; shut down
+    /// with the agent.
+    pub(crate) group: Mutex<Option<Group>>,
+    /// The dynamic-group gathers this worker leads (see [`crate::gather`]).
+    pub(crate) gathers: crate::gather::Gathers,
+    pub(crate) tasks: Mutex<Tasks>,
+    /// The one runtime the agent reads time from, sleeps on and spawns with.
+    pub(crate) runtime: Arc<dyn Runtime>,
+    /// A dynamic group's membership (see [`crate::dynamic`]); its own lock, never held with
+    /// the state's.
+    pub(crate) membership: Mutex<crate::dynamic::DynState>,
+    /// Wakes the membership's timer.
+    pub(crate) membership_wake: Notify,
+    pub(crate) metrics: crate::metrics::AgentMetrics,
+    /// Who hears of lost and joined peers ([`Agent::peer_events`]).
+    pub(crate) peer_events: crate::peer_events::PeerEventHub,
+    /// Handlers running now (requests being served), so that one that finishes alone writes its
+    /// reply at once instead of waiting for others to join it.
+    pub(crate) serving: std::sync::atomic::AtomicUsize,
+}
+
+/// Every task the agent runs, so that shutdown can end them and wait until they have ended
+/// (and so let go of the connections and values they hold).
+#[derive(Default)]
+pub(crate) struct Tasks {
+    /// The connections' writers, which shutdown lets send what is queued and close first.
+    pub(crate) writers: tokio::task::JoinSet<()>,
+    /// Everything else: the driver, readers, accept loops, calls being served.
+    pub(crate) others: tokio::task::JoinSet<()>,
+    /// Set by shutdown: nothing new starts.
+    pub(crate) closed: bool,
+}
