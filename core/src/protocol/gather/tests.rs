@@ -2,7 +2,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::protocol_sim::SimRng;
+use crate::sim::SimRng;
 
 fn set(ranks: &[WorkerId]) -> BTreeSet<WorkerId> {
     ranks.iter().copied().collect()
