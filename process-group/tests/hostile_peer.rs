@@ -12,6 +12,7 @@ use tensorwire_core::collective::Signature;
 use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::protocol::mesh::GroupFrame;
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, GroupOptions, InMemoryStore};
 use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};
@@ -75,20 +76,22 @@ async fn cluster(name: &str, options: GroupOptions) -> Cluster {
     }
 }
 
-/// A control frame saying that `rank` aborted, as the mesh encodes it (tag 1, then postcard:
-/// the variant index of `Abort`, the rank, the reason).
+/// A control frame saying that `rank` aborted, encoded as the mesh encodes its frames.
 fn abort_frame(rank: u8, reason: &str) -> Frame {
-    let mut header = vec![1u8, 1, rank, reason.len() as u8];
-    header.extend_from_slice(reason.as_bytes());
-    Frame::collective(header, Vec::new())
+    GroupFrame::Abort {
+        rank: rank.into(),
+        reason: reason.to_owned(),
+    }
+    .frame(Vec::new())
 }
 
 /// A collective message under `key` (group id in bits 48.., sequence number below).
 fn data_frame(key: u64, payload: Bytes) -> Frame {
-    let mut header = vec![0u8];
-    header.extend_from_slice(&key.to_le_bytes());
-    header.extend_from_slice(&Signature::Barrier.encode());
-    Frame::collective(header, vec![payload])
+    GroupFrame::Data {
+        seq: key,
+        signature: Signature::Barrier.encode(),
+    }
+    .frame(vec![payload])
 }
 
 /// The hostile rank's connection to `rank` is dropped: it ends without another frame.
