@@ -34,7 +34,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio::sync::watch;
@@ -44,8 +45,9 @@ use tracing::{debug, info, warn};
 
 use crate::handshake;
 use crate::protocol::{
-    self, KeyDisplay, Limits, Request, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC,
-    WAIT_CANCELED, WAIT_STOP_WAITING,
+    self, KeyDisplay, Limits, Request, WireError, CHECK_NOT_READY, CHECK_READY,
+    CLOSING_REASONS_KEY, CONNECTIONS_FULL_MARKER, VALIDATION_MAGIC, WAIT_CANCELED,
+    WAIT_STOP_WAITING,
 };
 use crate::table::{AddError, AddOrBudget, Arrival, Budget, BudgetError, KvState};
 use output::Output;
@@ -333,6 +335,9 @@ async fn accept_loop(
                             "refusing a store connection: {max} connections are open, the bound \
                              max_connections (--max-connections)"
                         );
+                        // A tensorwire client reads this where the PING echo would be and
+                        // names the bound; the socket is fresh, so the write does not block.
+                        let _ = stream.try_write(&CONNECTIONS_FULL_MARKER.to_ne_bytes());
                         drop(stream);
                         continue;
                     }
@@ -432,7 +437,10 @@ async fn serve_connection(
             let (request, used) = match protocol::decode_request(&input, &config.limits) {
                 Ok(Some(decoded)) => decoded,
                 Ok(None) => break,
-                Err(e) => return Closed::Refused(format!("malformed request: {e}")),
+                Err(e) => {
+                    return refuse(malformed(e), &mut output, &mut reader, &mut writer, config)
+                        .await
+                }
             };
             input.advance(used);
             let step = handle(
@@ -444,13 +452,9 @@ async fn serve_connection(
                 &mut fired,
                 &mut output,
             );
-            if let Err(why) = step {
+            if let Err(refusal) = step {
                 gauge.set(output.len());
-                // Send what was answered before the bad request (the auth rejection, say), unless
-                // the client does not read.
-                let flush = output.write_all(&mut writer);
-                let _ = tokio::time::timeout(config.write_stall_timeout, flush).await;
-                return Closed::Refused(why);
+                return refuse(refusal, &mut output, &mut reader, &mut writer, config).await;
             }
         }
         gauge.set(output.len());
@@ -488,13 +492,44 @@ async fn serve_connection(
                 Ok(_) => stalled_since = None,
                 Err(e) => return e.into(),
             },
-            Some(_) = fired.recv() => output.push(WAIT_STOP_WAITING),
+            Some(_) = fired.recv() => {
+                output.reply();
+                output.push(WAIT_STOP_WAITING);
+            }
             _ = stopped.changed() => return Closed::Shutdown,
             _ = tokio::time::sleep_until(at), if why.is_some() => {
                 return Closed::Refused(expired(why, config, output.len()));
             }
         }
     }
+}
+
+/// How long a connection closed over a refusal that its client was told of is read (and the
+/// bytes dropped) after the refusal is sent, so that requests it had already sent do not turn
+/// the close into a reset, which could discard the refusal before the client reads it.
+const LINGER: Duration = Duration::from_secs(1);
+
+/// Closes a connection over `refusal`: writes what was answered before it (the auth
+/// rejection, say) and, to a client that asked for reasons, the refusal, unless the client
+/// does not read; then, for such a client, ends the stream cleanly.
+async fn refuse(
+    refusal: Refusal,
+    output: &mut Output,
+    reader: &mut ReadHalf<'_>,
+    writer: &mut WriteHalf<'_>,
+    config: &ServerConfig,
+) -> Closed {
+    let told = output.is_tagged();
+    output.refuse(refusal.bound, &refusal.reason);
+    let flush = output.write_all(writer);
+    let _ = tokio::time::timeout(config.write_stall_timeout, flush).await;
+    if told {
+        let _ = writer.shutdown().await;
+        let mut sink = [0u8; 4096];
+        let drain = async { while matches!(reader.read(&mut sink).await, Ok(n) if n > 0) {} };
+        let _ = tokio::time::timeout(LINGER, drain).await;
+    }
+    Closed::Refused(refusal.reason)
 }
 
 /// Which time bound a connection is up against.
@@ -535,7 +570,7 @@ fn handle(
     notify: &tokio::sync::mpsc::UnboundedSender<u64>,
     fired: &mut UnboundedReceiver<u64>,
     out: &mut Output,
-) -> Result<(), String> {
+) -> Result<(), Refusal> {
     match (*phase, request) {
         (
             Phase::AuthHello,
@@ -565,7 +600,8 @@ fn handle(
              secret; PyTorch clients cannot authenticate, run the store without a secret for \
              mixed jobs",
                 other.query_byte()
-            ))
+            )
+            .into())
         }
         (
             Phase::AuthProof {
@@ -588,13 +624,16 @@ fn handle(
                 Ok(())
             } else {
                 out.push(handshake::STATUS_REJECTED);
-                Err("authentication failed: wrong cluster secret".to_owned())
+                Err("authentication failed: wrong cluster secret"
+                    .to_owned()
+                    .into())
             }
         }
         (Phase::AuthProof { .. }, other) => Err(format!(
             "expected the authentication proof, got query type {}",
             other.query_byte()
-        )),
+        )
+        .into()),
         (Phase::Validate, Request::AuthHello { .. }) if shared.config.secret.is_none() => {
             // Tell a tensorwire client with a secret that this server has none; it decides.
             out.push(handshake::STATUS_NO_SECRET);
@@ -606,11 +645,13 @@ fn handle(
         }
         (Phase::Validate, Request::Validate { magic }) => Err(format!(
             "validation failed: magic number {magic:#010x}, expected {VALIDATION_MAGIC:#010x}"
-        )),
+        )
+        .into()),
         (Phase::Validate, other) => Err(format!(
             "the first query must be VALIDATE, got query type {}",
             other.query_byte()
-        )),
+        )
+        .into()),
         (Phase::Ready, request) => serve(request, id, shared, notify, fired, out),
     }
 }
@@ -622,9 +663,12 @@ fn serve(
     notify: &tokio::sync::mpsc::UnboundedSender<u64>,
     fired: &mut UnboundedReceiver<u64>,
     out: &mut Output,
-) -> Result<(), String> {
+) -> Result<(), Refusal> {
     match request {
-        Request::Ping { nonce } => out.extend_from_slice(&nonce.to_ne_bytes()),
+        Request::Ping { nonce } => {
+            out.reply();
+            out.extend_from_slice(&nonce.to_ne_bytes());
+        }
         Request::Set { key, value } => shared
             .lock()
             .set(&key, Bytes::from(value))
@@ -638,15 +682,20 @@ fn serve(
                 .lock()
                 .compare_set(&key, &expected, Bytes::from(desired))
                 .map_err(|e| refused_write("COMPARE_SET", &key, e))?;
+            out.reply();
             out.put_value(value);
         }
         Request::Get { key } => {
             // A handle on the stored value; it is written after the lock is released.
             let value = shared.lock().get(&key).cloned().unwrap_or_default();
+            out.reply();
             out.put_value(value);
         }
         Request::Add { key, delta } => match shared.lock().add(&key, delta) {
-            Ok(sum) => out.extend_from_slice(&sum.to_ne_bytes()),
+            Ok(sum) => {
+                out.reply();
+                out.extend_from_slice(&sum.to_ne_bytes());
+            }
             Err(e) => return Err(refused_count("add", &key, e)),
         },
         Request::Barrier { key, world_size } => {
@@ -655,14 +704,25 @@ fn serve(
                 return Err(too_many_waits(shared));
             }
             match state.barrier(&key, world_size, id, notify.clone()) {
-                Ok(Arrival::Released) => out.push(WAIT_STOP_WAITING),
+                Ok(Arrival::Released) => {
+                    out.reply();
+                    out.push(WAIT_STOP_WAITING);
+                }
                 // Answered through `fired` once the count reaches the world size.
                 Ok(Arrival::Parked(_)) => {}
                 Err(e) => return Err(refused_count("barrier", &key, e)),
             }
         }
+        Request::Check { keys } if keys.len() == 1 && keys[0] == CLOSING_REASONS_KEY => {
+            // tensorwire's client asks for tagged replies and named refusals; the key is
+            // never stored (see `protocol`).
+            out.reply();
+            out.push(CHECK_READY);
+            out.tag_replies();
+        }
         Request::Check { keys } => {
             let ready = shared.lock().check(&keys);
+            out.reply();
             out.push(if ready { CHECK_READY } else { CHECK_NOT_READY });
         }
         Request::Wait { keys } => {
@@ -671,12 +731,18 @@ fn serve(
                 return Err(too_many_waits(shared));
             }
             if state.park(&keys, id, notify.clone()).is_none() {
+                out.reply();
                 out.push(WAIT_STOP_WAITING);
             }
         }
-        Request::GetNumKeys => out.extend_from_slice(&(shared.lock().len() as i64).to_ne_bytes()),
+        Request::GetNumKeys => {
+            let len = shared.lock().len() as i64;
+            out.reply();
+            out.extend_from_slice(&len.to_ne_bytes());
+        }
         Request::DeleteKey { key } => {
             let deleted = shared.lock().delete(&key);
+            out.reply();
             out.extend_from_slice(&i64::from(deleted).to_ne_bytes());
         }
         Request::Append { key, value } => shared
@@ -695,6 +761,7 @@ fn serve(
             if len > shared.config.max_response_len {
                 return Err(too_long_a_reply("MULTI_GET", keys.len(), len, shared));
             }
+            out.reply();
             for value in values {
                 out.put_value(value);
             }
@@ -715,8 +782,10 @@ fn serve(
             // answer those first, as c10d's client expects STOP_WAITING before WAIT_CANCELED.
             shared.lock().cancel_owner(id);
             while fired.try_recv().is_ok() {
+                out.reply();
                 out.push(WAIT_STOP_WAITING);
             }
+            out.reply();
             out.push(WAIT_CANCELED);
         }
         Request::QueuePush { key, value } => shared
@@ -725,6 +794,7 @@ fn serve(
             .map_err(|e| refused_write("QUEUE_PUSH", &key, e))?,
         Request::QueuePop { key } => {
             let (len, item) = shared.lock().queue_pop(&key);
+            out.reply();
             out.extend_from_slice(&(len as i64).to_ne_bytes());
             if let Some(item) = item {
                 out.put_value(item);
@@ -732,6 +802,7 @@ fn serve(
         }
         Request::QueueLen { key } => {
             let len = shared.lock().queue_len(&key);
+            out.reply();
             out.extend_from_slice(&(len as i64).to_ne_bytes());
         }
         Request::ListKeys => {
@@ -741,51 +812,94 @@ fn serve(
                 return Err(too_long_a_reply("LIST_KEYS", state.len(), len, shared));
             }
             // Keys are short and few next to values (bounded by the reply bound just checked).
+            out.reply();
             out.extend_from_slice(&(state.len() as u64).to_ne_bytes());
             for key in state.keys() {
                 out.extend_from_slice(&(key.len() as u64).to_ne_bytes());
                 out.extend_from_slice(key);
             }
         }
-        Request::Validate { .. } => return Err("VALIDATE sent twice".to_owned()),
+        Request::Validate { .. } => return Err("VALIDATE sent twice".to_owned().into()),
         Request::AuthHello { .. } | Request::AuthProof { .. } => {
-            return Err("authentication query after validation".to_owned())
+            return Err("authentication query after validation".to_owned().into())
         }
     }
     Ok(())
 }
 
-fn too_many_waits(shared: &Shared) -> String {
-    format!(
-        "more than {} waits parked by one connection",
-        shared.config.max_waits_per_connection
+/// Why a request was refused (and its connection closed): the bound it reached, by its
+/// [`ServerConfig`] field name (empty when the request was malformed rather than over a bound),
+/// and what happened. Logged, and told to a client that asked (see [`protocol`]).
+struct Refusal {
+    bound: &'static str,
+    reason: String,
+}
+
+impl Refusal {
+    fn at(bound: &'static str, reason: String) -> Self {
+        Refusal { bound, reason }
+    }
+}
+
+impl From<String> for Refusal {
+    /// A malformed request: no bound.
+    fn from(reason: String) -> Self {
+        Refusal { bound: "", reason }
+    }
+}
+
+/// The refusal of a request that could not be decoded, naming the bound for a length over one.
+fn malformed(e: WireError) -> Refusal {
+    let bound = match e {
+        WireError::KeyTooLarge { .. } => "limits.max_key_len",
+        WireError::ValueTooLarge { .. } => "limits.max_value_len",
+        WireError::TooManyKeys { .. } => "limits.max_keys",
+        WireError::RequestTooLarge { .. } => "limits.max_request_len",
+        _ => "",
+    };
+    Refusal::at(bound, format!("malformed request: {e}"))
+}
+
+fn too_many_waits(shared: &Shared) -> Refusal {
+    Refusal::at(
+        "max_waits_per_connection",
+        format!(
+            "more than {} waits parked by one connection, the bound max_waits_per_connection",
+            shared.config.max_waits_per_connection
+        ),
     )
 }
 
 /// Why a write of `op` to `key` was refused by the table's budget, naming the bound.
-fn refused_write(op: &str, key: &[u8], e: BudgetError) -> String {
-    let bound = match e {
-        BudgetError::ValueTooLarge { .. } => "limits.max_value_len (--max-value-size)",
-        BudgetError::TooManyEntries { .. } => "max_stored_keys (--max-keys)",
-        BudgetError::OverBudget { .. } => "memory_budget (--memory-budget)",
+fn refused_write(op: &str, key: &[u8], e: BudgetError) -> Refusal {
+    let (bound, flag) = match e {
+        BudgetError::ValueTooLarge { .. } => ("limits.max_value_len", "--max-value-size"),
+        BudgetError::TooManyEntries { .. } => ("max_stored_keys", "--max-keys"),
+        BudgetError::OverBudget { .. } => ("memory_budget", "--memory-budget"),
     };
-    format!(
-        "{op} on key {} refused: {e}; the bound {bound}",
-        KeyDisplay(key)
+    Refusal::at(
+        bound,
+        format!(
+            "{op} on key {} refused: {e}; the bound {bound} ({flag})",
+            KeyDisplay(key)
+        ),
     )
 }
 
 /// Why a request whose reply would be `len` bytes was refused.
-fn too_long_a_reply(op: &str, keys: usize, len: usize, shared: &Shared) -> String {
-    format!(
-        "{op} of {keys} keys would be answered with {len} bytes, over the bound \
-         max_response_len = {} (--max-response-size)",
-        shared.config.max_response_len
+fn too_long_a_reply(op: &str, keys: usize, len: usize, shared: &Shared) -> Refusal {
+    Refusal::at(
+        "max_response_len",
+        format!(
+            "{op} of {keys} keys would be answered with {len} bytes, over the bound \
+             max_response_len = {} (--max-response-size)",
+            shared.config.max_response_len
+        ),
     )
 }
 
 /// Why an `add` or a `barrier` on `key` was refused.
-fn refused_count(op: &str, key: &[u8], e: AddOrBudget) -> String {
+fn refused_count(op: &str, key: &[u8], e: AddOrBudget) -> Refusal {
     let e = match e {
         AddOrBudget::Add(e) => e,
         AddOrBudget::Budget(e) => return refused_write(op, key, e),
@@ -795,7 +909,8 @@ fn refused_count(op: &str, key: &[u8], e: AddOrBudget) -> String {
             "{op} on key {} whose value {} is not a decimal integer",
             KeyDisplay(key),
             KeyDisplay(&v)
-        ),
-        AddError::Overflow => format!("{op} on key {} overflows i64", KeyDisplay(key)),
+        )
+        .into(),
+        AddError::Overflow => format!("{op} on key {} overflows i64", KeyDisplay(key)).into(),
     }
 }

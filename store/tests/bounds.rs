@@ -341,3 +341,129 @@ async fn a_partial_request_is_held_only_within_the_request_bound() {
     );
     assert!(!c.check(&["slow"]).await.unwrap());
 }
+
+/// A raw client that asks for reasons (CHECK of the reserved key right after validation) gets
+/// tagged replies and, when a request reaches a bound, a refusal naming it before the close.
+#[tokio::test]
+async fn a_client_that_asked_is_told_which_bound_its_request_reached() {
+    let limits = Limits {
+        max_value_len: 1024,
+        ..Limits::default()
+    };
+    let srv = server(ServerConfig {
+        limits,
+        ..ServerConfig::default()
+    })
+    .await;
+    let c = honest(&srv).await;
+    let mut s = raw(&srv).await;
+    s.write_all(&encode(Request::Check {
+        keys: vec![protocol::CLOSING_REASONS_KEY.to_vec()],
+    }))
+    .await
+    .unwrap();
+    assert_eq!(s.read_u8().await.unwrap(), protocol::CHECK_READY);
+    // From now on every reply starts with its status.
+    s.write_all(&encode(Request::Get {
+        key: b"/missing".to_vec(),
+    }))
+    .await
+    .unwrap();
+    let mut reply = [0u8; 9];
+    s.read_exact(&mut reply).await.unwrap();
+    assert_eq!(reply[0], protocol::REPLY_OK);
+    assert_eq!(reply[1..], 0u64.to_ne_bytes());
+    // A SET past the value bound (SET has no reply: the refusal stands in for the next one).
+    s.write_all(&encode(Request::Set {
+        key: b"/big".to_vec(),
+        value: vec![1; 2048],
+    }))
+    .await
+    .unwrap();
+    assert_eq!(s.read_u8().await.unwrap(), protocol::REPLY_REFUSED);
+    let bound = read_string(&mut s).await;
+    let reason = read_string(&mut s).await;
+    assert_eq!(bound, "limits.max_value_len");
+    assert!(
+        reason.contains("2048") && reason.contains("1024"),
+        "{reason}"
+    );
+    assert_eq!(
+        until_closed(&mut s).await,
+        0,
+        "the refusal is the last word"
+    );
+    // The reserved key was never stored, and others are served on.
+    assert_eq!(c.num_keys().await.unwrap(), 0);
+    honest_work(&c, "reasons").await;
+}
+
+async fn read_string(s: &mut TcpStream) -> String {
+    let mut len = [0u8; 8];
+    s.read_exact(&mut len).await.unwrap();
+    let len = u64::from_ne_bytes(len) as usize;
+    let mut b = vec![0u8; len];
+    s.read_exact(&mut b).await.unwrap();
+    String::from_utf8(b).unwrap()
+}
+
+/// tensorwire's client asks for reasons: a SET past the memory budget is reported by its next
+/// request as `StoreError::Refused` naming `memory_budget`; PyTorch's client (like the raw
+/// clients of the tests above) only sees the connection close.
+#[tokio::test]
+async fn our_client_gets_an_error_naming_the_bound() {
+    let srv = server(ServerConfig {
+        memory_budget: MIB,
+        ..ServerConfig::default()
+    })
+    .await;
+    let c = honest(&srv).await;
+    let other = honest(&srv).await;
+    let value = vec![1u8; 400 * 1024];
+    c.set("a", &value).await.unwrap();
+    c.set("b", &value).await.unwrap();
+    assert!(c.check(&["a", "b"]).await.unwrap());
+    c.set("c", &value).await.unwrap();
+    let err = c.get("a").await.unwrap_err();
+    match &err {
+        tensorwire_store::StoreError::Refused { bound, reason, .. } => {
+            assert_eq!(bound, "memory_budget");
+            assert!(reason.contains("--memory-budget"), "{reason}");
+            assert!(reason.contains("SET on key \"/c\""), "{reason}");
+        }
+        other => panic!("expected a refusal naming the bound, got {other}"),
+    }
+    assert!(err.to_string().contains("memory_budget"), "{err}");
+    honest_work(&other, "refused").await;
+    assert!(!other.check(&["c"]).await.unwrap());
+}
+
+/// A connection past `max_connections` is told so where the PING echo would be; our client
+/// retries and, at its deadline, names the bound. (Real clock: under a paused one the
+/// connect deadline could pass while the kernel completes a connect.)
+#[tokio::test]
+async fn a_client_past_the_connection_bound_is_told_the_bound() {
+    let srv = server(ServerConfig {
+        max_connections: 1,
+        ..ServerConfig::default()
+    })
+    .await;
+    let c = honest(&srv).await;
+    let config = ClientConfig {
+        connect_timeout: Duration::from_millis(300),
+        ..ClientConfig::default()
+    };
+    let err = TcpStoreClient::connect(&srv.local_addr().to_string(), config)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("max_connections"), "{err}");
+    honest_work(&c, "full").await;
+    let mut s = TcpStream::connect(srv.local_addr()).await.unwrap();
+    let mut marker = [0u8; 4];
+    s.read_exact(&mut marker).await.unwrap();
+    assert_eq!(
+        u32::from_ne_bytes(marker),
+        protocol::CONNECTIONS_FULL_MARKER
+    );
+    assert_eq!(until_closed(&mut s).await, 0);
+}

@@ -7,6 +7,8 @@ use std::io::IoSlice;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 
+use crate::protocol;
+
 /// Values up to this size are copied into the reply instead of queued as their own chunk.
 const COPY_BELOW: usize = 512;
 
@@ -19,9 +21,41 @@ pub(crate) struct Output {
     chunks: VecDeque<Bytes>,
     small: BytesMut,
     len: usize,
+    /// The client asked for tagged replies and named refusals
+    /// ([`protocol::CLOSING_REASONS_KEY`]).
+    tagged: bool,
 }
 
 impl Output {
+    /// From now on replies are tagged and refusals named (see [`protocol::CLOSING_REASONS_KEY`]).
+    pub(crate) fn tag_replies(&mut self) {
+        self.tagged = true;
+    }
+
+    /// Whether replies are tagged.
+    pub(crate) fn is_tagged(&self) -> bool {
+        self.tagged
+    }
+
+    /// Starts a reply: its status byte, on a connection that asked for tagged replies.
+    pub(crate) fn reply(&mut self) {
+        if self.tagged {
+            self.push(protocol::REPLY_OK);
+        }
+    }
+
+    /// Queues the refusal of a request (on a connection that asked for reasons): the bound's
+    /// name and the reason. Does nothing on another connection (c10d has no error reply).
+    pub(crate) fn refuse(&mut self, bound: &str, reason: &str) {
+        if self.tagged {
+            self.push(protocol::REPLY_REFUSED);
+            self.extend_from_slice(&(bound.len() as u64).to_ne_bytes());
+            self.extend_from_slice(bound.as_bytes());
+            self.extend_from_slice(&(reason.len() as u64).to_ne_bytes());
+            self.extend_from_slice(reason.as_bytes());
+        }
+    }
+
     /// Bytes queued.
     pub(crate) fn len(&self) -> usize {
         self.len
