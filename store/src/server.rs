@@ -27,13 +27,28 @@
 //! socket accepts them. While more than [`ServerConfig::max_queued_bytes`] wait for a client,
 //! its requests are not read (back-pressure); a client that accepts nothing for
 //! [`ServerConfig::write_stall_timeout`] is dropped.
+//!
+//! # One memory budget
+//!
+//! [`ServerConfig::memory_budget`] bounds everything the server holds for its clients (see
+//! [`ServerStats::memory_used`]): keys and values; values that left the table (overwritten,
+//! deleted) while a queued reply still shares them, until it is written; request bytes read
+//! and not yet handled; reply bytes that are the connection's own (copies of small values,
+//! numbers, popped queue items). A reply that shares a stored value costs nothing more. Keys
+//! and values may not take the last sixteenth of the budget (at most 16 MiB), which is kept
+//! for the connections, so a full table does not stop the server reading requests (a `DELETE`
+//! among them). A connection reads at most 64 KiB at a time, and only what the budget has room
+//! for; it handles a request only while the budget has room for a small reply. A request
+//! whose rest finds no room is refused (the bound `memory_budget`); a connection that waits
+//! for room longer than [`ServerConfig::write_stall_timeout`] is refused the same way. Not
+//! counted: the spare capacity of buffers, and the bookkeeping of keys, waits and connections.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -88,7 +103,10 @@ pub struct ServerConfig {
     pub unauthenticated_idle_timeout: Duration,
     /// Most keys held: keys with a value plus items in queues. Default 1,048,576.
     pub max_stored_keys: usize,
-    /// Most bytes of keys and values held in all: the store's memory budget. Default 1 GiB.
+    /// The server's memory budget: keys and values, values still being written after they
+    /// left the table, request bytes buffered and reply copies, all together (see
+    /// [`ServerStats::memory_used`]); keys and values may use all but a sixteenth of it (at most
+    /// 16 MiB), kept for the connections. Default 1 GiB.
     pub memory_budget: usize,
     /// Largest reply to one request (a `MULTI_GET` or `LIST_KEYS`), in bytes. Default 64 MiB.
     pub max_response_len: usize,
@@ -122,7 +140,8 @@ impl Default for ServerConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ServerStats {
-    /// Bytes of keys and values held (bounded by [`ServerConfig::memory_budget`]).
+    /// Bytes of keys and values held, with values that left the table while a reply still
+    /// shares them (part of [`memory_used`](Self::memory_used)).
     pub bytes_held: usize,
     /// Keys with a value plus items in queues (bounded by [`ServerConfig::max_stored_keys`]).
     pub keys_held: usize,
@@ -135,6 +154,10 @@ pub struct ServerStats {
     /// Request bytes read and not yet handled, all connections together. At most
     /// [`Limits::max_request_len`] plus one read a connection.
     pub bytes_buffered: usize,
+    /// What counts against [`ServerConfig::memory_budget`]: keys and values, values that left
+    /// the table while a reply still shares them, request bytes buffered, and reply bytes
+    /// queued that the table does not share (copies, popped queue items).
+    pub memory_used: usize,
 }
 
 struct Shared {
@@ -144,6 +167,10 @@ struct Shared {
     connections: AtomicUsize,
     queued: AtomicUsize,
     buffered: AtomicUsize,
+    /// Reply bytes queued that the table does not share (see `Output::own`).
+    own: AtomicUsize,
+    /// Told whenever a connection's memory shrinks, for connections waiting for room.
+    freed: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -152,6 +179,7 @@ impl Shared {
             max_value_len: config.limits.max_value_len,
             max_entries: config.max_stored_keys,
             max_bytes: config.memory_budget,
+            reserve: connection_reserve(config.memory_budget),
         };
         Shared {
             state: Mutex::new(KvState::with_budget(budget)),
@@ -160,27 +188,59 @@ impl Shared {
             connections: AtomicUsize::new(0),
             queued: AtomicUsize::new(0),
             buffered: AtomicUsize::new(0),
+            own: AtomicUsize::new(0),
+            freed: tokio::sync::Notify::new(),
         }
     }
 
+    /// What the connections hold against the memory budget.
+    fn outside(&self) -> usize {
+        self.buffered.load(Ordering::Relaxed) + self.own.load(Ordering::Relaxed)
+    }
+
+    /// The table, told what the connections hold now (so that its writes keep the whole
+    /// server within the memory budget).
     fn lock(&self) -> MutexGuard<'_, KvState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.set_outside(self.outside());
+        state
+    }
+
+    /// Bytes of the memory budget nothing uses now.
+    fn room(&self) -> usize {
+        self.lock().room()
     }
 
     fn stats(&self) -> ServerStats {
         let (bytes_held, keys_held) = {
-            let state = self.lock();
+            let mut state = self.lock();
+            state.sweep();
             (state.bytes_held(), state.entries())
         };
+        let outside = self.outside();
         ServerStats {
             bytes_held,
             keys_held,
             connections: self.connections.load(Ordering::Relaxed),
             bytes_queued: self.queued.load(Ordering::Relaxed),
             bytes_buffered: self.buffered.load(Ordering::Relaxed),
+            memory_used: bytes_held + outside,
         }
     }
 }
+
+/// The part of the memory budget that keys and values may not take, kept for the
+/// connections' requests and replies: a sixteenth, at most 16 MiB.
+fn connection_reserve(budget: usize) -> usize {
+    (budget / 16).min(16 * 1024 * 1024)
+}
+
+/// Most bytes one read takes from a socket (and from the memory budget).
+const READ_CHUNK: usize = 64 * 1024;
+
+/// Room a connection needs before it handles a request: more than any reply without a value
+/// takes (the largest, a `CANCEL_WAIT` that answers every parked wait, is two bytes a wait).
+const SMALL_REPLY: usize = 1024;
 
 /// One connection's share of a gauge of [`Shared`] (queued or buffered bytes), given back when
 /// the connection ends.
@@ -203,6 +263,31 @@ impl Gauge<'_> {
 impl Drop for Gauge<'_> {
     fn drop(&mut self) {
         self.set(0);
+    }
+}
+
+/// One connection's share of the memory gauges: request bytes buffered and reply bytes of its
+/// own; whoever waits for room is told when they shrink.
+struct Memory<'a> {
+    buffered: Gauge<'a>,
+    own: Gauge<'a>,
+    freed: &'a tokio::sync::Notify,
+}
+
+impl Memory<'_> {
+    fn set(&mut self, buffered: usize, own: usize) {
+        let shrank = buffered < self.buffered.mine || own < self.own.mine;
+        self.buffered.set(buffered);
+        self.own.set(own);
+        if shrank {
+            self.freed.notify_waiters();
+        }
+    }
+}
+
+impl Drop for Memory<'_> {
+    fn drop(&mut self) {
+        self.set(0, 0);
     }
 }
 
@@ -421,18 +506,34 @@ async fn serve_connection(
         total: &shared.queued,
         mine: 0,
     };
-    let mut buffered = Gauge {
-        total: &shared.buffered,
-        mine: 0,
+    let mut memory = Memory {
+        buffered: Gauge {
+            total: &shared.buffered,
+            mine: 0,
+        },
+        own: Gauge {
+            total: &shared.own,
+            mine: 0,
+        },
+        freed: &shared.freed,
     };
     let (notify, mut fired) = unbounded_channel();
     let accepted = Instant::now();
     let mut last_read = accepted;
     // Since when replies have waited with none written.
     let mut stalled_since: Option<Instant> = None;
+    // Since when the connection has waited for room in the memory budget.
+    let mut starved_since: Option<Instant> = None;
     let (mut reader, mut writer) = stream.split();
     loop {
-        // Back-pressure: requests wait in `input` (and the socket) while replies pile up.
+        // Told when memory is freed; enabled before the room is looked at, so that nothing
+        // freed in between is missed.
+        let freed = shared.freed.notified();
+        tokio::pin!(freed);
+        freed.as_mut().enable();
+        let mut starved = false;
+        // Back-pressure: requests wait in `input` (and the socket) while replies pile up, or
+        // while the memory budget has no room for a reply.
         while output.len() < config.max_queued_bytes {
             let (request, used) = match protocol::decode_request(&input, &config.limits) {
                 Ok(Some(decoded)) => decoded,
@@ -442,7 +543,13 @@ async fn serve_connection(
                         .await
                 }
             };
+            if phase == Phase::Ready && shared.room() < SMALL_REPLY {
+                starved = true;
+                break;
+            }
             input.advance(used);
+            // The request is the decoded one's now: the table counts what it stores.
+            memory.set(input.len(), output.own());
             let step = handle(
                 request,
                 &mut phase,
@@ -452,18 +559,45 @@ async fn serve_connection(
                 &mut fired,
                 &mut output,
             );
+            memory.set(input.len(), output.own());
+            gauge.set(output.len());
             if let Err(refusal) = step {
-                gauge.set(output.len());
                 return refuse(refusal, &mut output, &mut reader, &mut writer, config).await;
             }
         }
         gauge.set(output.len());
-        buffered.set(input.len());
+        memory.set(input.len(), output.own());
+        let reading = output.len() < config.max_queued_bytes && !starved;
+        // A read takes its bytes from the budget's room.
+        let grant = if reading {
+            shared.room().min(READ_CHUNK)
+        } else {
+            0
+        };
+        if reading && grant == 0 && !input.is_empty() {
+            // Part of a request is in, and the budget has no room for the rest: it would not
+            // fit in the table either.
+            let refusal = Refusal::at(
+                "memory_budget",
+                format!(
+                    "no room in the memory budget of {} bytes (the bound memory_budget, --memory-budget) for the rest of \
+                     a request ({} bytes of it read); {} bytes are in use",
+                    config.memory_budget,
+                    input.len(),
+                    shared.stats().memory_used
+                ),
+            );
+            return refuse(refusal, &mut output, &mut reader, &mut writer, config).await;
+        }
+        starved |= reading && grant == 0;
         let now = Instant::now();
         if output.is_empty() {
             stalled_since = None;
         }
-        let expiry = if phase != Phase::Ready {
+        if !starved {
+            starved_since = None;
+        }
+        let mut expiry = if phase != Phase::Ready {
             let handshake = accepted + config.handshake_timeout;
             let idle = last_read + config.unauthenticated_idle_timeout;
             if handshake <= idle {
@@ -477,13 +611,22 @@ async fn serve_connection(
         } else {
             None
         };
+        if starved {
+            let at = *starved_since.get_or_insert(now) + config.write_stall_timeout;
+            if expiry.is_none_or(|(other, _)| at < other) {
+                expiry = Some((at, Expiry::Memory));
+            }
+        }
         let (at, why) = match expiry {
             Some((at, why)) => (at, Some(why)),
             None => (now, None),
         };
-        let reading = output.len() < config.max_queued_bytes;
+        if grant > 0 {
+            input.reserve(grant);
+        }
+        let mut limited = (&mut input).limit(grant);
         tokio::select! {
-            read = reader.read_buf(&mut input), if reading => match read {
+            read = reader.read_buf(&mut limited), if grant > 0 => match read {
                 Ok(0) => return Closed::Eof,
                 Ok(_) => last_read = Instant::now(),
                 Err(e) => return e.into(),
@@ -496,8 +639,23 @@ async fn serve_connection(
                 output.reply();
                 output.push(WAIT_STOP_WAITING);
             }
+            _ = &mut freed, if starved => {}
             _ = stopped.changed() => return Closed::Shutdown,
             _ = tokio::time::sleep_until(at), if why.is_some() => {
+                if let Some(Expiry::Memory) = why {
+                    let refusal = Refusal::at(
+                        "memory_budget",
+                        format!(
+                            "waited {:?} (the bound write_stall_timeout) for room in the memory \
+                             budget of {} bytes (the bound memory_budget, --memory-budget) to \
+                             read or answer a request; {} bytes are in use",
+                            config.write_stall_timeout,
+                            config.memory_budget,
+                            shared.stats().memory_used
+                        ),
+                    );
+                    return refuse(refusal, &mut output, &mut reader, &mut writer, config).await;
+                }
                 return Closed::Refused(expired(why, config, output.len()));
             }
         }
@@ -538,6 +696,7 @@ enum Expiry {
     Handshake,
     Idle,
     Stall,
+    Memory,
 }
 
 /// Why a connection whose time bound expired is closed.
@@ -552,7 +711,7 @@ fn expired(why: Option<Expiry>, config: &ServerConfig, queued: usize) -> String 
              (--unauthenticated-idle-timeout)",
             config.unauthenticated_idle_timeout
         ),
-        Some(Expiry::Stall) | None => format!(
+        Some(Expiry::Stall | Expiry::Memory) | None => format!(
             "read none of its {queued} queued reply bytes for {:?}, the bound \
              write_stall_timeout (--write-stall-timeout); its requests had stopped being read \
              past max_queued_bytes = {} (--max-queued-bytes)",
@@ -678,12 +837,19 @@ fn serve(
             expected,
             desired,
         } => {
-            let value = shared
-                .lock()
+            let mut state = shared.lock();
+            // The reply may be a copy of `expected` (a missing key): it is counted as the
+            // connection's own, and must fit.
+            let reply = 8 + expected.len().max(desired.len());
+            if reply > state.room() {
+                return Err(no_room("COMPARE_SET", reply, state.room(), shared));
+            }
+            let value = state
                 .compare_set(&key, &expected, Bytes::from(desired))
                 .map_err(|e| refused_write("COMPARE_SET", &key, e))?;
+            drop(state);
             out.reply();
-            out.put_value(value);
+            out.put_owned_value(value);
         }
         Request::Get { key } => {
             // A handle on the stored value; it is written after the lock is released.
@@ -751,15 +917,22 @@ fn serve(
             .map_err(|e| refused_write("APPEND", &key, e))?,
         Request::MultiGet { keys } => {
             // Handles on the stored values; written after the lock is released.
-            let values: Vec<Bytes> = {
+            let (values, room): (Vec<Bytes>, usize) = {
                 let state = shared.lock();
-                keys.iter()
+                let values = keys
+                    .iter()
                     .map(|key| state.get(key).cloned().unwrap_or_default())
-                    .collect()
+                    .collect();
+                (values, state.room())
             };
             let len: usize = values.iter().map(|v| 8 + v.len()).sum();
             if len > shared.config.max_response_len {
                 return Err(too_long_a_reply("MULTI_GET", keys.len(), len, shared));
+            }
+            // Small values are copied into the reply: those bytes are the connection's own.
+            let copied: usize = values.iter().map(|v| 8 + output::copied_len(v)).sum();
+            if copied > room {
+                return Err(no_room("MULTI_GET", copied, room, shared));
             }
             out.reply();
             for value in values {
@@ -793,11 +966,12 @@ fn serve(
             .queue_push(&key, Bytes::from(value))
             .map_err(|e| refused_write("QUEUE_PUSH", &key, e))?,
         Request::QueuePop { key } => {
+            // The item leaves the table for the reply: the same bytes, now the connection's.
             let (len, item) = shared.lock().queue_pop(&key);
             out.reply();
             out.extend_from_slice(&(len as i64).to_ne_bytes());
             if let Some(item) = item {
-                out.put_value(item);
+                out.put_owned_value(item);
             }
         }
         Request::QueueLen { key } => {
@@ -810,6 +984,9 @@ fn serve(
             let len: usize = 8 + state.keys().map(|k| 8 + k.len()).sum::<usize>();
             if len > shared.config.max_response_len {
                 return Err(too_long_a_reply("LIST_KEYS", state.len(), len, shared));
+            }
+            if len > state.room() {
+                return Err(no_room("LIST_KEYS", len, state.room(), shared));
             }
             // Keys are short and few next to values (bounded by the reply bound just checked).
             out.reply();
@@ -894,6 +1071,19 @@ fn too_long_a_reply(op: &str, keys: usize, len: usize, shared: &Shared) -> Refus
             "{op} of {keys} keys would be answered with {len} bytes, over the bound \
              max_response_len = {} (--max-response-size)",
             shared.config.max_response_len
+        ),
+    )
+}
+
+/// Why a request whose reply needs `len` bytes of the memory budget, which has `room`, was
+/// refused.
+fn no_room(op: &str, len: usize, room: usize, shared: &Shared) -> Refusal {
+    Refusal::at(
+        "memory_budget",
+        format!(
+            "{op} would be answered with {len} bytes of copies, and the memory budget of {} \
+             bytes (the bound memory_budget, --memory-budget) has {room} left",
+            shared.config.memory_budget
         ),
     )
 }
