@@ -1528,3 +1528,91 @@ async fn all_to_all_single_tensor_moves_rows() {
         }
     }
 }
+
+/// Issue 26, item 5: the list form of the tensor all_to_all (NCCL's and MPI's; gloo has
+/// none), with sizes that differ between ranks, and its refusals: a list of the wrong length
+/// or of mixed dtypes before anything is sent, an output of the wrong size naming the rank
+/// whose tensor did not fit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_to_all_tensor_list_form_moves_tensors() {
+    use tensorwire_core::collective::CollectiveError;
+    use tensorwire_core::tensor::Tensor;
+
+    // What rank `from` sends rank `to`: 1 + (from + to) % 2 rows of two columns.
+    fn block(from: usize, to: usize) -> Tensor {
+        let rows = 1 + (from + to) % 2;
+        let values: Vec<f32> = (0..2 * rows)
+            .map(|k| (100 * from + 10 * to + k) as f32)
+            .collect();
+        Tensor::from_f32(vec![rows, 2], &values).unwrap()
+    }
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups(
+            world,
+            &format!("a2alist{world}"),
+            Duration::from_secs(20),
+        ))
+        .await;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let r = g.rank();
+            let inputs: Vec<Tensor> = (0..world).map(|j| block(r, j)).collect();
+            let mut outputs: Vec<Tensor> = (0..world)
+                .map(|i| {
+                    let rows = 1 + (i + r) % 2;
+                    Tensor::from_f32(vec![rows, 2], &vec![0.0; 2 * rows]).unwrap()
+                })
+                .collect();
+            g.all_to_all_tensor(&mut outputs, &inputs).await.unwrap();
+            let short = g
+                .all_to_all_tensor(&mut outputs.clone()[1..], &inputs)
+                .await
+                .unwrap_err();
+            let mut mixed = inputs.clone();
+            mixed[0] = Tensor::from_f64(vec![1], &[1.0]).unwrap();
+            let mixed = g
+                .all_to_all_tensor(&mut outputs.clone(), &mixed)
+                .await
+                .unwrap_err();
+            // The slot for the next rank is one row too long.
+            let next = (r + 1) % world;
+            let mut wrong = outputs.clone();
+            wrong[next] = Tensor::from_f32(vec![3, 2], &[0.0; 6]).unwrap();
+            let wrong = g.all_to_all_tensor(&mut wrong, &inputs).await.unwrap_err();
+            g.barrier().await.unwrap();
+            let got: Vec<Vec<f32>> = outputs.iter().map(|t| t.to_f32_vec().unwrap()).collect();
+            (got, short, mixed, wrong)
+        }))
+        .await;
+        for (rank, (got, short, mixed, wrong)) in results.into_iter().enumerate() {
+            let expected: Vec<Vec<f32>> = (0..world)
+                .map(|i| block(i, rank).to_f32_vec().unwrap())
+                .collect();
+            assert_eq!(got, expected, "world {world} rank {rank}");
+            assert!(
+                matches!(
+                    short,
+                    ProcessGroupError::Arguments {
+                        source: CollectiveError::LengthsCount { .. },
+                        ..
+                    }
+                ),
+                "{short}"
+            );
+            assert!(
+                matches!(
+                    mixed,
+                    ProcessGroupError::Arguments {
+                        source: CollectiveError::TensorType { .. },
+                        ..
+                    }
+                ),
+                "{mixed}"
+            );
+            let next = (rank + 1) % world;
+            assert!(
+                matches!(wrong, ProcessGroupError::Mismatch { peer, .. } if peer == next),
+                "world {world} rank {rank}: {wrong}"
+            );
+        }
+    }
+}

@@ -676,6 +676,59 @@ pub trait ProcessGroup: Send + Sync {
         Ok(())
     }
 
+    /// The list form of all_to_all (PyTorch's `all_to_all(output_tensor_list,
+    /// input_tensor_list)`): `inputs[j]` goes to rank j, and `outputs[i]` is replaced by what
+    /// rank i sent this rank. Both lists hold one tensor a rank, all of one dtype; sizes may
+    /// differ from rank to rank, but `outputs[i]` must have the size of rank i's `inputs[this
+    /// rank]`. gloo has no list form (PyTorch's gloo group raises); this is NCCL's and MPI's.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Arguments`] with [`CollectiveError::LengthsCount`] or
+    /// [`CollectiveError::TensorType`] before the call takes a place in the sequence; a
+    /// [`ProcessGroupError::Mismatch`] naming the rank whose tensor for this rank has another
+    /// size than `outputs` says; the errors of [`all_to_all`](Self::all_to_all).
+    async fn all_to_all_tensor(
+        &self,
+        outputs: &mut [Tensor],
+        inputs: &[Tensor],
+    ) -> Result<(), ProcessGroupError> {
+        const NAME: &str = "all_to_all";
+        let world = self.size();
+        check_count(NAME, inputs.len(), world)?;
+        check_count(NAME, outputs.len(), world)?;
+        let dtype = inputs[0].dtype();
+        for (name, list) in [
+            ("input_tensor_list", &*inputs),
+            ("output_tensor_list", &*outputs),
+        ] {
+            if let Some(t) = list.iter().find(|t| t.dtype() != dtype) {
+                return Err(ProcessGroupError::Arguments {
+                    collective: NAME,
+                    source: CollectiveError::TensorType {
+                        tensor: name,
+                        expected: format!("{dtype:?}"),
+                        actual: format!("{:?}", t.dtype()),
+                    },
+                });
+            }
+        }
+        let mut blocks = Vec::with_capacity(world);
+        for t in inputs {
+            let bytes = host_storage(self.backend(), self.device(), NAME, t)?;
+            blocks.push(Bytes::copy_from_slice(bytes));
+        }
+        let mut lens = Vec::with_capacity(world);
+        for t in outputs.iter() {
+            host_storage(self.backend(), self.device(), NAME, t)?;
+            lens.push(t.nbytes());
+        }
+        let received = self.all_to_all(&blocks, &lens).await?;
+        for (slot, block) in outputs.iter_mut().zip(received) {
+            *slot = with_host_bytes(slot, block);
+        }
+        Ok(())
+    }
+
     /// Returns `root`'s tensor on every rank; every rank passes a tensor of the same dtype and
     /// shape (its contents are ignored except on `root`).
     async fn broadcast_tensor(
