@@ -169,8 +169,11 @@ struct Shared {
     buffered: AtomicUsize,
     /// Reply bytes queued that the table does not share (see `Output::own`).
     own: AtomicUsize,
-    /// Told whenever a connection's memory shrinks, for connections waiting for room.
+    /// Told when a connection's memory shrinks while some connection waits for room.
     freed: tokio::sync::Notify,
+    /// Connections waiting for room in the memory budget (so that nobody else takes the
+    /// notifier's lock when none waits).
+    starving: AtomicUsize,
 }
 
 impl Shared {
@@ -190,6 +193,7 @@ impl Shared {
             buffered: AtomicUsize::new(0),
             own: AtomicUsize::new(0),
             freed: tokio::sync::Notify::new(),
+            starving: AtomicUsize::new(0),
         }
     }
 
@@ -266,12 +270,29 @@ impl Drop for Gauge<'_> {
     }
 }
 
+/// A connection counted in [`Shared::starving`] while this lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Waiting(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// One connection's share of the memory gauges: request bytes buffered and reply bytes of its
 /// own; whoever waits for room is told when they shrink.
 struct Memory<'a> {
     buffered: Gauge<'a>,
     own: Gauge<'a>,
     freed: &'a tokio::sync::Notify,
+    starving: &'a AtomicUsize,
 }
 
 impl Memory<'_> {
@@ -279,7 +300,7 @@ impl Memory<'_> {
         let shrank = buffered < self.buffered.mine || own < self.own.mine;
         self.buffered.set(buffered);
         self.own.set(own);
-        if shrank {
+        if shrank && self.starving.load(Ordering::SeqCst) > 0 {
             self.freed.notify_waiters();
         }
     }
@@ -516,6 +537,7 @@ async fn serve_connection(
             mine: 0,
         },
         freed: &shared.freed,
+        starving: &shared.starving,
     };
     let (notify, mut fired) = unbounded_channel();
     let accepted = Instant::now();
@@ -526,11 +548,9 @@ async fn serve_connection(
     let mut starved_since: Option<Instant> = None;
     let (mut reader, mut writer) = stream.split();
     loop {
-        // Told when memory is freed; enabled before the room is looked at, so that nothing
-        // freed in between is missed.
+        // Told when memory is freed, once this connection waits for room (see below).
         let freed = shared.freed.notified();
         tokio::pin!(freed);
-        freed.as_mut().enable();
         let mut starved = false;
         // Back-pressure: requests wait in `input` (and the socket) while replies pile up, or
         // while the memory budget has no room for a reply.
@@ -590,6 +610,16 @@ async fn serve_connection(
             return refuse(refusal, &mut output, &mut reader, &mut writer, config).await;
         }
         starved |= reading && grant == 0;
+        // Counted among the connections waiting for room until this turn of the loop ends.
+        let _waiting = starved.then(|| Waiting::new(&shared.starving));
+        if starved {
+            // Registered before the room is looked at again, so that nothing freed in
+            // between is missed.
+            freed.as_mut().enable();
+            if shared.room() >= SMALL_REPLY {
+                continue;
+            }
+        }
         let now = Instant::now();
         if output.is_empty() {
             stalled_since = None;
@@ -621,8 +651,9 @@ async fn serve_connection(
             Some((at, why)) => (at, Some(why)),
             None => (now, None),
         };
-        if grant > 0 {
-            input.reserve(grant);
+        if grant > 0 && input.capacity() == input.len() {
+            // Grows by doubling (from 4 KiB), never by more than the grant.
+            input.reserve(grant.min(input.len().max(4096)));
         }
         let mut limited = (&mut input).limit(grant);
         tokio::select! {
