@@ -36,9 +36,10 @@ use tensorwire_core::collective::{
     self, AllGatherAlgorithm, AllReduceAlgorithm, CollectiveError, DebugLevel, ElementType,
     ReduceOp, Schedule, Signature, DEBUG_ENV,
 };
-use tensorwire_core::ports::process_group::{Pending, ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::{Pending, ProcessGroup, ProcessGroupError, WorkHandle};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::tensor::Tensor;
 use tracing::Instrument;
 
 use crate::executor::{self, Held};
@@ -817,6 +818,40 @@ impl Group {
 
 #[async_trait]
 impl ProcessGroup for Group {
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_barrier(&self) -> Box<dyn WorkHandle<'_, ()> + '_> {
+        Box::new(self.barrier_work())
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_all_reduce_tensor(
+        &self,
+        tensor: Tensor,
+        op: ReduceOp,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("all_reduce", move |g| async move {
+            g.all_reduce_tensor(&tensor, op).await
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_broadcast_tensor(
+        &self,
+        tensor: Tensor,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("broadcast", move |g| async move {
+            g.broadcast_tensor(&tensor, root).await
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_all_gather_tensor(&self, tensor: Tensor) -> Box<dyn WorkHandle<'_, Vec<Tensor>> + '_> {
+        Box::new(self.issue("all_gather", move |g| async move {
+            g.all_gather_tensor(&tensor).await
+        }))
+    }
+
     /// [`Group::new_group`] behind the port, for the group `new_group` returns.
     fn new_group(
         &self,

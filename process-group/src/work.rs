@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use tensorwire_core::ports::process_group::ProcessGroupError;
+use tensorwire_core::ports::process_group::{Pending, ProcessGroupError, WorkHandle};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -166,6 +166,51 @@ impl<T> Work<T> {
             }
         }
         self.await
+    }
+}
+
+impl<T: Send + 'static> Work<T> {
+    /// Takes the result of a finished task into the `Work` (without waiting), so that it can
+    /// be looked at and still be returned by `wait`.
+    fn settle(&mut self) {
+        if let State::Running {
+            task, rank, what, ..
+        } = &mut self.state
+        {
+            if task.is_finished() {
+                let mut cx = Context::from_waker(Waker::noop());
+                if let Poll::Ready(joined) = Pin::new(&mut *task).poll(&mut cx) {
+                    let result = ended(joined, *rank, what);
+                    self.state = State::Done(Some(result));
+                }
+            }
+        }
+    }
+
+    /// The operation's error, once it has finished with one (c10d's `Work.exception()`);
+    /// `None` while it runs or after it succeeded. The result stays for [`wait`](Self::wait).
+    pub fn error(&mut self) -> Option<ProcessGroupError> {
+        self.settle();
+        match &self.state {
+            State::Done(Some(Err(e))) => Some(e.clone()),
+            _ => None,
+        }
+    }
+}
+
+/// A `Work` behind the port, for collectives issued on a `dyn ProcessGroup`: it runs on its
+/// own task, and `wait`'s timeout makes it time out.
+impl<'a, T: Send + 'static> WorkHandle<'a, T> for Work<T> {
+    fn is_completed(&mut self) -> bool {
+        Work::is_completed(self)
+    }
+
+    fn error(&mut self) -> Option<ProcessGroupError> {
+        Work::error(self)
+    }
+
+    fn wait(self: Box<Self>, timeout: Duration) -> Pending<'a, T> {
+        Box::pin(Work::wait(*self, timeout))
     }
 }
 

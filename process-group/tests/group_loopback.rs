@@ -1528,3 +1528,163 @@ async fn all_to_all_single_tensor_moves_rows() {
         }
     }
 }
+
+/// Issue 26, item 5: the list form of the tensor all_to_all (NCCL's and MPI's; gloo has
+/// none), with sizes that differ between ranks, and its refusals: a list of the wrong length
+/// or of mixed dtypes before anything is sent, an output of the wrong size naming the rank
+/// whose tensor did not fit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_to_all_tensor_list_form_moves_tensors() {
+    use tensorwire_core::collective::CollectiveError;
+    use tensorwire_core::tensor::Tensor;
+
+    // What rank `from` sends rank `to`: 1 + (from + to) % 2 rows of two columns.
+    fn block(from: usize, to: usize) -> Tensor {
+        let rows = 1 + (from + to) % 2;
+        let values: Vec<f32> = (0..2 * rows)
+            .map(|k| (100 * from + 10 * to + k) as f32)
+            .collect();
+        Tensor::from_f32(vec![rows, 2], &values).unwrap()
+    }
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups(
+            world,
+            &format!("a2alist{world}"),
+            Duration::from_secs(20),
+        ))
+        .await;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let r = g.rank();
+            let inputs: Vec<Tensor> = (0..world).map(|j| block(r, j)).collect();
+            let mut outputs: Vec<Tensor> = (0..world)
+                .map(|i| {
+                    let rows = 1 + (i + r) % 2;
+                    Tensor::from_f32(vec![rows, 2], &vec![0.0; 2 * rows]).unwrap()
+                })
+                .collect();
+            g.all_to_all_tensor(&mut outputs, &inputs).await.unwrap();
+            let short = g
+                .all_to_all_tensor(&mut outputs.clone()[1..], &inputs)
+                .await
+                .unwrap_err();
+            let mut mixed = inputs.clone();
+            mixed[0] = Tensor::from_f64(vec![1], &[1.0]).unwrap();
+            let mixed = g
+                .all_to_all_tensor(&mut outputs.clone(), &mixed)
+                .await
+                .unwrap_err();
+            // The slot for the next rank is one row too long.
+            let next = (r + 1) % world;
+            let mut wrong = outputs.clone();
+            wrong[next] = Tensor::from_f32(vec![3, 2], &[0.0; 6]).unwrap();
+            let wrong = g.all_to_all_tensor(&mut wrong, &inputs).await.unwrap_err();
+            g.barrier().await.unwrap();
+            let got: Vec<Vec<f32>> = outputs.iter().map(|t| t.to_f32_vec().unwrap()).collect();
+            (got, short, mixed, wrong)
+        }))
+        .await;
+        for (rank, (got, short, mixed, wrong)) in results.into_iter().enumerate() {
+            let expected: Vec<Vec<f32>> = (0..world)
+                .map(|i| block(i, rank).to_f32_vec().unwrap())
+                .collect();
+            assert_eq!(got, expected, "world {world} rank {rank}");
+            assert!(
+                matches!(
+                    short,
+                    ProcessGroupError::Arguments {
+                        source: CollectiveError::LengthsCount { .. },
+                        ..
+                    }
+                ),
+                "{short}"
+            );
+            assert!(
+                matches!(
+                    mixed,
+                    ProcessGroupError::Arguments {
+                        source: CollectiveError::TensorType { .. },
+                        ..
+                    }
+                ),
+                "{mixed}"
+            );
+            let next = (rank + 1) % world;
+            assert!(
+                matches!(wrong, ProcessGroupError::Mismatch { peer, .. } if peer == next),
+                "world {world} rank {rank}: {wrong}"
+            );
+        }
+    }
+}
+
+/// Issue 26, item 5: work handles on the `dyn ProcessGroup` a user gets from `new_group`
+/// (c10d's `async_op=True`): issued in the call, they make progress without being waited on;
+/// `is_completed`, `error` and `wait` read as c10d's `Work`; a wait whose timeout passes first
+/// fails naming the rank that never came, and `error` then says so too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_handles_on_the_dyn_group() {
+    use tensorwire_core::tensor::Tensor;
+
+    let world = 3usize;
+    let gs = bounded(groups(world, "dynwork", Duration::from_secs(20))).await;
+    let results = bounded(on_all(&gs, move |g| async move {
+        let r = g.rank();
+        let world_pg: Arc<dyn ProcessGroup> = Arc::new(g);
+        let sub = world_pg.new_group(&[0, 1, 2]).unwrap().expect("a member");
+        let mine = Tensor::from_f32(vec![2], &[r as f32, 1.0]).unwrap();
+        // Issued in this order on every rank, before anything is awaited.
+        let mut sum = sub.issue_all_reduce_tensor(mine.clone(), ReduceOp::Sum);
+        let mut gathered = sub.issue_all_gather_tensor(mine.clone());
+        let from_one = sub.issue_broadcast_tensor(mine.clone(), 1);
+        let mut barrier = sub.issue_barrier();
+        // Nobody waits: they finish on their own tasks.
+        while !(sum.is_completed() && gathered.is_completed() && barrier.is_completed()) {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(sum.error(), None);
+        let sum = sum.wait(Duration::from_secs(10)).await.unwrap();
+        let gathered = gathered.wait(Duration::from_secs(10)).await.unwrap();
+        let from_one = from_one.wait(Duration::from_secs(10)).await.unwrap();
+        barrier.wait(Duration::from_secs(10)).await.unwrap();
+        // Rank 2 does not come to the last barrier.
+        let late = if r < 2 {
+            let b = sub.issue_barrier();
+            let e = b.wait(Duration::from_millis(300)).await.unwrap_err();
+            // The group is broken here now: the next collective fails with the same error,
+            // which its handle reports without being waited on.
+            let mut next = sub.issue_barrier();
+            while !next.is_completed() {
+                tokio::task::yield_now().await;
+            }
+            assert_eq!(next.error().map(|n| n.to_string()), Some(e.to_string()));
+            Some(e.to_string())
+        } else {
+            None
+        };
+        (
+            sum.to_f32_vec().unwrap(),
+            gathered
+                .iter()
+                .map(|t| t.to_f32_vec().unwrap())
+                .collect::<Vec<_>>(),
+            from_one.to_f32_vec().unwrap(),
+            late,
+        )
+    }))
+    .await;
+    for (rank, (sum, gathered, from_one, late)) in results.into_iter().enumerate() {
+        assert_eq!(sum, vec![3.0, 3.0]);
+        assert_eq!(
+            gathered,
+            (0..world).map(|r| vec![r as f32, 1.0]).collect::<Vec<_>>()
+        );
+        assert_eq!(from_one, vec![1.0, 1.0]);
+        match late {
+            Some(e) => assert!(
+                e.contains("timed out after 300ms waiting for rank(s) 2"),
+                "rank {rank}: {e}"
+            ),
+            None => assert_eq!(rank, 2),
+        }
+    }
+}

@@ -22,7 +22,8 @@ use crate::backoff::Backoff;
 use crate::handshake;
 use crate::in_memory::check_multi_set;
 use crate::protocol::{
-    Limits, Request, AUTH_LEN, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC, WAIT_CANCELED,
+    Limits, Request, AUTH_LEN, CHECK_NOT_READY, CHECK_READY, CLOSING_REASONS_KEY,
+    CONNECTIONS_FULL_MARKER, REPLY_OK, REPLY_REFUSED, VALIDATION_MAGIC, WAIT_CANCELED,
     WAIT_STOP_WAITING,
 };
 use crate::DEFAULT_TIMEOUT;
@@ -60,6 +61,9 @@ impl Default for ClientConfig {
 
 struct Conn {
     stream: BufReader<TcpStream>,
+    /// The server tags every reply with a status byte and names its refusals (tensorwire's
+    /// server; see [`crate::protocol`]).
+    tagged: bool,
     /// Set while a request is in flight; still set afterwards if it was interrupted, in which
     /// case the byte stream is out of step and the connection is unusable.
     interrupted: Option<&'static str>,
@@ -129,13 +133,14 @@ impl TcpStoreClient {
         loop {
             attempt += 1;
             match Self::attempt(addr, &config, deadline).await {
-                Ok(stream) => {
-                    debug!(addr, attempt, "connected to store");
+                Ok((stream, tagged)) => {
+                    debug!(addr, attempt, tagged, "connected to store");
                     return Ok(TcpStoreClient {
                         inner: Arc::new(Inner {
                             addr: addr.to_owned(),
                             conn: Mutex::new(Conn {
                                 stream: BufReader::new(stream),
+                                tagged,
                                 interrupted: None,
                             }),
                             timeout: config.timeout,
@@ -168,7 +173,7 @@ impl TcpStoreClient {
         addr: &str,
         config: &ClientConfig,
         deadline: Instant,
-    ) -> Result<TcpStream, Attempt> {
+    ) -> Result<(TcpStream, bool), Attempt> {
         let remaining = deadline.saturating_duration_since(Instant::now());
         let mut stream = match tokio::time::timeout(remaining, TcpStream::connect(addr)).await {
             Ok(Ok(s)) => s,
@@ -192,20 +197,48 @@ impl TcpStoreClient {
         .encode(&mut hello);
         let nonce = std::process::id();
         Request::Ping { nonce }.encode(&mut hello);
+        // Ask to be told why a request is refused; PyTorch's server answers NOT_READY. (A
+        // store whose keys are shorter than the reserved key cannot be asked.)
+        let ask = CLOSING_REASONS_KEY.len() <= config.limits.max_key_len;
+        if ask {
+            Request::Check {
+                keys: vec![CLOSING_REASONS_KEY.to_vec()],
+            }
+            .encode(&mut hello);
+        }
         let handshake = async {
             stream.write_all(&hello).await?;
             let mut echo = [0u8; 4];
             stream.read_exact(&mut echo).await?;
-            Ok::<_, std::io::Error>(u32::from_ne_bytes(echo))
+            let echo = u32::from_ne_bytes(echo);
+            if echo != nonce || !ask {
+                return Ok::<_, std::io::Error>((echo, false));
+            }
+            let tagged = match stream.read_u8().await? {
+                CHECK_READY => true,
+                CHECK_NOT_READY => false,
+                other => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("unexpected reply {other} to CHECK"),
+                    ))
+                }
+            };
+            Ok((echo, tagged))
         };
         match tokio::time::timeout(config.timeout, handshake).await {
-            Ok(Ok(echo)) if echo == nonce => Ok(stream),
-            Ok(Ok(handshake::AUTH_REQUIRED_MARKER)) => Err(Attempt::Fatal(StoreError::Auth {
+            Ok(Ok((echo, tagged))) if echo == nonce => Ok((stream, tagged)),
+            Ok(Ok((CONNECTIONS_FULL_MARKER, _))) => Err(Attempt::Retry(
+                "the store has as many connections open as it allows, its bound \
+                 max_connections (--max-connections)"
+                    .to_owned(),
+            )),
+            Ok(Ok((handshake::AUTH_REQUIRED_MARKER, _))) => Err(Attempt::Fatal(StoreError::Auth {
                 addr: addr.to_owned(),
                 reason: "the store requires a cluster secret; configure the same secret here"
                     .to_owned(),
             })),
-            Ok(Ok(echo)) => Err(Attempt::Fatal(StoreError::Protocol {
+            Ok(Ok((echo, _))) => Err(Attempt::Fatal(StoreError::Protocol {
                 addr: addr.to_owned(),
                 reason: format!("ping failed: sent nonce {nonce}, got {echo} back"),
             })),
@@ -286,6 +319,13 @@ impl TcpStoreClient {
     }
 
     fn io_error(&self, op: &str, e: std::io::Error) -> StoreError {
+        if let Some(r) = e.get_ref().and_then(|r| r.downcast_ref::<Refused>()) {
+            return StoreError::Refused {
+                addr: self.inner.addr.clone(),
+                bound: r.bound.clone(),
+                reason: r.reason.clone(),
+            };
+        }
         let reason = if e.kind() == std::io::ErrorKind::UnexpectedEof {
             format!("{op}: the server closed the connection")
         } else {
@@ -325,12 +365,37 @@ impl TcpStoreClient {
             Box<dyn std::future::Future<Output = std::io::Result<T>> + Send + 'c>,
         >,
     {
+        self.request(op, request, true, read).await
+    }
+
+    /// Sends `request` and, when it has a reply (`replies`), reads its status (on a tagged
+    /// connection) and the reply with `read`, within the client's timeout. A write that fails
+    /// on a tagged connection looks for the refusal that closed it.
+    async fn request<T, F>(
+        &self,
+        op: &'static str,
+        request: Request,
+        replies: bool,
+        read: F,
+    ) -> Result<T, StoreError>
+    where
+        F: for<'c> FnOnce(
+            &'c mut Conn,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = std::io::Result<T>> + Send + 'c>,
+        >,
+    {
         let mut conn = self.lock(op).await?;
         conn.interrupted = Some(op);
         let mut bytes = Vec::new();
         request.encode(&mut bytes);
         let work = async {
-            conn.stream.get_mut().write_all(&bytes).await?;
+            if let Err(e) = conn.stream.get_mut().write_all(&bytes).await {
+                return Err(conn.refusal_after(e).await);
+            }
+            if replies {
+                conn.reply_status().await?;
+            }
             read(&mut conn).await
         };
         let result = match tokio::time::timeout(self.inner.timeout, work).await {
@@ -349,7 +414,7 @@ impl TcpStoreClient {
 
     /// Sends a request that has no reply.
     async fn send_only(&self, op: &'static str, request: Request) -> Result<(), StoreError> {
-        self.exchange(op, request, |_| Box::pin(async { Ok(()) }))
+        self.request(op, request, false, |_| Box::pin(async { Ok(()) }))
             .await
     }
 
@@ -380,12 +445,11 @@ impl TcpStoreClient {
         conn.interrupted = Some(op);
         let mut bytes = Vec::new();
         request.encode(&mut bytes);
-        conn.stream
-            .get_mut()
-            .write_all(&bytes)
-            .await
-            .map_err(|e| self.io_error(op, e))?;
-        let first = match tokio::time::timeout(timeout, conn.read_u8()).await {
+        if let Err(e) = conn.stream.get_mut().write_all(&bytes).await {
+            let e = conn.refusal_after(e).await;
+            return Err(self.io_error(op, e));
+        }
+        let first = match tokio::time::timeout(timeout, conn.read_reply_u8()).await {
             Ok(read) => Some(read.map_err(|e| self.io_error(op, e))?),
             Err(_) => None,
         };
@@ -401,9 +465,9 @@ impl TcpStoreClient {
                 Request::CancelWait.encode(&mut cancel);
                 let reply = async {
                     conn.stream.get_mut().write_all(&cancel).await?;
-                    let a = conn.read_u8().await?;
+                    let a = conn.read_reply_u8().await?;
                     let b = if a == WAIT_STOP_WAITING {
-                        Some(conn.read_u8().await?)
+                        Some(conn.read_reply_u8().await?)
                     } else {
                         None
                     };
@@ -441,9 +505,73 @@ impl TcpStoreClient {
     }
 }
 
+/// A refusal the server sent in place of a reply, carried in an `io::Error` to
+/// [`TcpStoreClient::io_error`].
+#[derive(Debug)]
+struct Refused {
+    bound: String,
+    reason: String,
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.reason)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+/// Longest text of a refusal read (the server's reasons are a few hundred bytes).
+const MAX_REFUSAL_LEN: usize = 64 * 1024;
+
+/// How long a failed write waits for the refusal that closed the connection to be read.
+const REFUSAL_GRACE: Duration = Duration::from_millis(500);
+
 impl Conn {
     async fn read_u8(&mut self) -> std::io::Result<u8> {
         self.stream.read_u8().await
+    }
+
+    /// On a tagged connection, reads the status byte that starts a reply; a refusal comes back
+    /// as an error carrying [`Refused`].
+    async fn reply_status(&mut self) -> std::io::Result<()> {
+        if !self.tagged {
+            return Ok(());
+        }
+        match self.read_u8().await? {
+            REPLY_OK => Ok(()),
+            REPLY_REFUSED => {
+                let bound = self.read_bytes(MAX_REFUSAL_LEN).await?;
+                let reason = self.read_bytes(MAX_REFUSAL_LEN).await?;
+                Err(std::io::Error::other(Refused {
+                    bound: String::from_utf8_lossy(&bound).into_owned(),
+                    reason: String::from_utf8_lossy(&reason).into_owned(),
+                }))
+            }
+            other => Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("unexpected reply status {other}"),
+            )),
+        }
+    }
+
+    /// A one-byte reply (`STOP_WAITING`, `WAIT_CANCELED`), after its status when tagged.
+    async fn read_reply_u8(&mut self) -> std::io::Result<u8> {
+        self.reply_status().await?;
+        self.read_u8().await
+    }
+
+    /// A write failed (`error`): on a tagged connection the server may have closed it over
+    /// an earlier request without a reply, with its refusal already here; return that
+    /// instead when it is.
+    async fn refusal_after(&mut self, error: std::io::Error) -> std::io::Error {
+        if !self.tagged {
+            return error;
+        }
+        match tokio::time::timeout(REFUSAL_GRACE, self.reply_status()).await {
+            Ok(Err(refused)) if refused.get_ref().is_some_and(|r| r.is::<Refused>()) => refused,
+            _ => error,
+        }
     }
 
     async fn read_u32(&mut self) -> std::io::Result<u32> {

@@ -64,6 +64,30 @@
 //!
 //! tensorwire adds two query types, outside c10d's range, for the optional cluster secret
 //! (see [`crate::handshake`]): [`AUTH_HELLO`] and [`AUTH_PROOF`].
+//!
+//! # Refusals that name their bound
+//!
+//! c10d has no error reply: a server that refuses a request can only close the connection.
+//! tensorwire's server refuses requests that reach one of its bounds (see
+//! `ServerConfig`), and tensorwire's client asks to be told why, in a way PyTorch's server
+//! answers harmlessly: right after `VALIDATE` and `PING` it sends `CHECK` of the one key
+//! [`CLOSING_REASONS_KEY`] (it starts with a NUL byte, so no c10d client, which prefixes keys
+//! with `/`, sends it). PyTorch's server answers `NOT_READY` and nothing changes. tensorwire's
+//! server answers `READY` without storing anything, and from then on, on that connection only:
+//!
+//! - every reply (each `STOP_WAITING` and `WAIT_CANCELED` counts as one) starts with the
+//!   status byte [`REPLY_OK`];
+//! - a refused request is answered, in place of its reply, with [`REPLY_REFUSED`], then the
+//!   name of the bound reached (a c10d string: `u64` length, bytes; empty when the request was
+//!   malformed rather than over a bound) and the reason (a c10d string), and the connection
+//!   is closed. A request with no reply (`SET`, `APPEND`, `MULTI_SET`, `QUEUE_PUSH`) that is
+//!   refused is so reported where the client reads its next reply.
+//!
+//! A connection that did not ask (PyTorch's client, or any other c10d client) sees c10d's
+//! behaviour: the connection closes, with the reason in the server's log only. A connection
+//! refused because [`max_connections`](crate::ServerConfig::max_connections) are open gets
+//! the four bytes [`CONNECTIONS_FULL_MARKER`] where the `PING` echo would be, then the close;
+//! PyTorch's client reports a ping mismatch.
 
 use std::fmt;
 
@@ -77,6 +101,18 @@ pub const AUTH_PROOF: u8 = 0xA6;
 
 /// Length of the nonces and MACs of the authentication step.
 pub const AUTH_LEN: usize = 32;
+
+/// The key whose `CHECK` (alone, right after validation) asks tensorwire's server to tag
+/// replies and name its refusals (see [the module documentation](self)).
+pub const CLOSING_REASONS_KEY: &[u8] = b"\0tw/reasons";
+/// Status byte before each reply on a connection that asked for reasons: the reply follows.
+pub const REPLY_OK: u8 = 0;
+/// Status byte in place of a reply on a connection that asked for reasons: the bound and the
+/// reason follow, then the server closes the connection.
+pub const REPLY_REFUSED: u8 = 0xEE;
+/// Four bytes a server at its connection bound sends in place of the `PING` echo before
+/// closing a new connection (native byte order, as the echo).
+pub const CONNECTIONS_FULL_MARKER: u32 = 0xA5A5_0C0F;
 
 /// c10d's query types (`c10d::detail::QueryType`), in wire order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

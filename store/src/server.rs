@@ -27,14 +27,30 @@
 //! socket accepts them. While more than [`ServerConfig::max_queued_bytes`] wait for a client,
 //! its requests are not read (back-pressure); a client that accepts nothing for
 //! [`ServerConfig::write_stall_timeout`] is dropped.
+//!
+//! # One memory budget
+//!
+//! [`ServerConfig::memory_budget`] bounds everything the server holds for its clients (see
+//! [`ServerStats::memory_used`]): keys and values; values that left the table (overwritten,
+//! deleted) while a queued reply still shares them, until it is written; request bytes read
+//! and not yet handled; reply bytes that are the connection's own (copies of small values,
+//! numbers, popped queue items). A reply that shares a stored value costs nothing more. Keys
+//! and values may not take the last sixteenth of the budget (at most 16 MiB), which is kept
+//! for the connections, so a full table does not stop the server reading requests (a `DELETE`
+//! among them). A connection reads at most 64 KiB at a time, and only what the budget has room
+//! for; it handles a request only while the budget has room for a small reply. A request
+//! whose rest finds no room is refused (the bound `memory_budget`); a connection that waits
+//! for room longer than [`ServerConfig::write_stall_timeout`] is refused the same way. Not
+//! counted: the spare capacity of buffers, and the bookkeeping of keys, waits and connections.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
-use tokio::io::AsyncReadExt;
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio::sync::watch;
@@ -44,8 +60,9 @@ use tracing::{debug, info, warn};
 
 use crate::handshake;
 use crate::protocol::{
-    self, KeyDisplay, Limits, Request, CHECK_NOT_READY, CHECK_READY, VALIDATION_MAGIC,
-    WAIT_CANCELED, WAIT_STOP_WAITING,
+    self, KeyDisplay, Limits, Request, WireError, CHECK_NOT_READY, CHECK_READY,
+    CLOSING_REASONS_KEY, CONNECTIONS_FULL_MARKER, VALIDATION_MAGIC, WAIT_CANCELED,
+    WAIT_STOP_WAITING,
 };
 use crate::table::{AddError, AddOrBudget, Arrival, Budget, BudgetError, KvState};
 use output::Output;
@@ -86,7 +103,10 @@ pub struct ServerConfig {
     pub unauthenticated_idle_timeout: Duration,
     /// Most keys held: keys with a value plus items in queues. Default 1,048,576.
     pub max_stored_keys: usize,
-    /// Most bytes of keys and values held in all: the store's memory budget. Default 1 GiB.
+    /// The server's memory budget: keys and values, values still being written after they
+    /// left the table, request bytes buffered and reply copies, all together (see
+    /// [`ServerStats::memory_used`]); keys and values may use all but a sixteenth of it (at most
+    /// 16 MiB), kept for the connections. Default 1 GiB.
     pub memory_budget: usize,
     /// Largest reply to one request (a `MULTI_GET` or `LIST_KEYS`), in bytes. Default 64 MiB.
     pub max_response_len: usize,
@@ -120,7 +140,8 @@ impl Default for ServerConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ServerStats {
-    /// Bytes of keys and values held (bounded by [`ServerConfig::memory_budget`]).
+    /// Bytes of keys and values held, with values that left the table while a reply still
+    /// shares them (part of [`memory_used`](Self::memory_used)).
     pub bytes_held: usize,
     /// Keys with a value plus items in queues (bounded by [`ServerConfig::max_stored_keys`]).
     pub keys_held: usize,
@@ -133,6 +154,10 @@ pub struct ServerStats {
     /// Request bytes read and not yet handled, all connections together. At most
     /// [`Limits::max_request_len`] plus one read a connection.
     pub bytes_buffered: usize,
+    /// What counts against [`ServerConfig::memory_budget`]: keys and values, values that left
+    /// the table while a reply still shares them, request bytes buffered, and reply bytes
+    /// queued that the table does not share (copies, popped queue items).
+    pub memory_used: usize,
 }
 
 struct Shared {
@@ -142,6 +167,13 @@ struct Shared {
     connections: AtomicUsize,
     queued: AtomicUsize,
     buffered: AtomicUsize,
+    /// Reply bytes queued that the table does not share (see `Output::own`).
+    own: AtomicUsize,
+    /// Told when a connection's memory shrinks while some connection waits for room.
+    freed: tokio::sync::Notify,
+    /// Connections waiting for room in the memory budget (so that nobody else takes the
+    /// notifier's lock when none waits).
+    starving: AtomicUsize,
 }
 
 impl Shared {
@@ -150,6 +182,7 @@ impl Shared {
             max_value_len: config.limits.max_value_len,
             max_entries: config.max_stored_keys,
             max_bytes: config.memory_budget,
+            reserve: connection_reserve(config.memory_budget),
         };
         Shared {
             state: Mutex::new(KvState::with_budget(budget)),
@@ -158,27 +191,60 @@ impl Shared {
             connections: AtomicUsize::new(0),
             queued: AtomicUsize::new(0),
             buffered: AtomicUsize::new(0),
+            own: AtomicUsize::new(0),
+            freed: tokio::sync::Notify::new(),
+            starving: AtomicUsize::new(0),
         }
     }
 
+    /// What the connections hold against the memory budget.
+    fn outside(&self) -> usize {
+        self.buffered.load(Ordering::Relaxed) + self.own.load(Ordering::Relaxed)
+    }
+
+    /// The table, told what the connections hold now (so that its writes keep the whole
+    /// server within the memory budget).
     fn lock(&self) -> MutexGuard<'_, KvState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.set_outside(self.outside());
+        state
+    }
+
+    /// Bytes of the memory budget nothing uses now.
+    fn room(&self) -> usize {
+        self.lock().room()
     }
 
     fn stats(&self) -> ServerStats {
         let (bytes_held, keys_held) = {
-            let state = self.lock();
+            let mut state = self.lock();
+            state.sweep();
             (state.bytes_held(), state.entries())
         };
+        let outside = self.outside();
         ServerStats {
             bytes_held,
             keys_held,
             connections: self.connections.load(Ordering::Relaxed),
             bytes_queued: self.queued.load(Ordering::Relaxed),
             bytes_buffered: self.buffered.load(Ordering::Relaxed),
+            memory_used: bytes_held + outside,
         }
     }
 }
+
+/// The part of the memory budget that keys and values may not take, kept for the
+/// connections' requests and replies: a sixteenth, at most 16 MiB.
+fn connection_reserve(budget: usize) -> usize {
+    (budget / 16).min(16 * 1024 * 1024)
+}
+
+/// Most bytes one read takes from a socket (and from the memory budget).
+const READ_CHUNK: usize = 64 * 1024;
+
+/// Room a connection needs before it handles a request: more than any reply without a value
+/// takes (the largest, a `CANCEL_WAIT` that answers every parked wait, is two bytes a wait).
+const SMALL_REPLY: usize = 1024;
 
 /// One connection's share of a gauge of [`Shared`] (queued or buffered bytes), given back when
 /// the connection ends.
@@ -201,6 +267,48 @@ impl Gauge<'_> {
 impl Drop for Gauge<'_> {
     fn drop(&mut self) {
         self.set(0);
+    }
+}
+
+/// A connection counted in [`Shared::starving`] while this lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Waiting(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// One connection's share of the memory gauges: request bytes buffered and reply bytes of its
+/// own; whoever waits for room is told when they shrink.
+struct Memory<'a> {
+    buffered: Gauge<'a>,
+    own: Gauge<'a>,
+    freed: &'a tokio::sync::Notify,
+    starving: &'a AtomicUsize,
+}
+
+impl Memory<'_> {
+    fn set(&mut self, buffered: usize, own: usize) {
+        let shrank = buffered < self.buffered.mine || own < self.own.mine;
+        self.buffered.set(buffered);
+        self.own.set(own);
+        if shrank && self.starving.load(Ordering::SeqCst) > 0 {
+            self.freed.notify_waiters();
+        }
+    }
+}
+
+impl Drop for Memory<'_> {
+    fn drop(&mut self) {
+        self.set(0, 0);
     }
 }
 
@@ -333,6 +441,9 @@ async fn accept_loop(
                             "refusing a store connection: {max} connections are open, the bound \
                              max_connections (--max-connections)"
                         );
+                        // A tensorwire client reads this where the PING echo would be and
+                        // names the bound; the socket is fresh, so the write does not block.
+                        let _ = stream.try_write(&CONNECTIONS_FULL_MARKER.to_ne_bytes());
                         drop(stream);
                         continue;
                     }
@@ -416,25 +527,49 @@ async fn serve_connection(
         total: &shared.queued,
         mine: 0,
     };
-    let mut buffered = Gauge {
-        total: &shared.buffered,
-        mine: 0,
+    let mut memory = Memory {
+        buffered: Gauge {
+            total: &shared.buffered,
+            mine: 0,
+        },
+        own: Gauge {
+            total: &shared.own,
+            mine: 0,
+        },
+        freed: &shared.freed,
+        starving: &shared.starving,
     };
     let (notify, mut fired) = unbounded_channel();
     let accepted = Instant::now();
     let mut last_read = accepted;
     // Since when replies have waited with none written.
     let mut stalled_since: Option<Instant> = None;
+    // Since when the connection has waited for room in the memory budget.
+    let mut starved_since: Option<Instant> = None;
     let (mut reader, mut writer) = stream.split();
     loop {
-        // Back-pressure: requests wait in `input` (and the socket) while replies pile up.
+        // Told when memory is freed, once this connection waits for room (see below).
+        let freed = shared.freed.notified();
+        tokio::pin!(freed);
+        let mut starved = false;
+        // Back-pressure: requests wait in `input` (and the socket) while replies pile up, or
+        // while the memory budget has no room for a reply.
         while output.len() < config.max_queued_bytes {
             let (request, used) = match protocol::decode_request(&input, &config.limits) {
                 Ok(Some(decoded)) => decoded,
                 Ok(None) => break,
-                Err(e) => return Closed::Refused(format!("malformed request: {e}")),
+                Err(e) => {
+                    return refuse(malformed(e), &mut output, &mut reader, &mut writer, config)
+                        .await
+                }
             };
+            if phase == Phase::Ready && shared.room() < SMALL_REPLY {
+                starved = true;
+                break;
+            }
             input.advance(used);
+            // The request is the decoded one's now: the table counts what it stores.
+            memory.set(input.len(), output.own());
             let step = handle(
                 request,
                 &mut phase,
@@ -444,22 +579,55 @@ async fn serve_connection(
                 &mut fired,
                 &mut output,
             );
-            if let Err(why) = step {
-                gauge.set(output.len());
-                // Send what was answered before the bad request (the auth rejection, say), unless
-                // the client does not read.
-                let flush = output.write_all(&mut writer);
-                let _ = tokio::time::timeout(config.write_stall_timeout, flush).await;
-                return Closed::Refused(why);
+            memory.set(input.len(), output.own());
+            gauge.set(output.len());
+            if let Err(refusal) = step {
+                return refuse(refusal, &mut output, &mut reader, &mut writer, config).await;
             }
         }
         gauge.set(output.len());
-        buffered.set(input.len());
+        memory.set(input.len(), output.own());
+        let reading = output.len() < config.max_queued_bytes && !starved;
+        // A read takes its bytes from the budget's room.
+        let grant = if reading {
+            shared.room().min(READ_CHUNK)
+        } else {
+            0
+        };
+        if reading && grant == 0 && !input.is_empty() {
+            // Part of a request is in, and the budget has no room for the rest: it would not
+            // fit in the table either.
+            let refusal = Refusal::at(
+                "memory_budget",
+                format!(
+                    "no room in the memory budget of {} bytes (the bound memory_budget, --memory-budget) for the rest of \
+                     a request ({} bytes of it read); {} bytes are in use",
+                    config.memory_budget,
+                    input.len(),
+                    shared.stats().memory_used
+                ),
+            );
+            return refuse(refusal, &mut output, &mut reader, &mut writer, config).await;
+        }
+        starved |= reading && grant == 0;
+        // Counted among the connections waiting for room until this turn of the loop ends.
+        let _waiting = starved.then(|| Waiting::new(&shared.starving));
+        if starved {
+            // Registered before the room is looked at again, so that nothing freed in
+            // between is missed.
+            freed.as_mut().enable();
+            if shared.room() >= SMALL_REPLY {
+                continue;
+            }
+        }
         let now = Instant::now();
         if output.is_empty() {
             stalled_since = None;
         }
-        let expiry = if phase != Phase::Ready {
+        if !starved {
+            starved_since = None;
+        }
+        let mut expiry = if phase != Phase::Ready {
             let handshake = accepted + config.handshake_timeout;
             let idle = last_read + config.unauthenticated_idle_timeout;
             if handshake <= idle {
@@ -473,13 +641,23 @@ async fn serve_connection(
         } else {
             None
         };
+        if starved {
+            let at = *starved_since.get_or_insert(now) + config.write_stall_timeout;
+            if expiry.is_none_or(|(other, _)| at < other) {
+                expiry = Some((at, Expiry::Memory));
+            }
+        }
         let (at, why) = match expiry {
             Some((at, why)) => (at, Some(why)),
             None => (now, None),
         };
-        let reading = output.len() < config.max_queued_bytes;
+        if grant > 0 && input.capacity() == input.len() {
+            // Grows by doubling (from 4 KiB), never by more than the grant.
+            input.reserve(grant.min(input.len().max(4096)));
+        }
+        let mut limited = (&mut input).limit(grant);
         tokio::select! {
-            read = reader.read_buf(&mut input), if reading => match read {
+            read = reader.read_buf(&mut limited), if grant > 0 => match read {
                 Ok(0) => return Closed::Eof,
                 Ok(_) => last_read = Instant::now(),
                 Err(e) => return e.into(),
@@ -488,13 +666,59 @@ async fn serve_connection(
                 Ok(_) => stalled_since = None,
                 Err(e) => return e.into(),
             },
-            Some(_) = fired.recv() => output.push(WAIT_STOP_WAITING),
+            Some(_) = fired.recv() => {
+                output.reply();
+                output.push(WAIT_STOP_WAITING);
+            }
+            _ = &mut freed, if starved => {}
             _ = stopped.changed() => return Closed::Shutdown,
             _ = tokio::time::sleep_until(at), if why.is_some() => {
+                if let Some(Expiry::Memory) = why {
+                    let refusal = Refusal::at(
+                        "memory_budget",
+                        format!(
+                            "waited {:?} (the bound write_stall_timeout) for room in the memory \
+                             budget of {} bytes (the bound memory_budget, --memory-budget) to \
+                             read or answer a request; {} bytes are in use",
+                            config.write_stall_timeout,
+                            config.memory_budget,
+                            shared.stats().memory_used
+                        ),
+                    );
+                    return refuse(refusal, &mut output, &mut reader, &mut writer, config).await;
+                }
                 return Closed::Refused(expired(why, config, output.len()));
             }
         }
     }
+}
+
+/// How long a connection closed over a refusal that its client was told of is read (and the
+/// bytes dropped) after the refusal is sent, so that requests it had already sent do not turn
+/// the close into a reset, which could discard the refusal before the client reads it.
+const LINGER: Duration = Duration::from_secs(1);
+
+/// Closes a connection over `refusal`: writes what was answered before it (the auth
+/// rejection, say) and, to a client that asked for reasons, the refusal, unless the client
+/// does not read; then, for such a client, ends the stream cleanly.
+async fn refuse(
+    refusal: Refusal,
+    output: &mut Output,
+    reader: &mut ReadHalf<'_>,
+    writer: &mut WriteHalf<'_>,
+    config: &ServerConfig,
+) -> Closed {
+    let told = output.is_tagged();
+    output.refuse(refusal.bound, &refusal.reason);
+    let flush = output.write_all(writer);
+    let _ = tokio::time::timeout(config.write_stall_timeout, flush).await;
+    if told {
+        let _ = writer.shutdown().await;
+        let mut sink = [0u8; 4096];
+        let drain = async { while matches!(reader.read(&mut sink).await, Ok(n) if n > 0) {} };
+        let _ = tokio::time::timeout(LINGER, drain).await;
+    }
+    Closed::Refused(refusal.reason)
 }
 
 /// Which time bound a connection is up against.
@@ -503,6 +727,7 @@ enum Expiry {
     Handshake,
     Idle,
     Stall,
+    Memory,
 }
 
 /// Why a connection whose time bound expired is closed.
@@ -517,7 +742,7 @@ fn expired(why: Option<Expiry>, config: &ServerConfig, queued: usize) -> String 
              (--unauthenticated-idle-timeout)",
             config.unauthenticated_idle_timeout
         ),
-        Some(Expiry::Stall) | None => format!(
+        Some(Expiry::Stall | Expiry::Memory) | None => format!(
             "read none of its {queued} queued reply bytes for {:?}, the bound \
              write_stall_timeout (--write-stall-timeout); its requests had stopped being read \
              past max_queued_bytes = {} (--max-queued-bytes)",
@@ -535,7 +760,7 @@ fn handle(
     notify: &tokio::sync::mpsc::UnboundedSender<u64>,
     fired: &mut UnboundedReceiver<u64>,
     out: &mut Output,
-) -> Result<(), String> {
+) -> Result<(), Refusal> {
     match (*phase, request) {
         (
             Phase::AuthHello,
@@ -565,7 +790,8 @@ fn handle(
              secret; PyTorch clients cannot authenticate, run the store without a secret for \
              mixed jobs",
                 other.query_byte()
-            ))
+            )
+            .into())
         }
         (
             Phase::AuthProof {
@@ -588,13 +814,16 @@ fn handle(
                 Ok(())
             } else {
                 out.push(handshake::STATUS_REJECTED);
-                Err("authentication failed: wrong cluster secret".to_owned())
+                Err("authentication failed: wrong cluster secret"
+                    .to_owned()
+                    .into())
             }
         }
         (Phase::AuthProof { .. }, other) => Err(format!(
             "expected the authentication proof, got query type {}",
             other.query_byte()
-        )),
+        )
+        .into()),
         (Phase::Validate, Request::AuthHello { .. }) if shared.config.secret.is_none() => {
             // Tell a tensorwire client with a secret that this server has none; it decides.
             out.push(handshake::STATUS_NO_SECRET);
@@ -606,11 +835,13 @@ fn handle(
         }
         (Phase::Validate, Request::Validate { magic }) => Err(format!(
             "validation failed: magic number {magic:#010x}, expected {VALIDATION_MAGIC:#010x}"
-        )),
+        )
+        .into()),
         (Phase::Validate, other) => Err(format!(
             "the first query must be VALIDATE, got query type {}",
             other.query_byte()
-        )),
+        )
+        .into()),
         (Phase::Ready, request) => serve(request, id, shared, notify, fired, out),
     }
 }
@@ -622,9 +853,12 @@ fn serve(
     notify: &tokio::sync::mpsc::UnboundedSender<u64>,
     fired: &mut UnboundedReceiver<u64>,
     out: &mut Output,
-) -> Result<(), String> {
+) -> Result<(), Refusal> {
     match request {
-        Request::Ping { nonce } => out.extend_from_slice(&nonce.to_ne_bytes()),
+        Request::Ping { nonce } => {
+            out.reply();
+            out.extend_from_slice(&nonce.to_ne_bytes());
+        }
         Request::Set { key, value } => shared
             .lock()
             .set(&key, Bytes::from(value))
@@ -634,19 +868,31 @@ fn serve(
             expected,
             desired,
         } => {
-            let value = shared
-                .lock()
+            let mut state = shared.lock();
+            // The reply may be a copy of `expected` (a missing key): it is counted as the
+            // connection's own, and must fit.
+            let reply = 8 + expected.len().max(desired.len());
+            if reply > state.room() {
+                return Err(no_room("COMPARE_SET", reply, state.room(), shared));
+            }
+            let value = state
                 .compare_set(&key, &expected, Bytes::from(desired))
                 .map_err(|e| refused_write("COMPARE_SET", &key, e))?;
-            out.put_value(value);
+            drop(state);
+            out.reply();
+            out.put_owned_value(value);
         }
         Request::Get { key } => {
             // A handle on the stored value; it is written after the lock is released.
             let value = shared.lock().get(&key).cloned().unwrap_or_default();
+            out.reply();
             out.put_value(value);
         }
         Request::Add { key, delta } => match shared.lock().add(&key, delta) {
-            Ok(sum) => out.extend_from_slice(&sum.to_ne_bytes()),
+            Ok(sum) => {
+                out.reply();
+                out.extend_from_slice(&sum.to_ne_bytes());
+            }
             Err(e) => return Err(refused_count("add", &key, e)),
         },
         Request::Barrier { key, world_size } => {
@@ -655,14 +901,25 @@ fn serve(
                 return Err(too_many_waits(shared));
             }
             match state.barrier(&key, world_size, id, notify.clone()) {
-                Ok(Arrival::Released) => out.push(WAIT_STOP_WAITING),
+                Ok(Arrival::Released) => {
+                    out.reply();
+                    out.push(WAIT_STOP_WAITING);
+                }
                 // Answered through `fired` once the count reaches the world size.
                 Ok(Arrival::Parked(_)) => {}
                 Err(e) => return Err(refused_count("barrier", &key, e)),
             }
         }
+        Request::Check { keys } if keys.len() == 1 && keys[0] == CLOSING_REASONS_KEY => {
+            // tensorwire's client asks for tagged replies and named refusals; the key is
+            // never stored (see `protocol`).
+            out.reply();
+            out.push(CHECK_READY);
+            out.tag_replies();
+        }
         Request::Check { keys } => {
             let ready = shared.lock().check(&keys);
+            out.reply();
             out.push(if ready { CHECK_READY } else { CHECK_NOT_READY });
         }
         Request::Wait { keys } => {
@@ -671,12 +928,18 @@ fn serve(
                 return Err(too_many_waits(shared));
             }
             if state.park(&keys, id, notify.clone()).is_none() {
+                out.reply();
                 out.push(WAIT_STOP_WAITING);
             }
         }
-        Request::GetNumKeys => out.extend_from_slice(&(shared.lock().len() as i64).to_ne_bytes()),
+        Request::GetNumKeys => {
+            let len = shared.lock().len() as i64;
+            out.reply();
+            out.extend_from_slice(&len.to_ne_bytes());
+        }
         Request::DeleteKey { key } => {
             let deleted = shared.lock().delete(&key);
+            out.reply();
             out.extend_from_slice(&i64::from(deleted).to_ne_bytes());
         }
         Request::Append { key, value } => shared
@@ -685,16 +948,24 @@ fn serve(
             .map_err(|e| refused_write("APPEND", &key, e))?,
         Request::MultiGet { keys } => {
             // Handles on the stored values; written after the lock is released.
-            let values: Vec<Bytes> = {
+            let (values, room): (Vec<Bytes>, usize) = {
                 let state = shared.lock();
-                keys.iter()
+                let values = keys
+                    .iter()
                     .map(|key| state.get(key).cloned().unwrap_or_default())
-                    .collect()
+                    .collect();
+                (values, state.room())
             };
             let len: usize = values.iter().map(|v| 8 + v.len()).sum();
             if len > shared.config.max_response_len {
                 return Err(too_long_a_reply("MULTI_GET", keys.len(), len, shared));
             }
+            // Small values are copied into the reply: those bytes are the connection's own.
+            let copied: usize = values.iter().map(|v| 8 + output::copied_len(v)).sum();
+            if copied > room {
+                return Err(no_room("MULTI_GET", copied, room, shared));
+            }
+            out.reply();
             for value in values {
                 out.put_value(value);
             }
@@ -715,8 +986,10 @@ fn serve(
             // answer those first, as c10d's client expects STOP_WAITING before WAIT_CANCELED.
             shared.lock().cancel_owner(id);
             while fired.try_recv().is_ok() {
+                out.reply();
                 out.push(WAIT_STOP_WAITING);
             }
+            out.reply();
             out.push(WAIT_CANCELED);
         }
         Request::QueuePush { key, value } => shared
@@ -724,14 +997,17 @@ fn serve(
             .queue_push(&key, Bytes::from(value))
             .map_err(|e| refused_write("QUEUE_PUSH", &key, e))?,
         Request::QueuePop { key } => {
+            // The item leaves the table for the reply: the same bytes, now the connection's.
             let (len, item) = shared.lock().queue_pop(&key);
+            out.reply();
             out.extend_from_slice(&(len as i64).to_ne_bytes());
             if let Some(item) = item {
-                out.put_value(item);
+                out.put_owned_value(item);
             }
         }
         Request::QueueLen { key } => {
             let len = shared.lock().queue_len(&key);
+            out.reply();
             out.extend_from_slice(&(len as i64).to_ne_bytes());
         }
         Request::ListKeys => {
@@ -740,52 +1016,111 @@ fn serve(
             if len > shared.config.max_response_len {
                 return Err(too_long_a_reply("LIST_KEYS", state.len(), len, shared));
             }
+            if len > state.room() {
+                return Err(no_room("LIST_KEYS", len, state.room(), shared));
+            }
             // Keys are short and few next to values (bounded by the reply bound just checked).
+            out.reply();
             out.extend_from_slice(&(state.len() as u64).to_ne_bytes());
             for key in state.keys() {
                 out.extend_from_slice(&(key.len() as u64).to_ne_bytes());
                 out.extend_from_slice(key);
             }
         }
-        Request::Validate { .. } => return Err("VALIDATE sent twice".to_owned()),
+        Request::Validate { .. } => return Err("VALIDATE sent twice".to_owned().into()),
         Request::AuthHello { .. } | Request::AuthProof { .. } => {
-            return Err("authentication query after validation".to_owned())
+            return Err("authentication query after validation".to_owned().into())
         }
     }
     Ok(())
 }
 
-fn too_many_waits(shared: &Shared) -> String {
-    format!(
-        "more than {} waits parked by one connection",
-        shared.config.max_waits_per_connection
+/// Why a request was refused (and its connection closed): the bound it reached, by its
+/// [`ServerConfig`] field name (empty when the request was malformed rather than over a bound),
+/// and what happened. Logged, and told to a client that asked (see [`protocol`]).
+struct Refusal {
+    bound: &'static str,
+    reason: String,
+}
+
+impl Refusal {
+    fn at(bound: &'static str, reason: String) -> Self {
+        Refusal { bound, reason }
+    }
+}
+
+impl From<String> for Refusal {
+    /// A malformed request: no bound.
+    fn from(reason: String) -> Self {
+        Refusal { bound: "", reason }
+    }
+}
+
+/// The refusal of a request that could not be decoded, naming the bound for a length over one.
+fn malformed(e: WireError) -> Refusal {
+    let bound = match e {
+        WireError::KeyTooLarge { .. } => "limits.max_key_len",
+        WireError::ValueTooLarge { .. } => "limits.max_value_len",
+        WireError::TooManyKeys { .. } => "limits.max_keys",
+        WireError::RequestTooLarge { .. } => "limits.max_request_len",
+        _ => "",
+    };
+    Refusal::at(bound, format!("malformed request: {e}"))
+}
+
+fn too_many_waits(shared: &Shared) -> Refusal {
+    Refusal::at(
+        "max_waits_per_connection",
+        format!(
+            "more than {} waits parked by one connection, the bound max_waits_per_connection",
+            shared.config.max_waits_per_connection
+        ),
     )
 }
 
 /// Why a write of `op` to `key` was refused by the table's budget, naming the bound.
-fn refused_write(op: &str, key: &[u8], e: BudgetError) -> String {
-    let bound = match e {
-        BudgetError::ValueTooLarge { .. } => "limits.max_value_len (--max-value-size)",
-        BudgetError::TooManyEntries { .. } => "max_stored_keys (--max-keys)",
-        BudgetError::OverBudget { .. } => "memory_budget (--memory-budget)",
+fn refused_write(op: &str, key: &[u8], e: BudgetError) -> Refusal {
+    let (bound, flag) = match e {
+        BudgetError::ValueTooLarge { .. } => ("limits.max_value_len", "--max-value-size"),
+        BudgetError::TooManyEntries { .. } => ("max_stored_keys", "--max-keys"),
+        BudgetError::OverBudget { .. } => ("memory_budget", "--memory-budget"),
     };
-    format!(
-        "{op} on key {} refused: {e}; the bound {bound}",
-        KeyDisplay(key)
+    Refusal::at(
+        bound,
+        format!(
+            "{op} on key {} refused: {e}; the bound {bound} ({flag})",
+            KeyDisplay(key)
+        ),
     )
 }
 
 /// Why a request whose reply would be `len` bytes was refused.
-fn too_long_a_reply(op: &str, keys: usize, len: usize, shared: &Shared) -> String {
-    format!(
-        "{op} of {keys} keys would be answered with {len} bytes, over the bound \
-         max_response_len = {} (--max-response-size)",
-        shared.config.max_response_len
+fn too_long_a_reply(op: &str, keys: usize, len: usize, shared: &Shared) -> Refusal {
+    Refusal::at(
+        "max_response_len",
+        format!(
+            "{op} of {keys} keys would be answered with {len} bytes, over the bound \
+             max_response_len = {} (--max-response-size)",
+            shared.config.max_response_len
+        ),
+    )
+}
+
+/// Why a request whose reply needs `len` bytes of the memory budget, which has `room`, was
+/// refused.
+fn no_room(op: &str, len: usize, room: usize, shared: &Shared) -> Refusal {
+    Refusal::at(
+        "memory_budget",
+        format!(
+            "{op} would be answered with {len} bytes of copies, and the memory budget of {} \
+             bytes (the bound memory_budget, --memory-budget) has {room} left",
+            shared.config.memory_budget
+        ),
     )
 }
 
 /// Why an `add` or a `barrier` on `key` was refused.
-fn refused_count(op: &str, key: &[u8], e: AddOrBudget) -> String {
+fn refused_count(op: &str, key: &[u8], e: AddOrBudget) -> Refusal {
     let e = match e {
         AddOrBudget::Add(e) => e,
         AddOrBudget::Budget(e) => return refused_write(op, key, e),
@@ -795,7 +1130,8 @@ fn refused_count(op: &str, key: &[u8], e: AddOrBudget) -> String {
             "{op} on key {} whose value {} is not a decimal integer",
             KeyDisplay(key),
             KeyDisplay(&v)
-        ),
-        AddError::Overflow => format!("{op} on key {} overflows i64", KeyDisplay(key)),
+        )
+        .into(),
+        AddError::Overflow => format!("{op} on key {} overflows i64", KeyDisplay(key)).into(),
     }
 }

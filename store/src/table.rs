@@ -23,6 +23,15 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::protocol::parse_c10d_int;
 
+/// Values of at least this many bytes are shared with replies rather than copied into them
+/// (so only they can stay in memory after leaving the table).
+pub(crate) const SHARED_FROM: usize = 512;
+
+/// Whether a reply still shares `value`.
+fn shared_by_a_reply(value: &Bytes) -> bool {
+    value.len() >= SHARED_FROM && !value.is_unique()
+}
+
 /// The bounds of a table. [`Budget::UNLIMITED`] has none (PyTorch's server has none).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Budget {
@@ -30,8 +39,13 @@ pub(crate) struct Budget {
     pub(crate) max_value_len: usize,
     /// Most entries held: keys with a value plus items waiting in queues.
     pub(crate) max_entries: usize,
-    /// Most bytes of keys and values (queue names and items included) held in all.
+    /// Most bytes held in all: keys and values (queue names and items included), values
+    /// still being written to clients after they left the table, and what the server's
+    /// connections hold ([`KvState::set_outside`]).
     pub(crate) max_bytes: usize,
+    /// Bytes of `max_bytes` that keys and values may not take, kept for the connections'
+    /// requests and replies (so that a full table does not stop the server reading).
+    pub(crate) reserve: usize,
 }
 
 impl Budget {
@@ -40,6 +54,7 @@ impl Budget {
         max_value_len: usize::MAX,
         max_entries: usize::MAX,
         max_bytes: usize::MAX,
+        reserve: 0,
     };
 }
 
@@ -52,10 +67,10 @@ pub(crate) enum BudgetError {
     /// A new entry would pass `max_entries`.
     #[error("the store holds {max} keys, its bound on keys")]
     TooManyEntries { max: usize },
-    /// The bytes held would pass `max_bytes`.
+    /// The bytes held would pass what `max_bytes` leaves keys and values.
     #[error(
-        "the store would hold {needed} bytes of keys and values, over its memory budget of {max} \
-         bytes"
+        "the store would hold {needed} bytes of keys and values, over the {max} bytes its memory \
+         budget leaves them now (the rest holds requests, replies and values being written)"
     )]
     OverBudget { needed: usize, max: usize },
 }
@@ -116,6 +131,12 @@ pub(crate) struct KvState {
     entries: usize,
     /// Bytes of keys and values held (a queue's name counted with each of its items).
     held: usize,
+    /// Values that left the table (overwritten or deleted) while a reply still shared them,
+    /// with their bytes: still memory until the last reply is written ([`sweep`](Self::sweep)).
+    detached: Vec<Bytes>,
+    detached_bytes: usize,
+    /// What the server's connections hold (request buffers, reply copies), told by the server.
+    outside: usize,
 }
 
 impl Default for KvState {
@@ -135,12 +156,58 @@ impl KvState {
             budget,
             entries: 0,
             held: 0,
+            detached: Vec::new(),
+            detached_bytes: 0,
+            outside: 0,
         }
     }
 
-    /// Bytes of keys and values held (what the memory budget bounds).
+    /// Bytes of keys and values held, with the values that left the table but are still being
+    /// written to clients.
     pub(crate) fn bytes_held(&self) -> usize {
-        self.held
+        self.held + self.detached_bytes
+    }
+
+    /// The server's connections hold `bytes` now (counted against the memory budget).
+    pub(crate) fn set_outside(&mut self, bytes: usize) {
+        self.outside = bytes;
+    }
+
+    /// Bytes of the memory budget not used by anything: keys, values (detached ones
+    /// included) and what the connections hold.
+    pub(crate) fn room(&self) -> usize {
+        self.budget
+            .max_bytes
+            .saturating_sub(self.bytes_held() + self.outside)
+    }
+
+    /// Most bytes keys and values may take now: the budget less the connections' reserve,
+    /// what the connections hold and the detached values.
+    fn table_limit(&self) -> usize {
+        self.budget
+            .max_bytes
+            .saturating_sub(self.budget.reserve.max(self.outside) + self.detached_bytes)
+    }
+
+    /// Forgets the detached values that no reply shares any more.
+    pub(crate) fn sweep(&mut self) {
+        let mut freed = 0;
+        self.detached.retain(|v| {
+            let gone = !shared_by_a_reply(v);
+            if gone {
+                freed += v.len();
+            }
+            !gone
+        });
+        self.detached_bytes -= freed;
+    }
+
+    /// A value left the table: while a reply shares it, it still counts.
+    fn detach(&mut self, value: Bytes) {
+        if shared_by_a_reply(&value) {
+            self.detached_bytes += value.len();
+            self.detached.push(value);
+        }
     }
 
     /// Keys with a value plus items in queues (what the bound on keys bounds).
@@ -157,25 +224,34 @@ impl KvState {
                 max: b.max_value_len,
             });
         }
-        let old = self.map.get(key).map(|v| key.len() + v.len());
+        let old = self.map.get(key);
         if old.is_none() && self.entries >= b.max_entries {
             return Err(BudgetError::TooManyEntries { max: b.max_entries });
         }
-        let needed = (self.held - old.unwrap_or(0)).saturating_add(key.len() + len);
-        if needed > b.max_bytes {
-            return Err(BudgetError::OverBudget {
-                needed,
-                max: b.max_bytes,
-            });
+        let old_len = old.map_or(0, |v| key.len() + v.len());
+        let needed = (self.held - old_len).saturating_add(key.len() + len);
+        // An old value that a reply still shares stays in memory (detached).
+        let staying = old.filter(|v| shared_by_a_reply(v)).map_or(0, Bytes::len);
+        let max = self.table_limit().saturating_sub(staying);
+        if needed > max {
+            return Err(BudgetError::OverBudget { needed, max });
         }
         Ok(needed)
     }
 
     /// Stores `value` under `key` within the budget, without waking anyone.
     fn put(&mut self, key: &[u8], value: Bytes) -> Result<(), BudgetError> {
-        let held = self.admit(key, value.len())?;
-        if self.map.insert(key.to_vec(), value).is_none() {
-            self.entries += 1;
+        let held = match self.admit(key, value.len()) {
+            Ok(held) => held,
+            Err(BudgetError::OverBudget { .. }) => {
+                self.sweep();
+                self.admit(key, value.len())?
+            }
+            Err(e) => return Err(e),
+        };
+        match self.map.insert(key.to_vec(), value) {
+            Some(old) => self.detach(old),
+            None => self.entries += 1,
         }
         self.held = held;
         Ok(())
@@ -190,6 +266,15 @@ impl KvState {
     /// Sets every pair, in order, or none: a pair past a bound refuses them all.
     pub(crate) fn set_all(&mut self, pairs: Vec<(Vec<u8>, Bytes)>) -> Result<(), BudgetError> {
         let b = self.budget;
+        self.sweep();
+        // Old values still shared by replies are counted as staying in memory.
+        let limit = self.table_limit().saturating_sub(
+            pairs
+                .iter()
+                .filter_map(|(k, _)| self.map.get(k).filter(|v| shared_by_a_reply(v)))
+                .map(Bytes::len)
+                .sum(),
+        );
         // What each key would hold after the pairs before it.
         let mut after: HashMap<&[u8], usize> = HashMap::new();
         let (mut entries, mut held) = (self.entries, self.held);
@@ -212,10 +297,10 @@ impl KvState {
                 None => entries += 1,
             }
             held = held.saturating_add(key.len() + value.len());
-            if held > b.max_bytes {
+            if held > limit {
                 return Err(BudgetError::OverBudget {
                     needed: held,
-                    max: b.max_bytes,
+                    max: limit,
                 });
             }
             after.insert(key, value.len());
@@ -294,11 +379,12 @@ impl KvState {
             return Err(BudgetError::TooManyEntries { max: b.max_entries });
         }
         let needed = self.held.saturating_add(key.len() + value.len());
-        if needed > b.max_bytes {
-            return Err(BudgetError::OverBudget {
-                needed,
-                max: b.max_bytes,
-            });
+        if needed > self.table_limit() {
+            self.sweep();
+            let max = self.table_limit();
+            if needed > max {
+                return Err(BudgetError::OverBudget { needed, max });
+            }
         }
         self.held = needed;
         self.entries += 1;
@@ -358,6 +444,7 @@ impl KvState {
             Some(value) => {
                 self.held -= key.len() + value.len();
                 self.entries -= 1;
+                self.detach(value);
                 true
             }
             None => false,
@@ -497,7 +584,63 @@ mod tests {
             max_value_len,
             max_entries,
             max_bytes,
+            reserve: 0,
         }
+    }
+
+    /// One budget for everything: what the connections hold and the connections' reserve
+    /// leave less for keys and values, and a value a reply still shares counts until the
+    /// reply lets go of it.
+    #[test]
+    fn the_budget_counts_connections_and_values_still_being_written() {
+        let mut s = KvState::with_budget(Budget {
+            reserve: 100,
+            ..budget(2000, 100, 2000)
+        });
+        let value = |n: usize| Bytes::from(vec![0; n]);
+        // The reserve is the connections': keys and values get 1900.
+        assert!(matches!(
+            s.set(b"k", value(1900)),
+            Err(BudgetError::OverBudget { max: 1900, .. })
+        ));
+        s.set(b"k", value(1000)).unwrap();
+        // Connections holding more than the reserve leave less still.
+        s.set_outside(300);
+        assert_eq!(s.room(), 2000 - 1001 - 300);
+        assert!(matches!(
+            s.set(b"j", value(900)),
+            Err(BudgetError::OverBudget { max: 1700, .. })
+        ));
+        s.set_outside(0);
+        // A reply shares the value; deleting it leaves its bytes counted.
+        let reply = s.get(b"k").unwrap().clone();
+        assert!(s.delete(b"k"));
+        assert_eq!(s.bytes_held(), 1000);
+        assert!(matches!(
+            s.set(b"j", value(1000)),
+            Err(BudgetError::OverBudget { max: 900, .. })
+        ));
+        // Once the reply is written, the bytes are free again.
+        drop(reply);
+        s.set(b"j", value(1000)).unwrap();
+        assert_eq!(s.bytes_held(), 1001);
+        // Overwriting a shared value keeps the old one counted too.
+        let reply = s.get(b"j").unwrap().clone();
+        assert!(matches!(
+            s.set(b"j", value(1000)),
+            Err(BudgetError::OverBudget { max: 900, .. })
+        ));
+        s.set(b"j", value(600)).unwrap();
+        assert_eq!(s.bytes_held(), 601 + 1000);
+        drop(reply);
+        s.sweep();
+        assert_eq!(s.bytes_held(), 601);
+        // Small values are copied into replies, never shared: a clone does not hold them.
+        s.set(b"s", value(100)).unwrap();
+        let small = s.get(b"s").unwrap().clone();
+        assert!(s.delete(b"s"));
+        assert_eq!(s.bytes_held(), 601);
+        drop(small);
     }
 
     #[test]

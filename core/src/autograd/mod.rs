@@ -48,8 +48,13 @@
 //! refused backward changes nothing (PyTorch's `dist_autograd.backward` raises at once too; it
 //! takes no seeds, so its roots must all be scalars).
 //!
-//! Input is checked against state: a gradient for an unknown context, from a worker outside
-//! the context, for a message id this worker never sent to that worker, or a recv record with
+//! A **late gradient** (one for a context this worker dropped, by a release or a loss, that
+//! crossed the release on the wire) is dropped, as DESIGN says: nothing runs, the request is
+//! answered with the reason the context went (so the sender's work ends) and it is counted
+//! ([`DistAutograd::late_gradients`]) for the driver to log. It is not a violation.
+//!
+//! Input is checked against state: a gradient for a context this worker never had, from a
+//! worker outside the context, for a message id this worker never sent to that worker, or a recv record with
 //! a forged message id is a [`ProtocolViolation`]; the state is left unchanged.
 //!
 //! The state machine never touches a tensor: the driver keeps them under the ids given here
@@ -76,6 +81,11 @@ const COUNTER_MASK: u64 = (1 << COUNTER_BITS) - 1;
 
 /// How many failure-dropped contexts of its own a worker remembers the cause of.
 pub const DROPPED_KEPT: usize = 1024;
+
+/// How many contexts dropped here (released, or dropped by a loss) a worker remembers, so that
+/// a gradient arriving for one after it is gone is known as late (dropped, answered with the
+/// reason) rather than taken for a forged message.
+pub const GONE_KEPT: usize = 1024;
 
 /// A distributed autograd context: the creating worker's id in the high 32 bits, that worker's
 /// counter in the low 32 bits (PyTorch: 16 and 48; our worker ids are 32-bit).
@@ -565,6 +575,12 @@ pub struct DistAutograd {
     /// Why contexts made here were dropped by a failure, until the user lets go of them
     /// ([`forget`](Self::forget)); at most [`DROPPED_KEPT`], the oldest forgotten first.
     dropped: BTreeMap<ContextId, BackwardError>,
+    /// Contexts dropped here and the error they went with, at most [`GONE_KEPT`]; `gone_order`
+    /// holds them oldest first.
+    gone: BTreeMap<ContextId, BackwardError>,
+    gone_order: VecDeque<ContextId>,
+    /// Gradients dropped because their context was gone here.
+    late_gradients: u64,
     out: VecDeque<Output>,
 }
 
@@ -582,6 +598,9 @@ impl DistAutograd {
             outgoing: BTreeMap::new(),
             lost: BTreeSet::new(),
             dropped: BTreeMap::new(),
+            gone: BTreeMap::new(),
+            gone_order: VecDeque::new(),
+            late_gradients: 0,
             out: VecDeque::new(),
         }
     }
@@ -641,6 +660,12 @@ impl DistAutograd {
         self.contexts
             .get(&context)
             .is_some_and(|c| !c.tasks.is_empty())
+    }
+
+    /// How many gradients arrived for a context already dropped here (late: dropped and
+    /// answered with the reason the context went, see [`handle_gradient`](Self::handle_gradient)).
+    pub fn late_gradients(&self) -> u64 {
+        self.late_gradients
     }
 
     /// Whether nothing is running and no answer is awaited.
@@ -778,18 +803,32 @@ impl DistAutograd {
 
     /// `from` sent the gradient for the send function of `message` (request `request`): run it.
     /// The driver gets [`Output::RunLocal`] and, once the work and everything it started are
-    /// done, [`Output::Reply`] for `request`.
+    /// done, [`Output::Reply`] for `request`; the task is returned.
+    ///
+    /// A gradient for a context already dropped here (it crossed the release, or the loss that
+    /// dropped it) is late: it is dropped, counted ([`late_gradients`](Self::late_gradients)),
+    /// and `request` is answered at once ([`Output::Reply`]) with the error the context went
+    /// with; `Ok(None)` is returned and nothing else changes. A gradient for a context this
+    /// worker never had is a violation.
     pub fn handle_gradient(
         &mut self,
         from: WorkerId,
         context: ContextId,
         message: AutogradMessageId,
         request: RequestToken,
-    ) -> Result<TaskId, ProtocolViolation> {
-        let ctx = self
-            .contexts
-            .get(&context)
-            .ok_or(ProtocolViolation::UnknownContext { from, context })?;
+    ) -> Result<Option<TaskId>, ProtocolViolation> {
+        let Some(ctx) = self.contexts.get(&context) else {
+            let Some(why) = self.gone.get(&context) else {
+                return Err(ProtocolViolation::UnknownContext { from, context });
+            };
+            self.late_gradients += 1;
+            self.out.push_back(Output::Reply {
+                to: from,
+                request,
+                result: Err(why.clone()),
+            });
+            return Ok(None);
+        };
         if !ctx.known.contains(&from) {
             return Err(ProtocolViolation::NotInContext { from, context });
         }
@@ -800,11 +839,11 @@ impl DistAutograd {
                 message,
             });
         }
-        Ok(self.start_task(
+        Ok(Some(self.start_task(
             context,
             Origin::Gradient { from, request },
             Entry::Send(message),
-        ))
+        )))
     }
 
     /// The answer to gradient request `gradient`: the receiver's work (and all it started)
@@ -877,6 +916,10 @@ impl DistAutograd {
     /// that left or died): contexts with it may be made again.
     pub fn handle_peer_joined(&mut self, peer: WorkerId) {
         self.lost.remove(&peer);
+        // The newcomer counts its contexts from zero again: the old worker's dropped contexts
+        // are no longer its.
+        self.gone.retain(|c, _| c.worker() != peer);
+        self.gone_order.retain(|c| c.worker() != peer);
     }
 
     /// Whether `peer` was declared lost (and has not joined again since).
@@ -1068,6 +1111,14 @@ impl DistAutograd {
         let Some(ctx) = self.contexts.remove(&context) else {
             return;
         };
+        if self.gone.insert(context, error.clone()).is_none() {
+            self.gone_order.push_back(context);
+        }
+        while self.gone_order.len() > GONE_KEPT {
+            if let Some(old) = self.gone_order.pop_front() {
+                self.gone.remove(&old);
+            }
+        }
         if failure && context.worker() == self.me {
             self.dropped.insert(context, error.clone());
             while self.dropped.len() > DROPPED_KEPT {

@@ -67,7 +67,7 @@ fn a_chain_completes_only_after_the_callee_answers() {
     };
     assert_eq!((to, message), (1, m2));
     // b runs the send function of m2, which reaches the recv of m1 (a's send).
-    let tb = b.handle_gradient(0, c, m2, 77).unwrap();
+    let tb = b.handle_gradient(0, c, m2, 77).unwrap().unwrap();
     let out_b = drain(&mut b);
     assert!(out_b.contains(&Output::Prepare { context: c }));
     assert!(out_b.contains(&Output::RunLocal {
@@ -81,7 +81,7 @@ fn a_chain_completes_only_after_the_callee_answers() {
         panic!("{out_b:?}")
     };
     // a runs its send function of m1 (a new task in the same context, while the root waits).
-    let ta = a.handle_gradient(1, c, m1, 5).unwrap();
+    let ta = a.handle_gradient(1, c, m1, 5).unwrap().unwrap();
     drain(&mut a);
     a.local_done(ta, &[]);
     assert_eq!(
@@ -146,6 +146,87 @@ fn release_fans_out_to_known_workers_and_stops() {
     assert_eq!(a.release(c), Err(AutogradError::UnknownContext(c)));
 }
 
+/// DESIGN: a late gradient for a released context is logged and dropped. It crossed the
+/// release on the wire: nothing runs, the request is answered with why the context went, it is
+/// counted for the driver to log, and it is no violation. A context never held stays one.
+#[test]
+fn a_late_gradient_for_a_released_context_is_dropped_and_answered() {
+    let (mut a, mut b, c, _, m2) = chain();
+    a.backward(c, false, &[Root::scalar()]).unwrap();
+    let t = task_of(&drain(&mut a));
+    a.local_done(t, &[m2]);
+    let Output::SendGradient { gradient, .. } = drain(&mut a)[0].clone() else {
+        panic!("a gradient to b")
+    };
+    // a releases while its gradient to b is on the wire; the release reaches b first.
+    a.release(c).unwrap();
+    drain(&mut a);
+    b.handle_release(0, c, None).unwrap();
+    assert_eq!(drain(&mut b), vec![Output::Dropped { context: c }]);
+    let released = BackwardError::Released {
+        worker: 0,
+        context: c,
+    };
+    assert_eq!(b.handle_gradient(0, c, m2, 7), Ok(None));
+    assert_eq!(
+        drain(&mut b),
+        vec![Output::Reply {
+            to: 0,
+            request: 7,
+            result: Err(released.clone())
+        }]
+    );
+    assert_eq!(b.late_gradients(), 1);
+    assert!(b.is_idle() && !b.has_context(c) && b.running_tasks() == 0);
+    // The answer reaches a, whose work in the context is already over: ignored.
+    a.handle_gradient_reply(gradient, Err(released));
+    assert!(drain(&mut a).is_empty() && a.is_idle());
+    // A context b never had is still a violation, and not counted as late.
+    let never = ContextId::new(0, 99);
+    assert_eq!(
+        b.handle_gradient(0, never, m2, 8),
+        Err(ProtocolViolation::UnknownContext {
+            from: 0,
+            context: never
+        })
+    );
+    assert_eq!(b.late_gradients(), 1);
+    assert!(drain(&mut b).is_empty());
+}
+
+/// Contexts dropped by a loss are remembered too, at most [`GONE_KEPT`] of them, oldest
+/// forgotten first.
+#[test]
+fn the_record_of_dropped_contexts_is_bounded() {
+    let mut b = DistAutograd::new(1);
+    let mut first = None;
+    let mut last = (ContextId(0), AutogradMessageId(0));
+    for i in 0..=GONE_KEPT as u64 {
+        let c = ContextId::new(0, i);
+        let m = AutogradMessageId::new(1, i);
+        b.handle_recv(0, c, AutogradMessageId::new(0, i)).unwrap();
+        // b sent m to a in c (a result), so a may send its gradient.
+        let sent = b.record_send(c, 0).unwrap();
+        assert_eq!(sent, m);
+        first.get_or_insert((c, m));
+        last = (c, m);
+    }
+    b.handle_peer_lost(0);
+    drain(&mut b);
+    assert_eq!(b.context_count(), 0);
+    let (c, m) = last;
+    assert_eq!(b.handle_gradient(0, c, m, 1), Ok(None));
+    let (c, m) = first.unwrap();
+    assert_eq!(
+        b.handle_gradient(0, c, m, 2),
+        Err(ProtocolViolation::UnknownContext {
+            from: 0,
+            context: c
+        })
+    );
+    assert_eq!(b.late_gradients(), 1);
+}
+
 #[test]
 fn a_lost_peer_fails_the_backward_naming_it_and_drops_the_context() {
     // a -> b -> c; the backward waits on b when c dies; b learns it first.
@@ -161,7 +242,7 @@ fn a_lost_peer_fails_the_backward_naming_it_and_drops_the_context() {
     let t = task_of(&drain(&mut a));
     a.local_done(t, &[m3]);
     drain(&mut a);
-    let tb = b.handle_gradient(0, ctx, m3, 9).unwrap();
+    let tb = b.handle_gradient(0, ctx, m3, 9).unwrap().unwrap();
     drain(&mut b);
     // b's send function of m3 reaches a recv from c? No: b forwarded to c; model the wait on c
     // as b's run reaching nothing but b still waiting on a gradient to c for m2's pair.
@@ -323,9 +404,9 @@ fn a_backward_failing_on_a_remote_worker_leaves_the_context_usable() {
                 .unwrap()
         };
         let (gb, gc) = (gradient_to(1), gradient_to(2));
-        let tb = b.handle_gradient(0, c, ba, 10).unwrap();
+        let tb = b.handle_gradient(0, c, ba, 10).unwrap().unwrap();
         drain(&mut b);
-        let tc = c3.handle_gradient(0, c, ca, 20).unwrap();
+        let tc = c3.handle_gradient(0, c, ca, 20).unwrap().unwrap();
         drain(&mut c3);
         if round == 0 {
             b.local_failed(tb, "simulated error on the backward pass");
@@ -480,7 +561,7 @@ fn simulation_gradients_and_completion() {
 
 #[test]
 fn simulation_with_a_worker_killed_mid_backward() {
-    let (mut failed, mut idle_of_dead) = (0, 0);
+    let (mut failed, mut idle_of_dead, mut late) = (0, 0, 0);
     for seed in seeds() {
         let r = sim::run(
             seed,
@@ -495,9 +576,12 @@ fn simulation_with_a_worker_killed_mid_backward() {
         );
         failed += r.failed;
         idle_of_dead += r.idle_of_dead;
+        late += r.late_gradients;
     }
     if !crate::sim::replaying() {
         assert!(failed > 20, "only {failed} backward passes failed");
+        // Gradients did cross the drops of their contexts (each answered, none a violation).
+        assert!(late > 0, "no gradient arrived late");
         // Dead workers did leave idle contexts behind, which no survivor kept (checked in
         // each run).
         assert!(

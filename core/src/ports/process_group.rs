@@ -676,6 +676,59 @@ pub trait ProcessGroup: Send + Sync {
         Ok(())
     }
 
+    /// The list form of all_to_all (PyTorch's `all_to_all(output_tensor_list,
+    /// input_tensor_list)`): `inputs[j]` goes to rank j, and `outputs[i]` is replaced by what
+    /// rank i sent this rank. Both lists hold one tensor a rank, all of one dtype; sizes may
+    /// differ from rank to rank, but `outputs[i]` must have the size of rank i's `inputs[this
+    /// rank]`. gloo has no list form (PyTorch's gloo group raises); this is NCCL's and MPI's.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Arguments`] with [`CollectiveError::LengthsCount`] or
+    /// [`CollectiveError::TensorType`] before the call takes a place in the sequence; a
+    /// [`ProcessGroupError::Mismatch`] naming the rank whose tensor for this rank has another
+    /// size than `outputs` says; the errors of [`all_to_all`](Self::all_to_all).
+    async fn all_to_all_tensor(
+        &self,
+        outputs: &mut [Tensor],
+        inputs: &[Tensor],
+    ) -> Result<(), ProcessGroupError> {
+        const NAME: &str = "all_to_all";
+        let world = self.size();
+        check_count(NAME, inputs.len(), world)?;
+        check_count(NAME, outputs.len(), world)?;
+        let dtype = inputs[0].dtype();
+        for (name, list) in [
+            ("input_tensor_list", &*inputs),
+            ("output_tensor_list", &*outputs),
+        ] {
+            if let Some(t) = list.iter().find(|t| t.dtype() != dtype) {
+                return Err(ProcessGroupError::Arguments {
+                    collective: NAME,
+                    source: CollectiveError::TensorType {
+                        tensor: name,
+                        expected: format!("{dtype:?}"),
+                        actual: format!("{:?}", t.dtype()),
+                    },
+                });
+            }
+        }
+        let mut blocks = Vec::with_capacity(world);
+        for t in inputs {
+            let bytes = host_storage(self.backend(), self.device(), NAME, t)?;
+            blocks.push(Bytes::copy_from_slice(bytes));
+        }
+        let mut lens = Vec::with_capacity(world);
+        for t in outputs.iter() {
+            host_storage(self.backend(), self.device(), NAME, t)?;
+            lens.push(t.nbytes());
+        }
+        let received = self.all_to_all(&blocks, &lens).await?;
+        for (slot, block) in outputs.iter_mut().zip(received) {
+            *slot = with_host_bytes(slot, block);
+        }
+        Ok(())
+    }
+
     /// Returns `root`'s tensor on every rank; every rank passes a tensor of the same dtype and
     /// shape (its contents are ignored except on `root`).
     async fn broadcast_tensor(
@@ -687,6 +740,51 @@ pub trait ProcessGroup: Send + Sync {
         let mut data = bytes.to_vec();
         self.broadcast(&mut data, root).await?;
         Ok(with_host_bytes(tensor, data))
+    }
+
+    /// [`barrier`](Self::barrier) issued now (c10d's `async_op=True`): returns a
+    /// [`WorkHandle`] to ask or wait on. **The call is the ordering point**: issue on every
+    /// rank in the same order, as for the collectives themselves.
+    ///
+    /// The default polls the collective once here and then only when the handle is asked
+    /// ([`is_completed`](WorkHandle::is_completed), [`error`](WorkHandle::error)) or waited
+    /// on, and [`wait`](WorkHandle::wait) is bounded by the group's own timeout rather than
+    /// its argument (a port has no timer). tensorwire's `Group` overrides it: the collective
+    /// runs on a task of its own from this call on, and `wait`'s timeout makes it time out.
+    fn issue_barrier(&self) -> Box<dyn WorkHandle<'_, ()> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move { self.barrier().await })))
+    }
+
+    /// [`all_reduce_tensor`](Self::all_reduce_tensor) issued now; the handle gives the
+    /// reduced tensor. See [`issue_barrier`](Self::issue_barrier).
+    fn issue_all_reduce_tensor(
+        &self,
+        tensor: Tensor,
+        op: ReduceOp,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            self.all_reduce_tensor(&tensor, op).await
+        })))
+    }
+
+    /// [`broadcast_tensor`](Self::broadcast_tensor) issued now; the handle gives `root`'s
+    /// tensor. See [`issue_barrier`](Self::issue_barrier).
+    fn issue_broadcast_tensor(
+        &self,
+        tensor: Tensor,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            self.broadcast_tensor(&tensor, root).await
+        })))
+    }
+
+    /// [`all_gather_tensor`](Self::all_gather_tensor) issued now; the handle gives every
+    /// rank's tensor in rank order. See [`issue_barrier`](Self::issue_barrier).
+    fn issue_all_gather_tensor(&self, tensor: Tensor) -> Box<dyn WorkHandle<'_, Vec<Tensor>> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            self.all_gather_tensor(&tensor).await
+        })))
     }
 
     /// Leaves the group cleanly: peers learn that this rank shut down (rather than died) and
@@ -794,6 +892,81 @@ fn decode_blocks(bytes: &[u8], count: usize) -> Option<Vec<Bytes>> {
 /// await it for the result (PyTorch's `Work.wait()`).
 pub type Pending<'a, T> =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, ProcessGroupError>> + Send + 'a>>;
+
+/// A collective issued on a [`ProcessGroup`] and completed later (c10d's `Work`, as the
+/// `async_op=True` collectives return it): `issue_*` returns one.
+///
+/// | c10d's `Work` | here |
+/// | --- | --- |
+/// | `is_completed()` | [`is_completed`](Self::is_completed) |
+/// | `exception()` | [`error`](Self::error) |
+/// | `is_success()` | `is_completed() && error().is_none()` |
+/// | `wait(timeout)`, then `result()` | [`wait`](Self::wait), which gives the result |
+pub trait WorkHandle<'a, T>: Send + 'a {
+    /// Whether the collective has finished, successfully or not, without waiting.
+    fn is_completed(&mut self) -> bool;
+
+    /// The collective's error, once it has finished with one (`None` while it runs or after
+    /// it succeeded).
+    fn error(&mut self) -> Option<ProcessGroupError>;
+
+    /// Waits for the result, at most `timeout` where the backend has a timer (see
+    /// [`ProcessGroup::issue_barrier`]): when it passes first, the collective times out with
+    /// [`ProcessGroupError::Timeout`] naming the ranks it waited for.
+    fn wait(self: Box<Self>, timeout: Duration) -> Pending<'a, T>;
+}
+
+/// The default [`WorkHandle`]: the collective's future, polled when the handle is issued,
+/// asked or waited on.
+struct LazyWork<'a, T> {
+    future: Option<Pending<'a, T>>,
+    done: Option<Result<T, ProcessGroupError>>,
+}
+
+impl<'a, T: Send + 'a> LazyWork<'a, T> {
+    /// Issues `future`: its first poll (where a collective takes its place) happens here.
+    fn new(future: Pending<'a, T>) -> Self {
+        let mut work = LazyWork {
+            future: Some(future),
+            done: None,
+        };
+        work.poll_once();
+        work
+    }
+
+    fn poll_once(&mut self) {
+        if let Some(future) = self.future.as_mut() {
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if let std::task::Poll::Ready(result) = future.as_mut().poll(&mut cx) {
+                self.done = Some(result);
+                self.future = None;
+            }
+        }
+    }
+}
+
+impl<'a, T: Send + 'a> WorkHandle<'a, T> for LazyWork<'a, T> {
+    fn is_completed(&mut self) -> bool {
+        self.poll_once();
+        self.done.is_some()
+    }
+
+    fn error(&mut self) -> Option<ProcessGroupError> {
+        self.poll_once();
+        self.done.as_ref().and_then(|r| r.as_ref().err().cloned())
+    }
+
+    fn wait(self: Box<Self>, _timeout: Duration) -> Pending<'a, T> {
+        let LazyWork { future, done } = *self;
+        Box::pin(async move {
+            match (done, future) {
+                (Some(result), _) => result,
+                (None, Some(future)) => future.await,
+                (None, None) => Err(ProcessGroupError::ShutDown),
+            }
+        })
+    }
+}
 
 /// The most bytes [`ProcessGroup::broadcast_bytes`] accepts from a root (1 GiB, the
 /// transports' default frame limit); a larger announced length is refused before anything is
@@ -1306,5 +1479,54 @@ mod tests {
     fn the_trait_is_object_safe() {
         fn takes(_: Option<&dyn ProcessGroup>) {}
         takes(None);
+    }
+
+    /// A future that is pending until `go` is set, then gives `result`.
+    fn gated<T: Send + 'static>(
+        go: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        result: Result<T, ProcessGroupError>,
+    ) -> Pending<'static, T> {
+        let mut result = Some(result);
+        Box::pin(std::future::poll_fn(move |_| {
+            if go.load(std::sync::atomic::Ordering::SeqCst) {
+                std::task::Poll::Ready(result.take().expect("polled once ready"))
+            } else {
+                std::task::Poll::Pending
+            }
+        }))
+    }
+
+    /// The default work handle: asked, it polls the collective (no task to drive it in a
+    /// port), reports the error without giving the result away, and `wait` gives the result.
+    #[test]
+    fn the_default_work_handle_polls_when_asked_and_keeps_the_result() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        let block_on = |f: Pending<'static, u32>| {
+            let mut f = f;
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            match f.as_mut().poll(&mut cx) {
+                std::task::Poll::Ready(r) => r,
+                std::task::Poll::Pending => panic!("the result was kept"),
+            }
+        };
+        let go = Arc::new(AtomicBool::new(false));
+        let mut work: Box<dyn WorkHandle<'static, u32>> =
+            Box::new(LazyWork::new(gated(go.clone(), Ok(7))));
+        assert!(!work.is_completed());
+        assert_eq!(work.error(), None);
+        go.store(true, Ordering::SeqCst);
+        assert!(work.is_completed());
+        assert_eq!(work.error(), None);
+        assert_eq!(block_on(work.wait(Duration::from_secs(1))), Ok(7));
+
+        let failed = ProcessGroupError::ShutDown;
+        let mut work: Box<dyn WorkHandle<'static, u32>> = Box::new(LazyWork::new(gated(
+            Arc::new(AtomicBool::new(true)),
+            Err(failed.clone()),
+        )));
+        assert!(work.is_completed(), "finished in the issuing poll");
+        assert_eq!(work.error(), Some(failed.clone()));
+        assert_eq!(block_on(work.wait(Duration::from_secs(1))), Err(failed));
     }
 }

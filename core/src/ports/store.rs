@@ -193,6 +193,21 @@ pub enum StoreError {
         /// What was wrong.
         reason: String,
     },
+    /// The store refused a request and closed the connection, and said why (tensorwire's
+    /// server does so to its own client; c10d has no error reply, so PyTorch's server and
+    /// clients only close). A refused request without a reply (`set`, `append`, `multi_set`,
+    /// `queue_push`) is reported by the next request on the connection.
+    #[error("the store at {addr} refused a request and closed the connection: {reason}")]
+    Refused {
+        /// The store's address.
+        addr: String,
+        /// The server's bound that the request reached, by its configuration name (such as
+        /// `memory_budget` or `limits.max_value_len`); empty when the request was refused for
+        /// another reason (a malformed request, `add` on a value that is not an integer).
+        bound: String,
+        /// The server's reason, which names the bound and its `store serve` flag.
+        reason: String,
+    },
     /// Authentication with the cluster secret failed or was refused.
     #[error("store authentication with {addr} failed: {reason}")]
     Auth {

@@ -230,7 +230,7 @@ impl<E: AutogradEngine> Inner<E> {
                 .handle_gradient(from, req.context, req.message, token)
             {
                 Ok(task) => {
-                    if let Some(d) = sh.data.get_mut(&req.context) {
+                    if let (Some(task), Some(d)) = (task, sh.data.get_mut(&req.context)) {
                         d.seeds.insert(task, seeds);
                     }
                     let (tx, rx) = oneshot::channel();

@@ -21,6 +21,8 @@ struct Conn {
     fired: UnboundedReceiver<u64>,
     /// Answers to parked waits released by another connection, not yet taken.
     released: Vec<u8>,
+    /// The client asked for tagged replies and named refusals.
+    tagged: bool,
 }
 
 /// A store server with `n` client connections; see the [module documentation](self).
@@ -71,6 +73,7 @@ impl Session {
             notify,
             fired,
             released: Vec::new(),
+            tagged: false,
         }
     }
 
@@ -87,15 +90,22 @@ impl Session {
         let c = &mut self.conns[conn];
         c.input.extend_from_slice(bytes);
         let mut out = Output::default();
+        if c.tagged {
+            out.tag_replies();
+        }
         out.extend_from_slice(&std::mem::take(&mut c.released));
         let result = loop {
             let (request, used) = match protocol::decode_request(&c.input, &limits) {
                 Ok(Some(decoded)) => decoded,
                 Ok(None) => break Ok(()),
-                Err(e) => break Err(format!("malformed request: {e}")),
+                Err(e) => {
+                    let refusal = super::malformed(e);
+                    out.refuse(refusal.bound, &refusal.reason);
+                    break Err(refusal.reason);
+                }
             };
             c.input.advance(used);
-            if let Err(why) = handle(
+            if let Err(refusal) = handle(
                 request,
                 &mut c.phase,
                 c.id,
@@ -104,9 +114,11 @@ impl Session {
                 &mut c.fired,
                 &mut out,
             ) {
-                break Err(why);
+                out.refuse(refusal.bound, &refusal.reason);
+                break Err(refusal.reason);
             }
         };
+        c.tagged = out.is_tagged();
         if let Err(why) = result {
             self.close(conn);
             return Err((why, out.into_vec()));
@@ -116,8 +128,12 @@ impl Session {
         for (i, other) in self.conns.iter_mut().enumerate() {
             while other.fired.try_recv().is_ok() {
                 if i == conn {
+                    out.reply();
                     out.push(WAIT_STOP_WAITING);
                 } else {
+                    if other.tagged {
+                        other.released.push(protocol::REPLY_OK);
+                    }
                     other.released.push(WAIT_STOP_WAITING);
                 }
             }

@@ -535,3 +535,63 @@ proptest::proptest! {
         }
     }
 }
+
+/// Issue 29's "dynamic join hung 60 s waiting for ranks [1]": what the state machine does when
+/// a joiner's one dial to a live member other than the coordinator fails (refused, reset or
+/// slow under load). Nothing dials again: the joiner waits out its whole deadline (the
+/// agent's `init_timeout`, 60 s by default) and then fails naming that member, with exactly
+/// that message. This pins the mechanism down; the remedy (dial again, or fail at once with a
+/// retryable error) belongs to the join driver (`rpc/src/dynamic.rs`, `dial_member`) and to
+/// `handle_connect_failed`.
+#[test]
+fn a_failed_dial_to_a_live_member_holds_the_join_until_its_deadline_naming_it() {
+    let mut rng = SimRng::new(5);
+    let mut net = Net::new();
+    net.start_join(1);
+    net.settle(&mut rng);
+    assert!(net.got(1, &MembershipEvent::Joined));
+    let started = net.clock.now();
+    net.start_join(2);
+    // Everything up to the joiner's admission.
+    while !net
+        .links
+        .messages((0, 2))
+        .any(|m| matches!(m, DynMessage::Admit { .. }))
+    {
+        assert!(net.deliver(&mut rng), "the coordinator admits the joiner");
+    }
+    // The joiner's dial to member 1 fails once (member 1 is alive and stays in the group).
+    let one = net.ms.remove(&1).unwrap();
+    while let Some(msg) = net.links.pop((0, 2)) {
+        let now = net.clock.now();
+        net.ms
+            .get_mut(&2)
+            .unwrap()
+            .handle_message(0, msg, now)
+            .unwrap();
+        net.pump();
+    }
+    net.ms.insert(1, one);
+    net.settle(&mut rng);
+    assert!(!net.got(2, &MembershipEvent::Joined));
+    assert!(
+        !net.events[&2]
+            .iter()
+            .any(|e| matches!(e, MembershipEvent::JoinFailed(_))),
+        "the failed dial does not fail the join"
+    );
+    // Nothing is due before the join's own deadline: no second dial.
+    let deadline = started + Duration::from_secs(60);
+    assert_eq!(net.ms[&2].poll_timeout(), Some(deadline));
+    net.clock.advance_to(deadline);
+    net.ms.get_mut(&2).unwrap().handle_timeout(deadline);
+    net.pump();
+    let failed = net.events[&2]
+        .iter()
+        .find_map(|e| match e {
+            MembershipEvent::JoinFailed(e) => Some(e.to_string()),
+            _ => None,
+        })
+        .expect("the join fails at its deadline");
+    assert_eq!(failed, "joining the group (waiting for ranks [1])");
+}
