@@ -24,6 +24,8 @@
 //! - [`devices_sim`]: the simulated device backend (host memory posing as CUDA devices).
 //! - [`ipc`]: same-host CUDA IPC: the path each device tensor takes to a peer, and the
 //!   lifetime of shared buffers.
+//! - [`spin`]: how a side waits for its peer's answer (poll, yield or sleep), learnt from
+//!   earlier waits; shared by the shared-memory and TCP transports.
 
 pub mod auth;
 pub mod autograd;
@@ -44,6 +46,7 @@ pub mod registry;
 pub mod reverse;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;
+pub mod spin;
 pub mod tensor;
 pub mod validate;
 pub mod wire;

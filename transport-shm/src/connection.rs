@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::BytesMut;
 use tensorwire_core::ports::transport::{Connection, TransportError};
+use tensorwire_core::spin::{requeue, SpinPolicy, SpinStep};
 use tensorwire_core::wire::{
     decode_frame_shared, Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits, PREFIX_LEN,
 };
@@ -213,10 +214,10 @@ pub(crate) struct ShmConnection {
     segment_min: usize,
     slab_min: usize,
     slab_bytes: usize,
-    spin: Duration,
-    /// Whether this process may run on one core only (then waiting yields instead of polling).
-    one_core: bool,
-    /// Whether busy polling found the peer's answer last time.
+    /// How long a wait polls or yields before it sleeps, and whether this process may run on
+    /// one core only (then waiting yields instead of polling).
+    spin: SpinPolicy,
+    /// Whether busy polling pays, as the last wait learnt.
     spin_paid: AtomicBool,
     /// The largest record written: [`MAX_RECORD`] or a quarter of the send ring.
     max_record: u64,
@@ -240,32 +241,8 @@ impl std::fmt::Debug for ShmConnection {
     }
 }
 
-/// A `sched_yield` that takes longer than this ran another thread on our core.
-const SOMEONE_ELSE_RAN: Duration = Duration::from_micros(3);
-
 /// Checks of the ring between two yields to the runtime while polling.
 const POLLS_PER_YIELD: usize = 64;
-
-/// Lets the runtime's other ready tasks run once, then resumes this one.
-///
-/// Unlike `tokio::task::yield_now`, which defers the task until the runtime has polled its I/O
-/// driver (one `epoll_wait` with a zero timeout per yield), this wakes the task at once: it goes
-/// to the back of the run queue, behind every task that is ready. The driver is still polled
-/// every `event_interval` ticks (61 by default) and whenever nothing is ready, so a wait that
-/// yields in a loop costs no system call per turn.
-async fn requeue() {
-    let mut yielded = false;
-    std::future::poll_fn(|cx| {
-        if yielded {
-            std::task::Poll::Ready(())
-        } else {
-            yielded = true;
-            cx.waker().wake_by_ref();
-            std::task::Poll::Pending
-        }
-    })
-    .await;
-}
 
 /// Wakes the other side if it said it sleeps (the flag), through its eventfd.
 fn wake(flag: &AtomicU32, efd: &OwnedFd) {
@@ -304,9 +281,11 @@ impl ShmConnection {
             segment_min: segment_min.max(SEGMENT_RECORD + 1),
             slab_min: slab_min.max(PREFIX_LEN + 1),
             slab_bytes,
-            spin,
+            spin: SpinPolicy::new(
+                spin,
+                std::thread::available_parallelism().map_or(true, |n| n.get() == 1),
+            ),
             max_record: (link.tx.capacity() / 4).min(MAX_RECORD),
-            one_core: std::thread::available_parallelism().map_or(true, |n| n.get() == 1),
             spin_paid: AtomicBool::new(true),
             shared,
             rx_ring: Arc::new(link.rx),
@@ -334,7 +313,7 @@ impl ShmConnection {
         })
     }
 
-    /// Waits until `ready()` holds or the peer is gone: polls for `self.spin`, then sleeps on
+    /// Waits until `ready()` holds or the peer is gone: polls or yields for `self.spin`, then sleeps on
     /// `efd` after raising `flag` (which the other side clears when it wakes us).
     async fn wait(
         &self,
@@ -342,59 +321,46 @@ impl ShmConnection {
         efd: &AsyncFd<OwnedFd>,
         mut ready: impl FnMut() -> bool,
     ) -> Result<(), TransportError> {
-        // Busy polling answers within a microsecond when the peer runs on another core: poll
-        // for the whole `spin` while that paid off last time, else not at all; then hand the
-        // core over (`sched_yield`) until `spin` is up, then sleep on the eventfd. With one core
-        // to run on (`taskset -c 0`), polling would only keep the peer from running: yield from
-        // the start.
-        //
-        // Whether polling pays is learnt while yielding: a `sched_yield` that comes back at once
-        // found nothing else to run on this core, so the peer (which then answered) runs on
-        // another one, and polling pays next time; one that took long ran someone else here,
-        // most likely the peer, which polling would only have kept waiting. (Unpinned on two
-        // cores the scheduler often puts both ends on one core: an eighth of `spin` polled in
-        // vain on every wait doubled the round trip.)
-        //
-        // Polling never holds the runtime's thread for long: every `POLLS_PER_YIELD` checks the
-        // task yields to the runtime, so that the other tasks of the thread (an RPC handler that
-        // is about to answer, a sender) run while this one waits. Without that, a reader task
-        // waiting here would hold a current-thread runtime for the whole `spin` on every frame.
-        let start = Instant::now();
-        let busy = if self.one_core || !self.spin_paid.load(Ordering::Relaxed) {
-            Duration::ZERO
-        } else {
-            self.spin
-        };
-        while start.elapsed() < busy {
-            for _ in 0..POLLS_PER_YIELD {
-                if ready() || self.shared.is_dead() {
-                    return Ok(());
+        // The decision (poll, yield, sleep, and what each wait teaches) is core's `SpinWait`;
+        // see `tensorwire_core::spin`. Here: a poll checks the ring `POLLS_PER_YIELD` times,
+        // then lets the runtime's other tasks run (an RPC handler that is about to answer, a
+        // sender), so that a reader waiting here never holds a current-thread runtime for the
+        // whole budget. A yield first lets those tasks run (on the caller's side, the one that
+        // sends the next request: handing the core to the peer before they ran would only bring
+        // it back here with nothing new to read), then hands the core over.
+        let mut wait = self
+            .spin
+            .begin(self.spin_paid.load(Ordering::Relaxed), Instant::now());
+        loop {
+            match wait.step(Instant::now()) {
+                SpinStep::Poll => {
+                    for _ in 0..POLLS_PER_YIELD {
+                        if ready() || self.shared.is_dead() {
+                            self.learn_spin(wait.found());
+                            return Ok(());
+                        }
+                        std::hint::spin_loop();
+                    }
+                    requeue().await;
                 }
-                std::hint::spin_loop();
+                SpinStep::Yield => {
+                    if ready() || self.shared.is_dead() {
+                        self.learn_spin(wait.found());
+                        return Ok(());
+                    }
+                    requeue().await;
+                    if ready() || self.shared.is_dead() {
+                        self.learn_spin(wait.found());
+                        return Ok(());
+                    }
+                    let before = Instant::now();
+                    std::thread::yield_now();
+                    wait.yielded(before.elapsed());
+                }
+                SpinStep::Sleep => break,
             }
-            requeue().await;
         }
-        // `sched_yield`s made, and whether one of them ran someone else.
-        let mut yields = (0u32, false);
-        while start.elapsed() < self.spin {
-            if ready() || self.shared.is_dead() {
-                self.learn_spin(yields);
-                return Ok(());
-            }
-            // This runtime's other ready tasks first (on the caller's side, the one that sends
-            // the next request): handing the core to the peer before they ran would only bring
-            // it back here with nothing new to read.
-            requeue().await;
-            if ready() || self.shared.is_dead() {
-                self.learn_spin(yields);
-                return Ok(());
-            }
-            let before = Instant::now();
-            std::thread::yield_now();
-            yields.0 += 1;
-            yields.1 |= before.elapsed() > SOMEONE_ELSE_RAN;
-        }
-        self.spin_paid.store(false, Ordering::Relaxed);
+        self.spin_paid.store(wait.slept(), Ordering::Relaxed);
         loop {
             let notified = self.shared.notify.notified();
             tokio::pin!(notified);
@@ -425,12 +391,10 @@ impl ShmConnection {
         }
     }
 
-    /// Remembers whether polling would have paid in the wait that just ended, from its
-    /// `sched_yield`s (how many, and whether one ran someone else; see `wait`). A wait that
-    /// made none tells nothing.
-    fn learn_spin(&self, (yields, someone_else_ran): (u32, bool)) {
-        if !self.one_core && yields > 0 {
-            self.spin_paid.store(!someone_else_ran, Ordering::Relaxed);
+    /// Remembers what the wait that just ended learnt about polling (`None`: nothing).
+    fn learn_spin(&self, paid: Option<bool>) {
+        if let Some(paid) = paid {
+            self.spin_paid.store(paid, Ordering::Relaxed);
         }
     }
 

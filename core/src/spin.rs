@@ -1,0 +1,287 @@
+//! Waiting for a peer's answer on one host: poll, hand the core over, or sleep.
+//!
+//! A process that sleeps until its peer answers (an `epoll_wait`, an eventfd) is woken by the
+//! kernel; when the peer runs on another core that wake-up is an interrupt to that core, which
+//! on a virtual machine costs tens of microseconds, several times a small round trip. A process
+//! that polls for the answer instead sees it within a microsecond, but only while the peer runs
+//! on *another* core: when both share one, polling keeps the peer from running at all.
+//!
+//! [`SpinWait`] decides, step by step, what a waiting side does, from the time (passed in) and
+//! from what it learnt in earlier waits ([`SpinPolicy`]); the transports carry the steps out
+//! (the shared-memory ring's wait, the TCP connection's receive). The rules:
+//!
+//! 1. **Poll** ([`SpinStep::Poll`]) for the whole budget while polling paid last time, and never
+//!    when the process may run on one core only (the peer needs that core).
+//! 2. Otherwise **yield** ([`SpinStep::Yield`]): hand the core over (`sched_yield`) and look
+//!    again, until the budget is spent. A yield that comes back at once found nothing else to
+//!    run on this core: the peer runs elsewhere, and polling will pay next time. One that took
+//!    long ([`SOMEONE_ELSE_RAN`]) ran someone else here, most likely the peer, which polling
+//!    would only have kept waiting.
+//! 3. Then **sleep** ([`SpinStep::Sleep`]) until woken. A wait that ran out of budget with every
+//!    yield coming back at once still counts for polling: the peer is on another core and only
+//!    slow, quite possibly because it slept itself. Were both sides to learn "does not pay"
+//!    from that, each would sleep because the other was slow to answer, and stay slow for good
+//!    (shared memory's round trips were bimodal that way: 17 µs in some runs, 130 µs in others).
+//!
+//! The budget runs from the start of the wait, and again from every send the waiting side makes
+//! meanwhile ([`SpinWait::sent`]): a side that just sent a request expects its answer.
+//!
+//! ```
+//! use std::time::{Duration, Instant};
+//! use tensorwire_core::spin::{SpinPolicy, SpinStep};
+//!
+//! let policy = SpinPolicy::new(Duration::from_micros(20), false);
+//! let t0 = Instant::now();
+//! let mut wait = policy.begin(true, t0);
+//! assert_eq!(wait.step(t0 + Duration::from_micros(5)), SpinStep::Poll);
+//! assert_eq!(wait.step(t0 + Duration::from_micros(25)), SpinStep::Sleep);
+//! // Polling paid (the answer came while polling): keep polling next time.
+//! assert_eq!(wait.found(), Some(true));
+//! ```
+
+use std::time::{Duration, Instant};
+
+/// A `sched_yield` that takes longer than this ran another thread on our core.
+pub const SOMEONE_ELSE_RAN: Duration = Duration::from_micros(3);
+
+/// How a side waits for its peer: the budget of polling and yielding before it sleeps, and
+/// whether it may run on one core only. Starts [`SpinWait`]s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpinPolicy {
+    budget: Duration,
+    one_core: bool,
+}
+
+/// What a waiting side does next (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpinStep {
+    /// Look for the answer without giving the core away (the caller may still let its own
+    /// runtime's other tasks run between looks).
+    Poll,
+    /// Hand the core over (`sched_yield`), report how long that took
+    /// ([`SpinWait::yielded`]), then look again.
+    Yield,
+    /// Stop spending the core: sleep until woken. The wait is over as far as learning goes
+    /// ([`SpinWait::slept`]).
+    Sleep,
+}
+
+impl SpinPolicy {
+    /// Waits of `budget` before sleeping; `one_core` when the process may run on one core only
+    /// (then it never polls: it yields from the start). A zero budget sleeps at once, and so
+    /// does one too long to add to the clock.
+    pub fn new(budget: Duration, one_core: bool) -> Self {
+        SpinPolicy { budget, one_core }
+    }
+
+    /// The budget of a wait before it sleeps.
+    pub fn budget(&self) -> Duration {
+        self.budget
+    }
+
+    /// Whether the process may run on one core only.
+    pub fn one_core(&self) -> bool {
+        self.one_core
+    }
+
+    /// A wait that starts at `now`; `paid` is what the last wait learnt (whether polling pays;
+    /// `true` before anything was learnt).
+    pub fn begin(&self, paid: bool, now: Instant) -> SpinWait {
+        SpinWait {
+            poll: !self.one_core && paid,
+            one_core: self.one_core,
+            budget: self.budget,
+            until: now.checked_add(self.budget).unwrap_or(now),
+            yields: 0,
+            someone_else_ran: false,
+        }
+    }
+}
+
+/// One wait in progress: asked for its next [`SpinStep`] with the time, told how its yields
+/// went, and asked at its end what it learnt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpinWait {
+    /// Whether this wait polls (rather than yields) until `until`.
+    poll: bool,
+    one_core: bool,
+    budget: Duration,
+    /// When the budget is spent.
+    until: Instant,
+    /// `sched_yield`s made so far.
+    yields: u32,
+    /// Whether one of them ran someone else.
+    someone_else_ran: bool,
+}
+
+impl SpinWait {
+    /// What to do at `now`.
+    pub fn step(&self, now: Instant) -> SpinStep {
+        if now >= self.until {
+            SpinStep::Sleep
+        } else if self.poll {
+            SpinStep::Poll
+        } else {
+            SpinStep::Yield
+        }
+    }
+
+    /// The waiting side sent something at `now` that its peer answers: the budget runs again
+    /// from there (never shorter than it was).
+    pub fn sent(&mut self, now: Instant) {
+        if let Some(until) = now.checked_add(self.budget) {
+            self.until = self.until.max(until);
+        }
+    }
+
+    /// A `sched_yield` ([`SpinStep::Yield`]) took `took`.
+    pub fn yielded(&mut self, took: Duration) {
+        self.yields = self.yields.saturating_add(1);
+        self.someone_else_ran |= took > SOMEONE_ELSE_RAN;
+    }
+
+    /// The `sched_yield`s made so far, and whether one of them ran someone else.
+    pub fn yields(&self) -> (u32, bool) {
+        (self.yields, self.someone_else_ran)
+    }
+
+    /// The answer came before the wait slept: whether polling pays from now on, or `None` when
+    /// this wait tells nothing (it neither yielded nor could have; keep what was known).
+    pub fn found(&self) -> Option<bool> {
+        if self.one_core {
+            return Some(false);
+        }
+        if self.poll {
+            // It polled and the answer came within the budget: polling paid.
+            return Some(true);
+        }
+        (self.yields > 0).then_some(!self.someone_else_ran)
+    }
+
+    /// The wait ran out of budget and sleeps: whether polling pays from now on. Yields that all
+    /// came back at once say the peer runs on another core (only slow this time), so polling
+    /// is tried again; anything else says it does not pay.
+    pub fn slept(&self) -> bool {
+        !self.one_core && !self.poll && self.yields > 0 && !self.someone_else_ran
+    }
+}
+
+/// Lets the runtime's other ready tasks run once, then resumes this one.
+///
+/// Unlike `tokio::task::yield_now`, which defers the task until the runtime has polled its I/O
+/// driver (one `epoll_wait` with a zero timeout per yield), this wakes the task at once: it goes
+/// to the back of the run queue, behind every task that is ready. The driver is still polled
+/// every `event_interval` ticks (61 by default) and whenever nothing is ready, so a wait that
+/// yields in a loop costs no system call per turn. A plain future: no runtime is named, none
+/// is needed to build it.
+pub async fn requeue() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            std::task::Poll::Ready(())
+        } else {
+            yielded = true;
+            cx.waker().wake_by_ref();
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const US: Duration = Duration::from_micros(1);
+
+    fn policy(one_core: bool) -> SpinPolicy {
+        SpinPolicy::new(20 * US, one_core)
+    }
+
+    #[test]
+    fn polls_for_the_budget_while_polling_paid_then_sleeps() {
+        let t0 = Instant::now();
+        let wait = policy(false).begin(true, t0);
+        assert_eq!(wait.step(t0), SpinStep::Poll);
+        assert_eq!(wait.step(t0 + 19 * US), SpinStep::Poll);
+        assert_eq!(wait.step(t0 + 20 * US), SpinStep::Sleep);
+        assert_eq!(wait.found(), Some(true));
+        // A polling wait that ran out learnt that polling did not pay.
+        assert!(!wait.slept());
+    }
+
+    #[test]
+    fn yields_instead_of_polling_once_polling_did_not_pay() {
+        let t0 = Instant::now();
+        let wait = policy(false).begin(false, t0);
+        assert_eq!(wait.step(t0), SpinStep::Yield);
+        assert_eq!(wait.step(t0 + 19 * US), SpinStep::Yield);
+        assert_eq!(wait.step(t0 + 20 * US), SpinStep::Sleep);
+    }
+
+    #[test]
+    fn on_one_core_it_never_polls_and_never_learns_that_polling_pays() {
+        let t0 = Instant::now();
+        let mut wait = policy(true).begin(true, t0);
+        assert_eq!(wait.step(t0), SpinStep::Yield);
+        wait.yielded(US);
+        assert_eq!(wait.found(), Some(false));
+        assert!(!wait.slept());
+    }
+
+    #[test]
+    fn quick_yields_teach_that_polling_pays_and_a_slow_one_that_it_does_not() {
+        let t0 = Instant::now();
+        let mut wait = policy(false).begin(false, t0);
+        wait.yielded(US);
+        wait.yielded(2 * US);
+        assert_eq!(wait.yields(), (2, false));
+        assert_eq!(wait.found(), Some(true));
+        wait.yielded(10 * US);
+        assert_eq!(wait.yields(), (3, true));
+        assert_eq!(wait.found(), Some(false));
+        // A yielding wait that made no yield tells nothing.
+        assert_eq!(policy(false).begin(false, t0).found(), None);
+    }
+
+    #[test]
+    fn a_wait_that_slept_after_quick_yields_tries_polling_again() {
+        // The bimodal case: the peer on another core, slow only because it slept too.
+        let t0 = Instant::now();
+        let mut wait = policy(false).begin(false, t0);
+        wait.yielded(US);
+        assert_eq!(wait.step(t0 + 21 * US), SpinStep::Sleep);
+        assert!(wait.slept());
+        // Had a yield run someone else, it would not.
+        wait.yielded(5 * US);
+        assert!(!wait.slept());
+        // Nor does a wait that made no yield.
+        assert!(!policy(false).begin(false, t0).slept());
+    }
+
+    #[test]
+    fn a_send_restarts_the_budget_but_never_shortens_it() {
+        let t0 = Instant::now();
+        let mut wait = policy(false).begin(true, t0);
+        wait.sent(t0 + 15 * US);
+        assert_eq!(wait.step(t0 + 30 * US), SpinStep::Poll);
+        assert_eq!(wait.step(t0 + 35 * US), SpinStep::Sleep);
+        wait.sent(t0);
+        assert_eq!(wait.step(t0 + 34 * US), SpinStep::Poll);
+    }
+
+    #[test]
+    fn a_zero_budget_sleeps_at_once() {
+        let t0 = Instant::now();
+        let wait = SpinPolicy::new(Duration::ZERO, false).begin(true, t0);
+        assert_eq!(wait.step(t0), SpinStep::Sleep);
+    }
+
+    #[test]
+    fn a_budget_past_the_end_of_time_does_not_panic() {
+        let t0 = Instant::now();
+        let mut wait = SpinPolicy::new(Duration::MAX, false).begin(true, t0);
+        wait.sent(t0 + US);
+        assert_eq!(wait.step(t0 + US), SpinStep::Sleep);
+    }
+}
