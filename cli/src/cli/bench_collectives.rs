@@ -18,6 +18,10 @@
 //! barrier among N threads over blocking sockets: what the scheduler allows when N processes
 //! share fewer cores). `rendezvous_barrier_w32_ms` is the wall time from starting
 //! rank 0 of 32 processes until all of them finished their first barrier.
+//!
+//! With `--torch-python PYTHON` (a Python with torch, such as the CI venv's), PyTorch's gloo
+//! groups of each world size run the same series right after tensorwire's (`gloo_*` keys) and
+//! `ratios` gains `*_over_gloo` (below 1: tensorwire is faster).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -66,6 +70,10 @@ pub(crate) struct CollectivesArgs {
     /// `auto` lets the group choose (shared memory on one host).
     #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm", "auto"])]
     transport: String,
+    /// A Python with torch: also time PyTorch's gloo groups of the same sizes in this run
+    /// (`gloo_*` keys, `*_over_gloo` ratios; see `bench_gloo`).
+    #[arg(long)]
+    torch_python: Option<String>,
 }
 
 /// Arguments of the hidden worker subcommand (environment: `env://` variables).
@@ -147,6 +155,20 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
         for (k, v) in results {
             out.insert(k, v);
         }
+        if let Some(python) = &args.torch_python {
+            bar.set_message(format!("gloo, {world} processes"));
+            let gloo = super::bench_gloo::measure(
+                python,
+                world,
+                args.small_iters,
+                args.large_iters,
+                Duration::from_secs(args.timeout),
+            )
+            .with_context(|| format!("gloo baseline, world {world}"))?;
+            for (k, v) in gloo {
+                out.insert(format!("gloo_{k}"), v);
+            }
+        }
         raw_block(&mut raw, false)?;
         bar.inc(1);
     }
@@ -222,6 +244,16 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
             );
         }
     }
+    let keys: Vec<String> = out.keys().cloned().collect();
+    for key in keys {
+        let Some(ours_key) = key.strip_prefix("gloo_") else {
+            continue;
+        };
+        if let (Some(gloo), Some(ours)) = (get(&key), get(ours_key)) {
+            let name = ours_key.trim_end_matches("_us");
+            ratios.insert(format!("{name}_over_gloo"), json!(ours / gloo));
+        }
+    }
     let mut targets = Map::new();
     if let Some(r) = ratios
         .get("barrier_w2_over_pingpong")
@@ -256,6 +288,12 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
                 json!(r <= 0.5),
             );
         }
+    }
+    if let Some(r) = ratios
+        .get("all_gather_w8_1MiB_over_gloo")
+        .and_then(Value::as_f64)
+    {
+        targets.insert("all_gather_w8_1MiB <= 0.5x gloo".into(), json!(r <= 0.5));
     }
     if let Some(ms) = get("rendezvous_barrier_w32_ms") {
         targets.insert(

@@ -5,7 +5,10 @@
 //! the same binary. Keys: `rpc_sync_p50_us`, `rpc_sync_p99_us`, `rpc_async_calls_per_s` (many
 //! calls in flight), `rpc_tensor_1MiB_MBps`, `rpc_tensor_64MiB_MBps` (a tensor argument, a small
 //! result), `remote_to_here_p50_us`, `raw_tcp_pingpong_p50_us`, `raw_tcp_bulk_64MiB_MBps` (plain TCP to an echo process, `bench raw-echo`, in blocks that
-//! alternate with the agent's), `raw_baseline` (`"process"`) and `ratios`.
+//! alternate with the agent's), `raw_baseline` (`"process"`) and `ratios`; and what an idle
+//! agent costs: `idle_cpu_us_per_s_caller` and `idle_cpu_us_per_s_callee`, CPU time each
+//! process used per second of a pause with the agents connected and no calls (`--idle-ms`;
+//! from `/proc/PID/task/*/schedstat`, nanosecond figures of what `getrusage` sums up).
 //!
 //! With `--rrefs 0,1000,100000`, also `with_rrefs`: for each count N (ascending), the caller
 //! holds N remote references (values kept by the callee, made by `remote()` in batches of
@@ -58,6 +61,9 @@ pub(crate) struct RpcArgs {
     /// count (comma-separated, e.g. `0,1000,100000`).
     #[arg(long, value_delimiter = ',')]
     rrefs: Vec<usize>,
+    /// Milliseconds of the idle pause whose CPU time is measured (0: none).
+    #[arg(long, default_value_t = 1_000)]
+    idle_ms: u64,
     /// Run as the callee (set by the benchmark itself).
     #[arg(long, hide = true)]
     serve: Option<u16>,
@@ -196,6 +202,7 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
         .stdin(Stdio::null())
         .spawn()
         .context("cannot start the callee process")?;
+    let callee_pid = callee.id();
 
     // The caller runs in a task of the runtime, as an application's code does: the future of
     // `block_on` itself pays a poll of the I/O driver (a system call) each time a task wakes it,
@@ -205,7 +212,7 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
         let secret = secret.clone();
         async move {
             tokio::spawn(async move {
-                let result = measure(&args, port, secret.as_bytes(), &mut raw).await;
+                let result = measure(&args, port, secret.as_bytes(), &mut raw, callee_pid).await;
                 (result, raw)
             })
             .await
@@ -260,7 +267,38 @@ const BLOCKS: usize = 10;
 /// The agent's figures, the raw ping-pong times and the raw 64 MiB bulk rate (MB/s).
 type Measured = (Map<String, Value>, Vec<Duration>, f64);
 
-async fn measure(args: &RpcArgs, port: u16, secret: &[u8], raw: &mut Raw) -> Result<Measured> {
+/// CPU time process `pid` has used so far, all its threads together (Linux's
+/// `/proc/PID/task/*/schedstat`, in nanoseconds); `None` where that cannot be read.
+fn cpu_time(pid: u32) -> Option<Duration> {
+    let mut total = 0u64;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(Duration::from_nanos(total))
+}
+
+/// CPU µs per second that this process and the callee use over `pause` with nothing to do.
+async fn idle_cpu(pause: Duration, callee: u32, out: &mut Map<String, Value>) {
+    let me = std::process::id();
+    let before = (cpu_time(me), cpu_time(callee));
+    tokio::time::sleep(pause).await;
+    let after = (cpu_time(me), cpu_time(callee));
+    let per_s = |b: Option<Duration>, a: Option<Duration>| match (b, a) {
+        (Some(b), Some(a)) => json!(a.saturating_sub(b).as_secs_f64() * 1e6 / pause.as_secs_f64()),
+        _ => Value::Null,
+    };
+    out.insert("idle_cpu_us_per_s_caller".into(), per_s(before.0, after.0));
+    out.insert("idle_cpu_us_per_s_callee".into(), per_s(before.1, after.1));
+}
+
+async fn measure(
+    args: &RpcArgs,
+    port: u16,
+    secret: &[u8],
+    raw: &mut Raw,
+    callee: u32,
+) -> Result<Measured> {
     let agent = init_rpc("caller", 0, Some(2), options(port, 0, secret, args)).await?;
     let mut out = Map::new();
 
@@ -357,6 +395,9 @@ async fn measure(args: &RpcArgs, port: u16, secret: &[u8], raw: &mut Raw) -> Res
             .map(|(row, _)| row)
             .collect();
         out.insert("with_rrefs".into(), Value::Array(rows));
+    }
+    if args.idle_ms > 0 {
+        idle_cpu(Duration::from_millis(args.idle_ms), callee, &mut out).await;
     }
     agent
         .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(60)))
