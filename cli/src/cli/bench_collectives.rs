@@ -419,6 +419,7 @@ pub(crate) fn run_curve_group(
         rendezvous_world: 0,
         timeout,
         transport: transport.to_owned(),
+        torch_python: None,
     };
     run_group_sized(world, "curve", &args, sizes)
 }
