@@ -1022,7 +1022,7 @@ impl Cluster {
                         }
                         None => {
                             if let Some(m) = g.ms[w as usize].as_mut() {
-                                m.handle_connect_failed(r.rank);
+                                m.handle_connect_failed(r.rank, now);
                             }
                         }
                         other => self.fail(format!(

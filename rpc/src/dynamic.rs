@@ -67,6 +67,8 @@ impl Agent {
         f: impl FnOnce(&mut DynamicMembership) -> T,
     ) -> Option<T> {
         let out = self.dyn_state().membership.as_mut().map(f);
+        // The call may have moved the next deadline (a redial) without saying anything.
+        self.inner.membership_wake.notify_one();
         self.pump_membership();
         out
     }
@@ -468,7 +470,7 @@ async fn dial_member(agent: Agent, member: MemberRecord) {
         .dyn_state()
         .membership
         .as_ref()
-        .and_then(DynamicMembership::poll_timeout)
+        .and_then(DynamicMembership::join_deadline)
         .map_or(Duration::from_secs(30), |d| {
             d.saturating_duration_since(agent.now())
         });
@@ -487,7 +489,8 @@ async fn dial_member(agent: Agent, member: MemberRecord) {
                 member.rank,
                 member.addr
             );
-            agent.with_membership(|m| m.handle_connect_failed(member.rank));
+            let now = agent.now();
+            agent.with_membership(|m| m.handle_connect_failed(member.rank, now));
         }
     }
 }

@@ -207,6 +207,12 @@ impl MembershipError {
 
 const LOST_COORDINATOR: &str = "it coordinated this join";
 
+/// The wait before a joiner dials a member again after its first failed dial; it doubles with
+/// each further failure up to [`REDIAL_MAX`], and the join's own deadline bounds the whole.
+pub const REDIAL_FIRST: Duration = Duration::from_millis(50);
+/// The longest wait between two dials of one member.
+pub const REDIAL_MAX: Duration = Duration::from_secs(2);
+
 /// How a connection from a peer was taken ([`DynamicMembership::handle_connected`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Accepted {
@@ -243,6 +249,9 @@ struct Join {
     connected: BTreeSet<WorkerId>,
     /// Whether [`DynMessage::Connected`] went to the coordinator.
     told_connected: bool,
+    /// Members whose dial failed: when to dial them again (`None` while that dial is under
+    /// way), and how many of their dials failed.
+    redial: BTreeMap<WorkerId, (Option<Instant>, u32)>,
 }
 
 #[derive(Debug)]
@@ -335,6 +344,7 @@ impl DynamicMembership {
                 to_connect: BTreeMap::new(),
                 connected: BTreeSet::new(),
                 told_connected: false,
+                redial: BTreeMap::new(),
             }),
             op_timeout,
         );
@@ -414,15 +424,26 @@ impl DynamicMembership {
         self.events.pop_front()
     }
 
+    /// The deadline of this worker's own join while it joins (what a dial may take at most).
+    pub fn join_deadline(&self) -> Option<Instant> {
+        match &self.role {
+            Role::Joining(j) => j.deadline,
+            _ => None,
+        }
+    }
+
     /// When to call [`handle_timeout`](Self::handle_timeout).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let own = match &self.role {
-            Role::Joining(j) => j.deadline,
-            Role::Leaving { deadline, .. } => *deadline,
-            _ => None,
+        let (own, redial) = match &self.role {
+            Role::Joining(j) => (
+                j.deadline,
+                j.redial.values().filter_map(|(at, _)| *at).min(),
+            ),
+            Role::Leaving { deadline, .. } => (*deadline, None),
+            _ => (None, None),
         };
         let current = self.current.as_ref().and_then(|c| c.deadline);
-        [own, current].into_iter().flatten().min()
+        [own, redial, current].into_iter().flatten().min()
     }
 
     // ----- commands -----
@@ -509,19 +530,32 @@ impl DynamicMembership {
         refuse("a connection from a worker nobody announced")
     }
 
-    /// The joiner could not connect to member `peer`. The coordinator: the join fails (the
-    /// driver may try again). Another member: it may have died after the joiner was admitted,
-    /// in which case the coordinator says so ([`DynMessage::Left`]) and the join goes on
-    /// without it; else the join fails at its deadline naming it.
-    pub fn handle_connect_failed(&mut self, peer: WorkerId) {
-        if let Role::Joining(j) = &self.role {
-            if peer == j.coordinator {
-                self.fail_join(MembershipError::Lost {
-                    peer,
-                    what: LOST_COORDINATOR,
-                });
-            }
+    /// The joiner could not connect to member `peer` at `now`. The coordinator: the join fails
+    /// (the driver may try again). Another member: the joiner dials it again (a
+    /// [`MembershipEvent::Connect`] after [`REDIAL_FIRST`], doubling up to [`REDIAL_MAX`]), for
+    /// a dial can fail under load while the member is alive; if it died after the joiner was
+    /// admitted, the coordinator says so ([`DynMessage::Left`]) and the join goes on without
+    /// it; else the join fails at its deadline naming it.
+    pub fn handle_connect_failed(&mut self, peer: WorkerId, now: Instant) {
+        self.last_now = Some(now);
+        let Role::Joining(j) = &mut self.role else {
+            return;
+        };
+        if peer == j.coordinator {
+            self.fail_join(MembershipError::Lost {
+                peer,
+                what: LOST_COORDINATOR,
+            });
+            return;
         }
+        if !j.to_connect.contains_key(&peer) || j.connected.contains(&peer) {
+            return;
+        }
+        let failures = j.redial.get(&peer).map_or(0, |(_, n)| *n);
+        let wait = REDIAL_FIRST
+            .saturating_mul(1 << failures.min(16))
+            .min(REDIAL_MAX);
+        j.redial.insert(peer, (Some(now + wait), failures + 1));
     }
 
     /// A membership message from `from`. One it had no right to send changes nothing and is
@@ -819,6 +853,27 @@ impl DynamicMembership {
                 },
             ));
             self.abort_current();
+        }
+        if let Role::Joining(j) = &mut self.role {
+            if !due(j.deadline) {
+                // One that left or connected meanwhile is forgotten.
+                let (to_connect, connected) = (&j.to_connect, &j.connected);
+                j.redial
+                    .retain(|p, _| to_connect.contains_key(p) && !connected.contains(p));
+                let mut dial = Vec::new();
+                for (peer, (at, _)) in &mut j.redial {
+                    if at.is_some_and(|at| at <= now) {
+                        // Under way until it connects or fails again.
+                        *at = None;
+                        if let Some((_, record)) = j.to_connect.get(peer) {
+                            dial.push(record.clone());
+                        }
+                    }
+                }
+                if !dial.is_empty() {
+                    self.events.push_back(MembershipEvent::Connect(dial));
+                }
+            }
         }
         match &self.role {
             Role::Joining(j) if due(j.deadline) => {
