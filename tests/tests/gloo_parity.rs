@@ -105,6 +105,25 @@ def a2a(rank):
     return {"out": out.flatten().tolist(), "even": even_out.tolist(), "uneven": uneven,
             "wrong": wrong}
 
+def work(rank):
+    # c10d's async_op=True on a group from new_group: issued in this order on every rank,
+    # waited on afterwards.
+    g = dist.new_group(list(range(world)))
+    r = float(rank)
+    summed = torch.tensor([r, 1.0])
+    s = dist.all_reduce(summed, group=g, async_op=True)
+    gathered = [torch.zeros(2) for _ in range(world)]
+    a = dist.all_gather(gathered, torch.tensor([r, -r]), group=g, async_op=True)
+    root = world - 1
+    bcast = torch.tensor([r, 2 * r])
+    b = dist.broadcast(bcast, root, group=g, async_op=True)
+    bar = dist.barrier(group=g, async_op=True)
+    for w in [s, a, b, bar]:
+        w.wait()
+    return {"sum": summed.tolist(), "gathered": [x.tolist() for x in gathered],
+            "broadcast": bcast.tolist(),
+            "completed": [w.is_completed() for w in [s, a, b, bar]]}
+
 def run(rank, port, q):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -405,6 +424,82 @@ async fn all_to_all_single_tensor_matches_gloo() {
                     "even": even.to_f32_vec().unwrap(),
                     "uneven": uneven,
                     "wrong": wrong,
+                })
+            }),
+        )
+        .await
+        .expect("ours finished in time");
+        for (rank, ours) in results.iter().enumerate() {
+            assert_eq!(ours, &theirs[rank.to_string()], "world {world} rank {rank}");
+        }
+    }
+}
+
+/// Work handles (c10d's `async_op=True`) on the `dyn ProcessGroup` a user gets from
+/// `new_group`: all_reduce, all_gather, broadcast and barrier issued in order before any is
+/// waited on give gloo's values, and every handle reads completed once waited on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_handles_on_a_new_group_match_gloo() {
+    use tensorwire_core::collective::ReduceOp;
+    use tensorwire_core::tensor::Tensor;
+    tensorwire_tests::require_torch!("gloo parity test");
+    let wait = Duration::from_secs(30);
+    for world in [2usize, 3, 4] {
+        let theirs = gloo("work", world).await;
+        let gs = groups(world, &format!("work{world}")).await;
+        let results = tokio::time::timeout(
+            LIMIT,
+            on_all(&gs, move |g| async move {
+                let r = g.rank() as f32;
+                let world_pg: Arc<dyn ProcessGroup> = Arc::new(g.clone());
+                let sub = world_pg
+                    .new_group(&(0..world).collect::<Vec<_>>())
+                    .unwrap()
+                    .expect("every rank is a member");
+                let mut s = sub.issue_all_reduce_tensor(
+                    Tensor::from_f32(vec![2], &[r, 1.0]).unwrap(),
+                    ReduceOp::Sum,
+                );
+                let mut a =
+                    sub.issue_all_gather_tensor(Tensor::from_f32(vec![2], &[r, -r]).unwrap());
+                let mut b = sub.issue_broadcast_tensor(
+                    Tensor::from_f32(vec![2], &[r, 2.0 * r]).unwrap(),
+                    world - 1,
+                );
+                let mut bar = sub.issue_barrier();
+                // They finish without being waited on (gloo's is_completed after wait is
+                // true; ours turns true on its own), then each gives its result.
+                let mut completed = Vec::new();
+                for _ in 0..100_000 {
+                    if s.is_completed()
+                        && a.is_completed()
+                        && b.is_completed()
+                        && bar.is_completed()
+                    {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                }
+                completed.extend([
+                    s.is_completed() && s.error().is_none(),
+                    a.is_completed() && a.error().is_none(),
+                    b.is_completed() && b.error().is_none(),
+                    bar.is_completed() && bar.error().is_none(),
+                ]);
+                let summed = s.wait(wait).await.unwrap();
+                let gathered = a.wait(wait).await.unwrap();
+                let bcast = b.wait(wait).await.unwrap();
+                bar.wait(wait).await.unwrap();
+                drop(sub);
+                g.barrier().await.unwrap();
+                serde_json::json!({
+                    "sum": summed.to_f32_vec().unwrap(),
+                    "gathered": gathered
+                        .iter()
+                        .map(|t| t.to_f32_vec().unwrap())
+                        .collect::<Vec<_>>(),
+                    "broadcast": bcast.to_f32_vec().unwrap(),
+                    "completed": completed,
                 })
             }),
         )
