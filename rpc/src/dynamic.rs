@@ -11,7 +11,7 @@
 //! store, so no worker can join once it has left.
 
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Listener, Transport};
@@ -31,6 +31,7 @@ use tracing::{debug, warn};
 use crate::agent::{advertise_ip, drive, Agent, WorkerRecord, RPC_GROUP};
 use crate::error::RpcError;
 use crate::options::RpcOptions;
+use crate::runtime::{tokio_instant, Runtime};
 
 const COORDINATOR: &str = "rpc/dyn/coordinator";
 
@@ -231,7 +232,8 @@ pub(crate) async fn join(
 ) -> Result<Agent, RpcError> {
     let store = Arc::clone(&rdv.store);
     let me_id = rank as WorkerId;
-    let deadline = crate::runtime::tokio_deadline_after(options.init_timeout);
+    let runtime = Arc::clone(&options.runtime);
+    let deadline = runtime.deadline_after(options.init_timeout);
     let listener = match transport
         .listen(std::net::SocketAddr::new(advertise_ip(&options)?, 0))
         .await
@@ -287,9 +289,9 @@ pub(crate) async fn join(
         let delay = backoff.next_delay();
         match attempt {
             Ok(()) => return Ok(agent),
-            Err(Attempt::Retry(why)) if tokio::time::Instant::now() + delay < deadline => {
+            Err(Attempt::Retry(why)) if runtime.now() + delay < deadline => {
                 debug!("joining the group again: {why}");
-                tokio::time::sleep(delay).await;
+                runtime.sleep(delay).await;
             }
             Err(Attempt::Retry(why)) => {
                 agent.stop_and_release(agent.now()).await;
@@ -326,7 +328,7 @@ async fn join_once(
     store: &dyn Store,
     record: &MemberRecord,
     op_timeout: Duration,
-    deadline: tokio::time::Instant,
+    deadline: Instant,
 ) -> Result<(), Attempt> {
     let encoded =
         postcard::to_allocvec(record).map_err(|e| encode_err("this worker's record", e))?;
@@ -358,8 +360,9 @@ async fn join_once(
     );
     // A record left by a coordinator that died is replaced by the next one: read it again
     // after a short while rather than dialling a dead address until the deadline.
-    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+    let left = deadline.saturating_duration_since(agent.now());
     let conn = match introduce(
+        &*agent.inner.runtime,
         transport,
         record,
         coordinator.addr,
@@ -374,12 +377,8 @@ async fn join_once(
     let (tx, rx) = oneshot::channel();
     {
         let mut st = agent.dyn_state();
-        let mut m = DynamicMembership::join(
-            record.clone(),
-            coordinator.rank,
-            op_timeout,
-            Some(deadline.into_std()),
-        );
+        let mut m =
+            DynamicMembership::join(record.clone(), coordinator.rank, op_timeout, Some(deadline));
         let _ = m.handle_connected(coordinator.rank, None);
         st.membership = Some(m);
         st.join_waiter = Some(tx);
@@ -428,6 +427,7 @@ impl std::fmt::Display for Introduction {
 
 /// Connects to `addr`, says who this worker is, and waits for the welcome.
 async fn introduce(
+    runtime: &dyn Runtime,
     transport: &dyn Transport,
     record: &MemberRecord,
     addr: std::net::SocketAddr,
@@ -440,11 +440,12 @@ async fn introduce(
         world: None,
         introduction: postcard::to_allocvec(record).map_err(|e| failed(e.to_string()))?,
     };
-    let deadline = crate::runtime::tokio_deadline_after(limit);
+    let deadline = tokio_instant(runtime.deadline_after(limit));
     let conn = link::dial(transport, addr, &hello, deadline)
         .await
         .map_err(|e| failed(e.to_string()))?;
-    match tokio::time::timeout(limit.max(Duration::from_secs(1)), conn.recv()).await {
+    let answer_by = runtime.deadline_after(limit.max(Duration::from_secs(1)));
+    match runtime.timeout_at(answer_by, conn.recv()).await {
         Ok(Ok(f)) => match HelloReply::from_frame(&f) {
             Ok(HelloReply::Welcome) => Ok(conn),
             Ok(HelloReply::Refused { reason, .. }) => Err(Introduction::Refused(reason)),
@@ -474,7 +475,15 @@ async fn dial_member(agent: Agent, member: MemberRecord) {
         .map_or(Duration::from_secs(30), |d| {
             d.saturating_duration_since(agent.now())
         });
-    match introduce(&*transport, &record, member.addr, left).await {
+    match introduce(
+        &*agent.inner.runtime,
+        &*transport,
+        &record,
+        member.addr,
+        left,
+    )
+    .await
+    {
         Ok(conn) => {
             agent.attach(member.rank, conn);
             let accepted = agent.with_membership(|m| m.handle_connected(member.rank, None));
@@ -511,7 +520,7 @@ async fn accept_connections(agent: Agent, listener: Box<dyn Listener>) {
 
 async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
     let peer = conn.peer_addr();
-    let deadline = crate::runtime::tokio_deadline_after(Duration::from_secs(30));
+    let deadline = tokio_instant(agent.inner.runtime.deadline_after(Duration::from_secs(30)));
     let hello = match link::read_hello(&*conn, deadline).await {
         Ok(hello) if hello.group == RPC_GROUP && hello.world.is_none() => hello,
         Ok(hello) => {
@@ -567,16 +576,16 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
 /// the coordinator, which removes it from every member in turn with joins and other leaves.
 /// The caller then closes the connections. The last member removes the group's keys.
 pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcError> {
-    let deadline = crate::runtime::tokio_deadline_after(timeout);
+    let deadline = agent.inner.runtime.deadline_after(timeout);
     // The endpoint decides when our calls are all answered (or fails by the deadline).
     agent
-        .run_shutdown(timeout, |ep| ep.begin_leave(Some(deadline.into_std())))
+        .run_shutdown(timeout, |ep| ep.begin_leave(Some(deadline)))
         .await?;
     let (tx, rx) = oneshot::channel();
     agent.dyn_state().leave_waiter = Some(tx);
     let now = agent.now();
     if agent
-        .with_membership(|m| m.begin_leave(now, Some(deadline.into_std())))
+        .with_membership(|m| m.begin_leave(now, Some(deadline)))
         .is_none()
     {
         return Err(RpcError::NotRunning);

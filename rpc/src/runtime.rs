@@ -28,11 +28,10 @@ pub(crate) fn deadline_after(now: Instant, after: Duration) -> Instant {
         .unwrap_or(now)
 }
 
-/// [`deadline_after`] on tokio's clock, as a tokio instant: only for the dynamic group's join
-/// and welcome (`dynamic.rs`), whose dial and hello deadlines are the mesh's tokio instants;
-/// they move into core on their own branch.
-pub(crate) fn tokio_deadline_after(after: Duration) -> tokio::time::Instant {
-    tokio::time::Instant::from_std(deadline_after(TokioRuntime.now(), after))
+/// `at` as a tokio instant, for the deadlines of the mesh's dial and hello (`dynamic.rs`), which
+/// wait on tokio's clock.
+pub(crate) fn tokio_instant(at: Instant) -> tokio::time::Instant {
+    tokio::time::Instant::from_std(at)
 }
 
 /// Where the agent reads the time, how it waits until a given time, and how it starts a task.

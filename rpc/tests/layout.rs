@@ -42,19 +42,20 @@ fn offenders(needles: &[&str], allowed: &[&str]) -> Vec<String> {
         .collect()
 }
 
-/// Being moved into core (the gather and welcome protocols) on another branch.
-const MOVING: [&str; 2] = ["gather.rs", "dynamic.rs"];
+/// The dynamic group's driver still adds methods to the agent and reads its endpoint (its
+/// move into modules of the agent's own is not done yet).
+const MOVING: [&str; 1] = ["dynamic.rs"];
 
 #[test]
 fn time_is_read_only_through_the_runtime() {
-    let allowed = ["runtime.rs", MOVING[0], MOVING[1]];
+    let allowed = ["runtime.rs"];
     let found = offenders(&["Instant::now", "tokio::time"], &allowed);
     assert!(found.is_empty(), "these read time directly: {found:?}");
 }
 
 #[test]
 fn only_agent_rs_adds_methods_to_the_agent() {
-    let allowed = ["agent.rs", MOVING[0], MOVING[1]];
+    let allowed = ["agent.rs", MOVING[0]];
     let found = offenders(&["impl Agent {", "impl Agent{"], &allowed);
     assert!(found.is_empty(), "`impl Agent` outside agent.rs: {found:?}");
 }
