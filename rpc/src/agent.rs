@@ -161,6 +161,8 @@ impl Agent {
             membership: crate::dynamic::new_state(),
             membership_wake: Notify::new(),
             serving: std::sync::atomic::AtomicUsize::new(0),
+            queued_bytes: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            peer_queue_bytes: options.peer_queue_bytes,
         });
         Agent { inner }
     }
@@ -685,6 +687,16 @@ impl Agent {
                 transport,
             })
             .collect()
+    }
+
+    /// Bytes of frames queued for the peers' writers and not yet handed to the transport, over
+    /// every peer (a peer that does not read keeps its share here, up to
+    /// [`RpcOptions::peer_queue_bytes`](crate::RpcOptions::peer_queue_bytes); past it the
+    /// peer is dropped and its share freed).
+    pub fn queued_bytes(&self) -> usize {
+        self.inner
+            .queued_bytes
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Calls `function(args)` on `to` (by name, rank or [`WorkerInfo`]): `.await` the returned

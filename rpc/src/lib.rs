@@ -80,7 +80,9 @@ pub use error::RpcError;
 pub use functions::{CallContext, Functions};
 pub use init::{init_rpc, start_agent};
 pub use metrics::{PeerMetrics, RpcMetrics};
-pub use options::{RpcOptions, Shutdown, DEFAULT_RPC_TIMEOUT, IMMEDIATE_CLOSE_TIMEOUT};
+pub use options::{
+    RpcOptions, Shutdown, DEFAULT_PEER_QUEUE_BYTES, DEFAULT_RPC_TIMEOUT, IMMEDIATE_CLOSE_TIMEOUT,
+};
 pub use peer_events::{PeerEvent, PeerEvents};
 pub use rref::RRef;
 pub use runtime::{Runtime, TokioRuntime};

@@ -22,6 +22,83 @@ use crate::tensors;
 /// At most this many queued frames go out in one `send_many`.
 pub(crate) const WRITE_BATCH: usize = 64;
 
+/// What is queued for one peer's writer: bytes counted as frames go in and leave (sent, or
+/// dropped when the peer is failed), bounded per peer (`RpcOptions::peer_queue_bytes`).
+pub(crate) struct OutQueue {
+    bytes: std::sync::atomic::AtomicUsize,
+    /// The agent's total over every peer ([`Agent::queued_bytes`]).
+    total: Arc<std::sync::atomic::AtomicUsize>,
+    bound: usize,
+    /// Set once, when a frame would pass the bound: the writer drops the queue and fails
+    /// the peer with `cause`.
+    failed: tokio::sync::watch::Sender<bool>,
+    cause: std::sync::Mutex<Option<LostCause>>,
+}
+
+impl OutQueue {
+    /// Nothing queued (a task of ours may then write directly).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.bytes.load(std::sync::atomic::Ordering::Acquire) == 0
+    }
+
+    fn add(&self, n: usize) -> usize {
+        self.total.fetch_add(n, std::sync::atomic::Ordering::AcqRel);
+        self.bytes.fetch_add(n, std::sync::atomic::Ordering::AcqRel) + n
+    }
+
+    fn sub(&self, n: usize) {
+        self.total.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
+        self.bytes.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// The bytes a queued frame holds (at least 1, so that "nothing queued" is a count of 0).
+fn frame_bytes(frame: &Frame) -> usize {
+    usize::try_from(frame.content_len())
+        .unwrap_or(usize::MAX)
+        .max(1)
+}
+
+/// Queues `frame` for `link`'s writer. Past the bound (a frame alone always passes) the frame
+/// is dropped and the writer told to fail the peer: it frees the queue, then reports the loss,
+/// which fails the peer's calls naming the bound. A frame for a peer being failed is dropped
+/// (its calls fail with that loss). False if the writer is gone.
+pub(crate) fn enqueue(link: &PeerLink, frame: Frame) -> bool {
+    let q = &link.queued;
+    if *q.failed.borrow() {
+        return true;
+    }
+    let n = frame_bytes(&frame);
+    let total = q.add(n);
+    if total > q.bound && total != n {
+        q.sub(n);
+        let mut cause = q
+            .cause
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if cause.is_none() {
+            *cause = Some(LostCause::Unread {
+                queued: total as u64,
+                bound: q.bound as u64,
+            });
+            q.failed.send_replace(true);
+        }
+        return true;
+    }
+    if link.tx.send(frame).is_err() {
+        q.sub(n);
+        return false;
+    }
+    true
+}
+
+/// Returns once the peer's queue has passed its bound (never, if the sender is gone first).
+async fn until_failed(failed: &mut tokio::sync::watch::Receiver<bool>) {
+    if failed.wait_for(|f| *f).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Frames a task writes itself, holding its peer's write lock.
 pub(crate) struct DirectWrite {
     pub(crate) peer: WorkerId,
@@ -39,7 +116,13 @@ pub(crate) fn attach_conn(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection
     }
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
     let write = Arc::new(tokio::sync::Mutex::new(()));
-    let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let queued = Arc::new(OutQueue {
+        bytes: std::sync::atomic::AtomicUsize::new(0),
+        total: Arc::clone(&this.inner.queued_bytes),
+        bound: this.inner.peer_queue_bytes,
+        failed: tokio::sync::watch::Sender::new(false),
+        cause: std::sync::Mutex::new(None),
+    });
     this.lock().peers.insert(
         peer,
         PeerLink {
@@ -52,8 +135,25 @@ pub(crate) fn attach_conn(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection
     );
     let writer_conn = Arc::clone(&conn);
     let agent = this.clone();
+    let mut failed = queued.failed.subscribe();
+    let mut reader_failed = queued.failed.subscribe();
     let writer = async move {
-        while let Some(frame) = rx.recv().await {
+        loop {
+            let next = tokio::select! {
+                biased;
+                _ = until_failed(&mut failed) => None,
+                frame = rx.recv() => Some(frame),
+            };
+            let frame = match next {
+                None => break,
+                Some(Some(frame)) => frame,
+                Some(None) => {
+                    if read {
+                        let _ = writer_conn.close().await;
+                    }
+                    return;
+                }
+            };
             // Everything queued meanwhile goes out with it, in as few writes as possible.
             let mut batch = vec![frame];
             while batch.len() < WRITE_BATCH {
@@ -62,30 +162,58 @@ pub(crate) fn attach_conn(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection
                     Err(_) => break,
                 }
             }
-            let n = batch.len();
-            let turn = write.lock().await;
-            let sent = writer_conn.send_many(batch).await;
-            drop(turn);
-            queued.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
-            if let Err(e) = sent {
-                peer_lost_on(
-                    &agent,
-                    peer,
-                    LostCause::Transport(e.to_string()),
-                    &writer_conn,
-                );
-                return;
+            let bytes: usize = batch.iter().map(frame_bytes).sum();
+            let sent = tokio::select! {
+                biased;
+                _ = until_failed(&mut failed) => None,
+                sent = async {
+                    let _turn = write.lock().await;
+                    writer_conn.send_many(batch).await
+                } => Some(sent),
+            };
+            queued.sub(bytes);
+            match sent {
+                None => break,
+                Some(Ok(())) => {}
+                Some(Err(e)) => {
+                    peer_lost_on(
+                        &agent,
+                        peer,
+                        LostCause::Transport(e.to_string()),
+                        &writer_conn,
+                    );
+                    return;
+                }
             }
         }
-        if read {
-            let _ = writer_conn.close().await;
+        // Past the bound: free what is queued, then fail the peer (its calls fail naming the
+        // bound) and close the connection.
+        rx.close();
+        while let Ok(frame) = rx.try_recv() {
+            queued.sub(frame_bytes(&frame));
         }
+        drop(rx);
+        let cause = queued
+            .cause
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        if let Some(cause) = cause {
+            peer_lost_on(&agent, peer, cause, &writer_conn);
+        }
+        let _ = writer_conn.close().await;
     };
     let agent = this.clone();
     let cheap_sends = conn.cheap_sends();
     let reader = async move {
         loop {
-            match conn.recv().await {
+            let received = tokio::select! {
+                biased;
+                // The writer fails the peer (its queue passed the bound): stop reading it.
+                _ = until_failed(&mut reader_failed) => return,
+                received = conn.recv() => received,
+            };
+            match received {
                 Ok(frame) => {
                     if let Err(violation) = on_frame(&agent, peer, frame, cheap_sends) {
                         peer_lost_on(
@@ -169,12 +297,7 @@ pub(crate) fn send_control(this: &Agent, to: WorkerId, frame: Frame) {
     let st = this.lock();
     match st.peers.get(&to) {
         Some(link) => {
-            link.queued
-                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-            if link.tx.send(frame).is_err() {
-                link.queued
-                    .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-            }
+            enqueue(link, frame);
         }
         None => debug!("no connection to rank {to} for a membership message"),
     }
@@ -321,7 +444,7 @@ pub(crate) fn send(
             w.frames.push(frame);
             return;
         }
-        if link.queued.load(std::sync::atomic::Ordering::Acquire) == 0 {
+        if link.queued.is_empty() {
             if let Ok(turn) = Arc::clone(&link.write).try_lock_owned() {
                 out.push(DirectWrite {
                     peer: t.to,
@@ -333,16 +456,7 @@ pub(crate) fn send(
             }
         }
     }
-    let queued = st.peers.get(&t.to).map(|link| {
-        link.queued
-            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        let ok = link.tx.send(frame).is_ok();
-        if !ok {
-            link.queued
-                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-        }
-        ok
-    });
+    let queued = st.peers.get(&t.to).map(|link| enqueue(link, frame));
     match queued {
         Some(true) => {}
         _ => {

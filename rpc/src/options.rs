@@ -107,7 +107,15 @@ pub struct RpcOptions {
     /// clock, which a paused test runtime makes virtual). Every deadline of the agent comes
     /// from it.
     pub runtime: Arc<dyn Runtime>,
+    /// The bytes this worker queues for one peer that has not taken them yet (default
+    /// [`DEFAULT_PEER_QUEUE_BYTES`], 256 MiB; one frame alone always passes). Past it the
+    /// peer is dropped as one that does not read: its calls fail with `CallError::PeerLost`
+    /// naming the bound (`LostCause::Unread`), and what was queued for it is freed.
+    pub peer_queue_bytes: usize,
 }
+
+/// The default of [`RpcOptions::peer_queue_bytes`]: 256 MiB.
+pub const DEFAULT_PEER_QUEUE_BYTES: usize = 256 << 20;
 
 /// The CUDA backend when the feature `cuda` is on, else no devices.
 fn default_device_backend() -> Arc<dyn DeviceBackend> {
@@ -152,6 +160,7 @@ impl Default for RpcOptions {
             share_device_memory: true,
             ipc_limits: tensorwire_core::ipc::IpcConfig::default(),
             runtime: Arc::new(TokioRuntime),
+            peer_queue_bytes: DEFAULT_PEER_QUEUE_BYTES,
         }
     }
 }
@@ -169,6 +178,7 @@ impl std::fmt::Debug for RpcOptions {
             .field("device_backend", &self.device_backend.name())
             .field("share_device_memory", &self.share_device_memory)
             .field("runtime", &self.runtime)
+            .field("peer_queue_bytes", &self.peer_queue_bytes)
             .finish_non_exhaustive()
     }
 }
@@ -193,6 +203,13 @@ impl RpcOptions {
     /// `TENSORWIRE_SECRET`, no functions, no device maps.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The bytes queued for one peer before it is dropped as one that does not read (see
+    /// [`peer_queue_bytes`](Self::peer_queue_bytes)).
+    pub fn with_peer_queue_bytes(mut self, bytes: usize) -> Self {
+        self.peer_queue_bytes = bytes;
+        self
     }
 
     /// The functions this worker serves.

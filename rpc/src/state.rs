@@ -63,7 +63,7 @@ pub(crate) struct PeerLink {
     /// The connection's transport (`Connection::transport`), for [`Agent::connections`].
     pub(crate) transport: &'static str,
     pub(crate) write: Arc<tokio::sync::Mutex<()>>,
-    pub(crate) queued: Arc<std::sync::atomic::AtomicUsize>,
+    pub(crate) queued: Arc<crate::links::OutQueue>,
 }
 
 pub(crate) struct State {
@@ -178,6 +178,10 @@ pub(crate) struct Inner {
     /// Handlers running now (requests being served), so that one that finishes alone writes its
     /// reply at once instead of waiting for others to join it.
     pub(crate) serving: std::sync::atomic::AtomicUsize,
+    /// Bytes queued for every peer's writer ([`Agent::queued_bytes`]).
+    pub(crate) queued_bytes: Arc<std::sync::atomic::AtomicUsize>,
+    /// The bound on the bytes queued for one peer (`RpcOptions::peer_queue_bytes`).
+    pub(crate) peer_queue_bytes: usize,
 }
 
 /// Every task the agent runs, so that shutdown can end them and wait until they have ended

@@ -377,6 +377,18 @@ pub enum LostCause {
     /// It shut down (its graceful shutdown completed, or it stopped at once).
     #[error("it shut down")]
     Shutdown,
+    /// It did not read what was sent to it: the bytes queued for it passed this worker's bound
+    /// per peer, so the driver dropped it and freed the queue.
+    #[error(
+        "it stopped reading: {queued} bytes were queued for it, past the bound of {bound} \
+         bytes per peer (peer_queue_bytes)"
+    )]
+    Unread {
+        /// The bytes queued for it, with the frame that passed the bound.
+        queued: u64,
+        /// The bound (`RpcOptions::peer_queue_bytes`).
+        bound: u64,
+    },
 }
 
 /// A message to send.
