@@ -335,18 +335,20 @@ async fn a_dead_rank_is_named_before_the_timeout() {
         );
         for err in results {
             let err = err.unwrap_err();
+            // Each rank names rank 2: from its own connection, or from another rank's abort
+            // (in that rank's own name: a rank's word about a third is never taken as proof,
+            // so it is that rank that aborted, saying why).
             assert!(
-                matches!(err, ProcessGroupError::PeerDied { rank: 2, .. }),
+                matches!(err, ProcessGroupError::PeerDied { rank: 2, .. })
+                    || matches!(&err, ProcessGroupError::PeerAborted { rank, reason }
+                        if *rank != 2 && reason.contains("rank 2 died")),
                 "{err}"
             );
             assert!(err.to_string().contains("rank 2 died"), "{err}");
         }
-        // The group is broken for good.
+        // The group is broken for good, for the same reason.
         let err = gs[0].barrier().await.unwrap_err();
-        assert!(
-            matches!(err, ProcessGroupError::PeerDied { rank: 2, .. }),
-            "{err}"
-        );
+        assert!(err.to_string().contains("rank 2 died"), "{err}");
     })
     .await;
 }
