@@ -21,7 +21,8 @@
 //!   all_to_all and all_to_all_single with uneven splits, send/recv with tags, isend/irecv
 //!   and a monitored barrier, each checked against known values; prints `OK ops rank R`.
 //! - `monitored`: the ranks in `TW_ABSENT` print `READY rank R` and stay away; the others run
-//!   a monitored barrier (`TW_WAIT_ALL`, `TW_MB_MS`) and print its error on stderr (exit 3).
+//!   a monitored barrier (`TW_WAIT_ALL`, `TW_MB_MS`) and print its error on stderr; rank 0
+//!   then exits (3 on an error), the others stay until ended.
 //! - `groups` (world 4): a concrete [`Group`] and its subgroups: `new_group([3, 1])` (rank
 //!   translation both ways on members, `None` on the non-members 0 and 2, refused bad rank
 //!   lists), then rounds of an all_reduce on that subgroup while the world group runs a
@@ -741,13 +742,20 @@ async fn monitored(pg: &dyn ProcessGroup) -> Result<ExitCode, Error> {
     }
     let timeout = Duration::from_millis(env_usize("TW_MB_MS", 2000) as u64);
     let wait_all = env_usize("TW_WAIT_ALL", 1) == 1;
-    match pg.monitored_barrier(Some(timeout), wait_all).await {
-        Ok(()) => Ok(ExitCode::SUCCESS),
-        Err(e) => {
-            eprintln!("FAILED: {e}");
-            Ok(ExitCode::from(3))
-        }
+    let result = pg.monitored_barrier(Some(timeout), wait_all).await;
+    if let Err(e) = &result {
+        eprintln!("FAILED: {e}");
     }
+    if rank != 0 {
+        // Rank 0's report is what is checked: the others stay until the test ends them, so
+        // that their exit (a closed connection, which the ranks still up would report as an
+        // abort) cannot race rank 0's own timeout. They time out at about the same moment.
+        tokio::time::sleep(Duration::from_secs(120)).await;
+    }
+    Ok(match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(_) => ExitCode::from(3),
+    })
 }
 
 async fn run(scenario: &str) -> Result<ExitCode, Error> {
