@@ -49,6 +49,7 @@ use crate::agent::Agent;
 use crate::codec::Envelope;
 #[cfg(feature = "tcp")]
 use crate::error::RpcError;
+#[cfg(feature = "tcp")]
 use crate::init::start_agent;
 #[cfg(feature = "tcp")]
 use crate::options::RpcOptions;
