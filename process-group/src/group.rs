@@ -852,6 +852,115 @@ impl ProcessGroup for Group {
         }))
     }
 
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_reduce_tensor(
+        &self,
+        tensor: Tensor,
+        op: ReduceOp,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("reduce", move |g| async move {
+            let mut tensor = tensor;
+            g.reduce_tensor(&mut tensor, op, root)
+                .await
+                .map(|()| tensor)
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_gather_tensor(
+        &self,
+        input: Tensor,
+        gather_list: Option<Vec<Tensor>>,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Option<Vec<Tensor>>> + '_> {
+        Box::new(self.issue("gather", move |g| async move {
+            let mut list = gather_list;
+            g.gather_tensor(&input, list.as_deref_mut(), root)
+                .await
+                .map(|()| list)
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_scatter_tensor(
+        &self,
+        output: Tensor,
+        scatter_list: Option<Vec<Tensor>>,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("scatter", move |g| async move {
+            let mut output = output;
+            g.scatter_tensor(&mut output, scatter_list.as_deref(), root)
+                .await
+                .map(|()| output)
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_all_to_all_single_tensor(
+        &self,
+        output: Tensor,
+        input: Tensor,
+        output_split_sizes: Option<Vec<usize>>,
+        input_split_sizes: Option<Vec<usize>>,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("all_to_all_single", move |g| async move {
+            let mut output = output;
+            g.all_to_all_single_tensor(
+                &mut output,
+                &input,
+                output_split_sizes.as_deref(),
+                input_split_sizes.as_deref(),
+            )
+            .await
+            .map(|()| output)
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_all_to_all_tensor(
+        &self,
+        outputs: Vec<Tensor>,
+        inputs: Vec<Tensor>,
+    ) -> Box<dyn WorkHandle<'_, Vec<Tensor>> + '_> {
+        Box::new(self.issue("all_to_all", move |g| async move {
+            let mut outputs = outputs;
+            g.all_to_all_tensor(&mut outputs, &inputs)
+                .await
+                .map(|()| outputs)
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_all_gather_into_tensor(
+        &self,
+        output: Tensor,
+        input: Tensor,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("all_gather_into_tensor", move |g| async move {
+            let mut output = output;
+            g.all_gather_into_tensor(&mut output, &input)
+                .await
+                .map(|()| output)
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_reduce_scatter_tensor(
+        &self,
+        output: Tensor,
+        input: Tensor,
+        op: ReduceOp,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("reduce_scatter_tensor", move |g| async move {
+            let mut output = output;
+            g.reduce_scatter_tensor(&mut output, &input, op)
+                .await
+                .map(|()| output)
+        }))
+    }
+
     /// [`Group::new_group`] behind the port, for the group `new_group` returns.
     fn new_group(
         &self,
