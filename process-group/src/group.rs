@@ -961,6 +961,45 @@ impl ProcessGroup for Group {
         }))
     }
 
+    /// A [`Work`] on its own task (see [`Group::issue`]); the message is numbered in the call.
+    fn issue_send_tensor(
+        &self,
+        tensor: Tensor,
+        dst: usize,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, ()> + '_> {
+        Box::new(self.issue("send", move |g| async move {
+            g.send_tensor(&tensor, dst, tag).await
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]); the receive is numbered in the call.
+    fn issue_recv_tensor(
+        &self,
+        tensor: Tensor,
+        src: usize,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("recv", move |g| async move {
+            let mut tensor = tensor;
+            g.recv_tensor(&mut tensor, src, tag).await.map(|()| tensor)
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_recv_any_tensor(
+        &self,
+        tensor: Tensor,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, (usize, Tensor)> + '_> {
+        Box::new(self.issue("recv", move |g| async move {
+            let mut tensor = tensor;
+            g.recv_any_tensor(&mut tensor, tag)
+                .await
+                .map(|src| (src, tensor))
+        }))
+    }
+
     /// [`Group::new_group`] behind the port, for the group `new_group` returns.
     fn new_group(
         &self,

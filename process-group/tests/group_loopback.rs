@@ -1907,3 +1907,117 @@ async fn failing_tensor_work_handles_report_the_typed_error_by_error_and_wait() 
     }
     assert!(named.contains(&2), "rank 2 is named: {named:?}");
 }
+
+/// The tensor forms of `isend`/`irecv` as work handles: each rank issues two receives from
+/// its left neighbour and two sends to its right, then waits in the reverse order; the n-th
+/// receive gets the n-th message (numbered in the call). Rank 0 then takes one message from
+/// every other rank by `issue_recv_any_tensor`, naming each sender. A send to itself is
+/// refused in the call; a message of another length than the receiving tensor is a
+/// `Mismatch` naming its sender, by `error` and by `wait`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn point_to_point_tensor_work_handles() {
+    use tensorwire_core::collective::CollectiveError;
+    use tensorwire_core::ports::process_group::WorkHandle;
+    use tensorwire_core::tensor::Tensor;
+
+    fn f32s(values: &[f32]) -> Tensor {
+        Tensor::from_f32(vec![values.len()], values).unwrap()
+    }
+    let wait = Duration::from_secs(20);
+    let world = 3usize;
+    let gs = bounded(groups(world, "p2pwork", Duration::from_secs(20))).await;
+    let results = bounded(on_all(&gs, move |g| async move {
+        let r = g.rank();
+        let (left, right) = ((r + world - 1) % world, (r + 1) % world);
+        let pg: Arc<dyn ProcessGroup> = Arc::new(g);
+        let first = pg.issue_recv_tensor(f32s(&[0.0; 2]), left, 5);
+        let second = pg.issue_recv_tensor(f32s(&[0.0; 2]), left, 5);
+        let sent: Vec<Box<dyn WorkHandle<'_, ()> + '_>> = (0..2)
+            .map(|k| pg.issue_send_tensor(f32s(&[r as f32, k as f32]), right, 5))
+            .collect();
+        for s in sent.into_iter().rev() {
+            s.wait(wait).await.unwrap();
+        }
+        let second = second.wait(wait).await.unwrap().to_f32_vec().unwrap();
+        let first = first.wait(wait).await.unwrap().to_f32_vec().unwrap();
+
+        let mut self_send = pg.issue_send_tensor(f32s(&[1.0]), r, 6);
+        assert!(self_send.is_completed(), "refused in the call");
+        let self_send = self_send.error();
+
+        let any = if r == 0 {
+            let mut from = Vec::new();
+            for _ in 1..world {
+                let (src, t) = pg
+                    .issue_recv_any_tensor(f32s(&[0.0]), 8)
+                    .wait(wait)
+                    .await
+                    .unwrap();
+                from.push((src, t.to_f32_vec().unwrap()));
+            }
+            from.sort_by_key(|(src, _)| *src);
+            from
+        } else {
+            pg.issue_send_tensor(f32s(&[10.0 * r as f32]), 0, 8)
+                .wait(wait)
+                .await
+                .unwrap();
+            Vec::new()
+        };
+
+        // Rank 1 sends rank 0 three elements where rank 0 expects two.
+        let mismatch = match r {
+            0 => {
+                let mut w = pg.issue_recv_tensor(f32s(&[0.0; 2]), 1, 9);
+                while !w.is_completed() {
+                    tokio::task::yield_now().await;
+                }
+                let seen = w.error();
+                assert_eq!(w.wait(wait).await.err(), seen);
+                seen
+            }
+            1 => {
+                pg.issue_send_tensor(f32s(&[1.0; 3]), 0, 9)
+                    .wait(wait)
+                    .await
+                    .unwrap();
+                None
+            }
+            _ => None,
+        };
+        (first, second, self_send, any, mismatch)
+    }))
+    .await;
+    for (r, (first, second, self_send, any, mismatch)) in results.into_iter().enumerate() {
+        let left = ((r + world - 1) % world) as f32;
+        assert_eq!(
+            (first, second),
+            (vec![left, 0.0], vec![left, 1.0]),
+            "rank {r}"
+        );
+        assert!(
+            matches!(
+                self_send,
+                Some(ProcessGroupError::Arguments {
+                    collective: "send",
+                    source: CollectiveError::PeerIsSelf { .. }
+                })
+            ),
+            "rank {r}: {self_send:?}"
+        );
+        if r == 0 {
+            assert_eq!(any, [(1, vec![10.0]), (2, vec![20.0])]);
+            assert!(
+                matches!(
+                    mismatch,
+                    Some(ProcessGroupError::Mismatch {
+                        peer: 1,
+                        collective: "recv",
+                        ..
+                    })
+                ),
+                "{mismatch:?}"
+            );
+        }
+    }
+}

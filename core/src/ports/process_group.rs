@@ -743,6 +743,58 @@ pub trait ProcessGroup: Send + Sync {
         Ok(with_host_bytes(tensor, data))
     }
 
+    /// Sends `tensor`'s storage to rank `dst` with `tag` (PyTorch's `send(tensor, dst, tag)`):
+    /// [`send`](Self::send) of its bytes; rank `dst` receives it with
+    /// [`recv_tensor`](Self::recv_tensor) into a tensor of the same dtype and shape.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::WrongDevice`]; the errors of [`send`](Self::send).
+    async fn send_tensor(
+        &self,
+        tensor: &Tensor,
+        dst: usize,
+        tag: u32,
+    ) -> Result<(), ProcessGroupError> {
+        let bytes = host_storage(self.backend(), self.device(), "send", tensor)?;
+        self.send(bytes, dst, tag).await
+    }
+
+    /// Receives the next message rank `src` sent here with `tag` into `tensor` (PyTorch's
+    /// `recv(tensor, src, tag)`): its contents are replaced, its dtype and shape kept.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::WrongDevice`]; a [`ProcessGroupError::Mismatch`] naming `src`
+    /// when the message has another length than `tensor` (the message is taken all the
+    /// same); the errors of [`recv`](Self::recv).
+    async fn recv_tensor(
+        &self,
+        tensor: &mut Tensor,
+        src: usize,
+        tag: u32,
+    ) -> Result<(), ProcessGroupError> {
+        host_storage(self.backend(), self.device(), "recv", tensor)?;
+        let bytes = self.recv(src, tag).await?;
+        *tensor = received_into(tensor, src, bytes)?;
+        Ok(())
+    }
+
+    /// Receives the next message any other rank sent here with `tag` into `tensor`
+    /// (PyTorch's `recv(tensor, src=None, tag)`, which gloo implements) and returns its
+    /// sender; see [`recv_any`](Self::recv_any).
+    ///
+    /// # Errors
+    /// As [`recv_tensor`](Self::recv_tensor), with the errors of [`recv_any`](Self::recv_any).
+    async fn recv_any_tensor(
+        &self,
+        tensor: &mut Tensor,
+        tag: u32,
+    ) -> Result<usize, ProcessGroupError> {
+        host_storage(self.backend(), self.device(), "recv", tensor)?;
+        let (src, bytes) = self.recv_any(tag).await?;
+        *tensor = received_into(tensor, src, bytes)?;
+        Ok(src)
+    }
+
     /// [`barrier`](Self::barrier) issued now (c10d's `async_op=True`): returns a
     /// [`WorkHandle`] to ask or wait on. **The call is the ordering point**: issue on every
     /// rank in the same order, as for the collectives themselves.
@@ -948,6 +1000,66 @@ pub trait ProcessGroup: Send + Sync {
             self.reduce_scatter_tensor(&mut output, &input, op)
                 .await
                 .map(|()| output)
+        })))
+    }
+
+    /// [`send_tensor`](Self::send_tensor) issued now (c10d's `isend(tensor, dst, tag)`):
+    /// the message is numbered in this call, so it keeps its place among this rank's
+    /// messages to `dst` with `tag`. See [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: a `dst` out of range or this rank, and a
+    /// tensor on another device than the group's.
+    fn issue_send_tensor(
+        &self,
+        tensor: Tensor,
+        dst: usize,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, ()> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            self.send_tensor(&tensor, dst, tag).await
+        })))
+    }
+
+    /// [`recv_tensor`](Self::recv_tensor) issued now (c10d's `irecv(tensor, src, tag)`): the
+    /// receive is numbered in this call, so it gets the message after those of the receives
+    /// from `src` with `tag` issued before it; the handle gives `tensor` with the message as
+    /// its contents. See [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: a `src` out of range or this rank, and a
+    /// tensor on another device than the group's. A message of another length than `tensor`
+    /// shows at `wait`, as a [`ProcessGroupError::Mismatch`] naming `src`.
+    fn issue_recv_tensor(
+        &self,
+        tensor: Tensor,
+        src: usize,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            let mut tensor = tensor;
+            self.recv_tensor(&mut tensor, src, tag)
+                .await
+                .map(|()| tensor)
+        })))
+    }
+
+    /// [`recv_any_tensor`](Self::recv_any_tensor) issued now (c10d's `irecv(tensor,
+    /// src=None, tag)`, whose `Work.source_rank()` is the sender): the handle gives the
+    /// sender and `tensor` with the message as its contents. Which message it takes is decided
+    /// when one arrives, not in this call (see [`recv_any`](Self::recv_any)). See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call: a tensor on another device than the group's, and a group of one
+    /// rank (no other rank could send).
+    fn issue_recv_any_tensor(
+        &self,
+        tensor: Tensor,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, (usize, Tensor)> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            let mut tensor = tensor;
+            self.recv_any_tensor(&mut tensor, tag)
+                .await
+                .map(|src| (src, tensor))
         })))
     }
 
@@ -1227,6 +1339,24 @@ fn check_list<P: ProcessGroup + ?Sized>(
             on_root,
         })),
     }
+}
+
+/// `tensor` with the bytes of a message from `src` as its storage, or a
+/// [`ProcessGroupError::Mismatch`] naming `src` when they are not `tensor`'s length.
+fn received_into(tensor: &Tensor, src: usize, bytes: Bytes) -> Result<Tensor, ProcessGroupError> {
+    if bytes.len() != tensor.nbytes() {
+        return Err(ProcessGroupError::Mismatch {
+            peer: src,
+            collective: "recv",
+            seq: 0,
+            reason: format!(
+                "its message has {} bytes, this rank's tensor {}",
+                bytes.len(),
+                tensor.nbytes()
+            ),
+        });
+    }
+    Ok(with_host_bytes(tensor, bytes))
 }
 
 /// `tensor`'s dtype and shape with `data` (of the same length) as host storage.
@@ -1867,6 +1997,22 @@ mod tests {
             refused(pg.issue_reduce_scatter_tensor(f64s, t.clone(), ReduceOp::Sum)),
             CollectiveError::TensorType { .. }
         ));
-        running(pg.issue_reduce_scatter_tensor(t.clone(), t, ReduceOp::Sum));
+        running(pg.issue_reduce_scatter_tensor(t.clone(), t.clone(), ReduceOp::Sum));
+        // A port without point-to-point messages refuses their tensor forms in the call.
+        let unsupported = |e: Option<ProcessGroupError>, what: &str| {
+            assert!(
+                matches!(e, Some(ProcessGroupError::Unsupported { collective, .. }) if collective == what),
+                "{what}"
+            )
+        };
+        let mut w = pg.issue_send_tensor(t.clone(), 0, 1);
+        assert!(w.is_completed());
+        unsupported(w.error(), "send");
+        let mut w = pg.issue_recv_tensor(t.clone(), 0, 1);
+        assert!(w.is_completed());
+        unsupported(w.error(), "recv");
+        let mut w = pg.issue_recv_any_tensor(t, 1);
+        assert!(w.is_completed());
+        unsupported(w.error(), "recv");
     }
 }
