@@ -188,6 +188,34 @@ def work_all(rank):
             "listed": [x.tolist() for x in listed], "into": into.tolist(),
             "mine": mine.tolist(), "wrong": wrong}
 
+def p2p(rank):
+    # isend/irecv of tensors: two receives from the left issued before two sends to the
+    # right, waited in the reverse order; rank 0 receives from any source (irecv, src=None);
+    # where a send to this rank itself raises.
+    left, right = (rank - 1) % world, (rank + 1) % world
+    first, second = torch.zeros(2), torch.zeros(2)
+    works = [dist.irecv(first, left, tag=5), dist.irecv(second, left, tag=5)]
+    works += [dist.isend(torch.tensor([float(rank), float(k)]), right, tag=5) for k in range(2)]
+    for w in reversed(works):
+        w.wait()
+    got = None
+    if rank == 0:
+        got = {}
+        for _ in range(world - 1):
+            t = torch.zeros(1)
+            w = dist.irecv(t, tag=8)
+            w.wait()
+            got[str(w.source_rank())] = t.tolist()
+    else:
+        dist.isend(torch.tensor([10.0 * rank]), 0, tag=8).wait()
+    try:
+        dist.isend(torch.zeros(1), rank, tag=6)
+        self_send = "none"
+    except Exception:
+        self_send = "call"
+    return {"first": first.tolist(), "second": second.tolist(), "any": got,
+            "self_send": self_send}
+
 def run(rank, port, q):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -660,6 +688,62 @@ async fn every_tensor_work_handle_matches_gloo() {
             "into": into,
             "mine": mine,
             "wrong": wrong,
+        })
+    })
+    .await;
+}
+
+/// The point-to-point work handles (c10d's `isend`/`irecv` of tensors): two receives from
+/// the left neighbour issued before two sends to the right, waited in the reverse order, get
+/// gloo's messages in gloo's order; rank 0's receives from any source name gloo's senders;
+/// a send to this rank itself is refused in the call, where gloo raises.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn point_to_point_work_handles_match_gloo() {
+    use tensorwire_core::tensor::Tensor;
+    tensorwire_tests::require_torch!("gloo parity test");
+    let wait = Duration::from_secs(30);
+    matches_gloo("p2p", move |g, world| async move {
+        let f32s = |values: &[f32]| Tensor::from_f32(vec![values.len()], values).unwrap();
+        let v = |t: Tensor| t.to_f32_vec().unwrap();
+        let rank = g.rank();
+        let (left, right) = ((rank + world - 1) % world, (rank + 1) % world);
+        let pg: Arc<dyn ProcessGroup> = Arc::new(g.clone());
+        let first = pg.issue_recv_tensor(f32s(&[0.0; 2]), left, 5);
+        let second = pg.issue_recv_tensor(f32s(&[0.0; 2]), left, 5);
+        let sends: Vec<_> = (0..2)
+            .map(|k| pg.issue_send_tensor(f32s(&[rank as f32, k as f32]), right, 5))
+            .collect();
+        for s in sends.into_iter().rev() {
+            s.wait(wait).await.unwrap();
+        }
+        let second = v(second.wait(wait).await.unwrap());
+        let first = v(first.wait(wait).await.unwrap());
+        let any = if rank == 0 {
+            let mut got = BTreeMap::new();
+            for _ in 1..world {
+                let (src, t) = pg
+                    .issue_recv_any_tensor(f32s(&[0.0]), 8)
+                    .wait(wait)
+                    .await
+                    .unwrap();
+                got.insert(src.to_string(), v(t));
+            }
+            Some(got)
+        } else {
+            pg.issue_send_tensor(f32s(&[10.0 * rank as f32]), 0, 8)
+                .wait(wait)
+                .await
+                .unwrap();
+            None
+        };
+        let self_send = raises(pg.issue_send_tensor(f32s(&[0.0]), rank, 6)).await;
+        drop(pg);
+        g.barrier().await.unwrap();
+        serde_json::json!({
+            "first": first,
+            "second": second,
+            "any": any,
+            "self_send": self_send,
         })
     })
     .await;
