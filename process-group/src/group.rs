@@ -36,7 +36,9 @@ use tensorwire_core::collective::{
     self, AllGatherAlgorithm, AllReduceAlgorithm, CollectiveError, DebugLevel, ElementType,
     ReduceOp, Schedule, Signature, DEBUG_ENV,
 };
-use tensorwire_core::ports::process_group::{Pending, ProcessGroup, ProcessGroupError, WorkHandle};
+use tensorwire_core::ports::process_group::{
+    owned, Pending, ProcessGroup, ProcessGroupError, WorkHandle,
+};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::tensor::Tensor;
@@ -860,10 +862,7 @@ impl ProcessGroup for Group {
         root: usize,
     ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
         Box::new(self.issue("reduce", move |g| async move {
-            let mut tensor = tensor;
-            g.reduce_tensor(&mut tensor, op, root)
-                .await
-                .map(|()| tensor)
+            owned::reduce_tensor(&g, tensor, op, root).await
         }))
     }
 
@@ -875,10 +874,7 @@ impl ProcessGroup for Group {
         root: usize,
     ) -> Box<dyn WorkHandle<'_, Option<Vec<Tensor>>> + '_> {
         Box::new(self.issue("gather", move |g| async move {
-            let mut list = gather_list;
-            g.gather_tensor(&input, list.as_deref_mut(), root)
-                .await
-                .map(|()| list)
+            owned::gather_tensor(&g, input, gather_list, root).await
         }))
     }
 
@@ -890,10 +886,7 @@ impl ProcessGroup for Group {
         root: usize,
     ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
         Box::new(self.issue("scatter", move |g| async move {
-            let mut output = output;
-            g.scatter_tensor(&mut output, scatter_list.as_deref(), root)
-                .await
-                .map(|()| output)
+            owned::scatter_tensor(&g, output, scatter_list, root).await
         }))
     }
 
@@ -906,15 +899,14 @@ impl ProcessGroup for Group {
         input_split_sizes: Option<Vec<usize>>,
     ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
         Box::new(self.issue("all_to_all_single", move |g| async move {
-            let mut output = output;
-            g.all_to_all_single_tensor(
-                &mut output,
-                &input,
-                output_split_sizes.as_deref(),
-                input_split_sizes.as_deref(),
+            owned::all_to_all_single_tensor(
+                &g,
+                output,
+                input,
+                output_split_sizes,
+                input_split_sizes,
             )
             .await
-            .map(|()| output)
         }))
     }
 
@@ -925,10 +917,7 @@ impl ProcessGroup for Group {
         inputs: Vec<Tensor>,
     ) -> Box<dyn WorkHandle<'_, Vec<Tensor>> + '_> {
         Box::new(self.issue("all_to_all", move |g| async move {
-            let mut outputs = outputs;
-            g.all_to_all_tensor(&mut outputs, &inputs)
-                .await
-                .map(|()| outputs)
+            owned::all_to_all_tensor(&g, outputs, inputs).await
         }))
     }
 
@@ -939,10 +928,7 @@ impl ProcessGroup for Group {
         input: Tensor,
     ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
         Box::new(self.issue("all_gather_into_tensor", move |g| async move {
-            let mut output = output;
-            g.all_gather_into_tensor(&mut output, &input)
-                .await
-                .map(|()| output)
+            owned::all_gather_into_tensor(&g, output, input).await
         }))
     }
 
@@ -954,10 +940,7 @@ impl ProcessGroup for Group {
         op: ReduceOp,
     ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
         Box::new(self.issue("reduce_scatter_tensor", move |g| async move {
-            let mut output = output;
-            g.reduce_scatter_tensor(&mut output, &input, op)
-                .await
-                .map(|()| output)
+            owned::reduce_scatter_tensor(&g, output, input, op).await
         }))
     }
 
@@ -981,8 +964,7 @@ impl ProcessGroup for Group {
         tag: u32,
     ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
         Box::new(self.issue("recv", move |g| async move {
-            let mut tensor = tensor;
-            g.recv_tensor(&mut tensor, src, tag).await.map(|()| tensor)
+            owned::recv_tensor(&g, tensor, src, tag).await
         }))
     }
 
@@ -993,10 +975,7 @@ impl ProcessGroup for Group {
         tag: u32,
     ) -> Box<dyn WorkHandle<'_, (usize, Tensor)> + '_> {
         Box::new(self.issue("recv", move |g| async move {
-            let mut tensor = tensor;
-            g.recv_any_tensor(&mut tensor, tag)
-                .await
-                .map(|src| (src, tensor))
+            owned::recv_any_tensor(&g, tensor, tag).await
         }))
     }
 

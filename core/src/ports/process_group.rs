@@ -40,6 +40,8 @@ use crate::collective::{CollectiveError, ElementType, ReduceOp, Signature};
 use crate::device::Device;
 use crate::tensor::{Storage, Tensor};
 
+pub mod owned;
+
 /// Collectives among the ranks of a group.
 #[async_trait]
 pub trait ProcessGroup: Send + Sync {
@@ -861,10 +863,7 @@ pub trait ProcessGroup: Send + Sync {
         root: usize,
     ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
         Box::new(LazyWork::new(Box::pin(async move {
-            let mut tensor = tensor;
-            self.reduce_tensor(&mut tensor, op, root)
-                .await
-                .map(|()| tensor)
+            owned::reduce_tensor(self, tensor, op, root).await
         })))
     }
 
@@ -883,10 +882,7 @@ pub trait ProcessGroup: Send + Sync {
         root: usize,
     ) -> Box<dyn WorkHandle<'_, Option<Vec<Tensor>>> + '_> {
         Box::new(LazyWork::new(Box::pin(async move {
-            let mut list = gather_list;
-            self.gather_tensor(&input, list.as_deref_mut(), root)
-                .await
-                .map(|()| list)
+            owned::gather_tensor(self, input, gather_list, root).await
         })))
     }
 
@@ -905,10 +901,7 @@ pub trait ProcessGroup: Send + Sync {
         root: usize,
     ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
         Box::new(LazyWork::new(Box::pin(async move {
-            let mut output = output;
-            self.scatter_tensor(&mut output, scatter_list.as_deref(), root)
-                .await
-                .map(|()| output)
+            owned::scatter_tensor(self, output, scatter_list, root).await
         })))
     }
 
@@ -929,15 +922,14 @@ pub trait ProcessGroup: Send + Sync {
         input_split_sizes: Option<Vec<usize>>,
     ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
         Box::new(LazyWork::new(Box::pin(async move {
-            let mut output = output;
-            self.all_to_all_single_tensor(
-                &mut output,
-                &input,
-                output_split_sizes.as_deref(),
-                input_split_sizes.as_deref(),
+            owned::all_to_all_single_tensor(
+                self,
+                output,
+                input,
+                output_split_sizes,
+                input_split_sizes,
             )
             .await
-            .map(|()| output)
         })))
     }
 
@@ -955,10 +947,7 @@ pub trait ProcessGroup: Send + Sync {
         inputs: Vec<Tensor>,
     ) -> Box<dyn WorkHandle<'_, Vec<Tensor>> + '_> {
         Box::new(LazyWork::new(Box::pin(async move {
-            let mut outputs = outputs;
-            self.all_to_all_tensor(&mut outputs, &inputs)
-                .await
-                .map(|()| outputs)
+            owned::all_to_all_tensor(self, outputs, inputs).await
         })))
     }
 
@@ -975,10 +964,7 @@ pub trait ProcessGroup: Send + Sync {
         input: Tensor,
     ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
         Box::new(LazyWork::new(Box::pin(async move {
-            let mut output = output;
-            self.all_gather_into_tensor(&mut output, &input)
-                .await
-                .map(|()| output)
+            owned::all_gather_into_tensor(self, output, input).await
         })))
     }
 
@@ -996,10 +982,7 @@ pub trait ProcessGroup: Send + Sync {
         op: ReduceOp,
     ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
         Box::new(LazyWork::new(Box::pin(async move {
-            let mut output = output;
-            self.reduce_scatter_tensor(&mut output, &input, op)
-                .await
-                .map(|()| output)
+            owned::reduce_scatter_tensor(self, output, input, op).await
         })))
     }
 
@@ -1035,10 +1018,7 @@ pub trait ProcessGroup: Send + Sync {
         tag: u32,
     ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
         Box::new(LazyWork::new(Box::pin(async move {
-            let mut tensor = tensor;
-            self.recv_tensor(&mut tensor, src, tag)
-                .await
-                .map(|()| tensor)
+            owned::recv_tensor(self, tensor, src, tag).await
         })))
     }
 
@@ -1056,10 +1036,7 @@ pub trait ProcessGroup: Send + Sync {
         tag: u32,
     ) -> Box<dyn WorkHandle<'_, (usize, Tensor)> + '_> {
         Box::new(LazyWork::new(Box::pin(async move {
-            let mut tensor = tensor;
-            self.recv_any_tensor(&mut tensor, tag)
-                .await
-                .map(|src| (src, tensor))
+            owned::recv_any_tensor(self, tensor, tag).await
         })))
     }
 
