@@ -40,6 +40,8 @@ use crate::collective::{CollectiveError, ElementType, ReduceOp, Signature};
 use crate::device::Device;
 use crate::tensor::{Storage, Tensor};
 
+pub mod owned;
+
 /// Collectives among the ranks of a group.
 #[async_trait]
 pub trait ProcessGroup: Send + Sync {
@@ -680,7 +682,8 @@ pub trait ProcessGroup: Send + Sync {
     /// input_tensor_list)`): `inputs[j]` goes to rank j, and `outputs[i]` is replaced by what
     /// rank i sent this rank. Both lists hold one tensor a rank, all of one dtype; sizes may
     /// differ from rank to rank, but `outputs[i]` must have the size of rank i's `inputs[this
-    /// rank]`. gloo has no list form (PyTorch's gloo group raises); this is NCCL's and MPI's.
+    /// rank]`. gloo's list form (PyTorch 2.x) raises unless every tensor has one size; this is
+    /// NCCL's and MPI's, which allow them to differ.
     ///
     /// # Errors
     /// [`ProcessGroupError::Arguments`] with [`CollectiveError::LengthsCount`] or
@@ -742,6 +745,58 @@ pub trait ProcessGroup: Send + Sync {
         Ok(with_host_bytes(tensor, data))
     }
 
+    /// Sends `tensor`'s storage to rank `dst` with `tag` (PyTorch's `send(tensor, dst, tag)`):
+    /// [`send`](Self::send) of its bytes; rank `dst` receives it with
+    /// [`recv_tensor`](Self::recv_tensor) into a tensor of the same dtype and shape.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::WrongDevice`]; the errors of [`send`](Self::send).
+    async fn send_tensor(
+        &self,
+        tensor: &Tensor,
+        dst: usize,
+        tag: u32,
+    ) -> Result<(), ProcessGroupError> {
+        let bytes = host_storage(self.backend(), self.device(), "send", tensor)?;
+        self.send(bytes, dst, tag).await
+    }
+
+    /// Receives the next message rank `src` sent here with `tag` into `tensor` (PyTorch's
+    /// `recv(tensor, src, tag)`): its contents are replaced, its dtype and shape kept.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::WrongDevice`]; a [`ProcessGroupError::Mismatch`] naming `src`
+    /// when the message has another length than `tensor` (the message is taken all the
+    /// same); the errors of [`recv`](Self::recv).
+    async fn recv_tensor(
+        &self,
+        tensor: &mut Tensor,
+        src: usize,
+        tag: u32,
+    ) -> Result<(), ProcessGroupError> {
+        host_storage(self.backend(), self.device(), "recv", tensor)?;
+        let bytes = self.recv(src, tag).await?;
+        *tensor = received_into(tensor, src, bytes)?;
+        Ok(())
+    }
+
+    /// Receives the next message any other rank sent here with `tag` into `tensor`
+    /// (PyTorch's `recv(tensor, src=None, tag)`, which gloo implements) and returns its
+    /// sender; see [`recv_any`](Self::recv_any).
+    ///
+    /// # Errors
+    /// As [`recv_tensor`](Self::recv_tensor), with the errors of [`recv_any`](Self::recv_any).
+    async fn recv_any_tensor(
+        &self,
+        tensor: &mut Tensor,
+        tag: u32,
+    ) -> Result<usize, ProcessGroupError> {
+        host_storage(self.backend(), self.device(), "recv", tensor)?;
+        let (src, bytes) = self.recv_any(tag).await?;
+        *tensor = received_into(tensor, src, bytes)?;
+        Ok(src)
+    }
+
     /// [`barrier`](Self::barrier) issued now (c10d's `async_op=True`): returns a
     /// [`WorkHandle`] to ask or wait on. **The call is the ordering point**: issue on every
     /// rank in the same order, as for the collectives themselves.
@@ -751,6 +806,12 @@ pub trait ProcessGroup: Send + Sync {
     /// on, and [`wait`](WorkHandle::wait) is bounded by the group's own timeout rather than
     /// its argument (a port has no timer). tensorwire's `Group` overrides it: the collective
     /// runs on a task of its own from this call on, and `wait`'s timeout makes it time out.
+    ///
+    /// Every `issue_*` checks its own arguments in the call, where c10d's gloo raises: a call
+    /// refused for them returns a handle that has already finished with the error
+    /// ([`is_completed`](WorkHandle::is_completed) true, [`error`](WorkHandle::error) `Some`,
+    /// `wait` gives it) and took no place in the sequence. Each `issue_*` says which errors
+    /// these are; what only the data of other ranks shows comes at `wait`.
     fn issue_barrier(&self) -> Box<dyn WorkHandle<'_, ()> + '_> {
         Box::new(LazyWork::new(Box::pin(async move { self.barrier().await })))
     }
@@ -784,6 +845,198 @@ pub trait ProcessGroup: Send + Sync {
     fn issue_all_gather_tensor(&self, tensor: Tensor) -> Box<dyn WorkHandle<'_, Vec<Tensor>> + '_> {
         Box::new(LazyWork::new(Box::pin(async move {
             self.all_gather_tensor(&tensor).await
+        })))
+    }
+
+    /// [`reduce_tensor`](Self::reduce_tensor) issued now; the handle gives the reduced tensor
+    /// on `root` and `tensor` unchanged on every other rank. See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: a `root` out of range and a dtype the
+    /// backend cannot reduce with `op` (the handle returned has already finished with
+    /// [`ProcessGroupError::Arguments`] or [`ProcessGroupError::UnsupportedType`], and the
+    /// call took no place in the sequence). What other ranks did wrong shows at `wait`.
+    fn issue_reduce_tensor(
+        &self,
+        tensor: Tensor,
+        op: ReduceOp,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::reduce_tensor(self, tensor, op, root).await
+        })))
+    }
+
+    /// [`gather_tensor`](Self::gather_tensor) issued now; the handle gives `Some` of the
+    /// filled `gather_list` on `root` (one tensor per rank, in rank order) and `None`
+    /// elsewhere. See [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: a `root` out of range, a list given on
+    /// another rank or missing on the root, of another length than the world, or holding a
+    /// tensor of another dtype or shape than `input`. Another rank's tensor of another size
+    /// shows at `wait`, as a [`ProcessGroupError::Mismatch`] on the root.
+    fn issue_gather_tensor(
+        &self,
+        input: Tensor,
+        gather_list: Option<Vec<Tensor>>,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Option<Vec<Tensor>>> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::gather_tensor(self, input, gather_list, root).await
+        })))
+    }
+
+    /// [`scatter_tensor`](Self::scatter_tensor) issued now; the handle gives this rank's
+    /// tensor of `root`'s `scatter_list` (in `output`'s dtype and shape). See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: as
+    /// [`issue_gather_tensor`](Self::issue_gather_tensor), for `scatter_list` against
+    /// `output`. A root's tensor for this rank of another size than `output` shows at `wait`,
+    /// as a [`ProcessGroupError::Mismatch`] naming the root.
+    fn issue_scatter_tensor(
+        &self,
+        output: Tensor,
+        scatter_list: Option<Vec<Tensor>>,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::scatter_tensor(self, output, scatter_list, root).await
+        })))
+    }
+
+    /// [`all_to_all_single_tensor`](Self::all_to_all_single_tensor) issued now; the handle
+    /// gives `output` filled with the rows received, in rank order. See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: dtypes that differ, split sizes that are not
+    /// one per rank or do not sum to the tensors' first dimensions, and (without splits) a
+    /// first dimension the world size does not divide. A peer that sends this rank another
+    /// number of rows than `output_split_sizes` says shows at `wait`, as a
+    /// [`ProcessGroupError::Mismatch`] naming it.
+    fn issue_all_to_all_single_tensor(
+        &self,
+        output: Tensor,
+        input: Tensor,
+        output_split_sizes: Option<Vec<usize>>,
+        input_split_sizes: Option<Vec<usize>>,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::all_to_all_single_tensor(
+                self,
+                output,
+                input,
+                output_split_sizes,
+                input_split_sizes,
+            )
+            .await
+        })))
+    }
+
+    /// [`all_to_all_tensor`](Self::all_to_all_tensor) issued now; the handle gives `outputs`
+    /// with `outputs[i]` replaced by what rank i sent this rank. See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: lists that do not hold one tensor per rank,
+    /// tensors of more than one dtype. gloo also raises at the call for tensors of different
+    /// sizes, which are allowed here; a peer whose tensor for this rank has another size than
+    /// `outputs` says shows at `wait`, as a [`ProcessGroupError::Mismatch`] naming it.
+    fn issue_all_to_all_tensor(
+        &self,
+        outputs: Vec<Tensor>,
+        inputs: Vec<Tensor>,
+    ) -> Box<dyn WorkHandle<'_, Vec<Tensor>> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::all_to_all_tensor(self, outputs, inputs).await
+        })))
+    }
+
+    /// [`all_gather_into_tensor`](Self::all_gather_into_tensor) issued now; the handle gives
+    /// `output` filled with every rank's `input`, concatenated in rank order. See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: an `output` of another dtype than `input`,
+    /// or not of shape `[world * input.shape[0], input.shape[1..]]`. Another rank's input of
+    /// another size shows at `wait`.
+    fn issue_all_gather_into_tensor(
+        &self,
+        output: Tensor,
+        input: Tensor,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::all_gather_into_tensor(self, output, input).await
+        })))
+    }
+
+    /// [`reduce_scatter_tensor`](Self::reduce_scatter_tensor) issued now; the handle gives
+    /// `output` holding this rank's chunk of the reduction. See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: an `input` of another dtype than `output`,
+    /// or not of shape `[world * output.shape[0], output.shape[1..]]`, and a dtype the
+    /// backend cannot reduce with `op`. Another rank's input of another size shows at `wait`.
+    fn issue_reduce_scatter_tensor(
+        &self,
+        output: Tensor,
+        input: Tensor,
+        op: ReduceOp,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::reduce_scatter_tensor(self, output, input, op).await
+        })))
+    }
+
+    /// [`send_tensor`](Self::send_tensor) issued now (c10d's `isend(tensor, dst, tag)`):
+    /// the message is numbered in this call, so it keeps its place among this rank's
+    /// messages to `dst` with `tag`. See [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: a `dst` out of range or this rank, and a
+    /// tensor on another device than the group's.
+    fn issue_send_tensor(
+        &self,
+        tensor: Tensor,
+        dst: usize,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, ()> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            self.send_tensor(&tensor, dst, tag).await
+        })))
+    }
+
+    /// [`recv_tensor`](Self::recv_tensor) issued now (c10d's `irecv(tensor, src, tag)`): the
+    /// receive is numbered in this call, so it gets the message after those of the receives
+    /// from `src` with `tag` issued before it; the handle gives `tensor` with the message as
+    /// its contents. See [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: a `src` out of range or this rank, and a
+    /// tensor on another device than the group's. A message of another length than `tensor`
+    /// shows at `wait`, as a [`ProcessGroupError::Mismatch`] naming `src`.
+    fn issue_recv_tensor(
+        &self,
+        tensor: Tensor,
+        src: usize,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::recv_tensor(self, tensor, src, tag).await
+        })))
+    }
+
+    /// [`recv_any_tensor`](Self::recv_any_tensor) issued now (c10d's `irecv(tensor,
+    /// src=None, tag)`, whose `Work.source_rank()` is the sender): the handle gives the
+    /// sender and `tensor` with the message as its contents. Which message it takes is decided
+    /// when one arrives, not in this call (see [`recv_any`](Self::recv_any)). See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call: a tensor on another device than the group's, and a group of one
+    /// rank (no other rank could send).
+    fn issue_recv_any_tensor(
+        &self,
+        tensor: Tensor,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, (usize, Tensor)> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::recv_any_tensor(self, tensor, tag).await
         })))
     }
 
@@ -1063,6 +1316,24 @@ fn check_list<P: ProcessGroup + ?Sized>(
             on_root,
         })),
     }
+}
+
+/// `tensor` with the bytes of a message from `src` as its storage, or a
+/// [`ProcessGroupError::Mismatch`] naming `src` when they are not `tensor`'s length.
+fn received_into(tensor: &Tensor, src: usize, bytes: Bytes) -> Result<Tensor, ProcessGroupError> {
+    if bytes.len() != tensor.nbytes() {
+        return Err(ProcessGroupError::Mismatch {
+            peer: src,
+            collective: "recv",
+            seq: 0,
+            reason: format!(
+                "its message has {} bytes, this rank's tensor {}",
+                bytes.len(),
+                tensor.nbytes()
+            ),
+        });
+    }
+    Ok(with_host_bytes(tensor, bytes))
 }
 
 /// `tensor`'s dtype and shape with `data` (of the same length) as host storage.
@@ -1528,5 +1799,197 @@ mod tests {
         assert!(work.is_completed(), "finished in the issuing poll");
         assert_eq!(work.error(), Some(failed.clone()));
         assert_eq!(block_on(work.wait(Duration::from_secs(1))), Err(failed));
+    }
+
+    /// A one-rank group whose byte collectives give this rank's data back, or never finish
+    /// while `stuck` (so a handle that has finished at its issue finished on its arguments).
+    struct Solo {
+        stuck: bool,
+    }
+
+    impl Solo {
+        async fn gate(&self) {
+            if self.stuck {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    #[async_trait]
+    impl ProcessGroup for Solo {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn size(&self) -> usize {
+            1
+        }
+        async fn barrier(&self) -> Result<(), ProcessGroupError> {
+            self.gate().await;
+            Ok(())
+        }
+        async fn all_gather(&self, input: &[u8]) -> Result<Vec<Bytes>, ProcessGroupError> {
+            self.gate().await;
+            Ok(vec![Bytes::copy_from_slice(input)])
+        }
+        async fn broadcast(&self, _: &mut [u8], _: usize) -> Result<(), ProcessGroupError> {
+            self.gate().await;
+            Ok(())
+        }
+        async fn all_reduce(
+            &self,
+            _: &mut [u8],
+            _: ElementType,
+            _: ReduceOp,
+        ) -> Result<(), ProcessGroupError> {
+            self.gate().await;
+            Ok(())
+        }
+    }
+
+    /// Waits for a handle that must be able to finish without a runtime.
+    fn waited<'a, T: Send + 'a>(
+        work: Box<dyn WorkHandle<'a, T> + 'a>,
+    ) -> Result<T, ProcessGroupError> {
+        let mut f = work.wait(Duration::from_secs(1));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match f.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(r) => r,
+            std::task::Poll::Pending => panic!("the handle did not finish"),
+        }
+    }
+
+    fn f32s(values: &[f32]) -> Tensor {
+        Tensor::from_f32(vec![values.len()], values).unwrap()
+    }
+
+    /// The default `issue_*` of every tensor collective gives the collective's result (here
+    /// on one rank, where each is the identity).
+    #[test]
+    fn the_default_issue_forms_give_the_collectives_results() {
+        let pg = Solo { stuck: false };
+        let t = f32s(&[1.0, 2.0]);
+        let value = |t: Tensor| t.to_f32_vec().unwrap();
+        let zeros = || f32s(&[0.0, 0.0]);
+        assert_eq!(
+            value(waited(pg.issue_reduce_tensor(t.clone(), ReduceOp::Sum, 0)).unwrap()),
+            [1.0, 2.0]
+        );
+        let gathered = waited(pg.issue_gather_tensor(t.clone(), Some(vec![zeros()]), 0)).unwrap();
+        assert_eq!(
+            gathered.map(|l| l.into_iter().map(value).collect::<Vec<_>>()),
+            Some(vec![vec![1.0, 2.0]])
+        );
+        assert_eq!(
+            value(waited(pg.issue_scatter_tensor(zeros(), Some(vec![t.clone()]), 0)).unwrap()),
+            [1.0, 2.0]
+        );
+        assert_eq!(
+            value(
+                waited(pg.issue_all_to_all_single_tensor(zeros(), t.clone(), None, None)).unwrap()
+            ),
+            [1.0, 2.0]
+        );
+        let list = waited(pg.issue_all_to_all_tensor(vec![zeros()], vec![t.clone()])).unwrap();
+        assert_eq!(
+            list.into_iter().map(value).collect::<Vec<_>>(),
+            [[1.0, 2.0]]
+        );
+        assert_eq!(
+            value(waited(pg.issue_all_gather_into_tensor(zeros(), t.clone())).unwrap()),
+            [1.0, 2.0]
+        );
+        assert_eq!(
+            value(waited(pg.issue_reduce_scatter_tensor(zeros(), t, ReduceOp::Sum)).unwrap()),
+            [1.0, 2.0]
+        );
+    }
+
+    /// The default `issue_*` checks its arguments in the call: on a group whose collectives
+    /// never finish, a refused call's handle has finished with the typed error when it is
+    /// returned, and a good call's has not.
+    #[test]
+    fn the_default_issue_forms_refuse_bad_arguments_in_the_call() {
+        let pg = Solo { stuck: true };
+        let t = f32s(&[1.0, 2.0]);
+        let wide = f32s(&[0.0; 3]);
+        let f64s = Tensor::from_f64(vec![2], &[0.0; 2]).unwrap();
+        fn refused<'a, T: Send + 'a>(mut w: Box<dyn WorkHandle<'a, T> + 'a>) -> CollectiveError {
+            assert!(w.is_completed(), "refused in the call");
+            match w.error() {
+                Some(ProcessGroupError::Arguments { source, .. }) => source,
+                other => panic!("not an argument error: {other:?}"),
+            }
+        }
+        fn running<'a, T: Send + 'a>(mut w: Box<dyn WorkHandle<'a, T> + 'a>) {
+            assert!(!w.is_completed());
+            assert_eq!(w.error(), None);
+        }
+        assert!(matches!(
+            refused(pg.issue_reduce_tensor(t.clone(), ReduceOp::Sum, 1)),
+            CollectiveError::RootOutOfRange { root: 1, world: 1 }
+        ));
+        running(pg.issue_reduce_tensor(t.clone(), ReduceOp::Sum, 0));
+        assert!(matches!(
+            refused(pg.issue_gather_tensor(t.clone(), None, 0)),
+            CollectiveError::TensorList { on_root: true, .. }
+        ));
+        assert!(matches!(
+            refused(pg.issue_gather_tensor(t.clone(), Some(vec![wide.clone()]), 0)),
+            CollectiveError::TensorSize { .. }
+        ));
+        assert!(matches!(
+            refused(pg.issue_gather_tensor(t.clone(), Some(vec![t.clone()]), 2)),
+            CollectiveError::RootOutOfRange { root: 2, .. }
+        ));
+        running(pg.issue_gather_tensor(t.clone(), Some(vec![t.clone()]), 0));
+        assert!(matches!(
+            refused(pg.issue_scatter_tensor(t.clone(), Some(vec![]), 0)),
+            CollectiveError::LengthsCount { lens: 0, world: 1 }
+        ));
+        running(pg.issue_scatter_tensor(t.clone(), Some(vec![t.clone()]), 0));
+        assert!(matches!(
+            refused(pg.issue_all_to_all_single_tensor(t.clone(), t.clone(), None, Some(vec![1]))),
+            CollectiveError::SplitsSum { .. }
+        ));
+        assert!(matches!(
+            refused(pg.issue_all_to_all_single_tensor(f64s.clone(), t.clone(), None, None)),
+            CollectiveError::TensorType { .. }
+        ));
+        running(pg.issue_all_to_all_single_tensor(t.clone(), t.clone(), None, None));
+        assert!(matches!(
+            refused(pg.issue_all_to_all_tensor(vec![], vec![t.clone()])),
+            CollectiveError::LengthsCount { lens: 0, .. }
+        ));
+        assert!(matches!(
+            refused(pg.issue_all_to_all_tensor(vec![f64s.clone()], vec![t.clone()])),
+            CollectiveError::TensorType { .. }
+        ));
+        running(pg.issue_all_to_all_tensor(vec![t.clone()], vec![t.clone()]));
+        assert!(matches!(
+            refused(pg.issue_all_gather_into_tensor(wide.clone(), t.clone())),
+            CollectiveError::TensorSize { .. }
+        ));
+        running(pg.issue_all_gather_into_tensor(t.clone(), t.clone()));
+        assert!(matches!(
+            refused(pg.issue_reduce_scatter_tensor(f64s, t.clone(), ReduceOp::Sum)),
+            CollectiveError::TensorType { .. }
+        ));
+        running(pg.issue_reduce_scatter_tensor(t.clone(), t.clone(), ReduceOp::Sum));
+        // A port without point-to-point messages refuses their tensor forms in the call.
+        let unsupported = |e: Option<ProcessGroupError>, what: &str| {
+            assert!(
+                matches!(e, Some(ProcessGroupError::Unsupported { collective, .. }) if collective == what),
+                "{what}"
+            )
+        };
+        let mut w = pg.issue_send_tensor(t.clone(), 0, 1);
+        assert!(w.is_completed());
+        unsupported(w.error(), "send");
+        let mut w = pg.issue_recv_tensor(t.clone(), 0, 1);
+        assert!(w.is_completed());
+        unsupported(w.error(), "recv");
+        let mut w = pg.issue_recv_any_tensor(t, 1);
+        assert!(w.is_completed());
+        unsupported(w.error(), "recv");
     }
 }
