@@ -517,6 +517,12 @@ pub struct EndpointConfig {
     /// request beyond it is answered at once with a [`RemoteErrorKind::Busy`] error naming
     /// the bound, and runs nothing. Default 4,096.
     pub requests_per_peer: usize,
+    /// Fetches (`to_here`) one peer may have parked here on values still being created (a
+    /// fetch for a value that exists is a request being served, counted by
+    /// [`requests_per_peer`](Self::requests_per_peer)). A fetch beyond it is answered at once
+    /// with a [`RemoteErrorKind::Busy`] error naming the bound, and is not parked. Default
+    /// 4,096.
+    pub parked_fetches_per_peer: usize,
 }
 
 impl Default for EndpointConfig {
@@ -526,6 +532,7 @@ impl Default for EndpointConfig {
             idempotence_records_per_peer: 1 << 16,
             pending_forks_per_peer: 1 << 14,
             requests_per_peer: 4096,
+            parked_fetches_per_peer: 4096,
         }
     }
 }
@@ -740,6 +747,14 @@ pub enum ProtocolViolation {
     TooManyPendingForks {
         /// The bound.
         limit: usize,
+    },
+    /// A call, remote or fetch under the id of one of its requests still being served here:
+    /// ids are never reused, and a copy would run a second handler outside the sender's
+    /// share ([`EndpointConfig::requests_per_peer`]).
+    #[error("it sent request {id} again while this worker was still serving it")]
+    RepeatedRequest {
+        /// The request's id.
+        id: MessageId,
     },
     /// A delete, fork request or child-accept for a fork that another worker holds.
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
@@ -1415,7 +1430,26 @@ impl<B: Payload> Endpoint<B> {
     /// Whether `from` may send `header`, judged against what we sent and hold.
     fn check_message(&self, from: WorkerId, header: &Header) -> Result<(), ProtocolViolation> {
         let never_issued = |id: MessageId| id <= self.first_id || id > self.next_id;
+        let repeated = |id: MessageId, kind: RequestKind| {
+            let token = RequestToken { from, id, kind };
+            if self.incoming.tokens.contains(&token) {
+                Err(ProtocolViolation::RepeatedRequest { id })
+            } else {
+                Ok(())
+            }
+        };
         match *header {
+            Header::Call { id, .. } => repeated(id, RequestKind::Call),
+            Header::Fetch { id, rref, .. } => {
+                let parked = self
+                    .owned
+                    .get(&rref)
+                    .is_some_and(|o| o.fetches.iter().any(|f| f.0 == from && f.1 == id));
+                if parked {
+                    return Err(ProtocolViolation::RepeatedRequest { id });
+                }
+                repeated(id, RequestKind::Fetch(rref))
+            }
             Header::Reply { id, .. } => {
                 if never_issued(id) {
                     return Err(ProtocolViolation::UnknownId { id, what: "reply" });
@@ -1919,6 +1953,24 @@ impl<B: Payload> Endpoint<B> {
         };
         match &o.state {
             None => {
+                let limit = self.config.parked_fetches_per_peer;
+                if from != self.me && self.parked_fetches_of(from) >= limit {
+                    let err = RemoteError {
+                        worker: self.me,
+                        kind: RemoteErrorKind::Busy,
+                        message: format!(
+                            "worker {} already holds {limit} fetches from worker {from} \
+                             parked on values still being created, its bound per caller \
+                             (parked_fetches_per_peer)",
+                            self.me
+                        ),
+                    };
+                    self.reply(from, id, Err(err));
+                    return;
+                }
+                let Some(o) = self.owned.get_mut(&rref) else {
+                    return;
+                };
                 o.fetches.push((from, id, deadline));
                 if let Some(d) = deadline {
                     self.timers.insert((d, Timer::Fetches(rref)));
@@ -1938,6 +1990,17 @@ impl<B: Payload> Endpoint<B> {
                 self.events.push_back(Event::Fetch { token, rref });
             }
         }
+    }
+
+    /// Fetches from `peer` parked on values being created here. Counted when a fetch would
+    /// park (rare: only values still being created hold any), so no count has to follow every
+    /// way a parked fetch ends.
+    fn parked_fetches_of(&self, peer: WorkerId) -> usize {
+        self.owned
+            .values()
+            .filter(|o| !o.fetches.is_empty())
+            .map(|o| o.fetches.iter().filter(|f| f.0 == peer).count())
+            .sum()
     }
 
     /// Remembers that creating `rref` here failed.
