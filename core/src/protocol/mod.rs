@@ -523,6 +523,13 @@ pub struct EndpointConfig {
     /// with a [`RemoteErrorKind::Busy`] error naming the bound, and is not parked. Default
     /// 4,096.
     pub parked_fetches_per_peer: usize,
+    /// References one peer may make this worker hold for it: forks it holds of values owned
+    /// here (the creator's fork of each value it created here with `remote`, and each fork it
+    /// registered with a fork request). Beyond it a `remote` from that peer creates nothing and
+    /// is answered at once with a [`RemoteErrorKind::Busy`] error naming the bound, and a fork
+    /// request for one more fork is a [`ProtocolViolation::TooManyReferences`]. Forks this
+    /// worker gives a peer itself count too, but are never refused. Default 1,048,576.
+    pub references_per_peer: usize,
 }
 
 impl Default for EndpointConfig {
@@ -533,6 +540,7 @@ impl Default for EndpointConfig {
             pending_forks_per_peer: 1 << 14,
             requests_per_peer: 4096,
             parked_fetches_per_peer: 4096,
+            references_per_peer: 1 << 20,
         }
     }
 }
@@ -756,6 +764,13 @@ pub enum ProtocolViolation {
         /// The request's id.
         id: MessageId,
     },
+    /// A fork request for one more fork while the sender already holds
+    /// [`EndpointConfig::references_per_peer`] forks of values owned here.
+    #[error("it asked to hold more than {limit} references to values this worker owns (references_per_peer)")]
+    TooManyReferences {
+        /// The bound.
+        limit: usize,
+    },
     /// A delete, fork request or child-accept for a fork that another worker holds.
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
     ForeignFork {
@@ -860,6 +875,9 @@ pub struct Endpoint<B> {
     unacked_to: HashMap<WorkerId, BTreeSet<MessageId>>,
     incoming: Serving,
     owned: HashMap<RRefId, Owned>,
+    /// Per peer, the forks it holds of values owned here (the holders in `owned`'s fork
+    /// records, counted), bounded by [`EndpointConfig::references_per_peer`].
+    references: HashMap<WorkerId, usize>,
     used: HashMap<ForkId, Used>,
     /// Child fork -> the parent fork it was made from and the worker it was sent to.
     children: HashMap<ForkId, (ForkId, WorkerId)>,
@@ -996,6 +1014,7 @@ impl<B: Payload> Endpoint<B> {
             unacked_to: HashMap::new(),
             incoming: Serving::default(),
             owned: HashMap::new(),
+            references: HashMap::new(),
             used: HashMap::new(),
             children: HashMap::new(),
             seen_control: HashMap::new(),
@@ -1295,7 +1314,15 @@ impl<B: Payload> Endpoint<B> {
                 fork,
                 timeout,
             } => {
-                let Some(body) = self.admit(from, id, body, now) else {
+                let body = if self.takes_requests()
+                    && self.references_of(from) >= self.config.references_per_peer
+                {
+                    self.refuse_references(from, id, body, now);
+                    None
+                } else {
+                    self.admit(from, id, body, now)
+                };
+                let Some(body) = body else {
                     // Refused (shutting down, leaving, busy, no body): the value will never
                     // be created, so what waits for it here (fork requests, fetches, method
                     // calls from third parties) settles now.
@@ -1314,7 +1341,9 @@ impl<B: Payload> Endpoint<B> {
                 };
                 let upto = self.created_upto.entry(from).or_default();
                 *upto = (*upto).max(rref.local);
-                self.owned.entry(rref).or_default().forks.insert(fork, from);
+                let o = self.owned.entry(rref).or_default();
+                let new = o.forks.insert(fork, from).is_none();
+                self.count_reference(from, new);
                 let token = RequestToken {
                     from,
                     id,
@@ -1370,14 +1399,17 @@ impl<B: Payload> Endpoint<B> {
                         .or_else(|| self.released(rref))
                         .or_else(|| self.creator_lost(rref))
                         .map(Err);
-                    self.owned
+                    let new = self
+                        .owned
                         .entry(rref)
                         .or_insert_with(|| Owned {
                             state: failed,
                             ..Owned::default()
                         })
                         .forks
-                        .insert(fork, from);
+                        .insert(fork, from)
+                        .is_none();
+                    self.count_reference(from, new);
                 }
                 self.ack(from, id);
             }
@@ -1399,9 +1431,11 @@ impl<B: Payload> Endpoint<B> {
                 fork,
             } => {
                 if self.first_time(from, id, floor) {
-                    if let Some(o) = self.owned.get_mut(&rref) {
-                        o.forks.remove(&fork);
-                    }
+                    let holder = self
+                        .owned
+                        .get_mut(&rref)
+                        .and_then(|o| o.forks.remove(&fork));
+                    self.uncount_reference(holder);
                     self.maybe_release(rref);
                 }
                 self.ack(from, id);
@@ -1502,6 +1536,17 @@ impl<B: Payload> Endpoint<B> {
                     }
                     // Held by the sender, or forgotten already (a failed creation's fork).
                     _ => {}
+                }
+                let known = self
+                    .owned
+                    .get(&rref)
+                    .is_some_and(|o| o.forks.contains_key(&fork));
+                let limit = self.config.references_per_peer;
+                if matches!(header, Header::ForkRequest { .. })
+                    && !known
+                    && self.references_of(from) >= limit
+                {
+                    return Err(ProtocolViolation::TooManyReferences { limit });
                 }
                 let limit = self.config.pending_forks_per_peer;
                 if matches!(header, Header::ForkRequest { .. })
@@ -1614,6 +1659,8 @@ impl<B: Payload> Endpoint<B> {
         self.last_now = Some(now);
         let cause = self.lost.entry(peer).or_insert(cause).clone();
         self.placeholders.remove(&peer);
+        // Its forks are dropped from every record below.
+        self.references.remove(&peer);
         let ids: Vec<MessageId> = self
             .pending
             .iter()
@@ -1990,6 +2037,64 @@ impl<B: Payload> Endpoint<B> {
                 self.events.push_back(Event::Fetch { token, rref });
             }
         }
+    }
+
+    /// The forks `peer` holds of values owned here.
+    fn references_of(&self, peer: WorkerId) -> usize {
+        self.references.get(&peer).copied().unwrap_or(0)
+    }
+
+    /// A fork record for `holder` was made (`new`: not there before).
+    pub(super) fn count_reference(&mut self, holder: WorkerId, new: bool) {
+        if new && holder != self.me {
+            *self.references.entry(holder).or_insert(0) += 1;
+        }
+    }
+
+    /// The fork record of `holder` (if one was removed) is gone.
+    pub(super) fn uncount_reference(&mut self, holder: Option<WorkerId>) {
+        let Some(holder) = holder else {
+            return;
+        };
+        if let Some(n) = self.references.get_mut(&holder) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.references.remove(&holder);
+            }
+        }
+    }
+
+    /// Answers `remote` request `id` from `from` with [`RemoteErrorKind::Busy`]: `from` holds
+    /// its share of references here ([`EndpointConfig::references_per_peer`]).
+    fn refuse_references(&mut self, from: WorkerId, id: MessageId, body: Option<B>, now: Instant) {
+        let limit = self.config.references_per_peer;
+        let err = RemoteError {
+            worker: self.me,
+            kind: RemoteErrorKind::Busy,
+            message: format!(
+                "worker {} already holds {limit} references for worker {from}, its bound per \
+                 peer (references_per_peer)",
+                self.me
+            ),
+        };
+        self.reply(from, id, Err(err));
+        if let Some(b) = body {
+            self.release_forks(b.forks(), now);
+        }
+    }
+
+    /// Whether the per-peer counts of references agree with the fork records (tests).
+    #[cfg(test)]
+    pub(crate) fn reference_counts_agree(&self) -> bool {
+        let mut counted: HashMap<WorkerId, usize> = HashMap::new();
+        for o in self.owned.values() {
+            for holder in o.forks.values() {
+                if *holder != self.me {
+                    *counted.entry(*holder).or_insert(0) += 1;
+                }
+            }
+        }
+        counted == self.references
     }
 
     /// Fetches from `peer` parked on values being created here. Counted when a fetch would

@@ -82,6 +82,13 @@ impl Sim {
                 break;
             }
         }
+        for ep in &self.eps {
+            assert!(
+                ep.reference_counts_agree(),
+                "worker {}: the references counted per peer disagree with its fork records",
+                ep.id()
+            );
+        }
     }
 
     fn app(&mut self, w: WorkerId, ev: Event<Body>) {
@@ -1232,6 +1239,120 @@ fn fetches_parked_beyond_a_callers_share_are_answered_busy() {
     assert_eq!(served, vec![2, 2, 3]);
     assert_eq!(owner.handle_message(2, fetch(5), None, now), Ok(()));
     assert!(matches!(owner.poll_event(), Some(Event::Fetch { .. })));
+}
+
+/// The references one peer may make us hold are bounded (`references_per_peer`): past it a
+/// `remote` from it creates nothing and is answered busy naming the bound, and a fork request
+/// for one more fork is a violation; other peers keep their own share, and a fork it deletes
+/// frees a place.
+#[test]
+fn references_a_peer_holds_here_are_bounded() {
+    let config = EndpointConfig {
+        references_per_peer: 2,
+        ..EndpointConfig::default()
+    };
+    let mut owner = Endpoint::<Body>::new(1, config);
+    let now = Instant::now();
+    let rref = |local: u64| GlobalId {
+        created_on: 2,
+        local,
+    };
+    let remote = |id: u64, local: u64| Header::Remote {
+        id,
+        function: "make".into(),
+        rref: rref(local),
+        fork: rref(local),
+        timeout: T,
+    };
+    for local in 1..=2 {
+        assert_eq!(
+            owner.handle_message(2, remote(local, local), Some(vec![]), now),
+            Ok(())
+        );
+        match owner.poll_event() {
+            Some(Event::Remote { token, .. }) => assert!(owner.respond(token, Ok(vec![]))),
+            other => panic!("expected a creation, got {other:?}"),
+        }
+    }
+    while owner.poll_transmit().is_some() {}
+    assert!(owner.reference_counts_agree());
+    // A third creation runs nothing and is answered busy.
+    assert_eq!(
+        owner.handle_message(2, remote(3, 3), Some(vec![]), now),
+        Ok(())
+    );
+    assert!(owner.poll_event().is_none(), "nothing was created");
+    assert!(!owner.owns(rref(3)));
+    match owner.poll_transmit() {
+        Some(Transmit {
+            to: 2,
+            header:
+                Header::Reply {
+                    id: 3,
+                    outcome: Err(e),
+                    ..
+                },
+            ..
+        }) => {
+            assert_eq!(e.kind, RemoteErrorKind::Busy);
+            assert!(e.message.contains("references_per_peer"), "{}", e.message);
+            assert!(
+                e.message.contains("2 references for worker 2"),
+                "{}",
+                e.message
+            );
+        }
+        other => panic!("expected a busy reply, got {other:?}"),
+    }
+    // One more fork of a value it holds already is a violation, and changes nothing.
+    let more = Header::ForkRequest {
+        id: 1,
+        floor: 0,
+        rref: rref(1),
+        fork: GlobalId {
+            created_on: 2,
+            local: 100,
+        },
+    };
+    assert_eq!(
+        owner.handle_message(2, more, None, now),
+        Err(ProtocolViolation::TooManyReferences { limit: 2 })
+    );
+    assert_eq!(owner.owner_fork_count(rref(1)), Some(1));
+    // Another peer has a share of its own.
+    let theirs = Header::ForkRequest {
+        id: 1,
+        floor: 0,
+        rref: rref(1),
+        fork: GlobalId {
+            created_on: 3,
+            local: 1,
+        },
+    };
+    assert_eq!(owner.handle_message(3, theirs, None, now), Ok(()));
+    assert_eq!(owner.owner_fork_count(rref(1)), Some(2));
+    assert!(owner.reference_counts_agree());
+    // A deleted fork frees a place.
+    let delete = Header::UserDelete {
+        id: 2,
+        floor: 0,
+        rref: rref(2),
+        fork: rref(2),
+    };
+    assert_eq!(owner.handle_message(2, delete, None, now), Ok(()));
+    assert!(!owner.owns(rref(2)), "released once unreferenced");
+    assert!(matches!(
+        owner.poll_event(),
+        Some(Event::ReleaseValue { rref: r }) if r == rref(2)
+    ));
+    assert_eq!(
+        owner.handle_message(2, remote(4, 4), Some(vec![]), now),
+        Ok(())
+    );
+    assert!(matches!(owner.poll_event(), Some(Event::Remote { .. })));
+    assert!(owner.reference_counts_agree());
+    owner.handle_peer_lost(2, LostCause::Shutdown, now);
+    assert!(owner.reference_counts_agree());
 }
 
 /// A peer that never raises its floor cannot grow the idempotence records past our bound;
