@@ -517,6 +517,19 @@ pub struct EndpointConfig {
     /// request beyond it is answered at once with a [`RemoteErrorKind::Busy`] error naming
     /// the bound, and runs nothing. Default 4,096.
     pub requests_per_peer: usize,
+    /// Fetches (`to_here`) one peer may have parked here on values still being created (a
+    /// fetch for a value that exists is a request being served, counted by
+    /// [`requests_per_peer`](Self::requests_per_peer)). A fetch beyond it is answered at once
+    /// with a [`RemoteErrorKind::Busy`] error naming the bound, and is not parked. Default
+    /// 4,096.
+    pub parked_fetches_per_peer: usize,
+    /// References one peer may make this worker hold for it: forks it holds of values owned
+    /// here (the creator's fork of each value it created here with `remote`, and each fork it
+    /// registered with a fork request). Beyond it a `remote` from that peer creates nothing and
+    /// is answered at once with a [`RemoteErrorKind::Busy`] error naming the bound, and a fork
+    /// request for one more fork is a [`ProtocolViolation::TooManyReferences`]. Forks this
+    /// worker gives a peer itself count too, but are never refused. Default 1,048,576.
+    pub references_per_peer: usize,
 }
 
 impl Default for EndpointConfig {
@@ -526,6 +539,8 @@ impl Default for EndpointConfig {
             idempotence_records_per_peer: 1 << 16,
             pending_forks_per_peer: 1 << 14,
             requests_per_peer: 4096,
+            parked_fetches_per_peer: 4096,
+            references_per_peer: 1 << 20,
         }
     }
 }
@@ -741,6 +756,21 @@ pub enum ProtocolViolation {
         /// The bound.
         limit: usize,
     },
+    /// A call, remote or fetch under the id of one of its requests still being served here:
+    /// ids are never reused, and a copy would run a second handler outside the sender's
+    /// share ([`EndpointConfig::requests_per_peer`]).
+    #[error("it sent request {id} again while this worker was still serving it")]
+    RepeatedRequest {
+        /// The request's id.
+        id: MessageId,
+    },
+    /// A fork request for one more fork while the sender already holds
+    /// [`EndpointConfig::references_per_peer`] forks of values owned here.
+    #[error("it asked to hold more than {limit} references to values this worker owns (references_per_peer)")]
+    TooManyReferences {
+        /// The bound.
+        limit: usize,
+    },
     /// A delete, fork request or child-accept for a fork that another worker holds.
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
     ForeignFork {
@@ -845,6 +875,9 @@ pub struct Endpoint<B> {
     unacked_to: HashMap<WorkerId, BTreeSet<MessageId>>,
     incoming: Serving,
     owned: HashMap<RRefId, Owned>,
+    /// Per peer, the forks it holds of values owned here (the holders in `owned`'s fork
+    /// records, counted), bounded by [`EndpointConfig::references_per_peer`].
+    references: HashMap<WorkerId, usize>,
     used: HashMap<ForkId, Used>,
     /// Child fork -> the parent fork it was made from and the worker it was sent to.
     children: HashMap<ForkId, (ForkId, WorkerId)>,
@@ -981,6 +1014,7 @@ impl<B: Payload> Endpoint<B> {
             unacked_to: HashMap::new(),
             incoming: Serving::default(),
             owned: HashMap::new(),
+            references: HashMap::new(),
             used: HashMap::new(),
             children: HashMap::new(),
             seen_control: HashMap::new(),
@@ -1280,7 +1314,15 @@ impl<B: Payload> Endpoint<B> {
                 fork,
                 timeout,
             } => {
-                let Some(body) = self.admit(from, id, body, now) else {
+                let body = if self.takes_requests()
+                    && self.references_of(from) >= self.config.references_per_peer
+                {
+                    self.refuse_references(from, id, body, now);
+                    None
+                } else {
+                    self.admit(from, id, body, now)
+                };
+                let Some(body) = body else {
                     // Refused (shutting down, leaving, busy, no body): the value will never
                     // be created, so what waits for it here (fork requests, fetches, method
                     // calls from third parties) settles now.
@@ -1299,7 +1341,9 @@ impl<B: Payload> Endpoint<B> {
                 };
                 let upto = self.created_upto.entry(from).or_default();
                 *upto = (*upto).max(rref.local);
-                self.owned.entry(rref).or_default().forks.insert(fork, from);
+                let o = self.owned.entry(rref).or_default();
+                let new = o.forks.insert(fork, from).is_none();
+                self.count_reference(from, new);
                 let token = RequestToken {
                     from,
                     id,
@@ -1355,14 +1399,17 @@ impl<B: Payload> Endpoint<B> {
                         .or_else(|| self.released(rref))
                         .or_else(|| self.creator_lost(rref))
                         .map(Err);
-                    self.owned
+                    let new = self
+                        .owned
                         .entry(rref)
                         .or_insert_with(|| Owned {
                             state: failed,
                             ..Owned::default()
                         })
                         .forks
-                        .insert(fork, from);
+                        .insert(fork, from)
+                        .is_none();
+                    self.count_reference(from, new);
                 }
                 self.ack(from, id);
             }
@@ -1384,9 +1431,11 @@ impl<B: Payload> Endpoint<B> {
                 fork,
             } => {
                 if self.first_time(from, id, floor) {
-                    if let Some(o) = self.owned.get_mut(&rref) {
-                        o.forks.remove(&fork);
-                    }
+                    let holder = self
+                        .owned
+                        .get_mut(&rref)
+                        .and_then(|o| o.forks.remove(&fork));
+                    self.uncount_reference(holder);
                     self.maybe_release(rref);
                 }
                 self.ack(from, id);
@@ -1415,7 +1464,26 @@ impl<B: Payload> Endpoint<B> {
     /// Whether `from` may send `header`, judged against what we sent and hold.
     fn check_message(&self, from: WorkerId, header: &Header) -> Result<(), ProtocolViolation> {
         let never_issued = |id: MessageId| id <= self.first_id || id > self.next_id;
+        let repeated = |id: MessageId, kind: RequestKind| {
+            let token = RequestToken { from, id, kind };
+            if self.incoming.tokens.contains(&token) {
+                Err(ProtocolViolation::RepeatedRequest { id })
+            } else {
+                Ok(())
+            }
+        };
         match *header {
+            Header::Call { id, .. } => repeated(id, RequestKind::Call),
+            Header::Fetch { id, rref, .. } => {
+                let parked = self
+                    .owned
+                    .get(&rref)
+                    .is_some_and(|o| o.fetches.iter().any(|f| f.0 == from && f.1 == id));
+                if parked {
+                    return Err(ProtocolViolation::RepeatedRequest { id });
+                }
+                repeated(id, RequestKind::Fetch(rref))
+            }
             Header::Reply { id, .. } => {
                 if never_issued(id) {
                     return Err(ProtocolViolation::UnknownId { id, what: "reply" });
@@ -1468,6 +1536,17 @@ impl<B: Payload> Endpoint<B> {
                     }
                     // Held by the sender, or forgotten already (a failed creation's fork).
                     _ => {}
+                }
+                let known = self
+                    .owned
+                    .get(&rref)
+                    .is_some_and(|o| o.forks.contains_key(&fork));
+                let limit = self.config.references_per_peer;
+                if matches!(header, Header::ForkRequest { .. })
+                    && !known
+                    && self.references_of(from) >= limit
+                {
+                    return Err(ProtocolViolation::TooManyReferences { limit });
                 }
                 let limit = self.config.pending_forks_per_peer;
                 if matches!(header, Header::ForkRequest { .. })
@@ -1580,6 +1659,8 @@ impl<B: Payload> Endpoint<B> {
         self.last_now = Some(now);
         let cause = self.lost.entry(peer).or_insert(cause).clone();
         self.placeholders.remove(&peer);
+        // Its forks are dropped from every record below.
+        self.references.remove(&peer);
         let ids: Vec<MessageId> = self
             .pending
             .iter()
@@ -1919,6 +2000,24 @@ impl<B: Payload> Endpoint<B> {
         };
         match &o.state {
             None => {
+                let limit = self.config.parked_fetches_per_peer;
+                if from != self.me && self.parked_fetches_of(from) >= limit {
+                    let err = RemoteError {
+                        worker: self.me,
+                        kind: RemoteErrorKind::Busy,
+                        message: format!(
+                            "worker {} already holds {limit} fetches from worker {from} \
+                             parked on values still being created, its bound per caller \
+                             (parked_fetches_per_peer)",
+                            self.me
+                        ),
+                    };
+                    self.reply(from, id, Err(err));
+                    return;
+                }
+                let Some(o) = self.owned.get_mut(&rref) else {
+                    return;
+                };
                 o.fetches.push((from, id, deadline));
                 if let Some(d) = deadline {
                     self.timers.insert((d, Timer::Fetches(rref)));
@@ -1938,6 +2037,75 @@ impl<B: Payload> Endpoint<B> {
                 self.events.push_back(Event::Fetch { token, rref });
             }
         }
+    }
+
+    /// The forks `peer` holds of values owned here.
+    fn references_of(&self, peer: WorkerId) -> usize {
+        self.references.get(&peer).copied().unwrap_or(0)
+    }
+
+    /// A fork record for `holder` was made (`new`: not there before).
+    pub(super) fn count_reference(&mut self, holder: WorkerId, new: bool) {
+        if new && holder != self.me {
+            *self.references.entry(holder).or_insert(0) += 1;
+        }
+    }
+
+    /// The fork record of `holder` (if one was removed) is gone.
+    pub(super) fn uncount_reference(&mut self, holder: Option<WorkerId>) {
+        let Some(holder) = holder else {
+            return;
+        };
+        if let Some(n) = self.references.get_mut(&holder) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.references.remove(&holder);
+            }
+        }
+    }
+
+    /// Answers `remote` request `id` from `from` with [`RemoteErrorKind::Busy`]: `from` holds
+    /// its share of references here ([`EndpointConfig::references_per_peer`]).
+    fn refuse_references(&mut self, from: WorkerId, id: MessageId, body: Option<B>, now: Instant) {
+        let limit = self.config.references_per_peer;
+        let err = RemoteError {
+            worker: self.me,
+            kind: RemoteErrorKind::Busy,
+            message: format!(
+                "worker {} already holds {limit} references for worker {from}, its bound per \
+                 peer (references_per_peer)",
+                self.me
+            ),
+        };
+        self.reply(from, id, Err(err));
+        if let Some(b) = body {
+            self.release_forks(b.forks(), now);
+        }
+    }
+
+    /// Whether the per-peer counts of references agree with the fork records (tests).
+    #[cfg(test)]
+    pub(crate) fn reference_counts_agree(&self) -> bool {
+        let mut counted: HashMap<WorkerId, usize> = HashMap::new();
+        for o in self.owned.values() {
+            for holder in o.forks.values() {
+                if *holder != self.me {
+                    *counted.entry(*holder).or_insert(0) += 1;
+                }
+            }
+        }
+        counted == self.references
+    }
+
+    /// Fetches from `peer` parked on values being created here. Counted when a fetch would
+    /// park (rare: only values still being created hold any), so no count has to follow every
+    /// way a parked fetch ends.
+    fn parked_fetches_of(&self, peer: WorkerId) -> usize {
+        self.owned
+            .values()
+            .filter(|o| !o.fetches.is_empty())
+            .map(|o| o.fetches.iter().filter(|f| f.0 == peer).count())
+            .sum()
     }
 
     /// Remembers that creating `rref` here failed.
