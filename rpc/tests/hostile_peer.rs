@@ -171,6 +171,8 @@ enum Attack {
     AbandonedForeign,
     /// A shutdown report out of order (round 5 first).
     ShutdownOutOfOrder,
+    /// A second report that its shutdown failed (the first names the honest worker).
+    ShutdownFailedTwice,
     /// A message whose header does not parse.
     Malformed,
 }
@@ -388,6 +390,15 @@ async fn run(net: Net, attack: Attack) {
                 .unwrap();
             Box::new(|v| matches!(v, ProtocolViolation::ShutdownOutOfOrder { .. }))
         }
+        Attack::ShutdownFailedTwice => {
+            let failed = Header::ShutdownFailed {
+                missing: vec![1],
+                lost: false,
+            };
+            hostile.send(to, &failed, None).await.unwrap();
+            hostile.send(to, &failed, None).await.unwrap();
+            Box::new(|v| matches!(v, ProtocolViolation::ForgedShutdownFailure { .. }))
+        }
         Attack::Malformed => {
             let frame = Frame {
                 kind: FrameKind::Message,
@@ -544,5 +555,6 @@ table! {
     a_child_accept_for_a_fork_made_for_another_worker_is_refused => ChildAcceptForAnothersChild,
     an_abandonment_of_another_workers_reference_is_refused => AbandonedForeign,
     a_shutdown_report_out_of_order_is_refused => ShutdownOutOfOrder,
+    a_second_report_of_a_failed_shutdown_is_refused => ShutdownFailedTwice,
     a_header_that_does_not_parse_is_refused => Malformed,
 }

@@ -712,6 +712,13 @@ pub enum ProtocolViolation {
         /// The last round this worker reported (0: none).
         our_round: u32,
     },
+    /// A report that the sender's graceful shutdown failed that no honest worker sends: a
+    /// second one, or one whose list of missing workers is not in rank order.
+    #[error("it sent {what}")]
+    ForgedShutdownFailure {
+        /// What was wrong with it.
+        what: &'static str,
+    },
     /// A creation (`remote`) of a reference that another worker made: only the worker that
     /// made a reference's id may ask its owner to create its value.
     #[error("it asked this worker to create remote reference {rref}, which worker {creator} made")]
@@ -1565,6 +1572,7 @@ impl<B: Payload> Endpoint<B> {
                 })
             }
             Header::Shutdown { signal } => self.check_shutdown_signal(from, signal),
+            Header::ShutdownFailed { ref missing, .. } => self.check_shutdown_failed(from, missing),
             Header::ChildAccept { fork, .. } => match self.children.get(&fork) {
                 Some(&(_, to)) if to != from => Err(ProtocolViolation::ForeignFork {
                     rref: fork,

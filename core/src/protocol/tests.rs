@@ -1685,6 +1685,41 @@ fn unanswered_calls_at_the_deadline_name_their_callees() {
     assert_eq!((e.phase, e.missing), (ShutdownPhase::Settling, vec![2]));
 }
 
+/// A report that a member's shutdown failed is that member's word: ours then fails naming
+/// whom it named *and* who said so. A second report from the same member, or a list no honest
+/// member sends (out of rank order, a worker twice), is a violation that changes nothing.
+#[test]
+fn a_reported_shutdown_failure_names_its_reporter_and_forged_ones_are_violations() {
+    let mut s = Sim::new(3);
+    let now = s.clock.now();
+    let failed = |missing: Vec<WorkerId>| Header::ShutdownFailed {
+        missing,
+        lost: false,
+    };
+    for forged in [vec![2, 1], vec![1, 1]] {
+        assert!(matches!(
+            s.ep(0).handle_message(2, failed(forged), None, now),
+            Err(ProtocolViolation::ForgedShutdownFailure { .. })
+        ));
+    }
+    s.ep(0)
+        .handle_message(2, failed(vec![1]), None, now)
+        .unwrap();
+    let e = s
+        .ep(0)
+        .handle_message(2, failed(vec![1]), None, now)
+        .unwrap_err();
+    assert!(e.to_string().contains("a second report"), "{e}");
+    s.ep(0).begin_graceful_shutdown([0, 1, 2], None);
+    s.pump();
+    let e = s.shutdowns[0][0].clone().unwrap_err();
+    assert_eq!((e.missing.clone(), e.reported_by), (vec![1], Some(2)));
+    assert!(
+        e.to_string().contains("as worker 2 reported"),
+        "the error says whose word it is: {e}"
+    );
+}
+
 /// Shutdown reports out of order are violations that change nothing.
 #[test]
 fn shutdown_reports_out_of_order_are_violations() {
