@@ -247,10 +247,13 @@ const POLLS_PER_YIELD: usize = 64;
 /// Lets the runtime's other tasks run between two looks, as `wait` says (see
 /// [`tensorwire_core::spin::Turn`]: every other turn also lets a current-thread runtime's
 /// `block_on` future run, which requeueing alone would hold off for the whole budget).
+/// A wait that *is* the `block_on` future (no task id) only requeues: that future runs again
+/// as soon as the tasks ready before it have, and a runtime turn would cost it a driver poll
+/// (a system call) each time for nothing (`bench transport --transport shm` waits there).
 async fn give_turn(wait: &mut SpinWait) {
     match wait.turn() {
-        Turn::Requeue => requeue().await,
-        Turn::Runtime => tokio::task::yield_now().await,
+        Turn::Runtime if tokio::task::try_id().is_some() => tokio::task::yield_now().await,
+        Turn::Runtime | Turn::Requeue => requeue().await,
     }
 }
 
