@@ -118,6 +118,24 @@ fn bench_rpc_over(transport: &str) {
     );
     assert_eq!(v["transport"], transport);
     assert_eq!(v["raw_baseline"], "process");
+    // Over shared memory, the same-host floor of the same run, with its ratio and the target.
+    if transport == "shm" {
+        for key in ["raw_shm_pingpong_p50_us", "raw_shm_pingpong_p99_us"] {
+            let x = v[key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{key} missing: {v}"));
+            assert!(x.is_finite() && x > 0.0, "{key} = {x}");
+        }
+        let r = v["ratios"]["rpc_sync_p50_over_raw_shm_pingpong_p50"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("the shm ratio is missing: {v}"));
+        assert!(r.is_finite() && r > 0.0, "{r}");
+        assert!(v["targets"]["shm: rpc_sync p50 <= 2x raw shm ping-pong"].is_boolean());
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(text.contains("x raw shm ping-pong"), "{text}");
+    } else {
+        assert!(v.get("raw_shm_pingpong_p50_us").is_none(), "{v}");
+    }
 }
 
 /// `bench store`: the rendezvous of 200 clients from this process finishes and is reported.
@@ -195,5 +213,63 @@ fn bench_transport_quic_writes_every_key() {
             .as_f64()
             .unwrap_or_else(|| panic!("{key} missing: {v}"));
         assert!(x.is_finite() && x > 0.0, "{key} = {x}");
+    }
+}
+
+/// `bench rpc --sync-only`: the run to profile measures `rpc_sync` and its raw baselines only.
+#[test]
+fn bench_rpc_sync_only_measures_rpc_sync_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("rpc.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args([
+            "bench",
+            "rpc",
+            "--calls",
+            "100",
+            "--sync-only",
+            "--idle-ms",
+            "0",
+        ])
+        .args(["--transport", "shm", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for key in [
+        "rpc_sync_p50_us",
+        "raw_tcp_pingpong_p50_us",
+        "raw_shm_pingpong_p50_us",
+    ] {
+        assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
+    }
+    for key in [
+        "rpc_async_calls_per_s",
+        "remote_to_here_p50_us",
+        "idle_cpu_us_per_s_caller",
+    ] {
+        assert!(v.get(key).is_none(), "{key} measured: {v}");
+    }
+}
+
+/// The hidden raw shared-memory echo refuses a descriptor that is not its page, as a usage
+/// error naming it, instead of mapping or polling anything.
+#[test]
+fn the_raw_shm_echo_names_a_bad_descriptor() {
+    for (fd, says) in [("-1", "not a file descriptor"), ("0", "--fd 0")] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+            .args(["bench", "raw-shm-echo", &format!("--fd={fd}")])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "fd {fd}: {err}");
+        assert!(err.contains(says), "fd {fd}: {err}");
     }
 }

@@ -35,6 +35,7 @@ fn bench_collectives_writes_every_key() {
         keys.push(format!("all_reduce_w{n}_1MiB_us"));
         keys.push(format!("raw_tcp_bulk_{n}x{}MiB_us", n - 1));
         keys.push(format!("raw_tcp_barrier_w{n}_us"));
+        keys.push(format!("raw_shm_barrier_w{n}_us"));
         for op in ["reduce", "reduce_scatter", "all_to_all", "broadcast"] {
             keys.push(format!("{op}_w{n}_1MiB_us"));
             let r = v["ratios"][format!("{op}_w{n}_1MiB_over_raw_bulk_1MiB")]
@@ -46,7 +47,12 @@ fn bench_collectives_writes_every_key() {
             .as_f64()
             .unwrap_or_else(|| panic!("ratio for w{n} missing in {v}"));
         assert!(r > 0.0 && r.is_finite());
+        let r = v["ratios"][format!("barrier_w{n}_over_raw_shm_barrier")]
+            .as_f64()
+            .unwrap_or_else(|| panic!("shm barrier ratio for w{n} missing in {v}"));
+        assert!(r > 0.0 && r.is_finite());
     }
+    assert!(v["targets_met"]["shm: barrier_w2 <= 10 us"].is_boolean());
     for key in keys {
         let x = v[&key]
             .as_f64()

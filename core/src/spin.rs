@@ -44,6 +44,27 @@ use std::time::{Duration, Instant};
 /// A `sched_yield` that takes longer than this ran another thread on our core.
 pub const SOMEONE_ELSE_RAN: Duration = Duration::from_micros(3);
 
+/// Every this many turns a waiting side gives its runtime (see [`Turn`]), one is a
+/// [`Turn::Runtime`].
+pub const RUNTIME_TURN_EVERY: u32 = 2;
+
+/// How a waiting side lets the other tasks of its runtime run between looks.
+///
+/// [`requeue`] costs no system call, but on tokio's current-thread runtime the future given
+/// to `block_on` (an application's `main`) is polled only when no task is ready, or after the
+/// runtime's `event_interval` (61) turns: a waiting side that only requeues keeps it from
+/// running for its whole budget, and with it whatever it would send (the other half of a
+/// barrier, the next request). So every [`RUNTIME_TURN_EVERY`]-th turn is a runtime turn
+/// (`tokio::task::yield_now`): the task waits for the runtime's driver poll (one `epoll_wait`
+/// with a zero timeout), after which the `block_on` future runs if it was woken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Turn {
+    /// [`requeue`]: behind the tasks that are ready.
+    Requeue,
+    /// `tokio::task::yield_now`: after the runtime's driver poll and its `block_on` future.
+    Runtime,
+}
+
 /// How a side waits for its peer: the budget of polling and yielding before it sleeps, and
 /// whether it may run on one core only. Starts [`SpinWait`]s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +115,7 @@ impl SpinPolicy {
             until: now.checked_add(self.budget).unwrap_or(now),
             yields: 0,
             someone_else_ran: false,
+            turns: 0,
         }
     }
 }
@@ -112,6 +134,8 @@ pub struct SpinWait {
     yields: u32,
     /// Whether one of them ran someone else.
     someone_else_ran: bool,
+    /// Turns given to the runtime so far ([`SpinWait::turn`]).
+    turns: u32,
 }
 
 impl SpinWait {
@@ -131,6 +155,17 @@ impl SpinWait {
     pub fn sent(&mut self, now: Instant) {
         if let Some(until) = now.checked_add(self.budget) {
             self.until = self.until.max(until);
+        }
+    }
+
+    /// How to let the runtime's other tasks run this time between two looks (see [`Turn`]);
+    /// counts the turn.
+    pub fn turn(&mut self) -> Turn {
+        self.turns = self.turns.wrapping_add(1);
+        if self.turns % RUNTIME_TURN_EVERY == 0 {
+            Turn::Runtime
+        } else {
+            Turn::Requeue
         }
     }
 
@@ -268,6 +303,27 @@ mod tests {
         assert_eq!(wait.step(t0 + 35 * US), SpinStep::Sleep);
         wait.sent(t0);
         assert_eq!(wait.step(t0 + 34 * US), SpinStep::Poll);
+    }
+
+    #[test]
+    fn every_second_turn_lets_the_runtime_poll_its_driver_and_block_on_future() {
+        let mut wait = policy(false).begin(true, Instant::now());
+        let turns: Vec<Turn> = (0..6).map(|_| wait.turn()).collect();
+        assert_eq!(
+            turns,
+            [
+                Turn::Requeue,
+                Turn::Runtime,
+                Turn::Requeue,
+                Turn::Runtime,
+                Turn::Requeue,
+                Turn::Runtime
+            ]
+        );
+        // A wait that runs for ever does not overflow its count, and keeps alternating.
+        wait.turns = u32::MAX - 1;
+        let turns: Vec<Turn> = (0..3).map(|_| wait.turn()).collect();
+        assert_eq!(turns, [Turn::Requeue, Turn::Runtime, Turn::Requeue]);
     }
 
     #[test]

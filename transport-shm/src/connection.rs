@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::BytesMut;
 use tensorwire_core::ports::transport::{Connection, TransportError};
-use tensorwire_core::spin::{requeue, SpinPolicy, SpinStep};
+use tensorwire_core::spin::{requeue, SpinPolicy, SpinStep, SpinWait, Turn};
 use tensorwire_core::wire::{
     decode_frame_shared, Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits, PREFIX_LEN,
 };
@@ -244,6 +244,19 @@ impl std::fmt::Debug for ShmConnection {
 /// Checks of the ring between two yields to the runtime while polling.
 const POLLS_PER_YIELD: usize = 64;
 
+/// Lets the runtime's other tasks run between two looks, as `wait` says (see
+/// [`tensorwire_core::spin::Turn`]: every other turn also lets a current-thread runtime's
+/// `block_on` future run, which requeueing alone would hold off for the whole budget).
+/// A wait that *is* the `block_on` future (no task id) only requeues: that future runs again
+/// as soon as the tasks ready before it have, and a runtime turn would cost it a driver poll
+/// (a system call) each time for nothing (`bench transport --transport shm` waits there).
+async fn give_turn(wait: &mut SpinWait) {
+    match wait.turn() {
+        Turn::Runtime if tokio::task::try_id().is_some() => tokio::task::yield_now().await,
+        Turn::Runtime | Turn::Requeue => requeue().await,
+    }
+}
+
 /// Wakes the other side if it said it sleeps (the flag), through its eventfd.
 fn wake(flag: &AtomicU32, efd: &OwnedFd) {
     // Pairs with the fence in `wait`: either the sleeper sees our update, or we see its flag.
@@ -341,14 +354,14 @@ impl ShmConnection {
                         }
                         std::hint::spin_loop();
                     }
-                    requeue().await;
+                    give_turn(&mut wait).await;
                 }
                 SpinStep::Yield => {
                     if ready() || self.shared.is_dead() {
                         self.learn_spin(wait.found());
                         return Ok(());
                     }
-                    requeue().await;
+                    give_turn(&mut wait).await;
                     if ready() || self.shared.is_dead() {
                         self.learn_spin(wait.found());
                         return Ok(());

@@ -55,7 +55,10 @@
 //! (7 times slower than the ring for 64 MiB on the virtual machines we measured, so off by
 //! default). At most 8 segments are in flight per direction.
 //!
-//! A side that waits (for data, or for ring space) polls for [`ShmConfig::spin`] (20 µs), then
+//! A side that waits (for data, or for ring space) polls for [`ShmConfig::spin`] (20 µs), letting
+//! its runtime's other tasks run between looks (every other time through tokio's own yield, so
+//! that a current-thread runtime's `block_on` future runs too: see
+//! [`Turn`](tensorwire_core::spin::Turn)), then
 //! raises a flag in the ring and sleeps on its eventfd; the other side writes the eventfd only
 //! when it finds the flag raised, so a busy connection makes no system calls at all.
 //!
@@ -198,5 +201,60 @@ impl Transport for ShmTransport {
 
     async fn connect(&self, addr: SocketAddr) -> Result<Box<dyn Connection>, TransportError> {
         Ok(Box::new(self.connect_shm(addr).await?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use bytes::Bytes;
+    use tensorwire_core::wire::Frame;
+
+    use super::*;
+
+    /// On tokio's current-thread runtime the `block_on` future (an application's `main`) runs
+    /// only when no task is ready or after `event_interval` turns. A reader polling the ring
+    /// must still let it run: here the frame it waits for is sent by that future. The runtime's
+    /// event interval is made endless and the polling budget long (10 s), so a reader that only
+    /// requeued itself would hold the sender off until it gave up and slept, 10 s later.
+    #[test]
+    fn a_polling_reader_lets_the_block_on_future_send_what_it_waits_for() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .event_interval(u32::MAX)
+            .build()
+            .unwrap();
+        let took = rt.block_on(async {
+            let secret = ClusterSecret::new(vec![7; 32]).unwrap();
+            let config = ShmConfig::new(secret).with_spin(Duration::from_secs(10));
+            let transport = ShmTransport::new(config).unwrap();
+            let listener = transport
+                .listen("127.0.0.1:0".parse().unwrap())
+                .await
+                .unwrap();
+            let client = transport.connect(listener.local_addr()).await.unwrap();
+            let server = listener.accept().await.unwrap();
+            let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+            let reader = tokio::spawn(async move {
+                let _ = started_tx.send(());
+                server.recv().await
+            });
+            // The reader is about to poll: from here on it is the only ready task, and this
+            // future runs again only when the reader lets it.
+            let began = Instant::now();
+            started_rx.await.unwrap();
+            client
+                .send(Frame::message(Bytes::from_static(b"go"), vec![]))
+                .await
+                .unwrap();
+            let frame = reader.await.unwrap().unwrap();
+            assert_eq!(&frame.header[..], b"go");
+            began.elapsed()
+        });
+        assert!(
+            took < Duration::from_secs(5),
+            "the reader held the block_on future off for {took:?}"
+        );
     }
 }

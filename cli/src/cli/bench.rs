@@ -57,6 +57,9 @@ enum Bench {
     /// The raw TCP echo process of `bench transport` (started by it).
     #[command(hide = true)]
     RawEcho(RawEchoArgs),
+    /// The raw shared-memory echo process of `bench rpc` (started by it).
+    #[command(hide = true)]
+    RawShmEcho(super::bench_raw_shm::RawShmEchoArgs),
 }
 
 #[cfg(feature = "autograd-candle")]
@@ -135,6 +138,7 @@ pub(crate) fn run(args: Args) -> ExitCode {
         Bench::CollectivesWorker(a) => super::bench_collectives::worker(&a),
         Bench::Store(a) => super::bench_store::run(&a),
         Bench::RawEcho(a) => raw_echo(&a),
+        Bench::RawShmEcho(a) => super::bench_raw_shm::raw_shm_echo(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -16,7 +16,10 @@
 //! transfer of the bytes all ranks of an all_gather of 1 MiB blocks receive together); and, among
 //! threads of this process, `raw_tcp_barrier_w{N}_us` (the same dissemination
 //! barrier among N threads over blocking sockets: what the scheduler allows when N processes
-//! share fewer cores). `rendezvous_barrier_w32_ms` is the wall time from starting
+//! share fewer cores); unless `--transport tcp`, also `raw_shm_barrier_w{N}_us`, the same
+//! barrier among N threads over atomic flags in memory (the same-host floor, polling while there
+//! are cores for every thread, yielding otherwise; `bench_raw_shm`), with the ratios
+//! `barrier_w{N}_over_raw_shm_barrier`. `rendezvous_barrier_w32_ms` is the wall time from starting
 //! rank 0 of 32 processes until all of them finished their first barrier.
 //!
 //! With `--torch-python PYTHON` (a Python with torch, such as the CI venv's), PyTorch's gloo
@@ -39,6 +42,7 @@ use tensorwire_process_group::new_group;
 use tensorwire_rendezvous::env_init::env_rendezvous;
 
 use super::bench::{Raw, MIB};
+use super::bench_raw_shm::raw_shm_barrier;
 
 /// Raw ping-pong round trips in all (spread over the blocks).
 const RAW_PINGPONG: usize = 12_000;
@@ -189,6 +193,10 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
     for &world in &args.world {
         let raw = raw_barrier(world, args.small_iters).context("raw TCP barrier")?;
         out.insert(format!("raw_tcp_barrier_w{world}_us"), json!(raw));
+        if args.transport != "tcp" {
+            let raw = raw_shm_barrier(world, args.small_iters).context("raw shm barrier")?;
+            out.insert(format!("raw_shm_barrier_w{world}_us"), json!(raw));
+        }
     }
     bar.inc(1);
     bar.finish_and_clear();
@@ -232,6 +240,12 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
             );
             if let Some(raw) = get(&format!("raw_tcp_barrier_w{world}_us")) {
                 ratios.insert(format!("barrier_w{world}_over_raw_barrier"), json!(b / raw));
+            }
+            if let Some(raw) = get(&format!("raw_shm_barrier_w{world}_us")) {
+                ratios.insert(
+                    format!("barrier_w{world}_over_raw_shm_barrier"),
+                    json!(b / raw),
+                );
             }
         }
         if let (Some(a), Some(r)) = (
@@ -282,6 +296,16 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
         if let Some(r) = ratio("barrier_w8_over_pingpong") {
             targets.insert("shm: barrier_w8 <= 4x pingpong".into(), json!(r <= 4.0));
         }
+        // Issue 32: the same-host floors.
+        if let Some(us) = get("barrier_w2_us") {
+            targets.insert("shm: barrier_w2 <= 10 us".into(), json!(us <= 10.0));
+        }
+        if let Some(r) = ratio("barrier_w8_over_raw_shm_barrier") {
+            targets.insert(
+                "shm: barrier_w8 <= 1.5x raw shm barrier".into(),
+                json!(r <= 1.5),
+            );
+        }
         if let Some(r) = ratio("all_gather_w8_1MiB_over_raw_bulk") {
             targets.insert(
                 "shm: all_gather_w8_1MiB <= 0.5x raw bulk of 8x7MiB".into(),
@@ -308,7 +332,7 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
         json!({
             "small_iters": args.small_iters,
             "large_iters": args.large_iters,
-            "figures": "medians over iterations on rank 0, microseconds; raw ping-pong and bulk over plain TCP to an echo process (bench raw-echo) in blocks between the groups; raw barrier among threads over blocking sockets",
+            "figures": "medians over iterations on rank 0, microseconds; raw ping-pong and bulk over plain TCP to an echo process (bench raw-echo) in blocks between the groups; raw barrier among threads over blocking sockets (raw_tcp_barrier) and, unless --transport tcp, over atomic flags in memory polled as shm polls (raw_shm_barrier)",
             "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         }),
     );

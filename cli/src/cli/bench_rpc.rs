@@ -10,6 +10,13 @@
 //! process used per second of a pause with the agents connected and no calls (`--idle-ms`;
 //! from `/proc/PID/task/*/schedstat`, nanosecond figures of what `getrusage` sums up).
 //!
+//! With `--transport shm` or `auto`, also the same-host floor: `raw_shm_pingpong_p50_us` and
+//! `_p99_us`, 64-byte round trips through one shared page to an echo process that busy-polls
+//! it (`bench raw-shm-echo`, see `bench_raw_shm`), in blocks alternating with the raw TCP ones
+//! and the agent's `rpc_sync`; `ratios` gains `rpc_sync_p50_over_raw_shm_pingpong_p50` and
+//! `targets` the goal (at most 2x). A one-line text summary of `rpc_sync` against each
+//! raw baseline goes to standard error.
+//!
 //! With `--rrefs 0,1000,100000`, also `with_rrefs`: for each count N (ascending), the caller
 //! holds N remote references (values kept by the callee, made by `remote()` in batches of
 //! 1,000, each batch timed until every creation is confirmed), then measures `rpc_sync` p50
@@ -26,6 +33,7 @@ use tensorwire_core::tensor::Tensor;
 use tensorwire_rpc::{init_rpc, Functions, RRef, RpcOptions};
 
 use super::bench::{mbps, median, percentile, progress, write_json, Raw, MIB};
+use super::bench_raw_shm::RawShm;
 
 /// Arguments of `tensorwire bench rpc`.
 #[derive(Debug, Clone, clap::Args)]
@@ -64,6 +72,10 @@ pub(crate) struct RpcArgs {
     /// Milliseconds of the idle pause whose CPU time is measured (0: none).
     #[arg(long, default_value_t = 1_000)]
     idle_ms: u64,
+    /// Measure `rpc_sync` (and its raw baselines) only, nothing else: a run to profile
+    /// (`strace -c`, `perf stat`) whose system calls are those of the calls.
+    #[arg(long)]
+    sync_only: bool,
     /// Run as the callee (set by the benchmark itself).
     #[arg(long, hide = true)]
     serve: Option<u16>,
@@ -176,6 +188,12 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
     // The raw baseline: blocking sockets to an echo *process* (the shape of the agent's two
     // processes), in blocks that alternate with the agent's, so that both see the same load.
     let mut raw = Raw::start_process(&[64 * MIB]).context("raw TCP baseline")?;
+    // The same-host floor, where the agent runs over shared memory.
+    let raw_shm = if matches!(args.transport.as_str(), "shm" | "auto") {
+        Some(RawShm::start_process().context("raw shared-memory baseline")?)
+    } else {
+        None
+    };
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -207,23 +225,31 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
     // The caller runs in a task of the runtime, as an application's code does: the future of
     // `block_on` itself pays a poll of the I/O driver (a system call) each time a task wakes it,
     // which is tokio's cost, not the agent's.
-    let (result, raw) = runtime(args.threads)?.block_on({
+    let (result, raw, raw_shm) = runtime(args.threads)?.block_on({
         let args = args.clone();
         let secret = secret.clone();
+        let mut raw_shm = raw_shm;
         async move {
             tokio::spawn(async move {
-                let result = measure(&args, port, secret.as_bytes(), &mut raw, callee_pid).await;
-                (result, raw)
+                let mut raws = Raws {
+                    tcp: &mut raw,
+                    shm: raw_shm.as_mut(),
+                };
+                let result = measure(&args, port, secret.as_bytes(), &mut raws, callee_pid).await;
+                (result, raw, raw_shm)
             })
             .await
         }
     })?;
     let status = callee.wait()?;
     raw.finish()?;
+    if let Some(raw_shm) = raw_shm {
+        raw_shm.finish()?;
+    }
     if let Some(dir) = &args.tls_dir {
         let _ = std::fs::remove_dir_all(dir);
     }
-    let (mut out, mut raw_ping, raw_bulk) = result?;
+    let (mut out, mut raw_ping, raw_bulk, mut shm_ping) = result?;
     if !status.success() {
         bail!("the callee process failed ({status})");
     }
@@ -238,6 +264,26 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
         "remote_to_here_p50_over_raw_pingpong_p50": get("remote_to_here_p50_us") / raw_p50,
     });
     let mut ratios = ratios;
+    if !shm_ping.is_empty() {
+        shm_ping.sort();
+        let shm_p50 = percentile(&shm_ping, 0.5);
+        let ratio = get("rpc_sync_p50_us") / shm_p50;
+        out.insert("raw_shm_pingpong_p50_us".into(), json!(shm_p50));
+        out.insert(
+            "raw_shm_pingpong_p99_us".into(),
+            json!(percentile(&shm_ping, 0.99)),
+        );
+        if let Some(map) = ratios.as_object_mut() {
+            map.insert(
+                "rpc_sync_p50_over_raw_shm_pingpong_p50".into(),
+                json!(ratio),
+            );
+        }
+        out.insert(
+            "targets".into(),
+            json!({ "shm: rpc_sync p50 <= 2x raw shm ping-pong": ratio <= 2.0 }),
+        );
+    }
     if let (Some(rows), Some(map)) = (
         out.get("with_rrefs").and_then(Value::as_array).cloned(),
         ratios.as_object_mut(),
@@ -258,14 +304,41 @@ pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
     out.insert("transport".into(), json!(args.transport));
     out.insert("raw_baseline".into(), json!("process"));
     out.insert("runtime_threads".into(), json!(args.threads));
+    eprintln!("{}", summary(&out));
     write_json(&out, args.json.as_ref())
+}
+
+/// The text summary of a run: `rpc_sync` p50 and its ratios over the raw baselines.
+fn summary(out: &Map<String, Value>) -> String {
+    let get = |k: &str| out.get(k).and_then(Value::as_f64);
+    let mut text = format!(
+        "bench rpc ({}): rpc_sync p50 {:.1} µs",
+        out.get("transport").and_then(Value::as_str).unwrap_or("?"),
+        get("rpc_sync_p50_us").unwrap_or(f64::NAN)
+    );
+    for (what, key) in [
+        ("raw TCP ping-pong", "raw_tcp_pingpong_p50_us"),
+        ("raw shm ping-pong", "raw_shm_pingpong_p50_us"),
+    ] {
+        if let (Some(ours), Some(raw)) = (get("rpc_sync_p50_us"), get(key)) {
+            text.push_str(&format!("; {:.2}x {what} ({raw:.2} µs)", ours / raw));
+        }
+    }
+    text
 }
 
 /// Blocks of a measurement that alternate between the raw baseline and the agent.
 const BLOCKS: usize = 10;
 
-/// The agent's figures, the raw ping-pong times and the raw 64 MiB bulk rate (MB/s).
-type Measured = (Map<String, Value>, Vec<Duration>, f64);
+/// The agent's figures, the raw ping-pong times, the raw 64 MiB bulk rate (MB/s) and the raw
+/// shared-memory ping-pong times (none without that baseline).
+type Measured = (Map<String, Value>, Vec<Duration>, f64, Vec<Duration>);
+
+/// The raw baselines a run measures: TCP always, shared memory with `--transport shm|auto`.
+struct Raws<'a> {
+    tcp: &'a mut Raw,
+    shm: Option<&'a mut RawShm>,
+}
 
 /// CPU time process `pid` has used so far, all its threads together (Linux's
 /// `/proc/PID/task/*/schedstat`, in nanoseconds); `None` where that cannot be read.
@@ -296,9 +369,10 @@ async fn measure(
     args: &RpcArgs,
     port: u16,
     secret: &[u8],
-    raw: &mut Raw,
+    raws: &mut Raws<'_>,
     callee: u32,
 ) -> Result<Measured> {
+    let raw = &mut *raws.tcp;
     let agent = init_rpc("caller", 0, Some(2), options(port, 0, secret, args)).await?;
     let mut out = Map::new();
 
@@ -310,8 +384,15 @@ async fn measure(
     }
     let mut times = Vec::with_capacity(args.calls);
     let mut raw_ping = Vec::with_capacity(args.calls);
+    let mut shm_ping = Vec::new();
+    if let Some(shm) = raws.shm.as_deref_mut() {
+        blocking(|| shm.pingpong(block))?;
+    }
     for _ in 0..BLOCKS {
         raw_ping.extend(blocking(|| raw.pingpong(block))?);
+        if let Some(shm) = raws.shm.as_deref_mut() {
+            shm_ping.extend(blocking(|| shm.pingpong(block))?);
+        }
         for i in 0..block {
             let t = Instant::now();
             let _: u64 = agent.rpc_sync(1u32, "noop", &(i as u64), None).await?;
@@ -322,6 +403,13 @@ async fn measure(
     out.insert("rpc_sync_p50_us".into(), json!(percentile(&times, 0.5)));
     out.insert("rpc_sync_p99_us".into(), json!(percentile(&times, 0.99)));
     bar.inc(1);
+    if args.sync_only {
+        bar.finish_and_clear();
+        agent
+            .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(60)))
+            .await?;
+        return Ok((out, raw_ping, f64::NAN, shm_ping));
+    }
 
     bar.set_message("rpc_async in flight");
     let t = Instant::now();
@@ -402,7 +490,7 @@ async fn measure(
     agent
         .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(60)))
         .await?;
-    Ok((out, raw_ping, median(raw_rates)))
+    Ok((out, raw_ping, median(raw_rates), shm_ping))
 }
 
 /// `rpc_sync` latency to rank `callee` with growing numbers of live remote references held
