@@ -23,8 +23,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use libfuzzer_sys::fuzz_target;
 use tensorwire_core::autograd::{
-    AutogradMessageId, BackwardError, ContextId, DistAutograd, GradientId, Output, RecvError, Root,
-    TaskId,
+    AutogradMessageId, BackwardError, ContextId, DistAutograd, GradientId, Output, Root, TaskId,
 };
 use tensorwire_core::protocol::WorkerId;
 
@@ -194,10 +193,12 @@ fuzz_target!(|data: &[u8]| {
                             d.sends.insert(c, d.a.send_records(c));
                         }
                     }
-                    Err(RecvError::Violation(_)) | Err(RecvError::PeerLost { .. }) => {
+                    Err(e) => {
+                        // A violation, a lost sender or a context of worker 0's that it
+                        // dropped: refused alike, changing nothing.
+                        assert!(!e.to_string().is_empty());
                         d.refused(&before, "recv");
                     }
-                    Err(e) => panic!("unexpected {e:?}"),
                 }
             }
             2 => {
