@@ -8,7 +8,10 @@
 //! its lower bound (`01-10` gives `01 ... 10`; `8-10` gives `8 9 10`), as Slurm pads them.
 //!
 //! Parsing checks the whole list and never expands it: [`HostList::first`] is cheap for any
-//! size, and [`HostList::expand`] refuses lists longer than a limit.
+//! size, and [`HostList::expand`] refuses lists longer than a limit. A host name longer than
+//! [`MAX_HOST_LEN`] bytes is refused when parsing (zero padding as wide as the list itself
+//! could otherwise make each expanded name as long as the list), so an expansion of at most
+//! `limit` hosts holds at most `limit * MAX_HOST_LEN` bytes of names.
 //!
 //! ```
 //! use tensorwire_rendezvous::hostlist::HostList;
@@ -21,6 +24,9 @@
 //! ```
 
 use std::fmt::Write as _;
+
+/// Longest host name a list may give, in bytes: a DNS name's limit (253) with room to spare.
+pub const MAX_HOST_LEN: usize = 255;
 
 /// Why a host list cannot be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -59,6 +65,18 @@ pub enum HostListError {
         list: String,
         /// The offending range.
         item: String,
+    },
+    /// An entry gives host names longer than [`MAX_HOST_LEN`] bytes.
+    #[error("host list {list:?}: entry {entry:?} gives host names of up to {len} bytes, more than the limit of {max}")]
+    HostTooLong {
+        /// The list.
+        list: String,
+        /// The entry (at most its first 64 characters).
+        entry: String,
+        /// The length of its longest host name.
+        len: usize,
+        /// The limit, [`MAX_HOST_LEN`].
+        max: usize,
     },
     /// Expanding would give more hosts than allowed.
     #[error("host list {list:?} names {count} hosts, more than the limit of {limit}")]
@@ -115,7 +133,17 @@ impl HostList {
             if entry.is_empty() {
                 return Err(HostListError::EmptyEntry { list: source });
             }
-            entries.push(parse_entry(&source, entry)?);
+            let pieces = parse_entry(&source, entry)?;
+            let len = longest_host(&pieces);
+            if len > MAX_HOST_LEN {
+                return Err(HostListError::HostTooLong {
+                    entry: entry.chars().take(64).collect(),
+                    list: source,
+                    len,
+                    max: MAX_HOST_LEN,
+                });
+            }
+            entries.push(pieces);
         }
         Ok(HostList { source, entries })
     }
@@ -196,6 +224,26 @@ fn entry_len(entry: &[Piece]) -> u128 {
                 .fold(0u128, u128::saturating_add),
         })
         .fold(1u128, u128::saturating_mul)
+}
+
+/// The length of the longest host name an entry gives: a number takes its range's width, or
+/// more digits when the upper bound has more.
+fn longest_host(entry: &[Piece]) -> usize {
+    entry
+        .iter()
+        .map(|p| match p {
+            Piece::Text(t) => t.len(),
+            Piece::Group(ranges) => ranges
+                .iter()
+                .map(|r| r.width.max(digits(r.hi)))
+                .max()
+                .unwrap_or(0),
+        })
+        .fold(0usize, usize::saturating_add)
+}
+
+fn digits(n: u64) -> usize {
+    n.checked_ilog10().map_or(1, |d| d as usize + 1)
 }
 
 fn push_number(out: &mut String, n: u64, width: usize) {
@@ -315,6 +363,44 @@ mod tests {
         assert!(matches!(
             huge.expand(10),
             Err(HostListError::TooLong { limit: 10, .. })
+        ));
+    }
+
+    /// The bug this guards against: zero padding as wide as the list made every expanded
+    /// name as long as the list, so `expand(limit)` could hold `limit` times the list's length
+    /// (a 10 kB list of 100000 hosts: a gigabyte).
+    #[test]
+    fn host_names_past_the_limit_are_refused_before_expanding() {
+        let wide = format!("n[{}-99999]", "0".repeat(10_000));
+        match HostList::parse(&wide) {
+            Err(HostListError::HostTooLong { len, max, .. }) => {
+                assert_eq!((len, max), (10_001, MAX_HOST_LEN));
+            }
+            other => panic!("expected HostTooLong, got {other:?}"),
+        }
+        let long_text = format!("{}[1-2]", "a".repeat(MAX_HOST_LEN));
+        assert!(matches!(
+            HostList::parse(&long_text),
+            Err(HostListError::HostTooLong { len: 256, .. })
+        ));
+        // Exactly at the limit is fine, and so is a list of many such names.
+        let at_limit = format!("{}[1-9]", "a".repeat(MAX_HOST_LEN - 1));
+        let hosts = HostList::parse(&at_limit).unwrap().expand(9).unwrap();
+        assert!(hosts.iter().all(|h| h.len() == MAX_HOST_LEN));
+        // The width counts the upper bound's digits too.
+        let wider_hi = format!("{}[1-10]", "a".repeat(MAX_HOST_LEN - 1));
+        assert!(matches!(
+            HostList::parse(&wider_hi),
+            Err(HostListError::HostTooLong { len: 256, .. })
+        ));
+        // A list naming a billion hosts is refused with a typed error, not expanded.
+        let huge = HostList::parse("n[0-999999999]").unwrap();
+        assert!(matches!(
+            huge.expand(1 << 20),
+            Err(HostListError::TooLong {
+                count: 1_000_000_000,
+                ..
+            })
         ));
     }
 

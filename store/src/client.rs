@@ -524,6 +524,9 @@ impl std::error::Error for Refused {}
 /// Longest text of a refusal read (the server's reasons are a few hundred bytes).
 const MAX_REFUSAL_LEN: usize = 64 * 1024;
 
+/// Most bytes of a value reserved before they arrive.
+const READ_CHUNK: usize = 64 * 1024;
+
 /// How long a failed write waits for the refusal that closed the connection to be read.
 const REFUSAL_GRACE: Duration = Duration::from_millis(500);
 
@@ -596,8 +599,19 @@ impl Conn {
                 format!("the server announced a value of {len} bytes, over the limit of {max}"),
             ));
         }
-        let mut v = vec![0u8; len as usize];
-        self.stream.read_exact(&mut v).await?;
+        // Memory follows the bytes that arrive, not the length announced: a server that
+        // announces `max` bytes and sends a few costs a few.
+        let mut v = Vec::with_capacity((len as usize).min(READ_CHUNK));
+        (&mut self.stream).take(len).read_to_end(&mut v).await?;
+        if (v.len() as u64) < len {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!(
+                    "the server announced a value of {len} bytes and closed after {}",
+                    v.len()
+                ),
+            ));
+        }
         Ok(v)
     }
 }
@@ -892,6 +906,59 @@ mod tests {
         let mut proof = [0u8; 1 + AUTH_LEN];
         stream.read_exact(&mut proof).await.unwrap();
         assert_eq!(proof[0], crate::protocol::AUTH_PROOF);
+    }
+
+    /// A plain c10d server's side: the handshake's answers, then `reply`, then the close
+    /// (reading what the client sends until it closes too).
+    async fn serve_once(listener: TcpListener, reply: Vec<u8>) {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut hello = std::process::id().to_ne_bytes().to_vec();
+        hello.push(CHECK_NOT_READY);
+        hello.extend_from_slice(&reply);
+        s.write_all(&hello).await.unwrap();
+        s.shutdown().await.unwrap();
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink).await;
+    }
+
+    /// A value's announced length is read against what arrives: a server that announces the
+    /// largest value allowed and closes after a few bytes gives a typed error (memory is
+    /// reserved as bytes arrive, at most `READ_CHUNK` ahead of them, not the announced length
+    /// up front), and a value longer than one step arrives whole.
+    #[tokio::test]
+    async fn a_value_shorter_than_announced_is_a_typed_error_and_long_ones_arrive_whole() {
+        let client_config = ClientConfig {
+            timeout: LIMIT,
+            connect_timeout: LIMIT,
+            ..ClientConfig::default()
+        };
+        let max = client_config.limits.max_value_len;
+        for (announced, sent) in [(max, 5usize), (3 * READ_CHUNK + 7, 3 * READ_CHUNK + 7)] {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap().to_string();
+            let mut reply = vec![WAIT_STOP_WAITING];
+            reply.extend_from_slice(&(announced as u64).to_ne_bytes());
+            reply.extend((0..sent).map(|i| i as u8));
+            let server = tokio::spawn(serve_once(listener, reply));
+            let client = TcpStoreClient::connect(&addr, client_config.clone())
+                .await
+                .unwrap();
+            let got = client.get("k").await;
+            if sent < announced {
+                let e = got.unwrap_err();
+                assert!(
+                    matches!(&e, StoreError::Connection { reason, .. }
+                        if reason == "get: the server closed the connection"),
+                    "{e:?}"
+                );
+            } else {
+                let v = got.unwrap();
+                assert_eq!(v.len(), sent);
+                assert!(v.iter().enumerate().all(|(i, b)| *b == i as u8));
+            }
+            drop(client);
+            server.await.unwrap();
+        }
     }
 
     #[tokio::test]

@@ -11,6 +11,8 @@
 pub mod certs;
 pub mod config;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod order;
 pub mod socket;
 pub mod tls;

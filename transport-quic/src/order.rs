@@ -15,13 +15,22 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// Most explicit dependencies written in front of one frame. Past that, the sender falls back
 /// to "everything below the largest one", which is stricter but still correct.
-pub(crate) const MAX_EXTRA: usize = 32;
+pub const MAX_EXTRA: usize = 32;
+
+/// Stream tag: the prefix's dependencies, then one frame.
+pub const TAG_FRAME: u8 = 0;
+/// Stream tag: the peer's goodbye, after the prefix's dependencies.
+pub const TAG_GOODBYE: u8 = 1;
+/// Stream tag: the answer to our goodbye (nothing follows).
+pub const TAG_GOODBYE_ACK: u8 = 2;
 
 /// What a frame must wait for: every sequence number below `below`, and those in `extra`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Deps {
-    pub(crate) below: u64,
-    pub(crate) extra: Vec<u64>,
+pub struct Deps {
+    /// Every sequence number below this one.
+    pub below: u64,
+    /// These ones too (at most [`MAX_EXTRA`]).
+    pub extra: Vec<u64>,
 }
 
 /// A set of completed sequence numbers: all below `below`, plus `above`.
@@ -95,14 +104,14 @@ impl SendOrder {
 /// The receiver's reorder buffer: frames arrive in any order and leave in an order that honours
 /// their dependencies.
 #[derive(Debug)]
-pub(crate) struct RecvOrder<T> {
+pub struct RecvOrder<T> {
     done: DoneSet,
     waiting: BTreeMap<u64, (Deps, T)>,
 }
 
 impl<T> RecvOrder<T> {
     /// Starts with sequence numbers below `first` already done.
-    pub(crate) fn starting_at(first: u64) -> Self {
+    pub fn starting_at(first: u64) -> Self {
         Self {
             done: DoneSet {
                 below: first,
@@ -113,13 +122,12 @@ impl<T> RecvOrder<T> {
     }
 
     /// Number of frames held back.
-    #[cfg(test)]
-    pub(crate) fn waiting(&self) -> usize {
+    pub fn waiting(&self) -> usize {
         self.waiting.len()
     }
 
     /// A frame `seq` arrived whole; returns the frames now deliverable, in delivery order.
-    pub(crate) fn arrive(&mut self, seq: u64, deps: Deps, item: T) -> Vec<T> {
+    pub fn arrive(&mut self, seq: u64, deps: Deps, item: T) -> Vec<T> {
         let mut out = Vec::new();
         if self.done.covers(&deps) {
             self.done.insert(seq);
@@ -132,7 +140,7 @@ impl<T> RecvOrder<T> {
     }
 
     /// Stream `seq` carried no frame to deliver (cancelled, or a control stream).
-    pub(crate) fn skip(&mut self, seq: u64) -> Vec<T> {
+    pub fn skip(&mut self, seq: u64) -> Vec<T> {
         let mut out = Vec::new();
         self.done.insert(seq);
         self.release(&mut out);
@@ -156,12 +164,12 @@ impl<T> RecvOrder<T> {
 }
 
 /// Encoded size of `deps` in front of a frame.
-pub(crate) fn encoded_len(deps: &Deps) -> usize {
+pub fn encoded_len(deps: &Deps) -> usize {
     8 + 1 + 8 * deps.extra.len()
 }
 
 /// Writes `deps` as `below: u64 LE, n: u8, n × u64 LE`.
-pub(crate) fn encode(deps: &Deps, out: &mut Vec<u8>) {
+pub fn encode(deps: &Deps, out: &mut Vec<u8>) {
     out.extend_from_slice(&deps.below.to_le_bytes());
     out.push(deps.extra.len() as u8);
     for s in &deps.extra {
@@ -171,11 +179,16 @@ pub(crate) fn encode(deps: &Deps, out: &mut Vec<u8>) {
 
 /// Why dependencies in front of a frame were refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum DepsError {
+pub enum DepsError {
     /// More explicit dependencies than [`MAX_EXTRA`].
     TooMany(usize),
     /// A dependency not below the frame's own number (a sender cannot depend on the future).
-    NotBefore { dep: u64, seq: u64 },
+    NotBefore {
+        /// The dependency.
+        dep: u64,
+        /// The frame's own number.
+        seq: u64,
+    },
 }
 
 impl std::fmt::Display for DepsError {
@@ -195,7 +208,7 @@ impl std::fmt::Display for DepsError {
 }
 
 /// Checks decoded dependencies of frame `seq`.
-pub(crate) fn check(deps: &Deps, seq: u64) -> Result<(), DepsError> {
+pub fn check(deps: &Deps, seq: u64) -> Result<(), DepsError> {
     if deps.extra.len() > MAX_EXTRA {
         return Err(DepsError::TooMany(deps.extra.len()));
     }
@@ -209,6 +222,91 @@ pub(crate) fn check(deps: &Deps, seq: u64) -> Result<(), DepsError> {
         return Err(DepsError::NotBefore { dep, seq });
     }
     Ok(())
+}
+
+/// What the prefix of a stream says: its tag and, for a frame or a goodbye, its dependencies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prefix {
+    /// A frame follows, to be delivered after `Deps`.
+    Frame(Deps),
+    /// The peer says goodbye, after `Deps`.
+    Goodbye(Deps),
+    /// The peer answers our goodbye.
+    GoodbyeAck,
+}
+
+/// How far [`decode_prefix`] got with the bytes at the start of a stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decoded {
+    /// The prefix is `need` bytes long at least: read up to that many and decode again.
+    Incomplete {
+        /// Bytes the prefix needs, counted from the start of the stream.
+        need: usize,
+    },
+    /// The prefix, and how many bytes it took.
+    Complete(Prefix, usize),
+}
+
+/// Why the prefix of a stream was refused (the connection closes as malformed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PrefixError {
+    /// A tag this version does not know.
+    UnknownTag(u8),
+    /// Dependencies that break the rules ([`check`]).
+    Deps(DepsError),
+}
+
+impl std::fmt::Display for PrefixError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PrefixError::UnknownTag(tag) => write!(
+                f,
+                "unknown QUIC stream tag {tag} (expected {TAG_FRAME} frame, {TAG_GOODBYE} \
+                 goodbye, {TAG_GOODBYE_ACK} ack)"
+            ),
+            PrefixError::Deps(e) => e.fmt(f),
+        }
+    }
+}
+
+/// Decodes the prefix at the start of stream `seq` from the bytes read so far (`head`; bytes
+/// past the prefix are ignored): `tag: u8`, then for a frame or a goodbye
+/// `below: u64 LE, n: u8, n × u64 LE` ([`encode`]), checked by [`check`]. Never asks for more
+/// than `1 + 9 + 8 * MAX_EXTRA` bytes.
+pub fn decode_prefix(head: &[u8], seq: u64) -> Result<Decoded, PrefixError> {
+    let Some(&tag) = head.first() else {
+        return Ok(Decoded::Incomplete { need: 1 });
+    };
+    if tag == TAG_GOODBYE_ACK {
+        return Ok(Decoded::Complete(Prefix::GoodbyeAck, 1));
+    }
+    if tag != TAG_FRAME && tag != TAG_GOODBYE {
+        return Err(PrefixError::UnknownTag(tag));
+    }
+    let Some(fixed) = head.get(1..10) else {
+        return Ok(Decoded::Incomplete { need: 10 });
+    };
+    let below = u64::from_le_bytes(fixed[..8].try_into().unwrap_or_default());
+    let n_extra = usize::from(fixed[8]);
+    if n_extra > MAX_EXTRA {
+        return Err(PrefixError::Deps(DepsError::TooMany(n_extra)));
+    }
+    let len = 10 + 8 * n_extra;
+    let Some(extra) = head.get(10..len) else {
+        return Ok(Decoded::Incomplete { need: len });
+    };
+    let extra = extra
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+        .collect();
+    let deps = Deps { below, extra };
+    check(&deps, seq).map_err(PrefixError::Deps)?;
+    let prefix = if tag == TAG_GOODBYE {
+        Prefix::Goodbye(deps)
+    } else {
+        Prefix::Frame(deps)
+    };
+    Ok(Decoded::Complete(prefix, len))
 }
 
 #[cfg(test)]
@@ -283,6 +381,49 @@ mod tests {
             Err(DepsError::NotBefore { dep: 11, seq: 11 })
         );
         assert!(matches!(check(&d, 5), Err(DepsError::NotBefore { .. })));
+    }
+
+    #[test]
+    fn prefixes_decode_byte_by_byte_and_bad_ones_are_typed_errors() {
+        let d = Deps {
+            below: 7,
+            extra: vec![9, 11],
+        };
+        let mut buf = vec![TAG_FRAME];
+        encode(&d, &mut buf);
+        buf.extend_from_slice(b"frame bytes");
+        let whole = 1 + encoded_len(&d);
+        for cut in 0..whole {
+            match decode_prefix(&buf[..cut], 12) {
+                Ok(Decoded::Incomplete { need }) => assert!(need > cut && need <= whole),
+                other => panic!("{cut} bytes: {other:?}"),
+            }
+        }
+        assert_eq!(
+            decode_prefix(&buf, 12),
+            Ok(Decoded::Complete(Prefix::Frame(d.clone()), whole))
+        );
+        buf[0] = TAG_GOODBYE;
+        assert_eq!(
+            decode_prefix(&buf, 12),
+            Ok(Decoded::Complete(Prefix::Goodbye(d), whole))
+        );
+        assert_eq!(
+            decode_prefix(&[TAG_GOODBYE_ACK, 99], 0),
+            Ok(Decoded::Complete(Prefix::GoodbyeAck, 1))
+        );
+        assert_eq!(decode_prefix(&[3], 0), Err(PrefixError::UnknownTag(3)));
+        assert_eq!(
+            decode_prefix(&buf, 11),
+            Err(PrefixError::Deps(DepsError::NotBefore { dep: 11, seq: 11 }))
+        );
+        let mut many = vec![TAG_FRAME];
+        many.extend_from_slice(&0u64.to_le_bytes());
+        many.push(MAX_EXTRA as u8 + 1);
+        assert_eq!(
+            decode_prefix(&many, 100),
+            Err(PrefixError::Deps(DepsError::TooMany(MAX_EXTRA + 1)))
+        );
     }
 
     proptest! {

@@ -33,15 +33,13 @@ use tensorwire_core::wire::{Frame, FrameDecoder, OutgoingFrame, WireError, WireL
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
-use crate::order::{self, Deps, RecvOrder, SendOrder};
+use crate::order::{
+    self, Decoded, Deps, Prefix, RecvOrder, SendOrder, TAG_FRAME, TAG_GOODBYE, TAG_GOODBYE_ACK,
+};
 use crate::{QuicConfig, QuicError};
 
 /// What the server writes on its first stream once it has accepted the client's certificate.
 pub const ADMIT: &[u8] = b"tensorwire-quic-admit/1";
-
-const TAG_FRAME: u8 = 0;
-const TAG_GOODBYE: u8 = 1;
-const TAG_GOODBYE_ACK: u8 = 2;
 
 /// Application close codes.
 const CODE_DONE: u32 = 0;
@@ -1052,41 +1050,19 @@ async fn read_carried(
             }
         };
     }
-    head!(1);
-    let tag = head[0];
-    if tag == TAG_GOODBYE_ACK {
-        return Ok(Carried::GoodbyeAck);
-    }
-    if tag != TAG_FRAME && tag != TAG_GOODBYE {
-        return Err(StreamFailure::Malformed(WireError::MalformedHeader {
-            reason: format!("unknown QUIC stream tag {tag} (expected 0 frame, 1 goodbye, 2 ack)"),
-        }));
-    }
-    head!(1 + 9);
-    let below = u64::from_le_bytes(head[1..9].try_into().unwrap_or_default());
-    let n_extra = usize::from(head[9]);
-    if n_extra > order::MAX_EXTRA {
-        return Err(StreamFailure::Malformed(WireError::MalformedHeader {
-            reason: format!(
-                "{n_extra} ordering dependencies, more than the {} allowed",
-                order::MAX_EXTRA
-            ),
-        }));
-    }
-    head!(1 + 9 + 8 * n_extra);
-    let extra = head[10..]
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-        .collect();
-    let deps = Deps { below, extra };
-    if let Err(e) = order::check(&deps, seq) {
-        return Err(StreamFailure::Malformed(WireError::MalformedHeader {
-            reason: e.to_string(),
-        }));
-    }
-    if tag == TAG_GOODBYE {
-        return Ok(Carried::Goodbye(deps));
-    }
+    let deps = loop {
+        match order::decode_prefix(&head, seq) {
+            Ok(Decoded::Incomplete { need }) => head!(need),
+            Ok(Decoded::Complete(Prefix::GoodbyeAck, _)) => return Ok(Carried::GoodbyeAck),
+            Ok(Decoded::Complete(Prefix::Goodbye(deps), _)) => return Ok(Carried::Goodbye(deps)),
+            Ok(Decoded::Complete(Prefix::Frame(deps), _)) => break deps,
+            Err(e) => {
+                return Err(StreamFailure::Malformed(WireError::MalformedHeader {
+                    reason: e.to_string(),
+                }))
+            }
+        }
+    };
 
     // The frame: read straight into the decoder's segment buffers where it has them, else into
     // a small staging buffer (prefix and frame header).

@@ -95,6 +95,8 @@
 
 mod config;
 mod connection;
+#[doc(hidden)]
+pub mod fuzzing;
 mod handshake;
 mod listener;
 mod mem;

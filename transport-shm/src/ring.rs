@@ -50,7 +50,7 @@ const CONSUMER_WAITING: usize = 144;
 const SLAB_DONE: usize = 1024;
 
 /// Slabs a producer may have per ring.
-pub(crate) const MAX_SLABS: u32 = 8;
+pub const MAX_SLABS: u32 = 8;
 
 /// Length of a record header.
 const RECORD_HEADER: u64 = 8;
@@ -272,6 +272,11 @@ impl Ring {
         }
     }
 
+    /// Appends the whole data area to `dst` (which has room for it), for the fuzz seeds.
+    pub(crate) fn copy_all(&self, dst: &mut impl BufMut) {
+        self.copy_out(0, self.cap as usize, dst);
+    }
+
     /// The 8 bytes at the 8-aligned position `pos` (never wraps: the capacity is a multiple
     /// of 8).
     fn read_u64(&self, pos: u64) -> u64 {
@@ -285,6 +290,132 @@ impl Ring {
 
     fn write_u64(&self, pos: u64, v: u64) {
         self.copy_in(pos, &v.to_le_bytes());
+    }
+}
+
+/// A record the consumer found, checked by [`decode_record`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Record {
+    /// `len` bytes of stream follow the record header (`len` may be 0).
+    Data {
+        /// Bytes of stream.
+        len: u64,
+    },
+    /// A frame of `len` bytes in a sealed segment.
+    Segment {
+        /// The frame's length, as the peer wrote it (checked against the segment's size).
+        len: u64,
+    },
+    /// A frame of `len` bytes at the start of the producer's slab `id`, use number `seq`;
+    /// `new`: the slab's descriptor is next on the socket.
+    Slab {
+        /// The slab (below [`MAX_SLABS`]).
+        id: u32,
+        /// Whether the slab is new.
+        new: bool,
+        /// Its use number.
+        seq: u64,
+        /// The frame's length, as the peer wrote it (checked against the slab's size).
+        len: u64,
+    },
+}
+
+impl Record {
+    /// The space the record takes in the ring, header and padding included: a multiple of 8,
+    /// at least 8.
+    pub fn size(&self) -> u64 {
+        match self {
+            Record::Data { len } => pad8(RECORD_HEADER + len),
+            Record::Segment { .. } => SEGMENT_RECORD as u64,
+            Record::Slab { .. } => SLAB_RECORD as u64,
+        }
+    }
+}
+
+/// Checks the producer's write position `write` against the consumer's own read position
+/// `read` in a ring of `capacity` bytes; returns the bytes published after `read`.
+///
+/// # Errors
+/// [`RingError::BadWritePosition`] when `write` is behind `read`, more than `capacity` ahead
+/// of it, or not a multiple of 8.
+pub fn check_write_position(write: u64, read: u64, capacity: u64) -> Result<u64, RingError> {
+    let published = write.wrapping_sub(read);
+    if write < read || published > capacity || write % 8 != 0 {
+        return Err(RingError::BadWritePosition {
+            write,
+            read,
+            capacity,
+        });
+    }
+    Ok(published)
+}
+
+/// Checks the consumer's read position `read` against the producer's own write position
+/// `write` in a ring of `capacity` bytes; returns the bytes free.
+///
+/// # Errors
+/// [`RingError::BadReadPosition`] when `read` is ahead of `write` or more than `capacity`
+/// behind it.
+pub fn check_read_position(read: u64, write: u64, capacity: u64) -> Result<u64, RingError> {
+    let used = write.wrapping_sub(read);
+    if read > write || used > capacity {
+        return Err(RingError::BadReadPosition {
+            read,
+            write,
+            capacity,
+        });
+    }
+    Ok(capacity - used)
+}
+
+/// Decodes the record a peer wrote at position `pos`, with `published` bytes (more than 0)
+/// published from there. `word(i)` reads the record's `i`-th 8-byte word (0: its header),
+/// only for words within the published bytes. The record is checked before anything in it is
+/// used: it fits the published bytes, its length suits its kind, a slab record names a slab
+/// that can exist and no unknown flags.
+///
+/// # Errors
+/// [`RingError::BadRecord`], [`RingError::UnknownRecord`] or [`RingError::BadSlab`].
+pub fn decode_record(
+    pos: u64,
+    published: u64,
+    word: impl Fn(u32) -> u64,
+) -> Result<Record, RingError> {
+    let bad = |kind, len| RingError::BadRecord {
+        pos,
+        kind,
+        len,
+        published,
+    };
+    if published < RECORD_HEADER {
+        return Err(bad(0, 0));
+    }
+    let header = word(0);
+    let (kind, len) = (header as u32, (header >> 32) as u32);
+    let size = pad8(RECORD_HEADER + u64::from(len));
+    if size > published {
+        return Err(bad(kind, len));
+    }
+    match kind {
+        DATA => Ok(Record::Data {
+            len: u64::from(len),
+        }),
+        SEGMENT if len == 8 => Ok(Record::Segment { len: word(1) }),
+        SLAB if len == 24 => {
+            let w = word(1);
+            let (id, flags) = (w as u32, (w >> 32) as u32);
+            if id >= MAX_SLABS || flags & !SLAB_NEW != 0 {
+                return Err(RingError::BadSlab { pos, id, flags });
+            }
+            Ok(Record::Slab {
+                id,
+                new: flags & SLAB_NEW != 0,
+                seq: word(2),
+                len: word(3),
+            })
+        }
+        SEGMENT | SLAB => Err(bad(kind, len)),
+        _ => Err(RingError::UnknownRecord { pos, kind }),
     }
 }
 
@@ -343,69 +474,28 @@ impl Consumer {
         }
         loop {
             let w = ring.write_pos().load(Ordering::Acquire);
-            let published = w.wrapping_sub(self.r);
-            if w < self.r || published > ring.cap || w % 8 != 0 {
-                return Err(RingError::BadWritePosition {
-                    write: w,
-                    read: self.r,
-                    capacity: ring.cap,
-                });
-            }
+            let published = check_write_position(w, self.r, ring.cap)?;
             if published == 0 {
                 return Ok(Next::Empty);
             }
-            let header = ring.read_u64(self.r);
-            let (kind, len) = (header as u32, (header >> 32) as u32);
-            let size = pad8(RECORD_HEADER + u64::from(len));
-            let bad = RingError::BadRecord {
-                pos: self.r,
-                kind,
-                len,
-                published,
-            };
-            if size > published {
-                return Err(bad);
-            }
-            let end = self.r + size;
-            match kind {
-                DATA if len == 0 => self.r = end,
-                DATA => {
+            let record = decode_record(self.r, published, |i| {
+                ring.read_u64(self.r + RECORD_HEADER * u64::from(i))
+            })?;
+            let end = self.r + record.size();
+            match record {
+                Record::Data { len: 0 } => self.r = end,
+                Record::Data { len } => {
                     self.r += RECORD_HEADER;
-                    self.data = Some((u64::from(len), end));
-                    return Ok(Next::Data {
-                        pos: self.r,
-                        len: u64::from(len),
-                    });
+                    self.data = Some((len, end));
+                    return Ok(Next::Data { pos: self.r, len });
                 }
-                SEGMENT if len == 8 => {
-                    let frame_len = ring.read_u64(self.r + RECORD_HEADER);
+                Record::Segment { len } => {
                     self.segment_end = Some(end);
-                    return Ok(Next::Segment { len: frame_len });
+                    return Ok(Next::Segment { len });
                 }
-                SEGMENT => return Err(bad),
-                SLAB if len == 24 => {
-                    let word = ring.read_u64(self.r + RECORD_HEADER);
-                    let (id, flags) = (word as u32, (word >> 32) as u32);
-                    if id >= MAX_SLABS || flags & !SLAB_NEW != 0 {
-                        return Err(RingError::BadSlab {
-                            pos: self.r,
-                            id,
-                            flags,
-                        });
-                    }
-                    let seq = ring.read_u64(self.r + RECORD_HEADER + 8);
-                    let frame_len = ring.read_u64(self.r + RECORD_HEADER + 16);
+                Record::Slab { id, new, seq, len } => {
                     self.segment_end = Some(end);
-                    return Ok(Next::Slab {
-                        id,
-                        new: flags & SLAB_NEW != 0,
-                        seq,
-                        len: frame_len,
-                    });
-                }
-                SLAB => return Err(bad),
-                _ => {
-                    return Err(RingError::UnknownRecord { pos: self.r, kind });
+                    return Ok(Next::Slab { id, new, seq, len });
                 }
             }
         }
@@ -489,15 +579,7 @@ impl Producer {
     /// Bytes free in the ring, after checking the consumer's read position.
     pub(crate) fn free(&self, ring: &Ring) -> Result<u64, RingError> {
         let r = ring.read_pos().load(Ordering::Acquire);
-        let used = self.w.wrapping_sub(r);
-        if r > self.w || used > ring.cap {
-            return Err(RingError::BadReadPosition {
-                read: r,
-                write: self.w,
-                capacity: ring.cap,
-            });
-        }
-        Ok(ring.cap - used)
+        check_read_position(r, self.w, ring.cap)
     }
 
     /// Writes as much of `src` as fits in `free` bytes as one DATA record (not yet published);

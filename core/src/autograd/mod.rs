@@ -388,6 +388,16 @@ pub enum RecvError {
         /// The context.
         context: ContextId,
     },
+    /// The message is in a context this worker made and has since dropped (released, or
+    /// failed by a loss): it crossed the release. Recording it would make the context again
+    /// where nobody releases it any more.
+    #[error("worker {from} sent a message in {context}, which this worker made and has dropped")]
+    ContextGone {
+        /// The sender.
+        from: WorkerId,
+        /// The context.
+        context: ContextId,
+    },
 }
 
 /// A message that a peer had no right to send. The state is unchanged; the driver reports it
@@ -420,6 +430,16 @@ pub enum ProtocolViolation {
         context: ContextId,
         /// The message id it named.
         message: AutogradMessageId,
+    },
+    /// A message in a context that carries this worker's id but that this worker never made.
+    #[error(
+        "worker {from} sent a message in {context}, a context of this worker's that it never made"
+    )]
+    ForgedContext {
+        /// The sender.
+        from: WorkerId,
+        /// The context.
+        context: ContextId,
     },
     /// A message whose autograd id does not carry its sender's worker id, or repeats one.
     #[error("worker {from} sent {message} in {context}: not an id of its own, or a repeated one")]
@@ -769,8 +789,11 @@ impl DistAutograd {
 
     /// A message from `from` in `context` carried tracked tensors under `message`: keep a recv
     /// record (the driver attaches a recv function to them). The context is created here if
-    /// this is its first message. A message from a worker already declared lost is refused
-    /// ([`RecvError::PeerLost`]), so that no context is made that its loss can no longer drop.
+    /// this is its first message, unless it is one of this worker's own: a context made here and
+    /// dropped since is not made again ([`RecvError::ContextGone`]), and one never made here is
+    /// a violation ([`ProtocolViolation::ForgedContext`]). A message from a worker already
+    /// declared lost is refused ([`RecvError::PeerLost`]), so that no context is made that its
+    /// loss can no longer drop.
     pub fn handle_recv(
         &mut self,
         from: WorkerId,
@@ -791,6 +814,14 @@ impl DistAutograd {
             .is_some_and(|c| c.recvs.contains_key(&message))
         {
             return Err(bad.into());
+        }
+        if context.worker() == self.me && !self.contexts.contains_key(&context) {
+            // Only this worker makes its contexts: one it does not have is either dropped
+            // (the message is late) or was never made (forged).
+            if context.counter() >= self.next_context {
+                return Err(ProtocolViolation::ForgedContext { from, context }.into());
+            }
+            return Err(RecvError::ContextGone { from, context });
         }
         if self.lost.contains(&from) || self.lost.contains(&context.worker()) {
             return Err(RecvError::PeerLost { from, context });

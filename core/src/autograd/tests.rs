@@ -286,6 +286,46 @@ fn a_lost_peer_fails_the_backward_naming_it_and_drops_the_context() {
     assert!(drain(&mut a).is_empty());
 }
 
+/// Found by the `autograd` fuzz target: a recv from a peer in a context that this worker had
+/// made and released made the context again (empty, with the peer as its only known worker),
+/// which nobody would release any more; and one in a context of this worker's id that it never
+/// made planted a context that a later `new_context` would silently replace.
+#[test]
+fn a_recv_cannot_make_again_or_forge_a_context_of_this_workers() {
+    let mut a = DistAutograd::new(0);
+    let c = a.new_context().unwrap();
+    a.record_send(c, 1).unwrap();
+    a.handle_recv(1, c, AutogradMessageId::new(1, 0)).unwrap();
+    a.release(c).unwrap();
+    drain(&mut a);
+    assert_eq!(
+        a.handle_recv(1, c, AutogradMessageId::new(1, 1)),
+        Err(RecvError::ContextGone {
+            from: 1,
+            context: c
+        })
+    );
+    assert!(!a.has_context(c));
+    let never = ContextId::new(0, 7);
+    assert_eq!(
+        a.handle_recv(1, never, AutogradMessageId::new(1, 2)),
+        Err(RecvError::Violation(ProtocolViolation::ForgedContext {
+            from: 1,
+            context: never
+        }))
+    );
+    assert!(!a.has_context(never));
+    assert!(drain(&mut a).is_empty());
+    // A context of this worker's that it still has takes recvs (a cycle back to its maker),
+    // and another worker's context is made on its first message.
+    let d = a.new_context().unwrap();
+    a.handle_recv(1, d, AutogradMessageId::new(1, 3)).unwrap();
+    let theirs = ContextId::new(1, 0);
+    a.handle_recv(1, theirs, AutogradMessageId::new(1, 4))
+        .unwrap();
+    assert!(a.has_context(d) && a.has_context(theirs));
+}
+
 #[test]
 fn violations_are_typed_and_change_nothing() {
     let (mut a, mut b, c, m1, m2) = chain();

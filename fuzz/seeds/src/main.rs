@@ -7,14 +7,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tensorwire_core::auth::{insecure_hello, ClientHandshake, ClusterSecret, NONCE_LEN};
-use tensorwire_core::device::Device;
 use tensorwire_core::collective::Signature;
+use tensorwire_core::device::Device;
 use tensorwire_core::protocol::mesh::{GroupFrame, Hello, HelloReply};
 use tensorwire_core::protocol::{GlobalId, Header};
 use tensorwire_core::tensor::{DType, TensorMeta};
 use tensorwire_core::wire::{encode_to_vec, Frame, WireLimits};
-use tensorwire_store::protocol::{Request, VALIDATION_MAGIC};
 use tensorwire_rpc::fuzzing::{encode_hello, encode_message_header};
+use tensorwire_store::protocol::{Request, VALIDATION_MAGIC};
 
 fn write(dir: &Path, target: &str, name: &str, bytes: &[u8]) {
     let d = dir.join(target);
@@ -294,7 +294,12 @@ fn wire(dir: &Path) {
         GroupFrame::data_header(7, &Signature::Barrier.encode()),
         vec![Bytes::from_static(b"block")],
     );
-    write(dir, "wire", "message-collective-control", &frames(&[f, g, c]));
+    write(
+        dir,
+        "wire",
+        "message-collective-control",
+        &frames(&[f, g, c]),
+    );
 }
 
 fn mesh_frames(dir: &Path) {
@@ -398,11 +403,315 @@ fn protocol(dir: &Path) {
     for (seed, header) in headers.iter().enumerate() {
         let encoded = postcard::to_allocvec(header).unwrap();
         assert!(encoded.len() < 64);
-        let mut input = (seed as u64 + 1).to_le_bytes().to_vec();
+        // Mode 1: the cluster simulation's forged headers (odd first byte).
+        let mut input = vec![1u8];
+        input.extend_from_slice(&(seed as u64 + 1).to_le_bytes());
         input.extend_from_slice(&[0x10, encoded.len() as u8]);
         input.extend_from_slice(&encoded);
         input.extend_from_slice(&[2, 2, 3]);
         write(dir, "protocol", &format!("header-{seed}"), &input);
+
+        // Mode 0: the hostile peer. Worker 0 calls worker 1 (id 1), makes a value there (rref
+        // 0:2, id 3) and fetches it (id 4); worker 2's forged header goes to worker 1 (op 5)
+        // and to worker 0 (op 0x15, with a body: 0x35), between deliveries and a timer tick.
+        let mut input = vec![0u8, 0, 1, 0x02, 7, 7, 7];
+        for op in [0x05u8, 0x35] {
+            input.push(op);
+            input.push(encoded.len() as u8);
+            input.extend_from_slice(&encoded);
+            if op & 0x20 != 0 {
+                input.extend_from_slice(&[5, b'f', b'o', b'r', b'g', b'e']);
+            }
+            input.extend_from_slice(&[7, 7, 4]);
+        }
+        input.extend_from_slice(&[7, 7, 7, 7, 6, 7, 7]);
+        write(dir, "protocol", &format!("hostile-{seed}"), &input);
+    }
+}
+
+/// `[len, bytes]`, as the targets' `chunk` reads it.
+fn chunk(out: &mut Vec<u8>, bytes: &[u8]) {
+    assert!(bytes.len() < 128);
+    out.push(bytes.len() as u8);
+    out.extend_from_slice(bytes);
+}
+
+fn membership(dir: &Path) {
+    use std::net::SocketAddr;
+    use tensorwire_core::protocol::gather::{Contribution, GatherOutcome};
+    use tensorwire_core::protocol::membership::{DynMessage, MemberRecord};
+    use tensorwire_core::protocol::JoinMessage;
+    use tensorwire_core::validate::WorkerDeviceInfo;
+
+    let record = |rank: u32| MemberRecord {
+        rank,
+        addr: SocketAddr::from(([127, 0, 0, 1], 1000 + rank as u16)),
+        devices: WorkerDeviceInfo {
+            name: format!("w{rank}"),
+            ..WorkerDeviceInfo::default()
+        },
+    };
+    let messages = [
+        DynMessage::JoinRequest { record: record(4) },
+        DynMessage::Joining {
+            seq: 3,
+            record: record(3),
+        },
+        DynMessage::Expecting { rank: 3 },
+        DynMessage::Admit {
+            seq: 3,
+            members: vec![(0, record(0)), (1, record(1)), (2, record(2))],
+        },
+        DynMessage::Connected,
+        DynMessage::Withdraw {
+            reason: "plans differ".into(),
+        },
+        DynMessage::Welcome,
+        DynMessage::Refused {
+            reason: "name in use".into(),
+            retry: true,
+        },
+        DynMessage::LeaveRequest,
+        DynMessage::Left { rank: 1 },
+    ];
+    for (i, m) in messages.iter().enumerate() {
+        let encoded = postcard::to_allocvec(m).unwrap();
+        let mut input = Vec::new();
+        // To rank 0 from rank 2, to rank 1 from rank 2, to rank 0 from the stranger; each
+        // followed by deliveries, a timer tick and the honest second contribution.
+        for op in [0u8, 0x20, 0x10] {
+            input.push(op);
+            chunk(&mut input, &encoded);
+            input.extend_from_slice(&[2, 2, 0x43, 7]);
+        }
+        input.extend_from_slice(&[4, 2, 2]);
+        write(dir, "membership", &format!("dyn-{i}"), &input);
+    }
+    let mut input = Vec::new();
+    for m in [JoinMessage::Ready, JoinMessage::Go] {
+        input.push(5);
+        chunk(&mut input, &postcard::to_allocvec(&m).unwrap());
+    }
+    write(dir, "membership", "static-join", &input);
+    let contributions = [
+        Contribution {
+            name: "h".into(),
+            expected: vec![0, 1],
+            wait: Duration::from_secs(10),
+            value: b"forged".to_vec(),
+        },
+        Contribution {
+            name: "other".into(),
+            expected: vec![0, 2],
+            wait: Duration::from_secs(1),
+            value: b"two".to_vec(),
+        },
+    ];
+    for (i, c) in contributions.iter().enumerate() {
+        let mut input = vec![6];
+        chunk(&mut input, &postcard::to_allocvec(c).unwrap());
+        input.extend_from_slice(&[7, 0x23, 0x24]);
+        write(dir, "membership", &format!("gather-{i}"), &input);
+    }
+    let answer = GatherOutcome::Done(vec![(0, b"a".to_vec()), (1, b"b".to_vec()), (2, vec![])]);
+    let mut input = vec![6];
+    chunk(&mut input, &postcard::to_allocvec(&answer).unwrap());
+    write(dir, "membership", "gather-answer", &input);
+}
+
+fn shm_records(dir: &Path) {
+    use tensorwire_transport_shm::fuzzing::{produce, Record};
+    let sets: [&[Record]; 4] = [
+        &[Record::Data { len: 100 }],
+        &[
+            Record::Data { len: 13 },
+            Record::Segment { len: 1 << 20 },
+            Record::Data { len: 0 },
+        ],
+        &[
+            Record::Slab {
+                id: 0,
+                new: true,
+                seq: 1,
+                len: 65536,
+            },
+            Record::Slab {
+                id: 7,
+                new: false,
+                seq: 9,
+                len: 100,
+            },
+        ],
+        &[Record::Data { len: 4000 }, Record::Segment { len: 5 }],
+    ];
+    for (i, records) in sets.iter().enumerate() {
+        let (data, write_pos) = produce(4096, records).unwrap();
+        let mut input = write_pos.to_le_bytes().to_vec();
+        input.extend_from_slice(&0u64.to_le_bytes());
+        input.extend_from_slice(&0u64.to_le_bytes());
+        input.extend_from_slice(&data);
+        write(dir, "shm_records", &format!("records-{i}"), &input);
+    }
+}
+
+fn quic_prefix(dir: &Path) {
+    use tensorwire_transport_quic::fuzzing::{
+        encode, Deps, TAG_FRAME, TAG_GOODBYE, TAG_GOODBYE_ACK,
+    };
+    let stream = |out: &mut Vec<u8>, seq: u8, tag: u8, deps: Option<Deps>| {
+        let mut prefix = vec![tag];
+        if let Some(d) = &deps {
+            encode(d, &mut prefix);
+        }
+        prefix.extend_from_slice(b"frame");
+        out.push(seq);
+        out.push(prefix.len() as u8);
+        out.extend_from_slice(&prefix);
+    };
+    let deps = |below, extra: &[u64]| {
+        Some(Deps {
+            below,
+            extra: extra.to_vec(),
+        })
+    };
+    // Sequential sends arriving out of order, a concurrent one overtaking, a cancelled
+    // stream, a goodbye and its answer.
+    let mut input = Vec::new();
+    stream(&mut input, 2, TAG_FRAME, deps(2, &[]));
+    stream(&mut input, 0, TAG_FRAME, deps(0, &[]));
+    stream(&mut input, 4, TAG_FRAME, deps(1, &[3]));
+    input.extend_from_slice(&[1, 0]);
+    stream(&mut input, 3, TAG_FRAME, deps(1, &[]));
+    stream(&mut input, 5, TAG_GOODBYE, deps(5, &[]));
+    stream(&mut input, 6, TAG_GOODBYE_ACK, None);
+    write(dir, "quic_prefix", "streams", &input);
+    let mut input = Vec::new();
+    let many: Vec<u64> = (1..=32).collect();
+    stream(&mut input, 200, TAG_FRAME, deps(0, &many[..16]));
+    write(dir, "quic_prefix", "many-deps", &input);
+}
+
+fn store_client(dir: &Path) {
+    use tensorwire_store::protocol::{CHECK_READY, REPLY_OK, REPLY_REFUSED, WAIT_STOP_WAITING};
+    let value = |v: &[u8]| {
+        let mut out = (v.len() as u64).to_ne_bytes().to_vec();
+        out.extend_from_slice(v);
+        out
+    };
+    let i64_reply = |n: i64| n.to_ne_bytes().to_vec();
+    // Per op (see the target): the untagged reply bytes.
+    let replies: [(u8, Vec<u8>); 12] = [
+        (0, vec![]),
+        (1, [vec![WAIT_STOP_WAITING], value(b"hello")].concat()),
+        (2, i64_reply(42)),
+        (3, vec![CHECK_READY]),
+        (4, vec![WAIT_STOP_WAITING]),
+        (5, value(b"new")),
+        (6, i64_reply(1)),
+        (7, i64_reply(3)),
+        (8, vec![]),
+        (
+            9,
+            [
+                vec![WAIT_STOP_WAITING],
+                value(b"a"),
+                value(b""),
+                value(b"c"),
+            ]
+            .concat(),
+        ),
+        (10, vec![]),
+        (11, vec![WAIT_STOP_WAITING]),
+    ];
+    for (op, reply) in &replies {
+        // Untagged: the op twice, its reply twice.
+        let mut input = vec![0, *op, *op];
+        input.extend_from_slice(reply);
+        input.extend_from_slice(reply);
+        write(dir, "store_client", &format!("plain-{op}"), &input);
+        // Tagged: a status byte before each reply (two for a get: the wait's and the get's).
+        let mut input = vec![1, *op];
+        if matches!(op, 0 | 8 | 10) {
+            // No reply.
+        } else if matches!(op, 1 | 9) {
+            input.extend_from_slice(&[REPLY_OK, WAIT_STOP_WAITING, REPLY_OK]);
+            input.extend_from_slice(&reply[1..]);
+        } else {
+            input.push(REPLY_OK);
+            input.extend_from_slice(reply);
+        }
+        write(dir, "store_client", &format!("tagged-{op}"), &input);
+    }
+    let mut refused = vec![1, 2, REPLY_REFUSED];
+    refused.extend_from_slice(&value(b"max_value_len"));
+    refused.extend_from_slice(&value(b"the value is too long"));
+    write(dir, "store_client", "tagged-refused", &refused);
+}
+
+fn autograd(dir: &Path) {
+    use tensorwire_core::autograd::{AutogradMessageId, BackwardError, ContextId};
+    // Worker 0's first context, and the message it sent worker 2 in it (its second send).
+    let shared = ContextId::new(0, 0);
+    let private = ContextId::new(0, 1);
+    let to_two = AutogradMessageId::new(0, 1);
+    let mut input = Vec::new();
+    // A gradient for it (op 0); the local run finishes (op 4); worker 1 answers (op 5), worker
+    // 2 answers (op 3); a backward at the root (op 6), its run; a release (op 2); a recv of
+    // a new message (op 1); worker 2 lost (op 7).
+    input.push(0);
+    chunk(
+        &mut input,
+        &postcard::to_allocvec(&(shared, to_two)).unwrap(),
+    );
+    input.extend_from_slice(&[4, 5]);
+    input.push(3);
+    chunk(
+        &mut input,
+        &postcard::to_allocvec(&Ok::<(), BackwardError>(())).unwrap(),
+    );
+    input.extend_from_slice(&[6, 4, 5, 4]);
+    input.push(1);
+    chunk(
+        &mut input,
+        &postcard::to_allocvec(&(private, AutogradMessageId::new(2, 1))).unwrap(),
+    );
+    input.push(2);
+    let cause = Some(BackwardError::PeerLost {
+        worker: 1,
+        context: shared,
+    });
+    chunk(
+        &mut input,
+        &postcard::to_allocvec(&(shared, cause)).unwrap(),
+    );
+    input.push(7);
+    write(dir, "autograd", "backward-release-lost", &input);
+    let mut input = vec![0];
+    chunk(
+        &mut input,
+        &postcard::to_allocvec(&(private, AutogradMessageId::new(0, 2))).unwrap(),
+    );
+    input.push(2);
+    chunk(
+        &mut input,
+        &postcard::to_allocvec(&(private, None::<BackwardError>)).unwrap(),
+    );
+    write(dir, "autograd", "not-in-context", &input);
+}
+
+fn slurm(dir: &Path) {
+    for (i, list) in [
+        "node[01-04,7],gpu[1-3]",
+        "r[1-2]n[1-2]",
+        "n[098-101],login1",
+        "n[0-999999999]",
+        "a, b ,c",
+        "n[3]-ib",
+    ]
+    .iter()
+    .enumerate()
+    {
+        write(dir, "slurm", &format!("list-{i}"), list.as_bytes());
     }
 }
 
@@ -419,5 +728,11 @@ fn main() {
     wire(&dir);
     protocol(&dir);
     mesh_frames(&dir);
+    membership(&dir);
+    shm_records(&dir);
+    quic_prefix(&dir);
+    store_client(&dir);
+    autograd(&dir);
+    slurm(&dir);
     println!("seeds written to {}", dir.display());
 }
