@@ -337,6 +337,12 @@ impl Agent {
         self.members_mut().remove(rank, &self.inner);
     }
 
+    /// Starts this worker's ids above every earlier incarnation of its rank's (a dynamic
+    /// group admitted it with sequence number `seq`).
+    pub(crate) fn begin_incarnation(&self, seq: u64) {
+        self.lock().ep.begin_incarnation(seq);
+    }
+
     fn members_mut(&self) -> std::sync::RwLockWriteGuard<'_, Membership> {
         self.inner
             .members

@@ -15,9 +15,9 @@ use tracing::{debug, warn};
 
 use crate::agent::Agent;
 use crate::codec::Envelope;
-use crate::driver;
 use crate::state::{Body, PeerLink, State};
 use crate::tensors;
+use crate::{driver, dynamic};
 
 /// At most this many queued frames go out in one `send_many`.
 pub(crate) const WRITE_BATCH: usize = 64;
@@ -319,7 +319,7 @@ pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
     if this.inner.dynamic {
         // The membership drops it (and hands coordination on, if it coordinated).
         let now = this.now();
-        this.with_membership(|m| m.handle_lost(peer, now));
+        dynamic::with_membership(this, |m| m.handle_lost(peer, now));
     }
     this.pump();
     // The reader and the writer of a link may both report its end: subscribers hear once.
@@ -350,9 +350,9 @@ pub(crate) fn on_frame(
         if let Some(handled) = crate::ipc::on_control(this, from, &frame) {
             return handled;
         }
-        return this.on_membership_frame(from, &frame);
+        return dynamic::on_membership_frame(this, from, &frame);
     }
-    if this.inner.dynamic && !this.may_call(from) {
+    if this.inner.dynamic && !dynamic::may_call(this, from) {
         return Err(ProtocolViolation::NotAMember);
     }
     let envelope: Envelope =

@@ -1,8 +1,6 @@
 //! The shape DESIGN asks of `rpc/src` ("The agent as a driver"), checked on the source: time
 //! only through the runtime module, `impl Agent` only in `agent.rs`, no reaching into the
-//! agent's state from outside it. The files still being moved into core on another branch
-//! (`gather.rs`, `dynamic.rs`) are listed as the known exceptions, so that nothing new joins
-//! them.
+//! agent's state from outside it.
 
 use std::path::{Path, PathBuf};
 
@@ -42,10 +40,6 @@ fn offenders(needles: &[&str], allowed: &[&str]) -> Vec<String> {
         .collect()
 }
 
-/// The dynamic group's driver still adds methods to the agent and reads its endpoint (its
-/// move into modules of the agent's own is not done yet).
-const MOVING: [&str; 1] = ["dynamic.rs"];
-
 #[test]
 fn time_is_read_only_through_the_runtime() {
     let allowed = ["runtime.rs"];
@@ -55,7 +49,7 @@ fn time_is_read_only_through_the_runtime() {
 
 #[test]
 fn only_agent_rs_adds_methods_to_the_agent() {
-    let allowed = ["agent.rs", MOVING[0]];
+    let allowed = ["agent.rs"];
     let found = offenders(&["impl Agent {", "impl Agent{"], &allowed);
     assert!(found.is_empty(), "`impl Agent` outside agent.rs: {found:?}");
 }
@@ -74,9 +68,7 @@ const AGENT: [&str; 8] = [
 
 #[test]
 fn nothing_outside_the_agent_reaches_into_its_endpoint() {
-    let mut allowed = AGENT.to_vec();
-    allowed.extend(MOVING);
-    let found = offenders(&["lock().ep", ".ep."], &allowed);
+    let found = offenders(&["lock().ep", ".ep."], &AGENT);
     assert!(offenders(&[".ep."], &[]).contains(&"links.rs".to_owned()));
     assert!(
         found.is_empty(),
