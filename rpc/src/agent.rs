@@ -431,7 +431,7 @@ impl Agent {
         match e {
             TensorTransferError::Encode(e) => RpcError::Serialization {
                 what: format!("the arguments of {function:?}"),
-                message: codec::take_note().unwrap_or_else(|| e.to_string()),
+                message: e.to_string(),
             },
             other => RpcError::Tensors {
                 to: self.name_of(to),
@@ -760,9 +760,9 @@ impl Agent {
         handle
     }
 
-    /// Whether `self` and `other` are the same agent (clones of one).
-    pub(crate) fn same_as(&self, other: &Agent) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
+    /// A number that tells this agent (and its clones) apart from every other agent alive.
+    pub(crate) fn identity(&self) -> u64 {
+        Arc::as_ptr(&self.inner) as usize as u64
     }
 
     /// The value of a reference this worker owns.

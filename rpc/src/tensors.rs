@@ -26,7 +26,7 @@ pub(crate) type WireTensors = Vec<(TensorMeta, Bytes)>;
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum TensorTransferError {
     #[error(transparent)]
-    Encode(#[from] postcard::Error),
+    Encode(#[from] codec::Failure),
     #[error(transparent)]
     Placement(#[from] PlacementError),
     #[error(transparent)]

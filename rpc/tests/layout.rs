@@ -85,3 +85,9 @@ fn no_source_file_is_over_1200_lines() {
         .collect();
     assert!(long.is_empty(), "files over 1,200 lines: {long:?}");
 }
+
+#[test]
+fn the_codec_context_is_passed_not_kept_in_thread_locals() {
+    let found = offenders(&["thread_local!"], &[]);
+    assert!(found.is_empty(), "thread-locals in: {found:?}");
+}
