@@ -28,17 +28,14 @@ use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{oneshot, Notify};
 
 use crate::codec::{self};
-pub(crate) use crate::driver::drive;
 use crate::error::RpcError;
 use crate::functions::{Functions, Value};
-pub(crate) use crate::init::static_group::RPC_GROUP;
-pub(crate) use crate::init::{advertise_ip, GROUP_KIND};
 use crate::metrics::RpcMetrics;
 use crate::options::RpcOptions;
 use crate::rref::RRef;
 use crate::runtime::Runtime;
-pub(crate) use crate::state::WorkerRecord;
-use crate::state::{Body, Inner, Membership, State, Tasks};
+pub use crate::state::{Agent, RpcFuture};
+use crate::state::{Body, Inner, Membership, State, Tasks, WorkerRecord};
 use crate::tensors::{self, TensorTransferError};
 use crate::typed::{Call, Function};
 pub use crate::worker::{WorkerInfo, WorkerRef};
@@ -92,12 +89,6 @@ impl fmt::Display for AgentDebugInfo {
             p.requests_being_served,
         )
     }
-}
-
-/// A running RPC agent. Cheap to clone; every clone is the same agent.
-#[derive(Clone)]
-pub struct Agent {
-    pub(crate) inner: Arc<Inner>,
 }
 
 impl fmt::Debug for Agent {
@@ -1080,12 +1071,6 @@ impl Agent {
             Err(_) => Err("RPC is no longer running on this worker".into()),
         }
     }
-}
-
-/// The result of [`Agent::rpc_async`]: await it for the callee's result.
-pub struct RpcFuture<R> {
-    pub(crate) inner:
-        std::pin::Pin<Box<dyn std::future::Future<Output = Result<R, RpcError>> + Send>>,
 }
 
 impl<R: DeserializeOwned + Send + 'static> RpcFuture<R> {

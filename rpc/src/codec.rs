@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use tensorwire_core::protocol::{Header, RRefForkData, RRefHandle, RRefId, WorkerId};
 use tensorwire_core::tensor::{sidecar, Tensor, TensorMeta};
 
-use crate::agent::Agent;
+use crate::state::Agent;
 
 /// The name of the newtype struct a remote reference serializes as: what the codec's wrappers
 /// recognise (`$` keeps it apart from every Rust type's name).
@@ -169,7 +169,7 @@ pub(crate) mod handoff {
 
     use tensorwire_core::protocol::RRefHandle;
 
-    use crate::agent::Agent;
+    use crate::state::Agent;
 
     type Filed = Mutex<Option<HashMap<u64, (Agent, RRefHandle)>>>;
 

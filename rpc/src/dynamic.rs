@@ -28,10 +28,13 @@ use tensorwire_store::backoff::Backoff;
 use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
-use crate::agent::{advertise_ip, drive, Agent, WorkerRecord, RPC_GROUP};
+use crate::driver::drive;
 use crate::error::RpcError;
+use crate::init::advertise_ip;
+use crate::init::static_group::RPC_GROUP;
 use crate::options::RpcOptions;
 use crate::runtime::{tokio_instant, Runtime};
+use crate::state::{Agent, WorkerRecord};
 
 const COORDINATOR: &str = "rpc/dyn/coordinator";
 
@@ -600,7 +603,7 @@ pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcErr
     if last {
         // The last member: the group ends, and with it every key the agents made.
         let store = agent.store()?;
-        for key in [COORDINATOR, crate::agent::GROUP_KIND] {
+        for key in [COORDINATOR, crate::init::GROUP_KIND] {
             store.delete_key(key).await?;
         }
     }

@@ -15,10 +15,11 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::agent::{Agent, WorkerInfo};
 use crate::codec;
 use crate::error::RpcError;
+use crate::state::Agent;
 use crate::tensors::{self, Prepared, TensorTransferError};
+use crate::worker::WorkerInfo;
 use std::time::Instant;
 use tensorwire_core::placement::Direction;
 use tensorwire_core::protocol::WorkerId;

@@ -22,7 +22,7 @@ use tensorwire_core::protocol::{ProtocolViolation, WorkerId};
 use tensorwire_core::tensor::{Storage, Tensor, TensorMeta};
 use tensorwire_core::wire::Frame;
 
-use crate::agent::Agent;
+use crate::state::Agent;
 use crate::tensors::{TensorTransferError, WireTensors};
 
 /// What keeps one export valid (the backend's value), held until released.

@@ -13,8 +13,8 @@ use tensorwire_core::wire::{Frame, FrameKind};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
-use crate::agent::Agent;
 use crate::codec::Envelope;
+use crate::state::Agent;
 use crate::state::{Body, PeerLink, State};
 use crate::tensors;
 use crate::{driver, dynamic};

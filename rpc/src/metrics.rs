@@ -36,7 +36,7 @@ use tensorwire_core::protocol::{MessageId, WorkerId};
 use tensorwire_core::tensor::Tensor;
 use tracing::Instrument;
 
-use crate::agent::{Agent, RpcFuture};
+use crate::state::{Agent, RpcFuture};
 
 /// One peer's counters, as read from [`Agent::metrics`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

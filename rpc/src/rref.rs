@@ -15,10 +15,11 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tensorwire_core::protocol::{CallError, RRefHandle};
 use tokio::sync::oneshot;
 
-use crate::agent::{Agent, RpcFuture, WorkerInfo};
 use crate::codec;
 use crate::error::RpcError;
 use crate::state::Body;
+use crate::state::{Agent, RpcFuture};
+use crate::worker::WorkerInfo;
 
 type Created = oneshot::Receiver<Result<Body, CallError>>;
 

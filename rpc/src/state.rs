@@ -1,4 +1,4 @@
-//! What the agent holds, shared by its handle, its driver and its tasks: the endpoint and what
+//! What the agent holds, shared by its handle ([`Agent`]), its driver and its tasks: the endpoint and what
 //! waits on it (`State`, under one lock), who is in the group (`Membership`), and the rest of
 //! the agent (`Inner`).
 
@@ -20,11 +20,24 @@ use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{mpsc, oneshot, Notify};
 
-use crate::agent::WorkerInfo;
+use crate::error::RpcError;
 use crate::functions::{Functions, Value};
 use crate::runtime::Runtime;
 use crate::tensors::WireTensors;
+use crate::worker::WorkerInfo;
 use tensorwire_core::ports::device::DeviceBackend;
+
+/// A running RPC agent. Cheap to clone; every clone is the same agent.
+#[derive(Clone)]
+pub struct Agent {
+    pub(crate) inner: Arc<Inner>,
+}
+
+/// The result of [`Agent::rpc_async`]: await it for the callee's result.
+pub struct RpcFuture<R> {
+    pub(crate) inner:
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<R, RpcError>> + Send>>,
+}
 
 /// What travels through the endpoint with a message: the encoded arguments or result, and for
 /// methods the reference they are called on.

@@ -16,8 +16,8 @@ use tensorwire_core::protocol::RRefForkData;
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::tensor::{sidecar, Storage, Tensor, TensorMeta};
 
-use crate::agent::Agent;
 use crate::codec;
+use crate::state::Agent;
 
 /// Tensors as they travel: where each lands, and its bytes.
 pub(crate) type WireTensors = Vec<(TensorMeta, Bytes)>;

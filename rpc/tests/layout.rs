@@ -245,7 +245,8 @@ fn import_graph() -> std::collections::BTreeMap<String, std::collections::BTreeS
         .map(|m| (m.clone(), BTreeSet::new()))
         .collect();
     for (file, text) in &files {
-        if file == "lib.rs" {
+        // Test modules use the crate as its users do; they are not part of its layering.
+        if file == "lib.rs" || file.ends_with("tests.rs") {
             continue;
         }
         let unit = unit_of(file);
@@ -380,8 +381,7 @@ fn the_circle_finder_finds_circles_and_only_circles() {
 
 /// The modules still in import circles, waiting for their types to move to the modules that
 /// own them. Nothing joins them, and each leaves the list once out of every circle.
-const STILL_CIRCLING: [&str; 20] = [
-    "agent",
+const STILL_CIRCLING: [&str; 16] = [
     "autograd",
     "backend",
     "codec",
@@ -395,12 +395,9 @@ const STILL_CIRCLING: [&str; 20] = [
     "links",
     "metrics",
     "options",
-    "rref",
     "serve",
-    "shutdown",
     "state",
     "tensors",
-    "typed",
 ];
 
 #[test]

@@ -86,12 +86,12 @@ use tensorwire_core::tensor::Tensor;
 use tokio::sync::oneshot;
 use tracing::{debug, warn, Instrument};
 
-use crate::agent::Agent;
 use crate::dist_optim::{LocalOptimizer, Parameter};
 use crate::error::RpcError;
 use crate::functions::CallContext;
 use crate::peer_events::PeerEvent;
 use crate::rref::RRef;
+use crate::state::Agent;
 use tensorwire_core::autograd::optim::Optimizer;
 use tensorwire_core::tensor::Tensor as HostTensor;
 
