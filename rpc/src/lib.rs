@@ -54,6 +54,7 @@ pub mod memory;
 pub mod metrics;
 mod options;
 pub mod peer_events;
+mod queue;
 mod rref;
 pub mod runtime;
 mod serve;

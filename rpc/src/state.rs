@@ -23,7 +23,6 @@ use tokio::sync::{mpsc, oneshot, Notify};
 use crate::error::RpcError;
 use crate::functions::{Functions, Value};
 use crate::runtime::Runtime;
-use crate::tensors::WireTensors;
 use crate::worker::WorkerInfo;
 use tensorwire_core::ports::device::DeviceBackend;
 
@@ -38,6 +37,9 @@ pub struct RpcFuture<R> {
     pub(crate) inner:
         std::pin::Pin<Box<dyn std::future::Future<Output = Result<R, RpcError>> + Send>>,
 }
+
+/// Tensors as they travel: where each lands, and its bytes.
+pub(crate) type WireTensors = Vec<(tensorwire_core::tensor::TensorMeta, Bytes)>;
 
 /// What travels through the endpoint with a message: the encoded arguments or result, and for
 /// methods the reference they are called on.
@@ -76,7 +78,7 @@ pub(crate) struct PeerLink {
     /// The connection's transport (`Connection::transport`), for [`Agent::connections`].
     pub(crate) transport: &'static str,
     pub(crate) write: Arc<tokio::sync::Mutex<()>>,
-    pub(crate) queued: Arc<crate::links::OutQueue>,
+    pub(crate) queued: Arc<crate::queue::OutQueue>,
 }
 
 pub(crate) struct State {

@@ -17,10 +17,7 @@ use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::tensor::{sidecar, Storage, Tensor, TensorMeta};
 
 use crate::codec;
-use crate::state::Agent;
-
-/// Tensors as they travel: where each lands, and its bytes.
-pub(crate) type WireTensors = Vec<(TensorMeta, Bytes)>;
+use crate::state::{Agent, WireTensors};
 
 /// Why a message's tensors could not be sent or received.
 #[derive(Debug, thiserror::Error)]
