@@ -38,7 +38,6 @@ mod agent;
 pub mod autograd;
 mod backend;
 mod codec;
-mod dist_optim;
 mod driver;
 mod dynamic;
 mod error;
@@ -65,6 +64,7 @@ pub mod typed;
 mod worker;
 
 pub use agent::{Agent, AgentDebugInfo, PeerConnection, RpcFuture, WorkerInfo, WorkerRef};
+pub use autograd::optim::{BuiltinState, DistributedOptimizer, LocalOptimizer, Parameter};
 pub use autograd::{
     AutogradCall, AutogradContext, DistAutograd, DistAutogradError, TensorList, TrackedValue,
 };
@@ -76,7 +76,6 @@ pub use backend::{
 };
 #[cfg(feature = "quic")]
 pub use backend::{QuicBackend, QUIC_BACKEND};
-pub use dist_optim::{BuiltinState, DistributedOptimizer, LocalOptimizer, Parameter};
 pub use error::RpcError;
 pub use functions::{CallContext, Functions};
 pub use init::{init_rpc, start_agent};
