@@ -30,11 +30,12 @@ use tokio::sync::{oneshot, Notify};
 use crate::codec::{self};
 use crate::error::RpcError;
 use crate::functions::{Functions, Value};
+pub use crate::future::RpcFuture;
 use crate::metrics::RpcMetrics;
 use crate::options::RpcOptions;
 use crate::rref::RRef;
 use crate::runtime::Runtime;
-pub use crate::state::{Agent, RpcFuture};
+pub use crate::state::Agent;
 use crate::state::{Body, Inner, Membership, State, Tasks, WorkerRecord};
 use crate::tensors::{self, TensorTransferError};
 use crate::typed::{Call, Function};
@@ -533,7 +534,7 @@ impl Agent {
         Ok(self
             .inner
             .metrics
-            .call(self, to, function, id, bytes, future))
+            .call(&|id| self.name_of(id), to, function, id, bytes, future))
     }
 
     /// Undoes the forks made for `to` by an encode whose bytes will not be sent.
@@ -597,7 +598,9 @@ impl Agent {
             prepared.data.len(),
             prepared.tensors.iter().map(|t| &t.0),
         );
-        self.inner.metrics.remote(self, to, function, bytes);
+        self.inner
+            .metrics
+            .remote(&|id| self.name_of(id), to, function, bytes);
         let handle = if prepared.on_host() {
             let body = Body {
                 target: target.map(|h| h.rref),

@@ -171,7 +171,11 @@ fn observed(name: &str, handler: Handler) -> Handler {
     Arc::new(move |inv: Invocation| {
         let bytes = crate::metrics::message_bytes(inv.args.len(), inv.tensors.iter());
         let agent = inv.agent.clone();
-        let (span, served) = agent.inner.metrics.serve(&agent, inv.caller, &name, bytes);
+        let (span, served) =
+            agent
+                .inner
+                .metrics
+                .serve(&|id| agent.name_of(id), inv.caller, &name, bytes);
         let running = handler(inv);
         Box::pin(
             async move {

@@ -43,6 +43,7 @@ mod dynamic;
 mod error;
 pub mod faults;
 mod functions;
+mod future;
 #[doc(hidden)]
 pub mod fuzzing;
 mod gather;

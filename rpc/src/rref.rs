@@ -17,8 +17,9 @@ use tokio::sync::oneshot;
 
 use crate::codec;
 use crate::error::RpcError;
+use crate::future::RpcFuture;
+use crate::state::Agent;
 use crate::state::Body;
-use crate::state::{Agent, RpcFuture};
 use crate::worker::WorkerInfo;
 
 type Created = oneshot::Receiver<Result<Body, CallError>>;

@@ -20,7 +20,6 @@ use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{mpsc, oneshot, Notify};
 
-use crate::error::RpcError;
 use crate::functions::{Functions, Value};
 use crate::runtime::Runtime;
 use crate::worker::WorkerInfo;
@@ -30,12 +29,6 @@ use tensorwire_core::ports::device::DeviceBackend;
 #[derive(Clone)]
 pub struct Agent {
     pub(crate) inner: Arc<Inner>,
-}
-
-/// The result of [`Agent::rpc_async`]: await it for the callee's result.
-pub struct RpcFuture<R> {
-    pub(crate) inner:
-        std::pin::Pin<Box<dyn std::future::Future<Output = Result<R, RpcError>> + Send>>,
 }
 
 /// Tensors as they travel: where each lands, and its bytes.

@@ -50,8 +50,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::RpcError;
 use crate::functions::{finish, method_target, CallContext, Functions, HandlerError, Invocation};
+use crate::future::RpcFuture;
 use crate::rref::RRef;
-use crate::state::{Agent, RpcFuture};
+use crate::state::Agent;
 use crate::worker::WorkerRef;
 
 /// The tag in front of a typed call's arguments: "tensorwire typed, version 1".
