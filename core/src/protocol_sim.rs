@@ -285,6 +285,14 @@ impl Cluster {
     }
 
     fn step(&mut self, rng: &mut SimRng) {
+        #[cfg(test)]
+        for ep in &self.eps {
+            assert!(
+                ep.reference_counts_agree(),
+                "worker {}: the references counted per peer disagree with its fork records",
+                ep.id()
+            );
+        }
         let alive = self.alive();
         if alive.is_empty() {
             // (A dynamic group whose members all went: only messages and timers move.)

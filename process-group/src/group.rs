@@ -42,7 +42,9 @@ use tensorwire_core::collective::{
     self, AllGatherAlgorithm, AllReduceAlgorithm, CollectiveError, DebugLevel, ElementType,
     ReduceOp, Schedule, Signature, DEBUG_ENV,
 };
-use tensorwire_core::ports::process_group::{Pending, ProcessGroup, ProcessGroupError, WorkHandle};
+use tensorwire_core::ports::process_group::{
+    owned, Pending, ProcessGroup, ProcessGroupError, WorkHandle,
+};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::tensor::Tensor;
@@ -311,6 +313,131 @@ impl ProcessGroup for Group {
     fn issue_all_gather_tensor(&self, tensor: Tensor) -> Box<dyn WorkHandle<'_, Vec<Tensor>> + '_> {
         Box::new(self.issue("all_gather", move |g| async move {
             g.all_gather_tensor(&tensor).await
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_reduce_tensor(
+        &self,
+        tensor: Tensor,
+        op: ReduceOp,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("reduce", move |g| async move {
+            owned::reduce_tensor(&g, tensor, op, root).await
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_gather_tensor(
+        &self,
+        input: Tensor,
+        gather_list: Option<Vec<Tensor>>,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Option<Vec<Tensor>>> + '_> {
+        Box::new(self.issue("gather", move |g| async move {
+            owned::gather_tensor(&g, input, gather_list, root).await
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_scatter_tensor(
+        &self,
+        output: Tensor,
+        scatter_list: Option<Vec<Tensor>>,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("scatter", move |g| async move {
+            owned::scatter_tensor(&g, output, scatter_list, root).await
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_all_to_all_single_tensor(
+        &self,
+        output: Tensor,
+        input: Tensor,
+        output_split_sizes: Option<Vec<usize>>,
+        input_split_sizes: Option<Vec<usize>>,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("all_to_all_single", move |g| async move {
+            owned::all_to_all_single_tensor(
+                &g,
+                output,
+                input,
+                output_split_sizes,
+                input_split_sizes,
+            )
+            .await
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_all_to_all_tensor(
+        &self,
+        outputs: Vec<Tensor>,
+        inputs: Vec<Tensor>,
+    ) -> Box<dyn WorkHandle<'_, Vec<Tensor>> + '_> {
+        Box::new(self.issue("all_to_all", move |g| async move {
+            owned::all_to_all_tensor(&g, outputs, inputs).await
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_all_gather_into_tensor(
+        &self,
+        output: Tensor,
+        input: Tensor,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("all_gather_into_tensor", move |g| async move {
+            owned::all_gather_into_tensor(&g, output, input).await
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_reduce_scatter_tensor(
+        &self,
+        output: Tensor,
+        input: Tensor,
+        op: ReduceOp,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("reduce_scatter_tensor", move |g| async move {
+            owned::reduce_scatter_tensor(&g, output, input, op).await
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]); the message is numbered in the call.
+    fn issue_send_tensor(
+        &self,
+        tensor: Tensor,
+        dst: usize,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, ()> + '_> {
+        Box::new(self.issue("send", move |g| async move {
+            g.send_tensor(&tensor, dst, tag).await
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]); the receive is numbered in the call.
+    fn issue_recv_tensor(
+        &self,
+        tensor: Tensor,
+        src: usize,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(self.issue("recv", move |g| async move {
+            owned::recv_tensor(&g, tensor, src, tag).await
+        }))
+    }
+
+    /// A [`Work`] on its own task (see [`Group::issue`]).
+    fn issue_recv_any_tensor(
+        &self,
+        tensor: Tensor,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, (usize, Tensor)> + '_> {
+        Box::new(self.issue("recv", move |g| async move {
+            owned::recv_any_tensor(&g, tensor, tag).await
         }))
     }
 

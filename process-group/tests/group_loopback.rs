@@ -1690,3 +1690,334 @@ async fn work_handles_on_the_dyn_group() {
         }
     }
 }
+
+/// Issue 26, item 5, last part: every tensor collective's work handle on the `dyn
+/// ProcessGroup`, all issued in one order on every rank before any is waited on, then waited
+/// in the reverse order: each gives its own collective's result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_tensor_work_handle_issued_before_any_wait_gives_its_result_waited_in_reverse() {
+    use tensorwire_core::tensor::Tensor;
+
+    fn f32s(values: &[f32]) -> Tensor {
+        Tensor::from_f32(vec![values.len()], values).unwrap()
+    }
+    let wait = Duration::from_secs(20);
+    for world in [2usize, 3, 4] {
+        let gs = bounded(groups(
+            world,
+            &format!("revwork{world}"),
+            Duration::from_secs(20),
+        ))
+        .await;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let r = g.rank();
+            let rf = r as f32;
+            let pg: Arc<dyn ProcessGroup> = Arc::new(g);
+            let (first, last) = (0, world - 1);
+            let zeros = |n: usize| f32s(&vec![0.0; n]);
+            let reduce = pg.issue_reduce_tensor(f32s(&[rf, 1.0]), ReduceOp::Sum, last);
+            let gather = pg.issue_gather_tensor(
+                f32s(&[rf, -rf]),
+                (r == first).then(|| (0..world).map(|_| zeros(2)).collect()),
+                first,
+            );
+            let scatter = pg.issue_scatter_tensor(
+                zeros(2),
+                (r == last).then(|| {
+                    (0..world)
+                        .map(|i| f32s(&[i as f32, 10.0 * i as f32]))
+                        .collect()
+                }),
+                last,
+            );
+            let single = pg.issue_all_to_all_single_tensor(
+                zeros(world),
+                f32s(&(0..world).map(|j| (10 * r + j) as f32).collect::<Vec<_>>()),
+                None,
+                None,
+            );
+            let list = pg.issue_all_to_all_tensor(
+                (0..world).map(|_| zeros(1)).collect(),
+                (0..world).map(|j| f32s(&[(100 * r + j) as f32])).collect(),
+            );
+            let into = pg.issue_all_gather_into_tensor(zeros(2 * world), f32s(&[rf, rf + 0.5]));
+            let stacked: Vec<f32> = (0..2 * world).map(|k| k as f32 * (rf + 1.0)).collect();
+            let scattered = pg.issue_reduce_scatter_tensor(zeros(2), f32s(&stacked), ReduceOp::Sum);
+            // Waited in the reverse of the issue order.
+            let v = |t: Tensor| t.to_f32_vec().unwrap();
+            let scattered = v(scattered.wait(wait).await.unwrap());
+            let into = v(into.wait(wait).await.unwrap());
+            let list: Vec<Vec<f32>> = list.wait(wait).await.unwrap().into_iter().map(v).collect();
+            let single = v(single.wait(wait).await.unwrap());
+            let scatter = v(scatter.wait(wait).await.unwrap());
+            let gather: Option<Vec<Vec<f32>>> = gather
+                .wait(wait)
+                .await
+                .unwrap()
+                .map(|l| l.into_iter().map(v).collect());
+            let reduce = v(reduce.wait(wait).await.unwrap());
+            (reduce, gather, scatter, single, list, into, scattered)
+        }))
+        .await;
+        let sum_of_ranks = (world * (world - 1) / 2) as f32;
+        let weights = (world * (world + 1) / 2) as f32; // sum of (r + 1)
+        for (r, (reduce, gather, scatter, single, list, into, scattered)) in
+            results.into_iter().enumerate()
+        {
+            let rf = r as f32;
+            let at = format!("world {world} rank {r}");
+            if r == world - 1 {
+                assert_eq!(reduce, [sum_of_ranks, world as f32], "{at}");
+            } else {
+                assert_eq!(reduce, [rf, 1.0], "{at}: not the root, left as it was");
+            }
+            let expected_gather = (r == 0).then(|| {
+                (0..world)
+                    .map(|i| vec![i as f32, -(i as f32)])
+                    .collect::<Vec<_>>()
+            });
+            assert_eq!(gather, expected_gather, "{at}");
+            assert_eq!(scatter, [rf, 10.0 * rf], "{at}");
+            let from_each: Vec<f32> = (0..world).map(|j| (10 * j + r) as f32).collect();
+            assert_eq!(single, from_each, "{at}");
+            let from_each: Vec<Vec<f32>> = (0..world).map(|i| vec![(100 * i + r) as f32]).collect();
+            assert_eq!(list, from_each, "{at}");
+            let all: Vec<f32> = (0..world)
+                .flat_map(|i| [i as f32, i as f32 + 0.5])
+                .collect();
+            assert_eq!(into, all, "{at}");
+            assert_eq!(
+                scattered,
+                [(2 * r) as f32 * weights, (2 * r + 1) as f32 * weights],
+                "{at}"
+            );
+        }
+    }
+}
+
+/// Work handles whose collectives fail: `error` reports the typed error once the handle has
+/// finished (without waiting), and `wait` gives the same error. A call refused for its
+/// arguments has finished in the call and leaves the group in step; a peer that sends
+/// another size than this rank's output says is a `Mismatch` naming it; a rank that does not
+/// come makes the others time out, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_tensor_work_handles_report_the_typed_error_by_error_and_wait() {
+    use tensorwire_core::collective::CollectiveError;
+    use tensorwire_core::tensor::Tensor;
+
+    fn f32s(values: &[f32]) -> Tensor {
+        Tensor::from_f32(vec![values.len()], values).unwrap()
+    }
+    async fn finished<'a, T: Send + 'a>(
+        w: &mut Box<dyn WorkHandle<'a, T> + 'a>,
+    ) -> ProcessGroupError {
+        while !w.is_completed() {
+            tokio::task::yield_now().await;
+        }
+        w.error().expect("it failed")
+    }
+    use tensorwire_core::ports::process_group::WorkHandle;
+    let wait = Duration::from_secs(20);
+
+    let world = 3usize;
+    let gs = bounded(groups(world, "failwork", Duration::from_secs(20))).await;
+    let results = bounded(on_all(&gs, move |g| async move {
+        let r = g.rank();
+        let pg: Arc<dyn ProcessGroup> = Arc::new(g);
+        // Refused in the call on the root only (its list is short): the others do not issue it.
+        let refused = if r == 0 {
+            let mut w = pg.issue_scatter_tensor(f32s(&[0.0]), Some(vec![f32s(&[1.0])]), 0);
+            assert!(w.is_completed(), "refused in the call");
+            let e = w.error().expect("refused");
+            assert_eq!(w.wait(wait).await.unwrap_err(), e);
+            Some(e)
+        } else {
+            None
+        };
+        // The slot for the next rank is one element too long.
+        let next = (r + 1) % world;
+        let outputs = (0..world)
+            .map(|i| f32s(&vec![0.0; if i == next { 2 } else { 1 }]))
+            .collect();
+        let inputs = (0..world).map(|j| f32s(&[j as f32])).collect();
+        let mut mismatched = pg.issue_all_to_all_tensor(outputs, inputs);
+        let seen = finished(&mut mismatched).await;
+        assert_eq!(mismatched.wait(wait).await.unwrap_err(), seen);
+        // The group is still in step: a good collective issued after it works.
+        let sum = pg
+            .issue_all_reduce_tensor(f32s(&[1.0]), ReduceOp::Sum)
+            .wait(wait)
+            .await
+            .unwrap();
+        (refused, seen, sum.to_f32_vec().unwrap())
+    }))
+    .await;
+    for (r, (refused, seen, sum)) in results.into_iter().enumerate() {
+        if r == 0 {
+            let refused = refused.expect("the root's scatter was refused");
+            assert!(
+                matches!(
+                    refused,
+                    ProcessGroupError::Arguments {
+                        collective: "scatter",
+                        source: CollectiveError::LengthsCount { lens: 1, world: 3 }
+                    }
+                ),
+                "{refused}"
+            );
+        }
+        let next = (r + 1) % world;
+        assert!(
+            matches!(&seen, ProcessGroupError::Mismatch { peer, collective: "all_to_all", .. } if *peer == next),
+            "rank {r}: {seen}"
+        );
+        assert_eq!(sum, [3.0]);
+    }
+
+    // Rank 2 never comes to the reduce_scatter: ranks 0 and 1 give up waiting after 300ms
+    // (the group's own timeout is 20s), which makes the collective time out with that
+    // timeout; between them they name rank 2. Their group is broken then: the next handle
+    // reports the same error by `error`, without being waited on.
+    let gs = bounded(groups(world, "latework", Duration::from_secs(20))).await;
+    let results = bounded(on_all(&gs[..2], move |g| async move {
+        let pg: Arc<dyn ProcessGroup> = Arc::new(g);
+        let w = pg.issue_reduce_scatter_tensor(f32s(&[0.0]), f32s(&[1.0; 3]), ReduceOp::Sum);
+        let timed_out = w.wait(Duration::from_millis(300)).await.unwrap_err();
+        let mut next = pg.issue_reduce_tensor(f32s(&[1.0]), ReduceOp::Sum, 0);
+        assert_eq!(finished(&mut next).await, timed_out);
+        timed_out
+    }))
+    .await;
+    let mut named = Vec::new();
+    for (r, e) in results.into_iter().enumerate() {
+        match &e {
+            ProcessGroupError::Timeout {
+                collective,
+                rank,
+                waiting_on,
+                timeout,
+                ..
+            } => {
+                assert_eq!((*rank, *timeout), (r, Duration::from_millis(300)), "{e}");
+                assert!(collective.contains("reduce_scatter"), "{e}");
+                named.extend(waiting_on.iter().copied());
+            }
+            other => panic!("rank {r}: expected a timeout, got {other}"),
+        }
+    }
+    assert!(named.contains(&2), "rank 2 is named: {named:?}");
+}
+
+/// The tensor forms of `isend`/`irecv` as work handles: each rank issues two receives from
+/// its left neighbour and two sends to its right, then waits in the reverse order; the n-th
+/// receive gets the n-th message (numbered in the call). Rank 0 then takes one message from
+/// every other rank by `issue_recv_any_tensor`, naming each sender. A send to itself is
+/// refused in the call; a message of another length than the receiving tensor is a
+/// `Mismatch` naming its sender, by `error` and by `wait`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn point_to_point_tensor_work_handles() {
+    use tensorwire_core::collective::CollectiveError;
+    use tensorwire_core::ports::process_group::WorkHandle;
+    use tensorwire_core::tensor::Tensor;
+
+    fn f32s(values: &[f32]) -> Tensor {
+        Tensor::from_f32(vec![values.len()], values).unwrap()
+    }
+    let wait = Duration::from_secs(20);
+    let world = 3usize;
+    let gs = bounded(groups(world, "p2pwork", Duration::from_secs(20))).await;
+    let results = bounded(on_all(&gs, move |g| async move {
+        let r = g.rank();
+        let (left, right) = ((r + world - 1) % world, (r + 1) % world);
+        let pg: Arc<dyn ProcessGroup> = Arc::new(g);
+        let first = pg.issue_recv_tensor(f32s(&[0.0; 2]), left, 5);
+        let second = pg.issue_recv_tensor(f32s(&[0.0; 2]), left, 5);
+        let sent: Vec<Box<dyn WorkHandle<'_, ()> + '_>> = (0..2)
+            .map(|k| pg.issue_send_tensor(f32s(&[r as f32, k as f32]), right, 5))
+            .collect();
+        for s in sent.into_iter().rev() {
+            s.wait(wait).await.unwrap();
+        }
+        let second = second.wait(wait).await.unwrap().to_f32_vec().unwrap();
+        let first = first.wait(wait).await.unwrap().to_f32_vec().unwrap();
+
+        let mut self_send = pg.issue_send_tensor(f32s(&[1.0]), r, 6);
+        assert!(self_send.is_completed(), "refused in the call");
+        let self_send = self_send.error();
+
+        let any = if r == 0 {
+            let mut from = Vec::new();
+            for _ in 1..world {
+                let (src, t) = pg
+                    .issue_recv_any_tensor(f32s(&[0.0]), 8)
+                    .wait(wait)
+                    .await
+                    .unwrap();
+                from.push((src, t.to_f32_vec().unwrap()));
+            }
+            from.sort_by_key(|(src, _)| *src);
+            from
+        } else {
+            pg.issue_send_tensor(f32s(&[10.0 * r as f32]), 0, 8)
+                .wait(wait)
+                .await
+                .unwrap();
+            Vec::new()
+        };
+
+        // Rank 1 sends rank 0 three elements where rank 0 expects two.
+        let mismatch = match r {
+            0 => {
+                let mut w = pg.issue_recv_tensor(f32s(&[0.0; 2]), 1, 9);
+                while !w.is_completed() {
+                    tokio::task::yield_now().await;
+                }
+                let seen = w.error();
+                assert_eq!(w.wait(wait).await.err(), seen);
+                seen
+            }
+            1 => {
+                pg.issue_send_tensor(f32s(&[1.0; 3]), 0, 9)
+                    .wait(wait)
+                    .await
+                    .unwrap();
+                None
+            }
+            _ => None,
+        };
+        (first, second, self_send, any, mismatch)
+    }))
+    .await;
+    for (r, (first, second, self_send, any, mismatch)) in results.into_iter().enumerate() {
+        let left = ((r + world - 1) % world) as f32;
+        assert_eq!(
+            (first, second),
+            (vec![left, 0.0], vec![left, 1.0]),
+            "rank {r}"
+        );
+        assert!(
+            matches!(
+                self_send,
+                Some(ProcessGroupError::Arguments {
+                    collective: "send",
+                    source: CollectiveError::PeerIsSelf { .. }
+                })
+            ),
+            "rank {r}: {self_send:?}"
+        );
+        if r == 0 {
+            assert_eq!(any, [(1, vec![10.0]), (2, vec![20.0])]);
+            assert!(
+                matches!(
+                    mismatch,
+                    Some(ProcessGroupError::Mismatch {
+                        peer: 1,
+                        collective: "recv",
+                        ..
+                    })
+                ),
+                "{mismatch:?}"
+            );
+        }
+    }
+}

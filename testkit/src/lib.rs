@@ -10,6 +10,8 @@
 //! - [`wait_until`] and [`wait_for`]: wait for a condition, by its deadline.
 //! - [`RecordingDevices`]: a device backend that records where it copies tensors to.
 //! - [`CapturedLogs`]: a log writer whose text a test reads back.
+//! - [`hostile`]: a hostile peer, a worker that joins a group for real and then sends, with the
+//!   agent's own encoding, messages it has no right to send.
 //!
 //! ```
 //! use std::time::Duration;
@@ -29,6 +31,7 @@
 
 mod cluster;
 mod devices;
+pub mod hostile;
 mod logs;
 mod wait;
 

@@ -2,12 +2,15 @@
 PyTorch's libuv server, in one run (blocks alternate between the servers).
 
     python tests/pytorch/store_bench.py path/to/tensorwire [--procs 8] [--pairs 2000] [--blocks 4]
+        [--baseline path/to/older/tensorwire]
 
 Each process connects with `TCPStore(is_master=False)` (PyTorch's client), waits for a common
 start, then does `--pairs` set+get pairs on keys of its own (64-byte values). Reported per server
 (medians over blocks): ops_per_s (all processes' operations over the wall time from the common
 start to the last process done) and set_get_p50_us (the median pair, pooled), and the ratios
-tensorwire / PyTorch. Prints one JSON object.
+tensorwire / PyTorch. With `--baseline`, a second tensorwire server (an older build, say) joins
+the same alternation as `baseline`, and the ratios tensorwire / baseline are reported too. Prints
+one JSON object.
 """
 
 import argparse
@@ -69,21 +72,26 @@ def main():
     ap.add_argument("--procs", type=int, default=8)
     ap.add_argument("--pairs", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--baseline", help="another tensorwire binary to serve in the same run")
     a = ap.parse_args()
 
     from torch.distributed import TCPStore
 
-    ours = subprocess.Popen(
-        [a.tensorwire, "store", "serve", "--port", "0", "--host", "127.0.0.1"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    line = ours.stdout.readline().strip()
-    prefix = "tensorwire store listening on "
-    if not line.startswith(prefix):
-        ours.kill()
-        raise SystemExit(f"tensorwire store serve printed {line!r}")
-    our_port = int(line[len(prefix):].rsplit(":", 1)[1])
+    def serve(binary):
+        proc = subprocess.Popen(
+            [binary, "store", "serve", "--port", "0", "--host", "127.0.0.1"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = proc.stdout.readline().strip()
+        prefix = "tensorwire store listening on "
+        if not line.startswith(prefix):
+            proc.kill()
+            raise SystemExit(f"{binary} store serve printed {line!r}")
+        return proc, int(line[len(prefix):].rsplit(":", 1)[1])
+
+    ours, our_port = serve(a.tensorwire)
+    procs = [ours]
     theirs = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=300),
                       wait_for_workers=False, use_libuv=True)
     servers = {
@@ -91,17 +99,23 @@ def main():
         "pytorch": theirs,
     }
     ports = {"tensorwire": our_port, "pytorch": theirs.port}
+    if a.baseline:
+        base, base_port = serve(a.baseline)
+        procs.append(base)
+        servers["baseline"] = TCPStore("127.0.0.1", base_port, None, False,
+                                       datetime.timedelta(seconds=60))
+        ports["baseline"] = base_port
 
     ctx = mp.get_context("spawn")
     jobs, results = ctx.Queue(), ctx.Queue()
     workers = [ctx.Process(target=worker, args=(jobs, results, r, a.pairs)) for r in range(a.procs)]
     for w in workers:
         w.start()
-    figures = {"tensorwire": [], "pytorch": []}
+    figures = {name: [] for name in servers}
     try:
         # One warm-up block each (imports, connections), then alternating blocks.
         for b in range(a.blocks + 1):
-            order = ["tensorwire", "pytorch"] if b % 2 == 0 else ["pytorch", "tensorwire"]
+            order = list(servers) if b % 2 == 0 else list(reversed(servers))
             for name in order:
                 r = block(servers[name], jobs, results, "127.0.0.1", ports[name], f"{name}{b}",
                           a.procs, a.pairs)
@@ -112,7 +126,8 @@ def main():
             jobs.put(None)
         for w in workers:
             w.join(timeout=30)
-        ours.kill()
+        for p in procs:
+            p.kill()
     out = {}
     for name, rs in figures.items():
         out[f"{name}_ops_per_s"] = statistics.median(r[0] for r in rs)
@@ -121,6 +136,11 @@ def main():
         "ops_per_s": out["tensorwire_ops_per_s"] / out["pytorch_ops_per_s"],
         "set_get_p50": out["tensorwire_set_get_p50_us"] / out["pytorch_set_get_p50_us"],
     }
+    if a.baseline:
+        out["ratios"]["ops_per_s_over_baseline"] = (
+            out["tensorwire_ops_per_s"] / out["baseline_ops_per_s"])
+        out["ratios"]["set_get_p50_over_baseline"] = (
+            out["tensorwire_set_get_p50_us"] / out["baseline_set_get_p50_us"])
     out["settings"] = {"procs": a.procs, "pairs_per_proc": a.pairs, "blocks": a.blocks,
                        "client": "torch.distributed.TCPStore (PyTorch's own)",
                        "pytorch_server": "TCPStore use_libuv=True"}

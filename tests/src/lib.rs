@@ -3,11 +3,13 @@
 //! - [`transport_suite`]: the transport conformance suite, generic over the `Transport` port.
 //! - [`netns`]: simulated hosts (network namespaces joined by a bridge) for multi-host tests.
 //! - [`workload`]: the functions every multi-process RPC worker serves.
+//! - [`world`]: a world of worker processes (rank 0 announces its store; no polling sleeps).
 //! - [`announce_store_addr`]: how a worker with `MASTER_PORT=0` says where its store listens.
 
 pub mod netns;
 pub mod transport_suite;
 pub mod workload;
+pub mod world;
 
 /// With `MASTER_PORT=0`, rank 0's store listens on a port of the system's choosing: print the
 /// rendezvous's log line that says where (`... rank 0 hosts the store addr=HOST:PORT ...`), so

@@ -3,15 +3,8 @@
 //! `MASTER_PORT=0` and says where its store listens; the others start with that port (no port
 //! is reserved and released first).
 
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
-
-struct World {
-    children: Vec<Child>,
-    lines: mpsc::Receiver<(usize, String)>,
-    seen: Vec<(usize, String)>,
-}
+use tensorwire_tests::world::{World, WorldCommand};
 
 fn spawn(scenario: &str, n: usize) -> World {
     spawn_with(scenario, n, &[])
@@ -20,129 +13,26 @@ fn spawn(scenario: &str, n: usize) -> World {
 /// [`spawn`] with more environment. A rank 0 that prints `SKIPPED` (no device for
 /// `TW_DEVICES`) is the only process started.
 fn spawn_with(scenario: &str, n: usize, extra_env: &[(&str, &str)]) -> World {
-    static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let secret = format!(
-        "autograd-secret-{}-{}",
-        std::process::id(),
-        STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    let bin = tensorwire_tests::worker_bin(
+        "tw-autograd-worker",
+        env!("CARGO_BIN_EXE_tw-autograd-worker"),
     );
-    let (tx, lines) = mpsc::channel();
-    let start = |rank: usize, port: &str| {
-        let mut child = Command::new(tensorwire_tests::worker_bin(
-            "tw-autograd-worker",
-            env!("CARGO_BIN_EXE_tw-autograd-worker"),
-        ))
-        .arg(scenario)
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", n.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port)
-        .env("TENSORWIRE_SECRET", &secret)
-        .envs(extra_env.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-        tensorwire_tests::forward_lines(&mut child, rank, &tx);
-        child
-    };
-    let mut world = World {
-        children: vec![start(0, "0")],
-        lines,
-        seen: Vec::new(),
-    };
-    let announced = world.wait_for_line(|r, l| {
-        r == 0 && (l.contains("hosts the store") || l.starts_with("SKIPPED"))
-    });
-    if announced.starts_with("SKIPPED") {
-        return world;
-    }
-    let port = announced
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("addr="))
-        .and_then(|a| a.rsplit_once(':'))
-        .map(|(_, p)| p.to_owned())
-        .unwrap_or_else(|| panic!("no addr=HOST:PORT in {announced:?}"));
-    world.children.extend((1..n).map(|rank| start(rank, &port)));
-    world
+    World::start(
+        WorldCommand {
+            bin: &bin,
+            scenario,
+            n,
+            env: extra_env,
+        },
+        Duration::from_secs(60),
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
-impl World {
-    /// Waits (on the output, no polling) for `rank` to print a line starting with `prefix`.
-    fn wait_for(&mut self, rank: usize, prefix: &str, limit: Duration) {
-        self.wait_until(limit, |r, l| r == rank && l.starts_with(prefix));
-    }
-
-    /// Waits up to a minute for a line that `hit` accepts (killing every worker if it never
-    /// comes) and returns it.
-    fn wait_for_line(&mut self, hit: impl Fn(usize, &str) -> bool) -> String {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok((r, line)) => {
-                    let found = hit(r, &line);
-                    self.seen.push((r, line.clone()));
-                    if found {
-                        return line;
-                    }
-                }
-                Err(_) => {
-                    for c in &mut self.children {
-                        let _ = c.kill();
-                    }
-                    panic!("the awaited line never came: {:#?}", self.seen);
-                }
-            }
-        }
-    }
-
-    /// Waits (on the output, no polling) for a line that `hit` accepts.
-    fn wait_until(&mut self, limit: Duration, hit: impl Fn(usize, &str) -> bool) {
-        let deadline = Instant::now() + limit;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok((r, line)) => {
-                    let found = hit(r, &line);
-                    self.seen.push((r, line));
-                    if found {
-                        return;
-                    }
-                }
-                Err(_) => panic!("the awaited line never came: {:#?}", self.seen),
-            }
-        }
-    }
-
-    /// Waits for every process to exit and returns the exit codes and every output line.
-    fn finish(mut self, limit: Duration) -> (Vec<Option<i32>>, Vec<(usize, String)>) {
-        let deadline = Instant::now() + limit;
-        let mut codes = Vec::new();
-        for c in &mut self.children {
-            loop {
-                if let Some(status) = c.try_wait().unwrap() {
-                    codes.push(status.code());
-                    break;
-                }
-                if Instant::now() > deadline {
-                    let _ = c.kill();
-                    panic!(
-                        "a worker is still running after {limit:?}: {:#?}",
-                        self.seen
-                    );
-                }
-                // Drain output while waiting (bounded wait on the channel, not a sleep).
-                if let Ok(l) = self.lines.recv_timeout(Duration::from_millis(50)) {
-                    self.seen.push(l);
-                }
-            }
-        }
-        // The readers end with the processes' pipes.
-        while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(200)) {
-            self.seen.push(l);
-        }
-        (codes, self.seen)
+/// Waits (on the output, no polling) for `rank` to print a line starting with `prefix`.
+fn wait_for(world: &mut World, rank: usize, prefix: &str, limit: Duration) {
+    if let Err(e) = world.wait_for(limit, |r, l| r == rank && l.starts_with(prefix)) {
+        panic!("rank {rank} never printed {prefix:?}: {e}");
     }
 }
 
@@ -232,9 +122,9 @@ fn violations_across_processes_are_refused_not_fatal() {
 #[test]
 fn a_worker_killed_mid_backward_fails_it_naming_the_worker() {
     let mut world = spawn("kill", 3);
-    world.wait_for(2, "IN_BACKWARD", Duration::from_secs(90));
+    wait_for(&mut world, 2, "IN_BACKWARD", Duration::from_secs(90));
     let t0 = Instant::now();
-    world.children[2].kill().unwrap();
+    world.kill(2);
     let (codes, lines) = world.finish(Duration::from_secs(120));
     assert!(
         t0.elapsed() < Duration::from_secs(60),
@@ -262,10 +152,15 @@ fn a_worker_killed_mid_backward_fails_it_naming_the_worker() {
 #[test]
 fn a_worker_killed_with_contexts_open_leaves_none_of_them_on_the_survivors() {
     let mut world = spawn("lost", 3);
-    world.wait_for(0, "CONTEXTS_OPEN", Duration::from_secs(90));
+    wait_for(&mut world, 0, "CONTEXTS_OPEN", Duration::from_secs(90));
     let t0 = Instant::now();
-    world.children[2].kill().unwrap();
-    world.wait_for(0, "OK lost-counts w0=1 w1=1", Duration::from_secs(60));
+    world.kill(2);
+    wait_for(
+        &mut world,
+        0,
+        "OK lost-counts w0=1 w1=1",
+        Duration::from_secs(60),
+    );
     let dropped_after = t0.elapsed();
     let (codes, lines) = world.finish(Duration::from_secs(120));
     assert!(

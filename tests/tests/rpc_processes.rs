@@ -5,131 +5,48 @@
 //! devices per worker) and `NAME::cuda` (the real CUDA backend). Without a GPU the `cuda`
 //! variants print `SKIPPED: <reason>` (the workers' reason) and pass.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
-
-struct World {
-    children: Vec<Child>,
-    lines: mpsc::Receiver<(usize, String)>,
-    /// Lines read while waiting for rank 0 to say where its store listens, not yet taken.
-    seen: std::collections::VecDeque<(usize, String)>,
-}
+use tensorwire_tests::world::{World, WorldCommand};
 
 fn spawn(scenario: &str, n: usize, devices: &str) -> World {
     spawn_with(scenario, n, devices, &[])
 }
 
-/// Starts rank 0 with `MASTER_PORT=0` (its store listens on a port of the system's choosing and
-/// it prints where), then the other ranks with that port: no port is reserved and released first.
+/// Starts `n` workers of `scenario` with `TW_DEVICES=devices` and `extra_env` (see
+/// [`World::start`]: rank 0 says where its store listens, then the others start).
 fn spawn_with(scenario: &str, n: usize, devices: &str, extra_env: &[(&str, &str)]) -> World {
-    static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let secret = format!(
-        "test-secret-{}-{}",
-        std::process::id(),
-        STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    );
-    let (tx, lines) = mpsc::channel();
-    let start = |rank: usize, port: &str| {
-        let mut child = Command::new(tensorwire_tests::worker_bin(
-            "tw-rpc-worker",
-            env!("CARGO_BIN_EXE_tw-rpc-worker"),
-        ))
-        .arg(scenario)
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", n.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port)
-        .env("TENSORWIRE_SECRET", &secret)
-        .env("TW_DEVICES", devices)
-        .envs(extra_env.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-        tensorwire_tests::forward_lines(&mut child, rank, &tx);
-        child
-    };
-    let mut children = vec![start(0, "0")];
-    let mut seen = std::collections::VecDeque::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let port = loop {
-        let Ok((rank, line)) =
-            lines.recv_timeout(deadline.saturating_duration_since(Instant::now()))
-        else {
-            for c in &mut children {
-                let _ = c.kill();
-            }
-            panic!("rank 0 never said where its store listens; output: {seen:?}");
-        };
-        let port = (rank == 0 && line.contains("hosts the store"))
-            .then(|| {
-                line.split_whitespace()
-                    .find_map(|w| w.strip_prefix("addr="))
-                    .and_then(|a| a.rsplit_once(':'))
-                    .map(|(_, p)| p.to_owned())
-            })
-            .flatten();
-        let skipping = line.starts_with("SKIPPED");
-        seen.push_back((rank, line));
-        if let Some(port) = port {
-            break Some(port);
-        }
-        if skipping {
-            // No device for this backend: every rank would skip the same way.
-            break None;
-        }
-    };
-    if let Some(port) = port {
-        children.extend((1..n).map(|rank| start(rank, &port)));
-    }
-    World {
-        children,
-        lines,
-        seen,
-    }
+    let bin = worker();
+    let mut env = vec![("TW_DEVICES", devices)];
+    env.extend_from_slice(extra_env);
+    World::start(
+        WorldCommand {
+            bin: &bin,
+            scenario,
+            n,
+            env: &env,
+        },
+        Duration::from_secs(60),
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
-impl World {
-    /// The next output line, within `timeout`.
-    fn recv_timeout(&mut self, timeout: Duration) -> Option<(usize, String)> {
-        self.seen
-            .pop_front()
-            .or_else(|| self.lines.recv_timeout(timeout).ok())
-    }
+/// The `tw-rpc-worker` binary.
+fn worker() -> std::path::PathBuf {
+    tensorwire_tests::worker_bin("tw-rpc-worker", env!("CARGO_BIN_EXE_tw-rpc-worker"))
+}
 
-    /// Waits for every process to exit (killing all after `limit`), and returns the exit codes
-    /// and every output line.
-    fn finish(mut self, limit: Duration) -> (Vec<Option<i32>>, Vec<(usize, String)>) {
-        let deadline = Instant::now() + limit;
-        let mut codes = vec![None; self.children.len()];
-        let mut done = vec![false; self.children.len()];
-        while done.iter().any(|d| !d) {
-            for (i, c) in self.children.iter_mut().enumerate() {
-                if !done[i] {
-                    if let Some(status) = c.try_wait().unwrap() {
-                        codes[i] = status.code();
-                        done[i] = true;
-                    }
-                }
-            }
-            if Instant::now() > deadline {
-                for c in &mut self.children {
-                    let _ = c.kill();
-                }
-                panic!(
-                    "processes still running after {limit:?}; output: {:?}",
-                    self.lines.try_iter().collect::<Vec<_>>()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-        let mut lines: Vec<_> = std::mem::take(&mut self.seen).into();
-        lines.extend(self.lines.try_iter());
-        (codes, lines)
-    }
+/// Starts `n` workers of `scenario` on simulated devices.
+fn start_world(scenario: &str, n: usize, limit: Duration) -> Result<World, String> {
+    let bin = worker();
+    World::start(
+        WorldCommand {
+            bin: &bin,
+            scenario,
+            n,
+            env: &[("TW_DEVICES", "simulated")],
+        },
+        limit,
+    )
 }
 
 /// Whether the workers skipped (no device for their backend); prints their reason where the
@@ -289,25 +206,17 @@ fn a_bad_device_map_fails_init_on_every_worker(devices) {
 fn a_killed_worker_is_named_by_the_others_within_the_timeout(devices) {
     let n = 3;
     let mut world = spawn("dead-peer", n, devices);
-    let mut ready = 0;
-    let mut seen = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while ready < n {
-        let (rank, line) = world
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .unwrap_or_else(|| panic!("not all ready: {seen:?}"));
-        if line.starts_with("READY") {
-            ready += 1;
-        }
-        if line.starts_with("SKIPPED") {
-            world.seen.push_front((rank, line));
-            let (_, lines) = world.finish(Duration::from_secs(60));
-            assert!(skipped("dead-peer", &lines));
-            return;
-        }
-        seen.push((rank, line));
+    if world.skipped().is_some() {
+        let (_, lines) = world.finish(Duration::from_secs(60));
+        assert!(skipped("dead-peer", &lines));
+        return;
     }
-    world.children[n - 1].kill().unwrap();
+    for _ in 0..n {
+        world
+            .wait_for(Duration::from_secs(60), |_, l| l.starts_with("READY"))
+            .unwrap_or_else(|e| panic!("not all ready: {e}"));
+    }
+    world.kill(n - 1);
     let t0 = Instant::now();
     let (codes, lines) = world.finish(Duration::from_secs(60));
     assert!(
@@ -347,205 +256,21 @@ fn device_tensors_move_by_device_maps_between_processes(devices) {
 }
 }
 
-/// One worker process, its output read line by line into a channel by two threads.
-struct Worker {
-    /// Taken by whoever waits for it to exit.
-    child: Option<Child>,
-    readers: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl Worker {
-    fn start(
-        scenario: &str,
-        rank: usize,
-        n: usize,
-        port: &str,
-        secret: &str,
-        lines: &mpsc::Sender<(usize, String)>,
-    ) -> Worker {
-        let mut child = Command::new(tensorwire_tests::worker_bin(
-            "tw-rpc-worker",
-            env!("CARGO_BIN_EXE_tw-rpc-worker"),
-        ))
-        .arg(scenario)
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", n.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port)
-        .env("TENSORWIRE_SECRET", secret)
-        .env("TW_DEVICES", "simulated")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-        let readers = [
-            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stderr.take().unwrap()),
-        ]
-        .into_iter()
-        .map(|stream| {
-            let tx = lines.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send((rank, line));
-                }
-            })
-        })
-        .collect();
-        Worker {
-            child: Some(child),
-            readers,
-        }
-    }
-}
-
-impl Drop for Worker {
-    /// Nothing is left running: a worker still there (a stopped one too) is resumed and killed.
-    fn drop(&mut self) {
-        let Some(child) = &mut self.child else {
-            return;
-        };
-        if let Ok(None) = child.try_wait() {
-            // SAFETY: signals to a child of ours that has not been reaped (try_wait said so).
-            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGCONT) };
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-/// A world whose rank 0 starts with `MASTER_PORT=0` and says where its store listens; the
-/// other ranks start with that port once it has (no port is reserved and released first).
-struct PortZeroWorld {
-    workers: Vec<Worker>,
-    lines: mpsc::Receiver<(usize, String)>,
-    seen: Vec<(usize, String)>,
-}
-
-static WORLDS_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-impl PortZeroWorld {
-    fn start(scenario: &str, n: usize, limit: Duration) -> Result<PortZeroWorld, String> {
-        let secret = format!(
-            "test-secret-{}-{}",
-            std::process::id(),
-            WORLDS_STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        );
-        let (tx, lines) = mpsc::channel();
-        let mut world = PortZeroWorld {
-            workers: vec![Worker::start(scenario, 0, n, "0", &secret, &tx)],
-            lines,
-            seen: Vec::new(),
-        };
-        let announced = world.wait_for(limit, |r, l| r == 0 && l.contains("hosts the store"))?;
-        let port = announced
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("addr="))
-            .and_then(|a| a.rsplit_once(':'))
-            .map(|(_, p)| p.to_owned())
-            .ok_or_else(|| format!("no addr=HOST:PORT in {announced:?}"))?;
-        for rank in 1..n {
-            world
-                .workers
-                .push(Worker::start(scenario, rank, n, &port, &secret, &tx));
-        }
-        Ok(world)
-    }
-
-    /// The first line (from now on) for which `wanted(rank, line)` holds.
-    fn wait_for(
-        &mut self,
-        limit: Duration,
-        wanted: impl Fn(usize, &str) -> bool,
-    ) -> Result<String, String> {
-        let deadline = Instant::now() + limit;
-        loop {
-            match self
-                .lines
-                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            {
-                Ok((rank, line)) => {
-                    let found = wanted(rank, &line);
-                    self.seen.push((rank, line.clone()));
-                    if found {
-                        return Ok(line);
-                    }
-                }
-                Err(_) => return Err(format!("no such line within {limit:?}: {:#?}", self.seen)),
-            }
-        }
-    }
-
-    /// Waits for the workers `ranks` to exit (killing them after `limit`): their exit codes.
-    fn exits(&mut self, ranks: &[usize], limit: Duration) -> Result<Vec<Option<i32>>, String> {
-        let (tx, rx) = mpsc::channel();
-        let mut waiting = Vec::new();
-        for &rank in ranks {
-            let mut child = self.workers[rank].child.take().expect("not waited for yet");
-            let pid = child.id() as libc::pid_t;
-            let tx = tx.clone();
-            waiting.push((
-                rank,
-                pid,
-                std::thread::spawn(move || {
-                    let code = child.wait().ok().and_then(|s| s.code());
-                    let _ = tx.send((rank, code));
-                }),
-            ));
-        }
-        drop(tx);
-        let deadline = Instant::now() + limit;
-        let mut codes = vec![None; ranks.len()];
-        let mut late = false;
-        for _ in ranks {
-            let got = match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(got) => got,
-                Err(_) => {
-                    late = true;
-                    for (_, pid, waiter) in &waiting {
-                        if !waiter.is_finished() {
-                            // SAFETY: its waiter has not reaped it yet.
-                            unsafe { libc::kill(*pid, libc::SIGKILL) };
-                        }
-                    }
-                    rx.recv().map_err(|e| e.to_string())?
-                }
-            };
-            let at = ranks.iter().position(|r| *r == got.0).unwrap();
-            codes[at] = got.1;
-        }
-        for (_, _, waiter) in waiting {
-            let _ = waiter.join();
-        }
-        for &rank in ranks {
-            for reader in self.workers[rank].readers.drain(..) {
-                let _ = reader.join();
-            }
-        }
-        self.seen.extend(self.lines.try_iter());
-        if late {
-            return Err(format!(
-                "ranks {ranks:?} still running after {limit:?}; output: {:#?}",
-                self.seen
-            ));
-        }
-        Ok(codes)
-    }
-}
-
 /// One world of three processes: init, immediate shutdown, exit.
 fn init_then_shutdown_once() -> Result<(), String> {
     let limit = Duration::from_secs(60);
-    let mut world = PortZeroWorld::start("init-shutdown", 3, limit)?;
+    let mut world = start_world("init-shutdown", 3, limit)?;
     let codes = world.exits(&[0, 1, 2], limit)?;
     if codes.iter().any(|c| *c != Some(0)) {
-        return Err(format!("exit codes {codes:?}: {:#?}", world.seen));
+        return Err(format!("exit codes {codes:?}: {:#?}", world.seen()));
     }
     for rank in 0..3 {
         let ok = format!("OK init-shutdown rank {rank}");
-        if !world.seen.iter().any(|(r, l)| *r == rank && *l == ok) {
-            return Err(format!("rank {rank} did not report OK: {:#?}", world.seen));
+        if !world.seen().iter().any(|(r, l)| *r == rank && *l == ok) {
+            return Err(format!(
+                "rank {rank} did not report OK: {:#?}",
+                world.seen()
+            ));
         }
     }
     Ok(())
@@ -587,19 +312,19 @@ fn init_then_immediate_shutdown_in_100_worlds_of_3_processes() {
 /// One world of three processes running the `chains` scenario: every hop of every chain ran.
 fn chains_once() -> Result<(), String> {
     let limit = Duration::from_secs(60);
-    let mut world = PortZeroWorld::start("chains", 3, limit)?;
+    let mut world = start_world("chains", 3, limit)?;
     let codes = world.exits(&[0, 1, 2], limit)?;
     if codes.iter().any(|c| *c != Some(0)) {
-        return Err(format!("exit codes {codes:?}: {:#?}", world.seen));
+        return Err(format!("exit codes {codes:?}: {:#?}", world.seen()));
     }
     let hops: usize = world
-        .seen
+        .seen()
         .iter()
         .filter_map(|(_, l)| l.strip_prefix("HOPS "))
         .filter_map(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok())
         .sum();
     if hops != 60 {
-        return Err(format!("{hops} of 60 hops ran: {:#?}", world.seen));
+        return Err(format!("{hops} of 60 hops ran: {:#?}", world.seen()));
     }
     Ok(())
 }
@@ -619,20 +344,20 @@ fn graceful_shutdown_lets_fire_and_forget_chains_finish_in_50_worlds_of_3_proces
 #[test]
 fn the_owner_reads_a_value_still_being_created_200_times() {
     let limit = Duration::from_secs(120);
-    let mut world = PortZeroWorld::start("owner-local", 2, limit).unwrap();
+    let mut world = start_world("owner-local", 2, limit).unwrap();
     let codes = world.exits(&[0, 1], limit).unwrap();
     assert!(
         codes.iter().all(|c| *c == Some(0)),
         "exit codes {codes:?}: {:#?}",
-        world.seen
+        world.seen()
     );
     assert!(
         world
-            .seen
+            .seen()
             .iter()
             .any(|(r, l)| *r == 0 && l == "OK owner-local rank 0 repeat=200"),
         "{:#?}",
-        world.seen
+        world.seen()
     );
 }
 
@@ -644,9 +369,9 @@ fn a_graceful_shutdown_with_a_frozen_peer_ends_by_its_timeout_naming_it() {
     const TIMEOUT: Duration = Duration::from_secs(2);
     const MARGIN: Duration = Duration::from_millis(1000);
     let limit = Duration::from_secs(60);
-    let mut world = PortZeroWorld::start("frozen-peer", 3, limit).unwrap();
+    let mut world = start_world("frozen-peer", 3, limit).unwrap();
     while world
-        .seen
+        .seen()
         .iter()
         .filter(|(_, l)| l.starts_with("READY"))
         .count()
@@ -656,7 +381,7 @@ fn a_graceful_shutdown_with_a_frozen_peer_ends_by_its_timeout_naming_it() {
             .wait_for(limit, |_, l| l.starts_with("READY"))
             .unwrap();
     }
-    let frozen = world.workers[2].child.as_ref().unwrap().id() as libc::pid_t;
+    let frozen = world.child(2).unwrap().id() as libc::pid_t;
     // SAFETY: a child of ours, running (it printed READY and waits on its stdin).
     assert_eq!(unsafe { libc::kill(frozen, libc::SIGSTOP) }, 0);
     let mut status = 0;
@@ -666,7 +391,7 @@ fn a_graceful_shutdown_with_a_frozen_peer_ends_by_its_timeout_naming_it() {
     let t0 = Instant::now();
     for rank in 0..2 {
         use std::io::Write;
-        let child = world.workers[rank].child.as_mut().unwrap();
+        let child = world.child(rank).unwrap();
         let stdin = child.stdin.as_mut().unwrap();
         stdin.write_all(b"GO\n").unwrap();
         stdin.flush().unwrap();
@@ -675,15 +400,15 @@ fn a_graceful_shutdown_with_a_frozen_peer_ends_by_its_timeout_naming_it() {
     let took = t0.elapsed();
     // SAFETY: stopped, not reaped.
     unsafe { libc::kill(frozen, libc::SIGCONT) };
-    drop(world.workers.pop()); // killed and reaped
-    assert_eq!(codes, vec![Some(0), Some(0)], "{:#?}", world.seen);
+    world.kill(2); // resumed above, killed and reaped
+    assert_eq!(codes, vec![Some(0), Some(0)], "{:#?}", world.seen());
     for rank in 0..2 {
         let line = world
-            .seen
+            .seen()
             .iter()
             .find(|(r, l)| *r == rank && l.starts_with("OK shutdown-error"))
             .map(|(_, l)| l.clone())
-            .unwrap_or_else(|| panic!("{:#?}", world.seen));
+            .unwrap_or_else(|| panic!("{:#?}", world.seen()));
         let after_ms: u64 = line
             .split("after_ms=")
             .nth(1)

@@ -326,20 +326,33 @@ impl Group {
             .shutdown(tensorwire_rpc::Shutdown::graceful(timeout))
             .await?;
         let deadline = Instant::now() + timeout;
-        for (i, child) in self.children.iter_mut().enumerate() {
-            let status = loop {
-                if let Some(s) = child.try_wait()? {
-                    break s;
+        // Each exit is waited for on a blocking thread (a process gives no future to await);
+        // a rank still running at the deadline is killed by its pid.
+        let waits: Vec<_> = std::mem::take(&mut self.children)
+            .into_iter()
+            .map(|mut child| {
+                let pid = rustix::process::Pid::from_child(&child);
+                (pid, tokio::task::spawn_blocking(move || child.wait()))
+            })
+            .collect();
+        let mut failure = None;
+        for (i, (pid, wait)) in waits.into_iter().enumerate() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, wait).await {
+                Ok(status) => {
+                    let status = status??;
+                    if !status.success() && failure.is_none() {
+                        failure = Some(format!("rank {} failed ({status})", i + 1));
+                    }
                 }
-                if Instant::now() > deadline {
-                    bail!("rank {} did not exit", i + 1);
+                Err(_) => {
+                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                    failure.get_or_insert(format!("rank {} did not exit", i + 1));
                 }
-                // Processes give no future to wait on; the group is already shut down.
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            };
-            if !status.success() {
-                bail!("rank {} failed ({status})", i + 1);
             }
+        }
+        if let Some(failure) = failure {
+            bail!(failure);
         }
         self.children.clear();
         Ok(())

@@ -137,8 +137,8 @@ pub enum CollectiveError {
         /// The world size.
         world: usize,
     },
-    /// The broadcast root is not below the world size.
-    #[error("broadcast root {root} is out of range for a world of {world} ranks")]
+    /// The root (of a broadcast, reduce, gather or scatter) is not below the world size.
+    #[error("root {root} is out of range for a world of {world} ranks")]
     RootOutOfRange {
         /// The root asked for.
         root: usize,

@@ -40,6 +40,8 @@ use crate::collective::{CollectiveError, ElementType, ReduceOp, Signature};
 use crate::device::Device;
 use crate::tensor::{Storage, Tensor};
 
+pub mod owned;
+
 /// Collectives among the ranks of a group.
 #[async_trait]
 pub trait ProcessGroup: Send + Sync {
@@ -680,7 +682,8 @@ pub trait ProcessGroup: Send + Sync {
     /// input_tensor_list)`): `inputs[j]` goes to rank j, and `outputs[i]` is replaced by what
     /// rank i sent this rank. Both lists hold one tensor a rank, all of one dtype; sizes may
     /// differ from rank to rank, but `outputs[i]` must have the size of rank i's `inputs[this
-    /// rank]`. gloo has no list form (PyTorch's gloo group raises); this is NCCL's and MPI's.
+    /// rank]`. gloo's list form (PyTorch 2.x) raises unless every tensor has one size; this is
+    /// NCCL's and MPI's, which allow them to differ.
     ///
     /// # Errors
     /// [`ProcessGroupError::Arguments`] with [`CollectiveError::LengthsCount`] or
@@ -742,6 +745,58 @@ pub trait ProcessGroup: Send + Sync {
         Ok(with_host_bytes(tensor, data))
     }
 
+    /// Sends `tensor`'s storage to rank `dst` with `tag` (PyTorch's `send(tensor, dst, tag)`):
+    /// [`send`](Self::send) of its bytes; rank `dst` receives it with
+    /// [`recv_tensor`](Self::recv_tensor) into a tensor of the same dtype and shape.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::WrongDevice`]; the errors of [`send`](Self::send).
+    async fn send_tensor(
+        &self,
+        tensor: &Tensor,
+        dst: usize,
+        tag: u32,
+    ) -> Result<(), ProcessGroupError> {
+        let bytes = host_storage(self.backend(), self.device(), "send", tensor)?;
+        self.send(bytes, dst, tag).await
+    }
+
+    /// Receives the next message rank `src` sent here with `tag` into `tensor` (PyTorch's
+    /// `recv(tensor, src, tag)`): its contents are replaced, its dtype and shape kept.
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::WrongDevice`]; a [`ProcessGroupError::Mismatch`] naming `src`
+    /// when the message has another length than `tensor` (the message is taken all the
+    /// same); the errors of [`recv`](Self::recv).
+    async fn recv_tensor(
+        &self,
+        tensor: &mut Tensor,
+        src: usize,
+        tag: u32,
+    ) -> Result<(), ProcessGroupError> {
+        host_storage(self.backend(), self.device(), "recv", tensor)?;
+        let bytes = self.recv(src, tag).await?;
+        *tensor = received_into(tensor, src, bytes)?;
+        Ok(())
+    }
+
+    /// Receives the next message any other rank sent here with `tag` into `tensor`
+    /// (PyTorch's `recv(tensor, src=None, tag)`, which gloo implements) and returns its
+    /// sender; see [`recv_any`](Self::recv_any).
+    ///
+    /// # Errors
+    /// As [`recv_tensor`](Self::recv_tensor), with the errors of [`recv_any`](Self::recv_any).
+    async fn recv_any_tensor(
+        &self,
+        tensor: &mut Tensor,
+        tag: u32,
+    ) -> Result<usize, ProcessGroupError> {
+        host_storage(self.backend(), self.device(), "recv", tensor)?;
+        let (src, bytes) = self.recv_any(tag).await?;
+        *tensor = received_into(tensor, src, bytes)?;
+        Ok(src)
+    }
+
     /// [`barrier`](Self::barrier) issued now (c10d's `async_op=True`): returns a
     /// [`WorkHandle`] to ask or wait on. **The call is the ordering point**: issue on every
     /// rank in the same order, as for the collectives themselves.
@@ -751,6 +806,12 @@ pub trait ProcessGroup: Send + Sync {
     /// on, and [`wait`](WorkHandle::wait) is bounded by the group's own timeout rather than
     /// its argument (a port has no timer). tensorwire's `Group` overrides it: the collective
     /// runs on a task of its own from this call on, and `wait`'s timeout makes it time out.
+    ///
+    /// Every `issue_*` checks its own arguments in the call, where c10d's gloo raises: a call
+    /// refused for them returns a handle that has already finished with the error
+    /// ([`is_completed`](WorkHandle::is_completed) true, [`error`](WorkHandle::error) `Some`,
+    /// `wait` gives it) and took no place in the sequence. Each `issue_*` says which errors
+    /// these are; what only the data of other ranks shows comes at `wait`.
     fn issue_barrier(&self) -> Box<dyn WorkHandle<'_, ()> + '_> {
         Box::new(LazyWork::new(Box::pin(async move { self.barrier().await })))
     }
@@ -784,6 +845,198 @@ pub trait ProcessGroup: Send + Sync {
     fn issue_all_gather_tensor(&self, tensor: Tensor) -> Box<dyn WorkHandle<'_, Vec<Tensor>> + '_> {
         Box::new(LazyWork::new(Box::pin(async move {
             self.all_gather_tensor(&tensor).await
+        })))
+    }
+
+    /// [`reduce_tensor`](Self::reduce_tensor) issued now; the handle gives the reduced tensor
+    /// on `root` and `tensor` unchanged on every other rank. See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: a `root` out of range and a dtype the
+    /// backend cannot reduce with `op` (the handle returned has already finished with
+    /// [`ProcessGroupError::Arguments`] or [`ProcessGroupError::UnsupportedType`], and the
+    /// call took no place in the sequence). What other ranks did wrong shows at `wait`.
+    fn issue_reduce_tensor(
+        &self,
+        tensor: Tensor,
+        op: ReduceOp,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::reduce_tensor(self, tensor, op, root).await
+        })))
+    }
+
+    /// [`gather_tensor`](Self::gather_tensor) issued now; the handle gives `Some` of the
+    /// filled `gather_list` on `root` (one tensor per rank, in rank order) and `None`
+    /// elsewhere. See [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: a `root` out of range, a list given on
+    /// another rank or missing on the root, of another length than the world, or holding a
+    /// tensor of another dtype or shape than `input`. Another rank's tensor of another size
+    /// shows at `wait`, as a [`ProcessGroupError::Mismatch`] on the root.
+    fn issue_gather_tensor(
+        &self,
+        input: Tensor,
+        gather_list: Option<Vec<Tensor>>,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Option<Vec<Tensor>>> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::gather_tensor(self, input, gather_list, root).await
+        })))
+    }
+
+    /// [`scatter_tensor`](Self::scatter_tensor) issued now; the handle gives this rank's
+    /// tensor of `root`'s `scatter_list` (in `output`'s dtype and shape). See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: as
+    /// [`issue_gather_tensor`](Self::issue_gather_tensor), for `scatter_list` against
+    /// `output`. A root's tensor for this rank of another size than `output` shows at `wait`,
+    /// as a [`ProcessGroupError::Mismatch`] naming the root.
+    fn issue_scatter_tensor(
+        &self,
+        output: Tensor,
+        scatter_list: Option<Vec<Tensor>>,
+        root: usize,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::scatter_tensor(self, output, scatter_list, root).await
+        })))
+    }
+
+    /// [`all_to_all_single_tensor`](Self::all_to_all_single_tensor) issued now; the handle
+    /// gives `output` filled with the rows received, in rank order. See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: dtypes that differ, split sizes that are not
+    /// one per rank or do not sum to the tensors' first dimensions, and (without splits) a
+    /// first dimension the world size does not divide. A peer that sends this rank another
+    /// number of rows than `output_split_sizes` says shows at `wait`, as a
+    /// [`ProcessGroupError::Mismatch`] naming it.
+    fn issue_all_to_all_single_tensor(
+        &self,
+        output: Tensor,
+        input: Tensor,
+        output_split_sizes: Option<Vec<usize>>,
+        input_split_sizes: Option<Vec<usize>>,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::all_to_all_single_tensor(
+                self,
+                output,
+                input,
+                output_split_sizes,
+                input_split_sizes,
+            )
+            .await
+        })))
+    }
+
+    /// [`all_to_all_tensor`](Self::all_to_all_tensor) issued now; the handle gives `outputs`
+    /// with `outputs[i]` replaced by what rank i sent this rank. See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: lists that do not hold one tensor per rank,
+    /// tensors of more than one dtype. gloo also raises at the call for tensors of different
+    /// sizes, which are allowed here; a peer whose tensor for this rank has another size than
+    /// `outputs` says shows at `wait`, as a [`ProcessGroupError::Mismatch`] naming it.
+    fn issue_all_to_all_tensor(
+        &self,
+        outputs: Vec<Tensor>,
+        inputs: Vec<Tensor>,
+    ) -> Box<dyn WorkHandle<'_, Vec<Tensor>> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::all_to_all_tensor(self, outputs, inputs).await
+        })))
+    }
+
+    /// [`all_gather_into_tensor`](Self::all_gather_into_tensor) issued now; the handle gives
+    /// `output` filled with every rank's `input`, concatenated in rank order. See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: an `output` of another dtype than `input`,
+    /// or not of shape `[world * input.shape[0], input.shape[1..]]`. Another rank's input of
+    /// another size shows at `wait`.
+    fn issue_all_gather_into_tensor(
+        &self,
+        output: Tensor,
+        input: Tensor,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::all_gather_into_tensor(self, output, input).await
+        })))
+    }
+
+    /// [`reduce_scatter_tensor`](Self::reduce_scatter_tensor) issued now; the handle gives
+    /// `output` holding this rank's chunk of the reduction. See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: an `input` of another dtype than `output`,
+    /// or not of shape `[world * output.shape[0], output.shape[1..]]`, and a dtype the
+    /// backend cannot reduce with `op`. Another rank's input of another size shows at `wait`.
+    fn issue_reduce_scatter_tensor(
+        &self,
+        output: Tensor,
+        input: Tensor,
+        op: ReduceOp,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::reduce_scatter_tensor(self, output, input, op).await
+        })))
+    }
+
+    /// [`send_tensor`](Self::send_tensor) issued now (c10d's `isend(tensor, dst, tag)`):
+    /// the message is numbered in this call, so it keeps its place among this rank's
+    /// messages to `dst` with `tag`. See [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: a `dst` out of range or this rank, and a
+    /// tensor on another device than the group's.
+    fn issue_send_tensor(
+        &self,
+        tensor: Tensor,
+        dst: usize,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, ()> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            self.send_tensor(&tensor, dst, tag).await
+        })))
+    }
+
+    /// [`recv_tensor`](Self::recv_tensor) issued now (c10d's `irecv(tensor, src, tag)`): the
+    /// receive is numbered in this call, so it gets the message after those of the receives
+    /// from `src` with `tag` issued before it; the handle gives `tensor` with the message as
+    /// its contents. See [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call, as gloo raises there: a `src` out of range or this rank, and a
+    /// tensor on another device than the group's. A message of another length than `tensor`
+    /// shows at `wait`, as a [`ProcessGroupError::Mismatch`] naming `src`.
+    fn issue_recv_tensor(
+        &self,
+        tensor: Tensor,
+        src: usize,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, Tensor> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::recv_tensor(self, tensor, src, tag).await
+        })))
+    }
+
+    /// [`recv_any_tensor`](Self::recv_any_tensor) issued now (c10d's `irecv(tensor,
+    /// src=None, tag)`, whose `Work.source_rank()` is the sender): the handle gives the
+    /// sender and `tensor` with the message as its contents. Which message it takes is decided
+    /// when one arrives, not in this call (see [`recv_any`](Self::recv_any)). See
+    /// [`issue_barrier`](Self::issue_barrier).
+    ///
+    /// Checked at the call: a tensor on another device than the group's, and a group of one
+    /// rank (no other rank could send).
+    fn issue_recv_any_tensor(
+        &self,
+        tensor: Tensor,
+        tag: u32,
+    ) -> Box<dyn WorkHandle<'_, (usize, Tensor)> + '_> {
+        Box::new(LazyWork::new(Box::pin(async move {
+            owned::recv_any_tensor(self, tensor, tag).await
         })))
     }
 
@@ -884,214 +1137,10 @@ pub const MAX_BROADCAST_BYTES: usize = 1 << 30;
 
 use checks::{check_stacked, host_storage};
 
-/// Checks a gather's or scatter's tensor list: present (one tensor per rank, each of `one`'s
-/// dtype and shape) on the root, absent elsewhere.
-fn check_list<P: ProcessGroup + ?Sized>(
-    collective: &'static str,
-    name: &'static str,
-    list: Option<&[Tensor]>,
-    one: &Tensor,
-    root: usize,
-    group: &P,
-) -> Result<(), ProcessGroupError> {
-    let arguments = |source| ProcessGroupError::Arguments { collective, source };
-    let on_root = group.rank() == root;
-    match list {
-        Some(list) if on_root => {
-            check_count(collective, list.len(), group.size())?;
-            for t in list {
-                if t.dtype() != one.dtype() {
-                    return Err(arguments(CollectiveError::TensorType {
-                        tensor: name,
-                        expected: format!("{:?}", one.dtype()),
-                        actual: format!("{:?}", t.dtype()),
-                    }));
-                }
-                if t.shape() != one.shape() {
-                    return Err(arguments(CollectiveError::TensorSize {
-                        tensor: name,
-                        expected: one.shape().to_vec(),
-                        actual: t.shape().to_vec(),
-                    }));
-                }
-            }
-            Ok(())
-        }
-        None if !on_root => Ok(()),
-        _ => Err(arguments(CollectiveError::TensorList {
-            list: name,
-            on_root,
-        })),
-    }
-}
-
-/// `tensor`'s dtype and shape with `data` (of the same length) as host storage.
-fn with_host_bytes(tensor: &Tensor, data: impl Into<Bytes>) -> Tensor {
-    tensor
-        .with_storage(Storage::Host(data.into()))
-        .expect("a collective keeps the byte length")
-}
+use checks::{check_list, received_into, with_host_bytes};
 
 mod error;
 pub use error::{MeshViolation, ProcessGroupError};
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn errors_name_the_ranks() {
-        let e = ProcessGroupError::Timeout {
-            collective: "barrier",
-            seq: 3,
-            rank: 0,
-            waiting_on: vec![2, 5],
-            timeout: Duration::from_secs(1),
-        };
-        assert_eq!(
-            e.to_string(),
-            "barrier #3 on rank 0 timed out after 1s waiting for rank(s) 2, 5"
-        );
-        let e = ProcessGroupError::PeerDied {
-            rank: 2,
-            reported_by: Some(1),
-            reason: "connection reset".into(),
-        };
-        assert_eq!(
-            e.to_string(),
-            "rank 2 died (reported by rank 1): connection reset"
-        );
-        let e = ProcessGroupError::PeerDied {
-            rank: 4,
-            reported_by: None,
-            reason: "closed".into(),
-        };
-        assert_eq!(e.to_string(), "rank 4 died: closed");
-    }
-
-    #[test]
-    fn disagreements_name_both_sides() {
-        let e = ProcessGroupError::Disagreement {
-            seq: 7,
-            peer: 1,
-            theirs: Signature::AllReduce {
-                op: ReduceOp::Sum,
-                element: ElementType::I64,
-                count: 1,
-            },
-            rank: 0,
-            ours: Signature::AllReduce {
-                op: ReduceOp::Sum,
-                element: ElementType::F32,
-                count: 2,
-            },
-            here: true,
-        };
-        assert_eq!(
-            e.to_string(),
-            "rank 1 ran all_reduce(sum, i64 x1) as collective #7, this rank (0) all_reduce(sum, f32 x2)"
-        );
-        let mut reported = e.clone();
-        if let ProcessGroupError::Disagreement { here, .. } = &mut reported {
-            *here = false;
-        }
-        assert_eq!(
-            reported.to_string(),
-            "rank 1 ran all_reduce(sum, i64 x1) as collective #7, rank 0 all_reduce(sum, f32 x2) (reported by rank 0)"
-        );
-    }
-
-    #[test]
-    fn monitored_barrier_errors_read_as_pytorchs() {
-        let e = ProcessGroupError::MonitoredBarrier {
-            rank: 0,
-            missing: vec![1, 3],
-            timeout: Duration::from_millis(1500),
-        };
-        assert_eq!(
-            e.to_string(),
-            "[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 1.5s"
-        );
-        let e = ProcessGroupError::MonitoredBarrier {
-            rank: 0,
-            missing: vec![2],
-            timeout: Duration::from_secs(2),
-        };
-        assert_eq!(
-            e.to_string(),
-            "[Rank 0]: Rank 2 failed to pass monitoredBarrier in 2s"
-        );
-    }
-
-    #[test]
-    fn blocks_encode_and_refuse_garbage() {
-        let blocks = vec![
-            Bytes::from_static(b"ab"),
-            Bytes::new(),
-            Bytes::from_static(b"xyz"),
-        ];
-        let e = encode_blocks(&blocks);
-        assert_eq!(decode_blocks(&e, 3), Some(blocks));
-        assert_eq!(decode_blocks(&e, 2), None);
-        assert_eq!(decode_blocks(&e[..e.len() - 1], 3), None);
-        assert_eq!(decode_blocks(&[], 0), None);
-        let mut huge = e.clone();
-        huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert_eq!(decode_blocks(&huge, 3), None);
-    }
-
-    #[test]
-    fn the_trait_is_object_safe() {
-        fn takes(_: Option<&dyn ProcessGroup>) {}
-        takes(None);
-    }
-
-    /// A future that is pending until `go` is set, then gives `result`.
-    fn gated<T: Send + 'static>(
-        go: std::sync::Arc<std::sync::atomic::AtomicBool>,
-        result: Result<T, ProcessGroupError>,
-    ) -> Pending<'static, T> {
-        let mut result = Some(result);
-        Box::pin(std::future::poll_fn(move |_| {
-            if go.load(std::sync::atomic::Ordering::SeqCst) {
-                std::task::Poll::Ready(result.take().expect("polled once ready"))
-            } else {
-                std::task::Poll::Pending
-            }
-        }))
-    }
-
-    /// The default work handle: asked, it polls the collective (no task to drive it in a
-    /// port), reports the error without giving the result away, and `wait` gives the result.
-    #[test]
-    fn the_default_work_handle_polls_when_asked_and_keeps_the_result() {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        use std::sync::Arc;
-        let block_on = |f: Pending<'static, u32>| {
-            let mut f = f;
-            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            match f.as_mut().poll(&mut cx) {
-                std::task::Poll::Ready(r) => r,
-                std::task::Poll::Pending => panic!("the result was kept"),
-            }
-        };
-        let go = Arc::new(AtomicBool::new(false));
-        let mut work: Box<dyn WorkHandle<'static, u32>> =
-            Box::new(LazyWork::new(gated(go.clone(), Ok(7))));
-        assert!(!work.is_completed());
-        assert_eq!(work.error(), None);
-        go.store(true, Ordering::SeqCst);
-        assert!(work.is_completed());
-        assert_eq!(work.error(), None);
-        assert_eq!(block_on(work.wait(Duration::from_secs(1))), Ok(7));
-
-        let failed = ProcessGroupError::ShutDown;
-        let mut work: Box<dyn WorkHandle<'static, u32>> = Box::new(LazyWork::new(gated(
-            Arc::new(AtomicBool::new(true)),
-            Err(failed.clone()),
-        )));
-        assert!(work.is_completed(), "finished in the issuing poll");
-        assert_eq!(work.error(), Some(failed.clone()));
-        assert_eq!(block_on(work.wait(Duration::from_secs(1))), Err(failed));
-    }
-}
+mod tests;

@@ -124,18 +124,20 @@ impl<B: Payload> Endpoint<B> {
         if let Err(e) = &kept {
             self.remember_failure(rref, e);
         }
+        let mut forgotten = None;
         let waiting = match self.owned.get_mut(&rref) {
             Some(o) => {
                 if kept.is_err() && token.from != self.me {
                     // The creator learns that no value exists and sends no delete for its
                     // fork (the reference's own id): forget it, or the record stays forever.
-                    o.forks.remove(&rref);
+                    forgotten = o.forks.remove(&rref);
                 }
                 o.state = Some(kept.clone());
                 std::mem::take(&mut o.fetches)
             }
             None => Vec::new(),
         };
+        self.uncount_reference(forgotten);
         self.reply(token.from, token.id, outcome);
         for (from, id, deadline) in waiting {
             self.owner_fetch(from, id, rref, deadline);

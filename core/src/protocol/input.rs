@@ -45,7 +45,15 @@ impl<B: Payload> Endpoint<B> {
                 fork,
                 timeout,
             } => {
-                let Some(body) = self.admit(from, id, body, now) else {
+                let body = if self.takes_requests()
+                    && self.references_of(from) >= self.config.references_per_peer
+                {
+                    self.refuse_references(from, id, body, now);
+                    None
+                } else {
+                    self.admit(from, id, body, now)
+                };
+                let Some(body) = body else {
                     // Refused (shutting down, leaving, busy, no body): the value will never
                     // be created, so what waits for it here (fork requests, fetches, method
                     // calls from third parties) settles now.
@@ -64,7 +72,9 @@ impl<B: Payload> Endpoint<B> {
                 };
                 let upto = self.created_upto.entry(from).or_default();
                 *upto = (*upto).max(rref.local);
-                self.owned.entry(rref).or_default().forks.insert(fork, from);
+                let o = self.owned.entry(rref).or_default();
+                let new = o.forks.insert(fork, from).is_none();
+                self.count_reference(from, new);
                 let token = RequestToken {
                     from,
                     id,
@@ -120,14 +130,17 @@ impl<B: Payload> Endpoint<B> {
                         .or_else(|| self.released(rref))
                         .or_else(|| self.creator_lost(rref))
                         .map(Err);
-                    self.owned
+                    let new = self
+                        .owned
                         .entry(rref)
                         .or_insert_with(|| Owned {
                             state: failed,
                             ..Owned::default()
                         })
                         .forks
-                        .insert(fork, from);
+                        .insert(fork, from)
+                        .is_none();
+                    self.count_reference(from, new);
                 }
                 self.ack(from, id);
             }
@@ -149,9 +162,11 @@ impl<B: Payload> Endpoint<B> {
                 fork,
             } => {
                 if self.first_time(from, id, floor) {
-                    if let Some(o) = self.owned.get_mut(&rref) {
-                        o.forks.remove(&fork);
-                    }
+                    let holder = self
+                        .owned
+                        .get_mut(&rref)
+                        .and_then(|o| o.forks.remove(&fork));
+                    self.uncount_reference(holder);
                     self.maybe_release(rref);
                 }
                 self.ack(from, id);
@@ -184,7 +199,26 @@ impl<B: Payload> Endpoint<B> {
         header: &Header,
     ) -> Result<(), ProtocolViolation> {
         let never_issued = |id: MessageId| id <= self.first_id || id > self.next_id;
+        let repeated = |id: MessageId, kind: RequestKind| {
+            let token = RequestToken { from, id, kind };
+            if self.incoming.tokens.contains(&token) {
+                Err(ProtocolViolation::RepeatedRequest { id })
+            } else {
+                Ok(())
+            }
+        };
         match *header {
+            Header::Call { id, .. } => repeated(id, RequestKind::Call),
+            Header::Fetch { id, rref, .. } => {
+                let parked = self
+                    .owned
+                    .get(&rref)
+                    .is_some_and(|o| o.fetches.iter().any(|f| f.0 == from && f.1 == id));
+                if parked {
+                    return Err(ProtocolViolation::RepeatedRequest { id });
+                }
+                repeated(id, RequestKind::Fetch(rref))
+            }
             Header::Reply { id, .. } => {
                 if never_issued(id) {
                     return Err(ProtocolViolation::UnknownId { id, what: "reply" });
@@ -238,6 +272,17 @@ impl<B: Payload> Endpoint<B> {
                     // Held by the sender, or forgotten already (a failed creation's fork).
                     _ => {}
                 }
+                let known = self
+                    .owned
+                    .get(&rref)
+                    .is_some_and(|o| o.forks.contains_key(&fork));
+                let limit = self.config.references_per_peer;
+                if matches!(header, Header::ForkRequest { .. })
+                    && !known
+                    && self.references_of(from) >= limit
+                {
+                    return Err(ProtocolViolation::TooManyReferences { limit });
+                }
                 let limit = self.config.pending_forks_per_peer;
                 if matches!(header, Header::ForkRequest { .. })
                     && !self.owned.contains_key(&rref)
@@ -255,6 +300,7 @@ impl<B: Payload> Endpoint<B> {
                 })
             }
             Header::Shutdown { signal } => self.check_shutdown_signal(from, signal),
+            Header::ShutdownFailed { ref missing, .. } => self.check_shutdown_failed(from, missing),
             Header::ChildAccept { fork, .. } => match self.children.get(&fork) {
                 Some(&(_, to)) if to != from => Err(ProtocolViolation::ForeignFork {
                     rref: fork,
@@ -349,6 +395,8 @@ impl<B: Payload> Endpoint<B> {
         self.last_now = Some(now);
         let cause = self.lost.entry(peer).or_insert(cause).clone();
         self.placeholders.remove(&peer);
+        // Its forks are dropped from every record below.
+        self.references.remove(&peer);
         let ids: Vec<MessageId> = self
             .pending
             .iter()

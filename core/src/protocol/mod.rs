@@ -29,6 +29,7 @@
 //! - `rrefs`: commands on reference handles (fork, accept, clone, drop, undo);
 //! - `control`: the reference protocol's control messages, their acks and idempotence records;
 //! - `debug`: the debug view ([`DebugInfo`]);
+//! - `bounds`: what a peer can make the endpoint hold, counted per peer and bounded;
 //! - [`shutdown`]: the phases of a graceful shutdown and of leaving a dynamic group;
 //! - [`gather`]: barriers and all_gathers of a dynamic group through a leader
 //!   ([`gather::GatherLeader`]).
@@ -65,6 +66,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+mod bounds;
 mod calls;
 mod control;
 mod debug;
@@ -526,6 +528,19 @@ pub struct EndpointConfig {
     /// request beyond it is answered at once with a [`RemoteErrorKind::Busy`] error naming
     /// the bound, and runs nothing. Default 4,096.
     pub requests_per_peer: usize,
+    /// Fetches (`to_here`) one peer may have parked here on values still being created (a
+    /// fetch for a value that exists is a request being served, counted by
+    /// [`requests_per_peer`](Self::requests_per_peer)). A fetch beyond it is answered at once
+    /// with a [`RemoteErrorKind::Busy`] error naming the bound, and is not parked. Default
+    /// 4,096.
+    pub parked_fetches_per_peer: usize,
+    /// References one peer may make this worker hold for it: forks it holds of values owned
+    /// here (the creator's fork of each value it created here with `remote`, and each fork it
+    /// registered with a fork request). Beyond it a `remote` from that peer creates nothing and
+    /// is answered at once with a [`RemoteErrorKind::Busy`] error naming the bound, and a fork
+    /// request for one more fork is a [`ProtocolViolation::TooManyReferences`]. Forks this
+    /// worker gives a peer itself count too, but are never refused. Default 1,048,576.
+    pub references_per_peer: usize,
 }
 
 impl Default for EndpointConfig {
@@ -535,6 +550,8 @@ impl Default for EndpointConfig {
             idempotence_records_per_peer: 1 << 16,
             pending_forks_per_peer: 1 << 14,
             requests_per_peer: 4096,
+            parked_fetches_per_peer: 4096,
+            references_per_peer: 1 << 20,
         }
     }
 }
@@ -706,6 +723,13 @@ pub enum ProtocolViolation {
         /// The last round this worker reported (0: none).
         our_round: u32,
     },
+    /// A report that the sender's graceful shutdown failed that no honest worker sends: a
+    /// second one, or one whose list of missing workers is not in rank order.
+    #[error("it sent {what}")]
+    ForgedShutdownFailure {
+        /// What was wrong with it.
+        what: &'static str,
+    },
     /// A creation (`remote`) of a reference that another worker made: only the worker that
     /// made a reference's id may ask its owner to create its value.
     #[error("it asked this worker to create remote reference {rref}, which worker {creator} made")]
@@ -747,6 +771,21 @@ pub enum ProtocolViolation {
     /// [`EndpointConfig::pending_forks_per_peer`] records of such references.
     #[error("it asked for forks of more than {limit} references this worker has not created")]
     TooManyPendingForks {
+        /// The bound.
+        limit: usize,
+    },
+    /// A call, remote or fetch under the id of one of its requests still being served here:
+    /// ids are never reused, and a copy would run a second handler outside the sender's
+    /// share ([`EndpointConfig::requests_per_peer`]).
+    #[error("it sent request {id} again while this worker was still serving it")]
+    RepeatedRequest {
+        /// The request's id.
+        id: MessageId,
+    },
+    /// A fork request for one more fork while the sender already holds
+    /// [`EndpointConfig::references_per_peer`] forks of values owned here.
+    #[error("it asked to hold more than {limit} references to values this worker owns (references_per_peer)")]
+    TooManyReferences {
         /// The bound.
         limit: usize,
     },
@@ -793,6 +832,9 @@ pub struct Endpoint<B> {
     unacked_to: HashMap<WorkerId, BTreeSet<MessageId>>,
     incoming: Serving,
     owned: HashMap<RRefId, Owned>,
+    /// Per peer, the forks it holds of values owned here (the holders in `owned`'s fork
+    /// records, counted), bounded by [`EndpointConfig::references_per_peer`].
+    references: HashMap<WorkerId, usize>,
     used: HashMap<ForkId, Used>,
     /// Child fork -> the parent fork it was made from and the worker it was sent to.
     children: HashMap<ForkId, (ForkId, WorkerId)>,
@@ -929,6 +971,7 @@ impl<B: Payload> Endpoint<B> {
             unacked_to: HashMap::new(),
             incoming: Serving::default(),
             owned: HashMap::new(),
+            references: HashMap::new(),
             used: HashMap::new(),
             children: HashMap::new(),
             seen_control: HashMap::new(),

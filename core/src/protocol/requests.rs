@@ -242,6 +242,24 @@ impl<B: Payload> Endpoint<B> {
         };
         match &o.state {
             None => {
+                let limit = self.config.parked_fetches_per_peer;
+                if from != self.me && self.parked_fetches_of(from) >= limit {
+                    let err = RemoteError {
+                        worker: self.me,
+                        kind: RemoteErrorKind::Busy,
+                        message: format!(
+                            "worker {} already holds {limit} fetches from worker {from} \
+                             parked on values still being created, its bound per caller \
+                             (parked_fetches_per_peer)",
+                            self.me
+                        ),
+                    };
+                    self.reply(from, id, Err(err));
+                    return;
+                }
+                let Some(o) = self.owned.get_mut(&rref) else {
+                    return;
+                };
                 o.fetches.push((from, id, deadline));
                 if let Some(d) = deadline {
                     self.timers.insert((d, Timer::Fetches(rref)));

@@ -169,11 +169,15 @@ impl<B: Payload> Endpoint<B> {
         // Otherwise only a fresh fork for a third worker registered anything: as the owner,
         // the fork in the reference's record; as a user, a pending child.
         if data.owner == self.me {
-            let registered = data.fork != data.rref
-                && self
-                    .owned
+            let holder = if data.fork != data.rref {
+                self.owned
                     .get_mut(&data.rref)
-                    .is_some_and(|o| o.forks.remove(&data.fork).is_some());
+                    .and_then(|o| o.forks.remove(&data.fork))
+            } else {
+                None
+            };
+            let registered = holder.is_some();
+            self.uncount_reference(holder);
             if registered {
                 self.maybe_release(data.rref);
             }
@@ -226,7 +230,8 @@ impl<B: Payload> Endpoint<B> {
         if handle.owner == me {
             // The owner registers the fork at once: the receiver starts confirmed.
             if let Some(o) = self.owned.get_mut(&handle.rref) {
-                o.forks.insert(fork, to);
+                let new = o.forks.insert(fork, to).is_none();
+                self.count_reference(to, new);
             }
         } else if let Some(u) = self.used.get_mut(&handle.fork) {
             u.pending_children.insert(fork);

@@ -92,7 +92,7 @@ impl ShutdownPhase {
 
 /// Why a graceful shutdown did not complete.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{}{}", .phase.describe(), if *.lost { " (a member was lost)" } else { "" })]
+#[error("{}{}{}", .phase.describe(), if *.lost { " (a member was lost)" } else { "" }, .reported_by.map(|w| format!(" (as worker {w} reported: its own shutdown failed waiting for them)")).unwrap_or_default())]
 #[non_exhaustive]
 pub struct ShutdownError {
     /// The phase it stopped in.
@@ -101,6 +101,10 @@ pub struct ShutdownError {
     pub missing: Vec<WorkerId>,
     /// Whether it failed because a member was lost (else: the deadline passed).
     pub lost: bool,
+    /// The member whose failed shutdown made this one fail, naming `missing` (a report about
+    /// other workers is that member's word, and the error says whose); `None`: this worker
+    /// saw the failure itself.
+    pub reported_by: Option<WorkerId>,
 }
 
 #[derive(Debug)]
@@ -264,6 +268,26 @@ impl<B: Payload> Endpoint<B> {
         }
     }
 
+    /// Whether `from` may say its shutdown failed, naming `missing`: once (a shutdown ends
+    /// once), and naming each worker once, in rank order, as an honest sender's list is.
+    pub(super) fn check_shutdown_failed(
+        &self,
+        from: WorkerId,
+        missing: &[WorkerId],
+    ) -> Result<(), ProtocolViolation> {
+        if self.shutdown.failed.contains_key(&from) {
+            return Err(ProtocolViolation::ForgedShutdownFailure {
+                what: "a second report that its shutdown failed",
+            });
+        }
+        if missing.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(ProtocolViolation::ForgedShutdownFailure {
+                what: "a list of missing workers that is not in rank order or names one twice",
+            });
+        }
+        Ok(())
+    }
+
     pub(super) fn on_shutdown_signal(&mut self, from: WorkerId, signal: ShutdownSignal) {
         self.shutdown.heard.entry(from).or_default().push(signal);
         self.advance_shutdown();
@@ -299,11 +323,10 @@ impl<B: Payload> Endpoint<B> {
         let Some(s) = self.shutdown.ours.as_ref() else {
             return false;
         };
-        let Some((missing, lost)) = s
+        let Some((reporter, (missing, lost))) = s
             .members
             .iter()
-            .find_map(|m| self.shutdown.failed.get(m))
-            .cloned()
+            .find_map(|m| Some((*m, self.shutdown.failed.get(m)?.clone())))
         else {
             return false;
         };
@@ -311,6 +334,7 @@ impl<B: Payload> Endpoint<B> {
             phase,
             missing,
             lost,
+            reported_by: Some(reporter),
         });
         true
     }
@@ -466,6 +490,7 @@ impl<B: Payload> Endpoint<B> {
             phase,
             missing,
             lost: false,
+            reported_by: None,
         });
     }
 
@@ -527,6 +552,7 @@ impl<B: Payload> Endpoint<B> {
             phase,
             missing: gone,
             lost: true,
+            reported_by: None,
         });
         true
     }

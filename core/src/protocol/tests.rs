@@ -82,6 +82,13 @@ impl Sim {
                 break;
             }
         }
+        for ep in &self.eps {
+            assert!(
+                ep.reference_counts_agree(),
+                "worker {}: the references counted per peer disagree with its fork records",
+                ep.id()
+            );
+        }
     }
 
     fn app(&mut self, w: WorkerId, ev: Event<Body>) {
@@ -1093,6 +1100,261 @@ fn requests_beyond_a_callers_share_are_answered_busy() {
     assert!(matches!(callee.poll_event(), Some(Event::Call { .. })));
 }
 
+/// A request sent again under the id of one still being served is a violation and runs
+/// nothing: otherwise each copy ran another handler outside the caller's share
+/// (`requests_per_peer` counts requests by id). Issue 27's hostile peer found it.
+#[test]
+fn a_request_repeated_while_it_is_served_is_a_violation_and_runs_nothing_twice() {
+    let mut callee = Endpoint::<Body>::new(1, EndpointConfig::default());
+    let now = Instant::now();
+    let call = Header::Call {
+        id: 7,
+        function: "slow".into(),
+        timeout: T,
+    };
+    assert_eq!(
+        callee.handle_message(2, call.clone(), Some(vec![]), now),
+        Ok(())
+    );
+    assert!(matches!(callee.poll_event(), Some(Event::Call { .. })));
+    for _ in 0..3 {
+        assert_eq!(
+            callee.handle_message(2, call.clone(), Some(vec![]), now),
+            Err(ProtocolViolation::RepeatedRequest { id: 7 })
+        );
+    }
+    assert!(callee.poll_event().is_none(), "no copy ran");
+    assert!(callee.poll_transmit().is_none(), "no copy was answered");
+    assert_eq!(callee.debug_info().requests_being_served.get(&2), Some(&1));
+    // Another caller may use the same id; so may the same caller once it is answered.
+    assert_eq!(
+        callee.handle_message(3, call.clone(), Some(vec![]), now),
+        Ok(())
+    );
+    assert!(matches!(callee.poll_event(), Some(Event::Call { .. })));
+
+    // A fetch repeated while it is parked on a value being created, too.
+    let rref = GlobalId {
+        created_on: 2,
+        local: 1,
+    };
+    let remote = Header::Remote {
+        id: 8,
+        function: "make".into(),
+        rref,
+        fork: rref,
+        timeout: T,
+    };
+    assert_eq!(callee.handle_message(2, remote, Some(vec![]), now), Ok(()));
+    let fetch = Header::Fetch {
+        id: 9,
+        rref,
+        timeout: T,
+    };
+    assert_eq!(callee.handle_message(2, fetch.clone(), None, now), Ok(()));
+    assert_eq!(
+        callee.handle_message(2, fetch, None, now),
+        Err(ProtocolViolation::RepeatedRequest { id: 9 })
+    );
+}
+
+/// Fetches parked on a value still being created are bounded per caller
+/// (`parked_fetches_per_peer`): past it a fetch is answered busy at once, naming the bound,
+/// and parks nothing; other callers keep their own share, and the parked ones are served once
+/// the value exists.
+#[test]
+fn fetches_parked_beyond_a_callers_share_are_answered_busy() {
+    let config = EndpointConfig {
+        parked_fetches_per_peer: 2,
+        ..EndpointConfig::default()
+    };
+    let mut owner = Endpoint::<Body>::new(1, config);
+    let now = Instant::now();
+    let rref = GlobalId {
+        created_on: 2,
+        local: 1,
+    };
+    let remote = Header::Remote {
+        id: 1,
+        function: "make".into(),
+        rref,
+        fork: rref,
+        timeout: T,
+    };
+    assert_eq!(owner.handle_message(2, remote, Some(vec![]), now), Ok(()));
+    let creation = match owner.poll_event() {
+        Some(Event::Remote { token, .. }) => token,
+        other => panic!("expected the creation, got {other:?}"),
+    };
+    let fetch = |id: u64| Header::Fetch {
+        id,
+        rref,
+        timeout: Duration::ZERO,
+    };
+    for id in 2..=3 {
+        assert_eq!(owner.handle_message(2, fetch(id), None, now), Ok(()));
+    }
+    assert!(owner.poll_transmit().is_none(), "two fetches are parked");
+    assert_eq!(owner.handle_message(2, fetch(4), None, now), Ok(()));
+    match owner.poll_transmit() {
+        Some(Transmit {
+            to: 2,
+            header:
+                Header::Reply {
+                    id: 4,
+                    outcome: Err(e),
+                    ..
+                },
+            ..
+        }) => {
+            assert_eq!(e.kind, RemoteErrorKind::Busy);
+            assert!(
+                e.message.contains("parked_fetches_per_peer"),
+                "{}",
+                e.message
+            );
+            assert!(
+                e.message.contains("2 fetches from worker 2"),
+                "{}",
+                e.message
+            );
+        }
+        other => panic!("expected a busy reply to the third fetch, got {other:?}"),
+    }
+    assert!(owner.poll_event().is_none());
+    // Another caller has a share of its own.
+    assert_eq!(owner.handle_message(3, fetch(1), None, now), Ok(()));
+    assert!(
+        owner.poll_transmit().is_none(),
+        "worker 3's fetch is parked"
+    );
+    // Once the value exists, the parked fetches are served, and the caller may fetch again.
+    assert!(owner.respond(creation, Ok(vec![])));
+    let served: Vec<_> = std::iter::from_fn(|| owner.poll_event())
+        .filter_map(|e| match e {
+            Event::Fetch { token, .. } => Some(token.from()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(served, vec![2, 2, 3]);
+    assert_eq!(owner.handle_message(2, fetch(5), None, now), Ok(()));
+    assert!(matches!(owner.poll_event(), Some(Event::Fetch { .. })));
+}
+
+/// The references one peer may make us hold are bounded (`references_per_peer`): past it a
+/// `remote` from it creates nothing and is answered busy naming the bound, and a fork request
+/// for one more fork is a violation; other peers keep their own share, and a fork it deletes
+/// frees a place.
+#[test]
+fn references_a_peer_holds_here_are_bounded() {
+    let config = EndpointConfig {
+        references_per_peer: 2,
+        ..EndpointConfig::default()
+    };
+    let mut owner = Endpoint::<Body>::new(1, config);
+    let now = Instant::now();
+    let rref = |local: u64| GlobalId {
+        created_on: 2,
+        local,
+    };
+    let remote = |id: u64, local: u64| Header::Remote {
+        id,
+        function: "make".into(),
+        rref: rref(local),
+        fork: rref(local),
+        timeout: T,
+    };
+    for local in 1..=2 {
+        assert_eq!(
+            owner.handle_message(2, remote(local, local), Some(vec![]), now),
+            Ok(())
+        );
+        match owner.poll_event() {
+            Some(Event::Remote { token, .. }) => assert!(owner.respond(token, Ok(vec![]))),
+            other => panic!("expected a creation, got {other:?}"),
+        }
+    }
+    while owner.poll_transmit().is_some() {}
+    assert!(owner.reference_counts_agree());
+    // A third creation runs nothing and is answered busy.
+    assert_eq!(
+        owner.handle_message(2, remote(3, 3), Some(vec![]), now),
+        Ok(())
+    );
+    assert!(owner.poll_event().is_none(), "nothing was created");
+    assert!(!owner.owns(rref(3)));
+    match owner.poll_transmit() {
+        Some(Transmit {
+            to: 2,
+            header:
+                Header::Reply {
+                    id: 3,
+                    outcome: Err(e),
+                    ..
+                },
+            ..
+        }) => {
+            assert_eq!(e.kind, RemoteErrorKind::Busy);
+            assert!(e.message.contains("references_per_peer"), "{}", e.message);
+            assert!(
+                e.message.contains("2 references for worker 2"),
+                "{}",
+                e.message
+            );
+        }
+        other => panic!("expected a busy reply, got {other:?}"),
+    }
+    // One more fork of a value it holds already is a violation, and changes nothing.
+    let more = Header::ForkRequest {
+        id: 1,
+        floor: 0,
+        rref: rref(1),
+        fork: GlobalId {
+            created_on: 2,
+            local: 100,
+        },
+    };
+    assert_eq!(
+        owner.handle_message(2, more, None, now),
+        Err(ProtocolViolation::TooManyReferences { limit: 2 })
+    );
+    assert_eq!(owner.owner_fork_count(rref(1)), Some(1));
+    // Another peer has a share of its own.
+    let theirs = Header::ForkRequest {
+        id: 1,
+        floor: 0,
+        rref: rref(1),
+        fork: GlobalId {
+            created_on: 3,
+            local: 1,
+        },
+    };
+    assert_eq!(owner.handle_message(3, theirs, None, now), Ok(()));
+    assert_eq!(owner.owner_fork_count(rref(1)), Some(2));
+    assert!(owner.reference_counts_agree());
+    // A deleted fork frees a place.
+    let delete = Header::UserDelete {
+        id: 2,
+        floor: 0,
+        rref: rref(2),
+        fork: rref(2),
+    };
+    assert_eq!(owner.handle_message(2, delete, None, now), Ok(()));
+    assert!(!owner.owns(rref(2)), "released once unreferenced");
+    assert!(matches!(
+        owner.poll_event(),
+        Some(Event::ReleaseValue { rref: r }) if r == rref(2)
+    ));
+    assert_eq!(
+        owner.handle_message(2, remote(4, 4), Some(vec![]), now),
+        Ok(())
+    );
+    assert!(matches!(owner.poll_event(), Some(Event::Remote { .. })));
+    assert!(owner.reference_counts_agree());
+    owner.handle_peer_lost(2, LostCause::Shutdown, now);
+    assert!(owner.reference_counts_agree());
+}
+
 /// A peer that never raises its floor cannot grow the idempotence records past our bound;
 /// a copy of a recent message is still acknowledged and not handled again.
 #[test]
@@ -1421,6 +1683,41 @@ fn unanswered_calls_at_the_deadline_name_their_callees() {
     s.advance(Duration::from_secs(1));
     let e = s.shutdowns[0][0].clone().unwrap_err();
     assert_eq!((e.phase, e.missing), (ShutdownPhase::Settling, vec![2]));
+}
+
+/// A report that a member's shutdown failed is that member's word: ours then fails naming
+/// whom it named *and* who said so. A second report from the same member, or a list no honest
+/// member sends (out of rank order, a worker twice), is a violation that changes nothing.
+#[test]
+fn a_reported_shutdown_failure_names_its_reporter_and_forged_ones_are_violations() {
+    let mut s = Sim::new(3);
+    let now = s.clock.now();
+    let failed = |missing: Vec<WorkerId>| Header::ShutdownFailed {
+        missing,
+        lost: false,
+    };
+    for forged in [vec![2, 1], vec![1, 1]] {
+        assert!(matches!(
+            s.ep(0).handle_message(2, failed(forged), None, now),
+            Err(ProtocolViolation::ForgedShutdownFailure { .. })
+        ));
+    }
+    s.ep(0)
+        .handle_message(2, failed(vec![1]), None, now)
+        .unwrap();
+    let e = s
+        .ep(0)
+        .handle_message(2, failed(vec![1]), None, now)
+        .unwrap_err();
+    assert!(e.to_string().contains("a second report"), "{e}");
+    s.ep(0).begin_graceful_shutdown([0, 1, 2], None);
+    s.pump();
+    let e = s.shutdowns[0][0].clone().unwrap_err();
+    assert_eq!((e.missing.clone(), e.reported_by), (vec![1], Some(2)));
+    assert!(
+        e.to_string().contains("as worker 2 reported"),
+        "the error says whose word it is: {e}"
+    );
 }
 
 /// Shutdown reports out of order are violations that change nothing.

@@ -1,6 +1,6 @@
-//! The argument checks and byte layouts the port's default collectives share: a root or a
-//! count in range, a rank's share of a buffer, blocks packed with their lengths, and a tensor's
-//! host bytes on the group's device.
+//! The argument checks and byte layouts the port's default collectives share: a root, a count
+//! or a tensor list in range, a rank's share of a buffer, blocks packed with their lengths, a
+//! tensor's host bytes on the group's device, and received bytes put back into a tensor.
 
 use bytes::Bytes;
 
@@ -149,4 +149,74 @@ pub(super) fn check_stacked(
         }));
     }
     Ok(())
+}
+
+/// Checks a gather's or scatter's tensor list: present (one tensor per rank, each of `one`'s
+/// dtype and shape) on the root, absent elsewhere.
+pub(super) fn check_list<P: ProcessGroup + ?Sized>(
+    collective: &'static str,
+    name: &'static str,
+    list: Option<&[Tensor]>,
+    one: &Tensor,
+    root: usize,
+    group: &P,
+) -> Result<(), ProcessGroupError> {
+    let arguments = |source| ProcessGroupError::Arguments { collective, source };
+    let on_root = group.rank() == root;
+    match list {
+        Some(list) if on_root => {
+            check_count(collective, list.len(), group.size())?;
+            for t in list {
+                if t.dtype() != one.dtype() {
+                    return Err(arguments(CollectiveError::TensorType {
+                        tensor: name,
+                        expected: format!("{:?}", one.dtype()),
+                        actual: format!("{:?}", t.dtype()),
+                    }));
+                }
+                if t.shape() != one.shape() {
+                    return Err(arguments(CollectiveError::TensorSize {
+                        tensor: name,
+                        expected: one.shape().to_vec(),
+                        actual: t.shape().to_vec(),
+                    }));
+                }
+            }
+            Ok(())
+        }
+        None if !on_root => Ok(()),
+        _ => Err(arguments(CollectiveError::TensorList {
+            list: name,
+            on_root,
+        })),
+    }
+}
+
+/// `tensor` with the bytes of a message from `src` as its storage, or a
+/// [`ProcessGroupError::Mismatch`] naming `src` when they are not `tensor`'s length.
+pub(super) fn received_into(
+    tensor: &Tensor,
+    src: usize,
+    bytes: Bytes,
+) -> Result<Tensor, ProcessGroupError> {
+    if bytes.len() != tensor.nbytes() {
+        return Err(ProcessGroupError::Mismatch {
+            peer: src,
+            collective: "recv",
+            seq: 0,
+            reason: format!(
+                "its message has {} bytes, this rank's tensor {}",
+                bytes.len(),
+                tensor.nbytes()
+            ),
+        });
+    }
+    Ok(with_host_bytes(tensor, bytes))
+}
+
+/// `tensor`'s dtype and shape with `data` (of the same length) as host storage.
+pub(super) fn with_host_bytes(tensor: &Tensor, data: impl Into<Bytes>) -> Tensor {
+    tensor
+        .with_storage(Storage::Host(data.into()))
+        .expect("a collective keeps the byte length")
 }
