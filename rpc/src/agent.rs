@@ -28,17 +28,15 @@ use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{oneshot, Notify};
 
 use crate::codec::{self};
-pub(crate) use crate::driver::drive;
 use crate::error::RpcError;
 use crate::functions::{Functions, Value};
-pub(crate) use crate::init::static_group::RPC_GROUP;
-pub(crate) use crate::init::{advertise_ip, GROUP_KIND};
+pub use crate::future::RpcFuture;
 use crate::metrics::RpcMetrics;
 use crate::options::RpcOptions;
 use crate::rref::RRef;
 use crate::runtime::Runtime;
-pub(crate) use crate::state::WorkerRecord;
-use crate::state::{Body, Inner, Membership, State, Tasks};
+pub use crate::state::Agent;
+use crate::state::{Body, Inner, Membership, State, Tasks, WorkerRecord};
 use crate::tensors::{self, TensorTransferError};
 use crate::typed::{Call, Function};
 pub use crate::worker::{WorkerInfo, WorkerRef};
@@ -92,12 +90,6 @@ impl fmt::Display for AgentDebugInfo {
             p.requests_being_served,
         )
     }
-}
-
-/// A running RPC agent. Cheap to clone; every clone is the same agent.
-#[derive(Clone)]
-pub struct Agent {
-    pub(crate) inner: Arc<Inner>,
 }
 
 impl fmt::Debug for Agent {
@@ -337,6 +329,12 @@ impl Agent {
         self.members_mut().remove(rank, &self.inner);
     }
 
+    /// Starts this worker's ids above every earlier incarnation of its rank's (a dynamic
+    /// group admitted it with sequence number `seq`).
+    pub(crate) fn begin_incarnation(&self, seq: u64) {
+        self.lock().ep.begin_incarnation(seq);
+    }
+
     fn members_mut(&self) -> std::sync::RwLockWriteGuard<'_, Membership> {
         self.inner
             .members
@@ -425,7 +423,7 @@ impl Agent {
         match e {
             TensorTransferError::Encode(e) => RpcError::Serialization {
                 what: format!("the arguments of {function:?}"),
-                message: codec::take_note().unwrap_or_else(|| e.to_string()),
+                message: e.to_string(),
             },
             other => RpcError::Tensors {
                 to: self.name_of(to),
@@ -536,7 +534,7 @@ impl Agent {
         Ok(self
             .inner
             .metrics
-            .call(self, to, function, id, bytes, future))
+            .call(&|id| self.name_of(id), to, function, id, bytes, future))
     }
 
     /// Undoes the forks made for `to` by an encode whose bytes will not be sent.
@@ -600,7 +598,9 @@ impl Agent {
             prepared.data.len(),
             prepared.tensors.iter().map(|t| &t.0),
         );
-        self.inner.metrics.remote(self, to, function, bytes);
+        self.inner
+            .metrics
+            .remote(&|id| self.name_of(id), to, function, bytes);
         let handle = if prepared.on_host() {
             let body = Body {
                 target: target.map(|h| h.rref),
@@ -754,9 +754,9 @@ impl Agent {
         handle
     }
 
-    /// Whether `self` and `other` are the same agent (clones of one).
-    pub(crate) fn same_as(&self, other: &Agent) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
+    /// A number that tells this agent (and its clones) apart from every other agent alive.
+    pub(crate) fn identity(&self) -> u64 {
+        Arc::as_ptr(&self.inner) as usize as u64
     }
 
     /// The value of a reference this worker owns.
@@ -1074,12 +1074,6 @@ impl Agent {
             Err(_) => Err("RPC is no longer running on this worker".into()),
         }
     }
-}
-
-/// The result of [`Agent::rpc_async`]: await it for the callee's result.
-pub struct RpcFuture<R> {
-    pub(crate) inner:
-        std::pin::Pin<Box<dyn std::future::Future<Output = Result<R, RpcError>> + Send>>,
 }
 
 impl<R: DeserializeOwned + Send + 'static> RpcFuture<R> {

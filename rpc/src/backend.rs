@@ -30,13 +30,13 @@ use tensorwire_rendezvous::Rendezvous;
 #[cfg(feature = "tcp")]
 use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 
-use crate::agent::Agent;
 use crate::error::RpcError;
 #[cfg(feature = "tcp")]
 use crate::init::cluster_secret;
 #[cfg(any(feature = "tcp", feature = "quic"))]
 use crate::init::start_agent;
 use crate::options::RpcOptions;
+use crate::state::Agent;
 
 /// An RPC backend as this crate's registry holds it.
 pub type DynRpcBackend =

@@ -2,41 +2,205 @@
 //!
 //! Arguments and results are postcard. A remote reference inside them is encoded as fork data:
 //! encoding it *forks* it for the destination, decoding it *accepts* the fork. Both need the
-//! agent and (for encoding) the destination, which a thread-local context provides for the
-//! duration of one synchronous encode or decode.
+//! agent and (for encoding) the destination: an [`EncodeContext`] or [`DecodeContext`] made for
+//! the one encode or decode, which the format's serializer carries to every value inside
+//! (wrapped by [`encoder`] and [`decoder`]). A reference serializes as a newtype struct named
+//! [`RREF_TOKEN`], which only these wrappers understand: anywhere else (another format, or
+//! postcard without the wrapper) serializing or deserializing an `RRef` fails, saying so.
+
+mod decoder;
+mod encoder;
 
 use std::cell::RefCell;
+use std::fmt::Display;
 
 use bytes::Bytes;
+use postcard::ser_flavors::Flavor as _;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tensorwire_core::protocol::{Header, RRefForkData, RRefHandle, RRefId, WorkerId};
 use tensorwire_core::tensor::{sidecar, Tensor, TensorMeta};
 
-use crate::agent::Agent;
+use crate::state::Agent;
 
-thread_local! {
-    /// The message of the last custom serialization error on this thread (postcard keeps only
-    /// "Serde Serialization Error").
-    static NOTE: RefCell<Option<String>> = const { RefCell::new(None) };
-    static ENCODING: RefCell<Option<(Agent, WorkerId)>> = const { RefCell::new(None) };
-    static DECODING: RefCell<Option<Agent>> = const { RefCell::new(None) };
-    /// The references accepted by the decode in progress on this thread.
-    static ACCEPTED: RefCell<Vec<RRefHandle>> = const { RefCell::new(Vec::new()) };
-    /// The forks made by the encode in progress on this thread.
-    static FORKED: RefCell<Vec<RRefForkData>> = const { RefCell::new(Vec::new()) };
+/// The name of the newtype struct a remote reference serializes as: what the codec's wrappers
+/// recognise (`$` keeps it apart from every Rust type's name).
+pub(crate) const RREF_TOKEN: &str = "$tensorwire::RRef";
+
+/// Why a value could not be encoded or decoded, with the message of whoever failed: the
+/// codec's own (a reference that cannot be sent), a value's own `Serialize` or `Deserialize`
+/// (postcard alone would keep only "Serde Serialization Error"), or the format's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Failure(String);
+
+impl Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
-/// Restores the previous context when dropped (encodes may nest).
-struct Restore<T: 'static>(
-    &'static std::thread::LocalKey<RefCell<Option<T>>>,
-    Option<T>,
-);
+impl std::error::Error for Failure {}
 
-impl<T: 'static> Drop for Restore<T> {
-    fn drop(&mut self) {
-        let prev = self.1.take();
-        self.0.with(|c| *c.borrow_mut() = prev);
+impl serde::ser::Error for Failure {
+    fn custom<T: Display>(msg: T) -> Self {
+        Failure(msg.to_string())
+    }
+}
+
+impl serde::de::Error for Failure {
+    fn custom<T: Display>(msg: T) -> Self {
+        Failure(msg.to_string())
+    }
+}
+
+/// Carries a [`Failure`] across the format's own code, whose error type keeps no message: a
+/// failure going out through the format is kept here ([`lower`](Self::lower)) and taken back
+/// when the format's error comes back ([`lift`](Self::lift)).
+#[derive(Default)]
+struct Errors {
+    kept: RefCell<Option<Failure>>,
+}
+
+impl Errors {
+    /// `failure`, as the error of the format it goes through.
+    fn lower<E: serde::ser::Error>(&self, failure: Failure) -> E {
+        let e = E::custom(&failure);
+        *self.kept.borrow_mut() = Some(failure);
+        e
+    }
+
+    /// `failure`, as the error of the format it goes through (deserializing).
+    fn lower_de<E: serde::de::Error>(&self, failure: Failure) -> E {
+        let e = E::custom(&failure);
+        *self.kept.borrow_mut() = Some(failure);
+        e
+    }
+
+    /// The format's error `e`: the failure it carries, if one went through it.
+    fn lift<E: Display>(&self, e: E) -> Failure {
+        self.kept
+            .borrow_mut()
+            .take()
+            .unwrap_or_else(|| Failure(e.to_string()))
+    }
+}
+
+/// What one encode needs beyond the value: the agent, the destination, the forks made for the
+/// references inside (for the message, or to undo), and the failure being carried out.
+pub(crate) struct EncodeContext<'a> {
+    agent: &'a Agent,
+    to: WorkerId,
+    forks: RefCell<Vec<RRefForkData>>,
+    errors: Errors,
+}
+
+impl EncodeContext<'_> {
+    /// Forks for the destination the reference whose [`Outgoing`] is `token`.
+    fn fork<T: Serialize + ?Sized>(&self, token: &T) -> Result<RRefForkData, Failure> {
+        let Outgoing { agent, handle } = Outgoing::read(token)?;
+        if agent != self.agent.identity() {
+            return Err(Failure(
+                "an RRef can only be sent by the agent that holds it".into(),
+            ));
+        }
+        let data = self
+            .agent
+            .fork_reference(handle, self.to)
+            .map_err(|e| Failure(e.to_string()))?;
+        self.forks.borrow_mut().push(data);
+        Ok(data)
+    }
+}
+
+/// What one decode needs beyond the bytes: the agent, the references accepted so far, and the
+/// failure being carried out.
+pub(crate) struct DecodeContext<'a> {
+    agent: &'a Agent,
+    accepted: RefCell<Vec<RRefHandle>>,
+    errors: Errors,
+}
+
+/// What a remote reference hands the encoder: the agent holding it ([`Agent::identity`]) and
+/// its handle. It serializes only into [`Outgoing::read`]: into anything else it fails, which
+/// is how an `RRef` serialized outside a call says that it cannot be.
+pub(crate) struct Outgoing {
+    pub(crate) agent: u64,
+    pub(crate) handle: RRefHandle,
+}
+
+const OUTSIDE_A_CALL: &str =
+    "an RRef can only be sent as an argument or result of a tensorwire call";
+
+impl Serialize for Outgoing {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{Error as _, SerializeTuple as _};
+        let mut t = serializer.serialize_tuple(2)?;
+        t.serialize_element(&self.agent)?;
+        t.serialize_element(&self.handle)?;
+        Err(S::Error::custom(OUTSIDE_A_CALL))
+    }
+}
+
+impl Outgoing {
+    /// The reference's agent and handle, from the [`Outgoing`] inside `token`.
+    fn read<T: Serialize + ?Sized>(token: &T) -> Result<Self, Failure> {
+        let mut words = postcard::Serializer {
+            output: postcard::ser_flavors::AllocVec::new(),
+        };
+        // Fails by design, once the words are out.
+        let _ = token.serialize(&mut words);
+        let bytes = words
+            .output
+            .finalize()
+            .map_err(|e| Failure(e.to_string()))?;
+        let (agent, handle) = postcard::from_bytes::<(u64, RRefHandle)>(&bytes)
+            .map_err(|_| Failure(OUTSIDE_A_CALL.into()))?;
+        Ok(Outgoing { agent, handle })
+    }
+}
+
+/// How an accepted reference reaches its visitor, which serde lets the decoder hand nothing but
+/// data: the decoder files the handle under a ticket, gives the visitor the ticket's number,
+/// and takes back whatever was not redeemed once the visitor returns.
+pub(crate) mod handoff {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Mutex, PoisonError};
+
+    use tensorwire_core::protocol::RRefHandle;
+
+    use crate::state::Agent;
+
+    type Filed = Mutex<Option<HashMap<u64, (Agent, RRefHandle)>>>;
+
+    static FILED: Filed = Mutex::new(None);
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+
+    fn filed() -> std::sync::MutexGuard<'static, Option<HashMap<u64, (Agent, RRefHandle)>>> {
+        FILED.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Files `handle`, accepted by `agent`, under a new ticket.
+    pub(super) fn issue(agent: &Agent, handle: RRefHandle) -> u64 {
+        let ticket = NEXT.fetch_add(1, Ordering::Relaxed);
+        filed()
+            .get_or_insert_with(HashMap::new)
+            .insert(ticket, (agent.clone(), handle));
+        ticket
+    }
+
+    /// The agent and handle filed under `ticket`, once.
+    pub(crate) fn redeem(ticket: u64) -> Option<(Agent, RRefHandle)> {
+        filed().as_mut()?.remove(&ticket)
+    }
+
+    /// Lets go of the handle under `ticket` if its visitor did not take it (the reference is
+    /// dropped as a reference would be).
+    pub(super) fn cancel(ticket: u64) {
+        let left = redeem(ticket);
+        if let Some((agent, handle)) = left {
+            agent.drop_reference(handle);
+        }
     }
 }
 
@@ -47,12 +211,20 @@ pub(crate) fn encode<T: Serialize + ?Sized>(
     agent: &Agent,
     to: WorkerId,
     value: &T,
-) -> Result<(Bytes, Vec<RRefForkData>), postcard::Error> {
-    let prev = ENCODING.with(|c| c.borrow_mut().replace((agent.clone(), to)));
-    let _restore = Restore(&ENCODING, prev);
-    let outer = FORKED.with(|f| std::mem::take(&mut *f.borrow_mut()));
-    let encoded = postcard::to_allocvec(value);
-    let forks = FORKED.with(|f| std::mem::replace(&mut *f.borrow_mut(), outer));
+) -> Result<(Bytes, Vec<RRefForkData>), Failure> {
+    let ctx = EncodeContext {
+        agent,
+        to,
+        forks: RefCell::new(Vec::new()),
+        errors: Errors::default(),
+    };
+    let mut out = postcard::Serializer {
+        output: postcard::ser_flavors::AllocVec::new(),
+    };
+    let encoded = value
+        .serialize(encoder::Encoder::new(&mut out, &ctx))
+        .and_then(|()| out.output.finalize().map_err(|e| ctx.errors.lift(e)));
+    let forks = ctx.forks.into_inner();
     match encoded {
         Ok(bytes) => Ok((Bytes::from(bytes), forks)),
         Err(e) => {
@@ -62,17 +234,12 @@ pub(crate) fn encode<T: Serialize + ?Sized>(
     }
 }
 
-/// Notes a fork made by the encode in progress on this thread.
-pub(crate) fn forked(data: RRefForkData) {
-    FORKED.with(|f| f.borrow_mut().push(data));
-}
-
 /// Why received bytes did not decode into the expected value.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum DecodeError {
     /// The bytes do not form the value (too few, or malformed).
     #[error("{0}")]
-    Malformed(#[from] postcard::Error),
+    Malformed(Failure),
     /// The value decoded, with bytes to spare: the sender encoded something else (one argument
     /// too many, or another type). postcard is not self-describing, so this is what shows it.
     #[error(
@@ -105,12 +272,21 @@ pub(crate) fn decode_with_references<T: DeserializeOwned>(
     bytes: &[u8],
     tensors: Vec<Tensor>,
 ) -> Result<(T, Vec<RRefHandle>), DecodeError> {
-    let prev = DECODING.with(|c| c.borrow_mut().replace(agent.clone()));
-    let _restore = Restore(&DECODING, prev);
-    let outer = ACCEPTED.with(|a| std::mem::take(&mut *a.borrow_mut()));
-    let decoded = sidecar::provide_tensors(tensors, || postcard::take_from_bytes(bytes));
-    let accepted = ACCEPTED.with(|a| std::mem::replace(&mut *a.borrow_mut(), outer));
-    let (value, rest) = decoded?;
+    let ctx = DecodeContext {
+        agent,
+        accepted: RefCell::new(Vec::new()),
+        errors: Errors::default(),
+    };
+    let mut input = postcard::Deserializer::from_bytes(bytes);
+    let decoded = sidecar::provide_tensors(tensors, || {
+        T::deserialize(decoder::Decoder::new(&mut input, &ctx))
+    });
+    let accepted = ctx.accepted.into_inner();
+    // On failure, the references accepted so far went down with the partial value.
+    let value = decoded.map_err(DecodeError::Malformed)?;
+    let rest = input
+        .finalize()
+        .map_err(|e| DecodeError::Malformed(Failure(e.to_string())))?;
     if !rest.is_empty() {
         return Err(DecodeError::TrailingBytes {
             left: rest.len(),
@@ -119,31 +295,6 @@ pub(crate) fn decode_with_references<T: DeserializeOwned>(
         });
     }
     Ok((value, accepted))
-}
-
-/// Notes a reference accepted by the decode in progress on this thread.
-pub(crate) fn accepted(handle: RRefHandle) {
-    ACCEPTED.with(|a| a.borrow_mut().push(handle));
-}
-
-/// Remembers why a value could not be serialized, for the error the caller gets.
-pub(crate) fn note(message: impl Into<String>) {
-    NOTE.with(|n| *n.borrow_mut() = Some(message.into()));
-}
-
-/// The message remembered by [`note`], if any (taking it).
-pub(crate) fn take_note() -> Option<String> {
-    NOTE.with(|n| n.borrow_mut().take())
-}
-
-/// The agent and destination of the encode in progress on this thread.
-pub(crate) fn encoding() -> Option<(Agent, WorkerId)> {
-    ENCODING.with(|c| c.borrow().clone())
-}
-
-/// The agent of the decode in progress on this thread.
-pub(crate) fn decoding() -> Option<Agent> {
-    DECODING.with(|c| c.borrow().clone())
 }
 
 /// The header of every agent frame: the protocol header and, for methods, the reference whose

@@ -6,9 +6,9 @@
 
 use tensorwire_core::protocol::{Event, LostCause, RemoteErrorKind};
 
-use crate::agent::Agent;
 use crate::links::{self, DirectWrite};
 use crate::serve::{self, remote_error};
+use crate::state::Agent;
 use crate::state::Body;
 
 /// Moves what the endpoint produced along, on the calling task: messages to the peers'

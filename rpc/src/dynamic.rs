@@ -28,10 +28,13 @@ use tensorwire_store::backoff::Backoff;
 use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
-use crate::agent::{advertise_ip, drive, Agent, WorkerRecord, RPC_GROUP};
+use crate::driver::drive;
 use crate::error::RpcError;
+use crate::init::advertise_ip;
+use crate::init::static_group::RPC_GROUP;
 use crate::options::RpcOptions;
 use crate::runtime::{tokio_instant, Runtime};
+use crate::state::{Agent, WorkerRecord};
 
 const COORDINATOR: &str = "rpc/dyn/coordinator";
 
@@ -54,156 +57,153 @@ fn encode_err(what: &str, e: postcard::Error) -> RpcError {
     }
 }
 
-impl Agent {
-    fn dyn_state(&self) -> std::sync::MutexGuard<'_, DynState> {
-        self.inner
+fn dyn_state(agent: &Agent) -> std::sync::MutexGuard<'_, DynState> {
+    agent
+        .inner
+        .membership
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Runs `f` on the membership (if this worker has one), then moves its output along.
+pub(crate) fn with_membership<T>(
+    agent: &Agent,
+    f: impl FnOnce(&mut DynamicMembership) -> T,
+) -> Option<T> {
+    let out = dyn_state(agent).membership.as_mut().map(f);
+    // The call may have moved the next deadline (a redial) without saying anything.
+    agent.inner.membership_wake.notify_one();
+    pump_membership(agent);
+    out
+}
+
+/// Whether `from` may send calls and replies: in a dynamic group, a member only.
+pub(crate) fn may_call(agent: &Agent, from: WorkerId) -> bool {
+    !agent.is_dynamic()
+        || dyn_state(agent)
             .membership
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
+            .as_ref()
+            .is_some_and(|m| m.may_call(from))
+}
 
-    /// Runs `f` on the membership (if this worker has one), then moves its output along.
-    pub(crate) fn with_membership<T>(
-        &self,
-        f: impl FnOnce(&mut DynamicMembership) -> T,
-    ) -> Option<T> {
-        let out = self.dyn_state().membership.as_mut().map(f);
-        // The call may have moved the next deadline (a redial) without saying anything.
-        self.inner.membership_wake.notify_one();
-        self.pump_membership();
-        out
+/// A membership message from `from` (a control frame on its connection).
+pub(crate) fn on_membership_frame(
+    agent: &Agent,
+    from: WorkerId,
+    frame: &Frame,
+) -> Result<(), ProtocolViolation> {
+    let msg: DynMessage =
+        postcard::from_bytes(&frame.header).map_err(|e| ProtocolViolation::Malformed {
+            what: format!("a membership message that does not parse ({e})"),
+        })?;
+    let now = agent.now();
+    let handled = with_membership(agent, |m| m.handle_message(from, msg, now));
+    match handled {
+        Some(Ok(())) => Ok(()),
+        Some(Err(e)) => Err(ProtocolViolation::Membership {
+            what: e.to_string(),
+        }),
+        None => Err(ProtocolViolation::Membership {
+            what: "a membership message to a worker of a static group".into(),
+        }),
     }
+}
 
-    /// Whether `from` may send calls and replies: in a dynamic group, a member only.
-    pub(crate) fn may_call(&self, from: WorkerId) -> bool {
-        !self.is_dynamic()
-            || self
-                .dyn_state()
-                .membership
-                .as_ref()
-                .is_some_and(|m| m.may_call(from))
-    }
-
-    /// A membership message from `from` (a control frame on its connection).
-    pub(crate) fn on_membership_frame(
-        &self,
-        from: WorkerId,
-        frame: &Frame,
-    ) -> Result<(), ProtocolViolation> {
-        let msg: DynMessage =
-            postcard::from_bytes(&frame.header).map_err(|e| ProtocolViolation::Malformed {
-                what: format!("a membership message that does not parse ({e})"),
-            })?;
-        let now = self.now();
-        let handled = self.with_membership(|m| m.handle_message(from, msg, now));
-        match handled {
-            Some(Ok(())) => Ok(()),
-            Some(Err(e)) => Err(ProtocolViolation::Membership {
-                what: e.to_string(),
-            }),
-            None => Err(ProtocolViolation::Membership {
-                what: "a membership message to a worker of a static group".into(),
-            }),
-        }
-    }
-
-    /// Moves the membership's messages to the peers' writers and acts on its events.
-    pub(crate) fn pump_membership(&self) {
-        loop {
-            let (transmits, events) = {
-                let mut st = self.dyn_state();
-                let Some(m) = st.membership.as_mut() else {
-                    return;
-                };
-                let transmits: Vec<_> = std::iter::from_fn(|| m.poll_transmit()).collect();
-                let events: Vec<_> = std::iter::from_fn(|| m.poll_event()).collect();
-                (transmits, events)
+/// Moves the membership's messages to the peers' writers and acts on its events.
+pub(crate) fn pump_membership(agent: &Agent) {
+    loop {
+        let (transmits, events) = {
+            let mut st = dyn_state(agent);
+            let Some(m) = st.membership.as_mut() else {
+                return;
             };
-            if transmits.is_empty() && events.is_empty() {
-                break;
-            }
-            self.inner.membership_wake.notify_one();
-            for (to, msg) in transmits {
-                match postcard::to_allocvec(&msg) {
-                    Ok(bytes) => self.send_control(to, Frame::control(bytes, vec![])),
-                    Err(e) => warn!("cannot encode a membership message: {e}"),
-                }
-            }
-            for ev in events {
-                self.on_membership_event(ev);
+            let transmits: Vec<_> = std::iter::from_fn(|| m.poll_transmit()).collect();
+            let events: Vec<_> = std::iter::from_fn(|| m.poll_event()).collect();
+            (transmits, events)
+        };
+        if transmits.is_empty() && events.is_empty() {
+            break;
+        }
+        agent.inner.membership_wake.notify_one();
+        for (to, msg) in transmits {
+            match postcard::to_allocvec(&msg) {
+                Ok(bytes) => agent.send_control(to, Frame::control(bytes, vec![])),
+                Err(e) => warn!("cannot encode a membership message: {e}"),
             }
         }
-        self.pump();
-    }
-
-    fn on_membership_event(&self, ev: MembershipEvent) {
-        match ev {
-            MembershipEvent::Connect(records) => {
-                for record in records {
-                    self.spawn(dial_member(self.clone(), record));
-                }
-            }
-            MembershipEvent::MemberAdded(record) => self.add_member(record),
-            MembershipEvent::Admitted { seq } => {
-                // Ids above every earlier incarnation of this rank's.
-                self.lock().ep.begin_incarnation(seq);
-            }
-            MembershipEvent::MemberRemoved { rank, left } => {
-                if left {
-                    self.member_left(rank);
-                }
-                self.remove_member(rank);
-            }
-            MembershipEvent::Joined => {
-                if let Some(tx) = self.dyn_state().join_waiter.take() {
-                    let _ = tx.send(Ok(()));
-                }
-            }
-            MembershipEvent::JoinFailed(e) => {
-                if let Some(tx) = self.dyn_state().join_waiter.take() {
-                    let _ = tx.send(Err(e));
-                }
-            }
-            MembershipEvent::Left { last } => {
-                if let Some(tx) = self.dyn_state().leave_waiter.take() {
-                    let _ = tx.send(Ok(last));
-                }
-            }
-            MembershipEvent::LeaveFailed(e) => {
-                if let Some(tx) = self.dyn_state().leave_waiter.take() {
-                    let _ = tx.send(Err(e));
-                }
-            }
-            MembershipEvent::Coordinate => {
-                let agent = self.clone();
-                self.spawn(async move {
-                    if let Err(e) = agent.publish_coordinator().await {
-                        warn!("could not publish this worker as the group's coordinator: {e}");
-                    }
-                });
-            }
-            _ => {}
+        for ev in events {
+            on_membership_event(agent, ev);
         }
     }
+    agent.pump();
+}
 
-    async fn publish_coordinator(&self) -> Result<(), RpcError> {
-        let record = self.own_record()?;
-        let bytes = postcard::to_allocvec(&record).map_err(|e| encode_err("a record", e))?;
-        self.store()?.set(COORDINATOR, &bytes).await?;
-        Ok(())
+fn on_membership_event(agent: &Agent, ev: MembershipEvent) {
+    match ev {
+        MembershipEvent::Connect(records) => {
+            for record in records {
+                agent.spawn(dial_member(agent.clone(), record));
+            }
+        }
+        MembershipEvent::MemberAdded(record) => agent.add_member(record),
+        MembershipEvent::Admitted { seq } => {
+            // Ids above every earlier incarnation of this rank's.
+            agent.begin_incarnation(seq);
+        }
+        MembershipEvent::MemberRemoved { rank, left } => {
+            if left {
+                agent.member_left(rank);
+            }
+            agent.remove_member(rank);
+        }
+        MembershipEvent::Joined => {
+            if let Some(tx) = dyn_state(agent).join_waiter.take() {
+                let _ = tx.send(Ok(()));
+            }
+        }
+        MembershipEvent::JoinFailed(e) => {
+            if let Some(tx) = dyn_state(agent).join_waiter.take() {
+                let _ = tx.send(Err(e));
+            }
+        }
+        MembershipEvent::Left { last } => {
+            if let Some(tx) = dyn_state(agent).leave_waiter.take() {
+                let _ = tx.send(Ok(last));
+            }
+        }
+        MembershipEvent::LeaveFailed(e) => {
+            if let Some(tx) = dyn_state(agent).leave_waiter.take() {
+                let _ = tx.send(Err(e));
+            }
+        }
+        MembershipEvent::Coordinate => {
+            let this = agent.clone();
+            agent.spawn(async move {
+                if let Err(e) = publish_coordinator(&this).await {
+                    warn!("could not publish this worker as the group's coordinator: {e}");
+                }
+            });
+        }
+        _ => {}
     }
+}
 
-    fn own_record(&self) -> Result<MemberRecord, RpcError> {
-        self.dyn_state().record.clone().ok_or(RpcError::NotRunning)
-    }
+async fn publish_coordinator(agent: &Agent) -> Result<(), RpcError> {
+    let record = own_record(agent)?;
+    let bytes = postcard::to_allocvec(&record).map_err(|e| encode_err("a record", e))?;
+    agent.store()?.set(COORDINATOR, &bytes).await?;
+    Ok(())
+}
+
+fn own_record(agent: &Agent) -> Result<MemberRecord, RpcError> {
+    dyn_state(agent).record.clone().ok_or(RpcError::NotRunning)
 }
 
 /// The membership's timer: calls `handle_timeout` at its `poll_timeout`, for as long as the
 /// agent runs.
 async fn membership_timer(agent: Agent) {
     loop {
-        let next = agent
-            .dyn_state()
+        let next = dyn_state(&agent)
             .membership
             .as_ref()
             .and_then(DynamicMembership::poll_timeout);
@@ -213,7 +213,7 @@ async fn membership_timer(agent: Agent) {
                     () = agent.inner.membership_wake.notified() => {}
                     () = agent.inner.runtime.sleep_until(at) => {
                         let now = agent.now();
-                        agent.with_membership(|m| m.handle_timeout(now));
+                        with_membership(&agent, |m| m.handle_timeout(now));
                     }
                 }
             }
@@ -263,7 +263,7 @@ pub(crate) async fn join(
         &options,
     );
     {
-        let mut st = agent.dyn_state();
+        let mut st = dyn_state(&agent);
         st.record = Some(record.clone());
         st.transport = Some(Arc::clone(&transport));
     }
@@ -338,7 +338,7 @@ async fn join_once(
         .map_err(RpcError::from)?;
     if held == encoded {
         // The first member: it coordinates.
-        agent.dyn_state().membership = Some(DynamicMembership::found(record.clone(), op_timeout));
+        dyn_state(agent).membership = Some(DynamicMembership::found(record.clone(), op_timeout));
         return Ok(());
     }
     let coordinator: MemberRecord =
@@ -376,7 +376,7 @@ async fn join_once(
     };
     let (tx, rx) = oneshot::channel();
     {
-        let mut st = agent.dyn_state();
+        let mut st = dyn_state(agent);
         let mut m =
             DynamicMembership::join(record.clone(), coordinator.rank, op_timeout, Some(deadline));
         let _ = m.handle_connected(coordinator.rank, None);
@@ -385,7 +385,7 @@ async fn join_once(
     }
     agent.attach(coordinator.rank, conn);
     agent.inner.membership_wake.notify_one();
-    agent.pump_membership();
+    pump_membership(agent);
     match rx.await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => {
@@ -461,14 +461,13 @@ async fn introduce(
 /// A joiner connects to a member the coordinator admitted it to.
 async fn dial_member(agent: Agent, member: MemberRecord) {
     let (record, transport) = {
-        let st = agent.dyn_state();
+        let st = dyn_state(&agent);
         match (st.record.clone(), st.transport.clone()) {
             (Some(r), Some(t)) => (r, t),
             _ => return,
         }
     };
-    let left = agent
-        .dyn_state()
+    let left = dyn_state(&agent)
         .membership
         .as_ref()
         .and_then(DynamicMembership::join_deadline)
@@ -486,7 +485,7 @@ async fn dial_member(agent: Agent, member: MemberRecord) {
     {
         Ok(conn) => {
             agent.attach(member.rank, conn);
-            let accepted = agent.with_membership(|m| m.handle_connected(member.rank, None));
+            let accepted = with_membership(&agent, |m| m.handle_connected(member.rank, None));
             if let Some(Err(e)) = accepted {
                 warn!("a connection the join did not ask for: {e}");
             }
@@ -499,7 +498,7 @@ async fn dial_member(agent: Agent, member: MemberRecord) {
                 member.addr
             );
             let now = agent.now();
-            agent.with_membership(|m| m.handle_connect_failed(member.rank, now));
+            with_membership(&agent, |m| m.handle_connect_failed(member.rank, now));
         }
     }
 }
@@ -541,8 +540,7 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
         }
     };
     // The membership decides whether this connection is one it expects.
-    let accepted = agent
-        .dyn_state()
+    let accepted = dyn_state(&agent)
         .membership
         .as_mut()
         .map(|m| m.handle_connected(rank, Some(&record)));
@@ -565,11 +563,11 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
     if let Err(e) = conn.send(HelloReply::Welcome.frame()).await {
         warn!("could not welcome rank {rank}: {e}");
         let now = agent.now();
-        agent.with_membership(|m| m.handle_lost(rank, now));
+        with_membership(&agent, |m| m.handle_lost(rank, now));
         return;
     }
     agent.attach(rank, conn);
-    agent.pump_membership();
+    pump_membership(&agent);
 }
 
 /// Leaves the group: waits (bounded) until this worker's own calls are answered, then asks
@@ -582,12 +580,9 @@ pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcErr
         .run_shutdown(timeout, |ep| ep.begin_leave(Some(deadline)))
         .await?;
     let (tx, rx) = oneshot::channel();
-    agent.dyn_state().leave_waiter = Some(tx);
+    dyn_state(agent).leave_waiter = Some(tx);
     let now = agent.now();
-    if agent
-        .with_membership(|m| m.begin_leave(now, Some(deadline)))
-        .is_none()
-    {
+    if with_membership(agent, |m| m.begin_leave(now, Some(deadline))).is_none() {
         return Err(RpcError::NotRunning);
     }
     let last = match rx.await {
@@ -596,8 +591,7 @@ pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcErr
             return Err(RpcError::Timeout {
                 what: format!("leaving the group: {e}"),
                 after: timeout,
-                waiting_for: agent
-                    .dyn_state()
+                waiting_for: dyn_state(agent)
                     .membership
                     .as_ref()
                     .and_then(DynamicMembership::coordinator)
@@ -609,7 +603,7 @@ pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcErr
     if last {
         // The last member: the group ends, and with it every key the agents made.
         let store = agent.store()?;
-        for key in [COORDINATOR, crate::agent::GROUP_KIND] {
+        for key in [COORDINATOR, crate::init::GROUP_KIND] {
             store.delete_key(key).await?;
         }
     }

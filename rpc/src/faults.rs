@@ -44,8 +44,6 @@ use tensorwire_core::wire::{Frame, FrameKind};
 #[cfg(feature = "tcp")]
 use tensorwire_rendezvous::Rendezvous;
 
-#[cfg(feature = "tcp")]
-use crate::agent::Agent;
 use crate::codec::Envelope;
 #[cfg(feature = "tcp")]
 use crate::error::RpcError;
@@ -53,6 +51,8 @@ use crate::error::RpcError;
 use crate::init::start_agent;
 #[cfg(feature = "tcp")]
 use crate::options::RpcOptions;
+#[cfg(feature = "tcp")]
+use crate::state::Agent;
 
 /// The kinds of agent message a [`Fault`] can pick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -15,10 +15,11 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::agent::{Agent, WorkerInfo};
 use crate::codec;
 use crate::error::RpcError;
+use crate::state::Agent;
 use crate::tensors::{self, Prepared, TensorTransferError};
+use crate::worker::WorkerInfo;
 use std::time::Instant;
 use tensorwire_core::placement::Direction;
 use tensorwire_core::protocol::WorkerId;
@@ -170,7 +171,11 @@ fn observed(name: &str, handler: Handler) -> Handler {
     Arc::new(move |inv: Invocation| {
         let bytes = crate::metrics::message_bytes(inv.args.len(), inv.tensors.iter());
         let agent = inv.agent.clone();
-        let (span, served) = agent.inner.metrics.serve(&agent, inv.caller, &name, bytes);
+        let (span, served) =
+            agent
+                .inner
+                .metrics
+                .serve(&|id| agent.name_of(id), inv.caller, &name, bytes);
         let running = handler(inv);
         Box::pin(
             async move {

@@ -22,10 +22,10 @@ use tensorwire_core::protocol::gather::{
 use tensorwire_core::protocol::{CallError, RemoteError, RemoteErrorKind, WorkerId};
 use tokio::sync::oneshot;
 
-use crate::agent::Agent;
 use crate::error::RpcError;
 use crate::functions::{finish, Handler, Invocation};
 use crate::peer_events::PeerEvent;
+use crate::state::Agent;
 
 /// The internal function the members call on the leader (not in the user's table).
 pub(crate) const GATHER: &str = "__tw/gather";

@@ -22,8 +22,9 @@ use tensorwire_core::protocol::{ProtocolViolation, WorkerId};
 use tensorwire_core::tensor::{Storage, Tensor, TensorMeta};
 use tensorwire_core::wire::Frame;
 
-use crate::agent::Agent;
-use crate::tensors::{TensorTransferError, WireTensors};
+use crate::state::Agent;
+use crate::state::WireTensors;
+use crate::tensors::TensorTransferError;
 
 /// What keeps one export valid (the backend's value), held until released.
 type Held = Box<dyn Any + Send + Sync>;

@@ -38,12 +38,12 @@ mod agent;
 pub mod autograd;
 mod backend;
 mod codec;
-mod dist_optim;
 mod driver;
 mod dynamic;
 mod error;
 pub mod faults;
 mod functions;
+mod future;
 #[doc(hidden)]
 pub mod fuzzing;
 mod gather;
@@ -54,6 +54,7 @@ pub mod memory;
 pub mod metrics;
 mod options;
 pub mod peer_events;
+mod queue;
 mod rref;
 pub mod runtime;
 mod serve;
@@ -64,6 +65,7 @@ pub mod typed;
 mod worker;
 
 pub use agent::{Agent, AgentDebugInfo, PeerConnection, RpcFuture, WorkerInfo, WorkerRef};
+pub use autograd::optim::{BuiltinState, DistributedOptimizer, LocalOptimizer, Parameter};
 pub use autograd::{
     AutogradCall, AutogradContext, DistAutograd, DistAutogradError, TensorList, TrackedValue,
 };
@@ -75,7 +77,6 @@ pub use backend::{
 };
 #[cfg(feature = "quic")]
 pub use backend::{QuicBackend, QUIC_BACKEND};
-pub use dist_optim::{BuiltinState, DistributedOptimizer, LocalOptimizer, Parameter};
 pub use error::RpcError;
 pub use functions::{CallContext, Functions};
 pub use init::{init_rpc, start_agent};

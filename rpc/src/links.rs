@@ -13,84 +13,15 @@ use tensorwire_core::wire::{Frame, FrameKind};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
-use crate::agent::Agent;
 use crate::codec::Envelope;
-use crate::driver;
+use crate::queue::{frame_bytes, OutQueue};
+use crate::state::Agent;
 use crate::state::{Body, PeerLink, State};
 use crate::tensors;
+use crate::{driver, dynamic};
 
 /// At most this many queued frames go out in one `send_many`.
 pub(crate) const WRITE_BATCH: usize = 64;
-
-/// What is queued for one peer's writer: bytes counted as frames go in and leave (sent, or
-/// dropped when the peer is failed), bounded per peer (`RpcOptions::peer_queue_bytes`).
-pub(crate) struct OutQueue {
-    bytes: std::sync::atomic::AtomicUsize,
-    /// The agent's total over every peer ([`Agent::queued_bytes`]).
-    total: Arc<std::sync::atomic::AtomicUsize>,
-    bound: usize,
-    /// Set once, when a frame would pass the bound: the writer drops the queue and fails
-    /// the peer with `cause`.
-    failed: tokio::sync::watch::Sender<bool>,
-    cause: std::sync::Mutex<Option<LostCause>>,
-}
-
-impl OutQueue {
-    /// Nothing queued (a task of ours may then write directly).
-    pub(crate) fn is_empty(&self) -> bool {
-        self.bytes.load(std::sync::atomic::Ordering::Acquire) == 0
-    }
-
-    fn add(&self, n: usize) -> usize {
-        self.total.fetch_add(n, std::sync::atomic::Ordering::AcqRel);
-        self.bytes.fetch_add(n, std::sync::atomic::Ordering::AcqRel) + n
-    }
-
-    fn sub(&self, n: usize) {
-        self.total.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
-        self.bytes.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
-    }
-}
-
-/// The bytes a queued frame holds (at least 1, so that "nothing queued" is a count of 0).
-fn frame_bytes(frame: &Frame) -> usize {
-    usize::try_from(frame.content_len())
-        .unwrap_or(usize::MAX)
-        .max(1)
-}
-
-/// Queues `frame` for `link`'s writer. Past the bound (a frame alone always passes) the frame
-/// is dropped and the writer told to fail the peer: it frees the queue, then reports the loss,
-/// which fails the peer's calls naming the bound. A frame for a peer being failed is dropped
-/// (its calls fail with that loss). False if the writer is gone.
-pub(crate) fn enqueue(link: &PeerLink, frame: Frame) -> bool {
-    let q = &link.queued;
-    if *q.failed.borrow() {
-        return true;
-    }
-    let n = frame_bytes(&frame);
-    let total = q.add(n);
-    if total > q.bound && total != n {
-        q.sub(n);
-        let mut cause = q
-            .cause
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if cause.is_none() {
-            *cause = Some(LostCause::Unread {
-                queued: total as u64,
-                bound: q.bound as u64,
-            });
-            q.failed.send_replace(true);
-        }
-        return true;
-    }
-    if link.tx.send(frame).is_err() {
-        q.sub(n);
-        return false;
-    }
-    true
-}
 
 /// Returns once the peer's queue has passed its bound (never, if the sender is gone first).
 async fn until_failed(failed: &mut tokio::sync::watch::Receiver<bool>) {
@@ -116,13 +47,10 @@ pub(crate) fn attach_conn(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection
     }
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
     let write = Arc::new(tokio::sync::Mutex::new(()));
-    let queued = Arc::new(OutQueue {
-        bytes: std::sync::atomic::AtomicUsize::new(0),
-        total: Arc::clone(&this.inner.queued_bytes),
-        bound: this.inner.peer_queue_bytes,
-        failed: tokio::sync::watch::Sender::new(false),
-        cause: std::sync::Mutex::new(None),
-    });
+    let queued = Arc::new(OutQueue::new(
+        Arc::clone(&this.inner.queued_bytes),
+        this.inner.peer_queue_bytes,
+    ));
     this.lock().peers.insert(
         peer,
         PeerLink {
@@ -135,8 +63,8 @@ pub(crate) fn attach_conn(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection
     );
     let writer_conn = Arc::clone(&conn);
     let agent = this.clone();
-    let mut failed = queued.failed.subscribe();
-    let mut reader_failed = queued.failed.subscribe();
+    let mut failed = queued.subscribe_failed();
+    let mut reader_failed = queued.subscribe_failed();
     let writer = async move {
         loop {
             let next = tokio::select! {
@@ -193,11 +121,7 @@ pub(crate) fn attach_conn(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection
             queued.sub(frame_bytes(&frame));
         }
         drop(rx);
-        let cause = queued
-            .cause
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
+        let cause = queued.cause();
         if let Some(cause) = cause {
             peer_lost_on(&agent, peer, cause, &writer_conn);
         }
@@ -297,7 +221,7 @@ pub(crate) fn send_control(this: &Agent, to: WorkerId, frame: Frame) {
     let st = this.lock();
     match st.peers.get(&to) {
         Some(link) => {
-            enqueue(link, frame);
+            link.queued.enqueue(&link.tx, frame);
         }
         None => debug!("no connection to rank {to} for a membership message"),
     }
@@ -319,7 +243,7 @@ pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
     if this.inner.dynamic {
         // The membership drops it (and hands coordination on, if it coordinated).
         let now = this.now();
-        this.with_membership(|m| m.handle_lost(peer, now));
+        dynamic::with_membership(this, |m| m.handle_lost(peer, now));
     }
     this.pump();
     // The reader and the writer of a link may both report its end: subscribers hear once.
@@ -350,9 +274,9 @@ pub(crate) fn on_frame(
         if let Some(handled) = crate::ipc::on_control(this, from, &frame) {
             return handled;
         }
-        return this.on_membership_frame(from, &frame);
+        return dynamic::on_membership_frame(this, from, &frame);
     }
-    if this.inner.dynamic && !this.may_call(from) {
+    if this.inner.dynamic && !dynamic::may_call(this, from) {
         return Err(ProtocolViolation::NotAMember);
     }
     let envelope: Envelope =
@@ -456,7 +380,10 @@ pub(crate) fn send(
             }
         }
     }
-    let queued = st.peers.get(&t.to).map(|link| enqueue(link, frame));
+    let queued = st
+        .peers
+        .get(&t.to)
+        .map(|link| link.queued.enqueue(&link.tx, frame));
     match queued {
         Some(true) => {}
         _ => {

@@ -1,5 +1,5 @@
 //! The agent's counters: calls, bytes, errors and calls in flight, per peer, readable from the
-//! agent ([`Agent::metrics`]) and exported through the [`metrics`] facade, so that a Prometheus
+//! agent ([`Agent::metrics`](crate::Agent::metrics)) and exported through the [`metrics`] facade, so that a Prometheus
 //! exporter (or any recorder) installed by the application sees them.
 //!
 //! Exported names (labels `worker`: this agent's name, `peer`: the other worker's):
@@ -36,9 +36,9 @@ use tensorwire_core::protocol::{MessageId, WorkerId};
 use tensorwire_core::tensor::Tensor;
 use tracing::Instrument;
 
-use crate::agent::{Agent, RpcFuture};
+use crate::future::RpcFuture;
 
-/// One peer's counters, as read from [`Agent::metrics`].
+/// One peer's counters, as read from [`Agent::metrics`](crate::Agent::metrics).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PeerMetrics {
@@ -174,7 +174,7 @@ impl AgentMetrics {
         }
     }
 
-    fn peer(&self, agent: &Agent, id: WorkerId) -> Arc<Peer> {
+    fn peer(&self, name_of: &dyn Fn(WorkerId) -> String, id: WorkerId) -> Arc<Peer> {
         if let Some(p) = self
             .peers
             .read()
@@ -183,7 +183,7 @@ impl AgentMetrics {
         {
             return Arc::clone(p);
         }
-        let name = agent.name_of(id);
+        let name = name_of(id);
         Arc::clone(
             self.peers
                 .write()
@@ -198,14 +198,14 @@ impl AgentMetrics {
     /// future runs in the call's span.
     pub(crate) fn call<R: Send + 'static>(
         &self,
-        agent: &Agent,
+        name_of: &dyn Fn(WorkerId) -> String,
         to: WorkerId,
         function: &str,
         id: MessageId,
         bytes: u64,
         future: RpcFuture<R>,
     ) -> RpcFuture<R> {
-        let peer = self.peer(agent, to);
+        let peer = self.peer(name_of, to);
         peer.sent(bytes);
         let span = tracing::debug_span!(
             "rpc_call",
@@ -229,8 +229,14 @@ impl AgentMetrics {
     }
 
     /// A remote (a value created on `to`) was sent: counted as a call, with its bytes.
-    pub(crate) fn remote(&self, agent: &Agent, to: WorkerId, function: &str, bytes: u64) {
-        let peer = self.peer(agent, to);
+    pub(crate) fn remote(
+        &self,
+        name_of: &dyn Fn(WorkerId) -> String,
+        to: WorkerId,
+        function: &str,
+        bytes: u64,
+    ) {
+        let peer = self.peer(name_of, to);
         peer.sent(bytes);
         tracing::debug!(peer = %peer.name, function, bytes, "rpc_remote");
     }
@@ -239,12 +245,12 @@ impl AgentMetrics {
     /// in and a guard that counts it as an error unless [`Served::finish`] says it succeeded.
     pub(crate) fn serve(
         &self,
-        agent: &Agent,
+        name_of: &dyn Fn(WorkerId) -> String,
         from: WorkerId,
         function: &str,
         bytes: u64,
     ) -> (tracing::Span, Served) {
-        let peer = self.peer(agent, from);
+        let peer = self.peer(name_of, from);
         peer.calls_received.fetch_add(1, Ordering::Relaxed);
         peer.bytes_received.fetch_add(bytes, Ordering::Relaxed);
         peer.export.calls_received.increment(1);

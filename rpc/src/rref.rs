@@ -10,16 +10,17 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use serde::de::{DeserializeOwned, Error as _};
-use serde::ser::Error as _;
+use serde::de::{DeserializeOwned, Error as _, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
-use tensorwire_core::protocol::{CallError, RRefForkData, RRefHandle};
+use tensorwire_core::protocol::{CallError, RRefHandle};
 use tokio::sync::oneshot;
 
-use crate::agent::{Agent, RpcFuture, WorkerInfo};
 use crate::codec;
 use crate::error::RpcError;
+use crate::future::RpcFuture;
+use crate::state::Agent;
 use crate::state::Body;
+use crate::worker::WorkerInfo;
 
 type Created = oneshot::Receiver<Result<Body, CallError>>;
 
@@ -278,33 +279,43 @@ impl<T: Send + Sync + 'static> RRef<T> {
 }
 
 impl<T> Serialize for RRef<T> {
+    /// Forks the reference for the call's destination; only the codec's encoder can (see
+    /// `codec`): anywhere else this fails, saying that an `RRef` travels only in a call.
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let fail = |m: &str| {
-            codec::note(m);
-            S::Error::custom(m)
+        let token = codec::Outgoing {
+            agent: self.shared.agent.identity(),
+            handle: self.shared.handle,
         };
-        let (agent, to) = codec::encoding().ok_or_else(|| {
-            fail("an RRef can only be sent as an argument or result of a tensorwire call")
-        })?;
-        if !agent.same_as(&self.shared.agent) {
-            return Err(fail("an RRef can only be sent by the agent that holds it"));
-        }
-        let data = agent
-            .fork_reference(self.shared.handle, to)
-            .map_err(|e| fail(&e.to_string()))?;
-        codec::forked(data);
-        data.serialize(serializer)
+        serializer.serialize_newtype_struct(codec::RREF_TOKEN, &token)
+    }
+}
+
+/// Receives the reference the codec's decoder accepted (handed over by ticket).
+struct Incoming<T>(PhantomData<fn() -> T>);
+
+const NOT_IN_A_CALL: &str = "an RRef can only be received through a tensorwire call";
+
+impl<'de, T: Send + Sync + 'static> Visitor<'de> for Incoming<T> {
+    type Value = RRef<T>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(NOT_IN_A_CALL)
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, ticket: u64) -> Result<RRef<T>, E> {
+        let (agent, handle) =
+            codec::handoff::redeem(ticket).ok_or_else(|| E::custom(NOT_IN_A_CALL))?;
+        Ok(RRef::from_handle(agent, handle, None))
+    }
+
+    fn visit_newtype_struct<D: Deserializer<'de>>(self, _: D) -> Result<RRef<T>, D::Error> {
+        Err(D::Error::custom(NOT_IN_A_CALL))
     }
 }
 
 impl<'de, T: Send + Sync + 'static> Deserialize<'de> for RRef<T> {
+    /// Accepts the fork that came for this worker; only the codec's decoder can (see `codec`).
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let data = RRefForkData::deserialize(deserializer)?;
-        let agent = codec::decoding().ok_or_else(|| {
-            D::Error::custom("an RRef can only be received through a tensorwire call")
-        })?;
-        let handle = agent.accept_reference(data);
-        codec::accepted(handle);
-        Ok(RRef::from_handle(agent, handle, None))
+        deserializer.deserialize_newtype_struct(codec::RREF_TOKEN, Incoming(PhantomData))
     }
 }

@@ -9,9 +9,9 @@ use bytes::Bytes;
 use tensorwire_core::protocol::{RRefId, RemoteError, RemoteErrorKind, RequestToken, WorkerId};
 use tracing::warn;
 
-use crate::agent::Agent;
 use crate::driver;
 use crate::functions::{HandlerError, Invocation, Value};
+use crate::state::Agent;
 use crate::state::Body;
 use crate::tensors::TensorTransferError;
 

@@ -9,9 +9,9 @@ use tensorwire_core::protocol::{Endpoint, WorkerId};
 use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
-use crate::agent::Agent;
 use crate::error::RpcError;
 use crate::init::GROUP_KIND;
+use crate::state::Agent;
 use crate::state::Body;
 
 /// Stops the endpoint (pending calls fail), ends every task of the agent and waits for

@@ -1,4 +1,4 @@
-//! What the agent holds, shared by its handle, its driver and its tasks: the endpoint and what
+//! What the agent holds, shared by its handle ([`Agent`]), its driver and its tasks: the endpoint and what
 //! waits on it (`State`, under one lock), who is in the group (`Membership`), and the rest of
 //! the agent (`Inner`).
 
@@ -20,11 +20,19 @@ use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{mpsc, oneshot, Notify};
 
-use crate::agent::WorkerInfo;
 use crate::functions::{Functions, Value};
 use crate::runtime::Runtime;
-use crate::tensors::WireTensors;
+use crate::worker::WorkerInfo;
 use tensorwire_core::ports::device::DeviceBackend;
+
+/// A running RPC agent. Cheap to clone; every clone is the same agent.
+#[derive(Clone)]
+pub struct Agent {
+    pub(crate) inner: Arc<Inner>,
+}
+
+/// Tensors as they travel: where each lands, and its bytes.
+pub(crate) type WireTensors = Vec<(tensorwire_core::tensor::TensorMeta, Bytes)>;
 
 /// What travels through the endpoint with a message: the encoded arguments or result, and for
 /// methods the reference they are called on.
@@ -63,7 +71,7 @@ pub(crate) struct PeerLink {
     /// The connection's transport (`Connection::transport`), for [`Agent::connections`].
     pub(crate) transport: &'static str,
     pub(crate) write: Arc<tokio::sync::Mutex<()>>,
-    pub(crate) queued: Arc<crate::links::OutQueue>,
+    pub(crate) queued: Arc<crate::queue::OutQueue>,
 }
 
 pub(crate) struct State {

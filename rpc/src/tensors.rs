@@ -16,17 +16,14 @@ use tensorwire_core::protocol::RRefForkData;
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::tensor::{sidecar, Storage, Tensor, TensorMeta};
 
-use crate::agent::Agent;
 use crate::codec;
-
-/// Tensors as they travel: where each lands, and its bytes.
-pub(crate) type WireTensors = Vec<(TensorMeta, Bytes)>;
+use crate::state::{Agent, WireTensors};
 
 /// Why a message's tensors could not be sent or received.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum TensorTransferError {
     #[error(transparent)]
-    Encode(#[from] postcard::Error),
+    Encode(#[from] codec::Failure),
     #[error(transparent)]
     Placement(#[from] PlacementError),
     #[error(transparent)]

@@ -48,10 +48,12 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::agent::{Agent, RpcFuture, WorkerRef};
 use crate::error::RpcError;
 use crate::functions::{finish, method_target, CallContext, Functions, HandlerError, Invocation};
+use crate::future::RpcFuture;
 use crate::rref::RRef;
+use crate::state::Agent;
+use crate::worker::WorkerRef;
 
 /// The tag in front of a typed call's arguments: "tensorwire typed, version 1".
 const MAGIC: [u8; 4] = *b"twT1";

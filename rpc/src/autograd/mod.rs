@@ -62,6 +62,11 @@
 //! on that device and travels by the reverse of the map the forward message took (a request's
 //! tensors: this worker's reverse map for the sender; a response's: this worker's map for it),
 //! so it arrives where the tensor came from; the receiver copies it to the host for its engine.
+//!
+//! **The distributed optimizer** (`optim`, re-exported at the crate root:
+//! [`DistributedOptimizer`](crate::DistributedOptimizer)) is part of it: it steps parameters
+//! with the gradients a context left on their owners, and [`DistAutograd::new`] registers its
+//! owner side on every worker.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -86,16 +91,17 @@ use tensorwire_core::tensor::Tensor;
 use tokio::sync::oneshot;
 use tracing::{debug, warn, Instrument};
 
-use crate::agent::Agent;
-use crate::dist_optim::{LocalOptimizer, Parameter};
 use crate::error::RpcError;
 use crate::functions::CallContext;
 use crate::peer_events::PeerEvent;
 use crate::rref::RRef;
+use crate::state::Agent;
+use optim::{LocalOptimizer, Parameter};
 use tensorwire_core::autograd::optim::Optimizer;
 use tensorwire_core::tensor::Tensor as HostTensor;
 
 mod engine;
+pub(crate) mod optim;
 
 const GRAD: &str = "__tw_autograd/grad";
 const RELEASE: &str = "__tw_autograd/release";
@@ -444,18 +450,12 @@ impl<E: AutogradEngine> DistAutograd<E> {
     pub fn register_optimizer<O: LocalOptimizer>(&self) -> Result<(), RpcError> {
         let weak = Arc::downgrade(&self.inner);
         self.inner.agent.functions().register(
-            &format!("{}{}", crate::dist_optim::STEP, O::NAME),
+            &format!("{}{}", optim::STEP, O::NAME),
             move |(context, optimizer, params): (ContextId, O, Vec<RRef<Parameter<E>>>)| {
                 let weak = weak.clone();
                 async move {
                     let inner = upgrade(&weak)?;
-                    crate::dist_optim::owner_step(
-                        &DistAutograd { inner },
-                        context,
-                        optimizer,
-                        params,
-                    )
-                    .await
+                    optim::owner_step(&DistAutograd { inner }, context, optimizer, params).await
                 }
             },
         )

@@ -16,10 +16,10 @@ use tensorwire_core::protocol::WorkerId;
 use tensorwire_process_group::{rendezvous, Rendezvous, RendezvousOptions};
 use tracing::info;
 
-use crate::agent::Agent;
 use crate::driver::drive;
 use crate::error::RpcError;
 use crate::options::RpcOptions;
+use crate::state::Agent;
 use static_group::join_static;
 
 fn secret_bytes(options: &RpcOptions) -> Option<Vec<u8>> {

@@ -14,11 +14,11 @@ use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInf
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{CollectivesExt, FrameSink, Group, GroupOptions, Rendezvous};
 
-use crate::agent::Agent;
 use crate::error::RpcError;
 use crate::init::{advertise_ip, rank_only};
 use crate::links::{self};
 use crate::options::RpcOptions;
+use crate::state::Agent;
 use crate::state::WorkerRecord;
 
 /// The name of the process group under a static RPC group (its store keys, its hello).

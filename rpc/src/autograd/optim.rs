@@ -32,7 +32,7 @@ use tensorwire_core::ports::autograd::AutogradEngine;
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::tensor::{DType, Tensor};
 
-use crate::autograd::{DistAutograd, DistAutogradError};
+use super::{DistAutograd, DistAutogradError};
 use crate::rref::RRef;
 
 pub(crate) const STEP: &str = "__tw_autograd/optim_step/";

@@ -1,0 +1,302 @@
+//! Why a collective, or setting up a group, failed ([`ProcessGroupError`]), and what a peer did
+//! wrong on the mesh ([`MeshViolation`]).
+
+use super::*;
+
+/// Why a collective (or setting up a group) failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProcessGroupError {
+    /// The collective did not complete within the group's timeout.
+    #[error(
+        "{collective} #{seq} on rank {rank} timed out after {timeout:?} waiting for rank(s) {}",
+        RankList(.waiting_on)
+    )]
+    Timeout {
+        /// The collective (`"barrier"`, `"all_gather"`, ...).
+        collective: &'static str,
+        /// Its sequence number in the group.
+        seq: u64,
+        /// This rank.
+        rank: usize,
+        /// The ranks whose messages had not arrived (or that had not taken ours).
+        waiting_on: Vec<usize>,
+        /// The timeout.
+        timeout: Duration,
+    },
+    /// A peer's connection broke without a clean shutdown: the process died or the network
+    /// failed. The group cannot be used any more.
+    #[error("rank {rank} died{}: {reason}", reported_by.map(|r| format!(" (reported by rank {r})")).unwrap_or_default())]
+    PeerDied {
+        /// The rank that died.
+        rank: usize,
+        /// Another rank that saw it die and told us, if we did not see it ourselves.
+        reported_by: Option<usize>,
+        /// What was seen (the transport error).
+        reason: String,
+    },
+    /// A peer aborted its group (it saw a failure of its own and told the others); `reason`
+    /// is its account, attributed to it: a rank may only report its own abort, so no other
+    /// rank is blamed on its word.
+    #[error("rank {rank} aborted its group: {reason}")]
+    PeerAborted {
+        /// The rank that aborted (the sender of the abort).
+        rank: usize,
+        /// What it said it saw.
+        reason: String,
+    },
+    /// A peer sent a frame it had no right to send; its connection was dropped, which breaks
+    /// the group as a dead rank would, naming it and what it did.
+    #[error("rank {rank} broke the group's protocol: {violation}")]
+    Misbehaved {
+        /// The rank that sent the frame.
+        rank: usize,
+        /// What it did.
+        violation: MeshViolation,
+    },
+    /// A peer shut its group down cleanly while this rank still expected messages from it.
+    #[error("rank {rank} left the group (shut down) while {collective} #{seq} still expected a message from it")]
+    PeerLeft {
+        /// The rank that left.
+        rank: usize,
+        /// The collective that needed it.
+        collective: &'static str,
+        /// Its sequence number.
+        seq: u64,
+    },
+    /// Ranks disagree about the collective: a message's kind or length does not match.
+    #[error("rank {peer} disagrees about {collective} #{seq}: {reason}")]
+    Mismatch {
+        /// The peer whose message did not fit.
+        peer: usize,
+        /// The collective this rank is running.
+        collective: &'static str,
+        /// Its sequence number.
+        seq: u64,
+        /// What did not match.
+        reason: String,
+    },
+    /// Ranks ran different collectives, or one collective with different arguments (op,
+    /// element type, element count, root), under the same sequence number. The rank that saw
+    /// it breaks the group and tells every other rank, whose group breaks with this error too:
+    /// a rank fails at once if it still waits in that collective, else at the latest in its
+    /// next collective that needs a message from the rank that saw it (every barrier,
+    /// all_gather and all_reduce does; a broadcast needs only its root's).
+    #[error("rank {peer} ran {theirs} as collective #{seq}, {}", Side::new(*.rank, .ours, *.here))]
+    Disagreement {
+        /// The collective's sequence number.
+        seq: u64,
+        /// The rank whose message disagreed.
+        peer: usize,
+        /// What it ran.
+        theirs: Signature,
+        /// The rank that received the message and saw the disagreement.
+        rank: usize,
+        /// What that rank ran.
+        ours: Signature,
+        /// Whether this error arose on this rank (else `rank` reported it).
+        here: bool,
+    },
+    /// The arguments are invalid (rank out of range, buffer not whole elements, ...).
+    #[error("invalid {collective} arguments: {source}")]
+    Arguments {
+        /// The collective.
+        collective: &'static str,
+        /// What was wrong.
+        #[source]
+        source: CollectiveError,
+    },
+    /// Sending to a peer failed.
+    #[error("sending to rank {rank} failed: {reason}")]
+    Send {
+        /// The peer.
+        rank: usize,
+        /// The transport error.
+        reason: String,
+    },
+    /// A tensor is not on the device the group works on.
+    #[error("{collective}: the tensor is on {tensor}, but this {backend} group works on {group} tensors{}", if *.group == Device::Cpu { " (use an nccl group for CUDA tensors)" } else { "" })]
+    WrongDevice {
+        /// The collective.
+        collective: &'static str,
+        /// The group's backend.
+        backend: &'static str,
+        /// Where the tensor is.
+        tensor: Device,
+        /// Where the group works.
+        group: Device,
+    },
+    /// The backend cannot run the collective on tensors of this dtype.
+    #[error("{collective}: the {backend} backend does not support {dtype} tensors")]
+    UnsupportedType {
+        /// The collective.
+        collective: &'static str,
+        /// The group's backend.
+        backend: &'static str,
+        /// The tensor's dtype.
+        dtype: String,
+    },
+    /// The backend's library reported an error (NCCL); the group cannot be used any more.
+    #[error("{backend} {collective} #{seq} on rank {rank} failed: {reason}")]
+    Backend {
+        /// The group's backend.
+        backend: &'static str,
+        /// The collective.
+        collective: &'static str,
+        /// Its sequence number in the group.
+        seq: u64,
+        /// This rank.
+        rank: usize,
+        /// The library's message.
+        reason: String,
+    },
+    /// Setting up the group did not finish in time: these ranks did not connect.
+    #[error(
+        "process group setup on rank {rank} timed out after {timeout:?} waiting for rank(s) {} to connect",
+        RankList(.waiting_on)
+    )]
+    SetupTimeout {
+        /// This rank.
+        rank: usize,
+        /// The ranks that did not connect (or publish their address), ascending.
+        waiting_on: Vec<usize>,
+        /// The setup's timeout.
+        timeout: Duration,
+    },
+    /// Setting up the group failed (rendezvous, store, connections).
+    #[error("process group setup on rank {rank}: {reason}")]
+    Setup {
+        /// This rank.
+        rank: usize,
+        /// What failed.
+        reason: String,
+    },
+    /// The backend does not offer this operation.
+    #[error("the {backend} backend does not support {collective}")]
+    Unsupported {
+        /// The operation.
+        collective: &'static str,
+        /// The group's backend.
+        backend: &'static str,
+    },
+    /// Ranks did not arrive at a monitored barrier in time (reported by rank 0, which waits
+    /// for everyone).
+    #[error(
+        "[Rank {rank}]: {} {} failed to pass monitoredBarrier in {timeout:?}",
+        if .missing.len() == 1 { "Rank" } else { "Ranks" },
+        RankList(.missing)
+    )]
+    MonitoredBarrier {
+        /// This rank (0).
+        rank: usize,
+        /// The ranks that did not arrive: all of them with `wait_all_ranks`, else the first.
+        missing: Vec<usize>,
+        /// How long rank 0 waited.
+        timeout: Duration,
+    },
+    /// The group was shut down on this rank.
+    #[error("the process group was shut down")]
+    ShutDown,
+    /// Encoding or decoding an object (`all_gather_object`) failed.
+    #[error("object from rank {rank} could not be {op}: {reason}")]
+    Object {
+        /// The rank whose object it is.
+        rank: usize,
+        /// `"encoded"` or `"decoded"`.
+        op: &'static str,
+        /// The serde error.
+        reason: String,
+    },
+}
+
+/// A group frame its sender had no right to send (see DESIGN "Trust: what a peer may do"):
+/// the receiving mesh drops the sender and fails with [`ProcessGroupError::Misbehaved`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MeshViolation {
+    /// An abort naming another rank: a rank may only report its own abort.
+    #[error("it sent an abort naming rank {named}, but a rank may only report its own abort")]
+    ForeignAbort {
+        /// The rank the abort named.
+        named: usize,
+    },
+    /// A collective frame for a group the sender is not a member of.
+    #[error("it sent a collective frame for group {group}, of which it is not a member")]
+    NotInGroup {
+        /// The group's id (0: the world group).
+        group: u64,
+    },
+    /// A collective frame for a group id further beyond the newest group made on this rank
+    /// than `InboxLimits::group_id_window` ([`crate::collective::inbox::InboxLimits`]).
+    #[error("it sent a collective frame for group {group}, more than {window} ids beyond the newest group here ({newest})")]
+    UnknownGroup {
+        /// The id it named.
+        group: u64,
+        /// The newest group id made on this rank.
+        newest: u64,
+        /// The bound.
+        window: u64,
+    },
+    /// A collective frame for a sequence number too far ahead of this rank's own collectives.
+    #[error("it sent a frame for collective #{seq} of group {group}, more than {window} ahead of this rank's newest ({here})")]
+    AheadOfWindow {
+        /// The group's id.
+        group: u64,
+        /// The sequence number it sent.
+        seq: u64,
+        /// The newest sequence number this rank has run in the group.
+        here: u64,
+        /// The bound (`InboxLimits::sequence_window`, [`crate::collective::inbox::InboxLimits`]).
+        window: u64,
+    },
+    /// It made this rank hold more unclaimed messages than a peer may.
+    #[error("it sent more than {limit} {what} that no collective here has taken yet")]
+    InboxFull {
+        /// `"bytes"` or `"messages"`.
+        what: &'static str,
+        /// The bound.
+        limit: usize,
+    },
+}
+
+/// The receiving side of a [`ProcessGroupError::Disagreement`].
+struct Side<'a> {
+    rank: usize,
+    ours: &'a Signature,
+    here: bool,
+}
+
+impl<'a> Side<'a> {
+    fn new(rank: usize, ours: &'a Signature, here: bool) -> Self {
+        Side { rank, ours, here }
+    }
+}
+
+impl std::fmt::Display for Side<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Side { rank, ours, here } = self;
+        if *here {
+            write!(f, "this rank ({rank}) {ours}")
+        } else {
+            write!(f, "rank {rank} {ours} (reported by rank {rank})")
+        }
+    }
+}
+
+/// Displays ranks as `1, 3`, or says that they are unknown.
+struct RankList<'a>(&'a [usize]);
+
+impl std::fmt::Display for RankList<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("(unknown: the backend does not say which)");
+        }
+        for (i, rank) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{rank}")?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,507 @@
+//! The endpoint's input: messages from peers (each checked against state before it changes
+//! anything), timers, and peers lost, joined or starting a new incarnation.
+
+use std::time::Instant;
+
+use super::*;
+
+impl<B: Payload> Endpoint<B> {
+    /// Handles a message from worker `from`. A message `from` had no right to send (a reply to
+    /// a call that went elsewhere or was never made, a delete of a fork another worker holds,
+    /// ...) changes nothing and is a [`ProtocolViolation`]: the driver should drop that peer.
+    /// Late messages that races explain (a reply after its call timed out, a resent control
+    /// message) are not violations: they are ignored or acknowledged again.
+    pub fn handle_message(
+        &mut self,
+        from: WorkerId,
+        header: Header,
+        body: Option<B>,
+        now: Instant,
+    ) -> Result<(), ProtocolViolation> {
+        self.last_now = Some(now);
+        self.check_message(from, &header)?;
+        self.count_activity(Some(&header));
+        match header {
+            Header::Call {
+                id,
+                function,
+                timeout,
+            } => {
+                let Some(body) = self.admit(from, id, body, now) else {
+                    return Ok(());
+                };
+                let token = RequestToken {
+                    from,
+                    id,
+                    kind: RequestKind::Call,
+                };
+                self.incoming.insert(token);
+                self.deliver_call(token, function, body, deadline_after(now, timeout));
+            }
+            Header::Remote {
+                id,
+                function,
+                rref,
+                fork,
+                timeout,
+            } => {
+                let body = if self.takes_requests()
+                    && self.references_of(from) >= self.config.references_per_peer
+                {
+                    self.refuse_references(from, id, body, now);
+                    None
+                } else {
+                    self.admit(from, id, body, now)
+                };
+                let Some(body) = body else {
+                    // Refused (shutting down, leaving, busy, no body): the value will never
+                    // be created, so what waits for it here (fork requests, fetches, method
+                    // calls from third parties) settles now.
+                    let kind = if self.takes_requests() {
+                        RemoteErrorKind::Busy
+                    } else {
+                        RemoteErrorKind::ShuttingDown
+                    };
+                    let err = RemoteError {
+                        worker: self.me,
+                        kind,
+                        message: format!("{rref} was not created: worker {} refused it", self.me),
+                    };
+                    self.fail_creation(rref, err);
+                    return Ok(());
+                };
+                let upto = self.created_upto.entry(from).or_default();
+                *upto = (*upto).max(rref.local);
+                let o = self.owned.entry(rref).or_default();
+                let new = o.forks.insert(fork, from).is_none();
+                self.count_reference(from, new);
+                let token = RequestToken {
+                    from,
+                    id,
+                    kind: RequestKind::Remote(rref),
+                };
+                self.incoming.insert(token);
+                self.events.push_back(Event::Remote {
+                    token,
+                    function,
+                    body,
+                    rref,
+                    deadline: deadline_after(now, timeout),
+                });
+            }
+            Header::Fetch { id, rref, timeout } => {
+                if !self.takes_requests() {
+                    self.refuse(from, id);
+                } else if !self.refused_as_busy(from, id) {
+                    self.owner_fetch(from, id, rref, deadline_after(now, timeout));
+                }
+            }
+            Header::Reply { id, outcome, forks } => {
+                if outcome.is_ok() && !self.pending.contains_key(&id) {
+                    // A late reply: its body never reaches the application, so the references
+                    // inside are accepted and dropped here, releasing their parents.
+                    self.release_forks(forks, now);
+                    return Ok(());
+                }
+                let outcome = match outcome {
+                    Ok(()) => body.ok_or_else(|| {
+                        CallError::Remote(RemoteError {
+                            worker: from,
+                            kind: RemoteErrorKind::Serialization,
+                            message: "reply without a body".into(),
+                        })
+                    }),
+                    Err(e) => Err(CallError::Remote(e)),
+                };
+                self.on_reply(id, outcome, now);
+            }
+            Header::ForkRequest {
+                id,
+                floor,
+                rref,
+                fork,
+            } => {
+                if self.first_time(from, id, floor) {
+                    if !self.owned.contains_key(&rref) {
+                        self.note_placeholder(from, rref);
+                    }
+                    let failed = self
+                        .failure_of(rref)
+                        .or_else(|| self.released(rref))
+                        .or_else(|| self.creator_lost(rref))
+                        .map(Err);
+                    let new = self
+                        .owned
+                        .entry(rref)
+                        .or_insert_with(|| Owned {
+                            state: failed,
+                            ..Owned::default()
+                        })
+                        .forks
+                        .insert(fork, from)
+                        .is_none();
+                    self.count_reference(from, new);
+                }
+                self.ack(from, id);
+            }
+            Header::ChildAccept { id, floor, fork } => {
+                if self.first_time(from, id, floor) {
+                    if let Some((parent, _)) = self.children.remove(&fork) {
+                        if let Some(u) = self.used.get_mut(&parent) {
+                            u.pending_children.remove(&fork);
+                        }
+                        self.maybe_delete_user(parent, now);
+                    }
+                }
+                self.ack(from, id);
+            }
+            Header::UserDelete {
+                id,
+                floor,
+                rref,
+                fork,
+            } => {
+                if self.first_time(from, id, floor) {
+                    let holder = self
+                        .owned
+                        .get_mut(&rref)
+                        .and_then(|o| o.forks.remove(&fork));
+                    self.uncount_reference(holder);
+                    self.maybe_release(rref);
+                }
+                self.ack(from, id);
+            }
+            Header::Abandoned { rref, reason } => {
+                let err = RemoteError {
+                    worker: from,
+                    kind: RemoteErrorKind::Failed,
+                    message: reason,
+                };
+                self.fail_creation(rref, err);
+            }
+            Header::Ack { id } => self.on_ack(id, now),
+            Header::Shutdown { signal } => self.on_shutdown_signal(from, signal),
+            Header::ShutdownFailed { missing, lost } => {
+                self.on_shutdown_failed(from, missing, lost);
+            }
+        }
+        if !self.confirm_waits.is_empty() {
+            self.settle_confirm_waits(Some(now));
+        }
+        self.advance_shutdown();
+        Ok(())
+    }
+
+    /// Whether `from` may send `header`, judged against what we sent and hold.
+    pub(super) fn check_message(
+        &self,
+        from: WorkerId,
+        header: &Header,
+    ) -> Result<(), ProtocolViolation> {
+        let never_issued = |id: MessageId| id <= self.first_id || id > self.next_id;
+        let repeated = |id: MessageId, kind: RequestKind| {
+            let token = RequestToken { from, id, kind };
+            if self.incoming.tokens.contains(&token) {
+                Err(ProtocolViolation::RepeatedRequest { id })
+            } else {
+                Ok(())
+            }
+        };
+        match *header {
+            Header::Call { id, .. } => repeated(id, RequestKind::Call),
+            Header::Fetch { id, rref, .. } => {
+                let parked = self
+                    .owned
+                    .get(&rref)
+                    .is_some_and(|o| o.fetches.iter().any(|f| f.0 == from && f.1 == id));
+                if parked {
+                    return Err(ProtocolViolation::RepeatedRequest { id });
+                }
+                repeated(id, RequestKind::Fetch(rref))
+            }
+            Header::Reply { id, .. } => {
+                if never_issued(id) {
+                    return Err(ProtocolViolation::UnknownId { id, what: "reply" });
+                }
+                match self.pending.get(&id) {
+                    Some(p) if p.to != from => Err(ProtocolViolation::WrongPeer {
+                        id,
+                        what: "reply",
+                        sent_to: p.to,
+                    }),
+                    // Answered, timed out or failed already: a late reply.
+                    _ => Ok(()),
+                }
+            }
+            Header::Ack { id } => {
+                if never_issued(id) {
+                    return Err(ProtocolViolation::UnknownId {
+                        id,
+                        what: "acknowledgement",
+                    });
+                }
+                match self.unacked.get(&id) {
+                    Some(u) if u.to != from => Err(ProtocolViolation::WrongPeer {
+                        id,
+                        what: "acknowledgement",
+                        sent_to: u.to,
+                    }),
+                    _ => Ok(()),
+                }
+            }
+            Header::Remote { rref, fork, .. } => {
+                if rref.created_on != from {
+                    return Err(ProtocolViolation::ForeignCreation {
+                        rref,
+                        creator: rref.created_on,
+                    });
+                }
+                let upto = self.created_upto.get(&from).copied().unwrap_or(0);
+                if fork != rref || rref.local <= upto {
+                    return Err(ProtocolViolation::RepeatedCreation { rref, fork });
+                }
+                Ok(())
+            }
+            // A fork is registered by the worker it was made for; a resent request comes from
+            // that same worker.
+            Header::UserDelete { rref, fork, .. } | Header::ForkRequest { rref, fork, .. } => {
+                match self.owned.get(&rref).and_then(|o| o.forks.get(&fork)) {
+                    Some(&holder) if holder != from => {
+                        return Err(ProtocolViolation::ForeignFork { rref, fork, holder });
+                    }
+                    // Held by the sender, or forgotten already (a failed creation's fork).
+                    _ => {}
+                }
+                let known = self
+                    .owned
+                    .get(&rref)
+                    .is_some_and(|o| o.forks.contains_key(&fork));
+                let limit = self.config.references_per_peer;
+                if matches!(header, Header::ForkRequest { .. })
+                    && !known
+                    && self.references_of(from) >= limit
+                {
+                    return Err(ProtocolViolation::TooManyReferences { limit });
+                }
+                let limit = self.config.pending_forks_per_peer;
+                if matches!(header, Header::ForkRequest { .. })
+                    && !self.owned.contains_key(&rref)
+                    && self.pending_forks_of(from) >= limit
+                {
+                    return Err(ProtocolViolation::TooManyPendingForks { limit });
+                }
+                Ok(())
+            }
+            Header::Abandoned { rref, .. } if rref.created_on != from => {
+                Err(ProtocolViolation::ForeignFork {
+                    rref,
+                    fork: rref,
+                    holder: rref.created_on,
+                })
+            }
+            Header::Shutdown { signal } => self.check_shutdown_signal(from, signal),
+            Header::ShutdownFailed { ref missing, .. } => self.check_shutdown_failed(from, missing),
+            Header::ChildAccept { fork, .. } => match self.children.get(&fork) {
+                Some(&(_, to)) if to != from => Err(ProtocolViolation::ForeignFork {
+                    rref: fork,
+                    fork,
+                    holder: to,
+                }),
+                _ => Ok(()),
+            },
+            _ => Ok(()),
+        }
+    }
+
+    /// Handles the passing of time: expired calls fail, unacknowledged control messages are
+    /// sent again.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.last_now = Some(now);
+        let retry = self.config.control_retry;
+        let mut resend = Vec::new();
+        while let Some(&(deadline, timer)) = self.timers.first() {
+            if deadline > now {
+                break;
+            }
+            self.timers.pop_first();
+            let id = match timer {
+                Timer::Call(id) => id,
+                Timer::Control(id) => {
+                    if let Some(u) = self.unacked.get_mut(&id) {
+                        if u.next_try <= now {
+                            u.next_try = now + retry;
+                            resend.push((id, u.next_try));
+                        }
+                    }
+                    continue;
+                }
+                Timer::Fetches(rref) => {
+                    self.expire_parked_fetches(rref, now);
+                    continue;
+                }
+                Timer::ParkedCalls(rref) => {
+                    self.expire_parked_calls(rref, now);
+                    continue;
+                }
+                // Settled below, with every other wait.
+                Timer::ConfirmWait(_) => continue,
+            };
+            let Some(p) = self.pending.get(&id) else {
+                continue;
+            };
+            let (to, after, confirms) = (p.to, p.timeout, p.confirms);
+            let err = match confirms.and_then(|fork| self.used.get_mut(&fork).map(|u| (fork, u))) {
+                Some((fork, u)) => {
+                    // A `remote()` whose creation timed out. Its messages to the owner keep
+                    // their order, so the owner has registered (or will register) this fork
+                    // before any delete of ours: count it as confirmed for deletion, so the
+                    // owner frees the value once it exists and nobody refers to it.
+                    u.confirmed = true;
+                    let err = CallError::RRefCreationTimedOut {
+                        rref: u.rref,
+                        owner: to,
+                        after,
+                    };
+                    u.creation_error = Some(err.clone());
+                    self.fail(id, err);
+                    self.maybe_delete_user(fork, now);
+                    continue;
+                }
+                None => CallError::Timeout { to, after },
+            };
+            self.fail(id, err);
+        }
+        // (Timers for resends go in after the loop: a zero retry interval must not spin it.)
+        for (id, next_try) in resend {
+            self.timers.insert((next_try, Timer::Control(id)));
+            if let Some(u) = self.unacked.get(&id) {
+                let t = Transmit {
+                    to: u.to,
+                    header: u.header.clone(),
+                    body: None,
+                };
+                self.send_out(t);
+            }
+        }
+        self.settle_confirm_waits(Some(now));
+        self.advance_shutdown();
+        self.expire_shutdown(now);
+    }
+
+    /// The connection to `peer` is gone for good: its calls fail naming it, control messages
+    /// to it are dropped, requests from it are forgotten, and its forks no longer keep our
+    /// values alive.
+    pub fn handle_peer_lost(&mut self, peer: WorkerId, cause: LostCause, now: Instant) {
+        self.last_now = Some(now);
+        let cause = self.lost.entry(peer).or_insert(cause).clone();
+        self.placeholders.remove(&peer);
+        // Its forks are dropped from every record below.
+        self.references.remove(&peer);
+        let ids: Vec<MessageId> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.to == peer)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            self.fail(
+                id,
+                CallError::PeerLost {
+                    peer,
+                    cause: cause.clone(),
+                },
+            );
+        }
+        self.unacked.retain(|_, u| u.to != peer);
+        self.unacked_to.remove(&peer);
+        self.incoming.retain(|t| t.from != peer);
+        for parked in self.parked_calls.values_mut() {
+            parked.retain(|c| c.token.from != peer);
+        }
+        self.parked_calls.retain(|_, v| !v.is_empty());
+        // Nothing more goes to it: held messages are dropped, bodies not ready are not awaited
+        // (their calls failed above).
+        self.held.remove(&peer);
+        self.deferred.retain(|_, d| d.to != peer);
+        // Forks of references the lost peer owned can never be confirmed or deleted: forget
+        // them (their handles fail to fetch as unknown), and the children made from them.
+        let gone: Vec<ForkId> = self
+            .used
+            .iter()
+            .filter(|(_, u)| u.owner == peer)
+            .map(|(f, _)| *f)
+            .collect();
+        for fork in gone {
+            self.used.remove(&fork);
+        }
+        self.children
+            .retain(|_, (parent, _)| self.used.contains_key(parent));
+        // Children sent to the lost peer will never accept: stop waiting for them.
+        let orphans: Vec<(ForkId, ForkId)> = self
+            .children
+            .iter()
+            .filter(|(_, (_, to))| *to == peer)
+            .map(|(c, (p, _))| (*c, *p))
+            .collect();
+        for (child, parent) in orphans {
+            self.children.remove(&child);
+            if let Some(u) = self.used.get_mut(&parent) {
+                u.pending_children.remove(&child);
+            }
+            self.maybe_delete_user(parent, now);
+        }
+        let rrefs: Vec<RRefId> = self.owned.keys().copied().collect();
+        for rref in rrefs {
+            let mut waiting = Vec::new();
+            if let Some(o) = self.owned.get_mut(&rref) {
+                o.forks.retain(|_, holder| *holder != peer);
+                o.fetches.retain(|(from, _, _)| *from != peer);
+                if o.state.is_none() && rref.created_on == peer {
+                    // Its creator is gone before its creation arrived (a placeholder made by a
+                    // third party's fork request): it will never be created.
+                    let err = RemoteError {
+                        worker: self.me,
+                        kind: RemoteErrorKind::RRef,
+                        message: format!(
+                            "{rref} was never created: its creator, worker {peer}, is gone ({cause})"
+                        ),
+                    };
+                    o.state = Some(Err(err));
+                    waiting = std::mem::take(&mut o.fetches);
+                }
+            }
+            for (from, id, deadline) in waiting {
+                self.owner_fetch(from, id, rref, deadline);
+            }
+            self.settle_parked_calls(rref);
+            self.maybe_release(rref);
+        }
+        self.settle_confirm_waits(None);
+        self.advance_shutdown();
+    }
+
+    /// Starts this endpoint's ids (message ids and the ids of references it creates) above
+    /// every id of its earlier incarnations: a worker that joins a dynamic group again under
+    /// the same rank (`incarnation`: its place in the group's admission order) must not reuse
+    /// an id its peers may still hold from the earlier one. Only before any id was issued;
+    /// returns whether it took effect.
+    pub fn begin_incarnation(&mut self, incarnation: u64) -> bool {
+        if self.next_id != self.first_id {
+            return false;
+        }
+        self.first_id = incarnation.saturating_mul(1 << 40);
+        self.next_id = self.first_id;
+        true
+    }
+
+    /// Worker `peer` (re)joined the group (dynamic groups): it is no longer counted as lost,
+    /// and a new incarnation of it starts with a clean slate (its control messages' ids
+    /// start afresh).
+    pub fn handle_peer_joined(&mut self, peer: WorkerId) {
+        self.lost.remove(&peer);
+        self.seen_control.remove(&peer);
+        self.placeholders.remove(&peer);
+        self.forget_shutdown_of(peer);
+        self.created_upto.remove(&peer);
+    }
+}

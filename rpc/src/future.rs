@@ -1,0 +1,10 @@
+//! The future of a call's result ([`RpcFuture`]), made by the agent and counted by its
+//! metrics.
+
+use crate::error::RpcError;
+
+/// The result of [`Agent::rpc_async`](crate::Agent::rpc_async): await it for the callee's result.
+pub struct RpcFuture<R> {
+    pub(crate) inner:
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<R, RpcError>> + Send>>,
+}
