@@ -585,6 +585,17 @@ async fn serve_connection(
                 return refuse(refusal, &mut output, &mut reader, &mut writer, config).await;
             }
         }
+        if !output.is_empty() {
+            let full = output.len() >= config.max_queued_bytes;
+            if let Err(e) = output.try_write_now(&writer) {
+                return e.into();
+            }
+            // Requests that waited for room in the queue are decoded now (the socket took
+            // some of it), not after the next read, which may never come.
+            if full && output.len() < config.max_queued_bytes && !starved {
+                continue;
+            }
+        }
         gauge.set(output.len());
         memory.set(input.len(), output.own());
         let reading = output.len() < config.max_queued_bytes && !starved;

@@ -148,6 +148,32 @@ impl Output {
         Ok(n)
     }
 
+    /// Writes what the socket takes now, without waiting: a reply usually fits its buffer, so
+    /// it leaves in the turn that made it (one `writev`), with no turn of the connection's
+    /// `select!` and no stall timer armed for it. What the socket does not take waits for
+    /// [`write_some`](Self::write_some).
+    pub(crate) fn try_write_now(
+        &mut self,
+        writer: &tokio::net::tcp::WriteHalf<'_>,
+    ) -> std::io::Result<()> {
+        self.seal();
+        while !self.is_empty() {
+            let mut slices = [IoSlice::new(&[]); MAX_SLICES];
+            let mut count = 0;
+            for (slot, (chunk, _)) in slices.iter_mut().zip(&self.chunks) {
+                *slot = IoSlice::new(chunk);
+                count += 1;
+            }
+            match writer.try_write_vectored(&slices[..count]) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => self.advance(n),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// Writes everything queued.
     pub(crate) async fn write_all<W: AsyncWrite + Unpin>(
         &mut self,
