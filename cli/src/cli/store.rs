@@ -316,13 +316,15 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
             let server = TcpStoreServer::bind((host, port), config)
                 .await
                 .with_context(|| format!("cannot listen on {host}:{port}"))?;
+            // Installed before the address is printed: whoever reads it may stop us at once.
+            let stop = stop_signal()?;
             writeln!(
                 stdout,
                 "tensorwire store listening on {}",
                 server.local_addr()
             )?;
             stdout.flush()?;
-            wait_for_stop_signal().await?;
+            stop.await?;
             server.shutdown().await;
             // Whoever started us may have stopped reading (a benchmark that read the address and
             // closed the pipe): a clean stop is still a clean stop, not a panic on EPIPE.
@@ -376,19 +378,27 @@ async fn execute(command: Command) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Ctrl-C (SIGINT), or SIGTERM on Unix.
-async fn wait_for_stop_signal() -> anyhow::Result<()> {
+/// Ctrl-C (SIGINT), or SIGTERM on Unix: the handlers are installed when this is called, and
+/// the future it returns ends at the first of the signals.
+fn stop_signal() -> anyhow::Result<impl std::future::Future<Output = anyhow::Result<()>>> {
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            r = tokio::signal::ctrl_c() => r?,
-            _ = term.recv() => {}
-        }
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut interrupt = signal(SignalKind::interrupt())?;
+        let mut terminate = signal(SignalKind::terminate())?;
+        Ok(async move {
+            tokio::select! {
+                _ = interrupt.recv() => {}
+                _ = terminate.recv() => {}
+            }
+            Ok(())
+        })
     }
     #[cfg(not(unix))]
-    tokio::signal::ctrl_c().await?;
-    Ok(())
+    Ok(async {
+        tokio::signal::ctrl_c().await?;
+        Ok(())
+    })
 }
 
 #[cfg(test)]
