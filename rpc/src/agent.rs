@@ -20,8 +20,7 @@ use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, DebugInfo, Endpoint, EndpointConfig, RRefForkData, RRefHandle, RRefId,
-    WorkerId,
+    CallError, ConfirmError, DebugInfo, Endpoint, RRefForkData, RRefHandle, RRefId, WorkerId,
 };
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
@@ -132,7 +131,7 @@ impl Agent {
                 options.ipc_limits,
             ),
             state: Mutex::new(State {
-                ep: Endpoint::new(me_id, EndpointConfig::default()),
+                ep: Endpoint::new(me_id, options.endpoint.clone()),
                 waiters: HashMap::new(),
                 values: HashMap::new(),
                 peers: HashMap::new(),

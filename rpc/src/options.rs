@@ -6,6 +6,7 @@ use std::time::Duration;
 use tensorwire_core::ports::device::DeviceBackend;
 
 use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
+use tensorwire_core::protocol::EndpointConfig;
 
 use crate::error::RpcError;
 use crate::functions::Functions;
@@ -112,6 +113,15 @@ pub struct RpcOptions {
     /// peer is dropped as one that does not read: its calls fail with `CallError::PeerLost`
     /// naming the bound (`LostCause::Unread`), and what was queued for it is freed.
     pub peer_queue_bytes: usize,
+    /// The protocol endpoint's settings (default [`EndpointConfig::default`]): the bounds on
+    /// what one peer can make this worker hold — requests served per caller
+    /// (`requests_per_peer`), fetches parked per caller (`parked_fetches_per_peer`), forks of
+    /// values owned here per holder (`references_per_peer`), fork records for references never
+    /// created here (`pending_forks_per_peer`), idempotence records
+    /// (`idempotence_records_per_peer`) — and how often unacknowledged control messages are
+    /// sent again (`control_retry`). The guide's bounds table gives each default and what a
+    /// peer gets past it.
+    pub endpoint: EndpointConfig,
 }
 
 /// The default of [`RpcOptions::peer_queue_bytes`]: 256 MiB.
@@ -161,6 +171,7 @@ impl Default for RpcOptions {
             ipc_limits: tensorwire_core::ipc::IpcConfig::default(),
             runtime: Arc::new(TokioRuntime),
             peer_queue_bytes: DEFAULT_PEER_QUEUE_BYTES,
+            endpoint: EndpointConfig::default(),
         }
     }
 }
@@ -179,6 +190,7 @@ impl std::fmt::Debug for RpcOptions {
             .field("share_device_memory", &self.share_device_memory)
             .field("runtime", &self.runtime)
             .field("peer_queue_bytes", &self.peer_queue_bytes)
+            .field("endpoint", &self.endpoint)
             .finish_non_exhaustive()
     }
 }
@@ -203,6 +215,13 @@ impl RpcOptions {
     /// `TENSORWIRE_SECRET`, no functions, no device maps.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The protocol endpoint's settings, its bounds per peer among them (see
+    /// [`endpoint`](Self::endpoint)).
+    pub fn with_endpoint_config(mut self, endpoint: EndpointConfig) -> Self {
+        self.endpoint = endpoint;
+        self
     }
 
     /// The bytes queued for one peer before it is dropped as one that does not read (see
