@@ -87,6 +87,10 @@ pub const DROPPED_KEPT: usize = 1024;
 /// reason) rather than taken for a forged message.
 pub const GONE_KEPT: usize = 1024;
 
+/// The default of [`DistAutograd::set_contexts_per_peer`]: how many contexts made by other
+/// workers one peer's messages may make this worker hold at once.
+pub const DEFAULT_CONTEXTS_PER_PEER: usize = 4096;
+
 /// A distributed autograd context: the creating worker's id in the high 32 bits, that worker's
 /// counter in the low 32 bits (PyTorch: 16 and 48; our worker ids are 32-bit).
 ///
@@ -398,10 +402,36 @@ pub enum RecvError {
         /// The context.
         context: ContextId,
     },
+    /// The message would make this worker hold one more context of another worker's for the
+    /// sender, which already made it hold `limit` of them
+    /// ([`DistAutograd::set_contexts_per_peer`]). Nothing is recorded; an honest sender gets
+    /// the call's error and may retry once some of its contexts are released.
+    #[error("worker {from} already made this worker hold {limit} autograd contexts of other workers, its bound per peer (contexts_per_peer); {context} is not made")]
+    TooManyContexts {
+        /// The sender.
+        from: WorkerId,
+        /// The context it would have made.
+        context: ContextId,
+        /// The bound.
+        limit: usize,
+    },
 }
 
-/// A message that a peer had no right to send. The state is unchanged; the driver reports it
-/// (and may drop the peer).
+impl RecvError {
+    /// The violation, when the refusal is one (the driver drops the sender for it); the other
+    /// refusals (a lost sender, a context gone, a bound reached) are answered and the sender
+    /// stays.
+    pub fn violation(&self) -> Option<&ProtocolViolation> {
+        match self {
+            RecvError::Violation(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// A message that a peer had no right to send. The state is unchanged; the driver drops the
+/// peer for it (`tensorwire_core::protocol::ProtocolViolation::Autograd`), as for a violation
+/// of the RPC protocol.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ProtocolViolation {
@@ -530,11 +560,15 @@ struct Context {
     prepared: bool,
     root_running: bool,
     graph_freed: bool,
+    /// The peer whose message made this context here (a context of another worker's, made
+    /// by a recv): it counts toward that peer's bound until the context is dropped.
+    made_by: Option<WorkerId>,
 }
 
 impl Context {
     fn new() -> Self {
         Self {
+            made_by: None,
             sends: BTreeMap::new(),
             recvs: BTreeMap::new(),
             known: BTreeSet::new(),
@@ -601,6 +635,10 @@ pub struct DistAutograd {
     gone_order: VecDeque<ContextId>,
     /// Gradients dropped because their context was gone here.
     late_gradients: u64,
+    /// How many contexts of other workers' each peer's messages made here (and are held).
+    made_by_peer: BTreeMap<WorkerId, usize>,
+    /// The bound on them, per peer.
+    contexts_per_peer: usize,
     out: VecDeque<Output>,
 }
 
@@ -621,8 +659,30 @@ impl DistAutograd {
             gone: BTreeMap::new(),
             gone_order: VecDeque::new(),
             late_gradients: 0,
+            made_by_peer: BTreeMap::new(),
+            contexts_per_peer: DEFAULT_CONTEXTS_PER_PEER,
             out: VecDeque::new(),
         }
+    }
+
+    /// Sets how many contexts of other workers' one peer's messages may make this worker hold
+    /// at once (default [`DEFAULT_CONTEXTS_PER_PEER`]). A message that would make one more is
+    /// refused with [`RecvError::TooManyContexts`] and records nothing; contexts already held
+    /// stay. A context counts toward the peer whose message made it here until it is dropped
+    /// (released, or dropped by a loss); messages in a context already held are not counted.
+    pub fn set_contexts_per_peer(&mut self, limit: usize) {
+        self.contexts_per_peer = limit;
+    }
+
+    /// The bound set by [`set_contexts_per_peer`](Self::set_contexts_per_peer).
+    pub fn contexts_per_peer(&self) -> usize {
+        self.contexts_per_peer
+    }
+
+    /// How many contexts of other workers' `peer`'s messages made this worker hold (see
+    /// [`set_contexts_per_peer`](Self::set_contexts_per_peer)).
+    pub fn contexts_made_by(&self, peer: WorkerId) -> usize {
+        self.made_by_peer.get(&peer).copied().unwrap_or(0)
     }
 
     // --- getters ---
@@ -826,7 +886,21 @@ impl DistAutograd {
         if self.lost.contains(&from) || self.lost.contains(&context.worker()) {
             return Err(RecvError::PeerLost { from, context });
         }
-        let ctx = self.contexts.entry(context).or_insert_with(Context::new);
+        if !self.contexts.contains_key(&context) {
+            let made = self.made_by_peer.entry(from).or_insert(0);
+            if *made >= self.contexts_per_peer {
+                return Err(RecvError::TooManyContexts {
+                    from,
+                    context,
+                    limit: self.contexts_per_peer,
+                });
+            }
+            *made += 1;
+            let mut ctx = Context::new();
+            ctx.made_by = Some(from);
+            self.contexts.insert(context, ctx);
+        }
+        let ctx = self.contexts.get_mut(&context).expect("made above");
         ctx.recvs.insert(message, from);
         ctx.known.insert(from);
         Ok(())
@@ -1142,6 +1216,14 @@ impl DistAutograd {
         let Some(ctx) = self.contexts.remove(&context) else {
             return;
         };
+        if let Some(peer) = ctx.made_by {
+            if let Some(made) = self.made_by_peer.get_mut(&peer) {
+                *made -= 1;
+                if *made == 0 {
+                    self.made_by_peer.remove(&peer);
+                }
+            }
+        }
         if self.gone.insert(context, error.clone()).is_none() {
             self.gone_order.push_back(context);
         }

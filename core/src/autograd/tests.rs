@@ -813,3 +813,53 @@ fn work_for_a_requester_that_releases_or_dies_is_answered_not_abandoned() {
         let _ = a.release(c);
     }
 }
+
+#[test]
+fn contexts_a_peer_can_make_this_worker_hold_are_bounded() {
+    let mut a = DistAutograd::new(0);
+    assert_eq!(a.contexts_per_peer(), DEFAULT_CONTEXTS_PER_PEER);
+    a.set_contexts_per_peer(2);
+    // Worker 2 makes worker 0 hold two contexts (one of worker 1's, forged or not, counts
+    // toward the peer that sent it).
+    let c1 = ContextId::new(2, 0);
+    let c2 = ContextId::new(1, 5);
+    a.handle_recv(2, c1, AutogradMessageId::new(2, 0)).unwrap();
+    a.handle_recv(2, c2, AutogradMessageId::new(2, 1)).unwrap();
+    assert_eq!(a.contexts_made_by(2), 2);
+    // More messages in contexts already held are not counted.
+    a.handle_recv(2, c1, AutogradMessageId::new(2, 2)).unwrap();
+    // A third context is refused, naming the bound, and nothing is recorded.
+    let c3 = ContextId::new(2, 1);
+    let e = a
+        .handle_recv(2, c3, AutogradMessageId::new(2, 3))
+        .unwrap_err();
+    assert_eq!(
+        e,
+        RecvError::TooManyContexts {
+            from: 2,
+            context: c3,
+            limit: 2
+        }
+    );
+    assert!(e.violation().is_none(), "a bound reached is no violation");
+    assert!(e.to_string().contains("contexts_per_peer"), "{e}");
+    assert!(e.to_string().contains("2 autograd contexts"), "{e}");
+    assert!(!a.has_context(c3));
+    assert_eq!(a.context_count(), 2);
+    assert!(drain(&mut a).is_empty());
+    // Another peer has a bound of its own.
+    a.handle_recv(3, ContextId::new(3, 0), AutogradMessageId::new(3, 0))
+        .unwrap();
+    // Worker 2 joining worker 0's own contexts is not bounded by it.
+    let own = a.new_context().unwrap();
+    a.handle_recv(2, own, AutogradMessageId::new(2, 4)).unwrap();
+    // A release frees a place: the refused context can be made now.
+    a.handle_release(2, c1, None).unwrap();
+    assert_eq!(a.contexts_made_by(2), 1);
+    a.handle_recv(2, c3, AutogradMessageId::new(2, 5)).unwrap();
+    assert_eq!(a.contexts_made_by(2), 2);
+    // A loss frees them all (the counts go with the contexts).
+    a.handle_peer_lost(2);
+    assert_eq!(a.contexts_made_by(2), 0);
+    assert_eq!(a.contexts_made_by(3), 1);
+}

@@ -760,6 +760,12 @@ pub enum ProtocolViolation {
     /// A same-host CUDA IPC message (or descriptor) it had no right to send.
     #[error("it broke the IPC protocol: {0}")]
     Ipc(crate::ipc::IpcViolation),
+    /// A distributed autograd message it had no right to send (a gradient or release for a
+    /// context it has no part in, a context forged under this worker's id, a forged message
+    /// id): found by this worker's autograd state ([`crate::autograd::DistAutograd`]) above
+    /// the endpoint, and applied by the driver as the endpoint's own violations are.
+    #[error("it broke the distributed autograd protocol: {0}")]
+    Autograd(crate::autograd::ProtocolViolation),
     /// A frame whose bytes are no valid message (the driver decodes it before the endpoint
     /// sees it: a header that does not parse, tensors it announces and does not carry, ...).
     #[error("it sent a malformed message: {what}")]
