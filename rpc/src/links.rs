@@ -227,6 +227,28 @@ pub(crate) fn send_control(this: &Agent, to: WorkerId, frame: Frame) {
     }
 }
 
+/// Drops `peer` for `violation`, found above the endpoint (a handler's check: distributed
+/// autograd's state), as a frame's violation drops it: lost as
+/// [`LostCause::Misbehaved`] (its calls fail naming the violation, subscribers are told once,
+/// the contexts and references it took part in go), and its connection is closed once what
+/// is queued for it is written. A peer lost already keeps its first cause; this worker
+/// itself is never dropped.
+pub(crate) fn fail_peer(this: &Agent, peer: WorkerId, violation: ProtocolViolation) {
+    if peer == this.worker_info().id {
+        warn!("a violation of this worker's own messages is not applied: {violation}");
+        return;
+    }
+    // A static group's connection is the group's (the agent's writer does not close it):
+    // closed here, as the group closes one whose frame broke the protocol.
+    let conn = this.lock().peers.get(&peer).map(|l| Arc::clone(&l.conn));
+    peer_lost(this, peer, LostCause::Misbehaved(Box::new(violation)));
+    if let Some(conn) = conn {
+        this.spawn(async move {
+            let _ = conn.close().await;
+        });
+    }
+}
+
 /// The connection to `peer` is gone for `cause`: recorded once, in the endpoint (the first
 /// cause stays), and told to subscribers once.
 pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {

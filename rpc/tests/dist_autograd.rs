@@ -454,17 +454,11 @@ async fn concurrent_contexts_from_two_trainers_keep_their_gradients_apart() {
     shutdown(workers).await;
 }
 
-#[tokio::test(start_paused = true)]
-async fn gradients_for_unknown_contexts_or_from_outsiders_are_violations() {
-    let workers = cluster(3).await;
-    let w0 = &workers[0];
-    let ctx = w0.dist.context().unwrap();
-    let x = hop(&input(), &w0.param);
-    let ((), _out) = ctx
-        .rpc_sync("w1", "hop", &Vec::<String>::new(), &[x], None)
-        .await
-        .unwrap();
-    // A gradient for a context w1 never heard of, sent as the autograd layer would.
+/// A gradient w1 may not take, sent as the autograd layer would, by `from`.
+async fn forge_gradient(
+    from: &Worker,
+    context: tensorwire_core::autograd::ContextId,
+) -> tensorwire_rpc::RpcError {
     #[derive(serde::Serialize)]
     struct GradientRequest {
         context: tensorwire_core::autograd::ContextId,
@@ -472,12 +466,11 @@ async fn gradients_for_unknown_contexts_or_from_outsiders_are_violations() {
         grads: Vec<Option<tensorwire_core::tensor::Tensor>>,
     }
     let bogus = GradientRequest {
-        context: tensorwire_core::autograd::ContextId::new(0, 999),
+        context,
         message: tensorwire_core::autograd::AutogradMessageId::new(1, 0),
         grads: vec![None],
     };
-    let e = w0
-        .agent
+    from.agent
         .rpc_sync::<_, Result<(), tensorwire_core::autograd::BackwardError>>(
             "w1",
             "__tw_autograd/grad",
@@ -485,28 +478,82 @@ async fn gradients_for_unknown_contexts_or_from_outsiders_are_violations() {
             None,
         )
         .await
-        .unwrap_err();
-    assert!(
-        e.to_string().contains("which this worker does not have"),
-        "{e}"
-    );
-    // w2 is outside the context: its gradient for w1's message is refused too.
-    let from_outsider = GradientRequest {
-        context: ctx.id(),
-        message: tensorwire_core::autograd::AutogradMessageId::new(1, 0),
-        grads: vec![None],
+        .unwrap_err()
+}
+
+/// w1's next lost peer, with its cause.
+async fn next_lost(
+    events: &mut tensorwire_rpc::PeerEvents,
+) -> (u32, tensorwire_core::protocol::LostCause) {
+    let lost = async {
+        loop {
+            match events.recv().await {
+                Some(tensorwire_rpc::PeerEvent::Lost { worker, cause }) => return (worker, cause),
+                Some(_) => {}
+                None => panic!("w1's peer events ended"),
+            }
+        }
     };
-    let e = workers[2]
+    tokio::time::timeout(Duration::from_secs(60), lost)
+        .await
+        .expect("w1 dropped no peer")
+}
+
+#[tokio::test(start_paused = true)]
+async fn gradients_for_unknown_contexts_or_from_outsiders_are_violations_that_drop_the_sender() {
+    use tensorwire_core::autograd::{ContextId, ProtocolViolation as AutogradViolation};
+    use tensorwire_core::protocol::{LostCause, ProtocolViolation};
+    let workers = cluster(4).await;
+    let w0 = &workers[0];
+    let ctx = w0.dist.context().unwrap();
+    let x = hop(&input(), &w0.param);
+    let ((), _out) = ctx
+        .rpc_sync("w1", "hop", &Vec::<String>::new(), &[x], None)
+        .await
+        .unwrap();
+    let mut events = workers[1].agent.peer_events();
+    // w2 is outside the context: its gradient for w1's message is a violation; w1 drops it
+    // before answering (as for a frame that breaks the RPC protocol).
+    forge_gradient(&workers[2], ctx.id()).await;
+    let (lost, cause) = next_lost(&mut events).await;
+    assert_eq!(lost, 2);
+    assert_eq!(
+        cause,
+        LostCause::Misbehaved(Box::new(ProtocolViolation::Autograd(
+            AutogradViolation::NotInContext {
+                from: 2,
+                context: ctx.id()
+            }
+        )))
+    );
+    assert!(cause.to_string().contains("is not part of"), "{cause}");
+    // Calls to it fail naming why.
+    let e = workers[1]
         .agent
-        .rpc_sync::<_, Result<(), tensorwire_core::autograd::BackwardError>>(
-            "w1",
-            "__tw_autograd/grad",
-            &from_outsider,
-            None,
-        )
+        .rpc_sync::<_, ()>("w2", "hop", &Vec::<String>::new(), None)
         .await
         .unwrap_err();
     assert!(e.to_string().contains("is not part of"), "{e}");
+    // w3 sends a gradient for a context w1 never heard of: dropped too.
+    let unknown = ContextId::new(0, 999);
+    forge_gradient(&workers[3], unknown).await;
+    let (lost, cause) = next_lost(&mut events).await;
+    assert_eq!(lost, 3);
+    assert_eq!(
+        cause,
+        LostCause::Misbehaved(Box::new(ProtocolViolation::Autograd(
+            AutogradViolation::UnknownContext {
+                from: 3,
+                context: unknown
+            }
+        )))
+    );
+    assert!(
+        cause
+            .to_string()
+            .contains("which this worker does not have"),
+        "{cause}"
+    );
     assert_eq!(workers[1].dist.violations(), 2);
     // w1 carries on: the context still works end to end.
     let ((), out) = ctx
@@ -527,7 +574,13 @@ async fn gradients_for_unknown_contexts_or_from_outsiders_are_violations() {
         .unwrap_err();
     assert!(matches!(e, DistAutogradError::State(_)), "{e}");
     ctx.release().await.unwrap();
-    shutdown(workers).await;
+    // A graceful shutdown fails once members were lost: every worker stops at once.
+    for w in workers {
+        w.agent
+            .shutdown(tensorwire_rpc::Shutdown::Immediate)
+            .await
+            .unwrap();
+    }
 }
 
 #[tokio::test(start_paused = true)]

@@ -4,6 +4,8 @@
 
 // The state, messages and helpers of the parent module.
 use super::*;
+use tensorwire_core::autograd::ProtocolViolation;
+use tensorwire_core::protocol::ProtocolViolation as CoreViolation;
 
 /// What the driver does after the state machine spoke, outside the lock.
 pub(super) enum Action<E: AutogradEngine> {
@@ -141,7 +143,7 @@ impl<E: AutogradEngine> Inner<E> {
             Ok(()) => {}
             Err(RecvError::Violation(v)) => {
                 drop(sh);
-                self.violation(from, &v.to_string());
+                self.violation(from, &v);
                 return Err(v.to_string());
             }
             Err(e) => return Err(e.to_string()),
@@ -196,12 +198,17 @@ impl<E: AutogradEngine> Inner<E> {
             })
     }
 
-    pub(super) fn violation(&self, from: WorkerId, what: &str) {
+    /// `from` broke the autograd protocol (the state machine's verdict): counted, and the
+    /// peer is dropped as for any violation of the RPC protocol
+    /// ([`CoreViolation::Autograd`]) before the message is answered, so every call to it
+    /// fails naming the violation and every context it took part in is dropped here.
+    pub(super) fn violation(&self, from: WorkerId, v: &ProtocolViolation) {
         self.violations.fetch_add(1, Ordering::Relaxed);
         warn!(
-            "autograd protocol violation by {} (rank {from}): {what}",
+            "autograd protocol violation by {} (rank {from}): {v}; dropping it",
             self.agent.name_of(from)
         );
+        crate::links::fail_peer(&self.agent, from, CoreViolation::Autograd(v.clone()));
     }
 
     pub(super) async fn on_gradient(
@@ -239,7 +246,7 @@ impl<E: AutogradEngine> Inner<E> {
                 }
                 Err(v) => {
                     drop(sh);
-                    self.violation(from, &v.to_string());
+                    self.violation(from, &v);
                     return Err(format!("protocol violation: {v}"));
                 }
             }
@@ -267,7 +274,7 @@ impl<E: AutogradEngine> Inner<E> {
             .state
             .handle_release(from, req.context, req.cause);
         if let Err(v) = r {
-            self.violation(from, &v.to_string());
+            self.violation(from, &v);
             return Err(format!("protocol violation: {v}"));
         }
         self.pump_and_wait_releases()

@@ -49,8 +49,17 @@
 //! PyTorch's autograd message types: forward calls wrap the user's arguments with
 //! (context, message id, tensors); gradients go back with (context, message id) and are
 //! answered once the receiver's work, and all work it started, is done; releases fan out.
-//! A gradient for an unknown context, or from a worker outside the context, is a protocol
-//! violation: the sender gets an error naming it, and this worker carries on.
+//! A gradient for an unknown context, or from a worker outside the context, a release from a
+//! worker outside it, a message in a context forged under this worker's id or under a
+//! message id that is not the sender's own is a protocol violation
+//! ([`tensorwire_core::autograd::ProtocolViolation`], decided by the state machine): this
+//! worker drops the sender as it drops one that breaks the RPC protocol
+//! (`LostCause::Misbehaved` with `ProtocolViolation::Autograd`; its calls fail naming it,
+//! every context it took part in is dropped here) and carries on with the others.
+//!
+//! **Bounds.** The contexts of other workers' that one peer's calls make this worker hold are
+//! bounded ([`DistAutograd::set_contexts_per_peer`]): a call beyond the bound runs nothing
+//! and fails naming it, and the caller stays.
 //!
 //! **Lost peers.** [`DistAutograd`] follows the agent's [`peer_events`](Agent::peer_events):
 //! when a peer's connection breaks, every context that peer made or took part in is dropped
@@ -515,7 +524,17 @@ impl<E: AutogradEngine> DistAutograd<E> {
         self.inner.lock().state.context_count()
     }
 
-    /// How many autograd messages from peers were protocol violations.
+    /// Sets how many contexts of other workers' one peer's calls may make this worker hold
+    /// at once (default [`DEFAULT_CONTEXTS_PER_PEER`](tensorwire_core::autograd::DEFAULT_CONTEXTS_PER_PEER)).
+    /// A call in a context beyond it runs nothing and fails with an error naming the bound
+    /// (`contexts_per_peer`); the caller stays connected and may call again once some of its
+    /// contexts are released here. Contexts this worker made do not count.
+    pub fn set_contexts_per_peer(&self, limit: usize) {
+        self.inner.lock().state.set_contexts_per_peer(limit);
+    }
+
+    /// How many autograd messages from peers were protocol violations (each dropped its
+    /// sender, see the module's docs).
     pub fn violations(&self) -> u64 {
         self.inner.violations.load(Ordering::Relaxed)
     }

@@ -10,8 +10,9 @@
 //! - `kill`: `w0` runs a backward through `w1` to `w2`; `w2` prints `IN_BACKWARD` inside its
 //!   backward (the test SIGKILLs it then); `w0` checks the backward fails naming `w2` and that
 //!   the survivors hold no context;
-//! - `violation`: `w2` sends `w1` a gradient for an unknown context and one for a context it is
-//!   not part of; `w1` refuses both and keeps working;
+//! - `violation`: `w2` sends `w1` a gradient for a context it is not part of; `w1` drops `w2`
+//!   for it (`LostCause::Misbehaved` naming the autograd violation) and keeps working with
+//!   `w0`; every worker stops at once (a graceful shutdown fails once a member was lost);
 //! - `lost`: `w2` opens a context (forward w2→w1→w0 and back, no backward), `w0` opens one
 //!   through `w2` and one through `w1` only; `w0` checks the counts and prints `CONTEXTS_OPEN`
 //!   (the test SIGKILLs `w2` then); `w0` waits (bounded) until it and `w1` hold only the context `w2` never saw, prints
@@ -782,6 +783,8 @@ async fn violation() -> Result<(), String> {
         message: AutogradMessageId,
         grads: Vec<Option<Tensor>>,
     }
+    // w1 follows its peers from the start: the drop is not missed.
+    let mut events = agent.peer_events();
     if rank == 2 {
         let a = agent.clone();
         agent
@@ -789,41 +792,27 @@ async fn violation() -> Result<(), String> {
             .register("attack", move |context: ContextId| {
                 let a = a.clone();
                 async move {
-                    let unknown = GradientRequest {
-                        context: ContextId::new(0, 4242),
-                        message: AutogradMessageId::new(1, 0),
-                        grads: vec![None],
-                    };
                     let outsider = GradientRequest {
                         context,
                         message: AutogradMessageId::new(1, 0),
                         grads: vec![None],
                     };
-                    for (what, req, expect) in [
-                        (
-                            "unknown context",
-                            unknown,
-                            "which this worker does not have",
-                        ),
-                        ("outsider", outsider, "is not part of"),
-                    ] {
-                        match a
-                            .rpc_sync::<_, Result<(), BackwardError>>(
-                                "w1",
-                                "__tw_autograd/grad",
-                                &req,
-                                None,
-                            )
-                            .await
-                        {
-                            Ok(_) => return Err(format!("{what}: accepted")),
-                            Err(e) if e.to_string().contains(expect) => {
-                                println!("OK refused {what}: {e}")
-                            }
-                            Err(e) => return Err(format!("{what}: unexpected error {e}")),
+                    // w1 drops this worker before it answers: the call fails.
+                    match a
+                        .rpc_sync::<_, Result<(), BackwardError>>(
+                            "w1",
+                            "__tw_autograd/grad",
+                            &outsider,
+                            None,
+                        )
+                        .await
+                    {
+                        Ok(_) => Err("outsider: accepted".to_owned()),
+                        Err(e) => {
+                            println!("OK refused outsider: {e}");
+                            Ok::<_, String>(())
                         }
                     }
-                    Ok::<_, String>(())
                 }
             })
             .expect("registered once");
@@ -857,17 +846,55 @@ async fn violation() -> Result<(), String> {
         check_everywhere(&agent, ctx.id(), "chain", 1.0).await?;
         ctx.release().await.map_err(|e| e.to_string())?;
     }
-    agent
-        .barrier("attacked", Duration::from_secs(60))
+    if rank == 1 {
+        let lost = tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                match events.recv().await {
+                    Some(tensorwire_rpc::PeerEvent::Lost { worker, cause }) => {
+                        return Some((worker, cause))
+                    }
+                    Some(_) => {}
+                    None => return None,
+                }
+            }
+        })
         .await
-        .map_err(|e| e.to_string())?;
-    if rank == 1 && dist.violations() != 2 {
+        .map_err(|_| "w1 dropped no peer within 60 s".to_owned())?;
+        match lost {
+            Some((2, cause @ tensorwire_core::protocol::LostCause::Misbehaved(_)))
+                if cause.to_string().contains("is not part of") =>
+            {
+                println!("OK dropped w2: {cause}")
+            }
+            other => {
+                return Err(format!(
+                    "w1 expected to drop w2 as misbehaved, got {other:?}"
+                ))
+            }
+        }
+    }
+    if rank == 1 && dist.violations() != 1 {
         return Err(format!(
-            "w1 counted {} violations, expected 2",
+            "w1 counted {} violations, expected 1",
             dist.violations()
         ));
     }
-    finish(agent, true).await?;
+    // The world group's mesh broke with the dropped connection (its barriers fail): w1 and
+    // w2 stay until w0, which drives, is done and gone.
+    if rank != 0 {
+        tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                match events.recv().await {
+                    Some(tensorwire_rpc::PeerEvent::Lost { worker: 0, .. }) | None => return,
+                    Some(_) => {}
+                }
+            }
+        })
+        .await
+        .map_err(|_| format!("rank {rank}: w0 did not stop within 60 s"))?;
+    }
+    // A graceful shutdown fails once a member was lost: every worker stops at once.
+    finish(agent, false).await?;
     println!("OK violation rank {rank}");
     Ok(())
 }
