@@ -10,6 +10,8 @@
 //! value it owns, a fork it was given) before it forges a message about it.
 //! [`HostilePeer::withhold`] keeps chosen messages of its own agent from leaving (an
 //! acknowledgement it never sends, say), to hold a victim in a state worth forging against.
+//! [`HostilePeer::heard`] waits for a message the members sent it (to learn an id of theirs,
+//! say, and forge a message naming it).
 //!
 //! [`hostile_group`] starts a static group whose highest rank is hostile: in a static group
 //! the lower rank of each pair dials, so every member dials the hostile rank and greets it
@@ -75,6 +77,10 @@ struct Shared {
     linked: Notify,
     /// Messages of the hostile worker's own agent that are not sent.
     withhold: Mutex<Option<Filter>>,
+    /// The headers of the messages the members sent it, in the order they arrived.
+    heard: Mutex<Vec<Header>>,
+    /// Woken when one is recorded.
+    heard_more: Notify,
 }
 
 impl Shared {
@@ -154,6 +160,28 @@ impl HostilePeer {
     /// not parse, a control frame, ...).
     pub async fn send_frame(&self, to: u32, frame: Frame) -> Result<(), TransportError> {
         self.link(to).await.send(frame).await
+    }
+
+    /// Waits until the hostile worker has received a message whose header `pick` chooses
+    /// (one received before the call counts), and returns that header (the first such). Bound
+    /// the wait with the test's own deadline.
+    pub async fn heard(&self, pick: impl Fn(&Header) -> bool) -> Header {
+        loop {
+            let more = self.shared.heard_more.notified();
+            tokio::pin!(more);
+            more.as_mut().enable();
+            if let Some(h) = self
+                .shared
+                .heard
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+                .find(|h| pick(h))
+            {
+                return h.clone();
+            }
+            more.await;
+        }
     }
 
     /// From now on, messages of the hostile worker's own agent for which `filter` is true are
@@ -290,6 +318,15 @@ impl Connection for HostileConnection {
                     .unwrap_or_else(PoisonError::into_inner)
                     .insert(hello.rank, Arc::clone(&self.inner));
                 self.shared.linked.notify_waiters();
+            }
+        } else if frame.kind == FrameKind::Message {
+            if let Ok((header, _)) = tensorwire_rpc::fuzzing::decode_message(frame.clone(), 0) {
+                self.shared
+                    .heard
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(header);
+                self.shared.heard_more.notify_waiters();
             }
         }
         Ok(frame)

@@ -1,0 +1,623 @@
+//! A hostile peer (`tensorwire_testkit::hostile`) joins a static group for real and sends its
+//! victim, in the agent's own envelope, a message it has no right to send: the distributed
+//! autograd messages (a gradient or a release for a context it has no part in, a forward call
+//! in a context forged under the victim's id or under a message id not its own), a reply to a
+//! call the victim made to another worker (`WrongPeer`), and fork requests past the victim's
+//! bound for references it never created (`TooManyPendingForks`). Over TCP, shared memory and
+//! QUIC, each test checks that:
+//!
+//! - the victim drops the hostile peer as misbehaved, naming the violation, and its calls to it
+//!   fail naming the cause;
+//! - honest autograd in the same run (a context of the honest worker's that the victim holds
+//!   through the attack, and a fresh one) runs its backward pass with the right gradients, and
+//!   honest calls succeed with correct values;
+//! - what the victim holds (autograd contexts, owned references and forks, requests being
+//!   served, calls in flight, bytes queued) returns to its level before the attack.
+//!
+//! Rank 0 is the victim, rank 1 honest, rank 2 hostile.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::Serialize;
+use tensorwire_autograd_candle::candle_core::{Device, Tensor as CTensor, Var};
+use tensorwire_autograd_candle::CandleEngine;
+use tensorwire_core::autograd::{
+    AutogradMessageId, BackwardError, ContextId, ProtocolViolation as AutogradViolation,
+};
+use tensorwire_core::ports::transport::Transport;
+use tensorwire_core::protocol::{
+    CallError, EndpointConfig, GlobalId, Header, LostCause, ProtocolViolation, RRefId, WorkerId,
+};
+use tensorwire_core::tensor::Tensor;
+use tensorwire_core::wire::{Frame, FrameKind};
+use tensorwire_rpc::{Agent, AutogradCall, DistAutograd, Functions, PeerEvent, RpcError, Shutdown};
+use tensorwire_testkit::hostile::{hostile_group, HostileGroup};
+use tensorwire_testkit::{base_options, wait_until};
+use tokio::sync::Semaphore;
+
+type Dist = DistAutograd<CandleEngine>;
+
+const TEST_BOUND: Duration = Duration::from_secs(60);
+const T: Duration = Duration::from_secs(60);
+const VICTIM: u32 = 0;
+const HOSTILE: u32 = 2;
+/// Ids the hostile worker's own agent never reaches.
+const FORGED_ID: u64 = 1 << 40;
+/// The victim's bound on fork requests for references it has not created, per peer.
+const PENDING_FORKS: usize = 2;
+
+async fn bounded<T>(what: &str, f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(TEST_BOUND, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: took longer than {TEST_BOUND:?}"))
+}
+
+/// The transports the table runs over.
+#[derive(Debug, Clone, Copy)]
+enum Net {
+    Tcp,
+    Shm,
+    Quic,
+}
+
+/// Every rank's transport for one run (QUIC: node certificates under one cluster CA).
+fn transports(net: Net) -> impl Fn(usize) -> Arc<dyn Transport> {
+    let secret =
+        tensorwire_core::auth::ClusterSecret::new(b"hostile autograd test secret".to_vec())
+            .expect("a secret");
+    let ca = tensorwire_transport_quic::certs::ClusterCa::generate().expect("a cluster CA");
+    move |rank| -> Arc<dyn Transport> {
+        match net {
+            Net::Tcp => Arc::new(
+                tensorwire_transport_tcp::TcpTransport::new(
+                    tensorwire_transport_tcp::TcpConfig::new(secret.clone()),
+                )
+                .expect("TCP"),
+            ),
+            Net::Shm => Arc::new(
+                tensorwire_transport_shm::ShmTransport::new(
+                    tensorwire_transport_shm::ShmConfig::new(secret.clone()),
+                )
+                .expect("shm"),
+            ),
+            Net::Quic => {
+                let tls = tensorwire_transport_quic::ClusterTls::new(
+                    ca.issue_node(&format!("w{rank}"))
+                        .expect("a node certificate"),
+                    vec![ca.cert_der().clone()],
+                );
+                Arc::new(
+                    tensorwire_transport_quic::QuicTransport::new(
+                        tensorwire_transport_quic::QuicConfig::new(tls),
+                    )
+                    .expect("QUIC"),
+                )
+            }
+        }
+    }
+}
+
+/// `add(a, b)`; `gate()` answers 1 once the test opens the gate.
+fn functions(gate: &Arc<Semaphore>) -> Functions {
+    let f = Functions::new();
+    f.register(
+        "add",
+        |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) },
+    )
+    .unwrap();
+    let g = Arc::clone(gate);
+    f.register("gate", move |(): ()| {
+        let g = Arc::clone(&g);
+        async move {
+            let _open = g.acquire().await.map_err(|e| e.to_string())?;
+            Ok::<_, String>(1u64)
+        }
+    })
+    .unwrap();
+    f
+}
+
+/// Worker `rank`'s parameter (a leaf that records gradients).
+fn param_values(rank: usize) -> Vec<f32> {
+    let r = rank as f32 + 1.0;
+    vec![0.3 * r, -0.4 + 0.1 * r, 0.7 / r]
+}
+
+fn param(rank: usize) -> CTensor {
+    let t = CTensor::from_vec(param_values(rank), 3, &Device::Cpu).unwrap();
+    Var::from_tensor(&t).unwrap().as_tensor().clone()
+}
+
+/// Distributed autograd on an honest worker, with `hop(x) = tanh(x * p)` for its parameter
+/// `p`.
+fn autograd(agent: &Agent, rank: usize) -> (Dist, CTensor) {
+    let dist = Dist::new(agent, CandleEngine::new()).unwrap();
+    let p = param(rank);
+    let pp = p.clone();
+    dist.register(
+        "hop",
+        move |_call: AutogradCall<CandleEngine>, (): (), ts: Vec<CTensor>| {
+            let p = pp.clone();
+            async move {
+                let x = ts.first().ok_or("hop takes one tensor")?;
+                let y = x
+                    .mul(&p)
+                    .and_then(|y| y.tanh())
+                    .map_err(|e| e.to_string())?;
+                Ok(((), vec![y]))
+            }
+        },
+    )
+    .unwrap();
+    (dist, p)
+}
+
+/// The gradient of `sum(tanh(p * q)^2)` with respect to `p`, computed here.
+fn expected_grad(p: &[f32], q: &[f32]) -> Vec<f32> {
+    p.iter()
+        .zip(q)
+        .map(|(p, q)| {
+            let t = (p * q).tanh();
+            2.0 * t * (1.0 - t * t) * q
+        })
+        .collect()
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() <= 1e-5, "{what}: got {got:?}, want {want:?}");
+    }
+}
+
+/// A forward pass from `dist` to `to` in a new context: `hop(p)` on `to`, returned.
+async fn forward(
+    dist: &Dist,
+    p: &CTensor,
+    to: &str,
+) -> (tensorwire_rpc::AutogradContext<CandleEngine>, CTensor) {
+    let ctx = dist.context().unwrap();
+    let ((), out) = ctx
+        .rpc_sync::<_, ()>(to, "hop", &(), std::slice::from_ref(p), None)
+        .await
+        .unwrap();
+    (ctx, out.into_iter().next().expect("one tensor"))
+}
+
+/// The backward pass of `sum(out^2)` in `ctx`, and the gradient it left on `p` (the caller's
+/// parameter), checked against the callee's parameter values `q`.
+async fn backward_checked(
+    ctx: &tensorwire_rpc::AutogradContext<CandleEngine>,
+    out: &CTensor,
+    p: &CTensor,
+    q: &[f32],
+    what: &str,
+) {
+    let loss = out.sqr().unwrap().sum_all().unwrap();
+    ctx.backward(&[(loss, None)], false).await.unwrap();
+    let g = ctx
+        .gradient(p)
+        .expect("a gradient of the caller's parameter");
+    let p_values = p.to_vec1::<f32>().unwrap();
+    assert_close(
+        &g.to_vec1::<f32>().unwrap(),
+        &expected_grad(&p_values, q),
+        what,
+    );
+}
+
+/// What the victim holds that a peer can make it hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Held {
+    contexts: usize,
+    owned: Vec<(RRefId, usize, u32, bool)>,
+    forks: Vec<(RRefId, bool, u32)>,
+    requests_being_served: Vec<(WorkerId, usize)>,
+    calls_in_flight: Vec<(WorkerId, usize)>,
+    queued_bytes: usize,
+}
+
+impl Held {
+    fn of(agent: &Agent, dist: &Dist) -> Self {
+        let p = agent.debug_info().protocol;
+        Self {
+            contexts: dist.context_count(),
+            owned: p
+                .owned
+                .iter()
+                .map(|o| (o.rref, o.forks, o.local_handles, o.being_created))
+                .collect(),
+            forks: p
+                .forks
+                .iter()
+                .map(|f| (f.rref, f.confirmed, f.handles))
+                .collect(),
+            requests_being_served: p.requests_being_served.into_iter().collect(),
+            calls_in_flight: p.calls_in_flight.into_iter().collect(),
+            queued_bytes: agent.queued_bytes(),
+        }
+    }
+}
+
+/// The autograd layer's messages, as it encodes them (postcard, field by field).
+#[derive(Serialize)]
+struct GradientRequest {
+    context: ContextId,
+    message: AutogradMessageId,
+    grads: Vec<Option<Tensor>>,
+}
+
+#[derive(Serialize)]
+struct ReleaseRequest {
+    context: ContextId,
+    cause: Option<BackwardError>,
+}
+
+#[derive(Serialize)]
+struct ForwardRequest {
+    context: ContextId,
+    message: Option<AutogradMessageId>,
+    tensors: Vec<Tensor>,
+    args: (),
+}
+
+/// The messages the hostile peer sends, one kind per run.
+#[derive(Debug, Clone, Copy)]
+enum Attack {
+    /// A gradient for the message of a context it has no part in (the honest worker's,
+    /// which the victim holds).
+    GradientOutsideItsContext,
+    /// A gradient for a context the victim never had.
+    GradientForUnknownContext,
+    /// A release of the honest worker's context, which it has no part in.
+    ReleaseOfAnothersContext,
+    /// A forward call in a context forged under the victim's id.
+    ContextForgedUnderTheVictimsId,
+    /// A forward call whose autograd message id carries another worker's id.
+    MessageIdOfAnotherWorker,
+    /// A reply to the victim's call to the honest worker.
+    ReplyForACallToAnotherWorker,
+    /// Fork requests for references never created, one past the victim's bound.
+    ForkRequestsPastTheBound,
+}
+
+/// The send of a message the victim refuses may itself fail: the victim can drop the
+/// connection as soon as it has read it. Only what the victim does is checked.
+fn violating(sent: Result<(), tensorwire_core::ports::transport::TransportError>) {
+    if let Err(e) = sent {
+        eprintln!("the violating send failed (the victim closed first): {e}");
+    }
+}
+
+fn body<T: Serialize>(value: &T) -> Option<Bytes> {
+    Some(Bytes::from(postcard::to_allocvec(value).unwrap()))
+}
+
+fn call(function: &str) -> Header {
+    Header::Call {
+        id: FORGED_ID,
+        function: function.into(),
+        timeout: T,
+    }
+}
+
+/// One run: the group, honest autograd and calls, the attack, and the checks.
+async fn attack(net: Net, attack: Attack) {
+    bounded(&format!("{attack:?} over {net:?}"), run(net, attack)).await;
+}
+
+async fn run(net: Net, attack: Attack) {
+    let gate = Arc::new(Semaphore::new(0));
+    let HostileGroup { agents, hostile } = hostile_group(3, transports(net), |rank| {
+        let options = base_options().with_functions(functions(&gate));
+        if rank == VICTIM as usize {
+            options.with_endpoint_config(EndpointConfig {
+                pending_forks_per_peer: PENDING_FORKS,
+                ..EndpointConfig::default()
+            })
+        } else {
+            options
+        }
+    })
+    .await
+    .expect("the group starts");
+    let (victim, honest, hostile_agent) = (&agents[0], &agents[1], &agents[2]);
+    let (vdist, p0) = autograd(victim, 0);
+    let (hdist, p1) = autograd(honest, 1);
+
+    // Honest autograd: a context of w1's that the victim holds through the attack, and a
+    // backward of the victim's own through w1.
+    let (kept, kept_out) = forward(&hdist, &p1, "w0").await;
+    let (own, own_out) = forward(&vdist, &p0, "w1").await;
+    backward_checked(&own, &own_out, &p0, &param_values(1), "w0 through w1").await;
+    own.release().await.unwrap();
+    // The hostile worker's own agent calls the victim (ids of its own that the victim's
+    // acknowledgements may name without breaking its protocol).
+    for i in 0..3i64 {
+        let sum: i64 = hostile_agent
+            .rpc_sync("w0", "add", &(i, 1i64), None)
+            .await
+            .unwrap();
+        assert_eq!(sum, i + 1);
+    }
+    let victim_ref = victim.clone();
+    wait_until("the victim's write queues are empty", T, || {
+        victim_ref.queued_bytes() == 0
+    })
+    .await;
+    let before = Held::of(victim, &vdist);
+    assert_eq!(before.contexts, 1, "the victim holds w1's context");
+    let mut events = victim.peer_events();
+
+    let to = VICTIM;
+    let mut gated = None;
+    let expected: Box<dyn Fn(&ProtocolViolation) -> bool> = match attack {
+        Attack::GradientOutsideItsContext => {
+            let req = GradientRequest {
+                context: kept.id(),
+                message: AutogradMessageId::new(VICTIM, 0),
+                grads: vec![None],
+            };
+            violating(
+                hostile
+                    .send(to, &call("__tw_autograd/grad"), body(&req))
+                    .await,
+            );
+            let context = kept.id();
+            Box::new(move |v| {
+                *v == ProtocolViolation::Autograd(AutogradViolation::NotInContext {
+                    from: HOSTILE,
+                    context,
+                })
+            })
+        }
+        Attack::GradientForUnknownContext => {
+            let context = ContextId::new(1, 1 << 20);
+            let req = GradientRequest {
+                context,
+                message: AutogradMessageId::new(VICTIM, 0),
+                grads: vec![None],
+            };
+            violating(
+                hostile
+                    .send(to, &call("__tw_autograd/grad"), body(&req))
+                    .await,
+            );
+            Box::new(move |v| {
+                *v == ProtocolViolation::Autograd(AutogradViolation::UnknownContext {
+                    from: HOSTILE,
+                    context,
+                })
+            })
+        }
+        Attack::ReleaseOfAnothersContext => {
+            let req = ReleaseRequest {
+                context: kept.id(),
+                cause: None,
+            };
+            violating(
+                hostile
+                    .send(to, &call("__tw_autograd/release"), body(&req))
+                    .await,
+            );
+            let context = kept.id();
+            Box::new(move |v| {
+                *v == ProtocolViolation::Autograd(AutogradViolation::NotInContext {
+                    from: HOSTILE,
+                    context,
+                })
+            })
+        }
+        Attack::ContextForgedUnderTheVictimsId => {
+            let context = ContextId::new(VICTIM, 1 << 20);
+            let req = ForwardRequest {
+                context,
+                message: Some(AutogradMessageId::new(HOSTILE, 0)),
+                tensors: Vec::new(),
+                args: (),
+            };
+            violating(
+                hostile
+                    .send(to, &call("__tw_autograd/fn/hop"), body(&req))
+                    .await,
+            );
+            Box::new(move |v| {
+                *v == ProtocolViolation::Autograd(AutogradViolation::ForgedContext {
+                    from: HOSTILE,
+                    context,
+                })
+            })
+        }
+        Attack::MessageIdOfAnotherWorker => {
+            let context = ContextId::new(HOSTILE, 0);
+            let message = AutogradMessageId::new(1, 7);
+            let req = ForwardRequest {
+                context,
+                message: Some(message),
+                tensors: Vec::new(),
+                args: (),
+            };
+            violating(
+                hostile
+                    .send(to, &call("__tw_autograd/fn/hop"), body(&req))
+                    .await,
+            );
+            Box::new(move |v| {
+                *v == ProtocolViolation::Autograd(AutogradViolation::BadMessageId {
+                    from: HOSTILE,
+                    context,
+                    message,
+                })
+            })
+        }
+        Attack::ReplyForACallToAnotherWorker => {
+            // A call to w1 that waits at the gate, then one to the hostile worker: their ids
+            // follow each other, so the hostile worker learns the first from the second.
+            gated = Some(victim.rpc_async::<_, u64>("w1", "gate", &(), None).unwrap());
+            let probe = victim
+                .rpc_async::<_, i64>("w2", "add", &(2i64, 2i64), None)
+                .unwrap();
+            let heard = hostile
+                .heard(|h| matches!(h, Header::Call { function, .. } if function == "add"))
+                .await;
+            let Header::Call { id, .. } = heard else {
+                unreachable!("picked a call")
+            };
+            assert_eq!(probe.await.unwrap(), 4);
+            let p = victim.debug_info().protocol;
+            assert_eq!(p.calls_in_flight.get(&1), Some(&1), "{p:?}");
+            let target = id - 1;
+            let reply = Header::Reply {
+                id: target,
+                outcome: Ok(()),
+                forks: Vec::new(),
+            };
+            violating(hostile.send(to, &reply, body(&7u64)).await);
+            Box::new(move |v| {
+                *v == ProtocolViolation::WrongPeer {
+                    id: target,
+                    what: "reply",
+                    sent_to: 1,
+                }
+            })
+        }
+        Attack::ForkRequestsPastTheBound => {
+            // Fork requests (under ids the hostile worker's agent issued) for references it
+            // says it made and never created: all in one write, one past the bound.
+            let frames = (0..=PENDING_FORKS as u64)
+                .map(|i| {
+                    let rref = GlobalId {
+                        created_on: HOSTILE,
+                        local: FORGED_ID + i,
+                    };
+                    let header = Header::ForkRequest {
+                        id: 1 + i,
+                        floor: 0,
+                        rref,
+                        fork: rref,
+                    };
+                    Frame {
+                        kind: FrameKind::Message,
+                        header: tensorwire_rpc::fuzzing::encode_message_header(&header, &[]).into(),
+                        payloads: Vec::new(),
+                    }
+                })
+                .collect();
+            violating(hostile.link(to).await.send_many(frames).await);
+            Box::new(|v| {
+                *v == ProtocolViolation::TooManyPendingForks {
+                    limit: PENDING_FORKS,
+                }
+            })
+        }
+    };
+
+    // The victim drops the hostile peer, naming the violation.
+    let cause = loop {
+        match events.recv().await {
+            Some(PeerEvent::Lost { worker, cause }) => {
+                assert_eq!(
+                    worker, HOSTILE,
+                    "only the hostile peer is dropped ({cause})"
+                );
+                break cause;
+            }
+            Some(_) => {}
+            None => panic!("the victim's peer events ended"),
+        }
+    };
+    match &cause {
+        LostCause::Misbehaved(v) => assert!(expected(v), "dropped for another violation: {v}"),
+        other => panic!("the hostile peer was lost for {other}, not as a violation"),
+    }
+    // Calls to it fail naming why.
+    match victim
+        .rpc_sync::<_, i64>("w2", "add", &(1i64, 1i64), None)
+        .await
+    {
+        Err(RpcError::Call {
+            source: CallError::PeerLost { peer, cause: c },
+            ..
+        }) => {
+            assert_eq!(peer, HOSTILE);
+            assert_eq!(c, cause);
+        }
+        other => panic!("a call to the dropped peer gave {other:?}"),
+    }
+
+    // Honest autograd and calls go on, with correct values: w1's context held through the
+    // attack runs its backward, and a fresh context of the victim's does too.
+    backward_checked(&kept, &kept_out, &p1, &param_values(0), "w1 through w0").await;
+    let (again, again_out) = forward(&vdist, &p0, "w1").await;
+    backward_checked(&again, &again_out, &p0, &param_values(1), "w0 again").await;
+    again.release().await.unwrap();
+    let sum: i64 = honest
+        .rpc_sync("w0", "add", &(20i64, 22i64), None)
+        .await
+        .unwrap();
+    assert_eq!(sum, 42);
+    gate.add_permits(64);
+    if let Some(gated) = gated {
+        // The victim's call to w1 was answered by w1, not by the forged reply (7).
+        assert_eq!(gated.await.unwrap(), 1);
+    }
+
+    // Whatever the hostile peer made the victim hold is freed: back to the level before.
+    let (victim_ref, vdist_ref) = (victim.clone(), vdist.clone());
+    wait_until(
+        "the victim's state is back to its level before the attack",
+        T,
+        || Held::of(&victim_ref, &vdist_ref) == before,
+    )
+    .await;
+    assert_eq!(Held::of(victim, &vdist), before);
+    assert!(vdist.violations() <= 1, "{}", vdist.violations());
+    kept.release().await.unwrap();
+    assert_eq!(vdist.context_count(), 0);
+
+    for a in agents {
+        a.shutdown(Shutdown::Immediate).await.unwrap();
+    }
+}
+
+macro_rules! table {
+    ($($name:ident => $attack:ident),* $(,)?) => {
+        mod tcp {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::attack(super::Net::Tcp, super::Attack::$attack).await;
+                }
+            )*
+        }
+        mod shm {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::attack(super::Net::Shm, super::Attack::$attack).await;
+                }
+            )*
+        }
+        mod quic {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::attack(super::Net::Quic, super::Attack::$attack).await;
+                }
+            )*
+        }
+    };
+}
+
+table! {
+    a_gradient_in_a_context_it_has_no_part_in_drops_it => GradientOutsideItsContext,
+    a_gradient_for_a_context_never_made_drops_it => GradientForUnknownContext,
+    a_release_of_another_workers_context_drops_it => ReleaseOfAnothersContext,
+    a_context_forged_under_the_victims_id_drops_it => ContextForgedUnderTheVictimsId,
+    an_autograd_message_id_of_another_worker_drops_it => MessageIdOfAnotherWorker,
+    a_reply_to_a_call_made_to_another_worker_drops_it => ReplyForACallToAnotherWorker,
+    fork_requests_past_the_pending_bound_drop_it => ForkRequestsPastTheBound,
+}
