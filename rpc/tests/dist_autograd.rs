@@ -1185,3 +1185,62 @@ async fn a_user_optimizer_and_f64_parameters() {
     drop((p0, p1));
     shutdown(workers).await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn contexts_a_peer_makes_a_worker_hold_are_bounded_and_freed_by_release() {
+    let workers = cluster(3).await;
+    let (w0, w2) = (&workers[0], &workers[2]);
+    w0.dist.set_contexts_per_peer(2);
+    let none = Vec::<String>::new();
+    let call = |ctx: &tensorwire_rpc::AutogradContext<CandleEngine>| {
+        ctx.rpc_async::<_, ()>("w0", "hop", &none, &[hop(&input(), &w2.param)], None)
+            .unwrap()
+    };
+    // w2 makes w0 hold two of its contexts; a second call in one of them is no new context.
+    let c1 = w2.dist.context().unwrap();
+    let c2 = w2.dist.context().unwrap();
+    call(&c1).await.unwrap();
+    call(&c2).await.unwrap();
+    call(&c1).await.unwrap();
+    assert_eq!(w0.dist.context_count(), 2);
+    // A third is refused, naming the bound; nothing is made and w2 is not dropped.
+    let c3 = w2.dist.context().unwrap();
+    let e = call(&c3).await.unwrap_err();
+    assert!(e.to_string().contains("contexts_per_peer"), "{e}");
+    assert!(
+        e.to_string().contains("already made this worker hold 2"),
+        "{e}"
+    );
+    assert_eq!(w0.dist.context_count(), 2);
+    assert_eq!(w0.dist.violations(), 0);
+    // Another peer has a share of its own, and w0's own contexts do not count.
+    let c4 = workers[1].dist.context().unwrap();
+    c4.rpc_sync::<_, ()>(
+        "w0",
+        "hop",
+        &none,
+        &[hop(&input(), &workers[1].param)],
+        None,
+    )
+    .await
+    .unwrap();
+    let own = w0.dist.context().unwrap();
+    own.rpc_sync::<_, ()>("w2", "hop", &none, &[hop(&input(), &w0.param)], None)
+        .await
+        .unwrap();
+    // A release frees a place: w2's refused context is made now, and its backward runs.
+    c1.release().await.unwrap();
+    let ((), out) = c3
+        .rpc_sync::<_, ()>("w0", "hop", &none, &[hop(&input(), &w2.param)], None)
+        .await
+        .unwrap();
+    c3.backward(&[(loss(&out[0]), None)], false).await.unwrap();
+    assert!(c3.gradient(&w2.param).is_some());
+    for c in [c2, c3, c4, own] {
+        c.release().await.unwrap();
+    }
+    for w in &workers {
+        assert_eq!(w.dist.context_count(), 0);
+    }
+    shutdown(workers).await;
+}
