@@ -230,9 +230,10 @@ pub(crate) fn send_control(this: &Agent, to: WorkerId, frame: Frame) {
 /// Drops `peer` for `violation`, found above the endpoint (a handler's check: distributed
 /// autograd's state), as a frame's violation drops it: lost as
 /// [`LostCause::Misbehaved`] (its calls fail naming the violation, subscribers are told once,
-/// the contexts and references it took part in go), and its connection is closed once what
-/// is queued for it is written. A peer lost already keeps its first cause; this worker
-/// itself is never dropped.
+/// the contexts and references it took part in go), and its connection is closed at once
+/// (what was queued for it is dropped; in a static group the world group's mesh breaks, as
+/// for a frame's violation). A peer lost already keeps its first cause; this worker itself is
+/// never dropped.
 pub(crate) fn fail_peer(this: &Agent, peer: WorkerId, violation: ProtocolViolation) {
     if peer == this.worker_info().id {
         warn!("a violation of this worker's own messages is not applied: {violation}");
