@@ -174,6 +174,36 @@ struct Shared {
     /// Connections waiting for room in the memory budget (so that nobody else takes the
     /// notifier's lock when none waits).
     starving: AtomicUsize,
+    /// The table's bytes (`KvState::bytes_held`) as of the last release of its lock, so that
+    /// a connection can see the budget's room without taking the lock (the table checks its
+    /// own limit under the lock whenever it stores).
+    table_bytes: AtomicUsize,
+}
+
+/// The table, locked; its bytes are published to [`Shared::table_bytes`] when it is released.
+struct Table<'a> {
+    state: MutexGuard<'a, KvState>,
+    published: &'a AtomicUsize,
+}
+
+impl std::ops::Deref for Table<'_> {
+    type Target = KvState;
+    fn deref(&self) -> &KvState {
+        &self.state
+    }
+}
+
+impl std::ops::DerefMut for Table<'_> {
+    fn deref_mut(&mut self) -> &mut KvState {
+        &mut self.state
+    }
+}
+
+impl Drop for Table<'_> {
+    fn drop(&mut self) {
+        self.published
+            .store(self.state.bytes_held(), Ordering::Relaxed);
+    }
 }
 
 impl Shared {
@@ -194,6 +224,7 @@ impl Shared {
             own: AtomicUsize::new(0),
             freed: tokio::sync::Notify::new(),
             starving: AtomicUsize::new(0),
+            table_bytes: AtomicUsize::new(0),
         }
     }
 
@@ -204,15 +235,22 @@ impl Shared {
 
     /// The table, told what the connections hold now (so that its writes keep the whole
     /// server within the memory budget).
-    fn lock(&self) -> MutexGuard<'_, KvState> {
+    fn lock(&self) -> Table<'_> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         state.set_outside(self.outside());
-        state
+        Table {
+            state,
+            published: &self.table_bytes,
+        }
     }
 
-    /// Bytes of the memory budget nothing uses now.
+    /// Bytes of the memory budget nothing uses now: what `KvState::room` says, without the
+    /// lock (each request would otherwise take it three times, and the connections of a busy
+    /// server contend for it).
     fn room(&self) -> usize {
-        self.lock().room()
+        self.config
+            .memory_budget
+            .saturating_sub(self.table_bytes.load(Ordering::Relaxed) + self.outside())
     }
 
     fn stats(&self) -> ServerStats {
@@ -257,7 +295,7 @@ impl Gauge<'_> {
     fn set(&mut self, now: usize) {
         if now > self.mine {
             self.total.fetch_add(now - self.mine, Ordering::Relaxed);
-        } else {
+        } else if now < self.mine {
             self.total.fetch_sub(self.mine - now, Ordering::Relaxed);
         }
         self.mine = now;
@@ -631,7 +669,12 @@ async fn serve_connection(
                 continue;
             }
         }
-        let now = Instant::now();
+        // The clock is read only when a deadline is armed (a busy connection has none).
+        let now = if phase != Phase::Ready || !output.is_empty() || starved {
+            Instant::now()
+        } else {
+            accepted
+        };
         if output.is_empty() {
             stalled_since = None;
         }
@@ -670,7 +713,9 @@ async fn serve_connection(
         tokio::select! {
             read = reader.read_buf(&mut limited), if grant > 0 => match read {
                 Ok(0) => return Closed::Eof,
-                Ok(_) => last_read = Instant::now(),
+                // Only an unauthenticated connection's idle time is bounded.
+                Ok(_) if phase != Phase::Ready => last_read = Instant::now(),
+                Ok(_) => {}
                 Err(e) => return e.into(),
             },
             written = output.write_some(&mut writer), if !output.is_empty() => match written {
