@@ -585,10 +585,12 @@ async fn serve_connection(
     // Since when the connection has waited for room in the memory budget.
     let mut starved_since: Option<Instant> = None;
     let (mut reader, mut writer) = stream.split();
+    // The connection's one timer, moved to each turn's deadline (a busy connection arms none).
+    let timer = tokio::time::sleep_until(accepted + config.handshake_timeout);
+    tokio::pin!(timer);
     loop {
         // Told when memory is freed, once this connection waits for room (see below).
-        let freed = shared.freed.notified();
-        tokio::pin!(freed);
+        let mut freed = None;
         let mut starved = false;
         // Back-pressure: requests wait in `input` (and the socket) while replies pile up, or
         // while the memory budget has no room for a reply.
@@ -664,10 +666,12 @@ async fn serve_connection(
         if starved {
             // Registered before the room is looked at again, so that nothing freed in
             // between is missed.
-            freed.as_mut().enable();
+            let mut notified = Box::pin(shared.freed.notified());
+            notified.as_mut().enable();
             if shared.room() >= SMALL_REPLY {
                 continue;
             }
+            freed = Some(notified);
         }
         // The clock is read only when a deadline is armed (a busy connection has none).
         let now = if phase != Phase::Ready || !output.is_empty() || starved {
@@ -705,6 +709,9 @@ async fn serve_connection(
             Some((at, why)) => (at, Some(why)),
             None => (now, None),
         };
+        if why.is_some() && timer.deadline() != at {
+            timer.as_mut().reset(at);
+        }
         if grant > 0 && input.capacity() == input.len() {
             // Grows by doubling (from 4 KiB), never by more than the grant.
             input.reserve(grant.min(input.len().max(4096)));
@@ -726,9 +733,9 @@ async fn serve_connection(
                 output.reply();
                 output.push(WAIT_STOP_WAITING);
             }
-            _ = &mut freed, if starved => {}
+            _ = async { if let Some(freed) = freed.as_mut() { freed.await } }, if starved => {}
             _ = stopped.changed() => return Closed::Shutdown,
-            _ = tokio::time::sleep_until(at), if why.is_some() => {
+            _ = &mut timer, if why.is_some() => {
                 if let Some(Expiry::Memory) = why {
                     let refusal = Refusal::at(
                         "memory_budget",
