@@ -59,6 +59,11 @@
 //!   left, it emits [`Event::ReleaseValue`].
 //! - Control messages (fork request, child accept, user delete) are idempotent and are resent
 //!   until acknowledged.
+//! - Only a holder reads or calls a value: a fetch ([`Header::Fetch`]) and a method call
+//!   ([`Payload::target`]) name the caller's fork, and the owner serves them only if the
+//!   caller holds that fork of that reference (its fork request, or its creation, arrived
+//!   first on the same link); anything else is a [`ProtocolViolation::NotAHolder`]. Reads on
+//!   the owner itself need no check.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -132,11 +137,33 @@ pub trait Payload {
         Vec::new()
     }
 
-    /// For a method call: the reference whose value the method runs on. A call on a value
-    /// this worker owns and is still creating waits (parked, by the caller's deadline) until
-    /// the value exists.
-    fn target(&self) -> Option<RRefId> {
+    /// For a method call (or a remote method): the reference whose value the method runs on,
+    /// and the caller's fork of it. The owner serves it only if the caller holds that fork
+    /// (else the message is a [`ProtocolViolation::NotAHolder`]). A call on a value this
+    /// worker owns and is still creating waits (parked, by the caller's deadline) until the
+    /// value exists.
+    fn target(&self) -> Option<MethodTarget> {
         None
+    }
+}
+
+/// What a method call names as the value it runs on: the reference, and the fork of it the
+/// caller holds, as proof that it may use the value (the reference's own id for the worker
+/// that created it). It travels with the call's body ([`Payload::target`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MethodTarget {
+    /// The reference.
+    pub rref: RRefId,
+    /// The caller's fork of it.
+    pub fork: ForkId,
+}
+
+impl From<RRefHandle> for MethodTarget {
+    fn from(h: RRefHandle) -> Self {
+        Self {
+            rref: h.rref,
+            fork: h.fork,
+        }
     }
 }
 
@@ -292,6 +319,10 @@ pub enum Header {
         id: MessageId,
         /// The reference.
         rref: RRefId,
+        /// The caller's fork of it (the reference's own id for its creator): the owner serves
+        /// only a worker that holds that fork of that reference
+        /// ([`ProtocolViolation::NotAHolder`]).
+        fork: ForkId,
         /// The caller's timeout (zero: none): a fetch parked on a value still being created
         /// is answered with an error at that deadline.
         timeout: Duration,
@@ -788,6 +819,20 @@ pub enum ProtocolViolation {
     TooManyReferences {
         /// The bound.
         limit: usize,
+    },
+    /// A fetch, method call or remote method on a reference through a fork the sender does
+    /// not hold: another worker's, one it deleted, one of another reference, or one never
+    /// made. Only a holder may read a value or call its methods.
+    #[error("worker {sender} sent a {what} on remote reference {rref} through fork {fork}, which it does not hold")]
+    NotAHolder {
+        /// `fetch`, `method call` or `remote method call`.
+        what: &'static str,
+        /// The reference.
+        rref: RRefId,
+        /// The fork it named.
+        fork: ForkId,
+        /// The worker that sent it.
+        sender: WorkerId,
     },
     /// A delete, fork request or child-accept for a fork that another worker holds.
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]

@@ -336,7 +336,7 @@ impl<B: Payload> Endpoint<B> {
         body: B,
         deadline: Option<Instant>,
     ) {
-        if let Some(rref) = body.target() {
+        if let Some(rref) = body.target().map(|t| t.rref) {
             if !self.owned.contains_key(&rref) {
                 // No record: its creation failed, or it was created and released, or its
                 // creator is gone: say so. Else its creation has not arrived yet (the caller
