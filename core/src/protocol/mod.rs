@@ -1077,7 +1077,8 @@ impl<B: Payload> Endpoint<B> {
     /// forgotten with it, and stays unusable when a new worker later joins under the owner's
     /// rank: the new incarnation never had the value, so a method call sent to it would wait
     /// for a creation that never comes. The application checks this when it sends a method
-    /// call or remote method on a reference (the call itself carries only the value's id).
+    /// call or remote method on a reference: [`call`](Self::call) does not check the target
+    /// its body names ([`Payload::target`], which the owner checks against its holders).
     pub fn check_reference(&self, handle: RRefHandle) -> Result<(), CallError> {
         self.check_usable(handle)
     }
