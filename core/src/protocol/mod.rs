@@ -85,6 +85,7 @@ pub mod shutdown;
 
 pub use debug::{DebugInfo, ForkInfo, OwnedInfo};
 pub use membership::{JoinError, JoinMessage, JoinPhase, StaticJoin};
+use requests::Serving;
 pub use shutdown::{ShutdownError, ShutdownPhase, ShutdownSignal};
 
 /// A worker's id within its group (its rank in a static group).
@@ -645,70 +646,6 @@ struct Used {
     /// be fetched or passed on, and fetching it reports this. After a timeout the fork is
     /// still deleted at the owner once dropped.
     creation_error: Option<CallError>,
-}
-
-/// Requests being served (handed to the application, not answered yet), counted per caller
-/// so that admission can bound each caller's share
-/// ([`EndpointConfig::requests_per_peer`]).
-#[derive(Debug, Default)]
-struct Serving {
-    tokens: HashSet<RequestToken>,
-    per_peer: HashMap<WorkerId, usize>,
-}
-
-impl Serving {
-    fn insert(&mut self, token: RequestToken) -> bool {
-        let new = self.tokens.insert(token);
-        if new {
-            *self.per_peer.entry(token.from).or_insert(0) += 1;
-        }
-        new
-    }
-
-    fn remove(&mut self, token: &RequestToken) -> bool {
-        let had = self.tokens.remove(token);
-        if had {
-            if let Some(n) = self.per_peer.get_mut(&token.from) {
-                *n -= 1;
-                if *n == 0 {
-                    self.per_peer.remove(&token.from);
-                }
-            }
-        }
-        had
-    }
-
-    fn retain(&mut self, mut keep: impl FnMut(&RequestToken) -> bool) {
-        let per_peer = &mut self.per_peer;
-        self.tokens.retain(|t| {
-            let k = keep(t);
-            if !k {
-                if let Some(n) = per_peer.get_mut(&t.from) {
-                    *n -= 1;
-                }
-            }
-            k
-        });
-        per_peer.retain(|_, n| *n > 0);
-    }
-
-    fn clear(&mut self) {
-        self.tokens.clear();
-        self.per_peer.clear();
-    }
-
-    fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
-    }
-
-    fn iter(&self) -> impl Iterator<Item = &RequestToken> {
-        self.tokens.iter()
-    }
-
-    /// Requests from `peer` being served.
-    fn of(&self, peer: WorkerId) -> usize {
-        self.per_peer.get(&peer).copied().unwrap_or(0)
-    }
 }
 
 /// The control messages of one sender already handled.
