@@ -7,7 +7,7 @@
 //! prefix (20 bytes, fixed)                 frame header (postcard)       body
 //! +-------+---------+------+----------+-------------+------------+------------------+-----------------+---------+-----+
 //! | magic | version | kind | reserved | table_len   | body_len   | message_len,     | message header  | payload | ... |
-//! | TWFR  | u8 = 1  | u8   | u16 = 0  | u32 LE      | u64 LE     | payload lengths  | (opaque bytes)  | 0       |     |
+//! | TWFR  | u8 = 2  | u8   | u16 = 0  | u32 LE      | u64 LE     | payload lengths  | (opaque bytes)  | 0       |     |
 //! +-------+---------+------+----------+-------------+------------+------------------+-----------------+---------+-----+
 //! ```
 //!
@@ -50,8 +50,10 @@ use serde::{Deserialize, Serialize};
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"TWFR";
 
-/// The wire version this build writes and reads.
-pub const VERSION: u8 = 1;
+/// The wire version this build writes and reads. A peer of another version is refused at its
+/// first frame ([`WireError::UnknownVersion`]), so builds whose messages differ never misread
+/// each other. 2: a fetch and a method call name the caller's fork of the reference.
+pub const VERSION: u8 = 2;
 
 /// Length of the fixed prefix in bytes.
 pub const PREFIX_LEN: usize = 20;

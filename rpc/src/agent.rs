@@ -20,7 +20,8 @@ use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, DebugInfo, Endpoint, RRefForkData, RRefHandle, RRefId, WorkerId,
+    CallError, ConfirmError, DebugInfo, Endpoint, MethodTarget, RRefForkData, RRefHandle, RRefId,
+    WorkerId,
 };
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
@@ -492,7 +493,7 @@ impl Agent {
         let mut alone = false;
         let id = if prepared.on_host() {
             let body = Body {
-                target: target.map(|h| h.rref),
+                target: target.map(MethodTarget::from),
                 data: prepared.data,
                 tensors: tensors::host_to_wire(prepared.tensors),
                 forks: prepared.forks.clone(),
@@ -521,7 +522,7 @@ impl Agent {
                 st.waiters.insert(id, tx);
                 id
             };
-            links::supply_when_copied(self, id, to, target.map(|h| h.rref), prepared);
+            links::supply_when_copied(self, id, to, target.map(MethodTarget::from), prepared);
             id
         };
         if alone {
@@ -602,7 +603,7 @@ impl Agent {
             .remote(&|id| self.name_of(id), to, function, bytes);
         let handle = if prepared.on_host() {
             let body = Body {
-                target: target.map(|h| h.rref),
+                target: target.map(MethodTarget::from),
                 data: prepared.data,
                 tensors: tensors::host_to_wire(prepared.tensors),
                 forks: prepared.forks.clone(),
@@ -629,7 +630,7 @@ impl Agent {
                 st.waiters.insert(id, tx);
                 (handle, id)
             };
-            links::supply_when_copied(self, id, to, target.map(|h| h.rref), prepared);
+            links::supply_when_copied(self, id, to, target.map(MethodTarget::from), prepared);
             handle
         };
         self.pump();

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::{
-    Header, LostCause, MessageId, ProtocolViolation, RRefId, Transmit, WorkerId,
+    Header, LostCause, MessageId, MethodTarget, ProtocolViolation, Transmit, WorkerId,
 };
 use tensorwire_core::wire::{Frame, FrameKind};
 use tokio::sync::mpsc;
@@ -410,7 +410,7 @@ pub(crate) fn supply_when_copied(
     this: &Agent,
     id: MessageId,
     to: WorkerId,
-    target: Option<RRefId>,
+    target: Option<MethodTarget>,
     prepared: tensors::Prepared,
 ) {
     let agent = this.clone();

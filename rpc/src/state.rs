@@ -11,8 +11,8 @@ use tensorwire_core::device::{Device, DeviceMaps};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, Endpoint, MessageId, Payload, RRefForkData, RRefId, ShutdownError,
-    WaitId, WorkerId,
+    CallError, ConfirmError, Endpoint, MessageId, MethodTarget, Payload, RRefForkData, RRefId,
+    ShutdownError, WaitId, WorkerId,
 };
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::WorkerDeviceInfo;
@@ -38,7 +38,7 @@ pub(crate) type WireTensors = Vec<(tensorwire_core::tensor::TensorMeta, Bytes)>;
 /// methods the reference they are called on.
 #[derive(Debug, Clone)]
 pub(crate) struct Body {
-    pub(crate) target: Option<RRefId>,
+    pub(crate) target: Option<MethodTarget>,
     pub(crate) data: Bytes,
     pub(crate) tensors: WireTensors,
     /// The forks made for the receiver of the references inside `data`: they also travel in a
@@ -51,7 +51,7 @@ impl Payload for Body {
         self.forks.clone()
     }
 
-    fn target(&self) -> Option<RRefId> {
+    fn target(&self) -> Option<MethodTarget> {
         self.target
     }
 }
