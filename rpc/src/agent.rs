@@ -125,7 +125,7 @@ impl Agent {
             )),
             functions: options.functions.clone(),
             backend: Arc::clone(&options.device_backend),
-            ipc: crate::ipc::IpcLink::new(
+            ipc: crate::state::IpcLink::new(
                 &*options.device_backend,
                 options.share_device_memory,
                 options.ipc_limits,
@@ -145,7 +145,7 @@ impl Agent {
             metrics: crate::metrics::AgentMetrics::new(name),
             rendezvous: Mutex::new(None),
             group: Mutex::new(None),
-            gathers: crate::gather::Gathers::default(),
+            gathers: crate::state::Gathers::default(),
             tasks: Mutex::new(Tasks::default()),
             runtime: Arc::clone(&options.runtime),
             peer_events: crate::peer_events::PeerEventHub::new(),
@@ -449,7 +449,7 @@ impl Agent {
 
     /// The backend that copies this agent's tensors between host and devices.
     /// This agent's IPC state (see [`crate::ipc`]).
-    pub(crate) fn ipc(&self) -> &crate::ipc::IpcLink {
+    pub(crate) fn ipc(&self) -> &crate::state::IpcLink {
         &self.inner.ipc
     }
 
@@ -932,7 +932,7 @@ impl Agent {
     }
 
     /// The dynamic-group gathers this worker leads.
-    pub(crate) fn gathers(&self) -> &crate::gather::Gathers {
+    pub(crate) fn gathers(&self) -> &crate::state::Gathers {
         &self.inner.gathers
     }
 
