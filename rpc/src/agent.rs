@@ -149,7 +149,7 @@ impl Agent {
             tasks: Mutex::new(Tasks::default()),
             runtime: Arc::clone(&options.runtime),
             peer_events: crate::peer_events::PeerEventHub::new(),
-            membership: crate::dynamic::new_state(),
+            membership: crate::init::dynamic::new_state(),
             membership_wake: Notify::new(),
             serving: std::sync::atomic::AtomicUsize::new(0),
             queued_bytes: Arc::new(std::sync::atomic::AtomicUsize::new(0)),

@@ -27,7 +27,7 @@ use crate::state::Agent;
 ///
 /// With `world_size = None` the group is dynamic: the worker joins the members that are there
 /// (rank 0 first: it hosts the store), validating everyone's device maps by the dynamic rules,
-/// and `shutdown` makes it leave; see the `dynamic` module of this crate. A dynamic group has
+/// and `shutdown` makes it leave; see `init::dynamic` in this crate. A dynamic group has
 /// no process group (nor has PyTorch's), but dials and greets with the same functions
 /// (`tensorwire_process_group::link`). Static and dynamic workers never share a group.
 pub async fn init_rpc(

@@ -39,7 +39,6 @@ pub mod autograd;
 mod backend;
 mod codec;
 mod driver;
-mod dynamic;
 mod error;
 pub mod faults;
 mod functions;

@@ -14,11 +14,12 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::codec::Envelope;
+use crate::driver;
+use crate::init::dynamic;
 use crate::queue::{frame_bytes, OutQueue};
 use crate::state::Agent;
 use crate::state::{Body, PeerLink, State};
 use crate::tensors;
-use crate::{driver, dynamic};
 
 /// At most this many queued frames go out in one `send_many`.
 pub(crate) const WRITE_BATCH: usize = 64;

@@ -179,7 +179,7 @@ pub(crate) struct Inner {
     pub(crate) tasks: Mutex<Tasks>,
     /// The one runtime the agent reads time from, sleeps on and spawns with.
     pub(crate) runtime: Arc<dyn Runtime>,
-    /// A dynamic group's membership (see [`crate::dynamic`]); its own lock, never held with
+    /// A dynamic group's membership (see [`crate::init::dynamic`]); its own lock, never held with
     /// the state's.
     pub(crate) membership: Mutex<DynState>,
     /// Wakes the membership's timer.

@@ -1,8 +1,9 @@
 //! Starting an agent: `start_agent` (a backend's entry point, called by `init_rpc` through the
 //! backend), and what static and dynamic groups share (the group's kind in the store,
-//! the cluster secret, the advertised address, the rendezvous URLs). A static group's init is
-//! in [`static_group`]; a dynamic group's join in `crate::dynamic`.
+//! the cluster secret, the advertised address). A static group's init is in
+//! [`static_group`]; a dynamic group's join in [`dynamic`].
 
+pub(crate) mod dynamic;
 pub(crate) mod static_group;
 
 use std::net::IpAddr;
@@ -85,7 +86,7 @@ pub async fn start_agent(
         return Err(e);
     }
     let Some(world_size) = world_size else {
-        return crate::dynamic::join(transport, rdv, name, rank, options).await;
+        return dynamic::join(transport, rdv, name, rank, options).await;
     };
     let runtime = Arc::clone(&options.runtime);
     let started = runtime.now();
