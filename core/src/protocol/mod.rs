@@ -70,6 +70,7 @@ mod bounds;
 mod calls;
 mod control;
 mod debug;
+pub mod envelope;
 pub mod gather;
 mod input;
 pub mod membership;
