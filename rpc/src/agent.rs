@@ -126,7 +126,7 @@ impl Agent {
             )),
             functions: options.functions.clone(),
             backend: Arc::clone(&options.device_backend),
-            ipc: crate::ipc::IpcLink::new(
+            ipc: crate::state::IpcLink::new(
                 &*options.device_backend,
                 options.share_device_memory,
                 options.ipc_limits,
@@ -146,11 +146,11 @@ impl Agent {
             metrics: crate::metrics::AgentMetrics::new(name),
             rendezvous: Mutex::new(None),
             group: Mutex::new(None),
-            gathers: crate::gather::Gathers::default(),
+            gathers: crate::state::Gathers::default(),
             tasks: Mutex::new(Tasks::default()),
             runtime: Arc::clone(&options.runtime),
             peer_events: crate::peer_events::PeerEventHub::new(),
-            membership: crate::dynamic::new_state(),
+            membership: crate::init::dynamic::new_state(),
             membership_wake: Notify::new(),
             serving: std::sync::atomic::AtomicUsize::new(0),
             queued_bytes: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
@@ -450,7 +450,7 @@ impl Agent {
 
     /// The backend that copies this agent's tensors between host and devices.
     /// This agent's IPC state (see [`crate::ipc`]).
-    pub(crate) fn ipc(&self) -> &crate::ipc::IpcLink {
+    pub(crate) fn ipc(&self) -> &crate::state::IpcLink {
         &self.inner.ipc
     }
 
@@ -933,7 +933,7 @@ impl Agent {
     }
 
     /// The dynamic-group gathers this worker leads.
-    pub(crate) fn gathers(&self) -> &crate::gather::Gathers {
+    pub(crate) fn gathers(&self) -> &crate::state::Gathers {
         &self.inner.gathers
     }
 

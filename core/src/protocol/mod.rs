@@ -75,6 +75,7 @@ mod bounds;
 mod calls;
 mod control;
 mod debug;
+pub mod envelope;
 pub mod gather;
 mod input;
 pub mod membership;
