@@ -249,9 +249,13 @@ impl KvState {
             }
             Err(e) => return Err(e),
         };
-        match self.map.insert(key.to_vec(), value) {
-            Some(old) => self.detach(old),
-            None => self.entries += 1,
+        // A key set again keeps its allocation: the value is swapped in place.
+        if let Some(slot) = self.map.get_mut(key) {
+            let old = std::mem::replace(slot, value);
+            self.detach(old);
+        } else {
+            self.map.insert(key.to_vec(), value);
+            self.entries += 1;
         }
         self.held = held;
         Ok(())
