@@ -588,6 +588,12 @@ async fn serve_connection(
     // The connection's one timer, moved to each turn's deadline (a busy connection arms none).
     let timer = tokio::time::sleep_until(accepted + config.handshake_timeout);
     tokio::pin!(timer);
+    // The server's stop, one future for the connection's life (a `changed()` made every turn
+    // registered with the watch's notifier and left it again on each request).
+    let stop = async move {
+        let _ = stopped.changed().await;
+    };
+    tokio::pin!(stop);
     loop {
         // Told when memory is freed, once this connection waits for room (see below).
         let mut freed = None;
@@ -717,7 +723,11 @@ async fn serve_connection(
             input.reserve(grant.min(input.len().max(4096)));
         }
         let mut limited = (&mut input).limit(grant);
+        // Biased, in this order: a request is read without first polling the other
+        // branches (no random pick either); writes cannot starve, as reading stops once
+        // replies queue up, and tokio's cooperative budget gives the rest their turn.
         tokio::select! {
+            biased;
             read = reader.read_buf(&mut limited), if grant > 0 => match read {
                 Ok(0) => return Closed::Eof,
                 // Only an unauthenticated connection's idle time is bounded.
@@ -734,7 +744,7 @@ async fn serve_connection(
                 output.push(WAIT_STOP_WAITING);
             }
             _ = async { if let Some(freed) = freed.as_mut() { freed.await } }, if starved => {}
-            _ = stopped.changed() => return Closed::Shutdown,
+            () = &mut stop => return Closed::Shutdown,
             _ = &mut timer, if why.is_some() => {
                 if let Some(Expiry::Memory) = why {
                     let refusal = Refusal::at(

@@ -217,48 +217,59 @@ impl KvState {
 
     /// Checks that `key` may hold a value of `len` bytes; returns the bytes then held.
     fn admit(&self, key: &[u8], len: usize) -> Result<usize, BudgetError> {
-        let b = &self.budget;
-        if len > b.max_value_len {
-            return Err(BudgetError::ValueTooLarge {
-                len,
-                max: b.max_value_len,
-            });
-        }
-        let old = self.map.get(key);
-        if old.is_none() && self.entries >= b.max_entries {
-            return Err(BudgetError::TooManyEntries { max: b.max_entries });
-        }
-        let old_len = old.map_or(0, |v| key.len() + v.len());
-        let needed = (self.held - old_len).saturating_add(key.len() + len);
-        // An old value that a reply still shares stays in memory (detached).
-        let staying = old.filter(|v| shared_by_a_reply(v)).map_or(0, Bytes::len);
-        let max = self.table_limit().saturating_sub(staying);
-        if needed > max {
-            return Err(BudgetError::OverBudget { needed, max });
-        }
-        Ok(needed)
+        let limit = self.table_limit();
+        admit(
+            &self.budget,
+            self.held,
+            self.entries,
+            limit,
+            key,
+            len,
+            self.map.get(key),
+        )
     }
 
-    /// Stores `value` under `key` within the budget, without waking anyone.
+    /// Stores `value` under `key` within the budget, without waking anyone. The key is
+    /// looked up once (hashing it is much of a set's cost) for the check and the store.
     fn put(&mut self, key: &[u8], value: Bytes) -> Result<(), BudgetError> {
-        let held = match self.admit(key, value.len()) {
-            Ok(held) => held,
-            Err(BudgetError::OverBudget { .. }) => {
-                self.sweep();
-                self.admit(key, value.len())?
+        let mut swept = false;
+        loop {
+            let limit = self.table_limit();
+            let (budget, held, entries) = (self.budget, self.held, self.entries);
+            let slot = self.map.get_mut(key);
+            let admitted = admit(
+                &budget,
+                held,
+                entries,
+                limit,
+                key,
+                value.len(),
+                slot.as_deref(),
+            );
+            match admitted {
+                Ok(now_held) => {
+                    self.held = now_held;
+                    // A key set again keeps its allocation: the value is swapped in place.
+                    match slot {
+                        Some(slot) => {
+                            let old = std::mem::replace(slot, value);
+                            self.detach(old);
+                        }
+                        None => {
+                            self.map.insert(key.to_vec(), value);
+                            self.entries += 1;
+                        }
+                    }
+                    return Ok(());
+                }
+                // Values that replies no longer share may be forgotten: then look again.
+                Err(BudgetError::OverBudget { .. }) if !swept => {
+                    swept = true;
+                    self.sweep();
+                }
+                Err(e) => return Err(e),
             }
-            Err(e) => return Err(e),
-        };
-        // A key set again keeps its allocation: the value is swapped in place.
-        if let Some(slot) = self.map.get_mut(key) {
-            let old = std::mem::replace(slot, value);
-            self.detach(old);
-        } else {
-            self.map.insert(key.to_vec(), value);
-            self.entries += 1;
         }
-        self.held = held;
-        Ok(())
     }
 
     pub(crate) fn set(&mut self, key: &[u8], value: Bytes) -> Result<(), BudgetError> {
@@ -576,6 +587,37 @@ impl KvState {
             self.decrement(id);
         }
     }
+}
+
+/// Whether `key`, whose value now is `old`, may hold a value of `len` bytes in a table that
+/// holds `held` bytes in `entries` entries and may hold `limit`; the bytes then held.
+fn admit(
+    b: &Budget,
+    held: usize,
+    entries: usize,
+    limit: usize,
+    key: &[u8],
+    len: usize,
+    old: Option<&Bytes>,
+) -> Result<usize, BudgetError> {
+    if len > b.max_value_len {
+        return Err(BudgetError::ValueTooLarge {
+            len,
+            max: b.max_value_len,
+        });
+    }
+    if old.is_none() && entries >= b.max_entries {
+        return Err(BudgetError::TooManyEntries { max: b.max_entries });
+    }
+    let old_len = old.map_or(0, |v| key.len() + v.len());
+    let needed = (held - old_len).saturating_add(key.len() + len);
+    // An old value that a reply still shares stays in memory (detached).
+    let staying = old.filter(|v| shared_by_a_reply(v)).map_or(0, Bytes::len);
+    let max = limit.saturating_sub(staying);
+    if needed > max {
+        return Err(BudgetError::OverBudget { needed, max });
+    }
+    Ok(needed)
 }
 
 #[cfg(test)]
