@@ -5,6 +5,7 @@
 //! - [`workload`]: the functions every multi-process RPC worker serves.
 //! - [`world`]: a world of worker processes (rank 0 announces its store; no polling sleeps).
 //! - [`announce_store_addr`]: how a worker with `MASTER_PORT=0` says where its store listens.
+//! - [`hold_until_stdin_closes`]: how a worker waits for the test to end it.
 
 pub mod netns;
 pub mod transport_suite;
@@ -30,6 +31,21 @@ pub fn announce_store_addr() {
             .with_writer(std::io::stdout)
             .init();
     }
+}
+
+/// Holds a worker that the test ends itself, in place of a sleep of some bound: returns once
+/// the worker's stdin is closed. [`world::World`] keeps each worker's stdin open until it kills
+/// or waits for it, and a test process that dies closes it too, so no worker outlives its test.
+pub fn hold_until_stdin_closes() {
+    use std::io::Read;
+    let mut stdin = std::io::stdin().lock();
+    let mut sink = [0u8; 256];
+    while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+}
+
+/// [`hold_until_stdin_closes`] for an async worker (read on a blocking thread).
+pub async fn hold_until_stdin_closes_async() {
+    let _ = tokio::task::spawn_blocking(hold_until_stdin_closes).await;
 }
 
 /// Forwards every line `child` writes to stdout or stderr to `tx`, tagged with `rank`, each

@@ -112,9 +112,10 @@ pub struct World {
 }
 
 impl World {
-    /// Starts rank 0, waits (up to `limit`) for it to say where its store listens, then starts
-    /// the other ranks. A rank 0 that prints `SKIPPED: …` (no device for its backend) is the
-    /// only process started ([`World::skipped`]).
+    /// Starts rank 0, waits (up to `limit`) for it to say where its store listens (the
+    /// rendezvous's log line, or `PORT <port>`), then starts the other ranks. A rank 0 that
+    /// prints `SKIPPED: …` (no device for its backend) is the only process started
+    /// ([`World::skipped`]).
     pub fn start(command: WorldCommand<'_>, limit: Duration) -> Result<World, String> {
         let secret = format!(
             "test-secret-{}-{}",
@@ -133,7 +134,10 @@ impl World {
         let deadline = Instant::now() + limit;
         let announced = loop {
             if let Some((_, line)) = world.seen.iter().find(|(r, l)| {
-                *r == 0 && (l.contains("hosts the store") || l.starts_with("SKIPPED"))
+                *r == 0
+                    && (l.contains("hosts the store")
+                        || l.starts_with("PORT ")
+                        || l.starts_with("SKIPPED"))
             }) {
                 break line.clone();
             }
@@ -148,12 +152,15 @@ impl World {
             world.skipped = Some(announced);
             return Ok(world);
         }
-        let port = announced
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("addr="))
-            .and_then(|a| a.rsplit_once(':'))
-            .map(|(_, p)| p.to_owned())
-            .ok_or_else(|| format!("no addr=HOST:PORT in {announced:?}"))?;
+        let port = match announced.strip_prefix("PORT ") {
+            Some(port) => port.trim().to_owned(),
+            None => announced
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("addr="))
+                .and_then(|a| a.rsplit_once(':'))
+                .map(|(_, p)| p.to_owned())
+                .ok_or_else(|| format!("no addr=HOST:PORT in {announced:?}"))?,
+        };
         for rank in 1..command.n {
             world
                 .workers

@@ -1,124 +1,44 @@
 //! Process groups of real OS processes: `tw-pg-worker` started N times with `env://`
-//! variables; rank 0 embeds the store server on a free port and tells us which.
+//! variables, as a [`World`]; rank 0 embeds the store server on a free port and tells us which
+//! (`PORT <port>`). Nothing here sleeps to wait: lines and exits are waited for with deadlines.
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::thread;
+use std::path::Path;
 use std::time::{Duration, Instant};
+
+use tensorwire_tests::world::{World, WorldCommand};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_tw-pg-worker");
 
-struct Rank {
-    child: Child,
-    /// Lines of standard output, as they come.
-    lines: mpsc::Receiver<String>,
-    stderr: thread::JoinHandle<String>,
+/// Starts `scenario` on `world` processes with `env` added.
+fn launch(world: usize, scenario: &str, env: &[(&str, String)]) -> World {
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    World::start(
+        WorldCommand {
+            bin: Path::new(WORKER),
+            scenario,
+            n: world,
+            env: &env,
+        },
+        Duration::from_secs(20),
+    )
+    .unwrap_or_else(|e| panic!("world of {world} for {scenario}: {e}"))
 }
 
-fn spawn(
-    rank: usize,
-    world: usize,
-    port: u16,
-    scenario: &str,
-    secret: &str,
-    env: &[(&str, String)],
-) -> Rank {
-    let mut cmd = Command::new(WORKER);
-    cmd.arg(scenario)
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port.to_string())
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", world.to_string())
-        .env("TENSORWIRE_SECRET", secret)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    for (k, v) in env {
-        cmd.env(k, v);
+/// The lines `rank` printed (stdout and stderr), in order.
+fn lines_of(seen: &[(usize, String)], rank: usize) -> Vec<&str> {
+    seen.iter()
+        .filter(|(r, _)| *r == rank)
+        .map(|(_, l)| l.as_str())
+        .collect()
+}
+
+/// Waits for every rank's `READY rank R`.
+fn wait_ready(cluster: &mut World, world: usize) {
+    for _ in 0..world {
+        cluster
+            .wait_for(Duration::from_secs(20), |_, l| l.starts_with("READY rank "))
+            .unwrap_or_else(|e| panic!("not every rank got ready: {e}"));
     }
-    let mut child = cmd.spawn().expect("start tw-pg-worker");
-    let stdout = child.stdout.take().expect("piped");
-    let mut stderr = child.stderr.take().expect("piped");
-    let (tx, lines) = mpsc::channel();
-    thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let stderr = thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
-    Rank {
-        child,
-        lines,
-        stderr,
-    }
-}
-
-/// Kills every child on drop, so a failing test leaves no process behind.
-struct Cluster {
-    ranks: Vec<Rank>,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for r in &mut self.ranks {
-            let _ = r.child.kill();
-            let _ = r.child.wait();
-        }
-    }
-}
-
-fn secret() -> String {
-    format!("test-secret-{}-{:?}", std::process::id(), Instant::now())
-}
-
-/// Starts rank 0, reads its store port, starts the others.
-fn launch(world: usize, scenario: &str, env: &[(&str, String)]) -> Cluster {
-    let secret = secret();
-    let rank0 = spawn(0, world, 0, scenario, &secret, env);
-    let first = rank0
-        .lines
-        .recv_timeout(Duration::from_secs(20))
-        .expect("rank 0 prints its store port");
-    let port: u16 = first
-        .strip_prefix("PORT ")
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("rank 0 printed {first:?}, not PORT <port>"));
-    let mut ranks = vec![rank0];
-    for rank in 1..world {
-        ranks.push(spawn(rank, world, port, scenario, &secret, env));
-    }
-    Cluster { ranks }
-}
-
-/// Waits for a child to exit, at most until `deadline`.
-fn wait(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
-    loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            return Some(status);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        thread::sleep(Duration::from_millis(10));
-    }
-}
-
-fn finish(rank: Rank) -> (Vec<String>, String) {
-    // The reader thread ends at end of file, after the process exited.
-    let mut lines = Vec::new();
-    while let Ok(line) = rank.lines.recv_timeout(Duration::from_secs(10)) {
-        lines.push(line);
-    }
-    let stderr = rank.stderr.join().unwrap_or_default();
-    (lines, stderr)
 }
 
 fn run_check(world: usize, bound: Duration) {
@@ -127,30 +47,19 @@ fn run_check(world: usize, bound: Duration) {
 
 /// Runs `scenario` on `world` processes; every rank must exit 0 and print `OK <what> rank R`.
 fn run_scenario(world: usize, scenario: &str, env: &[(&str, String)], bound: Duration) {
-    let started = Instant::now();
-    let mut cluster = launch(world, scenario, env);
-    let deadline = started + bound;
-    let mut statuses = Vec::new();
-    for r in &mut cluster.ranks {
-        statuses.push(wait(&mut r.child, deadline));
-    }
-    let ranks = std::mem::take(&mut cluster.ranks);
-    for (rank, (r, status)) in ranks.into_iter().zip(statuses).enumerate() {
-        let (mut lines, stderr) = finish(r);
-        // Lines already read (rank 0's PORT line) are gone; collect what is left.
-        lines.retain(|l| !l.starts_with("PORT "));
-        let status = status.unwrap_or_else(|| {
-            panic!("world {world}: rank {rank} did not finish within {bound:?}; stderr: {stderr}")
-        });
-        assert!(
-            status.success(),
-            "world {world}: rank {rank} failed ({status}); stdout {lines:?}; stderr: {stderr}"
+    let (codes, seen) = launch(world, scenario, env).finish(bound);
+    for (rank, code) in codes.iter().enumerate() {
+        let lines = lines_of(&seen, rank);
+        assert_eq!(
+            *code,
+            Some(0),
+            "world {world}: rank {rank} failed; its output: {lines:#?}"
         );
         assert!(
             lines
                 .iter()
                 .any(|l| l.starts_with("OK ") && l.contains(&format!("rank {rank} "))),
-            "world {world}: rank {rank} printed {lines:?}"
+            "world {world}: rank {rank} printed {lines:#?}"
         );
     }
 }
@@ -193,35 +102,21 @@ fn killing_a_rank_makes_the_others_fail_naming_it() {
     ];
     let mut cluster = launch(world, "kill", &env);
     // Everyone is set up and past the first barrier.
-    for (rank, r) in cluster.ranks.iter().enumerate() {
-        let line = r
-            .lines
-            .recv_timeout(Duration::from_secs(20))
-            .unwrap_or_else(|e| panic!("rank {rank} never got ready: {e}"));
-        assert_eq!(line, format!("READY rank {rank}"));
-    }
+    wait_ready(&mut cluster, world);
     let killed_at = Instant::now();
-    cluster.ranks[victim]
-        .child
-        .kill()
-        .expect("SIGKILL the victim");
-    let deadline = killed_at + timeout;
-    let ranks = std::mem::take(&mut cluster.ranks);
-    for (rank, mut r) in ranks.into_iter().enumerate() {
-        let status = wait(&mut r.child, deadline + Duration::from_secs(5));
-        if rank == victim {
-            continue;
-        }
-        let (_, stderr) = finish(r);
-        let status = status.unwrap_or_else(|| panic!("rank {rank} hung after the kill"));
-        assert_eq!(
-            status.code(),
-            Some(3),
-            "rank {rank}: {status}; stderr: {stderr}"
-        );
+    cluster.kill(victim);
+    let others: Vec<usize> = (0..world).filter(|&r| r != victim).collect();
+    let codes = cluster
+        .exits(&others, timeout + Duration::from_secs(5))
+        .unwrap_or_else(|e| panic!("a rank hung after the kill: {e}"));
+    for (&rank, code) in others.iter().zip(codes) {
+        let lines = lines_of(cluster.seen(), rank);
+        assert_eq!(code, Some(3), "rank {rank}: {lines:#?}");
         assert!(
-            stderr.contains(&format!("rank {victim} died")),
-            "rank {rank} does not name rank {victim}: {stderr}"
+            lines
+                .iter()
+                .any(|l| l.contains(&format!("rank {victim} died"))),
+            "rank {rank} does not name rank {victim}: {lines:#?}"
         );
     }
     // Detected from the closed connections, well before the collective timeout.
@@ -243,20 +138,14 @@ fn an_nccl_group_of_two_processes_runs_or_fails_at_setup_naming_the_reason() {
 
     let bound = Duration::from_secs(60);
     let started = Instant::now();
-    let mut cluster = launch(2, "nccl", &[("TW_TIMEOUT_MS", "30000".into())]);
-    let mut statuses = Vec::new();
-    for r in &mut cluster.ranks {
-        statuses.push(wait(&mut r.child, started + bound));
-    }
+    let (codes, seen) = launch(2, "nccl", &[("TW_TIMEOUT_MS", "30000".into())]).finish(bound);
     let readiness: Vec<Result<(), String>> = (0..2u8)
         .map(|d| local_readiness(shared_devices(), Device::Cuda(d)))
         .collect();
-    let ranks = std::mem::take(&mut cluster.ranks);
-    for (rank, (r, status)) in ranks.into_iter().zip(statuses).enumerate() {
-        let (lines, stderr) = finish(r);
-        let status = status.unwrap_or_else(|| panic!("rank {rank} did not finish"));
+    for (rank, code) in codes.into_iter().enumerate() {
+        let lines = lines_of(&seen, rank);
         if readiness.iter().all(Result::is_ok) {
-            assert!(status.success(), "rank {rank}: {lines:?} {stderr}");
+            assert_eq!(code, Some(0), "rank {rank}: {lines:#?}");
             assert!(
                 lines
                     .iter()
@@ -265,11 +154,11 @@ fn an_nccl_group_of_two_processes_runs_or_fails_at_setup_naming_the_reason() {
             );
             continue;
         }
-        assert_eq!(status.code(), Some(4), "rank {rank}: {lines:?} {stderr}");
+        assert_eq!(code, Some(4), "rank {rank}: {lines:#?}");
         let line = lines
             .iter()
             .find(|l| l.starts_with("SETUP-ERROR"))
-            .unwrap_or_else(|| panic!("rank {rank}: {lines:?} {stderr}"));
+            .unwrap_or_else(|| panic!("rank {rank}: {lines:#?}"));
         for (other, why) in readiness.iter().enumerate() {
             if let Err(why) = why {
                 assert!(
@@ -302,8 +191,8 @@ fn every_operation_and_type_at_worlds_of_2_3_and_4() {
     }
 }
 
-/// Runs the `monitored` scenario with ranks `absent` staying away; returns rank 0's stderr
-/// once it has exited with 3, after checking that it did so within `bound`.
+/// Runs the `monitored` scenario with ranks `absent` staying away; returns rank 0's output
+/// once it has exited with 3.
 fn monitored_barrier_failure(world: usize, absent: &str, wait_all: bool) -> String {
     let env = [
         ("TW_ABSENT", absent.to_owned()),
@@ -311,40 +200,31 @@ fn monitored_barrier_failure(world: usize, absent: &str, wait_all: bool) -> Stri
         ("TW_MB_MS", "3000".to_owned()),
     ];
     let mut cluster = launch(world, "monitored", &env);
-    for (rank, r) in cluster.ranks.iter().enumerate() {
-        let line = r
-            .lines
-            .recv_timeout(Duration::from_secs(20))
-            .unwrap_or_else(|e| panic!("rank {rank} never got ready: {e}"));
-        assert_eq!(line, format!("READY rank {rank}"));
-    }
-    let status = wait(
-        &mut cluster.ranks[0].child,
-        Instant::now() + Duration::from_secs(20),
-    )
-    .expect("rank 0 reports within its timeout");
-    // The others (absent, or waiting for rank 0's answer) are ended when the cluster drops.
-    let rank0 = cluster.ranks.remove(0);
-    let (_, stderr) = finish(rank0);
-    assert_eq!(status.code(), Some(3), "rank 0: {status}; stderr: {stderr}");
-    stderr
+    wait_ready(&mut cluster, world);
+    let codes = cluster
+        .exits(&[0], Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("rank 0 did not report within its timeout: {e}"));
+    // The others (absent, or waiting for rank 0's answer) are ended when the world drops.
+    let output = lines_of(cluster.seen(), 0).join("\n");
+    assert_eq!(codes, [Some(3)], "rank 0: {output}");
+    output
 }
 
 #[test]
 fn a_monitored_barrier_names_every_rank_that_did_not_arrive() {
-    let stderr = monitored_barrier_failure(4, "1,3", true);
+    let output = monitored_barrier_failure(4, "1,3", true);
     assert!(
-        stderr.contains("[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 3s"),
-        "{stderr}"
+        output.contains("[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 3s"),
+        "{output}"
     );
 }
 
 #[test]
 fn a_monitored_barrier_without_wait_all_ranks_names_the_first() {
-    let stderr = monitored_barrier_failure(4, "2,3", false);
+    let output = monitored_barrier_failure(4, "2,3", false);
     assert!(
-        stderr.contains("[Rank 0]: Rank 2 failed to pass monitoredBarrier in 3s"),
-        "{stderr}"
+        output.contains("[Rank 0]: Rank 2 failed to pass monitoredBarrier in 3s"),
+        "{output}"
     );
 }
 

@@ -91,8 +91,8 @@ impl AutogradEngine for Engine {
     ) -> Result<LeafGradients<Self>, EngineError> {
         if self.hang {
             println!("IN_BACKWARD");
-            // Killed here by the test; the bound only keeps an orphan from living forever.
-            std::thread::sleep(Duration::from_secs(120));
+            // Killed here by the test (or ended with it: its stdin closes).
+            tensorwire_tests::hold_until_stdin_closes();
         }
         if self.fail.load(Ordering::SeqCst) {
             return Err(EngineError("simulated error on the backward pass".into()));
@@ -583,7 +583,7 @@ async fn kill() -> Result<(), String> {
     }
     if rank == 2 {
         // Waits to be killed inside its backward.
-        tokio::time::sleep(Duration::from_secs(120)).await;
+        tensorwire_tests::hold_until_stdin_closes_async().await;
     }
     // w2 is dead: no graceful shutdown.
     finish(agent, false).await?;
@@ -711,7 +711,7 @@ async fn lost() -> Result<(), String> {
         release_w1(&agent).await;
     }
     if rank == 2 {
-        tokio::time::sleep(Duration::from_secs(120)).await;
+        tensorwire_tests::hold_until_stdin_closes_async().await;
     }
     finish(agent, false).await?;
     println!("OK lost rank {rank}");

@@ -33,8 +33,8 @@
 //!   out of order; `is_completed()` turns true on rank 0 without polling; then a barrier rank
 //!   3 never joins, whose `wait(300 ms)` times out on rank 0 naming rank 3 (printed as
 //!   `TIMEOUT ...`) and breaks the group there; prints `OK work rank R`.
-//! - `kill`: sets up, runs one barrier, prints `READY rank R`; rank `TW_VICTIM` then sleeps
-//!   (to be killed), the others run another barrier and report its error (exit 3), or exit 0
+//! - `kill`: sets up, runs one barrier, prints `READY rank R`; rank `TW_VICTIM` then waits
+//!   (to be killed; it ends when its stdin closes), the others run another barrier and report its error (exit 3), or exit 0
 //!   if it unexpectedly succeeds.
 
 use std::io::Write;
@@ -737,7 +737,7 @@ async fn monitored(pg: &dyn ProcessGroup) -> Result<ExitCode, Error> {
     std::io::stdout().flush()?;
     if absent.contains(&rank) {
         // Not coming: the test ends this process once rank 0 has reported.
-        tokio::time::sleep(Duration::from_secs(120)).await;
+        tensorwire_tests::hold_until_stdin_closes_async().await;
         return Ok(ExitCode::SUCCESS);
     }
     let timeout = Duration::from_millis(env_usize("TW_MB_MS", 2000) as u64);
@@ -750,7 +750,7 @@ async fn monitored(pg: &dyn ProcessGroup) -> Result<ExitCode, Error> {
         // Rank 0's report is what is checked: the others stay until the test ends them, so
         // that their exit (a closed connection, which the ranks still up would report as an
         // abort) cannot race rank 0's own timeout. They time out at about the same moment.
-        tokio::time::sleep(Duration::from_secs(120)).await;
+        tensorwire_tests::hold_until_stdin_closes_async().await;
     }
     Ok(match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -815,7 +815,7 @@ async fn run(scenario: &str) -> Result<ExitCode, Error> {
             println!("READY rank {rank}");
             std::io::stdout().flush()?;
             if rank == env_usize("TW_VICTIM", usize::MAX) {
-                tokio::time::sleep(Duration::from_secs(120)).await;
+                tensorwire_tests::hold_until_stdin_closes_async().await;
                 return Ok(ExitCode::SUCCESS);
             }
             let waited = Instant::now();
