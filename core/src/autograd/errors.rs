@@ -6,6 +6,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{AutogradMessageId, ContextId, RootProblem};
+#[cfg(doc)]
+use super::DistAutograd;
 use crate::protocol::WorkerId;
 
 /// Why a backward failed. It travels back along the chain of gradient requests, so the root

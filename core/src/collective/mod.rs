@@ -17,7 +17,7 @@
 //! | [`broadcast`] | binomial tree from any root | ⌈log₂ N⌉ | the payload |
 //! | [`all_gather`] | recursive doubling (N a power of two) or Bruck for small, ring for large | ⌈log₂ N⌉ or N − 1 | the blocks of all ranks, in rank order; blocks may differ in size |
 //! | [`all_reduce`] | recursive doubling (extra ranks folded in) for small, ring reduce-scatter + all-gather for large | ⌊log₂ N⌋ (+2) or 2(N − 1) | `count` elements |
-//! | [`reduce`] | binomial tree towards any root | ⌈log₂ N⌉ | `count` elements; the result on the root |
+//! | [`reduce`](fn@reduce) | binomial tree towards any root | ⌈log₂ N⌉ | `count` elements; the result on the root |
 //! | [`reduce_scatter`] | ring | N − 1 | every rank's chunk, in rank order; chunks may differ in size |
 //! | [`gather`] | flat: every rank sends its block to the root | 1 | the root: every block; others: their own |
 //! | [`scatter`] | flat: the root sends each rank its block | 1 | the root: every block; others: their own |
@@ -363,7 +363,7 @@ impl Schedule {
 
     /// The part of the buffer that is this rank's result once the steps have run: the whole
     /// buffer for barrier, broadcast, all_gather and all_reduce; the reduced buffer on the
-    /// root of a [`reduce`] and nothing elsewhere; this rank's chunk of a [`reduce_scatter`];
+    /// root of a [`reduce`](fn@reduce) and nothing elsewhere; this rank's chunk of a [`reduce_scatter`];
     /// the gathered blocks on the root of a [`gather`] and nothing elsewhere; this rank's
     /// block of a [`scatter`]; the received blocks of an [`all_to_all`].
     pub fn output_range(&self) -> Range<usize> {

@@ -17,7 +17,7 @@
 //!
 //! Sending is sans-IO and copy-free: [`OutgoingFrame`] holds the preamble (prefix + frame header,
 //! produced by [`encode_preamble`]) next to the message header and payload [`Bytes`], and hands
-//! them out as [`IoSlice`]s for one vectored write (or as chunks for a QUIC stream).
+//! them out as [`IoSlice`](std::io::IoSlice)s for one vectored write (or as chunks for a QUIC stream).
 //!
 //! Receiving is incremental and bounded: [`FrameDecoder`] takes bytes as they arrive, validates
 //! every length against [`WireLimits`] *before* it reserves memory for it, splits segments that
