@@ -5,9 +5,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{AutogradMessageId, ContextId, RootProblem};
 #[cfg(doc)]
 use super::DistAutograd;
+use super::{AutogradMessageId, ContextId, RootProblem};
 use crate::protocol::WorkerId;
 
 /// Why a backward failed. It travels back along the chain of gradient requests, so the root

@@ -1,8 +1,8 @@
 //! What can be wrong with a frame.
 
-use super::{MAGIC, VERSION};
 #[cfg(doc)]
 use super::{FrameKind, WireLimits};
+use super::{MAGIC, VERSION};
 
 /// What was wrong with a frame.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
