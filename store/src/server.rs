@@ -60,17 +60,20 @@ use tracing::{debug, info, warn};
 
 use crate::handshake;
 use crate::protocol::{
-    self, KeyDisplay, Limits, Request, WireError, CHECK_NOT_READY, CHECK_READY,
-    CLOSING_REASONS_KEY, CONNECTIONS_FULL_MARKER, VALIDATION_MAGIC, WAIT_CANCELED,
-    WAIT_STOP_WAITING,
+    self, Limits, Request, CHECK_NOT_READY, CHECK_READY, CLOSING_REASONS_KEY,
+    CONNECTIONS_FULL_MARKER, VALIDATION_MAGIC, WAIT_CANCELED, WAIT_STOP_WAITING,
 };
-use crate::table::{AddError, AddOrBudget, Arrival, Budget, BudgetError, KvState};
+use crate::table::{Arrival, Budget, KvState};
 use output::Output;
+use refusal::{
+    malformed, no_room, refused_count, refused_write, too_long_a_reply, too_many_waits, Refusal,
+};
 use tensorwire_core::auth::ClusterSecret;
 
 #[doc(hidden)]
 pub mod fuzzing;
 mod output;
+mod refusal;
 
 /// Configuration of a [`TcpStoreServer`]: its secret and its bounds.
 ///
@@ -1106,105 +1109,4 @@ fn serve(
         }
     }
     Ok(())
-}
-
-/// Why a request was refused (and its connection closed): the bound it reached, by its
-/// [`ServerConfig`] field name (empty when the request was malformed rather than over a bound),
-/// and what happened. Logged, and told to a client that asked (see [`protocol`]).
-struct Refusal {
-    bound: &'static str,
-    reason: String,
-}
-
-impl Refusal {
-    fn at(bound: &'static str, reason: String) -> Self {
-        Refusal { bound, reason }
-    }
-}
-
-impl From<String> for Refusal {
-    /// A malformed request: no bound.
-    fn from(reason: String) -> Self {
-        Refusal { bound: "", reason }
-    }
-}
-
-/// The refusal of a request that could not be decoded, naming the bound for a length over one.
-fn malformed(e: WireError) -> Refusal {
-    let bound = match e {
-        WireError::KeyTooLarge { .. } => "limits.max_key_len",
-        WireError::ValueTooLarge { .. } => "limits.max_value_len",
-        WireError::TooManyKeys { .. } => "limits.max_keys",
-        WireError::RequestTooLarge { .. } => "limits.max_request_len",
-        _ => "",
-    };
-    Refusal::at(bound, format!("malformed request: {e}"))
-}
-
-fn too_many_waits(shared: &Shared) -> Refusal {
-    Refusal::at(
-        "max_waits_per_connection",
-        format!(
-            "more than {} waits parked by one connection, the bound max_waits_per_connection",
-            shared.config.max_waits_per_connection
-        ),
-    )
-}
-
-/// Why a write of `op` to `key` was refused by the table's budget, naming the bound.
-fn refused_write(op: &str, key: &[u8], e: BudgetError) -> Refusal {
-    let (bound, flag) = match e {
-        BudgetError::ValueTooLarge { .. } => ("limits.max_value_len", "--max-value-size"),
-        BudgetError::TooManyEntries { .. } => ("max_stored_keys", "--max-keys"),
-        BudgetError::OverBudget { .. } => ("memory_budget", "--memory-budget"),
-    };
-    Refusal::at(
-        bound,
-        format!(
-            "{op} on key {} refused: {e}; the bound {bound} ({flag})",
-            KeyDisplay(key)
-        ),
-    )
-}
-
-/// Why a request whose reply would be `len` bytes was refused.
-fn too_long_a_reply(op: &str, keys: usize, len: usize, shared: &Shared) -> Refusal {
-    Refusal::at(
-        "max_response_len",
-        format!(
-            "{op} of {keys} keys would be answered with {len} bytes, over the bound \
-             max_response_len = {} (--max-response-size)",
-            shared.config.max_response_len
-        ),
-    )
-}
-
-/// Why a request whose reply needs `len` bytes of the memory budget, which has `room`, was
-/// refused.
-fn no_room(op: &str, len: usize, room: usize, shared: &Shared) -> Refusal {
-    Refusal::at(
-        "memory_budget",
-        format!(
-            "{op} would be answered with {len} bytes of copies, and the memory budget of {} \
-             bytes (the bound memory_budget, --memory-budget) has {room} left",
-            shared.config.memory_budget
-        ),
-    )
-}
-
-/// Why an `add` or a `barrier` on `key` was refused.
-fn refused_count(op: &str, key: &[u8], e: AddOrBudget) -> Refusal {
-    let e = match e {
-        AddOrBudget::Add(e) => e,
-        AddOrBudget::Budget(e) => return refused_write(op, key, e),
-    };
-    match e {
-        AddError::NotAnInteger(v) => format!(
-            "{op} on key {} whose value {} is not a decimal integer",
-            KeyDisplay(key),
-            KeyDisplay(&v)
-        )
-        .into(),
-        AddError::Overflow => format!("{op} on key {} overflows i64", KeyDisplay(key)).into(),
-    }
 }
