@@ -61,9 +61,11 @@ pub struct TcpConfig {
     /// closed, its buffers freed. `None`: no bound. Default 120 s ([`DEFAULT_FRAME_TIMEOUT`]),
     /// room for a 1 GiB frame at about 70 Mbit/s.
     pub frame_timeout: Option<Duration>,
-    /// Handshakes one source IP address may have in progress at once (of the listener's 256);
-    /// a connection beyond it is closed at once. Default 16
-    /// ([`DEFAULT_HANDSHAKES_PER_SOURCE`]).
+    /// Handshakes one source IP address may have in progress at once (of the listener's 256).
+    /// A connection beyond it waits for a turn, within its handshake timeout, behind at most
+    /// four times as many others from its address (ranks on one host all dial from one
+    /// address); beyond those it is closed at once. Default 16
+    /// ([`DEFAULT_HANDSHAKES_PER_SOURCE`]): 16 in handshake and 64 waiting.
     pub handshakes_per_source: usize,
 }
 

@@ -20,6 +20,11 @@ const BACKLOG: usize = 128;
 /// Handshakes in progress at most; more connections wait in the kernel's backlog, so a flood of
 /// silent peers cannot exhaust file descriptors or memory.
 const MAX_HANDSHAKES: usize = 256;
+/// Connections from one source address that may wait for a turn, per handshake it may have in
+/// progress ([`TcpConfig::handshakes_per_source`]): with the default 16, 64 wait and one
+/// address holds at most 80 of the 256 slots. 64 ranks on one host dialling one listener at
+/// once all get in.
+const WAITING_PER_SLOT: usize = 4;
 
 pub(crate) struct TcpListener {
     local: SocketAddr,
@@ -61,7 +66,7 @@ async fn accept_loop(
     ready: mpsc::Sender<TcpConnection>,
 ) {
     let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
-    let per_source: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>> = Arc::default();
+    let per_source: Arc<std::sync::Mutex<HashMap<IpAddr, Source>>> = Arc::default();
     loop {
         let Ok(permit) = handshakes.clone().acquire_owned().await else {
             return;
@@ -77,11 +82,14 @@ async fn accept_loop(
             }
         };
         // One source address may hold only so many of the handshake slots, so that silent
-        // connections from one place cannot keep everyone else waiting.
+        // connections from one place cannot keep everyone else waiting. A connection beyond
+        // them waits its turn (a burst of honest peers on one host dials from one address),
+        // behind at most `WAITING_PER_SLOT` times as many others from its address.
         let Some(slot) = SourceSlot::take(&per_source, peer.ip(), config.handshakes_per_source)
         else {
             tracing::warn!(peer = %peer, listener = %local, limit = config.handshakes_per_source,
-                "refused connection: too many handshakes in progress from its address");
+                waiting = config.handshakes_per_source * WAITING_PER_SLOT,
+                "refused connection: too many handshakes in progress and waiting from its address");
             continue;
         };
         let config = config.clone();
@@ -89,7 +97,14 @@ async fn accept_loop(
         // Handshakes run concurrently so a slow or silent peer does not block others.
         tokio::spawn(async move {
             let _permit = permit;
-            let _slot = slot;
+            // The wait for a turn and the handshake share one deadline.
+            let deadline = tokio::time::Instant::now() + config.handshake_timeout;
+            let Ok(Ok(_turn)) = tokio::time::timeout_at(deadline, slot.turn.acquire()).await else {
+                tracing::warn!(peer = %peer, listener = %local,
+                    timeout = ?config.handshake_timeout,
+                    "refused connection: waited out the handshake timeout for a turn among its address's handshakes");
+                return;
+            };
             let mut stream = match prepare(stream, peer, &config) {
                 Ok(s) => s,
                 Err(e) => {
@@ -97,8 +112,8 @@ async fn accept_loop(
                     return;
                 }
             };
-            let outcome = tokio::time::timeout(
-                config.handshake_timeout,
+            let outcome = tokio::time::timeout_at(
+                deadline,
                 handshake::server(&mut stream, config.secret(), peer),
             )
             .await;
@@ -121,28 +136,43 @@ async fn accept_loop(
     }
 }
 
-/// One of a source address's handshake slots, given back when dropped.
+/// A source address's connections in handshake or waiting for a turn, with its turns.
+struct Source {
+    /// Connections counted (in handshake or waiting).
+    count: usize,
+    /// `handshakes_per_source` turns.
+    turns: Arc<Semaphore>,
+}
+
+/// A connection's place among its source address's, given back when dropped.
 struct SourceSlot {
-    counts: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+    counts: Arc<std::sync::Mutex<HashMap<IpAddr, Source>>>,
     ip: IpAddr,
+    /// The address's turns: one is held for the handshake.
+    turn: Arc<Semaphore>,
 }
 
 impl SourceSlot {
-    /// A slot for `ip`, unless it holds `limit` already.
+    /// A place for `ip`, unless it has `limit` handshakes in progress and `limit *
+    /// WAITING_PER_SLOT` connections waiting already.
     fn take(
-        counts: &Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+        counts: &Arc<std::sync::Mutex<HashMap<IpAddr, Source>>>,
         ip: IpAddr,
         limit: usize,
     ) -> Option<SourceSlot> {
         let mut map = counts.lock().unwrap_or_else(|e| e.into_inner());
-        let n = map.entry(ip).or_insert(0);
-        if *n >= limit {
+        let source = map.entry(ip).or_insert_with(|| Source {
+            count: 0,
+            turns: Arc::new(Semaphore::new(limit)),
+        });
+        if source.count >= limit.saturating_mul(WAITING_PER_SLOT + 1) {
             return None;
         }
-        *n += 1;
+        source.count += 1;
         Some(SourceSlot {
             counts: counts.clone(),
             ip,
+            turn: source.turns.clone(),
         })
     }
 }
@@ -150,9 +180,9 @@ impl SourceSlot {
 impl Drop for SourceSlot {
     fn drop(&mut self) {
         let mut map = self.counts.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = map.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
+        if let Some(source) = map.get_mut(&self.ip) {
+            source.count -= 1;
+            if source.count == 0 {
                 map.remove(&self.ip);
             }
         }

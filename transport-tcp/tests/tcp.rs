@@ -270,6 +270,42 @@ async fn silent_peers_do_not_block_accepting() -> Result<()> {
     Ok(())
 }
 
+/// A burst of honest peers from one address (ranks on one host dial from 127.0.0.1) beyond
+/// its handshakes in progress waits its turn instead of being refused: with 2 handshakes per
+/// source, 10 connect at once and all get in; an 11th at the same moment would be refused.
+#[tokio::test]
+async fn a_burst_from_one_address_waits_its_turn() -> Result<()> {
+    let t =
+        TcpTransport::new(TcpConfig::new(ClusterSecret::new("s")?).with_handshakes_per_source(2))?;
+    let listener = t.listen(localhost()).await?;
+    let addr = listener.local_addr();
+    let mut dials = tokio::task::JoinSet::new();
+    for _ in 0..10 {
+        let t = t.clone();
+        dials.spawn(async move { t.connect(addr).await });
+    }
+    let dials = async {
+        let mut out = Vec::new();
+        while let Some(c) = dials.join_next().await {
+            out.push(c.expect("a dial task panicked"));
+        }
+        out
+    };
+    let accepts = async {
+        let mut got = Vec::new();
+        for _ in 0..10 {
+            got.push(listener.accept().await?);
+        }
+        Ok::<_, TransportError>(got)
+    };
+    let (dialled, accepted) = within(async { tokio::join!(dials, accepts) }).await?;
+    for (i, c) in dialled.into_iter().enumerate() {
+        c.map_err(|e| anyhow!("connection {i} of the burst: {e}"))?;
+    }
+    ensure!(accepted?.len() == 10);
+    Ok(())
+}
+
 /// A peer that completes the handshake, starts a frame and stalls: the receive fails once the
 /// frame's deadline passes, naming the bound, and the connection is closed.
 #[tokio::test]
