@@ -17,6 +17,13 @@ pub const KEEPALIVE_ENV: &str = "TENSORWIRE_TCP_KEEPALIVE_MS";
 /// [`TcpConfig::from_env`]: milliseconds, `0` leaves it to the operating system (hours).
 pub const DEAD_PEER_ENV: &str = "TENSORWIRE_TCP_DEAD_PEER_MS";
 
+/// Overrides [`TcpConfig::spin`] in [`TcpConfig::resolve`] and [`TcpConfig::from_env`]:
+/// microseconds, `0` turns polling off (a receive then always waits in the runtime's `epoll`).
+pub const SPIN_ENV: &str = "TENSORWIRE_TCP_SPIN_US";
+
+/// Default [`TcpConfig::spin`].
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+
 /// Default [`TcpConfig::keepalive`].
 pub const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(5);
 
@@ -65,6 +72,14 @@ pub struct TcpConfig {
     /// a connection beyond it is closed at once. Default 16
     /// ([`DEFAULT_HANDSHAKES_PER_SOURCE`]).
     pub handshakes_per_source: usize,
+    /// How long after a send a receive that finds nothing polls the socket (non-blocking
+    /// `recv`, or `sched_yield` when polling does not pay: see [`tensorwire_core::spin`])
+    /// before it waits in the runtime's `epoll`: a side that just sent a request expects its
+    /// answer soon, and a wake-up through `epoll` across cores costs tens of microseconds on a
+    /// virtual machine. A receive with no send in the last `spin` waits at once, so an idle
+    /// connection spends no CPU. `Duration::ZERO` turns polling off. Default 50 µs
+    /// ([`DEFAULT_SPIN`]).
+    pub spin: Duration,
 }
 
 impl TcpConfig {
@@ -79,6 +94,7 @@ impl TcpConfig {
             dead_peer_timeout: Some(DEFAULT_DEAD_PEER_TIMEOUT),
             frame_timeout: Some(DEFAULT_FRAME_TIMEOUT),
             handshakes_per_source: DEFAULT_HANDSHAKES_PER_SOURCE,
+            spin: DEFAULT_SPIN,
         }
     }
 
@@ -95,6 +111,7 @@ impl TcpConfig {
             dead_peer_timeout: Some(DEFAULT_DEAD_PEER_TIMEOUT),
             frame_timeout: Some(DEFAULT_FRAME_TIMEOUT),
             handshakes_per_source: DEFAULT_HANDSHAKES_PER_SOURCE,
+            spin: DEFAULT_SPIN,
         }
     }
 
@@ -110,7 +127,8 @@ impl TcpConfig {
     /// and [`DEAD_PEER_ENV`] when set (a malformed value is an error naming the variable).
     pub fn resolve(secret: Option<ClusterSecret>, insecure: bool) -> Result<Self, TransportError> {
         let config = Self::resolve_secret(secret, insecure)?;
-        config.with_liveness_from(|name| std::env::var(name).ok())
+        let env = |name: &str| std::env::var(name).ok();
+        config.with_liveness_from(env)?.with_spin_from(env)
     }
 
     fn resolve_secret(
@@ -175,6 +193,32 @@ impl TcpConfig {
         self.keepalive = keepalive;
         self.dead_peer_timeout = dead_peer_timeout;
         self
+    }
+
+    /// These settings with another [`spin`](Self::spin) (`Duration::ZERO`: never poll).
+    pub fn with_spin(mut self, spin: Duration) -> Self {
+        self.spin = spin;
+        self
+    }
+
+    /// These settings with [`SPIN_ENV`] applied, as `env` looks it up (microseconds; `0` turns
+    /// polling off).
+    ///
+    /// # Errors
+    /// [`TransportError::Config`] naming the variable when the value is not a whole number.
+    pub fn with_spin_from(
+        self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, TransportError> {
+        let Some(value) = env(SPIN_ENV) else {
+            return Ok(self);
+        };
+        let us: u64 = value.trim().parse().map_err(|_| {
+            TransportError::Config(format!(
+                "{SPIN_ENV}={value:?}: expected a whole number of microseconds (0 turns polling off)"
+            ))
+        })?;
+        Ok(self.with_spin(Duration::from_micros(us)))
     }
 
     /// These settings with [`KEEPALIVE_ENV`] and [`DEAD_PEER_ENV`] applied, as `env` looks
@@ -252,5 +296,23 @@ mod tests {
             msg.contains(DEAD_PEER_ENV) && msg.contains("\"5s\""),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn spin_comes_from_the_environment_and_a_malformed_value_names_the_variable() {
+        assert_eq!(TcpConfig::insecure().spin, DEFAULT_SPIN);
+        let c = TcpConfig::insecure()
+            .with_spin_from(env(&[(SPIN_ENV, "0")]))
+            .unwrap();
+        assert_eq!(c.spin, Duration::ZERO);
+        let c = TcpConfig::insecure()
+            .with_spin_from(env(&[(SPIN_ENV, " 120 ")]))
+            .unwrap();
+        assert_eq!(c.spin, Duration::from_micros(120));
+        let msg = TcpConfig::insecure()
+            .with_spin_from(env(&[(SPIN_ENV, "fast")]))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains(SPIN_ENV) && msg.contains("\"fast\""), "{msg}");
     }
 }
