@@ -138,7 +138,8 @@ fn bench_rpc_over(transport: &str) {
     }
 }
 
-/// `bench store`: the rendezvous of 200 clients from this process finishes and is reported.
+/// `bench store`: the rendezvous of 200 clients from this process finishes and is reported,
+/// for our server and a baseline server in the same run.
 #[test]
 fn bench_store_reports_the_rendezvous() {
     let tmp = tempfile::tempdir().unwrap();
@@ -150,8 +151,12 @@ fn bench_store_reports_the_rendezvous() {
             "store",
             "--clients",
             "1,200",
+            "--rounds",
+            "2",
             "--timeout",
             "60",
+            "--baseline",
+            env!("CARGO_BIN_EXE_tensorwire"),
             "--json",
         ])
         .arg(&json)
@@ -169,7 +174,16 @@ fn bench_store_reports_the_rendezvous() {
             .as_f64()
             .unwrap_or_else(|| panic!("clients_{n} missing: {v}"));
         assert!(s.is_finite() && s > 0.0, "{n}: {s}");
+        // The baseline server (here the same binary) ran the same load in the same run.
+        let base = v[format!("clients_{n}")]["baseline_rendezvous_s"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("clients_{n} has no baseline: {v}"));
+        let ratio = v[format!("clients_{n}")]["rendezvous_over_baseline"]
+            .as_f64()
+            .unwrap();
+        assert!((ratio - s / base).abs() < 1e-9, "{n}: {v}");
     }
+    assert_eq!(v["settings"]["rounds"], 2, "{v}");
 }
 
 #[cfg(feature = "quic")]

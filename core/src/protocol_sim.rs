@@ -15,6 +15,9 @@
 //!   a worker dies: a worker that dies while a fork it passed on is still unconfirmed leaves
 //!   the owner unaware of that fork, which PyTorch's protocol shares);
 //! - no message of a normal flow is a [`ProtocolViolation`](crate::protocol::ProtocolViolation);
+//! - only a holder reads or calls a value: an owner serves a fetch or runs a method only for a
+//!   worker that created the reference or was given a fork of it (with forged traffic: or
+//!   claimed one with a fork request the owner accepted);
 //! - at the end, once every reference is dropped: if no worker died, every value was released,
 //!   and every live endpoint is idle;
 //! - then the cluster shuts down gracefully (every member, or one worker leaving and the rest
@@ -39,8 +42,8 @@ use crate::protocol::membership::{
 };
 use crate::protocol::{
     CallError, Endpoint, EndpointConfig, Event, Header, JoinError, JoinMessage, LostCause,
-    MessageId, Payload, RRefForkData, RRefHandle, RRefId, RemoteError, RemoteErrorKind,
-    RequestToken, ShutdownError, StaticJoin, Transmit, WorkerId,
+    MessageId, MethodTarget, Payload, RRefForkData, RRefHandle, RRefId, RemoteError,
+    RemoteErrorKind, RequestToken, ShutdownError, StaticJoin, Transmit, WorkerId,
 };
 use crate::sim::{Clock, Links, SimRng};
 
@@ -54,8 +57,8 @@ pub struct Body {
     pub data: Vec<u8>,
     /// References passed inside the message (forked for its receiver).
     pub forks: Vec<RRefForkData>,
-    /// For a method call: the reference it runs on.
-    pub target: Option<RRefId>,
+    /// For a method call: the reference it runs on, and the caller's fork of it.
+    pub target: Option<MethodTarget>,
 }
 
 impl Payload for Body {
@@ -63,7 +66,7 @@ impl Payload for Body {
         self.forks.clone()
     }
 
-    fn target(&self) -> Option<RRefId> {
+    fn target(&self) -> Option<MethodTarget> {
         self.target
     }
 }
@@ -80,7 +83,7 @@ struct Serving {
     /// References received in the arguments (handles held while serving).
     handles: Vec<RRefHandle>,
     /// Waiting until those are confirmed: the wait, the function to run, a method's target.
-    confirming: Option<(crate::protocol::WaitId, String, Option<RRefId>)>,
+    confirming: Option<(crate::protocol::WaitId, String, Option<MethodTarget>)>,
 }
 
 /// One worker's model application.
@@ -209,6 +212,11 @@ pub struct Cluster {
     /// Calls made by fire-and-forget chains (caller, id), and those that failed, with why.
     chain_calls: BTreeSet<(WorkerId, MessageId)>,
     chain_failures: Vec<(WorkerId, MessageId, CallError)>,
+    /// Every (worker, reference) where the worker came to hold the reference: it created it
+    /// with `remote`, accepted a fork of it, or (forged traffic) claimed a fork of it with a
+    /// fork request its owner accepted. An owner serves fetches and method calls only to
+    /// these.
+    given: BTreeSet<(WorkerId, RRefId)>,
 }
 
 const FUNCTIONS: [&str; 4] = ["echo", "fail", "slow", "nested"];
@@ -235,6 +243,7 @@ impl Cluster {
             group: None,
             chain_calls: BTreeSet::new(),
             chain_failures: Vec::new(),
+            given: BTreeSet::new(),
         }
     }
 
@@ -361,7 +370,7 @@ impl Cluster {
                 let known = |c: &Self, h: RRefHandle| c.eps[w as usize].is_confirmed(h).is_some();
                 if let Some(h) = self.pick_held(w, rng).filter(|h| known(self, *h)) {
                     let body = Body {
-                        target: Some(h.rref),
+                        target: Some(h.into()),
                         ..Body::default()
                     };
                     self.call(w, h.owner, "method", body, timeout);
@@ -468,6 +477,7 @@ impl Cluster {
         {
             self.stats.remotes += 1;
             self.track_call(w, id, timeout);
+            self.given.insert((w, h.rref));
             self.apps[w as usize].held.push(h);
         }
     }
@@ -485,6 +495,7 @@ impl Cluster {
         {
             self.stats.remotes += 1;
             self.track_call(w, id, timeout);
+            self.given.insert((w, h.rref));
             self.apps[w as usize].held.push(h);
             self.apps[w as usize].deferred.push((id, to, body));
         }
@@ -854,12 +865,31 @@ impl Cluster {
         if from >= n || to >= n || from == to || self.dead.contains(&to) {
             return false;
         }
+        // A claim the owner accepts makes the sender a holder (see `given`).
+        let claimed = match header {
+            Header::ForkRequest { rref, .. } | Header::Remote { rref, .. } => Some(rref),
+            _ => None,
+        };
         let violation = self.eps[to as usize]
             .handle_message(from, header, body, self.clock.now())
             .is_err();
+        if let (false, Some(rref)) = (violation, claimed) {
+            self.given.insert((from, rref));
+        }
         // Whatever the endpoint made of it goes through the applications, which must cope.
         self.pump_lenient();
         violation
+    }
+
+    /// The owner `w` was asked to serve `what` on `rref` for `token`'s caller: only a holder
+    /// may be served (see `given`).
+    fn check_holder(&self, w: WorkerId, token: RequestToken, rref: RRefId, what: &str) {
+        let from = token.from();
+        if from != w && !self.given.contains(&(from, rref)) {
+            self.fail(format!(
+                "worker {w} served a {what} on {rref} to worker {from}, which never held it"
+            ));
+        }
     }
 
     /// Like [`pump`](Self::pump), for fuzzing: applications answer what they can and drop
@@ -873,10 +903,14 @@ impl Cluster {
             }
             while let Some(ev) = self.eps[w as usize].poll_event() {
                 match ev {
-                    Event::Call { token, .. } | Event::Remote { token, .. } => {
+                    Event::Call { token, body, .. } | Event::Remote { token, body, .. } => {
+                        if let Some(t) = body.target {
+                            self.check_holder(w, token, t.rref, "method call");
+                        }
                         self.eps[w as usize].respond(token, Ok(Body::default()));
                     }
-                    Event::Fetch { token, .. } => {
+                    Event::Fetch { token, rref } => {
+                        self.check_holder(w, token, rref, "fetch");
                         self.eps[w as usize].respond(token, Ok(Body::default()));
                     }
                     Event::Completed { .. }

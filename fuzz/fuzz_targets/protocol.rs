@@ -18,7 +18,11 @@
 //!   worker 0 was not told the value failed);
 //! - a forged message is either accepted as a well-formed request of worker 2's own (a call,
 //!   a remote, a fetch that worker 1 answers) or reported as a `ProtocolViolation`; nothing
-//!   else comes out of it.
+//!   else comes out of it;
+//! - worker 2 is never served a fetch or a method call on a value it does not hold: only on
+//!   references it created itself or claimed with a fork request worker 1 accepted (worker 0
+//!   passes it none). A dedicated step forges fetches and method calls of worker 0's values,
+//!   naming worker 0's fork or a made-up one: each is a `NotAHolder` violation.
 //!
 //! Inputs whose first byte is odd run the earlier panic-only simulation instead
 //! (`protocol_sim::Cluster::fuzz`: a 3-worker cluster's workload, then forged headers from
@@ -30,8 +34,9 @@ use std::time::{Duration, Instant};
 
 use libfuzzer_sys::fuzz_target;
 use tensorwire_core::protocol::{
-    CallError, Endpoint, EndpointConfig, Event, Header, LostCause, MessageId, RRefHandle, RRefId,
-    RemoteError, RemoteErrorKind, Transmit, WorkerId,
+    CallError, Endpoint, EndpointConfig, Event, GlobalId, Header, LostCause, MessageId,
+    MethodTarget, ProtocolViolation, RRefHandle, RRefId, RemoteError, RemoteErrorKind, Transmit,
+    WorkerId,
 };
 use tensorwire_core::protocol_sim::{Body, Cluster};
 
@@ -63,6 +68,9 @@ struct World {
     kept: BTreeMap<RRefId, Vec<u8>>,
     counter: u32,
     hostile_lost: bool,
+    /// References worker 2 holds at worker 1: created by its own `remote`, or claimed by a
+    /// fork request worker 1 accepted. Only on these may worker 1 serve it.
+    hostile_holds: BTreeSet<RRefId>,
 }
 
 impl World {
@@ -85,6 +93,7 @@ impl World {
             kept: BTreeMap::new(),
             counter: 0,
             hostile_lost: false,
+            hostile_holds: BTreeSet::new(),
         }
     }
 
@@ -116,6 +125,20 @@ impl World {
     }
 
     fn on_event(&mut self, w: WorkerId, ev: Event<Body>) {
+        // Worker 2 is served only on what it holds.
+        let served = match &ev {
+            Event::Call { token, body, .. } | Event::Remote { token, body, .. } => {
+                body.target.map(|t| (token.from(), t.rref, "method call"))
+            }
+            Event::Fetch { token, rref } => Some((token.from(), *rref, "fetch")),
+            _ => None,
+        };
+        if let Some((HOSTILE, rref, what)) = served {
+            assert!(
+                self.hostile_holds.contains(&rref),
+                "worker {w} served worker 2's {what} on {rref}, which worker 2 does not hold"
+            );
+        }
         let ep = &mut self.eps[w as usize];
         match ev {
             Event::Call { token, body, .. } => {
@@ -281,8 +304,17 @@ fn hostile(data: &[u8]) {
                 let to = if op & 0x10 != 0 { CALLER } else { CALLEE };
                 let b = (op & 0x20 != 0).then(|| body(chunk(&mut rest)));
                 let now = w.now;
-                if let Err(v) = w.eps[to as usize].handle_message(HOSTILE, header, b, now) {
-                    assert!(!v.to_string().is_empty());
+                let claimed = match header {
+                    Header::ForkRequest { rref, .. } | Header::Remote { rref, .. } => Some(rref),
+                    _ => None,
+                };
+                match w.eps[to as usize].handle_message(HOSTILE, header, b, now) {
+                    Err(v) => assert!(!v.to_string().is_empty()),
+                    Ok(()) => {
+                        if let (CALLEE, Some(rref)) = (to, claimed) {
+                            w.hostile_holds.insert(rref);
+                        }
+                    }
                 }
             }
             6 => {
@@ -292,6 +324,60 @@ fn hostile(data: &[u8]) {
                     for ep in &mut w.eps {
                         ep.handle_peer_lost(HOSTILE, LostCause::Transport("gone".into()), now);
                     }
+                }
+            }
+            8 => {
+                // Worker 2 reads or calls one of worker 0's values on worker 1 (bit 0x10: a
+                // method call), naming worker 0's fork or (bit 0x20) a made-up one.
+                let Some((h, _)) = w.held.get(usize::from(op >> 6)).cloned() else {
+                    continue;
+                };
+                if w.hostile_lost {
+                    continue;
+                }
+                let fork = if op & 0x20 != 0 {
+                    GlobalId {
+                        created_on: CALLER,
+                        local: u64::from(w.counter) + 1000,
+                    }
+                } else {
+                    h.fork
+                };
+                w.counter += 1;
+                let id = u64::from(w.counter);
+                let (header, b, what) = if op & 0x10 != 0 {
+                    let call = Header::Call {
+                        id,
+                        function: "echo".into(),
+                        timeout: TIMEOUT,
+                    };
+                    let target = MethodTarget { rref: h.rref, fork };
+                    let b = Body {
+                        target: Some(target),
+                        ..Body::default()
+                    };
+                    (call, Some(b), "method call")
+                } else {
+                    let fetch = Header::Fetch {
+                        id,
+                        rref: h.rref,
+                        fork,
+                        timeout: TIMEOUT,
+                    };
+                    (fetch, None, "fetch")
+                };
+                let now = w.now;
+                let r = w.eps[CALLEE as usize].handle_message(HOSTILE, header, b, now);
+                if !w.hostile_holds.contains(&h.rref) {
+                    assert_eq!(
+                        r,
+                        Err(ProtocolViolation::NotAHolder {
+                            what,
+                            rref: h.rref,
+                            fork,
+                            sender: HOSTILE,
+                        })
+                    );
                 }
             }
             _ => w.deliver(usize::from(op >> 4)),

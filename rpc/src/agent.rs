@@ -20,7 +20,8 @@ use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, DebugInfo, Endpoint, RRefForkData, RRefHandle, RRefId, WorkerId,
+    CallError, ConfirmError, DebugInfo, Endpoint, MethodTarget, RRefForkData, RRefHandle, RRefId,
+    WorkerId,
 };
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
@@ -125,7 +126,7 @@ impl Agent {
             )),
             functions: options.functions.clone(),
             backend: Arc::clone(&options.device_backend),
-            ipc: crate::ipc::IpcLink::new(
+            ipc: crate::state::IpcLink::new(
                 &*options.device_backend,
                 options.share_device_memory,
                 options.ipc_limits,
@@ -145,11 +146,11 @@ impl Agent {
             metrics: crate::metrics::AgentMetrics::new(name),
             rendezvous: Mutex::new(None),
             group: Mutex::new(None),
-            gathers: crate::gather::Gathers::default(),
+            gathers: crate::state::Gathers::default(),
             tasks: Mutex::new(Tasks::default()),
             runtime: Arc::clone(&options.runtime),
             peer_events: crate::peer_events::PeerEventHub::new(),
-            membership: crate::dynamic::new_state(),
+            membership: crate::init::dynamic::new_state(),
             membership_wake: Notify::new(),
             serving: std::sync::atomic::AtomicUsize::new(0),
             queued_bytes: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
@@ -449,7 +450,7 @@ impl Agent {
 
     /// The backend that copies this agent's tensors between host and devices.
     /// This agent's IPC state (see [`crate::ipc`]).
-    pub(crate) fn ipc(&self) -> &crate::ipc::IpcLink {
+    pub(crate) fn ipc(&self) -> &crate::state::IpcLink {
         &self.inner.ipc
     }
 
@@ -492,7 +493,7 @@ impl Agent {
         let mut alone = false;
         let id = if prepared.on_host() {
             let body = Body {
-                target: target.map(|h| h.rref),
+                target: target.map(MethodTarget::from),
                 data: prepared.data,
                 tensors: tensors::host_to_wire(prepared.tensors),
                 forks: prepared.forks.clone(),
@@ -521,7 +522,7 @@ impl Agent {
                 st.waiters.insert(id, tx);
                 id
             };
-            links::supply_when_copied(self, id, to, target.map(|h| h.rref), prepared);
+            links::supply_when_copied(self, id, to, target.map(MethodTarget::from), prepared);
             id
         };
         if alone {
@@ -602,7 +603,7 @@ impl Agent {
             .remote(&|id| self.name_of(id), to, function, bytes);
         let handle = if prepared.on_host() {
             let body = Body {
-                target: target.map(|h| h.rref),
+                target: target.map(MethodTarget::from),
                 data: prepared.data,
                 tensors: tensors::host_to_wire(prepared.tensors),
                 forks: prepared.forks.clone(),
@@ -629,7 +630,7 @@ impl Agent {
                 st.waiters.insert(id, tx);
                 (handle, id)
             };
-            links::supply_when_copied(self, id, to, target.map(|h| h.rref), prepared);
+            links::supply_when_copied(self, id, to, target.map(MethodTarget::from), prepared);
             handle
         };
         self.pump();
@@ -932,7 +933,7 @@ impl Agent {
     }
 
     /// The dynamic-group gathers this worker leads.
-    pub(crate) fn gathers(&self) -> &crate::gather::Gathers {
+    pub(crate) fn gathers(&self) -> &crate::state::Gathers {
         &self.inner.gathers
     }
 

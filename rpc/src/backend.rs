@@ -56,12 +56,10 @@ static BACKENDS: LazyLock<RwLock<Registry<DynRpcBackend>>> = LazyLock::new(|| {
     RwLock::new(registry)
 });
 
-/// The name of the built-in TCP backend (registered with the feature `tcp`, on by default).
-pub const TCP_BACKEND: &str = "TCP";
-
-/// The name of the built-in QUIC backend (feature `quic`).
+// The built-in backends' names live with the options, whose default names one.
 #[cfg(feature = "quic")]
-pub const QUIC_BACKEND: &str = "QUIC";
+pub use crate::options::QUIC_BACKEND;
+pub use crate::options::TCP_BACKEND;
 
 /// Registers `backend` under `name`. A name taken already is an error that names it
 /// (`RPC backend NAME: already registered`).

@@ -17,9 +17,11 @@ use std::fmt::Display;
 use bytes::Bytes;
 use postcard::ser_flavors::Flavor as _;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
-use tensorwire_core::protocol::{Header, RRefForkData, RRefHandle, RRefId, WorkerId};
-use tensorwire_core::tensor::{sidecar, Tensor, TensorMeta};
+use serde::Serialize;
+/// The header of every agent frame (decoded in core).
+pub(crate) use tensorwire_core::protocol::envelope::Envelope;
+use tensorwire_core::protocol::{RRefForkData, RRefHandle, WorkerId};
+use tensorwire_core::tensor::{sidecar, Tensor};
 
 use crate::state::Agent;
 
@@ -295,14 +297,4 @@ pub(crate) fn decode_with_references<T: DeserializeOwned>(
         });
     }
     Ok((value, accepted))
-}
-
-/// The header of every agent frame: the protocol header and, for methods, the reference whose
-/// value the function is called on.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct Envelope {
-    pub(crate) header: Header,
-    pub(crate) target: Option<RRefId>,
-    /// The tensors whose bytes follow the encoded value as payloads, in order.
-    pub(crate) tensors: Vec<TensorMeta>,
 }

@@ -6,7 +6,7 @@ use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 
 use tensorwire_core::devices_sim::SimulatedDevices;
-use tensorwire_core::protocol::Header;
+use tensorwire_core::protocol::{Header, MethodTarget};
 use tensorwire_core::tensor::{Tensor, TensorMeta};
 use tensorwire_core::wire::Frame;
 
@@ -52,9 +52,19 @@ pub fn decode_message(frame: Frame, devices: u32) -> Result<(Header, Option<Body
 
 /// Encodes a message header as the agent sends it, announcing `tensors` (no target).
 pub fn encode_message_header(header: &Header, tensors: &[TensorMeta]) -> Vec<u8> {
+    encode_method_header(header, None, tensors)
+}
+
+/// Encodes a message header as the agent sends it for a method call (or remote method) on
+/// `target` (`None`: a plain call), announcing `tensors`.
+pub fn encode_method_header(
+    header: &Header,
+    target: Option<MethodTarget>,
+    tensors: &[TensorMeta],
+) -> Vec<u8> {
     postcard::to_allocvec(&Envelope {
         header: header.clone(),
-        target: None,
+        target,
         tensors: tensors.to_vec(),
     })
     .expect("a header encodes")

@@ -13,7 +13,7 @@
 //! Nothing goes through the store.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tensorwire_core::protocol::gather::{
@@ -26,15 +26,10 @@ use crate::error::RpcError;
 use crate::functions::{finish, Handler, Invocation};
 use crate::peer_events::PeerEvent;
 use crate::state::Agent;
+use crate::state::{Gathers, Leading};
 
 /// The internal function the members call on the leader (not in the user's table).
 pub(crate) const GATHER: &str = "__tw/gather";
-
-/// The leader's state machine and the calls waiting for its answers.
-struct Leading {
-    leader: GatherLeader,
-    waiting: HashMap<GatherToken, oneshot::Sender<GatherOutcome>>,
-}
 
 impl Leading {
     /// Hands every answer the leader has to the call waiting for it.
@@ -45,14 +40,6 @@ impl Leading {
             }
         }
     }
-}
-
-/// The gathers this worker leads (created with the agent; the state machine with the first
-/// contribution, when this worker's rank is known to the handler).
-#[derive(Default)]
-pub(crate) struct Gathers {
-    leading: Arc<Mutex<Option<Leading>>>,
-    watching: OnceLock<()>,
 }
 
 fn lock(leading: &Mutex<Option<Leading>>) -> MutexGuard<'_, Option<Leading>> {

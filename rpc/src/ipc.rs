@@ -8,7 +8,6 @@
 //! receiver says it copied it out, or is lost. `RpcOptions::share_device_memory = false` or
 //! `TENSORWIRE_CUDA_IPC=0` turns sharing off in a worker (its peers then stage too).
 
-use std::any::Any;
 use std::sync::{Mutex, PoisonError};
 
 use bytes::Bytes;
@@ -24,15 +23,8 @@ use tensorwire_core::wire::Frame;
 
 use crate::state::Agent;
 use crate::state::WireTensors;
+use crate::state::{IpcHeld as Held, IpcLink};
 use crate::tensors::TensorTransferError;
-
-/// What keeps one export valid (the backend's value), held until released.
-type Held = Box<dyn Any + Send + Sync>;
-
-/// One agent's IPC state.
-pub(crate) struct IpcLink {
-    state: Mutex<IpcState<Held>>,
-}
 
 impl IpcLink {
     /// The state of an agent over `backend` (sharing unless the backend cannot, `share` is

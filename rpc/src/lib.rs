@@ -39,7 +39,6 @@ pub mod autograd;
 mod backend;
 mod codec;
 mod driver;
-mod dynamic;
 mod error;
 pub mod faults;
 mod functions;
@@ -48,6 +47,7 @@ mod future;
 pub mod fuzzing;
 mod gather;
 mod init;
+mod init_rpc;
 mod ipc;
 mod links;
 pub mod memory;
@@ -79,7 +79,8 @@ pub use backend::{
 pub use backend::{QuicBackend, QUIC_BACKEND};
 pub use error::RpcError;
 pub use functions::{CallContext, Functions};
-pub use init::{init_rpc, start_agent};
+pub use init::start_agent;
+pub use init_rpc::init_rpc;
 pub use metrics::{PeerMetrics, RpcMetrics};
 pub use options::{
     RpcOptions, Shutdown, DEFAULT_PEER_QUEUE_BYTES, DEFAULT_RPC_TIMEOUT, IMMEDIATE_CLOSE_TIMEOUT,

@@ -4,21 +4,21 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::{
-    Header, LostCause, MessageId, ProtocolViolation, RRefId, Transmit, WorkerId,
+    Header, LostCause, MessageId, MethodTarget, ProtocolViolation, Transmit, WorkerId,
 };
 use tensorwire_core::wire::{Frame, FrameKind};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::codec::Envelope;
+use crate::driver;
+use crate::init::dynamic;
 use crate::queue::{frame_bytes, OutQueue};
 use crate::state::Agent;
 use crate::state::{Body, PeerLink, State};
 use crate::tensors;
-use crate::{driver, dynamic};
 
 /// At most this many queued frames go out in one `send_many`.
 pub(crate) const WRITE_BATCH: usize = 64;
@@ -279,41 +279,22 @@ pub(crate) fn on_frame(
     if this.inner.dynamic && !dynamic::may_call(this, from) {
         return Err(ProtocolViolation::NotAMember);
     }
-    let envelope: Envelope =
-        postcard::from_bytes(&frame.header).map_err(|e| ProtocolViolation::Malformed {
-            what: format!("a message header that does not parse ({e})"),
-        })?;
+    let envelope = Envelope::decode(&frame.header)?;
     this.inner
         .ipc
         .check_received(from, &envelope.tensors)
         .map_err(ProtocolViolation::Ipc)?;
-    let mut payloads = frame.payloads.into_iter();
-    let body = match payloads.next() {
-        Some(data) => {
-            let bytes: Vec<Bytes> = payloads.collect();
-            if bytes.len() != envelope.tensors.len() {
-                return Err(ProtocolViolation::Malformed {
-                    what: format!(
-                        "a message that announces {} tensors and carries {}",
-                        envelope.tensors.len(),
-                        bytes.len()
-                    ),
-                });
-            }
-            let tensors = envelope.tensors.into_iter().zip(bytes).collect();
-            Some(Body {
-                target: envelope.target,
-                data,
-                tensors,
-                forks: Vec::new(),
-            })
-        }
-        None => None,
-    };
+    let (header, body) = envelope.attach(frame.payloads)?;
+    let body = body.map(|b| Body {
+        target: b.target,
+        data: b.data,
+        tensors: b.tensors,
+        forks: Vec::new(),
+    });
     let handled = this
         .lock()
         .ep
-        .handle_message(from, envelope.header, body, this.now());
+        .handle_message(from, header, body, this.now());
     if direct {
         driver::pump_now(this);
     } else {
@@ -410,7 +391,7 @@ pub(crate) fn supply_when_copied(
     this: &Agent,
     id: MessageId,
     to: WorkerId,
-    target: Option<RRefId>,
+    target: Option<MethodTarget>,
     prepared: tensors::Prepared,
 ) {
     let agent = this.clone();

@@ -139,16 +139,23 @@ fn default_device_backend() -> Arc<dyn DeviceBackend> {
     }
 }
 
+/// The name of the built-in TCP backend (registered with the feature `tcp`, on by default).
+pub const TCP_BACKEND: &str = "TCP";
+
+/// The name of the built-in QUIC backend (feature `quic`).
+#[cfg(feature = "quic")]
+pub const QUIC_BACKEND: &str = "QUIC";
+
 /// `TCP` when built in (feature `tcp`), else `QUIC` when built in, else `TCP` (an init that
 /// names it fails with "not registered" until a backend of that name is registered).
 fn default_backend() -> &'static str {
     #[cfg(all(not(feature = "tcp"), feature = "quic"))]
     {
-        crate::backend::QUIC_BACKEND
+        QUIC_BACKEND
     }
     #[cfg(any(feature = "tcp", not(feature = "quic")))]
     {
-        crate::backend::TCP_BACKEND
+        TCP_BACKEND
     }
 }
 

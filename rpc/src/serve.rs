@@ -94,7 +94,7 @@ pub(crate) fn serve(
         // A method call reaches this point only once its value exists (the endpoint parks
         // it until then, by its caller's deadline).
         let target = match body.target {
-            Some(rref) => match owned_value(&agent, rref) {
+            Some(t) => match owned_value(&agent, t.rref) {
                 Ok(v) => Some(v),
                 Err(reason) => {
                     let err = remote_error(me, RemoteErrorKind::RRef, reason);

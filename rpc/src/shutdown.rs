@@ -166,7 +166,7 @@ pub(crate) async fn shutdown(this: &Agent, how: crate::Shutdown) -> Result<(), R
     let stages = async {
         match (graceful, this.inner.dynamic) {
             (true, false) => self::graceful(this, deadline, timeout).await,
-            (true, true) => crate::dynamic::leave(this, timeout).await,
+            (true, true) => crate::init::dynamic::leave(this, timeout).await,
             (false, _) => Ok(()),
         }
     };

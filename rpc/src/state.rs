@@ -2,17 +2,21 @@
 //! waits on it (`State`, under one lock), who is in the group (`Membership`), and the rest of
 //! the agent (`Inner`).
 
+use std::any::Any;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use bytes::Bytes;
 use tensorwire_core::device::{Device, DeviceMaps};
+use tensorwire_core::ipc::IpcState;
 use tensorwire_core::ports::store::Store;
-use tensorwire_core::ports::transport::Connection;
+use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::protocol::gather::{GatherLeader, GatherOutcome, GatherToken};
+use tensorwire_core::protocol::membership::{DynamicMembership, MemberRecord, MembershipError};
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, Endpoint, MessageId, Payload, RRefForkData, RRefId, ShutdownError,
-    WaitId, WorkerId,
+    CallError, ConfirmError, Endpoint, MessageId, MethodTarget, Payload, RRefForkData, RRefId,
+    ShutdownError, WaitId, WorkerId,
 };
 use tensorwire_core::reverse::{device_list, reverse_device_maps};
 use tensorwire_core::validate::WorkerDeviceInfo;
@@ -38,7 +42,7 @@ pub(crate) type WireTensors = Vec<(tensorwire_core::tensor::TensorMeta, Bytes)>;
 /// methods the reference they are called on.
 #[derive(Debug, Clone)]
 pub(crate) struct Body {
-    pub(crate) target: Option<RRefId>,
+    pub(crate) target: Option<MethodTarget>,
     pub(crate) data: Bytes,
     pub(crate) tensors: WireTensors,
     /// The forks made for the receiver of the references inside `data`: they also travel in a
@@ -51,7 +55,7 @@ impl Payload for Body {
         self.forks.clone()
     }
 
-    fn target(&self) -> Option<RRefId> {
+    fn target(&self) -> Option<MethodTarget> {
         self.target
     }
 }
@@ -160,7 +164,7 @@ pub(crate) struct Inner {
     pub(crate) functions: Functions,
     pub(crate) backend: Arc<dyn DeviceBackend>,
     /// Same-host device memory sharing (CUDA IPC) with the peers.
-    pub(crate) ipc: crate::ipc::IpcLink,
+    pub(crate) ipc: IpcLink,
     pub(crate) state: Mutex<State>,
     pub(crate) wake: Notify,
     /// The group's store, until shutdown lets go of it.
@@ -171,13 +175,13 @@ pub(crate) struct Inner {
     /// with the agent.
     pub(crate) group: Mutex<Option<Group>>,
     /// The dynamic-group gathers this worker leads (see [`crate::gather`]).
-    pub(crate) gathers: crate::gather::Gathers,
+    pub(crate) gathers: Gathers,
     pub(crate) tasks: Mutex<Tasks>,
     /// The one runtime the agent reads time from, sleeps on and spawns with.
     pub(crate) runtime: Arc<dyn Runtime>,
-    /// A dynamic group's membership (see [`crate::dynamic`]); its own lock, never held with
+    /// A dynamic group's membership (see [`crate::init::dynamic`]); its own lock, never held with
     /// the state's.
-    pub(crate) membership: Mutex<crate::dynamic::DynState>,
+    pub(crate) membership: Mutex<DynState>,
     /// Wakes the membership's timer.
     pub(crate) membership_wake: Notify,
     pub(crate) metrics: crate::metrics::AgentMetrics,
@@ -202,4 +206,41 @@ pub(crate) struct Tasks {
     pub(crate) others: tokio::task::JoinSet<()>,
     /// Set by shutdown: nothing new starts.
     pub(crate) closed: bool,
+}
+
+// The agent's parts that other modules drive: their types live here, with the agent that
+// holds them, so that this module names none of the modules that use it.
+
+/// What keeps one export valid (the backend's value), held until released.
+pub(crate) type IpcHeld = Box<dyn Any + Send + Sync>;
+
+/// One agent's IPC state.
+pub(crate) struct IpcLink {
+    pub(crate) state: Mutex<IpcState<IpcHeld>>,
+}
+
+/// The gather leader's state machine and the calls waiting for its answers.
+pub(crate) struct Leading {
+    pub(crate) leader: GatherLeader,
+    pub(crate) waiting: HashMap<GatherToken, oneshot::Sender<GatherOutcome>>,
+}
+
+/// The gathers this worker leads (created with the agent; the state machine with the first
+/// contribution, when this worker's rank is known to the handler).
+#[derive(Default)]
+pub(crate) struct Gathers {
+    pub(crate) leading: Arc<Mutex<Option<Leading>>>,
+    pub(crate) watching: OnceLock<()>,
+}
+
+/// The driver's side of a dynamic group's membership, beside the agent's state (its own lock:
+/// never held together with the agent's).
+#[derive(Default)]
+pub(crate) struct DynState {
+    pub(crate) membership: Option<DynamicMembership>,
+    /// This worker's record, and the transport a joiner dials the members with.
+    pub(crate) record: Option<MemberRecord>,
+    pub(crate) transport: Option<Arc<dyn Transport>>,
+    pub(crate) join_waiter: Option<oneshot::Sender<Result<(), MembershipError>>>,
+    pub(crate) leave_waiter: Option<oneshot::Sender<Result<bool, MembershipError>>>,
 }

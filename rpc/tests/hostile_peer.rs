@@ -6,7 +6,8 @@
 //!
 //! - the victim drops it as a violation: its peer events and its calls to it name
 //!   `LostCause::Misbehaved` with the violation expected;
-//! - the honest worker's calls, remotes and fetches in the same run succeed with correct values;
+//! - the honest worker's calls, remotes, fetches and method calls in the same run succeed with
+//!   correct values;
 //! - what the victim holds (owned references and their forks, forks held, requests being
 //!   served, calls in flight, values kept, bytes queued) returns to its level before the attack.
 //!
@@ -20,7 +21,7 @@ use bytes::Bytes;
 use tensorwire_core::ports::transport::{Transport, TransportError};
 use tensorwire_core::protocol::shutdown::ShutdownSignal;
 use tensorwire_core::protocol::{
-    CallError, GlobalId, Header, LostCause, ProtocolViolation, RRefId, WorkerId,
+    CallError, GlobalId, Header, LostCause, MethodTarget, ProtocolViolation, RRefId, WorkerId,
 };
 use tensorwire_core::wire::{Frame, FrameKind};
 use tensorwire_rpc::{Agent, Functions, PeerEvent, RRef, RpcError, Shutdown};
@@ -86,7 +87,8 @@ fn transports(net: Net) -> impl Fn(usize) -> Arc<dyn Transport> {
 }
 
 /// `make(x)` keeps `10 * x`; `add(a, b)`; `gate()` answers once the test opens the gate;
-/// `owner_of(rref)` names the owner of a reference it is given.
+/// `owner_of(rref)` names the owner of a reference it is given; the method `plus(x)` adds `x`
+/// to a kept value.
 fn functions(gate: &Arc<Semaphore>) -> Functions {
     let f = Functions::new();
     f.register("make", |x: u64| async move { Ok::<_, String>(10 * x) })
@@ -107,6 +109,10 @@ fn functions(gate: &Arc<Semaphore>) -> Functions {
     .unwrap();
     f.register("owner_of", |r: RRef<u64>| async move {
         Ok::<_, String>(r.owner().name)
+    })
+    .unwrap();
+    f.register_method("plus", |v: Arc<u64>, x: u64| async move {
+        Ok::<_, String>(*v + x)
     })
     .unwrap();
     f
@@ -175,6 +181,13 @@ enum Attack {
     ShutdownFailedTwice,
     /// A message whose header does not parse.
     Malformed,
+    /// A fetch of the honest worker's value, naming the honest worker's fork (it holds none).
+    FetchWithoutHolding,
+    /// A method call on the honest worker's value, naming the honest worker's fork.
+    MethodCallWithoutHolding,
+    /// A remote method (a new value of its own made from the honest worker's value), naming
+    /// the honest worker's fork.
+    RemoteMethodWithoutHolding,
 }
 
 /// The send of a message the victim refuses may itself fail: the victim can drop the
@@ -292,6 +305,7 @@ async fn run(net: Net, attack: Attack) {
             let fetch = Header::Fetch {
                 id: FORGED_ID + 1,
                 rref: own,
+                fork: own,
                 timeout: T,
             };
             hostile.send(to, &fetch, None).await.unwrap();
@@ -427,6 +441,60 @@ async fn run(net: Net, attack: Attack) {
             hostile.send_frame(to, frame).await.unwrap();
             Box::new(|v| matches!(v, ProtocolViolation::Malformed { .. }))
         }
+        Attack::FetchWithoutHolding
+        | Attack::MethodCallWithoutHolding
+        | Attack::RemoteMethodWithoutHolding => {
+            let target = MethodTarget {
+                rref: honest_rref,
+                fork: honest_rref,
+            };
+            let what = match attack {
+                Attack::FetchWithoutHolding => {
+                    let fetch = Header::Fetch {
+                        id: FORGED_ID,
+                        rref: honest_rref,
+                        fork: honest_rref,
+                        timeout: T,
+                    };
+                    hostile.send(to, &fetch, None).await.unwrap();
+                    "fetch"
+                }
+                Attack::MethodCallWithoutHolding => {
+                    let call = Header::Call {
+                        id: FORGED_ID,
+                        function: "plus".into(),
+                        timeout: T,
+                    };
+                    hostile
+                        .send_method(to, &call, Some(target), seven())
+                        .await
+                        .unwrap();
+                    "method call"
+                }
+                _ => {
+                    let remote = Header::Remote {
+                        id: FORGED_ID,
+                        function: "plus".into(),
+                        rref: own,
+                        fork: own,
+                        timeout: T,
+                    };
+                    hostile
+                        .send_method(to, &remote, Some(target), seven())
+                        .await
+                        .unwrap();
+                    "remote method call"
+                }
+            };
+            Box::new(move |v| {
+                *v == ProtocolViolation::NotAHolder {
+                    what,
+                    rref: honest_rref,
+                    fork: honest_rref,
+                    sender: HOSTILE,
+                }
+            })
+        }
     };
 
     // The victim drops the hostile peer, naming the violation.
@@ -473,8 +541,11 @@ async fn run(net: Net, attack: Attack) {
         assert_eq!(call.await.unwrap(), "w2");
     }
 
-    // The honest worker is served as before, both ways, with correct values.
+    // The honest worker is served as before, both ways, with correct values: its fetches
+    // and its method calls on the value it holds.
     assert_eq!(kept.to_here(None).await.unwrap(), 50);
+    let plus: u64 = kept.rpc_sync("plus", &1u64, None).await.unwrap();
+    assert_eq!(plus, 51);
     let sum: i64 = honest
         .rpc_sync("w0", "add", &(20i64, 22i64), None)
         .await
@@ -576,4 +647,7 @@ table! {
     a_shutdown_report_out_of_order_is_refused => ShutdownOutOfOrder,
     a_second_report_of_a_failed_shutdown_is_refused => ShutdownFailedTwice,
     a_header_that_does_not_parse_is_refused => Malformed,
+    a_fetch_by_a_worker_that_holds_no_fork_is_refused => FetchWithoutHolding,
+    a_method_call_by_a_worker_that_holds_no_fork_is_refused => MethodCallWithoutHolding,
+    a_remote_method_by_a_worker_that_holds_no_fork_is_refused => RemoteMethodWithoutHolding,
 }

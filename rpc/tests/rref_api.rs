@@ -54,6 +54,10 @@ fn functions() -> Functions {
         Ok::<_, String>(vec![c.0.load(Ordering::SeqCst); 2])
     })
     .unwrap();
+    f.register_method("total", |v: Arc<Vec<i64>>, (): ()| async move {
+        Ok::<_, String>(v.iter().sum::<i64>())
+    })
+    .unwrap();
     f.register("where_is", |t: Tensor| async move {
         Ok::<_, String>((t.device().to_string(), t))
     })
@@ -501,5 +505,41 @@ async fn references_in_a_late_reply_are_released() {
         owner.owned_value_count() == 0
     })
     .await;
+    shutdown_all(agents).await;
+}
+
+/// Only a holder reads or calls a value, and a worker holds a reference from the moment it
+/// receives it: one that came in a result is fetched and called at once, before its owner has
+/// confirmed the fork (the fork request travels ahead of the fetch and the call on the same
+/// link, so the owner knows the holder by then), as in PyTorch.
+#[tokio::test(start_paused = true)]
+async fn a_reference_received_in_a_result_is_read_and_called_before_its_owner_confirms_it() {
+    // The owner (w2) acknowledges w0's fork request late.
+    let backend = faulty(
+        "FAULTY_ACK",
+        FaultyBackend::new().with_fault(
+            2,
+            Fault::new(
+                MessageKind::Ack,
+                FaultAction::Delay(Duration::from_secs(30)),
+                1,
+            ),
+        ),
+    );
+    let agents = group(3, Some(&backend)).await;
+    let a = &agents[0];
+    // w1 makes a value on w2 and returns its reference: forked for w0.
+    let r: RRef<Vec<i64>> = a
+        .rpc_sync("w1", "slow_ref", &(0u64, 4usize), None)
+        .await
+        .unwrap();
+    assert!(!r.confirmed_by_owner());
+    assert_eq!(r.to_here(None).await.unwrap(), vec![0, 1, 2, 3]);
+    let total: i64 = r.rpc_sync("total", &(), None).await.unwrap();
+    assert_eq!(total, 6);
+    let again: RRef<i64> = r.remote("total", &(), None).unwrap();
+    assert_eq!(again.to_here(None).await.unwrap(), 6);
+    assert_eq!(backend.injected(2), 1, "the ack was delayed");
+    drop((r, again));
     shutdown_all(agents).await;
 }

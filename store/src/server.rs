@@ -174,6 +174,36 @@ struct Shared {
     /// Connections waiting for room in the memory budget (so that nobody else takes the
     /// notifier's lock when none waits).
     starving: AtomicUsize,
+    /// The table's bytes (`KvState::bytes_held`) as of the last release of its lock, so that
+    /// a connection can see the budget's room without taking the lock (the table checks its
+    /// own limit under the lock whenever it stores).
+    table_bytes: AtomicUsize,
+}
+
+/// The table, locked; its bytes are published to [`Shared::table_bytes`] when it is released.
+struct Table<'a> {
+    state: MutexGuard<'a, KvState>,
+    published: &'a AtomicUsize,
+}
+
+impl std::ops::Deref for Table<'_> {
+    type Target = KvState;
+    fn deref(&self) -> &KvState {
+        &self.state
+    }
+}
+
+impl std::ops::DerefMut for Table<'_> {
+    fn deref_mut(&mut self) -> &mut KvState {
+        &mut self.state
+    }
+}
+
+impl Drop for Table<'_> {
+    fn drop(&mut self) {
+        self.published
+            .store(self.state.bytes_held(), Ordering::Relaxed);
+    }
 }
 
 impl Shared {
@@ -194,6 +224,7 @@ impl Shared {
             own: AtomicUsize::new(0),
             freed: tokio::sync::Notify::new(),
             starving: AtomicUsize::new(0),
+            table_bytes: AtomicUsize::new(0),
         }
     }
 
@@ -204,15 +235,22 @@ impl Shared {
 
     /// The table, told what the connections hold now (so that its writes keep the whole
     /// server within the memory budget).
-    fn lock(&self) -> MutexGuard<'_, KvState> {
+    fn lock(&self) -> Table<'_> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         state.set_outside(self.outside());
-        state
+        Table {
+            state,
+            published: &self.table_bytes,
+        }
     }
 
-    /// Bytes of the memory budget nothing uses now.
+    /// Bytes of the memory budget nothing uses now: what `KvState::room` says, without the
+    /// lock (each request would otherwise take it three times, and the connections of a busy
+    /// server contend for it).
     fn room(&self) -> usize {
-        self.lock().room()
+        self.config
+            .memory_budget
+            .saturating_sub(self.table_bytes.load(Ordering::Relaxed) + self.outside())
     }
 
     fn stats(&self) -> ServerStats {
@@ -257,7 +295,7 @@ impl Gauge<'_> {
     fn set(&mut self, now: usize) {
         if now > self.mine {
             self.total.fetch_add(now - self.mine, Ordering::Relaxed);
-        } else {
+        } else if now < self.mine {
             self.total.fetch_sub(self.mine - now, Ordering::Relaxed);
         }
         self.mine = now;
@@ -547,10 +585,12 @@ async fn serve_connection(
     // Since when the connection has waited for room in the memory budget.
     let mut starved_since: Option<Instant> = None;
     let (mut reader, mut writer) = stream.split();
+    // The connection's one timer, moved to each turn's deadline (a busy connection arms none).
+    let timer = tokio::time::sleep_until(accepted + config.handshake_timeout);
+    tokio::pin!(timer);
     loop {
         // Told when memory is freed, once this connection waits for room (see below).
-        let freed = shared.freed.notified();
-        tokio::pin!(freed);
+        let mut freed = None;
         let mut starved = false;
         // Back-pressure: requests wait in `input` (and the socket) while replies pile up, or
         // while the memory budget has no room for a reply.
@@ -626,12 +666,19 @@ async fn serve_connection(
         if starved {
             // Registered before the room is looked at again, so that nothing freed in
             // between is missed.
-            freed.as_mut().enable();
+            let mut notified = Box::pin(shared.freed.notified());
+            notified.as_mut().enable();
             if shared.room() >= SMALL_REPLY {
                 continue;
             }
+            freed = Some(notified);
         }
-        let now = Instant::now();
+        // The clock is read only when a deadline is armed (a busy connection has none).
+        let now = if phase != Phase::Ready || !output.is_empty() || starved {
+            Instant::now()
+        } else {
+            accepted
+        };
         if output.is_empty() {
             stalled_since = None;
         }
@@ -662,6 +709,9 @@ async fn serve_connection(
             Some((at, why)) => (at, Some(why)),
             None => (now, None),
         };
+        if why.is_some() && timer.deadline() != at {
+            timer.as_mut().reset(at);
+        }
         if grant > 0 && input.capacity() == input.len() {
             // Grows by doubling (from 4 KiB), never by more than the grant.
             input.reserve(grant.min(input.len().max(4096)));
@@ -670,7 +720,9 @@ async fn serve_connection(
         tokio::select! {
             read = reader.read_buf(&mut limited), if grant > 0 => match read {
                 Ok(0) => return Closed::Eof,
-                Ok(_) => last_read = Instant::now(),
+                // Only an unauthenticated connection's idle time is bounded.
+                Ok(_) if phase != Phase::Ready => last_read = Instant::now(),
+                Ok(_) => {}
                 Err(e) => return e.into(),
             },
             written = output.write_some(&mut writer), if !output.is_empty() => match written {
@@ -681,9 +733,9 @@ async fn serve_connection(
                 output.reply();
                 output.push(WAIT_STOP_WAITING);
             }
-            _ = &mut freed, if starved => {}
+            _ = async { if let Some(freed) = freed.as_mut() { freed.await } }, if starved => {}
             _ = stopped.changed() => return Closed::Shutdown,
-            _ = tokio::time::sleep_until(at), if why.is_some() => {
+            _ = &mut timer, if why.is_some() => {
                 if let Some(Expiry::Memory) = why {
                     let refusal = Refusal::at(
                         "memory_budget",

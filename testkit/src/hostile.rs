@@ -55,7 +55,7 @@ use bytes::Bytes;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
 use tensorwire_core::protocol::mesh::Hello;
-use tensorwire_core::protocol::Header;
+use tensorwire_core::protocol::{Header, MethodTarget};
 use tensorwire_core::wire::{Frame, FrameKind};
 use tensorwire_rpc::{start_agent, Agent, Rendezvous, RpcOptions};
 use tensorwire_store::InMemoryStore;
@@ -142,9 +142,22 @@ impl HostilePeer {
         header: &Header,
         body: Option<Bytes>,
     ) -> Result<(), TransportError> {
+        self.send_method(to, header, None, body).await
+    }
+
+    /// Like [`send`](Self::send), for a method call (or remote method) on `target`: the
+    /// envelope names the reference and the fork the sender claims to hold.
+    pub async fn send_method(
+        &self,
+        to: u32,
+        header: &Header,
+        target: Option<MethodTarget>,
+        body: Option<Bytes>,
+    ) -> Result<(), TransportError> {
+        let header = tensorwire_rpc::fuzzing::encode_method_header(header, target, &[]);
         let frame = Frame {
             kind: FrameKind::Message,
-            header: tensorwire_rpc::fuzzing::encode_message_header(header, &[]).into(),
+            header: header.into(),
             payloads: body.into_iter().collect(),
         };
         self.send_frame(to, frame).await

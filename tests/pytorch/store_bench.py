@@ -46,6 +46,15 @@ def worker(jobs, results, rank, pairs):
         del s
 
 
+def cpu_seconds(pid):
+    """User and system CPU time of a process so far, from /proc (Linux)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def block(control, jobs, results, host, port, tag, procs, pairs):
     for _ in range(procs):
         jobs.put((host, port, tag))
@@ -112,15 +121,24 @@ def main():
     for w in workers:
         w.start()
     figures = {name: [] for name in servers}
+    # CPU time of our server processes (PyTorch's server runs inside this process).
+    pids = {"tensorwire": ours.pid}
+    if a.baseline:
+        pids["baseline"] = base.pid
+    cpu = {name: [] for name in pids}
     try:
         # One warm-up block each (imports, connections), then alternating blocks.
         for b in range(a.blocks + 1):
             order = list(servers) if b % 2 == 0 else list(reversed(servers))
             for name in order:
+                before = cpu_seconds(pids[name]) if name in pids else 0.0
                 r = block(servers[name], jobs, results, "127.0.0.1", ports[name], f"{name}{b}",
                           a.procs, a.pairs)
                 if b > 0:
                     figures[name].append(r)
+                    if name in pids:
+                        ops = 2 * a.pairs * a.procs
+                        cpu[name].append((cpu_seconds(pids[name]) - before) / ops * 1e6)
     finally:
         for _ in workers:
             jobs.put(None)
@@ -132,6 +150,8 @@ def main():
     for name, rs in figures.items():
         out[f"{name}_ops_per_s"] = statistics.median(r[0] for r in rs)
         out[f"{name}_set_get_p50_us"] = statistics.median(r[1] for r in rs)
+    for name, rs in cpu.items():
+        out[f"{name}_server_cpu_us_per_op"] = statistics.median(rs)
     out["ratios"] = {
         "ops_per_s": out["tensorwire_ops_per_s"] / out["pytorch_ops_per_s"],
         "set_get_p50": out["tensorwire_set_get_p50_us"] / out["pytorch_set_get_p50_us"],
@@ -141,6 +161,8 @@ def main():
             out["tensorwire_ops_per_s"] / out["baseline_ops_per_s"])
         out["ratios"]["set_get_p50_over_baseline"] = (
             out["tensorwire_set_get_p50_us"] / out["baseline_set_get_p50_us"])
+        out["ratios"]["server_cpu_per_op_over_baseline"] = (
+            out["tensorwire_server_cpu_us_per_op"] / out["baseline_server_cpu_us_per_op"])
     out["settings"] = {"procs": a.procs, "pairs_per_proc": a.pairs, "blocks": a.blocks,
                        "client": "torch.distributed.TCPStore (PyTorch's own)",
                        "pytorch_server": "TCPStore use_libuv=True"}

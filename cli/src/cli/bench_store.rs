@@ -12,6 +12,10 @@
 //! With `--pytorch PYTHON`, the same load also runs against PyTorch's own server (`TCPStore`
 //! with libuv, started by that Python) in the same run, giving `pytorch_rendezvous_s` and the
 //! ratio `rendezvous_over_pytorch` per N (our clients speak c10d's protocol to either).
+//!
+//! With `--baseline BINARY`, the same load also runs against `BINARY store serve` (an older
+//! build of tensorwire, say) in the same run, giving `baseline_rendezvous_s` and
+//! `rendezvous_over_baseline` per N. The servers take turns; who goes first rotates by round.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -36,6 +40,12 @@ pub(crate) struct StoreArgs {
     /// Also run the load against PyTorch's TCPStore (libuv) started by this Python interpreter.
     #[arg(long)]
     pytorch: Option<PathBuf>,
+    /// Rendezvous per number of clients and server; each figure is the median over them.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
+    /// Also run the load against `BINARY store serve` (another tensorwire build) in the same run.
+    #[arg(long, value_name = "BINARY")]
+    baseline: Option<PathBuf>,
     /// Write the results as one JSON object to this file (else to standard output).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -75,14 +85,14 @@ impl Drop for Server {
 }
 
 impl Server {
-    /// `tensorwire store serve` on a free loopback port.
-    fn tensorwire() -> Result<Self> {
-        let child = Command::new(std::env::current_exe()?)
+    /// `BINARY store serve` (this tensorwire, or another build of it) on a free loopback port.
+    fn tensorwire(binary: &PathBuf) -> Result<Self> {
+        let child = Command::new(binary)
             .args(["store", "serve", "--port", "0", "--host", "127.0.0.1"])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .spawn()
-            .context("starting `tensorwire store serve`")?;
+            .with_context(|| format!("starting `{} store serve`", binary.display()))?;
         Self::read_addr(child, "tensorwire store listening on ")
     }
 
@@ -158,6 +168,16 @@ async fn client(
     Ok(started.elapsed())
 }
 
+/// The median of each figure over rounds.
+fn medians(runs: &[(f64, f64, f64)]) -> (f64, f64, f64) {
+    let median = |pick: fn(&(f64, f64, f64)) -> f64| {
+        let mut v: Vec<f64> = runs.iter().map(pick).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    (median(|r| r.0), median(|r| r.1), median(|r| r.2))
+}
+
 /// N clients at once against `addr`: (rendezvous time, client p50, client max).
 async fn rendezvous(
     addr: &str,
@@ -198,57 +218,66 @@ pub(crate) fn run(args: &StoreArgs) -> Result<()> {
         );
     }
     let timeout = Duration::from_secs(args.timeout);
-    let ours = Server::tensorwire()?;
-    let theirs = args.pytorch.as_ref().map(Server::pytorch).transpose()?;
+    // Ours first; each other server is compared with it.
+    let mut servers = vec![("tensorwire", Server::tensorwire(&std::env::current_exe()?)?)];
+    if let Some(binary) = &args.baseline {
+        servers.push(("baseline", Server::tensorwire(binary)?));
+    }
+    if let Some(python) = &args.pytorch {
+        servers.push(("pytorch", Server::pytorch(python)?));
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let mut out = Map::new();
-    for (round, &n) in args.clients.iter().enumerate() {
-        let bar = super::bench::progress(1, &format!("rendezvous of {n} clients"));
-        // The two servers take turns; which goes first alternates.
-        let run = |server: &Server, who: &str| -> Result<(f64, f64, f64)> {
-            let r = runtime
-                .block_on(rendezvous(
-                    &server.addr,
-                    &format!("{who}-{round}"),
-                    n,
-                    timeout,
-                ))
-                .with_context(|| format!("{n} clients against the {who} server"))?;
-            Ok(r)
-        };
-        let (mine, pytorch) = match &theirs {
-            Some(theirs) if round % 2 == 1 => {
-                let p = run(theirs, "pytorch")?;
-                (run(&ours, "tensorwire")?, Some(p))
+    let rounds = args.rounds.max(1);
+    let mut turn_order = 0;
+    for &n in &args.clients {
+        let bar = super::bench::progress(rounds as u64, &format!("rendezvous of {n} clients"));
+        let mut runs = vec![Vec::with_capacity(rounds); servers.len()];
+        for _ in 0..rounds {
+            for turn in 0..servers.len() {
+                let k = (turn_order + turn) % servers.len();
+                let (who, server) = &servers[k];
+                let r = runtime
+                    .block_on(rendezvous(
+                        &server.addr,
+                        &format!("{who}-{turn_order}"),
+                        n,
+                        timeout,
+                    ))
+                    .with_context(|| format!("{n} clients against the {who} server"))?;
+                runs[k].push(r);
             }
-            Some(theirs) => {
-                let m = run(&ours, "tensorwire")?;
-                (m, Some(run(theirs, "pytorch")?))
-            }
-            None => (run(&ours, "tensorwire")?, None),
-        };
+            turn_order += 1;
+            bar.inc(1);
+        }
+        let results: Vec<(f64, f64, f64)> = runs.iter().map(|r| medians(r)).collect();
         bar.finish_and_clear();
+        let mine = results[0];
         let mut entry = json!({
             "rendezvous_s": mine.0,
             "client_p50_ms": mine.1,
             "client_max_ms": mine.2,
         });
-        if let Some(p) = pytorch {
-            entry["pytorch_rendezvous_s"] = json!(p.0);
-            entry["pytorch_client_p50_ms"] = json!(p.1);
-            entry["rendezvous_over_pytorch"] = json!(mine.0 / p.0);
+        for ((who, _), theirs) in servers.iter().zip(&results).skip(1) {
+            entry[format!("{who}_rendezvous_s")] = json!(theirs.0);
+            entry[format!("{who}_client_p50_ms")] = json!(theirs.1);
+            entry[format!("rendezvous_over_{who}")] = json!(mine.0 / theirs.0);
         }
         out.insert(format!("clients_{n}"), entry);
     }
-    drop(theirs.map(|mut s| s.child.stdin.take()));
+    // PyTorch's server stops when its stdin closes.
+    for (_, mut server) in servers {
+        drop(server.child.stdin.take());
+    }
     out.insert(
         "settings".into(),
         json!({
             "load": "per client: connect (validate, ping), set own key, add a counter, wait for \
                      \"go\" (set by the last add), get the neighbour's key; all clients at once \
                      from one process on one thread; the server in another process",
+            "rounds": rounds,
             "open_file_limit": limit,
             "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         }),

@@ -79,6 +79,7 @@ impl<B: Payload> Endpoint<B> {
                 header: Header::Fetch {
                     id,
                     rref: handle.rref,
+                    fork: handle.fork,
                     timeout,
                 },
                 body: None,

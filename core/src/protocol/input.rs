@@ -19,7 +19,8 @@ impl<B: Payload> Endpoint<B> {
         now: Instant,
     ) -> Result<(), ProtocolViolation> {
         self.last_now = Some(now);
-        self.check_message(from, &header)?;
+        let target = body.as_ref().and_then(Payload::target);
+        self.check_message(from, &header, target)?;
         self.count_activity(Some(&header));
         match header {
             Header::Call {
@@ -89,7 +90,9 @@ impl<B: Payload> Endpoint<B> {
                     deadline: deadline_after(now, timeout),
                 });
             }
-            Header::Fetch { id, rref, timeout } => {
+            Header::Fetch {
+                id, rref, timeout, ..
+            } => {
                 if !self.takes_requests() {
                     self.refuse(from, id);
                 } else if !self.refused_as_busy(from, id) {
@@ -192,11 +195,13 @@ impl<B: Payload> Endpoint<B> {
         Ok(())
     }
 
-    /// Whether `from` may send `header`, judged against what we sent and hold.
+    /// Whether `from` may send `header` (with a body naming `target`, for a method call),
+    /// judged against what we sent and hold.
     pub(super) fn check_message(
         &self,
         from: WorkerId,
         header: &Header,
+        target: Option<MethodTarget>,
     ) -> Result<(), ProtocolViolation> {
         let never_issued = |id: MessageId| id <= self.first_id || id > self.next_id;
         let repeated = |id: MessageId, kind: RequestKind| {
@@ -207,9 +212,17 @@ impl<B: Payload> Endpoint<B> {
                 Ok(())
             }
         };
+        let method = |what| match target {
+            Some(t) => self.check_holder(from, t.rref, t.fork, what),
+            None => Ok(()),
+        };
         match *header {
-            Header::Call { id, .. } => repeated(id, RequestKind::Call),
-            Header::Fetch { id, rref, .. } => {
+            Header::Call { id, .. } => {
+                method("method call")?;
+                repeated(id, RequestKind::Call)
+            }
+            Header::Fetch { id, rref, fork, .. } => {
+                self.check_holder(from, rref, fork, "fetch")?;
                 let parked = self
                     .owned
                     .get(&rref)
@@ -250,6 +263,7 @@ impl<B: Payload> Endpoint<B> {
                 }
             }
             Header::Remote { rref, fork, .. } => {
+                method("remote method call")?;
                 if rref.created_on != from {
                     return Err(ProtocolViolation::ForeignCreation {
                         rref,
@@ -310,6 +324,40 @@ impl<B: Payload> Endpoint<B> {
                 _ => Ok(()),
             },
             _ => Ok(()),
+        }
+    }
+
+    /// Whether `from` holds fork `fork` of `rref`, owned here: the fork is registered to it
+    /// (by its creation, its fork request, or our own fork for it, each of which reaches us
+    /// before anything it sends through the fork, on the same link). One exception keeps
+    /// honest races whole: the creator's own fork (`fork == rref`, made by `from`) is
+    /// forgotten here when the creation fails or is refused, and the reference's record may
+    /// be gone since; the creator may still name it, and is answered with the failure (no
+    /// value exists to give away).
+    pub(super) fn check_holder(
+        &self,
+        from: WorkerId,
+        rref: RRefId,
+        fork: ForkId,
+        what: &'static str,
+    ) -> Result<(), ProtocolViolation> {
+        let creators_own = fork == rref && rref.created_on == from;
+        let holds = match self.owned.get(&rref) {
+            Some(o) => {
+                o.forks.get(&fork) == Some(&from)
+                    || (creators_own && matches!(o.state, Some(Err(_))))
+            }
+            None => creators_own,
+        };
+        if holds {
+            Ok(())
+        } else {
+            Err(ProtocolViolation::NotAHolder {
+                what,
+                rref,
+                fork,
+                sender: from,
+            })
         }
     }
 

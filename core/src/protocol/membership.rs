@@ -26,6 +26,8 @@ pub mod dynamic;
 pub use dynamic::{
     Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
 };
+pub mod records;
+pub use records::{check_static_records, RecordError};
 
 use serde::{Deserialize, Serialize};
 

@@ -59,6 +59,11 @@
 //!   left, it emits [`Event::ReleaseValue`].
 //! - Control messages (fork request, child accept, user delete) are idempotent and are resent
 //!   until acknowledged.
+//! - Only a holder reads or calls a value: a fetch ([`Header::Fetch`]) and a method call
+//!   ([`Payload::target`]) name the caller's fork, and the owner serves them only if the
+//!   caller holds that fork of that reference (its fork request, or its creation, arrived
+//!   first on the same link); anything else is a [`ProtocolViolation::NotAHolder`]. Reads on
+//!   the owner itself need no check.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -70,6 +75,7 @@ mod bounds;
 mod calls;
 mod control;
 mod debug;
+pub mod envelope;
 pub mod gather;
 mod input;
 pub mod membership;
@@ -80,6 +86,7 @@ pub mod shutdown;
 
 pub use debug::{DebugInfo, ForkInfo, OwnedInfo};
 pub use membership::{JoinError, JoinMessage, JoinPhase, StaticJoin};
+use requests::Serving;
 pub use shutdown::{ShutdownError, ShutdownPhase, ShutdownSignal};
 
 /// A worker's id within its group (its rank in a static group).
@@ -132,11 +139,33 @@ pub trait Payload {
         Vec::new()
     }
 
-    /// For a method call: the reference whose value the method runs on. A call on a value
-    /// this worker owns and is still creating waits (parked, by the caller's deadline) until
-    /// the value exists.
-    fn target(&self) -> Option<RRefId> {
+    /// For a method call (or a remote method): the reference whose value the method runs on,
+    /// and the caller's fork of it. The owner serves it only if the caller holds that fork
+    /// (else the message is a [`ProtocolViolation::NotAHolder`]). A call on a value this
+    /// worker owns and is still creating waits (parked, by the caller's deadline) until the
+    /// value exists.
+    fn target(&self) -> Option<MethodTarget> {
         None
+    }
+}
+
+/// What a method call names as the value it runs on: the reference, and the fork of it the
+/// caller holds, as proof that it may use the value (the reference's own id for the worker
+/// that created it). It travels with the call's body ([`Payload::target`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MethodTarget {
+    /// The reference.
+    pub rref: RRefId,
+    /// The caller's fork of it.
+    pub fork: ForkId,
+}
+
+impl From<RRefHandle> for MethodTarget {
+    fn from(h: RRefHandle) -> Self {
+        Self {
+            rref: h.rref,
+            fork: h.fork,
+        }
     }
 }
 
@@ -292,6 +321,10 @@ pub enum Header {
         id: MessageId,
         /// The reference.
         rref: RRefId,
+        /// The caller's fork of it (the reference's own id for its creator): the owner serves
+        /// only a worker that holds that fork of that reference
+        /// ([`ProtocolViolation::NotAHolder`]).
+        fork: ForkId,
         /// The caller's timeout (zero: none): a fetch parked on a value still being created
         /// is answered with an error at that deadline.
         timeout: Duration,
@@ -616,70 +649,6 @@ struct Used {
     creation_error: Option<CallError>,
 }
 
-/// Requests being served (handed to the application, not answered yet), counted per caller
-/// so that admission can bound each caller's share
-/// ([`EndpointConfig::requests_per_peer`]).
-#[derive(Debug, Default)]
-struct Serving {
-    tokens: HashSet<RequestToken>,
-    per_peer: HashMap<WorkerId, usize>,
-}
-
-impl Serving {
-    fn insert(&mut self, token: RequestToken) -> bool {
-        let new = self.tokens.insert(token);
-        if new {
-            *self.per_peer.entry(token.from).or_insert(0) += 1;
-        }
-        new
-    }
-
-    fn remove(&mut self, token: &RequestToken) -> bool {
-        let had = self.tokens.remove(token);
-        if had {
-            if let Some(n) = self.per_peer.get_mut(&token.from) {
-                *n -= 1;
-                if *n == 0 {
-                    self.per_peer.remove(&token.from);
-                }
-            }
-        }
-        had
-    }
-
-    fn retain(&mut self, mut keep: impl FnMut(&RequestToken) -> bool) {
-        let per_peer = &mut self.per_peer;
-        self.tokens.retain(|t| {
-            let k = keep(t);
-            if !k {
-                if let Some(n) = per_peer.get_mut(&t.from) {
-                    *n -= 1;
-                }
-            }
-            k
-        });
-        per_peer.retain(|_, n| *n > 0);
-    }
-
-    fn clear(&mut self) {
-        self.tokens.clear();
-        self.per_peer.clear();
-    }
-
-    fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
-    }
-
-    fn iter(&self) -> impl Iterator<Item = &RequestToken> {
-        self.tokens.iter()
-    }
-
-    /// Requests from `peer` being served.
-    fn of(&self, peer: WorkerId) -> usize {
-        self.per_peer.get(&peer).copied().unwrap_or(0)
-    }
-}
-
 /// The control messages of one sender already handled.
 #[derive(Debug, Default)]
 struct Seen {
@@ -788,6 +757,20 @@ pub enum ProtocolViolation {
     TooManyReferences {
         /// The bound.
         limit: usize,
+    },
+    /// A fetch, method call or remote method on a reference through a fork the sender does
+    /// not hold: another worker's, one it deleted, one of another reference, or one never
+    /// made. Only a holder may read a value or call its methods.
+    #[error("worker {sender} sent a {what} on remote reference {rref} through fork {fork}, which it does not hold")]
+    NotAHolder {
+        /// `fetch`, `method call` or `remote method call`.
+        what: &'static str,
+        /// The reference.
+        rref: RRefId,
+        /// The fork it named.
+        fork: ForkId,
+        /// The worker that sent it.
+        sender: WorkerId,
     },
     /// A delete, fork request or child-accept for a fork that another worker holds.
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
@@ -1032,7 +1015,8 @@ impl<B: Payload> Endpoint<B> {
     /// forgotten with it, and stays unusable when a new worker later joins under the owner's
     /// rank: the new incarnation never had the value, so a method call sent to it would wait
     /// for a creation that never comes. The application checks this when it sends a method
-    /// call or remote method on a reference (the call itself carries only the value's id).
+    /// call or remote method on a reference: [`call`](Self::call) does not check the target
+    /// its body names ([`Payload::target`], which the owner checks against its holders).
     pub fn check_reference(&self, handle: RRefHandle) -> Result<(), CallError> {
         self.check_usable(handle)
     }

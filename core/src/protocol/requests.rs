@@ -1,6 +1,7 @@
 //! Requests and their answers inside the endpoint: admitting a peer's request (or refusing it as
 //! busy or shutting down), delivering calls (parked while their target is being created),
-//! replying, completing and failing our own calls, and remembering failed creations.
+//! replying, completing and failing our own calls, remembering failed creations, and the set of
+//! requests being served, counted per caller ([`Serving`]).
 
 use std::time::Instant;
 
@@ -336,7 +337,7 @@ impl<B: Payload> Endpoint<B> {
         body: B,
         deadline: Option<Instant>,
     ) {
-        if let Some(rref) = body.target() {
+        if let Some(rref) = body.target().map(|t| t.rref) {
             if !self.owned.contains_key(&rref) {
                 // No record: its creation failed, or it was created and released, or its
                 // creator is gone: say so. Else its creation has not arrived yet (the caller
@@ -449,5 +450,69 @@ impl<B: Payload> Endpoint<B> {
             self.reply(from, id, Err(err));
             self.maybe_release(rref);
         }
+    }
+}
+
+/// Requests being served (handed to the application, not answered yet), counted per caller
+/// so that admission can bound each caller's share
+/// ([`EndpointConfig::requests_per_peer`]).
+#[derive(Debug, Default)]
+pub(super) struct Serving {
+    pub(super) tokens: HashSet<RequestToken>,
+    pub(super) per_peer: HashMap<WorkerId, usize>,
+}
+
+impl Serving {
+    pub(super) fn insert(&mut self, token: RequestToken) -> bool {
+        let new = self.tokens.insert(token);
+        if new {
+            *self.per_peer.entry(token.from).or_insert(0) += 1;
+        }
+        new
+    }
+
+    pub(super) fn remove(&mut self, token: &RequestToken) -> bool {
+        let had = self.tokens.remove(token);
+        if had {
+            if let Some(n) = self.per_peer.get_mut(&token.from) {
+                *n -= 1;
+                if *n == 0 {
+                    self.per_peer.remove(&token.from);
+                }
+            }
+        }
+        had
+    }
+
+    pub(super) fn retain(&mut self, mut keep: impl FnMut(&RequestToken) -> bool) {
+        let per_peer = &mut self.per_peer;
+        self.tokens.retain(|t| {
+            let k = keep(t);
+            if !k {
+                if let Some(n) = per_peer.get_mut(&t.from) {
+                    *n -= 1;
+                }
+            }
+            k
+        });
+        per_peer.retain(|_, n| *n > 0);
+    }
+
+    pub(super) fn clear(&mut self) {
+        self.tokens.clear();
+        self.per_peer.clear();
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = &RequestToken> {
+        self.tokens.iter()
+    }
+
+    /// Requests from `peer` being served.
+    pub(super) fn of(&self, peer: WorkerId) -> usize {
+        self.per_peer.get(&peer).copied().unwrap_or(0)
     }
 }

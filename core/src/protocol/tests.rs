@@ -1149,6 +1149,7 @@ fn a_request_repeated_while_it_is_served_is_a_violation_and_runs_nothing_twice()
     let fetch = Header::Fetch {
         id: 9,
         rref,
+        fork: rref,
         timeout: T,
     };
     assert_eq!(callee.handle_message(2, fetch.clone(), None, now), Ok(()));
@@ -1186,16 +1187,17 @@ fn fetches_parked_beyond_a_callers_share_are_answered_busy() {
         Some(Event::Remote { token, .. }) => token,
         other => panic!("expected the creation, got {other:?}"),
     };
-    let fetch = |id: u64| Header::Fetch {
+    let fetch = |id: u64, fork| Header::Fetch {
         id,
         rref,
+        fork,
         timeout: Duration::ZERO,
     };
     for id in 2..=3 {
-        assert_eq!(owner.handle_message(2, fetch(id), None, now), Ok(()));
+        assert_eq!(owner.handle_message(2, fetch(id, rref), None, now), Ok(()));
     }
     assert!(owner.poll_transmit().is_none(), "two fetches are parked");
-    assert_eq!(owner.handle_message(2, fetch(4), None, now), Ok(()));
+    assert_eq!(owner.handle_message(2, fetch(4, rref), None, now), Ok(()));
     match owner.poll_transmit() {
         Some(Transmit {
             to: 2,
@@ -1222,8 +1224,26 @@ fn fetches_parked_beyond_a_callers_share_are_answered_busy() {
         other => panic!("expected a busy reply to the third fetch, got {other:?}"),
     }
     assert!(owner.poll_event().is_none());
-    // Another caller has a share of its own.
-    assert_eq!(owner.handle_message(3, fetch(1), None, now), Ok(()));
+    // Another caller (holding a fork worker 2 gave it) has a share of its own.
+    let child = GlobalId {
+        created_on: 2,
+        local: 50,
+    };
+    let claim = Header::ForkRequest {
+        id: 1,
+        floor: 1,
+        rref,
+        fork: child,
+    };
+    assert_eq!(owner.handle_message(3, claim, None, now), Ok(()));
+    assert!(matches!(
+        owner.poll_transmit(),
+        Some(Transmit {
+            header: Header::Ack { id: 1 },
+            ..
+        })
+    ));
+    assert_eq!(owner.handle_message(3, fetch(1, child), None, now), Ok(()));
     assert!(
         owner.poll_transmit().is_none(),
         "worker 3's fetch is parked"
@@ -1237,7 +1257,7 @@ fn fetches_parked_beyond_a_callers_share_are_answered_busy() {
         })
         .collect();
     assert_eq!(served, vec![2, 2, 3]);
-    assert_eq!(owner.handle_message(2, fetch(5), None, now), Ok(()));
+    assert_eq!(owner.handle_message(2, fetch(5, rref), None, now), Ok(()));
     assert!(matches!(owner.poll_event(), Some(Event::Fetch { .. })));
 }
 
@@ -1952,4 +1972,284 @@ fn a_lost_peer_keeps_its_first_typed_cause() {
     assert!(e.to_string().contains("broke the RPC protocol"), "{e}");
     s.ep(0).handle_peer_joined(1);
     assert_eq!(s.ep(0).lost_cause(1), None);
+}
+
+/// A fetch from `from` of `rref` through `fork` (as a peer's message, forged or not).
+fn fetch_of(id: MessageId, rref: RRefId, fork: ForkId) -> Header {
+    Header::Fetch {
+        id,
+        rref,
+        fork,
+        timeout: T,
+    }
+}
+
+/// Only a holder reads a value: the owner serves a fetch only through a fork the sender holds
+/// of that reference. A worker that was never given it, one that deleted its fork, and one
+/// naming its fork of another reference are violations naming the reference and the sender,
+/// and change nothing; the holders are served as before.
+#[test]
+fn only_a_holder_fetches_a_value() {
+    let mut s = Sim::new(4);
+    let now = s.clock.now();
+    // Worker 0 creates two values on 1, and gives worker 2 a fork of the first.
+    let (h, _) = s.ep(0).remote(1, "make", b"one".to_vec(), T, now).unwrap();
+    let (other, _) = s.ep(0).remote(1, "make", b"two".to_vec(), T, now).unwrap();
+    s.drain();
+    let data = s.ep(0).fork_for(h, 2).unwrap();
+    let on2 = s.ep(2).accept_fork(data, now);
+    s.drain();
+    assert_eq!(s.ep(2).is_confirmed(on2), Some(true));
+
+    // Holders are served: the creator through the reference's own id, the child through its
+    // fork (both are the endpoint's own fetches: they name the fork they hold).
+    for (w, handle) in [(0, h), (2, on2)] {
+        let f = s.ep(w).fetch(handle, T, now).unwrap();
+        s.drain();
+        assert_eq!(s.outcome(w, f), Some(&Ok(b"one".to_vec())), "worker {w}");
+    }
+
+    let forks_before = s.ep(1).owner_fork_count(h.rref);
+    let refused = |s: &mut Sim, from: WorkerId, header: Header, fork: ForkId, rref: RRefId| {
+        assert_eq!(
+            s.ep(1).handle_message(from, header, None, now),
+            Err(ProtocolViolation::NotAHolder {
+                what: "fetch",
+                rref,
+                fork,
+                sender: from,
+            })
+        );
+        assert!(s.ep(1).poll_event().is_none(), "nothing was served");
+        assert!(s.ep(1).poll_transmit().is_none(), "nothing was answered");
+    };
+    // Worker 3 was never given it: neither the creator's fork, nor the child's, nor one it
+    // makes up is its own.
+    let made_up = GlobalId {
+        created_on: 0,
+        local: 999,
+    };
+    for fork in [h.rref, on2.fork, made_up] {
+        refused(&mut s, 3, fetch_of(50, h.rref, fork), fork, h.rref);
+    }
+    // Worker 2 names its fork of the first value to read the second.
+    refused(
+        &mut s,
+        2,
+        fetch_of(51, other.rref, on2.fork),
+        on2.fork,
+        other.rref,
+    );
+    // The creator's own id names no fork of worker 2's.
+    refused(&mut s, 2, fetch_of(52, h.rref, h.rref), h.rref, h.rref);
+    assert_eq!(s.ep(1).owner_fork_count(h.rref), forks_before);
+
+    // Worker 2 drops its fork (the owner hears of it); the value lives on for worker 0. A
+    // fetch through the deleted fork is refused.
+    s.ep(2).drop_handle(on2, now);
+    s.drain();
+    assert_eq!(s.ep(1).owner_fork_count(h.rref), Some(1));
+    refused(&mut s, 2, fetch_of(53, h.rref, on2.fork), on2.fork, h.rref);
+    let v = ProtocolViolation::NotAHolder {
+        what: "fetch",
+        rref: h.rref,
+        fork: on2.fork,
+        sender: 2,
+    };
+    let message = v.to_string();
+    assert!(
+        message.contains(&h.rref.to_string()) && message.contains("worker 2"),
+        "{message}"
+    );
+
+    // The holder is served as before, and everything is freed once it lets go.
+    let f = s.ep(0).fetch(h, T, now).unwrap();
+    s.drain();
+    assert_eq!(s.outcome(0, f), Some(&Ok(b"one".to_vec())));
+    s.ep(0).drop_handle(h, now);
+    s.ep(0).drop_handle(other, now);
+    s.drain();
+    assert_eq!(s.released.len(), 2);
+    assert!(s.eps.iter().all(Endpoint::is_idle));
+}
+
+/// A reference passed to a third worker is fetched at once, before the owner has confirmed
+/// its fork, and before the value exists: its fork request travels ahead of its fetch on the
+/// same link, so the owner knows the holder, and the fetch waits for the value as PyTorch's
+/// does.
+#[test]
+fn a_child_fetches_before_its_fork_is_confirmed() {
+    let mut s = Sim::new(3);
+    let now = s.clock.now();
+    s.hold_remote = true;
+    let (h, _) = s.ep(0).remote(1, "make", b"v".to_vec(), T, now).unwrap();
+    let data = s.ep(0).fork_for(h, 2).unwrap();
+    let on2 = s.ep(2).accept_fork(data, now);
+    let f = s.ep(2).fetch(on2, T, now).unwrap();
+    s.pump();
+    // Worker 2's fork request and fetch reach the owner before worker 0's creation does.
+    assert!(s.deliver(2, 1) && s.deliver(2, 1));
+    assert_eq!(s.ep(2).is_confirmed(on2), Some(false));
+    assert_eq!(s.outcome(2, f), None, "parked until the value exists");
+    s.drain();
+    s.release_held();
+    s.drain();
+    assert_eq!(s.outcome(2, f), Some(&Ok(b"v".to_vec())));
+    assert_eq!(s.ep(2).is_confirmed(on2), Some(true));
+    s.ep(0).drop_handle(h, now);
+    s.ep(2).drop_handle(on2, now);
+    s.drain();
+    assert_eq!(s.released, vec![h.rref]);
+    assert!(s.eps.iter().all(Endpoint::is_idle));
+}
+
+/// The owner forgets the creator's fork when the creation fails (the creator sends no delete
+/// for it), and then the reference's record. A fetch the creator sent before it learned of
+/// the failure is no violation: it is answered with the failure.
+#[test]
+fn a_creators_fetch_after_its_creation_failed_is_answered_with_the_failure() {
+    let mut owner = Endpoint::<Body>::new(1, EndpointConfig::default());
+    let now = Instant::now();
+    let rref = GlobalId {
+        created_on: 0,
+        local: 1,
+    };
+    let remote = Header::Remote {
+        id: 1,
+        function: "broken".into(),
+        rref,
+        fork: rref,
+        timeout: T,
+    };
+    assert_eq!(owner.handle_message(0, remote, Some(vec![]), now), Ok(()));
+    let token = match owner.poll_event() {
+        Some(Event::Remote { token, .. }) => token,
+        other => panic!("expected the creation, got {other:?}"),
+    };
+    let failure = RemoteError {
+        worker: 1,
+        kind: RemoteErrorKind::Failed,
+        message: "cannot make".into(),
+    };
+    assert!(owner.respond(token, Err(failure.clone())));
+    assert!(!owner.owns(rref), "no record is left");
+    assert!(owner.poll_transmit().is_some(), "the creation's answer");
+    assert_eq!(
+        owner.handle_message(0, fetch_of(2, rref, rref), None, now),
+        Ok(())
+    );
+    match owner.poll_transmit() {
+        Some(Transmit {
+            to: 0,
+            header:
+                Header::Reply {
+                    id: 2,
+                    outcome: Err(e),
+                    ..
+                },
+            ..
+        }) => assert_eq!(e, failure),
+        other => panic!("expected the failure, got {other:?}"),
+    }
+    // Another worker naming the creator's fork is still refused.
+    assert!(matches!(
+        owner.handle_message(2, fetch_of(3, rref, rref), None, now),
+        Err(ProtocolViolation::NotAHolder { sender: 2, .. })
+    ));
+}
+
+/// Only a holder calls a value's methods: a method call or remote method names the caller's
+/// fork beside the target, and the owner runs it only if the caller holds that fork.
+#[test]
+fn only_a_holder_calls_a_values_methods() {
+    use crate::protocol_sim::Body as Sb;
+    let mut owner = Endpoint::<Sb>::new(1, EndpointConfig::default());
+    let now = Instant::now();
+    let rref = GlobalId {
+        created_on: 0,
+        local: 1,
+    };
+    let remote = Header::Remote {
+        id: 1,
+        function: "make".into(),
+        rref,
+        fork: rref,
+        timeout: T,
+    };
+    assert_eq!(
+        owner.handle_message(0, remote, Some(Sb::default()), now),
+        Ok(())
+    );
+    let token = match owner.poll_event() {
+        Some(Event::Remote { token, .. }) => token,
+        other => panic!("expected the creation, got {other:?}"),
+    };
+    assert!(owner.respond(token, Ok(Sb::default())));
+    while owner.poll_transmit().is_some() {}
+    let on = |fork| Sb {
+        target: Some(MethodTarget { rref, fork }),
+        ..Sb::default()
+    };
+    let call = |id| Header::Call {
+        id,
+        function: "method".into(),
+        timeout: T,
+    };
+    // The creator, through the reference's own id: runs.
+    assert_eq!(
+        owner.handle_message(0, call(2), Some(on(rref)), now),
+        Ok(())
+    );
+    assert!(matches!(owner.poll_event(), Some(Event::Call { .. })));
+    // Worker 2 holds nothing: its method call and its remote method are refused, and run
+    // nothing.
+    let remote_method = Header::Remote {
+        id: 4,
+        function: "method".into(),
+        rref: GlobalId {
+            created_on: 2,
+            local: 1,
+        },
+        fork: GlobalId {
+            created_on: 2,
+            local: 1,
+        },
+        timeout: T,
+    };
+    for (header, what) in [
+        (call(3), "method call"),
+        (remote_method, "remote method call"),
+    ] {
+        assert_eq!(
+            owner.handle_message(2, header, Some(on(rref)), now),
+            Err(ProtocolViolation::NotAHolder {
+                what,
+                rref,
+                fork: rref,
+                sender: 2,
+            })
+        );
+        assert!(owner.poll_event().is_none() && owner.poll_transmit().is_none());
+    }
+    assert!(!owner.owns(GlobalId {
+        created_on: 2,
+        local: 1
+    }));
+    // Once worker 0 gives it a fork (its fork request registers it), it may.
+    let child = GlobalId {
+        created_on: 0,
+        local: 7,
+    };
+    let claim = Header::ForkRequest {
+        id: 1,
+        floor: 1,
+        rref,
+        fork: child,
+    };
+    assert_eq!(owner.handle_message(2, claim, None, now), Ok(()));
+    assert_eq!(
+        owner.handle_message(2, call(5), Some(on(child)), now),
+        Ok(())
+    );
+    assert!(matches!(owner.poll_event(), Some(Event::Call { .. })));
 }

@@ -6,6 +6,7 @@ use super::*;
 
 impl Cluster {
     pub(super) fn accept_all(&mut self, w: WorkerId, forks: &[RRefForkData]) -> Vec<RRefHandle> {
+        self.given.extend(forks.iter().map(|f| (w, f.rref)));
         forks
             .iter()
             .map(|f| self.eps[w as usize].accept_fork(*f, self.clock.now()))
@@ -24,6 +25,9 @@ impl Cluster {
                 body,
                 deadline,
             } => {
+                if let Some(t) = body.target {
+                    self.check_holder(w, token, t.rref, "method call");
+                }
                 let handles = self.accept_all(w, &body.forks);
                 let mut serving = Serving {
                     token,
@@ -100,6 +104,7 @@ impl Cluster {
                 self.answer(w, serving, outcome);
             }
             Event::Fetch { token, rref } => {
+                self.check_holder(w, token, rref, "fetch");
                 let Some(inside) = self.apps[w as usize].values.get(&rref).cloned() else {
                     self.fail(format!(
                         "worker {w} was asked to serialize {rref}, which it does not keep"
@@ -197,11 +202,11 @@ impl Cluster {
         w: WorkerId,
         mut serving: Serving,
         function: &str,
-        target: Option<RRefId>,
+        target: Option<MethodTarget>,
     ) {
         match function {
             "method" => {
-                let target = target.unwrap_or_else(|| {
+                let target = target.map(|t| t.rref).unwrap_or_else(|| {
                     self.fail(format!("worker {w}: a method call without a target"))
                 });
                 if !self.apps[w as usize].values.contains_key(&target) {

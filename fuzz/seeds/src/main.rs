@@ -370,6 +370,7 @@ fn protocol(dir: &Path) {
         Header::Fetch {
             id: 102,
             rref: id(1, 1),
+            fork: id(0, 10),
             timeout: Duration::ZERO,
         },
         Header::Reply {
@@ -427,6 +428,11 @@ fn protocol(dir: &Path) {
         input.extend_from_slice(&[7, 7, 7, 7, 6, 7, 7]);
         write(dir, "protocol", &format!("hostile-{seed}"), &input);
     }
+    // Mode 0: worker 0 makes a value on worker 1 (op 1), it arrives (op 7); worker 2 fetches
+    // it (op 8), calls a method on it (0x18), and fetches it through a made-up fork (0x28),
+    // each a violation; then worker 0 fetches it (op 2) and everything is delivered.
+    let input = vec![0u8, 1, 7, 7, 8, 0x18, 0x28, 2, 7, 7, 7, 7];
+    write(dir, "protocol", "hostile-reads", &input);
 }
 
 /// `[len, bytes]`, as the targets' `chunk` reads it.

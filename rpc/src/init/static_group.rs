@@ -2,15 +2,15 @@
 //! transport, an `all_gather_object` of the worker records, their validation, the agent
 //! attached to the group's connections, and a barrier. The store holds no worker record.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::protocol::membership::{check_static_records, RecordError};
 use tensorwire_core::protocol::{LostCause, WorkerId};
-use tensorwire_core::validate::{validate_device_maps, GroupKind, WorkerDeviceInfo};
+use tensorwire_core::validate::WorkerDeviceInfo;
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{CollectivesExt, FrameSink, Group, GroupOptions, Rendezvous};
 
@@ -78,26 +78,23 @@ pub(crate) async fn join_static(
 }
 
 /// Every worker's record is its own rank's, names are unique, and the device maps keep the
-/// rules of a static group.
+/// rules of a static group (decided in core: [`check_static_records`]).
 fn validate_records(records: &[WorkerRecord]) -> Result<(), RpcError> {
-    let mut by_name = HashMap::new();
-    for (r, rec) in records.iter().enumerate() {
-        if rec.rank as usize != r {
-            return Err(RpcError::RecordOfAnotherRank {
-                rank: r as WorkerId,
-                claimed: rec.rank,
-            });
+    check_static_records(records).map_err(|e| match e {
+        RecordError::OfAnotherRank { rank, claimed } => {
+            RpcError::RecordOfAnotherRank { rank, claimed }
         }
-        if let Some(other) = by_name.insert(rec.devices.name.clone(), rec.rank) {
-            return Err(RpcError::DuplicateName {
-                name: rec.devices.name.clone(),
-                first: other,
-                second: rec.rank,
-            });
-        }
-    }
-    let infos: Vec<WorkerDeviceInfo> = records.iter().map(|r| r.devices.clone()).collect();
-    validate_device_maps(&infos, GroupKind::Static).map_err(|e| RpcError::DeviceMaps(Box::new(e)))
+        RecordError::DuplicateName {
+            name,
+            first,
+            second,
+        } => RpcError::DuplicateName {
+            name,
+            first,
+            second,
+        },
+        RecordError::DeviceMaps(e) => RpcError::DeviceMaps(e),
+    })
 }
 
 /// A failure of the group under init: a timeout names the ranks it waited for.

@@ -164,7 +164,13 @@ impl Output {
                 *slot = IoSlice::new(chunk);
                 count += 1;
             }
-            match writer.try_write_vectored(&slices[..count]) {
+            // One chunk (the usual small reply) is a plain `send`, cheaper than a `writev`.
+            let written = if count == 1 {
+                writer.try_write(&slices[0])
+            } else {
+                writer.try_write_vectored(&slices[..count])
+            };
+            match written {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
                 Ok(n) => self.advance(n),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),

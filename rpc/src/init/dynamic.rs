@@ -34,21 +34,9 @@ use crate::init::advertise_ip;
 use crate::init::static_group::RPC_GROUP;
 use crate::options::RpcOptions;
 use crate::runtime::{tokio_instant, Runtime};
-use crate::state::{Agent, WorkerRecord};
+use crate::state::{Agent, DynState, WorkerRecord};
 
 const COORDINATOR: &str = "rpc/dyn/coordinator";
-
-/// The driver's side of a dynamic group's membership, beside the agent's state (its own lock:
-/// never held together with the agent's).
-#[derive(Default)]
-pub(crate) struct DynState {
-    membership: Option<DynamicMembership>,
-    /// This worker's record, and the transport a joiner dials the members with.
-    record: Option<MemberRecord>,
-    transport: Option<Arc<dyn Transport>>,
-    join_waiter: Option<oneshot::Sender<Result<(), MembershipError>>>,
-    leave_waiter: Option<oneshot::Sender<Result<bool, MembershipError>>>,
-}
 
 fn encode_err(what: &str, e: postcard::Error) -> RpcError {
     RpcError::Serialization {

@@ -1,0 +1,173 @@
+//! The envelope of every agent message frame (`FrameKind::Message`): the protocol [`Header`],
+//! for a method the reference it is called on, and the metadata of the tensors whose bytes
+//! follow as payloads. Decoding is split in two so that a driver can check the announced
+//! tensors (device IPC) between parsing the envelope and taking the payloads.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use super::{Header, MethodTarget, ProtocolViolation};
+use crate::tensor::TensorMeta;
+
+/// The header of every agent frame: the protocol header and, for methods, the reference whose
+/// value the function is called on with the caller's fork of it (the owner runs the method
+/// only for a holder of that fork).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Envelope {
+    /// The protocol header.
+    pub header: Header,
+    /// For a method: the reference whose value it is called on, and the caller's fork of it.
+    pub target: Option<MethodTarget>,
+    /// The tensors whose bytes follow the encoded value as payloads, in order.
+    pub tensors: Vec<TensorMeta>,
+}
+
+/// A message's body as a frame carries it: the encoded value, and each tensor's metadata with
+/// its bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FrameBody {
+    /// For a method: the reference whose value it is called on, and the caller's fork of it.
+    pub target: Option<MethodTarget>,
+    /// The encoded arguments or result (the first payload).
+    pub data: Bytes,
+    /// The tensors, in the order the envelope announced them.
+    pub tensors: Vec<(TensorMeta, Bytes)>,
+}
+
+impl Envelope {
+    /// Parses a frame's message header; what does not parse is a
+    /// [`ProtocolViolation::Malformed`] of the sender.
+    pub fn decode(header: &[u8]) -> Result<Envelope, ProtocolViolation> {
+        postcard::from_bytes(header).map_err(|e| ProtocolViolation::Malformed {
+            what: format!("a message header that does not parse ({e})"),
+        })
+    }
+
+    /// The protocol header, and the body the frame's `payloads` carry: none without payloads,
+    /// else the encoded value (the first) and one payload per announced tensor. A frame whose
+    /// payloads do not match the announced tensors is a [`ProtocolViolation::Malformed`].
+    pub fn attach(
+        self,
+        payloads: Vec<Bytes>,
+    ) -> Result<(Header, Option<FrameBody>), ProtocolViolation> {
+        let mut payloads = payloads.into_iter();
+        let body = match payloads.next() {
+            Some(data) => {
+                let bytes: Vec<Bytes> = payloads.collect();
+                if bytes.len() != self.tensors.len() {
+                    return Err(ProtocolViolation::Malformed {
+                        what: format!(
+                            "a message that announces {} tensors and carries {}",
+                            self.tensors.len(),
+                            bytes.len()
+                        ),
+                    });
+                }
+                Some(FrameBody {
+                    target: self.target,
+                    data,
+                    tensors: self.tensors.into_iter().zip(bytes).collect(),
+                })
+            }
+            None => None,
+        };
+        Ok((self.header, body))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::device::Device;
+    use crate::protocol::{GlobalId, MethodTarget};
+    use crate::tensor::DType;
+
+    fn meta() -> TensorMeta {
+        TensorMeta {
+            dtype: DType::U8,
+            shape: vec![3],
+            device: Device::Cpu,
+            ipc: None,
+        }
+    }
+
+    fn envelope(tensors: usize) -> Envelope {
+        Envelope {
+            header: Header::Call {
+                id: 7,
+                function: "add".into(),
+                timeout: Duration::from_secs(1),
+            },
+            target: Some(MethodTarget {
+                rref: GlobalId {
+                    created_on: 1,
+                    local: 2,
+                },
+                fork: GlobalId {
+                    created_on: 3,
+                    local: 4,
+                },
+            }),
+            tensors: vec![meta(); tensors],
+        }
+    }
+
+    #[test]
+    fn an_envelope_round_trips_and_its_payloads_become_the_body() {
+        let bytes = postcard::to_allocvec(&envelope(2)).unwrap();
+        let decoded = Envelope::decode(&bytes).unwrap();
+        assert_eq!(decoded, envelope(2));
+        let payloads = vec![
+            Bytes::from_static(b"args"),
+            Bytes::from_static(b"abc"),
+            Bytes::from_static(b"def"),
+        ];
+        let (header, body) = decoded.attach(payloads).unwrap();
+        assert_eq!(header, envelope(0).header);
+        let body = body.unwrap();
+        assert_eq!(body.target, envelope(0).target);
+        assert_eq!(body.data, Bytes::from_static(b"args"));
+        assert_eq!(
+            body.tensors,
+            vec![
+                (meta(), Bytes::from_static(b"abc")),
+                (meta(), Bytes::from_static(b"def"))
+            ]
+        );
+    }
+
+    #[test]
+    fn a_frame_without_payloads_has_no_body() {
+        let (header, body) = envelope(0).attach(Vec::new()).unwrap();
+        assert_eq!(header, envelope(0).header);
+        assert_eq!(body, None);
+    }
+
+    #[test]
+    fn a_header_that_does_not_parse_is_malformed() {
+        let e = Envelope::decode(&[0xff, 0xff, 0xff]).unwrap_err();
+        assert!(
+            matches!(&e, ProtocolViolation::Malformed { what } if what.starts_with("a message header that does not parse")),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn payloads_that_do_not_match_the_announced_tensors_are_malformed() {
+        for (announced, carried) in [(2, 1), (0, 1), (1, 3)] {
+            let mut payloads = vec![Bytes::from_static(b"args")];
+            payloads.extend((0..carried).map(|_| Bytes::from_static(b"x")));
+            let e = envelope(announced).attach(payloads).unwrap_err();
+            assert_eq!(
+                e,
+                ProtocolViolation::Malformed {
+                    what: format!(
+                        "a message that announces {announced} tensors and carries {carried}"
+                    )
+                }
+            );
+        }
+    }
+}

@@ -1,0 +1,470 @@
+use std::io::IoSlice;
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use super::*;
+use proptest::prelude::*;
+
+fn frame_strategy() -> impl Strategy<Value = Frame> {
+    (
+        1u8..=3,
+        proptest::collection::vec(any::<u8>(), 0..64),
+        proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..300), 0..6),
+    )
+        .prop_map(|(kind, header, payloads)| Frame {
+            kind: FrameKind::from_wire(kind).expect("1 to 3 are kinds"),
+            header: Bytes::from(header),
+            payloads: payloads.into_iter().map(Bytes::from).collect(),
+        })
+}
+
+fn prefix(kind: u8, table_len: u32, body_len: u64) -> Vec<u8> {
+    let mut v = Vec::new();
+    v.extend_from_slice(&MAGIC);
+    v.push(VERSION);
+    v.push(kind);
+    v.extend_from_slice(&0u16.to_le_bytes());
+    v.extend_from_slice(&table_len.to_le_bytes());
+    v.extend_from_slice(&body_len.to_le_bytes());
+    v
+}
+
+proptest! {
+    #[test]
+    fn round_trip_in_one_piece(frames in proptest::collection::vec(frame_strategy(), 1..5)) {
+        let limits = WireLimits::default();
+        let mut wire = BytesMut::new();
+        for f in &frames {
+            wire.extend_from_slice(&encode_to_vec(f, &limits).unwrap());
+        }
+        let mut dec = FrameDecoder::new(limits);
+        for f in &frames {
+            prop_assert_eq!(dec.decode(&mut wire).unwrap(), Some(f.clone()));
+        }
+        prop_assert!(wire.is_empty());
+        prop_assert!(dec.finish().is_ok());
+    }
+
+    #[test]
+    fn round_trip_in_pieces(
+        frames in proptest::collection::vec(frame_strategy(), 1..4),
+        cuts in proptest::collection::vec(1usize..50, 1..200),
+        direct in any::<bool>(),
+    ) {
+        let limits = WireLimits::default();
+        let mut wire = Vec::new();
+        for f in &frames {
+            wire.extend_from_slice(&encode_to_vec(f, &limits).unwrap());
+        }
+        let mut dec = FrameDecoder::new(limits);
+        let mut got = Vec::new();
+        let mut pos = 0;
+        let mut cut = cuts.iter().cycle();
+        let mut staging = BytesMut::new();
+        while pos < wire.len() {
+            let n = (*cut.next().unwrap()).min(wire.len() - pos);
+            if direct {
+                if let Some(mut buf) = dec.direct_read_buf(1) {
+                    let n = n.min(buf.remaining_mut());
+                    buf.put_slice(&wire[pos..pos + n]);
+                    pos += n;
+                    if let Some(f) = dec.decode(&mut staging).unwrap() {
+                        got.push(f);
+                    }
+                    continue;
+                }
+            }
+            staging.extend_from_slice(&wire[pos..pos + n]);
+            pos += n;
+            while let Some(f) = dec.decode(&mut staging).unwrap() {
+                got.push(f);
+            }
+        }
+        prop_assert_eq!(got, frames);
+        prop_assert!(dec.finish().is_ok());
+    }
+
+    #[test]
+    fn arbitrary_input_never_panics(input in proptest::collection::vec(any::<u8>(), 0..200)) {
+        let _ = decode_frame(&input, &WireLimits::default());
+    }
+
+    #[test]
+    fn arbitrary_input_after_a_valid_prefix_never_panics(
+        table_len in 0u32..100, body_len in 0u64..1000,
+        rest in proptest::collection::vec(any::<u8>(), 0..200),
+    ) {
+        let mut input = prefix(1, table_len, body_len);
+        input.extend_from_slice(&rest);
+        let _ = decode_frame(&input, &WireLimits::default());
+    }
+
+    #[test]
+    fn every_strict_prefix_is_truncated(f in frame_strategy(), cut in any::<prop::sample::Index>()) {
+        let wire = encode_to_vec(&f, &WireLimits::default()).unwrap();
+        let cut = cut.index(wire.len());
+        let err = decode_frame(&wire[..cut], &WireLimits::default()).unwrap_err();
+        prop_assert!(matches!(err, WireError::Truncated { .. }), "{err}");
+    }
+}
+
+#[test]
+fn debug_shows_lengths_not_contents() {
+    let f = Frame::message(&b"secret-ish"[..], vec![Bytes::from(vec![0u8; 1000])]);
+    let text = format!("{f:?}");
+    assert_eq!(
+        text,
+        "Frame { kind: Message, header: 10 bytes, payloads: [1000 bytes] }"
+    );
+}
+
+#[test]
+fn empty_frame_round_trips() {
+    let f = Frame::message(Bytes::new(), vec![]);
+    let wire = encode_to_vec(&f, &WireLimits::default()).unwrap();
+    assert_eq!(
+        decode_frame(&wire, &WireLimits::default()).unwrap(),
+        (f, wire.len())
+    );
+}
+
+#[test]
+fn bad_magic_is_refused() {
+    let mut wire =
+        encode_to_vec(&Frame::message(&b"x"[..], vec![]), &WireLimits::default()).unwrap();
+    wire[0] = b'X';
+    let err = decode_frame(&wire, &WireLimits::default()).unwrap_err();
+    assert!(
+        matches!(err, WireError::BadMagic { found } if found == *b"XWFR"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_version_is_refused() {
+    let mut wire = prefix(1, 2, 2);
+    wire[4] = 9;
+    let err = decode_frame(&wire, &WireLimits::default()).unwrap_err();
+    assert_eq!(err, WireError::UnknownVersion { found: 9 });
+    assert!(err.to_string().contains("version 9"));
+}
+
+#[test]
+fn unknown_kind_is_refused() {
+    let err = decode_frame(&prefix(7, 2, 2), &WireLimits::default()).unwrap_err();
+    assert_eq!(err, WireError::UnknownKind { found: 7 });
+}
+
+#[test]
+fn oversized_length_is_refused_before_anything_is_read() {
+    // Claims u64::MAX bytes; no body follows. Must fail from the prefix alone.
+    let mut dec = FrameDecoder::new(WireLimits::default());
+    let err = dec
+        .decode(&mut BytesMut::from(&prefix(1, 2, u64::MAX)[..]))
+        .unwrap_err();
+    assert_eq!(
+        err,
+        WireError::FrameTooLarge {
+            len: u64::MAX,
+            max: 1 << 30
+        }
+    );
+    // The decoder stays failed.
+    assert_eq!(dec.decode(&mut BytesMut::new()).unwrap_err(), err);
+    assert_eq!(dec.finish().unwrap_err(), err);
+}
+
+#[test]
+fn configured_limit_applies_to_sender_and_receiver() {
+    let small = WireLimits::default().with_max_frame_len(100);
+    let f = Frame::message(Bytes::new(), vec![Bytes::from(vec![0u8; 200])]);
+    assert!(matches!(
+        encode_preamble(&f, &small),
+        Err(WireError::FrameTooLarge { max: 100, .. })
+    ));
+    let wire = encode_to_vec(&f, &WireLimits::default()).unwrap();
+    assert!(matches!(
+        decode_frame(&wire, &small),
+        Err(WireError::FrameTooLarge { max: 100, .. })
+    ));
+}
+
+#[test]
+fn oversized_frame_header_is_refused() {
+    let err = decode_frame(&prefix(1, 1 << 20, 1 << 21), &WireLimits::default()).unwrap_err();
+    assert!(
+        matches!(err, WireError::FrameHeaderTooLarge { len: 1_048_576, .. }),
+        "{err}"
+    );
+    let many = Frame::message(Bytes::new(), vec![Bytes::new(); 100]);
+    let tight = WireLimits::default().with_max_frame_header_len(10);
+    assert!(matches!(
+        encode_preamble(&many, &tight),
+        Err(WireError::FrameHeaderTooLarge { max: 10, .. })
+    ));
+}
+
+#[test]
+fn oversized_message_header_is_refused() {
+    let f = Frame::message(vec![1u8; 50], vec![]);
+    let wire = encode_to_vec(&f, &WireLimits::default()).unwrap();
+    let tight = WireLimits::default().with_max_message_header_len(10);
+    assert!(matches!(
+        decode_frame(&wire, &tight),
+        Err(WireError::MessageHeaderTooLarge { len: 50, max: 10 })
+    ));
+    assert!(encode_preamble(&f, &tight).is_err());
+}
+
+#[test]
+fn malformed_frame_headers_are_refused() {
+    let limits = WireLimits::default();
+    // Lengths that do not add up to the body length.
+    let table = postcard::to_allocvec(&FrameHeader {
+        message_len: 3,
+        payload_lens: vec![5],
+    })
+    .unwrap();
+    let mut wire = prefix(1, table.len() as u32, table.len() as u64 + 7);
+    wire.extend_from_slice(&table);
+    let err = decode_frame(&wire, &limits).unwrap_err();
+    assert!(
+        matches!(err, WireError::MalformedHeader { ref reason } if reason.contains("add up to")),
+        "{err}"
+    );
+    // Lengths that overflow u64.
+    let table = postcard::to_allocvec(&FrameHeader {
+        message_len: u64::MAX,
+        payload_lens: vec![u64::MAX],
+    })
+    .unwrap();
+    let mut wire = prefix(1, table.len() as u32, 1000);
+    wire.extend_from_slice(&table);
+    let limits_big = limits.with_max_message_header_len(u64::MAX);
+    assert!(matches!(
+        decode_frame(&wire, &limits_big),
+        Err(WireError::MalformedHeader { .. })
+    ));
+    // A frame header that is not postcard: a varint that never ends.
+    let mut wire = prefix(1, 4, 4);
+    wire.extend_from_slice(&[0xff; 4]);
+    assert!(matches!(
+        decode_frame(&wire, &limits),
+        Err(WireError::MalformedHeader { .. })
+    ));
+    // Trailing bytes inside the frame header.
+    let mut wire = prefix(1, 3, 3);
+    wire.extend_from_slice(&[0, 0, 0]);
+    let err = decode_frame(&wire, &limits).unwrap_err();
+    assert!(
+        matches!(err, WireError::MalformedHeader { ref reason } if reason.contains("trailing")),
+        "{err}"
+    );
+    // Reserved bits, empty and inconsistent frame-header lengths.
+    let mut wire = prefix(1, 2, 2);
+    wire[6] = 1;
+    assert!(matches!(
+        decode_frame(&wire, &limits),
+        Err(WireError::MalformedHeader { .. })
+    ));
+    assert!(matches!(
+        decode_frame(&prefix(1, 0, 0), &limits),
+        Err(WireError::MalformedHeader { .. })
+    ));
+    assert!(matches!(
+        decode_frame(&prefix(1, 9, 3), &limits),
+        Err(WireError::MalformedHeader { .. })
+    ));
+}
+
+#[test]
+fn a_claimed_payload_count_does_not_allocate() {
+    // A frame header claiming 2^60 payloads in a few bytes: postcard must not pre-allocate.
+    let mut table = vec![0u8]; // message_len = 0
+    table.extend_from_slice(&[0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x10]);
+    let mut wire = prefix(1, table.len() as u32, table.len() as u64);
+    wire.extend_from_slice(&table);
+    assert!(matches!(
+        decode_frame(&wire, &WireLimits::default()),
+        Err(WireError::MalformedHeader { .. })
+    ));
+}
+
+#[test]
+fn truncation_reports_the_part() {
+    let f = Frame::message(&b"hello"[..], vec![Bytes::from_static(b"world")]);
+    let wire = encode_to_vec(&f, &WireLimits::default()).unwrap();
+    let err = decode_frame(&wire[..5], &WireLimits::default()).unwrap_err();
+    assert_eq!(
+        err,
+        WireError::Truncated {
+            part: "prefix",
+            received: 5,
+            expected: 20
+        }
+    );
+    let err = decode_frame(&wire[..wire.len() - 1], &WireLimits::default()).unwrap_err();
+    assert!(
+        matches!(err, WireError::Truncated { part: "body", .. }),
+        "{err}"
+    );
+    let err = decode_frame(&[], &WireLimits::default()).unwrap_err();
+    assert!(matches!(
+        err,
+        WireError::Truncated {
+            part: "prefix",
+            received: 0,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn outgoing_frame_survives_partial_writes() {
+    let f = Frame::message(
+        &b"abc"[..],
+        vec![Bytes::from_static(b"defgh"), Bytes::new()],
+    );
+    let whole = encode_to_vec(&f, &WireLimits::default()).unwrap();
+    let mut out = OutgoingFrame::new(f, &WireLimits::default()).unwrap();
+    assert_eq!(out.remaining(), whole.len() as u64);
+    let mut written = Vec::new();
+    while !out.is_done() {
+        let mut slices = [IoSlice::new(&[]); 4];
+        let n = out.io_slices(&mut slices);
+        // A writer that takes at most 3 bytes per call.
+        let mut took = 0;
+        for s in &slices[..n] {
+            let k = s.len().min(3 - took);
+            written.extend_from_slice(&s[..k]);
+            took += k;
+            if took == 3 {
+                break;
+            }
+        }
+        out.advance(took);
+    }
+    assert_eq!(written, whole);
+}
+
+/// A peer announces a 1 GiB payload and sends 3 MiB: the receiver holds about what
+/// arrived, whichever way it reads, and gives it up when told the peer is gone.
+#[test]
+fn an_announced_length_is_not_reserved_up_front() {
+    let limits = WireLimits::default();
+    let big: u64 = (1 << 30) - 64;
+    let table = postcard::to_allocvec(&FrameHeader {
+        message_len: 0,
+        payload_lens: vec![big],
+    })
+    .unwrap();
+    let mut preamble = prefix(1, table.len() as u32, table.len() as u64 + big);
+    preamble.extend_from_slice(&table);
+    for direct in [false, true] {
+        let mut dec = FrameDecoder::new(limits);
+        let mut src = BytesMut::from(&preamble[..]);
+        assert_eq!(dec.decode(&mut src).unwrap(), None);
+        let mut sent = 0usize;
+        while sent < 3 << 20 {
+            let chunk = [7u8; 64 << 10];
+            if direct {
+                let mut buf = dec.direct_read_buf(1).unwrap();
+                let k = chunk.len().min(buf.remaining_mut());
+                buf.put_slice(&chunk[..k]);
+                sent += k;
+                assert_eq!(dec.decode(&mut BytesMut::new()).unwrap(), None);
+            } else {
+                let mut src = BytesMut::from(&chunk[..]);
+                assert_eq!(dec.decode(&mut src).unwrap(), None);
+                sent += chunk.len();
+            }
+            assert!(
+                dec.reserved() <= 2 * sent + GROWTH_STEP,
+                "{} bytes reserved after {sent} arrived (direct: {direct})",
+                dec.reserved()
+            );
+        }
+        dec.release();
+        assert_eq!(dec.reserved(), 0);
+        assert!(matches!(
+            dec.decode(&mut BytesMut::new()),
+            Err(WireError::Truncated { part: "body", .. })
+        ));
+    }
+}
+
+#[test]
+fn large_buffers_are_reused_once_dropped() {
+    let limits = WireLimits::default();
+    let frame = Frame::message(Bytes::new(), vec![Bytes::from(vec![5u8; 1 << 20])]);
+    let wire = encode_to_vec(&frame, &limits).unwrap();
+    let mut dec = FrameDecoder::new(limits);
+    let receive = |dec: &mut FrameDecoder| {
+        // Force the pooled path: the payload arrives through direct reads.
+        let mut staging = BytesMut::from(&wire[..100]);
+        assert_eq!(dec.decode(&mut staging).unwrap(), None);
+        let mut buf = dec.direct_read_buf(1).unwrap();
+        buf.put_slice(&wire[100..]);
+        dec.decode(&mut staging).unwrap().unwrap()
+    };
+    let first = receive(&mut dec);
+    let first_ptr = first.payloads[0].as_ptr();
+    // Still in use: a new buffer.
+    let second = receive(&mut dec);
+    assert_ne!(second.payloads[0].as_ptr(), first_ptr);
+    assert_eq!(second, frame);
+    drop(first);
+    // Dropped: its allocation comes back.
+    let third = receive(&mut dec);
+    assert_eq!(third.payloads[0].as_ptr(), first_ptr);
+    assert_eq!(third, frame);
+    // Reuse off: still correct.
+    let mut dec = FrameDecoder::new(limits).with_buffer_reuse(0);
+    assert_eq!(receive(&mut dec), frame);
+    assert_eq!(receive(&mut dec), frame);
+}
+
+#[test]
+fn direct_reads_land_in_the_final_buffer() {
+    let payload = Bytes::from(vec![9u8; 10_000]);
+    let f = Frame::message(&b"h"[..], vec![payload.clone()]);
+    let wire = encode_to_vec(&f, &WireLimits::default()).unwrap();
+    let mut dec = FrameDecoder::new(WireLimits::default());
+    // Prefix, frame header, message header and 100 payload bytes arrive together.
+    let first = wire.len() - 9_900;
+    let mut staging = BytesMut::from(&wire[..first]);
+    assert_eq!(dec.decode(&mut staging).unwrap(), None);
+    assert!(dec.direct_read_buf(20_000).is_none());
+    let mut buf = dec.direct_read_buf(1024).expect("waiting for the payload");
+    assert_eq!(buf.remaining_mut(), 9_900);
+    buf.put_slice(&wire[first..]);
+    let got = dec.decode(&mut staging).unwrap().unwrap();
+    assert_eq!(got, f);
+    assert!(!dec.is_mid_frame());
+}
+
+proptest! {
+    #[test]
+    fn shared_decoding_matches_the_decoder(frame in frame_strategy(), cut in any::<prop::sample::Index>()) {
+        let limits = WireLimits::default();
+        let mut wire = encode_to_vec(&frame, &limits).unwrap();
+        wire.extend_from_slice(b"next");
+        let input = Bytes::from(wire.clone());
+        let (got, used) = decode_frame_shared(&input, &limits).unwrap();
+        prop_assert_eq!(&got, &frame);
+        prop_assert_eq!(used, wire.len() - 4);
+        // Any cut before the end of the frame is a truncation, never a panic.
+        let cut = cut.index(used);
+        let short = input.slice(..cut);
+        let truncated = matches!(
+            decode_frame_shared(&short, &limits),
+            Err(WireError::Truncated { .. })
+        );
+        prop_assert!(truncated);
+    }
+
+    #[test]
+    fn shared_decoding_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+        let _ = decode_frame_shared(&Bytes::from(bytes), &WireLimits::default());
+    }
+}

@@ -1,0 +1,166 @@
+//! The reader task of each connection: it takes frames off the connection, checks and files
+//! the group's own, hands the others to the [`FrameSink`], and records how the peer ended.
+
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use tensorwire_core::collective::inbox::{self};
+use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroupError};
+use tensorwire_core::protocol::mesh::GroupFrame;
+use tensorwire_core::wire::FrameKind;
+use tracing::{debug, warn};
+
+use super::group::split_key;
+use super::peer_inbox::PeerStatus;
+use super::{Incoming, Shared, ABORT_SEND_TIMEOUT};
+
+/// Why a peer's connection delivers nothing more.
+enum End {
+    /// It broke, or sent what no layer takes (the words say what).
+    Broken(String),
+    /// It sent a group frame it had no right to send.
+    Violation(MeshViolation),
+}
+
+/// Joins a frame's payloads into one message (a sender sends at most one).
+fn message_bytes(payloads: Vec<Bytes>) -> Bytes {
+    match payloads.len() {
+        0 => Bytes::new(),
+        1 => payloads.into_iter().next().unwrap_or_default(),
+        _ => {
+            let mut all = BytesMut::with_capacity(payloads.iter().map(Bytes::len).sum());
+            for p in payloads {
+                all.extend_from_slice(&p);
+            }
+            all.freeze()
+        }
+    }
+}
+
+/// Reads `peer`'s connection until it ends: the group's own frames are filed by sequence
+/// number or acted on; every other frame goes to the [`FrameSink`], on this task.
+pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
+    let Some(link) = shared.peer(peer) else {
+        return;
+    };
+    let rank = shared.rank;
+    let end = 'read: loop {
+        let frame = match link.conn.recv().await {
+            Ok(frame) => frame,
+            Err(e) => break End::Broken(e.to_string()),
+        };
+        if frame.kind != FrameKind::Collective {
+            let Some(sink) = shared.sink.get() else {
+                break End::Broken(format!(
+                    "it sent a {:?} frame, which a process group does not take",
+                    frame.kind
+                ));
+            };
+            if let Err(reason) = sink.on_frame(peer, &link.conn, frame) {
+                let _ = link.conn.close().await;
+                break End::Broken(reason);
+            }
+            continue;
+        }
+        match GroupFrame::decode(&frame.header) {
+            Ok(GroupFrame::Data { seq, signature }) => {
+                let payload = message_bytes(frame.payloads);
+                let len = payload.len();
+                let filed =
+                    link.inbox
+                        .push(seq, Incoming { signature, payload }, |held, waited_on| {
+                            shared
+                                .admission()
+                                .check(peer, split_key(seq), len, waited_on, held)
+                        });
+                if let Err(v) = filed {
+                    break End::Violation(v);
+                }
+            }
+            Ok(GroupFrame::Goodbye) => {
+                debug!(rank, peer, "peer said goodbye");
+                link.inbox.close(PeerStatus::Left, |_| true);
+                if let Some(sink) = shared.sink.get() {
+                    sink.on_closed(peer, "it shut its group down");
+                }
+                return;
+            }
+            Ok(GroupFrame::Abort {
+                rank: named,
+                reason,
+            }) => {
+                if let Err(v) = inbox::check_abort(peer, named as usize) {
+                    break 'read End::Violation(v);
+                }
+                warn!(rank, peer, %reason, "peer aborted its group");
+                // Breaking the mesh wakes every collective waiting on any rank.
+                shared.fail(ProcessGroupError::PeerAborted { rank: peer, reason });
+            }
+            Ok(GroupFrame::Disagreement {
+                seq,
+                peer: other,
+                theirs,
+                ours,
+            }) => {
+                let error = ProcessGroupError::Disagreement {
+                    seq,
+                    peer: other as usize,
+                    theirs,
+                    rank: peer,
+                    ours,
+                    here: false,
+                };
+                warn!(rank, peer, %error, "peer reports a disagreement");
+                shared.fail(error);
+            }
+            Err(e) => break End::Broken(format!("it sent a bad group frame: {e}")),
+        }
+    };
+    let (reason, error) = match end {
+        End::Broken(reason) => {
+            let error = ProcessGroupError::PeerDied {
+                rank: peer,
+                reported_by: None,
+                reason: reason.clone(),
+            };
+            (reason, error)
+        }
+        End::Violation(violation) => {
+            // Dropped: nothing more is read from it.
+            let _ = link.conn.close().await;
+            (
+                violation.to_string(),
+                ProcessGroupError::Misbehaved {
+                    rank: peer,
+                    violation,
+                },
+            )
+        }
+    };
+    if let Some(sink) = shared.sink.get() {
+        sink.on_closed(peer, &reason);
+    }
+    if matches!(link.inbox.status(), PeerStatus::Left) {
+        return;
+    }
+    warn!(rank, peer, %error, "dropping the peer");
+    // The failure is recorded before any inbox closes (`fail` closes them all), so that a
+    // collective woken by the close reports why, not just that the connection closed.
+    let first = shared.fail(error.clone());
+    if first {
+        // Tell the others, in case they cannot see it (a half-open connection elsewhere):
+        // this rank aborts, in its own name; the reason says what it saw.
+        let abort = GroupFrame::Abort {
+            rank: rank as u32,
+            reason: error.to_string(),
+        }
+        .frame(Vec::new());
+        for (other, link) in shared.peers.iter().enumerate() {
+            let Some(link) = link else { continue };
+            if other == peer || matches!(link.inbox.status(), PeerStatus::Left) {
+                continue;
+            }
+            let _ = tokio::time::timeout(ABORT_SEND_TIMEOUT, link.conn.send(abort.clone())).await;
+        }
+    }
+}

@@ -1,0 +1,242 @@
+//! Setting a mesh up: listening, publishing the address, dialling the higher ranks and
+//! accepting the lower ones (through [`crate::link`]), then starting a reader per connection.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tensorwire_core::collective::inbox::{Admission, InboxLimits};
+use tensorwire_core::ports::process_group::ProcessGroupError;
+use tensorwire_core::ports::store::Store;
+use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::protocol::membership::{JoinError, StaticJoin};
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+use super::peer_inbox::Inbox;
+use super::reader::read_loop;
+use super::{address_key, Mesh, PeerLink, Shared};
+use crate::link;
+
+/// What setting up a mesh needs.
+pub struct MeshSetup<'a> {
+    /// The store through which ranks publish where they listen.
+    pub store: &'a dyn Store,
+    /// The transport that dials and listens.
+    pub transport: &'a dyn Transport,
+    /// The group's name: it scopes the store keys and is checked in every hello.
+    pub group: &'a str,
+    /// This rank.
+    pub rank: usize,
+    /// The number of ranks.
+    pub world: usize,
+    /// Where to listen (port 0 for an ephemeral port); its IP is what peers are told.
+    pub listen: SocketAddr,
+    /// How long the whole setup may take.
+    pub timeout: Duration,
+    /// What a peer may make this rank hold in its collective inboxes.
+    pub limits: InboxLimits,
+}
+
+impl Mesh {
+    /// Connects to every other rank: this rank dials the higher ranks and accepts the lower
+    /// ones (as `core::protocol::membership::StaticJoin` decides), through [`crate::link`].
+    /// A rank that accepts anyone listens and publishes its address under [`address_key`], and
+    /// removes that key once every lower rank has connected (nobody needs it any more), so a
+    /// set-up group leaves no key in the store.
+    pub async fn connect(setup: MeshSetup<'_>) -> Result<Mesh, ProcessGroupError> {
+        let MeshSetup {
+            store,
+            transport,
+            group,
+            rank,
+            world,
+            listen,
+            timeout,
+            limits,
+        } = setup;
+        let setup_err = |reason: String| ProcessGroupError::Setup { rank, reason };
+        if rank >= world {
+            return Err(setup_err(format!(
+                "rank {rank} is out of range for a world of {world} ranks"
+            )));
+        }
+        let (Ok(me), Ok(world32)) = (u32::try_from(rank), u32::try_from(world)) else {
+            return Err(setup_err(format!("a world of {world} ranks is too large")));
+        };
+        let deadline = link::deadline_after(timeout);
+        let join = Mutex::new(StaticJoin::new(me, world32, None));
+        let lock_join = || join.lock().unwrap_or_else(|e| e.into_inner());
+        let (dials, accepts) = {
+            let j = lock_join();
+            (j.dials(), j.accepts())
+        };
+        let timed_out = || {
+            let missing = lock_join().missing();
+            ProcessGroupError::SetupTimeout {
+                rank,
+                waiting_on: missing.into_iter().map(|r| r as usize).collect(),
+                timeout,
+            }
+        };
+        let listener = if accepts > 0 {
+            let listener = transport
+                .listen(listen)
+                .await
+                .map_err(|e| setup_err(format!("cannot listen on {listen}: {e}")))?;
+            store
+                .set(
+                    &address_key(group, rank),
+                    listener.local_addr().to_string().as_bytes(),
+                )
+                .await
+                .map_err(|e| setup_err(format!("cannot publish this rank's address: {e}")))?;
+            debug!(group, rank, world, local = %listener.local_addr(), "mesh listening");
+            Some(listener)
+        } else {
+            None
+        };
+
+        let accept = async {
+            let mut accepted: Vec<(usize, Arc<dyn Connection>)> = Vec::new();
+            let Some(listener) = &listener else {
+                return Ok(accepted);
+            };
+            // Hellos are read beside the accepting, so that a connection that says nothing
+            // holds up nobody else's (dropping the set ends those still unread).
+            let mut hellos = tokio::task::JoinSet::new();
+            while accepted.len() < accepts {
+                let (conn, hello) = tokio::select! {
+                    conn = listener.accept() => {
+                        let conn: Arc<dyn Connection> = Arc::from(conn.map_err(|e| {
+                            setup_err(format!("listener on {} failed: {e}", listener.local_addr()))
+                        })?);
+                        hellos.spawn(async move {
+                            let hello = link::read_hello(&*conn, deadline).await;
+                            (conn, hello)
+                        });
+                        continue;
+                    }
+                    Some(Ok(read)) = hellos.join_next() => read,
+                    () = tokio::time::sleep_until(deadline) => return Err(timed_out()),
+                };
+                let hello = match hello {
+                    Ok(h) => h,
+                    Err(e) => {
+                        warn!(group, rank, "refused a mesh connection: {e}");
+                        continue;
+                    }
+                };
+                let from = hello.rank;
+                let fits = hello.group == group && hello.world == Some(world32);
+                let checked = if fits {
+                    lock_join().handle_connected(from, false)
+                } else {
+                    Err(JoinError::Refused {
+                        peer: from,
+                        what: "a hello for another group or world size",
+                    })
+                };
+                match checked {
+                    Ok(()) => accepted.push((from as usize, conn)),
+                    Err(e) => {
+                        warn!(group, rank, peer = %conn.peer_addr(), ?hello, "refused a mesh connection: {e}");
+                    }
+                }
+            }
+            // Every rank that needed this address has connected.
+            if let Err(e) = store.delete_key(&address_key(group, rank)).await {
+                debug!(
+                    group,
+                    rank, "could not remove this rank's address from the store: {e}"
+                );
+            }
+            Ok::<_, ProcessGroupError>(accepted)
+        };
+
+        let connect = async {
+            let mut connected: Vec<(usize, Arc<dyn Connection>)> = Vec::new();
+            if dials.is_empty() {
+                return Ok(connected);
+            }
+            let keys: Vec<String> = dials
+                .iter()
+                .map(|r| address_key(group, *r as usize))
+                .collect();
+            let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if store.wait(&key_refs, remaining).await.is_err() {
+                // Who has not published: those this rank still misses, as far as it knows.
+                let mut unpublished = Vec::new();
+                for (r, key) in dials.iter().zip(&key_refs) {
+                    if !store.check(&[key]).await.unwrap_or(false) {
+                        unpublished.push(*r as usize);
+                    }
+                }
+                return Err(ProcessGroupError::SetupTimeout {
+                    rank,
+                    waiting_on: unpublished,
+                    timeout,
+                });
+            }
+            let values = store.multi_get(&key_refs).await.map_err(|e| {
+                setup_err(format!("reading the addresses of the higher ranks: {e}"))
+            })?;
+            let hello = link::Hello {
+                group: group.to_owned(),
+                rank: me,
+                world: Some(world32),
+                introduction: Vec::new(),
+            };
+            for (&peer, value) in dials.iter().zip(&values) {
+                let text = String::from_utf8_lossy(value);
+                let addr: SocketAddr = text.parse().map_err(|e| {
+                    setup_err(format!(
+                        "rank {peer} published the address {text:?}, which is not ip:port ({e})"
+                    ))
+                })?;
+                let conn = link::dial(transport, addr, &hello, deadline)
+                    .await
+                    .map_err(|e| setup_err(format!("rank {peer}: {e}")))?;
+                lock_join()
+                    .handle_connected(peer, true)
+                    .map_err(|e| setup_err(e.to_string()))?;
+                connected.push((peer as usize, Arc::from(conn)));
+            }
+            Ok(connected)
+        };
+
+        let (accepted, connected) = tokio::try_join!(accept, connect)?;
+        drop(listener);
+        let mut conns: Vec<Option<Arc<dyn Connection>>> = (0..world).map(|_| None).collect();
+        for (peer, conn) in accepted.into_iter().chain(connected) {
+            conns[peer] = Some(conn);
+        }
+        let failure = std::sync::OnceLock::new();
+        let shared = Arc::new(Shared {
+            rank,
+            peers: conns
+                .into_iter()
+                .map(|c| {
+                    c.map(|conn| PeerLink {
+                        conn,
+                        inbox: Inbox::new(),
+                    })
+                })
+                .collect(),
+            failure,
+            sink: std::sync::OnceLock::new(),
+            admission: Mutex::new(Admission::new(world, limits)),
+        });
+        let readers = (0..world)
+            .filter(|peer| *peer != rank)
+            .map(|peer| tokio::spawn(read_loop(shared.clone(), peer)))
+            .collect();
+        debug!(group, rank, world, "mesh connected");
+        Ok(Mesh {
+            shared,
+            world,
+            readers,
+        })
+    }
+}
