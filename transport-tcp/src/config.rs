@@ -21,13 +21,20 @@ pub const DEAD_PEER_ENV: &str = "TENSORWIRE_TCP_DEAD_PEER_MS";
 /// microseconds, `0` turns polling off (a receive then always waits in the runtime's `epoll`).
 pub const SPIN_ENV: &str = "TENSORWIRE_TCP_SPIN_US";
 
-/// Default [`TcpConfig::spin`].
+/// Default [`TcpConfig::spin`]: off.
 ///
-/// Off until measured more widely. On the 2-core VM we measure on (spin 50 µs against 0, the
-/// same binary, alternating runs): idle machine, unpinned, `rpc_sync` p50 10.5–11.3 µs against
-/// 74–80 µs (the cross-core wake-up through `epoll` polling avoids); pinned to one core, no
-/// difference; loaded by other builds, `rpc_sync` about 2% slower and a 2-rank TCP barrier
-/// about 40% slower in one run.
+/// Measured twice on the same kind of 2-core VM, the same release binary, spin 50 µs against 0,
+/// alternating runs. On an idle machine, unpinned, `rpc_sync` p50 was 10.5–11.3 µs against
+/// 74–80 µs (the cross-core wake-up through `epoll` that polling avoids); pinned, no
+/// difference. On 2026-11-26, with two other engineers' builds loading the machine (load
+/// average 6–9 on 2 cores), medians of 5 runs each (`docs/bench/spin.md`), spin on over off:
+/// unpinned `rpc_sync` p50 0.99× (11.2 against 11.3 µs; the slow wake-up did not occur with
+/// or without it), `rpc_async` calls/s 0.59×, a 2-rank TCP barrier 1.41× and an 8-rank one
+/// 1.18× slower; pinned `rpc_sync` 1.01×, calls/s 0.69×, barriers 1.40× and 1.16×. Idle CPU
+/// does not grow while idle: the agents' extra was about 60 µs once after the last send (1 s
+/// pause: +63 µs/s; 5 s pause: +12 µs/s). It pays only on an idle machine and costs
+/// throughput and collectives when cores are busy, so it stays opt-in
+/// ([`SPIN_ENV`]`=50`).
 pub const DEFAULT_SPIN: Duration = Duration::ZERO;
 
 /// Default [`TcpConfig::keepalive`].
@@ -83,8 +90,9 @@ pub struct TcpConfig {
     /// before it waits in the runtime's `epoll`: a side that just sent a request expects its
     /// answer soon, and a wake-up through `epoll` across cores costs tens of microseconds on a
     /// virtual machine. A receive with no send in the last `spin` waits at once, so an idle
-    /// connection spends no CPU. `Duration::ZERO` turns polling off. Default off
-    /// ([`DEFAULT_SPIN`]); 50 µs is a starting point where it pays.
+    /// connection spends no CPU (measured: about 60 µs once after an agent's last send, none
+    /// after). `Duration::ZERO` turns polling off. Default off ([`DEFAULT_SPIN`], which has the
+    /// measurements); 50 µs is a starting point on an otherwise idle machine, where it pays.
     pub spin: Duration,
 }
 
