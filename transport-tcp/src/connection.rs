@@ -2,11 +2,13 @@
 
 use std::io::IoSlice;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::BytesMut;
 use tensorwire_core::ports::transport::{Connection, TransportError};
+use tensorwire_core::spin::{requeue, SpinPolicy, SpinStep, SpinWait, Turn};
 use tensorwire_core::wire::{Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -79,6 +81,16 @@ pub(crate) struct TcpConnection {
     /// Set when a send was abandoned half-way (its future dropped) or failed: the byte stream
     /// may hold part of a frame, so nothing more can be sent.
     write_broken: AtomicBool,
+    /// How a receive polls after a send ([`TcpConfig::spin`]); `None` when it never does.
+    spin: Option<SpinPolicy>,
+    /// What the last poll learnt: whether polling pays (see [`tensorwire_core::spin`]).
+    spin_paid: AtomicBool,
+    /// When the last send finished, in nanoseconds after `epoch` (0: never).
+    last_send: AtomicU64,
+    epoch: Instant,
+    /// Non-blocking `recv`s made while polling, and those that found bytes (for tests).
+    polls: AtomicU64,
+    polls_found: AtomicU64,
 }
 
 impl std::fmt::Debug for TcpConnection {
@@ -105,6 +117,105 @@ impl TcpConnection {
             }),
             writer: Mutex::new(write),
             write_broken: AtomicBool::new(false),
+            spin: (!config.spin.is_zero()).then(|| {
+                SpinPolicy::new(
+                    config.spin,
+                    std::thread::available_parallelism().map_or(true, |n| n.get() == 1),
+                )
+            }),
+            spin_paid: AtomicBool::new(true),
+            last_send: AtomicU64::new(0),
+            epoch: Instant::now(),
+            polls: AtomicU64::new(0),
+            polls_found: AtomicU64::new(0),
+        }
+    }
+
+    /// Non-blocking `recv`s made while polling after a send, and how many found bytes.
+    #[cfg(test)]
+    pub(crate) fn polls(&self) -> (u64, u64) {
+        (
+            self.polls.load(Ordering::Relaxed),
+            self.polls_found.load(Ordering::Relaxed),
+        )
+    }
+
+    /// When the last send finished, if one did within the spin budget of `now`: a receive
+    /// then polls for the answer until the budget from that send is spent.
+    fn recent_send(&self) -> Option<Instant> {
+        let nanos = self.last_send.load(Ordering::Acquire);
+        (nanos != 0).then(|| self.epoch + Duration::from_nanos(nanos))
+    }
+
+    /// One non-blocking `recv` into the read buffer, bypassing the runtime's readiness (which
+    /// only an `epoll_wait` sets). The runtime's readiness is left as it was, so a later wait
+    /// through it may pay one read that finds nothing, never miss data.
+    fn try_recv(&self, r: &mut Reader) -> std::io::Result<Polled> {
+        self.polls.fetch_add(1, Ordering::Relaxed);
+        r.buf.reserve(READ_BUF);
+        let spare = r.buf.spare_capacity_mut();
+        match socket2::SockRef::from(r.half.as_ref()).recv(spare) {
+            Ok(0) => Ok(Polled::End),
+            Ok(n) => {
+                // SAFETY: `recv` initialised the first `n` bytes of the spare capacity.
+                unsafe { r.buf.set_len(r.buf.len() + n) };
+                self.polls_found.fetch_add(1, Ordering::Relaxed);
+                Ok(Polled::Bytes)
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                Ok(Polled::Nothing)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Polls for the answer to a recent send (see [`TcpConfig::spin`]): what the last poll
+    /// found; [`Polled::Nothing`] when the budget ran out (or there was no recent send) and
+    /// the caller should wait in the runtime.
+    async fn poll_for_answer(&self, r: &mut Reader) -> std::io::Result<Polled> {
+        let (Some(policy), Some(sent)) = (self.spin, self.recent_send()) else {
+            return Ok(Polled::Nothing);
+        };
+        let mut wait = policy.begin(self.spin_paid.load(Ordering::Relaxed), sent);
+        let learn = |wait: &SpinWait| {
+            if let Some(paid) = wait.found() {
+                self.spin_paid.store(paid, Ordering::Relaxed);
+            }
+        };
+        loop {
+            match wait.step(Instant::now()) {
+                SpinStep::Poll => {
+                    let polled = self.try_recv(r)?;
+                    if polled != Polled::Nothing {
+                        learn(&wait);
+                        return Ok(polled);
+                    }
+                    give_turn(&mut wait).await;
+                }
+                SpinStep::Yield => {
+                    give_turn(&mut wait).await;
+                    let polled = self.try_recv(r)?;
+                    if polled != Polled::Nothing {
+                        learn(&wait);
+                        return Ok(polled);
+                    }
+                    let before = Instant::now();
+                    std::thread::yield_now();
+                    wait.yielded(before.elapsed());
+                }
+                SpinStep::Sleep => {
+                    self.spin_paid.store(wait.slept(), Ordering::Relaxed);
+                    return Ok(Polled::Nothing);
+                }
+            }
+            if let Some(again) = self.recent_send() {
+                wait.sent(again);
+            }
         }
     }
 
@@ -130,6 +241,28 @@ impl TcpConnection {
             }
             _ => TransportError::io(self.peer, "receiving", e),
         }
+    }
+}
+
+/// What one non-blocking `recv` found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Polled {
+    /// Bytes, now in the read buffer.
+    Bytes,
+    /// The end of the stream.
+    End,
+    /// Nothing yet.
+    Nothing,
+}
+
+/// Lets the runtime's other tasks run between two polls (see
+/// [`tensorwire_core::spin::Turn`]), as the shared-memory transport does: every other turn
+/// also lets a current-thread runtime's `block_on` future run. A wait that *is* the `block_on`
+/// future (no task id) only requeues.
+async fn give_turn(wait: &mut SpinWait) {
+    match wait.turn() {
+        Turn::Runtime if tokio::task::try_id().is_some() => tokio::task::yield_now().await,
+        Turn::Runtime | Turn::Requeue => requeue().await,
     }
 }
 
@@ -227,6 +360,10 @@ impl Connection for TcpConnection {
             }
             guard.1 = first < outs.len();
         }
+        if self.spin.is_some() {
+            let nanos = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.last_send.store(nanos.max(1), Ordering::Release);
+        }
         Ok(())
     }
 
@@ -258,7 +395,24 @@ impl Connection for TcpConnection {
             if r.decoder.is_mid_frame() && r.frame_deadline.is_none() {
                 r.frame_deadline = self.frame_timeout.map(|t| tokio::time::Instant::now() + t);
             }
-            // The decoder consumed everything buffered; read more.
+            // The decoder consumed everything buffered; read more. Between frames, the answer
+            // to a recent send is polled for first (see `TcpConfig::spin`).
+            if !r.decoder.is_mid_frame() {
+                match self.poll_for_answer(r).await {
+                    Ok(Polled::Bytes) => continue,
+                    Ok(Polled::End) => {
+                        let e = self.eof_error(&r.decoder);
+                        r.release();
+                        return Err(e);
+                    }
+                    Ok(Polled::Nothing) => {}
+                    Err(e) => {
+                        let e = self.read_error(&r.decoder, &e);
+                        r.release();
+                        return Err(e);
+                    }
+                }
+            }
             let deadline = r.frame_deadline;
             let reader = &mut *r;
             let read = async {
@@ -346,5 +500,81 @@ mod tests {
         )
         .unwrap();
         assert!(!socket2::SockRef::from(&stream).keepalive().unwrap());
+    }
+
+    /// Two connected [`TcpConnection`]s (no handshake), each with `spin`.
+    async fn pair(spin: Duration) -> (TcpConnection, TcpConnection) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (client, server) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let config = TcpConfig::insecure().with_spin(spin);
+        let client = prepare(client.unwrap(), addr, &config).unwrap();
+        let (server, peer) = server.unwrap();
+        let server = prepare(server, peer, &config).unwrap();
+        (
+            TcpConnection::new(client, addr, &config),
+            TcpConnection::new(server, peer, &config),
+        )
+    }
+
+    fn frame(text: &'static [u8]) -> Frame {
+        Frame::message(bytes::Bytes::from_static(text), vec![])
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_answer_to_a_send_is_read_by_polling_not_through_epoll() {
+        // A budget far above any scheduling delay: the answer must come while polling.
+        let (client, server) = pair(Duration::from_secs(5)).await;
+        let server = std::sync::Arc::new(server);
+        let echo = tokio::spawn({
+            let server = server.clone();
+            async move {
+                let got = server.recv().await.unwrap();
+                server.send(frame(b"answer")).await.unwrap();
+                got
+            }
+        });
+        client.send(frame(b"question")).await.unwrap();
+        let answer = client.recv().await.unwrap();
+        assert_eq!(&answer.header[..], b"answer");
+        assert_eq!(&echo.await.unwrap().header[..], b"question");
+        let (polls, found) = client.polls();
+        assert_eq!(found, 1, "the answer arrived while polling");
+        assert!(polls >= 1);
+        // The server had sent nothing before the question: it waited without polling.
+        assert_eq!(server.polls(), (0, 0));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_polling_when_turned_off_or_after_the_budget() {
+        let (client, server) = pair(Duration::ZERO).await;
+        client.send(frame(b"question")).await.unwrap();
+        server.recv().await.unwrap();
+        server.send(frame(b"answer")).await.unwrap();
+        assert_eq!(&client.recv().await.unwrap().header[..], b"answer");
+        assert_eq!(client.polls(), (0, 0));
+
+        // A 1 µs budget from the client's send is spent before its receive starts (the server
+        // has received and answered meanwhile): it reads through the runtime without polling.
+        let (client, server) = pair(Duration::from_micros(1)).await;
+        client.send(frame(b"question")).await.unwrap();
+        server.recv().await.unwrap();
+        server.send(frame(b"answer")).await.unwrap();
+        assert_eq!(&client.recv().await.unwrap().header[..], b"answer");
+        assert_eq!(client.polls(), (0, 0), "the budget from the send was spent");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_that_closes_while_polled_ends_the_stream() {
+        let (client, server) = pair(Duration::from_secs(5)).await;
+        let closer = tokio::spawn(async move {
+            server.recv().await.unwrap();
+            drop(server);
+        });
+        client.send(frame(b"question")).await.unwrap();
+        let err = client.recv().await.unwrap_err();
+        assert!(matches!(err, TransportError::Closed { .. }), "{err}");
+        closer.await.unwrap();
+        assert_eq!(client.polls().1, 0, "the end of the stream is no bytes");
     }
 }

@@ -17,6 +17,13 @@
 //!   whose data or probes stay unanswered for [`TcpConfig::dead_peer_timeout`] (30 s by
 //!   default, `TCP_USER_TIMEOUT`) fails with an I/O error, so a host that died or a cut link
 //!   fails the calls waiting on it. [`KEEPALIVE_ENV`] and [`DEAD_PEER_ENV`] override both.
+//! - Optionally (off by default), a receive that finds nothing within [`TcpConfig::spin`] of a
+//!   send on the same connection polls the socket with non-blocking `recv`s (or hands the
+//!   core over with `sched_yield` where polling does not pay, as [`tensorwire_core::spin`]
+//!   decides) before it waits in the runtime's `epoll`: the answer to a request is usually there within that
+//!   time, and it is read without an `epoll_wait` and without the cross-core wake-up that
+//!   costs tens of microseconds on a virtual machine. An idle connection never polls.
+//!   [`SPIN_ENV`] sets the budget in microseconds (`0`, the default, turns polling off).
 //! - `recv` is cancel-safe (usable in `select!`): a dropped `recv` loses no bytes. A `send`
 //!   dropped half-way through a frame makes later sends on that connection fail, since the
 //!   stream then holds part of a frame.
@@ -50,7 +57,8 @@ use tensorwire_core::ports::transport::{Connection, Listener, Transport, Transpo
 
 pub use config::{
     TcpConfig, DEAD_PEER_ENV, DEFAULT_DEAD_PEER_TIMEOUT, DEFAULT_FRAME_TIMEOUT,
-    DEFAULT_HANDSHAKES_PER_SOURCE, DEFAULT_KEEPALIVE, KEEPALIVE_ENV, SECRET_ENV,
+    DEFAULT_HANDSHAKES_PER_SOURCE, DEFAULT_KEEPALIVE, DEFAULT_SPIN, KEEPALIVE_ENV, SECRET_ENV,
+    SPIN_ENV,
 };
 pub use tensorwire_core::auth::ClusterSecret;
 
