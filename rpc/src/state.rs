@@ -26,6 +26,7 @@ use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::functions::{Functions, Value};
 use crate::runtime::Runtime;
+use crate::tensors::WireTensors;
 use crate::worker::WorkerInfo;
 use tensorwire_core::ports::device::DeviceBackend;
 
@@ -34,9 +35,6 @@ use tensorwire_core::ports::device::DeviceBackend;
 pub struct Agent {
     pub(crate) inner: Arc<Inner>,
 }
-
-/// Tensors as they travel: where each lands, and its bytes.
-pub(crate) type WireTensors = Vec<(tensorwire_core::tensor::TensorMeta, Bytes)>;
 
 /// What travels through the endpoint with a message: the encoded arguments or result, and for
 /// methods the reference they are called on.
