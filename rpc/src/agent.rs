@@ -29,14 +29,14 @@ use tokio::sync::{oneshot, Notify};
 
 use crate::codec::{self};
 use crate::error::RpcError;
-use crate::functions::{Functions, Value};
+use crate::functions::Value;
 pub use crate::future::RpcFuture;
 use crate::metrics::RpcMetrics;
 use crate::options::RpcOptions;
 use crate::rref::RRef;
 use crate::runtime::Runtime;
 pub use crate::state::Agent;
-use crate::state::{Body, Inner, Membership, State, Tasks, WorkerRecord};
+use crate::state::{Body, Functions, Inner, Membership, State, Tasks, WorkerRecord};
 use crate::tensors::{self, TensorTransferError};
 use crate::typed::{Call, Function};
 pub use crate::worker::{WorkerInfo, WorkerRef};

@@ -26,7 +26,7 @@ use tensorwire_core::tensor::{sidecar, Tensor};
 /// What the codec needs of the agent whose values it encodes and decodes: the references
 /// inside them are forked for the destination when encoded and accepted when decoded. The agent
 /// implements it; the codec names no agent type.
-pub(crate) trait References {
+pub trait References {
     /// A number that tells this agent apart from every other alive (an [`Outgoing`]'s
     /// `agent`), so that a reference is sent only by the agent holding it.
     fn identity(&self) -> u64;

@@ -24,11 +24,15 @@ use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{mpsc, oneshot, Notify};
 
-use crate::functions::{Functions, Value};
+use crate::functions::{Registry, Value};
 use crate::runtime::Runtime;
 use crate::tensors::WireTensors;
 use crate::worker::WorkerInfo;
 use tensorwire_core::ports::device::DeviceBackend;
+
+/// The functions a worker serves (a registry of functions run on an [`Agent`]). Cloning shares
+/// the table.
+pub type Functions = Registry<Agent>;
 
 /// A running RPC agent. Cheap to clone; every clone is the same agent.
 #[derive(Clone)]

@@ -24,7 +24,7 @@ pub(crate) type WireTensors = Vec<(TensorMeta, Bytes)>;
 /// What preparing a value for a peer needs of the agent: the codec's references, the peers'
 /// names and the device maps toward them. The agent implements it; this module names no agent
 /// type.
-pub(crate) trait Routes: codec::References {
+pub trait Routes: codec::References {
     /// The name of worker `id`.
     fn name_of(&self, id: WorkerId) -> String;
     /// The device map toward worker `to_name` for a message going in `direction`: this
