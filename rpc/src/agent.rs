@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tensorwire_core::device::{Device, DeviceMaps};
+use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
@@ -29,14 +29,14 @@ use tokio::sync::{oneshot, Notify};
 
 use crate::codec::{self};
 use crate::error::RpcError;
-use crate::functions::{Functions, Value};
+use crate::functions::Value;
 pub use crate::future::RpcFuture;
 use crate::metrics::RpcMetrics;
 use crate::options::RpcOptions;
 use crate::rref::RRef;
 use crate::runtime::Runtime;
 pub use crate::state::Agent;
-use crate::state::{Body, Inner, Membership, State, Tasks, WorkerRecord};
+use crate::state::{Body, Functions, Inner, Membership, State, Tasks, WorkerRecord};
 use crate::tensors::{self, TensorTransferError};
 use crate::typed::{Call, Function};
 pub use crate::worker::{WorkerInfo, WorkerRef};
@@ -1072,6 +1072,45 @@ impl Agent {
             )),
             Ok(Err(other)) => Err(other.to_string()),
             Err(_) => Err("RPC is no longer running on this worker".into()),
+        }
+    }
+}
+
+impl codec::References for Agent {
+    fn identity(&self) -> u64 {
+        Agent::identity(self)
+    }
+
+    fn fork(&self, handle: RRefHandle, to: WorkerId) -> Result<RRefForkData, CallError> {
+        self.fork_reference(handle, to)
+    }
+
+    fn cancel_forks(&self, to: WorkerId, forks: &[RRefForkData]) {
+        Agent::cancel_forks(self, to, forks);
+    }
+
+    fn accept(&self, data: RRefForkData) -> RRefHandle {
+        self.accept_reference(data)
+    }
+
+    fn hand_over(&self, handle: RRefHandle) -> u64 {
+        crate::rref::handoff::issue(self, handle)
+    }
+
+    fn take_back(&self, ticket: u64) {
+        crate::rref::handoff::cancel(ticket);
+    }
+}
+
+impl tensors::Routes for Agent {
+    fn name_of(&self, id: WorkerId) -> String {
+        Agent::name_of(self, id)
+    }
+
+    fn device_map(&self, to_name: &str, direction: Direction) -> Option<DeviceMap> {
+        match direction {
+            Direction::Request => self.device_maps().get(to_name).cloned(),
+            Direction::Response => self.reverse_device_maps().get(to_name).cloned(),
         }
     }
 }

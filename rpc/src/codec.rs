@@ -20,10 +20,28 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 /// The header of every agent frame (decoded in core).
 pub(crate) use tensorwire_core::protocol::envelope::Envelope;
-use tensorwire_core::protocol::{RRefForkData, RRefHandle, WorkerId};
+use tensorwire_core::protocol::{CallError, RRefForkData, RRefHandle, WorkerId};
 use tensorwire_core::tensor::{sidecar, Tensor};
 
-use crate::state::Agent;
+/// What the codec needs of the agent whose values it encodes and decodes: the references
+/// inside them are forked for the destination when encoded and accepted when decoded. The agent
+/// implements it; the codec names no agent type.
+pub trait References {
+    /// A number that tells this agent apart from every other alive (an [`Outgoing`]'s
+    /// `agent`), so that a reference is sent only by the agent holding it.
+    fn identity(&self) -> u64;
+    /// Forks `handle` for worker `to`.
+    fn fork(&self, handle: RRefHandle, to: WorkerId) -> Result<RRefForkData, CallError>;
+    /// Undoes the forks made for `to` by an encode whose bytes will not be sent.
+    fn cancel_forks(&self, to: WorkerId, forks: &[RRefForkData]);
+    /// Accepts a fork received from a peer, as a handle of this agent's.
+    fn accept(&self, data: RRefForkData) -> RRefHandle;
+    /// Files the accepted `handle` for the reference's visitor, under the ticket returned
+    /// (serde lets the decoder hand a visitor nothing but data).
+    fn hand_over(&self, handle: RRefHandle) -> u64;
+    /// Lets go of the handle under `ticket` if the visitor did not take it.
+    fn take_back(&self, ticket: u64);
+}
 
 /// The name of the newtype struct a remote reference serializes as: what the codec's wrappers
 /// recognise (`$` keeps it apart from every Rust type's name).
@@ -90,7 +108,7 @@ impl Errors {
 /// What one encode needs beyond the value: the agent, the destination, the forks made for the
 /// references inside (for the message, or to undo), and the failure being carried out.
 pub(crate) struct EncodeContext<'a> {
-    agent: &'a Agent,
+    agent: &'a dyn References,
     to: WorkerId,
     forks: RefCell<Vec<RRefForkData>>,
     errors: Errors,
@@ -107,7 +125,7 @@ impl EncodeContext<'_> {
         }
         let data = self
             .agent
-            .fork_reference(handle, self.to)
+            .fork(handle, self.to)
             .map_err(|e| Failure(e.to_string()))?;
         self.forks.borrow_mut().push(data);
         Ok(data)
@@ -117,12 +135,12 @@ impl EncodeContext<'_> {
 /// What one decode needs beyond the bytes: the agent, the references accepted so far, and the
 /// failure being carried out.
 pub(crate) struct DecodeContext<'a> {
-    agent: &'a Agent,
+    agent: &'a dyn References,
     accepted: RefCell<Vec<RRefHandle>>,
     errors: Errors,
 }
 
-/// What a remote reference hands the encoder: the agent holding it ([`Agent::identity`]) and
+/// What a remote reference hands the encoder: the agent holding it ([`References::identity`]) and
 /// its handle. It serializes only into [`Outgoing::read`]: into anything else it fails, which
 /// is how an `RRef` serialized outside a call says that it cannot be.
 pub(crate) struct Outgoing {
@@ -161,56 +179,11 @@ impl Outgoing {
     }
 }
 
-/// How an accepted reference reaches its visitor, which serde lets the decoder hand nothing but
-/// data: the decoder files the handle under a ticket, gives the visitor the ticket's number,
-/// and takes back whatever was not redeemed once the visitor returns.
-pub(crate) mod handoff {
-    use std::collections::HashMap;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::{Mutex, PoisonError};
-
-    use tensorwire_core::protocol::RRefHandle;
-
-    use crate::state::Agent;
-
-    type Filed = Mutex<Option<HashMap<u64, (Agent, RRefHandle)>>>;
-
-    static FILED: Filed = Mutex::new(None);
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-
-    fn filed() -> std::sync::MutexGuard<'static, Option<HashMap<u64, (Agent, RRefHandle)>>> {
-        FILED.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Files `handle`, accepted by `agent`, under a new ticket.
-    pub(super) fn issue(agent: &Agent, handle: RRefHandle) -> u64 {
-        let ticket = NEXT.fetch_add(1, Ordering::Relaxed);
-        filed()
-            .get_or_insert_with(HashMap::new)
-            .insert(ticket, (agent.clone(), handle));
-        ticket
-    }
-
-    /// The agent and handle filed under `ticket`, once.
-    pub(crate) fn redeem(ticket: u64) -> Option<(Agent, RRefHandle)> {
-        filed().as_mut()?.remove(&ticket)
-    }
-
-    /// Lets go of the handle under `ticket` if its visitor did not take it (the reference is
-    /// dropped as a reference would be).
-    pub(super) fn cancel(ticket: u64) {
-        let left = redeem(ticket);
-        if let Some((agent, handle)) = left {
-            agent.drop_reference(handle);
-        }
-    }
-}
-
 /// Encodes `value` for worker `to`, with the forks made for the references inside it. A
 /// failed encode undoes the forks it made; a caller that then does not send the bytes must
-/// undo them with [`Agent::cancel_forks`].
+/// undo them with [`References::cancel_forks`].
 pub(crate) fn encode<T: Serialize + ?Sized>(
-    agent: &Agent,
+    agent: &dyn References,
     to: WorkerId,
     value: &T,
 ) -> Result<(Bytes, Vec<RRefForkData>), Failure> {
@@ -260,7 +233,7 @@ pub(crate) enum DecodeError {
 /// Decodes a value received by this worker, with the tensors that came beside it. Every byte
 /// must be used: leftovers are an error, not silently ignored.
 pub(crate) fn decode<T: DeserializeOwned>(
-    agent: &Agent,
+    agent: &dyn References,
     bytes: &[u8],
     tensors: Vec<Tensor>,
 ) -> Result<T, DecodeError> {
@@ -270,7 +243,7 @@ pub(crate) fn decode<T: DeserializeOwned>(
 /// [`decode`], also returning the remote references the value holds (accepted here while
 /// decoding), so that a function can wait until their owners have confirmed them.
 pub(crate) fn decode_with_references<T: DeserializeOwned>(
-    agent: &Agent,
+    agent: &dyn References,
     bytes: &[u8],
     tensors: Vec<Tensor>,
 ) -> Result<(T, Vec<RRefHandle>), DecodeError> {

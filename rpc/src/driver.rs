@@ -97,14 +97,20 @@ pub(crate) fn dispatch(this: &Agent, ev: Event<Body>) {
             function,
             body,
             deadline,
-        } => serve::serve(this, token, function, body, None, deadline),
+        } => serve_in_task(
+            this,
+            serve::serve(this, token, function, body, None, deadline),
+        ),
         Event::Remote {
             token,
             function,
             body,
             rref,
             deadline,
-        } => serve::serve(this, token, function, body, Some(rref), deadline),
+        } => serve_in_task(
+            this,
+            serve::serve(this, token, function, body, Some(rref), deadline),
+        ),
         Event::ConfirmWaitDone { wait, outcome } => {
             if let Some(tx) = this.lock().confirm_waits.remove(&wait) {
                 let _ = tx.send(outcome);
@@ -160,6 +166,21 @@ pub(crate) fn dispatch(this: &Agent, ev: Event<Body>) {
         }
         _ => {}
     }
+}
+
+/// Runs the rest of a request's serving (a handler that waits) in a task of its own, then
+/// moves what it produced along, writing on that task (its reply, and those of the handlers
+/// that answered meanwhile).
+fn serve_in_task(
+    this: &Agent,
+    rest: Option<impl std::future::Future<Output = ()> + Send + 'static>,
+) {
+    let Some(rest) = rest else { return };
+    let agent = this.clone();
+    this.spawn(async move {
+        rest.await;
+        pump_direct(&agent).await;
+    });
 }
 
 /// The driver: moves the endpoint's output to peers and the application, and its timers.

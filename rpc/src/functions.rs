@@ -17,25 +17,23 @@ use serde::Serialize;
 
 use crate::codec;
 use crate::error::RpcError;
-use crate::state::Agent;
-use crate::tensors::{self, Prepared, TensorTransferError};
-use crate::worker::WorkerInfo;
+use crate::tensors::{self, Prepared, Routes, TensorTransferError};
 use std::time::Instant;
 use tensorwire_core::placement::Direction;
-use tensorwire_core::protocol::WorkerId;
+use tensorwire_core::protocol::{RRefHandle, WorkerId};
 use tensorwire_core::tensor::Tensor;
 use tracing::Instrument;
 
 /// A value a function produced: kept on its owner (remote references) or encoded for a reply.
 pub(crate) trait Value: Any + Send + Sync {
     /// Encodes the value for worker `to`, with its tensors placed by the reverse device map.
-    fn prepare(&self, agent: &Agent, to: u32) -> Result<Prepared, TensorTransferError>;
+    fn prepare(&self, agent: &dyn Routes, to: u32) -> Result<Prepared, TensorTransferError>;
     /// The value as `Any`, for typed access on its owner.
     fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
 }
 
 impl<T: Serialize + Send + Sync + 'static> Value for T {
-    fn prepare(&self, agent: &Agent, to: u32) -> Result<Prepared, TensorTransferError> {
+    fn prepare(&self, agent: &dyn Routes, to: u32) -> Result<Prepared, TensorTransferError> {
         tensors::prepare(agent, to, self, Direction::Response)
     }
     fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
@@ -58,9 +56,37 @@ pub(crate) enum HandlerError {
 pub(crate) type HandlerFuture =
     Pin<Box<dyn Future<Output = Result<Arc<dyn Value>, HandlerError>> + Send>>;
 
+/// What the functions need of the agent they run on: the registry is generic over it, so that
+/// it names no agent type (the agent holds the registry). The agent implements it.
+pub trait Host: Routes + Clone + Send + Sync + 'static {
+    /// What a function registered with a context gets about its call (the agent's
+    /// [`CallContext`](crate::CallContext)).
+    type Context: Send + 'static;
+
+    /// The context of a call from `caller` that it waits for until `deadline`.
+    fn context(&self, caller: WorkerId, deadline: Option<Instant>) -> Self::Context;
+
+    /// Waits until the owners of `handles` have confirmed them, at most until `deadline`
+    /// (the error says which was not).
+    fn confirmed(
+        &self,
+        handles: &[RRefHandle],
+        deadline: Option<Instant>,
+    ) -> impl Future<Output = Result<(), String>> + Send;
+
+    /// Counts a call of `function` from `caller` with `bytes` as being served, and gives the
+    /// span it runs in and what to tell when it finished (`true`: it succeeded).
+    fn serving(
+        &self,
+        caller: WorkerId,
+        function: &str,
+        bytes: u64,
+    ) -> (tracing::Span, impl FnOnce(bool) + Send + 'static);
+}
+
 /// What a handler gets.
-pub(crate) struct Invocation {
-    pub(crate) agent: Agent,
+pub(crate) struct Invocation<H> {
+    pub(crate) agent: H,
     pub(crate) caller: WorkerId,
     /// When the caller stops waiting.
     pub(crate) deadline: Option<Instant>,
@@ -69,7 +95,7 @@ pub(crate) struct Invocation {
     pub(crate) target: Option<Arc<dyn Any + Send + Sync>>,
 }
 
-impl Invocation {
+impl<H: Host> Invocation<H> {
     /// Decodes the arguments and waits until the owner of every remote reference in them has
     /// confirmed it (PyTorch runs a function only then), bounded by the call's deadline.
     pub(crate) async fn arguments<A: DeserializeOwned>(&mut self) -> Result<A, HandlerError> {
@@ -80,60 +106,19 @@ impl Invocation {
         )
         .map_err(|e| HandlerError::BadArguments(e.to_string()))?;
         self.agent
-            .wait_confirmed(&references, self.deadline)
+            .confirmed(&references, self.deadline)
             .await
             .map_err(HandlerError::Target)?;
         Ok(args)
     }
 
-    pub(crate) fn context(&self) -> CallContext {
-        CallContext {
-            caller: WorkerInfo {
-                name: self.agent.name_of(self.caller),
-                id: self.caller,
-            },
-            agent: self.agent.clone(),
-            deadline: self.deadline,
-        }
+    /// What a function registered with a context gets about this call.
+    pub(crate) fn context(&self) -> H::Context {
+        self.agent.context(self.caller, self.deadline)
     }
 }
 
-/// What a function registered with [`Functions::register_with_context`] learns about its call:
-/// who called, the agent it runs on (for nested calls, without a global), and the caller's
-/// deadline.
-#[derive(Debug, Clone)]
-pub struct CallContext {
-    caller: WorkerInfo,
-    agent: Agent,
-    deadline: Option<Instant>,
-}
-
-impl CallContext {
-    /// The worker that made the call.
-    pub fn caller(&self) -> &WorkerInfo {
-        &self.caller
-    }
-
-    /// The agent this function runs on.
-    pub fn agent(&self) -> &Agent {
-        &self.agent
-    }
-
-    /// When the caller stops waiting for the result (`None`: the call has no timeout), on the
-    /// agent's runtime clock (see [`RpcOptions::runtime`](crate::RpcOptions::runtime)). A
-    /// nested call can use what is left: [`remaining`](Self::remaining).
-    pub fn deadline(&self) -> Option<Instant> {
-        self.deadline
-    }
-
-    /// The time left until [`deadline`](Self::deadline) (`None`: no deadline; zero once past).
-    pub fn remaining(&self) -> Option<std::time::Duration> {
-        self.deadline
-            .map(|d| d.saturating_duration_since(self.agent.runtime().now()))
-    }
-}
-
-pub(crate) type Handler = Arc<dyn Fn(Invocation) -> HandlerFuture + Send + Sync>;
+pub(crate) type Handler<H> = Arc<dyn Fn(Invocation<H>) -> HandlerFuture + Send + Sync>;
 
 /// The result of a user function, as the agent keeps or sends it.
 pub(crate) fn finish<R, E>(outcome: Result<R, E>) -> Result<Arc<dyn Value>, HandlerError>
@@ -166,21 +151,16 @@ pub(crate) fn method_target<T: Send + Sync + 'static>(
 }
 
 /// `handler`, counted in the agent's metrics and run in an `rpc_serve` span.
-fn observed(name: &str, handler: Handler) -> Handler {
+fn observed<H: Host>(name: &str, handler: Handler<H>) -> Handler<H> {
     let name: Arc<str> = Arc::from(name);
-    Arc::new(move |inv: Invocation| {
+    Arc::new(move |inv: Invocation<H>| {
         let bytes = crate::metrics::message_bytes(inv.args.len(), inv.tensors.iter());
-        let agent = inv.agent.clone();
-        let (span, served) =
-            agent
-                .inner
-                .metrics
-                .serve(&|id| agent.name_of(id), inv.caller, &name, bytes);
+        let (span, served) = inv.agent.serving(inv.caller, &name, bytes);
         let running = handler(inv);
         Box::pin(
             async move {
                 let outcome = running.await;
-                served.finish(outcome.is_ok());
+                served(outcome.is_ok());
                 outcome
             }
             .instrument(span),
@@ -188,13 +168,29 @@ fn observed(name: &str, handler: Handler) -> Handler {
     })
 }
 
-/// The functions a worker serves. Cloning shares the table.
-#[derive(Clone, Default)]
-pub struct Functions {
-    table: Arc<RwLock<HashMap<String, Handler>>>,
+/// The functions a worker serves, run on an agent of type `H` (the crate's
+/// [`Functions`](crate::Functions)). Cloning shares the table.
+pub struct Registry<H> {
+    table: Arc<RwLock<HashMap<String, Handler<H>>>>,
 }
 
-impl fmt::Debug for Functions {
+impl<H> Clone for Registry<H> {
+    fn clone(&self) -> Self {
+        Registry {
+            table: Arc::clone(&self.table),
+        }
+    }
+}
+
+impl<H> Default for Registry<H> {
+    fn default() -> Self {
+        Registry {
+            table: Arc::default(),
+        }
+    }
+}
+
+impl<H> fmt::Debug for Registry<H> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut names: Vec<String> = self.read().keys().cloned().collect();
         names.sort();
@@ -202,13 +198,13 @@ impl fmt::Debug for Functions {
     }
 }
 
-impl Functions {
+impl<H> Registry<H> {
     /// No functions.
     pub fn new() -> Self {
         Self::default()
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Handler>> {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Handler<H>>> {
         self.table
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -216,7 +212,10 @@ impl Functions {
 
     /// Adds `handler` under `name`; a name taken already is an error (as the backend
     /// registries do), never a silent replacement.
-    pub(crate) fn insert(&self, name: &str, handler: Handler) -> Result<(), RpcError> {
+    pub(crate) fn insert(&self, name: &str, handler: Handler<H>) -> Result<(), RpcError>
+    where
+        H: Host,
+    {
         let mut table = self
             .table
             .write()
@@ -238,7 +237,7 @@ impl Functions {
             .is_some()
     }
 
-    pub(crate) fn get(&self, name: &str) -> Option<Handler> {
+    pub(crate) fn get(&self, name: &str) -> Option<Handler<H>> {
         self.read().get(name).cloned()
     }
 
@@ -248,7 +247,9 @@ impl Functions {
         v.sort();
         v
     }
+}
 
+impl<H: Host> Registry<H> {
     /// Registers `f` under `name`, for calls by name (the dynamic form; a
     /// [`Function`](crate::Function) descriptor with [`serve`](Self::serve) checks the types).
     /// The function runs once every remote reference in its arguments is confirmed by its
@@ -271,10 +272,10 @@ impl Functions {
         F: Fn(A) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<R, E>> + Send + 'static,
     {
-        self.register_with_context(name, move |_: CallContext, args: A| f(args))
+        self.register_with_context(name, move |_: H::Context, args: A| f(args))
     }
 
-    /// Registers `f` under `name`; `f` also gets the [`CallContext`]: the caller, the agent
+    /// Registers `f` under `name`; `f` also gets the [`CallContext`](crate::CallContext): the caller, the agent
     /// (for nested calls) and the deadline. A name taken already is an error.
     ///
     /// ```
@@ -294,13 +295,13 @@ impl Functions {
         A: DeserializeOwned + Send + 'static,
         R: Serialize + Send + Sync + 'static,
         E: fmt::Display + Send + 'static,
-        F: Fn(CallContext, A) -> Fut + Send + Sync + 'static,
+        F: Fn(H::Context, A) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<R, E>> + Send + 'static,
     {
         let f = Arc::new(f);
         self.insert(
             name,
-            Arc::new(move |mut inv: Invocation| {
+            Arc::new(move |mut inv: Invocation<H>| {
                 let f = Arc::clone(&f);
                 Box::pin(async move {
                     let args: A = inv.arguments().await?;
@@ -321,12 +322,12 @@ impl Functions {
         F: Fn(Arc<T>, A) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<R, E>> + Send + 'static,
     {
-        self.register_method_with_context(name, move |_: CallContext, value: Arc<T>, args: A| {
+        self.register_method_with_context(name, move |_: H::Context, value: Arc<T>, args: A| {
             f(value, args)
         })
     }
 
-    /// [`register_method`](Self::register_method) with the [`CallContext`].
+    /// [`register_method`](Self::register_method) with the [`CallContext`](crate::CallContext).
     pub fn register_method_with_context<T, A, R, E, F, Fut>(
         &self,
         name: &str,
@@ -337,14 +338,14 @@ impl Functions {
         A: DeserializeOwned + Send + 'static,
         R: Serialize + Send + Sync + 'static,
         E: fmt::Display + Send + 'static,
-        F: Fn(CallContext, Arc<T>, A) -> Fut + Send + Sync + 'static,
+        F: Fn(H::Context, Arc<T>, A) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<R, E>> + Send + 'static,
     {
         let f = Arc::new(f);
         let name_owned = name.to_owned();
         self.insert(
             name,
-            Arc::new(move |mut inv: Invocation| {
+            Arc::new(move |mut inv: Invocation<H>| {
                 let f = Arc::clone(&f);
                 let name = name_owned.clone();
                 Box::pin(async move {

@@ -126,8 +126,8 @@ async fn lead(agent: &Agent, from: WorkerId, c: Contribution) -> GatherOutcome {
 }
 
 /// The leader's side: the handler of [`GATHER`].
-pub(crate) fn handler() -> Handler {
-    Arc::new(|mut inv: Invocation| {
+pub(crate) fn handler() -> Handler<Agent> {
+    Arc::new(|mut inv: Invocation<Agent>| {
         Box::pin(async move {
             let c: Contribution = inv.arguments().await?;
             let agent = inv.agent.clone();

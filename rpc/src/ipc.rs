@@ -22,9 +22,9 @@ use tensorwire_core::tensor::{Storage, Tensor, TensorMeta};
 use tensorwire_core::wire::Frame;
 
 use crate::state::Agent;
-use crate::state::WireTensors;
 use crate::state::{IpcHeld as Held, IpcLink};
 use crate::tensors::TensorTransferError;
+use crate::tensors::WireTensors;
 
 impl IpcLink {
     /// The state of an agent over `backend` (sharing unless the backend cannot, `share` is

@@ -38,6 +38,7 @@ mod agent;
 pub mod autograd;
 mod backend;
 mod codec;
+mod context;
 mod driver;
 mod error;
 pub mod faults;
@@ -77,8 +78,8 @@ pub use backend::{
 };
 #[cfg(feature = "quic")]
 pub use backend::{QuicBackend, QUIC_BACKEND};
+pub use context::CallContext;
 pub use error::RpcError;
-pub use functions::{CallContext, Functions};
 pub use init::start_agent;
 pub use init_rpc::init_rpc;
 pub use metrics::{PeerMetrics, RpcMetrics};
@@ -88,6 +89,7 @@ pub use options::{
 pub use peer_events::{PeerEvent, PeerEvents};
 pub use rref::RRef;
 pub use runtime::{Runtime, TokioRuntime};
+pub use state::Functions;
 pub use tensorwire_core::autograd::optim::{Adagrad, Adam, AdamW, Optimizer, RmsProp, Sgd};
 pub use tensorwire_core::protocol::{
     CallError, DebugInfo, ForkInfo, OwnedInfo, RemoteError, RemoteErrorKind,

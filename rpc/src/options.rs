@@ -9,8 +9,8 @@ use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
 use tensorwire_core::protocol::EndpointConfig;
 
 use crate::error::RpcError;
-use crate::functions::Functions;
 use crate::runtime::{Runtime, TokioRuntime};
+use crate::state::Functions;
 
 /// The default timeout of a call (PyTorch's too).
 pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(60);

@@ -303,8 +303,7 @@ impl<'de, T: Send + Sync + 'static> Visitor<'de> for Incoming<T> {
     }
 
     fn visit_u64<E: serde::de::Error>(self, ticket: u64) -> Result<RRef<T>, E> {
-        let (agent, handle) =
-            codec::handoff::redeem(ticket).ok_or_else(|| E::custom(NOT_IN_A_CALL))?;
+        let (agent, handle) = handoff::redeem(ticket).ok_or_else(|| E::custom(NOT_IN_A_CALL))?;
         Ok(RRef::from_handle(agent, handle, None))
     }
 
@@ -317,5 +316,51 @@ impl<'de, T: Send + Sync + 'static> Deserialize<'de> for RRef<T> {
     /// Accepts the fork that came for this worker; only the codec's decoder can (see `codec`).
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         deserializer.deserialize_newtype_struct(codec::RREF_TOKEN, Incoming(PhantomData))
+    }
+}
+
+/// How a reference the codec's decoder accepted reaches its visitor ([`Incoming`]), which serde
+/// lets the decoder hand nothing but data: the agent files the handle under a ticket
+/// (`codec::References::hand_over`), the decoder gives the visitor the ticket's number,
+/// and takes back whatever was not redeemed once the visitor returns.
+pub(crate) mod handoff {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Mutex, PoisonError};
+
+    use tensorwire_core::protocol::RRefHandle;
+
+    use crate::state::Agent;
+
+    type Filed = Mutex<Option<HashMap<u64, (Agent, RRefHandle)>>>;
+
+    static FILED: Filed = Mutex::new(None);
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+
+    fn filed() -> std::sync::MutexGuard<'static, Option<HashMap<u64, (Agent, RRefHandle)>>> {
+        FILED.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Files `handle`, accepted by `agent`, under a new ticket.
+    pub(crate) fn issue(agent: &Agent, handle: RRefHandle) -> u64 {
+        let ticket = NEXT.fetch_add(1, Ordering::Relaxed);
+        filed()
+            .get_or_insert_with(HashMap::new)
+            .insert(ticket, (agent.clone(), handle));
+        ticket
+    }
+
+    /// The agent and handle filed under `ticket`, once.
+    pub(crate) fn redeem(ticket: u64) -> Option<(Agent, RRefHandle)> {
+        filed().as_mut()?.remove(&ticket)
+    }
+
+    /// Lets go of the handle under `ticket` if its visitor did not take it (the reference is
+    /// dropped as a reference would be).
+    pub(crate) fn cancel(ticket: u64) {
+        let left = redeem(ticket);
+        if let Some((agent, handle)) = left {
+            agent.drop_reference(handle);
+        }
     }
 }

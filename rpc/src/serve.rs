@@ -9,7 +9,6 @@ use bytes::Bytes;
 use tensorwire_core::protocol::{RRefId, RemoteError, RemoteErrorKind, RequestToken, WorkerId};
 use tracing::warn;
 
-use crate::driver;
 use crate::functions::{HandlerError, Invocation, Value};
 use crate::state::Agent;
 use crate::state::Body;
@@ -53,7 +52,9 @@ pub(crate) async fn reply_body(
     })
 }
 
-/// Runs a registered function for a request, catching errors and panics.
+/// Runs a registered function for a request, catching errors and panics. A handler that
+/// answered at once (or a call that failed before it ran) is done; one that waits comes back
+/// as the rest of its serving, for the driver to run in a task of its own and to pump after.
 pub(crate) fn serve(
     this: &Agent,
     token: RequestToken,
@@ -61,7 +62,7 @@ pub(crate) fn serve(
     body: Body,
     keep_as: Option<RRefId>,
     deadline: Option<Instant>,
-) {
+) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
     let me = this.inner.me.id;
     let agent = this.clone();
     let handler = if function == crate::gather::GATHER {
@@ -86,7 +87,7 @@ pub(crate) fn serve(
         );
         this.lock().ep.respond(token, Err(err));
         this.pump();
-        return;
+        return None;
     };
     let serving = Serving::enter(this);
     let from_peer = token.from() != me;
@@ -207,11 +208,10 @@ pub(crate) fn serve(
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         if let std::task::Poll::Ready(serving) = std::future::Future::poll(task.as_mut(), &mut cx) {
             drop(serving);
-            return;
+            return None;
         }
     }
-    let agent = this.clone();
-    this.spawn(async move {
+    Some(async move {
         let serving = task.await;
         // Let the other handlers that are ready answer too, so that their replies leave in
         // the same write (one scheduler turn). Alone, the reply leaves at once: a yield
@@ -219,8 +219,7 @@ pub(crate) fn serve(
         if serving.leave() > 0 {
             tokio::task::yield_now().await;
         }
-        driver::pump_direct(&agent).await;
-    });
+    })
 }
 
 /// The value of `rref`, owned here. (A method call on a value still being created waits

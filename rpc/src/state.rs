@@ -24,19 +24,21 @@ use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{mpsc, oneshot, Notify};
 
-use crate::functions::{Functions, Value};
+use crate::functions::{Registry, Value};
 use crate::runtime::Runtime;
+use crate::tensors::WireTensors;
 use crate::worker::WorkerInfo;
 use tensorwire_core::ports::device::DeviceBackend;
+
+/// The functions a worker serves (a registry of functions run on an [`Agent`]). Cloning shares
+/// the table.
+pub type Functions = Registry<Agent>;
 
 /// A running RPC agent. Cheap to clone; every clone is the same agent.
 #[derive(Clone)]
 pub struct Agent {
     pub(crate) inner: Arc<Inner>,
 }
-
-/// Tensors as they travel: where each lands, and its bytes.
-pub(crate) type WireTensors = Vec<(tensorwire_core::tensor::TensorMeta, Bytes)>;
 
 /// What travels through the endpoint with a message: the encoded arguments or result, and for
 /// methods the reference they are called on.

@@ -9,7 +9,7 @@
 
 use bytes::Bytes;
 use serde::Serialize;
-use tensorwire_core::device::Device;
+use tensorwire_core::device::{Device, DeviceMap};
 use tensorwire_core::placement::{placements, Direction, PlacementError};
 use tensorwire_core::ports::device::{DeviceBackend, DeviceError};
 use tensorwire_core::protocol::RRefForkData;
@@ -17,7 +17,21 @@ use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::tensor::{sidecar, Storage, Tensor, TensorMeta};
 
 use crate::codec;
-use crate::state::{Agent, WireTensors};
+
+/// Tensors as they travel: where each lands, and its bytes.
+pub(crate) type WireTensors = Vec<(TensorMeta, Bytes)>;
+
+/// What preparing a value for a peer needs of the agent: the codec's references, the peers'
+/// names and the device maps toward them. The agent implements it; this module names no agent
+/// type.
+pub trait Routes: codec::References {
+    /// The name of worker `id`.
+    fn name_of(&self, id: WorkerId) -> String;
+    /// The device map toward worker `to_name` for a message going in `direction`: this
+    /// worker's own map for requests, the reverse map (the caller's, read backwards) for
+    /// responses.
+    fn device_map(&self, to_name: &str, direction: Direction) -> Option<DeviceMap>;
+}
 
 /// Why a message's tensors could not be sent or received.
 #[derive(Debug, thiserror::Error)]
@@ -53,7 +67,7 @@ impl Prepared {
 
 /// Encodes `value` for `to` and decides where its tensors land.
 pub(crate) fn prepare<T: Serialize + ?Sized>(
-    agent: &Agent,
+    agent: &dyn Routes,
     to: WorkerId,
     value: &T,
     direction: Direction,
@@ -68,10 +82,7 @@ pub(crate) fn prepare<T: Serialize + ?Sized>(
         });
     }
     let to_name = agent.name_of(to);
-    let map = match direction {
-        Direction::Request => agent.device_maps().get(&to_name).cloned(),
-        Direction::Response => agent.reverse_device_maps().get(&to_name).cloned(),
-    };
+    let map = agent.device_map(&to_name, direction);
     let landing = match placements(
         &to_name,
         map.as_ref(),

@@ -48,11 +48,12 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::context::CallContext;
 use crate::error::RpcError;
-use crate::functions::{finish, method_target, CallContext, Functions, HandlerError, Invocation};
+use crate::functions::{finish, method_target, HandlerError, Invocation};
 use crate::future::RpcFuture;
 use crate::rref::RRef;
-use crate::state::Agent;
+use crate::state::{Agent, Functions};
 use crate::worker::WorkerRef;
 
 /// The tag in front of a typed call's arguments: "tensorwire typed, version 1".
@@ -208,7 +209,11 @@ fn with_header<'a, A: ?Sized>(signature: &'a Signature, args: &'a A) -> (TypeHea
 
 /// Checks the fingerprint in front of `inv`'s arguments against `ours`, and leaves only the
 /// arguments in `inv`.
-fn check_header(name: &str, ours: &Signature, inv: &mut Invocation) -> Result<(), HandlerError> {
+fn check_header(
+    name: &str,
+    ours: &Signature,
+    inv: &mut Invocation<Agent>,
+) -> Result<(), HandlerError> {
     let untyped = || {
         HandlerError::BadArguments(format!(
             "{name:?} is a typed function ({ours}) and the call carries no type fingerprint: \
@@ -276,7 +281,7 @@ impl Functions {
         let signature = Arc::new(function.signature());
         self.insert(
             name,
-            Arc::new(move |mut inv: Invocation| {
+            Arc::new(move |mut inv: Invocation<Agent>| {
                 let f = Arc::clone(&f);
                 let signature = Arc::clone(&signature);
                 Box::pin(async move {
@@ -309,7 +314,7 @@ impl Functions {
         let signature = Arc::new(method.signature());
         self.insert(
             name,
-            Arc::new(move |mut inv: Invocation| {
+            Arc::new(move |mut inv: Invocation<Agent>| {
                 let f = Arc::clone(&f);
                 let signature = Arc::clone(&signature);
                 Box::pin(async move {

@@ -100,8 +100,8 @@ use tensorwire_core::tensor::Tensor;
 use tokio::sync::oneshot;
 use tracing::{debug, warn, Instrument};
 
+use crate::context::CallContext;
 use crate::error::RpcError;
-use crate::functions::CallContext;
 use crate::peer_events::PeerEvent;
 use crate::rref::RRef;
 use crate::state::Agent;

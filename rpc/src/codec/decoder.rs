@@ -111,12 +111,12 @@ impl DecodeContext<'_> {
         data: RRefForkData,
         visitor: V,
     ) -> Result<V::Value, Failure> {
-        let handle = self.agent.accept_reference(data);
+        let handle = self.agent.accept(data);
         self.accepted.borrow_mut().push(handle);
-        let ticket = super::handoff::issue(self.agent, handle);
+        let ticket = self.agent.hand_over(handle);
         let out = visitor.visit_u64(ticket);
         // Only the reference's visitor redeems tickets; whatever was not redeemed is let go.
-        super::handoff::cancel(ticket);
+        self.agent.take_back(ticket);
         out
     }
 }
