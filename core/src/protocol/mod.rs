@@ -82,6 +82,7 @@ pub mod membership;
 pub mod mesh;
 mod requests;
 mod rrefs;
+mod secrets;
 pub mod shutdown;
 mod violation;
 
@@ -116,6 +117,10 @@ impl fmt::Display for GlobalId {
 pub type RRefId = GlobalId;
 /// Identifies one user's fork of a remote reference.
 pub type ForkId = GlobalId;
+/// A reference's capability: 128 bits known to its owner and to every worker that was given the
+/// reference, and to nobody else (ids are easy to guess; this is not). A fork request must
+/// present it ([`ProtocolViolation::ForgedFork`]). See `secrets`.
+pub type RRefSecret = u128;
 
 /// What a worker needs to know to hold a reference: carried inside call arguments when an RRef
 /// is passed to another worker.
@@ -129,6 +134,8 @@ pub struct RRefForkData {
     pub owner: WorkerId,
     /// The worker that passed the reference on.
     pub parent: WorkerId,
+    /// The reference's capability ([`RRefSecret`]): the receiver presents it to the owner.
+    pub secret: RRefSecret,
 }
 
 /// What the endpoint sees of a body it moves: the references inside it, forked for its
@@ -314,6 +321,8 @@ pub enum Header {
         rref: RRefId,
         /// The caller's fork.
         fork: ForkId,
+        /// The reference's capability, chosen by its creator ([`RRefSecret`]).
+        secret: RRefSecret,
         /// The caller's timeout (zero: none); see [`Header::Call`].
         timeout: Duration,
     },
@@ -352,6 +361,9 @@ pub enum Header {
         rref: RRefId,
         /// The child's fork.
         fork: ForkId,
+        /// The reference's capability, as the parent gave it: the owner registers the fork
+        /// only if it matches ([`ProtocolViolation::ForgedFork`]).
+        secret: RRefSecret,
     },
     /// Control: a child tells its parent that the owner confirmed its fork.
     ChildAccept {
@@ -542,6 +554,16 @@ pub enum Event<B> {
         /// `Ok` once every member is idle (or, leaving, our calls are answered).
         outcome: Result<(), ShutdownError>,
     },
+    /// A peer broke the protocol in a way found only later than its message (a fork request
+    /// made before the reference's creation arrived, whose capability the creation shows to
+    /// be forged): the endpoint has already handled the peer as lost with
+    /// [`LostCause::Misbehaved`]; the driver drops its connection.
+    Misbehaved {
+        /// The peer.
+        peer: WorkerId,
+        /// What it did.
+        violation: ProtocolViolation,
+    },
 }
 
 /// Tunables.
@@ -629,6 +651,10 @@ struct Owned {
     state: Option<Result<(), RemoteError>>,
     /// Fetches parked until the value exists: caller, its message id, its deadline.
     fetches: Vec<(WorkerId, MessageId, Option<Instant>)>,
+    /// The reference's capability; `None` until its creation arrives.
+    secret: Option<RRefSecret>,
+    /// Before then, the capability each fork request presented, checked on the creation.
+    claims: HashMap<ForkId, RRefSecret>,
 }
 
 /// A user's record of one fork.
@@ -649,6 +675,8 @@ struct Used {
     /// be fetched or passed on, and fetching it reports this. After a timeout the fork is
     /// still deleted at the owner once dropped.
     creation_error: Option<CallError>,
+    /// The reference's capability, passed on to the children.
+    secret: RRefSecret,
 }
 
 /// The control messages of one sender already handled.
@@ -733,6 +761,8 @@ pub struct Endpoint<B> {
     /// The latest time an input brought (for work that commands without a time cause).
     last_now: Option<Instant>,
     events: VecDeque<Event<B>>,
+    /// The key of the capabilities of the references created here (see `secrets`).
+    secret_key: [u8; 32],
 }
 
 /// Identifies a wait begun with [`Endpoint::wait_confirmed`].
@@ -847,6 +877,7 @@ impl<B: Payload> Endpoint<B> {
             shutdown: shutdown::ShutdownState::default(),
             last_now: None,
             events: VecDeque::new(),
+            secret_key: secrets::default_key(me),
         }
     }
 

@@ -122,6 +122,19 @@ pub enum ProtocolViolation {
         /// The worker that sent it.
         sender: WorkerId,
     },
+    /// A fork request whose capability is not the reference's: the sender was never given
+    /// the reference (it knows or guessed the ids), so it may not hold it. Found when the
+    /// request arrives, or, for a reference whose creation had not arrived yet, when it does
+    /// (reported then by [`Event::Misbehaved`](super::Event::Misbehaved)).
+    #[error("worker {sender} asked for fork {fork} of remote reference {rref} without its capability: it was never given the reference")]
+    ForgedFork {
+        /// The reference.
+        rref: RRefId,
+        /// The fork it asked for.
+        fork: ForkId,
+        /// The worker that sent it.
+        sender: WorkerId,
+    },
     /// A delete, fork request or child-accept for a fork that another worker holds.
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
     ForeignFork {
