@@ -213,10 +213,20 @@ pub struct Cluster {
     chain_calls: BTreeSet<(WorkerId, MessageId)>,
     chain_failures: Vec<(WorkerId, MessageId, CallError)>,
     /// Every (worker, reference) where the worker came to hold the reference: it created it
-    /// with `remote`, accepted a fork of it, or (forged traffic) claimed a fork of it with a
-    /// fork request its owner accepted. An owner serves fetches and method calls only to
-    /// these.
+    /// with `remote` or accepted a fork of it (a forged fork request makes nobody a holder:
+    /// it cannot present the reference's capability). An owner serves fetches and method
+    /// calls only to these.
     given: BTreeSet<(WorkerId, RRefId)>,
+    /// (worker, peer) for each forger a worker found after its message (`Event::Misbehaved`).
+    misbehaved: Vec<(WorkerId, WorkerId)>,
+}
+
+/// The capability key of worker `w` in the run of `seed` (the driver's entropy, seeded).
+pub(crate) fn sim_key(seed: u64, w: WorkerId) -> [u8; 32] {
+    let mut key = [0x5a; 32];
+    key[..8].copy_from_slice(&seed.to_le_bytes());
+    key[8..12].copy_from_slice(&w.to_le_bytes());
+    key
 }
 
 const FUNCTIONS: [&str; 4] = ["echo", "fail", "slow", "nested"];
@@ -232,7 +242,11 @@ impl Cluster {
             seed,
             clock: Clock::new(),
             eps: (0..n.max(1))
-                .map(|i| Endpoint::new(i, config.clone()))
+                .map(|i| {
+                    let mut ep = Endpoint::new(i, config.clone());
+                    ep.set_secret_key(sim_key(seed, i));
+                    ep
+                })
                 .collect(),
             apps: (0..n.max(1)).map(|_| App::default()).collect(),
             links: Links::new(),
@@ -244,6 +258,7 @@ impl Cluster {
             chain_calls: BTreeSet::new(),
             chain_failures: Vec::new(),
             given: BTreeSet::new(),
+            misbehaved: Vec::new(),
         }
     }
 
@@ -865,9 +880,10 @@ impl Cluster {
         if from >= n || to >= n || from == to || self.dead.contains(&to) {
             return false;
         }
-        // A claim the owner accepts makes the sender a holder (see `given`).
+        // A creation the owner accepts makes the sender a holder (see `given`); a fork
+        // request does not: only a worker given the reference knows its capability.
         let claimed = match header {
-            Header::ForkRequest { rref, .. } | Header::Remote { rref, .. } => Some(rref),
+            Header::Remote { rref, .. } => Some(rref),
             _ => None,
         };
         let violation = self.eps[to as usize]
@@ -918,6 +934,9 @@ impl Cluster {
                     | Event::Confirmed { .. }
                     | Event::ReleaseValue { .. }
                     | Event::ShutdownComplete { .. } => {}
+                    // The endpoint handled the forger as lost; its forged messages go on
+                    // arriving, as from a peer whose connection the driver has not closed yet.
+                    Event::Misbehaved { peer, .. } => self.misbehaved.push((w, peer)),
                 }
             }
         }

@@ -203,6 +203,16 @@ impl World {
                     self.kept.remove(&rref);
                 }
             }
+            // A forgery found late (a fork request that overtook the creation): the endpoint
+            // handled it as lost; the driver closes its connection, and the others hear of it.
+            Event::Misbehaved { peer, .. } => {
+                assert_eq!(peer, HOSTILE, "an honest worker was found forging");
+                self.hostile_lost = true;
+                let now = self.now;
+                for ep in &mut self.eps {
+                    ep.handle_peer_lost(HOSTILE, LostCause::Transport("dropped".into()), now);
+                }
+            }
             // Confirmations, confirm waits, shutdown: nothing the checks need.
             _ => {}
         }
@@ -304,8 +314,10 @@ fn hostile(data: &[u8]) {
                 let to = if op & 0x10 != 0 { CALLER } else { CALLEE };
                 let b = (op & 0x20 != 0).then(|| body(chunk(&mut rest)));
                 let now = w.now;
+                // Its own creation makes it a holder; a fork request cannot (it does not know
+                // the capability of a reference it was never given).
                 let claimed = match header {
-                    Header::ForkRequest { rref, .. } | Header::Remote { rref, .. } => Some(rref),
+                    Header::Remote { rref, .. } => Some(rref),
                     _ => None,
                 };
                 match w.eps[to as usize].handle_message(HOSTILE, header, b, now) {

@@ -132,7 +132,15 @@ impl Agent {
                 options.ipc_limits,
             ),
             state: Mutex::new(State {
-                ep: Endpoint::new(me_id, options.endpoint.clone()),
+                ep: {
+                    // The key of the capabilities of the references made here: real
+                    // entropy, so that no peer can compute them.
+                    let mut ep = Endpoint::new(me_id, options.endpoint.clone());
+                    let mut key = [0u8; 32];
+                    rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut key);
+                    ep.set_secret_key(key);
+                    ep
+                },
                 waiters: HashMap::new(),
                 values: HashMap::new(),
                 peers: HashMap::new(),

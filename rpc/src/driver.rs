@@ -164,6 +164,9 @@ pub(crate) fn dispatch(this: &Agent, ev: Event<Body>) {
                 let _ = tx.send(outcome);
             }
         }
+        // A forgery found after its message (see `Event::Misbehaved`): the endpoint has
+        // handled the peer as lost; its connection is dropped as for any violation.
+        Event::Misbehaved { peer, violation } => crate::links::fail_peer(this, peer, violation),
         _ => {}
     }
 }

@@ -494,6 +494,7 @@ async fn run(net: Net, attack: Attack) {
                         local: FORGED_ID + i,
                     };
                     let header = Header::ForkRequest {
+                        secret: 0,
                         id: 1 + i,
                         floor: 0,
                         rref,

@@ -188,6 +188,9 @@ enum Attack {
     /// A remote method (a new value of its own made from the honest worker's value), naming
     /// the honest worker's fork.
     RemoteMethodWithoutHolding,
+    /// A fork request for a fork of the honest worker's value that nobody made (its ids are
+    /// easy to guess; its capability is not), then a fetch through it.
+    ForgedForkThenFetch,
 }
 
 /// The send of a message the victim refuses may itself fail: the victim can drop the
@@ -245,6 +248,7 @@ async fn run(net: Net, attack: Attack) {
     let seven = || Some(Bytes::from(postcard::to_allocvec(&7u64).unwrap()));
     let mut child_rref: Option<RRef<u64>> = None;
     let mut waiting_call = None;
+    let mut forged_fetch: Option<u64> = None;
     let expected: Box<dyn Fn(&ProtocolViolation) -> bool> = match attack {
         Attack::RepeatedCall => {
             let call = Header::Call {
@@ -258,6 +262,7 @@ async fn run(net: Net, attack: Attack) {
         }
         Attack::ForeignCreation => {
             let remote = Header::Remote {
+                secret: 0,
                 id: FORGED_ID,
                 function: "make".into(),
                 rref: honest_rref,
@@ -277,6 +282,7 @@ async fn run(net: Net, attack: Attack) {
             // (a reply to an id the hostile worker's own agent never sent would make it drop
             // the victim first).
             let remote = Header::Remote {
+                secret: 0,
                 id: FORGED_ID,
                 function: "gate".into(),
                 rref: own,
@@ -295,6 +301,7 @@ async fn run(net: Net, attack: Attack) {
         Attack::RepeatedFetch => {
             // Its own value, still being created (the creation waits at the gate).
             let remote = Header::Remote {
+                secret: 0,
                 id: FORGED_ID,
                 function: "gate".into(),
                 rref: own,
@@ -341,6 +348,7 @@ async fn run(net: Net, attack: Attack) {
         Attack::ForkRequestForAnothersFork | Attack::UserDeleteOfAnothersFork => {
             let header = if matches!(attack, Attack::ForkRequestForAnothersFork) {
                 Header::ForkRequest {
+                    secret: 0,
                     id: FORGED_ID,
                     floor: 0,
                     rref: honest_rref,
@@ -441,6 +449,35 @@ async fn run(net: Net, attack: Attack) {
             hostile.send_frame(to, frame).await.unwrap();
             Box::new(|v| matches!(v, ProtocolViolation::Malformed { .. }))
         }
+        Attack::ForgedForkThenFetch => {
+            let fork = GlobalId {
+                created_on: HOSTILE,
+                local: FORGED_ID + 7,
+            };
+            let request = Header::ForkRequest {
+                id: FORGED_ID,
+                floor: 0,
+                rref: honest_rref,
+                fork,
+                secret: 0x5eed,
+            };
+            hostile.send(to, &request, None).await.unwrap();
+            let fetch = Header::Fetch {
+                id: FORGED_ID + 1,
+                rref: honest_rref,
+                fork,
+                timeout: T,
+            };
+            violating(hostile.send(to, &fetch, None).await);
+            forged_fetch = Some(FORGED_ID + 1);
+            Box::new(move |v| {
+                *v == ProtocolViolation::ForgedFork {
+                    rref: honest_rref,
+                    fork,
+                    sender: HOSTILE,
+                }
+            })
+        }
         Attack::FetchWithoutHolding
         | Attack::MethodCallWithoutHolding
         | Attack::RemoteMethodWithoutHolding => {
@@ -473,6 +510,7 @@ async fn run(net: Net, attack: Attack) {
                 }
                 _ => {
                     let remote = Header::Remote {
+                        secret: 0,
                         id: FORGED_ID,
                         function: "plus".into(),
                         rref: own,
@@ -532,6 +570,17 @@ async fn run(net: Net, attack: Attack) {
             assert_eq!(c, cause);
         }
         other => panic!("a call to the dropped peer gave {other:?}"),
+    }
+
+    if let Some(id) = forged_fetch {
+        // The value never reached the forger: no reply to its fetch, not even an ack of its
+        // fork request.
+        let answered = |h: &Header| match h {
+            Header::Reply { id: r, .. } => *r == id,
+            Header::Ack { id: a } => *a == id - 1,
+            _ => false,
+        };
+        assert!(!hostile.has_heard(answered), "the forger was answered");
     }
 
     if let Some(call) = waiting_call {
@@ -650,4 +699,5 @@ table! {
     a_fetch_by_a_worker_that_holds_no_fork_is_refused => FetchWithoutHolding,
     a_method_call_by_a_worker_that_holds_no_fork_is_refused => MethodCallWithoutHolding,
     a_remote_method_by_a_worker_that_holds_no_fork_is_refused => RemoteMethodWithoutHolding,
+    a_fork_request_for_a_fork_nobody_made_is_refused_and_its_fetch_never_answered => ForgedForkThenFetch,
 }

@@ -197,6 +197,17 @@ impl HostilePeer {
         }
     }
 
+    /// Whether the hostile worker has received, so far, a message whose header `pick` chooses
+    /// (for checking that something never arrived, once the sender has dropped it).
+    pub fn has_heard(&self, pick: impl Fn(&Header) -> bool) -> bool {
+        self.shared
+            .heard
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .any(pick)
+    }
+
     /// From now on, messages of the hostile worker's own agent for which `filter` is true are
     /// not sent (it "forgets" to acknowledge, to reply, ...). Replaces an earlier filter.
     pub fn withhold(&self, filter: impl Fn(&Header) -> bool + Send + Sync + 'static) {

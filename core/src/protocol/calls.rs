@@ -190,9 +190,12 @@ impl<B: Payload> Endpoint<B> {
             owner,
         };
         let id = self.fresh_id();
+        let secret = self.secret_of(rref);
         if owner == self.me {
             // Fetches park on the record until the value exists.
-            self.owned.entry(rref).or_default().local_handles += 1;
+            let o = self.owned.entry(rref).or_default();
+            o.local_handles += 1;
+            o.secret = Some(secret);
             self.track(id, owner, timeout, now, None);
         } else {
             self.used.insert(
@@ -206,6 +209,7 @@ impl<B: Payload> Endpoint<B> {
                     pending_children: HashSet::new(),
                     void: false,
                     creation_error: None,
+                    secret,
                 },
             );
             self.track(id, owner, timeout, now, Some(rref));
@@ -215,6 +219,7 @@ impl<B: Payload> Endpoint<B> {
             function: function.to_owned(),
             rref,
             fork: rref,
+            secret,
             timeout,
         };
         self.defer(id, owner, header, deadline_after(now, timeout));

@@ -44,6 +44,7 @@ impl<B: Payload> Endpoint<B> {
                 function,
                 rref,
                 fork,
+                secret,
                 timeout,
             } => {
                 let body = if self.takes_requests()
@@ -76,6 +77,9 @@ impl<B: Payload> Endpoint<B> {
                 let o = self.owned.entry(rref).or_default();
                 let new = o.forks.insert(fork, from).is_none();
                 self.count_reference(from, new);
+                // Fork requests that overtook the creation are checked before the value
+                // exists (see `secrets`).
+                self.settle_claims(rref, secret, now);
                 let token = RequestToken {
                     from,
                     id,
@@ -123,6 +127,7 @@ impl<B: Payload> Endpoint<B> {
                 floor,
                 rref,
                 fork,
+                secret,
             } => {
                 if self.first_time(from, id, floor) {
                     if !self.owned.contains_key(&rref) {
@@ -133,16 +138,15 @@ impl<B: Payload> Endpoint<B> {
                         .or_else(|| self.released(rref))
                         .or_else(|| self.creator_lost(rref))
                         .map(Err);
-                    let new = self
-                        .owned
-                        .entry(rref)
-                        .or_insert_with(|| Owned {
-                            state: failed,
-                            ..Owned::default()
-                        })
-                        .forks
-                        .insert(fork, from)
-                        .is_none();
+                    let o = self.owned.entry(rref).or_insert_with(|| Owned {
+                        state: failed,
+                        ..Owned::default()
+                    });
+                    if o.secret.is_none() {
+                        // Checked when the creation arrives.
+                        o.claims.insert(fork, secret);
+                    }
+                    let new = o.forks.insert(fork, from).is_none();
                     self.count_reference(from, new);
                 }
                 self.ack(from, id);
@@ -285,6 +289,10 @@ impl<B: Payload> Endpoint<B> {
                     }
                     // Held by the sender, or forgotten already (a failed creation's fork).
                     _ => {}
+                }
+                // Only a worker given the reference knows its capability (see `secrets`).
+                if let Header::ForkRequest { secret, .. } = *header {
+                    self.check_capability(from, rref, fork, secret)?;
                 }
                 let known = self
                     .owned

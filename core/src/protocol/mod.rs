@@ -82,12 +82,15 @@ pub mod membership;
 pub mod mesh;
 mod requests;
 mod rrefs;
+mod secrets;
 pub mod shutdown;
+mod violation;
 
 pub use debug::{DebugInfo, ForkInfo, OwnedInfo};
 pub use membership::{JoinError, JoinMessage, JoinPhase, StaticJoin};
 use requests::Serving;
 pub use shutdown::{ShutdownError, ShutdownPhase, ShutdownSignal};
+pub use violation::ProtocolViolation;
 
 /// A worker's id within its group (its rank in a static group).
 pub type WorkerId = u32;
@@ -114,6 +117,10 @@ impl fmt::Display for GlobalId {
 pub type RRefId = GlobalId;
 /// Identifies one user's fork of a remote reference.
 pub type ForkId = GlobalId;
+/// A reference's capability: 128 bits known to its owner and to every worker that was given the
+/// reference, and to nobody else (ids are easy to guess; this is not). A fork request must
+/// present it ([`ProtocolViolation::ForgedFork`]). See `secrets`.
+pub type RRefSecret = u128;
 
 /// What a worker needs to know to hold a reference: carried inside call arguments when an RRef
 /// is passed to another worker.
@@ -127,6 +134,8 @@ pub struct RRefForkData {
     pub owner: WorkerId,
     /// The worker that passed the reference on.
     pub parent: WorkerId,
+    /// The reference's capability ([`RRefSecret`]): the receiver presents it to the owner.
+    pub secret: RRefSecret,
 }
 
 /// What the endpoint sees of a body it moves: the references inside it, forked for its
@@ -312,6 +321,8 @@ pub enum Header {
         rref: RRefId,
         /// The caller's fork.
         fork: ForkId,
+        /// The reference's capability, chosen by its creator ([`RRefSecret`]).
+        secret: RRefSecret,
         /// The caller's timeout (zero: none); see [`Header::Call`].
         timeout: Duration,
     },
@@ -350,6 +361,9 @@ pub enum Header {
         rref: RRefId,
         /// The child's fork.
         fork: ForkId,
+        /// The reference's capability, as the parent gave it: the owner registers the fork
+        /// only if it matches ([`ProtocolViolation::ForgedFork`]).
+        secret: RRefSecret,
     },
     /// Control: a child tells its parent that the owner confirmed its fork.
     ChildAccept {
@@ -540,6 +554,16 @@ pub enum Event<B> {
         /// `Ok` once every member is idle (or, leaving, our calls are answered).
         outcome: Result<(), ShutdownError>,
     },
+    /// A peer broke the protocol in a way found only later than its message (a fork request
+    /// made before the reference's creation arrived, whose capability the creation shows to
+    /// be forged): the endpoint has already handled the peer as lost with
+    /// [`LostCause::Misbehaved`]; the driver drops its connection.
+    Misbehaved {
+        /// The peer.
+        peer: WorkerId,
+        /// What it did.
+        violation: ProtocolViolation,
+    },
 }
 
 /// Tunables.
@@ -627,6 +651,10 @@ struct Owned {
     state: Option<Result<(), RemoteError>>,
     /// Fetches parked until the value exists: caller, its message id, its deadline.
     fetches: Vec<(WorkerId, MessageId, Option<Instant>)>,
+    /// The reference's capability; `None` until its creation arrives.
+    secret: Option<RRefSecret>,
+    /// Before then, the capability each fork request presented, checked on the creation.
+    claims: HashMap<ForkId, RRefSecret>,
 }
 
 /// A user's record of one fork.
@@ -647,6 +675,8 @@ struct Used {
     /// be fetched or passed on, and fetching it reports this. After a timeout the fork is
     /// still deleted at the owner once dropped.
     creation_error: Option<CallError>,
+    /// The reference's capability, passed on to the children.
+    secret: RRefSecret,
 }
 
 /// The control messages of one sender already handled.
@@ -656,138 +686,6 @@ struct Seen {
     floor: MessageId,
     /// Handled ids at or above the floor.
     ids: BTreeSet<MessageId>,
-}
-
-/// A message its sender had no right to send ([`Endpoint::handle_message`]). The endpoint's
-/// state is unchanged; the driver drops the connection to that peer.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ProtocolViolation {
-    /// A reply or acknowledgement naming an id this worker never gave out.
-    #[error("it sent a {what} for message {id}, which this worker never sent")]
-    UnknownId {
-        /// The id named.
-        id: MessageId,
-        /// `reply` or `acknowledgement`.
-        what: &'static str,
-    },
-    /// A reply or acknowledgement for a message that went to another worker.
-    #[error("it sent a {what} for message {id}, which went to worker {sent_to}")]
-    WrongPeer {
-        /// The id named.
-        id: MessageId,
-        /// `reply` or `acknowledgement`.
-        what: &'static str,
-        /// Where the message went.
-        sent_to: WorkerId,
-    },
-    /// A shutdown report out of order: not the round after the sender's last, more than one
-    /// round ahead of ours, or an activity count that went down.
-    #[error("it reported round {} (activity {}) in its shutdown after {after:?}, while this worker reported round {our_round}", .signal.round, .signal.activity)]
-    ShutdownOutOfOrder {
-        /// The report.
-        signal: ShutdownSignal,
-        /// The report it sent before (`None`: none).
-        after: Option<ShutdownSignal>,
-        /// The last round this worker reported (0: none).
-        our_round: u32,
-    },
-    /// A report that the sender's graceful shutdown failed that no honest worker sends: a
-    /// second one, or one whose list of missing workers is not in rank order.
-    #[error("it sent {what}")]
-    ForgedShutdownFailure {
-        /// What was wrong with it.
-        what: &'static str,
-    },
-    /// A creation (`remote`) of a reference that another worker made: only the worker that
-    /// made a reference's id may ask its owner to create its value.
-    #[error("it asked this worker to create remote reference {rref}, which worker {creator} made")]
-    ForeignCreation {
-        /// The reference.
-        rref: RRefId,
-        /// The worker whose id it is.
-        creator: WorkerId,
-    },
-    /// A creation of a reference whose creation already arrived (creations from one worker
-    /// arrive in the order they were made), or for a fork other than the reference's own.
-    #[error("it asked this worker to create remote reference {rref} again (or under fork {fork})")]
-    RepeatedCreation {
-        /// The reference.
-        rref: RRefId,
-        /// The fork it named.
-        fork: ForkId,
-    },
-    /// RPC traffic from a worker that is not (or no longer) a member of the dynamic group.
-    #[error("it sent RPC traffic without being a member of the group")]
-    NotAMember,
-    /// A membership message the dynamic group's protocol refused (its error's words).
-    #[error("it broke the membership protocol: {what}")]
-    Membership {
-        /// What the membership protocol said.
-        what: String,
-    },
-    /// A same-host CUDA IPC message (or descriptor) it had no right to send.
-    #[error("it broke the IPC protocol: {0}")]
-    Ipc(crate::ipc::IpcViolation),
-    /// A distributed autograd message it had no right to send (a gradient or release for a
-    /// context it has no part in, a context forged under this worker's id, a forged message
-    /// id): found by this worker's autograd state ([`crate::autograd::DistAutograd`]) above
-    /// the endpoint, and applied by the driver as the endpoint's own violations are.
-    #[error("it broke the distributed autograd protocol: {0}")]
-    Autograd(crate::autograd::ProtocolViolation),
-    /// A frame whose bytes are no valid message (the driver decodes it before the endpoint
-    /// sees it: a header that does not parse, tensors it announces and does not carry, ...).
-    #[error("it sent a malformed message: {what}")]
-    Malformed {
-        /// What was wrong.
-        what: String,
-    },
-    /// A fork request for a reference not created here while the sender already has
-    /// [`EndpointConfig::pending_forks_per_peer`] records of such references.
-    #[error("it asked for forks of more than {limit} references this worker has not created")]
-    TooManyPendingForks {
-        /// The bound.
-        limit: usize,
-    },
-    /// A call, remote or fetch under the id of one of its requests still being served here:
-    /// ids are never reused, and a copy would run a second handler outside the sender's
-    /// share ([`EndpointConfig::requests_per_peer`]).
-    #[error("it sent request {id} again while this worker was still serving it")]
-    RepeatedRequest {
-        /// The request's id.
-        id: MessageId,
-    },
-    /// A fork request for one more fork while the sender already holds
-    /// [`EndpointConfig::references_per_peer`] forks of values owned here.
-    #[error("it asked to hold more than {limit} references to values this worker owns (references_per_peer)")]
-    TooManyReferences {
-        /// The bound.
-        limit: usize,
-    },
-    /// A fetch, method call or remote method on a reference through a fork the sender does
-    /// not hold: another worker's, one it deleted, one of another reference, or one never
-    /// made. Only a holder may read a value or call its methods.
-    #[error("worker {sender} sent a {what} on remote reference {rref} through fork {fork}, which it does not hold")]
-    NotAHolder {
-        /// `fetch`, `method call` or `remote method call`.
-        what: &'static str,
-        /// The reference.
-        rref: RRefId,
-        /// The fork it named.
-        fork: ForkId,
-        /// The worker that sent it.
-        sender: WorkerId,
-    },
-    /// A delete, fork request or child-accept for a fork that another worker holds.
-    #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
-    ForeignFork {
-        /// The reference.
-        rref: RRefId,
-        /// The fork.
-        fork: ForkId,
-        /// The worker that holds it.
-        holder: WorkerId,
-    },
 }
 
 /// Whether the endpoint accepts new work.
@@ -863,6 +761,8 @@ pub struct Endpoint<B> {
     /// The latest time an input brought (for work that commands without a time cause).
     last_now: Option<Instant>,
     events: VecDeque<Event<B>>,
+    /// The key of the capabilities of the references created here (see `secrets`).
+    secret_key: [u8; 32],
 }
 
 /// Identifies a wait begun with [`Endpoint::wait_confirmed`].
@@ -977,6 +877,7 @@ impl<B: Payload> Endpoint<B> {
             shutdown: shutdown::ShutdownState::default(),
             last_now: None,
             events: VecDeque::new(),
+            secret_key: secrets::default_key(me),
         }
     }
 

@@ -134,11 +134,13 @@ impl<B: Payload> Endpoint<B> {
     pub fn local_rref(&mut self) -> Result<RRefHandle, CallError> {
         self.ensure_running()?;
         let rref = self.fresh_global();
+        let secret = Some(self.secret_of(rref));
         self.owned.insert(
             rref,
             Owned {
                 local_handles: 1,
                 state: Some(Ok(())),
+                secret,
                 ..Owned::default()
             },
         );
@@ -198,6 +200,7 @@ impl<B: Payload> Endpoint<B> {
     ) -> Result<RRefForkData, CallError> {
         self.check_usable(handle)?;
         let me = self.me;
+        let secret = self.secret_for(handle);
         if to == me {
             // Passed to ourselves: the receiver's handle is taken now, so the reference stays
             // alive while the message is on its way (a handler not run yet, a body still being
@@ -214,6 +217,7 @@ impl<B: Payload> Endpoint<B> {
                 fork: handle.fork,
                 owner: handle.owner,
                 parent: me,
+                secret,
             });
         }
         if to == handle.owner {
@@ -224,6 +228,7 @@ impl<B: Payload> Endpoint<B> {
                 fork: handle.fork,
                 owner: handle.owner,
                 parent: me,
+                secret,
             });
         }
         let fork = self.fresh_global();
@@ -242,6 +247,7 @@ impl<B: Payload> Endpoint<B> {
             fork,
             owner: handle.owner,
             parent: me,
+            secret,
         })
     }
 
@@ -293,6 +299,7 @@ impl<B: Payload> Endpoint<B> {
                 pending_children: HashSet::new(),
                 void: false,
                 creation_error: None,
+                secret: data.secret,
             },
         );
         if from_owner {
@@ -301,7 +308,7 @@ impl<B: Payload> Endpoint<B> {
                 fork: data.fork,
             });
         } else {
-            let (rref, fork) = (data.rref, data.fork);
+            let (rref, fork, secret) = (data.rref, data.fork, data.secret);
             self.send_control(
                 data.owner,
                 |id, floor| Header::ForkRequest {
@@ -309,6 +316,7 @@ impl<B: Payload> Endpoint<B> {
                     floor,
                     rref,
                     fork,
+                    secret,
                 },
                 now,
             );

@@ -26,6 +26,8 @@ struct Sim {
     deadlines: Vec<Vec<Option<Instant>>>,
     /// The forks each worker was told the owner confirmed.
     confirmed: Vec<Vec<ForkId>>,
+    /// (worker, peer, violation) for each forger found after its message.
+    misbehaved: Vec<(WorkerId, WorkerId, ProtocolViolation)>,
     /// Each worker's shutdown outcomes.
     shutdowns: Vec<Vec<Result<(), ShutdownError>>>,
     /// The ends of waits for confirmation, per worker.
@@ -53,6 +55,7 @@ impl Sim {
             held: Vec::new(),
             deadlines: (0..n).map(|_| Vec::new()).collect(),
             confirmed: (0..n).map(|_| Vec::new()).collect(),
+            misbehaved: Vec::new(),
             shutdowns: (0..n).map(|_| Vec::new()).collect(),
             confirm_waits: (0..n).map(|_| Vec::new()).collect(),
             relayed: vec![0; n as usize],
@@ -152,6 +155,7 @@ impl Sim {
                 self.completed.insert((w, id), outcome);
             }
             Event::Confirmed { fork, .. } => self.confirmed[w as usize].push(fork),
+            Event::Misbehaved { peer, violation } => self.misbehaved.push((w, peer, violation)),
             Event::ShutdownComplete { outcome } => self.shutdowns[w as usize].push(outcome),
             Event::ConfirmWaitDone { wait, outcome } => {
                 self.confirm_waits[w as usize].push((wait, outcome));
@@ -809,6 +813,7 @@ fn a_peer_can_neither_recreate_another_workers_reference_nor_claim_its_fork() {
 
     // Worker 2 asks 1 to create worker 0's reference again, with its own value.
     let recreate = |fork| Header::Remote {
+        secret: 0,
         id: 77,
         function: "make".into(),
         rref: h.rref,
@@ -831,8 +836,10 @@ fn a_peer_can_neither_recreate_another_workers_reference_nor_claim_its_fork() {
             Err(ProtocolViolation::RepeatedCreation { .. })
         ));
     }
-    // Another worker (here 0) claims worker 2's fork, then deletes it.
+    // Another worker (here 0, the creator: it knows the capability) claims worker 2's fork,
+    // then deletes it.
     let claim = Header::ForkRequest {
+        secret: data.secret,
         id: 5,
         floor: 5,
         rref: h.rref,
@@ -1000,6 +1007,7 @@ fn a_fork_request_flood_for_references_never_created_is_bounded() {
     let mut owner = Endpoint::<Body>::new(1, config);
     let now = Instant::now();
     let request = |i: u64| Header::ForkRequest {
+        secret: 0,
         id: 10 + i,
         floor: 10,
         rref: GlobalId {
@@ -1027,6 +1035,7 @@ fn a_fork_request_flood_for_references_never_created_is_bounded() {
     assert_eq!(owner.handle_message(2, request(3), None, now), Ok(()));
     // Another peer has a share of its own.
     let other = Header::ForkRequest {
+        secret: 0,
         id: 5,
         floor: 5,
         rref: GlobalId {
@@ -1139,6 +1148,7 @@ fn a_request_repeated_while_it_is_served_is_a_violation_and_runs_nothing_twice()
         local: 1,
     };
     let remote = Header::Remote {
+        secret: 0,
         id: 8,
         function: "make".into(),
         rref,
@@ -1176,6 +1186,7 @@ fn fetches_parked_beyond_a_callers_share_are_answered_busy() {
         local: 1,
     };
     let remote = Header::Remote {
+        secret: 0,
         id: 1,
         function: "make".into(),
         rref,
@@ -1230,6 +1241,7 @@ fn fetches_parked_beyond_a_callers_share_are_answered_busy() {
         local: 50,
     };
     let claim = Header::ForkRequest {
+        secret: 0,
         id: 1,
         floor: 1,
         rref,
@@ -1278,6 +1290,7 @@ fn references_a_peer_holds_here_are_bounded() {
         local,
     };
     let remote = |id: u64, local: u64| Header::Remote {
+        secret: 0,
         id,
         function: "make".into(),
         rref: rref(local),
@@ -1326,6 +1339,7 @@ fn references_a_peer_holds_here_are_bounded() {
     }
     // One more fork of a value it holds already is a violation, and changes nothing.
     let more = Header::ForkRequest {
+        secret: 0,
         id: 1,
         floor: 0,
         rref: rref(1),
@@ -1341,6 +1355,7 @@ fn references_a_peer_holds_here_are_bounded() {
     assert_eq!(owner.owner_fork_count(rref(1)), Some(1));
     // Another peer has a share of its own.
     let theirs = Header::ForkRequest {
+        secret: 0,
         id: 1,
         floor: 0,
         rref: rref(1),
@@ -2115,6 +2130,7 @@ fn a_creators_fetch_after_its_creation_failed_is_answered_with_the_failure() {
         local: 1,
     };
     let remote = Header::Remote {
+        secret: 0,
         id: 1,
         function: "broken".into(),
         rref,
@@ -2170,6 +2186,7 @@ fn only_a_holder_calls_a_values_methods() {
         local: 1,
     };
     let remote = Header::Remote {
+        secret: 0,
         id: 1,
         function: "make".into(),
         rref,
@@ -2204,6 +2221,7 @@ fn only_a_holder_calls_a_values_methods() {
     // Worker 2 holds nothing: its method call and its remote method are refused, and run
     // nothing.
     let remote_method = Header::Remote {
+        secret: 0,
         id: 4,
         function: "method".into(),
         rref: GlobalId {
@@ -2241,6 +2259,7 @@ fn only_a_holder_calls_a_values_methods() {
         local: 7,
     };
     let claim = Header::ForkRequest {
+        secret: 0,
         id: 1,
         floor: 1,
         rref,
@@ -2252,4 +2271,122 @@ fn only_a_holder_calls_a_values_methods() {
         Ok(())
     );
     assert!(matches!(owner.poll_event(), Some(Event::Call { .. })));
+}
+
+/// A forged fork request for a value that exists (issue 27: ids are easy to guess, so a peer
+/// that was never given a reference asked its owner for a fork of it and then fetched the
+/// value): without the reference's capability it is a violation naming the reference, fork and
+/// sender, registers nothing, and a fetch through the claimed fork is refused.
+#[test]
+fn a_fork_request_without_the_capability_is_refused_and_serves_nothing() {
+    let mut s = Sim::new(4);
+    let now = s.clock.now();
+    let (h, _) = s
+        .ep(0)
+        .remote(1, "make", b"secret".to_vec(), T, now)
+        .unwrap();
+    s.drain();
+    let forks_before = s.ep(1).owner_fork_count(h.rref);
+    let fork = GlobalId {
+        created_on: 3,
+        local: 1,
+    };
+    for guess in [0, 1, u128::MAX] {
+        let forged = Header::ForkRequest {
+            id: 1,
+            floor: 1,
+            rref: h.rref,
+            fork,
+            secret: guess,
+        };
+        assert_eq!(
+            s.ep(1).handle_message(3, forged, None, now),
+            Err(ProtocolViolation::ForgedFork {
+                rref: h.rref,
+                fork,
+                sender: 3
+            })
+        );
+    }
+    assert!(s.ep(1).poll_transmit().is_none(), "not even acknowledged");
+    assert_eq!(s.ep(1).owner_fork_count(h.rref), forks_before);
+    assert!(matches!(
+        s.ep(1)
+            .handle_message(3, fetch_of(2, h.rref, fork), None, now),
+        Err(ProtocolViolation::NotAHolder { .. })
+    ));
+    assert!(s.ep(1).poll_event().is_none(), "nothing was served");
+    // The violation names what was wrong.
+    let text = ProtocolViolation::ForgedFork {
+        rref: h.rref,
+        fork,
+        sender: 3,
+    }
+    .to_string();
+    assert!(
+        text.contains("worker 3") && text.contains(&h.rref.to_string()),
+        "{text}"
+    );
+    // An honest child, given the reference, is registered and served at once.
+    let data = s.ep(0).fork_for(h, 2).unwrap();
+    let on2 = s.ep(2).accept_fork(data, now);
+    let f = s.ep(2).fetch(on2, T, now).unwrap();
+    s.drain();
+    assert_eq!(s.outcome(2, f), Some(&Ok(b"secret".to_vec())));
+    assert!(s.misbehaved.is_empty());
+}
+
+/// A forged fork request that overtakes the creation (the owner cannot check it yet) is checked
+/// when the creation arrives, before the value exists: its sender is handled as lost for
+/// misbehaving (reported by `Event::Misbehaved`), its parked fetch is never answered, and an
+/// honest child whose request also came first is served.
+#[test]
+fn a_forged_fork_request_before_the_creation_drops_its_sender_when_the_creation_arrives() {
+    let mut s = Sim::new(4);
+    let now = s.clock.now();
+    let (h, _) = s
+        .ep(0)
+        .remote(1, "make", b"secret".to_vec(), T, now)
+        .unwrap();
+    // Worker 0 passes the reference to 2 before anything reached 1.
+    let data = s.ep(0).fork_for(h, 2).unwrap();
+    let on2 = s.ep(2).accept_fork(data, now);
+    let f2 = s.ep(2).fetch(on2, T, now).unwrap();
+    s.pump();
+    // 2's fork request and fetch reach the owner first, then 3's forgery and fetch.
+    assert!(s.deliver(2, 1) && s.deliver(2, 1));
+    let fork = GlobalId {
+        created_on: 3,
+        local: 1,
+    };
+    let forged = Header::ForkRequest {
+        id: 1,
+        floor: 1,
+        rref: h.rref,
+        fork,
+        secret: 7,
+    };
+    assert_eq!(s.ep(1).handle_message(3, forged, None, now), Ok(()));
+    assert_eq!(
+        s.ep(1)
+            .handle_message(3, fetch_of(2, h.rref, fork), None, now),
+        Ok(())
+    );
+    s.pump();
+    let _ack = s.links.pop((1, 3));
+    // The creation arrives.
+    s.drain();
+    let violation = ProtocolViolation::ForgedFork {
+        rref: h.rref,
+        fork,
+        sender: 3,
+    };
+    assert_eq!(s.misbehaved, vec![(1, 3, violation.clone())]);
+    assert_eq!(
+        s.ep(1).lost_cause(3),
+        Some(&LostCause::Misbehaved(Box::new(violation)))
+    );
+    assert!(s.links.pop((1, 3)).is_none(), "the forger got no reply");
+    assert_eq!(s.outcome(2, f2), Some(&Ok(b"secret".to_vec())));
+    assert_eq!(s.ep(1).owner_fork_count(h.rref), Some(2));
 }

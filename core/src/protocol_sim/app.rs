@@ -159,6 +159,10 @@ impl Cluster {
                 }
             }
             Event::Confirmed { .. } => {}
+            // Honest workers never forge a capability.
+            Event::Misbehaved { peer, violation } => self.fail(format!(
+                "worker {w} found honest worker {peer} forging: {violation}"
+            )),
             Event::ShutdownComplete { outcome } => {
                 let step = self.shutdown_step;
                 self.apps[w as usize].shutdown.push((step, outcome));

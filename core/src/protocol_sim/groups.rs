@@ -144,6 +144,9 @@ impl Cluster {
             ..EndpointConfig::default()
         };
         self.eps[w as usize] = Endpoint::new(w, config);
+        // A new incarnation draws a new key.
+        let key = super::sim_key(self.seed ^ self.stats.rejoins as u64, w);
+        self.eps[w as usize].set_secret_key(key);
         self.apps[w as usize] = App::default();
         self.links.retain(|(f, t)| f != w && t != w);
         self.pump();

@@ -61,8 +61,10 @@ pub const MAGIC: [u8; 4] = *b"TWFR";
 
 /// The wire version this build writes and reads. A peer of another version is refused at its
 /// first frame ([`WireError::UnknownVersion`]), so builds whose messages differ never misread
-/// each other. 2: a fetch and a method call name the caller's fork of the reference.
-pub const VERSION: u8 = 2;
+/// each other. 2: a fetch and a method call name the caller's fork of the reference. 3: a
+/// reference's capability travels in its creation, in each fork passed on and in each fork
+/// request ([`crate::protocol::RRefSecret`]).
+pub const VERSION: u8 = 3;
 
 /// Length of the fixed prefix in bytes.
 pub const PREFIX_LEN: usize = 20;

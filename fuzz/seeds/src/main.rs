@@ -365,6 +365,7 @@ fn protocol(dir: &Path) {
             function: "make".into(),
             rref: id(0, 9),
             fork: id(0, 9),
+            secret: 9,
             timeout: Duration::from_secs(5),
         },
         Header::Fetch {
@@ -383,6 +384,7 @@ fn protocol(dir: &Path) {
             floor: 1,
             rref: id(1, 1),
             fork: id(0, 10),
+            secret: 0,
         },
         Header::ChildAccept {
             id: 104,

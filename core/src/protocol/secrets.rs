@@ -1,0 +1,124 @@
+//! References' capabilities: who may become a holder.
+//!
+//! Reference and fork ids are `{created_on, counter}`, easy to guess, so an id proves nothing.
+//! Each reference has a capability ([`RRefSecret`], 128 bits): its creator derives it from
+//! its own key (`HMAC-SHA256(key, id)`, the key set by the driver from real entropy, seeded in
+//! simulations) and tells the owner in the creation; every worker the reference is passed to
+//! receives it in the fork data; a child's fork request presents it, and the owner registers
+//! the fork only if it matches ([`ProtocolViolation::ForgedFork`]). A worker that was never
+//! given the reference cannot present it, so it never becomes a holder, and only holders are
+//! served (`check_holder`).
+//!
+//! A fork request can overtake the creation (it comes from a third worker, on another link):
+//! the owner then keeps the capability presented beside the fork and checks it when the
+//! creation arrives, before the value exists and so before anything is served; a forged one
+//! then drops its sender ([`Event::Misbehaved`]).
+//!
+//! Honest use is unchanged: a child's fork request still travels ahead of its fetches and
+//! calls on the same link, and is registered at once.
+
+use std::time::Instant;
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use subtle::ConstantTimeEq;
+
+use super::*;
+
+/// The key an endpoint starts with: fixed per worker, so not secret. The driver replaces it
+/// with [`Endpoint::set_secret_key`] before any reference is made.
+pub(super) fn default_key(me: WorkerId) -> [u8; 32] {
+    let mut key = [0u8; 32];
+    key[..8].copy_from_slice(&u64::from(me).to_le_bytes());
+    key
+}
+
+/// Whether two capabilities are equal, in time independent of where they differ.
+pub(super) fn same(a: RRefSecret, b: RRefSecret) -> bool {
+    a.to_le_bytes().ct_eq(&b.to_le_bytes()).into()
+}
+
+impl<B: Payload> Endpoint<B> {
+    /// Sets the key the capabilities of the references created here are derived from. The
+    /// driver passes 32 bytes of real entropy (simulations: a seeded generator) before making
+    /// any reference; with the default key a peer could compute them.
+    pub fn set_secret_key(&mut self, key: [u8; 32]) {
+        self.secret_key = key;
+    }
+
+    /// The capability of `rref`, a reference created here.
+    pub(super) fn secret_of(&self, rref: RRefId) -> RRefSecret {
+        // HMAC accepts keys of any length; new_from_slice cannot fail for it.
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.secret_key)
+            .expect("HMAC takes keys of any length");
+        mac.update(b"tensorwire rref capability");
+        mac.update(&u64::from(rref.created_on).to_le_bytes());
+        mac.update(&rref.local.to_le_bytes());
+        let out = mac.finalize().into_bytes();
+        let mut bytes = [0u8; 16];
+        bytes.copy_from_slice(&out[..16]);
+        u128::from_le_bytes(bytes)
+    }
+
+    /// The capability this worker knows for `handle`'s reference (as owner or holder).
+    pub(super) fn secret_for(&self, handle: RRefHandle) -> RRefSecret {
+        if handle.owner == self.me {
+            self.owned
+                .get(&handle.rref)
+                .and_then(|o| o.secret)
+                .unwrap_or_default()
+        } else {
+            self.used.get(&handle.fork).map_or(0, |u| u.secret)
+        }
+    }
+
+    /// Whether a fork request from `from` for `fork` of `rref`, presenting `secret`, may be
+    /// registered: a reference whose creation has arrived checks it now; otherwise it is
+    /// kept and checked then ([`settle_claims`](Self::settle_claims)).
+    pub(super) fn check_capability(
+        &self,
+        from: WorkerId,
+        rref: RRefId,
+        fork: ForkId,
+        secret: RRefSecret,
+    ) -> Result<(), ProtocolViolation> {
+        match self.owned.get(&rref).and_then(|o| o.secret) {
+            Some(known) if !same(known, secret) => Err(ProtocolViolation::ForgedFork {
+                rref,
+                fork,
+                sender: from,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The creation of `rref` arrived with its capability `secret`: the fork requests that
+    /// came before it are checked, and the sender of each forged one is handled as lost
+    /// (its forks, fetches and calls dropped, so nothing is served to it) and reported.
+    pub(super) fn settle_claims(&mut self, rref: RRefId, secret: RRefSecret, now: Instant) {
+        let Some(o) = self.owned.get_mut(&rref) else {
+            return;
+        };
+        o.secret = Some(secret);
+        let claims = std::mem::take(&mut o.claims);
+        let mut forged = Vec::new();
+        for (fork, claim) in claims {
+            if !same(claim, secret) {
+                if let Some(&sender) = o.forks.get(&fork) {
+                    forged.push(ProtocolViolation::ForgedFork { rref, fork, sender });
+                }
+            }
+        }
+        for violation in forged {
+            let ProtocolViolation::ForgedFork { sender, .. } = violation else {
+                continue;
+            };
+            let cause = LostCause::Misbehaved(Box::new(violation.clone()));
+            self.handle_peer_lost(sender, cause, now);
+            self.events.push_back(Event::Misbehaved {
+                peer: sender,
+                violation,
+            });
+        }
+    }
+}
