@@ -710,7 +710,7 @@ impl Agent {
     /// Calls `function(args)` on `to` (by name, rank or [`WorkerInfo`]): `.await` the returned
     /// [`Call`] for the result, or use its `timeout`, `send` and `remote`. The argument and
     /// result types come from the descriptor, so they cannot disagree with what
-    /// [`Functions::serve`] registered in the same codebase; across binaries the callee checks
+    /// `serve` on [`Functions`] registered in the same codebase; across binaries the callee checks
     /// them (see the [`typed`](crate::typed) module).
     pub fn call<'a, A, R>(
         &'a self,

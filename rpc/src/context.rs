@@ -12,7 +12,7 @@ use crate::state::Agent;
 use crate::worker::WorkerInfo;
 
 /// What a function registered with
-/// [`Functions::register_with_context`](crate::Functions::register_with_context) learns about
+/// `register_with_context` on [`Functions`](crate::Functions) learns about
 /// its call: who called, the agent it runs on (for nested calls, without a global), and the caller's
 /// deadline.
 #[derive(Debug, Clone)]

@@ -34,7 +34,7 @@
 //!
 //! Type names include the defining crate's path, so define the types calls carry in a crate
 //! every binary uses, as tarpc's service traits are. A typed function can only be called
-//! through its descriptor; the dynamic form ([`Functions::register`] and
+//! through its descriptor; the dynamic form (`register` on [`Functions`] and
 //! [`Agent::rpc_sync`] by name) stays for names chosen at run time.
 
 use std::fmt;
@@ -102,7 +102,7 @@ impl fmt::Display for Signature {
 }
 
 /// A function served by name with arguments `A` and result `R`. Make it a `const` shared by
-/// the callers and the callee: [`Functions::serve`] registers it, [`Agent::call`] calls it.
+/// the callers and the callee: `serve` on [`Functions`] registers it, [`Agent::call`] calls it.
 pub struct Function<A, R> {
     name: &'static str,
     types: PhantomData<fn(A) -> R>,
@@ -148,7 +148,7 @@ impl<A: 'static, R: 'static> fmt::Debug for Function<A, R> {
 }
 
 /// A method on values of type `T` behind remote references, with arguments `A` and result `R`:
-/// [`Functions::serve_method`] registers it, [`RRef::call`] calls it on the value's owner. The
+/// `serve_method` on [`Functions`] registers it, [`RRef::call`] calls it on the value's owner. The
 /// reference's type must be `T`, so calling it on another reference does not compile.
 pub struct Method<T, A, R> {
     name: &'static str,

@@ -1,5 +1,7 @@
 //! [`ProtocolViolation`]: what a peer had no right to send.
 
+#[cfg(doc)]
+use super::{Endpoint, EndpointConfig};
 use super::{ForkId, MessageId, RRefId, ShutdownSignal, WorkerId};
 
 /// A message its sender had no right to send ([`Endpoint::handle_message`]). The endpoint's
