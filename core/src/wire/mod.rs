@@ -7,7 +7,7 @@
 //! prefix (20 bytes, fixed)                 frame header (postcard)       body
 //! +-------+---------+------+----------+-------------+------------+------------------+-----------------+---------+-----+
 //! | magic | version | kind | reserved | table_len   | body_len   | message_len,     | message header  | payload | ... |
-//! | TWFR  | u8 = 2  | u8   | u16 = 0  | u32 LE      | u64 LE     | payload lengths  | (opaque bytes)  | 0       |     |
+//! | TWFR  | u8 = 3  | u8   | u16 = 0  | u32 LE      | u64 LE     | payload lengths  | (opaque bytes)  | 0       |     |
 //! +-------+---------+------+----------+-------------+------------+------------------+-----------------+---------+-----+
 //! ```
 //!
