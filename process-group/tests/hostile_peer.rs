@@ -253,3 +253,106 @@ async fn a_peer_may_hold_only_so_many_unclaimed_bytes() {
     })
     .await;
 }
+
+/// A disagreement notice: the sender says `peer` ran `theirs` as collective `seq` where the
+/// sender ran `ours`.
+fn notice_frame(seq: u64, peer: u32, theirs: Signature, ours: Signature) -> Frame {
+    GroupFrame::Disagreement {
+        seq,
+        peer,
+        theirs,
+        ours,
+    }
+    .frame(Vec::new())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disagreement_notice_it_could_not_have_seen_is_the_senders_violation() {
+    // Each forged notice blames innocent rank 1 (or the sender itself); before the check the
+    // victim failed with a disagreement naming rank 1.
+    let window = InboxLimits::default().sequence_window;
+    let cases = [
+        (
+            "same-sides",
+            notice_frame(0, 1, Signature::Barrier, Signature::Barrier),
+            1,
+            0,
+            "both sides ran the same collective",
+        ),
+        (
+            "names-itself",
+            notice_frame(0, 2, Signature::Barrier, Signature::AllGatherLengths),
+            2,
+            0,
+            "it named itself as the rank that disagreed with it",
+        ),
+        (
+            "no-such-rank",
+            notice_frame(0, 7, Signature::Barrier, Signature::AllGatherLengths),
+            7,
+            0,
+            "the two ranks share no group",
+        ),
+        (
+            "beyond-window",
+            notice_frame(
+                window + 1,
+                1,
+                Signature::Barrier,
+                Signature::AllGatherLengths,
+            ),
+            1,
+            window + 1,
+            "the collective is beyond the sequence window of every group here",
+        ),
+    ];
+    for (name, frame, peer, seq, reason) in cases {
+        bounded(async {
+            let c = cluster(name, options(name)).await;
+            c.hostile[0].send(frame).await.unwrap();
+            let err = c.honest[0].barrier().await.unwrap_err();
+            assert_eq!(
+                err,
+                ProcessGroupError::Misbehaved {
+                    rank: HOSTILE,
+                    violation: MeshViolation::ForgedDisagreement { peer, seq, reason }
+                },
+                "{name}"
+            );
+            assert_dropped(&c.hostile[0]).await;
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plausible_disagreement_notice_breaks_the_group_naming_its_reporter() {
+    bounded(async {
+        let c = cluster("notice", options("notice")).await;
+        c.hostile[0]
+            .send(notice_frame(
+                0,
+                1,
+                Signature::Barrier,
+                Signature::AllGatherLengths,
+            ))
+            .await
+            .unwrap();
+        let err = c.honest[0].barrier().await.unwrap_err();
+        // Believed, but as rank 2's report (`here: false`, `rank: 2`): the message names who
+        // said so, so a lie is traceable to its teller.
+        assert_eq!(
+            err,
+            ProcessGroupError::Disagreement {
+                seq: 0,
+                peer: 1,
+                theirs: Signature::Barrier,
+                rank: HOSTILE,
+                ours: Signature::AllGatherLengths,
+                here: false,
+            }
+        );
+        assert!(err.to_string().contains("rank 2"), "{err}");
+    })
+    .await;
+}

@@ -18,7 +18,8 @@
 //! the byte bound still passes. Groups are made on each rank without a round trip, so a peer
 //! may send for a group this rank has not made yet: such frames are held (within the bounds)
 //! and checked against the members once the group is made ([`Admission::register_group`]).
-//! An abort names its sender's own rank ([`check_abort`]).
+//! An abort names its sender's own rank ([`check_abort`]); a disagreement notice must be one its
+//! sender could have seen ([`Admission::check_disagreement`]).
 //!
 //! ```
 //! use tensorwire_core::collective::inbox::{Admission, Held, InboxLimits};
@@ -36,6 +37,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::collective::Signature;
 use crate::ports::process_group::MeshViolation;
 
 /// The bounds on what one peer may make this rank hold in its collective inboxes (see the
@@ -182,6 +184,49 @@ impl Admission {
     }
 }
 
+impl Admission {
+    /// Whether world rank `sender` may send a disagreement notice saying that world rank
+    /// `peer`'s message of collective `seq` (group-local) ran `theirs` where `sender` ran
+    /// `ours`. The notice carries no group id, so it is checked against every group here:
+    ///
+    /// - the sender reports only what it saw itself, so `peer` is another rank (not `sender`);
+    /// - `peer` and `sender` are both members of some group made here (the world at least);
+    /// - the two sides differ (a rank breaks its group only on a signature unlike its own);
+    /// - `seq` is within `InboxLimits::sequence_window` of the newest collective this rank
+    ///   has reached in any group (as for a data frame).
+    ///
+    /// Anything else is [`MeshViolation::ForgedDisagreement`] of the sender, which the mesh
+    /// drops instead of blaming `peer`.
+    pub fn check_disagreement(
+        &self,
+        sender: usize,
+        peer: usize,
+        seq: u64,
+        theirs: &Signature,
+        ours: &Signature,
+    ) -> Result<(), MeshViolation> {
+        let forged = |reason| Err(MeshViolation::ForgedDisagreement { peer, seq, reason });
+        if peer == sender {
+            return forged("it named itself as the rank that disagreed with it");
+        }
+        if !self
+            .groups
+            .values()
+            .any(|m| m.contains(&sender) && m.contains(&peer))
+        {
+            return forged("the two ranks share no group");
+        }
+        if theirs.encode() == ours.encode() {
+            return forged("both sides ran the same collective");
+        }
+        let newest = self.here.values().copied().max().unwrap_or(0);
+        if seq > newest.saturating_add(self.limits.sequence_window) {
+            return forged("the collective is beyond the sequence window of every group here");
+        }
+        Ok(())
+    }
+}
+
 /// Whether world rank `sender` may send an abort naming `named`: only its own.
 pub fn check_abort(sender: usize, named: usize) -> Result<(), MeshViolation> {
     if sender == named {
@@ -202,6 +247,49 @@ mod tests {
             buffered_bytes: 100,
             buffered_messages: 3,
         }
+    }
+
+    #[test]
+    fn a_disagreement_notice_must_be_one_its_sender_could_have_seen() {
+        let mut a = Admission::new(4, limits());
+        a.register_group(1, &[0, 1]);
+        a.touched(0, 5);
+        let (b, g) = (Signature::Barrier, Signature::AllGatherLengths);
+        let forged =
+            |peer, seq, reason| Err(MeshViolation::ForgedDisagreement { peer, seq, reason });
+        // An honest notice: rank 2 saw rank 1 run a barrier where it ran an all_gather.
+        assert_eq!(a.check_disagreement(2, 1, 5, &b, &g), Ok(()));
+        // Within the window of the newest collective here; one beyond it is not.
+        assert_eq!(a.check_disagreement(2, 1, 15, &b, &g), Ok(()));
+        assert_eq!(
+            a.check_disagreement(2, 1, 16, &b, &g),
+            forged(
+                1,
+                16,
+                "the collective is beyond the sequence window of every group here"
+            )
+        );
+        assert_eq!(
+            a.check_disagreement(2, 2, 5, &b, &g),
+            forged(2, 5, "it named itself as the rank that disagreed with it")
+        );
+        assert_eq!(
+            a.check_disagreement(2, 1, 5, &b, &b),
+            forged(1, 5, "both sides ran the same collective")
+        );
+        // Rank 9 is in no group here.
+        assert_eq!(
+            a.check_disagreement(2, 9, 5, &b, &g),
+            forged(9, 5, "the two ranks share no group")
+        );
+        // A subgroup's members share it; the world group is shared by every rank of it.
+        assert_eq!(a.check_disagreement(0, 1, 5, &b, &g), Ok(()));
+        let mut small = Admission::new(2, limits());
+        small.register_group(1, &[0, 1]);
+        assert_eq!(
+            small.check_disagreement(1, 3, 0, &b, &g),
+            forged(3, 0, "the two ranks share no group")
+        );
     }
 
     #[test]

@@ -174,7 +174,9 @@ pub enum GroupFrame {
         reason: String,
     },
     /// The sender received, as collective `seq`, a message of `peer` that ran `theirs` while
-    /// it ran `ours`; it has broken its group.
+    /// it ran `ours`; it has broken its group. The receiver believes it only if its sender
+    /// could have seen it (core's `collective::inbox::Admission::check_disagreement`), else it
+    /// is a violation of its sender.
     Disagreement {
         /// The sequence number.
         seq: u64,

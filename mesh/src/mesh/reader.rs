@@ -102,6 +102,18 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
                 theirs,
                 ours,
             }) => {
+                // Checked before it is believed: a notice blaming a rank the sender could not
+                // have seen disagree is the sender's violation, not that rank's fault.
+                let checked = shared.admission().check_disagreement(
+                    peer,
+                    other as usize,
+                    seq,
+                    &theirs,
+                    &ours,
+                );
+                if let Err(v) = checked {
+                    break 'read End::Violation(v);
+                }
                 let error = ProcessGroupError::Disagreement {
                     seq,
                     peer: other as usize,

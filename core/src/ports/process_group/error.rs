@@ -249,6 +249,19 @@ pub enum MeshViolation {
         /// The bound (`InboxLimits::sequence_window`, [`crate::collective::inbox::InboxLimits`]).
         window: u64,
     },
+    /// A disagreement notice its sender could not have seen: a rank may report only a
+    /// disagreement of its own, with a rank it shares a group with, about a collective
+    /// within the sequence window, between two different collectives
+    /// ([`crate::collective::inbox::Admission::check_disagreement`]).
+    #[error("it reported that rank {peer} disagreed about collective #{seq}, but {reason}")]
+    ForgedDisagreement {
+        /// The rank the notice blamed.
+        peer: usize,
+        /// The sequence number it named.
+        seq: u64,
+        /// What was wrong with it.
+        reason: &'static str,
+    },
     /// It made this rank hold more unclaimed messages than a peer may.
     #[error("it sent more than {limit} {what} that no collective here has taken yet")]
     InboxFull {
