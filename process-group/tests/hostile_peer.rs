@@ -1,6 +1,7 @@
 //! A hostile rank that completes the real setup (it holds the cluster secret and greets like a
-//! rank) and then sends group frames it has no right to send, over real loopback TCP: each
-//! is a violation of the sender, who is dropped and named, and no innocent rank is blamed.
+//! rank) and then sends group frames it has no right to send, over real loopback TCP, shared
+//! memory and QUIC ([`tensorwire_testkit::nets`]): each is a violation of the sender, who is
+//! dropped and named, and no innocent rank is blamed.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -11,11 +12,11 @@ use tensorwire_core::collective::inbox::InboxLimits;
 use tensorwire_core::collective::Signature;
 use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
-use tensorwire_core::ports::transport::{Connection, Transport};
-use tensorwire_core::protocol::mesh::GroupFrame;
+use tensorwire_core::ports::transport::Connection;
+use tensorwire_core::protocol::mesh::{GroupFrame, Hello};
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, GroupOptions, InMemoryStore};
-use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};
+use tensorwire_testkit::nets::{transports, Net};
 
 const TEST_BOUND: Duration = Duration::from_secs(60);
 const WORLD: usize = 3;
@@ -34,11 +35,10 @@ struct Cluster {
     hostile: Vec<Arc<dyn Connection>>,
 }
 
-async fn cluster(name: &str, options: GroupOptions) -> Cluster {
+async fn cluster(net: Net, name: &str, options: GroupOptions) -> Cluster {
     let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
-    let secret = ClusterSecret::new(b"hostile peer test secret".to_vec()).unwrap();
-    let transport = Arc::new(TcpTransport::new(TcpConfig::new(secret)).unwrap());
-    let listener = transport
+    let transports = transports(net);
+    let listener = transports(HOSTILE)
         .listen("127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();
@@ -51,7 +51,7 @@ async fn cluster(name: &str, options: GroupOptions) -> Cluster {
         .unwrap();
     let tasks: Vec<_> = (0..HOSTILE)
         .map(|rank| {
-            let (store, transport, options) = (store.clone(), transport.clone(), options.clone());
+            let (store, transport, options) = (store.clone(), transports(rank), options.clone());
             tokio::spawn(
                 async move { Group::connect(store, transport, rank, WORLD, options).await },
             )
@@ -106,10 +106,9 @@ fn options(name: &str) -> GroupOptions {
     GroupOptions::new(name).with_timeout(Duration::from_secs(30))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_abort_naming_another_rank_is_the_senders_violation() {
+async fn an_abort_naming_another_rank_is_the_senders_violation(net: Net) {
     bounded(async {
-        let c = cluster("forged-abort", options("forged-abort")).await;
+        let c = cluster(net, "forged-abort", options("forged-abort")).await;
         // Rank 2 tells rank 0 that rank 1 aborted.
         c.hostile[0]
             .send(abort_frame(1, "rank 1 died"))
@@ -142,10 +141,9 @@ async fn an_abort_naming_another_rank_is_the_senders_violation() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_abort_in_the_senders_own_name_breaks_the_group_naming_it() {
+async fn an_abort_in_the_senders_own_name_breaks_the_group_naming_it(net: Net) {
     bounded(async {
-        let c = cluster("own-abort", options("own-abort")).await;
+        let c = cluster(net, "own-abort", options("own-abort")).await;
         c.hostile[0]
             .send(abort_frame(2, "it saw something"))
             .await
@@ -162,10 +160,9 @@ async fn an_abort_in_the_senders_own_name_breaks_the_group_naming_it() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn collective_frames_for_a_group_the_sender_is_not_in_are_refused() {
+async fn collective_frames_for_a_group_the_sender_is_not_in_are_refused(net: Net) {
     bounded(async {
-        let c = cluster("not-in-group", options("not-in-group")).await;
+        let c = cluster(net, "not-in-group", options("not-in-group")).await;
         let pair: Vec<Group> = c
             .honest
             .iter()
@@ -193,10 +190,9 @@ async fn collective_frames_for_a_group_the_sender_is_not_in_are_refused() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sequence_number_beyond_the_window_is_refused() {
+async fn a_sequence_number_beyond_the_window_is_refused(net: Net) {
     bounded(async {
-        let c = cluster("window", options("window")).await;
+        let c = cluster(net, "window", options("window")).await;
         let window = InboxLimits::default().sequence_window;
         c.hostile[0]
             .send(data_frame(window + 1, Bytes::new()))
@@ -220,12 +216,12 @@ async fn a_sequence_number_beyond_the_window_is_refused() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_may_hold_only_so_many_unclaimed_bytes() {
+async fn a_peer_may_hold_only_so_many_unclaimed_bytes(net: Net) {
     bounded(async {
         let mut limits = InboxLimits::default();
         limits.buffered_bytes = 1 << 20;
         let c = cluster(
+            net,
             "inbox-bytes",
             options("inbox-bytes").with_inbox_limits(limits),
         )
@@ -266,8 +262,7 @@ fn notice_frame(seq: u64, peer: u32, theirs: Signature, ours: Signature) -> Fram
     .frame(Vec::new())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_disagreement_notice_it_could_not_have_seen_is_the_senders_violation() {
+async fn a_disagreement_notice_it_could_not_have_seen_is_the_senders_violation(net: Net) {
     // Each forged notice blames innocent rank 1 (or the sender itself); before the check the
     // victim failed with a disagreement naming rank 1.
     let window = InboxLimits::default().sequence_window;
@@ -308,7 +303,7 @@ async fn a_disagreement_notice_it_could_not_have_seen_is_the_senders_violation()
     ];
     for (name, frame, peer, seq, reason) in cases {
         bounded(async {
-            let c = cluster(name, options(name)).await;
+            let c = cluster(net, name, options(name)).await;
             c.hostile[0].send(frame).await.unwrap();
             let err = c.honest[0].barrier().await.unwrap_err();
             assert_eq!(
@@ -325,10 +320,9 @@ async fn a_disagreement_notice_it_could_not_have_seen_is_the_senders_violation()
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_plausible_disagreement_notice_breaks_the_group_naming_its_reporter() {
+async fn a_plausible_disagreement_notice_breaks_the_group_naming_its_reporter(net: Net) {
     bounded(async {
-        let c = cluster("notice", options("notice")).await;
+        let c = cluster(net, "notice", options("notice")).await;
         c.hostile[0]
             .send(notice_frame(
                 0,
@@ -355,4 +349,71 @@ async fn a_plausible_disagreement_notice_breaks_the_group_naming_its_reporter() 
         assert!(err.to_string().contains("rank 2"), "{err}");
     })
     .await;
+}
+
+async fn a_hello_after_setup_drops_its_sender_not_the_rank_it_names(net: Net) {
+    bounded(async {
+        let c = cluster(net, "late-hello", options("late-hello")).await;
+        // Rank 2 greets rank 0 again, claiming to be rank 1: a process group's link takes no
+        // control frame after its setup.
+        let hello = Hello {
+            group: "late-hello".into(),
+            rank: 1,
+            world: Some(WORLD as u32),
+            introduction: Vec::new(),
+        };
+        c.hostile[0].send(hello.frame()).await.unwrap();
+        assert_dropped(&c.hostile[0]).await;
+        let err = c.honest[0].barrier().await.unwrap_err();
+        match &err {
+            ProcessGroupError::PeerDied {
+                rank: HOSTILE,
+                reason,
+                ..
+            } => assert!(reason.contains("Control frame"), "{err}"),
+            other => panic!("rank 0 failed with {other}"),
+        }
+    })
+    .await;
+}
+
+/// Every attack over every transport: `mod tcp`, `mod shm`, `mod quic`, a test each.
+macro_rules! table {
+    ($($name:ident),* $(,)?) => {
+        mod tcp {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Net::Tcp).await;
+                }
+            )*
+        }
+        mod shm {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Net::Shm).await;
+                }
+            )*
+        }
+        mod quic {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Net::Quic).await;
+                }
+            )*
+        }
+    };
+}
+
+table! {
+    an_abort_naming_another_rank_is_the_senders_violation,
+    an_abort_in_the_senders_own_name_breaks_the_group_naming_it,
+    collective_frames_for_a_group_the_sender_is_not_in_are_refused,
+    a_sequence_number_beyond_the_window_is_refused,
+    a_peer_may_hold_only_so_many_unclaimed_bytes,
+    a_disagreement_notice_it_could_not_have_seen_is_the_senders_violation,
+    a_plausible_disagreement_notice_breaks_the_group_naming_its_reporter,
+    a_hello_after_setup_drops_its_sender_not_the_rank_it_names,
 }

@@ -27,7 +27,6 @@ use tensorwire_autograd_candle::CandleEngine;
 use tensorwire_core::autograd::{
     AutogradMessageId, BackwardError, ContextId, ProtocolViolation as AutogradViolation,
 };
-use tensorwire_core::ports::transport::Transport;
 use tensorwire_core::protocol::{
     CallError, EndpointConfig, GlobalId, Header, LostCause, ProtocolViolation, RRefId, WorkerId,
 };
@@ -35,6 +34,7 @@ use tensorwire_core::tensor::Tensor;
 use tensorwire_core::wire::{Frame, FrameKind};
 use tensorwire_rpc::{Agent, AutogradCall, DistAutograd, Functions, PeerEvent, RpcError, Shutdown};
 use tensorwire_testkit::hostile::{hostile_group, HostileGroup};
+use tensorwire_testkit::nets::{transports, Net};
 use tensorwire_testkit::{base_options, wait_until};
 use tokio::sync::Semaphore;
 
@@ -53,51 +53,6 @@ async fn bounded<T>(what: &str, f: impl Future<Output = T>) -> T {
     tokio::time::timeout(TEST_BOUND, f)
         .await
         .unwrap_or_else(|_| panic!("{what}: took longer than {TEST_BOUND:?}"))
-}
-
-/// The transports the table runs over.
-#[derive(Debug, Clone, Copy)]
-enum Net {
-    Tcp,
-    Shm,
-    Quic,
-}
-
-/// Every rank's transport for one run (QUIC: node certificates under one cluster CA).
-fn transports(net: Net) -> impl Fn(usize) -> Arc<dyn Transport> {
-    let secret =
-        tensorwire_core::auth::ClusterSecret::new(b"hostile autograd test secret".to_vec())
-            .expect("a secret");
-    let ca = tensorwire_transport_quic::certs::ClusterCa::generate().expect("a cluster CA");
-    move |rank| -> Arc<dyn Transport> {
-        match net {
-            Net::Tcp => Arc::new(
-                tensorwire_transport_tcp::TcpTransport::new(
-                    tensorwire_transport_tcp::TcpConfig::new(secret.clone()),
-                )
-                .expect("TCP"),
-            ),
-            Net::Shm => Arc::new(
-                tensorwire_transport_shm::ShmTransport::new(
-                    tensorwire_transport_shm::ShmConfig::new(secret.clone()),
-                )
-                .expect("shm"),
-            ),
-            Net::Quic => {
-                let tls = tensorwire_transport_quic::ClusterTls::new(
-                    ca.issue_node(&format!("w{rank}"))
-                        .expect("a node certificate"),
-                    vec![ca.cert_der().clone()],
-                );
-                Arc::new(
-                    tensorwire_transport_quic::QuicTransport::new(
-                        tensorwire_transport_quic::QuicConfig::new(tls),
-                    )
-                    .expect("QUIC"),
-                )
-            }
-        }
-    }
 }
 
 /// `add(a, b)`; `gate()` answers 1 once the test opens the gate.

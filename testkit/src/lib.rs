@@ -12,6 +12,7 @@
 //! - [`CapturedLogs`]: a log writer whose text a test reads back.
 //! - [`hostile`]: a hostile peer, a worker that joins a group for real and then sends, with the
 //!   agent's own encoding, messages it has no right to send.
+//! - [`nets`]: the real transports (TCP, shm, QUIC) a hostile-peer table runs over.
 //!
 //! ```
 //! use std::time::Duration;
@@ -33,6 +34,7 @@ mod cluster;
 mod devices;
 pub mod hostile;
 mod logs;
+pub mod nets;
 mod wait;
 
 pub use cluster::{base_options, MemoryCluster, StartError, TcpCluster};

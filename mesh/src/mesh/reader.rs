@@ -51,6 +51,8 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
         };
         if frame.kind != FrameKind::Collective {
             let Some(sink) = shared.sink.get() else {
+                // Nothing more is read from it: close the connection rather than leave it open.
+                let _ = link.conn.close().await;
                 break End::Broken(format!(
                     "it sent a {:?} frame, which a process group does not take",
                     frame.kind
