@@ -158,7 +158,7 @@ impl Agent {
             tasks: Mutex::new(Tasks::default()),
             runtime: Arc::clone(&options.runtime),
             peer_events: crate::peer_events::PeerEventHub::new(),
-            membership: crate::init::dynamic::new_state(),
+            membership: crate::membership::new_state(),
             membership_wake: Notify::new(),
             serving: std::sync::atomic::AtomicUsize::new(0),
             queued_bytes: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
@@ -1003,7 +1003,7 @@ impl Agent {
 
     /// Registers the connection to `peer` and starts its reader and writer tasks.
     pub(crate) fn attach(&self, peer: WorkerId, conn: Box<dyn Connection>) {
-        links::attach_conn(self, peer, Arc::from(conn), true);
+        driver::attach(self, peer, Arc::from(conn));
     }
 
     /// Moves what the endpoint produced along, on the calling task (see [`driver::pump`]).

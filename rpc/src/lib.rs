@@ -51,6 +51,7 @@ mod init;
 mod init_rpc;
 mod ipc;
 mod links;
+mod membership;
 pub mod memory;
 pub mod metrics;
 mod options;
