@@ -201,7 +201,7 @@ impl Agent {
     /// Runs `task` as one of the agent's tasks: shutdown ends it and waits until it has ended.
     /// After shutdown nothing new starts (`task` is dropped, outside the lock: it may hold
     /// user values).
-    pub(crate) fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+    pub fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
         self.track(false, task);
     }
 
@@ -363,7 +363,8 @@ impl Agent {
         }
     }
 
-    pub(crate) fn name_of(&self, id: WorkerId) -> String {
+    /// The name of worker `id`, or `rank {id}` for one this worker does not know.
+    pub fn name_of(&self, id: WorkerId) -> String {
         self.members()
             .workers
             .get(&id)
@@ -469,15 +470,31 @@ impl Agent {
         self.inner.ipc.report()
     }
 
-    pub(crate) fn device_backend(&self) -> &Arc<dyn DeviceBackend> {
+    /// The device backend this agent moves tensors with.
+    pub fn device_backend(&self) -> &Arc<dyn DeviceBackend> {
         &self.inner.backend
     }
 
-    /// [`send_call`](Self::send_call), with the tensors of `args` placed as `placement` says:
-    /// by this worker's map for `to` (a request) or by its reverse map for `to` (the way a
+    /// `rpc_async` to rank `to`, with the tensors of `args` placed as `placement` says: by
+    /// this worker's map for `to` (a request) or by its reverse map for `to` (the way a
     /// response goes; distributed autograd sends a gradient back by the reverse of the map
     /// its forward message took).
-    pub(crate) fn send_call_placed<A, R>(
+    pub fn rpc_async_placed<A, R>(
+        &self,
+        to: WorkerId,
+        function: &str,
+        args: &A,
+        timeout: Option<Duration>,
+        placement: Direction,
+    ) -> Result<RpcFuture<R>, RpcError>
+    where
+        A: Serialize + ?Sized,
+        R: DeserializeOwned + Send + 'static,
+    {
+        self.send_call_placed(to, function, args, None, timeout, placement)
+    }
+
+    fn send_call_placed<A, R>(
         &self,
         to: WorkerId,
         function: &str,
@@ -1042,6 +1059,17 @@ impl Agent {
         shutdown::run_shutdown(self, timeout, begin).await
     }
 
+    /// Drops `peer` for `violation` found by a protocol layered on this agent (distributed
+    /// autograd), as a frame's violation drops it: lost as `LostCause::Misbehaved`, its
+    /// connection closed. Never this worker; a peer lost already keeps its first cause.
+    pub fn fail_peer(
+        &self,
+        peer: WorkerId,
+        violation: tensorwire_core::protocol::ProtocolViolation,
+    ) {
+        links::fail_peer(self, peer, violation);
+    }
+
     /// Subscribes to what happens to peers: a peer lost (its connection broke; told once per
     /// loss, whether or not a call to it was pending) or a worker joined. Each subscription
     /// sees every event after it was made, in order; it ends when the agent shuts down.
@@ -1168,16 +1196,5 @@ impl Agent {
             what: format!("the result of {what:?} from {from}"),
             message: e.to_string(),
         })
-    }
-}
-
-impl<R> std::future::Future for RpcFuture<R> {
-    type Output = Result<R, RpcError>;
-
-    fn poll(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
     }
 }

@@ -158,7 +158,7 @@ impl<T: Send + Sync + 'static> RRef<T> {
     /// Copies the value here from its owner (`timeout` overrides the default; zero: none).
     /// A reference whose creation failed or timed out fails with [`RpcError::RRefCreation`].
     /// The copy is never tracked by distributed autograd; inside an autograd context use
-    /// [`AutogradContext::to_here`](crate::AutogradContext::to_here), whose tensors carry
+    /// `AutogradContext::to_here` (crate `tensorwire-dist-autograd`), whose tensors carry
     /// their gradients back to the owner.
     pub async fn to_here(&self, timeout: Option<Duration>) -> Result<T, RpcError>
     where
