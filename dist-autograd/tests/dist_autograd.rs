@@ -19,9 +19,9 @@ use tensorwire_dist_autograd::{
     AutogradCall, DistAutograd, DistAutogradError, DistributedOptimizer, LocalOptimizer, Parameter,
     TensorList,
 };
-use tensorwire_rpc::memory::MemoryTransport;
 use tensorwire_rpc::{Agent, RRef, RpcOptions};
 use tensorwire_testkit::{MemoryCluster, RecordingDevices};
+use tensorwire_transport_memory::MemoryTransport;
 
 type Dist = DistAutograd<CandleEngine>;
 

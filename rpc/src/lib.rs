@@ -51,7 +51,6 @@ mod init_rpc;
 mod ipc;
 mod links;
 mod membership;
-pub mod memory;
 pub mod metrics;
 mod options;
 pub mod peer_events;

@@ -38,6 +38,8 @@ pub mod rpc {
         Sgd, TensorList, TrackedValue,
     };
     pub use tensorwire_rpc::*;
+    /// The in-memory transport, under its old path (now `tensorwire::transport_memory`).
+    pub use tensorwire_transport_memory as memory;
 }
 /// Distributed autograd (PyTorch's FAST mode) and the distributed optimizer, on the RPC
 /// agent; the local engine is a port (`autograd_candle` is its adapter).
@@ -45,6 +47,10 @@ pub use tensorwire_dist_autograd as dist_autograd;
 /// The TCP transport (Cargo feature `tcp`, on by default).
 #[cfg(feature = "tcp")]
 pub use tensorwire_transport_tcp as transport_tcp;
+
+/// The in-memory transport: whole clusters in one process, in virtual time (tests,
+/// simulations).
+pub use tensorwire_transport_memory as transport_memory;
 
 /// The QUIC transport (Cargo feature `quic`).
 #[cfg(feature = "quic")]
