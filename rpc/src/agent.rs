@@ -555,11 +555,9 @@ impl Agent {
         } else {
             self.pump();
         }
-        let future = RpcFuture::new(self.clone(), rx, self.name_of(to), function.to_owned());
-        Ok(self
-            .inner
-            .metrics
-            .call(&|id| self.name_of(id), to, function, id, bytes, future))
+        let watch = (self.inner.metrics).call(&|id| self.name_of(id), to, function, id, bytes);
+        let (to, function) = ((to, self.name_of(to)), function.to_owned());
+        Ok(RpcFuture::new(self.clone(), rx, to, function, watch))
     }
 
     /// Undoes the forks made for `to` by an encode whose bytes will not be sent.
@@ -1155,13 +1153,14 @@ impl<R: DeserializeOwned + Send + 'static> RpcFuture<R> {
     fn new(
         agent: Agent,
         rx: oneshot::Receiver<Result<Body, CallError>>,
-        to: String,
+        (to_id, to): (WorkerId, String),
         function: String,
+        watch: crate::metrics::CallWatch,
     ) -> Self {
         Self {
-            inner: Box::pin(async move {
+            inner: Box::pin(watch.watch(async move {
                 match rx.await {
-                    Ok(Ok(body)) => agent.decode_body(body, &to, &function).await,
+                    Ok(Ok(body)) => agent.decode_body(body, to_id, &to, &function).await,
                     Ok(Err(source)) => Err(RpcError::Call {
                         to,
                         function,
@@ -1169,7 +1168,7 @@ impl<R: DeserializeOwned + Send + 'static> RpcFuture<R> {
                     }),
                     Err(_) => Err(RpcError::NotRunning),
                 }
-            }),
+            })),
         }
     }
 }
@@ -1179,12 +1178,10 @@ impl Agent {
     pub(crate) async fn decode_body<R: DeserializeOwned>(
         &self,
         body: Body,
+        from_id: WorkerId,
         from: &str,
         what: &str,
     ) -> Result<R, RpcError> {
-        let from_id = self
-            .resolve(&WorkerRef::Name(from.to_owned()))
-            .unwrap_or(WorkerId::MAX);
         let tensors = crate::ipc::from_wire(self, from_id, body.tensors)
             .await
             .map_err(|e| RpcError::Tensors {

@@ -165,9 +165,9 @@ impl<T: Send + Sync + 'static> RRef<T> {
         T: DeserializeOwned,
     {
         let rx = self.agent().fetch(self.shared.handle, timeout)?;
-        let owner = self.owner().name;
+        let WorkerInfo { name: owner, id } = self.owner();
         match rx.await {
-            Ok(Ok(body)) => self.agent().decode_body(body, &owner, "to_here").await,
+            Ok(Ok(body)) => self.agent().decode_body(body, id, &owner, "to_here").await,
             Ok(Err(source)) => Err(RpcError::Call {
                 to: owner,
                 function: "to_here".into(),
