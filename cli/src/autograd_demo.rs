@@ -1,9 +1,9 @@
 //! The model of the `dist_autograd` example and of `tensorwire demo autograd`: a model split
 //! across three processes, trained with distributed autograd and the
-//! [`DistributedOptimizer`](tensorwire_rpc::DistributedOptimizer), and compared with the same model in one process.
+//! [`DistributedOptimizer`](tensorwire_dist_autograd::DistributedOptimizer), and compared with the same model in one process.
 //!
 //! - `ps` (rank 0), the parameter server, holds `w1` and `w2` as
-//!   [`Parameter`](tensorwire_rpc::Parameter)s in remote
+//!   [`Parameter`](tensorwire_dist_autograd::Parameter)s in remote
 //!   references;
 //! - `trainer` (rank 1) holds its own layer `w0` (in a local reference, so the same optimizer
 //!   steps it) and computes the loss;
@@ -38,10 +38,8 @@ use tensorwire::autograd_candle::candle_core::{self, Device, Tensor as CTensor, 
 use tensorwire::autograd_candle::CandleEngine;
 use tensorwire_core::autograd::optim::{Optimizer, OptimizerState, Sgd};
 use tensorwire_core::autograd::ContextId;
-use tensorwire_rpc::{
-    init_rpc, AutogradCall, DistAutograd, DistributedOptimizer, Functions, Parameter, RRef,
-    RpcOptions,
-};
+use tensorwire_dist_autograd::{AutogradCall, DistAutograd, DistributedOptimizer, Parameter};
+use tensorwire_rpc::{init_rpc, Functions, RRef, RpcOptions};
 
 /// Width of every layer.
 pub const DIM: usize = 16;

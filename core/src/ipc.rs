@@ -42,7 +42,7 @@ use std::collections::{BTreeMap, VecDeque};
 use serde::{Deserialize, Serialize};
 
 use crate::device::Device;
-use crate::protocol::WorkerId;
+use crate::name::WorkerId;
 
 /// Where a process runs, as far as sharing device memory is concerned.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,9 +1,13 @@
-//! Worker names.
+//! Workers' names and ids.
 //!
 //! PyTorch's rule: a worker name uses only `A-Z a-z 0-9 _ : -` and is shorter than 128
 //! characters. We also refuse the empty name, which no one can address.
 
 use std::fmt;
+
+/// A worker's id within its group (its rank in a static group). Defined here, with the
+/// names, so that every module can name a worker without importing the protocol.
+pub type WorkerId = u32;
 
 /// Names must be shorter than this many characters (PyTorch's `MAX_NAME_LEN`).
 pub const MAX_NAME_LEN: usize = 128;

@@ -158,7 +158,7 @@ impl Agent {
             tasks: Mutex::new(Tasks::default()),
             runtime: Arc::clone(&options.runtime),
             peer_events: crate::peer_events::PeerEventHub::new(),
-            membership: crate::init::dynamic::new_state(),
+            membership: crate::membership::new_state(),
             membership_wake: Notify::new(),
             serving: std::sync::atomic::AtomicUsize::new(0),
             queued_bytes: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
@@ -201,7 +201,7 @@ impl Agent {
     /// Runs `task` as one of the agent's tasks: shutdown ends it and waits until it has ended.
     /// After shutdown nothing new starts (`task` is dropped, outside the lock: it may hold
     /// user values).
-    pub(crate) fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+    pub fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
         self.track(false, task);
     }
 
@@ -363,7 +363,8 @@ impl Agent {
         }
     }
 
-    pub(crate) fn name_of(&self, id: WorkerId) -> String {
+    /// The name of worker `id`, or `rank {id}` for one this worker does not know.
+    pub fn name_of(&self, id: WorkerId) -> String {
         self.members()
             .workers
             .get(&id)
@@ -469,15 +470,31 @@ impl Agent {
         self.inner.ipc.report()
     }
 
-    pub(crate) fn device_backend(&self) -> &Arc<dyn DeviceBackend> {
+    /// The device backend this agent moves tensors with.
+    pub fn device_backend(&self) -> &Arc<dyn DeviceBackend> {
         &self.inner.backend
     }
 
-    /// [`send_call`](Self::send_call), with the tensors of `args` placed as `placement` says:
-    /// by this worker's map for `to` (a request) or by its reverse map for `to` (the way a
+    /// `rpc_async` to rank `to`, with the tensors of `args` placed as `placement` says: by
+    /// this worker's map for `to` (a request) or by its reverse map for `to` (the way a
     /// response goes; distributed autograd sends a gradient back by the reverse of the map
     /// its forward message took).
-    pub(crate) fn send_call_placed<A, R>(
+    pub fn rpc_async_placed<A, R>(
+        &self,
+        to: WorkerId,
+        function: &str,
+        args: &A,
+        timeout: Option<Duration>,
+        placement: Direction,
+    ) -> Result<RpcFuture<R>, RpcError>
+    where
+        A: Serialize + ?Sized,
+        R: DeserializeOwned + Send + 'static,
+    {
+        self.send_call_placed(to, function, args, None, timeout, placement)
+    }
+
+    fn send_call_placed<A, R>(
         &self,
         to: WorkerId,
         function: &str,
@@ -538,11 +555,9 @@ impl Agent {
         } else {
             self.pump();
         }
-        let future = RpcFuture::new(self.clone(), rx, self.name_of(to), function.to_owned());
-        Ok(self
-            .inner
-            .metrics
-            .call(&|id| self.name_of(id), to, function, id, bytes, future))
+        let watch = (self.inner.metrics).call(&|id| self.name_of(id), to, function, id, bytes);
+        let (to, function) = ((to, self.name_of(to)), function.to_owned());
+        Ok(RpcFuture::new(self.clone(), rx, to, function, watch))
     }
 
     /// Undoes the forks made for `to` by an encode whose bytes will not be sent.
@@ -1003,7 +1018,7 @@ impl Agent {
 
     /// Registers the connection to `peer` and starts its reader and writer tasks.
     pub(crate) fn attach(&self, peer: WorkerId, conn: Box<dyn Connection>) {
-        links::attach_conn(self, peer, Arc::from(conn), true);
+        driver::attach(self, peer, Arc::from(conn));
     }
 
     /// Moves what the endpoint produced along, on the calling task (see [`driver::pump`]).
@@ -1040,6 +1055,17 @@ impl Agent {
         begin: impl FnOnce(&mut Endpoint<Body>),
     ) -> Result<(), RpcError> {
         shutdown::run_shutdown(self, timeout, begin).await
+    }
+
+    /// Drops `peer` for `violation` found by a protocol layered on this agent (distributed
+    /// autograd), as a frame's violation drops it: lost as `LostCause::Misbehaved`, its
+    /// connection closed. Never this worker; a peer lost already keeps its first cause.
+    pub fn fail_peer(
+        &self,
+        peer: WorkerId,
+        violation: tensorwire_core::protocol::ProtocolViolation,
+    ) {
+        links::fail_peer(self, peer, violation);
     }
 
     /// Subscribes to what happens to peers: a peer lost (its connection broke; told once per
@@ -1127,13 +1153,14 @@ impl<R: DeserializeOwned + Send + 'static> RpcFuture<R> {
     fn new(
         agent: Agent,
         rx: oneshot::Receiver<Result<Body, CallError>>,
-        to: String,
+        (to_id, to): (WorkerId, String),
         function: String,
+        watch: crate::metrics::CallWatch,
     ) -> Self {
         Self {
-            inner: Box::pin(async move {
+            inner: Box::pin(watch.watch(async move {
                 match rx.await {
-                    Ok(Ok(body)) => agent.decode_body(body, &to, &function).await,
+                    Ok(Ok(body)) => agent.decode_body(body, to_id, &to, &function).await,
                     Ok(Err(source)) => Err(RpcError::Call {
                         to,
                         function,
@@ -1141,7 +1168,7 @@ impl<R: DeserializeOwned + Send + 'static> RpcFuture<R> {
                     }),
                     Err(_) => Err(RpcError::NotRunning),
                 }
-            }),
+            })),
         }
     }
 }
@@ -1151,12 +1178,10 @@ impl Agent {
     pub(crate) async fn decode_body<R: DeserializeOwned>(
         &self,
         body: Body,
+        from_id: WorkerId,
         from: &str,
         what: &str,
     ) -> Result<R, RpcError> {
-        let from_id = self
-            .resolve(&WorkerRef::Name(from.to_owned()))
-            .unwrap_or(WorkerId::MAX);
         let tensors = crate::ipc::from_wire(self, from_id, body.tensors)
             .await
             .map_err(|e| RpcError::Tensors {
@@ -1168,16 +1193,5 @@ impl Agent {
             what: format!("the result of {what:?} from {from}"),
             message: e.to_string(),
         })
-    }
-}
-
-impl<R> std::future::Future for RpcFuture<R> {
-    type Output = Result<R, RpcError>;
-
-    fn poll(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
     }
 }

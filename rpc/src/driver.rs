@@ -4,12 +4,105 @@
 //! Today the endpoint is also pumped on the calling task of an API call or a reader (one
 //! wake-up less per message); DESIGN's target is this driver alone polling the endpoint.
 
-use tensorwire_core::protocol::{Event, LostCause, RemoteErrorKind};
+use std::sync::Arc;
 
-use crate::links::{self, DirectWrite};
+use tensorwire_core::ports::transport::Connection;
+use tensorwire_core::protocol::{
+    Event, LostCause, ProtocolViolation, RemoteErrorKind, RunState, WorkerId,
+};
+use tensorwire_core::wire::{Frame, FrameKind};
+
+use crate::codec::Envelope;
+use crate::links::{self, peer_lost_on, until_failed, DirectWrite};
+use crate::membership;
 use crate::serve::{self, remote_error};
 use crate::state::Agent;
 use crate::state::Body;
+
+/// Attaches an agent-owned connection to `peer` (its writer: see [`links::attach_conn`]) and
+/// starts its reader, which hands every frame to the endpoint through [`on_frame`].
+pub(crate) fn attach(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection>) {
+    let Some(mut reader_failed) = links::attach_conn(this, peer, Arc::clone(&conn), true) else {
+        return;
+    };
+    let agent = this.clone();
+    let cheap_sends = conn.cheap_sends();
+    this.spawn(async move {
+        loop {
+            let received = tokio::select! {
+                biased;
+                // The writer fails the peer (its queue passed the bound): stop reading it.
+                _ = until_failed(&mut reader_failed) => return,
+                received = conn.recv() => received,
+            };
+            match received {
+                Ok(frame) => {
+                    if let Err(violation) = on_frame(&agent, peer, frame, cheap_sends) {
+                        peer_lost_on(
+                            &agent,
+                            peer,
+                            LostCause::Misbehaved(Box::new(violation)),
+                            &conn,
+                        );
+                        return;
+                    }
+                }
+                Err(e) => {
+                    if agent.lock().ep.state() == RunState::Running {
+                        peer_lost_on(&agent, peer, LostCause::Transport(e.to_string()), &conn);
+                    }
+                    return;
+                }
+            }
+        }
+    });
+}
+
+/// Hands a received frame to the endpoint. A frame that breaks the protocol is an error:
+/// the connection to that peer is dropped (its calls fail naming it), never a silent loss.
+///
+/// With `direct` (a connection whose sends are cheap, see `Connection::cheap_sends`), what
+/// handling it produced is written on the reader's task, before it waits for the next
+/// frame (see [`pump_now`](Self::pump_now)); else it goes through the writers, which batch
+/// it with the replies to the other frames of the same read.
+pub(crate) fn on_frame(
+    this: &Agent,
+    from: WorkerId,
+    frame: Frame,
+    direct: bool,
+) -> Result<(), ProtocolViolation> {
+    if frame.kind == FrameKind::Control {
+        if let Some(handled) = crate::ipc::on_control(this, from, &frame) {
+            return handled;
+        }
+        return membership::on_membership_frame(this, from, &frame);
+    }
+    if this.inner.dynamic && !membership::may_call(this, from) {
+        return Err(ProtocolViolation::NotAMember);
+    }
+    let envelope = Envelope::decode(&frame.header)?;
+    this.inner
+        .ipc
+        .check_received(from, &envelope.tensors)
+        .map_err(ProtocolViolation::Ipc)?;
+    let (header, body) = envelope.attach(frame.payloads)?;
+    let body = body.map(|b| Body {
+        target: b.target,
+        data: b.data,
+        tensors: b.tensors,
+        forks: Vec::new(),
+    });
+    let handled = this
+        .lock()
+        .ep
+        .handle_message(from, header, body, this.now());
+    if direct {
+        pump_now(this);
+    } else {
+        this.pump();
+    }
+    handled
+}
 
 /// Moves what the endpoint produced along, on the calling task: messages to the peers'
 /// writers (in order, under the lock) and events to their handlers. Wakes the driver only

@@ -171,14 +171,19 @@ pub(crate) async fn from_wire(
     from: WorkerId,
     tensors: WireTensors,
 ) -> Result<Vec<Tensor>, TensorTransferError> {
+    if tensors.is_empty() {
+        // Most calls carry none: no backend, no IPC state to lock.
+        return Ok(Vec::new());
+    }
     let backend = agent.device_backend().clone();
     let mut out = Vec::with_capacity(tensors.len());
-    let mut failed = None;
+    let (mut failed, mut shared) = (None, false);
     for (meta, bytes) in tensors {
         let Some(id) = meta.ipc else {
             out.push(crate::tensors::place(&*backend, meta, bytes).await?);
             continue;
         };
+        shared = true;
         let landed = import(&*backend, &meta, &bytes).await;
         {
             let mut st = agent.ipc().state();
@@ -195,7 +200,9 @@ pub(crate) async fn from_wire(
             }
         }
     }
-    flush(agent);
+    if shared {
+        flush(agent);
+    }
     match failed {
         Some(e) => Err(e),
         None => Ok(out),

@@ -35,7 +35,6 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod agent;
-pub mod autograd;
 mod backend;
 mod codec;
 mod context;
@@ -51,7 +50,7 @@ mod init;
 mod init_rpc;
 mod ipc;
 mod links;
-pub mod memory;
+mod membership;
 pub mod metrics;
 mod options;
 pub mod peer_events;
@@ -66,10 +65,6 @@ pub mod typed;
 mod worker;
 
 pub use agent::{Agent, AgentDebugInfo, PeerConnection, RpcFuture, WorkerInfo, WorkerRef};
-pub use autograd::optim::{BuiltinState, DistributedOptimizer, LocalOptimizer, Parameter};
-pub use autograd::{
-    AutogradCall, AutogradContext, DistAutograd, DistAutogradError, TensorList, TrackedValue,
-};
 #[cfg(feature = "tcp")]
 pub use backend::TcpBackend;
 pub use backend::{
@@ -90,7 +85,6 @@ pub use peer_events::{PeerEvent, PeerEvents};
 pub use rref::RRef;
 pub use runtime::{Runtime, TokioRuntime};
 pub use state::Functions;
-pub use tensorwire_core::autograd::optim::{Adagrad, Adam, AdamW, Optimizer, RmsProp, Sgd};
 pub use tensorwire_core::protocol::{
     CallError, DebugInfo, ForkInfo, OwnedInfo, RemoteError, RemoteErrorKind,
 };

@@ -13,8 +13,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::codec::Envelope;
-use crate::driver;
-use crate::init::dynamic;
+use crate::membership;
 use crate::queue::{frame_bytes, OutQueue};
 use crate::state::Agent;
 use crate::state::{Body, PeerLink, State};
@@ -24,7 +23,7 @@ use crate::tensors;
 pub(crate) const WRITE_BATCH: usize = 64;
 
 /// Returns once the peer's queue has passed its bound (never, if the sender is gone first).
-async fn until_failed(failed: &mut tokio::sync::watch::Receiver<bool>) {
+pub(crate) async fn until_failed(failed: &mut tokio::sync::watch::Receiver<bool>) {
     if failed.wait_for(|f| *f).await.is_err() {
         std::future::pending::<()>().await;
     }
@@ -38,12 +37,21 @@ pub(crate) struct DirectWrite {
     pub(crate) _turn: tokio::sync::OwnedMutexGuard<()>,
 }
 
-/// Registers the connection to `peer` and starts its writer task, and its reader task if
-/// `read` (else the connection's owner, the static group, reads it and keeps it open).
-pub(crate) fn attach_conn(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection>, read: bool) {
+/// Registers the connection to `peer` and starts its writer task. With `owned` the agent
+/// owns the connection (its writer closes it at the end, and the driver reads it: see
+/// `driver::attach`); else its owner, the static group, reads it and keeps it open.
+///
+/// Returns what tells the connection's reader that the writer failed the peer (its queue
+/// passed the bound), or `None` if the agent is shut down (the connection closes here).
+pub(crate) fn attach_conn(
+    this: &Agent,
+    peer: WorkerId,
+    conn: Arc<dyn Connection>,
+    owned: bool,
+) -> Option<tokio::sync::watch::Receiver<bool>> {
     if this.tasks().closed {
         // Shut down already: the connection closes here.
-        return;
+        return None;
     }
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
     let write = Arc::new(tokio::sync::Mutex::new(()));
@@ -64,7 +72,7 @@ pub(crate) fn attach_conn(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection
     let writer_conn = Arc::clone(&conn);
     let agent = this.clone();
     let mut failed = queued.subscribe_failed();
-    let mut reader_failed = queued.subscribe_failed();
+    let reader_failed = queued.subscribe_failed();
     let writer = async move {
         loop {
             let next = tokio::select! {
@@ -76,7 +84,7 @@ pub(crate) fn attach_conn(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection
                 None => break,
                 Some(Some(frame)) => frame,
                 Some(None) => {
-                    if read {
+                    if owned {
                         let _ = writer_conn.close().await;
                     }
                     return;
@@ -127,41 +135,8 @@ pub(crate) fn attach_conn(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection
         }
         let _ = writer_conn.close().await;
     };
-    let agent = this.clone();
-    let cheap_sends = conn.cheap_sends();
-    let reader = async move {
-        loop {
-            let received = tokio::select! {
-                biased;
-                // The writer fails the peer (its queue passed the bound): stop reading it.
-                _ = until_failed(&mut reader_failed) => return,
-                received = conn.recv() => received,
-            };
-            match received {
-                Ok(frame) => {
-                    if let Err(violation) = on_frame(&agent, peer, frame, cheap_sends) {
-                        peer_lost_on(
-                            &agent,
-                            peer,
-                            LostCause::Misbehaved(Box::new(violation)),
-                            &conn,
-                        );
-                        return;
-                    }
-                }
-                Err(e) => {
-                    if agent.lock().ep.state() == tensorwire_core::protocol::RunState::Running {
-                        peer_lost_on(&agent, peer, LostCause::Transport(e.to_string()), &conn);
-                    }
-                    return;
-                }
-            }
-        }
-    };
     this.track(true, writer);
-    if read {
-        this.spawn(reader);
-    }
+    Some(reader_failed)
 }
 
 /// [`peer_lost`](Self::peer_lost), if `conn` is still the connection to `peer` (a worker
@@ -266,7 +241,7 @@ pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
     if this.inner.dynamic {
         // The membership drops it (and hands coordination on, if it coordinated).
         let now = this.now();
-        dynamic::with_membership(this, |m| m.handle_lost(peer, now));
+        membership::with_membership(this, |m| m.handle_lost(peer, now));
     }
     this.pump();
     // The reader and the writer of a link may both report its end: subscribers hear once.
@@ -278,52 +253,6 @@ pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
                 cause,
             });
     }
-}
-
-/// Hands a received frame to the endpoint. A frame that breaks the protocol is an error:
-/// the connection to that peer is dropped (its calls fail naming it), never a silent loss.
-///
-/// With `direct` (a connection whose sends are cheap, see `Connection::cheap_sends`), what
-/// handling it produced is written on the reader's task, before it waits for the next
-/// frame (see [`pump_now`](Self::pump_now)); else it goes through the writers, which batch
-/// it with the replies to the other frames of the same read.
-pub(crate) fn on_frame(
-    this: &Agent,
-    from: WorkerId,
-    frame: Frame,
-    direct: bool,
-) -> Result<(), ProtocolViolation> {
-    if frame.kind == FrameKind::Control {
-        if let Some(handled) = crate::ipc::on_control(this, from, &frame) {
-            return handled;
-        }
-        return dynamic::on_membership_frame(this, from, &frame);
-    }
-    if this.inner.dynamic && !dynamic::may_call(this, from) {
-        return Err(ProtocolViolation::NotAMember);
-    }
-    let envelope = Envelope::decode(&frame.header)?;
-    this.inner
-        .ipc
-        .check_received(from, &envelope.tensors)
-        .map_err(ProtocolViolation::Ipc)?;
-    let (header, body) = envelope.attach(frame.payloads)?;
-    let body = body.map(|b| Body {
-        target: b.target,
-        data: b.data,
-        tensors: b.tensors,
-        forks: Vec::new(),
-    });
-    let handled = this
-        .lock()
-        .ep
-        .handle_message(from, header, body, this.now());
-    if direct {
-        driver::pump_now(this);
-    } else {
-        this.pump();
-    }
-    handled
 }
 
 pub(crate) fn send(

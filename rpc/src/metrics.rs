@@ -36,7 +36,9 @@ use tensorwire_core::protocol::{MessageId, WorkerId};
 use tensorwire_core::tensor::Tensor;
 use tracing::Instrument;
 
-use crate::future::RpcFuture;
+use std::future::Future;
+
+use crate::error::RpcError;
 
 /// One peer's counters, as read from [`Agent::metrics`](crate::Agent::metrics).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -194,17 +196,16 @@ impl AgentMetrics {
     }
 
     /// A call to `to` was sent (message `id`, `bytes` of arguments): counts it, and counts it
-    /// in flight until `future` resolves (or is dropped), then as an error if it failed. The
-    /// future runs in the call's span.
-    pub(crate) fn call<R: Send + 'static>(
+    /// in flight until the future the returned watch wraps resolves (or is dropped), then as
+    /// an error if it failed. The future runs in the call's span.
+    pub(crate) fn call(
         &self,
         name_of: &dyn Fn(WorkerId) -> String,
         to: WorkerId,
         function: &str,
         id: MessageId,
         bytes: u64,
-        future: RpcFuture<R>,
-    ) -> RpcFuture<R> {
+    ) -> CallWatch {
         let peer = self.peer(name_of, to);
         peer.sent(bytes);
         let span = tracing::debug_span!(
@@ -214,17 +215,9 @@ impl AgentMetrics {
             id = ?id,
             bytes
         );
-        let guard = InFlight::new(peer);
-        let inner = future.inner;
-        RpcFuture {
-            inner: Box::pin(
-                async move {
-                    let out = inner.await;
-                    guard.finish(out.is_ok());
-                    out
-                }
-                .instrument(span),
-            ),
+        CallWatch {
+            guard: InFlight::new(peer),
+            span,
         }
     }
 
@@ -277,6 +270,29 @@ impl AgentMetrics {
 }
 
 /// A call in flight: counted down when finished or dropped (a dropped call is not an error).
+/// What [`AgentMetrics::call`] counts for one call until its result's future ends.
+pub(crate) struct CallWatch {
+    guard: InFlight,
+    span: tracing::Span,
+}
+
+impl CallWatch {
+    /// `result` counted (in flight until it ends, an error if it fails) and in the call's
+    /// span; wrapped, not boxed again (one allocation per call, the caller's).
+    pub(crate) fn watch<R>(
+        self,
+        result: impl Future<Output = Result<R, RpcError>>,
+    ) -> impl Future<Output = Result<R, RpcError>> {
+        let Self { guard, span } = self;
+        async move {
+            let out = result.await;
+            guard.finish(out.is_ok());
+            out
+        }
+        .instrument(span)
+    }
+}
+
 struct InFlight(Option<Arc<Peer>>);
 
 impl InFlight {

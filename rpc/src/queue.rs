@@ -2,7 +2,7 @@
 //! dropped when the peer is failed), bounded per peer (`RpcOptions::peer_queue_bytes`), and
 //! the agent's total over every peer.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tensorwire_core::protocol::LostCause;
@@ -18,6 +18,8 @@ pub(crate) struct OutQueue {
     /// Set once, when a frame would pass the bound: the writer drops the queue and fails
     /// the peer with `cause`.
     failed: watch::Sender<bool>,
+    /// `failed`'s value, read on every enqueue without the watch's lock.
+    has_failed: AtomicBool,
     cause: Mutex<Option<LostCause>>,
 }
 
@@ -29,6 +31,7 @@ impl OutQueue {
             total,
             bound,
             failed: watch::Sender::new(false),
+            has_failed: AtomicBool::new(false),
             cause: Mutex::new(None),
         }
     }
@@ -67,7 +70,7 @@ impl OutQueue {
     /// reports the loss, which fails the peer's calls naming the bound. A frame for a peer
     /// being failed is dropped (its calls fail with that loss). False if the writer is gone.
     pub(crate) fn enqueue(&self, tx: &mpsc::UnboundedSender<Frame>, frame: Frame) -> bool {
-        if *self.failed.borrow() {
+        if self.has_failed.load(Ordering::Acquire) {
             return true;
         }
         let n = frame_bytes(&frame);
@@ -80,6 +83,7 @@ impl OutQueue {
                     queued: total as u64,
                     bound: self.bound as u64,
                 });
+                self.has_failed.store(true, Ordering::Release);
                 self.failed.send_replace(true);
             }
             return true;

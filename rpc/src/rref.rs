@@ -158,16 +158,16 @@ impl<T: Send + Sync + 'static> RRef<T> {
     /// Copies the value here from its owner (`timeout` overrides the default; zero: none).
     /// A reference whose creation failed or timed out fails with [`RpcError::RRefCreation`].
     /// The copy is never tracked by distributed autograd; inside an autograd context use
-    /// [`AutogradContext::to_here`](crate::AutogradContext::to_here), whose tensors carry
+    /// `AutogradContext::to_here` (crate `tensorwire-dist-autograd`), whose tensors carry
     /// their gradients back to the owner.
     pub async fn to_here(&self, timeout: Option<Duration>) -> Result<T, RpcError>
     where
         T: DeserializeOwned,
     {
         let rx = self.agent().fetch(self.shared.handle, timeout)?;
-        let owner = self.owner().name;
+        let WorkerInfo { name: owner, id } = self.owner();
         match rx.await {
-            Ok(Ok(body)) => self.agent().decode_body(body, &owner, "to_here").await,
+            Ok(Ok(body)) => self.agent().decode_body(body, id, &owner, "to_here").await,
             Ok(Err(source)) => Err(RpcError::Call {
                 to: owner,
                 function: "to_here".into(),

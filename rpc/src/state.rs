@@ -30,6 +30,10 @@ use crate::tensors::WireTensors;
 use crate::worker::WorkerInfo;
 use tensorwire_core::ports::device::DeviceBackend;
 
+/// The name of the mesh group whose connections carry RPC (a static group's process group,
+/// its store keys, and the hello of every RPC connection).
+pub(crate) const RPC_GROUP: &str = "rpc";
+
 /// The functions a worker serves (a registry of functions run on an [`Agent`]). Cloning shares
 /// the table.
 pub type Functions = Registry<Agent>;
@@ -181,7 +185,7 @@ pub(crate) struct Inner {
     pub(crate) tasks: Mutex<Tasks>,
     /// The one runtime the agent reads time from, sleeps on and spawns with.
     pub(crate) runtime: Arc<dyn Runtime>,
-    /// A dynamic group's membership (see [`crate::init::dynamic`]); its own lock, never held with
+    /// A dynamic group's membership (see [`crate::membership`]); its own lock, never held with
     /// the state's.
     pub(crate) membership: Mutex<DynState>,
     /// Wakes the membership's timer.

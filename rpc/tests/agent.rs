@@ -16,10 +16,10 @@ use tensorwire_rpc::{
 };
 
 use tensorwire_core::ports::store::{Store, StoreError};
-use tensorwire_rpc::memory::MemoryTransport;
 use tensorwire_rpc::{start_agent, Rendezvous};
 use tensorwire_store::InMemoryStore;
 use tensorwire_testkit::{base_options, MemoryCluster as Cluster, TcpCluster};
+use tensorwire_transport_memory::MemoryTransport;
 
 /// The options of this file's agents: the testkit's, serving [`functions`].
 fn options() -> RpcOptions {

@@ -284,7 +284,7 @@ fn run_seed(seed: u64) -> Result<(), String> {
         for (rank, fault) in &plan.faults {
             backend = backend.with_fault(*rank, *fault);
         }
-        let cluster = MemoryCluster::on(tensorwire_rpc::memory::MemoryNetwork::with_delay(
+        let cluster = MemoryCluster::on(tensorwire_transport_memory::MemoryNetwork::with_delay(
             plan.frame_delay,
         ))
         .with_faults(Arc::new(backend));

@@ -27,10 +27,30 @@ pub use tensorwire_rendezvous as rendezvous;
 pub use tensorwire_store as store;
 
 /// The RPC agent: `init_rpc`, `rpc_sync`/`rpc_async`/`remote`, `RRef`, shutdown.
-pub use tensorwire_rpc as rpc;
+///
+/// Distributed autograd and the distributed optimizer, which lived in this crate until they
+/// got their own ([`dist_autograd`]), are re-exported here too, so their
+/// old paths (`tensorwire::rpc::DistAutograd`, ...) keep working.
+pub mod rpc {
+    pub use tensorwire_dist_autograd::{
+        Adagrad, Adam, AdamW, AutogradCall, AutogradContext, BuiltinState, DistAutograd,
+        DistAutogradError, DistributedOptimizer, LocalOptimizer, Optimizer, Parameter, RmsProp,
+        Sgd, TensorList, TrackedValue,
+    };
+    pub use tensorwire_rpc::*;
+    /// The in-memory transport, under its old path (now `tensorwire::transport_memory`).
+    pub use tensorwire_transport_memory as memory;
+}
+/// Distributed autograd (PyTorch's FAST mode) and the distributed optimizer, on the RPC
+/// agent; the local engine is a port (`autograd_candle` is its adapter).
+pub use tensorwire_dist_autograd as dist_autograd;
 /// The TCP transport (Cargo feature `tcp`, on by default).
 #[cfg(feature = "tcp")]
 pub use tensorwire_transport_tcp as transport_tcp;
+
+/// The in-memory transport: whole clusters in one process, in virtual time (tests,
+/// simulations).
+pub use tensorwire_transport_memory as transport_memory;
 
 /// The QUIC transport (Cargo feature `quic`).
 #[cfg(feature = "quic")]

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use tensorwire_core::ports::store::Store;
 use tensorwire_rpc::faults::FaultyBackend;
-use tensorwire_rpc::memory::{MemoryNetwork, MemoryTransport};
 use tensorwire_rpc::{init_rpc, start_agent, Agent, Rendezvous, RpcError, RpcOptions};
 use tensorwire_store::InMemoryStore;
+use tensorwire_transport_memory::{MemoryNetwork, MemoryTransport};
 
 /// The options every test group starts from: a 20 s init timeout and loopback addresses.
 pub fn base_options() -> RpcOptions {

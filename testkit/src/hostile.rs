@@ -21,7 +21,7 @@
 //! use std::sync::Arc;
 //! use tensorwire_core::ports::transport::Transport;
 //! use tensorwire_core::protocol::{Header, LostCause};
-//! use tensorwire_rpc::memory::MemoryNetwork;
+//! use tensorwire_transport_memory::MemoryNetwork;
 //! use tensorwire_rpc::PeerEvent;
 //! use tensorwire_testkit::hostile::hostile_group;
 //!

@@ -43,7 +43,7 @@ pub use logs::CapturedLogs;
 pub use wait::{wait_for, wait_until};
 
 /// The in-memory network (hosts with kill switches), from `tensorwire_rpc`.
-pub use tensorwire_rpc::memory;
+pub use tensorwire_transport_memory as memory;
 
 /// Faulty peers: PyTorch's faulty agent as a transport wrapper (drop or delay the first
 /// messages of a kind a rank sends), from `tensorwire_rpc`.

@@ -28,7 +28,8 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 use tensorwire::autograd_candle::candle_core::{self, Device, Tensor as CTensor, Var};
 use tensorwire::autograd_candle::CandleEngine;
-use tensorwire_rpc::{Agent, AutogradCall, DistAutograd};
+use tensorwire_dist_autograd::{AutogradCall, DistAutograd};
+use tensorwire_rpc::Agent;
 
 use super::bench::{percentile, Raw};
 use super::bench_rpc::{blocking, runtime};
@@ -162,7 +163,7 @@ impl Shape {
     /// The output of the distributed forward pass in `ctx`.
     async fn forward(
         self,
-        ctx: &tensorwire_rpc::AutogradContext<CandleEngine>,
+        ctx: &tensorwire_dist_autograd::AutogradContext<CandleEngine>,
         x: &CTensor,
     ) -> Result<CTensor> {
         let hop = |to: &'static str, route: Vec<String>, t: CTensor| async move {

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 #[cfg(doc)]
 use super::DistAutograd;
 use super::{AutogradMessageId, ContextId, RootProblem};
-use crate::protocol::WorkerId;
+use crate::name::WorkerId;
 
 /// Why a backward failed. It travels back along the chain of gradient requests, so the root
 /// learns which worker was at fault.

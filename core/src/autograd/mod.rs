@@ -76,7 +76,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::protocol::WorkerId;
+use crate::name::WorkerId;
 
 /// Bits of a [`ContextId`] or [`AutogradMessageId`] below the worker id.
 const COUNTER_BITS: u32 = 32;

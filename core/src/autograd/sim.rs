@@ -33,7 +33,7 @@ use super::{
     AutogradMessageId, BackwardError, ContextId, DistAutograd, Entry, GradientId, Output,
     RequestToken, Root, TaskId,
 };
-use crate::protocol::WorkerId;
+use crate::name::WorkerId;
 use crate::sim::{Links, SimRng};
 
 /// What to simulate.

@@ -92,8 +92,7 @@ use requests::Serving;
 pub use shutdown::{ShutdownError, ShutdownPhase, ShutdownSignal};
 pub use violation::ProtocolViolation;
 
-/// A worker's id within its group (its rank in a static group).
-pub type WorkerId = u32;
+pub use crate::name::WorkerId;
 
 /// The id of a message, unique among the messages one endpoint sends.
 pub type MessageId = u64;

@@ -474,11 +474,10 @@ impl Serving {
     pub(super) fn remove(&mut self, token: &RequestToken) -> bool {
         let had = self.tokens.remove(token);
         if had {
+            // A count that reaches 0 stays (one entry per peer, dropped by `retain` when the
+            // peer goes): a peer's next request then finds its entry, with no map growth.
             if let Some(n) = self.per_peer.get_mut(&token.from) {
                 *n -= 1;
-                if *n == 0 {
-                    self.per_peer.remove(&token.from);
-                }
             }
         }
         had

@@ -16,13 +16,10 @@ use tensorwire_process_group::{CollectivesExt, FrameSink, Group, GroupOptions, R
 
 use crate::error::RpcError;
 use crate::init::{advertise_ip, rank_only};
-use crate::links::{self};
+use crate::links;
 use crate::options::RpcOptions;
-use crate::state::Agent;
 use crate::state::WorkerRecord;
-
-/// The name of the process group under a static RPC group (its store keys, its hello).
-pub(crate) const RPC_GROUP: &str = "rpc";
+use crate::state::{Agent, RPC_GROUP};
 
 /// Static groups, as DESIGN's init flow: the world process group over `transport` (one
 /// connection per pair of workers, which the agent then shares), an `all_gather_object` of the
@@ -132,7 +129,7 @@ impl FrameSink for AgentFrames {
     ) -> Result<(), String> {
         let agent = &self.0;
         let peer = peer as WorkerId;
-        links::on_frame(agent, peer, frame, conn.cheap_sends()).map_err(|violation| {
+        crate::driver::on_frame(agent, peer, frame, conn.cheap_sends()).map_err(|violation| {
             let reason = format!("broke the RPC protocol: {violation}");
             links::peer_lost_on(
                 agent,
@@ -170,7 +167,7 @@ pub(crate) async fn attach_group(
     let sink: Arc<dyn FrameSink> = Arc::new(AgentFrames(this.clone()));
     let routed = group.route_frames(sink);
     for (peer, conn) in group.connections() {
-        links::attach_conn(this, peer as WorkerId, conn, false);
+        let _ = links::attach_conn(this, peer as WorkerId, conn, false);
     }
     *this
         .inner

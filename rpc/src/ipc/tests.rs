@@ -12,8 +12,8 @@ use tensorwire_core::protocol::{LostCause, ProtocolViolation};
 use tensorwire_core::tensor::Tensor;
 use tensorwire_store::InMemoryStore;
 
-use crate::memory::MemoryNetwork;
 use crate::{start_agent, Agent, Functions, PeerEvent, Rendezvous, RpcOptions, Shutdown};
+use tensorwire_transport_memory::MemoryNetwork;
 
 use super::*;
 

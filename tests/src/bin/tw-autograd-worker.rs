@@ -51,10 +51,10 @@ use tensorwire_core::autograd::{AutogradMessageId, BackwardError, ContextId};
 use tensorwire_core::ports::autograd::{AutogradEngine, EngineError, LeafGradients};
 use tensorwire_core::ports::device::DeviceBackend;
 use tensorwire_core::tensor::Tensor;
-use tensorwire_rpc::{
-    init_rpc, Agent, AutogradCall, DistAutograd, DistributedOptimizer, Functions, Optimizer,
-    Parameter, RRef, RpcOptions, Sgd, TensorList,
+use tensorwire_dist_autograd::{
+    AutogradCall, DistAutograd, DistributedOptimizer, Optimizer, Parameter, Sgd, TensorList,
 };
+use tensorwire_rpc::{init_rpc, Agent, Functions, RRef, RpcOptions};
 use tensorwire_testkit::RecordingDevices;
 
 /// The candle engine, which on `w2` in the `kill` scenario announces its backward pass and
@@ -996,7 +996,9 @@ async fn pytorch() -> Result<(), String> {
             .map_err(|e| e.to_string())?;
         for roots in [vec![], vec![(y[0].clone(), None)]] {
             match ctx.backward(&roots, false).await {
-                Err(tensorwire_rpc::DistAutogradError::State(e)) => println!("refused: {e}"),
+                Err(tensorwire_dist_autograd::DistAutogradError::State(e)) => {
+                    println!("refused: {e}")
+                }
                 other => return Err(format!("roots {} accepted: {other:?}", roots.len())),
             }
         }

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use tensorwire_autograd_candle::candle_core::{Device, Tensor as CTensor, Var};
 use tensorwire_autograd_candle::CandleEngine;
-use tensorwire_rpc::{AutogradCall, DistAutograd, Shutdown};
+use tensorwire_dist_autograd::{AutogradCall, DistAutograd};
+use tensorwire_rpc::Shutdown;
 use tensorwire_testkit::{CapturedLogs, TcpCluster};
 use tracing_subscriber::fmt::format::FmtSpan;
 

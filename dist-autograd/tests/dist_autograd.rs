@@ -15,12 +15,13 @@ use tensorwire_core::autograd::optim::{
     Adagrad, Adam, AdamW, Optimizer, OptimizerState, RmsProp, Sgd,
 };
 use tensorwire_core::autograd::{AutogradError, RootProblem};
-use tensorwire_rpc::memory::MemoryTransport;
-use tensorwire_rpc::{
-    Agent, AutogradCall, DistAutograd, DistAutogradError, DistributedOptimizer, LocalOptimizer,
-    Parameter, RRef, RpcOptions, TensorList,
+use tensorwire_dist_autograd::{
+    AutogradCall, DistAutograd, DistAutogradError, DistributedOptimizer, LocalOptimizer, Parameter,
+    TensorList,
 };
+use tensorwire_rpc::{Agent, RRef, RpcOptions};
 use tensorwire_testkit::{MemoryCluster, RecordingDevices};
+use tensorwire_transport_memory::MemoryTransport;
 
 type Dist = DistAutograd<CandleEngine>;
 
@@ -1117,7 +1118,7 @@ async fn a_user_optimizer_and_f64_parameters() {
     };
     let x = CTensor::new(&[1.0f64, 2.0, -1.0], &Device::Cpu).unwrap();
     async fn run(
-        ctx: &tensorwire_rpc::AutogradContext<CandleEngine>,
+        ctx: &tensorwire_dist_autograd::AutogradContext<CandleEngine>,
         p: &RRef<Parameter<CandleEngine>>,
         x: &CTensor,
     ) {
@@ -1192,7 +1193,7 @@ async fn contexts_a_peer_makes_a_worker_hold_are_bounded_and_freed_by_release() 
     let (w0, w2) = (&workers[0], &workers[2]);
     w0.dist.set_contexts_per_peer(2);
     let none = Vec::<String>::new();
-    let call = |ctx: &tensorwire_rpc::AutogradContext<CandleEngine>| {
+    let call = |ctx: &tensorwire_dist_autograd::AutogradContext<CandleEngine>| {
         ctx.rpc_async::<_, ()>("w0", "hop", &none, &[hop(&input(), &w2.param)], None)
             .unwrap()
     };

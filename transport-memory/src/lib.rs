@@ -13,7 +13,7 @@
 //! # async fn run() -> Result<(), tensorwire_core::ports::transport::TransportError> {
 //! use tensorwire_core::ports::transport::Transport;
 //! use tensorwire_core::wire::Frame;
-//! use tensorwire_rpc::memory::MemoryNetwork;
+//! use tensorwire_transport_memory::MemoryNetwork;
 //!
 //! let net = MemoryNetwork::new();
 //! let (a, b) = (net.transport(), net.transport());
@@ -31,10 +31,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use std::time::Instant;
+// The network keeps tokio's clock, so a paused clock (tokio's `test-util`) drives its delays.
 use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
 use tensorwire_core::wire::Frame;
 use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 
 /// The wire between in-memory transports: their listeners by address, and the delay of every
 /// frame. Cheap to clone; clones are the same network.
@@ -73,7 +74,7 @@ impl MemoryNetwork {
         Self::default()
     }
 
-    /// A network where every frame takes `delay` (in the runtime's clock) to arrive.
+    /// A network where every frame takes `delay` (in tokio's clock) to arrive.
     pub fn with_delay(delay: Duration) -> Self {
         let net = Self::default();
         net.lock().delay = delay;
@@ -280,7 +281,7 @@ impl Connection for MemoryConnection {
         if self.killed() {
             return Err(reset(self.peer, "sending"));
         }
-        let at = crate::runtime::tokio().now() + self.delay;
+        let at = Instant::now() + self.delay;
         let tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
         match tx.as_ref() {
             Some(tx) => tx
@@ -301,7 +302,7 @@ impl Connection for MemoryConnection {
                 .recv()
                 .await
                 .ok_or(TransportError::Closed { peer: self.peer })?;
-            crate::runtime::tokio().sleep_until(at).await;
+            tokio::time::sleep_until(at).await;
             Ok(frame)
         };
         tokio::select! {
@@ -348,8 +349,7 @@ mod tests {
     async fn frames_arrive_after_the_delay_in_order() {
         let net = MemoryNetwork::with_delay(Duration::from_millis(30));
         let (_a, _b, client, server) = pair(&net).await;
-        let rt = crate::runtime::tokio();
-        let t0 = rt.now();
+        let t0 = Instant::now();
         for i in 0..5 {
             client.send(frame(i)).await.unwrap();
         }
@@ -357,10 +357,10 @@ mod tests {
             assert_eq!(server.recv().await.unwrap().header[..], [i]);
         }
         // Sent together, so they arrive together: one delay, not five.
-        assert_eq!(rt.now() - t0, Duration::from_millis(30));
+        assert_eq!(Instant::now() - t0, Duration::from_millis(30));
         server.send(frame(9)).await.unwrap();
         assert_eq!(client.recv().await.unwrap().header[..], [9]);
-        assert_eq!(rt.now() - t0, Duration::from_millis(60));
+        assert_eq!(Instant::now() - t0, Duration::from_millis(60));
     }
 
     #[tokio::test(start_paused = true)]

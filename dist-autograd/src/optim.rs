@@ -32,8 +32,8 @@ use tensorwire_core::ports::autograd::AutogradEngine;
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::tensor::{DType, Tensor};
 
-use super::{DistAutograd, DistAutogradError};
-use crate::rref::RRef;
+use crate::{DistAutograd, DistAutogradError};
+use tensorwire_rpc::RRef;
 
 pub(crate) const STEP: &str = "__tw_autograd/optim_step/";
 
@@ -47,7 +47,7 @@ pub(crate) const STEP: &str = "__tw_autograd/optim_step/";
 /// ```
 /// use serde::{Deserialize, Serialize};
 /// use tensorwire_core::tensor::Tensor;
-/// use tensorwire_rpc::LocalOptimizer;
+/// use tensorwire_dist_autograd::LocalOptimizer;
 ///
 /// /// Sign SGD: p -= lr * sign(g), f32 only.
 /// #[derive(Serialize, Deserialize)]
@@ -280,11 +280,11 @@ pub(crate) async fn owner_step<E: AutogradEngine, O: LocalOptimizer>(
 ///
 /// ```no_run
 /// # async fn f(
-/// #     dist: tensorwire_rpc::DistAutograd<tensorwire_autograd_candle::CandleEngine>,
-/// #     params: Vec<tensorwire_rpc::RRef<tensorwire_rpc::Parameter<tensorwire_autograd_candle::CandleEngine>>>,
-/// #     ctx: tensorwire_rpc::AutogradContext<tensorwire_autograd_candle::CandleEngine>,
-/// # ) -> Result<(), tensorwire_rpc::DistAutogradError> {
-/// use tensorwire_rpc::{DistributedOptimizer, Optimizer, Sgd};
+/// #     dist: tensorwire_dist_autograd::DistAutograd<tensorwire_autograd_candle::CandleEngine>,
+/// #     params: Vec<tensorwire_rpc::RRef<tensorwire_dist_autograd::Parameter<tensorwire_autograd_candle::CandleEngine>>>,
+/// #     ctx: tensorwire_dist_autograd::AutogradContext<tensorwire_autograd_candle::CandleEngine>,
+/// # ) -> Result<(), tensorwire_dist_autograd::DistAutogradError> {
+/// use tensorwire_dist_autograd::{DistributedOptimizer, Optimizer, Sgd};
 /// let opt = DistributedOptimizer::new(
 ///     &dist,
 ///     params,

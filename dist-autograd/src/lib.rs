@@ -1,7 +1,7 @@
 //! Distributed autograd (`torch.distributed.autograd`), shaped for Rust.
 //!
 //! [`DistAutograd`] sets it up on an agent with a local engine (an
-//! [`AutogradEngine`], e.g. `tensorwire-autograd-candle`). A [`AutogradContext`] made from it
+//! [`AutogradEngine`], e.g. `tensorwire-autograd-candle`) on a [`tensorwire_rpc`] agent. A [`AutogradContext`] made from it
 //! scopes one forward and backward pass: calls made through it
 //! ([`rpc_sync`](AutogradContext::rpc_sync), [`rpc_async`](AutogradContext::rpc_async),
 //! [`remote`](AutogradContext::remote), [`rref_rpc_sync`](AutogradContext::rref_rpc_sync)) carry their tracked tensors with the
@@ -23,7 +23,7 @@
 //! [`AutogradContext::to_here`] is `rref.to_here()` inside a context: the tensors of the value
 //! come back tracked both ways (the fetch is recorded, and so is the reply), so their gradients
 //! reach the owner: a [`Parameter`] fetched from a parameter server gets its gradient there,
-//! where a [`DistributedOptimizer`](crate::DistributedOptimizer) steps it; a [`TensorList`]
+//! where a [`DistributedOptimizer`] steps it; a [`TensorList`]
 //! made by [`AutogradContext::remote`] carries gradients back through the graph it was computed
 //! in. Other value types take part once they implement [`TrackedValue`] and are registered
 //! ([`DistAutograd::register_tracked_value`]). A plain [`RRef::to_here`] only copies values.
@@ -73,7 +73,7 @@
 //! so it arrives where the tensor came from; the receiver copies it to the host for its engine.
 //!
 //! **The distributed optimizer** (`optim`, re-exported at the crate root:
-//! [`DistributedOptimizer`](crate::DistributedOptimizer)) is part of it: it steps parameters
+//! [`DistributedOptimizer`]) is part of it: it steps parameters
 //! with the gradients a context left on their owners, and [`DistAutograd::new`] registers its
 //! owner side on every worker.
 
@@ -100,17 +100,14 @@ use tensorwire_core::tensor::Tensor;
 use tokio::sync::oneshot;
 use tracing::{debug, warn, Instrument};
 
-use crate::context::CallContext;
-use crate::error::RpcError;
-use crate::peer_events::PeerEvent;
-use crate::rref::RRef;
-use crate::state::Agent;
-use optim::{LocalOptimizer, Parameter};
-use tensorwire_core::autograd::optim::Optimizer;
 use tensorwire_core::tensor::Tensor as HostTensor;
+use tensorwire_rpc::{Agent, CallContext, PeerEvent, RRef, RpcError};
 
 mod engine;
-pub(crate) mod optim;
+pub mod optim;
+
+pub use optim::{BuiltinState, DistributedOptimizer, LocalOptimizer, Parameter};
+pub use tensorwire_core::autograd::optim::{Adagrad, Adam, AdamW, Optimizer, RmsProp, Sgd};
 
 const GRAD: &str = "__tw_autograd/grad";
 const RELEASE: &str = "__tw_autograd/release";
@@ -325,7 +322,7 @@ pub trait TrackedValue<E: AutogradEngine>: Send + Sync + 'static {
 }
 
 /// A parameter fetched into a context is its tensor, tracked: gradients reach the parameter on
-/// its owner, where a [`DistributedOptimizer`](crate::DistributedOptimizer) steps it.
+/// its owner, where a [`DistributedOptimizer`] steps it.
 impl<E: AutogradEngine> TrackedValue<E> for Parameter<E> {
     const NAME: &'static str = "parameter";
     fn tracked_tensors(&self) -> Vec<E::Tensor> {
@@ -442,6 +439,8 @@ impl<E: AutogradEngine> DistAutograd<E> {
                         inner.peer_lost(worker);
                     }
                     PeerEvent::Joined { worker } => inner.lock().state.handle_peer_joined(worker),
+                    // Events added later (the enum is non-exhaustive) change no context.
+                    _ => {}
                 }
             }
         });
@@ -453,7 +452,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
     }
 
     /// Registers the local optimizer `O` on this worker, so that a
-    /// [`DistributedOptimizer`](crate::DistributedOptimizer) of `O` can step the parameters it
+    /// [`DistributedOptimizer`] of `O` can step the parameters it
     /// owns. `torch.optim`'s ([`Optimizer`]) is registered by [`new`](Self::new); register
     /// your own on every worker that owns parameters. Registering one name twice is an error.
     pub fn register_optimizer<O: LocalOptimizer>(&self) -> Result<(), RpcError> {

@@ -32,7 +32,8 @@ use tensorwire_core::protocol::{
 };
 use tensorwire_core::tensor::Tensor;
 use tensorwire_core::wire::{Frame, FrameKind};
-use tensorwire_rpc::{Agent, AutogradCall, DistAutograd, Functions, PeerEvent, RpcError, Shutdown};
+use tensorwire_dist_autograd::{AutogradCall, DistAutograd};
+use tensorwire_rpc::{Agent, Functions, PeerEvent, RpcError, Shutdown};
 use tensorwire_testkit::hostile::{hostile_group, HostileGroup};
 use tensorwire_testkit::nets::{transports, Net};
 use tensorwire_testkit::{base_options, wait_until};
@@ -133,7 +134,10 @@ async fn forward(
     dist: &Dist,
     p: &CTensor,
     to: &str,
-) -> (tensorwire_rpc::AutogradContext<CandleEngine>, CTensor) {
+) -> (
+    tensorwire_dist_autograd::AutogradContext<CandleEngine>,
+    CTensor,
+) {
     let ctx = dist.context().unwrap();
     let ((), out) = ctx
         .rpc_sync::<_, ()>(to, "hop", &(), std::slice::from_ref(p), None)
@@ -145,7 +149,7 @@ async fn forward(
 /// The backward pass of `sum(out^2)` in `ctx`, and the gradient it left on `p` (the caller's
 /// parameter), checked against the callee's parameter values `q`.
 async fn backward_checked(
-    ctx: &tensorwire_rpc::AutogradContext<CandleEngine>,
+    ctx: &tensorwire_dist_autograd::AutogradContext<CandleEngine>,
     out: &CTensor,
     p: &CTensor,
     q: &[f32],

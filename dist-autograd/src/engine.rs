@@ -208,7 +208,8 @@ impl<E: AutogradEngine> Inner<E> {
             "autograd protocol violation by {} (rank {from}): {v}; dropping it",
             self.agent.name_of(from)
         );
-        crate::links::fail_peer(&self.agent, from, CoreViolation::Autograd(v.clone()));
+        self.agent
+            .fail_peer(from, CoreViolation::Autograd(v.clone()));
     }
 
     pub(super) async fn on_gradient(
@@ -401,11 +402,10 @@ impl<E: AutogradEngine> Inner<E> {
         placement: Direction,
     ) {
         let inner = self.clone();
-        match self.agent.send_call_placed::<_, Result<(), BackwardError>>(
+        match self.agent.rpc_async_placed::<_, Result<(), BackwardError>>(
             to,
             GRAD,
             &req,
-            None,
             self.timeout(),
             placement,
         ) {
