@@ -37,8 +37,8 @@
 
 use std::collections::BTreeMap;
 
+use super::MeshViolation;
 use crate::collective::Signature;
-use crate::ports::process_group::MeshViolation;
 
 /// The bounds on what one peer may make this rank hold in its collective inboxes (see the
 /// module docs for the defaults and what a peer that passes one gets).

@@ -99,6 +99,7 @@ mod sim_many;
 #[cfg(test)]
 mod tests;
 pub mod varlen;
+mod violation;
 
 pub use algorithms::{
     all_gather, all_reduce, all_to_all, barrier, broadcast, gather, monitored_barrier,
@@ -107,6 +108,7 @@ pub use algorithms::{
 pub use check::{agreement_check, DebugLevel, UnknownDebugLevel, DEBUG_ENV};
 pub use reduce::{reduce_into, ElementType, ReduceOp};
 pub use signature::{Signature, SIGNATURE_LEN};
+pub use violation::MeshViolation;
 
 /// Total bytes below which [`all_gather`] uses recursive doubling when the world size is a
 /// power of two (MPICH's long-message threshold for all_gather).
