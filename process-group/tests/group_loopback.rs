@@ -1011,10 +1011,12 @@ async fn other_frames_share_the_connections_with_the_collectives() {
     .await;
 }
 
-/// A group whose frames no other layer takes treats another layer's frame as a broken peer.
+/// A group whose frames no other layer takes treats another layer's frame as its sender's
+/// violation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_group_without_a_sink_takes_a_foreign_frame_as_a_broken_peer() {
-    use tensorwire_core::wire::Frame;
+async fn a_group_without_a_sink_takes_a_foreign_frame_as_a_violation() {
+    use tensorwire_core::ports::process_group::MeshViolation;
+    use tensorwire_core::wire::{Frame, FrameKind};
     bounded(async {
         let gs = groups(2, "nosink", Duration::from_secs(20)).await;
         let (_, conn) = gs[1].connections().pop().unwrap();
@@ -1022,9 +1024,14 @@ async fn a_group_without_a_sink_takes_a_foreign_frame_as_a_broken_peer() {
             .await
             .unwrap();
         let e = gs[0].barrier().await.unwrap_err();
-        assert!(
-            matches!(&e, ProcessGroupError::PeerDied { rank: 1, reason, .. } if reason.contains("does not take")),
-            "{e}"
+        assert_eq!(
+            e,
+            ProcessGroupError::Misbehaved {
+                rank: 1,
+                violation: MeshViolation::NotAGroupFrame {
+                    kind: FrameKind::Message
+                }
+            }
         );
     })
     .await;

@@ -14,7 +14,7 @@ use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroup, Process
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::mesh::{GroupFrame, Hello};
-use tensorwire_core::wire::Frame;
+use tensorwire_core::wire::{Frame, FrameKind};
 use tensorwire_process_group::{Group, GroupOptions, InMemoryStore};
 use tensorwire_testkit::nets::{transports, Net};
 
@@ -250,10 +250,11 @@ async fn a_peer_may_hold_only_so_many_unclaimed_bytes(net: Net) {
     .await;
 }
 
-/// A disagreement notice: the sender says `peer` ran `theirs` as collective `seq` where the
-/// sender ran `ours`.
-fn notice_frame(seq: u64, peer: u32, theirs: Signature, ours: Signature) -> Frame {
+/// A disagreement notice: the sender says `peer` ran `theirs` as collective `seq` of group
+/// `group` where the sender ran `ours`.
+fn notice_frame(group: u64, seq: u64, peer: u32, theirs: Signature, ours: Signature) -> Frame {
     GroupFrame::Disagreement {
+        group,
         seq,
         peer,
         theirs,
@@ -269,39 +270,42 @@ async fn a_disagreement_notice_it_could_not_have_seen_is_the_senders_violation(n
     let cases = [
         (
             "same-sides",
-            notice_frame(0, 1, Signature::Barrier, Signature::Barrier),
-            1,
-            0,
+            notice_frame(0, 0, 1, Signature::Barrier, Signature::Barrier),
+            (0, 1, 0),
             "both sides ran the same collective",
         ),
         (
             "names-itself",
-            notice_frame(0, 2, Signature::Barrier, Signature::AllGatherLengths),
-            2,
-            0,
+            notice_frame(0, 0, 2, Signature::Barrier, Signature::AllGatherLengths),
+            (0, 2, 0),
             "it named itself as the rank that disagreed with it",
         ),
         (
             "no-such-rank",
-            notice_frame(0, 7, Signature::Barrier, Signature::AllGatherLengths),
-            7,
-            0,
-            "the two ranks share no group",
+            notice_frame(0, 0, 7, Signature::Barrier, Signature::AllGatherLengths),
+            (0, 7, 0),
+            "the rank it blamed is not a member of that group",
+        ),
+        (
+            "no-such-group",
+            notice_frame(5, 0, 1, Signature::Barrier, Signature::AllGatherLengths),
+            (5, 1, 0),
+            "no such group is made here",
         ),
         (
             "beyond-window",
             notice_frame(
+                0,
                 window + 1,
                 1,
                 Signature::Barrier,
                 Signature::AllGatherLengths,
             ),
-            1,
-            window + 1,
-            "the collective is beyond the sequence window of every group here",
+            (0, 1, window + 1),
+            "the collective is beyond the group's sequence window here",
         ),
     ];
-    for (name, frame, peer, seq, reason) in cases {
+    for (name, frame, (group, peer, seq), reason) in cases {
         bounded(async {
             let c = cluster(net, name, options(name)).await;
             c.hostile[0].send(frame).await.unwrap();
@@ -310,7 +314,12 @@ async fn a_disagreement_notice_it_could_not_have_seen_is_the_senders_violation(n
                 err,
                 ProcessGroupError::Misbehaved {
                     rank: HOSTILE,
-                    violation: MeshViolation::ForgedDisagreement { peer, seq, reason }
+                    violation: MeshViolation::ForgedDisagreement {
+                        group,
+                        peer,
+                        seq,
+                        reason
+                    }
                 },
                 "{name}"
             );
@@ -320,11 +329,74 @@ async fn a_disagreement_notice_it_could_not_have_seen_is_the_senders_violation(n
     }
 }
 
+async fn a_disagreement_notice_about_a_group_its_sender_is_not_in_is_refused(net: Net) {
+    bounded(async {
+        let c = cluster(net, "notice-subgroup", options("notice-subgroup")).await;
+        let pair: Vec<Group> = c
+            .honest
+            .iter()
+            .map(|g| g.new_group(&[0, 1]).unwrap().unwrap())
+            .collect();
+        let (a, b) = tokio::join!(pair[0].barrier(), pair[1].barrier());
+        a.unwrap();
+        b.unwrap();
+        // Rank 2 shares the world group with rank 1, but not subgroup 1: it cannot have seen
+        // rank 1's messages there. Before the notice named its group (wire version 3) this
+        // was believed and broke rank 0's groups, blaming rank 1.
+        c.hostile[0]
+            .send(notice_frame(
+                1,
+                1,
+                1,
+                Signature::Barrier,
+                Signature::AllGatherLengths,
+            ))
+            .await
+            .unwrap();
+        assert_dropped(&c.hostile[0]).await;
+        let err = pair[0].barrier().await.unwrap_err();
+        assert_eq!(
+            err,
+            ProcessGroupError::Misbehaved {
+                rank: HOSTILE,
+                violation: MeshViolation::ForgedDisagreement {
+                    group: 1,
+                    peer: 1,
+                    seq: 1,
+                    reason: "it is not a member of that group"
+                }
+            }
+        );
+    })
+    .await;
+}
+
+async fn a_group_frame_that_does_not_decode_is_the_senders_violation(net: Net) {
+    bounded(async {
+        let c = cluster(net, "bad-frame", options("bad-frame")).await;
+        c.hostile[0]
+            .send(Frame::collective(Bytes::from_static(&[9]), Vec::new()))
+            .await
+            .unwrap();
+        assert_dropped(&c.hostile[0]).await;
+        let err = c.honest[0].barrier().await.unwrap_err();
+        match &err {
+            ProcessGroupError::Misbehaved {
+                rank: HOSTILE,
+                violation: MeshViolation::MalformedGroupFrame { reason },
+            } => assert!(reason.contains("malformed"), "{err}"),
+            other => panic!("rank 0 failed with {other}"),
+        }
+    })
+    .await;
+}
+
 async fn a_plausible_disagreement_notice_breaks_the_group_naming_its_reporter(net: Net) {
     bounded(async {
         let c = cluster(net, "notice", options("notice")).await;
         c.hostile[0]
             .send(notice_frame(
+                0,
                 0,
                 1,
                 Signature::Barrier,
@@ -365,14 +437,15 @@ async fn a_hello_after_setup_drops_its_sender_not_the_rank_it_names(net: Net) {
         c.hostile[0].send(hello.frame()).await.unwrap();
         assert_dropped(&c.hostile[0]).await;
         let err = c.honest[0].barrier().await.unwrap_err();
-        match &err {
-            ProcessGroupError::PeerDied {
+        assert_eq!(
+            err,
+            ProcessGroupError::Misbehaved {
                 rank: HOSTILE,
-                reason,
-                ..
-            } => assert!(reason.contains("Control frame"), "{err}"),
-            other => panic!("rank 0 failed with {other}"),
-        }
+                violation: MeshViolation::NotAGroupFrame {
+                    kind: FrameKind::Control
+                }
+            }
+        );
     })
     .await;
 }
@@ -415,5 +488,7 @@ table! {
     a_peer_may_hold_only_so_many_unclaimed_bytes,
     a_disagreement_notice_it_could_not_have_seen_is_the_senders_violation,
     a_plausible_disagreement_notice_breaks_the_group_naming_its_reporter,
+    a_disagreement_notice_about_a_group_its_sender_is_not_in_is_refused,
+    a_group_frame_that_does_not_decode_is_the_senders_violation,
     a_hello_after_setup_drops_its_sender_not_the_rank_it_names,
 }

@@ -186,42 +186,53 @@ impl Admission {
 
 impl Admission {
     /// Whether world rank `sender` may send a disagreement notice saying that world rank
-    /// `peer`'s message of collective `seq` (group-local) ran `theirs` where `sender` ran
-    /// `ours`. The notice carries no group id, so it is checked against every group here:
+    /// `peer`'s message of collective `seq` of group `group` ran `theirs` where `sender` ran
+    /// `ours`:
     ///
     /// - the sender reports only what it saw itself, so `peer` is another rank (not `sender`);
-    /// - `peer` and `sender` are both members of some group made here (the world at least);
+    /// - the group is made here, and `peer` and `sender` are both its members;
     /// - the two sides differ (a rank breaks its group only on a signature unlike its own);
     /// - `seq` is within `InboxLimits::sequence_window` of the newest collective this rank
-    ///   has reached in any group (as for a data frame).
+    ///   has reached in that group (as for a data frame).
     ///
     /// Anything else is [`MeshViolation::ForgedDisagreement`] of the sender, which the mesh
-    /// drops instead of blaming `peer`.
+    /// drops instead of blaming `peer`. A notice that passes is believed as the sender's
+    /// report (the error names it), since only the sender saw the message it reports.
     pub fn check_disagreement(
         &self,
         sender: usize,
+        group: u64,
         peer: usize,
         seq: u64,
         theirs: &Signature,
         ours: &Signature,
     ) -> Result<(), MeshViolation> {
-        let forged = |reason| Err(MeshViolation::ForgedDisagreement { peer, seq, reason });
+        let forged = |reason| {
+            Err(MeshViolation::ForgedDisagreement {
+                group,
+                peer,
+                seq,
+                reason,
+            })
+        };
         if peer == sender {
             return forged("it named itself as the rank that disagreed with it");
         }
-        if !self
-            .groups
-            .values()
-            .any(|m| m.contains(&sender) && m.contains(&peer))
-        {
-            return forged("the two ranks share no group");
+        let Some(members) = self.groups.get(&group) else {
+            return forged("no such group is made here");
+        };
+        if !members.contains(&sender) {
+            return forged("it is not a member of that group");
+        }
+        if !members.contains(&peer) {
+            return forged("the rank it blamed is not a member of that group");
         }
         if theirs.encode() == ours.encode() {
             return forged("both sides ran the same collective");
         }
-        let newest = self.here.values().copied().max().unwrap_or(0);
+        let newest = self.here.get(&group).copied().unwrap_or(0);
         if seq > newest.saturating_add(self.limits.sequence_window) {
-            return forged("the collective is beyond the sequence window of every group here");
+            return forged("the collective is beyond the group's sequence window here");
         }
         Ok(())
     }
@@ -255,41 +266,73 @@ mod tests {
         a.register_group(1, &[0, 1]);
         a.touched(0, 5);
         let (b, g) = (Signature::Barrier, Signature::AllGatherLengths);
-        let forged =
-            |peer, seq, reason| Err(MeshViolation::ForgedDisagreement { peer, seq, reason });
-        // An honest notice: rank 2 saw rank 1 run a barrier where it ran an all_gather.
-        assert_eq!(a.check_disagreement(2, 1, 5, &b, &g), Ok(()));
-        // Within the window of the newest collective here; one beyond it is not.
-        assert_eq!(a.check_disagreement(2, 1, 15, &b, &g), Ok(()));
+        let forged = |group, peer, seq, reason| {
+            Err(MeshViolation::ForgedDisagreement {
+                group,
+                peer,
+                seq,
+                reason,
+            })
+        };
+        // An honest notice: rank 2 saw rank 1 run a barrier where it ran an all_gather, in the
+        // world group.
+        assert_eq!(a.check_disagreement(2, 0, 1, 5, &b, &g), Ok(()));
+        // Within the window of the group's newest collective here; one beyond it is not.
+        assert_eq!(a.check_disagreement(2, 0, 1, 15, &b, &g), Ok(()));
         assert_eq!(
-            a.check_disagreement(2, 1, 16, &b, &g),
+            a.check_disagreement(2, 0, 1, 16, &b, &g),
             forged(
+                0,
                 1,
                 16,
-                "the collective is beyond the sequence window of every group here"
+                "the collective is beyond the group's sequence window here"
+            )
+        );
+        // The window is the named group's: group 1 has run nothing here yet.
+        assert_eq!(a.check_disagreement(0, 1, 1, 10, &b, &g), Ok(()));
+        assert_eq!(
+            a.check_disagreement(0, 1, 1, 11, &b, &g),
+            forged(
+                1,
+                1,
+                11,
+                "the collective is beyond the group's sequence window here"
             )
         );
         assert_eq!(
-            a.check_disagreement(2, 2, 5, &b, &g),
-            forged(2, 5, "it named itself as the rank that disagreed with it")
+            a.check_disagreement(2, 0, 2, 5, &b, &g),
+            forged(
+                0,
+                2,
+                5,
+                "it named itself as the rank that disagreed with it"
+            )
         );
         assert_eq!(
-            a.check_disagreement(2, 1, 5, &b, &b),
-            forged(1, 5, "both sides ran the same collective")
+            a.check_disagreement(2, 0, 1, 5, &b, &b),
+            forged(0, 1, 5, "both sides ran the same collective")
         );
-        // Rank 9 is in no group here.
+        // Rank 9 is in no group here; rank 2 is not in group 1, whose members are 0 and 1.
         assert_eq!(
-            a.check_disagreement(2, 9, 5, &b, &g),
-            forged(9, 5, "the two ranks share no group")
+            a.check_disagreement(2, 0, 9, 5, &b, &g),
+            forged(0, 9, 5, "the rank it blamed is not a member of that group")
         );
-        // A subgroup's members share it; the world group is shared by every rank of it.
-        assert_eq!(a.check_disagreement(0, 1, 5, &b, &g), Ok(()));
-        let mut small = Admission::new(2, limits());
-        small.register_group(1, &[0, 1]);
         assert_eq!(
-            small.check_disagreement(1, 3, 0, &b, &g),
-            forged(3, 0, "the two ranks share no group")
+            a.check_disagreement(2, 1, 1, 0, &b, &g),
+            forged(1, 1, 0, "it is not a member of that group")
         );
+        assert_eq!(
+            a.check_disagreement(1, 1, 2, 0, &b, &g),
+            forged(1, 2, 0, "the rank it blamed is not a member of that group")
+        );
+        // A group not made here.
+        assert_eq!(
+            a.check_disagreement(1, 7, 0, 0, &b, &g),
+            forged(7, 0, 0, "no such group is made here")
+        );
+        // Both members of the subgroup may report on it.
+        assert_eq!(a.check_disagreement(0, 1, 1, 0, &b, &g), Ok(()));
+        assert_eq!(a.check_disagreement(1, 1, 0, 0, &b, &g), Ok(()));
     }
 
     #[test]

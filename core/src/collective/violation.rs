@@ -1,6 +1,8 @@
 //! What a peer did wrong on the mesh: [`MeshViolation`], decided by the inbox's admission
 //! ([`crate::collective::inbox`]) before anything it sent is held or believed.
 
+use crate::wire::FrameKind;
+
 /// A group frame its sender had no right to send (see DESIGN "Trust: what a peer may do"):
 /// the receiving mesh drops the sender and fails with [`ProcessGroupError::Misbehaved`](crate::ports::process_group::ProcessGroupError::Misbehaved).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -42,11 +44,13 @@ pub enum MeshViolation {
         window: u64,
     },
     /// A disagreement notice its sender could not have seen: a rank may report only a
-    /// disagreement of its own, with a rank it shares a group with, about a collective
-    /// within the sequence window, between two different collectives
+    /// disagreement of its own, with another member of the group it names, about a
+    /// collective of that group within the sequence window, between two different collectives
     /// ([`crate::collective::inbox::Admission::check_disagreement`]).
-    #[error("it reported that rank {peer} disagreed about collective #{seq}, but {reason}")]
+    #[error("it reported that rank {peer} disagreed about collective #{seq} of group {group}, but {reason}")]
     ForgedDisagreement {
+        /// The group the notice named.
+        group: u64,
         /// The rank the notice blamed.
         peer: usize,
         /// The sequence number it named.
@@ -61,5 +65,21 @@ pub enum MeshViolation {
         what: &'static str,
         /// The bound.
         limit: usize,
+    },
+    /// A frame of a kind a process group's link does not carry once it is set up (a second
+    /// hello, a message for an RPC agent the group does not serve): only group frames
+    /// ([`FrameKind::Collective`]) are taken.
+    #[error(
+        "it sent a {kind:?} frame, which a process group's link does not carry after its hello"
+    )]
+    NotAGroupFrame {
+        /// The kind it sent.
+        kind: FrameKind,
+    },
+    /// A group frame whose header does not decode (core's `protocol::mesh::GroupFrame`).
+    #[error("it sent a group frame that does not decode: {reason}")]
+    MalformedGroupFrame {
+        /// The decoder's words.
+        reason: String,
     },
 }

@@ -173,12 +173,15 @@ pub enum GroupFrame {
         /// What the sender saw, in its words.
         reason: String,
     },
-    /// The sender received, as collective `seq`, a message of `peer` that ran `theirs` while
-    /// it ran `ours`; it has broken its group. The receiver believes it only if its sender
-    /// could have seen it (core's `collective::inbox::Admission::check_disagreement`), else it
-    /// is a violation of its sender.
+    /// The sender received, as collective `seq` of group `group`, a message of `peer` that
+    /// ran `theirs` while it ran `ours`; it has broken its group. The receiver believes it only
+    /// if its sender could have seen it (core's
+    /// `collective::inbox::Admission::check_disagreement`), else it is a violation of its
+    /// sender.
     Disagreement {
-        /// The sequence number.
+        /// The group's id (0: the world group).
+        group: u64,
+        /// The sequence number (the group's own).
         seq: u64,
         /// The rank whose message disagreed.
         peer: u32,
@@ -202,6 +205,7 @@ enum WireGroupFrame {
         reason: String,
     },
     Disagreement {
+        group: u64,
         seq: u64,
         peer: u32,
         theirs: [u8; SIGNATURE_LEN],
@@ -231,11 +235,13 @@ impl GroupFrame {
                 reason: reason.clone(),
             },
             GroupFrame::Disagreement {
+                group,
                 seq,
                 peer,
                 theirs,
                 ours,
             } => WireGroupFrame::Disagreement {
+                group: *group,
                 seq: *seq,
                 peer: *peer,
                 theirs: theirs.encode(),
@@ -264,6 +270,7 @@ impl GroupFrame {
             WireGroupFrame::Goodbye => GroupFrame::Goodbye,
             WireGroupFrame::Abort { rank, reason } => GroupFrame::Abort { rank, reason },
             WireGroupFrame::Disagreement {
+                group,
                 seq,
                 peer,
                 theirs,
@@ -275,6 +282,7 @@ impl GroupFrame {
                     return Err(MeshFrameError::BadSignature { what: WHAT });
                 };
                 GroupFrame::Disagreement {
+                    group,
                     seq,
                     peer,
                     theirs,
@@ -302,6 +310,7 @@ mod tests {
                 reason: "reset".into(),
             },
             GroupFrame::Disagreement {
+                group: 3,
                 seq: 7,
                 peer: 1,
                 theirs: Signature::Barrier,
@@ -349,6 +358,7 @@ mod tests {
             Err(MeshFrameError::Malformed { .. })
         ));
         let bad = encode(&WireGroupFrame::Disagreement {
+            group: 0,
             seq: 1,
             peer: 0,
             theirs: [0xff; SIGNATURE_LEN],

@@ -63,8 +63,9 @@ pub const MAGIC: [u8; 4] = *b"TWFR";
 /// first frame ([`WireError::UnknownVersion`]), so builds whose messages differ never misread
 /// each other. 2: a fetch and a method call name the caller's fork of the reference. 3: a
 /// reference's capability travels in its creation, in each fork passed on and in each fork
-/// request ([`crate::protocol::RRefSecret`]).
-pub const VERSION: u8 = 3;
+/// request ([`crate::protocol::RRefSecret`]). 4: a process group's disagreement notice names
+/// its group ([`crate::protocol::mesh::GroupFrame::Disagreement`]).
+pub const VERSION: u8 = 4;
 
 /// Length of the fixed prefix in bytes.
 pub const PREFIX_LEN: usize = 20;

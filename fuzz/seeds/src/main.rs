@@ -314,6 +314,7 @@ fn mesh_frames(dir: &Path) {
             reason: "connection reset".into(),
         },
         GroupFrame::Disagreement {
+            group: 1,
             seq: 3,
             peer: 1,
             theirs: Signature::Barrier,

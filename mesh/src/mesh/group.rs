@@ -201,7 +201,7 @@ impl GroupMesh {
             ours: *ours,
             here: *here,
         };
-        self.mesh.report_disagreement(&world).await;
+        self.mesh.report_disagreement(self.id, &world).await;
     }
 
     /// Sends one message of collective `seq` to group rank `peer`.

@@ -297,8 +297,9 @@ impl Mesh {
         }
     }
 
-    /// Breaks the mesh with a disagreement this rank saw, and tells every other rank.
-    pub async fn report_disagreement(&self, error: &ProcessGroupError) {
+    /// Breaks the mesh with a disagreement this rank saw in group `group`, and tells every
+    /// other rank.
+    pub async fn report_disagreement(&self, group: u64, error: &ProcessGroupError) {
         let ProcessGroupError::Disagreement {
             seq,
             peer,
@@ -312,6 +313,7 @@ impl Mesh {
         };
         self.shared.fail(error.clone());
         let notice = GroupFrame::Disagreement {
+            group,
             seq: *seq,
             peer: *peer as u32,
             theirs: *theirs,

@@ -16,7 +16,7 @@ use super::{Incoming, Shared, ABORT_SEND_TIMEOUT};
 
 /// Why a peer's connection delivers nothing more.
 enum End {
-    /// It broke, or sent what no layer takes (the words say what).
+    /// It broke, or the layer above refused what it sent (the words say what).
     Broken(String),
     /// It sent a group frame it had no right to send.
     Violation(MeshViolation),
@@ -51,12 +51,9 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
         };
         if frame.kind != FrameKind::Collective {
             let Some(sink) = shared.sink.get() else {
-                // Nothing more is read from it: close the connection rather than leave it open.
-                let _ = link.conn.close().await;
-                break End::Broken(format!(
-                    "it sent a {:?} frame, which a process group does not take",
-                    frame.kind
-                ));
+                // No layer above takes it (a second hello, an agent's message): the sender's
+                // violation; the connection is closed below.
+                break End::Violation(MeshViolation::NotAGroupFrame { kind: frame.kind });
             };
             if let Err(reason) = sink.on_frame(peer, &link.conn, frame) {
                 let _ = link.conn.close().await;
@@ -99,6 +96,7 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
                 shared.fail(ProcessGroupError::PeerAborted { rank: peer, reason });
             }
             Ok(GroupFrame::Disagreement {
+                group,
                 seq,
                 peer: other,
                 theirs,
@@ -108,6 +106,7 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
                 // have seen disagree is the sender's violation, not that rank's fault.
                 let checked = shared.admission().check_disagreement(
                     peer,
+                    group,
                     other as usize,
                     seq,
                     &theirs,
@@ -127,7 +126,11 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
                 warn!(rank, peer, %error, "peer reports a disagreement");
                 shared.fail(error);
             }
-            Err(e) => break End::Broken(format!("it sent a bad group frame: {e}")),
+            Err(e) => {
+                break End::Violation(MeshViolation::MalformedGroupFrame {
+                    reason: e.to_string(),
+                })
+            }
         }
     };
     let (reason, error) = match end {
