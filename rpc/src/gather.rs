@@ -19,7 +19,9 @@ use std::time::Duration;
 use tensorwire_core::protocol::gather::{
     self, Contribution, GatherConfig, GatherFailure, GatherLeader, GatherOutcome, GatherToken,
 };
-use tensorwire_core::protocol::{CallError, RemoteError, RemoteErrorKind, WorkerId};
+use tensorwire_core::protocol::{
+    CallError, ProtocolViolation, RemoteError, RemoteErrorKind, WorkerId,
+};
 use tokio::sync::oneshot;
 
 use crate::error::RpcError;
@@ -132,6 +134,12 @@ pub(crate) fn handler() -> Handler<Agent> {
             let c: Contribution = inv.arguments().await?;
             let agent = inv.agent.clone();
             let outcome = lead(&agent, inv.caller, c).await;
+            if let GatherOutcome::Failed(e) = &outcome {
+                // What no honest member sends drops its sender, as a forged frame would.
+                if e.is_forgery() && inv.caller != agent.worker_info().id {
+                    agent.fail_peer(inv.caller, ProtocolViolation::Gather(e.clone()));
+                }
+            }
             finish::<_, String>(Ok(outcome))
         })
     })

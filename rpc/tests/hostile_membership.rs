@@ -1,15 +1,17 @@
 //! A hostile member of a dynamic group (it joined for real, over loopback TCP with the
-//! cluster secret) sends membership messages it has no right to send: the victim drops it as
-//! a violation, and the honest members' calls still succeed.
+//! cluster secret) sends membership messages and gather contributions it has no right to
+//! send: the victim drops it as a violation, and the honest members' calls and gathers still
+//! succeed.
 //!
-//! The group: `w0` coordinates, `w1` is hostile and joins second, `w2` joins last and so dials
-//! `w1`, whose transport records the link.
+//! The group: `w0` coordinates (and leads every gather it is in), `w1` is hostile and joins
+//! second, `w2` joins last and so dials `w1`, whose transport records the link.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tensorwire_core::ports::store::Store;
+use tensorwire_core::protocol::gather::{Contribution, GatherError, GatherOutcome};
 use tensorwire_core::protocol::membership::dynamic::DynMessage;
 use tensorwire_core::protocol::{LostCause, ProtocolViolation};
 use tensorwire_core::wire::Frame;
@@ -151,6 +153,158 @@ async fn a_flood_of_departures_announced_by_a_non_coordinator_drops_the_sender()
         // the coordinator it named as gone stays.
         let forged = membership_frame(&DynMessage::Left { rank: 0 });
         attack(vec![forged; 100]).await;
+    })
+    .await;
+}
+
+/// The internal function a member sends its gather contribution to the leader through.
+const GATHER: &str = "__tw/gather";
+
+/// The hostile member's contribution to gather `name`, naming `expected`, sent as the
+/// agent's own gathers send theirs.
+async fn contribute(
+    hostile: &Agent,
+    name: &str,
+    expected: Vec<u32>,
+) -> Result<GatherOutcome, tensorwire_rpc::RpcError> {
+    let c = Contribution {
+        name: name.to_owned(),
+        expected,
+        wait: Duration::from_secs(50),
+        value: b"forged".to_vec(),
+    };
+    hostile.rpc_sync("w0", GATHER, &c, None).await
+}
+
+/// `w0` and `w2` meet in a barrier of their own (`w1` takes no part).
+async fn honest_barrier(agents: &[Agent], name: &str) {
+    let among = || ["w0", "w2"];
+    let timeout = Duration::from_secs(20);
+    let (a, b) = tokio::join!(
+        agents[0].barrier_among(name, among(), timeout),
+        agents[2].barrier_among(name, among(), timeout),
+    );
+    a.unwrap_or_else(|e| panic!("w0's barrier {name:?} failed: {e}"));
+    b.unwrap_or_else(|e| panic!("w2's barrier {name:?} failed: {e}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gather_held_first_with_a_member_list_of_its_choosing_does_not_stop_the_others() {
+    bounded(async {
+        let (agents, _hostile) = group().await;
+        // w1 takes the name of w0 and w2's barrier first, naming itself and w0 as the members:
+        // before the leader's view won, w0 and w2 were refused ("the members disagree") for as
+        // long as w1's call waited.
+        // It sends the same contribution twice: the answer to one of them is "duplicate",
+        // which says that the other is held by w0 before w0 and w2 start.
+        let mut early = tokio::task::JoinSet::new();
+        for _ in 0..2 {
+            let h = agents[HOSTILE as usize].clone();
+            early
+                .spawn(async move { contribute(&h, "barrier-among/sync", vec![0, HOSTILE]).await });
+        }
+        assert_eq!(
+            early.join_next().await.unwrap().unwrap().unwrap(),
+            GatherOutcome::Failed(GatherError::Duplicate {
+                from: HOSTILE,
+                name: "barrier-among/sync".into(),
+            })
+        );
+        honest_barrier(&agents, "sync").await;
+        assert_eq!(
+            early.join_next().await.unwrap().unwrap().unwrap(),
+            GatherOutcome::Failed(GatherError::Disagreement {
+                name: "barrier-among/sync".into(),
+                ours: vec![0, VICTIM],
+                theirs: vec![0, HOSTILE],
+            })
+        );
+        for a in agents.into_iter().rev() {
+            let _ = a.shutdown(Shutdown::Immediate).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_gathers_the_leader_has_not_joined_is_held_to_the_senders_share() {
+    bounded(async {
+        let (agents, _hostile) = group().await;
+        // More rounds than the leader holds in all (1,024): before each member had a share,
+        // w1 alone used them up and every other gather was refused.
+        const FLOOD: usize = 1100;
+        const SHARE: usize = 64;
+        let mut calls = tokio::task::JoinSet::new();
+        for i in 0..FLOOD {
+            let h = agents[HOSTILE as usize].clone();
+            calls.spawn(
+                async move { contribute(&h, &format!("flood/{i}"), vec![0, HOSTILE]).await },
+            );
+        }
+        // All but its share are refused at once, naming the bound.
+        for _ in 0..FLOOD - SHARE {
+            match calls.join_next().await.unwrap().unwrap().unwrap() {
+                GatherOutcome::Failed(GatherError::MemberTooManyRounds { from, limit, .. }) => {
+                    assert_eq!((from, limit), (HOSTILE, SHARE));
+                }
+                other => panic!("a gather beyond w1's share was answered {other:?}"),
+            }
+        }
+        honest_barrier(&agents, "after-flood").await;
+        assert_eq!(
+            agents[VICTIM as usize]
+                .rpc_sync::<_, i64>("w0", "add", &(2i64, 3i64), None)
+                .await
+                .unwrap(),
+            5
+        );
+        for a in agents.into_iter().rev() {
+            let _ = a.shutdown(Shutdown::Immediate).await;
+        }
+        calls.abort_all();
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gather_contribution_no_honest_member_sends_drops_the_sender() {
+    bounded(async {
+        let (agents, _hostile) = group().await;
+        let mut events = agents[0].peer_events();
+        // A value for a gather among w0 and w2, from w1: it does not count itself a member.
+        let _ = contribute(&agents[HOSTILE as usize], "x", vec![0, VICTIM]).await;
+        let cause = loop {
+            match events.recv().await {
+                Some(PeerEvent::Lost { worker, cause }) => {
+                    assert_eq!(
+                        worker, HOSTILE,
+                        "only the hostile member is dropped ({cause})"
+                    );
+                    break cause;
+                }
+                Some(_) => {}
+                None => panic!("w0's peer events ended"),
+            }
+        };
+        match &cause {
+            LostCause::Misbehaved(v)
+                if matches!(
+                    &**v,
+                    ProtocolViolation::Gather(GatherError::NotAMember { from: HOSTILE, .. })
+                ) => {}
+            other => panic!("w1 was lost for {other}, not a gather violation"),
+        }
+        honest_barrier(&agents, "after-forgery").await;
+        assert_eq!(
+            agents[0]
+                .rpc_sync::<_, i64>("w2", "add", &(4i64, 5i64), None)
+                .await
+                .unwrap(),
+            9
+        );
+        for a in agents.into_iter().rev() {
+            let _ = a.shutdown(Shutdown::Immediate).await;
+        }
     })
     .await;
 }

@@ -19,10 +19,16 @@
 //!   [`poll_timeout`](GatherLeader::poll_timeout).
 //!
 //! # Rounds
-//! Contributions under one name form a *round*. The first one fixes who takes part; a
-//! contribution that names other members, comes from a worker that does not count itself
-//! among them, is sent to a worker that is not the lowest of them, or is a second one from
-//! the same member, is refused with a [`GatherError`] and changes nothing. A round ends when
+//! Contributions under one name form a *round*. The leader is a member of every round it
+//! leads, and its own contribution fixes who takes part: until it comes, contributions that
+//! name different members are kept in different rounds (candidates), and when it comes, the
+//! candidates that named other members than the leader's are answered
+//! [`GatherError::Disagreement`] and end. So a member cannot hold a name against the others
+//! by sending first with a member list of its choosing. A contribution that names other
+//! members than the round the leader has joined, comes from a worker that does not count
+//! itself among them, is sent to a worker that is not the lowest of them, or is a second one
+//! from the same member, is refused with a [`GatherError`] and changes nothing; the refusals no honest member's [`request`] can cause are
+//! [forgeries](GatherError::is_forgery), for which the driver also drops the sender. A round ends when
 //! every expected member has sent (every caller gets [`GatherOutcome::Done`]), when one of
 //! its callers' waits ends ([`GatherOutcome::Missing`], naming who did not send, to every
 //! caller: no value can join it any more), or when an expected member that has not sent is
@@ -35,7 +41,12 @@
 //! the number of rounds under way ([`max_rounds`](GatherConfig::max_rounds)), the bytes of
 //! values held ([`max_bytes`](GatherConfig::max_bytes)), the length of a name
 //! ([`max_name_len`](GatherConfig::max_name_len)) and of a member list
-//! ([`max_members`](GatherConfig::max_members)). A member holds at most one value per round.
+//! ([`max_members`](GatherConfig::max_members)). A member holds at most one value per round,
+//! and each member other than the leader has a share of its own
+//! ([`max_rounds_per_member`](GatherConfig::max_rounds_per_member),
+//! [`max_bytes_per_member`](GatherConfig::max_bytes_per_member)), so that one member cannot
+//! use up the bounds the others need. The leader's own contributions count only against the
+//! totals.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -164,6 +175,32 @@ pub enum GatherError {
         /// The limit.
         limit: usize,
     },
+    /// The sender already has values in [`GatherConfig::max_rounds_per_member`] rounds under
+    /// way.
+    #[error("gather {name:?}: worker {from} already has values in {limit} gathers under way (GatherConfig::max_rounds_per_member)")]
+    MemberTooManyRounds {
+        /// The gather.
+        name: String,
+        /// The sender.
+        from: WorkerId,
+        /// The limit.
+        limit: usize,
+    },
+    /// The value would take the bytes the leader holds of the sender's past
+    /// [`GatherConfig::max_bytes_per_member`].
+    #[error("gather {name:?}: a value of {len} bytes from worker {from} does not fit; the leader holds {held} of its at most {limit} bytes (GatherConfig::max_bytes_per_member)")]
+    MemberTooManyBytes {
+        /// The gather.
+        name: String,
+        /// The sender.
+        from: WorkerId,
+        /// The value's length.
+        len: usize,
+        /// Bytes of the sender's values already held.
+        held: usize,
+        /// The limit.
+        limit: usize,
+    },
     /// The value would take the bytes the leader holds past [`GatherConfig::max_bytes`].
     #[error("gather {name:?}: a value of {len} bytes does not fit; the leader holds {held} of at most {limit} bytes (GatherConfig::max_bytes)")]
     TooManyBytes {
@@ -176,6 +213,20 @@ pub enum GatherError {
         /// The limit.
         limit: usize,
     },
+}
+
+impl GatherError {
+    /// Whether no honest member can cause this refusal: [`request`] always names a
+    /// non-empty, ascending member list that includes the sender. A contribution refused so
+    /// is its sender's violation (the driver drops the sender), not a race between views.
+    pub fn is_forgery(&self) -> bool {
+        matches!(
+            self,
+            GatherError::NoMembers { .. }
+                | GatherError::UnsortedMembers { .. }
+                | GatherError::NotAMember { .. }
+        )
+    }
 }
 
 /// Why a member's gather failed, from the leader's answer ([`resolve`]).
@@ -211,6 +262,10 @@ pub struct GatherConfig {
     pub max_name_len: usize,
     /// Members of one gather. Default 65,536.
     pub max_members: usize,
+    /// Rounds under way in which one member other than the leader has a value. Default 64.
+    pub max_rounds_per_member: usize,
+    /// Bytes of one member's values held (a member other than the leader). Default 128 MiB.
+    pub max_bytes_per_member: usize,
 }
 
 impl Default for GatherConfig {
@@ -220,6 +275,8 @@ impl Default for GatherConfig {
             max_bytes: 256 << 20,
             max_name_len: 1024,
             max_members: 1 << 16,
+            max_rounds_per_member: 64,
+            max_bytes_per_member: 128 << 20,
         }
     }
 }
@@ -246,6 +303,20 @@ impl GatherConfig {
     /// This configuration with another [`max_members`](Self::max_members).
     pub fn with_max_members(mut self, n: usize) -> Self {
         self.max_members = n;
+        self
+    }
+
+    /// This configuration with another
+    /// [`max_rounds_per_member`](Self::max_rounds_per_member).
+    pub fn with_max_rounds_per_member(mut self, n: usize) -> Self {
+        self.max_rounds_per_member = n;
+        self
+    }
+
+    /// This configuration with another
+    /// [`max_bytes_per_member`](Self::max_bytes_per_member).
+    pub fn with_max_bytes_per_member(mut self, n: usize) -> Self {
+        self.max_bytes_per_member = n;
         self
     }
 }
@@ -342,19 +413,33 @@ impl Round {
     }
 }
 
+/// A round's key: its name and the members its contributions named. Until the leader's own
+/// contribution comes, rounds of one name with different member lists are kept apart (each
+/// a candidate); the leader's picks one and ends the others.
+type RoundKey = (String, Vec<WorkerId>);
+
 /// The leader's side of the gathers of a dynamic group (see the [module docs](self)).
 #[derive(Debug)]
 pub struct GatherLeader {
     me: WorkerId,
     config: GatherConfig,
-    rounds: HashMap<String, Round>,
-    /// Every waiter with a deadline: (deadline, token) → the round's name.
-    deadlines: BTreeMap<(Instant, GatherToken), String>,
-    /// Every waiter: token → (round name, member).
-    waiting: HashMap<GatherToken, (String, WorkerId)>,
+    rounds: BTreeMap<RoundKey, Round>,
+    /// Every waiter with a deadline: (deadline, token) → its round.
+    deadlines: BTreeMap<(Instant, GatherToken), RoundKey>,
+    /// Every waiter: token → (its round, member).
+    waiting: HashMap<GatherToken, (RoundKey, WorkerId)>,
     held: usize,
+    /// What each member other than the leader has in rounds under way (absent: nothing).
+    shares: HashMap<WorkerId, Share>,
     next_token: GatherToken,
     answers: VecDeque<(GatherToken, GatherOutcome)>,
+}
+
+/// A member's values held by the leader: in how many rounds, how many bytes.
+#[derive(Debug, Clone, Copy, Default)]
+struct Share {
+    rounds: usize,
+    bytes: usize,
 }
 
 impl GatherLeader {
@@ -363,10 +448,11 @@ impl GatherLeader {
         Self {
             me,
             config,
-            rounds: HashMap::new(),
+            rounds: BTreeMap::new(),
             deadlines: BTreeMap::new(),
             waiting: HashMap::new(),
             held: 0,
+            shares: HashMap::new(),
             next_token: 0,
             answers: VecDeque::new(),
         }
@@ -451,29 +537,60 @@ impl GatherLeader {
                 me: self.me,
             });
         }
-        match self.rounds.get(&name) {
-            Some(round) if round.expected != c.expected => {
-                return Err(GatherError::Disagreement {
-                    ours: round.expected.clone(),
-                    theirs: c.expected,
-                    name,
-                })
-            }
+        let from_leader = from == self.me;
+        // The other rounds of this name: candidates with other member lists, or the round
+        // the leader has joined, whose members are the gather's.
+        let others: Vec<RoundKey> = self
+            .rounds
+            .range((name.clone(), Vec::new())..)
+            .take_while(|(k, _)| k.0 == name)
+            .filter(|(k, _)| k.1 != c.expected)
+            .map(|(k, _)| k.clone())
+            .collect();
+        if let Some(joined) = others
+            .iter()
+            .find(|k| self.rounds[*k].values.contains_key(&self.me))
+        {
+            return Err(GatherError::Disagreement {
+                ours: joined.1.clone(),
+                theirs: c.expected,
+                name,
+            });
+        }
+        let key = (name, c.expected);
+        match self.rounds.get(&key) {
             Some(round) if round.values.contains_key(&from) => {
-                return Err(GatherError::Duplicate { from, name })
+                return Err(GatherError::Duplicate { from, name: key.0 })
             }
             Some(_) => {}
             None if self.rounds.len() >= cfg.max_rounds => {
                 return Err(GatherError::TooManyRounds {
-                    name,
+                    name: key.0,
                     limit: cfg.max_rounds,
                 })
             }
             None => {}
         }
+        let share = self.shares.get(&from).copied().unwrap_or_default();
+        if !from_leader && share.rounds >= cfg.max_rounds_per_member {
+            return Err(GatherError::MemberTooManyRounds {
+                name: key.0,
+                from,
+                limit: cfg.max_rounds_per_member,
+            });
+        }
+        if !from_leader && share.bytes.saturating_add(c.value.len()) > cfg.max_bytes_per_member {
+            return Err(GatherError::MemberTooManyBytes {
+                name: key.0,
+                from,
+                len: c.value.len(),
+                held: share.bytes,
+                limit: cfg.max_bytes_per_member,
+            });
+        }
         if self.held.saturating_add(c.value.len()) > cfg.max_bytes {
             return Err(GatherError::TooManyBytes {
-                name,
+                name: key.0,
                 len: c.value.len(),
                 held: self.held,
                 limit: cfg.max_bytes,
@@ -481,8 +598,13 @@ impl GatherLeader {
         }
         let deadline = now.checked_add(c.wait);
         self.held += c.value.len();
-        let round = self.rounds.entry(name.clone()).or_insert_with(|| Round {
-            expected: c.expected,
+        if !from_leader {
+            let share = self.shares.entry(from).or_default();
+            share.rounds += 1;
+            share.bytes += c.value.len();
+        }
+        let round = self.rounds.entry(key.clone()).or_insert_with(|| Round {
+            expected: key.1.clone(),
             values: BTreeMap::new(),
             waiters: BTreeMap::new(),
         });
@@ -490,22 +612,47 @@ impl GatherLeader {
         round.waiters.insert(from, Waiter { token, deadline });
         let complete = round.values.len() == round.expected.len();
         if let Some(at) = deadline {
-            self.deadlines.insert((at, token), name.clone());
+            self.deadlines.insert((at, token), key.clone());
         }
-        self.waiting.insert(token, (name.clone(), from));
+        self.waiting.insert(token, (key.clone(), from));
+        if from_leader {
+            // The leader's view of who takes part wins: the candidates that named other
+            // members are told so, and end.
+            for other in others {
+                let refused = GatherOutcome::Failed(GatherError::Disagreement {
+                    name: key.0.clone(),
+                    ours: key.1.clone(),
+                    theirs: other.1.clone(),
+                });
+                self.end_round(&other, &refused);
+            }
+        }
         if complete {
-            let values: Vec<_> = round.values.iter().map(|(r, v)| (*r, v.clone())).collect();
-            self.end_round(&name, &GatherOutcome::Done(values));
+            let values: Vec<_> = self.rounds[&key]
+                .values
+                .iter()
+                .map(|(r, v)| (*r, v.clone()))
+                .collect();
+            self.end_round(&key, &GatherOutcome::Done(values));
         }
         Ok(())
     }
 
-    /// Ends round `name`, answering each of its callers with `outcome`.
-    fn end_round(&mut self, name: &str, outcome: &GatherOutcome) {
-        let Some(round) = self.rounds.remove(name) else {
+    /// Ends round `key`, answering each of its callers with `outcome`.
+    fn end_round(&mut self, key: &RoundKey, outcome: &GatherOutcome) {
+        let Some(round) = self.rounds.remove(key) else {
             return;
         };
         self.held -= round.bytes();
+        for (member, value) in &round.values {
+            if let Some(share) = self.shares.get_mut(member) {
+                share.rounds -= 1;
+                share.bytes -= value.len();
+                if share.rounds == 0 {
+                    self.shares.remove(member);
+                }
+            }
+        }
         for w in round.waiters.values() {
             self.forget_waiter(w);
             self.answers.push_back((w.token, outcome.clone()));
@@ -522,14 +669,14 @@ impl GatherLeader {
     /// Time passed: every round one of whose callers' waits ended by `now` ends with
     /// [`GatherOutcome::Missing`] for all its callers.
     pub fn handle_timeout(&mut self, now: Instant) {
-        while let Some((&(at, _), name)) = self.deadlines.first_key_value() {
+        while let Some((&(at, _), key)) = self.deadlines.first_key_value() {
             if at > now {
                 break;
             }
-            let name = name.clone();
-            let missing = self.rounds.get(&name).map(Round::missing);
+            let key = key.clone();
+            let missing = self.rounds.get(&key).map(Round::missing);
             match missing {
-                Some(missing) => self.end_round(&name, &GatherOutcome::Missing(missing)),
+                Some(missing) => self.end_round(&key, &GatherOutcome::Missing(missing)),
                 // Unreachable while the maps agree; never loop on it.
                 None => {
                     self.deadlines.pop_first();
@@ -542,32 +689,31 @@ impl GatherLeader {
     /// every round that expects a value it has not sent ends with
     /// [`GatherError::MemberLost`]. A round left with no caller is forgotten.
     pub fn handle_peer_lost(&mut self, peer: WorkerId) {
-        let mut names: Vec<String> = self
+        let keys: Vec<RoundKey> = self
             .rounds
             .iter()
             .filter(|(_, r)| r.expected.binary_search(&peer).is_ok())
-            .map(|(n, _)| n.clone())
+            .map(|(k, _)| k.clone())
             .collect();
-        names.sort();
-        for name in names {
+        for key in keys {
             let gone = self
                 .rounds
-                .get_mut(&name)
+                .get_mut(&key)
                 .and_then(|r| r.waiters.remove(&peer));
             if let Some(w) = gone {
                 self.forget_waiter(&w);
             }
-            let Some(round) = self.rounds.get(&name) else {
+            let Some(round) = self.rounds.get(&key) else {
                 continue;
             };
             if !round.values.contains_key(&peer) {
                 let outcome = GatherOutcome::Failed(GatherError::MemberLost {
-                    name: name.clone(),
+                    name: key.0.clone(),
                     member: peer,
                 });
-                self.end_round(&name, &outcome);
+                self.end_round(&key, &outcome);
             } else if round.waiters.is_empty() {
-                self.end_round(&name, &GatherOutcome::Missing(Vec::new()));
+                self.end_round(&key, &GatherOutcome::Missing(Vec::new()));
             }
         }
     }
@@ -577,18 +723,18 @@ impl GatherLeader {
     /// that others still wait for.
     pub fn handle_abandoned(&mut self, token: GatherToken) {
         self.answers.retain(|(t, _)| *t != token);
-        let Some((name, member)) = self.waiting.get(&token).cloned() else {
+        let Some((key, member)) = self.waiting.get(&token).cloned() else {
             return;
         };
         let gone = self
             .rounds
-            .get_mut(&name)
+            .get_mut(&key)
             .and_then(|r| r.waiters.remove(&member));
         if let Some(w) = gone {
             self.forget_waiter(&w);
         }
-        if self.rounds.get(&name).is_some_and(|r| r.waiters.is_empty()) {
-            self.end_round(&name, &GatherOutcome::Missing(Vec::new()));
+        if self.rounds.get(&key).is_some_and(|r| r.waiters.is_empty()) {
+            self.end_round(&key, &GatherOutcome::Missing(Vec::new()));
         }
     }
 

@@ -72,6 +72,12 @@ pub enum ProtocolViolation {
         /// What the membership protocol said.
         what: String,
     },
+    /// A contribution to a dynamic group's gather that no honest member sends
+    /// ([`GatherError::is_forgery`](crate::protocol::gather::GatherError::is_forgery)): an
+    /// empty or unsorted member list, or one without its sender. Found by the leader's
+    /// [`GatherLeader`](crate::protocol::gather::GatherLeader) and applied by the driver.
+    #[error("it broke the gather protocol: {0}")]
+    Gather(crate::protocol::gather::GatherError),
     /// A same-host CUDA IPC message (or descriptor) it had no right to send.
     #[error("it broke the IPC protocol: {0}")]
     Ipc(crate::ipc::IpcViolation),

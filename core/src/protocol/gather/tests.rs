@@ -121,11 +121,11 @@ fn refused_contributions_are_answered_at_once_and_change_nothing() {
     let cases: Vec<(WorkerId, Contribution, GatherError)> = vec![
         (
             2,
-            contribution("x", &[1, 2], 100, b""),
+            contribution("y", &[1, 2, 3], 100, b""),
             GatherError::Disagreement {
-                name: "x".into(),
-                ours: vec![1, 2, 3],
-                theirs: vec![1, 2],
+                name: "y".into(),
+                ours: vec![1, 2],
+                theirs: vec![1, 2, 3],
             },
         ),
         (
@@ -831,4 +831,164 @@ proptest::proptest! {
             assert!(answered.contains(t) || gone.contains(t), "token {t} never answered");
         }
     }
+}
+
+#[test]
+fn the_leaders_view_of_the_members_wins_over_one_sent_before_it() {
+    let t0 = Instant::now();
+    let mut l = GatherLeader::new(0, GatherConfig::default());
+    // Worker 1 sends first with a member list of its choosing (a forger, or a member whose
+    // view of the group is stale); worker 2, who agrees with the leader, is not refused for
+    // it: until the leader's own value comes, each list is a round of its own.
+    let early = l.handle_contribution(t0, 1, contribution("x", &[0, 1], 100, b"one"));
+    let two = l.handle_contribution(t0, 2, contribution("x", &[0, 1, 2], 100, b"two"));
+    assert!(answers(&mut l).is_empty());
+    assert_eq!(l.rounds(), 2);
+    // The leader's own contribution picks its list: the other round's caller is told, and it
+    // ends.
+    let leader = l.handle_contribution(t0, 0, contribution("x", &[0, 1, 2], 100, b"zero"));
+    assert_eq!(
+        answers(&mut l),
+        vec![(
+            early,
+            GatherOutcome::Failed(GatherError::Disagreement {
+                name: "x".into(),
+                ours: vec![0, 1, 2],
+                theirs: vec![0, 1],
+            })
+        )]
+    );
+    assert_eq!((l.rounds(), l.held_bytes()), (1, 7));
+    // From now on the leader's list is the round's: a list like the early one is refused.
+    let again = l.handle_contribution(t0, 1, contribution("x", &[0, 1], 100, b"one"));
+    assert_eq!(
+        answers(&mut l),
+        vec![(
+            again,
+            GatherOutcome::Failed(GatherError::Disagreement {
+                name: "x".into(),
+                ours: vec![0, 1, 2],
+                theirs: vec![0, 1],
+            })
+        )]
+    );
+    let one = l.handle_contribution(t0, 1, contribution("x", &[0, 1, 2], 100, b"one"));
+    let done = GatherOutcome::Done(vec![
+        (0, b"zero".to_vec()),
+        (1, b"one".to_vec()),
+        (2, b"two".to_vec()),
+    ]);
+    let mut got = answers(&mut l);
+    got.sort_by_key(|(t, _)| *t);
+    assert_eq!(
+        got,
+        vec![(two, done.clone()), (leader, done.clone()), (one, done)]
+    );
+    assert!(l.is_idle());
+    // A second contribution of the leader's own with another list is refused, not obeyed.
+    l.handle_contribution(t0, 0, contribution("y", &[0, 1], 100, b""));
+    let second = l.handle_contribution(t0, 0, contribution("y", &[0, 2], 100, b""));
+    assert!(matches!(
+        answers(&mut l)[..],
+        [(t, GatherOutcome::Failed(GatherError::Disagreement { .. }))] if t == second
+    ));
+}
+
+#[test]
+fn each_member_has_its_own_share_of_the_leaders_bounds() {
+    let t0 = Instant::now();
+    let cfg = GatherConfig::default()
+        .with_max_rounds(8)
+        .with_max_bytes(100)
+        .with_max_rounds_per_member(2)
+        .with_max_bytes_per_member(5);
+    let mut l = GatherLeader::new(0, cfg);
+    // Worker 1 holds two rounds the leader has not joined, with 4 bytes.
+    l.handle_contribution(t0, 1, contribution("a", &[0, 1], 100, b"12"));
+    l.handle_contribution(t0, 1, contribution("b", &[0, 1], 100, b"34"));
+    let third = l.handle_contribution(t0, 1, contribution("c", &[0, 1], 100, b""));
+    let big = l.handle_contribution(t0, 2, contribution("a2", &[0, 2], 100, b"123456"));
+    assert_eq!(
+        answers(&mut l),
+        vec![
+            (
+                third,
+                GatherOutcome::Failed(GatherError::MemberTooManyRounds {
+                    name: "c".into(),
+                    from: 1,
+                    limit: 2,
+                })
+            ),
+            (
+                big,
+                GatherOutcome::Failed(GatherError::MemberTooManyBytes {
+                    name: "a2".into(),
+                    from: 2,
+                    len: 6,
+                    held: 0,
+                    limit: 5,
+                })
+            ),
+        ]
+    );
+    // The others are not held back by worker 1's share, and the leader has none.
+    l.handle_contribution(t0, 2, contribution("d", &[0, 2], 100, b"12345"));
+    for name in ["e", "f", "g", "h"] {
+        l.handle_contribution(t0, 0, contribution(name, &[0, 3], 100, b"xxxxxxxx"));
+    }
+    assert!(answers(&mut l).is_empty());
+    assert_eq!(l.rounds(), 7);
+    // A round that ends gives its members their share back.
+    l.handle_contribution(t0, 0, contribution("a", &[0, 1], 100, b""));
+    assert_eq!(answers(&mut l).len(), 2);
+    l.handle_contribution(t0, 1, contribution("c", &[0, 1], 100, b""));
+    assert!(answers(&mut l).is_empty());
+    assert_eq!(l.rounds(), 7);
+}
+
+#[test]
+fn only_what_no_honest_request_sends_is_a_forgery() {
+    let forged = [
+        GatherError::NoMembers { name: "x".into() },
+        GatherError::UnsortedMembers {
+            name: "x".into(),
+            members: vec![2, 1],
+        },
+        GatherError::NotAMember {
+            from: 3,
+            name: "x".into(),
+        },
+    ];
+    assert!(forged.iter().all(GatherError::is_forgery));
+    // Views that differ, a late or second value, and the bounds can happen to honest members.
+    let honest = [
+        GatherError::Disagreement {
+            name: "x".into(),
+            ours: vec![0],
+            theirs: vec![0, 1],
+        },
+        GatherError::Duplicate {
+            from: 1,
+            name: "x".into(),
+        },
+        GatherError::NotLeader {
+            name: "x".into(),
+            leader: 0,
+            me: 1,
+        },
+        GatherError::TooManyRounds {
+            name: "x".into(),
+            limit: 1,
+        },
+        GatherError::MemberTooManyRounds {
+            name: "x".into(),
+            from: 1,
+            limit: 1,
+        },
+    ];
+    assert!(!honest.iter().any(GatherError::is_forgery));
+    // Every forgery is one `request` never makes: its lists are ascending, non-empty, and
+    // include the sender (the caller checks that).
+    let r = request("x", &set(&[2, 0, 1]), vec![], Duration::ZERO).unwrap();
+    assert_eq!(r.contribution.expected, vec![0, 1, 2]);
 }
