@@ -20,14 +20,14 @@ use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, DebugInfo, Endpoint, MethodTarget, RRefForkData, RRefHandle, RRefId,
-    WorkerId,
+    CallError, ConfirmError, Endpoint, MethodTarget, RRefForkData, RRefHandle, RRefId, WorkerId,
 };
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{oneshot, Notify};
 
 use crate::codec::{self};
+pub use crate::debug::AgentDebugInfo;
 use crate::error::RpcError;
 use crate::functions::Value;
 pub use crate::future::RpcFuture;
@@ -53,43 +53,6 @@ pub struct PeerConnection {
     /// The transport chosen for it: `"tcp"`, `"shm"` (shared memory, for a peer on this host),
     /// `"quic"` or `"memory"` (the in-memory transport of tests).
     pub transport: &'static str,
-}
-
-/// What an agent holds and waits for: [`Agent::debug_info`].
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct AgentDebugInfo {
-    /// This worker.
-    pub worker: WorkerInfo,
-    /// Values kept for references this worker owns.
-    pub kept_values: usize,
-    /// The protocol's view: owned references and their forks, forks held here (pending users
-    /// are the unconfirmed ones), calls in flight and requests being served per peer.
-    pub protocol: DebugInfo,
-}
-
-impl fmt::Display for AgentDebugInfo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let p = &self.protocol;
-        write!(
-            f,
-            "{}: {} values kept; owned references {}; forks held {}; calls in flight {:?}; requests being served {:?}",
-            self.worker,
-            self.kept_values,
-            p.owned
-                .iter()
-                .map(|o| format!("{} ({} forks elsewhere, {} handles here{})", o.rref, o.forks, o.local_handles, if o.being_created { ", being created" } else { "" }))
-                .collect::<Vec<_>>()
-                .join(", "),
-            p.forks
-                .iter()
-                .map(|u| format!("{} of {} on rank {} ({} handles{})", u.fork, u.rref, u.owner, u.handles, if u.confirmed { "" } else { ", pending user" }))
-                .collect::<Vec<_>>()
-                .join(", "),
-            p.calls_in_flight,
-            p.requests_being_served,
-        )
-    }
 }
 
 impl fmt::Debug for Agent {
@@ -682,11 +645,15 @@ impl Agent {
     /// it owns held elsewhere, forks it holds (a *pending user* until the owner confirms),
     /// calls in flight per peer.
     pub fn debug_info(&self) -> AgentDebugInfo {
-        let st = self.lock();
+        let (kept_values, protocol) = {
+            let st = self.lock();
+            (st.values.len(), st.ep.debug_info())
+        };
         AgentDebugInfo {
             worker: self.inner.me.clone(),
-            kept_values: st.values.len(),
-            protocol: st.ep.debug_info(),
+            kept_values,
+            protocol,
+            gathers: crate::gather::debug_info(self),
         }
     }
 

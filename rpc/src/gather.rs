@@ -127,6 +127,17 @@ async fn lead(agent: &Agent, from: WorkerId, c: Contribution) -> GatherOutcome {
     }
 }
 
+/// What the gathers this worker leads hold now.
+pub(crate) fn debug_info(agent: &Agent) -> crate::debug::GatherDebugInfo {
+    let mut info = crate::debug::GatherDebugInfo::default();
+    if let Some(l) = lock(&agent.gathers().leading).as_ref() {
+        info.rounds = l.leader.rounds();
+        info.held_bytes = l.leader.held_bytes();
+        info.waiting = l.leader.waiting();
+    }
+    info
+}
+
 /// The leader's side: the handler of [`GATHER`].
 pub(crate) fn handler() -> Handler<Agent> {
     Arc::new(|mut inv: Invocation<Agent>| {

@@ -38,6 +38,7 @@ mod agent;
 mod backend;
 mod codec;
 mod context;
+mod debug;
 mod driver;
 mod error;
 pub mod faults;
@@ -74,6 +75,7 @@ pub use backend::{
 #[cfg(feature = "quic")]
 pub use backend::{QuicBackend, QUIC_BACKEND};
 pub use context::CallContext;
+pub use debug::GatherDebugInfo;
 pub use error::RpcError;
 pub use init::start_agent;
 pub use init_rpc::init_rpc;

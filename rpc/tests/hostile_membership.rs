@@ -1,7 +1,7 @@
-//! A hostile member of a dynamic group (it joined for real, over loopback TCP with the
-//! cluster secret) sends membership messages and gather contributions it has no right to
-//! send: the victim drops it as a violation, and the honest members' calls and gathers still
-//! succeed.
+//! A hostile member of a dynamic group (it joined for real, with the cluster secret, over
+//! loopback TCP, shared memory and QUIC) sends membership messages and gather contributions it
+//! has no right to send: the victim drops it as a violation, and the honest members' calls and
+//! gathers still succeed.
 //!
 //! The group: `w0` coordinates (and leads every gather it is in), `w1` is hostile and joins
 //! second, `w2` joins last and so dials `w1`, whose transport records the link.
@@ -15,11 +15,13 @@ use tensorwire_core::protocol::gather::{Contribution, GatherError, GatherOutcome
 use tensorwire_core::protocol::membership::dynamic::DynMessage;
 use tensorwire_core::protocol::{LostCause, ProtocolViolation};
 use tensorwire_core::wire::Frame;
-use tensorwire_rpc::{start_agent, Agent, Functions, PeerEvent, Rendezvous, Shutdown};
+use tensorwire_rpc::{
+    start_agent, Agent, Functions, GatherDebugInfo, PeerEvent, Rendezvous, Shutdown,
+};
 use tensorwire_store::InMemoryStore;
-use tensorwire_testkit::base_options;
 use tensorwire_testkit::hostile::{HostilePeer, HostileTransport};
 use tensorwire_testkit::nets::{transports, Net};
+use tensorwire_testkit::{base_options, wait_until};
 
 const TEST_BOUND: Duration = Duration::from_secs(60);
 const HOSTILE: u32 = 1;
@@ -42,9 +44,9 @@ fn functions() -> Functions {
 }
 
 /// The three members, joined one after the other, and the hostile worker's handle.
-async fn group() -> (Vec<Agent>, HostilePeer) {
+async fn group(net: Net) -> (Vec<Agent>, HostilePeer) {
     let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
-    let transports = transports(Net::Tcp);
+    let transports = transports(net);
     let mut agents = Vec::new();
     let mut hostile = None;
     for rank in 0..3 {
@@ -70,8 +72,8 @@ fn membership_frame(msg: &DynMessage) -> Frame {
 
 /// Sends `frames` from the hostile member to the victim and checks that the victim drops it
 /// as a membership violation, and that the honest members still call each other.
-async fn attack(frames: Vec<Frame>) {
-    let (agents, hostile) = group().await;
+async fn attack(net: Net, frames: Vec<Frame>) {
+    let (agents, hostile) = group(net).await;
     let victim = &agents[VICTIM as usize];
     assert_eq!(
         victim
@@ -124,35 +126,35 @@ async fn attack(frames: Vec<Frame>) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_admission_sent_to_a_worker_that_is_not_joining_drops_the_sender() {
+async fn an_admission_sent_to_a_worker_that_is_not_joining_drops_the_sender(net: Net) {
     bounded(async {
         // Only a joiner's coordinator admits it, and only while it joins.
-        attack(vec![membership_frame(&DynMessage::Admit {
-            seq: 9,
-            members: Vec::new(),
-        })])
+        attack(
+            net,
+            vec![membership_frame(&DynMessage::Admit {
+                seq: 9,
+                members: Vec::new(),
+            })],
+        )
         .await;
     })
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_welcome_out_of_turn_drops_the_sender() {
+async fn a_welcome_out_of_turn_drops_the_sender(net: Net) {
     bounded(async {
-        attack(vec![membership_frame(&DynMessage::Welcome)]).await;
+        attack(net, vec![membership_frame(&DynMessage::Welcome)]).await;
     })
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_flood_of_departures_announced_by_a_non_coordinator_drops_the_sender() {
+async fn a_flood_of_departures_announced_by_a_non_coordinator_drops_the_sender(net: Net) {
     bounded(async {
         // A member's word as the coordinator is held (it may have learned first that it
         // coordinates now), but only so much of it: beyond the bound it is a violation, and
         // the coordinator it named as gone stays.
         let forged = membership_frame(&DynMessage::Left { rank: 0 });
-        attack(vec![forged; 100]).await;
+        attack(net, vec![forged; 100]).await;
     })
     .await;
 }
@@ -188,10 +190,9 @@ async fn honest_barrier(agents: &[Agent], name: &str) {
     b.unwrap_or_else(|e| panic!("w2's barrier {name:?} failed: {e}"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gather_held_first_with_a_member_list_of_its_choosing_does_not_stop_the_others() {
+async fn a_gather_held_first_with_a_member_list_of_its_choosing_does_not_stop_the_others(net: Net) {
     bounded(async {
-        let (agents, _hostile) = group().await;
+        let (agents, _hostile) = group(net).await;
         // w1 takes the name of w0 and w2's barrier first, naming itself and w0 as the members:
         // before the leader's view won, w0 and w2 were refused ("the members disagree") for as
         // long as w1's call waited.
@@ -226,10 +227,9 @@ async fn a_gather_held_first_with_a_member_list_of_its_choosing_does_not_stop_th
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_flood_of_gathers_the_leader_has_not_joined_is_held_to_the_senders_share() {
+async fn a_flood_of_gathers_the_leader_has_not_joined_is_held_to_the_senders_share(net: Net) {
     bounded(async {
-        let (agents, _hostile) = group().await;
+        let (agents, _hostile) = group(net).await;
         // More rounds than the leader holds in all (1,024): before each member had a share,
         // w1 alone used them up and every other gather was refused.
         const FLOOD: usize = 1100;
@@ -258,6 +258,17 @@ async fn a_flood_of_gathers_the_leader_has_not_joined_is_held_to_the_senders_sha
                 .unwrap(),
             5
         );
+        // The leader holds w1's share, and no more; once w1 is gone, nothing.
+        let held = agents[0].debug_info().gathers;
+        assert_eq!((held.rounds, held.waiting), (SHARE, SHARE), "{held:?}");
+        assert_eq!(held.held_bytes, SHARE * b"forged".len());
+        let mut agents = agents;
+        let hostile = agents.remove(HOSTILE as usize);
+        hostile.shutdown(Shutdown::Immediate).await.unwrap();
+        wait_until("w0 lets go of w1's gathers", TEST_BOUND, || {
+            agents[0].debug_info().gathers == GatherDebugInfo::default()
+        })
+        .await;
         for a in agents.into_iter().rev() {
             let _ = a.shutdown(Shutdown::Immediate).await;
         }
@@ -266,10 +277,9 @@ async fn a_flood_of_gathers_the_leader_has_not_joined_is_held_to_the_senders_sha
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gather_contribution_no_honest_member_sends_drops_the_sender() {
+async fn a_gather_contribution_no_honest_member_sends_drops_the_sender(net: Net) {
     bounded(async {
-        let (agents, _hostile) = group().await;
+        let (agents, _hostile) = group(net).await;
         let mut events = agents[0].peer_events();
         // A value for a gather among w0 and w2, from w1: it does not count itself a member.
         let _ = contribute(&agents[HOSTILE as usize], "x", vec![0, VICTIM]).await;
@@ -307,4 +317,43 @@ async fn a_gather_contribution_no_honest_member_sends_drops_the_sender() {
         }
     })
     .await;
+}
+
+/// Every attack over every transport: `mod tcp`, `mod shm`, `mod quic`, a test each.
+macro_rules! table {
+    ($($name:ident),* $(,)?) => {
+        mod tcp {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Net::Tcp).await;
+                }
+            )*
+        }
+        mod shm {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Net::Shm).await;
+                }
+            )*
+        }
+        mod quic {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Net::Quic).await;
+                }
+            )*
+        }
+    };
+}
+
+table! {
+    an_admission_sent_to_a_worker_that_is_not_joining_drops_the_sender,
+    a_welcome_out_of_turn_drops_the_sender,
+    a_flood_of_departures_announced_by_a_non_coordinator_drops_the_sender,
+    a_gather_held_first_with_a_member_list_of_its_choosing_does_not_stop_the_others,
+    a_flood_of_gathers_the_leader_has_not_joined_is_held_to_the_senders_share,
+    a_gather_contribution_no_honest_member_sends_drops_the_sender,
 }
