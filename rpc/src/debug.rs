@@ -7,7 +7,7 @@ use tensorwire_core::protocol::DebugInfo;
 
 use crate::worker::WorkerInfo;
 
-/// What an agent holds and waits for: [`Agent::debug_info`].
+/// What an agent holds and waits for: [`Agent::debug_info`](crate::Agent::debug_info).
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct AgentDebugInfo {
