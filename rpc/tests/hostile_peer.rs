@@ -21,7 +21,8 @@ use bytes::Bytes;
 use tensorwire_core::ports::transport::TransportError;
 use tensorwire_core::protocol::shutdown::ShutdownSignal;
 use tensorwire_core::protocol::{
-    CallError, GlobalId, Header, LostCause, MethodTarget, ProtocolViolation, RRefId, WorkerId,
+    CallError, EndpointConfig, GlobalId, Header, LostCause, MethodTarget, ProtocolViolation,
+    RRefId, WorkerId,
 };
 use tensorwire_core::wire::{Frame, FrameKind};
 use tensorwire_rpc::{Agent, Functions, PeerEvent, RRef, RpcError, Shutdown};
@@ -148,7 +149,16 @@ enum Attack {
     /// A fork request for a fork of the honest worker's value that nobody made (its ids are
     /// easy to guess; its capability is not), then a fetch through it.
     ForgedForkThenFetch,
+    /// A reply, in the honest worker's place, to the victim's call to the honest worker.
+    ReplyFromWrongPeer,
+    /// More fork requests for references not created on the victim (yet) than a peer may
+    /// have it record (`PENDING_FORKS`).
+    TooManyPendingForks,
 }
+
+/// The victim's bound on fork requests for references it has not created, per peer
+/// (`EndpointConfig::pending_forks_per_peer`), set low to be reached.
+const PENDING_FORKS: usize = 2;
 
 /// The send of a message the victim refuses may itself fail: the victim can drop the
 /// connection as soon as it has read the header, while the rest of the frame is still being
@@ -166,8 +176,15 @@ async fn attack(net: Net, attack: Attack) {
 
 async fn run(net: Net, attack: Attack) {
     let gate = Arc::new(Semaphore::new(0));
-    let HostileGroup { agents, hostile } = hostile_group(3, transports(net), |_| {
-        base_options().with_functions(functions(&gate))
+    let HostileGroup { agents, hostile } = hostile_group(3, transports(net), |rank| {
+        let options = base_options().with_functions(functions(&gate));
+        if rank != VICTIM as usize {
+            return options;
+        }
+        options.with_endpoint_config(EndpointConfig {
+            pending_forks_per_peer: PENDING_FORKS,
+            ..EndpointConfig::default()
+        })
     })
     .await
     .expect("the group starts");
@@ -206,6 +223,7 @@ async fn run(net: Net, attack: Attack) {
     let mut child_rref: Option<RRef<u64>> = None;
     let mut waiting_call = None;
     let mut forged_fetch: Option<u64> = None;
+    let mut gated_call = None;
     let expected: Box<dyn Fn(&ProtocolViolation) -> bool> = match attack {
         Attack::RepeatedCall => {
             let call = Header::Call {
@@ -435,6 +453,74 @@ async fn run(net: Net, attack: Attack) {
                 }
             })
         }
+        Attack::ReplyFromWrongPeer => {
+            // A call to w1 that waits at the gate, then one to the hostile worker: their ids
+            // follow each other, so the hostile worker learns the first from the second.
+            let v = victim.clone();
+            gated_call = Some(tokio::spawn(async move {
+                v.rpc_sync::<_, u64>("w1", "gate", &(), None).await
+            }));
+            let victim_ref = victim.clone();
+            wait_until("the victim's call to w1 is in flight", T, || {
+                victim_ref.debug_info().protocol.calls_in_flight.get(&1) == Some(&1)
+            })
+            .await;
+            let probe = victim
+                .rpc_async::<_, i64>("w2", "add", &(2i64, 2i64), None)
+                .unwrap();
+            let heard = hostile
+                .heard(|h| matches!(h, Header::Call { function, .. } if function == "add"))
+                .await;
+            let Header::Call { id, .. } = heard else {
+                unreachable!("picked a call")
+            };
+            assert_eq!(probe.await.unwrap(), 4);
+            let target = id - 1;
+            let reply = Header::Reply {
+                id: target,
+                outcome: Ok(()),
+                forks: Vec::new(),
+            };
+            violating(hostile.send(to, &reply, seven()).await);
+            Box::new(move |v| {
+                *v == ProtocolViolation::WrongPeer {
+                    id: target,
+                    what: "reply",
+                    sent_to: 1,
+                }
+            })
+        }
+        Attack::TooManyPendingForks => {
+            // Fork requests (under ids the hostile worker's agent issued, so that it takes the
+            // victim's acknowledgements) for references it says it made on the victim and
+            // never created: all in one write, one past the bound.
+            let frames = (0..=PENDING_FORKS as u64)
+                .map(|i| {
+                    let rref = GlobalId {
+                        created_on: HOSTILE,
+                        local: FORGED_ID + i,
+                    };
+                    let header = Header::ForkRequest {
+                        secret: 0,
+                        id: 1 + i,
+                        floor: 0,
+                        rref,
+                        fork: rref,
+                    };
+                    Frame {
+                        kind: FrameKind::Message,
+                        header: tensorwire_rpc::fuzzing::encode_message_header(&header, &[]).into(),
+                        payloads: Vec::new(),
+                    }
+                })
+                .collect();
+            violating(hostile.link(to).await.send_many(frames).await);
+            Box::new(|v| {
+                *v == ProtocolViolation::TooManyPendingForks {
+                    limit: PENDING_FORKS,
+                }
+            })
+        }
         Attack::FetchWithoutHolding
         | Attack::MethodCallWithoutHolding
         | Attack::RemoteMethodWithoutHolding => {
@@ -576,6 +662,10 @@ async fn run(net: Net, attack: Attack) {
     // Whatever the hostile peer had made the victim hold is freed: back to the level before
     // the attack (handlers it started finish once the gate opens, and keep nothing).
     gate.add_permits(64);
+    if let Some(call) = gated_call {
+        // The victim's call got w1's answer, not the forged one.
+        assert_eq!(call.await.unwrap().unwrap(), 1);
+    }
     let victim_ref = victim.clone();
     let settled = wait_until(
         "the victim's state is back to its level before the attack",
@@ -657,4 +747,6 @@ table! {
     a_method_call_by_a_worker_that_holds_no_fork_is_refused => MethodCallWithoutHolding,
     a_remote_method_by_a_worker_that_holds_no_fork_is_refused => RemoteMethodWithoutHolding,
     a_fork_request_for_a_fork_nobody_made_is_refused_and_its_fetch_never_answered => ForgedForkThenFetch,
+    a_reply_in_another_workers_place_is_refused => ReplyFromWrongPeer,
+    fork_requests_for_references_never_created_are_bounded => TooManyPendingForks,
 }
