@@ -18,12 +18,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use tensorwire_core::device::Device;
+use tensorwire_core::ipc::{encode_message, IpcMessage, IpcViolation, StagedReason};
 use tensorwire_core::ports::transport::TransportError;
 use tensorwire_core::protocol::shutdown::ShutdownSignal;
 use tensorwire_core::protocol::{
     CallError, EndpointConfig, GlobalId, Header, LostCause, MethodTarget, ProtocolViolation,
     RRefId, WorkerId,
 };
+use tensorwire_core::tensor::{DType, TensorMeta};
 use tensorwire_core::wire::{Frame, FrameKind};
 use tensorwire_rpc::{Agent, Functions, PeerEvent, RRef, RpcError, Shutdown};
 use tensorwire_testkit::hostile::{hostile_group, HostileGroup};
@@ -154,6 +157,11 @@ enum Attack {
     /// More fork requests for references not created on the victim (yet) than a peer may
     /// have it record (`PENDING_FORKS`).
     TooManyPendingForks,
+    /// A release of a same-host IPC export the victim never made to it.
+    IpcReleaseNeverShared,
+    /// A call whose tensor comes by IPC handle, though the two never agreed on IPC (the
+    /// victim's backend has no device memory to share).
+    IpcDescriptorUnannounced,
 }
 
 /// The victim's bound on fork requests for references it has not created, per peer
@@ -521,6 +529,37 @@ async fn run(net: Net, attack: Attack) {
                 }
             })
         }
+        Attack::IpcReleaseNeverShared => {
+            let release = encode_message(&IpcMessage::Release(vec![77]));
+            violating(
+                hostile
+                    .send_frame(to, Frame::control(release, vec![]))
+                    .await,
+            );
+            Box::new(|v| *v == ProtocolViolation::Ipc(IpcViolation::UnknownExport { id: 77 }))
+        }
+        Attack::IpcDescriptorUnannounced => {
+            let meta = TensorMeta {
+                dtype: DType::F32,
+                shape: vec![1],
+                device: Device::Cuda(0),
+                ipc: Some(0),
+            };
+            let call = Header::Call {
+                id: FORGED_ID,
+                function: "add".into(),
+                timeout: T,
+            };
+            let frame = Frame {
+                kind: FrameKind::Message,
+                header: tensorwire_rpc::fuzzing::encode_message_header(&call, &[meta]).into(),
+                payloads: vec![Bytes::from_static(&[0; 64])],
+            };
+            violating(hostile.send_frame(to, frame).await);
+            Box::new(|v| {
+                *v == ProtocolViolation::Ipc(IpcViolation::Unannounced(StagedReason::NotSupported))
+            })
+        }
         Attack::FetchWithoutHolding
         | Attack::MethodCallWithoutHolding
         | Attack::RemoteMethodWithoutHolding => {
@@ -749,4 +788,6 @@ table! {
     a_fork_request_for_a_fork_nobody_made_is_refused_and_its_fetch_never_answered => ForgedForkThenFetch,
     a_reply_in_another_workers_place_is_refused => ReplyFromWrongPeer,
     fork_requests_for_references_never_created_are_bounded => TooManyPendingForks,
+    a_release_of_an_ipc_export_never_made_is_refused => IpcReleaseNeverShared,
+    a_tensor_by_ipc_handle_without_agreeing_on_ipc_is_refused => IpcDescriptorUnannounced,
 }
