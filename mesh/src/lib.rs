@@ -7,4 +7,6 @@
 pub mod link;
 pub mod mesh;
 
-pub use mesh::{address_key, FrameSink, GroupMesh, Incoming, Mesh, MeshSetup, MAX_GROUP_ID};
+pub use mesh::{
+    address_key, FrameSink, GroupMesh, Incoming, Mesh, MeshSetup, PeerEnd, MAX_GROUP_ID,
+};

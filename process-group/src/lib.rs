@@ -55,7 +55,7 @@ pub use tensorwire_rendezvous::{
 };
 
 // The mesh moved to `tensorwire-mesh`; its old paths here stay for existing code.
-pub use tensorwire_mesh::{link, mesh, FrameSink};
+pub use tensorwire_mesh::{link, mesh, FrameSink, PeerEnd};
 
 /// The `nccl` backend (feature `nccl`): moved to `tensorwire_devices_cuda::nccl_group`.
 #[cfg(feature = "nccl")]

@@ -933,7 +933,7 @@ impl tensorwire_mesh::FrameSink for Recorder {
         Ok(())
     }
 
-    fn on_closed(&self, peer: usize, _reason: &str) {
+    fn on_closed(&self, peer: usize, _end: &tensorwire_mesh::PeerEnd) {
         self.closed.lock().unwrap().push(peer);
     }
 }

@@ -10,7 +10,7 @@ use tensorwire_core::protocol::{
 };
 use tensorwire_core::wire::{Frame, FrameKind};
 use tokio::sync::mpsc;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::codec::Envelope;
 use crate::membership;
@@ -229,7 +229,11 @@ pub(crate) fn fail_peer(this: &Agent, peer: WorkerId, violation: ProtocolViolati
 /// cause stays), and told to subscribers once.
 pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
     let name = this.name_of(peer);
-    warn!("lost the connection to {name} (rank {peer}): {cause}");
+    if matches!(cause, LostCause::Shutdown | LostCause::Left) {
+        info!("{name} (rank {peer}) is gone: {cause}");
+    } else {
+        warn!("lost the connection to {name} (rank {peer}): {cause}");
+    }
     crate::ipc::peer_lost(this, peer);
     let first = {
         let mut st = this.lock();

@@ -1288,6 +1288,45 @@ async fn peer_events_tell_each_survivor_once_of_a_lost_worker() {
     let _ = dead.shutdown(tensorwire_rpc::Shutdown::Immediate).await;
 }
 
+/// A worker that shuts down at once while the others run is told to them as shut down
+/// (`LostCause::Shutdown`: its group said goodbye), not as a broken connection.
+#[tokio::test(start_paused = true)]
+async fn a_worker_that_shuts_down_at_once_is_told_as_shut_down() {
+    use tensorwire_core::protocol::LostCause;
+    use tensorwire_rpc::PeerEvent;
+    let cluster = Cluster::new();
+    let mut agents: Vec<Agent> = group_in(&cluster, 3, |_, _| {})
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let mut events: Vec<_> = agents[..2].iter().map(Agent::peer_events).collect();
+    let leaving = agents.pop().unwrap();
+    leaving
+        .shutdown(tensorwire_rpc::Shutdown::Immediate)
+        .await
+        .unwrap();
+    for (rank, e) in events.iter_mut().enumerate() {
+        match tokio::time::timeout(Duration::from_secs(5), e.recv()).await {
+            Ok(Some(PeerEvent::Lost { worker: 2, cause })) => {
+                assert_eq!(cause, LostCause::Shutdown, "w{rank}")
+            }
+            other => panic!("w{rank}: {other:?}"),
+        }
+    }
+    // The others still call each other.
+    let sum: i64 = agents[0]
+        .rpc_sync("w1", "add", &(1i64, 2i64), None)
+        .await
+        .unwrap();
+    assert_eq!(sum, 3);
+    for a in &agents {
+        a.shutdown(tensorwire_rpc::Shutdown::Immediate)
+            .await
+            .unwrap();
+    }
+}
+
 /// A transport that counts the connections it dialled (every connection has one dialler).
 #[derive(Debug)]
 struct CountingTransport {

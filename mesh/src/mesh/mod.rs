@@ -86,9 +86,28 @@ pub trait FrameSink: Send + Sync {
     /// dropped, which the group takes as that rank dying.
     fn on_frame(&self, peer: usize, conn: &Arc<dyn Connection>, frame: Frame)
         -> Result<(), String>;
-    /// Rank `peer`'s connection delivers nothing more (`reason`: it said goodbye, broke, or
+    /// Rank `peer`'s connection delivers nothing more: it said goodbye, or it broke (or
     /// broke the protocol).
-    fn on_closed(&self, peer: usize, reason: &str);
+    fn on_closed(&self, peer: usize, end: &PeerEnd);
+}
+
+/// How a peer's connection ended ([`FrameSink::on_closed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PeerEnd {
+    /// It said goodbye: it shut its group down, in order.
+    Goodbye,
+    /// It broke, or broke the protocol (the words say what).
+    Broken(String),
+}
+
+impl std::fmt::Display for PeerEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PeerEnd::Goodbye => f.write_str("it shut its group down"),
+            PeerEnd::Broken(reason) => f.write_str(reason),
+        }
+    }
 }
 
 /// One collective message as it arrived.

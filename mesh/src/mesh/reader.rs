@@ -12,7 +12,7 @@ use tracing::{debug, warn};
 
 use super::group::split_key;
 use super::peer_inbox::PeerStatus;
-use super::{Incoming, Shared, ABORT_SEND_TIMEOUT};
+use super::{Incoming, PeerEnd, Shared, ABORT_SEND_TIMEOUT};
 
 /// Why a peer's connection delivers nothing more.
 enum End {
@@ -80,7 +80,7 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
                 debug!(rank, peer, "peer said goodbye");
                 link.inbox.close(PeerStatus::Left, |_| true);
                 if let Some(sink) = shared.sink.get() {
-                    sink.on_closed(peer, "it shut its group down");
+                    sink.on_closed(peer, &PeerEnd::Goodbye);
                 }
                 return;
             }
@@ -155,7 +155,7 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
         }
     };
     if let Some(sink) = shared.sink.get() {
-        sink.on_closed(peer, &reason);
+        sink.on_closed(peer, &PeerEnd::Broken(reason.clone()));
     }
     if matches!(link.inbox.status(), PeerStatus::Left) {
         return;

@@ -12,7 +12,9 @@ use tensorwire_core::protocol::membership::{check_static_records, RecordError};
 use tensorwire_core::protocol::{LostCause, WorkerId};
 use tensorwire_core::validate::WorkerDeviceInfo;
 use tensorwire_core::wire::Frame;
-use tensorwire_process_group::{CollectivesExt, FrameSink, Group, GroupOptions, Rendezvous};
+use tensorwire_process_group::{
+    CollectivesExt, FrameSink, Group, GroupOptions, PeerEnd, Rendezvous,
+};
 
 use crate::error::RpcError;
 use crate::init::{advertise_ip, rank_only};
@@ -141,7 +143,7 @@ impl FrameSink for AgentFrames {
         })
     }
 
-    fn on_closed(&self, peer: usize, reason: &str) {
+    fn on_closed(&self, peer: usize, end: &PeerEnd) {
         let agent = &self.0;
         let peer = peer as WorkerId;
         let current = {
@@ -150,7 +152,12 @@ impl FrameSink for AgentFrames {
                 && st.peers.contains_key(&peer)
         };
         if current {
-            links::peer_lost(agent, peer, LostCause::Transport(reason.to_owned()));
+            let cause = match end {
+                // Its group said goodbye: the peer shut down (at once, or ahead of us).
+                PeerEnd::Goodbye => LostCause::Shutdown,
+                other => LostCause::Transport(other.to_string()),
+            };
+            links::peer_lost(agent, peer, cause);
         }
     }
 }
