@@ -31,8 +31,8 @@ use tensorwire_core::protocol::{
 };
 use tensorwire_core::tensor::Tensor;
 use tensorwire_dist_autograd::{AutogradCall, DistAutograd};
-use tensorwire_rpc::{Agent, Functions, PeerEvent, RpcError, Shutdown};
-use tensorwire_testkit::hostile::{hostile_group, HostileGroup};
+use tensorwire_rpc::{Agent, Functions, RpcError, Shutdown};
+use tensorwire_testkit::hostile::{dropped, hostile_group, HostileGroup};
 use tensorwire_testkit::nets::{transports, Net};
 use tensorwire_testkit::{base_options, wait_until};
 use tokio::sync::Semaphore;
@@ -398,19 +398,7 @@ async fn run(net: Net, attack: Attack) {
     };
 
     // The victim drops the hostile peer, naming the violation.
-    let cause = loop {
-        match events.recv().await {
-            Some(PeerEvent::Lost { worker, cause }) => {
-                assert_eq!(
-                    worker, HOSTILE,
-                    "only the hostile peer is dropped ({cause})"
-                );
-                break cause;
-            }
-            Some(_) => {}
-            None => panic!("the victim's peer events ended"),
-        }
-    };
+    let cause = dropped(&mut events, HOSTILE).await;
     match &cause {
         LostCause::Misbehaved(v) => assert!(expected(v), "dropped for another violation: {v}"),
         other => panic!("the hostile peer was lost for {other}, not as a violation"),

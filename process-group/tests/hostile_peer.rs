@@ -102,6 +102,20 @@ async fn assert_dropped(conn: &Arc<dyn Connection>) {
     );
 }
 
+/// Both honest ranks make the subgroup of ranks 0 and 1 (id 1), which the hostile rank is
+/// not in, and run a barrier in it.
+async fn honest_subgroup(c: &Cluster) -> Vec<Group> {
+    let pair: Vec<Group> = c
+        .honest
+        .iter()
+        .map(|g| g.new_group(&[0, 1]).unwrap().unwrap())
+        .collect();
+    let (a, b) = tokio::join!(pair[0].barrier(), pair[1].barrier());
+    a.unwrap();
+    b.unwrap();
+    pair
+}
+
 fn options(name: &str) -> GroupOptions {
     GroupOptions::new(name).with_timeout(Duration::from_secs(30))
 }
@@ -163,15 +177,7 @@ async fn an_abort_in_the_senders_own_name_breaks_the_group_naming_it(net: Net) {
 async fn collective_frames_for_a_group_the_sender_is_not_in_are_refused(net: Net) {
     bounded(async {
         let c = cluster(net, "not-in-group", options("not-in-group")).await;
-        let pair: Vec<Group> = c
-            .honest
-            .iter()
-            .map(|g| g.new_group(&[0, 1]).unwrap().unwrap())
-            .collect();
-        // Both honest ranks made the subgroup (id 1); it works.
-        let (a, b) = tokio::join!(pair[0].barrier(), pair[1].barrier());
-        a.unwrap();
-        b.unwrap();
+        let _pair = honest_subgroup(&c).await;
         // Rank 2 sends 1 MiB as collective #1 of the subgroup it is not in.
         c.hostile[0]
             .send(data_frame(1 << 48 | 1, Bytes::from(vec![7u8; 1 << 20])))
@@ -332,14 +338,7 @@ async fn a_disagreement_notice_it_could_not_have_seen_is_the_senders_violation(n
 async fn a_disagreement_notice_about_a_group_its_sender_is_not_in_is_refused(net: Net) {
     bounded(async {
         let c = cluster(net, "notice-subgroup", options("notice-subgroup")).await;
-        let pair: Vec<Group> = c
-            .honest
-            .iter()
-            .map(|g| g.new_group(&[0, 1]).unwrap().unwrap())
-            .collect();
-        let (a, b) = tokio::join!(pair[0].barrier(), pair[1].barrier());
-        a.unwrap();
-        b.unwrap();
+        let pair = honest_subgroup(&c).await;
         // Rank 2 shares the world group with rank 1, but not subgroup 1: it cannot have seen
         // rank 1's messages there. Before the notice named its group (wire version 3) this
         // was believed and broke rank 0's groups, blaming rank 1.
@@ -450,37 +449,8 @@ async fn a_hello_after_setup_drops_its_sender_not_the_rank_it_names(net: Net) {
     .await;
 }
 
-/// Every attack over every transport: `mod tcp`, `mod shm`, `mod quic`, a test each.
-macro_rules! table {
-    ($($name:ident),* $(,)?) => {
-        mod tcp {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Net::Tcp).await;
-                }
-            )*
-        }
-        mod shm {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Net::Shm).await;
-                }
-            )*
-        }
-        mod quic {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Net::Quic).await;
-                }
-            )*
-        }
-    };
-}
-
-table! {
+// Every attack over every transport: `mod tcp`, `mod shm`, `mod quic`, a test each.
+tensorwire_testkit::over_every_net! {
     an_abort_naming_another_rank_is_the_senders_violation,
     an_abort_in_the_senders_own_name_breaks_the_group_naming_it,
     collective_frames_for_a_group_the_sender_is_not_in_are_refused,

@@ -15,11 +15,9 @@ use tensorwire_core::protocol::gather::{Contribution, GatherError, GatherOutcome
 use tensorwire_core::protocol::membership::dynamic::DynMessage;
 use tensorwire_core::protocol::{LostCause, ProtocolViolation};
 use tensorwire_core::wire::Frame;
-use tensorwire_rpc::{
-    start_agent, Agent, Functions, GatherDebugInfo, PeerEvent, Rendezvous, Shutdown,
-};
+use tensorwire_rpc::{start_agent, Agent, Functions, GatherDebugInfo, Rendezvous, Shutdown};
 use tensorwire_store::InMemoryStore;
-use tensorwire_testkit::hostile::{HostilePeer, HostileTransport};
+use tensorwire_testkit::hostile::{dropped, HostilePeer, HostileTransport};
 use tensorwire_testkit::nets::{transports, Net};
 use tensorwire_testkit::{base_options, wait_until};
 
@@ -89,19 +87,7 @@ async fn attack(net: Net, frames: Vec<Frame>) {
             break;
         }
     }
-    let cause = loop {
-        match events.recv().await {
-            Some(PeerEvent::Lost { worker, cause }) => {
-                assert_eq!(
-                    worker, HOSTILE,
-                    "only the hostile member is dropped ({cause})"
-                );
-                break cause;
-            }
-            Some(_) => {}
-            None => panic!("the victim's peer events ended"),
-        }
-    };
+    let cause = dropped(&mut events, HOSTILE).await;
     match &cause {
         LostCause::Misbehaved(v) if matches!(**v, ProtocolViolation::Membership { .. }) => {}
         other => panic!("the hostile member was lost for {other}, not a membership violation"),
@@ -283,19 +269,7 @@ async fn a_gather_contribution_no_honest_member_sends_drops_the_sender(net: Net)
         let mut events = agents[0].peer_events();
         // A value for a gather among w0 and w2, from w1: it does not count itself a member.
         let _ = contribute(&agents[HOSTILE as usize], "x", vec![0, VICTIM]).await;
-        let cause = loop {
-            match events.recv().await {
-                Some(PeerEvent::Lost { worker, cause }) => {
-                    assert_eq!(
-                        worker, HOSTILE,
-                        "only the hostile member is dropped ({cause})"
-                    );
-                    break cause;
-                }
-                Some(_) => {}
-                None => panic!("w0's peer events ended"),
-            }
-        };
+        let cause = dropped(&mut events, HOSTILE).await;
         match &cause {
             LostCause::Misbehaved(v)
                 if matches!(
@@ -319,37 +293,8 @@ async fn a_gather_contribution_no_honest_member_sends_drops_the_sender(net: Net)
     .await;
 }
 
-/// Every attack over every transport: `mod tcp`, `mod shm`, `mod quic`, a test each.
-macro_rules! table {
-    ($($name:ident),* $(,)?) => {
-        mod tcp {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Net::Tcp).await;
-                }
-            )*
-        }
-        mod shm {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Net::Shm).await;
-                }
-            )*
-        }
-        mod quic {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Net::Quic).await;
-                }
-            )*
-        }
-    };
-}
-
-table! {
+// Every attack over every transport: `mod tcp`, `mod shm`, `mod quic`, a test each.
+tensorwire_testkit::over_every_net! {
     an_admission_sent_to_a_worker_that_is_not_joining_drops_the_sender,
     a_welcome_out_of_turn_drops_the_sender,
     a_flood_of_departures_announced_by_a_non_coordinator_drops_the_sender,

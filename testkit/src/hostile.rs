@@ -58,8 +58,9 @@ use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
 use tensorwire_core::protocol::mesh::Hello;
 use tensorwire_core::protocol::{Header, MethodTarget};
+use tensorwire_core::protocol::{LostCause, WorkerId};
 use tensorwire_core::wire::{Frame, FrameKind};
-use tensorwire_rpc::{start_agent, Agent, Rendezvous, RpcOptions};
+use tensorwire_rpc::{start_agent, Agent, PeerEvent, PeerEvents, Rendezvous, RpcOptions};
 use tensorwire_store::InMemoryStore;
 use tokio::sync::Notify;
 
@@ -428,4 +429,26 @@ pub async fn hostile_group(
         error: tensorwire_rpc::RpcError::Init("a hostile group needs at least one rank".into()),
     })?;
     Ok(HostileGroup { agents, hostile })
+}
+
+/// Waits on a victim's `events` until a peer is lost, checks that it is `hostile` (no other
+/// worker may be dropped), and returns why. Bound the wait with the test's own deadline.
+///
+/// # Panics
+///
+/// If another worker is lost first, or the events end.
+pub async fn dropped(events: &mut PeerEvents, hostile: WorkerId) -> LostCause {
+    loop {
+        match events.recv().await {
+            Some(PeerEvent::Lost { worker, cause }) => {
+                assert_eq!(
+                    worker, hostile,
+                    "only the hostile peer is dropped ({cause})"
+                );
+                return cause;
+            }
+            Some(_) => {}
+            None => panic!("the victim's peer events ended"),
+        }
+    }
 }

@@ -1,5 +1,6 @@
-//! The real transports a hostile-peer table runs over: one [`Net`] per transport, and
-//! [`transports`] to make every rank's transport of one run.
+//! The real transports a hostile-peer table runs over: one [`Net`] per transport,
+//! [`transports`] to make every rank's transport of one run, and [`over_every_net!`](crate::over_every_net)
+//! to make a test of each `async fn name(net: Net)` over each.
 
 use std::sync::Arc;
 
@@ -55,4 +56,37 @@ pub fn transports(net: Net) -> impl Fn(usize) -> Arc<dyn Transport> {
             }
         }
     }
+}
+
+/// Makes, for each `async fn name(net: Net)` named, a test `tcp::name`, `shm::name` and
+/// `quic::name` that runs it over that transport (on a two-thread tokio runtime). The
+/// functions are the caller's, named in the module where the macro is used.
+#[macro_export]
+macro_rules! over_every_net {
+    ($($name:ident),* $(,)?) => {
+        mod tcp {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::nets::Net::Tcp).await;
+                }
+            )*
+        }
+        mod shm {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::nets::Net::Shm).await;
+                }
+            )*
+        }
+        mod quic {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::nets::Net::Quic).await;
+                }
+            )*
+        }
+    };
 }
