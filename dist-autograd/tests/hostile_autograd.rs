@@ -220,6 +220,7 @@ struct ForwardRequest {
     context: ContextId,
     message: Option<AutogradMessageId>,
     tensors: Vec<Tensor>,
+    requires_grad: Vec<bool>,
     args: (),
 }
 
@@ -376,6 +377,7 @@ async fn run(net: Net, attack: Attack) {
                 context,
                 message: Some(AutogradMessageId::new(HOSTILE, 0)),
                 tensors: Vec::new(),
+                requires_grad: Vec::new(),
                 args: (),
             };
             violating(
@@ -397,6 +399,7 @@ async fn run(net: Net, attack: Attack) {
                 context,
                 message: Some(message),
                 tensors: Vec::new(),
+                requires_grad: Vec::new(),
                 args: (),
             };
             violating(
