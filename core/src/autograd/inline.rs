@@ -5,9 +5,11 @@
 //! loaded host: more than a small backward, whose gradient request then waits for the hand-off
 //! on every hop. A long backward must not hold the thread that answers RPCs, though. The
 //! decision follows the engine's recent run times (measured by the driver and passed in):
-//! inline only once [`RECENT`] runs are known and each took at most the bound; every
-//! [`PROBE_EVERY`]th run goes to a blocking thread anyway, so a model that grows is noticed
-//! by its next runs without stalling the thread for long.
+//! inline only once [`RECENT`] runs are known, their median took at most the bound and none
+//! took more than [`STALL_FACTOR`] times it. A rare slow run (the process preempted, an
+//! allocator trim) does not send the next ones away; one that would stall the thread does.
+//! Every [`PROBE_EVERY`]th run goes to a blocking thread anyway, so a model that grows is
+//! noticed by its next runs without stalling the thread for long.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -17,6 +19,10 @@ pub const DEFAULT_INLINE_BOUND: Duration = Duration::from_micros(50);
 
 /// How many of the latest runs the decision looks at.
 pub const RECENT: usize = 8;
+
+/// A run longer than this many times the bound sends the next [`RECENT`] runs to a blocking
+/// thread, whatever the median.
+pub const STALL_FACTOR: u32 = 20;
 
 /// While running inline, every `PROBE_EVERY`th run is handed to a blocking thread all the same
 /// (its time counts like any other).
@@ -78,7 +84,14 @@ impl InlineRuns {
     /// Where the next run goes.
     pub fn next_run(&mut self) -> RunOn {
         self.decided += 1;
-        let short = self.recent.len() == RECENT && self.recent.iter().all(|t| *t <= self.bound);
+        let short = self.recent.len() == RECENT && {
+            let mut sorted = [Duration::ZERO; RECENT];
+            for (s, t) in sorted.iter_mut().zip(&self.recent) {
+                *s = *t;
+            }
+            sorted.sort_unstable();
+            sorted[RECENT / 2] <= self.bound && sorted[RECENT - 1] <= self.bound * STALL_FACTOR
+        };
         if short && !self.bound.is_zero() && self.decided % PROBE_EVERY != 0 {
             self.inline += 1;
             RunOn::Inline
@@ -132,6 +145,24 @@ mod tests {
             warmed(DEFAULT_INLINE_BOUND + US).next_run(),
             RunOn::Blocking
         );
+    }
+
+    #[test]
+    fn a_rare_slow_run_keeps_runs_inline_but_mostly_slow_ones_do_not() {
+        let mut r = warmed(5 * US);
+        // Preempted once: 10 times the bound, under the stall limit.
+        r.record(10 * DEFAULT_INLINE_BOUND);
+        assert_eq!(r.next_run(), RunOn::Inline);
+        // Half of the recent runs over the bound (the median is): a blocking thread.
+        let mut r = warmed(5 * US);
+        for _ in 0..RECENT / 2 {
+            r.record(2 * DEFAULT_INLINE_BOUND);
+        }
+        assert_eq!(r.next_run(), RunOn::Blocking);
+        // One run past the stall limit is enough.
+        let mut r = warmed(5 * US);
+        r.record(DEFAULT_INLINE_BOUND * STALL_FACTOR + US);
+        assert_eq!(r.next_run(), RunOn::Blocking);
     }
 
     #[test]
