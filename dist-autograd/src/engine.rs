@@ -4,6 +4,7 @@
 
 // The state, messages and helpers of the parent module.
 use super::*;
+use std::time::Instant;
 use tensorwire_core::autograd::ProtocolViolation;
 use tensorwire_core::protocol::ProtocolViolation as CoreViolation;
 
@@ -70,6 +71,10 @@ impl<E: AutogradEngine> Inner<E> {
             .iter()
             .map(|t| self.engine.export(t))
             .collect::<Result<Vec<_>, _>>()?;
+        let requires_grad = tensors
+            .iter()
+            .map(|t| self.engine.requires_grad(t))
+            .collect();
         let message = if tensors.is_empty() && !force {
             None
         } else {
@@ -86,6 +91,7 @@ impl<E: AutogradEngine> Inner<E> {
             context,
             message,
             tensors: wire,
+            requires_grad,
             args,
         })
     }
@@ -97,11 +103,19 @@ impl<E: AutogradEngine> Inner<E> {
         context_id: ContextId,
         message: Option<AutogradMessageId>,
         tensors: &[Tensor],
+        requires_grad: &[bool],
     ) -> Result<(AutogradContext<E>, Vec<E::Tensor>), String> {
         let tracked = match message {
             Some(m) => {
-                self.track(caller, context_id, m, tensors, Direction::Request)
-                    .await?
+                self.track(
+                    caller,
+                    context_id,
+                    m,
+                    tensors,
+                    requires_grad,
+                    Direction::Request,
+                )
+                .await?
             }
             None => {
                 if !tensors.is_empty() {
@@ -119,7 +133,8 @@ impl<E: AutogradEngine> Inner<E> {
         Ok((context, tracked))
     }
 
-    /// Records a recv from `from` and returns its tensors as tracked leaves. `moved_by` says
+    /// Records a recv from `from` and returns its tensors, those that required grad on the
+    /// sender (`requires_grad`, one per tensor) as tracked leaves. `moved_by` says
     /// which map placed them (a request's: the sender's map; a response's: the sender's
     /// reverse map): their gradients go back by the other. The devices they landed on are
     /// kept: the engine gets host copies, and each gradient is put back on its tensor's
@@ -130,13 +145,21 @@ impl<E: AutogradEngine> Inner<E> {
         context: ContextId,
         message: AutogradMessageId,
         tensors: &[Tensor],
+        requires_grad: &[bool],
         moved_by: Direction,
     ) -> Result<Vec<E::Tensor>, String> {
+        if requires_grad.len() != tensors.len() {
+            return Err(format!(
+                "{message} carries {} tensors but {} requires-grad flags",
+                tensors.len(),
+                requires_grad.len()
+            ));
+        }
         let devices: Vec<Device> = tensors.iter().map(Tensor::device).collect();
         let mut tracked = Vec::with_capacity(tensors.len());
-        for t in tensors {
+        for (t, &grad) in tensors.iter().zip(requires_grad) {
             let host = self.to_host(t).await?;
-            tracked.push(self.engine.import(&host, true).map_err(|e| e.to_string())?);
+            tracked.push(self.engine.import(&host, grad).map_err(|e| e.to_string())?);
         }
         let mut sh = self.lock();
         match sh.state.handle_recv(from, context, message) {
@@ -150,8 +173,10 @@ impl<E: AutogradEngine> Inner<E> {
         }
         let data = sh.data.entry(context).or_insert_with(ContextData::new);
         for (i, t) in tracked.iter().enumerate() {
-            data.recv_leaves
-                .insert(self.engine.leaf_id(t), (message, i));
+            if requires_grad[i] {
+                data.recv_leaves
+                    .insert(self.engine.leaf_id(t), (message, i));
+            }
         }
         data.recvs.insert(message, tracked.clone());
         data.recv_devices.insert(
@@ -181,6 +206,7 @@ impl<E: AutogradEngine> Inner<E> {
         Ok(ForwardResponse {
             message: req.message,
             tensors: req.tensors,
+            requires_grad: req.requires_grad,
             result,
         })
     }
@@ -343,8 +369,23 @@ impl<E: AutogradEngine> Inner<E> {
                         roots,
                         context,
                     } => {
-                        let inner = self.clone();
-                        tokio::spawn(async move { inner.run(task, context, roots).await });
+                        let on = self
+                            .runs
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .next_run();
+                        match on {
+                            // Short runs: cheaper here than a hand-off to a blocking thread and
+                            // back; what the run produced is drained by this loop's next turn.
+                            RunOn::Inline => {
+                                let computed = self.compute(&roots);
+                                self.finish_run(task, context, computed);
+                            }
+                            RunOn::Blocking => {
+                                let inner = self.clone();
+                                tokio::spawn(async move { inner.run(task, context, roots).await });
+                            }
+                        }
                     }
                     Action::Gradient {
                         gradient,
@@ -589,65 +630,93 @@ impl<E: AutogradEngine> Inner<E> {
         actions
     }
 
-    /// Runs the engine for a task and reports to the state machine.
+    /// Runs the engine on `roots` here and now, timing it for [`InlineRuns`]; a panic of the
+    /// engine is an error of the run.
+    pub(super) fn compute(&self, roots: &Roots<E>) -> Result<LeafGradients<E>, String> {
+        let started = Instant::now();
+        let computed =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.engine.backward(roots)));
+        self.runs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .record(started.elapsed());
+        match computed {
+            Ok(Ok(grads)) => Ok(grads),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic without a message".into());
+                Err(format!("the engine panicked: {what}"))
+            }
+        }
+    }
+
+    /// Runs the engine for a task on a blocking thread and reports to the state machine.
     pub(super) async fn run(self: Arc<Self>, task: TaskId, context: ContextId, roots: Roots<E>) {
         let inner = self.clone();
-        let computed = tokio::task::spawn_blocking(move || inner.engine.backward(&roots)).await;
+        let computed = tokio::task::spawn_blocking(move || inner.compute(&roots))
+            .await
+            .unwrap_or_else(|e| Err(format!("the engine's thread failed: {e}")));
+        self.finish_run(task, context, computed);
+        self.pump();
+    }
+
+    /// Reports a task's run to the state machine: its gradients placed (those of recv leaves
+    /// for the messages they go back by, the others accumulated), or its failure. The
+    /// outputs are left for the caller to pump.
+    pub(super) fn finish_run(
+        &self,
+        task: TaskId,
+        context: ContextId,
+        computed: Result<LeafGradients<E>, String>,
+    ) {
         let grads = match computed {
-            Ok(Ok(g)) => g,
-            Ok(Err(e)) => {
-                self.lock().state.local_failed(task, e.to_string());
-                self.pump();
-                return;
-            }
+            Ok(g) => g,
             Err(e) => {
-                self.lock()
-                    .state
-                    .local_failed(task, format!("the engine panicked: {e}"));
-                self.pump();
+                self.lock().state.local_failed(task, e);
                 return;
             }
         };
-        {
-            let mut sh = self.lock();
-            let Some(d) = sh.data.get_mut(&context) else {
-                return;
-            };
-            let mut reached: Vec<AutogradMessageId> = Vec::new();
-            let mut failed = None;
-            for (leaf, g) in grads {
-                if let Some(&(m, i)) = d.recv_leaves.get(&leaf) {
-                    let n = d.recvs.get(&m).map_or(0, Vec::len);
-                    let slot = d.produced.entry((task, m)).or_insert_with(|| vec![None; n]);
-                    if let Some(s) = slot.get_mut(i) {
-                        *s = Some(g);
-                    }
-                    if !reached.contains(&m) {
-                        reached.push(m);
-                    }
-                } else {
-                    let sum = match d.grads.get(&leaf) {
-                        Some(prev) => match self.engine.accumulate(prev, &g) {
-                            Ok(s) => s,
-                            Err(e) => {
-                                failed = Some(e.to_string());
-                                break;
-                            }
-                        },
-                        None => g,
-                    };
-                    d.grads.insert(leaf, sum);
+        let mut sh = self.lock();
+        let Some(d) = sh.data.get_mut(&context) else {
+            return;
+        };
+        let mut reached: Vec<AutogradMessageId> = Vec::new();
+        let mut failed = None;
+        for (leaf, g) in grads {
+            if let Some(&(m, i)) = d.recv_leaves.get(&leaf) {
+                let n = d.recvs.get(&m).map_or(0, Vec::len);
+                let slot = d.produced.entry((task, m)).or_insert_with(|| vec![None; n]);
+                if let Some(s) = slot.get_mut(i) {
+                    *s = Some(g);
                 }
-            }
-            match failed {
-                Some(e) => {
-                    d.produced.retain(|(t, _), _| *t != task);
-                    sh.state.local_failed(task, e)
+                if !reached.contains(&m) {
+                    reached.push(m);
                 }
-                None => sh.state.local_done(task, &reached),
+            } else {
+                let sum = match d.grads.get(&leaf) {
+                    Some(prev) => match self.engine.accumulate(prev, &g) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            failed = Some(e.to_string());
+                            break;
+                        }
+                    },
+                    None => g,
+                };
+                d.grads.insert(leaf, sum);
             }
         }
-        self.pump();
+        match failed {
+            Some(e) => {
+                d.produced.retain(|(t, _), _| *t != task);
+                sh.state.local_failed(task, e)
+            }
+            None => sh.state.local_done(task, &reached),
+        }
     }
 }
 

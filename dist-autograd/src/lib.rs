@@ -87,13 +87,14 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use tensorwire_core::autograd::inline::{InlineRuns, RunOn};
 use tensorwire_core::autograd::{
     AutogradError, AutogradMessageId, BackwardError, ContextId, DistAutograd as State, Entry,
     GradientId, Output, RecvError, RequestToken, Root, TaskId,
 };
 use tensorwire_core::device::Device;
 use tensorwire_core::placement::Direction;
-use tensorwire_core::ports::autograd::{AutogradEngine, EngineError};
+use tensorwire_core::ports::autograd::{AutogradEngine, EngineError, LeafGradients};
 use tensorwire_core::ports::device::relocate;
 use tensorwire_core::protocol::{CallError, WorkerId};
 use tensorwire_core::tensor::Tensor;
@@ -164,6 +165,10 @@ struct ForwardRequest<A> {
     context: ContextId,
     message: Option<AutogradMessageId>,
     tensors: Vec<Tensor>,
+    /// One per tensor: whether it required grad on the sender. Only those get a recv
+    /// function (PyTorch's `addRecvRpcBackward`): a gradient for the others would have
+    /// nowhere to go on the sender, so none is sent back for them.
+    requires_grad: Vec<bool>,
     args: A,
 }
 
@@ -172,6 +177,8 @@ struct ForwardRequest<A> {
 struct ForwardResponse<R> {
     message: Option<AutogradMessageId>,
     tensors: Vec<Tensor>,
+    /// As [`ForwardRequest::requires_grad`].
+    requires_grad: Vec<bool>,
     result: R,
 }
 
@@ -256,6 +263,8 @@ struct Inner<E: AutogradEngine> {
     timeout: Mutex<Option<Duration>>,
     /// Serializes the distributed optimizer's steps on this owner.
     optimizer: tokio::sync::Mutex<()>,
+    /// Where backward tasks run (inline while the engine's runs are short).
+    runs: Mutex<InlineRuns>,
 }
 
 /// Distributed autograd on one agent: contexts, the functions that take part in them, and the
@@ -406,6 +415,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
             violations: AtomicU64::new(0),
             timeout: Mutex::new(None),
             optimizer: tokio::sync::Mutex::new(()),
+            runs: Mutex::new(InlineRuns::default()),
         });
         let functions = agent.functions();
         let weak = Arc::downgrade(&inner);
@@ -482,7 +492,13 @@ impl<E: AutogradEngine> DistAutograd<E> {
                     let inner = upgrade(&weak)?;
                     let caller = cx.caller().id;
                     inner
-                        .receive(caller, req.context, req.message, &req.tensors)
+                        .receive(
+                            caller,
+                            req.context,
+                            req.message,
+                            &req.tensors,
+                            &req.requires_grad,
+                        )
                         .await?;
                     inner.respond(req.context, caller, value.tracked_tensors(), ())
                 }
@@ -538,6 +554,30 @@ impl<E: AutogradEngine> DistAutograd<E> {
         self.inner.violations.load(Ordering::Relaxed)
     }
 
+    /// Backward tasks (the root's backward, or a send function run for a gradient that
+    /// arrived) may run inline, on the thread that serves this worker's RPCs, while the
+    /// engine's recent runs each took at most `bound` (default 50 µs,
+    /// [`DEFAULT_INLINE_BOUND`](tensorwire_core::autograd::inline::DEFAULT_INLINE_BOUND)):
+    /// a hand-off to a blocking thread and back costs more than such a run. Longer ones run on
+    /// a blocking thread; `Duration::ZERO` sends every run there. The run history is kept.
+    pub fn set_inline_bound(&self, bound: Duration) {
+        self.inner
+            .runs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .set_bound(bound);
+    }
+
+    /// How many backward tasks ran inline and how many on a blocking thread, in that order
+    /// (see [`set_inline_bound`](Self::set_inline_bound)).
+    pub fn engine_runs(&self) -> (u64, u64) {
+        self.inner
+            .runs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .counts()
+    }
+
     /// The local engine.
     pub fn engine(&self) -> &E {
         &self.inner.engine
@@ -569,7 +609,13 @@ impl<E: AutogradEngine> DistAutograd<E> {
                     let inner = upgrade(&weak)?;
                     let caller = cx.caller().id;
                     let (context, tracked) = inner
-                        .receive(caller, req.context, req.message, &req.tensors)
+                        .receive(
+                            caller,
+                            req.context,
+                            req.message,
+                            &req.tensors,
+                            &req.requires_grad,
+                        )
                         .await?;
                     let call = AutogradCall { call: cx, context };
                     let (result, out) = f(call, req.args, tracked).await?;
@@ -600,7 +646,13 @@ impl<E: AutogradEngine> DistAutograd<E> {
                     let inner = upgrade(&weak)?;
                     let caller = cx.caller().id;
                     let (context, tracked) = inner
-                        .receive(caller, req.context, req.message, &req.tensors)
+                        .receive(
+                            caller,
+                            req.context,
+                            req.message,
+                            &req.tensors,
+                            &req.requires_grad,
+                        )
                         .await?;
                     let call = AutogradCall { call: cx, context };
                     let (result, out) = f(call, value, req.args, tracked).await?;
@@ -630,7 +682,13 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 async move {
                     let inner = upgrade(&weak)?;
                     let (context, tracked) = inner
-                        .receive(cx.caller().id, req.context, req.message, &req.tensors)
+                        .receive(
+                            cx.caller().id,
+                            req.context,
+                            req.message,
+                            &req.tensors,
+                            &req.requires_grad,
+                        )
                         .await?;
                     f(AutogradCall { call: cx, context }, req.args, tracked).await
                 }
@@ -815,7 +873,14 @@ impl<E: AutogradEngine> AutogradContext<E> {
             let resp = fut.instrument(span).await?;
             let tracked = match resp.message {
                 Some(m) => inner
-                    .track(callee, id, m, &resp.tensors, Direction::Response)
+                    .track(
+                        callee,
+                        id,
+                        m,
+                        &resp.tensors,
+                        &resp.requires_grad,
+                        Direction::Response,
+                    )
                     .await
                     .map_err(|message| DistAutogradError::Violation {
                         from: inner.agent.name_of(callee),

@@ -1245,3 +1245,88 @@ async fn contexts_a_peer_makes_a_worker_hold_are_bounded_and_freed_by_release() 
     }
     shutdown(workers).await;
 }
+
+/// Only tensors that required grad on the sender get a recv function (PyTorch's
+/// `addRecvRpcBackward`): no gradient is sent back for a plain input, whose sender has nowhere
+/// to put it (it cost a whole round trip on the critical path), while a parameter sent as an
+/// argument still gets its gradient, as in one process.
+#[tokio::test(start_paused = true)]
+async fn only_tensors_that_required_grad_on_the_sender_get_a_gradient_back() {
+    let workers = cluster(2).await;
+    let w0 = &workers[0];
+    let p: Vec<CTensor> = (0..2).map(param).collect();
+    for (x, sent_back) in [(input(), 0), (w0.param.clone(), 1)] {
+        let ctx = w0.dist.context().unwrap();
+        let ((), out) = ctx
+            .rpc_sync::<_, ()>(
+                "w1",
+                "hop",
+                &Vec::<String>::new(),
+                std::slice::from_ref(&x),
+                None,
+            )
+            .await
+            .unwrap();
+        let served = || w0.agent.metrics().per_peer["w1"].calls_received;
+        let before = served();
+        ctx.backward(&[(loss(&out[0]), None)], false).await.unwrap();
+        assert_eq!(
+            served() - before,
+            sent_back,
+            "gradient requests from w1 to w0 (input requires grad: {})",
+            x.is_variable()
+        );
+        let local_x = if x.is_variable() { p[0].clone() } else { x };
+        let g = loss(&(hop(&local_x, &p[1]) * 2.0).unwrap())
+            .backward()
+            .unwrap();
+        assert_close(
+            &grad_on(&workers, 1, ctx.id()),
+            &values(g.get(&p[1]).unwrap()),
+            "w1's parameter",
+        );
+        if sent_back == 1 {
+            assert_close(
+                &grad_on(&workers, 0, ctx.id()),
+                &values(g.get(&p[0]).unwrap()),
+                "w0's parameter, sent as an argument",
+            );
+        }
+        ctx.release().await.unwrap();
+    }
+    shutdown(workers).await;
+}
+
+/// Backward tasks run inline on the RPC thread while the engine's runs are short, and on a
+/// blocking thread otherwise: both give one process's gradients, for chains that come back
+/// too, pass after pass.
+#[tokio::test(start_paused = true)]
+async fn backward_tasks_inline_or_on_a_blocking_thread_match_one_process() {
+    for (bound, inline) in [(Duration::from_secs(1), true), (Duration::ZERO, false)] {
+        let workers = cluster(3).await;
+        for w in &workers {
+            w.dist.set_inline_bound(bound);
+        }
+        for _ in 0..4 {
+            route_case(&workers, &[1, 2]).await;
+            route_case(&workers, &[1, 2, 0]).await;
+        }
+        let (ran_inline, ran_blocking): (u64, u64) = workers
+            .iter()
+            .map(|w| w.dist.engine_runs())
+            .fold((0, 0), |(a, b), (i, k)| (a + i, b + k));
+        if inline {
+            // Each worker sends its first RECENT runs to a blocking thread (their times are
+            // not known yet), then goes inline.
+            assert_eq!(
+                (ran_inline > 0, ran_blocking),
+                (true, 3 * tensorwire_core::autograd::inline::RECENT as u64),
+                "bound {bound:?}: {ran_inline} inline, {ran_blocking} blocking"
+            );
+        } else {
+            assert_eq!(ran_inline, 0, "bound zero: never inline");
+            assert!(ran_blocking > 0);
+        }
+        shutdown(workers).await;
+    }
+}

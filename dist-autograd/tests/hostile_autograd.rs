@@ -216,6 +216,7 @@ struct ForwardRequest {
     context: ContextId,
     message: Option<AutogradMessageId>,
     tensors: Vec<Tensor>,
+    requires_grad: Vec<bool>,
     args: (),
 }
 
@@ -359,6 +360,7 @@ async fn run(net: Net, attack: Attack) {
                 context,
                 message: Some(AutogradMessageId::new(HOSTILE, 0)),
                 tensors: Vec::new(),
+                requires_grad: Vec::new(),
                 args: (),
             };
             violating(
@@ -380,6 +382,7 @@ async fn run(net: Net, attack: Attack) {
                 context,
                 message: Some(message),
                 tensors: Vec::new(),
+                requires_grad: Vec::new(),
                 args: (),
             };
             violating(

@@ -8,7 +8,8 @@
 //! This process is the trainer (rank 0, `w0`); ranks 1 to 3 (`w1`..`w3`) each hold one weight
 //! `w_r` and serve `hop`: `y = tanh(x * w_r + w_r)` on the tracked input, then, when the route
 //! names further workers, a nested call of `hop` on the next one with `y`. The loss is
-//! `sum((y - target)^2)` on the trainer. Shapes (the input does not require a gradient):
+//! `sum((y - target)^2)` on the trainer. Shapes (the input does not require a gradient, so, as
+//! in PyTorch, no gradient goes back to the trainer for it):
 //!
 //! - `chain`: `w1 -> w2 -> w3` nested. The gradient goes 0 -> 1 -> 2 -> 3, and back 3 -> 2 -> 1
 //!   for the inputs of the nested calls: 5 hops.

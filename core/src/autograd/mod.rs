@@ -63,6 +63,7 @@
 //! gradients, completion and release under seeded random schedules and worker deaths.
 
 mod errors;
+pub mod inline;
 pub mod optim;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;
