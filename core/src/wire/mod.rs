@@ -64,9 +64,10 @@ pub const MAGIC: [u8; 4] = *b"TWFR";
 /// each other. 2: a fetch and a method call name the caller's fork of the reference. 3: a
 /// reference's capability travels in its creation, in each fork passed on and in each fork
 /// request ([`crate::protocol::RRefSecret`]). 4: a process group's disagreement notice names
-/// its group ([`crate::protocol::mesh::GroupFrame::Disagreement`]), and a gather's answer can
+/// its group ([`crate::protocol::mesh::GroupFrame::Disagreement`]), a gather's answer can
 /// refuse a value beyond its sender's own share
-/// ([`crate::protocol::gather::GatherError::MemberTooManyRounds`]).
+/// ([`crate::protocol::gather::GatherError::MemberTooManyRounds`]), and a distributed autograd
+/// forward call and its answer say which tensors required grad on their sender.
 pub const VERSION: u8 = 4;
 
 /// Length of the fixed prefix in bytes.
