@@ -449,6 +449,86 @@ async fn a_hello_after_setup_drops_its_sender_not_the_rank_it_names(net: Net) {
     .await;
 }
 
+async fn a_rank_claimed_twice_during_setup_fails_the_setup_naming_the_claim(net: Net) {
+    bounded(async {
+        // A worker holding the secret dials rank 2 first, claiming to be rank 1; the real
+        // rank 1 dials it next. Before, rank 2 took the impostor for rank 1 and refused the
+        // real one in silence: every setup succeeded, and rank 2's messages for rank 1 went
+        // to the impostor.
+        let name = "claimed-twice";
+        let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+        let transports = transports(net);
+        // Rank 0 cannot reach rank 2 once it failed: it fails by this timeout.
+        let options = GroupOptions::new(name).with_timeout(Duration::from_secs(3));
+        let start = |rank: usize| {
+            let (store, transport, options) = (store.clone(), transports(rank), options.clone());
+            tokio::spawn(
+                async move { Group::connect(store, transport, rank, WORLD, options).await },
+            )
+        };
+        let listening = start(2);
+        let key = tensorwire_mesh::address_key(name, 2);
+        store.wait(&[&key], TEST_BOUND).await.unwrap();
+        let addr = String::from_utf8(store.get(&key).await.unwrap())
+            .unwrap()
+            .parse()
+            .unwrap();
+        let hello = Hello {
+            group: name.into(),
+            rank: 1,
+            world: Some(WORLD as u32),
+            introduction: Vec::new(),
+        };
+        let impostor = tensorwire_mesh::link::dial(
+            &*transports(1),
+            addr,
+            &hello,
+            tensorwire_mesh::link::deadline_after(TEST_BOUND),
+        )
+        .await
+        .unwrap();
+        let real = start(1);
+        // Rank 2 fails, naming the claim (rank 0 has not even started: it is not needed).
+        match listening.await.unwrap() {
+            Err(ProcessGroupError::ClaimedTwice {
+                rank: 2,
+                claimed: 1,
+                ..
+            }) => {}
+            Err(other) => panic!("rank 2 failed with {other}"),
+            Ok(_) => panic!("rank 2 set up with two ranks 1"),
+        }
+        // Both claimants are told why, in rank 2's name, and their links end.
+        let told = impostor.recv().await.unwrap();
+        match GroupFrame::from_frame(&told).unwrap() {
+            GroupFrame::Abort { rank: 2, reason } => {
+                assert!(
+                    reason.contains("two connections claimed rank 1"),
+                    "{reason}"
+                )
+            }
+            other => panic!("the impostor got {other:?}"),
+        }
+        assert!(impostor.recv().await.is_err());
+        let zero = start(0);
+        let zero = zero.await.unwrap();
+        // The real rank 1 learns it too: its setup fails, or its first collective does,
+        // naming rank 2's abort and the claim.
+        let outcome = match real.await.unwrap() {
+            Ok(group) => group.barrier().await.map(drop),
+            Err(e) => Err(e),
+        };
+        let err = outcome.expect_err("the real rank 1 went on as if nothing happened");
+        assert!(
+            err.to_string().contains("two connections claimed rank 1")
+                || matches!(err, ProcessGroupError::PeerAborted { rank: 2, .. }),
+            "{err}"
+        );
+        assert!(zero.is_err(), "rank 0 set up without rank 2");
+    })
+    .await;
+}
+
 // Every attack over every transport: `mod tcp`, `mod shm`, `mod quic`, a test each.
 tensorwire_testkit::over_every_net! {
     an_abort_naming_another_rank_is_the_senders_violation,
@@ -461,4 +541,5 @@ tensorwire_testkit::over_every_net! {
     a_disagreement_notice_about_a_group_its_sender_is_not_in_is_refused,
     a_group_frame_that_does_not_decode_is_the_senders_violation,
     a_hello_after_setup_drops_its_sender_not_the_rank_it_names,
+    a_rank_claimed_twice_during_setup_fails_the_setup_naming_the_claim,
 }

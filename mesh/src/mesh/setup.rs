@@ -10,12 +10,13 @@ use tensorwire_core::ports::process_group::ProcessGroupError;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::protocol::membership::{JoinError, StaticJoin};
+use tensorwire_core::protocol::mesh::GroupFrame;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::peer_inbox::Inbox;
 use super::reader::read_loop;
-use super::{address_key, Mesh, PeerLink, Shared};
+use super::{address_key, Mesh, PeerLink, Shared, ABORT_SEND_TIMEOUT};
 use crate::link;
 
 /// What setting up a mesh needs.
@@ -128,6 +129,30 @@ impl Mesh {
                     }
                 };
                 let from = hello.rank;
+                let claimed = accepted.iter().find(|(r, _)| *r == from as usize);
+                if let Some((_, first)) = claimed {
+                    // Two claims of one rank: one is an impostor holding the secret. Which
+                    // one, nobody here can tell: this rank fails its setup, and tells every
+                    // connection it holds (both claimants among them) why, in its own name.
+                    let error = ProcessGroupError::ClaimedTwice {
+                        rank,
+                        claimed: from as usize,
+                        first: first.peer_addr(),
+                        second: conn.peer_addr(),
+                    };
+                    warn!(group, rank, "{error}");
+                    let abort = GroupFrame::Abort {
+                        rank: me,
+                        reason: error.to_string(),
+                    }
+                    .frame(Vec::new());
+                    for link in accepted.iter().map(|(_, c)| c).chain([&conn]) {
+                        let _ = tokio::time::timeout(ABORT_SEND_TIMEOUT, link.send(abort.clone()))
+                            .await;
+                        let _ = link.close().await;
+                    }
+                    return Err(error);
+                }
                 let fits = hello.group == group && hello.world == Some(world32);
                 let checked = if fits {
                     lock_join().handle_connected(from, false)

@@ -163,6 +163,21 @@ pub enum ProcessGroupError {
         /// The setup's timeout.
         timeout: Duration,
     },
+    /// Two connections claimed the same rank while this rank set its group up: one of them
+    /// is not that rank (a worker holding the cluster secret but impersonating another; the
+    /// secret names no rank, so this rank cannot tell which). The setup fails on this rank,
+    /// which aborts its links saying so, rather than run with either.
+    #[error("process group setup on rank {rank}: two connections claimed rank {claimed} (from {first} and from {second}); one of them is not rank {claimed}")]
+    ClaimedTwice {
+        /// This rank.
+        rank: usize,
+        /// The rank both claimed.
+        claimed: usize,
+        /// Where the first came from.
+        first: std::net::SocketAddr,
+        /// Where the second came from.
+        second: std::net::SocketAddr,
+    },
     /// Setting up the group failed (rendezvous, store, connections).
     #[error("process group setup on rank {rank}: {reason}")]
     Setup {
