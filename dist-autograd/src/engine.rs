@@ -149,11 +149,14 @@ impl<E: AutogradEngine> Inner<E> {
         moved_by: Direction,
     ) -> Result<Vec<E::Tensor>, String> {
         if requires_grad.len() != tensors.len() {
-            return Err(format!(
-                "{message} carries {} tensors but {} requires-grad flags",
-                tensors.len(),
-                requires_grad.len()
-            ));
+            let v = ProtocolViolation::MismatchedFlags {
+                from,
+                message,
+                tensors: tensors.len(),
+                flags: requires_grad.len(),
+            };
+            self.violation(from, &v);
+            return Err(v.to_string());
         }
         let devices: Vec<Device> = tensors.iter().map(Tensor::device).collect();
         let mut tracked = Vec::with_capacity(tensors.len());

@@ -223,6 +223,8 @@ struct ForwardRequest {
 /// The messages the hostile peer sends, one kind per run.
 #[derive(Debug, Clone, Copy)]
 enum Attack {
+    /// A forward call whose requires-grad flags do not match its tensors.
+    MismatchedFlags,
     /// A gradient for the message of a context it has no part in (the honest worker's,
     /// which the victim holds).
     GradientOutsideItsContext,
@@ -351,6 +353,30 @@ async fn run(net: Net, attack: Attack) {
                 *v == ProtocolViolation::Autograd(AutogradViolation::NotInContext {
                     from: HOSTILE,
                     context,
+                })
+            })
+        }
+        Attack::MismatchedFlags => {
+            let context = ContextId::new(HOSTILE, 0);
+            let message = AutogradMessageId::new(HOSTILE, 0);
+            let req = ForwardRequest {
+                context,
+                message: Some(message),
+                tensors: Vec::new(),
+                requires_grad: vec![true],
+                args: (),
+            };
+            violating(
+                hostile
+                    .send(to, &call("__tw_autograd/fn/hop"), body(&req))
+                    .await,
+            );
+            Box::new(move |v| {
+                *v == ProtocolViolation::Autograd(AutogradViolation::MismatchedFlags {
+                    from: HOSTILE,
+                    message,
+                    tensors: 0,
+                    flags: 1,
                 })
             })
         }
@@ -487,4 +513,5 @@ table! {
     a_release_of_another_workers_context_drops_it => ReleaseOfAnothersContext,
     a_context_forged_under_the_victims_id_drops_it => ContextForgedUnderTheVictimsId,
     an_autograd_message_id_of_another_worker_drops_it => MessageIdOfAnotherWorker,
+    requires_grad_flags_that_do_not_match_the_tensors_drop_it => MismatchedFlags,
 }

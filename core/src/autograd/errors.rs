@@ -227,6 +227,19 @@ pub enum ProtocolViolation {
         /// The context.
         context: ContextId,
     },
+    /// A forward call or its answer whose requires-grad flags do not match its tensors (one
+    /// flag per tensor; an honest sender always sends both).
+    #[error("worker {from} sent {message} with {tensors} tensors but {flags} requires-grad flags")]
+    MismatchedFlags {
+        /// The sender.
+        from: WorkerId,
+        /// The message id.
+        message: AutogradMessageId,
+        /// How many tensors it carried.
+        tensors: usize,
+        /// How many flags.
+        flags: usize,
+    },
     /// A message whose autograd id does not carry its sender's worker id, or repeats one.
     #[error("worker {from} sent {message} in {context}: not an id of its own, or a repeated one")]
     BadMessageId {
