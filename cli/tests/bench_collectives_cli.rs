@@ -36,6 +36,8 @@ fn bench_collectives_writes_every_key() {
         keys.push(format!("raw_tcp_bulk_{n}x{}MiB_us", n - 1));
         keys.push(format!("raw_tcp_barrier_w{n}_us"));
         keys.push(format!("raw_shm_barrier_w{n}_us"));
+        keys.push(format!("raw_tcp_barrier_threads_w{n}_us"));
+        keys.push(format!("raw_shm_barrier_threads_w{n}_us"));
         for op in ["reduce", "reduce_scatter", "all_to_all", "broadcast"] {
             keys.push(format!("{op}_w{n}_1MiB_us"));
             let r = v["ratios"][format!("{op}_w{n}_1MiB_over_raw_bulk_1MiB")]
@@ -70,4 +72,49 @@ fn bench_collectives_writes_every_key() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("at least 2"));
+}
+
+#[test]
+fn a_raw_barrier_rank_with_bad_arguments_says_which() {
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+            .args(["bench", "raw-barrier-rank"])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let common = ["--world", "2", "--iters", "1"];
+    for (args, says) in [
+        (
+            vec!["--medium", "tcp", "--rank", "0"],
+            "a raw barrier rank is 1 to world - 1",
+        ),
+        (
+            vec!["--medium", "tcp", "--rank", "1", "--sockets", "0"],
+            "is not peer:fd",
+        ),
+        (
+            vec!["--medium", "tcp", "--rank", "1", "--sockets", "0:987654"],
+            "987654 is not an open descriptor",
+        ),
+        (
+            vec!["--medium", "tcp", "--rank", "1"],
+            "names no socket to rank 0",
+        ),
+        (vec!["--medium", "shm", "--rank", "1"], "needs --fd"),
+        (
+            vec!["--medium", "shm", "--rank", "1", "--fd", "987654"],
+            "987654 is not an open descriptor",
+        ),
+    ] {
+        let mut all = args.clone();
+        all.extend(common);
+        let (code, err) = run(&all);
+        assert_eq!(code, Some(2), "{all:?}: {err}");
+        assert!(err.contains(says), "{all:?}: {err}");
+    }
 }

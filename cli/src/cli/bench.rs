@@ -60,6 +60,9 @@ enum Bench {
     /// The raw shared-memory echo process of `bench rpc` (started by it).
     #[command(hide = true)]
     RawShmEcho(super::bench_raw_shm::RawShmEchoArgs),
+    /// One rank of a raw barrier among processes (started by `bench collectives`).
+    #[command(hide = true)]
+    RawBarrierRank(super::bench_raw_barrier::RankArgs),
 }
 
 #[cfg(feature = "autograd-candle")]
@@ -139,6 +142,7 @@ pub(crate) fn run(args: Args) -> ExitCode {
         Bench::Store(a) => super::bench_store::run(&a),
         Bench::RawEcho(a) => raw_echo(&a),
         Bench::RawShmEcho(a) => super::bench_raw_shm::raw_shm_echo(&a),
+        Bench::RawBarrierRank(a) => super::bench_raw_barrier::rank(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -13,13 +13,15 @@
 //! process measures the raw baselines over plain TCP to an echo *process* (`bench raw-echo`, as
 //! `bench transport`; `"raw_baseline": "process"`), in blocks before each group and after the
 //! last: `raw_tcp_pingpong_p50_us` (64-byte round trips) and `raw_tcp_bulk_{N}x{N-1}MiB_us` (one
-//! transfer of the bytes all ranks of an all_gather of 1 MiB blocks receive together); and, among
-//! threads of this process, `raw_tcp_barrier_w{N}_us` (the same dissemination
-//! barrier among N threads over blocking sockets: what the scheduler allows when N processes
-//! share fewer cores); unless `--transport tcp`, also `raw_shm_barrier_w{N}_us`, the same
-//! barrier among N threads over atomic flags in memory (the same-host floor, polling while there
-//! are cores for every thread, yielding otherwise; `bench_raw_shm`), with the ratios
-//! `barrier_w{N}_over_raw_shm_barrier`. `rendezvous_barrier_w32_ms` is the wall time from starting
+//! transfer of the bytes all ranks of an all_gather of 1 MiB blocks receive together); and
+//! `raw_tcp_barrier_w{N}_us`, the same dissemination barrier among N *processes* over blocking
+//! loopback sockets (one byte per message, no framing, no runtime: the shape of the groups, and
+//! what the scheduler allows when N processes share fewer cores); unless `--transport tcp`,
+//! also `raw_shm_barrier_w{N}_us`, the same barrier among N processes over counters in shared
+//! memory (the same-host floor, polling while there are cores for every process, yielding
+//! otherwise), with the ratios `barrier_w{N}_over_raw_shm_barrier`. The same barriers among N
+//! threads of one process are given as `raw_{tcp,shm}_barrier_threads_w{N}_us` (thread switches
+//! cost less than process switches; see `bench_raw_barrier`). `rendezvous_barrier_w32_ms` is the wall time from starting
 //! rank 0 of 32 processes until all of them finished their first barrier.
 //!
 //! With `--torch-python PYTHON` (a Python with torch, such as the CI venv's), PyTorch's gloo
@@ -27,7 +29,6 @@
 //! `ratios` gains `*_over_gloo` (below 1: tensorwire is faster).
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -42,7 +43,7 @@ use tensorwire_process_group::new_group;
 use tensorwire_rendezvous::env_init::env_rendezvous;
 
 use super::bench::{Raw, MIB};
-use super::bench_raw_shm::raw_shm_barrier;
+use super::bench_raw_barrier::{self as raw_barrier, Medium};
 
 /// Raw ping-pong round trips in all (spread over the blocks).
 const RAW_PINGPONG: usize = 12_000;
@@ -189,13 +190,22 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
         bar.inc(1);
     }
 
-    bar.set_message("raw TCP barrier (threads)");
+    bar.set_message("raw barriers (processes, then threads)");
     for &world in &args.world {
-        let raw = raw_barrier(world, args.small_iters).context("raw TCP barrier")?;
-        out.insert(format!("raw_tcp_barrier_w{world}_us"), json!(raw));
+        let mut media = vec![("tcp", Medium::Tcp)];
         if args.transport != "tcp" {
-            let raw = raw_shm_barrier(world, args.small_iters).context("raw shm barrier")?;
-            out.insert(format!("raw_shm_barrier_w{world}_us"), json!(raw));
+            media.push(("shm", Medium::Shm));
+        }
+        for (name, medium) in media {
+            let raw = raw_barrier::processes(medium, world, args.small_iters)
+                .with_context(|| format!("raw {name} barrier of {world} processes"))?;
+            out.insert(format!("raw_{name}_barrier_w{world}_us"), json!(raw));
+            let raw = raw_barrier::threads(medium, world, args.small_iters)
+                .with_context(|| format!("raw {name} barrier of {world} threads"))?;
+            out.insert(
+                format!("raw_{name}_barrier_threads_w{world}_us"),
+                json!(raw),
+            );
         }
     }
     bar.inc(1);
@@ -332,7 +342,7 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
         json!({
             "small_iters": args.small_iters,
             "large_iters": args.large_iters,
-            "figures": "medians over iterations on rank 0, microseconds; raw ping-pong and bulk over plain TCP to an echo process (bench raw-echo) in blocks between the groups; raw barrier among threads over blocking sockets (raw_tcp_barrier) and, unless --transport tcp, over atomic flags in memory polled as shm polls (raw_shm_barrier)",
+            "figures": "medians over iterations on rank 0, microseconds; raw ping-pong and bulk over plain TCP to an echo process (bench raw-echo) in blocks between the groups; raw barrier among as many processes as the group over blocking sockets (raw_tcp_barrier) and, unless --transport tcp, over counters in shared memory polled as shm polls (raw_shm_barrier); *_threads_*: the same among threads of one process",
             "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         }),
     );
@@ -767,63 +777,4 @@ async fn curve_series(
         out.insert(format!("all_gather_{bytes}_us"), json!(median_us(t)));
     }
     Ok(())
-}
-
-/// Raw baseline: the same dissemination barrier as the groups run, among `world` threads
-/// over blocking loopback sockets (one byte per message, no framing, no runtime); the median
-/// on thread 0 over `iters` barriers, in microseconds. It shows what the machine's scheduler
-/// allows when `world` exceeds the cores.
-#[allow(clippy::needless_range_loop)] // pairs (i, j) fill both conns[i][j] and conns[j][i]
-pub(crate) fn raw_barrier(world: usize, iters: usize) -> Result<f64> {
-    let mut conns: Vec<Vec<Option<TcpStream>>> = (0..world)
-        .map(|_| (0..world).map(|_| None).collect())
-        .collect();
-    for i in 0..world {
-        for j in i + 1..world {
-            let listener = TcpListener::bind("127.0.0.1:0")?;
-            let a = TcpStream::connect(listener.local_addr()?)?;
-            let (b, _) = listener.accept()?;
-            a.set_nodelay(true)?;
-            b.set_nodelay(true)?;
-            conns[i][j] = Some(a);
-            conns[j][i] = Some(b);
-        }
-    }
-    let threads: Vec<_> = conns
-        .into_iter()
-        .enumerate()
-        .map(|(rank, mut peers)| {
-            std::thread::spawn(move || -> std::io::Result<Vec<Duration>> {
-                let mut times = Vec::with_capacity(iters);
-                for i in 0..iters + iters / 10 {
-                    let t = Instant::now();
-                    let mut distance = 1;
-                    while distance < world {
-                        let to = (rank + distance) % world;
-                        let from = (rank + world - distance) % world;
-                        if let Some(s) = peers[to].as_mut() {
-                            s.write_all(&[1])?;
-                        }
-                        let mut byte = [0u8; 1];
-                        if let Some(s) = peers[from].as_mut() {
-                            s.read_exact(&mut byte)?;
-                        }
-                        distance *= 2;
-                    }
-                    if i >= iters / 10 {
-                        times.push(t.elapsed());
-                    }
-                }
-                Ok(times)
-            })
-        })
-        .collect();
-    let mut first = None;
-    for t in threads {
-        let times = t
-            .join()
-            .map_err(|_| anyhow::anyhow!("barrier thread panicked"))??;
-        first.get_or_insert(times);
-    }
-    Ok(median_us(first.unwrap_or_default()))
 }

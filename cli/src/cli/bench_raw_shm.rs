@@ -7,12 +7,10 @@
 //!   process may run on more than one core; on one core (`taskset -c 0`) they `sched_yield`
 //!   between looks instead, since polling would keep the peer from running at all (the rule of
 //!   [`tensorwire_core::spin`]).
-//! - [`raw_shm_barrier`]: the dissemination barrier of `raw_tcp_barrier` among threads, over
-//!   atomic flags instead of sockets, polling the same way (yielding whenever the threads
-//!   outnumber the cores).
+//!
+//! The raw barriers (over sockets and over shared memory) are in `bench_raw_barrier`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -264,89 +262,5 @@ pub(crate) fn raw_shm_echo(args: &RawShmEchoArgs) -> Result<()> {
         page.read(REQ_MSG, &mut msg);
         page.write(REPLY_MSG, &msg);
         page.seq(REPLY_SEQ).store(last, Ordering::Release);
-    }
-}
-
-/// The dissemination barrier of `raw_tcp_barrier` among `world` threads of this process, over
-/// atomic flags: in round k, rank r raises its flag for rank r + 2^k and waits for the flag of
-/// rank r - 2^k. Threads poll while there are cores for all of them, else yield between looks.
-/// The median time of rank 0's barriers (after a tenth as many for warm-up), in µs.
-pub(crate) fn raw_shm_barrier(world: usize, iters: usize) -> Result<f64> {
-    let rounds = (usize::BITS - (world - 1).leading_zeros()) as usize;
-    // flags[rank * rounds + k]: how many barriers have raised rank's flag of round k, each on
-    // its own cache line.
-    #[repr(align(64))]
-    struct Flag(AtomicU64);
-    let flags: Arc<Vec<Flag>> = Arc::new(
-        (0..world * rounds.max(1))
-            .map(|_| Flag(AtomicU64::new(0)))
-            .collect(),
-    );
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let yield_each = world > cores;
-    let total = iters + iters / 10;
-    let threads: Vec<_> = (0..world)
-        .map(|rank| {
-            let flags = flags.clone();
-            std::thread::spawn(move || -> Result<Vec<Duration>> {
-                let mut times = Vec::with_capacity(iters);
-                for i in 0..total {
-                    let epoch = i as u64 + 1;
-                    let t = Instant::now();
-                    let mut distance = 1;
-                    let mut k = 0;
-                    while distance < world {
-                        let to = (rank + distance) % world;
-                        flags[to * rounds + k].0.fetch_add(1, Ordering::Release);
-                        let mine = &flags[rank * rounds + k].0;
-                        let started = Instant::now();
-                        let mut spins = 0u32;
-                        while mine.load(Ordering::Acquire) < epoch {
-                            if yield_each {
-                                std::thread::yield_now();
-                            } else {
-                                std::hint::spin_loop();
-                            }
-                            spins = spins.wrapping_add(1);
-                            if spins % (1 << 16) == 0 && started.elapsed() > PATIENCE {
-                                bail!("raw barrier: rank {rank} waited {PATIENCE:?} in round {k}");
-                            }
-                        }
-                        distance *= 2;
-                        k += 1;
-                    }
-                    if i >= iters / 10 {
-                        times.push(t.elapsed());
-                    }
-                }
-                Ok(times)
-            })
-        })
-        .collect();
-    let mut first = None;
-    for t in threads {
-        let times = t
-            .join()
-            .map_err(|_| anyhow::anyhow!("raw barrier thread panicked"))??;
-        first.get_or_insert(times);
-    }
-    let mut times = first.unwrap_or_default();
-    if times.is_empty() {
-        bail!("raw barrier: no iterations measured");
-    }
-    times.sort();
-    Ok(super::bench::percentile(&times, 0.5))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_raw_barrier_completes_for_every_world_size_and_times_something() {
-        for world in [2, 3, 5, 8] {
-            let us = raw_shm_barrier(world, 50).expect("barrier");
-            assert!(us > 0.0 && us.is_finite(), "world {world}: {us}");
-        }
     }
 }

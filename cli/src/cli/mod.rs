@@ -6,6 +6,7 @@ pub(crate) mod bench_autograd;
 pub(crate) mod bench_collectives;
 pub(crate) mod bench_curves;
 pub(crate) mod bench_gloo;
+pub(crate) mod bench_raw_barrier;
 pub(crate) mod bench_raw_shm;
 pub(crate) mod bench_rpc;
 pub(crate) mod bench_store;

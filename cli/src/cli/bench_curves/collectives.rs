@@ -48,7 +48,11 @@ pub(super) fn collectives(args: &CollectivesCurveArgs) -> Result<()> {
             &args.transport,
         )
         .with_context(|| format!("world {world}"))?;
-        let raw_barrier = super::super::bench_collectives::raw_barrier(world, args.iters)?;
+        let raw_barrier = super::super::bench_raw_barrier::processes(
+            super::super::bench_raw_barrier::Medium::Tcp,
+            world,
+            args.iters,
+        )?;
         groups.push((world, got, raw_barrier));
         raw_round(&mut raw)?;
         bar.inc(1);
@@ -96,7 +100,7 @@ pub(super) fn collectives(args: &CollectivesCurveArgs) -> Result<()> {
         series: vec![
             Series::new("barrier", of("barrier", 0, "us")),
             Series::new(
-                "raw barrier (threads, plain TCP)",
+                "raw barrier (processes, plain TCP)",
                 of("barrier", 0, "raw_us"),
             ),
         ],
@@ -129,7 +133,7 @@ pub(super) fn collectives(args: &CollectivesCurveArgs) -> Result<()> {
     );
     json.insert(
         "raw_baseline".into(),
-        json!("barrier: the same dissemination barrier among threads over blocking loopback sockets; the others: one raw transfer of the message's bytes to an echo process, acknowledged with one byte"),
+        json!("barrier: the same dissemination barrier among as many processes over blocking loopback sockets; the others: one raw transfer of the message's bytes to an echo process, acknowledged with one byte"),
     );
     json.insert("transport".into(), json!(args.transport));
     json.insert("sizes".into(), json!(sizes));
