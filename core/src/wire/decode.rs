@@ -157,6 +157,11 @@ const POOL_MIN_SEGMENT: usize = 64 << 10;
 pub const GROWTH_STEP: usize = 1 << 20;
 /// At most this many buffers are kept for reuse.
 const POOL_MAX_BUFFERS: usize = 8;
+/// Segments up to this size that `src` holds entirely are copied out rather than split off:
+/// a split-off segment shares `src`'s allocation, and while the frame lives (the application
+/// holds it as the transport reads the next one) `src` cannot grow in place, so every read
+/// would allocate a fresh read buffer (64 KiB on TCP) for a frame of a few dozen bytes.
+pub const COPY_SEGMENT_MAX: usize = 4 << 10;
 /// Default for [`FrameDecoder::with_buffer_reuse`].
 pub const DEFAULT_BUFFER_REUSE: usize = 128 << 20;
 
@@ -269,7 +274,8 @@ impl FrameDecoder {
     /// Consumes bytes from the front of `src`, at most up to the end of the current frame, and
     /// returns the frame once it is complete. Bytes after the frame stay in `src`.
     ///
-    /// Segments that `src` holds entirely are split off without copying.
+    /// Segments that `src` holds entirely are split off without copying, but for those of
+    /// [`COPY_SEGMENT_MAX`] bytes or fewer, which are copied so that `src` stays unshared.
     pub fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, WireError> {
         let result = self.decode_inner(src);
         if let Err(e) = &result {
@@ -329,6 +335,11 @@ impl FrameDecoder {
                         let len = usize::try_from(segments[done.len()]).unwrap_or(usize::MAX);
                         match current {
                             None if len == 0 => done.push(Bytes::new()),
+                            None if src.len() >= len && len <= COPY_SEGMENT_MAX => {
+                                done.push(Bytes::copy_from_slice(&src[..len]));
+                                src.advance(len);
+                                *received += len as u64;
+                            }
                             None if src.len() >= len => {
                                 done.push(src.split_to(len).freeze());
                                 *received += len as u64;

@@ -51,7 +51,8 @@ mod error;
 mod tests;
 
 pub use decode::{
-    decode_frame, decode_frame_shared, FrameDecoder, DEFAULT_BUFFER_REUSE, GROWTH_STEP,
+    decode_frame, decode_frame_shared, FrameDecoder, COPY_SEGMENT_MAX, DEFAULT_BUFFER_REUSE,
+    GROWTH_STEP,
 };
 pub use encode::{encode_preamble, encode_to_vec, OutgoingFrame};
 pub use error::WireError;

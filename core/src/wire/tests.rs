@@ -468,3 +468,39 @@ proptest! {
         let _ = decode_frame_shared(&Bytes::from(bytes), &WireLimits::default());
     }
 }
+
+#[test]
+fn a_held_small_frame_leaves_the_read_buffer_unshared() {
+    // A transport reads into one buffer; the application still holds the last frame when
+    // the next read needs room. A small frame must not pin the buffer, else room means a
+    // fresh allocation per read.
+    let limits = WireLimits::default();
+    let small = Frame::message(&b"header"[..], vec![Bytes::from(vec![3u8; 64])]);
+    let large = Frame::message(
+        &b"h"[..],
+        vec![Bytes::from(vec![4u8; COPY_SEGMENT_MAX + 1])],
+    );
+    let mut wire = encode_to_vec(&small, &limits).unwrap();
+    wire.extend(encode_to_vec(&large, &limits).unwrap());
+    const ROOM: usize = 64 << 10;
+    let mut buf = BytesMut::with_capacity(ROOM);
+    let base = buf.as_ptr() as usize;
+    buf.extend_from_slice(&wire);
+    let mut dec = FrameDecoder::new(limits);
+    let held = dec.decode(&mut buf).unwrap().unwrap();
+    assert_eq!(held, small);
+    let in_buffer = |p: *const u8| (base..base + ROOM).contains(&(p as usize));
+    assert!(
+        !in_buffer(held.payloads[0].as_ptr()),
+        "a small segment was copied out"
+    );
+    // The large frame's payload is split off (shared) as before: no copy.
+    let big = dec.decode(&mut buf).unwrap().unwrap();
+    assert_eq!(big, large);
+    assert!(in_buffer(big.payloads[0].as_ptr()));
+    drop(big);
+    // Only the small frame is held now: the buffer makes room in place.
+    buf.reserve(ROOM);
+    assert!(in_buffer(buf.as_ptr()), "the read buffer was reallocated");
+    assert_eq!(held, small);
+}
