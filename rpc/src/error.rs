@@ -171,6 +171,19 @@ pub enum RpcError {
         /// The other rank using it.
         second: WorkerId,
     },
+    /// A worker gave a name its credentials are not issued for (QUIC node certificates: see
+    /// `Connection::check_peer_name`). With a cluster secret every member may take any name,
+    /// so this is only ever said where peers hold credentials of their own.
+    #[error("init_rpc: rank {rank} says it is {name:?}, but {source}")]
+    NotCertified {
+        /// The rank.
+        rank: WorkerId,
+        /// The name it gave.
+        name: String,
+        /// What its credentials say.
+        #[source]
+        source: tensorwire_core::ports::transport::IdentityError,
+    },
     /// Something did not happen in time outside a call (init, shutdown).
     #[error("{what} timed out after {:.1} s{}", .after.as_secs_f64(), .waiting_for.as_ref().map(|w| format!("; waiting for {w}")).unwrap_or_default())]
     Timeout {

@@ -36,7 +36,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
+use tensorwire_core::ports::transport::{
+    Connection, IdentityError, Listener, Transport, TransportError,
+};
 use tensorwire_core::protocol::Header;
 #[cfg(feature = "tcp")]
 use tensorwire_core::registry::RpcBackend;
@@ -245,6 +247,10 @@ impl Connection for FaultyConnection {
 
     fn transport(&self) -> &'static str {
         self.inner.transport()
+    }
+
+    fn check_peer_name(&self, name: &str) -> Result<(), IdentityError> {
+        self.inner.check_peer_name(name)
     }
 
     fn cheap_sends(&self) -> bool {

@@ -11,7 +11,7 @@
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use tensorwire_core::ports::transport::{Connection, Listener, Transport};
+use tensorwire_core::ports::transport::{Connection, IdentityError, Listener, Transport};
 use tensorwire_core::protocol::membership::{
     Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
 };
@@ -206,22 +206,27 @@ pub(crate) enum Introduction {
     Refused(String),
     /// It could not be reached, or did not answer.
     Failed(String),
+    /// Its credentials are not issued for the name it is known by (an impostor, or a
+    /// certificate made for another worker): nothing was sent to it but the hello.
+    NotCertified(IdentityError),
 }
 
 impl std::fmt::Display for Introduction {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Refused(s) | Self::Failed(s) => f.write_str(s),
+            Self::NotCertified(e) => e.fmt(f),
         }
     }
 }
 
-/// Connects to `addr`, says who this worker is, and waits for the welcome.
+/// Connects to `addr` (the member named `expected`), says who this worker is, and waits for
+/// the welcome. A member whose credentials are not issued for `expected` is not believed.
 pub(crate) async fn introduce(
     runtime: &dyn Runtime,
     transport: &dyn Transport,
     record: &MemberRecord,
-    addr: std::net::SocketAddr,
+    (addr, expected): (std::net::SocketAddr, &str),
     limit: Duration,
 ) -> Result<Box<dyn Connection>, Introduction> {
     let failed = |e: String| Introduction::Failed(e);
@@ -235,6 +240,10 @@ pub(crate) async fn introduce(
     let conn = link::dial(transport, addr, &hello, deadline)
         .await
         .map_err(|e| failed(e.to_string()))?;
+    if let Err(e) = conn.check_peer_name(expected) {
+        let _ = conn.close().await;
+        return Err(Introduction::NotCertified(e));
+    }
     let answer_by = runtime.deadline_after(limit.max(Duration::from_secs(1)));
     match runtime.timeout_at(answer_by, conn.recv()).await {
         Ok(Ok(f)) => match HelloReply::from_frame(&f) {
@@ -269,7 +278,7 @@ pub(crate) async fn dial_member(agent: Agent, member: MemberRecord) {
         &*agent.inner.runtime,
         &*transport,
         &record,
-        member.addr,
+        (member.addr, member.name()),
         left,
     )
     .await
@@ -330,6 +339,23 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
             return;
         }
     };
+    // Its credentials must be issued for the name it gives (QUIC node certificates; with a
+    // cluster secret any member may take any name).
+    if let Err(e) = conn.check_peer_name(record.name()) {
+        warn!("refusing rank {rank} from {peer}: {e}");
+        let reason = format!("this worker's credentials do not name it: {e}");
+        let _ = conn
+            .send(
+                HelloReply::Refused {
+                    reason,
+                    retry: false,
+                }
+                .frame(),
+            )
+            .await;
+        let _ = conn.close().await;
+        return;
+    }
     // The membership decides whether this connection is one it expects.
     let accepted = dyn_state(&agent)
         .membership

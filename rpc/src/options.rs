@@ -82,7 +82,10 @@ pub struct RpcOptions {
     /// TLS material for the `QUIC` backend: a folder holding either the cluster CA
     /// (`ca.pem` and `ca.key.pem`, created there by the first worker if missing; every worker
     /// then gets a certificate issued for its name), or `ca.pem` plus this worker's
-    /// `<name>.pem` and `<name>.key.pem` from your own PKI.
+    /// `<name>.pem` and `<name>.key.pem` from your own PKI. Every peer's certificate must be
+    /// issued for the name it gives (its common name, or a DNS name it is valid for; else
+    /// [`RpcError::NotCertified`](crate::RpcError::NotCertified)). That binds names to
+    /// workers only with your own PKI: whoever holds `ca.key.pem` can issue any name.
     pub tls_dir: Option<std::path::PathBuf>,
     /// Where this worker's tensors land on each destination.
     pub device_maps: DeviceMaps,

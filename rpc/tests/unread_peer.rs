@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
+use tensorwire_core::ports::transport::{
+    Connection, IdentityError, Listener, Transport, TransportError,
+};
 use tensorwire_core::protocol::{CallError, LostCause};
 use tensorwire_core::wire::Frame;
 use tensorwire_rpc::{start_agent, Functions, PeerEvent, Rendezvous, RpcError, RpcOptions};
@@ -96,6 +98,10 @@ impl Connection for StallingConnection {
 
     fn transport(&self) -> &'static str {
         self.inner.transport()
+    }
+
+    fn check_peer_name(&self, name: &str) -> Result<(), IdentityError> {
+        self.inner.check_peer_name(name)
     }
 
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {

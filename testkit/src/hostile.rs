@@ -55,7 +55,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use async_trait::async_trait;
 use bytes::Bytes;
 use tensorwire_core::ports::store::Store;
-use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
+use tensorwire_core::ports::transport::{
+    Connection, IdentityError, Listener, Transport, TransportError,
+};
 use tensorwire_core::protocol::mesh::Hello;
 use tensorwire_core::protocol::{Header, MethodTarget};
 use tensorwire_core::protocol::{LostCause, WorkerId};
@@ -309,6 +311,10 @@ impl Connection for HostileConnection {
 
     fn transport(&self) -> &'static str {
         self.inner.transport()
+    }
+
+    fn check_peer_name(&self, name: &str) -> Result<(), IdentityError> {
+        self.inner.check_peer_name(name)
     }
 
     fn cheap_sends(&self) -> bool {

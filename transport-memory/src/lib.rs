@@ -32,7 +32,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 // The network keeps tokio's clock, so a paused clock (tokio's `test-util`) drives its delays.
-use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
+use tensorwire_core::ports::transport::{
+    Connection, IdentityError, Listener, Transport, TransportError,
+};
 use tensorwire_core::wire::Frame;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -275,6 +277,11 @@ impl Connection for MemoryConnection {
 
     fn transport(&self) -> &'static str {
         "memory"
+    }
+
+    fn check_peer_name(&self, _name: &str) -> Result<(), IdentityError> {
+        // In-memory peers are all of one test's making: none holds credentials of its own.
+        Ok(())
     }
 
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {

@@ -329,6 +329,67 @@ pub fn load_certs(
     Ok(certs)
 }
 
+/// Checks that a peer's certificate chain (already verified against the cluster CA by the TLS
+/// handshake) is issued for the worker `name`: the end-entity certificate's common name is
+/// `name`, or `name` is a DNS name the certificate is valid for (a subject alternative name, as
+/// [`ClusterCa::issue_node`] adds for names that are DNS names). On failure, says what the
+/// certificate names instead.
+///
+/// ```
+/// use tensorwire_transport_quic::certs::{check_certified_name, ClusterCa};
+///
+/// let ca = ClusterCa::generate()?;
+/// let node = ca.issue_node("trainer:0")?;
+/// let chain = node.chain();
+/// assert!(check_certified_name(chain, "trainer:0").is_ok());
+/// let err = check_certified_name(chain, "trainer:1").unwrap_err();
+/// assert!(err.contains("trainer:0"), "{err}");
+/// # Ok::<(), tensorwire_transport_quic::QuicError>(())
+/// ```
+pub fn check_certified_name(chain: &[CertificateDer<'_>], name: &str) -> Result<(), String> {
+    use x509_cert::der::asn1::{Ia5StringRef, PrintableStringRef, Utf8StringRef};
+    use x509_cert::der::{Decode, Tag, Tagged};
+    let Some(leaf) = chain.first() else {
+        return Err("it presented no certificate".into());
+    };
+    if let Ok(dns) = rustls_pki_types::ServerName::try_from(name) {
+        let valid = webpki::EndEntityCert::try_from(leaf)
+            .is_ok_and(|ee| ee.verify_is_valid_for_subject_name(&dns).is_ok());
+        if valid {
+            return Ok(());
+        }
+    }
+    let cert = x509_cert::Certificate::from_der(leaf.as_ref())
+        .map_err(|e| format!("its certificate does not decode: {e}"))?;
+    let mut common_names = Vec::new();
+    for rdn in &cert.tbs_certificate.subject.0 {
+        for atv in rdn.0.iter() {
+            if atv.oid != x509_cert::der::oid::db::rfc4519::CN {
+                continue;
+            }
+            let value = &atv.value;
+            let text = match value.tag() {
+                Tag::Utf8String => Utf8StringRef::try_from(value).ok().map(|s| s.as_str()),
+                Tag::PrintableString => {
+                    PrintableStringRef::try_from(value).ok().map(|s| s.as_str())
+                }
+                Tag::Ia5String => Ia5StringRef::try_from(value).ok().map(|s| s.as_str()),
+                _ => None,
+            };
+            match text {
+                Some(cn) if cn == name => return Ok(()),
+                Some(cn) => common_names.push(cn.to_owned()),
+                None => common_names.push(format!("<{} common name>", value.tag())),
+            }
+        }
+    }
+    Err(if common_names.is_empty() {
+        "its certificate has no common name and no subject alternative name for it".into()
+    } else {
+        format!("its certificate is issued for {}", common_names.join(", "))
+    })
+}
+
 fn is_dns_name(name: &str) -> bool {
     rustls_pki_types::DnsName::try_from(name).is_ok()
 }
@@ -418,6 +479,36 @@ fn pem_encode(label: &str, der: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_certified_name_is_the_common_name_or_a_dns_name_the_certificate_is_valid_for() {
+        let ca = ClusterCa::generate().unwrap();
+        // Issued here: the common name, and (a DNS name) a subject alternative name.
+        let node = ca.issue_node("w3").unwrap();
+        assert_eq!(check_certified_name(node.chain(), "w3"), Ok(()));
+        let err = check_certified_name(node.chain(), "w4").unwrap_err();
+        assert!(err.contains("issued for w3"), "{err}");
+        // Made elsewhere: a subject alternative name only, another common name.
+        let mut params = CertificateParams::new(vec!["ps-0".to_string()]).unwrap();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "ops team");
+        let key = KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &ca.issuer, &ca.key).unwrap();
+        let chain = [cert.der().clone()];
+        assert_eq!(check_certified_name(&chain, "ps-0"), Ok(()));
+        assert_eq!(check_certified_name(&chain, "ops team"), Ok(()));
+        let err = check_certified_name(&chain, "ps-1").unwrap_err();
+        assert!(err.contains("ops team"), "{err}");
+        // Nothing, or not a certificate.
+        assert!(check_certified_name(&[], "w3")
+            .unwrap_err()
+            .contains("no certificate"));
+        let junk = [CertificateDer::from(vec![0x30, 0x03, 1, 2, 3])];
+        assert!(check_certified_name(&junk, "w3")
+            .unwrap_err()
+            .contains("does not decode"));
+    }
 
     #[test]
     fn pem_round_trips_through_pki_types() {

@@ -28,7 +28,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::{BufMut, BytesMut};
 use quinn::{ConnectionError, ReadError, RecvStream, VarInt};
-use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
+use tensorwire_core::ports::transport::{
+    Connection, IdentityError, Listener, Transport, TransportError,
+};
 use tensorwire_core::wire::{Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
@@ -809,6 +811,20 @@ impl Connection for QuicConnection {
 
     fn transport(&self) -> &'static str {
         "quic"
+    }
+
+    fn check_peer_name(&self, name: &str) -> Result<(), IdentityError> {
+        let chain = self.shared.conn.peer_identity().and_then(|id| {
+            id.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>()
+                .ok()
+        });
+        crate::certs::check_certified_name(chain.as_deref().map_or(&[], |c| c), name).map_err(
+            |reason| IdentityError {
+                peer: self.shared.peer,
+                name: name.to_owned(),
+                reason,
+            },
+        )
     }
 
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {

@@ -629,3 +629,20 @@ async fn frames_pending_beyond_the_byte_bound_fail_the_connection() -> Result<()
     })
     .await
 }
+
+#[tokio::test]
+async fn each_side_can_check_the_name_the_other_is_certified_for() -> Result<()> {
+    bounded(async {
+        let ca = ClusterCa::generate()?;
+        let (client_side, server_side, _listener) = pair(&ca).await?;
+        // The client's connection leads to the node certified as "server", and back.
+        client_side.check_peer_name("server")?;
+        server_side.check_peer_name("client")?;
+        let err = client_side.check_peer_name("client").unwrap_err();
+        assert_eq!(err.name, "client");
+        assert!(err.reason.contains("server"), "{err}");
+        assert_eq!(err.peer, client_side.peer_addr());
+        Ok(())
+    })
+    .await
+}

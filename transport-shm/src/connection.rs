@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::BytesMut;
-use tensorwire_core::ports::transport::{Connection, TransportError};
+use tensorwire_core::ports::transport::{Connection, IdentityError, TransportError};
 use tensorwire_core::spin::{requeue, SpinPolicy, SpinStep, SpinWait, Turn};
 use tensorwire_core::wire::{
     decode_frame_shared, Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits, PREFIX_LEN,
@@ -1009,6 +1009,11 @@ impl Connection for ShmConnection {
 
     fn transport(&self) -> &'static str {
         "shm"
+    }
+
+    fn check_peer_name(&self, _name: &str) -> Result<(), IdentityError> {
+        // The cluster secret (and `SO_PEERCRED`) authenticate membership, not a name.
+        Ok(())
     }
 
     fn cheap_sends(&self) -> bool {

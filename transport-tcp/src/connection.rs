@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::BytesMut;
-use tensorwire_core::ports::transport::{Connection, TransportError};
+use tensorwire_core::ports::transport::{Connection, IdentityError, TransportError};
 use tensorwire_core::spin::{requeue, SpinPolicy, SpinStep, SpinWait, Turn};
 use tensorwire_core::wire::{Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -286,6 +286,11 @@ impl Connection for TcpConnection {
 
     fn transport(&self) -> &'static str {
         "tcp"
+    }
+
+    fn check_peer_name(&self, _name: &str) -> Result<(), IdentityError> {
+        // The cluster secret authenticates membership, not a name.
+        Ok(())
     }
 
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {

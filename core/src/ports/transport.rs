@@ -98,6 +98,30 @@ pub trait Connection: Send + Sync {
     /// Closes the sending direction gracefully after frames already sent: the peer's `recv`
     /// then gives [`TransportError::Closed`]. Frames can still be received.
     async fn close(&self) -> Result<(), TransportError>;
+
+    /// Whether the peer's credentials let it be the worker named `name`.
+    ///
+    /// A cluster secret (TCP, shared memory) authenticates membership, not a name: every member
+    /// may be any worker, and such an adapter says `Ok`. An adapter whose peers hold
+    /// credentials of their own (QUIC's node certificates) checks that the peer's are issued
+    /// for `name`, so that a member cannot take another member's name. The agent asks this of
+    /// every peer's connection before it believes the name the peer gives for itself. There is
+    /// no default, so that a wrapper around another connection cannot skip the check by
+    /// forgetting to pass it on.
+    fn check_peer_name(&self, name: &str) -> Result<(), IdentityError>;
+}
+
+/// A peer's credentials do not name the worker it says it is
+/// ([`Connection::check_peer_name`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{peer}'s credentials are not issued for the worker name {name:?}: {reason}")]
+pub struct IdentityError {
+    /// The peer.
+    pub peer: SocketAddr,
+    /// The name it gave.
+    pub name: String,
+    /// What its credentials say instead, in words.
+    pub reason: String,
 }
 
 /// Why a transport operation failed. Every variant names the peer (or local) address.

@@ -176,13 +176,20 @@ async fn join_once(
         &*agent.inner.runtime,
         transport,
         record,
-        coordinator.addr,
+        (coordinator.addr, coordinator.name()),
         left.min(Duration::from_secs(2)),
     )
     .await
     {
         Ok(c) => c,
         Err(Introduction::Refused(reason)) => return Err(Attempt::Fail(RpcError::Init(reason))),
+        Err(Introduction::NotCertified(source)) => {
+            return Err(Attempt::Fail(RpcError::NotCertified {
+                rank: coordinator.rank,
+                name: coordinator.name().to_owned(),
+                source,
+            }))
+        }
         Err(Introduction::Failed(e)) => return Err(Attempt::Retry(format!("{who}: {e}"))),
     };
     let (tx, rx) = oneshot::channel();

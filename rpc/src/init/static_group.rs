@@ -69,11 +69,30 @@ pub(crate) async fn join_static(
             ));
         }
     };
-    if let Err(e) = validate_records(&records) {
+    if let Err(e) = validate_records(&records).and_then(|()| check_names(&group, &records)) {
         group.shutdown().await;
         return Err(e);
     }
     Ok((group, records))
+}
+
+/// Every peer's credentials are issued for the name its record gives (QUIC node certificates;
+/// a cluster secret lets any member take any name, and the check says yes). The record may
+/// have come through other ranks; the connection is the one to the rank itself.
+fn check_names(group: &Group, records: &[WorkerRecord]) -> Result<(), RpcError> {
+    for (rank, conn) in group.connections() {
+        let Some(record) = records.get(rank) else {
+            continue;
+        };
+        let name = &record.devices.name;
+        conn.check_peer_name(name)
+            .map_err(|source| RpcError::NotCertified {
+                rank: rank as WorkerId,
+                name: name.clone(),
+                source,
+            })?;
+    }
+    Ok(())
 }
 
 /// Every worker's record is its own rank's, names are unique, and the device maps keep the
