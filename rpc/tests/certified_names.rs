@@ -58,18 +58,27 @@ async fn a_static_group_refuses_a_name_the_certificate_does_not_give() {
     .await;
 }
 
+/// Starts (or joins) a dynamic group as `name`, presenting a certificate for `certified`.
+fn dynamic(
+    ca: &ClusterCa,
+    store: &Arc<dyn Store>,
+    rank: usize,
+    certified: &str,
+    name: &'static str,
+) -> impl Future<Output = Result<tensorwire_rpc::Agent, RpcError>> {
+    let t = quic(ca, certified);
+    let rdv = Rendezvous::from_store(store.clone(), rank, rank + 1);
+    let mut options = base_options();
+    options.init_timeout = Duration::from_secs(10);
+    async move { start_agent(t, rdv, name, rank, None, options).await }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dynamic_group_refuses_a_joiner_and_a_coordinator_not_certified_for_their_names() {
     bounded(async {
         let ca = ClusterCa::generate().unwrap();
         let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
-        let join = |rank: usize, certified: &str, name: &'static str| {
-            let t = quic(&ca, certified);
-            let rdv = Rendezvous::from_store(store.clone(), rank, rank + 1);
-            let mut options = base_options();
-            options.init_timeout = Duration::from_secs(10);
-            async move { start_agent(t, rdv, name, rank, None, options).await }
-        };
+        let join = |rank, certified, name| dynamic(&ca, &store, rank, certified, name);
         let w0 = join(0, "w0", "w0").await.expect("the coordinator starts");
         // A joiner whose certificate names another worker is refused, saying why.
         let err = join(1, "w9", "w1").await.expect_err("an impostor joined");
@@ -83,13 +92,7 @@ async fn a_dynamic_group_refuses_a_joiner_and_a_coordinator_not_certified_for_th
 
         // A coordinator whose certificate is for another name is not believed by a joiner.
         let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
-        let start = |rank: usize, certified: &str, name: &'static str| {
-            let t = quic(&ca, certified);
-            let rdv = Rendezvous::from_store(store.clone(), rank, rank + 1);
-            let mut options = base_options();
-            options.init_timeout = Duration::from_secs(10);
-            async move { start_agent(t, rdv, name, rank, None, options).await }
-        };
+        let start = |rank, certified, name| dynamic(&ca, &store, rank, certified, name);
         let fake = start(0, "w5", "w0").await.expect("it starts alone");
         match start(1, "w1", "w1").await {
             Err(RpcError::NotCertified { rank, name, source }) => {

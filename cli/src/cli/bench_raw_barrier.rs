@@ -169,21 +169,10 @@ impl Counters {
         if size < len as i64 {
             bail!("the raw barrier's memfd holds {size} bytes, not {len}");
         }
-        // SAFETY: a fresh shared mapping of a memfd at least `len` bytes long, unmapped only on
-        // drop; every access to it is atomic.
-        let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
-                rustix::mm::MapFlags::SHARED,
-                fd,
-                0,
-            )
-        }
-        .context("mmap of the raw barrier's counters")?;
+        // Unmapped only on drop; every access to it is atomic.
+        let ptr = super::bench_raw_shm::map_shared(fd, len, "the raw barrier's counters")?;
         Ok(Counters {
-            ptr: ptr.cast(),
+            ptr,
             len,
             rounds: rounds(world),
             yield_each: outnumbered(world),

@@ -58,22 +58,31 @@ struct Page {
 // the message bytes are handed over by the sequence numbers' release/acquire pairs.
 unsafe impl Send for Page {}
 
+/// Maps the first `len` bytes of the memfd `fd` shared, read-write (`what` names it in the
+/// error). The caller checked that the file is at least `len` long, and unmaps it with
+/// `munmap(ptr, len)` when done.
+pub(crate) fn map_shared(fd: impl AsFd, len: usize, what: &str) -> Result<*mut u8> {
+    // SAFETY: a fresh shared mapping; nothing in this process aliases it until the caller
+    // hands out references into it, and the caller unmaps it with the same length.
+    let ptr = unsafe {
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            len,
+            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            rustix::mm::MapFlags::SHARED,
+            fd,
+            0,
+        )
+    }
+    .with_context(|| format!("mmap of {what}"))?;
+    Ok(ptr.cast())
+}
+
 impl Page {
     fn map(fd: impl AsFd) -> Result<Self> {
-        // SAFETY: a fresh shared mapping of a memfd at least PAGE bytes long; nothing else in
-        // this process maps it, and it is unmapped only on drop.
-        let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                PAGE,
-                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
-                rustix::mm::MapFlags::SHARED,
-                fd,
-                0,
-            )
-        }
-        .context("mmap of the raw shared page")?;
-        Ok(Page { ptr: ptr.cast() })
+        Ok(Page {
+            ptr: map_shared(fd, PAGE, "the raw shared page")?,
+        })
     }
 
     fn seq(&self, offset: usize) -> &AtomicU64 {
