@@ -100,12 +100,10 @@ impl<E: AutogradEngine> Inner<E> {
     pub(super) async fn receive(
         self: &Arc<Self>,
         caller: WorkerId,
-        context_id: ContextId,
-        message: Option<AutogradMessageId>,
-        tensors: &[Tensor],
-        requires_grad: &[bool],
+        req: super::Received<'_>,
     ) -> Result<(AutogradContext<E>, Vec<E::Tensor>), String> {
-        let tracked = match message {
+        let (context_id, tensors, requires_grad) = (req.context, req.tensors, req.requires_grad);
+        let tracked = match req.message {
             Some(m) => {
                 self.track(
                     caller,

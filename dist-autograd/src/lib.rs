@@ -172,6 +172,27 @@ struct ForwardRequest<A> {
     args: A,
 }
 
+impl<A> ForwardRequest<A> {
+    /// What the callee records of the request before running the function.
+    fn received(&self) -> Received<'_> {
+        Received {
+            context: self.context,
+            message: self.message,
+            tensors: &self.tensors,
+            requires_grad: &self.requires_grad,
+        }
+    }
+}
+
+/// The autograd part of a [`ForwardRequest`] (without its arguments, which need not be `Sync`).
+#[derive(Clone, Copy)]
+struct Received<'a> {
+    context: ContextId,
+    message: Option<AutogradMessageId>,
+    tensors: &'a [Tensor],
+    requires_grad: &'a [bool],
+}
+
 /// Its response: the result and the tracked tensors of the result.
 #[derive(Serialize, Deserialize)]
 struct ForwardResponse<R> {
@@ -491,15 +512,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 async move {
                     let inner = upgrade(&weak)?;
                     let caller = cx.caller().id;
-                    inner
-                        .receive(
-                            caller,
-                            req.context,
-                            req.message,
-                            &req.tensors,
-                            &req.requires_grad,
-                        )
-                        .await?;
+                    inner.receive(caller, req.received()).await?;
                     inner.respond(req.context, caller, value.tracked_tensors(), ())
                 }
             },
@@ -608,15 +621,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 async move {
                     let inner = upgrade(&weak)?;
                     let caller = cx.caller().id;
-                    let (context, tracked) = inner
-                        .receive(
-                            caller,
-                            req.context,
-                            req.message,
-                            &req.tensors,
-                            &req.requires_grad,
-                        )
-                        .await?;
+                    let (context, tracked) = inner.receive(caller, req.received()).await?;
                     let call = AutogradCall { call: cx, context };
                     let (result, out) = f(call, req.args, tracked).await?;
                     inner.respond(req.context, caller, out, result)
@@ -645,15 +650,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 async move {
                     let inner = upgrade(&weak)?;
                     let caller = cx.caller().id;
-                    let (context, tracked) = inner
-                        .receive(
-                            caller,
-                            req.context,
-                            req.message,
-                            &req.tensors,
-                            &req.requires_grad,
-                        )
-                        .await?;
+                    let (context, tracked) = inner.receive(caller, req.received()).await?;
                     let call = AutogradCall { call: cx, context };
                     let (result, out) = f(call, value, req.args, tracked).await?;
                     inner.respond(req.context, caller, out, result)
@@ -681,15 +678,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
                 let (f, weak) = (f.clone(), weak.clone());
                 async move {
                     let inner = upgrade(&weak)?;
-                    let (context, tracked) = inner
-                        .receive(
-                            cx.caller().id,
-                            req.context,
-                            req.message,
-                            &req.tensors,
-                            &req.requires_grad,
-                        )
-                        .await?;
+                    let (context, tracked) = inner.receive(cx.caller().id, req.received()).await?;
                     f(AutogradCall { call: cx, context }, req.args, tracked).await
                 }
             },
