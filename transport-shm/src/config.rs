@@ -10,6 +10,10 @@ use tensorwire_core::wire::{WireLimits, DEFAULT_BUFFER_REUSE};
 /// one the TCP transport reads).
 pub const SECRET_ENV: &str = "TENSORWIRE_SECRET";
 
+/// Overrides [`ShmConfig::spin`] in [`ShmConfig::from_env`] and in the same-host selection
+/// (`SelectingTransport::from_tcp_config`): microseconds, `0` to sleep at once.
+pub const SPIN_ENV: &str = "TENSORWIRE_SHM_SPIN_US";
+
 /// Smallest ring a peer may offer (one page).
 pub(crate) const MIN_RING: usize = 4096;
 /// Largest ring a peer may offer.
@@ -83,13 +87,13 @@ impl ShmConfig {
     }
 
     /// Takes the secret from the `TENSORWIRE_SECRET` environment variable; without it, fails
-    /// with a message saying how to set one.
+    /// with a message saying how to set one. [`SPIN_ENV`] applies when set.
     pub fn from_env() -> Result<Self, TransportError> {
         match std::env::var_os(SECRET_ENV) {
             Some(value) if !value.is_empty() => {
                 let secret = ClusterSecret::new(value.into_encoded_bytes())
                     .map_err(|e| TransportError::Config(format!("{SECRET_ENV}: {e}")))?;
-                Ok(Self::new(secret))
+                Self::new(secret).with_spin_from(|name| std::env::var(name).ok())
             }
             _ => Err(TransportError::Config(format!(
                 "no cluster secret: set {SECRET_ENV} (the same value on every worker); to run \
@@ -134,6 +138,26 @@ impl ShmConfig {
         self
     }
 
+    /// These settings with [`SPIN_ENV`] applied, as `env` looks it up (microseconds; `0`
+    /// sleeps at once).
+    ///
+    /// # Errors
+    /// [`TransportError::Config`] naming the variable when the value is not a whole number.
+    pub fn with_spin_from(
+        self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, TransportError> {
+        let Some(value) = env(SPIN_ENV) else {
+            return Ok(self);
+        };
+        let us: u64 = value.trim().parse().map_err(|_| {
+            TransportError::Config(format!(
+                "{SPIN_ENV}={value:?}: expected a whole number of microseconds (0 sleeps at once)"
+            ))
+        })?;
+        Ok(self.with_spin(Duration::from_micros(us)))
+    }
+
     /// These settings with another handshake timeout.
     pub fn with_handshake_timeout(mut self, timeout: Duration) -> Self {
         self.handshake_timeout = timeout;
@@ -155,5 +179,39 @@ impl ShmConfig {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn spin_comes_from_the_environment_and_a_malformed_value_names_the_variable() {
+        let default = ShmConfig::insecure().spin;
+        assert_eq!(default, Duration::from_micros(20));
+        let c = ShmConfig::insecure().with_spin_from(env(&[])).unwrap();
+        assert_eq!(c.spin, default);
+        let c = ShmConfig::insecure()
+            .with_spin_from(env(&[(SPIN_ENV, " 200 ")]))
+            .unwrap();
+        assert_eq!(c.spin, Duration::from_micros(200));
+        let c = ShmConfig::insecure()
+            .with_spin_from(env(&[(SPIN_ENV, "0")]))
+            .unwrap();
+        assert_eq!(c.spin, Duration::ZERO);
+        let msg = ShmConfig::insecure()
+            .with_spin_from(env(&[(SPIN_ENV, "lots")]))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains(SPIN_ENV) && msg.contains("\"lots\""), "{msg}");
     }
 }

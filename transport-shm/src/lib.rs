@@ -114,7 +114,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
 
-pub use config::{ShmConfig, SECRET_ENV};
+pub use config::{ShmConfig, SECRET_ENV, SPIN_ENV};
 pub use ring::RingError;
 #[cfg(feature = "tcp")]
 pub use select::{SelectingTransport, Selection, TRANSPORT_ENV};

@@ -112,7 +112,8 @@ impl SelectingTransport {
     }
 
     /// TCP with `config`, and shared memory with the same cluster secret, frame limits and
-    /// handshake timeout; the selection from [`TRANSPORT_ENV`] (a bad value is an error).
+    /// handshake timeout (its spin from [`SPIN_ENV`](crate::SPIN_ENV) when set); the selection
+    /// from [`TRANSPORT_ENV`] (a bad value is an error, as is a malformed spin).
     pub fn from_tcp_config(config: TcpConfig) -> Result<Self, TransportError> {
         let selection = Selection::from_env()?;
         let shm = match config.secret() {
@@ -120,7 +121,8 @@ impl SelectingTransport {
             None => ShmConfig::insecure(),
         }
         .with_limits(config.limits)
-        .with_handshake_timeout(config.handshake_timeout);
+        .with_handshake_timeout(config.handshake_timeout)
+        .with_spin_from(|name| std::env::var(name).ok())?;
         let shm = if selection == Selection::Tcp {
             // Never used: no warning about a missing secret from a transport that stays off.
             ShmTransport {
