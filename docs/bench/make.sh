@@ -45,6 +45,9 @@ for pin in unpinned pinned; do
         --json "$out/init64-$pin.json" --png "$out/logs/init64-$pin.png"
     run rrefs-$pin "${pre[@]}" $tw bench curve rrefs --counts 0,100000 \
         --json "$out/rrefs-$pin.json" --png "$out/logs/rrefs-$pin.png"
+    # Throughput, 64 MiB and the idle agent's CPU time (TCP), and the distributed backward.
+    run rpc-full-tcp-$pin "${pre[@]}" $tw bench rpc --transport tcp --json "$out/rpc-full-tcp-$pin.json"
+    run autograd-$pin "${pre[@]}" $tw bench autograd --steps 200 --json "$out/autograd-$pin.json"
 done
 python3 "$here/ratios.py" "$out" >"$out/ratios.md" && echo "ratios: $out/ratios.md"
 exit $failed
