@@ -199,6 +199,8 @@ impl Drop for Counters {
 struct ShmLinks {
     counters: Counters,
     rank: usize,
+    /// How long a wait may take before it fails ([`PATIENCE`]).
+    patience: Duration,
 }
 
 impl Links for ShmLinks {
@@ -218,10 +220,11 @@ impl Links for ShmLinks {
                 std::hint::spin_loop();
             }
             spins = spins.wrapping_add(1);
-            if spins % (1 << 16) == 0 && started.elapsed() > PATIENCE {
+            if spins % (1 << 16) == 0 && started.elapsed() > self.patience {
                 bail!(
-                    "raw barrier: rank {} waited {PATIENCE:?} for rank {from} in round {k}",
-                    self.rank
+                    "raw barrier: rank {} waited {:?} for rank {from} in round {k}",
+                    self.rank,
+                    self.patience
                 );
             }
         }
@@ -290,7 +293,16 @@ pub(crate) fn processes(medium: Medium, world: usize, iters: usize) -> Result<f6
                 children.push(child);
             }
             drop(fd);
-            run_rank(0, world, total, &mut ShmLinks { counters, rank: 0 })
+            run_rank(
+                0,
+                world,
+                total,
+                &mut ShmLinks {
+                    counters,
+                    rank: 0,
+                    patience: PATIENCE,
+                },
+            )
         }
     };
     let mut failed = None;
@@ -380,6 +392,7 @@ pub(crate) fn rank(args: &RankArgs) -> Result<()> {
             let mut links = ShmLinks {
                 counters,
                 rank: args.rank,
+                patience: PATIENCE,
             };
             run_rank(args.rank, args.world, args.iters, &mut links)?;
         }
@@ -412,7 +425,16 @@ pub(crate) fn threads(medium: Medium, world: usize, iters: usize) -> Result<f64>
             for rank in 0..world {
                 let counters = Counters::map(&fd, world)?;
                 handles.push(std::thread::spawn(move || {
-                    run_rank(rank, world, total, &mut ShmLinks { counters, rank })
+                    run_rank(
+                        rank,
+                        world,
+                        total,
+                        &mut ShmLinks {
+                            counters,
+                            rank,
+                            patience: PATIENCE,
+                        },
+                    )
                 }));
             }
             handles
@@ -448,18 +470,28 @@ mod tests {
     }
 
     #[test]
-    fn a_barrier_waits_for_the_slowest_rank() {
-        // Rank 1 of 2 starts 20 ms late: rank 0's first barrier cannot end before it.
-        let mut conns = socket_pairs(2).unwrap();
-        let peers1 = std::mem::take(&mut conns[1]);
-        let peers0 = std::mem::take(&mut conns[0]);
-        let late = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(20));
-            run_rank(1, 2, 1, &mut TcpLinks { peers: peers1 })
-        });
-        let t = Instant::now();
-        run_rank(0, 2, 1, &mut TcpLinks { peers: peers0 }).unwrap();
-        assert!(t.elapsed() >= Duration::from_millis(20));
-        late.join().unwrap().unwrap();
+    fn a_wait_passes_only_once_the_rank_it_waits_for_has_signalled() {
+        // Two ranks over one set of counters, driven by hand: rank 0 has signalled rank 1,
+        // but rank 1 has not signalled rank 0, so rank 0's wait must not pass.
+        let fd = rustix::fs::memfd_create("test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, Counters::len_for(2) as u64).unwrap();
+        let links = |rank| ShmLinks {
+            counters: Counters::map(&fd, 2).unwrap(),
+            rank,
+            patience: Duration::ZERO,
+        };
+        let (mut r0, mut r1) = (links(0), links(1));
+        r0.signal(1, 0).unwrap();
+        let err = r0.wait(1, 0, 1).unwrap_err().to_string();
+        assert!(
+            err.contains("rank 0 waited") && err.contains("rank 1"),
+            "{err}"
+        );
+        // Rank 1 had its signal: it passes at once, then signals rank 0, which passes too.
+        r1.wait(0, 0, 1).unwrap();
+        r1.signal(0, 0).unwrap();
+        r0.wait(1, 0, 1).unwrap();
+        // The next barrier (epoch 2) waits again.
+        assert!(r0.wait(1, 0, 2).is_err());
     }
 }
