@@ -147,15 +147,11 @@ impl ShmConfig {
         self,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Self, TransportError> {
-        let Some(value) = env(SPIN_ENV) else {
-            return Ok(self);
-        };
-        let us: u64 = value.trim().parse().map_err(|_| {
-            TransportError::Config(format!(
-                "{SPIN_ENV}={value:?}: expected a whole number of microseconds (0 sleeps at once)"
-            ))
-        })?;
-        Ok(self.with_spin(Duration::from_micros(us)))
+        match tensorwire_core::spin::budget_from_env(SPIN_ENV, env) {
+            Ok(Some(spin)) => Ok(self.with_spin(spin)),
+            Ok(None) => Ok(self),
+            Err(message) => Err(TransportError::Config(message)),
+        }
     }
 
     /// These settings with another handshake timeout.
