@@ -75,11 +75,16 @@ impl<B: Payload> Endpoint<B> {
                 let upto = self.created_upto.entry(from).or_default();
                 *upto = (*upto).max(rref.local);
                 let o = self.owned.entry(rref).or_default();
-                let new = o.forks.insert(fork, from).is_none();
-                self.count_reference(from, new);
+                // The creator's own fork is the creator's: a fork request that overtook the
+                // creation naming it came from someone else, who is judged below.
+                let previous = o.forks.insert(fork, from);
+                if previous != Some(from) {
+                    self.uncount_reference(previous);
+                    self.count_reference(from, true);
+                }
                 // Fork requests that overtook the creation are checked before the value
                 // exists (see `secrets`).
-                self.settle_claims(rref, secret, now);
+                self.settle_claims(rref, (fork, from), secret, now);
                 let token = RequestToken {
                     from,
                     id,
@@ -144,7 +149,7 @@ impl<B: Payload> Endpoint<B> {
                     });
                     if o.secret.is_none() {
                         // Checked when the creation arrives.
-                        o.claims.insert(fork, secret);
+                        o.claims.insert(fork, (secret, from));
                     }
                     let new = o.forks.insert(fork, from).is_none();
                     self.count_reference(from, new);

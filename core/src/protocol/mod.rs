@@ -652,8 +652,9 @@ struct Owned {
     fetches: Vec<(WorkerId, MessageId, Option<Instant>)>,
     /// The reference's capability; `None` until its creation arrives.
     secret: Option<RRefSecret>,
-    /// Before then, the capability each fork request presented, checked on the creation.
-    claims: HashMap<ForkId, RRefSecret>,
+    /// Before then, the capability each fork request presented and who sent it, checked on
+    /// the creation.
+    claims: HashMap<ForkId, (RRefSecret, WorkerId)>,
 }
 
 /// A user's record of one fork.

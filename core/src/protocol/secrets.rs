@@ -92,27 +92,40 @@ impl<B: Payload> Endpoint<B> {
         }
     }
 
-    /// The creation of `rref` arrived with its capability `secret`: the fork requests that
-    /// came before it are checked, and the sender of each forged one is handled as lost
-    /// (its forks, fetches and calls dropped, so nothing is served to it) and reported.
-    pub(super) fn settle_claims(&mut self, rref: RRefId, secret: RRefSecret, now: Instant) {
+    /// The creation of `rref` arrived from `creator` with its capability `secret` and the
+    /// creator's own fork `creator_fork`: the fork requests that came before it are checked,
+    /// and the sender of each forged one is handled as lost (its forks, fetches and calls
+    /// dropped, so nothing is served to it) and reported. A claim is judged by who sent it,
+    /// never by who holds the fork now: one that named the creator's own fork (whatever
+    /// capability it presented) was another worker's, and it is the claimant who is dropped.
+    pub(super) fn settle_claims(
+        &mut self,
+        rref: RRefId,
+        (creator_fork, creator): (ForkId, WorkerId),
+        secret: RRefSecret,
+        now: Instant,
+    ) {
         let Some(o) = self.owned.get_mut(&rref) else {
             return;
         };
         o.secret = Some(secret);
         let claims = std::mem::take(&mut o.claims);
         let mut forged = Vec::new();
-        for (fork, claim) in claims {
-            if !same(claim, secret) {
-                if let Some(&sender) = o.forks.get(&fork) {
-                    forged.push(ProtocolViolation::ForgedFork { rref, fork, sender });
-                }
+        for (fork, (claim, sender)) in claims {
+            if sender == creator && fork == creator_fork {
+                continue;
+            }
+            if fork == creator_fork {
+                let holder = creator;
+                forged.push((
+                    sender,
+                    ProtocolViolation::ForeignFork { rref, fork, holder },
+                ));
+            } else if !same(claim, secret) {
+                forged.push((sender, ProtocolViolation::ForgedFork { rref, fork, sender }));
             }
         }
-        for violation in forged {
-            let ProtocolViolation::ForgedFork { sender, .. } = violation else {
-                continue;
-            };
+        for (sender, violation) in forged {
             let cause = LostCause::Misbehaved(Box::new(violation.clone()));
             self.handle_peer_lost(sender, cause, now);
             self.events.push_back(Event::Misbehaved {

@@ -2390,3 +2390,47 @@ fn a_forged_fork_request_before_the_creation_drops_its_sender_when_the_creation_
     assert_eq!(s.outcome(2, f2), Some(&Ok(b"secret".to_vec())));
     assert_eq!(s.ep(1).owner_fork_count(h.rref), Some(2));
 }
+
+/// A forged fork request that overtakes the creation and names the creator's own fork (its id
+/// is the reference's, easy to guess) is its sender's violation: the creator, whose creation
+/// takes that fork back, is not blamed, and none of its values is freed. (Found by the
+/// `protocol` fuzz target: the owner judged the claim by the fork's holder after the creation,
+/// which was the creator, and dropped the honest creator.)
+#[test]
+fn a_forged_claim_of_the_creators_own_fork_drops_the_forger_not_the_creator() {
+    let mut s = Sim::new(3);
+    let now = s.clock.now();
+    // An earlier value of worker 0's on worker 1, held by worker 0.
+    let (kept, _) = s.ep(0).remote(1, "make", b"kept".to_vec(), T, now).unwrap();
+    s.drain();
+    let (h, _) = s.ep(0).remote(1, "make", b"new".to_vec(), T, now).unwrap();
+    s.pump();
+    // Worker 2 claims the new reference's first fork (the creator's) before the creation.
+    let forged = Header::ForkRequest {
+        id: 1,
+        floor: 1,
+        rref: h.rref,
+        fork: h.fork,
+        secret: 9,
+    };
+    assert_eq!(s.ep(1).handle_message(2, forged, None, now), Ok(()));
+    s.pump();
+    let _ack = s.links.pop((1, 2));
+    // The creation arrives.
+    s.drain();
+    let violation = ProtocolViolation::ForeignFork {
+        rref: h.rref,
+        fork: h.fork,
+        holder: 0,
+    };
+    assert_eq!(s.misbehaved, vec![(1, 2, violation)]);
+    assert_eq!(s.ep(1).lost_cause(0), None, "the honest creator was blamed");
+    assert!(s.released.is_empty(), "a value was freed under its holder");
+    assert_eq!(s.ep(1).owner_fork_count(h.rref), Some(1));
+    // Worker 0 still reads both values.
+    for (handle, want) in [(kept, &b"kept"[..]), (h, &b"new"[..])] {
+        let f = s.ep(0).fetch(handle, T, now).unwrap();
+        s.drain();
+        assert_eq!(s.outcome(0, f), Some(&Ok(want.to_vec())));
+    }
+}
