@@ -338,6 +338,17 @@ impl<K: Ord + Copy, M> Links<K, M> {
             .flat_map(|q| q.iter().map(|m| &m.msg))
     }
 
+    /// Takes out of link `key` every message `pick` selects (a test taking the replies to
+    /// messages it forged), oldest first, leaving the others in order.
+    pub fn take_where(&mut self, key: K, mut pick: impl FnMut(&M) -> bool) -> Vec<M> {
+        let Some(q) = self.queues.get_mut(&key) else {
+            return Vec::new();
+        };
+        let (taken, kept): (VecDeque<_>, VecDeque<_>) = q.drain(..).partition(|m| pick(&m.msg));
+        *q = kept;
+        taken.into_iter().map(|m| m.msg).collect()
+    }
+
     /// Every link with its messages, in key order.
     pub fn iter(&self) -> impl Iterator<Item = (K, impl Iterator<Item = &M> + '_)> + '_ {
         self.queues

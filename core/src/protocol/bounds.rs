@@ -61,9 +61,9 @@ impl<B: Payload> Endpoint<B> {
     pub(crate) fn reference_counts_agree(&self) -> bool {
         let mut counted: HashMap<WorkerId, usize> = HashMap::new();
         for o in self.owned.values() {
-            for holder in o.forks.values() {
-                if *holder != self.me {
-                    *counted.entry(*holder).or_insert(0) += 1;
+            for &(_, holder) in &o.forks {
+                if holder != self.me {
+                    *counted.entry(holder).or_insert(0) += 1;
                 }
             }
         }

@@ -131,7 +131,7 @@ impl<B: Payload> Endpoint<B> {
                 if kept.is_err() && token.from != self.me {
                     // The creator learns that no value exists and sends no delete for its
                     // fork (the reference's own id): forget it, or the record stays forever.
-                    forgotten = o.forks.remove(&rref);
+                    forgotten = o.forks.remove(&(rref, token.from)).then_some(token.from);
                 }
                 o.state = Some(kept.clone());
                 std::mem::take(&mut o.fetches)

@@ -75,16 +75,11 @@ impl<B: Payload> Endpoint<B> {
                 let upto = self.created_upto.entry(from).or_default();
                 *upto = (*upto).max(rref.local);
                 let o = self.owned.entry(rref).or_default();
-                // The creator's own fork is the creator's: a fork request that overtook the
-                // creation naming it came from someone else, who is judged below.
-                let previous = o.forks.insert(fork, from);
-                if previous != Some(from) {
-                    self.uncount_reference(previous);
-                    self.count_reference(from, true);
-                }
+                let new = o.forks.insert((fork, from));
+                self.count_reference(from, new);
                 // Fork requests that overtook the creation are checked before the value
                 // exists (see `secrets`).
-                self.settle_claims(rref, (fork, from), secret, now);
+                self.settle_claims(rref, secret, now);
                 let token = RequestToken {
                     from,
                     id,
@@ -149,9 +144,9 @@ impl<B: Payload> Endpoint<B> {
                     });
                     if o.secret.is_none() {
                         // Checked when the creation arrives.
-                        o.claims.insert(fork, (secret, from));
+                        o.claims.insert((fork, from), secret);
                     }
-                    let new = o.forks.insert(fork, from).is_none();
+                    let new = o.forks.insert((fork, from));
                     self.count_reference(from, new);
                 }
                 self.ack(from, id);
@@ -174,11 +169,11 @@ impl<B: Payload> Endpoint<B> {
                 fork,
             } => {
                 if self.first_time(from, id, floor) {
-                    let holder = self
+                    let removed = self
                         .owned
                         .get_mut(&rref)
-                        .and_then(|o| o.forks.remove(&fork));
-                    self.uncount_reference(holder);
+                        .is_some_and(|o| o.forks.remove(&(fork, from)));
+                    self.uncount_reference(removed.then_some(from));
                     self.maybe_release(rref);
                 }
                 self.ack(from, id);
@@ -285,15 +280,23 @@ impl<B: Payload> Endpoint<B> {
                 }
                 Ok(())
             }
-            // A fork is registered by the worker it was made for; a resent request comes from
-            // that same worker.
+            // Forks are registered per holder, so a claim of a fork id someone else holds only
+            // registers the claimant's own entry (first come does not take it: that would let
+            // a peer that guessed the next id get the honest child dropped). Two things are
+            // wrong whatever the order: a request for the creator's own fork (the reference's
+            // id) from anyone else, and a delete of a fork only another worker holds.
             Header::UserDelete { rref, fork, .. } | Header::ForkRequest { rref, fork, .. } => {
-                match self.owned.get(&rref).and_then(|o| o.forks.get(&fork)) {
-                    Some(&holder) if holder != from => {
-                        return Err(ProtocolViolation::ForeignFork { rref, fork, holder });
+                if fork == rref && from != rref.created_on {
+                    let holder = rref.created_on;
+                    return Err(ProtocolViolation::ForeignFork { rref, fork, holder });
+                }
+                if let (Header::UserDelete { .. }, Some(o)) = (header, self.owned.get(&rref)) {
+                    if !o.forks.contains(&(fork, from)) {
+                        // Held by others only, or forgotten already (a failed creation's fork).
+                        if let Some(&(_, holder)) = o.forks.iter().find(|(f, _)| *f == fork) {
+                            return Err(ProtocolViolation::ForeignFork { rref, fork, holder });
+                        }
                     }
-                    // Held by the sender, or forgotten already (a failed creation's fork).
-                    _ => {}
                 }
                 // Only a worker given the reference knows its capability (see `secrets`).
                 if let Header::ForkRequest { secret, .. } = *header {
@@ -302,7 +305,7 @@ impl<B: Payload> Endpoint<B> {
                 let known = self
                     .owned
                     .get(&rref)
-                    .is_some_and(|o| o.forks.contains_key(&fork));
+                    .is_some_and(|o| o.forks.contains(&(fork, from)));
                 let limit = self.config.references_per_peer;
                 if matches!(header, Header::ForkRequest { .. })
                     && !known
@@ -357,8 +360,7 @@ impl<B: Payload> Endpoint<B> {
         let creators_own = fork == rref && rref.created_on == from;
         let holds = match self.owned.get(&rref) {
             Some(o) => {
-                o.forks.get(&fork) == Some(&from)
-                    || (creators_own && matches!(o.state, Some(Err(_))))
+                o.forks.contains(&(fork, from)) || (creators_own && matches!(o.state, Some(Err(_))))
             }
             None => creators_own,
         };
@@ -515,7 +517,8 @@ impl<B: Payload> Endpoint<B> {
         for rref in rrefs {
             let mut waiting = Vec::new();
             if let Some(o) = self.owned.get_mut(&rref) {
-                o.forks.retain(|_, holder| *holder != peer);
+                o.forks.retain(|&(_, holder)| holder != peer);
+                o.claims.retain(|&(_, sender), _| sender != peer);
                 o.fetches.retain(|(from, _, _)| *from != peer);
                 if o.state.is_none() && rref.created_on == peer {
                     // Its creator is gone before its creation arrived (a placeholder made by a

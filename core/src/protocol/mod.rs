@@ -643,8 +643,11 @@ pub struct RRefHandle {
 /// The owner's record of one of its references.
 #[derive(Debug, Default)]
 struct Owned {
-    /// Each fork, and the worker that holds it (dropped when that worker is lost).
-    forks: HashMap<ForkId, WorkerId>,
+    /// Each fork with the worker that holds it (dropped when that worker is lost). A fork is
+    /// registered per holder: a peer that names a fork id another worker holds (ids are easy
+    /// to guess) registers its own entry, counted against its own bound, and can never take,
+    /// release or block the other's.
+    forks: HashSet<(ForkId, WorkerId)>,
     local_handles: u32,
     /// `None` while the value is being created; `Some(Ok)` once kept; `Some(Err)` if that failed.
     state: Option<Result<(), RemoteError>>,
@@ -652,9 +655,9 @@ struct Owned {
     fetches: Vec<(WorkerId, MessageId, Option<Instant>)>,
     /// The reference's capability; `None` until its creation arrives.
     secret: Option<RRefSecret>,
-    /// Before then, the capability each fork request presented and who sent it, checked on
-    /// the creation.
-    claims: HashMap<ForkId, (RRefSecret, WorkerId)>,
+    /// Before then, the capability each fork request presented, by fork and sender, checked
+    /// on the creation (one per fork registration, so bounded with them).
+    claims: HashMap<(ForkId, WorkerId), RRefSecret>,
 }
 
 /// A user's record of one fork.

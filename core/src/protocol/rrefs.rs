@@ -171,15 +171,12 @@ impl<B: Payload> Endpoint<B> {
         // Otherwise only a fresh fork for a third worker registered anything: as the owner,
         // the fork in the reference's record; as a user, a pending child.
         if data.owner == self.me {
-            let holder = if data.fork != data.rref {
-                self.owned
+            let registered = data.fork != data.rref
+                && self
+                    .owned
                     .get_mut(&data.rref)
-                    .and_then(|o| o.forks.remove(&data.fork))
-            } else {
-                None
-            };
-            let registered = holder.is_some();
-            self.uncount_reference(holder);
+                    .is_some_and(|o| o.forks.remove(&(data.fork, to)));
+            self.uncount_reference(registered.then_some(to));
             if registered {
                 self.maybe_release(data.rref);
             }
@@ -235,7 +232,7 @@ impl<B: Payload> Endpoint<B> {
         if handle.owner == me {
             // The owner registers the fork at once: the receiver starts confirmed.
             if let Some(o) = self.owned.get_mut(&handle.rref) {
-                let new = o.forks.insert(fork, to).is_none();
+                let new = o.forks.insert((fork, to));
                 self.count_reference(to, new);
             }
         } else if let Some(u) = self.used.get_mut(&handle.fork) {

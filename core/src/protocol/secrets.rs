@@ -92,36 +92,20 @@ impl<B: Payload> Endpoint<B> {
         }
     }
 
-    /// The creation of `rref` arrived from `creator` with its capability `secret` and the
-    /// creator's own fork `creator_fork`: the fork requests that came before it are checked,
-    /// and the sender of each forged one is handled as lost (its forks, fetches and calls
-    /// dropped, so nothing is served to it) and reported. A claim is judged by who sent it,
-    /// never by who holds the fork now: one that named the creator's own fork (whatever
-    /// capability it presented) was another worker's, and it is the claimant who is dropped.
-    pub(super) fn settle_claims(
-        &mut self,
-        rref: RRefId,
-        (creator_fork, creator): (ForkId, WorkerId),
-        secret: RRefSecret,
-        now: Instant,
-    ) {
+    /// The creation of `rref` arrived with its capability `secret`: the fork requests that
+    /// came before it are checked, and the sender of each forged one is handled as lost (its
+    /// forks, fetches and calls dropped, so nothing is served to it) and reported. Each claim
+    /// is judged by its own sender and capability; claims of the creator's own fork by anyone
+    /// else never get here (`check_message` refuses them whatever the order).
+    pub(super) fn settle_claims(&mut self, rref: RRefId, secret: RRefSecret, now: Instant) {
         let Some(o) = self.owned.get_mut(&rref) else {
             return;
         };
         o.secret = Some(secret);
         let claims = std::mem::take(&mut o.claims);
         let mut forged = Vec::new();
-        for (fork, (claim, sender)) in claims {
-            if sender == creator && fork == creator_fork {
-                continue;
-            }
-            if fork == creator_fork {
-                let holder = creator;
-                forged.push((
-                    sender,
-                    ProtocolViolation::ForeignFork { rref, fork, holder },
-                ));
-            } else if !same(claim, secret) {
+        for ((fork, sender), claim) in claims {
+            if !same(claim, secret) {
                 forged.push((sender, ProtocolViolation::ForgedFork { rref, fork, sender }));
             }
         }

@@ -198,6 +198,28 @@ impl Sim {
         self.pump();
     }
 
+    /// Hands `to` a message forged by `from` and takes its acknowledgement off the link (the
+    /// forger's endpoint never sent it, so it would be a violation there).
+    fn forge(
+        &mut self,
+        from: WorkerId,
+        to: WorkerId,
+        header: Header,
+    ) -> Result<(), ProtocolViolation> {
+        let id = match header {
+            Header::ForkRequest { id, .. } | Header::UserDelete { id, .. } => Some(id),
+            _ => None,
+        };
+        let now = self.clock.now();
+        let result = self.ep(to).handle_message(from, header, None, now);
+        self.pump();
+        self.links.take_where(
+            (to, from),
+            |t| matches!(t.header, Header::Ack { id: acked } if Some(acked) == id),
+        );
+        result
+    }
+
     /// Delivers the next message on one link; returns false when that link is empty.
     fn deliver(&mut self, from: WorkerId, to: WorkerId) -> bool {
         let Some(t) = self.links.pop((from, to)) else {
@@ -836,8 +858,8 @@ fn a_peer_can_neither_recreate_another_workers_reference_nor_claim_its_fork() {
             Err(ProtocolViolation::RepeatedCreation { .. })
         ));
     }
-    // Another worker (here 0, the creator: it knows the capability) claims worker 2's fork,
-    // then deletes it.
+    // Another worker (here 0, the creator: it knows the capability) claims worker 2's fork:
+    // that registers an entry of its own, which it may delete; worker 2's stays.
     let claim = Header::ForkRequest {
         secret: data.secret,
         id: 5,
@@ -845,21 +867,27 @@ fn a_peer_can_neither_recreate_another_workers_reference_nor_claim_its_fork() {
         rref: h.rref,
         fork: on2.fork,
     };
+    assert_eq!(s.forge(0, 1, claim), Ok(()));
     assert_eq!(
-        s.ep(1).handle_message(0, claim, None, now),
+        s.ep(1).owner_fork_count(h.rref),
+        Some(forks_before.unwrap() + 1)
+    );
+    let delete = |id| Header::UserDelete {
+        id,
+        floor: id,
+        rref: h.rref,
+        fork: on2.fork,
+    };
+    assert_eq!(s.forge(0, 1, delete(6)), Ok(()));
+    // Deleting it again speaks for worker 2's entry alone.
+    assert_eq!(
+        s.forge(0, 1, delete(7)),
         Err(ProtocolViolation::ForeignFork {
             rref: h.rref,
             fork: on2.fork,
             holder: 2
         })
     );
-    let delete = Header::UserDelete {
-        id: 6,
-        floor: 6,
-        rref: h.rref,
-        fork: on2.fork,
-    };
-    assert!(s.ep(1).handle_message(0, delete, None, now).is_err());
     s.pump();
     assert_eq!(s.ep(1).owner_fork_count(h.rref), forks_before);
     assert!(s.released.is_empty(), "nothing was freed under its holders");
@@ -2392,8 +2420,8 @@ fn a_forged_fork_request_before_the_creation_drops_its_sender_when_the_creation_
 }
 
 /// A forged fork request that overtakes the creation and names the creator's own fork (its id
-/// is the reference's, easy to guess) is its sender's violation: the creator, whose creation
-/// takes that fork back, is not blamed, and none of its values is freed. (Found by the
+/// is the reference's, easy to guess) is its sender's violation, refused at once: the creator
+/// is not blamed when its creation arrives, and none of its values is freed. (Found by the
 /// `protocol` fuzz target: the owner judged the claim by the fork's holder after the creation,
 /// which was the creator, and dropped the honest creator.)
 #[test]
@@ -2405,7 +2433,8 @@ fn a_forged_claim_of_the_creators_own_fork_drops_the_forger_not_the_creator() {
     s.drain();
     let (h, _) = s.ep(0).remote(1, "make", b"new".to_vec(), T, now).unwrap();
     s.pump();
-    // Worker 2 claims the new reference's first fork (the creator's) before the creation.
+    // Worker 2 claims the new reference's first fork (the creator's) before the creation: that
+    // is wrong whatever the order, so it is refused at once.
     let forged = Header::ForkRequest {
         id: 1,
         floor: 1,
@@ -2413,17 +2442,16 @@ fn a_forged_claim_of_the_creators_own_fork_drops_the_forger_not_the_creator() {
         fork: h.fork,
         secret: 9,
     };
-    assert_eq!(s.ep(1).handle_message(2, forged, None, now), Ok(()));
-    s.pump();
-    let _ack = s.links.pop((1, 2));
+    assert_eq!(
+        s.ep(1).handle_message(2, forged, None, now),
+        Err(ProtocolViolation::ForeignFork {
+            rref: h.rref,
+            fork: h.fork,
+            holder: 0,
+        })
+    );
     // The creation arrives.
     s.drain();
-    let violation = ProtocolViolation::ForeignFork {
-        rref: h.rref,
-        fork: h.fork,
-        holder: 0,
-    };
-    assert_eq!(s.misbehaved, vec![(1, 2, violation)]);
     assert_eq!(s.ep(1).lost_cause(0), None, "the honest creator was blamed");
     assert!(s.released.is_empty(), "a value was freed under its holder");
     assert_eq!(s.ep(1).owner_fork_count(h.rref), Some(1));
@@ -2432,5 +2460,90 @@ fn a_forged_claim_of_the_creators_own_fork_drops_the_forger_not_the_creator() {
         let f = s.ep(0).fetch(handle, T, now).unwrap();
         s.drain();
         assert_eq!(s.outcome(0, f), Some(&Ok(want.to_vec())));
+    }
+}
+
+/// A holder that claims the fork made for an honest third worker before that worker's own
+/// request arrives (fork ids are easy to guess: the next number of the parent) takes nothing
+/// from it, before the creation and after: the honest child is registered and served, no one
+/// is reported, and the claimant's deletes release only its own entry. (Before, the first
+/// claim took the fork and the honest child's request was its `ForeignFork`: the honest
+/// worker was dropped.)
+#[test]
+fn a_claim_of_an_honest_childs_fork_that_comes_first_takes_nothing_from_it() {
+    for before_creation in [true, false] {
+        let mut s = Sim::new(4);
+        let now = s.clock.now();
+        let (h, _) = s
+            .ep(0)
+            .remote(1, "make", b"honest".to_vec(), T, now)
+            .unwrap();
+        if !before_creation {
+            s.drain();
+        }
+        // Worker 3 is a holder (it knows the capability); worker 2 gets a fork after it.
+        let to3 = s.ep(0).fork_for(h, 3).unwrap();
+        let on3 = s.ep(3).accept_fork(to3, now);
+        let to2 = s.ep(0).fork_for(h, 2).unwrap();
+        s.pump();
+        // 3's own request reaches the owner, then its claim of 2's fork.
+        assert!(s.deliver(3, 1));
+        let claim = Header::ForkRequest {
+            id: 100,
+            // A floor of 0 leaves worker 3's own later messages their ids.
+            floor: 0,
+            rref: h.rref,
+            fork: to2.fork,
+            secret: to2.secret,
+        };
+        assert_eq!(s.forge(3, 1, claim), Ok(()));
+        // Worker 2's own request and fetch come after.
+        let on2 = s.ep(2).accept_fork(to2, now);
+        let f2 = s.ep(2).fetch(on2, T, now).unwrap();
+        s.pump();
+        assert!(s.deliver(2, 1) && s.deliver(2, 1));
+        s.drain();
+        assert!(
+            s.misbehaved.is_empty(),
+            "{before_creation}: {:?}",
+            s.misbehaved
+        );
+        assert_eq!(s.ep(1).lost_cause(2), None, "{before_creation}");
+        assert_eq!(s.outcome(2, f2), Some(&Ok(b"honest".to_vec())));
+        // 3 deletes its claimed entry (its own), then tries to delete 2's.
+        let delete = |id| Header::UserDelete {
+            id,
+            floor: 0,
+            rref: h.rref,
+            fork: to2.fork,
+        };
+        assert_eq!(s.forge(3, 1, delete(101)), Ok(()));
+        assert_eq!(
+            s.forge(3, 1, delete(102)),
+            Err(ProtocolViolation::ForeignFork {
+                rref: h.rref,
+                fork: to2.fork,
+                holder: 2
+            })
+        );
+        // Everyone else lets go: the value stays until worker 2 does too.
+        s.ep(0).drop_handle(h, now);
+        s.ep(3).drop_handle(on3, now);
+        s.drain();
+        assert!(
+            s.released.is_empty(),
+            "{before_creation}: freed under worker 2"
+        );
+        let f2 = s.ep(2).fetch(on2, T, now).unwrap();
+        s.drain();
+        assert_eq!(s.outcome(2, f2), Some(&Ok(b"honest".to_vec())));
+        s.ep(2).drop_handle(on2, now);
+        s.drain();
+        assert_eq!(
+            s.released.len(),
+            1,
+            "{before_creation}: released once at the end"
+        );
+        assert!(s.ep(1).reference_counts_agree());
     }
 }

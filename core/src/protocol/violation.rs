@@ -143,7 +143,12 @@ pub enum ProtocolViolation {
         /// The worker that sent it.
         sender: WorkerId,
     },
-    /// A delete, fork request or child-accept for a fork that another worker holds.
+    /// A message for a fork that another worker holds: a fork request or delete naming the
+    /// creator's own fork (the reference's id) from anyone else, a delete of a fork only
+    /// others hold, a child-accept for a child made for another worker, an abandonment of a
+    /// reference someone else created. (A fork request naming a fork id that another worker
+    /// holds is not one: forks are registered per holder, so it registers the sender's own
+    /// entry and takes nothing from the other, whichever arrives first.)
     #[error("it spoke for fork {fork} of remote reference {rref}, which worker {holder} holds")]
     ForeignFork {
         /// The reference.
