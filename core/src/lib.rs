@@ -29,6 +29,7 @@
 
 pub mod auth;
 pub mod autograd;
+pub mod capability;
 pub mod collective;
 pub mod device;
 pub mod devices_sim;

@@ -6,6 +6,7 @@
 use super::*;
 use std::time::Instant;
 use tensorwire_core::autograd::ProtocolViolation;
+use tensorwire_core::capability::Capability;
 use tensorwire_core::protocol::ProtocolViolation as CoreViolation;
 
 /// What the driver does after the state machine spoke, outside the lock.
@@ -75,10 +76,14 @@ impl<E: AutogradEngine> Inner<E> {
             .iter()
             .map(|t| self.engine.requires_grad(t))
             .collect();
+        let mut sh = self.lock();
+        let capability = sh
+            .state
+            .capability(context)
+            .ok_or(AutogradError::UnknownContext(context))?;
         let message = if tensors.is_empty() && !force {
             None
         } else {
-            let mut sh = self.lock();
             let m = sh.state.record_send(context, to)?;
             sh.data
                 .entry(context)
@@ -87,8 +92,10 @@ impl<E: AutogradEngine> Inner<E> {
                 .insert(m, tensors.to_vec());
             Some(m)
         };
+        drop(sh);
         Ok(ForwardRequest {
             context,
+            capability,
             message,
             tensors: wire,
             requires_grad,
@@ -107,7 +114,7 @@ impl<E: AutogradEngine> Inner<E> {
             Some(m) => {
                 self.track(
                     caller,
-                    context_id,
+                    (context_id, req.capability),
                     m,
                     tensors,
                     requires_grad,
@@ -140,7 +147,7 @@ impl<E: AutogradEngine> Inner<E> {
     pub(super) async fn track(
         &self,
         from: WorkerId,
-        context: ContextId,
+        (context, capability): (ContextId, Capability),
         message: AutogradMessageId,
         tensors: &[Tensor],
         requires_grad: &[bool],
@@ -163,7 +170,7 @@ impl<E: AutogradEngine> Inner<E> {
             tracked.push(self.engine.import(&host, grad).map_err(|e| e.to_string())?);
         }
         let mut sh = self.lock();
-        match sh.state.handle_recv(from, context, message) {
+        match sh.state.handle_recv(from, context, capability, message) {
             Ok(()) => {}
             Err(RecvError::Violation(v)) => {
                 drop(sh);

@@ -92,6 +92,7 @@ use tensorwire_core::autograd::{
     AutogradError, AutogradMessageId, BackwardError, ContextId, DistAutograd as State, Entry,
     GradientId, Output, RecvError, RequestToken, Root, TaskId,
 };
+use tensorwire_core::capability::Capability;
 use tensorwire_core::device::Device;
 use tensorwire_core::placement::Direction;
 use tensorwire_core::ports::autograd::{AutogradEngine, EngineError, LeafGradients};
@@ -163,6 +164,9 @@ pub enum DistAutogradError {
 #[derive(Serialize, Deserialize)]
 struct ForwardRequest<A> {
     context: ContextId,
+    /// The context's capability: only the workers it was passed to know it, and the callee
+    /// checks it (`tensorwire_core::autograd::DistAutograd::handle_recv`).
+    capability: Capability,
     message: Option<AutogradMessageId>,
     tensors: Vec<Tensor>,
     /// One per tensor: whether it required grad on the sender. Only those get a recv
@@ -177,6 +181,7 @@ impl<A> ForwardRequest<A> {
     fn received(&self) -> Received<'_> {
         Received {
             context: self.context,
+            capability: self.capability,
             message: self.message,
             tensors: &self.tensors,
             requires_grad: &self.requires_grad,
@@ -188,6 +193,7 @@ impl<A> ForwardRequest<A> {
 #[derive(Clone, Copy)]
 struct Received<'a> {
     context: ContextId,
+    capability: Capability,
     message: Option<AutogradMessageId>,
     tensors: &'a [Tensor],
     requires_grad: &'a [bool],
@@ -427,7 +433,15 @@ impl<E: AutogradEngine> DistAutograd<E> {
             agent: agent.clone(),
             engine,
             shared: Mutex::new(Shared {
-                state: State::new(agent.worker_info().id),
+                state: {
+                    // The key of the capabilities of the contexts made here: real entropy,
+                    // so that no peer can compute them.
+                    let mut state = State::new(agent.worker_info().id);
+                    let mut key = [0u8; 32];
+                    rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut key);
+                    state.set_secret_key(key);
+                    state
+                },
                 data: HashMap::new(),
                 roots: HashMap::new(),
                 requests: HashMap::new(),
@@ -860,11 +874,13 @@ impl<E: AutogradEngine> AutogradContext<E> {
         let span = self.span.clone();
         Box::pin(async move {
             let resp = fut.instrument(span).await?;
+            // The answer to our own call presents the capability we hold.
+            let capability = inner.lock().state.capability(id).unwrap_or_default();
             let tracked = match resp.message {
                 Some(m) => inner
                     .track(
                         callee,
-                        id,
+                        (id, capability),
                         m,
                         &resp.tensors,
                         &resp.requires_grad,

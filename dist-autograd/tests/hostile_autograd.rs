@@ -1,9 +1,9 @@
 //! A hostile peer (`tensorwire_testkit::hostile`) joins a static group for real and sends its
 //! victim, in the agent's own envelope, a message it has no right to send: the distributed
 //! autograd messages (a gradient or a release for a context it has no part in, a forward call
-//! in a context forged under the victim's id or under a message id not its own). (The RPC
-//! protocol's own messages are `rpc/tests/hostile_peer.rs`'s.) Over TCP, shared memory and
-//! QUIC, each test checks that:
+//! under a message id not its own, a forward call in a context it guessed followed by a
+//! release of it). (The RPC protocol's own messages are `rpc/tests/hostile_peer.rs`'s.) Over
+//! TCP, shared memory and QUIC, each test checks that:
 //!
 //! - the victim drops the hostile peer as misbehaved, naming the violation, and its calls to it
 //!   fail naming the cause;
@@ -214,6 +214,7 @@ struct ReleaseRequest {
 #[derive(Serialize)]
 struct ForwardRequest {
     context: ContextId,
+    capability: u128,
     message: Option<AutogradMessageId>,
     tensors: Vec<Tensor>,
     requires_grad: Vec<bool>,
@@ -232,8 +233,13 @@ enum Attack {
     GradientForUnknownContext,
     /// A release of the honest worker's context, which it has no part in.
     ReleaseOfAnothersContext,
-    /// A forward call in a context forged under the victim's id.
-    ContextForgedUnderTheVictimsId,
+    /// A forward call in a context forged under the victim's id (refused, the sender stays:
+    /// an honest worker may pass a forged context on), then one in the honest worker's context
+    /// that the victim holds, with a guessed capability (refused alike, and it does not join
+    /// it), then a release of that context (the violation: it is not in it). Before
+    /// capabilities, the second joined the context and the release dropped it on the victim
+    /// and on the honest worker.
+    JoinAHeldContextThenReleaseIt,
     /// A forward call whose autograd message id carries another worker's id.
     MessageIdOfAnotherWorker,
 }
@@ -251,10 +257,27 @@ fn body<T: Serialize>(value: &T) -> Option<Bytes> {
 }
 
 fn call(function: &str) -> Header {
+    call_as(FORGED_ID, function)
+}
+
+fn call_as(id: u64, function: &str) -> Header {
     Header::Call {
-        id: FORGED_ID,
+        id,
         function: function.into(),
         timeout: T,
+    }
+}
+
+/// The hostile worker's call `id` is answered with an error whose text contains `names`.
+async fn refused(hostile: &tensorwire_testkit::hostile::HostilePeer, id: u64, names: &str) {
+    let reply = hostile
+        .heard(|h| matches!(h, Header::Reply { id: r, .. } if *r == id))
+        .await;
+    match reply {
+        Header::Reply {
+            outcome: Err(e), ..
+        } => assert!(e.message.contains(names), "{names:?} not in: {}", e.message),
+        other => panic!("call {id} was answered with {other:?}, not refused"),
     }
 }
 
@@ -361,6 +384,7 @@ async fn run(net: Net, attack: Attack) {
             let message = AutogradMessageId::new(HOSTILE, 0);
             let req = ForwardRequest {
                 context,
+                capability: 0,
                 message: Some(message),
                 tensors: Vec::new(),
                 requires_grad: vec![true],
@@ -380,22 +404,50 @@ async fn run(net: Net, attack: Attack) {
                 })
             })
         }
-        Attack::ContextForgedUnderTheVictimsId => {
-            let context = ContextId::new(VICTIM, 1 << 20);
-            let req = ForwardRequest {
+        Attack::JoinAHeldContextThenReleaseIt => {
+            let forward = |context, capability, message| ForwardRequest {
                 context,
-                message: Some(AutogradMessageId::new(HOSTILE, 0)),
+                capability,
+                message: Some(message),
                 tensors: Vec::new(),
                 requires_grad: Vec::new(),
                 args: (),
             };
+            let hop = "__tw_autograd/fn/hop";
+            // The answers to the forged calls are the test's, not the hostile agent's.
+            hostile.swallow(|h| matches!(h, Header::Reply { id, .. } if *id >= FORGED_ID));
+            let never = forward(
+                ContextId::new(VICTIM, 1 << 20),
+                0,
+                AutogradMessageId::new(HOSTILE, 1 << 20),
+            );
+            hostile
+                .send(to, &call_as(FORGED_ID, hop), body(&never))
+                .await
+                .unwrap();
+            refused(&hostile, FORGED_ID, "never made").await;
+            let join = forward(kept.id(), 7, AutogradMessageId::new(HOSTILE, (1 << 20) + 1));
+            hostile
+                .send(to, &call_as(FORGED_ID + 1, hop), body(&join))
+                .await
+                .unwrap();
+            refused(&hostile, FORGED_ID + 1, "capability").await;
+            let req = ReleaseRequest {
+                context: kept.id(),
+                cause: None,
+            };
             violating(
                 hostile
-                    .send(to, &call("__tw_autograd/fn/hop"), body(&req))
+                    .send(
+                        to,
+                        &call_as(FORGED_ID + 2, "__tw_autograd/release"),
+                        body(&req),
+                    )
                     .await,
             );
+            let context = kept.id();
             Box::new(move |v| {
-                *v == ProtocolViolation::Autograd(AutogradViolation::ForgedContext {
+                *v == ProtocolViolation::Autograd(AutogradViolation::NotInContext {
                     from: HOSTILE,
                     context,
                 })
@@ -406,6 +458,7 @@ async fn run(net: Net, attack: Attack) {
             let message = AutogradMessageId::new(1, 7);
             let req = ForwardRequest {
                 context,
+                capability: 0,
                 message: Some(message),
                 tensors: Vec::new(),
                 requires_grad: Vec::new(),
@@ -511,7 +564,7 @@ table! {
     a_gradient_in_a_context_it_has_no_part_in_drops_it => GradientOutsideItsContext,
     a_gradient_for_a_context_never_made_drops_it => GradientForUnknownContext,
     a_release_of_another_workers_context_drops_it => ReleaseOfAnothersContext,
-    a_context_forged_under_the_victims_id_drops_it => ContextForgedUnderTheVictimsId,
+    a_forward_in_a_guessed_context_joins_nothing_and_its_release_drops_it => JoinAHeldContextThenReleaseIt,
     an_autograd_message_id_of_another_worker_drops_it => MessageIdOfAnotherWorker,
     requires_grad_flags_that_do_not_match_the_tensors_drop_it => MismatchedFlags,
 }

@@ -1,6 +1,6 @@
 //! Fuzzes distributed autograd's messages from a hostile peer, decoded as the RPC layer
 //! decodes their bodies (postcard: a gradient request's `(context, message)`, a recv's
-//! `(context, message)`, a release's `(context, cause)`, a gradient reply's
+//! `(context, message, capability)`, a release's `(context, cause)`, a gradient reply's
 //! `Result<(), BackwardError>`) and applied to core's state machine (`DistAutograd`).
 //!
 //! Worker 0 (under test) shares a context with an honest worker 1 and the hostile worker 2
@@ -12,6 +12,8 @@
 //! - a message refused as a protocol violation leaves the state exactly as it was (contexts,
 //!   their records and known workers, running tasks, late gradients) and makes no output;
 //! - the send records of a context (what worker 0 sent) never change while it lives;
+//! - worker 2 never joins the context it was not given (it does not know its capability; it
+//!   knows the shared one's, and the input picks whether it presents that one or a guess);
 //! - outputs are sane: a gradient goes to the worker that sent the message, a reply answers
 //!   an accepted request that was not answered before, a release never goes to worker 0;
 //! - in the end, once every local run is over and every gradient request of worker 0 is
@@ -134,13 +136,15 @@ fuzz_target!(|data: &[u8]| {
     let shared = a.new_context().unwrap();
     a.record_send(shared, 1).unwrap();
     a.record_send(shared, HOSTILE).unwrap();
-    a.handle_recv(1, shared, AutogradMessageId::new(1, 0))
+    let known = a.capability(shared).unwrap();
+    a.handle_recv(1, shared, known, AutogradMessageId::new(1, 0))
         .unwrap();
-    a.handle_recv(HOSTILE, shared, AutogradMessageId::new(HOSTILE, 0))
+    a.handle_recv(HOSTILE, shared, known, AutogradMessageId::new(HOSTILE, 0))
         .unwrap();
     let private = a.new_context().unwrap();
     a.record_send(private, 1).unwrap();
-    a.handle_recv(1, private, AutogradMessageId::new(1, 1))
+    let secret = a.capability(private).unwrap();
+    a.handle_recv(1, private, secret, AutogradMessageId::new(1, 1))
         .unwrap();
     let mut sends = BTreeMap::new();
     for c in [shared, private] {
@@ -181,14 +185,21 @@ fuzz_target!(|data: &[u8]| {
                 }
             }
             1 => {
-                let Ok((c, m)) =
-                    postcard::from_bytes::<(ContextId, AutogradMessageId)>(chunk(&mut rest))
+                let Ok((c, m, guess)) =
+                    postcard::from_bytes::<(ContextId, AutogradMessageId, Option<u128>)>(chunk(
+                        &mut rest,
+                    ))
                 else {
                     continue;
                 };
-                match d.a.handle_recv(HOSTILE, c, m) {
+                let capability = guess.unwrap_or(known);
+                match d.a.handle_recv(HOSTILE, c, capability, m) {
                     Ok(()) => {
                         assert_eq!(m.worker(), HOSTILE, "a recv under another worker's id");
+                        assert!(
+                            c != private || capability == secret,
+                            "worker 2 joined a context it was never given"
+                        );
                         if !d.sends.contains_key(&c) {
                             d.sends.insert(c, d.a.send_records(c));
                         }

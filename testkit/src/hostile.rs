@@ -80,6 +80,8 @@ struct Shared {
     linked: Notify,
     /// Messages of the hostile worker's own agent that are not sent.
     withhold: Mutex<Option<Filter>>,
+    /// Messages the members send it that its agent never sees (answers to forged calls).
+    swallow: Mutex<Option<Filter>>,
     /// The headers of the messages the members sent it, in the order they arrived.
     heard: Mutex<Vec<Header>>,
     /// Woken when one is recorded.
@@ -220,6 +222,17 @@ impl HostilePeer {
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = Some(Box::new(filter));
     }
+
+    /// From now on, messages the members send it for which `filter` is true are heard (see
+    /// [`heard`](Self::heard)) but not handed to its own agent: the answer to a call the test
+    /// forged would be a reply its agent never asked for. Replaces an earlier filter.
+    pub fn swallow(&self, filter: impl Fn(&Header) -> bool + Send + Sync + 'static) {
+        *self
+            .shared
+            .swallow
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Box::new(filter));
+    }
 }
 
 /// A transport wrapper for the hostile worker: it records the connections other members
@@ -340,9 +353,24 @@ impl Connection for HostileConnection {
     }
 
     async fn recv(&self) -> Result<Frame, TransportError> {
-        let frame = self.inner.recv().await?;
+        loop {
+            let frame = self.inner.recv().await?;
+            if !self.swallowed(&frame) {
+                return Ok(frame);
+            }
+        }
+    }
+
+    async fn close(&self) -> Result<(), TransportError> {
+        self.inner.close().await
+    }
+}
+
+impl HostileConnection {
+    /// Records what `frame` says; true when the agent must not see it.
+    fn swallowed(&self, frame: &Frame) -> bool {
         if !self.greeted.swap(true, Ordering::AcqRel) {
-            if let Ok(hello) = Hello::from_frame(&frame) {
+            if let Ok(hello) = Hello::from_frame(frame) {
                 self.shared
                     .links
                     .lock()
@@ -350,21 +378,28 @@ impl Connection for HostileConnection {
                     .insert(hello.rank, Arc::clone(&self.inner));
                 self.shared.linked.notify_waiters();
             }
-        } else if frame.kind == FrameKind::Message {
-            if let Ok((header, _)) = tensorwire_rpc::fuzzing::decode_message(frame.clone(), 0) {
-                self.shared
-                    .heard
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push(header);
-                self.shared.heard_more.notify_waiters();
-            }
+            return false;
         }
-        Ok(frame)
-    }
-
-    async fn close(&self) -> Result<(), TransportError> {
-        self.inner.close().await
+        if frame.kind != FrameKind::Message {
+            return false;
+        }
+        let Ok((header, _)) = tensorwire_rpc::fuzzing::decode_message(frame.clone(), 0) else {
+            return false;
+        };
+        let swallow = self
+            .shared
+            .swallow
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .is_some_and(|f| f(&header));
+        self.shared
+            .heard
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(header);
+        self.shared.heard_more.notify_waiters();
+        swallow
     }
 }
 

@@ -158,6 +158,32 @@ pub enum RecvError {
         /// The context.
         context: ContextId,
     },
+    /// The message is in a context that carries this worker's id but that this worker never
+    /// made. A forgery, but not necessarily the sender's: an honest worker that was called in
+    /// a forged context passes it on to the workers it calls, so the message is refused (the
+    /// call fails with this error) and the sender is not dropped.
+    #[error(
+        "worker {from} sent a message in {context}, a context of this worker's that it never made"
+    )]
+    NeverMade {
+        /// The sender.
+        from: WorkerId,
+        /// The context.
+        context: ContextId,
+    },
+    /// The message presented a capability for `context` other than the one this worker holds
+    /// for it (the creator's own, or the one the first message in it presented here). Only
+    /// the workers a context was passed to know its capability, so one that guessed the id
+    /// cannot join a context this worker holds (and then release it under its members). As
+    /// with [`NeverMade`](Self::NeverMade), the sender may be an honest worker passing on a
+    /// forged context: the message is refused and the sender stays.
+    #[error("worker {from} sent a message in {context} with a capability other than the one this worker holds for it")]
+    WrongCapability {
+        /// The sender.
+        from: WorkerId,
+        /// The context.
+        context: ContextId,
+    },
     /// The message would make this worker hold one more context of another worker's for the
     /// sender, which already made it hold `limit` of them
     /// ([`DistAutograd::set_contexts_per_peer`]). Nothing is recorded; an honest sender gets
@@ -216,16 +242,6 @@ pub enum ProtocolViolation {
         context: ContextId,
         /// The message id it named.
         message: AutogradMessageId,
-    },
-    /// A message in a context that carries this worker's id but that this worker never made.
-    #[error(
-        "worker {from} sent a message in {context}, a context of this worker's that it never made"
-    )]
-    ForgedContext {
-        /// The sender.
-        from: WorkerId,
-        /// The context.
-        context: ContextId,
     },
     /// A forward call or its answer whose requires-grad flags do not match its tensors (one
     /// flag per tensor; an honest sender always sends both).

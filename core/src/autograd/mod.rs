@@ -77,6 +77,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::capability::{derive, same, Capability};
 use crate::name::WorkerId;
 
 /// Bits of a [`ContextId`] or [`AutogradMessageId`] below the worker id.
@@ -338,11 +339,15 @@ struct Context {
     /// The peer whose message made this context here (a context of another worker's, made
     /// by a recv): it counts toward that peer's bound until the context is dropped.
     made_by: Option<WorkerId>,
+    /// Its capability: derived here for a context made here, else the one its first message
+    /// here presented. Every forward message in it carries it ([`DistAutograd::capability`]).
+    capability: Capability,
 }
 
 impl Context {
-    fn new() -> Self {
+    fn new(capability: Capability) -> Self {
         Self {
+            capability,
             made_by: None,
             sends: BTreeMap::new(),
             recvs: BTreeMap::new(),
@@ -414,6 +419,8 @@ pub struct DistAutograd {
     made_by_peer: BTreeMap<WorkerId, usize>,
     /// The bound on them, per peer.
     contexts_per_peer: usize,
+    /// The key of the capabilities of the contexts made here ([`set_secret_key`](Self::set_secret_key)).
+    secret_key: [u8; 32],
     out: VecDeque<Output>,
 }
 
@@ -436,6 +443,7 @@ impl DistAutograd {
             late_gradients: 0,
             made_by_peer: BTreeMap::new(),
             contexts_per_peer: DEFAULT_CONTEXTS_PER_PEER,
+            secret_key: crate::capability::default_key(me),
             out: VecDeque::new(),
         }
     }
@@ -537,8 +545,22 @@ impl DistAutograd {
         }
         let id = ContextId::new(self.me, self.next_context);
         self.next_context += 1;
-        self.contexts.insert(id, Context::new());
+        let capability = derive(&self.secret_key, b"tensorwire autograd context", &[id.0]);
+        self.contexts.insert(id, Context::new(capability));
         Ok(id)
+    }
+
+    /// Sets the key the capabilities of the contexts made here are derived from. The driver
+    /// passes 32 bytes of real entropy (simulations: a seeded generator) before making any
+    /// context; with the default key a peer could compute them.
+    pub fn set_secret_key(&mut self, key: [u8; 32]) {
+        self.secret_key = key;
+    }
+
+    /// The capability of `context`, held here: what every forward message in it carries
+    /// ([`handle_recv`](Self::handle_recv) checks it).
+    pub fn capability(&self, context: ContextId) -> Option<Capability> {
+        self.contexts.get(&context).map(|c| c.capability)
     }
 
     /// Records that a message carrying tracked tensors leaves for `to` in `context`; the message
@@ -622,17 +644,25 @@ impl DistAutograd {
 
     // --- input ---
 
-    /// A message from `from` in `context` carried tracked tensors under `message`: keep a recv
-    /// record (the driver attaches a recv function to them). The context is created here if
-    /// this is its first message, unless it is one of this worker's own: a context made here and
+    /// A message from `from` in `context`, presenting the context's `capability`, carried
+    /// tracked tensors under `message`: keep a recv record (the driver attaches a recv
+    /// function to them). The context is created here if this is its first message (with the
+    /// capability presented), unless it is one of this worker's own: a context made here and
     /// dropped since is not made again ([`RecvError::ContextGone`]), and one never made here is
-    /// a violation ([`ProtocolViolation::ForgedContext`]). A message from a worker already
-    /// declared lost is refused ([`RecvError::PeerLost`]), so that no context is made that its
-    /// loss can no longer drop.
+    /// refused ([`RecvError::NeverMade`]). A message in a context held here must present its
+    /// capability ([`RecvError::WrongCapability`]). A message from a worker already declared
+    /// lost is refused ([`RecvError::PeerLost`]), so that no context is made that its loss can
+    /// no longer drop.
+    ///
+    /// We differ from PyTorch, which trusts every context id: there a worker that guesses an id
+    /// joins the context and can release it under its members. One case is left: a worker
+    /// that guesses an id and reaches another worker before the context's first honest message
+    /// there makes the honest messages in it refused there (a typed error, nobody dropped).
     pub fn handle_recv(
         &mut self,
         from: WorkerId,
         context: ContextId,
+        capability: Capability,
         message: AutogradMessageId,
     ) -> Result<(), RecvError> {
         let bad = ProtocolViolation::BadMessageId {
@@ -654,9 +684,14 @@ impl DistAutograd {
             // Only this worker makes its contexts: one it does not have is either dropped
             // (the message is late) or was never made (forged).
             if context.counter() >= self.next_context {
-                return Err(ProtocolViolation::ForgedContext { from, context }.into());
+                return Err(RecvError::NeverMade { from, context });
             }
             return Err(RecvError::ContextGone { from, context });
+        }
+        if let Some(ctx) = self.contexts.get(&context) {
+            if !same(ctx.capability, capability) {
+                return Err(RecvError::WrongCapability { from, context });
+            }
         }
         if self.lost.contains(&from) || self.lost.contains(&context.worker()) {
             return Err(RecvError::PeerLost { from, context });
@@ -671,7 +706,7 @@ impl DistAutograd {
                 });
             }
             *made += 1;
-            let mut ctx = Context::new();
+            let mut ctx = Context::new(capability);
             ctx.made_by = Some(from);
             self.contexts.insert(context, ctx);
         }

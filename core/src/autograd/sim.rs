@@ -330,9 +330,13 @@ impl Sim {
                 .record_send(context, callee)
                 .expect("context here");
             self.graph(w, context).sends.insert(msg, arg);
+            let capability = self.workers[w as usize]
+                .state
+                .capability(context)
+                .expect("context here");
             if let Err(e) = self.workers[callee as usize]
                 .state
-                .handle_recv(w, context, msg)
+                .handle_recv(w, context, capability, msg)
             {
                 self.fail(&format!("forward recv: {e}"));
             }
@@ -357,7 +361,7 @@ impl Sim {
             self.graph(callee, context).sends.insert(back, result);
             if let Err(e) = self.workers[w as usize]
                 .state
-                .handle_recv(callee, context, back)
+                .handle_recv(callee, context, capability, back)
             {
                 self.fail(&format!("forward recv: {e}"));
             }

@@ -1,6 +1,15 @@
 use super::sim::{self, SimConfig};
 use super::*;
 
+/// The capability of `c` as its creator derives it with the default key (no test sets one).
+fn cap(c: ContextId) -> Capability {
+    derive(
+        &crate::capability::default_key(c.worker()),
+        b"tensorwire autograd context",
+        &[c.0],
+    )
+}
+
 fn drain(s: &mut DistAutograd) -> Vec<Output> {
     std::iter::from_fn(|| s.poll()).collect()
 }
@@ -27,9 +36,9 @@ fn chain() -> (
     let mut b = DistAutograd::new(1);
     let c = a.new_context().unwrap();
     let m1 = a.record_send(c, 1).unwrap();
-    b.handle_recv(0, c, m1).unwrap();
+    b.handle_recv(0, c, cap(c), m1).unwrap();
     let m2 = b.record_send(c, 0).unwrap();
-    a.handle_recv(1, c, m2).unwrap();
+    a.handle_recv(1, c, cap(c), m2).unwrap();
     (a, b, c, m1, m2)
 }
 
@@ -204,7 +213,8 @@ fn the_record_of_dropped_contexts_is_bounded() {
     for i in 0..=GONE_KEPT as u64 {
         let c = ContextId::new(0, i);
         let m = AutogradMessageId::new(1, i);
-        b.handle_recv(0, c, AutogradMessageId::new(0, i)).unwrap();
+        b.handle_recv(0, c, cap(c), AutogradMessageId::new(0, i))
+            .unwrap();
         // b sent m to a in c (a result), so a may send its gradient.
         let sent = b.record_send(c, 0).unwrap();
         assert_eq!(sent, m);
@@ -234,10 +244,10 @@ fn a_lost_peer_fails_the_backward_naming_it_and_drops_the_context() {
     let mut b = DistAutograd::new(1);
     let ctx = a.new_context().unwrap();
     let m1 = a.record_send(ctx, 1).unwrap();
-    b.handle_recv(0, ctx, m1).unwrap();
+    b.handle_recv(0, ctx, cap(ctx), m1).unwrap();
     let m2 = b.record_send(ctx, 2).unwrap();
     let m3 = b.record_send(ctx, 0).unwrap();
-    a.handle_recv(1, ctx, m3).unwrap();
+    a.handle_recv(1, ctx, cap(ctx), m3).unwrap();
     a.backward(ctx, false, &[Root::scalar()]).unwrap();
     let t = task_of(&drain(&mut a));
     a.local_done(t, &[m3]);
@@ -295,11 +305,12 @@ fn a_recv_cannot_make_again_or_forge_a_context_of_this_workers() {
     let mut a = DistAutograd::new(0);
     let c = a.new_context().unwrap();
     a.record_send(c, 1).unwrap();
-    a.handle_recv(1, c, AutogradMessageId::new(1, 0)).unwrap();
+    a.handle_recv(1, c, cap(c), AutogradMessageId::new(1, 0))
+        .unwrap();
     a.release(c).unwrap();
     drain(&mut a);
     assert_eq!(
-        a.handle_recv(1, c, AutogradMessageId::new(1, 1)),
+        a.handle_recv(1, c, cap(c), AutogradMessageId::new(1, 1)),
         Err(RecvError::ContextGone {
             from: 1,
             context: c
@@ -308,20 +319,21 @@ fn a_recv_cannot_make_again_or_forge_a_context_of_this_workers() {
     assert!(!a.has_context(c));
     let never = ContextId::new(0, 7);
     assert_eq!(
-        a.handle_recv(1, never, AutogradMessageId::new(1, 2)),
-        Err(RecvError::Violation(ProtocolViolation::ForgedContext {
+        a.handle_recv(1, never, cap(never), AutogradMessageId::new(1, 2)),
+        Err(RecvError::NeverMade {
             from: 1,
             context: never
-        }))
+        })
     );
     assert!(!a.has_context(never));
     assert!(drain(&mut a).is_empty());
     // A context of this worker's that it still has takes recvs (a cycle back to its maker),
     // and another worker's context is made on its first message.
     let d = a.new_context().unwrap();
-    a.handle_recv(1, d, AutogradMessageId::new(1, 3)).unwrap();
+    a.handle_recv(1, d, cap(d), AutogradMessageId::new(1, 3))
+        .unwrap();
     let theirs = ContextId::new(1, 0);
-    a.handle_recv(1, theirs, AutogradMessageId::new(1, 4))
+    a.handle_recv(1, theirs, cap(theirs), AutogradMessageId::new(1, 4))
         .unwrap();
     assert!(a.has_context(d) && a.has_context(theirs));
 }
@@ -356,11 +368,11 @@ fn violations_are_typed_and_change_nothing() {
     );
     // A recv whose id is not the sender's, or a repeated one.
     assert!(matches!(
-        a.handle_recv(1, c, m1),
+        a.handle_recv(1, c, cap(c), m1),
         Err(RecvError::Violation(ProtocolViolation::BadMessageId { .. }))
     ));
     assert!(matches!(
-        a.handle_recv(1, c, m2),
+        a.handle_recv(1, c, cap(c), m2),
         Err(RecvError::Violation(ProtocolViolation::BadMessageId { .. }))
     ));
     assert_eq!(
@@ -424,11 +436,11 @@ fn a_backward_failing_on_a_remote_worker_leaves_the_context_usable() {
     let mut c3 = DistAutograd::new(2);
     let c = a.new_context().unwrap();
     let (ab, ac) = (a.record_send(c, 1).unwrap(), a.record_send(c, 2).unwrap());
-    b.handle_recv(0, c, ab).unwrap();
-    c3.handle_recv(0, c, ac).unwrap();
+    b.handle_recv(0, c, cap(c), ab).unwrap();
+    c3.handle_recv(0, c, cap(c), ac).unwrap();
     let (ba, ca) = (b.record_send(c, 0).unwrap(), c3.record_send(c, 0).unwrap());
-    a.handle_recv(1, c, ba).unwrap();
-    a.handle_recv(2, c, ca).unwrap();
+    a.handle_recv(1, c, cap(c), ba).unwrap();
+    a.handle_recv(2, c, cap(c), ca).unwrap();
     for round in 0..2 {
         a.backward(c, round == 1, &[Root::scalar()]).unwrap();
         let t = task_of(&drain(&mut a));
@@ -681,13 +693,13 @@ fn a_lost_peer_drops_its_contexts_on_every_survivor_without_a_backward() {
     let mut c = DistAutograd::new(2);
     let ctx = c.new_context().unwrap();
     let m1 = c.record_send(ctx, 1).unwrap();
-    b.handle_recv(2, ctx, m1).unwrap();
+    b.handle_recv(2, ctx, cap(ctx), m1).unwrap();
     let m2 = b.record_send(ctx, 0).unwrap();
-    a.handle_recv(1, ctx, m2).unwrap();
+    a.handle_recv(1, ctx, cap(ctx), m2).unwrap();
     // A context of a's own that reached only b survives c's death.
     let mine = a.new_context().unwrap();
     let m3 = a.record_send(mine, 1).unwrap();
-    b.handle_recv(0, mine, m3).unwrap();
+    b.handle_recv(0, mine, cap(mine), m3).unwrap();
     assert_eq!(a.known_workers(ctx), Some(vec![1]));
 
     a.handle_peer_lost(2);
@@ -724,7 +736,7 @@ fn a_lost_peer_drops_its_contexts_on_every_survivor_without_a_backward() {
     let late = AutogradMessageId::new(2, 7);
     let theirs = ContextId::new(2, 1);
     assert_eq!(
-        b.handle_recv(2, theirs, late),
+        b.handle_recv(2, theirs, cap(theirs), late),
         Err(RecvError::PeerLost {
             from: 2,
             context: theirs
@@ -770,7 +782,7 @@ fn a_lost_peer_drops_its_contexts_on_every_survivor_without_a_backward() {
     // A worker that joins under c's id is a new worker.
     b.handle_peer_joined(2);
     assert!(!b.is_lost(2));
-    b.handle_recv(2, theirs, late).unwrap();
+    b.handle_recv(2, theirs, cap(theirs), late).unwrap();
     assert!(b.has_context(theirs));
 }
 
@@ -823,15 +835,18 @@ fn contexts_a_peer_can_make_this_worker_hold_are_bounded() {
     // toward the peer that sent it).
     let c1 = ContextId::new(2, 0);
     let c2 = ContextId::new(1, 5);
-    a.handle_recv(2, c1, AutogradMessageId::new(2, 0)).unwrap();
-    a.handle_recv(2, c2, AutogradMessageId::new(2, 1)).unwrap();
+    a.handle_recv(2, c1, cap(c1), AutogradMessageId::new(2, 0))
+        .unwrap();
+    a.handle_recv(2, c2, cap(c2), AutogradMessageId::new(2, 1))
+        .unwrap();
     assert_eq!(a.contexts_made_by(2), 2);
     // More messages in contexts already held are not counted.
-    a.handle_recv(2, c1, AutogradMessageId::new(2, 2)).unwrap();
+    a.handle_recv(2, c1, cap(c1), AutogradMessageId::new(2, 2))
+        .unwrap();
     // A third context is refused, naming the bound, and nothing is recorded.
     let c3 = ContextId::new(2, 1);
     let e = a
-        .handle_recv(2, c3, AutogradMessageId::new(2, 3))
+        .handle_recv(2, c3, cap(c3), AutogradMessageId::new(2, 3))
         .unwrap_err();
     assert_eq!(
         e,
@@ -848,18 +863,122 @@ fn contexts_a_peer_can_make_this_worker_hold_are_bounded() {
     assert_eq!(a.context_count(), 2);
     assert!(drain(&mut a).is_empty());
     // Another peer has a bound of its own.
-    a.handle_recv(3, ContextId::new(3, 0), AutogradMessageId::new(3, 0))
-        .unwrap();
+    a.handle_recv(
+        3,
+        ContextId::new(3, 0),
+        cap(ContextId::new(3, 0)),
+        AutogradMessageId::new(3, 0),
+    )
+    .unwrap();
     // Worker 2 joining worker 0's own contexts is not bounded by it.
     let own = a.new_context().unwrap();
-    a.handle_recv(2, own, AutogradMessageId::new(2, 4)).unwrap();
+    a.handle_recv(2, own, cap(own), AutogradMessageId::new(2, 4))
+        .unwrap();
     // A release frees a place: the refused context can be made now.
     a.handle_release(2, c1, None).unwrap();
     assert_eq!(a.contexts_made_by(2), 1);
-    a.handle_recv(2, c3, AutogradMessageId::new(2, 5)).unwrap();
+    a.handle_recv(2, c3, cap(c3), AutogradMessageId::new(2, 5))
+        .unwrap();
     assert_eq!(a.contexts_made_by(2), 2);
     // A loss frees them all (the counts go with the contexts).
     a.handle_peer_lost(2);
     assert_eq!(a.contexts_made_by(2), 0);
     assert_eq!(a.contexts_made_by(3), 1);
+}
+
+/// A worker that guesses a context's id (ids are the creator's next number) cannot join it
+/// where it is held, on its creator or on a worker it reached: without the capability its
+/// message is refused, it stays outside the context, and so its release of the context is
+/// still a violation that changes nothing. (Before, a recv with the id alone joined the
+/// context, and the joiner's release then dropped it on its members, down to its creator.)
+/// The refusal drops nobody: the sender may be an honest worker passing on a forged context.
+#[test]
+fn a_guessed_context_id_without_its_capability_joins_nothing() {
+    let (mut a, mut b, c, _, _) = chain();
+    let guess = cap(c) ^ 1;
+    for (w, at) in [(0, &mut a), (1, &mut b)] {
+        let refused = at.handle_recv(2, c, guess, AutogradMessageId::new(2, 0));
+        assert_eq!(
+            refused,
+            Err(RecvError::WrongCapability {
+                from: 2,
+                context: c
+            }),
+            "on {w}"
+        );
+        assert!(refused.unwrap_err().violation().is_none());
+        assert!(!at.known_workers(c).unwrap().contains(&2), "on {w}");
+        assert_eq!(
+            at.handle_release(2, c, None),
+            Err(ProtocolViolation::NotInContext {
+                from: 2,
+                context: c
+            })
+        );
+        assert!(at.has_context(c), "on {w}");
+        assert!(drain(at).is_empty(), "on {w}");
+    }
+    // With the capability (a worker the context was passed to) a message is recorded.
+    b.handle_recv(2, c, cap(c), AutogradMessageId::new(2, 1))
+        .unwrap();
+    assert!(b.known_workers(c).unwrap().contains(&2));
+}
+
+/// A message in a context of this worker's that it never made is refused without a
+/// violation: an honest worker called in a forged context passes the context on to whoever it
+/// calls, and must not be dropped for it.
+#[test]
+fn a_context_of_ours_never_made_is_refused_without_blaming_the_sender() {
+    let mut a = DistAutograd::new(0);
+    let never = ContextId::new(0, 9);
+    let refused = a.handle_recv(1, never, cap(never), AutogradMessageId::new(1, 0));
+    assert_eq!(
+        refused,
+        Err(RecvError::NeverMade {
+            from: 1,
+            context: never
+        })
+    );
+    assert!(refused.unwrap_err().violation().is_none());
+    assert!(!a.has_context(never));
+    assert!(drain(&mut a).is_empty());
+}
+
+/// What is left (documented on `handle_recv`): a guess that reaches a worker before the
+/// context's first honest message there holds the context there with its own capability; the
+/// honest messages in it are refused there (a typed error), nobody is dropped, and the
+/// guesser, which is only in its own copy, cannot release the honest context anywhere else.
+#[test]
+fn a_guess_that_arrives_first_only_refuses_the_honest_messages_there() {
+    let mut a = DistAutograd::new(0);
+    let mut b = DistAutograd::new(1);
+    let c = a.new_context().unwrap();
+    // Worker 2 guesses c and reaches b first.
+    b.handle_recv(2, c, 7, AutogradMessageId::new(2, 0))
+        .unwrap();
+    // a's honest call to b in c.
+    let m = a.record_send(c, 1).unwrap();
+    let refused = b.handle_recv(0, c, a.capability(c).unwrap(), m);
+    assert_eq!(
+        refused,
+        Err(RecvError::WrongCapability {
+            from: 0,
+            context: c
+        })
+    );
+    assert!(refused.unwrap_err().violation().is_none());
+    // Worker 2 releases its copy on b: b tells only the workers of that copy (2 itself).
+    b.handle_release(2, c, None).unwrap();
+    assert!(drain(&mut b)
+        .iter()
+        .all(|o| !matches!(o, Output::Release { to, .. } if *to != 2)));
+    // On a, the creator, worker 2 is nobody.
+    assert_eq!(
+        a.handle_release(2, c, None),
+        Err(ProtocolViolation::NotInContext {
+            from: 2,
+            context: c
+        })
+    );
+    assert!(a.has_context(c));
 }

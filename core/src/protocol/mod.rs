@@ -880,7 +880,7 @@ impl<B: Payload> Endpoint<B> {
             shutdown: shutdown::ShutdownState::default(),
             last_now: None,
             events: VecDeque::new(),
-            secret_key: secrets::default_key(me),
+            secret_key: crate::capability::default_key(me),
         }
     }
 

@@ -19,24 +19,9 @@
 
 use std::time::Instant;
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
-use subtle::ConstantTimeEq;
+use crate::capability::{derive, same};
 
 use super::*;
-
-/// The key an endpoint starts with: fixed per worker, so not secret. The driver replaces it
-/// with [`Endpoint::set_secret_key`] before any reference is made.
-pub(super) fn default_key(me: WorkerId) -> [u8; 32] {
-    let mut key = [0u8; 32];
-    key[..8].copy_from_slice(&u64::from(me).to_le_bytes());
-    key
-}
-
-/// Whether two capabilities are equal, in time independent of where they differ.
-pub(super) fn same(a: RRefSecret, b: RRefSecret) -> bool {
-    a.to_le_bytes().ct_eq(&b.to_le_bytes()).into()
-}
 
 impl<B: Payload> Endpoint<B> {
     /// Sets the key the capabilities of the references created here are derived from. The
@@ -48,16 +33,11 @@ impl<B: Payload> Endpoint<B> {
 
     /// The capability of `rref`, a reference created here.
     pub(super) fn secret_of(&self, rref: RRefId) -> RRefSecret {
-        // HMAC accepts keys of any length; new_from_slice cannot fail for it.
-        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.secret_key)
-            .expect("HMAC takes keys of any length");
-        mac.update(b"tensorwire rref capability");
-        mac.update(&u64::from(rref.created_on).to_le_bytes());
-        mac.update(&rref.local.to_le_bytes());
-        let out = mac.finalize().into_bytes();
-        let mut bytes = [0u8; 16];
-        bytes.copy_from_slice(&out[..16]);
-        u128::from_le_bytes(bytes)
+        derive(
+            &self.secret_key,
+            b"tensorwire rref capability",
+            &[u64::from(rref.created_on), rref.local],
+        )
     }
 
     /// The capability this worker knows for `handle`'s reference (as owner or holder).
