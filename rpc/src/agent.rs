@@ -26,7 +26,6 @@ use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{oneshot, Notify};
 
-use crate::codec::{self};
 pub use crate::debug::AgentDebugInfo;
 use crate::error::RpcError;
 use crate::functions::Value;
@@ -43,6 +42,7 @@ pub use crate::worker::{WorkerInfo, WorkerRef};
 use crate::{driver, links, shutdown};
 use tensorwire_core::placement::Direction;
 use tensorwire_core::ports::device::DeviceBackend;
+use tensorwire_core::protocol::value as codec;
 
 /// The connection to one peer: [`Agent::connections`].
 #[derive(Debug, Clone, PartialEq, Eq)]

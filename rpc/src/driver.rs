@@ -12,12 +12,12 @@ use tensorwire_core::protocol::{
 };
 use tensorwire_core::wire::{Frame, FrameKind};
 
-use crate::codec::Envelope;
 use crate::links::{self, peer_lost_on, until_failed, DirectWrite};
 use crate::membership;
 use crate::serve::{self, remote_error};
 use crate::state::Agent;
 use crate::state::Body;
+use tensorwire_core::protocol::envelope::Envelope;
 
 /// Attaches an agent-owned connection to `peer` (its writer: see [`links::attach_conn`]) and
 /// starts its reader, which hands every frame to the endpoint through [`on_frame`].

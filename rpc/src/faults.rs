@@ -46,7 +46,6 @@ use tensorwire_core::wire::{Frame, FrameKind};
 #[cfg(feature = "tcp")]
 use tensorwire_rendezvous::Rendezvous;
 
-use crate::codec::Envelope;
 #[cfg(feature = "tcp")]
 use crate::error::RpcError;
 #[cfg(feature = "tcp")]
@@ -55,6 +54,7 @@ use crate::init::start_agent;
 use crate::options::RpcOptions;
 #[cfg(feature = "tcp")]
 use crate::state::Agent;
+use tensorwire_core::protocol::envelope::Envelope;
 
 /// The kinds of agent message a [`Fault`] can pick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

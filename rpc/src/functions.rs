@@ -15,11 +15,11 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::codec;
 use crate::error::RpcError;
 use crate::tensors::{self, Prepared, Routes, TensorTransferError};
 use std::time::Instant;
 use tensorwire_core::placement::Direction;
+use tensorwire_core::protocol::value as codec;
 use tensorwire_core::protocol::{RRefHandle, WorkerId};
 use tensorwire_core::tensor::Tensor;
 use tracing::Instrument;

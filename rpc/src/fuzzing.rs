@@ -10,8 +10,8 @@ use tensorwire_core::protocol::{Header, MethodTarget};
 use tensorwire_core::tensor::{Tensor, TensorMeta};
 use tensorwire_core::wire::Frame;
 
-use crate::codec::Envelope;
 use crate::tensors;
+use tensorwire_core::protocol::envelope::Envelope;
 
 /// A decoded message's body: its bytes and the tensors beside them.
 pub type Body = (bytes::Bytes, Vec<Tensor>);

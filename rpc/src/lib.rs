@@ -36,7 +36,6 @@
 
 mod agent;
 mod backend;
-mod codec;
 mod context;
 mod debug;
 mod driver;

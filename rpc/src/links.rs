@@ -12,12 +12,12 @@ use tensorwire_core::wire::{Frame, FrameKind};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use crate::codec::Envelope;
 use crate::membership;
 use crate::queue::{frame_bytes, OutQueue};
 use crate::state::Agent;
 use crate::state::{Body, PeerLink, State};
 use crate::tensors;
+use tensorwire_core::protocol::envelope::Envelope;
 
 /// At most this many queued frames go out in one `send_many`.
 pub(crate) const WRITE_BATCH: usize = 64;

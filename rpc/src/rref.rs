@@ -15,12 +15,12 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tensorwire_core::protocol::{CallError, RRefHandle};
 use tokio::sync::oneshot;
 
-use crate::codec;
 use crate::error::RpcError;
 use crate::future::RpcFuture;
 use crate::state::Agent;
 use crate::state::Body;
 use crate::worker::WorkerInfo;
+use tensorwire_core::protocol::value as codec;
 
 type Created = oneshot::Receiver<Result<Body, CallError>>;
 

@@ -16,7 +16,7 @@ use tensorwire_core::protocol::RRefForkData;
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::tensor::{sidecar, Storage, Tensor, TensorMeta};
 
-use crate::codec;
+use tensorwire_core::protocol::value as codec;
 
 /// Tensors as they travel: where each lands, and its bytes.
 pub(crate) type WireTensors = Vec<(TensorMeta, Bytes)>;

@@ -84,6 +84,7 @@ mod requests;
 mod rrefs;
 mod secrets;
 pub mod shutdown;
+pub mod value;
 mod violation;
 
 pub use debug::{DebugInfo, ForkInfo, OwnedInfo};

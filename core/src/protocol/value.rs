@@ -1,10 +1,13 @@
-//! Encoding of arguments, results and agent messages.
+//! The wire format of values: arguments and results of calls, and values of remote references.
+//! It decides how a reference travels inside a value, which is the reference protocol's
+//! business, so it lives beside the endpoint; the agent only supplies its references
+//! ([`References`]).
 //!
-//! Arguments and results are postcard. A remote reference inside them is encoded as fork data:
-//! encoding it *forks* it for the destination, decoding it *accepts* the fork. Both need the
-//! agent and (for encoding) the destination: an [`EncodeContext`] or [`DecodeContext`] made for
-//! the one encode or decode, which the format's serializer carries to every value inside
-//! (wrapped by [`encoder`] and [`decoder`]). A reference serializes as a newtype struct named
+//! Values are postcard. A remote reference inside them is encoded as fork data: encoding it
+//! *forks* it for the destination, decoding it *accepts* the fork. Both need the agent and (for
+//! encoding) the destination: a context made for the one encode or decode ([`encode`],
+//! [`decode`]), which the format's serializer carries to every value inside (wrapped by the
+//! private `encoder` and `decoder` modules). A reference serializes as a newtype struct named
 //! [`RREF_TOKEN`], which only these wrappers understand: anywhere else (another format, or
 //! postcard without the wrapper) serializing or deserializing an `RRef` fails, saying so.
 
@@ -14,14 +17,12 @@ mod encoder;
 use std::cell::RefCell;
 use std::fmt::Display;
 
+use crate::protocol::{CallError, RRefForkData, RRefHandle, WorkerId};
+use crate::tensor::{sidecar, Tensor};
 use bytes::Bytes;
 use postcard::ser_flavors::Flavor as _;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-/// The header of every agent frame (decoded in core).
-pub(crate) use tensorwire_core::protocol::envelope::Envelope;
-use tensorwire_core::protocol::{CallError, RRefForkData, RRefHandle, WorkerId};
-use tensorwire_core::tensor::{sidecar, Tensor};
 
 /// What the codec needs of the agent whose values it encodes and decodes: the references
 /// inside them are forked for the destination when encoded and accepted when decoded. The agent
@@ -45,13 +46,13 @@ pub trait References {
 
 /// The name of the newtype struct a remote reference serializes as: what the codec's wrappers
 /// recognise (`$` keeps it apart from every Rust type's name).
-pub(crate) const RREF_TOKEN: &str = "$tensorwire::RRef";
+pub const RREF_TOKEN: &str = "$tensorwire::RRef";
 
 /// Why a value could not be encoded or decoded, with the message of whoever failed: the
 /// codec's own (a reference that cannot be sent), a value's own `Serialize` or `Deserialize`
 /// (postcard alone would keep only "Serde Serialization Error"), or the format's.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Failure(String);
+pub struct Failure(String);
 
 impl Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -107,7 +108,7 @@ impl Errors {
 
 /// What one encode needs beyond the value: the agent, the destination, the forks made for the
 /// references inside (for the message, or to undo), and the failure being carried out.
-pub(crate) struct EncodeContext<'a> {
+pub(super) struct EncodeContext<'a> {
     agent: &'a dyn References,
     to: WorkerId,
     forks: RefCell<Vec<RRefForkData>>,
@@ -134,18 +135,20 @@ impl EncodeContext<'_> {
 
 /// What one decode needs beyond the bytes: the agent, the references accepted so far, and the
 /// failure being carried out.
-pub(crate) struct DecodeContext<'a> {
+pub(super) struct DecodeContext<'a> {
     agent: &'a dyn References,
     accepted: RefCell<Vec<RRefHandle>>,
     errors: Errors,
 }
 
-/// What a remote reference hands the encoder: the agent holding it ([`References::identity`]) and
-/// its handle. It serializes only into [`Outgoing::read`]: into anything else it fails, which
-/// is how an `RRef` serialized outside a call says that it cannot be.
-pub(crate) struct Outgoing {
-    pub(crate) agent: u64,
-    pub(crate) handle: RRefHandle,
+/// What a remote reference hands the encoder: the agent holding it ([`References::identity`])
+/// and its handle. It serializes only into the encoder (which reads it back): into anything
+/// else it fails, which is how an `RRef` serialized outside a call says that it cannot be.
+pub struct Outgoing {
+    /// The agent holding the reference ([`References::identity`]).
+    pub agent: u64,
+    /// The reference's handle there.
+    pub handle: RRefHandle,
 }
 
 const OUTSIDE_A_CALL: &str =
@@ -182,7 +185,7 @@ impl Outgoing {
 /// Encodes `value` for worker `to`, with the forks made for the references inside it. A
 /// failed encode undoes the forks it made; a caller that then does not send the bytes must
 /// undo them with [`References::cancel_forks`].
-pub(crate) fn encode<T: Serialize + ?Sized>(
+pub fn encode<T: Serialize + ?Sized>(
     agent: &dyn References,
     to: WorkerId,
     value: &T,
@@ -211,7 +214,7 @@ pub(crate) fn encode<T: Serialize + ?Sized>(
 
 /// Why received bytes did not decode into the expected value.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum DecodeError {
+pub enum DecodeError {
     /// The bytes do not form the value (too few, or malformed).
     #[error("{0}")]
     Malformed(Failure),
@@ -232,7 +235,7 @@ pub(crate) enum DecodeError {
 
 /// Decodes a value received by this worker, with the tensors that came beside it. Every byte
 /// must be used: leftovers are an error, not silently ignored.
-pub(crate) fn decode<T: DeserializeOwned>(
+pub fn decode<T: DeserializeOwned>(
     agent: &dyn References,
     bytes: &[u8],
     tensors: Vec<Tensor>,
@@ -242,7 +245,7 @@ pub(crate) fn decode<T: DeserializeOwned>(
 
 /// [`decode`], also returning the remote references the value holds (accepted here while
 /// decoding), so that a function can wait until their owners have confirmed them.
-pub(crate) fn decode_with_references<T: DeserializeOwned>(
+pub fn decode_with_references<T: DeserializeOwned>(
     agent: &dyn References,
     bytes: &[u8],
     tensors: Vec<Tensor>,

@@ -5,8 +5,8 @@
 
 use std::fmt::{self, Display};
 
+use crate::protocol::RRefForkData;
 use serde::de::{self, DeserializeSeed, Deserializer, Visitor};
-use tensorwire_core::protocol::RRefForkData;
 
 use super::{DecodeContext, Failure, RREF_TOKEN};
 
