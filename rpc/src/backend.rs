@@ -155,8 +155,9 @@ impl RpcBackend for TcpBackend {
 
 #[cfg(feature = "tcp")]
 impl TcpBackend {
-    /// The TCP transport `options` ask for (the cluster secret, or insecure by opt-in).
-    pub(crate) fn transport(options: &RpcOptions) -> Result<TcpTransport, RpcError> {
+    /// The TCP transport `options` ask for (the cluster secret, or insecure by opt-in): what
+    /// a backend that wraps the agent's transport (a faulty one, say) starts from.
+    pub fn transport(options: &RpcOptions) -> Result<TcpTransport, RpcError> {
         let config = TcpConfig::resolve(cluster_secret(options)?, options.insecure)?;
         Ok(TcpTransport::new(config)?)
     }

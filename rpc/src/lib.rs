@@ -40,7 +40,6 @@ mod context;
 mod debug;
 mod driver;
 mod error;
-pub mod faults;
 mod functions;
 mod future;
 #[doc(hidden)]

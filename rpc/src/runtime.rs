@@ -97,11 +97,6 @@ impl Runtime for TokioRuntime {
     }
 }
 
-/// The runtime of code that has no agent at hand (the in-memory transport, fault injection).
-pub(crate) fn tokio() -> &'static dyn Runtime {
-    &TokioRuntime
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,7 +114,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_tokio_runtime_follows_a_paused_clock() {
-        let rt = tokio();
+        let rt: &dyn Runtime = &TokioRuntime;
         let t0 = rt.now();
         rt.sleep_until(t0 + Duration::from_secs(3600)).await;
         // An hour of virtual time passed at once; the real clock did not move that much.
@@ -129,7 +124,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_timeout_ends_a_wait_at_its_deadline_and_not_before() {
-        let rt = tokio();
+        let rt: &dyn Runtime = &TokioRuntime;
         let t0 = rt.now();
         let never = std::future::pending::<()>();
         assert_eq!(
@@ -143,7 +138,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_spawned_task_runs_to_its_end_and_is_awaited() {
-        let rt = tokio();
+        let rt: &dyn Runtime = &TokioRuntime;
         let (tx, rx) = tokio::sync::oneshot::channel();
         rt.spawn(Box::pin(async move {
             let _ = tx.send(42);

@@ -35,8 +35,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tensorwire_core::sim::SimRng;
-use tensorwire_rpc::faults::{Fault, FaultAction, FaultyBackend, MessageKind};
 use tensorwire_rpc::{Agent, CallContext, Functions, RRef, RpcError, Shutdown};
+use tensorwire_testkit::faults::{Fault, FaultAction, FaultyBackend, MessageKind};
 use tensorwire_testkit::MemoryCluster;
 
 /// The message kinds a seed may slow down.

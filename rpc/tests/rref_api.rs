@@ -12,10 +12,10 @@ use tensorwire_core::device::Device;
 use tensorwire_core::devices_sim::SimulatedDevices;
 use tensorwire_core::ports::device::relocate;
 use tensorwire_core::tensor::Tensor;
-use tensorwire_rpc::faults::{Fault, FaultAction, FaultyBackend, MessageKind};
 use tensorwire_rpc::{
     Agent, CallContext, CallError, Functions, RRef, RemoteErrorKind, RpcError, RpcOptions,
 };
+use tensorwire_testkit::faults::{Fault, FaultAction, FaultyBackend, MessageKind};
 use tensorwire_testkit::MemoryCluster;
 
 #[derive(Default)]

@@ -30,7 +30,17 @@ pub use tensorwire_store as store;
 ///
 /// Distributed autograd and the distributed optimizer, which lived in this crate until they
 /// got their own ([`dist_autograd`]), are re-exported here too, so their
-/// old paths (`tensorwire::rpc::DistAutograd`, ...) keep working.
+/// old paths (`tensorwire::rpc::DistAutograd`, ...) keep working. So does
+/// `tensorwire::rpc::faults`, now `tensorwire_testkit::faults`, with the `faults` feature:
+///
+/// ```
+/// # #[cfg(feature = "faults")] {
+/// use tensorwire::rpc::faults::{Fault, FaultAction, FaultyBackend, MessageKind};
+///
+/// let backend = FaultyBackend::new().with_fault(1, Fault::new(MessageKind::Reply, FaultAction::Drop, 1));
+/// assert_eq!(backend.injected(1), 0);
+/// # }
+/// ```
 pub mod rpc {
     pub use tensorwire_dist_autograd::{
         Adagrad, Adam, AdamW, AutogradCall, AutogradContext, BuiltinState, DistAutograd,
@@ -38,6 +48,10 @@ pub mod rpc {
         Sgd, TensorList, TrackedValue,
     };
     pub use tensorwire_rpc::*;
+    /// Fault injection for tests (PyTorch's faulty agent), under its old path: it lives in
+    /// `tensorwire_testkit::faults` now. Feature `faults`.
+    #[cfg(feature = "faults")]
+    pub use tensorwire_testkit::faults;
     /// The in-memory transport, under its old path (now `tensorwire::transport_memory`).
     pub use tensorwire_transport_memory as memory;
 }

@@ -5,8 +5,8 @@ use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use crate::faults::FaultyBackend;
 use tensorwire_core::ports::store::Store;
-use tensorwire_rpc::faults::FaultyBackend;
 use tensorwire_rpc::{init_rpc, start_agent, Agent, Rendezvous, RpcError, RpcOptions};
 use tensorwire_store::InMemoryStore;
 use tensorwire_transport_memory::{MemoryNetwork, MemoryTransport};
@@ -280,7 +280,7 @@ impl Default for TcpCluster {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tensorwire_rpc::faults::{Fault, FaultAction, MessageKind};
+    use crate::faults::{Fault, FaultAction, MessageKind};
     use tensorwire_rpc::{CallError, Functions};
 
     fn echo() -> Functions {

@@ -1,5 +1,6 @@
-//! Test helpers for tensorwire, shared by the crates' tests (a dev-dependency only; never a
-//! dependency of a crate users build).
+//! Test helpers for tensorwire, shared by the crates' tests and published for users' tests (as
+//! tower-test is for tower): a dev-dependency, except that the facade re-exports [`faults`]
+//! under its old path with its `faults` feature.
 //!
 //! - [`MemoryCluster`]: agents of one group over the in-memory network and an in-memory store,
 //!   for tests in virtual time (tokio's paused clock), each host with its kill switch and,
@@ -13,6 +14,7 @@
 //! - [`hostile`]: a hostile peer, a worker that joins a group for real and then sends, with the
 //!   agent's own encoding, messages it has no right to send.
 //! - [`nets`]: the real transports (TCP, shm, QUIC) a hostile-peer table runs over.
+//! - [`faults`]: PyTorch's faulty agent, as a transport wrapper and an RPC backend.
 //!
 //! ```
 //! use std::time::Duration;
@@ -32,6 +34,7 @@
 
 mod cluster;
 mod devices;
+pub mod faults;
 pub mod hostile;
 mod logs;
 pub mod nets;
@@ -44,7 +47,3 @@ pub use wait::{wait_for, wait_until};
 
 /// The in-memory network (hosts with kill switches), from `tensorwire_rpc`.
 pub use tensorwire_transport_memory as memory;
-
-/// Faulty peers: PyTorch's faulty agent as a transport wrapper (drop or delay the first
-/// messages of a kind a rank sends), from `tensorwire_rpc`.
-pub use tensorwire_rpc::faults;

@@ -157,7 +157,7 @@ fn ci(quick: bool) -> Result<()> {
     // `tensorwire-tests` already ran above; with `nccl` only the GPU check's own tests and the
     // process-group processes (whose `nccl` group of two processes needs the feature) run.
     for (package, features, only) in [
-        ("tensorwire", "cuda,quic,shm,autograd-candle", None),
+        ("tensorwire", "cuda,quic,shm,autograd-candle,faults", None),
         ("tensorwire-rpc", "quic,cuda", None),
         ("tensorwire-devices-cuda", "nccl", None),
         ("tensorwire-process-group", "nccl", None),

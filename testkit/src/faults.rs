@@ -3,22 +3,23 @@
 //!
 //! [`FaultyTransport`] wraps any transport and, for each [`Fault`], drops or delays the first
 //! `count` agent messages of one [`MessageKind`] that this worker *sends*. [`FaultyBackend`]
-//! is an RPC backend (register it with [`register_backend`](crate::register_backend)) that runs
-//! the agent over TCP wrapped this way (or, with [`FaultyBackend::start`], over any transport such
-//! as the in-memory one), with faults chosen per rank, so that flows such as a
+//! is an RPC backend (register it with [`register_backend`](tensorwire_rpc::register_backend))
+//! that runs the agent over TCP wrapped this way (or, with [`FaultyBackend::start`], over any
+//! transport such as the in-memory one), with faults chosen per rank, so that flows such as a
 //! creation that times out can be tested deterministically.
 //!
+//! (It was `tensorwire_rpc::faults`; the facade keeps `tensorwire::rpc::faults` under its
+//! `faults` feature.)
+//!
 //! ```
-//! # #[cfg(feature = "tcp")] {
 //! use std::time::Duration;
-//! use tensorwire_rpc::faults::{Fault, FaultAction, FaultyBackend, MessageKind};
+//! use tensorwire_testkit::faults::{Fault, FaultAction, FaultyBackend, MessageKind};
 //!
 //! // Rank 1 drops the first reply it sends; rank 0 delays its first `remote` by 2 s.
 //! let backend = FaultyBackend::new()
 //!     .with_fault(1, Fault::new(MessageKind::Reply, FaultAction::Drop, 1))
 //!     .with_fault(0, Fault::new(MessageKind::Remote, FaultAction::Delay(Duration::from_secs(2)), 1));
 //! assert_eq!(backend.injected(1), 0);
-//! # }
 //! ```
 //!
 //! A delayed message holds back the messages sent after it on the same connection, as a slow
@@ -27,7 +28,6 @@
 //! creation it deletes). Only agent messages are affected; the first frame of a connection
 //! (who is speaking) always goes through.
 
-#[cfg(feature = "tcp")]
 use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
@@ -40,21 +40,12 @@ use tensorwire_core::ports::transport::{
     Connection, IdentityError, Listener, Transport, TransportError,
 };
 use tensorwire_core::protocol::Header;
-#[cfg(feature = "tcp")]
 use tensorwire_core::registry::RpcBackend;
 use tensorwire_core::wire::{Frame, FrameKind};
-#[cfg(feature = "tcp")]
 use tensorwire_rendezvous::Rendezvous;
 
-#[cfg(feature = "tcp")]
-use crate::error::RpcError;
-#[cfg(feature = "tcp")]
-use crate::init::start_agent;
-#[cfg(feature = "tcp")]
-use crate::options::RpcOptions;
-#[cfg(feature = "tcp")]
-use crate::state::Agent;
 use tensorwire_core::protocol::envelope::Envelope;
+use tensorwire_rpc::{start_agent, Agent, RpcError, RpcOptions, TcpBackend};
 
 /// The kinds of agent message a [`Fault`] can pick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -272,7 +263,7 @@ impl Connection for FaultyConnection {
                     if !ready.is_empty() {
                         self.inner.send_many(std::mem::take(&mut ready)).await?;
                     }
-                    crate::runtime::tokio().sleep(d).await;
+                    tokio::time::sleep(d).await;
                     ready.push(frame);
                 }
             }
@@ -293,15 +284,13 @@ impl Connection for FaultyConnection {
 }
 
 /// An RPC backend for tests: the agent over TCP (as the `TCP` backend), with faults chosen per
-/// rank (see the module docs). Feature `tcp`.
-#[cfg(feature = "tcp")]
+/// rank (see the module docs).
 #[derive(Debug, Default)]
 pub struct FaultyBackend {
     faults: HashMap<usize, Vec<Fault>>,
     injected: Mutex<HashMap<usize, Arc<Faults>>>,
 }
 
-#[cfg(feature = "tcp")]
 impl FaultyBackend {
     /// No faults yet.
     pub fn new() -> Self {
@@ -346,7 +335,6 @@ impl FaultyBackend {
     }
 }
 
-#[cfg(feature = "tcp")]
 #[async_trait]
 impl RpcBackend for FaultyBackend {
     type Options = RpcOptions;
@@ -374,7 +362,7 @@ impl RpcBackend for FaultyBackend {
         world_size: Option<usize>,
         options: RpcOptions,
     ) -> Result<Agent, RpcError> {
-        let tcp: Arc<dyn Transport> = Arc::new(crate::backend::TcpBackend::transport(&options)?);
+        let tcp: Arc<dyn Transport> = Arc::new(TcpBackend::transport(&options)?);
         self.start(tcp, store, name, rank, world_size, options)
             .await
     }
