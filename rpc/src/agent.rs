@@ -35,13 +35,14 @@ use crate::options::RpcOptions;
 use crate::rref::RRef;
 use crate::runtime::Runtime;
 pub use crate::state::Agent;
-use crate::state::{Body, Functions, Inner, Membership, State, Tasks, WorkerRecord};
+use crate::state::{Body, Functions, Inner, State, Tasks, WorkerRecord};
 use crate::tensors::{self, TensorTransferError};
 use crate::typed::{Call, Function};
-pub use crate::worker::{WorkerInfo, WorkerRef};
 use crate::{driver, links, shutdown};
 use tensorwire_core::placement::Direction;
 use tensorwire_core::ports::device::DeviceBackend;
+use tensorwire_core::protocol::membership::Directory;
+pub use tensorwire_core::protocol::membership::{WorkerInfo, WorkerRef};
 use tensorwire_core::protocol::value as codec;
 
 /// The connection to one peer: [`Agent::connections`].
@@ -59,7 +60,7 @@ impl fmt::Debug for Agent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Agent")
             .field("me", &self.inner.me)
-            .field("world", &self.members().workers.len())
+            .field("world", &self.members().len())
             .finish()
     }
 }
@@ -74,8 +75,7 @@ impl Agent {
         rdv: &Rendezvous,
         options: &RpcOptions,
     ) -> Agent {
-        let mut members = Membership::new(records);
-        members.derive(name, &options.devices, &options.device_maps);
+        let members = Directory::new(name, &options.devices, &options.device_maps, records);
         let inner = Arc::new(Inner {
             me: WorkerInfo {
                 name: name.to_owned(),
@@ -83,7 +83,6 @@ impl Agent {
             },
             members: std::sync::RwLock::new(members),
             dynamic,
-            declared_devices: options.devices.clone(),
             rpc_timeout_nanos: std::sync::atomic::AtomicU64::new(duration_nanos(
                 options.rpc_timeout,
             )),
@@ -201,7 +200,7 @@ impl Agent {
         &self.inner.me
     }
 
-    pub(crate) fn members(&self) -> std::sync::RwLockReadGuard<'_, Membership> {
+    pub(crate) fn members(&self) -> std::sync::RwLockReadGuard<'_, Directory> {
         self.inner
             .members
             .read()
@@ -210,7 +209,7 @@ impl Agent {
 
     /// Every worker of the group now, in rank order.
     pub fn worker_infos(&self) -> Vec<WorkerInfo> {
-        self.members().workers.values().cloned().collect()
+        self.members().workers().cloned().collect()
     }
 
     /// The worker named `name`.
@@ -229,7 +228,7 @@ impl Agent {
 
     /// The devices this agent handles (sorted, without the CPU).
     pub fn devices(&self) -> Vec<Device> {
-        self.members().devices.clone()
+        self.members().devices().to_vec()
     }
 
     /// This worker's device maps.
@@ -239,7 +238,7 @@ impl Agent {
 
     /// This worker's reverse device maps (where its responses' tensors land).
     pub fn reverse_device_maps(&self) -> DeviceMaps {
-        self.members().reverse.clone()
+        self.members().reverse().clone()
     }
 
     /// The functions this worker serves; functions registered later are served too.
@@ -264,31 +263,19 @@ impl Agent {
     }
 
     fn resolve(&self, to: &WorkerRef) -> Result<WorkerId, RpcError> {
-        let m = self.members();
-        let known = || m.workers.values().cloned().collect::<Vec<_>>();
-        match to {
-            WorkerRef::Name(n) => {
-                m.by_name
-                    .get(n)
-                    .copied()
-                    .ok_or_else(|| RpcError::UnknownWorker {
-                        worker: n.clone(),
-                        known: known(),
-                    })
-            }
-            WorkerRef::Rank(r) if m.workers.contains_key(r) => Ok(*r),
-            WorkerRef::Rank(r) => Err(RpcError::UnknownWorker {
-                worker: format!("rank {r}"),
-                known: known(),
-            }),
-        }
+        self.members()
+            .resolve(to)
+            .map_err(|e| RpcError::UnknownWorker {
+                worker: e.worker,
+                known: e.known,
+            })
     }
 
     /// Adds a worker that joined (dynamic groups) and recomputes this worker's reverse maps and
     /// device list.
     pub(crate) fn add_member(&self, record: WorkerRecord) {
         let rank = record.rank;
-        self.members_mut().insert(record, &self.inner);
+        self.members_mut().insert(record);
         self.lock().ep.handle_peer_joined(rank);
         self.inner
             .peer_events
@@ -297,7 +284,7 @@ impl Agent {
 
     /// Drops a worker that left or died (dynamic groups).
     pub(crate) fn remove_member(&self, rank: WorkerId) {
-        self.members_mut().remove(rank, &self.inner);
+        self.members_mut().remove(rank);
     }
 
     /// Starts this worker's ids above every earlier incarnation of its rank's (a dynamic
@@ -306,7 +293,7 @@ impl Agent {
         self.lock().ep.begin_incarnation(seq);
     }
 
-    fn members_mut(&self) -> std::sync::RwLockWriteGuard<'_, Membership> {
+    fn members_mut(&self) -> std::sync::RwLockWriteGuard<'_, Directory> {
         self.inner
             .members
             .write()
@@ -329,8 +316,7 @@ impl Agent {
     /// The name of worker `id`, or `rank {id}` for one this worker does not know.
     pub fn name_of(&self, id: WorkerId) -> String {
         self.members()
-            .workers
-            .get(&id)
+            .get(id)
             .map_or_else(|| format!("rank {id}"), |w| w.name.clone())
     }
 

@@ -9,7 +9,7 @@ use tensorwire_core::protocol::{RRefHandle, WorkerId};
 
 use crate::functions::Host;
 use crate::state::Agent;
-use crate::worker::WorkerInfo;
+use tensorwire_core::protocol::membership::WorkerInfo;
 
 /// What a function registered with
 /// `register_with_context` on [`Functions`](crate::Functions) learns about

@@ -5,7 +5,7 @@ use std::fmt;
 
 use tensorwire_core::protocol::DebugInfo;
 
-use crate::worker::WorkerInfo;
+use tensorwire_core::protocol::membership::WorkerInfo;
 
 /// What an agent holds and waits for: [`Agent::debug_info`](crate::Agent::debug_info).
 #[derive(Debug, Clone)]

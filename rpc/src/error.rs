@@ -11,7 +11,7 @@ use tensorwire_core::protocol::{CallError, RemoteError, WorkerId};
 use tensorwire_core::validate::DeviceMapError;
 use tensorwire_rendezvous::RendezvousError;
 
-use crate::worker::WorkerInfo;
+use tensorwire_core::protocol::membership::WorkerInfo;
 
 /// `workers` as "rank 0 (w0), rank 1 (w1)" (as the agent's other waits name them), or
 /// "nobody in particular".

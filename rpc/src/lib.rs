@@ -61,7 +61,6 @@ mod shutdown;
 mod state;
 mod tensors;
 pub mod typed;
-mod worker;
 
 pub use agent::{Agent, AgentDebugInfo, PeerConnection, RpcFuture, WorkerInfo, WorkerRef};
 #[cfg(feature = "tcp")]

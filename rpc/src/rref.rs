@@ -19,7 +19,7 @@ use crate::error::RpcError;
 use crate::future::RpcFuture;
 use crate::state::Agent;
 use crate::state::Body;
-use crate::worker::WorkerInfo;
+use tensorwire_core::protocol::membership::WorkerInfo;
 use tensorwire_core::protocol::value as codec;
 
 type Created = oneshot::Receiver<Result<Body, CallError>>;

@@ -107,7 +107,7 @@ pub(crate) async fn graceful(
             "graceful shutdown while this worker still holds remote references (they stop working): {info}"
         );
     }
-    let members: Vec<WorkerId> = this.members().workers.keys().copied().collect();
+    let members: Vec<WorkerId> = this.members().workers().map(|w| w.id).collect();
     // The endpoint's deadline comes a little before the caller's, so that its error, which
     // names who is missing, is the one returned.
     let ends = deadline - (timeout / 10).min(Duration::from_millis(500));

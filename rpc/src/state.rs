@@ -8,18 +8,18 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use bytes::Bytes;
-use tensorwire_core::device::{Device, DeviceMaps};
+use tensorwire_core::device::DeviceMaps;
 use tensorwire_core::ipc::IpcState;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::protocol::gather::{GatherLeader, GatherOutcome, GatherToken};
-use tensorwire_core::protocol::membership::{DynamicMembership, MemberRecord, MembershipError};
+use tensorwire_core::protocol::membership::{
+    Directory, DynamicMembership, MemberRecord, MembershipError,
+};
 use tensorwire_core::protocol::{
     CallError, ConfirmError, Endpoint, MessageId, MethodTarget, Payload, RRefForkData, RRefId,
     ShutdownError, WaitId, WorkerId,
 };
-use tensorwire_core::reverse::{device_list, reverse_device_maps};
-use tensorwire_core::validate::WorkerDeviceInfo;
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{mpsc, oneshot, Notify};
@@ -27,8 +27,8 @@ use tokio::sync::{mpsc, oneshot, Notify};
 use crate::functions::{Registry, Value};
 use crate::runtime::Runtime;
 use crate::tensors::WireTensors;
-use crate::worker::WorkerInfo;
 use tensorwire_core::ports::device::DeviceBackend;
+use tensorwire_core::protocol::membership::WorkerInfo;
 
 /// The name of the mesh group whose connections carry RPC (a static group's process group,
 /// its store keys, and the hello of every RPC connection).
@@ -98,73 +98,11 @@ pub(crate) struct State {
     pub(crate) shutdown_waiter: Option<oneshot::Sender<Result<(), ShutdownError>>>,
 }
 
-/// Who is in the group, and what this worker derives from it. Fixed after init in a static
-/// group; in a dynamic group it changes as workers join and leave.
-#[derive(Debug, Default)]
-pub(crate) struct Membership {
-    pub(crate) workers: std::collections::BTreeMap<WorkerId, WorkerInfo>,
-    pub(crate) by_name: HashMap<String, WorkerId>,
-    /// Every member's device plan, in rank order.
-    pub(crate) infos: std::collections::BTreeMap<WorkerId, WorkerDeviceInfo>,
-    pub(crate) reverse: DeviceMaps,
-    pub(crate) devices: Vec<Device>,
-}
-
-impl Membership {
-    pub(crate) fn new(records: &[WorkerRecord]) -> Self {
-        let mut m = Membership::default();
-        for r in records {
-            m.workers.insert(
-                r.rank,
-                WorkerInfo {
-                    name: r.devices.name.clone(),
-                    id: r.rank,
-                },
-            );
-            m.by_name.insert(r.devices.name.clone(), r.rank);
-            m.infos.insert(r.rank, r.devices.clone());
-        }
-        m
-    }
-
-    /// Adds a worker that joined, and derives `inner`'s worker's maps again.
-    pub(crate) fn insert(&mut self, record: WorkerRecord, inner: &Inner) {
-        self.workers.insert(
-            record.rank,
-            WorkerInfo {
-                name: record.devices.name.clone(),
-                id: record.rank,
-            },
-        );
-        self.by_name
-            .insert(record.devices.name.clone(), record.rank);
-        self.infos.insert(record.rank, record.devices);
-        self.derive(&inner.me.name, &inner.declared_devices, &inner.device_maps);
-    }
-
-    /// Drops a worker that left or died, and derives `inner`'s worker's maps again.
-    pub(crate) fn remove(&mut self, rank: WorkerId, inner: &Inner) {
-        if let Some(w) = self.workers.remove(&rank) {
-            self.by_name.remove(&w.name);
-        }
-        self.infos.remove(&rank);
-        self.derive(&inner.me.name, &inner.declared_devices, &inner.device_maps);
-    }
-
-    /// Recomputes this worker's reverse maps and device list from the members' plans.
-    pub(crate) fn derive(&mut self, me: &str, declared: &[Device], maps: &DeviceMaps) {
-        let infos: Vec<WorkerDeviceInfo> = self.infos.values().cloned().collect();
-        self.reverse = reverse_device_maps(me, &infos);
-        self.devices = device_list(declared, maps, &self.reverse);
-    }
-}
-
 pub(crate) struct Inner {
     pub(crate) me: WorkerInfo,
-    pub(crate) members: std::sync::RwLock<Membership>,
+    pub(crate) members: std::sync::RwLock<Directory>,
     /// Whether workers join and leave (`world_size = None`).
     pub(crate) dynamic: bool,
-    pub(crate) declared_devices: Vec<Device>,
     /// The default call timeout, in nanoseconds (changed by `set_rpc_timeout`).
     pub(crate) rpc_timeout_nanos: std::sync::atomic::AtomicU64,
     pub(crate) functions: Functions,

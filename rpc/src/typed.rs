@@ -54,7 +54,7 @@ use crate::functions::{finish, method_target, HandlerError, Invocation};
 use crate::future::RpcFuture;
 use crate::rref::RRef;
 use crate::state::{Agent, Functions};
-use crate::worker::WorkerRef;
+use tensorwire_core::protocol::membership::WorkerRef;
 
 /// The tag in front of a typed call's arguments: "tensorwire typed, version 1".
 const MAGIC: [u8; 4] = *b"twT1";

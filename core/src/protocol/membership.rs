@@ -28,6 +28,8 @@ pub use dynamic::{
 };
 pub mod records;
 pub use records::{check_static_records, RecordError};
+pub mod directory;
+pub use directory::{Directory, UnknownWorker, WorkerInfo, WorkerRef};
 
 use serde::{Deserialize, Serialize};
 
