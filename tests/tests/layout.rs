@@ -1,6 +1,7 @@
 //! The workspace's shape, checked on its sources: no source file of a crate (`*/src/**.rs`,
 //! test modules aside) is over 1,200 lines, so that a module keeps to one concern and a reader
-//! can hold it. A file that grows past the bound is split into submodules by concern.
+//! can hold it. A file that grows past the bound is split into submodules by concern. And the
+//! agent (`rpc/src`) holds no more code lines than the protocol it drives (`core/src/protocol`).
 
 use std::path::{Path, PathBuf};
 
@@ -82,4 +83,60 @@ fn no_source_file_is_over_1200_lines() {
         done.is_empty(),
         "no longer over the bound; remove from WAITING: {done:?}"
     );
+}
+
+/// Code lines of a source: not blank, not a comment, and before the file's test module (a
+/// top-level `#[cfg(test)]` followed by `mod`).
+fn code_lines(text: &str) -> usize {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut n = 0;
+    for (i, line) in lines.iter().enumerate() {
+        let l = line.trim();
+        let next_is_mod = lines.get(i + 1).is_some_and(|next| {
+            let next = next.trim_start();
+            next.starts_with("mod ") || next.starts_with("pub mod ") || next.contains(" mod ")
+        });
+        if l == "#[cfg(test)]" && !line.starts_with(' ') && next_is_mod {
+            break;
+        }
+        if !l.is_empty() && !l.starts_with("//") {
+            n += 1;
+        }
+    }
+    n
+}
+
+/// Code lines of the sources under `dir` (a path from the workspace root).
+fn code_lines_under(dir: &str) -> usize {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .join(dir);
+    let mut files = Vec::new();
+    sources(&root, &mut files);
+    assert!(!files.is_empty(), "no sources under {dir}");
+    files
+        .iter()
+        .map(|f| code_lines(&std::fs::read_to_string(f).unwrap()))
+        .sum()
+}
+
+/// The agent is a driver of core's endpoint, not a second decision-maker: the RPC crate holds
+/// no more code than the protocol it drives (issue "The house as it is drawn"). A change that
+/// puts a decision in `rpc/src` instead of `core/src/protocol` shows here.
+#[test]
+fn the_agent_holds_no_more_code_than_the_protocol_it_drives() {
+    let rpc = code_lines_under("rpc/src");
+    let protocol = code_lines_under("core/src/protocol");
+    eprintln!("code lines: rpc/src {rpc}, core/src/protocol {protocol}");
+    assert!(
+        rpc <= protocol,
+        "rpc/src has {rpc} code lines, more than core/src/protocol's {protocol}: move decisions into core"
+    );
+}
+
+#[test]
+fn code_lines_skip_blanks_comments_and_the_test_module() {
+    let text = "//! doc\nfn a() {}\n\n    // note\nfn b() {}\n#[cfg(test)]\nmod tests {\n    fn c() {}\n}\n";
+    assert_eq!(code_lines(text), 2);
 }
