@@ -5,7 +5,7 @@
 // The state, messages and helpers of the parent module.
 use super::*;
 use std::time::Instant;
-use tensorwire_core::autograd::ProtocolViolation;
+use tensorwire_core::autograd::{ProtocolViolation, Recv};
 use tensorwire_core::capability::Capability;
 use tensorwire_core::protocol::ProtocolViolation as CoreViolation;
 
@@ -171,7 +171,9 @@ impl<E: AutogradEngine> Inner<E> {
         }
         let mut sh = self.lock();
         match sh.state.handle_recv(from, context, capability, message) {
-            Ok(()) => {}
+            Ok(Recv::Recorded) => {}
+            // What a forgery's copy of the context kept here goes with it.
+            Ok(Recv::ReplacedForgery) => drop(sh.data.remove(&context)),
             Err(RecvError::Violation(v)) => {
                 drop(sh);
                 self.violation(from, &v);

@@ -405,7 +405,7 @@ async fn run(net: Net, attack: Attack) {
             })
         }
         Attack::JoinAHeldContextThenReleaseIt => {
-            let forward = |context, capability, message| ForwardRequest {
+            let forged = |context, capability, message| ForwardRequest {
                 context,
                 capability,
                 message: Some(message),
@@ -416,7 +416,34 @@ async fn run(net: Net, attack: Attack) {
             let hop = "__tw_autograd/fn/hop";
             // The answers to the forged calls are the test's, not the hostile agent's.
             hostile.swallow(|h| matches!(h, Header::Reply { id, .. } if *id >= FORGED_ID));
-            let never = forward(
+            // The honest worker's next context, claimed on the victim before it exists: the
+            // victim holds a copy with the guess's capability until the creator's own call,
+            // which replaces it; the honest pass in it is exact.
+            let next = ContextId::new(1, kept.id().counter() + 1);
+            let guess = forged(next, 5, AutogradMessageId::new(HOSTILE, (1 << 20) + 2));
+            hostile
+                .send(to, &call_as(FORGED_ID + 3, hop), body(&guess))
+                .await
+                .unwrap();
+            hostile
+                .heard(|h| matches!(h, Header::Reply { id, .. } if *id == FORGED_ID + 3))
+                .await;
+            let (honest_next, honest_out) = forward(&hdist, &p1, "w0").await;
+            assert_eq!(
+                honest_next.id(),
+                next,
+                "the guess was the honest worker's next id"
+            );
+            backward_checked(
+                &honest_next,
+                &honest_out,
+                &p1,
+                &param_values(0),
+                "w1 through w0 after a guess",
+            )
+            .await;
+            honest_next.release().await.unwrap();
+            let never = forged(
                 ContextId::new(VICTIM, 1 << 20),
                 0,
                 AutogradMessageId::new(HOSTILE, 1 << 20),
@@ -426,7 +453,7 @@ async fn run(net: Net, attack: Attack) {
                 .await
                 .unwrap();
             refused(&hostile, FORGED_ID, "never made").await;
-            let join = forward(kept.id(), 7, AutogradMessageId::new(HOSTILE, (1 << 20) + 1));
+            let join = forged(kept.id(), 7, AutogradMessageId::new(HOSTILE, (1 << 20) + 1));
             hostile
                 .send(to, &call_as(FORGED_ID + 1, hop), body(&join))
                 .await

@@ -194,7 +194,7 @@ fuzz_target!(|data: &[u8]| {
                 };
                 let capability = guess.unwrap_or(known);
                 match d.a.handle_recv(HOSTILE, c, capability, m) {
-                    Ok(()) => {
+                    Ok(_) => {
                         assert_eq!(m.worker(), HOSTILE, "a recv under another worker's id");
                         assert!(
                             c != private || capability == secret,

@@ -72,6 +72,18 @@ mod tests;
 
 pub use errors::{AutogradError, BackwardError, ProtocolViolation, RecvError};
 
+/// What [`DistAutograd::handle_recv`] did with a message it took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recv {
+    /// Recorded in its context (made here by this message if it is the first).
+    Recorded,
+    /// The context's creator presented a capability other than the one an earlier message from
+    /// another worker made the context here with: that copy was a forgery's. It was discarded
+    /// (its work failed, none of its members told) and the context made again from this
+    /// message. The driver drops what it kept for the context before recording this message.
+    ReplacedForgery,
+}
+
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
@@ -654,17 +666,22 @@ impl DistAutograd {
     /// lost is refused ([`RecvError::PeerLost`]), so that no context is made that its loss can
     /// no longer drop.
     ///
+    /// The creator of a context is the authority on its capability: when it presents one other
+    /// than that of a copy a non-creator's message made here, that copy was a forgery's, and
+    /// it is discarded ([`Recv::ReplacedForgery`]).
+    ///
     /// We differ from PyTorch, which trusts every context id: there a worker that guesses an id
     /// joins the context and can release it under its members. One case is left: a worker
     /// that guesses an id and reaches another worker before the context's first honest message
-    /// there makes the honest messages in it refused there (a typed error, nobody dropped).
+    /// there, when that message comes from a worker other than the creator, makes the honest
+    /// messages in it refused there (a typed error, nobody dropped).
     pub fn handle_recv(
         &mut self,
         from: WorkerId,
         context: ContextId,
         capability: Capability,
         message: AutogradMessageId,
-    ) -> Result<(), RecvError> {
+    ) -> Result<Recv, RecvError> {
         let bad = ProtocolViolation::BadMessageId {
             from,
             context,
@@ -688,13 +705,19 @@ impl DistAutograd {
             }
             return Err(RecvError::ContextGone { from, context });
         }
-        if let Some(ctx) = self.contexts.get(&context) {
-            if !same(ctx.capability, capability) {
-                return Err(RecvError::WrongCapability { from, context });
-            }
-        }
         if self.lost.contains(&from) || self.lost.contains(&context.worker()) {
             return Err(RecvError::PeerLost { from, context });
+        }
+        let mut recv = Recv::Recorded;
+        if let Some(ctx) = self.contexts.get(&context) {
+            if !same(ctx.capability, capability) {
+                let creator = context.worker();
+                if from != creator || ctx.made_by.is_none_or(|m| m == creator) {
+                    return Err(RecvError::WrongCapability { from, context });
+                }
+                self.discard_forged(context);
+                recv = Recv::ReplacedForgery;
+            }
         }
         if !self.contexts.contains_key(&context) {
             let made = self.made_by_peer.entry(from).or_insert(0);
@@ -713,7 +736,30 @@ impl DistAutograd {
         let ctx = self.contexts.get_mut(&context).expect("made above");
         ctx.recvs.insert(message, from);
         ctx.known.insert(from);
-        Ok(())
+        Ok(recv)
+    }
+
+    /// Discards the copy of `context` that a forgery's message made here (its creator has just
+    /// presented another capability): its work fails, and nobody is told. Its members hold the
+    /// forgery's copy too, or were told the forgery's capability; a release from here could
+    /// reach the creator's real context through a member it shares. The driver drops what it
+    /// kept for the context when `handle_recv` says [`Recv::ReplacedForgery`].
+    fn discard_forged(&mut self, context: ContextId) {
+        let Some(ctx) = self.contexts.get_mut(&context) else {
+            return;
+        };
+        ctx.known.clear();
+        let error = BackwardError::Released {
+            worker: self.me,
+            context,
+        };
+        self.drop_context(context, None, &error, false);
+        // The copy's data goes now, with the driver's answer; a later `Dropped` would free the
+        // context made again in its place.
+        self.out
+            .retain(|o| !matches!(o, Output::Dropped { context: c } if *c == context));
+        self.gone.remove(&context);
+        self.gone_order.retain(|c| *c != context);
     }
 
     /// `from` sent the gradient for the send function of `message` (request `request`): run it.

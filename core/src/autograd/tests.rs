@@ -944,41 +944,64 @@ fn a_context_of_ours_never_made_is_refused_without_blaming_the_sender() {
     assert!(drain(&mut a).is_empty());
 }
 
-/// What is left (documented on `handle_recv`): a guess that reaches a worker before the
-/// context's first honest message there holds the context there with its own capability; the
-/// honest messages in it are refused there (a typed error), nobody is dropped, and the
-/// guesser, which is only in its own copy, cannot release the honest context anywhere else.
+/// A guess that reaches a worker before the context's first honest message there holds the
+/// context there with its own capability. When the honest message comes from the creator
+/// (the authority on its capability), the guesser's copy is discarded without telling its
+/// members and the context is made again from the creator's message. What is left (documented
+/// on `handle_recv`): when it comes from another worker, it is refused there (a typed error,
+/// nobody dropped). Either way the guesser cannot release the honest context anywhere else.
 #[test]
-fn a_guess_that_arrives_first_only_refuses_the_honest_messages_there() {
+fn a_guess_that_arrives_first_gives_way_to_the_creator_and_only_refuses_relays() {
     let mut a = DistAutograd::new(0);
     let mut b = DistAutograd::new(1);
     let c = a.new_context().unwrap();
-    // Worker 2 guesses c and reaches b first.
+    // Worker 2 guesses c and reaches b first; b's copy works for it (it sends there too).
     b.handle_recv(2, c, 7, AutogradMessageId::new(2, 0))
         .unwrap();
-    // a's honest call to b in c.
-    let m = a.record_send(c, 1).unwrap();
-    let refused = b.handle_recv(0, c, a.capability(c).unwrap(), m);
+    b.record_send(c, 3).unwrap();
+    drain(&mut b);
+    // A relay (worker 3, given c by a) is refused there.
+    let relayed = b.handle_recv(3, c, a.capability(c).unwrap(), AutogradMessageId::new(3, 0));
     assert_eq!(
-        refused,
+        relayed,
+        Err(RecvError::WrongCapability {
+            from: 3,
+            context: c
+        })
+    );
+    assert!(relayed.unwrap_err().violation().is_none());
+    // The creator's own call replaces the forged copy, telling none of its members.
+    let m = a.record_send(c, 1).unwrap();
+    assert_eq!(
+        b.handle_recv(0, c, a.capability(c).unwrap(), m),
+        Ok(Recv::ReplacedForgery)
+    );
+    assert!(
+        drain(&mut b).is_empty(),
+        "nothing told, nothing freed after the new copy"
+    );
+    assert_eq!(b.known_workers(c), Some(vec![0]));
+    assert_eq!(b.capability(c), a.capability(c));
+    // Now the relay's message is recorded, and worker 2 is nobody in c anywhere.
+    b.handle_recv(3, c, a.capability(c).unwrap(), AutogradMessageId::new(3, 1))
+        .unwrap();
+    for (w, at) in [(0, &mut a), (1, &mut b)] {
+        assert_eq!(
+            at.handle_release(2, c, None),
+            Err(ProtocolViolation::NotInContext {
+                from: 2,
+                context: c
+            }),
+            "on {w}"
+        );
+        assert!(at.has_context(c), "on {w}");
+    }
+    // The creator contradicting a copy it made itself is refused, not replaced.
+    assert_eq!(
+        b.handle_recv(0, c, 9, AutogradMessageId::new(0, 99)),
         Err(RecvError::WrongCapability {
             from: 0,
             context: c
         })
     );
-    assert!(refused.unwrap_err().violation().is_none());
-    // Worker 2 releases its copy on b: b tells only the workers of that copy (2 itself).
-    b.handle_release(2, c, None).unwrap();
-    assert!(drain(&mut b)
-        .iter()
-        .all(|o| !matches!(o, Output::Release { to, .. } if *to != 2)));
-    // On a, the creator, worker 2 is nobody.
-    assert_eq!(
-        a.handle_release(2, c, None),
-        Err(ProtocolViolation::NotInContext {
-            from: 2,
-            context: c
-        })
-    );
-    assert!(a.has_context(c));
 }
