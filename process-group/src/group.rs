@@ -813,21 +813,8 @@ impl ProcessGroup for Group {
     ) -> Result<Vec<Bytes>, ProcessGroupError> {
         let splits: Vec<usize> = inputs.iter().map(Bytes::len).collect();
         let (schedule, seq) = self.issue_all_to_all(&splits, output_lens)?;
-        let mut buffer = vec![0u8; schedule.buffer_len()];
-        let mut offset = 0;
-        for input in inputs {
-            buffer[offset..offset + input.len()].copy_from_slice(input);
-            offset += input.len();
-        }
-        let out = self.finish_all_to_all(seq, &schedule, buffer).await?;
-        let mut start = 0;
-        Ok(output_lens
-            .iter()
-            .map(|len| {
-                start += len;
-                out.slice(start - len..start)
-            })
-            .collect())
+        self.all_to_all_blocks(seq, &schedule, inputs, output_lens)
+            .await
     }
 
     async fn all_to_all_single(
@@ -849,12 +836,25 @@ impl ProcessGroup for Group {
             });
         }
         let (schedule, seq) = self.issue_all_to_all(input_splits, output_splits)?;
-        let mut buffer = vec![0u8; schedule.buffer_len()];
-        buffer[schedule.input_range()].copy_from_slice(input);
-        Ok(self
-            .finish_all_to_all(seq, &schedule, buffer)
-            .await?
-            .to_vec())
+        // Two copies in all: the input into one shared message (its blocks are sent as slices
+        // of it), and the blocks received into the output.
+        let input = Bytes::copy_from_slice(input);
+        let mut start = 0;
+        let inputs: Vec<Bytes> = input_splits
+            .iter()
+            .map(|len| {
+                start += len;
+                input.slice(start - len..start)
+            })
+            .collect();
+        let blocks = self
+            .all_to_all_blocks(seq, &schedule, &inputs, output_splits)
+            .await?;
+        let mut out = Vec::with_capacity(output_splits.iter().sum());
+        for block in &blocks {
+            out.extend_from_slice(block);
+        }
+        Ok(out)
     }
 
     async fn send(&self, data: &[u8], dst: usize, tag: u32) -> Result<(), ProcessGroupError> {

@@ -870,6 +870,35 @@ async fn new_collectives_in_flight_at_once() {
     }
 }
 
+/// all_to_all of blocks copies nothing on the rank: its own block comes back as the very
+/// bytes it passed, and the others as they arrived; empty blocks (in either direction) and
+/// uneven ones land where they belong.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_to_all_returns_its_own_block_uncopied_and_every_other_in_place() {
+    let gs = bounded(groups(3, "a2a-blocks", Duration::from_secs(20))).await;
+    // Rank r sends rank p `(r + p) % 3` bytes of value 10r + p.
+    let len = |r: usize, p: usize| (r + p) % 3;
+    let results = bounded(on_all(&gs, |g| async move {
+        let rank = g.rank();
+        let inputs: Vec<Bytes> = (0..3)
+            .map(|p| Bytes::from(vec![(10 * rank + p) as u8; len(rank, p)]))
+            .collect();
+        let lens: Vec<usize> = (0..3).map(|r| len(r, rank)).collect();
+        let out = g.all_to_all(&inputs, &lens).await.unwrap();
+        let own = out[rank].is_empty() || out[rank].as_ptr() == inputs[rank].as_ptr();
+        (out, own)
+    }))
+    .await;
+    for (rank, (out, own)) in results.into_iter().enumerate() {
+        let want: Vec<Vec<u8>> = (0..3)
+            .map(|r| vec![(10 * r + rank) as u8; len(r, rank)])
+            .collect();
+        let got: Vec<Vec<u8>> = out.iter().map(|b| b.to_vec()).collect();
+        assert_eq!(got, want, "rank {rank}");
+        assert!(own, "rank {rank}'s own block was copied");
+    }
+}
+
 /// Issue 20: a receive that times out names its sender and leaves the group usable
 /// (point-to-point messages take no place in the sequence of collectives). Rank 0 has a short
 /// timeout, rank 1 a long one, so that rank 1 is still there when rank 0 comes back.

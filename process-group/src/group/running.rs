@@ -215,19 +215,83 @@ impl Group {
         Ok((schedule, self.reserve(1)))
     }
 
-    /// Runs an all_to_all whose buffer holds the input; returns the received blocks.
-    pub(super) async fn finish_all_to_all(
+    /// Runs an all_to_all of `inputs` (block `p` goes to rank `p`; `output_lens[p]` bytes come
+    /// from it) without copying a byte here: each block is sent as it is (held at its range,
+    /// so the executor forwards it), each received message is kept as it came (deferred) and
+    /// returned as its block, and this rank's own block is its own output. No buffer is made.
+    /// A schedule that would need one (a send that is not exactly one block, a receive that is
+    /// not one whole store) runs the copying way instead (the input copied into a buffer, and
+    /// the blocks stored there); all_to_all's never does.
+    pub(super) async fn all_to_all_blocks(
         &self,
         seq: u64,
         schedule: &Schedule,
-        mut buffer: Vec<u8>,
-    ) -> Result<Bytes, ProcessGroupError> {
-        if let Some((from, to)) = schedule.local_copy() {
-            buffer.copy_within(from, to.start);
+        inputs: &[Bytes],
+        output_lens: &[usize],
+    ) -> Result<Vec<Bytes>, ProcessGroupError> {
+        let mut held = Held::default();
+        let mut offset = 0;
+        for input in inputs {
+            if !input.is_empty() {
+                held.insert(offset..offset + input.len(), input.clone(), false);
+            }
+            offset += input.len();
         }
-        self.run(seq, Signature::AllToAll, schedule, &mut buffer)
-            .await?;
-        Ok(Bytes::from(buffer).slice(schedule.output_range()))
+        let forwarded = schedule.steps().iter().all(|step| {
+            let sends = step
+                .sends()
+                .iter()
+                .all(|t| t.is_empty() || matches!(t.ranges(), [one] if held.get(one).is_some()));
+            let receives = step.receives().iter().all(|r| {
+                r.is_empty()
+                    || (matches!(r.action(), tensorwire_core::collective::Apply::Store)
+                        && r.ranges().len() == 1)
+            });
+            sends && receives
+        });
+        let mut buffer = Vec::new();
+        if !forwarded {
+            buffer = vec![0u8; schedule.buffer_len()];
+            held.materialize(&[schedule.input_range()], &mut buffer);
+            if let Some((from, to)) = schedule.local_copy() {
+                buffer.copy_within(from, to.start);
+            }
+        }
+        self.run_held(
+            seq,
+            Signature::AllToAll,
+            schedule,
+            &mut buffer,
+            &mut held,
+            forwarded,
+        )
+        .await?;
+        let rank = self.rank();
+        let mut start = schedule.output_range().start;
+        let mut blocks = Vec::with_capacity(output_lens.len());
+        for (p, &len) in output_lens.iter().enumerate() {
+            let range = start..start + len;
+            start += len;
+            let block = if len == 0 {
+                Bytes::new()
+            } else if p == rank {
+                inputs[p].clone()
+            } else if let Some(b) = held.get(&range) {
+                b
+            } else if forwarded {
+                // Every store was deferred: a block without its message cannot be.
+                return Err(ProcessGroupError::Mismatch {
+                    peer: p,
+                    collective: "all_to_all",
+                    seq,
+                    reason: format!("no message of {len} bytes was kept for its block"),
+                });
+            } else {
+                Bytes::copy_from_slice(&buffer[range])
+            };
+            blocks.push(block);
+        }
+        Ok(blocks)
     }
 
     /// The second round of a gather, on the root: receives the blocks too large for a slot
