@@ -255,41 +255,77 @@ fn bool_store(x: bool) -> [u8; 1] {
 /// NaN propagates through min and max, and the left operand wins ties so the result depends
 /// only on the (fixed) operand order.
 macro_rules! float_op {
-    ($op:expr, $t:ty) => {
+    ($op:expr, $t:ty, |$f:ident| $body:expr) => {
+        // One arm per operation, so that each loop is compiled with its own operation inlined
+        // (a function pointer chosen at run time would be an indirect call per element).
         match $op {
-            ReduceOp::Product => |a: $t, b: $t| a * b,
-            ReduceOp::Min => |a: $t, b: $t| {
-                if a.is_nan() || (!b.is_nan() && a <= b) {
-                    a
-                } else {
-                    b
-                }
-            },
-            ReduceOp::Max => |a: $t, b: $t| {
-                if a.is_nan() || (!b.is_nan() && a >= b) {
-                    a
-                } else {
-                    b
-                }
-            },
+            ReduceOp::Product => {
+                let $f = |a: $t, b: $t| a * b;
+                $body
+            }
+            ReduceOp::Min => {
+                let $f = |a: $t, b: $t| {
+                    if a.is_nan() || (!b.is_nan() && a <= b) {
+                        a
+                    } else {
+                        b
+                    }
+                };
+                $body
+            }
+            ReduceOp::Max => {
+                let $f = |a: $t, b: $t| {
+                    if a.is_nan() || (!b.is_nan() && a >= b) {
+                        a
+                    } else {
+                        b
+                    }
+                };
+                $body
+            }
             // Sum, and Avg's steps; the bitwise ops were refused before.
-            _ => |a: $t, b: $t| a + b,
+            _ => {
+                let $f = |a: $t, b: $t| a + b;
+                $body
+            }
         }
     };
 }
 
-/// Picks the binary function for an integer type; sums and products wrap.
+/// Picks the binary function for an integer type; sums and products wrap. As `float_op`,
+/// one arm per operation.
 macro_rules! int_op {
-    ($op:expr, $t:ty) => {
+    ($op:expr, $t:ty, |$f:ident| $body:expr) => {
         match $op {
-            ReduceOp::Product => |a: $t, b: $t| a.wrapping_mul(b),
-            ReduceOp::Min => |a: $t, b: $t| a.min(b),
-            ReduceOp::Max => |a: $t, b: $t| a.max(b),
-            ReduceOp::BAnd => |a: $t, b: $t| a & b,
-            ReduceOp::BOr => |a: $t, b: $t| a | b,
-            ReduceOp::BXor => |a: $t, b: $t| a ^ b,
+            ReduceOp::Product => {
+                let $f = |a: $t, b: $t| a.wrapping_mul(b);
+                $body
+            }
+            ReduceOp::Min => {
+                let $f = |a: $t, b: $t| a.min(b);
+                $body
+            }
+            ReduceOp::Max => {
+                let $f = |a: $t, b: $t| a.max(b);
+                $body
+            }
+            ReduceOp::BAnd => {
+                let $f = |a: $t, b: $t| a & b;
+                $body
+            }
+            ReduceOp::BOr => {
+                let $f = |a: $t, b: $t| a | b;
+                $body
+            }
+            ReduceOp::BXor => {
+                let $f = |a: $t, b: $t| a ^ b;
+                $body
+            }
             // Sum (Avg was refused before).
-            _ => |a: $t, b: $t| a.wrapping_add(b),
+            _ => {
+                let $f = |a: $t, b: $t| a.wrapping_add(b);
+                $body
+            }
         }
     };
 }
@@ -334,56 +370,60 @@ pub fn reduce_into(
     let op = op.step_op();
     let i = incoming_first;
     match element {
-        ElementType::F32 => combine(
+        ElementType::F32 => float_op!(op, f32, |f| combine(
             acc,
             incoming,
             i,
             f32::from_le_bytes,
             f32::to_le_bytes,
-            float_op!(op, f32),
-        ),
-        ElementType::F64 => combine(
+            f
+        )),
+        ElementType::F64 => float_op!(op, f64, |f| combine(
             acc,
             incoming,
             i,
             f64::from_le_bytes,
             f64::to_le_bytes,
-            float_op!(op, f64),
-        ),
-        ElementType::F16 => combine(acc, incoming, i, f16_load, f16_store, float_op!(op, f32)),
-        ElementType::BF16 => combine(acc, incoming, i, bf16_load, bf16_store, float_op!(op, f32)),
-        ElementType::I32 => combine(
+            f
+        )),
+        ElementType::F16 => float_op!(op, f32, |f| combine(
+            acc, incoming, i, f16_load, f16_store, f
+        )),
+        ElementType::BF16 => float_op!(op, f32, |f| combine(
+            acc, incoming, i, bf16_load, bf16_store, f
+        )),
+        ElementType::I32 => int_op!(op, i32, |f| combine(
             acc,
             incoming,
             i,
             i32::from_le_bytes,
             i32::to_le_bytes,
-            int_op!(op, i32),
-        ),
-        ElementType::I64 => combine(
+            f
+        )),
+        ElementType::I64 => int_op!(op, i64, |f| combine(
             acc,
             incoming,
             i,
             i64::from_le_bytes,
             i64::to_le_bytes,
-            int_op!(op, i64),
-        ),
-        ElementType::U8 => combine(
+            f
+        )),
+        ElementType::U8 => int_op!(op, u8, |f| combine(
             acc,
             incoming,
             i,
             u8::from_le_bytes,
             u8::to_le_bytes,
-            int_op!(op, u8),
-        ),
-        ElementType::I8 => combine(
+            f
+        )),
+        ElementType::I8 => int_op!(op, i8, |f| combine(
             acc,
             incoming,
             i,
             i8::from_le_bytes,
             i8::to_le_bytes,
-            int_op!(op, i8),
-        ),
+            f
+        )),
         ElementType::Bool => {
             let f: fn(bool, bool) -> bool = match op {
                 ReduceOp::Product | ReduceOp::Min | ReduceOp::BAnd => |a, b| a & b,
@@ -401,25 +441,34 @@ fn combine<T: Copy, const W: usize>(
     acc: &mut [u8],
     incoming: &[u8],
     incoming_first: bool,
-    load: fn([u8; W]) -> T,
-    store: fn(T) -> [u8; W],
-    f: fn(T, T) -> T,
+    load: impl Fn([u8; W]) -> T,
+    store: impl Fn(T) -> [u8; W],
+    f: impl Fn(T, T) -> T,
 ) {
-    for (a, b) in acc.chunks_exact_mut(W).zip(incoming.chunks_exact(W)) {
+    let pairs = acc.chunks_exact_mut(W).zip(incoming.chunks_exact(W));
+    let word = |b: &[u8]| {
         let mut x = [0u8; W];
-        x.copy_from_slice(a);
-        let mut y = [0u8; W];
-        y.copy_from_slice(b);
-        let (x, y) = (load(x), load(y));
-        let r = if incoming_first { f(y, x) } else { f(x, y) };
-        a.copy_from_slice(&store(r));
+        x.copy_from_slice(b);
+        load(x)
+    };
+    // Two loops, so that neither tests the order per element.
+    if incoming_first {
+        for (a, b) in pairs {
+            let r = f(word(b), word(a));
+            a.copy_from_slice(&store(r));
+        }
+    } else {
+        for (a, b) in pairs {
+            let r = f(word(a), word(b));
+            a.copy_from_slice(&store(r));
+        }
     }
 }
 
 fn map<T: Copy, const W: usize>(
     data: &mut [u8],
-    load: fn([u8; W]) -> T,
-    store: fn(T) -> [u8; W],
+    load: impl Fn([u8; W]) -> T,
+    store: impl Fn(T) -> [u8; W],
     f: impl Fn(T) -> T,
 ) {
     for a in data.chunks_exact_mut(W) {
