@@ -347,11 +347,8 @@ impl RpcBackend for FaultyBackend {
         rpc_timeout: Duration,
         init_method: &str,
     ) -> Result<RpcOptions, RpcError> {
-        Ok(RpcOptions {
-            rpc_timeout,
-            init_method: init_method.to_owned(),
-            ..RpcOptions::default()
-        })
+        // The agent runs over TCP, with the TCP backend's options.
+        TcpBackend.construct_options(rpc_timeout, init_method)
     }
 
     async fn init_backend(

@@ -745,21 +745,11 @@ impl DistAutograd {
     /// reach the creator's real context through a member it shares. The driver drops what it
     /// kept for the context when `handle_recv` says [`Recv::ReplacedForgery`].
     fn discard_forged(&mut self, context: ContextId) {
-        let Some(ctx) = self.contexts.get_mut(&context) else {
-            return;
-        };
-        ctx.known.clear();
         let error = BackwardError::Released {
             worker: self.me,
             context,
         };
-        self.drop_context(context, None, &error, false);
-        // The copy's data goes now, with the driver's answer; a later `Dropped` would free the
-        // context made again in its place.
-        self.out
-            .retain(|o| !matches!(o, Output::Dropped { context: c } if *c == context));
-        self.gone.remove(&context);
-        self.gone_order.retain(|c| *c != context);
+        self.remove_context(context, &error);
     }
 
     /// `from` sent the gradient for the send function of `message` (request `request`): run it.
@@ -1062,16 +1052,11 @@ impl DistAutograd {
 
     /// Drops `context`: its running work fails with `error`, every known worker but `except`
     /// is told (with `error` as the cause when `failure`), and the driver frees it.
-    fn drop_context(
-        &mut self,
-        context: ContextId,
-        except: Option<WorkerId>,
-        error: &BackwardError,
-        failure: bool,
-    ) {
-        let Some(ctx) = self.contexts.remove(&context) else {
-            return;
-        };
+    /// Takes `context` out: it no longer counts toward the bound of the peer whose message
+    /// made it, and its running work fails with `error`. Nothing is told or freed (see
+    /// [`drop_context`](Self::drop_context) and [`discard_forged`](Self::discard_forged)).
+    fn remove_context(&mut self, context: ContextId, error: &BackwardError) -> Option<Context> {
+        let ctx = self.contexts.remove(&context)?;
         if let Some(peer) = ctx.made_by {
             if let Some(made) = self.made_by_peer.get_mut(&peer) {
                 *made -= 1;
@@ -1080,6 +1065,28 @@ impl DistAutograd {
                 }
             }
         }
+        for task in &ctx.tasks {
+            if let Some(t) = self.tasks.remove(task) {
+                self.outgoing.retain(|_, o| o.task != *task);
+                // Every request is answered, even one from the lost (or releasing) worker:
+                // nobody may read that answer, but the driver learns that the request is over
+                // (and stops serving it) instead of waiting for an answer that never comes.
+                self.finish(t, Err(error.clone()));
+            }
+        }
+        Some(ctx)
+    }
+
+    fn drop_context(
+        &mut self,
+        context: ContextId,
+        except: Option<WorkerId>,
+        error: &BackwardError,
+        failure: bool,
+    ) {
+        let Some(ctx) = self.remove_context(context, error) else {
+            return;
+        };
         if self.gone.insert(context, error.clone()).is_none() {
             self.gone_order.push_back(context);
         }
@@ -1092,15 +1099,6 @@ impl DistAutograd {
             self.dropped.insert(context, error.clone());
             while self.dropped.len() > DROPPED_KEPT {
                 self.dropped.pop_first();
-            }
-        }
-        for task in &ctx.tasks {
-            if let Some(t) = self.tasks.remove(task) {
-                self.outgoing.retain(|_, o| o.task != *task);
-                // Every request is answered, even one from the lost (or releasing) worker:
-                // nobody may read that answer, but the driver learns that the request is over
-                // (and stops serving it) instead of waiting for an answer that never comes.
-                self.finish(t, Err(error.clone()));
             }
         }
         for to in ctx.known {
