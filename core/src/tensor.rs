@@ -34,6 +34,8 @@ pub enum DType {
     I8,
     /// Boolean, one byte: 0 is false, anything else true.
     Bool,
+    /// 16-bit signed integer.
+    I16,
 }
 
 impl DType {
@@ -41,7 +43,7 @@ impl DType {
     pub fn size(self) -> usize {
         match self {
             DType::U8 | DType::I8 | DType::Bool => 1,
-            DType::F16 | DType::BF16 => 2,
+            DType::F16 | DType::BF16 | DType::I16 => 2,
             DType::I32 | DType::F32 => 4,
             DType::I64 | DType::F64 => 8,
         }

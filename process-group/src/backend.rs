@@ -180,15 +180,41 @@ impl ProcessGroupFactory for TensorwireFactory {
         device: Device,
         options: BackendOptions,
     ) -> Result<Arc<dyn ProcessGroup>, ProcessGroupError> {
-        let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
         if device != Device::Cpu {
-            return Err(setup(format!(
-                "the tensorwire backend works on host memory; device {device} is not supported"
-            )));
+            return Err(ProcessGroupError::Setup {
+                rank,
+                reason: format!(
+                    "the tensorwire backend works on host memory; device {device} is not supported"
+                ),
+            });
         }
+        let group = TensorwireFactory::connect(store, rank, world_size, timeout, options).await?;
+        Ok(Arc::new(group))
+    }
+}
+
+#[cfg(feature = "tcp")]
+impl TensorwireFactory {
+    /// What [`create`](ProcessGroupFactory::create) does for `cpu`, returning the [`Group`]
+    /// itself (for front ends that issue work on it, such as the Python package's c10d
+    /// backend). Options as for the factory, plus `debug` (`off`, `info` or `detail`: the
+    /// agreement check's level, instead of `TENSORWIRE_DEBUG`).
+    ///
+    /// # Errors
+    /// [`ProcessGroupError::Setup`] for a bad option, address or secret, and whatever
+    /// [`Group::connect`] returns.
+    pub async fn connect(
+        store: Arc<dyn Store>,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        options: BackendOptions,
+    ) -> Result<Group, ProcessGroupError> {
+        let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
         let mut name = None;
         let mut listen_ip = None;
         let mut insecure = false;
+        let mut debug = None;
         for (key, value) in options {
             match key.as_str() {
                 "group_name" => name = Some(value),
@@ -200,6 +226,12 @@ impl ProcessGroupFactory for TensorwireFactory {
                     })?)
                 }
                 "insecure" => insecure = value == "true" || value == "1",
+                "debug" => {
+                    debug = Some(
+                        tensorwire_core::collective::DebugLevel::parse(&value)
+                            .map_err(|e| setup(e.to_string()))?,
+                    )
+                }
                 _ => return Err(setup(format!("Unknown option {key}"))),
             }
         }
@@ -218,11 +250,13 @@ impl ProcessGroupFactory for TensorwireFactory {
             tensorwire_transport_tcp::TcpTransport::new(config)
                 .map_err(|e| setup(e.to_string()))?,
         );
-        let options = GroupOptions::new(name)
+        let mut options = GroupOptions::new(name)
             .with_timeout(timeout)
             .with_listen(SocketAddr::new(ip, 0));
-        let group = Group::connect(store, transport, rank, world_size, options).await?;
-        Ok(Arc::new(group))
+        if let Some(debug) = debug {
+            options = options.with_debug(debug);
+        }
+        Group::connect(store, transport, rank, world_size, options).await
     }
 }
 

@@ -143,12 +143,14 @@ pub enum ElementType {
     I8,
     /// Boolean, one byte: 0 is false, anything else is true; results are 0 or 1.
     Bool,
+    /// 16-bit signed integer.
+    I16,
 }
 
 impl ElementType {
     /// Every element type, for tests and command-line listings. The position of a type is its
     /// code in a [`Signature`](super::Signature): new ones go at the end.
-    pub const ALL: [ElementType; 9] = [
+    pub const ALL: [ElementType; 10] = [
         ElementType::F32,
         ElementType::F64,
         ElementType::I32,
@@ -158,13 +160,14 @@ impl ElementType {
         ElementType::U8,
         ElementType::I8,
         ElementType::Bool,
+        ElementType::I16,
     ];
 
     /// The size of one element in bytes.
     pub const fn size(self) -> usize {
         match self {
             ElementType::U8 | ElementType::I8 | ElementType::Bool => 1,
-            ElementType::F16 | ElementType::BF16 => 2,
+            ElementType::F16 | ElementType::BF16 | ElementType::I16 => 2,
             ElementType::F32 | ElementType::I32 => 4,
             ElementType::F64 | ElementType::I64 => 8,
         }
@@ -182,6 +185,7 @@ impl ElementType {
             DType::BF16 => Some(ElementType::BF16),
             DType::U8 => Some(ElementType::U8),
             DType::I8 => Some(ElementType::I8),
+            DType::I16 => Some(ElementType::I16),
             DType::Bool => Some(ElementType::Bool),
         }
     }
@@ -198,6 +202,7 @@ impl ElementType {
             ElementType::BF16 => DType::BF16,
             ElementType::U8 => DType::U8,
             ElementType::I8 => DType::I8,
+            ElementType::I16 => DType::I16,
             ElementType::Bool => DType::Bool,
         }
     }
@@ -222,6 +227,7 @@ impl fmt::Display for ElementType {
             ElementType::BF16 => "bf16",
             ElementType::U8 => "u8",
             ElementType::I8 => "i8",
+            ElementType::I16 => "i16",
             ElementType::Bool => "bool",
         })
     }
@@ -422,6 +428,14 @@ pub fn reduce_into(
             i,
             i8::from_le_bytes,
             i8::to_le_bytes,
+            f
+        )),
+        ElementType::I16 => int_op!(op, i16, |f| combine(
+            acc,
+            incoming,
+            i,
+            i16::from_le_bytes,
+            i16::to_le_bytes,
             f
         )),
         ElementType::Bool => {

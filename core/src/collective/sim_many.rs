@@ -95,6 +95,7 @@ fn reduce_input(call: usize, rank: usize, element: ElementType, count: usize) ->
             ElementType::F64 => out.extend((v as f64).to_le_bytes()),
             ElementType::I32 => out.extend((v as i32).to_le_bytes()),
             ElementType::I64 => out.extend(v.to_le_bytes()),
+            ElementType::I16 => out.extend((v as i16).to_le_bytes()),
             ElementType::F16 => out.extend(half::f16::from_f32(v as f32).to_le_bytes()),
             ElementType::BF16 => out.extend(half::bf16::from_f32(v as f32).to_le_bytes()),
             ElementType::U8 | ElementType::I8 | ElementType::Bool => out.push(v as u8),

@@ -536,6 +536,7 @@ fn encode_one(v: i64, element: ElementType) -> Vec<u8> {
         ElementType::BF16 => half::bf16::from_f32(v as f32).to_le_bytes().to_vec(),
         ElementType::I32 => (v as i32).to_le_bytes().to_vec(),
         ElementType::I64 => v.to_le_bytes().to_vec(),
+        ElementType::I16 => (v as i16).to_le_bytes().to_vec(),
         ElementType::U8 | ElementType::I8 | ElementType::Bool => vec![v as u8],
     }
 }

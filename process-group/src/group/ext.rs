@@ -24,6 +24,7 @@ mod sealed {
     impl Sealed for half::bf16 {}
     impl Sealed for u8 {}
     impl Sealed for i8 {}
+    impl Sealed for i16 {}
     impl Sealed for bool {}
 }
 
@@ -49,6 +50,7 @@ element!(half::f16, ElementType::F16);
 element!(half::bf16, ElementType::BF16);
 element!(u8, ElementType::U8);
 element!(i8, ElementType::I8);
+element!(i16, ElementType::I16);
 
 impl Element for bool {
     const TYPE: ElementType = ElementType::Bool;
