@@ -339,6 +339,8 @@ class TensorwireBackend(_C10dBackend):
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return _Chain(works, outputs)
 
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
     def reduce_scatter(self, outputs, input_lists, opts):
         self._check(outputs, "reduce_scatter")
         op = self._op(opts, "reduce_scatter")
@@ -377,6 +379,8 @@ class TensorwireBackend(_C10dBackend):
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return _Chain(works, outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def alltoall(self, outputs, inputs, opts):
         self._check(list(outputs) + list(inputs), "alltoall")
