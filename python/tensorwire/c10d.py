@@ -74,7 +74,8 @@ def _torch_error(e: _native.TensorwireError) -> Exception:
     """torch's exception for a native failure, with tensorwire's message."""
     kind, message = e.args[0], e.args[1]
     if kind == "argument":
-        return ValueError(message)
+        # gloo's own argument checks raise RuntimeError (c10::Error); so does this backend.
+        return RuntimeError(message)
     if kind == "unsupported":
         return RuntimeError(message)
     if kind == "network":
@@ -212,6 +213,11 @@ class TensorwireBackend(_C10dBackend):
         return BACKEND_NAME
 
     @property
+    def options(self):
+        options = _C10dBackend.Options(BACKEND_NAME, timeout=self._timeout)
+        return options
+
+    @property
     def supports_splitting(self) -> bool:
         return True
 
@@ -225,22 +231,22 @@ class TensorwireBackend(_C10dBackend):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{what}: expected tensors, got {type(t).__name__}")
             if t.device.type != "cpu":
-                raise ValueError(
+                raise RuntimeError(
                     f"{what}: the tensorwire backend works on CPU tensors, not {t.device}; for "
                     "CUDA tensors initialize with backend=\"cpu:tensorwire,cuda:nccl\""
                 )
             if t.is_sparse:
-                raise ValueError(f"{what}: the tensorwire backend does not take sparse tensors")
+                raise RuntimeError(f"{what}: the tensorwire backend does not take sparse tensors")
             if t.dtype not in _DTYPES:
-                raise ValueError(f"{what}: the tensorwire backend does not support {t.dtype}")
+                raise RuntimeError(f"{what}: the tensorwire backend does not support {t.dtype}")
             if dtype is None:
                 dtype = t.dtype
             elif t.dtype != dtype:
-                raise ValueError(f"{what}: tensors must all have the same type, got {dtype} and {t.dtype}")
+                raise RuntimeError(f"{what}: tensors must all have the same type, got {dtype} and {t.dtype}")
 
     def _root(self, root: int, what: str) -> int:
         if not 0 <= root < self.size():
-            raise ValueError(f"{what}: invalid root rank {root} for a group of {self.size()}")
+            raise RuntimeError(f"{what}: invalid root rank {root} for a group of {self.size()}")
         return root
 
     @staticmethod
@@ -297,17 +303,17 @@ class TensorwireBackend(_C10dBackend):
     def allgather(self, output_lists, inputs, opts):
         self._check(inputs, "allgather")
         if len(output_lists) != len(inputs):
-            raise ValueError("allgather: requires an output list for every input tensor")
+            raise RuntimeError("allgather: requires an output list for every input tensor")
         outs, backs = [], []
         for outputs, inp in zip(output_lists, inputs):
             self._check(outputs, "allgather")
             if len(outputs) != self.size():
-                raise ValueError(
+                raise RuntimeError(
                     f"allgather: the output list holds {len(outputs)} tensors for a group of {self.size()}"
                 )
             for o in outputs:
                 if o.dtype != inp.dtype or o.numel() != inp.numel():
-                    raise ValueError("allgather: every output must match the input's type and size")
+                    raise RuntimeError("allgather: every output must match the input's type and size")
             flat, back = self._contiguous(outputs)
             outs.append(flat)
             if back:
@@ -325,7 +331,7 @@ class TensorwireBackend(_C10dBackend):
     def all_gather_single(self, output, inp, opts):
         self._check([output, inp], "all_gather_into_tensor")
         if output.numel() != inp.numel() * self.size():
-            raise ValueError(
+            raise RuntimeError(
                 "all_gather_into_tensor: output tensor size must be equal to world_size times "
                 "input tensor size"
             )
@@ -347,13 +353,13 @@ class TensorwireBackend(_C10dBackend):
         works = []
         for out, inputs in zip(outputs, input_lists):
             if len(inputs) != self.size():
-                raise ValueError(
+                raise RuntimeError(
                     f"reduce_scatter: the input list holds {len(inputs)} tensors for a group of {self.size()}"
                 )
             self._check(list(inputs) + [out], "reduce_scatter")
             counts = [t.numel() for t in inputs]
             if counts[self.rank()] != out.numel():
-                raise ValueError("reduce_scatter: the output must match this rank's input in size")
+                raise RuntimeError("reduce_scatter: the output must match this rank's input in size")
             flat = torch.cat([t.reshape(-1) for t in inputs])
             works.append(self._reduce_scatter(out, flat, counts, op))
         return _Chain(works, outputs)
@@ -367,7 +373,7 @@ class TensorwireBackend(_C10dBackend):
         self._check([output, inp], "reduce_scatter_tensor")
         op = self._op(opts, "reduce_scatter_tensor")
         if inp.numel() != output.numel() * self.size():
-            raise ValueError(
+            raise RuntimeError(
                 "reduce_scatter_tensor: input tensor must be the same size as output size "
                 "times world size"
             )
@@ -385,7 +391,7 @@ class TensorwireBackend(_C10dBackend):
     def alltoall(self, outputs, inputs, opts):
         self._check(list(outputs) + list(inputs), "alltoall")
         if len(outputs) != self.size() or len(inputs) != self.size():
-            raise ValueError(f"alltoall: requires {self.size()} input and output tensors")
+            raise RuntimeError(f"alltoall: requires {self.size()} input and output tensors")
         outs, back = self._contiguous(outputs)
         ins, _ = self._contiguous(inputs)
         return _Work(_call(self._pg.all_to_all, outs, ins), outputs, back)
@@ -398,12 +404,12 @@ class TensorwireBackend(_C10dBackend):
             row = t.element_size() * (t.numel() // t.size(0) if t.dim() and t.size(0) else 0)
             if not splits:
                 if t.dim() == 0 or t.size(0) % size != 0:
-                    raise ValueError(f"alltoall_base: {what} size is not divisible by the world size")
+                    raise RuntimeError(f"alltoall_base: {what} size is not divisible by the world size")
                 return [t.size(0) // size * row] * size
             if len(splits) != size:
-                raise ValueError(f"alltoall_base: {what} split sizes must have {size} entries")
+                raise RuntimeError(f"alltoall_base: {what} split sizes must have {size} entries")
             if sum(splits) != (t.size(0) if t.dim() else 0):
-                raise ValueError(f"alltoall_base: {what} split sizes do not add up to its first dimension")
+                raise RuntimeError(f"alltoall_base: {what} split sizes do not add up to its first dimension")
             return [s * row for s in splits]
 
         out_b = byte_splits(output, list(output_splits), "output")
@@ -418,20 +424,20 @@ class TensorwireBackend(_C10dBackend):
         self._check(inputs, "gather")
         root = self._root(opts.rootRank, "gather")
         if len(inputs) != 1:
-            raise ValueError("gather: requires a single-element input list")
+            raise RuntimeError("gather: requires a single-element input list")
         outputs = []
         if self.rank() == root:
             if len(output_lists) != 1 or len(output_lists[0]) != self.size():
-                raise ValueError(
+                raise RuntimeError(
                     f"gather: requires a single-element output list containing a list with {self.size()} tensors"
                 )
             outputs = output_lists[0]
             self._check(list(outputs) + list(inputs), "gather")
             for o in outputs:
                 if o.numel() != inputs[0].numel():
-                    raise ValueError("gather: every output must match the input's size")
+                    raise RuntimeError("gather: every output must match the input's size")
         elif output_lists and any(len(l) for l in output_lists):
-            raise ValueError("gather: requires empty output on non-root")
+            raise RuntimeError("gather: requires empty output on non-root")
         outs, back = self._contiguous(outputs)
         (i,), _ = self._contiguous(inputs)
         return _Work(_call(self._pg.gather, outs, i, root), output_lists, back)
@@ -440,20 +446,20 @@ class TensorwireBackend(_C10dBackend):
         self._check(outputs, "scatter")
         root = self._root(opts.rootRank, "scatter")
         if len(outputs) != 1:
-            raise ValueError("scatter: requires a single-element output list")
+            raise RuntimeError("scatter: requires a single-element output list")
         inputs = []
         if self.rank() == root:
             if len(input_lists) != 1 or len(input_lists[0]) != self.size():
-                raise ValueError(
+                raise RuntimeError(
                     f"scatter: requires a single-element input list containing a list with {self.size()} tensors"
                 )
             inputs = input_lists[0]
             self._check(list(inputs) + list(outputs), "scatter")
             for t in inputs:
                 if t.numel() != outputs[0].numel():
-                    raise ValueError("scatter: every input must match the output's size")
+                    raise RuntimeError("scatter: every input must match the output's size")
         elif input_lists and any(len(l) for l in input_lists):
-            raise ValueError("scatter: requires empty input on non-root")
+            raise RuntimeError("scatter: requires empty input on non-root")
         (out,), back = self._contiguous(outputs)
         ins, _ = self._contiguous(inputs)
         return _Work(_call(self._pg.scatter, out, ins, root), outputs, back)
@@ -466,13 +472,13 @@ class TensorwireBackend(_C10dBackend):
 
     def _peer(self, peer: int, what: str) -> int:
         if not 0 <= peer < self.size():
-            raise ValueError(f"{what}: invalid rank {peer} for a group of {self.size()}")
+            raise RuntimeError(f"{what}: invalid rank {peer} for a group of {self.size()}")
         return peer
 
     @staticmethod
     def _tag(tag: int) -> int:
         if not 0 <= tag < 2**32:
-            raise ValueError(f"tag {tag} is out of range (0 to 2**32 - 1)")
+            raise RuntimeError(f"tag {tag} is out of range (0 to 2**32 - 1)")
         return tag
 
     def send(self, tensors, dst, tag=0):

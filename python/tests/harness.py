@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import time
+import traceback
 from typing import Callable
 
 import torch.multiprocessing as mp
@@ -21,47 +23,59 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world: int, env: dict, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world: int, env: dict, args: tuple, errors: str) -> None:
     os.environ.update(env)
     os.environ["RANK"] = str(rank)
-    fn(rank, world, *args)
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        with open(f"{errors}.{rank}", "w") as f:
+            f.write(traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)
 
 
-def run_world(fn: Callable, world: int, *args, env: dict | None = None, expect_fail: set[int] = frozenset()) -> dict[int, int]:
-    """Runs ``fn(rank, world, *args)`` in ``world`` processes; fails the test if any rank not in
-    ``expect_fail`` fails or the world outlives its deadline. Returns each rank's exit code."""
+def run_world(
+    fn: Callable, world: int, *args, env: dict | None = None, expect_fail: frozenset[int] | set[int] = frozenset()
+) -> dict[int, int]:
+    """Runs ``fn(rank, world, *args)`` in ``world`` spawned processes. Fails the test with the
+    rank's traceback if a rank not in ``expect_fail`` fails, or if the world outlives its
+    deadline. Unlike ``torch.multiprocessing.spawn``, one rank's death does not kill the others
+    (the failure tests need the survivors to report). Returns each rank's exit code."""
     port = free_port()
+    errors = tempfile.mktemp(prefix="tw-errors-")
     base = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world),
         "TENSORWIRE_SECRET": os.environ.get("TENSORWIRE_SECRET", "tensorwire-test-secret"),
-        "TENSORWIRE_TEST_FILE": tempfile.mktemp(prefix="tw-store-"),
         "OMP_NUM_THREADS": "1",
     }
     base.update(env or {})
-    ctx = mp.start_processes(_entry, args=(fn, world, base, args), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(r, fn, world, base, args, errors), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
     deadline = time.monotonic() + WORLD_DEADLINE_S
-    failure = None
-    while True:
-        try:
-            if ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                break
-        except mp.ProcessRaisedException as e:
-            if e.error_index not in expect_fail:
-                failure = e
-                break
-        except mp.ProcessExitedException as e:
-            if e.error_index not in expect_fail:
-                failure = e
-                break
-        if time.monotonic() > deadline:
-            failure = AssertionError(f"the world of {world} did not finish within {WORLD_DEADLINE_S} s")
-            break
-    for p in ctx.processes:
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
         if p.is_alive():
             p.kill()
-        p.join(5)
-    if failure is not None:
-        raise failure
-    return {i: p.exitcode for i, p in enumerate(ctx.processes)}
+            p.join(5)
+    problems = []
+    for r, p in enumerate(procs):
+        if r in expect_fail or r in hung:
+            continue
+        if p.exitcode != 0:
+            try:
+                trace = open(f"{errors}.{r}").read()
+            except OSError:
+                trace = "(no traceback: the process died)"
+            problems.append(f"rank {r} exited with {p.exitcode}:\n{trace}")
+    if hung:
+        problems.append(f"rank(s) {hung} did not finish within {WORLD_DEADLINE_S} s")
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return {r: p.exitcode for r, p in enumerate(procs)}
