@@ -4,7 +4,10 @@
 //!   when installed, else `cargo test`; one line counts the tests that skipped themselves, with
 //!   their reasons grouped), doc tests, and the docs build with warnings denied. `--quick`, the
 //!   inner loop, stops after the format check, clippy and the tests (no doc tests, chaos, docs,
-//!   feature builds or fuzzing). The
+//!   feature builds or fuzzing). Both run the Python package's tests (`python/tests`, after
+//!   building its wheel) when `TENSORWIRE_PYTHON` names a Python with torch, maturin and pytest;
+//!   `python` runs that step alone.
+//!   The
 //!   `cuda`, `quic` and `shm` features of `tensorwire` are built, linted and tested too (no GPU
 //!   needed). `cargo tree` checks that the library has no CLI dependencies and that its features
 //!   remove adapters (no TCP transport with `--no-default-features --features quic`, nor with
@@ -38,6 +41,7 @@ use anyhow::{bail, Context, Result};
 mod chaos;
 mod fuzz;
 mod gpu_bundle;
+mod python;
 mod skips;
 mod soak;
 
@@ -52,14 +56,15 @@ fn main() -> Result<()> {
         Some("gpu") => gpu(&args[1..]),
         Some("gpu-bundle") => gpu_bundle::gpu_bundle(&args[1..]),
         Some("fuzz") => fuzz::fuzz(&args[1..]),
+        Some("python") => python::check(),
         Some("chaos") => chaos::chaos(&args[1..]),
         Some("soak") => soak::soak(&args[1..]),
         Some("features") => feature_trees(),
         Some(other) => {
-            bail!("unknown task {other:?}; tasks: ci, features, gpu, gpu-bundle, fuzz, chaos, soak")
+            bail!("unknown task {other:?}; tasks: ci, features, gpu, gpu-bundle, fuzz, chaos, soak, python")
         }
         None => bail!(
-            "usage: cargo xtask <task>; tasks: ci, features, gpu, gpu-bundle, fuzz, chaos, soak"
+            "usage: cargo xtask <task>; tasks: ci, features, gpu, gpu-bundle, fuzz, chaos, soak, python"
         ),
     }
 }
@@ -111,6 +116,7 @@ fn ci(quick: bool) -> Result<()> {
     )?;
     if has_nextest() {
         skips::nextest(&["--workspace", "--no-fail-fast"])?;
+        python::check()?;
         if quick {
             eprintln!("xtask: ci --quick passed (the full `cargo xtask ci` goes on with doc tests, chaos, docs, feature builds and fuzzing)");
             return Ok(());
@@ -119,6 +125,7 @@ fn ci(quick: bool) -> Result<()> {
         run("cargo", &["test", "--workspace", "--doc"], &[])?;
     } else {
         eprintln!("xtask: cargo-nextest not found; using cargo test");
+        python::check()?;
         if quick {
             run(
                 "cargo",
