@@ -111,6 +111,19 @@ def async_and_subgroups(rank: int, world: int) -> None:
     for r in reqs:
         r.wait()
     assert torch.equal(out, torch.full((2,), float(left)))
+    # AVG, which gloo lacks: the mean of the ranks.
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    assert t.item() == sum(range(world)) / world
+    # A receive from any source, on the backend: its work names the sender.
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    if rank == 0:
+        got = torch.zeros(1)
+        work = backend.recv_anysource([got], 9)
+        work.wait()
+        assert work.source_rank() == int(got.item()) == 3
+    elif rank == 3:
+        dist.send(torch.tensor([3.0]), 0, tag=9)
     if rank == 0:
         assert dist.get_backend() == "tensorwire"
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
