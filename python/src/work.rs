@@ -125,10 +125,20 @@ impl Work {
     /// Follows `work` to its end on the runtime; `keep` (the tensors it reads and writes) is
     /// released only then.
     pub(crate) fn start(
-        work: tensorwire_process_group::Work<Outcome>,
+        mut work: tensorwire_process_group::Work<Outcome>,
         keep: Vec<Py<PyAny>>,
     ) -> Work {
         let shared = Arc::new(Shared::default());
+        // An operation that ended in its issuing call (a group of one, a refused argument)
+        // is settled here, without a task and a wake-up on the runtime.
+        if work.is_completed() {
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            if let Poll::Ready(result) = Pin::new(&mut work).poll(&mut cx) {
+                drop(keep);
+                shared.lock().result = Some(result);
+                return Work { shared };
+            }
+        }
         let ending = shared.clone();
         runtime().spawn(async move {
             let result = work.await;

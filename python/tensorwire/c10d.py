@@ -230,12 +230,12 @@ class TensorwireBackend(_C10dBackend):
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{what}: expected tensors, got {type(t).__name__}")
-            if t.device.type != "cpu":
+            if not t.is_cpu:
                 raise RuntimeError(
                     f"{what}: the tensorwire backend works on CPU tensors, not {t.device}; for "
                     "CUDA tensors initialize with backend=\"cpu:tensorwire,cuda:nccl\""
                 )
-            if t.is_sparse:
+            if t.layout != torch.strided:
                 raise RuntimeError(f"{what}: the tensorwire backend does not take sparse tensors")
             if t.dtype not in _DTYPES:
                 raise RuntimeError(f"{what}: the tensorwire backend does not support {t.dtype}")
