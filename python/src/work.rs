@@ -97,10 +97,44 @@ pub(crate) async fn all_in_order<T>(
     .await
 }
 
+/// What runs when an operation ends.
+enum Callback {
+    /// `callback()`.
+    Call(Py<PyAny>),
+    /// `future.set_result(value)` on success, else `otherwise()` (which maps the error).
+    Resolve {
+        future: Py<PyAny>,
+        value: Py<PyAny>,
+        otherwise: Py<PyAny>,
+    },
+}
+
+impl Callback {
+    fn run(self, py: Python<'_>, ok: bool) {
+        let (callable, result) = match self {
+            Callback::Call(callback) => {
+                let result = callback.call0(py);
+                (callback, result)
+            }
+            Callback::Resolve { future, value, .. } if ok => {
+                let result = future.call_method1(py, "set_result", (value,));
+                (future, result)
+            }
+            Callback::Resolve { otherwise, .. } => {
+                let result = otherwise.call0(py);
+                (otherwise, result)
+            }
+        };
+        if let Err(e) = result {
+            e.write_unraisable(py, Some(callable.bind(py)));
+        }
+    }
+}
+
 #[derive(Default)]
 struct State {
     result: Option<Result<Outcome, ProcessGroupError>>,
-    callbacks: Vec<Py<PyAny>>,
+    callbacks: Vec<Callback>,
 }
 
 #[derive(Default)]
@@ -144,6 +178,7 @@ impl Work {
             let result = work.await;
             // Released without the GIL: pyo3 defers the reference counts to the next holder.
             drop(keep);
+            let ok = result.is_ok();
             let callbacks = {
                 let mut state = ending.lock();
                 state.result = Some(result);
@@ -152,21 +187,35 @@ impl Work {
             ending.ended.notify_all();
             if !callbacks.is_empty() {
                 // Python code runs on a blocking thread, never on the runtime's workers.
-                tokio::task::spawn_blocking(move || run_callbacks(callbacks));
+                tokio::task::spawn_blocking(move || run_callbacks(callbacks, ok));
             }
         });
         Work { shared }
     }
 }
 
-fn run_callbacks(callbacks: Vec<Py<PyAny>>) {
+fn run_callbacks(callbacks: Vec<Callback>, ok: bool) {
     Python::attach(|py| {
         for callback in callbacks {
-            if let Err(e) = callback.call0(py) {
-                e.write_unraisable(py, Some(callback.bind(py)));
-            }
+            callback.run(py, ok);
         }
     })
+}
+
+impl Work {
+    fn when_done(&self, py: Python<'_>, callback: Callback) {
+        let ok = {
+            let mut state = self.shared.lock();
+            match &state.result {
+                None => {
+                    state.callbacks.push(callback);
+                    return;
+                }
+                Some(result) => result.is_ok(),
+            }
+        };
+        callback.run(py, ok);
+    }
 }
 
 #[pymethods]
@@ -236,14 +285,21 @@ impl Work {
 
     /// Runs `callback()` (no arguments) once the operation has ended: at once if it has, else
     /// on a thread of tensorwire's, with the GIL.
-    fn add_done_callback(&self, py: Python<'_>, callback: Py<PyAny>) -> PyResult<()> {
-        {
-            let mut state = self.shared.lock();
-            if state.result.is_none() {
-                state.callbacks.push(callback);
-                return Ok(());
-            }
-        }
-        callback.call0(py).map(|_| ())
+    fn add_done_callback(&self, py: Python<'_>, callback: Py<PyAny>) {
+        self.when_done(py, Callback::Call(callback));
+    }
+
+    /// Completes `future` with `value` when the operation succeeds (straight from here, no
+    /// Python function in between: the path DDP's gradient buckets take), else calls
+    /// `otherwise()`, which sets the mapped error.
+    fn resolve(&self, py: Python<'_>, future: Py<PyAny>, value: Py<PyAny>, otherwise: Py<PyAny>) {
+        self.when_done(
+            py,
+            Callback::Resolve {
+                future,
+                value,
+                otherwise,
+            },
+        );
     }
 }

@@ -156,7 +156,11 @@ class _Work(dist._Work):
             else:
                 future.set_result(self._result)
 
-        self._native.add_done_callback(ended)
+        if self._after is None:
+            # Success completes the future from Rust; a failure goes through ended().
+            self._native.resolve(future, self._result, ended)
+        else:
+            self._native.add_done_callback(ended)
         return future
 
 
@@ -174,6 +178,9 @@ class _Finished:
 
     def add_done_callback(self, callback):
         callback()
+
+    def resolve(self, future, value, otherwise):
+        future.set_result(value)
 
 
 def _done(result: Optional[list] = None) -> _Work:
