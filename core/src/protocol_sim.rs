@@ -933,6 +933,7 @@ impl Cluster {
                     | Event::ConfirmWaitDone { .. }
                     | Event::Confirmed { .. }
                     | Event::ReleaseValue { .. }
+                    | Event::PeerLost { .. }
                     | Event::ShutdownComplete { .. } => {}
                     // The endpoint handled the forger as lost; its forged messages go on
                     // arriving, as from a peer whose connection the driver has not closed yet.

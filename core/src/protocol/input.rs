@@ -453,10 +453,21 @@ impl<B: Payload> Endpoint<B> {
 
     /// The connection to `peer` is gone for good: its calls fail naming it, control messages
     /// to it are dropped, requests from it are forgotten, and its forks no longer keep our
-    /// values alive.
+    /// values alive. The first report of a loss records `cause` and emits
+    /// [`Event::PeerLost`]; later ones keep that first cause and emit nothing.
     pub fn handle_peer_lost(&mut self, peer: WorkerId, cause: LostCause, now: Instant) {
         self.last_now = Some(now);
-        let cause = self.lost.entry(peer).or_insert(cause).clone();
+        let cause = match self.lost.entry(peer) {
+            std::collections::hash_map::Entry::Occupied(e) => e.get().clone(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let cause = e.insert(cause).clone();
+                self.events.push_back(Event::PeerLost {
+                    peer,
+                    cause: cause.clone(),
+                });
+                cause
+            }
+        };
         self.placeholders.remove(&peer);
         // Its forks are dropped from every record below.
         self.references.remove(&peer);

@@ -554,10 +554,22 @@ pub enum Event<B> {
         /// `Ok` once every member is idle (or, leaving, our calls are answered).
         outcome: Result<(), ShutdownError>,
     },
+    /// `peer` is now lost (the first loss recorded since it joined, however it was found:
+    /// the driver's report through [`Endpoint::handle_peer_lost`], or a violation the
+    /// endpoint found itself, see [`Event::Misbehaved`]), with the cause kept. Emitted once
+    /// per loss, so the driver tells its subscribers here, and only here: a later report of
+    /// the same loss (a link's reader and writer may both see its end) emits nothing.
+    PeerLost {
+        /// The peer.
+        peer: WorkerId,
+        /// Why it is gone: the first cause recorded.
+        cause: LostCause,
+    },
     /// A peer broke the protocol in a way found only later than its message (a fork request
     /// made before the reference's creation arrived, whose capability the creation shows to
     /// be forged): the endpoint has already handled the peer as lost with
-    /// [`LostCause::Misbehaved`]; the driver drops its connection.
+    /// [`LostCause::Misbehaved`], and reports that loss by the [`Event::PeerLost`] that
+    /// follows this event; the driver drops its connection here.
     Misbehaved {
         /// The peer.
         peer: WorkerId,

@@ -28,6 +28,8 @@ struct Sim {
     confirmed: Vec<Vec<ForkId>>,
     /// (worker, peer, violation) for each forger found after its message.
     misbehaved: Vec<(WorkerId, WorkerId, ProtocolViolation)>,
+    /// (worker, peer, cause) for each loss a worker reported (`Event::PeerLost`).
+    lost: Vec<(WorkerId, WorkerId, LostCause)>,
     /// Each worker's shutdown outcomes.
     shutdowns: Vec<Vec<Result<(), ShutdownError>>>,
     /// The ends of waits for confirmation, per worker.
@@ -56,6 +58,7 @@ impl Sim {
             deadlines: (0..n).map(|_| Vec::new()).collect(),
             confirmed: (0..n).map(|_| Vec::new()).collect(),
             misbehaved: Vec::new(),
+            lost: Vec::new(),
             shutdowns: (0..n).map(|_| Vec::new()).collect(),
             confirm_waits: (0..n).map(|_| Vec::new()).collect(),
             relayed: vec![0; n as usize],
@@ -156,6 +159,7 @@ impl Sim {
             }
             Event::Confirmed { fork, .. } => self.confirmed[w as usize].push(fork),
             Event::Misbehaved { peer, violation } => self.misbehaved.push((w, peer, violation)),
+            Event::PeerLost { peer, cause } => self.lost.push((w, peer, cause)),
             Event::ShutdownComplete { outcome } => self.shutdowns[w as usize].push(outcome),
             Event::ConfirmWaitDone { wait, outcome } => {
                 self.confirm_waits[w as usize].push((wait, outcome));
@@ -2417,6 +2421,93 @@ fn a_forged_fork_request_before_the_creation_drops_its_sender_when_the_creation_
     assert!(s.links.pop((1, 3)).is_none(), "the forger got no reply");
     assert_eq!(s.outcome(2, f2), Some(&Ok(b"secret".to_vec())));
     assert_eq!(s.ep(1).owner_fork_count(h.rref), Some(2));
+}
+
+/// Every loss reaches the driver once, with its cause, however it was found. A forger that the
+/// endpoint drops itself, when a creation shows its earlier claim to be forged, is reported by
+/// `Event::PeerLost`, after the `Event::Misbehaved` on which the driver drops its connection
+/// (so nobody told of the loss calls the peer through that connection); the driver's own
+/// reports of that loss afterwards (dropping the connection, then its reader seeing the end)
+/// report nothing more.
+/// A loss the driver finds is reported once as well, and again after the peer joins anew.
+/// (Before, the endpoint recorded the forger's loss itself, and the driver, which told its
+/// subscribers only of losses the endpoint had not recorded yet, never told them: the
+/// distributed-autograd contexts held for the forger stayed until the process exited.)
+#[test]
+fn every_loss_is_reported_once_with_its_cause_however_it_was_found() {
+    let mut s = Sim::new(4);
+    let now = s.clock.now();
+    let (h, _) = s
+        .ep(0)
+        .remote(1, "make", b"secret".to_vec(), T, now)
+        .unwrap();
+    s.pump();
+    // Worker 3 claims a fork of the reference before its creation reaches the owner.
+    let fork = GlobalId {
+        created_on: 3,
+        local: 1,
+    };
+    let forged = Header::ForkRequest {
+        id: 1,
+        floor: 1,
+        rref: h.rref,
+        fork,
+        secret: 7,
+    };
+    assert_eq!(s.forge(3, 1, forged), Ok(()));
+    assert!(s.lost.is_empty(), "nothing is known to be wrong yet");
+    // The creation arrives: the owner says who forged, then reports the loss.
+    let creation = s.links.pop((0, 1)).expect("the creation");
+    assert!(matches!(creation.header, Header::Remote { .. }));
+    assert_eq!(
+        s.ep(1)
+            .handle_message(0, creation.header, creation.body, now),
+        Ok(())
+    );
+    let mut order = Vec::new();
+    while let Some(ev) = s.ep(1).poll_event() {
+        match ev {
+            Event::Misbehaved { .. } => order.push("misbehaved"),
+            Event::PeerLost { .. } => order.push("lost"),
+            _ => {}
+        }
+        s.app(1, ev);
+    }
+    assert_eq!(order, ["misbehaved", "lost"]);
+    s.drain();
+    let violation = ProtocolViolation::ForgedFork {
+        rref: h.rref,
+        fork,
+        sender: 3,
+    };
+    let misbehaved = LostCause::Misbehaved(Box::new(violation.clone()));
+    assert_eq!(s.lost, vec![(1, 3, misbehaved.clone())]);
+    assert_eq!(s.misbehaved, vec![(1, 3, violation)]);
+    // The driver drops the forger's connection (its report of the loss), and the connection's
+    // reader then sees it end: nothing more is reported, and the first cause stays.
+    s.ep(1).handle_peer_lost(3, misbehaved.clone(), now);
+    s.ep(1)
+        .handle_peer_lost(3, LostCause::Transport("connection reset".into()), now);
+    s.pump();
+    assert_eq!(s.lost, vec![(1, 3, misbehaved.clone())]);
+    assert_eq!(s.ep(1).lost_cause(3), Some(&misbehaved));
+    // A loss the driver finds: reported once, whoever reports it again.
+    let reset = LostCause::Transport("connection reset".into());
+    s.ep(1).handle_peer_lost(2, reset.clone(), now);
+    s.ep(1).handle_peer_lost(2, LostCause::Shutdown, now);
+    s.pump();
+    assert_eq!(
+        s.lost,
+        vec![(1, 3, misbehaved.clone()), (1, 2, reset.clone())]
+    );
+    // A new incarnation of worker 2 is lost again: that is a new loss, reported.
+    s.ep(1).handle_peer_joined(2);
+    s.ep(1).handle_peer_lost(2, LostCause::Left, now);
+    s.pump();
+    assert_eq!(
+        s.lost,
+        vec![(1, 3, misbehaved), (1, 2, reset), (1, 2, LostCause::Left)]
+    );
 }
 
 /// A forged fork request that overtakes the creation and names the creator's own fork (its id
