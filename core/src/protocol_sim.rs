@@ -316,6 +316,12 @@ impl Cluster {
                 "worker {}: the references counted per peer disagree with its fork records",
                 ep.id()
             );
+            assert!(
+                ep.pending_counts_agree(),
+                "worker {}: the pending forks or parked fetches counted per peer disagree \
+                 with its records",
+                ep.id()
+            );
         }
         let alive = self.alive();
         if alive.is_empty() {

@@ -130,9 +130,7 @@ impl<B: Payload> Endpoint<B> {
                 secret,
             } => {
                 if self.first_time(from, id, floor) {
-                    if !self.owned.contains_key(&rref) {
-                        self.note_placeholder(from, rref);
-                    }
+                    let placeholder = !self.owned.contains_key(&rref);
                     let failed = self
                         .failure_of(rref)
                         .or_else(|| self.released(rref))
@@ -148,6 +146,9 @@ impl<B: Payload> Endpoint<B> {
                     }
                     let new = o.forks.insert((fork, from));
                     self.count_reference(from, new);
+                    if placeholder {
+                        self.note_placeholder(from, rref);
+                    }
                 }
                 self.ack(from, id);
             }
@@ -227,11 +228,7 @@ impl<B: Payload> Endpoint<B> {
             }
             Header::Fetch { id, rref, fork, .. } => {
                 self.check_holder(from, rref, fork, "fetch")?;
-                let parked = self
-                    .owned
-                    .get(&rref)
-                    .is_some_and(|o| o.fetches.iter().any(|f| f.0 == from && f.1 == id));
-                if parked {
+                if self.parked.contains(from, id) {
                     return Err(ProtocolViolation::RepeatedRequest { id });
                 }
                 repeated(id, RequestKind::Fetch(rref))
@@ -468,7 +465,8 @@ impl<B: Payload> Endpoint<B> {
                 cause
             }
         };
-        self.placeholders.remove(&peer);
+        self.parked.forget(peer);
+        self.forget_placeholders_of(peer);
         // Its forks are dropped from every record below.
         self.references.remove(&peer);
         let ids: Vec<MessageId> = self
@@ -542,7 +540,7 @@ impl<B: Payload> Endpoint<B> {
                         ),
                     };
                     o.state = Some(Err(err));
-                    waiting = std::mem::take(&mut o.fetches);
+                    waiting = self.take_parked_fetches(rref);
                 }
             }
             for (from, id, deadline) in waiting {
@@ -575,7 +573,7 @@ impl<B: Payload> Endpoint<B> {
     pub fn handle_peer_joined(&mut self, peer: WorkerId) {
         self.lost.remove(&peer);
         self.seen_control.remove(&peer);
-        self.placeholders.remove(&peer);
+        self.forget_placeholders_of(peer);
         self.forget_shutdown_of(peer);
         self.created_upto.remove(&peer);
     }

@@ -110,7 +110,7 @@ impl<B: Payload> Endpoint<B> {
         let waiting = match self.owned.get_mut(&rref) {
             Some(o) if o.state.is_none() => {
                 o.state = Some(Err(err));
-                std::mem::take(&mut o.fetches)
+                self.take_parked_fetches(rref)
             }
             _ => Vec::new(),
         };
@@ -262,6 +262,7 @@ impl<B: Payload> Endpoint<B> {
                     return;
                 };
                 o.fetches.push((from, id, deadline));
+                self.parked.add(from, id);
                 if let Some(d) = deadline {
                     self.timers.insert((d, Timer::Fetches(rref)));
                 }
@@ -440,6 +441,7 @@ impl<B: Payload> Endpoint<B> {
             });
         }
         for (from, id) in expired {
+            self.parked.remove(from, id);
             let err = RemoteError {
                 worker: self.me,
                 kind: RemoteErrorKind::RRef,
