@@ -200,6 +200,33 @@ impl<B: Payload> Endpoint<B> {
         Ok(())
     }
 
+    /// Call `id`'s deadline passed: its timer fired, or the callee, which waited on its
+    /// behalf, said so first ([`RemoteErrorKind::Deadline`]). Either way it fails the same.
+    pub(super) fn expire_call(&mut self, id: MessageId, now: Instant) {
+        let Some(p) = self.pending.get(&id) else {
+            return;
+        };
+        let (to, after, confirms) = (p.to, p.timeout, p.confirms);
+        match confirms.and_then(|fork| self.used.get_mut(&fork).map(|u| (fork, u))) {
+            Some((fork, u)) => {
+                // A `remote()` whose creation timed out. Its messages to the owner keep
+                // their order, so the owner has registered (or will register) this fork
+                // before any delete of ours: count it as confirmed for deletion, so the
+                // owner frees the value once it exists and nobody refers to it.
+                u.confirmed = true;
+                let err = CallError::RRefCreationTimedOut {
+                    rref: u.rref,
+                    owner: to,
+                    after,
+                };
+                u.creation_error = Some(err.clone());
+                self.fail(id, err);
+                self.maybe_delete_user(fork, now);
+            }
+            None => self.fail(id, CallError::Timeout { to, after }),
+        }
+    }
+
     /// Whether `from` may send `header` (with a body naming `target`, for a method call),
     /// judged against what we sent and hold.
     pub(super) fn check_message(
@@ -384,8 +411,8 @@ impl<B: Payload> Endpoint<B> {
                 break;
             }
             self.timers.pop_first();
-            let id = match timer {
-                Timer::Call(id) => id,
+            match timer {
+                Timer::Call(id) => self.expire_call(id, now),
                 Timer::Control(id) => {
                     if let Some(u) = self.unacked.get_mut(&id) {
                         if u.next_try <= now {
@@ -393,43 +420,12 @@ impl<B: Payload> Endpoint<B> {
                             resend.push((id, u.next_try));
                         }
                     }
-                    continue;
                 }
-                Timer::Fetches(rref) => {
-                    self.expire_parked_fetches(rref, now);
-                    continue;
-                }
-                Timer::ParkedCalls(rref) => {
-                    self.expire_parked_calls(rref, now);
-                    continue;
-                }
+                Timer::Fetches(rref) => self.expire_parked_fetches(rref, now),
+                Timer::ParkedCalls(rref) => self.expire_parked_calls(rref, now),
                 // Settled below, with every other wait.
-                Timer::ConfirmWait(_) => continue,
-            };
-            let Some(p) = self.pending.get(&id) else {
-                continue;
-            };
-            let (to, after, confirms) = (p.to, p.timeout, p.confirms);
-            let err = match confirms.and_then(|fork| self.used.get_mut(&fork).map(|u| (fork, u))) {
-                Some((fork, u)) => {
-                    // A `remote()` whose creation timed out. Its messages to the owner keep
-                    // their order, so the owner has registered (or will register) this fork
-                    // before any delete of ours: count it as confirmed for deletion, so the
-                    // owner frees the value once it exists and nobody refers to it.
-                    u.confirmed = true;
-                    let err = CallError::RRefCreationTimedOut {
-                        rref: u.rref,
-                        owner: to,
-                        after,
-                    };
-                    u.creation_error = Some(err.clone());
-                    self.fail(id, err);
-                    self.maybe_delete_user(fork, now);
-                    continue;
-                }
-                None => CallError::Timeout { to, after },
-            };
-            self.fail(id, err);
+                Timer::ConfirmWait(_) => {}
+            }
         }
         // (Timers for resends go in after the loop: a zero retry interval must not spin it.)
         for (id, next_try) in resend {

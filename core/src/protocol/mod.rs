@@ -223,6 +223,12 @@ pub enum RemoteErrorKind {
     /// The callee is already serving as many requests from this caller as it takes at once
     /// ([`EndpointConfig::requests_per_peer`]); nothing ran. Retry later.
     Busy,
+    /// The callee waited on the caller's behalf (a fetch or a method call parked on a value
+    /// still being created) until the caller's deadline, and stopped. The caller's endpoint
+    /// reports it as its own deadline passing ([`CallError::Timeout`], or
+    /// [`CallError::RRefCreationTimedOut`] for a `remote`), so the same condition fails the
+    /// same way whichever side notices the deadline first.
+    Deadline,
 }
 
 impl fmt::Display for RemoteErrorKind {
@@ -236,6 +242,7 @@ impl fmt::Display for RemoteErrorKind {
             Self::ShuttingDown => "callee shutting down",
             Self::DeviceMap => "device map error",
             Self::Busy => "callee busy",
+            Self::Deadline => "caller's deadline passed",
         })
     }
 }

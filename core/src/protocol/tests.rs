@@ -412,6 +412,68 @@ fn remote_then_to_here_then_release() {
     assert!(s.eps.iter().all(Endpoint::is_idle));
 }
 
+/// `to_here(timeout)` on a value still being created fails as the caller's timeout whichever
+/// side notices the deadline first: the caller's own timer, or the owner, which keeps the
+/// fetch parked until the caller's deadline and answers then (first, when its clock is ahead
+/// or its answer overtakes the caller's timer). A third worker's fetch through a fork it was
+/// given fails the same way. (Before, the owner's answer was a remote-reference error: "still
+/// being created at the caller's deadline".) The owner keeps nothing of the fetch, and the
+/// value is served once it exists.
+#[test]
+fn a_fetch_of_a_value_being_created_times_out_the_same_whichever_side_notices_first() {
+    for owner_first in [false, true] {
+        for fetcher in [0, 2] {
+            let mut s = Sim::new(3);
+            s.hold_remote = true;
+            let now = s.clock.now();
+            let (h, _) = s.ep(0).remote(1, "make", b"v".to_vec(), T, now).unwrap();
+            let h = if fetcher == 0 {
+                h
+            } else {
+                let data = s.ep(0).fork_for(h, 2).unwrap();
+                s.ep(2).accept_fork(data, now)
+            };
+            s.drain();
+            assert_eq!(s.held.len(), 1, "the value is being created");
+            let timeout = Duration::from_secs(1);
+            let f = s.ep(fetcher).fetch(h, timeout, now).unwrap();
+            s.drain();
+            assert!(s.outcome(fetcher, f).is_none(), "the fetch is parked");
+            s.clock.advance(timeout);
+            let now = s.clock.now();
+            if owner_first {
+                s.ep(1).handle_timeout(now);
+                s.pump();
+                assert!(s.deliver(1, fetcher), "the owner answers at the deadline");
+            }
+            s.ep(fetcher).handle_timeout(now);
+            s.pump();
+            let case = format!("owner_first={owner_first}, fetcher={fetcher}");
+            assert_eq!(
+                s.outcome(fetcher, f),
+                Some(&Err(CallError::Timeout {
+                    to: 1,
+                    after: timeout
+                })),
+                "{case}"
+            );
+            // The owner keeps nothing of it, whether its timer fired or not yet.
+            s.advance(timeout);
+            assert_eq!(s.ep(1).parked_fetches_of(fetcher), 0, "{case}");
+            s.release_held();
+            s.drain();
+            let now = s.clock.now();
+            let again = s.ep(fetcher).fetch(h, T, now).unwrap();
+            s.drain();
+            assert_eq!(
+                s.outcome(fetcher, again),
+                Some(&Ok(b"v".to_vec())),
+                "{case}"
+            );
+        }
+    }
+}
+
 /// On the owner, a reference to a value still being created (passed back to it before the
 /// creating function returned) is waited for: the wait ends once the value is kept, or fails
 /// with the creation's error. (PyTorch's owner-side `local_value()` waits the same way.)
