@@ -103,6 +103,11 @@ impl AutogradEngine for CandleEngine {
         tensor.track_op()
     }
 
+    fn has_grad_fn(&self, tensor: &CTensor) -> bool {
+        // Tracked, and not a variable itself: candle records an operation only on a result.
+        tensor.track_op() && !tensor.is_variable()
+    }
+
     fn shape(&self, tensor: &CTensor) -> Vec<usize> {
         tensor.dims().to_vec()
     }
@@ -268,6 +273,19 @@ mod tests {
             (w.id(), w.to_vec1::<f32>().unwrap()),
             (id, vec![0.0, 1.0, 2.0])
         );
+    }
+
+    /// Only a result of a recorded operation has a gradient function: not a parameter (a leaf
+    /// that requires grad), not an untracked tensor nor what is computed from one.
+    #[test]
+    fn only_results_of_recorded_operations_have_a_gradient_function() {
+        let e = CandleEngine::new();
+        let w = e.parameter(&[2], &[1.0, 2.0]).unwrap();
+        let plain = CTensor::new(&[1.0f32, 2.0], &Device::Cpu).unwrap();
+        assert!(e.requires_grad(&w) && !e.has_grad_fn(&w));
+        assert!(e.has_grad_fn(&w.sqr().unwrap().sum_all().unwrap()));
+        assert!(!e.requires_grad(&plain) && !e.has_grad_fn(&plain));
+        assert!(!e.has_grad_fn(&plain.sqr().unwrap()));
     }
 
     #[test]

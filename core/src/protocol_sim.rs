@@ -316,6 +316,12 @@ impl Cluster {
                 "worker {}: the references counted per peer disagree with its fork records",
                 ep.id()
             );
+            assert!(
+                ep.pending_counts_agree(),
+                "worker {}: the pending forks or parked fetches counted per peer disagree \
+                 with its records",
+                ep.id()
+            );
         }
         let alive = self.alive();
         if alive.is_empty() {
@@ -933,6 +939,7 @@ impl Cluster {
                     | Event::ConfirmWaitDone { .. }
                     | Event::Confirmed { .. }
                     | Event::ReleaseValue { .. }
+                    | Event::PeerLost { .. }
                     | Event::ShutdownComplete { .. } => {}
                     // The endpoint handled the forger as lost; its forged messages go on
                     // arriving, as from a peer whose connection the driver has not closed yet.

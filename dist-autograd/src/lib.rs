@@ -903,8 +903,9 @@ impl<E: AutogradEngine> AutogradContext<E> {
     /// second backward in this context is refused.
     ///
     /// The roots are checked first, as PyTorch does: at least one, each requiring grad, each a
-    /// scalar unless it has a seed (of its shape); otherwise [`AutogradError::InvalidRoots`]
-    /// and nothing changes. (PyTorch's `dist_autograd.backward` takes no seeds: its roots are
+    /// scalar unless it has a seed (of its shape), each computed by an operation or received
+    /// in the context (a leaf, such as a parameter, has no gradient function to start from);
+    /// otherwise [`AutogradError::InvalidRoots`] and nothing changes. (PyTorch's `dist_autograd.backward` takes no seeds: its roots are
     /// all scalars.)
     ///
     /// A pass that fails on some worker (its engine failed, a request timed out) fails naming
@@ -931,11 +932,15 @@ impl<E: AutogradEngine> AutogradContext<E> {
                 return Err(e.into());
             }
             let engine = &self.inner.engine;
+            let received = &sh.data.get(&self.id).expect("checked above").recv_leaves;
             let checked: Vec<Root> = roots
                 .iter()
                 .map(|(t, seed)| Root {
                     shape: engine.shape(t),
                     requires_grad: engine.requires_grad(t),
+                    // A tensor received in the context is a leaf to the engine, but its recv
+                    // function sends its gradient back, as PyTorch's does.
+                    has_grad_fn: engine.has_grad_fn(t) || received.contains_key(&engine.leaf_id(t)),
                     seed: seed.as_ref().map(|s| engine.shape(s)),
                 })
                 .collect();

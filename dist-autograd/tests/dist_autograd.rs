@@ -923,10 +923,13 @@ async fn a_call_without_tracked_arguments_may_return_and_send_tracked_tensors() 
     shutdown(workers).await;
 }
 
-/// Empty roots, a non-scalar root without a seed, a root that does not require grad and a seed
-/// of the wrong shape are refused at once with a typed error and change nothing: no gradient
+/// Empty roots, a non-scalar root without a seed, a root that does not require grad, a seed
+/// of the wrong shape and a leaf root (a parameter: it requires grad but has no gradient
+/// function) are refused at once with a typed error and change nothing: no gradient
 /// accumulates, the graph is not marked freed, and the real backward afterwards (without
-/// retain_graph) gives one process's gradients.
+/// retain_graph) gives one process's gradients. (A leaf root was taken, and its backward freed
+/// the graph, so the real backward was refused.) A tensor received in a context is no leaf:
+/// its recv function sends its gradient back.
 #[tokio::test(start_paused = true)]
 async fn backward_roots_are_checked_before_anything_runs() {
     let workers = cluster(2).await;
@@ -938,6 +941,7 @@ async fn backward_roots_are_checked_before_anything_runs() {
         .await
         .unwrap();
     let wrong_seed = CTensor::new(&[1.0f32, 2.0], &Device::Cpu).unwrap();
+    let scalar_leaf = CandleEngine::new().parameter(&[], &[1.5]).unwrap();
     for (roots, want) in [
         (vec![], RootProblem::Empty),
         (
@@ -959,6 +963,10 @@ async fn backward_roots_are_checked_before_anything_runs() {
                 seed: vec![2],
             },
         ),
+        (
+            vec![(loss(&out[0]), None), (scalar_leaf.clone(), None)],
+            RootProblem::NoGradFn { index: 1 },
+        ),
     ] {
         match ctx.backward(&roots, false).await {
             Err(DistAutogradError::State(AutogradError::InvalidRoots { problem, .. })) => {
@@ -978,6 +986,26 @@ async fn backward_roots_are_checked_before_anything_runs() {
             &format!("rank {rank}"),
         );
     }
+    ctx.release().await.unwrap();
+
+    // A received tensor as the root (seeded) is taken: gradients reach w1 and w0.
+    let ctx = w0.dist.context().unwrap();
+    let x = hop(&input(), &w0.param);
+    let ((), out) = ctx
+        .rpc_sync("w1", "hop", &Vec::<String>::new(), &[x], None)
+        .await
+        .unwrap();
+    let ones = CTensor::ones(
+        3,
+        tensorwire_autograd_candle::candle_core::DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    ctx.backward(&[(out[0].clone(), Some(ones))], false)
+        .await
+        .unwrap();
+    assert!(!grad_on(&workers, 0, ctx.id()).is_empty());
+    assert!(!grad_on(&workers, 1, ctx.id()).is_empty());
     ctx.release().await.unwrap();
     shutdown(workers).await;
 }

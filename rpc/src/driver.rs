@@ -257,8 +257,19 @@ pub(crate) fn dispatch(this: &Agent, ev: Event<Body>) {
                 let _ = tx.send(outcome);
             }
         }
+        // Every loss, however it was found (a link's end, a violation, a forgery found after
+        // its message), once: subscribers hear of it here and only here.
+        Event::PeerLost { peer, cause } => {
+            this.inner
+                .peer_events
+                .emit(crate::peer_events::PeerEvent::Lost {
+                    worker: peer,
+                    cause,
+                })
+        }
         // A forgery found after its message (see `Event::Misbehaved`): the endpoint has
-        // handled the peer as lost; its connection is dropped as for any violation.
+        // handled the peer as lost (and reported it); its connection is dropped as for any
+        // violation.
         Event::Misbehaved { peer, violation } => crate::links::fail_peer(this, peer, violation),
         _ => {}
     }

@@ -165,24 +165,16 @@ pub(crate) fn peer_lost_on(
 /// it is sent.
 pub(crate) fn member_left(this: &Agent, peer: WorkerId) {
     crate::ipc::peer_lost(this, peer);
-    let (link, first) = {
+    let link = {
         let mut st = this.lock();
         let link = st.peers.remove(&peer);
-        let first = st.ep.lost_cause(peer).is_none();
         st.ep.handle_peer_lost(peer, LostCause::Left, this.now());
-        (link, first)
+        link
     };
     drop(link);
     // For subscribers a member that left is gone as a lost one is (autograd drops the
-    // contexts it made or knew).
-    if first {
-        this.inner
-            .peer_events
-            .emit(crate::peer_events::PeerEvent::Lost {
-                worker: peer,
-                cause: LostCause::Left,
-            });
-    }
+    // contexts it made or knew): the endpoint's `Event::PeerLost`, dispatched here.
+    this.pump();
 }
 
 /// Drops every connection (a join that failed, before it is tried again).
@@ -226,7 +218,8 @@ pub(crate) fn fail_peer(this: &Agent, peer: WorkerId, violation: ProtocolViolati
 }
 
 /// The connection to `peer` is gone for `cause`: recorded once, in the endpoint (the first
-/// cause stays), and told to subscribers once.
+/// cause stays), which tells subscribers once (its `Event::PeerLost`, dispatched by the pump
+/// below), whoever found the loss first.
 pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
     let name = this.name_of(peer);
     if matches!(cause, LostCause::Shutdown | LostCause::Left) {
@@ -235,28 +228,17 @@ pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
         warn!("lost the connection to {name} (rank {peer}): {cause}");
     }
     crate::ipc::peer_lost(this, peer);
-    let first = {
+    {
         let mut st = this.lock();
         st.peers.remove(&peer);
-        let first = st.ep.lost_cause(peer).is_none();
         st.ep.handle_peer_lost(peer, cause, this.now());
-        first.then(|| st.ep.lost_cause(peer).cloned()).flatten()
-    };
+    }
     if this.inner.dynamic {
         // The membership drops it (and hands coordination on, if it coordinated).
         let now = this.now();
         membership::with_membership(this, |m| m.handle_lost(peer, now));
     }
     this.pump();
-    // The reader and the writer of a link may both report its end: subscribers hear once.
-    if let Some(cause) = first {
-        this.inner
-            .peer_events
-            .emit(crate::peer_events::PeerEvent::Lost {
-                worker: peer,
-                cause,
-            });
-    }
 }
 
 pub(crate) fn send(
@@ -325,18 +307,10 @@ pub(crate) fn send(
         Some(true) => {}
         _ => {
             // Lost earlier: the endpoint keeps that first cause. Never connected: this is
-            // its loss, and subscribers hear of it as of any other (once).
-            let first = st.ep.lost_cause(t.to).is_none();
+            // its loss, and subscribers hear of it as of any other (once: the endpoint's
+            // `Event::PeerLost`, which the pump that sends this dispatches next).
             let cause = LostCause::Transport(format!("no connection to {}", this.name_of(t.to)));
-            st.ep.handle_peer_lost(t.to, cause.clone(), this.now());
-            if first {
-                this.inner
-                    .peer_events
-                    .emit(crate::peer_events::PeerEvent::Lost {
-                        worker: t.to,
-                        cause,
-                    });
-            }
+            st.ep.handle_peer_lost(t.to, cause, this.now());
         }
     }
 }

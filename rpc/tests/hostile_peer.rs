@@ -152,6 +152,11 @@ enum Attack {
     /// A fork request for a fork of the honest worker's value that nobody made (its ids are
     /// easy to guess; its capability is not), then a fetch through it.
     ForgedForkThenFetch,
+    /// A fork request, with a forged capability, for the reference the honest worker creates
+    /// next on the victim (its id is easy to guess), sent before that creation: the victim
+    /// can judge it only when the creation arrives, and then drops the hostile worker (which
+    /// must reach its subscribers as any other loss does).
+    ForgedClaimThenCreation,
     /// A reply, in the honest worker's place, to the victim's call to the honest worker.
     ReplyFromWrongPeer,
     /// More fork requests for references not created on the victim (yet) than a peer may
@@ -232,6 +237,7 @@ async fn run(net: Net, attack: Attack) {
     let mut waiting_call = None;
     let mut forged_fetch: Option<u64> = None;
     let mut gated_call = None;
+    let mut claimed: Option<RRef<u64>> = None;
     let expected: Box<dyn Fn(&ProtocolViolation) -> bool> = match attack {
         Attack::RepeatedCall => {
             let call = Header::Call {
@@ -461,6 +467,60 @@ async fn run(net: Net, attack: Attack) {
                 }
             })
         }
+        Attack::ForgedClaimThenCreation => {
+            // The victim's acknowledgement of the forged request goes to the test, not to the
+            // hostile worker's agent (which never sent that id).
+            hostile.swallow(|h| matches!(h, Header::Ack { id } if *id == FORGED_ID));
+            // The honest worker's ids follow each other: its call to the hostile worker names
+            // the latest, and its next `remote` makes the reference after it.
+            let sum: i64 = honest
+                .rpc_sync("w2", "add", &(1i64, 2i64), None)
+                .await
+                .unwrap();
+            assert_eq!(sum, 3);
+            let heard = hostile
+                .heard(|h| matches!(h, Header::Call { function, .. } if function == "add"))
+                .await;
+            let Header::Call { id, .. } = heard else {
+                unreachable!("picked a call")
+            };
+            let next = GlobalId {
+                created_on: 1,
+                local: id + 1,
+            };
+            let fork = GlobalId {
+                created_on: HOSTILE,
+                local: FORGED_ID + 7,
+            };
+            let request = Header::ForkRequest {
+                id: FORGED_ID,
+                floor: 0,
+                rref: next,
+                fork,
+                secret: 0x5eed,
+            };
+            hostile.send(to, &request, None).await.unwrap();
+            // The victim cannot judge the claim yet: it keeps it beside a record of the
+            // reference, until the creation comes.
+            let victim_ref = victim.clone();
+            wait_until("the victim keeps the claim", T, || {
+                victim_ref
+                    .debug_info()
+                    .protocol
+                    .owned
+                    .iter()
+                    .any(|o| o.rref == next && o.being_created)
+            })
+            .await;
+            claimed = Some(honest.remote("w0", "make", &6u64, None).unwrap());
+            Box::new(move |v| {
+                *v == ProtocolViolation::ForgedFork {
+                    rref: next,
+                    fork,
+                    sender: HOSTILE,
+                }
+            })
+        }
         Attack::ReplyFromWrongPeer => {
             // A call to w1 that waits at the gate, then one to the hostile worker: their ids
             // follow each other, so the hostile worker learns the first from the second.
@@ -684,7 +744,11 @@ async fn run(net: Net, attack: Attack) {
         .await
         .unwrap();
     assert_eq!(owner, "w0");
-    drop((more, back, child_rref));
+    if let Some(made) = &claimed {
+        // The value the forger claimed a fork of is the honest worker's, whole.
+        assert_eq!(made.to_here(None).await.unwrap(), 60);
+    }
+    drop((more, back, child_rref, claimed));
 
     // Whatever the hostile peer had made the victim hold is freed: back to the level before
     // the attack (handlers it started finish once the gate opens, and keep nothing).
@@ -774,6 +838,7 @@ table! {
     a_method_call_by_a_worker_that_holds_no_fork_is_refused => MethodCallWithoutHolding,
     a_remote_method_by_a_worker_that_holds_no_fork_is_refused => RemoteMethodWithoutHolding,
     a_fork_request_for_a_fork_nobody_made_is_refused_and_its_fetch_never_answered => ForgedForkThenFetch,
+    a_fork_request_forged_before_the_creation_drops_its_sender_and_is_reported => ForgedClaimThenCreation,
     a_reply_in_another_workers_place_is_refused => ReplyFromWrongPeer,
     fork_requests_for_references_never_created_are_bounded => TooManyPendingForks,
     a_release_of_an_ipc_export_never_made_is_refused => IpcReleaseNeverShared,

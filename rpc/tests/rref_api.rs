@@ -226,7 +226,8 @@ async fn a_creation_that_times_out_fails_every_use_and_leaks_nothing() {
 }
 
 /// Issue: `rref.rpc_sync(method, args, 10 ms)` on a reference still being created waited for
-/// the creation (2 s) instead of its own timeout.
+/// the creation (2 s) instead of its own timeout; and it failed as a remote-reference error
+/// instead of a timeout when the owner's wait noticed the deadline first.
 #[tokio::test(start_paused = true)]
 async fn a_method_call_on_a_value_being_created_keeps_its_own_timeout() {
     let agents = group(2, None).await;
@@ -238,17 +239,23 @@ async fn a_method_call_on_a_value_being_created_keeps_its_own_timeout() {
         .rpc_sync::<_, i64>("increment", &1i64, Some(Duration::from_millis(10)))
         .await
         .unwrap_err();
-    // The caller's timer, or the owner's wait bounded by the caller's deadline.
-    let owner_gave_up = e.remote().is_some_and(|r| {
-        r.message
-            .contains("still being created at the caller's deadline")
-    });
-    assert!(e.is_timeout() || owner_gave_up, "{e}");
+    // A timeout, whether the caller's timer or the owner's wait (bounded by the caller's
+    // deadline) ended it.
+    assert!(e.is_timeout(), "{e}");
     assert!(
         started.elapsed() < Duration::from_millis(2_500),
         "the call waited for the creation: {:?}",
         started.elapsed()
     );
+    // So does `to_here` on a value still being created (its fetch parked on the owner).
+    let slow: RRef<u64> = agents[0].remote("w1", "sleep_ms", &3_000u64, None).unwrap();
+    let e = slow
+        .to_here(Some(Duration::from_millis(10)))
+        .await
+        .unwrap_err();
+    assert!(e.is_timeout(), "{e}");
+    assert_eq!(slow.to_here(None).await.unwrap(), 3_000);
+    drop(slow);
     // Once created, methods work, and `created` says so.
     c.created().await.unwrap();
     assert_eq!(

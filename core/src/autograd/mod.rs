@@ -194,6 +194,11 @@ pub struct Root {
     pub shape: Vec<usize>,
     /// Whether the root requires grad (it was computed from a tensor that records gradients).
     pub requires_grad: bool,
+    /// Whether the root has a gradient function: it was computed by an operation the engine
+    /// recorded, or received in the context (its recv function sends the gradient back). A
+    /// leaf (a tensor that requires grad and that no operation made, a parameter) has none:
+    /// a backward from it has nothing to run, and PyTorch refuses it.
+    pub has_grad_fn: bool,
     /// The shape of the seed gradient given with it, if one is.
     pub seed: Option<Vec<usize>>,
 }
@@ -208,6 +213,16 @@ pub enum RootProblem {
     /// A root does not require grad: no gradient could flow from it.
     #[error("root {index} does not require grad (no leaf that records gradients reaches it)")]
     NoGrad {
+        /// The root's position.
+        index: usize,
+    },
+    /// A root is a leaf (it requires grad, but no operation computed it): it has no gradient
+    /// function to start from (PyTorch's "does not have a valid gradient function").
+    #[error(
+        "root {index} does not have a valid gradient function: it is a leaf (it requires grad \
+         but no operation computed it); start the backward from a tensor computed from it"
+    )]
+    NoGradFn {
         /// The root's position.
         index: usize,
     },
@@ -232,17 +247,20 @@ pub enum RootProblem {
 }
 
 impl Root {
-    /// A scalar root that requires grad, without a seed (a loss).
+    /// A scalar root that requires grad, computed by an operation, without a seed (a loss).
     pub fn scalar() -> Self {
         Self {
             shape: Vec::new(),
             requires_grad: true,
+            has_grad_fn: true,
             seed: None,
         }
     }
 }
 
-/// Checks roots as PyTorch does before a backward pass (with seeds allowed for non-scalars).
+/// Checks roots as PyTorch does before a backward pass (with seeds allowed for non-scalars),
+/// in its order: each requires grad, is a scalar (or has a seed of its shape), and has a
+/// gradient function.
 pub fn check_roots(roots: &[Root]) -> Result<(), RootProblem> {
     if roots.is_empty() {
         return Err(RootProblem::Empty);
@@ -266,6 +284,9 @@ pub fn check_roots(roots: &[Root]) -> Result<(), RootProblem> {
                 })
             }
             _ => {}
+        }
+        if !r.has_grad_fn {
+            return Err(RootProblem::NoGradFn { index });
         }
     }
     Ok(())

@@ -505,16 +505,23 @@ fn a_backward_failing_on_a_remote_worker_leaves_the_context_usable() {
     }
 }
 
-/// Empty roots, a root that does not require grad, a non-scalar root without a seed and a seed
-/// of the wrong shape are refused before anything runs, and change nothing: the real backward
-/// afterwards runs (even without retain_graph).
+/// Empty roots, a root that does not require grad, a non-scalar root without a seed, a seed
+/// of the wrong shape and a leaf root (it requires grad, but no operation computed it: no
+/// gradient function) are refused before anything runs, in PyTorch's order, and change
+/// nothing: the real backward afterwards runs (even without retain_graph). (A leaf root was
+/// taken: its backward ran and freed the graph, so the real one was refused.)
 #[test]
 fn roots_are_checked_before_anything_runs() {
     let (mut a, _b, c, _, _) = chain();
     let vector = |seed: Option<Vec<usize>>| Root {
         shape: vec![3],
         requires_grad: true,
+        has_grad_fn: true,
         seed,
+    };
+    let leaf = Root {
+        has_grad_fn: false,
+        ..Root::scalar()
     };
     for (roots, problem) in [
         (vec![], RootProblem::Empty),
@@ -541,6 +548,21 @@ fn roots_are_checked_before_anything_runs() {
                 index: 0,
                 root: vec![3],
                 seed: vec![2],
+            },
+        ),
+        (
+            vec![Root::scalar(), leaf.clone()],
+            RootProblem::NoGradFn { index: 1 },
+        ),
+        (
+            // A leaf that is no scalar either: the shape is checked first.
+            vec![Root {
+                shape: vec![3],
+                ..leaf.clone()
+            }],
+            RootProblem::NotScalar {
+                index: 0,
+                shape: vec![3],
             },
         ),
     ] {

@@ -11,9 +11,10 @@
 //!   (FAST mode runs a send function again for every gradient that reaches it), and return the
 //!   gradient of every leaf reached ([`backward`](AutogradEngine::backward));
 //! - add gradients, so the context can accumulate them ([`accumulate`](AutogradEngine::accumulate));
-//! - say whether a tensor requires grad and what its shape is, so that the roots of a backward
-//!   pass are checked before anything runs ([`requires_grad`](AutogradEngine::requires_grad),
-//!   [`shape`](AutogradEngine::shape)).
+//! - say whether a tensor requires grad, whether an operation computed it, and what its shape
+//!   is, so that the roots of a backward pass are checked before anything runs
+//!   ([`requires_grad`](AutogradEngine::requires_grad),
+//!   [`has_grad_fn`](AutogradEngine::has_grad_fn), [`shape`](AutogradEngine::shape)).
 //!
 //! The adapter is `tensorwire-autograd-candle` (candle's autodiff; burn's backward consumes its
 //! graph, so a send function could not run twice).
@@ -48,6 +49,12 @@ pub trait AutogradEngine: Send + Sync + 'static {
     /// Whether `tensor` requires grad: a leaf that records its gradient, or computed from one
     /// (a backward pass from it reaches a leaf). Roots that do not are refused.
     fn requires_grad(&self, tensor: &Self::Tensor) -> bool;
+
+    /// Whether `tensor` was computed by an operation the engine recorded (it has a gradient
+    /// function), rather than being a leaf or untracked. A root without one is refused
+    /// (PyTorch: "does not have a valid gradient function"); a tensor received in a context
+    /// counts as having one (its recv function) whatever the engine says.
+    fn has_grad_fn(&self, tensor: &Self::Tensor) -> bool;
 
     /// The shape of `tensor` (roots without a seed must be scalars; a seed has its root's
     /// shape).

@@ -126,18 +126,18 @@ impl<B: Payload> Endpoint<B> {
             self.remember_failure(rref, e);
         }
         let mut forgotten = None;
-        let waiting = match self.owned.get_mut(&rref) {
-            Some(o) => {
-                if kept.is_err() && token.from != self.me {
-                    // The creator learns that no value exists and sends no delete for its
-                    // fork (the reference's own id): forget it, or the record stays forever.
-                    forgotten = o.forks.remove(&(rref, token.from)).then_some(token.from);
-                }
-                o.state = Some(kept.clone());
-                std::mem::take(&mut o.fetches)
+        if let Some(o) = self.owned.get_mut(&rref) {
+            if kept.is_err() && token.from != self.me {
+                // The creator learns that no value exists and sends no delete for its
+                // fork (the reference's own id): forget it, or the record stays forever.
+                forgotten = o.forks.remove(&(rref, token.from)).then_some(token.from);
             }
-            None => Vec::new(),
-        };
+            o.state = Some(kept.clone());
+        }
+        if kept.is_ok() {
+            self.placeholder_kept(rref);
+        }
+        let waiting = self.take_parked_fetches(rref);
         self.uncount_reference(forgotten);
         self.reply(token.from, token.id, outcome);
         for (from, id, deadline) in waiting {
@@ -306,17 +306,14 @@ impl<B: Payload> Endpoint<B> {
         let err = CallError::Local(reason.to_owned());
         if let Header::Remote { rref, .. } = d.header {
             if d.to == self.me {
-                let waiting = match self.owned.get_mut(&rref) {
-                    Some(o) => {
-                        o.state = Some(Err(RemoteError {
-                            worker: self.me,
-                            kind: RemoteErrorKind::Failed,
-                            message: reason.to_owned(),
-                        }));
-                        std::mem::take(&mut o.fetches)
-                    }
-                    None => Vec::new(),
-                };
+                if let Some(o) = self.owned.get_mut(&rref) {
+                    o.state = Some(Err(RemoteError {
+                        worker: self.me,
+                        kind: RemoteErrorKind::Failed,
+                        message: reason.to_owned(),
+                    }));
+                }
+                let waiting = self.take_parked_fetches(rref);
                 for (from, fetch, deadline) in waiting {
                     self.owner_fetch(from, fetch, rref, deadline);
                 }

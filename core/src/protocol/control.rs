@@ -28,7 +28,9 @@ impl<B: Payload> Endpoint<B> {
             return;
         }
         let had_value = matches!(o.state, Some(Ok(())));
-        self.owned.remove(&rref);
+        if let Some(o) = self.owned.remove(&rref) {
+            self.uncount_placeholder(o.placeholder_of);
+        }
         if had_value {
             self.events.push_back(Event::ReleaseValue { rref });
         }
@@ -103,33 +105,6 @@ impl<B: Payload> Endpoint<B> {
             }
         }
         first
-    }
-
-    /// The owner records `from`'s fork requests made for references not created (or no
-    /// longer kept) here.
-    pub(super) fn pending_forks_of(&self, from: WorkerId) -> usize {
-        self.placeholders.get(&from).map_or(0, |set| {
-            set.iter().filter(|r| self.is_placeholder(**r)).count()
-        })
-    }
-
-    /// Whether `rref` has an owner record here whose value is not kept (being created, or
-    /// failed).
-    pub(super) fn is_placeholder(&self, rref: RRefId) -> bool {
-        self.owned
-            .get(&rref)
-            .is_some_and(|o| !matches!(o.state, Some(Ok(()))))
-    }
-
-    /// `from`'s fork request makes the owner record of `rref` (not created here).
-    pub(super) fn note_placeholder(&mut self, from: WorkerId, rref: RRefId) {
-        let limit = self.config.pending_forks_per_peer;
-        let mut set = self.placeholders.remove(&from).unwrap_or_default();
-        if set.len() >= limit {
-            set.retain(|r| self.is_placeholder(*r));
-        }
-        set.insert(rref);
-        self.placeholders.insert(from, set);
     }
 
     /// The floor to put in a control message to `to`: our oldest control message to it not

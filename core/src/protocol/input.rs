@@ -130,9 +130,7 @@ impl<B: Payload> Endpoint<B> {
                 secret,
             } => {
                 if self.first_time(from, id, floor) {
-                    if !self.owned.contains_key(&rref) {
-                        self.note_placeholder(from, rref);
-                    }
+                    let placeholder = !self.owned.contains_key(&rref);
                     let failed = self
                         .failure_of(rref)
                         .or_else(|| self.released(rref))
@@ -148,6 +146,9 @@ impl<B: Payload> Endpoint<B> {
                     }
                     let new = o.forks.insert((fork, from));
                     self.count_reference(from, new);
+                    if placeholder {
+                        self.note_placeholder(from, rref);
+                    }
                 }
                 self.ack(from, id);
             }
@@ -199,6 +200,33 @@ impl<B: Payload> Endpoint<B> {
         Ok(())
     }
 
+    /// Call `id`'s deadline passed: its timer fired, or the callee, which waited on its
+    /// behalf, said so first ([`RemoteErrorKind::Deadline`]). Either way it fails the same.
+    pub(super) fn expire_call(&mut self, id: MessageId, now: Instant) {
+        let Some(p) = self.pending.get(&id) else {
+            return;
+        };
+        let (to, after, confirms) = (p.to, p.timeout, p.confirms);
+        match confirms.and_then(|fork| self.used.get_mut(&fork).map(|u| (fork, u))) {
+            Some((fork, u)) => {
+                // A `remote()` whose creation timed out. Its messages to the owner keep
+                // their order, so the owner has registered (or will register) this fork
+                // before any delete of ours: count it as confirmed for deletion, so the
+                // owner frees the value once it exists and nobody refers to it.
+                u.confirmed = true;
+                let err = CallError::RRefCreationTimedOut {
+                    rref: u.rref,
+                    owner: to,
+                    after,
+                };
+                u.creation_error = Some(err.clone());
+                self.fail(id, err);
+                self.maybe_delete_user(fork, now);
+            }
+            None => self.fail(id, CallError::Timeout { to, after }),
+        }
+    }
+
     /// Whether `from` may send `header` (with a body naming `target`, for a method call),
     /// judged against what we sent and hold.
     pub(super) fn check_message(
@@ -227,11 +255,7 @@ impl<B: Payload> Endpoint<B> {
             }
             Header::Fetch { id, rref, fork, .. } => {
                 self.check_holder(from, rref, fork, "fetch")?;
-                let parked = self
-                    .owned
-                    .get(&rref)
-                    .is_some_and(|o| o.fetches.iter().any(|f| f.0 == from && f.1 == id));
-                if parked {
+                if self.parked.contains(from, id) {
                     return Err(ProtocolViolation::RepeatedRequest { id });
                 }
                 repeated(id, RequestKind::Fetch(rref))
@@ -387,8 +411,8 @@ impl<B: Payload> Endpoint<B> {
                 break;
             }
             self.timers.pop_first();
-            let id = match timer {
-                Timer::Call(id) => id,
+            match timer {
+                Timer::Call(id) => self.expire_call(id, now),
                 Timer::Control(id) => {
                     if let Some(u) = self.unacked.get_mut(&id) {
                         if u.next_try <= now {
@@ -396,43 +420,12 @@ impl<B: Payload> Endpoint<B> {
                             resend.push((id, u.next_try));
                         }
                     }
-                    continue;
                 }
-                Timer::Fetches(rref) => {
-                    self.expire_parked_fetches(rref, now);
-                    continue;
-                }
-                Timer::ParkedCalls(rref) => {
-                    self.expire_parked_calls(rref, now);
-                    continue;
-                }
+                Timer::Fetches(rref) => self.expire_parked_fetches(rref, now),
+                Timer::ParkedCalls(rref) => self.expire_parked_calls(rref, now),
                 // Settled below, with every other wait.
-                Timer::ConfirmWait(_) => continue,
-            };
-            let Some(p) = self.pending.get(&id) else {
-                continue;
-            };
-            let (to, after, confirms) = (p.to, p.timeout, p.confirms);
-            let err = match confirms.and_then(|fork| self.used.get_mut(&fork).map(|u| (fork, u))) {
-                Some((fork, u)) => {
-                    // A `remote()` whose creation timed out. Its messages to the owner keep
-                    // their order, so the owner has registered (or will register) this fork
-                    // before any delete of ours: count it as confirmed for deletion, so the
-                    // owner frees the value once it exists and nobody refers to it.
-                    u.confirmed = true;
-                    let err = CallError::RRefCreationTimedOut {
-                        rref: u.rref,
-                        owner: to,
-                        after,
-                    };
-                    u.creation_error = Some(err.clone());
-                    self.fail(id, err);
-                    self.maybe_delete_user(fork, now);
-                    continue;
-                }
-                None => CallError::Timeout { to, after },
-            };
-            self.fail(id, err);
+                Timer::ConfirmWait(_) => {}
+            }
         }
         // (Timers for resends go in after the loop: a zero retry interval must not spin it.)
         for (id, next_try) in resend {
@@ -453,11 +446,23 @@ impl<B: Payload> Endpoint<B> {
 
     /// The connection to `peer` is gone for good: its calls fail naming it, control messages
     /// to it are dropped, requests from it are forgotten, and its forks no longer keep our
-    /// values alive.
+    /// values alive. The first report of a loss records `cause` and emits
+    /// [`Event::PeerLost`]; later ones keep that first cause and emit nothing.
     pub fn handle_peer_lost(&mut self, peer: WorkerId, cause: LostCause, now: Instant) {
         self.last_now = Some(now);
-        let cause = self.lost.entry(peer).or_insert(cause).clone();
-        self.placeholders.remove(&peer);
+        let cause = match self.lost.entry(peer) {
+            std::collections::hash_map::Entry::Occupied(e) => e.get().clone(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let cause = e.insert(cause).clone();
+                self.events.push_back(Event::PeerLost {
+                    peer,
+                    cause: cause.clone(),
+                });
+                cause
+            }
+        };
+        self.parked.forget(peer);
+        self.forget_placeholders_of(peer);
         // Its forks are dropped from every record below.
         self.references.remove(&peer);
         let ids: Vec<MessageId> = self
@@ -531,7 +536,7 @@ impl<B: Payload> Endpoint<B> {
                         ),
                     };
                     o.state = Some(Err(err));
-                    waiting = std::mem::take(&mut o.fetches);
+                    waiting = self.take_parked_fetches(rref);
                 }
             }
             for (from, id, deadline) in waiting {
@@ -564,7 +569,7 @@ impl<B: Payload> Endpoint<B> {
     pub fn handle_peer_joined(&mut self, peer: WorkerId) {
         self.lost.remove(&peer);
         self.seen_control.remove(&peer);
-        self.placeholders.remove(&peer);
+        self.forget_placeholders_of(peer);
         self.forget_shutdown_of(peer);
         self.created_upto.remove(&peer);
     }

@@ -223,6 +223,12 @@ pub enum RemoteErrorKind {
     /// The callee is already serving as many requests from this caller as it takes at once
     /// ([`EndpointConfig::requests_per_peer`]); nothing ran. Retry later.
     Busy,
+    /// The callee waited on the caller's behalf (a fetch or a method call parked on a value
+    /// still being created) until the caller's deadline, and stopped. The caller's endpoint
+    /// reports it as its own deadline passing ([`CallError::Timeout`], or
+    /// [`CallError::RRefCreationTimedOut`] for a `remote`), so the same condition fails the
+    /// same way whichever side notices the deadline first.
+    Deadline,
 }
 
 impl fmt::Display for RemoteErrorKind {
@@ -236,6 +242,7 @@ impl fmt::Display for RemoteErrorKind {
             Self::ShuttingDown => "callee shutting down",
             Self::DeviceMap => "device map error",
             Self::Busy => "callee busy",
+            Self::Deadline => "caller's deadline passed",
         })
     }
 }
@@ -554,10 +561,22 @@ pub enum Event<B> {
         /// `Ok` once every member is idle (or, leaving, our calls are answered).
         outcome: Result<(), ShutdownError>,
     },
+    /// `peer` is now lost (the first loss recorded since it joined, however it was found:
+    /// the driver's report through [`Endpoint::handle_peer_lost`], or a violation the
+    /// endpoint found itself, see [`Event::Misbehaved`]), with the cause kept. Emitted once
+    /// per loss, so the driver tells its subscribers here, and only here: a later report of
+    /// the same loss (a link's reader and writer may both see its end) emits nothing.
+    PeerLost {
+        /// The peer.
+        peer: WorkerId,
+        /// Why it is gone: the first cause recorded.
+        cause: LostCause,
+    },
     /// A peer broke the protocol in a way found only later than its message (a fork request
     /// made before the reference's creation arrived, whose capability the creation shows to
     /// be forged): the endpoint has already handled the peer as lost with
-    /// [`LostCause::Misbehaved`]; the driver drops its connection.
+    /// [`LostCause::Misbehaved`], and reports that loss by the [`Event::PeerLost`] that
+    /// follows this event; the driver drops its connection here.
     Misbehaved {
         /// The peer.
         peer: WorkerId,
@@ -659,6 +678,10 @@ struct Owned {
     /// Before then, the capability each fork request presented, by fork and sender, checked
     /// on the creation (one per fork registration, so bounded with them).
     claims: HashMap<(ForkId, WorkerId), RRefSecret>,
+    /// The peer whose fork request made this record before the value existed here, while
+    /// the value is not kept: it counts against that peer's
+    /// [`EndpointConfig::pending_forks_per_peer`].
+    placeholder_of: Option<WorkerId>,
 }
 
 /// A user's record of one fork.
@@ -722,7 +745,7 @@ pub struct Endpoint<B> {
     /// The ids of `unacked`, per destination (for each message's floor, in O(log n)).
     unacked_to: HashMap<WorkerId, BTreeSet<MessageId>>,
     incoming: Serving,
-    owned: HashMap<RRefId, Owned>,
+    owned: OwnedRecords,
     /// Per peer, the forks it holds of values owned here (the holders in `owned`'s fork
     /// records, counted), bounded by [`EndpointConfig::references_per_peer`].
     references: HashMap<WorkerId, usize>,
@@ -733,9 +756,12 @@ pub struct Endpoint<B> {
     /// ids at or above the sender's floor (below it, everything was handled).
     seen_control: HashMap<WorkerId, Seen>,
     /// Per peer, the owner records its fork requests made for references not created here
-    /// (bounded by [`EndpointConfig::pending_forks_per_peer`]); an entry whose reference has
-    /// since been created or released no longer counts, and is pruned when the set fills.
-    placeholders: HashMap<WorkerId, HashSet<RRefId>>,
+    /// and not kept since (the records whose `placeholder_of` names it), bounded by
+    /// [`EndpointConfig::pending_forks_per_peer`]. Kept up to date as records change, so a
+    /// fork request reads it in O(1) (see `bounds`).
+    placeholders: HashMap<WorkerId, usize>,
+    /// The fetches parked on values being created here, counted per caller and by id.
+    parked: bounds::ParkedCounts,
     transmits: VecDeque<Transmit<B>>,
     /// Per peer, messages held behind one whose body is not ready yet (see
     /// [`call_deferred`](Endpoint::call_deferred)): they leave in the order they were made.
@@ -768,6 +794,13 @@ pub struct Endpoint<B> {
     /// The key of the capabilities of the references created here (see `secrets`).
     secret_key: [u8; 32],
 }
+
+/// The owner's records, by reference. In the crate's own tests, a map that counts how often it
+/// is used (see `bounds::Lookups`), so that a test can bound the work one message costs.
+#[cfg(not(test))]
+type OwnedRecords = HashMap<RRefId, Owned>;
+#[cfg(test)]
+type OwnedRecords = bounds::Lookups<HashMap<RRefId, Owned>>;
 
 /// Identifies a wait begun with [`Endpoint::wait_confirmed`].
 pub type WaitId = u64;
@@ -863,12 +896,13 @@ impl<B: Payload> Endpoint<B> {
             unacked: HashMap::new(),
             unacked_to: HashMap::new(),
             incoming: Serving::default(),
-            owned: HashMap::new(),
+            owned: OwnedRecords::default(),
             references: HashMap::new(),
             used: HashMap::new(),
             children: HashMap::new(),
             seen_control: HashMap::new(),
             placeholders: HashMap::new(),
+            parked: bounds::ParkedCounts::default(),
             transmits: VecDeque::new(),
             held: HashMap::new(),
             deferred: HashMap::new(),

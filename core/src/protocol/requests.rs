@@ -110,7 +110,7 @@ impl<B: Payload> Endpoint<B> {
         let waiting = match self.owned.get_mut(&rref) {
             Some(o) if o.state.is_none() => {
                 o.state = Some(Err(err));
-                std::mem::take(&mut o.fetches)
+                self.take_parked_fetches(rref)
             }
             _ => Vec::new(),
         };
@@ -190,6 +190,12 @@ impl<B: Payload> Endpoint<B> {
     }
 
     pub(super) fn on_reply(&mut self, id: MessageId, outcome: Result<B, CallError>, now: Instant) {
+        if matches!(&outcome, Err(CallError::Remote(e)) if e.kind == RemoteErrorKind::Deadline) {
+            // The callee stopped waiting at our deadline before our own timer fired (its clock
+            // is ahead, or its message overtook our timer): the same end as our timer's.
+            self.expire_call(id, now);
+            return;
+        }
         let confirms = self.pending.get(&id).and_then(|p| p.confirms);
         if let Some(fork) = confirms {
             if let Some(u) = self.used.get_mut(&fork) {
@@ -262,6 +268,7 @@ impl<B: Payload> Endpoint<B> {
                     return;
                 };
                 o.fetches.push((from, id, deadline));
+                self.parked.add(from, id);
                 if let Some(d) = deadline {
                     self.timers.insert((d, Timer::Fetches(rref)));
                 }
@@ -417,7 +424,7 @@ impl<B: Payload> Endpoint<B> {
             self.incoming.remove(&token);
             let err = RemoteError {
                 worker: self.me,
-                kind: RemoteErrorKind::RRef,
+                kind: RemoteErrorKind::Deadline,
                 message: format!(
                     "the value of {rref} was still being created at the caller's deadline"
                 ),
@@ -440,9 +447,10 @@ impl<B: Payload> Endpoint<B> {
             });
         }
         for (from, id) in expired {
+            self.parked.remove(from, id);
             let err = RemoteError {
                 worker: self.me,
-                kind: RemoteErrorKind::RRef,
+                kind: RemoteErrorKind::Deadline,
                 message: format!(
                     "the value of {rref} was still being created at the caller's deadline"
                 ),

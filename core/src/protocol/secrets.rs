@@ -91,11 +91,14 @@ impl<B: Payload> Endpoint<B> {
         }
         for (sender, violation) in forged {
             let cause = LostCause::Misbehaved(Box::new(violation.clone()));
-            self.handle_peer_lost(sender, cause, now);
+            // The driver drops the connection on `Misbehaved`, before the loss that
+            // `handle_peer_lost` reports after it reaches anyone who might still call the
+            // peer through that connection.
             self.events.push_back(Event::Misbehaved {
                 peer: sender,
                 violation,
             });
+            self.handle_peer_lost(sender, cause, now);
         }
     }
 }

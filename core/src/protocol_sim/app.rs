@@ -159,6 +159,8 @@ impl Cluster {
                 }
             }
             Event::Confirmed { .. } => {}
+            // The simulation reports every loss itself (its own driver).
+            Event::PeerLost { .. } => {}
             // Honest workers never forge a capability.
             Event::Misbehaved { peer, violation } => self.fail(format!(
                 "worker {w} found honest worker {peer} forging: {violation}"

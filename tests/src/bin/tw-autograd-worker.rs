@@ -76,6 +76,9 @@ impl AutogradEngine for Engine {
     fn requires_grad(&self, t: &CTensor) -> bool {
         self.inner.requires_grad(t)
     }
+    fn has_grad_fn(&self, t: &CTensor) -> bool {
+        self.inner.has_grad_fn(t)
+    }
     fn shape(&self, t: &CTensor) -> Vec<usize> {
         self.inner.shape(t)
     }
