@@ -551,6 +551,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Work>()?;
     m.add_class::<rpc::RpcAgent>()?;
     m.add_class::<rpc::WireBuffer>()?;
+    m.add_class::<rpc::PyRRef>()?;
     m.add("TensorwireError", m.py().get_type::<TensorwireError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -21,12 +21,20 @@ use pyo3::types::{PyBytes, PyList, PyTuple};
 use serde::{Deserialize, Serialize};
 use tensorwire_core::protocol::CallError;
 use tensorwire_core::tensor::{DType, Storage, Tensor};
-use tensorwire_rpc::{Agent, CallContext, Functions, RpcError, RpcOptions, Shutdown};
+use tensorwire_rpc::{Agent, CallContext, Functions, RRef, RpcError, RpcOptions, Shutdown};
 
 use crate::{runtime, TensorwireError};
 
 /// The name of the one function every Python call goes through.
 pub(crate) const PY_CALL: &str = "tensorwire.py_call";
+
+/// The name of the function that creates a value for `remote()`: a Python call whose result
+/// its owner keeps.
+pub(crate) const PY_REMOTE: &str = "tensorwire.py_remote";
+
+/// The method that copies a remote reference's value for `to_here()`: pickled on its owner,
+/// when asked (so the copy is the value as it is then).
+pub(crate) const PY_FETCH: &str = "tensorwire.py_fetch";
 
 /// A Python call as it travels: what to run and its pickled arguments, with the tensors the
 /// pickle refers to by index.
@@ -50,6 +58,46 @@ enum PyReply {
         message: String,
         traceback: String,
     },
+}
+
+/// What a remote reference's owner keeps for `remote()`: the Python object the function
+/// returned, or the exception it raised (raised again by every `to_here` and `local_value`).
+enum PyValue {
+    Object(Py<PyAny>),
+    Raised {
+        exc_type: String,
+        message: String,
+        traceback: String,
+    },
+}
+
+impl Serialize for PyValue {
+    /// A Python value is never encoded by the agent: `to_here` pickles it on its owner
+    /// ([`PY_FETCH`]).
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom(
+            "a Python value leaves its owner only pickled, through tensorwire.py_fetch",
+        ))
+    }
+}
+
+impl PyValue {
+    /// The value as the Python layer sees it: `("returned", object)` or `("raised", type,
+    /// message, traceback)`.
+    fn outcome<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        match self {
+            PyValue::Object(o) => ("returned", o.clone_ref(py))
+                .into_pyobject(py)
+                .map(|t| t.into_any()),
+            PyValue::Raised {
+                exc_type,
+                message,
+                traceback,
+            } => ("raised", exc_type, message, traceback)
+                .into_pyobject(py)
+                .map(|t| t.into_any()),
+        }
+    }
 }
 
 /// A tensor's storage lent to the sidecar without a copy: the tensor is held until the bytes
@@ -232,24 +280,164 @@ fn serve(serve: &Py<PyAny>, caller: String, call: PyCall) -> Result<PyReply, Str
                     buffers,
                 ),
             )?;
+            reply(out.bind(py))
+        };
+        // A failure of the serving machinery itself (not of the user's function) fails the
+        // call with its text.
+        run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
+    })
+}
+
+/// Runs a `remote()` creation on this worker: the Python layer's `create(caller, function,
+/// payload, buffers)` with the GIL, on a blocking thread; it returns `("returned", object)`
+/// or `("raised", type, message, traceback)`, kept as the reference's value.
+fn create(create: &Py<PyAny>, caller: String, call: PyCall) -> Result<PyValue, String> {
+    Python::attach(|py| {
+        let run = || -> PyResult<PyValue> {
+            let buffers = buffers(py, call.tensors)?;
+            let out = create.call1(
+                py,
+                (
+                    caller,
+                    call.function,
+                    PyBytes::new(py, &call.payload),
+                    buffers,
+                ),
+            )?;
             let out = out.bind(py).cast::<PyTuple>()?;
             let tag: String = out.get_item(0)?.extract()?;
             if tag == "returned" {
-                let payload: Vec<u8> = out.get_item(1)?.extract()?;
-                let tensors = lend(out.get_item(2)?.cast::<PyList>()?)?;
-                Ok(PyReply::Returned { payload, tensors })
+                Ok(PyValue::Object(out.get_item(1)?.unbind()))
             } else {
-                Ok(PyReply::Raised {
+                Ok(PyValue::Raised {
                     exc_type: out.get_item(1)?.extract()?,
                     message: out.get_item(2)?.extract()?,
                     traceback: out.get_item(3)?.extract()?,
                 })
             }
         };
-        // A failure of the serving machinery itself (not of the user's function) fails the
-        // call with its text.
-        run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
+        run().map_err(|e| format!("tensorwire.rpc could not create the value: {e}"))
     })
+}
+
+/// Pickles a reference's value on its owner for `to_here`: the Python layer's
+/// `fetch(object)`, which returns `("returned", payload, tensors)` or `("raised", ...)`.
+fn fetch(fetch: &Py<PyAny>, value: &PyValue) -> Result<PyReply, String> {
+    let object = match value {
+        PyValue::Object(o) => o,
+        PyValue::Raised {
+            exc_type,
+            message,
+            traceback,
+        } => {
+            return Ok(PyReply::Raised {
+                exc_type: exc_type.clone(),
+                message: message.clone(),
+                traceback: traceback.clone(),
+            })
+        }
+    };
+    Python::attach(|py| {
+        let run = || -> PyResult<PyReply> {
+            let out = fetch.call1(py, (object.clone_ref(py),))?;
+            reply(out.bind(py))
+        };
+        run().map_err(|e| format!("tensorwire.rpc could not send the value: {e}"))
+    })
+}
+
+/// The Python layer's `("returned", payload, tensors)` or `("raised", type, message,
+/// traceback)` as a reply.
+fn reply(out: &Bound<'_, PyAny>) -> PyResult<PyReply> {
+    let out = out.cast::<PyTuple>()?;
+    let tag: String = out.get_item(0)?.extract()?;
+    if tag == "returned" {
+        let payload: Vec<u8> = out.get_item(1)?.extract()?;
+        let tensors = lend(out.get_item(2)?.cast::<PyList>()?)?;
+        Ok(PyReply::Returned { payload, tensors })
+    } else {
+        Ok(PyReply::Raised {
+            exc_type: out.get_item(1)?.extract()?,
+            message: out.get_item(2)?.extract()?,
+            traceback: out.get_item(3)?.extract()?,
+        })
+    }
+}
+
+/// Hands `reply` (or the call's failure) to `on_done` with the GIL, on a blocking thread.
+fn complete(on_done: Py<PyAny>, reply: Result<PyReply, RpcError>) {
+    tokio::task::spawn_blocking(move || {
+        Python::attach(|py| {
+            let outcome = match reply {
+                Ok(PyReply::Returned { payload, tensors }) => buffers(py, tensors).and_then(|b| {
+                    ("returned", PyBytes::new(py, &payload), b)
+                        .into_pyobject(py)
+                        .map(|t| t.into_any())
+                }),
+                Ok(PyReply::Raised {
+                    exc_type,
+                    message,
+                    traceback,
+                }) => ("raised", exc_type, message, traceback)
+                    .into_pyobject(py)
+                    .map(|t| t.into_any()),
+                Err(e) => Ok(rpc_error(&e).into_value(py).into_bound(py).into_any()),
+            };
+            let outcome = outcome.unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any());
+            if let Err(e) = on_done.call1(py, (outcome,)) {
+                e.write_unraisable(py, Some(on_done.bind(py)));
+            }
+        })
+    });
+}
+
+/// A remote reference to a Python value (`tensorwire.rpc.RRef` wraps it): the agent's own
+/// reference, counted by its owner.
+#[pyclass(module = "tensorwire._native", frozen)]
+pub(crate) struct PyRRef {
+    rref: RRef<PyValue>,
+}
+
+#[pymethods]
+impl PyRRef {
+    /// The owner: `(name, id)`.
+    fn owner(&self) -> (String, u32) {
+        let o = self.rref.owner();
+        (o.name, o.id)
+    }
+
+    /// Whether this worker owns the value.
+    fn is_owner(&self) -> bool {
+        self.rref.is_owner()
+    }
+
+    /// Whether the owner has confirmed this worker's reference.
+    fn confirmed_by_owner(&self) -> bool {
+        self.rref.confirmed_by_owner()
+    }
+
+    /// Copies the value from its owner, pickled there now (`timeout` seconds; `None`: the
+    /// default; zero: none); `on_done` gets the outcome as for [`RpcAgent::call`].
+    #[pyo3(signature = (timeout, on_done))]
+    fn fetch(&self, timeout: Option<f64>, on_done: Py<PyAny>) -> PyResult<()> {
+        let timeout = timeout.map(|t| duration("timeout", t)).transpose()?;
+        let _runtime = runtime().enter();
+        let future = self
+            .rref
+            .rpc_async::<(), PyReply>(PY_FETCH, &(), timeout)
+            .map_err(|e| rpc_error(&e))?;
+        runtime().spawn(async move { complete(on_done, future.await) });
+        Ok(())
+    }
+
+    /// The value, on its owner (waits without the GIL for a creation still running):
+    /// `("returned", object)` or `("raised", type, message, traceback)`.
+    fn local_value<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let rref = self.rref.clone();
+        let value =
+            wait(py, async move { rref.local_value().await })?.map_err(|e| rpc_error(&e))?;
+        value.outcome(py)
+    }
 }
 
 /// This process's RPC agent, as `tensorwire.rpc` holds it.
@@ -264,7 +452,7 @@ impl RpcAgent {
     /// to every worker (`world_size = None`: a dynamic group), and serve Python calls through
     /// `serve`. Blocks without the GIL until the group is up or `init_timeout` passed.
     #[staticmethod]
-    #[pyo3(signature = (name, rank, world_size, init_method, rpc_timeout, init_timeout, serve))]
+    #[pyo3(signature = (name, rank, world_size, init_method, rpc_timeout, init_timeout, serve, create, fetch))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         py: Python<'_>,
@@ -275,15 +463,39 @@ impl RpcAgent {
         rpc_timeout: f64,
         init_timeout: f64,
         serve: Py<PyAny>,
+        create: Py<PyAny>,
+        fetch: Py<PyAny>,
     ) -> PyResult<RpcAgent> {
         let functions = Functions::new();
         let serve = Arc::new(serve);
+        let (create, fetch) = (Arc::new(create), Arc::new(fetch));
         functions
             .register_with_context(PY_CALL, move |ctx: CallContext, call: PyCall| {
                 let serve = Arc::clone(&serve);
                 let caller = ctx.caller().name.clone();
                 async move {
                     tokio::task::spawn_blocking(move || self::serve(&serve, caller, call))
+                        .await
+                        .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+                }
+            })
+            .map_err(|e| rpc_error(&e))?;
+        functions
+            .register_with_context(PY_REMOTE, move |ctx: CallContext, call: PyCall| {
+                let create = Arc::clone(&create);
+                let caller = ctx.caller().name.clone();
+                async move {
+                    tokio::task::spawn_blocking(move || self::create(&create, caller, call))
+                        .await
+                        .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+                }
+            })
+            .map_err(|e| rpc_error(&e))?;
+        functions
+            .register_method(PY_FETCH, move |value: Arc<PyValue>, (): ()| {
+                let fetch = Arc::clone(&fetch);
+                async move {
+                    tokio::task::spawn_blocking(move || self::fetch(&fetch, &value))
                         .await
                         .map_err(|e| format!("the Python call ended abnormally: {e}"))?
                 }
@@ -359,36 +571,41 @@ impl RpcAgent {
             .rpc_async::<PyCall, PyReply>(to, PY_CALL, &call, timeout)
             .map_err(|e| rpc_error(&e))?;
         drop(call);
-        runtime().spawn(async move {
-            let reply = future.await;
-            // Python runs on a blocking thread, never on the runtime's workers.
-            tokio::task::spawn_blocking(move || {
-                Python::attach(|py| {
-                    let outcome = match reply {
-                        Ok(PyReply::Returned { payload, tensors }) => buffers(py, tensors)
-                            .and_then(|b| {
-                                ("returned", PyBytes::new(py, &payload), b)
-                                    .into_pyobject(py)
-                                    .map(|t| t.into_any())
-                            }),
-                        Ok(PyReply::Raised {
-                            exc_type,
-                            message,
-                            traceback,
-                        }) => ("raised", exc_type, message, traceback)
-                            .into_pyobject(py)
-                            .map(|t| t.into_any()),
-                        Err(e) => Ok(rpc_error(&e).into_value(py).into_bound(py).into_any()),
-                    };
-                    let outcome =
-                        outcome.unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any());
-                    if let Err(e) = on_done.call1(py, (outcome,)) {
-                        e.write_unraisable(py, Some(on_done.bind(py)));
-                    }
-                })
-            });
-        });
+        runtime().spawn(async move { complete(on_done, future.await) });
         Ok(())
+    }
+
+    /// Runs `function` on worker `to` as [`call`](Self::call) does, and keeps its result
+    /// there: returns a reference to it at once (PyTorch's `remote`). A failure of the
+    /// function is kept too, and raised by `to_here` and `local_value`.
+    #[pyo3(signature = (to, function, payload, tensors, timeout))]
+    fn remote(
+        &self,
+        to: &str,
+        function: String,
+        payload: &[u8],
+        tensors: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyRRef> {
+        let timeout = timeout.map(|t| duration("timeout", t)).transpose()?;
+        let call = PyCall {
+            function,
+            payload: payload.to_vec(),
+            tensors: lend(tensors)?,
+        };
+        let _runtime = runtime().enter();
+        let rref = self
+            .agent
+            .remote::<PyCall, PyValue>(to, PY_REMOTE, &call, timeout)
+            .map_err(|e| rpc_error(&e))?;
+        Ok(PyRRef { rref })
+    }
+
+    /// A reference to `value`, owned by this worker (PyTorch's `RRef(value)`).
+    fn local_rref(&self, value: Py<PyAny>) -> PyResult<PyRRef> {
+        let _runtime = runtime().enter();
+        let rref = RRef::new(&self.agent, PyValue::Object(value)).map_err(|e| rpc_error(&e))?;
+        Ok(PyRRef { rref })
     }
 
     /// Stops the agent: gracefully (once no call is in flight anywhere) within `timeout`

@@ -12,6 +12,7 @@ Switch by changing one import::
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
     y = rpc.rpc_sync("worker1", scale, args=(torch.ones(3),), kwargs={"factor": 3.0})
     fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+    r = rpc.remote("worker1", torch.ones, args=(4,))   # an RRef; r.to_here()
     rpc.shutdown()
 
 What differs from PyTorch, deliberately:
@@ -31,6 +32,8 @@ What differs from PyTorch, deliberately:
 - Remote exceptions are raised at the caller with their type when it is a builtin exception,
   :class:`RefusedError` or an exposed class (else ``RuntimeError``), with the remote traceback
   in the message. Failures of the call itself (timeout, lost peer) raise ``RuntimeError``.
+- Not yet: RRefs inside arguments and results, the RRef proxies (``rref.rpc_sync()``, ...),
+  ``functions.async_execution``; dynamic groups (``world_size=None``) are untested.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ __all__ = [
     "rpc_sync",
     "rpc_async",
     "get_worker_info",
+    "remote",
+    "RRef",
     "WorkerInfo",
     "TensorPipeRpcBackendOptions",
     "BackendType",
@@ -194,7 +199,15 @@ def init_rpc(
         _trusted = bool(trust_peers)
         try:
             agent = _native.RpcAgent.start(
-                name, rank, world_size, init_method, rpc_timeout, DEFAULT_INIT_TIMEOUT_SEC, _serve
+                name,
+                rank,
+                world_size,
+                init_method,
+                rpc_timeout,
+                DEFAULT_INIT_TIMEOUT_SEC,
+                _serve,
+                _create,
+                _fetch,
             )
         except _native.TensorwireError as e:
             raise _runtime_error(e) from e
@@ -279,29 +292,7 @@ def _call_raw(
         callee = WorkerInfo(*agent.worker(worker))
     except _native.TensorwireError as e:
         raise _runtime_error(e) from e
-    fut: torch.futures.Future = torch.futures.Future()
-    trusted = _trusted
-
-    def on_done(outcome: Any) -> None:
-        try:
-            if isinstance(outcome, BaseException):
-                result: Any = _runtime_error(outcome)
-            elif outcome[0] == "returned":
-                try:
-                    value = _serialize.loads(
-                        outcome[1], outcome[2], trusted=trusted, origin=worker
-                    )
-                except Exception as e:
-                    result = e
-                else:
-                    fut.set_result(value)
-                    return
-            else:
-                result = _remote_exception(callee, outcome[1], outcome[2], outcome[3])
-            fut.set_exception(result)
-        except Exception as e:  # noqa: BLE001 - the future must complete
-            if not fut.done():
-                fut.set_exception(e)
+    fut, on_done = _future(worker, callee)
 
     try:
         agent.call(worker, function, payload, tensors, _timeout(timeout), on_done)
@@ -338,32 +329,172 @@ def rpc_sync(
     return rpc_async(to, func, args, kwargs, timeout).wait()
 
 
-def _serve(caller: str, function: str, payload: bytes, buffers: list) -> tuple:
-    """Runs a call from ``caller`` (on a blocking thread, with the GIL): resolves ``function``
-    among what this worker exposed, decodes the arguments with the allow-list, runs it, and
-    returns ``("returned", payload, tensors)`` or ``("raised", type, message, traceback)``."""
+def _run(caller: str, function: str, payload: bytes, buffers: list) -> Any:
+    """Runs a call from ``caller``: resolves ``function`` among what this worker exposed,
+    decodes the arguments with the allow-list, and runs it."""
     me = _me
     worker = str(me) if me is not None else "this worker"
+    if _trusted:
+        fn = _import_by_name(function)
+    else:
+        fn = _exposed.resolve_function(function, worker)
+    decoded = _serialize.loads(payload, buffers, trusted=_trusted, origin=caller)
+    if not (
+        isinstance(decoded, tuple)
+        and len(decoded) == 2
+        and isinstance(decoded[0], tuple)
+        and isinstance(decoded[1], dict)
+    ):
+        raise RefusedError(f"malformed arguments from {caller}")
+    args, kwargs = decoded
+    return fn(*args, **kwargs)
+
+
+def _raised(e: BaseException) -> tuple:
+    cls = type(e)
+    return ("raised", f"{cls.__module__}.{cls.__qualname__}", str(e), traceback.format_exc())
+
+
+def _serve(caller: str, function: str, payload: bytes, buffers: list) -> tuple:
+    """A call from ``caller`` (on a blocking thread, with the GIL): ``("returned", payload,
+    tensors)`` or ``("raised", type, message, traceback)``."""
     try:
-        if _trusted:
-            fn = _import_by_name(function)
-        else:
-            fn = _exposed.resolve_function(function, worker)
-        decoded = _serialize.loads(payload, buffers, trusted=_trusted, origin=caller)
-        if not (
-            isinstance(decoded, tuple)
-            and len(decoded) == 2
-            and isinstance(decoded[0], tuple)
-            and isinstance(decoded[1], dict)
-        ):
-            raise RefusedError(f"malformed arguments from {caller}")
-        args, kwargs = decoded
-        result = fn(*args, **kwargs)
-        out, tensors = _serialize.dumps(result)
+        out, tensors = _serialize.dumps(_run(caller, function, payload, buffers))
         return ("returned", out, tensors)
     except Exception as e:
-        cls = type(e)
-        return ("raised", f"{cls.__module__}.{cls.__qualname__}", str(e), traceback.format_exc())
+        return _raised(e)
+
+
+def _create(caller: str, function: str, payload: bytes, buffers: list) -> tuple:
+    """A ``remote()`` creation from ``caller``: ``("returned", value)`` (kept here by the
+    agent as the reference's value) or ``("raised", ...)``."""
+    try:
+        return ("returned", _run(caller, function, payload, buffers))
+    except Exception as e:
+        return _raised(e)
+
+
+def _fetch(value: Any) -> tuple:
+    """A reference's value pickled for ``to_here``."""
+    try:
+        out, tensors = _serialize.dumps(value)
+        return ("returned", out, tensors)
+    except Exception as e:
+        return _raised(e)
+
+
+def _future(worker: str, callee: WorkerInfo) -> tuple[torch.futures.Future, Callable[[Any], None]]:
+    """A future and the ``on_done`` that completes it from a native outcome."""
+    fut: torch.futures.Future = torch.futures.Future()
+    trusted = _trusted
+
+    def on_done(outcome: Any) -> None:
+        try:
+            if isinstance(outcome, BaseException):
+                result: Any = _runtime_error(outcome)
+            elif outcome[0] == "returned":
+                try:
+                    value = _serialize.loads(
+                        outcome[1], outcome[2], trusted=trusted, origin=worker
+                    )
+                except Exception as e:
+                    result = e
+                else:
+                    fut.set_result(value)
+                    return
+            else:
+                result = _remote_exception(callee, outcome[1], outcome[2], outcome[3])
+            fut.set_exception(result)
+        except Exception as e:  # noqa: BLE001 - the future must complete
+            if not fut.done():
+                fut.set_exception(e)
+
+    return fut, on_done
+
+
+class RRef:
+    """A reference to a value owned by a worker (PyTorch's ``RRef``): made by :func:`remote`
+    (the value is created on ``to``) or by ``RRef(value)`` (owned here). The owner keeps the
+    value while any worker holds a reference (the agent's distributed reference counting).
+
+    Not supported yet: RRefs inside arguments and results, the ``rpc_sync()``,
+    ``rpc_async()`` and ``remote()`` proxies.
+    """
+
+    __slots__ = ("_native",)
+
+    def __init__(self, value: Any = None, type_hint: Any = None, *, _native_rref: Any = None):
+        if _native_rref is None:
+            _native_rref = _require_agent().local_rref(value)
+        self._native = _native_rref
+
+    def owner(self) -> WorkerInfo:
+        """The worker that owns the value."""
+        return WorkerInfo(*self._native.owner())
+
+    def owner_name(self) -> str:
+        """The owner's name."""
+        return self._native.owner()[0]
+
+    def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
+        return self._native.is_owner()
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner has confirmed this worker's reference."""
+        return self._native.confirmed_by_owner()
+
+    def local_value(self) -> Any:
+        """The value itself, on its owner (a creation still running is waited for); raises
+        the exception the creating function raised; ``RuntimeError`` on another worker."""
+        try:
+            outcome = self._native.local_value()
+        except _native.TensorwireError as e:
+            raise _runtime_error(e) from e
+        if outcome[0] == "returned":
+            return outcome[1]
+        raise _remote_exception(self.owner(), outcome[1], outcome[2], outcome[3])
+
+    def _fetch_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future:
+        owner = self.owner()
+        fut, on_done = _future(owner.name, owner)
+        try:
+            self._native.fetch(_timeout(timeout), on_done)
+        except _native.TensorwireError as e:
+            raise _runtime_error(e) from e
+        return fut
+
+    def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+        """A copy of the value, pickled on its owner now (the value itself on the owner is
+        :meth:`local_value`); raises the exception the creating function raised."""
+        return self._fetch_async(timeout).wait()
+
+    def __reduce__(self):
+        raise TypeError("tensorwire.rpc does not send RRefs inside arguments or results yet")
+
+    def __repr__(self) -> str:
+        return f"RRef(owner={self.owner_name()})"
+
+
+def remote(
+    to: Union[str, int, WorkerInfo],
+    func: Union[Callable[..., Any], str],
+    args: Optional[tuple] = None,
+    kwargs: Optional[dict] = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RRef:
+    """Runs ``func(*args, **kwargs)`` on worker ``to``, which keeps the result, and returns an
+    :class:`RRef` to it at once (``func`` as for :func:`rpc_async`). A failure of ``func`` is
+    raised by ``to_here`` and ``local_value``."""
+    agent = _require_agent()
+    worker = _worker_name(to, agent)
+    name = func if isinstance(func, str) else _exposed.qualified_name(func)
+    payload, tensors = _serialize.dumps((tuple(args or ()), dict(kwargs or {})))
+    try:
+        native = agent.remote(worker, name, payload, tensors, _timeout(timeout))
+    except _native.TensorwireError as e:
+        raise _runtime_error(e) from e
+    return RRef(_native_rref=native)
 
 
 def _import_by_name(name: str) -> Callable[..., Any]:
