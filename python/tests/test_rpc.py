@@ -3,6 +3,8 @@ futures, remote exceptions, and init/shutdown/get_worker_info."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -55,6 +57,21 @@ def fails_private() -> None:
 def relay(to: str, x: torch.Tensor) -> torch.Tensor:
     # A nested call from a function being served.
     return rpc.rpc_sync(to, scale, args=(x,), kwargs={"factor": 10.0}) + 1
+
+
+_released = threading.Event()
+
+
+@rpc.expose
+def blocks() -> str:
+    # Waits (without the GIL) until the caller releases it: no sleep, an event.
+    assert _released.wait(120)
+    return "released"
+
+
+@rpc.expose
+def release() -> None:
+    _released.set()
 
 
 def start(rank: int, world: int) -> None:
@@ -144,7 +161,14 @@ def exceptions(rank: int, world: int) -> None:
     with pytest.raises(RuntimeError, match="test_rpc.Private: private failure") as raised:
         rpc.rpc_sync(peer, fails_private)
     assert type(raised.value) is RuntimeError
-    # A worker nobody knows, a lambda, a timeout argument.
+    # A call that outlives its timeout fails with a RuntimeError saying so; the function goes
+    # on, and finishes once released.
+    late = rpc.rpc_async(peer, blocks, timeout=0.5)
+    with pytest.raises(RuntimeError, match="timed out"):
+        late.wait()
+    rpc.rpc_sync(peer, release)
+    assert rpc.rpc_sync(peer, blocks) == "released"
+    # A worker nobody knows, a lambda.
     with pytest.raises(RuntimeError, match="unknown worker"):
         rpc.rpc_sync("nobody", scale, args=(torch.ones(1),))
     with pytest.raises(ValueError, match="module level"):
