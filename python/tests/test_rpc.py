@@ -4,6 +4,7 @@ futures, remote exceptions, and init/shutdown/get_worker_info."""
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -22,6 +23,11 @@ def pair(a: torch.Tensor, b: torch.Tensor) -> dict:
     # Results with several tensors, one of them twice, inside containers.
     s = a + b
     return {"sum": s, "again": [s, s], "diff": (a - b,), "n": a.numel()}
+
+
+@rpc.expose
+def echo(*values):
+    return values
 
 
 @rpc.expose
@@ -109,6 +115,14 @@ def calls(rank: int, world: int) -> None:
     out = rpc.rpc_sync(peer, pair, args=(x, x))
     assert torch.equal(out["sum"], 2 * x) and out["again"][0] is out["again"][1]
     assert torch.equal(out["diff"][0], torch.zeros_like(x)) and out["n"] == 6
+    # Received tensors own writable memory (no "non-writable buffer" warning, writes in place).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = rpc.rpc_sync(peer, scale, args=(x,))
+        got.add_(1)
+    assert torch.equal(got, x * 2 + 1)
+    # torch's own values pass the allow-list: sizes, dtypes, devices.
+    assert rpc.rpc_sync(peer, echo, args=(x.shape, x.dtype, x.device)) == (x.shape, x.dtype, x.device)
     # A nested call from inside a served function.
     assert torch.equal(rpc.rpc_sync(peer, relay, args=(f"worker{rank}", x)), x * 10 + 1)
     rpc.shutdown()
