@@ -10,9 +10,12 @@
 //!   work keeps a reference to every tensor it touches until the operation has ended, so the
 //!   storage outlives every access, whether or not anybody waits.
 //! - The GIL is released around every wait (setting a group up, waiting for a work).
+//! - `tensorwire.rpc`'s agent ([`rpc`]): one tensorwire RPC agent per process, through which
+//!   every Python call travels as one generic function; Python runs on blocking threads.
 //! - Errors are this module's exception classes, which the Python layer turns into torch's
 //!   own (`DistBackendError`, `DistNetworkError`, `DistStoreError`, `ValueError`).
 
+mod rpc;
 mod store;
 mod work;
 
@@ -546,6 +549,9 @@ impl ProcessGroupHandle {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ProcessGroupHandle>()?;
     m.add_class::<Work>()?;
+    m.add_class::<rpc::RpcAgent>()?;
+    m.add_class::<rpc::WireBuffer>()?;
+    m.add_class::<rpc::PyRRef>()?;
     m.add("TensorwireError", m.py().get_type::<TensorwireError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

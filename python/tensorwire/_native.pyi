@@ -69,3 +69,69 @@ class ProcessGroupHandle:
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work: ...
     def recv(self, tensors: list[torch.Tensor], src: Optional[int], tag: int) -> Work: ...
     def shutdown(self) -> None: ...
+
+class WireBuffer:
+    """Received tensor bytes as a writable buffer (``torch.frombuffer`` takes it as is)."""
+
+    def __len__(self) -> int: ...
+
+# ("returned", payload, buffers) | ("raised", type, message, traceback) | a TensorwireError
+CallOutcome = object
+
+class RpcAgent:
+    """This process's tensorwire RPC agent (``tensorwire.rpc``)."""
+
+    @staticmethod
+    def start(
+        name: str,
+        rank: int,
+        world_size: Optional[int],
+        init_method: str,
+        rpc_timeout: float,
+        init_timeout: float,
+        serve: Callable[[str, str, bytes, list[WireBuffer]], tuple],
+        create: Callable[[str, str, bytes, list[WireBuffer]], tuple],
+        fetch: Callable[[object], tuple],
+    ) -> RpcAgent:
+        """Starts the agent and connects to the group (blocks without the GIL). ``serve``
+        runs every call this worker receives: ``(caller, function, payload, buffers) ->
+        ("returned", payload, tensors) | ("raised", type, message, traceback)``; ``create``
+        runs a ``remote()`` creation (``("returned", value)`` is kept); ``fetch(value)``
+        pickles a kept value for ``to_here``."""
+    def me(self) -> tuple[str, int]: ...
+    def worker(self, name: str) -> tuple[str, int]: ...
+    def workers(self) -> list[tuple[str, int]]: ...
+    def rpc_timeout(self) -> float: ...
+    def call(
+        self,
+        to: str,
+        function: str,
+        payload: bytes,
+        tensors: list[torch.Tensor],
+        timeout: Optional[float],
+        on_done: Callable[[CallOutcome], None],
+    ) -> None:
+        """Sends a call; ``on_done(outcome)`` runs later on a thread of tensorwire's."""
+    def remote(
+        self,
+        to: str,
+        function: str,
+        payload: bytes,
+        tensors: list[torch.Tensor],
+        timeout: Optional[float],
+    ) -> PyRRef:
+        """Creates a value on ``to`` and returns a reference to it at once."""
+    def local_rref(self, value: object) -> PyRRef:
+        """A reference to ``value``, owned here."""
+    def shutdown(self, graceful: bool, timeout: float) -> None: ...
+
+class PyRRef:
+    """A remote reference to a Python value, counted by its owner."""
+
+    def owner(self) -> tuple[str, int]: ...
+    def is_owner(self) -> bool: ...
+    def confirmed_by_owner(self) -> bool: ...
+    def fetch(self, timeout: Optional[float], on_done: Callable[[CallOutcome], None]) -> None:
+        """Copies the value from its owner; ``on_done(outcome)`` runs later."""
+    def local_value(self) -> tuple:
+        """On the owner: ``("returned", value)`` or ``("raised", type, message, traceback)``."""

@@ -1,0 +1,624 @@
+//! The native half of `tensorwire.rpc`: one tensorwire RPC agent per process, and the one
+//! generic function through which every Python call travels.
+//!
+//! A Python call is a call of [`PY_CALL`] carrying the function's qualified name, its
+//! arguments pickled by the Python layer with every tensor taken out of the pickle, and those
+//! tensors' bytes beside the message (the agent's tensor sidecar: no copy on the way out for a
+//! contiguous CPU tensor, whose storage is sent where it lies). This module decides nothing
+//! about what may run: the callee's Python layer (its `serve` function) resolves the name among
+//! what it exposed and unpickles with its allow-list. What this module guarantees is where
+//! Python runs: with the GIL on a blocking thread, never on a runtime worker, and every wait of
+//! ours (init, a call, shutdown) releases the GIL.
+
+use std::ffi::c_int;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+use serde::{Deserialize, Serialize};
+use tensorwire_core::protocol::CallError;
+use tensorwire_core::tensor::{DType, Storage, Tensor};
+use tensorwire_rpc::{Agent, CallContext, Functions, RRef, RpcError, RpcOptions, Shutdown};
+
+use crate::{runtime, TensorwireError};
+
+/// The name of the one function every Python call goes through.
+pub(crate) const PY_CALL: &str = "tensorwire.py_call";
+
+/// The name of the function that creates a value for `remote()`: a Python call whose result
+/// its owner keeps.
+pub(crate) const PY_REMOTE: &str = "tensorwire.py_remote";
+
+/// The method that copies a remote reference's value for `to_here()`: pickled on its owner,
+/// when asked (so the copy is the value as it is then).
+pub(crate) const PY_FETCH: &str = "tensorwire.py_fetch";
+
+/// A Python call as it travels: what to run and its pickled arguments, with the tensors the
+/// pickle refers to by index.
+#[derive(Serialize, Deserialize)]
+struct PyCall {
+    function: String,
+    payload: Vec<u8>,
+    tensors: Vec<Tensor>,
+}
+
+/// What a Python call ended with: a pickled value (with its tensors), or the exception the
+/// function raised (its type's qualified name, its message and the remote traceback's text).
+#[derive(Serialize, Deserialize)]
+enum PyReply {
+    Returned {
+        payload: Vec<u8>,
+        tensors: Vec<Tensor>,
+    },
+    Raised {
+        exc_type: String,
+        message: String,
+        traceback: String,
+    },
+}
+
+/// What a remote reference's owner keeps for `remote()`: the Python object the function
+/// returned, or the exception it raised (raised again by every `to_here` and `local_value`).
+enum PyValue {
+    Object(Py<PyAny>),
+    Raised {
+        exc_type: String,
+        message: String,
+        traceback: String,
+    },
+}
+
+impl Serialize for PyValue {
+    /// A Python value is never encoded by the agent: `to_here` pickles it on its owner
+    /// ([`PY_FETCH`]).
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom(
+            "a Python value leaves its owner only pickled, through tensorwire.py_fetch",
+        ))
+    }
+}
+
+impl PyValue {
+    /// The value as the Python layer sees it: `("returned", object)` or `("raised", type,
+    /// message, traceback)`.
+    fn outcome<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        match self {
+            PyValue::Object(o) => ("returned", o.clone_ref(py))
+                .into_pyobject(py)
+                .map(|t| t.into_any()),
+            PyValue::Raised {
+                exc_type,
+                message,
+                traceback,
+            } => ("raised", exc_type, message, traceback)
+                .into_pyobject(py)
+                .map(|t| t.into_any()),
+        }
+    }
+}
+
+/// A tensor's storage lent to the sidecar without a copy: the tensor is held until the bytes
+/// are dropped (after they were written to the connection).
+struct Lent {
+    ptr: usize,
+    len: usize,
+    _tensor: Py<PyAny>,
+}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `ptr` and `len` are the held tensor's `data_ptr()` and `nbytes`; its storage
+        // lives while the tensor does. The Python layer's contract (documented) is that the
+        // caller does not write the tensor until the call's future completes.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+}
+
+/// The tensors of a pickle, as the sidecar carries them: each a byte blob (dtype and shape
+/// travel in the pickle). The Python layer hands contiguous CPU tensors only.
+fn lend(tensors: &Bound<'_, PyList>) -> PyResult<Vec<Tensor>> {
+    tensors
+        .iter()
+        .map(|t| {
+            let ptr: usize = t.call_method0("data_ptr")?.extract()?;
+            let len: usize = t.getattr("nbytes")?.extract()?;
+            let bytes = Bytes::from_owner(Lent {
+                ptr,
+                len,
+                _tensor: t.unbind(),
+            });
+            Tensor::new(DType::U8, vec![len], Storage::Host(bytes))
+                .map_err(|e| PyValueError::new_err(e.to_string()))
+        })
+        .collect()
+}
+
+/// Received tensor bytes as a writable Python buffer (`torch.frombuffer` takes it without a
+/// copy). The bytes are the buffer's own: taken without a copy when the message's bytes were
+/// ours alone and suitably aligned, else copied once.
+#[pyclass(module = "tensorwire._native", frozen)]
+pub(crate) struct WireBuffer {
+    ptr: usize,
+    len: usize,
+    _owner: BytesMut,
+}
+
+impl WireBuffer {
+    fn new(bytes: Bytes) -> WireBuffer {
+        let mut owner = match bytes.try_into_mut() {
+            // 16: the alignment of any element type torch computes with.
+            Ok(unique) if (unique.as_ptr() as usize).is_multiple_of(16) => unique,
+            Ok(unique) => BytesMut::from(&unique[..]),
+            Err(shared) => BytesMut::from(&shared[..]),
+        };
+        WireBuffer {
+            ptr: owner.as_mut_ptr() as usize,
+            len: owner.len(),
+            _owner: owner,
+        }
+    }
+}
+
+#[pymethods]
+impl WireBuffer {
+    /// The bytes, writable (the buffer owns them alone).
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let this = slf.get();
+        let len = isize::try_from(this.len)
+            .map_err(|_| PyValueError::new_err("a buffer larger than isize::MAX bytes"))?;
+        // SAFETY: `view` is the interpreter's; the memory lives as long as `slf`, which the
+        // view holds a reference to (`PyBuffer_FillInfo` sets `view.obj`).
+        let filled = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                this.ptr as *mut std::ffi::c_void,
+                len,
+                0,
+                flags,
+            )
+        };
+        if filled == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+}
+
+fn buffers<'py>(py: Python<'py>, tensors: Vec<Tensor>) -> PyResult<Bound<'py, PyList>> {
+    let mut out = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        let bytes = t.host_bytes().cloned().ok_or_else(|| {
+            TensorwireError::new_err((
+                "argument",
+                "a tensor arrived in device memory; tensorwire.rpc carries CPU tensors",
+                Vec::<usize>::new(),
+            ))
+        })?;
+        drop(t);
+        out.push(Py::new(py, WireBuffer::new(bytes))?);
+    }
+    PyList::new(py, out)
+}
+
+/// The exception for a failed call or setup: `TensorwireError(kind, message, ranks)`.
+fn rpc_error(e: &RpcError) -> PyErr {
+    let kind = match e {
+        RpcError::Call { source, .. } => match source {
+            CallError::Timeout { .. } => "timeout",
+            CallError::PeerLost { .. } | CallError::OwnerLost { .. } => "network",
+            CallError::NotRunning => "not_running",
+            _ => "backend",
+        },
+        RpcError::Timeout { .. } => "timeout",
+        RpcError::NotRunning => "not_running",
+        RpcError::UnknownWorker { .. }
+        | RpcError::Name(_)
+        | RpcError::RankOutOfRange { .. }
+        | RpcError::InvalidArgument(_) => "argument",
+        RpcError::Rendezvous(_) | RpcError::Store(_) | RpcError::Transport(_) => "network",
+        _ => "backend",
+    };
+    TensorwireError::new_err((kind, e.to_string(), Vec::<usize>::new()))
+}
+
+/// Runs `future` on the runtime and waits for it without the GIL, from any thread (also a
+/// blocking thread of the runtime's own, where `block_on` may not be used).
+fn wait<T: Send + 'static>(
+    py: Python<'_>,
+    future: impl std::future::Future<Output = T> + Send + 'static,
+) -> PyResult<T> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    runtime().spawn(async move {
+        let _ = tx.send(future.await);
+    });
+    py.detach(move || rx.recv()).map_err(|_| {
+        TensorwireError::new_err((
+            "backend",
+            "the tensorwire runtime dropped the operation",
+            Vec::<usize>::new(),
+        ))
+    })
+}
+
+fn duration(what: &str, seconds: f64) -> PyResult<Duration> {
+    if !(seconds.is_finite() && seconds >= 0.0) {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be a non-negative number of seconds, not {seconds}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// Runs a call on this worker: the Python layer's `serve(caller, function, payload, buffers)`
+/// with the GIL, on a blocking thread. `serve` returns `("returned", payload, tensors)` or
+/// `("raised", type, message, traceback)`; it never raises for the user function's failures.
+fn serve(serve: &Py<PyAny>, caller: String, call: PyCall) -> Result<PyReply, String> {
+    Python::attach(|py| {
+        let run = || -> PyResult<PyReply> {
+            let buffers = buffers(py, call.tensors)?;
+            let out = serve.call1(
+                py,
+                (
+                    caller,
+                    call.function,
+                    PyBytes::new(py, &call.payload),
+                    buffers,
+                ),
+            )?;
+            reply(out.bind(py))
+        };
+        // A failure of the serving machinery itself (not of the user's function) fails the
+        // call with its text.
+        run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
+    })
+}
+
+/// Runs a `remote()` creation on this worker: the Python layer's `create(caller, function,
+/// payload, buffers)` with the GIL, on a blocking thread; it returns `("returned", object)`
+/// or `("raised", type, message, traceback)`, kept as the reference's value.
+fn create(create: &Py<PyAny>, caller: String, call: PyCall) -> Result<PyValue, String> {
+    Python::attach(|py| {
+        let run = || -> PyResult<PyValue> {
+            let buffers = buffers(py, call.tensors)?;
+            let out = create.call1(
+                py,
+                (
+                    caller,
+                    call.function,
+                    PyBytes::new(py, &call.payload),
+                    buffers,
+                ),
+            )?;
+            let out = out.bind(py).cast::<PyTuple>()?;
+            let tag: String = out.get_item(0)?.extract()?;
+            if tag == "returned" {
+                Ok(PyValue::Object(out.get_item(1)?.unbind()))
+            } else {
+                Ok(PyValue::Raised {
+                    exc_type: out.get_item(1)?.extract()?,
+                    message: out.get_item(2)?.extract()?,
+                    traceback: out.get_item(3)?.extract()?,
+                })
+            }
+        };
+        run().map_err(|e| format!("tensorwire.rpc could not create the value: {e}"))
+    })
+}
+
+/// Pickles a reference's value on its owner for `to_here`: the Python layer's
+/// `fetch(object)`, which returns `("returned", payload, tensors)` or `("raised", ...)`.
+fn fetch(fetch: &Py<PyAny>, value: &PyValue) -> Result<PyReply, String> {
+    let object = match value {
+        PyValue::Object(o) => o,
+        PyValue::Raised {
+            exc_type,
+            message,
+            traceback,
+        } => {
+            return Ok(PyReply::Raised {
+                exc_type: exc_type.clone(),
+                message: message.clone(),
+                traceback: traceback.clone(),
+            })
+        }
+    };
+    Python::attach(|py| {
+        let run = || -> PyResult<PyReply> {
+            let out = fetch.call1(py, (object.clone_ref(py),))?;
+            reply(out.bind(py))
+        };
+        run().map_err(|e| format!("tensorwire.rpc could not send the value: {e}"))
+    })
+}
+
+/// The Python layer's `("returned", payload, tensors)` or `("raised", type, message,
+/// traceback)` as a reply.
+fn reply(out: &Bound<'_, PyAny>) -> PyResult<PyReply> {
+    let out = out.cast::<PyTuple>()?;
+    let tag: String = out.get_item(0)?.extract()?;
+    if tag == "returned" {
+        let payload: Vec<u8> = out.get_item(1)?.extract()?;
+        let tensors = lend(out.get_item(2)?.cast::<PyList>()?)?;
+        Ok(PyReply::Returned { payload, tensors })
+    } else {
+        Ok(PyReply::Raised {
+            exc_type: out.get_item(1)?.extract()?,
+            message: out.get_item(2)?.extract()?,
+            traceback: out.get_item(3)?.extract()?,
+        })
+    }
+}
+
+/// Hands `reply` (or the call's failure) to `on_done` with the GIL, on a blocking thread.
+fn complete(on_done: Py<PyAny>, reply: Result<PyReply, RpcError>) {
+    tokio::task::spawn_blocking(move || {
+        Python::attach(|py| {
+            let outcome = match reply {
+                Ok(PyReply::Returned { payload, tensors }) => buffers(py, tensors).and_then(|b| {
+                    ("returned", PyBytes::new(py, &payload), b)
+                        .into_pyobject(py)
+                        .map(|t| t.into_any())
+                }),
+                Ok(PyReply::Raised {
+                    exc_type,
+                    message,
+                    traceback,
+                }) => ("raised", exc_type, message, traceback)
+                    .into_pyobject(py)
+                    .map(|t| t.into_any()),
+                Err(e) => Ok(rpc_error(&e).into_value(py).into_bound(py).into_any()),
+            };
+            let outcome = outcome.unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any());
+            if let Err(e) = on_done.call1(py, (outcome,)) {
+                e.write_unraisable(py, Some(on_done.bind(py)));
+            }
+        })
+    });
+}
+
+/// A remote reference to a Python value (`tensorwire.rpc.RRef` wraps it): the agent's own
+/// reference, counted by its owner.
+#[pyclass(module = "tensorwire._native", frozen)]
+pub(crate) struct PyRRef {
+    rref: RRef<PyValue>,
+}
+
+#[pymethods]
+impl PyRRef {
+    /// The owner: `(name, id)`.
+    fn owner(&self) -> (String, u32) {
+        let o = self.rref.owner();
+        (o.name, o.id)
+    }
+
+    /// Whether this worker owns the value.
+    fn is_owner(&self) -> bool {
+        self.rref.is_owner()
+    }
+
+    /// Whether the owner has confirmed this worker's reference.
+    fn confirmed_by_owner(&self) -> bool {
+        self.rref.confirmed_by_owner()
+    }
+
+    /// Copies the value from its owner, pickled there now (`timeout` seconds; `None`: the
+    /// default; zero: none); `on_done` gets the outcome as for [`RpcAgent::call`].
+    #[pyo3(signature = (timeout, on_done))]
+    fn fetch(&self, timeout: Option<f64>, on_done: Py<PyAny>) -> PyResult<()> {
+        let timeout = timeout.map(|t| duration("timeout", t)).transpose()?;
+        let _runtime = runtime().enter();
+        let future = self
+            .rref
+            .rpc_async::<(), PyReply>(PY_FETCH, &(), timeout)
+            .map_err(|e| rpc_error(&e))?;
+        runtime().spawn(async move { complete(on_done, future.await) });
+        Ok(())
+    }
+
+    /// The value, on its owner (waits without the GIL for a creation still running):
+    /// `("returned", object)` or `("raised", type, message, traceback)`.
+    fn local_value<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let rref = self.rref.clone();
+        let value =
+            wait(py, async move { rref.local_value().await })?.map_err(|e| rpc_error(&e))?;
+        value.outcome(py)
+    }
+}
+
+/// This process's RPC agent, as `tensorwire.rpc` holds it.
+#[pyclass(module = "tensorwire._native", frozen)]
+pub(crate) struct RpcAgent {
+    agent: Agent,
+}
+
+#[pymethods]
+impl RpcAgent {
+    /// Starts this worker's agent (PyTorch's `init_rpc`): rendezvous at `init_method`, connect
+    /// to every worker (`world_size = None`: a dynamic group), and serve Python calls through
+    /// `serve`. Blocks without the GIL until the group is up or `init_timeout` passed.
+    #[staticmethod]
+    #[pyo3(signature = (name, rank, world_size, init_method, rpc_timeout, init_timeout, serve, create, fetch))]
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        py: Python<'_>,
+        name: String,
+        rank: usize,
+        world_size: Option<usize>,
+        init_method: String,
+        rpc_timeout: f64,
+        init_timeout: f64,
+        serve: Py<PyAny>,
+        create: Py<PyAny>,
+        fetch: Py<PyAny>,
+    ) -> PyResult<RpcAgent> {
+        let functions = Functions::new();
+        let serve = Arc::new(serve);
+        let (create, fetch) = (Arc::new(create), Arc::new(fetch));
+        functions
+            .register_with_context(PY_CALL, move |ctx: CallContext, call: PyCall| {
+                let serve = Arc::clone(&serve);
+                let caller = ctx.caller().name.clone();
+                async move {
+                    tokio::task::spawn_blocking(move || self::serve(&serve, caller, call))
+                        .await
+                        .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+                }
+            })
+            .map_err(|e| rpc_error(&e))?;
+        functions
+            .register_with_context(PY_REMOTE, move |ctx: CallContext, call: PyCall| {
+                let create = Arc::clone(&create);
+                let caller = ctx.caller().name.clone();
+                async move {
+                    tokio::task::spawn_blocking(move || self::create(&create, caller, call))
+                        .await
+                        .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+                }
+            })
+            .map_err(|e| rpc_error(&e))?;
+        functions
+            .register_method(PY_FETCH, move |value: Arc<PyValue>, (): ()| {
+                let fetch = Arc::clone(&fetch);
+                async move {
+                    tokio::task::spawn_blocking(move || self::fetch(&fetch, &value))
+                        .await
+                        .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+                }
+            })
+            .map_err(|e| rpc_error(&e))?;
+        let options = RpcOptions::new()
+            .with_functions(functions)
+            .with_rpc_timeout(duration("rpc_timeout", rpc_timeout)?)
+            .with_init_method(init_method)
+            .with_init_timeout(duration("init_timeout", init_timeout)?);
+        let agent = wait(py, async move {
+            tensorwire_rpc::init_rpc(&name, rank, world_size, options).await
+        })?
+        .map_err(|e| rpc_error(&e))?;
+        Ok(RpcAgent { agent })
+    }
+
+    /// This worker: `(name, id)`.
+    fn me(&self) -> (String, u32) {
+        let me = self.agent.worker_info();
+        (me.name.clone(), me.id)
+    }
+
+    /// The worker named `name`: `(name, id)`; `TensorwireError("argument", ...)` if none is.
+    fn worker(&self, name: &str) -> PyResult<(String, u32)> {
+        let w = self
+            .agent
+            .get_worker_info(name)
+            .map_err(|e| rpc_error(&e))?;
+        Ok((w.name, w.id))
+    }
+
+    /// Every worker of the group, in rank order: `[(name, id)]`.
+    fn workers(&self) -> Vec<(String, u32)> {
+        self.agent
+            .worker_infos()
+            .into_iter()
+            .map(|w| (w.name, w.id))
+            .collect()
+    }
+
+    /// The default call timeout in seconds (zero: none).
+    fn rpc_timeout(&self) -> f64 {
+        self.agent.rpc_timeout().as_secs_f64()
+    }
+
+    /// Calls `function` on worker `to` with `payload` (the pickled arguments) and `tensors`
+    /// (contiguous CPU tensors the pickle refers to by index; held, not copied, until sent),
+    /// within `timeout` seconds (`None`: the default; zero: none). Returns at once;
+    /// `on_done(outcome)` runs later, with the GIL, on a blocking thread, where `outcome` is
+    /// `("returned", payload, buffers)`, `("raised", type, message, traceback)` or a
+    /// `TensorwireError` for a call that failed (timeout, lost peer, refused by the callee's
+    /// machinery). A call that cannot be sent (unknown worker) raises here.
+    #[pyo3(signature = (to, function, payload, tensors, timeout, on_done))]
+    fn call(
+        &self,
+        to: &str,
+        function: String,
+        payload: &[u8],
+        tensors: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+        on_done: Py<PyAny>,
+    ) -> PyResult<()> {
+        let timeout = timeout.map(|t| duration("timeout", t)).transpose()?;
+        let call = PyCall {
+            function,
+            payload: payload.to_vec(),
+            tensors: lend(tensors)?,
+        };
+        let _runtime = runtime().enter();
+        let future = self
+            .agent
+            .rpc_async::<PyCall, PyReply>(to, PY_CALL, &call, timeout)
+            .map_err(|e| rpc_error(&e))?;
+        drop(call);
+        runtime().spawn(async move { complete(on_done, future.await) });
+        Ok(())
+    }
+
+    /// Runs `function` on worker `to` as [`call`](Self::call) does, and keeps its result
+    /// there: returns a reference to it at once (PyTorch's `remote`). A failure of the
+    /// function is kept too, and raised by `to_here` and `local_value`.
+    #[pyo3(signature = (to, function, payload, tensors, timeout))]
+    fn remote(
+        &self,
+        to: &str,
+        function: String,
+        payload: &[u8],
+        tensors: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyRRef> {
+        let timeout = timeout.map(|t| duration("timeout", t)).transpose()?;
+        let call = PyCall {
+            function,
+            payload: payload.to_vec(),
+            tensors: lend(tensors)?,
+        };
+        let _runtime = runtime().enter();
+        let rref = self
+            .agent
+            .remote::<PyCall, PyValue>(to, PY_REMOTE, &call, timeout)
+            .map_err(|e| rpc_error(&e))?;
+        Ok(PyRRef { rref })
+    }
+
+    /// A reference to `value`, owned by this worker (PyTorch's `RRef(value)`).
+    fn local_rref(&self, value: Py<PyAny>) -> PyResult<PyRRef> {
+        let _runtime = runtime().enter();
+        let rref = RRef::new(&self.agent, PyValue::Object(value)).map_err(|e| rpc_error(&e))?;
+        Ok(PyRRef { rref })
+    }
+
+    /// Stops the agent: gracefully (once no call is in flight anywhere) within `timeout`
+    /// seconds, or at once (pending calls fail). Blocks without the GIL; calls this worker
+    /// serves meanwhile still run.
+    #[pyo3(signature = (graceful, timeout))]
+    fn shutdown(&self, py: Python<'_>, graceful: bool, timeout: f64) -> PyResult<()> {
+        let how = if graceful {
+            Shutdown::graceful(duration("timeout", timeout)?)
+        } else {
+            Shutdown::Immediate
+        };
+        let agent = self.agent.clone();
+        wait(py, async move { agent.shutdown(how).await })?.map_err(|e| rpc_error(&e))
+    }
+}

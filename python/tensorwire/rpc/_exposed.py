@@ -1,0 +1,144 @@
+"""What this worker lets its peers run and unpickle: functions, classes and modules it exposed,
+and torch's tensor operations by default."""
+
+from __future__ import annotations
+
+import builtins
+import types
+from typing import Any, Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class RefusedError(RuntimeError):
+    """A call or a value refused by the worker that was to run or decode it: a function it did
+    not expose, or a pickle naming a class or function outside its allow-list."""
+
+
+#: torch's tensor operations every worker exposes without being asked (by these names, as
+#: ``rpc_sync(to, torch.add, ...)`` sends them). They compute on tensors and construct them;
+#: none reads files, imports or runs code it is given.
+DEFAULT_EXPOSED_TORCH_OPS: tuple[str, ...] = (
+    "add", "sub", "mul", "div", "true_divide", "floor_divide", "remainder", "pow", "neg",
+    "abs", "exp", "log", "sqrt", "sin", "cos", "tanh", "sigmoid", "relu", "clamp",
+    "matmul", "mm", "bmm", "mv", "dot", "outer", "t", "transpose", "reshape", "flatten",
+    "cat", "stack", "sum", "mean", "prod", "cumsum", "argmax", "argmin", "eq", "ne", "lt",
+    "le", "gt", "ge", "equal", "allclose", "isclose", "where", "clone", "ones", "zeros",
+    "ones_like", "zeros_like", "full", "full_like", "empty", "arange", "linspace", "eye",
+    "tensor",
+)
+
+_functions: dict[str, Callable[..., Any]] = {}
+_classes: dict[str, type] = {}
+_modules: dict[str, types.ModuleType] = {}
+# id(function object) -> the name it is called by, for objects whose own names do not say it
+# (torch's builtins call themselves ``torch._VariableFunctionsClass.add``).
+_names_by_id: dict[int, str] = {}
+
+for _op in DEFAULT_EXPOSED_TORCH_OPS:
+    _fn = getattr(torch, _op)
+    _functions[f"torch.{_op}"] = _fn
+    _names_by_id[id(_fn)] = f"torch.{_op}"
+
+
+def qualified_name(obj: Any) -> str:
+    """The name ``obj`` is called by on other workers: ``module.qualname``. Lambdas and
+    functions defined inside functions have none (expose a module-level function instead)."""
+    known = _names_by_id.get(id(obj))
+    if known is not None:
+        return known
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if not module or not qualname or "<" in qualname:
+        raise ValueError(
+            f"{obj!r} cannot be called remotely: tensorwire.rpc calls a function by its "
+            "qualified name, so it must be defined at module level (not a lambda or a local "
+            "function) and exposed on the callee (tensorwire.rpc.expose)"
+        )
+    return f"{module}.{qualname}"
+
+
+def expose(obj: T) -> T:
+    """Lets peers call ``obj`` on this worker, and (for a class) send and receive its
+    instances. Use it as a decorator or call it, on the callee (and, for classes and
+    exception types, on whoever decodes them):
+
+    - a function: peers may call it;
+    - a class: peers may construct it, call its public methods by ``module.Class.method``,
+      and send its instances as arguments and results; an exception class is raised with its
+      type at the caller;
+    - a module: every public function and class *defined in* that module (not those it
+      imported) is exposed as above.
+
+    Returns ``obj`` unchanged.
+    """
+    if isinstance(obj, types.ModuleType):
+        _modules[obj.__name__] = obj
+    elif isinstance(obj, type):
+        _classes[qualified_name(obj)] = obj
+    elif callable(obj):
+        _functions[qualified_name(obj)] = obj
+    else:
+        raise TypeError(f"tensorwire.rpc.expose takes a function, a class or a module, not {obj!r}")
+    return obj
+
+
+def _module_member(name: str) -> Any:
+    """The public function or class ``name`` (``module.attr``) defined in an exposed module."""
+    module_name, _, attr = name.rpartition(".")
+    module = _modules.get(module_name)
+    if module is None or attr.startswith("_"):
+        return None
+    member = module.__dict__.get(attr)
+    if isinstance(member, (type, types.FunctionType)) and member.__module__ == module.__name__:
+        return member
+    return None
+
+
+def exposed_class(name: str) -> type | None:
+    """The exposed class called ``name``, if any."""
+    cls = _classes.get(name)
+    if cls is not None:
+        return cls
+    member = _module_member(name)
+    return member if isinstance(member, type) else None
+
+
+def resolve_function(name: str, worker: str) -> Callable[..., Any]:
+    """The function (or class) a peer asked to run by ``name``; ``RefusedError`` unless this
+    worker exposed it. Nothing is imported: only what was exposed can be found."""
+    fn = _functions.get(name)
+    if fn is None:
+        fn = exposed_class(name)
+    if fn is None:
+        fn = _module_member(name)
+    if fn is None:
+        owner, _, method = name.rpartition(".")
+        cls = exposed_class(owner)
+        if cls is not None and not method.startswith("_"):
+            fn = getattr(cls, method, None)
+    if fn is None or not callable(fn):
+        raise RefusedError(
+            f"{worker} refused to run {name!r}: it runs only the functions it exposed "
+            "(tensorwire.rpc.expose) and torch's default tensor operations "
+            "(tensorwire.rpc.DEFAULT_EXPOSED_TORCH_OPS)"
+        )
+    return fn
+
+
+def exception_type(name: str) -> type[BaseException] | None:
+    """The exception class a remote failure named, when this worker knows it as safe: a
+    builtin exception, tensorwire.rpc's own, or an exposed class."""
+    module, _, attr = name.rpartition(".")
+    candidate: Any = None
+    if module == "builtins":
+        candidate = getattr(builtins, attr, None)
+    elif name == f"{RefusedError.__module__}.{RefusedError.__qualname__}":
+        candidate = RefusedError
+    else:
+        candidate = exposed_class(name)
+    if isinstance(candidate, type) and issubclass(candidate, Exception):
+        return candidate
+    return None

@@ -1,0 +1,177 @@
+"""Arguments and results as they travel: a pickle with every tensor taken out of it, and an
+allow-listing unpickler for what peers send.
+
+Tensors are not pickled: each is replaced by a persistent id ``("tensor", index, dtype, shape,
+requires_grad)`` and its bytes travel beside the message (contiguous CPU tensors are sent where
+they lie, without a copy; others are made contiguous first). The receiver rebuilds each tensor
+over the received bytes (``torch.frombuffer``).
+
+Decoding is allow-listed: a pickle may name only safe builtin containers and scalars, the
+globals torch's ``weights_only`` loading allows (``torch._weights_only_unpickler`` and
+``torch.serialization.add_safe_globals``), tensorwire.rpc's own types, and the classes this
+worker exposed. Anything else is refused before it is looked up, so loading a hostile pickle
+runs nothing (``trust_peers=True`` at ``init_rpc`` lifts the allow-list, as PyTorch's RPC
+does).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+from typing import Any, Sequence
+
+import torch
+
+from tensorwire.rpc import _exposed
+from tensorwire.rpc._exposed import RefusedError
+
+PROTOCOL = 5
+
+_SAFE_BUILTINS = frozenset(
+    f"builtins.{n}"
+    for n in (
+        "dict", "list", "tuple", "set", "frozenset", "bytearray", "bytes", "str", "int",
+        "float", "complex", "bool", "slice", "range",
+    )
+) | frozenset(("collections.OrderedDict", "collections.deque", "collections.Counter"))
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: value
+    for name, value in vars(torch).items()
+    if isinstance(value, torch.dtype)
+}
+
+
+def _torch_allowed() -> dict[str, Any]:
+    from torch import _weights_only_unpickler as w
+
+    allowed = dict(w._get_allowed_globals())
+    user = getattr(w, "_get_user_allowed_globals", None)
+    if user is not None:
+        allowed.update(user())
+    return allowed
+
+
+_torch_globals: dict[str, Any] | None = None
+
+
+def _own_types() -> dict[str, Any]:
+    from tensorwire.rpc._types import WorkerInfo
+
+    return {
+        f"{t.__module__}.{t.__qualname__}": t for t in (WorkerInfo, RefusedError)
+    }
+
+
+def _prepare(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"tensorwire.rpc carries CPU tensors; this one is on {t.device} (device maps are "
+            "not supported yet)"
+        )
+    if t.layout != torch.strided or t.is_quantized:
+        raise ValueError(f"tensorwire.rpc carries dense tensors, not {t.layout} ones")
+    t = t.detach().resolve_conj().resolve_neg()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO):
+        super().__init__(file, protocol=PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self._seen: dict[int, tuple] = {}
+        self._held: list[torch.Tensor] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        pid = self._seen.get(id(obj))
+        if pid is None:
+            t = _prepare(obj)
+            dtype = str(t.dtype).removeprefix("torch.")
+            pid = ("tensor", len(self.tensors), dtype, tuple(t.shape), bool(obj.requires_grad))
+            self.tensors.append(t)
+            # Keeps `obj` alive, so that its id is not reused by another tensor meanwhile.
+            self._held.append(obj)
+            self._seen[id(obj)] = pid
+        return pid
+
+
+def dumps(value: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """``value`` pickled, and the contiguous CPU tensors the pickle refers to by index."""
+    buf = io.BytesIO()
+    p = _Pickler(buf)
+    p.dump(value)
+    return buf.getvalue(), p.tensors
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, payload: bytes, buffers: Sequence[Any], trusted: bool, origin: str):
+        super().__init__(io.BytesIO(payload))
+        self._buffers = buffers
+        self._tensors: dict[int, torch.Tensor] = {}
+        self._trusted = trusted
+        self._origin = origin
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self._trusted:
+            return super().find_class(module, name)
+        global _torch_globals
+        full = f"{module}.{name}"
+        if full in _SAFE_BUILTINS:
+            return super().find_class(module, name)
+        if _torch_globals is None:
+            _torch_globals = _torch_allowed()
+        found = _torch_globals.get(full)
+        if found is None:
+            found = _own_types().get(full)
+        if found is None:
+            found = _exposed.exposed_class(full)
+        if found is None:
+            raise RefusedError(
+                f"refused to unpickle {full} from {self._origin}: it is neither a safe builtin, "
+                "nor allowed by torch's weights_only rules, nor a class this worker exposed "
+                "(tensorwire.rpc.expose)"
+            )
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (
+            isinstance(pid, tuple)
+            and len(pid) == 5
+            and pid[0] == "tensor"
+            and type(pid[1]) is int
+            and 0 <= pid[1] < len(self._buffers)
+            and pid[2] in _DTYPES
+            and isinstance(pid[3], tuple)
+            and all(type(d) is int and d >= 0 for d in pid[3])
+            and type(pid[4]) is bool
+        ):
+            raise RefusedError(f"a malformed tensor reference from {self._origin}: {pid!r}")
+        _, index, dtype_name, shape, requires_grad = pid
+        cached = self._tensors.get(index)
+        if cached is not None:
+            return cached
+        dtype = _DTYPES[dtype_name]
+        buf = self._buffers[index]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if math.prod(shape) * itemsize != len(buf):
+            raise RefusedError(
+                f"a tensor from {self._origin} of shape {shape} and {dtype} came with "
+                f"{len(buf)} bytes"
+            )
+        if len(buf) == 0:
+            t = torch.empty(shape, dtype=dtype)
+        else:
+            t = torch.frombuffer(buf, dtype=dtype).view(shape)
+        if requires_grad and (t.is_floating_point() or t.is_complex()):
+            t.requires_grad_(True)
+        self._tensors[index] = t
+        return t
+
+
+def loads(payload: bytes, buffers: Sequence[Any], *, trusted: bool, origin: str) -> Any:
+    """Decodes what a peer sent (``origin`` names it in errors): ``RefusedError`` for anything
+    outside the allow-list unless ``trusted``."""
+    return _Unpickler(payload, buffers, trusted, origin).load()

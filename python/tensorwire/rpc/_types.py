@@ -1,0 +1,25 @@
+"""tensorwire.rpc's own values that travel: ``WorkerInfo``."""
+
+from __future__ import annotations
+
+
+class WorkerInfo:
+    """A worker of the group: its ``name`` and ``id`` (its rank), as PyTorch's ``WorkerInfo``."""
+
+    __slots__ = ("name", "id")
+
+    def __init__(self, name: str, id: int):
+        self.name = name
+        self.id = id
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WorkerInfo) and (self.name, self.id) == (other.name, other.id)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.id))
+
+    def __reduce__(self):
+        return (WorkerInfo, (self.name, self.id))

@@ -1,0 +1,82 @@
+"""tensorwire.rpc's remote() and RRef, with real processes: values created on their owner,
+copied with to_here, read in place with local_value, failures kept and raised, and a remote()
+of a function nobody exposed refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tensorwire.rpc as rpc
+from harness import run_world
+
+
+@rpc.expose
+class Box:
+    """A value kept on its owner."""
+
+    def __init__(self, t: torch.Tensor, label: str):
+        self.t = t
+        self.label = label
+
+
+@rpc.expose
+def make(n: int, *, fill: float = 1.0) -> torch.Tensor:
+    return torch.full((n,), fill)
+
+
+@rpc.expose
+def fails() -> None:
+    raise KeyError("no such value")
+
+
+def rrefs(rank: int, world: int, marker_dir: str) -> None:
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    peer = f"worker{(rank + 1) % world}"
+    # A value created on the peer.
+    r = rpc.remote(peer, make, args=(4,), kwargs={"fill": float(rank)})
+    assert not r.is_owner()
+    assert r.owner() == rpc.get_worker_info(peer) and r.owner_name() == peer
+    assert torch.equal(r.to_here(), torch.full((4,), float(rank)))
+    assert torch.equal(r.to_here(timeout=30), torch.full((4,), float(rank)))
+    with pytest.raises(RuntimeError, match="only available on the owner"):
+        r.local_value()
+    # An exposed class constructed remotely, by class; copied with its tensor.
+    b = rpc.remote(peer, Box, args=(torch.arange(3), "on the peer"))
+    box = b.to_here()
+    assert isinstance(box, Box) and box.label == "on the peer" and torch.equal(box.t, torch.arange(3))
+    # Several references at once, and torch's default operations.
+    many = [rpc.remote(f"worker{k % world}", torch.ones, args=(k + 1,)) for k in range(2 * world)]
+    for k, m in enumerate(many):
+        assert torch.equal(m.to_here(), torch.ones(k + 1))
+    # A failure is kept on the owner and raised, with its type, by to_here.
+    bad = rpc.remote(peer, fails)
+    with pytest.raises(KeyError, match="no such value") as raised:
+        bad.to_here()
+    assert "Traceback" in str(raised.value)
+    # A remote() of what nobody exposed runs nothing.
+    path = os.path.join(marker_dir, f"remote{rank}")
+    refused = rpc.remote(peer, os.system, args=(f"touch {path}",))
+    with pytest.raises(rpc.RefusedError, match="refused to run 'posix.system'"):
+        refused.to_here()
+    # Owned here: remote() to this worker, and RRef(value).
+    mine = rpc.remote(f"worker{rank}", Box, args=(torch.zeros(2), "mine"))
+    assert mine.is_owner() and mine.local_value().label == "mine"
+    assert mine.local_value() is mine.local_value()
+    obj = {"k": torch.ones(1)}
+    local = rpc.RRef(obj)
+    assert local.is_owner() and local.owner_name() == f"worker{rank}"
+    assert local.local_value() is obj
+    copy = local.to_here()
+    assert copy is not obj and torch.equal(copy["k"], obj["k"])
+    with pytest.raises(TypeError, match="RRefs inside arguments"):
+        rpc.rpc_sync(peer, torch.add, args=(local, 1))
+    rpc.shutdown()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_remote_and_rrefs(world, tmp_path):
+    run_world(rrefs, world, str(tmp_path))
+    assert os.listdir(tmp_path) == []
