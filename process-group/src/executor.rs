@@ -11,11 +11,14 @@
 //! - receives are applied in the step's order, which keeps float reductions reproducible;
 //! - every message carries the round's [`Signature`]; a receive whose sender ran another one
 //!   under the same sequence number fails with [`ProcessGroupError::Disagreement`] before its
-//!   payload is looked at (the caller then breaks the group and tells the other ranks).
+//!   payload is looked at (the caller then fails it and the group's later collectives, and
+//!   tells the other ranks).
 //!
 //! The whole collective has one deadline; a wait that passes it fails with
 //! [`ProcessGroupError::Timeout`] naming the ranks whose messages had not arrived. A dead
-//! peer, or a broken mesh, ends the wait at once.
+//! peer, or a broken mesh, ends the wait at once; so does a disagreement about this round or
+//! an earlier one of the group (or one in another group), but not one about a later round:
+//! this round then completes from its peers' messages ([`GroupMesh::failure`]).
 
 use std::ops::Range;
 
@@ -165,7 +168,7 @@ pub(crate) async fn run(
     // An empty buffer serves a deferred run whose sends are all held messages and whose
     // receives are all whole stores (the all_to_all of blocks): none of them touches it.
     debug_assert!(buffer.len() == schedule.buffer_len() || (defer && buffer.is_empty()));
-    if let Some(e) = mesh.broken() {
+    if let Some(e) = mesh.failure(seq) {
         return Err(e);
     }
     let mut run = Run {
@@ -230,7 +233,11 @@ pub(crate) async fn run(
                     biased;
                     m = mesh.recv(peer, seq) => match m {
                         Some(m) => m,
-                        None => return Err(mesh.closed_error(peer, name, seq)),
+                        None => {
+                            return Err(mesh
+                                .failure(seq)
+                                .unwrap_or_else(|| mesh.closed_error(peer, name, seq)))
+                        }
                     },
                     after = &mut sleep => {
                         let mut waiting = vec![peer];

@@ -159,7 +159,8 @@ struct Inner {
 /// its future is first polled, and then checks its arguments and numbers all its rounds
 /// before it awaits anything (see the
 /// [port's contract](tensorwire_core::ports::process_group)). Ranks that disagree about a
-/// collective fail it with [`ProcessGroupError::Disagreement`] and the group is broken.
+/// collective fail it and every later collective with [`ProcessGroupError::Disagreement`];
+/// the collectives issued before it still complete.
 #[derive(Clone)]
 pub struct Group {
     inner: Arc<Inner>,
@@ -875,7 +876,8 @@ impl ProcessGroup for Group {
     /// receive from a given source issued while this waits may take that number first; this
     /// then waits for the next message.
     async fn recv_any(&self, tag: u32) -> Result<(usize, Bytes), ProcessGroupError> {
-        if let Some(e) = self.inner.mesh.broken() {
+        // A disagreement fails every point-to-point key alike; the number does not matter.
+        if let Some(e) = self.inner.mesh.failure(p2p::key(tag, 0)) {
             return Err(e);
         }
         let (rank, world) = (self.rank(), self.size());
@@ -911,7 +913,9 @@ impl ProcessGroup for Group {
                 std::task::Poll::Pending
             } else {
                 let last = peers.last().copied().unwrap_or(rank);
-                std::task::Poll::Ready(Err(mesh.closed_error(last, "recv", 0)))
+                std::task::Poll::Ready(Err(mesh
+                    .failure(p2p::key(tag, 0))
+                    .unwrap_or_else(|| mesh.closed_error(last, "recv", 0))))
             }
         });
         let span = tracing::debug_span!("recv_any", rank, tag);

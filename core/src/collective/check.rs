@@ -17,7 +17,7 @@
 //! every hop compared equal signatures. Hence when the ranks disagree *no* rank finishes it:
 //! the ranks that see a wrong signature fail with the disagreement and tell the others (the
 //! group's notice), and every other rank is still waiting for a check message when the notice
-//! breaks the group, so it fails too, naming what the others ran, well within the timeout.
+//! fails the collective, so it fails too, naming what the others ran, well within the timeout.
 //!
 //! It costs one barrier per collective. [`DebugLevel`] says which collectives run it:
 //! under [`DebugLevel::Detail`] (`TENSORWIRE_DEBUG=detail`, PyTorch's

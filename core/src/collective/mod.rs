@@ -89,6 +89,7 @@ use std::ops::Range;
 
 mod algorithms;
 pub mod check;
+pub mod disagreement;
 pub mod inbox;
 mod reduce;
 mod signature;

@@ -29,9 +29,12 @@ pub const MAX_GROUP_ID: u64 = (1 << (63 - GROUP_SHIFT)) - 1;
 /// Group ranks are translated to world ranks (`members[group rank]`) and a collective's
 /// sequence number to a key holding the group's id, so every group numbers its collectives
 /// from zero and the messages of groups used at once never mix. The failure state is the
-/// mesh's: a dead peer, a timeout or a disagreement in any group breaks every group over
-/// these connections (the ranks of one group no longer agree where its collectives stand,
-/// and a rank that is out of step in one group cannot vouch for another).
+/// mesh's: a dead peer or a timeout in any group breaks every group over these connections
+/// (the ranks of one group no longer agree where its collectives stand, and a rank that is
+/// out of step in one group cannot vouch for another). A disagreement about collective N of
+/// one group fails N and that group's later collectives, and every other group's, while the
+/// group's collectives before N still complete
+/// ([`tensorwire_core::collective::disagreement`]).
 pub struct GroupMesh {
     mesh: Arc<Mesh>,
     /// The group's id: 0 for the world group.
@@ -126,9 +129,20 @@ impl GroupMesh {
         self.id << GROUP_SHIFT | seq
     }
 
-    /// The failure that broke the group, if any.
+    /// The failure that broke the group, if any (see [`Mesh::broken`]: a disagreement fails
+    /// only some collectives, which [`GroupMesh::failure`] tells).
     pub fn broken(&self) -> Option<ProcessGroupError> {
         self.closed.get().cloned().or_else(|| self.mesh.broken())
+    }
+
+    /// What fails collective `seq` of this group (or the point-to-point message under key
+    /// `seq`), if anything: this subgroup's shutdown, a disagreement that covers it, or the
+    /// failure that broke the mesh (see [`Mesh::failure`]).
+    pub fn failure(&self, seq: u64) -> Option<ProcessGroupError> {
+        self.closed
+            .get()
+            .cloned()
+            .or_else(|| self.mesh.failure(self.key(seq)))
     }
 
     /// Breaks the mesh, and so every group over it, with `error`.
@@ -179,8 +193,9 @@ impl GroupMesh {
         }
     }
 
-    /// Breaks the mesh with a disagreement this rank saw (in group ranks), and tells every
-    /// other rank (in world ranks).
+    /// Records a disagreement this rank saw (in group ranks), which fails that collective and
+    /// later ones, and tells every other rank (in world ranks); see
+    /// [`Mesh::report_disagreement`].
     pub async fn report_disagreement(&self, error: &ProcessGroupError) {
         let ProcessGroupError::Disagreement {
             seq,

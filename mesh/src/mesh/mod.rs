@@ -14,7 +14,8 @@
 //! The world group and its subgroups (process groups' `Group::new_group`) share
 //! the connections: each group has an id (0 for the world) and files its collectives under a
 //! key holding that id and its own sequence number (see `GroupMesh`), so messages of groups
-//! used at once never mix, and a failure that breaks the mesh breaks every group.
+//! used at once never mix, and a failure that breaks the mesh breaks every group. A
+//! disagreement (below) fails every group's collectives but the earlier ones of its own.
 //!
 //! # Frames
 //! The group's own frames are [`FrameKind::Collective`](tensorwire_core::wire::FrameKind)
@@ -41,12 +42,22 @@
 //! other peers are told (an abort in this rank's name) in case they cannot see it themselves. A
 //! connection that ends after a goodbye only fails the collectives that still expect that
 //! peer's messages.
+//!
+//! A disagreement about collective N of a group (found here, or a peer's notice) does not
+//! break the mesh: it fails collective N and the group's later ones with
+//! [`ProcessGroupError::Disagreement`], waiting or not yet started, and every other group's
+//! collectives and the point-to-point messages at once, while the group's collectives before
+//! N still take their messages and complete (a rank may still be finishing N − 1 when the
+//! notice about N comes, and the last message of N − 1 after it, on another connection).
+//! [`Mesh::failure`] says what fails a collective; the decision is core's
+//! [`Disagreements`].
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use tensorwire_core::collective::disagreement::Disagreements;
 use tensorwire_core::collective::inbox::Admission;
 use tensorwire_core::collective::SIGNATURE_LEN;
 use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroupError};
@@ -130,6 +141,9 @@ struct Shared {
     peers: Vec<Option<PeerLink>>,
     /// Set once, to the first failure that broke the mesh.
     failure: std::sync::OnceLock<ProcessGroupError>,
+    /// The disagreements found here or reported by peers, and which collectives they fail
+    /// (not the earlier ones of their group: see [`Disagreements`]).
+    disagreements: Mutex<Disagreements<ProcessGroupError>>,
     /// Where frames that are not the group's own go (see [`FrameSink`]).
     sink: std::sync::OnceLock<Arc<dyn FrameSink>>,
     /// The groups made here and how far this rank is in each: what every collective frame is
@@ -150,6 +164,36 @@ impl Shared {
     /// point-to-point message, or one of a collective this rank has reached.
     fn may_be_taken(&self, key: u64) -> bool {
         split_key(key).is_none_or(|(group, seq)| self.admission().reached(group, seq))
+    }
+
+    fn disagreements(&self) -> MutexGuard<'_, Disagreements<ProcessGroupError>> {
+        self.disagreements.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The disagreement recorded here that fails the collective (or point-to-point message)
+    /// under `key`, if one does.
+    fn refusal(&self, key: u64) -> Option<ProcessGroupError> {
+        self.disagreements().failure(split_key(key)).cloned()
+    }
+
+    /// Whether a disagreement recorded here fails the collective under `key`: its inboxes
+    /// take nothing more for it.
+    fn refused(&self, key: u64) -> bool {
+        self.disagreements().failure(split_key(key)).is_some()
+    }
+
+    /// Records a disagreement about collective `seq` of group `group`, found here or reported
+    /// by a peer: the collectives it fails (that one and the group's later ones, every other
+    /// group's and point-to-point messages) fail from now on, and those waiting wake; the
+    /// group's earlier collectives go on taking their messages.
+    fn disagree(&self, group: u64, seq: u64, error: ProcessGroupError) {
+        let new = self.disagreements().record(group, seq, error);
+        if !new {
+            return;
+        }
+        for link in self.peers.iter().flatten() {
+            link.inbox.refuse(|key| self.refused(key));
+        }
     }
 
     /// This rank sends, awaits or takes a message under collective key `key`.
@@ -251,9 +295,19 @@ impl Mesh {
         self.world
     }
 
-    /// The failure that broke the mesh, if any.
+    /// The failure that broke the mesh, if any: a dead or misbehaving peer, an abort, a
+    /// timeout, a shutdown. A disagreement does not break it, but fails only some
+    /// collectives: see [`Mesh::failure`].
     pub fn broken(&self) -> Option<ProcessGroupError> {
         self.shared.failure.get().cloned()
+    }
+
+    /// What fails the collective (or point-to-point message) under `key`, if anything: a
+    /// disagreement recorded here that covers it (about it or an earlier collective of its
+    /// group, or in another group; see
+    /// [`tensorwire_core::collective::disagreement`]), else the failure that broke the mesh.
+    pub fn failure(&self, key: u64) -> Option<ProcessGroupError> {
+        self.shared.refusal(key).or_else(|| self.broken())
     }
 
     /// Breaks the mesh with `error` (kept only if it is the first failure).
@@ -261,19 +315,24 @@ impl Mesh {
         self.shared.fail(error);
     }
 
-    /// Receives `peer`'s next message of collective `seq` (`None`: its connection ended).
+    /// Receives `peer`'s next message of collective `seq` (`None`: its connection ended, or
+    /// a disagreement fails that collective: [`Mesh::failure`] says which).
     pub async fn recv(&self, peer: usize, seq: u64) -> Option<Incoming> {
         let link = self.shared.peer(peer)?;
         self.shared.touch(seq);
-        std::future::poll_fn(|cx| link.inbox.poll_recv(seq, cx)).await
+        let refused = |key| self.shared.refused(key);
+        std::future::poll_fn(|cx| link.inbox.poll_recv(seq, cx, refused)).await
     }
 
     /// Polls whether a message of collective `seq` from `peer` waits, without taking it:
-    /// `Ready(false)` once its connection has ended with none left (or there is none).
+    /// `Ready(false)` once its connection has ended with none left (or there is none), or a
+    /// disagreement fails that collective.
     pub fn poll_arrived(&self, peer: usize, seq: u64, cx: &mut Context<'_>) -> Poll<bool> {
         self.shared.touch(seq);
         match self.shared.peer(peer) {
-            Some(link) => link.inbox.poll_arrived(seq, cx),
+            Some(link) => link
+                .inbox
+                .poll_arrived(seq, cx, |key| self.shared.refused(key)),
             None => Poll::Ready(false),
         }
     }
@@ -316,8 +375,9 @@ impl Mesh {
         }
     }
 
-    /// Breaks the mesh with a disagreement this rank saw in group `group`, and tells every
-    /// other rank.
+    /// Records a disagreement this rank saw in group `group` (which fails that collective
+    /// and what comes after it, not the group's earlier ones: see [`Mesh::failure`]), and
+    /// tells every other rank.
     pub async fn report_disagreement(&self, group: u64, error: &ProcessGroupError) {
         let ProcessGroupError::Disagreement {
             seq,
@@ -330,7 +390,7 @@ impl Mesh {
         else {
             return;
         };
-        self.shared.fail(error.clone());
+        self.shared.disagree(group, *seq, error.clone());
         let notice = GroupFrame::Disagreement {
             group,
             seq: *seq,

@@ -56,12 +56,14 @@ impl Inbox {
 
     /// Files `message` under collective key `seq` if `admit` (given what the inbox holds and
     /// whether a collective waits for exactly this message) lets it in; a message from a peer
-    /// that is no longer open is dropped.
+    /// that is no longer open, or for a key `refused` says no collective will take any more
+    /// (see [`Inbox::refuse`]), is dropped.
     pub(super) fn push(
         &self,
         seq: u64,
         message: Incoming,
         admit: impl FnOnce(Held, bool) -> Result<(), MeshViolation>,
+        refused: impl FnOnce(u64) -> bool,
     ) -> Result<(), MeshViolation> {
         let waker = {
             let mut state = self.lock();
@@ -73,6 +75,9 @@ impl Inbox {
                 .get(&seq)
                 .is_some_and(|s| s.waker.is_some() && s.queue.is_empty());
             admit(state.held, waited_on)?;
+            if refused(seq) {
+                return Ok(());
+            }
             state.held.bytes += message.payload.len();
             state.held.messages += 1;
             let slot = state.slots.entry(seq).or_default();
@@ -86,9 +91,21 @@ impl Inbox {
     }
 
     /// The next message of collective `seq`: `Ready(None)` once the peer's connection has
-    /// ended and everything that arrived before has been taken.
-    pub(super) fn poll_recv(&self, seq: u64, cx: &mut Context<'_>) -> Poll<Option<Incoming>> {
+    /// ended and everything that arrived before has been taken, or at once when `refused`
+    /// says the key takes no more messages (a disagreement fails its collective).
+    ///
+    /// `refused` is asked under the inbox's lock, so a receiver that finds the key open is
+    /// woken by the [`Inbox::refuse`] that closes it.
+    pub(super) fn poll_recv(
+        &self,
+        seq: u64,
+        cx: &mut Context<'_>,
+        refused: impl FnOnce(u64) -> bool,
+    ) -> Poll<Option<Incoming>> {
         let mut state = self.lock();
+        if refused(seq) {
+            return Poll::Ready(None);
+        }
         let open = matches!(state.status, PeerStatus::Open);
         let slot = state.slots.entry(seq).or_default();
         if let Some(m) = slot.queue.pop_front() {
@@ -104,10 +121,19 @@ impl Inbox {
     }
 
     /// Whether a message of collective `seq` waits, without taking it: `Ready(true)` when one
-    /// does, `Ready(false)` once the connection has ended with none left, else `Pending` (and
-    /// the task is woken when one arrives).
-    pub(super) fn poll_arrived(&self, seq: u64, cx: &mut Context<'_>) -> Poll<bool> {
+    /// does, `Ready(false)` once the connection has ended with none left or `refused` says
+    /// the key takes no more (as [`Inbox::poll_recv`]), else `Pending` (and the task is woken
+    /// when one arrives).
+    pub(super) fn poll_arrived(
+        &self,
+        seq: u64,
+        cx: &mut Context<'_>,
+        refused: impl FnOnce(u64) -> bool,
+    ) -> Poll<bool> {
         let mut state = self.lock();
+        if refused(seq) {
+            return Poll::Ready(false);
+        }
         let open = matches!(state.status, PeerStatus::Open);
         let slot = state.slots.entry(seq).or_default();
         if !slot.queue.is_empty() {
@@ -153,6 +179,33 @@ impl Inbox {
             }
         }
         any
+    }
+
+    /// Ends delivery under the keys `of` selects, while the connection goes on delivering
+    /// the others: their messages are dropped and their waiting receivers woken, to find (by
+    /// the `refused` they poll with, which must now select these keys) that nothing more
+    /// comes. A disagreement fails those collectives; earlier ones of its group still take
+    /// their messages.
+    pub(super) fn refuse(&self, of: impl Fn(u64) -> bool) {
+        let wakers: Vec<Waker> = {
+            let mut state = self.lock();
+            let state = &mut *state;
+            let held = &mut state.held;
+            let mut wakers = Vec::new();
+            state.slots.retain(|key, slot| {
+                if !of(*key) {
+                    return true;
+                }
+                held.bytes -= slot.queue.iter().map(|m| m.payload.len()).sum::<usize>();
+                held.messages -= slot.queue.len();
+                wakers.extend(slot.waker.take());
+                false
+            });
+            wakers
+        };
+        for w in wakers {
+            w.wake();
+        }
     }
 
     /// Ends delivery: receivers drain what arrived, then see the end. Once the peer is dead
@@ -213,24 +266,34 @@ mod tests {
                     payload: Bytes::from_static(b"a"),
                 },
                 |_, _| Ok(()),
+                |_| false,
             )
             .unwrap();
         assert_eq!(inbox.held().bytes, 1);
         assert!(inbox.has_message(1));
         assert!(!inbox.has_message(2));
-        assert!(inbox.poll_recv(2, &mut cx).is_pending());
+        assert!(inbox.poll_recv(2, &mut cx, |_| false).is_pending());
         inbox.close(PeerStatus::Left, |_| false);
-        match inbox.poll_recv(1, &mut cx) {
+        match inbox.poll_recv(1, &mut cx, |_| false) {
             Poll::Ready(Some(m)) => assert_eq!(&m.payload[..], b"a"),
             other => panic!(
                 "expected the queued message, got {:?}",
                 other.map(|m| m.is_some())
             ),
         }
-        assert!(matches!(inbox.poll_recv(1, &mut cx), Poll::Ready(None)));
-        assert!(matches!(inbox.poll_recv(2, &mut cx), Poll::Ready(None)));
+        assert!(matches!(
+            inbox.poll_recv(1, &mut cx, |_| false),
+            Poll::Ready(None)
+        ));
+        assert!(matches!(
+            inbox.poll_recv(2, &mut cx, |_| false),
+            Poll::Ready(None)
+        ));
         // Slots made after the end are closed from the start.
-        assert!(matches!(inbox.poll_recv(3, &mut cx), Poll::Ready(None)));
+        assert!(matches!(
+            inbox.poll_recv(3, &mut cx, |_| false),
+            Poll::Ready(None)
+        ));
         assert!(matches!(inbox.status(), PeerStatus::Left));
         inbox.release(1);
         assert!(!inbox.has_message(1));
@@ -249,6 +312,7 @@ mod tests {
                         payload: Bytes::from(vec![0u8; len]),
                     },
                     |_, _| Ok(()),
+                    |_| false,
                 )
                 .unwrap();
         }
@@ -271,8 +335,14 @@ mod tests {
             }
         );
         assert!(!inbox.has_message(5));
-        assert!(matches!(inbox.poll_recv(1, &mut cx), Poll::Ready(Some(_))));
-        assert!(matches!(inbox.poll_recv(1, &mut cx), Poll::Ready(None)));
+        assert!(matches!(
+            inbox.poll_recv(1, &mut cx, |_| false),
+            Poll::Ready(Some(_))
+        ));
+        assert!(matches!(
+            inbox.poll_recv(1, &mut cx, |_| false),
+            Poll::Ready(None)
+        ));
         // Nothing is filed after the end.
         assert_eq!(
             inbox.push(
@@ -282,9 +352,81 @@ mod tests {
                     payload: Bytes::from_static(b"late"),
                 },
                 |_, _| Ok(()),
+                |_| false,
             ),
             Ok(())
         );
         assert!(!inbox.has_message(2));
+    }
+
+    #[test]
+    fn refused_keys_wake_their_receivers_and_take_nothing_more_while_others_still_deliver() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use std::sync::Arc;
+
+        struct Count(AtomicUsize);
+        impl std::task::Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let message = |payload: &'static [u8]| Incoming {
+            signature: Signature::Barrier.encode(),
+            payload: Bytes::from_static(payload),
+        };
+        let inbox = Inbox::new();
+        // Collectives 4 and up are refused once `cut` is set: a disagreement about #4.
+        let cut = AtomicBool::new(false);
+        let refused = |key: u64| cut.load(Ordering::SeqCst) && key >= 4;
+        let (earlier, later) = (
+            Arc::new(Count(AtomicUsize::new(0))),
+            Arc::new(Count(AtomicUsize::new(0))),
+        );
+        let earlier_waker = std::task::Waker::from(earlier.clone());
+        let later_waker = std::task::Waker::from(later.clone());
+        assert!(inbox
+            .poll_recv(3, &mut Context::from_waker(&earlier_waker), refused)
+            .is_pending());
+        assert!(inbox
+            .poll_recv(4, &mut Context::from_waker(&later_waker), refused)
+            .is_pending());
+        inbox
+            .push(5, message(b"five"), |_, _| Ok(()), refused)
+            .unwrap();
+        assert_eq!(inbox.held().messages, 1);
+
+        cut.store(true, Ordering::SeqCst);
+        inbox.refuse(|key| key >= 4);
+        // The receiver of #4 is woken and finds the end; #5's message is gone.
+        assert_eq!(later.0.load(Ordering::SeqCst), 1);
+        assert_eq!(earlier.0.load(Ordering::SeqCst), 0);
+        assert_eq!(inbox.held(), Held::default());
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(matches!(
+            inbox.poll_recv(4, &mut cx, refused),
+            Poll::Ready(None)
+        ));
+        assert!(matches!(
+            inbox.poll_arrived(5, &mut cx, refused),
+            Poll::Ready(false)
+        ));
+        // Nothing is filed under a refused key any more; #3 still takes its message.
+        inbox
+            .push(6, message(b"six"), |_, _| Ok(()), refused)
+            .unwrap();
+        assert!(!inbox.has_message(6));
+        inbox
+            .push(3, message(b"three"), |_, _| Ok(()), refused)
+            .unwrap();
+        assert_eq!(earlier.0.load(Ordering::SeqCst), 1);
+        assert!(matches!(
+            inbox.poll_arrived(3, &mut cx, refused),
+            Poll::Ready(true)
+        ));
+        match inbox.poll_recv(3, &mut cx, refused) {
+            Poll::Ready(Some(m)) => assert_eq!(&m.payload[..], b"three"),
+            other => panic!("#3 got {:?}", other.map(|m| m.is_some())),
+        }
+        assert!(matches!(inbox.status(), PeerStatus::Open));
     }
 }

@@ -65,13 +65,16 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
             Ok(GroupFrame::Data { seq, signature }) => {
                 let payload = message_bytes(frame.payloads);
                 let len = payload.len();
-                let filed =
-                    link.inbox
-                        .push(seq, Incoming { signature, payload }, |held, waited_on| {
-                            shared
-                                .admission()
-                                .check(peer, split_key(seq), len, waited_on, held)
-                        });
+                let filed = link.inbox.push(
+                    seq,
+                    Incoming { signature, payload },
+                    |held, waited_on| {
+                        shared
+                            .admission()
+                            .check(peer, split_key(seq), len, waited_on, held)
+                    },
+                    |key| shared.refused(key),
+                );
                 if let Err(v) = filed {
                     break End::Violation(v);
                 }
@@ -124,7 +127,10 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
                     here: false,
                 };
                 warn!(rank, peer, %error, "peer reports a disagreement");
-                shared.fail(error);
+                // It fails that collective and what comes after it; the group's earlier
+                // collectives still take their messages (this rank may still be finishing
+                // one whose last message comes after the notice, on another connection).
+                shared.disagree(group, seq, error);
             }
             Err(e) => {
                 break End::Violation(MeshViolation::MalformedGroupFrame {

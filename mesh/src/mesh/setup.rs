@@ -250,6 +250,7 @@ impl Mesh {
                 })
                 .collect(),
             failure,
+            disagreements: Mutex::new(Default::default()),
             sink: std::sync::OnceLock::new(),
             admission: Mutex::new(Admission::new(world, limits)),
         });

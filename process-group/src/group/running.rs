@@ -91,8 +91,9 @@ impl Group {
             // messages for this sequence number, others never will): break the group, as
             // PyTorch's watchdog aborts a communicator after a timeout.
             Err(e @ ProcessGroupError::Timeout { .. }) => self.inner.mesh.fail(e.clone()),
-            // Another rank ran something else: break the group here and tell the others, so
-            // that every rank fails, senders included.
+            // Another rank ran something else: fail this collective and the later ones here
+            // and tell the others, so that every rank fails them, senders included (the
+            // earlier ones still complete everywhere).
             Err(e @ ProcessGroupError::Disagreement { here: true, .. }) => {
                 self.inner.mesh.report_disagreement(e).await
             }
@@ -125,7 +126,7 @@ impl Group {
         tag: u32,
         n: u64,
     ) -> Result<(), ProcessGroupError> {
-        if let Some(e) = self.inner.mesh.broken() {
+        if let Some(e) = self.inner.mesh.failure(p2p::key(tag, n)) {
             return Err(e);
         }
         let signature = Signature::Send { tag }.encode();
@@ -153,10 +154,10 @@ impl Group {
         tag: u32,
         n: u64,
     ) -> Result<Bytes, ProcessGroupError> {
-        if let Some(e) = self.inner.mesh.broken() {
+        let key = p2p::key(tag, n);
+        if let Some(e) = self.inner.mesh.failure(key) {
             return Err(e);
         }
-        let key = p2p::key(tag, n);
         let timeout = self.inner.timeout;
         let mesh = &self.inner.mesh;
         let span = tracing::debug_span!("recv", rank = self.rank(), src, tag, n);
@@ -167,7 +168,11 @@ impl Group {
         mesh.release(src, key);
         let message = match message {
             Ok(Some(m)) => m,
-            Ok(None) => return Err(mesh.closed_error(src, "recv", n)),
+            Ok(None) => {
+                return Err(mesh
+                    .failure(key)
+                    .unwrap_or_else(|| mesh.closed_error(src, "recv", n)))
+            }
             Err(timeout) => {
                 return Err(ProcessGroupError::Timeout {
                     collective: "recv",

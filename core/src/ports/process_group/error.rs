@@ -78,10 +78,12 @@ pub enum ProcessGroupError {
     },
     /// Ranks ran different collectives, or one collective with different arguments (op,
     /// element type, element count, root), under the same sequence number. The rank that saw
-    /// it breaks the group and tells every other rank, whose group breaks with this error too:
-    /// a rank fails at once if it still waits in that collective, else at the latest in its
-    /// next collective that needs a message from the rank that saw it (every barrier,
-    /// all_gather and all_reduce does; a broadcast needs only its root's).
+    /// it tells every other rank, and on every rank that collective and every later one fail
+    /// with this error (the collectives issued before it still complete; see
+    /// [`crate::collective::disagreement`]): a rank fails at once if it still waits in that
+    /// collective, else at the latest in its next collective that needs a message from the
+    /// rank that saw it (every barrier, all_gather and all_reduce does; a broadcast needs only
+    /// its root's).
     #[error("rank {peer} ran {theirs} as collective #{seq}, {}", Side::new(*.rank, .ours, *.here))]
     Disagreement {
         /// The collective's sequence number.
