@@ -10,7 +10,7 @@
 //!   work keeps a reference to every tensor it touches until the operation has ended, so the
 //!   storage outlives every access, whether or not anybody waits.
 //! - The GIL is released around every wait (setting a group up, waiting for a work).
-//! - `tensorwire.rpc`'s agent ([`rpc`]): one tensorwire RPC agent per process, through which
+//! - `tensorwire.rpc`'s agent (the module `rpc`): one tensorwire RPC agent per process, through which
 //!   every Python call travels as one generic function; Python runs on blocking threads.
 //! - Errors are this module's exception classes, which the Python layer turns into torch's
 //!   own (`DistBackendError`, `DistNetworkError`, `DistStoreError`, `ValueError`).
