@@ -634,10 +634,17 @@ async fn a_dtype_mismatch_fails_naming_both_sides() {
             gs[0].all_reduce(&mut x, ElementType::I32, ReduceOp::Max),
             gs[1].all_reduce(&mut y, ElementType::I32, ReduceOp::Min),
         );
-        let a = a.unwrap_err().to_string();
-        assert!(a.contains("rank 1 ran all_reduce(min, i32 x2)"), "{a}");
-        let b = b.unwrap_err().to_string();
-        assert!(b.contains("rank 0 ran all_reduce(max, i32 x2)"), "{b}");
+        // Each rank names both sides, whether it found the mismatch itself or its peer's
+        // notice came first (then the text is the reporter's: "... (reported by rank r)").
+        for e in [a.unwrap_err(), b.unwrap_err()] {
+            let text = e.to_string();
+            assert!(
+                matches!(e, ProcessGroupError::Disagreement { .. }),
+                "{text}"
+            );
+            assert!(text.contains("all_reduce(max, i32 x2)"), "{text}");
+            assert!(text.contains("all_reduce(min, i32 x2)"), "{text}");
+        }
     })
     .await;
 }
