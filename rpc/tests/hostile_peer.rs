@@ -764,7 +764,11 @@ async fn run(net: Net, attack: Attack) {
         || Held::of(&victim_ref) == before,
     );
     settled.await;
-    assert_eq!(Held::of(victim), before);
+    // Still there on a second look, but for the bytes queued to peers: those come and go with
+    // traffic (an acknowledgement queued for a moment), and the wait above saw them drain.
+    let mut again = Held::of(victim);
+    again.queued_bytes = before.queued_bytes;
+    assert_eq!(again, before);
     assert_eq!(kept.to_here(None).await.unwrap(), 50);
     drop(kept);
 
