@@ -128,6 +128,10 @@ class TensorPipeRpcBackendOptions:
 
 _lock = threading.Lock()
 _agent: Optional[_native.RpcAgent] = None
+# Set once init_rpc has recorded this worker's agent. A peer that finished its own init_rpc
+# first may call here while the native start is still returning; its call waits for this
+# (a served function may use the module, e.g. get_worker_info()).
+_ready = threading.Event()
 _trusted = False
 _me: Optional[WorkerInfo] = None
 
@@ -213,6 +217,7 @@ def init_rpc(
             raise _runtime_error(e) from e
         _me = WorkerInfo(*agent.me())
         _agent = agent
+        _ready.set()
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
@@ -228,6 +233,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         raise _runtime_error(e) from e
     finally:
         with _lock:
+            _ready.clear()
             _agent = None
             _me = None
 
@@ -355,9 +361,16 @@ def _raised(e: BaseException) -> tuple:
     return ("raised", f"{cls.__module__}.{cls.__qualname__}", str(e), traceback.format_exc())
 
 
+def _wait_ready() -> None:
+    """Waits (the GIL released) until init_rpc has recorded the agent that serves this call."""
+    if _agent is None:
+        _ready.wait(DEFAULT_INIT_TIMEOUT_SEC)
+
+
 def _serve(caller: str, function: str, payload: bytes, buffers: list) -> tuple:
     """A call from ``caller`` (on a blocking thread, with the GIL): ``("returned", payload,
     tensors)`` or ``("raised", type, message, traceback)``."""
+    _wait_ready()
     try:
         out, tensors = _serialize.dumps(_run(caller, function, payload, buffers))
         return ("returned", out, tensors)
@@ -368,6 +381,7 @@ def _serve(caller: str, function: str, payload: bytes, buffers: list) -> tuple:
 def _create(caller: str, function: str, payload: bytes, buffers: list) -> tuple:
     """A ``remote()`` creation from ``caller``: ``("returned", value)`` (kept here by the
     agent as the reference's value) or ``("raised", ...)``."""
+    _wait_ready()
     try:
         return ("returned", _run(caller, function, payload, buffers))
     except Exception as e:
