@@ -177,19 +177,7 @@ impl Store for PyStore {
         world_size: i64,
         timeout: Duration,
     ) -> Result<(), StoreError> {
-        // The port's barrier on any store: count in, then wait for the last arrival's key.
-        let arrived = self.add(key, 1).await?;
-        let done = format!("{key}/done");
-        if arrived >= world_size {
-            self.set(&done, b"1").await?;
-        }
-        self.wait(&[&done], timeout)
-            .await
-            .map_err(|_| StoreError::BarrierTimeout {
-                key: key.to_owned(),
-                world_size,
-                timeout,
-            })
+        tensorwire_core::ports::store::barrier_by_counting(self, key, world_size, timeout).await
     }
 
     fn timeout(&self) -> Duration {

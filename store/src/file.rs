@@ -450,15 +450,7 @@ impl Store for FileStore {
         world_size: i64,
         timeout: Duration,
     ) -> Result<(), StoreError> {
-        let last = format!("{key}/last_member");
-        let arrived = self.add(&format!("{key}/num_members"), 1).await?;
-        if arrived == world_size.max(1) {
-            self.set(&last, b"1").await?;
-        }
-        self.wait(&[&last], timeout).await.map_err(|e| match e {
-            StoreError::Timeout { .. } => StoreError::barrier_timeout(key, world_size, timeout),
-            other => other,
-        })
+        tensorwire_core::ports::store::barrier_by_counting(self, key, world_size, timeout).await
     }
 
     fn timeout(&self) -> Duration {

@@ -104,6 +104,30 @@ pub trait Store: Send + Sync {
     fn timeout(&self) -> Duration;
 }
 
+/// [`Store::barrier`] for a store that has no barrier of its own, from its `add`, `set` and
+/// `wait`, with PyTorch's keys (`<key>/num_members` counts the arrivals, the last one sets
+/// `<key>/last_member`): the file store's, and the Python package's over a store c10d passes.
+///
+/// # Errors
+/// [`StoreError::BarrierTimeout`] when the last arrival does not come within `timeout`; the
+/// store's own errors otherwise.
+pub async fn barrier_by_counting<S: Store + ?Sized>(
+    store: &S,
+    key: &str,
+    world_size: i64,
+    timeout: Duration,
+) -> Result<(), StoreError> {
+    let last = format!("{key}/last_member");
+    let arrived = store.add(&format!("{key}/num_members"), 1).await?;
+    if arrived == world_size.max(1) {
+        store.set(&last, b"1").await?;
+    }
+    store.wait(&[&last], timeout).await.map_err(|e| match e {
+        StoreError::Timeout { .. } => StoreError::barrier_timeout(key, world_size, timeout),
+        other => other,
+    })
+}
+
 /// Why a [`Store`] operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
