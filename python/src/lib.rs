@@ -139,6 +139,8 @@ fn reduce_op(op: &str) -> PyResult<ReduceOp> {
 }
 
 /// A tensor's storage, read where Python put it, with the tensor kept alive beside it.
+// `data_ptr` and `nbytes` rather than a DLPack crate: a collective needs an address and a
+// length, and the work holds the tensor object itself (DLPack would add nothing for CPU).
 fn raw(tensor: &Bound<'_, PyAny>, keep: &mut Vec<Py<PyAny>>) -> PyResult<Raw> {
     let ptr: usize = tensor.call_method0("data_ptr")?.extract()?;
     let len: usize = tensor.getattr("nbytes")?.extract()?;
