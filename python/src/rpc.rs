@@ -264,24 +264,26 @@ fn duration(what: &str, seconds: f64) -> PyResult<Duration> {
     Ok(Duration::from_secs_f64(seconds))
 }
 
+/// The Python layer's `serve` or `create` called as `f(caller, function, payload, buffers)`.
+fn call_python(py: Python<'_>, f: &Py<PyAny>, caller: String, call: PyCall) -> PyResult<Py<PyAny>> {
+    let buffers = buffers(py, call.tensors)?;
+    f.call1(
+        py,
+        (
+            caller,
+            call.function,
+            PyBytes::new(py, &call.payload),
+            buffers,
+        ),
+    )
+}
+
 /// Runs a call on this worker: the Python layer's `serve(caller, function, payload, buffers)`
 /// with the GIL, on a blocking thread. `serve` returns `("returned", payload, tensors)` or
 /// `("raised", type, message, traceback)`; it never raises for the user function's failures.
 fn serve(serve: &Py<PyAny>, caller: String, call: PyCall) -> Result<PyReply, String> {
     Python::attach(|py| {
-        let run = || -> PyResult<PyReply> {
-            let buffers = buffers(py, call.tensors)?;
-            let out = serve.call1(
-                py,
-                (
-                    caller,
-                    call.function,
-                    PyBytes::new(py, &call.payload),
-                    buffers,
-                ),
-            )?;
-            reply(out.bind(py))
-        };
+        let run = || -> PyResult<PyReply> { reply(call_python(py, serve, caller, call)?.bind(py)) };
         // A failure of the serving machinery itself (not of the user's function) fails the
         // call with its text.
         run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
@@ -294,16 +296,7 @@ fn serve(serve: &Py<PyAny>, caller: String, call: PyCall) -> Result<PyReply, Str
 fn create(create: &Py<PyAny>, caller: String, call: PyCall) -> Result<PyValue, String> {
     Python::attach(|py| {
         let run = || -> PyResult<PyValue> {
-            let buffers = buffers(py, call.tensors)?;
-            let out = create.call1(
-                py,
-                (
-                    caller,
-                    call.function,
-                    PyBytes::new(py, &call.payload),
-                    buffers,
-                ),
-            )?;
+            let out = call_python(py, create, caller, call)?;
             let out = out.bind(py).cast::<PyTuple>()?;
             let tag: String = out.get_item(0)?.extract()?;
             if tag == "returned" {
