@@ -38,6 +38,21 @@ def _entry(rank: int, fn: Callable, world: int, env: dict, args: tuple, errors: 
 def run_world(
     fn: Callable, world: int, *args, env: dict | None = None, expect_fail: frozenset[int] | set[int] = frozenset()
 ) -> dict[int, int]:
+    """Runs ``fn(rank, world, *args)`` in ``world`` spawned processes, on a fresh port once
+    more if the port picked in advance was taken before rank 0's store could listen on it
+    (EADDRINUSE: nothing ran). See ``_run_world``."""
+    for attempt in range(3):
+        try:
+            return _run_world(fn, world, *args, env=env, expect_fail=expect_fail)
+        except AssertionError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_world(
+    fn: Callable, world: int, *args, env: dict | None = None, expect_fail: frozenset[int] | set[int] = frozenset()
+) -> dict[int, int]:
     """Runs ``fn(rank, world, *args)`` in ``world`` spawned processes. Fails the test with the
     rank's traceback if a rank not in ``expect_fail`` fails, or if the world outlives its
     deadline. Unlike ``torch.multiprocessing.spawn``, one rank's death does not kill the others
