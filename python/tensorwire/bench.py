@@ -1,4 +1,6 @@
-"""Measures tensorwire's c10d backend against gloo, in the same processes and the same run.
+"""Measures tensorwire against PyTorch's own engines, in the same processes and the same run:
+``c10d`` (the process-group backend against gloo) and ``rpc`` (``tensorwire.rpc`` against
+``torch.distributed.rpc``'s TensorPipe agent; see "rpc" below).
 
 Run it with the Python that has torch and tensorwire installed::
 
@@ -42,11 +44,39 @@ the same alternating blocks.
 ``--iters N`` is the most iterations a figure gets at world 2; larger worlds get fewer
 (``N * 2 / world``), and a figure also stops growing once both backends together would take
 about ``--budget`` seconds, so that a full default run stays within a few minutes on two cores.
+
+rpc
+---
+::
+
+    python -m tensorwire.bench rpc                          # both pin settings, 3 runs each
+    python -m tensorwire.bench rpc --pin on --repeat 5 --json out.json
+    python -m tensorwire.bench rpc --quick --pin off        # a smoke test (seconds)
+
+Two workers are spawned on this host; each starts both agents side by side (``tensorwire.rpc``
+through ``env://``, TensorPipe through a file store; each with its defaults, so both pick their
+same-host transport), and worker 0 calls worker 1 with both, in alternating blocks (ABBA):
+
+- ``rpc_sync``: the median time of ``rpc_sync`` of a no-op (no arguments, ``None`` back);
+- ``rpc_async``: calls per second of ``rpc_async`` of the no-op with 64 in flight (one more is
+  sent when the oldest completes); the median over the blocks;
+- ``tensor``: the median time of ``rpc_sync`` of a function that returns its 64 MiB float32
+  tensor argument (the tensor there and back; ``--tensor-mib``);
+- ``remote_to_here``: the median time of ``remote(...)`` of a function returning its int
+  argument, then ``to_here()``.
+
+The speedup is how many times better tensorwire is (TensorPipe's time over tensorwire's; for
+calls/s tensorwire's over TensorPipe's); the issue's targets are 2x for ``rpc_sync``, 3x for
+``rpc_async`` and 2x for the tensor. ``--pin on`` pins both workers, every thread, to the first
+allowed core (as ``taskset -c 0``). Every setting runs ``--repeat`` times (fresh processes);
+the table gives the medians over the runs (the speedup: the median of each run's own), and each
+record carries the load average before and after its run.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import math
@@ -58,7 +88,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -324,8 +354,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_world(world: int, cfg: dict, deadline_s: float) -> tuple[list[dict], Optional[str]]:
-    """Runs one world; returns rank 0's records and a failure, if any."""
+def _run_world(
+    world: int, cfg: dict, deadline_s: float, rank_main: str = "_rank_main"
+) -> tuple[list[dict], Optional[str]]:
+    """Runs one world of ``rank_main`` (a function of this module); returns rank 0's records
+    and a failure, if any."""
     from tensorwire import bench  # so that spawn pickles the function by its module name
 
     fd, out_path = tempfile.mkstemp(prefix="tw-bench-", suffix=".jsonl")
@@ -339,7 +372,7 @@ def _run_world(world: int, cfg: dict, deadline_s: float) -> tuple[list[dict], Op
     }
     failure = None
     ctx = mp.start_processes(
-        bench._rank_main, args=(world, env, cfg, out_path), nprocs=world, join=False, start_method="spawn"
+        getattr(bench, rank_main), args=(world, env, cfg, out_path), nprocs=world, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + deadline_s
     while True:
@@ -362,6 +395,10 @@ def _run_world(world: int, cfg: dict, deadline_s: float) -> tuple[list[dict], Op
             records = [json.loads(line) for line in f if line.strip()]
     finally:
         os.unlink(out_path)
+        try:
+            os.unlink(out_path + ".tensorpipe-store")  # the rpc suite's TensorPipe store
+        except FileNotFoundError:
+            pass
     return records, failure
 
 
@@ -393,6 +430,398 @@ def _table(records: list[dict]) -> str:
                     f"{r['native_us']:.1f} us, overhead {r['overhead_us']:.1f} us"
                 )
     return "\n".join(lines)
+
+
+# -- rpc: tensorwire.rpc against torch's TensorPipe agent ----------------------------------------
+
+RPC_FIGURES = ("rpc_sync", "rpc_async", "tensor", "remote_to_here")
+RPC_BACKENDS = ("tensorwire", "tensorpipe")
+#: Each figure's target, as a speedup (how many times better tensorwire is than TensorPipe):
+#: rpc_sync p50 at most half of TensorPipe's, 3x the calls/s, the 64 MiB round trip in half the
+#: time. remote + to_here has none.
+RPC_TARGETS = {"rpc_sync": 2.0, "rpc_async": 3.0, "tensor": 2.0}
+RPC_IN_FLIGHT = 64
+RPC_DEFAULTS = {"calls": 2000, "async_calls": 6400, "tensor_mib": 64, "tensor_rounds": 12, "remote_calls": 400}
+RPC_QUICK = {"calls": 40, "async_calls": 256, "tensor_mib": 1, "tensor_rounds": 4, "remote_calls": 20}
+
+
+def rpc_noop() -> None:
+    """The benchmark's no-op (called by both agents; exposed on tensorwire's callee)."""
+    return None
+
+
+def rpc_echo(value: Any) -> Any:
+    """Returns its argument (the tensor round trip; ``remote`` + ``to_here`` of an int)."""
+    return value
+
+
+def _load() -> list[float]:
+    """The 1, 5 and 15 minute load averages (``uptime``'s figures)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return [float(v) for v in f.read().split()[:3]]
+    except OSError:
+        return [float(v) for v in os.getloadavg()]
+
+
+def _rpc_blocks(
+    cases: dict[str, Callable[[], list[float]]], blocks: int
+) -> dict[str, list[float]]:
+    """Runs each case's block function ``blocks`` times, in ABBA order, and gathers what each
+    block returned (samples)."""
+    names = list(cases)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for b in range(blocks):
+        for name in names if b % 2 == 0 else names[::-1]:
+            out[name].extend(cases[name]())
+    return out
+
+
+def _rpc_rank_main(rank: int, world: int, env: dict, cfg: dict, out_path: str) -> None:
+    """One of the two workers: both agents side by side in this process, rank 0 the caller."""
+    os.environ.update(env)
+    os.environ["RANK"] = str(rank)
+    if cfg["pin"]:
+        # Both processes on one core, every thread (taskset -c CPU).
+        _pin_process(cfg["cpus"][0])
+    torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed.rpc as tp
+    import tensorwire.rpc as tw
+
+    from tensorwire import bench  # the functions by the name the callee knows them
+
+    tw.expose(bench.rpc_noop)
+    tw.expose(bench.rpc_echo)
+    timeout = cfg["timeout_s"]
+    tw.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        world_size=world,
+        rpc_backend_options=tw.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=timeout),
+    )
+    tp.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        world_size=world,
+        rpc_backend_options=tp.TensorPipeRpcBackendOptions(
+            init_method=f"file://{out_path}.tensorpipe-store", rpc_timeout=timeout
+        ),
+    )
+    pin = "pinned" if cfg["pin"] else "unpinned"
+    load_before = _load()
+    if rank == 0:
+        try:
+            records = _rpc_measure({"tensorwire": tw, "tensorpipe": tp}, cfg)
+        except Exception as e:  # noqa: BLE001  (reported; the shutdown below still runs)
+            traceback.print_exc()
+            records = [{"figure": "error", "error": f"{type(e).__name__}: {e}"}]
+        load = [load_before, _load()]
+        with open(out_path, "a") as f:
+            for r in records:
+                r.update(pin=pin, run=cfg["run"], load=load)
+                f.write(json.dumps(r) + "\n")
+    tp.shutdown()
+    tw.shutdown()
+
+
+def _rpc_measure(agents: dict[str, Any], cfg: dict) -> list[dict]:
+    """Rank 0's figures, each with both agents in alternating blocks."""
+    to = "worker1"
+    blocks = cfg["blocks"]
+    records: list[dict] = []
+
+    def per_block(n: int) -> int:
+        return max(1, math.ceil(n / blocks))
+
+    def record(figure: str, unit: str, values: dict[str, float], n: dict[str, int], better: str) -> None:
+        tw, tp = values["tensorwire"], values["tensorpipe"]
+        # speedup: how many times better tensorwire is (lower time or higher rate).
+        speedup = (tp / tw if better == "lower" else tw / tp) if tw > 0 and tp > 0 else float("nan")
+        target = RPC_TARGETS.get(figure)
+        records.append(
+            {
+                "figure": figure,
+                "unit": unit,
+                "tensorwire": tw,
+                "tensorpipe": tp,
+                "ratio": tw / tp if tp > 0 else float("inf"),
+                "speedup": speedup,
+                "target_speedup": target,
+                "met": None if target is None else bool(speedup >= target),
+                "samples": n["tensorwire"],
+            }
+        )
+        line = f"    {figure:<15} tensorwire {tw:12.1f} {unit:<7} tensorpipe {tp:12.1f} {unit:<7} speedup {speedup:5.2f}x"
+        if target is not None:
+            line += f" (target {target:.0f}x: {'met' if speedup >= target else 'NOT met'})"
+        print(line, flush=True)
+
+    def timed(fn: Callable[[], object], n: int) -> Callable[[], list[float]]:
+        return lambda: _timed(fn, n)
+
+    if "rpc_sync" in cfg["figures"]:
+        def sync_noop(rpc: Any) -> Callable[[], object]:
+            def op() -> None:
+                if rpc.rpc_sync(to, rpc_noop) is not None:
+                    raise AssertionError("the no-op returned something")
+
+            return op
+
+        ops = {b: sync_noop(a) for b, a in agents.items()}
+        for op in ops.values():
+            _timed(op, WARMUP * 4)
+        k = per_block(cfg["calls"])
+        samples = _rpc_blocks({b: timed(op, k) for b, op in ops.items()}, blocks)
+        record(
+            "rpc_sync",
+            "us",
+            {b: statistics.median(s) * 1e6 for b, s in samples.items()},
+            {b: len(s) for b, s in samples.items()},
+            "lower",
+        )
+
+    if "rpc_async" in cfg["figures"]:
+        def in_flight(rpc: Any, n: int) -> Callable[[], list[float]]:
+            # `n` calls with at most RPC_IN_FLIGHT outstanding: one more is sent as soon as the
+            # oldest has completed. One sample: the block's calls per second.
+            def block() -> list[float]:
+                pending: collections.deque = collections.deque()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    if len(pending) == RPC_IN_FLIGHT:
+                        pending.popleft().wait()
+                    pending.append(rpc.rpc_async(to, rpc_noop))
+                while pending:
+                    pending.popleft().wait()
+                return [n / (time.perf_counter() - t0)]
+
+            return block
+
+        k = per_block(cfg["async_calls"])
+        for a in agents.values():
+            in_flight(a, RPC_IN_FLIGHT * 2)()
+        samples = _rpc_blocks({b: in_flight(a, k) for b, a in agents.items()}, blocks)
+        record(
+            "rpc_async",
+            "calls/s",
+            {b: statistics.median(s) for b, s in samples.items()},
+            {b: len(s) * k for b, s in samples.items()},
+            "higher",
+        )
+
+    if "tensor" in cfg["figures"]:
+        nbytes = cfg["tensor_mib"] << 20
+        t = torch.ones(nbytes // 4, dtype=torch.float32)
+
+        def round_trip(rpc: Any) -> Callable[[], object]:
+            def op() -> None:
+                back = rpc.rpc_sync(to, rpc_echo, args=(t,))
+                if back.numel() != t.numel() or back.dtype != t.dtype:
+                    raise AssertionError(f"the tensor came back as {back.dtype} {tuple(back.shape)}")
+
+            return op
+
+        ops = {b: round_trip(a) for b, a in agents.items()}
+        for op in ops.values():
+            op()
+        k = per_block(cfg["tensor_rounds"])
+        samples = _rpc_blocks({b: timed(op, k) for b, op in ops.items()}, blocks)
+        check = agents["tensorwire"].rpc_sync(to, rpc_echo, args=(t,))
+        if not torch.equal(check, t):
+            raise AssertionError("tensorwire's round trip changed the tensor")
+        record(
+            "tensor",
+            "us",
+            {b: statistics.median(s) * 1e6 for b, s in samples.items()},
+            {b: len(s) for b, s in samples.items()},
+            "lower",
+        )
+        records[-1]["bytes"] = nbytes
+
+    if "remote_to_here" in cfg["figures"]:
+        def remote_to_here(rpc: Any) -> Callable[[], object]:
+            counter = [0]
+
+            def op() -> None:
+                counter[0] += 1
+                got = rpc.remote(to, rpc_echo, args=(counter[0],)).to_here()
+                if got != counter[0]:
+                    raise AssertionError(f"to_here returned {got!r}, not {counter[0]}")
+
+            return op
+
+        ops = {b: remote_to_here(a) for b, a in agents.items()}
+        for op in ops.values():
+            _timed(op, WARMUP)
+        k = per_block(cfg["remote_calls"])
+        samples = _rpc_blocks({b: timed(op, k) for b, op in ops.items()}, blocks)
+        record(
+            "remote_to_here",
+            "us",
+            {b: statistics.median(s) * 1e6 for b, s in samples.items()},
+            {b: len(s) for b, s in samples.items()},
+            "lower",
+        )
+    return records
+
+
+def _rpc_label(figure: str, tensor_mib: int) -> str:
+    return {
+        "rpc_sync": "rpc_sync p50 (no-op)",
+        "rpc_async": f"rpc_async, {RPC_IN_FLIGHT} in flight",
+        "tensor": f"{tensor_mib} MiB round trip p50",
+        "remote_to_here": "remote + to_here p50",
+    }[figure]
+
+
+def _rpc_summary(records: list[dict], tensor_mib: int) -> list[dict]:
+    """Per pin and figure, the medians over the runs: of each agent's figure and of the
+    per-run speedups (each measured within one run)."""
+    out = []
+    for pin in ("unpinned", "pinned"):
+        for figure in RPC_FIGURES:
+            rs = [r for r in records if r.get("pin") == pin and r.get("figure") == figure and "error" not in r]
+            if not rs:
+                continue
+            speedups = [r["speedup"] for r in rs]
+            target = RPC_TARGETS.get(figure)
+            med = statistics.median(speedups)
+            out.append(
+                {
+                    "pin": pin,
+                    "figure": figure,
+                    "label": _rpc_label(figure, tensor_mib),
+                    "unit": rs[0]["unit"],
+                    "runs": len(rs),
+                    "tensorwire": statistics.median(r["tensorwire"] for r in rs),
+                    "tensorpipe": statistics.median(r["tensorpipe"] for r in rs),
+                    "speedup": med,
+                    "speedup_min": min(speedups),
+                    "speedup_max": max(speedups),
+                    "target_speedup": target,
+                    "met": None if target is None else bool(med >= target),
+                }
+            )
+    return out
+
+
+def _rpc_table(summary: list[dict]) -> str:
+    head = (
+        f"{'pin':<9} {'figure':<27} {'unit':>7} {'tensorwire':>11} {'tensorpipe':>11} "
+        f"{'speedup':>8} {'(min-max)':>13} {'target':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for s in summary:
+        target = "-" if s["target_speedup"] is None else f">={s['target_speedup']:.0f}x " + ("ok" if s["met"] else "NO")
+        lines.append(
+            f"{s['pin']:<9} {s['label']:<27} {s['unit']:>7} {s['tensorwire']:>11.1f} {s['tensorpipe']:>11.1f} "
+            f"{s['speedup']:>7.2f}x {s['speedup_min']:>6.2f}-{s['speedup_max']:<6.2f} {target:>7}"
+        )
+    return "\n".join(lines)
+
+
+def _rpc_main(args: argparse.Namespace) -> int:
+    figures = [f.strip() for f in args.figures.split(",") if f.strip()]
+    unknown = set(figures) - set(RPC_FIGURES)
+    if unknown:
+        raise SystemExit(f"unknown figures: {', '.join(sorted(unknown))} (known: {', '.join(RPC_FIGURES)})")
+    sizes = dict(RPC_QUICK if args.quick else RPC_DEFAULTS)
+    for key in sizes:
+        given = getattr(args, key)
+        if given is not None:
+            if given < 1:
+                raise SystemExit(f"--{key.replace('_', '-')} must be at least 1")
+            sizes[key] = given
+    cpus = sorted(os.sched_getaffinity(0))
+    pins = {"on": [True], "off": [False], "both": [False, True]}[args.pin]
+    blocks = 2 if args.quick else BLOCKS
+    print(
+        f"tensorwire bench rpc: tensorwire.rpc vs torch.distributed.rpc (TensorPipe), torch "
+        f"{torch.__version__}, {len(cpus)} cores, 2 workers, pin {args.pin} (pinned: both on cpu "
+        f"{cpus[0]}), {args.repeat} run(s) each; speedup = how many times better tensorwire is",
+        flush=True,
+    )
+    records: list[dict] = []
+    failures: list[str] = []
+    started = time.monotonic()
+    for pin in pins:
+        for run in range(args.repeat):
+            pin_name = "pinned" if pin else "unpinned"
+            cfg = {
+                "pin": pin,
+                "cpus": cpus,
+                "run": run,
+                "blocks": blocks,
+                "figures": figures,
+                "timeout_s": max(60.0, args.deadline),
+                **sizes,
+            }
+            print(f"  [{pin_name} run {run + 1}/{args.repeat}] load {' '.join(f'{v:.2f}' for v in _load())}", flush=True)
+            t0 = time.monotonic()
+            got, failure = _run_world(2, cfg, args.deadline, "_rpc_rank_main")
+            for r in got:
+                if "error" in r:
+                    failure = failure or r["error"]
+            records.extend(r for r in got if "error" not in r)
+            note = f"  [{pin_name} run {run + 1}] took {time.monotonic() - t0:.1f} s"
+            if failure:
+                failures.append(f"{pin_name} run {run + 1}: {failure}")
+                note += f"; FAILED: {failure}"
+            print(note, flush=True)
+    summary = _rpc_summary(records, sizes["tensor_mib"])
+    print()
+    print(f"medians over {args.repeat} run(s) per pin:")
+    print(_rpc_table(summary))
+    if failures:
+        print("\nfailures:")
+        for f in failures:
+            print(f"  {f}")
+    print(f"\ntotal {time.monotonic() - started:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "suite": "rpc",
+                    "baseline": "tensorpipe",
+                    "speedup": "tensorpipe/tensorwire for times, tensorwire/tensorpipe for calls/s (> 1: tensorwire is better)",
+                    "ratio": "tensorwire/tensorpipe",
+                    "torch": torch.__version__,
+                    "cores": len(cpus),
+                    "quick": bool(args.quick),
+                    "repeat": args.repeat,
+                    "in_flight": RPC_IN_FLIGHT,
+                    **sizes,
+                    "targets": RPC_TARGETS,
+                    "summary": summary,
+                    "records": records,
+                    "failures": failures,
+                },
+                f,
+                indent=2,
+            )
+    return 1 if failures else 0
+
+
+def _rpc_parser(sub: Any) -> None:
+    rpc = sub.add_parser(
+        "rpc",
+        help="tensorwire.rpc against torch.distributed.rpc's TensorPipe agent (speedup, > 1 is better)",
+    )
+    rpc.add_argument("--pin", nargs="?", const="on", default="both", choices=("on", "off", "both"),
+                     help="pin both workers to one core: on (--pin alone), off, or both (default)")
+    rpc.add_argument("--repeat", type=int, default=3, help="runs per pin setting; the table gives medians (default %(default)s)")
+    rpc.add_argument("--figures", default=",".join(RPC_FIGURES), help=f"which figures (default: all of {','.join(RPC_FIGURES)})")
+    rpc.add_argument("--quick", action="store_true", help="a tiny run (a smoke test: the figures mean little)")
+    rpc.add_argument("--calls", type=int, help=f"rpc_sync calls per agent (default {RPC_DEFAULTS['calls']})")
+    rpc.add_argument("--async-calls", type=int, help=f"rpc_async calls per agent (default {RPC_DEFAULTS['async_calls']})")
+    rpc.add_argument("--tensor-mib", type=int, help=f"the round-tripped tensor's MiB (default {RPC_DEFAULTS['tensor_mib']})")
+    rpc.add_argument("--tensor-rounds", type=int, help=f"tensor round trips per agent (default {RPC_DEFAULTS['tensor_rounds']})")
+    rpc.add_argument("--remote-calls", type=int, help=f"remote + to_here per agent (default {RPC_DEFAULTS['remote_calls']})")
+    rpc.add_argument("--json", metavar="FILE", help="also write the records and the summary as JSON to FILE")
+    rpc.add_argument("--deadline", type=float, default=240.0, help="seconds one run may take before it is killed (default %(default)s)")
 
 
 def _ints(text: str) -> list[int]:
@@ -428,7 +857,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     c10d.add_argument("--no-dispatch", action="store_true", help="skip the python dispatch overhead figure")
     c10d.add_argument("--json", metavar="FILE", help="also write the records as JSON to FILE")
     c10d.add_argument("--deadline", type=float, default=240.0, help="seconds one world may take before it is killed (default %(default)s)")
+    _rpc_parser(sub)
     args = parser.parse_args(argv)
+    if args.suite == "rpc":
+        return _rpc_main(args)
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = set(ops) - set(OPS + ("ddp_step",))
