@@ -141,12 +141,13 @@ fn lend(tensors: &Bound<'_, PyList>) -> PyResult<Vec<Tensor>> {
 
 /// Received tensor bytes as a writable Python buffer (`torch.frombuffer` takes it without a
 /// copy). The bytes are the buffer's own: taken without a copy when the message's bytes were
-/// ours alone and suitably aligned, else copied once.
+/// ours alone and suitably aligned, else copied once (into a [`Recycled`] buffer when one
+/// fits).
 #[pyclass(module = "tensorwire._native", frozen)]
 pub(crate) struct WireBuffer {
     ptr: usize,
     len: usize,
-    _owner: BytesMut,
+    owner: BytesMut,
 }
 
 impl WireBuffer {
@@ -154,13 +155,80 @@ impl WireBuffer {
         let mut owner = match bytes.try_into_mut() {
             // 16: the alignment of any element type torch computes with.
             Ok(unique) if (unique.as_ptr() as usize).is_multiple_of(16) => unique,
-            Ok(unique) => BytesMut::from(&unique[..]),
-            Err(shared) => BytesMut::from(&shared[..]),
+            Ok(unique) => Recycled::copy(&unique),
+            Err(shared) => Recycled::copy(&shared),
         };
         WireBuffer {
             ptr: owner.as_mut_ptr() as usize,
             len: owner.len(),
-            _owner: owner,
+            owner,
+        }
+    }
+}
+
+impl Drop for WireBuffer {
+    fn drop(&mut self) {
+        Recycled::give_back(std::mem::take(&mut self.owner));
+    }
+}
+
+/// Large receive buffers kept for the next tensors of about their size.
+///
+/// A received tensor that must be copied (its bytes are shared with the rest of the message,
+/// or lie in a transport's read-only mapping) needs fresh memory of its size, and fresh memory
+/// of a megabyte and more comes from the kernel page by page: zeroing, mapping and, when freed,
+/// unmapping 64 MiB costs about three times the copy itself. A program that receives tensors of
+/// the same sizes again and again (every training step) gets back the buffers of the tensors
+/// it has dropped instead. At most [`RECYCLED_MAX_BYTES`] are kept, in buffers of at least
+/// [`RECYCLED_MIN_BYTES`]; a buffer is reused for a tensor of at least half its size.
+struct Recycled;
+
+/// Buffers smaller than this are not kept (the allocator reuses small blocks itself).
+const RECYCLED_MIN_BYTES: usize = 1 << 20;
+/// The most bytes kept in idle buffers, per process.
+const RECYCLED_MAX_BYTES: usize = 256 << 20;
+
+static RECYCLED: std::sync::Mutex<Vec<BytesMut>> = std::sync::Mutex::new(Vec::new());
+
+impl Recycled {
+    fn idle() -> std::sync::MutexGuard<'static, Vec<BytesMut>> {
+        RECYCLED.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `bytes` copied into a kept buffer that fits, else into a new one.
+    fn copy(bytes: &[u8]) -> BytesMut {
+        let len = bytes.len();
+        let kept = if len >= RECYCLED_MIN_BYTES / 2 {
+            let mut idle = Self::idle();
+            let best = idle
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.capacity() >= len && b.capacity() / 2 <= len)
+                .min_by_key(|(_, b)| b.capacity())
+                .map(|(i, _)| i);
+            best.map(|i| idle.swap_remove(i))
+        } else {
+            None
+        };
+        match kept {
+            Some(mut buf) => {
+                buf.extend_from_slice(bytes);
+                buf
+            }
+            None => BytesMut::from(bytes),
+        }
+    }
+
+    /// Keeps `buf` for a later tensor, if it is large and the budget allows.
+    fn give_back(mut buf: BytesMut) {
+        if buf.capacity() < RECYCLED_MIN_BYTES {
+            return;
+        }
+        buf.clear();
+        let mut idle = Self::idle();
+        let kept: usize = idle.iter().map(BytesMut::capacity).sum();
+        if kept + buf.capacity() <= RECYCLED_MAX_BYTES {
+            idle.push(buf);
         }
     }
 }
@@ -279,22 +347,32 @@ fn call_python(py: Python<'_>, f: &Py<PyAny>, caller: String, call: PyCall) -> P
 }
 
 /// Runs a call on this worker: the Python layer's `serve(caller, function, payload, buffers)`
-/// with the GIL, on a blocking thread. `serve` returns `("returned", payload, tensors)` or
-/// `("raised", type, message, traceback)`; it never raises for the user function's failures.
-fn serve(serve: &Py<PyAny>, caller: String, call: PyCall) -> Result<PyReply, String> {
-    Python::attach(|py| {
-        let run = || -> PyResult<PyReply> { reply(call_python(py, serve, caller, call)?.bind(py)) };
-        // A failure of the serving machinery itself (not of the user's function) fails the
-        // call with its text.
-        run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
-    })
+/// with the GIL, on a blocking thread (a [`gil`](crate::gil) job). `serve` returns
+/// `("returned", payload, tensors)` or `("raised", type, message, traceback)`; it never raises
+/// for the user function's failures.
+fn serve(
+    py: Python<'_>,
+    serve: &Py<PyAny>,
+    caller: String,
+    call: PyCall,
+) -> Result<PyReply, String> {
+    let run = || -> PyResult<PyReply> { reply(call_python(py, serve, caller, call)?.bind(py)) };
+    // A failure of the serving machinery itself (not of the user's function) fails the call
+    // with its text.
+    run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
 }
 
 /// Runs a `remote()` creation on this worker: the Python layer's `create(caller, function,
-/// payload, buffers)` with the GIL, on a blocking thread; it returns `("returned", object)`
-/// or `("raised", type, message, traceback)`, kept as the reference's value.
-fn create(create: &Py<PyAny>, caller: String, call: PyCall) -> Result<PyValue, String> {
-    Python::attach(|py| {
+/// payload, buffers)` with the GIL, on a blocking thread (a [`gil`](crate::gil) job); it
+/// returns `("returned", object)` or `("raised", type, message, traceback)`, kept as the
+/// reference's value.
+fn create(
+    py: Python<'_>,
+    create: &Py<PyAny>,
+    caller: String,
+    call: PyCall,
+) -> Result<PyValue, String> {
+    {
         let run = || -> PyResult<PyValue> {
             let out = call_python(py, create, caller, call)?;
             let out = out.bind(py).cast::<PyTuple>()?;
@@ -310,12 +388,12 @@ fn create(create: &Py<PyAny>, caller: String, call: PyCall) -> Result<PyValue, S
             }
         };
         run().map_err(|e| format!("tensorwire.rpc could not create the value: {e}"))
-    })
+    }
 }
 
 /// Pickles a reference's value on its owner for `to_here`: the Python layer's
 /// `fetch(object)`, which returns `("returned", payload, tensors)` or `("raised", ...)`.
-fn fetch(fetch: &Py<PyAny>, value: &PyValue) -> Result<PyReply, String> {
+fn fetch(py: Python<'_>, fetch: &Py<PyAny>, value: &PyValue) -> Result<PyReply, String> {
     let object = match value {
         PyValue::Object(o) => o,
         PyValue::Raised {
@@ -330,13 +408,11 @@ fn fetch(fetch: &Py<PyAny>, value: &PyValue) -> Result<PyReply, String> {
             })
         }
     };
-    Python::attach(|py| {
-        let run = || -> PyResult<PyReply> {
-            let out = fetch.call1(py, (object.clone_ref(py),))?;
-            reply(out.bind(py))
-        };
-        run().map_err(|e| format!("tensorwire.rpc could not send the value: {e}"))
-    })
+    let run = || -> PyResult<PyReply> {
+        let out = fetch.call1(py, (object.clone_ref(py),))?;
+        reply(out.bind(py))
+    };
+    run().map_err(|e| format!("tensorwire.rpc could not send the value: {e}"))
 }
 
 /// The Python layer's `("returned", payload, tensors)` or `("raised", type, message,
@@ -357,31 +433,37 @@ fn reply(out: &Bound<'_, PyAny>) -> PyResult<PyReply> {
     }
 }
 
-/// Hands `reply` (or the call's failure) to `on_done` with the GIL, on a blocking thread.
+/// A call's reply as the Python layer takes it: `("returned", payload, buffers)`,
+/// `("raised", type, message, traceback)`, or the `TensorwireError` of a failed call.
+fn outcome(py: Python<'_>, reply: Result<PyReply, RpcError>) -> Bound<'_, PyAny> {
+    let outcome = match reply {
+        Ok(PyReply::Returned { payload, tensors }) => buffers(py, tensors).and_then(|b| {
+            ("returned", PyBytes::new(py, &payload), b)
+                .into_pyobject(py)
+                .map(|t| t.into_any())
+        }),
+        Ok(PyReply::Raised {
+            exc_type,
+            message,
+            traceback,
+        }) => ("raised", exc_type, message, traceback)
+            .into_pyobject(py)
+            .map(|t| t.into_any()),
+        Err(e) => Ok(rpc_error(&e).into_value(py).into_bound(py).into_any()),
+    };
+    outcome.unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any())
+}
+
+/// Hands `reply` (or the call's failure) to `on_done` with the GIL, on a blocking thread (a
+/// [`gil`](crate::gil) job, so that replies arriving together are completed under one GIL
+/// hold).
 fn complete(on_done: Py<PyAny>, reply: Result<PyReply, RpcError>) {
-    tokio::task::spawn_blocking(move || {
-        Python::attach(|py| {
-            let outcome = match reply {
-                Ok(PyReply::Returned { payload, tensors }) => buffers(py, tensors).and_then(|b| {
-                    ("returned", PyBytes::new(py, &payload), b)
-                        .into_pyobject(py)
-                        .map(|t| t.into_any())
-                }),
-                Ok(PyReply::Raised {
-                    exc_type,
-                    message,
-                    traceback,
-                }) => ("raised", exc_type, message, traceback)
-                    .into_pyobject(py)
-                    .map(|t| t.into_any()),
-                Err(e) => Ok(rpc_error(&e).into_value(py).into_bound(py).into_any()),
-            };
-            let outcome = outcome.unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any());
-            if let Err(e) = on_done.call1(py, (outcome,)) {
-                e.write_unraisable(py, Some(on_done.bind(py)));
-            }
-        })
-    });
+    crate::gil::submit(Box::new(move |py| {
+        let outcome = outcome(py, reply);
+        if let Err(e) = on_done.call1(py, (outcome,)) {
+            e.write_unraisable(py, Some(on_done.bind(py)));
+        }
+    }));
 }
 
 /// A remote reference to a Python value (`tensorwire.rpc.RRef` wraps it): the agent's own
@@ -421,6 +503,26 @@ impl PyRRef {
             .map_err(|e| rpc_error(&e))?;
         runtime().spawn(async move { complete(on_done, future.await) });
         Ok(())
+    }
+
+    /// Copies the value from its owner as [`fetch`](Self::fetch) does and waits for it
+    /// without the GIL: returns the outcome `fetch` hands to `on_done` (for `to_here`, which
+    /// needs no future: the waiting thread takes the reply itself).
+    #[pyo3(signature = (timeout))]
+    fn fetch_wait<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let timeout = timeout.map(|t| duration("timeout", t)).transpose()?;
+        let future = {
+            let _runtime = runtime().enter();
+            self.rref
+                .rpc_async::<(), PyReply>(PY_FETCH, &(), timeout)
+                .map_err(|e| rpc_error(&e))?
+        };
+        let reply = wait(py, future)?;
+        Ok(outcome(py, reply))
     }
 
     /// The value, on its owner (waits without the GIL for a creation still running):
@@ -467,9 +569,7 @@ impl RpcAgent {
                 let serve = Arc::clone(&serve);
                 let caller = ctx.caller().name.clone();
                 async move {
-                    tokio::task::spawn_blocking(move || self::serve(&serve, caller, call))
-                        .await
-                        .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+                    crate::gil::on_python(move |py| self::serve(py, &serve, caller, call)).await?
                 }
             })
             .map_err(|e| rpc_error(&e))?;
@@ -478,20 +578,14 @@ impl RpcAgent {
                 let create = Arc::clone(&create);
                 let caller = ctx.caller().name.clone();
                 async move {
-                    tokio::task::spawn_blocking(move || self::create(&create, caller, call))
-                        .await
-                        .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+                    crate::gil::on_python(move |py| self::create(py, &create, caller, call)).await?
                 }
             })
             .map_err(|e| rpc_error(&e))?;
         functions
             .register_method(PY_FETCH, move |value: Arc<PyValue>, (): ()| {
                 let fetch = Arc::clone(&fetch);
-                async move {
-                    tokio::task::spawn_blocking(move || self::fetch(&fetch, &value))
-                        .await
-                        .map_err(|e| format!("the Python call ended abnormally: {e}"))?
-                }
+                async move { crate::gil::on_python(move |py| self::fetch(py, &fetch, &value)).await? }
             })
             .map_err(|e| rpc_error(&e))?;
         let options = RpcOptions::new()
@@ -566,6 +660,36 @@ impl RpcAgent {
         drop(call);
         runtime().spawn(async move { complete(on_done, future.await) });
         Ok(())
+    }
+
+    /// Calls `function` on worker `to` as [`call`](Self::call) does and waits for the reply
+    /// without the GIL: returns the outcome `call` hands to `on_done` (for `rpc_sync`, which
+    /// needs no future: the waiting thread takes the reply itself, one thread hand-over less).
+    #[pyo3(signature = (to, function, payload, tensors, timeout))]
+    fn call_wait<'py>(
+        &self,
+        py: Python<'py>,
+        to: &str,
+        function: String,
+        payload: &[u8],
+        tensors: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let timeout = timeout.map(|t| duration("timeout", t)).transpose()?;
+        let call = PyCall {
+            function,
+            payload: payload.to_vec(),
+            tensors: lend(tensors)?,
+        };
+        let future = {
+            let _runtime = runtime().enter();
+            self.agent
+                .rpc_async::<PyCall, PyReply>(to, PY_CALL, &call, timeout)
+                .map_err(|e| rpc_error(&e))?
+        };
+        drop(call);
+        let reply = wait(py, future)?;
+        Ok(outcome(py, reply))
     }
 
     /// Runs `function` on worker `to` as [`call`](Self::call) does, and keeps its result

@@ -112,6 +112,15 @@ class RpcAgent:
         on_done: Callable[[CallOutcome], None],
     ) -> None:
         """Sends a call; ``on_done(outcome)`` runs later on a thread of tensorwire's."""
+    def call_wait(
+        self,
+        to: str,
+        function: str,
+        payload: bytes,
+        tensors: list[torch.Tensor],
+        timeout: Optional[float],
+    ) -> CallOutcome:
+        """Sends a call and waits for its outcome without the GIL (``rpc_sync``)."""
     def remote(
         self,
         to: str,
@@ -133,5 +142,8 @@ class PyRRef:
     def confirmed_by_owner(self) -> bool: ...
     def fetch(self, timeout: Optional[float], on_done: Callable[[CallOutcome], None]) -> None:
         """Copies the value from its owner; ``on_done(outcome)`` runs later."""
+    def fetch_wait(self, timeout: Optional[float]) -> CallOutcome:
+        """Copies the value from its owner and waits for the outcome without the GIL
+        (``to_here``)."""
     def local_value(self) -> tuple:
         """On the owner: ``("returned", value)`` or ``("raised", type, message, traceback)``."""

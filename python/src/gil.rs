@@ -1,0 +1,88 @@
+//! Python work handed over by the runtime: calls to serve, replies to complete.
+//!
+//! Python may not run on a runtime worker (it would hold the worker while it waits for the GIL),
+//! so every such job runs on a blocking thread. Handing each job to a thread of its own
+//! (`spawn_blocking` per job) costs a thread wake-up and a GIL hand-over per job, and with many
+//! calls in flight the threads contend for the GIL. Here jobs queue up, and a *runner* (a
+//! blocking thread) takes the GIL once and runs the queued jobs one after another until none
+//! is left.
+//!
+//! A job may block (a served function that waits for an event, a future's callback that waits
+//! for another call). A runner that is running a job is busy, and a job submitted while no
+//! runner is ready (waiting for the GIL or between jobs) starts another runner: a queued job
+//! never waits behind a blocked one, as with a thread per job.
+
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Mutex, MutexGuard};
+
+use pyo3::Python;
+
+/// A piece of Python work: it runs with the GIL held, on a blocking thread.
+pub(crate) type Job = Box<dyn FnOnce(Python<'_>) + Send>;
+
+struct Queue {
+    jobs: VecDeque<Job>,
+    /// Runners that will look at the queue before running anything that may block.
+    ready: usize,
+}
+
+static QUEUE: Mutex<Queue> = Mutex::new(Queue {
+    jobs: VecDeque::new(),
+    ready: 0,
+});
+
+fn queue() -> MutexGuard<'static, Queue> {
+    // A job never runs under the lock, so a poisoned lock still guards consistent state.
+    QUEUE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Runs `job` with the GIL on a blocking thread, soon, in submission order with other jobs
+/// (jobs may overlap when one blocks). Callable from any thread.
+pub(crate) fn submit(job: Job) {
+    let start = {
+        let mut q = queue();
+        q.jobs.push_back(job);
+        let start = q.ready == 0;
+        if start {
+            q.ready += 1;
+        }
+        start
+    };
+    if start {
+        crate::runtime().spawn_blocking(run);
+    }
+}
+
+/// A runner: takes the GIL and runs jobs until the queue is empty.
+fn run() {
+    Python::attach(|py| loop {
+        let job = {
+            let mut q = queue();
+            q.ready -= 1;
+            match q.jobs.pop_front() {
+                Some(job) => job,
+                None => return,
+            }
+        };
+        // A job reports its own failures (a reply's callback, a call's sender); a panic in
+        // one must not take the runner's count with it.
+        if std::panic::catch_unwind(AssertUnwindSafe(|| job(py))).is_err() {
+            tracing::error!("a tensorwire.rpc job panicked");
+        }
+        queue().ready += 1;
+    })
+}
+
+/// Runs `f` as a job and waits for its result without holding a runtime worker. `Err` if the
+/// job did not complete (it panicked).
+pub(crate) async fn on_python<T: Send + 'static>(
+    f: impl FnOnce(Python<'_>) -> T + Send + 'static,
+) -> Result<T, String> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    submit(Box::new(move |py| {
+        let _ = tx.send(f(py));
+    }));
+    rx.await
+        .map_err(|_| "the Python call ended abnormally".to_owned())
+}
