@@ -294,12 +294,7 @@ def _call_raw(
     the future of the decoded result (the wire path every call takes)."""
     agent = _require_agent()
     worker = _worker_name(to, agent)
-    try:
-        callee = WorkerInfo(*agent.worker(worker))
-    except _native.TensorwireError as e:
-        raise _runtime_error(e) from e
-    fut, on_done = _future(worker, callee)
-
+    fut, on_done = _future(worker)
     try:
         agent.call(worker, function, payload, tensors, _timeout(timeout), on_done)
     except _native.TensorwireError as e:
@@ -332,7 +327,17 @@ def rpc_sync(
 ) -> Any:
     """Calls ``func(*args, **kwargs)`` on worker ``to`` and returns its result (see
     :func:`rpc_async`); raises the remote exception or the call's failure."""
-    return rpc_async(to, func, args, kwargs, timeout).wait()
+    # As rpc_async(...).wait(), without the future: this thread waits for the reply (the GIL
+    # released) and decodes it itself.
+    name = func if isinstance(func, str) else _exposed.qualified_name(func)
+    payload, tensors = _serialize.dumps((tuple(args or ()), dict(kwargs or {})))
+    agent = _require_agent()
+    worker = _worker_name(to, agent)
+    try:
+        outcome = agent.call_wait(worker, name, payload, tensors, _timeout(timeout))
+    except _native.TensorwireError as e:
+        raise _runtime_error(e) from e
+    return _decoded(outcome, worker, _trusted)
 
 
 def _run(caller: str, function: str, payload: bytes, buffers: list) -> Any:
@@ -397,28 +402,45 @@ def _fetch(value: Any) -> tuple:
         return _raised(e)
 
 
-def _future(worker: str, callee: WorkerInfo) -> tuple[torch.futures.Future, Callable[[Any], None]]:
+def _worker_info(worker: str) -> Union[WorkerInfo, str]:
+    """The ``WorkerInfo`` of the worker named ``worker`` for a message (its name if this
+    worker no longer knows it)."""
+    agent = _agent
+    if agent is not None:
+        try:
+            return WorkerInfo(*agent.worker(worker))
+        except _native.TensorwireError:
+            pass
+    return worker
+
+
+def _decoded(outcome: Any, worker: str, trusted: bool, callee: Optional[WorkerInfo] = None) -> Any:
+    """The value of a native outcome (see ``_native.CallOutcome``), or raises the call's
+    failure or the remote exception (``callee``: the worker named in its message, looked up
+    when needed)."""
+    if isinstance(outcome, BaseException):
+        raise _runtime_error(outcome)
+    if outcome[0] == "returned":
+        return _serialize.loads(outcome[1], outcome[2], trusted=trusted, origin=worker)
+    where = callee if callee is not None else _worker_info(worker)
+    raise _remote_exception(where, outcome[1], outcome[2], outcome[3])
+
+
+def _future(
+    worker: str, callee: Optional[WorkerInfo] = None
+) -> tuple[torch.futures.Future, Callable[[Any], None]]:
     """A future and the ``on_done`` that completes it from a native outcome."""
     fut: torch.futures.Future = torch.futures.Future()
     trusted = _trusted
 
     def on_done(outcome: Any) -> None:
         try:
-            if isinstance(outcome, BaseException):
-                result: Any = _runtime_error(outcome)
-            elif outcome[0] == "returned":
-                try:
-                    value = _serialize.loads(
-                        outcome[1], outcome[2], trusted=trusted, origin=worker
-                    )
-                except Exception as e:
-                    result = e
-                else:
-                    fut.set_result(value)
-                    return
+            try:
+                value = _decoded(outcome, worker, trusted, callee)
+            except Exception as e:
+                fut.set_exception(e)
             else:
-                result = _remote_exception(callee, outcome[1], outcome[2], outcome[3])
-            fut.set_exception(result)
+                fut.set_result(value)
         except Exception as e:  # noqa: BLE001 - the future must complete
             if not fut.done():
                 fut.set_exception(e)
@@ -481,7 +503,12 @@ class RRef:
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """A copy of the value, pickled on its owner now (the value itself on the owner is
         :meth:`local_value`); raises the exception the creating function raised."""
-        return self._fetch_async(timeout).wait()
+        owner = self.owner()
+        try:
+            outcome = self._native.fetch_wait(_timeout(timeout))
+        except _native.TensorwireError as e:
+            raise _runtime_error(e) from e
+        return _decoded(outcome, owner.name, _trusted, owner)
 
     def __reduce__(self):
         raise TypeError("tensorwire.rpc does not send RRefs inside arguments or results yet")
