@@ -8,9 +8,12 @@
 //! is left.
 //!
 //! A job may block (a served function that waits for an event, a future's callback that waits
-//! for another call). A runner that is running a job is busy, and a job submitted while no
-//! runner is ready (waiting for the GIL or between jobs) starts another runner: a queued job
-//! never waits behind a blocked one, as with a thread per job.
+//! for another call, perhaps one queued behind it). So a runner that is running a job is busy,
+//! and the queue keeps this invariant: while jobs are queued, at least one runner is *ready*
+//! (waiting for the GIL, or between jobs, about to take the next). A job submitted while no
+//! runner is ready starts one, and so does a runner that takes a job and leaves others queued
+//! with no runner ready: a queued job never waits behind a blocked one, as with a thread per
+//! job.
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -60,10 +63,15 @@ fn run() {
         let job = {
             let mut q = queue();
             q.ready -= 1;
-            match q.jobs.pop_front() {
-                Some(job) => job,
-                None => return,
+            let Some(job) = q.jobs.pop_front() else {
+                return;
+            };
+            if !q.jobs.is_empty() && q.ready == 0 {
+                // This runner is busy from now on: the jobs behind this one need another.
+                q.ready += 1;
+                crate::runtime().spawn_blocking(run);
             }
+            job
         };
         // A job reports its own failures (a reply's callback, a call's sender); a panic in
         // one must not take the runner's count with it.

@@ -1,0 +1,72 @@
+"""Python work that blocks never holds up work queued behind it: a served function that waits
+for a call arriving right after it, and a future's callback that waits for another reply
+(tensorwire runs served calls and reply completions as queued jobs; see python/src/gil.rs)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import tensorwire.rpc as rpc
+from harness import run_world
+
+ROUNDS = 30
+
+_events: dict[int, threading.Event] = {}
+_events_lock = threading.Lock()
+
+
+def _event(key: int) -> threading.Event:
+    with _events_lock:
+        return _events.setdefault(key, threading.Event())
+
+
+@rpc.expose
+def wait_for(key: int) -> int:
+    # Blocks this served call until the call that sets `key` has run.
+    assert _event(key).wait(60), f"event {key} was never set: the call setting it did not run"
+    return key
+
+
+@rpc.expose
+def set_event(key: int) -> None:
+    _event(key).set()
+
+
+@rpc.expose
+def plus_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def _world(rank: int, world: int) -> None:
+    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=60)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+    if rank == 0:
+        # Served calls: the blocking one and the one that releases it leave back to back, so
+        # they often queue together on the callee.
+        for key in range(ROUNDS):
+            blocked = rpc.rpc_async("worker1", wait_for, args=(key,))
+            releasing = rpc.rpc_async("worker1", set_event, args=(key,))
+            assert releasing.wait() is None
+            assert blocked.wait() == key
+
+        # Completions: a callback of one reply waits for another reply that arrives with it.
+        for i in range(ROUNDS):
+            first = rpc.rpc_async("worker1", plus_one, args=(torch.tensor([i]),))
+            second = rpc.rpc_async("worker1", plus_one, args=(torch.tensor([i + 100]),))
+            seen: list = []
+            done = threading.Event()
+
+            def callback(f: torch.futures.Future, second=second, seen=seen, done=done) -> None:
+                seen.append((f.value().item(), second.wait().item()))
+                done.set()
+
+            first.then(callback)
+            assert done.wait(60), f"round {i}: the callback waiting for the second reply never finished"
+            assert seen == [(i + 1, i + 101)]
+    rpc.shutdown()
+
+
+def test_blocked_python_work_never_holds_up_work_queued_behind_it():
+    run_world(_world, 2)
