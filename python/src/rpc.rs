@@ -676,6 +676,14 @@ fn device_options(
     Ok(options)
 }
 
+/// Checks a worker name against the naming rule (PyTorch's: `A-Z a-z 0-9 _ : -`, non-empty,
+/// shorter than 128): `TensorwireError("argument", why)` if it breaks it.
+#[pyfunction]
+pub(crate) fn check_worker_name(name: &str) -> PyResult<()> {
+    tensorwire_core::name::check_worker_name(name)
+        .map_err(|e| TensorwireError::new_err(("argument", e.to_string(), Vec::<usize>::new())))
+}
+
 /// This process's RPC agent, as `tensorwire.rpc` holds it.
 #[pyclass(module = "tensorwire._native", frozen)]
 pub(crate) struct RpcAgent {

@@ -47,6 +47,8 @@ callee, :func:`_serve` / :func:`_create` decode them (:func:`_decode_call`), run
 
 from __future__ import annotations
 
+import enum
+import inspect
 import os
 import threading
 import traceback
@@ -84,24 +86,57 @@ __all__ = [
     "get_rpc_timeout",
     "UNSET_RPC_TIMEOUT",
     "DEFAULT_RPC_TIMEOUT_SEC",
+    "RpcBackendOptions",
+    "constants",
 ]
 
-#: A call's timeout argument that means "the agent's default" (PyTorch's value).
-UNSET_RPC_TIMEOUT: float = -1.0
-#: The default call timeout (PyTorch's).
-DEFAULT_RPC_TIMEOUT_SEC: float = 60.0
-#: How long ``init_rpc`` waits for the whole group.
-DEFAULT_INIT_TIMEOUT_SEC: float = 300.0
+from tensorwire.rpc import constants
+from tensorwire.rpc.constants import (
+    DEFAULT_INIT_TIMEOUT_SEC,
+    DEFAULT_RPC_TIMEOUT_SEC,
+    UNSET_RPC_TIMEOUT,
+)
+
 #: The bound on a graceful shutdown given ``timeout=0`` (PyTorch's default argument).
-DEFAULT_SHUTDOWN_TIMEOUT_SEC: float = 300.0
+DEFAULT_SHUTDOWN_TIMEOUT_SEC: float = constants.DEFAULT_SHUTDOWN_TIMEOUT
 
 
-class BackendType:
+class BackendType(enum.Enum):
     """The backends ``init_rpc`` accepts: ``TENSORPIPE`` (PyTorch's name, kept so that code
-    naming it runs) and ``TCP`` both mean tensorwire's TCP agent (shared memory on one host)."""
+    naming it runs) and ``TCP`` both mean tensorwire's TCP agent (shared memory on one host).
+    PyTorch's own ``torch.distributed.rpc.BackendType.TENSORPIPE`` is accepted as well."""
 
     TENSORPIPE = "TENSORPIPE"
     TCP = "TCP"
+
+
+class RpcBackendOptions:
+    """The base of backend options (PyTorch's ``RpcBackendOptions``): ``init_method`` and
+    ``rpc_timeout``."""
+
+    def __init__(self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC, init_method: str = "env://"):
+        self.rpc_timeout = rpc_timeout
+        self.init_method = init_method
+
+
+def _is_backend_options(options: Any) -> bool:
+    if isinstance(options, RpcBackendOptions):
+        return True
+    try:
+        from torch.distributed.rpc import RpcBackendOptions as TorchOptions
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(options, TorchOptions)
+
+
+def _is_tensorpipe_options(options: Any) -> bool:
+    if isinstance(options, TensorPipeRpcBackendOptions):
+        return True
+    try:
+        from torch.distributed.rpc import TensorPipeRpcBackendOptions as TorchOptions
+    except ImportError:
+        return False
+    return isinstance(options, TorchOptions)
 
 
 def _to_device_map(device_map: dict) -> dict[torch.device, torch.device]:
@@ -130,7 +165,7 @@ def _to_device(device: Any) -> torch.device:
     return device
 
 
-class TensorPipeRpcBackendOptions:
+class TensorPipeRpcBackendOptions(RpcBackendOptions):
     """The options of ``init_rpc``, with the fields of PyTorch's class of this name (an object
     of PyTorch's own class works as well):
 
@@ -157,9 +192,8 @@ class TensorPipeRpcBackendOptions:
         _transports: Any = None,
         _channels: Any = None,
     ):
+        super().__init__(rpc_timeout=rpc_timeout, init_method=init_method)
         self.num_worker_threads = num_worker_threads
-        self.rpc_timeout = rpc_timeout
-        self.init_method = init_method
         self.device_maps: dict[str, dict[torch.device, torch.device]] = {
             to: _to_device_map(m) for to, m in (device_maps or {}).items()
         }
@@ -231,9 +265,21 @@ def init_rpc(
     """
     global _agent, _trusted, _me
     if backend is not None:
-        backend_name = getattr(backend, "name", backend)
-        if str(backend_name) not in (BackendType.TENSORPIPE, BackendType.TCP):
-            raise ValueError(f"tensorwire.rpc has no backend {backend!r}; use TENSORPIPE or TCP")
+        # PyTorch's enum of the same name works as well.
+        if not (isinstance(backend, enum.Enum) and type(backend).__name__ == "BackendType"):
+            raise TypeError(
+                f"Argument backend must be a member of BackendType, but got {type(backend).__name__}"
+            )
+        if backend.name not in BackendType.__members__:
+            raise ValueError(f"tensorwire.rpc has no backend {backend.name}; use TENSORPIPE or TCP")
+    if rpc_backend_options is not None:
+        if not _is_backend_options(rpc_backend_options):
+            raise TypeError(
+                "Argument rpc_backend_options must be an instance of RpcBackendOptions, but got "
+                f"{type(rpc_backend_options).__name__}"
+            )
+        if backend is None and not _is_tensorpipe_options(rpc_backend_options):
+            raise TypeError(f"Could not infer backend for options {rpc_backend_options}")
     if rank is None or rank < 0:
         try:
             rank = int(os.environ["RANK"])
@@ -314,7 +360,10 @@ def get_worker_info(worker_name: Optional[str] = None) -> WorkerInfo:
     try:
         return WorkerInfo(*agent.worker(worker_name))
     except _native.TensorwireError as e:
-        raise _runtime_error(e) from e
+        raise RuntimeError(
+            f"Unknown destination worker {worker_name}: could not find destination "
+            f"({e.args[1]})"
+        ) from e
 
 
 def _worker_name(to: Union[str, int, WorkerInfo], agent: _native.RpcAgent) -> str:
@@ -326,8 +375,8 @@ def _worker_name(to: Union[str, int, WorkerInfo], agent: _native.RpcAgent) -> st
         for name, id in agent.workers():
             if id == to:
                 return name
-        raise ValueError(f"unknown worker id {to}")
-    raise TypeError(f"a call's destination is a worker name, id or WorkerInfo, not {to!r}")
+        raise RuntimeError(f"Unknown destination worker id {to}")
+    raise ValueError(f"Cannot get WorkerInfo from name {to!r}: give a worker name, id or WorkerInfo")
 
 
 def _timeout(timeout: Optional[float]) -> Optional[float]:
@@ -414,6 +463,16 @@ def _function_name(func: Union[Callable[..., Any], str]) -> str:
     return func if isinstance(func, str) else _exposed.qualified_name(func)
 
 
+def _bind(func: Any, args: Optional[tuple]) -> tuple[Any, tuple]:
+    """A method bound to an instance travels as its class's function with the instance as
+    the first argument (the instance's class must be exposed on the callee, as any value's);
+    a class method travels as itself."""
+    owner = getattr(func, "__self__", None)
+    if inspect.ismethod(func) and not isinstance(owner, type):
+        return func.__func__, (owner, *(args or ()))
+    return func, tuple(args or ())
+
+
 def rpc_async(
     to: Union[str, int, WorkerInfo],
     func: Union[Callable[..., Any], str],
@@ -426,6 +485,7 @@ def rpc_async(
     ``func`` is a function exposed on the callee, one of :data:`DEFAULT_EXPOSED_TORCH_OPS`,
     or its qualified name. ``timeout`` in seconds; ``0``: none; negative: the default.
     ``RRef`` arguments are forked for the callee."""
+    func, args = _bind(func, args)
     return _send(to, _function_name(func), _encode(args, kwargs), timeout)
 
 
@@ -453,6 +513,7 @@ def remote(
     raised by ``to_here`` and ``local_value``."""
     agent = _require_agent()
     worker = _worker_name(to, agent)
+    func, args = _bind(func, args)
     payload, tensors, rrefs = _encode(args, kwargs)
     try:
         native = agent.remote(worker, _function_name(func), payload, tensors, rrefs, _timeout(timeout))
@@ -532,7 +593,7 @@ def _invoke(
     result = fn(*args, **kwargs)
     if not functions.is_async_execution(fn):
         return result, False
-    if not isinstance(result, torch.futures.Future):
+    if not isinstance(result, torch._C.Future):
         raise RuntimeError(
             "Functions decorated with @rpc.async_function must return a "
             f"torch.futures.Future object, but got {type(result)}"

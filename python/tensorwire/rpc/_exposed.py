@@ -27,7 +27,7 @@ DEFAULT_EXPOSED_TORCH_OPS: tuple[str, ...] = (
     "cat", "stack", "sum", "mean", "prod", "cumsum", "argmax", "argmin", "eq", "ne", "lt",
     "le", "gt", "ge", "equal", "allclose", "isclose", "where", "clone", "ones", "zeros",
     "ones_like", "zeros_like", "full", "full_like", "empty", "arange", "linspace", "eye",
-    "tensor",
+    "tensor", "nonzero",
 )
 
 #: The methods of a tensor held in an ``RRef`` that peers may call through the proxies
@@ -148,6 +148,9 @@ def resolve_method(target: Any, name: str, worker: str) -> Callable[..., Any]:
     ``target``'s class is exposed (a public method), or ``target`` is a tensor and ``name`` one
     of :data:`DEFAULT_EXPOSED_TENSOR_METHODS`."""
     cls = type(target)
+    if not hasattr(target, name):
+        # As Python (and PyTorch's proxy) says it: nothing is run.
+        raise AttributeError(f"'{cls.__name__}' object has no attribute '{name}'")
     allowed = False
     if not name.startswith("_"):
         if isinstance(target, torch.Tensor):
@@ -166,6 +169,15 @@ def resolve_method(target: Any, name: str, worker: str) -> Callable[..., Any]:
             "(tensorwire.rpc.DEFAULT_EXPOSED_TENSOR_METHODS)"
         )
     return method
+
+
+def exposed_callable(name: str) -> Callable[..., Any] | None:
+    """The exposed function (or public method of an exposed class) called ``name``, if any:
+    what :func:`resolve_function` finds, without raising."""
+    try:
+        return resolve_function(name, "")
+    except RefusedError:
+        return None
 
 
 def exception_type(name: str) -> type[BaseException] | None:

@@ -13,8 +13,8 @@ anywhere else fails, as in PyTorch.
 
 Decoding is allow-listed: a pickle may name only safe builtin containers and scalars, the
 globals torch's ``weights_only`` loading allows (``torch._weights_only_unpickler`` and
-``torch.serialization.add_safe_globals``), tensorwire.rpc's own types, and the classes this
-worker exposed. Anything else is refused before it is looked up, so loading a hostile pickle
+``torch.serialization.add_safe_globals``), tensorwire.rpc's own types, and the classes and
+functions this worker exposed (a function passed as a value is one peers may call anyway). Anything else is refused before it is looked up, so loading a hostile pickle
 runs nothing (``trust_peers=True`` at ``init_rpc`` lifts the allow-list, as PyTorch's RPC
 does).
 """
@@ -161,6 +161,10 @@ class _Unpickler(pickle.Unpickler):
             found = _own_types().get(full)
         if found is None:
             found = _exposed.exposed_class(full)
+        if found is None:
+            # A function passed as a value (``rpc_sync(to, apply, args=(Cls.method, rref))``):
+            # only one peers may call here anyway.
+            found = _exposed.exposed_callable(full)
         if found is None:
             raise RefusedError(
                 f"refused to unpickle {full} from {self._origin}: it is neither a safe builtin, "
