@@ -555,6 +555,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rpc::RpcAgent>()?;
     m.add_class::<rpc::WireBuffer>()?;
     m.add_class::<rpc::PyRRef>()?;
+    m.add_class::<rpc::Settler>()?;
+    m.add_function(wrap_pyfunction!(rpc::check_worker_name, m)?)?;
     m.add("TensorwireError", m.py().get_type::<TensorwireError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
