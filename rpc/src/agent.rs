@@ -300,11 +300,6 @@ impl Agent {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// "rank 2 (w2)".
-    pub(crate) fn describe(&self, rank: usize) -> String {
-        format!("rank {rank} ({})", self.name_of(rank as WorkerId))
-    }
-
     /// Worker `id`, named as [`name_of`](Self::name_of) does.
     pub(crate) fn worker(&self, id: WorkerId) -> WorkerInfo {
         WorkerInfo {
@@ -932,13 +927,12 @@ impl Agent {
             } => RpcError::Timeout {
                 what: what.to_owned(),
                 after,
-                waiting_for: Some(
+                waiting_for: Some(crate::error::WaitingFor::Workers(
                     waiting_on
                         .iter()
-                        .map(|r| self.describe(*r))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                ),
+                        .map(|r| self.worker(*r as WorkerId))
+                        .collect(),
+                )),
             },
             ProcessGroupError::ShutDown => RpcError::NotRunning,
             other => RpcError::ProcessGroup(other),

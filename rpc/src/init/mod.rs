@@ -112,7 +112,3 @@ pub async fn start_agent(
     info!(worker = %agent.inner.me, world_size, took = ?runtime.now().saturating_duration_since(started), "RPC agent started");
     Ok(agent)
 }
-
-pub(crate) fn rank_only(rank: usize) -> String {
-    format!("rank {rank}")
-}

@@ -16,8 +16,8 @@ use tensorwire_process_group::{
     CollectivesExt, FrameSink, Group, GroupOptions, PeerEnd, Rendezvous,
 };
 
-use crate::error::RpcError;
-use crate::init::{advertise_ip, rank_only};
+use crate::error::{RpcError, WaitingFor};
+use crate::init::advertise_ip;
 use crate::links;
 use crate::options::RpcOptions;
 use crate::state::WorkerRecord;
@@ -126,13 +126,9 @@ fn init_error(e: ProcessGroupError, what: &str, after: Duration) -> RpcError {
     RpcError::Timeout {
         what: format!("init_rpc: {what}"),
         after,
-        waiting_for: Some(
-            waiting_on
-                .iter()
-                .map(|r| rank_only(*r))
-                .collect::<Vec<_>>()
-                .join(", "),
-        ),
+        waiting_for: Some(WaitingFor::Ranks(
+            waiting_on.iter().map(|r| *r as WorkerId).collect(),
+        )),
     }
 }
 
