@@ -265,11 +265,12 @@ pub(crate) fn send(
         }
         None => (None, vec![], vec![]),
     };
-    let header = match postcard::to_allocvec(&Envelope {
+    let envelope = Envelope {
         header: t.header,
         target,
         tensors: metas,
-    }) {
+    };
+    let header = match envelope.encode() {
         Ok(h) => h,
         Err(e) => {
             warn!("cannot encode a message header: {e}");

@@ -140,7 +140,7 @@ impl Faults {
         if frame.kind != FrameKind::Message {
             return None;
         }
-        let envelope: Envelope = postcard::from_bytes(&frame.header).ok()?;
+        let envelope = Envelope::decode(&frame.header).ok()?;
         let kind = MessageKind::of(&envelope.header)?;
         let mut left = self.left.lock().unwrap_or_else(PoisonError::into_inner);
         let fault = left.iter_mut().find(|f| f.kind == kind && f.count > 0)?;
