@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tensorwire_core::budget::Budget;
 use tensorwire_core::collective::inbox::{Admission, InboxLimits};
 use tensorwire_core::ports::process_group::ProcessGroupError;
 use tensorwire_core::ports::store::Store;
@@ -37,6 +38,10 @@ pub struct MeshSetup<'a> {
     pub timeout: Duration,
     /// What a peer may make this rank hold in its collective inboxes.
     pub limits: InboxLimits,
+    /// The memory budget each peer's messages draw from (shared with the rest of what a peer
+    /// makes this worker hold: see [`tensorwire_core::budget`]). The frame being received
+    /// from each peer draws from it too (`Connection::bill_to`).
+    pub budget: Budget,
 }
 
 impl Mesh {
@@ -55,6 +60,7 @@ impl Mesh {
             listen,
             timeout,
             limits,
+            budget,
         } = setup;
         let setup_err = |reason: String| ProcessGroupError::Setup { rank, reason };
         if rank >= world {
@@ -242,10 +248,15 @@ impl Mesh {
             rank,
             peers: conns
                 .into_iter()
-                .map(|c| {
-                    c.map(|conn| PeerLink {
-                        conn,
-                        inbox: Inbox::new(),
+                .enumerate()
+                .map(|(peer, c)| {
+                    c.map(|conn| {
+                        let account = budget.account(peer as u32);
+                        conn.bill_to(account.clone());
+                        PeerLink {
+                            conn,
+                            inbox: Inbox::new(account),
+                        }
                     })
                 })
                 .collect(),

@@ -37,6 +37,10 @@ impl Group {
             listen: options.listen,
             timeout: options.timeout,
             limits: options.inbox_limits,
+            budget: options
+                .budget
+                .clone()
+                .unwrap_or_else(|| tensorwire_core::budget::Budget::new(options.peer_budget)),
         })
         .instrument(span)
         .await?;
