@@ -233,13 +233,22 @@ impl<B: Payload> Endpoint<B> {
                 parked.add(from, id);
             }
         }
-        let charged = self
-            .records_charged
-            .iter()
-            .all(|(&peer, &bytes)| bytes == self.records_bytes(peer) && bytes > 0);
-        let held = |peer| self.budget.held(peer).records;
-        let every_peer_charged =
-            (0..64).all(|peer| peer == self.me || held(peer) == self.records_bytes(peer));
+        // Every peer's charge is what its records hold, in the budget too.
+        let charged = self.records_charged.iter().all(|(&peer, &bytes)| {
+            bytes > 0
+                && bytes == self.records_bytes(peer)
+                && self.budget.held(peer).records == bytes
+        });
+        let every_peer_charged = self
+            .seen_control
+            .keys()
+            .chain(self.references.keys())
+            .chain(self.placeholders.keys())
+            .all(|peer| {
+                *peer == self.me
+                    || self.records_bytes(*peer)
+                        == self.records_charged.get(peer).copied().unwrap_or(0)
+            });
         placeholders == self.placeholders && parked == self.parked && charged && every_peer_charged
     }
 }
