@@ -244,6 +244,10 @@ impl Connection for FaultyConnection {
         self.inner.check_peer_name(name)
     }
 
+    fn bill_to(&self, account: tensorwire_core::budget::Account) {
+        self.inner.bill_to(account);
+    }
+
     fn cheap_sends(&self) -> bool {
         self.inner.cheap_sends()
     }

@@ -72,6 +72,7 @@ pub(crate) async fn join(
         std::slice::from_ref(&record),
         &rdv,
         &options,
+        tensorwire_core::budget::Budget::new(options.endpoint.peer_budget),
     );
     {
         let mut st = dyn_state(&agent);

@@ -33,12 +33,15 @@ pub(crate) async fn join_static(
     rank: usize,
     world_size: usize,
     options: &RpcOptions,
+    budget: &tensorwire_core::budget::Budget,
 ) -> Result<(Group, Vec<WorkerRecord>), RpcError> {
     let ip = advertise_ip(options)?;
+    // The world group's inboxes and readers draw from the agent's budget: one per peer.
     let group_options = GroupOptions::new(RPC_GROUP)
         .with_listen(SocketAddr::new(ip, 0))
         .with_timeout(options.init_timeout)
-        .with_runtime(options.runtime.clone());
+        .with_runtime(options.runtime.clone())
+        .with_budget(budget.clone());
     let group = Group::connect(
         Arc::clone(&rdv.store),
         transport,
