@@ -23,6 +23,7 @@ use tensorwire_core::protocol::CallError;
 use tensorwire_core::tensor::{DType, Storage, Tensor};
 use tensorwire_rpc::{Agent, CallContext, Functions, RRef, RpcError, RpcOptions, Shutdown};
 
+use crate::autograd::PyDistAutograd;
 use crate::{runtime, TensorwireError};
 
 /// The name of the one function every Python call goes through.
@@ -39,16 +40,16 @@ pub(crate) const PY_FETCH: &str = "tensorwire.py_fetch";
 /// A Python call as it travels: what to run and its pickled arguments, with the tensors the
 /// pickle refers to by index.
 #[derive(Serialize, Deserialize)]
-struct PyCall {
-    function: String,
-    payload: Vec<u8>,
-    tensors: Vec<Tensor>,
+pub(crate) struct PyCall {
+    pub(crate) function: String,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) tensors: Vec<Tensor>,
 }
 
 /// What a Python call ended with: a pickled value (with its tensors), or the exception the
 /// function raised (its type's qualified name, its message and the remote traceback's text).
 #[derive(Serialize, Deserialize)]
-enum PyReply {
+pub(crate) enum PyReply {
     Returned {
         payload: Vec<u8>,
         tensors: Vec<Tensor>,
@@ -62,7 +63,7 @@ enum PyReply {
 
 /// What a remote reference's owner keeps for `remote()`: the Python object the function
 /// returned, or the exception it raised (raised again by every `to_here` and `local_value`).
-enum PyValue {
+pub(crate) enum PyValue {
     Object(Py<PyAny>),
     Raised {
         exc_type: String,
@@ -84,7 +85,7 @@ impl Serialize for PyValue {
 impl PyValue {
     /// The value as the Python layer sees it: `("returned", object)` or `("raised", type,
     /// message, traceback)`.
-    fn outcome<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    pub(crate) fn outcome<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         match self {
             PyValue::Object(o) => ("returned", o.clone_ref(py))
                 .into_pyobject(py)
@@ -122,21 +123,26 @@ impl AsRef<[u8]> for Lent {
 
 /// The tensors of a pickle, as the sidecar carries them: each a byte blob (dtype and shape
 /// travel in the pickle). The Python layer hands contiguous CPU tensors only.
-fn lend(tensors: &Bound<'_, PyList>) -> PyResult<Vec<Tensor>> {
+pub(crate) fn lend(tensors: &Bound<'_, PyList>) -> PyResult<Vec<Tensor>> {
     tensors
         .iter()
         .map(|t| {
-            let ptr: usize = t.call_method0("data_ptr")?.extract()?;
-            let len: usize = t.getattr("nbytes")?.extract()?;
-            let bytes = Bytes::from_owner(Lent {
-                ptr,
-                len,
-                _tensor: t.unbind(),
-            });
-            Tensor::new(DType::U8, vec![len], Storage::Host(bytes))
+            let bytes = lent_bytes(t)?;
+            Tensor::new(DType::U8, vec![bytes.len()], Storage::Host(bytes))
                 .map_err(|e| PyValueError::new_err(e.to_string()))
         })
         .collect()
+}
+
+/// The storage of one contiguous CPU tensor, lent without a copy (see [`Lent`]).
+pub(crate) fn lent_bytes(t: Bound<'_, PyAny>) -> PyResult<Bytes> {
+    let ptr: usize = t.call_method0("data_ptr")?.extract()?;
+    let len: usize = t.getattr("nbytes")?.extract()?;
+    Ok(Bytes::from_owner(Lent {
+        ptr,
+        len,
+        _tensor: t.unbind(),
+    }))
 }
 
 /// Received tensor bytes as a writable Python buffer (`torch.frombuffer` takes it without a
@@ -150,7 +156,7 @@ pub(crate) struct WireBuffer {
 }
 
 impl WireBuffer {
-    fn new(bytes: Bytes) -> WireBuffer {
+    pub(crate) fn new(bytes: Bytes) -> WireBuffer {
         let mut owner = match bytes.try_into_mut() {
             // 16: the alignment of any element type torch computes with.
             Ok(unique) if (unique.as_ptr() as usize).is_multiple_of(16) => unique,
@@ -199,7 +205,7 @@ impl WireBuffer {
     }
 }
 
-fn buffers<'py>(py: Python<'py>, tensors: Vec<Tensor>) -> PyResult<Bound<'py, PyList>> {
+pub(crate) fn buffers<'py>(py: Python<'py>, tensors: Vec<Tensor>) -> PyResult<Bound<'py, PyList>> {
     let mut out = Vec::with_capacity(tensors.len());
     for t in tensors {
         let bytes = t.host_bytes().cloned().ok_or_else(|| {
@@ -216,7 +222,7 @@ fn buffers<'py>(py: Python<'py>, tensors: Vec<Tensor>) -> PyResult<Bound<'py, Py
 }
 
 /// The exception for a failed call or setup: `TensorwireError(kind, message, ranks)`.
-fn rpc_error(e: &RpcError) -> PyErr {
+pub(crate) fn rpc_error(e: &RpcError) -> PyErr {
     let kind = match e {
         RpcError::Call { source, .. } => match source {
             CallError::Timeout { .. } => "timeout",
@@ -238,7 +244,7 @@ fn rpc_error(e: &RpcError) -> PyErr {
 
 /// Runs `future` on the runtime and waits for it without the GIL, from any thread (also a
 /// blocking thread of the runtime's own, where `block_on` may not be used).
-fn wait<T: Send + 'static>(
+pub(crate) fn wait<T: Send + 'static>(
     py: Python<'_>,
     future: impl std::future::Future<Output = T> + Send + 'static,
 ) -> PyResult<T> {
@@ -255,7 +261,7 @@ fn wait<T: Send + 'static>(
     })
 }
 
-fn duration(what: &str, seconds: f64) -> PyResult<Duration> {
+pub(crate) fn duration(what: &str, seconds: f64) -> PyResult<Duration> {
     if !(seconds.is_finite() && seconds >= 0.0) {
         return Err(PyValueError::new_err(format!(
             "{what} must be a non-negative number of seconds, not {seconds}"
@@ -341,7 +347,7 @@ fn fetch(fetch: &Py<PyAny>, value: &PyValue) -> Result<PyReply, String> {
 
 /// The Python layer's `("returned", payload, tensors)` or `("raised", type, message,
 /// traceback)` as a reply.
-fn reply(out: &Bound<'_, PyAny>) -> PyResult<PyReply> {
+pub(crate) fn reply(out: &Bound<'_, PyAny>) -> PyResult<PyReply> {
     let out = out.cast::<PyTuple>()?;
     let tag: String = out.get_item(0)?.extract()?;
     if tag == "returned" {
@@ -358,7 +364,7 @@ fn reply(out: &Bound<'_, PyAny>) -> PyResult<PyReply> {
 }
 
 /// Hands `reply` (or the call's failure) to `on_done` with the GIL, on a blocking thread.
-fn complete(on_done: Py<PyAny>, reply: Result<PyReply, RpcError>) {
+pub(crate) fn complete(on_done: Py<PyAny>, reply: Result<PyReply, RpcError>) {
     tokio::task::spawn_blocking(move || {
         Python::attach(|py| {
             let outcome = match reply {
@@ -388,7 +394,7 @@ fn complete(on_done: Py<PyAny>, reply: Result<PyReply, RpcError>) {
 /// reference, counted by its owner.
 #[pyclass(module = "tensorwire._native", frozen)]
 pub(crate) struct PyRRef {
-    rref: RRef<PyValue>,
+    pub(crate) rref: RRef<PyValue>,
 }
 
 #[pymethods]
@@ -437,6 +443,8 @@ impl PyRRef {
 #[pyclass(module = "tensorwire._native", frozen)]
 pub(crate) struct RpcAgent {
     agent: Agent,
+    /// Distributed autograd on this agent (`tensorwire.rpc.dist_autograd`).
+    autograd: Py<PyDistAutograd>,
 }
 
 #[pymethods]
@@ -499,11 +507,20 @@ impl RpcAgent {
             .with_rpc_timeout(duration("rpc_timeout", rpc_timeout)?)
             .with_init_method(init_method)
             .with_init_timeout(duration("init_timeout", init_timeout)?);
-        let agent = wait(py, async move {
-            tensorwire_rpc::init_rpc(&name, rank, world_size, options).await
+        let (agent, autograd) = wait(py, async move {
+            let agent = tensorwire_rpc::init_rpc(&name, rank, world_size, options).await?;
+            // Right away, before a peer can call in a context.
+            let autograd = crate::autograd::start(&agent)?;
+            Ok::<_, RpcError>((agent, autograd))
         })?
         .map_err(|e| rpc_error(&e))?;
-        Ok(RpcAgent { agent })
+        let autograd = Py::new(py, PyDistAutograd::new(autograd))?;
+        Ok(RpcAgent { agent, autograd })
+    }
+
+    /// Distributed autograd on this agent.
+    fn dist_autograd(&self, py: Python<'_>) -> Py<PyDistAutograd> {
+        self.autograd.clone_ref(py)
     }
 
     /// This worker: `(name, id)`.
