@@ -42,7 +42,8 @@ use tensorwire_dist_autograd::{AutogradContext, DistAutograd, DistAutogradError}
 use tensorwire_rpc::{Agent, RpcError};
 
 use crate::rpc::{
-    buffers, duration, lend, lent_bytes, rpc_error, wait, PyCall, PyRRef, PyValue, WireBuffer,
+    buffers, duration, lend, lent_bytes, reply, rpc_error, wait, PyCall, PyRRef, PyReply, PyValue,
+    WireBuffer,
 };
 use crate::{runtime, TensorwireError};
 
@@ -52,6 +53,13 @@ const PY_FN: &str = "tensorwire.py_call";
 const PY_REMOTE: &str = "tensorwire.py_remote";
 /// The method that fetches a reference's value into a context (`to_here()` in a context).
 const PY_FETCH: &str = "tensorwire.py_fetch";
+
+/// The method that runs one of tensorwire's own owner-side functions on a reference's value
+/// (the distributed optimizer hands its parameters to their owners' optimizers with it).
+const PY_OWNER_CALL: &str = "tensorwire.py_owner_call";
+
+/// The barrier of a static group's workers once distributed autograd is set up on each.
+pub(crate) const READY_BARRIER: &str = "tensorwire.dist_autograd.ready";
 
 /// The Python module that holds the engine's operations and serves calls made in a context.
 const ENGINE_MODULE: &str = "tensorwire.rpc._autograd_engine";
@@ -452,6 +460,41 @@ fn register(dist: &DistAutograd<TorchEngine>) -> Result<(), RpcError> {
             .map_err(|e| format!("the Python call ended abnormally: {e}"))?
         },
     )?;
+    dist.agent().functions().register_method(
+        PY_OWNER_CALL,
+        |value: Arc<PyValue>, call: PyCall| async move {
+            tokio::task::spawn_blocking(move || {
+                Python::attach(|py| {
+                    let run = || -> PyResult<PyReply> {
+                        let (object, call) = match &*value {
+                            PyValue::Object(o) => (o.clone_ref(py), call),
+                            PyValue::Raised {
+                                exc_type,
+                                message,
+                                traceback,
+                            } => {
+                                return Ok(PyReply::Raised {
+                                    exc_type: exc_type.clone(),
+                                    message: message.clone(),
+                                    traceback: traceback.clone(),
+                                })
+                            }
+                        };
+                        let out = engine_fn(py, "owner_call")?.call1((
+                            object,
+                            call.function,
+                            PyBytes::new(py, &call.payload),
+                            buffers(py, call.tensors)?,
+                        ))?;
+                        reply(&out)
+                    };
+                    run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
+                })
+            })
+            .await
+            .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+        },
+    )?;
     Ok(())
 }
 
@@ -740,6 +783,35 @@ impl PyDistAutograd {
                 .await;
             complete(on_done, outcome)
         });
+        Ok(())
+    }
+
+    /// Runs `function`, one of tensorwire's own owner-side functions (the Python layer's
+    /// `owner_call` refuses any other), on the owner of `rref` with its value as the first
+    /// argument; `on_done` gets the outcome as for `RpcAgent.call`.
+    #[pyo3(signature = (rref, function, payload, tensors, timeout, on_done))]
+    fn owner_call(
+        &self,
+        rref: &PyRRef,
+        function: String,
+        payload: &[u8],
+        tensors: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+        on_done: Py<PyAny>,
+    ) -> PyResult<()> {
+        let timeout = timeout_of(timeout)?;
+        let call = PyCall {
+            function,
+            payload: payload.to_vec(),
+            tensors: lend(tensors)?,
+        };
+        let _runtime = runtime().enter();
+        let future = rref
+            .rref
+            .rpc_async::<PyCall, PyReply>(PY_OWNER_CALL, &call, timeout)
+            .map_err(|e| rpc_error(&e))?;
+        drop(call);
+        runtime().spawn(async move { crate::rpc::complete(on_done, future.await) });
         Ok(())
     }
 

@@ -502,15 +502,23 @@ impl RpcAgent {
                 }
             })
             .map_err(|e| rpc_error(&e))?;
+        let init_timeout = duration("init_timeout", init_timeout)?;
         let options = RpcOptions::new()
             .with_functions(functions)
             .with_rpc_timeout(duration("rpc_timeout", rpc_timeout)?)
             .with_init_method(init_method)
-            .with_init_timeout(duration("init_timeout", init_timeout)?);
+            .with_init_timeout(init_timeout);
         let (agent, autograd) = wait(py, async move {
             let agent = tensorwire_rpc::init_rpc(&name, rank, world_size, options).await?;
-            // Right away, before a peer can call in a context.
             let autograd = crate::autograd::start(&agent)?;
+            // Distributed autograd's functions are registered once the agent runs: in a static
+            // group nobody returns from init (and calls in a context) before everybody has
+            // registered them.
+            if world_size.is_some() {
+                agent
+                    .barrier(crate::autograd::READY_BARRIER, init_timeout)
+                    .await?;
+            }
             Ok::<_, RpcError>((agent, autograd))
         })?
         .map_err(|e| rpc_error(&e))?;

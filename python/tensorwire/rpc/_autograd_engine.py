@@ -210,6 +210,48 @@ def fetch(value: Any) -> tuple:
         return rpc._raised(e)
 
 
+# --- tensorwire's own functions on a reference's owner ------------------------------------
+
+#: What ``owner_call`` may run on a reference's value, by name: tensorwire's own functions
+#: only (modules register theirs on import; peers cannot add any).
+OWNER_FUNCTIONS: dict[str, Any] = {}
+
+
+def owner_call(value: Any, function: str, payload: bytes, buffers: list) -> tuple:
+    """Runs ``OWNER_FUNCTIONS[function](value, *args)`` on a reference's owner:
+    ``("returned", payload, tensors)`` or ``("raised", type, message, traceback)``."""
+    from tensorwire import rpc
+
+    rpc._wait_ready()
+    try:
+        if function.startswith("optim.") and function not in OWNER_FUNCTIONS:
+            import tensorwire.rpc.optim  # noqa: F401 - registers the optimizer's functions
+        fn = OWNER_FUNCTIONS.get(function)
+        if fn is None:
+            raise RefusedError(f"{function!r} is not one of tensorwire's owner-side functions")
+        args = _serialize.loads(payload, buffers, trusted=False, origin="a reference holder")
+        if not isinstance(args, tuple):
+            raise RefusedError("malformed arguments for an owner-side function")
+        out, tensors = _serialize.dumps(fn(value, *args))
+        return ("returned", out, tensors)
+    except Exception as e:
+        return rpc._raised(e)
+
+
+def owner_call_async(rref: Any, function: str, args: tuple, timeout: Any = -1.0) -> torch.futures.Future:
+    """Runs the owner-side function ``function`` on ``rref``'s value, on its owner."""
+    from tensorwire import _native, rpc
+
+    owner = rref.owner()
+    fut, on_done = rpc._future(owner.name, owner)
+    payload, tensors = _serialize.dumps(tuple(args))
+    try:
+        native().owner_call(rref._native, function, payload, tensors, rpc._timeout(timeout), on_done)
+    except _native.TensorwireError as e:
+        raise rpc._runtime_error(e) from e
+    return fut
+
+
 # --- calls made in a context, at the caller ---------------------------------------------
 
 
