@@ -271,7 +271,9 @@ pub(crate) fn dispatch(this: &Agent, ev: Event<Body>) {
         // handled the peer as lost (and reported it); its connection is dropped as for any
         // violation.
         Event::Misbehaved { peer, violation } => crate::links::fail_peer(this, peer, violation),
-        _ => {}
+        // Nobody waits on one confirmation: `RRef::confirmed_by_owner` asks the endpoint
+        // (`is_confirmed`), and waits for every confirmation end in `ConfirmWaitDone`.
+        Event::Confirmed { .. } => {}
     }
 }
 

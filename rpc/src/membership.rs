@@ -162,7 +162,6 @@ fn on_membership_event(agent: &Agent, ev: MembershipEvent) {
                 }
             });
         }
-        _ => {}
     }
 }
 

@@ -32,9 +32,11 @@
 //!   `soak.rs`). Not part of `ci`.
 //! - `fuzz TARGET|all [--seconds N]`, `fuzz seeds`: the cargo-fuzz targets of `fuzz/`, one per
 //!   parser of network or file bytes, each run for N seconds (default 60) from the seed corpus
-//!   in `fuzz/corpus/` (`xtask/src/fuzz.rs`). `ci` runs every target for 15 s.
+//!   in `fuzz/corpus/` (`xtask/src/fuzz.rs`). `ci` runs every target for 6 s.
 
 use std::process::Command;
+use std::sync::Mutex;
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
@@ -49,8 +51,8 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("ci") => match &args[1..] {
-            [] => ci(false),
-            [quick] if quick == "--quick" => ci(true),
+            [] => timed_ci(false),
+            [quick] if quick == "--quick" => timed_ci(true),
             _ => bail!("usage: cargo xtask ci [--quick]"),
         },
         Some("gpu") => gpu(&args[1..]),
@@ -73,16 +75,43 @@ fn main() -> Result<()> {
 fn run(program: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<()> {
     let line = format!("{program} {}", args.join(" "));
     eprintln!("xtask: $ {line}");
+    let started = Instant::now();
     let status = Command::new(program)
         .args(args)
         .envs(envs.iter().copied())
         .current_dir(workspace_root())
         .status()
         .with_context(|| format!("could not start `{line}`"))?;
+    let seconds = started.elapsed().as_secs_f64();
+    eprintln!("xtask: {seconds:.0} s: {line}");
+    STEPS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push((line.clone(), seconds));
     if !status.success() {
         bail!("`{line}` failed with {status}");
     }
     Ok(())
+}
+
+/// Every command `run` ran, with its seconds: `ci` prints them at the end, so that a slow CI
+/// says where its time went.
+static STEPS: Mutex<Vec<(String, f64)>> = Mutex::new(Vec::new());
+
+/// Prints the commands run so far with their seconds, the slowest first (at most 15), and the
+/// total.
+fn print_steps() {
+    let mut steps = STEPS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    let total: f64 = steps.iter().map(|(_, s)| s).sum();
+    steps.sort_by(|a, b| b.1.total_cmp(&a.1));
+    eprintln!("\nxtask: where the time went ({total:.0} s in commands):");
+    for (line, seconds) in steps.iter().take(15) {
+        let short: String = line.chars().take(110).collect();
+        eprintln!("  {seconds:>6.0} s  {short}");
+    }
 }
 
 fn workspace_root() -> std::path::PathBuf {
@@ -98,6 +127,13 @@ fn has_nextest() -> bool {
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false)
+}
+
+/// `ci`, then where its time went, whether it passed or not.
+fn timed_ci(quick: bool) -> Result<()> {
+    let outcome = ci(quick);
+    print_steps();
+    outcome
 }
 
 fn ci(quick: bool) -> Result<()> {
@@ -156,50 +192,76 @@ fn ci(quick: bool) -> Result<()> {
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
     // Non-default features: the CUDA backend builds and passes its tests without a GPU (the GPU
-    // tests print `SKIPPED: ...` with the reason), core's simulation kit (`sim`), the QUIC transport in the CLI and the agent's
-    // QUIC backend, the NCCL wrapper and the `nccl` process-group backend, which must say why
-    // they are unavailable (at `new_group`, on every rank), and the GPU check with its NCCL
-    // steps.
-    // The last element narrows the tests run: the whole multi-process suite of
-    // `tensorwire-tests` already ran above; with `nccl` only the GPU check's own tests and the
-    // process-group processes (whose `nccl` group of two processes needs the feature) run.
-    for (package, features, only) in [
-        ("tensorwire", "cuda,quic,shm,autograd-candle,faults", None),
-        ("tensorwire-rpc", "quic,cuda", None),
-        ("tensorwire-devices-cuda", "nccl", None),
-        ("tensorwire-process-group", "nccl", None),
-        // The simulation kit as other crates and the fuzz targets see it (its doc tests too).
-        ("tensorwire-core", "sim", None),
-        (
-            "tensorwire-tests",
-            "nccl",
-            Some(["--bin", "tw-gpu-check", "--test", "pg_processes"]),
-        ),
-    ] {
-        run(
-            "cargo",
-            &[
-                "clippy",
-                "-p",
-                package,
-                "--features",
-                features,
-                "--all-targets",
-                "--",
-                "-D",
-                "warnings",
-            ],
-            &[],
-        )?;
-        let mut test = vec!["test", "-p", package, "--features", features];
-        test.extend(only.iter().flatten());
-        run("cargo", &test, &[])?;
+    // tests print `SKIPPED: ...` with the reason), core's simulation kit (`sim`, as other crates
+    // and the fuzz targets see it, its doc tests too), the QUIC transport in the CLI and the
+    // agent's QUIC backend, the NCCL wrapper and the `nccl` process-group backend, which must say
+    // why they are unavailable (at `new_group`, on every rank), and the GPU check with its NCCL
+    // steps. One feature set for every package, so that cargo builds the workspace once for
+    // clippy and once for the tests (one invocation per package built it six times over).
+    let features_of = |with_tests: bool| {
+        FEATURED
+            .iter()
+            .filter(|(package, _)| with_tests || *package != "tensorwire-tests")
+            .flat_map(|(package, features)| features.iter().map(move |f| format!("{package}/{f}")))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let features = features_of(true);
+    let mut packages: Vec<&str> = Vec::new();
+    for (package, _) in FEATURED {
+        packages.extend(["-p", package]);
     }
+    let mut clippy = vec!["clippy"];
+    clippy.extend(&packages);
+    clippy.extend([
+        "--features",
+        &features,
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    run("cargo", &clippy, &[])?;
+    // Every test of the featured packages but `tensorwire-tests`, whose multi-process suite
+    // already ran above: of it, only the GPU check's own tests and the process-group processes
+    // (whose `nccl` group of two processes needs the feature) run again. (Its `nccl` feature
+    // only turns on two others of the list, so the crates built are the same.)
+    let without_tests = features_of(false);
+    let mut test = vec!["test"];
+    for (package, _) in FEATURED.iter().filter(|(p, _)| *p != "tensorwire-tests") {
+        test.extend(["-p", package]);
+    }
+    test.extend(["--features", &without_tests]);
+    run("cargo", &test, &[])?;
+    let mut gpu_check = vec!["test"];
+    gpu_check.extend(&packages);
+    gpu_check.extend([
+        "--features",
+        &features,
+        "--bin",
+        "tw-gpu-check",
+        "--test",
+        "pg_processes",
+    ]);
+    run("cargo", &gpu_check, &[])?;
     feature_trees()?;
     fuzz::run_targets(&fuzz::all(), fuzz::CI_SECONDS)?;
     eprintln!("xtask: ci passed");
     Ok(())
 }
+
+/// The non-default features `ci` builds, lints and tests, per package, all in one build.
+const FEATURED: &[(&str, &[&str])] = &[
+    (
+        "tensorwire",
+        &["cuda", "quic", "shm", "autograd-candle", "faults"],
+    ),
+    ("tensorwire-rpc", &["quic", "cuda"]),
+    ("tensorwire-devices-cuda", &["nccl"]),
+    ("tensorwire-process-group", &["nccl"]),
+    ("tensorwire-core", &["sim"]),
+    ("tensorwire-tests", &["nccl"]),
+];
 
 /// The normal dependencies of a package with the given cargo arguments, one crate name a line.
 fn tree(args: &[&str]) -> Result<Vec<String>> {

@@ -7,8 +7,7 @@
 //!   64 MiB `memcpy`, the limit of any transfer on one host. Absolute figures on a shared
 //!   machine are noise; the ratios, measured in one run, are what we track.
 
-use std::io::{BufRead, IsTerminal, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -16,9 +15,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Value};
 
+use super::bench_common::{mbps, median, percentile, progress, runtime, write_json, MIB, SMALL};
+use super::bench_raw_tcp::Raw;
 use super::Usage;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::wire::Frame;
@@ -117,11 +117,8 @@ struct TransportArgs {
     bulk_1mib: usize,
 }
 
-/// Size of a ping-pong message, raw and framed (as the frame's message header).
-pub(crate) const SMALL: usize = 64;
 /// Ping-pong measurements alternate between raw and framed in this many blocks.
 const BLOCKS: usize = 20;
-pub(crate) const MIB: usize = 1 << 20;
 
 pub(crate) fn run(args: Args) -> ExitCode {
     let result = match args.bench {
@@ -140,7 +137,7 @@ pub(crate) fn run(args: Args) -> ExitCode {
         Bench::CurveWorker(a) => super::bench_curves::worker(&a),
         Bench::CollectivesWorker(a) => super::bench_collectives::worker(&a),
         Bench::Store(a) => super::bench_store::run(&a),
-        Bench::RawEcho(a) => raw_echo(&a),
+        Bench::RawEcho(a) => super::bench_raw_tcp::raw_echo(a.connections),
         Bench::RawShmEcho(a) => super::bench_raw_shm::raw_shm_echo(&a),
         Bench::RawBarrierRank(a) => super::bench_raw_barrier::rank(&a),
     };
@@ -151,22 +148,6 @@ pub(crate) fn run(args: Args) -> ExitCode {
             super::exit_code(&e)
         }
     }
-}
-
-/// A progress bar on standard error, hidden when it is not a terminal.
-pub(crate) fn progress(len: u64, what: &str) -> ProgressBar {
-    let target = if std::io::stderr().is_terminal() {
-        ProgressDrawTarget::stderr()
-    } else {
-        ProgressDrawTarget::hidden()
-    };
-    let bar = ProgressBar::with_draw_target(Some(len), target);
-    bar.set_style(
-        ProgressStyle::with_template("{msg:32} [{bar:30}] {pos}/{len} {elapsed}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar.set_message(what.to_owned());
-    bar
 }
 
 /// Builds the transport to measure. A fresh random secret: both ends are in this process.
@@ -215,42 +196,6 @@ fn make_transport(kind: TransportKind) -> Result<Arc<dyn Transport>> {
                 .into()
         )),
     }
-}
-
-/// The `p` quantile (0 to 1) of `sorted`, in microseconds: the benchmarks' one percentile.
-// Exact, from the sorted samples: a run keeps at most some thousands of them, so a histogram
-// (hdrhistogram) would save nothing and add its bucket error.
-pub(crate) fn percentile(sorted: &[Duration], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)].as_secs_f64() * 1e6
-}
-
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// Megabytes (10^6 bytes) per second.
-pub(crate) fn mbps(bytes: usize, took: Duration) -> f64 {
-    bytes as f64 / took.as_secs_f64() / 1e6
-}
-
-/// Writes the results: to `path` (and a copy to standard error) or to standard output.
-pub(crate) fn write_json(
-    out: &serde_json::Map<String, Value>,
-    path: Option<&PathBuf>,
-) -> Result<()> {
-    let text = serde_json::to_string_pretty(&Value::Object(out.clone()))?;
-    match path {
-        Some(path) => {
-            std::fs::write(path, format!("{text}\n"))
-                .with_context(|| format!("writing {}", path.display()))?;
-            eprintln!("{text}");
-            eprintln!("tensorwire bench: wrote {}", path.display());
-        }
-        None => println!("{text}"),
-    }
-    Ok(())
 }
 
 fn bench_transport(args: &TransportArgs) -> Result<()> {
@@ -381,183 +326,6 @@ fn bench_transport(args: &TransportArgs) -> Result<()> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Raw baseline: blocking std sockets, no framing, an echo process (`bench raw-echo`) serving
-// each connection on a thread.
-
-/// Modes of a raw connection, named once in its first message (never per exchange, so the
-/// baseline carries no framing at all).
-const RAW_PING: u8 = 1;
-const RAW_BULK: u8 = 2;
-
-/// Serves one raw connection: echoes [`SMALL`]-byte messages, or acknowledges each transfer
-/// of the announced size with one byte, until the client closes.
-fn raw_connection(mut s: TcpStream) -> std::io::Result<()> {
-    s.set_nodelay(true)?;
-    let mut setup = [0u8; 9];
-    s.read_exact(&mut setup)?;
-    let size = u64::from_le_bytes(setup[1..].try_into().unwrap_or_default()) as usize;
-    let mut buf = vec![0u8; if setup[0] == RAW_PING { SMALL } else { size }];
-    loop {
-        match s.read_exact(&mut buf) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
-        }
-        if setup[0] == RAW_PING {
-            s.write_all(&buf)?;
-        } else {
-            s.write_all(&[1])?;
-        }
-    }
-}
-
-/// The raw baseline's client: blocking sockets to echo threads, one connection per kind of
-/// exchange.
-pub(crate) struct Raw {
-    /// Ping-pong connections, each served by its own echo thread.
-    pings: Vec<TcpStream>,
-    bulk: Vec<(usize, TcpStream)>,
-    /// The raw echo process.
-    server: std::process::Child,
-}
-
-/// Accepts `connections` raw connections on `listener` and serves each on a thread.
-fn raw_serve(listener: TcpListener, connections: usize) -> std::io::Result<()> {
-    let mut handlers = Vec::new();
-    for _ in 0..connections {
-        let (s, _) = listener.accept()?;
-        handlers.push(std::thread::spawn(move || raw_connection(s)));
-    }
-    for h in handlers {
-        h.join()
-            .map_err(|_| std::io::Error::other("raw echo thread panicked"))??;
-    }
-    Ok(())
-}
-
-/// `bench raw-echo`: serves raw connections in this process; prints its address first.
-fn raw_echo(args: &RawEchoArgs) -> Result<()> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    println!("{}", listener.local_addr()?);
-    std::io::stdout().flush()?;
-    raw_serve(listener, args.connections)?;
-    Ok(())
-}
-
-impl Raw {
-    /// The baseline with its echo in another process (this binary, `bench raw-echo`).
-    pub(crate) fn start_process(bulk_sizes: &[usize]) -> Result<Self> {
-        Self::start_process_pings(1, bulk_sizes)
-    }
-
-    /// The baseline with `pings` ping-pong connections (at least 1) to the echo process, for
-    /// round trips spread over several peers ([`Raw::pingpong_round_robin`]).
-    pub(crate) fn start_process_pings(pings: usize, bulk_sizes: &[usize]) -> Result<Self> {
-        let pings = pings.max(1);
-        let mut child = std::process::Command::new(std::env::current_exe()?)
-            .args(["bench", "raw-echo", "--connections"])
-            .arg((pings + bulk_sizes.len()).to_string())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .context("starting the raw echo process")?;
-        let mut line = String::new();
-        let read = child
-            .stdout
-            .take()
-            .map(|out| std::io::BufReader::new(out).read_line(&mut line));
-        let addr = match read {
-            Some(Ok(_)) => line.trim().parse::<SocketAddr>().ok(),
-            _ => None,
-        };
-        let Some(addr) = addr else {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!("the raw echo process did not report its address (got {line:?})");
-        };
-        Self::connect(addr, pings, bulk_sizes, child)
-    }
-
-    fn connect(
-        addr: SocketAddr,
-        pings: usize,
-        bulk_sizes: &[usize],
-        server: std::process::Child,
-    ) -> Result<Self> {
-        let open = |mode: u8, size: usize| -> Result<TcpStream> {
-            let mut s = TcpStream::connect(addr)?;
-            s.set_nodelay(true)?;
-            let mut setup = [mode; 9];
-            setup[1..].copy_from_slice(&(size as u64).to_le_bytes());
-            s.write_all(&setup)?;
-            Ok(s)
-        };
-        let pings = (0..pings)
-            .map(|_| open(RAW_PING, SMALL))
-            .collect::<Result<_>>()?;
-        let bulk = bulk_sizes
-            .iter()
-            .map(|&size| Ok((size, open(RAW_BULK, size)?)))
-            .collect::<Result<_>>()?;
-        Ok(Raw {
-            pings,
-            bulk,
-            server,
-        })
-    }
-
-    /// `n` round trips of [`SMALL`] bytes on the first connection; the time of each.
-    pub(crate) fn pingpong(&mut self, n: usize) -> Result<Vec<Duration>> {
-        self.pingpong_on(n, 1)
-    }
-
-    /// `n` round trips of [`SMALL`] bytes, each on the next of the ping-pong connections in
-    /// turn; the time of each.
-    pub(crate) fn pingpong_round_robin(&mut self, n: usize) -> Result<Vec<Duration>> {
-        self.pingpong_on(n, self.pings.len())
-    }
-
-    fn pingpong_on(&mut self, n: usize, connections: usize) -> Result<Vec<Duration>> {
-        let msg = [7u8; SMALL];
-        let mut back = [0u8; SMALL];
-        let mut times = Vec::with_capacity(n);
-        for i in 0..n {
-            let s = &mut self.pings[i % connections];
-            let t = Instant::now();
-            s.write_all(&msg)?;
-            s.read_exact(&mut back)?;
-            times.push(t.elapsed());
-        }
-        Ok(times)
-    }
-
-    /// Sends `data` and waits for the 1-byte acknowledgement.
-    pub(crate) fn bulk(&mut self, data: &[u8]) -> Result<Duration> {
-        let s = self
-            .bulk
-            .iter_mut()
-            .find(|(size, _)| *size == data.len())
-            .map(|(_, s)| s)
-            .context("no raw connection for this transfer size")?;
-        let t = Instant::now();
-        s.write_all(data)?;
-        let mut ack = [0u8; 1];
-        s.read_exact(&mut ack)?;
-        Ok(t.elapsed())
-    }
-
-    pub(crate) fn finish(self) -> Result<()> {
-        drop(self.pings);
-        drop(self.bulk);
-        let mut server = self.server;
-        let status = server.wait()?;
-        if !status.success() {
-            bail!("the raw echo process failed: {status}");
-        }
-        Ok(())
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
 // The transport: an echo/ack server on its own thread and runtime, the client on this one, as
 // in the raw baseline.
 
@@ -576,12 +344,6 @@ async fn frame_server(conn: Box<dyn Connection>) {
     }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?)
-}
-
 /// The transport's client: a current-thread runtime on this thread, the server on another.
 struct Framed {
     rt: tokio::runtime::Runtime,
@@ -594,7 +356,7 @@ impl Framed {
         let (addr_tx, addr_rx) = std::sync::mpsc::channel::<Result<SocketAddr, String>>();
         let server_transport = transport.clone();
         let server = std::thread::spawn(move || -> Result<()> {
-            runtime()?.block_on(async move {
+            runtime(1)?.block_on(async move {
                 let listener = match server_transport.listen(([127, 0, 0, 1], 0).into()).await {
                     Ok(l) => l,
                     Err(e) => {
@@ -612,7 +374,7 @@ impl Framed {
             .recv_timeout(Duration::from_secs(30))
             .context("the benchmark server did not start")?
             .map_err(anyhow::Error::msg)?;
-        let rt = runtime()?;
+        let rt = runtime(1)?;
         let conn = rt.block_on(async {
             tokio::time::timeout(Duration::from_secs(30), transport.connect(addr))
                 .await

@@ -32,8 +32,9 @@ use tensorwire::autograd_candle::CandleEngine;
 use tensorwire_dist_autograd::{AutogradCall, DistAutograd};
 use tensorwire_rpc::Agent;
 
-use super::bench::{percentile, Raw};
-use super::bench_rpc::{blocking, runtime};
+use super::bench_common::median_us;
+use super::bench_common::{blocking, runtime};
+use super::bench_raw_tcp::Raw;
 use super::Usage;
 
 /// Width of every layer.
@@ -215,11 +216,6 @@ async fn round_trips(
     Ok(())
 }
 
-fn median_us(mut v: Vec<Duration>) -> f64 {
-    v.sort();
-    percentile(&v, 0.5)
-}
-
 /// `tensorwire bench autograd`.
 pub(crate) fn run(args: &AutogradArgs) -> Result<()> {
     let shapes = args
@@ -236,7 +232,7 @@ pub(crate) fn run(args: &AutogradArgs) -> Result<()> {
     std::env::set_var(tensorwire_rendezvous::LAUNCHER_STORE_ENV, "1");
     std::env::set_var("TENSORWIRE_TRANSPORT", "tcp");
     let mut raw = Raw::start_process(&[]).context("raw TCP baseline")?;
-    let bar = super::bench::progress(shapes.len() as u64, "autograd");
+    let bar = super::bench_common::progress(shapes.len() as u64, "autograd");
     let (rows, rtt, raw_rtt) = runtime(1)?.block_on(async {
         let group = super::bench_curves::start_group_with(WORLD, timeout, &["--autograd"]).await?;
         let agent = &group.agent;
@@ -333,5 +329,5 @@ pub(crate) fn run(args: &AutogradArgs) -> Result<()> {
         json!({"steps": args.steps, "dim": DIM, "processes": WORLD, "transport": "tcp"}),
     );
     out.insert("raw_baseline".into(), json!("process"));
-    super::bench::write_json(&out, args.json.as_ref())
+    super::bench_common::write_json(&out, args.json.as_ref())
 }

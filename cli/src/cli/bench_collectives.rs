@@ -42,8 +42,9 @@ use tensorwire_core::ports::process_group::ProcessGroup;
 use tensorwire_process_group::new_group;
 use tensorwire_rendezvous::env_init::env_rendezvous;
 
-use super::bench::{Raw, MIB};
+use super::bench_common::{median_us, MIB};
 use super::bench_raw_barrier::{self as raw_barrier, Medium};
+use super::bench_raw_tcp::Raw;
 
 /// Raw ping-pong round trips in all (spread over the blocks).
 const RAW_PINGPONG: usize = 12_000;
@@ -98,14 +99,6 @@ pub(crate) struct WorkerArgs {
     sizes: Vec<usize>,
 }
 
-pub(crate) fn median_us(mut v: Vec<Duration>) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort();
-    super::bench::percentile(&v, 0.5)
-}
-
 /// `tensorwire bench collectives`.
 pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
     if args.world.iter().any(|w| *w < 2) || args.small_iters == 0 || args.large_iters == 0 {
@@ -114,7 +107,7 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
         ));
     }
     let steps = 3 + args.world.len() as u64 + u64::from(args.rendezvous_world > 0);
-    let bar = super::bench::progress(steps, "");
+    let bar = super::bench_common::progress(steps, "");
     let mut out = Map::new();
 
     // The raw baselines: plain TCP to an echo *process* (`bench raw-echo`, as `bench transport`),

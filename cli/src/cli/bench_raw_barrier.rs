@@ -319,7 +319,7 @@ pub(crate) fn processes(medium: Medium, world: usize, iters: usize) -> Result<f6
     if let Some(why) = failed {
         bail!(why);
     }
-    Ok(super::bench_collectives::median_us(times))
+    Ok(super::bench_common::median_us(times))
 }
 
 fn spawn_rank(
@@ -447,9 +447,7 @@ pub(crate) fn threads(medium: Medium, world: usize, iters: usize) -> Result<f64>
             .map_err(|_| anyhow::anyhow!("raw barrier thread panicked"))??;
         first.get_or_insert(times);
     }
-    Ok(super::bench_collectives::median_us(
-        first.unwrap_or_default(),
-    ))
+    Ok(super::bench_common::median_us(first.unwrap_or_default()))
 }
 
 // SAFETY: the mapping is plain shared memory accessed through atomics only.

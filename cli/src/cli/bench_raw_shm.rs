@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use rustix::fd::{AsFd, AsRawFd, OwnedFd};
 
-use super::bench::SMALL;
+use super::bench_common::SMALL;
 
 /// Bytes of the shared page.
 const PAGE: usize = 4096;

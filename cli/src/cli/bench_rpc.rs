@@ -32,8 +32,9 @@ use serde_json::{json, Map, Value};
 use tensorwire_core::tensor::Tensor;
 use tensorwire_rpc::{init_rpc, Functions, RRef, RpcOptions};
 
-use super::bench::{mbps, median, percentile, progress, write_json, Raw, MIB};
+use super::bench_common::{blocking, mbps, median, percentile, progress, runtime, write_json, MIB};
 use super::bench_raw_shm::RawShm;
+use super::bench_raw_tcp::Raw;
 
 /// Arguments of `tensorwire bench rpc`.
 #[derive(Debug, Clone, clap::Args)]
@@ -137,26 +138,6 @@ fn choose_transport(args: &mut RpcArgs) -> Result<()> {
 
 /// A runtime with `threads` workers; 1 means tokio's current-thread runtime (every task of the
 /// agent on one thread: no wake-ups across cores).
-pub(crate) fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
-    let mut builder = if threads <= 1 {
-        tokio::runtime::Builder::new_current_thread()
-    } else {
-        let mut b = tokio::runtime::Builder::new_multi_thread();
-        b.worker_threads(threads);
-        b
-    };
-    Ok(builder.enable_all().build()?)
-}
-
-/// Runs a blocking raw-baseline step from async code (on a current-thread runtime the thread
-/// simply blocks: nothing else must run meanwhile).
-pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
-    match tokio::runtime::Handle::current().runtime_flavor() {
-        tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
-        _ => f(),
-    }
-}
-
 pub(crate) fn bench_rpc(args: &RpcArgs) -> Result<()> {
     let secret = std::env::var("TENSORWIRE_BENCH_SECRET").ok();
     if let Some(port) = args.serve {

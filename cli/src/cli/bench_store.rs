@@ -26,7 +26,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Map};
 use tensorwire_store::{ClientConfig, Store, TcpStoreClient};
 
-use super::bench::write_json;
+use super::bench_common::write_json;
 
 /// Arguments of `tensorwire bench store`.
 #[derive(Debug, clap::Args)]
@@ -233,7 +233,8 @@ pub(crate) fn run(args: &StoreArgs) -> Result<()> {
     let rounds = args.rounds.max(1);
     let mut turn_order = 0;
     for &n in &args.clients {
-        let bar = super::bench::progress(rounds as u64, &format!("rendezvous of {n} clients"));
+        let bar =
+            super::bench_common::progress(rounds as u64, &format!("rendezvous of {n} clients"));
         let mut runs = vec![Vec::with_capacity(rounds); servers.len()];
         for _ in 0..rounds {
             for turn in 0..servers.len() {

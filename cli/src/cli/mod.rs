@@ -4,10 +4,12 @@ pub(crate) mod bench;
 #[cfg(feature = "autograd-candle")]
 pub(crate) mod bench_autograd;
 pub(crate) mod bench_collectives;
+pub(crate) mod bench_common;
 pub(crate) mod bench_curves;
 pub(crate) mod bench_gloo;
 pub(crate) mod bench_raw_barrier;
 pub(crate) mod bench_raw_shm;
+pub(crate) mod bench_raw_tcp;
 pub(crate) mod bench_rpc;
 pub(crate) mod bench_store;
 pub(crate) mod demo;

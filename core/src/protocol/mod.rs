@@ -489,9 +489,9 @@ enum RequestKind {
     Fetch(RRefId),
 }
 
-/// What the application must do, or learn.
+/// What the application must do, or learn. Exhaustive on purpose: a driver matches every
+/// variant, so a new event is a compile error in each driver, not an arm silently ignored.
 #[derive(Debug, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum Event<B> {
     /// Run `function` on `body`; answer with [`Endpoint::respond`] and the serialized result.
     Call {

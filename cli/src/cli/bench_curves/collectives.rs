@@ -6,7 +6,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 
-use super::super::bench::{progress, Raw};
+use super::super::bench_common::progress;
+use super::super::bench_raw_tcp::Raw;
 use super::super::Usage;
 use super::output::{check_worlds, finish, Panel, Series};
 use super::CollectivesCurveArgs;
@@ -61,7 +62,7 @@ pub(super) fn collectives(args: &CollectivesCurveArgs) -> Result<()> {
     bar.finish_and_clear();
     let raw_us: Vec<f64> = raw_times
         .into_iter()
-        .map(super::super::bench_collectives::median_us)
+        .map(super::super::bench_common::median_us)
         .collect();
     let mut points = Vec::new();
     for (world, got, raw_barrier) in &groups {

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use tensorwire_rpc::{init_rpc, Agent, RpcOptions};
 
-use super::super::bench_rpc::{functions, runtime};
+use super::super::bench_common::runtime;
+use super::super::bench_rpc::functions;
 use super::CurveWorkerArgs;
 
 /// A group whose rank 0 is this process: the store it serves, the other ranks' processes.

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 
-use super::super::bench::progress;
-use super::super::bench_rpc::runtime;
+use super::super::bench_common::progress;
+use super::super::bench_common::runtime;
 use super::group::{set_transport, start_group};
 use super::output::{check_worlds, finish, ms, xy, Panel, Series};
 use super::InitArgs;

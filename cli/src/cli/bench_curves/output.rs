@@ -172,7 +172,7 @@ pub(super) fn finish(
             .map(|n| n.get())
             .unwrap_or(0)),
     );
-    super::super::bench::write_json(&json, out.json.as_ref())?;
+    super::super::bench_common::write_json(&json, out.json.as_ref())?;
     eprintln!("tensorwire bench: drew {}", png.display());
     Ok(())
 }

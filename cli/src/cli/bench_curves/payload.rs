@@ -7,8 +7,9 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 use tensorwire_core::tensor::Tensor;
 
-use super::super::bench::{mbps, progress, Raw};
-use super::super::bench_rpc::{blocking, runtime};
+use super::super::bench_common::{blocking, runtime};
+use super::super::bench_common::{mbps, progress};
+use super::super::bench_raw_tcp::Raw;
 use super::super::Usage;
 use super::group::{set_transport, start_group};
 use super::output::{finish, us, Panel, Series};

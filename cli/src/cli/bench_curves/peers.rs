@@ -5,8 +5,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 
-use super::super::bench::{percentile, progress, Raw};
-use super::super::bench_rpc::{blocking, runtime};
+use super::super::bench_common::{blocking, runtime};
+use super::super::bench_common::{percentile, progress};
+use super::super::bench_raw_tcp::Raw;
 use super::super::Usage;
 use super::group::{set_transport, start_group};
 use super::output::{check_worlds, finish, xy, Panel, Series, BLOCKS};

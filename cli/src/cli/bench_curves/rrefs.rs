@@ -5,8 +5,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 
-use super::super::bench::Raw;
-use super::super::bench_rpc::runtime;
+use super::super::bench_common::runtime;
+use super::super::bench_raw_tcp::Raw;
 use super::super::Usage;
 use super::group::{set_transport, start_group};
 use super::output::{finish, xy, Panel, Series, BLOCKS};

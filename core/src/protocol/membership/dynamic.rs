@@ -111,9 +111,9 @@ pub enum DynMessage {
     },
 }
 
-/// What the driver must do or learn.
+/// What the driver must do or learn. Exhaustive on purpose, as [`Event`](crate::protocol::Event)
+/// is: a new event is a compile error in each driver.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum MembershipEvent {
     /// Joiner: the coordinator admitted it at place `seq` of the admission order. The driver
     /// starts the endpoint's ids there
