@@ -300,12 +300,7 @@ def _run(rank: int, world: int, name: str) -> None:
 
 
 # Ported but failing: each an open issue, not a skip.
-FAILING = {
-    "test_backward_simple_self": (
-        "an RPC to this worker itself inside a context: the backward completes but no gradient "
-        "reaches the caller's tensors (the self-call's send/recv pair is not yet followed)"
-    ),
-}
+FAILING: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(

@@ -477,7 +477,7 @@ class RRef:
 
     def _fetch_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future:
         context = _autograd.current_id() if _autograd is not None else None
-        if context is not None and not self.is_owner():
+        if context is not None:
             return _autograd.fetch_async(context, self, timeout)
         owner = self.owner()
         fut, on_done = _future(owner.name, owner)

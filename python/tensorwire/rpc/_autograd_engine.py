@@ -336,10 +336,18 @@ def remote(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeout:
 
 
 def fetch_async(context_id: int, rref: Any, timeout: Any) -> torch.futures.Future:
-    """``rref.to_here()`` inside ``context_id`` (not on the owner): the value's tensors that
-    require grad are tracked, so their gradients reach the owner."""
+    """``rref.to_here()`` inside ``context_id``: the value's tensors that require grad are
+    tracked, so their gradients reach the owner; on the owner, the value itself (its graph
+    carries the gradients, as in PyTorch)."""
     from tensorwire import _native, rpc
 
+    if rref.is_owner():
+        fut: torch.futures.Future = torch.futures.Future()
+        try:
+            fut.set_result(rref.local_value())
+        except Exception as e:  # noqa: BLE001 - the future carries it
+            fut.set_exception(e)
+        return fut
     owner = rref.owner()
     fut, on_done = _outcome_future(owner.name, owner)
     try:
