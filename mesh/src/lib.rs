@@ -6,7 +6,9 @@
 
 pub mod link;
 pub mod mesh;
+pub mod runtime;
 
 pub use mesh::{
     address_key, FrameSink, GroupMesh, Incoming, Mesh, MeshSetup, PeerEnd, MAX_GROUP_ID,
 };
+pub use runtime::TokioRuntime;

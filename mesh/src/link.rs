@@ -14,10 +14,10 @@
 //! mutual TLS for QUIC) before the hello is read.
 
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::ports::transport::{Connection, Transport, TransportError};
-use tokio::time::Instant;
 use tracing::debug;
 
 use tensorwire_store::backoff::Backoff;
@@ -26,13 +26,6 @@ use tensorwire_store::backoff::Backoff;
 /// frame): who is dialling, and for which group. Encoded and decoded in core
 /// ([`tensorwire_core::protocol::mesh`]).
 pub use tensorwire_core::protocol::mesh::Hello;
-
-/// `timeout` from now, saturating: a timeout too long to add is no deadline (30 years; a day where even that does not fit).
-pub fn deadline_after(timeout: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(timeout.min(Duration::from_secs(30 * 365 * 86_400)))
-        .unwrap_or_else(|| now + Duration::from_secs(86_400))
-}
 
 /// Why a link could not be set up.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -69,9 +62,10 @@ pub fn dial_backoff() -> Backoff {
     Backoff::new(Duration::from_millis(10), Duration::from_secs(1))
 }
 
-/// Connects to `addr` over `transport`, retrying with [`dial_backoff`] until `deadline` (an
-/// authentication failure is final), and sends `hello`.
+/// Connects to `addr` over `transport`, retrying with [`dial_backoff`] until `deadline` on
+/// `rt`'s clock (an authentication failure is final), and sends `hello`.
 pub async fn dial(
+    rt: &dyn Runtime,
     transport: &dyn Transport,
     addr: SocketAddr,
     hello: &Hello,
@@ -80,7 +74,7 @@ pub async fn dial(
     let mut backoff = dial_backoff();
     let conn = loop {
         let failed = |reason: String| LinkError::Connect { addr, reason };
-        let attempt = tokio::time::timeout_at(deadline, transport.connect(addr)).await;
+        let attempt = rt.timeout_at(deadline, transport.connect(addr)).await;
         match attempt {
             Ok(Ok(conn)) => break conn,
             Ok(Err(e @ TransportError::Authentication { .. })) => {
@@ -88,16 +82,16 @@ pub async fn dial(
             }
             Ok(Err(e)) => {
                 let delay = backoff.next_delay();
-                if Instant::now() + delay > deadline {
+                if rt.now() + delay > deadline {
                     return Err(failed(e.to_string()));
                 }
                 debug!("connect to {addr} failed ({e}); retrying in {delay:?}");
-                tokio::time::sleep(delay).await;
+                rt.sleep(delay).await;
             }
             Err(_) => return Err(failed("timed out".to_owned())),
         }
     };
-    match tokio::time::timeout_at(deadline, conn.send(hello.frame())).await {
+    match rt.timeout_at(deadline, conn.send(hello.frame())).await {
         Ok(Ok(())) => Ok(conn),
         Ok(Err(e)) => Err(LinkError::Greet {
             addr,
@@ -110,11 +104,15 @@ pub async fn dial(
     }
 }
 
-/// Reads the [`Hello`] an accepted connection starts with, by `deadline`.
-pub async fn read_hello(conn: &dyn Connection, deadline: Instant) -> Result<Hello, LinkError> {
+/// Reads the [`Hello`] an accepted connection starts with, by `deadline` on `rt`'s clock.
+pub async fn read_hello(
+    rt: &dyn Runtime,
+    conn: &dyn Connection,
+    deadline: Instant,
+) -> Result<Hello, LinkError> {
     let addr = conn.peer_addr();
     let no_hello = |reason: String| LinkError::NoHello { addr, reason };
-    match tokio::time::timeout_at(deadline, conn.recv()).await {
+    match rt.timeout_at(deadline, conn.recv()).await {
         Ok(Ok(frame)) => Hello::from_frame(&frame).map_err(|e| no_hello(e.to_string())),
         Ok(Err(e)) => Err(no_hello(e.to_string())),
         Err(_) => Err(no_hello("none arrived in time".to_owned())),

@@ -23,9 +23,9 @@
 use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
+use std::time::Instant;
 use tensorwire_core::collective::{Apply, Schedule, Signature};
 use tensorwire_core::ports::process_group::ProcessGroupError;
-use tokio::time::Instant;
 
 use tensorwire_mesh::GroupMesh;
 
@@ -183,7 +183,7 @@ pub(crate) async fn run(
         let expired = crate::work::expired();
         async move {
             tokio::select! {
-                () = tokio::time::sleep_until(deadline) => timeout,
+                () = mesh.runtime().sleep_until(deadline) => timeout,
                 after = expired => after,
             }
         }
@@ -213,7 +213,9 @@ pub(crate) async fn run(
         let mut send_expired = send_expired.as_mut();
         let sends = async move {
             for (peer, payload) in outgoing {
-                let send = tokio::time::timeout_at(deadline, mesh.send(peer, seq, &ours, payload));
+                let send = mesh
+                    .runtime()
+                    .timeout_at(deadline, mesh.send(peer, seq, &ours, payload));
                 tokio::select! {
                     biased;
                     sent = send => sent.map_err(|_| timed_out(vec![peer], timeout))??,

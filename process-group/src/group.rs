@@ -45,6 +45,7 @@ use tensorwire_core::collective::{
 use tensorwire_core::ports::process_group::{
     owned, Pending, ProcessGroup, ProcessGroupError, WorkHandle,
 };
+use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::tensor::Tensor;
@@ -89,6 +90,10 @@ pub struct GroupOptions {
     /// bytes and messages not yet taken; see [`tensorwire_core::collective::inbox`]). A peer
     /// past a bound is dropped and the group fails with [`ProcessGroupError::Misbehaved`].
     pub inbox_limits: InboxLimits,
+    /// The clock and timers of the group: its setup, every collective's deadline and every
+    /// wait. Default [`TokioRuntime`](tensorwire_mesh::TokioRuntime) (virtual time under a
+    /// paused tokio clock).
+    pub runtime: Arc<dyn Runtime>,
 }
 
 impl GroupOptions {
@@ -100,7 +105,14 @@ impl GroupOptions {
             timeout: DEFAULT_COLLECTIVE_TIMEOUT,
             debug: None,
             inbox_limits: InboxLimits::default(),
+            runtime: Arc::new(tensorwire_mesh::TokioRuntime),
         }
+    }
+
+    /// These options with another runtime (clock, timers, spawning).
+    pub fn with_runtime(mut self, runtime: Arc<dyn Runtime>) -> Self {
+        self.runtime = runtime;
+        self
     }
 
     /// These options with other inbox bounds.
@@ -197,7 +209,12 @@ impl Group {
         Fut: std::future::Future<Output = Result<T, ProcessGroupError>> + Send + 'static,
     {
         let span = tracing::debug_span!("work", what, group = %self.name(), rank = self.rank());
-        Work::issue(what, self.rank(), operation(self.clone()).instrument(span))
+        Work::issue(
+            self.inner.mesh.runtime().clone(),
+            what,
+            self.rank(),
+            operation(self.clone()).instrument(span),
+        )
     }
 
     /// [`barrier`](ProcessGroup::barrier) as a [`Work`], issued in this call.
@@ -919,7 +936,7 @@ impl ProcessGroup for Group {
             }
         });
         let span = tracing::debug_span!("recv_any", rank, tag);
-        let (src, n) = work::bounded(self.inner.timeout, claim)
+        let (src, n) = work::bounded(&**self.inner.mesh.runtime(), self.inner.timeout, claim)
             .instrument(span)
             .await
             .map_err(|timeout| ProcessGroupError::Timeout {
@@ -942,7 +959,8 @@ impl ProcessGroup for Group {
         }
         let n = self.inner.sent.take(self.world_rank(dst), tag);
         let group = self.clone();
-        Box::pin(Work::issue("send", dst, async move {
+        let runtime = self.inner.mesh.runtime().clone();
+        Box::pin(Work::issue(runtime, "send", dst, async move {
             group.send_numbered(data, dst, tag, n).await
         }))
     }
@@ -956,7 +974,8 @@ impl ProcessGroup for Group {
         }
         let n = self.inner.received.take(self.world_rank(src), tag);
         let group = self.clone();
-        Box::pin(Work::issue("recv", src, async move {
+        let runtime = self.inner.mesh.runtime().clone();
+        Box::pin(Work::issue(runtime, "recv", src, async move {
             group.recv_numbered(src, tag, n).await
         }))
     }

@@ -23,6 +23,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tensorwire_core::ports::process_group::{Pending, ProcessGroupError, WorkHandle};
+use tensorwire_core::ports::runtime::Runtime;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -51,12 +52,13 @@ pub(crate) fn expired() -> impl Future<Output = Duration> + Send + 'static {
 /// Runs `operation` bounded by `timeout` and by the current [`Work`]'s wait: `Err` with the
 /// bound that passed first.
 pub(crate) async fn bounded<T>(
+    rt: &dyn Runtime,
     timeout: Duration,
     operation: impl Future<Output = T>,
 ) -> Result<T, Duration> {
     tokio::select! {
         biased;
-        r = tokio::time::timeout(timeout, operation) => r.map_err(|_| timeout),
+        r = rt.timeout(timeout, operation) => r.map_err(|_| timeout),
         after = expired() => Err(after),
     }
 }
@@ -94,6 +96,8 @@ enum State<T> {
     Done(Option<Result<T, ProcessGroupError>>),
     Running {
         task: JoinHandle<Result<T, ProcessGroupError>>,
+        /// The clock `wait`'s timeout runs on (the group's).
+        runtime: Arc<dyn Runtime>,
         expiry: Arc<watch::Sender<Option<Duration>>>,
         /// The rank named if the task ends abnormally.
         rank: usize,
@@ -113,6 +117,7 @@ impl<T: Send + 'static> Work<T> {
     /// sequence), then runs the rest on a spawned task. `what` and `rank` name it should the
     /// task end abnormally.
     pub(crate) fn issue(
+        runtime: Arc<dyn Runtime>,
         what: &'static str,
         rank: usize,
         operation: impl Future<Output = Result<T, ProcessGroupError>> + Send + 'static,
@@ -125,6 +130,7 @@ impl<T: Send + 'static> Work<T> {
             // The task's first poll registers its own wakers in place of the no-op one.
             Poll::Pending => State::Running {
                 task: tokio::spawn(operation),
+                runtime,
                 expiry,
                 rank,
                 what,
@@ -152,12 +158,13 @@ impl<T> Work<T> {
     pub async fn wait(mut self, timeout: Duration) -> Result<T, ProcessGroupError> {
         if let State::Running {
             task,
+            runtime,
             expiry,
             rank,
             what,
         } = &mut self.state
         {
-            match tokio::time::timeout(timeout, &mut *task).await {
+            match runtime.clone().timeout(timeout, &mut *task).await {
                 Ok(joined) => return ended(joined, *rank, what),
                 // The task sees this and fails the operation; it then ends soon.
                 Err(_) => {
@@ -258,10 +265,15 @@ mod tests {
         let started = Arc::new(AtomicBool::new(false));
         let (tx, rx) = tokio::sync::oneshot::channel::<u32>();
         let flag = started.clone();
-        let work = Work::issue("test", 0, async move {
-            flag.store(true, Ordering::SeqCst);
-            rx.await.map_err(|_| ProcessGroupError::ShutDown)
-        });
+        let work = Work::issue(
+            Arc::new(tensorwire_mesh::TokioRuntime),
+            "test",
+            0,
+            async move {
+                flag.store(true, Ordering::SeqCst);
+                rx.await.map_err(|_| ProcessGroupError::ShutDown)
+            },
+        );
         assert!(
             started.load(Ordering::SeqCst),
             "started in the issuing call"
@@ -277,9 +289,14 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_wait_that_passes_first_makes_the_operation_time_out_with_its_timeout() {
-        let work = Work::issue("test", 0, async {
+        let work = Work::issue(Arc::new(tensorwire_mesh::TokioRuntime), "test", 0, async {
             // What the executor does: its timer also goes off when the wait gives up.
-            let r = bounded(Duration::from_secs(3600), std::future::pending::<()>()).await;
+            let r = bounded(
+                &tensorwire_mesh::TokioRuntime,
+                Duration::from_secs(3600),
+                std::future::pending::<()>(),
+            )
+            .await;
             Err::<(), _>(ProcessGroupError::Timeout {
                 collective: "test",
                 seq: 0,
@@ -297,9 +314,16 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn outside_a_work_only_the_operations_own_timeout_applies() {
-        let r = bounded(Duration::from_millis(40), std::future::pending::<()>()).await;
+        let r = bounded(
+            &tensorwire_mesh::TokioRuntime,
+            Duration::from_millis(40),
+            std::future::pending::<()>(),
+        )
+        .await;
         assert_eq!(r, Err(Duration::from_millis(40)));
-        let done = Work::issue("test", 0, async { Ok::<_, ProcessGroupError>(1) });
+        let done = Work::issue(Arc::new(tensorwire_mesh::TokioRuntime), "test", 0, async {
+            Ok::<_, ProcessGroupError>(1)
+        });
         assert!(done.is_completed(), "finished in its first poll");
         assert_eq!(done.await, Ok(1));
     }

@@ -21,6 +21,9 @@ use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, GroupOptions, InMemoryStore};
 use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};
 
+/// The clock of the test's own dials and waits (the groups' default).
+const RT: &dyn tensorwire_core::ports::runtime::Runtime = &tensorwire_mesh::TokioRuntime;
+
 /// Every test finishes well within this, or fails.
 const TEST_BOUND: Duration = Duration::from_secs(60);
 const WORLD: usize = 3;
@@ -74,11 +77,11 @@ async fn scripted(name: &str) -> Scripted {
         let (store, transport) = (store.clone(), transport.clone());
         async move { Group::connect(store, transport, 0, WORLD, options).await }
     });
-    let deadline = tensorwire_mesh::link::deadline_after(TEST_BOUND);
+    let deadline = RT.deadline_after(TEST_BOUND);
     let mut peers = Vec::new();
     for (i, listener) in listeners.iter().enumerate() {
         let conn: Arc<dyn Connection> = Arc::from(listener.accept().await.unwrap());
-        let hello = tensorwire_mesh::link::read_hello(&*conn, deadline)
+        let hello = tensorwire_mesh::link::read_hello(RT, &*conn, deadline)
             .await
             .unwrap();
         assert_eq!((hello.rank, i), (0, i));

@@ -18,6 +18,9 @@ use tensorwire_core::wire::{Frame, FrameKind};
 use tensorwire_process_group::{Group, GroupOptions, InMemoryStore};
 use tensorwire_testkit::nets::{transports, Net};
 
+/// The clock of the test's own dials and waits (the groups' default).
+const RT: &dyn tensorwire_core::ports::runtime::Runtime = &tensorwire_mesh::TokioRuntime;
+
 const TEST_BOUND: Duration = Duration::from_secs(60);
 const WORLD: usize = 3;
 /// The hostile rank: the highest, so the honest ranks dial it and it only accepts.
@@ -58,10 +61,10 @@ async fn cluster(net: Net, name: &str, options: GroupOptions) -> Cluster {
         })
         .collect();
     let mut hostile: Vec<Option<Arc<dyn Connection>>> = vec![None, None];
-    let deadline = tensorwire_mesh::link::deadline_after(Duration::from_secs(20));
+    let deadline = RT.deadline_after(Duration::from_secs(20));
     for _ in 0..HOSTILE {
         let conn: Arc<dyn Connection> = Arc::from(listener.accept().await.unwrap());
-        let hello = tensorwire_mesh::link::read_hello(&*conn, deadline)
+        let hello = tensorwire_mesh::link::read_hello(RT, &*conn, deadline)
             .await
             .unwrap();
         hostile[hello.rank as usize] = Some(conn);
@@ -480,10 +483,11 @@ async fn a_rank_claimed_twice_during_setup_fails_the_setup_naming_the_claim(net:
             introduction: Vec::new(),
         };
         let impostor = tensorwire_mesh::link::dial(
+            RT,
             &*transports(1),
             addr,
             &hello,
-            tensorwire_mesh::link::deadline_after(TEST_BOUND),
+            RT.deadline_after(TEST_BOUND),
         )
         .await
         .unwrap();

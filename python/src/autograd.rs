@@ -42,10 +42,11 @@ use tensorwire_dist_autograd::{AutogradContext, DistAutograd, DistAutogradError}
 use tensorwire_rpc::{Agent, RpcError};
 
 use crate::rpc::{
-    buffers, duration, lend, lent_bytes, reply, rpc_error, wait, PyCall, PyRRef, PyReply, PyValue,
-    WireBuffer,
+    buffers, duration, lend, lent_bytes, py_references, references, reply, rpc_error, wait, PyCall,
+    PyRRef, PyReply, PyValue, WireBuffer,
 };
 use crate::{runtime, TensorwireError};
+use tensorwire_rpc::RRef;
 
 /// The autograd function a Python call made in a context travels through.
 const PY_FN: &str = "tensorwire.py_call";
@@ -298,6 +299,7 @@ enum TrackedReply {
     Returned {
         payload: Vec<u8>,
         tensors: Vec<Tensor>,
+        rrefs: Vec<RRef<PyValue>>,
         tracked_at: Vec<u32>,
     },
     Raised {
@@ -326,7 +328,7 @@ fn tracked_of(list: &Bound<'_, PyAny>) -> PyResult<Vec<TorchTensor>> {
         .collect()
 }
 
-/// `("returned", payload, tensors, tracked_at, tracked)` or `("raised", type, message,
+/// `("returned", payload, tensors, rrefs, tracked_at, tracked)` or `("raised", type, message,
 /// traceback)` from the Python layer, as a reply and its tracked tensors.
 fn tracked_reply(out: &Bound<'_, PyAny>) -> PyResult<(TrackedReply, Vec<TorchTensor>)> {
     let out = out.cast::<PyTuple>()?;
@@ -336,9 +338,10 @@ fn tracked_reply(out: &Bound<'_, PyAny>) -> PyResult<(TrackedReply, Vec<TorchTen
             TrackedReply::Returned {
                 payload: out.get_item(1)?.extract()?,
                 tensors: lend(out.get_item(2)?.cast::<PyList>()?)?,
-                tracked_at: out.get_item(3)?.extract()?,
+                rrefs: references(out.get_item(3)?.cast::<PyList>()?)?,
+                tracked_at: out.get_item(4)?.extract()?,
             },
-            tracked_of(&out.get_item(4)?)?,
+            tracked_of(&out.get_item(5)?)?,
         ))
     } else {
         Ok((
@@ -363,6 +366,7 @@ fn call_python(
     tracked: &[TorchTensor],
 ) -> PyResult<Py<PyAny>> {
     let plain = buffers(py, call.call.tensors)?;
+    let rrefs = py_references(py, call.call.rrefs)?;
     Ok(engine_fn(py, what)?
         .call1((
             caller,
@@ -370,6 +374,7 @@ fn call_python(
             call.call.function,
             PyBytes::new(py, &call.call.payload),
             plain,
+            rrefs,
             call.tracked_at,
             tensors_of(py, tracked)?,
         ))?
@@ -485,6 +490,7 @@ fn register(dist: &DistAutograd<TorchEngine>) -> Result<(), RpcError> {
                             call.function,
                             PyBytes::new(py, &call.payload),
                             buffers(py, call.tensors)?,
+                            py_references(py, call.rrefs)?,
                         ))?;
                         reply(&out)
                     };
@@ -566,6 +572,7 @@ fn complete(
                     TrackedReply::Returned {
                         payload,
                         tensors,
+                        rrefs,
                         tracked_at,
                     },
                     tracked,
@@ -574,6 +581,7 @@ fn complete(
                         "returned",
                         PyBytes::new(py, &payload),
                         b,
+                        py_references(py, rrefs)?,
                         tracked_at,
                         tensors_of(py, &tracked)?,
                     )
@@ -637,6 +645,7 @@ fn tracked_call(
     function: String,
     payload: &[u8],
     tensors: &Bound<'_, PyList>,
+    rrefs: &Bound<'_, PyList>,
     tracked_at: Vec<u32>,
 ) -> PyResult<TrackedCall> {
     Ok(TrackedCall {
@@ -644,6 +653,7 @@ fn tracked_call(
             function,
             payload: payload.to_vec(),
             tensors: lend(tensors)?,
+            rrefs: references(rrefs)?,
         },
         tracked_at,
     })
@@ -705,7 +715,7 @@ impl PyDistAutograd {
     /// the untracked tensors it refers to (held until sent) and `tracked` the tensors that
     /// require grad, at the positions `tracked_at` of the pickle's tensor list. Returns at
     /// once; `on_done(outcome)` runs later with the GIL (see `complete`).
-    #[pyo3(signature = (context, to, function, payload, tensors, tracked_at, tracked, timeout, on_done))]
+    #[pyo3(signature = (context, to, function, payload, tensors, rrefs, tracked_at, tracked, timeout, on_done))]
     #[allow(clippy::too_many_arguments)]
     fn call(
         &self,
@@ -715,13 +725,14 @@ impl PyDistAutograd {
         function: String,
         payload: &[u8],
         tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
         tracked_at: Vec<u32>,
         tracked: &Bound<'_, PyList>,
         timeout: Option<f64>,
         on_done: Py<PyAny>,
     ) -> PyResult<()> {
         let timeout = timeout_of(timeout)?;
-        let call = tracked_call(function, payload, tensors, tracked_at)?;
+        let call = tracked_call(function, payload, tensors, rrefs, tracked_at)?;
         let tracked = tracked_list(tracked)?;
         let future = py.detach(|| {
             let _runtime = runtime().enter();
@@ -736,7 +747,7 @@ impl PyDistAutograd {
 
     /// `remote()` in `context` (arguments as for [`call`](Self::call)): a reference to the
     /// value `function` makes on `to`.
-    #[pyo3(signature = (context, to, function, payload, tensors, tracked_at, tracked, timeout))]
+    #[pyo3(signature = (context, to, function, payload, tensors, rrefs, tracked_at, tracked, timeout))]
     #[allow(clippy::too_many_arguments)]
     fn remote(
         &self,
@@ -746,12 +757,13 @@ impl PyDistAutograd {
         function: String,
         payload: &[u8],
         tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
         tracked_at: Vec<u32>,
         tracked: &Bound<'_, PyList>,
         timeout: Option<f64>,
     ) -> PyResult<PyRRef> {
         let timeout = timeout_of(timeout)?;
-        let call = tracked_call(function, payload, tensors, tracked_at)?;
+        let call = tracked_call(function, payload, tensors, rrefs, tracked_at)?;
         let tracked = tracked_list(tracked)?;
         let rref = py.detach(|| {
             let _runtime = runtime().enter();
@@ -804,6 +816,7 @@ impl PyDistAutograd {
             function,
             payload: payload.to_vec(),
             tensors: lend(tensors)?,
+            rrefs: Vec::new(),
         };
         let _runtime = runtime().enter();
         let future = rref

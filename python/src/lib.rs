@@ -556,6 +556,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rpc::WireBuffer>()?;
     m.add_class::<rpc::PyRRef>()?;
     m.add_class::<autograd::PyDistAutograd>()?;
+    m.add_class::<rpc::Settler>()?;
+    m.add_function(wrap_pyfunction!(rpc::check_worker_name, m)?)?;
     m.add("TensorwireError", m.py().get_type::<TensorwireError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -4,7 +4,13 @@
 //! A Python call is a call of [`PY_CALL`] carrying the function's qualified name, its
 //! arguments pickled by the Python layer with every tensor taken out of the pickle, and those
 //! tensors' bytes beside the message (the agent's tensor sidecar: no copy on the way out for a
-//! contiguous CPU tensor, whose storage is sent where it lies). This module decides nothing
+//! contiguous CPU tensor, whose storage is sent where it lies), and the remote references it
+//! refers to as the agent's own references (forked for the destination when sent, accepted
+//! when received). Method calls on a reference's value (`rref.rpc_sync().f()`) travel the same
+//! way as methods of the agent's references ([`PY_METHOD`], [`PY_METHOD_REMOTE`]). A function
+//! may answer later: the Python layer hands back a `torch.futures.Future` (PyTorch's
+//! `async_execution`), and the call completes when it does, holding no thread meanwhile. This
+//! module decides nothing
 //! about what may run: the callee's Python layer (its `serve` function) resolves the name among
 //! what it exposed and unpickles with its allow-list. What this module guarantees is where
 //! Python runs: with the GIL on a blocking thread, never on a runtime worker, and every wait of
@@ -19,9 +25,11 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use serde::{Deserialize, Serialize};
+use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
 use tensorwire_core::protocol::CallError;
 use tensorwire_core::tensor::{DType, Storage, Tensor};
 use tensorwire_rpc::{Agent, CallContext, Functions, RRef, RpcError, RpcOptions, Shutdown};
+use tokio::sync::oneshot;
 
 use crate::autograd::PyDistAutograd;
 use crate::{runtime, TensorwireError};
@@ -37,13 +45,24 @@ pub(crate) const PY_REMOTE: &str = "tensorwire.py_remote";
 /// when asked (so the copy is the value as it is then).
 pub(crate) const PY_FETCH: &str = "tensorwire.py_fetch";
 
-/// A Python call as it travels: what to run and its pickled arguments, with the tensors the
-/// pickle refers to by index.
+/// The method every `rref.rpc_sync()` / `rref.rpc_async()` proxy call goes through: a Python
+/// call whose target is the reference's value.
+pub(crate) const PY_METHOD: &str = "tensorwire.py_method";
+
+/// The method of `rref.remote()` proxies: a Python call on the reference's value whose result
+/// its owner keeps as a new value.
+pub(crate) const PY_METHOD_REMOTE: &str = "tensorwire.py_method_remote";
+
+/// A Python call as it travels: what to run and its pickled arguments, with the tensors and
+/// the remote references the pickle refers to by index. A reference is the agent's own: sending
+/// it forks it for the destination, receiving it accepts the fork (PyTorch's fork protocol, as
+/// the agent implements it), and the function runs once the owner confirmed every one.
 #[derive(Serialize, Deserialize)]
 pub(crate) struct PyCall {
     pub(crate) function: String,
     pub(crate) payload: Vec<u8>,
     pub(crate) tensors: Vec<Tensor>,
+    pub(crate) rrefs: Vec<RRef<PyValue>>,
 }
 
 /// What a Python call ended with: a pickled value (with its tensors), or the exception the
@@ -53,6 +72,7 @@ pub(crate) enum PyReply {
     Returned {
         payload: Vec<u8>,
         tensors: Vec<Tensor>,
+        rrefs: Vec<RRef<PyValue>>,
     },
     Raised {
         exc_type: String,
@@ -237,6 +257,9 @@ pub(crate) fn rpc_error(e: &RpcError) -> PyErr {
         | RpcError::RankOutOfRange { .. }
         | RpcError::InvalidArgument(_) => "argument",
         RpcError::Rendezvous(_) | RpcError::Store(_) | RpcError::Transport(_) => "network",
+        RpcError::DeviceMaps(_) | RpcError::DeviceMapConfig { .. } | RpcError::Device(_) => {
+            "device_map"
+        }
         _ => "backend",
     };
     TensorwireError::new_err((kind, e.to_string(), Vec::<usize>::new()))
@@ -270,71 +293,192 @@ pub(crate) fn duration(what: &str, seconds: f64) -> PyResult<Duration> {
     Ok(Duration::from_secs_f64(seconds))
 }
 
-/// The Python layer's `serve` or `create` called as `f(caller, function, payload, buffers)`.
-fn call_python(py: Python<'_>, f: &Py<PyAny>, caller: String, call: PyCall) -> PyResult<Py<PyAny>> {
-    let buffers = buffers(py, call.tensors)?;
-    f.call1(
-        py,
-        (
-            caller,
-            call.function,
-            PyBytes::new(py, &call.payload),
-            buffers,
-        ),
-    )
+/// The agent's references behind the Python layer's `PyRRef` objects (to send them).
+pub(crate) fn references(rrefs: &Bound<'_, PyList>) -> PyResult<Vec<RRef<PyValue>>> {
+    rrefs
+        .iter()
+        .map(|r| Ok(r.cast::<PyRRef>()?.get().rref.clone()))
+        .collect()
 }
 
-/// Runs a call on this worker: the Python layer's `serve(caller, function, payload, buffers)`
-/// with the GIL, on a blocking thread. `serve` returns `("returned", payload, tensors)` or
-/// `("raised", type, message, traceback)`; it never raises for the user function's failures.
-fn serve(serve: &Py<PyAny>, caller: String, call: PyCall) -> Result<PyReply, String> {
-    Python::attach(|py| {
-        let run = || -> PyResult<PyReply> { reply(call_python(py, serve, caller, call)?.bind(py)) };
-        // A failure of the serving machinery itself (not of the user's function) fails the
-        // call with its text.
-        run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
+/// Received references as `PyRRef` objects for the Python layer.
+pub(crate) fn py_references<'py>(
+    py: Python<'py>,
+    rrefs: Vec<RRef<PyValue>>,
+) -> PyResult<Bound<'py, PyList>> {
+    let objects = rrefs
+        .into_iter()
+        .map(|rref| Py::new(py, PyRRef { rref }))
+        .collect::<PyResult<Vec<_>>>()?;
+    PyList::new(py, objects)
+}
+
+/// A call as it travels, from what the Python layer hands over.
+fn py_call(
+    function: String,
+    payload: &[u8],
+    tensors: &Bound<'_, PyList>,
+    rrefs: &Bound<'_, PyList>,
+) -> PyResult<PyCall> {
+    Ok(PyCall {
+        function,
+        payload: payload.to_vec(),
+        tensors: lend(tensors)?,
+        rrefs: references(rrefs)?,
     })
 }
 
-/// Runs a `remote()` creation on this worker: the Python layer's `create(caller, function,
-/// payload, buffers)` with the GIL, on a blocking thread; it returns `("returned", object)`
-/// or `("raised", type, message, traceback)`, kept as the reference's value.
-fn create(create: &Py<PyAny>, caller: String, call: PyCall) -> Result<PyValue, String> {
+/// What the Python layer answered for a call it serves: the outcome now, or later, when the
+/// `torch.futures.Future` an `async_execution` function returned completes.
+enum Served<T> {
+    Now(T),
+    Later(oneshot::Receiver<Result<T, String>>),
+}
+
+type Settle = Box<dyn FnOnce(Python<'_>, PyResult<Bound<'_, PyAny>>) + Send + Sync>;
+
+/// The done-callback attached to the future of an `async_execution` function: it reads the
+/// future's outcome (the Python layer's `("returned", ...)` or `("raised", ...)` tuple), converts
+/// it and completes the call, once.
+#[pyclass(module = "tensorwire._native", frozen)]
+pub(crate) struct Settler {
+    settle: std::sync::Mutex<Option<Settle>>,
+}
+
+#[pymethods]
+impl Settler {
+    fn __call__(&self, py: Python<'_>, future: &Bound<'_, PyAny>) {
+        let settle = self
+            .settle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(settle) = settle {
+            settle(py, future.call_method0("value"));
+        }
+    }
+}
+
+/// Runs one of the Python layer's serving functions (`serve` or `create`) with the GIL, on a
+/// blocking thread: `f(caller, function, payload, buffers, rrefs, target)`, where `target` is
+/// the value a method call runs on (`None` for a function). Its answer is an outcome tuple,
+/// converted by `convert`, or `("future", fut)` where `fut` completes with one.
+fn run_python<T: Send + 'static>(
+    f: &Py<PyAny>,
+    caller: String,
+    call: PyCall,
+    target: Option<&Py<PyAny>>,
+    convert: fn(&Bound<'_, PyAny>) -> PyResult<T>,
+    what: &'static str,
+) -> Result<Served<T>, String> {
     Python::attach(|py| {
-        let run = || -> PyResult<PyValue> {
-            let out = call_python(py, create, caller, call)?;
-            let out = out.bind(py).cast::<PyTuple>()?;
-            let tag: String = out.get_item(0)?.extract()?;
-            if tag == "returned" {
-                Ok(PyValue::Object(out.get_item(1)?.unbind()))
-            } else {
-                Ok(PyValue::Raised {
-                    exc_type: out.get_item(1)?.extract()?,
-                    message: out.get_item(2)?.extract()?,
-                    traceback: out.get_item(3)?.extract()?,
-                })
+        let run = || -> PyResult<Served<T>> {
+            let buffers = buffers(py, call.tensors)?;
+            let rrefs = py_references(py, call.rrefs)?;
+            let target = target.map(|t| t.clone_ref(py));
+            let args = (
+                caller,
+                call.function,
+                PyBytes::new(py, &call.payload),
+                buffers,
+                rrefs,
+                target,
+            );
+            let out = f.bind(py).call1(args)?;
+            let tuple = out.cast::<PyTuple>()?;
+            if tuple.get_item(0)?.extract::<String>()? != "future" {
+                return Ok(Served::Now(convert(&out)?));
+            }
+            let (tx, rx) = oneshot::channel();
+            let settle: Settle = Box::new(move |_py, outcome| {
+                let converted = outcome
+                    .and_then(|o| convert(&o))
+                    .map_err(|e| format!("tensorwire.rpc could not {what}: {e}"));
+                let _ = tx.send(converted);
+            });
+            let settler = Settler {
+                settle: std::sync::Mutex::new(Some(settle)),
+            };
+            tuple
+                .get_item(1)?
+                .call_method1("add_done_callback", (Py::new(py, settler)?,))?;
+            Ok(Served::Later(rx))
+        };
+        run().map_err(|e| format!("tensorwire.rpc could not {what}: {e}"))
+    })
+}
+
+/// Serves a call in a task of the agent's: runs the Python layer (see [`run_python`]) on a
+/// blocking thread, then waits, without a thread, for a future it returned.
+async fn serve_python<T: Send + 'static>(
+    f: Arc<Py<PyAny>>,
+    caller: String,
+    call: PyCall,
+    target: Option<Arc<PyValue>>,
+    convert: fn(&Bound<'_, PyAny>) -> PyResult<T>,
+    what: &'static str,
+) -> Result<T, String> {
+    let served = tokio::task::spawn_blocking(move || {
+        let object = match target.as_deref() {
+            None => None,
+            Some(PyValue::Object(o)) => Some(o),
+            // The method handlers answer for a value whose creation failed before coming here.
+            Some(PyValue::Raised { message, .. }) => {
+                return Err(format!("the value was not created: {message}"))
             }
         };
-        run().map_err(|e| format!("tensorwire.rpc could not create the value: {e}"))
+        run_python(&f, caller, call, object, convert, what)
     })
+    .await
+    .map_err(|e| format!("the Python call ended abnormally: {e}"))??;
+    match served {
+        Served::Now(v) => Ok(v),
+        Served::Later(rx) => rx.await.map_err(|_| {
+            format!("tensorwire.rpc could not {what}: the future returned was dropped unset")
+        })?,
+    }
 }
 
-/// Pickles a reference's value on its owner for `to_here`: the Python layer's
-/// `fetch(object)`, which returns `("returned", payload, tensors)` or `("raised", ...)`.
-fn fetch(fetch: &Py<PyAny>, value: &PyValue) -> Result<PyReply, String> {
-    let object = match value {
-        PyValue::Object(o) => o,
+/// A method call on a value whose creation failed: the creation's exception, as the reply.
+fn raised_target(value: &PyValue) -> Option<PyReply> {
+    match value {
         PyValue::Raised {
             exc_type,
             message,
             traceback,
-        } => {
-            return Ok(PyReply::Raised {
-                exc_type: exc_type.clone(),
-                message: message.clone(),
-                traceback: traceback.clone(),
-            })
-        }
+        } => Some(PyReply::Raised {
+            exc_type: exc_type.clone(),
+            message: message.clone(),
+            traceback: traceback.clone(),
+        }),
+        PyValue::Object(_) => None,
+    }
+}
+
+/// The Python layer's `("returned", object)` or `("raised", type, message, traceback)` as a
+/// value its owner keeps.
+fn kept(out: &Bound<'_, PyAny>) -> PyResult<PyValue> {
+    let out = out.cast::<PyTuple>()?;
+    let tag: String = out.get_item(0)?.extract()?;
+    if tag == "returned" {
+        Ok(PyValue::Object(out.get_item(1)?.unbind()))
+    } else {
+        Ok(PyValue::Raised {
+            exc_type: out.get_item(1)?.extract()?,
+            message: out.get_item(2)?.extract()?,
+            traceback: out.get_item(3)?.extract()?,
+        })
+    }
+}
+
+/// Pickles a reference's value on its owner for `to_here`: the Python layer's
+/// `fetch(object)`, which returns `("returned", payload, tensors, rrefs)` or `("raised", ...)`.
+fn fetch(fetch: &Py<PyAny>, value: &PyValue) -> Result<PyReply, String> {
+    if let Some(raised) = raised_target(value) {
+        return Ok(raised);
+    }
+    let PyValue::Object(object) = value else {
+        unreachable!("raised_target handled the other variant")
     };
     Python::attach(|py| {
         let run = || -> PyResult<PyReply> {
@@ -345,7 +489,7 @@ fn fetch(fetch: &Py<PyAny>, value: &PyValue) -> Result<PyReply, String> {
     })
 }
 
-/// The Python layer's `("returned", payload, tensors)` or `("raised", type, message,
+/// The Python layer's `("returned", payload, tensors, rrefs)` or `("raised", type, message,
 /// traceback)` as a reply.
 pub(crate) fn reply(out: &Bound<'_, PyAny>) -> PyResult<PyReply> {
     let out = out.cast::<PyTuple>()?;
@@ -353,7 +497,12 @@ pub(crate) fn reply(out: &Bound<'_, PyAny>) -> PyResult<PyReply> {
     if tag == "returned" {
         let payload: Vec<u8> = out.get_item(1)?.extract()?;
         let tensors = lend(out.get_item(2)?.cast::<PyList>()?)?;
-        Ok(PyReply::Returned { payload, tensors })
+        let rrefs = references(out.get_item(3)?.cast::<PyList>()?)?;
+        Ok(PyReply::Returned {
+            payload,
+            tensors,
+            rrefs,
+        })
     } else {
         Ok(PyReply::Raised {
             exc_type: out.get_item(1)?.extract()?,
@@ -368,8 +517,13 @@ pub(crate) fn complete(on_done: Py<PyAny>, reply: Result<PyReply, RpcError>) {
     tokio::task::spawn_blocking(move || {
         Python::attach(|py| {
             let outcome = match reply {
-                Ok(PyReply::Returned { payload, tensors }) => buffers(py, tensors).and_then(|b| {
-                    ("returned", PyBytes::new(py, &payload), b)
+                Ok(PyReply::Returned {
+                    payload,
+                    tensors,
+                    rrefs,
+                }) => buffers(py, tensors).and_then(|b| {
+                    let r = py_references(py, rrefs)?;
+                    ("returned", PyBytes::new(py, &payload), b, r)
                         .into_pyobject(py)
                         .map(|t| t.into_any())
                 }),
@@ -388,6 +542,14 @@ pub(crate) fn complete(on_done: Py<PyAny>, reply: Result<PyReply, RpcError>) {
             }
         })
     });
+}
+
+/// Sends `future`'s outcome to `on_done` once it resolves.
+fn complete_later(
+    future: impl std::future::Future<Output = Result<PyReply, RpcError>> + Send + 'static,
+    on_done: Py<PyAny>,
+) {
+    runtime().spawn(async move { complete(on_done, future.await) });
 }
 
 /// A remote reference to a Python value (`tensorwire.rpc.RRef` wraps it): the agent's own
@@ -415,6 +577,11 @@ impl PyRRef {
         self.rref.confirmed_by_owner()
     }
 
+    /// The reference's id on the wire (`owner:local id`), for `repr` and debugging.
+    fn id(&self) -> String {
+        format!("{:?}", self.rref)
+    }
+
     /// Copies the value from its owner, pickled there now (`timeout` seconds; `None`: the
     /// default; zero: none); `on_done` gets the outcome as for [`RpcAgent::call`].
     #[pyo3(signature = (timeout, on_done))]
@@ -425,8 +592,54 @@ impl PyRRef {
             .rref
             .rpc_async::<(), PyReply>(PY_FETCH, &(), timeout)
             .map_err(|e| rpc_error(&e))?;
-        runtime().spawn(async move { complete(on_done, future.await) });
+        complete_later(future, on_done);
         Ok(())
+    }
+
+    /// Calls `function` (a method's name) on the value, on its owner, as [`RpcAgent::call`]
+    /// calls a function (`rref.rpc_async().method(...)`); the owner's Python layer gets the
+    /// value as the call's target.
+    #[pyo3(signature = (function, payload, tensors, rrefs, timeout, on_done))]
+    fn call(
+        &self,
+        function: String,
+        payload: &[u8],
+        tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+        on_done: Py<PyAny>,
+    ) -> PyResult<()> {
+        let timeout = timeout.map(|t| duration("timeout", t)).transpose()?;
+        let call = py_call(function, payload, tensors, rrefs)?;
+        let _runtime = runtime().enter();
+        let future = self
+            .rref
+            .rpc_async::<PyCall, PyReply>(PY_METHOD, &call, timeout)
+            .map_err(|e| rpc_error(&e))?;
+        drop(call);
+        complete_later(future, on_done);
+        Ok(())
+    }
+
+    /// Runs `function` (a method's name) on the value, on its owner, which keeps the result
+    /// as a new value (`rref.remote().method(...)`): a reference to it, at once.
+    #[pyo3(signature = (function, payload, tensors, rrefs, timeout))]
+    fn remote(
+        &self,
+        function: String,
+        payload: &[u8],
+        tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyRRef> {
+        let timeout = timeout.map(|t| duration("timeout", t)).transpose()?;
+        let call = py_call(function, payload, tensors, rrefs)?;
+        let _runtime = runtime().enter();
+        let rref = self
+            .rref
+            .remote::<PyCall, PyValue>(PY_METHOD_REMOTE, &call, timeout)
+            .map_err(|e| rpc_error(&e))?;
+        Ok(PyRRef { rref })
     }
 
     /// The value, on its owner (waits without the GIL for a creation still running):
@@ -437,6 +650,47 @@ impl PyRRef {
             wait(py, async move { rref.local_value().await })?.map_err(|e| rpc_error(&e))?;
         value.outcome(py)
     }
+
+    /// Waits (without the GIL) until the owner created the value; raises the creation's
+    /// failure (a timeout, a lost owner), not the function's exception, which the value keeps
+    /// (PyTorch's `rref._get_future().wait()`).
+    fn created(&self, py: Python<'_>) -> PyResult<()> {
+        let rref = self.rref.clone();
+        wait(py, async move { rref.created().await })?.map_err(|e| rpc_error(&e))
+    }
+}
+
+/// The device maps and devices of `init_rpc`'s options, as the agent takes them. Entries are
+/// kept as given (the group's validation at init reports a map that is not one-to-one, in
+/// PyTorch's words); a device string that does not parse is refused here.
+fn device_options(
+    options: RpcOptions,
+    device_maps: Vec<(String, Vec<(String, String)>)>,
+    devices: Vec<String>,
+) -> Result<RpcOptions, RpcError> {
+    let mut maps = DeviceMaps::new();
+    for (to, entries) in device_maps {
+        let mut map = DeviceMap::new();
+        for (source, target) in entries {
+            map.insert(source.parse::<Device>()?, target.parse::<Device>()?);
+        }
+        maps.insert(to, map);
+    }
+    let devices = devices
+        .iter()
+        .map(|d| d.parse::<Device>())
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut options = options.with_devices(devices);
+    options.device_maps = maps;
+    Ok(options)
+}
+
+/// Checks a worker name against the naming rule (PyTorch's: `A-Z a-z 0-9 _ : -`, non-empty,
+/// shorter than 128): `TensorwireError("argument", why)` if it breaks it.
+#[pyfunction]
+pub(crate) fn check_worker_name(name: &str) -> PyResult<()> {
+    tensorwire_core::name::check_worker_name(name)
+        .map_err(|e| TensorwireError::new_err(("argument", e.to_string(), Vec::<usize>::new())))
 }
 
 /// This process's RPC agent, as `tensorwire.rpc` holds it.
@@ -450,10 +704,12 @@ pub(crate) struct RpcAgent {
 #[pymethods]
 impl RpcAgent {
     /// Starts this worker's agent (PyTorch's `init_rpc`): rendezvous at `init_method`, connect
-    /// to every worker (`world_size = None`: a dynamic group), and serve Python calls through
-    /// `serve`. Blocks without the GIL until the group is up or `init_timeout` passed.
+    /// to every worker (`world_size = None`: a dynamic group), validate the group's device
+    /// maps, and serve Python calls through `serve` (functions and methods), `create`
+    /// (`remote()`) and `fetch` (`to_here()`). Blocks without the GIL until the group is up or
+    /// `init_timeout` passed.
     #[staticmethod]
-    #[pyo3(signature = (name, rank, world_size, init_method, rpc_timeout, init_timeout, serve, create, fetch))]
+    #[pyo3(signature = (name, rank, world_size, init_method, rpc_timeout, init_timeout, device_maps, devices, serve, create, fetch))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         py: Python<'_>,
@@ -463,51 +719,85 @@ impl RpcAgent {
         init_method: String,
         rpc_timeout: f64,
         init_timeout: f64,
+        device_maps: Vec<(String, Vec<(String, String)>)>,
+        devices: Vec<String>,
         serve: Py<PyAny>,
         create: Py<PyAny>,
         fetch: Py<PyAny>,
     ) -> PyResult<RpcAgent> {
         let functions = Functions::new();
-        let serve = Arc::new(serve);
-        let (create, fetch) = (Arc::new(create), Arc::new(fetch));
-        functions
-            .register_with_context(PY_CALL, move |ctx: CallContext, call: PyCall| {
-                let serve = Arc::clone(&serve);
+        let (serve, create, fetch) = (Arc::new(serve), Arc::new(create), Arc::new(fetch));
+        let register = |result: Result<(), RpcError>| result.map_err(|e| rpc_error(&e));
+        let f = Arc::clone(&serve);
+        register(functions.register_with_context(
+            PY_CALL,
+            move |ctx: CallContext, call: PyCall| {
                 let caller = ctx.caller().name.clone();
-                async move {
-                    tokio::task::spawn_blocking(move || self::serve(&serve, caller, call))
-                        .await
-                        .map_err(|e| format!("the Python call ended abnormally: {e}"))?
-                }
-            })
-            .map_err(|e| rpc_error(&e))?;
-        functions
-            .register_with_context(PY_REMOTE, move |ctx: CallContext, call: PyCall| {
-                let create = Arc::clone(&create);
+                serve_python(Arc::clone(&f), caller, call, None, reply, "serve the call")
+            },
+        ))?;
+        let f = Arc::clone(&create);
+        register(functions.register_with_context(
+            PY_REMOTE,
+            move |ctx: CallContext, call: PyCall| {
                 let caller = ctx.caller().name.clone();
+                serve_python(Arc::clone(&f), caller, call, None, kept, "create the value")
+            },
+        ))?;
+        let f = Arc::clone(&serve);
+        register(functions.register_method_with_context(
+            PY_METHOD,
+            move |ctx: CallContext, value: Arc<PyValue>, call: PyCall| {
+                let caller = ctx.caller().name.clone();
+                let f = Arc::clone(&f);
                 async move {
-                    tokio::task::spawn_blocking(move || self::create(&create, caller, call))
-                        .await
-                        .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+                    if let Some(raised) = raised_target(&value) {
+                        return Ok(raised);
+                    }
+                    serve_python(f, caller, call, Some(value), reply, "serve the call").await
                 }
-            })
-            .map_err(|e| rpc_error(&e))?;
-        functions
-            .register_method(PY_FETCH, move |value: Arc<PyValue>, (): ()| {
+            },
+        ))?;
+        let f = Arc::clone(&create);
+        register(functions.register_method_with_context(
+            PY_METHOD_REMOTE,
+            move |ctx: CallContext, value: Arc<PyValue>, call: PyCall| {
+                let caller = ctx.caller().name.clone();
+                let f = Arc::clone(&f);
+                async move {
+                    if let Some(PyReply::Raised {
+                        exc_type,
+                        message,
+                        traceback,
+                    }) = raised_target(&value)
+                    {
+                        return Ok(PyValue::Raised {
+                            exc_type,
+                            message,
+                            traceback,
+                        });
+                    }
+                    serve_python(f, caller, call, Some(value), kept, "create the value").await
+                }
+            },
+        ))?;
+        register(
+            functions.register_method(PY_FETCH, move |value: Arc<PyValue>, (): ()| {
                 let fetch = Arc::clone(&fetch);
                 async move {
                     tokio::task::spawn_blocking(move || self::fetch(&fetch, &value))
                         .await
                         .map_err(|e| format!("the Python call ended abnormally: {e}"))?
                 }
-            })
-            .map_err(|e| rpc_error(&e))?;
+            }),
+        )?;
         let init_timeout = duration("init_timeout", init_timeout)?;
         let options = RpcOptions::new()
             .with_functions(functions)
             .with_rpc_timeout(duration("rpc_timeout", rpc_timeout)?)
             .with_init_method(init_method)
             .with_init_timeout(init_timeout);
+        let options = device_options(options, device_maps, devices).map_err(|e| rpc_error(&e))?;
         let (agent, autograd) = wait(py, async move {
             let agent = tensorwire_rpc::init_rpc(&name, rank, world_size, options).await?;
             let autograd = crate::autograd::start(&agent)?;
@@ -560,57 +850,60 @@ impl RpcAgent {
         self.agent.rpc_timeout().as_secs_f64()
     }
 
-    /// Calls `function` on worker `to` with `payload` (the pickled arguments) and `tensors`
-    /// (contiguous CPU tensors the pickle refers to by index; held, not copied, until sent),
-    /// within `timeout` seconds (`None`: the default; zero: none). Returns at once;
-    /// `on_done(outcome)` runs later, with the GIL, on a blocking thread, where `outcome` is
-    /// `("returned", payload, buffers)`, `("raised", type, message, traceback)` or a
-    /// `TensorwireError` for a call that failed (timeout, lost peer, refused by the callee's
-    /// machinery). A call that cannot be sent (unknown worker) raises here.
-    #[pyo3(signature = (to, function, payload, tensors, timeout, on_done))]
+    /// Changes the default call timeout (seconds; zero: none).
+    fn set_rpc_timeout(&self, seconds: f64) -> PyResult<()> {
+        self.agent
+            .set_rpc_timeout(duration("rpc_timeout", seconds)?);
+        Ok(())
+    }
+
+    /// Calls `function` on worker `to` with `payload` (the pickled arguments), `tensors`
+    /// (contiguous CPU tensors the pickle refers to by index; held, not copied, until sent) and
+    /// `rrefs` (the `PyRRef`s it refers to by index, forked for `to`), within `timeout`
+    /// seconds (`None`: the default; zero: none). Returns at once; `on_done(outcome)` runs
+    /// later, with the GIL, on a blocking thread, where `outcome` is `("returned", payload,
+    /// buffers, rrefs)`, `("raised", type, message, traceback)` or a `TensorwireError` for a
+    /// call that failed (timeout, lost peer, refused by the callee's machinery). A call that
+    /// cannot be sent (unknown worker) raises here.
+    #[pyo3(signature = (to, function, payload, tensors, rrefs, timeout, on_done))]
+    #[allow(clippy::too_many_arguments)]
     fn call(
         &self,
         to: &str,
         function: String,
         payload: &[u8],
         tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
         timeout: Option<f64>,
         on_done: Py<PyAny>,
     ) -> PyResult<()> {
         let timeout = timeout.map(|t| duration("timeout", t)).transpose()?;
-        let call = PyCall {
-            function,
-            payload: payload.to_vec(),
-            tensors: lend(tensors)?,
-        };
+        let call = py_call(function, payload, tensors, rrefs)?;
         let _runtime = runtime().enter();
         let future = self
             .agent
             .rpc_async::<PyCall, PyReply>(to, PY_CALL, &call, timeout)
             .map_err(|e| rpc_error(&e))?;
         drop(call);
-        runtime().spawn(async move { complete(on_done, future.await) });
+        complete_later(future, on_done);
         Ok(())
     }
 
     /// Runs `function` on worker `to` as [`call`](Self::call) does, and keeps its result
     /// there: returns a reference to it at once (PyTorch's `remote`). A failure of the
     /// function is kept too, and raised by `to_here` and `local_value`.
-    #[pyo3(signature = (to, function, payload, tensors, timeout))]
+    #[pyo3(signature = (to, function, payload, tensors, rrefs, timeout))]
     fn remote(
         &self,
         to: &str,
         function: String,
         payload: &[u8],
         tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
         timeout: Option<f64>,
     ) -> PyResult<PyRRef> {
         let timeout = timeout.map(|t| duration("timeout", t)).transpose()?;
-        let call = PyCall {
-            function,
-            payload: payload.to_vec(),
-            tensors: lend(tensors)?,
-        };
+        let call = py_call(function, payload, tensors, rrefs)?;
         let _runtime = runtime().enter();
         let rref = self
             .agent

@@ -75,8 +75,21 @@ class WireBuffer:
 
     def __len__(self) -> int: ...
 
-# ("returned", payload, buffers) | ("raised", type, message, traceback) | a TensorwireError
+# ("returned", payload, buffers, rrefs) | ("raised", type, message, traceback) | a TensorwireError
 CallOutcome = object
+# serve/create(caller, function, payload, buffers, rrefs, target) ->
+#   ("returned", ...) | ("raised", type, message, traceback) | ("future", torch.futures.Future)
+ServeFn = Callable[[str, str, bytes, list[WireBuffer], list[PyRRef], object], tuple]
+
+def check_worker_name(name: str) -> None:
+    """Raises ``TensorwireError("argument", why)`` if ``name`` breaks the naming rule
+    (``A-Z a-z 0-9 _ : -``, non-empty, shorter than 128)."""
+
+class Settler:
+    """The done-callback the agent attaches to the future an ``async_execution`` function
+    returned: it completes the call with the future's outcome."""
+
+    def __call__(self, future: object) -> None: ...
 
 class RpcAgent:
     """This process's tensorwire RPC agent (``tensorwire.rpc``)."""
@@ -89,37 +102,45 @@ class RpcAgent:
         init_method: str,
         rpc_timeout: float,
         init_timeout: float,
-        serve: Callable[[str, str, bytes, list[WireBuffer]], tuple],
-        create: Callable[[str, str, bytes, list[WireBuffer]], tuple],
+        device_maps: list[tuple[str, list[tuple[str, str]]]],
+        devices: list[str],
+        serve: ServeFn,
+        create: ServeFn,
         fetch: Callable[[object], tuple],
     ) -> RpcAgent:
-        """Starts the agent and connects to the group (blocks without the GIL). ``serve``
-        runs every call this worker receives: ``(caller, function, payload, buffers) ->
-        ("returned", payload, tensors) | ("raised", type, message, traceback)``; ``create``
-        runs a ``remote()`` creation (``("returned", value)`` is kept); ``fetch(value)``
-        pickles a kept value for ``to_here``."""
+        """Starts the agent and connects to the group (blocks without the GIL); the group's
+        device maps are validated (``TensorwireError("device_map", ...)``). ``serve`` runs
+        every call this worker receives (``target``: the value of a method call through an
+        RRef proxy, else ``None``): ``("returned", payload, tensors, rrefs)``, ``("raised",
+        type, message, traceback)`` or ``("future", f)`` with ``f`` completing with one of
+        those; ``create`` runs a ``remote()`` creation (``("returned", value)`` is kept);
+        ``fetch(value)`` pickles a kept value for ``to_here``."""
     def dist_autograd(self) -> PyDistAutograd:
         """Distributed autograd on this agent (``tensorwire.rpc.dist_autograd``)."""
     def me(self) -> tuple[str, int]: ...
     def worker(self, name: str) -> tuple[str, int]: ...
     def workers(self) -> list[tuple[str, int]]: ...
     def rpc_timeout(self) -> float: ...
+    def set_rpc_timeout(self, seconds: float) -> None: ...
     def call(
         self,
         to: str,
         function: str,
         payload: bytes,
         tensors: list[torch.Tensor],
+        rrefs: list[PyRRef],
         timeout: Optional[float],
         on_done: Callable[[CallOutcome], None],
     ) -> None:
-        """Sends a call; ``on_done(outcome)`` runs later on a thread of tensorwire's."""
+        """Sends a call (``rrefs`` forked for ``to``); ``on_done(outcome)`` runs later on a
+        thread of tensorwire's."""
     def remote(
         self,
         to: str,
         function: str,
         payload: bytes,
         tensors: list[torch.Tensor],
+        rrefs: list[PyRRef],
         timeout: Optional[float],
     ) -> PyRRef:
         """Creates a value on ``to`` and returns a reference to it at once."""
@@ -133,10 +154,32 @@ class PyRRef:
     def owner(self) -> tuple[str, int]: ...
     def is_owner(self) -> bool: ...
     def confirmed_by_owner(self) -> bool: ...
+    def id(self) -> str: ...
     def fetch(self, timeout: Optional[float], on_done: Callable[[CallOutcome], None]) -> None:
         """Copies the value from its owner; ``on_done(outcome)`` runs later."""
+    def call(
+        self,
+        function: str,
+        payload: bytes,
+        tensors: list[torch.Tensor],
+        rrefs: list[PyRRef],
+        timeout: Optional[float],
+        on_done: Callable[[CallOutcome], None],
+    ) -> None:
+        """Calls the method ``function`` of the value, on its owner."""
+    def remote(
+        self,
+        function: str,
+        payload: bytes,
+        tensors: list[torch.Tensor],
+        rrefs: list[PyRRef],
+        timeout: Optional[float],
+    ) -> PyRRef:
+        """Runs the method ``function`` of the value on its owner, which keeps the result."""
     def local_value(self) -> tuple:
         """On the owner: ``("returned", value)`` or ``("raised", type, message, traceback)``."""
+    def created(self) -> None:
+        """Waits until the owner created the value; raises the creation's failure."""
 
 class PyDistAutograd:
     """Distributed autograd on this worker's agent, with torch's engine
@@ -158,6 +201,7 @@ class PyDistAutograd:
         function: str,
         payload: bytes,
         tensors: list[torch.Tensor],
+        rrefs: list[PyRRef],
         tracked_at: list[int],
         tracked: list[torch.Tensor],
         timeout: Optional[float],
@@ -165,7 +209,7 @@ class PyDistAutograd:
     ) -> None:
         """A call in a context: ``tracked`` (tensors that require grad) go at ``tracked_at``
         in the pickle's tensor list, ``tensors`` fill the rest; ``on_done(outcome)`` gets
-        ``("returned", payload, buffers, tracked_at, tracked)``, ``("raised", type, message,
+        ``("returned", payload, buffers, rrefs, tracked_at, tracked)``, ``("raised", type, message,
         traceback)`` or an exception."""
     def remote(
         self,
@@ -174,6 +218,7 @@ class PyDistAutograd:
         function: str,
         payload: bytes,
         tensors: list[torch.Tensor],
+        rrefs: list[PyRRef],
         tracked_at: list[int],
         tracked: list[torch.Tensor],
         timeout: Optional[float],
@@ -183,6 +228,17 @@ class PyDistAutograd:
         self, context: int, rref: PyRRef, timeout: Optional[float], on_done: Callable[[object], None]
     ) -> None:
         """``to_here()`` in a context (its value's tensors that require grad are tracked)."""
+    def owner_call(
+        self,
+        rref: PyRRef,
+        function: str,
+        payload: bytes,
+        tensors: list[torch.Tensor],
+        timeout: Optional[float],
+        on_done: Callable[[CallOutcome], None],
+    ) -> None:
+        """Runs one of tensorwire's own owner-side functions on ``rref``'s value, on its
+        owner (the distributed optimizer's)."""
     def backward(self, context: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
         """Runs the backward pass from scalar roots; returns once every worker is done."""
     def gradients(self, context: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

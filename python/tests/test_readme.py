@@ -29,6 +29,23 @@ def test_the_readme_ddp_script_runs_as_written(tmp_path):
     assert "trained" in result.stdout, result.stdout + result.stderr
 
 
+def test_the_readme_rpc_script_runs_as_written(tmp_path):
+    text = README.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    script = next(b for b in blocks if "import tensorwire.rpc as rpc" in b and "init_rpc" in b)
+    path = tmp_path / "rpc_demo.py"
+    path.write_text(script)
+    env = dict(os.environ, TENSORWIRE_SECRET="readme-secret", OMP_NUM_THREADS="1",
+               MASTER_PORT=str(free_port()))
+    result = subprocess.run(
+        [sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    # Each worker scaled by 3 on its peer, added 1 there, and counted 5 + 1 on its peer.
+    for rank in (0, 1):
+        assert f"worker{rank} [4.0, 4.0, 4.0] 6" in result.stdout, result.stdout + result.stderr
+
+
 def test_the_readme_split_model_trains_with_distributed_adam(tmp_path):
     text = README.read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)

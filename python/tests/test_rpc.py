@@ -209,14 +209,3 @@ def init_options(rank: int, world: int, init_file: str) -> None:
 
 def test_init_with_pytorchs_options_and_a_file_rendezvous(tmp_path):
     run_world(init_options, 2, str(tmp_path / "init"))
-
-
-def refuses_device_maps(rank: int, world: int) -> None:
-    options = rpc.TensorPipeRpcBackendOptions()
-    options.set_device_map("worker1", {0: 1})
-    with pytest.raises(NotImplementedError, match="device maps"):
-        rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=options)
-
-
-def test_device_maps_are_refused_for_now():
-    run_world(refuses_device_maps, 1)

@@ -5,6 +5,7 @@ of a function nobody exposed refused."""
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -30,6 +31,21 @@ def make(n: int, *, fill: float = 1.0) -> torch.Tensor:
 @rpc.expose
 def fails() -> None:
     raise KeyError("no such value")
+
+
+@rpc.expose
+def read_key(r: rpc.RRef, key: str) -> torch.Tensor:
+    return r.to_here()[key]
+
+
+@rpc.expose
+def hand_back(r: rpc.RRef) -> rpc.RRef:
+    return r
+
+
+@rpc.expose
+def made_there(n: int) -> rpc.RRef:
+    return rpc.RRef(torch.full((n,), float(n)))
 
 
 def rrefs(rank: int, world: int, marker_dir: str) -> None:
@@ -71,8 +87,17 @@ def rrefs(rank: int, world: int, marker_dir: str) -> None:
     assert local.local_value() is obj
     copy = local.to_here()
     assert copy is not obj and torch.equal(copy["k"], obj["k"])
-    with pytest.raises(TypeError, match="RRefs inside arguments"):
-        rpc.rpc_sync(peer, torch.add, args=(local, 1))
+    # An RRef in arguments is forked for the callee, which reads it from its owner (here),
+    # and one in a result comes back as a reference to the value where it lives.
+    assert rpc.rpc_sync(peer, read_key, args=(local, "k")).item() == 1.0
+    back = rpc.rpc_sync(peer, hand_back, args=(local,))
+    assert back.is_owner() and back.local_value() is obj
+    theirs = rpc.rpc_sync(peer, made_there, args=(3,))
+    assert theirs.owner_name() == peer and not theirs.is_owner()
+    assert torch.equal(theirs.to_here(), torch.full((3,), 3.0))
+    # An RRef pickled outside a call is refused, as in PyTorch.
+    with pytest.raises(RuntimeError, match="Can not pickle rref"):
+        pickle.dumps(local)
     rpc.shutdown()
 
 

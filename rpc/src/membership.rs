@@ -22,7 +22,7 @@ use tensorwire_mesh::link;
 use tracing::warn;
 
 use crate::error::RpcError;
-use crate::runtime::{tokio_instant, Runtime};
+use crate::runtime::Runtime;
 use crate::state::RPC_GROUP;
 use crate::state::{Agent, DynState};
 
@@ -235,8 +235,8 @@ pub(crate) async fn introduce(
         world: None,
         introduction: postcard::to_allocvec(record).map_err(|e| failed(e.to_string()))?,
     };
-    let deadline = tokio_instant(runtime.deadline_after(limit));
-    let conn = link::dial(transport, addr, &hello, deadline)
+    let deadline = runtime.deadline_after(limit);
+    let conn = link::dial(runtime, transport, addr, &hello, deadline)
         .await
         .map_err(|e| failed(e.to_string()))?;
     if let Err(e) = conn.check_peer_name(expected) {
@@ -318,8 +318,9 @@ pub(crate) async fn accept_connections(agent: Agent, listener: Box<dyn Listener>
 
 async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
     let peer = conn.peer_addr();
-    let deadline = tokio_instant(agent.inner.runtime.deadline_after(Duration::from_secs(30)));
-    let hello = match link::read_hello(&*conn, deadline).await {
+    let runtime = &*agent.inner.runtime;
+    let deadline = runtime.deadline_after(Duration::from_secs(30));
+    let hello = match link::read_hello(runtime, &*conn, deadline).await {
         Ok(hello) if hello.group == RPC_GROUP && hello.world.is_none() => hello,
         Ok(hello) => {
             warn!("dropping a connection from {peer} with a hello for another group: {hello:?}");

@@ -140,3 +140,57 @@ fn code_lines_skip_blanks_comments_and_the_test_module() {
     let text = "//! doc\nfn a() {}\n\n    // note\nfn b() {}\n#[cfg(test)]\nmod tests {\n    fn c() {}\n}\n";
     assert_eq!(code_lines(text), 2);
 }
+
+/// The drivers read time only through core's `Runtime` port (issue "One node in core, one
+/// driver in rpc"): in the agent, the mesh and the process groups no module but a `runtime`
+/// module names `tokio::time` or reads `Instant::now()`, so that one clock (virtual under a
+/// paused tokio runtime, or a test's own) governs every deadline. Test modules aside.
+#[test]
+fn the_drivers_read_time_only_through_the_runtime() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned();
+    let mut offenders = Vec::new();
+    for krate in ["rpc/src", "mesh/src", "process-group/src"] {
+        let mut files = Vec::new();
+        sources(&root.join(krate), &mut files);
+        assert!(!files.is_empty(), "no sources under {krate}");
+        for file in files {
+            if file.file_stem().is_some_and(|s| s == "runtime") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).unwrap();
+            for (n, line) in code_before_tests(&text).lines().enumerate() {
+                let code = line.split("//").next().unwrap_or_default();
+                if code.contains("tokio::time") || code.contains("Instant::now(") {
+                    let rel = file.strip_prefix(&root).unwrap().display().to_string();
+                    offenders.push(format!("{rel}:{}: {}", n + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "time read outside the runtime (use the `Runtime` the driver was given):\n  {}",
+        offenders.join("\n  ")
+    );
+}
+
+/// The source up to its test module (a top-level `#[cfg(test)]` followed by `mod`).
+fn code_before_tests(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = String::new();
+    for (i, line) in lines.iter().enumerate() {
+        let next_is_mod = lines.get(i + 1).is_some_and(|next| {
+            let next = next.trim_start();
+            next.starts_with("mod ") || next.starts_with("pub mod ") || next.contains(" mod ")
+        });
+        if line.trim() == "#[cfg(test)]" && !line.starts_with(' ') && next_is_mod {
+            break;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}

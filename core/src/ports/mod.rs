@@ -11,10 +11,13 @@
 //! - [`autograd`]: [`AutogradEngine`](autograd::AutogradEngine): the local autodiff engine of
 //!   distributed autograd.
 //! - [`process_group`]: [`ProcessGroup`](process_group::ProcessGroup): collectives among ranks.
+//! - [`runtime`]: [`Runtime`](runtime::Runtime): the clock, timers and task spawning the drivers
+//!   use.
 
 pub mod autograd;
 pub mod device;
 pub mod handshake;
 pub mod process_group;
+pub mod runtime;
 pub mod store;
 pub mod transport;

@@ -86,13 +86,9 @@ impl<B: Payload> Endpoint<B> {
                     kind: RequestKind::Remote(rref),
                 };
                 self.incoming.insert(token);
-                self.events.push_back(Event::Remote {
-                    token,
-                    function,
-                    body,
-                    rref,
-                    deadline: deadline_after(now, timeout),
-                });
+                // A method's result (`rref.remote().f()`) on a value still being created waits
+                // for it, as a method call does.
+                self.deliver_call(token, function, body, deadline_after(now, timeout));
             }
             Header::Fetch {
                 id, rref, timeout, ..

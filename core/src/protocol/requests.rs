@@ -334,9 +334,12 @@ impl<B: Payload> Endpoint<B> {
             .map(|(_, e)| e.clone())
     }
 
-    /// Hands a call to the application, unless it is a method call on a value this worker is
-    /// still creating: then it waits (parked) until the value exists, its creation fails, or
-    /// the caller's deadline passes. (The request is counted as incoming all along.)
+    /// Hands a call (or a `remote()` creation: the token says which) to the application,
+    /// unless it is a method call on a value this worker is still creating: then it waits
+    /// (parked) until the value exists, its creation fails, or the caller's deadline passes.
+    /// (The request is counted as incoming all along.) A creation that runs a method of a value
+    /// that failed or is gone fails as a creation, so that what waits for the new value learns
+    /// it.
     pub(super) fn deliver_call(
         &mut self,
         token: RequestToken,
@@ -354,8 +357,7 @@ impl<B: Payload> Endpoint<B> {
                     .or_else(|| self.released(rref))
                     .or_else(|| self.creator_lost(rref))
                 {
-                    self.incoming.remove(&token);
-                    self.reply(token.from, token.id, Err(err));
+                    self.refuse_delivery(token, err);
                     return;
                 }
                 self.owned.insert(rref, Owned::default());
@@ -382,20 +384,42 @@ impl<B: Payload> Endpoint<B> {
                             self.me, e.message
                         ),
                     };
-                    self.incoming.remove(&token);
-                    self.reply(token.from, token.id, Err(err));
+                    self.refuse_delivery(token, err);
                     self.maybe_release(rref);
                     return;
                 }
                 _ => {}
             }
         }
-        self.events.push_back(Event::Call {
-            token,
-            function,
-            body,
-            deadline,
-        });
+        let event = match token.kind {
+            RequestKind::Remote(rref) => Event::Remote {
+                token,
+                function,
+                body,
+                rref,
+                deadline,
+            },
+            _ => Event::Call {
+                token,
+                function,
+                body,
+                deadline,
+            },
+        };
+        self.events.push_back(event);
+    }
+
+    /// Answers a call that will not be delivered with `err`; a creation fails as such.
+    fn refuse_delivery(&mut self, token: RequestToken, err: RemoteError) {
+        match token.kind {
+            RequestKind::Remote(_) => {
+                self.respond(token, Err(err));
+            }
+            _ => {
+                self.incoming.remove(&token);
+                self.reply(token.from, token.id, Err(err));
+            }
+        }
     }
 
     /// The creation of `rref` ended: the calls parked on it run, or fail with it.
@@ -421,7 +445,6 @@ impl<B: Payload> Endpoint<B> {
             }
         }
         for token in expired {
-            self.incoming.remove(&token);
             let err = RemoteError {
                 worker: self.me,
                 kind: RemoteErrorKind::Deadline,
@@ -429,7 +452,7 @@ impl<B: Payload> Endpoint<B> {
                     "the value of {rref} was still being created at the caller's deadline"
                 ),
             };
-            self.reply(token.from, token.id, Err(err));
+            self.refuse_delivery(token, err);
             self.maybe_release(rref);
         }
     }

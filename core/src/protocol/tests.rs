@@ -2960,3 +2960,52 @@ fn a_claim_of_an_honest_childs_fork_that_comes_first_takes_nothing_from_it() {
         assert!(s.ep(1).reference_counts_agree());
     }
 }
+
+/// `rref.remote().method()` sent while the value is still being created waits for it, as a
+/// method call does (it used to be handed over at once and fail, "no value is kept").
+#[test]
+fn a_remote_method_on_a_value_being_created_waits_for_the_value() {
+    use crate::protocol_sim::Body as Sb;
+    let mut owner = Endpoint::<Sb>::new(1, EndpointConfig::default());
+    let now = Instant::now();
+    let id = |local| GlobalId {
+        created_on: 0,
+        local,
+    };
+    let remote = |msg, rref| Header::Remote {
+        secret: 0,
+        id: msg,
+        function: "make".into(),
+        rref,
+        fork: rref,
+        timeout: T,
+    };
+    assert_eq!(
+        owner.handle_message(0, remote(1, id(1)), Some(Sb::default()), now),
+        Ok(())
+    );
+    let creation = match owner.poll_event() {
+        Some(Event::Remote { token, .. }) => token,
+        other => panic!("expected the creation, got {other:?}"),
+    };
+    let on_value = Sb {
+        target: Some(MethodTarget {
+            rref: id(1),
+            fork: id(1),
+        }),
+        ..Sb::default()
+    };
+    assert_eq!(
+        owner.handle_message(0, remote(2, id(2)), Some(on_value), now),
+        Ok(())
+    );
+    assert!(
+        owner.poll_event().is_none(),
+        "the remote method ran before its value existed"
+    );
+    assert!(owner.respond(creation, Ok(Sb::default())));
+    match owner.poll_event() {
+        Some(Event::Remote { rref, .. }) => assert_eq!(rref, id(2)),
+        other => panic!("expected the remote method once the value exists, got {other:?}"),
+    }
+}

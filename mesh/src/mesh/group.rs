@@ -111,6 +111,11 @@ impl GroupMesh {
         self.rank
     }
 
+    /// The clock and timers of the mesh (given at setup): those of every layer over it too.
+    pub fn runtime(&self) -> &Arc<dyn tensorwire_core::ports::runtime::Runtime> {
+        self.mesh.runtime()
+    }
+
     /// The group's size.
     pub fn world(&self) -> usize {
         self.members.len()

@@ -61,6 +61,7 @@ use tensorwire_core::collective::disagreement::Disagreements;
 use tensorwire_core::collective::inbox::Admission;
 use tensorwire_core::collective::SIGNATURE_LEN;
 use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroupError};
+use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::mesh::GroupFrame;
 use tensorwire_core::wire::Frame;
@@ -137,6 +138,8 @@ struct PeerLink {
 
 struct Shared {
     rank: usize,
+    /// The clock and timers of every wait here (the mesh reads no other).
+    runtime: Arc<dyn Runtime>,
     /// One entry per rank; `None` for this rank.
     peers: Vec<Option<PeerLink>>,
     /// Set once, to the first failure that broke the mesh.
@@ -290,6 +293,11 @@ impl Mesh {
         self.shared.rank
     }
 
+    /// The clock and timers of the mesh (given at setup): those of every layer over it too.
+    pub fn runtime(&self) -> &Arc<dyn Runtime> {
+        &self.shared.runtime
+    }
+
     /// The number of ranks.
     pub fn world(&self) -> usize {
         self.world
@@ -403,7 +411,11 @@ impl Mesh {
             if matches!(link.inbox.status(), PeerStatus::Left) {
                 continue;
             }
-            let _ = tokio::time::timeout(ABORT_SEND_TIMEOUT, link.conn.send(notice.clone())).await;
+            let _ = self
+                .shared
+                .runtime
+                .timeout(ABORT_SEND_TIMEOUT, link.conn.send(notice.clone()))
+                .await;
         }
     }
 
@@ -442,11 +454,13 @@ impl Mesh {
         self.shared.fail(ProcessGroupError::ShutDown);
         let shared = &self.shared;
         let goodbyes = shared.peers.iter().flatten().map(|link| async move {
-            let _ = tokio::time::timeout(timeout, async {
-                let _ = link.conn.send(GroupFrame::Goodbye.frame(Vec::new())).await;
-                let _ = link.conn.close().await;
-            })
-            .await;
+            let _ = shared
+                .runtime
+                .timeout(timeout, async {
+                    let _ = link.conn.send(GroupFrame::Goodbye.frame(Vec::new())).await;
+                    let _ = link.conn.close().await;
+                })
+                .await;
         });
         for goodbye in goodbyes {
             goodbye.await;

@@ -183,7 +183,10 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
             if other == peer || matches!(link.inbox.status(), PeerStatus::Left) {
                 continue;
             }
-            let _ = tokio::time::timeout(ABORT_SEND_TIMEOUT, link.conn.send(abort.clone())).await;
+            let _ = shared
+                .runtime
+                .timeout(ABORT_SEND_TIMEOUT, link.conn.send(abort.clone()))
+                .await;
         }
     }
 }

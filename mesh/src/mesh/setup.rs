@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use tensorwire_core::collective::inbox::{Admission, InboxLimits};
 use tensorwire_core::ports::process_group::ProcessGroupError;
+use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::protocol::membership::{JoinError, StaticJoin};
 use tensorwire_core::protocol::mesh::GroupFrame;
-use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::peer_inbox::Inbox;
@@ -37,6 +37,9 @@ pub struct MeshSetup<'a> {
     pub timeout: Duration,
     /// What a peer may make this rank hold in its collective inboxes.
     pub limits: InboxLimits,
+    /// The clock and timers of the setup and of the mesh afterwards
+    /// ([`TokioRuntime`](crate::TokioRuntime) unless a test or an embedding passes another).
+    pub runtime: Arc<dyn Runtime>,
 }
 
 impl Mesh {
@@ -55,7 +58,9 @@ impl Mesh {
             listen,
             timeout,
             limits,
+            runtime,
         } = setup;
+        let rt = &*runtime;
         let setup_err = |reason: String| ProcessGroupError::Setup { rank, reason };
         if rank >= world {
             return Err(setup_err(format!(
@@ -65,7 +70,7 @@ impl Mesh {
         let (Ok(me), Ok(world32)) = (u32::try_from(rank), u32::try_from(world)) else {
             return Err(setup_err(format!("a world of {world} ranks is too large")));
         };
-        let deadline = link::deadline_after(timeout);
+        let deadline = rt.deadline_after(timeout);
         let join = Mutex::new(StaticJoin::new(me, world32, None));
         let lock_join = || join.lock().unwrap_or_else(|e| e.into_inner());
         let (dials, accepts) = {
@@ -112,14 +117,15 @@ impl Mesh {
                         let conn: Arc<dyn Connection> = Arc::from(conn.map_err(|e| {
                             setup_err(format!("listener on {} failed: {e}", listener.local_addr()))
                         })?);
+                        let runtime = runtime.clone();
                         hellos.spawn(async move {
-                            let hello = link::read_hello(&*conn, deadline).await;
+                            let hello = link::read_hello(&*runtime, &*conn, deadline).await;
                             (conn, hello)
                         });
                         continue;
                     }
                     Some(Ok(read)) = hellos.join_next() => read,
-                    () = tokio::time::sleep_until(deadline) => return Err(timed_out()),
+                    () = rt.sleep_until(deadline) => return Err(timed_out()),
                 };
                 let hello = match hello {
                     Ok(h) => h,
@@ -147,7 +153,8 @@ impl Mesh {
                     }
                     .frame(Vec::new());
                     for link in accepted.iter().map(|(_, c)| c).chain([&conn]) {
-                        let _ = tokio::time::timeout(ABORT_SEND_TIMEOUT, link.send(abort.clone()))
+                        let _ = rt
+                            .timeout(ABORT_SEND_TIMEOUT, link.send(abort.clone()))
                             .await;
                         let _ = link.close().await;
                     }
@@ -189,7 +196,7 @@ impl Mesh {
                 .map(|r| address_key(group, *r as usize))
                 .collect();
             let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            let remaining = deadline.saturating_duration_since(Instant::now());
+            let remaining = deadline.saturating_duration_since(rt.now());
             if store.wait(&key_refs, remaining).await.is_err() {
                 // Who has not published: those this rank still misses, as far as it knows.
                 let mut unpublished = Vec::new();
@@ -220,7 +227,7 @@ impl Mesh {
                         "rank {peer} published the address {text:?}, which is not ip:port ({e})"
                     ))
                 })?;
-                let conn = link::dial(transport, addr, &hello, deadline)
+                let conn = link::dial(rt, transport, addr, &hello, deadline)
                     .await
                     .map_err(|e| setup_err(format!("rank {peer}: {e}")))?;
                 lock_join()
@@ -240,6 +247,7 @@ impl Mesh {
         let failure = std::sync::OnceLock::new();
         let shared = Arc::new(Shared {
             rank,
+            runtime: runtime.clone(),
             peers: conns
                 .into_iter()
                 .map(|c| {

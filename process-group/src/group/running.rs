@@ -61,7 +61,7 @@ impl Group {
         defer: bool,
         timeout: Duration,
     ) -> Result<(), ProcessGroupError> {
-        let deadline = tensorwire_mesh::link::deadline_after(timeout);
+        let deadline = self.inner.mesh.runtime().deadline_after(timeout);
         let span = tracing::debug_span!(
             "collective",
             group = %self.name(),
@@ -136,7 +136,7 @@ impl Group {
             .inner
             .mesh
             .send(dst, p2p::key(tag, n), &signature, data);
-        work::bounded(timeout, send)
+        work::bounded(&**self.inner.mesh.runtime(), timeout, send)
             .instrument(span)
             .await
             .map_err(|timeout| ProcessGroupError::Timeout {
@@ -161,7 +161,7 @@ impl Group {
         let timeout = self.inner.timeout;
         let mesh = &self.inner.mesh;
         let span = tracing::debug_span!("recv", rank = self.rank(), src, tag, n);
-        let message = work::bounded(timeout, mesh.recv(src, key))
+        let message = work::bounded(&**mesh.runtime(), timeout, mesh.recv(src, key))
             .instrument(span)
             .await;
         // The message is taken (or never will be): forget its slot either way.

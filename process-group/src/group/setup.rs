@@ -37,6 +37,7 @@ impl Group {
             listen: options.listen,
             timeout: options.timeout,
             limits: options.inbox_limits,
+            runtime: options.runtime.clone(),
         })
         .instrument(span)
         .await?;

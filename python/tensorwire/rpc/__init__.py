@@ -27,17 +27,28 @@ What differs from PyTorch, deliberately:
   ``init_rpc(..., trust_peers=True)`` restores PyTorch's behaviour (any function, any pickle)
   for clusters that trust every member, with a warning.
 - Tensors travel beside the pickle, without a copy for contiguous CPU tensors: do not write a
-  tensor passed to ``rpc_async`` before its future completes. CUDA tensors and device maps are
-  not supported yet.
+  tensor passed to ``rpc_async`` before its future completes. Device maps are validated as
+  PyTorch does (and ``cpu`` to ``cpu`` maps work), but the Python layer carries CPU tensors
+  only: a CUDA tensor raises ``RuntimeError``.
 - Remote exceptions are raised at the caller with their type when it is a builtin exception,
   :class:`RefusedError` or an exposed class (else ``RuntimeError``), with the remote traceback
   in the message. Failures of the call itself (timeout, lost peer) raise ``RuntimeError``.
-- Not yet: RRefs inside arguments and results, the RRef proxies (``rref.rpc_sync()``, ...),
-  ``functions.async_execution``; dynamic groups (``world_size=None``) are untested.
+- RRefs travel inside arguments and results with PyTorch's fork semantics (the agent's
+  reference counting); the proxies ``rref.rpc_sync()``, ``rref.rpc_async()`` and
+  ``rref.remote()`` call public methods of exposed classes (and a tensor's default methods,
+  :data:`DEFAULT_EXPOSED_TENSOR_METHODS`) on the owner.
+
+How a call travels (one path, so that a layer such as distributed autograd can hook into it):
+:func:`_encode` pickles the arguments (tensors and references beside the pickle),
+:func:`_send` hands them to the agent with the future's completion (:func:`_future`); on the
+callee, :func:`_serve` / :func:`_create` decode them (:func:`_decode_call`), run the function
+(:func:`_invoke`) and encode the outcome (:func:`_returned`).
 """
 
 from __future__ import annotations
 
+import enum
+import inspect
 import os
 import threading
 import traceback
@@ -47,8 +58,13 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from tensorwire import _native
-from tensorwire.rpc._exposed import DEFAULT_EXPOSED_TORCH_OPS, RefusedError, expose
-from tensorwire.rpc import _exposed, _serialize
+from tensorwire.rpc._exposed import (
+    DEFAULT_EXPOSED_TENSOR_METHODS,
+    DEFAULT_EXPOSED_TORCH_OPS,
+    RefusedError,
+    expose,
+)
+from tensorwire.rpc import _exposed, _serialize, functions
 from tensorwire.rpc._types import WorkerInfo
 
 __all__ = [
@@ -65,29 +81,91 @@ __all__ = [
     "expose",
     "RefusedError",
     "DEFAULT_EXPOSED_TORCH_OPS",
+    "DEFAULT_EXPOSED_TENSOR_METHODS",
+    "functions",
+    "get_rpc_timeout",
     "UNSET_RPC_TIMEOUT",
     "DEFAULT_RPC_TIMEOUT_SEC",
+    "RpcBackendOptions",
+    "constants",
 ]
 
-#: A call's timeout argument that means "the agent's default" (PyTorch's value).
-UNSET_RPC_TIMEOUT: float = -1.0
-#: The default call timeout (PyTorch's).
-DEFAULT_RPC_TIMEOUT_SEC: float = 60.0
-#: How long ``init_rpc`` waits for the whole group.
-DEFAULT_INIT_TIMEOUT_SEC: float = 300.0
+from tensorwire.rpc import constants
+from tensorwire.rpc.constants import (
+    DEFAULT_INIT_TIMEOUT_SEC,
+    DEFAULT_RPC_TIMEOUT_SEC,
+    UNSET_RPC_TIMEOUT,
+)
+
 #: The bound on a graceful shutdown given ``timeout=0`` (PyTorch's default argument).
-DEFAULT_SHUTDOWN_TIMEOUT_SEC: float = 300.0
+DEFAULT_SHUTDOWN_TIMEOUT_SEC: float = constants.DEFAULT_SHUTDOWN_TIMEOUT
 
 
-class BackendType:
+class BackendType(enum.Enum):
     """The backends ``init_rpc`` accepts: ``TENSORPIPE`` (PyTorch's name, kept so that code
-    naming it runs) and ``TCP`` both mean tensorwire's TCP agent (shared memory on one host)."""
+    naming it runs) and ``TCP`` both mean tensorwire's TCP agent (shared memory on one host).
+    PyTorch's own ``torch.distributed.rpc.BackendType.TENSORPIPE`` is accepted as well."""
 
     TENSORPIPE = "TENSORPIPE"
     TCP = "TCP"
 
 
-class TensorPipeRpcBackendOptions:
+class RpcBackendOptions:
+    """The base of backend options (PyTorch's ``RpcBackendOptions``): ``init_method`` and
+    ``rpc_timeout``."""
+
+    def __init__(self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC, init_method: str = "env://"):
+        self.rpc_timeout = rpc_timeout
+        self.init_method = init_method
+
+
+def _is_backend_options(options: Any) -> bool:
+    if isinstance(options, RpcBackendOptions):
+        return True
+    try:
+        from torch.distributed.rpc import RpcBackendOptions as TorchOptions
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(options, TorchOptions)
+
+
+def _is_tensorpipe_options(options: Any) -> bool:
+    if isinstance(options, TensorPipeRpcBackendOptions):
+        return True
+    try:
+        from torch.distributed.rpc import TensorPipeRpcBackendOptions as TorchOptions
+    except ImportError:
+        return False
+    return isinstance(options, TorchOptions)
+
+
+def _to_device_map(device_map: dict) -> dict[torch.device, torch.device]:
+    """A device map with ``torch.device`` keys and values (ints are CUDA indices), refusing
+    two sources mapped to one target (PyTorch's check and wording)."""
+    full: dict[torch.device, torch.device] = {}
+    reverse: dict[torch.device, torch.device] = {}
+    for k, v in device_map.items():
+        k, v = torch.device(k), torch.device(v)
+        if v in reverse:
+            raise ValueError(
+                "`device_map` only supports 1-to-1 mapping, "
+                f"trying to map {k} and {reverse[v]} to {v}"
+            )
+        full[k] = v
+        reverse[v] = k
+    return full
+
+
+def _to_device(device: Any) -> torch.device:
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(
+            f"`set_devices` expect a list of CUDA devices, but got device type {device.type}."
+        )
+    return device
+
+
+class TensorPipeRpcBackendOptions(RpcBackendOptions):
     """The options of ``init_rpc``, with the fields of PyTorch's class of this name (an object
     of PyTorch's own class works as well):
 
@@ -95,9 +173,12 @@ class TensorPipeRpcBackendOptions:
       ``file:///path``); default ``env://``;
     - ``rpc_timeout``: the default call timeout in seconds (zero: none); default 60;
     - ``num_worker_threads``: accepted and ignored (functions run on tensorwire's blocking
-      threads, as many as calls in flight);
-    - ``device_maps``, ``devices``, ``set_device_map``: accepted; a non-empty map is refused
-      for now (``NotImplementedError``): device maps are not supported yet.
+      threads, as many as calls in flight, and ``async_execution`` functions hold none);
+    - ``device_maps`` (``{worker: {source: target}}``, devices as ints, strings or
+      ``torch.device``), ``devices``, ``set_device_map``, ``set_devices``: PyTorch's checks
+      when set, and the whole group's maps validated by the agent at ``init_rpc`` (PyTorch's
+      rules and messages, ``ValueError``). The Python layer carries CPU tensors only, so on a
+      machine without CUDA only ``cpu`` to ``cpu`` maps pass.
     """
 
     def __init__(
@@ -111,19 +192,29 @@ class TensorPipeRpcBackendOptions:
         _transports: Any = None,
         _channels: Any = None,
     ):
+        super().__init__(rpc_timeout=rpc_timeout, init_method=init_method)
         self.num_worker_threads = num_worker_threads
-        self.rpc_timeout = rpc_timeout
-        self.init_method = init_method
-        self.device_maps = dict(device_maps or {})
-        self.devices = list(devices or [])
+        self.device_maps: dict[str, dict[torch.device, torch.device]] = {
+            to: _to_device_map(m) for to, m in (device_maps or {}).items()
+        }
+        self.devices: list[torch.device] = [_to_device(d) for d in (devices or [])]
 
     def set_device_map(self, to: str, device_map: dict) -> None:
-        """Records the device map for calls to worker ``to`` (refused at ``init_rpc`` for now)."""
-        self.device_maps.setdefault(to, {}).update(device_map)
+        """Adds entries to the map of calls to worker ``to`` (incremental, as PyTorch's): a
+        source already mapped elsewhere is refused (``ValueError``)."""
+        full = _to_device_map(device_map)
+        current = self.device_maps.setdefault(to, {})
+        for k, v in full.items():
+            if k in current and v != current[k]:
+                raise ValueError(
+                    "`set_device_map` only supports 1-to-1 mapping, trying"
+                    f" to map {k} to {v} and {current[k]}"
+                )
+        current.update(full)
 
     def set_devices(self, devices: list) -> None:
-        """Records the devices this worker uses (refused at ``init_rpc`` for now)."""
-        self.devices = list(devices)
+        """The CUDA devices this worker uses."""
+        self.devices = [_to_device(d) for d in devices]
 
 
 _lock = threading.Lock()
@@ -147,9 +238,11 @@ def _require_agent() -> _native.RpcAgent:
 
 
 def _runtime_error(e: BaseException) -> BaseException:
-    """torch's exception for a native failure (PyTorch's RPC raises ``RuntimeError``)."""
+    """torch's exception for a native failure: ``ValueError`` for invalid device maps (as
+    PyTorch's validation), else ``RuntimeError`` (as PyTorch's RPC)."""
     if isinstance(e, _native.TensorwireError):
-        err = RuntimeError(e.args[1] if len(e.args) > 1 else str(e))
+        cls = ValueError if e.args and e.args[0] == "device_map" else RuntimeError
+        err = cls(e.args[1] if len(e.args) > 1 else str(e))
         err.__cause__ = e
         return err
     return e
@@ -166,8 +259,9 @@ def init_rpc(
 ) -> None:
     """Starts this worker's agent and connects it to the group, as PyTorch's ``init_rpc``.
 
-    ``rank = -1`` takes ``RANK`` from the environment; ``world_size = None`` makes the group
-    dynamic (workers join and leave), as in PyTorch. ``rpc_backend_options`` is a
+    ``rank = -1`` takes ``RANK`` from the environment; ``world_size = None`` asks for a dynamic
+    group (workers join and leave), as in PyTorch (not working from Python yet: see the
+    package's README). ``rpc_backend_options`` is a
     :class:`TensorPipeRpcBackendOptions` (ours or PyTorch's). The cluster secret comes from
     ``TENSORWIRE_SECRET`` (the same on every worker). ``trust_peers=True`` lets any peer run
     any importable function here and send any pickle, as PyTorch's RPC does: only for clusters
@@ -175,19 +269,33 @@ def init_rpc(
     """
     global _agent, _trusted, _me
     if backend is not None:
-        backend_name = getattr(backend, "name", backend)
-        if str(backend_name) not in (BackendType.TENSORPIPE, BackendType.TCP):
-            raise ValueError(f"tensorwire.rpc has no backend {backend!r}; use TENSORPIPE or TCP")
+        # PyTorch's enum of the same name works as well.
+        if not (isinstance(backend, enum.Enum) and type(backend).__name__ == "BackendType"):
+            raise TypeError(
+                f"Argument backend must be a member of BackendType, but got {type(backend).__name__}"
+            )
+        if backend.name not in BackendType.__members__:
+            raise ValueError(f"tensorwire.rpc has no backend {backend.name}; use TENSORPIPE or TCP")
+    if rpc_backend_options is not None:
+        if not _is_backend_options(rpc_backend_options):
+            raise TypeError(
+                "Argument rpc_backend_options must be an instance of RpcBackendOptions, but got "
+                f"{type(rpc_backend_options).__name__}"
+            )
+        if backend is None and not _is_tensorpipe_options(rpc_backend_options):
+            raise TypeError(f"Could not infer backend for options {rpc_backend_options}")
     if rank is None or rank < 0:
         try:
             rank = int(os.environ["RANK"])
         except (KeyError, ValueError):
             raise ValueError("init_rpc: give rank, or set RANK in the environment") from None
     options = rpc_backend_options if rpc_backend_options is not None else TensorPipeRpcBackendOptions()
-    device_maps = getattr(options, "device_maps", None) or {}
-    devices = getattr(options, "devices", None) or []
-    if any(device_maps.values()) or devices:
-        raise NotImplementedError("tensorwire.rpc does not support device maps or devices yet")
+    device_maps = [
+        (to, [(_device_name(s), _device_name(t)) for s, t in m.items()])
+        for to, m in (getattr(options, "device_maps", None) or {}).items()
+        if m
+    ]
+    devices = [_device_name(d) for d in getattr(options, "devices", None) or []]
     init_method = getattr(options, "init_method", None) or "env://"
     rpc_timeout = float(getattr(options, "rpc_timeout", DEFAULT_RPC_TIMEOUT_SEC))
     if rpc_timeout < 0:
@@ -212,6 +320,8 @@ def init_rpc(
                 init_method,
                 rpc_timeout,
                 DEFAULT_INIT_TIMEOUT_SEC,
+                device_maps,
+                devices,
                 _serve,
                 _create,
                 _fetch,
@@ -221,6 +331,11 @@ def init_rpc(
         _me = WorkerInfo(*agent.me())
         _agent = agent
         _ready.set()
+
+
+def _device_name(device: Any) -> str:
+    """A device as the agent names it (``cpu``, ``cuda:0``; an int is a CUDA index)."""
+    return str(torch.device(device))
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
@@ -249,7 +364,10 @@ def get_worker_info(worker_name: Optional[str] = None) -> WorkerInfo:
     try:
         return WorkerInfo(*agent.worker(worker_name))
     except _native.TensorwireError as e:
-        raise _runtime_error(e) from e
+        raise RuntimeError(
+            f"Unknown destination worker {worker_name}: could not find destination "
+            f"({e.args[1]})"
+        ) from e
 
 
 def _worker_name(to: Union[str, int, WorkerInfo], agent: _native.RpcAgent) -> str:
@@ -261,8 +379,8 @@ def _worker_name(to: Union[str, int, WorkerInfo], agent: _native.RpcAgent) -> st
         for name, id in agent.workers():
             if id == to:
                 return name
-        raise ValueError(f"unknown worker id {to}")
-    raise TypeError(f"a call's destination is a worker name, id or WorkerInfo, not {to!r}")
+        raise RuntimeError(f"Unknown destination worker id {to}")
+    raise ValueError(f"Cannot get WorkerInfo from name {to!r}: give a worker name, id or WorkerInfo")
 
 
 def _timeout(timeout: Optional[float]) -> Optional[float]:
@@ -286,28 +404,77 @@ def _remote_exception(worker: WorkerInfo, exc_type: str, message: str, trace: st
     return RuntimeError(text)
 
 
+def get_rpc_timeout() -> float:
+    """The default call timeout in seconds (PyTorch's ``get_rpc_timeout``; zero: none)."""
+    return _require_agent().rpc_timeout()
+
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """Changes the default call timeout (PyTorch's private ``_set_rpc_timeout``); calls already
+    sent keep theirs."""
+    _require_agent().set_rpc_timeout(float(rpc_timeout))
+
+
+# --- the call path -----------------------------------------------------------------------------
+
+
+def _encode(args: Optional[tuple], kwargs: Optional[dict]) -> tuple[bytes, list, list]:
+    """A call's arguments as they travel: ``(payload, tensors, native references)``."""
+    return _serialize.dumps((tuple(args or ()), dict(kwargs or {})))
+
+
+def _send(
+    to: Union[str, int, WorkerInfo],
+    function: str,
+    encoded: tuple[bytes, list, list],
+    timeout: Optional[float],
+    target: Optional["RRef"] = None,
+) -> torch.futures.Future:
+    """Sends one call of ``function`` (to worker ``to``, or on ``target``'s value on its
+    owner) and returns the future of its decoded result: the one place every call leaves."""
+    agent = _require_agent()
+    payload, tensors, rrefs = encoded
+    try:
+        if target is None:
+            worker = _worker_name(to, agent)
+            callee = WorkerInfo(*agent.worker(worker))
+        else:
+            callee = target.owner()
+        fut, on_done = _future(callee)
+        if target is None:
+            agent.call(worker, function, payload, tensors, rrefs, _timeout(timeout), on_done)
+        else:
+            target._native.call(function, payload, tensors, rrefs, _timeout(timeout), on_done)
+    except _native.TensorwireError as e:
+        raise _runtime_error(e) from e
+    return fut
+
+
 def _call_raw(
     to: Union[str, int, WorkerInfo],
     function: str,
     payload: bytes,
     tensors: list,
     timeout: Optional[float] = UNSET_RPC_TIMEOUT,
+    rrefs: Optional[list] = None,
 ) -> torch.futures.Future:
-    """Sends ``function`` with an already pickled ``payload`` and its ``tensors`` and returns
-    the future of the decoded result (the wire path every call takes)."""
-    agent = _require_agent()
-    worker = _worker_name(to, agent)
-    try:
-        callee = WorkerInfo(*agent.worker(worker))
-    except _native.TensorwireError as e:
-        raise _runtime_error(e) from e
-    fut, on_done = _future(worker, callee)
+    """Sends ``function`` with an already pickled ``payload`` (the hostile-peer tests use it
+    to send hand-made pickles through the real wire path)."""
+    return _send(to, function, (payload, tensors, list(rrefs or [])), timeout)
 
-    try:
-        agent.call(worker, function, payload, tensors, _timeout(timeout), on_done)
-    except _native.TensorwireError as e:
-        raise _runtime_error(e) from e
-    return fut
+
+def _function_name(func: Union[Callable[..., Any], str]) -> str:
+    return func if isinstance(func, str) else _exposed.qualified_name(func)
+
+
+def _bind(func: Any, args: Optional[tuple]) -> tuple[Any, tuple]:
+    """A method bound to an instance travels as its class's function with the instance as
+    the first argument (the instance's class must be exposed on the callee, as any value's);
+    a class method travels as itself."""
+    owner = getattr(func, "__self__", None)
+    if inspect.ismethod(func) and not isinstance(owner, type):
+        return func.__func__, (owner, *(args or ()))
+    return func, tuple(args or ())
 
 
 def rpc_async(
@@ -320,13 +487,13 @@ def rpc_async(
     """Calls ``func(*args, **kwargs)`` on worker ``to`` and returns a ``torch.futures.Future``
     of its result (``then``, ``wait``, ``value`` and ``torch.futures.wait_all`` work).
     ``func`` is a function exposed on the callee, one of :data:`DEFAULT_EXPOSED_TORCH_OPS`,
-    or its qualified name. ``timeout`` in seconds; ``0``: none; negative: the default."""
+    or its qualified name. ``timeout`` in seconds; ``0``: none; negative: the default.
+    ``RRef`` arguments are forked for the callee."""
     context = _autograd.current_id() if _autograd is not None else None
     if context is not None:
         return _autograd.rpc_async(context, to, func, args, kwargs, timeout)
-    name = func if isinstance(func, str) else _exposed.qualified_name(func)
-    payload, tensors = _serialize.dumps((tuple(args or ()), dict(kwargs or {})))
-    return _call_raw(to, name, payload, tensors, timeout)
+    func, args = _bind(func, args)
+    return _send(to, _function_name(func), _encode(args, kwargs), timeout)
 
 
 def rpc_sync(
@@ -341,70 +508,33 @@ def rpc_sync(
     return rpc_async(to, func, args, kwargs, timeout).wait()
 
 
-def _run(caller: str, function: str, payload: bytes, buffers: list) -> Any:
-    """Runs a call from ``caller``: resolves ``function`` among what this worker exposed,
-    decodes the arguments with the allow-list, and runs it."""
-    me = _me
-    worker = str(me) if me is not None else "this worker"
-    if _trusted:
-        fn = _import_by_name(function)
-    else:
-        fn = _exposed.resolve_function(function, worker)
-    decoded = _serialize.loads(payload, buffers, trusted=_trusted, origin=caller)
-    if not (
-        isinstance(decoded, tuple)
-        and len(decoded) == 2
-        and isinstance(decoded[0], tuple)
-        and isinstance(decoded[1], dict)
-    ):
-        raise RefusedError(f"malformed arguments from {caller}")
-    args, kwargs = decoded
-    return fn(*args, **kwargs)
-
-
-def _raised(e: BaseException) -> tuple:
-    cls = type(e)
-    return ("raised", f"{cls.__module__}.{cls.__qualname__}", str(e), traceback.format_exc())
-
-
-def _wait_ready() -> None:
-    """Waits (the GIL released) until init_rpc has recorded the agent that serves this call."""
-    if _agent is None:
-        _ready.wait(DEFAULT_INIT_TIMEOUT_SEC)
-
-
-def _serve(caller: str, function: str, payload: bytes, buffers: list) -> tuple:
-    """A call from ``caller`` (on a blocking thread, with the GIL): ``("returned", payload,
-    tensors)`` or ``("raised", type, message, traceback)``."""
-    _wait_ready()
+def remote(
+    to: Union[str, int, WorkerInfo],
+    func: Union[Callable[..., Any], str],
+    args: Optional[tuple] = None,
+    kwargs: Optional[dict] = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> "RRef":
+    """Runs ``func(*args, **kwargs)`` on worker ``to``, which keeps the result, and returns an
+    :class:`RRef` to it at once (``func`` as for :func:`rpc_async`). A failure of ``func`` is
+    raised by ``to_here`` and ``local_value``."""
+    context = _autograd.current_id() if _autograd is not None else None
+    if context is not None:
+        return _autograd.remote(context, to, func, args, kwargs, timeout)
+    agent = _require_agent()
+    worker = _worker_name(to, agent)
+    func, args = _bind(func, args)
+    payload, tensors, rrefs = _encode(args, kwargs)
     try:
-        out, tensors = _serialize.dumps(_run(caller, function, payload, buffers))
-        return ("returned", out, tensors)
-    except Exception as e:
-        return _raised(e)
+        native = agent.remote(worker, _function_name(func), payload, tensors, rrefs, _timeout(timeout))
+    except _native.TensorwireError as e:
+        raise _runtime_error(e) from e
+    return RRef(_native_rref=native)
 
 
-def _create(caller: str, function: str, payload: bytes, buffers: list) -> tuple:
-    """A ``remote()`` creation from ``caller``: ``("returned", value)`` (kept here by the
-    agent as the reference's value) or ``("raised", ...)``."""
-    _wait_ready()
-    try:
-        return ("returned", _run(caller, function, payload, buffers))
-    except Exception as e:
-        return _raised(e)
-
-
-def _fetch(value: Any) -> tuple:
-    """A reference's value pickled for ``to_here``."""
-    try:
-        out, tensors = _serialize.dumps(value)
-        return ("returned", out, tensors)
-    except Exception as e:
-        return _raised(e)
-
-
-def _future(worker: str, callee: WorkerInfo) -> tuple[torch.futures.Future, Callable[[Any], None]]:
-    """A future and the ``on_done`` that completes it from a native outcome."""
+def _future(callee: WorkerInfo) -> tuple[torch.futures.Future, Callable[[Any], None]]:
+    """A future and the ``on_done`` that completes it from a native outcome: ``("returned",
+    payload, buffers, rrefs)``, ``("raised", type, message, traceback)`` or a failure."""
     fut: torch.futures.Future = torch.futures.Future()
     trusted = _trusted
 
@@ -415,7 +545,7 @@ def _future(worker: str, callee: WorkerInfo) -> tuple[torch.futures.Future, Call
             elif outcome[0] == "returned":
                 try:
                     value = _serialize.loads(
-                        outcome[1], outcome[2], trusted=trusted, origin=worker
+                        outcome[1], outcome[2], outcome[3], trusted=trusted, origin=callee.name
                     )
                 except Exception as e:
                     result = e
@@ -432,16 +562,138 @@ def _future(worker: str, callee: WorkerInfo) -> tuple[torch.futures.Future, Call
     return fut, on_done
 
 
+# --- serving ---------------------------------------------------------------------------------
+
+
+def _decode_call(caller: str, payload: bytes, buffers: list, rrefs: list) -> tuple[tuple, dict]:
+    """A call's arguments, decoded with this worker's allow-list."""
+    decoded = _serialize.loads(payload, buffers, rrefs, trusted=_trusted, origin=caller)
+    if not (
+        isinstance(decoded, tuple)
+        and len(decoded) == 2
+        and isinstance(decoded[0], tuple)
+        and isinstance(decoded[1], dict)
+    ):
+        raise RefusedError(f"malformed arguments from {caller}")
+    return decoded
+
+
+def _resolve(function: str, target: Any) -> Callable[..., Any]:
+    """What a call runs: an exposed function, or a method of ``target`` (a reference's value)
+    this worker lets peers call; anything under ``trust_peers=True``."""
+    me = _me
+    worker = str(me) if me is not None else "this worker"
+    if target is not None:
+        if _trusted:
+            return getattr(target, function)
+        return _exposed.resolve_method(target, function, worker)
+    if _trusted:
+        return _import_by_name(function)
+    return _exposed.resolve_function(function, worker)
+
+
+def _invoke(
+    caller: str, function: str, payload: bytes, buffers: list, rrefs: list, target: Any
+) -> tuple[Any, bool]:
+    """Runs a call from ``caller``: resolves the function, decodes the arguments, runs it.
+    Returns its result and whether that is a future whose value is the call's result (an
+    :func:`functions.async_execution` function)."""
+    fn = _resolve(function, target)
+    args, kwargs = _decode_call(caller, payload, buffers, rrefs)
+    result = fn(*args, **kwargs)
+    if not functions.is_async_execution(fn):
+        return result, False
+    if not isinstance(result, torch._C.Future):
+        raise RuntimeError(
+            "Functions decorated with @rpc.async_function must return a "
+            f"torch.futures.Future object, but got {type(result)}"
+        )
+    return result, True
+
+
+def _raised(e: BaseException) -> tuple:
+    cls = type(e)
+    trace = "".join(traceback.format_exception(e))
+    return ("raised", f"{cls.__module__}.{cls.__qualname__}", str(e), trace)
+
+
+def _returned(value: Any) -> tuple:
+    """A result as it travels back: ``("returned", payload, tensors, rrefs)``."""
+    return ("returned", *_serialize.dumps(value))
+
+
+def _kept(value: Any) -> tuple:
+    """A ``remote()`` result as its owner keeps it."""
+    return ("returned", value)
+
+
+def _later(fut: torch.futures.Future, settle: Callable[[Any], tuple]) -> tuple:
+    """``("future", f)``: the agent replies when ``f``, completing with ``fut``'s outcome
+    (``settle(value)`` or the exception), does."""
+
+    def outcome(done: torch.futures.Future) -> tuple:
+        try:
+            return settle(done.wait())
+        except Exception as e:  # noqa: BLE001 - the caller gets it
+            return _raised(e)
+
+    return ("future", fut.then(outcome))
+
+
+def _wait_ready() -> None:
+    """Waits (the GIL released) until init_rpc has recorded the agent that serves this call."""
+    if _agent is None:
+        _ready.wait(DEFAULT_INIT_TIMEOUT_SEC)
+
+
+def _serve(
+    caller: str, function: str, payload: bytes, buffers: list, rrefs: list, target: Any
+) -> tuple:
+    """A call from ``caller`` (on a blocking thread, with the GIL), of a function or of a
+    method of ``target``: ``("returned", payload, tensors, rrefs)``, ``("raised", type,
+    message, traceback)`` or ``("future", f)``."""
+    _wait_ready()
+    try:
+        result, later = _invoke(caller, function, payload, buffers, rrefs, target)
+        return _later(result, _returned) if later else _returned(result)
+    except Exception as e:
+        return _raised(e)
+
+
+def _create(
+    caller: str, function: str, payload: bytes, buffers: list, rrefs: list, target: Any
+) -> tuple:
+    """A ``remote()`` creation from ``caller``: ``("returned", value)`` (kept here by the
+    agent as the reference's value), ``("raised", ...)`` or ``("future", f)``."""
+    _wait_ready()
+    try:
+        result, later = _invoke(caller, function, payload, buffers, rrefs, target)
+        return _later(result, _kept) if later else _kept(result)
+    except Exception as e:
+        return _raised(e)
+
+
+def _fetch(value: Any) -> tuple:
+    """A reference's value pickled for ``to_here``."""
+    try:
+        return _returned(value)
+    except Exception as e:
+        return _raised(e)
+
+
+# --- references ------------------------------------------------------------------------------
+
+
 class RRef:
     """A reference to a value owned by a worker (PyTorch's ``RRef``): made by :func:`remote`
-    (the value is created on ``to``) or by ``RRef(value)`` (owned here). The owner keeps the
-    value while any worker holds a reference (the agent's distributed reference counting).
-
-    Not supported yet: RRefs inside arguments and results, the ``rpc_sync()``,
-    ``rpc_async()`` and ``remote()`` proxies.
+    (the value is created on ``to``), by ``RRef(value)`` (owned here), or received inside
+    arguments and results. The owner keeps the value while any worker holds a reference (the
+    agent's distributed reference counting, with PyTorch's fork protocol: a reference sent to
+    another worker is forked for it, and the sender's is kept until the owner confirmed the
+    fork).
     """
 
-    __slots__ = ("_native",)
+    __slots__ = ("_native", "__weakref__")
 
     def __init__(self, value: Any = None, type_hint: Any = None, *, _native_rref: Any = None):
         if _native_rref is None:
@@ -461,7 +713,8 @@ class RRef:
         return self._native.is_owner()
 
     def confirmed_by_owner(self) -> bool:
-        """Whether the owner has confirmed this worker's reference."""
+        """Whether the owner has confirmed this worker's reference (always true on the
+        owner)."""
         return self._native.confirmed_by_owner()
 
     def local_value(self) -> Any:
@@ -479,8 +732,7 @@ class RRef:
         context = _autograd.current_id() if _autograd is not None else None
         if context is not None:
             return _autograd.fetch_async(context, self, timeout)
-        owner = self.owner()
-        fut, on_done = _future(owner.name, owner)
+        fut, on_done = _future(self.owner())
         try:
             self._native.fetch(_timeout(timeout), on_done)
         except _native.TensorwireError as e:
@@ -492,35 +744,73 @@ class RRef:
         :meth:`local_value`); raises the exception the creating function raised."""
         return self._fetch_async(timeout).wait()
 
+    def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> "_RRefProxy":
+        """A proxy whose methods run on the value, on its owner, and return their results:
+        ``rref.rpc_sync().method(*args)`` (the value's class exposed there, or a tensor)."""
+        return _RRefProxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> "_RRefProxy":
+        """As :meth:`rpc_sync`, returning a ``torch.futures.Future`` of the result."""
+        return _RRefProxy(self, "async", timeout)
+
+    def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> "_RRefProxy":
+        """As :meth:`rpc_sync`, keeping the result on the owner: returns an :class:`RRef`."""
+        return _RRefProxy(self, "remote", timeout)
+
+    def _get_future(self) -> torch.futures.Future:
+        """A future completed once the owner created the value (PyTorch's private
+        ``_get_future``); it carries the creation's failure (a timeout, a lost owner)."""
+        fut: torch.futures.Future = torch.futures.Future()
+        try:
+            self._native.created()
+        except _native.TensorwireError as e:
+            fut.set_exception(_runtime_error(e))
+        else:
+            fut.set_result(None)
+        return fut
+
     def __reduce__(self):
-        raise TypeError("tensorwire.rpc does not send RRefs inside arguments or results yet")
+        raise RuntimeError(
+            "Can not pickle rref in python pickler, rref can only be pickled when using RPC "
+            "(tensorwire.rpc sends RRefs inside the arguments and results of its calls)"
+        )
 
     def __repr__(self) -> str:
-        return f"RRef(owner={self.owner_name()})"
+        kind = "OwnerRRef" if self.is_owner() else "UserRRef"
+        return f"{kind}({self._native.id()}, owner={self.owner_name()})"
 
 
-def remote(
-    to: Union[str, int, WorkerInfo],
-    func: Union[Callable[..., Any], str],
-    args: Optional[tuple] = None,
-    kwargs: Optional[dict] = None,
-    timeout: float = UNSET_RPC_TIMEOUT,
-) -> RRef:
-    """Runs ``func(*args, **kwargs)`` on worker ``to``, which keeps the result, and returns an
-    :class:`RRef` to it at once (``func`` as for :func:`rpc_async`). A failure of ``func`` is
-    raised by ``to_here`` and ``local_value``."""
-    context = _autograd.current_id() if _autograd is not None else None
-    if context is not None:
-        return _autograd.remote(context, to, func, args, kwargs, timeout)
-    agent = _require_agent()
-    worker = _worker_name(to, agent)
-    name = func if isinstance(func, str) else _exposed.qualified_name(func)
-    payload, tensors = _serialize.dumps((tuple(args or ()), dict(kwargs or {})))
-    try:
-        native = agent.remote(worker, name, payload, tensors, _timeout(timeout))
-    except _native.TensorwireError as e:
-        raise _runtime_error(e) from e
-    return RRef(_native_rref=native)
+class _RRefProxy:
+    """``rref.rpc_sync()`` / ``rpc_async()`` / ``remote()``: attribute access gives a function
+    that calls that method on the reference's value, on its owner."""
+
+    __slots__ = ("_rref", "_mode", "_timeout")
+
+    def __init__(self, rref: RRef, mode: str, timeout: float):
+        self._rref = rref
+        self._mode = mode
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        rref, mode, timeout = self._rref, self._mode, self._timeout
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            encoded = _encode(args, kwargs)
+            if mode == "remote":
+                payload, tensors, rrefs = encoded
+                try:
+                    native = rref._native.remote(name, payload, tensors, rrefs, _timeout(timeout))
+                except _native.TensorwireError as e:
+                    raise _runtime_error(e) from e
+                return RRef(_native_rref=native)
+            fut = _send(rref.owner_name(), name, encoded, timeout, target=rref)
+            return fut.wait() if mode == "sync" else fut
+
+        method.__name__ = name
+        return method
+
+
+_serialize.register_rref_type(RRef, lambda native: RRef(_native_rref=native))
 
 
 def _import_by_name(name: str) -> Callable[..., Any]:

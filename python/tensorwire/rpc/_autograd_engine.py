@@ -132,21 +132,22 @@ def assign(leaf: torch.Tensor, values: torch.Tensor) -> None:
 # --- values in a context ------------------------------------------------------------------
 
 
-def dumps_split(value: Any) -> tuple[bytes, list, list, list]:
+def dumps_split(value: Any) -> tuple[bytes, list, list, list, list]:
     """``value`` pickled as ``tensorwire.rpc`` pickles it, its tensors split in two:
-    ``(payload, untracked, tracked_at, tracked)``; the tracked ones are the tensors that
-    require grad, as they are (the native side records them as sent)."""
+    ``(payload, untracked, native references, tracked_at, tracked)``; the tracked ones are the
+    tensors that require grad, as they are (the native side records them as sent)."""
     buf = io.BytesIO()
     p = _serialize._Pickler(buf)
     p.dump(value)
+    originals = [h for h in p._held if isinstance(h, torch.Tensor)]
     plain, tracked_at, tracked = [], [], []
-    for i, (prepared, original) in enumerate(zip(p.tensors, p._held)):
+    for i, (prepared, original) in enumerate(zip(p.tensors, originals)):
         if original.requires_grad:
             tracked_at.append(i)
             tracked.append(original)
         else:
             plain.append(prepared)
-    return buf.getvalue(), plain, tracked_at, tracked
+    return buf.getvalue(), plain, p.rrefs, tracked_at, tracked
 
 
 def merge(plain: Sequence[Any], tracked_at: Sequence[int], tracked: Sequence[Any], origin: str) -> list:
@@ -164,37 +165,49 @@ def merge(plain: Sequence[Any], tracked_at: Sequence[int], tracked: Sequence[Any
     return out
 
 
-def _run_in(context_id: int, caller: str, function: str, payload: bytes, plain: list, tracked_at: list, tracked: list) -> Any:
+def _run_in(
+    context_id: int, caller: str, function: str, payload: bytes, plain: list, rrefs: list,
+    tracked_at: list, tracked: list,
+) -> Any:
     from tensorwire import rpc
 
     previous = set_current(context_id)
     try:
-        return rpc._run(caller, function, payload, merge(plain, tracked_at, tracked, caller))
+        buffers = merge(plain, tracked_at, tracked, caller)
+        result, later = rpc._invoke(caller, function, payload, buffers, rrefs, None)
+        # An async_execution function's future is waited for here, in the context.
+        return result.wait() if later else result
     finally:
         set_current(previous)
 
 
-def serve(caller: str, context_id: int, function: str, payload: bytes, plain: list, tracked_at: list, tracked: list) -> tuple:
-    """A call from ``caller`` in ``context_id``: ``("returned", payload, untracked,
+def serve(
+    caller: str, context_id: int, function: str, payload: bytes, plain: list, rrefs: list,
+    tracked_at: list, tracked: list,
+) -> tuple:
+    """A call from ``caller`` in ``context_id``: ``("returned", payload, untracked, rrefs,
     tracked_at, tracked)`` or ``("raised", type, message, traceback)``."""
     from tensorwire import rpc
 
     rpc._wait_ready()
     try:
-        value = _run_in(context_id, caller, function, payload, plain, tracked_at, tracked)
+        value = _run_in(context_id, caller, function, payload, plain, rrefs, tracked_at, tracked)
         return ("returned", *dumps_split(value))
     except Exception as e:
         return rpc._raised(e)
 
 
-def create(caller: str, context_id: int, function: str, payload: bytes, plain: list, tracked_at: list, tracked: list) -> tuple:
+def create(
+    caller: str, context_id: int, function: str, payload: bytes, plain: list, rrefs: list,
+    tracked_at: list, tracked: list,
+) -> tuple:
     """A ``remote()`` creation from ``caller`` in ``context_id``: ``("returned", value)`` or
     ``("raised", ...)``."""
     from tensorwire import rpc
 
     rpc._wait_ready()
     try:
-        return ("returned", _run_in(context_id, caller, function, payload, plain, tracked_at, tracked))
+        return ("returned", _run_in(context_id, caller, function, payload, plain, rrefs, tracked_at, tracked))
     except Exception as e:
         return rpc._raised(e)
 
@@ -217,9 +230,9 @@ def fetch(value: Any) -> tuple:
 OWNER_FUNCTIONS: dict[str, Any] = {}
 
 
-def owner_call(value: Any, function: str, payload: bytes, buffers: list) -> tuple:
+def owner_call(value: Any, function: str, payload: bytes, buffers: list, rrefs: list) -> tuple:
     """Runs ``OWNER_FUNCTIONS[function](value, *args)`` on a reference's owner:
-    ``("returned", payload, tensors)`` or ``("raised", type, message, traceback)``."""
+    ``("returned", payload, tensors, rrefs)`` or ``("raised", type, message, traceback)``."""
     from tensorwire import rpc
 
     rpc._wait_ready()
@@ -229,11 +242,10 @@ def owner_call(value: Any, function: str, payload: bytes, buffers: list) -> tupl
         fn = OWNER_FUNCTIONS.get(function)
         if fn is None:
             raise RefusedError(f"{function!r} is not one of tensorwire's owner-side functions")
-        args = _serialize.loads(payload, buffers, trusted=False, origin="a reference holder")
+        args = _serialize.loads(payload, buffers, rrefs, trusted=False, origin="a reference holder")
         if not isinstance(args, tuple):
             raise RefusedError("malformed arguments for an owner-side function")
-        out, tensors = _serialize.dumps(fn(value, *args))
-        return ("returned", out, tensors)
+        return rpc._returned(fn(value, *args))
     except Exception as e:
         return rpc._raised(e)
 
@@ -242,9 +254,8 @@ def owner_call_async(rref: Any, function: str, args: tuple, timeout: Any = -1.0)
     """Runs the owner-side function ``function`` on ``rref``'s value, on its owner."""
     from tensorwire import _native, rpc
 
-    owner = rref.owner()
-    fut, on_done = rpc._future(owner.name, owner)
-    payload, tensors = _serialize.dumps(tuple(args))
+    fut, on_done = rpc._future(rref.owner())
+    payload, tensors, _ = _serialize.dumps(tuple(args))
     try:
         native().owner_call(rref._native, function, payload, tensors, rpc._timeout(timeout), on_done)
     except _native.TensorwireError as e:
@@ -275,9 +286,9 @@ def _outcome_future(worker: str, callee: Any) -> tuple[torch.futures.Future, Any
                 result: Any = rpc._runtime_error(outcome)
             elif outcome[0] == "returned":
                 try:
-                    _, payload, plain, tracked_at, tracked = outcome
+                    _, payload, plain, rrefs, tracked_at, tracked = outcome
                     tensors = merge(plain, tracked_at, tracked, worker)
-                    value = _serialize.loads(payload, tensors, trusted=trusted, origin=worker)
+                    value = _serialize.loads(payload, tensors, rrefs, trusted=trusted, origin=worker)
                 except Exception as e:
                     result = e
                 else:
@@ -295,7 +306,6 @@ def _outcome_future(worker: str, callee: Any) -> tuple[torch.futures.Future, Any
 
 def _prepare_call(to: Any, func: Any, args: Any, kwargs: Any) -> tuple:
     from tensorwire import _native, rpc
-    from tensorwire.rpc import _exposed
     from tensorwire.rpc._types import WorkerInfo
 
     agent = rpc._require_agent()
@@ -304,9 +314,9 @@ def _prepare_call(to: Any, func: Any, args: Any, kwargs: Any) -> tuple:
         callee = WorkerInfo(*agent.worker(worker))
     except _native.TensorwireError as e:
         raise rpc._runtime_error(e) from e
-    name = func if isinstance(func, str) else _exposed.qualified_name(func)
+    func, args = rpc._bind(func, args)
     encoded = dumps_split((tuple(args or ()), dict(kwargs or {})))
-    return worker, callee, name, encoded
+    return worker, callee, rpc._function_name(func), encoded
 
 
 def rpc_async(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> torch.futures.Future:
@@ -314,10 +324,12 @@ def rpc_async(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeo
     result's) are recorded."""
     from tensorwire import _native, rpc
 
-    worker, callee, name, (payload, plain, tracked_at, tracked) = _prepare_call(to, func, args, kwargs)
+    worker, callee, name, (payload, plain, rrefs, tracked_at, tracked) = _prepare_call(to, func, args, kwargs)
     fut, on_done = _outcome_future(worker, callee)
     try:
-        native().call(context_id, worker, name, payload, plain, tracked_at, tracked, rpc._timeout(timeout), on_done)
+        native().call(
+            context_id, worker, name, payload, plain, rrefs, tracked_at, tracked, rpc._timeout(timeout), on_done
+        )
     except _native.TensorwireError as e:
         raise rpc._runtime_error(e) from e
     return fut
@@ -327,9 +339,11 @@ def remote(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeout:
     """``remote`` inside ``context_id``."""
     from tensorwire import _native, rpc
 
-    worker, _, name, (payload, plain, tracked_at, tracked) = _prepare_call(to, func, args, kwargs)
+    worker, _, name, (payload, plain, rrefs, tracked_at, tracked) = _prepare_call(to, func, args, kwargs)
     try:
-        made = native().remote(context_id, worker, name, payload, plain, tracked_at, tracked, rpc._timeout(timeout))
+        made = native().remote(
+            context_id, worker, name, payload, plain, rrefs, tracked_at, tracked, rpc._timeout(timeout)
+        )
     except _native.TensorwireError as e:
         raise rpc._runtime_error(e) from e
     return rpc.RRef(_native_rref=made)

@@ -27,7 +27,21 @@ DEFAULT_EXPOSED_TORCH_OPS: tuple[str, ...] = (
     "cat", "stack", "sum", "mean", "prod", "cumsum", "argmax", "argmin", "eq", "ne", "lt",
     "le", "gt", "ge", "equal", "allclose", "isclose", "where", "clone", "ones", "zeros",
     "ones_like", "zeros_like", "full", "full_like", "empty", "arange", "linspace", "eye",
-    "tensor",
+    "tensor", "nonzero",
+)
+
+#: The methods of a tensor held in an ``RRef`` that peers may call through the proxies
+#: (``rref.rpc_sync().size()``) without anything exposed: torch's default operations above
+#: and a tensor's own read-only queries and views.
+DEFAULT_EXPOSED_TENSOR_METHODS: frozenset[str] = frozenset(
+    op for op in DEFAULT_EXPOSED_TORCH_OPS if hasattr(torch.Tensor, op)
+) | frozenset(
+    (
+        "size", "dim", "numel", "view", "view_as", "contiguous", "item", "tolist", "float",
+        "double", "int", "long", "bool", "detach", "unsqueeze", "squeeze", "expand",
+        "repeat", "max", "min", "norm", "add_", "mul_", "sub_", "div_", "fill_", "zero_",
+        "copy_",
+    )
 )
 
 _functions: dict[str, Callable[..., Any]] = {}
@@ -126,6 +140,44 @@ def resolve_function(name: str, worker: str) -> Callable[..., Any]:
             "(tensorwire.rpc.DEFAULT_EXPOSED_TORCH_OPS)"
         )
     return fn
+
+
+def resolve_method(target: Any, name: str, worker: str) -> Callable[..., Any]:
+    """The method ``name`` of ``target`` (the value of a reference owned here) that a peer
+    asked to run through a proxy (``rref.rpc_sync().name(...)``); ``RefusedError`` unless
+    ``target``'s class is exposed (a public method), or ``target`` is a tensor and ``name`` one
+    of :data:`DEFAULT_EXPOSED_TENSOR_METHODS`."""
+    cls = type(target)
+    if not hasattr(target, name):
+        # As Python (and PyTorch's proxy) says it: nothing is run.
+        raise AttributeError(f"'{cls.__name__}' object has no attribute '{name}'")
+    allowed = False
+    if not name.startswith("_"):
+        if isinstance(target, torch.Tensor):
+            allowed = name in DEFAULT_EXPOSED_TENSOR_METHODS
+        else:
+            try:
+                allowed = exposed_class(qualified_name(cls)) is cls
+            except ValueError:
+                allowed = False
+    method = getattr(target, name, None) if allowed else None
+    if method is None or not callable(method):
+        raise RefusedError(
+            f"{worker} refused to run the method {name!r} of a {cls.__module__}."
+            f"{cls.__qualname__}: through an RRef, peers run the public methods of exposed "
+            "classes (tensorwire.rpc.expose) and a tensor's default methods "
+            "(tensorwire.rpc.DEFAULT_EXPOSED_TENSOR_METHODS)"
+        )
+    return method
+
+
+def exposed_callable(name: str) -> Callable[..., Any] | None:
+    """The exposed function (or public method of an exposed class) called ``name``, if any:
+    what :func:`resolve_function` finds, without raising."""
+    try:
+        return resolve_function(name, "")
+    except RefusedError:
+        return None
 
 
 def exception_type(name: str) -> type[BaseException] | None:

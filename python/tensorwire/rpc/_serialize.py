@@ -6,10 +6,15 @@ requires_grad)`` and its bytes travel beside the message (contiguous CPU tensors
 they lie, without a copy; others are made contiguous first). The receiver rebuilds each tensor
 over the received bytes (``torch.frombuffer``).
 
+Remote references are not pickled either: each ``RRef`` becomes ``("rref", index)`` and the
+agent's own reference travels beside the message, forked for the destination by the agent (the
+fork protocol is the agent's, as PyTorch's is its RRef context's). Pickling an ``RRef``
+anywhere else fails, as in PyTorch.
+
 Decoding is allow-listed: a pickle may name only safe builtin containers and scalars, the
 globals torch's ``weights_only`` loading allows (``torch._weights_only_unpickler`` and
-``torch.serialization.add_safe_globals``), tensorwire.rpc's own types, and the classes this
-worker exposed. Anything else is refused before it is looked up, so loading a hostile pickle
+``torch.serialization.add_safe_globals``), tensorwire.rpc's own types, and the classes and
+functions this worker exposed (a function passed as a value is one peers may call anyway). Anything else is refused before it is looked up, so loading a hostile pickle
 runs nothing (``trust_peers=True`` at ``init_rpc`` lifts the allow-list, as PyTorch's RPC
 does).
 """
@@ -19,7 +24,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -66,9 +71,10 @@ def _own_types() -> dict[str, Any]:
 
 def _prepare(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
-        raise ValueError(
-            f"tensorwire.rpc carries CPU tensors; this one is on {t.device} (device maps are "
-            "not supported yet)"
+        raise RuntimeError(
+            f"tensorwire.rpc carries CPU tensors; this one is on {t.device}: move it to the "
+            "CPU first (device maps are validated at init_rpc, but the Python layer does not "
+            "carry CUDA tensors yet)"
         )
     if t.layout != torch.strided or t.is_quantized:
         raise ValueError(f"tensorwire.rpc carries dense tensors, not {t.layout} ones")
@@ -76,14 +82,36 @@ def _prepare(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+#: The Python class of remote references and how to make one from a received native reference
+#: (set by ``tensorwire.rpc``, which defines the class).
+_rref_type: type | None = None
+_wrap_rref: Callable[[Any], Any] | None = None
+
+
+def register_rref_type(cls: type, wrap: Callable[[Any], Any]) -> None:
+    """Makes ``cls`` (whose instances hold the agent's reference as ``_native``) travel as a
+    reference, rebuilt at the receiver by ``wrap(native)``."""
+    global _rref_type, _wrap_rref
+    _rref_type, _wrap_rref = cls, wrap
+
+
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO):
         super().__init__(file, protocol=PROTOCOL)
         self.tensors: list[torch.Tensor] = []
+        self.rrefs: list[Any] = []
         self._seen: dict[int, tuple] = {}
-        self._held: list[torch.Tensor] = []
+        self._held: list[Any] = []
 
     def persistent_id(self, obj: Any) -> Any:
+        if _rref_type is not None and type(obj) is _rref_type:
+            pid = self._seen.get(id(obj))
+            if pid is None:
+                pid = ("rref", len(self.rrefs))
+                self.rrefs.append(obj._native)
+                self._held.append(obj)
+                self._seen[id(obj)] = pid
+            return pid
         if not isinstance(obj, torch.Tensor):
             return None
         pid = self._seen.get(id(obj))
@@ -98,18 +126,23 @@ class _Pickler(pickle.Pickler):
         return pid
 
 
-def dumps(value: Any) -> tuple[bytes, list[torch.Tensor]]:
-    """``value`` pickled, and the contiguous CPU tensors the pickle refers to by index."""
+def dumps(value: Any) -> tuple[bytes, list[torch.Tensor], list[Any]]:
+    """``value`` pickled, the contiguous CPU tensors and the native references the pickle
+    refers to by index."""
     buf = io.BytesIO()
     p = _Pickler(buf)
     p.dump(value)
-    return buf.getvalue(), p.tensors
+    return buf.getvalue(), p.tensors, p.rrefs
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, payload: bytes, buffers: Sequence[Any], trusted: bool, origin: str):
+    def __init__(
+        self, payload: bytes, buffers: Sequence[Any], rrefs: Sequence[Any], trusted: bool, origin: str
+    ):
         super().__init__(io.BytesIO(payload))
         self._buffers = buffers
+        self._rrefs = rrefs
+        self._rref_objects: dict[int, Any] = {}
         self._tensors: dict[int, torch.Tensor] = {}
         self._trusted = trusted
         self._origin = origin
@@ -129,6 +162,10 @@ class _Unpickler(pickle.Unpickler):
         if found is None:
             found = _exposed.exposed_class(full)
         if found is None:
+            # A function passed as a value (``rpc_sync(to, apply, args=(Cls.method, rref))``):
+            # only one peers may call here anyway.
+            found = _exposed.exposed_callable(full)
+        if found is None:
             raise RefusedError(
                 f"refused to unpickle {full} from {self._origin}: it is neither a safe builtin, "
                 "nor allowed by torch's weights_only rules, nor a class this worker exposed "
@@ -137,6 +174,8 @@ class _Unpickler(pickle.Unpickler):
         return found
 
     def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "rref":
+            return self._rref(pid[1])
         if not (
             isinstance(pid, tuple)
             and len(pid) == 5
@@ -181,7 +220,24 @@ class _Unpickler(pickle.Unpickler):
         return t
 
 
-def loads(payload: bytes, buffers: Sequence[Any], *, trusted: bool, origin: str) -> Any:
-    """Decodes what a peer sent (``origin`` names it in errors): ``RefusedError`` for anything
-    outside the allow-list unless ``trusted``."""
-    return _Unpickler(payload, buffers, trusted, origin).load()
+    def _rref(self, index: Any) -> Any:
+        if not (type(index) is int and 0 <= index < len(self._rrefs)) or _wrap_rref is None:
+            raise RefusedError(f"a malformed reference from {self._origin}: {index!r}")
+        rref = self._rref_objects.get(index)
+        if rref is None:
+            rref = self._rref_objects[index] = _wrap_rref(self._rrefs[index])
+        return rref
+
+
+def loads(
+    payload: bytes,
+    buffers: Sequence[Any],
+    rrefs: Sequence[Any] = (),
+    *,
+    trusted: bool,
+    origin: str,
+) -> Any:
+    """Decodes what a peer sent (``origin`` names it in errors), with the tensors' buffers and
+    the native references that came with it: ``RefusedError`` for anything outside the
+    allow-list unless ``trusted``."""
+    return _Unpickler(payload, buffers, rrefs, trusted, origin).load()

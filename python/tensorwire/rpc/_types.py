@@ -9,6 +9,12 @@ class WorkerInfo:
     __slots__ = ("name", "id")
 
     def __init__(self, name: str, id: int):
+        from tensorwire import _native
+
+        try:
+            _native.check_worker_name(name)
+        except _native.TensorwireError as e:
+            raise RuntimeError(e.args[1]) from None
         self.name = name
         self.id = id
 

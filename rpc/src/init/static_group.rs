@@ -37,7 +37,8 @@ pub(crate) async fn join_static(
     let ip = advertise_ip(options)?;
     let group_options = GroupOptions::new(RPC_GROUP)
         .with_listen(SocketAddr::new(ip, 0))
-        .with_timeout(options.init_timeout);
+        .with_timeout(options.init_timeout)
+        .with_runtime(options.runtime.clone());
     let group = Group::connect(
         Arc::clone(&rdv.store),
         transport,
