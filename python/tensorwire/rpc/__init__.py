@@ -225,6 +225,9 @@ _agent: Optional[_native.RpcAgent] = None
 _ready = threading.Event()
 _trusted = False
 _me: Optional[WorkerInfo] = None
+# Distributed autograd (tensorwire.rpc._autograd_engine, once imported): calls made while one
+# of its contexts is current on the calling thread go through it, so that they are recorded.
+_autograd: Any = None
 
 
 def _require_agent() -> _native.RpcAgent:
@@ -486,6 +489,9 @@ def rpc_async(
     ``func`` is a function exposed on the callee, one of :data:`DEFAULT_EXPOSED_TORCH_OPS`,
     or its qualified name. ``timeout`` in seconds; ``0``: none; negative: the default.
     ``RRef`` arguments are forked for the callee."""
+    context = _autograd.current_id() if _autograd is not None else None
+    if context is not None:
+        return _autograd.rpc_async(context, to, func, args, kwargs, timeout)
     func, args = _bind(func, args)
     return _send(to, _function_name(func), _encode(args, kwargs), timeout)
 
@@ -512,6 +518,9 @@ def remote(
     """Runs ``func(*args, **kwargs)`` on worker ``to``, which keeps the result, and returns an
     :class:`RRef` to it at once (``func`` as for :func:`rpc_async`). A failure of ``func`` is
     raised by ``to_here`` and ``local_value``."""
+    context = _autograd.current_id() if _autograd is not None else None
+    if context is not None:
+        return _autograd.remote(context, to, func, args, kwargs, timeout)
     agent = _require_agent()
     worker = _worker_name(to, agent)
     func, args = _bind(func, args)
@@ -720,6 +729,9 @@ class RRef:
         raise _remote_exception(self.owner(), outcome[1], outcome[2], outcome[3])
 
     def _fetch_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future:
+        context = _autograd.current_id() if _autograd is not None else None
+        if context is not None:
+            return _autograd.fetch_async(context, self, timeout)
         fut, on_done = _future(self.owner())
         try:
             self._native.fetch(_timeout(timeout), on_done)
