@@ -16,6 +16,12 @@
 //! counter PyTorch's `TCPStore` uses, so PyTorch ranks in the same job count too) and waits
 //! until all `world_size` have arrived; a timeout says how many of how many did.
 //!
+//! Under a launcher that serves the store itself, nobody starts one ([`store_host`]):
+//! `tensorwire launch` (`TENSORWIRE_LAUNCHER_STORE=1`, authenticated with the cluster secret)
+//! and torchrun (`TORCHELASTIC_USE_AGENT_STORE=True` for its `MASTER_ADDR:MASTER_PORT`), whose
+//! agent serves PyTorch's `TCPStore`: every rank connects to it as a plain c10d client, as
+//! PyTorch's workers do, and the cluster secret is then proved only between the workers.
+//!
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! use tensorwire_rendezvous::{rendezvous, RendezvousOptions};
@@ -44,6 +50,50 @@ use tensorwire_store::{
 /// (`tensorwire launch --nnodes N`, as torchrun's `TORCHELASTIC_USE_AGENT_STORE`): rank 0 then
 /// connects to that store instead of starting one.
 pub const LAUNCHER_STORE_ENV: &str = "TENSORWIRE_LAUNCHER_STORE";
+
+/// Set to `True` by torchrun's elastic agent, which serves the job's store on
+/// `MASTER_ADDR:MASTER_PORT` (PyTorch's `TCPStore`, unauthenticated): every rank connects to it
+/// as a plain c10d client ([`StoreHost::TorchElasticAgent`]).
+pub const TORCHELASTIC_AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
+
+/// Who serves the TCP store of a `tcp://` or `env://` rendezvous, as the environment says
+/// ([`store_host`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreHost {
+    /// Rank 0 starts it (PyTorch's default), unless [`RendezvousOptions::embed_server`] is
+    /// off; it requires the cluster secret when one is set.
+    RankZero,
+    /// `tensorwire launch` serves it ([`LAUNCHER_STORE_ENV`] is `1`): every rank connects, with the
+    /// cluster secret when one is set.
+    Launcher,
+    /// torchrun's elastic agent serves it ([`TORCHELASTIC_AGENT_STORE_ENV`] is `True` and the
+    /// URL's host and port are `MASTER_ADDR` and `MASTER_PORT`, PyTorch's own test): every rank
+    /// connects as a plain c10d client, without the cluster secret, which PyTorch's `TCPStore`
+    /// cannot check. Whoever reaches that port may read and write the store, as in PyTorch;
+    /// the workers still prove the secret (or their certificates) to each other on every
+    /// connection, so an address written there by an outsider is only dialled, never trusted.
+    TorchElasticAgent,
+}
+
+/// Who serves the store at `host:port`, from the launcher's variables in `env`.
+///
+/// torchrun's `TORCHELASTIC_USE_AGENT_STORE=True` counts only for the agent's own
+/// `MASTER_ADDR:MASTER_PORT` (as PyTorch's `_agent_store_serves`: the flag promises a server
+/// there and nowhere else), and then wins over `TENSORWIRE_LAUNCHER_STORE=1` (what serves that
+/// port is PyTorch's store, whoever set the other variable).
+pub fn store_host(host: &str, port: u16, env: impl Fn(&str) -> Option<String>) -> StoreHost {
+    let agent = env(TORCHELASTIC_AGENT_STORE_ENV).is_some_and(|v| v == "True")
+        && env("MASTER_ADDR").is_some_and(|a| a == host)
+        && env("MASTER_PORT").is_some_and(|p| p.trim().parse::<u16>() == Ok(port));
+    if agent {
+        StoreHost::TorchElasticAgent
+    } else if env(LAUNCHER_STORE_ENV).is_some_and(|v| v == "1") {
+        StoreHost::Launcher
+    } else {
+        StoreHost::RankZero
+    }
+}
 
 /// The join counter, unprefixed: the key PyTorch's `TCPStore` counts workers with.
 const JOIN_COUNTER: &str = "init/";
@@ -192,18 +242,32 @@ pub async fn rendezvous_with_env(
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<Rendezvous, RendezvousError> {
     let mut options = options;
-    if env(LAUNCHER_STORE_ENV).is_some_and(|v| v == "1") {
-        // `tensorwire launch --nnodes N` serves the job's store itself (and watches it for
-        // failures); rank 0 then connects to it like every other rank.
-        options.embed_server = false;
-    }
     match parse(url, &env)? {
         Target::Tcp {
             host,
             port,
             rank,
             world_size,
-        } => tcp(host, port, rank, world_size, options).await,
+        } => {
+            match store_host(&host, port, &env) {
+                StoreHost::RankZero => {}
+                // `tensorwire launch --nnodes N` serves the job's store itself (and watches it
+                // for failures); rank 0 then connects to it like every other rank.
+                StoreHost::Launcher => options.embed_server = false,
+                StoreHost::TorchElasticAgent => {
+                    if options.secret.is_some() {
+                        info!(
+                            "connecting to torchrun's store at {host}:{port} without the cluster \
+                             secret (PyTorch's TCPStore has none); connections between workers \
+                             still prove it"
+                        );
+                    }
+                    options.embed_server = false;
+                    options.secret = None;
+                }
+            }
+            tcp(host, port, rank, world_size, options).await
+        }
         Target::File {
             path,
             rank,
@@ -656,6 +720,35 @@ mod tests {
             .contains("rank 2 is not below the world size 2"));
         assert!(err("tcp://h:70000?rank=0&world_size=1", &[])
             .contains("port must have value from 0 to 65535 but was 70000."));
+    }
+
+    #[test]
+    fn the_store_host_follows_the_launcher() {
+        let torchrun = [
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let host = |vars: &[(&str, &str)], h: &str, p: u16| store_host(h, p, env_of(vars));
+        assert_eq!(host(&[], "10.0.0.1", 29500), StoreHost::RankZero);
+        assert_eq!(
+            host(&torchrun, "10.0.0.1", 29500),
+            StoreHost::TorchElasticAgent
+        );
+        // The agent serves MASTER_ADDR:MASTER_PORT only (PyTorch's `_agent_store_serves`).
+        assert_eq!(host(&torchrun, "10.0.0.1", 29501), StoreHost::RankZero);
+        assert_eq!(host(&torchrun, "10.0.0.2", 29500), StoreHost::RankZero);
+        // PyTorch compares with str(True) exactly.
+        let mut vars = torchrun.to_vec();
+        vars[0] = ("TORCHELASTIC_USE_AGENT_STORE", "1");
+        assert_eq!(host(&vars, "10.0.0.1", 29500), StoreHost::RankZero);
+        // tensorwire's launcher: its store, unless torchrun's agent serves this port.
+        let launcher = [("TENSORWIRE_LAUNCHER_STORE", "1")];
+        assert_eq!(host(&launcher, "10.0.0.1", 29500), StoreHost::Launcher);
+        let mut vars = torchrun.to_vec();
+        vars.extend(launcher);
+        assert_eq!(host(&vars, "10.0.0.1", 29500), StoreHost::TorchElasticAgent);
+        assert_eq!(host(&vars, "10.0.0.1", 29501), StoreHost::Launcher);
     }
 
     #[test]
