@@ -135,7 +135,8 @@ pub struct Rendezvous {
     pub store: Arc<dyn Store>,
     /// This process's rank.
     pub rank: usize,
-    /// Number of ranks.
+    /// Number of ranks (for a group of no fixed size, `world_size=-1` in the URL as PyTorch
+    /// writes it for dynamic RPC groups: this rank + 1).
     pub world_size: usize,
     server: Option<TcpStoreServer>,
 }
@@ -273,14 +274,15 @@ pub async fn rendezvous_with_env(
             rank,
             world_size,
         } => {
-            let store = FileStore::with_timeout(&path, Some(world_size), options.timeout);
-            if options.wait_for_all {
+            // Without a fixed size, no handle removes the file (PyTorch's `FileStore(path, -1)`).
+            let store = FileStore::with_timeout(&path, world_size, options.timeout);
+            if let Some(world_size) = world_size.filter(|_| options.wait_for_all) {
                 join(&store, "init/", world_size, rank, options.timeout).await?;
             }
             Ok(Rendezvous {
                 store: Arc::new(store),
                 rank,
-                world_size,
+                world_size: world_size.unwrap_or(rank + 1),
                 server: None,
             })
         }
@@ -294,12 +296,13 @@ enum Target {
         host: String,
         port: u16,
         rank: usize,
-        world_size: usize,
+        /// `None`: a group of no fixed size (`world_size=-1`).
+        world_size: Option<usize>,
     },
     File {
         path: String,
         rank: usize,
-        world_size: usize,
+        world_size: Option<usize>,
     },
 }
 
@@ -324,6 +327,14 @@ fn parse(url: &str, env: &impl Fn(&str) -> Option<String>) -> Result<Target, Ren
             ))
         })
     };
+    // PyTorch's `rendezvous(url, rank, world_size=None)` writes `world_size=-1`: no fixed size.
+    let size = |name: &str, value: String| -> Result<Option<usize>, RendezvousError> {
+        if value.trim() == "-1" {
+            Ok(None)
+        } else {
+            int(name, value).map(Some)
+        }
+    };
     let target = match scheme {
         "env" => {
             // PyTorch's order and wording; an empty variable counts as not set. Slurm's
@@ -340,8 +351,8 @@ fn parse(url: &str, env: &impl Fn(&str) -> Option<String>) -> Result<Target, Ren
                 None => int("RANK", var("RANK")?)?,
             };
             let world_size = match from_query("world_size") {
-                Some(v) => int("world_size", v)?,
-                None => int("WORLD_SIZE", var("WORLD_SIZE")?)?,
+                Some(v) => size("world_size", v)?,
+                None => size("WORLD_SIZE", var("WORLD_SIZE")?)?,
             };
             let host = var("MASTER_ADDR")?;
             let port = int("MASTER_PORT", var("MASTER_PORT")?)?;
@@ -373,7 +384,7 @@ fn parse(url: &str, env: &impl Fn(&str) -> Option<String>) -> Result<Target, Ren
                 host: host.to_owned(),
                 port: port_u16(port).map_err(&invalid)?,
                 rank: int("rank", rank)?,
-                world_size: int("world_size", world_size)?,
+                world_size: size("world_size", world_size)?,
             }
         }
         "file" => {
@@ -392,7 +403,7 @@ fn parse(url: &str, env: &impl Fn(&str) -> Option<String>) -> Result<Target, Ren
             Target::File {
                 path: path.to_owned(),
                 rank: int("rank", rank)?,
-                world_size: int("world_size", world_size)?,
+                world_size: size("world_size", world_size)?,
             }
         }
         other => {
@@ -409,10 +420,10 @@ fn parse(url: &str, env: &impl Fn(&str) -> Option<String>) -> Result<Target, Ren
             rank, world_size, ..
         } => (*rank, *world_size),
     };
-    if world_size == 0 {
+    if world_size == Some(0) {
         return Err(invalid("world size must be at least 1".to_owned()));
     }
-    if rank >= world_size {
+    if let Some(world_size) = world_size.filter(|&n| rank >= n) {
         return Err(invalid(format!(
             "rank {rank} is not below the world size {world_size}"
         )));
@@ -454,7 +465,7 @@ async fn tcp(
     host: String,
     port: u16,
     rank: usize,
-    world_size: usize,
+    world_size: Option<usize>,
     options: RendezvousOptions,
 ) -> Result<Rendezvous, RendezvousError> {
     let store_err = |source| RendezvousError::Store { rank, source };
@@ -479,7 +490,7 @@ async fn tcp(
                     addr: bind.to_string(),
                     reason: e.to_string(),
                 })?;
-        info!(addr = %server.local_addr(), world_size, "rank 0 hosts the store");
+        info!(addr = %server.local_addr(), ?world_size, "rank 0 hosts the store");
         Some(server)
     } else {
         None
@@ -510,7 +521,7 @@ async fn tcp(
     )
     .await
     .map_err(store_err)?;
-    if options.wait_for_all {
+    if let Some(world_size) = world_size.filter(|_| options.wait_for_all) {
         join(
             &client.with_prefix(""),
             JOIN_COUNTER,
@@ -523,7 +534,7 @@ async fn tcp(
     Ok(Rendezvous {
         store: Arc::new(client),
         rank,
-        world_size,
+        world_size: world_size.unwrap_or(rank + 1),
         server,
     })
 }
@@ -631,7 +642,7 @@ mod tests {
                 host: "10.0.0.1".into(),
                 port: 29500,
                 rank: 1,
-                world_size: 2
+                world_size: Some(2)
             }
         );
         // The query overrides RANK and WORLD_SIZE.
@@ -641,7 +652,7 @@ mod tests {
                 host: "10.0.0.1".into(),
                 port: 29500,
                 rank: 0,
-                world_size: 4
+                world_size: Some(4)
             }
         );
     }
@@ -660,7 +671,7 @@ mod tests {
                 host: "node07".into(),
                 port: 15123,
                 rank: 3,
-                world_size: 6
+                world_size: Some(6)
             }
         );
         let mut vars = slurm.to_vec();
@@ -671,7 +682,7 @@ mod tests {
                 host: "10.0.0.9".into(),
                 port: 15123,
                 rank: 1,
-                world_size: 6
+                world_size: Some(6)
             }
         );
         let mut vars = slurm.to_vec();
@@ -752,6 +763,20 @@ mod tests {
     }
 
     #[test]
+    fn a_world_size_of_minus_one_is_no_fixed_size() {
+        assert_eq!(
+            parse("file:///tmp/rdzv?rank=5&world_size=-1", &env_of(&[])).unwrap(),
+            Target::File {
+                path: "/tmp/rdzv".into(),
+                rank: 5,
+                world_size: None
+            }
+        );
+        assert!(err("tcp://h:1?rank=0&world_size=-2", &[])
+            .contains("world_size must be a non-negative integer, got \"-2\""));
+    }
+
+    #[test]
     fn urls_parse() {
         assert_eq!(
             parse("tcp://127.0.0.1:23456?rank=1&world_size=3", &env_of(&[])).unwrap(),
@@ -759,7 +784,7 @@ mod tests {
                 host: "127.0.0.1".into(),
                 port: 23456,
                 rank: 1,
-                world_size: 3
+                world_size: Some(3)
             }
         );
         assert_eq!(
@@ -768,7 +793,7 @@ mod tests {
                 host: "::1".into(),
                 port: 5,
                 rank: 0,
-                world_size: 2
+                world_size: Some(2)
             }
         );
         assert_eq!(
@@ -776,7 +801,7 @@ mod tests {
             Target::File {
                 path: "/tmp/rdzv".into(),
                 rank: 0,
-                world_size: 2
+                world_size: Some(2)
             }
         );
     }
