@@ -14,6 +14,8 @@
 //! - [`tensor`]: a minimal tensor value (dtype, shape, device, storage).
 //! - [`placement`]: device maps applied to a message's tensors.
 //! - [`wire`]: the frame format: fixed prefix, postcard frame header, raw payloads; bounded decoder.
+//! - [`budget`]: one memory budget per peer, which every byte a peer can make a worker hold
+//!   draws from.
 //! - [`auth`]: challenge-response authentication on a cluster secret (HMAC-SHA256).
 //! - [`protocol`]: the RPC protocol state machine: calls, timeouts, remote references.
 //! - [`collective`]: sans-IO schedules for barrier, broadcast, all_gather and all_reduce.
@@ -29,6 +31,7 @@
 
 pub mod auth;
 pub mod autograd;
+pub mod budget;
 pub mod capability;
 pub mod collective;
 pub mod device;

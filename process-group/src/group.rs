@@ -36,6 +36,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tensorwire_core::budget::Budget;
 use tensorwire_core::collective::inbox::InboxLimits;
 use tensorwire_core::collective::varlen::{self, SLOT_BYTES};
 use tensorwire_core::collective::{
@@ -87,13 +88,24 @@ pub struct GroupOptions {
     /// `TENSORWIRE_DEBUG` when the group connects. Every rank must use the same level.
     pub debug: Option<DebugLevel>,
     /// What one peer may make this rank hold in its collective inboxes (sequence window,
-    /// bytes and messages not yet taken; see [`tensorwire_core::collective::inbox`]). A peer
-    /// past a bound is dropped and the group fails with [`ProcessGroupError::Misbehaved`].
+    /// messages not yet taken; see [`tensorwire_core::collective::inbox`]). A peer past a
+    /// bound is dropped and the group fails with [`ProcessGroupError::Misbehaved`].
     pub inbox_limits: InboxLimits,
     /// The clock and timers of the group: its setup, every collective's deadline and every
     /// wait. Default [`TokioRuntime`](tensorwire_mesh::TokioRuntime) (virtual time under a
     /// paused tokio clock).
     pub runtime: Arc<dyn Runtime>,
+    /// The memory budget of each peer, in bytes (default 256 MiB,
+    /// [`tensorwire_core::budget::DEFAULT_PEER_BUDGET`]): its collective messages no
+    /// collective has taken and the frame being received from it (TCP) draw from it. Past it
+    /// the peer is dropped
+    /// ([`MeshViolation::OverBudget`](tensorwire_core::ports::process_group::MeshViolation::OverBudget)).
+    /// Each group made with these options has a budget of its own, unless
+    /// [`with_budget`](Self::with_budget) shares one.
+    pub peer_budget: usize,
+    /// A budget shared with other holders (an RPC agent over the same connections), which
+    /// [`peer_budget`](Self::peer_budget) then does not size.
+    pub budget: Option<Budget>,
 }
 
 impl GroupOptions {
@@ -106,7 +118,22 @@ impl GroupOptions {
             debug: None,
             inbox_limits: InboxLimits::default(),
             runtime: Arc::new(tensorwire_mesh::TokioRuntime),
+            peer_budget: tensorwire_core::budget::DEFAULT_PEER_BUDGET,
+            budget: None,
         }
+    }
+
+    /// These options with a memory budget of `bytes` per peer (see
+    /// [`peer_budget`](Self::peer_budget)).
+    pub fn with_peer_budget(mut self, bytes: usize) -> Self {
+        self.peer_budget = bytes;
+        self
+    }
+
+    /// These options drawing from `budget`, shared with its other holders (an RPC agent's).
+    pub fn with_budget(mut self, budget: Budget) -> Self {
+        self.budget = Some(budget);
+        self
     }
 
     /// These options with another runtime (clock, timers, spawning).

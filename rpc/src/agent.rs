@@ -74,6 +74,7 @@ impl Agent {
         records: &[WorkerRecord],
         rdv: &Rendezvous,
         options: &RpcOptions,
+        budget: tensorwire_core::budget::Budget,
     ) -> Agent {
         let members = Directory::new(name, &options.devices, &options.device_maps, records);
         let inner = Arc::new(Inner {
@@ -98,6 +99,9 @@ impl Agent {
                     // The key of the capabilities of the references made here: real
                     // entropy, so that no peer can compute them.
                     let mut ep = Endpoint::new(me_id, options.endpoint.clone());
+                    // One budget per peer for everything: the endpoint's records, the
+                    // writers' queues, the world group's inboxes, the readers' frames.
+                    ep.set_budget(budget);
                     let mut key = [0u8; 32];
                     rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut key);
                     ep.set_secret_key(key);
@@ -124,7 +128,6 @@ impl Agent {
             membership_wake: Notify::new(),
             serving: std::sync::atomic::AtomicUsize::new(0),
             queued_bytes: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
-            peer_queue_bytes: options.peer_queue_bytes,
         });
         Agent { inner }
     }
@@ -298,11 +301,6 @@ impl Agent {
             .members
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// "rank 2 (w2)".
-    pub(crate) fn describe(&self, rank: usize) -> String {
-        format!("rank {rank} ({})", self.name_of(rank as WorkerId))
     }
 
     /// Worker `id`, named as [`name_of`](Self::name_of) does.
@@ -666,13 +664,19 @@ impl Agent {
     }
 
     /// Bytes of frames queued for the peers' writers and not yet handed to the transport, over
-    /// every peer (a peer that does not read keeps its share here, up to
-    /// [`RpcOptions::peer_queue_bytes`](crate::RpcOptions::peer_queue_bytes); past it the
-    /// peer is dropped and its share freed).
+    /// every peer (a peer that does not read keeps its share here, within its memory budget,
+    /// [`RpcOptions::with_peer_budget`](crate::RpcOptions::with_peer_budget); past it the peer
+    /// is dropped and its share freed, as it is when the connection breaks).
     pub fn queued_bytes(&self) -> usize {
         self.inner
             .queued_bytes
             .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The memory budget of each peer ([`RpcOptions::with_peer_budget`](crate::RpcOptions::with_peer_budget)):
+    /// what each peer holds here now, by use, and the most it held at once.
+    pub fn budget(&self) -> tensorwire_core::budget::Budget {
+        self.lock().ep.budget().clone()
     }
 
     /// Calls `function(args)` on `to` (by name, rank or [`WorkerInfo`]): `.await` the returned
@@ -932,13 +936,12 @@ impl Agent {
             } => RpcError::Timeout {
                 what: what.to_owned(),
                 after,
-                waiting_for: Some(
+                waiting_for: Some(crate::error::WaitingFor::Workers(
                     waiting_on
                         .iter()
-                        .map(|r| self.describe(*r))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                ),
+                        .map(|r| self.worker(*r as WorkerId))
+                        .collect(),
+                )),
             },
             ProcessGroupError::ShutDown => RpcError::NotRunning,
             other => RpcError::ProcessGroup(other),

@@ -13,6 +13,56 @@ use tensorwire_rendezvous::RendezvousError;
 
 use tensorwire_core::protocol::membership::WorkerInfo;
 
+/// Who a wait that timed out was waiting for: kept as data (ranks, names, the error of the last
+/// try), rendered only when displayed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WaitingFor {
+    /// These workers, in rank order ("rank 2 (w2), ..."; "nobody in particular" when empty).
+    Workers(Vec<WorkerInfo>),
+    /// These ranks, whose names are not known yet (a static group's init exchanges names
+    /// after its connections are up).
+    Ranks(Vec<WorkerId>),
+    /// The store, which did not answer.
+    Store,
+    /// A join retried until the deadline: the coordinator it last asked, and why that try
+    /// failed.
+    LastTry {
+        /// The coordinator (by name; `None` when no coordinator was published yet).
+        coordinator: Option<String>,
+        /// Why the last try failed.
+        error: String,
+    },
+}
+
+impl WaitingFor {
+    /// Whether it names worker `name` (a worker by its name, or a join's coordinator).
+    pub fn names(&self, name: &str) -> bool {
+        match self {
+            WaitingFor::Workers(w) => w.iter().any(|w| w.name == name),
+            WaitingFor::LastTry { coordinator, .. } => coordinator.as_deref() == Some(name),
+            WaitingFor::Ranks(_) | WaitingFor::Store => false,
+        }
+    }
+}
+
+impl std::fmt::Display for WaitingFor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WaitingFor::Workers(w) => f.write_str(&by_rank(w)),
+            WaitingFor::Ranks(ranks) => {
+                let ranks: Vec<String> = ranks.iter().map(|r| format!("rank {r}")).collect();
+                f.write_str(&ranks.join(", "))
+            }
+            WaitingFor::Store => f.write_str("the store, which did not answer"),
+            WaitingFor::LastTry { coordinator, error } => match coordinator {
+                Some(c) => write!(f, "{c}: {error}"),
+                None => write!(f, "a coordinator: {error}"),
+            },
+        }
+    }
+}
+
 /// `workers` as "rank 0 (w0), rank 1 (w1)" (as the agent's other waits name them), or
 /// "nobody in particular".
 fn by_rank(workers: &[WorkerInfo]) -> String {
@@ -192,7 +242,7 @@ pub enum RpcError {
         /// The limit.
         after: Duration,
         /// Who did not answer, if known.
-        waiting_for: Option<String>,
+        waiting_for: Option<WaitingFor>,
     },
     /// A graceful shutdown could not complete because a member was lost before it was done.
     #[error("shutdown did not complete: {reason}; waiting for {}", by_rank(.waiting_for))]

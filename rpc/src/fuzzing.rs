@@ -29,25 +29,15 @@ pub fn decode_hello(frame: &Frame) -> Result<(u32, String), String> {
 /// Returns the header, the body's bytes and its tensors, or why the frame was refused (the
 /// agent drops the connection with that reason).
 pub fn decode_message(frame: Frame, devices: u32) -> Result<(Header, Option<Body>), String> {
-    let envelope: Envelope = postcard::from_bytes(&frame.header)
-        .map_err(|e| format!("sent a malformed message header ({e})"))?;
-    let mut payloads = frame.payloads.into_iter();
-    let Some(data) = payloads.next() else {
-        return Ok((envelope.header, None));
+    // The agent's own decoder and payload check (`driver::on_frame`): core's envelope.
+    let envelope = Envelope::decode(&frame.header).map_err(|e| e.to_string())?;
+    let (header, body) = envelope.attach(frame.payloads).map_err(|e| e.to_string())?;
+    let Some(body) = body else {
+        return Ok((header, None));
     };
-    let bytes: Vec<bytes::Bytes> = payloads.collect();
-    // As the agent's `on_frame`.
-    if bytes.len() != envelope.tensors.len() {
-        return Err(format!(
-            "sent a message that announces {} tensors and carries {}",
-            envelope.tensors.len(),
-            bytes.len()
-        ));
-    }
-    let wire = envelope.tensors.into_iter().zip(bytes).collect();
     let backend = SimulatedDevices::new(devices);
-    let tensors = ready(tensors::from_wire(&backend, wire)).map_err(|e| e.to_string())?;
-    Ok((envelope.header, Some((data, tensors))))
+    let tensors = ready(tensors::from_wire(&backend, body.tensors)).map_err(|e| e.to_string())?;
+    Ok((header, Some((body.data, tensors))))
 }
 
 /// Encodes a message header as the agent sends it, announcing `tensors` (no target).
@@ -62,11 +52,12 @@ pub fn encode_method_header(
     target: Option<MethodTarget>,
     tensors: &[TensorMeta],
 ) -> Vec<u8> {
-    postcard::to_allocvec(&Envelope {
+    Envelope {
         header: header.clone(),
         target,
         tensors: tensors.to_vec(),
-    })
+    }
+    .encode()
     .expect("a header encodes")
 }
 

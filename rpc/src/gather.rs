@@ -24,7 +24,7 @@ use tensorwire_core::protocol::{
 };
 use tokio::sync::oneshot;
 
-use crate::error::RpcError;
+use crate::error::{RpcError, WaitingFor};
 use crate::functions::{finish, Handler, Invocation};
 use crate::peer_events::PeerEvent;
 use crate::state::Agent;
@@ -193,13 +193,9 @@ pub(crate) async fn gather_among(
         GatherFailure::Missing(missing) => RpcError::Timeout {
             what: what.to_owned(),
             after: timeout,
-            waiting_for: Some(
-                missing
-                    .iter()
-                    .map(|r| format!("rank {r} ({})", agent.name_of(*r)))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            ),
+            waiting_for: Some(WaitingFor::Workers(
+                missing.iter().map(|r| agent.worker(*r)).collect(),
+            )),
         },
         other => RpcError::Call {
             to: agent.name_of(leader),

@@ -73,13 +73,11 @@ pub use backend::{
 pub use backend::{QuicBackend, QUIC_BACKEND};
 pub use context::CallContext;
 pub use debug::GatherDebugInfo;
-pub use error::RpcError;
+pub use error::{RpcError, WaitingFor};
 pub use init::start_agent;
 pub use init_rpc::init_rpc;
 pub use metrics::{PeerMetrics, RpcMetrics};
-pub use options::{
-    RpcOptions, Shutdown, DEFAULT_PEER_QUEUE_BYTES, DEFAULT_RPC_TIMEOUT, IMMEDIATE_CLOSE_TIMEOUT,
-};
+pub use options::{RpcOptions, Shutdown, DEFAULT_RPC_TIMEOUT, IMMEDIATE_CLOSE_TIMEOUT};
 pub use peer_events::{PeerEvent, PeerEvents};
 pub use rref::RRef;
 pub use runtime::{Runtime, TokioRuntime};

@@ -55,9 +55,13 @@ pub(crate) fn attach_conn(
     }
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
     let write = Arc::new(tokio::sync::Mutex::new(()));
+    let budget = this.lock().ep.budget().clone();
+    // The frame being received from it draws from its budget too (for transports that
+    // count it: TCP).
+    conn.bill_to(budget.account(peer));
     let queued = Arc::new(OutQueue::new(
         Arc::clone(&this.inner.queued_bytes),
-        this.inner.peer_queue_bytes,
+        budget.account(peer),
     ));
     this.lock().peers.insert(
         peer,
@@ -112,6 +116,12 @@ pub(crate) fn attach_conn(
                 None => break,
                 Some(Ok(())) => {}
                 Some(Err(e)) => {
+                    // Nothing more goes out on it: what is queued is dropped and no longer
+                    // counted (`Agent::queued_bytes` drops back; the peer's budget is freed).
+                    rx.close();
+                    while let Ok(frame) = rx.try_recv() {
+                        queued.sub(frame_bytes(&frame));
+                    }
                     peer_lost_on(
                         &agent,
                         peer,
@@ -122,8 +132,8 @@ pub(crate) fn attach_conn(
                 }
             }
         }
-        // Past the bound: free what is queued, then fail the peer (its calls fail naming the
-        // bound) and close the connection.
+        // Past the budget: free what is queued, then fail the peer (its calls fail naming the
+        // budget) and close the connection.
         rx.close();
         while let Ok(frame) = rx.try_recv() {
             queued.sub(frame_bytes(&frame));
@@ -265,11 +275,12 @@ pub(crate) fn send(
         }
         None => (None, vec![], vec![]),
     };
-    let header = match postcard::to_allocvec(&Envelope {
+    let envelope = Envelope {
         header: t.header,
         target,
         tensors: metas,
-    }) {
+    };
+    let header = match envelope.encode() {
         Ok(h) => h,
         Err(e) => {
             warn!("cannot encode a message header: {e}");

@@ -111,24 +111,19 @@ pub struct RpcOptions {
     /// clock, which a paused test runtime makes virtual). Every deadline of the agent comes
     /// from it.
     pub runtime: Arc<dyn Runtime>,
-    /// The bytes this worker queues for one peer that has not taken them yet (default
-    /// [`DEFAULT_PEER_QUEUE_BYTES`], 256 MiB; one frame alone always passes). Past it the
-    /// peer is dropped as one that does not read: its calls fail with `CallError::PeerLost`
-    /// naming the bound (`LostCause::Unread`), and what was queued for it is freed.
-    pub peer_queue_bytes: usize,
     /// The protocol endpoint's settings (default [`EndpointConfig::default`]): the bounds on
     /// what one peer can make this worker hold — requests served per caller
     /// (`requests_per_peer`), fetches parked per caller (`parked_fetches_per_peer`), forks of
     /// values owned here per holder (`references_per_peer`), fork records for references never
     /// created here (`pending_forks_per_peer`), idempotence records
-    /// (`idempotence_records_per_peer`) — and how often unacknowledged control messages are
+    /// (`idempotence_records_per_peer`), and the memory budget of each peer (`peer_budget`,
+    /// 256 MiB: frames queued for it, its collective messages, the frame being received from
+    /// it and its records, all together; see [`with_peer_budget`](Self::with_peer_budget)) —
+    /// and how often unacknowledged control messages are
     /// sent again (`control_retry`). The guide's bounds table gives each default and what a
     /// peer gets past it.
     pub endpoint: EndpointConfig,
 }
-
-/// The default of [`RpcOptions::peer_queue_bytes`]: 256 MiB.
-pub const DEFAULT_PEER_QUEUE_BYTES: usize = 256 << 20;
 
 /// The CUDA backend when the feature `cuda` is on, else no devices.
 fn default_device_backend() -> Arc<dyn DeviceBackend> {
@@ -180,7 +175,6 @@ impl Default for RpcOptions {
             share_device_memory: true,
             ipc_limits: tensorwire_core::ipc::IpcConfig::default(),
             runtime: Arc::new(TokioRuntime),
-            peer_queue_bytes: DEFAULT_PEER_QUEUE_BYTES,
             endpoint: EndpointConfig::default(),
         }
     }
@@ -199,7 +193,6 @@ impl std::fmt::Debug for RpcOptions {
             .field("device_backend", &self.device_backend.name())
             .field("share_device_memory", &self.share_device_memory)
             .field("runtime", &self.runtime)
-            .field("peer_queue_bytes", &self.peer_queue_bytes)
             .field("endpoint", &self.endpoint)
             .finish_non_exhaustive()
     }
@@ -234,10 +227,17 @@ impl RpcOptions {
         self
     }
 
-    /// The bytes queued for one peer before it is dropped as one that does not read (see
-    /// [`peer_queue_bytes`](Self::peer_queue_bytes)).
-    pub fn with_peer_queue_bytes(mut self, bytes: usize) -> Self {
-        self.peer_queue_bytes = bytes;
+    /// The memory budget of each peer, in bytes ([`EndpointConfig::peer_budget`], default
+    /// 256 MiB): what one peer makes this worker hold — frames queued for it that it has not
+    /// read, collective messages it sent that no collective took, the frame being received
+    /// from it (TCP), the records kept for it — draws from it. A frame queued past it drops
+    /// the peer (`LostCause::OverBudget`: its calls fail naming the budget, and what was
+    /// queued for it is freed); a collective message past it is the sender's
+    /// `MeshViolation::OverBudget`; a frame being received past it closes the connection;
+    /// a `remote` or parked fetch past it is answered `Busy`. One item alone (the peer
+    /// holding nothing else) always passes.
+    pub fn with_peer_budget(mut self, bytes: usize) -> Self {
+        self.endpoint.peer_budget = bytes;
         self
     }
 

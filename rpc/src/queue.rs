@@ -1,10 +1,12 @@
 //! What is queued for one peer's writer: bytes counted as frames go in and leave (sent, or
-//! dropped when the peer is failed), bounded per peer (`RpcOptions::peer_queue_bytes`), and
-//! the agent's total over every peer.
+//! dropped when the peer is failed or its connection breaks), drawn from the peer's memory
+//! budget (`EndpointConfig::peer_budget`, with its inbox, frame being received and records;
+//! see `tensorwire_core::budget`), and the agent's total over every peer.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use tensorwire_core::budget::{Account, Admit, Use};
 use tensorwire_core::protocol::LostCause;
 use tensorwire_core::wire::Frame;
 use tokio::sync::{mpsc, watch};
@@ -14,8 +16,9 @@ pub(crate) struct OutQueue {
     bytes: AtomicUsize,
     /// The agent's total over every peer (`Agent::queued_bytes`).
     total: Arc<AtomicUsize>,
-    bound: usize,
-    /// Set once, when a frame would pass the bound: the writer drops the queue and fails
+    /// The peer's account in the agent's budget.
+    account: Account,
+    /// Set once, when a frame would pass the budget: the writer drops the queue and fails
     /// the peer with `cause`.
     failed: watch::Sender<bool>,
     /// `failed`'s value, read on every enqueue without the watch's lock.
@@ -24,12 +27,12 @@ pub(crate) struct OutQueue {
 }
 
 impl OutQueue {
-    /// An empty queue bounded by `bound` bytes, counted also in `total`.
-    pub(crate) fn new(total: Arc<AtomicUsize>, bound: usize) -> Self {
+    /// An empty queue drawing from `account`, counted also in `total`.
+    pub(crate) fn new(total: Arc<AtomicUsize>, account: Account) -> Self {
         Self {
             bytes: AtomicUsize::new(0),
             total,
-            bound,
+            account,
             failed: watch::Sender::new(false),
             has_failed: AtomicBool::new(false),
             cause: Mutex::new(None),
@@ -41,23 +44,24 @@ impl OutQueue {
         self.bytes.load(Ordering::Acquire) == 0
     }
 
-    fn add(&self, n: usize) -> usize {
+    fn add(&self, n: usize) {
         self.total.fetch_add(n, Ordering::AcqRel);
-        self.bytes.fetch_add(n, Ordering::AcqRel) + n
+        self.bytes.fetch_add(n, Ordering::AcqRel);
     }
 
     /// `n` bytes left the queue (sent, or dropped).
     pub(crate) fn sub(&self, n: usize) {
         self.total.fetch_sub(n, Ordering::AcqRel);
         self.bytes.fetch_sub(n, Ordering::AcqRel);
+        self.account.release(Use::Queued, n);
     }
 
-    /// Told (once) when a frame would have passed the bound.
+    /// Told (once) when a frame would have passed the budget.
     pub(crate) fn subscribe_failed(&self) -> watch::Receiver<bool> {
         self.failed.subscribe()
     }
 
-    /// Why the peer is failed, once a frame would have passed the bound.
+    /// Why the peer is failed, once a frame would have passed the budget.
     pub(crate) fn cause(&self) -> Option<LostCause> {
         self.cause
             .lock()
@@ -65,29 +69,26 @@ impl OutQueue {
             .clone()
     }
 
-    /// Queues `frame` for the writer fed by `tx`. Past the bound (a frame alone always passes)
-    /// the frame is dropped and the writer told to fail the peer: it frees the queue, then
-    /// reports the loss, which fails the peer's calls naming the bound. A frame for a peer
-    /// being failed is dropped (its calls fail with that loss). False if the writer is gone.
+    /// Queues `frame` for the writer fed by `tx`. Past the peer's budget (a frame alone, the
+    /// peer holding nothing else, always passes) the frame is dropped and the writer told to
+    /// fail the peer: it frees the queue, then reports the loss, which fails the peer's calls
+    /// naming the budget ([`LostCause::OverBudget`]). A frame for a peer being failed is
+    /// dropped (its calls fail with that loss). False if the writer is gone.
     pub(crate) fn enqueue(&self, tx: &mpsc::UnboundedSender<Frame>, frame: Frame) -> bool {
         if self.has_failed.load(Ordering::Acquire) {
             return true;
         }
         let n = frame_bytes(&frame);
-        let total = self.add(n);
-        if total > self.bound && total != n {
-            self.sub(n);
+        if let Err(over) = self.account.take(Use::Queued, n, Admit::IfRoom) {
             let mut cause = self.cause.lock().unwrap_or_else(PoisonError::into_inner);
             if cause.is_none() {
-                *cause = Some(LostCause::Unread {
-                    queued: total as u64,
-                    bound: self.bound as u64,
-                });
+                *cause = Some(LostCause::OverBudget(Box::new(over)));
                 self.has_failed.store(true, Ordering::Release);
                 self.failed.send_replace(true);
             }
             return true;
         }
+        self.add(n);
         if tx.send(frame).is_err() {
             self.sub(n);
             return false;

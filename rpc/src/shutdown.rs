@@ -9,7 +9,7 @@ use tensorwire_core::protocol::{Endpoint, WorkerId};
 use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
-use crate::error::RpcError;
+use crate::error::{RpcError, WaitingFor};
 use crate::init::GROUP_KIND;
 use crate::state::Agent;
 use crate::state::Body;
@@ -139,20 +139,12 @@ pub(crate) async fn run_shutdown(
                 waiting_for: e.missing.iter().map(|r| this.worker(*r)).collect(),
             }
         } else {
-            let who: Vec<String> = e
-                .missing
-                .iter()
-                .map(|r| this.describe(*r as usize))
-                .collect();
-            let who = if who.is_empty() {
-                "nobody in particular".to_owned()
-            } else {
-                who.join(", ")
-            };
             RpcError::Timeout {
                 what: format!("shutdown: {e}"),
                 after: timeout,
-                waiting_for: Some(who),
+                waiting_for: Some(WaitingFor::Workers(
+                    e.missing.iter().map(|r| this.worker(*r)).collect(),
+                )),
             }
         }),
         Err(_) => Err(RpcError::NotRunning),
@@ -193,7 +185,7 @@ pub(crate) async fn shutdown(this: &Agent, how: crate::Shutdown) -> Result<(), R
             Err(RpcError::Timeout {
                 what: "shutdown".into(),
                 after: timeout,
-                waiting_for: Some("the store, which did not answer".into()),
+                waiting_for: Some(WaitingFor::Store),
             })
         });
     // On a task of its own: shutdown may be called from a task of the agent (a served

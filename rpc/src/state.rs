@@ -136,8 +136,6 @@ pub(crate) struct Inner {
     pub(crate) serving: std::sync::atomic::AtomicUsize,
     /// Bytes queued for every peer's writer ([`Agent::queued_bytes`]).
     pub(crate) queued_bytes: Arc<std::sync::atomic::AtomicUsize>,
-    /// The bound on the bytes queued for one peer (`RpcOptions::peer_queue_bytes`).
-    pub(crate) peer_queue_bytes: usize,
 }
 
 /// Every task the agent runs, so that shutdown can end them and wait until they have ended

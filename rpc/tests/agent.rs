@@ -16,7 +16,7 @@ use tensorwire_rpc::{
 };
 
 use tensorwire_core::ports::store::{Store, StoreError};
-use tensorwire_rpc::{start_agent, Rendezvous};
+use tensorwire_rpc::{start_agent, Rendezvous, WaitingFor};
 use tensorwire_store::InMemoryStore;
 use tensorwire_testkit::{base_options, MemoryCluster as Cluster, TcpCluster};
 use tensorwire_transport_memory::MemoryTransport;
@@ -1556,7 +1556,7 @@ async fn a_barrier_among_some_workers_needs_only_them() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&e, RpcError::Timeout { waiting_for: Some(w), .. } if w.contains("w3")),
+        matches!(&e, RpcError::Timeout { waiting_for: Some(w), .. } if w.names("w3")),
         "{e}"
     );
     let e = agents[0]
@@ -1596,7 +1596,7 @@ async fn a_barrier_that_times_out_names_who_is_missing_and_leaves_no_key() {
     // Rank 0 monitors the barrier: it names who did not arrive.
     let e = b0.unwrap_err();
     assert!(
-        matches!(&e, RpcError::Timeout { waiting_for: Some(w), .. } if w.contains("w2")),
+        matches!(&e, RpcError::Timeout { waiting_for: Some(w), .. } if w.names("w2")),
         "{e}"
     );
     assert!(b1.is_err());
@@ -1634,7 +1634,7 @@ async fn an_init_that_a_worker_never_joins_times_out_naming_it() {
     for t in tasks {
         let e = t.await.unwrap().unwrap_err();
         assert!(
-            matches!(&e, RpcError::Timeout { waiting_for: Some(w), .. } if w == "rank 2"),
+            matches!(&e, RpcError::Timeout { waiting_for: Some(WaitingFor::Ranks(r)), .. } if r == &[2]),
             "{e}"
         );
     }

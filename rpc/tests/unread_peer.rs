@@ -1,14 +1,16 @@
 //! A hostile peer that completes the real setup over TCP (it holds the secret, joins the
 //! static group and shares its connections) and then never reads: the victim's queue for it
-//! is bounded (`RpcOptions::peer_queue_bytes`). Past the bound the victim drops it with
-//! `LostCause::Unread`, its calls fail naming the bound, the queue is freed, and the victim
-//! goes on serving an honest peer.
+//! draws from its memory budget (`RpcOptions::with_peer_budget`). Past the budget the victim
+//! drops it with `LostCause::OverBudget`, its calls fail naming the budget, the queue is
+//! freed, and the victim goes on serving an honest peer. A connection whose send fails frees
+//! what was queued for it too (`Agent::queued_bytes` drops back).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tensorwire_core::budget::Use;
 use tensorwire_core::ports::transport::{
     Connection, IdentityError, Listener, Transport, TransportError,
 };
@@ -19,7 +21,7 @@ use tensorwire_store::InMemoryStore;
 use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};
 
 const TEST_BOUND: Duration = Duration::from_secs(60);
-/// The victim's bound in the test (the default is 256 MiB).
+/// The victim's budget per peer in the test (the default is 256 MiB).
 const BOUND: usize = 8 << 20;
 /// Each call's argument.
 const ARG: usize = 1 << 20;
@@ -34,19 +36,48 @@ async fn bounded<T>(f: impl Future<Output = T>) -> T {
 
 /// TCP whose connections stop reading once `stalled` is set (the socket's buffers fill and
 /// the sender's writes block, as with a peer that never reads).
+/// Its sends, once `failing` is set, wait for a permit of `released` and then fail (a
+/// connection that breaks while a writer has frames queued).
 struct StallingTransport {
     inner: TcpTransport,
     stalled: Arc<AtomicBool>,
+    failing: Arc<SendFailure>,
+}
+
+struct SendFailure {
+    failing: AtomicBool,
+    released: tokio::sync::Semaphore,
+}
+
+impl Default for SendFailure {
+    fn default() -> Self {
+        SendFailure {
+            failing: AtomicBool::new(false),
+            released: tokio::sync::Semaphore::new(0),
+        }
+    }
+}
+
+impl SendFailure {
+    async fn check(&self, peer: std::net::SocketAddr) -> Result<(), TransportError> {
+        if !self.failing.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let _ = self.released.acquire().await;
+        Err(TransportError::Closed { peer })
+    }
 }
 
 struct StallingListener {
     inner: Box<dyn Listener>,
     stalled: Arc<AtomicBool>,
+    failing: Arc<SendFailure>,
 }
 
 struct StallingConnection {
     inner: Box<dyn Connection>,
     stalled: Arc<AtomicBool>,
+    failing: Arc<SendFailure>,
 }
 
 #[async_trait::async_trait]
@@ -62,6 +93,7 @@ impl Transport for StallingTransport {
         Ok(Box::new(StallingListener {
             inner: self.inner.listen(addr).await?,
             stalled: Arc::clone(&self.stalled),
+            failing: Arc::clone(&self.failing),
         }))
     }
 
@@ -72,6 +104,7 @@ impl Transport for StallingTransport {
         Ok(Box::new(StallingConnection {
             inner: self.inner.connect(addr).await?,
             stalled: Arc::clone(&self.stalled),
+            failing: Arc::clone(&self.failing),
         }))
     }
 }
@@ -86,6 +119,7 @@ impl Listener for StallingListener {
         Ok(Box::new(StallingConnection {
             inner: self.inner.accept().await?,
             stalled: Arc::clone(&self.stalled),
+            failing: Arc::clone(&self.failing),
         }))
     }
 }
@@ -104,11 +138,17 @@ impl Connection for StallingConnection {
         self.inner.check_peer_name(name)
     }
 
+    fn bill_to(&self, account: tensorwire_core::budget::Account) {
+        self.inner.bill_to(account);
+    }
+
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {
+        self.failing.check(self.peer_addr()).await?;
         self.inner.send(frame).await
     }
 
     async fn send_many(&self, frames: Vec<Frame>) -> Result<(), TransportError> {
+        self.failing.check(self.peer_addr()).await?;
         self.inner.send_many(frames).await
     }
 
@@ -148,13 +188,14 @@ async fn a_peer_that_never_reads_is_dropped_at_the_queue_bound_and_its_queue_fre
                 Arc::new(StallingTransport {
                     inner: tcp,
                     stalled: Arc::clone(&stalled),
+                    failing: Arc::default(),
                 })
             } else {
                 Arc::new(tcp)
             };
             let options = RpcOptions::new()
                 .with_functions(functions())
-                .with_peer_queue_bytes(BOUND);
+                .with_peer_budget(BOUND);
             let options = RpcOptions {
                 listen_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
                 init_timeout: Duration::from_secs(30),
@@ -205,20 +246,22 @@ async fn a_peer_that_never_reads_is_dropped_at_the_queue_bound_and_its_queue_fre
         };
         assert_eq!(worker, 2, "the peer that does not read is the one dropped");
         match &cause {
-            LostCause::Unread { queued, bound } => {
-                assert_eq!(*bound, BOUND as u64);
-                assert!(*queued > BOUND as u64, "{queued}");
+            LostCause::OverBudget(over) => {
+                assert_eq!(over.budget, BOUND);
+                assert_eq!(over.what, Use::Queued);
+                assert!(over.held.total() + over.asked > BOUND, "{over}");
             }
-            other => panic!("dropped for {other}, not for the queue bound"),
+            other => panic!("dropped for {other}, not for its budget"),
         }
         assert!(
             cause
                 .to_string()
-                .contains("past the bound of 8388608 bytes per peer"),
+                .contains("past its budget of 8388608 bytes per peer (peer_budget)"),
             "{cause}"
         );
         // What was queued for it is freed before its loss is reported.
         assert_eq!(agents[0].queued_bytes(), 0, "the queue for w2 is freed");
+        assert_eq!(agents[0].budget().held(2).queued, 0, "and its budget");
 
         // Every call to it fails naming the bound (none is left hanging), but the one its
         // reader had already begun to read when it stalled, which it answered.
@@ -231,7 +274,7 @@ async fn a_peer_that_never_reads_is_dropped_at_the_queue_bound_and_its_queue_fre
                     ..
                 }) => {
                     assert_eq!(peer, 2);
-                    assert!(matches!(cause, LostCause::Unread { .. }), "{cause}");
+                    assert!(matches!(cause, LostCause::OverBudget(_)), "{cause}");
                     failed += 1;
                 }
                 Err(other) => panic!("a call to the peer that never reads failed with {other}"),
@@ -255,6 +298,97 @@ async fn a_peer_that_never_reads_is_dropped_at_the_queue_bound_and_its_queue_fre
         }
         assert_eq!(agents[0].queued_bytes(), 0);
         // Not shut down gracefully: the hostile peer never reads the shutdown's messages.
+        drop(agents);
+    })
+    .await;
+}
+
+/// When a peer's connection fails while frames are queued for it, they are dropped and no
+/// longer counted: `queued_bytes()` drops back to 0 and the peer's budget is freed (before,
+/// the writer stopped at the failed send and the rest of the queue stayed counted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_send_frees_what_was_queued_for_the_peer() {
+    bounded(async {
+        let store: Arc<dyn tensorwire_core::ports::store::Store> = Arc::new(InMemoryStore::new());
+        let secret = ClusterSecret::new(b"failed send test secret".to_vec()).unwrap();
+        let failing = Arc::new(SendFailure::default());
+        let world = 2;
+        let mut tasks = Vec::new();
+        for rank in 0..world {
+            let tcp = TcpTransport::new(TcpConfig::new(secret.clone())).unwrap();
+            let transport: Arc<dyn Transport> = if rank == 0 {
+                Arc::new(StallingTransport {
+                    inner: tcp,
+                    stalled: Arc::default(),
+                    failing: Arc::clone(&failing),
+                })
+            } else {
+                Arc::new(tcp)
+            };
+            let options = RpcOptions {
+                listen_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
+                init_timeout: Duration::from_secs(30),
+                ..RpcOptions::new().with_functions(functions())
+            };
+            let rdv = Rendezvous::from_store(Arc::clone(&store), rank, world);
+            tasks.push(tokio::spawn(async move {
+                start_agent(
+                    transport,
+                    rdv,
+                    &format!("w{rank}"),
+                    rank,
+                    Some(world),
+                    options,
+                )
+                .await
+            }));
+        }
+        let mut agents = Vec::new();
+        for t in tasks {
+            agents.push(t.await.unwrap().unwrap());
+        }
+        let n: usize = agents[0]
+            .rpc_sync("w1", "len", &vec![7u8; 10], None)
+            .await
+            .unwrap();
+        assert_eq!(n, 10);
+        let mut events = agents[0].peer_events();
+
+        // Sends to w1 now hang, then fail: the calls queue up behind the first.
+        failing.failing.store(true, Ordering::Release);
+        let arg = vec![1u8; 64 << 10];
+        let calls: Vec<_> = (0..32)
+            .map(|_| {
+                agents[0]
+                    .rpc_async::<_, usize>("w1", "len", &arg, None)
+                    .unwrap()
+            })
+            .collect();
+        let victim = agents[0].clone();
+        tensorwire_testkit::wait_until("frames are queued for w1", TEST_BOUND, move || {
+            victim.queued_bytes() > 16 * (64 << 10)
+        })
+        .await;
+        assert!(agents[0].budget().held(1).queued > 0);
+        failing.released.add_permits(1 << 20);
+        loop {
+            match events.recv().await {
+                Some(PeerEvent::Lost { worker: 1, .. }) => break,
+                Some(_) => {}
+                None => panic!("the peer events ended"),
+            }
+        }
+        for call in calls {
+            assert!(call.await.is_err());
+        }
+        let victim = agents[0].clone();
+        tensorwire_testkit::wait_until(
+            "what was queued for the failed peer is no longer counted",
+            Duration::from_secs(10),
+            move || victim.queued_bytes() == 0,
+        )
+        .await;
+        assert_eq!(agents[0].budget().held(1).queued, 0);
         drop(agents);
     })
     .await;

@@ -140,7 +140,7 @@ impl Faults {
         if frame.kind != FrameKind::Message {
             return None;
         }
-        let envelope: Envelope = postcard::from_bytes(&frame.header).ok()?;
+        let envelope = Envelope::decode(&frame.header).ok()?;
         let kind = MessageKind::of(&envelope.header)?;
         let mut left = self.left.lock().unwrap_or_else(PoisonError::into_inner);
         let fault = left.iter_mut().find(|f| f.kind == kind && f.count > 0)?;
@@ -242,6 +242,10 @@ impl Connection for FaultyConnection {
 
     fn check_peer_name(&self, name: &str) -> Result<(), IdentityError> {
         self.inner.check_peer_name(name)
+    }
+
+    fn bill_to(&self, account: tensorwire_core::budget::Account) {
+        self.inner.bill_to(account);
     }
 
     fn cheap_sends(&self) -> bool {

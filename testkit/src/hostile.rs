@@ -86,6 +86,8 @@ struct Shared {
     heard: Mutex<Vec<Header>>,
     /// Woken when one is recorded.
     heard_more: Notify,
+    /// Set by [`HostilePeer::stop_reading`]: its agent reads nothing more.
+    deaf: AtomicBool,
 }
 
 impl Shared {
@@ -223,6 +225,13 @@ impl HostilePeer {
             .unwrap_or_else(PoisonError::into_inner) = Some(Box::new(filter));
     }
 
+    /// From now on the hostile worker reads nothing the members send it (its agent's reads
+    /// never return): what they send it piles up in their queues for it, as with a peer
+    /// that never reads.
+    pub fn stop_reading(&self) {
+        self.shared.deaf.store(true, Ordering::Release);
+    }
+
     /// From now on, messages the members send it for which `filter` is true are heard (see
     /// [`heard`](Self::heard)) but not handed to its own agent: the answer to a call the test
     /// forged would be a reply its agent never asked for. Replaces an earlier filter.
@@ -330,6 +339,10 @@ impl Connection for HostileConnection {
         self.inner.check_peer_name(name)
     }
 
+    fn bill_to(&self, account: tensorwire_core::budget::Account) {
+        self.inner.bill_to(account);
+    }
+
     fn cheap_sends(&self) -> bool {
         self.inner.cheap_sends()
     }
@@ -354,6 +367,9 @@ impl Connection for HostileConnection {
 
     async fn recv(&self) -> Result<Frame, TransportError> {
         loop {
+            if self.shared.deaf.load(Ordering::Acquire) {
+                std::future::pending::<()>().await;
+            }
             let frame = self.inner.recv().await?;
             if !self.swallowed(&frame) {
                 return Ok(frame);

@@ -194,3 +194,51 @@ fn code_before_tests(text: &str) -> String {
     }
     out
 }
+
+/// The agent's message envelope has one encoder and one decoder, core's `Envelope::encode` and
+/// `Envelope::decode` (issue "One node in core, one driver in rpc"): no other source — the
+/// agent, the fuzz helpers, the test kit, the fuzz targets — runs postcard on an `Envelope`,
+/// so that the fuzz targets and the fault injectors read frames as the agent does.
+#[test]
+fn the_envelope_is_encoded_and_decoded_in_core_only() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned();
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(&root).unwrap() {
+        let krate = entry.unwrap().path();
+        let name = krate.file_name().unwrap().to_string_lossy().into_owned();
+        if name == "target" || name.starts_with('.') || !krate.join("Cargo.toml").is_file() {
+            continue;
+        }
+        sources(&krate.join("src"), &mut files);
+        sources(&krate.join("fuzz_targets"), &mut files);
+    }
+    assert!(
+        files.iter().any(|f| f.ends_with("fuzz/fuzz_targets/rpc.rs")),
+        "the fuzz targets were not found"
+    );
+    let own = root.join("core/src/protocol/envelope.rs");
+    let mut offenders = Vec::new();
+    for file in files.iter().filter(|f| **f != own) {
+        let text = code_before_tests(&std::fs::read_to_string(file).unwrap());
+        let code: String = text
+            .lines()
+            .map(|l| l.split("//").next().unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n");
+        // A postcard call whose statement names `Envelope` (as a type or a literal).
+        for statement in code.split(';') {
+            if statement.contains("postcard::") && statement.contains("Envelope") {
+                let rel = file.strip_prefix(&root).unwrap().display().to_string();
+                offenders.push(format!("{rel}: {}", statement.trim()));
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "an Envelope coded outside core (use Envelope::encode / Envelope::decode):\n  {}",
+        offenders.join("\n  ")
+    );
+}

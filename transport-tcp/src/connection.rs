@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::BytesMut;
+use tensorwire_core::budget::{Account, OverBudget, Use};
 use tensorwire_core::ports::transport::{Connection, IdentityError, TransportError};
 use tensorwire_core::spin::{requeue, SpinPolicy, SpinStep, SpinWait, Turn};
 use tensorwire_core::wire::{Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits};
@@ -59,6 +60,10 @@ struct Reader {
     buf: BytesMut,
     /// When the frame being received must be complete (set when its first byte arrives).
     frame_deadline: Option<tokio::time::Instant>,
+    /// The peer's memory budget, once the layer above says who the peer is
+    /// (`Connection::bill_to`), and the bytes of the frame being received charged to it.
+    account: Option<Account>,
+    charged: usize,
 }
 
 impl Reader {
@@ -67,6 +72,18 @@ impl Reader {
         self.decoder.release();
         self.buf = BytesMut::new();
         self.frame_deadline = None;
+        self.recharge(0).ok();
+    }
+
+    /// Brings the charge for the frame being received to `bytes` (0: none is).
+    fn recharge(&mut self, bytes: usize) -> Result<(), OverBudget> {
+        let Some(account) = &self.account else {
+            return Ok(());
+        };
+        let charged = self.charged;
+        account.resize(Use::Frame, charged, bytes)?;
+        self.charged = bytes;
+        Ok(())
     }
 }
 
@@ -77,6 +94,8 @@ pub(crate) struct TcpConnection {
     /// See [`TcpConfig::frame_timeout`].
     frame_timeout: Option<std::time::Duration>,
     reader: Mutex<Reader>,
+    /// An account handed in by `bill_to`, taken by the reader at its next read.
+    bill_to: std::sync::Mutex<Option<Account>>,
     writer: Mutex<OwnedWriteHalf>,
     /// Set when a send was abandoned half-way (its future dropped) or failed: the byte stream
     /// may hold part of a frame, so nothing more can be sent.
@@ -114,7 +133,10 @@ impl TcpConnection {
                 decoder: FrameDecoder::new(limits).with_buffer_reuse(config.buffer_reuse),
                 buf: BytesMut::with_capacity(READ_BUF),
                 frame_deadline: None,
+                account: None,
+                charged: 0,
             }),
+            bill_to: std::sync::Mutex::new(None),
             writer: Mutex::new(write),
             write_broken: AtomicBool::new(false),
             spin: (!config.spin.is_zero()).then(|| {
@@ -381,9 +403,22 @@ impl Connection for TcpConnection {
             let _ = socket2::SockRef::from(r.half.as_ref()).shutdown(std::net::Shutdown::Both);
         };
         loop {
+            if let Some(account) = self
+                .bill_to
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take()
+            {
+                let charged = r.charged;
+                r.recharge(0).ok();
+                r.account = Some(account);
+                r.recharge(charged).ok();
+            }
             match r.decoder.decode(&mut r.buf) {
                 Ok(Some(frame)) => {
                     r.frame_deadline = None;
+                    // Complete: its holder counts it now.
+                    r.recharge(0).ok();
                     return Ok(frame);
                 }
                 Ok(None) => {}
@@ -396,6 +431,20 @@ impl Connection for TcpConnection {
                         source,
                     });
                 }
+            }
+            // What the frame being received holds so far (what arrived, or its buffer if
+            // larger) is the peer's, within its budget.
+            let holding = usize::try_from(r.decoder.received())
+                .unwrap_or(usize::MAX)
+                .max(r.decoder.reserved());
+            if let Err(source) = r.recharge(holding) {
+                shut(r);
+                r.release();
+                tracing::warn!(peer = %self.peer, error = %source, "closing connection: over the peer's budget");
+                return Err(TransportError::OverBudget {
+                    peer: self.peer,
+                    source,
+                });
             }
             if r.decoder.is_mid_frame() && r.frame_deadline.is_none() {
                 r.frame_deadline = self.frame_timeout.map(|t| tokio::time::Instant::now() + t);
@@ -460,6 +509,13 @@ impl Connection for TcpConnection {
                 }
             }
         }
+    }
+
+    fn bill_to(&self, account: Account) {
+        *self
+            .bill_to
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(account);
     }
 
     async fn close(&self) -> Result<(), TransportError> {

@@ -10,12 +10,13 @@
 //! | group membership | the group's ranks | [`MeshViolation::NotInGroup`] |
 //! | `group_id_window` | 1,024 ids beyond the newest group made here | [`MeshViolation::UnknownGroup`] |
 //! | `sequence_window` | 65,536 beyond this rank's newest collective in the group | [`MeshViolation::AheadOfWindow`] |
-//! | `buffered_bytes` | 1 GiB not yet taken, per peer | [`MeshViolation::InboxFull`] |
 //! | `buffered_messages` | 65,536 not yet taken, per peer | [`MeshViolation::InboxFull`] |
+//! | their bytes | the peer's memory budget ([`crate::budget`], 256 MiB), shared with what else it makes this rank hold | [`MeshViolation::OverBudget`] |
 //!
 //! A message a collective is already waiting for is always taken (it is handed over at once);
-//! so is a peer's first unclaimed message whatever its size, so one honest message larger than
-//! the byte bound still passes. Groups are made on each rank without a round trip, so a peer
+//! so is a peer's first unclaimed message, and one message of a peer that holds nothing else
+//! passes the budget whatever its size, so one honest message larger than the budget still
+//! passes. Groups are made on each rank without a round trip, so a peer
 //! may send for a group this rank has not made yet: such frames are held (within the bounds)
 //! and checked against the members once the group is made ([`Admission::register_group`]).
 //! An abort names its sender's own rank ([`check_abort`]); a disagreement notice must be one its
@@ -50,8 +51,6 @@ pub struct InboxLimits {
     pub sequence_window: u64,
     /// How many group ids beyond the newest group made on this rank a frame may name.
     pub group_id_window: u64,
-    /// Bytes of messages a peer may have waiting that no collective has taken.
-    pub buffered_bytes: usize,
     /// Messages a peer may have waiting that no collective has taken.
     pub buffered_messages: usize,
 }
@@ -61,7 +60,6 @@ impl Default for InboxLimits {
         InboxLimits {
             sequence_window: 1 << 16,
             group_id_window: 1024,
-            buffered_bytes: 1 << 30,
             buffered_messages: 1 << 16,
         }
     }
@@ -131,12 +129,14 @@ impl Admission {
     /// Whether world rank `sender` may have a message of `len` bytes filed: for collective
     /// `seq` of group `id` (`key`), or for a point-to-point exchange (`key` `None`, ordered by
     /// the pair alone). `waited_on`: a collective here already waits for exactly this
-    /// message. `held`: what the sender's inbox holds before this message.
+    /// message. `held`: what the sender's inbox holds before this message. The message's bytes
+    /// (`_len`) are not decided here but by the sender's memory budget ([`crate::budget`]),
+    /// which the mesh charges once the message passes this check.
     pub fn check(
         &self,
         sender: usize,
         key: Option<(u64, u64)>,
-        len: usize,
+        _len: usize,
         waited_on: bool,
         held: Held,
     ) -> Result<(), MeshViolation> {
@@ -172,12 +172,6 @@ impl Admission {
             return Err(MeshViolation::InboxFull {
                 what: "messages",
                 limit: self.limits.buffered_messages,
-            });
-        }
-        if held.bytes.saturating_add(len) > self.limits.buffered_bytes {
-            return Err(MeshViolation::InboxFull {
-                what: "bytes",
-                limit: self.limits.buffered_bytes,
             });
         }
         Ok(())
@@ -255,7 +249,6 @@ mod tests {
         InboxLimits {
             sequence_window: 10,
             group_id_window: 2,
-            buffered_bytes: 100,
             buffered_messages: 3,
         }
     }
@@ -404,19 +397,12 @@ mod tests {
     }
 
     #[test]
-    fn what_a_peer_holds_is_bounded_by_bytes_and_count() {
+    fn what_a_peer_holds_is_bounded_by_count() {
         let a = Admission::new(2, limits());
         let held = |bytes, messages| Held { bytes, messages };
         // The first unclaimed message passes whatever its size.
         assert_eq!(a.check(1, None, 1000, false, held(0, 0)), Ok(()));
         assert_eq!(a.check(1, Some((0, 1)), 60, false, held(40, 1)), Ok(()));
-        assert_eq!(
-            a.check(1, Some((0, 1)), 61, false, held(40, 1)),
-            Err(MeshViolation::InboxFull {
-                what: "bytes",
-                limit: 100
-            })
-        );
         assert_eq!(
             a.check(1, Some((0, 1)), 0, false, held(0, 3)),
             Err(MeshViolation::InboxFull {

@@ -61,11 +61,15 @@ pub enum MeshViolation {
     /// It made this rank hold more unclaimed messages than a peer may.
     #[error("it sent more than {limit} {what} that no collective here has taken yet")]
     InboxFull {
-        /// `"bytes"` or `"messages"`.
+        /// `"messages"` (their bytes draw from the peer's budget: [`Self::OverBudget`]).
         what: &'static str,
         /// The bound.
         limit: usize,
     },
+    /// Its collective messages that no collective has taken would pass its memory budget,
+    /// with what else it makes this rank hold ([`crate::budget`]).
+    #[error("{0}")]
+    OverBudget(crate::budget::OverBudget),
     /// A frame of a kind a process group's link does not carry once it is set up (a second
     /// hello, a message for an RPC agent the group does not serve): only group frames
     /// ([`FrameKind::Collective`]) are taken.

@@ -76,6 +76,16 @@ pub trait Connection: Send + Sync {
         false
     }
 
+    /// From now on, the frame being received on this connection draws from `account` (the
+    /// peer's memory budget, see [`crate::budget`]) as its bytes arrive, and gives them back
+    /// once it is complete (its holder then counts it) or dropped; a frame whose bytes the
+    /// budget refuses closes the connection with [`TransportError::OverBudget`]. The default
+    /// counts nothing (an adapter whose frames arrive whole, or are bounded otherwise: shared
+    /// memory's slabs, QUIC's pending bytes); a wrapper passes it on.
+    fn bill_to(&self, account: crate::budget::Account) {
+        let _ = account;
+    }
+
     /// Sends one frame. Returns once the frame is handed to the operating system (or QUIC
     /// stack), not when the peer has read it. A frame over the limits fails with
     /// [`TransportError::Wire`] without sending anything.
@@ -174,6 +184,16 @@ pub enum TransportError {
         peer: SocketAddr,
         /// The bound.
         limit: usize,
+    },
+    /// The frame being received passed the peer's memory budget (with what else the peer
+    /// makes this worker hold). The connection is closed and the frame's buffers freed.
+    #[error("closed the connection to {peer}: {source}")]
+    OverBudget {
+        /// The peer.
+        peer: SocketAddr,
+        /// The budget, what the peer held and what it asked for.
+        #[source]
+        source: crate::budget::OverBudget,
     },
     /// The peer sent bytes that are not a valid frame, or a frame to send breaks the limits.
     /// The connection is closed.

@@ -11,6 +11,15 @@
 use std::time::Instant;
 
 use super::*;
+use crate::budget::{Admit, OverBudget, Use};
+
+/// What one idempotence record is counted as in the peer's budget (an id in an ordered set).
+pub const IDEMPOTENCE_RECORD_BYTES: usize = 16;
+/// What one reference a peer holds here (a fork record), or one owner record its fork request
+/// made, is counted as in the peer's budget.
+pub const REFERENCE_RECORD_BYTES: usize = 64;
+/// What one fetch parked on a value being created is counted as in the caller's budget.
+pub const PARKED_FETCH_BYTES: usize = 64;
 
 impl<B: Payload> Endpoint<B> {
     /// The forks `peer` holds of values owned here.
@@ -22,7 +31,61 @@ impl<B: Payload> Endpoint<B> {
     pub(super) fn count_reference(&mut self, holder: WorkerId, new: bool) {
         if new && holder != self.me {
             *self.references.entry(holder).or_insert(0) += 1;
+            self.charge_records(holder);
         }
+    }
+
+    /// The bytes of `peer`'s records here, as its budget counts them: idempotence records,
+    /// references it holds, owner records its fork requests made, fetches it parked.
+    pub(super) fn records_bytes(&self, peer: WorkerId) -> usize {
+        let idempotence = self.seen_control.get(&peer).map_or(0, |s| s.ids.len());
+        idempotence * IDEMPOTENCE_RECORD_BYTES
+            + (self.references_of(peer) + self.pending_forks_of(peer)) * REFERENCE_RECORD_BYTES
+            + self.parked_fetches_of(peer) * PARKED_FETCH_BYTES
+    }
+
+    /// Brings `peer`'s charge for records in the budget ([`EndpointConfig::peer_budget`]) to
+    /// what its records hold now. The records exist already, so a growth is always counted;
+    /// what may be refused is refused before a record is made ([`Self::records_fit`]).
+    pub(super) fn charge_records(&mut self, peer: WorkerId) {
+        if peer == self.me {
+            return;
+        }
+        let bytes = self.records_bytes(peer);
+        let before = self.records_charged.get(&peer).copied().unwrap_or(0);
+        if bytes == before {
+            return;
+        }
+        let account = self.budget.account(peer);
+        if bytes > before {
+            let _ = account.take(Use::Records, bytes - before, Admit::Always);
+        } else {
+            account.release(Use::Records, before - bytes);
+        }
+        if bytes == 0 {
+            self.records_charged.remove(&peer);
+        } else {
+            self.records_charged.insert(peer, bytes);
+        }
+    }
+
+    /// Whether `bytes` more of records for `peer` fit in its budget.
+    pub(super) fn records_fit(&self, peer: WorkerId, bytes: usize) -> Result<(), OverBudget> {
+        if peer == self.me {
+            return Ok(());
+        }
+        self.budget.account(peer).check(Use::Records, bytes)
+    }
+
+    /// Answers request `id` from `from` with [`RemoteErrorKind::Busy`] naming the budget it
+    /// would pass (`over`).
+    pub(super) fn refuse_over_budget(&mut self, from: WorkerId, id: MessageId, over: &OverBudget) {
+        let err = RemoteError {
+            worker: self.me,
+            kind: RemoteErrorKind::Busy,
+            message: format!("worker {} refused it: {over}", self.me),
+        };
+        self.reply(from, id, Err(err));
     }
 
     /// The fork record of `holder` (if one was removed) is gone.
@@ -36,6 +99,7 @@ impl<B: Payload> Endpoint<B> {
                 self.references.remove(&holder);
             }
         }
+        self.charge_records(holder);
     }
 
     /// Answers `remote` request `id` from `from` with [`RemoteErrorKind::Busy`]: `from` holds
@@ -92,6 +156,7 @@ impl<B: Payload> Endpoint<B> {
         if o.placeholder_of.is_none() && !matches!(o.state, Some(Ok(()))) {
             o.placeholder_of = Some(from);
             *self.placeholders.entry(from).or_insert(0) += 1;
+            self.charge_records(from);
         }
     }
 
@@ -115,6 +180,7 @@ impl<B: Payload> Endpoint<B> {
                 self.placeholders.remove(&peer);
             }
         }
+        self.charge_records(peer);
     }
 
     /// `peer` is gone (lost, or a new incarnation joined): the placeholder records it made
@@ -128,6 +194,7 @@ impl<B: Payload> Endpoint<B> {
                 o.placeholder_of = None;
             }
         }
+        self.charge_records(peer);
     }
 
     /// Fetches from `peer` parked on values being created here.
@@ -144,6 +211,7 @@ impl<B: Payload> Endpoint<B> {
             .unwrap_or_default();
         for &(from, id, _) in &fetches {
             self.parked.remove(from, id);
+            self.charge_records(from);
         }
         fetches
     }
@@ -165,7 +233,23 @@ impl<B: Payload> Endpoint<B> {
                 parked.add(from, id);
             }
         }
-        placeholders == self.placeholders && parked == self.parked
+        // Every peer's charge is what its records hold, in the budget too.
+        let charged = self.records_charged.iter().all(|(&peer, &bytes)| {
+            bytes > 0
+                && bytes == self.records_bytes(peer)
+                && self.budget.held(peer).records == bytes
+        });
+        let every_peer_charged = self
+            .seen_control
+            .keys()
+            .chain(self.references.keys())
+            .chain(self.placeholders.keys())
+            .all(|peer| {
+                *peer == self.me
+                    || self.records_bytes(*peer)
+                        == self.records_charged.get(peer).copied().unwrap_or(0)
+            });
+        placeholders == self.placeholders && parked == self.parked && charged && every_peer_charged
     }
 }
 

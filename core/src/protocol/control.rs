@@ -104,6 +104,7 @@ impl<B: Payload> Endpoint<B> {
                 seen.floor = oldest;
             }
         }
+        self.charge_records(from);
         first
     }
 

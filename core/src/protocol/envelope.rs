@@ -35,6 +35,16 @@ pub struct FrameBody {
 }
 
 impl Envelope {
+    /// Encodes the envelope as a frame's message header: the one encoder (the agent's links
+    /// and every test or fuzz helper use it), as [`decode`](Self::decode) is the one decoder.
+    ///
+    /// # Errors
+    /// postcard's, which its serializer into a `Vec` gives only for types it cannot size; the
+    /// envelope's fields are all sized, so a caller may treat one as a bug to log.
+    pub fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
+        postcard::to_allocvec(self)
+    }
+
     /// Parses a frame's message header; what does not parse is a
     /// [`ProtocolViolation::Malformed`] of the sender.
     pub fn decode(header: &[u8]) -> Result<Envelope, ProtocolViolation> {

@@ -47,10 +47,20 @@ impl<B: Payload> Endpoint<B> {
                 secret,
                 timeout,
             } => {
+                let over = self
+                    .records_fit(from, bounds::REFERENCE_RECORD_BYTES)
+                    .err()
+                    .filter(|_| self.takes_requests());
                 let body = if self.takes_requests()
                     && self.references_of(from) >= self.config.references_per_peer
                 {
                     self.refuse_references(from, id, body, now);
+                    None
+                } else if let Some(over) = over {
+                    self.refuse_over_budget(from, id, &over);
+                    if let Some(b) = body {
+                        self.release_forks(b.forks(), now);
+                    }
                     None
                 } else {
                     self.admit(from, id, body, now)
@@ -461,6 +471,10 @@ impl<B: Payload> Endpoint<B> {
         self.forget_placeholders_of(peer);
         // Its forks are dropped from every record below.
         self.references.remove(&peer);
+        // A lost peer's control messages are never resent (a new incarnation starts afresh):
+        // its idempotence records go, and with them every record its budget counted.
+        self.seen_control.remove(&peer);
+        self.charge_records(peer);
         let ids: Vec<MessageId> = self
             .pending
             .iter()
@@ -566,6 +580,7 @@ impl<B: Payload> Endpoint<B> {
         self.lost.remove(&peer);
         self.seen_control.remove(&peer);
         self.forget_placeholders_of(peer);
+        self.charge_records(peer);
         self.forget_shutdown_of(peer);
         self.created_upto.remove(&peer);
     }

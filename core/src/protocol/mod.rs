@@ -87,6 +87,7 @@ pub mod shutdown;
 pub mod value;
 mod violation;
 
+pub use bounds::{IDEMPOTENCE_RECORD_BYTES, PARKED_FETCH_BYTES, REFERENCE_RECORD_BYTES};
 pub use debug::{DebugInfo, ForkInfo, OwnedInfo};
 pub use membership::{JoinError, JoinMessage, JoinPhase, StaticJoin};
 use requests::Serving;
@@ -442,18 +443,13 @@ pub enum LostCause {
     /// It shut down (its graceful shutdown completed, or it stopped at once).
     #[error("it shut down")]
     Shutdown,
-    /// It did not read what was sent to it: the bytes queued for it passed this worker's bound
-    /// per peer, so the driver dropped it and freed the queue.
-    #[error(
-        "it stopped reading: {queued} bytes were queued for it, past the bound of {bound} \
-         bytes per peer (peer_queue_bytes)"
-    )]
-    Unread {
-        /// The bytes queued for it, with the frame that passed the bound.
-        queued: u64,
-        /// The bound (`RpcOptions::peer_queue_bytes`).
-        bound: u64,
-    },
+    /// It made this worker hold more than its memory budget per peer (`peer_budget`, see
+    /// [`crate::budget`]): frames queued for it that it did not read, collective messages no
+    /// collective took, a frame it is sending, records kept for it, all counted together. The
+    /// driver dropped it and freed what was queued for it. (Boxed: errors that carry a cause
+    /// stay small.)
+    #[error("it passed its memory budget: {0}")]
+    OverBudget(Box<crate::budget::OverBudget>),
 }
 
 /// A message to send.
@@ -617,6 +613,15 @@ pub struct EndpointConfig {
     /// request for one more fork is a [`ProtocolViolation::TooManyReferences`]. Forks this
     /// worker gives a peer itself count too, but are never refused. Default 1,048,576.
     pub references_per_peer: usize,
+    /// The memory budget of each peer, in bytes (default
+    /// [`DEFAULT_PEER_BUDGET`](crate::budget::DEFAULT_PEER_BUDGET), 256 MiB): what one peer
+    /// makes this worker hold, over every use, draws from it (see [`crate::budget`]). The
+    /// endpoint makes the shared [`Budget`](crate::budget::Budget) ([`Endpoint::budget`]) and
+    /// charges its records of each peer to it (idempotence records, references it holds,
+    /// fetches it parked, fork records it made); the driver's queues, inboxes and readers
+    /// report to the same budget. A `remote` or a parked fetch that would pass it is answered
+    /// [`RemoteErrorKind::Busy`] naming the bound.
+    pub peer_budget: usize,
 }
 
 impl Default for EndpointConfig {
@@ -628,6 +633,7 @@ impl Default for EndpointConfig {
             requests_per_peer: 4096,
             parked_fetches_per_peer: 4096,
             references_per_peer: 1 << 20,
+            peer_budget: crate::budget::DEFAULT_PEER_BUDGET,
         }
     }
 }
@@ -762,6 +768,10 @@ pub struct Endpoint<B> {
     placeholders: HashMap<WorkerId, usize>,
     /// The fetches parked on values being created here, counted per caller and by id.
     parked: bounds::ParkedCounts,
+    /// The memory budget per peer, shared with the driver ([`EndpointConfig::peer_budget`]).
+    budget: crate::budget::Budget,
+    /// The bytes of each peer's records charged to `budget` (see `bounds::charge_records`).
+    records_charged: HashMap<WorkerId, usize>,
     transmits: VecDeque<Transmit<B>>,
     /// Per peer, messages held behind one whose body is not ready yet (see
     /// [`call_deferred`](Endpoint::call_deferred)): they leave in the order they were made.
@@ -887,6 +897,8 @@ impl<B: Payload> Endpoint<B> {
     pub fn new(me: WorkerId, config: EndpointConfig) -> Self {
         Self {
             me,
+            budget: crate::budget::Budget::new(config.peer_budget),
+            records_charged: HashMap::new(),
             config,
             state: RunState::Running,
             next_id: 0,
@@ -943,6 +955,19 @@ impl<B: Payload> Endpoint<B> {
     /// Calls awaiting a reply.
     pub fn outstanding_calls(&self) -> usize {
         self.pending.len()
+    }
+
+    /// The memory budget per peer ([`EndpointConfig::peer_budget`]) this endpoint charges its
+    /// records to; the driver shares it with its queues, inboxes and readers.
+    pub fn budget(&self) -> &crate::budget::Budget {
+        &self.budget
+    }
+
+    /// Charges this endpoint's records to `budget` (shared with the driver's other holders)
+    /// instead of the one it made from [`EndpointConfig::peer_budget`]. Meant before any
+    /// message is handed in: what was charged so far stays on the old budget.
+    pub fn set_budget(&mut self, budget: crate::budget::Budget) {
+        self.budget = budget;
     }
 
     /// Why `peer` is gone, if the driver reported it lost (and it did not join again since).

@@ -264,11 +264,16 @@ impl<B: Payload> Endpoint<B> {
                     self.reply(from, id, Err(err));
                     return;
                 }
+                if let Err(over) = self.records_fit(from, bounds::PARKED_FETCH_BYTES) {
+                    self.refuse_over_budget(from, id, &over);
+                    return;
+                }
                 let Some(o) = self.owned.get_mut(&rref) else {
                     return;
                 };
                 o.fetches.push((from, id, deadline));
                 self.parked.add(from, id);
+                self.charge_records(from);
                 if let Some(d) = deadline {
                     self.timers.insert((d, Timer::Fetches(rref)));
                 }
@@ -471,6 +476,7 @@ impl<B: Payload> Endpoint<B> {
         }
         for (from, id) in expired {
             self.parked.remove(from, id);
+            self.charge_records(from);
             let err = RemoteError {
                 worker: self.me,
                 kind: RemoteErrorKind::Deadline,

@@ -5,6 +5,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
+use tensorwire_core::budget::{Account, Admit, Use};
 use tensorwire_core::collective::inbox::Held;
 use tensorwire_core::ports::process_group::MeshViolation;
 
@@ -34,19 +35,38 @@ struct InboxState {
     held: Held,
 }
 
-/// Messages from one peer, sorted by sequence number.
+/// Messages from one peer, sorted by sequence number. Their bytes draw from the peer's
+/// memory budget (`account`) while they are held.
 pub(super) struct Inbox {
     state: Mutex<InboxState>,
+    account: Account,
+}
+
+impl Drop for Inbox {
+    fn drop(&mut self) {
+        let held = self.lock().held.bytes;
+        self.account.release(Use::Inbox, held);
+    }
+}
+
+impl InboxState {
+    /// Messages of `bytes` bytes in all (`count` of them) leave the inbox.
+    fn forget(&mut self, account: &Account, bytes: usize, count: usize) {
+        self.held.bytes -= bytes;
+        self.held.messages -= count;
+        account.release(Use::Inbox, bytes);
+    }
 }
 
 impl Inbox {
-    pub(super) fn new() -> Self {
+    pub(super) fn new(account: Account) -> Self {
         Inbox {
             state: Mutex::new(InboxState {
                 slots: HashMap::new(),
                 status: PeerStatus::Open,
                 held: Held::default(),
             }),
+            account,
         }
     }
 
@@ -78,6 +98,16 @@ impl Inbox {
             if refused(seq) {
                 return Ok(());
             }
+            // What a collective waits for is handed over at once; anything else is held
+            // within the peer's budget (alone, it passes whatever its size).
+            let how = if waited_on {
+                Admit::Always
+            } else {
+                Admit::IfRoom
+            };
+            self.account
+                .take(Use::Inbox, message.payload.len(), how)
+                .map_err(MeshViolation::OverBudget)?;
             state.held.bytes += message.payload.len();
             state.held.messages += 1;
             let slot = state.slots.entry(seq).or_default();
@@ -109,8 +139,7 @@ impl Inbox {
         let open = matches!(state.status, PeerStatus::Open);
         let slot = state.slots.entry(seq).or_default();
         if let Some(m) = slot.queue.pop_front() {
-            state.held.bytes -= m.payload.len();
-            state.held.messages -= 1;
+            state.forget(&self.account, m.payload.len(), 1);
             return Poll::Ready(Some(m));
         }
         if !open {
@@ -161,8 +190,8 @@ impl Inbox {
     pub(super) fn release(&self, seq: u64) {
         let mut state = self.lock();
         if let Some(slot) = state.slots.remove(&seq) {
-            state.held.bytes -= slot.queue.iter().map(|m| m.payload.len()).sum::<usize>();
-            state.held.messages -= slot.queue.len();
+            let bytes = slot.queue.iter().map(|m| m.payload.len()).sum::<usize>();
+            state.forget(&self.account, bytes, slot.queue.len());
         }
     }
 
@@ -174,8 +203,8 @@ impl Inbox {
         for k in keys {
             if let Some(slot) = state.slots.remove(&k) {
                 any |= !slot.queue.is_empty();
-                state.held.bytes -= slot.queue.iter().map(|m| m.payload.len()).sum::<usize>();
-                state.held.messages -= slot.queue.len();
+                let bytes = slot.queue.iter().map(|m| m.payload.len()).sum::<usize>();
+                state.forget(&self.account, bytes, slot.queue.len());
             }
         }
         any
@@ -191,13 +220,16 @@ impl Inbox {
             let mut state = self.lock();
             let state = &mut *state;
             let held = &mut state.held;
+            let account = &self.account;
             let mut wakers = Vec::new();
             state.slots.retain(|key, slot| {
                 if !of(*key) {
                     return true;
                 }
-                held.bytes -= slot.queue.iter().map(|m| m.payload.len()).sum::<usize>();
+                let bytes = slot.queue.iter().map(|m| m.payload.len()).sum::<usize>();
+                held.bytes -= bytes;
                 held.messages -= slot.queue.len();
+                account.release(Use::Inbox, bytes);
                 wakers.extend(slot.waker.take());
                 false
             });
@@ -226,11 +258,14 @@ impl Inbox {
             if dead {
                 let state = &mut *state;
                 let held = &mut state.held;
+                let account = &self.account;
                 state.slots.retain(|key, slot| {
                     let keep = taken(*key);
                     if !keep {
-                        held.bytes -= slot.queue.iter().map(|m| m.payload.len()).sum::<usize>();
+                        let bytes = slot.queue.iter().map(|m| m.payload.len()).sum::<usize>();
+                        held.bytes -= bytes;
                         held.messages -= slot.queue.len();
+                        account.release(Use::Inbox, bytes);
                     }
                     keep
                 });
@@ -256,7 +291,7 @@ mod tests {
 
     #[test]
     fn inbox_delivers_then_reports_the_end() {
-        let inbox = Inbox::new();
+        let inbox = Inbox::new(tensorwire_core::budget::Budget::default().account(1));
         let mut cx = Context::from_waker(Waker::noop());
         inbox
             .push(
@@ -301,7 +336,7 @@ mod tests {
 
     #[test]
     fn a_dead_peers_messages_are_dropped_but_those_a_running_collective_may_take() {
-        let inbox = Inbox::new();
+        let inbox = Inbox::new(tensorwire_core::budget::Budget::default().account(1));
         let mut cx = Context::from_waker(Waker::noop());
         for (key, len) in [(1u64, 3usize), (5, 100), (P2P_BIT | 9, 7)] {
             inbox
@@ -374,7 +409,7 @@ mod tests {
             signature: Signature::Barrier.encode(),
             payload: Bytes::from_static(payload),
         };
-        let inbox = Inbox::new();
+        let inbox = Inbox::new(tensorwire_core::budget::Budget::default().account(1));
         // Collectives 4 and up are refused once `cut` is set: a disagreement about #4.
         let cut = AtomicBool::new(false);
         let refused = |key: u64| cut.load(Ordering::SeqCst) && key >= 4;

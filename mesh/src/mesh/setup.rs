@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tensorwire_core::budget::Budget;
 use tensorwire_core::collective::inbox::{Admission, InboxLimits};
 use tensorwire_core::ports::process_group::ProcessGroupError;
 use tensorwire_core::ports::runtime::Runtime;
@@ -40,6 +41,10 @@ pub struct MeshSetup<'a> {
     /// The clock and timers of the setup and of the mesh afterwards
     /// ([`TokioRuntime`](crate::TokioRuntime) unless a test or an embedding passes another).
     pub runtime: Arc<dyn Runtime>,
+    /// The memory budget each peer's messages draw from (shared with the rest of what a peer
+    /// makes this worker hold: see [`tensorwire_core::budget`]). The frame being received
+    /// from each peer draws from it too (`Connection::bill_to`).
+    pub budget: Budget,
 }
 
 impl Mesh {
@@ -59,6 +64,7 @@ impl Mesh {
             timeout,
             limits,
             runtime,
+            budget,
         } = setup;
         let rt = &*runtime;
         let setup_err = |reason: String| ProcessGroupError::Setup { rank, reason };
@@ -250,10 +256,15 @@ impl Mesh {
             runtime: runtime.clone(),
             peers: conns
                 .into_iter()
-                .map(|c| {
-                    c.map(|conn| PeerLink {
-                        conn,
-                        inbox: Inbox::new(),
+                .enumerate()
+                .map(|(peer, c)| {
+                    c.map(|conn| {
+                        let account = budget.account(peer as u32);
+                        conn.bill_to(account.clone());
+                        PeerLink {
+                            conn,
+                            inbox: Inbox::new(account),
+                        }
                     })
                 })
                 .collect(),

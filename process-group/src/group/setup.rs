@@ -38,6 +38,10 @@ impl Group {
             timeout: options.timeout,
             limits: options.inbox_limits,
             runtime: options.runtime.clone(),
+            budget: options
+                .budget
+                .clone()
+                .unwrap_or_else(|| tensorwire_core::budget::Budget::new(options.peer_budget)),
         })
         .instrument(span)
         .await?;

@@ -26,7 +26,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
 use crate::driver::drive;
-use crate::error::RpcError;
+use crate::error::{RpcError, WaitingFor};
 use crate::init::advertise_ip;
 use crate::membership::{
     accept_connections, dyn_state, encode_err, introduce, membership_timer, pump_membership,
@@ -74,6 +74,7 @@ pub(crate) async fn join(
         std::slice::from_ref(&record),
         &rdv,
         &options,
+        tensorwire_core::budget::Budget::new(options.endpoint.peer_budget),
     );
     {
         let mut st = dyn_state(&agent);
@@ -123,8 +124,9 @@ pub(crate) async fn join(
 }
 
 enum Attempt {
-    /// Worth trying again (the coordinator named in the store is gone or leaving).
-    Retry(String),
+    /// Worth trying again (the coordinator named in the store is gone or leaving): whom it
+    /// asked and why that failed.
+    Retry(WaitingFor),
     Fail(RpcError),
 }
 
@@ -171,6 +173,12 @@ async fn join_once(
         coordinator.rank,
         coordinator.addr
     );
+    let retry = |error: String| {
+        Attempt::Retry(WaitingFor::LastTry {
+            coordinator: Some(who.clone()),
+            error,
+        })
+    };
     // A record left by a coordinator that died is replaced by the next one: read it again
     // after a short while rather than dialling a dead address until the deadline.
     let left = deadline.saturating_duration_since(agent.now());
@@ -192,7 +200,7 @@ async fn join_once(
                 source,
             }))
         }
-        Err(Introduction::Failed(e)) => return Err(Attempt::Retry(format!("{who}: {e}"))),
+        Err(Introduction::Failed(e)) => return Err(retry(e)),
     };
     let (tx, rx) = oneshot::channel();
     {
@@ -212,14 +220,19 @@ async fn join_once(
             // Whatever this try connected to goes; the next try starts clean.
             agent.close_links();
             if e.is_retryable() {
-                Err(Attempt::Retry(format!("{who}: {e}")))
+                Err(retry(e.to_string()))
             } else {
                 Err(Attempt::Fail(match e {
                     MembershipError::DeviceMaps(e) => RpcError::DeviceMaps(e),
                     MembershipError::Timeout { .. } => RpcError::Timeout {
                         what: format!("joining the group: {e}"),
                         after: op_timeout,
-                        waiting_for: Some(who),
+                        waiting_for: Some(WaitingFor::Workers(vec![
+                            tensorwire_core::protocol::membership::WorkerInfo {
+                                name: coordinator.name().to_owned(),
+                                id: coordinator.rank,
+                            },
+                        ])),
                     },
                     other => RpcError::Init(other.to_string()),
                 }))
@@ -254,7 +267,7 @@ pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcErr
                     .membership
                     .as_ref()
                     .and_then(DynamicMembership::coordinator)
-                    .map(|c| agent.name_of(c)),
+                    .map(|c| WaitingFor::Workers(vec![agent.worker(c)])),
             })
         }
         Err(_) => return Err(RpcError::NotRunning),

@@ -90,15 +90,24 @@ pub async fn start_agent(
     };
     let runtime = Arc::clone(&options.runtime);
     let started = runtime.now();
+    let budget = tensorwire_core::budget::Budget::new(options.endpoint.peer_budget);
     let (group, records) =
-        match join_static(transport, &rdv, name, rank, world_size, &options).await {
+        match join_static(transport, &rdv, name, rank, world_size, &options, &budget).await {
             Ok(joined) => joined,
             Err(e) => {
                 rdv.shutdown().await;
                 return Err(e);
             }
         };
-    let agent = Agent::new(name, rank as WorkerId, false, &records, &rdv, &options);
+    let agent = Agent::new(
+        name,
+        rank as WorkerId,
+        false,
+        &records,
+        &rdv,
+        &options,
+        budget,
+    );
     *agent
         .inner
         .rendezvous
@@ -111,8 +120,4 @@ pub async fn start_agent(
     agent.spawn(drive(agent.clone()));
     info!(worker = %agent.inner.me, world_size, took = ?runtime.now().saturating_duration_since(started), "RPC agent started");
     Ok(agent)
-}
-
-pub(crate) fn rank_only(rank: usize) -> String {
-    format!("rank {rank}")
 }

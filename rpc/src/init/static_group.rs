@@ -16,8 +16,8 @@ use tensorwire_process_group::{
     CollectivesExt, FrameSink, Group, GroupOptions, PeerEnd, Rendezvous,
 };
 
-use crate::error::RpcError;
-use crate::init::{advertise_ip, rank_only};
+use crate::error::{RpcError, WaitingFor};
+use crate::init::advertise_ip;
 use crate::links;
 use crate::options::RpcOptions;
 use crate::state::WorkerRecord;
@@ -33,12 +33,15 @@ pub(crate) async fn join_static(
     rank: usize,
     world_size: usize,
     options: &RpcOptions,
+    budget: &tensorwire_core::budget::Budget,
 ) -> Result<(Group, Vec<WorkerRecord>), RpcError> {
     let ip = advertise_ip(options)?;
+    // The world group's inboxes and readers draw from the agent's budget: one per peer.
     let group_options = GroupOptions::new(RPC_GROUP)
         .with_listen(SocketAddr::new(ip, 0))
         .with_timeout(options.init_timeout)
-        .with_runtime(options.runtime.clone());
+        .with_runtime(options.runtime.clone())
+        .with_budget(budget.clone());
     let group = Group::connect(
         Arc::clone(&rdv.store),
         transport,
@@ -126,13 +129,9 @@ fn init_error(e: ProcessGroupError, what: &str, after: Duration) -> RpcError {
     RpcError::Timeout {
         what: format!("init_rpc: {what}"),
         after,
-        waiting_for: Some(
-            waiting_on
-                .iter()
-                .map(|r| rank_only(*r))
-                .collect::<Vec<_>>()
-                .join(", "),
-        ),
+        waiting_for: Some(WaitingFor::Ranks(
+            waiting_on.iter().map(|r| *r as WorkerId).collect(),
+        )),
     }
 }
 

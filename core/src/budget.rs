@@ -1,0 +1,487 @@
+//! One memory budget per peer: every byte one peer can make this worker hold is drawn from it.
+//!
+//! What a peer can make a worker hold is spread over several places that add up: the frames
+//! queued for it that it has not read (a peer that never reads), the collective messages it
+//! sent that no collective has taken (the process group's inboxes), the frame being received
+//! from it (allocated as it arrives), and the records kept on its behalf (idempotence records,
+//! references it holds, fetches it parked). Bounded one by one they add up to far more than any
+//! of them (1 GiB of inbox + 256 MiB of queue + a half-sent frame); drawn from one budget per
+//! peer ([`DEFAULT_PEER_BUDGET`], 256 MiB by default) they cannot.
+//!
+//! The decision is here, in the [`Ledger`] (pure and deterministic): the holders (the agent's
+//! writer queues, the mesh's inboxes, the TCP reader, the protocol endpoint) only report the
+//! bytes they take and release, through an [`Account`] of a shared [`Budget`], and act on the
+//! answer: a [`Use`] the ledger refuses fails with [`OverBudget`], which names the bound
+//! (`peer_budget`) and what the peer holds under each use.
+//!
+//! Rules, the same for every use:
+//! - a take that keeps the peer's total within the budget passes;
+//! - a take for a peer that holds nothing passes whatever its size ("one thing alone always
+//!   passes": an honest frame larger than the budget is still delivered), so the total is at
+//!   most the budget or one single item;
+//! - a take made with [`Admit::Always`] passes and counts (a message a collective already
+//!   waits for: refusing it would fail honest work; it is taken at once);
+//! - anything else is refused and nothing is counted.
+//!
+//! ```
+//! use tensorwire_core::budget::{Admit, Budget, Use};
+//!
+//! let budget = Budget::new(100);
+//! let peer = budget.account(2);
+//! peer.take(Use::Inbox, 60, Admit::IfRoom).unwrap();
+//! // The queue for the same peer draws from the same budget.
+//! let err = peer.take(Use::Queued, 50, Admit::IfRoom).unwrap_err();
+//! assert_eq!(err.held.inbox, 60);
+//! assert!(err.to_string().contains("peer_budget"), "{err}");
+//! peer.release(Use::Inbox, 60);
+//! peer.take(Use::Queued, 50, Admit::IfRoom).unwrap();
+//! assert_eq!(budget.held(2).total(), 50);
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// The default budget per peer: 256 MiB.
+pub const DEFAULT_PEER_BUDGET: usize = 256 << 20;
+
+/// What a peer makes this worker hold, by kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Use {
+    /// Frames queued for it that it has not read yet (replies, calls, acknowledgements).
+    Queued,
+    /// Collective messages it sent that no collective has taken.
+    Inbox,
+    /// The frame being received from it, as far as it has arrived.
+    Frame,
+    /// Records kept on its behalf: idempotence records, references it holds here, fetches it
+    /// parked on values being created.
+    Records,
+}
+
+impl fmt::Display for Use {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Use::Queued => "frames queued for it",
+            Use::Inbox => "collective messages no collective has taken",
+            Use::Frame => "a frame being received",
+            Use::Records => "records kept for it",
+        })
+    }
+}
+
+/// How a take is admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    /// Within the budget (or alone: the peer holds nothing else).
+    IfRoom,
+    /// Whatever the budget: what honest work already waits for. Counted all the same.
+    Always,
+}
+
+/// What one peer makes this worker hold, in bytes, by [`Use`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Frames queued for it ([`Use::Queued`]).
+    pub queued: usize,
+    /// Collective messages it sent that no collective has taken ([`Use::Inbox`]).
+    pub inbox: usize,
+    /// The frame being received from it ([`Use::Frame`]).
+    pub frame: usize,
+    /// Records kept for it ([`Use::Records`]).
+    pub records: usize,
+}
+
+impl Held {
+    /// Everything, over every use.
+    pub fn total(&self) -> usize {
+        self.queued
+            .saturating_add(self.inbox)
+            .saturating_add(self.frame)
+            .saturating_add(self.records)
+    }
+
+    fn of_mut(&mut self, what: Use) -> &mut usize {
+        match what {
+            Use::Queued => &mut self.queued,
+            Use::Inbox => &mut self.inbox,
+            Use::Frame => &mut self.frame,
+            Use::Records => &mut self.records,
+        }
+    }
+
+    /// The bytes held under `what`.
+    pub fn of(&self, what: Use) -> usize {
+        match what {
+            Use::Queued => self.queued,
+            Use::Inbox => self.inbox,
+            Use::Frame => self.frame,
+            Use::Records => self.records,
+        }
+    }
+}
+
+impl fmt::Display for Held {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} bytes queued for it, {} in collective inboxes, {} of a frame being received, {} \
+             of records",
+            self.queued, self.inbox, self.frame, self.records
+        )
+    }
+}
+
+/// A take the budget refused: the peer, what it asked for, what it holds, and the bound.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "peer {peer} would make this worker hold {} bytes ({asked} more for {what}), past its budget \
+     of {budget} bytes per peer (peer_budget); it holds {held}",
+    held.total().saturating_add(*asked)
+)]
+pub struct OverBudget {
+    /// The peer (its worker id, or its world rank in a process group).
+    pub peer: u32,
+    /// What the refused bytes were for.
+    pub what: Use,
+    /// The bytes refused.
+    pub asked: usize,
+    /// What the peer held before.
+    pub held: Held,
+    /// The budget per peer (`peer_budget`).
+    pub budget: usize,
+}
+
+/// The budget's accounts, one per peer: the sans-IO decision (see the module's documentation).
+#[derive(Debug, Clone)]
+pub struct Ledger {
+    budget: usize,
+    peers: HashMap<u32, Held>,
+    /// The most each peer held at once since the ledger was made (for tests and benchmarks).
+    peaks: HashMap<u32, usize>,
+}
+
+impl Ledger {
+    /// An empty ledger that lets each peer hold `budget` bytes.
+    pub fn new(budget: usize) -> Self {
+        Ledger {
+            budget,
+            peers: HashMap::new(),
+            peaks: HashMap::new(),
+        }
+    }
+
+    /// The budget per peer.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Takes `bytes` for `what` on `peer`'s account, or refuses them (see the module's rules).
+    pub fn take(
+        &mut self,
+        peer: u32,
+        what: Use,
+        bytes: usize,
+        admit: Admit,
+    ) -> Result<(), OverBudget> {
+        let held = self.peers.get(&peer).copied().unwrap_or_default();
+        let total = held.total();
+        if admit == Admit::IfRoom && total > 0 && total.saturating_add(bytes) > self.budget {
+            return Err(OverBudget {
+                peer,
+                what,
+                asked: bytes,
+                held,
+                budget: self.budget,
+            });
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        let entry = self.peers.entry(peer).or_default();
+        let slot = entry.of_mut(what);
+        *slot = slot.saturating_add(bytes);
+        let total = entry.total();
+        let peak = self.peaks.entry(peer).or_insert(0);
+        *peak = (*peak).max(total);
+        Ok(())
+    }
+
+    /// Whether [`take`](Self::take) would pass `bytes` more for `what` with
+    /// [`Admit::IfRoom`], without taking them.
+    pub fn check(&self, peer: u32, what: Use, bytes: usize) -> Result<(), OverBudget> {
+        let held = self.peers.get(&peer).copied().unwrap_or_default();
+        let total = held.total();
+        if total > 0 && total.saturating_add(bytes) > self.budget {
+            return Err(OverBudget {
+                peer,
+                what,
+                asked: bytes,
+                held,
+                budget: self.budget,
+            });
+        }
+        Ok(())
+    }
+
+    /// Moves the charge of one item (a frame being received, which grows as it arrives) from
+    /// `from` bytes to `to` bytes: a growth is admitted as a take of the whole item would be
+    /// (alone, it passes whatever its size), a shrink is a release.
+    pub fn resize(
+        &mut self,
+        peer: u32,
+        what: Use,
+        from: usize,
+        to: usize,
+    ) -> Result<(), OverBudget> {
+        if to <= from {
+            self.release(peer, what, from - to);
+            return Ok(());
+        }
+        let held = self.held(peer);
+        let others = held.total().saturating_sub(from);
+        if others > 0 && others.saturating_add(to) > self.budget {
+            return Err(OverBudget {
+                peer,
+                what,
+                asked: to - from,
+                held,
+                budget: self.budget,
+            });
+        }
+        self.take(peer, what, to - from, Admit::Always)
+    }
+
+    /// Gives back `bytes` of `what` on `peer`'s account (never below zero).
+    pub fn release(&mut self, peer: u32, what: Use, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        if let Some(entry) = self.peers.get_mut(&peer) {
+            let slot = entry.of_mut(what);
+            *slot = slot.saturating_sub(bytes);
+            if entry.total() == 0 {
+                self.peers.remove(&peer);
+            }
+        }
+    }
+
+    /// What `peer` holds now.
+    pub fn held(&self, peer: u32) -> Held {
+        self.peers.get(&peer).copied().unwrap_or_default()
+    }
+
+    /// The most `peer` held at once so far.
+    pub fn peak(&self, peer: u32) -> usize {
+        self.peaks.get(&peer).copied().unwrap_or(0)
+    }
+}
+
+/// A [`Ledger`] shared by the holders of one worker (the agent's queues, the mesh's inboxes,
+/// the transport's readers): each reports through an [`Account`]. The lock guards the ledger
+/// alone, for O(1) work, and is never held across anything else.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    ledger: Arc<Mutex<Ledger>>,
+}
+
+impl Default for Budget {
+    /// A budget of [`DEFAULT_PEER_BUDGET`] per peer.
+    fn default() -> Self {
+        Budget::new(DEFAULT_PEER_BUDGET)
+    }
+}
+
+impl PartialEq for Budget {
+    /// The same shared ledger.
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.ledger, &other.ledger)
+    }
+}
+
+impl Budget {
+    /// A budget of `bytes` per peer.
+    pub fn new(bytes: usize) -> Self {
+        Budget {
+            ledger: Arc::new(Mutex::new(Ledger::new(bytes))),
+        }
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut Ledger) -> R) -> R {
+        f(&mut self.ledger.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// The account of `peer`.
+    pub fn account(&self, peer: u32) -> Account {
+        Account {
+            budget: self.clone(),
+            peer,
+        }
+    }
+
+    /// The budget per peer.
+    pub fn limit(&self) -> usize {
+        self.with(|l| l.budget())
+    }
+
+    /// What `peer` holds now.
+    pub fn held(&self, peer: u32) -> Held {
+        self.with(|l| l.held(peer))
+    }
+
+    /// The most `peer` held at once so far.
+    pub fn peak(&self, peer: u32) -> usize {
+        self.with(|l| l.peak(peer))
+    }
+}
+
+/// One peer's account in a shared [`Budget`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Account {
+    budget: Budget,
+    peer: u32,
+}
+
+impl Account {
+    /// The peer.
+    pub fn peer(&self) -> u32 {
+        self.peer
+    }
+
+    /// The budget it draws from.
+    pub fn budget(&self) -> &Budget {
+        &self.budget
+    }
+
+    /// [`Ledger::take`] on this account.
+    pub fn take(&self, what: Use, bytes: usize, admit: Admit) -> Result<(), OverBudget> {
+        self.budget.with(|l| l.take(self.peer, what, bytes, admit))
+    }
+
+    /// [`Ledger::check`] on this account.
+    pub fn check(&self, what: Use, bytes: usize) -> Result<(), OverBudget> {
+        self.budget.with(|l| l.check(self.peer, what, bytes))
+    }
+
+    /// [`Ledger::release`] on this account.
+    pub fn release(&self, what: Use, bytes: usize) {
+        self.budget.with(|l| l.release(self.peer, what, bytes));
+    }
+
+    /// [`Ledger::resize`] on this account.
+    pub fn resize(&self, what: Use, from: usize, to: usize) -> Result<(), OverBudget> {
+        self.budget.with(|l| l.resize(self.peer, what, from, to))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_use_of_a_peer_draws_from_one_budget() {
+        let mut l = Ledger::new(100);
+        l.take(1, Use::Inbox, 40, Admit::IfRoom).unwrap();
+        l.take(1, Use::Queued, 30, Admit::IfRoom).unwrap();
+        l.take(1, Use::Frame, 20, Admit::IfRoom).unwrap();
+        l.take(1, Use::Records, 10, Admit::IfRoom).unwrap();
+        assert_eq!(l.held(1).total(), 100);
+        // Full: any use of the same peer is refused, nothing is counted, the bound is named.
+        for what in [Use::Inbox, Use::Queued, Use::Frame, Use::Records] {
+            let err = l.take(1, what, 1, Admit::IfRoom).unwrap_err();
+            assert_eq!(err.budget, 100);
+            assert_eq!(err.held.total(), 100);
+            assert_eq!(err.what, what);
+            let text = err.to_string();
+            assert!(
+                text.contains("past its budget of 100 bytes per peer (peer_budget)"),
+                "{text}"
+            );
+            assert!(text.contains("40 in collective inboxes"), "{text}");
+        }
+        assert_eq!(l.held(1).total(), 100);
+        // Another peer has its own account.
+        l.take(2, Use::Queued, 100, Admit::IfRoom).unwrap();
+        // Released bytes make room again.
+        l.release(1, Use::Inbox, 40);
+        l.take(1, Use::Queued, 40, Admit::IfRoom).unwrap();
+        assert_eq!(
+            l.held(1),
+            Held {
+                queued: 70,
+                inbox: 0,
+                frame: 20,
+                records: 10
+            }
+        );
+        assert_eq!(l.peak(1), 100);
+    }
+
+    #[test]
+    fn one_item_alone_passes_and_what_is_waited_for_always_does() {
+        let mut l = Ledger::new(100);
+        // Alone: an honest frame larger than the budget is delivered.
+        l.take(1, Use::Frame, 1000, Admit::IfRoom).unwrap();
+        assert!(l.take(1, Use::Queued, 1, Admit::IfRoom).is_err());
+        l.take(1, Use::Inbox, 5, Admit::Always).unwrap();
+        assert_eq!(l.held(1).total(), 1005);
+        l.release(1, Use::Frame, 1000);
+        l.release(1, Use::Inbox, 5);
+        assert_eq!(l.held(1), Held::default());
+        // An account that empties is forgotten; releasing more than held stays at zero.
+        l.release(1, Use::Inbox, 7);
+        assert_eq!(l.held(1), Held::default());
+        assert!(l.peers.is_empty());
+    }
+
+    #[test]
+    fn a_flood_of_every_kind_never_holds_more_than_the_budget() {
+        // Interleaved takes of every use, some released, in a fixed pseudo-random order: the
+        // total never passes the budget (items are smaller than it), and refusals count nothing.
+        let budget = 1 << 20;
+        let mut l = Ledger::new(budget);
+        let mut held: Vec<(Use, usize)> = Vec::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let uses = [Use::Queued, Use::Inbox, Use::Frame, Use::Records];
+        for _ in 0..10_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let what = uses[(x % 4) as usize];
+            let bytes = (x >> 8) as usize % (budget / 8) + 1;
+            if x % 5 == 0 {
+                if let Some((w, b)) = held.pop() {
+                    l.release(1, w, b);
+                }
+            } else if l.take(1, what, bytes, Admit::IfRoom).is_ok() {
+                held.push((what, bytes));
+            }
+            let sum: usize = held.iter().map(|(_, b)| b).sum();
+            assert_eq!(l.held(1).total(), sum);
+            assert!(sum <= budget);
+        }
+        assert!(l.peak(1) <= budget);
+        assert!(l.peak(1) > budget / 2, "the flood came near the budget");
+    }
+
+    #[test]
+    fn accounts_of_a_shared_budget_resize() {
+        let b = Budget::new(100);
+        let a = b.account(3);
+        a.resize(Use::Frame, 0, 60).unwrap();
+        a.take(Use::Queued, 30, Admit::IfRoom).unwrap();
+        let err = a.resize(Use::Frame, 60, 80).unwrap_err();
+        assert_eq!(err.asked, 20);
+        a.resize(Use::Frame, 60, 0).unwrap();
+        assert_eq!(b.held(3).total(), 30);
+        assert_eq!(b.peak(3), 90);
+        // Alone, an item grows past the budget (an honest frame larger than it).
+        let c = b.account(4);
+        c.resize(Use::Frame, 0, 60).unwrap();
+        c.resize(Use::Frame, 60, 250).unwrap();
+        assert!(c.take(Use::Queued, 1, Admit::IfRoom).is_err());
+        c.resize(Use::Frame, 250, 0).unwrap();
+        assert_eq!(a.budget(), &b);
+    }
+}
