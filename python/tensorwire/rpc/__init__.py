@@ -259,9 +259,9 @@ def init_rpc(
 ) -> None:
     """Starts this worker's agent and connects it to the group, as PyTorch's ``init_rpc``.
 
-    ``rank = -1`` takes ``RANK`` from the environment; ``world_size = None`` asks for a dynamic
-    group (workers join and leave), as in PyTorch (not working from Python yet: see the
-    package's README). ``rpc_backend_options`` is a
+    ``rank = -1`` takes ``RANK`` from the environment; ``world_size = None`` makes the group
+    dynamic (workers join and leave), as in PyTorch. Under torchrun, ``env://`` joins the
+    store its agent serves, as PyTorch's workers do. ``rpc_backend_options`` is a
     :class:`TensorPipeRpcBackendOptions` (ours or PyTorch's). The cluster secret comes from
     ``TENSORWIRE_SECRET`` (the same on every worker). ``trust_peers=True`` lets any peer run
     any importable function here and send any pickle, as PyTorch's RPC does: only for clusters
