@@ -561,6 +561,32 @@ impl<E: AutogradEngine> DistAutograd<E> {
         })
     }
 
+    /// A handle on `context`, held here (made here, or brought in by a call): PyTorch's
+    /// `dist_autograd._retrieve_context`. Calls made through it are recorded in the context;
+    /// dropping it releases nothing (release it with [`AutogradContext::release`]). A
+    /// context this worker does not hold is [`AutogradError::UnknownContext`], or
+    /// [`AutogradError::Dropped`] with the cause when a failure dropped one made here.
+    pub fn retrieve(&self, context: ContextId) -> Result<AutogradContext<E>, DistAutogradError> {
+        let sh = self.inner.lock();
+        if !sh.state.has_context(context) {
+            return Err(match sh.state.dropped_cause(context) {
+                Some(cause) => AutogradError::Dropped {
+                    context,
+                    cause: cause.clone(),
+                },
+                None => AutogradError::UnknownContext(context),
+            }
+            .into());
+        }
+        drop(sh);
+        Ok(AutogradContext {
+            span: context_span(&self.inner.agent, context),
+            inner: self.inner.clone(),
+            id: context,
+            owned: false,
+        })
+    }
+
     /// How many contexts this worker holds (its own and the ones calls brought in).
     pub fn context_count(&self) -> usize {
         self.inner.lock().state.context_count()

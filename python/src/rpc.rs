@@ -31,6 +31,7 @@ use tensorwire_core::tensor::{DType, Storage, Tensor};
 use tensorwire_rpc::{Agent, CallContext, Functions, RRef, RpcError, RpcOptions, Shutdown};
 use tokio::sync::oneshot;
 
+use crate::autograd::PyDistAutograd;
 use crate::{runtime, TensorwireError};
 
 /// The name of the one function every Python call goes through.
@@ -57,17 +58,17 @@ pub(crate) const PY_METHOD_REMOTE: &str = "tensorwire.py_method_remote";
 /// it forks it for the destination, receiving it accepts the fork (PyTorch's fork protocol, as
 /// the agent implements it), and the function runs once the owner confirmed every one.
 #[derive(Serialize, Deserialize)]
-struct PyCall {
-    function: String,
-    payload: Vec<u8>,
-    tensors: Vec<Tensor>,
-    rrefs: Vec<RRef<PyValue>>,
+pub(crate) struct PyCall {
+    pub(crate) function: String,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) tensors: Vec<Tensor>,
+    pub(crate) rrefs: Vec<RRef<PyValue>>,
 }
 
 /// What a Python call ended with: a pickled value (with its tensors), or the exception the
 /// function raised (its type's qualified name, its message and the remote traceback's text).
 #[derive(Serialize, Deserialize)]
-enum PyReply {
+pub(crate) enum PyReply {
     Returned {
         payload: Vec<u8>,
         tensors: Vec<Tensor>,
@@ -82,7 +83,7 @@ enum PyReply {
 
 /// What a remote reference's owner keeps for `remote()`: the Python object the function
 /// returned, or the exception it raised (raised again by every `to_here` and `local_value`).
-enum PyValue {
+pub(crate) enum PyValue {
     Object(Py<PyAny>),
     Raised {
         exc_type: String,
@@ -104,7 +105,7 @@ impl Serialize for PyValue {
 impl PyValue {
     /// The value as the Python layer sees it: `("returned", object)` or `("raised", type,
     /// message, traceback)`.
-    fn outcome<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    pub(crate) fn outcome<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         match self {
             PyValue::Object(o) => ("returned", o.clone_ref(py))
                 .into_pyobject(py)
@@ -142,21 +143,26 @@ impl AsRef<[u8]> for Lent {
 
 /// The tensors of a pickle, as the sidecar carries them: each a byte blob (dtype and shape
 /// travel in the pickle). The Python layer hands contiguous CPU tensors only.
-fn lend(tensors: &Bound<'_, PyList>) -> PyResult<Vec<Tensor>> {
+pub(crate) fn lend(tensors: &Bound<'_, PyList>) -> PyResult<Vec<Tensor>> {
     tensors
         .iter()
         .map(|t| {
-            let ptr: usize = t.call_method0("data_ptr")?.extract()?;
-            let len: usize = t.getattr("nbytes")?.extract()?;
-            let bytes = Bytes::from_owner(Lent {
-                ptr,
-                len,
-                _tensor: t.unbind(),
-            });
-            Tensor::new(DType::U8, vec![len], Storage::Host(bytes))
+            let bytes = lent_bytes(t)?;
+            Tensor::new(DType::U8, vec![bytes.len()], Storage::Host(bytes))
                 .map_err(|e| PyValueError::new_err(e.to_string()))
         })
         .collect()
+}
+
+/// The storage of one contiguous CPU tensor, lent without a copy (see [`Lent`]).
+pub(crate) fn lent_bytes(t: Bound<'_, PyAny>) -> PyResult<Bytes> {
+    let ptr: usize = t.call_method0("data_ptr")?.extract()?;
+    let len: usize = t.getattr("nbytes")?.extract()?;
+    Ok(Bytes::from_owner(Lent {
+        ptr,
+        len,
+        _tensor: t.unbind(),
+    }))
 }
 
 /// Received tensor bytes as a writable Python buffer (`torch.frombuffer` takes it without a
@@ -171,7 +177,7 @@ pub(crate) struct WireBuffer {
 }
 
 impl WireBuffer {
-    fn new(bytes: Bytes) -> WireBuffer {
+    pub(crate) fn new(bytes: Bytes) -> WireBuffer {
         let mut owner = match bytes.try_into_mut() {
             // 16: the alignment of any element type torch computes with.
             Ok(unique) if (unique.as_ptr() as usize).is_multiple_of(16) => unique,
@@ -287,7 +293,7 @@ impl WireBuffer {
     }
 }
 
-fn buffers<'py>(py: Python<'py>, tensors: Vec<Tensor>) -> PyResult<Bound<'py, PyList>> {
+pub(crate) fn buffers<'py>(py: Python<'py>, tensors: Vec<Tensor>) -> PyResult<Bound<'py, PyList>> {
     let mut out = Vec::with_capacity(tensors.len());
     for t in tensors {
         let bytes = t.host_bytes().cloned().ok_or_else(|| {
@@ -304,7 +310,7 @@ fn buffers<'py>(py: Python<'py>, tensors: Vec<Tensor>) -> PyResult<Bound<'py, Py
 }
 
 /// The exception for a failed call or setup: `TensorwireError(kind, message, ranks)`.
-fn rpc_error(e: &RpcError) -> PyErr {
+pub(crate) fn rpc_error(e: &RpcError) -> PyErr {
     let kind = match e {
         RpcError::Call { source, .. } => match source {
             CallError::Timeout { .. } => "timeout",
@@ -329,7 +335,7 @@ fn rpc_error(e: &RpcError) -> PyErr {
 
 /// Runs `future` on the runtime and waits for it without the GIL, from any thread (also a
 /// blocking thread of the runtime's own, where `block_on` may not be used).
-fn wait<T: Send + 'static>(
+pub(crate) fn wait<T: Send + 'static>(
     py: Python<'_>,
     future: impl std::future::Future<Output = T> + Send + 'static,
 ) -> PyResult<T> {
@@ -346,7 +352,7 @@ fn wait<T: Send + 'static>(
     })
 }
 
-fn duration(what: &str, seconds: f64) -> PyResult<Duration> {
+pub(crate) fn duration(what: &str, seconds: f64) -> PyResult<Duration> {
     if !(seconds.is_finite() && seconds >= 0.0) {
         return Err(PyValueError::new_err(format!(
             "{what} must be a non-negative number of seconds, not {seconds}"
@@ -356,7 +362,7 @@ fn duration(what: &str, seconds: f64) -> PyResult<Duration> {
 }
 
 /// The agent's references behind the Python layer's `PyRRef` objects (to send them).
-fn references(rrefs: &Bound<'_, PyList>) -> PyResult<Vec<RRef<PyValue>>> {
+pub(crate) fn references(rrefs: &Bound<'_, PyList>) -> PyResult<Vec<RRef<PyValue>>> {
     rrefs
         .iter()
         .map(|r| Ok(r.cast::<PyRRef>()?.get().rref.clone()))
@@ -364,7 +370,10 @@ fn references(rrefs: &Bound<'_, PyList>) -> PyResult<Vec<RRef<PyValue>>> {
 }
 
 /// Received references as `PyRRef` objects for the Python layer.
-fn py_references<'py>(py: Python<'py>, rrefs: Vec<RRef<PyValue>>) -> PyResult<Bound<'py, PyList>> {
+pub(crate) fn py_references<'py>(
+    py: Python<'py>,
+    rrefs: Vec<RRef<PyValue>>,
+) -> PyResult<Bound<'py, PyList>> {
     let objects = rrefs
         .into_iter()
         .map(|rref| Py::new(py, PyRRef { rref }))
@@ -551,7 +560,7 @@ fn fetch(fetch: &Py<PyAny>, value: &PyValue) -> Result<PyReply, String> {
 
 /// The Python layer's `("returned", payload, tensors, rrefs)` or `("raised", type, message,
 /// traceback)` as a reply.
-fn reply(out: &Bound<'_, PyAny>) -> PyResult<PyReply> {
+pub(crate) fn reply(out: &Bound<'_, PyAny>) -> PyResult<PyReply> {
     let out = out.cast::<PyTuple>()?;
     let tag: String = out.get_item(0)?.extract()?;
     if tag == "returned" {
@@ -601,7 +610,7 @@ fn outcome(py: Python<'_>, reply: Result<PyReply, RpcError>) -> Bound<'_, PyAny>
 /// Hands `reply` (or the call's failure) to `on_done` with the GIL, on a blocking thread (a
 /// [`gil`](crate::gil) job, so that replies arriving together are completed under one GIL
 /// hold).
-fn complete(on_done: Py<PyAny>, reply: Result<PyReply, RpcError>) {
+pub(crate) fn complete(on_done: Py<PyAny>, reply: Result<PyReply, RpcError>) {
     crate::gil::submit(Box::new(move |py| {
         let outcome = outcome(py, reply);
         if let Err(e) = on_done.call1(py, (outcome,)) {
@@ -622,7 +631,7 @@ fn complete_later(
 /// reference, counted by its owner.
 #[pyclass(module = "tensorwire._native", frozen)]
 pub(crate) struct PyRRef {
-    rref: RRef<PyValue>,
+    pub(crate) rref: RRef<PyValue>,
 }
 
 #[pymethods]
@@ -783,6 +792,8 @@ pub(crate) fn check_worker_name(name: &str) -> PyResult<()> {
 #[pyclass(module = "tensorwire._native", frozen)]
 pub(crate) struct RpcAgent {
     agent: Agent,
+    /// Distributed autograd on this agent (`tensorwire.rpc.dist_autograd`).
+    autograd: Py<PyDistAutograd>,
 }
 
 #[pymethods]
@@ -871,17 +882,34 @@ impl RpcAgent {
                 async move { crate::gil::on_python(move |_py| self::fetch(&fetch, &value)).await? }
             }),
         )?;
+        let init_timeout = duration("init_timeout", init_timeout)?;
         let options = RpcOptions::new()
             .with_functions(functions)
             .with_rpc_timeout(duration("rpc_timeout", rpc_timeout)?)
             .with_init_method(init_method)
-            .with_init_timeout(duration("init_timeout", init_timeout)?);
+            .with_init_timeout(init_timeout);
         let options = device_options(options, device_maps, devices).map_err(|e| rpc_error(&e))?;
-        let agent = wait(py, async move {
-            tensorwire_rpc::init_rpc(&name, rank, world_size, options).await
+        let (agent, autograd) = wait(py, async move {
+            let agent = tensorwire_rpc::init_rpc(&name, rank, world_size, options).await?;
+            let autograd = crate::autograd::start(&agent)?;
+            // Distributed autograd's functions are registered once the agent runs: in a static
+            // group nobody returns from init (and calls in a context) before everybody has
+            // registered them.
+            if world_size.is_some() {
+                agent
+                    .barrier(crate::autograd::READY_BARRIER, init_timeout)
+                    .await?;
+            }
+            Ok::<_, RpcError>((agent, autograd))
         })?
         .map_err(|e| rpc_error(&e))?;
-        Ok(RpcAgent { agent })
+        let autograd = Py::new(py, PyDistAutograd::new(autograd))?;
+        Ok(RpcAgent { agent, autograd })
+    }
+
+    /// Distributed autograd on this agent.
+    fn dist_autograd(&self, py: Python<'_>) -> Py<PyDistAutograd> {
+        self.autograd.clone_ref(py)
     }
 
     /// This worker: `(name, id)`.

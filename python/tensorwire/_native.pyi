@@ -115,6 +115,8 @@ class RpcAgent:
         type, message, traceback)`` or ``("future", f)`` with ``f`` completing with one of
         those; ``create`` runs a ``remote()`` creation (``("returned", value)`` is kept);
         ``fetch(value)`` pickles a kept value for ``to_here``."""
+    def dist_autograd(self) -> PyDistAutograd:
+        """Distributed autograd on this agent (``tensorwire.rpc.dist_autograd``)."""
     def me(self) -> tuple[str, int]: ...
     def worker(self, name: str) -> tuple[str, int]: ...
     def workers(self) -> list[tuple[str, int]]: ...
@@ -192,3 +194,66 @@ class PyRRef:
         """On the owner: ``("returned", value)`` or ``("raised", type, message, traceback)``."""
     def created(self) -> None:
         """Waits until the owner created the value; raises the creation's failure."""
+
+class PyDistAutograd:
+    """Distributed autograd on this worker's agent, with torch's engine
+    (``tensorwire.rpc.dist_autograd``). Context ids are ints; every method that reaches the
+    protocol releases the GIL."""
+
+    def new_context(self) -> int:
+        """A new context made here; its id."""
+    def release(self, context: int) -> None:
+        """Releases a context here and on every worker it reached (waits for them)."""
+    def has_context(self, context: int) -> bool: ...
+    def check_context(self, context: int) -> None:
+        """Raises PyTorch's "Could not find autograd context" error unless held here."""
+    def context_count(self) -> int: ...
+    def call(
+        self,
+        context: int,
+        to: str,
+        function: str,
+        payload: bytes,
+        tensors: list[torch.Tensor],
+        rrefs: list[PyRRef],
+        tracked_at: list[int],
+        tracked: list[torch.Tensor],
+        timeout: Optional[float],
+        on_done: Callable[[object], None],
+    ) -> None:
+        """A call in a context: ``tracked`` (tensors that require grad) go at ``tracked_at``
+        in the pickle's tensor list, ``tensors`` fill the rest; ``on_done(outcome)`` gets
+        ``("returned", payload, buffers, rrefs, tracked_at, tracked)``, ``("raised", type, message,
+        traceback)`` or an exception."""
+    def remote(
+        self,
+        context: int,
+        to: str,
+        function: str,
+        payload: bytes,
+        tensors: list[torch.Tensor],
+        rrefs: list[PyRRef],
+        tracked_at: list[int],
+        tracked: list[torch.Tensor],
+        timeout: Optional[float],
+    ) -> PyRRef:
+        """``remote()`` in a context."""
+    def fetch(
+        self, context: int, rref: PyRRef, timeout: Optional[float], on_done: Callable[[object], None]
+    ) -> None:
+        """``to_here()`` in a context (its value's tensors that require grad are tracked)."""
+    def owner_call(
+        self,
+        rref: PyRRef,
+        function: str,
+        payload: bytes,
+        tensors: list[torch.Tensor],
+        timeout: Optional[float],
+        on_done: Callable[[CallOutcome], None],
+    ) -> None:
+        """Runs one of tensorwire's own owner-side functions on ``rref``'s value, on its
+        owner (the distributed optimizer's)."""
+    def backward(self, context: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
+        """Runs the backward pass from scalar roots; returns once every worker is done."""
+    def gradients(self, context: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This worker's gradients in the context: ``[(tensor, gradient)]``."""

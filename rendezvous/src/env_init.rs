@@ -3,7 +3,9 @@
 //!
 //! Rank 0 serves the TCP store on `MASTER_ADDR:MASTER_PORT` (port 0 picks a free one, see
 //! [`EnvRendezvous::master_port`]); every rank connects as a client with retries up to the
-//! timeout. When `TENSORWIRE_SECRET` is set, the store requires it. The join counter is not
+//! timeout. When `TENSORWIRE_SECRET` is set, the store requires it. Under a launcher that
+//! serves the store (`tensorwire launch`, torchrun), every rank connects to the launcher's
+//! ([`store_host`](crate::store_host)). The join counter is not
 //! waited on: setting up the mesh waits for every rank anyway, and names the missing ones.
 //!
 //! Within one process, a second rendezvous on the same `MASTER_ADDR:MASTER_PORT` reuses the

@@ -16,6 +16,12 @@
 //! counter PyTorch's `TCPStore` uses, so PyTorch ranks in the same job count too) and waits
 //! until all `world_size` have arrived; a timeout says how many of how many did.
 //!
+//! Under a launcher that serves the store itself, nobody starts one ([`store_host`]):
+//! `tensorwire launch` (`TENSORWIRE_LAUNCHER_STORE=1`, authenticated with the cluster secret)
+//! and torchrun (`TORCHELASTIC_USE_AGENT_STORE=True` for its `MASTER_ADDR:MASTER_PORT`), whose
+//! agent serves PyTorch's `TCPStore`: every rank connects to it as a plain c10d client, as
+//! PyTorch's workers do, and the cluster secret is then proved only between the workers.
+//!
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! use tensorwire_rendezvous::{rendezvous, RendezvousOptions};
@@ -44,6 +50,50 @@ use tensorwire_store::{
 /// (`tensorwire launch --nnodes N`, as torchrun's `TORCHELASTIC_USE_AGENT_STORE`): rank 0 then
 /// connects to that store instead of starting one.
 pub const LAUNCHER_STORE_ENV: &str = "TENSORWIRE_LAUNCHER_STORE";
+
+/// Set to `True` by torchrun's elastic agent, which serves the job's store on
+/// `MASTER_ADDR:MASTER_PORT` (PyTorch's `TCPStore`, unauthenticated): every rank connects to it
+/// as a plain c10d client ([`StoreHost::TorchElasticAgent`]).
+pub const TORCHELASTIC_AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
+
+/// Who serves the TCP store of a `tcp://` or `env://` rendezvous, as the environment says
+/// ([`store_host`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreHost {
+    /// Rank 0 starts it (PyTorch's default), unless [`RendezvousOptions::embed_server`] is
+    /// off; it requires the cluster secret when one is set.
+    RankZero,
+    /// `tensorwire launch` serves it ([`LAUNCHER_STORE_ENV`] is `1`): every rank connects, with the
+    /// cluster secret when one is set.
+    Launcher,
+    /// torchrun's elastic agent serves it ([`TORCHELASTIC_AGENT_STORE_ENV`] is `True` and the
+    /// URL's host and port are `MASTER_ADDR` and `MASTER_PORT`, PyTorch's own test): every rank
+    /// connects as a plain c10d client, without the cluster secret, which PyTorch's `TCPStore`
+    /// cannot check. Whoever reaches that port may read and write the store, as in PyTorch;
+    /// the workers still prove the secret (or their certificates) to each other on every
+    /// connection, so an address written there by an outsider is only dialled, never trusted.
+    TorchElasticAgent,
+}
+
+/// Who serves the store at `host:port`, from the launcher's variables in `env`.
+///
+/// torchrun's `TORCHELASTIC_USE_AGENT_STORE=True` counts only for the agent's own
+/// `MASTER_ADDR:MASTER_PORT` (as PyTorch's `_agent_store_serves`: the flag promises a server
+/// there and nowhere else), and then wins over `TENSORWIRE_LAUNCHER_STORE=1` (what serves that
+/// port is PyTorch's store, whoever set the other variable).
+pub fn store_host(host: &str, port: u16, env: impl Fn(&str) -> Option<String>) -> StoreHost {
+    let agent = env(TORCHELASTIC_AGENT_STORE_ENV).is_some_and(|v| v == "True")
+        && env("MASTER_ADDR").is_some_and(|a| a == host)
+        && env("MASTER_PORT").is_some_and(|p| p.trim().parse::<u16>() == Ok(port));
+    if agent {
+        StoreHost::TorchElasticAgent
+    } else if env(LAUNCHER_STORE_ENV).is_some_and(|v| v == "1") {
+        StoreHost::Launcher
+    } else {
+        StoreHost::RankZero
+    }
+}
 
 /// The join counter, unprefixed: the key PyTorch's `TCPStore` counts workers with.
 const JOIN_COUNTER: &str = "init/";
@@ -85,7 +135,8 @@ pub struct Rendezvous {
     pub store: Arc<dyn Store>,
     /// This process's rank.
     pub rank: usize,
-    /// Number of ranks.
+    /// Number of ranks (for a group of no fixed size, `world_size=-1` in the URL as PyTorch
+    /// writes it for dynamic RPC groups: this rank + 1).
     pub world_size: usize,
     server: Option<TcpStoreServer>,
 }
@@ -192,31 +243,46 @@ pub async fn rendezvous_with_env(
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<Rendezvous, RendezvousError> {
     let mut options = options;
-    if env(LAUNCHER_STORE_ENV).is_some_and(|v| v == "1") {
-        // `tensorwire launch --nnodes N` serves the job's store itself (and watches it for
-        // failures); rank 0 then connects to it like every other rank.
-        options.embed_server = false;
-    }
     match parse(url, &env)? {
         Target::Tcp {
             host,
             port,
             rank,
             world_size,
-        } => tcp(host, port, rank, world_size, options).await,
+        } => {
+            match store_host(&host, port, &env) {
+                StoreHost::RankZero => {}
+                // `tensorwire launch --nnodes N` serves the job's store itself (and watches it
+                // for failures); rank 0 then connects to it like every other rank.
+                StoreHost::Launcher => options.embed_server = false,
+                StoreHost::TorchElasticAgent => {
+                    if options.secret.is_some() {
+                        info!(
+                            "connecting to torchrun's store at {host}:{port} without the cluster \
+                             secret (PyTorch's TCPStore has none); connections between workers \
+                             still prove it"
+                        );
+                    }
+                    options.embed_server = false;
+                    options.secret = None;
+                }
+            }
+            tcp(host, port, rank, world_size, options).await
+        }
         Target::File {
             path,
             rank,
             world_size,
         } => {
-            let store = FileStore::with_timeout(&path, Some(world_size), options.timeout);
-            if options.wait_for_all {
+            // Without a fixed size, no handle removes the file (PyTorch's `FileStore(path, -1)`).
+            let store = FileStore::with_timeout(&path, world_size, options.timeout);
+            if let Some(world_size) = world_size.filter(|_| options.wait_for_all) {
                 join(&store, "init/", world_size, rank, options.timeout).await?;
             }
             Ok(Rendezvous {
                 store: Arc::new(store),
                 rank,
-                world_size,
+                world_size: world_size.unwrap_or(rank + 1),
                 server: None,
             })
         }
@@ -230,12 +296,13 @@ enum Target {
         host: String,
         port: u16,
         rank: usize,
-        world_size: usize,
+        /// `None`: a group of no fixed size (`world_size=-1`).
+        world_size: Option<usize>,
     },
     File {
         path: String,
         rank: usize,
-        world_size: usize,
+        world_size: Option<usize>,
     },
 }
 
@@ -260,6 +327,14 @@ fn parse(url: &str, env: &impl Fn(&str) -> Option<String>) -> Result<Target, Ren
             ))
         })
     };
+    // PyTorch's `rendezvous(url, rank, world_size=None)` writes `world_size=-1`: no fixed size.
+    let size = |name: &str, value: String| -> Result<Option<usize>, RendezvousError> {
+        if value.trim() == "-1" {
+            Ok(None)
+        } else {
+            int(name, value).map(Some)
+        }
+    };
     let target = match scheme {
         "env" => {
             // PyTorch's order and wording; an empty variable counts as not set. Slurm's
@@ -276,8 +351,8 @@ fn parse(url: &str, env: &impl Fn(&str) -> Option<String>) -> Result<Target, Ren
                 None => int("RANK", var("RANK")?)?,
             };
             let world_size = match from_query("world_size") {
-                Some(v) => int("world_size", v)?,
-                None => int("WORLD_SIZE", var("WORLD_SIZE")?)?,
+                Some(v) => size("world_size", v)?,
+                None => size("WORLD_SIZE", var("WORLD_SIZE")?)?,
             };
             let host = var("MASTER_ADDR")?;
             let port = int("MASTER_PORT", var("MASTER_PORT")?)?;
@@ -309,7 +384,7 @@ fn parse(url: &str, env: &impl Fn(&str) -> Option<String>) -> Result<Target, Ren
                 host: host.to_owned(),
                 port: port_u16(port).map_err(&invalid)?,
                 rank: int("rank", rank)?,
-                world_size: int("world_size", world_size)?,
+                world_size: size("world_size", world_size)?,
             }
         }
         "file" => {
@@ -328,7 +403,7 @@ fn parse(url: &str, env: &impl Fn(&str) -> Option<String>) -> Result<Target, Ren
             Target::File {
                 path: path.to_owned(),
                 rank: int("rank", rank)?,
-                world_size: int("world_size", world_size)?,
+                world_size: size("world_size", world_size)?,
             }
         }
         other => {
@@ -345,10 +420,10 @@ fn parse(url: &str, env: &impl Fn(&str) -> Option<String>) -> Result<Target, Ren
             rank, world_size, ..
         } => (*rank, *world_size),
     };
-    if world_size == 0 {
+    if world_size == Some(0) {
         return Err(invalid("world size must be at least 1".to_owned()));
     }
-    if rank >= world_size {
+    if let Some(world_size) = world_size.filter(|&n| rank >= n) {
         return Err(invalid(format!(
             "rank {rank} is not below the world size {world_size}"
         )));
@@ -390,7 +465,7 @@ async fn tcp(
     host: String,
     port: u16,
     rank: usize,
-    world_size: usize,
+    world_size: Option<usize>,
     options: RendezvousOptions,
 ) -> Result<Rendezvous, RendezvousError> {
     let store_err = |source| RendezvousError::Store { rank, source };
@@ -415,7 +490,7 @@ async fn tcp(
                     addr: bind.to_string(),
                     reason: e.to_string(),
                 })?;
-        info!(addr = %server.local_addr(), world_size, "rank 0 hosts the store");
+        info!(addr = %server.local_addr(), ?world_size, "rank 0 hosts the store");
         Some(server)
     } else {
         None
@@ -446,7 +521,7 @@ async fn tcp(
     )
     .await
     .map_err(store_err)?;
-    if options.wait_for_all {
+    if let Some(world_size) = world_size.filter(|_| options.wait_for_all) {
         join(
             &client.with_prefix(""),
             JOIN_COUNTER,
@@ -459,7 +534,7 @@ async fn tcp(
     Ok(Rendezvous {
         store: Arc::new(client),
         rank,
-        world_size,
+        world_size: world_size.unwrap_or(rank + 1),
         server,
     })
 }
@@ -567,7 +642,7 @@ mod tests {
                 host: "10.0.0.1".into(),
                 port: 29500,
                 rank: 1,
-                world_size: 2
+                world_size: Some(2)
             }
         );
         // The query overrides RANK and WORLD_SIZE.
@@ -577,7 +652,7 @@ mod tests {
                 host: "10.0.0.1".into(),
                 port: 29500,
                 rank: 0,
-                world_size: 4
+                world_size: Some(4)
             }
         );
     }
@@ -596,7 +671,7 @@ mod tests {
                 host: "node07".into(),
                 port: 15123,
                 rank: 3,
-                world_size: 6
+                world_size: Some(6)
             }
         );
         let mut vars = slurm.to_vec();
@@ -607,7 +682,7 @@ mod tests {
                 host: "10.0.0.9".into(),
                 port: 15123,
                 rank: 1,
-                world_size: 6
+                world_size: Some(6)
             }
         );
         let mut vars = slurm.to_vec();
@@ -659,6 +734,49 @@ mod tests {
     }
 
     #[test]
+    fn the_store_host_follows_the_launcher() {
+        let torchrun = [
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let host = |vars: &[(&str, &str)], h: &str, p: u16| store_host(h, p, env_of(vars));
+        assert_eq!(host(&[], "10.0.0.1", 29500), StoreHost::RankZero);
+        assert_eq!(
+            host(&torchrun, "10.0.0.1", 29500),
+            StoreHost::TorchElasticAgent
+        );
+        // The agent serves MASTER_ADDR:MASTER_PORT only (PyTorch's `_agent_store_serves`).
+        assert_eq!(host(&torchrun, "10.0.0.1", 29501), StoreHost::RankZero);
+        assert_eq!(host(&torchrun, "10.0.0.2", 29500), StoreHost::RankZero);
+        // PyTorch compares with str(True) exactly.
+        let mut vars = torchrun.to_vec();
+        vars[0] = ("TORCHELASTIC_USE_AGENT_STORE", "1");
+        assert_eq!(host(&vars, "10.0.0.1", 29500), StoreHost::RankZero);
+        // tensorwire's launcher: its store, unless torchrun's agent serves this port.
+        let launcher = [("TENSORWIRE_LAUNCHER_STORE", "1")];
+        assert_eq!(host(&launcher, "10.0.0.1", 29500), StoreHost::Launcher);
+        let mut vars = torchrun.to_vec();
+        vars.extend(launcher);
+        assert_eq!(host(&vars, "10.0.0.1", 29500), StoreHost::TorchElasticAgent);
+        assert_eq!(host(&vars, "10.0.0.1", 29501), StoreHost::Launcher);
+    }
+
+    #[test]
+    fn a_world_size_of_minus_one_is_no_fixed_size() {
+        assert_eq!(
+            parse("file:///tmp/rdzv?rank=5&world_size=-1", &env_of(&[])).unwrap(),
+            Target::File {
+                path: "/tmp/rdzv".into(),
+                rank: 5,
+                world_size: None
+            }
+        );
+        assert!(err("tcp://h:1?rank=0&world_size=-2", &[])
+            .contains("world_size must be a non-negative integer, got \"-2\""));
+    }
+
+    #[test]
     fn urls_parse() {
         assert_eq!(
             parse("tcp://127.0.0.1:23456?rank=1&world_size=3", &env_of(&[])).unwrap(),
@@ -666,7 +784,7 @@ mod tests {
                 host: "127.0.0.1".into(),
                 port: 23456,
                 rank: 1,
-                world_size: 3
+                world_size: Some(3)
             }
         );
         assert_eq!(
@@ -675,7 +793,7 @@ mod tests {
                 host: "::1".into(),
                 port: 5,
                 rank: 0,
-                world_size: 2
+                world_size: Some(2)
             }
         );
         assert_eq!(
@@ -683,7 +801,7 @@ mod tests {
             Target::File {
                 path: "/tmp/rdzv".into(),
                 rank: 0,
-                world_size: 2
+                world_size: Some(2)
             }
         );
     }

@@ -124,6 +124,53 @@ async fn tcp_rendezvous_with_a_secret() {
     assert_eq!(g0.store.get("x").await.unwrap(), b"1");
 }
 
+/// Under torchrun, every rank (rank 0 too) is a client of the agent's store, PyTorch's
+/// unauthenticated `TCPStore` (here a server without a secret stands in for it), although the
+/// ranks hold a cluster secret; outside torchrun the same secret makes the rendezvous refuse
+/// that server.
+#[tokio::test]
+async fn under_torchrun_every_rank_joins_the_agents_store_without_the_secret() {
+    let agent = tensorwire_store::TcpStoreServer::bind(
+        "127.0.0.1:0",
+        tensorwire_store::ServerConfig::default(),
+    )
+    .await
+    .unwrap();
+    let port = agent.local_addr().port();
+    let opts = RendezvousOptions {
+        secret: ClusterSecret::new("cluster").ok(),
+        ..options()
+    };
+    let torchrun = move |rank: usize| {
+        let base = env(rank, 2, port);
+        move |name: &str| match name {
+            "TORCHELASTIC_USE_AGENT_STORE" => Some("True".into()),
+            other => base(other),
+        }
+    };
+    let r0 = tokio::spawn({
+        let opts = opts.clone();
+        async move { rendezvous_with_env("env://", opts, torchrun(0)).await }
+    });
+    let g1 = rendezvous_with_env("env://", opts.clone(), torchrun(1))
+        .await
+        .unwrap();
+    let g0 = r0.await.unwrap().unwrap();
+    assert_eq!(g0.server_addr(), None, "rank 0 started a store of its own");
+    g0.store.set("x", b"1").await.unwrap();
+    assert_eq!(g1.store.get("x").await.unwrap(), b"1");
+
+    // Without the agent's variable, rank 1 insists on the secret, which that server lacks.
+    let short = RendezvousOptions {
+        timeout: Duration::from_secs(2),
+        ..opts
+    };
+    let e = rendezvous_with_env("env://", short, env(1, 2, port))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RendezvousError::Store { .. }), "{e}");
+}
+
 #[tokio::test]
 async fn file_rendezvous_of_three_ranks() {
     let path = std::env::temp_dir().join(format!("tw-rdzv-file-{}", std::process::id()));

@@ -69,8 +69,9 @@ pub async fn init_rpc(
         .await
 }
 
-/// The rendezvous URL of a dynamic group's member: its rank, and a nominal world size that
-/// covers it (the rendezvous needs one; nobody waits for it).
+/// The rendezvous URL of a dynamic group's member: its rank, and `world_size=-1` (no fixed
+/// size, as PyTorch writes it): nobody waits for a count, and no store handle counts the
+/// others out (a `file://` store stays while members come and go).
 fn dynamic_url(url: &str, rank: usize) -> String {
     let (base, query) = url.split_once('?').unwrap_or((url, ""));
     let mut pairs: Vec<String> = query
@@ -79,7 +80,7 @@ fn dynamic_url(url: &str, rank: usize) -> String {
         .map(str::to_owned)
         .collect();
     pairs.push(format!("rank={rank}"));
-    pairs.push(format!("world_size={}", rank + 1));
+    pairs.push("world_size=-1".to_owned());
     format!("{base}?{}", pairs.join("&"))
 }
 

@@ -225,6 +225,9 @@ _agent: Optional[_native.RpcAgent] = None
 _ready = threading.Event()
 _trusted = False
 _me: Optional[WorkerInfo] = None
+# Distributed autograd (tensorwire.rpc._autograd_engine, once imported): calls made while one
+# of its contexts is current on the calling thread go through it, so that they are recorded.
+_autograd: Any = None
 
 
 def _require_agent() -> _native.RpcAgent:
@@ -256,9 +259,9 @@ def init_rpc(
 ) -> None:
     """Starts this worker's agent and connects it to the group, as PyTorch's ``init_rpc``.
 
-    ``rank = -1`` takes ``RANK`` from the environment; ``world_size = None`` asks for a dynamic
-    group (workers join and leave), as in PyTorch (not working from Python yet: see the
-    package's README). ``rpc_backend_options`` is a
+    ``rank = -1`` takes ``RANK`` from the environment; ``world_size = None`` makes the group
+    dynamic (workers join and leave), as in PyTorch. Under torchrun, ``env://`` joins the
+    store its agent serves, as PyTorch's workers do. ``rpc_backend_options`` is a
     :class:`TensorPipeRpcBackendOptions` (ours or PyTorch's). The cluster secret comes from
     ``TENSORWIRE_SECRET`` (the same on every worker). ``trust_peers=True`` lets any peer run
     any importable function here and send any pickle, as PyTorch's RPC does: only for clusters
@@ -486,6 +489,9 @@ def rpc_async(
     ``func`` is a function exposed on the callee, one of :data:`DEFAULT_EXPOSED_TORCH_OPS`,
     or its qualified name. ``timeout`` in seconds; ``0``: none; negative: the default.
     ``RRef`` arguments are forked for the callee."""
+    context = _autograd.current_id() if _autograd is not None else None
+    if context is not None:
+        return _autograd.rpc_async(context, to, func, args, kwargs, timeout)
     func, args = _bind(func, args)
     return _send(to, _function_name(func), _encode(args, kwargs), timeout)
 
@@ -499,6 +505,9 @@ def rpc_sync(
 ) -> Any:
     """Calls ``func(*args, **kwargs)`` on worker ``to`` and returns its result (see
     :func:`rpc_async`); raises the remote exception or the call's failure."""
+    if _autograd is not None and _autograd.current_id() is not None:
+        # Recorded by distributed autograd, through rpc_async.
+        return rpc_async(to, func, args, kwargs, timeout).wait()
     # As rpc_async(...).wait(), without the future: this thread waits for the reply (the GIL
     # released) and decodes it itself, one thread hand-over less.
     func, args = _bind(func, args)
@@ -523,6 +532,9 @@ def remote(
     """Runs ``func(*args, **kwargs)`` on worker ``to``, which keeps the result, and returns an
     :class:`RRef` to it at once (``func`` as for :func:`rpc_async`). A failure of ``func`` is
     raised by ``to_here`` and ``local_value``."""
+    context = _autograd.current_id() if _autograd is not None else None
+    if context is not None:
+        return _autograd.remote(context, to, func, args, kwargs, timeout)
     agent = _require_agent()
     worker = _worker_name(to, agent)
     func, args = _bind(func, args)
@@ -732,6 +744,9 @@ class RRef:
         raise _remote_exception(self.owner(), outcome[1], outcome[2], outcome[3])
 
     def _fetch_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future:
+        context = _autograd.current_id() if _autograd is not None else None
+        if context is not None:
+            return _autograd.fetch_async(context, self, timeout)
         fut, on_done = _future(self.owner())
         try:
             self._native.fetch(_timeout(timeout), on_done)
@@ -742,6 +757,9 @@ class RRef:
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """A copy of the value, pickled on its owner now (the value itself on the owner is
         :meth:`local_value`); raises the exception the creating function raised."""
+        if _autograd is not None and _autograd.current_id() is not None:
+            # Recorded by distributed autograd, through _fetch_async.
+            return self._fetch_async(timeout).wait()
         # As _fetch_async(timeout).wait(), without the future (see rpc_sync).
         owner = self.owner()
         try:

@@ -194,6 +194,16 @@ class _Unpickler(pickle.Unpickler):
             return cached
         dtype = _DTYPES[dtype_name]
         buf = self._buffers[index]
+        if isinstance(buf, torch.Tensor):
+            # Made by distributed autograd's engine from a tracked tensor (it records its
+            # gradient when it required grad on the sender).
+            if buf.dtype != dtype or tuple(buf.shape) != shape:
+                raise RefusedError(
+                    f"a tracked tensor from {self._origin} is {buf.dtype} of shape "
+                    f"{tuple(buf.shape)}, the pickle says {dtype} of shape {shape}"
+                )
+            self._tensors[index] = buf
+            return buf
         itemsize = torch.empty((), dtype=dtype).element_size()
         if math.prod(shape) * itemsize != len(buf):
             raise RefusedError(

@@ -8,7 +8,9 @@
 //! [`crate::membership`]. The store is used only where a joiner must find the group: the key `rpc/dyn/coordinator` holds the coordinating member's record
 //! (written by the first member with compare-and-set, rewritten by a member that takes over
 //! coordination, deleted with the group's kind by the last member's leave). Rank 0 hosts the
-//! store, so no worker can join once it has left.
+//! store (unless a launcher serves it), so no worker can join once it has left; the members
+//! already in go on without it, and leave without it (the last one's cleanup of the store
+//! then fails, which is logged).
 
 use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
@@ -21,7 +23,7 @@ use tensorwire_core::validate::WorkerDeviceInfo;
 use tensorwire_rendezvous::Rendezvous;
 use tensorwire_store::backoff::Backoff;
 use tokio::sync::oneshot;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::driver::drive;
 use crate::error::{RpcError, WaitingFor};
@@ -271,10 +273,23 @@ pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcErr
         Err(_) => return Err(RpcError::NotRunning),
     };
     if last {
-        // The last member: the group ends, and with it every key the agents made.
-        let store = agent.store()?;
-        for key in [COORDINATOR, crate::init::GROUP_KIND] {
-            store.delete_key(key).await?;
+        // The last member: the group ends, and with it every key the agents made. The worker
+        // has left whatever the store says: a store that is gone (rank 0 hosted it and left
+        // first, as a worker of PyTorch's dynamic groups may) has no keys to remove, so a
+        // failure here is told, not returned.
+        match agent.store() {
+            Ok(store) => {
+                for key in [COORDINATOR, crate::init::GROUP_KIND] {
+                    if let Err(e) = store.delete_key(key).await {
+                        warn!(
+                            "left the group as its last member, but could not remove the key \
+                             {key} from the store: {e}"
+                        );
+                        break;
+                    }
+                }
+            }
+            Err(e) => warn!("left the group as its last member, without its store: {e}"),
         }
     }
     Ok(())

@@ -1,0 +1,871 @@
+//! The native half of `tensorwire.rpc.dist_autograd`: tensorwire's distributed autograd
+//! (`tensorwire-dist-autograd`, which drives `tensorwire_core::autograd`) with **torch's own
+//! autograd** as its local engine.
+//!
+//! Nothing about the protocol is decided here or in Python: contexts and their capabilities,
+//! send and recv records keyed by autograd message id, which gradient goes to which worker,
+//! completion, release fan-out, the per-peer bound on contexts and a lost peer dropping its
+//! contexts are the core's state machine, run by the `dist-autograd` driver on the agent of
+//! `tensorwire.rpc`. This module is
+//!
+//! - [`TorchEngine`]: the adapter behind core's [`AutogradEngine`] port. Its tensors are torch
+//!   tensors (Python objects); each method calls one small function of the Python layer
+//!   (`tensorwire.rpc._autograd_engine`) with the GIL. A received tensor that required grad on
+//!   its sender becomes a leaf (the recv function: the gradient the engine computes for it goes
+//!   back to the sender); the tensors a message sent are kept by the driver (the send
+//!   function: a gradient that comes back for them starts a local pass from them). A local pass
+//!   is one `torch.autograd.grad` call over the leaves the roots reach, keeping the graph, so
+//!   FAST mode may run a send function once per gradient; nothing lands in `.grad`.
+//! - the functions a Python call in a context travels through ([`PY_FN`], [`PY_REMOTE`],
+//!   [`PY_FETCH`]), registered with the driver, which records the recv (and the send of the
+//!   result) before and after the Python layer runs the user's function;
+//! - [`PyDistAutograd`], the handle `tensorwire.rpc.dist_autograd` calls.
+//!
+//! Lock order: the driver's lock is taken before the GIL (the engine's methods attach to the
+//! interpreter while the driver holds its lock), so every method here that reaches the driver
+//! releases the GIL first; Python never waits for the driver while it holds the GIL.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+use serde::{Deserialize, Serialize};
+use tensorwire_core::autograd::{AutogradError, ContextId, RootProblem};
+use tensorwire_core::ports::autograd::{AutogradEngine, EngineError, LeafGradients};
+use tensorwire_core::tensor::{DType, Storage, Tensor};
+use tensorwire_dist_autograd::{AutogradContext, DistAutograd, DistAutogradError};
+use tensorwire_rpc::{Agent, RpcError};
+
+use crate::rpc::{
+    buffers, duration, lend, lent_bytes, py_references, references, reply, rpc_error, wait, PyCall,
+    PyRRef, PyReply, PyValue, WireBuffer,
+};
+use crate::{runtime, TensorwireError};
+use tensorwire_rpc::RRef;
+
+/// The autograd function a Python call made in a context travels through.
+const PY_FN: &str = "tensorwire.py_call";
+/// The constructor of a `remote()` value made in a context.
+const PY_REMOTE: &str = "tensorwire.py_remote";
+/// The method that fetches a reference's value into a context (`to_here()` in a context).
+const PY_FETCH: &str = "tensorwire.py_fetch";
+
+/// The method that runs one of tensorwire's own owner-side functions on a reference's value
+/// (the distributed optimizer hands its parameters to their owners' optimizers with it).
+const PY_OWNER_CALL: &str = "tensorwire.py_owner_call";
+
+/// The barrier of a static group's workers once distributed autograd is set up on each.
+pub(crate) const READY_BARRIER: &str = "tensorwire.dist_autograd.ready";
+
+/// The Python module that holds the engine's operations and serves calls made in a context.
+const ENGINE_MODULE: &str = "tensorwire.rpc._autograd_engine";
+
+/// A torch tensor, as the engine holds it (cloning shares the Python object).
+#[derive(Clone)]
+pub(crate) struct TorchTensor(Arc<Py<PyAny>>);
+
+impl TorchTensor {
+    fn bind<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
+        self.0.bind(py)
+    }
+}
+
+/// A leaf of torch's graph (a parameter, a received tensor), by the identity of its Python
+/// object; it keeps the object alive, so the identity is not reused while it is held.
+#[derive(Clone)]
+pub(crate) struct Leaf {
+    address: usize,
+    tensor: TorchTensor,
+}
+
+impl PartialEq for Leaf {
+    fn eq(&self, other: &Self) -> bool {
+        self.address == other.address
+    }
+}
+
+impl Eq for Leaf {}
+
+impl Hash for Leaf {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.address.hash(state);
+    }
+}
+
+impl std::fmt::Debug for Leaf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Leaf({:#x})", self.address)
+    }
+}
+
+/// torch's autograd, behind core's engine port (see the module's docs).
+#[derive(Clone, Default)]
+pub(crate) struct TorchEngine {
+    _private: (),
+}
+
+/// A function of the engine's Python module.
+fn engine_fn<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+    static MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    let module = MODULE.get_or_try_init(py, || py.import(ENGINE_MODULE).map(Bound::unbind))?;
+    module.bind(py).getattr(name)
+}
+
+fn engine_error(py: Python<'_>, e: PyErr) -> EngineError {
+    let traceback = e
+        .traceback(py)
+        .and_then(|t| t.format().ok())
+        .unwrap_or_default();
+    EngineError(format!("{e}\n{traceback}"))
+}
+
+/// The name torch gives `dtype` (`torch.float32` is `"float32"`), for the dtypes a tracked
+/// tensor may have (those that can require grad and that tensorwire carries).
+fn dtype_name(dtype: DType) -> Option<&'static str> {
+    Some(match dtype {
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        DType::F32 => "float32",
+        DType::F64 => "float64",
+        _ => return None,
+    })
+}
+
+fn dtype_of(name: &str) -> Option<DType> {
+    Some(match name {
+        "float16" => DType::F16,
+        "bfloat16" => DType::BF16,
+        "float32" => DType::F32,
+        "float64" => DType::F64,
+        _ => return None,
+    })
+}
+
+impl AutogradEngine for TorchEngine {
+    type Tensor = TorchTensor;
+    type LeafId = Leaf;
+
+    fn leaf_id(&self, tensor: &TorchTensor) -> Leaf {
+        Leaf {
+            address: tensor.0.as_ptr() as usize,
+            tensor: tensor.clone(),
+        }
+    }
+
+    fn requires_grad(&self, tensor: &TorchTensor) -> bool {
+        Python::attach(|py| {
+            tensor
+                .bind(py)
+                .getattr("requires_grad")
+                .and_then(|r| r.extract::<bool>())
+                .unwrap_or(false)
+        })
+    }
+
+    fn has_grad_fn(&self, tensor: &TorchTensor) -> bool {
+        Python::attach(|py| {
+            tensor
+                .bind(py)
+                .getattr("grad_fn")
+                .is_ok_and(|f| !f.is_none())
+        })
+    }
+
+    fn shape(&self, tensor: &TorchTensor) -> Vec<usize> {
+        Python::attach(|py| {
+            tensor
+                .bind(py)
+                .getattr("shape")
+                .and_then(|s| s.extract::<Vec<usize>>())
+                .unwrap_or_default()
+        })
+    }
+
+    fn import(&self, tensor: &Tensor, requires_grad: bool) -> Result<TorchTensor, EngineError> {
+        let Storage::Host(bytes) = tensor.storage() else {
+            return Err(EngineError(format!(
+                "torch's engine gets host tensors; one on {} must be copied to the host first",
+                tensor.device()
+            )));
+        };
+        let dtype = dtype_name(tensor.dtype()).ok_or_else(|| {
+            EngineError(format!(
+                "a tracked tensor of {:?}: distributed autograd carries float16, bfloat16, \
+                 float32 and float64 tensors",
+                tensor.dtype()
+            ))
+        })?;
+        let bytes = bytes.clone();
+        let shape = tensor.shape().to_vec();
+        Python::attach(|py| {
+            let run = || -> PyResult<TorchTensor> {
+                let buffer = Py::new(py, WireBuffer::new(bytes))?;
+                let t = engine_fn(py, "import_tensor")?.call1((
+                    dtype,
+                    PyTuple::new(py, &shape)?,
+                    buffer,
+                    requires_grad,
+                ))?;
+                Ok(TorchTensor(Arc::new(t.unbind())))
+            };
+            run().map_err(|e| engine_error(py, e))
+        })
+    }
+
+    fn export(&self, tensor: &TorchTensor) -> Result<Tensor, EngineError> {
+        Python::attach(|py| {
+            let run = || -> PyResult<Result<Tensor, EngineError>> {
+                let out = engine_fn(py, "export_tensor")?.call1((tensor.bind(py),))?;
+                let out = out.cast::<PyTuple>()?;
+                let name: String = out.get_item(0)?.extract()?;
+                let shape: Vec<usize> = out.get_item(1)?.extract()?;
+                let Some(dtype) = dtype_of(&name) else {
+                    return Ok(Err(EngineError(format!(
+                        "a tensor of torch.{name} requires grad: distributed autograd carries \
+                         float16, bfloat16, float32 and float64 tensors"
+                    ))));
+                };
+                let bytes: Bytes = lent_bytes(out.get_item(2)?)?;
+                Ok(Tensor::new(dtype, shape, Storage::Host(bytes))
+                    .map_err(|e| EngineError(e.to_string())))
+            };
+            run().map_err(|e| engine_error(py, e))?
+        })
+    }
+
+    fn backward(
+        &self,
+        roots: &[(TorchTensor, Option<TorchTensor>)],
+    ) -> Result<LeafGradients<Self>, EngineError> {
+        Python::attach(|py| {
+            let run = || -> PyResult<LeafGradients<Self>> {
+                let tensors = PyList::new(py, roots.iter().map(|(t, _)| t.bind(py)))?;
+                let seeds = PyList::new(
+                    py,
+                    roots.iter().map(|(_, s)| match s {
+                        Some(s) => s.bind(py).clone(),
+                        None => py.None().into_bound(py),
+                    }),
+                )?;
+                let out = engine_fn(py, "backward")?.call1((tensors, seeds))?;
+                let mut grads = Vec::new();
+                for pair in out.cast::<PyList>()?.iter() {
+                    let pair = pair.cast::<PyTuple>()?;
+                    let leaf = TorchTensor(Arc::new(pair.get_item(0)?.unbind()));
+                    let grad = TorchTensor(Arc::new(pair.get_item(1)?.unbind()));
+                    grads.push((self.leaf_id(&leaf), grad));
+                }
+                Ok(grads)
+            };
+            run().map_err(|e| engine_error(py, e))
+        })
+    }
+
+    fn assign(&self, leaf: &TorchTensor, values: &Tensor) -> Result<(), EngineError> {
+        let values = self.import(values, false)?;
+        Python::attach(|py| {
+            engine_fn(py, "assign")
+                .and_then(|f| f.call1((leaf.bind(py), values.bind(py))))
+                .map(drop)
+                .map_err(|e| engine_error(py, e))
+        })
+    }
+
+    fn accumulate(
+        &self,
+        sum: &TorchTensor,
+        grad: &TorchTensor,
+    ) -> Result<TorchTensor, EngineError> {
+        Python::attach(|py| {
+            sum.bind(py)
+                .call_method1("add", (grad.bind(py),))
+                .map(|t| TorchTensor(Arc::new(t.unbind())))
+                .map_err(|e| engine_error(py, e))
+        })
+    }
+}
+
+/// What a Python call in a context ended with: a pickled value whose tensors travel partly
+/// beside it (`tensors`, untracked) and partly as the driver's tracked tensors, with
+/// `tracked_at` saying where in the pickle's tensor list each tracked one goes; or the
+/// exception the function raised.
+#[derive(Serialize, Deserialize)]
+enum TrackedReply {
+    Returned {
+        payload: Vec<u8>,
+        tensors: Vec<Tensor>,
+        rrefs: Vec<RRef<PyValue>>,
+        tracked_at: Vec<u32>,
+    },
+    Raised {
+        exc_type: String,
+        message: String,
+        traceback: String,
+    },
+}
+
+/// A Python call in a context as it travels: [`PyCall`] and where its tracked tensors go in
+/// the pickle's tensor list.
+#[derive(Serialize, Deserialize)]
+struct TrackedCall {
+    call: PyCall,
+    tracked_at: Vec<u32>,
+}
+
+fn tensors_of<'py>(py: Python<'py>, tracked: &[TorchTensor]) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(py, tracked.iter().map(|t| t.bind(py)))
+}
+
+fn tracked_of(list: &Bound<'_, PyAny>) -> PyResult<Vec<TorchTensor>> {
+    list.cast::<PyList>()?
+        .iter()
+        .map(|t| Ok(TorchTensor(Arc::new(t.unbind()))))
+        .collect()
+}
+
+/// `("returned", payload, tensors, rrefs, tracked_at, tracked)` or `("raised", type, message,
+/// traceback)` from the Python layer, as a reply and its tracked tensors.
+fn tracked_reply(out: &Bound<'_, PyAny>) -> PyResult<(TrackedReply, Vec<TorchTensor>)> {
+    let out = out.cast::<PyTuple>()?;
+    let tag: String = out.get_item(0)?.extract()?;
+    if tag == "returned" {
+        Ok((
+            TrackedReply::Returned {
+                payload: out.get_item(1)?.extract()?,
+                tensors: lend(out.get_item(2)?.cast::<PyList>()?)?,
+                rrefs: references(out.get_item(3)?.cast::<PyList>()?)?,
+                tracked_at: out.get_item(4)?.extract()?,
+            },
+            tracked_of(&out.get_item(5)?)?,
+        ))
+    } else {
+        Ok((
+            TrackedReply::Raised {
+                exc_type: out.get_item(1)?.extract()?,
+                message: out.get_item(2)?.extract()?,
+                traceback: out.get_item(3)?.extract()?,
+            },
+            Vec::new(),
+        ))
+    }
+}
+
+/// Runs `what` (`serve` or `create`) of the engine's module for a call in `context` from
+/// `caller`, with the GIL, on this (blocking) thread.
+fn call_python(
+    py: Python<'_>,
+    what: &str,
+    caller: String,
+    context: ContextId,
+    call: TrackedCall,
+    tracked: &[TorchTensor],
+) -> PyResult<Py<PyAny>> {
+    let plain = buffers(py, call.call.tensors)?;
+    let rrefs = py_references(py, call.call.rrefs)?;
+    Ok(engine_fn(py, what)?
+        .call1((
+            caller,
+            context.0,
+            call.call.function,
+            PyBytes::new(py, &call.call.payload),
+            plain,
+            rrefs,
+            call.tracked_at,
+            tensors_of(py, tracked)?,
+        ))?
+        .unbind())
+}
+
+/// Registers the functions Python calls in a context travel through, on `dist`'s agent.
+fn register(dist: &DistAutograd<TorchEngine>) -> Result<(), RpcError> {
+    dist.register(
+        PY_FN,
+        |call, args: TrackedCall, tracked: Vec<TorchTensor>| {
+            let caller = call.call().caller().name.clone();
+            let context = call.context().id();
+            async move {
+                tokio::task::spawn_blocking(move || {
+                    Python::attach(|py| {
+                        let run = || {
+                            let out = call_python(py, "serve", caller, context, args, &tracked)?;
+                            tracked_reply(out.bind(py))
+                        };
+                        run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
+                    })
+                })
+                .await
+                .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+            }
+        },
+    )?;
+    dist.register_remote(
+        PY_REMOTE,
+        |call, args: TrackedCall, tracked: Vec<TorchTensor>| {
+            let caller = call.call().caller().name.clone();
+            let context = call.context().id();
+            async move {
+                tokio::task::spawn_blocking(move || {
+                    Python::attach(|py| {
+                        let run = || -> PyResult<PyValue> {
+                            let out = call_python(py, "create", caller, context, args, &tracked)?;
+                            let out = out.bind(py).cast::<PyTuple>()?;
+                            let tag: String = out.get_item(0)?.extract()?;
+                            if tag == "returned" {
+                                Ok(PyValue::Object(out.get_item(1)?.unbind()))
+                            } else {
+                                Ok(PyValue::Raised {
+                                    exc_type: out.get_item(1)?.extract()?,
+                                    message: out.get_item(2)?.extract()?,
+                                    traceback: out.get_item(3)?.extract()?,
+                                })
+                            }
+                        };
+                        run().map_err(|e| format!("tensorwire.rpc could not create the value: {e}"))
+                    })
+                })
+                .await
+                .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+            }
+        },
+    )?;
+    dist.register_method(
+        PY_FETCH,
+        |_call, value: Arc<PyValue>, (): (), _tracked: Vec<TorchTensor>| async move {
+            tokio::task::spawn_blocking(move || {
+                Python::attach(|py| {
+                    let run = || -> PyResult<(TrackedReply, Vec<TorchTensor>)> {
+                        match &*value {
+                            PyValue::Object(o) => {
+                                let out = engine_fn(py, "fetch")?.call1((o.clone_ref(py),))?;
+                                tracked_reply(&out)
+                            }
+                            PyValue::Raised {
+                                exc_type,
+                                message,
+                                traceback,
+                            } => Ok((
+                                TrackedReply::Raised {
+                                    exc_type: exc_type.clone(),
+                                    message: message.clone(),
+                                    traceback: traceback.clone(),
+                                },
+                                Vec::new(),
+                            )),
+                        }
+                    };
+                    run().map_err(|e| format!("tensorwire.rpc could not send the value: {e}"))
+                })
+            })
+            .await
+            .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+        },
+    )?;
+    dist.agent().functions().register_method(
+        PY_OWNER_CALL,
+        |value: Arc<PyValue>, call: PyCall| async move {
+            tokio::task::spawn_blocking(move || {
+                Python::attach(|py| {
+                    let run = || -> PyResult<PyReply> {
+                        let (object, call) = match &*value {
+                            PyValue::Object(o) => (o.clone_ref(py), call),
+                            PyValue::Raised {
+                                exc_type,
+                                message,
+                                traceback,
+                            } => {
+                                return Ok(PyReply::Raised {
+                                    exc_type: exc_type.clone(),
+                                    message: message.clone(),
+                                    traceback: traceback.clone(),
+                                })
+                            }
+                        };
+                        let out = engine_fn(py, "owner_call")?.call1((
+                            object,
+                            call.function,
+                            PyBytes::new(py, &call.payload),
+                            buffers(py, call.tensors)?,
+                            py_references(py, call.rrefs)?,
+                        ))?;
+                        reply(&out)
+                    };
+                    run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
+                })
+            })
+            .await
+            .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+        },
+    )?;
+    Ok(())
+}
+
+/// Sets distributed autograd up on `agent` (inside the runtime): the driver, with torch's
+/// engine, and the functions calls in a context travel through. Every worker does it as its
+/// agent starts, before it serves a call.
+pub(crate) fn start(agent: &Agent) -> Result<DistAutograd<TorchEngine>, RpcError> {
+    let dist = DistAutograd::new(agent, TorchEngine::default())?;
+    // A pass of torch's engine costs more than a hand-off to a blocking thread, and Python
+    // runs on blocking threads, not on the runtime's workers.
+    dist.set_inline_bound(Duration::ZERO);
+    register(&dist)?;
+    Ok(dist)
+}
+
+/// The exception for a distributed autograd failure: `TensorwireError(kind, message, ranks)`
+/// with PyTorch's wording where PyTorch has one (its tests match on it), then ours.
+fn autograd_error(e: &DistAutogradError) -> PyErr {
+    let (kind, message, ranks) = match e {
+        DistAutogradError::Rpc(e) => return rpc_error(e),
+        DistAutogradError::State(AutogradError::UnknownContext(id)) => (
+            "argument",
+            format!("Could not find autograd context with id: {} ({e})", id.0),
+            Vec::new(),
+        ),
+        DistAutogradError::State(AutogradError::Dropped { context, cause }) => (
+            "network",
+            format!(
+                "Could not find autograd context with id: {}: it was dropped ({cause})",
+                context.0
+            ),
+            vec![cause.worker() as usize],
+        ),
+        DistAutogradError::State(AutogradError::InvalidRoots { problem, .. }) => {
+            let torch = match problem {
+                RootProblem::Empty => "No tensors were given as roots".to_owned(),
+                RootProblem::NoGrad { index } => format!(
+                    "element {index} of tensors does not require grad and does not have a grad_fn"
+                ),
+                RootProblem::NotScalar { .. } => {
+                    "grad can be implicitly created only for scalar outputs".to_owned()
+                }
+                RootProblem::NoGradFn { index } => {
+                    format!("element {index} of tensors does not have a valid gradient function")
+                }
+                _ => String::new(),
+            };
+            ("argument", format!("{torch} ({problem})"), Vec::new())
+        }
+        DistAutogradError::Backward { worker, .. } => {
+            ("backend", e.to_string(), vec![*worker as usize])
+        }
+        _ => ("backend", e.to_string(), Vec::new()),
+    };
+    TensorwireError::new_err((kind, message, ranks))
+}
+
+/// Hands a tracked call's outcome to `on_done` with the GIL, on a blocking thread:
+/// `("returned", payload, buffers, tracked_at, tracked)`, `("raised", type, message,
+/// traceback)` or the exception of a call that failed.
+fn complete(
+    on_done: Py<PyAny>,
+    outcome: Result<(TrackedReply, Vec<TorchTensor>), DistAutogradError>,
+) {
+    tokio::task::spawn_blocking(move || {
+        Python::attach(|py| {
+            let value = match outcome {
+                Ok((
+                    TrackedReply::Returned {
+                        payload,
+                        tensors,
+                        rrefs,
+                        tracked_at,
+                    },
+                    tracked,
+                )) => buffers(py, tensors).and_then(|b| {
+                    (
+                        "returned",
+                        PyBytes::new(py, &payload),
+                        b,
+                        py_references(py, rrefs)?,
+                        tracked_at,
+                        tensors_of(py, &tracked)?,
+                    )
+                        .into_pyobject(py)
+                        .map(|t| t.into_any())
+                }),
+                Ok((
+                    TrackedReply::Raised {
+                        exc_type,
+                        message,
+                        traceback,
+                    },
+                    _,
+                )) => ("raised", exc_type, message, traceback)
+                    .into_pyobject(py)
+                    .map(|t| t.into_any()),
+                Err(e) => Ok(autograd_error(&e).into_value(py).into_bound(py).into_any()),
+            };
+            let value = value.unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any());
+            if let Err(e) = on_done.call1(py, (value,)) {
+                e.write_unraisable(py, Some(on_done.bind(py)));
+            }
+        })
+    });
+}
+
+/// Distributed autograd on this worker, as `tensorwire.rpc.dist_autograd` uses it. Context
+/// ids are Python ints (the creating worker's id in the high 32 bits).
+#[pyclass(module = "tensorwire._native", frozen)]
+pub(crate) struct PyDistAutograd {
+    dist: DistAutograd<TorchEngine>,
+    /// The contexts made here and not yet released, by id.
+    owned: Mutex<HashMap<u64, AutogradContext<TorchEngine>>>,
+}
+
+impl PyDistAutograd {
+    pub(crate) fn new(dist: DistAutograd<TorchEngine>) -> Self {
+        Self {
+            dist,
+            owned: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn retrieve(&self, context: u64) -> PyResult<AutogradContext<TorchEngine>> {
+        self.dist
+            .retrieve(ContextId(context))
+            .map_err(|e| autograd_error(&e))
+    }
+}
+
+/// The tracked tensors of a Python list.
+fn tracked_list(list: &Bound<'_, PyList>) -> PyResult<Vec<TorchTensor>> {
+    tracked_of(list.as_any())
+}
+
+fn timeout_of(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    timeout.map(|t| duration("timeout", t)).transpose()
+}
+
+fn tracked_call(
+    function: String,
+    payload: &[u8],
+    tensors: &Bound<'_, PyList>,
+    rrefs: &Bound<'_, PyList>,
+    tracked_at: Vec<u32>,
+) -> PyResult<TrackedCall> {
+    Ok(TrackedCall {
+        call: PyCall {
+            function,
+            payload: payload.to_vec(),
+            tensors: lend(tensors)?,
+            rrefs: references(rrefs)?,
+        },
+        tracked_at,
+    })
+}
+
+#[pymethods]
+impl PyDistAutograd {
+    /// A new context made by this worker; its id.
+    fn new_context(&self, py: Python<'_>) -> PyResult<u64> {
+        py.detach(|| {
+            let context = self.dist.context().map_err(|e| autograd_error(&e))?;
+            let id = context.id().0;
+            self.owned
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, context);
+            Ok(id)
+        })
+    }
+
+    /// Releases `context` here and on every worker it reached, waiting (without the GIL)
+    /// until they dropped it or are unreachable. A context this worker does not hold raises
+    /// PyTorch's "Could not find autograd context" error.
+    fn release(&self, py: Python<'_>, context: u64) -> PyResult<()> {
+        py.detach(|| {
+            let owned = self
+                .owned
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&context);
+            let handle = match owned {
+                Some(h) => h,
+                None => self.retrieve(context)?,
+            };
+            Ok::<_, PyErr>(handle)
+        })
+        .and_then(|handle| {
+            wait(py, async move { handle.release().await })?.map_err(|e| autograd_error(&e))
+        })
+    }
+
+    /// Whether this worker holds `context` (made here, or brought in by a call).
+    fn has_context(&self, py: Python<'_>, context: u64) -> bool {
+        py.detach(|| self.dist.retrieve(ContextId(context)).is_ok())
+    }
+
+    /// Raises the error for a context this worker does not hold (PyTorch's
+    /// `_retrieve_context`); nothing for one it holds.
+    fn check_context(&self, py: Python<'_>, context: u64) -> PyResult<()> {
+        py.detach(|| self.retrieve(context).map(drop))
+    }
+
+    /// How many contexts this worker holds.
+    fn context_count(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.dist.context_count())
+    }
+
+    /// Calls `function` on `to` in `context`: `payload` is the pickled arguments, `tensors`
+    /// the untracked tensors it refers to (held until sent) and `tracked` the tensors that
+    /// require grad, at the positions `tracked_at` of the pickle's tensor list. Returns at
+    /// once; `on_done(outcome)` runs later with the GIL (see `complete`).
+    #[pyo3(signature = (context, to, function, payload, tensors, rrefs, tracked_at, tracked, timeout, on_done))]
+    #[allow(clippy::too_many_arguments)]
+    fn call(
+        &self,
+        py: Python<'_>,
+        context: u64,
+        to: String,
+        function: String,
+        payload: &[u8],
+        tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
+        tracked_at: Vec<u32>,
+        tracked: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+        on_done: Py<PyAny>,
+    ) -> PyResult<()> {
+        let timeout = timeout_of(timeout)?;
+        let call = tracked_call(function, payload, tensors, rrefs, tracked_at)?;
+        let tracked = tracked_list(tracked)?;
+        let future = py.detach(|| {
+            let _runtime = runtime().enter();
+            let handle = self.retrieve(context)?;
+            handle
+                .rpc_async::<TrackedCall, TrackedReply>(&to, PY_FN, &call, &tracked, timeout)
+                .map_err(|e| autograd_error(&e))
+        })?;
+        runtime().spawn(async move { complete(on_done, future.await) });
+        Ok(())
+    }
+
+    /// `remote()` in `context` (arguments as for [`call`](Self::call)): a reference to the
+    /// value `function` makes on `to`.
+    #[pyo3(signature = (context, to, function, payload, tensors, rrefs, tracked_at, tracked, timeout))]
+    #[allow(clippy::too_many_arguments)]
+    fn remote(
+        &self,
+        py: Python<'_>,
+        context: u64,
+        to: String,
+        function: String,
+        payload: &[u8],
+        tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
+        tracked_at: Vec<u32>,
+        tracked: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyRRef> {
+        let timeout = timeout_of(timeout)?;
+        let call = tracked_call(function, payload, tensors, rrefs, tracked_at)?;
+        let tracked = tracked_list(tracked)?;
+        let rref = py.detach(|| {
+            let _runtime = runtime().enter();
+            let handle = self.retrieve(context)?;
+            handle
+                .remote::<TrackedCall, PyValue>(&to, PY_REMOTE, &call, &tracked, timeout)
+                .map_err(|e| autograd_error(&e))
+        })?;
+        Ok(PyRRef { rref })
+    }
+
+    /// `rref.to_here()` in `context`: the value pickled on its owner, its tensors that
+    /// require grad tracked; `on_done` as for [`call`](Self::call).
+    #[pyo3(signature = (context, rref, timeout, on_done))]
+    fn fetch(
+        &self,
+        py: Python<'_>,
+        context: u64,
+        rref: &PyRRef,
+        timeout: Option<f64>,
+        on_done: Py<PyAny>,
+    ) -> PyResult<()> {
+        let timeout = timeout_of(timeout)?;
+        let rref = rref.rref.clone();
+        let handle = py.detach(|| self.retrieve(context))?;
+        runtime().spawn(async move {
+            let outcome = handle
+                .rref_rpc_sync::<PyValue, (), TrackedReply>(&rref, PY_FETCH, &(), &[], timeout)
+                .await;
+            complete(on_done, outcome)
+        });
+        Ok(())
+    }
+
+    /// Runs `function`, one of tensorwire's own owner-side functions (the Python layer's
+    /// `owner_call` refuses any other), on the owner of `rref` with its value as the first
+    /// argument; `on_done` gets the outcome as for `RpcAgent.call`.
+    #[pyo3(signature = (rref, function, payload, tensors, timeout, on_done))]
+    fn owner_call(
+        &self,
+        rref: &PyRRef,
+        function: String,
+        payload: &[u8],
+        tensors: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+        on_done: Py<PyAny>,
+    ) -> PyResult<()> {
+        let timeout = timeout_of(timeout)?;
+        let call = PyCall {
+            function,
+            payload: payload.to_vec(),
+            tensors: lend(tensors)?,
+            rrefs: Vec::new(),
+        };
+        let _runtime = runtime().enter();
+        let future = rref
+            .rref
+            .rpc_async::<PyCall, PyReply>(PY_OWNER_CALL, &call, timeout)
+            .map_err(|e| rpc_error(&e))?;
+        drop(call);
+        runtime().spawn(async move { crate::rpc::complete(on_done, future.await) });
+        Ok(())
+    }
+
+    /// Runs the backward pass in `context` from `roots` (scalars that require grad) and
+    /// waits, without the GIL, until every worker it reached is done.
+    #[pyo3(signature = (context, roots, retain_graph))]
+    fn backward(
+        &self,
+        py: Python<'_>,
+        context: u64,
+        roots: &Bound<'_, PyList>,
+        retain_graph: bool,
+    ) -> PyResult<()> {
+        let roots: Vec<(TorchTensor, Option<TorchTensor>)> = tracked_list(roots)?
+            .into_iter()
+            .map(|t| (t, None))
+            .collect();
+        let handle = py.detach(|| self.retrieve(context))?;
+        wait(
+            py,
+            async move { handle.backward(&roots, retain_graph).await },
+        )?
+        .map_err(|e| autograd_error(&e))
+    }
+
+    /// The gradients this worker holds in `context`: `[(leaf, gradient)]`.
+    fn gradients<'py>(
+        &self,
+        py: Python<'py>,
+        context: u64,
+    ) -> PyResult<Vec<(Py<PyAny>, Py<PyAny>)>> {
+        let grads = py
+            .detach(|| self.dist.gradients(ContextId(context)))
+            .ok_or_else(|| {
+                autograd_error(&DistAutogradError::State(AutogradError::UnknownContext(
+                    ContextId(context),
+                )))
+            })?;
+        Ok(grads
+            .into_iter()
+            .map(|(leaf, grad)| (leaf.tensor.0.clone_ref(py), grad.0.clone_ref(py)))
+            .collect())
+    }
+}

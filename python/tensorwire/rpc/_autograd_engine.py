@@ -1,0 +1,383 @@
+"""torch's autograd as the local engine of tensorwire's distributed autograd, and the calls made
+inside a context.
+
+The protocol (contexts, send and recv records, which gradient goes where, completion, release,
+lost peers) is decided in tensorwire's core and driven by the native module
+(``python/src/autograd.rs``); this module only does what torch must do on request:
+
+- ``import_tensor`` / ``export_tensor``: a received tensor that required grad on its sender
+  becomes a leaf of this worker's graph (its *recv function*: the gradient torch computes for it
+  goes back to the sender); a tensor sent is handed over as bytes, and the native side keeps
+  the tensor itself (its *send function*: a gradient that comes back for it starts a local pass
+  from it);
+- ``backward``: one local pass of torch's engine from given roots and seed gradients over the
+  leaves they reach, keeping the graph (FAST mode may run a send function once per gradient
+  that reaches it); gradients are returned to the native side, which accumulates them in the
+  context, never in ``.grad``;
+- ``serve`` / ``create`` / ``fetch``: a call, a ``remote()`` creation or a ``to_here()`` made
+  in a context, with the context current on the serving thread (so calls the function makes
+  are recorded in it too, as in PyTorch).
+
+Calls made in a context carry their tensors in two lists: those that require grad (tracked:
+recorded, their gradients flow back) and the others (beside the pickle, as ``tensorwire.rpc``
+sends them); ``tracked_at`` says where each tracked tensor goes in the pickle's tensor list.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from typing import Any, Optional, Sequence
+
+import torch
+
+from tensorwire.rpc import _serialize
+from tensorwire.rpc._exposed import RefusedError
+
+_tls = threading.local()
+
+
+def current_id() -> Optional[int]:
+    """The id of the context current on this thread, if any."""
+    return getattr(_tls, "context_id", None)
+
+
+def set_current(context_id: Optional[int]) -> Optional[int]:
+    """Makes ``context_id`` current on this thread; returns the one it replaces."""
+    previous = current_id()
+    _tls.context_id = context_id
+    return previous
+
+
+# --- the engine ---------------------------------------------------------------------------
+
+
+def import_tensor(dtype: str, shape: tuple, buffer: Any, requires_grad: bool) -> torch.Tensor:
+    """A received tensor over its bytes; a leaf that records its gradient if it required grad
+    on its sender."""
+    dt = _serialize._DTYPES[dtype]
+    if len(buffer) == 0:
+        t = torch.empty(shape, dtype=dt)
+    else:
+        t = torch.frombuffer(buffer, dtype=torch.uint8).view(dt).view(shape)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def export_tensor(t: torch.Tensor) -> tuple:
+    """``(dtype name, shape, contiguous CPU tensor without graph)`` of a tensor to send."""
+    prepared = _serialize._prepare(t)
+    return str(prepared.dtype).removeprefix("torch."), tuple(prepared.shape), prepared
+
+
+def _leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaves that require grad reached from ``outputs`` (an output that is a leaf
+    included), each once, in the order found."""
+    leaves: list[torch.Tensor] = []
+    seen_leaves: set[int] = set()
+    seen_nodes: set[int] = set()
+    held: list[Any] = []  # keeps nodes alive, so that their ids stay theirs
+    stack: list[Any] = []
+
+    def add_leaf(t: torch.Tensor) -> None:
+        if id(t) not in seen_leaves:
+            seen_leaves.add(id(t))
+            leaves.append(t)
+
+    for o in outputs:
+        if o.grad_fn is None:
+            add_leaf(o)
+        else:
+            stack.append(o.grad_fn)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        held.append(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            add_leaf(variable)
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                stack.append(nxt)
+    return leaves
+
+
+def backward(roots: list, seeds: list) -> list:
+    """One local pass from ``roots`` with ``seeds`` (``None``: ones, for a scalar), keeping the
+    graph: ``[(leaf, gradient)]`` for every leaf it reached."""
+    outputs, grads = [], []
+    for root, seed in zip(roots, seeds):
+        if not root.requires_grad:
+            continue
+        outputs.append(root)
+        grads.append(torch.ones_like(root) if seed is None else seed)
+    if not outputs:
+        return []
+    leaves = _leaves(outputs)
+    if not leaves:
+        return []
+    got = torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True)
+    return [(leaf, g) for leaf, g in zip(leaves, got) if g is not None]
+
+
+def assign(leaf: torch.Tensor, values: torch.Tensor) -> None:
+    """Writes ``values`` into ``leaf`` in place."""
+    with torch.no_grad():
+        leaf.copy_(values)
+
+
+# --- values in a context ------------------------------------------------------------------
+
+
+def dumps_split(value: Any) -> tuple[bytes, list, list, list, list]:
+    """``value`` pickled as ``tensorwire.rpc`` pickles it, its tensors split in two:
+    ``(payload, untracked, native references, tracked_at, tracked)``; the tracked ones are the
+    tensors that require grad, as they are (the native side records them as sent)."""
+    buf = io.BytesIO()
+    p = _serialize._Pickler(buf)
+    p.dump(value)
+    originals = [h for h in p._held if isinstance(h, torch.Tensor)]
+    plain, tracked_at, tracked = [], [], []
+    for i, (prepared, original) in enumerate(zip(p.tensors, originals)):
+        if original.requires_grad:
+            tracked_at.append(i)
+            tracked.append(original)
+        else:
+            plain.append(prepared)
+    return buf.getvalue(), plain, p.rrefs, tracked_at, tracked
+
+
+def merge(plain: Sequence[Any], tracked_at: Sequence[int], tracked: Sequence[Any], origin: str) -> list:
+    """The pickle's tensor list again: untracked buffers and tracked tensors in their places."""
+    total = len(plain) + len(tracked)
+    if len(tracked_at) != len(tracked) or any(
+        type(i) is not int or not 0 <= i < total for i in tracked_at
+    ) or any(a >= b for a, b in zip(tracked_at, tracked_at[1:])):
+        raise RefusedError(f"malformed tracked tensor positions from {origin}: {tracked_at!r}")
+    out: list = []
+    places = dict(zip(tracked_at, tracked))
+    it = iter(plain)
+    for i in range(total):
+        out.append(places[i] if i in places else next(it))
+    return out
+
+
+def _run_in(
+    context_id: int, caller: str, function: str, payload: bytes, plain: list, rrefs: list,
+    tracked_at: list, tracked: list,
+) -> Any:
+    from tensorwire import rpc
+
+    previous = set_current(context_id)
+    try:
+        buffers = merge(plain, tracked_at, tracked, caller)
+        result, later = rpc._invoke(caller, function, payload, buffers, rrefs, None)
+        # An async_execution function's future is waited for here, in the context.
+        return result.wait() if later else result
+    finally:
+        set_current(previous)
+
+
+def serve(
+    caller: str, context_id: int, function: str, payload: bytes, plain: list, rrefs: list,
+    tracked_at: list, tracked: list,
+) -> tuple:
+    """A call from ``caller`` in ``context_id``: ``("returned", payload, untracked, rrefs,
+    tracked_at, tracked)`` or ``("raised", type, message, traceback)``."""
+    from tensorwire import rpc
+
+    rpc._wait_ready()
+    try:
+        value = _run_in(context_id, caller, function, payload, plain, rrefs, tracked_at, tracked)
+        return ("returned", *dumps_split(value))
+    except Exception as e:
+        return rpc._raised(e)
+
+
+def create(
+    caller: str, context_id: int, function: str, payload: bytes, plain: list, rrefs: list,
+    tracked_at: list, tracked: list,
+) -> tuple:
+    """A ``remote()`` creation from ``caller`` in ``context_id``: ``("returned", value)`` or
+    ``("raised", ...)``."""
+    from tensorwire import rpc
+
+    rpc._wait_ready()
+    try:
+        return ("returned", _run_in(context_id, caller, function, payload, plain, rrefs, tracked_at, tracked))
+    except Exception as e:
+        return rpc._raised(e)
+
+
+def fetch(value: Any) -> tuple:
+    """A reference's value for ``to_here()`` in a context, its tensors that require grad
+    tracked."""
+    from tensorwire import rpc
+
+    try:
+        return ("returned", *dumps_split(value))
+    except Exception as e:
+        return rpc._raised(e)
+
+
+# --- tensorwire's own functions on a reference's owner ------------------------------------
+
+#: What ``owner_call`` may run on a reference's value, by name: tensorwire's own functions
+#: only (modules register theirs on import; peers cannot add any).
+OWNER_FUNCTIONS: dict[str, Any] = {}
+
+
+def owner_call(value: Any, function: str, payload: bytes, buffers: list, rrefs: list) -> tuple:
+    """Runs ``OWNER_FUNCTIONS[function](value, *args)`` on a reference's owner:
+    ``("returned", payload, tensors, rrefs)`` or ``("raised", type, message, traceback)``."""
+    from tensorwire import rpc
+
+    rpc._wait_ready()
+    try:
+        if function.startswith("optim.") and function not in OWNER_FUNCTIONS:
+            import tensorwire.rpc.optim  # noqa: F401 - registers the optimizer's functions
+        fn = OWNER_FUNCTIONS.get(function)
+        if fn is None:
+            raise RefusedError(f"{function!r} is not one of tensorwire's owner-side functions")
+        args = _serialize.loads(payload, buffers, rrefs, trusted=False, origin="a reference holder")
+        if not isinstance(args, tuple):
+            raise RefusedError("malformed arguments for an owner-side function")
+        return rpc._returned(fn(value, *args))
+    except Exception as e:
+        return rpc._raised(e)
+
+
+def owner_call_async(rref: Any, function: str, args: tuple, timeout: Any = -1.0) -> torch.futures.Future:
+    """Runs the owner-side function ``function`` on ``rref``'s value, on its owner."""
+    from tensorwire import _native, rpc
+
+    fut, on_done = rpc._future(rref.owner())
+    payload, tensors, _ = _serialize.dumps(tuple(args))
+    try:
+        native().owner_call(rref._native, function, payload, tensors, rpc._timeout(timeout), on_done)
+    except _native.TensorwireError as e:
+        raise rpc._runtime_error(e) from e
+    return fut
+
+
+# --- calls made in a context, at the caller ---------------------------------------------
+
+
+def native() -> Any:
+    """This worker's native distributed autograd (RPC must be initialized)."""
+    from tensorwire import rpc
+
+    return rpc._require_agent().dist_autograd()
+
+
+def _outcome_future(worker: str, callee: Any) -> tuple[torch.futures.Future, Any]:
+    """A future and the ``on_done`` that completes it from a tracked call's outcome."""
+    from tensorwire import rpc
+
+    fut: torch.futures.Future = torch.futures.Future()
+    trusted = rpc._trusted
+
+    def on_done(outcome: Any) -> None:
+        try:
+            if isinstance(outcome, BaseException):
+                result: Any = rpc._runtime_error(outcome)
+            elif outcome[0] == "returned":
+                try:
+                    _, payload, plain, rrefs, tracked_at, tracked = outcome
+                    tensors = merge(plain, tracked_at, tracked, worker)
+                    value = _serialize.loads(payload, tensors, rrefs, trusted=trusted, origin=worker)
+                except Exception as e:
+                    result = e
+                else:
+                    fut.set_result(value)
+                    return
+            else:
+                result = rpc._remote_exception(callee, outcome[1], outcome[2], outcome[3])
+            fut.set_exception(result)
+        except Exception as e:  # noqa: BLE001 - the future must complete
+            if not fut.done():
+                fut.set_exception(e)
+
+    return fut, on_done
+
+
+def _prepare_call(to: Any, func: Any, args: Any, kwargs: Any) -> tuple:
+    from tensorwire import _native, rpc
+    from tensorwire.rpc._types import WorkerInfo
+
+    agent = rpc._require_agent()
+    worker = rpc._worker_name(to, agent)
+    try:
+        callee = WorkerInfo(*agent.worker(worker))
+    except _native.TensorwireError as e:
+        raise rpc._runtime_error(e) from e
+    func, args = rpc._bind(func, args)
+    encoded = dumps_split((tuple(args or ()), dict(kwargs or {})))
+    return worker, callee, rpc._function_name(func), encoded
+
+
+def rpc_async(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> torch.futures.Future:
+    """``rpc_async`` inside ``context_id``: the send and the recv of its tensors (and of its
+    result's) are recorded."""
+    from tensorwire import _native, rpc
+
+    worker, callee, name, (payload, plain, rrefs, tracked_at, tracked) = _prepare_call(to, func, args, kwargs)
+    fut, on_done = _outcome_future(worker, callee)
+    try:
+        native().call(
+            context_id, worker, name, payload, plain, rrefs, tracked_at, tracked, rpc._timeout(timeout), on_done
+        )
+    except _native.TensorwireError as e:
+        raise rpc._runtime_error(e) from e
+    return fut
+
+
+def remote(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
+    """``remote`` inside ``context_id``."""
+    from tensorwire import _native, rpc
+
+    worker, _, name, (payload, plain, rrefs, tracked_at, tracked) = _prepare_call(to, func, args, kwargs)
+    try:
+        made = native().remote(
+            context_id, worker, name, payload, plain, rrefs, tracked_at, tracked, rpc._timeout(timeout)
+        )
+    except _native.TensorwireError as e:
+        raise rpc._runtime_error(e) from e
+    return rpc.RRef(_native_rref=made)
+
+
+def fetch_async(context_id: int, rref: Any, timeout: Any) -> torch.futures.Future:
+    """``rref.to_here()`` inside ``context_id``: the value's tensors that require grad are
+    tracked, so their gradients reach the owner; on the owner, the value itself (its graph
+    carries the gradients, as in PyTorch)."""
+    from tensorwire import _native, rpc
+
+    if rref.is_owner():
+        fut: torch.futures.Future = torch.futures.Future()
+        try:
+            fut.set_result(rref.local_value())
+        except Exception as e:  # noqa: BLE001 - the future carries it
+            fut.set_exception(e)
+        return fut
+    owner = rref.owner()
+    fut, on_done = _outcome_future(owner.name, owner)
+    try:
+        native().fetch(context_id, rref._native, rpc._timeout(timeout), on_done)
+    except _native.TensorwireError as e:
+        raise rpc._runtime_error(e) from e
+    return fut
+
+
+def _install() -> None:
+    """Calls made inside a context go through this module (``tensorwire.rpc``'s hook)."""
+    import sys
+
+    from tensorwire import rpc
+
+    rpc._autograd = sys.modules[__name__]
+
+
+_install()

@@ -1,0 +1,155 @@
+"""``torch.distributed.autograd`` on tensorwire's RPC agent: distributed autograd in PyTorch's
+FAST mode, with torch's own autograd computing on every worker.
+
+Switch by changing one import::
+
+    from tensorwire.rpc import dist_autograd     # instead of: import torch.distributed.autograd as dist_autograd
+
+    with dist_autograd.context() as context_id:
+        y = rpc.rpc_sync("worker1", torch.mul, args=(x, w))   # x or w requires grad
+        loss = y.sum()
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)       # {tensor: gradient}, this worker's
+
+Every ``rpc_sync``, ``rpc_async`` and ``remote`` made on a thread while a context is current
+(and every call the called function makes in turn, and ``rref.to_here()``) records a *send* at
+the caller and a *recv* at the callee for the tensors that require grad, for arguments and
+results alike. :func:`backward` runs torch's engine on this worker from the roots, sends each
+gradient that reaches a recv back to its sender, which runs torch's engine from the matching
+send, and so on; it returns once every worker the pass reached is done. Gradients accumulate in
+the context of the worker that holds the tensor (:func:`get_gradients`), never in ``.grad``.
+
+The protocol is tensorwire's core state machine (``tensorwire_core::autograd``): context ids
+carry a capability that only the workers a context reached know (a peer cannot join or release
+another's context by guessing its id), each peer may make this worker hold a bounded number of
+contexts, and a worker that is lost drops every context it took part in on every survivor at
+once: a backward running in one fails naming it, and nothing waits for it.
+
+Where this differs from PyTorch: a backward that fails on some worker without losing it (its
+engine raised) is reported once every piece of work it started has answered, and leaves the
+context usable; a call's unused result contributes zero and never holds the backward up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from tensorwire import _native
+from tensorwire.rpc import _autograd_engine
+
+__all__ = ["context", "backward", "get_gradients"]
+
+
+def _native_ad() -> Any:
+    from tensorwire import rpc
+
+    try:
+        return _autograd_engine.native()
+    except _native.TensorwireError as e:
+        raise rpc._runtime_error(e) from e
+
+
+def _raise(e: BaseException) -> None:
+    from tensorwire import rpc
+
+    raise rpc._runtime_error(e) from e
+
+
+class context:
+    """A distributed autograd context, current on this thread while the ``with`` block runs;
+    yields its id. Leaving the block releases it here and on every worker it reached."""
+
+    def __enter__(self) -> int:
+        if _autograd_engine.current_id() is not None:
+            raise RuntimeError(
+                "Already have an autograd context id for this thread (nested contexts are not "
+                "supported)"
+            )
+        try:
+            self.autograd_context = _native_ad().new_context()
+        except _native.TensorwireError as e:
+            _raise(e)
+        _autograd_engine.set_current(self.autograd_context)
+        return self.autograd_context
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        _autograd_engine.set_current(None)
+        try:
+            _native_ad().release(self.autograd_context)
+        except _native.TensorwireError as e:
+            # A context dropped by a failure (a lost worker) is gone already: nothing to
+            # release, and the failure was raised where it happened.
+            if exc_type is None and "Could not find autograd context" not in str(e):
+                _raise(e)
+
+
+def backward(context_id: int, roots: list, retain_graph: bool = False) -> None:
+    """Runs the backward pass of ``context_id`` from ``roots`` (scalar tensors that require
+    grad, held here) and returns once every worker it reached is done. Gradients accumulate
+    in the context. Without ``retain_graph`` a second backward in the context is refused.
+    Raises ``RuntimeError`` (PyTorch's messages) for bad roots or an unknown context, and
+    for a failed pass, naming the worker at fault."""
+    if not isinstance(roots, (list, tuple)):
+        raise TypeError(f"roots must be a list of tensors, not {type(roots).__name__}")
+    for r in roots:
+        if not isinstance(r, torch.Tensor):
+            raise TypeError(f"roots must be tensors, not {type(r).__name__}")
+    try:
+        _native_ad().backward(int(context_id), list(roots), bool(retain_graph))
+    except _native.TensorwireError as e:
+        _raise(e)
+
+
+def get_gradients(context_id: int) -> dict:
+    """The gradients this worker accumulated in ``context_id``: ``{tensor: gradient}`` for
+    the tensors that require grad and were reached here (parameters, inputs)."""
+    try:
+        pairs = _native_ad().gradients(int(context_id))
+    except _native.TensorwireError as e:
+        _raise(e)
+    return {leaf: grad for leaf, grad in pairs}
+
+
+class _Context:
+    """What ``_retrieve_context`` and ``_current_context`` return (PyTorch's
+    ``DistAutogradContext``, the part that is not its internals)."""
+
+    def __init__(self, context_id: int):
+        self._id = context_id
+
+    def _context_id(self) -> int:
+        return self._id
+
+    def __repr__(self) -> str:
+        return f"DistAutogradContext({self._id})"
+
+
+def _retrieve_context(context_id: int) -> _Context:
+    """The context ``context_id`` held here; ``RuntimeError`` if this worker holds none."""
+    try:
+        _native_ad().check_context(int(context_id))
+    except _native.TensorwireError as e:
+        _raise(e)
+    return _Context(int(context_id))
+
+
+def _current_context() -> _Context:
+    """The context current on this thread; ``RuntimeError`` if there is none."""
+    context_id: Optional[int] = _autograd_engine.current_id()
+    if context_id is None:
+        raise RuntimeError("Current thread doesn't have a valid autograd context. Please wrap "
+                           "your code using: `with torch.distributed.autograd.context() as context_id` "
+                           "to generate a valid context")
+    return _retrieve_context(context_id)
+
+
+def _is_valid_context(context_id: int) -> bool:
+    """Whether this worker holds ``context_id``."""
+    return bool(_native_ad().has_context(int(context_id)))
+
+
+def _context_count() -> int:
+    """How many contexts this worker holds (its own and those calls brought in)."""
+    return int(_native_ad().context_count())

@@ -1,0 +1,336 @@
+"""tensorwire.rpc.dist_autograd and tensorwire.rpc.optim with real processes: gradients of a
+model split over workers (rpc_sync, rpc_async, remote + to_here, nested calls) compared bit for
+bit with the same model run by torch in one process; PyTorch's errors; a lost worker; the
+distributed optimizer against the local one."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import tensorwire.rpc as rpc
+from tensorwire.rpc import dist_autograd
+from tensorwire.rpc.optim import DistributedOptimizer
+from harness import run_world
+
+# --- each worker's parameters, made from a seed, so that one process can rebuild them all ---
+
+
+def params_of(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(4, 4, generator=g, dtype=torch.float64).requires_grad_()
+
+
+_W: dict[str, torch.Tensor] = {}
+
+
+def my_weight() -> torch.Tensor:
+    name = rpc.get_worker_info().name
+    if name not in _W:
+        _W[name] = params_of(rpc.get_worker_info().id)
+    return _W[name]
+
+
+@rpc.expose
+def stage(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ my_weight())
+
+
+@rpc.expose
+def relay(to: str, x: torch.Tensor) -> torch.Tensor:
+    # A nested call in the caller's context: the gradient goes to, and comes back from, `to`.
+    return rpc.rpc_sync(to, stage, args=(x * 2,)) + x
+
+
+@rpc.expose
+def weight_grad(context_id: int) -> torch.Tensor:
+    # This worker's gradient of its weight in the context (zeros if none reached it).
+    grads = dist_autograd.get_gradients(context_id)
+    return grads.get(my_weight(), torch.zeros(4, 4, dtype=torch.float64)).clone()
+
+
+@rpc.expose
+def ones_like_requires_grad(x: torch.Tensor) -> torch.Tensor:
+    # A result that requires grad whatever the arguments (PyTorch: a recv at the caller).
+    return x.detach().clone().requires_grad_()
+
+
+def local_reference(x: torch.Tensor, w0: torch.Tensor) -> tuple:
+    """The same model, run by torch in this process: the gradients of x, w0 and each worker's
+    weight."""
+    ws = {r: params_of(r) for r in (1, 2)}
+
+    def st(r, t):
+        return torch.tanh(t @ ws[r])
+
+    h = x @ w0
+    a = st(1, h)  # rpc_sync on worker1
+    b = st(2, a)  # rpc_async on worker2
+    c = st(1, b * 2) + b  # relay on worker2 -> worker1 (nested); worker1's weight used twice
+    loss = (c * c).sum()
+    grads = torch.autograd.grad(loss, [x, w0, ws[1], ws[2]])
+    return loss.detach(), grads
+
+
+def split_model(rank: int, world: int, marker: str) -> None:
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    if rank == 0:
+        torch.manual_seed(0)
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        w0 = params_of(0)
+        with dist_autograd.context() as cid:
+            h = x @ w0
+            a = rpc.rpc_sync("worker1", stage, args=(h,))
+            b = rpc.rpc_async("worker2", stage, args=(a,)).wait()
+            c = rpc.remote("worker2", relay, args=("worker1", b)).to_here()
+            loss = (c * c).sum()
+            dist_autograd.backward(cid, [loss])
+            grads = dist_autograd.get_gradients(cid)
+            # Only this worker's leaves, never .grad.
+            assert set(map(id, grads)) == {id(x), id(w0)}, grads
+            assert x.grad is None and w0.grad is None
+            g1 = rpc.rpc_sync("worker1", weight_grad, args=(cid,))
+            g2 = rpc.rpc_sync("worker2", weight_grad, args=(cid,))
+        ref_loss, (rx, rw0, rw1, rw2) = local_reference(x.detach().requires_grad_(), params_of(0))
+        assert torch.equal(loss.detach(), ref_loss)
+        # In FAST mode a gradient that reaches a worker in several pieces (here: b feeds the
+        # relay twice, so its gradient comes back to this worker as two messages) runs the
+        # send function once per piece and the context adds the results, where torch's one
+        # pass adds the pieces first: the same sums in another order, so equal within 1e-12
+        # (float64), not bit for bit. (A chain is bit for bit: see the optimizer's test.)
+        for got, want in ((grads[x], rx), (grads[w0], rw0), (g1, rw1), (g2, rw2)):
+            assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+        # The context was released everywhere it went.
+        with pytest.raises(RuntimeError, match=f"Could not find autograd context with id: {cid}"):
+            dist_autograd.get_gradients(cid)
+        with open(marker, "w") as f:
+            f.write("ok")
+    rpc.shutdown()
+
+
+def test_gradients_of_a_split_model_match_local_pytorch(tmp_path):
+    marker = str(tmp_path / "done")
+    run_world(split_model, 3, marker)
+    assert open(marker).read() == "ok"
+
+
+def accumulation_and_errors(rank: int, world: int) -> None:
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    if rank == 0:
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        # Gradients accumulate within a context (retain_graph), never across contexts.
+        with dist_autograd.context() as cid:
+            loss = rpc.rpc_sync("worker1", stage, args=(x,)).sum()
+            dist_autograd.backward(cid, [loss], retain_graph=True)
+            once = dist_autograd.get_gradients(cid)[x].clone()
+            dist_autograd.backward(cid, [loss], retain_graph=True)
+            assert torch.equal(dist_autograd.get_gradients(cid)[x], 2 * once)
+            dist_autograd.backward(cid, [loss])
+            assert torch.equal(dist_autograd.get_gradients(cid)[x], 3 * once)
+            # Without retain_graph the graph is gone.
+            with pytest.raises(RuntimeError, match="retain_graph"):
+                dist_autograd.backward(cid, [loss])
+        with dist_autograd.context() as cid:
+            loss = rpc.rpc_sync("worker1", stage, args=(x,)).sum()
+            dist_autograd.backward(cid, [loss])
+            assert torch.equal(dist_autograd.get_gradients(cid)[x], once)
+        # PyTorch's errors for bad roots, checked before anything runs.
+        with dist_autograd.context() as cid:
+            y = rpc.rpc_sync("worker1", stage, args=(x,))
+            with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+                dist_autograd.backward(cid, [y])
+            with pytest.raises(RuntimeError, match="element 0 of tensors does not require grad"):
+                dist_autograd.backward(cid, [torch.ones(())])
+            with pytest.raises(RuntimeError, match="element 1 of tensors does not require grad"):
+                dist_autograd.backward(cid, [y.sum(), torch.ones(())])
+            with pytest.raises(TypeError):
+                dist_autograd.backward(cid, y.sum())
+            # The context is still usable after refused roots.
+            dist_autograd.backward(cid, [y.sum()])
+            assert x in dist_autograd.get_gradients(cid)
+            # A result that requires grad whatever its arguments is a valid root too.
+            z = rpc.rpc_sync("worker1", ones_like_requires_grad, args=(torch.ones(2),))
+            assert z.requires_grad
+            # Nested contexts are refused, as in PyTorch.
+            with pytest.raises(RuntimeError, match="Already have an autograd context id for this thread"):
+                with dist_autograd.context():
+                    pass
+            assert dist_autograd._current_context()._context_id() == cid
+            assert dist_autograd._retrieve_context(cid)._context_id() == cid
+        # Unknown and released contexts.
+        with pytest.raises(RuntimeError, match=f"Could not find autograd context with id: {cid}"):
+            dist_autograd.backward(cid, [y.sum()])
+        with pytest.raises(RuntimeError, match=f"Could not find autograd context with id: {cid}"):
+            dist_autograd._retrieve_context(cid)
+        with pytest.raises(RuntimeError, match="Could not find autograd context with id: 12345"):
+            dist_autograd.get_gradients(12345)
+        with pytest.raises(RuntimeError, match="valid autograd context"):
+            dist_autograd._current_context()
+        # Outside a context calls are plain RPCs: nothing is recorded anywhere.
+        y = rpc.rpc_sync("worker1", stage, args=(x,))
+        assert y.requires_grad and y.grad_fn is None
+        assert dist_autograd._context_count() == 0
+        assert rpc.rpc_sync("worker1", context_count) == 0
+    rpc.shutdown()
+
+
+@rpc.expose
+def context_count() -> int:
+    return dist_autograd._context_count()
+
+
+def test_accumulation_within_a_context_and_pytorchs_errors():
+    run_world(accumulation_and_errors, 2)
+
+
+_finished = threading.Event()
+
+
+class _DieOnBackward(torch.autograd.Function):
+    """Identity forward; the process dies without a goodbye when the gradient reaches it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        os._exit(9)
+
+
+@rpc.expose
+def stage_then_die(x: torch.Tensor) -> torch.Tensor:
+    return _DieOnBackward.apply(stage(x))
+
+
+@rpc.expose
+def relay_to_dying(to: str, x: torch.Tensor) -> torch.Tensor:
+    return rpc.rpc_sync(to, stage_then_die, args=(x * 2,)) + x
+
+
+@rpc.expose
+def wait_finished() -> None:
+    # Held by rank 1 until rank 0 is done (a graceful shutdown would wait for the dead).
+    assert _finished.wait(120)
+
+
+def lost_worker(rank: int, world: int, marker: str) -> None:
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    if rank == 2:
+        # Serves the forward pass, then dies in the backward pass (_DieOnBackward).
+        rpc.rpc_sync("worker0", wait_finished)
+        raise AssertionError("worker2 outlived its backward pass")
+    if rank == 0:
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        with dist_autograd.context() as cid:
+            loss = rpc.rpc_sync("worker1", relay_to_dying, args=("worker2", x)).sum()
+            started = time.monotonic()
+            with pytest.raises(RuntimeError) as raised:
+                dist_autograd.backward(cid, [loss])
+        elapsed = time.monotonic() - started
+        message = str(raised.value)
+        # Named, and long before any timeout (the RPC timeout is 60 s): noticed, not waited out.
+        assert "worker2" in message, message
+        assert elapsed < 30, elapsed
+        with open(marker, "w") as f:
+            f.write(message)
+        _finished.set()
+    else:
+        # Serves rank 0 until it is done: the answer, or rank 0's shutdown failing the call.
+        try:
+            rpc.rpc_sync("worker0", wait_finished)
+        except RuntimeError as e:
+            assert "worker 0" in str(e) or "worker0" in str(e), e
+    rpc.shutdown(graceful=False)
+
+
+def test_a_lost_worker_fails_backward_naming_it(tmp_path):
+    marker = str(tmp_path / "raised")
+    run_world(lost_worker, 3, marker, expect_fail={2})
+    assert "worker2" in open(marker).read()
+
+
+# --- the distributed optimizer --------------------------------------------------------------
+
+
+@rpc.expose
+def new_param(rank: int) -> torch.Tensor:
+    # Kept on its owner by remote(): the value the reference points to is the parameter.
+    _W[rpc.get_worker_info().name] = params_of(rank)
+    return _W[rpc.get_worker_info().name]
+
+
+@rpc.expose
+def current_weight() -> torch.Tensor:
+    return my_weight().detach().clone()
+
+
+@rpc.expose
+class FailingOptimizer(torch.optim.Optimizer):
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        raise ValueError("Error running optimizer.")
+
+
+@rpc.expose
+class OptimizerFailingOnConstructor(torch.optim.Optimizer):
+    def __init__(self, params):
+        super().__init__(params, {})
+        raise ValueError("Error creating optimizer.")
+
+
+def trained(rank: int, world: int, optimizer: str, marker: str) -> None:
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    if rank == 0:
+        cls, kwargs = {
+            "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+            "adam": (torch.optim.Adam, {"lr": 0.01}),
+        }[optimizer]
+        refs = [rpc.remote(f"worker{r}", new_param, args=(r,)) for r in (1, 2)]
+        opt = DistributedOptimizer(cls, refs, **kwargs)
+        # The same model and optimizer in this process.
+        ws = {r: params_of(r) for r in (1, 2)}
+        local = cls([ws[1], ws[2]], **kwargs)
+        torch.manual_seed(0)
+        for _ in range(3):
+            x = torch.randn(3, 4, dtype=torch.float64)
+            with dist_autograd.context() as cid:
+                a = rpc.rpc_sync("worker1", stage, args=(x,))
+                b = rpc.rpc_sync("worker2", stage, args=(a,))
+                dist_autograd.backward(cid, [(b * b).sum()])
+                opt.step(cid)
+            local.zero_grad()
+            (torch.tanh(torch.tanh(x @ ws[1]) @ ws[2]) ** 2).sum().backward()
+            local.step()
+        for r in (1, 2):
+            remote_w = rpc.rpc_sync(f"worker{r}", current_weight)
+            assert not torch.equal(remote_w, params_of(r))  # it moved
+            assert torch.equal(remote_w, ws[r].detach()), (remote_w - ws[r]).abs().max()
+        # An owner's exception is raised by step, after every owner answered.
+        failing = DistributedOptimizer(FailingOptimizer, refs)
+        with dist_autograd.context() as cid:
+            b = rpc.rpc_sync("worker2", stage, args=(rpc.rpc_sync("worker1", stage, args=(x,)),))
+            dist_autograd.backward(cid, [b.sum()])
+            with pytest.raises(ValueError, match="Error running optimizer"):
+                failing.step(cid)
+        with pytest.raises(ValueError, match="Error creating optimizer"):
+            DistributedOptimizer(OptimizerFailingOnConstructor, refs)
+        # Only optimizers: a class that is not one is refused on the owner.
+        with pytest.raises(TypeError):
+            DistributedOptimizer(dict, refs)
+        with open(marker, "w") as f:
+            f.write("ok")
+    rpc.shutdown()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_distributed_optimizer_matches_the_local_one(tmp_path, optimizer):
+    marker = str(tmp_path / "done")
+    run_world(trained, 3, optimizer, marker)
+    assert open(marker).read() == "ok"
