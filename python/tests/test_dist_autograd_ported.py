@@ -1,7 +1,8 @@
 """Tests ported from PyTorch's torch/testing/_internal/distributed/rpc/dist_autograd_test.py
 (the dense, non-TorchScript ones that need neither RRefs inside arguments nor the graph's
 internal send/recv nodes), run as PyTorch runs them: every rank of a world of 4 runs the test
-body at once, then a graceful shutdown.
+body at once (one long-lived world runs the bodies one after another: see
+``ported_fixture.World``).
 
 Changes from PyTorch's text: the imports (``tensorwire.rpc`` for ``torch.distributed.rpc``,
 ``tensorwire.rpc.dist_autograd`` for ``torch.distributed.autograd``); the functions called
@@ -20,7 +21,8 @@ import torch
 
 import tensorwire.rpc as rpc
 from tensorwire.rpc import dist_autograd
-from harness import run_world
+import ported_fixture
+from ported_fixture import World
 
 WORLD = 4
 
@@ -292,15 +294,36 @@ class _Case:
 
 TESTS = [name for name in vars(_Case) if name.startswith("test_")]
 
+# Each body expects RPC up when it starts (PyTorch's @dist_init), as the shared world reads it.
+for _name in TESTS:
+    getattr(_Case, _name).setup_rpc = True
 
-def _run(rank: int, world: int, name: str) -> None:
-    rpc.init_rpc(worker_name(rank), rank=rank, world_size=world)
-    getattr(_Case(rank, world), name)()
-    rpc.shutdown()
+
+class RpcTest(ported_fixture.RpcAgentTestFixture, _Case):
+    """One rank's test object for :class:`ported_fixture.World`, which runs every body on a
+    world of four long-lived processes one after another (PyTorch starts a world per test;
+    starting one per body cost about 15 s each)."""
+
+    __test__ = False  # run by the world, not collected by pytest
+
+    def __init__(self, rank: int, init_method: str):
+        ported_fixture.RpcAgentTestFixture.__init__(self, rank, init_method)
+        _Case.__init__(self, rank, WORLD)
+
+
+def _fresh_state() -> None:
+    """What the world calls before each body: the bodies keep no module state."""
 
 
 # Ported but failing: each an open issue, not a skip.
 FAILING: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = World(__name__)
+    yield w
+    w.close()
 
 
 @pytest.mark.parametrize(
@@ -310,5 +333,5 @@ FAILING: dict[str, str] = {}
         for n in TESTS
     ],
 )
-def test_ported(name):
-    run_world(_run, WORLD, name)
+def test_ported(world, name):
+    world.run(name, True)

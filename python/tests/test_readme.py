@@ -32,7 +32,10 @@ def test_the_readme_ddp_script_runs_as_written(tmp_path):
 def test_the_readme_rpc_script_runs_as_written(tmp_path):
     text = README.read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    script = next(b for b in blocks if "import tensorwire.rpc as rpc" in b and "init_rpc" in b)
+    # The quick start, not the distributed-autograd example further down (which also starts RPC).
+    script = next(
+        b for b in blocks if "import tensorwire.rpc as rpc" in b and "init_rpc" in b and "dist_autograd" not in b
+    )
     path = tmp_path / "rpc_demo.py"
     path.write_text(script)
     env = dict(os.environ, TENSORWIRE_SECRET="readme-secret", OMP_NUM_THREADS="1",

@@ -216,7 +216,9 @@ fn the_envelope_is_encoded_and_decoded_in_core_only() {
         sources(&krate.join("fuzz_targets"), &mut files);
     }
     assert!(
-        files.iter().any(|f| f.ends_with("fuzz/fuzz_targets/rpc.rs")),
+        files
+            .iter()
+            .any(|f| f.ends_with("fuzz/fuzz_targets/rpc.rs")),
         "the fuzz targets were not found"
     );
     let own = root.join("core/src/protocol/envelope.rs");
