@@ -15,7 +15,6 @@
 //! - Errors are this module's exception classes, which the Python layer turns into torch's
 //!   own (`DistBackendError`, `DistNetworkError`, `DistStoreError`, `ValueError`).
 
-mod autograd;
 mod gil;
 mod rpc;
 mod store;
@@ -556,7 +555,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rpc::RpcAgent>()?;
     m.add_class::<rpc::WireBuffer>()?;
     m.add_class::<rpc::PyRRef>()?;
-    m.add_class::<autograd::PyDistAutograd>()?;
+    m.add_class::<rpc::autograd::PyDistAutograd>()?;
     m.add_class::<rpc::Settler>()?;
     m.add_function(wrap_pyfunction!(rpc::check_worker_name, m)?)?;
     m.add("TensorwireError", m.py().get_type::<TensorwireError>())?;

@@ -16,6 +16,9 @@
 //! Python runs: with the GIL on a blocking thread, never on a runtime worker, and every wait of
 //! ours (init, a call, shutdown) releases the GIL.
 
+/// Distributed autograd on the agent (`tensorwire.rpc.dist_autograd`): part of the RPC
+/// module, as the Python package has it.
+pub(crate) mod autograd;
 use std::ffi::c_int;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,8 +34,8 @@ use tensorwire_core::tensor::{DType, Storage, Tensor};
 use tensorwire_rpc::{Agent, CallContext, Functions, RRef, RpcError, RpcOptions, Shutdown};
 use tokio::sync::oneshot;
 
-use crate::autograd::PyDistAutograd;
 use crate::{runtime, TensorwireError};
+use autograd::PyDistAutograd;
 
 /// The name of the one function every Python call goes through.
 pub(crate) const PY_CALL: &str = "tensorwire.py_call";
@@ -891,14 +894,12 @@ impl RpcAgent {
         let options = device_options(options, device_maps, devices).map_err(|e| rpc_error(&e))?;
         let (agent, autograd) = wait(py, async move {
             let agent = tensorwire_rpc::init_rpc(&name, rank, world_size, options).await?;
-            let autograd = crate::autograd::start(&agent)?;
+            let autograd = autograd::start(&agent)?;
             // Distributed autograd's functions are registered once the agent runs: in a static
             // group nobody returns from init (and calls in a context) before everybody has
             // registered them.
             if world_size.is_some() {
-                agent
-                    .barrier(crate::autograd::READY_BARRIER, init_timeout)
-                    .await?;
+                agent.barrier(autograd::READY_BARRIER, init_timeout).await?;
             }
             Ok::<_, RpcError>((agent, autograd))
         })?

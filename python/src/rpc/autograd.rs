@@ -41,7 +41,7 @@ use tensorwire_core::tensor::{DType, Storage, Tensor};
 use tensorwire_dist_autograd::{AutogradContext, DistAutograd, DistAutogradError};
 use tensorwire_rpc::{Agent, RpcError};
 
-use crate::rpc::{
+use super::{
     buffers, duration, lend, lent_bytes, py_references, references, reply, rpc_error, wait, PyCall,
     PyRRef, PyReply, PyValue, WireBuffer,
 };
@@ -824,7 +824,7 @@ impl PyDistAutograd {
             .rpc_async::<PyCall, PyReply>(PY_OWNER_CALL, &call, timeout)
             .map_err(|e| rpc_error(&e))?;
         drop(call);
-        runtime().spawn(async move { crate::rpc::complete(on_done, future.await) });
+        runtime().spawn(async move { super::complete(on_done, future.await) });
         Ok(())
     }
 
