@@ -1,5 +1,5 @@
 //! The runtime the agent reads time from, waits on and spawns with: core's
-//! [`Runtime`](tensorwire_core::ports::runtime::Runtime) port, injected once through
+//! [`Runtime`] port, injected once through
 //! [`RpcOptions::runtime`](crate::RpcOptions) and shared with the mesh the agent runs on. The
 //! default, [`TokioRuntime`], is tokio's clock (real time in production, virtual time under a
 //! paused runtime, where agent tests then run without real sleeps).
