@@ -32,7 +32,7 @@
 //!   `soak.rs`). Not part of `ci`.
 //! - `fuzz TARGET|all [--seconds N]`, `fuzz seeds`: the cargo-fuzz targets of `fuzz/`, one per
 //!   parser of network or file bytes, each run for N seconds (default 60) from the seed corpus
-//!   in `fuzz/corpus/` (`xtask/src/fuzz.rs`). `ci` runs every target for 6 s.
+//!   in `fuzz/corpus/` (`xtask/src/fuzz.rs`). `ci` runs every target for 4 s.
 
 use std::process::Command;
 use std::sync::Mutex;
