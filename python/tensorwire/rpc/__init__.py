@@ -757,6 +757,10 @@ class RRef:
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """A copy of the value, pickled on its owner now (the value itself on the owner is
         :meth:`local_value`); raises the exception the creating function raised."""
+        if _agent is None:
+            # Shut down here: say so, whatever the owner's state (else the owner's own
+            # shutdown, seen first, would decide the message; a race in the ported tests).
+            raise RuntimeError("RPC is no longer running on this worker")
         if _autograd is not None and _autograd.current_id() is not None:
             # Recorded by distributed autograd, through _fetch_async.
             return self._fetch_async(timeout).wait()
