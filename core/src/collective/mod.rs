@@ -88,6 +88,9 @@
 use std::ops::Range;
 
 mod algorithms;
+pub mod arena;
+#[cfg(test)]
+mod arena_sim;
 pub mod check;
 pub mod disagreement;
 pub mod inbox;
@@ -250,6 +253,17 @@ pub enum CollectiveError {
         sum: usize,
         /// The input's length.
         actual: usize,
+    },
+    /// An arena's slot is too small for the world: it must hold at least one
+    /// [`ARENA_ALIGN`](arena::ARENA_ALIGN)-byte piece per rank.
+    #[error(
+        "an arena slot of {slot_bytes} bytes is too small for {world} ranks (at least 64 bytes a rank, in multiples of 64)"
+    )]
+    ArenaTooSmall {
+        /// The bytes of one half of a slot.
+        slot_bytes: usize,
+        /// The world size.
+        world: usize,
     },
     /// A point-to-point peer is this rank.
     #[error("rank {rank} cannot send to or receive from itself")]

@@ -1,0 +1,592 @@
+//! The arena simulation: every rank runs its plans through [`ArenaState`] (as the arena's
+//! executor does) over a simulated segment, one atomic action at a time, the next rank picked
+//! by a seeded generator. Each half of each slot carries the phase it was last written in, and
+//! a read checks that it finds the phase it belongs to: a read of a half not yet written, or
+//! already overwritten, fails the run; so does a deadlock (nobody can move, somebody is not
+//! done). Results are checked against a reference computed directly.
+
+use super::arena::{self, reached, ArenaPlan, ArenaState};
+use super::{reduce_into, ElementType, ReduceOp};
+use crate::sim::SimRng;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Pc {
+    Start,
+    FreeWait(usize),
+    Write,
+    Post,
+    Wait(usize),
+    Read(usize),
+}
+
+struct Rank {
+    plans: Vec<ArenaPlan>,
+    buffers: Vec<Vec<u8>>,
+    plan: usize,
+    phase: usize,
+    pc: Pc,
+    state: ArenaState,
+    free: Vec<(usize, u32)>,
+}
+
+struct Memory {
+    data: Vec<[Vec<u8>; 2]>,
+    tags: Vec<[Option<u64>; 2]>,
+    counters: Vec<u32>,
+}
+
+/// Runs, for every rank, its plans in order (`plans[r]`, with `inputs[r][i]` the input of plan
+/// i); returns every rank's output of every plan.
+fn run(
+    plans: Vec<Vec<ArenaPlan>>,
+    inputs: Vec<Vec<Vec<u8>>>,
+    seed: u64,
+) -> Result<Vec<Vec<Vec<u8>>>, String> {
+    let world = plans.len();
+    let slot = plans[0][0].slot_bytes();
+    for i in 0..plans[0].len() {
+        let phases = plans[0][i].phases().len();
+        for (r, rank) in plans.iter().enumerate() {
+            if rank[i].phases().len() != phases {
+                return Err(format!("plan {i}: rank {r} has a different number of phases"));
+            }
+        }
+        check_structure(&plans.iter().map(|p| &p[i]).collect::<Vec<_>>())
+            .map_err(|e| format!("plan {i}: {e}"))?;
+    }
+    let mut mem = Memory {
+        data: (0..world)
+            .map(|_| [vec![0u8; slot], vec![0u8; slot]])
+            .collect(),
+        tags: vec![[None, None]; world],
+        counters: vec![0; world],
+    };
+    let mut ranks: Vec<Rank> = plans
+        .into_iter()
+        .zip(inputs)
+        .map(|(plans, inputs)| {
+            let buffers = plans
+                .iter()
+                .zip(inputs)
+                .map(|(p, input)| {
+                    let mut b = vec![0u8; p.buffer_len()];
+                    b[p.input_range()].copy_from_slice(&input);
+                    if let Some((from, to)) = p.local_copy() {
+                        b.copy_within(from, to.start);
+                    }
+                    b
+                })
+                .collect();
+            Rank {
+                plans,
+                buffers,
+                plan: 0,
+                phase: 0,
+                pc: Pc::Start,
+                state: ArenaState::new(),
+                free: Vec::new(),
+            }
+        })
+        .collect();
+    let mut rng = SimRng::new(seed);
+    loop {
+        let live: Vec<usize> = (0..world)
+            .filter(|r| ranks[*r].plan < ranks[*r].plans.len())
+            .collect();
+        if live.is_empty() {
+            break;
+        }
+        // Try ranks from a random start until one moves.
+        let start = rng.below(live.len());
+        let mut moved = false;
+        for k in 0..live.len() {
+            let r = live[(start + k) % live.len()];
+            if step(r, &mut ranks[r], &mut mem)? {
+                moved = true;
+                break;
+            }
+        }
+        if !moved {
+            let blocked: Vec<String> = live
+                .iter()
+                .map(|r| format!("rank {r} at {:?} of plan {}", ranks[*r].pc, ranks[*r].plan))
+                .collect();
+            return Err(format!("deadlock: {}", blocked.join(", ")));
+        }
+    }
+    Ok(ranks
+        .into_iter()
+        .map(|r| {
+            r.plans
+                .iter()
+                .zip(r.buffers)
+                .map(|(p, b)| b[p.output_range()].to_vec())
+                .collect()
+        })
+        .collect())
+}
+
+/// Checks that each rank's `readers` are exactly the ranks that read its slot in the phase,
+/// that every read of another rank's slot is waited for, and that reads and writes fit.
+fn check_structure(plans: &[&ArenaPlan]) -> Result<(), String> {
+    let world = plans.len();
+    let slot = plans[0].slot_bytes();
+    for k in 0..plans[0].phases().len() {
+        for (r, plan) in plans.iter().enumerate() {
+            let phase = &plan.phases()[k];
+            let mut readers: Vec<usize> = (0..world)
+                .filter(|q| *q != r)
+                .filter(|q| plans[*q].phases()[k].reads.iter().any(|x| x.peer == r))
+                .collect();
+            readers.sort_unstable();
+            let mut told = phase.readers.clone();
+            told.sort_unstable();
+            if readers != told {
+                return Err(format!(
+                    "phase {k}: rank {r} names readers {told:?}, but {readers:?} read its slot"
+                ));
+            }
+            for read in &phase.reads {
+                if read.peer != r && !phase.waits_on.contains(&read.peer) {
+                    return Err(format!(
+                        "phase {k}: rank {r} reads rank {}'s slot without waiting",
+                        read.peer
+                    ));
+                }
+                if read.from + read.to.len() > slot || read.to.end > plan.buffer_len() {
+                    return Err(format!("phase {k}: rank {r}: a read out of bounds"));
+                }
+            }
+            for write in &phase.writes {
+                if write.to + write.from.len() > slot || write.from.end > plan.buffer_len() {
+                    return Err(format!("phase {k}: rank {r}: a write out of bounds"));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One atomic action of rank `r`; `false` when it is blocked.
+fn step(r: usize, rank: &mut Rank, mem: &mut Memory) -> Result<bool, String> {
+    let plan = &rank.plans[rank.plan];
+    let Some(phase) = plan.phases().get(rank.phase) else {
+        rank.plan += 1;
+        rank.phase = 0;
+        rank.pc = Pc::Start;
+        return Ok(true);
+    };
+    let half = rank.state.half();
+    match rank.pc {
+        Pc::Start => {
+            rank.free = if phase.writes.is_empty() {
+                Vec::new()
+            } else {
+                rank.state.free_waits().collect()
+            };
+            rank.pc = Pc::FreeWait(0);
+        }
+        Pc::FreeWait(i) => {
+            // Skip past every wait already met (one look at each counter).
+            let mut i = i;
+            while let Some((q, target)) = rank.free.get(i) {
+                if !reached(mem.counters[*q], *target) {
+                    if Pc::FreeWait(i) == rank.pc {
+                        return Ok(false);
+                    }
+                    break;
+                }
+                i += 1;
+            }
+            rank.pc = if i == rank.free.len() { Pc::Write } else { Pc::FreeWait(i) };
+        }
+        Pc::Write => {
+            for w in &phase.writes {
+                let buffer = &rank.buffers[rank.plan];
+                mem.data[r][half][w.to..w.to + w.from.len()].copy_from_slice(&buffer[w.from.clone()]);
+            }
+            if !phase.writes.is_empty() {
+                mem.tags[r][half] = Some(rank.state.phase());
+            }
+            rank.pc = Pc::Post;
+        }
+        Pc::Post => {
+            mem.counters[r] = rank.state.posted(!phase.writes.is_empty(), &phase.readers);
+            rank.pc = Pc::Wait(0);
+        }
+        Pc::Wait(i) => {
+            let target = arena::counter(rank.state.phase());
+            let mut i = i;
+            while let Some(q) = phase.waits_on.get(i) {
+                if !reached(mem.counters[*q], target) {
+                    if Pc::Wait(i) == rank.pc {
+                        return Ok(false);
+                    }
+                    break;
+                }
+                i += 1;
+            }
+            rank.pc = if i == phase.waits_on.len() { Pc::Read(0) } else { Pc::Wait(i) };
+        }
+        Pc::Read(i) => {
+            let Some(read) = phase.reads.get(i) else {
+                rank.phase += 1;
+                rank.pc = Pc::Start;
+                return Ok(true);
+            };
+            // The phase this rank published last is the one being read.
+            let g = rank.state.phase() - 1;
+            let h = (g % 2) as usize;
+            if mem.tags[read.peer][h] != Some(g) {
+                return Err(format!(
+                    "rank {r} read rank {}'s half {h} in phase {g}, which holds phase {:?}",
+                    read.peer, mem.tags[read.peer][h]
+                ));
+            }
+            let incoming = mem.data[read.peer][h][read.from..read.from + read.to.len()].to_vec();
+            let buffer = &mut rank.buffers[rank.plan];
+            let dst = &mut buffer[read.to.clone()];
+            if read.reduce {
+                let (element, op) = plan.reduction().ok_or("a reducing read without a reduction")?;
+                reduce_into(op, element, dst, &incoming, false).map_err(|e| e.to_string())?;
+            } else {
+                dst.copy_from_slice(&incoming);
+            }
+            rank.pc = Pc::Read(i + 1);
+        }
+    }
+    Ok(true)
+}
+
+fn bytes(rng: &mut SimRng, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        out.extend_from_slice(&rng.next_u64().to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// Float bytes that sum without NaN or infinity (small integers in f32).
+fn floats(rng: &mut SimRng, count: usize) -> Vec<u8> {
+    (0..count)
+        .flat_map(|_| ((rng.below(2001) as f32 - 1000.0) / 7.0).to_le_bytes())
+        .collect()
+}
+
+fn fold(element: ElementType, op: ReduceOp, inputs: &[Vec<u8>]) -> Vec<u8> {
+    let mut acc = inputs[0].clone();
+    for x in &inputs[1..] {
+        reduce_into(op, element, &mut acc, x, false).unwrap();
+    }
+    acc
+}
+
+/// The collectives of one run: plans for every rank, inputs, expected outputs.
+struct Case {
+    plans: Vec<Vec<ArenaPlan>>,
+    inputs: Vec<Vec<Vec<u8>>>,
+    expected: Vec<Vec<Vec<u8>>>,
+    names: Vec<String>,
+}
+
+impl Case {
+    fn new(world: usize) -> Self {
+        Case {
+            plans: vec![Vec::new(); world],
+            inputs: vec![Vec::new(); world],
+            expected: vec![Vec::new(); world],
+            names: Vec::new(),
+        }
+    }
+
+    fn push(
+        &mut self,
+        name: String,
+        plan: impl Fn(usize) -> ArenaPlan,
+        inputs: Vec<Vec<u8>>,
+        expected: Vec<Vec<u8>>,
+    ) {
+        for r in 0..self.plans.len() {
+            self.plans[r].push(plan(r));
+        }
+        for (r, i) in inputs.into_iter().enumerate() {
+            self.inputs[r].push(i);
+        }
+        for (r, e) in expected.into_iter().enumerate() {
+            self.expected[r].push(e);
+        }
+        self.names.push(name);
+    }
+}
+
+/// Every collective, back to back on one arena, for `world` ranks with slots of `slot` bytes,
+/// with sizes that take one phase, several, or none.
+fn case(world: usize, slot: usize, rng: &mut SimRng) -> Case {
+    let mut c = Case::new(world);
+    let n = world;
+    c.push(
+        "barrier".into(),
+        |r| arena::barrier(r, n, slot).unwrap(),
+        vec![Vec::new(); n],
+        vec![Vec::new(); n],
+    );
+    for len in [0, 5, slot + 3 * 64 + 1] {
+        let root = rng.below(n);
+        let data = bytes(rng, len);
+        let inputs = (0..n)
+            .map(|r| if r == root { data.clone() } else { Vec::new() })
+            .collect();
+        c.push(
+            format!("broadcast {len} from {root}"),
+            |r| arena::broadcast(r, n, root, len, slot).unwrap(),
+            inputs,
+            vec![data; n],
+        );
+    }
+    for max in [0, 40, slot * 2 + 7] {
+        let lens: Vec<usize> = (0..n).map(|_| rng.below(max + 1)).collect();
+        let blocks: Vec<Vec<u8>> = lens.iter().map(|l| bytes(rng, *l)).collect();
+        let all: Vec<u8> = blocks.concat();
+        c.push(
+            format!("all_gather {lens:?}"),
+            |r| arena::all_gather(r, &lens, slot).unwrap(),
+            blocks.clone(),
+            vec![all.clone(); n],
+        );
+        let root = rng.below(n);
+        let expected = (0..n)
+            .map(|r| if r == root { all.clone() } else { blocks[r].clone() })
+            .collect();
+        c.push(
+            format!("gather {lens:?} to {root}"),
+            |r| arena::gather(r, root, &lens, slot).unwrap(),
+            blocks.clone(),
+            expected,
+        );
+        let root = rng.below(n);
+        let inputs = (0..n)
+            .map(|r| if r == root { all.clone() } else { Vec::new() })
+            .collect();
+        c.push(
+            format!("scatter {lens:?} from {root}"),
+            |r| arena::scatter(r, root, &lens, slot).unwrap(),
+            inputs,
+            blocks.clone(),
+        );
+    }
+    // Reductions: small (one phase), large (shares), chunked; exact integers and floats.
+    let large = arena::ARENA_REDUCE_ALL_MAX_BYTES / 4 + 3;
+    for (count, element, op) in [
+        (0, ElementType::I32, ReduceOp::Sum),
+        (3, ElementType::I32, ReduceOp::Sum),
+        (n + 5, ElementType::F32, ReduceOp::Sum),
+        (large, ElementType::F32, ReduceOp::Sum),
+        (large / 2, ElementType::I64, ReduceOp::Max),
+        (slot / 2 + 1, ElementType::U8, ReduceOp::BXor),
+    ] {
+        let inputs: Vec<Vec<u8>> = (0..n)
+            .map(|_| {
+                if element == ElementType::F32 {
+                    floats(rng, count)
+                } else {
+                    bytes(rng, count * element.size())
+                }
+            })
+            .collect();
+        let reduced = fold(element, op, &inputs);
+        c.push(
+            format!("all_reduce {count} {element:?} {op}"),
+            |r| arena::all_reduce(r, n, count, element, op, slot).unwrap(),
+            inputs.clone(),
+            vec![reduced.clone(); n],
+        );
+        let root = rng.below(n);
+        // Only the root's output is checked: the others' buffers are scratch.
+        c.push(
+            format!("reduce {count} {element:?} {op} to {root}"),
+            |r| arena::reduce(r, n, root, count, element, op, slot).unwrap(),
+            inputs,
+            (0..n).map(|r| if r == root { reduced.clone() } else { Vec::new() }).collect(),
+        );
+        let counts: Vec<usize> = (0..n).map(|_| rng.below(count / n + 2)).collect();
+        let total: usize = counts.iter().sum();
+        let inputs: Vec<Vec<u8>> = (0..n).map(|_| bytes(rng, total * 4)).collect();
+        let reduced = fold(ElementType::I32, ReduceOp::Sum, &inputs);
+        let mut at = 0;
+        let expected = counts
+            .iter()
+            .map(|c| {
+                at += c * 4;
+                reduced[at - c * 4..at].to_vec()
+            })
+            .collect();
+        c.push(
+            format!("reduce_scatter {counts:?}"),
+            |r| arena::reduce_scatter(r, &counts, ElementType::I32, ReduceOp::Sum, slot).unwrap(),
+            inputs,
+            expected,
+        );
+    }
+    for max in [0, 9, slot / n * 2 + 5] {
+        let lens: Vec<Vec<usize>> = (0..n)
+            .map(|_| (0..n).map(|_| rng.below(max + 1)).collect())
+            .collect();
+        let blocks: Vec<Vec<Vec<u8>>> = lens
+            .iter()
+            .map(|row| row.iter().map(|l| bytes(rng, *l)).collect())
+            .collect();
+        let inputs = blocks.iter().map(|row| row.concat()).collect();
+        let expected = (0..n)
+            .map(|d| (0..n).map(|s| blocks[s][d].clone()).collect::<Vec<_>>().concat())
+            .collect();
+        c.push(
+            format!("all_to_all max {max}"),
+            |r| arena::all_to_all(r, &lens, slot).unwrap(),
+            inputs,
+            expected,
+        );
+    }
+    c
+}
+
+fn check_case(world: usize, slot: usize, seed: u64) {
+    let mut rng = SimRng::new(seed ^ (world as u64) << 32);
+    let c = case(world, slot, &mut rng);
+    let outputs = run(c.plans.clone(), c.inputs.clone(), seed).unwrap_or_else(|e| {
+        panic!("world {world}, slot {slot}, seed {seed} (replay with TW_SIM_SEED={seed}): {e}")
+    });
+    for r in 0..world {
+        for (i, name) in c.names.iter().enumerate() {
+            let expected = &c.expected[r][i];
+            if name.starts_with("reduce ") && expected.is_empty() {
+                continue;
+            }
+            assert_eq!(
+                &outputs[r][i], expected,
+                "world {world}, slot {slot}, seed {seed}: rank {r}'s result of {name}"
+            );
+        }
+    }
+}
+
+fn seeds() -> Vec<u64> {
+    if let Ok(seed) = std::env::var(crate::sim::SEED_VAR) {
+        return vec![seed.parse().expect("TW_SIM_SEED is a number")];
+    }
+    let n = std::env::var(crate::sim::SEEDS_VAR)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    (0..n).collect()
+}
+
+fn every_collective_through_the_arena(worlds: std::ops::RangeInclusive<usize>) {
+    for world in worlds {
+        // The smallest slot (one 64-byte piece per rank: everything is chunked) and, up to 16
+        // ranks, a roomier one.
+        let slots = if world <= 16 {
+            vec![64 * world, 64 * world * 3 + 1024]
+        } else {
+            vec![64 * world]
+        };
+        for slot in slots {
+            for seed in seeds() {
+                check_case(world, slot, seed);
+            }
+        }
+    }
+}
+
+#[test]
+fn every_collective_through_the_arena_for_world_sizes_1_to_16() {
+    every_collective_through_the_arena(1..=16);
+}
+
+#[test]
+fn every_collective_through_the_arena_for_world_sizes_17_to_32() {
+    every_collective_through_the_arena(17..=32);
+}
+
+#[test]
+fn every_collective_through_the_arena_for_world_sizes_33_to_48() {
+    every_collective_through_the_arena(33..=48);
+}
+
+#[test]
+fn every_collective_through_the_arena_for_world_sizes_49_to_64() {
+    every_collective_through_the_arena(49..=64);
+}
+
+#[test]
+fn a_plan_that_forgets_a_wait_is_caught() {
+    let world = 4;
+    let slot = 64 * world;
+    let lens = vec![100; world];
+    let mut plans: Vec<Vec<ArenaPlan>> = (0..world)
+        .map(|r| vec![arena::all_gather(r, &lens, slot).unwrap()])
+        .collect();
+    // Rank 1 no longer waits for rank 2 (but still reads its slot): the structure check says so.
+    for phase in plans[1][0].phases_mut() {
+        phase.waits_on.retain(|q| *q != 2);
+    }
+    let inputs = (0..world).map(|_| vec![vec![1u8; 100]]).collect();
+    let err = run(plans, inputs, 0).unwrap_err();
+    assert!(err.contains("without waiting"), "{err}");
+}
+
+#[test]
+fn a_writer_that_does_not_wait_for_its_readers_is_caught() {
+    // Rank 0 broadcasts 3 slots' worth; if rank 0 forgot who read its slot, it would overwrite
+    // a half before a slow reader copied it: some interleaving shows the overwrite.
+    let world = 3;
+    let slot = 64 * world;
+    let len = slot * 5;
+    let mut failures = 0;
+    for seed in 0..50 {
+        let mut plans: Vec<Vec<ArenaPlan>> = (0..world)
+            .map(|r| vec![arena::broadcast(r, world, 0, len, slot).unwrap()])
+            .collect();
+        for phase in plans[0][0].phases_mut() {
+            phase.readers.clear();
+        }
+        let inputs = (0..world)
+            .map(|r| vec![if r == 0 { vec![7u8; len] } else { Vec::new() }])
+            .collect();
+        if let Err(e) = run(plans, inputs, seed) {
+            assert!(e.contains("names readers") || e.contains("holds phase"), "{e}");
+            failures += 1;
+        }
+    }
+    assert_eq!(failures, 50);
+}
+
+#[test]
+fn plans_refuse_bad_arguments() {
+    use super::CollectiveError;
+    assert_eq!(
+        arena::barrier(0, 4, 128).unwrap_err(),
+        CollectiveError::ArenaTooSmall {
+            slot_bytes: 128,
+            world: 4
+        }
+    );
+    assert!(matches!(
+        arena::broadcast(0, 2, 2, 1, 4096),
+        Err(CollectiveError::RootOutOfRange { root: 2, world: 2 })
+    ));
+    assert!(matches!(
+        arena::all_reduce(0, 2, 1, ElementType::F32, ReduceOp::BXor, 4096),
+        Err(CollectiveError::UnsupportedReduction { .. })
+    ));
+    assert_eq!(arena::slot_bytes(1 << 20, 8), 65536);
+}
+
+#[test]
+fn counters_compare_across_the_wrap() {
+    assert!(reached(5, 5));
+    assert!(reached(6, 5));
+    assert!(!reached(4, 5));
+    assert!(reached(1, u32::MAX));
+    assert!(!reached(u32::MAX, 1));
+}
