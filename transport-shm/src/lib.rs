@@ -93,6 +93,7 @@
 
 #![cfg(target_os = "linux")]
 
+pub mod arena;
 mod config;
 mod connection;
 #[doc(hidden)]
