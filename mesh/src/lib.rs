@@ -9,6 +9,7 @@ pub mod mesh;
 pub mod runtime;
 
 pub use mesh::{
-    address_key, FrameSink, GroupMesh, Incoming, Mesh, MeshSetup, PeerEnd, MAX_GROUP_ID,
+    address_key, FrameSink, GroupMesh, Incoming, Mesh, MeshSetup, PeerEnd, PeerStatusKind,
+    MAX_GROUP_ID,
 };
 pub use runtime::TokioRuntime;

@@ -153,7 +153,10 @@ pub async fn new_group(
 /// ranks must create their groups in the same order), `listen_ip` (default: the address of
 /// `TENSORWIRE_IFNAME`, else the local address the route to `MASTER_ADDR` leaves from, else
 /// 127.0.0.1; see [`tensorwire_rendezvous::address`]), `insecure=true` (run the transport
-/// without `TENSORWIRE_SECRET`). Any other option is refused. Only `cpu` is supported: the
+/// without `TENSORWIRE_SECRET`), `collectives` (`arena`, the default when every rank is on
+/// one host, or `links`: see [`GroupOptions::collectives`](crate::GroupOptions::collectives)),
+/// `arena_bytes` (see [`GroupOptions::arena_bytes`](crate::GroupOptions::arena_bytes)). Any
+/// other option is refused. Only `cpu` is supported: the
 /// collectives work on host bytes. Feature `tcp` (on by default); without it, register a
 /// factory that passes another transport to [`Group::connect`](crate::Group::connect).
 #[cfg(feature = "tcp")]
@@ -215,8 +218,26 @@ impl TensorwireFactory {
         let mut listen_ip = None;
         let mut insecure = false;
         let mut debug = None;
+        let mut collectives = None;
+        let mut arena_bytes = None;
         for (key, value) in options {
             match key.as_str() {
+                "collectives" => {
+                    collectives = Some(match value.trim().to_ascii_lowercase().as_str() {
+                        "arena" => crate::CollectivePath::Arena,
+                        "links" => crate::CollectivePath::Links,
+                        _ => {
+                            return Err(setup(format!(
+                                "option collectives={value:?}: use arena or links"
+                            )))
+                        }
+                    })
+                }
+                "arena_bytes" => {
+                    arena_bytes = Some(value.trim().parse::<usize>().map_err(|e| {
+                        setup(format!("option arena_bytes={value:?} is not a size ({e})"))
+                    })?)
+                }
                 "group_name" => name = Some(value),
                 "listen_ip" => {
                     listen_ip = Some(value.parse::<IpAddr>().map_err(|e| {
@@ -255,6 +276,12 @@ impl TensorwireFactory {
             .with_listen(SocketAddr::new(ip, 0));
         if let Some(debug) = debug {
             options = options.with_debug(debug);
+        }
+        if let Some(path) = collectives {
+            options = options.with_collectives(path);
+        }
+        if let Some(bytes) = arena_bytes {
+            options = options.with_arena_bytes(bytes);
         }
         Group::connect(store, transport, rank, world_size, options).await
     }

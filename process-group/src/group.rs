@@ -21,9 +21,12 @@
 //! # Ok(()) }
 //! ```
 
+mod arena;
 mod ext;
 mod running;
 mod setup;
+
+pub use arena::{arena_bytes_from_env, CollectivePath, ARENA_BYTES_ENV, COLLECTIVES_ENV};
 
 pub use ext::{CollectivesExt, Element};
 
@@ -106,6 +109,16 @@ pub struct GroupOptions {
     /// A budget shared with other holders (an RPC agent over the same connections), which
     /// [`peer_budget`](Self::peer_budget) then does not size.
     pub budget: Option<Budget>,
+    /// Which path the collectives take: through the group arena when every rank is on one
+    /// host ([`CollectivePath::Arena`], the default unless [`COLLECTIVES_ENV`] says `links`),
+    /// or through the links. Every rank must choose the same.
+    pub collectives: CollectivePath,
+    /// The size of the group's arena on a host, in bytes (default 32 MiB,
+    /// [`DEFAULT_ARENA_BYTES`](tensorwire_transport_shm::arena::DEFAULT_ARENA_BYTES), or
+    /// [`ARENA_BYTES_ENV`]): each rank's slot is two halves of `arena_bytes / (2 × world)`;
+    /// a larger message streams through it in as many phases as it needs. Every rank must
+    /// choose the same.
+    pub arena_bytes: usize,
 }
 
 impl GroupOptions {
@@ -120,7 +133,21 @@ impl GroupOptions {
             runtime: Arc::new(tensorwire_mesh::TokioRuntime),
             peer_budget: tensorwire_core::budget::DEFAULT_PEER_BUDGET,
             budget: None,
+            collectives: CollectivePath::from_env(),
+            arena_bytes: arena_bytes_from_env(),
         }
+    }
+
+    /// These options with another collective path (see [`collectives`](Self::collectives)).
+    pub fn with_collectives(mut self, path: CollectivePath) -> Self {
+        self.collectives = path;
+        self
+    }
+
+    /// These options with another arena size (see [`arena_bytes`](Self::arena_bytes)).
+    pub fn with_arena_bytes(mut self, bytes: usize) -> Self {
+        self.arena_bytes = bytes;
+        self
     }
 
     /// These options with a memory budget of `bytes` per peer (see
@@ -189,6 +216,13 @@ struct Inner {
     next_group: AtomicU64,
     /// Kept so that an embedded store server (rank 0) lives as long as the group.
     _store: Arc<dyn Store>,
+    /// The group arena (see [`arena`]), and whether collectives go through it.
+    arena: tokio::sync::Mutex<arena::ArenaSlot>,
+    arena_on: std::sync::atomic::AtomicBool,
+    /// Every world rank's host and process (the world group, once connected).
+    hosts: std::sync::OnceLock<Vec<arena::HostRecord>>,
+    collectives: CollectivePath,
+    arena_bytes: usize,
 }
 
 /// A process group over a mesh of [`Transport`] connections: the built-in backend.
@@ -503,6 +537,9 @@ impl ProcessGroup for Group {
     }
 
     async fn barrier(&self) -> Result<(), ProcessGroupError> {
+        if let Some(mut turn) = self.arena_turn(1).await {
+            return self.arena_barrier(&mut turn).await;
+        }
         let seq = self.reserve(1);
         self.run(seq, Signature::Barrier, &self.inner.barrier, &mut [])
             .await
@@ -512,6 +549,9 @@ impl ProcessGroup for Group {
     /// length (and the block itself up to [`INLINE_GATHER_BYTES`]), then, unless every block
     /// fitted, the blocks.
     async fn all_gather(&self, input: &[u8]) -> Result<Vec<Bytes>, ProcessGroupError> {
+        if let Some(mut turn) = self.arena_turn(varlen::ROUNDS).await {
+            return self.arena_all_gather(&mut turn, input).await;
+        }
         let world = self.size();
         let rank = self.rank();
         let mut first = vec![0u8; SLOT_BYTES * world];
@@ -567,6 +607,9 @@ impl ProcessGroup for Group {
     }
 
     async fn broadcast(&self, data: &mut [u8], root: usize) -> Result<(), ProcessGroupError> {
+        if let Some(mut turn) = self.arena_turn(1).await {
+            return self.arena_broadcast(&mut turn, data, root).await;
+        }
         let schedule = collective::broadcast(self.rank(), self.size(), root, data.len()).map_err(
             |source| ProcessGroupError::Arguments {
                 collective: "broadcast",
@@ -584,6 +627,9 @@ impl ProcessGroup for Group {
     /// Two rounds, both numbered when the call is issued: the root's length slot (with the
     /// bytes, up to [`INLINE_GATHER_BYTES`]), then, unless they fitted, the bytes.
     async fn broadcast_bytes(&self, data: &[u8], root: usize) -> Result<Bytes, ProcessGroupError> {
+        if let Some(mut turn) = self.arena_turn(varlen::ROUNDS).await {
+            return self.arena_broadcast_bytes(&mut turn, data, root).await;
+        }
         let (rank, world) = (self.rank(), self.size());
         let arguments = |source| ProcessGroupError::Arguments {
             collective: "broadcast",
@@ -630,6 +676,9 @@ impl ProcessGroup for Group {
         element: ElementType,
         op: ReduceOp,
     ) -> Result<(), ProcessGroupError> {
+        if let Some(mut turn) = self.arena_turn(1).await {
+            return self.arena_all_reduce(&mut turn, data, element, op).await;
+        }
         let arguments = |source| ProcessGroupError::Arguments {
             collective: "all_reduce",
             source,
@@ -658,6 +707,9 @@ impl ProcessGroup for Group {
         input: &[u8],
         root: usize,
     ) -> Result<Option<Vec<Bytes>>, ProcessGroupError> {
+        if let Some(mut turn) = self.arena_turn(varlen::ROUNDS).await {
+            return self.arena_gather(&mut turn, input, root).await;
+        }
         let (rank, world) = (self.rank(), self.size());
         let arguments = |source| ProcessGroupError::Arguments {
             collective: "gather",
@@ -722,6 +774,9 @@ impl ProcessGroup for Group {
     /// [`INLINE_GATHER_BYTES`]), then the blocks that did not fit; both rounds numbered when
     /// the call is issued.
     async fn scatter(&self, blocks: &[Bytes], root: usize) -> Result<Bytes, ProcessGroupError> {
+        if let Some(mut turn) = self.arena_turn(varlen::ROUNDS).await {
+            return self.arena_scatter(&mut turn, blocks, root).await;
+        }
         let (rank, world) = (self.rank(), self.size());
         let arguments = |source| ProcessGroupError::Arguments {
             collective: "scatter",
@@ -791,6 +846,9 @@ impl ProcessGroup for Group {
         op: ReduceOp,
         root: usize,
     ) -> Result<(), ProcessGroupError> {
+        if let Some(mut turn) = self.arena_turn(1).await {
+            return self.arena_reduce(&mut turn, data, element, op, root).await;
+        }
         let (rank, world) = (self.rank(), self.size());
         let count = whole_elements("reduce", data.len(), element)?;
         let schedule =
@@ -824,6 +882,11 @@ impl ProcessGroup for Group {
         element: ElementType,
         op: ReduceOp,
     ) -> Result<Vec<u8>, ProcessGroupError> {
+        if let Some(mut turn) = self.arena_turn(1).await {
+            return self
+                .arena_reduce_scatter(&mut turn, input, counts, element, op)
+                .await;
+        }
         let arguments = |source| ProcessGroupError::Arguments {
             collective: "reduce_scatter",
             source,
@@ -856,6 +919,9 @@ impl ProcessGroup for Group {
         inputs: &[Bytes],
         output_lens: &[usize],
     ) -> Result<Vec<Bytes>, ProcessGroupError> {
+        if let Some(mut turn) = self.arena_turn(1).await {
+            return self.arena_all_to_all(&mut turn, inputs, output_lens).await;
+        }
         let splits: Vec<usize> = inputs.iter().map(Bytes::len).collect();
         let (schedule, seq) = self.issue_all_to_all(&splits, output_lens)?;
         self.all_to_all_blocks(seq, &schedule, inputs, output_lens)
@@ -879,6 +945,21 @@ impl ProcessGroup for Group {
                     actual: input.len(),
                 },
             });
+        }
+        if let Some(mut turn) = self.arena_turn(1).await {
+            let input = Bytes::copy_from_slice(input);
+            let mut start = 0;
+            let inputs: Vec<Bytes> = input_splits
+                .iter()
+                .map(|len| {
+                    start += len;
+                    input.slice(start - len..start)
+                })
+                .collect();
+            let blocks = self
+                .arena_all_to_all(&mut turn, &inputs, output_splits)
+                .await?;
+            return Ok(blocks.concat());
         }
         let (schedule, seq) = self.issue_all_to_all(input_splits, output_splits)?;
         // Two copies in all: the input into one shared message (its blocks are sent as slices

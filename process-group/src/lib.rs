@@ -28,7 +28,8 @@ pub use backend::{
     with_process_group_sync, BackendOptions, DynFactory, NewGroupError, TENSORWIRE_BACKEND,
 };
 pub use group::{
-    CollectivesExt, Element, Group, GroupOptions, DEFAULT_COLLECTIVE_TIMEOUT, INLINE_GATHER_BYTES,
+    arena_bytes_from_env, CollectivePath, CollectivesExt, Element, Group, GroupOptions,
+    ARENA_BYTES_ENV, COLLECTIVES_ENV, DEFAULT_COLLECTIVE_TIMEOUT, INLINE_GATHER_BYTES,
     MAX_BLOCK_BYTES,
 };
 pub use tensorwire_core::auth::ClusterSecret;

@@ -72,7 +72,10 @@ async fn scripted(name: &str) -> Scripted {
             .unwrap();
         listeners.push(listener);
     }
-    let options = GroupOptions::new(name).with_timeout(Duration::from_secs(30));
+    // The link path: these tests are about the order of the links' messages and notices.
+    let options = GroupOptions::new(name)
+        .with_timeout(Duration::from_secs(30))
+        .with_collectives(tensorwire_process_group::CollectivePath::Links);
     let connecting = tokio::spawn({
         let (store, transport) = (store.clone(), transport.clone());
         async move { Group::connect(store, transport, 0, WORLD, options).await }
@@ -221,7 +224,9 @@ async fn detail_groups(world: usize, name: &str) -> Vec<Group> {
     let transport = transport();
     let options = GroupOptions::new(name)
         .with_timeout(Duration::from_secs(30))
-        .with_debug(DebugLevel::Detail);
+        .with_debug(DebugLevel::Detail)
+        // The agreement check of the link path is what is tested.
+        .with_collectives(tensorwire_process_group::CollectivePath::Links);
     let tasks: Vec<_> = (0..world)
         .map(|rank| {
             let (store, transport, options) = (store.clone(), transport.clone(), options.clone());

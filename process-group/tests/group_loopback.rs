@@ -24,6 +24,22 @@ async fn groups(world: usize, name: &str, timeout: Duration) -> Vec<Group> {
     groups_with(world, GroupOptions::new(name).with_timeout(timeout)).await
 }
 
+/// As [`groups`], on the link path: for the tests of what the links' messages carry (each
+/// message's signature, so that ranks that disagree fail; zero-copy blocks; which round of a
+/// collective a missing rank stalls), which the arena path does not do alike.
+async fn link_groups(world: usize, name: &str, timeout: Duration) -> Vec<Group> {
+    link_groups_with(world, GroupOptions::new(name).with_timeout(timeout)).await
+}
+
+/// As [`groups_with`], on the link path (see [`link_groups`]).
+async fn link_groups_with(world: usize, options: GroupOptions) -> Vec<Group> {
+    groups_with(
+        world,
+        options.with_collectives(tensorwire_process_group::CollectivePath::Links),
+    )
+    .await
+}
+
 /// Sets up `world` ranks sharing one in-memory store, each with `options`.
 async fn groups_with(world: usize, options: GroupOptions) -> Vec<Group> {
     let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
@@ -372,7 +388,7 @@ async fn a_rank_that_shuts_down_is_named_as_having_left() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranks_running_different_collectives_are_told() {
     bounded(async {
-        let gs = groups(2, "mismatch", Duration::from_secs(5)).await;
+        let gs = link_groups(2, "mismatch", Duration::from_secs(5)).await;
         let (a, b) = tokio::join!(gs[0].barrier(), async {
             let mut data = [0u8; 4];
             gs[1].broadcast(&mut data, 0).await
@@ -607,7 +623,7 @@ async fn many_broadcast_objects_in_flight_return_their_own_values() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dtype_mismatch_fails_naming_both_sides() {
     bounded(async {
-        let gs = groups(2, "dtype", Duration::from_secs(5)).await;
+        let gs = link_groups(2, "dtype", Duration::from_secs(5)).await;
         let (a, b) = tokio::join!(
             async {
                 let mut xs = [1.0f32, 2.0];
@@ -628,7 +644,7 @@ async fn a_dtype_mismatch_fails_naming_both_sides() {
             assert!(text.contains("all_reduce(sum, i64 x1)"), "{text}");
         }
         // An op mismatch of the same type and count, likewise.
-        let gs = groups(2, "op", Duration::from_secs(5)).await;
+        let gs = link_groups(2, "op", Duration::from_secs(5)).await;
         let (mut x, mut y) = ([0u8; 8], [0u8; 8]);
         let (a, b) = tokio::join!(
             gs[0].all_reduce(&mut x, ElementType::I32, ReduceOp::Max),
@@ -684,7 +700,7 @@ async fn a_locally_refused_call_leaves_the_group_in_step() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broadcast_root_learns_of_a_mismatch_by_its_next_collective() {
     bounded(async {
-        let gs = groups(3, "root", Duration::from_secs(5)).await;
+        let gs = link_groups(3, "root", Duration::from_secs(5)).await;
         let (root, others) = tokio::join!(
             async {
                 let first = gs[0].broadcast(&mut [7u8; 8], 0).await;
@@ -743,7 +759,7 @@ async fn all_gather_with_other_lengths_is_a_disagreement() {
 /// sequence number are told, naming both sides.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn new_collectives_that_disagree_fail_naming_both_sides() {
-    let gs = bounded(groups(2, "disagree20", Duration::from_secs(20))).await;
+    let gs = bounded(link_groups(2, "disagree20", Duration::from_secs(20))).await;
     let results = bounded(on_all(&gs, |g| async move {
         let op = if g.rank() == 0 {
             ReduceOp::Sum
@@ -882,7 +898,7 @@ async fn new_collectives_in_flight_at_once() {
 /// uneven ones land where they belong.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_to_all_returns_its_own_block_uncopied_and_every_other_in_place() {
-    let gs = bounded(groups(3, "a2a-blocks", Duration::from_secs(20))).await;
+    let gs = bounded(link_groups(3, "a2a-blocks", Duration::from_secs(20))).await;
     // Rank r sends rank p `(r + p) % 3` bytes of value 10r + p.
     let len = |r: usize, p: usize| (r + p) % 3;
     let results = bounded(on_all(&gs, |g| async move {
@@ -981,7 +997,7 @@ impl tensorwire_mesh::FrameSink for Recorder {
 async fn other_frames_share_the_connections_with_the_collectives() {
     use tensorwire_core::wire::Frame;
     bounded(async {
-        let gs = groups(3, "shared", Duration::from_secs(20)).await;
+        let gs = link_groups(3, "shared", Duration::from_secs(20)).await;
         let sinks: Vec<Arc<Recorder>> = (0..3).map(|_| Arc::new(Recorder::default())).collect();
         for (g, s) in gs.iter().zip(&sinks) {
             g.route_frames(s.clone()).unwrap();
@@ -1114,7 +1130,7 @@ async fn under_detail_every_rank_of_a_mismatched_collective_fails() {
             .with_debug(DebugLevel::Detail)
     };
     // Rank 0 broadcasts from root 0, rank 1 runs all_gather: both fail, the root included.
-    let gs = bounded(groups_with(2, detail("detail-bcast"))).await;
+    let gs = bounded(link_groups_with(2, detail("detail-bcast"))).await;
     let mut data = [7u8; 8];
     let (a, b) =
         bounded(async { tokio::join!(gs[0].broadcast(&mut data, 0), gs[1].all_gather(b"abcd")) })
@@ -1130,7 +1146,11 @@ async fn under_detail_every_rank_of_a_mismatched_collective_fails() {
     // Even ranks reduce to root 0, odd ones to root 1 (their trees wait on each other in a
     // cycle): every rank fails with the disagreement, none times out, none returns Ok.
     for world in [2usize, 3, 4] {
-        let gs = bounded(groups_with(world, detail(&format!("detail-reduce{world}")))).await;
+        let gs = bounded(link_groups_with(
+            world,
+            detail(&format!("detail-reduce{world}")),
+        ))
+        .await;
         let results = bounded(on_all(&gs, |g| async move {
             let root = g.rank() % 2;
             g.reduce(&mut [0u8; 8], ElementType::I64, ReduceOp::Sum, root)
@@ -1148,7 +1168,7 @@ async fn under_detail_every_rank_of_a_mismatched_collective_fails() {
         }
     }
     // Agreeing ranks run every checked collective to its right result.
-    let gs = bounded(groups_with(3, detail("detail-ok"))).await;
+    let gs = bounded(link_groups_with(3, detail("detail-ok"))).await;
     let results = bounded(on_all(&gs, |g| async move {
         let mut data = if g.rank() == 1 { [5u8; 4] } else { [0u8; 4] };
         g.broadcast(&mut data, 1).await.unwrap();
@@ -1671,7 +1691,7 @@ async fn work_handles_on_the_dyn_group() {
     use tensorwire_core::tensor::Tensor;
 
     let world = 3usize;
-    let gs = bounded(groups(world, "dynwork", Duration::from_secs(20))).await;
+    let gs = bounded(link_groups(world, "dynwork", Duration::from_secs(20))).await;
     let results = bounded(on_all(&gs, move |g| async move {
         let r = g.rank();
         let world_pg: Arc<dyn ProcessGroup> = Arc::new(g);
@@ -1863,7 +1883,7 @@ async fn failing_tensor_work_handles_report_the_typed_error_by_error_and_wait() 
     let wait = Duration::from_secs(20);
 
     let world = 3usize;
-    let gs = bounded(groups(world, "failwork", Duration::from_secs(20))).await;
+    let gs = bounded(link_groups(world, "failwork", Duration::from_secs(20))).await;
     let results = bounded(on_all(&gs, move |g| async move {
         let r = g.rank();
         let pg: Arc<dyn ProcessGroup> = Arc::new(g);
@@ -1921,7 +1941,7 @@ async fn failing_tensor_work_handles_report_the_typed_error_by_error_and_wait() 
     // (the group's own timeout is 20s), which makes the collective time out with that
     // timeout; between them they name rank 2. Their group is broken then: the next handle
     // reports the same error by `error`, without being waited on.
-    let gs = bounded(groups(world, "latework", Duration::from_secs(20))).await;
+    let gs = bounded(link_groups(world, "latework", Duration::from_secs(20))).await;
     let results = bounded(on_all(&gs[..2], move |g| async move {
         let pg: Arc<dyn ProcessGroup> = Arc::new(g);
         let w = pg.issue_reduce_scatter_tensor(f32s(&[0.0]), f32s(&[1.0; 3]), ReduceOp::Sum);

@@ -121,7 +121,10 @@ async fn honest_subgroup(c: &Cluster) -> Vec<Group> {
 }
 
 fn options(name: &str) -> GroupOptions {
-    GroupOptions::new(name).with_timeout(Duration::from_secs(30))
+    // The link path: what a hostile peer may send over the links is what is tested.
+    GroupOptions::new(name)
+        .with_timeout(Duration::from_secs(30))
+        .with_collectives(tensorwire_process_group::CollectivePath::Links)
 }
 
 async fn an_abort_naming_another_rank_is_the_senders_violation(net: Net) {
@@ -476,7 +479,9 @@ async fn a_rank_claimed_twice_during_setup_fails_the_setup_naming_the_claim(net:
         let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
         let transports = transports(net);
         // Rank 0 cannot reach rank 2 once it failed: it fails by this timeout.
-        let options = GroupOptions::new(name).with_timeout(Duration::from_secs(3));
+        let options = GroupOptions::new(name)
+            .with_timeout(Duration::from_secs(3))
+            .with_collectives(tensorwire_process_group::CollectivePath::Links);
         let start = |rank: usize| {
             let (store, transport, options) = (store.clone(), transports(rank), options.clone());
             tokio::spawn(

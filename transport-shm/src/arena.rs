@@ -25,8 +25,8 @@
 //! A rank waiting for another's counter polls it for the spin budget (the shared-memory
 //! transport's, [`ShmConfig::spin`](crate::ShmConfig::spin); yielding instead of polling when
 //! the process may run on one core only), then sleeps on the counter with a futex (on a
-//! multi-threaded tokio runtime, inside `block_in_place`; on a current-thread runtime it yields
-//! and sleeps on the runtime's timer instead, so that other ranks of the same runtime run) and
+//! blocking thread of the runtime, so that the waiting task's thread, and other ranks polled by
+//! the same task, go on running) and
 //! the writer wakes sleepers only when the line says there are some. Sleeps last at most
 //! [`LIVENESS_PERIOD`]; between them the waiter checks the process of the rank it waits for
 //! (a `pidfd`, readable once that process has exited, `SIGKILL` included), so a dead rank is
@@ -81,6 +81,15 @@ pub enum ArenaError {
         waiting_on: usize,
         /// The collective's timeout.
         timeout: Duration,
+    },
+    /// The group said the rank is gone (its links ended: it shut down, or its connection
+    /// broke) while this rank waited for it.
+    #[error("rank {rank} is gone: {reason}")]
+    Gone {
+        /// The group rank.
+        rank: usize,
+        /// What the group knows.
+        reason: String,
     },
     /// A plan that does not fit this arena (another slot size or world): a bug.
     #[error(
@@ -277,7 +286,7 @@ impl ArenaHost {
 /// One rank's view of its group's arena: the mapping, the phase state, and the ranks'
 /// processes (for liveness).
 pub struct Arena {
-    map: Mapping,
+    map: std::sync::Arc<Mapping>,
     rank: usize,
     world: usize,
     slot: usize,
@@ -321,10 +330,12 @@ impl Arena {
                 .map_err(|e| setup("reaching the arena's leader")(format_args!("{e}")))?;
             match sock::peer_cred(conn.get_ref()) {
                 Ok((uid, pid)) if uid == sock::my_uid() && pid == pids[leader] => {}
-                other => return Err(ArenaError::Setup(format!(
+                other => {
+                    return Err(ArenaError::Setup(format!(
                     "the arena's socket is held by {other:?}, not by rank {leader} (process {})",
                     pids[leader]
-                ))),
+                )))
+                }
             }
             sock::send_packet(&conn, &(rank as u64).to_le_bytes(), &[])
                 .await
@@ -381,7 +392,7 @@ impl Arena {
             })
             .collect();
         Ok(Arena {
-            map,
+            map: std::sync::Arc::new(map),
             rank,
             world,
             slot,
@@ -429,12 +440,16 @@ impl Arena {
     /// # Errors
     /// [`ArenaError::Died`], [`ArenaError::Timeout`]; and the first error again for every
     /// later call.
+    ///
+    /// `gone` tells, for a rank this one waits for, whether the group knows it is gone (its
+    /// links ended); it is asked between sleeps, as the rank's process is checked.
     pub async fn run(
         &mut self,
         plan: &ArenaPlan,
         buffer: &mut [u8],
         deadline: Instant,
         timeout: Duration,
+        gone: &(dyn Fn(usize) -> Option<String> + Send + Sync),
     ) -> Result<(), ArenaError> {
         if let Some(e) = &self.broken {
             return Err(e.clone());
@@ -448,7 +463,7 @@ impl Arena {
                 plan_slot: plan.slot_bytes(),
             });
         }
-        let result = self.phases(plan, buffer, deadline, timeout).await;
+        let result = self.phases(plan, buffer, deadline, timeout, gone).await;
         if let Err(e) = &result {
             self.broken = Some(e.clone());
         }
@@ -461,6 +476,7 @@ impl Arena {
         buffer: &mut [u8],
         deadline: Instant,
         timeout: Duration,
+        gone: &(dyn Fn(usize) -> Option<String> + Send + Sync),
     ) -> Result<(), ArenaError> {
         if let Some((from, to)) = plan.local_copy() {
             buffer.copy_within(from, to.start);
@@ -470,7 +486,7 @@ impl Arena {
             if !phase.writes.is_empty() {
                 let waits: Vec<(usize, u32)> = self.state.free_waits().collect();
                 for (q, target) in waits {
-                    self.wait(q, target, deadline, timeout).await?;
+                    self.wait(q, target, deadline, timeout, gone).await?;
                 }
                 let slot = self.slot_ptr(self.rank, half);
                 for w in &phase.writes {
@@ -499,7 +515,7 @@ impl Arena {
                 );
             }
             for q in &phase.waits_on {
-                self.wait(*q, value, deadline, timeout).await?;
+                self.wait(*q, value, deadline, timeout, gone).await?;
             }
             for read in &phase.reads {
                 assert!(read.from + read.to.len() <= self.slot && read.to.end <= buffer.len());
@@ -533,6 +549,7 @@ impl Arena {
         target: u32,
         deadline: Instant,
         timeout: Duration,
+        gone: &(dyn Fn(usize) -> Option<String> + Send + Sync),
     ) -> Result<(), ArenaError> {
         let line = self.counter(q);
         if reached(line.load(Ordering::Acquire), target) {
@@ -564,10 +581,6 @@ impl Arena {
                 SpinStep::Sleep => break,
             }
         }
-        let multi = matches!(
-            tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()),
-            Ok(tokio::runtime::RuntimeFlavor::MultiThread)
-        );
         loop {
             let seen = line.load(Ordering::Acquire);
             if reached(seen, target) {
@@ -581,6 +594,9 @@ impl Arena {
                     });
                 }
             }
+            if let Some(reason) = gone(q) {
+                return Err(ArenaError::Gone { rank: q, reason });
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Err(ArenaError::Timeout {
@@ -589,27 +605,30 @@ impl Arena {
                 });
             }
             let slice = LIVENESS_PERIOD.min(deadline - now);
-            if multi {
-                let sleepers = self.sleepers(q);
-                sleepers.fetch_add(1, Ordering::SeqCst);
-                if !reached(line.load(Ordering::SeqCst), target) {
-                    let ts = rustix::thread::futex::Timespec {
-                        tv_sec: slice.as_secs() as i64,
-                        tv_nsec: slice.subsec_nanos() as i64,
-                    };
-                    tokio::task::block_in_place(|| {
-                        let _ = rustix::thread::futex::wait(
-                            line,
-                            rustix::thread::futex::Flags::empty(),
-                            seen,
-                            Some(&ts),
-                        );
-                    });
-                }
-                sleepers.fetch_sub(1, Ordering::SeqCst);
-            } else {
-                tokio::time::sleep(slice.min(Duration::from_micros(200))).await;
+            let sleepers = self.sleepers(q);
+            sleepers.fetch_add(1, Ordering::SeqCst);
+            if !reached(line.load(Ordering::SeqCst), target) {
+                // The futex sleep runs on a blocking thread, so that this task's thread (and
+                // any other rank polled by the same task) goes on running.
+                let map = self.map.clone();
+                let at = q * LINE;
+                let ts = rustix::thread::futex::Timespec {
+                    tv_sec: slice.as_secs() as i64,
+                    tv_nsec: slice.subsec_nanos() as i64,
+                };
+                let _ = tokio::task::spawn_blocking(move || {
+                    // SAFETY: as in `counter`; the mapping lives as long as `map`.
+                    let line = unsafe { &*(map.ptr().add(at) as *const AtomicU32) };
+                    let _ = rustix::thread::futex::wait(
+                        line,
+                        rustix::thread::futex::Flags::empty(),
+                        seen,
+                        Some(&ts),
+                    );
+                })
+                .await;
             }
+            sleepers.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
@@ -667,7 +686,9 @@ mod tests {
                     arena::all_reduce(r, world, count, ElementType::I32, ReduceOp::Sum, slot)
                         .unwrap();
                 arena
-                    .run(&plan, &mut data, deadline, Duration::from_secs(20))
+                    .run(&plan, &mut data, deadline, Duration::from_secs(20), &|_| {
+                        None
+                    })
                     .await
                     .unwrap();
                 let lens = vec![3000; world];
@@ -675,13 +696,25 @@ mod tests {
                 let mut gathered = vec![0u8; plan.buffer_len()];
                 gathered[plan.input_range()].fill(r as u8 + 1);
                 arena
-                    .run(&plan, &mut gathered, deadline, Duration::from_secs(20))
+                    .run(
+                        &plan,
+                        &mut gathered,
+                        deadline,
+                        Duration::from_secs(20),
+                        &|_| None,
+                    )
                     .await
                     .unwrap();
                 let barrier = arena::barrier(r, world, slot).unwrap();
                 for _ in 0..100 {
                     arena
-                        .run(&barrier, &mut [], deadline, Duration::from_secs(20))
+                        .run(
+                            &barrier,
+                            &mut [],
+                            deadline,
+                            Duration::from_secs(20),
+                            &|_| None,
+                        )
                         .await
                         .unwrap();
                 }
@@ -708,7 +741,7 @@ mod tests {
         let timeout = Duration::from_millis(100);
         let started = Instant::now();
         let err = arenas[0]
-            .run(&plan, &mut [], Instant::now() + timeout, timeout)
+            .run(&plan, &mut [], Instant::now() + timeout, timeout, &|_| None)
             .await
             .unwrap_err();
         assert_eq!(
@@ -722,7 +755,7 @@ mod tests {
         // The arena is broken for good.
         assert_eq!(
             arenas[0]
-                .run(&plan, &mut [], Instant::now() + timeout, timeout)
+                .run(&plan, &mut [], Instant::now() + timeout, timeout, &|_| None)
                 .await,
             Err(err)
         );

@@ -326,10 +326,7 @@ pub fn broadcast(
                 return phase;
             }
             if rank == root {
-                phase.writes.push(ArenaWrite {
-                    from: piece,
-                    to: 0,
-                });
+                phase.writes.push(ArenaWrite { from: piece, to: 0 });
                 phase.readers = others(rank, world);
             } else {
                 phase.waits_on.push(root);
@@ -448,7 +445,10 @@ fn reduction_phases(
                     from: chunk.clone(),
                     to: 0,
                 }],
-                readers: others(rank, world).into_iter().filter(|q| reducer(*q)).collect(),
+                readers: others(rank, world)
+                    .into_iter()
+                    .filter(|q| reducer(*q))
+                    .collect(),
                 ..ArenaPhase::default()
             };
             if reducer(rank) {

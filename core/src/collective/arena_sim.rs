@@ -48,7 +48,9 @@ fn run(
         let phases = plans[0][i].phases().len();
         for (r, rank) in plans.iter().enumerate() {
             if rank[i].phases().len() != phases {
-                return Err(format!("plan {i}: rank {r} has a different number of phases"));
+                return Err(format!(
+                    "plan {i}: rank {r} has a different number of phases"
+                ));
             }
         }
         check_structure(&plans.iter().map(|p| &p[i]).collect::<Vec<_>>())
@@ -198,12 +200,17 @@ fn step(r: usize, rank: &mut Rank, mem: &mut Memory) -> Result<bool, String> {
                 }
                 i += 1;
             }
-            rank.pc = if i == rank.free.len() { Pc::Write } else { Pc::FreeWait(i) };
+            rank.pc = if i == rank.free.len() {
+                Pc::Write
+            } else {
+                Pc::FreeWait(i)
+            };
         }
         Pc::Write => {
             for w in &phase.writes {
                 let buffer = &rank.buffers[rank.plan];
-                mem.data[r][half][w.to..w.to + w.from.len()].copy_from_slice(&buffer[w.from.clone()]);
+                mem.data[r][half][w.to..w.to + w.from.len()]
+                    .copy_from_slice(&buffer[w.from.clone()]);
             }
             if !phase.writes.is_empty() {
                 mem.tags[r][half] = Some(rank.state.phase());
@@ -226,7 +233,11 @@ fn step(r: usize, rank: &mut Rank, mem: &mut Memory) -> Result<bool, String> {
                 }
                 i += 1;
             }
-            rank.pc = if i == phase.waits_on.len() { Pc::Read(0) } else { Pc::Wait(i) };
+            rank.pc = if i == phase.waits_on.len() {
+                Pc::Read(0)
+            } else {
+                Pc::Wait(i)
+            };
         }
         Pc::Read(i) => {
             let Some(read) = phase.reads.get(i) else {
@@ -247,7 +258,9 @@ fn step(r: usize, rank: &mut Rank, mem: &mut Memory) -> Result<bool, String> {
             let buffer = &mut rank.buffers[rank.plan];
             let dst = &mut buffer[read.to.clone()];
             if read.reduce {
-                let (element, op) = plan.reduction().ok_or("a reducing read without a reduction")?;
+                let (element, op) = plan
+                    .reduction()
+                    .ok_or("a reducing read without a reduction")?;
                 reduce_into(op, element, dst, &incoming, false).map_err(|e| e.to_string())?;
             } else {
                 dst.copy_from_slice(&incoming);
@@ -356,7 +369,13 @@ fn case(world: usize, slot: usize, rng: &mut SimRng) -> Case {
         );
         let root = rng.below(n);
         let expected = (0..n)
-            .map(|r| if r == root { all.clone() } else { blocks[r].clone() })
+            .map(|r| {
+                if r == root {
+                    all.clone()
+                } else {
+                    blocks[r].clone()
+                }
+            })
             .collect();
         c.push(
             format!("gather {lens:?} to {root}"),
@@ -407,7 +426,15 @@ fn case(world: usize, slot: usize, rng: &mut SimRng) -> Case {
             format!("reduce {count} {element:?} {op} to {root}"),
             |r| arena::reduce(r, n, root, count, element, op, slot).unwrap(),
             inputs,
-            (0..n).map(|r| if r == root { reduced.clone() } else { Vec::new() }).collect(),
+            (0..n)
+                .map(|r| {
+                    if r == root {
+                        reduced.clone()
+                    } else {
+                        Vec::new()
+                    }
+                })
+                .collect(),
         );
         let counts: Vec<usize> = (0..n).map(|_| rng.below(count / n + 2)).collect();
         let total: usize = counts.iter().sum();
@@ -438,7 +465,12 @@ fn case(world: usize, slot: usize, rng: &mut SimRng) -> Case {
             .collect();
         let inputs = blocks.iter().map(|row| row.concat()).collect();
         let expected = (0..n)
-            .map(|d| (0..n).map(|s| blocks[s][d].clone()).collect::<Vec<_>>().concat())
+            .map(|d| {
+                (0..n)
+                    .map(|s| blocks[s][d].clone())
+                    .collect::<Vec<_>>()
+                    .concat()
+            })
             .collect();
         c.push(
             format!("all_to_all max {max}"),
@@ -554,7 +586,10 @@ fn a_writer_that_does_not_wait_for_its_readers_is_caught() {
             .map(|r| vec![if r == 0 { vec![7u8; len] } else { Vec::new() }])
             .collect();
         if let Err(e) = run(plans, inputs, seed) {
-            assert!(e.contains("names readers") || e.contains("holds phase"), "{e}");
+            assert!(
+                e.contains("names readers") || e.contains("holds phase"),
+                "{e}"
+            );
             failures += 1;
         }
     }

@@ -134,6 +134,11 @@ impl GroupMesh {
         self.id << GROUP_SHIFT | seq
     }
 
+    /// Whether group rank `peer`'s connection has ended (see [`Mesh::peer_gone`]).
+    pub fn peer_gone(&self, peer: usize) -> Option<super::PeerStatusKind> {
+        self.mesh.peer_gone(self.peer(peer))
+    }
+
     /// The failure that broke the group, if any (see [`Mesh::broken`]: a disagreement fails
     /// only some collectives, which [`GroupMesh::failure`] tells).
     pub fn broken(&self) -> Option<ProcessGroupError> {

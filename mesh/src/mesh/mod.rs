@@ -218,6 +218,15 @@ impl Shared {
     }
 }
 
+/// How a peer's connection ended (see [`Mesh::peer_gone`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerStatusKind {
+    /// It said goodbye (shut down).
+    Left,
+    /// The connection broke.
+    Dead,
+}
+
 /// A fully connected set of ranks.
 pub struct Mesh {
     shared: Arc<Shared>,
@@ -356,6 +365,16 @@ impl Mesh {
     pub fn release(&self, peer: usize, seq: u64) {
         if let Some(link) = self.shared.peer(peer) {
             link.inbox.release(seq);
+        }
+    }
+
+    /// Whether `peer`'s connection has ended (it said goodbye, or the connection broke), for
+    /// waits that do not go through the inbox (the group arena's); `None` while it is open.
+    pub fn peer_gone(&self, peer: usize) -> Option<PeerStatusKind> {
+        match self.shared.peer(peer).map(|l| l.inbox.status()) {
+            Some(PeerStatus::Left) => Some(PeerStatusKind::Left),
+            Some(PeerStatus::Dead) => Some(PeerStatusKind::Dead),
+            _ => None,
         }
     }
 

@@ -46,14 +46,23 @@ impl Group {
         .instrument(span)
         .await?;
         let counters = Default::default();
-        Group::over(
+        let group = Group::over(
             GroupMesh::whole(mesh),
             options.name,
             options.timeout,
             debug,
             store,
             counters,
-        )
+            (
+                options.collectives,
+                options.arena_bytes,
+                arena::ArenaSlot::Off,
+            ),
+        )?;
+        group
+            .set_up_arena(options.collectives, options.arena_bytes)
+            .await?;
+        Ok(group)
     }
 
     /// Multiplexes another layer's traffic (the RPC agent's) over this group's connections:
@@ -95,7 +104,9 @@ impl Group {
         debug: DebugLevel,
         store: Arc<dyn Store>,
         counters: (Arc<Counters>, Arc<Counters>),
+        (collectives, arena_bytes, slot): (CollectivePath, usize, arena::ArenaSlot),
     ) -> Result<Group, ProcessGroupError> {
+        let arena_on = matches!(slot, arena::ArenaSlot::Pending { .. });
         let (rank, world) = (mesh.rank(), mesh.world());
         let setup = |e: CollectiveError| ProcessGroupError::Setup {
             rank,
@@ -120,6 +131,11 @@ impl Group {
                 timeout,
                 next_group: AtomicU64::new(1),
                 _store: store,
+                arena: tokio::sync::Mutex::new(slot),
+                arena_on: std::sync::atomic::AtomicBool::new(arena_on),
+                hosts: std::sync::OnceLock::new(),
+                collectives,
+                arena_bytes,
             }),
         })
     }
@@ -220,6 +236,8 @@ impl Group {
             })
             .map_err(|_| setup(format!("more than {MAX_GROUP_ID} subgroups")))?;
         for (id, members) in (first..).zip(groups) {
+            let slot =
+                Group::subgroup_arena(self.inner.hosts.get(), &members, self.inner.collectives);
             if let Some(mesh) = self.inner.mesh.subgroup(id, members) {
                 let name = format!("{}/{id}", self.name());
                 let store = self.inner._store.clone();
@@ -231,6 +249,7 @@ impl Group {
                     self.inner.debug,
                     store,
                     counters,
+                    (self.inner.collectives, self.inner.arena_bytes, slot),
                 )
                 .map(Some);
             }

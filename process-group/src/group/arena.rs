@@ -1,0 +1,701 @@
+//! The arena path: a group whose ranks all share a host runs its collectives through one shared
+//! segment ([`tensorwire_transport_shm::arena`]) with the plans of
+//! [`tensorwire_core::collective::arena`], instead of through its links.
+//!
+//! The world group decides when it connects: every rank tells the others, over the links, its
+//! host ([`host_key`]) and process id, and rank 0 the name of the socket it hands the segment
+//! out on. When every rank is on rank 0's host (and [`CollectivePath::Arena`] is chosen, the
+//! default), the others fetch the segment; otherwise the group keeps its links. A subgroup
+//! whose members share a host makes its own segment on its first collective (its lowest rank
+//! hands it out; the socket's name goes through the store, under the subgroup's name).
+//!
+//! Collectives through the arena run one at a time, in the order they were issued (a fair lock
+//! taken in the issuing call). Collectives whose lengths only the sender knows (all_gather,
+//! gather, scatter, all_to_all, the byte broadcast) first exchange the lengths through the
+//! arena too.
+
+use std::time::Instant;
+
+use tensorwire_core::collective::arena as plans;
+use tensorwire_core::collective::arena::ArenaPlan;
+use tensorwire_transport_shm::arena::{host_key, Arena, ArenaError, ArenaHost};
+
+use super::*;
+
+/// The environment variable that picks the collective path: `arena` (the default: through
+/// shared memory when every rank of a group is on one host) or `links`.
+pub const COLLECTIVES_ENV: &str = "TENSORWIRE_COLLECTIVES";
+/// The environment variable that sets [`GroupOptions::arena_bytes`]'s default.
+pub const ARENA_BYTES_ENV: &str = "TENSORWIRE_ARENA_BYTES";
+
+/// Which path a group's collectives take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CollectivePath {
+    /// Through the group's shared-memory arena when every rank is on one host; through the
+    /// links otherwise.
+    Arena,
+    /// Always through the links (each message over the transport).
+    Links,
+}
+
+impl CollectivePath {
+    /// From [`COLLECTIVES_ENV`]: `links` (any case) gives [`Links`](Self::Links), anything
+    /// else (or nothing) [`Arena`](Self::Arena).
+    pub fn from_env() -> Self {
+        match std::env::var(COLLECTIVES_ENV) {
+            Ok(v) if v.trim().eq_ignore_ascii_case("links") => CollectivePath::Links,
+            _ => CollectivePath::Arena,
+        }
+    }
+}
+
+/// The arena's default size: [`ARENA_BYTES_ENV`] when set to a number, else
+/// [`DEFAULT_ARENA_BYTES`](tensorwire_transport_shm::arena::DEFAULT_ARENA_BYTES).
+pub fn arena_bytes_from_env() -> usize {
+    std::env::var(ARENA_BYTES_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(tensorwire_transport_shm::arena::DEFAULT_ARENA_BYTES)
+}
+
+/// The spin budget of the arena's waits: the shared-memory transport's.
+fn spin() -> Duration {
+    tensorwire_core::spin::budget_from_env(tensorwire_transport_shm::SPIN_ENV, |n| {
+        std::env::var(n).ok()
+    })
+    .ok()
+    .flatten()
+    .unwrap_or(Duration::from_micros(20))
+}
+
+/// Where a group stands with its arena.
+pub(super) enum ArenaSlot {
+    /// No arena: the links carry every collective.
+    Off,
+    /// A subgroup on one host, whose segment is fetched on its first collective.
+    Pending {
+        /// The world ranks' process ids, by group rank.
+        pids: Vec<u32>,
+    },
+    /// Set up.
+    Ready(Box<Arena>),
+    /// Setting it up failed: every collective fails with this.
+    Failed(ProcessGroupError),
+}
+
+/// A collective's turn at the arena: the arena, held, and the sequence number the collective
+/// took when it was issued (the link path's numbering, so errors read the same).
+pub(super) struct Turn<'a> {
+    slot: tokio::sync::MutexGuard<'a, ArenaSlot>,
+    seq: u64,
+}
+
+impl Turn<'_> {
+    /// The slot size plans are made with (0 when no arena is ready: plans then refuse).
+    fn slot_bytes(&self) -> usize {
+        match &*self.slot {
+            ArenaSlot::Ready(a) => a.slot_bytes(),
+            _ => 0,
+        }
+    }
+}
+
+/// What a world rank told the others when the world group connected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct HostRecord {
+    pub(super) host: String,
+    pub(super) pid: u32,
+}
+
+fn encode_record(host: &str, pid: u32, socket: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&pid.to_le_bytes());
+    out.extend_from_slice(&(host.len() as u32).to_le_bytes());
+    out.extend_from_slice(host.as_bytes());
+    out.extend_from_slice(socket.as_bytes());
+    out
+}
+
+fn decode_record(bytes: &[u8]) -> Option<(HostRecord, String)> {
+    let pid = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?);
+    let len = u32::from_le_bytes(bytes.get(4..8)?.try_into().ok()?) as usize;
+    let host = std::str::from_utf8(bytes.get(8..8usize.checked_add(len)?)?).ok()?;
+    let socket = std::str::from_utf8(bytes.get(8 + len..)?).ok()?;
+    Some((
+        HostRecord {
+            host: host.to_owned(),
+            pid,
+        },
+        socket.to_owned(),
+    ))
+}
+
+fn arena_error(
+    collective: &'static str,
+    seq: u64,
+    rank: usize,
+    e: ArenaError,
+) -> ProcessGroupError {
+    match e {
+        ArenaError::Died { rank: dead, pid } => ProcessGroupError::PeerDied {
+            rank: dead,
+            reported_by: None,
+            reason: format!("its process {pid} ended during {collective} through the group arena"),
+        },
+        ArenaError::Gone { rank: gone, reason } if reason == "left" => {
+            ProcessGroupError::PeerLeft {
+                rank: gone,
+                collective,
+                seq,
+            }
+        }
+        ArenaError::Gone { rank: gone, reason } => ProcessGroupError::PeerDied {
+            rank: gone,
+            reported_by: None,
+            reason,
+        },
+        ArenaError::Timeout {
+            waiting_on,
+            timeout,
+        } => ProcessGroupError::Timeout {
+            collective,
+            seq,
+            rank,
+            waiting_on: vec![waiting_on],
+            timeout,
+        },
+        other => ProcessGroupError::Setup {
+            rank,
+            reason: other.to_string(),
+        },
+    }
+}
+
+impl Group {
+    /// The world group's arena setup, when it connects: one exchange of host, process id and
+    /// (rank 0) socket name over the links, then the segment, if every rank shares rank 0's
+    /// host.
+    pub(super) async fn set_up_arena(
+        &self,
+        path: CollectivePath,
+        arena_bytes: usize,
+    ) -> Result<(), ProcessGroupError> {
+        let (rank, world) = (self.rank(), self.size());
+        if path == CollectivePath::Links || world == 1 {
+            return Ok(());
+        }
+        let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
+        let key = host_key();
+        let pid = std::process::id();
+        let host = if rank == 0 && path == CollectivePath::Arena && world > 1 {
+            ArenaHost::create(world, arena_bytes).ok()
+        } else {
+            None
+        };
+        let socket = host
+            .as_ref()
+            .map(|h| h.name().to_owned())
+            .unwrap_or_default();
+        let blocks = self.all_gather(&encode_record(&key, pid, &socket)).await?;
+        let mut records = Vec::with_capacity(world);
+        let mut leader_socket = String::new();
+        for (r, block) in blocks.iter().enumerate() {
+            let (record, socket) = decode_record(block)
+                .ok_or_else(|| setup(format!("rank {r} sent a malformed host record")))?;
+            if r == 0 {
+                leader_socket = socket;
+            }
+            records.push(record);
+        }
+        let _ = self.inner.hosts.set(records.clone());
+        let one_host = records.iter().all(|r| r.host == records[0].host);
+        if path != CollectivePath::Arena || world == 1 || !one_host || leader_socket.is_empty() {
+            return Ok(());
+        }
+        let pids: Vec<u32> = records.iter().map(|r| r.pid).collect();
+        let deadline = Instant::now() + self.inner.timeout;
+        let arena = match host {
+            Some(host) => host.accept(rank, &pids, spin(), deadline).await,
+            None => Arena::join(&leader_socket, rank, &pids, 0, spin(), deadline).await,
+        }
+        .map_err(|e| setup(e.to_string()))?;
+        *self
+            .inner
+            .arena
+            .try_lock()
+            .expect("nobody holds a new group's arena") = ArenaSlot::Ready(Box::new(arena));
+        self.inner.arena_on.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// A subgroup's arena slot, from the world's host records: pending when every member
+    /// shares a host.
+    pub(super) fn subgroup_arena(
+        hosts: Option<&Vec<HostRecord>>,
+        members: &[usize],
+        path: CollectivePath,
+    ) -> ArenaSlot {
+        let Some(hosts) = hosts else {
+            return ArenaSlot::Off;
+        };
+        let records: Option<Vec<&HostRecord>> = members.iter().map(|m| hosts.get(*m)).collect();
+        match records {
+            Some(records)
+                if path == CollectivePath::Arena
+                    && records.len() > 1
+                    && records.iter().all(|r| r.host == records[0].host) =>
+            {
+                ArenaSlot::Pending {
+                    pids: records.iter().map(|r| r.pid).collect(),
+                }
+            }
+            _ => ArenaSlot::Off,
+        }
+    }
+
+    /// This collective's turn at the arena, taken in the issuing call (the lock is fair, so
+    /// turns come in issue order): `None` when the group runs on its links.
+    /// `rounds` sequence numbers are taken now, as the link path takes them.
+    pub(super) async fn arena_turn(&self, rounds: u64) -> Option<Turn<'_>> {
+        if !self.inner.arena_on.load(Ordering::Acquire) {
+            return None;
+        }
+        let seq = self.reserve(rounds);
+        let mut slot = self.inner.arena.lock().await;
+        if let ArenaSlot::Pending { pids } = &*slot {
+            let pids = pids.clone();
+            *slot = match self.fetch_subgroup_arena(&pids).await {
+                Ok(arena) => ArenaSlot::Ready(Box::new(arena)),
+                Err(e) => ArenaSlot::Failed(e),
+            };
+        }
+        Some(Turn { slot, seq })
+    }
+
+    async fn fetch_subgroup_arena(&self, pids: &[u32]) -> Result<Arena, ProcessGroupError> {
+        let rank = self.rank();
+        let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
+        let key = format!("tensorwire/pg/{}/arena", self.name());
+        let deadline = Instant::now() + self.inner.timeout;
+        if rank == 0 {
+            let host = ArenaHost::create(self.size(), self.inner.arena_bytes)
+                .map_err(|e| setup(e.to_string()))?;
+            self.inner
+                ._store
+                .set(&key, host.name().as_bytes())
+                .await
+                .map_err(|e| setup(format!("publishing the arena: {e}")))?;
+            host.accept(rank, pids, spin(), deadline)
+                .await
+                .map_err(|e| setup(e.to_string()))
+        } else {
+            self.inner
+                ._store
+                .wait(&[&key], self.inner.timeout)
+                .await
+                .map_err(|e| setup(format!("waiting for the arena: {e}")))?;
+            let name = self
+                .inner
+                ._store
+                .get(&key)
+                .await
+                .map_err(|e| setup(format!("reading the arena's name: {e}")))?;
+            let name =
+                String::from_utf8(name).map_err(|_| setup("a malformed arena name".into()))?;
+            Arena::join(&name, rank, pids, 0, spin(), deadline)
+                .await
+                .map_err(|e| setup(e.to_string()))
+        }
+    }
+
+    /// Runs `plan` over `buffer` through the arena in `slot`.
+    pub(super) async fn arena_run(
+        &self,
+        turn: &mut Turn<'_>,
+        collective: &'static str,
+        plan: Result<ArenaPlan, CollectiveError>,
+        buffer: &mut [u8],
+    ) -> Result<(), ProcessGroupError> {
+        let plan = plan.map_err(|source| ProcessGroupError::Arguments { collective, source })?;
+        let seq = turn.seq;
+        let mesh = &self.inner.mesh;
+        if let Some(e) = mesh.broken() {
+            return Err(e);
+        }
+        let arena = match &mut *turn.slot {
+            ArenaSlot::Ready(arena) => arena,
+            ArenaSlot::Failed(e) => return Err(e.clone()),
+            ArenaSlot::Off | ArenaSlot::Pending { .. } => {
+                unreachable!("a turn is handed out only for a set-up arena")
+            }
+        };
+        let timeout = self.inner.timeout;
+        let span = tracing::debug_span!("arena", collective, seq);
+        let gone = |peer: usize| -> Option<String> {
+            if let Some(e) = mesh.broken() {
+                return Some(e.to_string());
+            }
+            mesh.peer_gone(peer).map(|kind| match kind {
+                tensorwire_mesh::PeerStatusKind::Left => "left".to_owned(),
+                tensorwire_mesh::PeerStatusKind::Dead => "its connection broke".to_owned(),
+            })
+        };
+        arena
+            .run(&plan, buffer, Instant::now() + timeout, timeout, &gone)
+            .instrument(span)
+            .await
+            .map_err(|e| match (e, mesh.broken()) {
+                (ArenaError::Gone { .. }, Some(broken)) => broken,
+                (e, _) => arena_error(collective, seq, self.rank(), e),
+            })
+    }
+
+    /// Every rank's 8-byte value, through the arena.
+    async fn arena_lengths(
+        &self,
+        turn: &mut Turn<'_>,
+        collective: &'static str,
+        mine: &[u8],
+    ) -> Result<Vec<u8>, ProcessGroupError> {
+        let (rank, world) = (self.rank(), self.size());
+        let s = turn.slot_bytes();
+        let lens = vec![mine.len(); world];
+        let plan = plans::all_gather(rank, &lens, s);
+        let mut buffer = vec![0u8; mine.len() * world];
+        buffer[rank * mine.len()..(rank + 1) * mine.len()].copy_from_slice(mine);
+        self.arena_run(turn, collective, plan, &mut buffer).await?;
+        Ok(buffer)
+    }
+
+    pub(super) async fn arena_barrier(&self, turn: &mut Turn<'_>) -> Result<(), ProcessGroupError> {
+        let plan = plans::barrier(self.rank(), self.size(), turn.slot_bytes());
+        self.arena_run(turn, "barrier", plan, &mut []).await
+    }
+
+    pub(super) async fn arena_all_reduce(
+        &self,
+        turn: &mut Turn<'_>,
+        data: &mut [u8],
+        element: ElementType,
+        op: ReduceOp,
+    ) -> Result<(), ProcessGroupError> {
+        let count = whole_elements("all_reduce", data.len(), element)?;
+        let plan = plans::all_reduce(
+            self.rank(),
+            self.size(),
+            count,
+            element,
+            op,
+            turn.slot_bytes(),
+        );
+        self.arena_run(turn, "all_reduce", plan, data).await?;
+        op.finish(element, data, self.size());
+        Ok(())
+    }
+
+    pub(super) async fn arena_reduce(
+        &self,
+        turn: &mut Turn<'_>,
+        data: &mut [u8],
+        element: ElementType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), ProcessGroupError> {
+        let count = whole_elements("reduce", data.len(), element)?;
+        let plan = plans::reduce(
+            self.rank(),
+            self.size(),
+            root,
+            count,
+            element,
+            op,
+            turn.slot_bytes(),
+        );
+        if self.rank() == root {
+            self.arena_run(turn, "reduce", plan, data).await?;
+            op.finish(element, data, self.size());
+            Ok(())
+        } else {
+            self.arena_run(turn, "reduce", plan, &mut data.to_vec())
+                .await
+        }
+    }
+
+    pub(super) async fn arena_broadcast(
+        &self,
+        turn: &mut Turn<'_>,
+        data: &mut [u8],
+        root: usize,
+    ) -> Result<(), ProcessGroupError> {
+        let plan = plans::broadcast(
+            self.rank(),
+            self.size(),
+            root,
+            data.len(),
+            turn.slot_bytes(),
+        );
+        self.arena_run(turn, "broadcast", plan, data).await
+    }
+
+    pub(super) async fn arena_broadcast_bytes(
+        &self,
+        turn: &mut Turn<'_>,
+        data: &[u8],
+        root: usize,
+    ) -> Result<Bytes, ProcessGroupError> {
+        let (rank, world) = (self.rank(), self.size());
+        if root >= world {
+            return Err(ProcessGroupError::Arguments {
+                collective: "broadcast",
+                source: CollectiveError::RootOutOfRange { root, world },
+            });
+        }
+        let mut len = (data.len() as u64).to_le_bytes();
+        self.arena_broadcast(turn, &mut len, root).await?;
+        let len = u64::from_le_bytes(len);
+        if len > MAX_BLOCK_BYTES as u64 {
+            return Err(ProcessGroupError::Mismatch {
+                peer: root,
+                collective: "broadcast",
+                seq: turn.seq,
+                reason: format!("it announced {len} bytes, more than {MAX_BLOCK_BYTES}"),
+            });
+        }
+        let mut out = if rank == root {
+            data.to_vec()
+        } else {
+            vec![0u8; len as usize]
+        };
+        self.arena_broadcast(turn, &mut out, root).await?;
+        Ok(out.into())
+    }
+
+    /// Every rank's announced block length, refused past [`MAX_BLOCK_BYTES`].
+    async fn arena_block_lens(
+        &self,
+        turn: &mut Turn<'_>,
+        collective: &'static str,
+        mine: usize,
+    ) -> Result<Vec<usize>, ProcessGroupError> {
+        let all = self
+            .arena_lengths(turn, collective, &(mine as u64).to_le_bytes())
+            .await?;
+        let lens: Vec<u64> = all
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        check_block_lens(collective, 0, &lens, |i| i)?;
+        Ok(lens.into_iter().map(|l| l as usize).collect())
+    }
+
+    pub(super) async fn arena_all_gather(
+        &self,
+        turn: &mut Turn<'_>,
+        input: &[u8],
+    ) -> Result<Vec<Bytes>, ProcessGroupError> {
+        let rank = self.rank();
+        let lens = self
+            .arena_block_lens(turn, "all_gather", input.len())
+            .await?;
+        let plan = plans::all_gather(rank, &lens, turn.slot_bytes());
+        let total: usize = lens.iter().sum();
+        let mut buffer = vec![0u8; total];
+        let start: usize = lens[..rank].iter().sum();
+        buffer[start..start + input.len()].copy_from_slice(input);
+        self.arena_run(turn, "all_gather", plan, &mut buffer)
+            .await?;
+        Ok(split(buffer.into(), &lens))
+    }
+
+    pub(super) async fn arena_gather(
+        &self,
+        turn: &mut Turn<'_>,
+        input: &[u8],
+        root: usize,
+    ) -> Result<Option<Vec<Bytes>>, ProcessGroupError> {
+        let (rank, world) = (self.rank(), self.size());
+        if root >= world {
+            return Err(ProcessGroupError::Arguments {
+                collective: "gather",
+                source: CollectiveError::RootOutOfRange { root, world },
+            });
+        }
+        let lens = self.arena_block_lens(turn, "gather", input.len()).await?;
+        let plan = plans::gather(rank, root, &lens, turn.slot_bytes());
+        if rank != root {
+            self.arena_run(turn, "gather", plan, &mut input.to_vec())
+                .await?;
+            return Ok(None);
+        }
+        let total: usize = lens.iter().sum();
+        let mut buffer = vec![0u8; total];
+        let start: usize = lens[..rank].iter().sum();
+        buffer[start..start + input.len()].copy_from_slice(input);
+        self.arena_run(turn, "gather", plan, &mut buffer).await?;
+        Ok(Some(split(buffer.into(), &lens)))
+    }
+
+    pub(super) async fn arena_scatter(
+        &self,
+        turn: &mut Turn<'_>,
+        blocks: &[Bytes],
+        root: usize,
+    ) -> Result<Bytes, ProcessGroupError> {
+        let (rank, world) = (self.rank(), self.size());
+        let arguments = |source| ProcessGroupError::Arguments {
+            collective: "scatter",
+            source,
+        };
+        if root >= world {
+            return Err(arguments(CollectiveError::RootOutOfRange { root, world }));
+        }
+        if rank == root && blocks.len() != world {
+            return Err(arguments(CollectiveError::LengthsCount {
+                lens: blocks.len(),
+                world,
+            }));
+        }
+        let mut lens_bytes = vec![0u8; 8 * world];
+        if rank == root {
+            for (c, b) in lens_bytes.chunks_exact_mut(8).zip(blocks) {
+                c.copy_from_slice(&(b.len() as u64).to_le_bytes());
+            }
+        }
+        self.arena_broadcast(turn, &mut lens_bytes, root).await?;
+        let lens: Vec<u64> = lens_bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        check_block_lens("scatter", 0, &lens, |_| root)?;
+        let lens: Vec<usize> = lens.into_iter().map(|l| l as usize).collect();
+        let plan = plans::scatter(rank, root, &lens, turn.slot_bytes());
+        if rank == root {
+            let mut buffer: Vec<u8> = blocks.iter().flat_map(|b| b.iter().copied()).collect();
+            self.arena_run(turn, "scatter", plan, &mut buffer).await?;
+            return Ok(blocks[root].clone());
+        }
+        let mut buffer = vec![0u8; lens[rank]];
+        self.arena_run(turn, "scatter", plan, &mut buffer).await?;
+        Ok(buffer.into())
+    }
+
+    pub(super) async fn arena_reduce_scatter(
+        &self,
+        turn: &mut Turn<'_>,
+        input: &[u8],
+        counts: &[usize],
+        element: ElementType,
+        op: ReduceOp,
+    ) -> Result<Vec<u8>, ProcessGroupError> {
+        let arguments = |source| ProcessGroupError::Arguments {
+            collective: "reduce_scatter",
+            source,
+        };
+        if counts.len() != self.size() {
+            return Err(arguments(CollectiveError::LengthsCount {
+                lens: counts.len(),
+                world: self.size(),
+            }));
+        }
+        let plan = plans::reduce_scatter(self.rank(), counts, element, op, turn.slot_bytes())
+            .map_err(arguments)?;
+        if plan.buffer_len() != input.len() {
+            return Err(arguments(CollectiveError::SplitsSum {
+                sum: plan.buffer_len(),
+                actual: input.len(),
+            }));
+        }
+        let output = plan.output_range();
+        let mut buffer = input.to_vec();
+        self.arena_run(turn, "reduce_scatter", Ok(plan), &mut buffer)
+            .await?;
+        let mut out = buffer[output].to_vec();
+        op.finish(element, &mut out, self.size());
+        Ok(out)
+    }
+
+    pub(super) async fn arena_all_to_all(
+        &self,
+        turn: &mut Turn<'_>,
+        inputs: &[Bytes],
+        output_lens: &[usize],
+    ) -> Result<Vec<Bytes>, ProcessGroupError> {
+        let (rank, world) = (self.rank(), self.size());
+        let arguments = |source| ProcessGroupError::Arguments {
+            collective: "all_to_all",
+            source,
+        };
+        for lens in [inputs.len(), output_lens.len()] {
+            if lens != world {
+                return Err(arguments(CollectiveError::LengthsCount { lens, world }));
+            }
+        }
+        let row: Vec<u8> = inputs
+            .iter()
+            .flat_map(|b| (b.len() as u64).to_le_bytes())
+            .collect();
+        let all = self.arena_lengths(turn, "all_to_all", &row).await?;
+        let matrix: Vec<Vec<usize>> = all
+            .chunks_exact(8 * world)
+            .map(|row| {
+                row.chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
+                    .collect()
+            })
+            .collect();
+        for (peer, row) in matrix.iter().enumerate() {
+            if row[rank] != output_lens[peer] {
+                return Err(ProcessGroupError::Mismatch {
+                    peer,
+                    collective: "all_to_all",
+                    seq: turn.seq,
+                    reason: format!(
+                        "it sends {} bytes here, this rank expects {}",
+                        row[rank], output_lens[peer]
+                    ),
+                });
+            }
+        }
+        let plan = plans::all_to_all(rank, &matrix, turn.slot_bytes()).map_err(arguments)?;
+        let mut buffer = vec![0u8; plan.buffer_len()];
+        let mut at = 0;
+        for b in inputs {
+            buffer[at..at + b.len()].copy_from_slice(b);
+            at += b.len();
+        }
+        let output = plan.output_range();
+        self.arena_run(turn, "all_to_all", Ok(plan), &mut buffer)
+            .await?;
+        let out = Bytes::from(buffer).slice(output);
+        Ok(split(out, output_lens))
+    }
+}
+
+/// `bytes` cut into consecutive blocks of `lens`.
+fn split(bytes: Bytes, lens: &[usize]) -> Vec<Bytes> {
+    let mut at = 0;
+    lens.iter()
+        .map(|len| {
+            at += len;
+            bytes.slice(at - len..at)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_records_round_trip_and_refuse_garbage() {
+        let bytes = encode_record("boot/net/pid/1000", 42, "tensorwire-arena:ab");
+        let (record, socket) = decode_record(&bytes).unwrap();
+        assert_eq!(record.pid, 42);
+        assert_eq!(record.host, "boot/net/pid/1000");
+        assert_eq!(socket, "tensorwire-arena:ab");
+        assert!(decode_record(&bytes[..6]).is_none());
+        let mut long = bytes.clone();
+        long[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode_record(&long).is_none());
+    }
+}
