@@ -111,7 +111,9 @@ pub struct GroupOptions {
     pub budget: Option<Budget>,
     /// Which path the collectives take: through the group arena when every rank is on one
     /// host ([`CollectivePath::Arena`], the default unless [`COLLECTIVES_ENV`] says `links`),
-    /// or through the links. Every rank must choose the same.
+    /// or through the links. Every rank must choose the same. Under
+    /// [`DebugLevel::Detail`] the links are used whatever this says: the agreement check is
+    /// theirs (the arena's phases carry no signatures).
     pub collectives: CollectivePath,
     /// The size of the group's arena on a host, in bytes (default 32 MiB,
     /// [`DEFAULT_ARENA_BYTES`](tensorwire_transport_shm::arena::DEFAULT_ARENA_BYTES), or

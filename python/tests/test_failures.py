@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import time
 
 import pytest
@@ -42,11 +43,43 @@ def killed_peer(rank: int, world: int, marker: str) -> None:
         f.write(message)
 
 
-def test_a_killed_peer_fails_wait_naming_the_rank(tmp_path):
+@pytest.mark.parametrize("path", ["arena", "links"])
+def test_a_killed_peer_fails_wait_naming_the_rank(tmp_path, path):
     marker = str(tmp_path / "raised")
-    run_world(killed_peer, 3, marker, expect_fail={2})
+    run_world(killed_peer, 3, marker, expect_fail={2}, env={"TENSORWIRE_COLLECTIVES": path})
     for rank in (0, 1):
         assert "rank 2" in open(f"{marker}.{rank}").read()
+
+
+def stopped_peer(rank: int, world: int, marker: str) -> None:
+    init(rank, world, seconds=4)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, but never runs again (rank 0 kills it)
+        os._exit(3)
+    t = torch.ones(1 << 12)
+    started = time.monotonic()
+    with pytest.raises(dist.DistBackendError) as raised:
+        for _ in range(1000):
+            dist.all_reduce(t)
+    elapsed = time.monotonic() - started
+    message = str(raised.value)
+    assert "rank 2" in message or "rank(s) 2" in message, message
+    # Within the timeout (4 s) and a little: nobody waits or spins past it.
+    assert elapsed < 12, elapsed
+    with open(f"{marker}.{rank}", "w") as f:
+        f.write(message)
+    if rank == 0:
+        os.kill(pids[2], signal.SIGKILL)
+
+
+@pytest.mark.parametrize("path", ["arena", "links"])
+def test_a_stopped_peer_fails_wait_naming_the_rank_within_the_timeout(tmp_path, path):
+    marker = str(tmp_path / "raised")
+    run_world(stopped_peer, 3, marker, expect_fail={2}, env={"TENSORWIRE_COLLECTIVES": path})
+    for rank in (0, 1):
+        assert "2" in open(f"{marker}.{rank}").read()
 
 
 def mismatch(rank: int, world: int) -> None:

@@ -225,17 +225,19 @@ def parity(rank: int, world: int, report: str) -> None:
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("path", ["arena", "links"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_every_operation_and_dtype_equals_gloo(world, tmp_path):
+def test_every_operation_and_dtype_equals_gloo(world, path, tmp_path):
+    """On both collective paths: the group arena (the default on one host) and the links."""
     report = str(tmp_path / "parity.json")
-    run_world(parity, world, report)
+    run_world(parity, world, report, env={"TENSORWIRE_COLLECTIVES": path})
     table = json.load(open(report))["table"]
     print(f"\nparity at world {world}:")
     for key, verdict in sorted(table.items()):
         print(f"  {key}: {verdict}")
     out = os.environ.get("TENSORWIRE_PARITY_DIR")
     if out:
-        with open(os.path.join(out, f"parity-w{world}.json"), "w") as f:
+        with open(os.path.join(out, f"parity-w{world}{'' if path == 'arena' else '-links'}.json"), "w") as f:
             json.dump(table, f, indent=1)
     equal = sum(v == "equal" for v in table.values())
     refused = sum(v == "both refuse" for v in table.values())

@@ -80,6 +80,16 @@ pub(crate) struct CollectivesArgs {
     /// (`gloo_*` keys, `*_over_gloo` ratios; see `bench_gloo`).
     #[arg(long)]
     torch_python: Option<String>,
+    /// The collective paths to time, each in its own groups of the same run
+    /// (`TENSORWIRE_COLLECTIVES`): `arena` (the group arena on one host; unprefixed keys) and
+    /// `links` (`links_*` keys, and `*_over_links` ratios).
+    #[arg(long, value_delimiter = ',', default_value = "arena,links")]
+    paths: Vec<String>,
+    /// A Python with mpi4py (and `mpiexec` beside it, as `pip install mpich mpi4py` gives):
+    /// also time MPICH's collectives of the same sizes in this run (`mpi_*` keys,
+    /// `*_over_mpi` ratios; see `bench_mpi`).
+    #[arg(long)]
+    mpi_python: Option<String>,
 }
 
 /// Arguments of the hidden worker subcommand (environment: `env://` variables).
@@ -148,10 +158,51 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
     bar.inc(1);
 
     for &world in &args.world {
-        bar.set_message(format!("collectives, {world} processes"));
-        let results = run_group(world, "bench", args).with_context(|| format!("world {world}"))?;
-        for (k, v) in results {
-            out.insert(k, v);
+        for path in &args.paths {
+            bar.set_message(format!("collectives ({path}), {world} processes"));
+            // The workers inherit it (nothing else of this process reads it).
+            std::env::set_var(tensorwire_process_group::COLLECTIVES_ENV, path);
+            let results = run_group(world, "bench", args)
+                .with_context(|| format!("world {world}, {path}"))?;
+            let prefix = if path == "arena" { "" } else { "links_" };
+            for (k, v) in results {
+                out.insert(format!("{prefix}{k}"), v);
+            }
+        }
+        std::env::remove_var(tensorwire_process_group::COLLECTIVES_ENV);
+        if let Some(python) = &args.mpi_python {
+            bar.set_message(format!("MPICH, {world} processes"));
+            let mpi = super::bench_mpi::measure(
+                python,
+                world,
+                args.small_iters,
+                args.large_iters,
+                Duration::from_secs(args.timeout),
+            )
+            .with_context(|| format!("MPICH baseline, world {world}"))?;
+            for (k, v) in mpi {
+                out.insert(format!("mpi_{k}"), v);
+            }
+        }
+        // The memcpy floor: the bytes each rank must receive, copied once in this process.
+        for (name, bytes) in [("1MiB", MIB), ("all_gather", (world - 1) * MIB)] {
+            let src = vec![7u8; bytes];
+            let mut dst = vec![0u8; bytes];
+            dst.copy_from_slice(&src);
+            let times: Vec<Duration> = (0..args.large_iters.max(10))
+                .map(|_| {
+                    let t = Instant::now();
+                    dst.copy_from_slice(std::hint::black_box(&src));
+                    std::hint::black_box(&mut dst);
+                    t.elapsed()
+                })
+                .collect();
+            let key = if name == "1MiB" {
+                "memcpy_1MiB_us".to_owned()
+            } else {
+                format!("memcpy_w{world}_all_gather_1MiB_us")
+            };
+            out.insert(key, json!(median_us(times)));
         }
         if let Some(python) = &args.torch_python {
             bar.set_message(format!("gloo, {world} processes"));
@@ -263,15 +314,65 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
     }
     let keys: Vec<String> = out.keys().cloned().collect();
     for key in keys {
-        let Some(ours_key) = key.strip_prefix("gloo_") else {
-            continue;
-        };
-        if let (Some(gloo), Some(ours)) = (get(&key), get(ours_key)) {
-            let name = ours_key.trim_end_matches("_us");
-            ratios.insert(format!("{name}_over_gloo"), json!(ours / gloo));
+        for (prefix, baseline) in [("gloo_", "gloo"), ("mpi_", "mpi"), ("links_", "links")] {
+            let Some(ours_key) = key.strip_prefix(prefix) else {
+                continue;
+            };
+            if let (Some(theirs), Some(ours)) = (get(&key), get(ours_key)) {
+                let name = ours_key.trim_end_matches("_us");
+                ratios.insert(format!("{name}_over_{baseline}"), json!(ours / theirs));
+            }
+        }
+    }
+    for &world in &args.world {
+        for (op, floor) in [
+            ("all_gather", format!("memcpy_w{world}_all_gather_1MiB_us")),
+            ("all_reduce", "memcpy_1MiB_us".to_owned()),
+        ] {
+            if let (Some(t), Some(m)) = (get(&format!("{op}_w{world}_1MiB_us")), get(&floor)) {
+                ratios.insert(format!("{op}_w{world}_1MiB_over_memcpy"), json!(t / m));
+            }
         }
     }
     let mut targets = Map::new();
+    // Issue 47: the group arena on one host.
+    {
+        let ratio = |k: &str| ratios.get(k).and_then(Value::as_f64);
+        for w in [2, 8] {
+            if let Some(r) = ratio(&format!("barrier_w{w}_over_raw_shm_barrier")) {
+                targets.insert(
+                    format!("arena: barrier_w{w} <= 1.5x raw shm barrier"),
+                    json!(r <= 1.5),
+                );
+            }
+            if let Some(r) = ratio(&format!("barrier_w{w}_over_mpi")) {
+                targets.insert(
+                    format!("arena: barrier_w{w} <= 0.5x MPICH"),
+                    json!(r <= 0.5),
+                );
+            }
+        }
+        for op in ["all_gather", "all_reduce"] {
+            if let Some(r) = ratio(&format!("{op}_w8_1MiB_over_memcpy")) {
+                targets.insert(
+                    format!("arena: {op}_w8_1MiB <= 1.3x memcpy"),
+                    json!(r <= 1.3),
+                );
+            }
+            if let Some(r) = ratio(&format!("{op}_w8_1MiB_over_mpi")) {
+                targets.insert(format!("arena: {op}_w8_1MiB <= 1x MPICH"), json!(r <= 1.0));
+            }
+            if let Some(r) = ratio(&format!("{op}_w8_1MiB_over_gloo")) {
+                targets.insert(format!("arena: {op}_w8_1MiB <= 0.5x gloo"), json!(r <= 0.5));
+            }
+        }
+        if let Some(r) = ratio("all_reduce_w8_8B_over_mpi") {
+            targets.insert(
+                "arena: all_reduce_w8_8B <= 0.5x MPICH".into(),
+                json!(r <= 0.5),
+            );
+        }
+    }
     if let Some(r) = ratios
         .get("barrier_w2_over_pingpong")
         .and_then(Value::as_f64)
@@ -623,6 +724,14 @@ async fn worker_main(args: &WorkerArgs) -> Result<()> {
         })
         .await?;
         out.insert(format!("reduce_w{world}_8B_us"), json!(median_us(t)));
+        let t = time_series(p, args.small_iters, || async {
+            let mut buf = (rank as i64).to_le_bytes();
+            p.all_reduce(&mut buf, ElementType::I64, ReduceOp::Sum)
+                .await?;
+            Ok(())
+        })
+        .await?;
+        out.insert(format!("all_reduce_w{world}_8B_us"), json!(median_us(t)));
 
         let block = vec![rank as u8; MIB];
         let t = time_series(p, args.large_iters, || async {

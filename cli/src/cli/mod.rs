@@ -7,6 +7,7 @@ pub(crate) mod bench_collectives;
 pub(crate) mod bench_common;
 pub(crate) mod bench_curves;
 pub(crate) mod bench_gloo;
+mod bench_mpi;
 pub(crate) mod bench_raw_barrier;
 pub(crate) mod bench_raw_shm;
 pub(crate) mod bench_raw_tcp;

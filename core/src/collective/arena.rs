@@ -480,7 +480,7 @@ fn reduction_phases(
         }
         phases.push(first);
         let mut second = ArenaPhase::default();
-        if !mine.is_empty() && !(root == Some(rank)) {
+        if !mine.is_empty() && root != Some(rank) {
             second.writes.push(ArenaWrite {
                 from: mine.clone(),
                 to: 0,

@@ -46,6 +46,11 @@ impl Group {
         .instrument(span)
         .await?;
         let counters = Default::default();
+        // The agreement check (`Detail`) runs on the links: the arena carries no signatures.
+        let path = match debug {
+            DebugLevel::Detail => CollectivePath::Links,
+            _ => options.collectives,
+        };
         let group = Group::over(
             GroupMesh::whole(mesh),
             options.name,
@@ -59,9 +64,7 @@ impl Group {
                 arena::ArenaSlot::Off,
             ),
         )?;
-        group
-            .set_up_arena(options.collectives, options.arena_bytes)
-            .await?;
+        group.set_up_arena(path, options.arena_bytes).await?;
         Ok(group)
     }
 
