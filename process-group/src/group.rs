@@ -350,6 +350,12 @@ impl Group {
         self.inner.mesh.members()
     }
 
+    /// Whether this group's collectives go through its group arena (every rank on one host,
+    /// [`CollectivePath::Arena`] chosen) rather than its links.
+    pub fn uses_arena(&self) -> bool {
+        self.inner.arena_on.load(Ordering::Acquire)
+    }
+
     /// The group's name.
     pub fn name(&self) -> &str {
         &self.inner.name

@@ -2084,3 +2084,94 @@ async fn point_to_point_tensor_work_handles() {
         }
     }
 }
+
+/// Issue 47: the same collectives through a (tiny, so that every message is chunked) group
+/// arena and through the links give the same results, and a subgroup makes its own arena.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_arena_and_the_links_give_the_same_results() {
+    use tensorwire_process_group::CollectivePath;
+    let world = 3;
+    let run = |path: CollectivePath, name: &'static str| async move {
+        let options = GroupOptions::new(name)
+            .with_timeout(Duration::from_secs(20))
+            .with_collectives(path)
+            .with_arena_bytes(2 * 64 * world * world);
+        let gs = groups_with(world, options).await;
+        let tasks: Vec<_> = gs
+            .into_iter()
+            .enumerate()
+            .map(|(rank, g)| {
+                tokio::spawn(async move {
+                    let mut out: Vec<Vec<u8>> = Vec::new();
+                    assert_eq!(g.uses_arena(), path == CollectivePath::Arena);
+                    g.barrier().await.unwrap();
+                    let mut xs: Vec<f32> =
+                        (0..1000).map(|i| (i * (rank + 1)) as f32 / 3.0).collect();
+                    g.all_reduce_typed(&mut xs, ReduceOp::Sum).await.unwrap();
+                    out.push(xs.iter().flat_map(|x| x.to_le_bytes()).collect());
+                    let mut ys: Vec<i64> = (0..700).map(|i| i * rank as i64 - 5).collect();
+                    g.all_reduce_typed(&mut ys, ReduceOp::Max).await.unwrap();
+                    out.push(ys.iter().flat_map(|x| x.to_le_bytes()).collect());
+                    let block = vec![rank as u8 + 1; 500 * (rank + 1)];
+                    for b in g.all_gather(&block).await.unwrap() {
+                        out.push(b.to_vec());
+                    }
+                    let mut data = vec![rank as u8; 1500];
+                    g.broadcast(&mut data, 2).await.unwrap();
+                    out.push(data);
+                    let mut red = vec![rank as u8 + 3; 900];
+                    g.reduce(&mut red, ElementType::U8, ReduceOp::Product, 1)
+                        .await
+                        .unwrap();
+                    if rank == 1 {
+                        out.push(red);
+                    }
+                    let input: Vec<u8> = (0..600).map(|i| (i + rank) as u8).collect();
+                    out.push(
+                        g.reduce_scatter(&input, &[100, 300, 200], ElementType::U8, ReduceOp::Sum)
+                            .await
+                            .unwrap(),
+                    );
+                    let inputs: Vec<Bytes> = (0..world)
+                        .map(|d| Bytes::from(vec![(rank * 10 + d) as u8; 100 * (d + rank + 1)]))
+                        .collect();
+                    let lens: Vec<usize> = (0..world).map(|s| 100 * (rank + s + 1)).collect();
+                    for b in g.all_to_all(&inputs, &lens).await.unwrap() {
+                        out.push(b.to_vec());
+                    }
+                    if let Some(blocks) = g.gather(&block, 0).await.unwrap() {
+                        out.extend(blocks.iter().map(|b| b.to_vec()));
+                    }
+                    let blocks: Vec<Bytes> = (0..world)
+                        .map(|d| Bytes::from(vec![d as u8; 300 * d]))
+                        .collect();
+                    out.push(g.scatter(&blocks, 0).await.unwrap().to_vec());
+                    let sub = g.new_group(&[0, 2]).unwrap();
+                    if let Some(sub) = sub {
+                        assert_eq!(sub.uses_arena(), path == CollectivePath::Arena);
+                        let mut zs = vec![rank as i32 + 1; 2000];
+                        sub.all_reduce_typed(&mut zs, ReduceOp::Sum).await.unwrap();
+                        out.push(zs.iter().flat_map(|x| x.to_le_bytes()).collect());
+                    }
+                    // Kept until every rank is done: a dropped group looks dead to the others.
+                    (out, g)
+                })
+            })
+            .collect();
+        let mut results = Vec::new();
+        let mut keep = Vec::new();
+        for t in tasks {
+            let (out, g) = t.await.unwrap();
+            results.push(out);
+            keep.push(g);
+        }
+        results
+    };
+    let arena = bounded(run(CollectivePath::Arena, "arena-parity")).await;
+    let links = bounded(run(CollectivePath::Links, "links-parity")).await;
+    assert_eq!(arena, links);
+    // The sums are what they should be, not only equal.
+    let expected: f32 = 999.0 * 6.0 / 3.0;
+    let last = f32::from_le_bytes(arena[0][0][3996..4000].try_into().unwrap());
+    assert!((last - expected).abs() < 1e-2, "{last}");
+}
