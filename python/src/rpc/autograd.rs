@@ -361,7 +361,11 @@ fn tensors_of<'py>(py: Python<'py>, tracked: &[TorchTensor]) -> PyResult<Bound<'
 
 /// The tensors of a Python list about to be sent (tracked arguments or results).
 fn tracked_of(list: &Bound<'_, PyAny>) -> PyResult<Vec<TorchTensor>> {
-    Ok(list.cast::<PyList>()?.iter().map(TorchTensor::to_send).collect())
+    Ok(list
+        .cast::<PyList>()?
+        .iter()
+        .map(TorchTensor::to_send)
+        .collect())
 }
 
 /// `("returned", payload, tensors, rrefs, tracked_at, tracked)` or `("raised", type, message,
@@ -919,10 +923,8 @@ impl PyDistAutograd {
         roots: &Bound<'_, PyList>,
         retain_graph: bool,
     ) -> PyResult<()> {
-        let roots: Vec<(TorchTensor, Option<TorchTensor>)> = roots
-            .iter()
-            .map(|t| (TorchTensor::held(t), None))
-            .collect();
+        let roots: Vec<(TorchTensor, Option<TorchTensor>)> =
+            roots.iter().map(|t| (TorchTensor::held(t), None)).collect();
         let handle = py.detach(|| self.retrieve(context))?;
         wait(
             py,
