@@ -118,6 +118,15 @@ def work_handles(rank: int, world: int) -> None:
     if other is not None:
         assert f"rank {other}" in str(error), str(error)
     pg.shutdown()
+    leave(store, rank, world)
+
+
+def leave(store, rank: int, world: int) -> None:
+    """Rank 0 hosts the store: it leaves last, once every other rank is done with it."""
+    if rank != 0:
+        store.set(f"left/{rank}", "1")
+    else:
+        store.wait([f"left/{r}" for r in range(1, world)])
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -146,6 +155,7 @@ def factory_options(rank: int, world: int) -> None:
     assert torch.equal(y, torch.full((2,), 2.0 * world))
     one.shutdown()
     two.shutdown()
+    leave(dist.PrefixStore("test", store), rank, world)
 
 
 def test_the_dist2_factory_refuses_unknown_options_and_keeps_groups_apart() -> None:
