@@ -113,6 +113,7 @@ pub use tensorwire_core::autograd::optim::{Adagrad, Adam, AdamW, Optimizer, RmsP
 
 const GRAD: &str = "__tw_autograd/grad";
 const RELEASE: &str = "__tw_autograd/release";
+const VOUCH: &str = "__tw_autograd/vouch";
 const FN_PREFIX: &str = "__tw_autograd/fn/";
 const METHOD_PREFIX: &str = "__tw_autograd/method/";
 const REMOTE_PREFIX: &str = "__tw_autograd/remote/";
@@ -215,6 +216,15 @@ struct GradientRequest {
     message: AutogradMessageId,
     /// One per tensor of the message (`None`: no gradient reached it).
     grads: Vec<Option<Tensor>>,
+}
+
+/// "Is `capability` that of `context`, which you made?", asked of a context's creator by a
+/// worker that holds a copy of it with another capability, which the creator has not vouched
+/// for (`Recv::AskCreator`). Answered with a `bool`.
+#[derive(Serialize, Deserialize)]
+struct VouchRequest {
+    context: ContextId,
+    capability: Capability,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -477,6 +487,15 @@ impl<E: AutogradEngine> DistAutograd<E> {
             async move {
                 let inner = upgrade(&weak)?;
                 inner.on_release(cx, req).await
+            }
+        })?;
+        let weak = Arc::downgrade(&inner);
+        functions.register(VOUCH, move |req: VouchRequest| {
+            let weak = weak.clone();
+            async move {
+                let inner = upgrade(&weak)?;
+                let vouched = inner.lock().state.vouches(req.context, req.capability);
+                Ok::<_, String>(vouched)
             }
         })?;
         // One of the agent's tasks: its shutdown ends it.
