@@ -169,11 +169,27 @@ impl<E: AutogradEngine> Inner<E> {
             let host = self.to_host(t).await?;
             tracked.push(self.engine.import(&host, grad).map_err(|e| e.to_string())?);
         }
-        let mut sh = self.lock();
-        match sh.state.handle_recv(from, context, capability, message) {
+        let first = self
+            .lock()
+            .state
+            .handle_recv(from, context, capability, message);
+        let mut sh;
+        let recv = if first == Ok(Recv::AskCreator) {
+            // Another worker's message made the copy held here with another capability:
+            // only the creator can say which one is its own.
+            let vouched = self.ask_creator(context, capability).await;
+            sh = self.lock();
+            sh.state
+                .handle_vouch(from, context, capability, message, vouched)
+        } else {
+            sh = self.lock();
+            first
+        };
+        match recv {
             Ok(Recv::Recorded) => {}
             // What a forgery's copy of the context kept here goes with it.
             Ok(Recv::ReplacedForgery) => drop(sh.data.remove(&context)),
+            Ok(Recv::AskCreator) => unreachable!("the creator was asked"),
             Err(RecvError::Violation(v)) => {
                 drop(sh);
                 self.violation(from, &v);
@@ -200,6 +216,31 @@ impl<E: AutogradEngine> Inner<E> {
             },
         );
         Ok(tracked)
+    }
+
+    /// Whether the creator of `context` says `capability` is its own. A question that
+    /// fails (the creator lost, its answer late) is a "no": the message is refused, and
+    /// nobody is dropped for it.
+    async fn ask_creator(&self, context: ContextId, capability: Capability) -> bool {
+        let creator = context.worker();
+        let req = VouchRequest {
+            context,
+            capability,
+        };
+        let asked = match self
+            .agent
+            .rpc_async::<_, bool>(creator, VOUCH, &req, self.timeout())
+        {
+            Ok(answer) => answer.await,
+            Err(e) => Err(e),
+        };
+        asked.unwrap_or_else(|e| {
+            warn!(
+                "could not ask {} (rank {creator}) about the capability of {context}: {e}",
+                self.agent.name_of(creator)
+            );
+            false
+        })
     }
 
     /// Callee side: records the send of the result's tensors back to the caller.
@@ -664,12 +705,29 @@ impl<E: AutogradEngine> Inner<E> {
         }
     }
 
-    /// Runs the engine for a task on a blocking thread and reports to the state machine.
+    /// Runs the engine for a task on a blocking thread (or the executor set) and reports to
+    /// the state machine.
     pub(super) async fn run(self: Arc<Self>, task: TaskId, context: ContextId, roots: Roots<E>) {
         let inner = self.clone();
-        let computed = tokio::task::spawn_blocking(move || inner.compute(&roots))
-            .await
-            .unwrap_or_else(|e| Err(format!("the engine's thread failed: {e}")));
+        let executor = self
+            .executor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let computed = match executor {
+            None => tokio::task::spawn_blocking(move || inner.compute(&roots))
+                .await
+                .unwrap_or_else(|e| Err(format!("the engine's thread failed: {e}"))),
+            Some(executor) => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                executor(Box::new(move || {
+                    let _ = tx.send(inner.compute(&roots));
+                }))
+                .await;
+                rx.await
+                    .unwrap_or_else(|_| Err("the engine's run ended abnormally".to_owned()))
+            }
+        };
         self.finish_run(task, context, computed);
         self.pump();
     }

@@ -113,6 +113,7 @@ pub use tensorwire_core::autograd::optim::{Adagrad, Adam, AdamW, Optimizer, RmsP
 
 const GRAD: &str = "__tw_autograd/grad";
 const RELEASE: &str = "__tw_autograd/release";
+const VOUCH: &str = "__tw_autograd/vouch";
 const FN_PREFIX: &str = "__tw_autograd/fn/";
 const METHOD_PREFIX: &str = "__tw_autograd/method/";
 const REMOTE_PREFIX: &str = "__tw_autograd/remote/";
@@ -217,6 +218,15 @@ struct GradientRequest {
     grads: Vec<Option<Tensor>>,
 }
 
+/// "Is `capability` that of `context`, which you made?", asked of a context's creator by a
+/// worker that holds a copy of it with another capability, which the creator has not vouched
+/// for (`Recv::AskCreator`). Answered with a `bool`.
+#[derive(Serialize, Deserialize)]
+struct VouchRequest {
+    context: ContextId,
+    capability: Capability,
+}
+
 #[derive(Serialize, Deserialize)]
 struct ReleaseRequest {
     context: ContextId,
@@ -292,6 +302,8 @@ struct Inner<E: AutogradEngine> {
     optimizer: tokio::sync::Mutex<()>,
     /// Where backward tasks run (inline while the engine's runs are short).
     runs: Mutex<InlineRuns>,
+    /// Where the runs that are not inline go (a blocking thread each when `None`).
+    executor: Mutex<Option<Executor>>,
 }
 
 /// Distributed autograd on one agent: contexts, the functions that take part in them, and the
@@ -319,6 +331,13 @@ impl<E: AutogradEngine> fmt::Debug for DistAutograd<E> {
 
 /// A pinned, boxed future.
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// A job that may block (a run of the local engine).
+pub type BlockingJob = Box<dyn FnOnce() + Send>;
+
+/// Runs a [`BlockingJob`] off the runtime's workers and resolves once it has run (see
+/// [`DistAutograd::set_executor`]).
+pub type Executor = Arc<dyn Fn(BlockingJob) -> BoxFuture<()> + Send + Sync>;
 
 /// The result of a call in a context: the function's result and the tracked tensors of it.
 pub type CallResult<R, E> = Result<(R, Vec<<E as AutogradEngine>::Tensor>), DistAutogradError>;
@@ -451,6 +470,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
             timeout: Mutex::new(None),
             optimizer: tokio::sync::Mutex::new(()),
             runs: Mutex::new(InlineRuns::default()),
+            executor: Mutex::new(None),
         });
         let functions = agent.functions();
         let weak = Arc::downgrade(&inner);
@@ -467,6 +487,15 @@ impl<E: AutogradEngine> DistAutograd<E> {
             async move {
                 let inner = upgrade(&weak)?;
                 inner.on_release(cx, req).await
+            }
+        })?;
+        let weak = Arc::downgrade(&inner);
+        functions.register(VOUCH, move |req: VouchRequest| {
+            let weak = weak.clone();
+            async move {
+                let inner = upgrade(&weak)?;
+                let vouched = inner.lock().state.vouches(req.context, req.capability);
+                Ok::<_, String>(vouched)
             }
         })?;
         // One of the agent's tasks: its shutdown ends it.
@@ -619,6 +648,17 @@ impl<E: AutogradEngine> DistAutograd<E> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .set_bound(bound);
+    }
+
+    /// Runs the engine's runs that are not inline with `executor` instead of a blocking thread
+    /// each: an engine whose every call needs a resource (an interpreter lock, a device) runs
+    /// them where that resource is already held, one hand-over less per run.
+    pub fn set_executor(&self, executor: Executor) {
+        *self
+            .inner
+            .executor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(executor);
     }
 
     /// How many backward tasks ran inline and how many on a blocking thread, in that order

@@ -595,3 +595,127 @@ table! {
     an_autograd_message_id_of_another_worker_drops_it => MessageIdOfAnotherWorker,
     requires_grad_flags_that_do_not_match_the_tensors_drop_it => MismatchedFlags,
 }
+
+/// The relay-first race, constructed exactly: a hostile worker (rank 3) guesses the creator's
+/// (w1's) next context id and reaches the victim (w0) with it before the context's first
+/// honest message there, which a relay (w2, called by w1 in the context) brings. The victim
+/// holds a copy with the guess's capability, so the relay's capability contradicts it; it
+/// asks the creator, which vouches for the relay's: the guess's copy is discarded and the
+/// honest pass through the relay runs with exact gradients. Nobody is dropped (a guess is
+/// refused, not blamed: its sender may pass a forged context on). Before, the victim refused
+/// the relay's message and the honest call failed.
+async fn relay_first(net: Net) {
+    bounded(&format!("relay first over {net:?}"), run_relay_first(net)).await;
+}
+
+async fn run_relay_first(net: Net) {
+    const GUESSER: u32 = 3;
+    let gate = Arc::new(Semaphore::new(0));
+    let HostileGroup { agents, hostile } = hostile_group(4, transports(net), |_| {
+        base_options().with_functions(functions(&gate))
+    })
+    .await
+    .expect("the group starts");
+    let (victim, creator, relay) = (&agents[0], &agents[1], &agents[2]);
+    let (vdist, _p0) = autograd(victim, 0);
+    let (cdist, p1) = autograd(creator, 1);
+    let (rdist, _p2) = autograd(relay, 2);
+    // `relay(x)` on w2 passes x on to w0's `hop` in the same context and returns its result.
+    rdist
+        .register(
+            "relay",
+            |call: AutogradCall<CandleEngine>, (): (), ts: Vec<CTensor>| async move {
+                call.context()
+                    .rpc_sync::<_, ()>("w0", "hop", &(), &ts, None)
+                    .await
+                    .map_err(|e| e.to_string())
+            },
+        )
+        .unwrap();
+    let mut events = victim.peer_events();
+
+    // An honest pass first, so the creator's next id is known.
+    let (first, first_out) = forward(&cdist, &p1, "w0").await;
+    backward_checked(&first, &first_out, &p1, &param_values(0), "w1 through w0").await;
+    let next = ContextId::new(1, first.id().counter() + 1);
+    first.release().await.unwrap();
+    let victim_ref = vdist.clone();
+    wait_until("the victim holds no context", T, || {
+        victim_ref.context_count() == 0
+    })
+    .await;
+
+    // The guess reaches the victim first: it holds a copy of `next` for the guesser.
+    hostile.swallow(|h| matches!(h, Header::Reply { id, .. } if *id >= FORGED_ID));
+    let guess = ForwardRequest {
+        context: next,
+        capability: 5,
+        message: Some(AutogradMessageId::new(GUESSER, 1 << 20)),
+        tensors: Vec::new(),
+        requires_grad: Vec::new(),
+        args: (),
+    };
+    hostile
+        .send(
+            VICTIM,
+            &call_as(FORGED_ID, "__tw_autograd/fn/hop"),
+            body(&guess),
+        )
+        .await
+        .unwrap();
+    hostile
+        .heard(|h| matches!(h, Header::Reply { id, .. } if *id == FORGED_ID))
+        .await;
+    assert_eq!(
+        vdist.context_count(),
+        1,
+        "the guess made a copy on the victim"
+    );
+
+    // The creator's pass through the relay to the victim: its first honest message there is
+    // the relay's.
+    let ctx = cdist.context().unwrap();
+    assert_eq!(ctx.id(), next, "the guess was the creator's next id");
+    let ((), out) = ctx
+        .rpc_sync::<_, ()>("w2", "relay", &(), std::slice::from_ref(&p1), None)
+        .await
+        .expect("the relay's message is recorded on the victim");
+    let out = out.into_iter().next().expect("one tensor");
+    backward_checked(&ctx, &out, &p1, &param_values(0), "w1 through w2 to w0").await;
+    assert!(vdist.gradients(next).is_some(), "the victim took part");
+    ctx.release().await.unwrap();
+
+    // Nothing is left of the guess's copy, and nobody was dropped.
+    let victim_ref = vdist.clone();
+    wait_until("the victim holds no context", T, || {
+        victim_ref.context_count() == 0
+    })
+    .await;
+    assert_eq!(vdist.violations(), 0);
+    let event = events.try_recv();
+    assert!(event.is_none(), "the victim saw {event:?}");
+    let sum: i64 = agents[3]
+        .rpc_sync("w0", "add", &(20i64, 22i64), None)
+        .await
+        .unwrap();
+    assert_eq!(sum, 42, "the guesser's worker was not dropped");
+    gate.add_permits(64);
+    for a in agents {
+        a.shutdown(Shutdown::Immediate).await.unwrap();
+    }
+}
+
+mod relay_first {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tcp_a_relay_after_a_guess_is_recorded_once_the_creator_vouches_for_it() {
+        super::relay_first(super::Net::Tcp).await;
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shm_a_relay_after_a_guess_is_recorded_once_the_creator_vouches_for_it() {
+        super::relay_first(super::Net::Shm).await;
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn quic_a_relay_after_a_guess_is_recorded_once_the_creator_vouches_for_it() {
+        super::relay_first(super::Net::Quic).await;
+    }
+}

@@ -25,7 +25,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use libfuzzer_sys::fuzz_target;
 use tensorwire_core::autograd::{
-    AutogradMessageId, BackwardError, ContextId, DistAutograd, GradientId, Output, Root, TaskId,
+    AutogradMessageId, BackwardError, ContextId, DistAutograd, GradientId, Output, Recv, Root,
+    TaskId,
 };
 use tensorwire_core::protocol::WorkerId;
 
@@ -194,6 +195,13 @@ fuzz_target!(|data: &[u8]| {
                 };
                 let capability = guess.unwrap_or(known);
                 match d.a.handle_recv(HOSTILE, c, capability, m) {
+                    // Nothing recorded until the creator answers; a creator that does not
+                    // vouch (this one never made c) gets the message refused.
+                    Ok(Recv::AskCreator) => {
+                        d.refused(&before, "recv asking the creator");
+                        assert!(d.a.handle_vouch(HOSTILE, c, capability, m, false).is_err());
+                        d.refused(&before, "recv the creator did not vouch for");
+                    }
                     Ok(_) => {
                         assert_eq!(m.worker(), HOSTILE, "a recv under another worker's id");
                         assert!(

@@ -283,6 +283,17 @@ impl Work {
         matches!(self.shared.lock().result, Some(Ok(_)))
     }
 
+    /// The operation's failure as a `TensorwireError` (not raised), once it has ended with
+    /// one; `None` while it runs or after it succeeded. Never waits (c10d's
+    /// `Work.exception()`).
+    fn exception(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        let error = match &self.shared.lock().result {
+            Some(Err(e)) => e.clone(),
+            _ => return None,
+        };
+        Some(to_py(&error).into_value(py).into_any())
+    }
+
     /// Runs `callback()` (no arguments) once the operation has ended: at once if it has, else
     /// on a thread of tensorwire's, with the GIL.
     fn add_done_callback(&self, py: Python<'_>, callback: Py<PyAny>) {

@@ -18,6 +18,8 @@ class Work:
         """Waits without the GIL; returns the sender of a receive from any rank, else None."""
     def is_completed(self) -> bool: ...
     def is_success(self) -> bool: ...
+    def exception(self) -> Optional[TensorwireError]:
+        """The failure (not raised) once the operation ended with one, else None; never waits."""
     def add_done_callback(self, callback: Callable[[], object]) -> None: ...
     def resolve(self, future: object, value: object, otherwise: Callable[[], object]) -> None:
         """On success ``future.set_result(value)``, else ``otherwise()``."""
@@ -225,6 +227,19 @@ class PyDistAutograd:
         in the pickle's tensor list, ``tensors`` fill the rest; ``on_done(outcome)`` gets
         ``("returned", payload, buffers, rrefs, tracked_at, tracked)``, ``("raised", type, message,
         traceback)`` or an exception."""
+    def call_wait(
+        self,
+        context: int,
+        to: str,
+        function: str,
+        payload: bytes,
+        tensors: list[torch.Tensor],
+        rrefs: list[PyRRef],
+        tracked_at: list[int],
+        tracked: list[torch.Tensor],
+        timeout: Optional[float],
+    ) -> object:
+        """:meth:`call`, waited for without the GIL: returns the outcome ``on_done`` would get."""
     def remote(
         self,
         context: int,

@@ -27,6 +27,7 @@ Where this backend differs from gloo, deliberately:
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import warnings
 from typing import Callable, Optional
@@ -34,11 +35,19 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
+from torch._C import _distributed_c10d as _c10d
+from torch._C._distributed_c10d import ProcessGroup as _C10dProcessGroup
 from torch._C._distributed_c10d import ReduceOp
 
 from tensorwire import _native
 
-__all__ = ["TensorwireBackend", "BACKEND_NAME"]
+__all__ = [
+    "TensorwireBackend",
+    "TensorwireProcessGroup",
+    "BACKEND_NAME",
+    "new_group",
+    "process_group_factory",
+]
 
 BACKEND_NAME = "tensorwire"
 
@@ -137,6 +146,16 @@ class _Work(dist._Work):
     def is_success(self) -> bool:
         return self._native.is_success()
 
+    def exception(self) -> Optional[Exception]:
+        """The failure as torch's exception (not raised), once the operation ended with one;
+        ``None`` while it runs or after it succeeded. Never waits."""
+        native = self._native.exception()
+        return None if native is None else _torch_error(native)
+
+    def result(self) -> list:
+        """The tensors the operation wrote (after ``wait()``)."""
+        return self._result
+
     def source_rank(self) -> int:
         """The rank a receive from any source got its message from (after ``wait()``)."""
         if self._source is None:
@@ -175,6 +194,9 @@ class _Finished:
 
     def is_success(self):
         return True
+
+    def exception(self):
+        return None
 
     def add_done_callback(self, callback):
         callback()
@@ -535,10 +557,152 @@ class _Chain(dist._Work):
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
 
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def exception(self) -> Optional[Exception]:
+        return next((e for e in (w.exception() for w in self._works) if e is not None), None)
+
+    def result(self) -> list:
+        return self._result
+
     def get_future(self) -> torch.futures.Future:
         futures = [w.get_future() for w in self._works]
         result = self._result
         return torch.futures.collect_all(futures).then(lambda _: result) if futures else _done(result).get_future()
+
+
+_DIST2_GROUPS = itertools.count()
+
+
+def _options(kind):
+    def make(opts):
+        return opts if opts is not None else kind()
+
+    return make
+
+
+def _delegate(name: str, options, opts_at: int):
+    """A method of :class:`TensorwireProcessGroup` that runs the backend's ``name`` with the
+    arguments c10d passes (``opts_at``: where its options go; a missing one gets defaults)."""
+
+    def method(self, *args, opts=None):
+        args = list(args)
+        if len(args) > opts_at:
+            opts = args.pop(opts_at)
+        return getattr(self._tensorwire, name)(*args, options(opts))
+
+    method.__name__ = name
+    method.__doc__ = f"The backend's ``{name}``: returns a work handle (see the class)."
+    return method
+
+
+class TensorwireProcessGroup(_C10dProcessGroup):
+    """A process group on the tensorwire backend made the way ``torch.distributed._dist2``
+    makes one (:func:`new_group`, :func:`process_group_factory`): not registered with
+    ``torch.distributed``'s global state, used through its own methods or passed as ``group=``
+    to ``torch.distributed``'s functions.
+
+    Its operations return tensorwire's work handles themselves: ``wait(timeout)`` raises torch's
+    error, ``is_completed()``, ``is_success()`` and ``exception()`` (the error, not raised) tell
+    the operation's state without waiting, ``get_future()`` completes when it ends. (A group
+    that only registers a Python backend, as ``init_process_group`` makes, hands out c10d's
+    wrapper of the handle instead, which forwards ``wait`` and ``get_future`` but says
+    ``is_completed() == False`` and ``exception() is None`` forever.)
+    """
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, name: str):
+        super().__init__(store, rank, size)
+        self._tensorwire = TensorwireBackend(store, rank, size, timeout, name)
+        self._set_default_backend(_C10dProcessGroup.BackendType.CUSTOM)
+        self._register_backend(torch.device("cpu"), _C10dProcessGroup.BackendType.CUSTOM, self._tensorwire)
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    allreduce = _delegate("allreduce", _options(_c10d.AllreduceOptions), 1)
+    allreduce_coalesced = _delegate("allreduce_coalesced", _options(_c10d.AllreduceCoalescedOptions), 1)
+    broadcast = _delegate("broadcast", _options(_c10d.BroadcastOptions), 1)
+    reduce = _delegate("reduce", _options(_c10d.ReduceOptions), 1)
+    allgather = _delegate("allgather", _options(_c10d.AllgatherOptions), 2)
+    allgather_coalesced = _delegate("allgather_coalesced", _options(_c10d.AllgatherOptions), 2)
+    all_gather_single = _delegate("all_gather_single", _options(_c10d.AllgatherOptions), 2)
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = _delegate(
+        "allgather_into_tensor_coalesced", _options(_c10d.AllgatherOptions), 2
+    )
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter = _delegate("reduce_scatter", _options(_c10d.ReduceScatterOptions), 2)
+    reduce_scatter_single = _delegate("reduce_scatter_single", _options(_c10d.ReduceScatterOptions), 2)
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = _delegate(
+        "reduce_scatter_tensor_coalesced", _options(_c10d.ReduceScatterOptions), 2
+    )
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    alltoall = _delegate("alltoall", _options(_c10d.AllToAllOptions), 2)
+    all_to_all_single = _delegate("all_to_all_single", _options(_c10d.AllToAllOptions), 4)
+    alltoall_base = all_to_all_single
+    gather = _delegate("gather", _options(_c10d.GatherOptions), 2)
+    scatter = _delegate("scatter", _options(_c10d.ScatterOptions), 2)
+    barrier = _delegate("barrier", _options(_c10d.BarrierOptions), 0)
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
+        """The backend's ``monitored_barrier`` (``timeout``: a ``timedelta``; ``None``: the group's)."""
+        opts = _c10d.BarrierOptions()
+        if timeout is not None:
+            opts.timeout = timeout
+        return self._tensorwire.monitored_barrier(opts, wait_all_ranks)
+
+    def send(self, tensors, dst: int, tag: int = 0):
+        """The backend's ``send``."""
+        return self._tensorwire.send(tensors, dst, tag)
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        """The backend's ``recv``."""
+        return self._tensorwire.recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        """The backend's ``recv_anysource``."""
+        return self._tensorwire.recv_anysource(tensors, tag)
+
+    def shutdown(self) -> None:
+        self._tensorwire.shutdown()
+
+    def abort(self) -> None:
+        self._tensorwire.abort()
+
+
+def process_group_factory(
+    store, rank: int, world_size: int, timeout: datetime.timedelta, device, **kwargs
+) -> TensorwireProcessGroup:
+    """``torch.distributed._dist2``'s ``ProcessGroupFactory`` for tensorwire: a
+    :class:`TensorwireProcessGroup` of ``world_size`` ranks meeting through ``store``. ``device``
+    must be a CPU device; a keyword argument other than ``group_name`` raises ``KeyError`` (as
+    ``_dist2``'s factories refuse options they do not know)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        raise RuntimeError(
+            f"the tensorwire backend works on CPU tensors, not {device}; use nccl's factory for CUDA"
+        )
+    # Groups made on one store need names of their own; every rank makes them in one order.
+    name = kwargs.pop("group_name", None) or f"dist2/{next(_DIST2_GROUPS)}"
+    if kwargs:
+        raise KeyError(f"unknown options for the tensorwire backend: {sorted(kwargs)}")
+    return TensorwireProcessGroup(store, rank, world_size, timeout, str(name))
+
+
+def new_group(
+    timeout: datetime.timedelta = datetime.timedelta(minutes=30), device="cpu", **kwargs
+) -> TensorwireProcessGroup:
+    """``torch.distributed._dist2.new_group("tensorwire", timeout, device, **kwargs)``: a
+    process group of the ranks that ``env://`` describes (``MASTER_ADDR``, ``MASTER_PORT``,
+    ``RANK``, ``WORLD_SIZE``), not registered with ``torch.distributed``'s global state (which
+    ``init_process_group`` sets up). See :class:`TensorwireProcessGroup`."""
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world_size = next(iter(rendezvous("env://")))
+    store.set_timeout(timeout)
+    return process_group_factory(store, rank, world_size, timeout, device, **kwargs)
 
 
 def _create(opts, backend_options):
@@ -557,6 +721,12 @@ def _register() -> None:
     if BACKEND_NAME.upper() in dist.Backend.__dict__:
         return
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    try:  # torch versions that ship the experimental _dist2 API
+        from torch.distributed import _dist2
+    except ImportError:
+        return
+    if BACKEND_NAME not in getattr(_dist2, "_BACKENDS", {}):
+        _dist2.register_backend(BACKEND_NAME, process_group_factory)
 
 
 _register()

@@ -123,6 +123,32 @@ fn a_violation_across_processes_drops_the_sender_not_the_receiver() {
     );
 }
 
+/// The relay-first race across processes: a guess of w1's context reaches w0 before the
+/// context's first honest message there, which w2 relays; w0 asks w1, the pass goes through
+/// with exact gradients, and nobody is dropped. (Before, w0 refused the relay's message.)
+#[test]
+fn a_relay_after_a_guess_goes_through_across_processes() {
+    let (codes, lines) = spawn("relay", 4).finish(Duration::from_secs(180));
+    assert!(
+        codes.iter().all(|c| *c == Some(0)),
+        "relay: exit codes {codes:?}\n{lines:#?}"
+    );
+    for rank in 0..4 {
+        assert!(
+            lines
+                .iter()
+                .any(|(r, l)| *r == rank && l.starts_with(&format!("OK relay rank {rank}"))),
+            "rank {rank} did not report OK: {lines:#?}"
+        );
+    }
+    assert!(
+        lines
+            .iter()
+            .any(|(r, l)| *r == 1 && l.starts_with("OK relayed")),
+        "{lines:#?}"
+    );
+}
+
 /// w2 is SIGKILLed inside its part of the backward: w0's backward fails within its timeout
 /// naming w2, and the survivors hold no context afterwards.
 #[test]

@@ -172,7 +172,9 @@ pub enum RecvError {
         context: ContextId,
     },
     /// The message presented a capability for `context` other than the one this worker holds
-    /// for it (the creator's own, or the one the first message in it presented here). Only
+    /// for it and that its creator stands behind (the creator's own, or one the creator's
+    /// message presented here, or that the creator vouched for when asked), or one the
+    /// creator, asked, did not vouch for ([`DistAutograd::handle_vouch`]). Only
     /// the workers a context was passed to know its capability, so one that guessed the id
     /// cannot join a context this worker holds (and then release it under its members). As
     /// with [`NeverMade`](Self::NeverMade), the sender may be an honest worker passing on a

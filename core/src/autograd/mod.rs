@@ -82,6 +82,15 @@ pub enum Recv {
     /// (its work failed, none of its members told) and the context made again from this
     /// message. The driver drops what it kept for the context before recording this message.
     ReplacedForgery,
+    /// Nothing recorded yet: the message presented a capability other than that of the copy
+    /// of the context held here, and neither can be trusted over the other (both came from
+    /// workers other than the creator, and the creator has vouched for neither). One is a
+    /// forgery's: a worker that guessed the id reached this worker first, or the sender is
+    /// passing on a guessed context. The driver asks the context's creator whether the
+    /// presented capability is its own ([`vouches`](DistAutograd::vouches) there) and hands
+    /// the answer to [`handle_vouch`](DistAutograd::handle_vouch), which records the message
+    /// or refuses it.
+    AskCreator,
 }
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -95,6 +104,9 @@ use crate::name::WorkerId;
 /// Bits of a [`ContextId`] or [`AutogradMessageId`] below the worker id.
 const COUNTER_BITS: u32 = 32;
 const COUNTER_MASK: u64 = (1 << COUNTER_BITS) - 1;
+
+/// What the capabilities of autograd contexts are derived under.
+const CONTEXT_LABEL: &[u8] = b"tensorwire autograd context";
 
 /// How many failure-dropped contexts of its own a worker remembers the cause of.
 pub const DROPPED_KEPT: usize = 1024;
@@ -375,12 +387,18 @@ struct Context {
     /// Its capability: derived here for a context made here, else the one its first message
     /// here presented. Every forward message in it carries it ([`DistAutograd::capability`]).
     capability: Capability,
+    /// Whether the creator stands behind `capability`: the context was made here, or by the
+    /// creator's message, or a message with it came from the creator or was vouched for by it
+    /// ([`DistAutograd::handle_vouch`]). A message presenting another one is then refused
+    /// without asking.
+    vouched: bool,
 }
 
 impl Context {
     fn new(capability: Capability) -> Self {
         Self {
             capability,
+            vouched: true,
             made_by: None,
             sends: BTreeMap::new(),
             recvs: BTreeMap::new(),
@@ -578,9 +596,22 @@ impl DistAutograd {
         }
         let id = ContextId::new(self.me, self.next_context);
         self.next_context += 1;
-        let capability = derive(&self.secret_key, b"tensorwire autograd context", &[id.0]);
+        let capability = derive(&self.secret_key, CONTEXT_LABEL, &[id.0]);
         self.contexts.insert(id, Context::new(capability));
         Ok(id)
+    }
+
+    /// Whether `capability` is that of `context`, a context this worker made (held still or
+    /// not): the creator's answer to a worker whose [`handle_recv`](Self::handle_recv) said
+    /// [`Recv::AskCreator`]. A context of another worker's, or one never made here, is vouched
+    /// for by nobody here. It tells the asker one bit about a 128-bit value it presented.
+    pub fn vouches(&self, context: ContextId, capability: Capability) -> bool {
+        context.worker() == self.me
+            && context.counter() < self.next_context
+            && same(
+                derive(&self.secret_key, CONTEXT_LABEL, &[context.0]),
+                capability,
+            )
     }
 
     /// Sets the key the capabilities of the contexts made here are derived from. The driver
@@ -689,19 +720,63 @@ impl DistAutograd {
     ///
     /// The creator of a context is the authority on its capability: when it presents one other
     /// than that of a copy a non-creator's message made here, that copy was a forgery's, and
-    /// it is discarded ([`Recv::ReplacedForgery`]).
+    /// it is discarded ([`Recv::ReplacedForgery`]). When another worker presents one other
+    /// than that of a copy the creator has not vouched for (a worker that guessed the id
+    /// reached this worker before the context's first honest message, which a relay brought),
+    /// nothing is recorded yet ([`Recv::AskCreator`]): the driver asks the creator
+    /// ([`vouches`](Self::vouches)) and hands its answer to [`handle_vouch`](Self::handle_vouch).
     ///
     /// We differ from PyTorch, which trusts every context id: there a worker that guesses an id
-    /// joins the context and can release it under its members. One case is left: a worker
-    /// that guesses an id and reaches another worker before the context's first honest message
-    /// there, when that message comes from a worker other than the creator, makes the honest
-    /// messages in it refused there (a typed error, nobody dropped).
+    /// joins the context and can release it under its members. Here a guess joins nothing
+    /// that an honest message made, and an honest message is recorded whichever came first.
     pub fn handle_recv(
         &mut self,
         from: WorkerId,
         context: ContextId,
         capability: Capability,
         message: AutogradMessageId,
+    ) -> Result<Recv, RecvError> {
+        self.recv(from, context, capability, message, false)
+    }
+
+    /// The creator's answer to [`Recv::AskCreator`] for the message `handle_recv` was given:
+    /// `vouched` says whether the creator said the message's capability is the context's
+    /// (a failed or unanswered question is `false`). Vouched for, the copy held here was a
+    /// forgery's: it is discarded ([`Recv::ReplacedForgery`], as when the creator's own
+    /// message comes) and the message recorded in a copy made from it, which no message
+    /// presenting another capability joins afterwards. Not vouched for, the message is refused
+    /// ([`RecvError::WrongCapability`], nobody dropped: its sender may be an honest worker
+    /// passing a forged context on). The message is checked again as by `handle_recv`, so
+    /// whatever changed while the creator was asked (the context replaced, released, a peer
+    /// lost) is taken into account.
+    pub fn handle_vouch(
+        &mut self,
+        from: WorkerId,
+        context: ContextId,
+        capability: Capability,
+        message: AutogradMessageId,
+        vouched: bool,
+    ) -> Result<Recv, RecvError> {
+        // Not vouched for, the message is recorded only in a copy held now with its
+        // capability (the creator's own message made one while it was asked): never in a
+        // copy made from it.
+        let agrees = self
+            .contexts
+            .get(&context)
+            .is_some_and(|c| same(c.capability, capability));
+        if !vouched && !agrees {
+            return Err(RecvError::WrongCapability { from, context });
+        }
+        self.recv(from, context, capability, message, vouched)
+    }
+
+    fn recv(
+        &mut self,
+        from: WorkerId,
+        context: ContextId,
+        capability: Capability,
+        message: AutogradMessageId,
+        vouched: bool,
     ) -> Result<Recv, RecvError> {
         let bad = ProtocolViolation::BadMessageId {
             from,
@@ -729,12 +804,17 @@ impl DistAutograd {
         if self.lost.contains(&from) || self.lost.contains(&context.worker()) {
             return Err(RecvError::PeerLost { from, context });
         }
+        let creator = context.worker();
+        // The creator's word on the capability: its own message, or its answer.
+        let vouched = vouched || from == creator;
         let mut recv = Recv::Recorded;
         if let Some(ctx) = self.contexts.get(&context) {
             if !same(ctx.capability, capability) {
-                let creator = context.worker();
-                if from != creator || ctx.made_by.is_none_or(|m| m == creator) {
+                if ctx.vouched {
                     return Err(RecvError::WrongCapability { from, context });
+                }
+                if !vouched {
+                    return Ok(Recv::AskCreator);
                 }
                 self.discard_forged(context);
                 recv = Recv::ReplacedForgery;
@@ -752,9 +832,11 @@ impl DistAutograd {
             *made += 1;
             let mut ctx = Context::new(capability);
             ctx.made_by = Some(from);
+            ctx.vouched = false;
             self.contexts.insert(context, ctx);
         }
         let ctx = self.contexts.get_mut(&context).expect("made above");
+        ctx.vouched |= vouched;
         ctx.recvs.insert(message, from);
         ctx.known.insert(from);
         Ok(recv)

@@ -965,48 +965,47 @@ fn a_context_of_ours_never_made_is_refused_without_blaming_the_sender() {
     assert!(!a.has_context(never));
     assert!(drain(&mut a).is_empty());
 }
-
 /// A guess that reaches a worker before the context's first honest message there holds the
 /// context there with its own capability. When the honest message comes from the creator
 /// (the authority on its capability), the guesser's copy is discarded without telling its
-/// members and the context is made again from the creator's message. What is left (documented
-/// on `handle_recv`): when it comes from another worker, it is refused there (a typed error,
-/// nobody dropped). Either way the guesser cannot release the honest context anywhere else.
+/// members and the context is made again from the creator's message. When it comes from a
+/// relay (a worker the creator passed the context to), the worker asks the creator, whose
+/// answer discards the guesser's copy alike: the relay's message is recorded. (Before, the
+/// relay's message was refused there.) Either way the guesser cannot release the honest
+/// context anywhere else.
 #[test]
-fn a_guess_that_arrives_first_gives_way_to_the_creator_and_only_refuses_relays() {
+fn a_guess_that_arrives_first_gives_way_to_the_creator_and_to_a_relay_it_vouches_for() {
     let mut a = DistAutograd::new(0);
     let mut b = DistAutograd::new(1);
     let c = a.new_context().unwrap();
+    let honest = a.capability(c).unwrap();
     // Worker 2 guesses c and reaches b first; b's copy works for it (it sends there too).
     b.handle_recv(2, c, 7, AutogradMessageId::new(2, 0))
         .unwrap();
-    b.record_send(c, 3).unwrap();
+    b.record_send(c, 4).unwrap();
     drain(&mut b);
-    // A relay (worker 3, given c by a) is refused there.
-    let relayed = b.handle_recv(3, c, a.capability(c).unwrap(), AutogradMessageId::new(3, 0));
+    // A relay (worker 3, given c by a) is not refused: b cannot tell which copy is honest,
+    // records nothing yet and asks the creator.
+    let relayed = AutogradMessageId::new(3, 0);
+    assert_eq!(b.handle_recv(3, c, honest, relayed), Ok(Recv::AskCreator));
+    assert!(drain(&mut b).is_empty(), "asking changes nothing");
+    assert_eq!(b.known_workers(c), Some(vec![2, 4]));
+    // The creator vouches for the relay's capability, not for the guess.
+    assert!(a.vouches(c, honest));
+    assert!(!a.vouches(c, 7));
+    // Its answer discards the guesser's copy, telling none of its members, and records the
+    // relay's message in a copy made from it.
     assert_eq!(
-        relayed,
-        Err(RecvError::WrongCapability {
-            from: 3,
-            context: c
-        })
-    );
-    assert!(relayed.unwrap_err().violation().is_none());
-    // The creator's own call replaces the forged copy, telling none of its members.
-    let m = a.record_send(c, 1).unwrap();
-    assert_eq!(
-        b.handle_recv(0, c, a.capability(c).unwrap(), m),
+        b.handle_vouch(3, c, honest, relayed, true),
         Ok(Recv::ReplacedForgery)
     );
     assert!(
         drain(&mut b).is_empty(),
         "nothing told, nothing freed after the new copy"
     );
-    assert_eq!(b.known_workers(c), Some(vec![0]));
-    assert_eq!(b.capability(c), a.capability(c));
-    // Now the relay's message is recorded, and worker 2 is nobody in c anywhere.
-    b.handle_recv(3, c, a.capability(c).unwrap(), AutogradMessageId::new(3, 1))
-        .unwrap();
+    assert_eq!(b.known_workers(c), Some(vec![3]));
+    assert_eq!(b.capability(c), Some(honest));
+    // The guesser is nobody in c anywhere; its guess is now refused without asking.
     for (w, at) in [(0, &mut a), (1, &mut b)] {
         assert_eq!(
             at.handle_release(2, c, None),
@@ -1018,7 +1017,17 @@ fn a_guess_that_arrives_first_gives_way_to_the_creator_and_only_refuses_relays()
         );
         assert!(at.has_context(c), "on {w}");
     }
-    // The creator contradicting a copy it made itself is refused, not replaced.
+    assert_eq!(
+        b.handle_recv(2, c, 7, AutogradMessageId::new(2, 1)),
+        Err(RecvError::WrongCapability {
+            from: 2,
+            context: c
+        })
+    );
+    // The creator's own call joins the vouched copy; the creator contradicting it is refused.
+    let m = a.record_send(c, 1).unwrap();
+    assert_eq!(b.handle_recv(0, c, honest, m), Ok(Recv::Recorded));
+    assert_eq!(b.known_workers(c), Some(vec![0, 3]));
     assert_eq!(
         b.handle_recv(0, c, 9, AutogradMessageId::new(0, 99)),
         Err(RecvError::WrongCapability {
@@ -1026,4 +1035,59 @@ fn a_guess_that_arrives_first_gives_way_to_the_creator_and_only_refuses_relays()
             context: c
         })
     );
+}
+
+/// The other order: the relay's honest message made the copy, the guess comes second. Asked,
+/// the creator does not vouch for the guess, which is refused (nobody dropped: its sender may
+/// be an honest worker passing a forged context on); the honest copy and its records stay.
+/// Once the creator has vouched for the copy, a later guess is refused without asking.
+#[test]
+fn a_guess_after_a_relay_is_refused_once_the_creator_disowns_it() {
+    let mut a = DistAutograd::new(0);
+    let mut b = DistAutograd::new(1);
+    let c = a.new_context().unwrap();
+    let honest = a.capability(c).unwrap();
+    b.handle_recv(3, c, honest, AutogradMessageId::new(3, 0))
+        .unwrap();
+    let guess = AutogradMessageId::new(2, 0);
+    assert_eq!(b.handle_recv(2, c, 7, guess), Ok(Recv::AskCreator));
+    let refused = b.handle_vouch(2, c, 7, guess, a.vouches(c, 7));
+    assert_eq!(
+        refused,
+        Err(RecvError::WrongCapability {
+            from: 2,
+            context: c
+        })
+    );
+    assert!(refused.unwrap_err().violation().is_none());
+    assert_eq!(b.known_workers(c), Some(vec![3]));
+    assert_eq!(b.capability(c), Some(honest));
+    assert!(drain(&mut b).is_empty());
+    // Not vouched for, a message is never recorded in a copy made from it, even when the
+    // copy it contradicted is gone by the time the answer comes.
+    b.handle_release(3, c, None).unwrap();
+    drain(&mut b);
+    assert_eq!(
+        b.handle_vouch(2, c, 7, AutogradMessageId::new(2, 1), false),
+        Err(RecvError::WrongCapability {
+            from: 2,
+            context: c
+        })
+    );
+    assert!(!b.has_context(c));
+    // A copy the creator vouched for (here: its own message joined it) refuses without asking.
+    b.handle_recv(3, c, honest, AutogradMessageId::new(3, 1))
+        .unwrap();
+    let m = a.record_send(c, 1).unwrap();
+    b.handle_recv(0, c, honest, m).unwrap();
+    assert_eq!(
+        b.handle_recv(2, c, 7, AutogradMessageId::new(2, 2)),
+        Err(RecvError::WrongCapability {
+            from: 2,
+            context: c
+        })
+    );
+    // The creator vouches only for its own contexts, made already.
+    assert!(!b.vouches(c, honest), "b made no context of a's");
+    assert!(!a.vouches(ContextId::new(0, 1), cap(ContextId::new(0, 1))));
 }
