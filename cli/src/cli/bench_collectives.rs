@@ -548,6 +548,8 @@ pub(crate) fn run_curve_group(
         timeout,
         transport: transport.to_owned(),
         torch_python: None,
+        paths: vec!["arena".to_owned()],
+        mpi_python: None,
     };
     run_group_sized(world, "curve", &args, sizes)
 }
