@@ -4,8 +4,9 @@
 //! path do.
 //!
 //! # Layout
-//! A memfd sealed against resizing, holding one 64-byte line per rank (its phase counter, and
-//! the number of ranks sleeping on it) and then a slot per rank in two halves of
+//! A memfd sealed against resizing, holding one 64-byte line per rank (its phase counter), one
+//! line for the arena's generation (bumped after every publication; sleepers wait on it, and
+//! count themselves there) and then a slot per rank in two halves of
 //! [`Arena::slot_bytes`] bytes (`arena_bytes / (2 × world)`, rounded down to 64; see
 //! [`DEFAULT_ARENA_BYTES`]). The memory is shared by every rank of the group on the host, so a
 //! rank that writes outside its slot harms its group's results (never another group's, never
@@ -24,7 +25,7 @@
 //! # Waiting, and ranks that die or stop
 //! A rank waiting for another's counter polls it for the spin budget (the shared-memory
 //! transport's, [`ShmConfig::spin`](crate::ShmConfig::spin); yielding instead of polling when
-//! the process may run on one core only), then sleeps on the counter with a futex (on a
+//! the process may run on one core only), then sleeps with a futex on the arena's generation (on a
 //! blocking thread of the runtime, so that the waiting task's thread, and other ranks polled by
 //! the same task, go on running) and
 //! the writer wakes sleepers only when the line says there are some. Sleeps last at most
@@ -56,7 +57,7 @@ pub const MAX_ARENA_BYTES: usize = 1 << 34;
 /// How long a waiting rank sleeps at most before it checks that the rank it waits for is alive.
 pub const LIVENESS_PERIOD: Duration = Duration::from_millis(20);
 
-/// Bytes of a rank's line (its counter and its sleepers).
+/// Bytes of a rank's line (its counter), and of the generation's line.
 const LINE: usize = 64;
 
 /// Why an arena could not be set up, or a collective through it failed.
@@ -136,7 +137,7 @@ fn setup(what: &str) -> impl FnOnce(std::fmt::Arguments<'_>) -> ArenaError + '_ 
 
 fn segment_len(world: usize, arena_bytes: usize) -> (usize, usize) {
     let slot = arena::slot_bytes(arena_bytes, world);
-    (slot, LINE * world + 2 * world * slot)
+    (slot, LINE * (world + 1) + 2 * world * slot)
 }
 
 /// The leader's side of the setup: the segment, and the socket the other ranks fetch it from.
@@ -420,9 +421,17 @@ impl Arena {
         unsafe { &*(self.map.ptr().add(rank * LINE) as *const AtomicU32) }
     }
 
-    fn sleepers(&self, rank: usize) -> &AtomicU32 {
-        // SAFETY: as in `counter`, 4 bytes further into the line.
-        unsafe { &*(self.map.ptr().add(rank * LINE + 4) as *const AtomicU32) }
+    /// The arena's generation (the line after the ranks'): every rank bumps it after each
+    /// publication, and sleepers wait on it, so one sleep covers a wait on several ranks.
+    fn generation(&self) -> &AtomicU32 {
+        // SAFETY: line `world` lies in the mapping (the segment has world + 1 lines), aligned.
+        unsafe { &*(self.map.ptr().add(self.world * LINE) as *const AtomicU32) }
+    }
+
+    /// How many ranks sleep on the generation (4 bytes further into its line).
+    fn sleepers(&self) -> &AtomicU32 {
+        // SAFETY: as in `generation`.
+        unsafe { &*(self.map.ptr().add(self.world * LINE + 4) as *const AtomicU32) }
     }
 
     fn slot_ptr(&self, rank: usize, half: usize) -> *mut u8 {
@@ -430,7 +439,7 @@ impl Arena {
         unsafe {
             self.map
                 .ptr()
-                .add(LINE * self.world + (2 * rank + half) * self.slot)
+                .add(LINE * (self.world + 1) + (2 * rank + half) * self.slot)
         }
     }
 
@@ -485,9 +494,7 @@ impl Arena {
             let half = self.state.half();
             if !phase.writes.is_empty() {
                 let waits: Vec<(usize, u32)> = self.state.free_waits().collect();
-                for (q, target) in waits {
-                    self.wait(q, target, deadline, timeout, gone).await?;
-                }
+                self.wait(&waits, deadline, timeout, gone).await?;
                 let slot = self.slot_ptr(self.rank, half);
                 for w in &phase.writes {
                     // SAFETY: the plan fits the slot (checked in core: `to + len <= slot`,
@@ -504,19 +511,18 @@ impl Arena {
                 }
             }
             let value = self.state.posted(!phase.writes.is_empty(), &phase.readers);
-            let line = self.counter(self.rank);
-            line.store(value, Ordering::Release);
+            self.counter(self.rank).store(value, Ordering::Release);
+            self.generation().fetch_add(1, Ordering::SeqCst);
             fence(Ordering::SeqCst);
-            if self.sleepers(self.rank).load(Ordering::Relaxed) > 0 {
+            if self.sleepers().load(Ordering::Relaxed) > 0 {
                 let _ = rustix::thread::futex::wake(
-                    line,
+                    self.generation(),
                     rustix::thread::futex::Flags::empty(),
                     u32::MAX,
                 );
             }
-            for q in &phase.waits_on {
-                self.wait(*q, value, deadline, timeout, gone).await?;
-            }
+            let targets: Vec<(usize, u32)> = phase.waits_on.iter().map(|q| (*q, value)).collect();
+            self.wait(&targets, deadline, timeout, gone).await?;
             for read in &phase.reads {
                 assert!(read.from + read.to.len() <= self.slot && read.to.end <= buffer.len());
                 let src = self.slot_ptr(read.peer, half);
@@ -541,18 +547,26 @@ impl Arena {
         Ok(())
     }
 
-    /// Waits until rank `q`'s counter reaches `target`: polls (or yields) for the spin budget,
-    /// then sleeps on it in slices of [`LIVENESS_PERIOD`], checking `q`'s process between them.
+    /// The first of `targets` (rank, counter) not reached yet, if any.
+    fn pending(&self, targets: &[(usize, u32)]) -> Option<(usize, u32)> {
+        targets
+            .iter()
+            .copied()
+            .find(|(q, target)| !reached(self.counter(*q).load(Ordering::Acquire), *target))
+    }
+
+    /// Waits until each rank of `targets` has published its counter value: polls them all (or
+    /// yields) for the spin budget, then sleeps on the arena's generation in slices of
+    /// [`LIVENESS_PERIOD`], checking, between them, the process of the first rank still
+    /// awaited and what the group knows of it.
     async fn wait(
         &self,
-        q: usize,
-        target: u32,
+        targets: &[(usize, u32)],
         deadline: Instant,
         timeout: Duration,
         gone: &(dyn Fn(usize) -> Option<String> + Send + Sync),
     ) -> Result<(), ArenaError> {
-        let line = self.counter(q);
-        if reached(line.load(Ordering::Acquire), target) {
+        if self.pending(targets).is_none() {
             return Ok(());
         }
         let spin = self.spin.begin(true, Instant::now());
@@ -561,8 +575,8 @@ impl Arena {
             let now = Instant::now();
             match spin.step(now) {
                 SpinStep::Poll => {
-                    for _ in 0..64 {
-                        if reached(line.load(Ordering::Acquire), target) {
+                    for _ in 0..16 {
+                        if self.pending(targets).is_none() {
                             return Ok(());
                         }
                         std::hint::spin_loop();
@@ -574,18 +588,19 @@ impl Arena {
                 }
                 SpinStep::Yield => {
                     std::thread::yield_now();
-                    if reached(line.load(Ordering::Acquire), target) {
+                    if self.pending(targets).is_none() {
                         return Ok(());
                     }
                 }
                 SpinStep::Sleep => break,
             }
         }
+        let generation = self.generation();
         loop {
-            let seen = line.load(Ordering::Acquire);
-            if reached(seen, target) {
+            let seen = generation.load(Ordering::SeqCst);
+            let Some((q, _)) = self.pending(targets) else {
                 return Ok(());
-            }
+            };
             if let Some(pidfd) = &self.pidfds[q] {
                 if exited(pidfd) {
                     return Err(ArenaError::Died {
@@ -605,22 +620,22 @@ impl Arena {
                 });
             }
             let slice = LIVENESS_PERIOD.min(deadline - now);
-            let sleepers = self.sleepers(q);
+            let sleepers = self.sleepers();
             sleepers.fetch_add(1, Ordering::SeqCst);
-            if !reached(line.load(Ordering::SeqCst), target) {
+            if generation.load(Ordering::SeqCst) == seen {
                 // The futex sleep runs on a blocking thread, so that this task's thread (and
                 // any other rank polled by the same task) goes on running.
                 let map = self.map.clone();
-                let at = q * LINE;
+                let at = self.world * LINE;
                 let ts = rustix::thread::futex::Timespec {
                     tv_sec: slice.as_secs() as i64,
                     tv_nsec: slice.subsec_nanos() as i64,
                 };
                 let _ = tokio::task::spawn_blocking(move || {
-                    // SAFETY: as in `counter`; the mapping lives as long as `map`.
-                    let line = unsafe { &*(map.ptr().add(at) as *const AtomicU32) };
+                    // SAFETY: as in `generation`; the mapping lives as long as `map`.
+                    let word = unsafe { &*(map.ptr().add(at) as *const AtomicU32) };
                     let _ = rustix::thread::futex::wait(
-                        line,
+                        word,
                         rustix::thread::futex::Flags::empty(),
                         seen,
                         Some(&ts),
