@@ -2175,3 +2175,27 @@ async fn the_arena_and_the_links_give_the_same_results() {
     let last = f32::from_le_bytes(arena[0][0][3996..4000].try_into().unwrap());
     assert!((last - expected).abs() < 1e-2, "{last}");
 }
+
+/// Issue 47: ranks that disagree about a collective on the arena path are told, naming the
+/// other rank (each phase carries a signature of the collective and its arguments).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_that_disagree_on_the_arena_path_are_told() {
+    let gs = bounded(groups(2, "arena-mismatch", Duration::from_secs(20))).await;
+    assert!(gs[0].uses_arena());
+    let (a, b) = bounded(async {
+        let mut x = vec![1.0f32; 2];
+        let mut y = vec![1.0f32; 3];
+        tokio::join!(
+            gs[0].all_reduce_typed(&mut x, ReduceOp::Sum),
+            gs[1].all_reduce_typed(&mut y, ReduceOp::Sum)
+        )
+    })
+    .await;
+    for (rank, result) in [a, b].into_iter().enumerate() {
+        let e = result.unwrap_err();
+        assert!(
+            matches!(&e, ProcessGroupError::Mismatch { peer, .. } if *peer == 1 - rank),
+            "{e}"
+        );
+    }
+}

@@ -37,7 +37,7 @@
 //! later one with the same error.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tensorwire_core::collective::arena::{self, reached, ArenaPlan, ArenaState, ARENA_ALIGN};
@@ -91,6 +91,13 @@ pub enum ArenaError {
         rank: usize,
         /// What the group knows.
         reason: String,
+    },
+    /// A rank ran another collective (or the same with other arguments) in the same phase:
+    /// its signature differs from this rank's.
+    #[error("rank {rank} ran a different collective (or other arguments) through the arena")]
+    Disagreement {
+        /// The group rank.
+        rank: usize,
     },
     /// A plan that does not fit this arena (another slot size or world): a bug.
     #[error(
@@ -421,6 +428,19 @@ impl Arena {
         unsafe { &*(self.map.ptr().add(rank * LINE) as *const AtomicU32) }
     }
 
+    /// Rank `rank`'s signature of the phase it last published in `half`: the phase's number,
+    /// and the collective's signature (in the rest of its line).
+    fn signature_words(&self, rank: usize, half: usize) -> (&AtomicU64, &AtomicU64) {
+        // SAFETY: bytes 8 to 40 of line `rank`, 8-byte aligned, in the mapping.
+        unsafe {
+            let base = self.map.ptr().add(rank * LINE + 8 + 16 * half);
+            (
+                &*(base as *const AtomicU64),
+                &*(base.add(8) as *const AtomicU64),
+            )
+        }
+    }
+
     /// The arena's generation (the line after the ranks'): every rank bumps it after each
     /// publication, and sleepers wait on it, so one sleep covers a wait on several ranks.
     fn generation(&self) -> &AtomicU32 {
@@ -458,6 +478,7 @@ impl Arena {
         buffer: &mut [u8],
         deadline: Instant,
         timeout: Duration,
+        signature: u64,
         gone: &(dyn Fn(usize) -> Option<String> + Send + Sync),
     ) -> Result<(), ArenaError> {
         if let Some(e) = &self.broken {
@@ -472,7 +493,9 @@ impl Arena {
                 plan_slot: plan.slot_bytes(),
             });
         }
-        let result = self.phases(plan, buffer, deadline, timeout, gone).await;
+        let result = self
+            .phases(plan, buffer, deadline, timeout, signature, gone)
+            .await;
         if let Err(e) = &result {
             self.broken = Some(e.clone());
         }
@@ -485,6 +508,7 @@ impl Arena {
         buffer: &mut [u8],
         deadline: Instant,
         timeout: Duration,
+        signature: u64,
         gone: &(dyn Fn(usize) -> Option<String> + Send + Sync),
     ) -> Result<(), ArenaError> {
         if let Some((from, to)) = plan.local_copy() {
@@ -510,6 +534,11 @@ impl Arena {
                     };
                 }
             }
+            let phase_no = self.state.phase();
+            let (tag, sig) = self.signature_words(self.rank, half);
+            tag.store(u64::MAX, Ordering::Relaxed);
+            sig.store(signature, Ordering::Relaxed);
+            tag.store(phase_no, Ordering::Release);
             let value = self.state.posted(!phase.writes.is_empty(), &phase.readers);
             self.counter(self.rank).store(value, Ordering::Release);
             self.generation().fetch_add(1, Ordering::SeqCst);
@@ -523,6 +552,17 @@ impl Arena {
             }
             let targets: Vec<(usize, u32)> = phase.waits_on.iter().map(|q| (*q, value)).collect();
             self.wait(&targets, deadline, timeout, gone).await?;
+            for q in &phase.waits_on {
+                // Best effort: a rank that has moved on two phases has overwritten its
+                // signature, and is not checked here (it was by the ranks that waited on it).
+                let (tag, sig) = self.signature_words(*q, half);
+                if tag.load(Ordering::Acquire) == phase_no {
+                    let theirs = sig.load(Ordering::Relaxed);
+                    if tag.load(Ordering::Acquire) == phase_no && theirs != signature {
+                        return Err(ArenaError::Disagreement { rank: *q });
+                    }
+                }
+            }
             for read in &phase.reads {
                 assert!(read.from + read.to.len() <= self.slot && read.to.end <= buffer.len());
                 let src = self.slot_ptr(read.peer, half);
@@ -701,9 +741,14 @@ mod tests {
                     arena::all_reduce(r, world, count, ElementType::I32, ReduceOp::Sum, slot)
                         .unwrap();
                 arena
-                    .run(&plan, &mut data, deadline, Duration::from_secs(20), &|_| {
-                        None
-                    })
+                    .run(
+                        &plan,
+                        &mut data,
+                        deadline,
+                        Duration::from_secs(20),
+                        7,
+                        &|_| None,
+                    )
                     .await
                     .unwrap();
                 let lens = vec![3000; world];
@@ -716,6 +761,7 @@ mod tests {
                         &mut gathered,
                         deadline,
                         Duration::from_secs(20),
+                        7,
                         &|_| None,
                     )
                     .await
@@ -728,6 +774,7 @@ mod tests {
                             &mut [],
                             deadline,
                             Duration::from_secs(20),
+                            7,
                             &|_| None,
                         )
                         .await
@@ -756,7 +803,14 @@ mod tests {
         let timeout = Duration::from_millis(100);
         let started = Instant::now();
         let err = arenas[0]
-            .run(&plan, &mut [], Instant::now() + timeout, timeout, &|_| None)
+            .run(
+                &plan,
+                &mut [],
+                Instant::now() + timeout,
+                timeout,
+                0,
+                &|_| None,
+            )
             .await
             .unwrap_err();
         assert_eq!(
@@ -770,7 +824,14 @@ mod tests {
         // The arena is broken for good.
         assert_eq!(
             arenas[0]
-                .run(&plan, &mut [], Instant::now() + timeout, timeout, &|_| None)
+                .run(
+                    &plan,
+                    &mut [],
+                    Instant::now() + timeout,
+                    timeout,
+                    0,
+                    &|_| None
+                )
                 .await,
             Err(err)
         );

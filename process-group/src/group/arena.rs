@@ -315,6 +315,7 @@ impl Group {
         collective: &'static str,
         plan: Result<ArenaPlan, CollectiveError>,
         buffer: &mut [u8],
+        signature: &[u64],
     ) -> Result<(), ProcessGroupError> {
         let plan = plan.map_err(|source| ProcessGroupError::Arguments { collective, source })?;
         let seq = turn.seq;
@@ -341,11 +342,26 @@ impl Group {
             })
         };
         arena
-            .run(&plan, buffer, Instant::now() + timeout, timeout, &gone)
+            .run(
+                &plan,
+                buffer,
+                Instant::now() + timeout,
+                timeout,
+                fingerprint(collective, signature),
+                &gone,
+            )
             .instrument(span)
             .await
             .map_err(|e| match (e, mesh.broken()) {
                 (ArenaError::Gone { .. }, Some(broken)) => broken,
+                (ArenaError::Disagreement { rank: peer }, _) => ProcessGroupError::Mismatch {
+                    peer,
+                    collective,
+                    seq,
+                    reason: "it ran another collective, or the same with other arguments, \
+                             through the group arena"
+                        .to_owned(),
+                },
                 (e, _) => arena_error(collective, seq, self.rank(), e),
             })
     }
@@ -363,13 +379,14 @@ impl Group {
         let plan = plans::all_gather(rank, &lens, s);
         let mut buffer = vec![0u8; mine.len() * world];
         buffer[rank * mine.len()..(rank + 1) * mine.len()].copy_from_slice(mine);
-        self.arena_run(turn, collective, plan, &mut buffer).await?;
+        self.arena_run(turn, collective, plan, &mut buffer, &[1, mine.len() as u64])
+            .await?;
         Ok(buffer)
     }
 
     pub(super) async fn arena_barrier(&self, turn: &mut Turn<'_>) -> Result<(), ProcessGroupError> {
         let plan = plans::barrier(self.rank(), self.size(), turn.slot_bytes());
-        self.arena_run(turn, "barrier", plan, &mut []).await
+        self.arena_run(turn, "barrier", plan, &mut [], &[]).await
     }
 
     pub(super) async fn arena_all_reduce(
@@ -388,7 +405,14 @@ impl Group {
             op,
             turn.slot_bytes(),
         );
-        self.arena_run(turn, "all_reduce", plan, data).await?;
+        self.arena_run(
+            turn,
+            "all_reduce",
+            plan,
+            data,
+            &[op_code(op), element_code(element), count as u64],
+        )
+        .await?;
         op.finish(element, data, self.size());
         Ok(())
     }
@@ -402,6 +426,12 @@ impl Group {
         root: usize,
     ) -> Result<(), ProcessGroupError> {
         let count = whole_elements("reduce", data.len(), element)?;
+        let signature = [
+            op_code(op),
+            element_code(element),
+            root as u64,
+            count as u64,
+        ];
         let plan = plans::reduce(
             self.rank(),
             self.size(),
@@ -412,11 +442,12 @@ impl Group {
             turn.slot_bytes(),
         );
         if self.rank() == root {
-            self.arena_run(turn, "reduce", plan, data).await?;
+            self.arena_run(turn, "reduce", plan, data, &signature)
+                .await?;
             op.finish(element, data, self.size());
             Ok(())
         } else {
-            self.arena_run(turn, "reduce", plan, &mut data.to_vec())
+            self.arena_run(turn, "reduce", plan, &mut data.to_vec(), &signature)
                 .await
         }
     }
@@ -434,7 +465,14 @@ impl Group {
             data.len(),
             turn.slot_bytes(),
         );
-        self.arena_run(turn, "broadcast", plan, data).await
+        self.arena_run(
+            turn,
+            "broadcast",
+            plan,
+            data,
+            &[root as u64, data.len() as u64],
+        )
+        .await
     }
 
     pub(super) async fn arena_broadcast_bytes(
@@ -502,7 +540,7 @@ impl Group {
         let mut buffer = vec![0u8; total];
         let start: usize = lens[..rank].iter().sum();
         buffer[start..start + input.len()].copy_from_slice(input);
-        self.arena_run(turn, "all_gather", plan, &mut buffer)
+        self.arena_run(turn, "all_gather", plan, &mut buffer, &as_words(&lens))
             .await?;
         Ok(split(buffer.into(), &lens))
     }
@@ -522,8 +560,10 @@ impl Group {
         }
         let lens = self.arena_block_lens(turn, "gather", input.len()).await?;
         let plan = plans::gather(rank, root, &lens, turn.slot_bytes());
+        let mut signature = as_words(&lens);
+        signature.push(root as u64);
         if rank != root {
-            self.arena_run(turn, "gather", plan, &mut input.to_vec())
+            self.arena_run(turn, "gather", plan, &mut input.to_vec(), &signature)
                 .await?;
             return Ok(None);
         }
@@ -531,7 +571,8 @@ impl Group {
         let mut buffer = vec![0u8; total];
         let start: usize = lens[..rank].iter().sum();
         buffer[start..start + input.len()].copy_from_slice(input);
-        self.arena_run(turn, "gather", plan, &mut buffer).await?;
+        self.arena_run(turn, "gather", plan, &mut buffer, &signature)
+            .await?;
         Ok(Some(split(buffer.into(), &lens)))
     }
 
@@ -569,13 +610,17 @@ impl Group {
         check_block_lens("scatter", 0, &lens, |_| root)?;
         let lens: Vec<usize> = lens.into_iter().map(|l| l as usize).collect();
         let plan = plans::scatter(rank, root, &lens, turn.slot_bytes());
+        let mut signature = as_words(&lens);
+        signature.push(root as u64);
         if rank == root {
             let mut buffer: Vec<u8> = blocks.iter().flat_map(|b| b.iter().copied()).collect();
-            self.arena_run(turn, "scatter", plan, &mut buffer).await?;
+            self.arena_run(turn, "scatter", plan, &mut buffer, &signature)
+                .await?;
             return Ok(blocks[root].clone());
         }
         let mut buffer = vec![0u8; lens[rank]];
-        self.arena_run(turn, "scatter", plan, &mut buffer).await?;
+        self.arena_run(turn, "scatter", plan, &mut buffer, &signature)
+            .await?;
         Ok(buffer.into())
     }
 
@@ -606,8 +651,10 @@ impl Group {
             }));
         }
         let output = plan.output_range();
+        let mut signature = as_words(counts);
+        signature.extend([op_code(op), element_code(element)]);
         let mut buffer = input.to_vec();
-        self.arena_run(turn, "reduce_scatter", Ok(plan), &mut buffer)
+        self.arena_run(turn, "reduce_scatter", Ok(plan), &mut buffer, &signature)
             .await?;
         let mut out = buffer[output].to_vec();
         op.finish(element, &mut out, self.size());
@@ -657,6 +704,7 @@ impl Group {
             }
         }
         let plan = plans::all_to_all(rank, &matrix, turn.slot_bytes()).map_err(arguments)?;
+        let signature: Vec<u64> = matrix.iter().flat_map(|row| as_words(row)).collect();
         let mut buffer = vec![0u8; plan.buffer_len()];
         let mut at = 0;
         for b in inputs {
@@ -664,11 +712,38 @@ impl Group {
             at += b.len();
         }
         let output = plan.output_range();
-        self.arena_run(turn, "all_to_all", Ok(plan), &mut buffer)
+        self.arena_run(turn, "all_to_all", Ok(plan), &mut buffer, &signature)
             .await?;
         let out = Bytes::from(buffer).slice(output);
         Ok(split(out, output_lens))
     }
+}
+
+/// A collective's signature in one word (FNV-1a over its name and the arguments every rank
+/// must agree on), which the arena compares between ranks.
+fn fingerprint(collective: &str, args: &[u64]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |b: u8| {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    };
+    collective.bytes().for_each(&mut eat);
+    for a in args {
+        a.to_le_bytes().into_iter().for_each(&mut eat);
+    }
+    h
+}
+
+fn as_words(lens: &[usize]) -> Vec<u64> {
+    lens.iter().map(|l| *l as u64).collect()
+}
+
+fn op_code(op: ReduceOp) -> u64 {
+    ReduceOp::ALL.iter().position(|o| *o == op).unwrap_or(99) as u64
+}
+
+fn element_code(element: ElementType) -> u64 {
+    element.size() as u64 * 100 + u64::from(element.is_float())
 }
 
 /// `bytes` cut into consecutive blocks of `lens`.
