@@ -113,7 +113,7 @@ pub struct GroupOptions {
     /// host ([`CollectivePath::Arena`], the default unless [`COLLECTIVES_ENV`] says `links`),
     /// or through the links. Every rank must choose the same. Under
     /// [`DebugLevel::Detail`] the links are used whatever this says: the agreement check is
-    /// theirs (the arena's phases carry no signatures).
+    /// theirs (the arena compares a one-word signature per phase instead).
     pub collectives: CollectivePath,
     /// The size of the group's arena on a host, in bytes (default 32 MiB,
     /// [`DEFAULT_ARENA_BYTES`](tensorwire_transport_shm::arena::DEFAULT_ARENA_BYTES), or
