@@ -159,10 +159,9 @@ async fn a_rank_whose_own_certificate_is_for_another_rank_fails_at_once() {
         let ca = ClusterCa::generate().unwrap();
         let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
         let options = GroupOptions::new("own-certificate").with_timeout(Duration::from_secs(5));
-        let err = Group::connect(store, quic(&ca, &rank_name(2)), 1, 2, options)
-            .await
-            .err()
-            .expect("rank 1 set up with rank 2's certificate");
+        let Err(err) = Group::connect(store, quic(&ca, &rank_name(2)), 1, 2, options).await else {
+            panic!("rank 1 set up with rank 2's certificate");
+        };
         let text = err.to_string();
         assert!(
             text.contains("claimed rank 1") && text.contains("issued for rank 2"),
