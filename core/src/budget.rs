@@ -166,6 +166,11 @@ pub struct OverBudget {
 /// ([`Ledger::holds_requests`]): an eighth (32 MiB of the default 256 MiB).
 pub const HOLD_REQUESTS_FRACTION: usize = 8;
 
+/// Requests of one peer that run at once (handed to their handlers, not answered yet) before
+/// its next ones are held ([`Ledger::holds_requests`]): each peer's requests are served in
+/// turn with the others', not all of one flood before an honest peer's call.
+pub const RUNNING_PER_PEER: usize = 64;
+
 /// The budget's accounts, one per peer: the sans-IO decision (see the module's documentation).
 #[derive(Debug, Clone)]
 pub struct Ledger {
@@ -180,6 +185,10 @@ pub struct Ledger {
     /// Peers whose requests were held and may run again, not yet taken by
     /// [`take_resumed`](Self::take_resumed).
     resumed: Vec<u32>,
+    /// Requests of each peer running now ([`start_request`](Self::start_request)).
+    running: HashMap<u32, usize>,
+    /// How many of one peer's requests may run at once.
+    running_cap: usize,
 }
 
 impl Ledger {
@@ -193,7 +202,36 @@ impl Ledger {
             hold_mark: (budget / HOLD_REQUESTS_FRACTION).max(1),
             holding: std::collections::HashSet::new(),
             resumed: Vec::new(),
+            running: HashMap::new(),
+            running_cap: RUNNING_PER_PEER,
         }
+    }
+
+    /// Sets how many of one peer's requests may run at once (at least 1; default
+    /// [`RUNNING_PER_PEER`]).
+    pub fn set_running_cap(&mut self, requests: usize) {
+        self.running_cap = requests.max(1);
+    }
+
+    /// One of `peer`'s requests starts running (its handler is called).
+    pub fn start_request(&mut self, peer: u32) {
+        *self.running.entry(peer).or_insert(0) += 1;
+    }
+
+    /// One of `peer`'s requests is answered. True when its held requests may run now.
+    pub fn finish_request(&mut self, peer: u32) -> bool {
+        if let Some(n) = self.running.get_mut(&peer) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.running.remove(&peer);
+            }
+        }
+        !self.holds_requests(peer)
+    }
+
+    /// How many of `peer`'s requests run now.
+    pub fn running(&self, peer: u32) -> usize {
+        self.running.get(&peer).copied().unwrap_or(0)
     }
 
     /// Sets the bytes of frames queued for a peer, unread, from which its requests are held
@@ -210,11 +248,12 @@ impl Ledger {
     /// Whether `peer`'s requests are to be held, not run: the frames queued for it (replies,
     /// calls, acknowledgements) wait unread past the hold mark (an eighth of the budget by
     /// default, [`set_hold_mark`](Self::set_hold_mark)), and have not come down to half of it
-    /// since. Running them would only produce replies nobody reads, on time taken from the
+    /// since; or [`RUNNING_PER_PEER`] of its requests run already (they are served in turn
+    /// with other peers', whose own requests are not held by it). Running them would only produce replies nobody reads, on time taken from the
     /// peers that do read; reading the peer goes on (its replies to this worker's calls are
     /// still taken), so two busy peers never wait on each other.
     pub fn holds_requests(&self, peer: u32) -> bool {
-        self.holding.contains(&peer)
+        self.holding.contains(&peer) || self.running(peer) >= self.running_cap
     }
 
     /// The peers whose requests were held and may run again since the last call (each once).
@@ -415,6 +454,11 @@ impl Budget {
     pub fn set_hold_mark(&self, bytes: usize) {
         self.with(|l| l.set_hold_mark(bytes));
     }
+
+    /// [`Ledger::set_running_cap`].
+    pub fn set_running_cap(&self, requests: usize) {
+        self.with(|l| l.set_running_cap(requests));
+    }
 }
 
 /// One peer's account in a shared [`Budget`].
@@ -464,6 +508,16 @@ impl Account {
     /// [`Ledger::holds_requests`] for this account's peer.
     pub fn holds_requests(&self) -> bool {
         self.budget.holds_requests(self.peer)
+    }
+
+    /// [`Ledger::start_request`] for this account's peer.
+    pub fn start_request(&self) {
+        self.budget.with(|l| l.start_request(self.peer));
+    }
+
+    /// [`Ledger::finish_request`] for this account's peer.
+    pub fn finish_request(&self) -> bool {
+        self.budget.with(|l| l.finish_request(self.peer))
     }
 
     /// [`Ledger::resize`] on this account.
@@ -599,6 +653,25 @@ mod tests {
     }
 
     #[test]
+    fn a_peer_runs_so_many_requests_at_once_and_no_more() {
+        let mut l = Ledger::new(1 << 20);
+        l.set_running_cap(2);
+        l.start_request(1);
+        assert!(!l.holds_requests(1));
+        l.start_request(1);
+        assert!(l.holds_requests(1), "two of its requests run");
+        assert!(!l.holds_requests(2), "another peer's are not held by it");
+        assert!(l.finish_request(1), "one answered: the next may run");
+        assert_eq!(l.running(1), 1);
+        // Held for its queue, a finished request lets nothing run.
+        l.set_hold_mark(10);
+        l.take(1, Use::Queued, 10, Admit::IfRoom).unwrap();
+        assert!(!l.finish_request(1));
+        assert_eq!(l.running(1), 0);
+        assert!(l.holds_requests(1));
+    }
+
+    #[test]
     fn an_account_says_when_its_release_let_its_requests_run() {
         let b = Budget::new(80);
         let a = b.account(5);
@@ -606,7 +679,10 @@ mod tests {
         assert!(a.holds_requests());
         assert!(!a.release_and_resume(Use::Queued, 4));
         assert!(a.release_and_resume(Use::Queued, 1));
-        assert!(b.take_resumed().is_empty(), "taken by the account's release");
+        assert!(
+            b.take_resumed().is_empty(),
+            "taken by the account's release"
+        );
     }
 
     #[test]
