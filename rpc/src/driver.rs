@@ -264,12 +264,28 @@ pub(crate) fn resume_requests(this: &Agent, peer: WorkerId) {
     }
 }
 
-/// Forgets `peer`'s held requests (it is lost), giving their bytes back to its budget.
-pub(crate) fn drop_held_requests(st: &mut crate::state::State, peer: WorkerId) {
-    if let Some(queue) = st.held_requests.remove(&peer) {
-        let bytes = queue.iter().map(|(_, b)| *b).fold(0, usize::saturating_add);
-        st.ep.budget().account(peer).release(Use::Requests, bytes);
+/// Forgets `peer`'s held requests (it is lost), giving their bytes back to its budget. The
+/// references forked for this worker in their arguments are accepted and dropped at once, as
+/// for a request refused, so that their owners stop counting them.
+pub(crate) fn drop_held_requests(
+    st: &mut crate::state::State,
+    peer: WorkerId,
+    now: std::time::Instant,
+) {
+    let Some(queue) = st.held_requests.remove(&peer) else {
+        return;
+    };
+    let mut bytes = 0usize;
+    for (ev, b) in queue {
+        bytes = bytes.saturating_add(b);
+        if let Event::Call { body, .. } | Event::Remote { body, .. } = ev {
+            for fork in body.forks {
+                let handle = st.ep.accept_fork(fork, now);
+                st.ep.drop_handle(handle, now);
+            }
+        }
     }
+    st.ep.budget().account(peer).release(Use::Requests, bytes);
 }
 
 fn run(this: &Agent, ev: Event<Body>) {
@@ -390,8 +406,10 @@ fn running(this: &Agent, from: WorkerId, function: &str) -> Option<WorkerId> {
 /// A peer's request is answered: its held requests run if its budget lets them.
 fn finished(this: &Agent, from: Option<WorkerId>) {
     let Some(peer) = from else { return };
-    let resume = this.lock().ep.budget().account(peer).finish_request()
-        && this.lock().held_requests.contains_key(&peer);
+    let resume = {
+        let st = this.lock();
+        st.ep.budget().account(peer).finish_request() && st.held_requests.contains_key(&peer)
+    };
     if resume {
         resume_requests(this, peer);
     }

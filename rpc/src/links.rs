@@ -183,8 +183,8 @@ pub(crate) fn member_left(this: &Agent, peer: WorkerId) {
     let link = {
         let mut st = this.lock();
         let link = st.peers.remove(&peer);
-        crate::driver::drop_held_requests(&mut st, peer);
         st.ep.handle_peer_lost(peer, LostCause::Left, this.now());
+        crate::driver::drop_held_requests(&mut st, peer, this.now());
         link
     };
     drop(link);
@@ -263,8 +263,8 @@ pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
     {
         let mut st = this.lock();
         st.peers.remove(&peer);
-        crate::driver::drop_held_requests(&mut st, peer);
         st.ep.handle_peer_lost(peer, cause, this.now());
+        crate::driver::drop_held_requests(&mut st, peer, this.now());
     }
     if this.inner.dynamic {
         // The membership drops it (and hands coordination on, if it coordinated).

@@ -142,74 +142,92 @@ fn functions(runs: Arc<AtomicUsize>) -> Functions {
     f
 }
 
+/// Three agents on loopback TCP with `BUDGET` per peer; `w2` reads while `open` says so.
+async fn cluster(
+    runs: &Arc<AtomicUsize>,
+) -> (Vec<tensorwire_rpc::Agent>, tokio::sync::watch::Sender<bool>) {
+    let store: Arc<dyn tensorwire_core::ports::store::Store> = Arc::new(InMemoryStore::new());
+    let secret = ClusterSecret::new(b"fairness test secret".to_vec()).unwrap();
+    let (open, _) = tokio::sync::watch::channel(true);
+    let world = 3;
+    let mut tasks = Vec::new();
+    for rank in 0..world {
+        let tcp = TcpTransport::new(TcpConfig::new(secret.clone())).unwrap();
+        let transport: Arc<dyn Transport> = if rank == 2 {
+            Arc::new(Gated {
+                inner: tcp,
+                open: open.clone(),
+            })
+        } else {
+            Arc::new(tcp)
+        };
+        let options = RpcOptions::new()
+            .with_functions(functions(Arc::clone(runs)))
+            .with_peer_budget(BUDGET);
+        let options = RpcOptions {
+            listen_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
+            init_timeout: Duration::from_secs(30),
+            ..options
+        };
+        let rdv = Rendezvous::from_store(Arc::clone(&store), rank, world);
+        tasks.push(tokio::spawn(async move {
+            start_agent(
+                transport,
+                rdv,
+                &format!("w{rank}"),
+                rank,
+                Some(world),
+                options,
+            )
+            .await
+        }));
+    }
+    let mut agents = Vec::new();
+    for t in tasks {
+        agents.push(t.await.unwrap().unwrap());
+    }
+    (agents, open)
+}
+
+/// Starts `FLOOD` calls of `w2` to `w0` with `w2` no longer reading, and waits until `w0`
+/// holds its requests.
+async fn flood_until_held(
+    agents: &[tensorwire_rpc::Agent],
+    open: &tokio::sync::watch::Sender<bool>,
+    runs: &AtomicUsize,
+) -> Vec<tensorwire_rpc::RpcFuture<Vec<u8>>> {
+    open.send_replace(false);
+    let timeout = Some(Duration::from_secs(60));
+    let flood: Vec<_> = (0..FLOOD)
+        .map(|i| {
+            agents[2]
+                .rpc_async::<_, Vec<u8>>("w0", "bulk", &(i as u32), timeout)
+                .unwrap()
+        })
+        .collect();
+    let started = Instant::now();
+    while agents[0].budget().held(2).requests == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "w2's requests were never held; {} ran, {:?}",
+            runs.load(Ordering::Relaxed),
+            agents[0].budget().held(2)
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    flood
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_does_not_read_its_replies_has_its_requests_held_and_honest_calls_go_on() {
     bounded(async {
-        let store: Arc<dyn tensorwire_core::ports::store::Store> = Arc::new(InMemoryStore::new());
-        let secret = ClusterSecret::new(b"fairness test secret".to_vec()).unwrap();
-        let (open, _) = tokio::sync::watch::channel(true);
         let runs = Arc::new(AtomicUsize::new(0));
-        let world = 3;
-        let mut tasks = Vec::new();
-        for rank in 0..world {
-            let tcp = TcpTransport::new(TcpConfig::new(secret.clone())).unwrap();
-            let transport: Arc<dyn Transport> = if rank == 2 {
-                Arc::new(Gated {
-                    inner: tcp,
-                    open: open.clone(),
-                })
-            } else {
-                Arc::new(tcp)
-            };
-            let options = RpcOptions::new()
-                .with_functions(functions(Arc::clone(&runs)))
-                .with_peer_budget(BUDGET);
-            let options = RpcOptions {
-                listen_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
-                init_timeout: Duration::from_secs(30),
-                ..options
-            };
-            let rdv = Rendezvous::from_store(Arc::clone(&store), rank, world);
-            tasks.push(tokio::spawn(async move {
-                start_agent(
-                    transport,
-                    rdv,
-                    &format!("w{rank}"),
-                    rank,
-                    Some(world),
-                    options,
-                )
-                .await
-            }));
-        }
-        let mut agents = Vec::new();
-        for t in tasks {
-            agents.push(t.await.unwrap().unwrap());
-        }
-        let (victim, honest, flooder) = (&agents[0], &agents[1], &agents[2]);
+        let (agents, open) = cluster(&runs).await;
+        let (victim, honest) = (&agents[0], &agents[1]);
         let _: u32 = honest.rpc_sync("w0", "ping", &1u32, None).await.unwrap();
-
-        // w2 stops reading and asks w0 for far more than its budget would queue.
-        open.send_replace(false);
-        let timeout = Some(Duration::from_secs(60));
-        let flood: Vec<_> = (0..FLOOD)
-            .map(|i| {
-                flooder
-                    .rpc_async::<_, Vec<u8>>("w0", "bulk", &(i as u32), timeout)
-                    .unwrap()
-            })
-            .collect();
-        // The victim holds w2's requests once their replies wait unread.
-        let started = Instant::now();
-        while victim.budget().held(2).requests == 0 {
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "w2's requests were never held; {} ran, {:?}",
-                runs.load(Ordering::Relaxed),
-                victim.budget().held(2)
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        // w2 stops reading and asks w0 for far more than its budget would queue: w0 holds
+        // w2's requests once their replies wait unread.
+        let flood = flood_until_held(&agents, &open, &runs).await;
         // Meanwhile honest calls are served at once (a bound far above their cost, far below
         // the seconds they stalled for before).
         let mut slowest = Duration::ZERO;
@@ -240,6 +258,45 @@ async fn a_peer_that_does_not_read_its_replies_has_its_requests_held_and_honest_
         assert_eq!(runs.load(Ordering::Relaxed), FLOOD);
         assert_eq!(victim.budget().held(2).requests, 0);
         drop(agents);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_held_requests_of_a_peer_that_is_lost_are_dropped_and_their_bytes_freed() {
+    bounded(async {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let (mut agents, open) = cluster(&runs).await;
+        let flood = flood_until_held(&agents, &open, &runs).await;
+        let ran = runs.load(Ordering::Relaxed);
+        // w2 goes away with its requests held at w0: they never run, and w0 holds nothing
+        // for it any more.
+        let flooder = agents.pop().unwrap();
+        flooder
+            .shutdown(tensorwire_rpc::Shutdown::Immediate)
+            .await
+            .ok();
+        drop(flood);
+        let started = Instant::now();
+        while agents[0].budget().held(2) != tensorwire_core::budget::Held::default() {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "w0 still holds {:?} for the lost w2",
+                agents[0].budget().held(2)
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // Those it had sent and w0 had not read yet may have run (it read them after its
+        // queue for w2 was freed, as any request a peer sent before it left); the held ones
+        // never ran.
+        let after = runs.load(Ordering::Relaxed);
+        assert!(
+            after < FLOOD,
+            "all {after} flood requests ran (held at {ran})"
+        );
+        // The victim goes on serving the honest peer.
+        let back: u32 = agents[1].rpc_sync("w0", "ping", &9u32, None).await.unwrap();
+        assert_eq!(back, 9);
     })
     .await;
 }
