@@ -664,12 +664,29 @@ impl<E: AutogradEngine> Inner<E> {
         }
     }
 
-    /// Runs the engine for a task on a blocking thread and reports to the state machine.
+    /// Runs the engine for a task on a blocking thread (or the executor set) and reports to
+    /// the state machine.
     pub(super) async fn run(self: Arc<Self>, task: TaskId, context: ContextId, roots: Roots<E>) {
         let inner = self.clone();
-        let computed = tokio::task::spawn_blocking(move || inner.compute(&roots))
-            .await
-            .unwrap_or_else(|e| Err(format!("the engine's thread failed: {e}")));
+        let executor = self
+            .executor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let computed = match executor {
+            None => tokio::task::spawn_blocking(move || inner.compute(&roots))
+                .await
+                .unwrap_or_else(|e| Err(format!("the engine's thread failed: {e}"))),
+            Some(executor) => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                executor(Box::new(move || {
+                    let _ = tx.send(inner.compute(&roots));
+                }))
+                .await;
+                rx.await
+                    .unwrap_or_else(|_| Err("the engine's run ended abnormally".to_owned()))
+            }
+        };
         self.finish_run(task, context, computed);
         self.pump();
     }

@@ -292,6 +292,8 @@ struct Inner<E: AutogradEngine> {
     optimizer: tokio::sync::Mutex<()>,
     /// Where backward tasks run (inline while the engine's runs are short).
     runs: Mutex<InlineRuns>,
+    /// Where the runs that are not inline go (a blocking thread each when `None`).
+    executor: Mutex<Option<Executor>>,
 }
 
 /// Distributed autograd on one agent: contexts, the functions that take part in them, and the
@@ -319,6 +321,13 @@ impl<E: AutogradEngine> fmt::Debug for DistAutograd<E> {
 
 /// A pinned, boxed future.
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// A job that may block (a run of the local engine).
+pub type BlockingJob = Box<dyn FnOnce() + Send>;
+
+/// Runs a [`BlockingJob`] off the runtime's workers and resolves once it has run (see
+/// [`DistAutograd::set_executor`]).
+pub type Executor = Arc<dyn Fn(BlockingJob) -> BoxFuture<()> + Send + Sync>;
 
 /// The result of a call in a context: the function's result and the tracked tensors of it.
 pub type CallResult<R, E> = Result<(R, Vec<<E as AutogradEngine>::Tensor>), DistAutogradError>;
@@ -451,6 +460,7 @@ impl<E: AutogradEngine> DistAutograd<E> {
             timeout: Mutex::new(None),
             optimizer: tokio::sync::Mutex::new(()),
             runs: Mutex::new(InlineRuns::default()),
+            executor: Mutex::new(None),
         });
         let functions = agent.functions();
         let weak = Arc::downgrade(&inner);
@@ -619,6 +629,17 @@ impl<E: AutogradEngine> DistAutograd<E> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .set_bound(bound);
+    }
+
+    /// Runs the engine's runs that are not inline with `executor` instead of a blocking thread
+    /// each: an engine whose every call needs a resource (an interpreter lock, a device) runs
+    /// them where that resource is already held, one hand-over less per run.
+    pub fn set_executor(&self, executor: Executor) {
+        *self
+            .inner
+            .executor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(executor);
     }
 
     /// How many backward tasks ran inline and how many on a blocking thread, in that order

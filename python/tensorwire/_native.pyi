@@ -225,6 +225,19 @@ class PyDistAutograd:
         in the pickle's tensor list, ``tensors`` fill the rest; ``on_done(outcome)`` gets
         ``("returned", payload, buffers, rrefs, tracked_at, tracked)``, ``("raised", type, message,
         traceback)`` or an exception."""
+    def call_wait(
+        self,
+        context: int,
+        to: str,
+        function: str,
+        payload: bytes,
+        tensors: list[torch.Tensor],
+        rrefs: list[PyRRef],
+        tracked_at: list[int],
+        tracked: list[torch.Tensor],
+        timeout: Optional[float],
+    ) -> object:
+        """:meth:`call`, waited for without the GIL: returns the outcome ``on_done`` would get."""
     def remote(
         self,
         context: int,

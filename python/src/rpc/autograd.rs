@@ -46,6 +46,11 @@ use super::{
     PyRRef, PyReply, PyValue, WireBuffer,
 };
 use crate::{runtime, TensorwireError};
+
+/// The reply of a Python call sent in a context, with its tracked tensors.
+type TrackedFuture = tensorwire_dist_autograd::BoxFuture<
+    tensorwire_dist_autograd::CallResult<TrackedReply, TorchEngine>,
+>;
 use tensorwire_rpc::RRef;
 
 /// The autograd function a Python call made in a context travels through.
@@ -389,17 +394,14 @@ fn register(dist: &DistAutograd<TorchEngine>) -> Result<(), RpcError> {
             let caller = call.call().caller().name.clone();
             let context = call.context().id();
             async move {
-                tokio::task::spawn_blocking(move || {
-                    Python::attach(|py| {
-                        let run = || {
-                            let out = call_python(py, "serve", caller, context, args, &tracked)?;
-                            tracked_reply(out.bind(py))
-                        };
-                        run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
-                    })
+                crate::gil::on_python(move |py| {
+                    let run = || {
+                        let out = call_python(py, "serve", caller, context, args, &tracked)?;
+                        tracked_reply(out.bind(py))
+                    };
+                    run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
                 })
-                .await
-                .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+                .await?
             }
         },
     )?;
@@ -409,96 +411,87 @@ fn register(dist: &DistAutograd<TorchEngine>) -> Result<(), RpcError> {
             let caller = call.call().caller().name.clone();
             let context = call.context().id();
             async move {
-                tokio::task::spawn_blocking(move || {
-                    Python::attach(|py| {
-                        let run = || -> PyResult<PyValue> {
-                            let out = call_python(py, "create", caller, context, args, &tracked)?;
-                            let out = out.bind(py).cast::<PyTuple>()?;
-                            let tag: String = out.get_item(0)?.extract()?;
-                            if tag == "returned" {
-                                Ok(PyValue::Object(out.get_item(1)?.unbind()))
-                            } else {
-                                Ok(PyValue::Raised {
-                                    exc_type: out.get_item(1)?.extract()?,
-                                    message: out.get_item(2)?.extract()?,
-                                    traceback: out.get_item(3)?.extract()?,
-                                })
-                            }
-                        };
-                        run().map_err(|e| format!("tensorwire.rpc could not create the value: {e}"))
-                    })
+                crate::gil::on_python(move |py| {
+                    let run = || -> PyResult<PyValue> {
+                        let out = call_python(py, "create", caller, context, args, &tracked)?;
+                        let out = out.bind(py).cast::<PyTuple>()?;
+                        let tag: String = out.get_item(0)?.extract()?;
+                        if tag == "returned" {
+                            Ok(PyValue::Object(out.get_item(1)?.unbind()))
+                        } else {
+                            Ok(PyValue::Raised {
+                                exc_type: out.get_item(1)?.extract()?,
+                                message: out.get_item(2)?.extract()?,
+                                traceback: out.get_item(3)?.extract()?,
+                            })
+                        }
+                    };
+                    run().map_err(|e| format!("tensorwire.rpc could not create the value: {e}"))
                 })
-                .await
-                .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+                .await?
             }
         },
     )?;
     dist.register_method(
         PY_FETCH,
         |_call, value: Arc<PyValue>, (): (), _tracked: Vec<TorchTensor>| async move {
-            tokio::task::spawn_blocking(move || {
-                Python::attach(|py| {
-                    let run = || -> PyResult<(TrackedReply, Vec<TorchTensor>)> {
-                        match &*value {
-                            PyValue::Object(o) => {
-                                let out = engine_fn(py, "fetch")?.call1((o.clone_ref(py),))?;
-                                tracked_reply(&out)
-                            }
-                            PyValue::Raised {
-                                exc_type,
-                                message,
-                                traceback,
-                            } => Ok((
-                                TrackedReply::Raised {
-                                    exc_type: exc_type.clone(),
-                                    message: message.clone(),
-                                    traceback: traceback.clone(),
-                                },
-                                Vec::new(),
-                            )),
+            crate::gil::on_python(move |py| {
+                let run = || -> PyResult<(TrackedReply, Vec<TorchTensor>)> {
+                    match &*value {
+                        PyValue::Object(o) => {
+                            let out = engine_fn(py, "fetch")?.call1((o.clone_ref(py),))?;
+                            tracked_reply(&out)
                         }
-                    };
-                    run().map_err(|e| format!("tensorwire.rpc could not send the value: {e}"))
-                })
+                        PyValue::Raised {
+                            exc_type,
+                            message,
+                            traceback,
+                        } => Ok((
+                            TrackedReply::Raised {
+                                exc_type: exc_type.clone(),
+                                message: message.clone(),
+                                traceback: traceback.clone(),
+                            },
+                            Vec::new(),
+                        )),
+                    }
+                };
+                run().map_err(|e| format!("tensorwire.rpc could not send the value: {e}"))
             })
-            .await
-            .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+            .await?
         },
     )?;
     dist.agent().functions().register_method(
         PY_OWNER_CALL,
         |value: Arc<PyValue>, call: PyCall| async move {
-            tokio::task::spawn_blocking(move || {
-                Python::attach(|py| {
-                    let run = || -> PyResult<PyReply> {
-                        let (object, call) = match &*value {
-                            PyValue::Object(o) => (o.clone_ref(py), call),
-                            PyValue::Raised {
-                                exc_type,
-                                message,
-                                traceback,
-                            } => {
-                                return Ok(PyReply::Raised {
-                                    exc_type: exc_type.clone(),
-                                    message: message.clone(),
-                                    traceback: traceback.clone(),
-                                })
-                            }
-                        };
-                        let out = engine_fn(py, "owner_call")?.call1((
-                            object,
-                            call.function,
-                            PyBytes::new(py, &call.payload),
-                            buffers(py, call.tensors)?,
-                            py_references(py, call.rrefs)?,
-                        ))?;
-                        reply(&out)
+            crate::gil::on_python(move |py| {
+                let run = || -> PyResult<PyReply> {
+                    let (object, call) = match &*value {
+                        PyValue::Object(o) => (o.clone_ref(py), call),
+                        PyValue::Raised {
+                            exc_type,
+                            message,
+                            traceback,
+                        } => {
+                            return Ok(PyReply::Raised {
+                                exc_type: exc_type.clone(),
+                                message: message.clone(),
+                                traceback: traceback.clone(),
+                            })
+                        }
                     };
-                    run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
-                })
+                    let out = engine_fn(py, "owner_call")?.call1((
+                        object,
+                        call.function,
+                        PyBytes::new(py, &call.payload),
+                        buffers(py, call.tensors)?,
+                        py_references(py, call.rrefs)?,
+                    ))?;
+                    reply(&out)
+                };
+                run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
             })
-            .await
-            .map_err(|e| format!("the Python call ended abnormally: {e}"))?
+            .await?
         },
     )?;
     Ok(())
@@ -510,8 +503,15 @@ fn register(dist: &DistAutograd<TorchEngine>) -> Result<(), RpcError> {
 pub(crate) fn start(agent: &Agent) -> Result<DistAutograd<TorchEngine>, RpcError> {
     let dist = DistAutograd::new(agent, TorchEngine::default())?;
     // A pass of torch's engine costs more than a hand-off to a blocking thread, and Python
-    // runs on blocking threads, not on the runtime's workers.
+    // runs on blocking threads, not on the runtime's workers: every pass is a Python job, run
+    // by a thread that holds the GIL already (`gil`), not by a blocking thread of its own.
     dist.set_inline_bound(Duration::ZERO);
+    dist.set_executor(Arc::new(|job: tensorwire_dist_autograd::BlockingJob| {
+        Box::pin(async move {
+            // An error here is a job that panicked: the driver reports the run as failed.
+            let _ = crate::gil::on_python(move |_py| job()).await;
+        })
+    }));
     register(&dist)?;
     Ok(dist)
 }
@@ -558,54 +558,60 @@ fn autograd_error(e: &DistAutogradError) -> PyErr {
     TensorwireError::new_err((kind, message, ranks))
 }
 
-/// Hands a tracked call's outcome to `on_done` with the GIL, on a blocking thread:
-/// `("returned", payload, buffers, tracked_at, tracked)`, `("raised", type, message,
-/// traceback)` or the exception of a call that failed.
+/// A tracked call's outcome as the Python layer takes it: `("returned", payload, buffers,
+/// rrefs, tracked_at, tracked)`, `("raised", type, message, traceback)` or the exception of a
+/// call that failed (as a value, not raised).
+fn tracked_outcome(
+    py: Python<'_>,
+    outcome: Result<(TrackedReply, Vec<TorchTensor>), DistAutogradError>,
+) -> Bound<'_, PyAny> {
+    let value = match outcome {
+        Ok((
+            TrackedReply::Returned {
+                payload,
+                tensors,
+                rrefs,
+                tracked_at,
+            },
+            tracked,
+        )) => buffers(py, tensors).and_then(|b| {
+            (
+                "returned",
+                PyBytes::new(py, &payload),
+                b,
+                py_references(py, rrefs)?,
+                tracked_at,
+                tensors_of(py, &tracked)?,
+            )
+                .into_pyobject(py)
+                .map(|t| t.into_any())
+        }),
+        Ok((
+            TrackedReply::Raised {
+                exc_type,
+                message,
+                traceback,
+            },
+            _,
+        )) => ("raised", exc_type, message, traceback)
+            .into_pyobject(py)
+            .map(|t| t.into_any()),
+        Err(e) => Ok(autograd_error(&e).into_value(py).into_bound(py).into_any()),
+    };
+    value.unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any())
+}
+
+/// Hands a tracked call's outcome ([`tracked_outcome`]) to `on_done`, as a Python job.
 fn complete(
     on_done: Py<PyAny>,
     outcome: Result<(TrackedReply, Vec<TorchTensor>), DistAutogradError>,
 ) {
-    tokio::task::spawn_blocking(move || {
-        Python::attach(|py| {
-            let value = match outcome {
-                Ok((
-                    TrackedReply::Returned {
-                        payload,
-                        tensors,
-                        rrefs,
-                        tracked_at,
-                    },
-                    tracked,
-                )) => buffers(py, tensors).and_then(|b| {
-                    (
-                        "returned",
-                        PyBytes::new(py, &payload),
-                        b,
-                        py_references(py, rrefs)?,
-                        tracked_at,
-                        tensors_of(py, &tracked)?,
-                    )
-                        .into_pyobject(py)
-                        .map(|t| t.into_any())
-                }),
-                Ok((
-                    TrackedReply::Raised {
-                        exc_type,
-                        message,
-                        traceback,
-                    },
-                    _,
-                )) => ("raised", exc_type, message, traceback)
-                    .into_pyobject(py)
-                    .map(|t| t.into_any()),
-                Err(e) => Ok(autograd_error(&e).into_value(py).into_bound(py).into_any()),
-            };
-            let value = value.unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any());
-            if let Err(e) = on_done.call1(py, (value,)) {
-                e.write_unraisable(py, Some(on_done.bind(py)));
-            }
-        })
-    });
+    crate::gil::submit(Box::new(move |py| {
+        let value = tracked_outcome(py, outcome);
+        if let Err(e) = on_done.call1(py, (value,)) {
+            e.write_unraisable(py, Some(on_done.bind(py)));
+        }
+    }));
 }
 
 /// Distributed autograd on this worker, as `tensorwire.rpc.dist_autograd` uses it. Context
@@ -623,6 +629,33 @@ impl PyDistAutograd {
             dist,
             owned: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Sends a Python call in `context` (see [`call`](PyDistAutograd::call)): the reply's future.
+    #[allow(clippy::too_many_arguments)]
+    fn send_call(
+        &self,
+        py: Python<'_>,
+        context: u64,
+        to: &str,
+        function: String,
+        payload: &[u8],
+        tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
+        tracked_at: Vec<u32>,
+        tracked: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+    ) -> PyResult<TrackedFuture> {
+        let timeout = timeout_of(timeout)?;
+        let call = tracked_call(function, payload, tensors, rrefs, tracked_at)?;
+        let tracked = tracked_list(tracked)?;
+        py.detach(|| {
+            let _runtime = runtime().enter();
+            let handle = self.retrieve(context)?;
+            handle
+                .rpc_async::<TrackedCall, TrackedReply>(to, PY_FN, &call, &tracked, timeout)
+                .map_err(|e| autograd_error(&e))
+        })
     }
 
     fn retrieve(&self, context: u64) -> PyResult<AutogradContext<TorchEngine>> {
@@ -731,18 +764,35 @@ impl PyDistAutograd {
         timeout: Option<f64>,
         on_done: Py<PyAny>,
     ) -> PyResult<()> {
-        let timeout = timeout_of(timeout)?;
-        let call = tracked_call(function, payload, tensors, rrefs, tracked_at)?;
-        let tracked = tracked_list(tracked)?;
-        let future = py.detach(|| {
-            let _runtime = runtime().enter();
-            let handle = self.retrieve(context)?;
-            handle
-                .rpc_async::<TrackedCall, TrackedReply>(&to, PY_FN, &call, &tracked, timeout)
-                .map_err(|e| autograd_error(&e))
-        })?;
+        let future = self.send_call(
+            py, context, &to, function, payload, tensors, rrefs, tracked_at, tracked, timeout,
+        )?;
         runtime().spawn(async move { complete(on_done, future.await) });
         Ok(())
+    }
+
+    /// [`call`](Self::call), waited for here without the GIL: returns the outcome
+    /// `on_done` would get (`rpc_sync` in a context; no thread hand-over for the reply).
+    #[pyo3(signature = (context, to, function, payload, tensors, rrefs, tracked_at, tracked, timeout))]
+    #[allow(clippy::too_many_arguments)]
+    fn call_wait<'py>(
+        &self,
+        py: Python<'py>,
+        context: u64,
+        to: String,
+        function: String,
+        payload: &[u8],
+        tensors: &Bound<'_, PyList>,
+        rrefs: &Bound<'_, PyList>,
+        tracked_at: Vec<u32>,
+        tracked: &Bound<'_, PyList>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let future = self.send_call(
+            py, context, &to, function, payload, tensors, rrefs, tracked_at, tracked, timeout,
+        )?;
+        let outcome = wait(py, future)?;
+        Ok(tracked_outcome(py, outcome))
     }
 
     /// `remote()` in `context` (arguments as for [`call`](Self::call)): a reference to the

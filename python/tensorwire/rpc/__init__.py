@@ -505,9 +505,10 @@ def rpc_sync(
 ) -> Any:
     """Calls ``func(*args, **kwargs)`` on worker ``to`` and returns its result (see
     :func:`rpc_async`); raises the remote exception or the call's failure."""
-    if _autograd is not None and _autograd.current_id() is not None:
-        # Recorded by distributed autograd, through rpc_async.
-        return rpc_async(to, func, args, kwargs, timeout).wait()
+    context = _autograd.current_id() if _autograd is not None else None
+    if context is not None:
+        # Recorded by distributed autograd.
+        return _autograd.rpc_sync(context, to, func, args, kwargs, timeout)
     # As rpc_async(...).wait(), without the future: this thread waits for the reply (the GIL
     # released) and decodes it itself, one thread hand-over less.
     func, args = _bind(func, args)

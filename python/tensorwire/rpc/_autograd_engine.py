@@ -273,6 +273,19 @@ def native() -> Any:
     return rpc._require_agent().dist_autograd()
 
 
+def _decode(outcome: Any, worker: str, callee: Any, trusted: bool) -> Any:
+    """The value a tracked call's outcome carries, or raises what it carries."""
+    from tensorwire import rpc
+
+    if isinstance(outcome, BaseException):
+        raise rpc._runtime_error(outcome)
+    if outcome[0] == "returned":
+        _, payload, plain, rrefs, tracked_at, tracked = outcome
+        tensors = merge(plain, tracked_at, tracked, worker)
+        return _serialize.loads(payload, tensors, rrefs, trusted=trusted, origin=worker)
+    raise rpc._remote_exception(callee, outcome[1], outcome[2], outcome[3])
+
+
 def _outcome_future(worker: str, callee: Any) -> tuple[torch.futures.Future, Any]:
     """A future and the ``on_done`` that completes it from a tracked call's outcome."""
     from tensorwire import rpc
@@ -282,24 +295,11 @@ def _outcome_future(worker: str, callee: Any) -> tuple[torch.futures.Future, Any
 
     def on_done(outcome: Any) -> None:
         try:
-            if isinstance(outcome, BaseException):
-                result: Any = rpc._runtime_error(outcome)
-            elif outcome[0] == "returned":
-                try:
-                    _, payload, plain, rrefs, tracked_at, tracked = outcome
-                    tensors = merge(plain, tracked_at, tracked, worker)
-                    value = _serialize.loads(payload, tensors, rrefs, trusted=trusted, origin=worker)
-                except Exception as e:
-                    result = e
-                else:
-                    fut.set_result(value)
-                    return
-            else:
-                result = rpc._remote_exception(callee, outcome[1], outcome[2], outcome[3])
-            fut.set_exception(result)
-        except Exception as e:  # noqa: BLE001 - the future must complete
-            if not fut.done():
-                fut.set_exception(e)
+            value = _decode(outcome, worker, callee, trusted)
+        except Exception as e:  # noqa: BLE001 - the future carries it
+            fut.set_exception(e)
+        else:
+            fut.set_result(value)
 
     return fut, on_done
 
@@ -333,6 +333,21 @@ def rpc_async(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeo
     except _native.TensorwireError as e:
         raise rpc._runtime_error(e) from e
     return fut
+
+
+def rpc_sync(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
+    """``rpc_sync`` inside ``context_id``: as :func:`rpc_async` and a wait, without the future
+    (this thread waits for the reply, the GIL released, and decodes it itself)."""
+    from tensorwire import _native, rpc
+
+    worker, callee, name, (payload, plain, rrefs, tracked_at, tracked) = _prepare_call(to, func, args, kwargs)
+    try:
+        outcome = native().call_wait(
+            context_id, worker, name, payload, plain, rrefs, tracked_at, tracked, rpc._timeout(timeout)
+        )
+    except _native.TensorwireError as e:
+        raise rpc._runtime_error(e) from e
+    return _decode(outcome, worker, callee, rpc._trusted)
 
 
 def remote(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
