@@ -10,6 +10,9 @@
 //! - `requests`: `w2` reads, and keeps `--in-flight` small calls outstanding (a request flood:
 //!   `w0` runs at most `RUNNING_PER_PEER` of them at once, in turn with `w1`'s).
 //!
+//! The flooder's thread runs at `--flooder-nice` (19): it stands for a peer on another host,
+//! whose own work is not the victim's cost.
+//!
 //! Reported: p50 and p99 of `w1`'s calls in each phase and each flood's ratio to `none` (the
 //! goal: p99 within 2x). Absolute times on a shared machine are noise; the ratios are the point.
 
@@ -37,6 +40,15 @@ pub(crate) struct FairnessArgs {
     /// Calls the flooding peer keeps outstanding.
     #[arg(long, default_value_t = 1024)]
     in_flight: usize,
+    /// The nice value of the flooding peer's thread. It stands for a peer on another host:
+    /// in this one process its own work (making requests) would otherwise take the CPU the
+    /// flood is meant to cost the victim, which is what is measured. 0 to compete equally.
+    #[arg(long, default_value_t = 19, allow_negative_numbers = true)]
+    flooder_nice: i32,
+    /// Turn the victim's holding off (hold mark and running share without bound): the
+    /// figures of a worker that runs every request it reads, for comparison in one run.
+    #[arg(long)]
+    no_hold: bool,
     /// Write the results as one JSON object to this file (else to standard output).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -46,12 +58,18 @@ pub(crate) struct FairnessArgs {
 const BULK: usize = 64 << 10;
 
 pub(crate) fn run(args: &FairnessArgs) -> Result<()> {
+    let nice = args.flooder_nice;
     let runtimes: Vec<tokio::runtime::Runtime> = (0..3)
-        .map(|_| {
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
+        .map(|rank| {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(1).enable_all();
+            if rank == 2 {
+                // On Linux a nice value is a thread's: this one's only.
+                b.on_thread_start(move || {
+                    let _ = rustix::process::setpriority_process(None, nice);
+                });
+            }
+            b.build()
         })
         .collect::<std::io::Result<_>>()?;
     let main = tokio::runtime::Builder::new_current_thread()
@@ -103,6 +121,11 @@ pub(crate) fn run(args: &FairnessArgs) -> Result<()> {
         Ok::<_, anyhow::Error>(agents)
     })?;
 
+    if args.no_hold {
+        let budget = agents[0].budget();
+        budget.set_hold_mark(usize::MAX);
+        budget.set_running_cap(usize::MAX);
+    }
     let mut out = Map::new();
     let mut p99 = Vec::new();
     for phase in ["none", "unread", "requests"] {
@@ -180,8 +203,10 @@ pub(crate) fn run(args: &FairnessArgs) -> Result<()> {
             "transport": "tcp",
             "calls": args.calls,
             "in_flight": args.in_flight,
+            "flooder_nice": args.flooder_nice,
+            "holding": !args.no_hold,
             "unread_reply_bytes": BULK,
-            "hold_mark_bytes": agents[0].budget().limit() / tensorwire_core::budget::HOLD_REQUESTS_FRACTION,
+            "hold_mark_bytes": if args.no_hold { None } else { Some(agents[0].budget().limit() / tensorwire_core::budget::HOLD_REQUESTS_FRACTION) },
             "running_per_peer": tensorwire_core::budget::RUNNING_PER_PEER,
         }),
     );
@@ -197,9 +222,10 @@ fn functions() -> Functions {
     let ok = f
         .register("ping", |x: u32| async move { Ok::<_, String>(x) })
         .and_then(|()| {
-            f.register("bulk", |_: u32| async move {
-                Ok::<_, String>(vec![7u8; BULK])
-            })
+            f.register(
+                "bulk",
+                |_: u32| async move { Ok::<_, String>(vec![7u8; BULK]) },
+            )
         });
     debug_assert!(ok.is_ok(), "each name is registered once");
     f

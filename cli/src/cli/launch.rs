@@ -266,6 +266,7 @@ impl Drop for WorkerCerts {
 }
 
 /// Creates `dir` readable by this user only.
+#[cfg(feature = "quic")]
 fn private_dir(dir: &std::path::Path) -> Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
