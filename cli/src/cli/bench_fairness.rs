@@ -5,8 +5,10 @@
 //! calls it (`rpc_sync` of a small value, one after the other) and `w2` floods it. Three phases:
 //!
 //! - `none`: no flood (the baseline);
-//! - `unread`: `w2` stops reading and keeps `--in-flight` calls whose replies are 64 KiB each
-//!   outstanding: its replies wait unread at `w0` (which holds its requests past the hold mark);
+//! - `unread`: `w2` stops reading and sends `--in-flight / 8` calls whose replies are 64 KiB
+//!   each every 10 ms, whatever comes back: its replies wait unread at `w0` (which holds its
+//!   requests past the hold mark; without holding, `w0` runs them all until its queue for `w2`
+//!   passes the budget and it drops `w2`);
 //! - `requests`: `w2` reads, and keeps `--in-flight` small calls outstanding (a request flood:
 //!   `w0` runs at most `RUNNING_PER_PEER` of them at once, in turn with `w1`'s).
 //!
@@ -128,7 +130,9 @@ pub(crate) fn run(args: &FairnessArgs) -> Result<()> {
     }
     let mut out = Map::new();
     let mut p99 = Vec::new();
-    for phase in ["none", "unread", "requests"] {
+    let mut lost = None;
+    // The never-reading flood last: without holding, it ends with w2 dropped.
+    for phase in ["none", "requests", "unread"] {
         let stop = Arc::new(AtomicBool::new(false));
         let flood = match phase {
             "none" => None,
@@ -174,6 +178,10 @@ pub(crate) fn run(args: &FairnessArgs) -> Result<()> {
             None => 0,
         };
         let held = agents[0].budget().peak(2);
+        if !agents[0].connections().iter().any(|c| c.peer.id == 2) {
+            // Dropped (past its budget): the next flood cannot run.
+            lost.get_or_insert(phase);
+        }
         let mut sorted = samples;
         sorted.sort();
         let (p50, p99_us) = (percentile(&sorted, 0.5), percentile(&sorted, 0.99));
@@ -190,11 +198,12 @@ pub(crate) fn run(args: &FairnessArgs) -> Result<()> {
             }),
         );
     }
+    out.insert("w2_dropped_in".into(), json!(lost));
     out.insert(
         "ratios".into(),
         json!({
-            "p99_unread_over_none": p99[1] / p99[0],
-            "p99_requests_over_none": p99[2] / p99[0],
+            "p99_unread_over_none": p99[2] / p99[0],
+            "p99_requests_over_none": p99[1] / p99[0],
         }),
     );
     out.insert(
@@ -231,8 +240,10 @@ fn functions() -> Functions {
     f
 }
 
-/// Keeps `in_flight` calls of `w2` to `w0` outstanding until `stop`: `bulk` ones while it does
-/// not read (`unread`), `ping` ones otherwise. Returns how many were answered.
+/// Floods `w0` from `w2` until `stop`. While it does not read (`unread`): `in_flight / 8` new
+/// `bulk` calls every 10 ms, whatever came back (nothing does), so that the victim's queue for
+/// it would pass any budget; else it keeps `in_flight` `ping` calls outstanding. Returns how
+/// many calls were answered.
 async fn flood(
     agent: Agent,
     unread: bool,
@@ -243,26 +254,33 @@ async fn flood(
     let mut calls = tokio::task::JoinSet::new();
     let mut i = 0u32;
     while !stop.load(Ordering::Acquire) {
+        if unread {
+            for _ in 0..(in_flight / 8).max(1) {
+                let answered = answered.clone();
+                let Ok(call) = agent.rpc_async::<_, Vec<u8>>("w0", "bulk", &i, None) else {
+                    // The victim dropped it (its budget): the flood is over.
+                    break;
+                };
+                calls.spawn(async move {
+                    if call.await.is_ok() {
+                        answered.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+                i = i.wrapping_add(1);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        }
         while calls.len() < in_flight && !stop.load(Ordering::Acquire) {
             let answered = answered.clone();
-            if unread {
-                let call = agent.rpc_async::<_, Vec<u8>>("w0", "bulk", &i, None)?;
-                calls.spawn(async move {
-                    if call.await.is_ok() {
-                        answered.fetch_add(1, Ordering::Relaxed);
-                    }
-                });
-            } else {
-                let call = agent.rpc_async::<_, u32>("w0", "ping", &i, None)?;
-                calls.spawn(async move {
-                    if call.await.is_ok() {
-                        answered.fetch_add(1, Ordering::Relaxed);
-                    }
-                });
-            }
+            let call = agent.rpc_async::<_, u32>("w0", "ping", &i, None)?;
+            calls.spawn(async move {
+                if call.await.is_ok() {
+                    answered.fetch_add(1, Ordering::Relaxed);
+                }
+            });
             i = i.wrapping_add(1);
         }
-        // Top up as calls are answered (while it does not read, none is: it waits).
         let _ = tokio::time::timeout(Duration::from_millis(20), calls.join_next()).await;
     }
     while calls.join_next().await.is_some() {}
