@@ -71,13 +71,52 @@ pub(crate) const READY_BARRIER: &str = "tensorwire.dist_autograd.ready";
 const ENGINE_MODULE: &str = "tensorwire.rpc._autograd_engine";
 
 /// A torch tensor, as the engine holds it (cloning shares the Python object).
+///
+/// A tensor about to be sent carries its wire form and `requires_grad`, taken while the GIL was
+/// held anyway (by the thread that handed it over: the caller, or the job that served the call
+/// or ran the backward pass). The driver asks for both on a runtime worker; answering from here
+/// spares that worker a wait for the GIL, which the Python thread that just produced the tensor
+/// usually still holds.
 #[derive(Clone)]
-pub(crate) struct TorchTensor(Arc<Py<PyAny>>);
+pub(crate) struct TorchTensor(Arc<Py<PyAny>>, Option<Arc<(Tensor, bool)>>);
 
 impl TorchTensor {
     fn bind<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
         self.0.bind(py)
     }
+
+    /// The tensor `t`, held as it is.
+    fn held(t: Bound<'_, PyAny>) -> TorchTensor {
+        TorchTensor(Arc::new(t.unbind()), None)
+    }
+
+    /// The tensor `t`, about to be sent: its wire form taken now. A tensor the wire cannot carry
+    /// is held as it is, so that the driver's own export reports why.
+    fn to_send(t: Bound<'_, PyAny>) -> TorchTensor {
+        let prepared = export_now(&t)
+            .ok()
+            .and_then(Result::ok)
+            .and_then(|wire| Some((wire, t.getattr("requires_grad").ok()?.extract().ok()?)));
+        TorchTensor(Arc::new(t.unbind()), prepared.map(Arc::new))
+    }
+}
+
+/// `t`'s wire form: its bytes lent without a copy (the outer error is Python's, the inner one
+/// says what the wire cannot carry).
+fn export_now(t: &Bound<'_, PyAny>) -> PyResult<Result<Tensor, EngineError>> {
+    let py = t.py();
+    let out = engine_fn(py, "export_tensor")?.call1((t,))?;
+    let out = out.cast::<PyTuple>()?;
+    let name: String = out.get_item(0)?.extract()?;
+    let shape: Vec<usize> = out.get_item(1)?.extract()?;
+    let Some(dtype) = dtype_of(&name) else {
+        return Ok(Err(EngineError(format!(
+            "a tensor of torch.{name} requires grad: distributed autograd carries float16, \
+             bfloat16, float32 and float64 tensors"
+        ))));
+    };
+    let bytes: Bytes = lent_bytes(out.get_item(2)?)?;
+    Ok(Tensor::new(dtype, shape, Storage::Host(bytes)).map_err(|e| EngineError(e.to_string())))
 }
 
 /// A leaf of torch's graph (a parameter, a received tensor), by the identity of its Python
@@ -163,6 +202,9 @@ impl AutogradEngine for TorchEngine {
     }
 
     fn requires_grad(&self, tensor: &TorchTensor) -> bool {
+        if let Some(prepared) = &tensor.1 {
+            return prepared.1;
+        }
         Python::attach(|py| {
             tensor
                 .bind(py)
@@ -216,31 +258,17 @@ impl AutogradEngine for TorchEngine {
                     buffer,
                     requires_grad,
                 ))?;
-                Ok(TorchTensor(Arc::new(t.unbind())))
+                Ok(TorchTensor::held(t))
             };
             run().map_err(|e| engine_error(py, e))
         })
     }
 
     fn export(&self, tensor: &TorchTensor) -> Result<Tensor, EngineError> {
-        Python::attach(|py| {
-            let run = || -> PyResult<Result<Tensor, EngineError>> {
-                let out = engine_fn(py, "export_tensor")?.call1((tensor.bind(py),))?;
-                let out = out.cast::<PyTuple>()?;
-                let name: String = out.get_item(0)?.extract()?;
-                let shape: Vec<usize> = out.get_item(1)?.extract()?;
-                let Some(dtype) = dtype_of(&name) else {
-                    return Ok(Err(EngineError(format!(
-                        "a tensor of torch.{name} requires grad: distributed autograd carries \
-                         float16, bfloat16, float32 and float64 tensors"
-                    ))));
-                };
-                let bytes: Bytes = lent_bytes(out.get_item(2)?)?;
-                Ok(Tensor::new(dtype, shape, Storage::Host(bytes))
-                    .map_err(|e| EngineError(e.to_string())))
-            };
-            run().map_err(|e| engine_error(py, e))?
-        })
+        if let Some(prepared) = &tensor.1 {
+            return Ok(prepared.0.clone());
+        }
+        Python::attach(|py| export_now(tensor.bind(py)).map_err(|e| engine_error(py, e))?)
     }
 
     fn backward(
@@ -261,8 +289,13 @@ impl AutogradEngine for TorchEngine {
                 let mut grads = Vec::new();
                 for pair in out.cast::<PyList>()?.iter() {
                     let pair = pair.cast::<PyTuple>()?;
-                    let leaf = TorchTensor(Arc::new(pair.get_item(0)?.unbind()));
-                    let grad = TorchTensor(Arc::new(pair.get_item(1)?.unbind()));
+                    let leaf = TorchTensor::held(pair.get_item(0)?);
+                    // A recv leaf's gradient goes back to its sender; the others stay here.
+                    let grad = if pair.get_item(2)?.extract::<bool>()? {
+                        TorchTensor::to_send(pair.get_item(1)?)
+                    } else {
+                        TorchTensor::held(pair.get_item(1)?)
+                    };
                     grads.push((self.leaf_id(&leaf), grad));
                 }
                 Ok(grads)
@@ -289,7 +322,7 @@ impl AutogradEngine for TorchEngine {
         Python::attach(|py| {
             sum.bind(py)
                 .call_method1("add", (grad.bind(py),))
-                .map(|t| TorchTensor(Arc::new(t.unbind())))
+                .map(|t| TorchTensor::held(t))
                 .map_err(|e| engine_error(py, e))
         })
     }
@@ -326,11 +359,9 @@ fn tensors_of<'py>(py: Python<'py>, tracked: &[TorchTensor]) -> PyResult<Bound<'
     PyList::new(py, tracked.iter().map(|t| t.bind(py)))
 }
 
+/// The tensors of a Python list about to be sent (tracked arguments or results).
 fn tracked_of(list: &Bound<'_, PyAny>) -> PyResult<Vec<TorchTensor>> {
-    list.cast::<PyList>()?
-        .iter()
-        .map(|t| Ok(TorchTensor(Arc::new(t.unbind()))))
-        .collect()
+    Ok(list.cast::<PyList>()?.iter().map(TorchTensor::to_send).collect())
 }
 
 /// `("returned", payload, tensors, rrefs, tracked_at, tracked)` or `("raised", type, message,
@@ -888,9 +919,9 @@ impl PyDistAutograd {
         roots: &Bound<'_, PyList>,
         retain_graph: bool,
     ) -> PyResult<()> {
-        let roots: Vec<(TorchTensor, Option<TorchTensor>)> = tracked_list(roots)?
-            .into_iter()
-            .map(|t| (t, None))
+        let roots: Vec<(TorchTensor, Option<TorchTensor>)> = roots
+            .iter()
+            .map(|t| (TorchTensor::held(t), None))
             .collect();
         let handle = py.detach(|| self.retrieve(context))?;
         wait(

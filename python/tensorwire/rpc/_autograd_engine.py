@@ -62,6 +62,8 @@ def import_tensor(dtype: str, shape: tuple, buffer: Any, requires_grad: bool) ->
         t = torch.frombuffer(buffer, dtype=torch.uint8).view(dt).view(shape)
     if requires_grad:
         t.requires_grad_(True)
+        # A recv leaf: its gradient goes back to the sender (``backward`` says so).
+        t._tensorwire_received = True
     return t
 
 
@@ -107,7 +109,8 @@ def _leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def backward(roots: list, seeds: list) -> list:
     """One local pass from ``roots`` with ``seeds`` (``None``: ones, for a scalar), keeping the
-    graph: ``[(leaf, gradient)]`` for every leaf it reached."""
+    graph: ``[(leaf, gradient, received)]`` for every leaf it reached, ``received`` true for a
+    leaf that came in a message (its gradient is sent back)."""
     outputs, grads = [], []
     for root, seed in zip(roots, seeds):
         if not root.requires_grad:
@@ -120,7 +123,9 @@ def backward(roots: list, seeds: list) -> list:
     if not leaves:
         return []
     got = torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True)
-    return [(leaf, g) for leaf, g in zip(leaves, got) if g is not None]
+    return [
+        (leaf, g, getattr(leaf, "_tensorwire_received", False)) for leaf, g in zip(leaves, got) if g is not None
+    ]
 
 
 def assign(leaf: torch.Tensor, values: torch.Tensor) -> None:
