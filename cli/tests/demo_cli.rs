@@ -24,6 +24,24 @@ fn the_demo_trains_and_exits_0() {
     assert_eq!(stdout.matches("step 3:").count(), 2, "{stdout}");
 }
 
+/// Over QUIC with a certificate per rank from the launcher (`launch --quic-certs`): the workers
+/// name themselves `ps` and `trainerN`, which no certificate names, and the agent takes each
+/// rank-certified connection's own record.
+#[test]
+fn the_demo_trains_over_quic_with_rank_certificates() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args(["demo", "--quic", "--trainers", "2", "--steps", "2"])
+        .env_remove("TENSORWIRE_SECRET")
+        .env_remove("TENSORWIRE_TLS_DIR")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(stdout.contains("training converged"), "{stdout}");
+    assert_eq!(stdout.matches("step 2:").count(), 2, "{stdout}");
+}
+
 #[test]
 fn bad_demo_arguments_exit_2() {
     let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))

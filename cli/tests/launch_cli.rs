@@ -50,6 +50,50 @@ fn every_worker_gets_its_rendezvous_variables() {
     }
 }
 
+/// `--quic-certs`: each worker's folder holds the CA certificate and its own rank's certificate
+/// and key, never the CA key nor another rank's key; the CA stays where it was; the folders are
+/// gone once the launcher exits.
+#[test]
+fn quic_certs_give_each_worker_its_own_rank_certificate_and_never_the_ca_key() {
+    let ca = tempfile::tempdir().unwrap();
+    let ca_dir = ca.path().to_str().unwrap();
+    let (code, out, err, _) = launch(&[
+        "--nproc",
+        "3",
+        "--quic-certs",
+        ca_dir,
+        "--",
+        "sh",
+        "-c",
+        "echo dir=$TENSORWIRE_TLS_DIR files=$(ls $TENSORWIRE_TLS_DIR | tr '\\n' ,) \
+         ca=$(grep -c 'BEGIN CERTIFICATE' $TENSORWIRE_TLS_DIR/ca.pem)",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let mut lines: Vec<&str> = out.lines().collect();
+    lines.sort_unstable();
+    assert_eq!(lines.len(), 3, "{out}");
+    for (r, line) in lines.iter().enumerate() {
+        assert!(
+            line.ends_with(&format!("files=ca.pem,rank-{r}.key.pem,rank-{r}.pem, ca=1")),
+            "{line}"
+        );
+        let dir = line
+            .split("dir=")
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap();
+        assert!(dir.ends_with(&format!("rank-{r}")), "{dir}");
+        assert!(
+            !std::path::Path::new(dir).exists(),
+            "{dir} outlived the launcher"
+        );
+    }
+    assert!(ca.path().join("ca.key.pem").exists());
+    assert!(ca.path().join("ca.pem").exists());
+}
+
 #[test]
 fn insecure_passes_no_secret_and_warns() {
     let (code, out, err, _) = launch(&[

@@ -58,6 +58,9 @@ pub enum Use {
     /// Records kept on its behalf: idempotence records, references it holds here, fetches it
     /// parked on values being created.
     Records,
+    /// Its requests held back, not run, while the frames queued for it wait unread (see
+    /// [`Ledger::holds_requests`]).
+    Requests,
 }
 
 impl fmt::Display for Use {
@@ -67,6 +70,7 @@ impl fmt::Display for Use {
             Use::Inbox => "collective messages no collective has taken",
             Use::Frame => "a frame being received",
             Use::Records => "records kept for it",
+            Use::Requests => "its requests held until it reads its replies",
         })
     }
 }
@@ -91,6 +95,8 @@ pub struct Held {
     pub frame: usize,
     /// Records kept for it ([`Use::Records`]).
     pub records: usize,
+    /// Its requests held back while it does not read ([`Use::Requests`]).
+    pub requests: usize,
 }
 
 impl Held {
@@ -100,6 +106,7 @@ impl Held {
             .saturating_add(self.inbox)
             .saturating_add(self.frame)
             .saturating_add(self.records)
+            .saturating_add(self.requests)
     }
 
     fn of_mut(&mut self, what: Use) -> &mut usize {
@@ -108,6 +115,7 @@ impl Held {
             Use::Inbox => &mut self.inbox,
             Use::Frame => &mut self.frame,
             Use::Records => &mut self.records,
+            Use::Requests => &mut self.requests,
         }
     }
 
@@ -118,6 +126,7 @@ impl Held {
             Use::Inbox => self.inbox,
             Use::Frame => self.frame,
             Use::Records => self.records,
+            Use::Requests => self.requests,
         }
     }
 }
@@ -127,8 +136,8 @@ impl fmt::Display for Held {
         write!(
             f,
             "{} bytes queued for it, {} in collective inboxes, {} of a frame being received, {} \
-             of records",
-            self.queued, self.inbox, self.frame, self.records
+             of records, {} of requests held",
+            self.queued, self.inbox, self.frame, self.records, self.requests
         )
     }
 }
@@ -153,6 +162,15 @@ pub struct OverBudget {
     pub budget: usize,
 }
 
+/// The share of the budget a peer's unread frames may reach before its requests are held
+/// ([`Ledger::holds_requests`]): an eighth (32 MiB of the default 256 MiB).
+pub const HOLD_REQUESTS_FRACTION: usize = 8;
+
+/// Requests of one peer that run at once (handed to their handlers, not answered yet) before
+/// its next ones are held ([`Ledger::holds_requests`]): each peer's requests are served in
+/// turn with the others', not all of one flood before an honest peer's call.
+pub const RUNNING_PER_PEER: usize = 64;
+
 /// The budget's accounts, one per peer: the sans-IO decision (see the module's documentation).
 #[derive(Debug, Clone)]
 pub struct Ledger {
@@ -160,15 +178,96 @@ pub struct Ledger {
     peers: HashMap<u32, Held>,
     /// The most each peer held at once since the ledger was made (for tests and benchmarks).
     peaks: HashMap<u32, usize>,
+    /// Frames queued for a peer, unread, from which its requests are held.
+    hold_mark: usize,
+    /// The peers whose requests are held now.
+    holding: std::collections::HashSet<u32>,
+    /// Peers whose requests were held and may run again, not yet taken by
+    /// [`take_resumed`](Self::take_resumed).
+    resumed: Vec<u32>,
+    /// Requests of each peer running now ([`start_request`](Self::start_request)).
+    running: HashMap<u32, usize>,
+    /// How many of one peer's requests may run at once.
+    running_cap: usize,
 }
 
 impl Ledger {
-    /// An empty ledger that lets each peer hold `budget` bytes.
+    /// An empty ledger that lets each peer hold `budget` bytes, and holds a peer's requests
+    /// once an eighth of it ([`HOLD_REQUESTS_FRACTION`]) waits unread in its queue.
     pub fn new(budget: usize) -> Self {
         Ledger {
             budget,
             peers: HashMap::new(),
             peaks: HashMap::new(),
+            hold_mark: (budget / HOLD_REQUESTS_FRACTION).max(1),
+            holding: std::collections::HashSet::new(),
+            resumed: Vec::new(),
+            running: HashMap::new(),
+            running_cap: RUNNING_PER_PEER,
+        }
+    }
+
+    /// Sets how many of one peer's requests may run at once (at least 1; default
+    /// [`RUNNING_PER_PEER`]).
+    pub fn set_running_cap(&mut self, requests: usize) {
+        self.running_cap = requests.max(1);
+    }
+
+    /// One of `peer`'s requests starts running (its handler is called).
+    pub fn start_request(&mut self, peer: u32) {
+        *self.running.entry(peer).or_insert(0) += 1;
+    }
+
+    /// One of `peer`'s requests is answered. True when its held requests may run now.
+    pub fn finish_request(&mut self, peer: u32) -> bool {
+        if let Some(n) = self.running.get_mut(&peer) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.running.remove(&peer);
+            }
+        }
+        !self.holds_requests(peer)
+    }
+
+    /// How many of `peer`'s requests run now.
+    pub fn running(&self, peer: u32) -> usize {
+        self.running.get(&peer).copied().unwrap_or(0)
+    }
+
+    /// Sets the bytes of frames queued for a peer, unread, from which its requests are held
+    /// (at least 1). They run again once its queue is down to half of it.
+    pub fn set_hold_mark(&mut self, bytes: usize) {
+        self.hold_mark = bytes.max(1);
+    }
+
+    /// The bytes queued for a peer from which its requests are held.
+    pub fn hold_mark(&self) -> usize {
+        self.hold_mark
+    }
+
+    /// Whether `peer`'s requests are to be held, not run: the frames queued for it (replies,
+    /// calls, acknowledgements) wait unread past the hold mark (an eighth of the budget by
+    /// default, [`set_hold_mark`](Self::set_hold_mark)), and have not come down to half of it
+    /// since; or [`RUNNING_PER_PEER`] of its requests run already (they are served in turn
+    /// with other peers', whose own requests are not held by it). Running them would only produce replies nobody reads, on time taken from the
+    /// peers that do read; reading the peer goes on (its replies to this worker's calls are
+    /// still taken), so two busy peers never wait on each other.
+    pub fn holds_requests(&self, peer: u32) -> bool {
+        self.holding.contains(&peer) || self.running(peer) >= self.running_cap
+    }
+
+    /// The peers whose requests were held and may run again since the last call (each once).
+    pub fn take_resumed(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.resumed)
+    }
+
+    /// Starts or stops holding `peer`'s requests after its queue changed.
+    fn update_holding(&mut self, peer: u32) {
+        let queued = self.held(peer).queued;
+        if queued >= self.hold_mark {
+            self.holding.insert(peer);
+        } else if queued <= self.hold_mark / 2 && self.holding.remove(&peer) {
+            self.resumed.push(peer);
         }
     }
 
@@ -205,6 +304,9 @@ impl Ledger {
         let total = entry.total();
         let peak = self.peaks.entry(peer).or_insert(0);
         *peak = (*peak).max(total);
+        if what == Use::Queued {
+            self.update_holding(peer);
+        }
         Ok(())
     }
 
@@ -264,6 +366,9 @@ impl Ledger {
             if entry.total() == 0 {
                 self.peers.remove(&peer);
             }
+        }
+        if what == Use::Queued {
+            self.update_holding(peer);
         }
     }
 
@@ -334,6 +439,26 @@ impl Budget {
     pub fn peak(&self, peer: u32) -> usize {
         self.with(|l| l.peak(peer))
     }
+
+    /// [`Ledger::holds_requests`].
+    pub fn holds_requests(&self, peer: u32) -> bool {
+        self.with(|l| l.holds_requests(peer))
+    }
+
+    /// [`Ledger::take_resumed`].
+    pub fn take_resumed(&self) -> Vec<u32> {
+        self.with(Ledger::take_resumed)
+    }
+
+    /// [`Ledger::set_hold_mark`].
+    pub fn set_hold_mark(&self, bytes: usize) {
+        self.with(|l| l.set_hold_mark(bytes));
+    }
+
+    /// [`Ledger::set_running_cap`].
+    pub fn set_running_cap(&self, requests: usize) {
+        self.with(|l| l.set_running_cap(requests));
+    }
 }
 
 /// One peer's account in a shared [`Budget`].
@@ -367,6 +492,32 @@ impl Account {
     /// [`Ledger::release`] on this account.
     pub fn release(&self, what: Use, bytes: usize) {
         self.budget.with(|l| l.release(self.peer, what, bytes));
+    }
+
+    /// [`Ledger::release`] on this account; true when that let the peer's held requests run
+    /// again (taken off [`Ledger::take_resumed`]'s list: the caller runs them).
+    pub fn release_and_resume(&self, what: Use, bytes: usize) -> bool {
+        self.budget.with(|l| {
+            l.release(self.peer, what, bytes);
+            let before = l.resumed.len();
+            l.resumed.retain(|p| *p != self.peer);
+            l.resumed.len() != before
+        })
+    }
+
+    /// [`Ledger::holds_requests`] for this account's peer.
+    pub fn holds_requests(&self) -> bool {
+        self.budget.holds_requests(self.peer)
+    }
+
+    /// [`Ledger::start_request`] for this account's peer.
+    pub fn start_request(&self) {
+        self.budget.with(|l| l.start_request(self.peer));
+    }
+
+    /// [`Ledger::finish_request`] for this account's peer.
+    pub fn finish_request(&self) -> bool {
+        self.budget.with(|l| l.finish_request(self.peer))
     }
 
     /// [`Ledger::resize`] on this account.
@@ -412,7 +563,8 @@ mod tests {
                 queued: 70,
                 inbox: 0,
                 frame: 20,
-                records: 10
+                records: 10,
+                requests: 0
             }
         );
         assert_eq!(l.peak(1), 100);
@@ -463,6 +615,74 @@ mod tests {
         }
         assert!(l.peak(1) <= budget);
         assert!(l.peak(1) > budget / 2, "the flood came near the budget");
+    }
+
+    #[test]
+    fn a_peers_requests_are_held_while_its_queue_waits_unread_and_resume_at_half() {
+        let mut l = Ledger::new(1000);
+        assert_eq!(l.hold_mark(), 125);
+        l.set_hold_mark(100);
+        // Below the mark: run.
+        l.take(1, Use::Queued, 99, Admit::IfRoom).unwrap();
+        assert!(!l.holds_requests(1));
+        // Other uses do not count: what it sent is not what waits for it.
+        l.take(1, Use::Inbox, 500, Admit::IfRoom).unwrap();
+        assert!(!l.holds_requests(1));
+        // At the mark: held; another peer is not.
+        l.take(1, Use::Queued, 1, Admit::IfRoom).unwrap();
+        l.take(2, Use::Queued, 10, Admit::IfRoom).unwrap();
+        assert!(l.holds_requests(1) && !l.holds_requests(2));
+        // Draining above half: still held (no flapping at the mark).
+        l.release(1, Use::Queued, 40);
+        assert!(l.holds_requests(1));
+        assert!(l.take_resumed().is_empty());
+        // At half: it runs again, and is reported once.
+        l.release(1, Use::Queued, 10);
+        assert!(!l.holds_requests(1));
+        assert_eq!(l.take_resumed(), vec![1]);
+        assert!(l.take_resumed().is_empty());
+        // A queue freed at once (its peer lost) resumes too.
+        l.take(1, Use::Queued, 100, Admit::IfRoom).unwrap();
+        assert!(l.holds_requests(1));
+        l.release(1, Use::Queued, 150);
+        assert_eq!(l.take_resumed(), vec![1]);
+        // Held requests are counted in the budget as any use is.
+        l.take(1, Use::Requests, 400, Admit::IfRoom).unwrap();
+        let err = l.take(1, Use::Requests, 200, Admit::IfRoom).unwrap_err();
+        assert!(err.to_string().contains("400 of requests held"), "{err}");
+    }
+
+    #[test]
+    fn a_peer_runs_so_many_requests_at_once_and_no_more() {
+        let mut l = Ledger::new(1 << 20);
+        l.set_running_cap(2);
+        l.start_request(1);
+        assert!(!l.holds_requests(1));
+        l.start_request(1);
+        assert!(l.holds_requests(1), "two of its requests run");
+        assert!(!l.holds_requests(2), "another peer's are not held by it");
+        assert!(l.finish_request(1), "one answered: the next may run");
+        assert_eq!(l.running(1), 1);
+        // Held for its queue, a finished request lets nothing run.
+        l.set_hold_mark(10);
+        l.take(1, Use::Queued, 10, Admit::IfRoom).unwrap();
+        assert!(!l.finish_request(1));
+        assert_eq!(l.running(1), 0);
+        assert!(l.holds_requests(1));
+    }
+
+    #[test]
+    fn an_account_says_when_its_release_let_its_requests_run() {
+        let b = Budget::new(80);
+        let a = b.account(5);
+        a.take(Use::Queued, 10, Admit::IfRoom).unwrap();
+        assert!(a.holds_requests());
+        assert!(!a.release_and_resume(Use::Queued, 4));
+        assert!(a.release_and_resume(Use::Queued, 1));
+        assert!(
+            b.take_resumed().is_empty(),
+            "taken by the account's release"
+        );
     }
 
     #[test]

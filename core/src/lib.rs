@@ -16,6 +16,8 @@
 //! - [`wire`]: the frame format: fixed prefix, postcard frame header, raw payloads; bounded decoder.
 //! - [`budget`]: one memory budget per peer, which every byte a peer can make a worker hold
 //!   draws from.
+//! - [`identity`]: what a peer's credentials prove (membership, or a certified rank), and
+//!   whether they let it claim a rank.
 //! - [`auth`]: challenge-response authentication on a cluster secret (HMAC-SHA256).
 //! - [`protocol`]: the RPC protocol state machine: calls, timeouts, remote references.
 //! - [`collective`]: sans-IO schedules for barrier, broadcast, all_gather and all_reduce.
@@ -36,6 +38,7 @@ pub mod capability;
 pub mod collective;
 pub mod device;
 pub mod devices_sim;
+pub mod identity;
 pub mod ipc;
 pub mod name;
 pub mod placement;

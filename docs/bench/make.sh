@@ -48,6 +48,8 @@ for pin in unpinned pinned; do
     # Throughput, 64 MiB and the idle agent's CPU time (TCP), and the distributed backward.
     run rpc-full-tcp-$pin "${pre[@]}" $tw bench rpc --transport tcp --json "$out/rpc-full-tcp-$pin.json"
     run autograd-$pin "${pre[@]}" $tw bench autograd --steps 200 --json "$out/autograd-$pin.json"
+    # An honest caller's p99 during a flood (never-reading; requests) against none.
+    run fairness-$pin "${pre[@]}" $tw bench fairness --json "$out/fairness-$pin.json"
 done
 python3 "$here/ratios.py" "$out" >"$out/ratios.md" && echo "ratios: $out/ratios.md"
 exit $failed

@@ -41,6 +41,7 @@ for pin in ("unpinned", "pinned"):
     ctcp = load(f"coll-tcp-{pin}.json")
     init = load(f"init64-{pin}.json")
     rrefs = load(f"rrefs-{pin}.json")
+    fair = load(f"fairness-{pin}.json")
     r = lambda doc, k: get(doc, "ratios", k)
     init_s = get(init, "points", -1, "init_wall_ms")
     pts = get(rrefs, "points") or []
@@ -60,6 +61,8 @@ for pin in ("unpinned", "pinned"):
         (pin, "all_gather w8 1 MiB TCP / gloo", fmt(r(ctcp, "all_gather_w8_1MiB_over_gloo"))),
         (pin, "init_rpc w64, all ready (s)", fmt(init_s / 1000 if init_s else None, "s")),
         (pin, "rpc_sync p50 with 100,000 rrefs / with 0", fmt(rref_ratio)),
+        (pin, "honest p99 during a never-reading flood / none", fmt(r(fair, "p99_unread_over_none"))),
+        (pin, "honest p99 during a request flood / none", fmt(r(fair, "p99_requests_over_none"))),
     ]
 print("| run | figure | value |")
 print("| --- | --- | --- |")

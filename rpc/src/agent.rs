@@ -108,6 +108,7 @@ impl Agent {
                     ep
                 },
                 waiters: HashMap::new(),
+                held_requests: HashMap::new(),
                 values: HashMap::new(),
                 peers: HashMap::new(),
                 driver_wakes_at: None,

@@ -177,8 +177,12 @@ impl TcpBackend {
     }
 }
 
+/// The environment variable naming the `QUIC` backend's TLS folder when
+/// [`RpcOptions::tls_dir`] is not set (`tensorwire launch --quic-certs` sets it per worker).
+pub const TLS_DIR_ENV: &str = "TENSORWIRE_TLS_DIR";
+
 /// The QUIC backend: the agent over quinn with mutual TLS under the cluster CA
-/// ([`RpcOptions::tls_dir`]).
+/// ([`RpcOptions::tls_dir`], else [`TLS_DIR_ENV`]).
 #[cfg(feature = "quic")]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct QuicBackend;
@@ -187,27 +191,47 @@ pub struct QuicBackend;
 impl QuicBackend {
     fn tls(
         name: &str,
+        rank: usize,
         options: &RpcOptions,
     ) -> Result<tensorwire_transport_quic::ClusterTls, RpcError> {
         use tensorwire_transport_quic::certs::{ClusterCa, CA_CERT_FILE, CA_KEY_FILE};
         use tensorwire_transport_quic::ClusterTls;
-        let dir = options.tls_dir.as_ref().ok_or_else(|| {
-            RpcError::Init(
-                "the QUIC backend needs RpcOptions::tls_dir (a folder for the cluster CA)".into(),
-            )
-        })?;
+        let from_env = std::env::var_os(TLS_DIR_ENV).map(std::path::PathBuf::from);
+        let dir = options
+            .tls_dir
+            .as_ref()
+            .or(from_env.as_ref())
+            .ok_or_else(|| {
+                RpcError::Init(format!(
+                "the QUIC backend needs RpcOptions::tls_dir or {TLS_DIR_ENV} (a folder for the \
+                 cluster CA)"
+            ))
+            })?;
         let tls_error = |e: tensorwire_transport_quic::QuicError| {
             RpcError::Init(format!("QUIC TLS material in {}: {e}", dir.display()))
         };
-        let own_cert = dir.join(format!("{name}.pem"));
-        if own_cert.exists() || (!dir.join(CA_KEY_FILE).exists() && dir.join(CA_CERT_FILE).exists())
-        {
+        // This worker's own certificate: issued for its name, or else for its rank (`rank-N`,
+        // as `tensorwire launch --quic-certs` issues them).
+        let own = [
+            name.to_owned(),
+            tensorwire_core::identity::rank_name(rank as u32),
+        ]
+        .into_iter()
+        .find(|n| dir.join(format!("{n}.pem")).exists());
+        if let Some(own) = &own {
             ClusterTls::from_pem_files(
                 &dir.join(CA_CERT_FILE),
-                &own_cert,
-                &dir.join(format!("{name}.key.pem")),
+                &dir.join(format!("{own}.pem")),
+                &dir.join(format!("{own}.key.pem")),
             )
             .map_err(tls_error)
+        } else if !dir.join(CA_KEY_FILE).exists() && dir.join(CA_CERT_FILE).exists() {
+            Err(RpcError::Init(format!(
+                "QUIC TLS material in {}: the cluster CA is there without its key, and neither \
+                 {name}.pem nor {}.pem (this worker's certificate)",
+                dir.display(),
+                tensorwire_core::identity::rank_name(rank as u32)
+            )))
         } else {
             let ca = ClusterCa::load_or_generate(dir).map_err(tls_error)?;
             let identity = ca.issue_node(name).map_err(tls_error)?;
@@ -241,7 +265,7 @@ impl RpcBackend for QuicBackend {
         options: RpcOptions,
     ) -> Result<Agent, RpcError> {
         use tensorwire_transport_quic::{QuicConfig, QuicTransport};
-        let tls = Self::tls(name, &options)?;
+        let tls = Self::tls(name, rank, &options)?;
         let config = QuicConfig::new(tls)
             .with_liveness_from(|name| std::env::var(name).ok())
             .map_err(|e| RpcError::Init(format!("QUIC transport: {e}")))?;

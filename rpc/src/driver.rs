@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use tensorwire_core::budget::{Admit, Use};
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::{
     Event, LostCause, ProtocolViolation, RemoteErrorKind, RunState, WorkerId,
@@ -114,14 +115,12 @@ pub(crate) fn pump(this: &Agent) {
 
 /// [`pump`](Self::pump), writing messages on this task where the peer's writer is idle
 /// (one wake-up less per message). Only for tasks of ours that nobody cancels mid-write.
+///
+/// Each peer's write is its own: a write that cannot finish at once (a peer that does not
+/// read) goes on in a task of its own, as in [`pump_now`], so that the replies to the other
+/// peers in the same pump never wait behind it.
 pub(crate) async fn pump_direct(this: &Agent) {
-    let mut writes = Vec::new();
-    pump_with(this, Some(&mut writes));
-    for w in writes {
-        if let Err(e) = w.conn.send_many(w.frames).await {
-            links::peer_lost(this, w.peer, LostCause::Transport(e.to_string()));
-        }
-    }
+    pump_now(this);
 }
 
 /// [`pump`](Self::pump) for a task that cannot wait (a caller's `rpc_async`): messages to a
@@ -184,26 +183,140 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>)
 }
 
 pub(crate) fn dispatch(this: &Agent, ev: Event<Body>) {
+    let Some(ev) = hold_back(this, ev) else {
+        return;
+    };
+    run(this, ev);
+}
+
+/// The bytes a held request is counted as in its sender's budget.
+fn request_bytes(body: &Body) -> usize {
+    body.tensors
+        .iter()
+        .map(|(_, b)| b.len())
+        .fold(body.data.len(), usize::saturating_add)
+        .max(1)
+}
+
+/// A peer's request, while the frames queued for it wait unread past the hold mark (its
+/// budget says so: `Ledger::holds_requests`), is held, not run: running it would only add a
+/// reply nobody reads, on time taken from the peers that read theirs. Held requests keep their
+/// order (one arriving while others are held waits behind them) and are counted in the peer's
+/// budget (`Use::Requests`); one past it drops the peer as a queue past it does. `None` if
+/// held (or dropped); the request otherwise.
+fn hold_back(this: &Agent, ev: Event<Body>) -> Option<Event<Body>> {
+    let (from, bytes) = match &ev {
+        Event::Call { token, body, .. } | Event::Remote { token, body, .. } => {
+            (token.from(), request_bytes(body))
+        }
+        _ => return Some(ev),
+    };
+    if from == this.inner.me.id {
+        return Some(ev);
+    }
+    let over = {
+        let mut st = this.lock();
+        let behind_others = st.held_requests.get(&from).is_some_and(|q| !q.is_empty());
+        let account = st.ep.budget().account(from);
+        if !behind_others && !account.holds_requests() {
+            return Some(ev);
+        }
+        match account.take(Use::Requests, bytes, Admit::IfRoom) {
+            Ok(()) => {
+                st.held_requests
+                    .entry(from)
+                    .or_default()
+                    .push_back((ev, bytes));
+                return None;
+            }
+            Err(over) => over,
+        }
+    };
+    links::drop_over_budget(this, from, over);
+    None
+}
+
+/// Runs `peer`'s held requests, in order, while its budget no longer holds them (its writer
+/// saw its queue come down to half the hold mark).
+pub(crate) fn resume_requests(this: &Agent, peer: WorkerId) {
+    loop {
+        let next = {
+            let mut st = this.lock();
+            if st.ep.budget().holds_requests(peer) {
+                return;
+            }
+            let Some(queue) = st.held_requests.get_mut(&peer) else {
+                return;
+            };
+            let next = queue.pop_front();
+            if queue.is_empty() {
+                st.held_requests.remove(&peer);
+            }
+            next
+        };
+        let Some((ev, bytes)) = next else { return };
+        this.lock()
+            .ep
+            .budget()
+            .account(peer)
+            .release(Use::Requests, bytes);
+        run(this, ev);
+    }
+}
+
+/// Forgets `peer`'s held requests (it is lost), giving their bytes back to its budget. The
+/// references forked for this worker in their arguments are accepted and dropped at once, as
+/// for a request refused, so that their owners stop counting them.
+pub(crate) fn drop_held_requests(
+    st: &mut crate::state::State,
+    peer: WorkerId,
+    now: std::time::Instant,
+) {
+    let Some(queue) = st.held_requests.remove(&peer) else {
+        return;
+    };
+    let mut bytes = 0usize;
+    for (ev, b) in queue {
+        bytes = bytes.saturating_add(b);
+        if let Event::Call { body, .. } | Event::Remote { body, .. } = ev {
+            for fork in body.forks {
+                let handle = st.ep.accept_fork(fork, now);
+                st.ep.drop_handle(handle, now);
+            }
+        }
+    }
+    st.ep.budget().account(peer).release(Use::Requests, bytes);
+}
+
+fn run(this: &Agent, ev: Event<Body>) {
     match ev {
         Event::Call {
             token,
             function,
             body,
             deadline,
-        } => serve_in_task(
-            this,
-            serve::serve(this, token, function, body, None, deadline),
-        ),
+        } => {
+            let from = running(this, token.from(), &function);
+            serve_in_task(
+                this,
+                from,
+                serve::serve(this, token, function, body, None, deadline),
+            )
+        }
         Event::Remote {
             token,
             function,
             body,
             rref,
             deadline,
-        } => serve_in_task(
-            this,
-            serve::serve(this, token, function, body, Some(rref), deadline),
-        ),
+        } => {
+            let from = running(this, token.from(), &function);
+            serve_in_task(
+                this,
+                from,
+                serve::serve(this, token, function, body, Some(rref), deadline),
+            )
+        }
         Event::ConfirmWaitDone { wait, outcome } => {
             if let Some(tx) = this.lock().confirm_waits.remove(&wait) {
                 let _ = tx.send(outcome);
@@ -277,18 +390,48 @@ pub(crate) fn dispatch(this: &Agent, ev: Event<Body>) {
     }
 }
 
+/// A peer's request starts running: counted in its budget's ledger (which holds its next
+/// ones past `RUNNING_PER_PEER`). `Some(peer)` for a peer's, `None` for this worker's own and
+/// for the dynamic group's gathers (a gather waits for the other members, holding nothing
+/// but its round, which the gathers bound per member themselves: counted, a member's rounds
+/// would hold back its requests that the gathers refuse at once).
+fn running(this: &Agent, from: WorkerId, function: &str) -> Option<WorkerId> {
+    if from == this.inner.me.id || function == crate::gather::GATHER {
+        return None;
+    }
+    this.lock().ep.budget().account(from).start_request();
+    Some(from)
+}
+
+/// A peer's request is answered: its held requests run if its budget lets them.
+fn finished(this: &Agent, from: Option<WorkerId>) {
+    let Some(peer) = from else { return };
+    let resume = {
+        let st = this.lock();
+        st.ep.budget().account(peer).finish_request() && st.held_requests.contains_key(&peer)
+    };
+    if resume {
+        resume_requests(this, peer);
+    }
+}
+
 /// Runs the rest of a request's serving (a handler that waits) in a task of its own, then
 /// moves what it produced along, writing on that task (its reply, and those of the handlers
 /// that answered meanwhile).
 fn serve_in_task(
     this: &Agent,
+    from: Option<WorkerId>,
     rest: Option<impl std::future::Future<Output = ()> + Send + 'static>,
 ) {
-    let Some(rest) = rest else { return };
+    let Some(rest) = rest else {
+        finished(this, from);
+        return;
+    };
     let agent = this.clone();
     this.spawn(async move {
         rest.await;
         pump_direct(&agent).await;
+        finished(&agent, from);
     });
 }
 

@@ -67,7 +67,7 @@ pub use agent::{Agent, AgentDebugInfo, PeerConnection, RpcFuture, WorkerInfo, Wo
 pub use backend::TcpBackend;
 pub use backend::{
     backend_registered, construct_rpc_backend_options, register_backend, registered_backends,
-    DynRpcBackend, TCP_BACKEND,
+    DynRpcBackend, TCP_BACKEND, TLS_DIR_ENV,
 };
 #[cfg(feature = "quic")]
 pub use backend::{QuicBackend, QUIC_BACKEND};

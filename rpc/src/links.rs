@@ -111,10 +111,15 @@ pub(crate) fn attach_conn(
                     writer_conn.send_many(batch).await
                 } => Some(sent),
             };
-            queued.sub(bytes);
+            let resumed = queued.sub(bytes);
             match sent {
                 None => break,
-                Some(Ok(())) => {}
+                Some(Ok(())) => {
+                    if resumed {
+                        // It reads again: its held requests run.
+                        crate::driver::resume_requests(&agent, peer);
+                    }
+                }
                 Some(Err(e)) => {
                     // Nothing more goes out on it: what is queued is dropped and no longer
                     // counted (`Agent::queued_bytes` drops back; the peer's budget is freed).
@@ -179,6 +184,7 @@ pub(crate) fn member_left(this: &Agent, peer: WorkerId) {
         let mut st = this.lock();
         let link = st.peers.remove(&peer);
         st.ep.handle_peer_lost(peer, LostCause::Left, this.now());
+        crate::driver::drop_held_requests(&mut st, peer, this.now());
         link
     };
     drop(link);
@@ -227,6 +233,22 @@ pub(crate) fn fail_peer(this: &Agent, peer: WorkerId, violation: ProtocolViolati
     }
 }
 
+/// Drops `peer` for passing its budget outside its queue (its held requests): lost as
+/// [`LostCause::OverBudget`], its connection closed, as a queue past the budget drops it.
+pub(crate) fn drop_over_budget(
+    this: &Agent,
+    peer: WorkerId,
+    over: tensorwire_core::budget::OverBudget,
+) {
+    let conn = this.lock().peers.get(&peer).map(|l| Arc::clone(&l.conn));
+    peer_lost(this, peer, LostCause::OverBudget(Box::new(over)));
+    if let Some(conn) = conn {
+        this.spawn(async move {
+            let _ = conn.close().await;
+        });
+    }
+}
+
 /// The connection to `peer` is gone for `cause`: recorded once, in the endpoint (the first
 /// cause stays), which tells subscribers once (its `Event::PeerLost`, dispatched by the pump
 /// below), whoever found the loss first.
@@ -242,6 +264,7 @@ pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
         let mut st = this.lock();
         st.peers.remove(&peer);
         st.ep.handle_peer_lost(peer, cause, this.now());
+        crate::driver::drop_held_requests(&mut st, peer, this.now());
     }
     if this.inner.dynamic {
         // The membership drops it (and hands coordination on, if it coordinated).

@@ -85,7 +85,11 @@ pub struct RpcOptions {
     /// `<name>.pem` and `<name>.key.pem` from your own PKI. Every peer's certificate must be
     /// issued for the name it gives (its common name, or a DNS name it is valid for; else
     /// [`RpcError::NotCertified`](crate::RpcError::NotCertified)). That binds names to
-    /// workers only with your own PKI: whoever holds `ca.key.pem` can issue any name.
+    /// workers only with your own PKI: whoever holds `ca.key.pem` can issue any name. A
+    /// folder with `rank-N.pem` and `rank-N.key.pem` (this worker's rank; what
+    /// `tensorwire launch --quic-certs` writes) is used when `<name>.pem` is not there: a rank
+    /// certificate binds the rank, and certifies whatever name the worker gives. `None`: the
+    /// folder named by `TENSORWIRE_TLS_DIR`, if set.
     pub tls_dir: Option<std::path::PathBuf>,
     /// Where this worker's tensors land on each destination.
     pub device_maps: DeviceMaps,

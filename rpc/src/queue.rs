@@ -49,11 +49,12 @@ impl OutQueue {
         self.bytes.fetch_add(n, Ordering::AcqRel);
     }
 
-    /// `n` bytes left the queue (sent, or dropped).
-    pub(crate) fn sub(&self, n: usize) {
+    /// `n` bytes left the queue (sent, or dropped). True when that lets the peer's held
+    /// requests run again (`Ledger::holds_requests`): the caller runs them.
+    pub(crate) fn sub(&self, n: usize) -> bool {
         self.total.fetch_sub(n, Ordering::AcqRel);
         self.bytes.fetch_sub(n, Ordering::AcqRel);
-        self.account.release(Use::Queued, n);
+        self.account.release_and_resume(Use::Queued, n)
     }
 
     /// Told (once) when a frame would have passed the budget.

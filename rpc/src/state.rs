@@ -17,8 +17,8 @@ use tensorwire_core::protocol::membership::{
     Directory, DynamicMembership, MemberRecord, MembershipError,
 };
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, Endpoint, MessageId, MethodTarget, Payload, RRefForkData, RRefId,
-    ShutdownError, WaitId, WorkerId,
+    CallError, ConfirmError, Endpoint, Event, MessageId, MethodTarget, Payload, RRefForkData,
+    RRefId, ShutdownError, WaitId, WorkerId,
 };
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
@@ -96,6 +96,10 @@ pub(crate) struct State {
     pub(crate) confirm_waits: HashMap<WaitId, oneshot::Sender<Result<(), ConfirmError>>>,
     /// The graceful shutdown (or leave) in progress: told its outcome.
     pub(crate) shutdown_waiter: Option<oneshot::Sender<Result<(), ShutdownError>>>,
+    /// Requests of peers whose replies wait unread (the budget holds them:
+    /// `Ledger::holds_requests`), in arrival order, each with the bytes it is counted as;
+    /// run once the peer reads (see `driver::resume_requests`), dropped with the peer.
+    pub(crate) held_requests: HashMap<WorkerId, std::collections::VecDeque<(Event<Body>, usize)>>,
 }
 
 pub(crate) struct Inner {

@@ -105,3 +105,47 @@ async fn a_dynamic_group_refuses_a_joiner_and_a_coordinator_not_certified_for_th
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rank_certificates_certify_the_names_their_holders_choose() {
+    bounded(async {
+        // `tensorwire launch --quic-certs` cannot know the names workers will choose: it
+        // issues `rank-N`. The mesh checks each hello's rank against the certificate, and the
+        // agent then takes a rank-certified connection's own record, whatever its name.
+        use tensorwire_core::identity::rank_name;
+        let ca = ClusterCa::generate().unwrap();
+        let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+        let start = |rank: usize, name: &'static str| {
+            let t = quic(&ca, &rank_name(rank as u32));
+            let rdv = Rendezvous::from_store(store.clone(), rank, 2);
+            let mut options = base_options();
+            options.init_timeout = Duration::from_secs(10);
+            async move { start_agent(t, rdv, name, rank, Some(2), options).await }
+        };
+        let (trainer, ps) = tokio::join!(start(0, "trainer"), start(1, "ps"));
+        let (trainer, ps) = (trainer.expect("rank 0"), ps.expect("rank 1"));
+        let names: Vec<String> = trainer
+            .worker_infos()
+            .into_iter()
+            .map(|w| w.name.clone())
+            .collect();
+        assert!(names.contains(&"ps".to_owned()), "{names:?}");
+        trainer.shutdown(Shutdown::Immediate).await.ok();
+        ps.shutdown(Shutdown::Immediate).await.ok();
+
+        // A certificate for rank 1 held by the worker that claims rank 0 gets nowhere.
+        let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+        let start = |rank: usize, certified: u32, name: &'static str| {
+            let t = quic(&ca, &rank_name(certified));
+            let rdv = Rendezvous::from_store(store.clone(), rank, 2);
+            let mut options = base_options();
+            options.init_timeout = Duration::from_secs(5);
+            async move { start_agent(t, rdv, name, rank, Some(2), options).await }
+        };
+        let (a, b) = tokio::join!(start(0, 1, "trainer"), start(1, 1, "ps"));
+        let err = a.expect_err("rank 0 started with rank 1's certificate");
+        assert!(err.to_string().contains("issued for rank 1"), "{err}");
+        assert!(b.is_err(), "rank 1 set up without rank 0");
+    })
+    .await;
+}

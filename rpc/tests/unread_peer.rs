@@ -138,6 +138,10 @@ impl Connection for StallingConnection {
         self.inner.check_peer_name(name)
     }
 
+    fn peer_credentials(&self) -> tensorwire_core::identity::Credentials {
+        self.inner.peer_credentials()
+    }
+
     fn bill_to(&self, account: tensorwire_core::budget::Account) {
         self.inner.bill_to(account);
     }

@@ -203,6 +203,9 @@ impl Transport for FaultyTransport {
     async fn connect(&self, addr: SocketAddr) -> Result<Box<dyn Connection>, TransportError> {
         Ok(self.wrap(self.inner.connect(addr).await?))
     }
+    fn credentials(&self) -> tensorwire_core::identity::Credentials {
+        self.inner.credentials()
+    }
 }
 
 struct FaultyListener {
@@ -242,6 +245,10 @@ impl Connection for FaultyConnection {
 
     fn check_peer_name(&self, name: &str) -> Result<(), IdentityError> {
         self.inner.check_peer_name(name)
+    }
+
+    fn peer_credentials(&self) -> tensorwire_core::identity::Credentials {
+        self.inner.peer_credentials()
     }
 
     fn bill_to(&self, account: tensorwire_core::budget::Account) {

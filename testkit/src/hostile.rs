@@ -296,6 +296,9 @@ impl Transport for HostileTransport {
             greeted: AtomicBool::new(true),
         }))
     }
+    fn credentials(&self) -> tensorwire_core::identity::Credentials {
+        self.inner.credentials()
+    }
 }
 
 struct HostileListener {
@@ -337,6 +340,10 @@ impl Connection for HostileConnection {
 
     fn check_peer_name(&self, name: &str) -> Result<(), IdentityError> {
         self.inner.check_peer_name(name)
+    }
+
+    fn peer_credentials(&self) -> tensorwire_core::identity::Credentials {
+        self.inner.peer_credentials()
     }
 
     fn bill_to(&self, account: tensorwire_core::budget::Account) {

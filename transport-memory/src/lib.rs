@@ -284,6 +284,10 @@ impl Connection for MemoryConnection {
         Ok(())
     }
 
+    fn peer_credentials(&self) -> tensorwire_core::identity::Credentials {
+        tensorwire_core::identity::Credentials::Membership
+    }
+
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {
         if self.killed() {
             return Err(reset(self.peer, "sending"));

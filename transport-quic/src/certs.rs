@@ -32,6 +32,8 @@ use rcgen::{
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
+use tensorwire_core::identity::Credentials;
+
 use crate::QuicError;
 
 /// The DNS name every node certificate carries and every client asks for.
@@ -347,8 +349,6 @@ pub fn load_certs(
 /// # Ok::<(), tensorwire_transport_quic::QuicError>(())
 /// ```
 pub fn check_certified_name(chain: &[CertificateDer<'_>], name: &str) -> Result<(), String> {
-    use x509_cert::der::asn1::{Ia5StringRef, PrintableStringRef, Utf8StringRef};
-    use x509_cert::der::{Decode, Tag, Tagged};
     let Some(leaf) = chain.first() else {
         return Err("it presented no certificate".into());
     };
@@ -359,6 +359,61 @@ pub fn check_certified_name(chain: &[CertificateDer<'_>], name: &str) -> Result<
             return Ok(());
         }
     }
+    let (common_names, _) = leaf_names(leaf)?;
+    if common_names.iter().any(|cn| cn.as_deref() == Ok(name)) {
+        return Ok(());
+    }
+    let common_names: Vec<String> = common_names
+        .into_iter()
+        .map(|cn| cn.unwrap_or_else(|unreadable| unreadable))
+        .collect();
+    Err(if common_names.is_empty() {
+        "its certificate has no common name and no subject alternative name for it".into()
+    } else {
+        format!("its certificate is issued for {}", common_names.join(", "))
+    })
+}
+
+/// What a certificate chain (leaf first, already verified against the cluster CA) proves about
+/// its holder: the names its end-entity certificate is issued for (common names, then DNS
+/// subject alternative names), as core's [`Credentials::Certified`]; core's
+/// [`check_rank_claim`](tensorwire_core::identity::check_rank_claim) decides what they allow.
+/// A chain that is empty or does not decode names nothing.
+///
+/// ```
+/// use tensorwire_core::identity::{rank_name, Credentials};
+/// use tensorwire_transport_quic::certs::{credentials_of, ClusterCa};
+///
+/// let ca = ClusterCa::generate()?;
+/// let node = ca.issue_node(&rank_name(2))?;
+/// assert_eq!(credentials_of(node.chain()).ranks(), vec![2]);
+/// # Ok::<(), tensorwire_transport_quic::QuicError>(())
+/// ```
+pub fn credentials_of(chain: &[CertificateDer<'_>]) -> Credentials {
+    let names = match chain.first().map(leaf_names) {
+        Some(Ok((common, dns))) => {
+            let mut common: Vec<String> = common.into_iter().flatten().collect();
+            for name in dns {
+                if !common.contains(&name) {
+                    common.push(name);
+                }
+            }
+            common
+        }
+        _ => Vec::new(),
+    };
+    Credentials::Certified { names }
+}
+
+/// A certificate's common names, each `Ok` or (not a string) `Err("<TAG common name>")`.
+type CommonNames = Vec<Result<String, String>>;
+
+/// The common names and the DNS subject alternative names of an end-entity certificate.
+fn leaf_names(leaf: &CertificateDer<'_>) -> Result<(CommonNames, Vec<String>), String> {
+    use x509_cert::der::asn1::{Ia5StringRef, PrintableStringRef, Utf8StringRef};
+    use x509_cert::der::{Decode, Tag, Tagged};
+    use x509_cert::ext::pkix::name::GeneralName;
+    use x509_cert::ext::pkix::SubjectAltName;
     let cert = x509_cert::Certificate::from_der(leaf.as_ref())
         .map_err(|e| format!("its certificate does not decode: {e}"))?;
     let mut common_names = Vec::new();
@@ -376,18 +431,21 @@ pub fn check_certified_name(chain: &[CertificateDer<'_>], name: &str) -> Result<
                 Tag::Ia5String => Ia5StringRef::try_from(value).ok().map(|s| s.as_str()),
                 _ => None,
             };
-            match text {
-                Some(cn) if cn == name => return Ok(()),
-                Some(cn) => common_names.push(cn.to_owned()),
-                None => common_names.push(format!("<{} common name>", value.tag())),
+            common_names.push(match text {
+                Some(cn) => Ok(cn.to_owned()),
+                None => Err(format!("<{} common name>", value.tag())),
+            });
+        }
+    }
+    let mut dns_names = Vec::new();
+    if let Ok(Some((_, SubjectAltName(names)))) = cert.tbs_certificate.get::<SubjectAltName>() {
+        for name in names {
+            if let GeneralName::DnsName(dns) = name {
+                dns_names.push(dns.as_str().to_owned());
             }
         }
     }
-    Err(if common_names.is_empty() {
-        "its certificate has no common name and no subject alternative name for it".into()
-    } else {
-        format!("its certificate is issued for {}", common_names.join(", "))
-    })
+    Ok((common_names, dns_names))
 }
 
 fn is_dns_name(name: &str) -> bool {

@@ -61,6 +61,11 @@ impl ClusterTls {
         self
     }
 
+    /// This node's identity (its certificate chain and key).
+    pub fn identity(&self) -> &NodeIdentity {
+        &self.identity
+    }
+
     /// The DNS name clients require in server certificates.
     pub fn server_name(&self) -> &str {
         &self.server_name

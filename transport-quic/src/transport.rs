@@ -28,6 +28,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::{BufMut, BytesMut};
 use quinn::{ConnectionError, ReadError, RecvStream, VarInt};
+use tensorwire_core::identity::Credentials;
 use tensorwire_core::ports::transport::{
     Connection, IdentityError, Listener, Transport, TransportError,
 };
@@ -75,6 +76,8 @@ pub struct QuicTransport {
     client: [quinn::ClientConfig; 2],
     /// One client endpoint per address family, created on first use.
     client_endpoints: Mutex<[Option<quinn::Endpoint>; 2]>,
+    /// What this node's own certificate is issued for.
+    credentials: Credentials,
 }
 
 impl std::fmt::Debug for QuicTransport {
@@ -100,7 +103,9 @@ impl QuicTransport {
             client.transport_config(config.transport(loopback));
             client
         };
+        let credentials = crate::certs::credentials_of(config.tls.identity().chain());
         Ok(Self {
+            credentials,
             server: [server(false), server(true)],
             client: [client(false), client(true)],
             config,
@@ -228,6 +233,10 @@ fn handshake_error(peer: SocketAddr, e: &ConnectionError) -> TransportError {
 impl Transport for QuicTransport {
     fn name(&self) -> &'static str {
         "quic"
+    }
+
+    fn credentials(&self) -> Credentials {
+        self.credentials.clone()
     }
 
     async fn listen(&self, addr: SocketAddr) -> Result<Box<dyn Listener>, TransportError> {
@@ -825,6 +834,14 @@ impl Connection for QuicConnection {
                 reason,
             },
         )
+    }
+
+    fn peer_credentials(&self) -> Credentials {
+        let chain = self.shared.conn.peer_identity().and_then(|id| {
+            id.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>()
+                .ok()
+        });
+        crate::certs::credentials_of(chain.as_deref().map_or(&[], |c| c))
     }
 
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {

@@ -1016,6 +1016,10 @@ impl Connection for ShmConnection {
         Ok(())
     }
 
+    fn peer_credentials(&self) -> tensorwire_core::identity::Credentials {
+        tensorwire_core::identity::Credentials::Membership
+    }
+
     fn cheap_sends(&self) -> bool {
         true
     }

@@ -315,6 +315,10 @@ impl Connection for TcpConnection {
         Ok(())
     }
 
+    fn peer_credentials(&self) -> tensorwire_core::identity::Credentials {
+        tensorwire_core::identity::Credentials::Membership
+    }
+
     async fn send(&self, frame: Frame) -> Result<(), TransportError> {
         self.send_many(vec![frame]).await
     }

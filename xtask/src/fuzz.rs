@@ -107,8 +107,10 @@ pub(crate) fn fuzz(args: &[String]) -> Result<()> {
     }
     match target.as_str() {
         "seeds" => seeds(),
-        "all" => run_targets(&all(), seconds),
-        t if TARGETS.iter().any(|(name, _)| *name == t) => run_targets(&[t], seconds),
+        "all" => run_targets(&all(), seconds, Build::Release),
+        t if TARGETS.iter().any(|(name, _)| *name == t) => {
+            run_targets(&[t], seconds, Build::Release)
+        }
         other => bail!("unknown fuzz target {other:?}; {}", usage()),
     }
 }
@@ -208,19 +210,36 @@ struct Outcome {
     failure: Option<String>,
 }
 
+/// How the fuzz targets are built.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Build {
+    /// Optimized, with debug assertions: many runs a second, for real fuzzing sessions.
+    Release,
+    /// Unoptimized: a fraction of the release build's time and of its speed, for CI's few
+    /// seconds a target (a smoke test that every target builds and runs, not a search).
+    Dev,
+}
+
 /// Builds `targets` once, then runs each for `seconds`; fails if any run found something.
-pub(crate) fn run_targets(targets: &[&str], seconds: u64) -> Result<()> {
+pub(crate) fn run_targets(targets: &[&str], seconds: u64, how: Build) -> Result<()> {
     ensure_cargo_fuzz()?;
     let root = workspace_root();
     let target_dir = target_dir(&root)?;
+    let (profile, kind) = match how {
+        Build::Release => ("release", "a release build"),
+        Build::Dev => ("debug", "an unoptimized build"),
+    };
     eprintln!(
-        "xtask: fuzzing {} target(s) for {seconds} s each: first a release build with \
-         AddressSanitizer into {} (several minutes the first time)",
+        "xtask: fuzzing {} target(s) for {seconds} s each: first {kind} with \
+         AddressSanitizer into {} (minutes the first time)",
         targets.len(),
         target_dir.display()
     );
     let started = Instant::now();
     let mut build = vec!["fuzz", "build", "--debug-assertions"];
+    if how == Build::Dev {
+        build.push("--dev");
+    }
     // One target: build only it (all: one build of every binary).
     if let [one] = targets {
         build.push(one);
@@ -230,7 +249,7 @@ pub(crate) fn run_targets(targets: &[&str], seconds: u64) -> Result<()> {
         "xtask: built the fuzz targets in {:.0} s",
         started.elapsed().as_secs_f64()
     );
-    let bin_dir = target_dir.join(host_triple()?).join("release");
+    let bin_dir = target_dir.join(host_triple()?).join(profile);
     let mut outcomes = Vec::new();
     for target in targets {
         outcomes.push(run_one(&root, &target_dir, &bin_dir, target, seconds)?);

@@ -245,7 +245,7 @@ fn ci(quick: bool) -> Result<()> {
     ]);
     run("cargo", &gpu_check, &[])?;
     feature_trees()?;
-    fuzz::run_targets(&fuzz::all(), fuzz::CI_SECONDS)?;
+    fuzz::run_targets(&fuzz::all(), fuzz::CI_SECONDS, fuzz::Build::Dev)?;
     eprintln!("xtask: ci passed");
     Ok(())
 }

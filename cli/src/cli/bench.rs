@@ -1,5 +1,7 @@
 //! `tensorwire bench ...`: measurements that compare tensorwire with a raw baseline in one run.
 //!
+//! - `bench fairness [--json FILE]`: an honest caller's latency while another peer floods the
+//!   same worker, against none (see `bench_fairness`).
 //! - `bench transport --transport tcp|quic|shm [--json FILE]`: on loopback, plain blocking TCP
 //!   sockets without framing, served by a raw echo *process* (this binary re-run with the hidden
 //!   `bench raw-echo`; ping-pong of small messages, bulk transfers), against the chosen transport
@@ -51,6 +53,10 @@ enum Bench {
     CurveWorker(super::bench_curves::CurveWorkerArgs),
     /// A rendezvous-shaped load on the store server from one process holding N connections.
     Store(super::bench_store::StoreArgs),
+    /// An honest caller's p50/p99 while another peer floods the same worker (a peer that
+    /// never reads its replies; a request flood), against no flood, as ratios.
+    #[cfg(feature = "tcp")]
+    Fairness(super::bench_fairness::FairnessArgs),
     /// One rank of `bench collectives` (started by it).
     #[command(hide = true)]
     CollectivesWorker(super::bench_collectives::WorkerArgs),
@@ -137,6 +143,8 @@ pub(crate) fn run(args: Args) -> ExitCode {
         Bench::CurveWorker(a) => super::bench_curves::worker(&a),
         Bench::CollectivesWorker(a) => super::bench_collectives::worker(&a),
         Bench::Store(a) => super::bench_store::run(&a),
+        #[cfg(feature = "tcp")]
+        Bench::Fairness(a) => super::bench_fairness::run(&a),
         Bench::RawEcho(a) => super::bench_raw_tcp::raw_echo(a.connections),
         Bench::RawShmEcho(a) => super::bench_raw_shm::raw_shm_echo(&a),
         Bench::RawBarrierRank(a) => super::bench_raw_barrier::rank(&a),

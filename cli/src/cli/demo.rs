@@ -30,6 +30,10 @@ pub(crate) struct Args {
     /// Training steps per trainer.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     steps: u32,
+    /// Run over QUIC, each worker with a certificate for its rank issued by the launcher
+    /// (`launch --quic-certs`): the workers' names are their own choice, their ranks are not.
+    #[arg(long)]
+    quic: bool,
     /// Run as one worker of the demo (set by the demo itself).
     #[arg(long, hide = true)]
     worker: bool,
@@ -174,7 +178,7 @@ pub(crate) fn run(args: Args) -> ExitCode {
         "tensorwire demo: 1 parameter server + {} trainers, {} steps each, on 127.0.0.1 (simulated GPUs)",
         args.trainers, args.steps
     );
-    let command = vec![
+    let mut command = vec![
         exe,
         "demo".into(),
         "--worker".into(),
@@ -183,7 +187,25 @@ pub(crate) fn run(args: Args) -> ExitCode {
         "--steps".into(),
         args.steps.to_string(),
     ];
-    crate::cli::launch::run(crate::cli::launch::Args::local(args.trainers + 1, command))
+    let mut launch = crate::cli::launch::Args::local(args.trainers + 1, Vec::new());
+    // The CA of a QUIC demo: made for this run, its key read by the launcher only.
+    let ca_dir = args.quic.then(|| {
+        std::env::temp_dir().join(format!(
+            "tensorwire-demo-ca-{}-{}",
+            std::process::id(),
+            rand::random::<u64>()
+        ))
+    });
+    if let Some(dir) = &ca_dir {
+        command.push("--quic".into());
+        launch = launch.with_quic_certs(dir.clone());
+    }
+    launch.command = command;
+    let code = crate::cli::launch::run(launch);
+    if let Some(dir) = &ca_dir {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    code
 }
 
 const DIM: usize = 8;
@@ -320,6 +342,11 @@ async fn worker(args: &Args) -> Result<()> {
     };
     if rank != 0 {
         options.set_device_map("ps", &[("cuda:0", "cuda:1")])?;
+    }
+    if args.quic {
+        // The folder comes from the launcher (`TENSORWIRE_TLS_DIR`): `ca.pem` and this
+        // worker's `rank-N` certificate, which certifies whatever name it takes.
+        options = options.with_backend("QUIC");
     }
     let started = Instant::now();
     let agent = init_rpc(&name, rank, Some(world), options).await?;

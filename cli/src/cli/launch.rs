@@ -11,7 +11,9 @@
 //! (from `--secret-file`, else from the launcher's own `TENSORWIRE_SECRET`; on one node a
 //! fresh one is made when neither is given, across nodes that is an error, since every node
 //! must use the same; `--insecure` passes none and sets `TENSORWIRE_INSECURE=1`). Output lines
-//! are prefixed with `[rank N]`. When a worker fails, the others are stopped (SIGTERM, then
+//! are prefixed with `[rank N]`. With `--quic-certs CA_DIR`, each worker also gets its own QUIC
+//! certificate for its rank (`rank-N`) in a folder named by `TENSORWIRE_TLS_DIR`, issued from a
+//! CA whose key only the launcher reads. When a worker fails, the others are stopped (SIGTERM, then
 //! SIGKILL after `--grace`), and the launcher exits with the failed worker's code (128 + signal
 //! for a worker killed by a signal). Ctrl-C stops everyone.
 //!
@@ -78,6 +80,13 @@ pub(crate) struct Args {
     /// Run without a cluster secret (anyone who reaches the ports can join).
     #[arg(long)]
     insecure: bool,
+    /// Issue each worker a QUIC certificate for its rank (`rank-N`) from the cluster CA in
+    /// this folder (`ca.pem`, `ca.key.pem`; made there on one node when missing, required
+    /// with --nnodes > 1). Each worker gets a folder of its own, named in `TENSORWIRE_TLS_DIR`,
+    /// with `ca.pem` and its own certificate and key, never the CA key: no worker can then
+    /// take another's rank over QUIC. Removed when the launcher exits.
+    #[arg(long, value_name = "CA_DIR")]
+    quic_certs: Option<PathBuf>,
     /// How long stopped workers get between SIGTERM and SIGKILL, in seconds.
     #[arg(long, default_value_t = 5.0)]
     grace: f64,
@@ -89,7 +98,7 @@ pub(crate) struct Args {
     no_prefix: bool,
     /// The program to run, and its arguments.
     #[arg(last = true, required = true, num_args = 1..)]
-    command: Vec<String>,
+    pub(crate) command: Vec<String>,
 }
 
 impl Args {
@@ -103,11 +112,18 @@ impl Args {
             master_port: None,
             secret_file: None,
             insecure: false,
+            quic_certs: None,
             grace: 5.0,
             join_timeout: 300.0,
             no_prefix: false,
             command,
         }
+    }
+
+    /// The same, with `--quic-certs ca_dir`.
+    pub(crate) fn with_quic_certs(mut self, ca_dir: PathBuf) -> Self {
+        self.quic_certs = Some(ca_dir);
+        self
     }
 }
 
@@ -179,6 +195,86 @@ fn secret(args: &Args) -> Result<Option<String>> {
     Ok(Some(bytes.iter().map(|b| format!("{b:02x}")).collect()))
 }
 
+/// The environment variable that names a worker's TLS folder (the QUIC backend's).
+const TLS_DIR_ENV: &str = "TENSORWIRE_TLS_DIR";
+
+/// The per-worker TLS folders of `--quic-certs`: `<temp>/tensorwire-launch-<pid>-<n>/rank-N/`
+/// (mode 0700) with `ca.pem`, `rank-N.pem` and `rank-N.key.pem`, issued by a CA whose key stays
+/// in the launcher. Removed when dropped (the launcher exits after its workers).
+struct WorkerCerts {
+    root: PathBuf,
+}
+
+impl WorkerCerts {
+    #[cfg(feature = "quic")]
+    fn issue(
+        ca_dir: &std::path::Path,
+        ranks: std::ops::Range<u32>,
+        multi_node: bool,
+    ) -> Result<Self> {
+        use tensorwire_core::identity::rank_name;
+        use tensorwire_transport_quic::certs::{ClusterCa, CA_CERT_FILE, CA_KEY_FILE};
+        let ca = if multi_node {
+            // Every node must issue from the same CA: it is not made here.
+            let read = |file: &str| {
+                let path = ca_dir.join(file);
+                std::fs::read_to_string(&path).with_context(|| {
+                    format!(
+                        "--quic-certs with --nnodes > 1 needs the same cluster CA on every \
+                         node: cannot read {}",
+                        path.display()
+                    )
+                })
+            };
+            ClusterCa::from_pem(&read(CA_CERT_FILE)?, &read(CA_KEY_FILE)?)?
+        } else {
+            ClusterCa::load_or_generate(ca_dir)?
+        };
+        let root = std::env::temp_dir().join(format!(
+            "tensorwire-launch-{}-{}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        let certs = WorkerCerts { root };
+        private_dir(&certs.root)?;
+        for rank in ranks {
+            let dir = certs.dir(rank);
+            private_dir(&dir)?;
+            std::fs::write(dir.join(CA_CERT_FILE), ca.cert_pem())
+                .with_context(|| format!("cannot write into {}", dir.display()))?;
+            ca.issue_node(&rank_name(rank))?
+                .write_pem_files(&dir, &rank_name(rank))?;
+        }
+        Ok(certs)
+    }
+
+    #[cfg(not(feature = "quic"))]
+    fn issue(_: &std::path::Path, _: std::ops::Range<u32>, _: bool) -> Result<Self> {
+        bail!("--quic-certs: this build has no QUIC transport (feature `quic`)")
+    }
+
+    /// Rank `rank`'s folder.
+    fn dir(&self, rank: u32) -> PathBuf {
+        self.root.join(tensorwire_core::identity::rank_name(rank))
+    }
+}
+
+impl Drop for WorkerCerts {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+/// Creates `dir` readable by this user only.
+#[cfg(feature = "quic")]
+fn private_dir(dir: &std::path::Path) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("cannot create {}", dir.display()))
+}
+
 /// How one worker ended.
 struct Exit {
     code: u8,
@@ -215,6 +311,15 @@ async fn launch(args: Args) -> Result<u8> {
     let node = args.node_rank;
     let world_size = args.nnodes * args.nproc;
 
+    let certs = match &args.quic_certs {
+        Some(ca_dir) => Some(WorkerCerts::issue(
+            ca_dir,
+            node * args.nproc..(node + 1) * args.nproc,
+            multi_node,
+        )?),
+        None => None,
+    };
+
     let mut job = if multi_node {
         Some(JobStore::join(&args, port, secret.as_deref()).await?)
     } else {
@@ -248,6 +353,9 @@ async fn launch(args: Args) -> Result<u8> {
             // Its own process group, so that stopping a worker stops what it started too.
             .process_group(0)
             .kill_on_drop(true);
+        if let Some(certs) = &certs {
+            cmd.env(TLS_DIR_ENV, certs.dir(rank));
+        }
         if multi_node {
             cmd.env(LAUNCHER_STORE_ENV, "1");
         } else {

@@ -6,6 +6,8 @@ pub(crate) mod bench_autograd;
 pub(crate) mod bench_collectives;
 pub(crate) mod bench_common;
 pub(crate) mod bench_curves;
+#[cfg(feature = "tcp")]
+pub(crate) mod bench_fairness;
 pub(crate) mod bench_gloo;
 mod bench_mpi;
 pub(crate) mod bench_raw_barrier;

@@ -30,6 +30,7 @@ use std::net::SocketAddr;
 use async_trait::async_trait;
 
 use crate::auth::AuthError;
+use crate::identity::Credentials;
 use crate::wire::{Frame, WireError};
 
 /// A way to reach other workers: TCP, QUIC, ...
@@ -43,6 +44,15 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Connects to a listener at `addr` and authenticates.
     async fn connect(&self, addr: SocketAddr) -> Result<Box<dyn Connection>, TransportError>;
+
+    /// What this worker's own credentials prove about it (see [`crate::identity`]): a shared
+    /// secret proves membership (the default); a QUIC node certificate names the worker (and,
+    /// issued for `rank-N`, its rank). The mesh passes it to
+    /// [`check_rank_claim`](crate::identity::check_rank_claim): a worker holding a rank
+    /// certificate requires one of every peer.
+    fn credentials(&self) -> Credentials {
+        Credentials::Membership
+    }
 }
 
 /// Accepts authenticated connections. Dropping it stops listening.
@@ -119,6 +129,13 @@ pub trait Connection: Send + Sync {
     /// no default, so that a wrapper around another connection cannot skip the check by
     /// forgetting to pass it on.
     fn check_peer_name(&self, name: &str) -> Result<(), IdentityError>;
+
+    /// What the peer's credentials prove about who it is: [`Credentials::Membership`] for a
+    /// cluster secret, the names of its certificate (verified against the cluster CA) for
+    /// QUIC. The mesh checks every rank a peer claims against it, with
+    /// [`check_rank_claim`](crate::identity::check_rank_claim). No default, for the reason
+    /// [`check_peer_name`](Self::check_peer_name) has none.
+    fn peer_credentials(&self) -> Credentials;
 }
 
 /// A peer's credentials do not name the worker it says it is

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use tensorwire_core::budget::Budget;
 use tensorwire_core::collective::inbox::{Admission, InboxLimits};
+use tensorwire_core::identity::check_rank_claim;
 use tensorwire_core::ports::process_group::ProcessGroupError;
 use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::ports::store::Store;
@@ -77,6 +78,12 @@ impl Mesh {
             return Err(setup_err(format!("a world of {world} ranks is too large")));
         };
         let deadline = rt.deadline_after(timeout);
+        // What this rank's own credentials are (a rank certificate requires one of every peer).
+        let own = transport.credentials();
+        if let Err(e) = check_rank_claim(&own, &own, me) {
+            // A worker started with another rank's certificate: every peer would refuse it.
+            return Err(setup_err(format!("this worker's own certificate: {e}")));
+        }
         let join = Mutex::new(StaticJoin::new(me, world32, None));
         let lock_join = || join.lock().unwrap_or_else(|e| e.into_inner());
         let (dials, accepts) = {
@@ -141,6 +148,29 @@ impl Mesh {
                     }
                 };
                 let from = hello.rank;
+                if let Err(source) = check_rank_claim(&own, &conn.peer_credentials(), from) {
+                    // Its certificate is for another rank (or none, among rank certificates):
+                    // an impostor, or a mistake. Tell it why, drop it, and go on waiting for
+                    // the real rank, whose claim this one cannot block.
+                    let error = ProcessGroupError::RankNotCertified {
+                        rank,
+                        peer: conn.peer_addr(),
+                        source,
+                    };
+                    warn!(group, rank, "{error}");
+                    let abort = GroupFrame::Abort {
+                        rank: me,
+                        reason: error.to_string(),
+                    }
+                    .frame(Vec::new());
+                    // Beside the accepting: an impostor that does not read holds up nobody.
+                    let runtime = runtime.clone();
+                    tokio::spawn(async move {
+                        let _ = runtime.timeout(ABORT_SEND_TIMEOUT, conn.send(abort)).await;
+                        let _ = conn.close().await;
+                    });
+                    continue;
+                }
                 let claimed = accepted.iter().find(|(r, _)| *r == from as usize);
                 if let Some((_, first)) = claimed {
                     // Two claims of one rank: one is an impostor holding the secret. Which
@@ -236,6 +266,16 @@ impl Mesh {
                 let conn = link::dial(rt, transport, addr, &hello, deadline)
                     .await
                     .map_err(|e| setup_err(format!("rank {peer}: {e}")))?;
+                // The listener at rank `peer`'s published address must be certified for it
+                // (where certificates name ranks): a forged address gets nobody in.
+                if let Err(source) = check_rank_claim(&own, &conn.peer_credentials(), peer) {
+                    let _ = conn.close().await;
+                    return Err(ProcessGroupError::RankNotCertified {
+                        rank,
+                        peer: addr,
+                        source,
+                    });
+                }
                 lock_join()
                     .handle_connected(peer, true)
                     .map_err(|e| setup_err(e.to_string()))?;

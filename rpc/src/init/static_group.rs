@@ -84,14 +84,21 @@ pub(crate) async fn join_static(
 }
 
 /// Every peer's credentials are issued for the name its record gives (QUIC node certificates;
-/// a cluster secret lets any member take any name, and the check says yes). The record may
-/// have come through other ranks; the connection is the one to the rank itself.
+/// a cluster secret lets any member take any name, and the check says yes), or for its rank:
+/// a rank certificate (`rank-N`, which the mesh already checked against the rank the peer
+/// claimed) certifies the connection's own record, whatever name the user chose in it. The
+/// record may have come through other ranks; the connection is the one to the rank itself.
 fn check_names(group: &Group, records: &[WorkerRecord]) -> Result<(), RpcError> {
     for (rank, conn) in group.connections() {
         let Some(record) = records.get(rank) else {
             continue;
         };
         let name = &record.devices.name;
+        let rank_certified =
+            u32::try_from(rank).is_ok_and(|r| conn.peer_credentials().ranks().contains(&r));
+        if rank_certified && record.rank as usize == rank {
+            continue;
+        }
         conn.check_peer_name(name)
             .map_err(|source| RpcError::NotCertified {
                 rank: rank as WorkerId,

@@ -180,6 +180,20 @@ pub enum ProcessGroupError {
         /// Where the second came from.
         second: std::net::SocketAddr,
     },
+    /// A peer's certificate does not let it be the rank it claimed in its hello (this rank
+    /// refused the connection, told it why and went on waiting for the real rank), or the
+    /// peer this rank dialled as rank `claimed` is certified for another rank (the setup
+    /// fails). Decided by [`check_rank_claim`](crate::identity::check_rank_claim).
+    #[error("process group setup on rank {rank}: refused the connection with {peer}: {source}")]
+    RankNotCertified {
+        /// This rank.
+        rank: usize,
+        /// The peer's address.
+        peer: std::net::SocketAddr,
+        /// The rank it claimed (or was dialled as) and what its certificate names.
+        #[source]
+        source: crate::identity::RankClaimError,
+    },
     /// Setting up the group failed (rendezvous, store, connections).
     #[error("process group setup on rank {rank}: {reason}")]
     Setup {
