@@ -23,7 +23,9 @@ use tensorwire_core::protocol::envelope::Envelope;
 /// Attaches an agent-owned connection to `peer` (its writer: see [`links::attach_conn`]) and
 /// starts its reader, which hands every frame to the endpoint through [`on_frame`].
 pub(crate) fn attach(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection>) {
-    let Some(mut reader_failed) = links::attach_conn(this, peer, Arc::clone(&conn), true) else {
+    let Some(mut reader_failed) =
+        links::attach_conn(this, peer, Arc::clone(&conn), true, resume_requests)
+    else {
         return;
     };
     let agent = this.clone();
@@ -262,30 +264,6 @@ pub(crate) fn resume_requests(this: &Agent, peer: WorkerId) {
             .release(Use::Requests, bytes);
         run(this, ev);
     }
-}
-
-/// Forgets `peer`'s held requests (it is lost), giving their bytes back to its budget. The
-/// references forked for this worker in their arguments are accepted and dropped at once, as
-/// for a request refused, so that their owners stop counting them.
-pub(crate) fn drop_held_requests(
-    st: &mut crate::state::State,
-    peer: WorkerId,
-    now: std::time::Instant,
-) {
-    let Some(queue) = st.held_requests.remove(&peer) else {
-        return;
-    };
-    let mut bytes = 0usize;
-    for (ev, b) in queue {
-        bytes = bytes.saturating_add(b);
-        if let Event::Call { body, .. } | Event::Remote { body, .. } = ev {
-            for fork in body.forks {
-                let handle = st.ep.accept_fork(fork, now);
-                st.ep.drop_handle(handle, now);
-            }
-        }
-    }
-    st.ep.budget().account(peer).release(Use::Requests, bytes);
 }
 
 fn run(this: &Agent, ev: Event<Body>) {

@@ -41,6 +41,9 @@ pub(crate) struct DirectWrite {
 /// owns the connection (its writer closes it at the end, and the driver reads it: see
 /// `driver::attach`); else its owner, the static group, reads it and keeps it open.
 ///
+/// `on_reading_again` runs when the peer reads again after its queue held its requests (the
+/// driver runs them; passed in, so that links need not know the driver).
+///
 /// Returns what tells the connection's reader that the writer failed the peer (its queue
 /// passed the bound), or `None` if the agent is shut down (the connection closes here).
 pub(crate) fn attach_conn(
@@ -48,6 +51,7 @@ pub(crate) fn attach_conn(
     peer: WorkerId,
     conn: Arc<dyn Connection>,
     owned: bool,
+    on_reading_again: fn(&Agent, WorkerId),
 ) -> Option<tokio::sync::watch::Receiver<bool>> {
     if this.tasks().closed {
         // Shut down already: the connection closes here.
@@ -116,8 +120,8 @@ pub(crate) fn attach_conn(
                 None => break,
                 Some(Ok(())) => {
                     if resumed {
-                        // It reads again: its held requests run.
-                        crate::driver::resume_requests(&agent, peer);
+                        // It reads again: its held requests run (the driver's part).
+                        on_reading_again(&agent, peer);
                     }
                 }
                 Some(Err(e)) => {
@@ -184,7 +188,7 @@ pub(crate) fn member_left(this: &Agent, peer: WorkerId) {
         let mut st = this.lock();
         let link = st.peers.remove(&peer);
         st.ep.handle_peer_lost(peer, LostCause::Left, this.now());
-        crate::driver::drop_held_requests(&mut st, peer, this.now());
+        st.drop_held_requests(peer, this.now());
         link
     };
     drop(link);
@@ -264,7 +268,7 @@ pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
         let mut st = this.lock();
         st.peers.remove(&peer);
         st.ep.handle_peer_lost(peer, cause, this.now());
-        crate::driver::drop_held_requests(&mut st, peer, this.now());
+        st.drop_held_requests(peer, this.now());
     }
     if this.inner.dynamic {
         // The membership drops it (and hands coordination on, if it coordinated).

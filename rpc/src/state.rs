@@ -102,6 +102,31 @@ pub(crate) struct State {
     pub(crate) held_requests: HashMap<WorkerId, std::collections::VecDeque<(Event<Body>, usize)>>,
 }
 
+impl State {
+    /// Forgets `peer`'s held requests (it is lost), giving their bytes back to its budget. The
+    /// references forked for this worker in their arguments are accepted and dropped at once,
+    /// as for a request refused, so that their owners stop counting them.
+    pub(crate) fn drop_held_requests(&mut self, peer: WorkerId, now: Instant) {
+        let Some(queue) = self.held_requests.remove(&peer) else {
+            return;
+        };
+        let mut bytes = 0usize;
+        for (ev, b) in queue {
+            bytes = bytes.saturating_add(b);
+            if let Event::Call { body, .. } | Event::Remote { body, .. } = ev {
+                for fork in body.forks {
+                    let handle = self.ep.accept_fork(fork, now);
+                    self.ep.drop_handle(handle, now);
+                }
+            }
+        }
+        self.ep
+            .budget()
+            .account(peer)
+            .release(tensorwire_core::budget::Use::Requests, bytes);
+    }
+}
+
 pub(crate) struct Inner {
     pub(crate) me: WorkerInfo,
     pub(crate) members: std::sync::RwLock<Directory>,

@@ -14,8 +14,6 @@
 //! gather, scatter, all_to_all, the byte broadcast) first exchange the lengths through the
 //! arena too.
 
-use std::time::Instant;
-
 use tensorwire_core::collective::arena as plans;
 use tensorwire_core::collective::arena::ArenaPlan;
 use tensorwire_transport_shm::arena::{host_key, Arena, ArenaError, ArenaHost};
@@ -213,7 +211,7 @@ impl Group {
             return Ok(());
         }
         let pids: Vec<u32> = records.iter().map(|r| r.pid).collect();
-        let deadline = Instant::now() + self.inner.timeout;
+        let deadline = self.inner.mesh.runtime().deadline_after(self.inner.timeout);
         let arena = match host {
             Some(host) => host.accept(rank, &pids, spin(), deadline).await,
             None => Arena::join(&leader_socket, rank, &pids, 0, spin(), deadline).await,
@@ -276,7 +274,7 @@ impl Group {
         let rank = self.rank();
         let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
         let key = format!("tensorwire/pg/{}/arena", self.name());
-        let deadline = Instant::now() + self.inner.timeout;
+        let deadline = self.inner.mesh.runtime().deadline_after(self.inner.timeout);
         if rank == 0 {
             let host = ArenaHost::create(self.size(), self.inner.arena_bytes)
                 .map_err(|e| setup(e.to_string()))?;
@@ -345,7 +343,7 @@ impl Group {
             .run(
                 &plan,
                 buffer,
-                Instant::now() + timeout,
+                self.inner.mesh.runtime().deadline_after(timeout),
                 timeout,
                 fingerprint(collective, signature),
                 &gone,

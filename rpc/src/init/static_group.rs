@@ -203,7 +203,13 @@ pub(crate) async fn attach_group(
     let sink: Arc<dyn FrameSink> = Arc::new(AgentFrames(this.clone()));
     let routed = group.route_frames(sink);
     for (peer, conn) in group.connections() {
-        let _ = links::attach_conn(this, peer as WorkerId, conn, false);
+        let _ = links::attach_conn(
+            this,
+            peer as WorkerId,
+            conn,
+            false,
+            crate::driver::resume_requests,
+        );
     }
     *this
         .inner
