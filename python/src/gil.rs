@@ -17,7 +17,8 @@
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use pyo3::Python;
 
@@ -28,12 +29,18 @@ struct Queue {
     jobs: VecDeque<Job>,
     /// Runners that will look at the queue before running anything that may block.
     ready: usize,
+    /// Jobs being run.
+    running: usize,
 }
 
 static QUEUE: Mutex<Queue> = Mutex::new(Queue {
     jobs: VecDeque::new(),
     ready: 0,
+    running: 0,
 });
+
+/// Signalled when the last running job ends with none queued (see [`wait_idle`]).
+static IDLE: Condvar = Condvar::new();
 
 fn queue() -> MutexGuard<'static, Queue> {
     // A job never runs under the lock, so a poisoned lock still guards consistent state.
@@ -71,6 +78,7 @@ fn run() {
                 q.ready += 1;
                 crate::runtime().spawn_blocking(run);
             }
+            q.running += 1;
             job
         };
         // A job reports its own failures (a reply's callback, a call's sender); a panic in
@@ -78,8 +86,34 @@ fn run() {
         if std::panic::catch_unwind(AssertUnwindSafe(|| job(py))).is_err() {
             tracing::error!("a tensorwire.rpc job panicked");
         }
-        queue().ready += 1;
+        let mut q = queue();
+        q.ready += 1;
+        q.running -= 1;
+        if q.running == 0 && q.jobs.is_empty() {
+            IDLE.notify_all();
+        }
     })
+}
+
+/// Waits, at most `bound`, until no job runs or waits (call it without the GIL, which the jobs
+/// need). `shutdown` does, so that the interpreter does not begin to exit while a job is half
+/// run: a thread that takes the GIL once the interpreter is finalizing is ended on the spot
+/// (CPython's `pthread_exit`), and that unwinding through a job aborts the process. `false` if
+/// jobs were still running at the bound (one blocked for good).
+pub(crate) fn wait_idle(bound: Duration) -> bool {
+    let deadline = Instant::now() + bound;
+    let mut q = queue();
+    while q.running > 0 || !q.jobs.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        q = IDLE
+            .wait_timeout(q, left)
+            .map(|(q, _)| q)
+            .unwrap_or_else(|e| e.into_inner().0);
+    }
+    true
 }
 
 /// Runs `f` as a job and waits for its result without holding a runtime worker. `Err` if the

@@ -1050,6 +1050,12 @@ impl RpcAgent {
             Shutdown::Immediate
         };
         let agent = self.agent.clone();
-        wait(py, async move { agent.shutdown(how).await })?.map_err(|e| rpc_error(&e))
+        let stopped = wait(py, async move { agent.shutdown(how).await })?;
+        // The jobs the last messages started finish before the interpreter may exit. The
+        // bound is for a job blocked for good (a served function waiting for an event).
+        if !py.detach(|| crate::gil::wait_idle(Duration::from_secs(2))) {
+            tracing::warn!("tensorwire.rpc: Python jobs still running 2 s after shutdown");
+        }
+        stopped.map_err(|e| rpc_error(&e))
     }
 }
