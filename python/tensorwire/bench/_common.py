@@ -312,3 +312,64 @@ def run_speedup_suite(
                 indent=2,
             )
     return 1 if failures else 0
+
+
+def run_both_agents(
+    rank: int,
+    world: int,
+    env: dict,
+    cfg: dict,
+    out_path: str,
+    exposed: tuple,
+    measure: Callable[[], list[dict]],
+) -> None:
+    """One worker of a speedup suite: pins it as ``cfg`` says, exposes ``exposed`` on
+    tensorwire's agent, starts both agents side by side (``tensorwire.rpc`` through ``env://``,
+    TensorPipe through a file store beside ``out_path``), and on rank 0 runs ``measure()`` and
+    appends its records (or the error it raised) to ``out_path``; then shuts both down."""
+    import traceback
+    import warnings
+
+    os.environ.update(env)
+    os.environ["RANK"] = str(rank)
+    if cfg["pin"]:
+        # Every worker on one core, every thread (taskset -c CPU).
+        pin_process(cfg["cpus"][0])
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import torch.distributed.rpc as tp
+
+    import tensorwire.rpc as tw
+
+    for fn in exposed:
+        tw.expose(fn)
+    timeout = cfg["timeout_s"]
+    tw.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        world_size=world,
+        rpc_backend_options=tw.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=timeout),
+    )
+    tp.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        world_size=world,
+        rpc_backend_options=tp.TensorPipeRpcBackendOptions(
+            init_method=f"file://{out_path}.tensorpipe-store", rpc_timeout=timeout
+        ),
+    )
+    pin = "pinned" if cfg["pin"] else "unpinned"
+    load_before = load_average()
+    if rank == 0:
+        try:
+            records = measure()
+        except Exception as e:  # noqa: BLE001  (reported; the shutdown below still runs)
+            traceback.print_exc()
+            records = [{"figure": "error", "error": f"{type(e).__name__}: {e}"}]
+        load = [load_before, load_average()]
+        with open(out_path, "a") as f:
+            for r in records:
+                r.update(pin=pin, run=cfg["run"], load=load)
+                f.write(json.dumps(r) + "\n")
+    tp.shutdown()
+    tw.shutdown()

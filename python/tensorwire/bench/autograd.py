@@ -39,12 +39,8 @@ the medians over the runs.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import statistics
-import traceback
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -55,8 +51,7 @@ from ._common import (
     abba_blocks,
     add_speedup_arguments,
     chosen_figures,
-    load_average,
-    pin_process,
+    run_both_agents,
     run_speedup_suite,
     speedup_record,
     timed,
@@ -191,49 +186,11 @@ def trainer_block(engine: str, steps: int, cfg: dict) -> list[float]:
 
 def _rank_main(rank: int, world: int, env: dict, cfg: dict, out_path: str) -> None:
     """One of the three workers: both engines side by side in this process, worker0 drives."""
-    os.environ.update(env)
-    os.environ["RANK"] = str(rank)
-    if cfg["pin"]:
-        pin_process(cfg["cpus"][0])
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    import torch.distributed.rpc as tp
-
-    import tensorwire.rpc as tw
-
-    for fn in (stage_forward, stage_parameter, max_difference, trainer_block):
-        tw.expose(fn)
     _build(cfg)
-    timeout = cfg["timeout_s"]
-    tw.init_rpc(
-        f"worker{rank}",
-        rank=rank,
-        world_size=world,
-        rpc_backend_options=tw.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=timeout),
+    run_both_agents(
+        rank, world, env, cfg, out_path, (stage_forward, stage_parameter, max_difference, trainer_block),
+        lambda: _measure({name: _Engine(name) for name in ENGINES}, cfg),
     )
-    tp.init_rpc(
-        f"worker{rank}",
-        rank=rank,
-        world_size=world,
-        rpc_backend_options=tp.TensorPipeRpcBackendOptions(
-            init_method=f"file://{out_path}.tensorpipe-store", rpc_timeout=timeout
-        ),
-    )
-    pin = "pinned" if cfg["pin"] else "unpinned"
-    load_before = load_average()
-    if rank == 0:
-        try:
-            records = _measure({name: _Engine(name) for name in ENGINES}, cfg)
-        except Exception as e:  # noqa: BLE001  (reported; the shutdown below still runs)
-            traceback.print_exc()
-            records = [{"figure": "error", "error": f"{type(e).__name__}: {e}"}]
-        load = [load_before, load_average()]
-        with open(out_path, "a") as f:
-            for r in records:
-                r.update(pin=pin, run=cfg["run"], load=load)
-                f.write(json.dumps(r) + "\n")
-    tp.shutdown()
-    tw.shutdown()
 
 
 def _measure(engines: dict[str, _Engine], cfg: dict) -> list[dict]:

@@ -30,12 +30,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
-import os
 import statistics
 import time
-import traceback
 from typing import Any, Callable
 
 import torch
@@ -46,8 +43,7 @@ from ._common import (
     abba_blocks,
     add_speedup_arguments,
     chosen_figures,
-    load_average,
-    pin_process,
+    run_both_agents,
     run_speedup_suite,
     speedup_record,
     timed,
@@ -75,50 +71,13 @@ def rpc_echo(value: Any) -> Any:
 
 def _rpc_rank_main(rank: int, world: int, env: dict, cfg: dict, out_path: str) -> None:
     """One of the two workers: both agents side by side in this process, rank 0 the caller."""
-    os.environ.update(env)
-    os.environ["RANK"] = str(rank)
-    if cfg["pin"]:
-        # Both processes on one core, every thread (taskset -c CPU).
-        pin_process(cfg["cpus"][0])
-    torch.set_num_threads(1)
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    import torch.distributed.rpc as tp
     import tensorwire.rpc as tw
+    import torch.distributed.rpc as tp
 
-    tw.expose(rpc_noop)
-    tw.expose(rpc_echo)
-    timeout = cfg["timeout_s"]
-    tw.init_rpc(
-        f"worker{rank}",
-        rank=rank,
-        world_size=world,
-        rpc_backend_options=tw.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=timeout),
+    run_both_agents(
+        rank, world, env, cfg, out_path, (rpc_noop, rpc_echo),
+        lambda: _rpc_measure({"tensorwire": tw, "tensorpipe": tp}, cfg),
     )
-    tp.init_rpc(
-        f"worker{rank}",
-        rank=rank,
-        world_size=world,
-        rpc_backend_options=tp.TensorPipeRpcBackendOptions(
-            init_method=f"file://{out_path}.tensorpipe-store", rpc_timeout=timeout
-        ),
-    )
-    pin = "pinned" if cfg["pin"] else "unpinned"
-    load_before = load_average()
-    if rank == 0:
-        try:
-            records = _rpc_measure({"tensorwire": tw, "tensorpipe": tp}, cfg)
-        except Exception as e:  # noqa: BLE001  (reported; the shutdown below still runs)
-            traceback.print_exc()
-            records = [{"figure": "error", "error": f"{type(e).__name__}: {e}"}]
-        load = [load_before, load_average()]
-        with open(out_path, "a") as f:
-            for r in records:
-                r.update(pin=pin, run=cfg["run"], load=load)
-                f.write(json.dumps(r) + "\n")
-    tp.shutdown()
-    tw.shutdown()
 
 
 def _rpc_measure(agents: dict[str, Any], cfg: dict) -> list[dict]:
