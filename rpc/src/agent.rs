@@ -385,7 +385,7 @@ impl Agent {
             other => RpcError::Tensors {
                 to: self.name_of(to),
                 function: function.to_owned(),
-                message: other.to_string(),
+                source: Box::new(other),
             },
         }
     }
@@ -1141,10 +1141,10 @@ impl Agent {
     ) -> Result<R, RpcError> {
         let tensors = crate::ipc::from_wire(self, from_id, body.tensors)
             .await
-            .map_err(|e| RpcError::Tensors {
+            .map_err(|source| RpcError::Tensors {
                 to: from.to_owned(),
                 function: what.to_owned(),
-                message: e.to_string(),
+                source: Box::new(source),
             })?;
         codec::decode(self, &body.data, tensors).map_err(|e| RpcError::Serialization {
             what: format!("the result of {what:?} from {from}"),

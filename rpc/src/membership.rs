@@ -11,12 +11,13 @@
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+use tensorwire_core::codec::{Format, Undecodable};
 use tensorwire_core::ports::transport::{Connection, IdentityError, Listener, Transport};
 use tensorwire_core::protocol::membership::{
     Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
 };
 use tensorwire_core::protocol::mesh::HelloReply;
-use tensorwire_core::protocol::{ProtocolViolation, WorkerId};
+use tensorwire_core::protocol::{MalformedMessage, ProtocolViolation, WorkerId};
 use tensorwire_core::wire::Frame;
 use tensorwire_mesh::link;
 use tracing::warn;
@@ -70,20 +71,18 @@ pub(crate) fn on_membership_frame(
     from: WorkerId,
     frame: &Frame,
 ) -> Result<(), ProtocolViolation> {
-    let msg: DynMessage =
-        postcard::from_bytes(&frame.header).map_err(|e| ProtocolViolation::Malformed {
-            what: format!("a membership message that does not parse ({e})"),
-        })?;
+    let msg: DynMessage = postcard::from_bytes(&frame.header).map_err(|source| {
+        ProtocolViolation::Malformed(MalformedMessage::Undecodable(Undecodable {
+            format: Format::MembershipMessage,
+            source,
+        }))
+    })?;
     let now = agent.now();
     let handled = with_membership(agent, |m| m.handle_message(from, msg, now));
     match handled {
         Some(Ok(())) => Ok(()),
-        Some(Err(e)) => Err(ProtocolViolation::Membership {
-            what: e.to_string(),
-        }),
-        None => Err(ProtocolViolation::Membership {
-            what: "a membership message to a worker of a static group".into(),
-        }),
+        Some(Err(e)) => Err(ProtocolViolation::Membership(e)),
+        None => Err(ProtocolViolation::MembershipInStaticGroup),
     }
 }
 

@@ -89,7 +89,7 @@ async fn attack(net: Net, frames: Vec<Frame>) {
     }
     let cause = dropped(&mut events, HOSTILE).await;
     match &cause {
-        LostCause::Misbehaved(v) if matches!(**v, ProtocolViolation::Membership { .. }) => {}
+        LostCause::Misbehaved(v) if matches!(**v, ProtocolViolation::Membership(_)) => {}
         other => panic!("the hostile member was lost for {other}, not a membership violation"),
     }
     // The honest members are untouched: both ways, and the coordinator stays.
