@@ -1,6 +1,7 @@
 //! The postcard formats of core's messages and records, in one place: each format's encoder and
 //! decoder are methods of its type (the envelope's `Envelope::encode`/`decode`, the dynamic
-//! group's `DynMessage` and `MemberRecord`, the gather's `Contribution` and `GatherOutcome`,
+//! group's `DynMessage` and `MemberRecord`, the gather's `Contribution`, `GatherOutcome` and
+//! all_gather values,
 //! [`ipc::encode_message`](crate::ipc::encode_message)/`decode_message`), and all of them read
 //! through one decoder here, so bytes that do not parse are one typed error, [`Undecodable`],
 //! naming the [`Format`] they were read as. Drivers, fault injectors and fuzz targets call those
@@ -26,6 +27,9 @@ pub enum Format {
     GatherContribution,
     /// A gather leader's answer ([`GatherOutcome`](crate::protocol::gather::GatherOutcome)).
     GatherAnswer,
+    /// One member's all_gather value
+    /// ([`decode_value`](crate::protocol::gather::decode_value)).
+    GatherValue,
     /// A same-host CUDA IPC message ([`IpcMessage`](crate::ipc::IpcMessage)).
     IpcMessage,
 }
@@ -38,6 +42,7 @@ impl std::fmt::Display for Format {
             Format::MemberRecord => "a member record",
             Format::GatherContribution => "a gather contribution",
             Format::GatherAnswer => "a gather answer",
+            Format::GatherValue => "an all_gather value",
             Format::IpcMessage => "an IPC message",
         })
     }

@@ -139,6 +139,9 @@ pub enum InitError {
         /// Its reason, as it sent it (text from another process).
         reason: String,
     },
+    /// The coordinator's record in the store (`rpc/dyn/coordinator`) does not parse.
+    #[error("the coordinator's record in the store: {0}")]
+    CoordinatorRecord(#[source] tensorwire_core::codec::Undecodable),
     /// Joining a dynamic group failed for a reason the membership protocol gives (and no
     /// retry helps).
     #[error("joining the group: {0}")]

@@ -31,8 +31,8 @@ use crate::driver::drive;
 use crate::error::{InitError, RpcError, WaitingFor};
 use crate::init::advertise_ip;
 use crate::membership::{
-    accept_connections, dyn_state, encode_err, introduce, membership_timer, pump_membership,
-    with_membership, Introduction, COORDINATOR,
+    accept_connections, dyn_state, introduce, membership_timer, pump_membership, with_membership,
+    Introduction, COORDINATOR,
 };
 use crate::options::RpcOptions;
 use crate::state::{Agent, WorkerRecord};
@@ -155,8 +155,7 @@ async fn join_once(
     op_timeout: Duration,
     deadline: Instant,
 ) -> Result<(), Attempt> {
-    let encoded =
-        postcard::to_allocvec(record).map_err(|e| encode_err("this worker's record", e))?;
+    let encoded = record.encode();
     let held = store
         .compare_set(COORDINATOR, b"", &encoded)
         .await
@@ -166,8 +165,8 @@ async fn join_once(
         dyn_state(agent).membership = Some(DynamicMembership::found(record.clone(), op_timeout));
         return Ok(());
     }
-    let coordinator: MemberRecord =
-        postcard::from_bytes(&held).map_err(|e| encode_err("the coordinator's record", e))?;
+    let coordinator = MemberRecord::decode(&held)
+        .map_err(|e| Attempt::Fail(InitError::CoordinatorRecord(e).into()))?;
     if coordinator.rank == record.rank || coordinator.name() == record.name() {
         return Err(Attempt::Fail(
             InitError::AlreadyAMember {
