@@ -62,8 +62,14 @@ async fn the_world_group_takes_the_arena_and_times_out_on_the_agents_clock() {
             "{waited:?}"
         );
         // The broken group fails the next one at once, with the same cause.
-        assert_eq!(again.to_string(), first.to_string().replace("late", "again"));
-        assert!(waited_again < Duration::from_millis(100), "{waited_again:?}");
+        assert_eq!(
+            again.to_string(),
+            first.to_string().replace("late", "again")
+        );
+        assert!(
+            waited_again < Duration::from_millis(100),
+            "{waited_again:?}"
+        );
     }
     for a in agents {
         let _ = a.shutdown(Shutdown::Immediate).await;
