@@ -31,6 +31,20 @@ async fn link_groups(world: usize, name: &str, timeout: Duration) -> Vec<Group> 
     link_groups_with(world, GroupOptions::new(name).with_timeout(timeout)).await
 }
 
+/// As [`groups`], on `path`: for the tests of what both paths promise alike.
+async fn path_groups(
+    path: tensorwire_process_group::CollectivePath,
+    world: usize,
+    name: &str,
+    timeout: Duration,
+) -> Vec<Group> {
+    let options = GroupOptions::new(format!("{name}-{path:?}")).with_timeout(timeout);
+    let gs = groups_with(world, options.with_collectives(path)).await;
+    let arena = path == tensorwire_process_group::CollectivePath::Arena;
+    assert!(gs.iter().all(|g| g.uses_arena() == arena), "{path:?}");
+    gs
+}
+
 /// As [`groups_with`], on the link path (see [`link_groups`]).
 async fn link_groups_with(world: usize, options: GroupOptions) -> Vec<Group> {
     groups_with(
@@ -1686,12 +1700,20 @@ async fn all_to_all_tensor_list_form_moves_tensors() {
 /// (c10d's `async_op=True`): issued in the call, they make progress without being waited on;
 /// `is_completed`, `error` and `wait` read as c10d's `Work`; a wait whose timeout passes first
 /// fails naming the rank that never came, and `error` then says so too.
+/// On both paths: the group arena and the links.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_handles_on_the_dyn_group() {
+    use tensorwire_process_group::CollectivePath;
+    for path in [CollectivePath::Arena, CollectivePath::Links] {
+        work_handles_on_the_dyn_group_on(path).await;
+    }
+}
+
+async fn work_handles_on_the_dyn_group_on(path: tensorwire_process_group::CollectivePath) {
     use tensorwire_core::tensor::Tensor;
 
     let world = 3usize;
-    let gs = bounded(link_groups(world, "dynwork", Duration::from_secs(20))).await;
+    let gs = bounded(path_groups(path, world, "dynwork", Duration::from_secs(20))).await;
     let results = bounded(on_all(&gs, move |g| async move {
         let r = g.rank();
         let world_pg: Arc<dyn ProcessGroup> = Arc::new(g);
@@ -1883,65 +1905,110 @@ async fn failing_tensor_work_handles_report_the_typed_error_by_error_and_wait() 
     let wait = Duration::from_secs(20);
 
     let world = 3usize;
-    let gs = bounded(link_groups(world, "failwork", Duration::from_secs(20))).await;
-    let results = bounded(on_all(&gs, move |g| async move {
-        let r = g.rank();
-        let pg: Arc<dyn ProcessGroup> = Arc::new(g);
-        // Refused in the call on the root only (its list is short): the others do not issue it.
-        let refused = if r == 0 {
-            let mut w = pg.issue_scatter_tensor(f32s(&[0.0]), Some(vec![f32s(&[1.0])]), 0);
-            assert!(w.is_completed(), "refused in the call");
-            let e = w.error().expect("refused");
-            assert_eq!(w.wait(wait).await.unwrap_err(), e);
-            Some(e)
-        } else {
-            None
-        };
-        // The slot for the next rank is one element too long.
-        let next = (r + 1) % world;
-        let outputs = (0..world)
-            .map(|i| f32s(&vec![0.0; if i == next { 2 } else { 1 }]))
-            .collect();
-        let inputs = (0..world).map(|j| f32s(&[j as f32])).collect();
-        let mut mismatched = pg.issue_all_to_all_tensor(outputs, inputs);
-        let seen = finished(&mut mismatched).await;
-        assert_eq!(mismatched.wait(wait).await.unwrap_err(), seen);
-        // The group is still in step: a good collective issued after it works.
-        let sum = pg
-            .issue_all_reduce_tensor(f32s(&[1.0]), ReduceOp::Sum)
-            .wait(wait)
-            .await
-            .unwrap();
-        (refused, seen, sum.to_f32_vec().unwrap())
-    }))
-    .await;
-    for (r, (refused, seen, sum)) in results.into_iter().enumerate() {
-        if r == 0 {
-            let refused = refused.expect("the root's scatter was refused");
+    // On both paths.
+    for path in [
+        tensorwire_process_group::CollectivePath::Arena,
+        tensorwire_process_group::CollectivePath::Links,
+    ] {
+        let gs = bounded(path_groups(
+            path,
+            world,
+            "failwork",
+            Duration::from_secs(20),
+        ))
+        .await;
+        let results = bounded(on_all(&gs, move |g| async move {
+            let r = g.rank();
+            let pg: Arc<dyn ProcessGroup> = Arc::new(g);
+            // Refused in the call on the root only (its list is short): the others do not issue it.
+            let refused = if r == 0 {
+                let mut w = pg.issue_scatter_tensor(f32s(&[0.0]), Some(vec![f32s(&[1.0])]), 0);
+                assert!(w.is_completed(), "refused in the call");
+                let e = w.error().expect("refused");
+                assert_eq!(w.wait(wait).await.unwrap_err(), e);
+                Some(e)
+            } else {
+                None
+            };
+            // The slot for the next rank is one element too long.
+            let next = (r + 1) % world;
+            let outputs = (0..world)
+                .map(|i| f32s(&vec![0.0; if i == next { 2 } else { 1 }]))
+                .collect();
+            let inputs = (0..world).map(|j| f32s(&[j as f32])).collect();
+            let mut mismatched = pg.issue_all_to_all_tensor(outputs, inputs);
+            let seen = finished(&mut mismatched).await;
+            assert_eq!(mismatched.wait(wait).await.unwrap_err(), seen);
+            // The group is still in step: a good collective issued after it works.
+            let sum = pg
+                .issue_all_reduce_tensor(f32s(&[1.0]), ReduceOp::Sum)
+                .wait(wait)
+                .await
+                .unwrap();
+            (refused, seen, sum.to_f32_vec().unwrap())
+        }))
+        .await;
+        for (r, (refused, seen, sum)) in results.into_iter().enumerate() {
+            if r == 0 {
+                let refused = refused.expect("the root's scatter was refused");
+                assert!(
+                    matches!(
+                        refused,
+                        ProcessGroupError::Arguments {
+                            collective: "scatter",
+                            source: CollectiveError::LengthsCount { lens: 1, world: 3 }
+                        }
+                    ),
+                    "{refused}"
+                );
+            }
+            let next = (r + 1) % world;
             assert!(
-                matches!(
-                    refused,
-                    ProcessGroupError::Arguments {
-                        collective: "scatter",
-                        source: CollectiveError::LengthsCount { lens: 1, world: 3 }
-                    }
-                ),
-                "{refused}"
+                matches!(&seen, ProcessGroupError::Mismatch { peer, collective: "all_to_all", .. } if *peer == next),
+                "rank {r}: {seen}"
             );
+            assert_eq!(sum, [3.0]);
         }
-        let next = (r + 1) % world;
-        assert!(
-            matches!(&seen, ProcessGroupError::Mismatch { peer, collective: "all_to_all", .. } if *peer == next),
-            "rank {r}: {seen}"
-        );
-        assert_eq!(sum, [3.0]);
     }
 
     // Rank 2 never comes to the reduce_scatter: ranks 0 and 1 give up waiting after 300ms
     // (the group's own timeout is 20s), which makes the collective time out with that
     // timeout; between them they name rank 2. Their group is broken then: the next handle
-    // reports the same error by `error`, without being waited on.
-    let gs = bounded(link_groups(world, "latework", Duration::from_secs(20))).await;
+    // reports the same error by `error`, without being waited on. On both paths.
+    for path in [
+        tensorwire_process_group::CollectivePath::Arena,
+        tensorwire_process_group::CollectivePath::Links,
+    ] {
+        late_work_times_out_naming_the_missing_rank(path, world).await;
+    }
+}
+
+/// The timed-out part of [`failing_tensor_work_handles_report_the_typed_error_by_error_and_wait`].
+async fn late_work_times_out_naming_the_missing_rank(
+    path: tensorwire_process_group::CollectivePath,
+    world: usize,
+) {
+    use tensorwire_core::ports::process_group::WorkHandle;
+    use tensorwire_core::tensor::Tensor;
+
+    fn f32s(values: &[f32]) -> Tensor {
+        Tensor::from_f32(vec![values.len()], values).unwrap()
+    }
+    async fn finished<'a, T: Send + 'a>(
+        w: &mut Box<dyn WorkHandle<'a, T> + 'a>,
+    ) -> ProcessGroupError {
+        while !w.is_completed() {
+            tokio::task::yield_now().await;
+        }
+        w.error().expect("it failed")
+    }
+    let gs = bounded(path_groups(
+        path,
+        world,
+        "latework",
+        Duration::from_secs(20),
+    ))
+    .await;
     let results = bounded(on_all(&gs[..2], move |g| async move {
         let pg: Arc<dyn ProcessGroup> = Arc::new(g);
         let w = pg.issue_reduce_scatter_tensor(f32s(&[0.0]), f32s(&[1.0; 3]), ReduceOp::Sum);

@@ -478,7 +478,8 @@ async fn a_rank_claimed_twice_during_setup_fails_the_setup_naming_the_claim(net:
         let name = "claimed-twice";
         let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
         let transports = transports(net);
-        // Rank 0 cannot reach rank 2 once it failed: it fails by this timeout.
+        // Rank 0 cannot reach rank 2 once it failed: it fails by this timeout. The link path:
+        // a rank claimed twice while the links are set up is what is tested.
         let options = GroupOptions::new(name)
             .with_timeout(Duration::from_secs(3))
             .with_collectives(tensorwire_process_group::CollectivePath::Links);

@@ -235,13 +235,13 @@ fn subgroups_and_split_groups_run_beside_the_world_group_in_4_processes() {
 
 #[test]
 fn work_handles_progress_unpolled_complete_out_of_order_and_time_out_naming_the_rank() {
-    // On the link path: on the group arena a rank's timed-out barrier does not yet fail as this
-    // scenario requires (a `Timeout` naming the missing rank, the same error for every later
-    // collective), and rank 0 then sees rank 1 go (issue 47's note).
-    run_scenario(
-        4,
-        "work",
-        &[("TENSORWIRE_COLLECTIVES", "links".into())],
-        Duration::from_secs(60),
-    );
+    // On both paths: the group arena (the default on one host) and the links.
+    for path in ["arena", "links"] {
+        run_scenario(
+            4,
+            "work",
+            &[("TENSORWIRE_COLLECTIVES", path.into())],
+            Duration::from_secs(60),
+        );
+    }
 }

@@ -23,25 +23,36 @@
 //! leader's process id the same way, the memfd's size and seals, and maps it ([`Arena::join`]).
 //!
 //! # Waiting, and ranks that die or stop
-//! A rank waiting for another's counter polls it for the spin budget (the shared-memory
-//! transport's, [`ShmConfig::spin`](crate::ShmConfig::spin); yielding instead of polling when
-//! the process may run on one core only), then sleeps with a futex on the arena's generation (on a
-//! blocking thread of the runtime, so that the waiting task's thread, and other ranks polled by
-//! the same task, go on running) and
-//! the writer wakes sleepers only when the line says there are some. Sleeps last at most
-//! [`LIVENESS_PERIOD`]; between them the waiter checks the process of the rank it waits for
-//! (a `pidfd`, readable once that process has exited, `SIGKILL` included), so a dead rank is
-//! named within that period ([`ArenaError::Died`]); a rank that is alive but stopped is named
-//! when the collective's deadline passes ([`ArenaError::Timeout`]). Nobody spins or sleeps past
-//! the deadline. A failed collective leaves the ranks out of step, so the arena refuses every
-//! later one with the same error.
+//! What a wait decides (whom it still waits for, when to look again, which failure) is core's
+//! [`ArenaWait`]; this module only looks and sleeps. A rank waiting for others' counters polls
+//! them for the spin budget (the shared-memory transport's,
+//! [`ShmConfig::spin`](crate::ShmConfig::spin); yielding instead of polling when the process may
+//! run on one core only; the budget is CPU time, measured on the system's clock), then sleeps
+//! until the arena's generation moves (a futex, waited on by a thread of the arena's own, so that
+//! the waiting task's thread, and other ranks polled by the same task, go on running; the writer
+//! wakes sleepers only when the line says there are some), or until the time
+//! [`WaitStep::Sleep`] names on the **group's clock** (the [`Runtime`] the collective is run
+//! with: deadlines follow it, virtual time included), or until the caller gives up. After each
+//! sleep it checks the processes of the ranks it still waits for (a `pidfd`, readable once that
+//! process has exited, `SIGKILL` included), so a dead rank is named within
+//! [`LIVENESS_PERIOD`] ([`ArenaFailure::Died`]); ranks alive but stopped are named, all of
+//! them, when the collective's deadline passes, or when the caller gives up first
+//! ([`ArenaFailure::Timeout`]). Nobody spins or sleeps past the deadline. A failed collective
+//! leaves the ranks out of step, so the arena refuses every later one with the same failure
+//! ([`ArenaState::fail`]).
 
+use std::future::Future;
 use std::os::fd::{AsFd, OwnedFd};
+use std::pin::Pin;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tensorwire_core::collective::arena::{self, reached, ArenaPlan, ArenaState, ARENA_ALIGN};
+use tensorwire_core::collective::arena::{self, ArenaPlan, ArenaState, ARENA_ALIGN};
+pub use tensorwire_core::collective::arena_wait::{ArenaFailure, LIVENESS_PERIOD};
+use tensorwire_core::collective::arena_wait::{ArenaWait, Lost, WaitStep};
 use tensorwire_core::collective::reduce_into;
+use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::spin::{SpinPolicy, SpinStep};
 
 use crate::mem::{self, Mapping, RING_SEALS};
@@ -54,9 +65,6 @@ pub const DEFAULT_ARENA_BYTES: usize = 32 << 20;
 /// The largest arena a rank accepts.
 pub const MAX_ARENA_BYTES: usize = 1 << 34;
 
-/// How long a waiting rank sleeps at most before it checks that the rank it waits for is alive.
-pub const LIVENESS_PERIOD: Duration = Duration::from_millis(20);
-
 /// Bytes of a rank's line (its counter), and of the generation's line.
 const LINE: usize = 64;
 
@@ -67,38 +75,11 @@ pub enum ArenaError {
     /// Setting the arena up failed.
     #[error("setting up the group arena: {0}")]
     Setup(String),
-    /// The process of a rank ended while this rank waited for it.
-    #[error("rank {rank} died (its process {pid} ended) during a collective through the arena")]
-    Died {
-        /// The group rank.
-        rank: usize,
-        /// Its process id.
-        pid: u32,
-    },
-    /// The deadline passed while this rank waited for `waiting_on`.
-    #[error("timed out after {timeout:?} waiting for rank {waiting_on} in the arena")]
-    Timeout {
-        /// The rank whose counter did not move.
-        waiting_on: usize,
-        /// The collective's timeout.
-        timeout: Duration,
-    },
-    /// The group said the rank is gone (its links ended: it shut down, or its connection
-    /// broke) while this rank waited for it.
-    #[error("rank {rank} is gone: {reason}")]
-    Gone {
-        /// The group rank.
-        rank: usize,
-        /// What the group knows.
-        reason: String,
-    },
-    /// A rank ran another collective (or the same with other arguments) in the same phase:
-    /// its signature differs from this rank's.
-    #[error("rank {rank} ran a different collective (or other arguments) through the arena")]
-    Disagreement {
-        /// The group rank.
-        rank: usize,
-    },
+    /// A collective failed (a rank died, is gone, did not come in time, or ran something
+    /// else), as core's [`ArenaWait`] decided; this arena fails every later collective with
+    /// the same. [`Arena::pid`] gives a dead rank's process id.
+    #[error(transparent)]
+    Failed(#[from] ArenaFailure),
     /// A plan that does not fit this arena (another slot size or world): a bug.
     #[error(
         "a plan for {plan_world} ranks and slots of {plan_slot} bytes does not fit this arena"
@@ -109,9 +90,44 @@ pub enum ArenaError {
         /// The plan's slot size.
         plan_slot: usize,
     },
-    /// A reduction failed (a plan for the wrong element size: a bug).
+    /// A plan's reduction does not fit its reads (a bug; refused before any phase).
     #[error("{0}")]
     Reduce(String),
+}
+
+/// How one collective through the arena is bounded, and what the group knows of its ranks.
+pub struct Bounds<'a> {
+    /// The group's clock: the deadline is on it, and so is every judgement of time.
+    pub runtime: &'a dyn Runtime,
+    /// When the collective fails ([`ArenaFailure::Timeout`]).
+    pub deadline: Instant,
+    /// What a timeout at the deadline reports.
+    pub timeout: Duration,
+    /// The collective's signature: ranks that ran others in the same phase are told.
+    pub signature: u64,
+    /// For a rank still awaited, whether the group knows it is gone (its links ended: it shut
+    /// down, or its connection broke), and why; asked after every sleep, as the rank's process
+    /// is checked.
+    pub gone: &'a (dyn Fn(usize) -> Option<String> + Send + Sync),
+}
+
+impl std::fmt::Debug for Bounds<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bounds")
+            .field("deadline", &self.deadline)
+            .field("timeout", &self.timeout)
+            .field("signature", &self.signature)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A caller's own bound on a collective: resolves, with the duration it waited, when the
+/// caller gives up (a `Work::wait` with a shorter timeout). [`never()`] for none.
+pub type GiveUp<'a> = Pin<&'a mut (dyn Future<Output = Duration> + Send)>;
+
+/// A [`GiveUp`] that never resolves.
+pub fn never() -> impl Future<Output = Duration> + Send {
+    std::future::pending()
 }
 
 /// This host, as far as the arena is concerned: ranks with the same key can share one (same
@@ -215,7 +231,7 @@ impl ArenaHost {
 
     /// Hands the segment to every other rank (`pids[r]` is rank r's announced process id,
     /// `rank` this one's) and maps it: returns once each has fetched it, or fails at
-    /// `deadline`. A connection from a process that is not the rank it claims is refused and
+    /// `deadline` on `runtime`'s clock. A connection from a process that is not the rank it claims is refused and
     /// logged.
     ///
     /// # Errors
@@ -225,6 +241,7 @@ impl ArenaHost {
         rank: usize,
         pids: &[u32],
         spin: Duration,
+        runtime: &dyn Runtime,
         deadline: Instant,
     ) -> Result<Arena, ArenaError> {
         let mut missing: Vec<bool> = (0..self.world).map(|r| r != rank).collect();
@@ -277,8 +294,7 @@ impl ArenaHost {
             }
             Ok::<(), ArenaError>(())
         };
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, accepting).await {
+        match runtime.timeout_at(deadline, accepting).await {
             Ok(result) => result?,
             Err(_) => {
                 let missing: Vec<usize> = (0..self.world).filter(|r| missing[*r]).collect();
@@ -294,7 +310,7 @@ impl ArenaHost {
 /// One rank's view of its group's arena: the mapping, the phase state, and the ranks'
 /// processes (for liveness).
 pub struct Arena {
-    map: std::sync::Arc<Mapping>,
+    map: Arc<Mapping>,
     rank: usize,
     world: usize,
     slot: usize,
@@ -302,7 +318,8 @@ pub struct Arena {
     pids: Vec<u32>,
     pidfds: Vec<Option<OwnedFd>>,
     spin: SpinPolicy,
-    broken: Option<ArenaError>,
+    /// The thread that sleeps on the generation for this rank's waits (started by the first).
+    sleeper: Option<Sleeper>,
 }
 
 impl std::fmt::Debug for Arena {
@@ -316,18 +333,20 @@ impl std::fmt::Debug for Arena {
 }
 
 impl Arena {
-    /// Fetches the segment from the leader listening on `name` (its process `leader_pid`),
-    /// as `rank`, and maps it.
+    /// Fetches the segment from the leader listening on `name` (rank `leader`, whose process
+    /// is `pids[leader]`), as `rank`, and maps it.
     ///
     /// # Errors
-    /// [`ArenaError::Setup`] when the leader cannot be reached by `deadline`, is not the
-    /// process announced, or sends a segment of another size or without its seals.
+    /// [`ArenaError::Setup`] when the leader cannot be reached by `deadline` (on `runtime`'s
+    /// clock), is not the process announced, or sends a segment of another size or without
+    /// its seals.
     pub async fn join(
         name: &str,
         rank: usize,
         pids: &[u32],
         leader: usize,
         spin: Duration,
+        runtime: &dyn Runtime,
         deadline: Instant,
     ) -> Result<Arena, ArenaError> {
         let fetch = async {
@@ -367,8 +386,7 @@ impl Arena {
             let fd = packet.fds.pop().expect("one descriptor");
             Arena::over(fd, rank, world, bytes, pids, spin)
         };
-        let left = deadline.saturating_duration_since(Instant::now());
-        tokio::time::timeout(left, fetch).await.map_err(|_| {
+        runtime.timeout_at(deadline, fetch).await.map_err(|_| {
             ArenaError::Setup(format!(
                 "the arena's leader (rank {leader}) did not answer in time"
             ))
@@ -400,7 +418,7 @@ impl Arena {
             })
             .collect();
         Ok(Arena {
-            map: std::sync::Arc::new(map),
+            map: Arc::new(map),
             rank,
             world,
             slot,
@@ -408,7 +426,7 @@ impl Arena {
             pids: pids.to_vec(),
             pidfds,
             spin: SpinPolicy::new(spin, one_core()),
-            broken: None,
+            sleeper: None,
         })
     }
 
@@ -420,6 +438,11 @@ impl Arena {
     /// The number of ranks.
     pub fn world(&self) -> usize {
         self.world
+    }
+
+    /// The process id rank `rank` announced (for messages about its death).
+    pub fn pid(&self, rank: usize) -> Option<u32> {
+        self.pids.get(rank).copied()
     }
 
     fn counter(&self, rank: usize) -> &AtomicU32 {
@@ -444,14 +467,12 @@ impl Arena {
     /// The arena's generation (the line after the ranks'): every rank bumps it after each
     /// publication, and sleepers wait on it, so one sleep covers a wait on several ranks.
     fn generation(&self) -> &AtomicU32 {
-        // SAFETY: line `world` lies in the mapping (the segment has world + 1 lines), aligned.
-        unsafe { &*(self.map.ptr().add(self.world * LINE) as *const AtomicU32) }
+        words(&self.map, self.world * LINE).0
     }
 
     /// How many ranks sleep on the generation (4 bytes further into its line).
     fn sleepers(&self) -> &AtomicU32 {
-        // SAFETY: as in `generation`.
-        unsafe { &*(self.map.ptr().add(self.world * LINE + 4) as *const AtomicU32) }
+        words(&self.map, self.world * LINE).1
     }
 
     fn slot_ptr(&self, rank: usize, half: usize) -> *mut u8 {
@@ -464,25 +485,22 @@ impl Arena {
     }
 
     /// Runs `plan` over `buffer` (of the plan's length, input already in place) through the
-    /// arena, failing at `deadline` (reported as `timeout`).
+    /// arena, within `bounds`, or until `give_up` resolves (then failing as at the deadline,
+    /// with the duration it gives).
     ///
     /// # Errors
-    /// [`ArenaError::Died`], [`ArenaError::Timeout`]; and the first error again for every
-    /// later call.
-    ///
-    /// `gone` tells, for a rank this one waits for, whether the group knows it is gone (its
-    /// links ended); it is asked between sleeps, as the rank's process is checked.
+    /// [`ArenaError::Failed`] (and the same failure again for every later call);
+    /// [`ArenaError::PlanMismatch`] or [`ArenaError::Reduce`] for a plan that does not fit,
+    /// before anything is written.
     pub async fn run(
         &mut self,
         plan: &ArenaPlan,
         buffer: &mut [u8],
-        deadline: Instant,
-        timeout: Duration,
-        signature: u64,
-        gone: &(dyn Fn(usize) -> Option<String> + Send + Sync),
+        bounds: &Bounds<'_>,
+        mut give_up: GiveUp<'_>,
     ) -> Result<(), ArenaError> {
-        if let Some(e) = &self.broken {
-            return Err(e.clone());
+        if let Some(failure) = self.state.failure() {
+            return Err(failure.clone().into());
         }
         if plan.world() != self.world
             || plan.slot_bytes() != self.slot
@@ -493,32 +511,27 @@ impl Arena {
                 plan_slot: plan.slot_bytes(),
             });
         }
-        let result = self
-            .phases(plan, buffer, deadline, timeout, signature, gone)
-            .await;
-        if let Err(e) = &result {
-            self.broken = Some(e.clone());
-        }
-        result
+        check_reductions(plan)?;
+        let result = self.phases(plan, buffer, bounds, give_up.as_mut()).await;
+        result.map_err(|failure| self.state.fail(failure).into())
     }
 
     async fn phases(
         &mut self,
         plan: &ArenaPlan,
         buffer: &mut [u8],
-        deadline: Instant,
-        timeout: Duration,
-        signature: u64,
-        gone: &(dyn Fn(usize) -> Option<String> + Send + Sync),
-    ) -> Result<(), ArenaError> {
+        bounds: &Bounds<'_>,
+        mut give_up: GiveUp<'_>,
+    ) -> Result<(), ArenaFailure> {
         if let Some((from, to)) = plan.local_copy() {
             buffer.copy_within(from, to.start);
         }
+        let signature = bounds.signature;
         for phase in plan.phases() {
             let half = self.state.half();
             if !phase.writes.is_empty() {
                 let waits: Vec<(usize, u32)> = self.state.free_waits().collect();
-                self.wait(&waits, deadline, timeout, gone).await?;
+                self.wait(waits, bounds, give_up.as_mut()).await?;
                 let slot = self.slot_ptr(self.rank, half);
                 for w in &phase.writes {
                     // SAFETY: the plan fits the slot (checked in core: `to + len <= slot`,
@@ -550,8 +563,8 @@ impl Arena {
                     u32::MAX,
                 );
             }
-            let targets: Vec<(usize, u32)> = phase.waits_on.iter().map(|q| (*q, value)).collect();
-            self.wait(&targets, deadline, timeout, gone).await?;
+            self.wait(self.state.phase_waits(phase), bounds, give_up.as_mut())
+                .await?;
             for q in &phase.waits_on {
                 // Best effort: a rank that has moved on two phases has overwritten its
                 // signature, and is not checked here (it was by the ranks that waited on it).
@@ -559,7 +572,7 @@ impl Arena {
                 if tag.load(Ordering::Acquire) == phase_no {
                     let theirs = sig.load(Ordering::Relaxed);
                     if tag.load(Ordering::Acquire) == phase_no && theirs != signature {
-                        return Err(ArenaError::Disagreement { rank: *q });
+                        return Err(ArenaFailure::Disagreement { rank: *q });
                     }
                 }
             }
@@ -574,11 +587,9 @@ impl Arena {
                     unsafe { std::slice::from_raw_parts(src.add(read.from), read.to.len()) };
                 let dst = &mut buffer[read.to.clone()];
                 if read.reduce {
-                    let (element, op) = plan.reduction().ok_or_else(|| {
-                        ArenaError::Reduce("a reducing read without a reduction".into())
-                    })?;
+                    let (element, op) = plan.reduction().expect("checked before the phases");
                     reduce_into(op, element, dst, incoming, false)
-                        .map_err(|e| ArenaError::Reduce(e.to_string()))?;
+                        .expect("reductions checked before the phases");
                 } else {
                     dst.copy_from_slice(incoming);
                 }
@@ -587,36 +598,41 @@ impl Arena {
         Ok(())
     }
 
-    /// The first of `targets` (rank, counter) not reached yet, if any.
-    fn pending(&self, targets: &[(usize, u32)]) -> Option<(usize, u32)> {
-        targets
-            .iter()
-            .copied()
-            .find(|(q, target)| !reached(self.counter(*q).load(Ordering::Acquire), *target))
+    fn counter_value(&self, rank: usize) -> u32 {
+        self.counter(rank).load(Ordering::Acquire)
+    }
+
+    /// What this rank knows of rank `q`'s end: its process (the pidfd), then the group.
+    fn lost(&self, q: usize, bounds: &Bounds<'_>) -> Option<Lost> {
+        if self.pidfds[q].as_ref().is_some_and(exited) {
+            return Some(Lost::Died);
+        }
+        (bounds.gone)(q).map(Lost::Gone)
     }
 
     /// Waits until each rank of `targets` has published its counter value: polls them all (or
-    /// yields) for the spin budget, then sleeps on the arena's generation in slices of
-    /// [`LIVENESS_PERIOD`], checking, between them, the process of the first rank still
-    /// awaited and what the group knows of it.
+    /// yields) for the spin budget, then sleeps until the generation moves, the time core's
+    /// [`ArenaWait`] names on the group's clock, or the caller gives up; after each sleep, core
+    /// decides on what the counters, the clock and the ranks' processes say.
     async fn wait(
-        &self,
-        targets: &[(usize, u32)],
-        deadline: Instant,
-        timeout: Duration,
-        gone: &(dyn Fn(usize) -> Option<String> + Send + Sync),
-    ) -> Result<(), ArenaError> {
-        if self.pending(targets).is_none() {
+        &mut self,
+        targets: Vec<(usize, u32)>,
+        bounds: &Bounds<'_>,
+        mut give_up: GiveUp<'_>,
+    ) -> Result<(), ArenaFailure> {
+        let wait = ArenaWait::new(targets, bounds.deadline, bounds.timeout);
+        if wait.done(|q| self.counter_value(q)) {
             return Ok(());
         }
+        // The spin budget is CPU time spent looking, on the system's clock; no deadline is
+        // judged here.
         let spin = self.spin.begin(true, Instant::now());
         let mut looks = 0u32;
         loop {
-            let now = Instant::now();
-            match spin.step(now) {
+            match spin.step(Instant::now()) {
                 SpinStep::Poll => {
                     for _ in 0..16 {
-                        if self.pending(targets).is_none() {
+                        if wait.done(|q| self.counter_value(q)) {
                             return Ok(());
                         }
                         std::hint::spin_loop();
@@ -628,63 +644,205 @@ impl Arena {
                 }
                 SpinStep::Yield => {
                     std::thread::yield_now();
-                    if self.pending(targets).is_none() {
+                    if wait.done(|q| self.counter_value(q)) {
                         return Ok(());
                     }
                 }
                 SpinStep::Sleep => break,
             }
         }
-        let generation = self.generation();
         loop {
-            let seen = generation.load(Ordering::SeqCst);
-            let Some((q, _)) = self.pending(targets) else {
-                return Ok(());
+            let seen = self.generation().load(Ordering::SeqCst);
+            let step = wait.step(
+                |q| self.counter_value(q),
+                bounds.runtime.now(),
+                |q| self.lost(q, bounds),
+            );
+            let until = match step {
+                WaitStep::Done => return Ok(()),
+                WaitStep::Failed(failure) => return Err(failure),
+                WaitStep::Sleep { until } => until,
             };
-            if let Some(pidfd) = &self.pidfds[q] {
-                if exited(pidfd) {
-                    return Err(ArenaError::Died {
-                        rank: q,
-                        pid: self.pids[q],
-                    });
+            let woken = self.sleeper().sleep(seen);
+            tokio::select! {
+                biased;
+                after = give_up.as_mut() => {
+                    return match wait.expire(|q| self.counter_value(q), after) {
+                        Some(failure) => Err(failure),
+                        None => Ok(()),
+                    };
                 }
+                _ = woken => {}
+                () = bounds.runtime.sleep_until(until) => {}
             }
-            if let Some(reason) = gone(q) {
-                return Err(ArenaError::Gone { rank: q, reason });
+        }
+    }
+
+    /// The sleeper thread, started on first use.
+    fn sleeper(&mut self) -> &Sleeper {
+        let (map, at) = (&self.map, self.world * LINE);
+        self.sleeper
+            .get_or_insert_with(|| Sleeper::start(map.clone(), at))
+    }
+}
+
+/// Refuses a plan whose reducing reads have no reduction, or one that does not fit them.
+fn check_reductions(plan: &ArenaPlan) -> Result<(), ArenaError> {
+    for read in plan.phases().iter().flat_map(|p| &p.reads) {
+        if !read.reduce {
+            continue;
+        }
+        let (element, op) = plan
+            .reduction()
+            .ok_or_else(|| ArenaError::Reduce("a reducing read without a reduction".into()))?;
+        op.check(element)
+            .map_err(|e| ArenaError::Reduce(e.to_string()))?;
+        if read.to.len() % element.size() != 0 {
+            return Err(ArenaError::Reduce(format!(
+                "a reducing read of {} bytes, not whole {element:?} elements",
+                read.to.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The thread that sleeps on the arena's generation for one rank's waits: a futex wait of at
+/// most [`LIVENESS_PERIOD`] for the latest request (the waiting task also sleeps on the group's
+/// clock, and looks again when either ends; a request it no longer waits for is replaced by its
+/// next). A thread of its own, not the runtime's blocking pool: tokio holds a paused clock still
+/// while a blocking task runs, and the group's clock must be free to reach the deadline. It
+/// counts itself among the sleepers while it sleeps, so that writers wake it.
+struct Sleeper {
+    shared: Arc<SleeperState>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// The request slot between a [`Sleeper`] and the task that asks it to sleep.
+struct SleeperState {
+    request: std::sync::Mutex<Request>,
+    ready: std::sync::Condvar,
+    map: Arc<Mapping>,
+    at: usize,
+}
+
+#[derive(Default)]
+struct Request {
+    /// The generation seen, and who to tell once it moved (or the period passed).
+    next: Option<(u32, tokio::sync::oneshot::Sender<()>)>,
+    stop: bool,
+}
+
+impl Sleeper {
+    fn start(map: Arc<Mapping>, at: usize) -> Self {
+        let shared = Arc::new(SleeperState {
+            request: std::sync::Mutex::new(Request::default()),
+            ready: std::sync::Condvar::new(),
+            map,
+            at,
+        });
+        let state = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("tw-arena-sleeper".into())
+            .spawn(move || state.serve())
+            .ok();
+        Sleeper { shared, thread }
+    }
+
+    /// Resolves once the generation is no longer `seen`, or after [`LIVENESS_PERIOD`] (or
+    /// never, should the thread not have started: the caller's sleep on its clock still ends).
+    fn sleep(&self, seen: u32) -> impl Future<Output = ()> + Send + 'static {
+        let (done, woken) = tokio::sync::oneshot::channel();
+        let sent = self.thread.is_some();
+        if sent {
+            let mut request = self
+                .shared
+                .request
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            request.next = Some((seen, done));
+            self.shared.ready.notify_one();
+        }
+        async move {
+            if !sent || woken.await.is_err() {
+                std::future::pending::<()>().await;
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(ArenaError::Timeout {
-                    waiting_on: q,
-                    timeout,
-                });
-            }
-            let slice = LIVENESS_PERIOD.min(deadline - now);
-            let sleepers = self.sleepers();
+        }
+    }
+}
+
+impl SleeperState {
+    fn serve(&self) {
+        let ts = rustix::thread::futex::Timespec {
+            tv_sec: LIVENESS_PERIOD.as_secs() as i64,
+            tv_nsec: LIVENESS_PERIOD.subsec_nanos() as i64,
+        };
+        let (generation, sleepers) = words(&self.map, self.at);
+        loop {
+            let (seen, done) = {
+                let mut request = self
+                    .request
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                loop {
+                    if request.stop {
+                        return;
+                    }
+                    if let Some(next) = request.next.take() {
+                        break next;
+                    }
+                    request = self
+                        .ready
+                        .wait(request)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                }
+            };
             sleepers.fetch_add(1, Ordering::SeqCst);
             if generation.load(Ordering::SeqCst) == seen {
-                // The futex sleep runs on a blocking thread, so that this task's thread (and
-                // any other rank polled by the same task) goes on running.
-                let map = self.map.clone();
-                let at = self.world * LINE;
-                let ts = rustix::thread::futex::Timespec {
-                    tv_sec: slice.as_secs() as i64,
-                    tv_nsec: slice.subsec_nanos() as i64,
-                };
-                let _ = tokio::task::spawn_blocking(move || {
-                    // SAFETY: as in `generation`; the mapping lives as long as `map`.
-                    let word = unsafe { &*(map.ptr().add(at) as *const AtomicU32) };
-                    let _ = rustix::thread::futex::wait(
-                        word,
-                        rustix::thread::futex::Flags::empty(),
-                        seen,
-                        Some(&ts),
-                    );
-                })
-                .await;
+                let _ = rustix::thread::futex::wait(
+                    generation,
+                    rustix::thread::futex::Flags::empty(),
+                    seen,
+                    Some(&ts),
+                );
             }
             sleepers.fetch_sub(1, Ordering::SeqCst);
+            let _ = done.send(());
         }
+    }
+}
+
+impl Drop for Sleeper {
+    fn drop(&mut self) {
+        // Told to stop, and woken from its sleep (other sleepers of the arena look again and
+        // sleep on), it ends at once.
+        self.shared
+            .request
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .stop = true;
+        self.shared.ready.notify_one();
+        let (generation, _) = words(&self.shared.map, self.shared.at);
+        let _ = rustix::thread::futex::wake(
+            generation,
+            rustix::thread::futex::Flags::empty(),
+            u32::MAX,
+        );
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The generation and sleepers words of the arena mapped at `map` (the line at `at`).
+fn words(map: &Mapping, at: usize) -> (&AtomicU32, &AtomicU32) {
+    // SAFETY: the line after the ranks' lies in the mapping (the segment has world + 1 lines),
+    // 4-byte aligned, and lives as long as `map`.
+    unsafe {
+        (
+            &*(map.ptr().add(at) as *const AtomicU32),
+            &*(map.ptr().add(at + 4) as *const AtomicU32),
+        )
     }
 }
 
@@ -702,10 +860,48 @@ fn exited(pidfd: &OwnedFd) -> bool {
 mod tests {
     use super::*;
     use tensorwire_core::collective::{ElementType, ReduceOp};
+    use tensorwire_core::ports::runtime::BoxFuture;
+
+    /// tokio's clock (virtual when paused), as the mesh's `TokioRuntime`.
+    #[derive(Debug)]
+    struct Tokio;
+
+    impl Runtime for Tokio {
+        fn now(&self) -> Instant {
+            tokio::time::Instant::now().into_std()
+        }
+        fn sleep_until(&self, at: Instant) -> BoxFuture {
+            Box::pin(tokio::time::sleep_until(tokio::time::Instant::from_std(at)))
+        }
+        fn spawn(&self, task: BoxFuture) -> BoxFuture {
+            let handle = tokio::spawn(task);
+            Box::pin(async move {
+                let _ = handle.await;
+            })
+        }
+    }
+
+    fn rt() -> &'static dyn Runtime {
+        &Tokio
+    }
+
+    fn alive(_: usize) -> Option<String> {
+        None
+    }
+
+    fn bounds(timeout: Duration) -> Bounds<'static> {
+        Bounds {
+            runtime: &Tokio,
+            deadline: rt().deadline_after(timeout),
+            timeout,
+            signature: 7,
+            gone: &alive,
+        }
+    }
 
     async fn arenas(world: usize, bytes: usize) -> Vec<Arena> {
         let pids = vec![std::process::id(); world];
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = rt().deadline_after(Duration::from_secs(10));
         let host = ArenaHost::create(world, bytes).unwrap();
         let name = host.name().to_owned();
         let spin = Duration::from_micros(20);
@@ -713,10 +909,10 @@ mod tests {
         for r in 1..world {
             let (name, pids) = (name.clone(), pids.clone());
             joins.push(tokio::spawn(async move {
-                Arena::join(&name, r, &pids, 0, spin, deadline).await
+                Arena::join(&name, r, &pids, 0, spin, &Tokio, deadline).await
             }));
         }
-        let mut out = vec![host.accept(0, &pids, spin, deadline).await.unwrap()];
+        let mut out = vec![host.accept(0, &pids, spin, &Tokio, deadline).await.unwrap()];
         for j in joins {
             out.push(j.await.unwrap().unwrap());
         }
@@ -729,10 +925,10 @@ mod tests {
         // A small arena: every collective is chunked.
         let arenas = arenas(world, 2 * 64 * world * world).await;
         let slot = arenas[0].slot_bytes();
-        let deadline = Instant::now() + Duration::from_secs(20);
         let mut tasks = Vec::new();
         for (r, mut arena) in arenas.into_iter().enumerate() {
             tasks.push(tokio::spawn(async move {
+                let bounds = bounds(Duration::from_secs(20));
                 let count = 5000;
                 let mut data: Vec<u8> = (0..count)
                     .flat_map(|i| ((i * (r + 1)) as i32).to_le_bytes())
@@ -740,15 +936,10 @@ mod tests {
                 let plan =
                     arena::all_reduce(r, world, count, ElementType::I32, ReduceOp::Sum, slot)
                         .unwrap();
+                let never = never();
+                tokio::pin!(never);
                 arena
-                    .run(
-                        &plan,
-                        &mut data,
-                        deadline,
-                        Duration::from_secs(20),
-                        7,
-                        &|_| None,
-                    )
+                    .run(&plan, &mut data, &bounds, never.as_mut())
                     .await
                     .unwrap();
                 let lens = vec![3000; world];
@@ -756,27 +947,13 @@ mod tests {
                 let mut gathered = vec![0u8; plan.buffer_len()];
                 gathered[plan.input_range()].fill(r as u8 + 1);
                 arena
-                    .run(
-                        &plan,
-                        &mut gathered,
-                        deadline,
-                        Duration::from_secs(20),
-                        7,
-                        &|_| None,
-                    )
+                    .run(&plan, &mut gathered, &bounds, never.as_mut())
                     .await
                     .unwrap();
                 let barrier = arena::barrier(r, world, slot).unwrap();
                 for _ in 0..100 {
                     arena
-                        .run(
-                            &barrier,
-                            &mut [],
-                            deadline,
-                            Duration::from_secs(20),
-                            7,
-                            &|_| None,
-                        )
+                        .run(&barrier, &mut [], &bounds, never.as_mut())
                         .await
                         .unwrap();
                 }
@@ -794,62 +971,125 @@ mod tests {
         }
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_rank_that_never_comes_is_named_at_the_deadline() {
-        let world = 2;
+    /// Ranks 0 to 2 of 4 run a barrier that rank 3 never comes to: each fails at the deadline
+    /// on the group's clock (here a paused one: two minutes pass in a few seconds, so the
+    /// deadline is the runtime's and not the system clock's), naming rank 3, and every later
+    /// collective fails with the same.
+    #[tokio::test(start_paused = true)]
+    async fn every_rank_at_a_barrier_names_the_rank_that_never_came_at_the_deadline_on_its_clock() {
+        let world = 4;
+        let arenas = arenas(world, DEFAULT_ARENA_BYTES).await;
+        let slot = arenas[0].slot_bytes();
+        let timeout = Duration::from_secs(120);
+        let started = std::time::Instant::now();
+        let t0 = Tokio.now();
+        let mut tasks = Vec::new();
+        for (r, mut arena) in arenas.into_iter().enumerate().take(3) {
+            tasks.push(tokio::spawn(async move {
+                let bounds = bounds(timeout);
+                let plan = arena::barrier(r, world, slot).unwrap();
+                let never = never();
+                tokio::pin!(never);
+                let err = arena
+                    .run(&plan, &mut [], &bounds, never.as_mut())
+                    .await
+                    .unwrap_err();
+                let again = arena
+                    .run(&plan, &mut [], &bounds, never.as_mut())
+                    .await
+                    .unwrap_err();
+                (err, again)
+            }));
+        }
+        for t in tasks {
+            let (err, again) = t.await.unwrap();
+            assert_eq!(
+                err,
+                ArenaError::Failed(ArenaFailure::Timeout {
+                    waiting_on: vec![3],
+                    timeout
+                })
+            );
+            assert_eq!(again, err, "the arena is broken for good");
+        }
+        assert!(Tokio.now() >= t0 + timeout);
+        assert!(started.elapsed() < timeout);
+    }
+
+    /// A caller that gives up before the deadline (a `Work::wait` with a shorter timeout)
+    /// fails the collective at once, naming every rank still awaited, with its own duration.
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_that_gives_up_gets_a_timeout_naming_every_missing_rank() {
+        let world = 4;
         let mut arenas = arenas(world, DEFAULT_ARENA_BYTES).await;
         let slot = arenas[0].slot_bytes();
-        let plan = arena::barrier(0, world, slot).unwrap();
-        let timeout = Duration::from_millis(100);
-        let started = Instant::now();
-        let err = arenas[0]
+        let plan = arena::barrier(1, world, slot).unwrap();
+        let short = Duration::from_millis(300);
+        let give_up = async move {
+            Tokio.sleep_until(rt().deadline_after(short)).await;
+            short
+        };
+        tokio::pin!(give_up);
+        let err = arenas[1]
             .run(
                 &plan,
                 &mut [],
-                Instant::now() + timeout,
-                timeout,
-                0,
-                &|_| None,
+                &bounds(Duration::from_secs(3600)),
+                give_up.as_mut(),
             )
             .await
             .unwrap_err();
         assert_eq!(
             err,
-            ArenaError::Timeout {
-                waiting_on: 1,
-                timeout
-            }
+            ArenaError::Failed(ArenaFailure::Timeout {
+                waiting_on: vec![0, 2, 3],
+                timeout: short
+            })
         );
-        assert!(started.elapsed() < Duration::from_secs(2));
-        // The arena is broken for good.
+    }
+
+    /// A rank that the group says is gone is named at the next look, long before the deadline.
+    #[tokio::test(start_paused = true)]
+    async fn a_rank_the_group_says_is_gone_is_named() {
+        let world = 2;
+        let mut arenas = arenas(world, DEFAULT_ARENA_BYTES).await;
+        let slot = arenas[0].slot_bytes();
+        let plan = arena::barrier(0, world, slot).unwrap();
+        let t0 = Tokio.now();
+        let gone = |q: usize| (q == 1).then(|| "left".to_owned());
+        let bounds = Bounds {
+            gone: &gone,
+            ..bounds(Duration::from_secs(3600))
+        };
+        let never = never();
+        tokio::pin!(never);
+        let err = arenas[0]
+            .run(&plan, &mut [], &bounds, never.as_mut())
+            .await
+            .unwrap_err();
         assert_eq!(
-            arenas[0]
-                .run(
-                    &plan,
-                    &mut [],
-                    Instant::now() + timeout,
-                    timeout,
-                    0,
-                    &|_| None
-                )
-                .await,
-            Err(err)
+            err,
+            ArenaError::Failed(ArenaFailure::Gone {
+                rank: 1,
+                reason: "left".into()
+            })
         );
+        assert!(Tokio.now() < t0 + Duration::from_secs(1));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_process_that_is_not_the_rank_it_claims_gets_no_arena() {
         // Rank 1 is announced with another process id than ours.
         let pids = vec![std::process::id(), 1];
-        let deadline = Instant::now() + Duration::from_millis(300);
+        let deadline = rt().deadline_after(Duration::from_millis(300));
         let host = ArenaHost::create(2, DEFAULT_ARENA_BYTES).unwrap();
         let name = host.name().to_owned();
         let pids2 = pids.clone();
         let join = tokio::spawn(async move {
-            Arena::join(&name, 1, &pids2, 0, Duration::ZERO, deadline).await
+            Arena::join(&name, 1, &pids2, 0, Duration::ZERO, &Tokio, deadline).await
         });
         let err = host
-            .accept(0, &pids, Duration::ZERO, deadline)
+            .accept(0, &pids, Duration::ZERO, &Tokio, deadline)
             .await
             .unwrap_err();
         assert!(err.to_string().contains("ranks [1] did not fetch"), "{err}");

@@ -21,7 +21,9 @@
 //! size, the sizes and the slot size, like the link [`Schedule`](super::Schedule)s; the
 //! simulation (`arena_sim`) runs every plan for every world size up to 64 with seeded
 //! interleavings, checking results and that no read ever sees a half that was overwritten or not
-//! yet written.
+//! yet written. The waits of steps 1 and 4, and the failures they end in (a rank that died, or
+//! did not come by the deadline), are decided in [`arena_wait`](super::arena_wait); a failure
+//! stays in the [`ArenaState`] for every later collective.
 //!
 //! | collective | phases per chunk | who writes | who reads |
 //! |---|---|---|---|
@@ -37,6 +39,8 @@
 
 use std::ops::Range;
 
+use super::arena_wait::ArenaFailure;
+pub use super::arena_wait::{counter, reached};
 use super::{CollectiveError, ElementType, ReduceOp};
 
 /// Every offset into a slot, and every piece a slot is cut into, is a multiple of this (a cache
@@ -153,6 +157,8 @@ pub struct ArenaState {
     phase: u64,
     /// For each half: the phase it was last written in, and the ranks that read it then.
     last: [(u64, Vec<usize>); 2],
+    /// The first collective that failed: the ranks are out of step for good.
+    failure: Option<ArenaFailure>,
 }
 
 impl ArenaState {
@@ -179,6 +185,24 @@ impl ArenaState {
         readers.iter().map(move |r| (*r, target))
     }
 
+    /// What to wait for after publishing `phase` (the phase [`posted`](Self::posted) just
+    /// published): each rank of its `waits_on`, and the counter value of that publication.
+    pub fn phase_waits(&self, phase: &ArenaPhase) -> Vec<(usize, u32)> {
+        let target = counter(self.phase);
+        phase.waits_on.iter().map(|q| (*q, target)).collect()
+    }
+
+    /// Records that a collective failed (see [`arena_wait`](super::arena_wait)): the first
+    /// failure stays, and is returned, for this one and every later collective.
+    pub fn fail(&mut self, failure: ArenaFailure) -> ArenaFailure {
+        self.failure.get_or_insert(failure).clone()
+    }
+
+    /// The failure every collective through this arena now fails with, if one failed.
+    pub fn failure(&self) -> Option<&ArenaFailure> {
+        self.failure.as_ref()
+    }
+
     /// Records that this rank wrote (if `wrote`) for `readers` and publishes the current phase:
     /// returns the counter value to store, which every rank of the phase's `waits_on` waits for.
     pub fn posted(&mut self, wrote: bool, readers: &[usize]) -> u32 {
@@ -189,17 +213,6 @@ impl ArenaState {
         self.phase += 1;
         counter(self.phase)
     }
-}
-
-/// The value a counter holds after `phases` phases (counters wrap; compare with
-/// [`reached`]).
-pub fn counter(phases: u64) -> u32 {
-    phases as u32
-}
-
-/// Whether a counter holding `value` has reached `target` (wrapping: within 2³¹ phases).
-pub fn reached(value: u32, target: u32) -> bool {
-    (value.wrapping_sub(target) as i32) >= 0
 }
 
 /// The bytes of one half of a slot for a segment of `arena_bytes` shared by `world` ranks

@@ -42,6 +42,33 @@ fn run(
     inputs: Vec<Vec<Vec<u8>>>,
     seed: u64,
 ) -> Result<Vec<Vec<Vec<u8>>>, String> {
+    match simulate(plans, inputs, seed, None)? {
+        Outcome::Finished(outputs) => Ok(outputs),
+        Outcome::Stuck { .. } => unreachable!("no rank stops"),
+    }
+}
+
+/// How a simulation ended.
+enum Outcome {
+    /// Every rank ran every plan: their outputs.
+    Finished(Vec<Vec<Vec<u8>>>),
+    /// The stopped rank left the others stuck: every counter, and each rank still running
+    /// with the wait it is blocked in (rank, counter value), as the executor would pass it to
+    /// [`ArenaWait`](super::arena_wait::ArenaWait).
+    Stuck {
+        counters: Vec<u32>,
+        blocked: Vec<(usize, Vec<(usize, u32)>)>,
+    },
+}
+
+/// As [`run`]; with `stop` = (rank, actions), that rank stops for good after that many atomic
+/// actions (a process stopped or killed mid-collective).
+fn simulate(
+    plans: Vec<Vec<ArenaPlan>>,
+    inputs: Vec<Vec<Vec<u8>>>,
+    seed: u64,
+    stop: Option<(usize, usize)>,
+) -> Result<Outcome, String> {
     let world = plans.len();
     let slot = plans[0][0].slot_bytes();
     for i in 0..plans[0].len() {
@@ -91,22 +118,36 @@ fn run(
         })
         .collect();
     let mut rng = SimRng::new(seed);
+    let mut actions = vec![0usize; world];
     loop {
         let live: Vec<usize> = (0..world)
             .filter(|r| ranks[*r].plan < ranks[*r].plans.len())
+            .filter(|r| stop.is_none_or(|(s, n)| *r != s || actions[s] < n))
             .collect();
-        if live.is_empty() {
+        if live.is_empty() && stop.is_none() {
             break;
         }
         // Try ranks from a random start until one moves.
-        let start = rng.below(live.len());
+        let start = rng.below(live.len().max(1));
         let mut moved = false;
         for k in 0..live.len() {
             let r = live[(start + k) % live.len()];
             if step(r, &mut ranks[r], &mut mem)? {
+                actions[r] += 1;
                 moved = true;
                 break;
             }
+        }
+        if !moved && stop.is_some() {
+            let blocked = live
+                .iter()
+                .filter(|r| stop.is_none_or(|(s, _)| **r != s))
+                .map(|r| (*r, blocked_on(&ranks[*r])))
+                .collect();
+            return Ok(Outcome::Stuck {
+                counters: mem.counters,
+                blocked,
+            });
         }
         if !moved {
             let blocked: Vec<String> = live
@@ -116,16 +157,29 @@ fn run(
             return Err(format!("deadlock: {}", blocked.join(", ")));
         }
     }
-    Ok(ranks
-        .into_iter()
-        .map(|r| {
-            r.plans
-                .iter()
-                .zip(r.buffers)
-                .map(|(p, b)| b[p.output_range()].to_vec())
-                .collect()
-        })
-        .collect())
+    Ok(Outcome::Finished(
+        ranks
+            .into_iter()
+            .map(|r| {
+                r.plans
+                    .iter()
+                    .zip(r.buffers)
+                    .map(|(p, b)| b[p.output_range()].to_vec())
+                    .collect()
+            })
+            .collect(),
+    ))
+}
+
+/// The wait a blocked rank is in: before writing (its readers), or after publishing.
+fn blocked_on(rank: &Rank) -> Vec<(usize, u32)> {
+    match rank.pc {
+        Pc::FreeWait(_) => rank.free.clone(),
+        Pc::Wait(_) => rank
+            .state
+            .phase_waits(&rank.plans[rank.plan].phases()[rank.phase]),
+        pc => unreachable!("rank blocked at {pc:?}"),
+    }
 }
 
 /// Checks that each rank's `readers` are exactly the ranks that read its slot in the phase,
@@ -222,10 +276,10 @@ fn step(r: usize, rank: &mut Rank, mem: &mut Memory) -> Result<bool, String> {
             rank.pc = Pc::Wait(0);
         }
         Pc::Wait(i) => {
-            let target = arena::counter(rank.state.phase());
+            let waits = rank.state.phase_waits(phase);
             let mut i = i;
-            while let Some(q) = phase.waits_on.get(i) {
-                if !reached(mem.counters[*q], target) {
+            while let Some((q, target)) = waits.get(i) {
+                if !reached(mem.counters[*q], *target) {
                     if Pc::Wait(i) == rank.pc {
                         return Ok(false);
                     }
@@ -233,7 +287,7 @@ fn step(r: usize, rank: &mut Rank, mem: &mut Memory) -> Result<bool, String> {
                 }
                 i += 1;
             }
-            rank.pc = if i == phase.waits_on.len() {
+            rank.pc = if i == waits.len() {
                 Pc::Read(0)
             } else {
                 Pc::Wait(i)
@@ -624,4 +678,187 @@ fn counters_compare_across_the_wrap() {
     assert!(!reached(4, 5));
     assert!(reached(1, u32::MAX));
     assert!(!reached(u32::MAX, 1));
+}
+
+/// A rank that stops for good at a random point (a process stopped or killed mid-collective)
+/// leaves the others stuck, never spinning on a wrong answer: every rank still running is
+/// blocked in a wait whose verdict at the deadline is a timeout naming only ranks that are
+/// behind what it waits for, the stopped rank is named by at least one of them (whoever waits
+/// for it directly), and once it is known dead those name its death instead.
+fn a_rank_that_stops_is_named(worlds: impl Iterator<Item = usize>) {
+    use super::arena_wait::{ArenaFailure, ArenaWait, Lost, WaitStep};
+    use std::time::{Duration, Instant};
+    let t0 = Instant::now();
+    let timeout = Duration::from_secs(1);
+    for world in worlds {
+        for seed in seeds() {
+            let mut rng = SimRng::new(seed ^ (world as u64) << 32 ^ 0x5709);
+            let slot = 64 * world;
+            let c = case(world, slot, &mut rng);
+            let stopped = rng.below(world);
+            let total: usize = c.plans[stopped]
+                .iter()
+                .map(|p| 6 * p.phases().len() + 1)
+                .sum();
+            let after = rng.below(total);
+            let replay = format!(
+                "world {world}, rank {stopped} stopped after {after} actions (TW_SIM_SEED={seed})"
+            );
+            let outcome = simulate(
+                c.plans.clone(),
+                c.inputs.clone(),
+                seed,
+                Some((stopped, after)),
+            )
+            .unwrap_or_else(|e| panic!("{replay}: {e}"));
+            let Outcome::Stuck { counters, blocked } = outcome else {
+                panic!("{replay}: finished");
+            };
+            let mut named_stopped = blocked.is_empty();
+            for (r, targets) in blocked {
+                let wait = ArenaWait::new(targets, t0 + timeout, timeout);
+                let step = wait.step(|q| counters[q], t0 + timeout, |_| None);
+                let WaitStep::Failed(ArenaFailure::Timeout { waiting_on, .. }) = step else {
+                    panic!("{replay}: rank {r} at the deadline: {step:?}");
+                };
+                assert!(!waiting_on.is_empty(), "{replay}: rank {r}");
+                assert!(
+                    !waiting_on.contains(&r),
+                    "{replay}: rank {r} waits on itself"
+                );
+                for q in &waiting_on {
+                    assert!(
+                        wait.targets()
+                            .iter()
+                            .any(|(p, t)| p == q && !reached(counters[*q], *t)),
+                        "{replay}: rank {r} names rank {q}, which is not behind"
+                    );
+                }
+                if waiting_on.contains(&stopped) {
+                    named_stopped = true;
+                    // Once its process is known to have ended, the death is named at once.
+                    let lost = |q: usize| (q == stopped).then_some(Lost::Died);
+                    assert_eq!(
+                        wait.step(|q| counters[q], t0, lost),
+                        WaitStep::Failed(ArenaFailure::Died { rank: stopped }),
+                        "{replay}: rank {r}"
+                    );
+                }
+            }
+            assert!(named_stopped, "{replay}: nobody names the stopped rank");
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_stops_is_named_for_world_sizes_2_to_16() {
+    a_rank_that_stops_is_named(2..=16);
+}
+
+#[test]
+fn a_rank_that_stops_is_named_for_world_sizes_17_to_64() {
+    // Every fifth size and the largest: the rules do not change with the size, the plans'
+    // shapes little.
+    a_rank_that_stops_is_named((17..=64).step_by(5).chain([64]));
+}
+
+#[test]
+fn a_rank_absent_from_a_barrier_is_named_by_every_other_rank() {
+    use super::arena_wait::{ArenaFailure, ArenaWait, WaitStep};
+    use std::time::{Duration, Instant};
+    let t0 = Instant::now();
+    let timeout = Duration::from_millis(300);
+    for world in 2..=64 {
+        let slot = 64 * world;
+        let absent = world / 2;
+        // Everyone runs a barrier, then a second one that `absent` never comes to.
+        let plans: Vec<Vec<ArenaPlan>> = (0..world)
+            .map(|r| {
+                let b = arena::barrier(r, world, slot).unwrap();
+                vec![b.clone(), b]
+            })
+            .collect();
+        let inputs = vec![vec![Vec::new(); 2]; world];
+        // The absent rank's first barrier: start, free-wait, write, post, wait, read, next.
+        let outcome = simulate(plans, inputs, world as u64, Some((absent, 7))).unwrap();
+        let Outcome::Stuck { counters, blocked } = outcome else {
+            panic!("world {world}: finished");
+        };
+        assert_eq!(blocked.len(), world - 1, "world {world}");
+        for (r, targets) in blocked {
+            let wait = ArenaWait::new(targets, t0 + timeout, timeout);
+            assert_eq!(
+                wait.step(|q| counters[q], t0 + timeout, |_| None),
+                WaitStep::Failed(ArenaFailure::Timeout {
+                    waiting_on: vec![absent],
+                    timeout
+                }),
+                "world {world}: rank {r}"
+            );
+        }
+    }
+}
+
+mod failures {
+    //! Barriers that ranks never come to, and the failure an arena keeps.
+    use std::time::{Duration, Instant};
+
+    use super::super::arena::{self, ArenaState};
+    use super::super::arena_wait::{ArenaFailure, ArenaWait, Lost, WaitStep};
+
+    const T: Duration = Duration::from_secs(2);
+
+    fn alive(_: usize) -> Option<Lost> {
+        None
+    }
+
+    #[test]
+    fn every_rank_waiting_at_a_barrier_names_the_ranks_that_never_came() {
+        // Every world size up to 64, with ranks missing in several patterns: each rank that
+        // came (published its phase) times out naming exactly the absent ranks.
+        let t0 = Instant::now();
+        for world in 2..=64usize {
+            let patterns: Vec<Vec<usize>> = vec![
+                vec![world - 1],
+                vec![0],
+                (0..world).filter(|q| q % 3 == 1).collect(),
+            ];
+            for absent in patterns {
+                let slot = 64 * world;
+                let mut counters = vec![0u32; world];
+                let mut waits = Vec::new();
+                for r in (0..world).filter(|r| !absent.contains(r)) {
+                    let plan = arena::barrier(r, world, slot).unwrap();
+                    let mut state = ArenaState::new();
+                    let phase = &plan.phases()[0];
+                    counters[r] = state.posted(false, &phase.readers);
+                    waits.push((r, ArenaWait::new(state.phase_waits(phase), t0 + T, T)));
+                }
+                for (r, wait) in waits {
+                    assert_eq!(
+                        wait.step(|q| counters[q], t0 + T, alive),
+                        WaitStep::Failed(ArenaFailure::Timeout {
+                            waiting_on: absent.clone(),
+                            timeout: T
+                        }),
+                        "world {world}: rank {r}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_failed_arena_keeps_its_first_failure() {
+        let mut state = ArenaState::new();
+        assert_eq!(state.failure(), None);
+        let first = ArenaFailure::Timeout {
+            waiting_on: vec![3],
+            timeout: T,
+        };
+        assert_eq!(state.fail(first.clone()), first);
+        // A later failure (the next collective's) does not replace it.
+        assert_eq!(state.fail(ArenaFailure::Died { rank: 1 }), first);
+        assert_eq!(state.failure(), Some(&first));
+    }
 }

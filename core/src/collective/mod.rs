@@ -91,6 +91,7 @@ mod algorithms;
 pub mod arena;
 #[cfg(test)]
 mod arena_sim;
+pub mod arena_wait;
 pub mod check;
 pub mod disagreement;
 pub mod inbox;

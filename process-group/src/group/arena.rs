@@ -16,7 +16,9 @@
 
 use tensorwire_core::collective::arena as plans;
 use tensorwire_core::collective::arena::ArenaPlan;
-use tensorwire_transport_shm::arena::{host_key, Arena, ArenaError, ArenaHost};
+use tensorwire_transport_shm::arena::{
+    host_key, Arena, ArenaError, ArenaFailure, ArenaHost, Bounds,
+};
 
 use super::*;
 
@@ -86,14 +88,17 @@ pub(super) enum ArenaSlot {
 pub(super) struct Turn<'a> {
     slot: tokio::sync::MutexGuard<'a, ArenaSlot>,
     seq: u64,
+    world: usize,
 }
 
 impl Turn<'_> {
-    /// The slot size plans are made with (0 when no arena is ready: plans then refuse).
+    /// The slot size plans are made with. When the arena failed (or never came) it is the
+    /// smallest a plan takes: such plans are never run ([`Group::arena_run`] fails them with
+    /// the arena's failure), but they must not fail as arguments first.
     fn slot_bytes(&self) -> usize {
         match &*self.slot {
             ArenaSlot::Ready(a) => a.slot_bytes(),
-            _ => 0,
+            _ => plans::ARENA_ALIGN * self.world,
         }
     }
 }
@@ -128,39 +133,61 @@ fn decode_record(bytes: &[u8]) -> Option<(HostRecord, String)> {
     ))
 }
 
+/// The group's error for a collective that failed through the arena (`pid`: a rank's process
+/// id, for a death).
 fn arena_error(
     collective: &'static str,
     seq: u64,
     rank: usize,
     e: ArenaError,
+    pid: impl Fn(usize) -> Option<u32>,
 ) -> ProcessGroupError {
-    match e {
-        ArenaError::Died { rank: dead, pid } => ProcessGroupError::PeerDied {
+    let ArenaError::Failed(failure) = e else {
+        return ProcessGroupError::Setup {
+            rank,
+            reason: e.to_string(),
+        };
+    };
+    match failure {
+        ArenaFailure::Died { rank: dead } => ProcessGroupError::PeerDied {
             rank: dead,
             reported_by: None,
-            reason: format!("its process {pid} ended during {collective} through the group arena"),
+            reason: match pid(dead) {
+                Some(pid) => {
+                    format!("its process {pid} ended during {collective} through the group arena")
+                }
+                None => format!("its process ended during {collective} through the group arena"),
+            },
         },
-        ArenaError::Gone { rank: gone, reason } if reason == "left" => {
+        ArenaFailure::Gone { rank: gone, reason } if reason == "left" => {
             ProcessGroupError::PeerLeft {
                 rank: gone,
                 collective,
                 seq,
             }
         }
-        ArenaError::Gone { rank: gone, reason } => ProcessGroupError::PeerDied {
+        ArenaFailure::Gone { rank: gone, reason } => ProcessGroupError::PeerDied {
             rank: gone,
             reported_by: None,
             reason,
         },
-        ArenaError::Timeout {
+        ArenaFailure::Timeout {
             waiting_on,
             timeout,
         } => ProcessGroupError::Timeout {
             collective,
             seq,
             rank,
-            waiting_on: vec![waiting_on],
+            waiting_on,
             timeout,
+        },
+        ArenaFailure::Disagreement { rank: peer } => ProcessGroupError::Mismatch {
+            peer,
+            collective,
+            seq,
+            reason: "it ran another collective, or the same with other arguments, \
+                     through the group arena"
+                .to_owned(),
         },
         other => ProcessGroupError::Setup {
             rank,
@@ -211,10 +238,11 @@ impl Group {
             return Ok(());
         }
         let pids: Vec<u32> = records.iter().map(|r| r.pid).collect();
-        let deadline = self.inner.mesh.runtime().deadline_after(self.inner.timeout);
+        let runtime = &**self.inner.mesh.runtime();
+        let deadline = runtime.deadline_after(self.inner.timeout);
         let arena = match host {
-            Some(host) => host.accept(rank, &pids, spin(), deadline).await,
-            None => Arena::join(&leader_socket, rank, &pids, 0, spin(), deadline).await,
+            Some(host) => host.accept(rank, &pids, spin(), runtime, deadline).await,
+            None => Arena::join(&leader_socket, rank, &pids, 0, spin(), runtime, deadline).await,
         }
         .map_err(|e| setup(e.to_string()))?;
         *self
@@ -267,14 +295,19 @@ impl Group {
                 Err(e) => ArenaSlot::Failed(e),
             };
         }
-        Some(Turn { slot, seq })
+        Some(Turn {
+            slot,
+            seq,
+            world: self.size(),
+        })
     }
 
     async fn fetch_subgroup_arena(&self, pids: &[u32]) -> Result<Arena, ProcessGroupError> {
         let rank = self.rank();
         let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
         let key = format!("tensorwire/pg/{}/arena", self.name());
-        let deadline = self.inner.mesh.runtime().deadline_after(self.inner.timeout);
+        let runtime = &**self.inner.mesh.runtime();
+        let deadline = runtime.deadline_after(self.inner.timeout);
         if rank == 0 {
             let host = ArenaHost::create(self.size(), self.inner.arena_bytes)
                 .map_err(|e| setup(e.to_string()))?;
@@ -283,7 +316,7 @@ impl Group {
                 .set(&key, host.name().as_bytes())
                 .await
                 .map_err(|e| setup(format!("publishing the arena: {e}")))?;
-            host.accept(rank, pids, spin(), deadline)
+            host.accept(rank, pids, spin(), runtime, deadline)
                 .await
                 .map_err(|e| setup(e.to_string()))
         } else {
@@ -300,13 +333,17 @@ impl Group {
                 .map_err(|e| setup(format!("reading the arena's name: {e}")))?;
             let name =
                 String::from_utf8(name).map_err(|_| setup("a malformed arena name".into()))?;
-            Arena::join(&name, rank, pids, 0, spin(), deadline)
+            Arena::join(&name, rank, pids, 0, spin(), runtime, deadline)
                 .await
                 .map_err(|e| setup(e.to_string()))
         }
     }
 
-    /// Runs `plan` over `buffer` through the arena in `slot`.
+    /// Runs `plan` over `buffer` through the arena in `slot`, bounded by the group's timeout
+    /// on its runtime's clock and by the wait of the [`Work`](crate::Work) running it, if any.
+    /// A failure fails every later collective through the arena with the same error; a timeout
+    /// also breaks the group (as on the links: the ranks no longer agree where the collectives
+    /// stand).
     pub(super) async fn arena_run(
         &self,
         turn: &mut Turn<'_>,
@@ -315,7 +352,6 @@ impl Group {
         buffer: &mut [u8],
         signature: &[u64],
     ) -> Result<(), ProcessGroupError> {
-        let plan = plan.map_err(|source| ProcessGroupError::Arguments { collective, source })?;
         let seq = turn.seq;
         let mesh = &self.inner.mesh;
         if let Some(e) = mesh.broken() {
@@ -328,7 +364,12 @@ impl Group {
                 unreachable!("a turn is handed out only for a set-up arena")
             }
         };
+        let plan = plan.map_err(|source| ProcessGroupError::Arguments { collective, source })?;
         let timeout = self.inner.timeout;
+        let runtime = &**mesh.runtime();
+        // Subscribed now, in the collective's first poll (see `work::expired`).
+        let give_up = crate::work::expired();
+        tokio::pin!(give_up);
         let span = tracing::debug_span!("arena", collective, seq);
         let gone = |peer: usize| -> Option<String> {
             if let Some(e) = mesh.broken() {
@@ -339,29 +380,32 @@ impl Group {
                 tensorwire_mesh::PeerStatusKind::Dead => "its connection broke".to_owned(),
             })
         };
-        arena
-            .run(
-                &plan,
-                buffer,
-                self.inner.mesh.runtime().deadline_after(timeout),
-                timeout,
-                fingerprint(collective, signature),
-                &gone,
-            )
+        let bounds = Bounds {
+            runtime,
+            deadline: runtime.deadline_after(timeout),
+            timeout,
+            signature: fingerprint(collective, signature),
+            gone: &gone,
+        };
+        let result = arena
+            .run(&plan, buffer, &bounds, give_up)
             .instrument(span)
-            .await
-            .map_err(|e| match (e, mesh.broken()) {
-                (ArenaError::Gone { .. }, Some(broken)) => broken,
-                (ArenaError::Disagreement { rank: peer }, _) => ProcessGroupError::Mismatch {
-                    peer,
-                    collective,
-                    seq,
-                    reason: "it ran another collective, or the same with other arguments, \
-                             through the group arena"
-                        .to_owned(),
-                },
-                (e, _) => arena_error(collective, seq, self.rank(), e),
-            })
+            .await;
+        let Err(e) = result else {
+            return Ok(());
+        };
+        let failed = matches!(e, ArenaError::Failed(_));
+        let error = match (e, mesh.broken()) {
+            (ArenaError::Failed(ArenaFailure::Gone { .. }), Some(broken)) => broken,
+            (e, _) => arena_error(collective, seq, self.rank(), e, |r| arena.pid(r)),
+        };
+        if failed {
+            if matches!(error, ProcessGroupError::Timeout { .. }) {
+                mesh.fail(error.clone());
+            }
+            *turn.slot = ArenaSlot::Failed(error.clone());
+        }
+        Err(error)
     }
 
     /// Every rank's 8-byte value, through the arena.

@@ -37,10 +37,9 @@ pub(crate) async fn join_static(
 ) -> Result<(Group, Vec<WorkerRecord>), RpcError> {
     let ip = advertise_ip(options)?;
     // The world group's inboxes and readers draw from the agent's budget: one per peer.
-    // Its few collectives (the records' all_gather, barriers) take the links: the arena's
-    // waits read the system clock, not the agent's injected runtime.
+    // Its collectives take the group arena when every worker is on this host (its waits keep
+    // time on the agent's runtime, as the links do).
     let group_options = GroupOptions::new(RPC_GROUP)
-        .with_collectives(tensorwire_process_group::CollectivePath::Links)
         .with_listen(SocketAddr::new(ip, 0))
         .with_timeout(options.init_timeout)
         .with_runtime(options.runtime.clone())
