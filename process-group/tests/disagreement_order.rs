@@ -11,6 +11,7 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
+use tensorwire_core::ports::process_group::Collectives;
 
 use tensorwire_core::collective::{DebugLevel, ElementType, ReduceOp, Signature};
 use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};

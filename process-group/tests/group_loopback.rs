@@ -3,6 +3,8 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tensorwire_core::ports::process_group::Collectives;
+use tensorwire_core::ports::process_group::TensorCollectives;
 
 use bytes::Bytes;
 use tensorwire_core::collective::{DebugLevel, ElementType, ReduceOp};

@@ -15,6 +15,7 @@
 //! - Errors are this module's exception classes, which the Python layer turns into torch's
 //!   own (`DistBackendError`, `DistNetworkError`, `DistStoreError`, `ValueError`).
 
+use tensorwire_core::ports::process_group::Collectives;
 mod gil;
 mod rpc;
 mod store;

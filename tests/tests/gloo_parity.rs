@@ -10,6 +10,8 @@ use std::future::Future;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
+use tensorwire_core::ports::process_group::Collectives;
+use tensorwire_core::ports::process_group::TensorCollectives;
 use tensorwire_tests::torch_python as python;
 
 use tensorwire_core::ports::process_group::{ProcessGroup, WorkHandle};

@@ -33,6 +33,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+use tensorwire_core::ports::process_group::Collectives;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};

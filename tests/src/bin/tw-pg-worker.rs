@@ -41,6 +41,7 @@ use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tensorwire_core::ports::process_group::Collectives;
 
 use tensorwire_core::collective::{ElementType, ReduceOp};
 use tensorwire_core::device::Device;
@@ -842,7 +843,7 @@ async fn nccl(_: usize, _: Duration) -> Result<ExitCode, Error> {
 #[cfg(feature = "nccl")]
 async fn nccl(rank: usize, timeout: Duration) -> Result<ExitCode, Error> {
     use tensorwire_core::ports::device::relocate;
-    use tensorwire_core::ports::process_group::ProcessGroupError;
+    use tensorwire_core::ports::process_group::{ProcessGroupError, TensorCollectives};
     use tensorwire_core::tensor::{DType, Storage, Tensor};
     use tensorwire_devices_cuda::nccl_group::shared_devices;
 
