@@ -404,7 +404,8 @@ impl ProcessGroup for NcclGroup {
         self.device
     }
 
-    /// Runs `op` ([`NcclGroup::execute`]) as the handle is asked or waited on.
+    /// Runs `op` (NCCL for barrier, all_gather, broadcast and all_reduce; [`compose`] for the
+    /// rest) as the handle is asked or waited on.
     fn start<'a>(&'a self, op: Op<'a>) -> Started<'a> {
         lazy(Box::pin(self.execute(op)))
     }

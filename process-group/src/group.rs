@@ -61,12 +61,12 @@ use crate::p2p::{self, Counters};
 use crate::work::{self, Work};
 use tensorwire_mesh::{GroupMesh, Mesh, MeshSetup, MAX_GROUP_ID};
 
-/// Blocks up to this size travel with their lengths in [`ProcessGroup::all_gather`]'s first
+/// Blocks up to this size travel with their lengths in [`Collectives::all_gather`]'s first
 /// round, so small all_gathers take one round instead of two (see
 /// [`varlen`](tensorwire_core::collective::varlen)).
 pub const INLINE_GATHER_BYTES: usize = varlen::INLINE_BYTES;
 
-/// Largest block [`ProcessGroup::all_gather`] accepts from a rank: the transports' default
+/// Largest block [`Collectives::all_gather`] accepts from a rank: the transports' default
 /// frame limit. A larger announced length is refused before anything is allocated for it.
 pub const MAX_BLOCK_BYTES: usize = 1 << 30;
 
@@ -281,12 +281,12 @@ impl Group {
         )
     }
 
-    /// [`barrier`](ProcessGroup::barrier) as a [`Work`], issued in this call.
+    /// [`barrier`](Collectives::barrier) as a [`Work`], issued in this call.
     pub fn barrier_work(&self) -> Work<()> {
         self.issue("barrier", |g| async move { g.barrier().await })
     }
 
-    /// [`all_reduce`](ProcessGroup::all_reduce) of owned bytes as a [`Work`], issued in this
+    /// [`all_reduce`](Collectives::all_reduce) of owned bytes as a [`Work`], issued in this
     /// call; gives the reduced bytes back.
     pub fn all_reduce_work(
         &self,
@@ -311,7 +311,7 @@ impl Group {
         })
     }
 
-    /// [`broadcast`](ProcessGroup::broadcast) of owned bytes as a [`Work`], issued in this
+    /// [`broadcast`](Collectives::broadcast) of owned bytes as a [`Work`], issued in this
     /// call; gives `root`'s bytes back.
     pub fn broadcast_work(&self, mut data: Vec<u8>, root: usize) -> Work<Vec<u8>> {
         self.issue("broadcast", move |g| async move {
@@ -319,7 +319,7 @@ impl Group {
         })
     }
 
-    /// [`all_gather`](ProcessGroup::all_gather) as a [`Work`], issued in this call; gives
+    /// [`all_gather`](Collectives::all_gather) as a [`Work`], issued in this call; gives
     /// every rank's block, in rank order.
     pub fn all_gather_work(&self, input: Vec<u8>) -> Work<Vec<Bytes>> {
         self.issue(
@@ -378,8 +378,8 @@ impl ProcessGroup for Group {
         self.inner.mesh.world()
     }
 
-    /// Runs `op` ([`Group::execute`]: the arena's path or the links') on the caller's task,
-    /// as the handle is asked or waited on.
+    /// Runs `op` (through the group arena or the links, from one dispatch) on the caller's
+    /// task, as the handle is asked or waited on.
     fn start<'a>(&'a self, op: Op<'a>) -> Started<'a> {
         lazy(Box::pin(self.execute(op)))
     }
