@@ -51,6 +51,12 @@ pub async fn compose<P: ProcessGroup + ?Sized>(
             counts,
             element,
             op,
+        }
+        | Op::ReduceScatterV {
+            input,
+            counts,
+            element,
+            op,
         } => reduce_scatter(pg, name, host(pg, name, &input)?, &counts, element, op).await,
         Op::Gather { input, root } => {
             check_root(name, root, pg.size())?;

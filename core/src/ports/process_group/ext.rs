@@ -149,6 +149,32 @@ pub trait Collectives: ProcessGroup {
         }
     }
 
+    /// [`reduce_scatter`](Self::reduce_scatter) by direct exchange ([`Op::ReduceScatterV`]):
+    /// each rank's contribution to chunk i goes straight to rank i, which folds them in a
+    /// fixed order; returns this rank's `counts[rank]` elements of the reduction. PyTorch's
+    /// `reduce_scatter` with output sizes that differ from rank to rank.
+    fn reduce_scatter_v(
+        &self,
+        input: &[u8],
+        counts: &[usize],
+        element: ElementType,
+        op: ReduceOp,
+    ) -> impl Future<Output = Result<Vec<u8>, ProcessGroupError>> + Send {
+        async move {
+            let op = Op::ReduceScatterV {
+                input: Buf::Ref(input),
+                counts: counts.to_vec(),
+                element,
+                op,
+            };
+            Ok(Vec::from(bytes(
+                self,
+                "reduce_scatter_v",
+                self.run(op).await?,
+            )?))
+        }
+    }
+
     /// Gathers one block of bytes from every rank (blocks may differ in length) on `root`:
     /// `Some` of the blocks in rank order there, `None` on every other rank.
     fn gather(

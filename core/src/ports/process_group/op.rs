@@ -268,6 +268,20 @@ pub enum Op<'a> {
         /// The reduction.
         op: ReduceOp,
     },
+    /// [`ReduceScatter`](Op::ReduceScatter)'s contract by direct exchange
+    /// ([`collective::reduce_scatter_v`]: each contribution goes straight to its chunk's
+    /// owner, which folds them in a fixed order). Gives [`Done::Buffer`]: this rank's
+    /// `counts[rank]` elements.
+    ReduceScatterV {
+        /// Every chunk, in rank order.
+        input: Buf<'a>,
+        /// Elements per rank's chunk.
+        counts: Vec<usize>,
+        /// The element type.
+        element: ElementType,
+        /// The reduction.
+        op: ReduceOp,
+    },
     /// `inputs[i]` to rank i; gives what every rank sent here, in rank order
     /// ([`Done::Buffers`]), `output_lens[i]` bytes from rank i.
     AllToAll {
@@ -322,6 +336,7 @@ impl<'a> Op<'a> {
             Op::Gather { .. } => "gather",
             Op::Scatter { .. } => "scatter",
             Op::ReduceScatter { .. } => "reduce_scatter",
+            Op::ReduceScatterV { .. } => "reduce_scatter_v",
             Op::AllToAll { .. } | Op::AllToAllSingle { .. } => "all_to_all",
             Op::Send { .. } => "send",
             Op::Recv { .. } | Op::RecvAny { .. } => "recv",
@@ -360,6 +375,25 @@ impl<'a> Op<'a> {
                             name,
                             schedule,
                             Signature::reduce_scatter(op, element, &counts),
+                            input,
+                            Some((op, element)),
+                        )
+                    }),
+            ),
+            Op::ReduceScatterV {
+                input,
+                counts,
+                element,
+                op,
+            } => Some(
+                check_counts(&counts, world)
+                    .and_then(|()| collective::reduce_scatter_v(rank, &counts, element, op))
+                    .map_err(arguments)
+                    .and_then(|schedule| {
+                        Scheduled::new(
+                            name,
+                            schedule,
+                            Signature::reduce_scatter_v(op, element, &counts),
                             input,
                             Some((op, element)),
                         )
