@@ -39,6 +39,21 @@ static QUEUE: Mutex<Queue> = Mutex::new(Queue {
     running: 0,
 });
 
+/// Set by an `atexit` handler: the interpreter is about to finalize, and a thread that takes
+/// the GIL from then on may be ended on the spot (see [`wait_idle`]).
+static EXITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Registered with `atexit` when the module loads.
+#[pyo3::pyfunction]
+pub(crate) fn mark_exiting() {
+    EXITING.store(true, std::sync::atomic::Ordering::Release);
+}
+
+/// Whether the interpreter has begun to exit (its `atexit` handlers ran).
+pub(crate) fn interpreter_exiting() -> bool {
+    EXITING.load(std::sync::atomic::Ordering::Acquire)
+}
+
 /// Signalled when the last running job ends with none queued (see [`wait_idle`]).
 static IDLE: Condvar = Condvar::new();
 

@@ -561,5 +561,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rpc::check_worker_name, m)?)?;
     m.add("TensorwireError", m.py().get_type::<TensorwireError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // From the interpreter's exit on, nothing more is handed to the runners (see
+    // `gil::interpreter_exiting`).
+    let atexit = m.py().import("atexit")?;
+    atexit.call_method1("register", (wrap_pyfunction!(gil::mark_exiting, m)?,))?;
     Ok(())
 }

@@ -87,12 +87,48 @@ pub(crate) enum PyReply {
 /// What a remote reference's owner keeps for `remote()`: the Python object the function
 /// returned, or the exception it raised (raised again by every `to_here` and `local_value`).
 pub(crate) enum PyValue {
-    Object(Py<PyAny>),
+    Object(Held),
     Raised {
         exc_type: String,
         message: String,
         traceback: String,
     },
+}
+
+/// A Python object the agent keeps (a reference's value). When the agent lets go of it (the
+/// last holder released it, or was lost), it is released with the GIL by a runner job at once:
+/// dropped without the GIL, pyo3 would only queue the release until some thread next takes the
+/// GIL through pyo3, which on an idle owner may be never, and the object (a parameter's memory,
+/// a local optimizer's state) would stay.
+pub(crate) struct Held(Option<Py<PyAny>>);
+
+impl Held {
+    pub(crate) fn new(object: Py<PyAny>) -> Self {
+        Held(Some(object))
+    }
+}
+
+impl std::ops::Deref for Held {
+    type Target = Py<PyAny>;
+
+    fn deref(&self) -> &Py<PyAny> {
+        self.0
+            .as_ref()
+            .expect("a Held object is taken only by its drop")
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let Some(object) = self.0.take() else { return };
+        // Once the interpreter exits, pyo3's own queue of releases is the safe place: no
+        // runner may take the GIL any more.
+        if crate::gil::interpreter_exiting() {
+            drop(object);
+            return;
+        }
+        crate::gil::submit(Box::new(move |_py| drop(object)));
+    }
 }
 
 impl Serialize for PyValue {
@@ -494,7 +530,7 @@ async fn serve_python<T: Send + 'static>(
     let served = crate::gil::on_python(move |_py| {
         let object = match target.as_deref() {
             None => None,
-            Some(PyValue::Object(o)) => Some(o),
+            Some(PyValue::Object(o)) => Some(&**o),
             // The method handlers answer for a value whose creation failed before coming here.
             Some(PyValue::Raised { message, .. }) => {
                 return Err(format!("the value was not created: {message}"))
@@ -533,7 +569,7 @@ fn kept(out: &Bound<'_, PyAny>) -> PyResult<PyValue> {
     let out = out.cast::<PyTuple>()?;
     let tag: String = out.get_item(0)?.extract()?;
     if tag == "returned" {
-        Ok(PyValue::Object(out.get_item(1)?.unbind()))
+        Ok(PyValue::Object(Held::new(out.get_item(1)?.unbind())))
     } else {
         Ok(PyValue::Raised {
             exc_type: out.get_item(1)?.extract()?,
@@ -1035,7 +1071,8 @@ impl RpcAgent {
     /// A reference to `value`, owned by this worker (PyTorch's `RRef(value)`).
     fn local_rref(&self, value: Py<PyAny>) -> PyResult<PyRRef> {
         let _runtime = runtime().enter();
-        let rref = RRef::new(&self.agent, PyValue::Object(value)).map_err(|e| rpc_error(&e))?;
+        let rref =
+            RRef::new(&self.agent, PyValue::Object(Held::new(value))).map_err(|e| rpc_error(&e))?;
         Ok(PyRRef { rref })
     }
 

@@ -1,4 +1,5 @@
-"""Runs a function on every rank of a world of real processes (torch.multiprocessing, spawn)."""
+"""Runs a function on every rank of a world of real processes (torch.multiprocessing, from a
+fork server that imported torch once: see ``process_context``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,25 @@ import torch.multiprocessing as mp
 # How long a whole world may take before the test kills it and fails (not a timing check: a
 # bound so that a hang fails instead of stalling CI).
 WORLD_DEADLINE_S = float(os.environ.get("TENSORWIRE_TEST_DEADLINE", "240"))
+
+
+_CONTEXT = None
+
+
+def process_context():
+    """The multiprocessing context every test world starts its ranks from: a fork server that
+    imported torch once. Spawned ranks (a fresh interpreter each) paid about 2.5 s of CPU each to
+    import torch and about 1 s to tear it down at exit, which was most of the Python suite's time
+    on CI's two cores; a rank forked from the server starts with torch imported (tensorwire is
+    imported after the fork, in the rank, as under spawn) and ends with ``os._exit`` once its
+    function returns, so Python's ``atexit`` handlers do not run in it: a test shuts down what it
+    started. (Users' processes are fresh interpreters; ``test_readme``, ``test_rpc_torchrun`` and
+    the benchmark tests run those.)"""
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch"])
+    return _CONTEXT
 
 
 def free_port() -> int:
@@ -67,7 +87,7 @@ def _run_world(
         "OMP_NUM_THREADS": "1",
     }
     base.update(env or {})
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     procs = [ctx.Process(target=_entry, args=(r, fn, world, base, args, errors), daemon=True) for r in range(world)]
     for p in procs:
         p.start()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import multiprocessing
 import os
 import tempfile
 import traceback
@@ -25,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import tensorwire.rpc as rpc
+from harness import process_context
 
 #: PyTorch's fixture's world size.
 WORLD_SIZE = 4
@@ -190,7 +190,7 @@ class World:
         self._start()
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = process_context()
         env = {
             "TENSORWIRE_SECRET": os.environ.get("TENSORWIRE_SECRET", "tensorwire-test-secret"),
             "OMP_NUM_THREADS": "1",

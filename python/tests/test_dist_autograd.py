@@ -334,3 +334,42 @@ def test_distributed_optimizer_matches_the_local_one(tmp_path, optimizer):
     marker = str(tmp_path / "done")
     run_world(trained, 3, optimizer, marker)
     assert open(marker).read() == "ok"
+
+
+# --- an owner's optimizer outlives no trainer -------------------------------------------------
+
+# On the owner: set once the one local optimizer alive here is released.
+_RELEASED = threading.Event()
+
+
+@rpc.expose
+def watch_the_local_optimizer() -> int:
+    import tensorwire.rpc.optim as optim
+
+    live = list(optim._live)
+    if len(live) == 1:
+        import weakref
+
+        weakref.finalize(live[0], _RELEASED.set)
+    return len(live)
+
+
+def lost_trainer(rank: int, world: int) -> None:
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    if rank == 1:
+        param = rpc.remote("worker0", new_param, args=(0,))
+        opt = DistributedOptimizer(torch.optim.Adam, [param], lr=0.01)
+        assert rpc.rpc_sync("worker0", watch_the_local_optimizer) == 1
+        # The trainer dies holding `opt`: no shutdown, no release message.
+        os._exit(0)
+    # The owner: the trainer's loss releases what it referred to, the optimizer (its Adam
+    # state) with it, though nothing runs Python here meanwhile.
+    assert _RELEASED.wait(60), "the optimizer of a lost trainer is still alive on its owner"
+    import tensorwire.rpc.optim as optim
+
+    assert len(optim._live) == 0
+    rpc.shutdown(graceful=False)
+
+
+def test_an_owners_optimizer_goes_when_its_trainer_is_lost():
+    run_world(lost_trainer, 2)

@@ -82,19 +82,23 @@ fn run(program: &str, args: &[&str], envs: &[(&str, &str)]) -> Result<()> {
         .current_dir(workspace_root())
         .status()
         .with_context(|| format!("could not start `{line}`"))?;
-    let seconds = started.elapsed().as_secs_f64();
-    eprintln!("xtask: {seconds:.0} s: {line}");
-    STEPS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .push((line.clone(), seconds));
+    record_step(line.clone(), started.elapsed().as_secs_f64());
     if !status.success() {
         bail!("`{line}` failed with {status}");
     }
     Ok(())
 }
 
-/// Every command `run` ran, with its seconds: `ci` prints them at the end, so that a slow CI
+/// Prints and keeps one command's seconds, for the table `ci` prints at the end.
+fn record_step(line: String, seconds: f64) {
+    eprintln!("xtask: {seconds:.0} s: {line}");
+    STEPS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push((line, seconds));
+}
+
+/// Every command `run` (and `skips::nextest`) ran, with its seconds: `ci` prints them at the end, so that a slow CI
 /// says where its time went.
 static STEPS: Mutex<Vec<(String, f64)>> = Mutex::new(Vec::new());
 
@@ -223,17 +227,30 @@ fn ci(quick: bool) -> Result<()> {
     ]);
     run("cargo", &clippy, &[])?;
     // Every test of the featured packages but `tensorwire-tests`, whose multi-process suite
-    // already ran above: of it, only the GPU check's own tests and the process-group processes
-    // (whose `nccl` group of two processes needs the feature) run again. (Its `nccl` feature
-    // only turns on two others of the list, so the crates built are the same.)
+    // already ran above, through nextest (in parallel, as the first run). Of `tensorwire-tests`
+    // only the GPU check's own tests and the one process-group scenario that needs the `nccl`
+    // feature run again. (Its `nccl` feature only turns on two others of the list, so the crates
+    // built are the same.) Doc tests: core's simulation kit, the feature-gated ones.
     let without_tests = features_of(false);
-    let mut test = vec!["test"];
+    let mut test: Vec<&str> = Vec::new();
     for (package, _) in FEATURED.iter().filter(|(p, _)| *p != "tensorwire-tests") {
         test.extend(["-p", package]);
     }
-    test.extend(["--features", &without_tests]);
-    run("cargo", &test, &[])?;
-    let mut gpu_check = vec!["test"];
+    test.extend(["--features", &without_tests, "--no-fail-fast"]);
+    skips::nextest(&test)?;
+    run(
+        "cargo",
+        &[
+            "test",
+            "-p",
+            "tensorwire-core",
+            "--features",
+            "sim",
+            "--doc",
+        ],
+        &[],
+    )?;
+    let mut gpu_check = vec!["nextest", "run"];
     gpu_check.extend(&packages);
     gpu_check.extend([
         "--features",
@@ -242,6 +259,10 @@ fn ci(quick: bool) -> Result<()> {
         "tw-gpu-check",
         "--test",
         "pg_processes",
+        "-E",
+        "binary(tw-gpu-check) | test(/nccl/)",
+        "--success-output",
+        "final",
     ]);
     run("cargo", &gpu_check, &[])?;
     feature_trees()?;

@@ -21,6 +21,7 @@ pub(crate) fn nextest(args: &[&str]) -> Result<()> {
     all.extend(["--success-output", "final"]);
     let line = format!("cargo {}", all.join(" "));
     eprintln!("xtask: $ {line}");
+    let started = std::time::Instant::now();
     let mut child = Command::new("cargo")
         .args(&all)
         .current_dir(workspace_root())
@@ -37,6 +38,7 @@ pub(crate) fn nextest(args: &[&str]) -> Result<()> {
     }
     let status = child.wait().context("waiting for nextest")?;
     eprintln!("{}", scan.summary());
+    crate::record_step(line.clone(), started.elapsed().as_secs_f64());
     if !status.success() {
         bail!("`{line}` failed with {status}");
     }

@@ -452,7 +452,9 @@ fn register(dist: &DistAutograd<TorchEngine>) -> Result<(), RpcError> {
                         let out = out.bind(py).cast::<PyTuple>()?;
                         let tag: String = out.get_item(0)?.extract()?;
                         if tag == "returned" {
-                            Ok(PyValue::Object(out.get_item(1)?.unbind()))
+                            Ok(PyValue::Object(crate::rpc::Held::new(
+                                out.get_item(1)?.unbind(),
+                            )))
                         } else {
                             Ok(PyValue::Raised {
                                 exc_type: out.get_item(1)?.extract()?,

@@ -824,6 +824,18 @@ class _RRefProxy:
         rref, mode, timeout = self._rref, self._mode, self._timeout
 
         def method(*args: Any, **kwargs: Any) -> Any:
+            context = _autograd.current_id() if _autograd is not None else None
+            if context is not None:
+                # In a distributed autograd context the call is a tracked one (its tensors
+                # that require grad are recorded both ways), as PyTorch's proxies are calls of
+                # a function on the owner: the reference travels as an argument.
+                owner = rref.owner_name()
+                call = (rref, name, args, kwargs)
+                if mode == "remote":
+                    return _autograd.remote(context, owner, _invoke_on_rref, call, None, timeout)
+                if mode == "sync":
+                    return _autograd.rpc_sync(context, owner, _invoke_on_rref, call, None, timeout)
+                return _autograd.rpc_async(context, owner, _invoke_on_rref, call, None, timeout)
             encoded = _encode(args, kwargs)
             if mode == "remote":
                 payload, tensors, rrefs = encoded
@@ -837,6 +849,17 @@ class _RRefProxy:
 
         method.__name__ = name
         return method
+
+
+def _invoke_on_rref(rref: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    """A proxy's call made in a distributed autograd context, on the reference's owner
+    (tensorwire exposes it on every worker): runs method ``name`` of the value, with the same
+    rule as a proxy's call outside a context (:func:`_resolve`)."""
+    if not isinstance(rref, RRef) or not rref.is_owner():
+        raise _exposed.RefusedError("a proxy call names a reference this worker does not own")
+    if not isinstance(name, str) or not isinstance(args, tuple) or not isinstance(kwargs, dict):
+        raise _exposed.RefusedError("malformed proxy call")
+    return _resolve(name, rref.local_value())(*args, **kwargs)
 
 
 _serialize.register_rref_type(RRef, lambda native: RRef(_native_rref=native))

@@ -57,6 +57,16 @@ for _op in DEFAULT_EXPOSED_TORCH_OPS:
     _names_by_id[id(_fn)] = f"torch.{_op}"
 
 
+#: tensorwire's own functions that every worker runs for its peers, by name -> (module,
+#: attribute), imported on first use: each checks its arguments itself (the distributed
+#: optimizer's constructor accepts only references to tensors the worker owns; a proxy's call
+#: in an autograd context runs only what a proxy's call may run).
+_INTERNAL: dict[str, tuple[str, str]] = {
+    "tensorwire.rpc.optim._new_local_optimizer": ("tensorwire.rpc.optim", "_new_local_optimizer"),
+    "tensorwire.rpc._invoke_on_rref": ("tensorwire.rpc", "_invoke_on_rref"),
+}
+
+
 def qualified_name(obj: Any) -> str:
     """The name ``obj`` is called by on other workers: ``module.qualname``. Lambdas and
     functions defined inside functions have none (expose a module-level function instead)."""
@@ -124,6 +134,11 @@ def resolve_function(name: str, worker: str) -> Callable[..., Any]:
     """The function (or class) a peer asked to run by ``name``; ``RefusedError`` unless this
     worker exposed it. Nothing is imported: only what was exposed can be found."""
     fn = _functions.get(name)
+    if fn is None and name in _INTERNAL:
+        import importlib
+
+        module, attr = _INTERNAL[name]
+        fn = getattr(importlib.import_module(module), attr)
     if fn is None:
         fn = exposed_class(name)
     if fn is None:

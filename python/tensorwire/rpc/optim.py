@@ -22,12 +22,16 @@ The optimizer class travels by name and the owner accepts only subclasses of
 ``torch.optim.Optimizer`` from ``torch.optim`` or classes it exposed
 (``tensorwire.rpc.expose``). Owners are reached through the parameter references themselves:
 only a worker that holds a reference to a parameter can put it in an optimizer.
+
+Each local optimizer is the value of a reference the :class:`DistributedOptimizer` holds, as in
+PyTorch: it lives while that object does. It also goes when its trainer is lost
+(the owner releases whatever a lost worker referred to), so a trainer that dies leaves no
+optimizer state behind on the parameter servers.
 """
 
 from __future__ import annotations
 
 import importlib
-import secrets
 import threading
 import weakref
 from typing import Any
@@ -42,19 +46,22 @@ __all__ = ["DistributedOptimizer"]
 
 # --- the owner's side ----------------------------------------------------------------------
 
-_lock = threading.Lock()
-# Parameters handed in for an optimizer still being built, and the optimizers built, by the
-# random token of the DistributedOptimizer that made them.
-_collected: dict[str, list[torch.Tensor]] = {}
-_local: dict[str, "_LocalOptimizer"] = {}
 # PyTorch's _LocalOptimizer.global_lock: one step at a time on an owner.
 _step_lock = threading.Lock()
+# The local optimizers alive on this worker (for tests and for whoever wonders where memory
+# went): each lives exactly as long as the reference its trainer holds.
+_live: "weakref.WeakSet[_LocalOptimizer]" = weakref.WeakSet()
 
 
 class _LocalOptimizer:
+    """An owner's optimizer over its parameters: the value of a reference its
+    :class:`DistributedOptimizer` holds, so that it goes when that optimizer is dropped, and
+    when its trainer is lost (the owner releases the values a lost worker referred to)."""
+
     def __init__(self, optim: torch.optim.Optimizer, params: list[torch.Tensor]):
         self.optim = optim
         self.params = params
+        _live.add(self)
 
 
 def _optimizer_class(name: str) -> type:
@@ -75,28 +82,37 @@ def _optimizer_class(name: str) -> type:
     return cls
 
 
-def _collect(param: Any, token: str) -> None:
-    if not isinstance(param, torch.Tensor):
-        raise TypeError(f"DistributedOptimizer: a parameter reference holds {type(param).__name__}, not a tensor")
-    with _lock:
-        _collected.setdefault(token, []).append(param)
-
-
-def _create(_: Any, token: str, class_name: str, args: tuple, kwargs: dict) -> None:
-    with _lock:
-        params = _collected.pop(token, [])
-    if token in _local:
-        raise RefusedError("this distributed optimizer was built on this worker already")
+def _new_local_optimizer(class_name: str, params_rref: list, args: tuple, kwargs: dict) -> _LocalOptimizer:
+    """Runs on an owner, through ``remote()`` (tensorwire exposes it on every worker): builds
+    ``class_name(params, *args, **kwargs)`` over the values of ``params_rref``, references to
+    tensors this worker owns; the caller can name only references it holds."""
+    if not isinstance(params_rref, list) or not isinstance(args, tuple) or not isinstance(kwargs, dict):
+        raise RefusedError("malformed arguments for a distributed optimizer")
+    params = []
+    for r in params_rref:
+        if not isinstance(r, rpc.RRef) or not r.is_owner():
+            raise RefusedError("a distributed optimizer's parameters must be references to tensors this worker owns")
+        value = r.local_value()
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"DistributedOptimizer: a parameter reference holds {type(value).__name__}, not a tensor")
+        params.append(value)
     cls = _optimizer_class(class_name)
-    optim = cls(params, *args, **kwargs)
-    with _lock:
-        _local[token] = _LocalOptimizer(optim, params)
+    return _LocalOptimizer(cls(params, *args, **kwargs), params)
 
 
-def _step(_: Any, token: str, context_id: int) -> None:
-    local = _local.get(token)
-    if local is None:
-        raise RefusedError("no such distributed optimizer on this worker")
+def _local(value: Any) -> _LocalOptimizer:
+    if not isinstance(value, _LocalOptimizer):
+        raise RefusedError("not a distributed optimizer's reference")
+    return value
+
+
+def _ready(value: Any) -> None:
+    # A creation that raised raises here, at the caller, with its type (see owner_call).
+    _local(value)
+
+
+def _step(value: Any, context_id: int) -> None:
+    local = _local(value)
     grads = dist_autograd.get_gradients(context_id)
     with _step_lock:
         for p in local.params:
@@ -104,20 +120,7 @@ def _step(_: Any, token: str, context_id: int) -> None:
         local.optim.step()
 
 
-def _drop(_: Any, token: str) -> None:
-    with _lock:
-        _collected.pop(token, None)
-        _local.pop(token, None)
-
-
-_autograd_engine.OWNER_FUNCTIONS.update(
-    {
-        "optim.collect": _collect,
-        "optim.create": _create,
-        "optim.step": _step,
-        "optim.drop": _drop,
-    }
-)
+_autograd_engine.OWNER_FUNCTIONS.update({"optim.ready": _ready, "optim.step": _step})
 
 # --- the trainer's side --------------------------------------------------------------------
 
@@ -138,16 +141,6 @@ def _wait_all(futures: list) -> list:
     return results
 
 
-def _drop_everywhere(token: str, anchors: list) -> None:
-    if rpc._agent is None:
-        return
-    for rref in anchors:
-        try:
-            _autograd_engine.owner_call_async(rref, "optim.drop", (token,))
-        except Exception:  # noqa: BLE001 - best effort at teardown
-            pass
-
-
 class DistributedOptimizer:
     """Runs ``optimizer_class(params, *args, **kwargs)`` on each owner of the parameters
     ``params_rref`` refer to (PyTorch's ``DistributedOptimizer``). The constructor raises an
@@ -159,22 +152,18 @@ class DistributedOptimizer:
         class_name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
         if class_name.startswith("torch.optim.") and getattr(torch.optim, optimizer_class.__name__, None) is optimizer_class:
             class_name = f"torch.optim.{optimizer_class.__name__}"
-        self._token = secrets.token_hex(16)
         by_owner: dict[str, list] = {}
         for rref in params_rref:
             by_owner.setdefault(rref.owner_name(), []).append(rref)
-        # One reference per owner reaches its local optimizer.
-        self._anchors = [refs[0] for refs in by_owner.values()]
-        self._finalizer = weakref.finalize(self, _drop_everywhere, self._token, list(self._anchors))
-        _wait_all([_autograd_engine.owner_call_async(r, "optim.collect", (self._token,)) for r in params_rref])
-        _wait_all(
-            [
-                _autograd_engine.owner_call_async(a, "optim.create", (self._token, class_name, args, kwargs))
-                for a in self._anchors
-            ]
-        )
+        # One local optimizer per owner, the value of a reference held here (PyTorch's design):
+        # dropping this object, or this worker being lost, releases them.
+        self._locals = [
+            rpc.remote(owner, _new_local_optimizer, args=(class_name, refs, tuple(args), dict(kwargs)))
+            for owner, refs in by_owner.items()
+        ]
+        _wait_all([_autograd_engine.owner_call_async(r, "optim.ready", ()) for r in self._locals])
 
     def step(self, context_id: int) -> None:
         """Steps every owner's optimizer with the gradients of ``context_id``, in parallel;
         raises the first owner's exception once all have answered."""
-        _wait_all([_autograd_engine.owner_call_async(a, "optim.step", (self._token, int(context_id))) for a in self._anchors])
+        _wait_all([_autograd_engine.owner_call_async(r, "optim.step", (int(context_id),)) for r in self._locals])
