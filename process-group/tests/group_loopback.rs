@@ -3,12 +3,12 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tensorwire_core::ports::process_group::Collectives;
-use tensorwire_core::ports::process_group::TensorCollectives;
 
 use bytes::Bytes;
 use tensorwire_core::collective::{DebugLevel, ElementType, ReduceOp};
-use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::{
+    Collectives, ProcessGroup, ProcessGroupError, TensorCollectives,
+};
 use tensorwire_core::ports::store::Store;
 use tensorwire_process_group::{CollectivesExt, Group, GroupOptions, InMemoryStore};
 use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};

@@ -6,13 +6,12 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
-use tensorwire_core::ports::process_group::Collectives;
 
 use bytes::Bytes;
 use tensorwire_core::budget::Use;
 use tensorwire_core::collective::inbox::InboxLimits;
 use tensorwire_core::collective::Signature;
-use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroupError};
+use tensorwire_core::ports::process_group::{Collectives, MeshViolation, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::mesh::{GroupFrame, Hello};

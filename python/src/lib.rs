@@ -15,7 +15,6 @@
 //! - Errors are this module's exception classes, which the Python layer turns into torch's
 //!   own (`DistBackendError`, `DistNetworkError`, `DistStoreError`, `ValueError`).
 
-use tensorwire_core::ports::process_group::Collectives;
 mod gil;
 mod rpc;
 mod store;
@@ -29,7 +28,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 use tensorwire_core::collective::{ElementType, ReduceOp};
-use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::{Collectives, ProcessGroup, ProcessGroupError};
 use tensorwire_process_group::{Group, TensorwireFactory};
 
 use crate::store::PyStore;

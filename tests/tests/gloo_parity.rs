@@ -10,11 +10,11 @@ use std::future::Future;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
-use tensorwire_core::ports::process_group::Collectives;
-use tensorwire_core::ports::process_group::TensorCollectives;
 use tensorwire_tests::torch_python as python;
 
-use tensorwire_core::ports::process_group::{ProcessGroup, WorkHandle};
+use tensorwire_core::ports::process_group::{
+    Collectives, ProcessGroup, TensorCollectives, WorkHandle,
+};
 use tensorwire_core::ports::store::Store;
 use tensorwire_process_group::{Group, GroupOptions, InMemoryStore};
 use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};

@@ -41,11 +41,10 @@ use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tensorwire_core::ports::process_group::Collectives;
 
 use tensorwire_core::collective::{ElementType, ReduceOp};
 use tensorwire_core::device::Device;
-use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::{Collectives, ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_process_group::{new_group, CollectivesExt, Group, GroupOptions};
 use tensorwire_rendezvous::env_init::env_rendezvous;
