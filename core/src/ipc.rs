@@ -207,8 +207,8 @@ pub enum IpcViolation {
     #[error("it introduced itself twice, as two different processes")]
     IdentityChanged,
     /// A message that does not decode.
-    #[error("it sent a malformed IPC message ({0})")]
-    Malformed(String),
+    #[error("it sent {0}")]
+    Malformed(#[source] crate::codec::Undecodable),
 }
 
 /// Bounds on what a peer can make this worker hold.
@@ -635,8 +635,7 @@ pub const FRAME_TAG: &[u8; 6] = b"TWIPC1";
 /// Encodes an IPC message as a control frame header.
 pub fn encode_message(msg: &IpcMessage) -> Vec<u8> {
     let mut out = FRAME_TAG.to_vec();
-    // Encoding an enum of plain data into a Vec cannot fail.
-    out.extend(postcard::to_allocvec(msg).unwrap_or_default());
+    out.extend(crate::codec::encode(msg));
     out
 }
 
@@ -644,10 +643,10 @@ pub fn encode_message(msg: &IpcMessage) -> Vec<u8> {
 /// why it is malformed.
 pub fn decode_message(header: &[u8]) -> Option<Result<IpcMessage, IpcViolation>> {
     let body = header.strip_prefix(&FRAME_TAG[..])?;
-    Some(match postcard::from_bytes::<IpcMessage>(body) {
-        Ok(m) => Ok(m),
-        Err(e) => Err(IpcViolation::Malformed(e.to_string())),
-    })
+    Some(
+        crate::codec::decode(crate::codec::Format::IpcMessage, body)
+            .map_err(IpcViolation::Malformed),
+    )
 }
 
 #[cfg(test)]

@@ -13,6 +13,8 @@
 //! - [`registry`]: named registries for RPC backends and process-group factories.
 //! - [`tensor`]: a minimal tensor value (dtype, shape, device, storage).
 //! - [`placement`]: device maps applied to a message's tensors.
+//! - [`codec`]: the postcard formats of core's messages and records, read in one place
+//!   ([`Undecodable`](codec::Undecodable) names the format that did not parse).
 //! - [`wire`]: the frame format: fixed prefix, postcard frame header, raw payloads; bounded decoder.
 //! - [`budget`]: one memory budget per peer, which every byte a peer can make a worker hold
 //!   draws from.
@@ -35,6 +37,7 @@ pub mod auth;
 pub mod autograd;
 pub mod budget;
 pub mod capability;
+pub mod codec;
 pub mod collective;
 pub mod device;
 pub mod devices_sim;

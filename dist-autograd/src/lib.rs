@@ -103,7 +103,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, warn, Instrument};
 
 use tensorwire_core::tensor::Tensor as HostTensor;
-use tensorwire_rpc::{Agent, CallContext, PeerEvent, RRef, RpcError};
+use tensorwire_rpc::{Agent, CallContext, InitError, PeerEvent, RRef, RpcError};
 
 mod engine;
 pub mod optim;
@@ -442,9 +442,11 @@ impl<E: AutogradEngine> DistAutograd<E> {
     /// agent's tokio runtime.
     pub fn new(agent: &Agent, engine: E) -> Result<Self, RpcError> {
         if tokio::runtime::Handle::try_current().is_err() {
-            return Err(RpcError::Init(
-                "DistAutograd::new must be called inside a tokio runtime (it starts a task that follows lost peers)".into(),
-            ));
+            return Err(InitError::NoRuntime {
+                what: "DistAutograd::new",
+                why: "it starts a task that follows lost peers",
+            }
+            .into());
         }
         // Subscribed before anything can be recorded: no loss goes unheard.
         let mut events = agent.peer_events();

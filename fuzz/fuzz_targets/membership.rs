@@ -1,5 +1,8 @@
-//! Fuzzes the membership protocols with forged messages decoded from the input, as a peer's
-//! bytes are decoded on a connection (postcard), fed to core's sans-IO state machines:
+//! Fuzzes the membership protocols with forged messages decoded from the input with the
+//! decoders the agent uses on a connection (core's `DynMessage::decode`,
+//! `Contribution::decode`, `GatherOutcome::decode`, `MemberRecord::decode`), fed to core's
+//! sans-IO state machines (the static join's `JoinMessage`, which no driver sends any more, is
+//! read with postcard):
 //!
 //! - the dynamic group (`DynamicMembership`): ranks 0 (the coordinator), 1 and 2 form a group
 //!   by the honest protocol; then rank 2 turns hostile: everything it sends is replaced by
@@ -267,7 +270,7 @@ fuzz_target!(|data: &[u8]| {
         match op % 8 {
             0 | 1 => {
                 let bytes = chunk(&mut rest);
-                let Ok(msg) = postcard::from_bytes::<DynMessage>(bytes) else {
+                let Ok(msg) = DynMessage::decode(bytes) else {
                     continue;
                 };
                 let from = if op & 0x10 != 0 { STRANGER } else { HOSTILE };
@@ -321,9 +324,14 @@ fuzz_target!(|data: &[u8]| {
             }
             6 => {
                 let bytes = chunk(&mut rest);
-                if let Ok(c) = postcard::from_bytes::<Contribution>(bytes) {
+                // A record, as a joiner's introduction or the store's coordinator key is read:
+                // what decodes re-encodes to a record equal to it.
+                if let Ok(r) = MemberRecord::decode(bytes) {
+                    assert_eq!(MemberRecord::decode(&r.encode()).as_ref(), Ok(&r));
+                }
+                if let Ok(c) = Contribution::decode(bytes) {
                     g.leader.handle_contribution(net.now, HOSTILE, c);
-                } else if let Ok(outcome) = postcard::from_bytes::<GatherOutcome>(bytes) {
+                } else if let Ok(outcome) = GatherOutcome::decode(bytes) {
                     let members: BTreeSet<WorkerId> = [0, 1, 2].into();
                     if let Ok(values) = gather::resolve(&members, outcome) {
                         assert_eq!(values.len(), members.len());

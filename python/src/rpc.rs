@@ -367,6 +367,9 @@ pub(crate) fn rpc_error(e: &RpcError) -> PyErr {
         RpcError::DeviceMaps(_) | RpcError::DeviceMapConfig { .. } | RpcError::Device(_) => {
             "device_map"
         }
+        // torch's init_rpc and its device copies raise RuntimeError: an agent that cannot
+        // start (whichever `InitError`) or tensors that cannot travel are that.
+        RpcError::Init(_) | RpcError::Tensors { .. } => "backend",
         _ => "backend",
     };
     TensorwireError::new_err((kind, e.to_string(), Vec::<usize>::new()))

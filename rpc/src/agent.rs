@@ -41,6 +41,7 @@ use crate::typed::{Call, Function};
 use crate::{driver, links, shutdown};
 use tensorwire_core::placement::Direction;
 use tensorwire_core::ports::device::DeviceBackend;
+use tensorwire_core::protocol::gather;
 use tensorwire_core::protocol::membership::Directory;
 pub use tensorwire_core::protocol::membership::{WorkerInfo, WorkerRef};
 use tensorwire_core::protocol::value as codec;
@@ -385,7 +386,7 @@ impl Agent {
             other => RpcError::Tensors {
                 to: self.name_of(to),
                 function: function.to_owned(),
-                message: other.to_string(),
+                source: Box::new(other),
             },
         }
     }
@@ -819,7 +820,7 @@ impl Agent {
         timeout: Duration,
     ) -> Result<Vec<T>, RpcError> {
         let what = format!("all_gather {name:?}");
-        let bytes = postcard::to_allocvec(value).map_err(|e| RpcError::Serialization {
+        let bytes = gather::encode_value(value).map_err(|e| RpcError::Serialization {
             what: format!("the {what} value"),
             message: e.to_string(),
         })?;
@@ -839,7 +840,7 @@ impl Agent {
             .iter()
             .enumerate()
             .map(|(r, b)| {
-                postcard::from_bytes(b).map_err(|e| RpcError::Serialization {
+                gather::decode_value(b).map_err(|e| RpcError::Serialization {
                     what: format!("the {what} value of member {r}"),
                     message: e.to_string(),
                 })
@@ -1141,10 +1142,10 @@ impl Agent {
     ) -> Result<R, RpcError> {
         let tensors = crate::ipc::from_wire(self, from_id, body.tensors)
             .await
-            .map_err(|e| RpcError::Tensors {
+            .map_err(|source| RpcError::Tensors {
                 to: from.to_owned(),
                 function: what.to_owned(),
-                message: e.to_string(),
+                source: Box::new(source),
             })?;
         codec::decode(self, &body.data, tensors).map_err(|e| RpcError::Serialization {
             what: format!("the result of {what:?} from {from}"),

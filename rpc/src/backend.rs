@@ -30,6 +30,8 @@ use tensorwire_rendezvous::Rendezvous;
 #[cfg(feature = "tcp")]
 use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 
+#[cfg(feature = "quic")]
+use crate::error::InitError;
 use crate::error::RpcError;
 #[cfg(feature = "tcp")]
 use crate::init::cluster_secret;
@@ -201,14 +203,12 @@ impl QuicBackend {
             .tls_dir
             .as_ref()
             .or(from_env.as_ref())
-            .ok_or_else(|| {
-                RpcError::Init(format!(
-                "the QUIC backend needs RpcOptions::tls_dir or {TLS_DIR_ENV} (a folder for the \
-                 cluster CA)"
-            ))
-            })?;
-        let tls_error = |e: tensorwire_transport_quic::QuicError| {
-            RpcError::Init(format!("QUIC TLS material in {}: {e}", dir.display()))
+            .ok_or(InitError::NoTlsDir { env: TLS_DIR_ENV })?;
+        let tls_error = |source: tensorwire_transport_quic::QuicError| {
+            RpcError::from(InitError::Tls {
+                dir: dir.clone(),
+                source,
+            })
         };
         // This worker's own certificate: issued for its name, or else for its rank (`rank-N`,
         // as `tensorwire launch --quic-certs` issues them).
@@ -226,12 +226,12 @@ impl QuicBackend {
             )
             .map_err(tls_error)
         } else if !dir.join(CA_KEY_FILE).exists() && dir.join(CA_CERT_FILE).exists() {
-            Err(RpcError::Init(format!(
-                "QUIC TLS material in {}: the cluster CA is there without its key, and neither \
-                 {name}.pem nor {}.pem (this worker's certificate)",
-                dir.display(),
-                tensorwire_core::identity::rank_name(rank as u32)
-            )))
+            Err(InitError::NoCertificate {
+                dir: dir.clone(),
+                name: name.to_owned(),
+                rank: rank as u32,
+            }
+            .into())
         } else {
             let ca = ClusterCa::load_or_generate(dir).map_err(tls_error)?;
             let identity = ca.issue_node(name).map_err(tls_error)?;
@@ -268,9 +268,8 @@ impl RpcBackend for QuicBackend {
         let tls = Self::tls(name, rank, &options)?;
         let config = QuicConfig::new(tls)
             .with_liveness_from(|name| std::env::var(name).ok())
-            .map_err(|e| RpcError::Init(format!("QUIC transport: {e}")))?;
-        let transport = QuicTransport::new(config)
-            .map_err(|e| RpcError::Init(format!("QUIC transport: {e}")))?;
+            .map_err(InitError::QuicTransport)?;
+        let transport = QuicTransport::new(config).map_err(InitError::QuicTransport)?;
         start_agent(Arc::new(transport), store, name, rank, world_size, options).await
     }
 }

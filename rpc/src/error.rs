@@ -88,6 +88,77 @@ fn list(workers: &[WorkerInfo], none: &str) -> String {
         .join(", ")
 }
 
+/// Why an agent could not start ([`RpcError::Init`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InitError {
+    /// The QUIC backend was given no folder for the cluster's TLS material.
+    #[error("the QUIC backend needs RpcOptions::tls_dir or {env} (a folder for the cluster CA)")]
+    NoTlsDir {
+        /// The environment variable that names one.
+        env: &'static str,
+    },
+    /// The cluster's TLS material in `dir` cannot be loaded, made or used.
+    #[cfg(feature = "quic")]
+    #[error("QUIC TLS material in {}: {source}", .dir.display())]
+    Tls {
+        /// The folder.
+        dir: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: tensorwire_transport_quic::QuicError,
+    },
+    /// The folder holds the cluster CA's certificate without its key (so no certificate can be
+    /// issued here), and no certificate of this worker's (by name or by rank).
+    #[error("QUIC TLS material in {}: the cluster CA is there without its key, and neither {name}.pem nor {}.pem (this worker's certificate)", .dir.display(), tensorwire_core::identity::rank_name(*.rank))]
+    NoCertificate {
+        /// The folder.
+        dir: std::path::PathBuf,
+        /// This worker's name.
+        name: String,
+        /// Its rank.
+        rank: WorkerId,
+    },
+    /// The QUIC transport could not be set up (its liveness settings, its socket, ...).
+    #[cfg(feature = "quic")]
+    #[error("QUIC transport: {0}")]
+    QuicTransport(#[source] tensorwire_transport_quic::QuicError),
+    /// A dynamic group's coordinator has this worker's rank or name already.
+    #[error("{} cannot join: {} is already a member", .joiner, .member)]
+    AlreadyAMember {
+        /// This worker.
+        joiner: WorkerInfo,
+        /// The member with its rank or name (the coordinator).
+        member: WorkerInfo,
+    },
+    /// The coordinator of a dynamic group refused this worker, saying why.
+    #[error("{coordinator} refused this worker: {reason}")]
+    JoinRefused {
+        /// The coordinator.
+        coordinator: WorkerInfo,
+        /// Its reason, as it sent it (text from another process).
+        reason: String,
+    },
+    /// The coordinator's record in the store (`rpc/dyn/coordinator`) does not parse.
+    #[error("the coordinator's record in the store: {0}")]
+    CoordinatorRecord(#[source] tensorwire_core::codec::Undecodable),
+    /// Joining a dynamic group failed for a reason the membership protocol gives (and no
+    /// retry helps).
+    #[error("joining the group: {0}")]
+    Join(#[source] tensorwire_core::protocol::membership::MembershipError),
+    /// A part of the agent that starts tasks was set up outside a tokio runtime.
+    #[error("{what} must be called inside a tokio runtime ({why})")]
+    NoRuntime {
+        /// What was called.
+        what: &'static str,
+        /// Why it needs one.
+        why: &'static str,
+    },
+    /// The task starting the agent ended without its outcome (it panicked or was cancelled).
+    #[error("the task starting the agent failed: {0}")]
+    StartTask(#[source] tokio::task::JoinError),
+}
+
 /// What can go wrong in RPC.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -104,15 +175,17 @@ pub enum RpcError {
         source: CallError,
     },
     /// The call's tensors cannot go where the device maps say (a CUDA tensor without a map
-    /// entry for its device, a device copy that failed, ...). Nothing was sent.
-    #[error("RPC {function:?} to {to}: {message}")]
+    /// entry for its device, a device copy that failed, ...): nothing was sent. Or a result's
+    /// tensors could not be placed where they land here.
+    #[error("RPC {function:?} to {to}: {source}")]
     Tensors {
         /// The callee's name.
         to: String,
         /// The function called.
         function: String,
         /// What is wrong.
-        message: String,
+        #[source]
+        source: Box<crate::tensors::TensorTransferError>,
     },
     /// No worker has this name or rank.
     #[error("unknown worker {worker}; known workers: {}", list(.known, "none"))]
@@ -168,10 +241,10 @@ pub enum RpcError {
     /// The transport failed.
     #[error(transparent)]
     Transport(#[from] TransportError),
-    /// Init found an inconsistency that has no variant of its own (a dynamic join refused, a
-    /// backend's TLS material unusable, ...); the message says what.
+    /// Init failed in a way that has no variant of its own here (a dynamic join refused, a
+    /// backend's TLS material unusable, ...): the [`InitError`] says which, with its data.
     #[error("init_rpc: {0}")]
-    Init(String),
+    Init(#[from] InitError),
     /// `init_rpc` was given a rank that is not below its world size.
     #[error("init_rpc: rank {rank} is not below world_size {world_size}")]
     RankOutOfRange {

@@ -4,7 +4,9 @@
 //! the leader hold). This module only carries bytes and timers:
 //!
 //! - a member sends its [`Contribution`] to the leader as a call of the internal function
-//!   [`GATHER`] ([`gather_among`]) and turns the answer into values or an [`RpcError`];
+//!   [`GATHER`] ([`gather_among`]) and turns the answer into values or an [`RpcError`]; both
+//!   travel as bytes in core's formats (`Contribution::encode`/`decode`,
+//!   `GatherOutcome::encode`/`decode`), which the fuzz targets read with the same decoders;
 //! - on the leader, each call of [`GATHER`] hands its contribution to the [`GatherLeader`] and
 //!   waits for its answer; while it waits it also sleeps until the leader's next deadline and
 //!   then passes the time in, so the timers live exactly as long as someone waits. A task
@@ -20,12 +22,12 @@ use tensorwire_core::protocol::gather::{
     self, Contribution, GatherConfig, GatherFailure, GatherLeader, GatherOutcome, GatherToken,
 };
 use tensorwire_core::protocol::{
-    CallError, ProtocolViolation, RemoteError, RemoteErrorKind, WorkerId,
+    CallError, MalformedMessage, ProtocolViolation, RemoteError, RemoteErrorKind, WorkerId,
 };
 use tokio::sync::oneshot;
 
 use crate::error::{RpcError, WaitingFor};
-use crate::functions::{finish, Handler, Invocation};
+use crate::functions::{finish, Handler, HandlerError, Invocation};
 use crate::peer_events::PeerEvent;
 use crate::state::Agent;
 use crate::state::{Gathers, Leading};
@@ -142,8 +144,24 @@ pub(crate) fn debug_info(agent: &Agent) -> crate::debug::GatherDebugInfo {
 pub(crate) fn handler() -> Handler<Agent> {
     Arc::new(|mut inv: Invocation<Agent>| {
         Box::pin(async move {
-            let c: Contribution = inv.arguments().await?;
+            // The contribution travels as bytes that core's decoder reads (one format, one
+            // decoder: the fuzz targets drive the same). What no honest member sends drops its
+            // sender, as a forged frame would.
+            let bytes: Vec<u8> = inv.arguments().await?;
             let agent = inv.agent.clone();
+            let c = match Contribution::decode(&bytes) {
+                Ok(c) => c,
+                Err(e) => {
+                    let refused = HandlerError::BadArguments(e.to_string());
+                    if inv.caller != agent.worker_info().id {
+                        agent.fail_peer(
+                            inv.caller,
+                            ProtocolViolation::Malformed(MalformedMessage::Undecodable(e)),
+                        );
+                    }
+                    return Err(refused);
+                }
+            };
             let outcome = lead(&agent, inv.caller, c).await;
             if let GatherOutcome::Failed(e) = &outcome {
                 // What no honest member sends drops its sender, as a forged frame would.
@@ -151,7 +169,7 @@ pub(crate) fn handler() -> Handler<Agent> {
                     agent.fail_peer(inv.caller, ProtocolViolation::Gather(e.clone()));
                 }
             }
-            finish::<_, String>(Ok(outcome))
+            finish::<_, String>(Ok(outcome.encode()))
         })
     })
 }
@@ -181,15 +199,18 @@ pub(crate) async fn gather_among(
 ) -> Result<Vec<Vec<u8>>, RpcError> {
     let request = gather::request(name, &members, value, timeout).ok_or(RpcError::NotRunning)?;
     let leader = request.leader;
-    let outcome: GatherOutcome = agent
+    let answer: Vec<u8> = agent
         .rpc_sync(
             leader,
             GATHER,
-            &request.contribution,
+            &request.contribution.encode(),
             Some(request.call_timeout),
         )
         .await?;
-    gather::resolve(&members, outcome).map_err(|failure| match failure {
+    let resolved = GatherOutcome::decode(&answer)
+        .map_err(GatherFailure::from)
+        .and_then(|outcome| gather::resolve(&members, outcome));
+    resolved.map_err(|failure| match failure {
         GatherFailure::Missing(missing) => RpcError::Timeout {
             what: what.to_owned(),
             after: timeout,

@@ -23,8 +23,8 @@ use tensorwire_core::wire::Frame;
 
 use crate::state::Agent;
 use crate::state::{IpcHeld as Held, IpcLink};
-use crate::tensors::TensorTransferError;
 use crate::tensors::WireTensors;
+use crate::tensors::{MalformedTensor, TensorTransferError};
 
 impl IpcLink {
     /// The state of an agent over `backend` (sharing unless the backend cannot, `share` is
@@ -217,19 +217,17 @@ async fn import(
 ) -> Result<Tensor, TensorTransferError> {
     let Some(sharing) = backend.ipc() else {
         return Err(TensorTransferError::Malformed(
-            "a tensor came by IPC handle, which this worker's device backend cannot open".into(),
+            MalformedTensor::IpcUnsupported,
         ));
     };
     if meta.device.is_cpu() {
-        return Err(TensorTransferError::Malformed(
-            "a tensor landing on the cpu came by IPC handle".into(),
-        ));
+        return Err(TensorTransferError::Malformed(MalformedTensor::IpcOnCpu));
     }
     let len = tensorwire_core::tensor::byte_len(meta.dtype, &meta.shape)
-        .map_err(|e| TensorTransferError::Malformed(e.to_string()))?;
+        .map_err(|e| TensorTransferError::Malformed(e.into()))?;
     let buffer = sharing.import(descriptor, len, meta.device).await?;
     Tensor::new(meta.dtype, meta.shape.clone(), Storage::Device(buffer))
-        .map_err(|e| TensorTransferError::Malformed(e.to_string()))
+        .map_err(|e| TensorTransferError::Malformed(e.into()))
 }
 
 #[cfg(test)]

@@ -73,7 +73,7 @@ pub use backend::{
 pub use backend::{QuicBackend, QUIC_BACKEND};
 pub use context::CallContext;
 pub use debug::GatherDebugInfo;
-pub use error::{RpcError, WaitingFor};
+pub use error::{InitError, RpcError, WaitingFor};
 pub use init::start_agent;
 pub use init_rpc::init_rpc;
 pub use metrics::{PeerMetrics, RpcMetrics};
@@ -82,6 +82,7 @@ pub use peer_events::{PeerEvent, PeerEvents};
 pub use rref::RRef;
 pub use runtime::{Runtime, TokioRuntime};
 pub use state::Functions;
+pub use tensors::{MalformedTensor, TensorTransferError};
 pub use tensorwire_core::protocol::{
     CallError, DebugInfo, ForkInfo, OwnedInfo, RemoteError, RemoteErrorKind,
 };

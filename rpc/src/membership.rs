@@ -16,7 +16,7 @@ use tensorwire_core::protocol::membership::{
     Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
 };
 use tensorwire_core::protocol::mesh::HelloReply;
-use tensorwire_core::protocol::{ProtocolViolation, WorkerId};
+use tensorwire_core::protocol::{MalformedMessage, ProtocolViolation, WorkerId};
 use tensorwire_core::wire::Frame;
 use tensorwire_mesh::link;
 use tracing::warn;
@@ -27,13 +27,6 @@ use crate::state::RPC_GROUP;
 use crate::state::{Agent, DynState};
 
 pub(crate) const COORDINATOR: &str = "rpc/dyn/coordinator";
-
-pub(crate) fn encode_err(what: &str, e: postcard::Error) -> RpcError {
-    RpcError::Serialization {
-        what: what.to_owned(),
-        message: e.to_string(),
-    }
-}
 
 pub(crate) fn dyn_state(agent: &Agent) -> std::sync::MutexGuard<'_, DynState> {
     agent
@@ -70,20 +63,14 @@ pub(crate) fn on_membership_frame(
     from: WorkerId,
     frame: &Frame,
 ) -> Result<(), ProtocolViolation> {
-    let msg: DynMessage =
-        postcard::from_bytes(&frame.header).map_err(|e| ProtocolViolation::Malformed {
-            what: format!("a membership message that does not parse ({e})"),
-        })?;
+    let msg = DynMessage::decode(&frame.header)
+        .map_err(|e| ProtocolViolation::Malformed(MalformedMessage::Undecodable(e)))?;
     let now = agent.now();
     let handled = with_membership(agent, |m| m.handle_message(from, msg, now));
     match handled {
         Some(Ok(())) => Ok(()),
-        Some(Err(e)) => Err(ProtocolViolation::Membership {
-            what: e.to_string(),
-        }),
-        None => Err(ProtocolViolation::Membership {
-            what: "a membership message to a worker of a static group".into(),
-        }),
+        Some(Err(e)) => Err(ProtocolViolation::Membership(e)),
+        None => Err(ProtocolViolation::MembershipInStaticGroup),
     }
 }
 
@@ -104,10 +91,7 @@ pub(crate) fn pump_membership(agent: &Agent) {
         }
         agent.inner.membership_wake.notify_one();
         for (to, msg) in transmits {
-            match postcard::to_allocvec(&msg) {
-                Ok(bytes) => agent.send_control(to, Frame::control(bytes, vec![])),
-                Err(e) => warn!("cannot encode a membership message: {e}"),
-            }
+            agent.send_control(to, Frame::control(msg.encode(), vec![]));
         }
         for ev in events {
             on_membership_event(agent, ev);
@@ -167,8 +151,7 @@ fn on_membership_event(agent: &Agent, ev: MembershipEvent) {
 
 pub(crate) async fn publish_coordinator(agent: &Agent) -> Result<(), RpcError> {
     let record = own_record(agent)?;
-    let bytes = postcard::to_allocvec(&record).map_err(|e| encode_err("a record", e))?;
-    agent.store()?.set(COORDINATOR, &bytes).await?;
+    agent.store()?.set(COORDINATOR, &record.encode()).await?;
     Ok(())
 }
 
@@ -233,7 +216,7 @@ pub(crate) async fn introduce(
         group: RPC_GROUP.to_owned(),
         rank: record.rank,
         world: None,
-        introduction: postcard::to_allocvec(record).map_err(|e| failed(e.to_string()))?,
+        introduction: record.encode(),
     };
     let deadline = runtime.deadline_after(limit);
     let conn = link::dial(runtime, transport, addr, &hello, deadline)
@@ -332,10 +315,18 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
         }
     };
     let rank = hello.rank;
-    let record = match postcard::from_bytes::<MemberRecord>(&hello.introduction) {
+    let record = match MemberRecord::decode(&hello.introduction) {
         Ok(record) if record.rank == rank => record,
-        _ => {
-            warn!("dropping a connection from {peer} that sent no valid introduction");
+        Ok(record) => {
+            warn!(
+                "dropping a connection from {peer}: rank {rank} introduced itself with the \
+                 record of rank {}",
+                record.rank
+            );
+            return;
+        }
+        Err(e) => {
+            warn!("dropping a connection from {peer} whose introduction is {e}");
             return;
         }
     };

@@ -14,7 +14,7 @@ use tensorwire_core::placement::{placements, Direction, PlacementError};
 use tensorwire_core::ports::device::{DeviceBackend, DeviceError};
 use tensorwire_core::protocol::RRefForkData;
 use tensorwire_core::protocol::WorkerId;
-use tensorwire_core::tensor::{sidecar, Storage, Tensor, TensorMeta};
+use tensorwire_core::tensor::{sidecar, Storage, Tensor, TensorError, TensorMeta};
 
 use tensorwire_core::protocol::value as codec;
 
@@ -33,21 +33,51 @@ pub trait Routes: codec::References {
     fn device_map(&self, to_name: &str, direction: Direction) -> Option<DeviceMap>;
 }
 
-/// Why a message's tensors could not be sent or received.
+/// Why a message's tensors could not be sent or received
+/// ([`RpcError::Tensors`](crate::RpcError::Tensors)).
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum TensorTransferError {
+#[non_exhaustive]
+pub enum TensorTransferError {
+    /// The value around the tensors could not be encoded.
     #[error(transparent)]
     Encode(#[from] codec::Failure),
+    /// A tensor cannot go where it is (no device map entry for its device, ...).
     #[error(transparent)]
     Placement(#[from] PlacementError),
+    /// The device backend failed to copy a tensor.
     #[error(transparent)]
     Device(#[from] DeviceError),
+    /// A received tensor is to land on a device this worker does not have.
     #[error(
         "a tensor is to land on {device}, which this worker does not have ({count} CUDA devices)"
     )]
-    NoSuchDevice { device: Device, count: u32 },
+    NoSuchDevice {
+        /// Its landing device.
+        device: Device,
+        /// This worker's CUDA devices.
+        count: u32,
+    },
+    /// A received tensor is malformed.
     #[error("a received tensor is malformed: {0}")]
-    Malformed(String),
+    Malformed(#[source] MalformedTensor),
+}
+
+/// How a received tensor is malformed ([`TensorTransferError::Malformed`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MalformedTensor {
+    /// It came by IPC handle where no agent can open one (outside an agent).
+    #[error("a tensor came by IPC handle outside an agent")]
+    IpcOutsideAgent,
+    /// It came by IPC handle, which this worker's device backend cannot open.
+    #[error("a tensor came by IPC handle, which this worker's device backend cannot open")]
+    IpcUnsupported,
+    /// It came by IPC handle while landing on the cpu.
+    #[error("a tensor landing on the cpu came by IPC handle")]
+    IpcOnCpu,
+    /// Its bytes do not fit its type and shape (or the shape overflows).
+    #[error(transparent)]
+    Shape(#[from] TensorError),
 }
 
 /// A value encoded for `to`, with its tensors and where they land there.
@@ -132,7 +162,7 @@ pub(crate) async fn from_wire(
     for (meta, bytes) in tensors {
         if meta.ipc.is_some() {
             return Err(TensorTransferError::Malformed(
-                "a tensor came by IPC handle outside an agent".into(),
+                MalformedTensor::IpcOutsideAgent,
             ));
         }
         out.push(place(backend, meta, bytes).await?);
@@ -157,5 +187,5 @@ pub(crate) async fn place(
         }
     };
     Tensor::new(meta.dtype, meta.shape, storage)
-        .map_err(|e| TensorTransferError::Malformed(e.to_string()))
+        .map_err(|e| TensorTransferError::Malformed(e.into()))
 }

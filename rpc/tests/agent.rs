@@ -509,7 +509,14 @@ async fn a_cuda_tensor_without_a_map_fails_at_once_and_the_agent_stays_usable() 
         msg.contains("cannot send a tensor on cuda:0 to worker w1"),
         "{msg}"
     );
-    assert!(matches!(e, RpcError::Tensors { .. }), "{e:?}");
+    assert!(
+        matches!(
+            &e,
+            RpcError::Tensors { source, .. }
+                if matches!(**source, tensorwire_rpc::TensorTransferError::Placement(_))
+        ),
+        "{e:?}"
+    );
     // Still usable.
     let (landed, _): (String, Tensor) = a
         .rpc_sync("w1", "where_and_double", &cpu, None)
@@ -655,8 +662,15 @@ async fn the_quic_backend_runs_the_agent_over_mutual_tls() {
         .unwrap_err();
     assert!(
         e.to_string()
-            .contains("the QUIC backend needs RpcOptions::tls_dir"),
+            .contains("the QUIC backend needs RpcOptions::tls_dir or TENSORWIRE_TLS_DIR"),
         "{e}"
+    );
+    assert!(
+        matches!(
+            e,
+            RpcError::Init(tensorwire_rpc::InitError::NoTlsDir { .. })
+        ),
+        "{e:?}"
     );
 }
 
@@ -769,6 +783,21 @@ async fn dynamic_groups_let_workers_join_and_leave() {
     // The same rank or name twice is refused.
     let e = dynamic(1, &cluster, |_| {}).await.unwrap_err();
     assert!(e.to_string().contains("is already a member"), "{e}");
+    // The coordinator (w0) refuses it, and the error names it.
+    match &e {
+        RpcError::Init(tensorwire_rpc::InitError::JoinRefused {
+            coordinator,
+            reason,
+        }) => {
+            assert_eq!(
+                (coordinator.name.as_str(), coordinator.id),
+                ("w0", 0),
+                "{e}"
+            );
+            assert!(reason.contains("w1 (rank 1)"), "{e}");
+        }
+        other => panic!("not refused by the coordinator: {other:?}"),
+    }
 
     for a in [again, a1, a0] {
         a.shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(10)))

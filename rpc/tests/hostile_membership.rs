@@ -10,10 +10,11 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tensorwire_core::codec::{Format, Undecodable};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::protocol::gather::{Contribution, GatherError, GatherOutcome};
 use tensorwire_core::protocol::membership::dynamic::DynMessage;
-use tensorwire_core::protocol::{LostCause, ProtocolViolation};
+use tensorwire_core::protocol::{LostCause, MalformedMessage, ProtocolViolation};
 use tensorwire_core::wire::Frame;
 use tensorwire_rpc::{start_agent, Agent, Functions, GatherDebugInfo, Rendezvous, Shutdown};
 use tensorwire_store::InMemoryStore;
@@ -65,7 +66,7 @@ async fn group(net: Net) -> (Vec<Agent>, HostilePeer) {
 }
 
 fn membership_frame(msg: &DynMessage) -> Frame {
-    Frame::control(postcard::to_allocvec(msg).unwrap(), Vec::new())
+    Frame::control(msg.encode(), Vec::new())
 }
 
 /// Sends `frames` from the hostile member to the victim and checks that the victim drops it
@@ -89,7 +90,7 @@ async fn attack(net: Net, frames: Vec<Frame>) {
     }
     let cause = dropped(&mut events, HOSTILE).await;
     match &cause {
-        LostCause::Misbehaved(v) if matches!(**v, ProtocolViolation::Membership { .. }) => {}
+        LostCause::Misbehaved(v) if matches!(**v, ProtocolViolation::Membership(_)) => {}
         other => panic!("the hostile member was lost for {other}, not a membership violation"),
     }
     // The honest members are untouched: both ways, and the coordinator stays.
@@ -149,7 +150,8 @@ async fn a_flood_of_departures_announced_by_a_non_coordinator_drops_the_sender(n
 const GATHER: &str = "__tw/gather";
 
 /// The hostile member's contribution to gather `name`, naming `expected`, sent as the
-/// agent's own gathers send theirs.
+/// agent's own gathers send theirs (core's encoding, as bytes; the answer read by core's
+/// decoder).
 async fn contribute(
     hostile: &Agent,
     name: &str,
@@ -161,7 +163,8 @@ async fn contribute(
         wait: Duration::from_secs(50),
         value: b"forged".to_vec(),
     };
-    hostile.rpc_sync("w0", GATHER, &c, None).await
+    let answer: Vec<u8> = hostile.rpc_sync("w0", GATHER, &c.encode(), None).await?;
+    Ok(GatherOutcome::decode(&answer).expect("the leader's answer decodes"))
 }
 
 /// `w0` and `w2` meet in a barrier of their own (`w1` takes no part).
@@ -293,6 +296,36 @@ async fn a_gather_contribution_no_honest_member_sends_drops_the_sender(net: Net)
     .await;
 }
 
+async fn a_gather_contribution_that_does_not_parse_drops_the_sender(net: Net) {
+    bounded(async {
+        let (agents, _hostile) = group(net).await;
+        let mut events = agents[0].peer_events();
+        let garbage: Vec<u8> = vec![0xff; 12];
+        // Its call fails (refused, or its connection dropped first); it is dropped either way.
+        let answer = agents[HOSTILE as usize]
+            .rpc_sync::<_, Vec<u8>>("w0", GATHER, &garbage, None)
+            .await;
+        assert!(answer.is_err(), "garbage got an answer: {answer:?}");
+        let cause = dropped(&mut events, HOSTILE).await;
+        match &cause {
+            LostCause::Misbehaved(v)
+                if matches!(
+                    &**v,
+                    ProtocolViolation::Malformed(MalformedMessage::Undecodable(Undecodable {
+                        format: Format::GatherContribution,
+                        ..
+                    }))
+                ) => {}
+            other => panic!("w1 was lost for {other}, not a malformed contribution"),
+        }
+        honest_barrier(&agents, "after-garbage").await;
+        for a in agents.into_iter().rev() {
+            let _ = a.shutdown(Shutdown::Immediate).await;
+        }
+    })
+    .await;
+}
+
 // Every attack over every transport: `mod tcp`, `mod shm`, `mod quic`, a test each.
 tensorwire_testkit::over_every_net! {
     an_admission_sent_to_a_worker_that_is_not_joining_drops_the_sender,
@@ -301,4 +334,5 @@ tensorwire_testkit::over_every_net! {
     a_gather_held_first_with_a_member_list_of_its_choosing_does_not_stop_the_others,
     a_flood_of_gathers_the_leader_has_not_joined_is_held_to_the_senders_share,
     a_gather_contribution_no_honest_member_sends_drops_the_sender,
+    a_gather_contribution_that_does_not_parse_drops_the_sender,
 }

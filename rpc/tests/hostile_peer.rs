@@ -18,13 +18,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use tensorwire_core::codec::{Format, Undecodable};
 use tensorwire_core::device::Device;
 use tensorwire_core::ipc::{encode_message, IpcMessage, IpcViolation, StagedReason};
 use tensorwire_core::ports::transport::TransportError;
 use tensorwire_core::protocol::shutdown::ShutdownSignal;
 use tensorwire_core::protocol::{
-    CallError, EndpointConfig, GlobalId, Header, LostCause, MethodTarget, ProtocolViolation,
-    RRefId, WorkerId,
+    CallError, EndpointConfig, GlobalId, Header, LostCause, MalformedMessage, MethodTarget,
+    ProtocolViolation, RRefId, WorkerId,
 };
 use tensorwire_core::tensor::{DType, TensorMeta};
 use tensorwire_core::wire::{Frame, FrameKind};
@@ -436,7 +437,15 @@ async fn run(net: Net, attack: Attack) {
                 payloads: Vec::new(),
             };
             hostile.send_frame(to, frame).await.unwrap();
-            Box::new(|v| matches!(v, ProtocolViolation::Malformed { .. }))
+            Box::new(|v| {
+                matches!(
+                    v,
+                    ProtocolViolation::Malformed(MalformedMessage::Undecodable(Undecodable {
+                        format: Format::MessageHeader,
+                        ..
+                    }))
+                )
+            })
         }
         Attack::ForgedForkThenFetch => {
             let fork = GlobalId {

@@ -181,7 +181,7 @@ async fn outcomes(
     for t in tasks {
         out.push(
             t.await
-                .unwrap_or_else(|e| Err(RpcError::Init(format!("its start task failed: {e}")))),
+                .unwrap_or_else(|e| Err(tensorwire_rpc::InitError::StartTask(e).into())),
         );
     }
     out

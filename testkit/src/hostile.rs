@@ -478,11 +478,9 @@ pub async fn hostile_group(
     }
     let mut agents = Vec::new();
     for (rank, task) in tasks.into_iter().enumerate() {
-        let started = task.await.unwrap_or_else(|e| {
-            Err(tensorwire_rpc::RpcError::Init(format!(
-                "the task starting rank {rank} failed: {e}"
-            )))
-        });
+        let started = task
+            .await
+            .unwrap_or_else(|e| Err(tensorwire_rpc::InitError::StartTask(e).into()));
         match started {
             Ok(agent) => agents.push(agent),
             Err(error) => return Err(StartError { rank, error }),
@@ -490,7 +488,11 @@ pub async fn hostile_group(
     }
     let hostile = hostile.ok_or_else(|| StartError {
         rank: 0,
-        error: tensorwire_rpc::RpcError::Init("a hostile group needs at least one rank".into()),
+        // No rank at all: rank 0, the hostile one's, is not below the world size.
+        error: tensorwire_rpc::RpcError::RankOutOfRange {
+            rank: 0,
+            world_size: world,
+        },
     })?;
     Ok(HostileGroup { agents, hostile })
 }

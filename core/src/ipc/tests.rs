@@ -330,7 +330,10 @@ fn messages_round_trip_and_other_control_frames_are_not_ipc() {
     assert_eq!(decode_message(&[0, 1, 2]), None);
     assert!(matches!(
         decode_message(b"TWIPC1\xff\xff"),
-        Some(Err(IpcViolation::Malformed(_)))
+        Some(Err(IpcViolation::Malformed(crate::codec::Undecodable {
+            format: crate::codec::Format::IpcMessage,
+            ..
+        })))
     ));
 }
 

@@ -6,7 +6,8 @@
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use super::{Header, MethodTarget, ProtocolViolation};
+use super::{Header, MalformedMessage, MethodTarget, ProtocolViolation};
+use crate::codec::{self, Format};
 use crate::tensor::TensorMeta;
 
 /// The header of every agent frame: the protocol header and, for methods, the reference whose
@@ -48,9 +49,8 @@ impl Envelope {
     /// Parses a frame's message header; what does not parse is a
     /// [`ProtocolViolation::Malformed`] of the sender.
     pub fn decode(header: &[u8]) -> Result<Envelope, ProtocolViolation> {
-        postcard::from_bytes(header).map_err(|e| ProtocolViolation::Malformed {
-            what: format!("a message header that does not parse ({e})"),
-        })
+        codec::decode(Format::MessageHeader, header)
+            .map_err(|e| ProtocolViolation::Malformed(MalformedMessage::Undecodable(e)))
     }
 
     /// The protocol header, and the body the frame's `payloads` carry: none without payloads,
@@ -65,13 +65,12 @@ impl Envelope {
             Some(data) => {
                 let bytes: Vec<Bytes> = payloads.collect();
                 if bytes.len() != self.tensors.len() {
-                    return Err(ProtocolViolation::Malformed {
-                        what: format!(
-                            "a message that announces {} tensors and carries {}",
-                            self.tensors.len(),
-                            bytes.len()
-                        ),
-                    });
+                    return Err(ProtocolViolation::Malformed(
+                        MalformedMessage::TensorCount {
+                            announced: self.tensors.len(),
+                            carried: bytes.len(),
+                        },
+                    ));
                 }
                 Some(FrameBody {
                     target: self.target,
@@ -159,8 +158,19 @@ mod tests {
     fn a_header_that_does_not_parse_is_malformed() {
         let e = Envelope::decode(&[0xff, 0xff, 0xff]).unwrap_err();
         assert!(
-            matches!(&e, ProtocolViolation::Malformed { what } if what.starts_with("a message header that does not parse")),
+            matches!(
+                &e,
+                ProtocolViolation::Malformed(MalformedMessage::Undecodable(codec::Undecodable {
+                    format: Format::MessageHeader,
+                    ..
+                }))
+            ),
             "{e:?}"
+        );
+        assert!(
+            e.to_string()
+                .starts_with("it sent a malformed message: a message header that does not parse ("),
+            "{e}"
         );
     }
 
@@ -172,11 +182,14 @@ mod tests {
             let e = envelope(announced).attach(payloads).unwrap_err();
             assert_eq!(
                 e,
-                ProtocolViolation::Malformed {
-                    what: format!(
-                        "a message that announces {announced} tensors and carries {carried}"
-                    )
-                }
+                ProtocolViolation::Malformed(MalformedMessage::TensorCount { announced, carried })
+            );
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "it sent a malformed message: a message that announces {announced} tensors \
+                     and carries {carried}"
+                )
             );
         }
     }

@@ -55,6 +55,9 @@ use serde::{Deserialize, Serialize};
 
 use super::WorkerId;
 
+mod coding;
+pub use coding::{decode_value, encode_value};
+
 /// How much longer than the leader's wait a member's call to it may take: the leader's
 /// answer that the wait ended must arrive before the call itself times out, so that the
 /// member's error names who did not send rather than only the leader.
@@ -239,6 +242,9 @@ pub enum GatherFailure {
     /// The leader refused the contribution or ended the round.
     #[error(transparent)]
     Leader(#[from] GatherError),
+    /// The leader's answer does not parse.
+    #[error("the leader's answer: {0}")]
+    Malformed(#[from] crate::codec::Undecodable),
     /// The leader's answer breaks the protocol (values of other members than expected, not
     /// in rank order, or without this member's own).
     #[error("the leader answered with values of members {got:?}, expected {expected:?}")]

@@ -22,6 +22,7 @@
 use std::collections::{BTreeSet, VecDeque};
 use std::time::Instant;
 
+mod coding;
 pub mod dynamic;
 pub use dynamic::{
     Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,

@@ -92,7 +92,7 @@ pub use debug::{DebugInfo, ForkInfo, OwnedInfo};
 pub use membership::{JoinError, JoinMessage, JoinPhase, StaticJoin};
 use requests::Serving;
 pub use shutdown::{ShutdownError, ShutdownPhase, ShutdownSignal};
-pub use violation::ProtocolViolation;
+pub use violation::{MalformedMessage, ProtocolViolation};
 
 pub use crate::name::WorkerId;
 

@@ -66,12 +66,12 @@ pub enum ProtocolViolation {
     /// RPC traffic from a worker that is not (or no longer) a member of the dynamic group.
     #[error("it sent RPC traffic without being a member of the group")]
     NotAMember,
-    /// A membership message the dynamic group's protocol refused (its error's words).
-    #[error("it broke the membership protocol: {what}")]
-    Membership {
-        /// What the membership protocol said.
-        what: String,
-    },
+    /// A membership message the dynamic group's protocol refused, with its error.
+    #[error("it broke the membership protocol: {0}")]
+    Membership(#[source] crate::protocol::membership::MembershipError),
+    /// A membership message to a worker of a static group (which has no membership protocol).
+    #[error("it sent a membership message to a worker of a static group")]
+    MembershipInStaticGroup,
     /// A contribution to a dynamic group's gather that no honest member sends
     /// ([`GatherError::is_forgery`](crate::protocol::gather::GatherError::is_forgery)): an
     /// empty or unsorted member list, or one without its sender. Found by the leader's
@@ -89,11 +89,8 @@ pub enum ProtocolViolation {
     Autograd(crate::autograd::ProtocolViolation),
     /// A frame whose bytes are no valid message (the driver decodes it before the endpoint
     /// sees it: a header that does not parse, tensors it announces and does not carry, ...).
-    #[error("it sent a malformed message: {what}")]
-    Malformed {
-        /// What was wrong.
-        what: String,
-    },
+    #[error("it sent a malformed message: {0}")]
+    Malformed(#[source] MalformedMessage),
     /// A fork request for a reference not created here while the sender already has
     /// [`EndpointConfig::pending_forks_per_peer`] records of such references.
     #[error("it asked for forks of more than {limit} references this worker has not created")]
@@ -157,5 +154,22 @@ pub enum ProtocolViolation {
         fork: ForkId,
         /// The worker that holds it.
         holder: WorkerId,
+    },
+}
+
+/// How a frame's bytes are no valid message ([`ProtocolViolation::Malformed`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MalformedMessage {
+    /// Its header (or a control frame's message) does not parse as the format it must be.
+    #[error(transparent)]
+    Undecodable(#[from] crate::codec::Undecodable),
+    /// Its payloads are not one per tensor its envelope announces (after the value's own).
+    #[error("a message that announces {announced} tensors and carries {carried}")]
+    TensorCount {
+        /// The tensors the envelope announces.
+        announced: usize,
+        /// The tensor payloads the frame carries.
+        carried: usize,
     },
 }

@@ -484,7 +484,7 @@ fn membership(dir: &Path) {
         DynMessage::Left { rank: 1 },
     ];
     for (i, m) in messages.iter().enumerate() {
-        let encoded = postcard::to_allocvec(m).unwrap();
+        let encoded = m.encode();
         let mut input = Vec::new();
         // To rank 0 from rank 2, to rank 1 from rank 2, to rank 0 from the stranger; each
         // followed by deliveries, a timer tick and the honest second contribution.
@@ -518,13 +518,13 @@ fn membership(dir: &Path) {
     ];
     for (i, c) in contributions.iter().enumerate() {
         let mut input = vec![6];
-        chunk(&mut input, &postcard::to_allocvec(c).unwrap());
+        chunk(&mut input, &c.encode());
         input.extend_from_slice(&[7, 0x23, 0x24]);
         write(dir, "membership", &format!("gather-{i}"), &input);
     }
     let answer = GatherOutcome::Done(vec![(0, b"a".to_vec()), (1, b"b".to_vec()), (2, vec![])]);
     let mut input = vec![6];
-    chunk(&mut input, &postcard::to_allocvec(&answer).unwrap());
+    chunk(&mut input, &answer.encode());
     write(dir, "membership", "gather-answer", &input);
 }
 

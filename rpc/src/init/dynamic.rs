@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Transport;
-use tensorwire_core::protocol::membership::{DynamicMembership, MemberRecord, MembershipError};
+use tensorwire_core::protocol::membership::{
+    DynamicMembership, MemberRecord, MembershipError, WorkerInfo,
+};
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::validate::WorkerDeviceInfo;
 use tensorwire_rendezvous::Rendezvous;
@@ -26,11 +28,11 @@ use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
 use crate::driver::drive;
-use crate::error::{RpcError, WaitingFor};
+use crate::error::{InitError, RpcError, WaitingFor};
 use crate::init::advertise_ip;
 use crate::membership::{
-    accept_connections, dyn_state, encode_err, introduce, membership_timer, pump_membership,
-    with_membership, Introduction, COORDINATOR,
+    accept_connections, dyn_state, introduce, membership_timer, pump_membership, with_membership,
+    Introduction, COORDINATOR,
 };
 use crate::options::RpcOptions;
 use crate::state::{Agent, WorkerRecord};
@@ -137,6 +139,14 @@ impl From<RpcError> for Attempt {
 }
 
 /// One try: found the group, or ask its coordinator to be admitted and wait for the outcome.
+/// A member's record as the errors name it.
+fn info(record: &MemberRecord) -> WorkerInfo {
+    WorkerInfo {
+        name: record.name().to_owned(),
+        id: record.rank,
+    }
+}
+
 async fn join_once(
     agent: &Agent,
     transport: &dyn Transport,
@@ -145,8 +155,7 @@ async fn join_once(
     op_timeout: Duration,
     deadline: Instant,
 ) -> Result<(), Attempt> {
-    let encoded =
-        postcard::to_allocvec(record).map_err(|e| encode_err("this worker's record", e))?;
+    let encoded = record.encode();
     let held = store
         .compare_set(COORDINATOR, b"", &encoded)
         .await
@@ -156,16 +165,16 @@ async fn join_once(
         dyn_state(agent).membership = Some(DynamicMembership::found(record.clone(), op_timeout));
         return Ok(());
     }
-    let coordinator: MemberRecord =
-        postcard::from_bytes(&held).map_err(|e| encode_err("the coordinator's record", e))?;
+    let coordinator = MemberRecord::decode(&held)
+        .map_err(|e| Attempt::Fail(InitError::CoordinatorRecord(e).into()))?;
     if coordinator.rank == record.rank || coordinator.name() == record.name() {
-        return Err(Attempt::Fail(RpcError::Init(format!(
-            "{} (rank {}) cannot join: {} (rank {}) is already a member",
-            record.name(),
-            record.rank,
-            coordinator.name(),
-            coordinator.rank
-        ))));
+        return Err(Attempt::Fail(
+            InitError::AlreadyAMember {
+                joiner: info(record),
+                member: info(&coordinator),
+            }
+            .into(),
+        ));
     }
     let who = format!(
         "{} (rank {}) at {}",
@@ -192,7 +201,15 @@ async fn join_once(
     .await
     {
         Ok(c) => c,
-        Err(Introduction::Refused(reason)) => return Err(Attempt::Fail(RpcError::Init(reason))),
+        Err(Introduction::Refused(reason)) => {
+            return Err(Attempt::Fail(
+                InitError::JoinRefused {
+                    coordinator: info(&coordinator),
+                    reason,
+                }
+                .into(),
+            ))
+        }
         Err(Introduction::NotCertified(source)) => {
             return Err(Attempt::Fail(RpcError::NotCertified {
                 rank: coordinator.rank,
@@ -227,14 +244,9 @@ async fn join_once(
                     MembershipError::Timeout { .. } => RpcError::Timeout {
                         what: format!("joining the group: {e}"),
                         after: op_timeout,
-                        waiting_for: Some(WaitingFor::Workers(vec![
-                            tensorwire_core::protocol::membership::WorkerInfo {
-                                name: coordinator.name().to_owned(),
-                                id: coordinator.rank,
-                            },
-                        ])),
+                        waiting_for: Some(WaitingFor::Workers(vec![info(&coordinator)])),
                     },
-                    other => RpcError::Init(other.to_string()),
+                    other => InitError::Join(other).into(),
                 }))
             }
         }

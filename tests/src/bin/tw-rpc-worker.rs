@@ -111,6 +111,13 @@ fn target_device() -> Device {
     Device::Cuda(devices().device_count().min(2).saturating_sub(1) as u8)
 }
 
+/// Why a scenario failed: the agent's error, or a check of the scenario's own (free text: what
+/// it expected).
+type Failure = Box<dyn std::error::Error + Send + Sync>;
+
+/// A scenario's outcome.
+type Outcome = Result<(), Failure>;
+
 async fn start(
     tweak: impl FnOnce(usize, &mut RpcOptions),
 ) -> Result<(Agent, usize, usize), RpcError> {
@@ -126,15 +133,15 @@ async fn start(
     Ok((agent, rank, world))
 }
 
-fn check(cond: bool, what: &str) -> Result<(), RpcError> {
+fn check(cond: bool, what: &str) -> Outcome {
     if cond {
         Ok(())
     } else {
-        Err(RpcError::Init(format!("check failed: {what}")))
+        Err(format!("check failed: {what}").into())
     }
 }
 
-async fn basic() -> Result<(), RpcError> {
+async fn basic() -> Outcome {
     let target = target_device();
     let (agent, rank, world) = start(|rank, o| {
         let next = (rank + 1) % env("WORLD_SIZE");
@@ -213,9 +220,7 @@ async fn basic() -> Result<(), RpcError> {
     // A CUDA tensor to a worker this one has no map for fails at once; the agent stays usable.
     let prev = ((rank + world - 1) % world) as u32;
     if prev != next as u32 {
-        let on_gpu = relocate(&*devices(), &t, Device::Cuda(0))
-            .await
-            .map_err(|e| RpcError::Init(e.to_string()))?;
+        let on_gpu = relocate(&*devices(), &t, Device::Cuda(0)).await?;
         let e = agent
             .rpc_async::<_, (String, Tensor)>(prev, "tensor_where", &on_gpu, None)
             .err();
@@ -268,7 +273,7 @@ async fn basic() -> Result<(), RpcError> {
 
 /// Rank `WORLD_SIZE - 1` is killed by the test after READY; the others then call it and shut
 /// down, and must get errors naming it.
-async fn dead_peer() -> Result<(), RpcError> {
+async fn dead_peer() -> Outcome {
     let (agent, rank, world) = start(|_, _| {}).await?;
     let victim = (world - 1) as u32;
     println!("READY {rank}");
@@ -286,7 +291,7 @@ async fn dead_peer() -> Result<(), RpcError> {
             Ok(_) if Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(50)).await
             }
-            Ok(_) => return Err(RpcError::Init("the victim never died".into())),
+            Ok(_) => return Err("the victim never died".into()),
             Err(e) => {
                 println!("OK call-error rank {rank}: {e}");
                 break;
@@ -298,9 +303,7 @@ async fn dead_peer() -> Result<(), RpcError> {
         .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(3)))
         .await
     {
-        Ok(()) => Err(RpcError::Init(
-            "graceful shutdown with a dead peer succeeded".into(),
-        )),
+        Ok(()) => Err("graceful shutdown with a dead peer succeeded".into()),
         Err(e) => {
             println!(
                 "OK shutdown-error rank {rank} after_ms={}: {e}",
@@ -315,7 +318,7 @@ async fn dead_peer() -> Result<(), RpcError> {
 /// worker's `cuda:0` by the map and comes back by the reverse map (4 MiB, bytes checked); one
 /// without a map entry fails before sending. On the simulated or the real backend
 /// (`TW_DEVICES`).
-async fn device_tensors() -> Result<(), RpcError> {
+async fn device_tensors() -> Outcome {
     let backend = devices();
     let (agent, rank, world) = start(|rank, o| {
         let next = (rank + 1) % env("WORLD_SIZE");
@@ -326,18 +329,14 @@ async fn device_tensors() -> Result<(), RpcError> {
     let next = ((rank + 1) % world) as u32;
     let values: Vec<f32> = (0..1 << 20).map(|i| i as f32).collect();
     let host = Tensor::from_f32(vec![values.len()], &values).expect("tensor");
-    let on_gpu = relocate(&*backend, &host, Device::Cuda(0))
-        .await
-        .map_err(|e| RpcError::Init(e.to_string()))?;
+    let on_gpu = relocate(&*backend, &host, Device::Cuda(0)).await?;
     let (landed, back): (String, Tensor) =
         agent.rpc_sync(next, "tensor_where", &on_gpu, None).await?;
     check(
         landed == "cuda:0" && back.device() == Device::Cuda(0),
         "the map and the reverse map on real GPUs",
     )?;
-    let back_host = relocate(&*backend, &back, Device::Cpu)
-        .await
-        .map_err(|e| RpcError::Init(e.to_string()))?;
+    let back_host = relocate(&*backend, &back, Device::Cpu).await?;
     check(
         back_host.to_f32_vec() == Some(values),
         "4 MiB survive cuda:0 -> peer cuda:0 -> cuda:0",
@@ -363,7 +362,7 @@ async fn device_tensors() -> Result<(), RpcError> {
 /// One worker calling itself with a device map to itself (`cpu` to its target device): the
 /// request's tensor lands on the device, the response comes back to `cpu` by the reverse map.
 /// Run with `WORLD_SIZE=1`; the GPU check of the CUDA backend.
-async fn self_rpc() -> Result<(), RpcError> {
+async fn self_rpc() -> Outcome {
     let target = target_device();
     let (agent, rank, _) = start(|rank, o| {
         o.set_device_map(&format!("w{rank}"), &[("cpu", &target.to_string())])
@@ -392,7 +391,7 @@ async fn self_rpc() -> Result<(), RpcError> {
 
 /// A dynamic group (`world_size = None`): everyone joins, waits to see the others, calls each by
 /// name, then the higher ranks leave one by one and rank 0 (the store's host) goes last.
-async fn dynamic() -> Result<(), RpcError> {
+async fn dynamic() -> Outcome {
     let (rank, world) = (env("RANK"), env("WORLD_SIZE"));
     let options = RpcOptions {
         functions: functions(),
@@ -432,9 +431,8 @@ async fn dynamic() -> Result<(), RpcError> {
 
 /// The agent over the QUIC backend (mutual TLS under a cluster CA kept in `TW_TLS_DIR`, which
 /// the first worker creates): calls and a remote reference across the group.
-async fn quic() -> Result<(), RpcError> {
-    let dir =
-        std::env::var("TW_TLS_DIR").map_err(|_| RpcError::Init("TW_TLS_DIR must be set".into()))?;
+async fn quic() -> Outcome {
+    let dir = std::env::var("TW_TLS_DIR").map_err(|_| "TW_TLS_DIR must be set")?;
     let (agent, rank, world) = start(|_, o| {
         o.backend = "QUIC".into();
         o.tls_dir = Some(dir.into());
@@ -458,7 +456,7 @@ async fn quic() -> Result<(), RpcError> {
     Ok(())
 }
 
-async fn bad_map() -> Result<(), RpcError> {
+async fn bad_map() -> Outcome {
     // A target index past every worker's devices.
     let bad = format!("cuda:{}", devices().device_count() + 3);
     let r = start(|rank, o| {
@@ -469,9 +467,7 @@ async fn bad_map() -> Result<(), RpcError> {
     })
     .await;
     match r {
-        Ok(_) => Err(RpcError::Init(
-            "init succeeded with a bad device map".into(),
-        )),
+        Ok(_) => Err("init succeeded with a bad device map".into()),
         Err(e) => {
             println!("OK init-error: {e}");
             Ok(())
@@ -479,7 +475,7 @@ async fn bad_map() -> Result<(), RpcError> {
     }
 }
 
-async fn scale() -> Result<(), RpcError> {
+async fn scale() -> Outcome {
     let t0 = Instant::now();
     let (agent, rank, world) = start(|_, _| {}).await?;
     let init = t0.elapsed();
@@ -498,7 +494,7 @@ async fn scale() -> Result<(), RpcError> {
     Ok(())
 }
 
-async fn inflight() -> Result<(), RpcError> {
+async fn inflight() -> Outcome {
     let (agent, rank, _) = start(|_, _| {}).await?;
     if rank == 0 {
         // Slow calls in flight while shutting down gracefully: they finish first.
@@ -519,7 +515,7 @@ async fn inflight() -> Result<(), RpcError> {
                 "in-flight calls complete during a graceful shutdown",
             )?;
         }
-        shut.await.map_err(|e| RpcError::Init(e.to_string()))??;
+        shut.await??;
     } else {
         agent
             .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(30)))
@@ -531,7 +527,7 @@ async fn inflight() -> Result<(), RpcError> {
 
 /// Init, then an immediate shutdown, then exit: rank 0 (the store's host) leaves as early as it
 /// can, which must not fail anyone's init.
-async fn init_shutdown() -> Result<(), RpcError> {
+async fn init_shutdown() -> Outcome {
     let (agent, rank, _) = start(|_, _| {}).await?;
     agent.shutdown(tensorwire_rpc::Shutdown::Immediate).await?;
     println!("OK init-shutdown rank {rank}");
@@ -541,7 +537,7 @@ async fn init_shutdown() -> Result<(), RpcError> {
 /// Every worker starts a 20-hop chain of fire-and-forget calls (each hop calls the next
 /// worker with `rpc_async` and returns without awaiting it) and shuts down gracefully at once;
 /// prints `HOPS R N`, the hops that ran here. The test checks they add up to 20 per worker.
-async fn chains() -> Result<(), RpcError> {
+async fn chains() -> Outcome {
     let (agent, rank, world) = start(|_, _| {}).await?;
     let next = ((rank + 1) % world) as u32;
     let first = agent.rpc_async::<_, ()>(next, "hop", &19u32, None)?;
@@ -560,7 +556,7 @@ async fn chains() -> Result<(), RpcError> {
 /// The owner's reference while its value is being created: rank 0 makes a value on rank 1
 /// with `remote()` and at once calls rank 1 with that reference, where the function reads it
 /// with `local_value()`; `TW_REPEAT` times (default 200). Every call must see the value.
-async fn owner_local() -> Result<(), RpcError> {
+async fn owner_local() -> Outcome {
     let (agent, rank, _) = start(|_, _| {}).await?;
     if rank == 0 {
         let repeat = std::env::var("TW_REPEAT")
@@ -578,22 +574,22 @@ async fn owner_local() -> Result<(), RpcError> {
     }
     agent
         .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(60)))
-        .await
+        .await?;
+    Ok(())
 }
 
 /// The test stops (SIGSTOP) rank `WORLD_SIZE - 1` after READY and then says `GO` on the
 /// others' standard input; they shut down gracefully with a 2 s timeout, which must fail by
 /// then naming the frozen worker.
-async fn frozen_peer() -> Result<(), RpcError> {
+async fn frozen_peer() -> Outcome {
     let (agent, rank, world) = start(|_, _| {}).await?;
     println!("READY {rank}");
     let line = tokio::task::spawn_blocking(|| {
         let mut line = String::new();
         std::io::stdin().read_line(&mut line).map(|_| line)
     })
-    .await
-    .map_err(|e| RpcError::Init(e.to_string()))?
-    .map_err(|e| RpcError::Init(format!("reading stdin: {e}")))?;
+    .await?
+    .map_err(|e| format!("reading stdin: {e}"))?;
     if rank == world - 1 {
         return Ok(());
     }
@@ -603,9 +599,7 @@ async fn frozen_peer() -> Result<(), RpcError> {
         .shutdown(tensorwire_rpc::Shutdown::graceful(Duration::from_secs(2)))
         .await
     {
-        Ok(()) => Err(RpcError::Init(
-            "graceful shutdown with a frozen peer succeeded".into(),
-        )),
+        Ok(()) => Err("graceful shutdown with a frozen peer succeeded".into()),
         Err(e) => {
             println!(
                 "OK shutdown-error rank {rank} after_ms={}: {e}",
@@ -620,16 +614,15 @@ async fn frozen_peer() -> Result<(), RpcError> {
 /// address it advertises in the group's store and checks everyone's (rank `r` must be on
 /// `10.77.0.<r / TW_PER_HOST + 1>` when `TW_PER_HOST` is set), then all_reduce, all_gather_object
 /// and barrier. Prints `OK pg rank R init_ms=...`.
-async fn pg_store() -> Result<(), RpcError> {
+async fn pg_store() -> Outcome {
     use tensorwire_core::collective::ReduceOp;
     use tensorwire_process_group::{new_group, CollectivesExt};
     use tensorwire_rendezvous::env_init::env_rendezvous;
     // Explicit variables or Slurm's, as the rendezvous reads them.
-    let dist =
-        tensorwire_rendezvous::DistEnv::from_env().map_err(|e| RpcError::Init(e.to_string()))?;
+    let dist = tensorwire_rendezvous::DistEnv::from_env()?;
     let (rank, world) = (dist.rank, dist.world_size);
     let timeout = Duration::from_secs(30);
-    let fail = |what: &str, e: &dyn std::fmt::Display| RpcError::Init(format!("{what}: {e}"));
+    let fail = |what: &str, e: &dyn std::fmt::Display| -> Failure { format!("{what}: {e}").into() };
     let t0 = Instant::now();
     let pg = new_group("tensorwire", timeout, Device::Cpu, Vec::new())
         .await
@@ -691,7 +684,7 @@ async fn pg_store() -> Result<(), RpcError> {
 /// Rank 0, once it reads one (the test cuts a host's link first), calls every other worker at
 /// once with a `TW_CALL_TIMEOUT_MS` bound (default 1000) and prints `OK reached wN` or
 /// `OK failed wN after_ms=T: ERROR` for each, then exits.
-async fn cut() -> Result<(), RpcError> {
+async fn cut() -> Outcome {
     let (agent, rank, world) = start(|_, _| {}).await?;
     println!("READY {rank}");
     use std::io::Write;
@@ -760,7 +753,7 @@ async fn main() -> ExitCode {
         "cut" => cut().await,
         "chains" => chains().await,
         "owner-local" => owner_local().await,
-        other => Err(RpcError::Init(format!("unknown scenario {other:?}"))),
+        other => Err(format!("unknown scenario {other:?}").into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
