@@ -108,6 +108,21 @@ pub enum Storage {
     Device(DeviceBuffer),
 }
 
+impl Storage {
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::Host(b) => b.len(),
+            Storage::Device(b) => b.len(),
+        }
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Why a tensor cannot be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

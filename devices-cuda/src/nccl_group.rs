@@ -11,8 +11,8 @@
 //!    collective.
 //! 3. `ncclCommInitRank` on a blocking thread, bounded by what is left of the timeout.
 //!
-//! Collectives take tensors on the group's device ([`ProcessGroup::all_reduce_tensor`] and the
-//! other `*_tensor` methods) and run on the CUDA backend's copy stream for that device, so they
+//! Collectives take tensors on the group's device (`all_reduce_tensor` and the other tensor
+//! forms of [`TensorCollectives`](tensorwire_core::ports::process_group::TensorCollectives)) and run on the CUDA backend's copy stream for that device, so they
 //! are ordered with its copies; the result is complete when the call returns. The byte
 //! collectives of the port (and `barrier`) stage through the device. Collectives on one group
 //! run one at a time, in the order they are called.
@@ -37,6 +37,7 @@
 //! use std::time::Duration;
 //! use tensorwire_core::{collective::ReduceOp, device::Device, ports::device::relocate, tensor::Tensor};
 //! use tensorwire_core::registry::ProcessGroupFactory;
+//! use tensorwire_core::ports::process_group::{Collectives, TensorCollectives};
 //! use tensorwire_devices_cuda::nccl_group::{shared_devices, NcclFactory};
 //!
 //! let rank: usize = std::env::var("RANK")?.parse()?;
@@ -64,10 +65,13 @@ use bytes::Bytes;
 use tensorwire_core::collective::{CollectiveError, ElementType, ReduceOp};
 use tensorwire_core::device::Device;
 use tensorwire_core::ports::device::{DeviceBackend, DeviceError};
-use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::compose::compose;
+use tensorwire_core::ports::process_group::{
+    lazy, Buf, Done, Op, ProcessGroup, ProcessGroupError, Started,
+};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::registry::ProcessGroupFactory;
-use tensorwire_core::tensor::{DType, DeviceBuffer, Storage, Tensor};
+use tensorwire_core::tensor::{DType, DeviceBuffer, Storage};
 
 use crate::nccl::{nccl_type, NcclAbort, NcclComm, NcclError, NcclId};
 use crate::CudaDevices;
@@ -332,23 +336,6 @@ impl NcclGroup {
         Err(error)
     }
 
-    /// The device buffer of `tensor`, checked to be on this group's device.
-    fn buffer(
-        &self,
-        collective: &'static str,
-        tensor: &Tensor,
-    ) -> Result<DeviceBuffer, ProcessGroupError> {
-        match tensor.storage() {
-            Storage::Device(b) if b.device() == self.device => Ok(b.clone()),
-            _ => Err(ProcessGroupError::WrongDevice {
-                collective,
-                backend: NCCL_BACKEND,
-                tensor: tensor.device(),
-                group: self.device,
-            }),
-        }
-    }
-
     fn staging_error(
         &self,
         collective: &'static str,
@@ -417,8 +404,103 @@ impl ProcessGroup for NcclGroup {
         self.device
     }
 
+    /// Runs `op` (NCCL for barrier, all_gather, broadcast and all_reduce; [`compose`] for the
+    /// rest) as the handle is asked or waited on.
+    fn start<'a>(&'a self, op: Op<'a>) -> Started<'a> {
+        lazy(Box::pin(self.execute(op)))
+    }
+
+    /// Marks the group shut down; the communicator is aborted when the last reference to the
+    /// group goes (NCCL has no clean leave that does not wait for the other ranks).
+    async fn shutdown(&self) {
+        self.state.lock().await.shut_down = true;
+    }
+}
+
+impl NcclGroup {
+    /// The one dispatch: barrier, all_gather, broadcast and all_reduce through NCCL (on the
+    /// device buffer of a tensor, or staging host bytes through the device); every other
+    /// operation built from those ([`compose`]).
+    async fn execute(&self, op: Op<'_>) -> Result<Done, ProcessGroupError> {
+        let name = op.name();
+        match op {
+            Op::Barrier => self.native_barrier().await.map(|()| Done::Unit),
+            Op::AllGather {
+                input: Buf::Device(buffer),
+            } => {
+                let buffer = self.on_device(name, buffer)?;
+                let parts = self.run(name, move |c| c.all_gather(&buffer)).await?;
+                Ok(Done::Buffers(
+                    parts.into_iter().map(Storage::Device).collect(),
+                ))
+            }
+            Op::AllGather { input } => {
+                let input = input.host(name, self)?;
+                self.staged_all_gather(input).await.map(Done::from)
+            }
+            Op::Broadcast {
+                data: Buf::Device(buffer),
+                root,
+            } => {
+                self.check_root(root)?;
+                let buffer = self.on_device(name, buffer)?;
+                let out = self.run(name, move |c| c.broadcast(&buffer, root)).await?;
+                Ok(Done::Buffer(Storage::Device(out)))
+            }
+            Op::Broadcast { data, root } => {
+                let mut data = data.into_host_mut(name, self)?;
+                self.staged_broadcast(&mut data, root).await?;
+                Ok(data.done())
+            }
+            Op::AllReduce {
+                data: Buf::Device(buffer),
+                element,
+                op,
+            } => {
+                check_op(op, element)?;
+                let dtype = element.dtype();
+                if nccl_type(dtype).is_none() {
+                    return Err(ProcessGroupError::UnsupportedType {
+                        collective: name,
+                        backend: NCCL_BACKEND,
+                        dtype: format!("{dtype:?}"),
+                    });
+                }
+                let buffer = self.on_device(name, buffer)?;
+                let out = self
+                    .run(name, move |c| c.all_reduce(&buffer, dtype, op))
+                    .await?;
+                Ok(Done::Buffer(Storage::Device(out)))
+            }
+            Op::AllReduce { data, element, op } => {
+                let mut data = data.into_host_mut(name, self)?;
+                self.staged_all_reduce(&mut data, element, op).await?;
+                Ok(data.done())
+            }
+            op => compose(self, op).await,
+        }
+    }
+
+    /// `buffer`, checked to be on this group's device.
+    fn on_device(
+        &self,
+        collective: &'static str,
+        buffer: DeviceBuffer,
+    ) -> Result<DeviceBuffer, ProcessGroupError> {
+        if buffer.device() == self.device {
+            Ok(buffer)
+        } else {
+            Err(ProcessGroupError::WrongDevice {
+                collective,
+                backend: NCCL_BACKEND,
+                tensor: buffer.device(),
+                group: self.device,
+            })
+        }
+    }
+
     /// An all_reduce of one byte on the device, as PyTorch's NCCL barrier does.
-    async fn barrier(&self) -> Result<(), ProcessGroupError> {
+    async fn native_barrier(&self) -> Result<(), ProcessGroupError> {
         let one = self.to_device("barrier", &[1]).await?;
         self.run("barrier", move |c| {
             c.all_reduce(&one, DType::U8, ReduceOp::Sum).map(drop)
@@ -428,7 +510,7 @@ impl ProcessGroup for NcclGroup {
 
     /// Staged through the device; blocks of different lengths are padded to the longest (the
     /// lengths are gathered first).
-    async fn all_gather(&self, input: &[u8]) -> Result<Vec<Bytes>, ProcessGroupError> {
+    async fn staged_all_gather(&self, input: &[u8]) -> Result<Vec<Bytes>, ProcessGroupError> {
         let len = self
             .to_device("all_gather", &(input.len() as u64).to_le_bytes())
             .await?;
@@ -456,7 +538,11 @@ impl ProcessGroup for NcclGroup {
         Ok(out)
     }
 
-    async fn broadcast(&self, data: &mut [u8], root: usize) -> Result<(), ProcessGroupError> {
+    async fn staged_broadcast(
+        &self,
+        data: &mut [u8],
+        root: usize,
+    ) -> Result<(), ProcessGroupError> {
         self.check_root(root)?;
         let buffer = self.to_device("broadcast", data).await?;
         let out = self
@@ -466,7 +552,7 @@ impl ProcessGroup for NcclGroup {
         Ok(())
     }
 
-    async fn all_reduce(
+    async fn staged_all_reduce(
         &self,
         data: &mut [u8],
         element: ElementType,
@@ -491,62 +577,6 @@ impl ProcessGroup for NcclGroup {
         data.copy_from_slice(&self.to_host("all_reduce", &out).await?);
         Ok(())
     }
-
-    async fn all_reduce_tensor(
-        &self,
-        tensor: &Tensor,
-        op: ReduceOp,
-    ) -> Result<Tensor, ProcessGroupError> {
-        let buffer = self.buffer("all_reduce", tensor)?;
-        let dtype = tensor.dtype();
-        if let Some(element) = ElementType::from_dtype(dtype) {
-            check_op(op, element)?;
-        }
-        if nccl_type(dtype).is_none() {
-            return Err(ProcessGroupError::UnsupportedType {
-                collective: "all_reduce",
-                backend: NCCL_BACKEND,
-                dtype: format!("{dtype:?}"),
-            });
-        }
-        let out = self
-            .run("all_reduce", move |c| c.all_reduce(&buffer, dtype, op))
-            .await?;
-        Ok(with_device(tensor, out))
-    }
-
-    async fn all_gather_tensor(&self, tensor: &Tensor) -> Result<Vec<Tensor>, ProcessGroupError> {
-        let buffer = self.buffer("all_gather", tensor)?;
-        let parts = self
-            .run("all_gather", move |c| c.all_gather(&buffer))
-            .await?;
-        Ok(parts.into_iter().map(|b| with_device(tensor, b)).collect())
-    }
-
-    async fn broadcast_tensor(
-        &self,
-        tensor: &Tensor,
-        root: usize,
-    ) -> Result<Tensor, ProcessGroupError> {
-        self.check_root(root)?;
-        let buffer = self.buffer("broadcast", tensor)?;
-        let out = self
-            .run("broadcast", move |c| c.broadcast(&buffer, root))
-            .await?;
-        Ok(with_device(tensor, out))
-    }
-
-    /// Marks the group shut down; the communicator is aborted when the last reference to the
-    /// group goes (NCCL has no clean leave that does not wait for the other ranks).
-    async fn shutdown(&self) {
-        self.state.lock().await.shut_down = true;
-    }
-}
-
-fn with_device(tensor: &Tensor, buffer: DeviceBuffer) -> Tensor {
-    tensor
-        .with_storage(Storage::Device(buffer))
-        .expect("a collective keeps the byte length")
 }
 
 /// Refuses, before anything is issued, an op the element type does not take (as gloo does)
@@ -573,6 +603,7 @@ fn check_op(op: ReduceOp, element: ElementType) -> Result<(), ProcessGroupError>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tensorwire_core::ports::process_group::Collectives;
     use tensorwire_store::InMemoryStore;
 
     fn store() -> Arc<dyn Store> {

@@ -332,12 +332,13 @@ pub fn with_process_group_sync<R>(pg: Arc<dyn ProcessGroup>, f: impl FnOnce() ->
 mod tests {
     use super::*;
     use bytes::Bytes;
-    use tensorwire_core::collective::{ElementType, ReduceOp};
+    use tensorwire_core::ports::process_group::compose::compose;
+    use tensorwire_core::ports::process_group::Collectives;
+    use tensorwire_core::ports::process_group::{lazy, Done, Op, Started};
 
     /// A group of one that only knows its rank, for scope tests.
     struct Fake(usize);
 
-    #[async_trait]
     impl ProcessGroup for Fake {
         fn rank(&self) -> usize {
             self.0
@@ -345,22 +346,20 @@ mod tests {
         fn size(&self) -> usize {
             1
         }
-        async fn barrier(&self) -> Result<(), ProcessGroupError> {
-            Ok(())
-        }
-        async fn all_gather(&self, input: &[u8]) -> Result<Vec<Bytes>, ProcessGroupError> {
-            Ok(vec![Bytes::copy_from_slice(input)])
-        }
-        async fn broadcast(&self, _: &mut [u8], _: usize) -> Result<(), ProcessGroupError> {
-            Ok(())
-        }
-        async fn all_reduce(
-            &self,
-            _: &mut [u8],
-            _: ElementType,
-            _: ReduceOp,
-        ) -> Result<(), ProcessGroupError> {
-            Ok(())
+        fn start<'a>(&'a self, op: Op<'a>) -> Started<'a> {
+            // One rank: every collective gives this rank's data back.
+            lazy(Box::pin(async move {
+                match op {
+                    Op::Barrier => Ok(Done::Unit),
+                    Op::AllGather { input } => {
+                        Ok(Done::from(vec![input.into_bytes("all_gather", self)?]))
+                    }
+                    Op::Broadcast { data, .. } | Op::AllReduce { data, .. } => {
+                        Ok(data.into_host_mut("all_reduce", self)?.done())
+                    }
+                    op => compose(self, op).await,
+                }
+            }))
         }
     }
 

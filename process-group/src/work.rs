@@ -106,13 +106,6 @@ enum State<T> {
 }
 
 impl<T: Send + 'static> Work<T> {
-    /// A `Work` that failed before it was issued.
-    pub(crate) fn failed(error: ProcessGroupError) -> Self {
-        Work {
-            state: State::Done(Some(Err(error))),
-        }
-    }
-
     /// Issues `operation`: polls it once here (where a collective takes its place in the
     /// sequence), then runs the rest on a spawned task. `what` and `rank` name it should the
     /// task end abnormally.
@@ -208,7 +201,9 @@ impl<T: Send + 'static> Work<T> {
 /// A `Work` behind the port, for collectives issued on a `dyn ProcessGroup`: it runs on its
 /// own task, and `wait`'s timeout makes it time out.
 impl<'a, T: Send + 'static> WorkHandle<'a, T> for Work<T> {
+    /// Keeps the result of a finished task, so that `wait` gives it at its first poll.
     fn is_completed(&mut self) -> bool {
+        self.settle();
         Work::is_completed(self)
     }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tensorwire_core::identity::rank_name;
-use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::{Collectives, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Transport;
 use tensorwire_core::protocol::mesh::{GroupFrame, Hello};

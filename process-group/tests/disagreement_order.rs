@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tensorwire_core::collective::{DebugLevel, ElementType, ReduceOp, Signature};
-use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::{Collectives, ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::protocol::mesh::GroupFrame;

@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tensorwire_core::collective::{DebugLevel, ElementType, ReduceOp};
-use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::{
+    Collectives, ProcessGroup, ProcessGroupError, TensorCollectives,
+};
 use tensorwire_core::ports::store::Store;
 use tensorwire_process_group::{CollectivesExt, Group, GroupOptions, InMemoryStore};
 use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};
@@ -904,6 +906,107 @@ async fn new_collectives_in_flight_at_once() {
         assert_eq!(out[2], vec![block(10 + rank, 70 + rank)]);
         let want: Vec<Vec<u8>> = (0..3).map(|p| vec![p as u8; rank + 1]).collect();
         assert_eq!(out[3], want, "all_to_all on rank {rank}");
+    }
+}
+
+/// reduce_scatter_v, a collective that is a schedule in core, an `Op` variant and an extension
+/// method (nothing in this crate names it): each rank gets its own uneven chunk of the
+/// reduction, the same as the ring reduce_scatter's, whichever path the group's other
+/// collectives take; counts that are not one per rank are refused in the call, and ranks
+/// that pass other counts are told instead of reducing garbage (each rank that receives a
+/// contribution; one whose chunk is empty receives none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reduce_scatter_v_gives_each_rank_its_uneven_chunk() {
+    use tensorwire_process_group::CollectivePath;
+    let counts = vec![3usize, 0, 5, 1];
+    let total: usize = counts.iter().sum();
+    for path in [CollectivePath::Arena, CollectivePath::Links] {
+        let options = GroupOptions::new(format!("rsv{path:?}"))
+            .with_timeout(Duration::from_secs(5))
+            .with_collectives(path);
+        let gs = bounded(groups_with(counts.len(), options)).await;
+        let each = counts.clone();
+        let results = bounded(on_all(&gs, move |g| {
+            let counts = each.clone();
+            async move {
+                let rank = g.rank();
+                let xs: Vec<u8> = (0..total)
+                    .flat_map(|i| ((i * (rank + 1)) as f32).to_le_bytes())
+                    .collect();
+                let sums = g
+                    .reduce_scatter_v(&xs, &counts, ElementType::F32, ReduceOp::Sum)
+                    .await
+                    .unwrap();
+                let ring = g
+                    .reduce_scatter(&xs, &counts, ElementType::F32, ReduceOp::Sum)
+                    .await
+                    .unwrap();
+                let ys: Vec<u8> = (0..total)
+                    .flat_map(|i| ((i as i64 - 4) * (rank as i64 - 1)).to_le_bytes())
+                    .collect();
+                let maxes = g
+                    .reduce_scatter_v(&ys, &counts, ElementType::I64, ReduceOp::Max)
+                    .await
+                    .unwrap();
+                let refused = g
+                    .reduce_scatter_v(&xs, &counts[1..], ElementType::F32, ReduceOp::Sum)
+                    .await
+                    .unwrap_err();
+                // Rank 0 splits the same elements otherwise.
+                let other = if rank == 0 { vec![2, 2, 4, 1] } else { counts };
+                let disagreed = g
+                    .reduce_scatter_v(&xs, &other, ElementType::F32, ReduceOp::Sum)
+                    .await;
+                (sums, ring, maxes, refused, disagreed)
+            }
+        }))
+        .await;
+        let mut offset = 0;
+        for (rank, (sums, ring, maxes, refused, disagreed)) in results.into_iter().enumerate() {
+            let chunk = offset..offset + counts[rank];
+            offset += counts[rank];
+            let want: Vec<u8> = chunk
+                .clone()
+                .flat_map(|i| ((i * 10) as f32).to_le_bytes())
+                .collect();
+            assert_eq!(sums, want, "{path:?}: rank {rank}'s sums");
+            assert_eq!(ring, want, "{path:?}: the ring agrees on rank {rank}");
+            let want: Vec<u8> = chunk
+                .flat_map(|i| {
+                    (0..4)
+                        .map(|r| (i as i64 - 4) * (r - 1))
+                        .max()
+                        .unwrap()
+                        .to_le_bytes()
+                })
+                .collect();
+            assert_eq!(maxes, want, "{path:?}: rank {rank}'s maxima");
+            assert!(
+                matches!(
+                    refused,
+                    ProcessGroupError::Arguments {
+                        collective: "reduce_scatter_v",
+                        ..
+                    }
+                ),
+                "{refused}"
+            );
+            // Rank 1's chunk is empty: it receives nothing, so it cannot hear of it.
+            let e = match disagreed {
+                Ok(chunk) if counts[rank] == 0 => {
+                    assert!(chunk.is_empty());
+                    continue;
+                }
+                other => other.expect_err("ranks that disagree fail"),
+            };
+            assert!(
+                matches!(
+                    e,
+                    ProcessGroupError::Disagreement { .. } | ProcessGroupError::Mismatch { .. }
+                ),
+                "{path:?}: rank {rank}: {e}"
+            );
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use tensorwire_core::budget::Use;
 use tensorwire_core::collective::inbox::InboxLimits;
 use tensorwire_core::collective::Signature;
-use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::{Collectives, MeshViolation, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::mesh::{GroupFrame, Hello};

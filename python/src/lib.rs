@@ -28,7 +28,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 use tensorwire_core::collective::{ElementType, ReduceOp};
-use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::{Collectives, ProcessGroup, ProcessGroupError};
 use tensorwire_process_group::{Group, TensorwireFactory};
 
 use crate::store::PyStore;

@@ -64,16 +64,18 @@ impl Raw {
     }
 }
 
-type Boxed<'a, T> = Pin<Box<dyn Future<Output = Result<T, ProcessGroupError>> + Send + 'a>>;
-
 /// Runs `pending` to completion, polling every one of them at each wake-up in list order, so
 /// that all of them are issued (take their places in the group's order) in the first poll,
 /// as a group's contract asks; returns their results in order, or the first error.
-pub(crate) async fn all_in_order<T>(
-    pending: Vec<Boxed<'_, T>>,
-) -> Result<Vec<T>, ProcessGroupError> {
-    let mut slots: Vec<(Option<Boxed<'_, T>>, Option<T>)> =
-        pending.into_iter().map(|f| (Some(f), None)).collect();
+pub(crate) async fn all_in_order<T, F>(pending: Vec<F>) -> Result<Vec<T>, ProcessGroupError>
+where
+    F: Future<Output = Result<T, ProcessGroupError>>,
+{
+    // Each future pinned in its own box, with the value it gave once it has.
+    let mut slots: Vec<_> = pending
+        .into_iter()
+        .map(|f| (Some(Box::pin(f)), None::<T>))
+        .collect();
     std::future::poll_fn(move |cx: &mut Context<'_>| {
         let mut done = true;
         for (future, out) in slots.iter_mut() {

@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tensorwire_tests::torch_python as python;
 
-use tensorwire_core::ports::process_group::{ProcessGroup, WorkHandle};
+use tensorwire_core::ports::process_group::{
+    Collectives, ProcessGroup, TensorCollectives, WorkHandle,
+};
 use tensorwire_core::ports::store::Store;
 use tensorwire_process_group::{Group, GroupOptions, InMemoryStore};
 use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};

@@ -38,7 +38,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 use tensorwire_core::collective::{ElementType, ReduceOp};
 use tensorwire_core::device::Device;
-use tensorwire_core::ports::process_group::ProcessGroup;
+use tensorwire_core::ports::process_group::{Collectives, ProcessGroup};
 use tensorwire_process_group::new_group;
 use tensorwire_rendezvous::env_init::env_rendezvous;
 

@@ -359,6 +359,60 @@ pub fn reduce_scatter(
     Ok(schedule)
 }
 
+/// Reduce-scatter by direct exchange ([`reduce_scatter`]'s contract: rank i ends with the
+/// reduction of chunk i, `counts[i]` elements, chunks in rank order in every rank's buffer):
+/// in step k (1 ≤ k < N) rank r sends its own chunk `r + k` straight to rank `r + k` and folds
+/// in the chunk `r` it receives from rank `r − k`. Every contribution travels one hop and is
+/// never forwarded, so a rank moves only its own chunks (the ring forwards partials of every
+/// chunk through every rank); depth N − 1.
+///
+/// Rank r folds left to right in a fixed order: its own chunk, then rank r − 1's, r − 2's, ...
+/// (wrapping) to rank r + 1's, so the same inputs give the same bits on every run, whatever
+/// order messages arrive in.
+///
+/// A rank whose chunk is empty receives nothing, so (as a gather's non-root) it cannot tell
+/// whether the others passed the same counts; the ranks that receive can.
+///
+/// # Errors
+/// [`CollectiveError::EmptyWorld`], [`CollectiveError::RankOutOfRange`],
+/// [`CollectiveError::UnsupportedReduction`], [`CollectiveError::SizeOverflow`].
+pub fn reduce_scatter_v(
+    rank: usize,
+    counts: &[usize],
+    element: ElementType,
+    op: ReduceOp,
+) -> Result<Schedule, CollectiveError> {
+    let world = counts.len();
+    check_rank(rank, world)?;
+    op.check(element)?;
+    let mut lens = Vec::with_capacity(world);
+    for count in counts {
+        lens.push(
+            count
+                .checked_mul(element.size())
+                .ok_or(CollectiveError::SizeOverflow)?,
+        );
+    }
+    let chunks = Blocks::new(lens.into_iter())?;
+    let mut plan = Plan::new(
+        &chunks,
+        Apply::Reduce {
+            op,
+            element,
+            incoming_first: false,
+        },
+    );
+    for k in 1..world {
+        let to = (rank + k) % world;
+        let from = (rank + world - k) % world;
+        plan.step(&[(to, to, 1)], &[(from, rank, 1)]);
+    }
+    let output = chunks.offsets[rank]..chunks.offsets[rank + 1];
+    let mut schedule = plan.finish(rank, world, 0..chunks.total());
+    schedule.output = output;
+    Ok(schedule)
+}
+
 /// Gather to `root`: every other rank sends its block (`lens[rank]` bytes) to the root in one
 /// message; the root receives them all in one step, in rank order. The root's buffer holds
 /// every block in rank order ([`Schedule::output_range`]); another rank's buffer is its own

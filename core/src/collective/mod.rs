@@ -19,6 +19,7 @@
 //! | [`all_reduce`] | recursive doubling (extra ranks folded in) for small, ring reduce-scatter + all-gather for large | ⌊log₂ N⌋ (+2) or 2(N − 1) | `count` elements |
 //! | [`reduce`](fn@reduce) | binomial tree towards any root | ⌈log₂ N⌉ | `count` elements; the result on the root |
 //! | [`reduce_scatter`] | ring | N − 1 | every rank's chunk, in rank order; chunks may differ in size |
+//! | [`reduce_scatter_v`] | direct: step k sends chunk `r + k` to its owner | N − 1 | as reduce_scatter |
 //! | [`gather`] | flat: every rank sends its block to the root | 1 | the root: every block; others: their own |
 //! | [`scatter`] | flat: the root sends each rank its block | 1 | the root: every block; others: their own |
 //! | [`all_to_all`] | pairwise shifts: step k sends to `r + k`, receives from `r − k` | N − 1 | the blocks sent, then the blocks received |
@@ -108,7 +109,7 @@ mod violation;
 
 pub use algorithms::{
     all_gather, all_reduce, all_to_all, barrier, broadcast, gather, monitored_barrier,
-    monitored_barrier_missing, reduce, reduce_scatter, scatter,
+    monitored_barrier_missing, reduce, reduce_scatter, reduce_scatter_v, scatter,
 };
 pub use check::{agreement_check, DebugLevel, UnknownDebugLevel, DEBUG_ENV};
 pub use reduce::{reduce_into, ElementType, ReduceOp};

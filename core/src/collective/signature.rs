@@ -79,6 +79,17 @@ pub enum Signature {
         /// A hash of the chunk sizes (FNV-1a).
         counts: u32,
     },
+    /// A reduce_scatter_v (build it with [`Signature::reduce_scatter_v`]).
+    ReduceScatterV {
+        /// The operation.
+        op: ReduceOp,
+        /// The element type.
+        element: ElementType,
+        /// The elements of all chunks together.
+        total: u64,
+        /// A hash of the chunk sizes (FNV-1a).
+        counts: u32,
+    },
     /// The first round of a gather: one fixed-size slot per rank with its block's length and,
     /// when it fits, the block.
     GatherLengths {
@@ -137,6 +148,24 @@ impl Signature {
         }
     }
 
+    /// The signature of a reduce_scatter_v of chunks of `counts` elements (one per rank).
+    pub fn reduce_scatter_v(op: ReduceOp, element: ElementType, counts: &[usize]) -> Signature {
+        match Signature::reduce_scatter(op, element, counts) {
+            Signature::ReduceScatter {
+                op,
+                element,
+                total,
+                counts,
+            } => Signature::ReduceScatterV {
+                op,
+                element,
+                total,
+                counts,
+            },
+            _ => unreachable!("reduce_scatter builds a ReduceScatter"),
+        }
+    }
+
     /// The collective's name as users call it (`"all_gather"` for both of its rounds), for
     /// errors and logs.
     pub fn name(&self) -> &'static str {
@@ -147,6 +176,7 @@ impl Signature {
             Signature::AllReduce { .. } => "all_reduce",
             Signature::Reduce { .. } => "reduce",
             Signature::ReduceScatter { .. } => "reduce_scatter",
+            Signature::ReduceScatterV { .. } => "reduce_scatter_v",
             Signature::GatherLengths { .. } | Signature::Gather { .. } => "gather",
             Signature::ScatterLengths { .. } | Signature::Scatter { .. } => "scatter",
             Signature::AllToAll => "all_to_all",
@@ -178,6 +208,12 @@ impl Signature {
                 total,
                 counts,
             } => (8, op_code(op), element_code(element), counts, total),
+            Signature::ReduceScatterV {
+                op,
+                element,
+                total,
+                counts,
+            } => (16, op_code(op), element_code(element), counts, total),
             Signature::GatherLengths { root } => (9, 0, 0, root, 0),
             Signature::Gather { root } => (10, 0, 0, root, 0),
             Signature::ScatterLengths { root } => (11, 0, 0, root, 0),
@@ -235,6 +271,12 @@ impl Signature {
             13 => Signature::AllToAll,
             14 => Signature::Send { tag: root },
             15 => Signature::MonitoredBarrier,
+            16 => Signature::ReduceScatterV {
+                op: *ReduceOp::ALL.get(usize::from(a))?,
+                element: *ElementType::ALL.get(usize::from(b))?,
+                total: count,
+                counts: root,
+            },
             _ => return None,
         };
         // One encoding per signature: unused fields must be zero.
@@ -297,6 +339,15 @@ impl fmt::Display for Signature {
                 f,
                 "reduce_scatter({op}, {element} x{total} in all, counts #{counts:08x})"
             ),
+            Signature::ReduceScatterV {
+                op,
+                element,
+                total,
+                counts,
+            } => write!(
+                f,
+                "reduce_scatter_v({op}, {element} x{total} in all, counts #{counts:08x})"
+            ),
             Signature::GatherLengths { root } => write!(f, "gather(root {root}, lengths)"),
             Signature::Gather { root } => write!(f, "gather(root {root})"),
             Signature::ScatterLengths { root } => write!(f, "scatter(root {root}, lengths)"),
@@ -350,6 +401,18 @@ mod tests {
                 any::<u32>()
             )
                 .prop_map(|(op, element, total, counts)| Signature::ReduceScatter {
+                    op,
+                    element,
+                    total,
+                    counts
+                }),
+            (
+                proptest::sample::select(ReduceOp::ALL.to_vec()),
+                proptest::sample::select(ElementType::ALL.to_vec()),
+                any::<u64>(),
+                any::<u32>()
+            )
+                .prop_map(|(op, element, total, counts)| Signature::ReduceScatterV {
                     op,
                     element,
                     total,

@@ -806,6 +806,129 @@ fn reduce_scatter_every_world_even_and_uneven_chunks() {
     }
 }
 
+/// reduce_scatter_v on exact inputs: every rank's output range is its chunk and holds the
+/// reduction; each rank sends its own chunks once (nothing forwarded).
+fn check_reduce_scatter_v(
+    counts: &[usize],
+    element: ElementType,
+    op: ReduceOp,
+) -> Result<Outcome, String> {
+    let n = counts.len();
+    let context = format!("reduce_scatter_v {op} {element} {counts:?}");
+    let schedules: Vec<Schedule> = (0..n)
+        .map(|r| reduce_scatter_v(r, counts, element, op).unwrap())
+        .collect();
+    let total: usize = counts.iter().sum();
+    let inputs: Vec<Vec<u8>> = (0..n)
+        .map(|r| exact_input(r, total, element, op, 17))
+        .collect();
+    let want = fold_reference(&inputs, element, op);
+    let out = simulate(&schedules, &inputs).map_err(|e| format!("{context}: {e}"))?;
+    let mut offset = 0;
+    for (r, count) in counts.iter().enumerate() {
+        let range = offset * element.size()..(offset + count) * element.size();
+        offset += count;
+        if schedules[r].output_range() != range {
+            return Err(format!("{context}: rank {r}'s output range"));
+        }
+        let sent: usize = schedules[r]
+            .steps()
+            .iter()
+            .flat_map(|s| s.sends())
+            .map(|t| t.len())
+            .sum();
+        if sent != (total - count) * element.size() {
+            return Err(format!("{context}: rank {r} sent {sent} bytes"));
+        }
+        let mut got = out.buffers[r][range.clone()].to_vec();
+        op.finish(element, &mut got, n);
+        if got != want[range] {
+            return Err(format!("{context}: rank {r} has the wrong chunk"));
+        }
+    }
+    Ok(out)
+}
+
+#[test]
+fn reduce_scatter_v_every_world_even_and_uneven_chunks() {
+    for n in 1..=MAX_WORLD {
+        let patterns: [Vec<usize>; 4] = [
+            vec![0; n],
+            vec![2; n],
+            (0..n).map(|i| (i * 5 + 1) % 4).collect(),
+            (0..n).map(|i| usize::from(i == n / 2) * 3).collect(),
+        ];
+        for counts in &patterns {
+            let out = check_reduce_scatter_v(counts, ElementType::I32, ReduceOp::Sum).unwrap();
+            if counts.iter().all(|c| *c > 0) {
+                assert_eq!(out.depth, n - 1, "world {n}");
+                assert!(out.heard.iter().all(|h| *h == everyone(n)));
+            }
+        }
+        for (element, op) in supported_pairs().into_iter().skip(n % 5).step_by(5) {
+            check_reduce_scatter_v(&patterns[2], element, op).unwrap();
+        }
+    }
+}
+
+/// Floats whose sum depends on the order: rank r's chunk is its own, then rank r − 1's,
+/// r − 2's, ... folded left to right, bit for bit, as the schedule documents.
+#[test]
+fn reduce_scatter_v_folds_in_its_documented_order() {
+    for n in 1..=MAX_WORLD {
+        let counts: Vec<usize> = (0..n).map(|i| 1 + (i * 3) % 4).collect();
+        let total: usize = counts.iter().sum();
+        let inputs: Vec<Vec<u8>> = (0..n)
+            .map(|r| {
+                (0..total)
+                    .flat_map(|i| {
+                        let h = mix(((r as u64) << 32) ^ i as u64);
+                        (f32::from_bits((h as u32 & 0x007f_ffff) | 0x3f80_0000) * 1e3
+                            / (1 + h % 97) as f32)
+                            .to_le_bytes()
+                    })
+                    .collect()
+            })
+            .collect();
+        let schedules: Vec<Schedule> = (0..n)
+            .map(|r| reduce_scatter_v(r, &counts, ElementType::F32, ReduceOp::Sum).unwrap())
+            .collect();
+        let out = simulate(&schedules, &inputs).unwrap();
+        let mut offset = 0;
+        for (r, count) in counts.iter().enumerate() {
+            let range = 4 * offset..4 * (offset + count);
+            offset += count;
+            let mut acc = inputs[r][range.clone()].to_vec();
+            for k in 1..n {
+                let from = (r + n - k) % n;
+                let incoming = &inputs[from][range.clone()];
+                reduce_into(ReduceOp::Sum, ElementType::F32, &mut acc, incoming, false).unwrap();
+            }
+            assert_eq!(out.buffers[r][range], acc, "world {n}, rank {r}");
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_v_refuses_what_the_ring_refuses() {
+    assert_eq!(
+        reduce_scatter_v(2, &[1, 1], ElementType::F32, ReduceOp::Sum).unwrap_err(),
+        reduce_scatter(2, &[1, 1], ElementType::F32, ReduceOp::Sum).unwrap_err()
+    );
+    assert_eq!(
+        reduce_scatter_v(0, &[usize::MAX, 1], ElementType::F32, ReduceOp::Sum).unwrap_err(),
+        CollectiveError::SizeOverflow
+    );
+    assert!(matches!(
+        reduce_scatter_v(0, &[1], ElementType::F32, ReduceOp::BXor),
+        Err(CollectiveError::UnsupportedReduction { .. })
+    ));
+    assert!(matches!(
+        reduce_scatter_v(0, &[], ElementType::F32, ReduceOp::Sum),
+        Err(CollectiveError::EmptyWorld)
+    ));
+}
+
 // ---------------------------------------------------------------------------------------------
 // gather and scatter
 

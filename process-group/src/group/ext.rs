@@ -100,7 +100,7 @@ pub(super) fn decode_object<T: DeserializeOwned>(
 /// Typed collectives on top of any [`ProcessGroup`]'s byte collectives.
 #[async_trait]
 pub trait CollectivesExt: ProcessGroup {
-    /// [`all_reduce`](ProcessGroup::all_reduce) on a slice of any [`Element`].
+    /// [`all_reduce`](Collectives::all_reduce) on a slice of any [`Element`].
     async fn all_reduce_typed<T: Element>(
         &self,
         data: &mut [T],
@@ -112,7 +112,7 @@ pub trait CollectivesExt: ProcessGroup {
         Ok(())
     }
 
-    /// [`reduce`](ProcessGroup::reduce) on a slice: the result lands in `root`'s `data`.
+    /// [`reduce`](Collectives::reduce) on a slice: the result lands in `root`'s `data`.
     async fn reduce_typed<T: Element>(
         &self,
         data: &mut [T],
@@ -127,7 +127,7 @@ pub trait CollectivesExt: ProcessGroup {
         Ok(())
     }
 
-    /// [`reduce_scatter`](ProcessGroup::reduce_scatter) of one slice (PyTorch's
+    /// [`reduce_scatter`](Collectives::reduce_scatter) of one slice (PyTorch's
     /// `reduce_scatter_tensor`): chunk i of `input` is `counts[i]` elements; returns this
     /// rank's reduced chunk.
     async fn reduce_scatter_typed<T: Element>(
@@ -155,7 +155,7 @@ pub trait CollectivesExt: ProcessGroup {
         self.reduce_scatter_typed(&input, &counts, op).await
     }
 
-    /// [`all_to_all_single`](ProcessGroup::all_to_all_single) on a slice, with splits counted
+    /// [`all_to_all_single`](Collectives::all_to_all_single) on a slice, with splits counted
     /// in elements.
     async fn all_to_all_single_typed<T: Element>(
         &self,
@@ -176,7 +176,7 @@ pub trait CollectivesExt: ProcessGroup {
     }
 
     /// Gathers one serde value from every rank on `root` (postcard-encoded): `Some` of them in
-    /// rank order there, `None` elsewhere. Runs [`gather`](ProcessGroup::gather).
+    /// rank order there, `None` elsewhere. Runs [`gather`](Collectives::gather).
     async fn gather_object<T>(
         &self,
         value: &T,
@@ -199,7 +199,7 @@ pub trait CollectivesExt: ProcessGroup {
 
     /// Sends value i of `root`'s `values` to rank i and returns this rank's (postcard-encoded;
     /// `values` is read on the root only, where it must hold one value per rank). Runs
-    /// [`scatter`](ProcessGroup::scatter).
+    /// [`scatter`](Collectives::scatter).
     async fn scatter_object<T>(
         &self,
         values: Option<&[T]>,
@@ -253,7 +253,7 @@ pub trait CollectivesExt: ProcessGroup {
     }
 
     /// Sends `root`'s serde value to every rank: `value` must be `Some` on the root (other
-    /// ranks' values are ignored). Runs [`broadcast_bytes`](ProcessGroup::broadcast_bytes).
+    /// ranks' values are ignored). Runs [`broadcast_bytes`](Collectives::broadcast_bytes).
     async fn broadcast_object<T>(
         &self,
         value: Option<&T>,

@@ -320,7 +320,7 @@ impl Group {
     }
 
     /// All-gather of blocks whose lengths every rank already knows (`lens[i]` is rank i's);
-    /// skips the exchange of lengths that [`all_gather`](ProcessGroup::all_gather) does first.
+    /// skips the exchange of lengths that [`all_gather`](Collectives::all_gather) does first.
     /// Returns the blocks in rank order, sharing one buffer. Every rank must pass the same
     /// `lens` (ranks that do not fail with [`ProcessGroupError::Disagreement`]).
     ///

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
-use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::{Collectives, ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::protocol::membership::{check_static_records, RecordError};
 use tensorwire_core::protocol::{LostCause, WorkerId};

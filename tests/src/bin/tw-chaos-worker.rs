@@ -36,10 +36,10 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tensorwire_core::ports::process_group::Collectives;
 
 use anyhow::{bail, ensure, Context, Result};
 use tensorwire_core::collective::ReduceOp;
-use tensorwire_core::ports::process_group::ProcessGroup;
 use tensorwire_core::ports::store::Store;
 use tensorwire_process_group::{CollectivesExt, Group, GroupOptions};
 use tensorwire_rendezvous::{advertise_ip, rendezvous, Rendezvous, RendezvousOptions};

@@ -467,7 +467,9 @@ async fn self_rpc(backend: std::sync::Arc<dyn DeviceBackend>) -> Result<String, 
 async fn nccl_group(cuda: &CudaDevices) -> Result<String, String> {
     use std::sync::Arc;
     use tensorwire_core::collective::ReduceOp;
-    use tensorwire_core::ports::process_group::ProcessGroupError;
+    use tensorwire_core::ports::process_group::{
+        Collectives, ProcessGroupError, TensorCollectives,
+    };
     use tensorwire_core::ports::store::Store;
     use tensorwire_core::registry::ProcessGroupFactory;
     use tensorwire_devices_cuda::nccl_group::NcclFactory;

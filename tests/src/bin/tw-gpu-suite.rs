@@ -26,6 +26,7 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tensorwire_core::ports::process_group::TensorCollectives;
 
 use tensorwire_core::collective::ReduceOp;
 use tensorwire_core::device::Device;

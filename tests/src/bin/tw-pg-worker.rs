@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use tensorwire_core::collective::{ElementType, ReduceOp};
 use tensorwire_core::device::Device;
-use tensorwire_core::ports::process_group::{ProcessGroup, ProcessGroupError};
+use tensorwire_core::ports::process_group::{Collectives, ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_process_group::{new_group, CollectivesExt, Group, GroupOptions};
 use tensorwire_rendezvous::env_init::env_rendezvous;
@@ -848,7 +848,7 @@ async fn nccl(_: usize, _: Duration) -> Result<ExitCode, Error> {
 #[cfg(feature = "nccl")]
 async fn nccl(rank: usize, timeout: Duration) -> Result<ExitCode, Error> {
     use tensorwire_core::ports::device::relocate;
-    use tensorwire_core::ports::process_group::ProcessGroupError;
+    use tensorwire_core::ports::process_group::{ProcessGroupError, TensorCollectives};
     use tensorwire_core::tensor::{DType, Storage, Tensor};
     use tensorwire_devices_cuda::nccl_group::shared_devices;
 

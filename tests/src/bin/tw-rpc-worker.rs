@@ -11,6 +11,7 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tensorwire_core::ports::process_group::Collectives;
 
 use std::sync::OnceLock;
 

@@ -1,10 +1,12 @@
 //! The argument checks and byte layouts the port's default collectives share: a root, a count
-//! or a tensor list in range, a rank's share of a buffer, blocks packed with their lengths, a
-//! tensor's host bytes on the group's device, and received bytes put back into a tensor.
+//! or a tensor list in range, a rank's share of a buffer, and blocks packed with their lengths.
 
 use bytes::Bytes;
 
-use super::*;
+use crate::collective::{CollectiveError, ElementType};
+use crate::tensor::Tensor;
+
+use super::{ProcessGroup, ProcessGroupError};
 
 /// [`ProcessGroupError::Arguments`] with [`CollectiveError::RootOutOfRange`] unless `root` is a
 /// rank.
@@ -100,24 +102,6 @@ pub(super) fn decode_blocks(bytes: &[u8], count: usize) -> Option<Vec<Bytes>> {
     (offset == bytes.len()).then_some(out)
 }
 
-/// The host bytes of `tensor`, or the error for a tensor that is not on the group's device.
-pub(super) fn host_storage<'t>(
-    backend: &'static str,
-    group: Device,
-    collective: &'static str,
-    tensor: &'t Tensor,
-) -> Result<&'t [u8], ProcessGroupError> {
-    match tensor.storage() {
-        Storage::Host(bytes) if group == Device::Cpu => Ok(bytes),
-        _ => Err(ProcessGroupError::WrongDevice {
-            collective,
-            backend,
-            tensor: tensor.device(),
-            group,
-        }),
-    }
-}
-
 /// Checks that `stacked` (the tensor named `which`) has `one`'s dtype and holds `world` of
 /// it along the first dimension (gloo's checks of the `_tensor` collectives).
 pub(super) fn check_stacked(
@@ -190,33 +174,4 @@ pub(super) fn check_list<P: ProcessGroup + ?Sized>(
             on_root,
         })),
     }
-}
-
-/// `tensor` with the bytes of a message from `src` as its storage, or a
-/// [`ProcessGroupError::Mismatch`] naming `src` when they are not `tensor`'s length.
-pub(super) fn received_into(
-    tensor: &Tensor,
-    src: usize,
-    bytes: Bytes,
-) -> Result<Tensor, ProcessGroupError> {
-    if bytes.len() != tensor.nbytes() {
-        return Err(ProcessGroupError::Mismatch {
-            peer: src,
-            collective: "recv",
-            seq: 0,
-            reason: format!(
-                "its message has {} bytes, this rank's tensor {}",
-                bytes.len(),
-                tensor.nbytes()
-            ),
-        });
-    }
-    Ok(with_host_bytes(tensor, bytes))
-}
-
-/// `tensor`'s dtype and shape with `data` (of the same length) as host storage.
-pub(super) fn with_host_bytes(tensor: &Tensor, data: impl Into<Bytes>) -> Tensor {
-    tensor
-        .with_storage(Storage::Host(data.into()))
-        .expect("a collective keeps the byte length")
 }

@@ -1,7 +1,10 @@
 //! Why a collective, or setting up a group, failed ([`ProcessGroupError`]), and what a peer did
 //! wrong on the mesh ([`MeshViolation`]).
 
-use super::*;
+use std::time::Duration;
+
+use crate::collective::{CollectiveError, Signature};
+use crate::device::Device;
 
 /// Why a collective (or setting up a group) failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1,4 +1,11 @@
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::checks::{decode_blocks, encode_blocks};
 use super::*;
+use crate::collective::{CollectiveError, ElementType, ReduceOp, Signature};
+use crate::tensor::Tensor;
 
 #[test]
 fn errors_name_the_ranks() {
@@ -137,8 +144,7 @@ fn the_default_work_handle_polls_when_asked_and_keeps_the_result() {
         }
     };
     let go = Arc::new(AtomicBool::new(false));
-    let mut work: Box<dyn WorkHandle<'static, u32>> =
-        Box::new(LazyWork::new(gated(go.clone(), Ok(7))));
+    let mut work: Box<dyn WorkHandle<'static, u32>> = lazy(gated(go.clone(), Ok(7)));
     assert!(!work.is_completed());
     assert_eq!(work.error(), None);
     go.store(true, Ordering::SeqCst);
@@ -147,10 +153,8 @@ fn the_default_work_handle_polls_when_asked_and_keeps_the_result() {
     assert_eq!(block_on(work.wait(Duration::from_secs(1))), Ok(7));
 
     let failed = ProcessGroupError::ShutDown;
-    let mut work: Box<dyn WorkHandle<'static, u32>> = Box::new(LazyWork::new(gated(
-        Arc::new(AtomicBool::new(true)),
-        Err(failed.clone()),
-    )));
+    let mut work: Box<dyn WorkHandle<'static, u32>> =
+        lazy(gated(Arc::new(AtomicBool::new(true)), Err(failed.clone())));
     assert!(work.is_completed(), "finished in the issuing poll");
     assert_eq!(work.error(), Some(failed.clone()));
     assert_eq!(block_on(work.wait(Duration::from_secs(1))), Err(failed));
@@ -170,7 +174,6 @@ impl Solo {
     }
 }
 
-#[async_trait]
 impl ProcessGroup for Solo {
     fn rank(&self) -> usize {
         0
@@ -178,26 +181,26 @@ impl ProcessGroup for Solo {
     fn size(&self) -> usize {
         1
     }
-    async fn barrier(&self) -> Result<(), ProcessGroupError> {
-        self.gate().await;
-        Ok(())
-    }
-    async fn all_gather(&self, input: &[u8]) -> Result<Vec<Bytes>, ProcessGroupError> {
-        self.gate().await;
-        Ok(vec![Bytes::copy_from_slice(input)])
-    }
-    async fn broadcast(&self, _: &mut [u8], _: usize) -> Result<(), ProcessGroupError> {
-        self.gate().await;
-        Ok(())
-    }
-    async fn all_reduce(
-        &self,
-        _: &mut [u8],
-        _: ElementType,
-        _: ReduceOp,
-    ) -> Result<(), ProcessGroupError> {
-        self.gate().await;
-        Ok(())
+    /// The four primitives give this rank's data back; the rest is [`compose::compose`]d.
+    fn start<'a>(&'a self, op: Op<'a>) -> Started<'a> {
+        lazy(Box::pin(async move {
+            match op {
+                Op::Barrier => {
+                    self.gate().await;
+                    Ok(Done::Unit)
+                }
+                Op::AllGather { input } => {
+                    self.gate().await;
+                    Ok(Done::from(vec![input.into_bytes("all_gather", self)?]))
+                }
+                Op::Broadcast { data, .. } | Op::AllReduce { data, .. } => {
+                    let data = data.into_host_mut("all_reduce", self)?;
+                    self.gate().await;
+                    Ok(data.done())
+                }
+                op => compose::compose(self, op).await,
+            }
+        }))
     }
 }
 
