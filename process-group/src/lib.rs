@@ -33,6 +33,9 @@ pub use group::{
     MAX_BLOCK_BYTES,
 };
 pub use tensorwire_core::auth::ClusterSecret;
+/// The collectives every group offers (byte and tensor forms), as extension traits of the
+/// `ProcessGroup` port: import them to call `barrier`, `all_reduce_tensor`, ... on a group.
+pub use tensorwire_core::ports::process_group::{Collectives, TensorCollectives};
 pub use work::Work;
 
 pub use tensorwire_core::ports::store::{Store, StoreError};

@@ -268,7 +268,7 @@ pub mod process_groups {
     //! ```no_run
     //! use std::time::Duration;
     //! use tensorwire::core::{collective::ReduceOp, device::Device};
-    //! use tensorwire::process_group::{new_group, CollectivesExt};
+    //! use tensorwire::process_group::{new_group, Collectives, CollectivesExt};
     //!
     //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
     //! // MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and TENSORWIRE_SECRET from the launcher.
