@@ -16,7 +16,7 @@
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::time::Duration;
 //! use tensorwire_core::device::Device;
-//! use tensorwire_process_group::{current_process_group, new_group, with_process_group};
+//! use tensorwire_process_group::{current_process_group, new_group, with_process_group, Collectives};
 //!
 //! // MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (and TENSORWIRE_SECRET) set by the launcher.
 //! let pg = new_group("tensorwire", Duration::from_secs(60), Device::Cpu, Vec::new()).await?;

@@ -5,7 +5,7 @@
 //! use std::sync::Arc;
 //! use std::time::Duration;
 //! use tensorwire_core::collective::ReduceOp;
-//! use tensorwire_core::ports::process_group::ProcessGroup;
+//! use tensorwire_core::ports::process_group::{Collectives, ProcessGroup};
 //! use tensorwire_process_group::{CollectivesExt, Group, GroupOptions, InMemoryStore};
 //! use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 //!
@@ -261,7 +261,7 @@ impl Group {
     /// ```no_run
     /// # async fn demo(group: tensorwire_process_group::Group) -> Result<(), Box<dyn std::error::Error>> {
     /// use std::time::Duration;
-    /// use tensorwire_core::ports::process_group::ProcessGroup;
+    /// use tensorwire_core::ports::process_group::{Collectives, ProcessGroup};
     /// let gathered = group.issue("all_gather", |g| async move { g.all_gather(b"mine").await });
     /// let blocks = gathered.wait(Duration::from_secs(60)).await?;
     /// # Ok(()) }

@@ -165,7 +165,7 @@ impl Group {
     ///
     /// ```no_run
     /// # async fn demo(world: tensorwire_process_group::Group) -> Result<(), Box<dyn std::error::Error>> {
-    /// use tensorwire_core::ports::process_group::ProcessGroup;
+    /// use tensorwire_core::ports::process_group::{Collectives, ProcessGroup};
     /// // On every rank of a world of 4:
     /// if let Some(odd) = world.new_group(&[1, 3])? {
     ///     assert_eq!(odd.global_rank(odd.rank()), Some(world.rank()));
