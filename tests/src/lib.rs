@@ -131,3 +131,22 @@ macro_rules! require_torch {
         }
     };
 }
+
+/// Every `.rs` file under `dir`, skipping test modules (`tests.rs`, `tests/`): what the layout
+/// tests read.
+pub fn source_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if path.is_dir() {
+            if name != "tests" {
+                source_files(&path, out);
+            }
+        } else if name.ends_with(".rs") && name != "tests.rs" {
+            out.push(path);
+        }
+    }
+}

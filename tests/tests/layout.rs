@@ -3,7 +3,7 @@
 //! can hold it. A file that grows past the bound is split into submodules by concern. And the
 //! agent (`rpc/src`) holds no more code lines than the protocol it drives (`core/src/protocol`).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// The bound, in lines.
 const MAX_LINES: usize = 1200;
@@ -12,23 +12,7 @@ const MAX_LINES: usize = 1200;
 /// work that is changing it now). Nothing new joins them; each leaves once split.
 const WAITING: [&str; 0] = [];
 
-/// Every `.rs` file under `dir`, skipping test modules (`tests.rs`, `tests/`).
-fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        if path.is_dir() {
-            if name != "tests" {
-                sources(&path, out);
-            }
-        } else if name.ends_with(".rs") && name != "tests.rs" {
-            out.push(path);
-        }
-    }
-}
+use tensorwire_tests::source_files as sources;
 
 /// Every crate's `src` file with its line count, paths relative to the workspace root.
 fn line_counts() -> Vec<(String, usize)> {

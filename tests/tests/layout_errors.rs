@@ -8,7 +8,7 @@
 //! The few that are free text by nature are listed in [`ALLOWED`], each with why; nothing new
 //! joins without a reason, and one that is gone leaves the list.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// `(enum, variant or field)` that may stay `String`, and why.
 const ALLOWED: &[(&str, &str, &str)] = &[
@@ -77,23 +77,7 @@ fn root() -> PathBuf {
         .to_owned()
 }
 
-/// Every `.rs` file under `dir`, test modules aside.
-fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        if path.is_dir() {
-            if name != "tests" {
-                sources(&path, out);
-            }
-        } else if name.ends_with(".rs") && name != "tests.rs" {
-            out.push(path);
-        }
-    }
-}
+use tensorwire_tests::source_files as sources;
 
 /// The text without comments (whole-line `//` comments and doc comments).
 fn code(text: &str) -> String {
