@@ -152,6 +152,14 @@ impl ArenaWait {
             .all(|(q, target)| reached(counter(*q), *target))
     }
 
+    /// Whether rank `q` has reached every target this wait has for it.
+    fn reached_by(&self, q: usize, counter: impl Fn(usize) -> u32) -> bool {
+        self.targets
+            .iter()
+            .filter(|(r, _)| *r == q)
+            .all(|(_, target)| reached(counter(q), *target))
+    }
+
     /// The ranks still awaited, in rank order, without repeats.
     pub fn missing(&self, counter: impl Fn(usize) -> u32) -> Vec<usize> {
         let mut out: Vec<usize> = self
@@ -173,18 +181,26 @@ impl ArenaWait {
         now: Instant,
         lost: impl Fn(usize) -> Option<Lost>,
     ) -> WaitStep {
-        let missing = self.missing(counter);
+        let missing = self.missing(&counter);
         if missing.is_empty() {
             return WaitStep::Done;
         }
         for q in &missing {
-            match lost(*q) {
-                Some(Lost::Died) => return WaitStep::Failed(ArenaFailure::Died { rank: *q }),
-                Some(Lost::Gone(reason)) => {
-                    return WaitStep::Failed(ArenaFailure::Gone { rank: *q, reason })
-                }
-                None => {}
+            let Some(end) = lost(*q) else { continue };
+            // A rank may publish and then leave (or exit) between the read of its counter above
+            // and this look at its end: what it published before it went counts, so its counter
+            // is read again, now that its end is known.
+            if self.reached_by(*q, &counter) {
+                continue;
             }
+            return WaitStep::Failed(match end {
+                Lost::Died => ArenaFailure::Died { rank: *q },
+                Lost::Gone(reason) => ArenaFailure::Gone { rank: *q, reason },
+            });
+        }
+        let missing = self.missing(&counter);
+        if missing.is_empty() {
+            return WaitStep::Done;
         }
         if now >= self.deadline {
             return WaitStep::Failed(ArenaFailure::Timeout {
@@ -312,6 +328,42 @@ mod tests {
             wait.step(|q| counters[q], t0 + T, lost),
             WaitStep::Failed(ArenaFailure::Died { rank: 2 })
         );
+    }
+
+    #[test]
+    fn a_rank_that_published_and_then_left_between_two_looks_is_not_missing() {
+        // Rank 2 publishes and shuts down between the first read of its counter and the look
+        // at its end (the race of "init then immediate shutdown": rank 0 once failed a barrier
+        // naming rank 2 as gone although rank 2 had arrived).
+        use std::cell::Cell;
+        let t0 = Instant::now();
+        let wait = ArenaWait::new(vec![(1, 4), (2, 4)], t0 + T, T);
+        let reads = Cell::new(0u32);
+        let counter = |q: usize| {
+            if q == 1 {
+                return 4;
+            }
+            reads.set(reads.get() + 1);
+            if reads.get() == 1 {
+                3
+            } else {
+                4
+            }
+        };
+        let gone = |q: usize| (q == 2).then(|| Lost::Gone("left".into()));
+        assert_eq!(wait.step(counter, t0, gone), WaitStep::Done);
+        // Had it not published before it went, its end is the answer.
+        assert_eq!(
+            wait.step(|q| if q == 2 { 3 } else { 4 }, t0, gone),
+            WaitStep::Failed(ArenaFailure::Gone {
+                rank: 2,
+                reason: "left".into()
+            })
+        );
+        // The same for a process that exited.
+        reads.set(0);
+        let died = |q: usize| (q == 2).then_some(Lost::Died);
+        assert_eq!(wait.step(counter, t0, died), WaitStep::Done);
     }
 
     #[test]
