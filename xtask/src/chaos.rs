@@ -664,10 +664,23 @@ fn quic_killed(worker: &std::path::Path) -> Result<Vec<Row>> {
     Ok(vec![outcome?])
 }
 
+/// The `--features` the test binaries are built with (`ci` sets its own, so that the chaos
+/// workers come from its test build instead of a second one); none by default.
+static TEST_BIN_FEATURES: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Builds the test binaries with `features` from now on (see [`build_test_bins`]).
+pub(crate) fn set_test_bin_features(features: &str) {
+    let _ = TEST_BIN_FEATURES.set(features.to_owned());
+}
+
 /// Builds binaries of `tensorwire-tests` (debug, as the tests are) and returns the folder
-/// that holds them.
+/// that holds them. Resolved as the whole workspace (as `cargo nextest run --workspace`), so
+/// that a test build's binaries are reused, not rebuilt with other dependency features.
 pub(crate) fn build_test_bins(bins: &[&str]) -> Result<PathBuf> {
-    let mut args = vec!["build", "-p", "tensorwire-tests"];
+    let mut args = vec!["build", "--workspace"];
+    if let Some(features) = TEST_BIN_FEATURES.get() {
+        args.extend(["--features", features]);
+    }
     for bin in bins {
         args.extend(["--bin", bin]);
     }

@@ -142,6 +142,8 @@ fn timed_ci(quick: bool) -> Result<()> {
 
 fn ci(quick: bool) -> Result<()> {
     run("cargo", &["fmt", "--all", "--", "--check"], &[])?;
+    // Clippy twice: the default features (what users build) and every non-default feature of
+    // `FEATURED` (code behind a feature is linted too). Both are check builds.
     run(
         "cargo",
         &[
@@ -154,35 +156,53 @@ fn ci(quick: bool) -> Result<()> {
         ],
         &[],
     )?;
+    let features = featured();
+    run(
+        "cargo",
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--features",
+            &features,
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &[],
+    )?;
+    // One test build, with every feature of `FEATURED` on: the features only add code and
+    // tests (the CUDA backend builds and passes its tests without a GPU, its GPU tests print
+    // `SKIPPED: ...` with the reason; the `nccl` backend says at `new_group` why it is
+    // unavailable; core's simulation kit; the QUIC transport), so one run covers what a default
+    // build's run would, and the workspace is compiled once for tests instead of twice. The
+    // chaos workers are built with the same features, from the same build.
+    chaos::set_test_bin_features(&features);
     if has_nextest() {
-        skips::nextest(&["--workspace", "--no-fail-fast"])?;
+        skips::nextest(&["--workspace", "--features", &features, "--no-fail-fast"])?;
         python::check()?;
         if quick {
-            eprintln!("xtask: ci --quick passed (the full `cargo xtask ci` goes on with doc tests, chaos, docs, feature builds and fuzzing)");
+            eprintln!("xtask: ci --quick passed (the full `cargo xtask ci` goes on with doc tests, chaos, docs, feature trees and fuzzing)");
             return Ok(());
         }
-        // nextest does not run doc tests.
-        run("cargo", &["test", "--workspace", "--doc"], &[])?;
+        // nextest does not run doc tests (core's simulation kit's among them, with `sim`).
+        run(
+            "cargo",
+            &["test", "--workspace", "--features", &features, "--doc"],
+            &[],
+        )?;
     } else {
         eprintln!("xtask: cargo-nextest not found; using cargo test");
         python::check()?;
+        let mut test = vec!["test", "--workspace", "--features", &features];
+        test.push("--no-fail-fast");
         if quick {
-            run(
-                "cargo",
-                &[
-                    "test",
-                    "--workspace",
-                    "--no-fail-fast",
-                    "--lib",
-                    "--bins",
-                    "--tests",
-                ],
-                &[],
-            )?;
+            test.extend(["--lib", "--bins", "--tests"]);
+            run("cargo", &test, &[])?;
             eprintln!("xtask: ci --quick passed");
             return Ok(());
         }
-        run("cargo", &["test", "--workspace", "--no-fail-fast"], &[])?;
+        run("cargo", &test, &[])?;
     }
     // Faults injected into real processes on simulated hosts (about 30 s): needs root and
     // network namespaces, else skipped with the reason.
@@ -195,83 +215,25 @@ fn ci(quick: bool) -> Result<()> {
         &["doc", "--workspace", "--no-deps"],
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
-    // Non-default features: the CUDA backend builds and passes its tests without a GPU (the GPU
-    // tests print `SKIPPED: ...` with the reason), core's simulation kit (`sim`, as other crates
-    // and the fuzz targets see it, its doc tests too), the QUIC transport in the CLI and the
-    // agent's QUIC backend, the NCCL wrapper and the `nccl` process-group backend, which must say
-    // why they are unavailable (at `new_group`, on every rank), and the GPU check with its NCCL
-    // steps. One feature set for every package, so that cargo builds the workspace once for
-    // clippy and once for the tests (one invocation per package built it six times over).
-    let features_of = |with_tests: bool| {
-        FEATURED
-            .iter()
-            .filter(|(package, _)| with_tests || *package != "tensorwire-tests")
-            .flat_map(|(package, features)| features.iter().map(move |f| format!("{package}/{f}")))
-            .collect::<Vec<_>>()
-            .join(",")
-    };
-    let features = features_of(true);
-    let mut packages: Vec<&str> = Vec::new();
-    for (package, _) in FEATURED {
-        packages.extend(["-p", package]);
-    }
-    let mut clippy = vec!["clippy"];
-    clippy.extend(&packages);
-    clippy.extend([
-        "--features",
-        &features,
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ]);
-    run("cargo", &clippy, &[])?;
-    // Every test of the featured packages but `tensorwire-tests`, whose multi-process suite
-    // already ran above, through nextest (in parallel, as the first run). Of `tensorwire-tests`
-    // only the GPU check's own tests and the one process-group scenario that needs the `nccl`
-    // feature run again. (Its `nccl` feature only turns on two others of the list, so the crates
-    // built are the same.) Doc tests: core's simulation kit, the feature-gated ones.
-    let without_tests = features_of(false);
-    let mut test: Vec<&str> = Vec::new();
-    for (package, _) in FEATURED.iter().filter(|(p, _)| *p != "tensorwire-tests") {
-        test.extend(["-p", package]);
-    }
-    test.extend(["--features", &without_tests, "--no-fail-fast"]);
-    skips::nextest(&test)?;
-    run(
-        "cargo",
-        &[
-            "test",
-            "-p",
-            "tensorwire-core",
-            "--features",
-            "sim",
-            "--doc",
-        ],
-        &[],
-    )?;
-    let mut gpu_check = vec!["nextest", "run"];
-    gpu_check.extend(&packages);
-    gpu_check.extend([
-        "--features",
-        &features,
-        "--bin",
-        "tw-gpu-check",
-        "--test",
-        "pg_processes",
-        "-E",
-        "binary(tw-gpu-check) | test(/nccl/)",
-        "--success-output",
-        "final",
-    ]);
-    run("cargo", &gpu_check, &[])?;
     feature_trees()?;
     fuzz::run_targets(&fuzz::all(), fuzz::CI_SECONDS, fuzz::Build::Dev)?;
     eprintln!("xtask: ci passed");
     Ok(())
 }
 
-/// The non-default features `ci` builds, lints and tests, per package, all in one build.
+/// Every feature of [`FEATURED`], as one `--features` argument (`package/feature,...`).
+fn featured() -> String {
+    FEATURED
+        .iter()
+        .flat_map(|(package, features)| features.iter().map(move |f| format!("{package}/{f}")))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The non-default features `ci` builds, lints and tests, per package, all in one build (the
+/// CUDA backend, core's simulation kit, the QUIC transport in the CLI and the agent's QUIC
+/// backend, the NCCL wrapper and the `nccl` process-group backend, the GPU check with its NCCL
+/// steps).
 const FEATURED: &[(&str, &[&str])] = &[
     (
         "tensorwire",
