@@ -2369,3 +2369,43 @@ async fn ranks_that_disagree_on_the_arena_path_are_told() {
         );
     }
 }
+
+/// Issue 47: a broadcast's root waits for nobody, so on the arena path it finished a broadcast
+/// the others disagreed about, and learnt nothing until its next collective timed out. The rank
+/// that saw the disagreement now says so in the arena, and the root's next collective fails at
+/// once, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broadcast_root_learns_of_a_disagreement_on_the_arena_path_at_its_next_collective() {
+    // A timeout far beyond the test's bound: only the report can end the root's barrier.
+    let gs = bounded(groups(3, "arena-root-told", Duration::from_secs(3600))).await;
+    assert!(gs[0].uses_arena());
+    let (root, one, two) = bounded(async {
+        let mut a = vec![1u8; 8];
+        let mut b = vec![0u8; 8];
+        let mut c = vec![0u8; 12];
+        let (x, y, z) = tokio::join!(
+            gs[0].broadcast(&mut a, 0),
+            gs[1].broadcast(&mut b, 0),
+            gs[2].broadcast(&mut c, 0)
+        );
+        (x, y.map(|()| b), z)
+    })
+    .await;
+    // The root published and went on; rank 1 ran what the root ran.
+    root.unwrap();
+    assert_eq!(one.unwrap(), vec![1u8; 8]);
+    let e = two.unwrap_err();
+    assert!(
+        matches!(&e, ProcessGroupError::Mismatch { peer: 0, .. }),
+        "{e}"
+    );
+    // Ranks 0 and 1 run a barrier: rank 2's report fails it on both, naming rank 2.
+    let (a, b) = bounded(async { tokio::join!(gs[0].barrier(), gs[1].barrier()) }).await;
+    for (rank, result) in [a, b].into_iter().enumerate() {
+        let e = result.unwrap_err();
+        assert!(
+            matches!(&e, ProcessGroupError::PeerAborted { rank: 2, reason } if reason.contains("different collectives")),
+            "rank {rank}: {e}"
+        );
+    }
+}

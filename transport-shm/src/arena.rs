@@ -4,7 +4,8 @@
 //! path do.
 //!
 //! # Layout
-//! A memfd sealed against resizing, holding one 64-byte line per rank (its phase counter), one
+//! A memfd sealed against resizing, holding one 64-byte line per rank (its phase counter, the
+//! signatures of its last two phases, and whether it saw a disagreement), one
 //! line for the arena's generation (bumped after every publication; sleepers wait on it, and
 //! count themselves there) and then a slot per rank in two halves of
 //! [`Arena::slot_bytes`] bytes (`arena_bytes / (2 × world)`, rounded down to 64; see
@@ -49,8 +50,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tensorwire_core::collective::arena::{self, ArenaPlan, ArenaState, ARENA_ALIGN};
+use tensorwire_core::collective::arena_wait::{reported_disagreement, ArenaWait, Lost, WaitStep};
 pub use tensorwire_core::collective::arena_wait::{ArenaFailure, LIVENESS_PERIOD};
-use tensorwire_core::collective::arena_wait::{ArenaWait, Lost, WaitStep};
 use tensorwire_core::collective::reduce_into;
 use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::spin::{SpinPolicy, SpinStep};
@@ -464,6 +465,29 @@ impl Arena {
         }
     }
 
+    /// Whether rank `rank` said it saw a disagreement (a word at byte 40 of its line, set once:
+    /// a rank writes only its own).
+    fn disagreed(&self, rank: usize) -> &AtomicU32 {
+        // SAFETY: bytes 40 to 44 of line `rank`, 4-byte aligned, in the mapping.
+        unsafe { &*(self.map.ptr().add(rank * LINE + 40) as *const AtomicU32) }
+    }
+
+    /// Says in this rank's line that it saw a disagreement, and wakes the sleepers, so that the
+    /// ranks waiting for it (and every rank's next collective) fail at once instead of waiting
+    /// for the deadline: a broadcast's root, which waits for nobody, learns of it so.
+    fn report_disagreement(&self) {
+        self.disagreed(self.rank).store(1, Ordering::Release);
+        self.generation().fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        if self.sleepers().load(Ordering::Relaxed) > 0 {
+            let _ = rustix::thread::futex::wake(
+                self.generation(),
+                rustix::thread::futex::Flags::empty(),
+                u32::MAX,
+            );
+        }
+    }
+
     /// The arena's generation (the line after the ranks'): every rank bumps it after each
     /// publication, and sleepers wait on it, so one sleep covers a wait on several ranks.
     fn generation(&self) -> &AtomicU32 {
@@ -512,8 +536,19 @@ impl Arena {
             });
         }
         check_reductions(plan)?;
-        let result = self.phases(plan, buffer, bounds, give_up.as_mut()).await;
-        result.map_err(|failure| self.state.fail(failure).into())
+        let reported = reported_disagreement(self.world, self.rank, |q| {
+            self.disagreed(q).load(Ordering::Acquire) != 0
+        });
+        let result = match reported {
+            Some(failure) => Err(failure),
+            None => self.phases(plan, buffer, bounds, give_up.as_mut()).await,
+        };
+        result.map_err(|failure| {
+            if matches!(failure, ArenaFailure::Disagreement { .. }) {
+                self.report_disagreement();
+            }
+            self.state.fail(failure).into()
+        })
     }
 
     async fn phases(
@@ -604,6 +639,9 @@ impl Arena {
 
     /// What this rank knows of rank `q`'s end: its process (the pidfd), then the group.
     fn lost(&self, q: usize, bounds: &Bounds<'_>) -> Option<Lost> {
+        if self.disagreed(q).load(Ordering::Acquire) != 0 {
+            return Some(Lost::Disagreed);
+        }
         if self.pidfds[q].as_ref().is_some_and(exited) {
             return Some(Lost::Died);
         }

@@ -64,6 +64,9 @@ pub enum Lost {
     Died,
     /// The group says it is gone (it left, or its connection broke): why.
     Gone(String),
+    /// It saw ranks run different collectives (or one with other arguments) and said so in
+    /// the arena: it fails that collective and every later one, so it will not publish again.
+    Disagreed,
 }
 
 /// Why a collective through the arena failed. Every later collective through the same arena
@@ -93,6 +96,15 @@ pub enum ArenaFailure {
         rank: usize,
         /// What the group knows.
         reason: String,
+    },
+    /// `rank` saw ranks run different collectives (or one with other arguments) and said so in
+    /// the arena: the ranks are out of step. (A broadcast's root, which waits for nobody, learns
+    /// of a disagreement this way, at its next collective, as over the links it learns from
+    /// the notice.)
+    #[error("rank {rank} saw ranks run different collectives (or one with other arguments) through the arena")]
+    DisagreementReported {
+        /// The rank that saw it.
+        rank: usize,
     },
     /// `rank` ran another collective (or the same with other arguments) in the same phase.
     #[error("rank {rank} ran a different collective (or other arguments) through the arena")]
@@ -196,6 +208,7 @@ impl ArenaWait {
             return WaitStep::Failed(match end {
                 Lost::Died => ArenaFailure::Died { rank: *q },
                 Lost::Gone(reason) => ArenaFailure::Gone { rank: *q, reason },
+                Lost::Disagreed => ArenaFailure::DisagreementReported { rank: *q },
             });
         }
         let missing = self.missing(&counter);
@@ -223,6 +236,19 @@ impl ArenaWait {
             timeout: after,
         })
     }
+}
+
+/// Before a collective through the arena: the lowest rank of `world` other than `me` that
+/// said it saw a disagreement (`disagreed`), whose report fails this collective at once (the
+/// ranks are out of step; waiting for that rank would only time out).
+pub fn reported_disagreement(
+    world: usize,
+    me: usize,
+    disagreed: impl Fn(usize) -> bool,
+) -> Option<ArenaFailure> {
+    (0..world)
+        .find(|q| *q != me && disagreed(*q))
+        .map(|rank| ArenaFailure::DisagreementReported { rank })
 }
 
 #[cfg(test)]
@@ -364,6 +390,30 @@ mod tests {
         reads.set(0);
         let died = |q: usize| (q == 2).then_some(Lost::Died);
         assert_eq!(wait.step(counter, t0, died), WaitStep::Done);
+    }
+
+    #[test]
+    fn a_rank_that_reported_a_disagreement_fails_the_waits_for_it_and_the_next_collective() {
+        let t0 = Instant::now();
+        let wait = ArenaWait::new(vec![(1, 2), (2, 2)], t0 + T, T);
+        let disagreed = |q: usize| (q == 2).then_some(Lost::Disagreed);
+        assert_eq!(
+            wait.step(|_| 1, t0, disagreed),
+            WaitStep::Failed(ArenaFailure::DisagreementReported { rank: 2 })
+        );
+        // Not a rank this wait no longer waits for.
+        assert_eq!(
+            wait.step(|q| if q == 2 { 2 } else { 1 }, t0, disagreed),
+            WaitStep::Sleep {
+                until: t0 + LIVENESS_PERIOD
+            }
+        );
+        // Before a collective: the lowest reporting rank but this one.
+        assert_eq!(
+            reported_disagreement(4, 1, |q| q == 1 || q == 3),
+            Some(ArenaFailure::DisagreementReported { rank: 3 })
+        );
+        assert_eq!(reported_disagreement(4, 1, |q| q == 1), None);
     }
 
     #[test]

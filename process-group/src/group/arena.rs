@@ -189,6 +189,13 @@ fn arena_error(
                      through the group arena"
                 .to_owned(),
         },
+        // Its own account, attributed to it (as an abort over the links).
+        ArenaFailure::DisagreementReported { rank: peer } => ProcessGroupError::PeerAborted {
+            rank: peer,
+            reason: "it saw ranks run different collectives, or the same with other \
+                     arguments, through the group arena"
+                .to_owned(),
+        },
         other => ProcessGroupError::Setup {
             rank,
             reason: other.to_string(),
