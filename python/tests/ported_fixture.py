@@ -8,20 +8,31 @@ PyTorch's ``MultiProcessTestCase`` does): a ``@dist_init`` test finds RPC initia
 group is started once, and again only after a test left it shut down); a
 ``@dist_init(setup_rpc=False)`` test finds it shut down and starts it itself with
 ``self.init_method`` (a fresh ``file://`` rendezvous per start). A test's ``clean_shutdown`` is
-replaced by the controller's barrier: the next test starts once every rank reported.
+replaced by the controller's barrier: the next test starts once every rank reported; a
+``@dist_init(clean_shutdown=False)`` test's ranks let go of their agent at once when the body
+returns (``rpc.shutdown(graceful=False)``, as PyTorch's ``dist_init`` does), and the next test
+meets in a new group.
+
+``initialize_pg`` (PyTorch's ``dist_utils.initialize_pg``: a gloo process group for
+``dist.barrier()``) starts one group per world of processes, over a ``file://`` store of its
+own (``self.file_init_method``), which lives as long as the processes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import os
+import re
 import tempfile
+import time
 import traceback
 import unittest
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 import tensorwire.rpc as rpc
 from harness import process_context
@@ -56,7 +67,46 @@ def dist_init(
         return old_test_method(self, *args, **kwargs)
 
     new_test_method.setup_rpc = setup_rpc  # type: ignore[attr-defined]
+    new_test_method.clean_shutdown = clean_shutdown  # type: ignore[attr-defined]
     return new_test_method
+
+
+#: The environment variable that names the world's process group store (see ``initialize_pg``).
+PG_INIT_ENV = "TENSORWIRE_PORTED_PG_INIT"
+#: How long a collective of that group (``dist.barrier()``) waits for the other ranks.
+PG_TIMEOUT_S = float(os.environ.get("TENSORWIRE_PORTED_PG_TIMEOUT", "60"))
+
+
+def initialize_pg(init_method: str, rank: int, world_size: int) -> None:
+    """PyTorch's ``dist_utils.initialize_pg``: a gloo process group for ``dist.barrier()``,
+    started once per process (and kept for the tests that follow, as the world's processes
+    are)."""
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+        )
+
+
+@rpc.expose
+def noop() -> None:
+    """PyTorch's ``dist_utils.noop``: what ``wait_until_node_failure`` calls."""
+
+
+def wait_until_node_failure(rank: int, expected_error_regex: str = ".*") -> str:
+    """PyTorch's ``dist_utils.wait_until_node_failure``: calls ``worker{rank}`` until a call
+    fails with an error matching ``expected_error_regex``, and returns its message. Bounded by
+    the world's deadline (a test that hangs here fails and restarts the world)."""
+    while True:
+        try:
+            rpc.rpc_sync(f"worker{rank}", noop, args=())
+            time.sleep(0.1)
+        except Exception as e:
+            if re.search(pattern=expected_error_regex, string=str(e)):
+                return str(e)
 
 
 def _contains_tensor(x: Any) -> bool:
@@ -91,7 +141,9 @@ class RpcAgentTestFixture(unittest.TestCase):
 
     @property
     def file_init_method(self) -> str:
-        return self._init_method
+        """The store of this world's process group (``initialize_pg``); PyTorch's tests pass
+        it nowhere else."""
+        return os.environ[PG_INIT_ENV]
 
     @property
     def rpc_backend_options(self) -> rpc.TensorPipeRpcBackendOptions:
@@ -169,7 +221,12 @@ def _worker(rank: int, conn: Any, module_name: str, env: dict) -> None:
             elif wants_rpc:
                 # What a fresh group would have (a test may have changed it).
                 rpc._set_rpc_timeout(test.rpc_backend_options.rpc_timeout)
-            method()
+            try:
+                method()
+            finally:
+                if not getattr(method, "clean_shutdown", True) and _rpc_up():
+                    # PyTorch's dist_init(clean_shutdown=False): no barrier with the others.
+                    rpc.shutdown(graceful=False)
             conn.send(("ok", "", _rpc_up()))
         except BaseException:
             conn.send(("failed", traceback.format_exc(), _rpc_up()))
@@ -186,14 +243,18 @@ class World:
         self.module_name = module_name
         self.dir = tempfile.mkdtemp(prefix="tw-ported-")
         self.generation = 0
+        self.starts = 0
         self.fresh_group = True
         self._start()
 
     def _start(self) -> None:
         ctx = process_context()
+        self.starts += 1
         env = {
             "TENSORWIRE_SECRET": os.environ.get("TENSORWIRE_SECRET", "tensorwire-test-secret"),
             "OMP_NUM_THREADS": "1",
+            # A fresh store for each set of processes' process group (initialize_pg).
+            PG_INIT_ENV: f"file://{self.dir}/pg-{self.starts}",
         }
         self.conns = []
         self.procs = []

@@ -756,12 +756,18 @@ class RRef:
         return fut
 
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
-        """A copy of the value, pickled on its owner now (the value itself on the owner is
-        :meth:`local_value`); raises the exception the creating function raised."""
+        """The value: on its owner the value itself (:meth:`local_value`, as PyTorch's
+        ``to_here``), elsewhere a copy pickled on the owner now; raises the exception the
+        creating function raised."""
         if _agent is None:
             # Shut down here: say so, whatever the owner's state (else the owner's own
             # shutdown, seen first, would decide the message; a race in the ported tests).
             raise RuntimeError("RPC is no longer running on this worker")
+        if self.is_owner():
+            # PyTorch returns the owner's value itself (so a tensor fetched there is the key
+            # of its gradients in a distributed autograd context); in a context too (see
+            # _autograd.fetch_async).
+            return self.local_value()
         if _autograd is not None and _autograd.current_id() is not None:
             # Recorded by distributed autograd, through _fetch_async.
             return self._fetch_async(timeout).wait()
