@@ -138,6 +138,18 @@ def accumulation_and_errors(rank: int, world: int) -> None:
             loss = rpc.rpc_sync("worker1", stage, args=(x,)).sum()
             dist_autograd.backward(cid, [loss])
             assert torch.equal(dist_autograd.get_gradients(cid)[x], once)
+        # What a context keeps is its own gradient in the leaf's layout (AccumulateGrad's
+        # rules): not the expanded view sum() hands both a and b, so it can be written in place.
+        a = torch.rand(3, 3, requires_grad=True)
+        b = torch.rand(3, 3, requires_grad=True)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [(a + b).sum()])
+            grads = dist_autograd.get_gradients(cid)
+            assert grads[a].stride() == a.stride() and grads[b].stride() == b.stride()
+            assert grads[a].data_ptr() != grads[b].data_ptr()
+            grads[a].mul_(2)
+            assert torch.equal(grads[a], torch.full((3, 3), 2.0))
+            assert torch.equal(grads[b], torch.ones(3, 3))
         # PyTorch's errors for bad roots, checked before anything runs.
         with dist_autograd.context() as cid:
             y = rpc.rpc_sync("worker1", stage, args=(x,))

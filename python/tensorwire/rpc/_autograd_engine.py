@@ -123,9 +123,61 @@ def backward(roots: list, seeds: list) -> list:
     if not leaves:
         return []
     got = torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True)
-    return [
-        (leaf, g, getattr(leaf, "_tensorwire_received", False)) for leaf, g in zip(leaves, got) if g is not None
-    ]
+    # How many leaves each gradient object reached (``(a + b).sum()`` gives a and b one).
+    uses: dict[int, int] = {}
+    for g in got:
+        if g is not None:
+            uses[id(g)] = uses.get(id(g), 0) + 1
+    out = []
+    for leaf, g in zip(leaves, got):
+        if g is None:
+            continue
+        received = getattr(leaf, "_tensorwire_received", False)
+        if not received:
+            g = _owned_gradient(g, leaf, shared=uses[id(g)] > 1)
+        out.append((leaf, g, received))
+    return out
+
+
+def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """c10's ``is_non_overlapping_and_dense``: the elements fill the storage they span once
+    each, in some order of the dimensions."""
+    expected = 1
+    for d in sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d))):
+        if t.size(d) == 1:
+            continue
+        if t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
+def _obeys_layout_contract(grad: torch.Tensor, leaf: torch.Tensor) -> bool:
+    """torch's ``obeys_layout_contract``: ``grad`` has the layout ``AccumulateGrad`` would
+    keep for ``leaf`` (the leaf's strides if it is dense, else contiguous)."""
+    if _non_overlapping_and_dense(leaf):
+        for size, gs, ls in zip(grad.shape, grad.stride(), leaf.stride()):
+            if size != 1 and gs != ls:
+                return False
+            if size == 1 and gs == 0:
+                return False
+        return True
+    return grad.is_contiguous()
+
+
+def _owned_gradient(grad: torch.Tensor, leaf: torch.Tensor, shared: bool) -> torch.Tensor:
+    """The gradient a context keeps for ``leaf``, as PyTorch's distributed autograd (its
+    ``AccumulateGrad`` rules) keeps it: ``grad`` itself when it has the leaf's layout and no
+    other leaf got it; else a copy in the leaf's layout. So what ``get_gradients`` returns is
+    never an expanded view (``sum()``'s gradient) nor one tensor shared by two leaves, and can
+    be written in place."""
+    if grad.layout != torch.strided or leaf.layout != torch.strided:
+        return grad
+    if not shared and _obeys_layout_contract(grad, leaf):
+        return grad
+    if _non_overlapping_and_dense(leaf):
+        return torch.empty_strided(leaf.size(), leaf.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+    return grad.clone(memory_format=torch.contiguous_format)
 
 
 def assign(leaf: torch.Tensor, values: torch.Tensor) -> None:
