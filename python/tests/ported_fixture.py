@@ -14,8 +14,10 @@ returns (``rpc.shutdown(graceful=False)``, as PyTorch's ``dist_init`` does), and
 meets in a new group.
 
 ``initialize_pg`` (PyTorch's ``dist_utils.initialize_pg``: a gloo process group for
-``dist.barrier()``) starts one group per world of processes, over a ``file://`` store of its
-own (``self.file_init_method``), which lives as long as the processes.
+``dist.barrier()``) starts a group over a ``file://`` store of its own
+(``self.file_init_method``) that the processes keep for the tests that follow, until a test
+fails with one (its ranks may have left a collective out of step): then every rank destroys
+it, and the next ``initialize_pg`` meets over a new store.
 """
 
 from __future__ import annotations
@@ -193,7 +195,18 @@ def _worker(rank: int, conn: Any, module_name: str, env: dict) -> None:
         msg = conn.recv()
         if msg is None:
             break
-        command, name, init_method = msg
+        command, name, init_method, pg_init = msg
+        os.environ[PG_INIT_ENV] = pg_init
+        if command == "reset_pg":
+            # A test failed with the process group in use: its collectives may be out of
+            # step across ranks, so the next initialize_pg starts a new one.
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                conn.send(("ok", "", _rpc_up()))
+            except BaseException:
+                conn.send(("failed", traceback.format_exc(), _rpc_up()))
+            continue
         if command == "reset":
             try:
                 if _rpc_up():
@@ -227,9 +240,9 @@ def _worker(rank: int, conn: Any, module_name: str, env: dict) -> None:
                 if not getattr(method, "clean_shutdown", True) and _rpc_up():
                     # PyTorch's dist_init(clean_shutdown=False): no barrier with the others.
                     rpc.shutdown(graceful=False)
-            conn.send(("ok", "", _rpc_up()))
+            conn.send(("ok", "", _rpc_up(), dist.is_initialized()))
         except BaseException:
-            conn.send(("failed", traceback.format_exc(), _rpc_up()))
+            conn.send(("failed", traceback.format_exc(), _rpc_up(), dist.is_initialized()))
     if _rpc_up():
         rpc.shutdown(graceful=False)
 
@@ -244,6 +257,7 @@ class World:
         self.dir = tempfile.mkdtemp(prefix="tw-ported-")
         self.generation = 0
         self.starts = 0
+        self.pg_generation = 0
         self.fresh_group = True
         self._start()
 
@@ -253,8 +267,6 @@ class World:
         env = {
             "TENSORWIRE_SECRET": os.environ.get("TENSORWIRE_SECRET", "tensorwire-test-secret"),
             "OMP_NUM_THREADS": "1",
-            # A fresh store for each set of processes' process group (initialize_pg).
-            PG_INIT_ENV: f"file://{self.dir}/pg-{self.starts}",
         }
         self.conns = []
         self.procs = []
@@ -265,6 +277,11 @@ class World:
             self.conns.append(here)
             self.procs.append(p)
         self.fresh_group = True
+
+    def _pg_init(self) -> str:
+        """The store of the process group (``initialize_pg``): a fresh one for each set of
+        processes and after a failed test that had one."""
+        return f"file://{self.dir}/pg-{self.starts}-{self.pg_generation}"
 
     def _init_method(self) -> str:
         if self.fresh_group:
@@ -290,19 +307,26 @@ class World:
             self.fresh_group = True
         init_method = self._init_method()
         try:
-            replies = self._send_all(("run", name, init_method))
+            replies = self._send_all(("run", name, init_method, self._pg_init()))
         except (TimeoutError, EOFError, OSError) as e:
             self.restart()
             raise AssertionError(f"{name}: {e}; the world was restarted") from None
-        if not all(up for _, _, up in replies):
+        if not all(up for _, _, up, _ in replies):
             # Some rank ended without RPC: every rank lets go of its agent, and the next test
             # meets in a new group.
             try:
-                self._send_all(("reset", "", ""))
+                self._send_all(("reset", "", "", self._pg_init()))
             except (TimeoutError, EOFError, OSError):
                 self.restart()
             self.fresh_group = True
-        failures = [f"rank {r}:\n{trace}" for r, (status, trace, _) in enumerate(replies) if status != "ok"]
+        failures = [f"rank {r}:\n{trace}" for r, (status, trace, _, _) in enumerate(replies) if status != "ok"]
+        if failures and any(pg for _, _, _, pg in replies):
+            # Some rank may have left a collective the others were in: a new process group.
+            self.pg_generation += 1
+            try:
+                self._send_all(("reset_pg", "", "", self._pg_init()))
+            except (TimeoutError, EOFError, OSError):
+                self.restart()
         if failures:
             raise AssertionError(f"{name} failed:\n" + "\n".join(failures))
 
