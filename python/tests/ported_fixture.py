@@ -81,8 +81,8 @@ PG_TIMEOUT_S = float(os.environ.get("TENSORWIRE_PORTED_PG_TIMEOUT", "60"))
 
 def initialize_pg(init_method: str, rank: int, world_size: int) -> None:
     """PyTorch's ``dist_utils.initialize_pg``: a gloo process group for ``dist.barrier()``,
-    started once per process (and kept for the tests that follow, as the world's processes
-    are)."""
+    started unless this process has one (kept for the tests that follow, until a test fails
+    with it: see the module's docstring)."""
     if not dist.is_initialized():
         dist.init_process_group(
             backend="gloo",
