@@ -664,26 +664,32 @@ fn quic_killed(worker: &std::path::Path) -> Result<Vec<Row>> {
     Ok(vec![outcome?])
 }
 
-/// The `--features` the test binaries are built with (`ci` sets its own, so that the chaos
-/// workers come from its test build instead of a second one); none by default.
-static TEST_BIN_FEATURES: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+/// The `--features` of the workspace's test build that `ci` has made (see
+/// [`use_test_build`]); `None` until then.
+static TEST_BUILD_FEATURES: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
-/// Builds the test binaries with `features` from now on (see [`build_test_bins`]).
-pub(crate) fn set_test_bin_features(features: &str) {
-    let _ = TEST_BIN_FEATURES.set(features.to_owned());
+/// Says that the workspace's tests were built with `features` (`ci`'s one test build): the
+/// chaos workers are then taken from that build instead of a second one.
+pub(crate) fn use_test_build(features: &str) {
+    let _ = TEST_BUILD_FEATURES.set(features.to_owned());
 }
 
 /// Builds binaries of `tensorwire-tests` (debug, as the tests are) and returns the folder
-/// that holds them. Resolved as the whole workspace (as `cargo nextest run --workspace`), so
-/// that a test build's binaries are reused, not rebuilt with other dependency features.
+/// that holds them. After [`use_test_build`], the same command as that test build (`cargo
+/// test --no-run`, the whole workspace, its features: dev-dependencies' features included), so
+/// that its binaries are found fresh; a plain `cargo build` of the binaries would resolve other
+/// dependency features and build them again.
 pub(crate) fn build_test_bins(bins: &[&str]) -> Result<PathBuf> {
-    let mut args = vec!["build", "--workspace"];
-    if let Some(features) = TEST_BIN_FEATURES.get() {
-        args.extend(["--features", features]);
-    }
-    for bin in bins {
-        args.extend(["--bin", bin]);
-    }
+    let args: Vec<&str> = match TEST_BUILD_FEATURES.get() {
+        Some(features) => vec!["test", "--no-run", "--workspace", "--features", features],
+        None => {
+            let mut args = vec!["build", "-p", "tensorwire-tests"];
+            for bin in bins {
+                args.extend(["--bin", bin]);
+            }
+            args
+        }
+    };
     super::run("cargo", &args, &[])?;
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)

@@ -177,7 +177,7 @@ fn ci(quick: bool) -> Result<()> {
     // unavailable; core's simulation kit; the QUIC transport), so one run covers what a default
     // build's run would, and the workspace is compiled once for tests instead of twice. The
     // chaos workers are built with the same features, from the same build.
-    chaos::set_test_bin_features(&features);
+    chaos::use_test_build(&features);
     if has_nextest() {
         skips::nextest(&["--workspace", "--features", &features, "--no-fail-fast"])?;
         python::check()?;
