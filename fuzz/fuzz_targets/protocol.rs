@@ -154,7 +154,8 @@ impl World {
             Event::Remote {
                 token, body, rref, ..
             } => {
-                if ep.respond(token, Ok(Body::default())) && w == CALLEE {
+                let answered = ep.respond(token, Ok(Body::default()));
+                if answered && w == CALLEE {
                     self.kept.insert(rref, body.data);
                 }
             }
@@ -193,15 +194,13 @@ impl World {
                     (Expect::Value(_), Err(e)) => assert_error(&e),
                 }
             }
-            Event::ReleaseValue { rref } => {
-                if w == CALLEE {
-                    let still_held = self.held.iter().any(|(h, _)| h.rref == rref);
-                    assert!(
-                        !still_held || self.failed.contains(&rref),
-                        "worker 1 released {rref} while worker 0 holds it"
-                    );
-                    self.kept.remove(&rref);
-                }
+            Event::ReleaseValue { rref } if w == CALLEE => {
+                let still_held = self.held.iter().any(|(h, _)| h.rref == rref);
+                assert!(
+                    !still_held || self.failed.contains(&rref),
+                    "worker 1 released {rref} while worker 0 holds it"
+                );
+                self.kept.remove(&rref);
             }
             // A forgery found late (a fork request that overtook the creation): the endpoint
             // handled it as lost; the driver closes its connection, and the others hear of it.

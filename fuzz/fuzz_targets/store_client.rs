@@ -11,6 +11,7 @@
 //!   its bytes, so nothing waits: a hang is a finding), never a panic;
 //! - a value read is within the client's limits and was sent by the server (it occurs in the
 //!   reply bytes); `multi_get` gives one value per key.
+//!
 //! Run under AddressSanitizer with libFuzzer's memory limit: a reply that made the client
 //! allocate what the server merely announced would be a finding too.
 #![no_main]

@@ -1,7 +1,7 @@
 //! `cargo xtask fuzz`: the cargo-fuzz targets of `fuzz/`, built once and run for a bounded
 //! time each from the seed corpus kept in `fuzz/corpus/TARGET/`.
 //!
-//! - `cargo xtask fuzz TARGET [--seconds N]`, or `all`: builds the targets (installing
+//! - `cargo xtask fuzz TARGET [--seconds N] [--dev]`, or `all`: builds the targets (installing
 //!   cargo-fuzz when it is missing), then runs each for N seconds (default 60). New inputs go to
 //!   `corpus/TARGET/` in the fuzz workspace's target directory (`fuzz/target/`, or
 //!   `$CARGO_TARGET_DIR`; kept between runs, not in the repository); a crash, leak,
@@ -13,6 +13,10 @@
 //! The build uses cargo-fuzz's defaults (release, AddressSanitizer, libFuzzer's coverage
 //! instrumentation) plus debug assertions, so that integer overflows are findings too. Only a
 //! stable toolchain is installed here; `RUSTC_BOOTSTRAP=1` lets it accept the nightly flags.
+//! `--dev` builds them unoptimized (minutes less to build, far fewer runs a second).
+//!
+//! CI does not fuzz: its tests run every target's body over its seed corpus as a plain test
+//! (`tests/tests/fuzz_seeds.rs`), which also keeps the targets compiling and linted.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -69,17 +73,13 @@ pub(crate) fn all() -> Vec<&'static str> {
     TARGETS.iter().map(|(t, _)| *t).collect()
 }
 
-/// Seconds per target in `cargo xtask ci`: 14 targets at 4 s keep CI's fuzzing near one
-/// minute besides the build (longer runs: `cargo xtask fuzz all --seconds N`).
-pub(crate) const CI_SECONDS: u64 = 4;
-
 fn usage() -> String {
     let names: Vec<String> = TARGETS
         .iter()
         .map(|(t, what)| format!("{t} ({what})"))
         .collect();
     format!(
-        "usage: cargo xtask fuzz TARGET|all [--seconds N] | cargo xtask fuzz seeds; targets: {}",
+        "usage: cargo xtask fuzz TARGET|all [--seconds N] [--dev] | cargo xtask fuzz seeds; targets: {}",
         names.join(", ")
     )
 }
@@ -88,9 +88,11 @@ fn usage() -> String {
 pub(crate) fn fuzz(args: &[String]) -> Result<()> {
     let mut target = None;
     let mut seconds: u64 = 60;
+    let mut how = Build::Release;
     let mut rest = args.iter();
     while let Some(arg) = rest.next() {
         match arg.as_str() {
+            "--dev" => how = Build::Dev,
             "--seconds" => {
                 let n = rest.next().with_context(usage)?;
                 seconds = n
@@ -107,10 +109,8 @@ pub(crate) fn fuzz(args: &[String]) -> Result<()> {
     }
     match target.as_str() {
         "seeds" => seeds(),
-        "all" => run_targets(&all(), seconds, Build::Release),
-        t if TARGETS.iter().any(|(name, _)| *name == t) => {
-            run_targets(&[t], seconds, Build::Release)
-        }
+        "all" => run_targets(&all(), seconds, how),
+        t if TARGETS.iter().any(|(name, _)| *name == t) => run_targets(&[t], seconds, how),
         other => bail!("unknown fuzz target {other:?}; {}", usage()),
     }
 }
@@ -215,13 +215,13 @@ struct Outcome {
 pub(crate) enum Build {
     /// Optimized, with debug assertions: many runs a second, for real fuzzing sessions.
     Release,
-    /// Unoptimized: a fraction of the release build's time and of its speed, for CI's few
-    /// seconds a target (a smoke test that every target builds and runs, not a search).
+    /// Unoptimized (`--dev`): a fraction of the release build's time and of its speed, for a
+    /// smoke test that every target builds and runs under the sanitizer, not a search.
     Dev,
 }
 
 /// Builds `targets` once, then runs each for `seconds`; fails if any run found something.
-pub(crate) fn run_targets(targets: &[&str], seconds: u64, how: Build) -> Result<()> {
+fn run_targets(targets: &[&str], seconds: u64, how: Build) -> Result<()> {
     ensure_cargo_fuzz()?;
     let root = workspace_root();
     let target_dir = target_dir(&root)?;
