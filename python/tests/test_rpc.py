@@ -3,6 +3,8 @@ futures, remote exceptions, and init/shutdown/get_worker_info."""
 
 from __future__ import annotations
 
+import io
+import sys
 import threading
 import warnings
 
@@ -48,6 +50,20 @@ class Oops(Exception):
 @rpc.expose
 def fails_exposed() -> None:
     raise Oops("exposed failure")
+
+
+@rpc.expose
+class NeedsCode(Exception):
+    """An exposed exception type that cannot be built from a message alone."""
+
+    def __init__(self, code: int, message: str):
+        self.code = code
+        super().__init__(message)
+
+
+@rpc.expose
+def fails_needs_code() -> None:
+    raise NeedsCode(7, "coded failure")
 
 
 class Private(Exception):
@@ -175,6 +191,12 @@ def exceptions(rank: int, world: int) -> None:
     with pytest.raises(RuntimeError, match="test_rpc.Private: private failure") as raised:
         rpc.rpc_sync(peer, fails_private)
     assert type(raised.value) is RuntimeError
+    # A type that cannot be rebuilt from the message: a RuntimeError in PyTorch's words.
+    with pytest.raises(RuntimeError, match="Failed to create original exception type") as raised:
+        rpc.rpc_sync(peer, fails_needs_code)
+    text = str(raised.value)
+    assert "Original exception on remote side was On WorkerInfo" in text, text
+    assert "test_rpc.NeedsCode: coded failure" in text, text
     # A call that outlives its timeout fails with a RuntimeError saying so; the function goes
     # on, and finishes once released.
     late = rpc.rpc_async(peer, blocks, timeout=0.5)
@@ -194,6 +216,40 @@ def exceptions(rank: int, world: int) -> None:
 
 def test_remote_exceptions_keep_their_type_and_traceback():
     run_world(exceptions, 2)
+
+
+_logged = threading.Event()
+
+
+@rpc.expose
+def logged() -> None:
+    _logged.set()
+
+
+def callee_logs(rank: int, world: int) -> None:
+    if rank == 0:
+        # Captured before the group meets, so before any call arrives.
+        err, old = io.StringIO(), sys.stderr
+        sys.stderr = err
+        try:
+            start(rank, world)
+            assert _logged.wait(60)
+        finally:
+            sys.stderr = old
+        text = err.getvalue()
+        assert "On WorkerInfo(id=0, name=worker0):\nValueError('logged here')" in text, text
+        assert "raise ValueError(message)" in text, text
+    else:
+        start(rank, world)
+        with pytest.raises(ValueError, match="logged here"):
+            rpc.rpc_sync("worker0", fails, args=("logged here",))
+        rpc.rpc_sync("worker0", logged)
+    rpc.shutdown()
+
+
+def test_the_callee_writes_a_failing_call_to_its_stderr():
+    # As PyTorch's workers do (its test_py_raise_in_user_func checks it).
+    run_world(callee_logs, 2)
 
 
 def init_options(rank: int, world: int, init_file: str) -> None:

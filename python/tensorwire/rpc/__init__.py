@@ -50,6 +50,7 @@ from __future__ import annotations
 import enum
 import inspect
 import os
+import sys
 import threading
 import traceback
 import warnings
@@ -399,8 +400,12 @@ def _remote_exception(worker: WorkerInfo, exc_type: str, message: str, trace: st
     if cls is not None:
         try:
             return cls(text)
-        except Exception:
-            pass
+        except Exception as e:
+            # PyTorch's words when the type cannot be built from a message.
+            return RuntimeError(
+                f"Failed to create original exception type. Error msg was {e} "
+                f"Original exception on remote side was {text}"
+            )
     return RuntimeError(text)
 
 
@@ -633,6 +638,14 @@ def _raised(e: BaseException) -> tuple:
     return ("raised", f"{cls.__module__}.{cls.__qualname__}", str(e), trace)
 
 
+def _raised_here(e: BaseException) -> tuple:
+    """:func:`_raised` for a function a peer called here that raised: the callee also writes
+    the failure to its ``sys.stderr``, as PyTorch's workers do."""
+    raised = _raised(e)
+    print(f"On {_me}:\n{e!r}\n{raised[3]}", file=sys.stderr, flush=True)
+    return raised
+
+
 def _returned(value: Any) -> tuple:
     """A result as it travels back: ``("returned", payload, tensors, rrefs)``."""
     return ("returned", *_serialize.dumps(value))
@@ -673,7 +686,7 @@ def _serve(
         result, later = _invoke(caller, function, payload, buffers, rrefs, target)
         return _later(result, _returned) if later else _returned(result)
     except Exception as e:
-        return _raised(e)
+        return _raised_here(e)
 
 
 def _create(
@@ -686,7 +699,7 @@ def _create(
         result, later = _invoke(caller, function, payload, buffers, rrefs, target)
         return _later(result, _kept) if later else _kept(result)
     except Exception as e:
-        return _raised(e)
+        return _raised_here(e)
 
 
 def _fetch(value: Any) -> tuple:
