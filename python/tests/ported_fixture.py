@@ -17,7 +17,9 @@ meets in a new group.
 ``dist.barrier()``) starts a group over a ``file://`` store of its own
 (``self.file_init_method``) that the processes keep for the tests that follow, until a test
 fails with one (its ranks may have left a collective out of step): then every rank destroys
-it, and the next ``initialize_pg`` meets over a new store.
+it, and the next ``initialize_pg`` meets over a new store. A test that starts the group
+itself (``dist.init_process_group``) is run with ``World.run(..., fresh_pg=True)``: the kept
+group is destroyed before it, as PyTorch's new processes have none.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import io
 import os
 import re
+import sys
 import tempfile
 import time
 import traceback
@@ -299,9 +303,17 @@ class World:
             replies.append(c.recv())
         return replies
 
-    def run(self, name: str, setup_rpc: bool) -> None:
+    def run(self, name: str, setup_rpc: bool, fresh_pg: bool = False) -> None:
         """Runs test ``name`` on every rank; raises ``AssertionError`` with the failing
-        ranks' tracebacks."""
+        ranks' tracebacks. ``fresh_pg``: the body starts the default process group itself
+        (``dist.init_process_group``), as PyTorch's new processes can: every rank destroys the
+        one it kept first, and ``file_init_method`` names a new store."""
+        if fresh_pg:
+            self.pg_generation += 1
+            try:
+                self._send_all(("reset_pg", "", "", self._pg_init()))
+            except (TimeoutError, EOFError, OSError):
+                self.restart()
         if not setup_rpc:
             # The body starts its own group: it needs a fresh rendezvous.
             self.fresh_group = True
@@ -353,3 +365,22 @@ def TemporaryFileName(*args: Any, **kwargs: Any):  # noqa: N802 - PyTorch's name
     """PyTorch's ``common_utils.TemporaryFileName`` (whose module needs ``expecttest``)."""
     with tempfile.NamedTemporaryFile(*args, **kwargs) as f:
         yield f.name
+
+
+@contextlib.contextmanager
+def captured_output():
+    """PyTorch's ``common_distributed.captured_output``: this process's ``sys.stdout`` and
+    ``sys.stderr`` as ``StringIO``\\ s while the block runs."""
+    new_out, new_err = io.StringIO(), io.StringIO()
+    old_out, old_err = sys.stdout, sys.stderr
+    try:
+        sys.stdout, sys.stderr = new_out, new_err
+        yield sys.stdout, sys.stderr
+    finally:
+        sys.stdout, sys.stderr = old_out, old_err
+
+
+def skip_but_pass_in_sandcastle_if(condition: bool, reason: str) -> Callable:
+    """PyTorch's ``common_utils.skip_but_pass_in_sandcastle_if`` (outside Meta's sandcastle:
+    ``unittest.skipIf``)."""
+    return unittest.skipIf(condition, reason)

@@ -1,7 +1,8 @@
 """Generates ``python/tests/rpc_ported_bodies.py`` from the installed torch's
 ``torch/testing/_internal/distributed/rpc/rpc_test.py``: the module's helpers and the tests of
-``RpcTestCommon`` and ``RpcTest`` that use only the RPC API (the others are listed, with the
-reason, as ``NOT_PORTED``), with the changes of ``rpc_ported_patches.py`` applied and listed as
+``RpcTestCommon`` and ``RpcTest`` that use only the RPC API and a gloo process group (the others,
+and those ``rpc_ported_patches.NOT_PORTED`` names, are listed with the reason as
+``NOT_PORTED``), with the changes of ``rpc_ported_patches.py`` applied and listed as
 ``PORTED``. Run: ``python python/tests/ported/generate_rpc_ported.py``."""
 import ast, importlib.util, json, os, re, sys
 from collections import Counter
@@ -29,9 +30,10 @@ OUT_OF_SCOPE = [
     (r"_get_debug_info|_rref_context_get_debug_info|get_debug_info", "torch's agent debug counters"),
     (r"dist_autograd|\.backward\(", "distributed autograd (another issue: tensorwire.rpc.dist_autograd)"),
     (r"cuda|gpu", "CUDA (no GPU here; the Python layer carries CPU tensors)"),
-    (r"init_process_group|initialize_pg|dist\.barrier|new_group", "process groups on the same store (torch.distributed)"),
-    (r"captured_output|sys\.stdout", "captures the callee's stdout"),
 ]
+
+spec = importlib.util.spec_from_file_location("patches", os.path.join(HERE, "rpc_ported_patches.py"))
+P = importlib.util.module_from_spec(spec); spec.loader.exec_module(P)
 
 out = {"helpers": [], "tests": [], "skipped": {}}
 helpers = {}
@@ -57,7 +59,7 @@ used = set()
 for cls, name, src in tests:
     deps = closure(src, set())
     full = src + "".join(helpers[d][2] for d in deps)
-    reason = next((r for pat, r in OUT_OF_SCOPE if re.search(pat, full)), None)
+    reason = next((r for pat, r in OUT_OF_SCOPE if re.search(pat, full)), P.NOT_PORTED.get(name))
     if reason:
         out["skipped"][f"{cls}.{name}"] = reason
         continue
@@ -65,9 +67,6 @@ for cls, name, src in tests:
     used |= deps
 out["helpers"] = [helpers[h] for h in helpers if h in used]
 data = out
-
-spec = importlib.util.spec_from_file_location("patches", os.path.join(HERE, "rpc_ported_patches.py"))
-P = importlib.util.module_from_spec(spec); spec.loader.exec_module(P)
 
 DROP_MODULE = {"load_tests", "StubRpcAgent", "_stub_construct_rpc_backend_options_handler", "_stub_init_rpc_backend_handler"}
 module_parts = []
