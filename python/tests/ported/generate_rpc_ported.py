@@ -24,11 +24,11 @@ OUT_OF_SCOPE = [
     (r"profil|record_function|_build_rpc_profiling_key|get_function_event", "the profiler integration of torch's C++ agent"),
     (r"torch\.jit|script|heavy_rpc_torchscript", "TorchScript RPC (torch's C++ agent)"),
     (r"mock\.|backend_registry|_use_rpc_pickler|_internal_rpc_pickler|PythonUDF|_thread_local_var|MyPickleClass|_init_rpc_backend", "a private torch.distributed.rpc internal (pickler, backend registry, mocks)"),
-    (r"_get_current_rpc_agent|rpc\.api\.|_delete_all_user_and_unforked_owner_rrefs|_ignore_rref_leak|_is_current_rpc_agent_set", "a private torch.distributed.rpc internal (the agent object, api module state)"),
+    (r"_get_current_rpc_agent|rpc\.api\.(?!get_worker_info\()|_delete_all_user_and_unforked_owner_rrefs|_ignore_rref_leak|_is_current_rpc_agent_set", "a private torch.distributed.rpc internal (the agent object, api module state)"),
     (r"_barrier\(|_all_gather\(|_wait_all_workers|_wait_all\(", "a private torch.distributed.rpc collective (_barrier, _all_gather, _wait_all)"),
     (r"wait_until_|_get_type\(|_rref_type", "a private RRef/agent internal (_get_type, owner/fork counts)"),
     (r"_get_debug_info|_rref_context_get_debug_info|get_debug_info", "torch's agent debug counters"),
-    (r"dist_autograd|\.backward\(", "distributed autograd (another issue: tensorwire.rpc.dist_autograd)"),
+    (r"RRef\(.*\)\.backward\(|rref\.backward\(", "RRef.backward (tensorwire.rpc's RRef has none)"),
     (r"cuda|gpu", "CUDA (no GPU here; the Python layer carries CPU tensors)"),
 ]
 

@@ -28,6 +28,7 @@ from torch.futures import Future
 from torch.distributed.rpc.internal import RPCExecMode  # an enum of the tests' own
 
 import tensorwire.rpc as rpc  # instead of: import torch.distributed.rpc as rpc
+import tensorwire.rpc.dist_autograd as dist_autograd
 from tensorwire.rpc import RRef, WorkerInfo
 import torch.distributed as dist
 from ported_fixture import (
@@ -50,6 +51,7 @@ rpc.expose(sys.modules[__name__])
 rpc.expose(_call_method_on_rref)
 rpc.expose(min)
 rpc.expose(RpcTest._slow_add)
+rpc.expose(RpcTest._trainer_func)
 
 
 _PRISTINE = {"foo_add": foo_add}
@@ -119,6 +121,10 @@ PATCHES = {
         '"Current RPC agent is not set! Did you initialize the RPC framework"',
         '"RPC has not been initialized. Call tensorwire.rpc.init_rpc first"',
         WORDING)],
+    "test_my_parameter_server": [(None, None, "calls the private method RpcTest._trainer_func (bound to the test: the instance travels as its first argument): " + EXPOSED)],
+    "test_worker_info_pickle": [(
+        "rpc.api.get_worker_info()", "rpc.get_worker_info()",
+        "tensorwire.rpc has no api module: the same public function, from the package")],
     "test_rref_proxy_non_exist": [(
         """            rref.remote().non_exist()""", """            rref.remote().non_exist().to_here()""",
         "rref.remote() returns at once and the owner's AttributeError comes with to_here() (PyTorch's proxy first fetches the value's type with a private RPC)")],
