@@ -105,3 +105,37 @@ def rrefs(rank: int, world: int, marker_dir: str) -> None:
 def test_remote_and_rrefs(world, tmp_path):
     run_world(rrefs, world, str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+@rpc.expose
+def weighted_sum(t: torch.Tensor, w: float) -> torch.Tensor:
+    return (t * w).sum()
+
+
+def backwards(rank: int, world: int) -> None:
+    import tensorwire.rpc.dist_autograd as dist_autograd
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    peer = f"worker{1 - rank}"
+    # The owner's reference without a context: local autograd.
+    x = torch.ones(3, requires_grad=True)
+    rpc.RRef((x * 3).sum()).backward()
+    assert torch.equal(x.grad, torch.full((3,), 3.0))
+    # A user's reference in a context: the pass runs on the owner and reaches x here.
+    with dist_autograd.context() as ctx:
+        r = rpc.remote(peer, weighted_sum, args=(x, 5.0))
+        r.backward(ctx, retain_graph=True)
+        r.backward(ctx)
+        assert torch.equal(dist_autograd.get_gradients(ctx)[x], torch.full((3,), 10.0))
+        with pytest.raises(RuntimeError, match="require 'dist_autograd_ctx_id'"):
+            r.backward()
+        with pytest.raises(RuntimeError, match="should contain a tensor"):
+            rpc.remote(peer, make, args=(2,)).remote().tolist().backward(ctx)
+    with pytest.raises(RuntimeError, match="should contain a tensor"):
+        rpc.RRef("no tensor").backward()
+    rpc.shutdown()
+
+
+def test_rref_backward_runs_on_the_owner():
+    # PyTorch's RRef.backward: local autograd on the owner, distributed autograd from a user.
+    run_world(backwards, 2)

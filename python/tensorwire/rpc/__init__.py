@@ -805,6 +805,22 @@ class RRef:
         """As :meth:`rpc_sync`, keeping the result on the owner: returns an :class:`RRef`."""
         return _RRefProxy(self, "remote", timeout)
 
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Runs the backward pass from the value, a tensor (PyTorch's ``RRef.backward``), on
+        the owner: with ``dist_autograd_ctx_id`` (``-1``: none), distributed autograd's
+        backward in that context (:func:`tensorwire.rpc.dist_autograd.backward`), else local
+        autograd's (the owner's reference only). Raises ``RuntimeError`` (PyTorch's
+        messages)."""
+        if self.is_owner():
+            _rref_backward(self, dist_autograd_ctx_id, retain_graph)
+            return
+        if dist_autograd_ctx_id == -1:
+            raise RuntimeError(
+                "User RRefs require 'dist_autograd_ctx_id' to be specified in autograd mode"
+            )
+        args = (self, int(dist_autograd_ctx_id), bool(retain_graph))
+        rpc_sync(self.owner(), _rref_backward, args=args)
+
     def _get_future(self) -> torch.futures.Future:
         """A future completed once the owner created the value (PyTorch's private
         ``_get_future``); it carries the creation's failure (a timeout, a lost owner)."""
@@ -879,6 +895,22 @@ def _invoke_on_rref(rref: Any, name: str, args: tuple, kwargs: dict) -> Any:
     if not isinstance(name, str) or not isinstance(args, tuple) or not isinstance(kwargs, dict):
         raise _exposed.RefusedError("malformed proxy call")
     return _resolve(name, rref.local_value())(*args, **kwargs)
+
+
+def _rref_backward(rref: Any, dist_autograd_ctx_id: int, retain_graph: bool) -> None:
+    """:meth:`RRef.backward` on the reference's owner (tensorwire exposes it on every worker,
+    for the users' references)."""
+    if not isinstance(rref, RRef) or not rref.is_owner():
+        raise _exposed.RefusedError("a backward call names a reference this worker does not own")
+    value = rref.local_value()
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError("RRef should contain a tensor for .backward()")
+    if dist_autograd_ctx_id == -1:
+        torch.autograd.backward(value, retain_graph=bool(retain_graph))
+    else:
+        from tensorwire.rpc import dist_autograd
+
+        dist_autograd.backward(int(dist_autograd_ctx_id), [value], retain_graph=bool(retain_graph))
 
 
 _serialize.register_rref_type(RRef, lambda native: RRef(_native_rref=native))

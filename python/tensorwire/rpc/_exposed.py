@@ -64,6 +64,7 @@ for _op in DEFAULT_EXPOSED_TORCH_OPS:
 _INTERNAL: dict[str, tuple[str, str]] = {
     "tensorwire.rpc.optim._new_local_optimizer": ("tensorwire.rpc.optim", "_new_local_optimizer"),
     "tensorwire.rpc._invoke_on_rref": ("tensorwire.rpc", "_invoke_on_rref"),
+    "tensorwire.rpc._rref_backward": ("tensorwire.rpc", "_rref_backward"),
 }
 
 

@@ -28,7 +28,6 @@ OUT_OF_SCOPE = [
     (r"_barrier\(|_all_gather\(|_wait_all_workers|_wait_all\(", "a private torch.distributed.rpc collective (_barrier, _all_gather, _wait_all)"),
     (r"wait_until_|_get_type\(|_rref_type", "a private RRef/agent internal (_get_type, owner/fork counts)"),
     (r"_get_debug_info|_rref_context_get_debug_info|get_debug_info", "torch's agent debug counters"),
-    (r"RRef\(.*\)\.backward\(|rref\.backward\(", "RRef.backward (tensorwire.rpc's RRef has none)"),
     (r"cuda|gpu", "CUDA (no GPU here; the Python layer carries CPU tensors)"),
 ]
 

@@ -52,6 +52,8 @@ rpc.expose(_call_method_on_rref)
 rpc.expose(min)
 rpc.expose(RpcTest._slow_add)
 rpc.expose(RpcTest._trainer_func)
+rpc.expose(RpcTest._sum)
+rpc.expose(RpcTest._identity)
 
 
 _PRISTINE = {"foo_add": foo_add}
@@ -122,6 +124,7 @@ PATCHES = {
         '"RPC has not been initialized. Call tensorwire.rpc.init_rpc first"',
         WORDING)],
     "test_my_parameter_server": [(None, None, "calls the private method RpcTest._trainer_func (bound to the test: the instance travels as its first argument): " + EXPOSED)],
+    "test_user_rref_backward": [(None, None, "calls the private static methods RpcTest._sum and RpcTest._identity: " + EXPOSED)],
     "test_worker_info_pickle": [(
         "rpc.api.get_worker_info()", "rpc.get_worker_info()",
         "tensorwire.rpc has no api module: the same public function, from the package")],
