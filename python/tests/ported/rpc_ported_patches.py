@@ -47,7 +47,8 @@ FOOTER = '''
 # What peers may call here: everything public this module defines (PyTorch's RPC would run any
 # function; tensorwire.rpc runs what the callee exposed).
 rpc.expose(sys.modules[__name__])
-# Changed: a private helper and a builtin the tests call remotely, exposed one by one.
+# Changed: the private helpers and static methods and a builtin the tests call remotely,
+# exposed one by one.
 rpc.expose(_call_method_on_rref)
 rpc.expose(min)
 rpc.expose(RpcTest._slow_add)
