@@ -139,3 +139,36 @@ def backwards(rank: int, world: int) -> None:
 def test_rref_backward_runs_on_the_owner():
     # PyTorch's RRef.backward: local autograd on the owner, distributed autograd from a user.
     run_world(backwards, 2)
+
+
+@rpc.expose
+def total(r: rpc.RRef) -> float:
+    return r.local_value().sum().item()
+
+
+def temporaries(rank: int, world: int) -> None:
+    import contextlib
+
+    import tensorwire.rpc.dist_autograd as dist_autograd
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    if rank == 0:
+        n = 40
+        for scope in (contextlib.nullcontext, dist_autograd.context):
+            with scope():
+                # Each first reference is dropped as soon as the call naming it is sent (a proxy
+                # on a temporary, or an argument): its owner must still find the value when the
+                # call runs ("the value is gone" / "no value is kept" before).
+                made = [rpc.remote("worker1", make, args=(i + 1,)).remote().tolist() for i in range(n)]
+                sums = [rpc.remote("worker1", make, args=(i + 1,)).rpc_async().sum() for i in range(n)]
+                args = [rpc.rpc_async("worker1", total, args=(rpc.remote("worker1", make, args=(i + 1,)),)) for i in range(n)]
+                made_from = [rpc.remote("worker1", total, args=(rpc.remote("worker1", make, args=(i + 1,)),)) for i in range(n)]
+                assert [m.to_here() for m in made] == [[1.0] * (i + 1) for i in range(n)], scope
+                assert [f.wait().item() for f in sums] == [float(i + 1) for i in range(n)], scope
+                assert [f.wait() for f in args] == [float(i + 1) for i in range(n)], scope
+                assert [m.to_here() for m in made_from] == [float(i + 1) for i in range(n)], scope
+    rpc.shutdown()
+
+
+def test_a_temporary_reference_stays_until_the_owner_used_it():
+    run_world(temporaries, 2)
