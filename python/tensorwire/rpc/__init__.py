@@ -446,10 +446,10 @@ def _send(
         else:
             callee = target.owner()
         fut, completed = _future(callee)
-        # The references among the arguments live until the reply: a caller that drops its own
-        # at once must not release a value the callee has yet to take (the owner takes a
-        # reference passed to it when it decodes the arguments; see the closing note of
-        # 2026-11-29 for the fix that belongs in core).
+        # The references among the arguments, and the target, live until the reply: a caller
+        # that drops its own at once must not release a value the callee has yet to take (an
+        # owner takes a reference passed to it only when it decodes the arguments; taking it
+        # on arrival, in core's endpoint, would be the fix for every caller).
         held = [*rrefs, target]
 
         def on_done(outcome: Any) -> None:
