@@ -69,6 +69,13 @@ pub const MAX_ARENA_BYTES: usize = 1 << 34;
 /// Bytes of a rank's line (its counter), and of the generation's line.
 const LINE: usize = 64;
 
+/// A rank's failure word: it saw ranks run different collectives.
+const SAW_DISAGREEMENT: u32 = 1;
+
+/// A rank's failure word: a collective of its own failed otherwise (a rank died or is gone,
+/// a timeout).
+const FAILED: u32 = 2;
+
 /// Why an arena could not be set up, or a collective through it failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -465,18 +472,25 @@ impl Arena {
         }
     }
 
-    /// Whether rank `rank` said it saw a disagreement (a word at byte 40 of its line, set once:
-    /// a rank writes only its own).
+    /// What rank `rank` said of its failures (a word at byte 40 of its line; a rank writes only
+    /// its own): [`SAW_DISAGREEMENT`], [`FAILED`], or 0.
     fn disagreed(&self, rank: usize) -> &AtomicU32 {
         // SAFETY: bytes 40 to 44 of line `rank`, 4-byte aligned, in the mapping.
         unsafe { &*(self.map.ptr().add(rank * LINE + 40) as *const AtomicU32) }
     }
 
-    /// Says in this rank's line that it saw a disagreement, and wakes the sleepers, so that the
-    /// ranks waiting for it (and every rank's next collective) fail at once instead of waiting
-    /// for the deadline: a broadcast's root, which waits for nobody, learns of it so.
-    fn report_disagreement(&self) {
-        self.disagreed(self.rank).store(1, Ordering::Release);
+    /// Says in this rank's line how its collective failed, and wakes the sleepers. A
+    /// disagreement ([`SAW_DISAGREEMENT`]) makes the ranks waiting for this one (and every
+    /// rank's next collective) fail at once instead of waiting for the deadline: a broadcast's
+    /// root, which waits for nobody, learns of it so. Any other failure ([`FAILED`]) only tells
+    /// the others, once this process ends, that its end followed a failure of its own (so that
+    /// they name the rank that caused it, not this one). A disagreement is never overwritten.
+    fn report_failure(&self, word: u32) {
+        let mine = self.disagreed(self.rank);
+        if mine.load(Ordering::Relaxed) == SAW_DISAGREEMENT {
+            return;
+        }
+        mine.store(word, Ordering::Release);
         self.generation().fetch_add(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
         if self.sleepers().load(Ordering::Relaxed) > 0 {
@@ -486,6 +500,13 @@ impl Arena {
                 u32::MAX,
             );
         }
+    }
+
+    /// Says in the arena that this rank's collectives failed elsewhere (its group broke: a
+    /// rank died, say, seen on the links), before it stops taking part: the ranks waiting for
+    /// it then name another lost rank before this one, once its process ends.
+    pub fn report_failed(&self) {
+        self.report_failure(FAILED);
     }
 
     /// The arena's generation (the line after the ranks'): every rank bumps it after each
@@ -537,16 +558,17 @@ impl Arena {
         }
         check_reductions(plan)?;
         let reported = reported_disagreement(self.world, self.rank, |q| {
-            self.disagreed(q).load(Ordering::Acquire) != 0
+            self.disagreed(q).load(Ordering::Acquire) == SAW_DISAGREEMENT
         });
         let result = match reported {
             Some(failure) => Err(failure),
             None => self.phases(plan, buffer, bounds, give_up.as_mut()).await,
         };
         result.map_err(|failure| {
-            if matches!(failure, ArenaFailure::Disagreement { .. }) {
-                self.report_disagreement();
-            }
+            self.report_failure(match failure {
+                ArenaFailure::Disagreement { .. } => SAW_DISAGREEMENT,
+                _ => FAILED,
+            });
             self.state.fail(failure).into()
         })
     }
@@ -639,13 +661,22 @@ impl Arena {
 
     /// What this rank knows of rank `q`'s end: its process (the pidfd), then the group.
     fn lost(&self, q: usize, bounds: &Bounds<'_>) -> Option<Lost> {
-        if self.disagreed(q).load(Ordering::Acquire) != 0 {
+        let end = if self.pidfds[q].as_ref().is_some_and(exited) {
+            Some(Lost::Died)
+        } else {
+            (bounds.gone)(q).map(Lost::Gone)
+        };
+        // Read after the look at its end: what it said before it ended is seen.
+        let said = self.disagreed(q).load(Ordering::Acquire);
+        if said == SAW_DISAGREEMENT {
             return Some(Lost::Disagreed);
         }
-        if self.pidfds[q].as_ref().is_some_and(exited) {
-            return Some(Lost::Died);
-        }
-        (bounds.gone)(q).map(Lost::Gone)
+        let end = end?;
+        Some(if said == FAILED {
+            Lost::EndedAfterFailing
+        } else {
+            end
+        })
     }
 
     /// Waits until each rank of `targets` has published its counter value: polls them all (or

@@ -67,6 +67,11 @@ pub enum Lost {
     /// It saw ranks run different collectives (or one with other arguments) and said so in
     /// the arena: it fails that collective and every later one, so it will not publish again.
     Disagreed,
+    /// Its process ended (or the group says it is gone) after a collective of its own had
+    /// failed, as it said in the arena: a consequence, not a cause. It is named only when no
+    /// other awaited rank is lost (a rank that failed because another died, and then exited,
+    /// would otherwise be blamed for that death).
+    EndedAfterFailing,
 }
 
 /// Why a collective through the arena failed. Every later collective through the same arena
@@ -197,6 +202,7 @@ impl ArenaWait {
         if missing.is_empty() {
             return WaitStep::Done;
         }
+        let mut after_failing = None;
         for q in &missing {
             let Some(end) = lost(*q) else { continue };
             // A rank may publish and then leave (or exit) between the read of its counter above
@@ -209,7 +215,14 @@ impl ArenaWait {
                 Lost::Died => ArenaFailure::Died { rank: *q },
                 Lost::Gone(reason) => ArenaFailure::Gone { rank: *q, reason },
                 Lost::Disagreed => ArenaFailure::DisagreementReported { rank: *q },
+                Lost::EndedAfterFailing => {
+                    after_failing.get_or_insert(*q);
+                    continue;
+                }
             });
+        }
+        if let Some(rank) = after_failing {
+            return WaitStep::Failed(ArenaFailure::Died { rank });
         }
         let missing = self.missing(&counter);
         if missing.is_empty() {
@@ -414,6 +427,28 @@ mod tests {
             Some(ArenaFailure::DisagreementReported { rank: 3 })
         );
         assert_eq!(reported_disagreement(4, 1, |q| q == 1), None);
+    }
+
+    #[test]
+    fn a_rank_that_ended_after_its_own_failure_is_named_only_when_no_other_is_lost() {
+        // Rank 0 failed because rank 2 died, and exited; rank 1 still waits for both.
+        let t0 = Instant::now();
+        let wait = ArenaWait::new(vec![(0, 3), (2, 3)], t0 + T, T);
+        let lost = |q: usize| match q {
+            0 => Some(Lost::EndedAfterFailing),
+            2 => Some(Lost::Died),
+            _ => None,
+        };
+        assert_eq!(
+            wait.step(|_| 2, t0, lost),
+            WaitStep::Failed(ArenaFailure::Died { rank: 2 })
+        );
+        // Alone, it is named (its process did end).
+        let lost = |q: usize| (q == 0).then_some(Lost::EndedAfterFailing);
+        assert_eq!(
+            wait.step(|_| 2, t0, lost),
+            WaitStep::Failed(ArenaFailure::Died { rank: 0 })
+        );
     }
 
     #[test]

@@ -361,9 +361,6 @@ impl Group {
     ) -> Result<(), ProcessGroupError> {
         let seq = turn.seq;
         let mesh = &self.inner.mesh;
-        if let Some(e) = mesh.broken() {
-            return Err(e);
-        }
         let arena = match &mut *turn.slot {
             ArenaSlot::Ready(arena) => arena,
             ArenaSlot::Failed(e) => return Err(e.clone()),
@@ -371,6 +368,13 @@ impl Group {
                 unreachable!("a turn is handed out only for a set-up arena")
             }
         };
+        if let Some(e) = mesh.broken() {
+            // Said in the arena before this rank stops taking part, so that the ranks still
+            // waiting for it, once its process ends, name the rank that broke the group rather
+            // than this one.
+            arena.report_failed();
+            return Err(e);
+        }
         let plan = plan.map_err(|source| ProcessGroupError::Arguments { collective, source })?;
         let timeout = self.inner.timeout;
         let runtime = &**mesh.runtime();
