@@ -491,6 +491,12 @@ impl Arena {
             return;
         }
         mine.store(word, Ordering::Release);
+        self.announce();
+    }
+
+    /// Bumps the arena's generation after a publication (a counter, a failure word) and wakes
+    /// the sleepers, if the line says there are any.
+    fn announce(&self) {
         self.generation().fetch_add(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
         if self.sleepers().load(Ordering::Relaxed) > 0 {
@@ -611,15 +617,7 @@ impl Arena {
             tag.store(phase_no, Ordering::Release);
             let value = self.state.posted(!phase.writes.is_empty(), &phase.readers);
             self.counter(self.rank).store(value, Ordering::Release);
-            self.generation().fetch_add(1, Ordering::SeqCst);
-            fence(Ordering::SeqCst);
-            if self.sleepers().load(Ordering::Relaxed) > 0 {
-                let _ = rustix::thread::futex::wake(
-                    self.generation(),
-                    rustix::thread::futex::Flags::empty(),
-                    u32::MAX,
-                );
-            }
+            self.announce();
             self.wait(self.state.phase_waits(phase), bounds, give_up.as_mut())
                 .await?;
             for q in &phase.waits_on {
