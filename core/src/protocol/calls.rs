@@ -27,6 +27,7 @@ impl<B: Payload> Endpoint<B> {
                 kind: RequestKind::Call,
             };
             self.incoming.insert(token);
+            self.hold_named(token, &body);
             let deadline = deadline_after(now, timeout);
             self.deliver_call(token, function.to_owned(), body, deadline);
         } else {
@@ -94,6 +95,9 @@ impl<B: Payload> Endpoint<B> {
     /// ignored (`false`): the application must then not keep the value it made.
     pub fn respond(&mut self, token: RequestToken, outcome: Result<B, RemoteError>) -> bool {
         let answered = self.respond_inner(token, outcome);
+        if answered {
+            self.release_holds(&token);
+        }
         if !self.confirm_waits.is_empty() {
             // A value kept (or failed) here ends the waits for its creation.
             self.settle_confirm_waits(None);
@@ -271,6 +275,9 @@ impl<B: Payload> Endpoint<B> {
                 _ => return,
             };
             self.incoming.insert(token);
+            if let Event::Call { body, .. } | Event::Remote { body, .. } = &event {
+                self.hold_named(token, body);
+            }
             self.events.push_back(event);
             return;
         }

@@ -13,6 +13,7 @@ impl<B: Payload> Endpoint<B> {
         };
         let busy = !o.forks.is_empty()
             || o.local_handles > 0
+            || o.request_holds > 0
             || !o.fetches.is_empty()
             || self.parked_calls.contains_key(&rref);
         let serving = self

@@ -41,6 +41,9 @@ pub struct OwnedInfo {
     pub forks: usize,
     /// Handles held on this worker.
     pub local_handles: u32,
+    /// Requests being served here that name it (as their target, or among their arguments),
+    /// each holding the value until it is answered.
+    pub request_holds: u32,
     /// The value is still being created.
     pub being_created: bool,
 }
@@ -74,6 +77,7 @@ impl<B: Payload> Endpoint<B> {
                 rref: *rref,
                 forks: o.forks.len(),
                 local_handles: o.local_handles,
+                request_holds: o.request_holds,
                 being_created: o.state.is_none(),
             })
             .collect();

@@ -19,8 +19,7 @@ impl<B: Payload> Endpoint<B> {
         now: Instant,
     ) -> Result<(), ProtocolViolation> {
         self.last_now = Some(now);
-        let target = body.as_ref().and_then(Payload::target);
-        self.check_message(from, &header, target)?;
+        self.check_message(from, &header, body.as_ref())?;
         self.count_activity(Some(&header));
         match header {
             Header::Call {
@@ -37,6 +36,7 @@ impl<B: Payload> Endpoint<B> {
                     kind: RequestKind::Call,
                 };
                 self.incoming.insert(token);
+                self.hold_named(token, &body);
                 self.deliver_call(token, function, body, deadline_after(now, timeout));
             }
             Header::Remote {
@@ -96,6 +96,7 @@ impl<B: Payload> Endpoint<B> {
                     kind: RequestKind::Remote(rref),
                 };
                 self.incoming.insert(token);
+                self.hold_named(token, &body);
                 // A method's result (`rref.remote().f()`) on a value still being created waits
                 // for it, as a method call does.
                 self.deliver_call(token, function, body, deadline_after(now, timeout));
@@ -233,14 +234,15 @@ impl<B: Payload> Endpoint<B> {
         }
     }
 
-    /// Whether `from` may send `header` (with a body naming `target`, for a method call),
-    /// judged against what we sent and hold.
+    /// Whether `from` may send `header` (with `body`: a method call's target, the references
+    /// a request passes on), judged against what we sent and hold.
     pub(super) fn check_message(
         &self,
         from: WorkerId,
         header: &Header,
-        target: Option<MethodTarget>,
+        body: Option<&B>,
     ) -> Result<(), ProtocolViolation> {
+        let target = body.and_then(Payload::target);
         let never_issued = |id: MessageId| id <= self.first_id || id > self.next_id;
         let repeated = |id: MessageId, kind: RequestKind| {
             let token = RequestToken { from, id, kind };
@@ -254,9 +256,14 @@ impl<B: Payload> Endpoint<B> {
             Some(t) => self.check_holder(from, t.rref, t.fork, what),
             None => Ok(()),
         };
+        let arguments = || match body {
+            Some(b) => self.check_arguments(from, &b.forks()),
+            None => Ok(()),
+        };
         match *header {
             Header::Call { id, .. } => {
                 method("method call")?;
+                arguments()?;
                 repeated(id, RequestKind::Call)
             }
             Header::Fetch { id, rref, fork, .. } => {
@@ -298,6 +305,7 @@ impl<B: Payload> Endpoint<B> {
             }
             Header::Remote { rref, fork, .. } => {
                 method("remote method call")?;
+                arguments()?;
                 if rref.created_on != from {
                     return Err(ProtocolViolation::ForeignCreation {
                         rref,
@@ -406,6 +414,36 @@ impl<B: Payload> Endpoint<B> {
         }
     }
 
+    /// Whether `from` may pass on the references `forks` in a request's arguments: each was
+    /// forked by `from` itself (their parent), and one owned here through a fork `from`
+    /// holds ([`check_holder`](Self::check_holder)), since the owner holds the value for the
+    /// request from its arrival (`hold_named`) and gives the application a handle on it. Else
+    /// a [`ProtocolViolation::NotAHolder`] naming the fork: a peer never given a reference
+    /// (ids are easy to guess) gets no handle on its value, and cannot pass its fork off as
+    /// ours or another's (a fork whose parent is the receiver takes no handle when accepted,
+    /// so a forged one would make the receiver drop a handle it never took).
+    pub(super) fn check_arguments(
+        &self,
+        from: WorkerId,
+        forks: &[RRefForkData],
+    ) -> Result<(), ProtocolViolation> {
+        const WHAT: &str = "call with the reference in its arguments";
+        for f in forks {
+            if f.parent != from {
+                return Err(ProtocolViolation::NotAHolder {
+                    what: WHAT,
+                    rref: f.rref,
+                    fork: f.fork,
+                    sender: from,
+                });
+            }
+            if f.owner == self.me {
+                self.check_holder(from, f.rref, f.fork, WHAT)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Handles the passing of time: expired calls fail, unacknowledged control messages are
     /// sent again.
     pub fn handle_timeout(&mut self, now: Instant) {
@@ -493,6 +531,17 @@ impl<B: Payload> Endpoint<B> {
         self.unacked.retain(|_, u| u.to != peer);
         self.unacked_to.remove(&peer);
         self.incoming.retain(|t| t.from != peer);
+        // Its requests will never be answered: what they held goes (released below with the
+        // rest, once its forks are dropped from the records).
+        let ended: Vec<RequestToken> = self
+            .holds
+            .keys()
+            .filter(|t| t.from == peer)
+            .copied()
+            .collect();
+        for token in ended {
+            self.release_holds(&token);
+        }
         for parked in self.parked_calls.values_mut() {
             parked.retain(|c| c.token.from != peer);
         }

@@ -52,8 +52,14 @@
 //! - Passing a user RRef to a third worker *forks* it: the parent makes a new fork id and keeps
 //!   its own reference alive until the child says the owner has confirmed the fork
 //!   (fork request child→owner, acknowledged; then child-accept child→parent). Passing it to the
-//!   owner gives the owner a local handle; passing an owner's RRef to a user registers the fork
-//!   at once.
+//!   owner gives the owner a local handle (when its application accepts the fork); passing an
+//!   owner's RRef to a user registers the fork at once.
+//! - A request holds the values owned here that it names — its method call's target, and the
+//!   references a peer passes back to their owner in its arguments — from its arrival until it
+//!   is answered, fails, or its caller is lost, whatever its outcome: the caller's delete of a
+//!   reference it dropped at once travels right behind the call, and must not free the value
+//!   before the function ran (nor leave a hold behind when the arguments never decode). A peer
+//!   may name only forks it holds ([`ProtocolViolation::NotAHolder`]).
 //! - When the last local handle of a user RRef is dropped (and it has no unconfirmed children),
 //!   the user tells the owner (user-delete). When the owner has no forks and no local handles
 //!   left, it emits [`Event::ReleaseValue`].
@@ -688,6 +694,10 @@ struct Owned {
     /// the value is not kept: it counts against that peer's
     /// [`EndpointConfig::pending_forks_per_peer`].
     placeholder_of: Option<WorkerId>,
+    /// Requests being served here that name this reference (as their target, or among their
+    /// arguments from a peer), counted from their arrival until they are answered (see
+    /// `requests::hold_named`): the value stays while one is, whatever arrives behind it.
+    request_holds: u32,
 }
 
 /// A user's record of one fork.
@@ -751,6 +761,10 @@ pub struct Endpoint<B> {
     /// The ids of `unacked`, per destination (for each message's floor, in O(log n)).
     unacked_to: HashMap<WorkerId, BTreeSet<MessageId>>,
     incoming: Serving,
+    /// For each request being served that names references owned here (its target, or
+    /// references a peer passed back to their owner in its arguments), the references it holds
+    /// (`Owned::request_holds`) until it is answered, fails, or its caller is lost.
+    holds: HashMap<RequestToken, Vec<RRefId>>,
     owned: OwnedRecords,
     /// Per peer, the forks it holds of values owned here (the holders in `owned`'s fork
     /// records, counted), bounded by [`EndpointConfig::references_per_peer`].
@@ -908,6 +922,7 @@ impl<B: Payload> Endpoint<B> {
             unacked: HashMap::new(),
             unacked_to: HashMap::new(),
             incoming: Serving::default(),
+            holds: HashMap::new(),
             owned: OwnedRecords::default(),
             references: HashMap::new(),
             used: HashMap::new(),
@@ -1089,6 +1104,7 @@ impl<B: Payload> Endpoint<B> {
         self.unacked_to.clear();
         self.timers.clear();
         self.incoming.clear();
+        self.holds.clear();
         self.parked_calls.clear();
         self.confirm_waits.clear();
         self.held.clear();

@@ -83,6 +83,53 @@ impl<B: Payload> Endpoint<B> {
         body
     }
 
+    /// Request `token` (just admitted, counted as incoming) holds the references owned here
+    /// that its body names, from now until it is answered ([`release_holds`](Self::release_holds)):
+    /// its target, and, from a peer, the references passed back to their owner among its
+    /// arguments. The application takes its own handle on an argument only when it decodes
+    /// the arguments (`accept_fork`), later, and the caller's delete of its fork travels right
+    /// behind the call: without this hold, a caller that drops its reference at once
+    /// (`remote(w, f).rpc_sync().method()`, a temporary passed to its owner) would have the
+    /// value freed before the call ran. A call to ourselves took its arguments' handles when it
+    /// forked them (`fork_for`), so only its target is held. `check_message` has already
+    /// checked that a peer holds every reference its request names; a reference with no
+    /// record here (the creator's own fork of a value whose creation failed) holds nothing.
+    pub(super) fn hold_named(&mut self, token: RequestToken, body: &B) {
+        let me = self.me;
+        let mut named: Vec<RRefId> = body.target().map(|t| t.rref).into_iter().collect();
+        if token.from != me {
+            named.extend(
+                body.forks()
+                    .iter()
+                    .filter(|f| f.owner == me)
+                    .map(|f| f.rref),
+            );
+        }
+        let mut held = Vec::new();
+        for rref in named {
+            if let Some(o) = self.owned.get_mut(&rref) {
+                o.request_holds += 1;
+                held.push(rref);
+            }
+        }
+        if !held.is_empty() {
+            self.holds.insert(token, held);
+        }
+    }
+
+    /// Request `token` ended (answered, refused, or its caller lost): the references it held
+    /// since its arrival ([`hold_named`](Self::hold_named)) are let go, and a value nothing
+    /// else refers to any more is released. Whatever the outcome, so that arguments a failed
+    /// decode never accepted leave nothing behind.
+    pub(super) fn release_holds(&mut self, token: &RequestToken) {
+        for rref in self.holds.remove(token).unwrap_or_default() {
+            if let Some(o) = self.owned.get_mut(&rref) {
+                o.request_holds = o.request_holds.saturating_sub(1);
+            }
+            self.maybe_release(rref);
+        }
+    }
+
     /// Answers request `id` from `from` with [`RemoteErrorKind::Busy`] if `from` already has
     /// its share of requests being served here; whether it did.
     pub(super) fn refused_as_busy(&mut self, from: WorkerId, id: MessageId) -> bool {
@@ -423,6 +470,7 @@ impl<B: Payload> Endpoint<B> {
             _ => {
                 self.incoming.remove(&token);
                 self.reply(token.from, token.id, Err(err));
+                self.release_holds(&token);
             }
         }
     }

@@ -218,8 +218,11 @@ impl<B: Payload> Endpoint<B> {
             });
         }
         if to == handle.owner {
-            // The owner takes a local handle on arrival; our fork outlives the message, since
-            // our delete of it would travel behind it.
+            // Our fork goes back to the owner: no new fork. Our delete of it may travel right
+            // behind the message (a caller that drops its reference at once), so the owner
+            // holds the value for the request from its arrival until it is answered
+            // (`hold_named`), and its application takes its own handle when it decodes the
+            // arguments (`accept_fork`), before the answer.
             return Ok(RRefForkData {
                 rref: handle.rref,
                 fork: handle.fork,

@@ -3108,3 +3108,5 @@ fn the_records_of_a_peer_draw_from_its_budget_and_go_with_it() {
     assert_eq!(owner.budget().held(2), crate::budget::Held::default());
     assert!(owner.pending_counts_agree());
 }
+
+mod holds;

@@ -115,10 +115,13 @@ pub enum ProtocolViolation {
     },
     /// A fetch, method call or remote method on a reference through a fork the sender does
     /// not hold: another worker's, one it deleted, one of another reference, or one never
-    /// made. Only a holder may read a value or call its methods.
+    /// made; or a call (or remote) passing such a fork in its arguments to the owner, or
+    /// passing any fork it did not make itself. Only a holder may read a value, call its
+    /// methods, or hand it to its owner's functions.
     #[error("worker {sender} sent a {what} on remote reference {rref} through fork {fork}, which it does not hold")]
     NotAHolder {
-        /// `fetch`, `method call` or `remote method call`.
+        /// `fetch`, `method call`, `remote method call` or `call with the reference in its
+        /// arguments`.
         what: &'static str,
         /// The reference.
         rref: RRefId,
