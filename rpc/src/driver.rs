@@ -93,7 +93,7 @@ pub(crate) fn on_frame(
         target: b.target,
         data: b.data,
         tensors: b.tensors,
-        forks: Vec::new(),
+        forks: b.forks,
     });
     let handled = this
         .lock()

@@ -55,6 +55,7 @@ pub fn encode_method_header(
     Envelope {
         header: header.clone(),
         target,
+        forks: Vec::new(),
         tensors: tensors.to_vec(),
     }
     .encode()

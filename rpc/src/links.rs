@@ -292,19 +292,24 @@ pub(crate) fn send(
             Header::Shutdown { .. } | Header::ShutdownFailed { .. }
         )
     });
-    let (target, payloads, metas) = match t.body {
+    // A request announces the references in its arguments (their owner holds them from its
+    // arrival); a reply's header carries its own.
+    let request = matches!(t.header, Header::Call { .. } | Header::Remote { .. });
+    let (target, forks, payloads, metas) = match t.body {
         Some(b) => {
             let (metas, bytes): (Vec<_>, Vec<_>) = b.tensors.into_iter().unzip();
             let mut payloads = Vec::with_capacity(1 + bytes.len());
             payloads.push(b.data);
             payloads.extend(bytes);
-            (b.target, payloads, metas)
+            let forks = if request { b.forks } else { Vec::new() };
+            (b.target, forks, payloads, metas)
         }
-        None => (None, vec![], vec![]),
+        None => (None, vec![], vec![], vec![]),
     };
     let envelope = Envelope {
         header: t.header,
         target,
+        forks,
         tensors: metas,
     };
     let header = match envelope.encode() {

@@ -550,3 +550,59 @@ async fn a_reference_received_in_a_result_is_read_and_called_before_its_owner_co
     drop((r, again));
     shutdown_all(agents).await;
 }
+
+/// A reference handed to its owner and dropped by the caller at once (a temporary): as the
+/// target of a method call or of a remote method, or among the arguments of a call or a
+/// `remote`. The caller's delete of its fork travels right behind the request; the owner holds
+/// the value from the request's arrival until it answers, so its handler (which looks the
+/// value up and decodes its arguments later, in a task of its own) still finds it — it found
+/// "no value is kept", or a reference whose value was never created, now and then, when the
+/// owner took its handle only as it decoded. Every value is freed at the end. On a
+/// multi-thread runtime, where handlers run in tasks of their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_temporary_reference_given_to_its_owner_stays_until_the_owner_used_it() {
+    let agents = group(2, None).await;
+    let a = &agents[0];
+    // A value the owner has confirmed: dropped, its delete leaves at once.
+    let made = |n: usize| async move {
+        let r: RRef<Vec<i64>> = a.remote("w1", "make_vec", &n, None).unwrap();
+        r.created().await.unwrap();
+        r
+    };
+    for round in 0..100usize {
+        let n = round % 7 + 1;
+        let total = (0..n as i64).sum::<i64>();
+        // rref.rpc_async().method(), on a temporary.
+        let by_method = made(n)
+            .await
+            .rpc_async::<_, i64>("total", &(), None)
+            .unwrap();
+        // rref.remote().method(), on a temporary.
+        let by_remote: RRef<i64> = made(n).await.remote("total", &(), None).unwrap();
+        // rpc_async(owner, f, args=(temporary,)).
+        let by_argument = a
+            .rpc_async::<_, i64>("w1", "sum", &made(n).await, None)
+            .unwrap();
+        // remote(owner, f, args=(temporary,)).
+        let by_remote_argument: RRef<i64> = a.remote("w1", "sum", &made(n).await, None).unwrap();
+        assert_eq!(by_method.await.unwrap(), total, "round {round}");
+        assert_eq!(
+            by_remote.to_here(None).await.unwrap(),
+            total,
+            "round {round}"
+        );
+        assert_eq!(by_argument.await.unwrap(), total, "round {round}");
+        assert_eq!(
+            by_remote_argument.to_here(None).await.unwrap(),
+            total,
+            "round {round}"
+        );
+    }
+    let owner = &agents[1];
+    wait_until("every value is freed", || {
+        owner.debug_info().kept_values == 0
+    })
+    .await;
+    assert!(owner.debug_info().protocol.owned.is_empty());
+    shutdown_all(agents).await;
+}

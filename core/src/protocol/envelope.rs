@@ -1,12 +1,12 @@
 //! The envelope of every agent message frame (`FrameKind::Message`): the protocol [`Header`],
-//! for a method the reference it is called on, and the metadata of the tensors whose bytes
-//! follow as payloads. Decoding is split in two so that a driver can check the announced
+//! for a method the reference it is called on, for a request the references passed in its
+//! arguments, and the metadata of the tensors whose bytes follow as payloads. Decoding is split in two so that a driver can check the announced
 //! tensors (device IPC) between parsing the envelope and taking the payloads.
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use super::{Header, MalformedMessage, MethodTarget, ProtocolViolation};
+use super::{Header, MalformedMessage, MethodTarget, ProtocolViolation, RRefForkData};
 use crate::codec::{self, Format};
 use crate::tensor::TensorMeta;
 
@@ -19,6 +19,12 @@ pub struct Envelope {
     pub header: Header,
     /// For a method: the reference whose value it is called on, and the caller's fork of it.
     pub target: Option<MethodTarget>,
+    /// For a request (a call or a `remote`): the forks made for the receiver of the references
+    /// inside its arguments ([`Payload::forks`](super::Payload::forks)), so that the receiving
+    /// endpoint checks them and holds the values it owns among them from the request's arrival,
+    /// before anything decodes the arguments. Empty for a reply, whose header carries its own
+    /// ([`Header::Reply`]).
+    pub forks: Vec<RRefForkData>,
     /// The tensors whose bytes follow the encoded value as payloads, in order.
     pub tensors: Vec<TensorMeta>,
 }
@@ -29,6 +35,8 @@ pub struct Envelope {
 pub struct FrameBody {
     /// For a method: the reference whose value it is called on, and the caller's fork of it.
     pub target: Option<MethodTarget>,
+    /// For a request: the forks of the references in its arguments ([`Envelope::forks`]).
+    pub forks: Vec<RRefForkData>,
     /// The encoded arguments or result (the first payload).
     pub data: Bytes,
     /// The tensors, in the order the envelope announced them.
@@ -74,6 +82,7 @@ impl Envelope {
                 }
                 Some(FrameBody {
                     target: self.target,
+                    forks: self.forks,
                     data,
                     tensors: self.tensors.into_iter().zip(bytes).collect(),
                 })
@@ -90,7 +99,7 @@ mod tests {
 
     use super::*;
     use crate::device::Device;
-    use crate::protocol::{GlobalId, MethodTarget};
+    use crate::protocol::{GlobalId, MethodTarget, RRefForkData};
     use crate::tensor::DType;
 
     fn meta() -> TensorMeta {
@@ -119,6 +128,19 @@ mod tests {
                     local: 4,
                 },
             }),
+            forks: vec![RRefForkData {
+                rref: GlobalId {
+                    created_on: 1,
+                    local: 2,
+                },
+                fork: GlobalId {
+                    created_on: 3,
+                    local: 5,
+                },
+                owner: 4,
+                parent: 3,
+                secret: 6,
+            }],
             tensors: vec![meta(); tensors],
         }
     }
@@ -137,6 +159,7 @@ mod tests {
         assert_eq!(header, envelope(0).header);
         let body = body.unwrap();
         assert_eq!(body.target, envelope(0).target);
+        assert_eq!(body.forks, envelope(0).forks);
         assert_eq!(body.data, Bytes::from_static(b"args"));
         assert_eq!(
             body.tensors,

@@ -68,8 +68,11 @@ pub const MAGIC: [u8; 4] = *b"TWFR";
 /// its group ([`crate::protocol::mesh::GroupFrame::Disagreement`]), a gather's answer can
 /// refuse a value beyond its sender's own share
 /// ([`crate::protocol::gather::GatherError::MemberTooManyRounds`]), and a distributed autograd
-/// forward call and its answer say which tensors required grad on their sender.
-pub const VERSION: u8 = 4;
+/// forward call and its answer say which tensors required grad on their sender. 5: a request's
+/// envelope announces the references passed in its arguments
+/// ([`crate::protocol::envelope::Envelope::forks`]), so that their owner holds them from the
+/// request's arrival.
+pub const VERSION: u8 = 5;
 
 /// Length of the fixed prefix in bytes.
 pub const PREFIX_LEN: usize = 20;
