@@ -44,7 +44,7 @@ impl fmt::Display for AgentDebugInfo {
             self.kept_values,
             p.owned
                 .iter()
-                .map(|o| format!("{} ({} forks elsewhere, {} handles here{})", o.rref, o.forks, o.local_handles, if o.being_created { ", being created" } else { "" }))
+                .map(|o| format!("{} ({} forks elsewhere, {} handles here{}{})", o.rref, o.forks, o.local_handles, if o.request_holds > 0 { format!(", held by {} requests being served", o.request_holds) } else { String::new() }, if o.being_created { ", being created" } else { "" }))
                 .collect::<Vec<_>>()
                 .join(", "),
             p.forks

@@ -445,17 +445,7 @@ def _send(
             callee = WorkerInfo(*agent.worker(worker))
         else:
             callee = target.owner()
-        fut, completed = _future(callee)
-        # The references among the arguments, and the target, live until the reply: a caller
-        # that drops its own at once must not release a value the callee has yet to take (an
-        # owner takes a reference passed to it only when it decodes the arguments; taking it
-        # on arrival, in core's endpoint, would be the fix for every caller).
-        held = [*rrefs, target]
-
-        def on_done(outcome: Any) -> None:
-            del held[:]
-            completed(outcome)
-
+        fut, on_done = _future(callee)
         if target is None:
             agent.call(worker, function, payload, tensors, rrefs, _timeout(timeout), on_done)
         else:
@@ -559,11 +549,7 @@ def remote(
         native = agent.remote(worker, _function_name(func), payload, tensors, rrefs, _timeout(timeout))
     except _native.TensorwireError as e:
         raise _runtime_error(e) from e
-    result = RRef(_native_rref=native)
-    # The references among the arguments live as long as the result: a caller that drops its
-    # own at once must not release a value the owner has yet to take.
-    result._arguments = rrefs or None
-    return result
+    return RRef(_native_rref=native)
 
 
 def _decoded(outcome: Any, callee: WorkerInfo, trusted: bool) -> Any:
@@ -736,15 +722,12 @@ class RRef:
     fork).
     """
 
-    __slots__ = ("_native", "_arguments", "__weakref__")
+    __slots__ = ("_native", "__weakref__")
 
     def __init__(self, value: Any = None, type_hint: Any = None, *, _native_rref: Any = None):
         if _native_rref is None:
             _native_rref = _require_agent().local_rref(value)
         self._native = _native_rref
-        # The references the call that creates this value was given (a tracked ``remote``):
-        # kept while this one lives, so that none is released before the owner used it.
-        self._arguments: Any = None
 
     def owner(self) -> WorkerInfo:
         """The worker that owns the value."""
@@ -895,11 +878,7 @@ class _RRefProxy:
                     native = rref._native.remote(name, payload, tensors, rrefs, _timeout(timeout))
                 except _native.TensorwireError as e:
                     raise _runtime_error(e) from e
-                result = RRef(_native_rref=native)
-                # The reference called and those among the arguments live as long as the
-                # result (see `remote`): `rref.remote().method()` on a temporary.
-                result._arguments = (rref, rrefs)
-                return result
+                return RRef(_native_rref=native)
             fut = _send(rref.owner_name(), name, encoded, timeout, target=rref)
             return fut.wait() if mode == "sync" else fut
 

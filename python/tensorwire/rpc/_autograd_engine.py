@@ -382,16 +382,7 @@ def rpc_async(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeo
     from tensorwire import _native, rpc
 
     worker, callee, name, (payload, plain, rrefs, tracked_at, tracked) = _prepare_call(to, func, args, kwargs)
-    fut, completed = _outcome_future(worker, callee)
-
-    def on_done(outcome: Any) -> None:
-        # The references among the arguments live until the reply: a caller that drops its
-        # own at once (``rref.rpc_async().method()`` on a temporary) must not release a value
-        # the callee has yet to use.
-        del held[:]
-        completed(outcome)
-
-    held = list(rrefs)
+    fut, on_done = _outcome_future(worker, callee)
     try:
         native().call(
             context_id, worker, name, payload, plain, rrefs, tracked_at, tracked, rpc._timeout(timeout), on_done
@@ -427,12 +418,7 @@ def remote(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeout:
         )
     except _native.TensorwireError as e:
         raise rpc._runtime_error(e) from e
-    result = rpc.RRef(_native_rref=made)
-    # The references among the arguments live as long as the result's: a caller that drops its
-    # own at once (``rref.remote().method()`` on a temporary) released the value before the
-    # owner's function had used it ("the value is gone").
-    result._arguments = rrefs or None
-    return result
+    return rpc.RRef(_native_rref=made)
 
 
 def fetch_async(context_id: int, rref: Any, timeout: Any) -> torch.futures.Future:
