@@ -85,9 +85,19 @@ def pack_sparse(t: torch.Tensor) -> torch.Tensor:
     header += bytes(-len(header) % 8)  # the indices start 8-byte aligned
     return torch.cat([
         torch.frombuffer(bytearray(header), dtype=torch.uint8),
-        indices.view(-1).view(torch.uint8),
-        values.reshape(-1).view(torch.uint8),
+        _bytes_of(indices),
+        _bytes_of(values),
     ])
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat ``uint8`` view (a copy only for a single element
+    broadcast with stride 0, which counts as contiguous: ``torch.sparse.sum``'s gradient of a
+    one-element tensor is one)."""
+    flat = t.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 def unpack_sparse(buffer: Any) -> torch.Tensor:
@@ -147,6 +157,10 @@ def export_tensor(t: torch.Tensor) -> tuple:
         packed = pack_sparse(t)
         return "uint8", tuple(packed.shape), packed
     prepared = _serialize._prepare(t)
+    if prepared.dtype == torch.uint8:
+        # uint8 on the wire is the packed form: no tensor that requires grad (nor any gradient)
+        # is a dense uint8 one, and none may be taken for a packed one.
+        raise ValueError("a dense uint8 tensor cannot travel as a tracked tensor or a gradient")
     return str(prepared.dtype).removeprefix("torch."), tuple(prepared.shape), prepared
 
 
