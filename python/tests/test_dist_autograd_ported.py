@@ -1,6 +1,6 @@
 """Tests ported from PyTorch's torch/testing/_internal/distributed/rpc/dist_autograd_test.py
-(42 of its 102 tests: the dense, CPU, non-TorchScript ones that use the public API, and
-``_retrieve_context``, which tensorwire provides), run as PyTorch runs them: every rank of a
+(62 of its 102 tests: the CPU, non-TorchScript ones that use the public API, dense and sparse,
+and ``_retrieve_context``, which tensorwire provides), run as PyTorch runs them: every rank of a
 world of 4 runs the test body at once (one long-lived world runs the bodies one after another:
 see ``ported_fixture.World``). Failing ones are ``xfail(strict=True)`` in ``FAILING``, with
 what differs.
@@ -8,31 +8,33 @@ what differs.
 Changes from PyTorch's text: the imports (``tensorwire.rpc`` for ``torch.distributed.rpc``,
 ``tensorwire.rpc.dist_autograd`` for ``torch.distributed.autograd``, ``ported_fixture`` for
 ``dist_utils``: ``initialize_pg``, ``wait_until_node_failure``, ``dist_init``); the functions
-called remotely are exposed (``@rpc.expose``, and ``torch.split`` and
-``torch.linalg.multi_dot``, which are not among tensorwire's default operations);
+called remotely are exposed (``@rpc.expose``, and ``torch.split``,
+``torch.linalg.multi_dot`` and ``torch.nn.EmbeddingBag``, which are not among tensorwire's
+default operations);
 ``self.assertEqual`` on tensors is ``torch.testing.assert_close`` (PyTorch's
 ``TestCase.assertEqual`` compares tensors with the same default tolerances), the other
 ``self.assert*`` are ``assert`` and ``pytest.raises``; the test class's helpers are module
 functions or static methods of a ``_Case`` object (``DistAutogradTest.f`` is ``_Case.f``);
 ``@dist_init`` is kept only where it says ``clean_shutdown=False`` (every body here expects RPC
-up); the shared helpers lose their sparse branches (no sparse test is ported). Tests changed
-beyond that say why in their docstring.
+up). The sparse tests are those of PyTorch's ``TensorPipeAgentDistAutogradTest`` (17 of its
+30 ``*_sparse`` tests and ``test_embedding_bag_with_no_grad_tensors``) and
+``test_no_grad_copy_sparse`` and ``test_grad_copy_sparse_indices_extra_ref``: 20 of PyTorch's
+33 sparse tests; the helpers they share with the dense tests keep PyTorch's text, sparse
+branches included. Tests changed beyond that say why in their docstring.
 
-Not ported (60), by reason:
+Not ported (40), by reason:
 
-- sparse tensors (tensorwire's Python layer has no sparse gradients): the 30 ``*_sparse``
-  tests of ``TensorPipeAgentDistAutogradTest``, ``test_embedding_bag_with_no_grad_tensors``
-  (a sparse ``EmbeddingBag``), ``test_no_grad_copy_sparse``,
-  ``test_grad_copy_sparse_indices_extra_ref``;
 - the graph's send/recv functions and the context's internals (``_send_functions``,
-  ``_recv_functions``, ``_known_worker_ids``, ``_new_context``, ``_release_context``):
-  the 8 ``test_graph_for_*`` tests, ``test_no_graph_with_tensors_not_require_grad``,
+  ``_recv_functions``, ``_known_worker_ids``, ``_new_context``, ``_release_context``), dense
+  and sparse alike (tensorwire's send and recv are records in the native driver, not nodes of
+  torch's graph): the 8 ``test_graph_for_*`` tests and their 8 ``*_sparse`` twins,
+  ``test_no_graph_with_tensors_not_require_grad``,
   ``test_no_graph_with_tensors_not_require_grad_remote``, ``test_rpc_complex_args``,
-  ``test_remote_complex_args``, ``test_worker_ids_recorded``,
-  ``test_clean_context_during_backward``;
+  ``test_remote_complex_args`` and their 4 ``*_sparse`` twins, ``test_worker_ids_recorded``,
+  ``test_clean_context_during_backward`` (26);
 - torch's agent debug counters (``_get_debug_info``): ``test_debug_info``;
 - the profiler integration of torch's engine: ``test_dist_autograd_profiling``;
-- TorchScript: ``test_backward_simple_script_call``,
+- TorchScript: ``test_backward_simple_script_call``, ``test_backward_simple_script_call_sparse``,
   ``test_trainer_ps_torchscript_functions``;
 - a deliberate difference: ``test_backward_unused_send_function`` asserts that FAST mode
   hangs on a call whose result is unused; tensorwire's backward completes (the
