@@ -229,6 +229,8 @@ def hostile(rank: int, world: int) -> None:
                                         [torch.tensor([[1, 0], [1, 1]]), values], "coalesced"),
             "values that do not fit": (_sparse_pid(0, (2, 2), 1, (3,), (3, 3)),
                                        [torch.tensor([[0, 1], [1, 1]]), torch.ones(3)], "values of shape"),
+            "a size beyond int64": (_sparse_pid(0, (1, 1), 1, (1,), (1 << 70,)),
+                                    [torch.tensor([[0]]), torch.ones(1)], r"\('sparse_coo'"),
             "a part that is not there": (_sparse_pid(0, (2, 2), 5, (2,), (3, 3)), [indices, values],
                                          r"\('sparse_coo'"),
         }

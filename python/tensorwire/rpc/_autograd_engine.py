@@ -118,6 +118,8 @@ def unpack_sparse(buffer: Any) -> torch.Tensor:
     if n < start:
         raise RefusedError(f"a packed sparse tensor from {origin} cut short in its size")
     size = struct.unpack_from(f"<{ndim}Q", view, _PACKED_HEADER.size)
+    if any(d >= 1 << 63 for d in size):
+        raise RefusedError(f"a packed sparse tensor from {origin} of size {size}, beyond int64")
     start += -start % 8
     dtype = _serialize._DTYPES[_PACKED_DTYPES[code]]
     itemsize = torch.empty((), dtype=dtype).element_size()

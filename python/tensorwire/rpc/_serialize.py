@@ -134,7 +134,7 @@ def build_sparse(
             return torch.sparse_coo_tensor(
                 indices, values, size, check_invariants=True, is_coalesced=coalesced
             )
-        except (RuntimeError, ValueError, TypeError) as e:
+        except (RuntimeError, ValueError, TypeError, OverflowError) as e:
             problem = str(e)
     raise RefusedError(f"a malformed sparse tensor from {origin}: {problem}")
 
@@ -265,7 +265,7 @@ class _Unpickler(pickle.Unpickler):
         _, indices_id, values_id, size, coalesced, requires_grad = pid
         if not (
             isinstance(size, tuple)
-            and all(type(d) is int and d >= 0 for d in size)
+            and all(type(d) is int and 0 <= d < 1 << 63 for d in size)
             and type(coalesced) is bool
             and type(requires_grad) is bool
         ):
