@@ -5,9 +5,8 @@
 //!
 //! # Layout
 //! A memfd sealed against resizing, holding one 64-byte line per rank (its phase counter, the
-//! signatures of its last two phases, and whether it saw a disagreement), one
-//! line for the arena's generation (bumped after every publication; sleepers wait on it, and
-//! count themselves there) and then a slot per rank in two halves of
+//! signatures of its last two phases, what it said of its failures, and whether it sleeps)
+//! and then a slot per rank in two halves of
 //! [`Arena::slot_bytes`] bytes (`arena_bytes / (2 × world)`, rounded down to 64; see
 //! [`DEFAULT_ARENA_BYTES`]). The memory is shared by every rank of the group on the host, so a
 //! rank that writes outside its slot harms its group's results (never another group's, never
@@ -22,6 +21,8 @@
 //! the other end runs as the same user with the process id that rank announced, then sends the
 //! memfd with `SCM_RIGHTS` (as the shared-memory transport sends its rings); the rank checks the
 //! leader's process id the same way, the memfd's size and seals, and maps it ([`Arena::join`]).
+//! With the memfd come the group's wake-up descriptors: an eventfd per rank, made by the
+//! leader, [`sock::MAX_FDS`] to a packet; the rank checks that each is an eventfd.
 //!
 //! # Waiting, and ranks that die or stop
 //! What a wait decides (whom it still waits for, when to look again, which failure) is core's
@@ -29,9 +30,9 @@
 //! them for the spin budget (the shared-memory transport's,
 //! [`ShmConfig::spin`](crate::ShmConfig::spin); yielding instead of polling when the process may
 //! run on one core only; the budget is CPU time, measured on the system's clock), then sleeps
-//! until the arena's generation moves (a futex, waited on by a thread of the arena's own, so that
-//! the waiting task's thread, and other ranks polled by the same task, go on running; the writer
-//! wakes sleepers only when the line says there are some), or until the time
+//! until its eventfd is written (the runtime's reactor waits on it, so the waiting task's thread
+//! goes on running other tasks and no thread of the arena's own is woken in between: a writer
+//! wakes the ranks whose line says they sleep, after each publication), or until the time
 //! [`WaitStep::Sleep`] names on the **group's clock** (the [`Runtime`] the collective is run
 //! with: deadlines follow it, virtual time included), or until the caller gives up. After each
 //! sleep it checks the processes of the ranks it still waits for (a `pidfd`, readable once that
@@ -66,8 +67,11 @@ pub const DEFAULT_ARENA_BYTES: usize = 32 << 20;
 /// The largest arena a rank accepts.
 pub const MAX_ARENA_BYTES: usize = 1 << 34;
 
-/// Bytes of a rank's line (its counter), and of the generation's line.
+/// Bytes of a rank's line.
 const LINE: usize = 64;
+
+/// Where in a rank's line it says that it sleeps (a word: 1 while it waits on its eventfd).
+const SLEEPING_AT: usize = 44;
 
 /// A rank's failure word: it saw ranks run different collectives.
 const SAW_DISAGREEMENT: u32 = 1;
@@ -168,7 +172,7 @@ fn setup(what: &str) -> impl FnOnce(std::fmt::Arguments<'_>) -> ArenaError + '_ 
 
 fn segment_len(world: usize, arena_bytes: usize) -> (usize, usize) {
     let slot = arena::slot_bytes(arena_bytes, world);
-    (slot, LINE * (world + 1) + 2 * world * slot)
+    (slot, LINE * world + 2 * world * slot)
 }
 
 /// The leader's side of the setup: the segment, and the socket the other ranks fetch it from.
@@ -176,6 +180,8 @@ pub struct ArenaHost {
     listener: tokio::io::unix::AsyncFd<OwnedFd>,
     name: String,
     fd: OwnedFd,
+    /// Every rank's eventfd, by rank.
+    wakes: Vec<OwnedFd>,
     world: usize,
     arena_bytes: usize,
 }
@@ -208,6 +214,15 @@ impl ArenaHost {
             .map_err(|e| ArenaError::Setup(format!("memfd: {e}")))?;
         rustix::fs::fcntl_add_seals(&fd, RING_SEALS | rustix::fs::SealFlags::SEAL)
             .map_err(|e| setup("sealing the arena")(format_args!("{e}")))?;
+        let wakes = (0..world)
+            .map(|_| {
+                rustix::event::eventfd(
+                    0,
+                    rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| setup("the arena's eventfds")(format_args!("{e}")))?;
         let name = format!(
             "tensorwire-arena:{:016x}{:016x}",
             rand::random::<u64>(),
@@ -227,6 +242,7 @@ impl ArenaHost {
             listener,
             name,
             fd,
+            wakes,
             world,
             arena_bytes,
         })
@@ -293,10 +309,14 @@ impl ArenaHost {
                 let header = [self.world as u64, self.arena_bytes as u64]
                     .map(u64::to_le_bytes)
                     .concat();
-                if sock::send_packet(&conn, &header, &[self.fd.as_fd()])
-                    .await
-                    .is_ok()
-                {
+                let mut sent = sock::send_packet(&conn, &header, &[self.fd.as_fd()]).await;
+                for wakes in self.wakes.chunks(sock::MAX_FDS) {
+                    let fds: Vec<_> = wakes.iter().map(AsFd::as_fd).collect();
+                    if sent.is_ok() {
+                        sent = sock::send_packet(&conn, &[1], &fds).await;
+                    }
+                }
+                if sent.is_ok() {
                     missing[claimed] = false;
                 }
             }
@@ -311,7 +331,15 @@ impl ArenaHost {
                 )));
             }
         }
-        Arena::over(self.fd, rank, self.world, self.arena_bytes, pids, spin)
+        Arena::over(
+            self.fd,
+            self.wakes,
+            rank,
+            self.world,
+            self.arena_bytes,
+            pids,
+            spin,
+        )
     }
 }
 
@@ -326,8 +354,10 @@ pub struct Arena {
     pids: Vec<u32>,
     pidfds: Vec<Option<OwnedFd>>,
     spin: SpinPolicy,
-    /// The thread that sleeps on the generation for this rank's waits (started by the first).
-    sleeper: Option<Sleeper>,
+    /// Every rank's eventfd, by rank: a writer wakes a sleeping rank through it.
+    wakes: Vec<OwnedFd>,
+    /// This rank's eventfd (a duplicate), registered with the runtime's reactor: it sleeps on it.
+    woken: tokio::io::unix::AsyncFd<OwnedFd>,
 }
 
 impl std::fmt::Debug for Arena {
@@ -392,7 +422,26 @@ impl Arena {
                 )));
             }
             let fd = packet.fds.pop().expect("one descriptor");
-            Arena::over(fd, rank, world, bytes, pids, spin)
+            let mut wakes = Vec::with_capacity(world);
+            while wakes.len() < world {
+                let expected = (world - wakes.len()).min(sock::MAX_FDS);
+                let packet = sock::recv_packet(&conn, &mut [0])
+                    .await
+                    .map_err(|e| setup("receiving the arena's eventfds")(format_args!("{e}")))?;
+                if packet.len != 1 || packet.fds.len() != expected || packet.truncated {
+                    return Err(ArenaError::Setup(format!(
+                        "the leader sent {} eventfds in a packet where {expected} were due",
+                        packet.fds.len()
+                    )));
+                }
+                wakes.extend(packet.fds);
+            }
+            if let Some(other) = wakes.iter().position(|fd| !is_eventfd(fd)) {
+                return Err(ArenaError::Setup(format!(
+                    "the leader's wake-up descriptor for rank {other} is not an eventfd"
+                )));
+            }
+            Arena::over(fd, wakes, rank, world, bytes, pids, spin)
         };
         runtime.timeout_at(deadline, fetch).await.map_err(|_| {
             ArenaError::Setup(format!(
@@ -403,6 +452,7 @@ impl Arena {
 
     fn over(
         fd: OwnedFd,
+        wakes: Vec<OwnedFd>,
         rank: usize,
         world: usize,
         arena_bytes: usize,
@@ -414,6 +464,11 @@ impl Arena {
             .map_err(|e| ArenaError::Setup(format!("the arena's memfd: {e}")))?;
         let map = Mapping::map(&fd, len, true, false)
             .map_err(|e| ArenaError::Setup(format!("mapping the arena: {e}")))?;
+        let woken = (|| -> std::io::Result<_> {
+            let mine = wakes.get(rank).ok_or(std::io::ErrorKind::NotFound)?;
+            sock::register(mine.try_clone()?, tokio::io::Interest::READABLE)
+        })()
+        .map_err(|e| setup("this rank's eventfd")(format_args!("{e}")))?;
         let me = std::process::id();
         let pidfds = pids
             .iter()
@@ -434,7 +489,8 @@ impl Arena {
             pids: pids.to_vec(),
             pidfds,
             spin: SpinPolicy::new(spin, one_core()),
-            sleeper: None,
+            woken,
+            wakes,
         })
     }
 
@@ -494,18 +550,32 @@ impl Arena {
         self.announce();
     }
 
-    /// Bumps the arena's generation after a publication (a counter, a failure word) and wakes
-    /// the sleepers, if the line says there are any.
+    /// Wakes, after a publication (a counter, a failure word), every other rank whose line
+    /// says it sleeps. Paired with [`Arena::sleep_flag`]'s fence: either the sleeper sees the
+    /// publication before it sleeps, or this sees its word and writes its eventfd.
     fn announce(&self) {
-        self.generation().fetch_add(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
-        if self.sleepers().load(Ordering::Relaxed) > 0 {
-            let _ = rustix::thread::futex::wake(
-                self.generation(),
-                rustix::thread::futex::Flags::empty(),
-                u32::MAX,
-            );
+        for (q, wake) in self.wakes.iter().enumerate() {
+            if q != self.rank && self.sleeping(q).load(Ordering::Relaxed) != 0 {
+                // Only a full counter (2^64 - 2 unread wake-ups) refuses: it is readable then.
+                let _ = rustix::io::write(wake, &1u64.to_ne_bytes());
+            }
         }
+    }
+
+    /// Rank `rank`'s sleeping word (at [`SLEEPING_AT`] in its line; a rank writes only its
+    /// own).
+    fn sleeping(&self, rank: usize) -> &AtomicU32 {
+        // SAFETY: bytes 44 to 48 of line `rank`, 4-byte aligned, in the mapping.
+        unsafe { &*(self.map.ptr().add(rank * LINE + SLEEPING_AT) as *const AtomicU32) }
+    }
+
+    /// Says in this rank's line whether it sleeps. Set before the look that precedes a sleep,
+    /// with a fence between (see [`Arena::announce`]).
+    fn sleep_flag(&self, on: bool) {
+        self.sleeping(self.rank)
+            .store(u32::from(on), Ordering::Relaxed);
+        fence(Ordering::SeqCst);
     }
 
     /// Says in the arena that this rank's collectives failed elsewhere (its group broke: a
@@ -515,23 +585,12 @@ impl Arena {
         self.report_failure(FAILED);
     }
 
-    /// The arena's generation (the line after the ranks'): every rank bumps it after each
-    /// publication, and sleepers wait on it, so one sleep covers a wait on several ranks.
-    fn generation(&self) -> &AtomicU32 {
-        words(&self.map, self.world * LINE).0
-    }
-
-    /// How many ranks sleep on the generation (4 bytes further into its line).
-    fn sleepers(&self) -> &AtomicU32 {
-        words(&self.map, self.world * LINE).1
-    }
-
     fn slot_ptr(&self, rank: usize, half: usize) -> *mut u8 {
         // SAFETY: within the mapping: LINE·world + (2·rank + half + 1)·slot ≤ its length.
         unsafe {
             self.map
                 .ptr()
-                .add(LINE * (self.world + 1) + (2 * rank + half) * self.slot)
+                .add(LINE * self.world + (2 * rank + half) * self.slot)
         }
     }
 
@@ -678,7 +737,7 @@ impl Arena {
     }
 
     /// Waits until each rank of `targets` has published its counter value: polls them all (or
-    /// yields) for the spin budget, then sleeps until the generation moves, the time core's
+    /// yields) for the spin budget, then sleeps until its eventfd is written, the time core's
     /// [`ArenaWait`] names on the group's clock, or the caller gives up; after each sleep, core
     /// decides on what the counters, the clock and the ranks' processes say.
     async fn wait(
@@ -718,38 +777,40 @@ impl Arena {
                 SpinStep::Sleep => break,
             }
         }
-        loop {
-            let seen = self.generation().load(Ordering::SeqCst);
+        self.sleep_flag(true);
+        let result = loop {
             let step = wait.step(
                 |q| self.counter_value(q),
                 bounds.runtime.now(),
                 |q| self.lost(q, bounds),
             );
             let until = match step {
-                WaitStep::Done => return Ok(()),
-                WaitStep::Failed(failure) => return Err(failure),
+                WaitStep::Done => break Ok(()),
+                WaitStep::Failed(failure) => break Err(failure),
                 WaitStep::Sleep { until } => until,
             };
-            let woken = self.sleeper().sleep(seen);
             tokio::select! {
                 biased;
                 after = give_up.as_mut() => {
-                    return match wait.expire(|q| self.counter_value(q), after) {
+                    break match wait.expire(|q| self.counter_value(q), after) {
                         Some(failure) => Err(failure),
                         None => Ok(()),
                     };
                 }
-                _ = woken => {}
+                ready = self.woken.readable() => {
+                    // One read empties the counter: every wake-up so far. A write after it
+                    // is a new readiness, which clearing this one keeps. A reactor error
+                    // leaves the clock to wake us (the look below runs either way).
+                    if let Ok(mut ready) = ready {
+                        let _ = rustix::io::read(self.woken.get_ref(), &mut [0u8; 8]);
+                        ready.clear_ready();
+                    }
+                }
                 () = bounds.runtime.sleep_until(until) => {}
             }
-        }
-    }
-
-    /// The sleeper thread, started on first use.
-    fn sleeper(&mut self) -> &Sleeper {
-        let (map, at) = (&self.map, self.world * LINE);
-        self.sleeper
-            .get_or_insert_with(|| Sleeper::start(map.clone(), at))
+        };
+        self.sleep_flag(false);
+        result
     }
 }
 
@@ -774,143 +835,12 @@ fn check_reductions(plan: &ArenaPlan) -> Result<(), ArenaError> {
     Ok(())
 }
 
-/// The thread that sleeps on the arena's generation for one rank's waits: a futex wait of at
-/// most [`LIVENESS_PERIOD`] for the latest request (the waiting task also sleeps on the group's
-/// clock, and looks again when either ends; a request it no longer waits for is replaced by its
-/// next). A thread of its own, not the runtime's blocking pool: tokio holds a paused clock still
-/// while a blocking task runs, and the group's clock must be free to reach the deadline. It
-/// counts itself among the sleepers while it sleeps, so that writers wake it.
-struct Sleeper {
-    shared: Arc<SleeperState>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-/// The request slot between a [`Sleeper`] and the task that asks it to sleep.
-struct SleeperState {
-    request: std::sync::Mutex<Request>,
-    ready: std::sync::Condvar,
-    map: Arc<Mapping>,
-    at: usize,
-}
-
-#[derive(Default)]
-struct Request {
-    /// The generation seen, and who to tell once it moved (or the period passed).
-    next: Option<(u32, tokio::sync::oneshot::Sender<()>)>,
-    stop: bool,
-}
-
-impl Sleeper {
-    fn start(map: Arc<Mapping>, at: usize) -> Self {
-        let shared = Arc::new(SleeperState {
-            request: std::sync::Mutex::new(Request::default()),
-            ready: std::sync::Condvar::new(),
-            map,
-            at,
-        });
-        let state = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name("tw-arena-sleeper".into())
-            .spawn(move || state.serve())
-            .ok();
-        Sleeper { shared, thread }
-    }
-
-    /// Resolves once the generation is no longer `seen`, or after [`LIVENESS_PERIOD`] (or
-    /// never, should the thread not have started: the caller's sleep on its clock still ends).
-    fn sleep(&self, seen: u32) -> impl Future<Output = ()> + Send + 'static {
-        let (done, woken) = tokio::sync::oneshot::channel();
-        let sent = self.thread.is_some();
-        if sent {
-            let mut request = self
-                .shared
-                .request
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            request.next = Some((seen, done));
-            self.shared.ready.notify_one();
-        }
-        async move {
-            if !sent || woken.await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        }
-    }
-}
-
-impl SleeperState {
-    fn serve(&self) {
-        let ts = rustix::thread::futex::Timespec {
-            tv_sec: LIVENESS_PERIOD.as_secs() as i64,
-            tv_nsec: LIVENESS_PERIOD.subsec_nanos() as i64,
-        };
-        let (generation, sleepers) = words(&self.map, self.at);
-        loop {
-            let (seen, done) = {
-                let mut request = self
-                    .request
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                loop {
-                    if request.stop {
-                        return;
-                    }
-                    if let Some(next) = request.next.take() {
-                        break next;
-                    }
-                    request = self
-                        .ready
-                        .wait(request)
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                }
-            };
-            sleepers.fetch_add(1, Ordering::SeqCst);
-            if generation.load(Ordering::SeqCst) == seen {
-                let _ = rustix::thread::futex::wait(
-                    generation,
-                    rustix::thread::futex::Flags::empty(),
-                    seen,
-                    Some(&ts),
-                );
-            }
-            sleepers.fetch_sub(1, Ordering::SeqCst);
-            let _ = done.send(());
-        }
-    }
-}
-
-impl Drop for Sleeper {
-    fn drop(&mut self) {
-        // Told to stop, and woken from its sleep (other sleepers of the arena look again and
-        // sleep on), it ends at once.
-        self.shared
-            .request
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .stop = true;
-        self.shared.ready.notify_one();
-        let (generation, _) = words(&self.shared.map, self.shared.at);
-        let _ = rustix::thread::futex::wake(
-            generation,
-            rustix::thread::futex::Flags::empty(),
-            u32::MAX,
-        );
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-/// The generation and sleepers words of the arena mapped at `map` (the line at `at`).
-fn words(map: &Mapping, at: usize) -> (&AtomicU32, &AtomicU32) {
-    // SAFETY: the line after the ranks' lies in the mapping (the segment has world + 1 lines),
-    // 4-byte aligned, and lives as long as `map`.
-    unsafe {
-        (
-            &*(map.ptr().add(at) as *const AtomicU32),
-            &*(map.ptr().add(at + 4) as *const AtomicU32),
-        )
-    }
+/// Whether `fd` is an eventfd (what a leader must hand out as wake-up descriptors: writing
+/// 8 bytes to anything else, a file say, would change it).
+fn is_eventfd(fd: &OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .is_ok_and(|target| target.as_os_str() == "anon_inode:[eventfd]")
 }
 
 /// Whether the process behind `pidfd` has ended (its pidfd is readable).
@@ -1161,5 +1091,79 @@ mod tests {
             .unwrap_err();
         assert!(err.to_string().contains("ranks [1] did not fetch"), "{err}");
         assert!(join.await.unwrap().is_err());
+    }
+
+    /// A leader that hands out something other than an eventfd as a rank's wake-up (here a
+    /// memfd: a file would have 8 bytes written into it at every wake-up) gives no arena.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_leader_whose_wake_up_descriptor_is_not_an_eventfd_gives_no_arena() {
+        let pids = vec![std::process::id(); 3];
+        let deadline = rt().deadline_after(Duration::from_secs(10));
+        let mut host = ArenaHost::create(3, DEFAULT_ARENA_BYTES).unwrap();
+        host.wakes[2] = mem::memfd("not-an-eventfd", 64).unwrap();
+        let name = host.name().to_owned();
+        let pids2 = pids.clone();
+        let join = tokio::spawn(async move {
+            Arena::join(&name, 1, &pids2, 0, Duration::ZERO, &Tokio, deadline).await
+        });
+        let _ = host
+            .accept(
+                0,
+                &pids,
+                Duration::ZERO,
+                &Tokio,
+                rt().deadline_after(Duration::from_millis(300)),
+            )
+            .await;
+        let err = join.await.unwrap().unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("the leader's wake-up descriptor for rank 2 is not an eventfd"),
+            "{err}"
+        );
+    }
+
+    /// A rank asleep in a wait is woken by the publication it waits for (its eventfd), not by
+    /// the next look the clock brings: on a paused clock it ends when the other rank arrives,
+    /// well before [`LIVENESS_PERIOD`].
+    #[tokio::test(start_paused = true)]
+    async fn a_sleeping_rank_is_woken_by_the_publication_it_waits_for() {
+        let world = 2;
+        let arenas = arenas(world, DEFAULT_ARENA_BYTES).await;
+        let slot = arenas[0].slot_bytes();
+        let late = LIVENESS_PERIOD / 4;
+        let t0 = Tokio.now();
+        let mut tasks = Vec::new();
+        for (r, mut arena) in arenas.into_iter().enumerate() {
+            tasks.push(tokio::spawn(async move {
+                if r == 1 {
+                    Tokio.sleep_until(t0 + late).await;
+                }
+                let plan = arena::barrier(r, world, slot).unwrap();
+                let never = never();
+                tokio::pin!(never);
+                for _ in 0..3 {
+                    arena
+                        .run(
+                            &plan,
+                            &mut [],
+                            &bounds(Duration::from_secs(60)),
+                            never.as_mut(),
+                        )
+                        .await
+                        .unwrap();
+                }
+                Tokio.now()
+            }));
+        }
+        for t in tasks {
+            let ended = t.await.unwrap();
+            assert!(
+                ended < t0 + LIVENESS_PERIOD,
+                "a rank ended {:?} after the start: woken by the clock, not by the publication",
+                ended - t0
+            );
+            assert!(ended >= t0 + late);
+        }
     }
 }

@@ -13,8 +13,9 @@ use rustix::net::{
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
-/// The most file descriptors one packet carries (the ring setup sends three).
-pub(crate) const MAX_FDS: usize = 3;
+/// The most file descriptors one packet carries (the ring setup sends three, the group arena
+/// its eventfds this many at a time).
+pub(crate) const MAX_FDS: usize = 16;
 
 /// The abstract-namespace name of the listener with id `port`.
 pub(crate) fn listener_name(port: u16) -> std::io::Result<SocketAddrUnix> {

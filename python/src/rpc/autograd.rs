@@ -112,7 +112,7 @@ fn export_now(t: &Bound<'_, PyAny>) -> PyResult<Result<Tensor, EngineError>> {
     let Some(dtype) = dtype_of(&name) else {
         return Ok(Err(EngineError(format!(
             "a tensor of torch.{name} requires grad: distributed autograd carries float16, \
-             bfloat16, float32 and float64 tensors"
+             bfloat16, float32 and float64 tensors, dense or sparse COO"
         ))));
     };
     let bytes: Bytes = lent_bytes(out.get_item(2)?)?;
@@ -169,9 +169,13 @@ fn engine_error(py: Python<'_>, e: PyErr) -> EngineError {
 }
 
 /// The name torch gives `dtype` (`torch.float32` is `"float32"`), for the dtypes a tracked
-/// tensor may have (those that can require grad and that tensorwire carries).
+/// tensor may have on the wire: those that can require grad and that tensorwire carries, and
+/// `uint8`, the engine's packed form of a sparse COO tensor (no dense tensor of an integer type
+/// requires grad, so the form is unambiguous; the Python layer packs it, and unpacks it with
+/// torch's invariant checks: `_autograd_engine.pack_sparse`).
 fn dtype_name(dtype: DType) -> Option<&'static str> {
     Some(match dtype {
+        DType::U8 => "uint8",
         DType::F16 => "float16",
         DType::BF16 => "bfloat16",
         DType::F32 => "float32",
@@ -182,6 +186,7 @@ fn dtype_name(dtype: DType) -> Option<&'static str> {
 
 fn dtype_of(name: &str) -> Option<DType> {
     Some(match name {
+        "uint8" => DType::U8,
         "float16" => DType::F16,
         "bfloat16" => DType::BF16,
         "float32" => DType::F32,
@@ -243,7 +248,7 @@ impl AutogradEngine for TorchEngine {
         let dtype = dtype_name(tensor.dtype()).ok_or_else(|| {
             EngineError(format!(
                 "a tracked tensor of {:?}: distributed autograd carries float16, bfloat16, \
-                 float32 and float64 tensors",
+                 float32 and float64 tensors, dense or sparse COO",
                 tensor.dtype()
             ))
         })?;
@@ -319,9 +324,11 @@ impl AutogradEngine for TorchEngine {
         sum: &TorchTensor,
         grad: &TorchTensor,
     ) -> Result<TorchTensor, EngineError> {
+        // torch's AccumulateGrad rules (a sparse sum and a dense gradient make a dense one,
+        // which `sum.add(grad)` refuses) are the Python layer's `accumulate`.
         Python::attach(|py| {
-            sum.bind(py)
-                .call_method1("add", (grad.bind(py),))
+            engine_fn(py, "accumulate")
+                .and_then(|f| f.call1((sum.bind(py), grad.bind(py))))
                 .map(|t| TorchTensor::held(t))
                 .map_err(|e| engine_error(py, e))
         })

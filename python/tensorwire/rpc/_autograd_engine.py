@@ -26,6 +26,8 @@ sends them); ``tracked_at`` says where each tracked tensor goes in the pickle's 
 from __future__ import annotations
 
 import io
+import math
+import struct
 import threading
 from typing import Any, Optional, Sequence
 
@@ -52,14 +54,97 @@ def set_current(context_id: Optional[int]) -> Optional[int]:
 # --- the engine ---------------------------------------------------------------------------
 
 
+#: The element types a tracked tensor (or a gradient) may have, by their code in the packed
+#: form of a sparse one.
+_PACKED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_PACKED_MAGIC = b"twsp"
+#: magic, version, coalesced, values dtype code, padding, number of dimensions, sparse
+#: dimensions, number of specified elements; then the size, one u64 per dimension.
+_PACKED_HEADER = struct.Struct("<4sBBBBIIQ")
+_PACKED_VERSION = 1
+
+
+def pack_sparse(t: torch.Tensor) -> torch.Tensor:
+    """A sparse COO tensor (a tracked one, or a gradient) as the engine hands it to the wire: one
+    ``uint8`` tensor, a header (the values' dtype, the size, the sparse dimensions, the number
+    of elements, whether it is coalesced) then the int64 indices and the values. The wire
+    carries tracked tensors as dense ones, and a gradient has no pickle beside it to say its
+    layout, so the layout travels in the bytes; dense tracked tensors are never ``uint8`` (an
+    integer tensor cannot require grad), so the form is unambiguous."""
+    indices, values, coalesced = _serialize.sparse_parts(t)
+    name = str(values.dtype).removeprefix("torch.")
+    if name not in _PACKED_DTYPES:
+        raise ValueError(
+            f"a sparse tensor of torch.{name} requires grad: distributed autograd carries "
+            "float16, bfloat16, float32 and float64 tensors"
+        )
+    header = _PACKED_HEADER.pack(
+        _PACKED_MAGIC, _PACKED_VERSION, int(coalesced), _PACKED_DTYPES.index(name), 0,
+        t.dim(), t.sparse_dim(), t._nnz(),
+    ) + struct.pack(f"<{t.dim()}Q", *t.shape)
+    header += bytes(-len(header) % 8)  # the indices start 8-byte aligned
+    return torch.cat([
+        torch.frombuffer(bytearray(header), dtype=torch.uint8),
+        _bytes_of(indices),
+        _bytes_of(values),
+    ])
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat ``uint8`` view (a copy only for a single element
+    broadcast with stride 0, which counts as contiguous: ``torch.sparse.sum``'s gradient of a
+    one-element tensor is one)."""
+    flat = t.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
+
+
+def unpack_sparse(buffer: Any) -> torch.Tensor:
+    """The sparse COO tensor :func:`pack_sparse` packed, checked as ``tensorwire.rpc`` checks
+    one it receives (``RefusedError`` for a malformed one: an index out of range, a false
+    coalesced claim, bytes that do not add up)."""
+    origin = "a peer (a tracked sparse tensor or gradient)"
+    view = memoryview(buffer).cast("B")
+    n = len(view)
+    if n < _PACKED_HEADER.size:
+        raise RefusedError(f"a packed sparse tensor from {origin} of {n} bytes, shorter than its header")
+    magic, version, coalesced, code, _, ndim, sparse_dim, nnz = _PACKED_HEADER.unpack_from(view)
+    if magic != _PACKED_MAGIC or version != _PACKED_VERSION or coalesced > 1 or code >= len(_PACKED_DTYPES):
+        raise RefusedError(f"a uint8 tensor from {origin} that is no packed sparse tensor")
+    if not 1 <= sparse_dim <= ndim or ndim > 64:
+        raise RefusedError(f"a packed sparse tensor from {origin} of {ndim} dimensions, {sparse_dim} sparse")
+    start = _PACKED_HEADER.size + 8 * ndim
+    if n < start:
+        raise RefusedError(f"a packed sparse tensor from {origin} cut short in its size")
+    size = struct.unpack_from(f"<{ndim}Q", view, _PACKED_HEADER.size)
+    if any(d >= 1 << 63 for d in size):
+        raise RefusedError(f"a packed sparse tensor from {origin} of size {size}, beyond int64")
+    start += -start % 8
+    dtype = _serialize._DTYPES[_PACKED_DTYPES[code]]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    dense = math.prod(size[sparse_dim:])
+    want = start + 8 * sparse_dim * nnz + itemsize * nnz * dense
+    if want != n:
+        raise RefusedError(f"a packed sparse tensor from {origin} of {n} bytes; its header says {want}")
+    middle = start + 8 * sparse_dim * nnz
+    raw = torch.frombuffer(buffer, dtype=torch.uint8)
+    indices = raw[start:middle].view(torch.int64).view(sparse_dim, nnz)
+    values = raw[middle:].view(dtype).view(nnz, *size[sparse_dim:])
+    return _serialize.build_sparse(indices, values, tuple(size), bool(coalesced), origin)
+
+
 def import_tensor(dtype: str, shape: tuple, buffer: Any, requires_grad: bool) -> torch.Tensor:
     """A received tensor over its bytes; a leaf that records its gradient if it required grad
-    on its sender."""
-    dt = _serialize._DTYPES[dtype]
-    if len(buffer) == 0:
-        t = torch.empty(shape, dtype=dt)
+    on its sender. ``uint8`` is the packed form of a sparse COO tensor (:func:`pack_sparse`)."""
+    if dtype == "uint8":
+        t = unpack_sparse(buffer)
     else:
-        t = torch.frombuffer(buffer, dtype=torch.uint8).view(dt).view(shape)
+        dt = _serialize._DTYPES[dtype]
+        if len(buffer) == 0:
+            t = torch.empty(shape, dtype=dt)
+        else:
+            t = torch.frombuffer(buffer, dtype=torch.uint8).view(dt).view(shape)
     if requires_grad:
         t.requires_grad_(True)
         # A recv leaf: its gradient goes back to the sender (``backward`` says so).
@@ -68,8 +153,16 @@ def import_tensor(dtype: str, shape: tuple, buffer: Any, requires_grad: bool) ->
 
 
 def export_tensor(t: torch.Tensor) -> tuple:
-    """``(dtype name, shape, contiguous CPU tensor without graph)`` of a tensor to send."""
+    """``(dtype name, shape, contiguous CPU tensor without graph)`` of a tensor to send (a
+    sparse COO one packed: :func:`pack_sparse`)."""
+    if t.layout == torch.sparse_coo:
+        packed = pack_sparse(t)
+        return "uint8", tuple(packed.shape), packed
     prepared = _serialize._prepare(t)
+    if prepared.dtype == torch.uint8:
+        # uint8 on the wire is the packed form: no tensor that requires grad (nor any gradient)
+        # is a dense uint8 one, and none may be taken for a packed one.
+        raise ValueError("a dense uint8 tensor cannot travel as a tracked tensor or a gradient")
     return str(prepared.dtype).removeprefix("torch."), tuple(prepared.shape), prepared
 
 
@@ -153,9 +246,9 @@ def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
 
 
 def _obeys_layout_contract(grad: torch.Tensor, leaf: torch.Tensor) -> bool:
-    """torch's ``obeys_layout_contract``: ``grad`` has the layout ``AccumulateGrad`` would
-    keep for ``leaf`` (the leaf's strides if it is dense, else contiguous)."""
-    if _non_overlapping_and_dense(leaf):
+    """torch's ``obeys_layout_contract``: ``grad`` (dense) has the layout ``AccumulateGrad``
+    would keep for ``leaf`` (the leaf's strides if it is dense, else contiguous)."""
+    if leaf.layout == torch.strided and _non_overlapping_and_dense(leaf):
         for size, gs, ls in zip(grad.shape, grad.stride(), leaf.stride()):
             if size != 1 and gs != ls:
                 return False
@@ -170,14 +263,33 @@ def _owned_gradient(grad: torch.Tensor, leaf: torch.Tensor, shared: bool) -> tor
     ``AccumulateGrad`` rules) keeps it: ``grad`` itself when it has the leaf's layout and no
     other leaf got it; else a copy in the leaf's layout. So what ``get_gradients`` returns is
     never an expanded view (``sum()``'s gradient) nor one tensor shared by two leaves, and can
-    be written in place."""
-    if grad.layout != torch.strided or leaf.layout != torch.strided:
+    be written in place. A sparse COO gradient is kept over its own indices and values (a new
+    tensor over them: torch's shallow copy) when both are contiguous and no other leaf got it,
+    else cloned."""
+    if grad.layout == torch.sparse_coo:
+        if not shared and grad._indices().is_contiguous() and grad._values().is_contiguous():
+            # Trusted parts (this worker's engine made them): no invariant checks, as torch's
+            # _sparse_coo_tensor_unsafe.
+            return torch.sparse_coo_tensor(
+                grad._indices(), grad._values(), grad.shape, check_invariants=False
+            )
+        return grad.clone()
+    if grad.layout != torch.strided:
         return grad
     if not shared and _obeys_layout_contract(grad, leaf):
         return grad
-    if _non_overlapping_and_dense(leaf):
+    if leaf.layout == torch.strided and _non_overlapping_and_dense(leaf):
         return torch.empty_strided(leaf.size(), leaf.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
     return grad.clone(memory_format=torch.contiguous_format)
+
+
+def accumulate(total: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """A context's gradient for a leaf plus one more, as ``AccumulateGrad`` sums them: the same
+    layouts stay (sparse and sparse is sparse, uncoalesced), a sparse sum and a dense gradient
+    make a dense one. A new tensor: what ``get_gradients`` returned before is not changed."""
+    if total.layout != torch.strided and grad.layout == torch.strided:
+        return grad + total
+    return total + grad
 
 
 def assign(leaf: torch.Tensor, values: torch.Tensor) -> None:
@@ -194,17 +306,12 @@ def dumps_split(value: Any) -> tuple[bytes, list, list, list, list]:
     ``(payload, untracked, native references, tracked_at, tracked)``; the tracked ones are the
     tensors that require grad, as they are (the native side records them as sent)."""
     buf = io.BytesIO()
-    p = _serialize._Pickler(buf)
+    p = _serialize._Pickler(buf, split=True)
     p.dump(value)
-    originals = [h for h in p._held if isinstance(h, torch.Tensor)]
-    plain, tracked_at, tracked = [], [], []
-    for i, (prepared, original) in enumerate(zip(p.tensors, originals)):
-        if original.requires_grad:
-            tracked_at.append(i)
-            tracked.append(original)
-        else:
-            plain.append(prepared)
-    return buf.getvalue(), plain, p.rrefs, tracked_at, tracked
+    at = set(p.tracked_at)
+    plain = [t for i, t in enumerate(p.tensors) if i not in at]
+    tracked = [p.tensors[i] for i in p.tracked_at]
+    return buf.getvalue(), plain, p.rrefs, list(p.tracked_at), tracked
 
 
 def merge(plain: Sequence[Any], tracked_at: Sequence[int], tracked: Sequence[Any], origin: str) -> list:

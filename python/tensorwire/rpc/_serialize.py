@@ -4,7 +4,11 @@ allow-listing unpickler for what peers send.
 Tensors are not pickled: each is replaced by a persistent id ``("tensor", index, dtype, shape,
 requires_grad)`` and its bytes travel beside the message (contiguous CPU tensors are sent where
 they lie, without a copy; others are made contiguous first). The receiver rebuilds each tensor
-over the received bytes (``torch.frombuffer``).
+over the received bytes (``torch.frombuffer``). A sparse COO tensor travels as its two dense
+parts, ``("sparse_coo", indices id, values id, size, coalesced, requires_grad)`` with the parts'
+ids as above, and is rebuilt with torch's invariant checks on (indices within the size, a
+coalesced claim true), so a peer's malformed one is refused (``RefusedError``) before anything
+uses it. Other layouts (CSR, quantized, ...) are refused at the sender.
 
 Remote references are not pickled either: each ``RRef`` becomes ``("rref", index)`` and the
 agent's own reference travels beside the message, forked for the destination by the agent (the
@@ -69,17 +73,70 @@ def _own_types() -> dict[str, Any]:
     }
 
 
-def _prepare(t: torch.Tensor) -> torch.Tensor:
+def check_carried(t: torch.Tensor) -> None:
+    """Raises if ``t`` is a tensor tensorwire.rpc does not carry: one off the CPU, or of a
+    layout other than dense (strided) and sparse COO, or quantized."""
     if t.device.type != "cpu":
         raise RuntimeError(
             f"tensorwire.rpc carries CPU tensors; this one is on {t.device}: move it to the "
             "CPU first (device maps are validated at init_rpc, but the Python layer does not "
             "carry CUDA tensors yet)"
         )
-    if t.layout != torch.strided or t.is_quantized:
-        raise ValueError(f"tensorwire.rpc carries dense tensors, not {t.layout} ones")
+    if t.layout not in (torch.strided, torch.sparse_coo) or t.is_quantized:
+        raise ValueError(
+            f"tensorwire.rpc carries dense and sparse COO tensors, not {t.layout} ones"
+            + (" (quantized)" if t.is_quantized else "")
+        )
+
+
+def _prepare(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as it travels: detached, contiguous, on the CPU (dense tensors only)."""
+    check_carried(t)
+    if t.layout != torch.strided:
+        raise ValueError(f"a {t.layout} tensor travels as its parts (sparse_parts)")
     t = t.detach().resolve_conj().resolve_neg()
     return t if t.is_contiguous() else t.contiguous()
+
+
+def sparse_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A sparse COO tensor's ``(indices, values, coalesced)``, the parts dense and contiguous
+    (uncoalesced tensors travel as they are: coalescing is the receiver's choice, as in
+    torch)."""
+    check_carried(t)
+    with torch.no_grad():
+        indices, values = t._indices(), t._values()
+    return _prepare(indices), _prepare(values), bool(t.is_coalesced())
+
+
+def build_sparse(
+    indices: torch.Tensor, values: torch.Tensor, size: tuple, coalesced: bool, origin: str
+) -> torch.Tensor:
+    """The sparse COO tensor of these parts, checked as torch checks one with
+    ``check_invariants=True`` (and the shapes of the parts first): ``RefusedError`` naming
+    ``origin`` for one that is malformed (an index out of range, a false coalesced claim, parts
+    that do not fit the size), never a tensor that would crash whatever reads it."""
+    problem = None
+    if indices.dtype != torch.int64 or indices.dim() != 2:
+        problem = f"its indices are {indices.dtype} of shape {tuple(indices.shape)}, not a 2-D int64 tensor"
+    elif values.dim() < 1 or values.shape[0] != indices.shape[1]:
+        problem = (
+            f"it has {indices.shape[1]} indices but values of shape {tuple(values.shape)}"
+        )
+    elif len(size) != indices.shape[0] + values.dim() - 1 or tuple(values.shape[1:]) != tuple(
+        size[indices.shape[0]:]
+    ):
+        problem = (
+            f"indices of shape {tuple(indices.shape)} and values of shape "
+            f"{tuple(values.shape)} do not make a tensor of size {tuple(size)}"
+        )
+    if problem is None:
+        try:
+            return torch.sparse_coo_tensor(
+                indices, values, size, check_invariants=True, is_coalesced=coalesced
+            )
+        except (RuntimeError, ValueError, TypeError, OverflowError) as e:
+            problem = str(e)
+    raise RefusedError(f"a malformed sparse tensor from {origin}: {problem}")
 
 
 #: The Python class of remote references and how to make one from a received native reference
@@ -96,10 +153,18 @@ def register_rref_type(cls: type, wrap: Callable[[Any], Any]) -> None:
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO):
+    """Pickles a value with its tensors and references taken out (see the module's docs).
+
+    With ``split`` (a call in a distributed autograd context), a tensor that requires grad is
+    not prepared: it is put in ``tensors`` as it is, whatever its layout, and its position in
+    ``tracked_at`` (the engine exports it and records it as sent)."""
+
+    def __init__(self, file: io.BytesIO, split: bool = False):
         super().__init__(file, protocol=PROTOCOL)
         self.tensors: list[torch.Tensor] = []
+        self.tracked_at: list[int] = []
         self.rrefs: list[Any] = []
+        self._split = split
         self._seen: dict[int, tuple] = {}
         self._held: list[Any] = []
 
@@ -116,13 +181,28 @@ class _Pickler(pickle.Pickler):
             return None
         pid = self._seen.get(id(obj))
         if pid is None:
-            t = _prepare(obj)
-            dtype = str(t.dtype).removeprefix("torch.")
-            pid = ("tensor", len(self.tensors), dtype, tuple(t.shape), bool(obj.requires_grad))
-            self.tensors.append(t)
+            requires_grad = bool(obj.requires_grad)
+            if self._split and requires_grad:
+                check_carried(obj)
+                self.tracked_at.append(len(self.tensors))
+                pid = self._add(obj, True)
+            elif obj.layout == torch.sparse_coo:
+                indices, values, coalesced = sparse_parts(obj)
+                pid = (
+                    "sparse_coo", self._add(indices, False), self._add(values, False),
+                    tuple(obj.shape), coalesced, requires_grad,
+                )
+            else:
+                pid = self._add(_prepare(obj), requires_grad)
             # Keeps `obj` alive, so that its id is not reused by another tensor meanwhile.
             self._held.append(obj)
             self._seen[id(obj)] = pid
+        return pid
+
+    def _add(self, t: torch.Tensor, requires_grad: bool) -> tuple:
+        dtype = str(t.dtype).removeprefix("torch.")
+        pid = ("tensor", len(self.tensors), dtype, tuple(t.shape), requires_grad)
+        self.tensors.append(t)
         return pid
 
 
@@ -144,6 +224,7 @@ class _Unpickler(pickle.Unpickler):
         self._rrefs = rrefs
         self._rref_objects: dict[int, Any] = {}
         self._tensors: dict[int, torch.Tensor] = {}
+        self._sparse_tensors: dict[tuple[int, int], torch.Tensor] = {}
         self._trusted = trusted
         self._origin = origin
 
@@ -176,6 +257,40 @@ class _Unpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "rref":
             return self._rref(pid[1])
+        if isinstance(pid, tuple) and len(pid) == 6 and pid[0] == "sparse_coo":
+            return self._sparse(pid)
+        return self._dense(pid)
+
+    def _sparse(self, pid: tuple) -> torch.Tensor:
+        _, indices_id, values_id, size, coalesced, requires_grad = pid
+        if not (
+            isinstance(size, tuple)
+            and all(type(d) is int and 0 <= d < 1 << 63 for d in size)
+            and type(coalesced) is bool
+            and type(requires_grad) is bool
+        ):
+            raise RefusedError(f"a malformed sparse tensor reference from {self._origin}: {pid!r}")
+        for part in (indices_id, values_id):
+            # The parts are plain buffers, never tracked tensors (a tracked sparse tensor
+            # travels whole, through the engine).
+            if not (
+                isinstance(part, tuple) and len(part) == 5 and part[4] is False
+                and type(part[1]) is int and 0 <= part[1] < len(self._buffers)
+                and not isinstance(self._buffers[part[1]], torch.Tensor)
+            ):
+                raise RefusedError(f"a malformed sparse tensor reference from {self._origin}: {pid!r}")
+        key = (indices_id[1], values_id[1])
+        cached = self._sparse_tensors.get(key)
+        if cached is not None:
+            return cached
+        parts = [self._dense(indices_id), self._dense(values_id)]
+        t = build_sparse(parts[0], parts[1], size, coalesced, self._origin)
+        if requires_grad and (t.is_floating_point() or t.is_complex()):
+            t.requires_grad_(True)
+        self._sparse_tensors[key] = t
+        return t
+
+    def _dense(self, pid: Any) -> torch.Tensor:
         if not (
             isinstance(pid, tuple)
             and len(pid) == 5

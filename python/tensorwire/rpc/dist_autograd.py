@@ -25,6 +25,11 @@ another's context by guessing its id), each peer may make this worker hold a bou
 contexts, and a worker that is lost drops every context it took part in on every survivor at
 once: a backward running in one fails naming it, and nothing waits for it.
 
+Sparse COO tensors are supported as in PyTorch's TensorPipe agent: as arguments and results,
+tracked or not, and as gradients, which a context sums by torch's ``AccumulateGrad`` rules
+(sparse and sparse stay sparse, sparse and dense make a dense gradient). What a peer sends is
+rebuilt with torch's sparse invariant checks, so a malformed one is refused, not used.
+
 Where this differs from PyTorch: a backward that fails on some worker without losing it (its
 engine raised) is reported once every piece of work it started has answered, and leaves the
 context usable; a call's unused result contributes zero and never holds the backward up.
