@@ -34,10 +34,11 @@
 //! goes on running other tasks and no thread of the arena's own is woken in between: a writer
 //! wakes the ranks whose line says they sleep, after each publication), or until the time
 //! [`WaitStep::Sleep`] names on the **group's clock** (the [`Runtime`] the collective is run
-//! with: deadlines follow it, virtual time included), or until the caller gives up. After each
-//! sleep it checks the processes of the ranks it still waits for (a `pidfd`, readable once that
-//! process has exited, `SIGKILL` included), so a dead rank is named within
-//! [`LIVENESS_PERIOD`] ([`ArenaFailure::Died`]); ranks alive but stopped are named, all of
+//! with: deadlines follow it, virtual time included), or until the process of a rank it still
+//! waits for ends (its `pidfd`, readable once that process has exited, `SIGKILL` included, is
+//! in the reactor too), or until the caller gives up. A dead rank is so named at once
+//! ([`ArenaFailure::Died`]); one the group says is gone, within [`LIVENESS_PERIOD`] (the
+//! longest sleep between two looks); ranks alive but stopped are named, all of
 //! them, when the collective's deadline passes, or when the caller gives up first
 //! ([`ArenaFailure::Timeout`]). Nobody spins or sleeps past the deadline. A failed collective
 //! leaves the ranks out of step, so the arena refuses every later one with the same failure
@@ -56,6 +57,7 @@ pub use tensorwire_core::collective::arena_wait::{ArenaFailure, LIVENESS_PERIOD}
 use tensorwire_core::collective::reduce_into;
 use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::spin::{SpinPolicy, SpinStep};
+use tokio::io::unix::AsyncFd;
 
 use crate::mem::{self, Mapping, RING_SEALS};
 use crate::sock;
@@ -177,7 +179,7 @@ fn segment_len(world: usize, arena_bytes: usize) -> (usize, usize) {
 
 /// The leader's side of the setup: the segment, and the socket the other ranks fetch it from.
 pub struct ArenaHost {
-    listener: tokio::io::unix::AsyncFd<OwnedFd>,
+    listener: AsyncFd<OwnedFd>,
     name: String,
     fd: OwnedFd,
     /// Every rank's eventfd, by rank.
@@ -352,12 +354,16 @@ pub struct Arena {
     slot: usize,
     state: ArenaState,
     pids: Vec<u32>,
-    pidfds: Vec<Option<OwnedFd>>,
+    /// The ranks' processes (none for this one's), registered with the runtime's reactor:
+    /// readable once the process has ended.
+    pidfds: Vec<Option<AsyncFd<OwnedFd>>>,
+    /// The ranks whose process this rank has seen end.
+    ended: Vec<bool>,
     spin: SpinPolicy,
     /// Every rank's eventfd, by rank: a writer wakes a sleeping rank through it.
     wakes: Vec<OwnedFd>,
     /// This rank's eventfd (a duplicate), registered with the runtime's reactor: it sleeps on it.
-    woken: tokio::io::unix::AsyncFd<OwnedFd>,
+    woken: AsyncFd<OwnedFd>,
 }
 
 impl std::fmt::Debug for Arena {
@@ -477,7 +483,8 @@ impl Arena {
                     return None;
                 }
                 let pid = rustix::process::Pid::from_raw(*pid as i32)?;
-                rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
+                let fd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty());
+                sock::register(fd.ok()?, tokio::io::Interest::READABLE).ok()
             })
             .collect();
         Ok(Arena {
@@ -488,6 +495,7 @@ impl Arena {
             state: ArenaState::new(),
             pids: pids.to_vec(),
             pidfds,
+            ended: vec![false; world],
             spin: SpinPolicy::new(spin, one_core()),
             woken,
             wakes,
@@ -716,9 +724,10 @@ impl Arena {
         self.counter(rank).load(Ordering::Acquire)
     }
 
-    /// What this rank knows of rank `q`'s end: its process (the pidfd), then the group.
+    /// What this rank knows of rank `q`'s end: its process (seen to end through its pidfd
+    /// while this rank slept), then the group.
     fn lost(&self, q: usize, bounds: &Bounds<'_>) -> Option<Lost> {
-        let end = if self.pidfds[q].as_ref().is_some_and(exited) {
+        let end = if self.ended[q] {
             Some(Lost::Died)
         } else {
             (bounds.gone)(q).map(Lost::Gone)
@@ -789,6 +798,11 @@ impl Arena {
                 WaitStep::Failed(failure) => break Err(failure),
                 WaitStep::Sleep { until } => until,
             };
+            let watched: Vec<usize> = wait
+                .missing(|q| self.counter_value(q))
+                .into_iter()
+                .filter(|q| !self.ended[*q])
+                .collect();
             tokio::select! {
                 biased;
                 after = give_up.as_mut() => {
@@ -806,6 +820,7 @@ impl Arena {
                         ready.clear_ready();
                     }
                 }
+                q = an_end(&self.pidfds, &watched) => self.ended[q] = true,
                 () = bounds.runtime.sleep_until(until) => {}
             }
         };
@@ -841,6 +856,29 @@ fn is_eventfd(fd: &OwnedFd) -> bool {
     use std::os::fd::AsRawFd;
     std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
         .is_ok_and(|target| target.as_os_str() == "anon_inode:[eventfd]")
+}
+
+/// Resolves with the first of `ranks` whose process has ended (its pidfd became readable, and
+/// a look confirms it): a rank dies, and the ranks waiting for it learn it at once, without
+/// looking at every awaited process after every wake-up.
+fn an_end<'a>(
+    pidfds: &'a [Option<AsyncFd<OwnedFd>>],
+    ranks: &'a [usize],
+) -> impl Future<Output = usize> + 'a {
+    std::future::poll_fn(move |cx| {
+        for &q in ranks {
+            let Some(fd) = &pidfds[q] else { continue };
+            // Polled again after a readiness the look does not confirm, so that the waker is
+            // registered before this returns pending.
+            while let std::task::Poll::Ready(Ok(mut ready)) = fd.poll_read_ready(cx) {
+                if exited(fd.get_ref()) {
+                    return std::task::Poll::Ready(q);
+                }
+                ready.clear_ready();
+            }
+        }
+        std::task::Poll::Pending
+    })
 }
 
 /// Whether the process behind `pidfd` has ended (its pidfd is readable).
@@ -1120,6 +1158,55 @@ mod tests {
             err.to_string()
                 .contains("the leader's wake-up descriptor for rank 2 is not an eventfd"),
             "{err}"
+        );
+    }
+
+    /// A rank asleep in a wait for a rank whose process then dies learns it at once (the
+    /// pidfd is in the reactor), not at its next look on the clock: on a paused clock it fails
+    /// naming the rank before [`LIVENESS_PERIOD`] has passed.
+    #[tokio::test(start_paused = true)]
+    async fn a_sleeping_rank_learns_at_once_that_the_rank_it_waits_for_died() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("600")
+            .spawn()
+            .unwrap();
+        let pids = vec![std::process::id(), child.id()];
+        let host = ArenaHost::create(2, DEFAULT_ARENA_BYTES).unwrap();
+        let mut arena = Arena::over(
+            host.fd,
+            host.wakes,
+            0,
+            2,
+            DEFAULT_ARENA_BYTES,
+            &pids,
+            Duration::from_micros(20),
+        )
+        .unwrap();
+        let plan = arena::barrier(0, 2, arena.slot_bytes()).unwrap();
+        let t0 = Tokio.now();
+        let late = LIVENESS_PERIOD / 4;
+        let killer = tokio::spawn(async move {
+            Tokio.sleep_until(t0 + late).await;
+            child.kill().unwrap();
+            child.wait().unwrap();
+        });
+        let never = never();
+        tokio::pin!(never);
+        let err = arena
+            .run(
+                &plan,
+                &mut [],
+                &bounds(Duration::from_secs(60)),
+                never.as_mut(),
+            )
+            .await
+            .unwrap_err();
+        killer.await.unwrap();
+        assert_eq!(err, ArenaError::Failed(ArenaFailure::Died { rank: 1 }));
+        let took = Tokio.now() - t0;
+        assert!(
+            took >= late && took < LIVENESS_PERIOD,
+            "named after {took:?}: by the clock's look, not by the pidfd"
         );
     }
 
