@@ -35,7 +35,9 @@ mod payload;
 mod peers;
 mod rrefs;
 
-pub(crate) use group::{start_group_with, worker};
+#[cfg(feature = "autograd-candle")]
+pub(crate) use group::start_group_with;
+pub(crate) use group::worker;
 
 /// Arguments of `tensorwire bench curve`.
 #[derive(Debug, clap::Args)]
