@@ -459,22 +459,21 @@ fn combine<T: Copy, const W: usize>(
     store: impl Fn(T) -> [u8; W],
     f: impl Fn(T, T) -> T,
 ) {
-    let pairs = acc.chunks_exact_mut(W).zip(incoming.chunks_exact(W));
-    let word = |b: &[u8]| {
-        let mut x = [0u8; W];
-        x.copy_from_slice(b);
-        load(x)
-    };
+    // Whole elements as arrays, indexed: this loop vectorizes however the crate is built. The
+    // same loop over `chunks_exact` zipped was about 50 times slower where nothing inlines
+    // across codegen units (`lto = "off"` with several), 3.6 ms for 1 MiB of f32.
+    let (acc, _) = acc.as_chunks_mut::<W>();
+    let (incoming, _) = incoming.as_chunks::<W>();
+    let n = acc.len().min(incoming.len());
+    let (acc, incoming) = (&mut acc[..n], &incoming[..n]);
     // Two loops, so that neither tests the order per element.
     if incoming_first {
-        for (a, b) in pairs {
-            let r = f(word(b), word(a));
-            a.copy_from_slice(&store(r));
+        for i in 0..n {
+            acc[i] = store(f(load(incoming[i]), load(acc[i])));
         }
     } else {
-        for (a, b) in pairs {
-            let r = f(word(a), word(b));
-            a.copy_from_slice(&store(r));
+        for i in 0..n {
+            acc[i] = store(f(load(acc[i]), load(incoming[i])));
         }
     }
 }
@@ -485,10 +484,9 @@ fn map<T: Copy, const W: usize>(
     store: impl Fn(T) -> [u8; W],
     f: impl Fn(T) -> T,
 ) {
-    for a in data.chunks_exact_mut(W) {
-        let mut x = [0u8; W];
-        x.copy_from_slice(a);
-        a.copy_from_slice(&store(f(load(x))));
+    // As `combine`: arrays, indexed.
+    for a in data.as_chunks_mut::<W>().0 {
+        *a = store(f(load(*a)));
     }
 }
 
