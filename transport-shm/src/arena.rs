@@ -22,7 +22,8 @@
 //! memfd with `SCM_RIGHTS` (as the shared-memory transport sends its rings); the rank checks the
 //! leader's process id the same way, the memfd's size and seals, and maps it ([`Arena::join`]).
 //! With the memfd come the group's wake-up descriptors: an eventfd per rank, made by the
-//! leader, [`sock::MAX_FDS`] to a packet; the rank checks that each is an eventfd.
+//! leader, 16 to a packet (the most one packet of its socket carries); the rank checks that
+//! each is an eventfd.
 //!
 //! # Waiting, and ranks that die or stop
 //! What a wait decides (whom it still waits for, when to look again, which failure) is core's
