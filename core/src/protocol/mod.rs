@@ -86,6 +86,7 @@ pub mod gather;
 mod input;
 pub mod membership;
 pub mod mesh;
+pub mod node;
 mod requests;
 mod rrefs;
 mod secrets;

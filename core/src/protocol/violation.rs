@@ -175,4 +175,11 @@ pub enum MalformedMessage {
         /// The tensor payloads the frame carries.
         carried: usize,
     },
+    /// A frame of a kind that never reaches an agent (a process group's own, which the group
+    /// takes before the agent reads the connection): see [`route`](super::node::route).
+    #[error("a frame of kind {kind:?}, which is no agent's")]
+    UnexpectedKind {
+        /// Its kind.
+        kind: crate::wire::FrameKind,
+    },
 }

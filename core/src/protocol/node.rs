@@ -1,0 +1,279 @@
+//! The node: one sans-IO value that owns an agent's protocol parts — the [`Endpoint`] and, in a
+//! dynamic group, the [`DynamicMembership`] — with one way in for each kind of input
+//! (`handle_*`), one queue of frames out ([`poll_transmit`](Node::poll_transmit)), one timer
+//! ([`poll_timeout`](Node::poll_timeout), the earliest deadline of every part) and one queue of
+//! events ([`poll_event`](Node::poll_event)), as quinn-proto's `Connection` owns its streams,
+//! its congestion control and its timers. A driver holds it under one lock.
+//!
+//! What one part tells another is applied here, not by the driver: a member admitted, added or
+//! removed by the membership is handed to the endpoint (its ids, a joined peer, a peer that
+//! left), and a lost peer reaches both parts.
+//!
+//! Frames are told apart by their kind in one place, [`route`]: a message frame is the
+//! endpoint's (its [`Envelope`]), a control frame is a same-host IPC message (its tag,
+//! [`crate::ipc::FRAME_TAG`]) or else a membership message, and any other kind is no frame of
+//! an agent's ([`MalformedMessage::UnexpectedKind`]). The IPC state is not yet part of the node:
+//! its messages are handed back to the driver ([`Inbound::Ipc`]).
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::envelope::Envelope;
+use super::membership::{DynMessage, DynamicMembership, MembershipEvent};
+use super::{
+    Endpoint, Event, Header, LostCause, MalformedMessage, Payload, ProtocolViolation, Transmit,
+    WorkerId,
+};
+use crate::ipc::IpcMessage;
+use crate::wire::{Frame, FrameKind};
+
+/// A frame received on an agent's connection, told apart by its kind ([`route`]).
+#[derive(Debug)]
+pub enum Inbound {
+    /// A message frame: its envelope, and its payloads (attached after the driver checked the
+    /// tensors it announces: [`Envelope::attach`]).
+    Message {
+        /// The decoded envelope.
+        envelope: Envelope,
+        /// The frame's payloads: the encoded value, then one per announced tensor.
+        payloads: Vec<Bytes>,
+    },
+    /// A same-host IPC message (a control frame with the IPC tag).
+    Ipc(IpcMessage),
+    /// A dynamic group's membership message (any other control frame).
+    Membership(DynMessage),
+}
+
+/// Tells a received frame's kind and decodes it as that kind's message: the one place where
+/// an agent's frames are told apart.
+///
+/// # Errors
+/// A frame that is no message of its kind ([`ProtocolViolation::Malformed`], or
+/// [`ProtocolViolation::Ipc`] for an IPC message that does not parse), or of a kind that never
+/// reaches an agent ([`MalformedMessage::UnexpectedKind`]: a process group's frames are taken
+/// by the group before the agent sees them).
+pub fn route(frame: Frame) -> Result<Inbound, ProtocolViolation> {
+    match frame.kind {
+        FrameKind::Message => Ok(Inbound::Message {
+            envelope: Envelope::decode(&frame.header)?,
+            payloads: frame.payloads,
+        }),
+        FrameKind::Control => match crate::ipc::decode_message(&frame.header) {
+            Some(msg) => msg.map(Inbound::Ipc).map_err(ProtocolViolation::Ipc),
+            None => DynMessage::decode(&frame.header)
+                .map(Inbound::Membership)
+                .map_err(|e| ProtocolViolation::Malformed(MalformedMessage::Undecodable(e))),
+        },
+        kind @ FrameKind::Collective => Err(ProtocolViolation::Malformed(
+            MalformedMessage::UnexpectedKind { kind },
+        )),
+    }
+}
+
+/// What the node has for a peer ([`Node::poll_transmit`]).
+#[derive(Debug)]
+pub enum Outgoing<B> {
+    /// An endpoint message (the driver encodes its envelope and body).
+    Message(Transmit<B>),
+    /// A control frame, already encoded (a membership message).
+    Control {
+        /// The destination.
+        to: WorkerId,
+        /// The frame.
+        frame: Frame,
+    },
+}
+
+/// What the driver must do or learn ([`Node::poll_event`]). Exhaustive, as each part's events
+/// are.
+#[derive(Debug)]
+pub enum NodeEvent<B> {
+    /// The endpoint's.
+    Endpoint(Event<B>),
+    /// The membership's (after the node applied to the endpoint what concerns it).
+    Membership(MembershipEvent),
+}
+
+/// An agent's protocol state: the endpoint and the dynamic group's membership, driven as one.
+pub struct Node<B> {
+    ep: Endpoint<B>,
+    /// Whether workers join and leave (a dynamic group): calls and replies only from members.
+    dynamic: bool,
+    membership: Option<DynamicMembership>,
+    /// The membership's messages, encoded, and its events, after the node applied them.
+    control: VecDeque<(WorkerId, Frame)>,
+    events: VecDeque<MembershipEvent>,
+}
+
+impl<B: Payload> Node<B> {
+    /// A node over `ep`; `dynamic` for a group whose workers join and leave (its membership is
+    /// set once this worker founds or joins it: [`set_membership`](Self::set_membership)).
+    pub fn new(ep: Endpoint<B>, dynamic: bool) -> Self {
+        Self {
+            ep,
+            dynamic,
+            membership: None,
+            control: VecDeque::new(),
+            events: VecDeque::new(),
+        }
+    }
+
+    /// The endpoint, to read.
+    pub fn ep(&self) -> &Endpoint<B> {
+        &self.ep
+    }
+
+    /// The endpoint, to change (its commands: calls, replies, references, shutdown). What it
+    /// produces comes out of the node's `poll_*`.
+    pub fn ep_mut(&mut self) -> &mut Endpoint<B> {
+        &mut self.ep
+    }
+
+    /// Whether this is a dynamic group's node.
+    pub fn is_dynamic(&self) -> bool {
+        self.dynamic
+    }
+
+    /// The membership, once this worker founded or is joining a dynamic group.
+    pub fn membership(&self) -> Option<&DynamicMembership> {
+        self.membership.as_ref()
+    }
+
+    /// Starts (or restarts, for a join tried again) the membership with `membership`.
+    pub fn set_membership(&mut self, membership: DynamicMembership, now: Instant) {
+        self.membership = Some(membership);
+        self.absorb(now);
+    }
+
+    /// Runs `f` on the membership (`None` if there is none), then takes what it produced.
+    pub fn with_membership<T>(
+        &mut self,
+        now: Instant,
+        f: impl FnOnce(&mut DynamicMembership) -> T,
+    ) -> Option<T> {
+        let out = self.membership.as_mut().map(f);
+        self.absorb(now);
+        out
+    }
+
+    /// Whether `from` may send calls and replies: in a dynamic group, a member only.
+    pub fn may_call(&self, from: WorkerId) -> bool {
+        !self.dynamic || self.membership.as_ref().is_some_and(|m| m.may_call(from))
+    }
+
+    /// A message from `from` (its header and body, attached: [`Envelope::attach`]).
+    ///
+    /// # Errors
+    /// [`ProtocolViolation::NotAMember`] from a worker that is not a member of a dynamic
+    /// group; else the endpoint's violations. The node is unchanged by either.
+    pub fn handle_message(
+        &mut self,
+        from: WorkerId,
+        header: Header,
+        body: Option<B>,
+        now: Instant,
+    ) -> Result<(), ProtocolViolation> {
+        if !self.may_call(from) {
+            return Err(ProtocolViolation::NotAMember);
+        }
+        self.ep.handle_message(from, header, body, now)
+    }
+
+    /// A membership message from `from`.
+    ///
+    /// # Errors
+    /// [`ProtocolViolation::Membership`] for one the protocol refuses,
+    /// [`ProtocolViolation::MembershipInStaticGroup`] where there is no membership.
+    pub fn handle_membership(
+        &mut self,
+        from: WorkerId,
+        msg: DynMessage,
+        now: Instant,
+    ) -> Result<(), ProtocolViolation> {
+        match self.with_membership(now, |m| m.handle_message(from, msg, now)) {
+            Some(handled) => handled.map_err(ProtocolViolation::Membership),
+            None => Err(ProtocolViolation::MembershipInStaticGroup),
+        }
+    }
+
+    /// The connection to `peer` is gone for `cause`: the endpoint records it (the first cause
+    /// stays) and the membership drops the member (handing coordination on if it had it).
+    pub fn handle_peer_lost(&mut self, peer: WorkerId, cause: LostCause, now: Instant) {
+        self.ep.handle_peer_lost(peer, cause, now);
+        self.with_membership(now, |m| m.handle_lost(peer, now));
+    }
+
+    /// Runs every part's timers due at `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.ep.handle_timeout(now);
+        self.with_membership(now, |m| m.handle_timeout(now));
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must be called next: the earliest
+    /// deadline of every part.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let membership = self
+            .membership
+            .as_ref()
+            .and_then(DynamicMembership::poll_timeout);
+        [self.ep.poll_timeout(), membership]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// The next frame for a peer: the membership's first (few, and rarely), then the
+    /// endpoint's in order.
+    pub fn poll_transmit(&mut self) -> Option<Outgoing<B>> {
+        if let Some((to, frame)) = self.control.pop_front() {
+            return Some(Outgoing::Control { to, frame });
+        }
+        self.ep.poll_transmit().map(Outgoing::Message)
+    }
+
+    /// The next event: the membership's first (a member added before the calls it enables),
+    /// then the endpoint's.
+    pub fn poll_event(&mut self) -> Option<NodeEvent<B>> {
+        if let Some(ev) = self.events.pop_front() {
+            return Some(NodeEvent::Membership(ev));
+        }
+        self.ep.poll_event().map(NodeEvent::Endpoint)
+    }
+
+    /// Takes the membership's messages and events, applying to the endpoint what concerns it.
+    fn absorb(&mut self, now: Instant) {
+        let Some(m) = self.membership.as_mut() else {
+            return;
+        };
+        while let Some((to, msg)) = m.poll_transmit() {
+            self.control
+                .push_back((to, Frame::control(msg.encode(), vec![])));
+        }
+        while let Some(ev) = m.poll_event() {
+            match &ev {
+                // Ids above every earlier incarnation of this rank's, before any member can
+                // reach it.
+                MembershipEvent::Admitted { seq } => {
+                    self.ep.begin_incarnation(*seq);
+                }
+                MembershipEvent::MemberAdded(record) => self.ep.handle_peer_joined(record.rank),
+                MembershipEvent::MemberRemoved { rank, left: true } => {
+                    self.ep.handle_peer_lost(*rank, LostCause::Left, now);
+                }
+                MembershipEvent::MemberRemoved { left: false, .. }
+                | MembershipEvent::Connect(_)
+                | MembershipEvent::Joined
+                | MembershipEvent::JoinFailed(_)
+                | MembershipEvent::Left { .. }
+                | MembershipEvent::LeaveFailed(_)
+                | MembershipEvent::Coordinate => {}
+            }
+            self.events.push_back(ev);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,374 @@
+//! Deterministic tests of the node: frames told apart by kind, and nodes driven over FIFO
+//! links of real frames with a virtual clock (the sim kit's).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use super::*;
+use crate::ipc::encode_message;
+use crate::protocol::membership::{Accepted, MemberRecord, MembershipError};
+use crate::protocol::{CallError, EndpointConfig};
+use crate::sim::{Clock, Links};
+use crate::validate::WorkerDeviceInfo;
+
+type Body = Vec<u8>;
+
+fn record(rank: WorkerId) -> MemberRecord {
+    MemberRecord {
+        rank,
+        addr: SocketAddr::from(([127, 0, 0, 1], 1000 + rank as u16)),
+        devices: WorkerDeviceInfo {
+            name: format!("w{rank}"),
+            ..WorkerDeviceInfo::default()
+        },
+    }
+}
+
+const OP: Duration = Duration::from_secs(30);
+
+/// An endpoint message as the agent's links frame it: the envelope, then the body's bytes.
+fn message_frame(t: Transmit<Body>) -> Frame {
+    let envelope = Envelope {
+        header: t.header,
+        target: None,
+        forks: Vec::new(),
+        tensors: Vec::new(),
+    };
+    let payloads = t.body.map(|b| vec![Bytes::from(b)]).unwrap_or_default();
+    Frame::message(envelope.encode().expect("an envelope encodes"), payloads)
+}
+
+#[test]
+fn each_kind_of_frame_goes_to_its_part() {
+    let call = Transmit {
+        to: 1,
+        header: Header::Call {
+            id: 3,
+            function: "echo".into(),
+            timeout: Duration::from_secs(1),
+        },
+        body: Some(b"hi".to_vec()),
+    };
+    match route(message_frame(call)) {
+        Ok(Inbound::Message { envelope, payloads }) => {
+            assert!(matches!(envelope.header, Header::Call { id: 3, .. }));
+            assert_eq!(payloads, vec![Bytes::from_static(b"hi")]);
+        }
+        other => panic!("a message frame went elsewhere: {other:?}"),
+    }
+    let ipc = IpcMessage::Release(vec![4, 5]);
+    match route(Frame::control(encode_message(&ipc), vec![])) {
+        Ok(Inbound::Ipc(msg)) => assert_eq!(msg, ipc),
+        other => panic!("an IPC frame went elsewhere: {other:?}"),
+    }
+    let dyn_msg = DynMessage::Left { rank: 2 };
+    match route(Frame::control(dyn_msg.encode(), vec![])) {
+        Ok(Inbound::Membership(msg)) => assert_eq!(msg, dyn_msg),
+        other => panic!("a membership frame went elsewhere: {other:?}"),
+    }
+}
+
+#[test]
+fn a_frame_of_no_agents_kind_or_that_does_not_parse_is_a_typed_violation() {
+    assert_eq!(
+        route(Frame::collective(&b"whatever"[..], vec![])).unwrap_err(),
+        ProtocolViolation::Malformed(MalformedMessage::UnexpectedKind {
+            kind: FrameKind::Collective
+        })
+    );
+    // Garbage in each kind: the kind's own violation, never a panic.
+    let garbage = &[0xff_u8; 9][..];
+    assert!(matches!(
+        route(Frame::message(garbage, vec![])),
+        Err(ProtocolViolation::Malformed(MalformedMessage::Undecodable(
+            _
+        )))
+    ));
+    assert!(matches!(
+        route(Frame::control(garbage, vec![])),
+        Err(ProtocolViolation::Malformed(MalformedMessage::Undecodable(
+            _
+        )))
+    ));
+    let mut ipc = crate::ipc::FRAME_TAG.to_vec();
+    ipc.extend_from_slice(garbage);
+    assert!(matches!(
+        route(Frame::control(ipc, vec![])),
+        Err(ProtocolViolation::Ipc(_))
+    ));
+}
+
+/// Nodes over per-pair FIFO links carrying real frames, a virtual clock, and what each node
+/// told its driver.
+struct Net {
+    clock: Clock,
+    nodes: Vec<Node<Body>>,
+    links: Links<(WorkerId, WorkerId), Frame>,
+    events: Vec<Vec<NodeEvent<Body>>>,
+}
+
+impl Net {
+    fn new(n: u32, dynamic: bool) -> Self {
+        Self {
+            clock: Clock::new(),
+            nodes: (0..n)
+                .map(|i| Node::new(Endpoint::new(i, EndpointConfig::default()), dynamic))
+                .collect(),
+            links: Links::new(),
+            events: (0..n).map(|_| Vec::new()).collect(),
+        }
+    }
+
+    fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// Moves every node's frames onto the links and its events into `events`.
+    fn pump(&mut self) {
+        for (w, node) in self.nodes.iter_mut().enumerate() {
+            let w = w as WorkerId;
+            while let Some(out) = node.poll_transmit() {
+                let (to, frame) = match out {
+                    Outgoing::Message(t) => (t.to, message_frame(t)),
+                    Outgoing::Control { to, frame } => (to, frame),
+                };
+                self.links.send((w, to), frame);
+            }
+            while let Some(ev) = node.poll_event() {
+                self.events[w as usize].push(ev);
+            }
+        }
+    }
+
+    /// Delivers every frame in flight (routing each as a driver does), until none is left.
+    fn settle(&mut self) -> Result<(), (WorkerId, WorkerId, ProtocolViolation)> {
+        self.pump();
+        while let Some(&(from, to)) = self.links.ready().first() {
+            let frame = self
+                .links
+                .pop((from, to))
+                .expect("a ready link has a frame");
+            let now = self.now();
+            let node = &mut self.nodes[to as usize];
+            let handled = match route(frame) {
+                Ok(Inbound::Message { envelope, payloads }) => {
+                    envelope.attach(payloads).and_then(|(h, b)| {
+                        node.handle_message(from, h, b.map(|b| b.data.to_vec()), now)
+                    })
+                }
+                Ok(Inbound::Membership(msg)) => node.handle_membership(from, msg, now),
+                Ok(Inbound::Ipc(msg)) => panic!("no IPC in these tests: {msg:?}"),
+                Err(e) => Err(e),
+            };
+            handled.map_err(|e| (from, to, e))?;
+            self.pump();
+        }
+        Ok(())
+    }
+
+    fn membership_events(&self, w: WorkerId) -> Vec<&MembershipEvent> {
+        self.events[w as usize]
+            .iter()
+            .filter_map(|e| match e {
+                NodeEvent::Membership(m) => Some(m),
+                NodeEvent::Endpoint(_) => None,
+            })
+            .collect()
+    }
+
+    fn lost(&self, w: WorkerId) -> Vec<(WorkerId, &LostCause)> {
+        self.events[w as usize]
+            .iter()
+            .filter_map(|e| match e {
+                NodeEvent::Endpoint(Event::PeerLost { peer, cause }) => Some((*peer, cause)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Rank 0 founds a dynamic group and rank 1 joins it through the nodes.
+    fn join(&mut self) {
+        let now = self.now();
+        self.nodes[0].set_membership(DynamicMembership::found(record(0), OP), now);
+        let deadline = Some(now + Duration::from_secs(60));
+        self.nodes[1].set_membership(DynamicMembership::join(record(1), 0, OP, deadline), now);
+        let r1 = record(1);
+        assert_eq!(
+            self.nodes[0].with_membership(now, |m| m.handle_connected(1, Some(&r1))),
+            Some(Ok(Accepted::Applicant))
+        );
+        assert_eq!(
+            self.nodes[1].with_membership(now, |m| m.handle_connected(0, None)),
+            Some(Ok(Accepted::Dialled))
+        );
+        self.settle().expect("an honest join breaks no protocol");
+    }
+}
+
+/// A call between two nodes of a static group: the endpoint's messages go out of the node as
+/// frames, come back in routed by kind, and the reply completes the call.
+#[test]
+fn a_call_between_static_nodes_completes() {
+    let mut net = Net::new(2, false);
+    let now = net.now();
+    let id = net.nodes[0]
+        .ep_mut()
+        .call(1, "echo", b"ping".to_vec(), Duration::from_secs(5), now)
+        .unwrap();
+    net.settle().unwrap();
+    let token = net.events[1]
+        .iter()
+        .find_map(|e| match e {
+            NodeEvent::Endpoint(Event::Call {
+                token,
+                function,
+                body,
+                ..
+            }) if function == "echo" && body == b"ping" => Some(*token),
+            _ => None,
+        })
+        .expect("the callee's node hands the call to its driver");
+    net.nodes[1].ep_mut().respond(token, Ok(b"pong".to_vec()));
+    net.settle().unwrap();
+    assert!(net.events[0].iter().any(|e| matches!(
+        e,
+        NodeEvent::Endpoint(Event::Completed { id: i, outcome: Ok(b) }) if *i == id && b == b"pong"
+    )));
+    // A static group has no membership: a membership message is the sender's violation.
+    assert_eq!(
+        net.nodes[0].handle_membership(1, DynMessage::Left { rank: 1 }, now),
+        Err(ProtocolViolation::MembershipInStaticGroup)
+    );
+}
+
+/// In a dynamic group only members may call: a joiner's call before it is a member is
+/// refused, one after it joined runs; the join's admission starts the joiner's endpoint at
+/// its incarnation and the member added is known to the coordinator's endpoint.
+#[test]
+fn a_dynamic_node_takes_calls_from_members_only_and_applies_the_join() {
+    let mut net = Net::new(2, true);
+    let now = net.now();
+    let call = Header::Call {
+        id: 1,
+        function: "echo".into(),
+        timeout: Duration::from_secs(1),
+    };
+    // Before any membership: nobody may call.
+    assert_eq!(
+        net.nodes[0].handle_message(1, call.clone(), Some(vec![]), now),
+        Err(ProtocolViolation::NotAMember)
+    );
+    net.join();
+    assert!(net.membership_events(1).contains(&&MembershipEvent::Joined));
+    assert!(net
+        .membership_events(0)
+        .iter()
+        .any(|e| matches!(e, MembershipEvent::MemberAdded(r) if r.rank == 1)));
+    let seq = net
+        .membership_events(1)
+        .iter()
+        .find_map(|e| match e {
+            MembershipEvent::Admitted { seq } => Some(*seq),
+            _ => None,
+        })
+        .expect("the joiner is admitted");
+    assert!(net.nodes[0].may_call(1) && net.nodes[1].may_call(0));
+    // The joiner's ids start at its incarnation: the node applied the admission.
+    let id = net.nodes[1]
+        .ep_mut()
+        .call(0, "echo", b"x".to_vec(), Duration::from_secs(5), now)
+        .unwrap();
+    assert!(seq > 0, "the first joiner comes after the founder");
+    assert!(id > seq << 40, "id {id} at incarnation {seq}");
+    net.settle().unwrap();
+    assert!(net.events[0]
+        .iter()
+        .any(|e| matches!(e, NodeEvent::Endpoint(Event::Call { token, .. }) if token.from() == 1)));
+}
+
+/// A lost member reaches both parts: the endpoint reports the loss once and the membership
+/// removes the member, after which it may no longer call.
+#[test]
+fn a_lost_peer_reaches_the_endpoint_and_the_membership() {
+    let mut net = Net::new(2, true);
+    net.join();
+    let now = net.now();
+    net.nodes[0].handle_peer_lost(1, LostCause::Transport("reset".into()), now);
+    net.pump();
+    assert_eq!(
+        net.lost(0),
+        vec![(1, &LostCause::Transport("reset".into()))]
+    );
+    assert!(net
+        .membership_events(0)
+        .contains(&&MembershipEvent::MemberRemoved {
+            rank: 1,
+            left: false
+        }));
+    assert!(!net.nodes[0].may_call(1));
+}
+
+/// A member that leaves is handed to the endpoint as gone for `Left`, by the node: its calls
+/// fail naming the leave.
+#[test]
+fn a_member_that_leaves_is_lost_as_left_in_the_endpoint() {
+    let mut net = Net::new(2, true);
+    net.join();
+    let now = net.now();
+    let id = net.nodes[0]
+        .ep_mut()
+        .call(1, "slow", b"x".to_vec(), Duration::from_secs(50), now)
+        .unwrap();
+    // Rank 1 leaves before it reads the call.
+    net.pump();
+    net.links.clear((0, 1));
+    net.nodes[1].with_membership(now, |m| m.begin_leave(now, Some(now + OP)));
+    net.settle().unwrap();
+    assert!(net
+        .membership_events(1)
+        .iter()
+        .any(|e| matches!(e, MembershipEvent::Left { .. })));
+    assert_eq!(net.lost(0), vec![(1, &LostCause::Left)]);
+    assert!(net.events[0].iter().any(|e| matches!(
+        e,
+        NodeEvent::Endpoint(Event::Completed { id: i, outcome: Err(CallError::PeerLost { peer: 1, cause: LostCause::Left }) }) if *i == id
+    )));
+}
+
+/// One timer table: the node's next timeout is the earliest of its parts', and a join that
+/// is not answered fails when the node's timer runs at that deadline.
+#[test]
+fn the_node_times_out_at_the_earliest_deadline_of_its_parts() {
+    let mut net = Net::new(2, true);
+    let now = net.now();
+    let deadline = now + Duration::from_secs(7);
+    net.nodes[1].set_membership(
+        DynamicMembership::join(record(1), 0, OP, Some(deadline)),
+        now,
+    );
+    assert_eq!(net.nodes[1].poll_timeout(), Some(deadline));
+    // A call's deadline, earlier, comes first; the join's after it.
+    net.nodes[1]
+        .ep_mut()
+        .call(0, "echo", vec![], Duration::from_secs(2), now)
+        .unwrap();
+    let first = net.nodes[1].poll_timeout().expect("a call's deadline");
+    assert!(first <= now + Duration::from_secs(2));
+    net.clock.advance_to(first);
+    net.nodes[1].handle_timeout(first);
+    assert_eq!(net.nodes[1].poll_timeout(), Some(deadline));
+    net.clock.advance_to(deadline);
+    net.nodes[1].handle_timeout(deadline);
+    net.pump();
+    assert!(net.membership_events(1).iter().any(|e| matches!(
+        e,
+        MembershipEvent::JoinFailed(MembershipError::Timeout { .. })
+    )));
+    assert!(net.events[1].iter().any(|e| matches!(
+        e,
+        NodeEvent::Endpoint(Event::Completed {
+            outcome: Err(CallError::Timeout { .. }),
+            ..
+        })
+    )));
+}
