@@ -19,6 +19,7 @@ use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
 use tensorwire_core::ports::process_group::{Collectives, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
+use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
     CallError, ConfirmError, Endpoint, MethodTarget, RRefForkData, RRefHandle, RRefId, WorkerId,
 };
@@ -96,18 +97,23 @@ impl Agent {
                 options.ipc_limits,
             ),
             state: Mutex::new(State {
-                ep: {
-                    // The key of the capabilities of the references made here: real
-                    // entropy, so that no peer can compute them.
-                    let mut ep = Endpoint::new(me_id, options.endpoint.clone());
-                    // One budget per peer for everything: the endpoint's records, the
-                    // writers' queues, the world group's inboxes, the readers' frames.
-                    ep.set_budget(budget);
-                    let mut key = [0u8; 32];
-                    rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut key);
-                    ep.set_secret_key(key);
-                    ep
-                },
+                node: Node::new(
+                    {
+                        // The key of the capabilities of the references made here: real
+                        // entropy, so that no peer can compute them.
+                        let mut ep = Endpoint::new(me_id, options.endpoint.clone());
+                        // One budget per peer for everything: the endpoint's records, the
+                        // writers' queues, the world group's inboxes, the readers' frames.
+                        ep.set_budget(budget);
+                        let mut key = [0u8; 32];
+                        rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut key);
+                        ep.set_secret_key(key);
+                        ep
+                    },
+                    dynamic,
+                ),
+                dyn_state: crate::state::DynState::default(),
+                connecting: HashMap::new(),
                 waiters: HashMap::new(),
                 held_requests: HashMap::new(),
                 values: HashMap::new(),
@@ -126,8 +132,6 @@ impl Agent {
             tasks: Mutex::new(Tasks::default()),
             runtime: Arc::clone(&options.runtime),
             peer_events: crate::peer_events::PeerEventHub::new(),
-            membership: crate::membership::new_state(),
-            membership_wake: Notify::new(),
             serving: std::sync::atomic::AtomicUsize::new(0),
             queued_bytes: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         });
@@ -280,8 +284,8 @@ impl Agent {
     /// device list.
     pub(crate) fn add_member(&self, record: WorkerRecord) {
         let rank = record.rank;
+        // (The node has told the endpoint: `Node` applies the membership's events to it.)
         self.members_mut().insert(record);
-        self.lock().ep.handle_peer_joined(rank);
         self.inner
             .peer_events
             .emit(crate::peer_events::PeerEvent::Joined { worker: rank });
@@ -290,12 +294,6 @@ impl Agent {
     /// Drops a worker that left or died (dynamic groups).
     pub(crate) fn remove_member(&self, rank: WorkerId) {
         self.members_mut().remove(rank);
-    }
-
-    /// Starts this worker's ids above every earlier incarnation of its rank's (a dynamic
-    /// group admitted it with sequence number `seq`).
-    pub(crate) fn begin_incarnation(&self, seq: u64) {
-        self.lock().ep.begin_incarnation(seq);
     }
 
     fn members_mut(&self) -> std::sync::RwLockWriteGuard<'_, Directory> {
@@ -475,7 +473,8 @@ impl Agent {
             let mut st = self.lock();
             self.check_target(&st, target)?;
             let id = st
-                .ep
+                .node
+                .ep_mut()
                 .call(to, function, body, timeout, self.now())
                 .map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
@@ -490,7 +489,8 @@ impl Agent {
                 let mut st = self.lock();
                 self.check_target(&st, target)?;
                 let id = st
-                    .ep
+                    .node
+                    .ep_mut()
                     .call_deferred(to, function, timeout, self.now())
                     .map_err(|_| RpcError::NotRunning)?;
                 st.waiters.insert(id, tx);
@@ -521,7 +521,7 @@ impl Agent {
         {
             let mut st = self.lock();
             for f in forks {
-                st.ep.cancel_fork(*f, to, self.now());
+                st.node.ep_mut().cancel_fork(*f, to, self.now());
             }
         }
         self.wake();
@@ -583,7 +583,8 @@ impl Agent {
             let mut st = self.lock();
             self.check_target(&st, target)?;
             let (handle, id) = st
-                .ep
+                .node
+                .ep_mut()
                 .remote(to, function, body, timeout, self.now())
                 .map_err(|_| RpcError::NotRunning)?;
             st.waiters.insert(id, tx);
@@ -596,7 +597,8 @@ impl Agent {
                 let mut st = self.lock();
                 self.check_target(&st, target)?;
                 let (handle, id) = st
-                    .ep
+                    .node
+                    .ep_mut()
                     .remote_deferred(to, function, timeout, self.now())
                     .map_err(|_| RpcError::NotRunning)?;
                 st.waiters.insert(id, tx);
@@ -618,7 +620,11 @@ impl Agent {
     {
         let handle = {
             let mut st = self.lock();
-            let handle = st.ep.local_rref().map_err(|_| RpcError::NotRunning)?;
+            let handle = st
+                .node
+                .ep_mut()
+                .local_rref()
+                .map_err(|_| RpcError::NotRunning)?;
             st.values
                 .insert(handle.rref, Arc::new(value) as Arc<dyn Value>);
             handle
@@ -633,7 +639,7 @@ impl Agent {
     pub fn debug_info(&self) -> AgentDebugInfo {
         let (kept_values, protocol) = {
             let st = self.lock();
-            (st.values.len(), st.ep.debug_info())
+            (st.values.len(), st.node.ep().debug_info())
         };
         AgentDebugInfo {
             worker: self.inner.me.clone(),
@@ -678,7 +684,7 @@ impl Agent {
     /// The memory budget of each peer ([`RpcOptions::with_peer_budget`](crate::RpcOptions::with_peer_budget)):
     /// what each peer holds here now, by use, and the most it held at once.
     pub fn budget(&self) -> tensorwire_core::budget::Budget {
-        self.lock().ep.budget().clone()
+        self.lock().node.ep().budget().clone()
     }
 
     /// Calls `function(args)` on `to` (by name, rank or [`WorkerInfo`]): `.await` the returned
@@ -710,13 +716,17 @@ impl Agent {
     /// endpoint tells the owner when it may.
     pub(crate) fn drop_reference(&self, handle: RRefHandle) {
         let now = self.now();
-        self.lock().ep.drop_handle(handle, now);
+        self.lock().node.ep_mut().drop_handle(handle, now);
         self.wake();
     }
 
     /// Whether the owner has confirmed this worker's `handle`.
     pub(crate) fn reference_confirmed(&self, handle: RRefHandle) -> bool {
-        self.lock().ep.is_confirmed(handle).unwrap_or(false)
+        self.lock()
+            .node
+            .ep_mut()
+            .is_confirmed(handle)
+            .unwrap_or(false)
     }
 
     /// Forks `handle` for worker `to` (a reference being sent to it).
@@ -725,13 +735,13 @@ impl Agent {
         handle: RRefHandle,
         to: WorkerId,
     ) -> Result<RRefForkData, CallError> {
-        self.lock().ep.fork_for(handle, to)
+        self.lock().node.ep_mut().fork_for(handle, to)
     }
 
     /// Accepts a fork received from a peer, as a handle of this worker's.
     pub(crate) fn accept_reference(&self, data: RRefForkData) -> RRefHandle {
         let now = self.now();
-        let handle = self.lock().ep.accept_fork(data, now);
+        let handle = self.lock().node.ep_mut().accept_fork(data, now);
         self.wake();
         handle
     }
@@ -759,7 +769,8 @@ impl Agent {
         {
             let mut st = self.lock();
             let id = st
-                .ep
+                .node
+                .ep_mut()
                 .fetch(handle, timeout, self.now())
                 .map_err(|e| self.rref_error(handle, e))?;
             st.waiters.insert(id, tx);
@@ -776,7 +787,11 @@ impl Agent {
     /// worker, which never had the value.
     fn check_target(&self, st: &State, target: Option<RRefHandle>) -> Result<(), RpcError> {
         match target {
-            Some(h) => st.ep.check_reference(h).map_err(|e| self.rref_error(h, e)),
+            Some(h) => st
+                .node
+                .ep()
+                .check_reference(h)
+                .map_err(|e| self.rref_error(h, e)),
             None => Ok(()),
         }
     }
@@ -1043,7 +1058,7 @@ impl Agent {
     ) -> Result<(), String> {
         let rx = {
             let mut st = self.lock();
-            let Some(wait) = st.ep.wait_confirmed(handles, deadline) else {
+            let Some(wait) = st.node.ep_mut().wait_confirmed(handles, deadline) else {
                 return Ok(());
             };
             let (tx, rx) = oneshot::channel();

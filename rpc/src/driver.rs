@@ -1,24 +1,25 @@
-//! The driver: moves what the endpoint produced along (messages to the peers' writers, events
-//! to their handlers) and sleeps until the endpoint's next timer or until woken.
+//! The driver: moves what core's node (the endpoint and a dynamic group's membership)
+//! produced along (frames to the peers' writers, events to their handlers) and sleeps until
+//! the node's next timer or until woken.
 //!
-//! Today the endpoint is also pumped on the calling task of an API call or a reader (one
-//! wake-up less per message); DESIGN's target is this driver alone polling the endpoint.
+//! Today the node is also pumped on the calling task of an API call or a reader (one
+//! wake-up less per message); DESIGN's target is this driver alone polling the node.
 
 use std::sync::Arc;
 
 use tensorwire_core::budget::{Admit, Use};
 use tensorwire_core::ports::transport::Connection;
+use tensorwire_core::protocol::node::{route, Inbound, NodeEvent, Outgoing};
 use tensorwire_core::protocol::{
     Event, LostCause, ProtocolViolation, RemoteErrorKind, RunState, WorkerId,
 };
-use tensorwire_core::wire::{Frame, FrameKind};
+use tensorwire_core::wire::Frame;
 
 use crate::links::{self, peer_lost_on, until_failed, DirectWrite};
 use crate::membership;
 use crate::serve::{self, remote_error};
 use crate::state::Agent;
 use crate::state::Body;
-use tensorwire_core::protocol::envelope::Envelope;
 
 /// Attaches an agent-owned connection to `peer` (its writer: see [`links::attach_conn`]) and
 /// starts its reader, which hands every frame to the endpoint through [`on_frame`].
@@ -51,7 +52,7 @@ pub(crate) fn attach(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection>) {
                     }
                 }
                 Err(e) => {
-                    if agent.lock().ep.state() == RunState::Running {
+                    if agent.lock().node.ep().state() == RunState::Running {
                         peer_lost_on(&agent, peer, LostCause::Transport(e.to_string()), &conn);
                     }
                     return;
@@ -74,21 +75,22 @@ pub(crate) fn on_frame(
     frame: Frame,
     direct: bool,
 ) -> Result<(), ProtocolViolation> {
-    if frame.kind == FrameKind::Control {
-        if let Some(handled) = crate::ipc::on_control(this, from, &frame) {
+    // Told apart by kind in core, in one place.
+    let (envelope, payloads) = match route(frame)? {
+        Inbound::Ipc(msg) => return crate::ipc::on_control(this, from, msg),
+        Inbound::Membership(msg) => {
+            let now = this.now();
+            let handled = this.lock().node.handle_membership(from, msg, now);
+            this.pump();
             return handled;
         }
-        return membership::on_membership_frame(this, from, &frame);
-    }
-    if this.inner.dynamic && !membership::may_call(this, from) {
-        return Err(ProtocolViolation::NotAMember);
-    }
-    let envelope = Envelope::decode(&frame.header)?;
+        Inbound::Message { envelope, payloads } => (envelope, payloads),
+    };
     this.inner
         .ipc
         .check_received(from, &envelope.tensors)
         .map_err(ProtocolViolation::Ipc)?;
-    let (header, body) = envelope.attach(frame.payloads)?;
+    let (header, body) = envelope.attach(payloads)?;
     let body = body.map(|b| Body {
         target: b.target,
         data: b.data,
@@ -97,7 +99,7 @@ pub(crate) fn on_frame(
     });
     let handled = this
         .lock()
-        .ep
+        .node
         .handle_message(from, header, body, this.now());
     if direct {
         pump_now(this);
@@ -157,14 +159,19 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>)
     loop {
         let (events, wake_driver) = {
             let mut st = this.lock();
-            while let Some(t) = st.ep.poll_transmit() {
-                links::send(this, &mut st, t, direct.as_deref_mut());
+            while let Some(out) = st.node.poll_transmit() {
+                match out {
+                    Outgoing::Message(t) => links::send(this, &mut st, t, direct.as_deref_mut()),
+                    Outgoing::Control { to, frame } => {
+                        links::send_control_locked(&mut st, to, frame);
+                    }
+                }
             }
             let mut events = Vec::new();
-            while let Some(e) = st.ep.poll_event() {
+            while let Some(e) = st.node.poll_event() {
                 events.push(e);
             }
-            let next = st.ep.poll_timeout();
+            let next = st.node.poll_timeout();
             let wake_driver = match (next, st.driver_wakes_at) {
                 (Some(n), Some(at)) => n < at,
                 (Some(_), None) => true,
@@ -179,7 +186,10 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>)
             return;
         }
         for e in events {
-            dispatch(this, e);
+            match e {
+                NodeEvent::Endpoint(e) => dispatch(this, e),
+                NodeEvent::Membership(e) => membership::on_membership_event(this, e),
+            }
         }
     }
 }
@@ -219,7 +229,7 @@ fn hold_back(this: &Agent, ev: Event<Body>) -> Option<Event<Body>> {
     let over = {
         let mut st = this.lock();
         let behind_others = st.held_requests.get(&from).is_some_and(|q| !q.is_empty());
-        let account = st.ep.budget().account(from);
+        let account = st.node.ep().budget().account(from);
         if !behind_others && !account.holds_requests() {
             return Some(ev);
         }
@@ -244,7 +254,7 @@ pub(crate) fn resume_requests(this: &Agent, peer: WorkerId) {
     loop {
         let next = {
             let mut st = this.lock();
-            if st.ep.budget().holds_requests(peer) {
+            if st.node.ep().budget().holds_requests(peer) {
                 return;
             }
             let Some(queue) = st.held_requests.get_mut(&peer) else {
@@ -258,7 +268,8 @@ pub(crate) fn resume_requests(this: &Agent, peer: WorkerId) {
         };
         let Some((ev, bytes)) = next else { return };
         this.lock()
-            .ep
+            .node
+            .ep()
             .budget()
             .account(peer)
             .release(Use::Requests, bytes);
@@ -314,7 +325,7 @@ fn run(this: &Agent, ev: Event<Body>) {
                         format!("no value is kept for {rref}"),
                     )),
                 };
-                agent.lock().ep.respond(token, outcome);
+                agent.lock().node.ep_mut().respond(token, outcome);
             };
             // A value in host memory is answered here and now (the pump that dispatched
             // this sends the reply, in the same write as what it sends already: after a
@@ -377,7 +388,7 @@ fn running(this: &Agent, from: WorkerId, function: &str) -> Option<WorkerId> {
     if from == this.inner.me.id || function == crate::gather::GATHER {
         return None;
     }
-    this.lock().ep.budget().account(from).start_request();
+    this.lock().node.ep().budget().account(from).start_request();
     Some(from)
 }
 
@@ -386,7 +397,7 @@ fn finished(this: &Agent, from: Option<WorkerId>) {
     let Some(peer) = from else { return };
     let resume = {
         let st = this.lock();
-        st.ep.budget().account(peer).finish_request() && st.held_requests.contains_key(&peer)
+        st.node.ep().budget().account(peer).finish_request() && st.held_requests.contains_key(&peer)
     };
     if resume {
         resume_requests(this, peer);
@@ -413,13 +424,14 @@ fn serve_in_task(
     });
 }
 
-/// The driver: moves the endpoint's output to peers and the application, and its timers.
+/// The driver: moves the node's output to peers and the application, and runs its one timer
+/// (the earliest deadline of the endpoint's and the membership's).
 pub(crate) async fn drive(agent: Agent) {
     loop {
         agent.pump();
         let next = {
             let mut st = agent.lock();
-            let next = st.ep.poll_timeout();
+            let next = st.node.poll_timeout();
             st.driver_wakes_at = next;
             next
         };
@@ -429,7 +441,7 @@ pub(crate) async fn drive(agent: Agent) {
                     () = agent.inner.wake.notified() => {}
                     () = agent.inner.runtime.sleep_until(at) => {
                         let now = agent.now();
-                        agent.lock().ep.handle_timeout(now);
+                        agent.lock().node.handle_timeout(now);
                     }
                 }
             }

@@ -13,8 +13,7 @@ use std::sync::{Mutex, PoisonError};
 use bytes::Bytes;
 use tensorwire_core::device::Device;
 use tensorwire_core::ipc::{
-    decode_message, encode_message, IpcConfig, IpcState, IpcViolation, PeerPaths, Route,
-    StagedReason,
+    encode_message, IpcConfig, IpcMessage, IpcState, IpcViolation, PeerPaths, Route, StagedReason,
 };
 use tensorwire_core::ports::device::{DeviceBackend, DeviceIpc};
 use tensorwire_core::protocol::{ProtocolViolation, WorkerId};
@@ -71,24 +70,23 @@ fn flush(agent: &Agent) {
     }
 }
 
-/// Handles a control frame if it is an IPC message (`None` if it is not one). A violation is
-/// an error: the connection to that peer is dropped.
+/// Handles an IPC message from `from` (a control frame core's `route` found to be one). A
+/// violation is an error: the connection to that peer is dropped.
 pub(crate) fn on_control(
     agent: &Agent,
     from: WorkerId,
-    frame: &Frame,
-) -> Option<Result<(), ProtocolViolation>> {
-    let msg = decode_message(&frame.header)?;
-    let handled = msg.and_then(|m| agent.ipc().state().handle_message(from, m));
+    msg: IpcMessage,
+) -> Result<(), ProtocolViolation> {
+    let handled = agent.ipc().state().handle_message(from, msg);
     flush(agent);
-    Some(match handled {
+    match handled {
         // The released buffers are dropped here, outside the lock.
         Ok(released) => {
             drop(released);
             Ok(())
         }
         Err(violation) => Err(ProtocolViolation::Ipc(violation)),
-    })
+    }
 }
 
 /// `peer` is gone: the buffers held for it are freed.

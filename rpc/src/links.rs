@@ -12,7 +12,6 @@ use tensorwire_core::wire::{Frame, FrameKind};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use crate::membership;
 use crate::queue::{frame_bytes, OutQueue};
 use crate::state::Agent;
 use crate::state::{Body, PeerLink, State};
@@ -59,7 +58,7 @@ pub(crate) fn attach_conn(
     }
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
     let write = Arc::new(tokio::sync::Mutex::new(()));
-    let budget = this.lock().ep.budget().clone();
+    let budget = this.lock().node.ep().budget().clone();
     // The frame being received from it draws from its budget too (for transports that
     // count it: TCP).
     conn.bill_to(budget.account(peer));
@@ -67,16 +66,23 @@ pub(crate) fn attach_conn(
         Arc::clone(&this.inner.queued_bytes),
         budget.account(peer),
     ));
-    this.lock().peers.insert(
-        peer,
-        PeerLink {
-            tx,
-            transport: conn.transport(),
-            conn: Arc::clone(&conn),
-            write: Arc::clone(&write),
-            queued: Arc::clone(&queued),
-        },
-    );
+    {
+        let mut st = this.lock();
+        // What the membership said to it while its connection was being set up goes first.
+        for frame in st.connecting.remove(&peer).unwrap_or_default() {
+            queued.enqueue(&tx, frame);
+        }
+        st.peers.insert(
+            peer,
+            PeerLink {
+                tx,
+                transport: conn.transport(),
+                conn: Arc::clone(&conn),
+                write: Arc::clone(&write),
+                queued: Arc::clone(&queued),
+            },
+        );
+    }
     let writer_conn = Arc::clone(&conn);
     let agent = this.clone();
     let mut failed = queued.subscribe_failed();
@@ -187,7 +193,7 @@ pub(crate) fn member_left(this: &Agent, peer: WorkerId) {
     let link = {
         let mut st = this.lock();
         let link = st.peers.remove(&peer);
-        st.ep.handle_peer_lost(peer, LostCause::Left, this.now());
+        // (The endpoint has it as left: the node applied the membership's removal.)
         st.drop_held_requests(peer, this.now());
         link
     };
@@ -205,12 +211,18 @@ pub(crate) fn close_links(this: &Agent) {
 
 /// Queues a control frame (the membership protocol's) for `to`'s writer.
 pub(crate) fn send_control(this: &Agent, to: WorkerId, frame: Frame) {
-    let st = this.lock();
-    match st.peers.get(&to) {
-        Some(link) => {
-            link.queued.enqueue(&link.tx, frame);
-        }
-        None => debug!("no connection to rank {to} for a membership message"),
+    send_control_locked(&mut this.lock(), to, frame);
+}
+
+/// [`send_control`] under the state's lock, taken by the caller (the pump). A frame for a
+/// peer whose connection is being set up waits until it is attached.
+pub(crate) fn send_control_locked(st: &mut State, to: WorkerId, frame: Frame) {
+    if let Some(link) = st.peers.get(&to) {
+        link.queued.enqueue(&link.tx, frame);
+    } else if let Some(waiting) = st.connecting.get_mut(&to) {
+        waiting.push(frame);
+    } else {
+        debug!("no connection to rank {to} for a membership message");
     }
 }
 
@@ -267,13 +279,10 @@ pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
     {
         let mut st = this.lock();
         st.peers.remove(&peer);
-        st.ep.handle_peer_lost(peer, cause, this.now());
+        // The endpoint records it, and a dynamic group's membership drops it (handing
+        // coordination on, if it coordinated).
+        st.node.handle_peer_lost(peer, cause, this.now());
         st.drop_held_requests(peer, this.now());
-    }
-    if this.inner.dynamic {
-        // The membership drops it (and hands coordination on, if it coordinated).
-        let now = this.now();
-        membership::with_membership(this, |m| m.handle_lost(peer, now));
     }
     this.pump();
 }
@@ -353,7 +362,7 @@ pub(crate) fn send(
             // its loss, and subscribers hear of it as of any other (once: the endpoint's
             // `Event::PeerLost`, which the pump that sends this dispatches next).
             let cause = LostCause::Transport(format!("no connection to {}", this.name_of(t.to)));
-            st.ep.handle_peer_lost(t.to, cause, this.now());
+            st.node.ep_mut().handle_peer_lost(t.to, cause, this.now());
         }
     }
 }
@@ -373,7 +382,7 @@ pub(crate) fn supply_when_copied(
         {
             let mut st = agent.lock();
             match copied {
-                Ok(wire) => st.ep.supply_body(
+                Ok(wire) => st.node.ep_mut().supply_body(
                     id,
                     Body {
                         target,
@@ -384,9 +393,9 @@ pub(crate) fn supply_when_copied(
                 ),
                 Err(e) => {
                     let now = agent.now();
-                    st.ep.abandon(id, &e.to_string(), now);
+                    st.node.ep_mut().abandon(id, &e.to_string(), now);
                     for f in &prepared.forks {
-                        st.ep.cancel_fork(*f, to, now);
+                        st.node.ep_mut().cancel_fork(*f, to, now);
                     }
                 }
             }

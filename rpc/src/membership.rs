@@ -1,106 +1,89 @@
-//! A running member of a dynamic group: the driver of
-//! `tensorwire_core::protocol::membership::dynamic` once this worker is in (or joining) the
-//! group. It hands the membership the control frames and lost peers, moves its messages to the
-//! peers' writers, acts on its events (dial a member, add or remove one, tell a waiting join or
-//! leave), runs its timer, welcomes joiners on the listener and keeps the coordinator's record
+//! A running member of a dynamic group: the driver's side of the membership that core's node
+//! owns (`tensorwire_core::protocol::membership::dynamic`, in `Node`) once this worker is in
+//! (or joining) the group. The node takes the membership's frames, lost peers and timer with
+//! the endpoint's; here the driver acts on its events (dial a member, add or remove one, tell a
+//! waiting join or leave), welcomes joiners on the listener and keeps the coordinator's record
 //! in the store (`rpc/dyn/coordinator`).
 //!
 //! Joining and leaving (the steps a caller waits on) are in `init::dynamic`, which starts what
 //! is here.
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::oneshot;
 
 use tensorwire_core::ports::transport::{Connection, IdentityError, Listener, Transport};
 use tensorwire_core::protocol::membership::{
-    Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
+    Accepted, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
 };
 use tensorwire_core::protocol::mesh::HelloReply;
-use tensorwire_core::protocol::{MalformedMessage, ProtocolViolation, WorkerId};
-use tensorwire_core::wire::Frame;
+use tensorwire_core::protocol::WorkerId;
 use tensorwire_mesh::link;
 use tracing::warn;
 
-use crate::error::RpcError;
+use crate::error::{RpcError, WaitingFor};
 use crate::runtime::Runtime;
+use crate::state::Agent;
 use crate::state::RPC_GROUP;
-use crate::state::{Agent, DynState};
 
 pub(crate) const COORDINATOR: &str = "rpc/dyn/coordinator";
 
-pub(crate) fn dyn_state(agent: &Agent) -> std::sync::MutexGuard<'_, DynState> {
-    agent
-        .inner
-        .membership
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Runs `f` on the membership (if this worker has one), then moves its output along.
+/// Runs `f` on the node's membership (if this worker has one), then moves the node's output
+/// along (its timer, if `f` moved it, is the driver's: the pump wakes it).
 pub(crate) fn with_membership<T>(
     agent: &Agent,
     f: impl FnOnce(&mut DynamicMembership) -> T,
 ) -> Option<T> {
-    let out = dyn_state(agent).membership.as_mut().map(f);
-    // The call may have moved the next deadline (a redial) without saying anything.
-    agent.inner.membership_wake.notify_one();
-    pump_membership(agent);
+    let now = agent.now();
+    let out = agent.lock().node.with_membership(now, f);
+    agent.pump();
     out
 }
 
-/// Whether `from` may send calls and replies: in a dynamic group, a member only.
-pub(crate) fn may_call(agent: &Agent, from: WorkerId) -> bool {
-    !agent.is_dynamic()
-        || dyn_state(agent)
-            .membership
-            .as_ref()
-            .is_some_and(|m| m.may_call(from))
+/// Keeps this worker's record and the transport a joiner dials the members with.
+pub(crate) fn set_up(agent: &Agent, record: MemberRecord, transport: Arc<dyn Transport>) {
+    let mut st = agent.lock();
+    st.dyn_state.record = Some(record);
+    st.dyn_state.transport = Some(transport);
 }
 
-/// A membership message from `from` (a control frame on its connection).
-pub(crate) fn on_membership_frame(
+/// Starts the node's membership with `membership` (a founder's, or a join's, then told by
+/// `join_waiter` how it ends). What it produced goes out with the caller's next pump (a
+/// joiner's, once the connection to the coordinator is attached).
+pub(crate) fn start(
     agent: &Agent,
-    from: WorkerId,
-    frame: &Frame,
-) -> Result<(), ProtocolViolation> {
-    let msg = DynMessage::decode(&frame.header)
-        .map_err(|e| ProtocolViolation::Malformed(MalformedMessage::Undecodable(e)))?;
-    let now = agent.now();
-    let handled = with_membership(agent, |m| m.handle_message(from, msg, now));
-    match handled {
-        Some(Ok(())) => Ok(()),
-        Some(Err(e)) => Err(ProtocolViolation::Membership(e)),
-        None => Err(ProtocolViolation::MembershipInStaticGroup),
+    membership: DynamicMembership,
+    join_waiter: Option<oneshot::Sender<Result<(), MembershipError>>>,
+) {
+    {
+        let now = agent.now();
+        let mut st = agent.lock();
+        st.node.set_membership(membership, now);
+        if join_waiter.is_some() {
+            st.dyn_state.join_waiter = join_waiter;
+        }
     }
 }
 
-/// Moves the membership's messages to the peers' writers and acts on its events.
-pub(crate) fn pump_membership(agent: &Agent) {
-    loop {
-        let (transmits, events) = {
-            let mut st = dyn_state(agent);
-            let Some(m) = st.membership.as_mut() else {
-                return;
-            };
-            let transmits: Vec<_> = std::iter::from_fn(|| m.poll_transmit()).collect();
-            let events: Vec<_> = std::iter::from_fn(|| m.poll_event()).collect();
-            (transmits, events)
-        };
-        if transmits.is_empty() && events.is_empty() {
-            break;
-        }
-        agent.inner.membership_wake.notify_one();
-        for (to, msg) in transmits {
-            agent.send_control(to, Frame::control(msg.encode(), vec![]));
-        }
-        for ev in events {
-            on_membership_event(agent, ev);
-        }
-    }
-    agent.pump();
+/// `tx` is told how the leave this worker begins ends.
+pub(crate) fn wait_leave(agent: &Agent, tx: oneshot::Sender<Result<bool, MembershipError>>) {
+    agent.lock().dyn_state.leave_waiter = Some(tx);
 }
 
-fn on_membership_event(agent: &Agent, ev: MembershipEvent) {
+/// The group's coordinator, as this worker's membership knows it.
+pub(crate) fn coordinator(agent: &Agent) -> Option<WaitingFor> {
+    let rank = agent
+        .lock()
+        .node
+        .membership()
+        .and_then(DynamicMembership::coordinator)?;
+    Some(WaitingFor::Workers(vec![agent.worker(rank)]))
+}
+
+/// Acts on a membership event the node handed up (what concerns the endpoint, the node has
+/// applied already: ids of a new incarnation, a member joined, one that left).
+pub(crate) fn on_membership_event(agent: &Agent, ev: MembershipEvent) {
     match ev {
         MembershipEvent::Connect(records) => {
             for record in records {
@@ -108,10 +91,7 @@ fn on_membership_event(agent: &Agent, ev: MembershipEvent) {
             }
         }
         MembershipEvent::MemberAdded(record) => agent.add_member(record),
-        MembershipEvent::Admitted { seq } => {
-            // Ids above every earlier incarnation of this rank's.
-            agent.begin_incarnation(seq);
-        }
+        MembershipEvent::Admitted { .. } => {}
         MembershipEvent::MemberRemoved { rank, left } => {
             if left {
                 agent.member_left(rank);
@@ -119,22 +99,22 @@ fn on_membership_event(agent: &Agent, ev: MembershipEvent) {
             agent.remove_member(rank);
         }
         MembershipEvent::Joined => {
-            if let Some(tx) = dyn_state(agent).join_waiter.take() {
+            if let Some(tx) = agent.lock().dyn_state.join_waiter.take() {
                 let _ = tx.send(Ok(()));
             }
         }
         MembershipEvent::JoinFailed(e) => {
-            if let Some(tx) = dyn_state(agent).join_waiter.take() {
+            if let Some(tx) = agent.lock().dyn_state.join_waiter.take() {
                 let _ = tx.send(Err(e));
             }
         }
         MembershipEvent::Left { last } => {
-            if let Some(tx) = dyn_state(agent).leave_waiter.take() {
+            if let Some(tx) = agent.lock().dyn_state.leave_waiter.take() {
                 let _ = tx.send(Ok(last));
             }
         }
         MembershipEvent::LeaveFailed(e) => {
-            if let Some(tx) = dyn_state(agent).leave_waiter.take() {
+            if let Some(tx) = agent.lock().dyn_state.leave_waiter.take() {
                 let _ = tx.send(Err(e));
             }
         }
@@ -156,30 +136,12 @@ pub(crate) async fn publish_coordinator(agent: &Agent) -> Result<(), RpcError> {
 }
 
 pub(crate) fn own_record(agent: &Agent) -> Result<MemberRecord, RpcError> {
-    dyn_state(agent).record.clone().ok_or(RpcError::NotRunning)
-}
-
-/// The membership's timer: calls `handle_timeout` at its `poll_timeout`, for as long as the
-/// agent runs.
-pub(crate) async fn membership_timer(agent: Agent) {
-    loop {
-        let next = dyn_state(&agent)
-            .membership
-            .as_ref()
-            .and_then(DynamicMembership::poll_timeout);
-        match next {
-            Some(at) => {
-                tokio::select! {
-                    () = agent.inner.membership_wake.notified() => {}
-                    () = agent.inner.runtime.sleep_until(at) => {
-                        let now = agent.now();
-                        with_membership(&agent, |m| m.handle_timeout(now));
-                    }
-                }
-            }
-            None => agent.inner.membership_wake.notified().await,
-        }
-    }
+    agent
+        .lock()
+        .dyn_state
+        .record
+        .clone()
+        .ok_or(RpcError::NotRunning)
 }
 
 /// Why an introduction did not get a welcome.
@@ -242,20 +204,20 @@ pub(crate) async fn introduce(
 
 /// A joiner connects to a member the coordinator admitted it to.
 pub(crate) async fn dial_member(agent: Agent, member: MemberRecord) {
-    let (record, transport) = {
-        let st = dyn_state(&agent);
-        match (st.record.clone(), st.transport.clone()) {
-            (Some(r), Some(t)) => (r, t),
+    let (record, transport, join_deadline) = {
+        let st = agent.lock();
+        let join_deadline = st
+            .node
+            .membership()
+            .and_then(DynamicMembership::join_deadline);
+        match (st.dyn_state.record.clone(), st.dyn_state.transport.clone()) {
+            (Some(r), Some(t)) => (r, t, join_deadline),
             _ => return,
         }
     };
-    let left = dyn_state(&agent)
-        .membership
-        .as_ref()
-        .and_then(DynamicMembership::join_deadline)
-        .map_or(Duration::from_secs(30), |d| {
-            d.saturating_duration_since(agent.now())
-        });
+    let left = join_deadline.map_or(Duration::from_secs(30), |d| {
+        d.saturating_duration_since(agent.now())
+    });
     match introduce(
         &*agent.inner.runtime,
         &*transport,
@@ -296,6 +258,27 @@ pub(crate) async fn accept_connections(agent: Agent, listener: Box<dyn Listener>
                 return;
             }
         }
+    }
+}
+
+/// A peer whose connection is being set up (a joiner being welcomed, the coordinator a joiner
+/// dialled): the membership's frames for it wait (in the agent's state) until its connection
+/// is attached, which sends them; dropped, whatever is left goes.
+pub(crate) struct Connecting<'a> {
+    agent: &'a Agent,
+    rank: WorkerId,
+}
+
+impl<'a> Connecting<'a> {
+    pub(crate) fn begin(agent: &'a Agent, rank: WorkerId) -> Self {
+        agent.lock().connecting.insert(rank, Vec::new());
+        Self { agent, rank }
+    }
+}
+
+impl Drop for Connecting<'_> {
+    fn drop(&mut self) {
+        self.agent.lock().connecting.remove(&self.rank);
     }
 }
 
@@ -347,11 +330,11 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
         let _ = conn.close().await;
         return;
     }
+    // What the membership says to it from here waits for its connection (after the welcome);
+    // a welcome that ends early takes that back.
+    let _connecting = Connecting::begin(&agent, rank);
     // The membership decides whether this connection is one it expects.
-    let accepted = dyn_state(&agent)
-        .membership
-        .as_mut()
-        .map(|m| m.handle_connected(rank, Some(&record)));
+    let accepted = with_membership(&agent, |m| m.handle_connected(rank, Some(&record)));
     match accepted {
         Some(Ok(Accepted::Member | Accepted::Applicant)) => {}
         Some(Ok(Accepted::Dialled)) | None => return,
@@ -375,10 +358,5 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
         return;
     }
     agent.attach(rank, conn);
-    pump_membership(&agent);
-}
-
-/// The shared handle for the state above, created with the agent.
-pub(crate) fn new_state() -> Mutex<DynState> {
-    Mutex::new(DynState::default())
+    agent.pump();
 }

@@ -85,7 +85,7 @@ pub(crate) fn serve(
             caller = %this.name_of(token.from()),
             "a call asked for a function that is not registered here"
         );
-        this.lock().ep.respond(token, Err(err));
+        this.lock().node.ep_mut().respond(token, Err(err));
         this.pump();
         return None;
     };
@@ -99,7 +99,7 @@ pub(crate) fn serve(
                 Ok(v) => Some(v),
                 Err(reason) => {
                     let err = remote_error(me, RemoteErrorKind::RRef, reason);
-                    agent.lock().ep.respond(token, Err(err));
+                    agent.lock().node.ep_mut().respond(token, Err(err));
                     agent.pump();
                     return serving;
                 }
@@ -114,7 +114,7 @@ pub(crate) fn serve(
                     RemoteErrorKind::DeviceMap,
                     format!("cannot place the tensors of {function:?}: {e}"),
                 );
-                agent.lock().ep.respond(token, Err(err));
+                agent.lock().node.ep_mut().respond(token, Err(err));
                 agent.pump();
                 return serving;
             }
@@ -183,7 +183,7 @@ pub(crate) fn serve(
         let orphan = {
             let mut st = agent.lock();
             let created = keep_as.filter(|_| outcome.is_ok());
-            let expected = st.ep.respond(token, outcome);
+            let expected = st.node.ep_mut().respond(token, outcome);
             // A value made for a creator lost meanwhile: nobody will ever refer to it.
             created
                 .filter(|_| !expected)

@@ -27,7 +27,7 @@ pub(crate) async fn stop_and_release(this: &Agent, deadline: Instant) {
             std::mem::take(&mut tasks.others),
         )
     };
-    this.lock().ep.stop();
+    this.lock().node.ep_mut().stop();
     this.inner.peer_events.close();
     // Deliver the failures of pending calls now (the driver is about to stop).
     this.pump();
@@ -128,7 +128,7 @@ pub(crate) async fn run_shutdown(
     {
         let mut st = this.lock();
         st.shutdown_waiter = Some(tx);
-        begin(&mut st.ep);
+        begin(st.node.ep_mut());
     }
     this.pump();
     match rx.await {

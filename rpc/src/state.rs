@@ -1,6 +1,6 @@
-//! What the agent holds, shared by its handle ([`Agent`]), its driver and its tasks: the endpoint and what
-//! waits on it (`State`, under one lock), who is in the group (`Membership`), and the rest of
-//! the agent (`Inner`).
+//! What the agent holds, shared by its handle ([`Agent`]), its driver and its tasks: core's
+//! [`Node`] (the endpoint and a dynamic group's membership) and what waits on it (`State`, under
+//! one lock), and the rest of the agent (`Inner`).
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -13,12 +13,11 @@ use tensorwire_core::ipc::IpcState;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::protocol::gather::{GatherLeader, GatherOutcome, GatherToken};
-use tensorwire_core::protocol::membership::{
-    Directory, DynamicMembership, MemberRecord, MembershipError,
-};
+use tensorwire_core::protocol::membership::{Directory, MemberRecord, MembershipError};
+use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, Endpoint, Event, MessageId, MethodTarget, Payload, RRefForkData,
-    RRefId, ShutdownError, WaitId, WorkerId,
+    CallError, ConfirmError, Event, MessageId, MethodTarget, Payload, RRefForkData, RRefId,
+    ShutdownError, WaitId, WorkerId,
 };
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
@@ -85,7 +84,14 @@ pub(crate) struct PeerLink {
 }
 
 pub(crate) struct State {
-    pub(crate) ep: Endpoint<Body>,
+    /// The endpoint and a dynamic group's membership, driven as one (core's sans-IO node).
+    pub(crate) node: Node<Body>,
+    /// A dynamic group's driver state beside the node's membership.
+    pub(crate) dyn_state: DynState,
+    /// The control frames for peers whose connection is being set up (a joiner being
+    /// welcomed: the welcome goes first; the coordinator a joiner dialled), sent once it is
+    /// attached. Only such peers have an entry.
+    pub(crate) connecting: HashMap<WorkerId, Vec<Frame>>,
     pub(crate) waiters: HashMap<MessageId, Waiter>,
     pub(crate) values: HashMap<RRefId, Arc<dyn Value>>,
     pub(crate) peers: HashMap<WorkerId, PeerLink>,
@@ -115,12 +121,13 @@ impl State {
             bytes = bytes.saturating_add(b);
             if let Event::Call { body, .. } | Event::Remote { body, .. } = ev {
                 for fork in body.forks {
-                    let handle = self.ep.accept_fork(fork, now);
-                    self.ep.drop_handle(handle, now);
+                    let handle = self.node.ep_mut().accept_fork(fork, now);
+                    self.node.ep_mut().drop_handle(handle, now);
                 }
             }
         }
-        self.ep
+        self.node
+            .ep()
             .budget()
             .account(peer)
             .release(tensorwire_core::budget::Use::Requests, bytes);
@@ -152,11 +159,6 @@ pub(crate) struct Inner {
     pub(crate) tasks: Mutex<Tasks>,
     /// The one runtime the agent reads time from, sleeps on and spawns with.
     pub(crate) runtime: Arc<dyn Runtime>,
-    /// A dynamic group's membership (see [`crate::membership`]); its own lock, never held with
-    /// the state's.
-    pub(crate) membership: Mutex<DynState>,
-    /// Wakes the membership's timer.
-    pub(crate) membership_wake: Notify,
     pub(crate) metrics: crate::metrics::AgentMetrics,
     /// Who hears of lost and joined peers ([`Agent::peer_events`]).
     pub(crate) peer_events: crate::peer_events::PeerEventHub,
@@ -204,11 +206,10 @@ pub(crate) struct Gathers {
     pub(crate) watching: OnceLock<()>,
 }
 
-/// The driver's side of a dynamic group's membership, beside the agent's state (its own lock:
-/// never held together with the agent's).
+/// The driver's side of a dynamic group's membership, beside the node's (in the agent's
+/// state, under its lock).
 #[derive(Default)]
 pub(crate) struct DynState {
-    pub(crate) membership: Option<DynamicMembership>,
     /// This worker's record, and the transport a joiner dials the members with.
     pub(crate) record: Option<MemberRecord>,
     pub(crate) transport: Option<Arc<dyn Transport>>,

@@ -31,8 +31,7 @@ use crate::driver::drive;
 use crate::error::{InitError, RpcError, WaitingFor};
 use crate::init::advertise_ip;
 use crate::membership::{
-    accept_connections, dyn_state, introduce, membership_timer, pump_membership, with_membership,
-    Introduction, COORDINATOR,
+    self, accept_connections, introduce, with_membership, Introduction, COORDINATOR,
 };
 use crate::options::RpcOptions;
 use crate::state::{Agent, WorkerRecord};
@@ -78,11 +77,7 @@ pub(crate) async fn join(
         &options,
         tensorwire_core::budget::Budget::new(options.endpoint.peer_budget),
     );
-    {
-        let mut st = dyn_state(&agent);
-        st.record = Some(record.clone());
-        st.transport = Some(Arc::clone(&transport));
-    }
+    membership::set_up(&agent, record.clone(), Arc::clone(&transport));
     *agent
         .inner
         .rendezvous
@@ -90,7 +85,6 @@ pub(crate) async fn join(
         .unwrap_or_else(PoisonError::into_inner) = Some(rdv);
     agent.spawn(accept_connections(agent.clone(), listener));
     agent.spawn(drive(agent.clone()));
-    agent.spawn(membership_timer(agent.clone()));
     let mut backoff = Backoff::new(Duration::from_millis(1), Duration::from_millis(50));
     loop {
         let attempt = join_once(
@@ -162,7 +156,12 @@ async fn join_once(
         .map_err(RpcError::from)?;
     if held == encoded {
         // The first member: it coordinates.
-        dyn_state(agent).membership = Some(DynamicMembership::found(record.clone(), op_timeout));
+        membership::start(
+            agent,
+            DynamicMembership::found(record.clone(), op_timeout),
+            None,
+        );
+        agent.pump();
         return Ok(());
     }
     let coordinator = MemberRecord::decode(&held)
@@ -220,17 +219,17 @@ async fn join_once(
         Err(Introduction::Failed(e)) => return Err(retry(e)),
     };
     let (tx, rx) = oneshot::channel();
+    let mut m =
+        DynamicMembership::join(record.clone(), coordinator.rank, op_timeout, Some(deadline));
+    let _ = m.handle_connected(coordinator.rank, None);
     {
-        let mut st = dyn_state(agent);
-        let mut m =
-            DynamicMembership::join(record.clone(), coordinator.rank, op_timeout, Some(deadline));
-        let _ = m.handle_connected(coordinator.rank, None);
-        st.membership = Some(m);
-        st.join_waiter = Some(tx);
+        // Its first words wait for the connection.
+        let _connecting = membership::Connecting::begin(agent, coordinator.rank);
+        membership::start(agent, m, Some(tx));
+        agent.pump();
+        agent.attach(coordinator.rank, conn);
     }
-    agent.attach(coordinator.rank, conn);
-    agent.inner.membership_wake.notify_one();
-    pump_membership(agent);
+    agent.pump();
     match rx.await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => {
@@ -264,7 +263,7 @@ pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcErr
         .run_shutdown(timeout, |ep| ep.begin_leave(Some(deadline)))
         .await?;
     let (tx, rx) = oneshot::channel();
-    dyn_state(agent).leave_waiter = Some(tx);
+    membership::wait_leave(agent, tx);
     let now = agent.now();
     if with_membership(agent, |m| m.begin_leave(now, Some(deadline))).is_none() {
         return Err(RpcError::NotRunning);
@@ -275,11 +274,7 @@ pub(crate) async fn leave(agent: &Agent, timeout: Duration) -> Result<(), RpcErr
             return Err(RpcError::Timeout {
                 what: format!("leaving the group: {e}"),
                 after: timeout,
-                waiting_for: dyn_state(agent)
-                    .membership
-                    .as_ref()
-                    .and_then(DynamicMembership::coordinator)
-                    .map(|c| WaitingFor::Workers(vec![agent.worker(c)])),
+                waiting_for: membership::coordinator(agent),
             })
         }
         Err(_) => return Err(RpcError::NotRunning),

@@ -176,7 +176,7 @@ impl FrameSink for AgentFrames {
         let peer = peer as WorkerId;
         let current = {
             let st = agent.lock();
-            st.ep.state() == tensorwire_core::protocol::RunState::Running
+            st.node.ep().state() == tensorwire_core::protocol::RunState::Running
                 && st.peers.contains_key(&peer)
         };
         if current {
