@@ -114,6 +114,7 @@ impl Agent {
                 ),
                 dyn_state: crate::state::DynState::default(),
                 connecting: HashMap::new(),
+                gathers_waiting: HashMap::new(),
                 waiters: HashMap::new(),
                 held_requests: HashMap::new(),
                 values: HashMap::new(),
@@ -128,7 +129,6 @@ impl Agent {
             metrics: crate::metrics::AgentMetrics::new(name),
             rendezvous: Mutex::new(None),
             group: Mutex::new(None),
-            gathers: crate::state::Gathers::default(),
             tasks: Mutex::new(Tasks::default()),
             runtime: Arc::clone(&options.runtime),
             peer_events: crate::peer_events::PeerEventHub::new(),
@@ -927,11 +927,6 @@ impl Agent {
     /// order. The agent's shutdown shuts it down.
     pub fn process_group(&self) -> Option<Group> {
         self.group()
-    }
-
-    /// The dynamic-group gathers this worker leads.
-    pub(crate) fn gathers(&self) -> &crate::state::Gathers {
-        &self.inner.gathers
     }
 
     /// A static group's world process group.

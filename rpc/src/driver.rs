@@ -189,6 +189,9 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>)
             match e {
                 NodeEvent::Endpoint(e) => dispatch(this, e),
                 NodeEvent::Membership(e) => membership::on_membership_event(this, e),
+                NodeEvent::Gathered { token, outcome } => {
+                    crate::gather::answer(this, token, outcome);
+                }
             }
         }
     }

@@ -7,19 +7,19 @@
 //!   [`GATHER`] ([`gather_among`]) and turns the answer into values or an [`RpcError`]; both
 //!   travel as bytes in core's formats (`Contribution::encode`/`decode`,
 //!   `GatherOutcome::encode`/`decode`), which the fuzz targets read with the same decoders;
-//! - on the leader, each call of [`GATHER`] hands its contribution to the [`GatherLeader`] and
-//!   waits for its answer; while it waits it also sleeps until the leader's next deadline and
-//!   then passes the time in, so the timers live exactly as long as someone waits. A task
-//!   started with the first contribution tells the leader of lost peers.
+//! - on the leader, each call of [`GATHER`] hands its contribution to core's node (which owns
+//!   the [`GatherLeader`](tensorwire_core::protocol::gather::GatherLeader) beside the endpoint)
+//!   and waits for its answer; the rounds' deadlines are the node's timer and lost peers the
+//!   node's losses, both run by the one driver.
 //!
 //! Nothing goes through the store.
 
-use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tensorwire_core::protocol::gather::{
-    self, Contribution, GatherConfig, GatherFailure, GatherLeader, GatherOutcome, GatherToken,
+    self, Contribution, GatherFailure, GatherOutcome, GatherToken,
 };
 use tensorwire_core::protocol::{
     CallError, MalformedMessage, ProtocolViolation, RemoteError, RemoteErrorKind, WorkerId,
@@ -28,115 +28,64 @@ use tokio::sync::oneshot;
 
 use crate::error::{RpcError, WaitingFor};
 use crate::functions::{finish, Handler, HandlerError, Invocation};
-use crate::peer_events::PeerEvent;
 use crate::state::Agent;
-use crate::state::{Gathers, Leading};
 
 /// The internal function the members call on the leader (not in the user's table).
 pub(crate) const GATHER: &str = "__tw/gather";
 
-impl Leading {
-    /// Hands every answer the leader has to the call waiting for it.
-    fn deliver(&mut self) {
-        while let Some((token, outcome)) = self.leader.poll_answer() {
-            if let Some(tx) = self.waiting.remove(&token) {
-                let _ = tx.send(outcome);
-            }
-        }
+/// Hands the answer the node gave under `token` to the call waiting for it.
+pub(crate) fn answer(agent: &Agent, token: GatherToken, outcome: GatherOutcome) {
+    let waiter = agent.lock().gathers_waiting.remove(&token);
+    if let Some(tx) = waiter {
+        let _ = tx.send(outcome);
     }
 }
 
-fn lock(leading: &Mutex<Option<Leading>>) -> MutexGuard<'_, Option<Leading>> {
-    leading.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Tells the leader when a call of [`GATHER`] ends without its answer (the handler dropped).
+/// Tells the node when a call of [`GATHER`] ends without its answer (the handler dropped).
 struct Abandon<'a> {
-    leading: &'a Mutex<Option<Leading>>,
+    agent: &'a Agent,
     token: GatherToken,
 }
 
 impl Drop for Abandon<'_> {
     fn drop(&mut self) {
-        if let Some(l) = lock(self.leading).as_mut() {
-            l.waiting.remove(&self.token);
-            l.leader.handle_abandoned(self.token);
-            l.deliver();
-        }
-    }
-}
-
-/// Starts (once) the task that tells the leader of lost peers. It holds the leader's state
-/// only, not the agent, and ends when the agent's peer events end.
-fn watch_peers(agent: &Agent, gathers: &Gathers) {
-    if gathers.watching.set(()).is_err() {
-        return;
-    }
-    let mut events = agent.peer_events();
-    let leading = Arc::clone(&gathers.leading);
-    agent.spawn(async move {
-        while let Some(event) = events.recv().await {
-            if let PeerEvent::Lost { worker, .. } = event {
-                if let Some(l) = lock(&leading).as_mut() {
-                    l.leader.handle_peer_lost(worker);
-                    l.deliver();
-                }
+        {
+            let mut st = self.agent.lock();
+            if st.gathers_waiting.remove(&self.token).is_some() {
+                st.node.handle_gather_abandoned(self.token);
             }
         }
-    });
+        // The rounds it ended answer the others: the driver moves that along.
+        self.agent.wake();
+    }
 }
 
-/// The leader's side of one call: hands `c` to the state machine and waits for its answer,
-/// passing the time in at the leader's deadlines meanwhile.
+/// The leader's side of one call: hands `c` to the node and waits for its answer (the round's
+/// deadline is the node's timer, a lost member the node's loss: the driver runs both).
 async fn lead(agent: &Agent, from: WorkerId, c: Contribution) -> GatherOutcome {
-    let gathers = agent.gathers();
-    watch_peers(agent, gathers);
-    let (tx, mut rx) = oneshot::channel();
+    let (tx, rx) = oneshot::channel();
     let token = {
-        let mut guard = lock(&gathers.leading);
-        let l = guard.get_or_insert_with(|| Leading {
-            leader: GatherLeader::new(agent.worker_info().id, GatherConfig::default()),
-            waiting: HashMap::new(),
-        });
-        let token = l.leader.handle_contribution(agent.now(), from, c);
-        l.waiting.insert(token, tx);
-        l.deliver();
+        let now = agent.now();
+        let mut st = agent.lock();
+        let token = st.node.handle_contribution(now, from, c);
+        st.gathers_waiting.insert(token, tx);
         token
     };
-    let _abandon = Abandon {
-        leading: &gathers.leading,
-        token,
-    };
-    loop {
-        let next = lock(&gathers.leading)
-            .as_ref()
-            .and_then(|l| l.leader.poll_timeout());
-        let Some(at) = next else {
-            // Answered already, or no deadline: only the answer (or a lost peer) ends it.
-            return (&mut rx)
-                .await
-                .unwrap_or(GatherOutcome::Missing(Vec::new()));
-        };
-        tokio::select! {
-            outcome = &mut rx => return outcome.unwrap_or(GatherOutcome::Missing(Vec::new())),
-            () = agent.inner.runtime.sleep_until(at) => {
-                if let Some(l) = lock(&gathers.leading).as_mut() {
-                    l.leader.handle_timeout(agent.now());
-                    l.deliver();
-                }
-            }
-        }
-    }
+    let _abandon = Abandon { agent, token };
+    // An answer given at once (a refusal, the round's last value) goes out now; a new
+    // deadline wakes the driver.
+    agent.pump();
+    rx.await.unwrap_or(GatherOutcome::Missing(Vec::new()))
 }
 
 /// What the gathers this worker leads hold now.
 pub(crate) fn debug_info(agent: &Agent) -> crate::debug::GatherDebugInfo {
     let mut info = crate::debug::GatherDebugInfo::default();
-    if let Some(l) = lock(&agent.gathers().leading).as_ref() {
-        info.rounds = l.leader.rounds();
-        info.held_bytes = l.leader.held_bytes();
-        info.waiting = l.leader.waiting();
-    }
+    let st = agent.lock();
+    let leader = st.node.gathers();
+    info.rounds = leader.rounds();
+    info.held_bytes = leader.held_bytes();
+    info.waiting = leader.waiting();
     info
 }
 

@@ -4,7 +4,7 @@
 
 use std::any::Any;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -12,7 +12,7 @@ use tensorwire_core::device::DeviceMaps;
 use tensorwire_core::ipc::IpcState;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
-use tensorwire_core::protocol::gather::{GatherLeader, GatherOutcome, GatherToken};
+use tensorwire_core::protocol::gather::{GatherOutcome, GatherToken};
 use tensorwire_core::protocol::membership::{Directory, MemberRecord, MembershipError};
 use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
@@ -92,6 +92,8 @@ pub(crate) struct State {
     /// welcomed: the welcome goes first; the coordinator a joiner dialled), sent once it is
     /// attached. Only such peers have an entry.
     pub(crate) connecting: HashMap<WorkerId, Vec<Frame>>,
+    /// The calls of the gathers this worker leads (the node's), each waiting for its answer.
+    pub(crate) gathers_waiting: HashMap<GatherToken, oneshot::Sender<GatherOutcome>>,
     pub(crate) waiters: HashMap<MessageId, Waiter>,
     pub(crate) values: HashMap<RRefId, Arc<dyn Value>>,
     pub(crate) peers: HashMap<WorkerId, PeerLink>,
@@ -154,8 +156,6 @@ pub(crate) struct Inner {
     /// A static group's world process group, whose connections the agent shares; shut down
     /// with the agent.
     pub(crate) group: Mutex<Option<Group>>,
-    /// The dynamic-group gathers this worker leads (see [`crate::gather`]).
-    pub(crate) gathers: Gathers,
     pub(crate) tasks: Mutex<Tasks>,
     /// The one runtime the agent reads time from, sleeps on and spawns with.
     pub(crate) runtime: Arc<dyn Runtime>,
@@ -190,20 +190,6 @@ pub(crate) type IpcHeld = Box<dyn Any + Send + Sync>;
 /// One agent's IPC state.
 pub(crate) struct IpcLink {
     pub(crate) state: Mutex<IpcState<IpcHeld>>,
-}
-
-/// The gather leader's state machine and the calls waiting for its answers.
-pub(crate) struct Leading {
-    pub(crate) leader: GatherLeader,
-    pub(crate) waiting: HashMap<GatherToken, oneshot::Sender<GatherOutcome>>,
-}
-
-/// The gathers this worker leads (created with the agent; the state machine with the first
-/// contribution, when this worker's rank is known to the handler).
-#[derive(Default)]
-pub(crate) struct Gathers {
-    pub(crate) leading: Arc<Mutex<Option<Leading>>>,
-    pub(crate) watching: OnceLock<()>,
 }
 
 /// The driver's side of a dynamic group's membership, beside the node's (in the agent's

@@ -54,12 +54,13 @@ fn only_agent_rs_adds_methods_to_the_agent() {
     assert!(found.is_empty(), "`impl Agent` outside agent.rs: {found:?}");
 }
 
-/// The agent itself: its handle and the modules of its insides (the membership's driver
-/// among them: the membership is the node's, beside the endpoint).
-const AGENT: [&str; 9] = [
+/// The agent itself: its handle and the modules of its insides (the drivers of the
+/// membership and the gathers among them: both are the node's, beside the endpoint).
+const AGENT: [&str; 10] = [
     "agent.rs",
     "state.rs",
     "driver.rs",
+    "gather.rs",
     "links.rs",
     "membership.rs",
     "serve.rs",

@@ -1,5 +1,6 @@
-//! The node: one sans-IO value that owns an agent's protocol parts — the [`Endpoint`] and, in a
-//! dynamic group, the [`DynamicMembership`] — with one way in for each kind of input
+//! The node: one sans-IO value that owns an agent's protocol parts — the [`Endpoint`], the
+//! gathers this worker leads ([`GatherLeader`]) and, in a dynamic group, the
+//! [`DynamicMembership`] — with one way in for each kind of input
 //! (`handle_*`), one queue of frames out ([`poll_transmit`](Node::poll_transmit)), one timer
 //! ([`poll_timeout`](Node::poll_timeout), the earliest deadline of every part) and one queue of
 //! events ([`poll_event`](Node::poll_event)), as quinn-proto's `Connection` owns its streams,
@@ -7,7 +8,8 @@
 //!
 //! What one part tells another is applied here, not by the driver: a member admitted, added or
 //! removed by the membership is handed to the endpoint (its ids, a joined peer, a peer that
-//! left), and a lost peer reaches both parts.
+//! left), a lost peer reaches the membership, and every loss the endpoint reports (however it
+//! was found) reaches the gathers.
 //!
 //! Frames are told apart by their kind in one place, [`route`]: a message frame is the
 //! endpoint's (its [`Envelope`]), a control frame is a same-host IPC message (its tag,
@@ -21,6 +23,7 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::envelope::Envelope;
+use super::gather::{Contribution, GatherConfig, GatherLeader, GatherOutcome, GatherToken};
 use super::membership::{DynMessage, DynamicMembership, MembershipEvent};
 use super::{
     Endpoint, Event, Header, LostCause, MalformedMessage, Payload, ProtocolViolation, Transmit,
@@ -94,6 +97,13 @@ pub enum NodeEvent<B> {
     Endpoint(Event<B>),
     /// The membership's (after the node applied to the endpoint what concerns it).
     Membership(MembershipEvent),
+    /// The answer to a gather contribution ([`Node::handle_contribution`]).
+    Gathered {
+        /// The token the contribution got.
+        token: GatherToken,
+        /// The round's outcome for that caller.
+        outcome: GatherOutcome,
+    },
 }
 
 /// An agent's protocol state: the endpoint and the dynamic group's membership, driven as one.
@@ -102,6 +112,8 @@ pub struct Node<B> {
     /// Whether workers join and leave (a dynamic group): calls and replies only from members.
     dynamic: bool,
     membership: Option<DynamicMembership>,
+    /// The dynamic group's gathers this worker leads (idle until a member contributes).
+    gathers: GatherLeader,
     /// The membership's messages, encoded, and its events, after the node applied them.
     control: VecDeque<(WorkerId, Frame)>,
     events: VecDeque<MembershipEvent>,
@@ -111,10 +123,12 @@ impl<B: Payload> Node<B> {
     /// A node over `ep`; `dynamic` for a group whose workers join and leave (its membership is
     /// set once this worker founds or joins it: [`set_membership`](Self::set_membership)).
     pub fn new(ep: Endpoint<B>, dynamic: bool) -> Self {
+        let gathers = GatherLeader::new(ep.id(), GatherConfig::default());
         Self {
             ep,
             dynamic,
             membership: None,
+            gathers,
             control: VecDeque::new(),
             events: VecDeque::new(),
         }
@@ -156,6 +170,29 @@ impl<B: Payload> Node<B> {
         let out = self.membership.as_mut().map(f);
         self.absorb(now);
         out
+    }
+
+    /// The gathers this worker leads, to read (their rounds, held bytes, waiting callers).
+    pub fn gathers(&self) -> &GatherLeader {
+        &self.gathers
+    }
+
+    /// `from`'s contribution to a gather this worker leads arrived at `now`: its answer comes
+    /// out of [`poll_event`](Self::poll_event) as [`NodeEvent::Gathered`] under the token
+    /// returned (at once when it is refused, else when its round ends: complete, past its
+    /// deadline, or short of a lost member).
+    pub fn handle_contribution(
+        &mut self,
+        now: Instant,
+        from: WorkerId,
+        contribution: Contribution,
+    ) -> GatherToken {
+        self.gathers.handle_contribution(now, from, contribution)
+    }
+
+    /// The caller behind `token` no longer waits (its handler ended): the gathers forget it.
+    pub fn handle_gather_abandoned(&mut self, token: GatherToken) {
+        self.gathers.handle_abandoned(token);
     }
 
     /// Whether `from` may send calls and replies: in a dynamic group, a member only.
@@ -208,6 +245,7 @@ impl<B: Payload> Node<B> {
     /// Runs every part's timers due at `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
         self.ep.handle_timeout(now);
+        self.gathers.handle_timeout(now);
         self.with_membership(now, |m| m.handle_timeout(now));
     }
 
@@ -218,10 +256,14 @@ impl<B: Payload> Node<B> {
             .membership
             .as_ref()
             .and_then(DynamicMembership::poll_timeout);
-        [self.ep.poll_timeout(), membership]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            self.ep.poll_timeout(),
+            membership,
+            self.gathers.poll_timeout(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// The next frame for a peer: the membership's first (few, and rarely), then the
@@ -234,12 +276,21 @@ impl<B: Payload> Node<B> {
     }
 
     /// The next event: the membership's first (a member added before the calls it enables),
-    /// then the endpoint's.
+    /// then the endpoint's, then the gathers' answers. A loss the endpoint reports reaches the
+    /// gathers as it goes out (their answers to the rounds it ends follow).
     pub fn poll_event(&mut self) -> Option<NodeEvent<B>> {
         if let Some(ev) = self.events.pop_front() {
             return Some(NodeEvent::Membership(ev));
         }
-        self.ep.poll_event().map(NodeEvent::Endpoint)
+        if let Some(ev) = self.ep.poll_event() {
+            if let Event::PeerLost { peer, .. } = &ev {
+                self.gathers.handle_peer_lost(*peer);
+            }
+            return Some(NodeEvent::Endpoint(ev));
+        }
+        self.gathers
+            .poll_answer()
+            .map(|(token, outcome)| NodeEvent::Gathered { token, outcome })
     }
 
     /// Takes the membership's messages and events, applying to the endpoint what concerns it.

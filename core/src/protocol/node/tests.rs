@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::ipc::encode_message;
+use crate::protocol::gather::{Contribution, GatherOutcome, GatherToken};
 use crate::protocol::membership::{Accepted, MemberRecord, MembershipError};
 use crate::protocol::{CallError, EndpointConfig};
 use crate::sim::{Clock, Links};
@@ -171,7 +172,7 @@ impl Net {
             .iter()
             .filter_map(|e| match e {
                 NodeEvent::Membership(m) => Some(m),
-                NodeEvent::Endpoint(_) => None,
+                NodeEvent::Endpoint(_) | NodeEvent::Gathered { .. } => None,
             })
             .collect()
     }
@@ -371,4 +372,61 @@ fn the_node_times_out_at_the_earliest_deadline_of_its_parts() {
             ..
         })
     )));
+}
+
+fn contribution(expected: &[WorkerId], wait: Duration, value: &[u8]) -> Contribution {
+    Contribution {
+        name: "barrier".into(),
+        expected: expected.to_vec(),
+        wait,
+        value: value.to_vec(),
+    }
+}
+
+fn gathered(net: &Net, w: WorkerId) -> Vec<(GatherToken, &GatherOutcome)> {
+    net.events[w as usize]
+        .iter()
+        .filter_map(|e| match e {
+            NodeEvent::Gathered { token, outcome } => Some((*token, outcome)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The gathers are the node's: a round answers every caller once all sent, its deadline is
+/// the node's timer, and a loss the endpoint reports ends a round that waits for the lost
+/// member (the driver tells nobody but the node).
+#[test]
+fn the_node_leads_gathers_on_its_timer_and_its_losses() {
+    let mut net = Net::new(3, true);
+    let now = net.now();
+    let wait = Duration::from_secs(4);
+    let a = net.nodes[0].handle_contribution(now, 0, contribution(&[0, 1], wait, b"zero"));
+    assert_eq!(net.nodes[0].poll_timeout(), Some(now + wait));
+    let b = net.nodes[0].handle_contribution(now, 1, contribution(&[0, 1], wait, b"one"));
+    net.pump();
+    let done = GatherOutcome::Done(vec![(0, b"zero".to_vec()), (1, b"one".to_vec())]);
+    assert_eq!(gathered(&net, 0), vec![(a, &done), (b, &done)]);
+    assert_eq!(net.nodes[0].poll_timeout(), None, "nothing waits: no timer");
+
+    // A round waiting for member 2, which is lost: ended by the loss, not by its deadline.
+    let c = net.nodes[0].handle_contribution(now, 1, contribution(&[0, 1, 2], wait, b"x"));
+    net.nodes[0].handle_peer_lost(2, LostCause::Transport("reset".into()), now);
+    net.pump();
+    let ended = gathered(&net, 0)
+        .into_iter()
+        .find(|(t, _)| *t == c)
+        .expect("the loss ends the round waiting for the lost member");
+    assert!(!matches!(ended.1, GatherOutcome::Done(_)), "{:?}", ended.1);
+
+    // A round nobody completes ends at its deadline, by the node's one timer.
+    let d = net.nodes[0].handle_contribution(now, 1, contribution(&[0, 1], wait, b"y"));
+    let at = net.nodes[0].poll_timeout().expect("the round's deadline");
+    net.clock.advance_to(at);
+    net.nodes[0].handle_timeout(at);
+    net.pump();
+    assert!(gathered(&net, 0)
+        .iter()
+        .any(|(t, o)| *t == d && **o == GatherOutcome::Missing(vec![0])));
+    assert!(net.nodes[0].gathers().is_idle());
 }
