@@ -95,6 +95,7 @@ mod arena_sim;
 pub mod arena_wait;
 pub mod check;
 pub mod disagreement;
+pub mod hierarchy;
 pub mod inbox;
 mod reduce;
 mod signature;
