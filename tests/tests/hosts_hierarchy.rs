@@ -96,7 +96,11 @@ fn collectives_on(layout: &[usize]) {
         let ok = lines_with(&seen, &format!("OK collectives rank {rank} "));
         assert_eq!(ok.len(), 1, "rank {rank}: {seen:#?}");
         assert!(ok[0].1.contains(&format!("hosts={hosts}")), "{}", ok[0].1);
-        assert!(!ok[0].1.contains("runs=0 "), "{}", ok[0].1);
+        assert!(!ok[0].1.contains(" runs=0 "), "{}", ok[0].1);
+        // Every rank but the last is in a subgroup across hosts, hierarchical too.
+        if rank + 1 < layout.len() {
+            assert!(!ok[0].1.contains(" sub_runs=0 "), "{}", ok[0].1);
+        }
     }
 }
 
@@ -111,8 +115,8 @@ fn an_uneven_split_runs_every_collective_hierarchically() {
     collectives_on(&[0, 1, 1, 1]);
 }
 
-/// A rank killed in the middle of an all_reduce: every other rank's call fails naming it,
-/// well within the timeout (20 s).
+/// A rank killed while every other rank waits for it in an all_reduce: every other rank's call
+/// fails naming it, well within the timeout (20 s).
 fn kill_on(layout: &[usize], victim: usize) {
     let env = [("TW_VICTIM", victim.to_string())];
     let Some((codes, seen)) = run(layout, "kill", &env, Duration::from_secs(120)) else {
@@ -127,14 +131,20 @@ fn kill_on(layout: &[usize], victim: usize) {
         let failed = lines_with(&seen, &format!("OK failed rank {rank} "));
         assert_eq!(failed.len(), 1, "rank {rank}: {seen:#?}");
         let line = &failed[0].1;
-        assert!(line.contains(&format!("rank {victim}")), "{line}");
+        assert!(
+            line.contains(&format!("rank {victim}")),
+            "{line}: {seen:#?}"
+        );
         let after: u64 = line
             .split("after_ms=")
             .nth(1)
             .and_then(|s| s.split(':').next())
             .and_then(|s| s.parse().ok())
             .unwrap();
-        assert!(after < 10_000, "{line}");
+        // The call began about 500 ms before the death; it fails soon after, not at the
+        // timeout.
+        assert!((300..5_000).contains(&after), "{line}");
+        println!("victim {victim}: {line}");
     }
 }
 

@@ -7,8 +7,9 @@
 //!   a second world group on the links runs the same; the results must be equal, and equal to
 //!   values computed here, and the hierarchical group must have run each of them through its
 //!   hierarchy (`TW_EXPECT_HIERARCHY=1`). Prints `OK collectives rank R runs=N`.
-//! - `kill`: three all_reduces, then rank `TW_VICTIM` ends its process in the middle of the
-//!   fourth; every other rank prints `OK failed rank R after_ms=T: ERROR`.
+//! - `kill`: three all_reduces, then rank `TW_VICTIM` ends its process while every other rank
+//!   waits for it in the fourth; every other rank prints `OK failed rank R after_ms=T: ERROR`
+//!   (T from the start of its call, which began about 500 ms before the death).
 //!
 //! Exits 0 when everything checked held, 1 (with the error on stderr) otherwise.
 
@@ -199,9 +200,8 @@ async fn kill() -> Outcome {
         check(x[0] == hier.size() as i64, "all_reduce before the kill")?;
     }
     if rank == victim {
-        // Into the collective, then gone: its peers are waiting on it.
-        let _work = hier.all_reduce_work(vec![0u8; 8 * 1024], ElementType::I64, ReduceOp::Sum);
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Gone while its peers wait for it in the next all_reduce.
+        tokio::time::sleep(Duration::from_millis(500)).await;
         std::process::exit(9);
     }
     let start = Instant::now();
@@ -214,6 +214,9 @@ async fn kill() -> Outcome {
         Ok(()) => Err("all_reduce with a dead rank succeeded".into()),
         Err(e) => {
             println!("OK failed rank {rank} after_ms={after}: {e}");
+            // Kept alive a while, so that a slower peer's error names the victim rather than
+            // this rank's exit.
+            tokio::time::sleep(Duration::from_secs(5)).await;
             Ok(())
         }
     }
