@@ -14,6 +14,9 @@ use tensorwire_tests::netns::Hosts;
 
 const PORT: &str = "29500";
 
+/// Every worker's exit code, by rank, and every output line (rank, line).
+type Ran = (Vec<Option<i32>>, Vec<(usize, String)>);
+
 /// Runs `scenario` on one worker per entry of `layout` (rank `r` on host `layout[r]`) with the
 /// usual rendezvous variables plus `env`, and returns every worker's exit code and the output
 /// lines (rank, line), or `None` when hosts cannot be simulated here.
@@ -22,7 +25,7 @@ fn run(
     scenario: &str,
     env: &[(&str, String)],
     limit: Duration,
-) -> Option<(Vec<Option<i32>>, Vec<(usize, String)>)> {
+) -> Option<Ran> {
     let count = layout.iter().max().unwrap() + 1;
     let hosts = match Hosts::create(count, "node") {
         Ok(h) => h,
