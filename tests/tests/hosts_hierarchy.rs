@@ -20,12 +20,7 @@ type Ran = (Vec<Option<i32>>, Vec<(usize, String)>);
 /// Runs `scenario` on one worker per entry of `layout` (rank `r` on host `layout[r]`) with the
 /// usual rendezvous variables plus `env`, and returns every worker's exit code and the output
 /// lines (rank, line), or `None` when hosts cannot be simulated here.
-fn run(
-    layout: &[usize],
-    scenario: &str,
-    env: &[(&str, String)],
-    limit: Duration,
-) -> Option<Ran> {
+fn run(layout: &[usize], scenario: &str, env: &[(&str, String)], limit: Duration) -> Option<Ran> {
     let count = layout.iter().max().unwrap() + 1;
     let hosts = match Hosts::create(count, "node") {
         Ok(h) => h,

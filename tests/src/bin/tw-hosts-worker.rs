@@ -140,6 +140,37 @@ async fn every_collective(hier: &Group, flat: &Group) -> Result<u64, Box<dyn std
         let got: Vec<Vec<u8>> = blocks.iter().map(|b| b.to_vec()).collect();
         check(got == want, "all_gather: every rank's block, in rank order")?;
     }
+    // Several in flight at once, issued in one order on every rank: each runs in its turn.
+    let root = world - 1;
+    let barrier = hier.barrier_work();
+    let sum = hier.all_reduce_typed_work(vec![rank as i64 + 1; 3], ReduceOp::Sum);
+    let mine = if rank == root {
+        vec![7u8; 5]
+    } else {
+        vec![0; 5]
+    };
+    let broadcast = hier.broadcast_work(mine, root);
+    let gathered = hier.all_gather_work(block(rank, 9));
+    let wait = Duration::from_secs(60);
+    barrier.wait(wait).await?;
+    let total = (world * (world + 1) / 2) as i64;
+    check(
+        sum.wait(wait).await? == vec![total; 3],
+        "all_reduce in flight",
+    )?;
+    check(
+        broadcast.wait(wait).await? == vec![7u8; 5],
+        "broadcast in flight",
+    )?;
+    let got: Vec<Vec<u8>> = gathered
+        .wait(wait)
+        .await?
+        .iter()
+        .map(|b| b.to_vec())
+        .collect();
+    let want: Vec<Vec<u8>> = (0..world).map(|r| block(r, 9)).collect();
+    check(got == want, "all_gather in flight")?;
+    n += 4;
     hier.barrier().await?;
     n += 1;
     Ok(n)
