@@ -95,6 +95,9 @@ fn collectives_on(layout: &[usize]) {
         assert_eq!(ok.len(), 1, "rank {rank}: {seen:#?}");
         assert!(ok[0].1.contains(&format!("hosts={hosts}")), "{}", ok[0].1);
         assert!(!ok[0].1.contains(" runs=0 "), "{}", ok[0].1);
+        if rank == 0 {
+            println!("{layout:?}: {:?}", lines_with(&seen, "TIMING"));
+        }
         // Every rank but the last is in a subgroup across hosts, hierarchical too.
         if rank + 1 < layout.len() {
             assert!(!ok[0].1.contains(" sub_runs=0 "), "{}", ok[0].1);

@@ -110,7 +110,7 @@ impl Group {
 
     /// Whether this group runs its barrier, all_reduce, reduce, broadcast and all_gather
     /// hierarchically (its ranks span several hosts, two or more on at least one; see the
-    /// [guide](crate) on the group arena).
+    /// guide's collectives chapter, "Across hosts").
     pub fn is_hierarchical(&self) -> bool {
         self.inner.hierarchy.get().is_some()
     }

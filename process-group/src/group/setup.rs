@@ -160,7 +160,8 @@ impl Group {
     /// Every rank of the world calls it, members or not, with the same `ranks` and in the same
     /// order relative to its other `new_group` and [`split_group`](Group::split_group) calls:
     /// each call takes the next subgroup id, with no message exchanged, and the subgroup's
-    /// messages are filed under that id. Group rank `i` is the `i`-th lowest world rank of
+    /// messages are filed under that id (a subgroup across hosts, which runs hierarchically,
+    /// takes two more for its internal groups: see [`Group::is_hierarchical`]). Group rank `i` is the `i`-th lowest world rank of
     /// `ranks` (as PyTorch sorts them); an empty `ranks` means the whole world. The subgroup
     /// numbers its collectives from zero under its own id, so it can be used at the same time
     /// as the world group and other subgroups. Point-to-point messages are the exception:

@@ -207,8 +207,29 @@ async fn collectives() -> Outcome {
             "the subgroup's collectives ran through its hierarchy",
         )?;
     }
+    // Not checked (a shared machine): the median of 50 all_reduces of 8 bytes and of 1 MiB
+    // on each path, for the report.
+    let mut timings = String::new();
+    for len in [8usize, 1 << 20] {
+        for (path, group) in [("hierarchical", &hier), ("links", &flat)] {
+            let mut times = Vec::new();
+            let mut data = vec![0u8; len];
+            for _ in 0..50 {
+                let t = Instant::now();
+                group
+                    .all_reduce(&mut data, ElementType::F32, ReduceOp::Sum)
+                    .await?;
+                times.push(t.elapsed());
+            }
+            times.sort();
+            timings.push_str(&format!(" {path}_{len}B_us={}", times[25].as_micros()));
+        }
+    }
     hier.barrier().await?;
     flat.barrier().await?;
+    if rank == 0 {
+        println!("TIMING world={world}{timings}");
+    }
     println!(
         "OK collectives rank {rank} runs={runs} sub_runs={sub_runs} hosts={}",
         hier.host_plan().map_or(0, |p| p.hosts().len())
