@@ -373,6 +373,21 @@ impl Staged<'_> {
                 seq: self.seq,
                 reason,
             },
+            ProcessGroupError::Disagreement {
+                peer,
+                theirs,
+                rank: saw,
+                ours,
+                here,
+                ..
+            } => ProcessGroupError::Disagreement {
+                seq: self.seq,
+                peer: rank(peer),
+                theirs,
+                rank: rank(saw),
+                ours,
+                here,
+            },
             other => other,
         }
     }
