@@ -106,6 +106,23 @@ fn collectives_on(layout: &[usize]) {
 }
 
 #[test]
+fn the_links_setting_keeps_a_group_across_hosts_flat() {
+    let layout = [0, 0, 1, 1];
+    let env = [
+        ("TW_EXPECT_HIERARCHY", "0".to_owned()),
+        ("TENSORWIRE_COLLECTIVES", "links".to_owned()),
+    ];
+    let Some((codes, seen)) = run(&layout, "collectives", &env, Duration::from_secs(240)) else {
+        return;
+    };
+    assert_eq!(codes, vec![Some(0); layout.len()], "{seen:#?}");
+    for rank in 0..layout.len() {
+        let want = format!("OK collectives rank {rank} runs=0 sub_runs=0 hosts=0");
+        assert_eq!(lines_with(&seen, &want).len(), 1, "{want}: {seen:#?}");
+    }
+}
+
+#[test]
 fn three_hosts_of_two_ranks_run_every_collective_hierarchically() {
     collectives_on(&[0, 0, 1, 1, 2, 2]);
 }
