@@ -837,7 +837,8 @@ impl<E: AutogradEngine> Inner<E> {
             .record(started.elapsed());
         match computed {
             Ok(Ok(grads)) => Ok(grads),
-            Ok(Err(e)) => Err(e.to_string()),
+            // The engine's own words: the error says it is the engine's already.
+            Ok(Err(e)) => Err(e.0),
             Err(panic) => {
                 let what = panic
                     .downcast_ref::<&str>()

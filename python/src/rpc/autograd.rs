@@ -35,7 +35,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use serde::{Deserialize, Serialize};
-use tensorwire_core::autograd::{AutogradError, ContextId, RootProblem};
+use tensorwire_core::autograd::{AutogradError, BackwardError, ContextId, RootProblem};
 use tensorwire_core::ports::autograd::{AutogradEngine, EngineError, LeafGradients};
 use tensorwire_core::tensor::{DType, Storage, Tensor};
 use tensorwire_dist_autograd::{AutogradContext, DistAutograd, DistAutogradError};
@@ -160,12 +160,15 @@ fn engine_fn<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
     module.bind(py).getattr(name)
 }
 
+/// torch's engine raised `e`: its message first (PyTorch's "Error on Node N: <message>"
+/// puts it there), then the traceback and the exception's type, as Python prints them.
 fn engine_error(py: Python<'_>, e: PyErr) -> EngineError {
     let traceback = e
         .traceback(py)
         .and_then(|t| t.format().ok())
         .unwrap_or_default();
-    EngineError(format!("{e}\n{traceback}"))
+    let message = e.value(py).str().map(|s| s.to_string()).unwrap_or_default();
+    EngineError(format!("{message}\n{traceback}{e}"))
 }
 
 /// The name torch gives `dtype` (`torch.float32` is `"float32"`), for the dtypes a tracked
@@ -594,6 +597,21 @@ fn autograd_error(e: &DistAutogradError) -> PyErr {
             };
             ("argument", format!("{torch} ({problem})"), Vec::new())
         }
+        DistAutogradError::Backward {
+            worker,
+            source: BackwardError::Engine {
+                reason, context, ..
+            },
+            ..
+        } => (
+            "backend",
+            // PyTorch's wording for an engine that raised on a worker, then where.
+            format!(
+                "Error on Node {worker}: {reason}\n(distributed backward failed: the autograd \
+                 engine of rank {worker} raised in {context})"
+            ),
+            vec![*worker as usize],
+        ),
         DistAutogradError::Backward { worker, .. } => {
             ("backend", e.to_string(), vec![*worker as usize])
         }
