@@ -24,6 +24,7 @@
 mod arena;
 mod dispatch;
 mod ext;
+mod hier;
 mod links;
 mod running;
 mod setup;
@@ -226,6 +227,8 @@ struct Inner {
     hosts: std::sync::OnceLock<Vec<arena::HostRecord>>,
     collectives: CollectivePath,
     arena_bytes: usize,
+    /// The hierarchy of a group across hosts (see [`hier`]): set once, when it is made.
+    hierarchy: std::sync::OnceLock<hier::Hierarchy>,
 }
 
 /// A process group over a mesh of [`Transport`] connections: the built-in backend.

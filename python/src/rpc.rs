@@ -206,34 +206,53 @@ pub(crate) fn lent_bytes(t: Bound<'_, PyAny>) -> PyResult<Bytes> {
 
 /// Received tensor bytes as a writable Python buffer (`torch.frombuffer` takes it without a
 /// copy). The bytes are the buffer's own: taken without a copy when the message's bytes were
-/// ours alone and suitably aligned, else copied once (into a [`Recycled`] buffer when one
-/// fits).
+/// ours alone and suitably aligned; when they lie in the sending peer's shared-memory slab, a
+/// private copy-on-write mapping of them (no copy unless written, and then only the pages
+/// written: [`tensorwire_transport_shm::private_view`]); else copied once (into a [`Recycled`]
+/// buffer when one fits).
 #[pyclass(module = "tensorwire._native", frozen)]
 pub(crate) struct WireBuffer {
     ptr: usize,
     len: usize,
-    owner: BytesMut,
+    owner: Owner,
 }
+
+/// What holds a [`WireBuffer`]'s memory.
+enum Owner {
+    Owned(BytesMut),
+    Mapped(#[allow(dead_code)] tensorwire_transport_shm::PrivateView),
+}
+
+/// 16: the alignment of any element type torch computes with.
+const ALIGN: usize = 16;
 
 impl WireBuffer {
     pub(crate) fn new(bytes: Bytes) -> WireBuffer {
-        let mut owner = match bytes.try_into_mut() {
-            // 16: the alignment of any element type torch computes with.
-            Ok(unique) if (unique.as_ptr() as usize).is_multiple_of(16) => unique,
-            Ok(unique) => Recycled::copy(&unique),
-            Err(shared) => Recycled::copy(&shared),
-        };
-        WireBuffer {
+        let owned = |mut owner: BytesMut| WireBuffer {
             ptr: owner.as_mut_ptr() as usize,
             len: owner.len(),
-            owner,
+            owner: Owner::Owned(owner),
+        };
+        match bytes.try_into_mut() {
+            Ok(unique) if (unique.as_ptr() as usize).is_multiple_of(ALIGN) => owned(unique),
+            Ok(unique) => owned(Recycled::copy(&unique)),
+            Err(shared) => match tensorwire_transport_shm::private_view(&shared) {
+                Some(view) if (view.as_mut_ptr() as usize).is_multiple_of(ALIGN) => WireBuffer {
+                    ptr: view.as_mut_ptr() as usize,
+                    len: view.len(),
+                    owner: Owner::Mapped(view),
+                },
+                _ => owned(Recycled::copy(&shared)),
+            },
         }
     }
 }
 
 impl Drop for WireBuffer {
     fn drop(&mut self) {
-        Recycled::give_back(std::mem::take(&mut self.owner));
+        if let Owner::Owned(buf) = &mut self.owner {
+            Recycled::give_back(std::mem::take(buf));
+        }
     }
 }
 

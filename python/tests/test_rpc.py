@@ -265,3 +265,50 @@ def init_options(rank: int, world: int, init_file: str) -> None:
 
 def test_init_with_pytorchs_options_and_a_file_rendezvous(tmp_path):
     run_world(init_options, 2, str(tmp_path / "init"))
+
+
+_kept: list[torch.Tensor] = []
+
+
+@rpc.expose
+def keep_and_write(t: torch.Tensor) -> torch.Tensor:
+    # A received tensor (large: its bytes arrive in the sender's shared-memory slab on one
+    # host) is written in place, kept, and sent back.
+    t.add_(1)
+    _kept.append(t)
+    return t
+
+
+@rpc.expose
+def kept_values() -> list[tuple[int, int, int]]:
+    return [(int(k.min()), int(k.max()), k.numel()) for k in _kept]
+
+
+@rpc.expose
+def forget_kept() -> None:
+    _kept.clear()
+
+
+def large_tensors(rank: int, world: int) -> None:
+    start(rank, world)
+    if rank == 0:
+        n = 1 << 20  # 8 MiB of int64: each travels through a slab and is received in place
+        for round_ in range(2):
+            for i in range(4):
+                x = torch.full((n,), 10 * round_ + i, dtype=torch.int64)
+                got = rpc.rpc_sync("worker1", keep_and_write, args=(x,))
+                # The callee's write reached neither the caller's tensor nor anything shared.
+                assert torch.equal(x, torch.full((n,), 10 * round_ + i, dtype=torch.int64))
+                assert torch.equal(got, x + 1)
+                got.mul_(2)
+                assert int(got.min()) == int(got.max()) == 2 * (10 * round_ + i + 1)
+            # Every tensor the callee kept still holds its own values, though later ones
+            # arrived while it held them.
+            kept = rpc.rpc_sync("worker1", kept_values)
+            assert kept == [(10 * round_ + i + 1, 10 * round_ + i + 1, n) for i in range(4)], kept
+            rpc.rpc_sync("worker1", forget_kept)
+    rpc.shutdown()
+
+
+def test_large_received_tensors_are_private_to_their_receiver():
+    run_world(large_tensors, 2)

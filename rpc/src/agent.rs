@@ -1147,7 +1147,7 @@ impl Agent {
                 function: what.to_owned(),
                 source: Box::new(source),
             })?;
-        codec::decode(self, &body.data, tensors).map_err(|e| RpcError::Serialization {
+        codec::decode(self, &body.data, tensors, &body.forks).map_err(|e| RpcError::Serialization {
             what: format!("the result of {what:?} from {from}"),
             message: e.to_string(),
         })

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use tensorwire_core::budget::{Admit, Use};
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::{
-    Event, LostCause, ProtocolViolation, RemoteErrorKind, RunState, WorkerId,
+    Event, Header, LostCause, ProtocolViolation, RemoteErrorKind, RunState, WorkerId,
 };
 use tensorwire_core::wire::{Frame, FrameKind};
 
@@ -89,11 +89,17 @@ pub(crate) fn on_frame(
         .check_received(from, &envelope.tensors)
         .map_err(ProtocolViolation::Ipc)?;
     let (header, body) = envelope.attach(frame.payloads)?;
+    // The forks a body's bytes may hold: a request's travel in the envelope, a reply's in
+    // its header; decoding refuses any other.
+    let announced = match &header {
+        Header::Reply { forks, .. } => Some(forks.clone()),
+        _ => None,
+    };
     let body = body.map(|b| Body {
         target: b.target,
         data: b.data,
         tensors: b.tensors,
-        forks: b.forks,
+        forks: announced.unwrap_or(b.forks),
     });
     let handled = this
         .lock()

@@ -20,7 +20,7 @@ use crate::tensors::{self, Prepared, Routes, TensorTransferError};
 use std::time::Instant;
 use tensorwire_core::placement::Direction;
 use tensorwire_core::protocol::value as codec;
-use tensorwire_core::protocol::{RRefHandle, WorkerId};
+use tensorwire_core::protocol::{RRefForkData, RRefHandle, WorkerId};
 use tensorwire_core::tensor::Tensor;
 use tracing::Instrument;
 
@@ -92,6 +92,8 @@ pub(crate) struct Invocation<H> {
     pub(crate) deadline: Option<Instant>,
     pub(crate) args: Bytes,
     pub(crate) tensors: Vec<Tensor>,
+    /// The forks the request announced: the only references its arguments may hold.
+    pub(crate) forks: Vec<RRefForkData>,
     pub(crate) target: Option<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -103,6 +105,7 @@ impl<H: Host> Invocation<H> {
             &self.agent,
             &self.args,
             std::mem::take(&mut self.tensors),
+            &self.forks,
         )
         .map_err(|e| HandlerError::BadArguments(e.to_string()))?;
         self.agent

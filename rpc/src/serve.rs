@@ -125,6 +125,7 @@ pub(crate) fn serve(
             deadline,
             args: body.data,
             tensors,
+            forks: body.forks,
             target,
         };
         let outcome = match (CatchPanic {

@@ -606,3 +606,42 @@ async fn a_temporary_reference_given_to_its_owner_stays_until_the_owner_used_it(
     assert!(owner.debug_info().protocol.owned.is_empty());
     shutdown_all(agents).await;
 }
+
+/// A sender that keeps a reference out of its request's envelope (where the owner checks and
+/// holds what a request names) but leaves it in the argument bytes is refused at decode,
+/// before the reference is accepted: the function never runs and the caller is told why.
+#[tokio::test(start_paused = true)]
+async fn a_reference_hidden_from_the_envelope_is_refused_and_nothing_runs() {
+    // Two shapes: a reference passed back to its owner (w1), and one owned by a third worker.
+    for (owner, function) in [("w1", "sum"), ("w2", "confirmed_here")] {
+        let backend = faulty(
+            "HIDE_FORKS",
+            FaultyBackend::new()
+                .with_fault(0, Fault::new(MessageKind::Call, FaultAction::HideForks, 1)),
+        );
+        let agents = group(3, Some(&backend)).await;
+        let a = &agents[0];
+        let r: RRef<Vec<i64>> = a.remote(owner, "make_vec", &4usize, None).unwrap();
+        r.created().await.unwrap();
+        let e = a
+            .rpc_sync::<_, i64>("w1", function, &r, None)
+            .await
+            .unwrap_err();
+        assert_eq!(backend.injected(0), 1, "the fork was hidden");
+        let remote = e
+            .remote()
+            .unwrap_or_else(|| panic!("a remote error, got {e}"));
+        assert_eq!(remote.kind, RemoteErrorKind::Serialization, "{e}");
+        assert!(remote.message.contains("did not announce"), "{e}");
+        // The same call, announced, runs.
+        if function == "sum" {
+            let total: i64 = a.rpc_sync("w1", function, &r, None).await.unwrap();
+            assert_eq!(total, 6);
+        } else {
+            let confirmed: bool = a.rpc_sync("w1", function, &r, None).await.unwrap();
+            assert!(confirmed);
+        }
+        drop(r);
+        shutdown_all(agents).await;
+    }
+}

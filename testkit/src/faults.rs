@@ -95,6 +95,10 @@ pub enum FaultAction {
     Drop,
     /// It is sent after this long.
     Delay(Duration),
+    /// It is sent with its envelope's forks taken out, the references staying in its bytes:
+    /// a sender that hides from the receiver's checks the references it passes. Picks only
+    /// requests that pass references.
+    HideForks,
 }
 
 /// Drop or delay the first `count` messages of one kind that a worker sends.
@@ -143,11 +147,26 @@ impl Faults {
         let envelope = Envelope::decode(&frame.header).ok()?;
         let kind = MessageKind::of(&envelope.header)?;
         let mut left = self.left.lock().unwrap_or_else(PoisonError::into_inner);
-        let fault = left.iter_mut().find(|f| f.kind == kind && f.count > 0)?;
+        let fault = left.iter_mut().find(|f| {
+            f.kind == kind
+                && f.count > 0
+                && (f.action != FaultAction::HideForks || !envelope.forks.is_empty())
+        })?;
         fault.count -= 1;
         self.injected.fetch_add(1, Ordering::Relaxed);
         Some(fault.action)
     }
+}
+
+/// `frame` with its envelope announcing no forks (see [`FaultAction::HideForks`]).
+fn hide_forks(mut frame: Frame) -> Frame {
+    if let Ok(mut envelope) = Envelope::decode(&frame.header) {
+        envelope.forks.clear();
+        if let Ok(header) = envelope.encode() {
+            frame.header = header.into();
+        }
+    }
+    frame
 }
 
 /// A transport that drops or delays chosen messages this worker sends (see the module docs).
@@ -269,6 +288,7 @@ impl Connection for FaultyConnection {
             match self.faults.pick(&frame) {
                 None => ready.push(frame),
                 Some(FaultAction::Drop) => {}
+                Some(FaultAction::HideForks) => ready.push(hide_forks(frame)),
                 Some(FaultAction::Delay(d)) => {
                     // What came before goes now; this frame and the rest wait.
                     if !ready.is_empty() {

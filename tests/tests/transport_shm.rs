@@ -169,6 +169,69 @@ async fn payloads_a_receiver_keeps_are_never_overwritten() -> Result<()> {
     Ok(())
 }
 
+/// A large payload received in a slab is given out writable without a copy: a private
+/// (copy-on-write) view of its pages, 64-aligned whatever precedes it in the frame. Writes
+/// through the view change neither the received bytes nor what a later frame in the same slab
+/// carries; small payloads and bytes not in a slab get no view.
+#[tokio::test]
+async fn a_private_view_of_a_slab_payload_is_writable_and_private() -> Result<()> {
+    use tensorwire_transport_shm::{private_view, PRIVATE_VIEW_MIN};
+    let transport = ShmTransport::new(ShmConfig::new(secret(SECRET)).with_slab_min(64 << 10))?;
+    let listener = transport.listen(([127, 0, 0, 1], 0).into()).await?;
+    let (client, server) =
+        tokio::join!(transport.connect(listener.local_addr()), listener.accept());
+    let (client, server) = (client?, server?);
+    for round in 0..6u8 {
+        // Headers and a first payload of odd lengths, so that the large payload would start
+        // anywhere if the sender did not place the frame.
+        let header = Bytes::from(vec![round; 1 + usize::from(round) * 7]);
+        let small = pattern(13 + usize::from(round), round);
+        let large = pattern((2 << 20) + usize::from(round) * 3, round);
+        let frame = Frame::message(header, vec![small.clone(), large.clone()]);
+        let (sent, got) = within(STEP, "moving a large frame", async {
+            tokio::join!(client.send(frame), server.recv())
+        })
+        .await?;
+        sent?;
+        let got = got?;
+        ensure!(
+            private_view(&got.payloads[0]).is_none(),
+            "a view of {} bytes",
+            small.len()
+        );
+        ensure!(small.len() < PRIVATE_VIEW_MIN);
+        let view = private_view(&got.payloads[1]).context("no view of a slab payload")?;
+        ensure!(
+            view.as_mut_ptr() as usize % 64 == 0,
+            "round {round}: view not 64-aligned"
+        );
+        ensure!(view.len() == large.len());
+        // SAFETY: the view is `len` writable bytes of ours while it lives.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(view.as_mut_ptr(), view.len()) };
+        ensure!(
+            *bytes == large[..],
+            "round {round}: the view reads other bytes"
+        );
+        bytes
+            .iter_mut()
+            .step_by(4096)
+            .for_each(|b| *b = b.wrapping_add(1));
+        ensure!(
+            got.payloads[1] == large,
+            "round {round}: a write through the view leaked"
+        );
+        ensure!(
+            bytes[0] == large[0].wrapping_add(1),
+            "round {round}: the write was lost"
+        );
+        drop(got);
+        drop(view);
+    }
+    // Bytes of this process's own get no view.
+    ensure!(private_view(&pattern(1 << 20, 0)).is_none());
+    Ok(())
+}
+
 /// A sender whose slab budget is larger than the receiver's (as a hostile peer's may be):
 /// the receiver maps the peer's slabs only up to its own budget, then refuses the connection
 /// naming it, instead of mapping whatever the sender makes.

@@ -23,7 +23,8 @@ use tokio::task::JoinHandle;
 use crate::handshake::Link;
 use crate::mem;
 use crate::ring::{
-    Chunks, Consumer, Next, Producer, Ring, RingError, MAX_SLABS, SEGMENT_RECORD, SLAB_RECORD,
+    Chunks, Consumer, Next, Producer, Ring, RingError, SlabRecord, MAX_SLABS, SEGMENT_RECORD,
+    SLAB_RECORD,
 };
 use crate::sock;
 
@@ -41,6 +42,23 @@ const SLAB_ALIGN: usize = 1 << 20;
 /// Bytes a sender copies into a slab between two turns of the runtime's other tasks.
 const SLAB_COPY_STEP: usize = 4 << 20;
 
+/// Payloads in a slab start at a multiple of this when they can, so that the receiver can hand
+/// them out in place ([`crate::private_view`]): 64 bytes suit every element type and a cache
+/// line.
+const PAYLOAD_ALIGN: usize = 64;
+
+/// Where in a slab to write the frame `chunks`: the offset (below [`PAYLOAD_ALIGN`]) that
+/// puts the start of its largest chunk (its largest tensor's bytes) on a multiple of
+/// [`PAYLOAD_ALIGN`].
+fn slab_offset(chunks: &[bytes::Bytes]) -> usize {
+    let Some(largest) = (0..chunks.len()).max_by_key(|&i| (chunks[i].len(), std::cmp::Reverse(i)))
+    else {
+        return 0;
+    };
+    let before: usize = chunks[..largest].iter().map(|c| c.len()).sum();
+    (PAYLOAD_ALIGN - before % PAYLOAD_ALIGN) % PAYLOAD_ALIGN
+}
+
 /// A slab of ours that the peer maps: we write a frame at its start, the peer hands the bytes
 /// up without copying and tells us (`slab_done` in the ring) when nothing references them.
 #[derive(Debug)]
@@ -53,6 +71,8 @@ struct SendSlab {
 /// A slab of the peer's, mapped read-only; the last [`SlabView`] of a use releases it.
 #[derive(Debug)]
 struct RecvSlab {
+    /// Listed for private views while the slab is mapped (dropped before `map`).
+    _listed: crate::private::Registered,
     map: mem::Mapping,
     id: u32,
     /// The ring whose header says which uses are done.
@@ -63,20 +83,22 @@ struct RecvSlab {
 /// [`Bytes`](bytes::Bytes): when the last of them drops, the peer may write the slab again.
 struct SlabView {
     slab: Arc<RecvSlab>,
+    /// Where the frame starts in the slab.
+    at: usize,
     len: usize,
     seq: u64,
 }
 
 impl AsRef<[u8]> for SlabView {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: `len <= map.len()` (checked in `take_slab`); the slab's memfd is sealed against
+        // SAFETY: `at + len <= map.len()` (checked in `take_slab`); the slab's memfd is sealed against
         // shrinking (checked before mapping), so the pages stay backed while the mapping lives,
         // and `self` keeps it alive. The sender does not write the slab until we store `seq` in
         // `slab_done`, which only `drop` does, after every borrow of `self` has ended. A sender
         // that broke that rule could change the bytes under us (never their length or where they
         // are): the same user can write our memory through `/proc/PID/mem` anyway, and the frame
         // structure was decoded and its header copied before any of these bytes were handed out.
-        unsafe { std::slice::from_raw_parts(self.slab.map.ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts(self.slab.map.ptr().add(self.at), self.len) }
     }
 }
 
@@ -94,12 +116,7 @@ impl Drop for SlabView {
 #[derive(Debug, Clone, Copy)]
 enum Pending {
     Segment(u64),
-    Slab {
-        id: u32,
-        new: bool,
-        seq: u64,
-        len: u64,
-    },
+    Slab(SlabRecord),
 }
 
 /// What the watcher shares with the connection.
@@ -611,11 +628,12 @@ impl ShmConnection {
         chunks: &[bytes::Bytes],
     ) -> Result<bool, TransportError> {
         let len: usize = chunks.iter().map(|c| c.len()).sum();
-        let Some((id, fd)) = self.pick_slab(tx, len)? else {
+        let start = slab_offset(chunks);
+        let Some((id, fd)) = self.pick_slab(tx, start + len)? else {
             return Ok(false);
         };
         // The copy, in steps between which the runtime's other tasks run.
-        let mut at = 0usize;
+        let mut at = start;
         for chunk in chunks {
             let mut rest = &chunk[..];
             while !rest.is_empty() {
@@ -624,13 +642,14 @@ impl ShmConnection {
                     .as_ref()
                     .map(|s| s.map.ptr())
                     .ok_or_else(|| self.gone_error("sending"))?;
-                // SAFETY: the slab holds at least `len` bytes (`pick_slab`) and `at + n <= len`;
+                // SAFETY: the slab holds at least `start + len` bytes (`pick_slab`) and
+                // `at + n <= start + len`;
                 // the peer is done with its last use (`slab_done`), so nothing reads them, and
                 // nothing else of ours writes them (we hold the send side).
                 unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), slab.add(at), n) };
                 at += n;
                 rest = &rest[n..];
-                if at < len {
+                if at < start + len {
                     requeue().await;
                 }
             }
@@ -654,8 +673,16 @@ impl ShmConnection {
             .ok_or_else(|| self.gone_error("sending"))?;
         slab.seq += 1;
         let seq = slab.seq;
-        tx.producer
-            .write_slab(&self.tx_ring, id, new, seq, len as u64);
+        tx.producer.write_slab(
+            &self.tx_ring,
+            SlabRecord {
+                id,
+                new,
+                at: start as u32,
+                seq,
+                len: len as u64,
+            },
+        );
         self.publish(tx);
         Ok(true)
     }
@@ -724,7 +751,19 @@ impl ShmConnection {
                         });
                     }
                     return Ok(Pumped::Pending(match next {
-                        Next::Slab { id, new, seq, len } => Pending::Slab { id, new, seq, len },
+                        Next::Slab {
+                            id,
+                            new,
+                            at,
+                            seq,
+                            len,
+                        } => Pending::Slab(SlabRecord {
+                            id,
+                            new,
+                            at,
+                            seq,
+                            len,
+                        }),
                         Next::Segment { len } => Pending::Segment(len),
                         Next::Empty | Next::Data { .. } => unreachable!("matched above"),
                     }));
@@ -836,9 +875,7 @@ impl ShmConnection {
             if let (true, Some(pending)) = (rx.consumer.segment_pending(), rx.pending) {
                 let frame = match pending {
                     Pending::Segment(len) => self.take_segment(rx, len).await,
-                    Pending::Slab { id, new, seq, len } => {
-                        self.take_slab(rx, id, new, seq, len).await
-                    }
+                    Pending::Slab(record) => self.take_slab(rx, record).await,
                 };
                 rx.pending = None;
                 self.release(rx);
@@ -873,14 +910,14 @@ impl ShmConnection {
 
     /// Takes the frame of a SLAB record: maps the slab if it is new, checks the frame, and
     /// hands its bytes up without copying (the header excepted).
-    async fn take_slab(
-        &self,
-        rx: &mut Rx,
-        id: u32,
-        new: bool,
-        seq: u64,
-        len: u64,
-    ) -> Result<Frame, TransportError> {
+    async fn take_slab(&self, rx: &mut Rx, record: SlabRecord) -> Result<Frame, TransportError> {
+        let SlabRecord {
+            id,
+            new,
+            at,
+            seq,
+            len,
+        } = record;
         let bad = |reason: String| self.malformed(reason);
         let max = self.check_len(len)?;
         if len < PREFIX_LEN as u64 {
@@ -892,7 +929,7 @@ impl ShmConnection {
             let Some((cap, fd)) = self.next_segment().await else {
                 return Err(self.closed_before_body(len));
             };
-            if cap < len || cap > max.saturating_add(SLAB_ALIGN as u64) {
+            if cap < len + u64::from(at) || cap > max.saturating_add(SLAB_ALIGN as u64) {
                 return Err(bad(format!(
                     "a slab of {cap} bytes for a frame of {len} (at most {max} allowed)"
                 )));
@@ -913,13 +950,15 @@ impl ShmConnection {
                     self.slab_bytes
                 )));
             }
-            let map = mem::open_slab(fd, cap as usize)
+            let map = mem::open_slab(&fd, cap as usize)
                 .map_err(|e| bad(format!("shared-memory slab: {e}")))?;
+            let listed = crate::private::Registered::new(&map, fd);
             rx.segments_done += 1;
             self.rx_ring
                 .segments_done()
                 .store(rx.segments_done, Ordering::Release);
             rx.slabs[id as usize] = Some(Arc::new(RecvSlab {
+                _listed: listed,
                 map,
                 id,
                 ring: Arc::clone(&self.rx_ring),
@@ -928,14 +967,15 @@ impl ShmConnection {
         let Some(slab) = rx.slabs[id as usize].clone() else {
             return Err(bad(format!("a slab record names slab {id}, never sent")));
         };
-        if len > slab.map.len() as u64 {
+        if len + u64::from(at) > slab.map.len() as u64 {
             return Err(bad(format!(
-                "a frame of {len} bytes in slab {id} of {} bytes",
+                "a frame of {len} bytes at {at} in slab {id} of {} bytes",
                 slab.map.len()
             )));
         }
         let bytes = bytes::Bytes::from_owner(SlabView {
             slab,
+            at: at as usize,
             len: len as usize,
             seq,
         });

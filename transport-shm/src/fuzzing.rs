@@ -32,8 +32,23 @@ pub fn produce(capacity: usize, records: &[Record]) -> Result<(Vec<u8>, u64), St
                 }
             }
             Record::Segment { len } => producer.write_segment(&ring, len),
-            Record::Slab { id, new, seq, len } => {
-                producer.write_slab(&ring, id, new, seq, len);
+            Record::Slab {
+                id,
+                new,
+                at,
+                seq,
+                len,
+            } => {
+                producer.write_slab(
+                    &ring,
+                    crate::ring::SlabRecord {
+                        id,
+                        new,
+                        at,
+                        seq,
+                        len,
+                    },
+                );
             }
         }
     }
@@ -58,6 +73,7 @@ mod tests {
             Record::Slab {
                 id: MAX_SLABS - 1,
                 new: true,
+                at: 40,
                 seq: 7,
                 len: 4096,
             },

@@ -101,6 +101,7 @@ pub mod fuzzing;
 mod handshake;
 mod listener;
 mod mem;
+mod private;
 mod ring;
 #[cfg(feature = "tcp")]
 pub mod select;
@@ -116,6 +117,7 @@ use async_trait::async_trait;
 use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
 
 pub use config::{ShmConfig, SECRET_ENV, SPIN_ENV};
+pub use private::{private_view, PrivateView, PRIVATE_VIEW_MIN};
 pub use ring::RingError;
 #[cfg(feature = "tcp")]
 pub use select::{SelectingTransport, Selection, TRANSPORT_ENV};

@@ -38,7 +38,7 @@ fn os(op: &'static str) -> impl FnOnce(rustix::io::Errno) -> MemError {
     }
 }
 
-/// A shared mapping of a file, unmapped on drop.
+/// A mapping of a file (shared, or private: [`Mapping::map_private`]), unmapped on drop.
 #[derive(Debug)]
 pub(crate) struct Mapping {
     ptr: NonNull<u8>,
@@ -75,6 +75,32 @@ impl Mapping {
         // (seals), so every page of the mapping stays backed.
         let ptr = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, flags, fd, 0) }
             .map_err(os("mmap"))?;
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(MemError::Os {
+            op: "mmap",
+            source: std::io::Error::other("mmap returned a null pointer"),
+        })?;
+        Ok(Mapping { ptr, len })
+    }
+
+    /// Maps `len > 0` bytes of `fd` from `offset` (a multiple of the page size) private and
+    /// writable: copy-on-write, so that a write lands in a page of this process's own and the
+    /// file never changes. Pages are mapped at first touch (the kernel maps several around
+    /// each read fault; populating them up front measured slower).
+    pub(crate) fn map_private(fd: impl AsFd, offset: u64, len: usize) -> Result<Self, MemError> {
+        // SAFETY: a fresh mapping at an address the kernel picks (null hint) aliases no Rust
+        // object; the caller maps a range of a file sealed against shrinking, so every page of
+        // the mapping stays backed.
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+                fd,
+                offset,
+            )
+        }
+        .map_err(os("mmap"))?;
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(MemError::Os {
             op: "mmap",
             source: std::io::Error::other("mmap returned a null pointer"),
@@ -169,9 +195,9 @@ pub(crate) fn create_slab(cap: usize) -> Result<(Mapping, OwnedFd), MemError> {
 
 /// Maps the peer's slab of `cap` bytes read-only, after checking that it holds exactly that
 /// many and cannot be resized (so the mapping stays backed for as long as it lives).
-pub(crate) fn open_slab(fd: OwnedFd, cap: usize) -> Result<Mapping, MemError> {
-    check_memfd(&fd, cap as u64, RING_SEALS)?;
-    Mapping::map(&fd, cap, false, true)
+pub(crate) fn open_slab(fd: &OwnedFd, cap: usize) -> Result<Mapping, MemError> {
+    check_memfd(fd, cap as u64, RING_SEALS)?;
+    Mapping::map(fd, cap, false, true)
 }
 
 /// Maps a segment received from the peer, after checking that it is sealed and holds `len`

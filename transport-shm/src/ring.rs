@@ -16,8 +16,10 @@
 //!   wrapping around the end of the data area when needed;
 //! - `SEGMENT`: `len = 8`, a `u64 LE`: the length of a frame that travels in a sealed memfd
 //!   segment, whose descriptor was sent over the Unix socket before the record was published;
-//! - `SLAB`: `len = 24`, `id: u32 LE`, `flags: u32 LE` (bit 0: new), `use: u64 LE`,
-//!   `frame: u64 LE`: a frame of `frame` bytes at the start of the sender's slab `id` (a memfd
+//! - `SLAB`: `len = 24`, `id: u32 LE`, `flags: u32 LE` (bit 0: new; bits 16 to 31: `at`),
+//!   `use: u64 LE`, `frame: u64 LE`: a frame of `frame` bytes at offset `at` (below 64 KiB:
+//!   where the sender put it so that its largest payload starts aligned) of the sender's slab
+//!   `id` (a memfd
 //!   sealed against resizing that the sender reuses), its use number `use`. A new slab's
 //!   descriptor (and its size) was sent over the Unix socket before the record was published;
 //!   it replaces any earlier slab of that id. The consumer stores `use` in "slab i done" once
@@ -66,6 +68,8 @@ pub(crate) const SEGMENT_RECORD: usize = 16;
 pub(crate) const SLAB_RECORD: usize = 32;
 /// Bit of a slab record's flags: the slab is new (its descriptor came over the socket).
 const SLAB_NEW: u32 = 1;
+/// Bits of a slab record's flags that hold the frame's offset in the slab.
+const SLAB_AT_SHIFT: u32 = 16;
 
 /// What a peer did wrong in the shared memory.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -306,13 +310,15 @@ pub enum Record {
         /// The frame's length, as the peer wrote it (checked against the segment's size).
         len: u64,
     },
-    /// A frame of `len` bytes at the start of the producer's slab `id`, use number `seq`;
+    /// A frame of `len` bytes at offset `at` of the producer's slab `id`, use number `seq`;
     /// `new`: the slab's descriptor is next on the socket.
     Slab {
         /// The slab (below [`MAX_SLABS`]).
         id: u32,
         /// Whether the slab is new.
         new: bool,
+        /// Where the frame starts in the slab (checked against the slab's size).
+        at: u32,
         /// Its use number.
         seq: u64,
         /// The frame's length, as the peer wrote it (checked against the slab's size).
@@ -404,12 +410,14 @@ pub fn decode_record(
         SLAB if len == 24 => {
             let w = word(1);
             let (id, flags) = (w as u32, (w >> 32) as u32);
-            if id >= MAX_SLABS || flags & !SLAB_NEW != 0 {
+            let at_bits = ((1u32 << (32 - SLAB_AT_SHIFT)) - 1) << SLAB_AT_SHIFT;
+            if id >= MAX_SLABS || flags & !(SLAB_NEW | at_bits) != 0 {
                 return Err(RingError::BadSlab { pos, id, flags });
             }
             Ok(Record::Slab {
                 id,
                 new: flags & SLAB_NEW != 0,
+                at: flags >> SLAB_AT_SHIFT,
                 seq: word(2),
                 len: word(3),
             })
@@ -428,15 +436,31 @@ pub(crate) enum Next {
     Data { pos: u64, len: u64 },
     /// A frame of `len` bytes in a segment; once taken, [`Consumer::segment_taken`].
     Segment { len: u64 },
-    /// A frame of `len` bytes at the start of the producer's slab `id` (a new one, whose
+    /// A frame of `len` bytes at offset `at` of the producer's slab `id` (a new one, whose
     /// descriptor is next on the socket, with `new`), use number `seq`; once taken,
     /// [`Consumer::segment_taken`].
     Slab {
         id: u32,
         new: bool,
+        at: u32,
         seq: u64,
         len: u64,
     },
+}
+
+/// What a SLAB record says (see [`Producer::write_slab`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SlabRecord {
+    /// The slab.
+    pub(crate) id: u32,
+    /// Whether its descriptor is next on the socket.
+    pub(crate) new: bool,
+    /// The frame's offset in it.
+    pub(crate) at: u32,
+    /// The use number.
+    pub(crate) seq: u64,
+    /// The frame's length.
+    pub(crate) len: u64,
 }
 
 /// The consumer's private state.
@@ -493,9 +517,21 @@ impl Consumer {
                     self.segment_end = Some(end);
                     return Ok(Next::Segment { len });
                 }
-                Record::Slab { id, new, seq, len } => {
+                Record::Slab {
+                    id,
+                    new,
+                    at,
+                    seq,
+                    len,
+                } => {
                     self.segment_end = Some(end);
-                    return Ok(Next::Slab { id, new, seq, len });
+                    return Ok(Next::Slab {
+                        id,
+                        new,
+                        at,
+                        seq,
+                        len,
+                    });
                 }
             }
         }
@@ -612,11 +648,18 @@ impl Producer {
         self.w += SEGMENT_RECORD as u64;
     }
 
-    /// Writes a SLAB record for a frame of `len` bytes in slab `id`, use `seq` (not yet
-    /// published); needs [`SLAB_RECORD`] bytes free.
-    pub(crate) fn write_slab(&mut self, ring: &Ring, id: u32, new: bool, seq: u64, len: u64) {
-        debug_assert!(id < MAX_SLABS);
-        let flags = if new { SLAB_NEW } else { 0 };
+    /// Writes a SLAB record for a frame of `len` bytes at `at` (below 64 KiB) in slab `id`,
+    /// use `seq` (not yet published); needs [`SLAB_RECORD`] bytes free.
+    pub(crate) fn write_slab(&mut self, ring: &Ring, slab: SlabRecord) {
+        let SlabRecord {
+            id,
+            new,
+            at,
+            seq,
+            len,
+        } = slab;
+        debug_assert!(id < MAX_SLABS && at < 1 << (32 - SLAB_AT_SHIFT));
+        let flags = if new { SLAB_NEW } else { 0 } | (at << SLAB_AT_SHIFT);
         ring.write_u64(self.w, u64::from(SLAB) | (24 << 32));
         ring.write_u64(
             self.w + RECORD_HEADER,
@@ -707,14 +750,22 @@ mod tests {
     fn slab_records_round_trip_and_bad_ones_are_typed_errors() {
         let (tx, rx) = pair();
         let (mut p, mut c) = (Producer::default(), Consumer::default());
-        p.write_slab(&tx, 3, true, 1, 70 << 20);
-        p.write_slab(&tx, 7, false, 12, 100);
+        let rec = |id, new, at, seq, len| SlabRecord {
+            id,
+            new,
+            at,
+            seq,
+            len,
+        };
+        p.write_slab(&tx, rec(3, true, 0, 1, 70 << 20));
+        p.write_slab(&tx, rec(7, false, 48, 12, 100));
         p.publish(&tx);
         assert_eq!(
             c.next(&rx).unwrap(),
             Next::Slab {
                 id: 3,
                 new: true,
+                at: 0,
                 seq: 1,
                 len: 70 << 20
             }
@@ -727,6 +778,7 @@ mod tests {
             Next::Slab {
                 id: 7,
                 new: false,
+                at: 48,
                 seq: 12,
                 len: 100
             }
@@ -740,7 +792,7 @@ mod tests {
         // A slab id out of range, unknown flags.
         let (tx, rx) = pair();
         let (mut p, mut c) = (Producer::default(), Consumer::default());
-        p.write_slab(&tx, 0, false, 1, 100);
+        p.write_slab(&tx, rec(0, false, 0, 1, 100));
         p.publish(&tx);
         rx.write_u64(8, u64::from(MAX_SLABS));
         assert!(matches!(

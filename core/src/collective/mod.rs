@@ -25,6 +25,10 @@
 //! | [`all_to_all`] | pairwise shifts: step k sends to `r + k`, receives from `r − k` | N − 1 | the blocks sent, then the blocks received |
 //! | [`monitored_barrier`] | rank 0 hears from every rank, then answers each | 2 | empty |
 //!
+//! Ranks on one host run the [`arena`] plans instead; a group across hosts runs barrier,
+//! all_reduce, reduce, broadcast and all_gather in the stages of a [`hierarchy::HostPlan`]
+//! (each host's arena, then one leader per host over these schedules).
+//!
 //! [`AllGatherAlgorithm::select`] and [`AllReduceAlgorithm::select`] pick the algorithm from
 //! the sizes; every rank must pick the same one, which holds when they pass the same arguments.
 //!
@@ -95,6 +99,7 @@ mod arena_sim;
 pub mod arena_wait;
 pub mod check;
 pub mod disagreement;
+pub mod hierarchy;
 pub mod inbox;
 mod reduce;
 mod signature;

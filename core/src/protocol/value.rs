@@ -133,10 +133,15 @@ impl EncodeContext<'_> {
     }
 }
 
-/// What one decode needs beyond the bytes: the agent, the references accepted so far, and the
-/// failure being carried out.
+/// What one decode needs beyond the bytes: the agent, the forks the message announced (each
+/// reference in the bytes must be one of them), the references accepted so far, and the failure
+/// being carried out.
 pub(super) struct DecodeContext<'a> {
     agent: &'a dyn References,
+    /// The forks the message announced beside its bytes and not yet met in them.
+    announced: RefCell<Vec<RRefForkData>>,
+    /// The first fork met in the bytes that the message did not announce.
+    unannounced: std::cell::Cell<Option<RRefForkData>>,
     accepted: RefCell<Vec<RRefHandle>>,
     errors: Errors,
 }
@@ -218,6 +223,15 @@ pub enum DecodeError {
     /// The bytes do not form the value (too few, or malformed).
     #[error("{0}")]
     Malformed(Failure),
+    /// The bytes hold a remote reference that their message did not announce beside them (or
+    /// announced fewer times): refused before it was accepted (see [`decode_with_references`]).
+    #[error("the value holds {rref} (fork {fork}), which its message did not announce: a sender that hides a reference from the checks is refused")]
+    Unannounced {
+        /// The reference.
+        rref: super::RRefId,
+        /// The fork the bytes name.
+        fork: super::ForkId,
+    },
     /// The value decoded, with bytes to spare: the sender encoded something else (one argument
     /// too many, or another type). postcard is not self-describing, so this is what shows it.
     #[error(
@@ -233,25 +247,37 @@ pub enum DecodeError {
     },
 }
 
-/// Decodes a value received by this worker, with the tensors that came beside it. Every byte
-/// must be used: leftovers are an error, not silently ignored.
+/// Decodes a value received by this worker, with the tensors that came beside it and the
+/// forks its message announced ([`Envelope::forks`](super::envelope::Envelope::forks) for a
+/// request, [`Header::Reply`](super::Header::Reply)'s for a reply). Every byte must be used:
+/// leftovers are an error, not silently ignored.
 pub fn decode<T: DeserializeOwned>(
     agent: &dyn References,
     bytes: &[u8],
     tensors: Vec<Tensor>,
+    announced: &[RRefForkData],
 ) -> Result<T, DecodeError> {
-    decode_with_references(agent, bytes, tensors).map(|(value, _)| value)
+    decode_with_references(agent, bytes, tensors, announced).map(|(value, _)| value)
 }
 
 /// [`decode`], also returning the remote references the value holds (accepted here while
 /// decoding), so that a function can wait until their owners have confirmed them.
+///
+/// A reference in the bytes must be one the message announced, each at most once: the
+/// receiving endpoint checked and held those before anything decoded (the owner holds its
+/// values from a request's arrival; a late reply's forks are released). One the message did
+/// not announce is a [`DecodeError::Unannounced`], refused before it is accepted, so a peer
+/// cannot slip past those checks a fork it does not hold.
 pub fn decode_with_references<T: DeserializeOwned>(
     agent: &dyn References,
     bytes: &[u8],
     tensors: Vec<Tensor>,
+    announced: &[RRefForkData],
 ) -> Result<(T, Vec<RRefHandle>), DecodeError> {
     let ctx = DecodeContext {
         agent,
+        announced: RefCell::new(announced.to_vec()),
+        unannounced: std::cell::Cell::new(None),
         accepted: RefCell::new(Vec::new()),
         errors: Errors::default(),
     };
@@ -261,7 +287,13 @@ pub fn decode_with_references<T: DeserializeOwned>(
     });
     let accepted = ctx.accepted.into_inner();
     // On failure, the references accepted so far went down with the partial value.
-    let value = decoded.map_err(DecodeError::Malformed)?;
+    let value = decoded.map_err(|e| match ctx.unannounced.get() {
+        Some(f) => DecodeError::Unannounced {
+            rref: f.rref,
+            fork: f.fork,
+        },
+        None => DecodeError::Malformed(e),
+    })?;
     let rest = input
         .finalize()
         .map_err(|e| DecodeError::Malformed(Failure(e.to_string())))?;
@@ -274,3 +306,6 @@ pub fn decode_with_references<T: DeserializeOwned>(
     }
     Ok((value, accepted))
 }
+
+#[cfg(test)]
+mod tests;

@@ -408,7 +408,28 @@ impl Group {
         let failed = matches!(e, ArenaError::Failed(_));
         let error = match (e, mesh.broken()) {
             (ArenaError::Failed(ArenaFailure::Gone { .. }), Some(broken)) => broken,
-            (e, _) => arena_error(collective, seq, self.rank(), e, |r| arena.pid(r)),
+            // A rank that died or left is named by its world rank, as the links name it.
+            (e, _) => match arena_error(collective, seq, self.rank(), e, |r| arena.pid(r)) {
+                ProcessGroupError::PeerDied {
+                    rank,
+                    reported_by,
+                    reason,
+                } => ProcessGroupError::PeerDied {
+                    rank: self.world_rank(rank),
+                    reported_by,
+                    reason,
+                },
+                ProcessGroupError::PeerLeft {
+                    rank,
+                    collective,
+                    seq,
+                } => ProcessGroupError::PeerLeft {
+                    rank: self.world_rank(rank),
+                    collective,
+                    seq,
+                },
+                other => other,
+            },
         };
         if failed {
             if matches!(error, ProcessGroupError::Timeout { .. }) {

@@ -40,6 +40,10 @@ impl Group {
         {
             check_splits(input.len(), input_splits)?;
         }
+        let op = match self.on_hierarchy(op).await {
+            Ok(done) => return done,
+            Err(op) => op,
+        };
         if let Some(rounds) = arena_rounds(&op) {
             if let Some(mut turn) = self.arena_turn(rounds).await {
                 return self.on_arena(&mut turn, op).await;

@@ -65,6 +65,14 @@ impl Group {
             ),
         )?;
         group.set_up_arena(path, options.arena_bytes).await?;
+        let members: Vec<usize> = (0..world).collect();
+        if let Some(plan) = hier::Hierarchy::plan(group.inner.hosts.get(), &members) {
+            let ids = group.take_ids(2)?;
+            let name = group.name().to_owned();
+            if let Some(h) = Group::hierarchy_for(&group, plan, &members, &name, ids)? {
+                let _ = group.inner.hierarchy.set(h);
+            }
+        }
         Ok(group)
     }
 
@@ -139,6 +147,7 @@ impl Group {
                 hosts: std::sync::OnceLock::new(),
                 collectives,
                 arena_bytes,
+                hierarchy: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -151,7 +160,8 @@ impl Group {
     /// Every rank of the world calls it, members or not, with the same `ranks` and in the same
     /// order relative to its other `new_group` and [`split_group`](Group::split_group) calls:
     /// each call takes the next subgroup id, with no message exchanged, and the subgroup's
-    /// messages are filed under that id. Group rank `i` is the `i`-th lowest world rank of
+    /// messages are filed under that id (a subgroup across hosts, which runs hierarchically,
+    /// takes two more for its internal groups: see [`Group::is_hierarchical`]). Group rank `i` is the `i`-th lowest world rank of
     /// `ranks` (as PyTorch sorts them); an empty `ranks` means the whole world. The subgroup
     /// numbers its collectives from zero under its own id, so it can be used at the same time
     /// as the world group and other subgroups. Point-to-point messages are the exception:
@@ -230,22 +240,25 @@ impl Group {
             }
             groups.push(sorted.into());
         }
-        let count = groups.len() as u64;
-        let first = self
-            .inner
-            .next_group
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |next| {
-                (next + count <= MAX_GROUP_ID + 1).then_some(next + count)
-            })
-            .map_err(|_| setup(format!("more than {MAX_GROUP_ID} subgroups")))?;
+        let first = self.take_ids(groups.len() as u64)?;
+        let mut made = None;
         for (id, members) in (first..).zip(groups) {
+            let name = format!("{}/{id}", self.name());
+            // A group across hosts runs hierarchically: its internal groups take two more
+            // ids, on every rank alike (the host records are the same everywhere).
+            let hierarchy = match hier::Hierarchy::plan(self.inner.hosts.get(), &members) {
+                Some(plan) => {
+                    let ids = self.take_ids(2)?;
+                    Group::hierarchy_for(self, plan, &members, &name, ids)?
+                }
+                None => None,
+            };
             let slot =
                 Group::subgroup_arena(self.inner.hosts.get(), &members, self.inner.collectives);
             if let Some(mesh) = self.inner.mesh.subgroup(id, members) {
-                let name = format!("{}/{id}", self.name());
                 let store = self.inner._store.clone();
                 let counters = (self.inner.sent.clone(), self.inner.received.clone());
-                return Group::over(
+                let group = Group::over(
                     mesh,
                     name,
                     self.inner.timeout,
@@ -253,10 +266,27 @@ impl Group {
                     store,
                     counters,
                     (self.inner.collectives, self.inner.arena_bytes, slot),
-                )
-                .map(Some);
+                )?;
+                if let Some(h) = hierarchy {
+                    let _ = group.inner.hierarchy.set(h);
+                }
+                made = Some(group);
             }
         }
-        Ok(None)
+        Ok(made)
+    }
+
+    /// Takes `count` consecutive subgroup ids (every rank of the world takes them in the same
+    /// order) and returns the first.
+    pub(super) fn take_ids(&self, count: u64) -> Result<u64, ProcessGroupError> {
+        self.inner
+            .next_group
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |next| {
+                (next + count <= MAX_GROUP_ID + 1).then_some(next + count)
+            })
+            .map_err(|_| ProcessGroupError::Setup {
+                rank: self.rank(),
+                reason: format!("more than {MAX_GROUP_ID} subgroups"),
+            })
     }
 }

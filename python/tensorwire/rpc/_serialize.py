@@ -130,6 +130,10 @@ def build_sparse(
             f"{tuple(values.shape)} do not make a tensor of size {tuple(size)}"
         )
     if problem is None:
+        # The indices are checked and kept as a copy of ours: received bytes may lie in the
+        # sender's shared memory (a private mapping of its slab), which a hostile peer on this
+        # host could still write after the check.
+        indices = indices.clone()
         try:
             return torch.sparse_coo_tensor(
                 indices, values, size, check_invariants=True, is_coalesced=coalesced

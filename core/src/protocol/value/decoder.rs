@@ -105,12 +105,25 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for Decoder<'_, '_, D> {
 }
 
 impl DecodeContext<'_> {
-    /// Accepts the fork `data` and gives the handle to the reference's `visitor`.
+    /// Accepts the fork `data`, if its message announced it, and gives the handle to the
+    /// reference's `visitor`.
     fn accept<'de, V: Visitor<'de>>(
         &self,
         data: RRefForkData,
         visitor: V,
     ) -> Result<V::Value, Failure> {
+        let met = {
+            let mut announced = self.announced.borrow_mut();
+            let at = announced.iter().position(|a| *a == data);
+            at.map(|i| announced.swap_remove(i))
+        };
+        if met.is_none() {
+            self.unannounced.set(Some(data));
+            return Err(Failure(format!(
+                "a reference its message did not announce ({}, fork {})",
+                data.rref, data.fork
+            )));
+        }
         let handle = self.agent.accept(data);
         self.accepted.borrow_mut().push(handle);
         let ticket = self.agent.hand_over(handle);

@@ -1,0 +1,174 @@
+//! Hierarchical collectives across simulated hosts (network namespaces, as in `hosts.rs`):
+//! worker processes (`tw-hosts-worker`) on several hosts, rank 0 on host 0 (`10.77.0.1`)
+//! hosting the store. Each namespace is a host of its own to the transports and the group
+//! arena (another network namespace, another host key), so the world group runs within each
+//! host through its arena and between hosts among the leaders over TCP.
+//!
+//! Without root or `ip` (iproute2), each test prints `SKIPPED: <reason>` and passes.
+
+use std::io::{BufRead, BufReader, Read};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use tensorwire_tests::netns::Hosts;
+
+const PORT: &str = "29500";
+
+/// Every worker's exit code, by rank, and every output line (rank, line).
+type Ran = (Vec<Option<i32>>, Vec<(usize, String)>);
+
+/// Runs `scenario` on one worker per entry of `layout` (rank `r` on host `layout[r]`) with the
+/// usual rendezvous variables plus `env`, and returns every worker's exit code and the output
+/// lines (rank, line), or `None` when hosts cannot be simulated here.
+fn run(layout: &[usize], scenario: &str, env: &[(&str, String)], limit: Duration) -> Option<Ran> {
+    let count = layout.iter().max().unwrap() + 1;
+    let hosts = match Hosts::create(count, "node") {
+        Ok(h) => h,
+        Err(why) => {
+            println!("SKIPPED: cannot simulate hosts with network namespaces: {why}");
+            return None;
+        }
+    };
+    let (tx, lines) = mpsc::channel();
+    let mut children = Vec::new();
+    for (rank, host) in layout.iter().enumerate() {
+        let mut cmd = hosts.command(*host, env!("CARGO_BIN_EXE_tw-hosts-worker"));
+        cmd.arg(scenario)
+            .env("TENSORWIRE_SECRET", format!("hier-{}", hosts.prefix()))
+            .env_remove("TENSORWIRE_IFNAME")
+            .env_remove("TENSORWIRE_COLLECTIVES")
+            .env_remove("TENSORWIRE_DEBUG")
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", layout.len().to_string())
+            .env("MASTER_ADDR", Hosts::ip_of(0).to_string())
+            .env("MASTER_PORT", PORT);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let index = hosts.spawn(&mut cmd);
+        let (_, stdout, stderr) = hosts.take(index);
+        for stream in [
+            Box::new(stdout.unwrap()) as Box<dyn Read + Send>,
+            Box::new(stderr.unwrap()),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = tx.send((rank, line));
+                }
+            });
+        }
+        children.push(index);
+    }
+    drop(tx);
+    let deadline = Instant::now() + limit;
+    let mut seen = Vec::new();
+    loop {
+        match lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(line) => seen.push(line),
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(e) => panic!("{e:?}: workers still running; output: {seen:#?}"),
+        }
+    }
+    let codes = children
+        .iter()
+        .map(|&i| hosts.with_child(i, |c| c.wait().unwrap().code()))
+        .collect();
+    Some((codes, seen))
+}
+
+fn lines_with<'a>(seen: &'a [(usize, String)], needle: &str) -> Vec<&'a (usize, String)> {
+    seen.iter().filter(|(_, l)| l.contains(needle)).collect()
+}
+
+/// Every hierarchical collective on `layout`, checked by each worker against the links and
+/// against values it computes; each worker also checks that they ran through the hierarchy.
+fn collectives_on(layout: &[usize]) {
+    let env = [("TW_EXPECT_HIERARCHY", "1".to_owned())];
+    let Some((codes, seen)) = run(layout, "collectives", &env, Duration::from_secs(240)) else {
+        return;
+    };
+    assert_eq!(codes, vec![Some(0); layout.len()], "{seen:#?}");
+    let hosts = layout.iter().max().unwrap() + 1;
+    for rank in 0..layout.len() {
+        let ok = lines_with(&seen, &format!("OK collectives rank {rank} "));
+        assert_eq!(ok.len(), 1, "rank {rank}: {seen:#?}");
+        assert!(ok[0].1.contains(&format!("hosts={hosts}")), "{}", ok[0].1);
+        assert!(!ok[0].1.contains(" runs=0 "), "{}", ok[0].1);
+        if rank == 0 {
+            println!("{layout:?}: {:?}", lines_with(&seen, "TIMING"));
+        }
+        // Every rank but the last is in a subgroup across hosts, hierarchical too.
+        if rank + 1 < layout.len() {
+            assert!(!ok[0].1.contains(" sub_runs=0 "), "{}", ok[0].1);
+        }
+    }
+}
+
+#[test]
+fn the_links_setting_keeps_a_group_across_hosts_flat() {
+    let layout = [0, 0, 1, 1];
+    let env = [
+        ("TW_EXPECT_HIERARCHY", "0".to_owned()),
+        ("TENSORWIRE_COLLECTIVES", "links".to_owned()),
+    ];
+    let Some((codes, seen)) = run(&layout, "collectives", &env, Duration::from_secs(240)) else {
+        return;
+    };
+    assert_eq!(codes, vec![Some(0); layout.len()], "{seen:#?}");
+    for rank in 0..layout.len() {
+        let want = format!("OK collectives rank {rank} runs=0 sub_runs=0 hosts=0");
+        assert_eq!(lines_with(&seen, &want).len(), 1, "{want}: {seen:#?}");
+    }
+}
+
+#[test]
+fn three_hosts_of_two_ranks_run_every_collective_hierarchically() {
+    collectives_on(&[0, 0, 1, 1, 2, 2]);
+}
+
+#[test]
+fn an_uneven_split_runs_every_collective_hierarchically() {
+    // One rank alone on host 0 (no arena stage there), three on host 1.
+    collectives_on(&[0, 1, 1, 1]);
+}
+
+/// A rank killed while every other rank waits for it in an all_reduce: every other rank's call
+/// fails naming it, well within the timeout (20 s).
+fn kill_on(layout: &[usize], victim: usize) {
+    let env = [("TW_VICTIM", victim.to_string())];
+    let Some((codes, seen)) = run(layout, "kill", &env, Duration::from_secs(120)) else {
+        return;
+    };
+    for (rank, code) in codes.iter().enumerate() {
+        if rank == victim {
+            assert_eq!(*code, Some(9), "{seen:#?}");
+            continue;
+        }
+        assert_eq!(*code, Some(0), "rank {rank}: {seen:#?}");
+        let failed = lines_with(&seen, &format!("OK failed rank {rank} "));
+        assert_eq!(failed.len(), 1, "rank {rank}: {seen:#?}");
+        let line = &failed[0].1;
+        assert!(
+            line.contains(&format!("rank {victim}")),
+            "{line}: {seen:#?}"
+        );
+        let after: u64 = line
+            .split("after_ms=")
+            .nth(1)
+            .and_then(|s| s.split(':').next())
+            .and_then(|s| s.parse().ok())
+            .unwrap();
+        // The call began about 500 ms before the death; it fails soon after, not at the
+        // timeout.
+        assert!((300..5_000).contains(&after), "{line}");
+        println!("victim {victim}: {line}");
+    }
+}
+
+#[test]
+fn a_rank_killed_on_another_host_fails_every_call_naming_it() {
+    // Rank 5: not its host's leader; rank 2: host 1's leader.
+    kill_on(&[0, 0, 1, 1, 2, 2], 5);
+    kill_on(&[0, 0, 1, 1, 2, 2], 2);
+}
