@@ -233,8 +233,7 @@ fuzz_target!(|data: &[u8]| {
             }
             3 if op & 0x80 != 0 => {
                 // An answer that carries gradients for worker 0's send functions.
-                let Ok(messages) =
-                    postcard::from_bytes::<Vec<AutogradMessageId>>(chunk(&mut rest))
+                let Ok(messages) = postcard::from_bytes::<Vec<AutogradMessageId>>(chunk(&mut rest))
                 else {
                     continue;
                 };
