@@ -9,6 +9,12 @@ use tensorwire_core::autograd::{ProtocolViolation, Recv};
 use tensorwire_core::capability::Capability;
 use tensorwire_core::protocol::ProtocolViolation as CoreViolation;
 
+/// A send function's message and the seed gradients it runs with.
+type Seeded<E> = (
+    AutogradMessageId,
+    Vec<Option<<E as AutogradEngine>::Tensor>>,
+);
+
 /// What the driver does after the state machine spoke, outside the lock.
 pub(super) enum Action<E: AutogradEngine> {
     Run {
@@ -33,6 +39,11 @@ pub(super) enum Action<E: AutogradEngine> {
     Reply {
         tx: oneshot::Sender<Result<(), BackwardError>>,
         result: Result<(), BackwardError>,
+    },
+    /// The answer to a gradient request.
+    Answer {
+        tx: oneshot::Sender<GradientAnswer>,
+        answer: GradientAnswer,
     },
     Drop(Box<ContextData<E>>),
 }
@@ -197,6 +208,11 @@ impl<E: AutogradEngine> Inner<E> {
             }
             Err(e) => return Err(e.to_string()),
         }
+        // A request's tensors on the host: their gradients may ride in an answer to their
+        // sender (an answer takes the reverse map, as a request's gradients do).
+        if moved_by == Direction::Request && devices.iter().all(|d| d.is_cpu()) {
+            sh.state.recv_came_in_request(context, message);
+        }
         let data = sh.data.entry(context).or_insert_with(ContextData::new);
         for (i, t) in tracked.iter().enumerate() {
             if requires_grad[i] {
@@ -293,7 +309,7 @@ impl<E: AutogradEngine> Inner<E> {
         self: Arc<Self>,
         cx: CallContext,
         req: GradientRequest,
-    ) -> Result<Result<(), BackwardError>, String> {
+    ) -> Result<GradientAnswer, String> {
         let from = cx.caller().id;
         let mut seeds = Vec::with_capacity(req.grads.len());
         for g in &req.grads {
@@ -377,6 +393,16 @@ impl<E: AutogradEngine> Inner<E> {
     }
 
     pub(super) async fn send_releases(self: &Arc<Self>, releases: Vec<(WorkerId, ReleaseRequest)>) {
+        let waits = self.start_releases(releases);
+        self.await_releases(waits).await;
+    }
+
+    /// Sends the releases now (on the calling thread); their answers are left to
+    /// [`await_releases`](Self::await_releases).
+    pub(super) fn start_releases(
+        &self,
+        releases: Vec<(WorkerId, ReleaseRequest)>,
+    ) -> Vec<(WorkerId, tensorwire_rpc::RpcFuture<()>)> {
         let mut waits = Vec::new();
         for (to, req) in releases {
             match self
@@ -390,6 +416,15 @@ impl<E: AutogradEngine> Inner<E> {
                 ),
             }
         }
+        waits
+    }
+
+    /// Waits for the answers of releases sent by [`start_releases`](Self::start_releases): a
+    /// peer an answer says is lost is handled as lost; other failures are logged.
+    pub(super) async fn await_releases(
+        self: &Arc<Self>,
+        waits: Vec<(WorkerId, tensorwire_rpc::RpcFuture<()>)>,
+    ) {
         for (to, f) in waits {
             if let Err(e) = f.await {
                 if let Some(peer) = lost_peer(&e) {
@@ -478,6 +513,9 @@ impl<E: AutogradEngine> Inner<E> {
                     Action::Reply { tx, result } => {
                         let _ = tx.send(result);
                     }
+                    Action::Answer { tx, answer } => {
+                        let _ = tx.send(answer);
+                    }
                     Action::Drop(data) => drop(data),
                 }
             }
@@ -494,7 +532,7 @@ impl<E: AutogradEngine> Inner<E> {
         placement: Direction,
     ) {
         let inner = self.clone();
-        match self.agent.rpc_async_placed::<_, Result<(), BackwardError>>(
+        match self.agent.rpc_async_placed::<_, GradientAnswer>(
             to,
             GRAD,
             &req,
@@ -537,10 +575,14 @@ impl<E: AutogradEngine> Inner<E> {
         gradient: GradientId,
         to: WorkerId,
         context: ContextId,
-        result: Result<Result<(), BackwardError>, RpcError>,
+        result: Result<GradientAnswer, RpcError>,
     ) {
         let (result, lost) = match result {
-            Ok(r) => (r, None),
+            Ok(Ok(carried)) if !carried.is_empty() => {
+                self.on_carried_gradients(gradient, to, context, carried);
+                return;
+            }
+            Ok(r) => (r.map(drop), None),
             Err(e) => {
                 let lost = lost_peer(&e);
                 let error = match lost {
@@ -563,6 +605,68 @@ impl<E: AutogradEngine> Inner<E> {
             if let Some(peer) = lost {
                 sh.state.handle_peer_lost(peer);
             }
+        }
+        self.pump();
+    }
+
+    /// The answer to gradient request `gradient` (sent to `to`) carried gradients for send
+    /// functions of this worker's: they are run here as part of the work that sent it. A
+    /// gradient the engine cannot take fails the request; gradients for messages this worker
+    /// never sent to `to` are a violation (`to` is dropped, the request fails).
+    fn on_carried_gradients(
+        self: &Arc<Self>,
+        gradient: GradientId,
+        to: WorkerId,
+        context: ContextId,
+        carried: Vec<CarriedGradient>,
+    ) {
+        let imported: Result<Vec<Seeded<E>>, EngineError> = carried
+            .into_iter()
+            .map(|c| {
+                let seeds = c
+                    .grads
+                    .iter()
+                    .map(|g| g.as_ref().map(|g| self.engine.import(g, false)).transpose())
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok((c.message, seeds))
+            })
+            .collect();
+        let failed = |reason: String| BackwardError::Request {
+            worker: to,
+            context,
+            reason,
+        };
+        let violation = {
+            let mut sh = self.lock();
+            match imported {
+                Err(e) => {
+                    sh.state
+                        .handle_gradient_reply(gradient, Err(failed(e.to_string())));
+                    None
+                }
+                Ok(imported) => {
+                    let messages: Vec<AutogradMessageId> =
+                        imported.iter().map(|(m, _)| *m).collect();
+                    match sh.state.handle_gradient_reply_with(gradient, &messages) {
+                        Ok(tasks) => {
+                            if let Some(d) = sh.data.get_mut(&context) {
+                                for (task, (_, seeds)) in tasks.into_iter().zip(imported) {
+                                    d.seeds.insert(task, seeds);
+                                }
+                            }
+                            None
+                        }
+                        Err(v) => {
+                            sh.state
+                                .handle_gradient_reply(gradient, Err(failed(v.to_string())));
+                            Some(v)
+                        }
+                    }
+                }
+            }
+        };
+        if let Some(v) = violation {
+            self.violation(to, &v);
         }
         self.pump();
     }
@@ -659,7 +763,47 @@ impl<E: AutogradEngine> Inner<E> {
                     request, result, ..
                 } => {
                     if let Some(tx) = sh.requests.remove(&request) {
-                        actions.push(Action::Reply { tx, result });
+                        actions.push(Action::Answer {
+                            tx,
+                            answer: result.map(|()| Vec::new()),
+                        });
+                    }
+                }
+                Output::ReplyWithGradients {
+                    request,
+                    task,
+                    context,
+                    messages,
+                    ..
+                } => {
+                    let produced: Vec<(AutogradMessageId, Vec<Option<E::Tensor>>)> = sh
+                        .data
+                        .get_mut(&context)
+                        .map(|d| {
+                            messages
+                                .iter()
+                                .map(|m| (*m, d.produced.remove(&(task, *m)).unwrap_or_default()))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    let worker = sh.state.worker();
+                    let answer = produced
+                        .into_iter()
+                        .map(|(message, grads)| {
+                            let grads = grads
+                                .iter()
+                                .map(|g| g.as_ref().map(|g| self.engine.export(g)).transpose())
+                                .collect::<Result<Vec<_>, EngineError>>()?;
+                            Ok(CarriedGradient { message, grads })
+                        })
+                        .collect::<Result<Vec<_>, EngineError>>()
+                        .map_err(|e| BackwardError::Engine {
+                            worker,
+                            context,
+                            reason: e.to_string(),
+                        });
+                    if let Some(tx) = sh.requests.remove(&request) {
+                        actions.push(Action::Answer { tx, answer });
                     }
                 }
                 Output::BackwardDone { context, result } => {
@@ -693,7 +837,8 @@ impl<E: AutogradEngine> Inner<E> {
             .record(started.elapsed());
         match computed {
             Ok(Ok(grads)) => Ok(grads),
-            Ok(Err(e)) => Err(e.to_string()),
+            // The engine's own words: the error says it is the engine's already.
+            Ok(Err(e)) => Err(e.0),
             Err(panic) => {
                 let what = panic
                     .downcast_ref::<&str>()

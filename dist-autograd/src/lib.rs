@@ -49,6 +49,13 @@
 //! PyTorch's autograd message types: forward calls wrap the user's arguments with
 //! (context, message id, tensors); gradients go back with (context, message id) and are
 //! answered once the receiver's work, and all work it started, is done; releases fan out.
+//! When the work a gradient started reaches only recv functions of tensors the requester sent
+//! it in a request, to the host, their gradients ride in the answer instead of requests of
+//! their own, and the requester runs their send functions itself (the core's
+//! `Output::ReplyWithGradients`): a chain of calls costs one message per hop backward, where
+//! PyTorch's costs two and the answers that travel back hop by hop. A context's owner releases
+//! it without waiting for the other workers ([`AutogradContext::release_in_background`], as
+//! PyTorch does), or waiting ([`AutogradContext::release`]).
 //! A gradient for an unknown context, or from a worker outside the context, a release from a
 //! worker outside it, a message in a context forged under this worker's id or under a
 //! message id that is not the sender's own is a protocol violation
@@ -218,6 +225,20 @@ struct GradientRequest {
     grads: Vec<Option<Tensor>>,
 }
 
+/// A gradient that rides in the answer to a gradient request
+/// (`tensorwire_core::autograd::Output::ReplyWithGradients`): for the send function of
+/// `message`, which the requester sent to the answering worker in a request.
+#[derive(Serialize, Deserialize)]
+struct CarriedGradient {
+    message: AutogradMessageId,
+    /// One per tensor of the message (`None`: no gradient reached it).
+    grads: Vec<Option<Tensor>>,
+}
+
+/// The answer to a gradient request: the gradients that ride in it (none for a plain
+/// answer), or why the work failed.
+type GradientAnswer = Result<Vec<CarriedGradient>, BackwardError>;
+
 /// "Is `capability` that of `context`, which you made?", asked of a context's creator by a
 /// worker that holds a copy of it with another capability, which the creator has not vouched
 /// for (`Recv::AskCreator`). Answered with a `bool`.
@@ -287,7 +308,7 @@ struct Shared<E: AutogradEngine> {
     state: State,
     data: HashMap<ContextId, ContextData<E>>,
     roots: HashMap<ContextId, oneshot::Sender<Result<(), BackwardError>>>,
-    requests: HashMap<RequestToken, oneshot::Sender<Result<(), BackwardError>>>,
+    requests: HashMap<RequestToken, oneshot::Sender<GradientAnswer>>,
     next_token: RequestToken,
 }
 
@@ -1071,6 +1092,46 @@ impl<E: AutogradEngine> AutogradContext<E> {
                 .pump_and_wait_releases()
                 .instrument(self.span.clone())
                 .await;
+        }
+        Ok(())
+    }
+}
+
+impl<E: AutogradEngine> AutogradContext<E> {
+    /// Releases the context here now and tells every worker it reached without waiting for
+    /// their answers (PyTorch's `DistAutogradContainer::releaseContext`, whose cleanup
+    /// messages are not waited for either): the release fan-out costs the caller no round
+    /// trip. The other workers drop the context once the release reaches them; an error there
+    /// is logged, and a peer found lost meanwhile is handled as by any other message. Calls
+    /// made afterwards in other contexts may overtake the release; a late gradient for the
+    /// context is dropped and counted as usual. Releasing a context already released (a
+    /// failed backward releases it) is not an error. Must be called inside a tokio runtime
+    /// (the fan-out is a task); [`release`](Self::release) waits for it instead.
+    pub fn release_in_background(mut self) -> Result<(), DistAutogradError> {
+        self.owned = false;
+        let started = {
+            let mut sh = self.inner.lock();
+            if sh.state.has_context(self.id) {
+                sh.state.release(self.id)?;
+                true
+            } else {
+                sh.state.forget(self.id);
+                false
+            }
+        };
+        if started {
+            // The local drop happens here (pump_collect frees the context's tensors); only
+            // the messages to the other workers are left to the task.
+            let releases = self.inner.pump_collect();
+            let waits = {
+                let _span = self.span.enter();
+                self.inner.start_releases(releases)
+            };
+            if !waits.is_empty() {
+                let inner = self.inner.clone();
+                let span = self.span.clone();
+                tokio::spawn(async move { inner.await_releases(waits).instrument(span).await });
+            }
         }
         Ok(())
     }

@@ -1276,8 +1276,8 @@ async fn contexts_a_peer_makes_a_worker_hold_are_bounded_and_freed_by_release() 
 
 /// Only tensors that required grad on the sender get a recv function (PyTorch's
 /// `addRecvRpcBackward`): no gradient is sent back for a plain input, whose sender has nowhere
-/// to put it (it cost a whole round trip on the critical path), while a parameter sent as an
-/// argument still gets its gradient, as in one process.
+/// to put it, while a parameter sent as an argument still gets its gradient, as in one process
+/// (in the answer to the gradient request that reached w1: no request of its own).
 #[tokio::test(start_paused = true)]
 async fn only_tensors_that_required_grad_on_the_sender_get_a_gradient_back() {
     let workers = cluster(2).await;
@@ -1298,10 +1298,18 @@ async fn only_tensors_that_required_grad_on_the_sender_get_a_gradient_back() {
         let served = || w0.agent.metrics().per_peer["w1"].calls_received;
         let before = served();
         ctx.backward(&[(loss(&out[0]), None)], false).await.unwrap();
+        // No gradient request reaches w0 either way: a parameter's gradient rides in the
+        // answer to w0's request (it came in w0's request, to the host).
         assert_eq!(
             served() - before,
-            sent_back,
+            0,
             "gradient requests from w1 to w0 (input requires grad: {})",
+            x.is_variable()
+        );
+        assert_eq!(
+            w0.dist.gradients(ctx.id()).map_or(0, |g| g.len()),
+            sent_back,
+            "gradients w0 holds (input requires grad: {})",
             x.is_variable()
         );
         let local_x = if x.is_variable() { p[0].clone() } else { x };
@@ -1357,4 +1365,36 @@ async fn backward_tasks_inline_or_on_a_blocking_thread_match_one_process() {
         }
         shutdown(workers).await;
     }
+}
+
+/// `release_in_background` (what Python's context manager uses, as PyTorch's does) drops the
+/// context here before it returns, without waiting for any answer, and every worker the context
+/// reached, directly or through another one, drops it once the release reaches it.
+#[tokio::test(start_paused = true)]
+async fn a_release_in_the_background_drops_the_context_here_at_once_and_everywhere_soon() {
+    let workers = cluster(3).await;
+    let w0 = &workers[0];
+    let ctx = w0.dist.context().unwrap();
+    let id = ctx.id();
+    let x = hop(&input(), &w0.param);
+    // w0 -> w1 -> w2: w0 does not know w2; w1's fan-out tells it.
+    let ((), out) = ctx
+        .rpc_sync("w1", "hop", &vec!["w2".to_owned()], &[x], None)
+        .await
+        .unwrap();
+    ctx.backward(&[(loss(&out[0]), None)], false).await.unwrap();
+    for w in &workers {
+        assert_eq!(w.dist.context_count(), 1);
+    }
+    ctx.release_in_background().unwrap();
+    // Nothing was awaited: the context is gone here already, with its gradients.
+    assert_eq!(w0.dist.context_count(), 0);
+    assert!(w0.dist.gradients(id).is_none());
+    wait_until(
+        Duration::from_secs(5),
+        "every worker dropped the context",
+        || workers.iter().all(|w| w.dist.context_count() == 0),
+    )
+    .await;
+    shutdown(workers).await;
 }

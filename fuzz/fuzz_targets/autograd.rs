@@ -1,7 +1,7 @@
 //! Fuzzes distributed autograd's messages from a hostile peer, decoded as the RPC layer
 //! decodes their bodies (postcard: a gradient request's `(context, message)`, a recv's
 //! `(context, message, capability)`, a release's `(context, cause)`, a gradient reply's
-//! `Result<(), BackwardError>`) and applied to core's state machine (`DistAutograd`).
+//! `Result<(), BackwardError>` or the message ids of the gradients an answer carries) and applied to core's state machine (`DistAutograd`).
 //!
 //! Worker 0 (under test) shares a context with an honest worker 1 and the hostile worker 2
 //! (messages sent and received both ways), and has a second context with worker 1 only. The
@@ -85,7 +85,8 @@ impl Driver {
                     );
                     self.outstanding.entry(to).or_default().push(gradient);
                 }
-                Output::Reply { to, request, .. } => {
+                Output::Reply { to, request, .. }
+                | Output::ReplyWithGradients { to, request, .. } => {
                     assert_eq!(to, HOSTILE, "only worker 2 asked");
                     assert!(
                         self.accepted.contains(&request),
@@ -228,6 +229,23 @@ fuzz_target!(|data: &[u8]| {
                 };
                 if d.a.handle_release(HOSTILE, c, cause).is_err() {
                     d.refused(&before, "release");
+                }
+            }
+            3 if op & 0x80 != 0 => {
+                // An answer that carries gradients for worker 0's send functions.
+                let Ok(messages) = postcard::from_bytes::<Vec<AutogradMessageId>>(chunk(&mut rest))
+                else {
+                    continue;
+                };
+                let list = d.outstanding.entry(HOSTILE).or_default();
+                if !list.is_empty() {
+                    let i = usize::from((op >> 3) & 0x0f) % list.len();
+                    let g = list[i];
+                    if d.a.handle_gradient_reply_with(g, &messages).is_err() {
+                        d.refused(&before, "answer with gradients");
+                    } else {
+                        d.outstanding.entry(HOSTILE).or_default().remove(i);
+                    }
                 }
             }
             3 => {

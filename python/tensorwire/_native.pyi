@@ -205,7 +205,8 @@ class PyDistAutograd:
     def new_context(self) -> int:
         """A new context made here; its id."""
     def release(self, context: int) -> None:
-        """Releases a context here and on every worker it reached (waits for them)."""
+        """Releases a context here at once and tells every worker it reached, without waiting
+        for their answers (as PyTorch does); they drop it when the release reaches them."""
     def has_context(self, context: int) -> bool: ...
     def check_context(self, context: int) -> None:
         """Raises PyTorch's "Could not find autograd context" error unless held here."""

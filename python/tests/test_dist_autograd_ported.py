@@ -1685,12 +1685,6 @@ def _fresh_state() -> None:
 
 # Ported but failing: each an open issue, not a skip.
 FAILING: dict[str, str] = {
-    "test_backward_autograd_engine_error": (
-        "the error's wording: tensorwire says 'distributed backward failed: worker0 (rank 0): "
-        "the autograd engine of worker 0 failed in context 0:0: autograd engine: Exception: "
-        "Simulate error on backward pass' (core BackwardError::Engine), PyTorch 'Error on "
-        "Node 0: Simulate error on backward pass'"
-    ),
     "test_post_hooks": (
         "an AccumulateGrad node's post hooks are not run: the local pass is "
         "torch.autograd.grad over the leaves, which captures their gradients without running "

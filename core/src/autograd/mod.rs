@@ -21,6 +21,17 @@
 //!   (context, message id) ([`Output::SendGradient`]); the sender runs the matching send
 //!   function.
 //!
+//! **Gradients in answers** (not in PyTorch): when the run a gradient request started reaches
+//! only recv functions of messages that the requester itself sent here in a request (the usual
+//! shape of a pipeline: the gradient of a call's result comes back to the callee, whose
+//! gradient for the call's arguments goes back to the caller), those gradients ride in the
+//! answer to the request ([`Output::ReplyWithGradients`]) instead of a request each: the
+//! requester runs their send functions itself, as part of the work that sent the request
+//! ([`DistAutograd::handle_gradient_reply_with`]). PyTorch sends a new request and its
+//! answer back for each: two messages per hop that this saves, and on a chain the answers
+//! that travel back hop by hop. Completion is unchanged: the requester's work is done once
+//! the runs the answer started are.
+//!
 //! **Completion** is PyTorch's: a gradient request is answered once the local work it started
 //! is done *and* every gradient request that work sent on has been answered, so
 //! [`Output::BackwardDone`] on the root worker means every worker the backward reached has
@@ -243,6 +254,23 @@ pub enum Output {
         /// Whether its work, and all work it started, succeeded.
         result: Result<(), BackwardError>,
     },
+    /// Answer the gradient request `request` from `to` with the gradients that the local run
+    /// `task` produced for the recv functions of `messages`: all of them messages `to` sent
+    /// here in a request ([`DistAutograd::recv_came_in_request`]). The request is over here;
+    /// `to` runs their send functions as part of its own work
+    /// ([`DistAutograd::handle_gradient_reply_with`]).
+    ReplyWithGradients {
+        /// The requester, the sender of every message in `messages`.
+        to: WorkerId,
+        /// The driver's token for the request.
+        request: RequestToken,
+        /// The local run whose gradients the answer carries.
+        task: TaskId,
+        /// The context.
+        context: ContextId,
+        /// The messages whose recv functions the run reached, in the order found.
+        messages: Vec<AutogradMessageId>,
+    },
     /// The backward started here finished (every worker it reached is done) or failed.
     BackwardDone {
         /// The context.
@@ -273,6 +301,9 @@ struct Context {
     sends: BTreeMap<AutogradMessageId, WorkerId>,
     /// Message id -> the worker that sent it.
     recvs: BTreeMap<AutogradMessageId, WorkerId>,
+    /// The recvs whose tensors came in a request, so that their gradients may ride in an
+    /// answer to their sender ([`DistAutograd::recv_came_in_request`]).
+    answerable: BTreeSet<AutogradMessageId>,
     known: BTreeSet<WorkerId>,
     tasks: BTreeSet<TaskId>,
     prepared: bool,
@@ -299,6 +330,7 @@ impl Context {
             made_by: None,
             sends: BTreeMap::new(),
             recvs: BTreeMap::new(),
+            answerable: BTreeSet::new(),
             known: BTreeSet::new(),
             tasks: BTreeSet::new(),
             prepared: false,
@@ -317,6 +349,11 @@ enum Origin {
         from: WorkerId,
         request: RequestToken,
     },
+    /// A send function run here for a gradient that came in the answer to a request of the
+    /// task `parent` ([`DistAutograd::handle_gradient_reply_with`]): part of its work.
+    Continuation {
+        parent: TaskId,
+    },
 }
 
 #[derive(Debug)]
@@ -325,6 +362,8 @@ struct Task {
     origin: Origin,
     local_done: bool,
     outstanding: BTreeSet<GradientId>,
+    /// The continuation runs started by answers to this task's requests, not yet over.
+    children: BTreeSet<TaskId>,
     /// The first failure that leaves the context usable: the task reports it once its local
     /// run and every request it sent are over.
     error: Option<BackwardError>,
@@ -333,6 +372,8 @@ struct Task {
 #[derive(Debug)]
 struct Outgoing {
     task: TaskId,
+    /// Where the request went.
+    to: WorkerId,
 }
 
 /// One worker's distributed autograd state: its contexts, its running backward work and the
@@ -369,6 +410,8 @@ pub struct DistAutograd {
     contexts_per_peer: usize,
     /// The key of the capabilities of the contexts made here ([`set_secret_key`](Self::set_secret_key)).
     secret_key: [u8; 32],
+    /// Whether gradients may ride in answers ([`set_gradients_in_replies`](Self::set_gradients_in_replies)).
+    gradients_in_replies: bool,
     out: VecDeque<Output>,
 }
 
@@ -392,6 +435,7 @@ impl DistAutograd {
             made_by_peer: BTreeMap::new(),
             contexts_per_peer: DEFAULT_CONTEXTS_PER_PEER,
             secret_key: crate::capability::default_key(me),
+            gradients_in_replies: true,
             out: VecDeque::new(),
         }
     }
@@ -403,6 +447,13 @@ impl DistAutograd {
     /// (released, or dropped by a loss); messages in a context already held are not counted.
     pub fn set_contexts_per_peer(&mut self, limit: usize) {
         self.contexts_per_peer = limit;
+    }
+
+    /// Whether a gradient request's answer may carry the gradients its run produced for its
+    /// requester ([`Output::ReplyWithGradients`]; default on). Off, every gradient goes in a
+    /// request of its own, as in PyTorch.
+    pub fn set_gradients_in_replies(&mut self, on: bool) {
+        self.gradients_in_replies = on;
     }
 
     /// The bound set by [`set_contexts_per_peer`](Self::set_contexts_per_peer).
@@ -636,6 +687,19 @@ impl DistAutograd {
         self.recv(from, context, capability, message, false)
     }
 
+    /// The tensors of `message`, recorded by [`handle_recv`](Self::handle_recv), came in a
+    /// request (a call's arguments) and landed on the host: a gradient for them may go back in
+    /// the answer to a gradient request from their sender (an answer travels as a response
+    /// does, which is how a request's gradients go back), see [`Output::ReplyWithGradients`].
+    /// A message not recorded here is ignored.
+    pub fn recv_came_in_request(&mut self, context: ContextId, message: AutogradMessageId) {
+        if let Some(ctx) = self.contexts.get_mut(&context) {
+            if ctx.recvs.contains_key(&message) {
+                ctx.answerable.insert(message);
+            }
+        }
+    }
+
     /// The creator's answer to [`Recv::AskCreator`] for the message `handle_recv` was given:
     /// `vouched` says whether the creator said the message's capability is the context's
     /// (a failed or unanswered question is `false`). Vouched for, the copy held here was a
@@ -804,7 +868,7 @@ impl DistAutograd {
         gradient: GradientId,
         result: Result<(), BackwardError>,
     ) {
-        let Some(Outgoing { task }) = self.outgoing.remove(&gradient) else {
+        let Some(Outgoing { task, .. }) = self.outgoing.remove(&gradient) else {
             return;
         };
         if let Some(t) = self.tasks.get_mut(&task) {
@@ -814,6 +878,57 @@ impl DistAutograd {
             Ok(()) => self.maybe_complete(task),
             Err(e) => self.fail_task(task, e),
         }
+    }
+
+    /// The answer to gradient request `gradient` carried the gradients for the send functions
+    /// of `messages` ([`Output::ReplyWithGradients`] on the receiver): each is run here as part
+    /// of the work that sent the request (an [`Output::RunLocal`] with [`Entry::Send`] each, a
+    /// task returned for each, in order, for the driver to seed). The work completes once they
+    /// are done. With no messages this is a plain successful answer. Each message must be one
+    /// this worker sent, in the request's context, to the worker the request went to;
+    /// otherwise this is a violation and nothing changes (the request stays awaited: the driver
+    /// fails it). An answer to a request of work already failed or dropped is ignored.
+    pub fn handle_gradient_reply_with(
+        &mut self,
+        gradient: GradientId,
+        messages: &[AutogradMessageId],
+    ) -> Result<Vec<TaskId>, ProtocolViolation> {
+        let Some(out) = self.outgoing.get(&gradient) else {
+            return Ok(Vec::new());
+        };
+        let (task, from) = (out.task, out.to);
+        let Some(context) = self.tasks.get(&task).map(|t| t.context) else {
+            return Ok(Vec::new());
+        };
+        let Some(ctx) = self.contexts.get(&context) else {
+            return Ok(Vec::new());
+        };
+        let mut seen = BTreeSet::new();
+        for m in messages {
+            if ctx.sends.get(m) != Some(&from) || !seen.insert(*m) {
+                return Err(ProtocolViolation::UnknownMessage {
+                    from,
+                    context,
+                    message: *m,
+                });
+            }
+        }
+        self.outgoing.remove(&gradient);
+        let mut started = Vec::with_capacity(messages.len());
+        for m in messages {
+            let child = self.start_task(
+                context,
+                Origin::Continuation { parent: task },
+                Entry::Send(*m),
+            );
+            started.push(child);
+        }
+        if let Some(t) = self.tasks.get_mut(&task) {
+            t.outstanding.remove(&gradient);
+            t.children.extend(started.iter().copied());
+        }
+        self.maybe_complete(task);
+        Ok(started)
     }
 
     /// `from` says `context` is released: drop it here and tell the other known workers. A
@@ -889,6 +1004,7 @@ impl DistAutograd {
         let Some(ctx) = self.contexts.get(&context) else {
             return;
         };
+        let origin = t.origin;
         let mut targets = Vec::with_capacity(reached.len());
         for m in reached {
             match ctx.recvs.get(m) {
@@ -907,10 +1023,37 @@ impl DistAutograd {
                 }
             }
         }
+        // Every gradient goes back to the requester, for messages it sent here in a request:
+        // they ride in the answer, and the requester runs their send functions itself.
+        if let Origin::Gradient { from, request } = origin {
+            let carried = self.gradients_in_replies
+                && !targets.is_empty()
+                && targets
+                    .iter()
+                    .all(|(m, to)| *to == from && ctx.answerable.contains(m));
+            let clean = self.tasks.get(&task).is_some_and(|t| {
+                t.outstanding.is_empty() && t.children.is_empty() && t.error.is_none()
+            });
+            if carried && clean {
+                // The request is over here: the requester's work goes on with the gradients.
+                self.tasks.remove(&task);
+                if let Some(ctx) = self.contexts.get_mut(&context) {
+                    ctx.tasks.remove(&task);
+                }
+                self.out.push_back(Output::ReplyWithGradients {
+                    to: from,
+                    request,
+                    task,
+                    context,
+                    messages: targets.into_iter().map(|(m, _)| m).collect(),
+                });
+                return;
+            }
+        }
         for (message, to) in targets {
             let gradient = GradientId(self.next_gradient);
             self.next_gradient += 1;
-            self.outgoing.insert(gradient, Outgoing { task });
+            self.outgoing.insert(gradient, Outgoing { task, to });
             if let Some(t) = self.tasks.get_mut(&task) {
                 t.outstanding.insert(gradient);
             }
@@ -973,6 +1116,7 @@ impl DistAutograd {
                 origin,
                 local_done: false,
                 outstanding: BTreeSet::new(),
+                children: BTreeSet::new(),
                 error: None,
             },
         );
@@ -988,7 +1132,7 @@ impl DistAutograd {
         let done = self
             .tasks
             .get(&task)
-            .is_some_and(|t| t.local_done && t.outstanding.is_empty());
+            .is_some_and(|t| t.local_done && t.outstanding.is_empty() && t.children.is_empty());
         if !done {
             return;
         }
@@ -1002,11 +1146,20 @@ impl DistAutograd {
                 ctx.graph_freed |= result.is_ok() && !retain_graph;
             }
         }
-        self.finish(t, result);
+        self.finish(task, t, result);
     }
 
-    fn finish(&mut self, t: Task, result: Result<(), BackwardError>) {
+    fn finish(&mut self, id: TaskId, t: Task, result: Result<(), BackwardError>) {
         match t.origin {
+            Origin::Continuation { parent } => {
+                if let Some(p) = self.tasks.get_mut(&parent) {
+                    p.children.remove(&id);
+                }
+                match result {
+                    Ok(()) => self.maybe_complete(parent),
+                    Err(e) => self.fail_task(parent, e),
+                }
+            }
             Origin::Root { .. } => self.out.push_back(Output::BackwardDone {
                 context: t.context,
                 result,
@@ -1047,7 +1200,7 @@ impl DistAutograd {
         if is_root && self.contexts.contains_key(&context) {
             self.drop_context(context, None, &error, true);
         }
-        self.finish(t, Err(error));
+        self.finish(task, t, Err(error));
     }
 
     /// Drops `context`: its running work fails with `error`, every known worker but `except`
@@ -1071,7 +1224,7 @@ impl DistAutograd {
                 // Every request is answered, even one from the lost (or releasing) worker:
                 // nobody may read that answer, but the driver learns that the request is over
                 // (and stops serving it) instead of waiting for an answer that never comes.
-                self.finish(t, Err(error.clone()));
+                self.finish(*task, t, Err(error.clone()));
             }
         }
         Some(ctx)

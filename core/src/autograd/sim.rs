@@ -75,6 +75,8 @@ pub struct SimReport {
     /// Gradients that arrived after their context was dropped on the receiver (late: dropped
     /// and answered, not a violation).
     pub late_gradients: usize,
+    /// Gradients that rode in answers to gradient requests ([`Output::ReplyWithGradients`]).
+    pub carried: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -107,6 +109,8 @@ enum Msg {
         context: ContextId,
         gradient: GradientId,
         result: Result<(), BackwardError>,
+        /// Gradients riding in the answer ([`Output::ReplyWithGradients`]).
+        carried: Vec<(AutogradMessageId, f64)>,
     },
     Release {
         context: ContextId,
@@ -340,6 +344,13 @@ impl Sim {
             {
                 self.fail(&format!("forward recv: {e}"));
             }
+            // Most requests' tensors land on the host (their gradients may ride in answers);
+            // some do not (they go back in requests of their own).
+            if self.rng.chance(75) {
+                self.workers[callee as usize]
+                    .state
+                    .recv_came_in_request(context, msg);
+            }
             if path.contains(&callee) {
                 *cycle = true;
             }
@@ -464,6 +475,43 @@ impl Sim {
                             context,
                             gradient,
                             result,
+                            carried: Vec::new(),
+                        },
+                    );
+                }
+                Output::ReplyWithGradients {
+                    to,
+                    request,
+                    task,
+                    context: _,
+                    messages,
+                } => {
+                    let (requester, gradient, context) = self.workers[w as usize]
+                        .requests
+                        .remove(&request)
+                        .unwrap_or_else(|| self.fail("an answer to an unknown request"));
+                    if requester != to {
+                        self.fail("an answer to the wrong worker");
+                    }
+                    let carried = messages
+                        .iter()
+                        .map(|m| {
+                            let value = self.workers[w as usize]
+                                .produced
+                                .remove(&(task, *m))
+                                .unwrap_or_else(|| self.fail("a gradient nobody produced"));
+                            (*m, value)
+                        })
+                        .collect();
+                    self.report.carried += messages.len();
+                    self.send(
+                        w,
+                        to,
+                        Msg::Reply {
+                            context,
+                            gradient,
+                            result: Ok(()),
+                            carried,
                         },
                     );
                 }
@@ -570,10 +618,29 @@ impl Sim {
                 }
             }
             Msg::Reply {
-                gradient, result, ..
-            } => self.workers[to as usize]
-                .state
-                .handle_gradient_reply(gradient, result),
+                gradient,
+                result,
+                carried,
+                ..
+            } => {
+                if carried.is_empty() {
+                    self.workers[to as usize]
+                        .state
+                        .handle_gradient_reply(gradient, result)
+                } else {
+                    let messages: Vec<AutogradMessageId> =
+                        carried.iter().map(|(m, _)| *m).collect();
+                    let worker = &mut self.workers[to as usize];
+                    match worker.state.handle_gradient_reply_with(gradient, &messages) {
+                        Ok(tasks) => {
+                            for (task, (_, value)) in tasks.into_iter().zip(carried) {
+                                worker.seeds.insert(task, value);
+                            }
+                        }
+                        Err(v) => self.fail(&format!("violation in an answer: {v}")),
+                    }
+                }
+            }
             Msg::Release { context, cause } => {
                 if let Err(v) = self.workers[to as usize]
                     .state

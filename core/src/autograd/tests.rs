@@ -608,6 +608,7 @@ fn seeds() -> Vec<u64> {
 fn simulation_gradients_and_completion() {
     let mut cycles = 0;
     let mut grads = 0;
+    let mut carried = 0;
     for seed in seeds() {
         let r = sim::run(
             seed,
@@ -623,12 +624,14 @@ fn simulation_gradients_and_completion() {
         assert_eq!(r.failed, 0);
         cycles += r.cycles;
         grads += r.gradients;
+        carried += r.carried;
     }
     if !crate::sim::replaying() {
-        // The workload does produce cycles (A→B→C→A) and real traffic.
+        // The workload does produce cycles (A→B→C→A) and real traffic, and gradients that
+        // ride in answers as well as gradients in requests of their own.
         assert!(
-            cycles > 50 && grads > 1000,
-            "{cycles} cycles, {grads} gradients"
+            cycles > 50 && grads > 1000 && carried > 100,
+            "{cycles} cycles, {grads} gradients, {carried} in answers"
         );
     }
 }
@@ -1090,4 +1093,127 @@ fn a_guess_after_a_relay_is_refused_once_the_creator_disowns_it() {
     // The creator vouches only for its own contexts, made already.
     assert!(!b.vouches(c, honest), "b made no context of a's");
     assert!(!a.vouches(ContextId::new(0, 1), cap(ContextId::new(0, 1))));
+}
+
+/// a → b (m1, a request's arguments that landed on the host), b → a (m2, its result). The
+/// backward from a sends m2's gradient to b, whose run reaches only m1's recv: its gradient
+/// rides in the answer, and a runs m1's send function as part of its root's work. Two
+/// messages instead of four, and the backward completes once that run is done.
+#[test]
+fn a_gradient_for_the_requester_rides_in_the_answer_and_the_work_completes_after_it() {
+    let (mut a, mut b, c, m1, m2) = chain();
+    b.recv_came_in_request(c, m1);
+    a.backward(c, false, &[Root::scalar()]).unwrap();
+    let t = task_of(&drain(&mut a));
+    a.local_done(t, &[m2]);
+    let [Output::SendGradient { gradient, .. }] = drain(&mut a)[..] else {
+        panic!()
+    };
+    let tb = b.handle_gradient(0, c, m2, 77).unwrap().unwrap();
+    drain(&mut b);
+    b.local_done(tb, &[m1]);
+    assert_eq!(
+        drain(&mut b),
+        vec![Output::ReplyWithGradients {
+            to: 0,
+            request: 77,
+            task: tb,
+            context: c,
+            messages: vec![m1],
+        }]
+    );
+    // b's part is over: nothing of it waits for a.
+    assert!(!b.is_busy(c) && b.is_idle());
+    // A message a never sent to b, or one twice, is a violation that changes nothing.
+    for bad in [vec![m2], vec![m1, m1], vec![AutogradMessageId::new(0, 99)]] {
+        assert!(matches!(
+            a.handle_gradient_reply_with(gradient, &bad),
+            Err(ProtocolViolation::UnknownMessage { from: 1, .. })
+        ));
+        assert!(drain(&mut a).is_empty());
+    }
+    let [ta] = a.handle_gradient_reply_with(gradient, &[m1]).unwrap()[..] else {
+        panic!()
+    };
+    assert_eq!(
+        drain(&mut a),
+        vec![Output::RunLocal {
+            task: ta,
+            context: c,
+            entry: Entry::Send(m1)
+        }]
+    );
+    // The root's work waits for the run the answer started.
+    assert!(a.is_busy(c));
+    a.local_done(ta, &[]);
+    assert_eq!(
+        drain(&mut a),
+        vec![Output::BackwardDone {
+            context: c,
+            result: Ok(())
+        }]
+    );
+    assert!(a.is_idle());
+}
+
+/// An answer's gradients go in requests of their own when the run also reached a recv of
+/// another sender's, when a recv's tensors did not come in a request (or not to the host), or
+/// with the setting off; and a run the answer started that fails fails the work that sent the
+/// request, once it is over.
+#[test]
+fn gradients_ride_in_answers_only_when_all_go_to_the_requester_and_failures_still_count() {
+    // Not marked as a request's: a request of its own, as before.
+    let (mut a, mut b, c, m1, m2) = chain();
+    a.backward(c, false, &[Root::scalar()]).unwrap();
+    let t = task_of(&drain(&mut a));
+    a.local_done(t, &[m2]);
+    drain(&mut a);
+    let tb = b.handle_gradient(0, c, m2, 1).unwrap().unwrap();
+    drain(&mut b);
+    b.local_done(tb, &[m1]);
+    assert!(matches!(drain(&mut b)[..], [Output::SendGradient { .. }]));
+    // The setting off: the same.
+    let (mut a, mut b, c, m1, m2) = chain();
+    b.recv_came_in_request(c, m1);
+    b.set_gradients_in_replies(false);
+    a.backward(c, false, &[Root::scalar()]).unwrap();
+    let t = task_of(&drain(&mut a));
+    a.local_done(t, &[m2]);
+    drain(&mut a);
+    let tb = b.handle_gradient(0, c, m2, 1).unwrap().unwrap();
+    drain(&mut b);
+    b.local_done(tb, &[m1]);
+    assert!(matches!(drain(&mut b)[..], [Output::SendGradient { .. }]));
+    // A run that reached a recv of a third worker's too: requests for all.
+    let (mut a, mut b, c, m1, m2) = chain();
+    b.recv_came_in_request(c, m1);
+    let m3 = AutogradMessageId::new(2, 0);
+    b.handle_recv(2, c, cap(c), m3).unwrap();
+    b.recv_came_in_request(c, m3);
+    a.backward(c, false, &[Root::scalar()]).unwrap();
+    let t = task_of(&drain(&mut a));
+    a.local_done(t, &[m2]);
+    let [Output::SendGradient { gradient, .. }] = drain(&mut a)[..] else {
+        panic!()
+    };
+    let tb = b.handle_gradient(0, c, m2, 1).unwrap().unwrap();
+    drain(&mut b);
+    b.local_done(tb, &[m1, m3]);
+    let out = drain(&mut b);
+    assert_eq!(out.len(), 2, "{out:?}");
+    assert!(out.iter().all(|o| matches!(o, Output::SendGradient { .. })));
+    // The run an answer started fails: the root reports it once that run is over.
+    let ta = a.handle_gradient_reply_with(gradient, &[m1]).unwrap()[0];
+    drain(&mut a);
+    a.local_failed(ta, "boom");
+    let out = drain(&mut a);
+    let [Output::BackwardDone {
+        result: Err(BackwardError::Engine { worker: 0, .. }),
+        ..
+    }] = out[..]
+    else {
+        panic!("{out:?}")
+    };
+    // The context stays usable (an engine failure does not drop it).
+    assert!(a.has_context(c) && a.is_idle());
 }

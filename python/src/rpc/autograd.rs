@@ -35,7 +35,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use serde::{Deserialize, Serialize};
-use tensorwire_core::autograd::{AutogradError, ContextId, RootProblem};
+use tensorwire_core::autograd::{AutogradError, BackwardError, ContextId, RootProblem};
 use tensorwire_core::ports::autograd::{AutogradEngine, EngineError, LeafGradients};
 use tensorwire_core::tensor::{DType, Storage, Tensor};
 use tensorwire_dist_autograd::{AutogradContext, DistAutograd, DistAutogradError};
@@ -160,12 +160,15 @@ fn engine_fn<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
     module.bind(py).getattr(name)
 }
 
+/// torch's engine raised `e`: its message first (PyTorch's "Error on Node N: <message>"
+/// puts it there), then the traceback and the exception's type, as Python prints them.
 fn engine_error(py: Python<'_>, e: PyErr) -> EngineError {
     let traceback = e
         .traceback(py)
         .and_then(|t| t.format().ok())
         .unwrap_or_default();
-    EngineError(format!("{e}\n{traceback}"))
+    let message = e.value(py).str().map(|s| s.to_string()).unwrap_or_default();
+    EngineError(format!("{message}\n{traceback}{e}"))
 }
 
 /// The name torch gives `dtype` (`torch.float32` is `"float32"`), for the dtypes a tracked
@@ -594,6 +597,21 @@ fn autograd_error(e: &DistAutogradError) -> PyErr {
             };
             ("argument", format!("{torch} ({problem})"), Vec::new())
         }
+        DistAutogradError::Backward {
+            worker,
+            source: BackwardError::Engine {
+                reason, context, ..
+            },
+            ..
+        } => (
+            "backend",
+            // PyTorch's wording for an engine that raised on a worker, then where.
+            format!(
+                "Error on Node {worker}: {reason}\n(distributed backward failed: the autograd \
+                 engine of rank {worker} raised in {context})"
+            ),
+            vec![*worker as usize],
+        ),
         DistAutogradError::Backward { worker, .. } => {
             ("backend", e.to_string(), vec![*worker as usize])
         }
@@ -751,9 +769,11 @@ impl PyDistAutograd {
         })
     }
 
-    /// Releases `context` here and on every worker it reached, waiting (without the GIL)
-    /// until they dropped it or are unreachable. A context this worker does not hold raises
-    /// PyTorch's "Could not find autograd context" error.
+    /// Releases `context` here at once and tells every worker it reached without waiting for
+    /// their answers, as PyTorch's context manager does (its cleanup messages are not waited
+    /// for either): leaving a context costs no round trip. The other workers drop it when the
+    /// release reaches them. A context this worker does not hold raises PyTorch's "Could not
+    /// find autograd context" error.
     fn release(&self, py: Python<'_>, context: u64) -> PyResult<()> {
         py.detach(|| {
             let owned = self
@@ -765,10 +785,10 @@ impl PyDistAutograd {
                 Some(h) => h,
                 None => self.retrieve(context)?,
             };
-            Ok::<_, PyErr>(handle)
-        })
-        .and_then(|handle| {
-            wait(py, async move { handle.release().await })?.map_err(|e| autograd_error(&e))
+            let _runtime = runtime().enter();
+            handle
+                .release_in_background()
+                .map_err(|e| autograd_error(&e))
         })
     }
 

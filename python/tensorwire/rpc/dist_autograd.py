@@ -64,7 +64,9 @@ def _raise(e: BaseException) -> None:
 
 class context:
     """A distributed autograd context, current on this thread while the ``with`` block runs;
-    yields its id. Leaving the block releases it here and on every worker it reached."""
+    yields its id. Leaving the block releases it here at once and tells every worker it
+    reached, without waiting for their answers (as PyTorch does: its cleanup messages are not
+    waited for either); they drop it when the release reaches them."""
 
     def __enter__(self) -> int:
         if _autograd_engine.current_id() is not None:
