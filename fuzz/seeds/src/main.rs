@@ -541,12 +541,14 @@ fn shm_records(dir: &Path) {
             Record::Slab {
                 id: 0,
                 new: true,
+                at: 0,
                 seq: 1,
                 len: 65536,
             },
             Record::Slab {
                 id: 7,
                 new: false,
+                at: 40,
                 seq: 9,
                 len: 100,
             },
