@@ -252,10 +252,12 @@ async fn kill() -> Outcome {
         check(x[0] == hier.size() as i64, "all_reduce before the kill")?;
     }
     if rank == victim {
-        // Gone while its peers wait for it in the next all_reduce.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Gone once the test saw every peer about to wait for it in the next all_reduce (the
+        // test closes this rank's stdin then).
+        stdin_closed().await;
         std::process::exit(9);
     }
+    println!("WAITING rank {rank}");
     let start = Instant::now();
     let mut x = vec![0u8; 8 * 1024];
     let result = hier
@@ -266,12 +268,19 @@ async fn kill() -> Outcome {
         Ok(()) => Err("all_reduce with a dead rank succeeded".into()),
         Err(e) => {
             println!("OK failed rank {rank} after_ms={after}: {e}");
-            // Kept alive a while, so that a slower peer's error names the victim rather than
-            // this rank's exit.
-            tokio::time::sleep(Duration::from_secs(5)).await;
+            // Alive until every peer has failed too (the test then closes stdin), so that a
+            // slower peer's error names the victim rather than this rank's exit.
+            stdin_closed().await;
             Ok(())
         }
     }
+}
+
+/// Returns once the test has closed this worker's stdin.
+async fn stdin_closed() {
+    let _ =
+        tokio::task::spawn_blocking(|| std::io::copy(&mut std::io::stdin(), &mut std::io::sink()))
+            .await;
 }
 
 #[tokio::main]
