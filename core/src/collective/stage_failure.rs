@@ -124,8 +124,9 @@ pub struct StageReport {
 
 /// The report a rank sends when a stage of its hierarchical collective failed with `error`
 /// (the stage's own group's error: a timeout names that group's ranks, `members` gives their
-/// world ranks; a dead rank is named by its world rank already), or `None` when the failure
-/// is not one this rank saw itself on a rank it waited for.
+/// world ranks; a dead rank is named by its world rank already, and reported only when it is
+/// one of `members`), or `None` when the failure is not one this rank saw itself on a rank it
+/// waited for.
 pub fn stage_report(error: &ProcessGroupError, members: &[usize]) -> Option<StageReport> {
     match error {
         ProcessGroupError::Timeout {
@@ -144,11 +145,13 @@ pub fn stage_report(error: &ProcessGroupError, members: &[usize]) -> Option<Stag
                 cause: StageCause::TimedOut { waited: *timeout },
             })
         }
+        // A death seen on the links may be any rank's: reported only for one of the stage's
+        // (a rank blames only those it shares a stage with).
         ProcessGroupError::PeerDied {
             rank,
             reported_by: None,
             ..
-        } => Some(StageReport {
+        } if members.contains(rank) => Some(StageReport {
             ranks: vec![*rank],
             cause: StageCause::Died,
         }),

@@ -352,6 +352,14 @@ fn only_failures_seen_here_on_awaited_ranks_are_reported() {
             cause: StageCause::Died
         })
     );
+    // A death of a rank outside the stage (seen on its link) is not this stage's to report:
+    // the receivers would take it for a forged report.
+    let elsewhere = ProcessGroupError::PeerDied {
+        rank: 5,
+        reported_by: None,
+        reason: "reset".into(),
+    };
+    assert_eq!(stage_report(&elsewhere, &members), None);
     // What another rank said is not said again.
     assert_eq!(stage_report(&died(Some(4)), &members), None);
     let told = StageReport {
