@@ -49,6 +49,7 @@ def run(rank, q, addr="127.0.0.1"):
     out[f"broadcast_w{w}_8B_us"] = series(lambda: dist.broadcast(b8.clone(), 0), small)
     r8 = torch.tensor([rank], dtype=torch.int64)
     out[f"reduce_w{w}_8B_us"] = series(lambda: dist.reduce(r8.clone(), 0), small)
+    out[f"all_reduce_w{w}_8B_us"] = series(lambda: dist.all_reduce(r8.clone()), small)
     block = torch.full((MIB,), rank, dtype=torch.uint8)
     outs = [torch.empty(MIB, dtype=torch.uint8) for _ in range(w)]
     out[f"all_gather_w{w}_1MiB_us"] = series(lambda: dist.all_gather(outs, block), large)
