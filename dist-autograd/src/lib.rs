@@ -688,7 +688,9 @@ impl<E: AutogradEngine> DistAutograd<E> {
     }
 
     /// How many backward tasks ran inline and how many on a blocking thread, in that order
-    /// (see [`set_inline_bound`](Self::set_inline_bound)).
+    /// (see [`set_inline_bound`](Self::set_inline_bound)). Runs on a thread that may run the
+    /// engine itself (the first pass of [`AutogradContext::backward_here`], and those an
+    /// executor's job starts) are not decided by the bound and not counted.
     pub fn engine_runs(&self) -> (u64, u64) {
         self.inner
             .runs
