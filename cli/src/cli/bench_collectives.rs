@@ -166,7 +166,9 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
             bail!(super::Usage("MPICH is not run across --netns hosts".into()));
         }
         if args.world.iter().any(|w| *w < hosts.len()) {
-            bail!(super::Usage("every --world size needs a rank on each --netns host".into()));
+            bail!(super::Usage(
+                "every --world size needs a rank on each --netns host".into()
+            ));
         }
     }
     let steps = 3 + args.world.len() as u64 + u64::from(args.rendezvous_world > 0);
@@ -261,13 +263,7 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
             bar.set_message(format!("gloo, {world} processes"));
             let bound = Duration::from_secs(args.timeout);
             let gloo = if hosts.is_empty() {
-                super::bench_gloo::measure(
-                    python,
-                    world,
-                    args.small_iters,
-                    args.large_iters,
-                    bound,
-                )
+                super::bench_gloo::measure(python, world, args.small_iters, args.large_iters, bound)
             } else {
                 let placed: Vec<Host> = args.placement(world)?.into_iter().flatten().collect();
                 super::bench_gloo::measure_on_hosts(

@@ -190,7 +190,10 @@ pub(crate) fn measure_on_hosts(
         }
     }
     if !failed.is_empty() {
-        bail!("gloo across hosts with {world} ranks failed: {}", failed.join("; "));
+        bail!(
+            "gloo across hosts with {world} ranks failed: {}",
+            failed.join("; ")
+        );
     }
     let text = first.unwrap_or_default();
     let line = text.lines().last().unwrap_or_default();
