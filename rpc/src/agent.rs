@@ -23,7 +23,6 @@ use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
     CallError, ConfirmError, Endpoint, MethodTarget, RRefForkData, RRefHandle, RRefId, WorkerId,
 };
-use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{oneshot, Notify};
 
@@ -91,11 +90,6 @@ impl Agent {
             )),
             functions: options.functions.clone(),
             backend: Arc::clone(&options.device_backend),
-            ipc: crate::state::IpcLink::new(
-                &*options.device_backend,
-                options.share_device_memory,
-                options.ipc_limits,
-            ),
             state: Mutex::new(State {
                 node: Node::new(
                     {
@@ -111,6 +105,11 @@ impl Agent {
                         ep
                     },
                     dynamic,
+                    crate::ipc::state(
+                        &*options.device_backend,
+                        options.share_device_memory,
+                        options.ipc_limits,
+                    ),
                 ),
                 dyn_state: crate::state::DynState::default(),
                 connecting: HashMap::new(),
@@ -404,17 +403,11 @@ impl Agent {
         self.send_call_placed(to, function, args, target, timeout, Direction::Request)
     }
 
-    /// The backend that copies this agent's tensors between host and devices.
-    /// This agent's IPC state (see [`crate::ipc`]).
-    pub(crate) fn ipc(&self) -> &crate::state::IpcLink {
-        &self.inner.ipc
-    }
-
     /// Which way device tensors went to each peer, in rank order: by CUDA IPC handle (same
     /// host, same GPU, both sides able to share) or staged through host memory, with the
     /// reason for the last staged one and the buffers held for the peer awaiting its release.
     pub fn device_paths(&self) -> Vec<tensorwire_core::ipc::PeerPaths> {
-        self.inner.ipc.report()
+        self.lock().node.ipc().report()
     }
 
     /// The device backend this agent moves tensors with.
@@ -1002,11 +995,6 @@ impl Agent {
     /// Drops every connection (a join that failed, before it is tried again).
     pub(crate) fn close_links(&self) {
         links::close_links(self);
-    }
-
-    /// Queues a control frame (the membership protocol's) for `to`'s writer.
-    pub(crate) fn send_control(&self, to: WorkerId, frame: Frame) {
-        links::send_control(self, to, frame);
     }
 
     /// Stops the endpoint, ends every task and lets go of the store (see

@@ -9,9 +9,9 @@ use std::sync::Arc;
 
 use tensorwire_core::budget::{Admit, Use};
 use tensorwire_core::ports::transport::Connection;
-use tensorwire_core::protocol::node::{route, Inbound, NodeEvent, Outgoing};
+use tensorwire_core::protocol::node::{NodeEvent, Outgoing};
 use tensorwire_core::protocol::{
-    Event, Header, LostCause, ProtocolViolation, RemoteErrorKind, RunState, WorkerId,
+    Event, LostCause, ProtocolViolation, RemoteErrorKind, RunState, WorkerId,
 };
 use tensorwire_core::wire::Frame;
 
@@ -75,38 +75,9 @@ pub(crate) fn on_frame(
     frame: Frame,
     direct: bool,
 ) -> Result<(), ProtocolViolation> {
-    // Told apart by kind in core, in one place.
-    let (envelope, payloads) = match route(frame)? {
-        Inbound::Ipc(msg) => return crate::ipc::on_control(this, from, msg),
-        Inbound::Membership(msg) => {
-            let now = this.now();
-            let handled = this.lock().node.handle_membership(from, msg, now);
-            this.pump();
-            return handled;
-        }
-        Inbound::Message { envelope, payloads } => (envelope, payloads),
-    };
-    this.inner
-        .ipc
-        .check_received(from, &envelope.tensors)
-        .map_err(ProtocolViolation::Ipc)?;
-    let (header, body) = envelope.attach(payloads)?;
-    // The forks a body's bytes may hold: a request's travel in the envelope, a reply's in
-    // its header; decoding refuses any other.
-    let announced = match &header {
-        Header::Reply { forks, .. } => Some(forks.clone()),
-        _ => None,
-    };
-    let body = body.map(|b| Body {
-        target: b.target,
-        data: b.data,
-        tensors: b.tensors,
-        forks: announced.unwrap_or(b.forks),
-    });
-    let handled = this
-        .lock()
-        .node
-        .handle_message(from, header, body, this.now());
+    // Told apart by kind, checked and handed to its part in core, in one place.
+    let now = this.now();
+    let handled = this.lock().node.handle_frame(now, from, frame);
     if direct {
         pump_now(this);
     } else {
@@ -163,7 +134,7 @@ pub(crate) fn pump_now(this: &Agent) {
 
 pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>) {
     loop {
-        let (events, wake_driver) = {
+        let (events, wake_driver, released) = {
             let mut st = this.lock();
             while let Some(out) = st.node.poll_transmit() {
                 match out {
@@ -183,8 +154,10 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>)
                 (Some(_), None) => true,
                 (None, _) => false,
             };
-            (events, wake_driver)
+            (events, wake_driver, st.node.take_released())
         };
+        // The IPC exports the node let go of, dropped outside the lock.
+        drop(released);
         if wake_driver {
             this.wake();
         }

@@ -189,7 +189,6 @@ pub(crate) fn peer_lost_on(
 /// forks of its values are forgotten), and its connection closes once what is queued for
 /// it is sent.
 pub(crate) fn member_left(this: &Agent, peer: WorkerId) {
-    crate::ipc::peer_lost(this, peer);
     let link = {
         let mut st = this.lock();
         let link = st.peers.remove(&peer);
@@ -207,11 +206,6 @@ pub(crate) fn member_left(this: &Agent, peer: WorkerId) {
 pub(crate) fn close_links(this: &Agent) {
     let links = std::mem::take(&mut this.lock().peers);
     drop(links);
-}
-
-/// Queues a control frame (the membership protocol's) for `to`'s writer.
-pub(crate) fn send_control(this: &Agent, to: WorkerId, frame: Frame) {
-    send_control_locked(&mut this.lock(), to, frame);
 }
 
 /// [`send_control`] under the state's lock, taken by the caller (the pump). A frame for a
@@ -275,7 +269,6 @@ pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
     } else {
         warn!("lost the connection to {name} (rank {peer}): {cause}");
     }
-    crate::ipc::peer_lost(this, peer);
     {
         let mut st = this.lock();
         st.peers.remove(&peer);

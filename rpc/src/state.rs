@@ -1,5 +1,5 @@
 //! What the agent holds, shared by its handle ([`Agent`]), its driver and its tasks: core's
-//! [`Node`] (the endpoint and a dynamic group's membership) and what waits on it (`State`, under
+//! [`Node`] (the endpoint, the gathers, the IPC state and a dynamic group's membership) and what waits on it (`State`, under
 //! one lock), and the rest of the agent (`Inner`).
 
 use std::any::Any;
@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use tensorwire_core::device::DeviceMaps;
-use tensorwire_core::ipc::IpcState;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::protocol::envelope::FrameBody;
 use tensorwire_core::protocol::gather::{GatherOutcome, GatherToken};
 use tensorwire_core::protocol::membership::{Directory, MemberRecord, MembershipError};
 use tensorwire_core::protocol::node::Node;
@@ -55,6 +55,17 @@ pub(crate) struct Body {
     pub(crate) forks: Vec<RRefForkData>,
 }
 
+impl From<FrameBody> for Body {
+    fn from(b: FrameBody) -> Self {
+        Self {
+            target: b.target,
+            data: b.data,
+            tensors: b.tensors,
+            forks: b.forks,
+        }
+    }
+}
+
 impl Payload for Body {
     fn forks(&self) -> Vec<RRefForkData> {
         self.forks.clone()
@@ -84,8 +95,9 @@ pub(crate) struct PeerLink {
 }
 
 pub(crate) struct State {
-    /// The endpoint and a dynamic group's membership, driven as one (core's sans-IO node).
-    pub(crate) node: Node<Body>,
+    /// The endpoint, the gathers this worker leads, the IPC state and a dynamic group's
+    /// membership, driven as one (core's sans-IO node).
+    pub(crate) node: Node<Body, IpcHeld>,
     /// A dynamic group's driver state beside the node's membership.
     pub(crate) dyn_state: DynState,
     /// The control frames for peers whose connection is being set up (a joiner being
@@ -145,8 +157,6 @@ pub(crate) struct Inner {
     pub(crate) rpc_timeout_nanos: std::sync::atomic::AtomicU64,
     pub(crate) functions: Functions,
     pub(crate) backend: Arc<dyn DeviceBackend>,
-    /// Same-host device memory sharing (CUDA IPC) with the peers.
-    pub(crate) ipc: IpcLink,
     pub(crate) state: Mutex<State>,
     pub(crate) wake: Notify,
     /// The group's store, until shutdown lets go of it.
@@ -186,11 +196,6 @@ pub(crate) struct Tasks {
 
 /// What keeps one export valid (the backend's value), held until released.
 pub(crate) type IpcHeld = Box<dyn Any + Send + Sync>;
-
-/// One agent's IPC state.
-pub(crate) struct IpcLink {
-    pub(crate) state: Mutex<IpcState<IpcHeld>>,
-}
 
 /// The driver's side of a dynamic group's membership, beside the node's (in the agent's
 /// state, under its lock).
