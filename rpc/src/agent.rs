@@ -35,7 +35,7 @@ use crate::options::RpcOptions;
 use crate::rref::RRef;
 use crate::runtime::Runtime;
 pub use crate::state::Agent;
-use crate::state::{Body, Functions, Inner, State, Tasks, WorkerRecord};
+use crate::state::{Body, Functions, Inner, Owned, State, WorkerRecord};
 use crate::tensors::{self, TensorTransferError};
 use crate::typed::{Call, Function};
 use crate::{driver, links, shutdown};
@@ -123,12 +123,16 @@ impl Agent {
                 shutdown_waiter: None,
             }),
             wake: Notify::new(),
-            store: Mutex::new(Some(Arc::clone(&rdv.store))),
             device_maps: options.device_maps.clone(),
             metrics: crate::metrics::AgentMetrics::new(name),
-            rendezvous: Mutex::new(None),
-            group: Mutex::new(None),
-            tasks: Mutex::new(Tasks::default()),
+            owned: Mutex::new(Owned {
+                store: Some(Arc::clone(&rdv.store)),
+                rendezvous: None,
+                group: None,
+                writers: tokio::task::JoinSet::new(),
+                others: tokio::task::JoinSet::new(),
+                closed: false,
+            }),
             runtime: Arc::clone(&options.runtime),
             peer_events: crate::peer_events::PeerEventHub::new(),
             serving: std::sync::atomic::AtomicUsize::new(0),
@@ -161,9 +165,10 @@ impl Agent {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    pub(crate) fn tasks(&self) -> MutexGuard<'_, Tasks> {
+    /// What the agent holds until shutdown, and its tasks (see [`Owned`]).
+    pub(crate) fn owned(&self) -> MutexGuard<'_, Owned> {
         self.inner
-            .tasks
+            .owned
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
@@ -181,7 +186,7 @@ impl Agent {
         task: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
         let refused = {
-            let mut tasks = self.tasks();
+            let mut tasks = self.owned();
             if tasks.closed {
                 Some(task)
             } else {
@@ -262,12 +267,7 @@ impl Agent {
     /// The group's store; [`RpcError::NotRunning`] once [`shutdown`](Self::shutdown) has let
     /// go of it.
     pub fn store(&self) -> Result<Arc<dyn Store>, RpcError> {
-        self.inner
-            .store
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-            .ok_or(RpcError::NotRunning)
+        self.owned().store.clone().ok_or(RpcError::NotRunning)
     }
 
     fn resolve(&self, to: &WorkerRef) -> Result<WorkerId, RpcError> {
@@ -378,7 +378,7 @@ impl Agent {
         match e {
             TensorTransferError::Encode(e) => RpcError::Serialization {
                 what: format!("the arguments of {function:?}"),
-                message: e.to_string(),
+                source: Box::new(e),
             },
             other => RpcError::Tensors {
                 to: self.name_of(to),
@@ -830,7 +830,7 @@ impl Agent {
         let what = format!("all_gather {name:?}");
         let bytes = gather::encode_value(value).map_err(|e| RpcError::Serialization {
             what: format!("the {what} value"),
-            message: e.to_string(),
+            source: Box::new(e),
         })?;
         let blocks = match self.group() {
             Some(group) => group
@@ -850,7 +850,7 @@ impl Agent {
             .map(|(r, b)| {
                 gather::decode_value(b).map_err(|e| RpcError::Serialization {
                     what: format!("the {what} value of member {r}"),
-                    message: e.to_string(),
+                    source: Box::new(e),
                 })
             })
             .collect()
@@ -924,11 +924,7 @@ impl Agent {
 
     /// A static group's world process group.
     pub(crate) fn group(&self) -> Option<Group> {
-        self.inner
-            .group
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.owned().group.clone()
     }
 
     /// A failed collective of the agent's group: a timeout names the workers it waited for.
@@ -1048,8 +1044,9 @@ impl Agent {
             st.confirm_waits.insert(wait, tx);
             rx
         };
-        // The driver's timer may have to wake earlier now.
-        self.pump();
+        // The driver's timer may have to wake earlier now (and an outcome known at once is
+        // the driver's to deliver).
+        self.wake();
         match rx.await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(ConfirmError::OwnerLost { rref, owner })) => Err(format!(
@@ -1147,7 +1144,7 @@ impl Agent {
             })?;
         codec::decode(self, &body.data, tensors, &body.forks).map_err(|e| RpcError::Serialization {
             what: format!("the result of {what:?} from {from}"),
-            message: e.to_string(),
+            source: Box::new(e),
         })
     }
 }

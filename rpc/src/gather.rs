@@ -72,9 +72,9 @@ async fn lead(agent: &Agent, from: WorkerId, c: Contribution) -> GatherOutcome {
         token
     };
     let _abandon = Abandon { agent, token };
-    // An answer given at once (a refusal, the round's last value) goes out now; a new
-    // deadline wakes the driver.
-    agent.pump();
+    // The driver delivers an answer given at once (a refusal, the round's last value) and
+    // the other callers' answers it completes, and sleeps until a new deadline.
+    agent.wake();
     rx.await.unwrap_or(GatherOutcome::Missing(Vec::new()))
 }
 

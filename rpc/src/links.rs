@@ -52,7 +52,7 @@ pub(crate) fn attach_conn(
     owned: bool,
     on_reading_again: fn(&Agent, WorkerId),
 ) -> Option<tokio::sync::watch::Receiver<bool>> {
-    if this.tasks().closed {
+    if this.owned().closed {
         // Shut down already: the connection closes here.
         return None;
     }

@@ -159,14 +159,10 @@ pub(crate) struct Inner {
     pub(crate) backend: Arc<dyn DeviceBackend>,
     pub(crate) state: Mutex<State>,
     pub(crate) wake: Notify,
-    /// The group's store, until shutdown lets go of it.
-    pub(crate) store: Mutex<Option<Arc<dyn Store>>>,
     pub(crate) device_maps: DeviceMaps,
-    pub(crate) rendezvous: Mutex<Option<Rendezvous>>,
-    /// A static group's world process group, whose connections the agent shares; shut down
-    /// with the agent.
-    pub(crate) group: Mutex<Option<Group>>,
-    pub(crate) tasks: Mutex<Tasks>,
+    /// What the agent holds until shutdown lets go of it, and the tasks it runs (one lock:
+    /// each use is short and takes no other lock).
+    pub(crate) owned: Mutex<Owned>,
     /// The one runtime the agent reads time from, sleeps on and spawns with.
     pub(crate) runtime: Arc<dyn Runtime>,
     pub(crate) metrics: crate::metrics::AgentMetrics,
@@ -179,10 +175,17 @@ pub(crate) struct Inner {
     pub(crate) queued_bytes: Arc<std::sync::atomic::AtomicUsize>,
 }
 
-/// Every task the agent runs, so that shutdown can end them and wait until they have ended
-/// (and so let go of the connections and values they hold).
-#[derive(Default)]
-pub(crate) struct Tasks {
+/// What the agent holds until shutdown lets go of it — the group's store, the rendezvous, a
+/// static group's world process group — and every task it runs, so that shutdown can end them
+/// and wait until they have ended (and so let go of the connections and values they hold).
+pub(crate) struct Owned {
+    /// The group's store, until shutdown lets go of it.
+    pub(crate) store: Option<Arc<dyn Store>>,
+    /// The rendezvous the agent started from (shut down last).
+    pub(crate) rendezvous: Option<Rendezvous>,
+    /// A static group's world process group, whose connections the agent shares; shut down
+    /// with the agent.
+    pub(crate) group: Option<Group>,
     /// The connections' writers, which shutdown lets send what is queued and close first.
     pub(crate) writers: tokio::task::JoinSet<()>,
     /// Everything else: the driver, readers, accept loops, calls being served.
