@@ -55,6 +55,9 @@
 //! parked like a `WAIT`, and a client that gives up sends `CANCEL_WAIT` as after a `WAIT`. The
 //! count is never reset: an arrival that gave up has still counted, and a later arrival on a
 //! reached key is answered at once.
+//! Any write that wakes a `WAIT` on the key (a `SET`, say) releases its parked arrivals too,
+//! before the count is reached: PyTorch's server does the same (`set-releases` in
+//! `same_barriers_on_pytorchs_server_and_ours`).
 //!
 //! A client's first request must be `VALIDATE` with the magic number; PyTorch's client then
 //! sends `PING` with its process id as nonce. `GET` is sent by clients only after a `WAIT` for
