@@ -115,7 +115,6 @@ impl Agent {
                 connecting: HashMap::new(),
                 gathers_waiting: HashMap::new(),
                 waiters: HashMap::new(),
-                held_requests: HashMap::new(),
                 values: HashMap::new(),
                 peers: HashMap::new(),
                 driver_wakes_at: None,

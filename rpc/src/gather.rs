@@ -31,7 +31,7 @@ use crate::functions::{finish, Handler, HandlerError, Invocation};
 use crate::state::Agent;
 
 /// The internal function the members call on the leader (not in the user's table).
-pub(crate) const GATHER: &str = "__tw/gather";
+pub(crate) const GATHER: &str = gather::GATHER_FUNCTION;
 
 /// Hands the answer the node gave under `token` to the call waiting for it.
 pub(crate) fn answer(agent: &Agent, token: GatherToken, outcome: GatherOutcome) {

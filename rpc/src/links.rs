@@ -189,13 +189,9 @@ pub(crate) fn peer_lost_on(
 /// forks of its values are forgotten), and its connection closes once what is queued for
 /// it is sent.
 pub(crate) fn member_left(this: &Agent, peer: WorkerId) {
-    let link = {
-        let mut st = this.lock();
-        let link = st.peers.remove(&peer);
-        // (The endpoint has it as left: the node applied the membership's removal.)
-        st.drop_held_requests(peer, this.now());
-        link
-    };
+    // (The endpoint has it as left and its held requests are dropped: the node applied the
+    // membership's removal.)
+    let link = this.lock().peers.remove(&peer);
     drop(link);
     // For subscribers a member that left is gone as a lost one is (autograd drops the
     // contexts it made or knew): the endpoint's `Event::PeerLost`, dispatched here.
@@ -272,10 +268,9 @@ pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
     {
         let mut st = this.lock();
         st.peers.remove(&peer);
-        // The endpoint records it, and a dynamic group's membership drops it (handing
-        // coordination on, if it coordinated).
+        // The endpoint records it, a dynamic group's membership drops it (handing
+        // coordination on, if it coordinated) and its held requests go.
         st.node.handle_peer_lost(peer, cause, this.now());
-        st.drop_held_requests(peer, this.now());
     }
     this.pump();
 }

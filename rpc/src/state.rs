@@ -16,8 +16,8 @@ use tensorwire_core::protocol::gather::{GatherOutcome, GatherToken};
 use tensorwire_core::protocol::membership::{Directory, MemberRecord, MembershipError};
 use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, Event, MessageId, MethodTarget, Payload, RRefForkData, RRefId,
-    ShutdownError, WaitId, WorkerId,
+    CallError, ConfirmError, MessageId, MethodTarget, Payload, RRefForkData, RRefId, ShutdownError,
+    WaitId, WorkerId,
 };
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
@@ -74,6 +74,13 @@ impl Payload for Body {
     fn target(&self) -> Option<MethodTarget> {
         self.target
     }
+
+    fn wire_bytes(&self) -> usize {
+        self.tensors
+            .iter()
+            .map(|(_, b)| b.len())
+            .fold(self.data.len(), usize::saturating_add)
+    }
 }
 
 pub(crate) type Waiter = oneshot::Sender<Result<Body, CallError>>;
@@ -116,36 +123,6 @@ pub(crate) struct State {
     pub(crate) confirm_waits: HashMap<WaitId, oneshot::Sender<Result<(), ConfirmError>>>,
     /// The graceful shutdown (or leave) in progress: told its outcome.
     pub(crate) shutdown_waiter: Option<oneshot::Sender<Result<(), ShutdownError>>>,
-    /// Requests of peers whose replies wait unread (the budget holds them:
-    /// `Ledger::holds_requests`), in arrival order, each with the bytes it is counted as;
-    /// run once the peer reads (see `driver::resume_requests`), dropped with the peer.
-    pub(crate) held_requests: HashMap<WorkerId, std::collections::VecDeque<(Event<Body>, usize)>>,
-}
-
-impl State {
-    /// Forgets `peer`'s held requests (it is lost), giving their bytes back to its budget. The
-    /// references forked for this worker in their arguments are accepted and dropped at once,
-    /// as for a request refused, so that their owners stop counting them.
-    pub(crate) fn drop_held_requests(&mut self, peer: WorkerId, now: Instant) {
-        let Some(queue) = self.held_requests.remove(&peer) else {
-            return;
-        };
-        let mut bytes = 0usize;
-        for (ev, b) in queue {
-            bytes = bytes.saturating_add(b);
-            if let Event::Call { body, .. } | Event::Remote { body, .. } = ev {
-                for fork in body.forks {
-                    let handle = self.node.ep_mut().accept_fork(fork, now);
-                    self.node.ep_mut().drop_handle(handle, now);
-                }
-            }
-        }
-        self.node
-            .ep()
-            .budget()
-            .account(peer)
-            .release(tensorwire_core::budget::Use::Requests, bytes);
-    }
 }
 
 pub(crate) struct Inner {

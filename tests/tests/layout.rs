@@ -126,9 +126,9 @@ fn the_agent_holds_no_more_code_than_the_protocol_it_drives() {
 }
 
 /// The most code lines `rpc/src` may hold, in percent of `core/src/protocol`'s: a ratchet at
-/// the ratio reached (0.897 when it was set at 100, 0.871 when tightened to this), lowered as
+/// the ratio reached (0.897 when it was set at 100, 0.836 when tightened to this), lowered as
 /// decisions move into core (the target is 60).
-const RPC_PERCENT_OF_PROTOCOL: usize = 88;
+const RPC_PERCENT_OF_PROTOCOL: usize = 84;
 
 /// The agent's shared state (`Inner` in `rpc/src/state.rs`) holds few locks (the issue's
 /// target is one): core's node and what waits on it under `state`, what the agent holds until

@@ -12,6 +12,12 @@
 //! left), a lost peer reaches the membership, and every loss the endpoint reports (however it
 //! was found) reaches the gathers.
 //!
+//! A peer's requests are held back while its budget says so (its replies wait unread, or as
+//! many of its requests run as one peer's may): they come out of `poll_event` once it reads
+//! again ([`handle_reading_again`](Node::handle_reading_again)) or one of its requests ends
+//! ([`handle_request_finished`](Node::handle_request_finished)), in order, and are dropped
+//! with the peer.
+//!
 //! Frames are told apart by their kind in one place, [`route`]: a message frame is the
 //! endpoint's (its [`Envelope`], whose announced IPC descriptors the IPC state checks first),
 //! a control frame is a same-host IPC message (its tag, [`crate::ipc::FRAME_TAG`]) or else a
@@ -23,6 +29,8 @@
 
 use std::collections::VecDeque;
 use std::time::Instant;
+
+mod held;
 
 use bytes::Bytes;
 
@@ -101,6 +109,14 @@ pub enum NodeEvent<B> {
     Endpoint(Event<B>),
     /// The membership's (after the node applied to the endpoint what concerns it).
     Membership(MembershipEvent),
+    /// A peer passed its budget with its requests held back: the driver drops it as lost
+    /// ([`LostCause::OverBudget`]) and closes its connection, as for a queue past the budget.
+    OverBudget {
+        /// The peer.
+        peer: WorkerId,
+        /// What it held, and what it asked for.
+        over: crate::budget::OverBudget,
+    },
     /// The answer to a gather contribution ([`Node::handle_contribution`]).
     Gathered {
         /// The token the contribution got.
@@ -125,6 +141,8 @@ pub struct Node<B, H = ()> {
     ipc: IpcState<H>,
     /// The exports the IPC state let go of, for the driver to drop outside its lock.
     released: Vec<H>,
+    /// Peers' requests held back while their budget says so.
+    held: held::Held<B>,
     /// The membership's messages, encoded, and its events, after the node applied them.
     control: VecDeque<(WorkerId, Frame)>,
     events: VecDeque<MembershipEvent>,
@@ -143,6 +161,7 @@ impl<B: Payload, H> Node<B, H> {
             gathers,
             ipc,
             released: Vec::new(),
+            held: held::Held::default(),
             control: VecDeque::new(),
             events: VecDeque::new(),
         }
@@ -174,6 +193,26 @@ impl<B: Payload, H> Node<B, H> {
     /// held for a peer lost): drop them outside any lock.
     pub fn take_released(&mut self) -> Vec<H> {
         std::mem::take(&mut self.released)
+    }
+
+    /// Whether a request of `function` from `from` counts as one of its sender's running
+    /// requests (its end is told with [`handle_request_finished`](Self::handle_request_finished)):
+    /// a peer's, except a gather's contribution.
+    pub fn counts_as_running(&self, from: WorkerId, function: &str) -> bool {
+        held::counts(self.ep.id(), from, function)
+    }
+
+    /// `peer` reads again (its queue came down to half the hold mark): its held requests come
+    /// out of [`poll_event`](Self::poll_event) while its budget lets them. True if some do.
+    pub fn handle_reading_again(&mut self, peer: WorkerId) -> bool {
+        self.held.resume(&self.ep, peer)
+    }
+
+    /// A request of `peer` that counted as running is answered: its held requests come out of
+    /// [`poll_event`](Self::poll_event) if its budget lets them now. True if some do.
+    pub fn handle_request_finished(&mut self, peer: WorkerId) -> bool {
+        let account = self.ep.budget().account(peer);
+        account.finish_request() && self.held.holds(peer) && self.held.resume(&self.ep, peer)
     }
 
     /// Whether this is a dynamic group's node.
@@ -315,10 +354,11 @@ impl<B: Payload, H> Node<B, H> {
     }
 
     /// The connection to `peer` is gone for `cause`: the endpoint records it (the first cause
-    /// stays), the membership drops the member (handing coordination on if it had it) and the
-    /// IPC state lets go of what it held for it.
+    /// stays), the membership drops the member (handing coordination on if it had it), its
+    /// held requests are dropped and the IPC state lets go of what it held for it.
     pub fn handle_peer_lost(&mut self, peer: WorkerId, cause: LostCause, now: Instant) {
         self.released.extend(self.ipc.peer_lost(peer));
+        self.held.drop_peer(&mut self.ep, peer, now);
         self.ep.handle_peer_lost(peer, cause, now);
         self.with_membership(now, |m| m.handle_lost(peer, now));
     }
@@ -361,19 +401,34 @@ impl<B: Payload, H> Node<B, H> {
     }
 
     /// The next event: the membership's first (a member added before the calls it enables),
-    /// then the endpoint's, then the gathers' answers. A loss the endpoint reports (however it
+    /// then the held requests that may run now, then the endpoint's (a peer's request its
+    /// budget holds back kept), then the gathers' answers. A loss the endpoint reports (however it
     /// was found: a member that left, a forgery found after its message) reaches the gathers
     /// and the IPC state as it goes out (the gathers' answers to the rounds it ends follow).
     pub fn poll_event(&mut self) -> Option<NodeEvent<B>> {
         if let Some(ev) = self.events.pop_front() {
             return Some(NodeEvent::Membership(ev));
         }
-        if let Some(ev) = self.ep.poll_event() {
+        if let Some(ev) = self.held.take_ready() {
+            return Some(NodeEvent::Endpoint(ev));
+        }
+        if let Some((peer, over)) = self.held.take_over() {
+            return Some(NodeEvent::OverBudget { peer, over });
+        }
+        while let Some(ev) = self.ep.poll_event() {
             if let Event::PeerLost { peer, .. } = &ev {
                 self.gathers.handle_peer_lost(*peer);
                 self.released.extend(self.ipc.peer_lost(*peer));
             }
-            return Some(NodeEvent::Endpoint(ev));
+            // A peer's request its budget holds back is kept (or drops the peer).
+            match self.held.admit(&self.ep, ev) {
+                Some(ev) => return Some(NodeEvent::Endpoint(ev)),
+                None => {
+                    if let Some((peer, over)) = self.held.take_over() {
+                        return Some(NodeEvent::OverBudget { peer, over });
+                    }
+                }
+            }
         }
         self.gathers
             .poll_answer()
@@ -398,6 +453,7 @@ impl<B: Payload, H> Node<B, H> {
                 }
                 MembershipEvent::MemberAdded(record) => self.ep.handle_peer_joined(record.rank),
                 MembershipEvent::MemberRemoved { rank, left: true } => {
+                    self.held.drop_peer(&mut self.ep, *rank, now);
                     self.ep.handle_peer_lost(*rank, LostCause::Left, now);
                 }
                 MembershipEvent::MemberRemoved { left: false, .. }

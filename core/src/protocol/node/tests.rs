@@ -333,7 +333,9 @@ impl Net {
             .iter()
             .filter_map(|e| match e {
                 NodeEvent::Membership(m) => Some(m),
-                NodeEvent::Endpoint(_) | NodeEvent::Gathered { .. } => None,
+                NodeEvent::Endpoint(_)
+                | NodeEvent::Gathered { .. }
+                | NodeEvent::OverBudget { .. } => None,
             })
             .collect()
     }
@@ -590,4 +592,107 @@ fn the_node_leads_gathers_on_its_timer_and_its_losses() {
         .iter()
         .any(|(t, o)| *t == d && **o == GatherOutcome::Missing(vec![0])));
     assert!(net.nodes[0].gathers().is_idle());
+}
+
+/// A call of `function` from peer 1 with id `id`, as a frame.
+fn call_from_peer(id: u64, function: &str, body: &[u8]) -> Frame {
+    message_frame(Transmit {
+        to: 0,
+        header: Header::Call {
+            id,
+            function: function.into(),
+            timeout: Duration::from_secs(10),
+        },
+        body: Some(body.to_vec()),
+    })
+}
+
+fn calls_out(n: &mut Node<Body>) -> Vec<String> {
+    std::iter::from_fn(|| n.poll_event())
+        .filter_map(|e| match e {
+            NodeEvent::Endpoint(Event::Call { function, .. }) => Some(function),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_peers_requests_past_its_running_cap_are_held_in_order_and_run_as_its_requests_end() {
+    let now = Clock::new().now();
+    let mut n = node(0, false);
+    n.ep().budget().set_running_cap(1);
+    for (id, f) in [(1, "a"), (2, "b"), (3, "c")] {
+        n.handle_frame(now, 1, call_from_peer(id, f, b"xyz"))
+            .unwrap();
+    }
+    // One runs; the others wait, counted in the peer's budget.
+    assert_eq!(calls_out(&mut n), vec!["a"]);
+    assert_eq!(n.ep().budget().held(1).requests, 6);
+    assert!(n.counts_as_running(1, "a"));
+    assert!(n.handle_request_finished(1));
+    assert_eq!(calls_out(&mut n), vec!["b"]);
+    assert_eq!(n.ep().budget().held(1).requests, 3);
+    // A gather's contribution waits behind the held ones, and does not count as running.
+    n.handle_frame(
+        now,
+        1,
+        call_from_peer(4, crate::protocol::gather::GATHER_FUNCTION, b"g"),
+    )
+    .unwrap();
+    assert!(!n.counts_as_running(1, crate::protocol::gather::GATHER_FUNCTION));
+    assert!(calls_out(&mut n).is_empty());
+    assert!(n.handle_request_finished(1));
+    assert_eq!(calls_out(&mut n), vec!["c"]);
+    // "c" runs now (the cap), the gather still waits; once "c" ends it comes out, and being
+    // no running request, nothing is held any more.
+    assert!(n.handle_request_finished(1));
+    assert_eq!(
+        calls_out(&mut n),
+        vec![crate::protocol::gather::GATHER_FUNCTION.to_owned()]
+    );
+    assert_eq!(n.ep().budget().held(1).requests, 0);
+    assert!(!n.ep().budget().holds_requests(1));
+    // This worker's own requests are never held.
+    assert!(!n.counts_as_running(0, "a"));
+}
+
+#[test]
+fn a_lost_peers_held_requests_are_dropped_and_one_past_its_budget_drops_it() {
+    let now = Clock::new().now();
+    let mut n = node(0, false);
+    n.ep().budget().set_running_cap(1);
+    for (id, f) in [(1, "a"), (2, "b")] {
+        n.handle_frame(now, 1, call_from_peer(id, f, b"xyz"))
+            .unwrap();
+    }
+    assert_eq!(calls_out(&mut n), vec!["a"]);
+    assert_eq!(n.ep().budget().held(1).requests, 3);
+    n.handle_peer_lost(1, LostCause::Shutdown, now);
+    assert_eq!(n.ep().budget().held(1).requests, 0);
+    assert!(!n.handle_request_finished(1), "nothing is held any more");
+    assert!(calls_out(&mut n).is_empty());
+
+    // A request past the budget while its peer's requests are held: the driver is told to
+    // drop the peer.
+    let mut ep = Endpoint::new(0, EndpointConfig::default());
+    ep.set_budget(crate::budget::Budget::new(1000));
+    let mut n: Node<Body> = Node::new(
+        ep,
+        false,
+        IpcState::new(None, crate::ipc::IpcConfig::default()),
+    );
+    n.ep().budget().set_running_cap(1);
+    n.handle_frame(now, 1, call_from_peer(1, "a", b"x"))
+        .unwrap();
+    n.handle_frame(now, 1, call_from_peer(2, "b", b"x"))
+        .unwrap();
+    n.handle_frame(now, 1, call_from_peer(3, "c", &[0; 2000]))
+        .unwrap();
+    let events: Vec<_> = std::iter::from_fn(|| n.poll_event()).collect();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, NodeEvent::OverBudget { peer: 1, .. })),
+        "{events:?}"
+    );
 }
