@@ -379,8 +379,19 @@ impl<E: AutogradEngine> Inner<E> {
 
     /// Carries out what the state machine asked for. Releases are sent in the background.
     pub(super) fn pump(self: &Arc<Self>) {
+        self.pump_on(false);
+    }
+
+    /// [`pump`](Self::pump) on a thread that may run the engine itself (the user's thread
+    /// that started a backward pass, or the executor's, never a runtime worker): every run it
+    /// starts runs here and now, with no hand-off to another thread and back.
+    pub(super) fn pump_here(self: &Arc<Self>) {
+        self.pump_on(true);
+    }
+
+    fn pump_on(self: &Arc<Self>, here: bool) {
         let inner = self.clone();
-        let releases = self.pump_collect();
+        let releases = self.pump_collect_on(here);
         if !releases.is_empty() {
             tokio::spawn(async move { inner.send_releases(releases).await });
         }
@@ -442,6 +453,12 @@ impl<E: AutogradEngine> Inner<E> {
 
     /// Drains the state machine's outputs into actions, runs them, and returns the releases.
     pub(super) fn pump_collect(self: &Arc<Self>) -> Vec<(WorkerId, ReleaseRequest)> {
+        self.pump_collect_on(false)
+    }
+
+    /// [`pump_collect`](Self::pump_collect); with `here`, every run is inline (see
+    /// [`pump_here`](Self::pump_here)).
+    fn pump_collect_on(self: &Arc<Self>, here: bool) -> Vec<(WorkerId, ReleaseRequest)> {
         let mut releases = Vec::new();
         loop {
             let actions = self.collect();
@@ -455,11 +472,14 @@ impl<E: AutogradEngine> Inner<E> {
                         roots,
                         context,
                     } => {
-                        let on = self
-                            .runs
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .next_run();
+                        let on = if here {
+                            RunOn::Inline
+                        } else {
+                            self.runs
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .next_run()
+                        };
                         match on {
                             // Short runs: cheaper here than a hand-off to a blocking thread and
                             // back; what the run produced is drained by this loop's next turn.
@@ -864,13 +884,24 @@ impl<E: AutogradEngine> Inner<E> {
                 .await
                 .unwrap_or_else(|e| Err(format!("the engine's thread failed: {e}"))),
             Some(executor) => {
-                let (tx, rx) = tokio::sync::oneshot::channel();
+                // The executor's thread also reports the run and carries out what it made (the
+                // gradients it sends, the runs it starts): a pass's messages leave from the
+                // thread that computed them, with no hand-off back to a runtime worker between.
+                let runtime = tokio::runtime::Handle::current();
+                let reported = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let flag = reported.clone();
                 executor(Box::new(move || {
-                    let _ = tx.send(inner.compute(&roots));
+                    let computed = inner.compute(&roots);
+                    let _runtime = runtime.enter();
+                    flag.store(true, std::sync::atomic::Ordering::Release);
+                    inner.finish_run(task, context, computed);
+                    inner.pump_here();
                 }))
                 .await;
-                rx.await
-                    .unwrap_or_else(|_| Err("the engine's run ended abnormally".to_owned()))
+                if reported.load(std::sync::atomic::Ordering::Acquire) {
+                    return;
+                }
+                Err("the engine's run ended abnormally".to_owned())
             }
         };
         self.finish_run(task, context, computed);

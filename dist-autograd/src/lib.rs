@@ -675,7 +675,10 @@ impl<E: AutogradEngine> DistAutograd<E> {
 
     /// Runs the engine's runs that are not inline with `executor` instead of a blocking thread
     /// each: an engine whose every call needs a resource (an interpreter lock, a device) runs
-    /// them where that resource is already held, one hand-over less per run.
+    /// them where that resource is already held, one hand-over less per run. A job reports
+    /// its run and sends what the run produced (gradients, further runs) itself, inside the
+    /// runtime it came from, so it must not hold what the driver's lock is taken before (the
+    /// executor of an engine behind an interpreter lock releases it around the job).
     pub fn set_executor(&self, executor: Executor) {
         *self
             .inner
@@ -685,7 +688,9 @@ impl<E: AutogradEngine> DistAutograd<E> {
     }
 
     /// How many backward tasks ran inline and how many on a blocking thread, in that order
-    /// (see [`set_inline_bound`](Self::set_inline_bound)).
+    /// (see [`set_inline_bound`](Self::set_inline_bound)). Runs on a thread that may run the
+    /// engine itself (the first pass of [`AutogradContext::backward_here`], and those an
+    /// executor's job starts) are not decided by the bound and not counted.
     pub fn engine_runs(&self) -> (u64, u64) {
         self.inner
             .runs
@@ -1007,7 +1012,40 @@ impl<E: AutogradEngine> AutogradContext<E> {
         roots: &[(E::Tensor, Option<E::Tensor>)],
         retain_graph: bool,
     ) -> Result<(), DistAutogradError> {
-        let rx = {
+        let rx = self.begin_backward(roots, retain_graph)?;
+        self.inner.pump();
+        self.finish_backward(rx).await
+    }
+
+    /// [`backward`](Self::backward) from a thread that may run the engine itself (not a
+    /// runtime worker; inside the runtime, entered): checks the roots and runs this worker's
+    /// first local pass here and now, sending the gradients it makes, then returns the future
+    /// of the rest (the other workers' passes, and the local ones their gradients start,
+    /// which run as every other). The same pass as `backward`'s, without a hand-off to
+    /// another thread and back before it starts.
+    pub fn backward_here(
+        &self,
+        roots: &[(E::Tensor, Option<E::Tensor>)],
+        retain_graph: bool,
+    ) -> Result<BoxFuture<Result<(), DistAutogradError>>, DistAutogradError> {
+        let rx = self.begin_backward(roots, retain_graph)?;
+        self.inner.pump_here();
+        let this = AutogradContext {
+            inner: self.inner.clone(),
+            id: self.id,
+            owned: false,
+            span: self.span.clone(),
+        };
+        Ok(Box::pin(async move { this.finish_backward(rx).await }))
+    }
+
+    /// Checks the roots and starts the pass in the state machine: the receiver of its end.
+    fn begin_backward(
+        &self,
+        roots: &[(E::Tensor, Option<E::Tensor>)],
+        retain_graph: bool,
+    ) -> Result<oneshot::Receiver<Result<(), BackwardError>>, DistAutogradError> {
+        Ok({
             let mut sh = self.inner.lock();
             if !sh.data.contains_key(&self.id) {
                 // Gone: dropped by a failure (say so, naming the cause) or released.
@@ -1039,8 +1077,14 @@ impl<E: AutogradEngine> AutogradContext<E> {
             let (tx, rx) = oneshot::channel();
             sh.roots.insert(self.id, tx);
             rx
-        };
-        self.inner.pump();
+        })
+    }
+
+    /// Waits for the end of the pass [`begin_backward`](Self::begin_backward) started.
+    async fn finish_backward(
+        &self,
+        rx: oneshot::Receiver<Result<(), BackwardError>>,
+    ) -> Result<(), DistAutogradError> {
         // The answer's sender goes away unanswered only with this worker's autograd state.
         let result = rx.instrument(self.span.clone()).await.unwrap_or_else(|_| {
             Err(BackwardError::Stopped {

@@ -3,7 +3,7 @@
 //! diamond, a nested chain that comes back (A→B→C→A), RRef method calls and a tensor used
 //! twice; concurrent contexts; violations; release; a worker lost with contexts open;
 //! gradients sent back by the reverse of the forward's device maps (simulated
-//! devices). All in virtual time (tokio's paused clock): the engine runs on blocking threads,
+//! devices); a backward pass begun on the caller's thread with an executor for the others. All in virtual time (tokio's paused clock): the engine runs on blocking threads,
 //! which hold the clock while they compute.
 
 use std::sync::Arc;
@@ -1396,5 +1396,66 @@ async fn a_release_in_the_background_drops_the_context_here_at_once_and_everywhe
         || workers.iter().all(|w| w.dist.context_count() == 0),
     )
     .await;
+    shutdown(workers).await;
+}
+
+/// `backward_here` (the first local pass on the calling thread; Python's `backward` uses it)
+/// with an executor that runs every other pass and sends what it made from its own thread
+/// (Python's GIL runners): the gradients of one process, for chains that come back to the
+/// caller too, pass after pass, and every context released everywhere.
+#[tokio::test(start_paused = true)]
+async fn backward_here_with_an_executor_matches_one_process() {
+    let workers = cluster(3).await;
+    let jobs: Vec<Arc<std::sync::atomic::AtomicUsize>> = (0..3).map(|_| Arc::default()).collect();
+    for (w, count) in workers.iter().zip(&jobs) {
+        w.dist.set_inline_bound(Duration::ZERO);
+        let count = count.clone();
+        w.dist.set_executor(Arc::new(
+            move |job: tensorwire_dist_autograd::BlockingJob| {
+                count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Box::pin(async move {
+                    let _ = tokio::task::spawn_blocking(job).await;
+                })
+            },
+        ));
+    }
+    for route in [&[1usize, 2][..], &[1, 2, 0], &[2, 0, 1, 0]] {
+        for _ in 0..2 {
+            let w0 = &workers[0];
+            let ctx = w0.dist.context().unwrap();
+            let x = hop(&input(), &w0.param);
+            let names: Vec<String> = route.iter().map(|r| format!("w{r}")).collect();
+            let ((), out) = ctx
+                .rpc_sync(&names[0], "hop", &names[1..].to_vec(), &[x], None)
+                .await
+                .unwrap();
+            let rest = ctx.backward_here(&[(loss(&out[0]), None)], false).unwrap();
+            rest.await.unwrap();
+            for (rank, want) in local_route(route, 3).iter().enumerate() {
+                if let Some(want) = want {
+                    assert_close(
+                        &grad_on(&workers, rank, ctx.id()),
+                        want,
+                        &format!("rank {rank}, route {route:?}"),
+                    );
+                }
+            }
+            ctx.release().await.unwrap();
+            for w in &workers {
+                assert_eq!(w.dist.context_count(), 0);
+            }
+        }
+    }
+    // The other workers' passes went through their executors.
+    for rank in [1, 2] {
+        assert!(
+            jobs[rank].load(std::sync::atomic::Ordering::Relaxed) > 0,
+            "rank {rank}"
+        );
+    }
+    // A root that does not require grad is refused before anything runs.
+    let ctx = workers[0].dist.context().unwrap();
+    assert!(ctx.backward_here(&[(input(), None)], false).is_err());
+    ctx.release().await.unwrap();
     shutdown(workers).await;
 }

@@ -644,7 +644,7 @@ pub(crate) fn reply(out: &Bound<'_, PyAny>) -> PyResult<PyReply> {
 
 /// A call's reply as the Python layer takes it: `("returned", payload, buffers, rrefs)`,
 /// `("raised", type, message, traceback)`, or the `TensorwireError` of a failed call.
-fn outcome(py: Python<'_>, reply: Result<PyReply, RpcError>) -> Bound<'_, PyAny> {
+pub(crate) fn outcome(py: Python<'_>, reply: Result<PyReply, RpcError>) -> Bound<'_, PyAny> {
     let outcome = match reply {
         Ok(PyReply::Returned {
             payload,

@@ -1,10 +1,12 @@
 """Type stubs of tensorwire's native module (Rust, pyo3)."""
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
 __version__: str
+
+_T = TypeVar("_T")
 
 class TensorwireError(RuntimeError):
     """A tensorwire failure. ``args`` is ``(kind, message, ranks)``: ``kind`` is one of
@@ -269,6 +271,18 @@ class PyDistAutograd:
     ) -> None:
         """Runs one of tensorwire's own owner-side functions on ``rref``'s value, on its
         owner (the distributed optimizer's)."""
+    def owner_call_all(
+        self,
+        rrefs: list[PyRRef],
+        function: str,
+        payload: bytes,
+        tensors: list[torch.Tensor],
+        timeout: Optional[float],
+        meanwhile: Callable[[], _T],
+    ) -> tuple[_T, list[CallOutcome]]:
+        """Runs one of tensorwire's own owner-side functions on each of ``rrefs``' values, on
+        their owners, all at once; then ``meanwhile()`` here; then waits once (the GIL
+        released) for every answer: ``meanwhile``'s result and the outcomes, in order."""
     def backward(self, context: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
         """Runs the backward pass from scalar roots; returns once every worker is done."""
     def gradients(self, context: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

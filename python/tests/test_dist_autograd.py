@@ -352,6 +352,50 @@ def test_distributed_optimizer_matches_the_local_one(tmp_path, optimizer):
     assert open(marker).read() == "ok"
 
 
+def trained_here_and_there(rank: int, world: int, marker: str) -> None:
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    if rank == 0:
+        # One parameter owned here (its optimizer steps on the caller's thread, during the one
+        # wait for the other owner), one on worker1.
+        mine = params_of(0)
+        refs = [rpc.RRef(mine), rpc.remote("worker1", new_param, args=(1,))]
+        opt = DistributedOptimizer(torch.optim.SGD, refs, lr=0.05, momentum=0.9)
+        ws = {0: params_of(0), 1: params_of(1)}
+        local = torch.optim.SGD([ws[0], ws[1]], lr=0.05, momentum=0.9)
+        torch.manual_seed(0)
+        for _ in range(3):
+            x = torch.randn(3, 4, dtype=torch.float64)
+            with dist_autograd.context() as cid:
+                b = rpc.rpc_sync("worker1", stage, args=(torch.tanh(x @ mine),))
+                dist_autograd.backward(cid, [(b * b).sum()])
+                opt.step(cid)
+            local.zero_grad()
+            (torch.tanh(torch.tanh(x @ ws[0]) @ ws[1]) ** 2).sum().backward()
+            local.step()
+        assert not torch.equal(mine, params_of(0))  # it moved
+        assert torch.equal(mine.detach(), ws[0].detach()), (mine - ws[0]).abs().max()
+        assert torch.equal(rpc.rpc_sync("worker1", current_weight), ws[1].detach())
+        # The local owner's failure reads as a remote one's (type and message), and is raised
+        # only after the other owner answered; alone, or beside a remote owner that succeeds.
+        for failing_refs in ([rpc.RRef(mine)], [rpc.RRef(mine), refs[1]]):
+            failing = DistributedOptimizer(FailingOptimizer, failing_refs)
+            with dist_autograd.context() as cid:
+                b = rpc.rpc_sync("worker1", stage, args=(torch.tanh(x @ mine),))
+                dist_autograd.backward(cid, [b.sum()])
+                with pytest.raises(ValueError, match="Error running optimizer") as raised:
+                    failing.step(cid)
+                assert "worker0" in str(raised.value), raised.value
+        with open(marker, "w") as f:
+            f.write("ok")
+    rpc.shutdown()
+
+
+def test_an_optimizer_over_local_and_remote_parameters_matches_the_local_one(tmp_path):
+    marker = str(tmp_path / "done")
+    run_world(trained_here_and_there, 2, marker)
+    assert open(marker).read() == "ok"
+
+
 # --- an owner's optimizer outlives no trainer -------------------------------------------------
 
 # On the owner: set once the one local optimizer alive here is released.

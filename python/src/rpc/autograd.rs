@@ -555,8 +555,12 @@ pub(crate) fn start(agent: &Agent) -> Result<DistAutograd<TorchEngine>, RpcError
     dist.set_inline_bound(Duration::ZERO);
     dist.set_executor(Arc::new(|job: tensorwire_dist_autograd::BlockingJob| {
         Box::pin(async move {
-            // An error here is a job that panicked: the driver reports the run as failed.
-            let _ = crate::gil::on_python(move |_py| job()).await;
+            // An error here is a job that panicked: the driver reports the run as failed. The
+            // job takes the driver's lock after the pass (to report it and send its
+            // gradients), and the driver's lock comes before the GIL: it runs without the GIL,
+            // which the pass takes back at once (this runner released it, so no other thread
+            // waits for it in between unless one was already waiting).
+            let _ = crate::gil::on_python(move |py| py.detach(job)).await;
         })
     }));
     register(&dist)?;
@@ -942,6 +946,62 @@ impl PyDistAutograd {
         Ok(())
     }
 
+    /// Runs `function`, one of tensorwire's own owner-side functions, on the owner of each of
+    /// `rrefs` (references this worker does not own) with its value as the first argument, all
+    /// at once; then calls `meanwhile()` (the part the caller runs itself, with the GIL) and
+    /// waits once, without the GIL, for every owner's answer. Returns `meanwhile`'s result and
+    /// the outcomes in `rrefs`' order, each as `owner_call`'s `on_done` gets it (a call that
+    /// could not be sent is its exception, as a value). One wait for all, on this thread:
+    /// no Python job and no future per answer (`DistributedOptimizer.step`).
+    #[pyo3(signature = (rrefs, function, payload, tensors, timeout, meanwhile))]
+    #[allow(clippy::too_many_arguments)]
+    fn owner_call_all<'py>(
+        &self,
+        py: Python<'py>,
+        rrefs: Vec<PyRef<'py, PyRRef>>,
+        function: String,
+        payload: &[u8],
+        tensors: &Bound<'py, PyList>,
+        timeout: Option<f64>,
+        meanwhile: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyAny>, Vec<Bound<'py, PyAny>>)> {
+        let timeout = timeout_of(timeout)?;
+        let call = PyCall {
+            function,
+            payload: payload.to_vec(),
+            tensors: lend(tensors)?,
+            rrefs: Vec::new(),
+        };
+        let sent: Vec<Result<_, RpcError>> = {
+            let _runtime = runtime().enter();
+            rrefs
+                .iter()
+                .map(|r| {
+                    r.rref
+                        .rpc_async::<PyCall, PyReply>(PY_OWNER_CALL, &call, timeout)
+                })
+                .collect()
+        };
+        drop(call);
+        // Every call is on its way (a failed send is its outcome): the caller's own part runs
+        // now, beside the owners', and its exceptions are its own to report.
+        let own = meanwhile.call0();
+        let replies = wait(py, async move {
+            let mut out = Vec::with_capacity(sent.len());
+            for s in sent {
+                out.push(match s {
+                    Ok(f) => f.await,
+                    Err(e) => Err(e),
+                });
+            }
+            out
+        })?;
+        Ok((
+            own?,
+            replies.into_iter().map(|r| super::outcome(py, r)).collect(),
+        ))
+    }
+
     /// Runs the backward pass in `context` from `roots` (scalars that require grad) and
     /// waits, without the GIL, until every worker it reached is done.
     #[pyo3(signature = (context, roots, retain_graph))]
@@ -954,12 +1014,17 @@ impl PyDistAutograd {
     ) -> PyResult<()> {
         let roots: Vec<(TorchTensor, Option<TorchTensor>)> =
             roots.iter().map(|t| (TorchTensor::held(t), None)).collect();
-        let handle = py.detach(|| self.retrieve(context))?;
-        wait(
-            py,
-            async move { handle.backward(&roots, retain_graph).await },
-        )?
-        .map_err(|e| autograd_error(&e))
+        // This thread checks the roots and runs this worker's first local pass itself (it
+        // may run Python: the user's thread, the GIL released until the pass takes it), then
+        // waits for the rest.
+        let rest = py.detach(|| {
+            let handle = self.retrieve(context)?;
+            let _runtime = runtime().enter();
+            handle
+                .backward_here(&roots, retain_graph)
+                .map_err(|e| autograd_error(&e))
+        })?;
+        wait(py, rest)?.map_err(|e| autograd_error(&e))
     }
 
     /// The gradients this worker holds in `context`: `[(leaf, gradient)]`.

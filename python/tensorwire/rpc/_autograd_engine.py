@@ -401,17 +401,67 @@ def owner_call(value: Any, function: str, payload: bytes, buffers: list, rrefs: 
 
     rpc._wait_ready()
     try:
-        if function.startswith("optim.") and function not in OWNER_FUNCTIONS:
-            import tensorwire.rpc.optim  # noqa: F401 - registers the optimizer's functions
-        fn = OWNER_FUNCTIONS.get(function)
-        if fn is None:
-            raise RefusedError(f"{function!r} is not one of tensorwire's owner-side functions")
+        fn = _owner_function(function)
         args = _serialize.loads(payload, buffers, rrefs, trusted=False, origin="a reference holder")
         if not isinstance(args, tuple):
             raise RefusedError("malformed arguments for an owner-side function")
         return rpc._returned(fn(value, *args))
     except Exception as e:
         return rpc._raised(e)
+
+
+def _owner_function(function: str) -> Any:
+    """``OWNER_FUNCTIONS[function]``, or ``RefusedError`` for a name that is none of them."""
+    if function.startswith("optim.") and function not in OWNER_FUNCTIONS:
+        import tensorwire.rpc.optim  # noqa: F401 - registers the optimizer's functions
+    fn = OWNER_FUNCTIONS.get(function)
+    if fn is None:
+        raise RefusedError(f"{function!r} is not one of tensorwire's owner-side functions")
+    return fn
+
+
+def owner_call_all(rrefs: Sequence[Any], function: str, args: tuple, timeout: Any = -1.0) -> list:
+    """Runs the owner-side function ``function`` on every one of ``rrefs``' values, on their
+    owners, in parallel, and waits for all: the results in ``rrefs``' order, or the first
+    failure raised once every owner has answered. The calls to other owners are sent first;
+    the values this worker owns are then run on this thread (with the arguments as they are:
+    tensorwire's own functions do not change them) while the other owners run theirs; then
+    one native wait, the GIL released, takes every answer. An owner's failure reads as it
+    would through a call (:func:`tensorwire.rpc._decoded`), the local ones included."""
+    from tensorwire import _native, rpc
+
+    mine = [r.is_owner() for r in rrefs]
+    payload, tensors, _ = _serialize.dumps(tuple(args))
+
+    def here() -> list:
+        out = []
+        for r, m in zip(rrefs, mine):
+            if m:
+                try:
+                    out.append(rpc._returned(_owner_function(function)(r.local_value(), *args)))
+                except Exception as e:  # noqa: BLE001 - its outcome, as the owner's answer carries it
+                    out.append(rpc._raised(e))
+        return out
+
+    others = [r._native for r, m in zip(rrefs, mine) if not m]
+    try:
+        own, theirs = native().owner_call_all(others, function, payload, tensors, rpc._timeout(timeout), here)
+    except _native.TensorwireError as e:
+        raise rpc._runtime_error(e) from e
+    trusted = rpc._trusted
+    results: list = []
+    first: Optional[BaseException] = None
+    own_it, their_it = iter(own), iter(theirs)
+    for r, m in zip(rrefs, mine):
+        try:
+            results.append(rpc._decoded(next(own_it) if m else next(their_it), r.owner(), trusted))
+        except Exception as e:  # noqa: BLE001 - raised below, once all were seen
+            results.append(None)
+            if first is None:
+                first = e
+    if first is not None:
+        raise first
+    return results
 
 
 def owner_call_async(rref: Any, function: str, args: tuple, timeout: Any = -1.0) -> torch.futures.Future:

@@ -166,4 +166,6 @@ class DistributedOptimizer:
     def step(self, context_id: int) -> None:
         """Steps every owner's optimizer with the gradients of ``context_id``, in parallel;
         raises the first owner's exception once all have answered."""
-        _wait_all([_autograd_engine.owner_call_async(r, "optim.step", (int(context_id),)) for r in self._locals])
+        # One wait for every owner's answer; this worker's own optimizer (if any) steps on this
+        # thread meanwhile (PyTorch's calls itself for it).
+        _autograd_engine.owner_call_all(self._locals, "optim.step", (int(context_id),))
