@@ -6,7 +6,7 @@
 //! see it, but the other hosts' ranks only wait for B's leader (the leaders' stage), or for
 //! their own leader (the last stage), and would time out naming it. So:
 //!
-//! - **Who reports, and whom it blames** ([`stage_report`]): a rank whose own wait in a stage
+//! - **Who reports, and whom it blames** ([`stage_report`](crate::ports::process_group::stage_report)): a rank whose own wait in a stage
 //!   failed, on a rank it waited for in that stage (its timeout names every rank still
 //!   awaited; a death names the dead rank), tells every other rank of the hierarchical group,
 //!   naming those ranks (world ranks) and what happened to them. A failure this rank was told
@@ -54,7 +54,6 @@ use std::time::Duration;
 
 use super::hierarchy::{HierOp, HostPlan, Stage};
 use super::MeshViolation;
-use crate::ports::process_group::ProcessGroupError;
 
 /// The most a report is allowed to take from its sender's bound to its receivers.
 pub const MAX_FORWARD_ALLOWANCE: Duration = Duration::from_secs(1);
@@ -122,63 +121,6 @@ pub struct StageReport {
     pub cause: StageCause,
 }
 
-/// The report a rank sends when a stage of its hierarchical collective failed with `error`
-/// (the stage's own group's error: a timeout names that group's ranks, `members` gives their
-/// world ranks; a dead rank is named by its world rank already, and reported only when it is
-/// one of `members`), or `None` when the failure is not one this rank saw itself on a rank it
-/// waited for.
-pub fn stage_report(error: &ProcessGroupError, members: &[usize]) -> Option<StageReport> {
-    match error {
-        ProcessGroupError::Timeout {
-            waiting_on,
-            timeout,
-            ..
-        } => {
-            let mut ranks: Vec<usize> = waiting_on
-                .iter()
-                .map(|r| members.get(*r).copied())
-                .collect::<Option<_>>()?;
-            ranks.sort_unstable();
-            ranks.dedup();
-            (!ranks.is_empty()).then_some(StageReport {
-                ranks,
-                cause: StageCause::TimedOut { waited: *timeout },
-            })
-        }
-        // A death seen on the links may be any rank's: reported only for one of the stage's
-        // (a rank blames only those it shares a stage with).
-        ProcessGroupError::PeerDied {
-            rank,
-            reported_by: None,
-            ..
-        } if members.contains(rank) => Some(StageReport {
-            ranks: vec![*rank],
-            cause: StageCause::Died,
-        }),
-        _ => None,
-    }
-}
-
-impl StageReport {
-    /// The error a rank fails with when world rank `reporter` sent this report.
-    pub fn error(&self, reporter: usize) -> ProcessGroupError {
-        match self.cause {
-            StageCause::Died => ProcessGroupError::PeerDied {
-                rank: self.ranks[0],
-                reported_by: Some(reporter),
-                reason: "its process ended (or its connection broke) during a stage of a \
-                         collective across hosts"
-                    .to_owned(),
-            },
-            StageCause::TimedOut { waited } => ProcessGroupError::StageTimedOut {
-                waiting_on: self.ranks.clone(),
-                reported_by: reporter,
-                waited,
-            },
-        }
-    }
-}
-
 /// Whether world rank `sender` may send a report blaming `ranks` in the hierarchical group
 /// whose hosts are `hosts` (world ranks, each host's ascending and its first the leader):
 ///
@@ -216,7 +158,3 @@ pub fn check_stage_report(
     }
     Ok(())
 }
-
-#[cfg(test)]
-#[path = "stage_failure_sim.rs"]
-mod sim;

@@ -56,12 +56,14 @@ pub mod compose;
 mod error;
 mod ext;
 mod op;
+mod stage;
 mod tensors;
 mod work;
 
 pub use error::{MeshViolation, ProcessGroupError};
 pub use ext::Collectives;
 pub use op::{Buf, Done, HostMut, Op, Scheduled};
+pub use stage::stage_report;
 pub use tensors::{TensorCollectives, TensorWork};
 pub use work::{failed, lazy, map, Pending, Started, WorkHandle};
 

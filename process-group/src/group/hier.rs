@@ -27,7 +27,8 @@
 use std::time::Instant;
 
 use tensorwire_core::collective::hierarchy::{unpack_blocks, HierOp, HostPlan, Stage, Step};
-use tensorwire_core::collective::stage_failure::{stage_bounds, stage_report};
+use tensorwire_core::collective::stage_failure::stage_bounds;
+use tensorwire_core::ports::process_group::stage_report;
 
 use super::*;
 

@@ -11,8 +11,10 @@ use std::time::Duration;
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::*;
+use super::stage_report;
 use crate::collective::hierarchy::{HierOp, HostPlan, Stage};
+use crate::collective::stage_failure::*;
+use crate::ports::process_group::{MeshViolation, ProcessGroupError};
 
 const T: Duration = Duration::from_secs(8);
 
