@@ -640,6 +640,19 @@ impl<E: AutogradEngine> Inner<E> {
         context: ContextId,
         carried: Vec<CarriedGradient>,
     ) {
+        if let Some(v) = self.mismatched(to, context, &carried) {
+            self.lock().state.handle_gradient_reply(
+                gradient,
+                Err(BackwardError::Request {
+                    worker: to,
+                    context,
+                    reason: v.to_string(),
+                }),
+            );
+            self.violation(to, &v);
+            self.pump();
+            return;
+        }
         let imported: Result<Vec<Seeded<E>>, EngineError> = carried
             .into_iter()
             .map(|c| {
@@ -689,6 +702,48 @@ impl<E: AutogradEngine> Inner<E> {
             self.violation(to, &v);
         }
         self.pump();
+    }
+
+    /// Whether gradients `to` carried in an answer do not match the tensors of the messages
+    /// they are for (another count, a gradient of another shape than its tensor): a violation
+    /// the state machine cannot see (it holds no tensors). Messages this worker does not hold
+    /// are left to the state machine (`UnknownMessage`).
+    fn mismatched(
+        &self,
+        to: WorkerId,
+        context: ContextId,
+        carried: &[CarriedGradient],
+    ) -> Option<ProtocolViolation> {
+        let sh = self.lock();
+        let d = sh.data.get(&context)?;
+        carried.iter().find_map(|c| {
+            let sent = d.sends.get(&c.message)?;
+            let violation = |detail: String| ProtocolViolation::MismatchedGradients {
+                from: to,
+                context,
+                message: c.message,
+                detail,
+            };
+            if c.grads.len() != sent.len() {
+                return Some(violation(format!(
+                    "{} gradients for {} tensors",
+                    c.grads.len(),
+                    sent.len()
+                )));
+            }
+            c.grads
+                .iter()
+                .zip(sent)
+                .enumerate()
+                .find_map(|(i, (g, t))| {
+                    let (got, want) = (g.as_ref()?.shape(), self.engine.shape(t));
+                    (got != want.as_slice()).then(|| {
+                        violation(format!(
+                            "a gradient of shape {got:?} for tensor {i}, of shape {want:?}"
+                        ))
+                    })
+                })
+        })
     }
 
     /// Turns the state machine's outputs into actions (under the lock).
