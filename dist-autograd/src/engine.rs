@@ -632,7 +632,8 @@ impl<E: AutogradEngine> Inner<E> {
     /// The answer to gradient request `gradient` (sent to `to`) carried gradients for send
     /// functions of this worker's: they are run here as part of the work that sent it. A
     /// gradient the engine cannot take fails the request; gradients for messages this worker
-    /// never sent to `to` are a violation (`to` is dropped, the request fails).
+    /// never sent to `to`, repeated, or not matching the message's tensors in count or shape
+    /// are a violation (`to` is dropped, the request fails naming it and the violation).
     fn on_carried_gradients(
         self: &Arc<Self>,
         gradient: GradientId,
