@@ -10,6 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tensorwire_core::budget::Use;
 use tensorwire_core::collective::inbox::InboxLimits;
+use tensorwire_core::collective::stage_failure::{StageCause, StageReport};
 use tensorwire_core::collective::Signature;
 use tensorwire_core::ports::process_group::{Collectives, MeshViolation, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
@@ -410,6 +411,37 @@ async fn a_group_frame_that_does_not_decode_is_the_senders_violation(net: Net) {
     .await;
 }
 
+async fn a_stage_report_for_a_group_not_across_hosts_is_the_senders_violation(net: Net) {
+    bounded(async {
+        let c = cluster(net, "stage-report", options("stage-report")).await;
+        // These ranks share one process's host: the world runs no stages, so no rank could
+        // have seen rank 1 fail in one. Believed, it would break rank 0's group blaming rank 1.
+        let report = StageReport {
+            ranks: vec![1],
+            cause: StageCause::TimedOut {
+                waited: Duration::from_secs(3),
+            },
+        };
+        c.hostile[0]
+            .send(GroupFrame::StageFailed { group: 0, report }.frame(Vec::new()))
+            .await
+            .unwrap();
+        assert_dropped(&c.hostile[0]).await;
+        let err = c.honest[0].barrier().await.unwrap_err();
+        assert_eq!(
+            err,
+            ProcessGroupError::Misbehaved {
+                rank: HOSTILE,
+                violation: MeshViolation::ForgedStageReport {
+                    group: 0,
+                    reason: "no such group runs across hosts here"
+                }
+            }
+        );
+    })
+    .await;
+}
+
 async fn a_plausible_disagreement_notice_breaks_the_group_naming_its_reporter(net: Net) {
     bounded(async {
         let c = cluster(net, "notice", options("notice")).await;
@@ -564,6 +596,7 @@ tensorwire_testkit::over_every_net! {
     a_plausible_disagreement_notice_breaks_the_group_naming_its_reporter,
     a_disagreement_notice_about_a_group_its_sender_is_not_in_is_refused,
     a_group_frame_that_does_not_decode_is_the_senders_violation,
+    a_stage_report_for_a_group_not_across_hosts_is_the_senders_violation,
     a_hello_after_setup_drops_its_sender_not_the_rank_it_names,
     a_rank_claimed_twice_during_setup_fails_the_setup_naming_the_claim,
 }

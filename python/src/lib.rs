@@ -79,7 +79,8 @@ pub(crate) fn kind_of(error: &ProcessGroupError) -> &'static str {
 pub(crate) fn to_py(error: &ProcessGroupError) -> PyErr {
     let ranks: Vec<usize> = match error {
         ProcessGroupError::Timeout { waiting_on, .. }
-        | ProcessGroupError::SetupTimeout { waiting_on, .. } => waiting_on.clone(),
+        | ProcessGroupError::SetupTimeout { waiting_on, .. }
+        | ProcessGroupError::StageTimedOut { waiting_on, .. } => waiting_on.clone(),
         ProcessGroupError::PeerDied { rank, .. }
         | ProcessGroupError::PeerAborted { rank, .. }
         | ProcessGroupError::Misbehaved { rank, .. }

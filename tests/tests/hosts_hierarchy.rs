@@ -209,3 +209,94 @@ fn a_rank_killed_on_another_host_fails_every_call_naming_it() {
     kill_on(&[0, 0, 1, 1, 2, 2], 5);
     kill_on(&[0, 0, 1, 1, 2, 2], 2);
 }
+
+/// The ranks an error line names after its first "rank(s) " (the timeout's, or a report's).
+fn named_ranks(line: &str) -> Vec<usize> {
+    let Some(rest) = line.split("rank(s) ").nth(1) else {
+        return Vec::new();
+    };
+    let end = rest
+        .find(|c: char| !(c.is_ascii_digit() || c == ',' || c == ' '))
+        .unwrap_or(rest.len());
+    rest[..end]
+        .split(',')
+        .filter_map(|r| r.trim().parse().ok())
+        .collect()
+}
+
+/// A rank that stays alive but never enters an all_reduce (its connections open, so no link
+/// tells anyone): every other rank, on every host, fails naming it and only it, after its
+/// stage's bound and within the group's timeout (`TIMEOUT_MS`). Ranks of other hosts learn it
+/// from the report of a rank that waited for it (their own wait is on their leader, or on the
+/// victim's leader): `told` are those that must have.
+fn stall_on(layout: &[usize], victim: usize, told: &[usize]) {
+    const TIMEOUT_MS: u64 = 6_000;
+    let env = [
+        ("TW_VICTIM", victim.to_string()),
+        ("TW_TIMEOUT_MS", TIMEOUT_MS.to_string()),
+    ];
+    let others = layout.len() - 1;
+    let close = |seen: &[(usize, String)], stdins: &mut Stdins| {
+        if lines_with(seen, "OK failed rank ").len() == others {
+            stdins.iter_mut().for_each(|s| *s = None);
+        }
+    };
+    let Some((codes, seen)) = run(layout, "stall", &env, Duration::from_secs(120), close) else {
+        return;
+    };
+    let mut reported = 0;
+    for (rank, code) in codes.iter().enumerate() {
+        if rank == victim {
+            assert_eq!(*code, Some(3), "{seen:#?}");
+            continue;
+        }
+        assert_eq!(*code, Some(0), "rank {rank}: {seen:#?}");
+        let failed = lines_with(&seen, &format!("OK failed rank {rank} "));
+        assert_eq!(failed.len(), 1, "rank {rank}: {seen:#?}");
+        let line = &failed[0].1;
+        assert_eq!(named_ranks(line), vec![victim], "{line}: {seen:#?}");
+        let after: u64 = line
+            .split("after_ms=")
+            .nth(1)
+            .and_then(|s| s.split(':').next())
+            .and_then(|s| s.parse().ok())
+            .unwrap();
+        // Not before the first stage's bound (T minus two allowances of T/8), and within the
+        // timeout (with room for the process's scheduling on a loaded machine).
+        assert!(after >= TIMEOUT_MS * 3 / 4 - 50, "{line}");
+        assert!(after <= TIMEOUT_MS + 500, "{line}");
+        if told.contains(&rank) {
+            assert!(line.contains("reported by rank"), "{line}");
+            reported += 1;
+        }
+        println!("victim {victim}: {line}");
+    }
+    assert_eq!(reported, told.len());
+}
+
+#[test]
+fn a_stalled_rank_on_another_host_is_named_by_every_rank_within_the_timeout() {
+    // Rank 5: not its host's leader; rank 2: host 1's leader.
+    // Rank 4 names rank 5 in its host's first stage and tells everyone before the leaders'
+    // stage gives up.
+    stall_on(&[0, 0, 1, 1, 2, 2], 5, &[0, 1, 2, 3]);
+    // Rank 3's part of the reduce to its leader waits for nobody, so the leaders' stage
+    // names rank 2 (on rank 0 or 4, whichever gives up first; the other may learn it from
+    // the first), and tells the non-leaders, rank 3 included.
+    stall_on(&[0, 0, 1, 1, 2, 2], 2, &[1, 3, 5]);
+    // Rank 0: alone on its host, a leader seen only by the other leaders.
+    stall_on(&[0, 1, 1, 1], 0, &[2, 3]);
+}
+
+#[test]
+fn error_lines_name_their_ranks() {
+    assert_eq!(
+        named_ranks("all_reduce #3 on rank 1 timed out after 3s waiting for rank(s) 5"),
+        vec![5]
+    );
+    assert_eq!(
+        named_ranks("rank(s) 2, 7 did not come within 4.5s in a stage (reported by rank 3)"),
+        vec![2, 7]
+    );
+    assert!(named_ranks("rank 5 died").is_empty());
+}

@@ -90,6 +90,45 @@ pub(crate) struct CollectivesArgs {
     /// `*_over_mpi` ratios; see `bench_mpi`).
     #[arg(long)]
     mpi_python: Option<String>,
+    /// Simulated hosts, as `NAMESPACE=ADDRESS` pairs (network namespaces made beforehand, each
+    /// with that address on its `eth0`; `docs/bench/hosts.sh` makes them): the ranks of each
+    /// world are spread over them in even, consecutive blocks (rank 0's host first) and talk
+    /// over `--transport auto` (shared memory within a host, TCP between), so a group spanning
+    /// them runs its collectives hierarchically (the `arena` path) or flat (`links`); gloo's
+    /// ranks are spread the same way. MPICH is not run across hosts (its launcher would need
+    /// one per namespace).
+    #[arg(long, value_delimiter = ',')]
+    netns: Vec<String>,
+}
+
+/// Where a rank runs: its host's network namespace and that host's address (`--netns`).
+type Host = (String, String);
+
+impl CollectivesArgs {
+    /// The simulated hosts (`--netns`), parsed.
+    fn hosts(&self) -> Result<Vec<Host>> {
+        self.netns
+            .iter()
+            .map(|pair| {
+                let (ns, addr) = pair.split_once('=').with_context(|| {
+                    format!("--netns takes NAMESPACE=ADDRESS pairs, not {pair:?}")
+                })?;
+                Ok((ns.to_owned(), addr.to_owned()))
+            })
+            .collect()
+    }
+
+    /// Each rank's host in a world of `world` (none without `--netns`): even, consecutive
+    /// blocks, host 0 first.
+    fn placement(&self, world: usize) -> Result<Vec<Option<Host>>> {
+        let hosts = self.hosts()?;
+        if hosts.is_empty() {
+            return Ok(vec![None; world]);
+        }
+        Ok((0..world)
+            .map(|r| Some(hosts[r * hosts.len() / world].clone()))
+            .collect())
+    }
 }
 
 /// Arguments of the hidden worker subcommand (environment: `env://` variables).
@@ -115,6 +154,22 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
         bail!(super::Usage(
             "--world sizes must be at least 2; iterations at least 1".into()
         ));
+    }
+    let hosts = args.hosts()?;
+    if !hosts.is_empty() {
+        if args.transport != "auto" {
+            bail!(super::Usage(
+                "--netns needs --transport auto (shared memory within a host, TCP between)".into()
+            ));
+        }
+        if args.mpi_python.is_some() {
+            bail!(super::Usage("MPICH is not run across --netns hosts".into()));
+        }
+        if args.world.iter().any(|w| *w < hosts.len()) {
+            bail!(super::Usage(
+                "every --world size needs a rank on each --netns host".into()
+            ));
+        }
     }
     let steps = 3 + args.world.len() as u64 + u64::from(args.rendezvous_world > 0);
     let bar = super::bench_common::progress(steps, "");
@@ -206,13 +261,19 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
         }
         if let Some(python) = &args.torch_python {
             bar.set_message(format!("gloo, {world} processes"));
-            let gloo = super::bench_gloo::measure(
-                python,
-                world,
-                args.small_iters,
-                args.large_iters,
-                Duration::from_secs(args.timeout),
-            )
+            let bound = Duration::from_secs(args.timeout);
+            let gloo = if hosts.is_empty() {
+                super::bench_gloo::measure(python, world, args.small_iters, args.large_iters, bound)
+            } else {
+                let placed: Vec<Host> = args.placement(world)?.into_iter().flatten().collect();
+                super::bench_gloo::measure_on_hosts(
+                    python,
+                    &placed,
+                    args.small_iters,
+                    args.large_iters,
+                    bound,
+                )
+            }
             .with_context(|| format!("gloo baseline, world {world}"))?;
             for (k, v) in gloo {
                 out.insert(format!("gloo_{k}"), v);
@@ -272,6 +333,22 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
     out.insert("raw_tcp_pingpong_p50_us".into(), json!(pingpong));
     out.insert("raw_baseline".into(), json!("process"));
     out.insert("transport".into(), json!(args.transport));
+    if !hosts.is_empty() {
+        let placements: Map<String, Value> = args
+            .world
+            .iter()
+            .map(|w| {
+                let of: Vec<String> = args
+                    .placement(*w)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|h| h.map(|h| h.0).unwrap_or_default())
+                    .collect();
+                (format!("w{w}"), json!(of))
+            })
+            .collect();
+        out.insert("hosts".into(), Value::Object(placements));
+    }
 
     let get = |k: &str| out.get(k).and_then(Value::as_f64);
     let mut ratios = Map::new();
@@ -472,6 +549,7 @@ impl Drop for Workers {
     }
 }
 
+#[allow(clippy::too_many_arguments)] // one worker's whole command line
 fn start_worker(
     rank: usize,
     world: usize,
@@ -480,10 +558,21 @@ fn start_worker(
     mode: &str,
     args: &CollectivesArgs,
     sizes: &[usize],
+    host: Option<&Host>,
+    master: &str,
 ) -> Result<Worker> {
     let sizes: Vec<String> = sizes.iter().map(usize::to_string).collect();
     let exe = std::env::current_exe().context("finding this executable")?;
-    let mut child = Command::new(exe)
+    // On a simulated host, started in its network namespace.
+    let mut command = match host {
+        Some((ns, _)) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(exe);
+            c
+        }
+        None => Command::new(exe),
+    };
+    let mut child = command
         .args(["bench", "collectives-worker", "--mode", mode])
         .args(["--small-iters", &args.small_iters.to_string()])
         .args(["--large-iters", &args.large_iters.to_string()])
@@ -494,7 +583,7 @@ fn start_worker(
                 .into_iter()
                 .flatten(),
         )
-        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_ADDR", master)
         .env("MASTER_PORT", port.to_string())
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", world.to_string())
@@ -550,6 +639,7 @@ pub(crate) fn run_curve_group(
         torch_python: None,
         paths: vec!["arena".to_owned()],
         mpi_python: None,
+        netns: Vec::new(),
     };
     run_group_sized(world, "curve", &args, sizes)
 }
@@ -568,7 +658,15 @@ fn run_group_sized(
     let secret = format!("{:032x}", rand::random::<u128>());
     let bound = Duration::from_secs(args.timeout);
     let started = Instant::now();
-    let mut workers = Workers(vec![start_worker(0, world, 0, &secret, mode, args, sizes)?]);
+    let placement = args.placement(world)?;
+    let master = placement[0]
+        .as_ref()
+        .map_or_else(|| "127.0.0.1".to_owned(), |h| h.1.clone());
+    let start = |rank: usize, port: u16| {
+        let host = placement[rank].as_ref();
+        start_worker(rank, world, port, &secret, mode, args, sizes, host, &master)
+    };
+    let mut workers = Workers(vec![start(0, 0)?]);
     let first = workers.0[0]
         .lines
         .recv_timeout(bound)
@@ -578,9 +676,7 @@ fn run_group_sized(
         .and_then(|p| p.parse().ok())
         .with_context(|| format!("rank 0 printed {first:?} instead of its store port"))?;
     for rank in 1..world {
-        workers
-            .0
-            .push(start_worker(rank, world, port, &secret, mode, args, sizes)?);
+        workers.0.push(start(rank, port)?);
     }
     // Every rank prints READY after its first barrier.
     for (rank, w) in workers.0.iter().enumerate() {

@@ -83,6 +83,8 @@ pub struct Admission {
     groups: BTreeMap<u64, Box<[usize]>>,
     /// The newest sequence number this rank has sent, awaited or received in each group.
     here: BTreeMap<u64, u64>,
+    /// The hosts (world ranks, leader first) of each group made here that runs hierarchically.
+    hierarchies: BTreeMap<u64, Vec<Vec<usize>>>,
 }
 
 impl Admission {
@@ -94,6 +96,7 @@ impl Admission {
             limits,
             groups,
             here: BTreeMap::new(),
+            hierarchies: BTreeMap::new(),
         }
     }
 
@@ -229,6 +232,33 @@ impl Admission {
             return forged("the collective is beyond the group's sequence window here");
         }
         Ok(())
+    }
+}
+
+impl Admission {
+    /// Group `id`, made here, runs hierarchically over `hosts` (world ranks, each host's
+    /// ascending): reports of its failed stages are checked against them.
+    pub fn register_hosts(&mut self, id: u64, hosts: Vec<Vec<usize>>) {
+        self.hierarchies.insert(id, hosts);
+    }
+
+    /// Whether world rank `sender` may report that `ranks` failed in a stage of a collective
+    /// of hierarchical group `group`: the group runs hierarchically here, and
+    /// [`check_stage_report`](crate::collective::stage_failure::check_stage_report) passes.
+    /// Anything else is [`MeshViolation::ForgedStageReport`] of the sender.
+    pub fn check_stage_report(
+        &self,
+        sender: usize,
+        group: u64,
+        ranks: &[usize],
+    ) -> Result<(), MeshViolation> {
+        let Some(hosts) = self.hierarchies.get(&group) else {
+            return Err(MeshViolation::ForgedStageReport {
+                group,
+                reason: "no such group runs across hosts here",
+            });
+        };
+        crate::collective::stage_failure::check_stage_report(hosts, group, sender, ranks)
     }
 }
 
@@ -412,5 +442,20 @@ mod tests {
         );
         // A message a collective waits for is handed over at once.
         assert_eq!(a.check(1, Some((0, 1)), 500, true, held(90, 3)), Ok(()));
+    }
+
+    #[test]
+    fn a_stage_report_is_believed_only_for_a_group_that_runs_across_hosts_here() {
+        let mut a = Admission::new(4, limits());
+        let unknown = Err(MeshViolation::ForgedStageReport {
+            group: 0,
+            reason: "no such group runs across hosts here",
+        });
+        assert_eq!(a.check_stage_report(1, 0, &[0]), unknown);
+        a.register_hosts(0, vec![vec![0, 1], vec![2, 3]]);
+        assert_eq!(a.check_stage_report(1, 0, &[0]), Ok(()));
+        assert_eq!(a.check_stage_report(2, 0, &[0]), Ok(()));
+        assert!(a.check_stage_report(3, 0, &[1]).is_err());
+        assert!(a.check_stage_report(1, 2, &[0]).is_err());
     }
 }

@@ -107,6 +107,7 @@ mod signature;
 mod sim;
 #[cfg(test)]
 mod sim_many;
+pub mod stage_failure;
 #[cfg(test)]
 mod tests;
 pub mod varlen;

@@ -58,6 +58,16 @@ pub enum MeshViolation {
         /// What was wrong with it.
         reason: &'static str,
     },
+    /// A report of a failed stage of a hierarchical collective that blames ranks its sender
+    /// did not wait for: a rank may blame only ranks of its own host, or (a leader) other
+    /// leaders ([`crate::collective::stage_failure::check_stage_report`]).
+    #[error("it reported ranks failing in a stage of group {group}, but {reason}")]
+    ForgedStageReport {
+        /// The hierarchical group the report named.
+        group: u64,
+        /// What was wrong with it.
+        reason: &'static str,
+    },
     /// It made this rank hold more unclaimed messages than a peer may.
     #[error("it sent more than {limit} {what} that no collective here has taken yet")]
     InboxFull {

@@ -9,7 +9,8 @@
 //!   (also [`FrameKind::Control`]).
 //! - [`GroupFrame`]: a process group's own frames ([`FrameKind::Collective`]): a collective
 //!   message's header ([`GroupFrame::Data`], the message itself is the frame's payload), and
-//!   the group's control (goodbye, abort, disagreement).
+//!   the group's control (goodbye, abort, disagreement, a failed stage of a collective across
+//!   hosts).
 //!
 //! Decoding takes the whole header or nothing: bytes that do not parse, trailing bytes, a
 //! frame of the wrong kind, or a signature no collective produces are a [`MeshFrameError`]
@@ -19,6 +20,7 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::collective::stage_failure::{StageCause, StageReport};
 use crate::collective::{Signature, SIGNATURE_LEN};
 use crate::wire::{Frame, FrameKind};
 
@@ -190,6 +192,24 @@ pub enum GroupFrame {
         /// What the sender ran.
         ours: Signature,
     },
+    /// The sender's own stage of a collective of hierarchical group `group` (a group spanning
+    /// hosts) failed on ranks it waited for ([`crate::collective::stage_failure`]); it has
+    /// broken its group. The receiver believes it only if its sender could have waited for
+    /// them (core's `collective::stage_failure::check_stage_report`), else it is a violation of
+    /// its sender.
+    StageFailed {
+        /// The hierarchical group's id (0: the world group).
+        group: u64,
+        /// Whom it blames and why.
+        report: StageReport,
+    },
+}
+
+/// Why a stage failed, as it is on the wire.
+#[derive(Serialize, Deserialize)]
+enum WireStageCause {
+    Died,
+    TimedOut { waited_micros: u64 },
 }
 
 /// [`GroupFrame`] as it is on the wire (signatures as bytes).
@@ -210,6 +230,11 @@ enum WireGroupFrame {
         peer: u32,
         theirs: [u8; SIGNATURE_LEN],
         ours: [u8; SIGNATURE_LEN],
+    },
+    StageFailed {
+        group: u64,
+        ranks: Vec<u32>,
+        cause: WireStageCause,
     },
 }
 
@@ -246,6 +271,20 @@ impl GroupFrame {
                 peer: *peer,
                 theirs: theirs.encode(),
                 ours: ours.encode(),
+            },
+            GroupFrame::StageFailed { group, report } => WireGroupFrame::StageFailed {
+                group: *group,
+                ranks: report
+                    .ranks
+                    .iter()
+                    .map(|r| u32::try_from(*r).unwrap_or(u32::MAX))
+                    .collect(),
+                cause: match report.cause {
+                    StageCause::Died => WireStageCause::Died,
+                    StageCause::TimedOut { waited } => WireStageCause::TimedOut {
+                        waited_micros: u64::try_from(waited.as_micros()).unwrap_or(u64::MAX),
+                    },
+                },
             },
         };
         Bytes::from(encode(&wire))
@@ -289,6 +328,22 @@ impl GroupFrame {
                     ours,
                 }
             }
+            WireGroupFrame::StageFailed {
+                group,
+                ranks,
+                cause,
+            } => GroupFrame::StageFailed {
+                group,
+                report: StageReport {
+                    ranks: ranks.into_iter().map(|r| r as usize).collect(),
+                    cause: match cause {
+                        WireStageCause::Died => StageCause::Died,
+                        WireStageCause::TimedOut { waited_micros } => StageCause::TimedOut {
+                            waited: std::time::Duration::from_micros(waited_micros),
+                        },
+                    },
+                },
+            },
         })
     }
 }
@@ -315,6 +370,22 @@ mod tests {
                 peer: 1,
                 theirs: Signature::Barrier,
                 ours: Signature::AllGatherLengths,
+            },
+            GroupFrame::StageFailed {
+                group: 2,
+                report: StageReport {
+                    ranks: vec![3, 5],
+                    cause: StageCause::TimedOut {
+                        waited: std::time::Duration::from_micros(1_750_000),
+                    },
+                },
+            },
+            GroupFrame::StageFailed {
+                group: 0,
+                report: StageReport {
+                    ranks: vec![1],
+                    cause: StageCause::Died,
+                },
             },
         ] {
             let frame = f.frame(Vec::new());

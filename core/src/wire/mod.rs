@@ -71,8 +71,9 @@ pub const MAGIC: [u8; 4] = *b"TWFR";
 /// forward call and its answer say which tensors required grad on their sender. 5: a request's
 /// envelope announces the references passed in its arguments
 /// ([`crate::protocol::envelope::Envelope::forks`]), so that their owner holds them from the
-/// request's arrival.
-pub const VERSION: u8 = 5;
+/// request's arrival. 6: a process group may report a failed stage of a collective across hosts
+/// ([`crate::protocol::mesh::GroupFrame::StageFailed`]).
+pub const VERSION: u8 = 6;
 
 /// Length of the fixed prefix in bytes.
 pub const PREFIX_LEN: usize = 20;

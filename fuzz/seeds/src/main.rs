@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tensorwire_core::auth::{insecure_hello, ClientHandshake, ClusterSecret, NONCE_LEN};
+use tensorwire_core::collective::stage_failure::{StageCause, StageReport};
 use tensorwire_core::collective::Signature;
 use tensorwire_core::device::Device;
 use tensorwire_core::protocol::mesh::{GroupFrame, Hello, HelloReply};
@@ -319,6 +320,15 @@ fn mesh_frames(dir: &Path) {
             peer: 1,
             theirs: Signature::Barrier,
             ours: Signature::AllToAll,
+        },
+        GroupFrame::StageFailed {
+            group: 0,
+            report: StageReport {
+                ranks: vec![5],
+                cause: StageCause::TimedOut {
+                    waited: Duration::from_millis(3500),
+                },
+            },
         },
     ];
     for (i, f) in group.iter().enumerate() {

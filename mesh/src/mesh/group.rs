@@ -6,6 +6,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use tensorwire_core::collective::stage_failure::StageReport;
 use tensorwire_core::collective::SIGNATURE_LEN;
 use tensorwire_core::ports::process_group::ProcessGroupError;
 use tensorwire_core::ports::transport::Connection;
@@ -227,6 +228,30 @@ impl GroupMesh {
             here: *here,
         };
         self.mesh.report_disagreement(self.id, &world).await;
+    }
+
+    /// This group runs hierarchically over `hosts` (group ranks, each host's ascending): reports
+    /// of its failed stages are believed only as they fit them.
+    pub fn register_hosts(&self, hosts: &[Vec<usize>]) {
+        let world = hosts
+            .iter()
+            .map(|h| h.iter().map(|r| self.peer(*r)).collect())
+            .collect();
+        self.mesh.register_hosts(self.id, world);
+    }
+
+    /// Tells every other member of this (hierarchical) group that a stage of one of its
+    /// collectives failed here on the ranks `report` names (world ranks); see
+    /// [`Mesh::report_stage_failure`].
+    pub async fn report_stage_failure(&self, report: StageReport) {
+        let here = self.mesh.rank();
+        let to: Vec<usize> = self
+            .members
+            .iter()
+            .copied()
+            .filter(|r| *r != here)
+            .collect();
+        self.mesh.report_stage_failure(self.id, &to, report).await;
     }
 
     /// Sends one message of collective `seq` to group rank `peer`.

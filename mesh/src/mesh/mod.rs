@@ -59,6 +59,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tensorwire_core::collective::disagreement::Disagreements;
 use tensorwire_core::collective::inbox::Admission;
+use tensorwire_core::collective::stage_failure::StageReport;
 use tensorwire_core::collective::SIGNATURE_LEN;
 use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroupError};
 use tensorwire_core::ports::runtime::Runtime;
@@ -436,6 +437,35 @@ impl Mesh {
                 .timeout(ABORT_SEND_TIMEOUT, link.conn.send(notice.clone()))
                 .await;
         }
+    }
+
+    /// Group `id` runs hierarchically over `hosts` (world ranks, each host's ascending): the
+    /// reports of its failed stages are checked against them.
+    pub fn register_hosts(&self, id: u64, hosts: Vec<Vec<usize>>) {
+        self.shared.admission().register_hosts(id, hosts);
+    }
+
+    /// Tells `to` (world ranks) that a stage of a collective of hierarchical group `group`
+    /// failed here on the ranks `report` names, each send bounded by the abort's bound, all at
+    /// once (a peer that does not read delays no other).
+    pub async fn report_stage_failure(&self, group: u64, to: &[usize], report: StageReport) {
+        let notice = GroupFrame::StageFailed { group, report }.frame(Vec::new());
+        let mut sends = tokio::task::JoinSet::new();
+        for peer in to {
+            let Some(link) = self.shared.peer(*peer) else {
+                continue;
+            };
+            if matches!(link.inbox.status(), PeerStatus::Left) {
+                continue;
+            }
+            let conn = Arc::clone(&link.conn);
+            let notice = notice.clone();
+            let runtime = Arc::clone(&self.shared.runtime);
+            sends.spawn(async move {
+                let _ = runtime.timeout(ABORT_SEND_TIMEOUT, conn.send(notice)).await;
+            });
+        }
+        while sends.join_next().await.is_some() {}
     }
 
     /// Sends one collective message to `peer`.

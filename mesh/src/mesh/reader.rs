@@ -132,6 +132,21 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
                 // one whose last message comes after the notice, on another connection).
                 shared.disagree(group, seq, error);
             }
+            Ok(GroupFrame::StageFailed { group, report }) => {
+                // Checked before it is believed: a rank may blame only ranks it waited for in
+                // a stage of that group; anything else is the sender's violation.
+                let checked = shared
+                    .admission()
+                    .check_stage_report(peer, group, &report.ranks);
+                if let Err(v) = checked {
+                    break 'read End::Violation(v);
+                }
+                let error = report.error(peer);
+                warn!(rank, peer, %error, "peer reports a failed stage");
+                // Breaking the mesh wakes every collective waiting here, on the links or in
+                // the arena, with the ranks the report names.
+                shared.fail(error);
+            }
             Err(e) => {
                 break End::Violation(MeshViolation::MalformedGroupFrame {
                     reason: e.to_string(),

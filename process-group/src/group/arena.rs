@@ -376,7 +376,7 @@ impl Group {
             return Err(e);
         }
         let plan = plan.map_err(|source| ProcessGroupError::Arguments { collective, source })?;
-        let timeout = self.inner.timeout;
+        let timeout = self.op_timeout();
         let runtime = &**mesh.runtime();
         // Subscribed now, in the collective's first poll (see `work::expired`).
         let give_up = crate::work::expired();

@@ -14,10 +14,46 @@
 //!
 //! Hierarchical collectives run one at a time, in the order they were issued (a fair lock taken
 //! in the issuing call), so every rank runs the internal groups' collectives in one order.
+//!
+//! # A failed stage
+//! Each stage runs within its bound from core's [`stage_bounds`] (measured from the start of
+//! the collective: the first host stage gives up earliest, the last latest), and a stage that
+//! fails here on ranks this rank waited for (a timeout, a death: core's [`stage_report`]) is
+//! reported to every other rank of the group before the error returns. A rank that receives
+//! the report breaks its connections with it (the mesh checks it first), so its own stage,
+//! waiting on another host's ranks or on its leader, fails at once naming the rank that
+//! failed, not the rank it waited for.
+
+use std::time::Instant;
 
 use tensorwire_core::collective::hierarchy::{unpack_blocks, HierOp, HostPlan, Stage, Step};
+use tensorwire_core::collective::stage_failure::{stage_bounds, stage_report};
 
 use super::*;
+
+tokio::task_local! {
+    /// The deadline, on the group's clock, of the stage of a hierarchical collective that runs
+    /// on this task: the internal group's collective gives up by it.
+    static STAGE_DEADLINE: Instant;
+}
+
+impl Group {
+    /// The bound on a collective that starts now: the group's timeout, or what is left of the
+    /// stage's bound when it runs as a stage of a hierarchical collective.
+    pub(super) fn op_timeout(&self) -> Duration {
+        let timeout = self.inner.timeout;
+        STAGE_DEADLINE
+            .try_with(|d| d.saturating_duration_since(self.inner.mesh.runtime().now()))
+            .map_or(timeout, |left| left.min(timeout))
+    }
+
+    /// Sets the group's hierarchy, and tells the mesh its hosts (reports of failed stages are
+    /// checked against them).
+    pub(super) fn set_hierarchy(&self, h: Hierarchy) {
+        self.inner.mesh.register_hosts(h.plan.hosts());
+        let _ = self.inner.hierarchy.set(h);
+    }
+}
 
 /// A group's hierarchy: its plan and internal groups.
 pub(super) struct Hierarchy {
@@ -180,6 +216,7 @@ impl Group {
             h,
             name,
             seq,
+            start: self.inner.mesh.runtime().now(),
         };
         let span = tracing::debug_span!("hierarchical", collective = name, seq, rank);
         Ok(async {
@@ -241,6 +278,8 @@ struct Staged<'g> {
     h: &'g Hierarchy,
     name: &'static str,
     seq: u64,
+    /// When it started, on the group's clock: its stages' bounds count from here.
+    start: Instant,
 }
 
 impl Staged<'_> {
@@ -268,23 +307,66 @@ impl Staged<'_> {
     ) -> Result<(), ProcessGroupError> {
         let (element, reduce) = reduction.unwrap_or((ElementType::U8, ReduceOp::Sum));
         let reduce = reduce.step_op();
-        for stage in self.h.plan.stages(self.group.rank(), op) {
+        for (stage, bound) in self.bounds(op) {
             let (on, step) = match stage {
                 Stage::Host(step) => (self.host(), step),
                 Stage::Leaders(step) => (self.leaders(), step),
             };
-            let result = match step {
-                Step::Barrier => on.barrier().await,
-                Step::Reduce { root } => on.reduce(data, element, reduce, root).await,
-                Step::AllReduce => on.all_reduce(data, element, reduce).await,
-                Step::Broadcast { root } => on.broadcast(data, root).await,
-                Step::Gather { .. } | Step::AllGather => {
-                    unreachable!("only all_gather's plan has gathers")
-                }
-            };
-            result.map_err(|e| self.lift(on, e))?;
+            let result = self
+                .within(bound, on, async {
+                    match step {
+                        Step::Barrier => on.barrier().await,
+                        Step::Reduce { root } => on.reduce(data, element, reduce, root).await,
+                        Step::AllReduce => on.all_reduce(data, element, reduce).await,
+                        Step::Broadcast { root } => on.broadcast(data, root).await,
+                        Step::Gather { .. } | Step::AllGather => {
+                            unreachable!("only all_gather's plan has gathers")
+                        }
+                    }
+                })
+                .await;
+            result?;
         }
         Ok(())
+    }
+
+    /// This rank's stages for `op`, each with its bound from the start.
+    fn bounds(&self, op: HierOp) -> Vec<(Stage, Duration)> {
+        stage_bounds(
+            &self.h.plan,
+            self.group.rank(),
+            op,
+            self.group.inner.timeout,
+        )
+    }
+
+    /// Runs one stage on internal group `on`, bounded by `bound` from the collective's start;
+    /// a failure this rank saw itself on ranks it waited for is reported to every other rank
+    /// of the group before the error (in the group's ranks) returns.
+    async fn within<T>(
+        &self,
+        bound: Duration,
+        on: &Group,
+        stage: impl std::future::Future<Output = Result<T, ProcessGroupError>>,
+    ) -> Result<T, ProcessGroupError> {
+        let deadline = self.start.checked_add(bound).unwrap_or(self.start);
+        let result = STAGE_DEADLINE.scope(deadline, stage).await;
+        let Err(e) = result else { return result };
+        let report = stage_report(&e, on.global_ranks());
+        let e = self.lift(on, e);
+        if let Some(report) = report {
+            tracing::warn!(
+                collective = self.name,
+                seq = self.seq,
+                error = %e,
+                "a stage failed: telling the group's other ranks"
+            );
+            // The group is broken here (a timeout or a dead rank in any group breaks every
+            // group over the connections), as it is for the ranks told.
+            self.group.inner.mesh.fail(e.clone());
+            self.group.inner.mesh.report_stage_failure(report).await;
+        }
+        Err(e)
     }
 
     /// all_gather's stages: each host's blocks gathered on its leader and packed, the leaders'
@@ -293,14 +375,11 @@ impl Staged<'_> {
         use tensorwire_core::collective::hierarchy::pack_blocks;
         let (rank, world) = (self.group.rank(), self.group.size());
         let mut packed = Bytes::from(pack_blocks(&[input]));
-        for stage in self.h.plan.stages(rank, HierOp::AllGather) {
+        for (stage, bound) in self.bounds(HierOp::AllGather) {
             match stage {
                 Stage::Host(Step::Gather { root }) => {
                     let host = self.host();
-                    let blocks = host
-                        .gather(input, root)
-                        .await
-                        .map_err(|e| self.lift(host, e))?;
+                    let blocks = self.within(bound, host, host.gather(input, root)).await?;
                     if let Some(blocks) = blocks {
                         let blocks: Vec<&[u8]> = blocks.iter().map(|b| &b[..]).collect();
                         packed = pack_blocks(&blocks).into();
@@ -308,10 +387,9 @@ impl Staged<'_> {
                 }
                 Stage::Leaders(Step::AllGather) => {
                     let leaders = self.leaders();
-                    let per_host = leaders
-                        .all_gather(&packed)
-                        .await
-                        .map_err(|e| self.lift(leaders, e))?;
+                    let per_host = self
+                        .within(bound, leaders, leaders.all_gather(&packed))
+                        .await?;
                     let per_host: Vec<&[u8]> = per_host.iter().map(|b| &b[..]).collect();
                     packed = self
                         .h
@@ -322,10 +400,9 @@ impl Staged<'_> {
                 }
                 Stage::Host(Step::Broadcast { root }) => {
                     let host = self.host();
-                    packed = host
-                        .broadcast_bytes(&packed, root)
-                        .await
-                        .map_err(|e| self.lift(host, e))?;
+                    packed = self
+                        .within(bound, host, host.broadcast_bytes(&packed, root))
+                        .await?;
                 }
                 other => unreachable!("all_gather's plan has no {other:?}"),
             }

@@ -45,7 +45,7 @@ impl Group {
             buffer,
             held,
             defer,
-            self.inner.timeout,
+            self.op_timeout(),
         )
         .await
     }

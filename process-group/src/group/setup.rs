@@ -70,7 +70,7 @@ impl Group {
             let ids = group.take_ids(2)?;
             let name = group.name().to_owned();
             if let Some(h) = Group::hierarchy_for(&group, plan, &members, &name, ids)? {
-                let _ = group.inner.hierarchy.set(h);
+                group.set_hierarchy(h);
             }
         }
         Ok(group)
@@ -268,7 +268,7 @@ impl Group {
                     (self.inner.collectives, self.inner.arena_bytes, slot),
                 )?;
                 if let Some(h) = hierarchy {
-                    let _ = group.inner.hierarchy.set(h);
+                    group.set_hierarchy(h);
                 }
                 made = Some(group);
             }

@@ -11,6 +11,11 @@
 //!   waits for it in the fourth; every other rank prints `OK failed rank R after_ms=T: ERROR`
 //!   (T from the start of its call, which began about 500 ms before the death).
 //!
+//! - `stall`: as `kill`, but rank `TW_VICTIM` stays alive and never calls the fourth
+//!   all_reduce (a stalled rank: its process and connections live on), with the group's
+//!   timeout `TW_TIMEOUT_MS`; every other rank prints `OK failed rank R after_ms=T: ERROR`,
+//!   and the victim exits once the test closes its stdin.
+//!
 //! Exits 0 when everything checked held, 1 (with the error on stderr) otherwise.
 
 use std::process::ExitCode;
@@ -240,7 +245,18 @@ async fn collectives() -> Outcome {
 }
 
 async fn kill() -> Outcome {
-    let timeout = Duration::from_secs(20);
+    fail_with(Duration::from_secs(20), true).await
+}
+
+async fn stall() -> Outcome {
+    let ms: u64 = std::env::var("TW_TIMEOUT_MS")?.parse()?;
+    fail_with(Duration::from_millis(ms), false).await
+}
+
+/// Three all_reduces, then rank `TW_VICTIM` ends its process (`kill`) or stays out of the
+/// fourth (else) once the test closes its stdin; every other rank reports how the fourth
+/// failed.
+async fn fail_with(timeout: Duration, kill: bool) -> Outcome {
     let hier = connect("hier", false, timeout).await?;
     let rank = hier.rank();
     let victim: usize = std::env::var("TW_VICTIM")?.parse()?;
@@ -251,11 +267,18 @@ async fn kill() -> Outcome {
             .await?;
         check(x[0] == hier.size() as i64, "all_reduce before the kill")?;
     }
-    if rank == victim {
+    if rank == victim && kill {
         // Gone once the test saw every peer about to wait for it in the next all_reduce (the
         // test closes this rank's stdin then).
         stdin_closed().await;
         std::process::exit(9);
+    }
+    if rank == victim {
+        // Alive, connections open, but never in the next all_reduce, until every peer has
+        // failed (the test closes this rank's stdin then).
+        println!("STALLING rank {rank}");
+        stdin_closed().await;
+        std::process::exit(3);
     }
     println!("WAITING rank {rank}");
     let start = Instant::now();
@@ -289,6 +312,7 @@ async fn main() -> ExitCode {
     let result = match scenario.as_str() {
         "collectives" => collectives().await,
         "kill" => kill().await,
+        "stall" => stall().await,
         other => Err(format!("unknown scenario {other:?}").into()),
     };
     match result {

@@ -38,6 +38,22 @@ pub enum ProcessGroupError {
         /// What was seen (the transport error).
         reason: String,
     },
+    /// Another rank of a group spanning hosts told this rank that `waiting_on` (world ranks)
+    /// did not come within its stage of a collective that this rank's own stage waited on in
+    /// turn (see [`crate::collective::stage_failure`]); the collective failed here on its
+    /// word, within this rank's timeout. The group cannot be used any more.
+    #[error(
+        "rank(s) {} did not come within {waited:?} in a stage of a collective across hosts (reported by rank {reported_by})",
+        RankList(.waiting_on)
+    )]
+    StageTimedOut {
+        /// The ranks that did not come (world ranks).
+        waiting_on: Vec<usize>,
+        /// The rank that waited for them and told this one.
+        reported_by: usize,
+        /// How long its stage waited.
+        waited: Duration,
+    },
     /// A peer aborted its group (it saw a failure of its own and told the others); `reason`
     /// is its account, attributed to it: a rank may only report its own abort, so no other
     /// rank is blamed on its word.
