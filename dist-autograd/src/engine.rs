@@ -641,7 +641,22 @@ impl<E: AutogradEngine> Inner<E> {
         context: ContextId,
         carried: Vec<CarriedGradient>,
     ) {
-        if let Some(v) = self.mismatched(to, context, &carried) {
+        let imported: Result<Vec<Seeded<E>>, EngineError> = carried
+            .into_iter()
+            .map(|c| {
+                let seeds = c
+                    .grads
+                    .iter()
+                    .map(|g| g.as_ref().map(|g| self.engine.import(g, false)).transpose())
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok((c.message, seeds))
+            })
+            .collect();
+        if let Some(v) = imported
+            .as_ref()
+            .ok()
+            .and_then(|imported| self.mismatched(to, context, imported))
+        {
             self.lock().state.handle_gradient_reply(
                 gradient,
                 Err(BackwardError::Request {
@@ -654,17 +669,6 @@ impl<E: AutogradEngine> Inner<E> {
             self.pump();
             return;
         }
-        let imported: Result<Vec<Seeded<E>>, EngineError> = carried
-            .into_iter()
-            .map(|c| {
-                let seeds = c
-                    .grads
-                    .iter()
-                    .map(|g| g.as_ref().map(|g| self.engine.import(g, false)).transpose())
-                    .collect::<Result<Vec<_>, _>>()?;
-                Ok((c.message, seeds))
-            })
-            .collect();
         let failed = |reason: String| BackwardError::Request {
             worker: to,
             context,
@@ -705,45 +709,43 @@ impl<E: AutogradEngine> Inner<E> {
         self.pump();
     }
 
-    /// Whether gradients `to` carried in an answer do not match the tensors of the messages
-    /// they are for (another count, a gradient of another shape than its tensor): a violation
-    /// the state machine cannot see (it holds no tensors). Messages this worker does not hold
-    /// are left to the state machine (`UnknownMessage`).
+    /// Whether gradients `to` carried in an answer, as the engine imported them, do not match
+    /// the tensors of the messages they are for (another count, a gradient of another shape
+    /// than its tensor, both as the engine sees them: a tensor may travel in another form, a
+    /// packed sparse one say): a violation the state machine cannot see (it holds no
+    /// tensors). Messages this worker does not hold are left to the state machine
+    /// (`UnknownMessage`).
     fn mismatched(
         &self,
         to: WorkerId,
         context: ContextId,
-        carried: &[CarriedGradient],
+        imported: &[Seeded<E>],
     ) -> Option<ProtocolViolation> {
         let sh = self.lock();
         let d = sh.data.get(&context)?;
-        carried.iter().find_map(|c| {
-            let sent = d.sends.get(&c.message)?;
+        imported.iter().find_map(|(message, grads)| {
+            let sent = d.sends.get(message)?;
             let violation = |detail: String| ProtocolViolation::MismatchedGradients {
                 from: to,
                 context,
-                message: c.message,
+                message: *message,
                 detail,
             };
-            if c.grads.len() != sent.len() {
+            if grads.len() != sent.len() {
                 return Some(violation(format!(
                     "{} gradients for {} tensors",
-                    c.grads.len(),
+                    grads.len(),
                     sent.len()
                 )));
             }
-            c.grads
-                .iter()
-                .zip(sent)
-                .enumerate()
-                .find_map(|(i, (g, t))| {
-                    let (got, want) = (g.as_ref()?.shape(), self.engine.shape(t));
-                    (got != want.as_slice()).then(|| {
-                        violation(format!(
-                            "a gradient of shape {got:?} for tensor {i}, of shape {want:?}"
-                        ))
-                    })
+            grads.iter().zip(sent).enumerate().find_map(|(i, (g, t))| {
+                let (got, want) = (self.engine.shape(g.as_ref()?), self.engine.shape(t));
+                (got != want).then(|| {
+                    violation(format!(
+                        "a gradient of shape {got:?} for tensor {i}, of shape {want:?}"
+                    ))
                 })
+            })
         })
     }
 
