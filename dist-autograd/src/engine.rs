@@ -632,7 +632,8 @@ impl<E: AutogradEngine> Inner<E> {
     /// The answer to gradient request `gradient` (sent to `to`) carried gradients for send
     /// functions of this worker's: they are run here as part of the work that sent it. A
     /// gradient the engine cannot take fails the request; gradients for messages this worker
-    /// never sent to `to` are a violation (`to` is dropped, the request fails).
+    /// never sent to `to`, repeated, or not matching the message's tensors in count or shape
+    /// are a violation (`to` is dropped, the request fails naming it and the violation).
     fn on_carried_gradients(
         self: &Arc<Self>,
         gradient: GradientId,
@@ -651,6 +652,23 @@ impl<E: AutogradEngine> Inner<E> {
                 Ok((c.message, seeds))
             })
             .collect();
+        if let Some(v) = imported
+            .as_ref()
+            .ok()
+            .and_then(|imported| self.mismatched(to, context, imported))
+        {
+            self.lock().state.handle_gradient_reply(
+                gradient,
+                Err(BackwardError::Request {
+                    worker: to,
+                    context,
+                    reason: v.to_string(),
+                }),
+            );
+            self.violation(to, &v);
+            self.pump();
+            return;
+        }
         let failed = |reason: String| BackwardError::Request {
             worker: to,
             context,
@@ -689,6 +707,46 @@ impl<E: AutogradEngine> Inner<E> {
             self.violation(to, &v);
         }
         self.pump();
+    }
+
+    /// Whether gradients `to` carried in an answer, as the engine imported them, do not match
+    /// the tensors of the messages they are for (another count, a gradient of another shape
+    /// than its tensor, both as the engine sees them: a tensor may travel in another form, a
+    /// packed sparse one say): a violation the state machine cannot see (it holds no
+    /// tensors). Messages this worker does not hold are left to the state machine
+    /// (`UnknownMessage`).
+    fn mismatched(
+        &self,
+        to: WorkerId,
+        context: ContextId,
+        imported: &[Seeded<E>],
+    ) -> Option<ProtocolViolation> {
+        let sh = self.lock();
+        let d = sh.data.get(&context)?;
+        imported.iter().find_map(|(message, grads)| {
+            let sent = d.sends.get(message)?;
+            let violation = |detail: String| ProtocolViolation::MismatchedGradients {
+                from: to,
+                context,
+                message: *message,
+                detail,
+            };
+            if grads.len() != sent.len() {
+                return Some(violation(format!(
+                    "{} gradients for {} tensors",
+                    grads.len(),
+                    sent.len()
+                )));
+            }
+            grads.iter().zip(sent).enumerate().find_map(|(i, (g, t))| {
+                let (got, want) = (self.engine.shape(g.as_ref()?), self.engine.shape(t));
+                (got != want).then(|| {
+                    violation(format!(
+                        "a gradient of shape {got:?} for tensor {i}, of shape {want:?}"
+                    ))
+                })
+            })
+        })
     }
 
     /// Turns the state machine's outputs into actions (under the lock).

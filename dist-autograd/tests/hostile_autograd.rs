@@ -2,7 +2,10 @@
 //! victim, in the agent's own envelope, a message it has no right to send: the distributed
 //! autograd messages (a gradient or a release for a context it has no part in, a forward call
 //! under a message id not its own, a forward call in a context it guessed followed by a
-//! release of it). (The RPC protocol's own messages are `rpc/tests/hostile_peer.rs`'s.) Over
+//! release of it), or an answer to the victim's gradient request carrying gradients it was
+//! not asked for (`forged_answer`: for a message the victim never sent it, repeated, more
+//! than the message's tensors, of another shape). (The RPC protocol's own messages are
+//! `rpc/tests/hostile_peer.rs`'s.) Over
 //! TCP, shared memory and QUIC, each test checks that:
 //!
 //! - the victim drops the hostile peer as misbehaved, naming the violation, and its calls to it
@@ -718,4 +721,288 @@ mod relay_first {
     async fn quic_a_relay_after_a_guess_is_recorded_once_the_creator_vouches_for_it() {
         super::relay_first(super::Net::Quic).await;
     }
+}
+
+/// The answer to a gradient request, as the autograd layer encodes it: `Ok` with the
+/// gradients that ride in it. A tensor is written as its index among the tensors beside the
+/// message (a `u32`), as the agent writes it.
+#[derive(Serialize)]
+struct CarriedGradient {
+    message: AutogradMessageId,
+    grads: Vec<Option<u32>>,
+}
+
+/// What the hostile peer answers the victim's gradient request with, in place of its own
+/// agent's answer.
+#[derive(Debug, Clone, Copy)]
+enum Answer {
+    /// What an honest worker answers: the gradient for the victim's message to it, of the
+    /// right shape (the control: the forgery's encoding and the message id are right).
+    Honest,
+    /// A gradient for a message the victim never sent (to anyone).
+    NeverSent,
+    /// The gradient for the victim's message to it, twice.
+    Repeated,
+    /// A gradient for a message the victim sent to the honest worker, not to it.
+    SentToAnother,
+    /// Two gradients for the message's one tensor.
+    TooMany,
+    /// A gradient of shape `[2]` for the message's tensor, of shape `[3]`.
+    WrongShape,
+}
+
+/// The victim (w0) calls `hop` on w2 in a context and on w1 in the same context, and runs the
+/// backward pass of `sum(out2^2) + sum(out1^2)`. Its gradient request to w2 never reaches
+/// w2's agent: the hostile peer answers it with `answer`. The victim holds a context of w1's
+/// through it. Checks that:
+///
+/// - an honest answer is taken: the victim's parameter gets the exact gradient;
+/// - a forged one fails the backward pass with an error naming w2 and what it sent, and the
+///   victim drops w2 as misbehaved, naming the violation (`UnknownMessage`,
+///   `MismatchedGradients`); nothing hangs;
+/// - the victim goes on: w1's context held through it runs its backward with the right
+///   gradients, a fresh context of its own too, and it holds no context afterwards.
+async fn forged_answer(net: Net, answer: Answer) {
+    bounded(
+        &format!("{answer:?} over {net:?}"),
+        run_forged_answer(net, answer),
+    )
+    .await;
+}
+
+async fn run_forged_answer(net: Net, answer: Answer) {
+    let gate = Arc::new(Semaphore::new(0));
+    let HostileGroup { agents, hostile } = hostile_group(3, transports(net), |_| {
+        base_options().with_functions(functions(&gate))
+    })
+    .await
+    .expect("the group starts");
+    let (victim, honest, hostile_agent) = (&agents[0], &agents[1], &agents[2]);
+    let (vdist, p0) = autograd(victim, 0);
+    let (hdist, p1) = autograd(honest, 1);
+    let (_wdist, _p2) = autograd(hostile_agent, 2);
+    let mut events = victim.peer_events();
+
+    // The victim's first autograd messages: (0, 0) to w2, (0, 1) to w1.
+    let ctx = vdist.context().unwrap();
+    let ((), out2) = ctx
+        .rpc_sync::<_, ()>("w2", "hop", &(), std::slice::from_ref(&p0), None)
+        .await
+        .unwrap();
+    let ((), out1) = ctx
+        .rpc_sync::<_, ()>("w1", "hop", &(), std::slice::from_ref(&p0), None)
+        .await
+        .unwrap();
+    let (out2, out1) = (&out2[0], &out1[0]);
+    let to_w2 = AutogradMessageId::new(VICTIM, 0);
+    let to_w1 = AutogradMessageId::new(VICTIM, 1);
+    let (kept, kept_out) = forward(&hdist, &p1, "w0").await;
+
+    // The victim's gradient request to w2 is the test's to answer.
+    hostile.swallow(
+        |h| matches!(h, Header::Call { function, .. } if function == "__tw_autograd/grad"),
+    );
+    let loss = out2
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .add(&out1.sqr().unwrap().sum_all().unwrap())
+        .unwrap();
+    let roots = [(loss, None)];
+    let forge =
+        async {
+            let id = match hostile
+        .heard(|h| matches!(h, Header::Call { function, .. } if function == "__tw_autograd/grad"))
+        .await
+    {
+        Header::Call { id, .. } => id,
+        other => panic!("{other:?}"),
+    };
+            let right = Tensor::from_f32(vec![3], &[0.5, -1.0, 2.0]).unwrap();
+            let (carried, tensors) = match answer {
+                Answer::Honest => (
+                    vec![CarriedGradient {
+                        message: to_w2,
+                        grads: vec![Some(0)],
+                    }],
+                    vec![right],
+                ),
+                Answer::NeverSent => (
+                    vec![CarriedGradient {
+                        message: AutogradMessageId::new(VICTIM, 1 << 20),
+                        grads: vec![None],
+                    }],
+                    Vec::new(),
+                ),
+                Answer::Repeated => (
+                    vec![
+                        CarriedGradient {
+                            message: to_w2,
+                            grads: vec![Some(0)],
+                        },
+                        CarriedGradient {
+                            message: to_w2,
+                            grads: vec![Some(1)],
+                        },
+                    ],
+                    vec![right.clone(), right],
+                ),
+                Answer::SentToAnother => (
+                    vec![CarriedGradient {
+                        message: to_w1,
+                        grads: vec![Some(0)],
+                    }],
+                    vec![right],
+                ),
+                Answer::TooMany => (
+                    vec![CarriedGradient {
+                        message: to_w2,
+                        grads: vec![Some(0), None],
+                    }],
+                    vec![right],
+                ),
+                Answer::WrongShape => (
+                    vec![CarriedGradient {
+                        message: to_w2,
+                        grads: vec![Some(0)],
+                    }],
+                    vec![Tensor::from_f32(vec![2], &[1.0, 1.0]).unwrap()],
+                ),
+            };
+            let reply = Header::Reply {
+                id,
+                outcome: Ok(()),
+                forks: Vec::new(),
+            };
+            let answer_body: Result<Vec<CarriedGradient>, BackwardError> = Ok(carried);
+            violating(
+                hostile
+                    .send_with_tensors(VICTIM, &reply, body(&answer_body).unwrap(), &tensors)
+                    .await,
+            );
+        };
+    let (result, ()) = tokio::join!(ctx.backward(&roots, false), forge);
+
+    let context = ctx.id();
+    let expected: Option<AutogradViolation> = match answer {
+        Answer::Honest => None,
+        Answer::NeverSent => Some(AutogradViolation::UnknownMessage {
+            from: HOSTILE,
+            context,
+            message: AutogradMessageId::new(VICTIM, 1 << 20),
+        }),
+        Answer::Repeated => Some(AutogradViolation::UnknownMessage {
+            from: HOSTILE,
+            context,
+            message: to_w2,
+        }),
+        Answer::SentToAnother => Some(AutogradViolation::UnknownMessage {
+            from: HOSTILE,
+            context,
+            message: to_w1,
+        }),
+        Answer::TooMany => Some(AutogradViolation::MismatchedGradients {
+            from: HOSTILE,
+            context,
+            message: to_w2,
+            detail: "2 gradients for 1 tensors".into(),
+        }),
+        Answer::WrongShape => Some(AutogradViolation::MismatchedGradients {
+            from: HOSTILE,
+            context,
+            message: to_w2,
+            detail: "a gradient of shape [2] for tensor 0, of shape [3]".into(),
+        }),
+    };
+    match expected {
+        None => {
+            result.expect("the honest answer is taken");
+            // d/dp0 of sum(tanh(p0 q1)^2) from w1, plus the seed the answer carried for p0.
+            let g = ctx.gradient(&p0).expect("a gradient of p0");
+            let from_w1 = expected_grad(&param_values(0), &param_values(1));
+            let want: Vec<f32> = from_w1
+                .iter()
+                .zip([0.5, -1.0, 2.0])
+                .map(|(a, b)| a + b)
+                .collect();
+            assert_close(&g.to_vec1::<f32>().unwrap(), &want, "the honest answer");
+            assert!(events.try_recv().is_none(), "nobody was dropped");
+        }
+        Some(v) => {
+            let e = result.expect_err("a forged answer fails the backward pass");
+            let text = e.to_string();
+            // The pass fails either with the refused answer (which names the violation) or,
+            // when dropping w2 reaches the context first, as lost with w2: both name w2.
+            assert!(
+                text.contains("w2 (rank 2)")
+                    && (text.contains(&v.to_string()) || text.contains("worker 2 was lost")),
+                "the error names w2 and what became of it: {text}"
+            );
+            match dropped(&mut events, HOSTILE).await {
+                LostCause::Misbehaved(got) => {
+                    assert_eq!(*got, ProtocolViolation::Autograd(v), "the violation")
+                }
+                other => panic!("w2 was lost for {other}, not as a violation"),
+            }
+            assert_eq!(vdist.violations(), 1);
+        }
+    }
+    ctx.release().await.unwrap();
+
+    // The victim goes on: w1's context held through it, and a fresh one of its own.
+    backward_checked(&kept, &kept_out, &p1, &param_values(0), "w1 through w0").await;
+    kept.release().await.unwrap();
+    let (again, again_out) = forward(&vdist, &p0, "w1").await;
+    backward_checked(&again, &again_out, &p0, &param_values(1), "w0 again").await;
+    again.release().await.unwrap();
+    let vdist_ref = vdist.clone();
+    wait_until("the victim holds no context", T, || {
+        vdist_ref.context_count() == 0
+    })
+    .await;
+    gate.add_permits(64);
+    for a in agents {
+        a.shutdown(Shutdown::Immediate).await.unwrap();
+    }
+}
+
+macro_rules! answers {
+    ($($name:ident => $answer:ident),* $(,)?) => {
+        mod forged_answer {
+            mod tcp {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        super::super::forged_answer(super::super::Net::Tcp, super::super::Answer::$answer).await;
+                    }
+                )*
+            }
+            mod shm {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        super::super::forged_answer(super::super::Net::Shm, super::super::Answer::$answer).await;
+                    }
+                )*
+            }
+            mod quic {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        super::super::forged_answer(super::super::Net::Quic, super::super::Answer::$answer).await;
+                    }
+                )*
+            }
+        }
+    };
+}
+
+answers! {
+    an_honest_answer_is_taken => Honest,
+    gradients_for_a_message_never_sent_drop_it => NeverSent,
+    a_gradient_repeated_in_one_answer_drops_it => Repeated,
+    gradients_for_a_message_sent_to_another_worker_drop_it => SentToAnother,
+    more_gradients_than_tensors_drop_it => TooMany,
+    a_gradient_of_another_shape_drops_it => WrongShape,
 }

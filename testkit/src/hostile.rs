@@ -176,6 +176,41 @@ impl HostilePeer {
         self.send_frame(to, frame).await
     }
 
+    /// Like [`send`](Self::send), with host tensors beside the body, announced in the
+    /// envelope as the agent announces them (their bytes as payloads, landing on the host).
+    /// In `body`, a tensor is written as its index among `tensors` (a `u32`), as the agent
+    /// writes it.
+    pub async fn send_with_tensors(
+        &self,
+        to: u32,
+        header: &Header,
+        body: Bytes,
+        tensors: &[tensorwire_core::tensor::Tensor],
+    ) -> Result<(), TransportError> {
+        let metas: Vec<tensorwire_core::tensor::TensorMeta> = tensors
+            .iter()
+            .map(|t| tensorwire_core::tensor::TensorMeta {
+                dtype: t.dtype(),
+                shape: t.shape().to_vec(),
+                device: tensorwire_core::device::Device::Cpu,
+                ipc: None,
+            })
+            .collect();
+        let header = tensorwire_rpc::fuzzing::encode_method_header(header, None, &metas);
+        let mut payloads = vec![body];
+        payloads.extend(tensors.iter().map(|t| {
+            t.host_bytes()
+                .cloned()
+                .expect("send_with_tensors takes host tensors")
+        }));
+        let frame = Frame {
+            kind: FrameKind::Message,
+            header: header.into(),
+            payloads,
+        };
+        self.send_frame(to, frame).await
+    }
+
     /// Sends any frame to rank `to` on the connection the group set up (a header that does
     /// not parse, a control frame, ...).
     pub async fn send_frame(&self, to: u32, frame: Frame) -> Result<(), TransportError> {

@@ -268,4 +268,19 @@ pub enum ProtocolViolation {
         /// The message id.
         message: AutogradMessageId,
     },
+    /// Gradients for a message that do not match its tensors: another count than the
+    /// message carried, or a gradient of another shape than its tensor. An honest worker
+    /// computes them against the very tensors it received. (The state machine does not hold
+    /// tensors: the driver, which does, finds this.)
+    #[error("worker {from} sent gradients for {message} in {context} that do not match its tensors: {detail}")]
+    MismatchedGradients {
+        /// The sender.
+        from: WorkerId,
+        /// The context.
+        context: ContextId,
+        /// The message whose send function they were for.
+        message: AutogradMessageId,
+        /// What does not match.
+        detail: String,
+    },
 }

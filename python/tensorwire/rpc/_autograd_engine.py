@@ -122,7 +122,7 @@ def unpack_sparse(buffer: Any) -> torch.Tensor:
         raise RefusedError(f"a packed sparse tensor from {origin} of size {size}, beyond int64")
     start += -start % 8
     dtype = _serialize._DTYPES[_PACKED_DTYPES[code]]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     dense = math.prod(size[sparse_dim:])
     want = start + 8 * sparse_dim * nnz + itemsize * nnz * dense
     if want != n:
@@ -248,6 +248,12 @@ def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
 def _obeys_layout_contract(grad: torch.Tensor, leaf: torch.Tensor) -> bool:
     """torch's ``obeys_layout_contract``: ``grad`` (dense) has the layout ``AccumulateGrad``
     would keep for ``leaf`` (the leaf's strides if it is dense, else contiguous)."""
+    if leaf.layout == torch.strided:
+        ls = leaf.stride()
+        # The common case, answered without the walk below: a contiguous leaf (so
+        # non-overlapping and dense) and a gradient of its very strides, none of them 0.
+        if grad.stride() == ls and 0 not in ls and leaf.is_contiguous():
+            return True
     if leaf.layout == torch.strided and _non_overlapping_and_dense(leaf):
         for size, gs, ls in zip(grad.shape, grad.stride(), leaf.stride()):
             if size != 1 and gs != ls:
@@ -308,15 +314,25 @@ def dumps_split(value: Any) -> tuple[bytes, list, list, list, list]:
     buf = io.BytesIO()
     p = _serialize._Pickler(buf, split=True)
     p.dump(value)
-    at = set(p.tracked_at)
-    plain = [t for i, t in enumerate(p.tensors) if i not in at]
-    tracked = [p.tensors[i] for i in p.tracked_at]
-    return buf.getvalue(), plain, p.rrefs, list(p.tracked_at), tracked
+    tensors, tracked_at = p.tensors, p.tracked_at
+    if not tracked_at:
+        return buf.getvalue(), tensors, p.rrefs, tracked_at, []
+    if len(tracked_at) == len(tensors):
+        return buf.getvalue(), [], p.rrefs, tracked_at, tensors
+    at = set(tracked_at)
+    plain = [t for i, t in enumerate(tensors) if i not in at]
+    tracked = [tensors[i] for i in tracked_at]
+    return buf.getvalue(), plain, p.rrefs, tracked_at, tracked
 
 
 def merge(plain: Sequence[Any], tracked_at: Sequence[int], tracked: Sequence[Any], origin: str) -> list:
     """The pickle's tensor list again: untracked buffers and tracked tensors in their places."""
+    if not tracked_at and not tracked:
+        return list(plain)
     total = len(plain) + len(tracked)
+    # (``tracked_at`` comes from the native side as a list of ints.)
+    if not plain and list(tracked_at) == list(range(total)):
+        return list(tracked)
     if len(tracked_at) != len(tracked) or any(
         type(i) is not int or not 0 <= i < total for i in tracked_at
     ) or any(a >= b for a, b in zip(tracked_at, tracked_at[1:])):

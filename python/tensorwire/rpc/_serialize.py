@@ -50,6 +50,17 @@ _DTYPES: dict[str, torch.dtype] = {
     for name, value in vars(torch).items()
     if isinstance(value, torch.dtype)
 }
+#: Each dtype's name as a pickle names it (``float32``, not ``torch.float32``).
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+for _name, _dtype in _DTYPES.items():
+    _DTYPE_NAMES.setdefault(_dtype, str(_dtype).removeprefix("torch."))
+del _name, _dtype
+
+#: Types ``persistent_id`` answers ``None`` for at once: the pickler asks it about every object
+#: it writes (the parts of each persistent id included), and these are never tensors or
+#: references.
+_PLAIN_TYPES = frozenset((str, int, float, bool, bytes, tuple, list, dict, type(None)))
+_Tensor = torch.Tensor
 
 
 def _torch_allowed() -> dict[str, Any]:
@@ -173,6 +184,8 @@ class _Pickler(pickle.Pickler):
         self._held: list[Any] = []
 
     def persistent_id(self, obj: Any) -> Any:
+        if type(obj) in _PLAIN_TYPES:
+            return None
         if _rref_type is not None and type(obj) is _rref_type:
             pid = self._seen.get(id(obj))
             if pid is None:
@@ -181,7 +194,7 @@ class _Pickler(pickle.Pickler):
                 self._held.append(obj)
                 self._seen[id(obj)] = pid
             return pid
-        if not isinstance(obj, torch.Tensor):
+        if not isinstance(obj, _Tensor):
             return None
         pid = self._seen.get(id(obj))
         if pid is None:
@@ -204,7 +217,7 @@ class _Pickler(pickle.Pickler):
         return pid
 
     def _add(self, t: torch.Tensor, requires_grad: bool) -> tuple:
-        dtype = str(t.dtype).removeprefix("torch.")
+        dtype = _DTYPE_NAMES.get(t.dtype) or str(t.dtype).removeprefix("torch.")
         pid = ("tensor", len(self.tensors), dtype, tuple(t.shape), requires_grad)
         self.tensors.append(t)
         return pid
@@ -323,8 +336,7 @@ class _Unpickler(pickle.Unpickler):
                 )
             self._tensors[index] = buf
             return buf
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if math.prod(shape) * itemsize != len(buf):
+        if math.prod(shape) * dtype.itemsize != len(buf):
             raise RefusedError(
                 f"a tensor from {self._origin} of shape {shape} and {dtype} came with "
                 f"{len(buf)} bytes"
