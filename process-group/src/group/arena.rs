@@ -408,7 +408,9 @@ impl Group {
         let failed = matches!(e, ArenaError::Failed(_));
         let error = match (e, mesh.broken()) {
             (ArenaError::Failed(ArenaFailure::Gone { .. }), Some(broken)) => broken,
-            // A rank that died or left is named by its world rank, as the links name it.
+            // A rank that died, left or aborted is named by its world rank, as the links name
+            // it (the arena numbers its ranks as the group does, which in a subgroup or a
+            // hierarchy's internal group is not the world's).
             (e, _) => match arena_error(collective, seq, self.rank(), e, |r| arena.pid(r)) {
                 ProcessGroupError::PeerDied {
                     rank,
@@ -427,6 +429,10 @@ impl Group {
                     rank: self.world_rank(rank),
                     collective,
                     seq,
+                },
+                ProcessGroupError::PeerAborted { rank, reason } => ProcessGroupError::PeerAborted {
+                    rank: self.world_rank(rank),
+                    reason,
                 },
                 other => other,
             },
