@@ -2430,7 +2430,9 @@ async fn an_abort_in_a_subgroup_arena_names_the_world_rank() {
     let (a, b, c) =
         bounded(async { tokio::join!(subs[0].barrier(), subs[1].barrier(), subs[2].barrier()) })
             .await;
-    (a.unwrap(), b.unwrap(), c.unwrap());
+    a.unwrap();
+    b.unwrap();
+    c.unwrap();
     let (root, one, two) = bounded(async {
         let mut a = vec![1u8; 8];
         let mut b = vec![0u8; 8];
