@@ -23,7 +23,6 @@ use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
     CallError, ConfirmError, Endpoint, MethodTarget, RRefForkData, RRefHandle, RRefId, WorkerId,
 };
-use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{oneshot, Notify};
 
@@ -36,7 +35,7 @@ use crate::options::RpcOptions;
 use crate::rref::RRef;
 use crate::runtime::Runtime;
 pub use crate::state::Agent;
-use crate::state::{Body, Functions, Inner, State, Tasks, WorkerRecord};
+use crate::state::{Body, Functions, Inner, Owned, State, WorkerRecord};
 use crate::tensors::{self, TensorTransferError};
 use crate::typed::{Call, Function};
 use crate::{driver, links, shutdown};
@@ -91,11 +90,6 @@ impl Agent {
             )),
             functions: options.functions.clone(),
             backend: Arc::clone(&options.device_backend),
-            ipc: crate::state::IpcLink::new(
-                &*options.device_backend,
-                options.share_device_memory,
-                options.ipc_limits,
-            ),
             state: Mutex::new(State {
                 node: Node::new(
                     {
@@ -111,12 +105,16 @@ impl Agent {
                         ep
                     },
                     dynamic,
+                    crate::ipc::state(
+                        &*options.device_backend,
+                        options.share_device_memory,
+                        options.ipc_limits,
+                    ),
                 ),
                 dyn_state: crate::state::DynState::default(),
                 connecting: HashMap::new(),
                 gathers_waiting: HashMap::new(),
                 waiters: HashMap::new(),
-                held_requests: HashMap::new(),
                 values: HashMap::new(),
                 peers: HashMap::new(),
                 driver_wakes_at: None,
@@ -124,12 +122,16 @@ impl Agent {
                 shutdown_waiter: None,
             }),
             wake: Notify::new(),
-            store: Mutex::new(Some(Arc::clone(&rdv.store))),
             device_maps: options.device_maps.clone(),
             metrics: crate::metrics::AgentMetrics::new(name),
-            rendezvous: Mutex::new(None),
-            group: Mutex::new(None),
-            tasks: Mutex::new(Tasks::default()),
+            owned: Mutex::new(Owned {
+                store: Some(Arc::clone(&rdv.store)),
+                rendezvous: None,
+                group: None,
+                writers: tokio::task::JoinSet::new(),
+                others: tokio::task::JoinSet::new(),
+                closed: false,
+            }),
             runtime: Arc::clone(&options.runtime),
             peer_events: crate::peer_events::PeerEventHub::new(),
             serving: std::sync::atomic::AtomicUsize::new(0),
@@ -162,9 +164,10 @@ impl Agent {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    pub(crate) fn tasks(&self) -> MutexGuard<'_, Tasks> {
+    /// What the agent holds until shutdown, and its tasks (see [`Owned`]).
+    pub(crate) fn owned(&self) -> MutexGuard<'_, Owned> {
         self.inner
-            .tasks
+            .owned
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
@@ -182,7 +185,7 @@ impl Agent {
         task: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
         let refused = {
-            let mut tasks = self.tasks();
+            let mut tasks = self.owned();
             if tasks.closed {
                 Some(task)
             } else {
@@ -263,12 +266,7 @@ impl Agent {
     /// The group's store; [`RpcError::NotRunning`] once [`shutdown`](Self::shutdown) has let
     /// go of it.
     pub fn store(&self) -> Result<Arc<dyn Store>, RpcError> {
-        self.inner
-            .store
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-            .ok_or(RpcError::NotRunning)
+        self.owned().store.clone().ok_or(RpcError::NotRunning)
     }
 
     fn resolve(&self, to: &WorkerRef) -> Result<WorkerId, RpcError> {
@@ -379,7 +377,7 @@ impl Agent {
         match e {
             TensorTransferError::Encode(e) => RpcError::Serialization {
                 what: format!("the arguments of {function:?}"),
-                message: e.to_string(),
+                source: Box::new(e),
             },
             other => RpcError::Tensors {
                 to: self.name_of(to),
@@ -404,17 +402,11 @@ impl Agent {
         self.send_call_placed(to, function, args, target, timeout, Direction::Request)
     }
 
-    /// The backend that copies this agent's tensors between host and devices.
-    /// This agent's IPC state (see [`crate::ipc`]).
-    pub(crate) fn ipc(&self) -> &crate::state::IpcLink {
-        &self.inner.ipc
-    }
-
     /// Which way device tensors went to each peer, in rank order: by CUDA IPC handle (same
     /// host, same GPU, both sides able to share) or staged through host memory, with the
     /// reason for the last staged one and the buffers held for the peer awaiting its release.
     pub fn device_paths(&self) -> Vec<tensorwire_core::ipc::PeerPaths> {
-        self.inner.ipc.report()
+        self.lock().node.ipc().report()
     }
 
     /// The device backend this agent moves tensors with.
@@ -837,7 +829,7 @@ impl Agent {
         let what = format!("all_gather {name:?}");
         let bytes = gather::encode_value(value).map_err(|e| RpcError::Serialization {
             what: format!("the {what} value"),
-            message: e.to_string(),
+            source: Box::new(e),
         })?;
         let blocks = match self.group() {
             Some(group) => group
@@ -857,7 +849,7 @@ impl Agent {
             .map(|(r, b)| {
                 gather::decode_value(b).map_err(|e| RpcError::Serialization {
                     what: format!("the {what} value of member {r}"),
-                    message: e.to_string(),
+                    source: Box::new(e),
                 })
             })
             .collect()
@@ -931,11 +923,7 @@ impl Agent {
 
     /// A static group's world process group.
     pub(crate) fn group(&self) -> Option<Group> {
-        self.inner
-            .group
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.owned().group.clone()
     }
 
     /// A failed collective of the agent's group: a timeout names the workers it waited for.
@@ -1004,11 +992,6 @@ impl Agent {
         links::close_links(self);
     }
 
-    /// Queues a control frame (the membership protocol's) for `to`'s writer.
-    pub(crate) fn send_control(&self, to: WorkerId, frame: Frame) {
-        links::send_control(self, to, frame);
-    }
-
     /// Stops the endpoint, ends every task and lets go of the store (see
     /// [`shutdown::stop_and_release`]).
     pub(crate) async fn stop_and_release(&self, deadline: Instant) {
@@ -1060,8 +1043,9 @@ impl Agent {
             st.confirm_waits.insert(wait, tx);
             rx
         };
-        // The driver's timer may have to wake earlier now.
-        self.pump();
+        // The driver's timer may have to wake earlier now (and an outcome known at once is
+        // the driver's to deliver).
+        self.wake();
         match rx.await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(ConfirmError::OwnerLost { rref, owner })) => Err(format!(
@@ -1159,7 +1143,7 @@ impl Agent {
             })?;
         codec::decode(self, &body.data, tensors, &body.forks).map_err(|e| RpcError::Serialization {
             what: format!("the result of {what:?} from {from}"),
-            message: e.to_string(),
+            source: Box::new(e),
         })
     }
 }

@@ -7,11 +7,10 @@
 
 use std::sync::Arc;
 
-use tensorwire_core::budget::{Admit, Use};
 use tensorwire_core::ports::transport::Connection;
-use tensorwire_core::protocol::node::{route, Inbound, NodeEvent, Outgoing};
+use tensorwire_core::protocol::node::{NodeEvent, Outgoing};
 use tensorwire_core::protocol::{
-    Event, Header, LostCause, ProtocolViolation, RemoteErrorKind, RunState, WorkerId,
+    Event, LostCause, ProtocolViolation, RemoteErrorKind, RunState, WorkerId,
 };
 use tensorwire_core::wire::Frame;
 
@@ -75,38 +74,9 @@ pub(crate) fn on_frame(
     frame: Frame,
     direct: bool,
 ) -> Result<(), ProtocolViolation> {
-    // Told apart by kind in core, in one place.
-    let (envelope, payloads) = match route(frame)? {
-        Inbound::Ipc(msg) => return crate::ipc::on_control(this, from, msg),
-        Inbound::Membership(msg) => {
-            let now = this.now();
-            let handled = this.lock().node.handle_membership(from, msg, now);
-            this.pump();
-            return handled;
-        }
-        Inbound::Message { envelope, payloads } => (envelope, payloads),
-    };
-    this.inner
-        .ipc
-        .check_received(from, &envelope.tensors)
-        .map_err(ProtocolViolation::Ipc)?;
-    let (header, body) = envelope.attach(payloads)?;
-    // The forks a body's bytes may hold: a request's travel in the envelope, a reply's in
-    // its header; decoding refuses any other.
-    let announced = match &header {
-        Header::Reply { forks, .. } => Some(forks.clone()),
-        _ => None,
-    };
-    let body = body.map(|b| Body {
-        target: b.target,
-        data: b.data,
-        tensors: b.tensors,
-        forks: announced.unwrap_or(b.forks),
-    });
-    let handled = this
-        .lock()
-        .node
-        .handle_message(from, header, body, this.now());
+    // Told apart by kind, checked and handed to its part in core, in one place.
+    let now = this.now();
+    let handled = this.lock().node.handle_frame(now, from, frame);
     if direct {
         pump_now(this);
     } else {
@@ -163,7 +133,7 @@ pub(crate) fn pump_now(this: &Agent) {
 
 pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>) {
     loop {
-        let (events, wake_driver) = {
+        let (events, wake_driver, released) = {
             let mut st = this.lock();
             while let Some(out) = st.node.poll_transmit() {
                 match out {
@@ -183,8 +153,10 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>)
                 (Some(_), None) => true,
                 (None, _) => false,
             };
-            (events, wake_driver)
+            (events, wake_driver, st.node.take_released())
         };
+        // The IPC exports the node let go of, dropped outside the lock.
+        drop(released);
         if wake_driver {
             this.wake();
         }
@@ -193,7 +165,8 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>)
         }
         for e in events {
             match e {
-                NodeEvent::Endpoint(e) => dispatch(this, e),
+                NodeEvent::Endpoint(e) => run(this, e),
+                NodeEvent::OverBudget { peer, over } => links::drop_over_budget(this, peer, over),
                 NodeEvent::Membership(e) => membership::on_membership_event(this, e),
                 NodeEvent::Gathered { token, outcome } => {
                     crate::gather::answer(this, token, outcome);
@@ -203,86 +176,11 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>)
     }
 }
 
-pub(crate) fn dispatch(this: &Agent, ev: Event<Body>) {
-    let Some(ev) = hold_back(this, ev) else {
-        return;
-    };
-    run(this, ev);
-}
-
-/// The bytes a held request is counted as in its sender's budget.
-fn request_bytes(body: &Body) -> usize {
-    body.tensors
-        .iter()
-        .map(|(_, b)| b.len())
-        .fold(body.data.len(), usize::saturating_add)
-        .max(1)
-}
-
-/// A peer's request, while the frames queued for it wait unread past the hold mark (its
-/// budget says so: `Ledger::holds_requests`), is held, not run: running it would only add a
-/// reply nobody reads, on time taken from the peers that read theirs. Held requests keep their
-/// order (one arriving while others are held waits behind them) and are counted in the peer's
-/// budget (`Use::Requests`); one past it drops the peer as a queue past it does. `None` if
-/// held (or dropped); the request otherwise.
-fn hold_back(this: &Agent, ev: Event<Body>) -> Option<Event<Body>> {
-    let (from, bytes) = match &ev {
-        Event::Call { token, body, .. } | Event::Remote { token, body, .. } => {
-            (token.from(), request_bytes(body))
-        }
-        _ => return Some(ev),
-    };
-    if from == this.inner.me.id {
-        return Some(ev);
-    }
-    let over = {
-        let mut st = this.lock();
-        let behind_others = st.held_requests.get(&from).is_some_and(|q| !q.is_empty());
-        let account = st.node.ep().budget().account(from);
-        if !behind_others && !account.holds_requests() {
-            return Some(ev);
-        }
-        match account.take(Use::Requests, bytes, Admit::IfRoom) {
-            Ok(()) => {
-                st.held_requests
-                    .entry(from)
-                    .or_default()
-                    .push_back((ev, bytes));
-                return None;
-            }
-            Err(over) => over,
-        }
-    };
-    links::drop_over_budget(this, from, over);
-    None
-}
-
-/// Runs `peer`'s held requests, in order, while its budget no longer holds them (its writer
-/// saw its queue come down to half the hold mark).
+/// `peer` reads again (its writer saw its queue come down to half the hold mark): the node
+/// lets its held requests run while its budget allows, and they are dispatched here.
 pub(crate) fn resume_requests(this: &Agent, peer: WorkerId) {
-    loop {
-        let next = {
-            let mut st = this.lock();
-            if st.node.ep().budget().holds_requests(peer) {
-                return;
-            }
-            let Some(queue) = st.held_requests.get_mut(&peer) else {
-                return;
-            };
-            let next = queue.pop_front();
-            if queue.is_empty() {
-                st.held_requests.remove(&peer);
-            }
-            next
-        };
-        let Some((ev, bytes)) = next else { return };
-        this.lock()
-            .node
-            .ep()
-            .budget()
-            .account(peer)
-            .release(Use::Requests, bytes);
-        run(this, ev);
+    if this.lock().node.handle_reading_again(peer) {
+        this.pump();
     }
 }
 
@@ -388,28 +286,21 @@ fn run(this: &Agent, ev: Event<Body>) {
     }
 }
 
-/// A peer's request starts running: counted in its budget's ledger (which holds its next
-/// ones past `RUNNING_PER_PEER`). `Some(peer)` for a peer's, `None` for this worker's own and
-/// for the dynamic group's gathers (a gather waits for the other members, holding nothing
-/// but its round, which the gathers bound per member themselves: counted, a member's rounds
-/// would hold back its requests that the gathers refuse at once).
+/// A request of `function` from `from` is served: `Some(from)` if it counts as one of its
+/// sender's running requests (the node counted it as it came out: its end is told to the node
+/// in [`finished`]).
 fn running(this: &Agent, from: WorkerId, function: &str) -> Option<WorkerId> {
-    if from == this.inner.me.id || function == crate::gather::GATHER {
-        return None;
-    }
-    this.lock().node.ep().budget().account(from).start_request();
-    Some(from)
+    this.lock()
+        .node
+        .counts_as_running(from, function)
+        .then_some(from)
 }
 
 /// A peer's request is answered: its held requests run if its budget lets them.
 fn finished(this: &Agent, from: Option<WorkerId>) {
     let Some(peer) = from else { return };
-    let resume = {
-        let st = this.lock();
-        st.node.ep().budget().account(peer).finish_request() && st.held_requests.contains_key(&peer)
-    };
-    if resume {
-        resume_requests(this, peer);
+    if this.lock().node.handle_request_finished(peer) {
+        this.pump();
     }
 }
 

@@ -196,12 +196,13 @@ pub enum RpcError {
         known: Vec<WorkerInfo>,
     },
     /// Arguments or results could not be (de)serialized.
-    #[error("cannot {what}: {message}")]
+    #[error("cannot {what}: {source}")]
     Serialization {
         /// What was being (de)serialized.
         what: String,
-        /// The serializer's message.
-        message: String,
+        /// The codec's error (core's value codec, or postcard's for an all_gather value).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// A worker name breaks the naming rule.
     #[error(transparent)]
@@ -318,10 +319,12 @@ pub enum RpcError {
         waiting_for: Option<WaitingFor>,
     },
     /// A graceful shutdown could not complete because a member was lost before it was done.
-    #[error("shutdown did not complete: {reason}; waiting for {}", by_rank(.waiting_for))]
+    #[error("shutdown did not complete: {source}; waiting for {}", by_rank(.waiting_for))]
     ShutdownIncomplete {
-        /// What was not done.
-        reason: String,
+        /// What was not done: the endpoint's account (the phase, the members missing, who
+        /// reported the failure).
+        #[source]
+        source: tensorwire_core::protocol::ShutdownError,
         /// The workers it still waited for, in rank order.
         waiting_for: Vec<WorkerInfo>,
     },
@@ -385,6 +388,21 @@ impl RpcError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tensorwire_core::protocol::{Endpoint, EndpointConfig, Event, LostCause, ShutdownError};
+
+    /// The error of a graceful shutdown whose member 2 was lost, as an endpoint reports it.
+    fn lost_member() -> ShutdownError {
+        let now = tensorwire_core::sim::Clock::new().now();
+        let mut ep = Endpoint::<Vec<u8>>::new(0, EndpointConfig::default());
+        ep.begin_graceful_shutdown([1, 2], None);
+        ep.handle_peer_lost(2, LostCause::Shutdown, now);
+        std::iter::from_fn(|| ep.poll_event())
+            .find_map(|ev| match ev {
+                Event::ShutdownComplete { outcome: Err(e) } => Some(e),
+                _ => None,
+            })
+            .expect("a lost member fails the shutdown")
+    }
 
     fn w(name: &str, id: WorkerId) -> WorkerInfo {
         WorkerInfo {
@@ -404,15 +422,18 @@ mod tests {
             "unknown worker w9; known workers: w0 (rank 0), w1 (rank 1)"
         );
         let e = RpcError::ShutdownIncomplete {
-            reason: "a member was lost".into(),
+            source: lost_member(),
             waiting_for: vec![w("w2", 2)],
         };
         assert_eq!(
             e.to_string(),
-            "shutdown did not complete: a member was lost; waiting for rank 2 (w2)"
+            "shutdown did not complete: not every member reported that it is idle (a member \
+             was lost); waiting for rank 2 (w2)"
         );
+        let source = std::error::Error::source(&e).expect("the endpoint's error is the source");
+        assert!(source.is::<ShutdownError>(), "{source:?}");
         let e = RpcError::ShutdownIncomplete {
-            reason: "a member was lost".into(),
+            source: lost_member(),
             waiting_for: Vec::new(),
         };
         assert!(e.to_string().ends_with("waiting for nobody in particular"));

@@ -31,7 +31,7 @@ use crate::functions::{finish, Handler, HandlerError, Invocation};
 use crate::state::Agent;
 
 /// The internal function the members call on the leader (not in the user's table).
-pub(crate) const GATHER: &str = "__tw/gather";
+pub(crate) const GATHER: &str = gather::GATHER_FUNCTION;
 
 /// Hands the answer the node gave under `token` to the call waiting for it.
 pub(crate) fn answer(agent: &Agent, token: GatherToken, outcome: GatherOutcome) {
@@ -72,9 +72,9 @@ async fn lead(agent: &Agent, from: WorkerId, c: Contribution) -> GatherOutcome {
         token
     };
     let _abandon = Abandon { agent, token };
-    // An answer given at once (a refusal, the round's last value) goes out now; a new
-    // deadline wakes the driver.
-    agent.pump();
+    // The driver delivers an answer given at once (a refusal, the round's last value) and
+    // the other callers' answers it completes, and sleeps until a new deadline.
+    agent.wake();
     rx.await.unwrap_or(GatherOutcome::Missing(Vec::new()))
 }
 

@@ -8,91 +8,24 @@
 //! receiver says it copied it out, or is lost. `RpcOptions::share_device_memory = false` or
 //! `TENSORWIRE_CUDA_IPC=0` turns sharing off in a worker (its peers then stage too).
 
-use std::sync::{Mutex, PoisonError};
-
 use bytes::Bytes;
 use tensorwire_core::device::Device;
-use tensorwire_core::ipc::{
-    encode_message, IpcConfig, IpcMessage, IpcState, IpcViolation, PeerPaths, Route, StagedReason,
-};
+use tensorwire_core::ipc::{IpcConfig, IpcState, Route, StagedReason};
 use tensorwire_core::ports::device::{DeviceBackend, DeviceIpc};
-use tensorwire_core::protocol::{ProtocolViolation, WorkerId};
+use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::tensor::{Storage, Tensor, TensorMeta};
-use tensorwire_core::wire::Frame;
 
 use crate::state::Agent;
-use crate::state::{IpcHeld as Held, IpcLink};
+use crate::state::IpcHeld as Held;
 use crate::tensors::WireTensors;
 use crate::tensors::{MalformedTensor, TensorTransferError};
 
-impl IpcLink {
-    /// The state of an agent over `backend` (sharing unless the backend cannot, `share` is
-    /// off, or `TENSORWIRE_CUDA_IPC=0`).
-    pub(crate) fn new(backend: &dyn DeviceBackend, share: bool, limits: IpcConfig) -> Self {
-        let enabled = share && std::env::var("TENSORWIRE_CUDA_IPC").map_or(true, |v| v != "0");
-        let me = backend.ipc().filter(|_| enabled).map(DeviceIpc::identity);
-        Self {
-            state: Mutex::new(IpcState::new(me, limits)),
-        }
-    }
-
-    fn state(&self) -> std::sync::MutexGuard<'_, IpcState<Held>> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The paths each peer's device tensors took.
-    pub(crate) fn report(&self) -> Vec<PeerPaths> {
-        self.state().report()
-    }
-
-    /// Checks the IPC descriptors a received message announces against state, before anything
-    /// is handled: a descriptor from a peer that never agreed to IPC is a violation.
-    pub(crate) fn check_received(
-        &self,
-        from: WorkerId,
-        metas: &[TensorMeta],
-    ) -> Result<(), IpcViolation> {
-        if metas.iter().any(|m| m.ipc.is_some()) {
-            self.state().check_import(from)?;
-        }
-        Ok(())
-    }
-}
-
-/// Sends what the IPC state has queued.
-fn flush(agent: &Agent) {
-    let out: Vec<_> = {
-        let mut st = agent.ipc().state();
-        std::iter::from_fn(|| st.poll_transmit()).collect()
-    };
-    for (to, msg) in out {
-        agent.send_control(to, Frame::control(encode_message(&msg), vec![]));
-    }
-}
-
-/// Handles an IPC message from `from` (a control frame core's `route` found to be one). A
-/// violation is an error: the connection to that peer is dropped.
-pub(crate) fn on_control(
-    agent: &Agent,
-    from: WorkerId,
-    msg: IpcMessage,
-) -> Result<(), ProtocolViolation> {
-    let handled = agent.ipc().state().handle_message(from, msg);
-    flush(agent);
-    match handled {
-        // The released buffers are dropped here, outside the lock.
-        Ok(released) => {
-            drop(released);
-            Ok(())
-        }
-        Err(violation) => Err(ProtocolViolation::Ipc(violation)),
-    }
-}
-
-/// `peer` is gone: the buffers held for it are freed.
-pub(crate) fn peer_lost(agent: &Agent, peer: WorkerId) {
-    let released = agent.ipc().state().peer_lost(peer);
-    drop(released);
+/// The IPC state of an agent over `backend` (sharing unless the backend cannot, `share` is
+/// off, or `TENSORWIRE_CUDA_IPC=0`), for its node to own.
+pub(crate) fn state(backend: &dyn DeviceBackend, share: bool, limits: IpcConfig) -> IpcState<Held> {
+    let enabled = share && std::env::var("TENSORWIRE_CUDA_IPC").map_or(true, |v| v != "0");
+    let me = backend.ipc().filter(|_| enabled).map(DeviceIpc::identity);
+    IpcState::new(me, limits)
 }
 
 /// The bytes of each tensor for `to`: device tensors by IPC descriptor where core says so,
@@ -113,32 +46,37 @@ pub(crate) async fn to_wire(
                 // An empty buffer has no memory to share: it travels as its (no) bytes.
                 let route = match device {
                     Device::Cuda(_) if to != me && !buf.is_empty() => {
-                        let route =
-                            agent
-                                .ipc()
-                                .state()
-                                .route(to, buf.device(), device, buf.len() as u64);
-                        flush(agent);
-                        route
+                        // A hello this queues goes out with the next frames the node sends
+                        // (before the message that carries this tensor).
+                        agent.lock().node.ipc_mut().route(
+                            to,
+                            buf.device(),
+                            device,
+                            buf.len() as u64,
+                        )
                     }
                     _ => Route::Staged(StagedReason::SameProcess),
                 };
                 let shared = match (route, backend.ipc()) {
                     (Route::Ipc(id), Some(sharing)) => match sharing.export(buf).await {
                         Ok(export) => {
-                            agent.ipc().state().exported(to, id, export.keep);
+                            agent.lock().node.ipc_mut().exported(to, id, export.keep);
                             ipc = Some(id);
                             Some(export.descriptor)
                         }
                         Err(e) => {
                             tracing::debug!(peer = to, "IPC export failed, staging: {e}");
-                            agent.ipc().state().export_failed(to, id, e.to_string());
+                            agent
+                                .lock()
+                                .node
+                                .ipc_mut()
+                                .export_failed(to, id, e.to_string());
                             None
                         }
                     },
                     (Route::Ipc(id), None) => {
                         let why = "the device backend does not share memory".to_owned();
-                        agent.ipc().state().export_failed(to, id, why);
+                        agent.lock().node.ipc_mut().export_failed(to, id, why);
                         None
                     }
                     (Route::Staged(_), _) => None,
@@ -184,10 +122,11 @@ pub(crate) async fn from_wire(
         shared = true;
         let landed = import(&*backend, &meta, &bytes).await;
         {
-            let mut st = agent.ipc().state();
+            let mut st = agent.lock();
+            let ipc = st.node.ipc_mut();
             match &landed {
-                Ok(_) => st.imported(from, id),
-                Err(e) => st.import_failed(from, id, e.to_string()),
+                Ok(_) => ipc.imported(from, id),
+                Err(e) => ipc.import_failed(from, id, e.to_string()),
             }
         }
         match landed {
@@ -199,7 +138,8 @@ pub(crate) async fn from_wire(
         }
     }
     if shared {
-        flush(agent);
+        // The releases (and refusals) queued go out now: the sender holds the buffers.
+        agent.pump();
     }
     match failed {
         Some(e) => Err(e),

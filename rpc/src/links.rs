@@ -52,7 +52,7 @@ pub(crate) fn attach_conn(
     owned: bool,
     on_reading_again: fn(&Agent, WorkerId),
 ) -> Option<tokio::sync::watch::Receiver<bool>> {
-    if this.tasks().closed {
+    if this.owned().closed {
         // Shut down already: the connection closes here.
         return None;
     }
@@ -189,14 +189,9 @@ pub(crate) fn peer_lost_on(
 /// forks of its values are forgotten), and its connection closes once what is queued for
 /// it is sent.
 pub(crate) fn member_left(this: &Agent, peer: WorkerId) {
-    crate::ipc::peer_lost(this, peer);
-    let link = {
-        let mut st = this.lock();
-        let link = st.peers.remove(&peer);
-        // (The endpoint has it as left: the node applied the membership's removal.)
-        st.drop_held_requests(peer, this.now());
-        link
-    };
+    // (The endpoint has it as left and its held requests are dropped: the node applied the
+    // membership's removal.)
+    let link = this.lock().peers.remove(&peer);
     drop(link);
     // For subscribers a member that left is gone as a lost one is (autograd drops the
     // contexts it made or knew): the endpoint's `Event::PeerLost`, dispatched here.
@@ -207,11 +202,6 @@ pub(crate) fn member_left(this: &Agent, peer: WorkerId) {
 pub(crate) fn close_links(this: &Agent) {
     let links = std::mem::take(&mut this.lock().peers);
     drop(links);
-}
-
-/// Queues a control frame (the membership protocol's) for `to`'s writer.
-pub(crate) fn send_control(this: &Agent, to: WorkerId, frame: Frame) {
-    send_control_locked(&mut this.lock(), to, frame);
 }
 
 /// [`send_control`] under the state's lock, taken by the caller (the pump). A frame for a
@@ -275,14 +265,12 @@ pub(crate) fn peer_lost(this: &Agent, peer: WorkerId, cause: LostCause) {
     } else {
         warn!("lost the connection to {name} (rank {peer}): {cause}");
     }
-    crate::ipc::peer_lost(this, peer);
     {
         let mut st = this.lock();
         st.peers.remove(&peer);
-        // The endpoint records it, and a dynamic group's membership drops it (handing
-        // coordination on, if it coordinated).
+        // The endpoint records it, a dynamic group's membership drops it (handing
+        // coordination on, if it coordinated) and its held requests go.
         st.node.handle_peer_lost(peer, cause, this.now());
-        st.drop_held_requests(peer, this.now());
     }
     this.pump();
 }

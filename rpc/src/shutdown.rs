@@ -1,7 +1,6 @@
 //! Stopping an agent: the graceful termination detection of a static group (decided by the
 //! endpoint), and the release of everything the agent holds, within one deadline.
 
-use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
 use tensorwire_core::ports::process_group::ProcessGroup;
@@ -20,7 +19,7 @@ use crate::state::Body;
 /// connections, not the store: rank 0, which hosts it, need not wait for anyone.)
 pub(crate) async fn stop_and_release(this: &Agent, deadline: Instant) {
     let (writers, mut others) = {
-        let mut tasks = this.tasks();
+        let mut tasks = this.owned();
         tasks.closed = true;
         (
             std::mem::take(&mut tasks.writers),
@@ -58,12 +57,7 @@ pub(crate) async fn stop_and_release(this: &Agent, deadline: Instant) {
         while writers.join_next().await.is_some() {}
     }
     // The group's goodbyes close the shared connections (its readers end with them).
-    let group = this
-        .inner
-        .group
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .take();
+    let group = this.owned().group.take();
     if let Some(group) = group {
         if this
             .runtime()
@@ -74,19 +68,9 @@ pub(crate) async fn stop_and_release(this: &Agent, deadline: Instant) {
             debug!("the group's goodbyes did not all go out before the deadline");
         }
     }
-    let store = this
-        .inner
-        .store
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .take();
+    let store = this.owned().store.take();
     drop(store);
-    let rdv = this
-        .inner
-        .rendezvous
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .take();
+    let rdv = this.owned().rendezvous.take();
     if let Some(rdv) = rdv {
         rdv.shutdown().await;
     }
@@ -130,13 +114,14 @@ pub(crate) async fn run_shutdown(
         st.shutdown_waiter = Some(tx);
         begin(st.node.ep_mut());
     }
-    this.pump();
+    // The driver sends what it produced and delivers its outcome.
+    this.wake();
     match rx.await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(if e.lost {
             RpcError::ShutdownIncomplete {
-                reason: e.to_string(),
                 waiting_for: e.missing.iter().map(|r| this.worker(*r)).collect(),
+                source: e,
             }
         } else {
             RpcError::Timeout {

@@ -1,5 +1,5 @@
 //! What the agent holds, shared by its handle ([`Agent`]), its driver and its tasks: core's
-//! [`Node`] (the endpoint and a dynamic group's membership) and what waits on it (`State`, under
+//! [`Node`] (the endpoint, the gathers, the IPC state and a dynamic group's membership) and what waits on it (`State`, under
 //! one lock), and the rest of the agent (`Inner`).
 
 use std::any::Any;
@@ -9,15 +9,15 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use tensorwire_core::device::DeviceMaps;
-use tensorwire_core::ipc::IpcState;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::protocol::envelope::FrameBody;
 use tensorwire_core::protocol::gather::{GatherOutcome, GatherToken};
 use tensorwire_core::protocol::membership::{Directory, MemberRecord, MembershipError};
 use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, Event, MessageId, MethodTarget, Payload, RRefForkData, RRefId,
-    ShutdownError, WaitId, WorkerId,
+    CallError, ConfirmError, MessageId, MethodTarget, Payload, RRefForkData, RRefId, ShutdownError,
+    WaitId, WorkerId,
 };
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
@@ -55,6 +55,17 @@ pub(crate) struct Body {
     pub(crate) forks: Vec<RRefForkData>,
 }
 
+impl From<FrameBody> for Body {
+    fn from(b: FrameBody) -> Self {
+        Self {
+            target: b.target,
+            data: b.data,
+            tensors: b.tensors,
+            forks: b.forks,
+        }
+    }
+}
+
 impl Payload for Body {
     fn forks(&self) -> Vec<RRefForkData> {
         self.forks.clone()
@@ -62,6 +73,13 @@ impl Payload for Body {
 
     fn target(&self) -> Option<MethodTarget> {
         self.target
+    }
+
+    fn wire_bytes(&self) -> usize {
+        self.tensors
+            .iter()
+            .map(|(_, b)| b.len())
+            .fold(self.data.len(), usize::saturating_add)
     }
 }
 
@@ -84,8 +102,9 @@ pub(crate) struct PeerLink {
 }
 
 pub(crate) struct State {
-    /// The endpoint and a dynamic group's membership, driven as one (core's sans-IO node).
-    pub(crate) node: Node<Body>,
+    /// The endpoint, the gathers this worker leads, the IPC state and a dynamic group's
+    /// membership, driven as one (core's sans-IO node).
+    pub(crate) node: Node<Body, IpcHeld>,
     /// A dynamic group's driver state beside the node's membership.
     pub(crate) dyn_state: DynState,
     /// The control frames for peers whose connection is being set up (a joiner being
@@ -104,36 +123,6 @@ pub(crate) struct State {
     pub(crate) confirm_waits: HashMap<WaitId, oneshot::Sender<Result<(), ConfirmError>>>,
     /// The graceful shutdown (or leave) in progress: told its outcome.
     pub(crate) shutdown_waiter: Option<oneshot::Sender<Result<(), ShutdownError>>>,
-    /// Requests of peers whose replies wait unread (the budget holds them:
-    /// `Ledger::holds_requests`), in arrival order, each with the bytes it is counted as;
-    /// run once the peer reads (see `driver::resume_requests`), dropped with the peer.
-    pub(crate) held_requests: HashMap<WorkerId, std::collections::VecDeque<(Event<Body>, usize)>>,
-}
-
-impl State {
-    /// Forgets `peer`'s held requests (it is lost), giving their bytes back to its budget. The
-    /// references forked for this worker in their arguments are accepted and dropped at once,
-    /// as for a request refused, so that their owners stop counting them.
-    pub(crate) fn drop_held_requests(&mut self, peer: WorkerId, now: Instant) {
-        let Some(queue) = self.held_requests.remove(&peer) else {
-            return;
-        };
-        let mut bytes = 0usize;
-        for (ev, b) in queue {
-            bytes = bytes.saturating_add(b);
-            if let Event::Call { body, .. } | Event::Remote { body, .. } = ev {
-                for fork in body.forks {
-                    let handle = self.node.ep_mut().accept_fork(fork, now);
-                    self.node.ep_mut().drop_handle(handle, now);
-                }
-            }
-        }
-        self.node
-            .ep()
-            .budget()
-            .account(peer)
-            .release(tensorwire_core::budget::Use::Requests, bytes);
-    }
 }
 
 pub(crate) struct Inner {
@@ -145,18 +134,12 @@ pub(crate) struct Inner {
     pub(crate) rpc_timeout_nanos: std::sync::atomic::AtomicU64,
     pub(crate) functions: Functions,
     pub(crate) backend: Arc<dyn DeviceBackend>,
-    /// Same-host device memory sharing (CUDA IPC) with the peers.
-    pub(crate) ipc: IpcLink,
     pub(crate) state: Mutex<State>,
     pub(crate) wake: Notify,
-    /// The group's store, until shutdown lets go of it.
-    pub(crate) store: Mutex<Option<Arc<dyn Store>>>,
     pub(crate) device_maps: DeviceMaps,
-    pub(crate) rendezvous: Mutex<Option<Rendezvous>>,
-    /// A static group's world process group, whose connections the agent shares; shut down
-    /// with the agent.
-    pub(crate) group: Mutex<Option<Group>>,
-    pub(crate) tasks: Mutex<Tasks>,
+    /// What the agent holds until shutdown lets go of it, and the tasks it runs (one lock:
+    /// each use is short and takes no other lock).
+    pub(crate) owned: Mutex<Owned>,
     /// The one runtime the agent reads time from, sleeps on and spawns with.
     pub(crate) runtime: Arc<dyn Runtime>,
     pub(crate) metrics: crate::metrics::AgentMetrics,
@@ -169,10 +152,17 @@ pub(crate) struct Inner {
     pub(crate) queued_bytes: Arc<std::sync::atomic::AtomicUsize>,
 }
 
-/// Every task the agent runs, so that shutdown can end them and wait until they have ended
-/// (and so let go of the connections and values they hold).
-#[derive(Default)]
-pub(crate) struct Tasks {
+/// What the agent holds until shutdown lets go of it — the group's store, the rendezvous, a
+/// static group's world process group — and every task it runs, so that shutdown can end them
+/// and wait until they have ended (and so let go of the connections and values they hold).
+pub(crate) struct Owned {
+    /// The group's store, until shutdown lets go of it.
+    pub(crate) store: Option<Arc<dyn Store>>,
+    /// The rendezvous the agent started from (shut down last).
+    pub(crate) rendezvous: Option<Rendezvous>,
+    /// A static group's world process group, whose connections the agent shares; shut down
+    /// with the agent.
+    pub(crate) group: Option<Group>,
     /// The connections' writers, which shutdown lets send what is queued and close first.
     pub(crate) writers: tokio::task::JoinSet<()>,
     /// Everything else: the driver, readers, accept loops, calls being served.
@@ -186,11 +176,6 @@ pub(crate) struct Tasks {
 
 /// What keeps one export valid (the backend's value), held until released.
 pub(crate) type IpcHeld = Box<dyn Any + Send + Sync>;
-
-/// One agent's IPC state.
-pub(crate) struct IpcLink {
-    pub(crate) state: Mutex<IpcState<IpcHeld>>,
-}
 
 /// The driver's side of a dynamic group's membership, beside the node's (in the agent's
 /// state, under its lock).

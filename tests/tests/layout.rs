@@ -112,11 +112,76 @@ fn code_lines_under(dir: &str) -> usize {
 fn the_agent_holds_no_more_code_than_the_protocol_it_drives() {
     let rpc = code_lines_under("rpc/src");
     let protocol = code_lines_under("core/src/protocol");
-    eprintln!("code lines: rpc/src {rpc}, core/src/protocol {protocol}");
-    assert!(
-        rpc <= protocol,
-        "rpc/src has {rpc} code lines, more than core/src/protocol's {protocol}: move decisions into core"
+    eprintln!(
+        "code lines: rpc/src {rpc}, core/src/protocol {protocol} (ratio {:.3}; the ratchet {}%, \
+         the issue's target 60%)",
+        rpc as f64 / protocol as f64,
+        RPC_PERCENT_OF_PROTOCOL
     );
+    assert!(
+        rpc * 100 <= protocol * RPC_PERCENT_OF_PROTOCOL,
+        "rpc/src has {rpc} code lines, more than {RPC_PERCENT_OF_PROTOCOL}% of \
+         core/src/protocol's {protocol}: move decisions into core"
+    );
+}
+
+/// The most code lines `rpc/src` may hold, in percent of `core/src/protocol`'s: a ratchet at
+/// the ratio reached (0.897 when it was set at 100, 0.836 when tightened to this), lowered as
+/// decisions move into core (the issue's target is 60).
+const RPC_PERCENT_OF_PROTOCOL: usize = 84;
+
+/// The agent's shared state (`Inner` in `rpc/src/state.rs`) holds few locks (the issue's
+/// target is one): core's node and what waits on it under `state`, what the agent holds until
+/// shutdown and its tasks under `owned`, and the directory under a read-write lock. A new
+/// `Mutex`, `RwLock`, `Notify` or atomic field there shows here.
+#[test]
+fn the_agents_state_holds_few_locks() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .join("rpc/src/state.rs");
+    let (locks, notifies, atomics) = inner_sync_fields(&std::fs::read_to_string(root).unwrap());
+    eprintln!("Inner: {locks} locks, {notifies} Notify, {atomics} atomics");
+    assert!(
+        locks <= 3,
+        "Inner has {locks} locks (Mutex/RwLock fields), more than 3"
+    );
+    assert!(
+        notifies <= 1,
+        "Inner has {notifies} Notify fields, more than 1"
+    );
+    assert!(
+        atomics <= 3,
+        "Inner has {atomics} atomic fields, more than 3"
+    );
+}
+
+/// The `Mutex`/`RwLock`, `Notify` and atomic fields of `struct Inner` in `text`.
+fn inner_sync_fields(text: &str) -> (usize, usize, usize) {
+    let start = text
+        .find("pub(crate) struct Inner {")
+        .expect("rpc/src/state.rs defines Inner");
+    let body = &text[start..];
+    let body = &body[..body.find("\n}").expect("Inner's body ends")];
+    let fields: Vec<&str> = body
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.starts_with("//") && l.contains(": "))
+        .collect();
+    let count = |pred: &dyn Fn(&str) -> bool| fields.iter().filter(|f| pred(f)).count();
+    (
+        count(&|f| f.contains("Mutex<") || f.contains("RwLock<")),
+        count(&|f| f.contains("Notify")),
+        count(&|f| f.contains("Atomic")),
+    )
+}
+
+#[test]
+fn inner_sync_fields_counts_each_kind() {
+    let text = "pub(crate) struct Inner {\n    /// a Mutex<doc>\n    pub(crate) a: Mutex<A>,\n    \
+                pub(crate) b: std::sync::RwLock<B>,\n    pub(crate) c: Notify,\n    \
+                pub(crate) d: Arc<AtomicUsize>,\n    pub(crate) e: u32,\n}\n";
+    assert_eq!(inner_sync_fields(text), (2, 1, 1));
 }
 
 #[test]

@@ -35,7 +35,8 @@ pub struct Envelope {
 pub struct FrameBody {
     /// For a method: the reference whose value it is called on, and the caller's fork of it.
     pub target: Option<MethodTarget>,
-    /// For a request: the forks of the references in its arguments ([`Envelope::forks`]).
+    /// The forks made for the receiver of the references inside `data`: a request's
+    /// ([`Envelope::forks`]), a reply's (its [`Header::Reply`]'s).
     pub forks: Vec<RRefForkData>,
     /// The encoded arguments or result (the first payload).
     pub data: Bytes,
@@ -80,9 +81,15 @@ impl Envelope {
                         },
                     ));
                 }
+                // The forks the body's bytes may hold: a request's travel in the envelope, a
+                // reply's in its header; decoding the value refuses any other.
+                let forks = match &self.header {
+                    Header::Reply { forks, .. } => forks.clone(),
+                    _ => self.forks,
+                };
                 Some(FrameBody {
                     target: self.target,
-                    forks: self.forks,
+                    forks,
                     data,
                     tensors: self.tensors.into_iter().zip(bytes).collect(),
                 })

@@ -389,6 +389,13 @@ pub fn resolve(
 /// Names one contribution waiting for its answer at the leader.
 pub type GatherToken = u64;
 
+/// The internal function a member calls on the leader with its contribution (not in the
+/// user's table). Its calls do not count as running requests of their sender (a gather waits
+/// for the other members, holding nothing but its round, which the gathers bound per member
+/// themselves): counted, a member's rounds would hold back its requests that the gathers
+/// refuse at once.
+pub const GATHER_FUNCTION: &str = "__tw/gather";
+
 /// A caller waiting at the leader.
 #[derive(Debug, Clone, Copy)]
 struct Waiter {

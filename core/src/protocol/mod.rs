@@ -164,6 +164,12 @@ pub trait Payload {
     fn target(&self) -> Option<MethodTarget> {
         None
     }
+
+    /// The bytes this body is counted as while a request carrying it is held back (see the
+    /// node's held requests): its encoded value and its tensors' bytes (none by default).
+    fn wire_bytes(&self) -> usize {
+        0
+    }
 }
 
 /// What a method call names as the value it runs on: the reference, and the fork of it the
@@ -195,7 +201,11 @@ struct ParkedCall<B> {
     deadline: Option<Instant>,
 }
 
-impl Payload for Vec<u8> {}
+impl Payload for Vec<u8> {
+    fn wire_bytes(&self) -> usize {
+        self.len()
+    }
+}
 
 /// A failure reported by the callee.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]

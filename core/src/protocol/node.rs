@@ -1,6 +1,7 @@
 //! The node: one sans-IO value that owns an agent's protocol parts — the [`Endpoint`], the
-//! gathers this worker leads ([`GatherLeader`]) and, in a dynamic group, the
-//! [`DynamicMembership`] — with one way in for each kind of input
+//! gathers this worker leads ([`GatherLeader`]), the same-host device memory sharing
+//! ([`IpcState`]) and, in a dynamic group, the [`DynamicMembership`] — with one way in for a
+//! received frame ([`handle_frame`](Node::handle_frame)) and one for each other kind of input
 //! (`handle_*`), one queue of frames out ([`poll_transmit`](Node::poll_transmit)), one timer
 //! ([`poll_timeout`](Node::poll_timeout), the earliest deadline of every part) and one queue of
 //! events ([`poll_event`](Node::poll_event)), as quinn-proto's `Connection` owns its streams,
@@ -11,25 +12,36 @@
 //! left), a lost peer reaches the membership, and every loss the endpoint reports (however it
 //! was found) reaches the gathers.
 //!
+//! A peer's requests are held back while its budget says so (its replies wait unread, or as
+//! many of its requests run as one peer's may): they come out of `poll_event` once it reads
+//! again ([`handle_reading_again`](Node::handle_reading_again)) or one of its requests ends
+//! ([`handle_request_finished`](Node::handle_request_finished)), in order, and are dropped
+//! with the peer.
+//!
 //! Frames are told apart by their kind in one place, [`route`]: a message frame is the
-//! endpoint's (its [`Envelope`]), a control frame is a same-host IPC message (its tag,
-//! [`crate::ipc::FRAME_TAG`]) or else a membership message, and any other kind is no frame of
-//! an agent's ([`MalformedMessage::UnexpectedKind`]). The IPC state is not yet part of the node:
-//! its messages are handed back to the driver ([`Inbound::Ipc`]).
+//! endpoint's (its [`Envelope`], whose announced IPC descriptors the IPC state checks first),
+//! a control frame is a same-host IPC message (its tag, [`crate::ipc::FRAME_TAG`]) or else a
+//! membership message, and any other kind is no frame of an agent's
+//! ([`MalformedMessage::UnexpectedKind`]). [`handle_frame`](Node::handle_frame) hands each to
+//! its part. The IPC state has no timers; the buffers it lets go of (released by the peer, or
+//! held for a lost one) are handed to the driver to drop outside its lock
+//! ([`take_released`](Node::take_released)).
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
+mod held;
+
 use bytes::Bytes;
 
-use super::envelope::Envelope;
+use super::envelope::{Envelope, FrameBody};
 use super::gather::{Contribution, GatherConfig, GatherLeader, GatherOutcome, GatherToken};
 use super::membership::{DynMessage, DynamicMembership, MembershipEvent};
 use super::{
     Endpoint, Event, Header, LostCause, MalformedMessage, Payload, ProtocolViolation, Transmit,
     WorkerId,
 };
-use crate::ipc::IpcMessage;
+use crate::ipc::{encode_message, IpcMessage, IpcState};
 use crate::wire::{Frame, FrameKind};
 
 /// A frame received on an agent's connection, told apart by its kind ([`route`]).
@@ -97,6 +109,14 @@ pub enum NodeEvent<B> {
     Endpoint(Event<B>),
     /// The membership's (after the node applied to the endpoint what concerns it).
     Membership(MembershipEvent),
+    /// A peer passed its budget with its requests held back: the driver drops it as lost
+    /// ([`LostCause::OverBudget`]) and closes its connection, as for a queue past the budget.
+    OverBudget {
+        /// The peer.
+        peer: WorkerId,
+        /// What it held, and what it asked for.
+        over: crate::budget::OverBudget,
+    },
     /// The answer to a gather contribution ([`Node::handle_contribution`]).
     Gathered {
         /// The token the contribution got.
@@ -106,29 +126,42 @@ pub enum NodeEvent<B> {
     },
 }
 
-/// An agent's protocol state: the endpoint and the dynamic group's membership, driven as one.
-pub struct Node<B> {
+/// An agent's protocol state: the endpoint, the gathers it leads, its IPC state and the
+/// dynamic group's membership, driven as one. `B` is the body of the endpoint's messages, `H`
+/// what keeps one IPC export valid (the device backend's value, held until the peer releases
+/// it).
+pub struct Node<B, H = ()> {
     ep: Endpoint<B>,
     /// Whether workers join and leave (a dynamic group): calls and replies only from members.
     dynamic: bool,
     membership: Option<DynamicMembership>,
     /// The dynamic group's gathers this worker leads (idle until a member contributes).
     gathers: GatherLeader,
+    /// Same-host device memory sharing with the peers (its messages are control frames).
+    ipc: IpcState<H>,
+    /// The exports the IPC state let go of, for the driver to drop outside its lock.
+    released: Vec<H>,
+    /// Peers' requests held back while their budget says so.
+    held: held::Held<B>,
     /// The membership's messages, encoded, and its events, after the node applied them.
     control: VecDeque<(WorkerId, Frame)>,
     events: VecDeque<MembershipEvent>,
 }
 
-impl<B: Payload> Node<B> {
-    /// A node over `ep`; `dynamic` for a group whose workers join and leave (its membership is
-    /// set once this worker founds or joins it: [`set_membership`](Self::set_membership)).
-    pub fn new(ep: Endpoint<B>, dynamic: bool) -> Self {
+impl<B: Payload, H> Node<B, H> {
+    /// A node over `ep` and `ipc`; `dynamic` for a group whose workers join and leave (its
+    /// membership is set once this worker founds or joins it:
+    /// [`set_membership`](Self::set_membership)).
+    pub fn new(ep: Endpoint<B>, dynamic: bool, ipc: IpcState<H>) -> Self {
         let gathers = GatherLeader::new(ep.id(), GatherConfig::default());
         Self {
             ep,
             dynamic,
             membership: None,
             gathers,
+            ipc,
+            released: Vec::new(),
+            held: held::Held::default(),
             control: VecDeque::new(),
             events: VecDeque::new(),
         }
@@ -143,6 +176,43 @@ impl<B: Payload> Node<B> {
     /// produces comes out of the node's `poll_*`.
     pub fn ep_mut(&mut self) -> &mut Endpoint<B> {
         &mut self.ep
+    }
+
+    /// The IPC state, to read (the paths each peer's tensors took).
+    pub fn ipc(&self) -> &IpcState<H> {
+        &self.ipc
+    }
+
+    /// The IPC state, to change (its commands: route a tensor, report an export or import).
+    /// The messages it queues come out of [`poll_transmit`](Self::poll_transmit).
+    pub fn ipc_mut(&mut self) -> &mut IpcState<H> {
+        &mut self.ipc
+    }
+
+    /// The exports the IPC state let go of since the last call (released by their peer, or
+    /// held for a peer lost): drop them outside any lock.
+    pub fn take_released(&mut self) -> Vec<H> {
+        std::mem::take(&mut self.released)
+    }
+
+    /// Whether a request of `function` from `from` counts as one of its sender's running
+    /// requests (its end is told with [`handle_request_finished`](Self::handle_request_finished)):
+    /// a peer's, except a gather's contribution.
+    pub fn counts_as_running(&self, from: WorkerId, function: &str) -> bool {
+        held::counts(self.ep.id(), from, function)
+    }
+
+    /// `peer` reads again (its queue came down to half the hold mark): its held requests come
+    /// out of [`poll_event`](Self::poll_event) while its budget lets them. True if some do.
+    pub fn handle_reading_again(&mut self, peer: WorkerId) -> bool {
+        self.held.resume(&self.ep, peer)
+    }
+
+    /// A request of `peer` that counted as running is answered: its held requests come out of
+    /// [`poll_event`](Self::poll_event) if its budget lets them now. True if some do.
+    pub fn handle_request_finished(&mut self, peer: WorkerId) -> bool {
+        let account = self.ep.budget().account(peer);
+        account.finish_request() && self.held.holds(peer) && self.held.resume(&self.ep, peer)
     }
 
     /// Whether this is a dynamic group's node.
@@ -218,6 +288,54 @@ impl<B: Payload> Node<B> {
         self.ep.handle_message(from, header, body, now)
     }
 
+    /// A frame received from `from` at `now`, told apart by its kind ([`route`]) and handed
+    /// to its part: a message to the endpoint (after the IPC state checked the descriptors it
+    /// announces), an IPC message to the IPC state, any other control frame to the membership.
+    ///
+    /// # Errors
+    /// The frame's violation: [`route`]'s, [`ProtocolViolation::Ipc`] for a descriptor from a
+    /// peer that never agreed to IPC or a message the IPC state refuses, and those of
+    /// [`handle_message`](Self::handle_message) and
+    /// [`handle_membership`](Self::handle_membership). The node is unchanged by any.
+    pub fn handle_frame(
+        &mut self,
+        now: Instant,
+        from: WorkerId,
+        frame: Frame,
+    ) -> Result<(), ProtocolViolation>
+    where
+        B: From<FrameBody>,
+    {
+        match route(frame)? {
+            Inbound::Message { envelope, payloads } => {
+                if envelope.tensors.iter().any(|m| m.ipc.is_some()) {
+                    self.ipc
+                        .check_import(from)
+                        .map_err(ProtocolViolation::Ipc)?;
+                }
+                let (header, body) = envelope.attach(payloads)?;
+                self.handle_message(from, header, body.map(B::from), now)
+            }
+            Inbound::Ipc(msg) => self.handle_ipc(from, msg),
+            Inbound::Membership(msg) => self.handle_membership(from, msg, now),
+        }
+    }
+
+    /// A same-host IPC message from `from`: the exports it releases are handed to the driver
+    /// ([`take_released`](Self::take_released)), its answers go out of
+    /// [`poll_transmit`](Self::poll_transmit).
+    ///
+    /// # Errors
+    /// [`ProtocolViolation::Ipc`] for a message no honest peer sends; nothing changed.
+    pub fn handle_ipc(&mut self, from: WorkerId, msg: IpcMessage) -> Result<(), ProtocolViolation> {
+        let released = self
+            .ipc
+            .handle_message(from, msg)
+            .map_err(ProtocolViolation::Ipc)?;
+        self.released.extend(released);
+        Ok(())
+    }
+
     /// A membership message from `from`.
     ///
     /// # Errors
@@ -236,8 +354,11 @@ impl<B: Payload> Node<B> {
     }
 
     /// The connection to `peer` is gone for `cause`: the endpoint records it (the first cause
-    /// stays) and the membership drops the member (handing coordination on if it had it).
+    /// stays), the membership drops the member (handing coordination on if it had it), its
+    /// held requests are dropped and the IPC state lets go of what it held for it.
     pub fn handle_peer_lost(&mut self, peer: WorkerId, cause: LostCause, now: Instant) {
+        self.released.extend(self.ipc.peer_lost(peer));
+        self.held.drop_peer(&mut self.ep, peer, now);
         self.ep.handle_peer_lost(peer, cause, now);
         self.with_membership(now, |m| m.handle_lost(peer, now));
     }
@@ -266,27 +387,48 @@ impl<B: Payload> Node<B> {
         .min()
     }
 
-    /// The next frame for a peer: the membership's first (few, and rarely), then the
-    /// endpoint's in order.
+    /// The next frame for a peer: the membership's first (few, and rarely), then the IPC
+    /// state's (a hello before the message whose tensor made it), then the endpoint's in order.
     pub fn poll_transmit(&mut self) -> Option<Outgoing<B>> {
         if let Some((to, frame)) = self.control.pop_front() {
+            return Some(Outgoing::Control { to, frame });
+        }
+        if let Some((to, msg)) = self.ipc.poll_transmit() {
+            let frame = Frame::control(encode_message(&msg), vec![]);
             return Some(Outgoing::Control { to, frame });
         }
         self.ep.poll_transmit().map(Outgoing::Message)
     }
 
     /// The next event: the membership's first (a member added before the calls it enables),
-    /// then the endpoint's, then the gathers' answers. A loss the endpoint reports reaches the
-    /// gathers as it goes out (their answers to the rounds it ends follow).
+    /// then the held requests that may run now, then the endpoint's (a peer's request its
+    /// budget holds back kept), then the gathers' answers. A loss the endpoint reports (however it
+    /// was found: a member that left, a forgery found after its message) reaches the gathers
+    /// and the IPC state as it goes out (the gathers' answers to the rounds it ends follow).
     pub fn poll_event(&mut self) -> Option<NodeEvent<B>> {
         if let Some(ev) = self.events.pop_front() {
             return Some(NodeEvent::Membership(ev));
         }
-        if let Some(ev) = self.ep.poll_event() {
+        if let Some(ev) = self.held.take_ready() {
+            return Some(NodeEvent::Endpoint(ev));
+        }
+        if let Some((peer, over)) = self.held.take_over() {
+            return Some(NodeEvent::OverBudget { peer, over });
+        }
+        while let Some(ev) = self.ep.poll_event() {
             if let Event::PeerLost { peer, .. } = &ev {
                 self.gathers.handle_peer_lost(*peer);
+                self.released.extend(self.ipc.peer_lost(*peer));
             }
-            return Some(NodeEvent::Endpoint(ev));
+            // A peer's request its budget holds back is kept (or drops the peer).
+            match self.held.admit(&self.ep, ev) {
+                Some(ev) => return Some(NodeEvent::Endpoint(ev)),
+                None => {
+                    if let Some((peer, over)) = self.held.take_over() {
+                        return Some(NodeEvent::OverBudget { peer, over });
+                    }
+                }
+            }
         }
         self.gathers
             .poll_answer()
@@ -311,6 +453,7 @@ impl<B: Payload> Node<B> {
                 }
                 MembershipEvent::MemberAdded(record) => self.ep.handle_peer_joined(record.rank),
                 MembershipEvent::MemberRemoved { rank, left: true } => {
+                    self.held.drop_peer(&mut self.ep, *rank, now);
                     self.ep.handle_peer_lost(*rank, LostCause::Left, now);
                 }
                 MembershipEvent::MemberRemoved { left: false, .. }

@@ -12,7 +12,7 @@
 //! already in go on without it, and leave without it (the last one's cleanup of the store
 //! then fails, which is logged).
 
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tensorwire_core::ports::store::Store;
@@ -78,11 +78,7 @@ pub(crate) async fn join(
         tensorwire_core::budget::Budget::new(options.endpoint.peer_budget),
     );
     membership::set_up(&agent, record.clone(), Arc::clone(&transport));
-    *agent
-        .inner
-        .rendezvous
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner) = Some(rdv);
+    agent.owned().rendezvous = Some(rdv);
     agent.spawn(accept_connections(agent.clone(), listener));
     agent.spawn(drive(agent.clone()));
     let mut backoff = Backoff::new(Duration::from_millis(1), Duration::from_millis(50));

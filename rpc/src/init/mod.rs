@@ -7,7 +7,7 @@ pub(crate) mod dynamic;
 pub(crate) mod static_group;
 
 use std::net::IpAddr;
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::name::check_worker_name;
@@ -108,11 +108,7 @@ pub async fn start_agent(
         &options,
         budget,
     );
-    *agent
-        .inner
-        .rendezvous
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner) = Some(rdv);
+    agent.owned().rendezvous = Some(rdv);
     if let Err(e) = static_group::attach_group(&agent, group, options.init_timeout).await {
         agent.stop_and_release(agent.now()).await;
         return Err(e);

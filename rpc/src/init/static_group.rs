@@ -3,7 +3,7 @@
 //! attached to the group's connections, and a barrier. The store holds no worker record.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tensorwire_core::ports::process_group::{Collectives, ProcessGroup, ProcessGroupError};
@@ -210,11 +210,7 @@ pub(crate) async fn attach_group(
             crate::driver::resume_requests,
         );
     }
-    *this
-        .inner
-        .group
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner) = Some(group.clone());
+    this.owned().group = Some(group.clone());
     routed.map_err(RpcError::ProcessGroup)?;
     group
         .barrier()

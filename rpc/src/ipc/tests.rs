@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use tensorwire_core::device::Device;
 use tensorwire_core::devices_sim::{SimHost, SimulatedDevices};
-use tensorwire_core::ipc::{encode_message, IpcMessage, StagedReason};
+use tensorwire_core::ipc::{encode_message, IpcMessage, IpcViolation, StagedReason};
 use tensorwire_core::ports::device::relocate;
 use tensorwire_core::protocol::{LostCause, ProtocolViolation};
 use tensorwire_core::tensor::Tensor;
+use tensorwire_core::wire::Frame;
 use tensorwire_store::InMemoryStore;
 
 use crate::{start_agent, Agent, Functions, PeerEvent, Rendezvous, RpcOptions, Shutdown};
@@ -248,7 +249,8 @@ async fn a_forged_release_drops_the_peer_and_frees_nothing_it_did_not_copy() {
         round_trip(&agents[0], &t, &values, &b0).await;
     }
     // w1 releases an export w0 never made.
-    agents[1].send_control(
+    crate::links::send_control_locked(
+        &mut agents[1].lock(),
         0,
         Frame::control(encode_message(&IpcMessage::Release(vec![77])), vec![]),
     );
@@ -280,14 +282,34 @@ async fn a_descriptor_from_a_peer_that_never_agreed_is_refused_before_anything_h
         ipc: Some(0),
     };
     // w1 cannot share, so nothing it sends may be a descriptor.
-    let e = agents[1]
-        .ipc()
-        .check_received(0, std::slice::from_ref(&meta))
-        .unwrap_err();
+    let e = agents[1].lock().node.ipc().check_import(0).unwrap_err();
     assert_eq!(e, IpcViolation::Unannounced(StagedReason::NotSupported));
     // w0 never introduced itself to w1 (it sent it no device tensor): refused too.
-    let e = agents[0].ipc().check_received(1, &[meta]).unwrap_err();
+    let e = agents[0].lock().node.ipc().check_import(1).unwrap_err();
     assert_eq!(e, IpcViolation::Unannounced(StagedReason::PeerUnknown));
+    // A frame announcing one from it is w0's node's violation, before the endpoint sees it.
+    let header = crate::fuzzing::encode_message_header(
+        &tensorwire_core::protocol::Header::Call {
+            id: 1,
+            function: "where_and_back".into(),
+            timeout: Duration::from_secs(1),
+        },
+        &[meta],
+    );
+    let frame = Frame::message(
+        header,
+        vec![
+            bytes::Bytes::from_static(b"a"),
+            bytes::Bytes::from_static(b"d"),
+        ],
+    );
+    let now = agents[0].now();
+    assert_eq!(
+        agents[0].lock().node.handle_frame(now, 1, frame),
+        Err(ProtocolViolation::Ipc(IpcViolation::Unannounced(
+            StagedReason::PeerUnknown
+        )))
+    );
     shutdown(agents).await;
 }
 
@@ -306,21 +328,20 @@ async fn a_lost_peer_frees_every_buffer_held_for_it() {
         round_trip(&agents[0], &t, &values, &b0).await;
     }
     // An export w1 never releases (as if it hung), then w1 is lost.
-    let Route::Ipc(id) = agents[0]
-        .ipc()
-        .state()
-        .route(1, Device::Cuda(0), Device::Cuda(0), 8)
-    else {
-        panic!("IPC")
-    };
+    let route = agents[0]
+        .lock()
+        .node
+        .ipc_mut()
+        .route(1, Device::Cuda(0), Device::Cuda(0), 8);
+    let Route::Ipc(id) = route else { panic!("IPC") };
     let Storage::Device(buf) = t.storage() else {
         panic!()
     };
     let export = b0.export(buf).await.unwrap();
     let descriptor = export.descriptor.clone();
-    agents[0].ipc().state().exported(1, id, export.keep);
+    agents[0].lock().node.ipc_mut().exported(1, id, export.keep);
     assert_eq!(agents[0].device_paths()[0].held, 1);
-    peer_lost(&agents[0], 1);
+    crate::links::peer_lost(&agents[0], 1, LostCause::Shutdown);
     assert!(agents[0].device_paths().is_empty());
     // The export is closed: opening it now fails as a freed handle would.
     let e = b0

@@ -14,6 +14,20 @@ use crate::validate::WorkerDeviceInfo;
 
 type Body = Vec<u8>;
 
+impl From<FrameBody> for Vec<u8> {
+    fn from(body: FrameBody) -> Self {
+        body.data.to_vec()
+    }
+}
+
+fn node(id: WorkerId, dynamic: bool) -> Node<Body> {
+    Node::new(
+        Endpoint::new(id, EndpointConfig::default()),
+        dynamic,
+        IpcState::new(None, crate::ipc::IpcConfig::default()),
+    )
+}
+
 fn record(rank: WorkerId) -> MemberRecord {
     MemberRecord {
         rank,
@@ -99,6 +113,164 @@ fn a_frame_of_no_agents_kind_or_that_does_not_parse_is_a_typed_violation() {
     ));
 }
 
+/// A sharing worker's identity: process `pid` on one host with one GPU.
+fn sharing(pid: u32) -> crate::ipc::IpcIdentity {
+    crate::ipc::IpcIdentity {
+        host: crate::ipc::HostIdentity {
+            boot_id: "host".into(),
+            ipc_namespace: 1,
+            pid_namespace: 2,
+            pid,
+        },
+        gpus: vec![crate::ipc::GpuIdentity {
+            uuid: [7; 16],
+            mig: false,
+        }],
+    }
+}
+
+/// A node that can share device memory, holding its exports as numbers.
+fn sharing_node(id: WorkerId) -> Node<Body, u32> {
+    Node::new(
+        Endpoint::new(id, EndpointConfig::default()),
+        false,
+        IpcState::new(Some(sharing(100 + id)), crate::ipc::IpcConfig::default()),
+    )
+}
+
+fn control_frames<H>(node: &mut Node<Body, H>) -> Vec<(WorkerId, Frame)> {
+    std::iter::from_fn(|| node.poll_transmit())
+        .map(|out| match out {
+            Outgoing::Control { to, frame } => (to, frame),
+            Outgoing::Message(t) => panic!("no message was sent: {t:?}"),
+        })
+        .collect()
+}
+
+#[test]
+fn handle_frame_hands_each_kind_to_its_part() {
+    let clock = Clock::new();
+    let now = clock.now();
+    // A message reaches the endpoint: a call becomes its event.
+    let mut n = sharing_node(0);
+    let call = Transmit {
+        to: 0,
+        header: Header::Call {
+            id: 3,
+            function: "echo".into(),
+            timeout: Duration::from_secs(1),
+        },
+        body: Some(b"hi".to_vec()),
+    };
+    n.handle_frame(now, 1, message_frame(call)).unwrap();
+    match n.poll_event() {
+        Some(NodeEvent::Endpoint(Event::Call { function, body, .. })) => {
+            assert_eq!(function, "echo");
+            assert_eq!(body, b"hi".to_vec());
+        }
+        other => panic!("the call did not reach the endpoint: {other:?}"),
+    }
+    // An IPC hello reaches the IPC state, which answers with its own (a control frame out
+    // of the node) and now knows the peer.
+    let hello = IpcMessage::Hello(Some(sharing(101)));
+    n.handle_frame(now, 1, Frame::control(encode_message(&hello), vec![]))
+        .unwrap();
+    let out = control_frames(&mut n);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].0, 1);
+    assert_eq!(
+        crate::ipc::decode_message(&out[0].1.header),
+        Some(Ok(IpcMessage::Hello(Some(sharing(100)))))
+    );
+    let paths = n.ipc().report();
+    assert_eq!(paths.len(), 1);
+    assert!(paths[0].ipc_now, "{paths:?}");
+    // A membership message reaches the membership: in a static group there is none.
+    assert_eq!(
+        n.handle_frame(
+            now,
+            1,
+            Frame::control(DynMessage::Left { rank: 1 }.encode(), vec![])
+        ),
+        Err(ProtocolViolation::MembershipInStaticGroup)
+    );
+    // A kind no agent receives is a typed violation, and changes nothing.
+    assert_eq!(
+        n.handle_frame(now, 1, Frame::collective(&b"whatever"[..], vec![])),
+        Err(ProtocolViolation::Malformed(
+            MalformedMessage::UnexpectedKind {
+                kind: FrameKind::Collective
+            }
+        ))
+    );
+    assert!(n.poll_event().is_none());
+    assert!(n.poll_transmit().is_none());
+}
+
+#[test]
+fn the_node_checks_ipc_descriptors_and_hands_back_released_exports() {
+    let clock = Clock::new();
+    let now = clock.now();
+    let mut n = sharing_node(0);
+    // A message announcing a descriptor from a peer this worker never introduced itself to:
+    // refused before the endpoint sees it.
+    let envelope = Envelope {
+        header: Header::Call {
+            id: 1,
+            function: "f".into(),
+            timeout: Duration::from_secs(1),
+        },
+        target: None,
+        forks: Vec::new(),
+        tensors: vec![crate::tensor::TensorMeta {
+            dtype: crate::tensor::DType::U8,
+            shape: vec![1],
+            device: crate::device::Device::Cuda(0),
+            ipc: Some(0),
+        }],
+    };
+    let frame = Frame::message(
+        envelope.encode().unwrap(),
+        vec![Bytes::from_static(b"args"), Bytes::from_static(b"d")],
+    );
+    assert_eq!(
+        n.handle_frame(now, 1, frame),
+        Err(ProtocolViolation::Ipc(
+            crate::ipc::IpcViolation::Unannounced(crate::ipc::StagedReason::PeerUnknown)
+        ))
+    );
+    assert!(n.poll_event().is_none());
+    // Peer 1 introduces itself; two exports to it go out.
+    let hello = IpcMessage::Hello(Some(sharing(101)));
+    n.handle_frame(now, 1, Frame::control(encode_message(&hello), vec![]))
+        .unwrap();
+    control_frames(&mut n);
+    let c0 = crate::device::Device::Cuda(0);
+    for held in [10, 11] {
+        let crate::ipc::Route::Ipc(id) = n.ipc_mut().route(1, c0, c0, 8) else {
+            panic!("two processes of one host share the GPU")
+        };
+        n.ipc_mut().exported(1, id, held);
+    }
+    // A release of an export never made is the peer's violation; nothing is released.
+    let bad = IpcMessage::Release(vec![9]);
+    assert!(matches!(
+        n.handle_frame(now, 1, Frame::control(encode_message(&bad), vec![])),
+        Err(ProtocolViolation::Ipc(
+            crate::ipc::IpcViolation::UnknownExport { id: 9 }
+        ))
+    ));
+    assert!(n.take_released().is_empty());
+    // The first released comes back to the driver; the second, with the peer lost.
+    let release = IpcMessage::Release(vec![0]);
+    n.handle_frame(now, 1, Frame::control(encode_message(&release), vec![]))
+        .unwrap();
+    assert_eq!(n.take_released(), vec![10]);
+    n.handle_peer_lost(1, LostCause::Shutdown, now);
+    assert_eq!(n.take_released(), vec![11]);
+    assert!(n.ipc().report().is_empty());
+}
+
 /// Nodes over per-pair FIFO links carrying real frames, a virtual clock, and what each node
 /// told its driver.
 struct Net {
@@ -112,9 +284,7 @@ impl Net {
     fn new(n: u32, dynamic: bool) -> Self {
         Self {
             clock: Clock::new(),
-            nodes: (0..n)
-                .map(|i| Node::new(Endpoint::new(i, EndpointConfig::default()), dynamic))
-                .collect(),
+            nodes: (0..n).map(|i| node(i, dynamic)).collect(),
             links: Links::new(),
             events: (0..n).map(|_| Vec::new()).collect(),
         }
@@ -151,16 +321,7 @@ impl Net {
                 .expect("a ready link has a frame");
             let now = self.now();
             let node = &mut self.nodes[to as usize];
-            let handled = match route(frame) {
-                Ok(Inbound::Message { envelope, payloads }) => {
-                    envelope.attach(payloads).and_then(|(h, b)| {
-                        node.handle_message(from, h, b.map(|b| b.data.to_vec()), now)
-                    })
-                }
-                Ok(Inbound::Membership(msg)) => node.handle_membership(from, msg, now),
-                Ok(Inbound::Ipc(msg)) => panic!("no IPC in these tests: {msg:?}"),
-                Err(e) => Err(e),
-            };
+            let handled = node.handle_frame(now, from, frame);
             handled.map_err(|e| (from, to, e))?;
             self.pump();
         }
@@ -172,7 +333,9 @@ impl Net {
             .iter()
             .filter_map(|e| match e {
                 NodeEvent::Membership(m) => Some(m),
-                NodeEvent::Endpoint(_) | NodeEvent::Gathered { .. } => None,
+                NodeEvent::Endpoint(_)
+                | NodeEvent::Gathered { .. }
+                | NodeEvent::OverBudget { .. } => None,
             })
             .collect()
     }
@@ -429,4 +592,107 @@ fn the_node_leads_gathers_on_its_timer_and_its_losses() {
         .iter()
         .any(|(t, o)| *t == d && **o == GatherOutcome::Missing(vec![0])));
     assert!(net.nodes[0].gathers().is_idle());
+}
+
+/// A call of `function` from peer 1 with id `id`, as a frame.
+fn call_from_peer(id: u64, function: &str, body: &[u8]) -> Frame {
+    message_frame(Transmit {
+        to: 0,
+        header: Header::Call {
+            id,
+            function: function.into(),
+            timeout: Duration::from_secs(10),
+        },
+        body: Some(body.to_vec()),
+    })
+}
+
+fn calls_out(n: &mut Node<Body>) -> Vec<String> {
+    std::iter::from_fn(|| n.poll_event())
+        .filter_map(|e| match e {
+            NodeEvent::Endpoint(Event::Call { function, .. }) => Some(function),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_peers_requests_past_its_running_cap_are_held_in_order_and_run_as_its_requests_end() {
+    let now = Clock::new().now();
+    let mut n = node(0, false);
+    n.ep().budget().set_running_cap(1);
+    for (id, f) in [(1, "a"), (2, "b"), (3, "c")] {
+        n.handle_frame(now, 1, call_from_peer(id, f, b"xyz"))
+            .unwrap();
+    }
+    // One runs; the others wait, counted in the peer's budget.
+    assert_eq!(calls_out(&mut n), vec!["a"]);
+    assert_eq!(n.ep().budget().held(1).requests, 6);
+    assert!(n.counts_as_running(1, "a"));
+    assert!(n.handle_request_finished(1));
+    assert_eq!(calls_out(&mut n), vec!["b"]);
+    assert_eq!(n.ep().budget().held(1).requests, 3);
+    // A gather's contribution waits behind the held ones, and does not count as running.
+    n.handle_frame(
+        now,
+        1,
+        call_from_peer(4, crate::protocol::gather::GATHER_FUNCTION, b"g"),
+    )
+    .unwrap();
+    assert!(!n.counts_as_running(1, crate::protocol::gather::GATHER_FUNCTION));
+    assert!(calls_out(&mut n).is_empty());
+    assert!(n.handle_request_finished(1));
+    assert_eq!(calls_out(&mut n), vec!["c"]);
+    // "c" runs now (the cap), the gather still waits; once "c" ends it comes out, and being
+    // no running request, nothing is held any more.
+    assert!(n.handle_request_finished(1));
+    assert_eq!(
+        calls_out(&mut n),
+        vec![crate::protocol::gather::GATHER_FUNCTION.to_owned()]
+    );
+    assert_eq!(n.ep().budget().held(1).requests, 0);
+    assert!(!n.ep().budget().holds_requests(1));
+    // This worker's own requests are never held.
+    assert!(!n.counts_as_running(0, "a"));
+}
+
+#[test]
+fn a_lost_peers_held_requests_are_dropped_and_one_past_its_budget_drops_it() {
+    let now = Clock::new().now();
+    let mut n = node(0, false);
+    n.ep().budget().set_running_cap(1);
+    for (id, f) in [(1, "a"), (2, "b")] {
+        n.handle_frame(now, 1, call_from_peer(id, f, b"xyz"))
+            .unwrap();
+    }
+    assert_eq!(calls_out(&mut n), vec!["a"]);
+    assert_eq!(n.ep().budget().held(1).requests, 3);
+    n.handle_peer_lost(1, LostCause::Shutdown, now);
+    assert_eq!(n.ep().budget().held(1).requests, 0);
+    assert!(!n.handle_request_finished(1), "nothing is held any more");
+    assert!(calls_out(&mut n).is_empty());
+
+    // A request past the budget while its peer's requests are held: the driver is told to
+    // drop the peer.
+    let mut ep = Endpoint::new(0, EndpointConfig::default());
+    ep.set_budget(crate::budget::Budget::new(1000));
+    let mut n: Node<Body> = Node::new(
+        ep,
+        false,
+        IpcState::new(None, crate::ipc::IpcConfig::default()),
+    );
+    n.ep().budget().set_running_cap(1);
+    n.handle_frame(now, 1, call_from_peer(1, "a", b"x"))
+        .unwrap();
+    n.handle_frame(now, 1, call_from_peer(2, "b", b"x"))
+        .unwrap();
+    n.handle_frame(now, 1, call_from_peer(3, "c", &[0; 2000]))
+        .unwrap();
+    let events: Vec<_> = std::iter::from_fn(|| n.poll_event()).collect();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, NodeEvent::OverBudget { peer: 1, .. })),
+        "{events:?}"
+    );
 }
