@@ -2409,3 +2409,57 @@ async fn a_broadcast_root_learns_of_a_disagreement_on_the_arena_path_at_its_next
         );
     }
 }
+
+/// Issue 47: an error from a subgroup's arena names a rank as the links would, not by its
+/// place in the arena (the subgroup's numbering). In the subgroup of world ranks 1, 2, 3 the
+/// rank that saw a disagreement is group rank 2 (arena slot 2): the abort it reports names
+/// world rank 3, as an abort over the links names its sender, and as a death in the arena
+/// already does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_in_a_subgroup_arena_names_the_world_rank() {
+    // A timeout far beyond the test's bound: only the report can end the barrier.
+    let gs = bounded(groups(4, "sub-arena-abort", Duration::from_secs(3600))).await;
+    let subs: Vec<Group> = gs
+        .iter()
+        .filter_map(|g| g.new_group(&[1, 2, 3]).unwrap())
+        .collect();
+    assert_eq!(subs.len(), 3);
+    assert!(subs.iter().all(|s| s.uses_arena()));
+    assert_eq!(subs[2].global_rank(2), Some(3));
+    // The subgroup's arena is made on its first collective.
+    let (a, b, c) =
+        bounded(async { tokio::join!(subs[0].barrier(), subs[1].barrier(), subs[2].barrier()) })
+            .await;
+    a.unwrap();
+    b.unwrap();
+    c.unwrap();
+    let (root, one, two) = bounded(async {
+        let mut a = vec![1u8; 8];
+        let mut b = vec![0u8; 8];
+        let mut c = vec![0u8; 12];
+        let (x, y, z) = tokio::join!(
+            subs[0].broadcast(&mut a, 0),
+            subs[1].broadcast(&mut b, 0),
+            subs[2].broadcast(&mut c, 0)
+        );
+        (x, y.map(|()| b), z)
+    })
+    .await;
+    root.unwrap();
+    assert_eq!(one.unwrap(), vec![1u8; 8]);
+    // A disagreement names the peer in the group's ranks, as on the links.
+    let e = two.unwrap_err();
+    assert!(
+        matches!(&e, ProcessGroupError::Mismatch { peer: 0, .. }),
+        "{e}"
+    );
+    let (a, b) = bounded(async { tokio::join!(subs[0].barrier(), subs[1].barrier()) }).await;
+    for (rank, result) in [a, b].into_iter().enumerate() {
+        let e = result.unwrap_err();
+        assert!(
+            matches!(&e, ProcessGroupError::PeerAborted { rank: 3, reason } if reason.contains("different collectives")),
+            "group rank {rank}: {e}"
+        );
+    }
+    drop(gs);
+}

@@ -117,6 +117,9 @@ fn collectives_on(layout: &[usize]) {
         assert_eq!(ok.len(), 1, "rank {rank}: {seen:#?}");
         assert!(ok[0].1.contains(&format!("hosts={hosts}")), "{}", ok[0].1);
         assert!(!ok[0].1.contains(" runs=0 "), "{}", ok[0].1);
+        // Issue 47: a world across hosts makes no whole-world arena when it connects (rank 0
+        // made one, and dropped it unused).
+        assert!(ok[0].1.ends_with(" arenas_at_connect=0"), "{}", ok[0].1);
         if rank == 0 {
             println!("{layout:?}: {:?}", lines_with(&seen, "TIMING"));
         }
@@ -145,8 +148,37 @@ fn the_links_setting_keeps_a_group_across_hosts_flat() {
     };
     assert_eq!(codes, vec![Some(0); layout.len()], "{seen:#?}");
     for rank in 0..layout.len() {
-        let want = format!("OK collectives rank {rank} runs=0 sub_runs=0 hosts=0");
+        let want =
+            format!("OK collectives rank {rank} runs=0 sub_runs=0 hosts=0 arenas_at_connect=0");
         assert_eq!(lines_with(&seen, &want).len(), 1, "{want}: {seen:#?}");
+    }
+}
+
+/// Issue 47: the counter the tests across hosts read is no constant: a world on one host
+/// makes its arena when it connects, on rank 0 only.
+#[test]
+fn a_world_on_one_host_makes_its_arena_at_connect_on_rank_0() {
+    let layout = [0, 0, 0];
+    let env = [("TW_EXPECT_HIERARCHY", "0".to_owned())];
+    let Some((codes, seen)) = run(
+        &layout,
+        "collectives",
+        &env,
+        Duration::from_secs(240),
+        |_, _| {},
+    ) else {
+        return;
+    };
+    assert_eq!(codes, vec![Some(0); layout.len()], "{seen:#?}");
+    for rank in 0..layout.len() {
+        let ok = lines_with(&seen, &format!("OK collectives rank {rank} "));
+        assert_eq!(ok.len(), 1, "rank {rank}: {seen:#?}");
+        let made = if rank == 0 { 1 } else { 0 };
+        assert!(
+            ok[0].1.ends_with(&format!(" arenas_at_connect={made}")),
+            "{}",
+            ok[0].1
+        );
     }
 }
 

@@ -178,6 +178,15 @@ fn segment_len(world: usize, arena_bytes: usize) -> (usize, usize) {
     (slot, LINE * world + 2 * world * slot)
 }
 
+/// How many segments [`ArenaHost::create`] made in this process.
+static MADE: AtomicU64 = AtomicU64::new(0);
+
+/// How many arena segments this process has made ([`ArenaHost::create`] that succeeded), for
+/// the tests and diagnostics that check which groups make an arena.
+pub fn arenas_made() -> u64 {
+    MADE.load(Ordering::Relaxed)
+}
+
 /// The leader's side of the setup: the segment, and the socket the other ranks fetch it from.
 pub struct ArenaHost {
     listener: AsyncFd<OwnedFd>,
@@ -241,6 +250,7 @@ impl ArenaHost {
             sock::register(fd, tokio::io::Interest::READABLE)
         })()
         .map_err(|e| setup("the arena's socket")(format_args!("{e}")))?;
+        MADE.fetch_add(1, Ordering::Relaxed);
         Ok(ArenaHost {
             listener,
             name,

@@ -3,11 +3,12 @@
 //! [`tensorwire_core::collective::arena`], instead of through its links.
 //!
 //! The world group decides when it connects: every rank tells the others, over the links, its
-//! host ([`host_key`]) and process id, and rank 0 the name of the socket it hands the segment
-//! out on. When every rank is on rank 0's host (and [`CollectivePath::Arena`] is chosen, the
-//! default), the others fetch the segment; otherwise the group keeps its links. A subgroup
-//! whose members share a host makes its own segment on its first collective (its lowest rank
-//! hands it out; the socket's name goes through the store, under the subgroup's name).
+//! host ([`host_key`]) and process id. When every rank is on rank 0's host (and
+//! [`CollectivePath::Arena`] is chosen, the default), rank 0 makes the segment and publishes
+//! the name of the socket it hands it out on in the store, and the others fetch it; otherwise
+//! no segment is made and the group keeps its links. A subgroup whose members share a host
+//! makes its own segment on its first collective (its lowest rank hands it out; the socket's
+//! name goes through the store, under the subgroup's name).
 //!
 //! Collectives through the arena run one at a time, in the order they were issued (a fair lock
 //! taken in the issuing call). Collectives whose lengths only the sender knows (all_gather,
@@ -110,12 +111,12 @@ pub(super) struct HostRecord {
     pub(super) pid: u32,
 }
 
-fn encode_record(host: &str, pid: u32, socket: &str) -> Vec<u8> {
+fn encode_record(host: &str, pid: u32, token: &str) -> Vec<u8> {
     let mut out = Vec::new();
     out.extend_from_slice(&pid.to_le_bytes());
     out.extend_from_slice(&(host.len() as u32).to_le_bytes());
     out.extend_from_slice(host.as_bytes());
-    out.extend_from_slice(socket.as_bytes());
+    out.extend_from_slice(token.as_bytes());
     out
 }
 
@@ -123,13 +124,13 @@ fn decode_record(bytes: &[u8]) -> Option<(HostRecord, String)> {
     let pid = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?);
     let len = u32::from_le_bytes(bytes.get(4..8)?.try_into().ok()?) as usize;
     let host = std::str::from_utf8(bytes.get(8..8usize.checked_add(len)?)?).ok()?;
-    let socket = std::str::from_utf8(bytes.get(8 + len..)?).ok()?;
+    let token = std::str::from_utf8(bytes.get(8 + len..)?).ok()?;
     Some((
         HostRecord {
             host: host.to_owned(),
             pid,
         },
-        socket.to_owned(),
+        token.to_owned(),
     ))
 }
 
@@ -204,9 +205,10 @@ fn arena_error(
 }
 
 impl Group {
-    /// The world group's arena setup, when it connects: one exchange of host, process id and
-    /// (rank 0) socket name over the links, then the segment, if every rank shares rank 0's
-    /// host.
+    /// The world group's arena setup, when it connects: one exchange of host and process id
+    /// over the links, then, only if every rank shares rank 0's host, the segment (rank 0
+    /// makes it and publishes its socket's name in the store, as a subgroup's lowest rank
+    /// does). A world across hosts makes no whole-world segment.
     pub(super) async fn set_up_arena(
         &self,
         path: CollectivePath,
@@ -217,41 +219,43 @@ impl Group {
             return Ok(());
         }
         let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
-        let key = host_key();
-        let pid = std::process::id();
-        let host = if rank == 0 && path == CollectivePath::Arena && world > 1 {
-            ArenaHost::create(world, arena_bytes).ok()
+        // Rank 0's token names this connect's key in the store, so that a key an earlier
+        // world of the same name left there is never taken for this one's.
+        let token = if rank == 0 {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u128(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos()),
+            );
+            format!("{:x}-{:016x}", std::process::id(), h.finish())
         } else {
-            None
+            String::new()
         };
-        let socket = host
-            .as_ref()
-            .map(|h| h.name().to_owned())
-            .unwrap_or_default();
-        let blocks = self.all_gather(&encode_record(&key, pid, &socket)).await?;
+        let blocks = self
+            .all_gather(&encode_record(&host_key(), std::process::id(), &token))
+            .await?;
         let mut records = Vec::with_capacity(world);
-        let mut leader_socket = String::new();
+        let mut token = String::new();
         for (r, block) in blocks.iter().enumerate() {
-            let (record, socket) = decode_record(block)
+            let (record, theirs) = decode_record(block)
                 .ok_or_else(|| setup(format!("rank {r} sent a malformed host record")))?;
             if r == 0 {
-                leader_socket = socket;
+                token = theirs;
             }
             records.push(record);
         }
         let _ = self.inner.hosts.set(records.clone());
         let one_host = records.iter().all(|r| r.host == records[0].host);
-        if path != CollectivePath::Arena || world == 1 || !one_host || leader_socket.is_empty() {
+        if path != CollectivePath::Arena || !one_host {
             return Ok(());
         }
         let pids: Vec<u32> = records.iter().map(|r| r.pid).collect();
-        let runtime = &**self.inner.mesh.runtime();
-        let deadline = runtime.deadline_after(self.inner.timeout);
-        let arena = match host {
-            Some(host) => host.accept(rank, &pids, spin(), runtime, deadline).await,
-            None => Arena::join(&leader_socket, rank, &pids, 0, spin(), runtime, deadline).await,
-        }
-        .map_err(|e| setup(e.to_string()))?;
+        let key = format!("tensorwire/pg/{}/world-arena/{token}", self.name());
+        let Some(arena) = self.fetch_arena(&key, &pids, arena_bytes, true).await? else {
+            return Ok(());
+        };
         *self
             .inner
             .arena
@@ -310,38 +314,69 @@ impl Group {
     }
 
     async fn fetch_subgroup_arena(&self, pids: &[u32]) -> Result<Arena, ProcessGroupError> {
+        let key = format!("tensorwire/pg/{}/arena", self.name());
+        self.fetch_arena(&key, pids, self.inner.arena_bytes, false)
+            .await?
+            .ok_or_else(|| ProcessGroupError::Setup {
+                rank: self.rank(),
+                reason: "the group's lowest rank published no arena".to_owned(),
+            })
+    }
+
+    /// The group's arena, through the store under `key`: rank 0 makes the segment and
+    /// publishes its socket's name, the others wait for the name and join. With `fallback`
+    /// (the world group), a segment rank 0 cannot make is published as an empty name and
+    /// every rank goes on without an arena (`None`), on its links.
+    async fn fetch_arena(
+        &self,
+        key: &str,
+        pids: &[u32],
+        arena_bytes: usize,
+        fallback: bool,
+    ) -> Result<Option<Arena>, ProcessGroupError> {
         let rank = self.rank();
         let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
-        let key = format!("tensorwire/pg/{}/arena", self.name());
+        let store = &self.inner._store;
         let runtime = &**self.inner.mesh.runtime();
         let deadline = runtime.deadline_after(self.inner.timeout);
         if rank == 0 {
-            let host = ArenaHost::create(self.size(), self.inner.arena_bytes)
-                .map_err(|e| setup(e.to_string()))?;
-            self.inner
-                ._store
-                .set(&key, host.name().as_bytes())
+            let host = match ArenaHost::create(self.size(), arena_bytes) {
+                Ok(host) => host,
+                Err(e) if fallback => {
+                    tracing::warn!(error = %e, "no group arena: the collectives run on the links");
+                    store
+                        .set(key, b"")
+                        .await
+                        .map_err(|e| setup(format!("publishing the arena: {e}")))?;
+                    return Ok(None);
+                }
+                Err(e) => return Err(setup(e.to_string())),
+            };
+            store
+                .set(key, host.name().as_bytes())
                 .await
                 .map_err(|e| setup(format!("publishing the arena: {e}")))?;
             host.accept(rank, pids, spin(), runtime, deadline)
                 .await
+                .map(Some)
                 .map_err(|e| setup(e.to_string()))
         } else {
-            self.inner
-                ._store
-                .wait(&[&key], self.inner.timeout)
+            store
+                .wait(&[key], self.inner.timeout)
                 .await
                 .map_err(|e| setup(format!("waiting for the arena: {e}")))?;
-            let name = self
-                .inner
-                ._store
-                .get(&key)
+            let name = store
+                .get(key)
                 .await
                 .map_err(|e| setup(format!("reading the arena's name: {e}")))?;
             let name =
                 String::from_utf8(name).map_err(|_| setup("a malformed arena name".into()))?;
+            if name.is_empty() {
+                return Ok(None);
+            }
             Arena::join(&name, rank, pids, 0, spin(), runtime, deadline)
                 .await
+                .map(Some)
                 .map_err(|e| setup(e.to_string()))
         }
     }
@@ -408,7 +443,9 @@ impl Group {
         let failed = matches!(e, ArenaError::Failed(_));
         let error = match (e, mesh.broken()) {
             (ArenaError::Failed(ArenaFailure::Gone { .. }), Some(broken)) => broken,
-            // A rank that died or left is named by its world rank, as the links name it.
+            // A rank that died, left or aborted is named by its world rank, as the links name
+            // it (the arena numbers its ranks as the group does, which in a subgroup or a
+            // hierarchy's internal group is not the world's).
             (e, _) => match arena_error(collective, seq, self.rank(), e, |r| arena.pid(r)) {
                 ProcessGroupError::PeerDied {
                     rank,
@@ -427,6 +464,10 @@ impl Group {
                     rank: self.world_rank(rank),
                     collective,
                     seq,
+                },
+                ProcessGroupError::PeerAborted { rank, reason } => ProcessGroupError::PeerAborted {
+                    rank: self.world_rank(rank),
+                    reason,
                 },
                 other => other,
             },

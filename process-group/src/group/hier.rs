@@ -423,8 +423,8 @@ impl Staged<'_> {
     }
 
     /// An internal group's error as the group's: its ranks in the group's numbering (the world
-    /// ranks a dead or departed peer is named by stay as they are, as on the links), and the
-    /// group's collective and sequence number.
+    /// ranks a dead, departed or aborting peer is named by stay as they are, as on the links),
+    /// and the group's collective and sequence number.
     fn lift(&self, internal: &Group, e: ProcessGroupError) -> ProcessGroupError {
         let group = self.group;
         let rank = |r: usize| {
@@ -465,6 +465,11 @@ impl Staged<'_> {
                 rank: rank(saw),
                 ours,
                 here,
+            },
+            // This rank, in the group's numbering rather than the internal group's.
+            ProcessGroupError::Setup { reason, .. } => ProcessGroupError::Setup {
+                rank: group.rank(),
+                reason,
             },
             other => other,
         }

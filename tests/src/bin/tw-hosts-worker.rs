@@ -6,7 +6,8 @@
 //!   reduce of every element type and operation, broadcast from every root and all_gather, and
 //!   a second world group on the links runs the same; the results must be equal, and equal to
 //!   values computed here, and the hierarchical group must have run each of them through its
-//!   hierarchy (`TW_EXPECT_HIERARCHY=1`). Prints `OK collectives rank R runs=N`.
+//!   hierarchy (`TW_EXPECT_HIERARCHY=1`). Prints `OK collectives rank R runs=N ...
+//!   arenas_at_connect=A` (A: the arena segments this process made while connecting).
 //! - `kill`: three all_reduces, then rank `TW_VICTIM` ends its process while every other rank
 //!   waits for it in the fourth; every other rank prints `OK failed rank R after_ms=T: ERROR`
 //!   (T from the start of its call, which began about 500 ms before the death).
@@ -185,6 +186,9 @@ async fn collectives() -> Outcome {
     let timeout = Duration::from_secs(60);
     let hier = connect("hier", false, timeout).await?;
     let flat = connect("flat", true, timeout).await?;
+    // Segments this process made while the groups connected (before any collective): a world
+    // across hosts makes none (its hosts' arenas come with their first collective).
+    let arenas_at_connect = tensorwire_transport_shm::arena::arenas_made();
     let (rank, world) = (hier.rank(), hier.size());
     let expect = std::env::var("TW_EXPECT_HIERARCHY").is_ok_and(|v| v == "1");
     check(
@@ -236,7 +240,7 @@ async fn collectives() -> Outcome {
         println!("TIMING world={world}{timings}");
     }
     println!(
-        "OK collectives rank {rank} runs={runs} sub_runs={sub_runs} hosts={}",
+        "OK collectives rank {rank} runs={runs} sub_runs={sub_runs} hosts={} arenas_at_connect={arenas_at_connect}",
         hier.host_plan().map_or(0, |p| p.hosts().len())
     );
     hier.shutdown().await;
