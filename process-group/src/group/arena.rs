@@ -356,10 +356,17 @@ impl Group {
                 .set(key, host.name().as_bytes())
                 .await
                 .map_err(|e| setup(format!("publishing the arena: {e}")))?;
-            host.accept(rank, pids, spin(), runtime, deadline)
+            let arena = host
+                .accept(rank, pids, spin(), runtime, deadline)
                 .await
-                .map(Some)
-                .map_err(|e| setup(e.to_string()))
+                .map_err(|e| setup(e.to_string()))?;
+            // Every rank has joined, so every rank has read the name: the key goes, and the
+            // store holds nothing of the arena once it is set up.
+            store
+                .delete_key(key)
+                .await
+                .map_err(|e| setup(format!("removing the arena's name: {e}")))?;
+            Ok(Some(arena))
         } else {
             store
                 .wait(&[key], self.inner.timeout)
