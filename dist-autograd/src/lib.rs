@@ -1120,18 +1120,7 @@ impl<E: AutogradEngine> AutogradContext<E> {
     /// dropped it (or are unreachable). Releasing a context already released (a failed
     /// backward releases it) is not an error.
     pub async fn release(mut self) -> Result<(), DistAutogradError> {
-        self.owned = false;
-        let started = {
-            let mut sh = self.inner.lock();
-            if sh.state.has_context(self.id) {
-                sh.state.release(self.id)?;
-                true
-            } else {
-                // Dropped by a failure earlier: the cause kept for this handle goes.
-                sh.state.forget(self.id);
-                false
-            }
-        };
+        let started = self.release_here()?;
         if started {
             self.inner
                 .pump_and_wait_releases()

@@ -5,6 +5,22 @@ use tracing::Instrument;
 use crate::{AutogradContext, AutogradEngine, DistAutogradError};
 
 impl<E: AutogradEngine> AutogradContext<E> {
+    /// Releases the context here, once, for [`release`](Self::release),
+    /// [`release_in_background`](Self::release_in_background) and the drop: whether a release
+    /// started (its messages to the other workers are then the caller's to send). A context
+    /// a failure dropped earlier is not an error: the cause kept for this handle goes.
+    pub(crate) fn release_here(&mut self) -> Result<bool, DistAutogradError> {
+        self.owned = false;
+        let mut sh = self.inner.lock();
+        if sh.state.has_context(self.id) {
+            sh.state.release(self.id)?;
+            Ok(true)
+        } else {
+            sh.state.forget(self.id);
+            Ok(false)
+        }
+    }
+
     /// Releases the context here now and tells every worker it reached without waiting for
     /// their answers (PyTorch's `DistAutogradContainer::releaseContext`, whose cleanup
     /// messages are not waited for either): the release fan-out costs the caller no round
@@ -15,17 +31,7 @@ impl<E: AutogradEngine> AutogradContext<E> {
     /// failed backward releases it) is not an error. Must be called inside a tokio runtime
     /// (the fan-out is a task); [`release`](Self::release) waits for it instead.
     pub fn release_in_background(mut self) -> Result<(), DistAutogradError> {
-        self.owned = false;
-        let started = {
-            let mut sh = self.inner.lock();
-            if sh.state.has_context(self.id) {
-                sh.state.release(self.id)?;
-                true
-            } else {
-                sh.state.forget(self.id);
-                false
-            }
-        };
+        let started = self.release_here()?;
         if started {
             // The local drop happens here (pump_collect frees the context's tensors); only
             // the messages to the other workers are left to the task.
@@ -49,15 +55,7 @@ impl<E: AutogradEngine> Drop for AutogradContext<E> {
         if !self.owned {
             return;
         }
-        let released = {
-            let mut sh = self.inner.lock();
-            if sh.state.has_context(self.id) {
-                sh.state.release(self.id).is_ok()
-            } else {
-                sh.state.forget(self.id);
-                false
-            }
-        };
+        let released = self.release_here().unwrap_or(false);
         if released {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 let inner = self.inner.clone();
