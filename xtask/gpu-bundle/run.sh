@@ -160,6 +160,14 @@ check "ipc: 2 processes on cuda:0, by IPC handle (+ benches)" 90 \
     "${LAUNCH[@]}" --nproc 2 -- "$BIN/tw-gpu-suite" ipc
 check "ipc: the same over the staged path (TENSORWIRE_CUDA_IPC=0)" 90 \
     env TENSORWIRE_CUDA_IPC=0 "${LAUNCH[@]}" --nproc 2 -- "$BIN/tw-gpu-suite" ipc
+# What each CUDA IPC driver call costs here (open/close of a handle, IPC events, copies out of
+# an open mapping): where the IPC path's time per tensor goes.
+ipc_costs() {
+    if [ -z "$PY" ]; then echo "SKIPPED: no python3"; return 0; fi
+    "$PY" "$HERE/ipc_costs.py"
+}
+export -f ipc_costs
+check "ipc driver call costs (ctypes, 2 processes)" 60 ipc_costs
 check "device-tensors: 2 processes, CUDA tensors by device maps (tw-rpc-worker)" 60 \
     env TW_DEVICES=cuda "${LAUNCH[@]}" --nproc 2 -- "$BIN/tw-rpc-worker" device-tensors
 

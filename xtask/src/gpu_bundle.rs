@@ -11,7 +11,7 @@
 //! - `tests/`: the test executables whose `::cuda` tests run there (`rpc_processes`,
 //!   `autograd_processes` of `tensorwire-tests`, `rpc_agent` = `agent` of `tensorwire-rpc`),
 //!   finding their workers through `TW_BIN_DIR`;
-//! - `run.sh` and `torch_allreduce.py` (from `xtask/gpu-bundle/`), `README.txt`.
+//! - `run.sh`, `torch_allreduce.py` and `ipc_costs.py` (from `xtask/gpu-bundle/`), `README.txt`.
 //!
 //! `bin/` and `tests/` travel as `payload.tar.gz` (stripped binaries shrink about threefold),
 //! which `run.sh` unpacks into a temporary folder.
@@ -59,6 +59,7 @@ pub(crate) const MAX_BYTES: u64 = 64 << 20;
 
 const RUN_SH: &str = include_str!("../gpu-bundle/run.sh");
 const TORCH_PY: &str = include_str!("../gpu-bundle/torch_allreduce.py");
+const IPC_COSTS_PY: &str = include_str!("../gpu-bundle/ipc_costs.py");
 
 fn usage() -> anyhow::Error {
     anyhow::anyhow!("usage: cargo xtask gpu-bundle [--out DIR] [--run]")
@@ -116,6 +117,7 @@ pub(crate) fn gpu_bundle(args: &[String]) -> Result<()> {
     }
     write(&out.join("run.sh"), RUN_SH, true)?;
     write(&out.join("torch_allreduce.py"), TORCH_PY, false)?;
+    write(&out.join("ipc_costs.py"), IPC_COSTS_PY, false)?;
     write(&out.join("README.txt"), &readme(&out), false)?;
 
     let (bytes, sizes) = folder_size(&out)?;

@@ -355,7 +355,9 @@ async fn nccl_fault(cuda: CudaDevices, hang: bool) -> Result<(), Error> {
 async fn main() -> ExitCode {
     let scenario = std::env::args().nth(1).unwrap_or_default();
     tensorwire_tests::announce_store_addr();
-    let cuda = CudaDevices::new();
+    // The process's shared backend: the `nccl` group's factory allocates and checks buffers
+    // with it, and a tensor of another `CudaDevices` is refused as another backend's.
+    let cuda = CudaDevices::shared().clone();
     if let Some(why) = cuda.unavailable() {
         println!("SKIPPED: no usable CUDA device: {why}");
         return ExitCode::SUCCESS;
