@@ -30,7 +30,7 @@ use tensorwire_core::ports::process_group::TensorCollectives;
 
 use tensorwire_core::collective::ReduceOp;
 use tensorwire_core::device::Device;
-use tensorwire_core::ports::device::{relocate, DeviceBackend};
+use tensorwire_core::ports::device::{relocate, DeviceBackend, DeviceIpc};
 use tensorwire_core::tensor::{Storage, Tensor};
 use tensorwire_devices_cuda::CudaDevices;
 use tensorwire_rpc::{init_rpc, Agent, Functions, RpcOptions, Shutdown};
@@ -71,8 +71,32 @@ where
     Ok(times[n / 2])
 }
 
-fn functions() -> Functions {
+fn functions(cuda: &CudaDevices) -> Functions {
     let f = Functions::new();
+    // The IPC path's parts, apart: the backend's import of a descriptor the caller exported,
+    // timed inside the callee (nanoseconds), and the same call's bytes without an import.
+    let importer = cuda.clone();
+    f.register("import_ns", move |(descriptor, len): (Vec<u8>, u64)| {
+        let cuda = importer.clone();
+        async move {
+            let t = Instant::now();
+            let buffer = cuda
+                .import(&descriptor, len as usize, Device::Cuda(0))
+                .await
+                .map_err(|e| e.to_string())?;
+            let ns = t.elapsed().as_nanos() as u64;
+            drop(buffer);
+            Ok::<_, String>(ns)
+        }
+    })
+    .expect("each name once");
+    f.register(
+        "bytes_len",
+        |(descriptor, len): (Vec<u8>, u64)| async move {
+            Ok::<_, String>(descriptor.len() as u64 + len)
+        },
+    )
+    .expect("each name once");
     f.register("where", |t: Tensor| async move {
         Ok::<_, String>((t.device().to_string(), t))
     })
@@ -98,7 +122,7 @@ async fn ipc(cuda: CudaDevices) -> Result<(), Error> {
     check(world == 2, || "the ipc scenario runs at world 2".into())?;
     let peer = 1 - rank;
     let mut options = RpcOptions {
-        functions: functions(),
+        functions: functions(&cuda),
         init_timeout: Duration::from_secs(60),
         device_backend: Arc::new(cuda.clone()),
         ..RpcOptions::default()
@@ -203,9 +227,14 @@ async fn ipc_rank0(
         Ok(())
     })
     .await?;
+    let parts = if staged_run {
+        String::new()
+    } else {
+        ipc_parts(agent, cuda, &small_gpu, &big).await?
+    };
     let paths = agent.device_paths();
     println!(
-        "RESULT {{\"path\": \"{path}\", \"rpc_256mib_s\": {rpc_s:.6}, \"memcpy_256mib_s\": \
+        "RESULT {{{parts}\"path\": \"{path}\", \"rpc_256mib_s\": {rpc_s:.6}, \"memcpy_256mib_s\": \
          {memcpy_s:.6}, \"rpc_over_memcpy_throughput\": {:.3}, \"small_call_cuda_s\": \
          {cuda_call_s:.7}, \"small_call_cpu_s\": {cpu_call_s:.7}, \"cuda_over_cpu_latency\": \
          {:.3}, \"sent_ipc\": {}, \"sent_staged\": {}, \"last_staged\": \"{}\"}}",
@@ -221,6 +250,57 @@ async fn ipc_rank0(
             .replace('"', "'"),
     );
     Ok(())
+}
+
+/// The IPC path's parts for a small and a 256 MiB tensor, as JSON fields (microseconds,
+/// medians): the sender's `export`, the receiver's `import` (timed inside the callee), and a call
+/// carrying the same descriptor without an import (what the agent adds).
+async fn ipc_parts(
+    agent: &Agent,
+    cuda: &CudaDevices,
+    small: &Tensor,
+    big: &Tensor,
+) -> Result<String, Error> {
+    let mut out = String::new();
+    for (name, t) in [("small", small), ("big", big)] {
+        let Storage::Device(buffer) = t.storage() else {
+            return Err("the tensor is not on a device".into());
+        };
+        let len = t.nbytes() as u64;
+        let (mut export_s, mut import_s, mut call_s) = (Vec::new(), Vec::new(), Vec::new());
+        for i in 0..30 {
+            let t0 = Instant::now();
+            let export = cuda.export(buffer).await?;
+            let exported = t0.elapsed().as_secs_f64();
+            let descriptor = export.descriptor.to_vec();
+            let ns: u64 = agent
+                .rpc_sync("w1", "import_ns", &(descriptor.clone(), len), None)
+                .await?;
+            let t1 = Instant::now();
+            let _: u64 = agent
+                .rpc_sync("w1", "bytes_len", &(descriptor, len), None)
+                .await?;
+            let called = t1.elapsed().as_secs_f64();
+            drop(export);
+            if i >= 5 {
+                export_s.push(exported);
+                import_s.push(ns as f64 / 1e9);
+                call_s.push(called);
+            }
+        }
+        for (what, v) in [
+            ("export", &mut export_s),
+            ("import", &mut import_s),
+            ("call_without_import", &mut call_s),
+        ] {
+            v.sort_by(f64::total_cmp);
+            out.push_str(&format!(
+                "\"{what}_{name}_us\": {:.1}, ",
+                v[v.len() / 2] * 1e6
+            ));
+        }
+    }
+    Ok(out)
 }
 
 /// The device this rank's NCCL group uses: `cuda:RANK`.
