@@ -2255,6 +2255,40 @@ async fn point_to_point_tensor_work_handles() {
     }
 }
 
+/// Issue 47: a world whose rank 0 cannot make the arena (one too small for the world) runs on
+/// its links, and leaves no key of the arena in the store: as many keys as a world on the
+/// link path leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_world_without_its_arena_leaves_no_key_behind() {
+    use tensorwire_process_group::CollectivePath;
+    let world = 3;
+    let keys_after = |path: CollectivePath, name: &'static str| async move {
+        let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+        let transport = transport();
+        let options = GroupOptions::new(name)
+            .with_timeout(Duration::from_secs(20))
+            .with_collectives(path)
+            .with_arena_bytes(64);
+        let tasks: Vec<_> = (0..world)
+            .map(|rank| {
+                let (store, transport, options) =
+                    (store.clone(), transport.clone(), options.clone());
+                tokio::spawn(Group::connect(store, transport, rank, world, options))
+            })
+            .collect();
+        let mut gs = Vec::new();
+        for t in tasks {
+            gs.push(t.await.unwrap().unwrap());
+        }
+        assert!(gs.iter().all(|g| !g.uses_arena()), "{path:?}");
+        on_all(&gs, |g| async move { g.barrier().await.unwrap() }).await;
+        store.num_keys().await.unwrap()
+    };
+    let fallback = bounded(keys_after(CollectivePath::Arena, "no-arena")).await;
+    let links = bounded(keys_after(CollectivePath::Links, "no-arena")).await;
+    assert_eq!(fallback, links);
+}
+
 /// Issue 47: the same collectives through a (tiny, so that every message is chunked) group
 /// arena and through the links give the same results, and a subgroup makes its own arena.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

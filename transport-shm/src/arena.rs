@@ -4,14 +4,18 @@
 //! path do.
 //!
 //! # Layout
-//! A memfd sealed against resizing, holding one 64-byte line per rank (its phase counter, the
-//! signatures of its last two phases, what it said of its failures, and whether it sleeps)
-//! and then a slot per rank in two halves of
+//! A memfd sealed against resizing, holding one 64-byte *phase line* per rank (its phase
+//! counter and the signatures of its last two phases), then one 64-byte *control line* per rank
+//! (what it said of its failures, and whether it sleeps), and then a slot per rank in two halves
+//! of
 //! [`Arena::slot_bytes`] bytes (`arena_bytes / (2 × world)`, rounded down to 64; see
 //! [`DEFAULT_ARENA_BYTES`]). The memory is shared by every rank of the group on the host, so a
 //! rank that writes outside its slot harms its group's results (never another group's, never
 //! memory outside the segment): ranks on one host share memory, as over the shared-memory
-//! transport.
+//! transport. The control words have lines of their own because every rank reads every
+//! other's on each publication (whom to wake) and at each collective's start (a reported
+//! disagreement) while they seldom change: beside the phase counters, which change at every
+//! phase, those reads would pull each line away from its writer mid-publication.
 //!
 //! # Setup
 //! The *leader* (the lowest rank of the group on this host) makes the segment and listens on an
@@ -53,7 +57,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tensorwire_core::collective::arena::{self, ArenaPlan, ArenaState, ARENA_ALIGN};
-use tensorwire_core::collective::arena_wait::{reported_disagreement, ArenaWait, Lost, WaitStep};
+use tensorwire_core::collective::arena_wait::{
+    all_reached, reported_disagreement, ArenaWait, Lost, WaitStep,
+};
 pub use tensorwire_core::collective::arena_wait::{ArenaFailure, LIVENESS_PERIOD};
 use tensorwire_core::collective::reduce_into;
 use tensorwire_core::ports::runtime::Runtime;
@@ -73,8 +79,13 @@ pub const MAX_ARENA_BYTES: usize = 1 << 34;
 /// Bytes of a rank's line.
 const LINE: usize = 64;
 
-/// Where in a rank's line it says that it sleeps (a word: 1 while it waits on its eventfd).
-const SLEEPING_AT: usize = 44;
+/// Where in a rank's control line it says what it saw of its failures (a word: see
+/// [`SAW_DISAGREEMENT`], [`FAILED`]).
+const FAILURE_AT: usize = 0;
+
+/// Where in a rank's control line it says that it sleeps (a word: 1 while it waits on its
+/// eventfd).
+const SLEEPING_AT: usize = 4;
 
 /// A rank's failure word: it saw ranks run different collectives.
 const SAW_DISAGREEMENT: u32 = 1;
@@ -175,7 +186,7 @@ fn setup(what: &str) -> impl FnOnce(std::fmt::Arguments<'_>) -> ArenaError + '_ 
 
 fn segment_len(world: usize, arena_bytes: usize) -> (usize, usize) {
     let slot = arena::slot_bytes(arena_bytes, world);
-    (slot, LINE * world + 2 * world * slot)
+    (slot, 2 * LINE * world + 2 * world * slot)
 }
 
 /// How many segments [`ArenaHost::create`] made in this process.
@@ -547,11 +558,18 @@ impl Arena {
         }
     }
 
-    /// What rank `rank` said of its failures (a word at byte 40 of its line; a rank writes only
-    /// its own): [`SAW_DISAGREEMENT`], [`FAILED`], or 0.
+    /// What rank `rank` said of its failures (a word at [`FAILURE_AT`] in its control line; a
+    /// rank writes only its own): [`SAW_DISAGREEMENT`], [`FAILED`], or 0.
     fn disagreed(&self, rank: usize) -> &AtomicU32 {
-        // SAFETY: bytes 40 to 44 of line `rank`, 4-byte aligned, in the mapping.
-        unsafe { &*(self.map.ptr().add(rank * LINE + 40) as *const AtomicU32) }
+        self.control(rank, FAILURE_AT)
+    }
+
+    /// The word at `at` of rank `rank`'s control line (see the layout in the module's docs).
+    fn control(&self, rank: usize, at: usize) -> &AtomicU32 {
+        debug_assert!(rank < self.world && at % 4 == 0 && at + 4 <= LINE);
+        // SAFETY: bytes `at` to `at + 4` of control line `rank` (after the world's phase
+        // lines), 4-byte aligned, in the mapping.
+        unsafe { &*(self.map.ptr().add((self.world + rank) * LINE + at) as *const AtomicU32) }
     }
 
     /// Says in this rank's line how its collective failed, and wakes the sleepers. A
@@ -582,11 +600,10 @@ impl Arena {
         }
     }
 
-    /// Rank `rank`'s sleeping word (at [`SLEEPING_AT`] in its line; a rank writes only its
-    /// own).
+    /// Rank `rank`'s sleeping word (at [`SLEEPING_AT`] in its control line; a rank writes only
+    /// its own).
     fn sleeping(&self, rank: usize) -> &AtomicU32 {
-        // SAFETY: bytes 44 to 48 of line `rank`, 4-byte aligned, in the mapping.
-        unsafe { &*(self.map.ptr().add(rank * LINE + SLEEPING_AT) as *const AtomicU32) }
+        self.control(rank, SLEEPING_AT)
     }
 
     /// Says in this rank's line whether it sleeps. Set before the look that precedes a sleep,
@@ -605,11 +622,11 @@ impl Arena {
     }
 
     fn slot_ptr(&self, rank: usize, half: usize) -> *mut u8 {
-        // SAFETY: within the mapping: LINE·world + (2·rank + half + 1)·slot ≤ its length.
+        // SAFETY: within the mapping: 2·LINE·world + (2·rank + half + 1)·slot ≤ its length.
         unsafe {
             self.map
                 .ptr()
-                .add(LINE * self.world + (2 * rank + half) * self.slot)
+                .add(2 * LINE * self.world + (2 * rank + half) * self.slot)
         }
     }
 
@@ -626,21 +643,92 @@ impl Arena {
         plan: &ArenaPlan,
         buffer: &mut [u8],
         bounds: &Bounds<'_>,
-        mut give_up: GiveUp<'_>,
+        give_up: GiveUp<'_>,
     ) -> Result<(), ArenaError> {
+        self.check_plan(plan, buffer.len())?;
+        let buffer = Buffer {
+            ptr: buffer.as_mut_ptr(),
+            len: buffer.len(),
+        };
+        // SAFETY: every byte of a slice is initialised, and the slice is ours (borrowed
+        // mutably) for the whole call.
+        unsafe { self.run_over(plan, buffer, bounds, give_up) }.await
+    }
+
+    /// Runs `plan` as [`Arena::run`] does, over a buffer of its own holding `input` in the
+    /// plan's input range, and returns the buffer. When the plan fills its buffer
+    /// ([`ArenaPlan::fills_buffer`], decided in core: an all_gather's, a gather's root's) the
+    /// rest of the buffer is never cleared: every byte of it is written once, by the reads.
+    ///
+    /// # Errors
+    /// As [`Arena::run`]; [`ArenaError::PlanMismatch`] also for an input of another length
+    /// than the plan's input range.
+    pub async fn run_fresh(
+        &mut self,
+        plan: &ArenaPlan,
+        input: &[u8],
+        bounds: &Bounds<'_>,
+        give_up: GiveUp<'_>,
+    ) -> Result<Vec<u8>, ArenaError> {
+        let (len, at) = (plan.buffer_len(), plan.input_range());
+        if input.len() != at.len() || at.end > len {
+            return Err(ArenaError::PlanMismatch {
+                plan_world: plan.world(),
+                plan_slot: plan.slot_bytes(),
+            });
+        }
+        if !plan.fills_buffer() {
+            let mut buffer = vec![0u8; len];
+            buffer[at].copy_from_slice(input);
+            self.run(plan, &mut buffer, bounds, give_up).await?;
+            return Ok(buffer);
+        }
+        self.check_plan(plan, len)?;
+        let mut buffer: Vec<u8> = Vec::with_capacity(len);
+        let raw = Buffer {
+            ptr: buffer.as_mut_ptr(),
+            len,
+        };
+        // SAFETY: the input range lies in the allocation (checked above); `input` is not in it.
+        unsafe { std::ptr::copy_nonoverlapping(input.as_ptr(), raw.ptr.add(at.start), at.len()) };
+        // SAFETY: the plan fills its buffer (core's check above): it draws only on bytes the
+        // input or its own reads have written. The allocation is not touched otherwise (nor
+        // moved: only the vector's handle is, with the future) until the run has ended.
+        unsafe { self.run_over(plan, raw, bounds, give_up) }.await?;
+        // SAFETY: the plan ran to its end, and a plan that fills its buffer has then written
+        // every byte of it.
+        unsafe { buffer.set_len(len) };
+        Ok(buffer)
+    }
+
+    /// Refuses a plan that does not fit this arena or a buffer of `len` bytes, or whose
+    /// reductions do not fit its reads; fails at once when an earlier collective failed.
+    fn check_plan(&self, plan: &ArenaPlan, len: usize) -> Result<(), ArenaError> {
         if let Some(failure) = self.state.failure() {
             return Err(failure.clone().into());
         }
-        if plan.world() != self.world
-            || plan.slot_bytes() != self.slot
-            || buffer.len() != plan.buffer_len()
+        if plan.world() != self.world || plan.slot_bytes() != self.slot || len != plan.buffer_len()
         {
             return Err(ArenaError::PlanMismatch {
                 plan_world: plan.world(),
                 plan_slot: plan.slot_bytes(),
             });
         }
-        check_reductions(plan)?;
+        check_reductions(plan)
+    }
+
+    /// # Safety
+    /// `buffer` is writable for its length, not touched by anything else until the returned
+    /// future has finished or been dropped, and its bytes that the plan draws on (its writes,
+    /// its reducing reads, its local copy's source) are initialised before it draws on them:
+    /// all of them for a slice, or those [`ArenaPlan::fills_buffer`] promises.
+    async unsafe fn run_over(
+        &mut self,
+        plan: &ArenaPlan,
+        buffer: Buffer,
+        bounds: &Bounds<'_>,
+        mut give_up: GiveUp<'_>,
+    ) -> Result<(), ArenaError> {
         let reported = reported_disagreement(self.world, self.rank, |q| {
             self.disagreed(q).load(Ordering::Acquire) == SAW_DISAGREEMENT
         });
@@ -657,31 +745,46 @@ impl Arena {
         })
     }
 
+    /// The phases of `plan` over `buffer` (see [`Arena::run_over`] for what it must be).
     async fn phases(
         &mut self,
         plan: &ArenaPlan,
-        buffer: &mut [u8],
+        buffer: Buffer,
         bounds: &Bounds<'_>,
         mut give_up: GiveUp<'_>,
     ) -> Result<(), ArenaFailure> {
         if let Some((from, to)) = plan.local_copy() {
-            buffer.copy_within(from, to.start);
+            assert!(from.end <= buffer.len && to.start + from.len() <= buffer.len);
+            // SAFETY: both in the buffer (asserted); the source is initialised (the caller's
+            // promise); `copy` allows them to overlap.
+            unsafe {
+                std::ptr::copy(
+                    buffer.ptr.add(from.start),
+                    buffer.ptr.add(to.start),
+                    from.len(),
+                )
+            };
         }
         let signature = bounds.signature;
         for phase in plan.phases() {
             let half = self.state.half();
             if !phase.writes.is_empty() {
-                let waits: Vec<(usize, u32)> = self.state.free_waits().collect();
-                self.wait(waits, bounds, give_up.as_mut()).await?;
+                let (readers, target) = self.state.free_wait();
+                if !all_reached(readers, target, |q| self.counter_value(q)) {
+                    let readers = readers.to_vec();
+                    self.wait(&readers, target, bounds, give_up.as_mut())
+                        .await?;
+                }
                 let slot = self.slot_ptr(self.rank, half);
                 for w in &phase.writes {
                     // SAFETY: the plan fits the slot (checked in core: `to + len <= slot`,
-                    // asserted below) and the buffer; the slot's half is ours to write: its
-                    // readers have moved on (the waits above).
-                    assert!(w.to + w.from.len() <= self.slot && w.from.end <= buffer.len());
+                    // asserted below) and the buffer, whose bytes it draws on are initialised
+                    // (the caller's promise); the slot's half is ours to write: its readers
+                    // have moved on (the waits above).
+                    assert!(w.to + w.from.len() <= self.slot && w.from.end <= buffer.len);
                     unsafe {
                         std::ptr::copy_nonoverlapping(
-                            buffer[w.from.clone()].as_ptr(),
+                            buffer.ptr.add(w.from.start),
                             slot.add(w.to),
                             w.from.len(),
                         )
@@ -696,7 +799,8 @@ impl Arena {
             let value = self.state.posted(!phase.writes.is_empty(), &phase.readers);
             self.counter(self.rank).store(value, Ordering::Release);
             self.announce();
-            self.wait(self.state.phase_waits(phase), bounds, give_up.as_mut())
+            let target = self.state.phase_target();
+            self.wait(&phase.waits_on, target, bounds, give_up.as_mut())
                 .await?;
             for q in &phase.waits_on {
                 // Best effort: a rank that has moved on two phases has overwritten its
@@ -710,21 +814,34 @@ impl Arena {
                 }
             }
             for read in &phase.reads {
-                assert!(read.from + read.to.len() <= self.slot && read.to.end <= buffer.len());
+                assert!(read.from + read.to.len() <= self.slot && read.to.end <= buffer.len);
                 let src = self.slot_ptr(read.peer, half);
                 // SAFETY: in the mapping (checked above); the writer published this half before
                 // the counter we waited for and does not write it again before we publish the
                 // next phase. A misbehaving rank of the group could still change the bytes: they
-                // are plain bytes to us, whatever they hold.
-                let incoming =
-                    unsafe { std::slice::from_raw_parts(src.add(read.from), read.to.len()) };
-                let dst = &mut buffer[read.to.clone()];
+                // are plain bytes to us, whatever they hold. The destination is in the buffer
+                // (asserted), which is not in the mapping.
+                let (incoming, dst) = unsafe {
+                    (
+                        src.add(read.from) as *const u8,
+                        buffer.ptr.add(read.to.start),
+                    )
+                };
                 if read.reduce {
                     let (element, op) = plan.reduction().expect("checked before the phases");
+                    // SAFETY: as above; a reducing read's destination is initialised (the
+                    // caller's promise), and nothing else refers to it meanwhile.
+                    let (incoming, dst) = unsafe {
+                        (
+                            std::slice::from_raw_parts(incoming, read.to.len()),
+                            std::slice::from_raw_parts_mut(dst, read.to.len()),
+                        )
+                    };
                     reduce_into(op, element, dst, incoming, false)
                         .expect("reductions checked before the phases");
                 } else {
-                    dst.copy_from_slice(incoming);
+                    // SAFETY: as above.
+                    unsafe { std::ptr::copy_nonoverlapping(incoming, dst, read.to.len()) };
                 }
             }
         }
@@ -756,18 +873,20 @@ impl Arena {
         })
     }
 
-    /// Waits until each rank of `targets` has published its counter value: polls them all (or
-    /// yields) for the spin budget, then sleeps until its eventfd is written, the time core's
+    /// Waits until each rank of `ranks` has published `target`: polls them all (or yields)
+    /// for the spin budget, then sleeps until its eventfd is written, the time core's
     /// [`ArenaWait`] names on the group's clock, or the caller gives up; after each sleep, core
-    /// decides on what the counters, the clock and the ranks' processes say.
+    /// decides on what the counters, the clock and the ranks' processes say. Nothing is
+    /// allocated unless it comes to sleeping.
     async fn wait(
         &mut self,
-        targets: Vec<(usize, u32)>,
+        ranks: &[usize],
+        target: u32,
         bounds: &Bounds<'_>,
         mut give_up: GiveUp<'_>,
     ) -> Result<(), ArenaFailure> {
-        let wait = ArenaWait::new(targets, bounds.deadline, bounds.timeout);
-        if wait.done(|q| self.counter_value(q)) {
+        let done = |this: &Self| all_reached(ranks, target, |q| this.counter_value(q));
+        if done(self) {
             return Ok(());
         }
         // The spin budget is CPU time spent looking, on the system's clock; no deadline is
@@ -778,7 +897,7 @@ impl Arena {
             match spin.step(Instant::now()) {
                 SpinStep::Poll => {
                     for _ in 0..16 {
-                        if wait.done(|q| self.counter_value(q)) {
+                        if done(self) {
                             return Ok(());
                         }
                         std::hint::spin_loop();
@@ -790,13 +909,18 @@ impl Arena {
                 }
                 SpinStep::Yield => {
                     std::thread::yield_now();
-                    if wait.done(|q| self.counter_value(q)) {
+                    if done(self) {
                         return Ok(());
                     }
                 }
                 SpinStep::Sleep => break,
             }
         }
+        let wait = ArenaWait::new(
+            ranks.iter().map(|q| (*q, target)).collect(),
+            bounds.deadline,
+            bounds.timeout,
+        );
         self.sleep_flag(true);
         let result = loop {
             let step = wait.step(
@@ -839,6 +963,17 @@ impl Arena {
         result
     }
 }
+
+/// The buffer a plan runs over, as the executor sees it (see [`Arena::run_over`]).
+#[derive(Clone, Copy)]
+struct Buffer {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a `Buffer` is only a view the executor's future keeps of memory it has for the
+// whole run (a borrowed slice, or a vector of the future's own); it moves with the future.
+unsafe impl Send for Buffer {}
 
 /// Refuses a plan whose reducing reads have no reduction, or one that does not fit them.
 fn check_reductions(plan: &ArenaPlan) -> Result<(), ArenaError> {

@@ -142,10 +142,75 @@ impl ArenaPlan {
         &self.phases
     }
 
+    /// Whether this plan, run over a buffer of which only the input range holds anything
+    /// (the rest never written, the local copy's source within the input), writes every byte
+    /// of the buffer before it draws on it and leaves none unwritten: each write into the
+    /// slot, each reducing read and the local copy take only bytes the input or an earlier
+    /// plain read put there, and by the end the plain reads and the input cover the whole
+    /// buffer. The executor may then start from a buffer it has not cleared (an all_gather's
+    /// receiving buffer, which would otherwise be zeroed first: as many bytes written again as
+    /// the collective receives).
+    pub fn fills_buffer(&self) -> bool {
+        let mut filled = Filled::default();
+        filled.add(self.input.clone());
+        if let Some((from, to)) = &self.local {
+            if !filled.covers(from) {
+                return false;
+            }
+            filled.add(to.clone());
+        }
+        for phase in &self.phases {
+            if !phase.writes.iter().all(|w| filled.covers(&w.from)) {
+                return false;
+            }
+            for read in &phase.reads {
+                if read.reduce {
+                    if !filled.covers(&read.to) {
+                        return false;
+                    }
+                } else {
+                    filled.add(read.to.clone());
+                }
+            }
+        }
+        filled.covers(&(0..self.buffer_len))
+    }
+
     /// The phases, to break a plan in a test.
     #[cfg(test)]
     pub(super) fn phases_mut(&mut self) -> &mut [ArenaPhase] {
         &mut self.phases
+    }
+}
+
+/// Disjoint, sorted, merged byte ranges: what a plan has written of its buffer so far.
+#[derive(Default)]
+struct Filled(Vec<Range<usize>>);
+
+impl Filled {
+    fn add(&mut self, r: Range<usize>) {
+        if r.is_empty() {
+            return;
+        }
+        // The ranges that touch or overlap `r` merge with it.
+        let first = self.0.partition_point(|x| x.end < r.start);
+        let last = self.0.partition_point(|x| x.start <= r.end);
+        let merged = if first < last {
+            self.0[first].start.min(r.start)..self.0[last - 1].end.max(r.end)
+        } else {
+            r
+        };
+        self.0.splice(first..last, [merged]);
+    }
+
+    fn covers(&self, r: &Range<usize>) -> bool {
+        if r.is_empty() {
+            return true;
+        }
+        let i = self.0.partition_point(|x| x.end < r.end);
+        self.0
+            .get(i)
+            .is_some_and(|x| x.start <= r.start && r.end <= x.end)
     }
 }
 
@@ -185,11 +250,24 @@ impl ArenaState {
         readers.iter().map(move |r| (*r, target))
     }
 
+    /// [`free_waits`](Self::free_waits) as the ranks and the one counter value they must all
+    /// have published (no allocation: the executor's fast path looks at these first).
+    pub fn free_wait(&self) -> (&[usize], u32) {
+        let (written, readers) = &self.last[self.half()];
+        (readers, counter(written + 2))
+    }
+
     /// What to wait for after publishing `phase` (the phase [`posted`](Self::posted) just
     /// published): each rank of its `waits_on`, and the counter value of that publication.
     pub fn phase_waits(&self, phase: &ArenaPhase) -> Vec<(usize, u32)> {
-        let target = counter(self.phase);
+        let target = self.phase_target();
         phase.waits_on.iter().map(|q| (*q, target)).collect()
+    }
+
+    /// The counter value every rank of a phase's `waits_on` must have published after
+    /// [`posted`](Self::posted) (the one value of [`phase_waits`](Self::phase_waits)).
+    pub fn phase_target(&self) -> u32 {
+        counter(self.phase)
     }
 
     /// Records that a collective failed (see [`arena_wait`](super::arena_wait)): the first

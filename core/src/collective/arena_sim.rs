@@ -98,7 +98,10 @@ fn simulate(
                 .iter()
                 .zip(inputs)
                 .map(|(p, input)| {
-                    let mut b = vec![0u8; p.buffer_len()];
+                    // A plan that fills its buffer may be run over one never cleared: here
+                    // it gets garbage, which must not show in any result.
+                    let garbage = if p.fills_buffer() { 0xa5 } else { 0 };
+                    let mut b = vec![garbage; p.buffer_len()];
                     b[p.input_range()].copy_from_slice(&input);
                     if let Some((from, to)) = p.local_copy() {
                         b.copy_within(from, to.start);
@@ -648,6 +651,45 @@ fn a_writer_that_does_not_wait_for_its_readers_is_caught() {
         }
     }
     assert_eq!(failures, 50);
+}
+
+#[test]
+fn which_plans_fill_their_buffer() {
+    let slot = 8 * 64;
+    for world in [2, 3, 5] {
+        for rank in 0..world {
+            // Blocks of every size: none, within a slot, over several phases.
+            let lens: Vec<usize> = (0..world).map(|q| q * 300).collect();
+            let gather = arena::all_gather(rank, &lens, slot).unwrap();
+            assert!(gather.fills_buffer(), "all_gather, rank {rank} of {world}");
+            assert!(arena::barrier(rank, world, slot).unwrap().fills_buffer());
+            let root = arena::gather(rank, 0, &lens, slot).unwrap();
+            assert!(root.fills_buffer(), "gather, rank {rank} of {world}");
+            let sum = arena::all_reduce(rank, world, 500, ElementType::F32, ReduceOp::Sum, slot);
+            assert!(
+                sum.unwrap().fills_buffer(),
+                "all_reduce reads into its input"
+            );
+            // Without one of its reads, some bytes stay unwritten.
+            let mut broken = gather.clone();
+            if let Some(phase) = broken.phases_mut().iter_mut().find(|p| !p.reads.is_empty()) {
+                phase.reads.pop();
+                assert!(!broken.fills_buffer(), "rank {rank} of {world}");
+            }
+            // A write of bytes no read has brought yet.
+            let mut early = arena::all_gather(rank, &lens, slot).unwrap();
+            let last = early.buffer_len();
+            early.phases_mut()[0].writes.push(arena::ArenaWrite {
+                from: last - 1..last,
+                to: 0,
+            });
+            assert_eq!(
+                early.fills_buffer(),
+                early.input_range().end == last,
+                "rank {rank} of {world}"
+            );
+        }
+    }
 }
 
 #[test]

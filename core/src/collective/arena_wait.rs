@@ -53,6 +53,13 @@ pub fn reached(value: u32, target: u32) -> bool {
     (value.wrapping_sub(target) as i32) >= 0
 }
 
+/// Whether every rank of `ranks` has published `target` (each rank's counter as `counter`
+/// gives it): what [`ArenaWait::done`] says of a wait for `ranks` at `target`, without making
+/// one (the executor's first looks, before it may have to sleep).
+pub fn all_reached(ranks: &[usize], target: u32, counter: impl Fn(usize) -> u32) -> bool {
+    ranks.iter().all(|q| reached(counter(*q), target))
+}
+
 /// How long a waiting rank sleeps at most before it looks again at the processes of the ranks it
 /// waits for (a rank whose process ended is named within about this long).
 pub const LIVENESS_PERIOD: Duration = Duration::from_millis(20);
@@ -288,6 +295,28 @@ mod tests {
             ArenaWait::new(Vec::new(), t0, T).step(|_| 0, t0 + T, |_| Some(Lost::Died)),
             WaitStep::Done
         );
+    }
+
+    #[test]
+    fn all_reached_says_what_a_wait_for_the_same_targets_says() {
+        let t0 = Instant::now();
+        let counters = [5u32, 4, 6, u32::MAX];
+        for (ranks, target) in [
+            (vec![0, 2], 5),
+            (vec![0, 1], 5),
+            (vec![3], u32::MAX),
+            (vec![3], 0),
+            (vec![], 9),
+        ] {
+            let wait = ArenaWait::new(ranks.iter().map(|q| (*q, target)).collect(), t0, T);
+            assert_eq!(
+                all_reached(&ranks, target, |q| counters[q]),
+                wait.done(|q| counters[q]),
+                "{ranks:?} at {target}"
+            );
+        }
+        assert!(!all_reached(&[0, 1], 5, |q| counters[q]));
+        assert!(all_reached(&[0, 2], 5, |q| counters[q]));
     }
 
     #[test]

@@ -78,8 +78,9 @@ pub(super) enum ArenaSlot {
         /// The world ranks' process ids, by group rank.
         pids: Vec<u32>,
     },
-    /// Set up.
-    Ready(Box<Arena>),
+    /// Set up; with the barrier's plan, kept between barriers (the same every time: made
+    /// once, not at every barrier).
+    Ready(Box<Arena>, Option<ArenaPlan>),
     /// Setting it up failed: every collective fails with this.
     Failed(ProcessGroupError),
 }
@@ -98,7 +99,7 @@ impl Turn<'_> {
     /// the arena's failure), but they must not fail as arguments first.
     fn slot_bytes(&self) -> usize {
         match &*self.slot {
-            ArenaSlot::Ready(a) => a.slot_bytes(),
+            ArenaSlot::Ready(a, _) => a.slot_bytes(),
             _ => plans::ARENA_ALIGN * self.world,
         }
     }
@@ -260,7 +261,7 @@ impl Group {
             .inner
             .arena
             .try_lock()
-            .expect("nobody holds a new group's arena") = ArenaSlot::Ready(Box::new(arena));
+            .expect("nobody holds a new group's arena") = ArenaSlot::Ready(Box::new(arena), None);
         self.inner.arena_on.store(true, Ordering::Release);
         Ok(())
     }
@@ -302,7 +303,7 @@ impl Group {
         if let ArenaSlot::Pending { pids } = &*slot {
             let pids = pids.clone();
             *slot = match self.fetch_subgroup_arena(&pids).await {
-                Ok(arena) => ArenaSlot::Ready(Box::new(arena)),
+                Ok(arena) => ArenaSlot::Ready(Box::new(arena), None),
                 Err(e) => ArenaSlot::Failed(e),
             };
         }
@@ -326,7 +327,9 @@ impl Group {
     /// The group's arena, through the store under `key`: rank 0 makes the segment and
     /// publishes its socket's name, the others wait for the name and join. With `fallback`
     /// (the world group), a segment rank 0 cannot make is published as an empty name and
-    /// every rank goes on without an arena (`None`), on its links.
+    /// every rank goes on without an arena (`None`), on its links, after a barrier over them
+    /// (then rank 0 removes the name). Rank 0 removes the name once every rank has joined, or
+    /// once the accepting failed.
     async fn fetch_arena(
         &self,
         key: &str,
@@ -348,6 +351,10 @@ impl Group {
                         .set(key, b"")
                         .await
                         .map_err(|e| setup(format!("publishing the arena: {e}")))?;
+                    // Every rank reads the empty name before it enters this barrier (over the
+                    // links: no rank has an arena), so once it is passed the key can go.
+                    self.links_barrier().await?;
+                    delete_name(store.as_ref(), key).await.map_err(setup)?;
                     return Ok(None);
                 }
                 Err(e) => return Err(setup(e.to_string())),
@@ -356,16 +363,14 @@ impl Group {
                 .set(key, host.name().as_bytes())
                 .await
                 .map_err(|e| setup(format!("publishing the arena: {e}")))?;
-            let arena = host
-                .accept(rank, pids, spin(), runtime, deadline)
-                .await
-                .map_err(|e| setup(e.to_string()))?;
+            let accepted = host.accept(rank, pids, spin(), runtime, deadline).await;
             // Every rank has joined, so every rank has read the name: the key goes, and the
-            // store holds nothing of the arena once it is set up.
-            store
-                .delete_key(key)
-                .await
-                .map_err(|e| setup(format!("removing the arena's name: {e}")))?;
+            // store holds nothing of the arena once it is set up. It goes too when a rank did
+            // not join in time: the listener behind the name is closed, so a rank reading it
+            // later could not join anyway (it fails waiting for the name instead).
+            let deleted = delete_name(store.as_ref(), key).await;
+            let arena = accepted.map_err(|e| setup(e.to_string()))?;
+            deleted.map_err(setup)?;
             Ok(Some(arena))
         } else {
             store
@@ -379,6 +384,10 @@ impl Group {
             let name =
                 String::from_utf8(name).map_err(|_| setup("a malformed arena name".into()))?;
             if name.is_empty() {
+                // Rank 0 removes the name once every rank has read it (this barrier).
+                if fallback {
+                    self.links_barrier().await?;
+                }
                 return Ok(None);
             }
             Arena::join(&name, rank, pids, 0, spin(), runtime, deadline)
@@ -388,11 +397,7 @@ impl Group {
         }
     }
 
-    /// Runs `plan` over `buffer` through the arena in `slot`, bounded by the group's timeout
-    /// on its runtime's clock and by the wait of the [`Work`](crate::Work) running it, if any.
-    /// A failure fails every later collective through the arena with the same error; a timeout
-    /// also breaks the group (as on the links: the ranks no longer agree where the collectives
-    /// stand).
+    /// Runs `plan` over `buffer` through the arena in `slot`: see [`Group::arena_exec`].
     pub(super) async fn arena_run(
         &self,
         turn: &mut Turn<'_>,
@@ -401,10 +406,47 @@ impl Group {
         buffer: &mut [u8],
         signature: &[u64],
     ) -> Result<(), ProcessGroupError> {
+        let plan = plan.as_ref().map_err(Clone::clone);
+        self.arena_exec(turn, collective, plan, Exec::InPlace(buffer), signature)
+            .await
+            .map(|_| ())
+    }
+
+    /// Runs `plan` through the arena in `slot` over a buffer of its own that starts with
+    /// `input` in the plan's input range (never cleared when the plan fills it, see
+    /// [`Arena::run_fresh`]): the buffer.
+    async fn arena_run_fresh(
+        &self,
+        turn: &mut Turn<'_>,
+        collective: &'static str,
+        plan: Result<ArenaPlan, CollectiveError>,
+        input: &[u8],
+        signature: &[u64],
+    ) -> Result<Vec<u8>, ProcessGroupError> {
+        let plan = plan.as_ref().map_err(Clone::clone);
+        let out = self
+            .arena_exec(turn, collective, plan, Exec::Fresh(input), signature)
+            .await?;
+        Ok(out.unwrap_or_default())
+    }
+
+    /// Runs `plan` over `buffer` through the arena in `slot`, bounded by the group's timeout
+    /// on its runtime's clock and by the wait of the [`Work`](crate::Work) running it, if any.
+    /// A failure fails every later collective through the arena with the same error; a timeout
+    /// also breaks the group (as on the links: the ranks no longer agree where the collectives
+    /// stand).
+    async fn arena_exec(
+        &self,
+        turn: &mut Turn<'_>,
+        collective: &'static str,
+        plan: Result<&ArenaPlan, CollectiveError>,
+        buffer: Exec<'_>,
+        signature: &[u64],
+    ) -> Result<Option<Vec<u8>>, ProcessGroupError> {
         let seq = turn.seq;
         let mesh = &self.inner.mesh;
         let arena = match &mut *turn.slot {
-            ArenaSlot::Ready(arena) => arena,
+            ArenaSlot::Ready(arena, _) => arena,
             ArenaSlot::Failed(e) => return Err(e.clone()),
             ArenaSlot::Off | ArenaSlot::Pending { .. } => {
                 unreachable!("a turn is handed out only for a set-up arena")
@@ -440,12 +482,21 @@ impl Group {
             signature: fingerprint(collective, signature),
             gone: &gone,
         };
-        let result = arena
-            .run(&plan, buffer, &bounds, give_up)
-            .instrument(span)
-            .await;
-        let Err(e) = result else {
-            return Ok(());
+        let result = match buffer {
+            Exec::InPlace(buffer) => arena
+                .run(plan, buffer, &bounds, give_up)
+                .instrument(span)
+                .await
+                .map(|()| None),
+            Exec::Fresh(input) => arena
+                .run_fresh(plan, input, &bounds, give_up)
+                .instrument(span)
+                .await
+                .map(Some),
+        };
+        let e = match result {
+            Ok(out) => return Ok(out),
+            Err(e) => e,
         };
         let failed = matches!(e, ArenaError::Failed(_));
         let error = match (e, mesh.broken()) {
@@ -507,8 +558,27 @@ impl Group {
     }
 
     pub(super) async fn arena_barrier(&self, turn: &mut Turn<'_>) -> Result<(), ProcessGroupError> {
-        let plan = plans::barrier(self.rank(), self.size(), turn.slot_bytes());
-        self.arena_run(turn, "barrier", plan, &mut [], &[]).await
+        let cached = match &mut *turn.slot {
+            ArenaSlot::Ready(_, cached) => cached.take(),
+            _ => None,
+        };
+        let plan = cached.map_or_else(
+            || plans::barrier(self.rank(), self.size(), turn.slot_bytes()),
+            Ok,
+        );
+        let result = self
+            .arena_exec(
+                turn,
+                "barrier",
+                plan.as_ref().map_err(Clone::clone),
+                Exec::InPlace(&mut []),
+                &[],
+            )
+            .await;
+        if let (Ok(plan), ArenaSlot::Ready(_, cached)) = (plan, &mut *turn.slot) {
+            *cached = Some(plan);
+        }
+        result.map(|_| ())
     }
 
     pub(super) async fn arena_all_reduce(
@@ -658,11 +728,9 @@ impl Group {
             .arena_block_lens(turn, "all_gather", input.len())
             .await?;
         let plan = plans::all_gather(rank, &lens, turn.slot_bytes());
-        let total: usize = lens.iter().sum();
-        let mut buffer = vec![0u8; total];
-        let start: usize = lens[..rank].iter().sum();
-        buffer[start..start + input.len()].copy_from_slice(input);
-        self.arena_run(turn, "all_gather", plan, &mut buffer, &as_words(&lens))
+        // The receiving buffer is never cleared: the plan writes every byte of it.
+        let buffer = self
+            .arena_run_fresh(turn, "all_gather", plan, input, &as_words(&lens))
             .await?;
         Ok(split(buffer.into(), &lens))
     }
@@ -689,11 +757,8 @@ impl Group {
                 .await?;
             return Ok(None);
         }
-        let total: usize = lens.iter().sum();
-        let mut buffer = vec![0u8; total];
-        let start: usize = lens[..rank].iter().sum();
-        buffer[start..start + input.len()].copy_from_slice(input);
-        self.arena_run(turn, "gather", plan, &mut buffer, &signature)
+        let buffer = self
+            .arena_run_fresh(turn, "gather", plan, input, &signature)
             .await?;
         Ok(Some(split(buffer.into(), &lens)))
     }
@@ -839,6 +904,23 @@ impl Group {
         let out = Bytes::from(buffer).slice(output);
         Ok(split(out, output_lens))
     }
+}
+
+/// What a collective runs over through the arena.
+enum Exec<'b> {
+    /// The caller's buffer, input in place.
+    InPlace(&'b mut [u8]),
+    /// A buffer of the run's own, starting with this input (see [`Arena::run_fresh`]).
+    Fresh(&'b [u8]),
+}
+
+/// Removes an arena's name from the store (`Err`: why it could not).
+async fn delete_name(store: &dyn Store, key: &str) -> Result<(), String> {
+    store
+        .delete_key(key)
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("removing the arena's name: {e}"))
 }
 
 /// A collective's signature in one word (FNV-1a over its name and the arguments every rank

@@ -92,6 +92,29 @@ async fn ranks_of_one_process_all_reduce_and_all_gather_through_an_arena() {
                 .run(&plan, &mut gathered, &bounds, never.as_mut())
                 .await
                 .unwrap();
+            // Into a buffer of the run's own, never cleared (the plan fills it): blocks of
+            // every size, from none to several phases.
+            let lens: Vec<usize> = (0..world).map(|q| q * 1100).collect();
+            let plan = arena::all_gather(r, &lens, slot).unwrap();
+            assert!(plan.fills_buffer());
+            let mine = vec![r as u8 + 1; lens[r]];
+            if lens[r] > 0 {
+                // Refused before anything is written (the others do not wait for it).
+                let short = arena
+                    .run_fresh(&plan, &mine[1..], &bounds, never.as_mut())
+                    .await;
+                assert!(matches!(short, Err(ArenaError::PlanMismatch { .. })));
+            }
+            let fresh = arena
+                .run_fresh(&plan, &mine, &bounds, never.as_mut())
+                .await
+                .unwrap();
+            let mut at = 0;
+            for (q, len) in lens.iter().enumerate() {
+                assert!(fresh[at..at + len].iter().all(|b| *b == q as u8 + 1));
+                at += len;
+            }
+            assert_eq!(fresh.len(), at);
             let barrier = arena::barrier(r, world, slot).unwrap();
             for _ in 0..100 {
                 arena
