@@ -112,7 +112,6 @@ impl Agent {
                     ),
                 ),
                 dyn_state: crate::state::DynState::default(),
-                connecting: HashMap::new(),
                 gathers_waiting: HashMap::new(),
                 waiters: HashMap::new(),
                 values: HashMap::new(),
