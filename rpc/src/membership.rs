@@ -283,10 +283,6 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
             answer
         }
     };
-    let _connecting = Connecting {
-        agent: &agent,
-        rank,
-    };
     match answer {
         Introduced::Welcome => {}
         Introduced::Refuse(reply) => {
@@ -301,6 +297,11 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
             return;
         }
     }
+    // Whatever is held for it goes if it is not attached.
+    let _connecting = Connecting {
+        agent: &agent,
+        rank,
+    };
     if let Err(e) = conn.send(HelloReply::Welcome.frame()).await {
         warn!("could not welcome rank {rank}: {e}");
         let now = agent.now();

@@ -178,9 +178,12 @@ pub(super) fn dial_limit(join_deadline: Option<Instant>, now: Instant) -> Durati
 impl<B: Payload, H> Node<B, H> {
     /// The membership's frames for `peer` wait from now until its connection is attached
     /// ([`handle_link_up`](Self::handle_link_up)) or its setup ends
-    /// ([`handle_connecting_ended`](Self::handle_connecting_ended)).
-    pub fn begin_connecting(&mut self, peer: WorkerId) {
+    /// ([`handle_connecting_ended`](Self::handle_connecting_ended)). False if its connection
+    /// was being set up already (what is held for it stays).
+    pub fn begin_connecting(&mut self, peer: WorkerId) -> bool {
+        let fresh = !self.connecting.held.contains_key(&peer);
         self.connecting.held.entry(peer).or_default();
+        fresh
     }
 
     /// `peer`'s connection is attached: the frames held for it go out first, in order.
@@ -202,10 +205,11 @@ impl<B: Payload, H> Node<B, H> {
     /// [`read_introduction`], its credentials checked for the record's name) at `now`: the
     /// membership decides whether it is expected. On [`Introduced::Welcome`] the membership's
     /// frames for it wait for its connection ([`handle_link_up`](Self::handle_link_up)); on
-    /// any other answer nothing is held for it.
+    /// any other answer nothing is held for it (and what was held for a connection of the
+    /// same rank already being set up, say the worker an impostor claims to be, stays).
     pub fn handle_introduced(&mut self, now: Instant, record: &MemberRecord) -> Introduced {
         let rank = record.rank;
-        self.begin_connecting(rank);
+        let fresh = self.begin_connecting(rank);
         let accepted = self.with_membership(now, |m| m.handle_connected(rank, Some(record)));
         let answer = match accepted {
             Some(Ok(Accepted::Member | Accepted::Applicant)) => return Introduced::Welcome,
@@ -215,7 +219,9 @@ impl<B: Payload, H> Node<B, H> {
             }
             Some(Err(e)) => Introduced::Drop(Some(e)),
         };
-        self.handle_connecting_ended(rank);
+        if fresh {
+            self.handle_connecting_ended(rank);
+        }
         answer
     }
 

@@ -913,3 +913,29 @@ fn the_next_coordinator_publishes_its_record_and_closes_the_leavers_connection()
         record: record(1).encode(),
     }));
 }
+
+/// An impostor's introduction under the rank of a peer being connected takes nothing from
+/// that peer: what is held for it still goes out once its connection is attached.
+#[test]
+fn an_impostors_introduction_leaves_what_is_held_for_the_rank_it_claims() {
+    let mut net = Net::new(2, true);
+    let now = net.now();
+    assert!(net.nodes[1].begin_connecting(0));
+    net.nodes[1].set_membership(
+        DynamicMembership::join(record(1), 0, OP, Some(now + OP)),
+        now,
+    );
+    assert!(matches!(
+        net.nodes[1].handle_introduced(now, &record(0)),
+        Introduced::Drop(Some(MembershipError::Violation { peer: 0, .. }))
+    ));
+    assert!(net.nodes[1].poll_transmit().is_none());
+    net.nodes[1].handle_link_up(0);
+    match net.nodes[1].poll_transmit() {
+        Some(Outgoing::Control { to: 0, frame }) => assert!(matches!(
+            DynMessage::decode(&frame.header),
+            Ok(DynMessage::JoinRequest { .. })
+        )),
+        other => panic!("the join request was lost: {other:?}"),
+    }
+}
