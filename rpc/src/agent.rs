@@ -21,13 +21,13 @@ use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, Endpoint, MethodTarget, RRefForkData, RRefHandle, RRefId, WorkerId,
+    CallError, Endpoint, MethodTarget, RRefForkData, RRefHandle, RRefId, WorkerId,
 };
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{oneshot, Notify};
 
 pub use crate::debug::AgentDebugInfo;
-use crate::error::RpcError;
+use crate::error::{RRefError, RpcError};
 use crate::functions::Value;
 pub use crate::future::RpcFuture;
 use crate::metrics::RpcMetrics;
@@ -112,7 +112,6 @@ impl Agent {
                     ),
                 ),
                 dyn_state: crate::state::DynState::default(),
-                connecting: HashMap::new(),
                 gathers_waiting: HashMap::new(),
                 waiters: HashMap::new(),
                 values: HashMap::new(),
@@ -800,7 +799,7 @@ impl Agent {
             }
             other => RpcError::RRef {
                 rref: handle.rref.to_string(),
-                reason: other.to_string(),
+                reason: RRefError::Refused(other),
             },
         }
     }
@@ -1028,12 +1027,12 @@ impl Agent {
 
     /// Waits until the owners confirm every reference of `handles` (PyTorch runs a function
     /// only then): the endpoint parks the wait, with `deadline` among its deadlines, and
-    /// decides when it ends.
+    /// decides when it ends, and why it failed ([`RRefError::Unconfirmed`]).
     pub(crate) async fn wait_confirmed(
         &self,
         handles: &[RRefHandle],
         deadline: Option<Instant>,
-    ) -> Result<(), String> {
+    ) -> Result<(), RpcError> {
         let rx = {
             let mut st = self.lock();
             let Some(wait) = st.node.ep_mut().wait_confirmed(handles, deadline) else {
@@ -1046,19 +1045,25 @@ impl Agent {
         // The driver's timer may have to wake earlier now (and an outcome known at once is
         // the driver's to deliver).
         self.wake();
-        match rx.await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(ConfirmError::OwnerLost { rref, owner })) => Err(format!(
-                "remote reference {rref} in the arguments: its owner {} was lost before confirming it",
-                self.name_of(owner)
-            )),
-            Ok(Err(ConfirmError::Deadline { rref, owner })) => Err(format!(
-                "remote reference {rref} in the arguments: its owner {} did not confirm it before the call's deadline",
-                self.name_of(owner)
-            )),
-            Ok(Err(other)) => Err(other.to_string()),
-            Err(_) => Err("RPC is no longer running on this worker".into()),
-        }
+        let source = match rx.await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => e,
+            Err(_) => return Err(RpcError::NotRunning),
+        };
+        // The reference it names is one of `handles` (the endpoint waits on those only; the
+        // id's creator stands in for an owner never needed).
+        let rref = source.rref();
+        let owner = handles
+            .iter()
+            .find(|h| h.rref == rref)
+            .map_or(rref.created_on, |h| h.owner);
+        Err(RpcError::RRef {
+            rref: rref.to_string(),
+            reason: RRefError::Unconfirmed {
+                owner: self.worker(owner),
+                source,
+            },
+        })
     }
 }
 

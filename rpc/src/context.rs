@@ -65,7 +65,7 @@ impl Host for Agent {
         &self,
         handles: &[RRefHandle],
         deadline: Option<Instant>,
-    ) -> impl Future<Output = Result<(), String>> + Send {
+    ) -> impl Future<Output = Result<(), crate::error::RpcError>> + Send {
         self.wait_confirmed(handles, deadline)
     }
 

@@ -167,7 +167,7 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>)
             match e {
                 NodeEvent::Endpoint(e) => run(this, e),
                 NodeEvent::OverBudget { peer, over } => links::drop_over_budget(this, peer, over),
-                NodeEvent::Membership(e) => membership::on_membership_event(this, e),
+                NodeEvent::Member(a) => membership::perform(this, a),
                 NodeEvent::Gathered { token, outcome } => {
                     crate::gather::answer(this, token, outcome);
                 }

@@ -7,7 +7,7 @@ use tensorwire_core::device::DeviceParseError;
 use tensorwire_core::name::NameError;
 use tensorwire_core::ports::store::StoreError;
 use tensorwire_core::ports::transport::TransportError;
-use tensorwire_core::protocol::{CallError, RemoteError, WorkerId};
+use tensorwire_core::protocol::{CallError, ConfirmError, RemoteError, WorkerId};
 use tensorwire_core::validate::DeviceMapError;
 use tensorwire_rendezvous::RendezvousError;
 
@@ -354,11 +354,61 @@ pub enum RpcError {
         /// The reference.
         rref: String,
         /// Why.
-        reason: String,
+        #[source]
+        reason: RRefError,
     },
     /// An argument of an agent method that cannot be used (the message says which and why).
     #[error("{0}")]
     InvalidArgument(String),
+}
+
+/// Why a remote reference could not be used ([`RpcError::RRef`]).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum RRefError {
+    /// Its value was asked for on a worker that is not its owner.
+    #[error("local_value() is only available on the owner, {owner}")]
+    NotOwner {
+        /// The owner.
+        owner: WorkerInfo,
+    },
+    /// Its owner keeps no value for it any more.
+    #[error("the value is gone")]
+    Gone,
+    /// Its value is of another type than the one asked for.
+    #[error("the value is not a {expected}")]
+    OtherType {
+        /// The type asked for.
+        expected: &'static str,
+    },
+    /// Its owner did not confirm it (the endpoint decided: the owner was lost, the deadline
+    /// passed, or its creation failed).
+    #[error("{}", unconfirmed(&owner.name, source))]
+    Unconfirmed {
+        /// The owner.
+        owner: WorkerInfo,
+        /// What the endpoint decided.
+        #[source]
+        source: ConfirmError,
+    },
+    /// The endpoint refuses it (its owner is lost, or it was released).
+    #[error("{0}")]
+    Refused(#[source] CallError),
+}
+
+fn unconfirmed(owner: &str, e: &ConfirmError) -> String {
+    match e {
+        ConfirmError::OwnerLost { .. } => {
+            format!("in the arguments, its owner {owner} was lost before confirming it")
+        }
+        ConfirmError::Deadline { .. } => format!(
+            "in the arguments, its owner {owner} did not confirm it before the call's deadline"
+        ),
+        ConfirmError::Creation { error, .. } => {
+            format!("in the arguments, its creation on {owner} failed: {error}")
+        }
+        other => other.to_string(),
+    }
 }
 
 impl RpcError {

@@ -67,12 +67,12 @@ pub trait Host: Routes + Clone + Send + Sync + 'static {
     fn context(&self, caller: WorkerId, deadline: Option<Instant>) -> Self::Context;
 
     /// Waits until the owners of `handles` have confirmed them, at most until `deadline`
-    /// (the error says which was not).
+    /// (the error says which was not: [`RpcError::RRef`]).
     fn confirmed(
         &self,
         handles: &[RRefHandle],
         deadline: Option<Instant>,
-    ) -> impl Future<Output = Result<(), String>> + Send;
+    ) -> impl Future<Output = Result<(), RpcError>> + Send;
 
     /// Counts a call of `function` from `caller` with `bytes` as being served, and gives the
     /// span it runs in and what to tell when it finished (`true`: it succeeded).
@@ -111,7 +111,8 @@ impl<H: Host> Invocation<H> {
         self.agent
             .confirmed(&references, self.deadline)
             .await
-            .map_err(HandlerError::Target)?;
+            // Text from here: it travels to the caller as a remote error's message.
+            .map_err(|e| HandlerError::Target(e.to_string()))?;
         Ok(args)
     }
 

@@ -68,10 +68,9 @@ pub(crate) fn attach_conn(
     ));
     {
         let mut st = this.lock();
-        // What the membership said to it while its connection was being set up goes first.
-        for frame in st.connecting.remove(&peer).unwrap_or_default() {
-            queued.enqueue(&tx, frame);
-        }
+        // What the membership said to it while its connection was being set up goes first
+        // (with the next pump).
+        st.node.handle_link_up(peer);
         st.peers.insert(
             peer,
             PeerLink {
@@ -204,13 +203,11 @@ pub(crate) fn close_links(this: &Agent) {
     drop(links);
 }
 
-/// [`send_control`] under the state's lock, taken by the caller (the pump). A frame for a
-/// peer whose connection is being set up waits until it is attached.
+/// Sends a membership frame under the state's lock, taken by the caller (the pump). (The node holds
+/// a frame for a peer whose connection is being set up until it is attached.)
 pub(crate) fn send_control_locked(st: &mut State, to: WorkerId, frame: Frame) {
     if let Some(link) = st.peers.get(&to) {
         link.queued.enqueue(&link.tx, frame);
-    } else if let Some(waiting) = st.connecting.get_mut(&to) {
-        waiting.push(frame);
     } else {
         debug!("no connection to rank {to} for a membership message");
     }

@@ -1,9 +1,9 @@
 //! A running member of a dynamic group: the driver's side of the membership that core's node
 //! owns (`tensorwire_core::protocol::membership::dynamic`, in `Node`) once this worker is in
 //! (or joining) the group. The node takes the membership's frames, lost peers and timer with
-//! the endpoint's; here the driver acts on its events (dial a member, add or remove one, tell a
-//! waiting join or leave), welcomes joiners on the listener and keeps the coordinator's record
-//! in the store (`rpc/dyn/coordinator`).
+//! the endpoint's, and decides what is to be done; here the driver performs what it asks
+//! ([`MemberAction`]: dial a member, name or forget one, complete a waiting join or leave,
+//! write a record to the store) and answers joiners on the listener as the node says.
 //!
 //! Joining and leaving (the steps a caller waits on) are in `init::dynamic`, which starts what
 //! is here.
@@ -14,10 +14,9 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 
 use tensorwire_core::ports::transport::{Connection, IdentityError, Listener, Transport};
-use tensorwire_core::protocol::membership::{
-    Accepted, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
-};
+use tensorwire_core::protocol::membership::{DynamicMembership, MemberRecord, MembershipError};
 use tensorwire_core::protocol::mesh::HelloReply;
+use tensorwire_core::protocol::node::{read_introduction, Introduced, MemberAction};
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_mesh::link;
 use tracing::warn;
@@ -27,7 +26,7 @@ use crate::runtime::Runtime;
 use crate::state::Agent;
 use crate::state::RPC_GROUP;
 
-pub(crate) const COORDINATOR: &str = "rpc/dyn/coordinator";
+pub(crate) use tensorwire_core::protocol::node::COORDINATOR_KEY as COORDINATOR;
 
 /// Runs `f` on the node's membership (if this worker has one), then moves the node's output
 /// along (its timer, if `f` moved it, is the driver's: the pump wakes it).
@@ -41,11 +40,9 @@ pub(crate) fn with_membership<T>(
     out
 }
 
-/// Keeps this worker's record and the transport a joiner dials the members with.
-pub(crate) fn set_up(agent: &Agent, record: MemberRecord, transport: Arc<dyn Transport>) {
-    let mut st = agent.lock();
-    st.dyn_state.record = Some(record);
-    st.dyn_state.transport = Some(transport);
+/// Keeps the transport a joiner dials the members with.
+pub(crate) fn set_up(agent: &Agent, transport: Arc<dyn Transport>) {
+    agent.lock().dyn_state.transport = Some(transport);
 }
 
 /// Starts the node's membership with `membership` (a founder's, or a join's, then told by
@@ -81,67 +78,45 @@ pub(crate) fn coordinator(agent: &Agent) -> Option<WaitingFor> {
     Some(WaitingFor::Workers(vec![agent.worker(rank)]))
 }
 
-/// Acts on a membership event the node handed up (what concerns the endpoint, the node has
-/// applied already: ids of a new incarnation, a member joined, one that left).
-pub(crate) fn on_membership_event(agent: &Agent, ev: MembershipEvent) {
-    match ev {
-        MembershipEvent::Connect(records) => {
-            for record in records {
-                agent.spawn(dial_member(agent.clone(), record));
-            }
-        }
-        MembershipEvent::MemberAdded(record) => agent.add_member(record),
-        MembershipEvent::Admitted { .. } => {}
-        MembershipEvent::MemberRemoved { rank, left } => {
-            if left {
+/// Performs what the node asks for the membership (it applied to the endpoint what concerns
+/// it already).
+pub(crate) fn perform(agent: &Agent, action: MemberAction) {
+    match action {
+        MemberAction::Dial {
+            record,
+            introduction,
+            limit,
+        } => agent.spawn(dial_member(agent.clone(), record, introduction, limit)),
+        MemberAction::Add(record) => agent.add_member(record),
+        MemberAction::Remove { rank, close } => {
+            if close {
                 agent.member_left(rank);
             }
             agent.remove_member(rank);
         }
-        MembershipEvent::Joined => {
+        MemberAction::JoinDone(outcome) => {
             if let Some(tx) = agent.lock().dyn_state.join_waiter.take() {
-                let _ = tx.send(Ok(()));
+                let _ = tx.send(outcome);
             }
         }
-        MembershipEvent::JoinFailed(e) => {
-            if let Some(tx) = agent.lock().dyn_state.join_waiter.take() {
-                let _ = tx.send(Err(e));
-            }
-        }
-        MembershipEvent::Left { last } => {
+        MemberAction::LeaveDone(outcome) => {
             if let Some(tx) = agent.lock().dyn_state.leave_waiter.take() {
-                let _ = tx.send(Ok(last));
+                let _ = tx.send(outcome);
             }
         }
-        MembershipEvent::LeaveFailed(e) => {
-            if let Some(tx) = agent.lock().dyn_state.leave_waiter.take() {
-                let _ = tx.send(Err(e));
-            }
-        }
-        MembershipEvent::Coordinate => {
+        MemberAction::Publish { key, record } => {
             let this = agent.clone();
             agent.spawn(async move {
-                if let Err(e) = publish_coordinator(&this).await {
+                let written = match this.store() {
+                    Ok(store) => store.set(key, &record).await.map_err(RpcError::from),
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = written {
                     warn!("could not publish this worker as the group's coordinator: {e}");
                 }
             });
         }
     }
-}
-
-pub(crate) async fn publish_coordinator(agent: &Agent) -> Result<(), RpcError> {
-    let record = own_record(agent)?;
-    agent.store()?.set(COORDINATOR, &record.encode()).await?;
-    Ok(())
-}
-
-pub(crate) fn own_record(agent: &Agent) -> Result<MemberRecord, RpcError> {
-    agent
-        .lock()
-        .dyn_state
-        .record
-        .clone()
-        .ok_or(RpcError::NotRunning)
 }
 
 /// Why an introduction did not get a welcome.
@@ -169,16 +144,16 @@ impl std::fmt::Display for Introduction {
 pub(crate) async fn introduce(
     runtime: &dyn Runtime,
     transport: &dyn Transport,
-    record: &MemberRecord,
+    (rank, introduction): (WorkerId, Vec<u8>),
     (addr, expected): (std::net::SocketAddr, &str),
     limit: Duration,
 ) -> Result<Box<dyn Connection>, Introduction> {
     let failed = |e: String| Introduction::Failed(e);
     let hello = link::Hello {
         group: RPC_GROUP.to_owned(),
-        rank: record.rank,
+        rank,
         world: None,
-        introduction: record.encode(),
+        introduction,
     };
     let deadline = runtime.deadline_after(limit);
     let conn = link::dial(runtime, transport, addr, &hello, deadline)
@@ -202,48 +177,31 @@ pub(crate) async fn introduce(
     }
 }
 
-/// A joiner connects to a member the coordinator admitted it to.
-pub(crate) async fn dial_member(agent: Agent, member: MemberRecord) {
-    let (record, transport, join_deadline) = {
-        let st = agent.lock();
-        let join_deadline = st
-            .node
-            .membership()
-            .and_then(DynamicMembership::join_deadline);
-        match (st.dyn_state.record.clone(), st.dyn_state.transport.clone()) {
-            (Some(r), Some(t)) => (r, t, join_deadline),
-            _ => return,
-        }
+/// A joiner connects to a member the coordinator admitted it to (a [`MemberAction::Dial`]).
+async fn dial_member(agent: Agent, member: MemberRecord, introduction: Vec<u8>, limit: Duration) {
+    let Some(transport) = agent.lock().dyn_state.transport.clone() else {
+        return;
     };
-    let left = join_deadline.map_or(Duration::from_secs(30), |d| {
-        d.saturating_duration_since(agent.now())
-    });
-    match introduce(
-        &*agent.inner.runtime,
-        &*transport,
-        &record,
-        (member.addr, member.name()),
-        left,
-    )
-    .await
-    {
+    let me = agent.worker_info().id;
+    let runtime = &*agent.inner.runtime;
+    let target = (member.addr, member.name());
+    let dialled = introduce(runtime, &*transport, (me, introduction), target, limit).await;
+    let now = agent.now();
+    let reached = match dialled {
         Ok(conn) => {
             agent.attach(member.rank, conn);
-            let accepted = with_membership(&agent, |m| m.handle_connected(member.rank, None));
-            if let Some(Err(e)) = accepted {
-                warn!("a connection the join did not ask for: {e}");
-            }
+            true
         }
         Err(e) => {
-            warn!(
-                "cannot connect to {} (rank {}) at {}: {e}",
-                member.name(),
-                member.rank,
-                member.addr
-            );
-            let now = agent.now();
-            with_membership(&agent, |m| m.handle_connect_failed(member.rank, now));
+            let (name, rank, addr) = (member.name(), member.rank, member.addr);
+            warn!("cannot connect to {name} (rank {rank}) at {addr}: {e}");
+            false
         }
+    };
+    let handled = agent.lock().node.handle_dialled(now, member.rank, reached);
+    agent.pump();
+    if let Err(e) = handled {
+        warn!("a connection the join did not ask for: {e}");
     }
 }
 
@@ -262,8 +220,8 @@ pub(crate) async fn accept_connections(agent: Agent, listener: Box<dyn Listener>
 }
 
 /// A peer whose connection is being set up (a joiner being welcomed, the coordinator a joiner
-/// dialled): the membership's frames for it wait (in the agent's state) until its connection
-/// is attached, which sends them; dropped, whatever is left goes.
+/// dialled): the node holds the membership's frames for it until its connection is attached,
+/// which sends them; dropped, whatever is left goes.
 pub(crate) struct Connecting<'a> {
     agent: &'a Agent,
     rank: WorkerId,
@@ -271,14 +229,14 @@ pub(crate) struct Connecting<'a> {
 
 impl<'a> Connecting<'a> {
     pub(crate) fn begin(agent: &'a Agent, rank: WorkerId) -> Self {
-        agent.lock().connecting.insert(rank, Vec::new());
+        agent.lock().node.begin_connecting(rank);
         Self { agent, rank }
     }
 }
 
 impl Drop for Connecting<'_> {
     fn drop(&mut self) {
-        self.agent.lock().connecting.remove(&self.rank);
+        self.agent.lock().node.handle_connecting_ended(self.rank);
     }
 }
 
@@ -298,63 +256,57 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
         }
     };
     let rank = hello.rank;
-    let record = match MemberRecord::decode(&hello.introduction) {
-        Ok(record) if record.rank == rank => record,
-        Ok(record) => {
-            warn!(
-                "dropping a connection from {peer}: rank {rank} introduced itself with the \
-                 record of rank {}",
-                record.rank
-            );
-            return;
-        }
+    let record = match read_introduction(rank, &hello.introduction) {
+        Ok(record) => record,
         Err(e) => {
-            warn!("dropping a connection from {peer} whose introduction is {e}");
+            warn!("dropping a connection from {peer}: {e}");
             return;
         }
     };
     // Its credentials must be issued for the name it gives (QUIC node certificates; with a
     // cluster secret any member may take any name).
-    if let Err(e) = conn.check_peer_name(record.name()) {
-        warn!("refusing rank {rank} from {peer}: {e}");
-        let reason = format!("this worker's credentials do not name it: {e}");
-        let _ = conn
-            .send(
-                HelloReply::Refused {
-                    reason,
-                    retry: false,
-                }
-                .frame(),
-            )
-            .await;
-        let _ = conn.close().await;
-        return;
-    }
-    // What the membership says to it from here waits for its connection (after the welcome);
-    // a welcome that ends early takes that back.
-    let _connecting = Connecting::begin(&agent, rank);
-    // The membership decides whether this connection is one it expects.
-    let accepted = with_membership(&agent, |m| m.handle_connected(rank, Some(&record)));
-    match accepted {
-        Some(Ok(Accepted::Member | Accepted::Applicant)) => {}
-        Some(Ok(Accepted::Dialled)) | None => return,
-        Some(Err(MembershipError::Refused { reason, retry })) => {
+    let answer = match conn.check_peer_name(record.name()) {
+        Err(e) => {
+            warn!("refusing rank {rank} from {peer}: {e}");
+            let reason = format!("this worker's credentials do not name it: {e}");
+            Introduced::Refuse(HelloReply::Refused {
+                reason,
+                retry: false,
+            })
+        }
+        // The node decides whether this connection is one the membership expects; what it
+        // says to it from here waits for its connection (after the welcome).
+        Ok(()) => {
+            let now = agent.now();
+            let answer = agent.lock().node.handle_introduced(now, &record);
+            agent.pump();
+            answer
+        }
+    };
+    match answer {
+        Introduced::Welcome => {}
+        Introduced::Refuse(reply) => {
             // Told why, so that its init fails with the reason rather than a timeout.
-            let _ = conn
-                .send(HelloReply::Refused { reason, retry }.frame())
-                .await;
+            let _ = conn.send(reply.frame()).await;
             let _ = conn.close().await;
             return;
         }
-        Some(Err(e)) => {
+        Introduced::Drop(None) => return,
+        Introduced::Drop(Some(e)) => {
             warn!("dropping a connection from {peer}: {e}");
             return;
         }
     }
+    // Whatever is held for it goes if it is not attached.
+    let _connecting = Connecting {
+        agent: &agent,
+        rank,
+    };
     if let Err(e) = conn.send(HelloReply::Welcome.frame()).await {
         warn!("could not welcome rank {rank}: {e}");
         let now = agent.now();
-        with_membership(&agent, |m| m.handle_lost(rank, now));
+        agent.lock().node.handle_welcome_failed(rank, now);
+        agent.pump();
         return;
     }
     agent.attach(rank, conn);

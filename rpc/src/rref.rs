@@ -15,7 +15,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tensorwire_core::protocol::{CallError, RRefHandle};
 use tokio::sync::oneshot;
 
-use crate::error::RpcError;
+use crate::error::{RRefError, RpcError};
 use crate::future::RpcFuture;
 use crate::state::Agent;
 use crate::state::Body;
@@ -186,10 +186,9 @@ impl<T: Send + Sync + 'static> RRef<T> {
         if !self.is_owner() {
             return Err(RpcError::RRef {
                 rref,
-                reason: format!(
-                    "local_value() is only available on the owner, {}",
-                    self.owner()
-                ),
+                reason: RRefError::NotOwner {
+                    owner: self.owner(),
+                },
             });
         }
         self.created().await?;
@@ -197,21 +196,19 @@ impl<T: Send + Sync + 'static> RRef<T> {
         let deadline = (!bound.is_zero()).then(|| self.agent().runtime().deadline_after(bound));
         self.agent()
             .wait_confirmed(&[self.shared.handle], deadline)
-            .await
-            .map_err(|reason| RpcError::RRef {
-                rref: rref.clone(),
-                reason,
-            })?;
+            .await?;
         let any = self
             .agent()
             .local_value(self.shared.handle.rref)
             .ok_or_else(|| RpcError::RRef {
                 rref: rref.clone(),
-                reason: "the value is gone".into(),
+                reason: RRefError::Gone,
             })?;
         any.downcast::<T>().map_err(|_| RpcError::RRef {
             rref,
-            reason: format!("the value is not a {}", std::any::type_name::<T>()),
+            reason: RRefError::OtherType {
+                expected: std::any::type_name::<T>(),
+            },
         })
     }
 

@@ -13,7 +13,7 @@ use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::protocol::envelope::FrameBody;
 use tensorwire_core::protocol::gather::{GatherOutcome, GatherToken};
-use tensorwire_core::protocol::membership::{Directory, MemberRecord, MembershipError};
+use tensorwire_core::protocol::membership::{Directory, MembershipError};
 use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
     CallError, ConfirmError, MessageId, MethodTarget, Payload, RRefForkData, RRefId, ShutdownError,
@@ -107,10 +107,6 @@ pub(crate) struct State {
     pub(crate) node: Node<Body, IpcHeld>,
     /// A dynamic group's driver state beside the node's membership.
     pub(crate) dyn_state: DynState,
-    /// The control frames for peers whose connection is being set up (a joiner being
-    /// welcomed: the welcome goes first; the coordinator a joiner dialled), sent once it is
-    /// attached. Only such peers have an entry.
-    pub(crate) connecting: HashMap<WorkerId, Vec<Frame>>,
     /// The calls of the gathers this worker leads (the node's), each waiting for its answer.
     pub(crate) gathers_waiting: HashMap<GatherToken, oneshot::Sender<GatherOutcome>>,
     pub(crate) waiters: HashMap<MessageId, Waiter>,
@@ -181,8 +177,7 @@ pub(crate) type IpcHeld = Box<dyn Any + Send + Sync>;
 /// state, under its lock).
 #[derive(Default)]
 pub(crate) struct DynState {
-    /// This worker's record, and the transport a joiner dials the members with.
-    pub(crate) record: Option<MemberRecord>,
+    /// The transport a joiner dials the members with.
     pub(crate) transport: Option<Arc<dyn Transport>>,
     pub(crate) join_waiter: Option<oneshot::Sender<Result<(), MembershipError>>>,
     pub(crate) leave_waiter: Option<oneshot::Sender<Result<bool, MembershipError>>>,

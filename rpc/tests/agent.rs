@@ -16,7 +16,7 @@ use tensorwire_rpc::{
 };
 
 use tensorwire_core::ports::store::{Store, StoreError};
-use tensorwire_rpc::{start_agent, Rendezvous, WaitingFor};
+use tensorwire_rpc::{start_agent, RRefError, Rendezvous, WaitingFor};
 use tensorwire_store::InMemoryStore;
 use tensorwire_testkit::{base_options, MemoryCluster as Cluster, TcpCluster};
 use tensorwire_transport_memory::MemoryTransport;
@@ -335,7 +335,16 @@ async fn remote_references_live_until_the_last_is_dropped() {
             .unwrap(),
         16
     );
-    assert!(c.local_value().await.is_err());
+    // Not the owner: the error says so, typed, naming the owner.
+    let e = c
+        .local_value()
+        .await
+        .err()
+        .expect("only the owner has the value");
+    assert!(
+        matches!(&e, RpcError::RRef { reason: RRefError::NotOwner { owner }, .. } if owner.name == "w0"),
+        "{e}"
+    );
     let own: RRef<Vec<i64>> = owner.remote("w2", "make_vec", &2usize, None).unwrap();
     assert!(own.is_owner());
     assert_eq!(*own.local_value().await.unwrap(), vec![0, 1]);

@@ -896,6 +896,17 @@ pub enum ConfirmError {
     },
 }
 
+impl ConfirmError {
+    /// The reference that was not confirmed.
+    pub fn rref(&self) -> RRefId {
+        match self {
+            Self::OwnerLost { rref, .. }
+            | Self::Deadline { rref, .. }
+            | Self::Creation { rref, .. } => *rref,
+        }
+    }
+}
+
 /// How many failed creations an owner remembers.
 const FAILED_KEPT: usize = 4096;
 

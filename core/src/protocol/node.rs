@@ -18,6 +18,12 @@
 //! ([`handle_request_finished`](Node::handle_request_finished)), in order, and are dropped
 //! with the peer.
 //!
+//! In a dynamic group the membership's events come out as what the driver must do
+//! ([`MemberAction`]: dial, name or forget a member, complete a join or leave, publish the
+//! coordinator's record), a worker introducing itself gets its answer from
+//! [`handle_introduced`](Node::handle_introduced), and the membership's frames for a peer whose
+//! connection is being set up wait in the node until it is attached (see [`members`]).
+//!
 //! Frames are told apart by their kind in one place, [`route`]: a message frame is the
 //! endpoint's (its [`Envelope`], whose announced IPC descriptors the IPC state checks first),
 //! a control frame is a same-host IPC message (its tag, [`crate::ipc::FRAME_TAG`]) or else a
@@ -31,12 +37,17 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 mod held;
+pub mod members;
+pub use members::{
+    read_introduction, Introduced, IntroductionError, MemberAction, COORDINATOR_KEY,
+    DIAL_WITHOUT_DEADLINE,
+};
 
 use bytes::Bytes;
 
 use super::envelope::{Envelope, FrameBody};
 use super::gather::{Contribution, GatherConfig, GatherLeader, GatherOutcome, GatherToken};
-use super::membership::{DynMessage, DynamicMembership, MembershipEvent};
+use super::membership::{DynMessage, DynamicMembership};
 use super::{
     Endpoint, Event, Header, LostCause, MalformedMessage, Payload, ProtocolViolation, Transmit,
     WorkerId,
@@ -107,8 +118,9 @@ pub enum Outgoing<B> {
 pub enum NodeEvent<B> {
     /// The endpoint's.
     Endpoint(Event<B>),
-    /// The membership's (after the node applied to the endpoint what concerns it).
-    Membership(MembershipEvent),
+    /// What the driver must do for the membership (after the node applied to the endpoint
+    /// what concerns it).
+    Member(MemberAction),
     /// A peer passed its budget with its requests held back: the driver drops it as lost
     /// ([`LostCause::OverBudget`]) and closes its connection, as for a queue past the budget.
     OverBudget {
@@ -143,9 +155,11 @@ pub struct Node<B, H = ()> {
     released: Vec<H>,
     /// Peers' requests held back while their budget says so.
     held: held::Held<B>,
-    /// The membership's messages, encoded, and its events, after the node applied them.
+    /// The membership's messages, encoded, and what the driver must do for it.
     control: VecDeque<(WorkerId, Frame)>,
-    events: VecDeque<MembershipEvent>,
+    events: VecDeque<MemberAction>,
+    /// The membership's messages for peers whose connection is being set up.
+    connecting: members::Connecting,
 }
 
 impl<B: Payload, H> Node<B, H> {
@@ -164,6 +178,7 @@ impl<B: Payload, H> Node<B, H> {
             held: held::Held::default(),
             control: VecDeque::new(),
             events: VecDeque::new(),
+            connecting: members::Connecting::default(),
         }
     }
 
@@ -407,7 +422,7 @@ impl<B: Payload, H> Node<B, H> {
     /// and the IPC state as it goes out (the gathers' answers to the rounds it ends follow).
     pub fn poll_event(&mut self) -> Option<NodeEvent<B>> {
         if let Some(ev) = self.events.pop_front() {
-            return Some(NodeEvent::Membership(ev));
+            return Some(NodeEvent::Member(ev));
         }
         if let Some(ev) = self.held.take_ready() {
             return Some(NodeEvent::Endpoint(ev));
@@ -435,36 +450,24 @@ impl<B: Payload, H> Node<B, H> {
             .map(|(token, outcome)| NodeEvent::Gathered { token, outcome })
     }
 
-    /// Takes the membership's messages and events, applying to the endpoint what concerns it.
+    /// Takes the membership's messages (held for a peer being connected) and events,
+    /// applying to the endpoint what concerns it.
     fn absorb(&mut self, now: Instant) {
         let Some(m) = self.membership.as_mut() else {
             return;
         };
-        while let Some((to, msg)) = m.poll_transmit() {
-            self.control
-                .push_back((to, Frame::control(msg.encode(), vec![])));
-        }
+        let mut events = Vec::new();
         while let Some(ev) = m.poll_event() {
-            match &ev {
-                // Ids above every earlier incarnation of this rank's, before any member can
-                // reach it.
-                MembershipEvent::Admitted { seq } => {
-                    self.ep.begin_incarnation(*seq);
-                }
-                MembershipEvent::MemberAdded(record) => self.ep.handle_peer_joined(record.rank),
-                MembershipEvent::MemberRemoved { rank, left: true } => {
-                    self.held.drop_peer(&mut self.ep, *rank, now);
-                    self.ep.handle_peer_lost(*rank, LostCause::Left, now);
-                }
-                MembershipEvent::MemberRemoved { left: false, .. }
-                | MembershipEvent::Connect(_)
-                | MembershipEvent::Joined
-                | MembershipEvent::JoinFailed(_)
-                | MembershipEvent::Left { .. }
-                | MembershipEvent::LeaveFailed(_)
-                | MembershipEvent::Coordinate => {}
+            events.push(ev);
+        }
+        while let Some((to, msg)) = m.poll_transmit() {
+            let frame = Frame::control(msg.encode(), vec![]);
+            if let Some(frame) = self.connecting.hold(to, frame) {
+                self.control.push_back((to, frame));
             }
-            self.events.push_back(ev);
+        }
+        for ev in events {
+            self.apply_membership_event(ev, now);
         }
     }
 }

@@ -77,7 +77,7 @@ pub(crate) async fn join(
         &options,
         tensorwire_core::budget::Budget::new(options.endpoint.peer_budget),
     );
-    membership::set_up(&agent, record.clone(), Arc::clone(&transport));
+    membership::set_up(&agent, Arc::clone(&transport));
     agent.owned().rendezvous = Some(rdv);
     agent.spawn(accept_connections(agent.clone(), listener));
     agent.spawn(drive(agent.clone()));
@@ -189,7 +189,7 @@ async fn join_once(
     let conn = match introduce(
         &*agent.inner.runtime,
         transport,
-        record,
+        (record.rank, encoded.clone()),
         (coordinator.addr, coordinator.name()),
         left.min(Duration::from_secs(2)),
     )

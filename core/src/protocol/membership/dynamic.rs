@@ -355,6 +355,11 @@ impl DynamicMembership {
 
     // ----- getters -----
 
+    /// This worker's record.
+    pub fn me(&self) -> &MemberRecord {
+        &self.me
+    }
+
     /// This worker's rank.
     pub fn rank(&self) -> WorkerId {
         self.me.rank

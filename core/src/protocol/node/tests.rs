@@ -8,6 +8,7 @@ use super::*;
 use crate::ipc::encode_message;
 use crate::protocol::gather::{Contribution, GatherOutcome, GatherToken};
 use crate::protocol::membership::{Accepted, MemberRecord, MembershipError};
+use crate::protocol::mesh::HelloReply;
 use crate::protocol::{CallError, EndpointConfig};
 use crate::sim::{Clock, Links};
 use crate::validate::WorkerDeviceInfo;
@@ -328,11 +329,11 @@ impl Net {
         Ok(())
     }
 
-    fn membership_events(&self, w: WorkerId) -> Vec<&MembershipEvent> {
+    fn membership_events(&self, w: WorkerId) -> Vec<&MemberAction> {
         self.events[w as usize]
             .iter()
             .filter_map(|e| match e {
-                NodeEvent::Membership(m) => Some(m),
+                NodeEvent::Member(m) => Some(m),
                 NodeEvent::Endpoint(_)
                 | NodeEvent::Gathered { .. }
                 | NodeEvent::OverBudget { .. } => None,
@@ -423,18 +424,16 @@ fn a_dynamic_node_takes_calls_from_members_only_and_applies_the_join() {
         Err(ProtocolViolation::NotAMember)
     );
     net.join();
-    assert!(net.membership_events(1).contains(&&MembershipEvent::Joined));
+    assert!(net
+        .membership_events(1)
+        .contains(&&MemberAction::JoinDone(Ok(()))));
     assert!(net
         .membership_events(0)
         .iter()
-        .any(|e| matches!(e, MembershipEvent::MemberAdded(r) if r.rank == 1)));
-    let seq = net
-        .membership_events(1)
-        .iter()
-        .find_map(|e| match e {
-            MembershipEvent::Admitted { seq } => Some(*seq),
-            _ => None,
-        })
+        .any(|e| matches!(e, MemberAction::Add(r) if r.rank == 1)));
+    let seq = net.nodes[1]
+        .membership()
+        .and_then(DynamicMembership::seq)
         .expect("the joiner is admitted");
     assert!(net.nodes[0].may_call(1) && net.nodes[1].may_call(0));
     // The joiner's ids start at its incarnation: the node applied the admission.
@@ -463,12 +462,10 @@ fn a_lost_peer_reaches_the_endpoint_and_the_membership() {
         net.lost(0),
         vec![(1, &LostCause::Transport("reset".into()))]
     );
-    assert!(net
-        .membership_events(0)
-        .contains(&&MembershipEvent::MemberRemoved {
-            rank: 1,
-            left: false
-        }));
+    assert!(net.membership_events(0).contains(&&MemberAction::Remove {
+        rank: 1,
+        close: false
+    }));
     assert!(!net.nodes[0].may_call(1));
 }
 
@@ -491,7 +488,7 @@ fn a_member_that_leaves_is_lost_as_left_in_the_endpoint() {
     assert!(net
         .membership_events(1)
         .iter()
-        .any(|e| matches!(e, MembershipEvent::Left { .. })));
+        .any(|e| matches!(e, MemberAction::LeaveDone(Ok(_)))));
     assert_eq!(net.lost(0), vec![(1, &LostCause::Left)]);
     assert!(net.events[0].iter().any(|e| matches!(
         e,
@@ -526,7 +523,7 @@ fn the_node_times_out_at_the_earliest_deadline_of_its_parts() {
     net.pump();
     assert!(net.membership_events(1).iter().any(|e| matches!(
         e,
-        MembershipEvent::JoinFailed(MembershipError::Timeout { .. })
+        MemberAction::JoinDone(Err(MembershipError::Timeout { .. }))
     )));
     assert!(net.events[1].iter().any(|e| matches!(
         e,
@@ -695,4 +692,250 @@ fn a_lost_peers_held_requests_are_dropped_and_one_past_its_budget_drops_it() {
             .any(|e| matches!(e, NodeEvent::OverBudget { peer: 1, .. })),
         "{events:?}"
     );
+}
+
+impl Net {
+    /// Rank `k` joins the group of rank 0 (the coordinator) as a driver does it: its request
+    /// waits for the connection to the coordinator, which welcomes it as an applicant; then
+    /// it dials every member the node tells it to, each welcoming it. Returns the dials the
+    /// joiner's node asked for.
+    fn join_as_driver(&mut self, k: WorkerId, deadline: Instant) -> Vec<MemberAction> {
+        let now = self.now();
+        let before = self.events[k as usize].len();
+        self.nodes[k as usize].begin_connecting(0);
+        let mut m = DynamicMembership::join(record(k), 0, OP, Some(deadline));
+        assert_eq!(m.handle_connected(0, None), Ok(Accepted::Dialled));
+        self.nodes[k as usize].set_membership(m, now);
+        // The request waits for the connection to the coordinator.
+        assert!(self.nodes[k as usize].poll_transmit().is_none());
+        assert_eq!(
+            self.nodes[0].handle_introduced(now, &record(k)),
+            Introduced::Welcome
+        );
+        self.nodes[0].handle_link_up(k);
+        self.nodes[k as usize].handle_link_up(0);
+        self.settle().expect("an honest join breaks no protocol");
+        let dials: Vec<MemberAction> = self.events[k as usize][before..]
+            .iter()
+            .filter_map(|e| match e {
+                NodeEvent::Member(a @ MemberAction::Dial { .. }) => Some(a.clone()),
+                _ => None,
+            })
+            .collect();
+        for dial in &dials {
+            let MemberAction::Dial { record: member, .. } = dial else {
+                unreachable!()
+            };
+            let m = member.rank as usize;
+            assert_eq!(
+                self.nodes[m].handle_introduced(now, &record(k)),
+                Introduced::Welcome
+            );
+            self.nodes[m].handle_link_up(k);
+            assert_eq!(
+                self.nodes[k as usize].handle_dialled(now, member.rank, true),
+                Ok(())
+            );
+            self.settle().expect("an honest join breaks no protocol");
+        }
+        dials
+    }
+}
+
+/// The node tells a joiner whom to dial (the member, its own introduction, what is left of
+/// its join), and the members it dials welcome it: every member names it, its join is done.
+#[test]
+fn a_joiner_is_told_whom_to_dial_and_the_members_welcome_it() {
+    let mut net = Net::new(3, true);
+    let now = net.now();
+    let deadline = now + Duration::from_secs(60);
+    net.nodes[0].set_membership(DynamicMembership::found(record(0), OP), now);
+    assert!(net.join_as_driver(1, deadline).is_empty());
+    net.clock.advance(Duration::from_secs(1));
+    let dials = net.join_as_driver(2, deadline);
+    assert_eq!(
+        dials,
+        vec![MemberAction::Dial {
+            record: record(1),
+            introduction: record(2).encode(),
+            limit: Duration::from_secs(59),
+        }]
+    );
+    assert!(net
+        .membership_events(2)
+        .contains(&&MemberAction::JoinDone(Ok(()))));
+    for m in [0, 1] {
+        assert!(
+            net.membership_events(m)
+                .contains(&&MemberAction::Add(record(2))),
+            "rank {m} names the joiner"
+        );
+        assert!(net.nodes[m as usize].may_call(2));
+    }
+    assert_eq!(net.nodes[2].own_record(), Some(&record(2)));
+}
+
+/// A dial that failed is asked for again after a while, with what is left of the join.
+#[test]
+fn a_failed_dial_is_asked_for_again_with_what_is_left_of_the_join() {
+    let mut net = Net::new(3, true);
+    let now = net.now();
+    let deadline = now + Duration::from_secs(60);
+    net.nodes[0].set_membership(DynamicMembership::found(record(0), OP), now);
+    net.join_as_driver(1, deadline);
+    // Rank 2 joins, but stops at the dials (done by hand here).
+    net.nodes[2].begin_connecting(0);
+    let mut m = DynamicMembership::join(record(2), 0, OP, Some(deadline));
+    let _ = m.handle_connected(0, None);
+    net.nodes[2].set_membership(m, now);
+    net.nodes[0].handle_introduced(now, &record(2));
+    net.nodes[0].handle_link_up(2);
+    net.nodes[2].handle_link_up(0);
+    net.settle().unwrap();
+    let dials = |net: &Net| {
+        net.membership_events(2)
+            .iter()
+            .filter(|a| matches!(a, MemberAction::Dial { .. }))
+            .count()
+    };
+    assert_eq!(dials(&net), 1);
+    assert_eq!(net.nodes[2].handle_dialled(now, 1, false), Ok(()));
+    let again = net.nodes[2].poll_timeout().expect("a redial is due");
+    assert!(again <= now + REDIAL_MAX_FOR_TEST, "{again:?}");
+    net.clock.advance_to(again);
+    net.nodes[2].handle_timeout(again);
+    net.pump();
+    assert_eq!(dials(&net), 2);
+    assert!(net.membership_events(2).iter().any(|a| matches!(
+        a,
+        MemberAction::Dial { record: r, limit, .. } if r.rank == 1 && *limit == deadline - again
+    )));
+    // A connection the join never asked for is refused, typed.
+    assert!(matches!(
+        net.nodes[2].handle_dialled(again, 7, true),
+        Err(MembershipError::Violation { peer: 7, .. })
+    ));
+}
+
+const REDIAL_MAX_FOR_TEST: Duration = crate::protocol::membership::dynamic::REDIAL_MAX;
+
+/// The answer to a worker introducing itself: a name in use is refused (told why), one nobody
+/// expects is dropped, and an introduction that is no record of the hello's rank is a typed
+/// error. Nothing is held for a worker that is not welcomed.
+#[test]
+fn an_introduction_is_welcomed_refused_or_dropped_by_the_node() {
+    let mut net = Net::new(3, true);
+    let now = net.now();
+    net.nodes[0].set_membership(DynamicMembership::found(record(0), OP), now);
+    // Rank 5 under the founder's name: refused, not to be retried.
+    let mut impostor = record(5);
+    impostor.devices.name = "w0".into();
+    match net.nodes[0].handle_introduced(now, &impostor) {
+        Introduced::Refuse(HelloReply::Refused { reason, retry }) => {
+            assert!(reason.contains("w0"), "{reason}");
+            assert!(!retry);
+        }
+        other => panic!("a name in use was not refused: {other:?}"),
+    }
+    // No membership yet: nobody is expected.
+    assert_eq!(
+        net.nodes[1].handle_introduced(now, &record(2)),
+        Introduced::Drop(None)
+    );
+    // A joiner takes no introduction: it dials.
+    net.nodes[2].set_membership(
+        DynamicMembership::join(record(2), 0, OP, Some(now + OP)),
+        now,
+    );
+    assert!(matches!(
+        net.nodes[2].handle_introduced(now, &record(1)),
+        Introduced::Drop(Some(MembershipError::Violation { peer: 1, .. }))
+    ));
+    // Nothing was held for the refused: a frame for rank 5 goes straight out.
+    net.nodes[0].handle_link_up(5);
+    assert!(net.nodes[0].poll_transmit().is_none());
+    assert_eq!(read_introduction(2, &record(2).encode()), Ok(record(2)));
+    assert_eq!(
+        read_introduction(4, &record(3).encode()),
+        Err(IntroductionError::OtherRank { rank: 4, record: 3 })
+    );
+    assert!(matches!(
+        read_introduction(4, &[0xff; 7]),
+        Err(IntroductionError::Undecodable(_))
+    ));
+}
+
+/// The frames held for a peer whose setup ended without a connection are dropped, and the
+/// membership counts a joiner whose welcome could not be sent as lost.
+#[test]
+fn frames_held_for_a_peer_whose_setup_ended_are_dropped() {
+    let mut net = Net::new(2, true);
+    let now = net.now();
+    net.nodes[1].begin_connecting(0);
+    net.nodes[1].set_membership(
+        DynamicMembership::join(record(1), 0, OP, Some(now + OP)),
+        now,
+    );
+    net.nodes[1].handle_connecting_ended(0);
+    net.nodes[1].handle_link_up(0);
+    assert!(net.nodes[1].poll_transmit().is_none());
+    net.nodes[0].set_membership(DynamicMembership::found(record(0), OP), now);
+    assert_eq!(
+        net.nodes[0].handle_introduced(now, &record(1)),
+        Introduced::Welcome
+    );
+    net.nodes[0].handle_welcome_failed(1, now);
+    // An applicant that is lost is no applicant: its request is a violation now.
+    let request = DynMessage::JoinRequest { record: record(1) };
+    assert!(net.nodes[0].handle_membership(1, request, now).is_err());
+}
+
+/// When the coordinator leaves, the next member is told to publish its own record under the
+/// coordinator's key, and to close the connection of the member that left.
+#[test]
+fn the_next_coordinator_publishes_its_record_and_closes_the_leavers_connection() {
+    let mut net = Net::new(2, true);
+    let now = net.now();
+    net.nodes[0].set_membership(DynamicMembership::found(record(0), OP), now);
+    net.join_as_driver(1, now + OP);
+    net.nodes[0].with_membership(now, |m| m.begin_leave(now, Some(now + OP)));
+    net.settle().unwrap();
+    assert!(net
+        .membership_events(0)
+        .contains(&&MemberAction::LeaveDone(Ok(false))));
+    let events = net.membership_events(1);
+    assert!(events.contains(&&MemberAction::Remove {
+        rank: 0,
+        close: true
+    }));
+    assert!(events.contains(&&MemberAction::Publish {
+        key: COORDINATOR_KEY,
+        record: record(1).encode(),
+    }));
+}
+
+/// An impostor's introduction under the rank of a peer being connected takes nothing from
+/// that peer: what is held for it still goes out once its connection is attached.
+#[test]
+fn an_impostors_introduction_leaves_what_is_held_for_the_rank_it_claims() {
+    let mut net = Net::new(2, true);
+    let now = net.now();
+    assert!(net.nodes[1].begin_connecting(0));
+    net.nodes[1].set_membership(
+        DynamicMembership::join(record(1), 0, OP, Some(now + OP)),
+        now,
+    );
+    assert!(matches!(
+        net.nodes[1].handle_introduced(now, &record(0)),
+        Introduced::Drop(Some(MembershipError::Violation { peer: 0, .. }))
+    ));
+    assert!(net.nodes[1].poll_transmit().is_none());
+    net.nodes[1].handle_link_up(0);
+    match net.nodes[1].poll_transmit() {
+        Some(Outgoing::Control { to: 0, frame }) => assert!(matches!(
+            DynMessage::decode(&frame.header),
+            Ok(DynMessage::JoinRequest { .. })
+        )),
+        other => panic!("the join request was lost: {other:?}"),
+    }
 }
