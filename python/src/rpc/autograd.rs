@@ -451,21 +451,23 @@ fn call_python(
 
 /// Registers the functions Python calls in a context travel through, on `dist`'s agent.
 fn register(dist: &DistAutograd<TorchEngine>) -> Result<(), RpcError> {
-    dist.register(
+    // The runner that serves the call sends its reply: one hand-off (to the runner) per call.
+    dist.register_responding(
         PY_FN,
-        |call, args: TrackedCall, tracked: Vec<TorchTensor>| {
+        |call, args: TrackedCall, tracked: Vec<TorchTensor>, responder| {
             let caller = call.call().caller().name.clone();
             let context = call.context().id();
-            async move {
-                crate::gil::on_python(move |py| {
-                    let run = || {
-                        let out = call_python(py, "serve", caller, context, args, &tracked)?;
-                        tracked_reply(out.bind(py))
-                    };
-                    run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
-                })
-                .await?
-            }
+            crate::gil::submit(Box::new(move |py| {
+                let run = || {
+                    let out = call_python(py, "serve", caller, context, args, &tracked)?;
+                    tracked_reply(out.bind(py))
+                };
+                let served =
+                    run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"));
+                // Without the GIL: recording the send takes the driver's lock, which is taken
+                // before the GIL (see the module's docs).
+                py.detach(move || responder.send(served));
+            }));
         },
     )?;
     dist.register_remote(
