@@ -234,6 +234,8 @@ def _captured(
     hook is keyed to this pass on this thread (torch runs a CPU graph on the thread that
     started it), so a pass on another thread over the same leaves (a parameter server's
     trainers) is left to its own hooks, and a plain ``loss.backward()`` elsewhere is untouched.
+    So every leaf must be on the CPU (``backward`` captures a pass with a leaf on a device with
+    ``torch.autograd.grad``, without the nodes' hooks).
     """
     got: list[Optional[torch.Tensor]] = [None] * len(leaves)
     token = object()
@@ -283,7 +285,15 @@ def backward(roots: list, seeds: list) -> list:
     if unhooked:
         kept = [i for i in range(len(outputs)) if i not in set(unhooked)]
         outputs, grads = [outputs[i] for i in kept], [grads[i] for i in kept]
-    got = _captured(outputs, grads, leaves, nodes) if leaves else []
+    if not leaves:
+        got = []
+    elif all(leaf.device.type == "cpu" for leaf in leaves):
+        got = _captured(outputs, grads, leaves, nodes)
+    else:
+        # A leaf on a device: its node runs on that device's autograd thread, where the hook
+        # keyed to this thread would not take its gradient. The gradients are captured
+        # without running the nodes (their hooks do not run).
+        got = list(torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True))
     leaves = leaves + [o for o, _ in seeded.values()]
     got = got + [g for _, g in seeded.values()]
     # How many leaves each gradient object reached (``(a + b).sum()`` gives a and b one).
