@@ -95,7 +95,7 @@ impl<E: AutogradEngine> Inner<E> {
         let message = if tensors.is_empty() && !force {
             None
         } else {
-            let m = sh.state.record_send(context, to)?;
+            let m = sh.state.record_send(context, to, tensors.len())?;
             sh.data
                 .entry(context)
                 .or_insert_with(ContextData::new)
@@ -326,10 +326,30 @@ impl<E: AutogradEngine> Inner<E> {
             let mut sh = self.lock();
             let token = sh.next_token;
             sh.next_token += 1;
-            match sh
-                .state
-                .handle_gradient(from, req.context, req.message, token)
-            {
+            // The count, and whether `from` may send this at all, are the state machine's to
+            // judge; the shapes are for the tensors this worker sent under the message, which
+            // only the driver holds (as for gradients that ride in an answer).
+            let sent = sh.state.sent(req.context, req.message);
+            let shapes = match (sent, sh.data.get(&req.context)) {
+                (Some((to, n)), Some(d)) if to == from && n == seeds.len() => d
+                    .sends
+                    .get(&req.message)
+                    .and_then(|tensors| self.differs(tensors, &seeds)),
+                _ => None,
+            };
+            let handled = match shapes {
+                Some(detail) => Err(ProtocolViolation::MismatchedGradients {
+                    from,
+                    context: req.context,
+                    message: req.message,
+                    detail,
+                }),
+                None => {
+                    sh.state
+                        .handle_gradient(from, req.context, req.message, req.grads.len(), token)
+                }
+            };
+            match handled {
                 Ok(task) => {
                     if let (Some(task), Some(d)) = (task, sh.data.get_mut(&req.context)) {
                         d.seeds.insert(task, seeds);
@@ -710,11 +730,9 @@ impl<E: AutogradEngine> Inner<E> {
     }
 
     /// Whether gradients `to` carried in an answer, as the engine imported them, do not match
-    /// the tensors of the messages they are for (another count, a gradient of another shape
-    /// than its tensor, both as the engine sees them: a tensor may travel in another form, a
-    /// packed sparse one say): a violation the state machine cannot see (it holds no
-    /// tensors). Messages this worker does not hold are left to the state machine
-    /// (`UnknownMessage`).
+    /// the tensors of the messages they are for (see [`differs`](Self::differs)): a
+    /// violation the state machine cannot see (it holds no tensors). Messages this worker does
+    /// not hold are left to the state machine (`UnknownMessage`).
     fn mismatched(
         &self,
         to: WorkerId,
@@ -724,28 +742,32 @@ impl<E: AutogradEngine> Inner<E> {
         let sh = self.lock();
         let d = sh.data.get(&context)?;
         imported.iter().find_map(|(message, grads)| {
-            let sent = d.sends.get(message)?;
-            let violation = |detail: String| ProtocolViolation::MismatchedGradients {
+            let detail = self.differs(d.sends.get(message)?, grads)?;
+            Some(ProtocolViolation::MismatchedGradients {
                 from: to,
                 context,
                 message: *message,
                 detail,
-            };
-            if grads.len() != sent.len() {
-                return Some(violation(format!(
-                    "{} gradients for {} tensors",
-                    grads.len(),
-                    sent.len()
-                )));
-            }
-            grads.iter().zip(sent).enumerate().find_map(|(i, (g, t))| {
-                let (got, want) = (self.engine.shape(g.as_ref()?), self.engine.shape(t));
-                (got != want).then(|| {
-                    violation(format!(
-                        "a gradient of shape {got:?} for tensor {i}, of shape {want:?}"
-                    ))
-                })
             })
+        })
+    }
+
+    /// What does not match between the tensors a message sent and the gradients a peer sent
+    /// for them, as the engine sees both (a tensor may travel in another form, a packed sparse
+    /// one say): another count, or a gradient of another shape than its tensor. An honest
+    /// peer computes them against the very tensors it received.
+    fn differs(&self, sent: &[E::Tensor], grads: &[Option<E::Tensor>]) -> Option<String> {
+        if grads.len() != sent.len() {
+            return Some(format!(
+                "{} gradients for {} tensors",
+                grads.len(),
+                sent.len()
+            ));
+        }
+        grads.iter().zip(sent).enumerate().find_map(|(i, (g, t))| {
+            let (got, want) = (self.engine.shape(g.as_ref()?), self.engine.shape(t));
+            (got != want)
+                .then(|| format!("a gradient of shape {got:?} for tensor {i}, of shape {want:?}"))
         })
     }
 

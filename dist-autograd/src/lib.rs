@@ -115,8 +115,10 @@ use tensorwire_rpc::{Agent, CallContext, InitError, PeerEvent, RRef, RpcError};
 mod engine;
 pub mod optim;
 mod release;
+mod responding;
 
 pub use optim::{BuiltinState, DistributedOptimizer, LocalOptimizer, Parameter};
+pub use responding::Responder;
 pub use tensorwire_core::autograd::optim::{Adagrad, Adam, AdamW, Optimizer, RmsProp, Sgd};
 
 const GRAD: &str = "__tw_autograd/grad";

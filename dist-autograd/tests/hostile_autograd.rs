@@ -4,8 +4,9 @@
 //! under a message id not its own, a forward call in a context it guessed followed by a
 //! release of it), or an answer to the victim's gradient request carrying gradients it was
 //! not asked for (`forged_answer`: for a message the victim never sent it, repeated, more
-//! than the message's tensors, of another shape). (The RPC protocol's own messages are
-//! `rpc/tests/hostile_peer.rs`'s.) Over
+//! than the message's tensors, of another shape), or a gradient request for the victim's
+//! own message whose gradients do not match its tensors (`forged_request`: fewer, more, of
+//! another shape). (The RPC protocol's own messages are `rpc/tests/hostile_peer.rs`'s.) Over
 //! TCP, shared memory and QUIC, each test checks that:
 //!
 //! - the victim drops the hostile peer as misbehaved, naming the violation, and its calls to it
@@ -1003,6 +1004,200 @@ answers! {
     gradients_for_a_message_never_sent_drop_it => NeverSent,
     a_gradient_repeated_in_one_answer_drops_it => Repeated,
     gradients_for_a_message_sent_to_another_worker_drop_it => SentToAnother,
+    more_gradients_than_tensors_drop_it => TooMany,
+    a_gradient_of_another_shape_drops_it => WrongShape,
+}
+
+/// A gradient request as the hostile peer forges it: the autograd layer's encoding, with each
+/// gradient written as its index among the tensors beside the message (a `u32`).
+#[derive(Serialize)]
+struct ForgedGradientRequest {
+    context: ContextId,
+    message: AutogradMessageId,
+    grads: Vec<Option<u32>>,
+}
+
+/// The gradient request the hostile peer sends the victim for the victim's own message to
+/// it (one tensor of shape `[3]`: the victim's parameter).
+#[derive(Debug, Clone, Copy)]
+enum Request {
+    /// What an honest worker sends: one gradient of the tensor's shape (the control: the
+    /// forgery's encoding and the message id are right).
+    Honest,
+    /// No gradient for the message's one tensor.
+    TooFew,
+    /// Two gradients for the message's one tensor.
+    TooMany,
+    /// A gradient of shape `[2]` for the message's tensor, of shape `[3]`.
+    WrongShape,
+}
+
+/// The victim (w0) calls `hop` on w2 in a context, with its parameter, and holds a context of
+/// w1's. The hostile peer (w2) sends the victim a gradient request for the victim's message
+/// to it, with the gradients `request` says. Checks that:
+///
+/// - an honest request runs the victim's send function: its parameter gets the gradient sent,
+///   exactly, and the request is answered;
+/// - a forged one (another count, another shape) is refused as w2's violation, naming it
+///   (`MismatchedGradients`): the victim drops w2, nothing runs, no gradient lands; nothing
+///   hangs or panics;
+/// - the victim goes on: w1's context held through it runs its backward with the right
+///   gradients, a fresh context of its own too, and it holds no context afterwards.
+async fn forged_request(net: Net, request: Request) {
+    bounded(
+        &format!("{request:?} over {net:?}"),
+        run_forged_request(net, request),
+    )
+    .await;
+}
+
+async fn run_forged_request(net: Net, request: Request) {
+    let gate = Arc::new(Semaphore::new(0));
+    let HostileGroup { agents, hostile } = hostile_group(3, transports(net), |_| {
+        base_options().with_functions(functions(&gate))
+    })
+    .await
+    .expect("the group starts");
+    let (victim, honest, hostile_agent) = (&agents[0], &agents[1], &agents[2]);
+    let (vdist, p0) = autograd(victim, 0);
+    let (hdist, p1) = autograd(honest, 1);
+    let (_wdist, _p2) = autograd(hostile_agent, 2);
+    let mut events = victim.peer_events();
+
+    // The victim's first autograd message, (0, 0), carries p0 to w2.
+    let ctx = vdist.context().unwrap();
+    ctx.rpc_sync::<_, ()>("w2", "hop", &(), std::slice::from_ref(&p0), None)
+        .await
+        .unwrap();
+    let to_w2 = AutogradMessageId::new(VICTIM, 0);
+    let (kept, kept_out) = forward(&hdist, &p1, "w0").await;
+
+    let seed = [0.5f32, -1.0, 2.0];
+    let right = Tensor::from_f32(vec![3], &seed).unwrap();
+    let (grads, tensors) = match request {
+        Request::Honest => (vec![Some(0)], vec![right]),
+        Request::TooFew => (Vec::new(), Vec::new()),
+        Request::TooMany => (vec![Some(0), None], vec![right]),
+        Request::WrongShape => (
+            vec![Some(0)],
+            vec![Tensor::from_f32(vec![2], &[1.0, 1.0]).unwrap()],
+        ),
+    };
+    let forged = ForgedGradientRequest {
+        context: ctx.id(),
+        message: to_w2,
+        grads,
+    };
+    // The answer is the test's, not the hostile agent's.
+    hostile.swallow(|h| matches!(h, Header::Reply { id, .. } if *id >= FORGED_ID));
+    violating(
+        hostile
+            .send_with_tensors(
+                VICTIM,
+                &call("__tw_autograd/grad"),
+                body(&forged).unwrap(),
+                &tensors,
+            )
+            .await,
+    );
+
+    let context = ctx.id();
+    let mismatched = |detail: &str| AutogradViolation::MismatchedGradients {
+        from: HOSTILE,
+        context,
+        message: to_w2,
+        detail: detail.into(),
+    };
+    let expected = match request {
+        Request::Honest => None,
+        Request::TooFew => Some(mismatched("0 gradients for 1 tensors")),
+        Request::TooMany => Some(mismatched("2 gradients for 1 tensors")),
+        Request::WrongShape => Some(mismatched(
+            "a gradient of shape [2] for tensor 0, of shape [3]",
+        )),
+    };
+    match expected {
+        None => {
+            match hostile
+                .heard(|h| matches!(h, Header::Reply { id, .. } if *id == FORGED_ID))
+                .await
+            {
+                Header::Reply { outcome, .. } => outcome.expect("the honest request is answered"),
+                other => panic!("{other:?}"),
+            }
+            // The send function of p0 ran from the gradient sent: d/dp0 of sum(p0 * seed).
+            let g = ctx.gradient(&p0).expect("a gradient of p0");
+            assert_close(&g.to_vec1::<f32>().unwrap(), &seed, "the honest request");
+            assert!(events.try_recv().is_none(), "nobody was dropped");
+            assert_eq!(vdist.violations(), 0);
+        }
+        Some(v) => {
+            match dropped(&mut events, HOSTILE).await {
+                LostCause::Misbehaved(got) => {
+                    assert_eq!(*got, ProtocolViolation::Autograd(v), "the violation")
+                }
+                other => panic!("w2 was lost for {other}, not as a violation"),
+            }
+            assert_eq!(vdist.violations(), 1);
+            assert!(
+                ctx.gradient(&p0).is_none(),
+                "no gradient landed from the forged request"
+            );
+        }
+    }
+    ctx.release().await.unwrap();
+
+    // The victim goes on: w1's context held through it, and a fresh one of its own.
+    backward_checked(&kept, &kept_out, &p1, &param_values(0), "w1 through w0").await;
+    kept.release().await.unwrap();
+    let (again, again_out) = forward(&vdist, &p0, "w1").await;
+    backward_checked(&again, &again_out, &p0, &param_values(1), "w0 again").await;
+    again.release().await.unwrap();
+    let vdist_ref = vdist.clone();
+    wait_until("the victim holds no context", T, || {
+        vdist_ref.context_count() == 0
+    })
+    .await;
+    gate.add_permits(64);
+    for a in agents {
+        a.shutdown(Shutdown::Immediate).await.unwrap();
+    }
+}
+
+macro_rules! requests {
+    ($($name:ident => $request:ident),* $(,)?) => {
+        mod forged_request {
+            mod tcp {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        super::super::forged_request(super::super::Net::Tcp, super::super::Request::$request).await;
+                    }
+                )*
+            }
+            mod shm {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        super::super::forged_request(super::super::Net::Shm, super::super::Request::$request).await;
+                    }
+                )*
+            }
+            mod quic {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        super::super::forged_request(super::super::Net::Quic, super::super::Request::$request).await;
+                    }
+                )*
+            }
+        }
+    };
+}
+
+requests! {
+    an_honest_request_runs_the_send_function => Honest,
+    fewer_gradients_than_tensors_drop_it => TooFew,
     more_gradients_than_tensors_drop_it => TooMany,
     a_gradient_of_another_shape_drops_it => WrongShape,
 }

@@ -136,15 +136,15 @@ fn chunk<'a>(rest: &mut &'a [u8]) -> &'a [u8] {
 fuzz_target!(|data: &[u8]| {
     let mut a = DistAutograd::new(0);
     let shared = a.new_context().unwrap();
-    a.record_send(shared, 1).unwrap();
-    a.record_send(shared, HOSTILE).unwrap();
+    a.record_send(shared, 1, 1).unwrap();
+    a.record_send(shared, HOSTILE, 1).unwrap();
     let known = a.capability(shared).unwrap();
     a.handle_recv(1, shared, known, AutogradMessageId::new(1, 0))
         .unwrap();
     a.handle_recv(HOSTILE, shared, known, AutogradMessageId::new(HOSTILE, 0))
         .unwrap();
     let private = a.new_context().unwrap();
-    a.record_send(private, 1).unwrap();
+    a.record_send(private, 1, 1).unwrap();
     let secret = a.capability(private).unwrap();
     a.handle_recv(1, private, secret, AutogradMessageId::new(1, 1))
         .unwrap();
@@ -169,14 +169,18 @@ fuzz_target!(|data: &[u8]| {
         let before = snapshot(&d.a);
         match op % 8 {
             0 => {
-                let Ok((c, m)) =
-                    postcard::from_bytes::<(ContextId, AutogradMessageId)>(chunk(&mut rest))
+                let Ok((c, m, grads)) =
+                    postcard::from_bytes::<(ContextId, AutogradMessageId, u8)>(chunk(&mut rest))
                 else {
                     continue;
                 };
                 let token = d.next_token;
                 d.next_token += 1;
-                match d.a.handle_gradient(HOSTILE, c, m, token) {
+                // Every send carried one tensor: another count is refused.
+                match d
+                    .a
+                    .handle_gradient(HOSTILE, c, m, usize::from(grads), token)
+                {
                     Ok(_) => {
                         d.accepted.insert(token);
                     }

@@ -203,6 +203,44 @@ def test_accumulation_within_a_context_and_pytorchs_errors():
     run_world(accumulation_and_errors, 2)
 
 
+def leaf_hooks(rank: int, world: int) -> None:
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    if rank == 0:
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        node = (x * 1).grad_fn.next_functions[0][0]
+        seen = []
+        # As PyTorch's dist engine runs them (DistAccumulateGradCaptureHook): the pre hooks
+        # change the gradient the context keeps, the post hooks run after it is taken.
+        node.register_prehook(lambda grads: (grads[0] * 3,))
+        node.register_hook(lambda grad_inputs, grad_outputs: seen.append(len(grad_inputs)))
+        tensor_hooks = []
+        x.register_hook(lambda g: tensor_hooks.append(g.shape) or g)
+        with dist_autograd.context() as cid:
+            loss = rpc.rpc_sync("worker1", stage, args=(x,)).sum()
+            dist_autograd.backward(cid, [loss], retain_graph=True)
+            assert seen == [0] and tensor_hooks == [(3, 4)], (seen, tensor_hooks)
+            got = dist_autograd.get_gradients(cid)[x]
+            local = torch.autograd.grad(torch.tanh(x @ params_of(1)).sum(), [x])[0]
+            torch.testing.assert_close(got, 3 * local)
+            # Nothing lands in .grad, here or on the callee (whose weight's node the send
+            # function's pass ran too).
+            assert x.grad is None
+            assert rpc.rpc_sync("worker1", weight_grad_is_none)
+            # A plain backward elsewhere is left to torch: .grad, and the pre hook, as usual.
+            torch.tanh(x @ params_of(1)).sum().backward()
+            torch.testing.assert_close(x.grad, 3 * local)
+    rpc.shutdown()
+
+
+@rpc.expose
+def weight_grad_is_none() -> bool:
+    return my_weight().grad is None
+
+
+def test_leaf_hooks_run_as_in_pytorchs_dist_engine_and_nothing_lands_in_grad():
+    run_world(leaf_hooks, 2)
+
+
 _finished = threading.Event()
 
 

@@ -1684,14 +1684,7 @@ def _fresh_state() -> None:
 
 
 # Ported but failing: each an open issue, not a skip.
-FAILING: dict[str, str] = {
-    "test_post_hooks": (
-        "an AccumulateGrad node's post hooks are not run: the local pass is "
-        "torch.autograd.grad over the leaves, which captures their gradients without running "
-        "their AccumulateGrad nodes (PyTorch's engine runs the node's pre and post hooks "
-        "around the capture), so hook_called_times stays 0"
-    ),
-}
+FAILING: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")

@@ -196,7 +196,7 @@ fn run(this: &Agent, ev: Event<Body>) {
             serve_in_task(
                 this,
                 from,
-                serve::serve(this, token, function, body, None, deadline),
+                serve::serve(this, (token, from), function, body, None, deadline),
             )
         }
         Event::Remote {
@@ -210,7 +210,7 @@ fn run(this: &Agent, ev: Event<Body>) {
             serve_in_task(
                 this,
                 from,
-                serve::serve(this, token, function, body, Some(rref), deadline),
+                serve::serve(this, (token, from), function, body, Some(rref), deadline),
             )
         }
         Event::ConfirmWaitDone { wait, outcome } => {
@@ -297,7 +297,7 @@ fn running(this: &Agent, from: WorkerId, function: &str) -> Option<WorkerId> {
 }
 
 /// A peer's request is answered: its held requests run if its budget lets them.
-fn finished(this: &Agent, from: Option<WorkerId>) {
+pub(crate) fn finished(this: &Agent, from: Option<WorkerId>) {
     let Some(peer) = from else { return };
     if this.lock().node.handle_request_finished(peer) {
         this.pump();
@@ -310,7 +310,7 @@ fn finished(this: &Agent, from: Option<WorkerId>) {
 fn serve_in_task(
     this: &Agent,
     from: Option<WorkerId>,
-    rest: Option<impl std::future::Future<Output = ()> + Send + 'static>,
+    rest: Option<impl std::future::Future<Output = bool> + Send + 'static>,
 ) {
     let Some(rest) = rest else {
         finished(this, from);
@@ -318,9 +318,11 @@ fn serve_in_task(
     };
     let agent = this.clone();
     this.spawn(async move {
-        rest.await;
-        pump_direct(&agent).await;
-        finished(&agent, from);
+        // A function that took its reply sends it, and reports the request finished.
+        if rest.await {
+            pump_direct(&agent).await;
+            finished(&agent, from);
+        }
     });
 }
 

@@ -81,6 +81,7 @@ pub use options::{RpcOptions, Shutdown, DEFAULT_RPC_TIMEOUT, IMMEDIATE_CLOSE_TIM
 pub use peer_events::{PeerEvent, PeerEvents};
 pub use rref::RRef;
 pub use runtime::{Runtime, TokioRuntime};
+pub use serve::Reply;
 pub use state::Functions;
 pub use tensors::{MalformedTensor, TensorTransferError};
 pub use tensorwire_core::protocol::{

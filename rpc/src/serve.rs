@@ -5,7 +5,7 @@ use std::any::Any;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
+use serde::Serialize;
 use tensorwire_core::protocol::{RRefId, RemoteError, RemoteErrorKind, RequestToken, WorkerId};
 use tracing::warn;
 
@@ -57,12 +57,12 @@ pub(crate) async fn reply_body(
 /// as the rest of its serving, for the driver to run in a task of its own and to pump after.
 pub(crate) fn serve(
     this: &Agent,
-    token: RequestToken,
+    (token, from): (RequestToken, Option<WorkerId>),
     function: String,
     body: Body,
     keep_as: Option<RRefId>,
     deadline: Option<Instant>,
-) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
+) -> Option<impl std::future::Future<Output = bool> + Send + 'static> {
     let me = this.inner.me.id;
     let agent = this.clone();
     let handler = if function == crate::gather::GATHER {
@@ -91,6 +91,19 @@ pub(crate) fn serve(
     };
     let serving = Serving::enter(this);
     let from_peer = token.from() != me;
+    // On a current-thread runtime every task runs on this thread anyway: the handler starts
+    // here, on the task that received the request, instead of in a task of its own (no
+    // spawn, no turn of the scheduler). One that finishes at once has answered: the pump
+    // that dispatched this request sends the reply, with whatever else it sends (replies
+    // to the other requests of the same read, in one write). One that waits goes on in a
+    // task. On a multi-thread runtime handlers always get a task, so that they run in
+    // parallel; so does a call to this worker itself (it is dispatched from inside the
+    // caller's `rpc_async`, where the caller may hold locks its handler takes).
+    let inline = from_peer
+        && tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
+    // Not while the dispatching pump runs it inline: the reply is that pump's to send.
+    let takeable = keep_as.is_none() && !inline;
     let task = async move {
         // A method call reaches this point only once its value exists (the endpoint parks
         // it until then, by its caller's deadline).
@@ -100,8 +113,7 @@ pub(crate) fn serve(
                 Err(reason) => {
                     let err = remote_error(me, RemoteErrorKind::RRef, reason);
                     agent.lock().node.ep_mut().respond(token, Err(err));
-                    agent.pump();
-                    return serving;
+                    return Some(serving);
                 }
             },
             None => None,
@@ -115,8 +127,7 @@ pub(crate) fn serve(
                     format!("cannot place the tensors of {function:?}: {e}"),
                 );
                 agent.lock().node.ep_mut().respond(token, Err(err));
-                agent.pump();
-                return serving;
+                return Some(serving);
             }
         };
         let inv = Invocation {
@@ -128,21 +139,33 @@ pub(crate) fn serve(
             forks: body.forks,
             target,
         };
-        let outcome = match (CatchPanic {
+        // A function called by name may take its reply ([`Reply::take`]) to send it from
+        // elsewhere: then its outcome here is not sent.
+        let reply = takeable.then(|| Reply {
+            agent: agent.clone(),
+            token,
+            from,
+            sent: false,
+        });
+        let handler = CatchPanic {
             inner: handler(inv),
-        })
-        .await
-        {
+        };
+        // `None` once the function took its reply.
+        let outcome = REPLY
+            .scope(std::cell::Cell::new(reply), async {
+                let outcome = handler.await;
+                let kept = REPLY
+                    .with(|r| r.take().map(|mut r| r.sent = true))
+                    .is_some();
+                (kept || !takeable).then_some(outcome)
+            })
+            .await?;
+        let outcome = match outcome {
             Ok(Ok(value)) => match keep_as {
                 Some(rref) => {
                     let replaced = agent.lock().values.insert(rref, value);
                     drop(replaced);
-                    Ok(Body {
-                        target: None,
-                        data: Bytes::new(),
-                        tensors: Vec::new(),
-                        forks: Vec::new(),
-                    })
+                    Ok(Body::default())
                 }
                 None => reply_body(&agent, &*value, token.from())
                     .await
@@ -191,19 +214,8 @@ pub(crate) fn serve(
                 .and_then(|rref| st.values.remove(&rref))
         };
         drop(orphan);
-        serving
+        Some(serving)
     };
-    // On a current-thread runtime every task runs on this thread anyway: the handler starts
-    // here, on the task that received the request, instead of in a task of its own (no
-    // spawn, no turn of the scheduler). One that finishes at once has answered: the pump
-    // that dispatched this request sends the reply, with whatever else it sends (replies
-    // to the other requests of the same read, in one write). One that waits goes on in a
-    // task. On a multi-thread runtime handlers always get a task, so that they run in
-    // parallel; so does a call to this worker itself (it is dispatched from inside the
-    // caller's `rpc_async`, where the caller may hold locks its handler takes).
-    let inline = from_peer
-        && tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
     let mut task = Box::pin(task);
     if inline {
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
@@ -212,15 +224,79 @@ pub(crate) fn serve(
             return None;
         }
     }
+    // `true` once answered here; `false` when the function took its reply.
     Some(async move {
-        let serving = task.await;
+        let Some(serving) = task.await else {
+            return false;
+        };
         // Let the other handlers that are ready answer too, so that their replies leave in
         // the same write (one scheduler turn). Alone, the reply leaves at once: a yield
         // would cost a turn of the runtime's I/O driver (a system call) for nothing.
         if serving.leave() > 0 {
             tokio::task::yield_now().await;
         }
+        true
     })
+}
+
+tokio::task_local! {
+    /// The reply of the call whose function is being polled, until the function takes it.
+    static REPLY: std::cell::Cell<Option<Reply>>;
+}
+
+/// The reply to a call, taken by the function it called ([`Reply::take`]) to send it itself
+/// from another thread: a function that hands its work to a thread of its own (a Python
+/// runner) answers from there, with no hand-off back to a runtime worker. Dropped unsent, it
+/// answers that the function failed to.
+pub struct Reply {
+    agent: Agent,
+    token: RequestToken,
+    from: Option<WorkerId>,
+    sent: bool,
+}
+
+impl Reply {
+    /// Takes the reply of the call whose registered function runs now, called by name or as
+    /// a method (not a `remote()` constructor, whose reply is its value kept here, nor a
+    /// call the pump that received it runs inline, on a current-thread runtime): the
+    /// function's own outcome is then not sent. `None` otherwise, or once taken.
+    pub fn take() -> Option<Reply> {
+        REPLY.try_with(std::cell::Cell::take).ok().flatten()
+    }
+
+    /// Sends `outcome` as the reply, on this thread: encoded, and written where the caller's
+    /// connection is idle (what must wait, a device copy or a full connection, goes on in a
+    /// task). This thread must be in the agent's runtime's context (one of its threads, or
+    /// one that entered it); elsewhere nothing is sent and the call times out.
+    pub fn send<R: Serialize + Send + Sync + 'static>(mut self, outcome: Result<R, String>) {
+        self.answer(outcome.map(|r| Arc::new(r) as Arc<dyn Value>));
+    }
+
+    fn answer(&mut self, outcome: Result<Arc<dyn Value>, String>) {
+        if std::mem::replace(&mut self.sent, true) || tokio::runtime::Handle::try_current().is_err()
+        {
+            return;
+        }
+        let (agent, token, from) = (self.agent.clone(), self.token, self.from);
+        let mut task = Box::pin(async move {
+            let outcome = match outcome {
+                Ok(value) => reply_body(&agent, &*value, token.from()).await,
+                Err(m) => Err(remote_error(agent.inner.me.id, RemoteErrorKind::Failed, m)),
+            };
+            agent.lock().node.ep_mut().respond(token, outcome);
+            agent.answered(from);
+        });
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if std::future::Future::poll(task.as_mut(), &mut cx).is_pending() {
+            self.agent.spawn(task);
+        }
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        self.answer(Err("the function dropped its reply unsent".into()));
+    }
 }
 
 /// The value of `rref`, owned here. (A method call on a value still being created waits

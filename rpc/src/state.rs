@@ -45,7 +45,7 @@ pub struct Agent {
 
 /// What travels through the endpoint with a message: the encoded arguments or result, and for
 /// methods the reference they are called on.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Body {
     pub(crate) target: Option<MethodTarget>,
     pub(crate) data: Bytes,

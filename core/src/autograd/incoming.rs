@@ -164,9 +164,12 @@ impl DistAutograd {
         self.remove_context(context, &error);
     }
 
-    /// `from` sent the gradient for the send function of `message` (request `request`): run it.
-    /// The driver gets [`Output::RunLocal`] and, once the work and everything it started are
-    /// done, [`Output::Reply`] for `request`; the task is returned.
+    /// `from` sent the gradient for the send function of `message` (request `request`), `grads`
+    /// gradients (present or not), one for each tensor the message carried: run it. The driver
+    /// gets [`Output::RunLocal`] and, once the work and everything it started are done,
+    /// [`Output::Reply`] for `request`; the task is returned. Another count than the message's
+    /// tensors is a violation ([`ProtocolViolation::MismatchedGradients`]): the receiver
+    /// computed them against the very tensors it received.
     ///
     /// A gradient for a context already dropped here (it crossed the release, or the loss that
     /// dropped it) is late: it is dropped, counted ([`late_gradients`](Self::late_gradients)),
@@ -178,6 +181,7 @@ impl DistAutograd {
         from: WorkerId,
         context: ContextId,
         message: AutogradMessageId,
+        grads: usize,
         request: RequestToken,
     ) -> Result<Option<TaskId>, ProtocolViolation> {
         let Some(ctx) = self.contexts.get(&context) else {
@@ -195,11 +199,19 @@ impl DistAutograd {
         if !ctx.known.contains(&from) {
             return Err(ProtocolViolation::NotInContext { from, context });
         }
-        if ctx.sends.get(&message) != Some(&from) {
+        let Some(&(_, tensors)) = ctx.sends.get(&message).filter(|(to, _)| *to == from) else {
             return Err(ProtocolViolation::UnknownMessage {
                 from,
                 context,
                 message,
+            });
+        };
+        if grads != tensors {
+            return Err(ProtocolViolation::MismatchedGradients {
+                from,
+                context,
+                message,
+                detail: format!("{grads} gradients for {tensors} tensors"),
             });
         }
         Ok(Some(self.start_task(
@@ -253,7 +265,7 @@ impl DistAutograd {
         };
         let mut seen = BTreeSet::new();
         for m in messages {
-            if ctx.sends.get(m) != Some(&from) || !seen.insert(*m) {
+            if ctx.sends.get(m).map(|(to, _)| *to) != Some(from) || !seen.insert(*m) {
                 return Err(ProtocolViolation::UnknownMessage {
                     from,
                     context,

@@ -298,8 +298,9 @@ pub enum Output {
 
 #[derive(Debug)]
 struct Context {
-    /// Message id -> the worker it was sent to.
-    sends: BTreeMap<AutogradMessageId, WorkerId>,
+    /// Message id -> the worker it was sent to, and how many tensors it carried (a gradient
+    /// for it carries as many).
+    sends: BTreeMap<AutogradMessageId, (WorkerId, usize)>,
     /// Message id -> the worker that sent it.
     recvs: BTreeMap<AutogradMessageId, WorkerId>,
     /// The recvs whose tensors came in a request, so that their gradients may ride in an
@@ -501,8 +502,18 @@ impl DistAutograd {
     pub fn send_records(&self, context: ContextId) -> Vec<(AutogradMessageId, WorkerId)> {
         self.contexts
             .get(&context)
-            .map(|c| c.sends.iter().map(|(m, w)| (*m, *w)).collect())
+            .map(|c| c.sends.iter().map(|(m, (w, _))| (*m, *w)).collect())
             .unwrap_or_default()
+    }
+
+    /// The worker `message` was sent to in `context`, and how many tensors it carried; `None`
+    /// when this worker holds no such send record.
+    pub fn sent(
+        &self,
+        context: ContextId,
+        message: AutogradMessageId,
+    ) -> Option<(WorkerId, usize)> {
+        self.contexts.get(&context)?.sends.get(&message).copied()
     }
 
     /// The recv records of `context`: message id and sender.
@@ -576,12 +587,15 @@ impl DistAutograd {
         self.contexts.get(&context).map(|c| c.capability)
     }
 
-    /// Records that a message carrying tracked tensors leaves for `to` in `context`; the message
-    /// carries the returned id. The driver keeps the tensors sent under it (the send function).
+    /// Records that a message carrying `tensors` tracked tensors leaves for `to` in `context`;
+    /// the message carries the returned id. The driver keeps the tensors sent under it (the
+    /// send function). A gradient for it must carry as many
+    /// ([`handle_gradient`](Self::handle_gradient)).
     pub fn record_send(
         &mut self,
         context: ContextId,
         to: WorkerId,
+        tensors: usize,
     ) -> Result<AutogradMessageId, AutogradError> {
         if self.next_message > COUNTER_MASK {
             return Err(AutogradError::IdsExhausted(self.me));
@@ -598,7 +612,7 @@ impl DistAutograd {
             .ok_or_else(|| missing(&self.dropped, context))?;
         let id = AutogradMessageId::new(self.me, self.next_message);
         self.next_message += 1;
-        ctx.sends.insert(id, to);
+        ctx.sends.insert(id, (to, tensors));
         ctx.known.insert(to);
         Ok(id)
     }

@@ -331,7 +331,7 @@ impl Sim {
             };
             let msg = self.workers[w as usize]
                 .state
-                .record_send(context, callee)
+                .record_send(context, callee, 1)
                 .expect("context here");
             self.graph(w, context).sends.insert(msg, arg);
             let capability = self.workers[w as usize]
@@ -367,7 +367,7 @@ impl Sim {
             path.pop();
             let back = self.workers[callee as usize]
                 .state
-                .record_send(context, w)
+                .record_send(context, w, 1)
                 .expect("context there");
             self.graph(callee, context).sends.insert(back, result);
             if let Err(e) = self.workers[w as usize]
@@ -599,7 +599,10 @@ impl Sim {
                 let worker = &mut self.workers[to as usize];
                 let token = worker.next_token;
                 worker.next_token += 1;
-                match worker.state.handle_gradient(from, context, message, token) {
+                match worker
+                    .state
+                    .handle_gradient(from, context, message, 1, token)
+                {
                     Ok(task) => {
                         if let Some(task) = task {
                             worker.seeds.insert(task, value);

@@ -35,9 +35,9 @@ fn chain() -> (
     let mut a = DistAutograd::new(0);
     let mut b = DistAutograd::new(1);
     let c = a.new_context().unwrap();
-    let m1 = a.record_send(c, 1).unwrap();
+    let m1 = a.record_send(c, 1, 1).unwrap();
     b.handle_recv(0, c, cap(c), m1).unwrap();
-    let m2 = b.record_send(c, 0).unwrap();
+    let m2 = b.record_send(c, 0, 1).unwrap();
     a.handle_recv(1, c, cap(c), m2).unwrap();
     (a, b, c, m1, m2)
 }
@@ -49,7 +49,7 @@ fn ids_carry_the_worker_in_the_high_bits() {
     let c1 = s.new_context().unwrap();
     assert_eq!((c0.worker(), c0.counter(), c1.counter()), (5, 0, 1));
     assert_eq!(c0.0, 5 << 32);
-    let m = s.record_send(c0, 2).unwrap();
+    let m = s.record_send(c0, 2, 1).unwrap();
     assert_eq!(m.worker(), 5);
     assert_eq!(s.known_workers(c0), Some(vec![2]));
     assert_eq!(s.send_records(c0), vec![(m, 2)]);
@@ -76,7 +76,7 @@ fn a_chain_completes_only_after_the_callee_answers() {
     };
     assert_eq!((to, message), (1, m2));
     // b runs the send function of m2, which reaches the recv of m1 (a's send).
-    let tb = b.handle_gradient(0, c, m2, 77).unwrap().unwrap();
+    let tb = b.handle_gradient(0, c, m2, 1, 77).unwrap().unwrap();
     let out_b = drain(&mut b);
     assert!(out_b.contains(&Output::Prepare { context: c }));
     assert!(out_b.contains(&Output::RunLocal {
@@ -90,7 +90,7 @@ fn a_chain_completes_only_after_the_callee_answers() {
         panic!("{out_b:?}")
     };
     // a runs its send function of m1 (a new task in the same context, while the root waits).
-    let ta = a.handle_gradient(1, c, m1, 5).unwrap().unwrap();
+    let ta = a.handle_gradient(1, c, m1, 1, 5).unwrap().unwrap();
     drain(&mut a);
     a.local_done(ta, &[]);
     assert_eq!(
@@ -176,7 +176,7 @@ fn a_late_gradient_for_a_released_context_is_dropped_and_answered() {
         worker: 0,
         context: c,
     };
-    assert_eq!(b.handle_gradient(0, c, m2, 7), Ok(None));
+    assert_eq!(b.handle_gradient(0, c, m2, 1, 7), Ok(None));
     assert_eq!(
         drain(&mut b),
         vec![Output::Reply {
@@ -193,7 +193,7 @@ fn a_late_gradient_for_a_released_context_is_dropped_and_answered() {
     // A context b never had is still a violation, and not counted as late.
     let never = ContextId::new(0, 99);
     assert_eq!(
-        b.handle_gradient(0, never, m2, 8),
+        b.handle_gradient(0, never, m2, 1, 8),
         Err(ProtocolViolation::UnknownContext {
             from: 0,
             context: never
@@ -216,7 +216,7 @@ fn the_record_of_dropped_contexts_is_bounded() {
         b.handle_recv(0, c, cap(c), AutogradMessageId::new(0, i))
             .unwrap();
         // b sent m to a in c (a result), so a may send its gradient.
-        let sent = b.record_send(c, 0).unwrap();
+        let sent = b.record_send(c, 0, 1).unwrap();
         assert_eq!(sent, m);
         first.get_or_insert((c, m));
         last = (c, m);
@@ -225,10 +225,10 @@ fn the_record_of_dropped_contexts_is_bounded() {
     drain(&mut b);
     assert_eq!(b.context_count(), 0);
     let (c, m) = last;
-    assert_eq!(b.handle_gradient(0, c, m, 1), Ok(None));
+    assert_eq!(b.handle_gradient(0, c, m, 1, 1), Ok(None));
     let (c, m) = first.unwrap();
     assert_eq!(
-        b.handle_gradient(0, c, m, 2),
+        b.handle_gradient(0, c, m, 1, 2),
         Err(ProtocolViolation::UnknownContext {
             from: 0,
             context: c
@@ -243,16 +243,16 @@ fn a_lost_peer_fails_the_backward_naming_it_and_drops_the_context() {
     let mut a = DistAutograd::new(0);
     let mut b = DistAutograd::new(1);
     let ctx = a.new_context().unwrap();
-    let m1 = a.record_send(ctx, 1).unwrap();
+    let m1 = a.record_send(ctx, 1, 1).unwrap();
     b.handle_recv(0, ctx, cap(ctx), m1).unwrap();
-    let m2 = b.record_send(ctx, 2).unwrap();
-    let m3 = b.record_send(ctx, 0).unwrap();
+    let m2 = b.record_send(ctx, 2, 1).unwrap();
+    let m3 = b.record_send(ctx, 0, 1).unwrap();
     a.handle_recv(1, ctx, cap(ctx), m3).unwrap();
     a.backward(ctx, false, &[Root::scalar()]).unwrap();
     let t = task_of(&drain(&mut a));
     a.local_done(t, &[m3]);
     drain(&mut a);
-    let tb = b.handle_gradient(0, ctx, m3, 9).unwrap().unwrap();
+    let tb = b.handle_gradient(0, ctx, m3, 1, 9).unwrap().unwrap();
     drain(&mut b);
     // b's send function of m3 reaches a recv from c? No: b forwarded to c; model the wait on c
     // as b's run reaching nothing but b still waiting on a gradient to c for m2's pair.
@@ -304,7 +304,7 @@ fn a_lost_peer_fails_the_backward_naming_it_and_drops_the_context() {
 fn a_recv_cannot_make_again_or_forge_a_context_of_this_workers() {
     let mut a = DistAutograd::new(0);
     let c = a.new_context().unwrap();
-    a.record_send(c, 1).unwrap();
+    a.record_send(c, 1, 1).unwrap();
     a.handle_recv(1, c, cap(c), AutogradMessageId::new(1, 0))
         .unwrap();
     a.release(c).unwrap();
@@ -343,7 +343,7 @@ fn violations_are_typed_and_change_nothing() {
     let (mut a, mut b, c, m1, m2) = chain();
     let unknown = ContextId::new(9, 9);
     assert_eq!(
-        b.handle_gradient(0, unknown, m1, 0),
+        b.handle_gradient(0, unknown, m1, 1, 0),
         Err(ProtocolViolation::UnknownContext {
             from: 0,
             context: unknown
@@ -351,7 +351,7 @@ fn violations_are_typed_and_change_nothing() {
     );
     // Worker 3 never exchanged anything in c.
     assert_eq!(
-        a.handle_gradient(3, c, m1, 0),
+        a.handle_gradient(3, c, m1, 1, 0),
         Err(ProtocolViolation::NotInContext {
             from: 3,
             context: c
@@ -359,7 +359,7 @@ fn violations_are_typed_and_change_nothing() {
     );
     // b never sent m1 (a did).
     assert_eq!(
-        b.handle_gradient(0, c, m1, 0),
+        b.handle_gradient(0, c, m1, 1, 0),
         Err(ProtocolViolation::UnknownMessage {
             from: 0,
             context: c,
@@ -391,6 +391,54 @@ fn violations_are_typed_and_change_nothing() {
     }
     .to_string()
     .contains("which this worker does not have"));
+}
+
+/// A gradient request for a message carries one gradient (present or not) per tensor the
+/// message carried: another count is the sender's violation, named, and changes nothing; the
+/// right count for the same message then runs.
+#[test]
+fn a_gradient_request_with_another_count_than_the_message_had_is_a_violation() {
+    let mut a = DistAutograd::new(0);
+    let mut b = DistAutograd::new(1);
+    let c = a.new_context().unwrap();
+    let m1 = a.record_send(c, 1, 3).unwrap();
+    b.handle_recv(0, c, cap(c), m1).unwrap();
+    let m2 = b.record_send(c, 0, 2).unwrap();
+    a.handle_recv(1, c, cap(c), m2).unwrap();
+    assert_eq!(a.sent(c, m1), Some((1, 3)));
+    assert_eq!((a.sent(c, m2), b.sent(c, m1)), (None, None));
+    for grads in [0, 2, 4] {
+        assert_eq!(
+            a.handle_gradient(1, c, m1, grads, 0),
+            Err(ProtocolViolation::MismatchedGradients {
+                from: 1,
+                context: c,
+                message: m1,
+                detail: format!("{grads} gradients for 3 tensors"),
+            })
+        );
+    }
+    assert_eq!(
+        b.handle_gradient(0, c, m2, 1, 0),
+        Err(ProtocolViolation::MismatchedGradients {
+            from: 0,
+            context: c,
+            message: m2,
+            detail: "1 gradients for 2 tensors".into(),
+        })
+    );
+    assert!(drain(&mut a).is_empty() && drain(&mut b).is_empty());
+    assert!(a.is_idle() && b.is_idle());
+    // Worker 3 never exchanged anything in c: that comes first, whatever the count.
+    assert_eq!(
+        a.handle_gradient(3, c, m1, 1, 0),
+        Err(ProtocolViolation::NotInContext {
+            from: 3,
+            context: c
+        })
+    );
+    let t = a.handle_gradient(1, c, m1, 3, 5).unwrap().unwrap();
+    assert_eq!(task_of(&drain(&mut a)), t);
 }
 
 #[test]
@@ -435,10 +483,16 @@ fn a_backward_failing_on_a_remote_worker_leaves_the_context_usable() {
     let mut b = DistAutograd::new(1);
     let mut c3 = DistAutograd::new(2);
     let c = a.new_context().unwrap();
-    let (ab, ac) = (a.record_send(c, 1).unwrap(), a.record_send(c, 2).unwrap());
+    let (ab, ac) = (
+        a.record_send(c, 1, 1).unwrap(),
+        a.record_send(c, 2, 1).unwrap(),
+    );
     b.handle_recv(0, c, cap(c), ab).unwrap();
     c3.handle_recv(0, c, cap(c), ac).unwrap();
-    let (ba, ca) = (b.record_send(c, 0).unwrap(), c3.record_send(c, 0).unwrap());
+    let (ba, ca) = (
+        b.record_send(c, 0, 1).unwrap(),
+        c3.record_send(c, 0, 1).unwrap(),
+    );
     a.handle_recv(1, c, cap(c), ba).unwrap();
     a.handle_recv(2, c, cap(c), ca).unwrap();
     for round in 0..2 {
@@ -456,9 +510,9 @@ fn a_backward_failing_on_a_remote_worker_leaves_the_context_usable() {
                 .unwrap()
         };
         let (gb, gc) = (gradient_to(1), gradient_to(2));
-        let tb = b.handle_gradient(0, c, ba, 10).unwrap().unwrap();
+        let tb = b.handle_gradient(0, c, ba, 1, 10).unwrap().unwrap();
         drain(&mut b);
-        let tc = c3.handle_gradient(0, c, ca, 20).unwrap().unwrap();
+        let tc = c3.handle_gradient(0, c, ca, 1, 20).unwrap().unwrap();
         drain(&mut c3);
         if round == 0 {
             b.local_failed(tb, "simulated error on the backward pass");
@@ -717,13 +771,13 @@ fn a_lost_peer_drops_its_contexts_on_every_survivor_without_a_backward() {
     let mut b = DistAutograd::new(1);
     let mut c = DistAutograd::new(2);
     let ctx = c.new_context().unwrap();
-    let m1 = c.record_send(ctx, 1).unwrap();
+    let m1 = c.record_send(ctx, 1, 1).unwrap();
     b.handle_recv(2, ctx, cap(ctx), m1).unwrap();
-    let m2 = b.record_send(ctx, 0).unwrap();
+    let m2 = b.record_send(ctx, 0, 1).unwrap();
     a.handle_recv(1, ctx, cap(ctx), m2).unwrap();
     // A context of a's own that reached only b survives c's death.
     let mine = a.new_context().unwrap();
-    let m3 = a.record_send(mine, 1).unwrap();
+    let m3 = a.record_send(mine, 1, 1).unwrap();
     b.handle_recv(0, mine, cap(mine), m3).unwrap();
     assert_eq!(a.known_workers(ctx), Some(vec![1]));
 
@@ -768,7 +822,7 @@ fn a_lost_peer_drops_its_contexts_on_every_survivor_without_a_backward() {
         })
     );
     assert_eq!(
-        a.record_send(mine, 2),
+        a.record_send(mine, 2, 1),
         Err(AutogradError::PeerLost {
             worker: 2,
             context: mine
@@ -778,7 +832,7 @@ fn a_lost_peer_drops_its_contexts_on_every_survivor_without_a_backward() {
     // A context of a's own that reached c is dropped too; using it says why, until a lets go.
     let mut a2 = DistAutograd::new(0);
     let theirs2 = a2.new_context().unwrap();
-    a2.record_send(theirs2, 2).unwrap();
+    a2.record_send(theirs2, 2, 1).unwrap();
     a2.handle_peer_lost(2);
     drain(&mut a2);
     let cause = BackwardError::PeerLost {
@@ -793,7 +847,7 @@ fn a_lost_peer_drops_its_contexts_on_every_survivor_without_a_backward() {
         a2.backward(theirs2, false, &[Root::scalar()]),
         Err(dropped.clone())
     );
-    assert_eq!(a2.record_send(theirs2, 1), Err(dropped.clone()));
+    assert_eq!(a2.record_send(theirs2, 1, 1), Err(dropped.clone()));
     assert!(
         dropped.to_string().contains("worker 2 was lost"),
         "{dropped}"
@@ -818,7 +872,7 @@ fn a_lost_peer_drops_its_contexts_on_every_survivor_without_a_backward() {
 fn work_for_a_requester_that_releases_or_dies_is_answered_not_abandoned() {
     for lost in [false, true] {
         let (mut a, mut b, c, _m1, m2) = chain();
-        b.handle_gradient(0, c, m2, 9).unwrap();
+        b.handle_gradient(0, c, m2, 1, 9).unwrap();
         drain(&mut b);
         let error = if lost {
             b.handle_peer_lost(0);
@@ -985,7 +1039,7 @@ fn a_guess_that_arrives_first_gives_way_to_the_creator_and_to_a_relay_it_vouches
     // Worker 2 guesses c and reaches b first; b's copy works for it (it sends there too).
     b.handle_recv(2, c, 7, AutogradMessageId::new(2, 0))
         .unwrap();
-    b.record_send(c, 4).unwrap();
+    b.record_send(c, 4, 1).unwrap();
     drain(&mut b);
     // A relay (worker 3, given c by a) is not refused: b cannot tell which copy is honest,
     // records nothing yet and asks the creator.
@@ -1028,7 +1082,7 @@ fn a_guess_that_arrives_first_gives_way_to_the_creator_and_to_a_relay_it_vouches
         })
     );
     // The creator's own call joins the vouched copy; the creator contradicting it is refused.
-    let m = a.record_send(c, 1).unwrap();
+    let m = a.record_send(c, 1, 1).unwrap();
     assert_eq!(b.handle_recv(0, c, honest, m), Ok(Recv::Recorded));
     assert_eq!(b.known_workers(c), Some(vec![0, 3]));
     assert_eq!(
@@ -1081,7 +1135,7 @@ fn a_guess_after_a_relay_is_refused_once_the_creator_disowns_it() {
     // A copy the creator vouched for (here: its own message joined it) refuses without asking.
     b.handle_recv(3, c, honest, AutogradMessageId::new(3, 1))
         .unwrap();
-    let m = a.record_send(c, 1).unwrap();
+    let m = a.record_send(c, 1, 1).unwrap();
     b.handle_recv(0, c, honest, m).unwrap();
     assert_eq!(
         b.handle_recv(2, c, 7, AutogradMessageId::new(2, 2)),
@@ -1109,7 +1163,7 @@ fn a_gradient_for_the_requester_rides_in_the_answer_and_the_work_completes_after
     let [Output::SendGradient { gradient, .. }] = drain(&mut a)[..] else {
         panic!()
     };
-    let tb = b.handle_gradient(0, c, m2, 77).unwrap().unwrap();
+    let tb = b.handle_gradient(0, c, m2, 1, 77).unwrap().unwrap();
     drain(&mut b);
     b.local_done(tb, &[m1]);
     assert_eq!(
@@ -1168,7 +1222,7 @@ fn gradients_ride_in_answers_only_when_all_go_to_the_requester_and_failures_stil
     let t = task_of(&drain(&mut a));
     a.local_done(t, &[m2]);
     drain(&mut a);
-    let tb = b.handle_gradient(0, c, m2, 1).unwrap().unwrap();
+    let tb = b.handle_gradient(0, c, m2, 1, 1).unwrap().unwrap();
     drain(&mut b);
     b.local_done(tb, &[m1]);
     assert!(matches!(drain(&mut b)[..], [Output::SendGradient { .. }]));
@@ -1180,7 +1234,7 @@ fn gradients_ride_in_answers_only_when_all_go_to_the_requester_and_failures_stil
     let t = task_of(&drain(&mut a));
     a.local_done(t, &[m2]);
     drain(&mut a);
-    let tb = b.handle_gradient(0, c, m2, 1).unwrap().unwrap();
+    let tb = b.handle_gradient(0, c, m2, 1, 1).unwrap().unwrap();
     drain(&mut b);
     b.local_done(tb, &[m1]);
     assert!(matches!(drain(&mut b)[..], [Output::SendGradient { .. }]));
@@ -1196,7 +1250,7 @@ fn gradients_ride_in_answers_only_when_all_go_to_the_requester_and_failures_stil
     let [Output::SendGradient { gradient, .. }] = drain(&mut a)[..] else {
         panic!()
     };
-    let tb = b.handle_gradient(0, c, m2, 1).unwrap().unwrap();
+    let tb = b.handle_gradient(0, c, m2, 1, 1).unwrap().unwrap();
     drain(&mut b);
     b.local_done(tb, &[m1, m3]);
     let out = drain(&mut b);

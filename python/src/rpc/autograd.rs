@@ -76,9 +76,15 @@ const ENGINE_MODULE: &str = "tensorwire.rpc._autograd_engine";
 /// held anyway (by the thread that handed it over: the caller, or the job that served the call
 /// or ran the backward pass). The driver asks for both on a runtime worker; answering from here
 /// spares that worker a wait for the GIL, which the Python thread that just produced the tensor
-/// usually still holds.
+/// usually still holds. A tensor sent, and a gradient received, carry their shape too: the
+/// driver compares a gradient's shape with its tensor's (under its lock) for every gradient a
+/// peer sends.
 #[derive(Clone)]
-pub(crate) struct TorchTensor(Arc<Py<PyAny>>, Option<Arc<(Tensor, bool)>>);
+pub(crate) struct TorchTensor(
+    Arc<Py<PyAny>>,
+    Option<Arc<(Tensor, bool)>>,
+    Option<Arc<[usize]>>,
+);
 
 impl TorchTensor {
     fn bind<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
@@ -87,18 +93,33 @@ impl TorchTensor {
 
     /// The tensor `t`, held as it is.
     fn held(t: Bound<'_, PyAny>) -> TorchTensor {
-        TorchTensor(Arc::new(t.unbind()), None)
+        TorchTensor(Arc::new(t.unbind()), None, None)
     }
 
-    /// The tensor `t`, about to be sent: its wire form taken now. A tensor the wire cannot carry
-    /// is held as it is, so that the driver's own export reports why.
+    /// The tensor `t`, held with its shape taken now.
+    fn shaped(t: Bound<'_, PyAny>) -> TorchTensor {
+        let shape = shape_of(&t);
+        TorchTensor(Arc::new(t.unbind()), None, shape)
+    }
+
+    /// The tensor `t`, about to be sent: its wire form (and shape) taken now. A tensor the wire
+    /// cannot carry is held as it is, so that the driver's own export reports why.
     fn to_send(t: Bound<'_, PyAny>) -> TorchTensor {
         let prepared = export_now(&t)
             .ok()
             .and_then(Result::ok)
             .and_then(|wire| Some((wire, t.getattr("requires_grad").ok()?.extract().ok()?)));
-        TorchTensor(Arc::new(t.unbind()), prepared.map(Arc::new))
+        let shape = shape_of(&t);
+        TorchTensor(Arc::new(t.unbind()), prepared.map(Arc::new), shape)
     }
+}
+
+/// `t.shape` (the logical shape: a sparse tensor's too).
+fn shape_of(t: &Bound<'_, PyAny>) -> Option<Arc<[usize]>> {
+    t.getattr("shape")
+        .and_then(|s| s.extract::<Vec<usize>>())
+        .ok()
+        .map(Into::into)
 }
 
 /// `t`'s wire form: its bytes lent without a copy (the outer error is Python's, the inner one
@@ -232,13 +253,10 @@ impl AutogradEngine for TorchEngine {
     }
 
     fn shape(&self, tensor: &TorchTensor) -> Vec<usize> {
-        Python::attach(|py| {
-            tensor
-                .bind(py)
-                .getattr("shape")
-                .and_then(|s| s.extract::<Vec<usize>>())
-                .unwrap_or_default()
-        })
+        if let Some(shape) = &tensor.2 {
+            return shape.to_vec();
+        }
+        Python::attach(|py| shape_of(tensor.bind(py)).map_or_else(Vec::new, |s| s.to_vec()))
     }
 
     fn import(&self, tensor: &Tensor, requires_grad: bool) -> Result<TorchTensor, EngineError> {
@@ -266,7 +284,7 @@ impl AutogradEngine for TorchEngine {
                     buffer,
                     requires_grad,
                 ))?;
-                Ok(TorchTensor::held(t))
+                Ok(TorchTensor::shaped(t))
             };
             run().map_err(|e| engine_error(py, e))
         })
@@ -433,21 +451,23 @@ fn call_python(
 
 /// Registers the functions Python calls in a context travel through, on `dist`'s agent.
 fn register(dist: &DistAutograd<TorchEngine>) -> Result<(), RpcError> {
-    dist.register(
+    // The runner that serves the call sends its reply: one hand-off (to the runner) per call.
+    dist.register_responding(
         PY_FN,
-        |call, args: TrackedCall, tracked: Vec<TorchTensor>| {
+        |call, args: TrackedCall, tracked: Vec<TorchTensor>, responder| {
             let caller = call.call().caller().name.clone();
             let context = call.context().id();
-            async move {
-                crate::gil::on_python(move |py| {
-                    let run = || {
-                        let out = call_python(py, "serve", caller, context, args, &tracked)?;
-                        tracked_reply(out.bind(py))
-                    };
-                    run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"))
-                })
-                .await?
-            }
+            crate::gil::submit(Box::new(move |py| {
+                let run = || {
+                    let out = call_python(py, "serve", caller, context, args, &tracked)?;
+                    tracked_reply(out.bind(py))
+                };
+                let served =
+                    run().map_err(|e| format!("tensorwire.rpc could not serve the call: {e}"));
+                // Without the GIL: recording the send takes the driver's lock, which is taken
+                // before the GIL (see the module's docs).
+                py.detach(move || responder.send(served));
+            }));
         },
     )?;
     dist.register_remote(

@@ -166,23 +166,29 @@ def export_tensor(t: torch.Tensor) -> tuple:
     return str(prepared.dtype).removeprefix("torch."), tuple(prepared.shape), prepared
 
 
-def _leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _leaves(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any], list[int]]:
     """The leaves that require grad reached from ``outputs`` (an output that is a leaf
-    included), each once, in the order found."""
+    included), each once, in the order found; the ``AccumulateGrad`` node of each; and the
+    outputs that are leaves whose node torch does not give (a sparse leaf: its gradient edge
+    is found through a view, which sparse tensors do not have) and that no other output
+    reaches, by index: their gradient is their seed, taken without a pass."""
     leaves: list[torch.Tensor] = []
+    nodes: list[Any] = []
     seen_leaves: set[int] = set()
     seen_nodes: set[int] = set()
     held: list[Any] = []  # keeps nodes alive, so that their ids stay theirs
     stack: list[Any] = []
 
-    def add_leaf(t: torch.Tensor) -> None:
+    def add_leaf(t: torch.Tensor, node: Any) -> None:
         if id(t) not in seen_leaves:
             seen_leaves.add(id(t))
             leaves.append(t)
+            nodes.append(node)
 
-    for o in outputs:
+    leaf_outputs = []
+    for i, o in enumerate(outputs):
         if o.grad_fn is None:
-            add_leaf(o)
+            leaf_outputs.append(i)
         else:
             stack.append(o.grad_fn)
     while stack:
@@ -193,17 +199,73 @@ def _leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         held.append(node)
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
-            add_leaf(variable)
+            add_leaf(variable, node)
         for nxt, _ in node.next_functions:
             if nxt is not None:
                 stack.append(nxt)
-    return leaves
+    unhooked = []
+    for i in leaf_outputs:
+        o = outputs[i]
+        if id(o) in seen_leaves:
+            continue
+        try:
+            node = torch.autograd.graph.get_gradient_edge(o).node
+        except (RuntimeError, NotImplementedError):
+            unhooked.append(i)
+            continue
+        add_leaf(o, node)
+    return leaves, nodes, unhooked
+
+
+def _captured(
+    outputs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor], nodes: list[Any]
+) -> list[Optional[torch.Tensor]]:
+    """The gradient of each leaf in one pass of torch's engine from ``outputs`` with ``grads``,
+    keeping the graph, each leaf's ``AccumulateGrad`` node run as PyTorch's distributed engine
+    runs it (its ``DistAccumulateGradCaptureHook``): the node's pre hooks first (they may change
+    the gradient), then the gradient is taken for the context, then the node's post hooks; the
+    gradient never lands in ``.grad``.
+
+    The pass runs every leaf's node (``torch.autograd.backward`` with the leaves as inputs, not
+    ``torch.autograd.grad``, which captures the gradients without running the nodes or their
+    hooks). A pre hook added here last, for this pass only, takes the gradient as the user's
+    pre hooks left it and hands the node none, so nothing is accumulated into ``.grad``: the
+    node's post hooks then see ``(None,)`` where PyTorch's hook gives them the gradient. The
+    hook is keyed to this pass on this thread (torch runs a CPU graph on the thread that
+    started it), so a pass on another thread over the same leaves (a parameter server's
+    trainers) is left to its own hooks, and a plain ``loss.backward()`` elsewhere is untouched.
+    So every leaf must be on the CPU (``backward`` captures a pass with a leaf on a device with
+    ``torch.autograd.grad``, without the nodes' hooks).
+    """
+    got: list[Optional[torch.Tensor]] = [None] * len(leaves)
+    token = object()
+
+    def taking(i: int) -> Any:
+        def take(grad_outputs: tuple) -> Optional[tuple]:
+            if getattr(_tls, "capture", None) is not token:
+                return None
+            got[i] = grad_outputs[0]
+            return (None,)
+
+        return take
+
+    handles = [node.register_prehook(taking(i)) for i, node in enumerate(nodes)]
+    previous = getattr(_tls, "capture", None)
+    _tls.capture = token
+    try:
+        torch.autograd.backward(outputs, grads, retain_graph=True, inputs=leaves)
+    finally:
+        _tls.capture = previous
+        for h in handles:
+            h.remove()
+    return got
 
 
 def backward(roots: list, seeds: list) -> list:
     """One local pass from ``roots`` with ``seeds`` (``None``: ones, for a scalar), keeping the
     graph: ``[(leaf, gradient, received)]`` for every leaf it reached, ``received`` true for a
-    leaf that came in a message (its gradient is sent back)."""
+    leaf that came in a message (its gradient is sent back). The leaves' ``AccumulateGrad``
+    hooks run as in PyTorch's distributed engine (``_captured``)."""
     outputs, grads = [], []
     for root, seed in zip(roots, seeds):
         if not root.requires_grad:
@@ -212,10 +274,28 @@ def backward(roots: list, seeds: list) -> list:
         grads.append(torch.ones_like(root) if seed is None else seed)
     if not outputs:
         return []
-    leaves = _leaves(outputs)
+    leaves, nodes, unhooked = _leaves(outputs)
+    seeded: dict[int, Any] = {}
+    for i in unhooked:
+        o = outputs[i]
+        if id(o) in seeded:
+            seeded[id(o)] = (o, seeded[id(o)][1] + grads[i])
+        else:
+            seeded[id(o)] = (o, grads[i])
+    if unhooked:
+        kept = [i for i in range(len(outputs)) if i not in set(unhooked)]
+        outputs, grads = [outputs[i] for i in kept], [grads[i] for i in kept]
     if not leaves:
-        return []
-    got = torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True)
+        got = []
+    elif all(leaf.device.type == "cpu" for leaf in leaves):
+        got = _captured(outputs, grads, leaves, nodes)
+    else:
+        # A leaf on a device: its node runs on that device's autograd thread, where the hook
+        # keyed to this thread would not take its gradient. The gradients are captured
+        # without running the nodes (their hooks do not run).
+        got = list(torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True))
+    leaves = leaves + [o for o, _ in seeded.values()]
+    got = got + [g for _, g in seeded.values()]
     # How many leaves each gradient object reached (``(a + b).sum()`` gives a and b one).
     uses: dict[int, int] = {}
     for g in got:
