@@ -168,6 +168,35 @@ async fn backward_checked(
     );
 }
 
+/// After a forged message: the victim goes on. The context w1 held through it (`kept`, with its
+/// output) runs its backward, the victim makes and runs a fresh context of its own, it holds no
+/// context afterwards; then the hostile worker is let go and every agent shuts down.
+async fn the_victim_goes_on(
+    vdist: &Dist,
+    (kept, kept_out): (
+        tensorwire_dist_autograd::AutogradContext<CandleEngine>,
+        CTensor,
+    ),
+    p0: &CTensor,
+    p1: &CTensor,
+    gate: &Semaphore,
+    agents: Vec<Agent>,
+) {
+    backward_checked(&kept, &kept_out, p1, &param_values(0), "w1 through w0").await;
+    kept.release().await.unwrap();
+    let (again, again_out) = forward(vdist, p0, "w1").await;
+    backward_checked(&again, &again_out, p0, &param_values(1), "w0 again").await;
+    again.release().await.unwrap();
+    wait_until("the victim holds no context", T, || {
+        vdist.context_count() == 0
+    })
+    .await;
+    gate.add_permits(64);
+    for a in agents {
+        a.shutdown(Shutdown::Immediate).await.unwrap();
+    }
+}
+
 /// What the victim holds that a peer can make it hold.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Held {
@@ -951,31 +980,19 @@ async fn run_forged_answer(net: Net, answer: Answer) {
     }
     ctx.release().await.unwrap();
 
-    // The victim goes on: w1's context held through it, and a fresh one of its own.
-    backward_checked(&kept, &kept_out, &p1, &param_values(0), "w1 through w0").await;
-    kept.release().await.unwrap();
-    let (again, again_out) = forward(&vdist, &p0, "w1").await;
-    backward_checked(&again, &again_out, &p0, &param_values(1), "w0 again").await;
-    again.release().await.unwrap();
-    let vdist_ref = vdist.clone();
-    wait_until("the victim holds no context", T, || {
-        vdist_ref.context_count() == 0
-    })
-    .await;
-    gate.add_permits(64);
-    for a in agents {
-        a.shutdown(Shutdown::Immediate).await.unwrap();
-    }
+    the_victim_goes_on(&vdist, (kept, kept_out), &p0, &p1, &gate, agents).await;
 }
 
-macro_rules! answers {
-    ($($name:ident => $answer:ident),* $(,)?) => {
-        mod forged_answer {
+/// One test per case and transport: `forged!(module, runner, Case; test => variant, ...)` makes
+/// `module::{tcp,shm,quic}::test`, each running `runner(Net::.., Case::variant)`.
+macro_rules! forged {
+    ($module:ident, $run:ident, $case:ident; $($name:ident => $variant:ident),* $(,)?) => {
+        mod $module {
             mod tcp {
                 $(
                     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                     async fn $name() {
-                        super::super::forged_answer(super::super::Net::Tcp, super::super::Answer::$answer).await;
+                        super::super::$run(super::super::Net::Tcp, super::super::$case::$variant).await;
                     }
                 )*
             }
@@ -983,7 +1000,7 @@ macro_rules! answers {
                 $(
                     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                     async fn $name() {
-                        super::super::forged_answer(super::super::Net::Shm, super::super::Answer::$answer).await;
+                        super::super::$run(super::super::Net::Shm, super::super::$case::$variant).await;
                     }
                 )*
             }
@@ -991,7 +1008,7 @@ macro_rules! answers {
                 $(
                     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                     async fn $name() {
-                        super::super::forged_answer(super::super::Net::Quic, super::super::Answer::$answer).await;
+                        super::super::$run(super::super::Net::Quic, super::super::$case::$variant).await;
                     }
                 )*
             }
@@ -999,7 +1016,8 @@ macro_rules! answers {
     };
 }
 
-answers! {
+forged! {
+    forged_answer, forged_answer, Answer;
     an_honest_answer_is_taken => Honest,
     gradients_for_a_message_never_sent_drop_it => NeverSent,
     a_gradient_repeated_in_one_answer_drops_it => Repeated,
@@ -1147,55 +1165,11 @@ async fn run_forged_request(net: Net, request: Request) {
     }
     ctx.release().await.unwrap();
 
-    // The victim goes on: w1's context held through it, and a fresh one of its own.
-    backward_checked(&kept, &kept_out, &p1, &param_values(0), "w1 through w0").await;
-    kept.release().await.unwrap();
-    let (again, again_out) = forward(&vdist, &p0, "w1").await;
-    backward_checked(&again, &again_out, &p0, &param_values(1), "w0 again").await;
-    again.release().await.unwrap();
-    let vdist_ref = vdist.clone();
-    wait_until("the victim holds no context", T, || {
-        vdist_ref.context_count() == 0
-    })
-    .await;
-    gate.add_permits(64);
-    for a in agents {
-        a.shutdown(Shutdown::Immediate).await.unwrap();
-    }
+    the_victim_goes_on(&vdist, (kept, kept_out), &p0, &p1, &gate, agents).await;
 }
 
-macro_rules! requests {
-    ($($name:ident => $request:ident),* $(,)?) => {
-        mod forged_request {
-            mod tcp {
-                $(
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                    async fn $name() {
-                        super::super::forged_request(super::super::Net::Tcp, super::super::Request::$request).await;
-                    }
-                )*
-            }
-            mod shm {
-                $(
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                    async fn $name() {
-                        super::super::forged_request(super::super::Net::Shm, super::super::Request::$request).await;
-                    }
-                )*
-            }
-            mod quic {
-                $(
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                    async fn $name() {
-                        super::super::forged_request(super::super::Net::Quic, super::super::Request::$request).await;
-                    }
-                )*
-            }
-        }
-    };
-}
-
-requests! {
+forged! {
+    forged_request, forged_request, Request;
     an_honest_request_runs_the_send_function => Honest,
     fewer_gradients_than_tensors_drop_it => TooFew,
     more_gradients_than_tensors_drop_it => TooMany,
