@@ -273,15 +273,31 @@ impl Reply {
     }
 
     fn answer(&mut self, outcome: Result<Arc<dyn Value>, String>) {
-        if std::mem::replace(&mut self.sent, true) || tokio::runtime::Handle::try_current().is_err()
-        {
+        if std::mem::replace(&mut self.sent, true) {
+            return;
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            // Nothing can be written from here: say so on the callee too, or the caller's
+            // timeout would be the only trace.
+            warn!(
+                caller = %self.agent.name_of(self.token.from()),
+                "a reply was sent from a thread outside the agent's runtime and is lost: the \
+                 caller's call will time out"
+            );
             return;
         }
         let (agent, token, from) = (self.agent.clone(), self.token, self.from);
         let mut task = Box::pin(async move {
             let outcome = match outcome {
                 Ok(value) => reply_body(&agent, &*value, token.from()).await,
-                Err(m) => Err(remote_error(agent.inner.me.id, RemoteErrorKind::Failed, m)),
+                Err(m) => {
+                    // As for a call answered by its task: the callee's operator sees it too.
+                    warn!(
+                        caller = %agent.name_of(token.from()),
+                        "a call failed on this worker: {m}"
+                    );
+                    Err(remote_error(agent.inner.me.id, RemoteErrorKind::Failed, m))
+                }
             };
             agent.lock().node.ep_mut().respond(token, outcome);
             agent.answered(from);
