@@ -15,10 +15,6 @@ from ported_fixture import World
 
 #: Ported tests that fail, and why (strict: one that starts passing fails the run).
 XFAIL: dict[str, str] = {
-    "test_non_cont_tensors": (
-        "tensors travel contiguous: a non-contiguous view arrives as a contiguous tensor "
-        "(PyTorch sends the storage and the strides)"
-    ),
 }
 
 

@@ -26,8 +26,9 @@ What differs from PyTorch, deliberately:
   pickle naming anything else is refused (:class:`RefusedError`) before anything is run.
   ``init_rpc(..., trust_peers=True)`` restores PyTorch's behaviour (any function, any pickle)
   for clusters that trust every member, with a warning.
-- Tensors travel beside the pickle, without a copy for contiguous CPU tensors: do not write a
-  tensor passed to ``rpc_async`` before its future completes. Device maps are validated as
+- Tensors travel beside the pickle, without a copy for contiguous CPU tensors (and for views
+  that read little more than their own bytes, which keep their strides, as in PyTorch): do not
+  write a tensor passed to ``rpc_async`` before its future completes. Device maps are validated as
   PyTorch does (and ``cpu`` to ``cpu`` maps work), but the Python layer carries CPU tensors
   only: a CUDA tensor raises ``RuntimeError``.
 - Remote exceptions are raised at the caller with their type when it is a builtin exception,

@@ -3,8 +3,13 @@ allow-listing unpickler for what peers send.
 
 Tensors are not pickled: each is replaced by a persistent id ``("tensor", index, dtype, shape,
 requires_grad)`` and its bytes travel beside the message (contiguous CPU tensors are sent where
-they lie, without a copy; others are made contiguous first). The receiver rebuilds each tensor
-over the received bytes (``torch.frombuffer``). A sparse COO tensor travels as its two dense
+they lie, without a copy). The receiver rebuilds each tensor over the received bytes
+(``torch.frombuffer``). A non-contiguous view keeps its strides, as in PyTorch's RPC:
+``("strided", span id, shape, strides, requires_grad)``, the span being the stretch of storage
+it reads, sent without a copy when that stretch is small (under ``VIEW_SPAN_BYTES``) or under
+twice the view's bytes (a transpose, a permutation, a narrow of a small tensor); any other view
+travels as a contiguous copy. The receiver checks that the strides read nothing outside the
+span. A sparse COO tensor travels as its two dense
 parts, ``("sparse_coo", indices id, values id, size, coalesced, requires_grad)`` with the parts'
 ids as above, and is rebuilt with torch's invariant checks on (indices within the size, a
 coalesced claim true), so a peer's malformed one is refused (``RefusedError``) before anything
@@ -100,13 +105,39 @@ def check_carried(t: torch.Tensor) -> None:
         )
 
 
-def _prepare(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as it travels: detached, contiguous, on the CPU (dense tensors only)."""
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, with its lazy conjugation and negation applied (dense tensors only)."""
     check_carried(t)
     if t.layout != torch.strided:
         raise ValueError(f"a {t.layout} tensor travels as its parts (sparse_parts)")
-    t = t.detach().resolve_conj().resolve_neg()
+    return t.detach().resolve_conj().resolve_neg()
+
+
+def _prepare(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as it travels: detached, contiguous, on the CPU (dense tensors only)."""
+    t = _resolved(t)
     return t if t.is_contiguous() else t.contiguous()
+
+
+#: A view travels as the span of storage it reads while that span is under this many bytes, or
+#: under twice the view's own bytes (PyTorch's RPC sends a view's whole storage below 8 KiB or
+#: twice the view's bytes, and a copy otherwise; the span is never more than the storage).
+VIEW_SPAN_BYTES = 8 * 1024
+
+
+def _span(t: torch.Tensor) -> int:
+    """How many elements of its storage the non-empty strided tensor ``t`` reads, from its
+    first (torch's strides are never negative)."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def _travels_as_view(t: torch.Tensor) -> bool:
+    """Whether the non-contiguous dense tensor ``t`` travels as a view of its storage's span
+    (its strides kept, no copy at the sender) rather than as a contiguous copy."""
+    if t.numel() == 0:
+        return False
+    span = _span(t)
+    return span * t.element_size() < VIEW_SPAN_BYTES or span < 2 * t.numel()
 
 
 def sparse_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -210,7 +241,14 @@ class _Pickler(pickle.Pickler):
                     tuple(obj.shape), coalesced, requires_grad,
                 )
             else:
-                pid = self._add(_prepare(obj), requires_grad)
+                t = _resolved(obj)
+                if t.is_contiguous():
+                    pid = self._add(t, requires_grad)
+                elif _travels_as_view(t):
+                    span = t.as_strided((_span(t),), (1,), t.storage_offset())
+                    pid = ("strided", self._add(span, False), tuple(t.shape), t.stride(), requires_grad)
+                else:
+                    pid = self._add(t.contiguous(), requires_grad)
             # Keeps `obj` alive, so that its id is not reused by another tensor meanwhile.
             self._held.append(obj)
             self._seen[id(obj)] = pid
@@ -242,6 +280,7 @@ class _Unpickler(pickle.Unpickler):
         self._rref_objects: dict[int, Any] = {}
         self._tensors: dict[int, torch.Tensor] = {}
         self._sparse_tensors: dict[tuple[int, int], torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}
         self._trusted = trusted
         self._origin = origin
 
@@ -276,7 +315,41 @@ class _Unpickler(pickle.Unpickler):
             return self._rref(pid[1])
         if isinstance(pid, tuple) and len(pid) == 6 and pid[0] == "sparse_coo":
             return self._sparse(pid)
+        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "strided":
+            return self._strided(pid)
         return self._dense(pid)
+
+    def _strided(self, pid: tuple) -> torch.Tensor:
+        """A view over a received span of storage, its shape and strides checked to read
+        nothing outside the span."""
+        _, span_id, shape, strides, requires_grad = pid
+        if not (
+            isinstance(span_id, tuple) and len(span_id) == 5 and span_id[4] is False
+            and isinstance(span_id[3], tuple) and len(span_id[3]) == 1
+            and isinstance(shape, tuple) and isinstance(strides, tuple)
+            and len(shape) == len(strides)
+            and all(type(d) is int and 0 <= d < 1 << 63 for d in shape + strides)
+            and type(requires_grad) is bool
+        ):
+            raise RefusedError(f"a malformed tensor view from {self._origin}: {pid!r}")
+        key = (span_id[1], shape, strides, requires_grad)
+        cached = self._views.get(key)
+        if cached is not None:
+            return cached
+        span = self._dense(span_id)
+        if isinstance(self._buffers[span_id[1]], torch.Tensor):
+            raise RefusedError(f"a tensor view from {self._origin} over a tracked tensor: {pid!r}")
+        reads = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+        if reads > span.numel():
+            raise RefusedError(
+                f"a tensor view from {self._origin} of shape {shape} and strides {strides} "
+                f"reads {reads} elements of a span of {span.numel()}"
+            )
+        t = span.as_strided(shape, strides, span.storage_offset())
+        if requires_grad and (t.is_floating_point() or t.is_complex()):
+            t.requires_grad_(True)
+        self._views[key] = t
+        return t
 
     def _sparse(self, pid: tuple) -> torch.Tensor:
         _, indices_id, values_id, size, coalesced, requires_grad = pid
