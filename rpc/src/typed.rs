@@ -46,7 +46,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::context::CallContext;
 use crate::error::RpcError;
@@ -55,51 +55,8 @@ use crate::future::RpcFuture;
 use crate::rref::RRef;
 use crate::state::{Agent, Functions};
 use tensorwire_core::protocol::membership::WorkerRef;
-
-/// The tag in front of a typed call's arguments: "tensorwire typed, version 1".
-const MAGIC: [u8; 4] = *b"twT1";
-
-/// What a typed call sends in front of its arguments.
-#[derive(Serialize, Deserialize)]
-struct TypeHeader<'a> {
-    magic: [u8; 4],
-    fingerprint: u64,
-    #[serde(borrow)]
-    signature: &'a str,
-}
-
-/// A signature and its hash, as a typed call carries it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Signature {
-    text: String,
-    fingerprint: u64,
-}
-
-impl Signature {
-    fn new(text: String) -> Self {
-        // FNV-1a: stable across Rust releases and platforms (std's hasher is not).
-        let fingerprint = text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-        });
-        Self { text, fingerprint }
-    }
-
-    /// The signature as text, e.g. `(i64, i64) -> i64`.
-    pub fn text(&self) -> &str {
-        &self.text
-    }
-
-    /// The 64-bit hash of [`text`](Self::text) a typed call carries.
-    pub fn fingerprint(&self) -> u64 {
-        self.fingerprint
-    }
-}
-
-impl fmt::Display for Signature {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "`{}` (fingerprint {:016x})", self.text, self.fingerprint)
-    }
-}
+pub use tensorwire_core::protocol::typed::Signature;
+use tensorwire_core::protocol::typed::{TypeHeader, TypeMismatch};
 
 /// A function served by name with arguments `A` and result `R`. Make it a `const` shared by
 /// the callers and the callee: `serve` on [`Functions`] registers it, [`Agent::call`] calls it.
@@ -143,7 +100,7 @@ impl<A, R> Copy for Function<A, R> {}
 
 impl<A: 'static, R: 'static> fmt::Debug for Function<A, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Function({:?}: {})", self.name, self.signature().text)
+        write!(f, "Function({:?}: {})", self.name, self.signature().text())
     }
 }
 
@@ -191,20 +148,13 @@ impl<T, A, R> Copy for Method<T, A, R> {}
 
 impl<T: 'static, A: 'static, R: 'static> fmt::Debug for Method<T, A, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Method({:?}: {})", self.name, self.signature().text)
+        write!(f, "Method({:?}: {})", self.name, self.signature().text())
     }
 }
 
 /// The arguments as a typed call sends them: the fingerprint, then `A`.
 fn with_header<'a, A: ?Sized>(signature: &'a Signature, args: &'a A) -> (TypeHeader<'a>, &'a A) {
-    (
-        TypeHeader {
-            magic: MAGIC,
-            fingerprint: signature.fingerprint,
-            signature: &signature.text,
-        },
-        args,
-    )
+    (signature.header(), args)
 }
 
 /// Checks the fingerprint in front of `inv`'s arguments against `ours`, and leaves only the
@@ -214,24 +164,15 @@ fn check_header(
     ours: &Signature,
     inv: &mut Invocation<Agent>,
 ) -> Result<(), HandlerError> {
-    let untyped = || {
-        HandlerError::BadArguments(format!(
-            "{name:?} is a typed function ({ours}) and the call carries no type fingerprint: \
-             call it through its Function descriptor (Agent::call), not by name"
-        ))
-    };
-    let (header, rest) =
-        postcard::take_from_bytes::<TypeHeader<'_>>(&inv.args).map_err(|_| untyped())?;
-    if header.magic != MAGIC {
-        return Err(untyped());
-    }
-    if header.fingerprint != ours.fingerprint || header.signature != ours.text {
-        return Err(HandlerError::BadArguments(format!(
-            "called as `{}` (fingerprint {:016x}), but this worker serves it as {ours}",
-            header.signature, header.fingerprint
-        )));
-    }
-    let start = inv.args.len() - rest.len();
+    let start = ours.check(&inv.args).map_err(|e| {
+        HandlerError::BadArguments(match e {
+            TypeMismatch::Untyped => format!(
+                "{name:?} is a typed function ({ours}) and the call carries no type \
+                 fingerprint: call it through its Function descriptor (Agent::call), not by name"
+            ),
+            other => format!("{other}, but this worker serves it as {ours}"),
+        })
+    })?;
     inv.args = Bytes::slice(&inv.args, start..);
     Ok(())
 }
@@ -345,7 +286,7 @@ impl<A: ?Sized, R> fmt::Debug for Call<'_, A, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Call")
             .field("function", &self.name)
-            .field("signature", &self.signature.text)
+            .field("signature", &self.signature.text())
             .field("to", &self.to)
             .field("timeout", &self.timeout)
             .finish()
@@ -444,7 +385,7 @@ impl<T, A: ?Sized, R> fmt::Debug for MethodCall<'_, T, A, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MethodCall")
             .field("method", &self.name)
-            .field("signature", &self.signature.text)
+            .field("signature", &self.signature.text())
             .field("timeout", &self.timeout)
             .finish()
     }
@@ -546,17 +487,6 @@ mod tests {
         assert!(format!("{s}").contains("(i64, i64) -> i64"));
         let m: Method<String, u8, bool> = Method::new("m");
         assert_eq!(m.signature().text(), "alloc::string::String::(u8) -> bool");
-    }
-
-    #[test]
-    fn the_header_goes_in_front_of_the_arguments() {
-        let sig = ADD.signature();
-        let bytes = postcard::to_allocvec(&with_header(&sig, &(2i64, 3i64))).unwrap();
-        let (header, rest) = postcard::take_from_bytes::<TypeHeader<'_>>(&bytes).unwrap();
-        assert_eq!(header.magic, MAGIC);
-        assert_eq!(header.fingerprint, sig.fingerprint());
-        assert_eq!(header.signature, sig.text());
-        assert_eq!(postcard::from_bytes::<(i64, i64)>(rest).unwrap(), (2, 3));
     }
 
     #[test]

@@ -33,6 +33,7 @@
 //! - [`shutdown`]: the phases of a graceful shutdown and of leaving a dynamic group;
 //! - [`gather`]: barriers and all_gathers of a dynamic group through a leader
 //!   ([`gather::GatherLeader`]).
+//! - [`typed`]: the type fingerprint a typed call sends in front of its arguments, and its check.
 //! - [`mesh`]: the mesh's frames (hellos and their answers, a process group's own frames).
 //! - [`membership`]: joining a static group ([`StaticJoin`]: who dials whom, when the group is
 //!   complete, the closing handshake), and joining and leaving a dynamic one
@@ -91,6 +92,7 @@ mod requests;
 mod rrefs;
 mod secrets;
 pub mod shutdown;
+pub mod typed;
 pub mod value;
 mod violation;
 
