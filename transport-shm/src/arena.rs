@@ -886,7 +886,7 @@ impl Arena {
         ranks: &[usize],
         target: u32,
         bounds: &Bounds<'_>,
-        mut give_up: GiveUp<'_>,
+        give_up: GiveUp<'_>,
     ) -> Result<(), ArenaFailure> {
         let done = |this: &Self| all_reached(ranks, target, |q| this.counter_value(q));
         if done(self) {
@@ -919,6 +919,20 @@ impl Arena {
                 SpinStep::Sleep => break,
             }
         }
+        // Boxed: every collective's future holds its waits, and the port boxes that future at
+        // every call; the sleeping half (a `select!` over the wake-up, the pidfds, the clock and
+        // the caller) is most of a wait's state, so it goes to the heap only when it is needed.
+        Box::pin(self.sleep(ranks, target, bounds, give_up)).await
+    }
+
+    /// The rest of [`Arena::wait`] once its spin budget is spent: sleep, look, decide.
+    async fn sleep(
+        &mut self,
+        ranks: &[usize],
+        target: u32,
+        bounds: &Bounds<'_>,
+        mut give_up: GiveUp<'_>,
+    ) -> Result<(), ArenaFailure> {
         let wait = ArenaWait::new(
             ranks.iter().map(|q| (*q, target)).collect(),
             bounds.deadline,
