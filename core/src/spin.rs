@@ -11,7 +11,9 @@
 //! (the shared-memory ring's wait, the TCP connection's receive). The rules:
 //!
 //! 1. **Poll** ([`SpinStep::Poll`]) for the whole budget while polling paid last time, and never
-//!    when the process may run on one core only (the peer needs that core).
+//!    when the process may run on one core only (the peer needs that core), nor when the
+//!    processes that wait for each other outnumber its CPUs ([`SpinPolicy::for_host`]: a group
+//!    arena's ranks).
 //! 2. Otherwise **yield** ([`SpinStep::Yield`]): hand the core over (`sched_yield`) and look
 //!    again, until the budget is spent. A yield that comes back at once found nothing else to
 //!    run on this core: the peer runs elsewhere, and polling will pay next time. One that took
