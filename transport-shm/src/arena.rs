@@ -921,7 +921,7 @@ impl Arena {
         }
         // Boxed: every collective's future holds its waits, and the port boxes that future at
         // every call; the sleeping half (a `select!` over the wake-up, the pidfds, the clock and
-        // the caller) is most of a wait's state, so it goes to the heap only when it is needed.
+        // the caller) is a large part of a wait's state, so it goes to the heap only when needed.
         Box::pin(self.sleep(ranks, target, bounds, give_up)).await
     }
 
