@@ -384,6 +384,9 @@ impl ProcessGroup for Group {
     /// Runs `op` (through the group arena or the links, from one dispatch) on the caller's
     /// task, as the handle is asked or waited on.
     fn start<'a>(&'a self, op: Op<'a>) -> Started<'a> {
+        if matches!(op, Op::Barrier) && self.barrier_alone_on_arena() {
+            return lazy(Box::pin(self.arena_barrier_alone()));
+        }
         lazy(Box::pin(self.execute(op)))
     }
 

@@ -2289,6 +2289,43 @@ async fn a_world_without_its_arena_leaves_no_key_behind() {
     assert_eq!(fallback, links);
 }
 
+/// Issue 47: a subgroup's arena whose accepting fails (rank 1 never takes part, so rank 0's
+/// listener waits for it until the deadline) leaves no name of it in the store: rank 0 deletes
+/// the key on that path too, and says why the collective failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_accept_deletes_the_arena_name_from_the_store() {
+    let world = 2;
+    let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+    let transport = transport();
+    let options = GroupOptions::new("failed-accept").with_timeout(Duration::from_secs(1));
+    let tasks: Vec<_> = (0..world)
+        .map(|rank| {
+            let (store, transport, options) = (store.clone(), transport.clone(), options.clone());
+            tokio::spawn(Group::connect(store, transport, rank, world, options))
+        })
+        .collect();
+    let mut gs = Vec::new();
+    for t in tasks {
+        gs.push(bounded(t).await.unwrap().unwrap());
+    }
+    assert!(gs.iter().all(Group::uses_arena));
+    let before = store.num_keys().await.unwrap();
+    // Both ranks make the subgroup (no collective: nothing is sent); only rank 0 uses it.
+    let sub = gs[0].new_group(&[0, 1]).unwrap().expect("a member");
+    let _idle = gs[1].new_group(&[0, 1]).unwrap().expect("a member");
+    let key = format!("tensorwire/pg/{}/arena", sub.name());
+    let error = bounded(sub.barrier()).await.unwrap_err();
+    assert!(
+        matches!(error, ProcessGroupError::Setup { rank: 0, .. }),
+        "{error}"
+    );
+    assert!(
+        !store.check(&[key.as_str()]).await.unwrap(),
+        "{key} is still in the store after {error}"
+    );
+    assert_eq!(store.num_keys().await.unwrap(), before);
+}
+
 /// Issue 47: the same collectives through a (tiny, so that every message is chunked) group
 /// arena and through the links give the same results, and a subgroup makes its own arena.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -33,8 +33,10 @@
 //! What a wait decides (whom it still waits for, when to look again, which failure) is core's
 //! [`ArenaWait`]; this module only looks and sleeps. A rank waiting for others' counters polls
 //! them for the spin budget (the shared-memory transport's,
-//! [`ShmConfig::spin`](crate::ShmConfig::spin); yielding instead of polling when the process may
-//! run on one core only; the budget is CPU time, measured on the system's clock), then sleeps
+//! [`ShmConfig::spin`](crate::ShmConfig::spin); the budget is CPU time, measured on the system's
+//! clock) — or, when the group's ranks outnumber the CPUs this process may run on, yields
+//! between looks for that budget (core's [`SpinPolicy::for_host`]: polling would keep the
+//! awaited ranks off the core) — then sleeps
 //! until its eventfd is written (the runtime's reactor waits on it, so the waiting task's thread
 //! goes on running other tasks and no thread of the arena's own is woken in between: a writer
 //! wakes the ranks whose line says they sleep, after each publication), or until the time
@@ -175,9 +177,10 @@ pub fn host_key() -> String {
     )
 }
 
-/// Whether the process may run on one core only (then waiting sides yield, never poll).
-fn one_core() -> bool {
-    std::thread::available_parallelism().map_or(true, |n| n.get() == 1)
+/// The CPUs this process may run on: its affinity mask (`sched_getaffinity`), fewer under a
+/// cgroup's CPU quota (what `available_parallelism` reads); 1 when that cannot be read.
+fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 fn setup(what: &str) -> impl FnOnce(std::fmt::Arguments<'_>) -> ArenaError + '_ {
@@ -518,7 +521,7 @@ impl Arena {
             pids: pids.to_vec(),
             pidfds,
             ended: vec![false; world],
-            spin: SpinPolicy::new(spin, one_core()),
+            spin: SpinPolicy::for_host(world, cpus(), spin),
             woken,
             wakes,
         })
@@ -883,7 +886,7 @@ impl Arena {
         ranks: &[usize],
         target: u32,
         bounds: &Bounds<'_>,
-        mut give_up: GiveUp<'_>,
+        give_up: GiveUp<'_>,
     ) -> Result<(), ArenaFailure> {
         let done = |this: &Self| all_reached(ranks, target, |q| this.counter_value(q));
         if done(self) {
@@ -916,6 +919,20 @@ impl Arena {
                 SpinStep::Sleep => break,
             }
         }
+        // Boxed: every collective's future holds its waits, and the port boxes that future at
+        // every call; the sleeping half (a `select!` over the wake-up, the pidfds, the clock and
+        // the caller) is a large part of a wait's state, so it goes to the heap only when needed.
+        Box::pin(self.sleep(ranks, target, bounds, give_up)).await
+    }
+
+    /// The rest of [`Arena::wait`] once its spin budget is spent: sleep, look, decide.
+    async fn sleep(
+        &mut self,
+        ranks: &[usize],
+        target: u32,
+        bounds: &Bounds<'_>,
+        mut give_up: GiveUp<'_>,
+    ) -> Result<(), ArenaFailure> {
         let wait = ArenaWait::new(
             ranks.iter().map(|q| (*q, target)).collect(),
             bounds.deadline,

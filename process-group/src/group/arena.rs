@@ -302,7 +302,9 @@ impl Group {
         let mut slot = self.inner.arena.lock().await;
         if let ArenaSlot::Pending { pids } = &*slot {
             let pids = pids.clone();
-            *slot = match self.fetch_subgroup_arena(&pids).await {
+            // Boxed: once per subgroup, and its state (a socket, a handshake) would otherwise
+            // be part of every collective's future, which the port boxes at every call.
+            *slot = match Box::pin(self.fetch_subgroup_arena(&pids)).await {
                 Ok(arena) => ArenaSlot::Ready(Box::new(arena), None),
                 Err(e) => ArenaSlot::Failed(e),
             };
