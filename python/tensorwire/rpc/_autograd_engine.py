@@ -229,36 +229,80 @@ def _captured(
     The pass runs every leaf's node (``torch.autograd.backward`` with the leaves as inputs, not
     ``torch.autograd.grad``, which captures the gradients without running the nodes or their
     hooks). A pre hook added here last, for this pass only, takes the gradient as the user's
-    pre hooks left it and hands the node none, so nothing is accumulated into ``.grad``: the
-    node's post hooks then see ``(None,)`` where PyTorch's hook gives them the gradient. The
-    hook is keyed to this pass on this thread (torch runs a CPU graph on the thread that
-    started it), so a pass on another thread over the same leaves (a parameter server's
-    trainers) is left to its own hooks, and a plain ``loss.backward()`` elsewhere is untouched.
-    So every leaf must be on the CPU (``backward`` captures a pass with a leaf on a device with
-    ``torch.autograd.grad``, without the nodes' hooks).
+    pre hooks left it and hands the node none, so nothing is accumulated into ``.grad``. The
+    node's post hooks are then called with ``(None,)``; each is wrapped (:func:`_post_hooks`)
+    so that in this pass it sees the gradient taken instead, as PyTorch's hook gives it
+    (``grad_inputs`` is ``()``, as in PyTorch). The hooks are keyed to this pass on this
+    thread (torch runs a CPU graph on the thread that started it), so a pass on another
+    thread over the same leaves (a parameter server's trainers) is left to its own hooks, and
+    a plain ``loss.backward()`` elsewhere is untouched. So every leaf must be on the CPU
+    (``backward`` captures a pass with a leaf on a device with ``torch.autograd.grad``,
+    without the nodes' hooks).
     """
     got: list[Optional[torch.Tensor]] = [None] * len(leaves)
     token = object()
+    # The gradient each node's post hooks see in this pass, by their dict's id.
+    given: dict[int, torch.Tensor] = {}
+    posts = [_post_hooks(node) for node in nodes]
 
     def taking(i: int) -> Any:
+        hooks = posts[i]
+
         def take(grad_outputs: tuple) -> Optional[tuple]:
             if getattr(_tls, "capture", None) is not token:
                 return None
             got[i] = grad_outputs[0]
+            if hooks:
+                given[id(hooks)] = grad_outputs[0]
             return (None,)
 
         return take
 
     handles = [node.register_prehook(taking(i)) for i, node in enumerate(nodes)]
-    previous = getattr(_tls, "capture", None)
-    _tls.capture = token
+    previous = getattr(_tls, "capture", None), getattr(_tls, "given", None)
+    _tls.capture, _tls.given = token, given
     try:
         torch.autograd.backward(outputs, grads, retain_graph=True, inputs=leaves)
     finally:
-        _tls.capture = previous
+        _tls.capture, _tls.given = previous
         for h in handles:
             h.remove()
     return got
+
+
+def _no_post_hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
+    return None
+
+
+def _post_hooks(node: Any) -> Any:
+    """``node``'s Python post hooks, each wrapped once so that in a pass of :func:`_captured`
+    it sees the gradient the pass took (``_tls.given``) rather than the ``None`` the node ran
+    with; outside such a pass a wrapped hook sees what torch gives it. torch keeps a node's
+    Python post hooks in one dict, which a hook's handle refers to: a hook is added and
+    removed to reach it (which leaves the node an empty dict of hooks if it had none)."""
+    handle = node.register_hook(_no_post_hook)
+    hooks = handle.hooks_dict_ref()
+    handle.remove()
+    if hooks is None:
+        return {}
+    for key, hook in list(hooks.items()):
+        if not getattr(hook, "_tensorwire_given", False):
+            hooks[key] = _given_gradient(hook, id(hooks))
+    return hooks
+
+
+def _given_gradient(hook: Any, key: int) -> Any:
+    """``hook``, a post hook of the node whose hooks' dict has id ``key``, called with the
+    gradient a pass of :func:`_captured` on this thread took for the node, if there is one."""
+
+    def run(grad_inputs: tuple, grad_outputs: tuple) -> Any:
+        given = getattr(_tls, "given", None)
+        if given is not None and key in given:
+            grad_outputs = (given[key],)
+        return hook(grad_inputs, grad_outputs)
+
+    run._tensorwire_given = True  # type: ignore[attr-defined]
+    return run
 
 
 def backward(roots: list, seeds: list) -> list:
