@@ -560,41 +560,66 @@ def _owner_function(function: str) -> Any:
     return fn
 
 
-def owner_call_all(rrefs: Sequence[Any], function: str, args: tuple, timeout: Any = -1.0) -> list:
-    """Runs the owner-side function ``function`` on every one of ``rrefs``' values, on their
-    owners, in parallel, and waits for all: the results in ``rrefs``' order, or the first
-    failure raised once every owner has answered. The calls to other owners are sent first;
-    the values this worker owns are then run on this thread (with the arguments as they are:
-    tensorwire's own functions do not change them) while the other owners run theirs; then
-    one native wait, the GIL released, takes every answer. An owner's failure reads as it
-    would through a call (:func:`tensorwire.rpc._decoded`), the local ones included."""
+class Owners:
+    """References and what a call to all their owners needs of them, taken once: which ones
+    this worker owns, each owner, the native handles of the others and, with ``values``, the
+    values this worker owns (a creation that failed raises here). A caller that calls the
+    same owners again and again (``DistributedOptimizer.step``) keeps one: a call then asks
+    the native side for none of it (``local_value`` is a round trip through the runtime, the
+    GIL released and taken again)."""
+
+    def __init__(self, rrefs: Sequence[Any], values: bool = True):
+        self.rrefs = list(rrefs)
+        self.mine = [r.is_owner() for r in self.rrefs]
+        self.owners = [r.owner() for r in self.rrefs]
+        self.others = [r._native for r, m in zip(self.rrefs, self.mine) if not m]
+        self.values: Optional[dict] = None
+        if values:
+            self.values = {i: r.local_value() for i, r in enumerate(self.rrefs) if self.mine[i]}
+
+    def value(self, i: int) -> Any:
+        """The value of the ``i``-th reference, which this worker owns."""
+        return self.rrefs[i].local_value() if self.values is None else self.values[i]
+
+
+def owner_call_all(rrefs: Any, function: str, args: tuple, timeout: Any = -1.0) -> list:
+    """Runs the owner-side function ``function`` on every one of ``rrefs``' values (a list of
+    references, or :class:`Owners`), on their owners, in parallel, and waits for all: the
+    results in ``rrefs``' order, or the first failure raised once every owner has answered.
+    The calls to other owners are sent first; the values this worker owns are then run on
+    this thread (with the arguments as they are: tensorwire's own functions do not change
+    them) while the other owners run theirs; then one native wait, the GIL released, takes
+    every answer. An owner's failure reads as it would through a call
+    (:func:`tensorwire.rpc._decoded`), the local ones included."""
     from tensorwire import _native, rpc
 
-    mine = [r.is_owner() for r in rrefs]
+    owners = rrefs if isinstance(rrefs, Owners) else Owners(rrefs, values=False)
+    mine = owners.mine
     payload, tensors, _ = _serialize.dumps(tuple(args))
 
     def here() -> list:
         out = []
-        for r, m in zip(rrefs, mine):
+        for i, m in enumerate(mine):
             if m:
                 try:
-                    out.append(rpc._returned(_owner_function(function)(r.local_value(), *args)))
+                    out.append(rpc._returned(_owner_function(function)(owners.value(i), *args)))
                 except Exception as e:  # noqa: BLE001 - its outcome, as the owner's answer carries it
                     out.append(rpc._raised(e))
         return out
 
-    others = [r._native for r, m in zip(rrefs, mine) if not m]
     try:
-        own, theirs = native().owner_call_all(others, function, payload, tensors, rpc._timeout(timeout), here)
+        own, theirs = native().owner_call_all(
+            owners.others, function, payload, tensors, rpc._timeout(timeout), here
+        )
     except _native.TensorwireError as e:
         raise rpc._runtime_error(e) from e
     trusted = rpc._trusted
     results: list = []
     first: Optional[BaseException] = None
     own_it, their_it = iter(own), iter(theirs)
-    for r, m in zip(rrefs, mine):
+    for owner, m in zip(owners.owners, mine):
         try:
-            results.append(rpc._decoded(next(own_it) if m else next(their_it), r.owner(), trusted))
+            results.append(rpc._decoded(next(own_it) if m else next(their_it), owner, trusted))
         except Exception as e:  # noqa: BLE001 - raised below, once all were seen
             results.append(None)
             if first is None:
