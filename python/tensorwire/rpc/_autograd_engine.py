@@ -32,6 +32,8 @@ import threading
 from typing import Any, Optional, Sequence
 
 import torch
+from torch.autograd.graph import _engine_run_backward
+from torch.overrides import has_torch_function
 
 from tensorwire.rpc import _serialize
 from tensorwire.rpc._exposed import RefusedError
@@ -262,12 +264,28 @@ def _captured(
     previous = getattr(_tls, "capture", None), getattr(_tls, "given", None)
     _tls.capture, _tls.given = token, given
     try:
-        torch.autograd.backward(outputs, grads, retain_graph=True, inputs=leaves)
+        _run_backward(outputs, grads, leaves)
     finally:
         _tls.capture, _tls.given = previous
         for h in handles:
             h.remove()
     return got
+
+
+def _run_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+    """``torch.autograd.backward(outputs, grads, retain_graph=True, inputs=inputs)`` without
+    its Python preamble (``_make_grads``, which checks each seed against its root in Python):
+    every seed is a root's ones (``backward``), or a peer's gradient for a tensor this worker
+    sent, whose shape and dtype the native driver checked against that tensor before the pass
+    ran (a mismatch is the peer's violation); torch's engine checks them again as it starts
+    (``validate_outputs`` on the roots). Tensor subclasses that override torch functions go
+    through ``torch.autograd.backward``, as they would."""
+    if has_torch_function(tuple(outputs) + tuple(inputs)):
+        torch.autograd.backward(outputs, grads, retain_graph=True, inputs=inputs)
+        return
+    _engine_run_backward(
+        tuple(outputs), tuple(grads), True, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True
+    )
 
 
 def _no_post_hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
