@@ -112,6 +112,18 @@ impl AutogradEngine for CandleEngine {
         tensor.dims().to_vec()
     }
 
+    fn dtype(&self, tensor: &CTensor) -> Option<DType> {
+        Some(match tensor.dtype() {
+            CDType::U8 => DType::U8,
+            CDType::I64 => DType::I64,
+            CDType::F16 => DType::F16,
+            CDType::BF16 => DType::BF16,
+            CDType::F32 => DType::F32,
+            CDType::F64 => DType::F64,
+            _ => return None,
+        })
+    }
+
     fn import(&self, tensor: &Tensor, requires_grad: bool) -> Result<CTensor, EngineError> {
         let Storage::Host(bytes) = tensor.storage() else {
             return Err(EngineError(format!(

@@ -8,6 +8,7 @@ use std::time::Instant;
 use tensorwire_core::autograd::{ProtocolViolation, Recv};
 use tensorwire_core::capability::Capability;
 use tensorwire_core::protocol::ProtocolViolation as CoreViolation;
+use tensorwire_core::tensor::DType;
 
 /// A send function's message and the seed gradients it runs with.
 type Seeded<E> = (
@@ -754,8 +755,11 @@ impl<E: AutogradEngine> Inner<E> {
 
     /// What does not match between the tensors a message sent and the gradients a peer sent
     /// for them, as the engine sees both (a tensor may travel in another form, a packed sparse
-    /// one say): another count, or a gradient of another shape than its tensor. An honest
-    /// peer computes them against the very tensors it received.
+    /// one say): another count, or a gradient of another shape or element type than its
+    /// tensor. An honest peer computes them against the very tensors it received, which kept
+    /// their type on the wire, and its engine gives a leaf's gradient the leaf's type (torch
+    /// casts every gradient to its input's dtype): a gradient of another type is never an
+    /// honest one, so it is refused rather than cast.
     fn differs(&self, sent: &[E::Tensor], grads: &[Option<E::Tensor>]) -> Option<String> {
         if grads.len() != sent.len() {
             return Some(format!(
@@ -765,9 +769,21 @@ impl<E: AutogradEngine> Inner<E> {
             ));
         }
         grads.iter().zip(sent).enumerate().find_map(|(i, (g, t))| {
-            let (got, want) = (self.engine.shape(g.as_ref()?), self.engine.shape(t));
-            (got != want)
-                .then(|| format!("a gradient of shape {got:?} for tensor {i}, of shape {want:?}"))
+            let g = g.as_ref()?;
+            let (got, want) = (self.engine.shape(g), self.engine.shape(t));
+            if got != want {
+                return Some(format!(
+                    "a gradient of shape {got:?} for tensor {i}, of shape {want:?}"
+                ));
+            }
+            let (got, want) = (self.engine.dtype(g), self.engine.dtype(t));
+            (got != want).then(|| {
+                format!(
+                    "a gradient of {} for tensor {i}, of {}",
+                    type_name(got),
+                    type_name(want)
+                )
+            })
         })
     }
 
@@ -1053,4 +1069,10 @@ fn lost_peer(e: &RpcError) -> Option<WorkerId> {
         } => Some(*peer),
         _ => None,
     }
+}
+
+/// An element type as an error names it (`F32`, or `another type` for one tensorwire's tensors
+/// cannot carry).
+fn type_name(dtype: Option<DType>) -> String {
+    dtype.map_or_else(|| "another type".into(), |d| format!("{d:?}"))
 }

@@ -779,6 +779,9 @@ enum Answer {
     TooMany,
     /// A gradient of shape `[2]` for the message's tensor, of shape `[3]`.
     WrongShape,
+    /// A gradient of the message's tensor's shape but of f64, for a tensor of f32 (an honest
+    /// engine computes a leaf's gradient in the leaf's type).
+    WrongDtype,
 }
 
 /// The victim (w0) calls `hop` on w2 in a context and on w1 in the same context, and runs the
@@ -899,6 +902,13 @@ async fn run_forged_answer(net: Net, answer: Answer) {
                     }],
                     vec![Tensor::from_f32(vec![2], &[1.0, 1.0]).unwrap()],
                 ),
+                Answer::WrongDtype => (
+                    vec![CarriedGradient {
+                        message: to_w2,
+                        grads: vec![Some(0)],
+                    }],
+                    vec![Tensor::from_f64(vec![3], &[0.5, -1.0, 2.0]).unwrap()],
+                ),
             };
             let reply = Header::Reply {
                 id,
@@ -943,6 +953,12 @@ async fn run_forged_answer(net: Net, answer: Answer) {
             context,
             message: to_w2,
             detail: "a gradient of shape [2] for tensor 0, of shape [3]".into(),
+        }),
+        Answer::WrongDtype => Some(AutogradViolation::MismatchedGradients {
+            from: HOSTILE,
+            context,
+            message: to_w2,
+            detail: "a gradient of F64 for tensor 0, of F32".into(),
         }),
     };
     match expected {
@@ -1024,6 +1040,7 @@ forged! {
     gradients_for_a_message_sent_to_another_worker_drop_it => SentToAnother,
     more_gradients_than_tensors_drop_it => TooMany,
     a_gradient_of_another_shape_drops_it => WrongShape,
+    a_gradient_of_another_dtype_drops_it => WrongDtype,
 }
 
 /// A gradient request as the hostile peer forges it: the autograd layer's encoding, with each
@@ -1048,6 +1065,8 @@ enum Request {
     TooMany,
     /// A gradient of shape `[2]` for the message's tensor, of shape `[3]`.
     WrongShape,
+    /// A gradient of the tensor's shape but of f64, for the message's tensor of f32.
+    WrongDtype,
 }
 
 /// The victim (w0) calls `hop` on w2 in a context, with its parameter, and holds a context of
@@ -1056,7 +1075,7 @@ enum Request {
 ///
 /// - an honest request runs the victim's send function: its parameter gets the gradient sent,
 ///   exactly, and the request is answered;
-/// - a forged one (another count, another shape) is refused as w2's violation, naming it
+/// - a forged one (another count, shape or dtype) is refused as w2's violation, naming it
 ///   (`MismatchedGradients`): the victim drops w2, nothing runs, no gradient lands; nothing
 ///   hangs or panics;
 /// - the victim goes on: w1's context held through it runs its backward with the right
@@ -1100,6 +1119,10 @@ async fn run_forged_request(net: Net, request: Request) {
             vec![Some(0)],
             vec![Tensor::from_f32(vec![2], &[1.0, 1.0]).unwrap()],
         ),
+        Request::WrongDtype => (
+            vec![Some(0)],
+            vec![Tensor::from_f64(vec![3], &[0.5, -1.0, 2.0]).unwrap()],
+        ),
     };
     let forged = ForgedGradientRequest {
         context: ctx.id(),
@@ -1133,6 +1156,7 @@ async fn run_forged_request(net: Net, request: Request) {
         Request::WrongShape => Some(mismatched(
             "a gradient of shape [2] for tensor 0, of shape [3]",
         )),
+        Request::WrongDtype => Some(mismatched("a gradient of F64 for tensor 0, of F32")),
     };
     match expected {
         None => {
@@ -1174,4 +1198,5 @@ forged! {
     fewer_gradients_than_tensors_drop_it => TooFew,
     more_gradients_than_tensors_drop_it => TooMany,
     a_gradient_of_another_shape_drops_it => WrongShape,
+    a_gradient_of_another_dtype_drops_it => WrongDtype,
 }

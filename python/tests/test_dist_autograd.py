@@ -212,16 +212,21 @@ def leaf_hooks(rank: int, world: int) -> None:
         # As PyTorch's dist engine runs them (DistAccumulateGradCaptureHook): the pre hooks
         # change the gradient the context keeps, the post hooks run after it is taken.
         node.register_prehook(lambda grads: (grads[0] * 3,))
-        node.register_hook(lambda grad_inputs, grad_outputs: seen.append(len(grad_inputs)))
+        node.register_hook(lambda grad_inputs, grad_outputs: seen.append((grad_inputs, grad_outputs)))
         tensor_hooks = []
         x.register_hook(lambda g: tensor_hooks.append(g.shape) or g)
         with dist_autograd.context() as cid:
             loss = rpc.rpc_sync("worker1", stage, args=(x,)).sum()
             dist_autograd.backward(cid, [loss], retain_graph=True)
-            assert seen == [0] and tensor_hooks == [(3, 4)], (seen, tensor_hooks)
+            assert len(seen) == 1 and tensor_hooks == [(3, 4)], (seen, tensor_hooks)
             got = dist_autograd.get_gradients(cid)[x]
             local = torch.autograd.grad(torch.tanh(x @ params_of(1)).sum(), [x])[0]
             torch.testing.assert_close(got, 3 * local)
+            # The post hook saw no outputs and the gradient taken, as the pre hook left it
+            # (PyTorch's hook calls it with those).
+            grad_inputs, grad_outputs = seen[0]
+            assert grad_inputs == () and len(grad_outputs) == 1, seen
+            torch.testing.assert_close(grad_outputs[0], got, rtol=0, atol=0)
             # Nothing lands in .grad, here or on the callee (whose weight's node the send
             # function's pass ran too).
             assert x.grad is None

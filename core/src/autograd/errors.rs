@@ -269,9 +269,11 @@ pub enum ProtocolViolation {
         message: AutogradMessageId,
     },
     /// Gradients for a message that do not match its tensors: another count than the
-    /// message carried, or a gradient of another shape than its tensor. An honest worker
-    /// computes them against the very tensors it received. (The state machine does not hold
-    /// tensors: the driver, which does, finds this.)
+    /// message carried, or a gradient of another shape or element type than its tensor. An
+    /// honest worker computes them against the very tensors it received, which kept their
+    /// type on the wire, and its engine gives a leaf's gradient the leaf's type (torch casts
+    /// every gradient to its input's dtype), so another type is refused, not cast. (The state
+    /// machine does not hold tensors: the driver, which does, finds this.)
     #[error("worker {from} sent gradients for {message} in {context} that do not match its tensors: {detail}")]
     MismatchedGradients {
         /// The sender.

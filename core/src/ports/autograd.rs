@@ -14,7 +14,9 @@
 //! - say whether a tensor requires grad, whether an operation computed it, and what its shape
 //!   is, so that the roots of a backward pass are checked before anything runs
 //!   ([`requires_grad`](AutogradEngine::requires_grad),
-//!   [`has_grad_fn`](AutogradEngine::has_grad_fn), [`shape`](AutogradEngine::shape)).
+//!   [`has_grad_fn`](AutogradEngine::has_grad_fn), [`shape`](AutogradEngine::shape)), and its
+//!   element type, so that a peer's gradient of another shape or type than its tensor is
+//!   refused ([`dtype`](AutogradEngine::dtype)).
 //!
 //! The adapter is `tensorwire-autograd-candle` (candle's autodiff; burn's backward consumes its
 //! graph, so a send function could not run twice).
@@ -22,7 +24,7 @@
 use std::fmt::Debug;
 use std::hash::Hash;
 
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// An engine operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -59,6 +61,13 @@ pub trait AutogradEngine: Send + Sync + 'static {
     /// The shape of `tensor` (roots without a seed must be scalars; a seed has its root's
     /// shape).
     fn shape(&self, tensor: &Self::Tensor) -> Vec<usize>;
+
+    /// The element type of `tensor` (a sparse tensor's: its values'), `None` for one that
+    /// tensorwire's tensors cannot carry. A gradient a peer sends for a tensor must have that
+    /// tensor's shape and element type (the driver refuses another as the peer's violation):
+    /// an engine computes a leaf's gradient in the leaf's own type (torch casts every gradient
+    /// to its input's dtype), and a received tensor keeps its type on the wire.
+    fn dtype(&self, tensor: &Self::Tensor) -> Option<DType>;
 
     /// A host tensor as an engine tensor; with `requires_grad`, a leaf whose gradient a
     /// backward pass computes. Fails for element types or devices the engine cannot hold.

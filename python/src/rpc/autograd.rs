@@ -76,15 +76,22 @@ const ENGINE_MODULE: &str = "tensorwire.rpc._autograd_engine";
 /// held anyway (by the thread that handed it over: the caller, or the job that served the call
 /// or ran the backward pass). The driver asks for both on a runtime worker; answering from here
 /// spares that worker a wait for the GIL, which the Python thread that just produced the tensor
-/// usually still holds. A tensor sent, and a gradient received, carry their shape too: the
-/// driver compares a gradient's shape with its tensor's (under its lock) for every gradient a
-/// peer sends.
+/// usually still holds. A tensor sent, and a gradient received, carry their shape and dtype
+/// too: the driver compares a gradient's with its tensor's (under its lock) for every gradient
+/// a peer sends.
 #[derive(Clone)]
 pub(crate) struct TorchTensor(
     Arc<Py<PyAny>>,
     Option<Arc<(Tensor, bool)>>,
-    Option<Arc<[usize]>>,
+    Option<Arc<Meta>>,
 );
+
+/// A tensor's logical shape and dtype (a sparse one's: its size and its values' dtype; `None`
+/// for a dtype tensorwire's tensors cannot carry).
+pub(crate) struct Meta {
+    shape: Vec<usize>,
+    dtype: Option<DType>,
+}
 
 impl TorchTensor {
     fn bind<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
@@ -96,10 +103,10 @@ impl TorchTensor {
         TorchTensor(Arc::new(t.unbind()), None, None)
     }
 
-    /// The tensor `t`, held with its shape taken now.
+    /// The tensor `t`, held with its shape and dtype taken now.
     fn shaped(t: Bound<'_, PyAny>) -> TorchTensor {
-        let shape = shape_of(&t);
-        TorchTensor(Arc::new(t.unbind()), None, shape)
+        let meta = meta_of(&t);
+        TorchTensor(Arc::new(t.unbind()), None, meta)
     }
 
     /// The tensor `t`, about to be sent: its wire form (and shape) taken now. A tensor the wire
@@ -109,17 +116,27 @@ impl TorchTensor {
             .ok()
             .and_then(Result::ok)
             .and_then(|wire| Some((wire, t.getattr("requires_grad").ok()?.extract().ok()?)));
-        let shape = shape_of(&t);
-        TorchTensor(Arc::new(t.unbind()), prepared.map(Arc::new), shape)
+        let meta = meta_of(&t);
+        TorchTensor(Arc::new(t.unbind()), prepared.map(Arc::new), meta)
     }
 }
 
-/// `t.shape` (the logical shape: a sparse tensor's too).
-fn shape_of(t: &Bound<'_, PyAny>) -> Option<Arc<[usize]>> {
-    t.getattr("shape")
+/// `t.shape` and `t.dtype` (the logical ones: a sparse tensor's too).
+fn meta_of(t: &Bound<'_, PyAny>) -> Option<Arc<Meta>> {
+    let shape = t
+        .getattr("shape")
         .and_then(|s| s.extract::<Vec<usize>>())
-        .ok()
-        .map(Into::into)
+        .ok()?;
+    Some(Arc::new(Meta {
+        shape,
+        dtype: dtype_attr(t),
+    }))
+}
+
+/// `t.dtype`, for the dtypes tensorwire's tensors carry.
+fn dtype_attr(t: &Bound<'_, PyAny>) -> Option<DType> {
+    let name = t.getattr("dtype").ok()?.str().ok()?;
+    dtype_of(name.to_str().ok()?.strip_prefix("torch.")?)
 }
 
 /// `t`'s wire form: its bytes lent without a copy (the outer error is Python's, the inner one
@@ -253,10 +270,17 @@ impl AutogradEngine for TorchEngine {
     }
 
     fn shape(&self, tensor: &TorchTensor) -> Vec<usize> {
-        if let Some(shape) = &tensor.2 {
-            return shape.to_vec();
+        if let Some(meta) = &tensor.2 {
+            return meta.shape.clone();
         }
-        Python::attach(|py| shape_of(tensor.bind(py)).map_or_else(Vec::new, |s| s.to_vec()))
+        Python::attach(|py| meta_of(tensor.bind(py)).map_or_else(Vec::new, |m| m.shape.clone()))
+    }
+
+    fn dtype(&self, tensor: &TorchTensor) -> Option<DType> {
+        if let Some(meta) = &tensor.2 {
+            return meta.dtype;
+        }
+        Python::attach(|py| dtype_attr(tensor.bind(py)))
     }
 
     fn import(&self, tensor: &Tensor, requires_grad: bool) -> Result<TorchTensor, EngineError> {

@@ -32,6 +32,8 @@ import threading
 from typing import Any, Optional, Sequence
 
 import torch
+from torch.autograd.graph import _engine_run_backward
+from torch.overrides import has_torch_function
 
 from tensorwire.rpc import _serialize
 from tensorwire.rpc._exposed import RefusedError
@@ -229,36 +231,96 @@ def _captured(
     The pass runs every leaf's node (``torch.autograd.backward`` with the leaves as inputs, not
     ``torch.autograd.grad``, which captures the gradients without running the nodes or their
     hooks). A pre hook added here last, for this pass only, takes the gradient as the user's
-    pre hooks left it and hands the node none, so nothing is accumulated into ``.grad``: the
-    node's post hooks then see ``(None,)`` where PyTorch's hook gives them the gradient. The
-    hook is keyed to this pass on this thread (torch runs a CPU graph on the thread that
-    started it), so a pass on another thread over the same leaves (a parameter server's
-    trainers) is left to its own hooks, and a plain ``loss.backward()`` elsewhere is untouched.
-    So every leaf must be on the CPU (``backward`` captures a pass with a leaf on a device with
-    ``torch.autograd.grad``, without the nodes' hooks).
+    pre hooks left it and hands the node none, so nothing is accumulated into ``.grad``. The
+    node's post hooks are then called with ``(None,)``; each is wrapped (:func:`_post_hooks`)
+    so that in this pass it sees the gradient taken instead, as PyTorch's hook gives it
+    (``grad_inputs`` is ``()``, as in PyTorch). The hooks are keyed to this pass on this
+    thread (torch runs a CPU graph on the thread that started it), so a pass on another
+    thread over the same leaves (a parameter server's trainers) is left to its own hooks, and
+    a plain ``loss.backward()`` elsewhere is untouched. So every leaf must be on the CPU
+    (``backward`` captures a pass with a leaf on a device with ``torch.autograd.grad``,
+    without the nodes' hooks).
     """
     got: list[Optional[torch.Tensor]] = [None] * len(leaves)
     token = object()
+    # The gradient each node's post hooks see in this pass, by their dict's id.
+    given: dict[int, torch.Tensor] = {}
+    posts = [_post_hooks(node) for node in nodes]
 
     def taking(i: int) -> Any:
+        hooks = posts[i]
+
         def take(grad_outputs: tuple) -> Optional[tuple]:
             if getattr(_tls, "capture", None) is not token:
                 return None
             got[i] = grad_outputs[0]
+            if hooks:
+                given[id(hooks)] = grad_outputs[0]
             return (None,)
 
         return take
 
     handles = [node.register_prehook(taking(i)) for i, node in enumerate(nodes)]
-    previous = getattr(_tls, "capture", None)
-    _tls.capture = token
+    previous = getattr(_tls, "capture", None), getattr(_tls, "given", None)
+    _tls.capture, _tls.given = token, given
     try:
-        torch.autograd.backward(outputs, grads, retain_graph=True, inputs=leaves)
+        _run_backward(outputs, grads, leaves)
     finally:
-        _tls.capture = previous
+        _tls.capture, _tls.given = previous
         for h in handles:
             h.remove()
     return got
+
+
+def _run_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+    """``torch.autograd.backward(outputs, grads, retain_graph=True, inputs=inputs)`` without
+    its Python preamble (``_make_grads``, which checks each seed against its root in Python):
+    every seed is a root's ones (``backward``), or a peer's gradient for a tensor this worker
+    sent, whose shape and dtype the native driver checked against that tensor before the pass
+    ran (a mismatch is the peer's violation); torch's engine checks them again as it starts
+    (``validate_outputs`` on the roots). Tensor subclasses that override torch functions go
+    through ``torch.autograd.backward``, as they would."""
+    if has_torch_function(tuple(outputs) + tuple(inputs)):
+        torch.autograd.backward(outputs, grads, retain_graph=True, inputs=inputs)
+        return
+    _engine_run_backward(
+        tuple(outputs), tuple(grads), True, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True
+    )
+
+
+def _no_post_hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
+    return None
+
+
+def _post_hooks(node: Any) -> Any:
+    """``node``'s Python post hooks, each wrapped once so that in a pass of :func:`_captured`
+    it sees the gradient the pass took (``_tls.given``) rather than the ``None`` the node ran
+    with; outside such a pass a wrapped hook sees what torch gives it. torch keeps a node's
+    Python post hooks in one dict, which a hook's handle refers to: a hook is added and
+    removed to reach it (which leaves the node an empty dict of hooks if it had none)."""
+    handle = node.register_hook(_no_post_hook)
+    hooks = handle.hooks_dict_ref()
+    handle.remove()
+    if hooks is None:
+        return {}
+    for key, hook in list(hooks.items()):
+        if not getattr(hook, "_tensorwire_given", False):
+            hooks[key] = _given_gradient(hook, id(hooks))
+    return hooks
+
+
+def _given_gradient(hook: Any, key: int) -> Any:
+    """``hook``, a post hook of the node whose hooks' dict has id ``key``, called with the
+    gradient a pass of :func:`_captured` on this thread took for the node, if there is one."""
+
+    def run(grad_inputs: tuple, grad_outputs: tuple) -> Any:
+        given = getattr(_tls, "given", None)
+        if given is not None and key in given:
+            grad_outputs = (given[key],)
+        return hook(grad_inputs, grad_outputs)
+
+    run._tensorwire_given = True  # type: ignore[attr-defined]
+    return run
 
 
 def backward(roots: list, seeds: list) -> list:
@@ -516,41 +578,66 @@ def _owner_function(function: str) -> Any:
     return fn
 
 
-def owner_call_all(rrefs: Sequence[Any], function: str, args: tuple, timeout: Any = -1.0) -> list:
-    """Runs the owner-side function ``function`` on every one of ``rrefs``' values, on their
-    owners, in parallel, and waits for all: the results in ``rrefs``' order, or the first
-    failure raised once every owner has answered. The calls to other owners are sent first;
-    the values this worker owns are then run on this thread (with the arguments as they are:
-    tensorwire's own functions do not change them) while the other owners run theirs; then
-    one native wait, the GIL released, takes every answer. An owner's failure reads as it
-    would through a call (:func:`tensorwire.rpc._decoded`), the local ones included."""
+class Owners:
+    """References and what a call to all their owners needs of them, taken once: which ones
+    this worker owns, each owner, the native handles of the others and, with ``values``, the
+    values this worker owns (a creation that failed raises here). A caller that calls the
+    same owners again and again (``DistributedOptimizer.step``) keeps one: a call then asks
+    the native side for none of it (``local_value`` is a round trip through the runtime, the
+    GIL released and taken again)."""
+
+    def __init__(self, rrefs: Sequence[Any], values: bool = True):
+        self.rrefs = list(rrefs)
+        self.mine = [r.is_owner() for r in self.rrefs]
+        self.owners = [r.owner() for r in self.rrefs]
+        self.others = [r._native for r, m in zip(self.rrefs, self.mine) if not m]
+        self.values: Optional[dict] = None
+        if values:
+            self.values = {i: r.local_value() for i, r in enumerate(self.rrefs) if self.mine[i]}
+
+    def value(self, i: int) -> Any:
+        """The value of the ``i``-th reference, which this worker owns."""
+        return self.rrefs[i].local_value() if self.values is None else self.values[i]
+
+
+def owner_call_all(rrefs: Any, function: str, args: tuple, timeout: Any = -1.0) -> list:
+    """Runs the owner-side function ``function`` on every one of ``rrefs``' values (a list of
+    references, or :class:`Owners`), on their owners, in parallel, and waits for all: the
+    results in ``rrefs``' order, or the first failure raised once every owner has answered.
+    The calls to other owners are sent first; the values this worker owns are then run on
+    this thread (with the arguments as they are: tensorwire's own functions do not change
+    them) while the other owners run theirs; then one native wait, the GIL released, takes
+    every answer. An owner's failure reads as it would through a call
+    (:func:`tensorwire.rpc._decoded`), the local ones included."""
     from tensorwire import _native, rpc
 
-    mine = [r.is_owner() for r in rrefs]
+    owners = rrefs if isinstance(rrefs, Owners) else Owners(rrefs, values=False)
+    mine = owners.mine
     payload, tensors, _ = _serialize.dumps(tuple(args))
 
     def here() -> list:
         out = []
-        for r, m in zip(rrefs, mine):
+        for i, m in enumerate(mine):
             if m:
                 try:
-                    out.append(rpc._returned(_owner_function(function)(r.local_value(), *args)))
+                    out.append(rpc._returned(_owner_function(function)(owners.value(i), *args)))
                 except Exception as e:  # noqa: BLE001 - its outcome, as the owner's answer carries it
                     out.append(rpc._raised(e))
         return out
 
-    others = [r._native for r, m in zip(rrefs, mine) if not m]
     try:
-        own, theirs = native().owner_call_all(others, function, payload, tensors, rpc._timeout(timeout), here)
+        own, theirs = native().owner_call_all(
+            owners.others, function, payload, tensors, rpc._timeout(timeout), here
+        )
     except _native.TensorwireError as e:
         raise rpc._runtime_error(e) from e
     trusted = rpc._trusted
     results: list = []
     first: Optional[BaseException] = None
     own_it, their_it = iter(own), iter(theirs)
-    for r, m in zip(rrefs, mine):
+    for owner, m in zip(owners.owners, mine):
         try:
-            results.append(rpc._decoded(next(own_it) if m else next(their_it), r.owner(), trusted))
+            results.append(rpc._decoded(next(own_it) if m else next(their_it), owner, trusted))
         except Exception as e:  # noqa: BLE001 - raised below, once all were seen
             results.append(None)
             if first is None:

@@ -25,6 +25,11 @@ another's context by guessing its id), each peer may make this worker hold a bou
 contexts, and a worker that is lost drops every context it took part in on every survivor at
 once: a backward running in one fails naming it, and nothing waits for it.
 
+A gradient a peer sends must match the tensor it is for: the same shape and dtype (a worker
+that sends one of another dtype is dropped as misbehaved, as for another shape). torch's
+engine casts every gradient to its input's dtype, and a tensor keeps its dtype on the wire, so
+an honest peer's gradient always has the dtype of the tensor this worker sent; none is cast.
+
 Sparse COO tensors are supported as in PyTorch's TensorPipe agent: as arguments and results,
 tracked or not, and as gradients, which a context sums by torch's ``AccumulateGrad`` rules
 (sparse and sparse stay sparse, sparse and dense make a dense gradient). What a peer sends is

@@ -162,10 +162,13 @@ class DistributedOptimizer:
             for owner, refs in by_owner.items()
         ]
         _wait_all([_autograd_engine.owner_call_async(r, "optim.ready", ()) for r in self._locals])
+        # The owners and the local optimizers this worker owns, taken once (each lives as
+        # long as its reference, which this object holds too): a step asks for none of them.
+        self._owners = _autograd_engine.Owners(self._locals)
 
     def step(self, context_id: int) -> None:
         """Steps every owner's optimizer with the gradients of ``context_id``, in parallel;
         raises the first owner's exception once all have answered."""
         # One wait for every owner's answer; this worker's own optimizer (if any) steps on this
         # thread meanwhile (PyTorch's calls itself for it).
-        _autograd_engine.owner_call_all(self._locals, "optim.step", (int(context_id),))
+        _autograd_engine.owner_call_all(self._owners, "optim.step", (int(context_id),))

@@ -88,6 +88,9 @@ impl AutogradEngine for Engine {
     fn shape(&self, t: &CTensor) -> Vec<usize> {
         self.inner.shape(t)
     }
+    fn dtype(&self, t: &CTensor) -> Option<tensorwire_core::tensor::DType> {
+        self.inner.dtype(t)
+    }
     fn import(&self, t: &Tensor, requires_grad: bool) -> Result<CTensor, EngineError> {
         self.inner.import(t, requires_grad)
     }
