@@ -110,6 +110,9 @@ pub(crate) struct TcpConnection {
     /// Non-blocking `recv`s made while polling, and those that found bytes (for tests).
     polls: AtomicU64,
     polls_found: AtomicU64,
+    /// Whether the frame `recv` returned last left nothing in the read buffer
+    /// (`Connection::received_all`).
+    received_all: AtomicBool,
 }
 
 impl std::fmt::Debug for TcpConnection {
@@ -150,6 +153,7 @@ impl TcpConnection {
             epoch: Instant::now(),
             polls: AtomicU64::new(0),
             polls_found: AtomicU64::new(0),
+            received_all: AtomicBool::new(false),
         }
     }
 
@@ -310,6 +314,10 @@ impl Connection for TcpConnection {
         "tcp"
     }
 
+    fn received_all(&self) -> bool {
+        self.received_all.load(Ordering::Relaxed)
+    }
+
     fn check_peer_name(&self, _name: &str) -> Result<(), IdentityError> {
         // The cluster secret authenticates membership, not a name.
         Ok(())
@@ -423,6 +431,7 @@ impl Connection for TcpConnection {
                     r.frame_deadline = None;
                     // Complete: its holder counts it now.
                     r.recharge(0).ok();
+                    self.received_all.store(r.buf.is_empty(), Ordering::Relaxed);
                     return Ok(frame);
                 }
                 Ok(None) => {}
