@@ -38,7 +38,7 @@
 //! assert_eq!(budget.held(2).total(), 50);
 //! ```
 
-use std::collections::HashMap;
+use crate::hashing::{HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -181,7 +181,7 @@ pub struct Ledger {
     /// Frames queued for a peer, unread, from which its requests are held.
     hold_mark: usize,
     /// The peers whose requests are held now.
-    holding: std::collections::HashSet<u32>,
+    holding: HashSet<u32>,
     /// Peers whose requests were held and may run again, not yet taken by
     /// [`take_resumed`](Self::take_resumed).
     resumed: Vec<u32>,
@@ -197,12 +197,12 @@ impl Ledger {
     pub fn new(budget: usize) -> Self {
         Ledger {
             budget,
-            peers: HashMap::new(),
-            peaks: HashMap::new(),
+            peers: HashMap::default(),
+            peaks: HashMap::default(),
             hold_mark: (budget / HOLD_REQUESTS_FRACTION).max(1),
-            holding: std::collections::HashSet::new(),
+            holding: HashSet::default(),
             resumed: Vec::new(),
-            running: HashMap::new(),
+            running: HashMap::default(),
             running_cap: RUNNING_PER_PEER,
         }
     }

@@ -16,6 +16,7 @@
 //! - [`codec`]: the postcard formats of core's messages and records, read in one place
 //!   ([`Undecodable`](codec::Undecodable) names the format that did not parse).
 //! - [`wire`]: the frame format: fixed prefix, postcard frame header, raw payloads; bounded decoder.
+//! - [`hashing`]: the maps on the per-message path (std's, with a faster seeded hasher).
 //! - [`budget`]: one memory budget per peer, which every byte a peer can make a worker hold
 //!   draws from.
 //! - [`identity`]: what a peer's credentials prove (membership, or a certified rank), and
@@ -41,6 +42,7 @@ pub mod codec;
 pub mod collective;
 pub mod device;
 pub mod devices_sim;
+pub mod hashing;
 pub mod identity;
 pub mod ipc;
 pub mod name;

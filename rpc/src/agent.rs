@@ -7,10 +7,10 @@
 //! and its end in `shutdown`.
 
 use std::any::Any;
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
+use tensorwire_core::hashing::HashMap;
 
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
@@ -112,12 +112,12 @@ impl Agent {
                     ),
                 ),
                 dyn_state: crate::state::DynState::default(),
-                gathers_waiting: HashMap::new(),
-                waiters: HashMap::new(),
-                values: HashMap::new(),
-                peers: HashMap::new(),
+                gathers_waiting: HashMap::default(),
+                waiters: HashMap::default(),
+                values: HashMap::default(),
+                peers: HashMap::default(),
                 driver_wakes_at: None,
-                confirm_waits: HashMap::new(),
+                confirm_waits: HashMap::default(),
                 shutdown_waiter: None,
             }),
             wake: Notify::new(),

@@ -40,7 +40,8 @@ pub(crate) fn attach(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection>) {
             };
             match received {
                 Ok(frame) => {
-                    if let Err(violation) = on_frame(&agent, peer, frame, cheap_sends) {
+                    let direct = cheap_sends || conn.received_all();
+                    if let Err(violation) = on_frame(&agent, peer, frame, direct) {
                         peer_lost_on(
                             &agent,
                             peer,
@@ -64,7 +65,8 @@ pub(crate) fn attach(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection>) {
 /// Hands a received frame to the endpoint. A frame that breaks the protocol is an error:
 /// the connection to that peer is dropped (its calls fail naming it), never a silent loss.
 ///
-/// With `direct` (a connection whose sends are cheap, see `Connection::cheap_sends`), what
+/// With `direct` (a connection whose sends are cheap, or one that holds no further frame
+/// of the same read: see `Connection::cheap_sends` and `Connection::received_all`), what
 /// handling it produced is written on the reader's task, before it waits for the next
 /// frame (see [`pump_now`](Self::pump_now)); else it goes through the writers, which batch
 /// it with the replies to the other frames of the same read.

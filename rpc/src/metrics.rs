@@ -27,10 +27,12 @@
 //! # }
 //! ```
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
 use std::fmt;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
+use tensorwire_core::hashing::HashMap;
 
 use tensorwire_core::protocol::{MessageId, WorkerId};
 use tensorwire_core::tensor::Tensor;
@@ -172,7 +174,7 @@ impl AgentMetrics {
     pub(crate) fn new(worker: &str) -> Self {
         Self {
             worker: worker.to_owned(),
-            peers: RwLock::new(HashMap::new()),
+            peers: RwLock::new(HashMap::default()),
         }
     }
 

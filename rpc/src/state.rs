@@ -3,9 +3,9 @@
 //! one lock), and the rest of the agent (`Inner`).
 
 use std::any::Any;
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+use tensorwire_core::hashing::HashMap;
 
 use bytes::Bytes;
 use tensorwire_core::device::DeviceMaps;

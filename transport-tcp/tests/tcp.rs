@@ -205,6 +205,36 @@ async fn oversized_send_is_refused_locally() -> Result<()> {
     Ok(())
 }
 
+/// `received_all` says whether the frame `recv` returned left anything in the read buffer:
+/// two frames sent in one vectored write arrive in one read, so the first leaves the second
+/// behind (the agent then lets its reply wait to be batched) and the second leaves nothing
+/// (its reply is written at once).
+#[tokio::test]
+async fn received_all_says_whether_a_frame_of_the_same_read_waits() -> Result<()> {
+    let t = with_secret("s");
+    let listener = t.listen(localhost()).await?;
+    let (c, s) =
+        within(async { tokio::join!(t.connect(listener.local_addr()), listener.accept()) }).await?;
+    let (c, s) = (c?, s?);
+    ensure!(!s.received_all(), "nothing received yet");
+    c.send_many(vec![
+        Frame::message(&b"one"[..], vec![]),
+        Frame::message(&b"two"[..], vec![Bytes::from_static(b"payload")]),
+    ])
+    .await?;
+    ensure!(&within(s.recv()).await??.header[..] == b"one");
+    ensure!(
+        !s.received_all(),
+        "the second frame of the read is still buffered"
+    );
+    ensure!(&within(s.recv()).await??.header[..] == b"two");
+    ensure!(s.received_all(), "nothing is left after the second frame");
+    c.send(Frame::message(&b"three"[..], vec![])).await?;
+    ensure!(&within(s.recv()).await??.header[..] == b"three");
+    ensure!(s.received_all());
+    Ok(())
+}
+
 /// A send cancelled half-way through a frame (its future dropped) leaves no half frame for a
 /// later send to follow: later sends fail, and the peer sees the frame cut off, never garbage.
 #[tokio::test]

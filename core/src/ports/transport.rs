@@ -86,6 +86,16 @@ pub trait Connection: Send + Sync {
         false
     }
 
+    /// Whether the frame [`recv`](Self::recv) returned last was all this connection had
+    /// received: nothing more, whole or in part, waits in its buffer. A driver then sends the
+    /// reply to that frame as soon as it is ready, as with [`cheap_sends`](Self::cheap_sends):
+    /// no reply to a later frame of the same read could join it in one write, and handing it
+    /// to a writer task would cost a wake-up and a turn of the runtime per message. `false`
+    /// unless the adapter says otherwise (replies are then batched).
+    fn received_all(&self) -> bool {
+        false
+    }
+
     /// From now on, the frame being received on this connection draws from `account` (the
     /// peer's memory budget, see [`crate::budget`]) as its bytes arrive, and gives them back
     /// once it is complete (its holder then counts it) or dropped; a frame whose bytes the

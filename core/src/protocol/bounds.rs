@@ -130,7 +130,7 @@ impl<B: Payload> Endpoint<B> {
     /// Whether the per-peer counts of references agree with the fork records (tests).
     #[cfg(test)]
     pub(crate) fn reference_counts_agree(&self) -> bool {
-        let mut counted: HashMap<WorkerId, usize> = HashMap::new();
+        let mut counted: HashMap<WorkerId, usize> = HashMap::default();
         for o in self.owned.values() {
             for &(_, holder) in &o.forks {
                 if holder != self.me {
@@ -220,7 +220,7 @@ impl<B: Payload> Endpoint<B> {
     /// the records they count (tests).
     #[cfg(test)]
     pub(crate) fn pending_counts_agree(&self) -> bool {
-        let mut placeholders: HashMap<WorkerId, usize> = HashMap::new();
+        let mut placeholders: HashMap<WorkerId, usize> = HashMap::default();
         let mut parked = ParkedCounts::default();
         for o in self.owned.values() {
             if let Some(peer) = o.placeholder_of {

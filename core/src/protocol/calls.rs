@@ -210,7 +210,7 @@ impl<B: Payload> Endpoint<B> {
                     parent: None,
                     confirmed: false,
                     handles: 1,
-                    pending_children: HashSet::new(),
+                    pending_children: HashSet::default(),
                     void: false,
                     creation_error: None,
                     secret,

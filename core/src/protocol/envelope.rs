@@ -10,6 +10,9 @@ use super::{Header, MalformedMessage, MethodTarget, ProtocolViolation, RRefForkD
 use crate::codec::{self, Format};
 use crate::tensor::TensorMeta;
 
+/// The capacity a message header is encoded into (most are smaller; a larger one grows).
+const ENCODE_CAPACITY: usize = 128;
+
 /// The header of every agent frame: the protocol header and, for methods, the reference whose
 /// value the function is called on with the caller's fork of it (the owner runs the method
 /// only for a holder of that fork).
@@ -52,7 +55,9 @@ impl Envelope {
     /// postcard's, which its serializer into a `Vec` gives only for types it cannot size; the
     /// envelope's fields are all sized, so a caller may treat one as a bug to log.
     pub fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
-        postcard::to_allocvec(self)
+        // Room for a call's or a reply's header at once: grown from empty, the buffer was
+        // reallocated three or four times per message.
+        postcard::to_extend(self, Vec::with_capacity(ENCODE_CAPACITY))
     }
 
     /// Parses a frame's message header; what does not parse is a

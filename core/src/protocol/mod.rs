@@ -72,7 +72,9 @@
 //!   first on the same link); anything else is a [`ProtocolViolation::NotAHolder`]. Reads on
 //!   the owner itself need no check.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
+
+use crate::hashing::{HashMap, HashSet};
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -936,32 +938,32 @@ impl<B: Payload> Endpoint<B> {
         Self {
             me,
             budget: crate::budget::Budget::new(config.peer_budget),
-            records_charged: HashMap::new(),
+            records_charged: HashMap::default(),
             config,
             state: RunState::Running,
             next_id: 0,
             first_id: 0,
-            pending: HashMap::new(),
+            pending: HashMap::default(),
             timers: BTreeSet::new(),
-            unacked: HashMap::new(),
-            unacked_to: HashMap::new(),
+            unacked: HashMap::default(),
+            unacked_to: HashMap::default(),
             incoming: Serving::default(),
-            holds: HashMap::new(),
+            holds: HashMap::default(),
             owned: OwnedRecords::default(),
-            references: HashMap::new(),
-            used: HashMap::new(),
-            children: HashMap::new(),
-            seen_control: HashMap::new(),
-            placeholders: HashMap::new(),
+            references: HashMap::default(),
+            used: HashMap::default(),
+            children: HashMap::default(),
+            seen_control: HashMap::default(),
+            placeholders: HashMap::default(),
             parked: bounds::ParkedCounts::default(),
             transmits: VecDeque::new(),
-            held: HashMap::new(),
-            deferred: HashMap::new(),
+            held: HashMap::default(),
+            deferred: HashMap::default(),
             failed: VecDeque::new(),
-            created_upto: HashMap::new(),
-            lost: HashMap::new(),
-            parked_calls: HashMap::new(),
-            confirm_waits: HashMap::new(),
+            created_upto: HashMap::default(),
+            lost: HashMap::default(),
+            parked_calls: HashMap::default(),
+            confirm_waits: HashMap::default(),
             next_wait: 0,
             shutdown: shutdown::ShutdownState::default(),
             last_now: None,

@@ -296,7 +296,7 @@ impl<B: Payload> Endpoint<B> {
                 parent: (!from_owner).then_some(data.parent),
                 confirmed: from_owner,
                 handles: 1,
-                pending_children: HashSet::new(),
+                pending_children: HashSet::default(),
                 void: false,
                 creation_error: None,
                 secret: data.secret,

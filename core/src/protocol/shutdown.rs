@@ -48,7 +48,9 @@
 //! outstanding here and the references it passed on are confirmed by their owners, and is
 //! done; the others are not waited for (the membership protocol removes it from them).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+use crate::hashing::HashMap;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -378,7 +380,7 @@ impl<B: Payload> Endpoint<B> {
                     if self.fail_if_member_lost(phase) {
                         return;
                     }
-                    if !self.missing_reports().is_empty() {
+                    if self.waits_for_reports() {
                         return;
                     }
                     if self.round_agrees() {
@@ -444,20 +446,26 @@ impl<B: Payload> Endpoint<B> {
 
     /// The members whose report of the round we wait for has not come.
     fn missing_reports(&self) -> Vec<WorkerId> {
-        let Some(s) = self.shutdown.ours.as_ref() else {
-            return Vec::new();
-        };
-        let round = s.reports.round();
-        s.members
-            .iter()
-            .copied()
-            .filter(|m| {
+        self.members_not_reported().collect()
+    }
+
+    /// Whether a member has not reported this round yet (`missing_reports` without the
+    /// list: asked after every message while a shutdown waits).
+    fn waits_for_reports(&self) -> bool {
+        self.members_not_reported().next().is_some()
+    }
+
+    fn members_not_reported(&self) -> impl Iterator<Item = WorkerId> + '_ {
+        let ours = self.shutdown.ours.as_ref();
+        let round = ours.map(|s| s.reports.round());
+        ours.into_iter()
+            .flat_map(|s| s.members.iter().copied())
+            .filter(move |m| {
                 self.shutdown
                     .heard
                     .get(m)
-                    .is_none_or(|r| r.activity_in(round).is_none())
+                    .is_none_or(|r| round.is_some_and(|round| r.activity_in(round).is_none()))
             })
-            .collect()
     }
 
     /// At the deadline, a shutdown not yet complete fails naming who it waits for.

@@ -297,11 +297,27 @@ impl FrameDecoder {
                         return Ok(None);
                     }
                     let prefix = parse_prefix(buf, &self.limits)?;
-                    self.state = State::Table {
-                        prefix,
-                        // Validated against max_frame_header_len above.
-                        buf: Vec::with_capacity(prefix.table_len as usize),
-                    };
+                    // Validated against max_frame_header_len above.
+                    let table_len = prefix.table_len as usize;
+                    if src.len() >= table_len {
+                        // The whole frame header has arrived (the usual case): parsed where
+                        // it lies, with no buffer of its own.
+                        let segments = parse_table(&src[..table_len], &prefix, &self.limits)?;
+                        src.advance(table_len);
+                        self.state = State::Body {
+                            prefix,
+                            done: Vec::with_capacity(segments.len()),
+                            segments,
+                            current: None,
+                            pooled: false,
+                            received: 0,
+                        };
+                    } else {
+                        self.state = State::Table {
+                            prefix,
+                            buf: Vec::with_capacity(table_len),
+                        };
+                    }
                 }
                 State::Table { prefix, buf } => {
                     let n = (prefix.table_len as usize - buf.len()).min(src.len());
@@ -329,6 +345,25 @@ impl FrameDecoder {
                     received,
                     prefix,
                 } => {
+                    if current.is_none() && done.len() + 1 < segments.len() {
+                        // Small segments that have all arrived (a call's message header and
+                        // its arguments) share one copy: one allocation instead of one each.
+                        let rest = &segments[done.len()..];
+                        // The lengths add up to at most the body's (checked in parse_table).
+                        let total = usize::try_from(rest.iter().sum::<u64>()).unwrap_or(usize::MAX);
+                        if total <= COPY_SEGMENT_MAX && total <= src.len() {
+                            let all = Bytes::copy_from_slice(&src[..total]);
+                            src.advance(total);
+                            let mut at = 0;
+                            for &len in rest {
+                                // Each at most `total`, a usize.
+                                let len = len as usize;
+                                done.push(all.slice(at..at + len));
+                                at += len;
+                            }
+                            *received += total as u64;
+                        }
+                    }
                     while done.len() < segments.len() {
                         // Segment lengths are bounded by max_frame_len, which the caller chose
                         // to be addressable; saturate rather than wrap on 32-bit targets.

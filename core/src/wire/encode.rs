@@ -4,7 +4,7 @@ use std::io::IoSlice;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use super::{Frame, FrameHeader, WireError, WireLimits, MAGIC, PREFIX_LEN, VERSION};
+use super::{Frame, WireError, WireLimits, MAGIC, PREFIX_LEN, VERSION};
 
 /// Encodes the preamble of `frame`: the fixed prefix and the frame header.
 ///
@@ -19,14 +19,16 @@ pub fn encode_preamble(frame: &Frame, limits: &WireLimits) -> Result<Bytes, Wire
             max: limits.max_message_header_len,
         });
     }
-    let table = FrameHeader {
-        message_len,
-        payload_lens: frame.payloads.iter().map(|p| p.len() as u64).collect(),
-    };
-    let table = postcard::to_allocvec(&table).map_err(|e| WireError::MalformedHeader {
-        reason: format!("could not encode the frame header: {e}"),
-    })?;
-    let table_len = table.len() as u64;
+    // The frame header (`FrameHeader` in postcard: varints of the message length, the number
+    // of payloads and each payload's length), written in place: no list of lengths and no
+    // buffer of its own on every frame sent.
+    let table_len = (varint_len(message_len)
+        + varint_len(frame.payloads.len() as u64)
+        + frame
+            .payloads
+            .iter()
+            .map(|p| varint_len(p.len() as u64))
+            .sum::<usize>()) as u64;
     if table_len > u64::from(limits.max_frame_header_len) {
         return Err(WireError::FrameHeaderTooLarge {
             len: table_len,
@@ -40,16 +42,34 @@ pub fn encode_preamble(frame: &Frame, limits: &WireLimits) -> Result<Bytes, Wire
             max: limits.max_frame_len,
         });
     }
-    let mut out = BytesMut::with_capacity(PREFIX_LEN + table.len());
+    // Fits: table_len <= max_frame_header_len, a u32.
+    let mut out = BytesMut::with_capacity(PREFIX_LEN + table_len as usize);
     out.put_slice(&MAGIC);
     out.put_u8(VERSION);
     out.put_u8(frame.kind.to_wire());
     out.put_u16_le(0);
-    // Fits: table_len <= max_frame_header_len, a u32.
     out.put_u32_le(table_len as u32);
     out.put_u64_le(body_len);
-    out.put_slice(&table);
+    put_varint(&mut out, message_len);
+    put_varint(&mut out, frame.payloads.len() as u64);
+    for p in &frame.payloads {
+        put_varint(&mut out, p.len() as u64);
+    }
     Ok(out.freeze())
+}
+
+/// The bytes of `v` as a postcard varint (LEB128: seven bits a byte, low bits first).
+fn varint_len(v: u64) -> usize {
+    (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
+}
+
+/// Writes `v` as a postcard varint ([`varint_len`] bytes).
+pub(super) fn put_varint(out: &mut BytesMut, mut v: u64) {
+    while v >= 0x80 {
+        out.put_u8((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.put_u8(v as u8);
 }
 
 /// Encodes a whole frame into one contiguous buffer. This copies the payloads; transports use

@@ -504,3 +504,48 @@ fn a_held_small_frame_leaves_the_read_buffer_unshared() {
     assert!(in_buffer(buf.as_ptr()), "the read buffer was reallocated");
     assert_eq!(held, small);
 }
+
+/// The preamble writes the frame header itself: the bytes postcard writes for `FrameHeader`,
+/// for lengths at every varint width.
+#[test]
+fn the_preamble_holds_the_frame_header_postcard_writes() {
+    let widths = [0u64, 1, 127, 128, 16_383, 16_384, 1 << 21, (1 << 35) + 3];
+    for (i, &message_len) in widths.iter().enumerate() {
+        for count in [0usize, 1, 3, 130] {
+            let payload_lens: Vec<u64> = (0..count).map(|j| widths[(i + j) % 4] % 200).collect();
+            let frame = Frame {
+                kind: FrameKind::Message,
+                header: Bytes::from(vec![7u8; (message_len % 300) as usize]),
+                payloads: payload_lens
+                    .iter()
+                    .map(|&n| Bytes::from(vec![1u8; n as usize]))
+                    .collect(),
+            };
+            let expected = postcard::to_allocvec(&FrameHeader {
+                message_len: frame.header.len() as u64,
+                payload_lens,
+            })
+            .unwrap();
+            let preamble = encode_preamble(&frame, &WireLimits::default()).unwrap();
+            assert_eq!(&preamble[PREFIX_LEN..], &expected[..]);
+            let table_len = u32::from_le_bytes(preamble[8..12].try_into().unwrap());
+            assert_eq!(table_len as usize, expected.len());
+            let (back, used) = decode_frame(
+                &encode_to_vec(&frame, &WireLimits::default()).unwrap(),
+                &WireLimits::default(),
+            )
+            .unwrap();
+            assert_eq!(back, frame);
+            assert_eq!(
+                used as u64,
+                PREFIX_LEN as u64 + table_len as u64 + frame.content_len()
+            );
+        }
+    }
+    // Past one byte of varint on its own (the message header is at most the limit above).
+    for v in [u64::MAX, 1 << 63, (1 << 56) - 1, 1 << 56, 300] {
+        let mut out = BytesMut::new();
+        super::encode::put_varint(&mut out, v);
+        assert_eq!(&out[..], &postcard::to_allocvec(&v).unwrap()[..], "{v}");
+    }
+}

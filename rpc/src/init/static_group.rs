@@ -159,7 +159,13 @@ impl FrameSink for AgentFrames {
     ) -> Result<(), String> {
         let agent = &self.0;
         let peer = peer as WorkerId;
-        crate::driver::on_frame(agent, peer, frame, conn.cheap_sends()).map_err(|violation| {
+        crate::driver::on_frame(
+            agent,
+            peer,
+            frame,
+            conn.cheap_sends() || conn.received_all(),
+        )
+        .map_err(|violation| {
             let reason = format!("broke the RPC protocol: {violation}");
             links::peer_lost_on(
                 agent,
