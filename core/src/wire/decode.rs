@@ -134,6 +134,20 @@ enum State {
     Failed(WireError),
 }
 
+impl State {
+    /// The state that reads the body of a frame whose header is parsed.
+    fn body(prefix: Prefix, segments: Vec<u64>) -> Self {
+        State::Body {
+            prefix,
+            done: Vec::with_capacity(segments.len()),
+            segments,
+            current: None,
+            pooled: false,
+            received: 0,
+        }
+    }
+}
+
 /// An incremental, bounded frame decoder (sans-IO).
 ///
 /// Feed it what arrives with [`decode`](Self::decode); it returns each frame once complete.
@@ -304,14 +318,7 @@ impl FrameDecoder {
                         // it lies, with no buffer of its own.
                         let segments = parse_table(&src[..table_len], &prefix, &self.limits)?;
                         src.advance(table_len);
-                        self.state = State::Body {
-                            prefix,
-                            done: Vec::with_capacity(segments.len()),
-                            segments,
-                            current: None,
-                            pooled: false,
-                            received: 0,
-                        };
+                        self.state = State::body(prefix, segments);
                     } else {
                         self.state = State::Table {
                             prefix,
@@ -328,14 +335,7 @@ impl FrameDecoder {
                     }
                     let prefix = *prefix;
                     let segments = parse_table(buf, &prefix, &self.limits)?;
-                    self.state = State::Body {
-                        prefix,
-                        done: Vec::with_capacity(segments.len()),
-                        segments,
-                        current: None,
-                        pooled: false,
-                        received: 0,
-                    };
+                    self.state = State::body(prefix, segments);
                 }
                 State::Body {
                     segments,
