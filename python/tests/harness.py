@@ -3,7 +3,9 @@ fork server that imported torch once: see ``process_context``)."""
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import socket
 import sys
 import tempfile
@@ -35,6 +37,19 @@ def process_context():
         _CONTEXT = mp.get_context("forkserver")
         _CONTEXT.set_forkserver_preload(["torch"])
     return _CONTEXT
+
+
+def forged_call(pid) -> bytes:
+    """The pickled ``(args, kwargs)`` of a call whose one argument is the persistent id ``pid``,
+    made by hand as a hostile peer would (for ``tensorwire.rpc._call_raw``)."""
+
+    class Forger(pickle.Pickler):
+        def persistent_id(self, obj):
+            return pid if obj == "t" else None
+
+    buf = io.BytesIO()
+    Forger(buf, protocol=5).dump((("t",), {}))
+    return buf.getvalue()
 
 
 def free_port() -> int:

@@ -11,15 +11,13 @@ sparse dist_autograd tests are in ``test_dist_autograd_ported.py``."""
 
 from __future__ import annotations
 
-import io
-import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tensorwire.rpc as rpc
-from harness import run_world
+from harness import forged_call, run_world
 from tensorwire.rpc import _autograd_engine, dist_autograd
 from tensorwire.rpc.optim import DistributedOptimizer
 
@@ -89,16 +87,6 @@ def _sparse_pid(indices_at: int, indices_shape, values_at: int, values_shape, si
         ("tensor", values_at, "float32", tuple(values_shape), False),
         tuple(size), coalesced, False,
     )
-
-
-def _payload(pid) -> bytes:
-    class Forger(pickle.Pickler):
-        def persistent_id(self, obj):
-            return pid if obj == "t" else None
-
-    buf = io.BytesIO()
-    Forger(buf, protocol=5).dump((("t",), {}))
-    return buf.getvalue()
 
 
 def arguments(rank: int, world: int) -> None:
@@ -236,7 +224,7 @@ def hostile(rank: int, world: int) -> None:
         }
         for pid, tensors, message in forged.values():
             with pytest.raises(rpc.RefusedError, match=f"malformed sparse tensor.* from worker0: .*{message}"):
-                rpc._call_raw(victim, "test_rpc_sparse.echo", _payload(pid), tensors).wait()
+                rpc._call_raw(victim, "test_rpc_sparse.echo", forged_call(pid), tensors).wait()
 
         # A tracked tensor whose packed bytes lie: this (hostile) worker's engine exports it
         # forged; the victim refuses it before its function runs.

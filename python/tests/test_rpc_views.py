@@ -7,14 +7,12 @@ buffer) are refused with ``RefusedError`` naming the sender, while the victim go
 
 from __future__ import annotations
 
-import io
-import pickle
 
 import pytest
 import torch
 
 import tensorwire.rpc as rpc
-from harness import run_world
+from harness import forged_call, run_world
 from tensorwire.rpc import _serialize
 
 
@@ -27,16 +25,6 @@ def echo(x):
 def layout_of(t):
     """How the tensor arrived, as plain values."""
     return tuple(t.shape), t.stride(), t.is_contiguous(), t.requires_grad
-
-
-def _payload(pid) -> bytes:
-    class Forger(pickle.Pickler):
-        def persistent_id(self, obj):
-            return pid if obj == "t" else None
-
-    buf = io.BytesIO()
-    Forger(buf, protocol=5).dump((("t",), {}))
-    return buf.getvalue()
 
 
 def _span_pid(index: int, n: int, requires_grad: bool = False) -> tuple:
@@ -90,11 +78,11 @@ def views(rank: int, world: int) -> None:
         }
         for what, (pid, message) in forged.items():
             with pytest.raises(rpc.RefusedError, match=message) as refused:
-                rpc._call_raw(peer, "test_rpc_views.echo", _payload(pid), [span]).wait()
+                rpc._call_raw(peer, "test_rpc_views.echo", forged_call(pid), [span]).wait()
             assert "from worker0" in str(refused.value), what
         # An honest view built by hand through the same call is served.
         honest = ("strided", _span_pid(0, 10), (3, 3), (3, 1), False)
-        got = rpc._call_raw(peer, "test_rpc_views.echo", _payload(honest), [span]).wait()
+        got = rpc._call_raw(peer, "test_rpc_views.echo", forged_call(honest), [span]).wait()
         assert torch.equal(got, span[:9].view(3, 3))
         assert torch.equal(rpc.rpc_sync(peer, echo, args=(kept["a transpose"],)), kept["a transpose"])
     rpc.shutdown()
