@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import functools
 import io
 import os
@@ -238,9 +239,13 @@ def _worker(rank: int, conn: Any, module_name: str, env: dict) -> None:
             elif wants_rpc:
                 # What a fresh group would have (a test may have changed it).
                 rpc._set_rpc_timeout(test.rpc_backend_options.rpc_timeout)
+            # A body that hangs prints every thread's Python stack before the world is
+            # restarted under it (pytest shows it with the failure).
+            faulthandler.dump_traceback_later(max(TEST_DEADLINE_S - 5, 1), exit=False)
             try:
                 method()
             finally:
+                faulthandler.cancel_dump_traceback_later()
                 if not getattr(method, "clean_shutdown", True) and _rpc_up():
                     # PyTorch's dist_init(clean_shutdown=False): no barrier with the others.
                     rpc.shutdown(graceful=False)

@@ -6,6 +6,9 @@ distributed optimizer against the local one."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -244,6 +247,53 @@ def weight_grad_is_none() -> bool:
 
 def test_leaf_hooks_run_as_in_pytorchs_dist_engine_and_nothing_lands_in_grad():
     run_world(leaf_hooks, 2)
+
+
+
+# Four threads run local passes from one leaf at once, as the handlers of two gradients that
+# come back for one sent tensor do. In a process of its own: torch 2.15 deadlocked this with
+# the GIL held (the engine's binding, given the leaf itself, took its autograd lock with the
+# GIL held, while another pass's view of the leaf held that lock and waited for the GIL), and
+# nothing in this process could then have stopped it.
+_CONCURRENT_PASSES = textwrap.dedent(
+    """
+    import threading, torch
+    from tensorwire.rpc import _autograd_engine as engine
+
+    t = torch.rand(3, requires_grad=True)
+    t._tensorwire_received = True
+    errors = []
+
+    def passes():
+        try:
+            for i in range(300):
+                g = torch.full((3,), float(i))
+                [(leaf, got, received)] = engine.backward([t], [g])
+                assert leaf is t and received and torch.equal(got, g), (got, g)
+        except BaseException as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=passes) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert t.grad is None
+    print("passes done")
+    """
+)
+
+
+def test_concurrent_passes_from_one_leaf_do_not_deadlock():
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _CONCURRENT_PASSES], capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("concurrent local passes from one leaf deadlocked (no end within 120 s)")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "passes done"
 
 
 _finished = threading.Event()

@@ -32,7 +32,7 @@ import threading
 from typing import Any, Optional, Sequence
 
 import torch
-from torch.autograd.graph import _engine_run_backward
+from torch.autograd.graph import GradientEdge, _engine_run_backward
 from torch.overrides import has_torch_function
 
 from tensorwire.rpc import _serialize
@@ -264,7 +264,7 @@ def _captured(
     previous = getattr(_tls, "capture", None), getattr(_tls, "given", None)
     _tls.capture, _tls.given = token, given
     try:
-        _run_backward(outputs, grads, leaves)
+        _run_backward(outputs, grads, leaves, nodes)
     finally:
         _tls.capture, _tls.given = previous
         for h in handles:
@@ -272,20 +272,40 @@ def _captured(
     return got
 
 
-def _run_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+def _run_backward(
+    outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor], nodes: list[Any]
+) -> None:
     """``torch.autograd.backward(outputs, grads, retain_graph=True, inputs=inputs)`` without
     its Python preamble (``_make_grads``, which checks each seed against its root in Python):
     every seed is a root's ones (``backward``), or a peer's gradient for a tensor this worker
     sent, whose shape and dtype the native driver checked against that tensor before the pass
     ran (a mismatch is the peer's violation); torch's engine checks them again as it starts
     (``validate_outputs`` on the roots). Tensor subclasses that override torch functions go
-    through ``torch.autograd.backward``, as they would."""
+    through ``torch.autograd.backward``, as they would.
+
+    ``nodes[i]`` is the ``AccumulateGrad`` node of leaf ``inputs[i]``: the leaves (and the
+    roots that are leaves) are handed to the engine as their gradient edges (:func:`_edges`)."""
     if has_torch_function(tuple(outputs) + tuple(inputs)):
         torch.autograd.backward(outputs, grads, retain_graph=True, inputs=inputs)
         return
-    _engine_run_backward(
-        tuple(outputs), tuple(grads), True, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True
+    roots, edges = _edges(outputs, inputs, nodes)
+    _engine_run_backward(roots, tuple(grads), True, False, edges, allow_unreachable=True, accumulate_grad=True)
+
+
+def _edges(outputs: list[torch.Tensor], leaves: list[torch.Tensor], nodes: list[Any]) -> tuple[tuple, tuple]:
+    """``outputs`` with each leaf among them replaced by its gradient edge, and the edges of
+    ``leaves`` (``nodes[i]`` is the ``AccumulateGrad`` node of ``leaves[i]``).
+
+    torch's engine binding finds a leaf tensor's edge while it holds the GIL, under the leaf's
+    autograd lock, and an op on the same leaf on another thread (the GIL released) may hold
+    that lock while it waits for the GIL to reach the node's Python object (torch 2.15's
+    ``weak_intrusive_ptr<Node>::lock``): two handlers running passes over one received tensor
+    at once deadlocked that way. An edge given as such is used as it is, under no lock."""
+    node_of = {id(leaf): node for leaf, node in zip(leaves, nodes)}
+    roots = tuple(
+        GradientEdge(node_of[id(o)], 0) if o.grad_fn is None and id(o) in node_of else o for o in outputs
     )
+    return roots, tuple(GradientEdge(node, 0) for node in nodes)
 
 
 def _no_post_hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
@@ -355,7 +375,8 @@ def backward(roots: list, seeds: list) -> list:
         # A leaf on a device: its node runs on that device's autograd thread, where the hook
         # keyed to this thread would not take its gradient. The gradients are captured
         # without running the nodes (their hooks do not run).
-        got = list(torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True))
+        roots, edges = _edges(outputs, leaves, nodes)
+        got = list(torch.autograd.grad(roots, edges, grads, retain_graph=True, allow_unused=True))
     leaves = leaves + [o for o, _ in seeded.values()]
     got = got + [g for _, g in seeded.values()]
     # How many leaves each gradient object reached (``(a + b).sum()`` gives a and b one).
