@@ -227,6 +227,30 @@ impl DeviceMap {
     }
 }
 
+/// Why entries cannot be added to a device map ([`DeviceMaps::add`]): PyTorch's
+/// `set_device_map` rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceMapChange {
+    /// The entry changes the target of a source mapped earlier.
+    #[error("{from} is already mapped to {old}, not {new}")]
+    Remapped {
+        /// The source device.
+        from: Device,
+        /// Its target so far.
+        old: Device,
+        /// The target asked for.
+        new: Device,
+    },
+    /// The entry gives a target a second source.
+    #[error("{target} is already the target of {other}; maps must be one-to-one")]
+    SharedTarget {
+        /// The target device.
+        target: Device,
+        /// The source already mapped to it.
+        other: Device,
+    },
+}
+
 impl FromIterator<(Device, Device)> for DeviceMap {
     fn from_iter<I: IntoIterator<Item = (Device, Device)>>(iter: I) -> Self {
         Self {
@@ -319,6 +343,29 @@ impl DeviceMaps {
     }
 }
 
+impl DeviceMaps {
+    /// Adds `entries` to the map for `to`, as PyTorch's `set_device_map`: incremental (an
+    /// entry already there is kept), one-to-one, and an entry that changes an earlier one is
+    /// refused. Refused, nothing changes.
+    ///
+    /// # Errors
+    /// [`DeviceMapChange`]: which entry, and which rule it breaks.
+    pub fn add(&mut self, to: &str, entries: &[(Device, Device)]) -> Result<(), DeviceMapChange> {
+        let mut merged = self.get(to).cloned().unwrap_or_default();
+        for &(from, new) in entries {
+            if let Some(old) = merged.get(from).filter(|old| *old != new) {
+                return Err(DeviceMapChange::Remapped { from, old, new });
+            }
+            if let Some((other, _)) = merged.iter().find(|&(o, t)| t == new && o != from) {
+                return Err(DeviceMapChange::SharedTarget { target: new, other });
+            }
+            merged.insert(from, new);
+        }
+        self.insert(to, merged);
+        Ok(())
+    }
+}
+
 impl FromIterator<(String, DeviceMap)> for DeviceMaps {
     fn from_iter<I: IntoIterator<Item = (String, DeviceMap)>>(iter: I) -> Self {
         Self {
@@ -389,6 +436,42 @@ where
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn device_map_entries_are_added_incrementally_and_one_to_one() {
+        let (c0, c1, c2) = (Device::Cuda(0), Device::Cuda(1), Device::Cuda(2));
+        let mut maps = DeviceMaps::new();
+        maps.add("ps", &[(c0, c1)]).unwrap();
+        maps.add("ps", &[(c1, c0), (c0, c1)]).unwrap();
+        assert_eq!(maps.get("ps").unwrap().len(), 2);
+        let before = maps.clone();
+        let e = maps.add("ps", &[(c2, c2), (c0, c2)]).unwrap_err();
+        assert_eq!(
+            e,
+            DeviceMapChange::Remapped {
+                from: c0,
+                old: c1,
+                new: c2
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "cuda:0 is already mapped to cuda:1, not cuda:2"
+        );
+        assert_eq!(maps, before, "a refused change changes nothing");
+        let e = maps.add("ps", &[(c2, c1)]).unwrap_err();
+        assert_eq!(
+            e,
+            DeviceMapChange::SharedTarget {
+                target: c1,
+                other: c0
+            }
+        );
+        assert!(e.to_string().ends_with("maps must be one-to-one"), "{e}");
+        maps.add("w1", &[(c2, c1)]).unwrap();
+        assert_eq!(maps.get("w1").unwrap().get(c2), Some(c1));
+    }
+
     use super::*;
 
     #[test]

@@ -218,8 +218,9 @@ pub enum RpcError {
     DeviceMapConfig {
         /// The destination worker.
         to: String,
-        /// Why.
-        reason: String,
+        /// Which entry, and which rule it breaks.
+        #[source]
+        reason: tensorwire_core::device::DeviceMapChange,
     },
     /// The RPC backend is not registered (the message lists the registered ones), or a name
     /// is registered twice.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tensorwire_core::ports::device::DeviceBackend;
 
-use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
+use tensorwire_core::device::{Device, DeviceMaps};
 use tensorwire_core::protocol::EndpointConfig;
 
 use crate::error::RpcError;
@@ -332,28 +332,13 @@ impl RpcOptions {
         for (s, t) in map {
             parsed.push((s.parse::<Device>()?, t.parse::<Device>()?));
         }
-        let mut merged: DeviceMap = self.device_maps.get(to).cloned().unwrap_or_default();
-        for (s, t) in parsed {
-            if let Some(old) = merged.get(s) {
-                if old != t {
-                    return Err(RpcError::DeviceMapConfig {
-                        to: to.to_owned(),
-                        reason: format!("{s} is already mapped to {old}, not {t}"),
-                    });
-                }
-            }
-            if let Some((other, _)) = merged.iter().find(|&(o, d)| d == t && o != s) {
-                return Err(RpcError::DeviceMapConfig {
-                    to: to.to_owned(),
-                    reason: format!(
-                        "{t} is already the target of {other}; maps must be one-to-one"
-                    ),
-                });
-            }
-            merged.insert(s, t);
-        }
-        self.device_maps.insert(to, merged);
-        Ok(())
+        // Core decides what may change (and changes nothing when it refuses).
+        self.device_maps
+            .add(to, &parsed)
+            .map_err(|reason| RpcError::DeviceMapConfig {
+                to: to.to_owned(),
+                reason,
+            })
     }
 }
 
