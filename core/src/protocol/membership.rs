@@ -27,6 +27,8 @@ pub mod dynamic;
 pub use dynamic::{
     Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
 };
+pub mod joining;
+pub use joining::{JoinFailure, JoinStart, Joining, LastTry, TryEnd};
 pub mod records;
 pub use records::{check_static_records, RecordError};
 pub mod directory;

@@ -13,12 +13,12 @@
 //! then fails, which is logged).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Transport;
 use tensorwire_core::protocol::membership::{
-    DynamicMembership, MemberRecord, MembershipError, WorkerInfo,
+    JoinFailure, JoinStart, Joining, LastTry, MemberRecord, TryEnd,
 };
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::validate::WorkerDeviceInfo;
@@ -81,44 +81,38 @@ pub(crate) async fn join(
     agent.owned().rendezvous = Some(rdv);
     agent.spawn(accept_connections(agent.clone(), listener));
     agent.spawn(drive(agent.clone()));
+    let joining = Joining::new(record, options.init_timeout, deadline);
     let mut backoff = Backoff::new(Duration::from_millis(1), Duration::from_millis(50));
-    loop {
-        let attempt = join_once(
-            &agent,
-            &*transport,
-            &*store,
-            &record,
-            options.init_timeout,
-            deadline,
-        )
-        .await;
-        let delay = backoff.next_delay();
-        match attempt {
+    let failure = loop {
+        let (coordinator, end) = match join_once(&agent, &*transport, &*store, &joining).await {
             Ok(()) => return Ok(agent),
-            Err(Attempt::Retry(why)) if runtime.now() + delay < deadline => {
-                debug!("joining the group again: {why}");
-                runtime.sleep(delay).await;
+            Err(Attempt::Ended(coordinator, end)) => (coordinator, end),
+            Err(Attempt::Failed(e)) => break join_error(e, options.init_timeout),
+            Err(Attempt::Fail(e)) => break e,
+        };
+        let (now, delay) = (agent.now(), backoff.next_delay());
+        match joining.handle_try_ended(&coordinator, end, now, delay) {
+            Ok(at) => {
+                debug!(
+                    "joining the group again; the last try asked {}",
+                    coordinator.name()
+                );
+                runtime.sleep_until(at).await;
             }
-            Err(Attempt::Retry(why)) => {
-                agent.stop_and_release(agent.now()).await;
-                return Err(RpcError::Timeout {
-                    what: "joining the group".into(),
-                    after: options.init_timeout,
-                    waiting_for: Some(why),
-                });
-            }
-            Err(Attempt::Fail(e)) => {
-                agent.stop_and_release(agent.now()).await;
-                return Err(e);
-            }
+            Err(e) => break join_error(e, options.init_timeout),
         }
-    }
+    };
+    agent.stop_and_release(agent.now()).await;
+    Err(failure)
 }
 
+/// A try that did not make this worker a member.
 enum Attempt {
-    /// Worth trying again (the coordinator named in the store is gone or leaving): whom it
-    /// asked and why that failed.
-    Retry(WaitingFor),
+    /// It asked `coordinator`, and ended so (core's [`Joining`] decides what follows).
+    Ended(MemberRecord, TryEnd),
+    /// Core's [`Joining`] refused it (no try helps).
+    Failed(JoinFailure),
+    /// The store or the agent failed.
     Fail(RpcError),
 }
 
@@ -128,100 +122,81 @@ impl From<RpcError> for Attempt {
     }
 }
 
-/// One try: found the group, or ask its coordinator to be admitted and wait for the outcome.
-/// A member's record as the errors name it.
-fn info(record: &MemberRecord) -> WorkerInfo {
-    WorkerInfo {
-        name: record.name().to_owned(),
-        id: record.rank,
+/// Why the join failed, as `init_rpc` says it.
+fn join_error(e: JoinFailure, after: Duration) -> RpcError {
+    match e {
+        JoinFailure::CoordinatorRecord(e) => InitError::CoordinatorRecord(e).into(),
+        JoinFailure::AlreadyAMember { joiner, member } => {
+            InitError::AlreadyAMember { joiner, member }.into()
+        }
+        JoinFailure::Refused {
+            coordinator,
+            reason,
+        } => InitError::JoinRefused {
+            coordinator,
+            reason,
+        }
+        .into(),
+        JoinFailure::NotCertified {
+            coordinator,
+            source,
+        } => RpcError::NotCertified {
+            rank: coordinator.id,
+            name: coordinator.name,
+            source,
+        },
+        JoinFailure::DeviceMaps(e) => RpcError::DeviceMaps(e),
+        JoinFailure::TimedOut { coordinator, error } => RpcError::Timeout {
+            what: format!("joining the group: {error}"),
+            after,
+            waiting_for: Some(WaitingFor::Workers(vec![coordinator])),
+        },
+        JoinFailure::Deadline(LastTry { coordinator, error }) => RpcError::Timeout {
+            what: "joining the group".into(),
+            after,
+            waiting_for: Some(WaitingFor::LastTry {
+                coordinator: Some(coordinator),
+                error,
+            }),
+        },
+        JoinFailure::Membership(e) => InitError::Join(e).into(),
     }
 }
 
+/// One try: found the group, or ask its coordinator to be admitted and wait for the outcome.
 async fn join_once(
     agent: &Agent,
     transport: &dyn Transport,
     store: &dyn Store,
-    record: &MemberRecord,
-    op_timeout: Duration,
-    deadline: Instant,
+    joining: &Joining,
 ) -> Result<(), Attempt> {
-    let encoded = record.encode();
     let held = store
-        .compare_set(COORDINATOR, b"", &encoded)
+        .compare_set(COORDINATOR, b"", joining.record())
         .await
         .map_err(RpcError::from)?;
-    if held == encoded {
-        // The first member: it coordinates.
-        membership::start(
-            agent,
-            DynamicMembership::found(record.clone(), op_timeout),
-            None,
-        );
-        agent.pump();
-        return Ok(());
-    }
-    let coordinator = MemberRecord::decode(&held)
-        .map_err(|e| Attempt::Fail(InitError::CoordinatorRecord(e).into()))?;
-    if coordinator.rank == record.rank || coordinator.name() == record.name() {
-        return Err(Attempt::Fail(
-            InitError::AlreadyAMember {
-                joiner: info(record),
-                member: info(&coordinator),
-            }
-            .into(),
-        ));
-    }
-    let who = format!(
-        "{} (rank {}) at {}",
-        coordinator.name(),
-        coordinator.rank,
-        coordinator.addr
-    );
-    let retry = |error: String| {
-        Attempt::Retry(WaitingFor::LastTry {
-            coordinator: Some(who.clone()),
-            error,
-        })
+    let (coordinator, limit) = match joining.handle_store(&held, agent.now()) {
+        Ok(JoinStart::Found(founder)) => {
+            membership::start(agent, founder, None);
+            agent.pump();
+            return Ok(());
+        }
+        Ok(JoinStart::Ask { coordinator, limit }) => (coordinator, limit),
+        Err(e) => return Err(Attempt::Failed(e)),
     };
-    // A record left by a coordinator that died is replaced by the next one: read it again
-    // after a short while rather than dialling a dead address until the deadline.
-    let left = deadline.saturating_duration_since(agent.now());
-    let conn = match introduce(
-        &*agent.inner.runtime,
-        transport,
-        (record.rank, encoded.clone()),
-        (coordinator.addr, coordinator.name()),
-        left.min(Duration::from_secs(2)),
-    )
-    .await
-    {
+    let ended = |end| Err(Attempt::Ended(coordinator.clone(), end));
+    let me = (agent.worker_info().id, joining.record().to_vec());
+    let target = (coordinator.addr, coordinator.name());
+    let conn = match introduce(&*agent.inner.runtime, transport, me, target, limit).await {
         Ok(c) => c,
-        Err(Introduction::Refused(reason)) => {
-            return Err(Attempt::Fail(
-                InitError::JoinRefused {
-                    coordinator: info(&coordinator),
-                    reason,
-                }
-                .into(),
-            ))
-        }
-        Err(Introduction::NotCertified(source)) => {
-            return Err(Attempt::Fail(RpcError::NotCertified {
-                rank: coordinator.rank,
-                name: coordinator.name().to_owned(),
-                source,
-            }))
-        }
-        Err(Introduction::Failed(e)) => return Err(retry(e)),
+        Err(Introduction::Refused(reason)) => return ended(TryEnd::Refused(reason)),
+        Err(Introduction::NotCertified(source)) => return ended(TryEnd::NotCertified(source)),
+        Err(Introduction::Failed(e)) => return ended(TryEnd::Unreachable(e)),
     };
     let (tx, rx) = oneshot::channel();
-    let mut m =
-        DynamicMembership::join(record.clone(), coordinator.rank, op_timeout, Some(deadline));
-    let _ = m.handle_connected(coordinator.rank, None);
     {
         // Its first words wait for the connection.
         let _connecting = membership::Connecting::begin(agent, coordinator.rank);
-        membership::start(agent, m, Some(tx));
+        membership::start(agent, joining.through(&coordinator), Some(tx));
         agent.pump();
         agent.attach(coordinator.rank, conn);
     }
@@ -231,19 +206,7 @@ async fn join_once(
         Ok(Err(e)) => {
             // Whatever this try connected to goes; the next try starts clean.
             agent.close_links();
-            if e.is_retryable() {
-                Err(retry(e.to_string()))
-            } else {
-                Err(Attempt::Fail(match e {
-                    MembershipError::DeviceMaps(e) => RpcError::DeviceMaps(e),
-                    MembershipError::Timeout { .. } => RpcError::Timeout {
-                        what: format!("joining the group: {e}"),
-                        after: op_timeout,
-                        waiting_for: Some(WaitingFor::Workers(vec![info(&coordinator)])),
-                    },
-                    other => InitError::Join(other).into(),
-                }))
-            }
+            ended(TryEnd::Ended(e))
         }
         Err(_) => Err(Attempt::Fail(RpcError::NotRunning)),
     }
