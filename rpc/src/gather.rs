@@ -18,12 +18,9 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::protocol::gather::{
-    self, Contribution, GatherFailure, GatherOutcome, GatherToken,
-};
-use tensorwire_core::protocol::{
-    CallError, MalformedMessage, ProtocolViolation, RemoteError, RemoteErrorKind, WorkerId,
-};
+use tensorwire_core::protocol::gather::{self, GatherFailure, GatherOutcome, GatherToken};
+use tensorwire_core::protocol::node::GatherCallRefused;
+use tensorwire_core::protocol::{CallError, RemoteError, RemoteErrorKind, WorkerId};
 use tokio::sync::oneshot;
 
 use crate::error::{RpcError, WaitingFor};
@@ -60,14 +57,19 @@ impl Drop for Abandon<'_> {
     }
 }
 
-/// The leader's side of one call: hands `c` to the node and waits for its answer (the round's
-/// deadline is the node's timer, a lost member the node's loss: the driver runs both).
-async fn lead(agent: &Agent, from: WorkerId, c: Contribution) -> GatherOutcome {
+/// The leader's side of one call: hands the contribution's bytes to the node (which decodes
+/// and checks them) and waits for its answer (the round's deadline is the node's timer, a lost
+/// member the node's loss: the driver runs both).
+async fn lead(
+    agent: &Agent,
+    from: WorkerId,
+    args: &[u8],
+) -> Result<GatherOutcome, GatherCallRefused> {
     let (tx, rx) = oneshot::channel();
     let token = {
         let now = agent.now();
         let mut st = agent.lock();
-        let token = st.node.handle_contribution(now, from, c);
+        let token = st.node.handle_gather_call(now, from, args)?;
         st.gathers_waiting.insert(token, tx);
         token
     };
@@ -75,7 +77,7 @@ async fn lead(agent: &Agent, from: WorkerId, c: Contribution) -> GatherOutcome {
     // The driver delivers an answer given at once (a refusal, the round's last value) and
     // the other callers' answers it completes, and sleeps until a new deadline.
     agent.wake();
-    rx.await.unwrap_or(GatherOutcome::Missing(Vec::new()))
+    Ok(rx.await.unwrap_or(GatherOutcome::Missing(Vec::new())))
 }
 
 /// What the gathers this worker leads hold now.
@@ -93,31 +95,17 @@ pub(crate) fn debug_info(agent: &Agent) -> crate::debug::GatherDebugInfo {
 pub(crate) fn handler() -> Handler<Agent> {
     Arc::new(|mut inv: Invocation<Agent>| {
         Box::pin(async move {
-            // The contribution travels as bytes that core's decoder reads (one format, one
-            // decoder: the fuzz targets drive the same). What no honest member sends drops its
-            // sender, as a forged frame would.
+            // The contribution travels as bytes that the node decodes (one format, one
+            // decoder: the fuzz targets drive the same). What the node says no honest member
+            // sends drops its sender, as a forged frame would.
             let bytes: Vec<u8> = inv.arguments().await?;
             let agent = inv.agent.clone();
-            let c = match Contribution::decode(&bytes) {
-                Ok(c) => c,
-                Err(e) => {
-                    let refused = HandlerError::BadArguments(e.to_string());
-                    if inv.caller != agent.worker_info().id {
-                        agent.fail_peer(
-                            inv.caller,
-                            ProtocolViolation::Malformed(MalformedMessage::Undecodable(e)),
-                        );
-                    }
-                    return Err(refused);
+            let outcome = lead(&agent, inv.caller, &bytes).await.map_err(|refused| {
+                if let Some(violation) = refused.violation {
+                    agent.fail_peer(inv.caller, violation);
                 }
-            };
-            let outcome = lead(&agent, inv.caller, c).await;
-            if let GatherOutcome::Failed(e) = &outcome {
-                // What no honest member sends drops its sender, as a forged frame would.
-                if e.is_forgery() && inv.caller != agent.worker_info().id {
-                    agent.fail_peer(inv.caller, ProtocolViolation::Gather(e.clone()));
-                }
-            }
+                HandlerError::BadArguments(refused.error.to_string())
+            })?;
             finish::<_, String>(Ok(outcome.encode()))
         })
     })

@@ -16,7 +16,7 @@ use tokio::sync::oneshot;
 use tensorwire_core::ports::transport::{Connection, IdentityError, Listener, Transport};
 use tensorwire_core::protocol::membership::{DynamicMembership, MemberRecord, MembershipError};
 use tensorwire_core::protocol::mesh::HelloReply;
-use tensorwire_core::protocol::node::{read_introduction, Introduced, MemberAction};
+use tensorwire_core::protocol::node::{Introduced, MemberAction};
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_mesh::link;
 use tracing::warn;
@@ -256,36 +256,25 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
         }
     };
     let rank = hello.rank;
-    let record = match read_introduction(rank, &hello.introduction) {
-        Ok(record) => record,
-        Err(e) => {
-            warn!("dropping a connection from {peer}: {e}");
-            return;
-        }
-    };
-    // Its credentials must be issued for the name it gives (QUIC node certificates; with a
-    // cluster secret any member may take any name).
-    let answer = match conn.check_peer_name(record.name()) {
-        Err(e) => {
-            warn!("refusing rank {rank} from {peer}: {e}");
-            let reason = format!("this worker's credentials do not name it: {e}");
-            Introduced::Refuse(HelloReply::Refused {
-                reason,
-                retry: false,
-            })
-        }
-        // The node decides whether this connection is one the membership expects; what it
-        // says to it from here waits for its connection (after the welcome).
-        Ok(()) => {
-            let now = agent.now();
-            let answer = agent.lock().node.handle_introduced(now, &record);
-            agent.pump();
-            answer
-        }
+    // The node reads its record, checks that its credentials are issued for the name it
+    // gives (QUIC node certificates), and asks the membership whether it is expected. What it
+    // says to it from here waits for its connection (after the welcome).
+    let answer = {
+        let now = agent.now();
+        let certify = |name: &str| conn.check_peer_name(name);
+        let answer = agent
+            .lock()
+            .node
+            .handle_hello(now, rank, &hello.introduction, certify);
+        agent.pump();
+        answer
     };
     match answer {
         Introduced::Welcome => {}
         Introduced::Refuse(reply) => {
+            if let HelloReply::Refused { reason, .. } = &reply {
+                warn!("refusing rank {rank} from {peer}: {reason}");
+            }
             // Told why, so that its init fails with the reason rather than a timeout.
             let _ = conn.send(reply.frame()).await;
             let _ = conn.close().await;
@@ -293,6 +282,10 @@ async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
         }
         Introduced::Drop(None) => return,
         Introduced::Drop(Some(e)) => {
+            warn!("dropping a connection from {peer}: {e}");
+            return;
+        }
+        Introduced::Unreadable(e) => {
             warn!("dropping a connection from {peer}: {e}");
             return;
         }

@@ -757,6 +757,14 @@ impl GatherLeader {
         self.answers.pop_front()
     }
 
+    /// The refusal the contribution under `token` got at once, while its answer waits.
+    pub(crate) fn refusal(&self, token: GatherToken) -> Option<&GatherError> {
+        self.answers.iter().find_map(|(t, outcome)| match outcome {
+            GatherOutcome::Failed(e) if *t == token => Some(e),
+            _ => None,
+        })
+    }
+
     /// When [`handle_timeout`](Self::handle_timeout) must be called next.
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.deadlines.first_key_value().map(|(&(at, _), _)| at)

@@ -46,7 +46,9 @@ pub use members::{
 use bytes::Bytes;
 
 use super::envelope::{Envelope, FrameBody};
-use super::gather::{Contribution, GatherConfig, GatherLeader, GatherOutcome, GatherToken};
+use super::gather::{
+    Contribution, GatherConfig, GatherError, GatherLeader, GatherOutcome, GatherToken,
+};
 use super::membership::{DynMessage, DynamicMembership};
 use super::{
     Endpoint, Event, Header, LostCause, MalformedMessage, Payload, ProtocolViolation, Transmit,
@@ -136,6 +138,27 @@ pub enum NodeEvent<B> {
         /// The round's outcome for that caller.
         outcome: GatherOutcome,
     },
+}
+
+/// Why a call of the gather function was refused ([`Node::handle_gather_call`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{error}")]
+pub struct GatherCallRefused {
+    /// What was wrong with it.
+    pub error: GatherCallError,
+    /// The violation to drop the caller for (`None`: the caller is this worker).
+    pub violation: Option<ProtocolViolation>,
+}
+
+/// What was wrong with a call of the gather function ([`GatherCallRefused`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GatherCallError {
+    /// Its arguments are no contribution.
+    #[error(transparent)]
+    Undecodable(crate::codec::Undecodable),
+    /// Its contribution is one no honest member sends.
+    #[error(transparent)]
+    Forged(GatherError),
 }
 
 /// An agent's protocol state: the endpoint, the gathers it leads, its IPC state and the
@@ -273,6 +296,38 @@ impl<B: Payload, H> Node<B, H> {
         contribution: Contribution,
     ) -> GatherToken {
         self.gathers.handle_contribution(now, from, contribution)
+    }
+
+    /// `from`'s call of the gather function at `now`, with `args`: its [`Contribution`],
+    /// encoded, read here by the one decoder the fuzz targets drive, then handed in as
+    /// [`handle_contribution`](Self::handle_contribution) does (the answer comes under the
+    /// token returned).
+    ///
+    /// # Errors
+    /// [`GatherCallRefused`]: bytes that are no contribution; and from another worker, a
+    /// contribution no honest member sends ([`GatherError::is_forgery`]), with the violation
+    /// the driver drops that worker for. (This worker's own refused contribution is answered
+    /// as any refusal.)
+    pub fn handle_gather_call(
+        &mut self,
+        now: Instant,
+        from: WorkerId,
+        args: &[u8],
+    ) -> Result<GatherToken, GatherCallRefused> {
+        let by_peer = from != self.ep.id();
+        let c = Contribution::decode(args).map_err(|e| GatherCallRefused {
+            violation: by_peer
+                .then(|| ProtocolViolation::Malformed(MalformedMessage::Undecodable(e.clone()))),
+            error: GatherCallError::Undecodable(e),
+        })?;
+        let token = self.gathers.handle_contribution(now, from, c);
+        match self.gathers.refusal(token) {
+            Some(e) if by_peer && e.is_forgery() => Err(GatherCallRefused {
+                violation: Some(ProtocolViolation::Gather(e.clone())),
+                error: GatherCallError::Forged(e.clone()),
+            }),
+            _ => Ok(token),
+        }
     }
 
     /// The caller behind `token` no longer waits (its handler ended): the gathers forget it.

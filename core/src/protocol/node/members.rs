@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use super::Node;
 use crate::codec::Undecodable;
+use crate::ports::transport::IdentityError;
 use crate::protocol::membership::{Accepted, MemberRecord, MembershipError, MembershipEvent};
 use crate::protocol::mesh::HelloReply;
 use crate::protocol::{LostCause, Payload, WorkerId};
@@ -80,6 +81,9 @@ pub enum Introduced {
     Refuse(HelloReply),
     /// Close without an answer: a connection nobody expects (`Some`: the rule it broke).
     Drop(Option<MembershipError>),
+    /// Close without an answer: its introduction is no record of its hello's rank
+    /// ([`Node::handle_hello`]).
+    Unreadable(IntroductionError),
 }
 
 /// Why a worker's introduction on the listener is not read as a record.
@@ -223,6 +227,32 @@ impl<B: Payload, H> Node<B, H> {
             self.handle_connecting_ended(rank);
         }
         answer
+    }
+
+    /// A worker that dialled this one said hello at `now`: rank `rank`, introduced by
+    /// `introduction` (its record, encoded); `certify` says whether its credentials are
+    /// issued for a name. Its record is read ([`read_introduction`]); a worker whose
+    /// credentials do not name it is refused, told why so that its init fails with the reason
+    /// (with a cluster secret any member may take any name); else the membership decides
+    /// ([`handle_introduced`](Self::handle_introduced)).
+    pub fn handle_hello(
+        &mut self,
+        now: Instant,
+        rank: WorkerId,
+        introduction: &[u8],
+        certify: impl FnOnce(&str) -> Result<(), IdentityError>,
+    ) -> Introduced {
+        let record = match read_introduction(rank, introduction) {
+            Ok(record) => record,
+            Err(e) => return Introduced::Unreadable(e),
+        };
+        if let Err(e) = certify(record.name()) {
+            return Introduced::Refuse(HelloReply::Refused {
+                reason: format!("this worker's credentials do not name it: {e}"),
+                retry: false,
+            });
+        }
+        self.handle_introduced(now, &record)
     }
 
     /// The welcome to `peer` could not be sent at `now`: the membership counts it lost, and

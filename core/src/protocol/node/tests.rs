@@ -591,6 +591,57 @@ fn the_node_leads_gathers_on_its_timer_and_its_losses() {
     assert!(net.nodes[0].gathers().is_idle());
 }
 
+/// A call of the gather function is decoded by the node, and what no honest member sends
+/// (bytes that are no contribution, a member list that does not name the sender) is the
+/// sending peer's violation; this worker's own is refused without one, or answered.
+#[test]
+fn the_node_decides_which_gather_calls_are_a_peers_violation() {
+    let mut net = Net::new(3, true);
+    let now = net.now();
+    let wait = Duration::from_secs(4);
+    let n = &mut net.nodes[0];
+    let refused = n.handle_gather_call(now, 1, b"\xff").unwrap_err();
+    assert!(matches!(refused.error, GatherCallError::Undecodable(_)));
+    assert!(matches!(
+        refused.violation,
+        Some(ProtocolViolation::Malformed(MalformedMessage::Undecodable(
+            _
+        )))
+    ));
+    let own = n.handle_gather_call(now, 0, b"\xff").unwrap_err();
+    assert_eq!(
+        own.violation, None,
+        "this worker's own call is no violation"
+    );
+
+    // Member 1 sends a list without itself: a forgery, its violation.
+    let forged = contribution(&[0, 2], wait, b"x").encode();
+    let refused = n.handle_gather_call(now, 1, &forged).unwrap_err();
+    assert!(matches!(refused.error, GatherCallError::Forged(ref e) if e.is_forgery()));
+    assert!(matches!(
+        refused.violation,
+        Some(ProtocolViolation::Gather(ref e)) if e.is_forgery()
+    ));
+    // The same from this worker is answered as a refusal.
+    let own = contribution(&[1, 2], wait, b"x").encode();
+    assert!(n.handle_gather_call(now, 0, &own).is_ok());
+
+    // An honest one is filed and answered as any contribution.
+    let a = n
+        .handle_gather_call(now, 0, &contribution(&[0, 1], wait, b"zero").encode())
+        .unwrap();
+    let b = n
+        .handle_gather_call(now, 1, &contribution(&[0, 1], wait, b"one").encode())
+        .unwrap();
+    net.pump();
+    let done = GatherOutcome::Done(vec![(0, b"zero".to_vec()), (1, b"one".to_vec())]);
+    let answers = gathered(&net, 0);
+    assert!(
+        answers.contains(&(a, &done)) && answers.contains(&(b, &done)),
+        "{answers:?}"
+    );
+}
+
 /// A call of `function` from peer 1 with id `id`, as a frame.
 fn call_from_peer(id: u64, function: &str, body: &[u8]) -> Frame {
     message_frame(Transmit {
@@ -863,6 +914,51 @@ fn an_introduction_is_welcomed_refused_or_dropped_by_the_node() {
         read_introduction(4, &[0xff; 7]),
         Err(IntroductionError::Undecodable(_))
     ));
+}
+
+/// A hello is read and its credentials checked by the node: an introduction that is no record
+/// of the hello's rank is dropped with its error, a worker whose credentials do not name it is
+/// refused (told why), and the rest goes to the membership.
+#[test]
+fn a_hello_is_read_and_certified_by_the_node() {
+    use crate::ports::transport::IdentityError;
+    let mut net = Net::new(3, true);
+    let now = net.now();
+    let n = &mut net.nodes[0];
+    n.set_membership(DynamicMembership::found(record(0), OP), now);
+    let unread = |_: &str| -> Result<(), IdentityError> { panic!("no record, no check") };
+    assert_eq!(
+        n.handle_hello(now, 4, &record(3).encode(), unread),
+        Introduced::Unreadable(IntroductionError::OtherRank { rank: 4, record: 3 })
+    );
+    assert!(matches!(
+        n.handle_hello(now, 4, &[0xff; 7], unread),
+        Introduced::Unreadable(IntroductionError::Undecodable(_))
+    ));
+    let impostor = |name: &str| {
+        Err(IdentityError {
+            peer: SocketAddr::from(([127, 0, 0, 1], 9)),
+            name: name.to_owned(),
+            reason: "issued for w7".into(),
+        })
+    };
+    match n.handle_hello(now, 1, &record(1).encode(), impostor) {
+        Introduced::Refuse(HelloReply::Refused { reason, retry }) => {
+            assert!(reason.contains("credentials do not name it"), "{reason}");
+            assert!(reason.contains("issued for w7"), "{reason}");
+            assert!(!retry);
+        }
+        other => panic!("an uncertified worker was not refused: {other:?}"),
+    }
+    // Certified, it is the membership's to decide: an applicant to the coordinator.
+    let named = |name: &str| {
+        assert_eq!(name, "w1");
+        Ok(())
+    };
+    assert_eq!(
+        n.handle_hello(now, 1, &record(1).encode(), named),
+        Introduced::Welcome
+    );
 }
 
 /// The frames held for a peer whose setup ended without a connection are dropped, and the
