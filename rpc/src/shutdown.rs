@@ -4,6 +4,7 @@
 use std::time::{Duration, Instant};
 
 use tensorwire_core::ports::process_group::ProcessGroup;
+use tensorwire_core::protocol::shutdown::graceful_deadline;
 use tensorwire_core::protocol::{Endpoint, WorkerId};
 use tokio::sync::oneshot;
 use tracing::{debug, warn};
@@ -92,9 +93,7 @@ pub(crate) async fn graceful(
         );
     }
     let members: Vec<WorkerId> = this.members().workers().map(|w| w.id).collect();
-    // The endpoint's deadline comes a little before the caller's, so that its error, which
-    // names who is missing, is the one returned.
-    let ends = deadline - (timeout / 10).min(Duration::from_millis(500));
+    let ends = graceful_deadline(deadline, timeout);
     this.run_shutdown(timeout, |ep| {
         ep.begin_graceful_shutdown(members, Some(ends));
     })

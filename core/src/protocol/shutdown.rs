@@ -51,7 +51,7 @@
 use std::collections::BTreeSet;
 
 use crate::hashing::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -154,6 +154,19 @@ impl Reports {
                 (Some(a), Some(b)) if a == b
             )
     }
+}
+
+/// The most a graceful shutdown's endpoint deadline comes before the caller's
+/// ([`graceful_deadline`]).
+pub const GRACEFUL_MARGIN: Duration = Duration::from_millis(500);
+
+/// The deadline to give [`Endpoint::begin_graceful_shutdown`] when the caller's whole shutdown
+/// (`timeout` long) ends at `deadline`: a little before it (a tenth of the timeout, at most
+/// [`GRACEFUL_MARGIN`]), so that the endpoint's error, which names who is missing, is the one
+/// returned rather than the caller's own timeout.
+pub fn graceful_deadline(deadline: Instant, timeout: Duration) -> Instant {
+    let margin = (timeout / 10).min(GRACEFUL_MARGIN);
+    deadline.checked_sub(margin).unwrap_or(deadline)
 }
 
 /// The shutdown state of an endpoint: its own shutdown, and what its peers said of theirs

@@ -3110,3 +3110,18 @@ fn the_records_of_a_peer_draw_from_its_budget_and_go_with_it() {
 }
 
 mod holds;
+
+#[test]
+fn the_endpoints_graceful_deadline_comes_before_the_callers() {
+    use super::shutdown::{graceful_deadline, GRACEFUL_MARGIN};
+    let at = Clock::new().now() + Duration::from_secs(100);
+    assert_eq!(
+        graceful_deadline(at, Duration::from_secs(2)),
+        at - Duration::from_millis(200)
+    );
+    assert_eq!(
+        graceful_deadline(at, Duration::from_secs(30)),
+        at - GRACEFUL_MARGIN
+    );
+    assert_eq!(graceful_deadline(at, Duration::ZERO), at);
+}
