@@ -64,7 +64,7 @@ async fn lead(
     agent: &Agent,
     from: WorkerId,
     args: &[u8],
-) -> Result<GatherOutcome, GatherCallRefused> {
+) -> Result<GatherOutcome, Box<GatherCallRefused>> {
     let (tx, rx) = oneshot::channel();
     let token = {
         let now = agent.now();
@@ -101,10 +101,11 @@ pub(crate) fn handler() -> Handler<Agent> {
             let bytes: Vec<u8> = inv.arguments().await?;
             let agent = inv.agent.clone();
             let outcome = lead(&agent, inv.caller, &bytes).await.map_err(|refused| {
-                if let Some(violation) = refused.violation {
+                let GatherCallRefused { error, violation } = *refused;
+                if let Some(violation) = violation {
                     agent.fail_peer(inv.caller, violation);
                 }
-                HandlerError::BadArguments(refused.error.to_string())
+                HandlerError::BadArguments(error.to_string())
             })?;
             finish::<_, String>(Ok(outcome.encode()))
         })

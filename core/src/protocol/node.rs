@@ -313,19 +313,22 @@ impl<B: Payload, H> Node<B, H> {
         now: Instant,
         from: WorkerId,
         args: &[u8],
-    ) -> Result<GatherToken, GatherCallRefused> {
+    ) -> Result<GatherToken, Box<GatherCallRefused>> {
         let by_peer = from != self.ep.id();
-        let c = Contribution::decode(args).map_err(|e| GatherCallRefused {
-            violation: by_peer
-                .then(|| ProtocolViolation::Malformed(MalformedMessage::Undecodable(e.clone()))),
-            error: GatherCallError::Undecodable(e),
+        let c = Contribution::decode(args).map_err(|e| {
+            Box::new(GatherCallRefused {
+                violation: by_peer.then(|| {
+                    ProtocolViolation::Malformed(MalformedMessage::Undecodable(e.clone()))
+                }),
+                error: GatherCallError::Undecodable(e),
+            })
         })?;
         let token = self.gathers.handle_contribution(now, from, c);
         match self.gathers.refusal(token) {
-            Some(e) if by_peer && e.is_forgery() => Err(GatherCallRefused {
+            Some(e) if by_peer && e.is_forgery() => Err(Box::new(GatherCallRefused {
                 violation: Some(ProtocolViolation::Gather(e.clone())),
                 error: GatherCallError::Forged(e.clone()),
-            }),
+            })),
             _ => Ok(token),
         }
     }

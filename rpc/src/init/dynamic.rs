@@ -86,7 +86,7 @@ pub(crate) async fn join(
     let failure = loop {
         let (coordinator, end) = match join_once(&agent, &*transport, &*store, &joining).await {
             Ok(()) => return Ok(agent),
-            Err(Attempt::Ended(coordinator, end)) => (coordinator, end),
+            Err(Attempt::Ended(ended)) => *ended,
             Err(Attempt::Failed(e)) => break join_error(e, options.init_timeout),
             Err(Attempt::Fail(e)) => break e,
         };
@@ -108,8 +108,9 @@ pub(crate) async fn join(
 
 /// A try that did not make this worker a member.
 enum Attempt {
-    /// It asked `coordinator`, and ended so (core's [`Joining`] decides what follows).
-    Ended(MemberRecord, TryEnd),
+    /// It asked the coordinator (its record), which ended it so (core's [`Joining`] decides
+    /// what follows).
+    Ended(Box<(MemberRecord, TryEnd)>),
     /// Core's [`Joining`] refused it (no try helps).
     Failed(JoinFailure),
     /// The store or the agent failed.
@@ -176,14 +177,14 @@ async fn join_once(
         .map_err(RpcError::from)?;
     let (coordinator, limit) = match joining.handle_store(&held, agent.now()) {
         Ok(JoinStart::Found(founder)) => {
-            membership::start(agent, founder, None);
+            membership::start(agent, *founder, None);
             agent.pump();
             return Ok(());
         }
         Ok(JoinStart::Ask { coordinator, limit }) => (coordinator, limit),
         Err(e) => return Err(Attempt::Failed(e)),
     };
-    let ended = |end| Err(Attempt::Ended(coordinator.clone(), end));
+    let ended = |end| Err(Attempt::Ended(Box::new((coordinator.clone(), end))));
     let me = (agent.worker_info().id, joining.record().to_vec());
     let target = (coordinator.addr, coordinator.name());
     let conn = match introduce(&*agent.inner.runtime, transport, me, target, limit).await {

@@ -43,7 +43,7 @@ impl From<&MemberRecord> for WorkerInfo {
 pub enum JoinStart {
     /// The key was free and holds this worker's record now: it founds the group and
     /// coordinates it.
-    Found(DynamicMembership),
+    Found(Box<DynamicMembership>),
     /// The key names a coordinator: introduce this worker to it, within `limit`.
     Ask {
         /// The coordinator's record.
@@ -161,7 +161,7 @@ impl Joining {
     pub fn handle_store(&self, held: &[u8], now: Instant) -> Result<JoinStart, JoinFailure> {
         if held == self.encoded.as_slice() {
             let founder = DynamicMembership::found(self.me.clone(), self.op_timeout);
-            return Ok(JoinStart::Found(founder));
+            return Ok(JoinStart::Found(Box::new(founder)));
         }
         let coordinator = MemberRecord::decode(held).map_err(JoinFailure::CoordinatorRecord)?;
         if coordinator.rank == self.me.rank || coordinator.name() == self.me.name() {
