@@ -63,7 +63,12 @@ impl PlanKey {
     pub fn reduce(root: usize, count: usize, element: ElementType, op: ReduceOp) -> Option<Self> {
         Self::new(
             "reduce",
-            &[root as u64, count as u64, element_word(element), op_word(op)],
+            &[
+                root as u64,
+                count as u64,
+                element_word(element),
+                op_word(op),
+            ],
         )
     }
 
@@ -198,7 +203,10 @@ mod tests {
             None
         );
         // A key with fewer words is another key, even where the words it has agree.
-        assert_eq!(cache.take(&PlanKey::new("all_reduce", &[0, 401]).unwrap()), None);
+        assert_eq!(
+            cache.take(&PlanKey::new("all_reduce", &[0, 401]).unwrap()),
+            None
+        );
         assert_eq!(cache.take(&key(2).unwrap()), Some(all_reduce(2)));
         // Taken out: not there again until it is given back.
         assert_eq!(cache.take(&key(2).unwrap()), None);
@@ -219,7 +227,10 @@ mod tests {
         assert_eq!(cache.take_or(key(2), &mut make), Ok(all_reduce(2)));
         assert_eq!(made, 1);
         // A refused plan is the caller's error, and nothing is kept.
-        assert_eq!(cache.take_or(key(5), || Err::<ArenaPlan, _>("bad")), Err("bad"));
+        assert_eq!(
+            cache.take_or(key(5), || Err::<ArenaPlan, _>("bad")),
+            Err("bad")
+        );
         assert!(cache.is_empty());
     }
 
