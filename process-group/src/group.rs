@@ -50,7 +50,7 @@ use tensorwire_core::collective::{
     ReduceOp, Schedule, Signature, DEBUG_ENV,
 };
 use tensorwire_core::ports::process_group::{
-    lazy, Collectives, Done, Op, ProcessGroup, ProcessGroupError, Started,
+    lazy, Collectives, Done, Op, Pending, ProcessGroup, ProcessGroupError, Started,
 };
 use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::ports::store::Store;
@@ -384,10 +384,16 @@ impl ProcessGroup for Group {
     /// Runs `op` (through the group arena or the links, from one dispatch) on the caller's
     /// task, as the handle is asked or waited on.
     fn start<'a>(&'a self, op: Op<'a>) -> Started<'a> {
+        lazy(self.run_op(op))
+    }
+
+    /// The future [`start`](ProcessGroup::start)'s handle polls, without the handle: the
+    /// awaited collectives issue it in their first poll, as `start` does in the call.
+    fn run_op<'a>(&'a self, op: Op<'a>) -> Pending<'a, Done> {
         if matches!(op, Op::Barrier) && self.barrier_alone_on_arena() {
-            return lazy(Box::pin(self.arena_barrier_alone()));
+            return Box::pin(self.arena_barrier_alone());
         }
-        lazy(Box::pin(self.execute(op)))
+        Box::pin(self.execute(op))
     }
 
     /// A [`Work`] on its own task (see [`Group::issue`]).

@@ -2417,6 +2417,73 @@ async fn the_arena_and_the_links_give_the_same_results() {
     assert!((last - expected).abs() < 1e-2, "{last}");
 }
 
+/// Issue 47: the arena keeps the plans of small collectives between calls; a kept plan serves
+/// only the arguments it was made for. Ten kinds of call (more than the cache holds), twice
+/// over, with the same byte length where the plans would be easiest to mix up: signed against
+/// unsigned bytes (a byte that is -1 for one and 255 for the other), other roots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_arena_plans_serve_only_their_own_arguments() {
+    let world = 3;
+    let gs = bounded(groups(world, "arena-kept-plans", Duration::from_secs(20))).await;
+    assert!(gs.iter().all(|g| g.uses_arena()));
+    let tasks: Vec<_> = gs
+        .into_iter()
+        .enumerate()
+        .map(|(rank, g)| {
+            tokio::spawn(async move {
+                // Rank 0 holds 0xFF (-1 as I8), the others their rank.
+                let byte = if rank == 0 { 0xFF } else { rank as u8 };
+                for round in 0..2u8 {
+                    g.barrier().await.unwrap();
+                    let mut max_u8 = [byte; 8];
+                    g.all_reduce(&mut max_u8, ElementType::U8, ReduceOp::Max)
+                        .await
+                        .unwrap();
+                    assert_eq!(max_u8, [0xFF; 8], "round {round}");
+                    let mut max_i8 = [byte; 8];
+                    g.all_reduce(&mut max_i8, ElementType::I8, ReduceOp::Max)
+                        .await
+                        .unwrap();
+                    assert_eq!(max_i8, [2; 8], "round {round}");
+                    let mut min_i8 = [byte; 8];
+                    g.all_reduce(&mut min_i8, ElementType::I8, ReduceOp::Min)
+                        .await
+                        .unwrap();
+                    assert_eq!(min_i8, [0xFF; 8], "round {round}");
+                    let mut sum_i64 = (rank as i64 + 10).to_le_bytes();
+                    g.all_reduce(&mut sum_i64, ElementType::I64, ReduceOp::Sum)
+                        .await
+                        .unwrap();
+                    assert_eq!(i64::from_le_bytes(sum_i64), 33, "round {round}");
+                    for root in [0, 2] {
+                        let mut sum = [rank as u8 + round; 8];
+                        g.reduce(&mut sum, ElementType::U8, ReduceOp::Sum, root)
+                            .await
+                            .unwrap();
+                        if rank == root {
+                            assert_eq!(sum, [3 + 3 * round; 8], "round {round}, root {root}");
+                        }
+                    }
+                    for root in [1, 2] {
+                        let mut data = [rank as u8 * 10 + round; 8];
+                        g.broadcast(&mut data, root).await.unwrap();
+                        assert_eq!(data, [root as u8 * 10 + round; 8], "round {round}");
+                    }
+                    let blocks = g.all_gather(&[rank as u8 + round; 8]).await.unwrap();
+                    for (q, b) in blocks.iter().enumerate() {
+                        assert_eq!(&b[..], &[q as u8 + round; 8], "round {round}");
+                    }
+                }
+                g
+            })
+        })
+        .collect();
+    let mut keep = Vec::new();
+    for t in tasks {
+        keep.push(bounded(t).await.unwrap());
+    }
+}
+
 /// Issue 47: ranks that disagree about a collective on the arena path are told, naming the
 /// other rank (each phase carries a signature of the collective and its arguments).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

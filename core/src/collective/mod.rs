@@ -94,6 +94,7 @@ use std::ops::Range;
 
 mod algorithms;
 pub mod arena;
+pub mod arena_cache;
 #[cfg(test)]
 mod arena_sim;
 pub mod arena_wait;

@@ -96,6 +96,16 @@ pub trait ProcessGroup: Send + Sync {
         self.start(op)
     }
 
+    /// [`start`](Self::start)s `op` and waits for its result with no bound of its own (the
+    /// group's timeout bounds it): what every awaited extension method ([`Collectives`]) does,
+    /// from its first poll. A backend whose handle only polls a future on the caller's task
+    /// may return that future itself, with no handle around it (one allocation and one poll
+    /// fewer per collective); it must issue the operation in its first poll, as `start`
+    /// would in the call. The default starts it and waits on the handle.
+    fn run_op<'a>(&'a self, op: Op<'a>) -> Pending<'a, Done> {
+        self.start(op).wait(UNBOUNDED)
+    }
+
     /// The backend's name, for errors and logs (`"tensorwire"`, `"nccl"`).
     fn backend(&self) -> &'static str {
         "tensorwire"

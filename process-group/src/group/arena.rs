@@ -17,6 +17,7 @@
 
 use tensorwire_core::collective::arena as plans;
 use tensorwire_core::collective::arena::ArenaPlan;
+use tensorwire_core::collective::arena_cache::{PlanCache, PlanKey};
 use tensorwire_transport_shm::arena::{
     host_key, Arena, ArenaError, ArenaFailure, ArenaHost, Bounds,
 };
@@ -78,9 +79,9 @@ pub(super) enum ArenaSlot {
         /// The world ranks' process ids, by group rank.
         pids: Vec<u32>,
     },
-    /// Set up; with the barrier's plan, kept between barriers (the same every time: made
-    /// once, not at every barrier).
-    Ready(Box<Arena>, Option<ArenaPlan>),
+    /// Set up; with the plans of its small collectives, kept between them (core's
+    /// [`PlanCache`] decides which).
+    Ready(Box<Arena>, PlanCache),
     /// Setting it up failed: every collective fails with this.
     Failed(ProcessGroupError),
 }
@@ -94,6 +95,27 @@ pub(super) struct Turn<'a> {
 }
 
 impl Turn<'_> {
+    /// The plan under `key`: kept from an earlier collective, or made now by `make` (given the
+    /// slot size). Give it back with [`Turn::keep_plan`].
+    fn take_plan(
+        &mut self,
+        key: Option<PlanKey>,
+        make: impl FnOnce(usize) -> Result<ArenaPlan, CollectiveError>,
+    ) -> Result<ArenaPlan, CollectiveError> {
+        let slot = self.slot_bytes();
+        match &mut *self.slot {
+            ArenaSlot::Ready(_, cache) => cache.take_or(key, || make(slot)),
+            _ => make(slot),
+        }
+    }
+
+    /// Keeps `plan` for the next collective under `key`, if the cache takes it.
+    fn keep_plan(&mut self, key: Option<PlanKey>, plan: ArenaPlan) {
+        if let ArenaSlot::Ready(_, cache) = &mut *self.slot {
+            cache.keep(key, plan);
+        }
+    }
+
     /// The slot size plans are made with. When the arena failed (or never came) it is the
     /// smallest a plan takes: such plans are never run ([`Group::arena_run`] fails them with
     /// the arena's failure), but they must not fail as arguments first.
@@ -257,11 +279,12 @@ impl Group {
         let Some(arena) = self.fetch_arena(&key, &pids, arena_bytes, true).await? else {
             return Ok(());
         };
+        let cache = PlanCache::new(rank, world, arena.slot_bytes());
         *self
             .inner
             .arena
             .try_lock()
-            .expect("nobody holds a new group's arena") = ArenaSlot::Ready(Box::new(arena), None);
+            .expect("nobody holds a new group's arena") = ArenaSlot::Ready(Box::new(arena), cache);
         self.inner.arena_on.store(true, Ordering::Release);
         Ok(())
     }
@@ -305,7 +328,10 @@ impl Group {
             // Boxed: once per subgroup, and its state (a socket, a handshake) would otherwise
             // be part of every collective's future, which the port boxes at every call.
             *slot = match Box::pin(self.fetch_subgroup_arena(&pids)).await {
-                Ok(arena) => ArenaSlot::Ready(Box::new(arena), None),
+                Ok(arena) => {
+                    let cache = PlanCache::new(self.rank(), self.size(), arena.slot_bytes());
+                    ArenaSlot::Ready(Box::new(arena), cache)
+                }
                 Err(e) => ArenaSlot::Failed(e),
             };
         }
@@ -397,6 +423,34 @@ impl Group {
                 .map(Some)
                 .map_err(|e| setup(e.to_string()))
         }
+    }
+
+    /// Runs the plan under `key` (kept from an earlier collective, or made by `make` from the
+    /// slot size) over `buffer` through the arena, see [`Group::arena_exec`], and keeps it for
+    /// the next collective.
+    async fn arena_run_kept(
+        &self,
+        turn: &mut Turn<'_>,
+        collective: &'static str,
+        key: Option<PlanKey>,
+        make: impl FnOnce(usize) -> Result<ArenaPlan, CollectiveError>,
+        buffer: Exec<'_>,
+        signature: &[u64],
+    ) -> Result<Option<Vec<u8>>, ProcessGroupError> {
+        let plan = turn.take_plan(key, make);
+        let result = self
+            .arena_exec(
+                turn,
+                collective,
+                plan.as_ref().map_err(Clone::clone),
+                buffer,
+                signature,
+            )
+            .await;
+        if let Ok(plan) = plan {
+            turn.keep_plan(key, plan);
+        }
+        result
     }
 
     /// Runs `plan` over `buffer` through the arena in `slot`: see [`Group::arena_exec`].
@@ -549,38 +603,33 @@ impl Group {
         mine: &[u8],
     ) -> Result<Vec<u8>, ProcessGroupError> {
         let (rank, world) = (self.rank(), self.size());
-        let s = turn.slot_bytes();
         let lens = vec![mine.len(); world];
-        let plan = plans::all_gather(rank, &lens, s);
         let mut buffer = vec![0u8; mine.len() * world];
         buffer[rank * mine.len()..(rank + 1) * mine.len()].copy_from_slice(mine);
-        self.arena_run(turn, collective, plan, &mut buffer, &[1, mine.len() as u64])
-            .await?;
+        self.arena_run_kept(
+            turn,
+            collective,
+            PlanKey::all_gather(&lens),
+            |s| plans::all_gather(rank, &lens, s),
+            Exec::InPlace(&mut buffer),
+            &[1, mine.len() as u64],
+        )
+        .await?;
         Ok(buffer)
     }
 
     pub(super) async fn arena_barrier(&self, turn: &mut Turn<'_>) -> Result<(), ProcessGroupError> {
-        let cached = match &mut *turn.slot {
-            ArenaSlot::Ready(_, cached) => cached.take(),
-            _ => None,
-        };
-        let plan = cached.map_or_else(
-            || plans::barrier(self.rank(), self.size(), turn.slot_bytes()),
-            Ok,
-        );
-        let result = self
-            .arena_exec(
-                turn,
-                "barrier",
-                plan.as_ref().map_err(Clone::clone),
-                Exec::InPlace(&mut []),
-                &[],
-            )
-            .await;
-        if let (Ok(plan), ArenaSlot::Ready(_, cached)) = (plan, &mut *turn.slot) {
-            *cached = Some(plan);
-        }
-        result.map(|_| ())
+        let (rank, world) = (self.rank(), self.size());
+        self.arena_run_kept(
+            turn,
+            "barrier",
+            PlanKey::barrier(),
+            |s| plans::barrier(rank, world, s),
+            Exec::InPlace(&mut []),
+            &[],
+        )
+        .await
+        .map(|_| ())
     }
 
     pub(super) async fn arena_all_reduce(
@@ -591,19 +640,13 @@ impl Group {
         op: ReduceOp,
     ) -> Result<(), ProcessGroupError> {
         let count = whole_elements("all_reduce", data.len(), element)?;
-        let plan = plans::all_reduce(
-            self.rank(),
-            self.size(),
-            count,
-            element,
-            op,
-            turn.slot_bytes(),
-        );
-        self.arena_run(
+        let (rank, world) = (self.rank(), self.size());
+        self.arena_run_kept(
             turn,
             "all_reduce",
-            plan,
-            data,
+            PlanKey::all_reduce(count, element, op),
+            |s| plans::all_reduce(rank, world, count, element, op, s),
+            Exec::InPlace(data),
             &[op_code(op), element_code(element), count as u64],
         )
         .await?;
@@ -626,23 +669,26 @@ impl Group {
             root as u64,
             count as u64,
         ];
-        let plan = plans::reduce(
-            self.rank(),
-            self.size(),
-            root,
-            count,
-            element,
-            op,
-            turn.slot_bytes(),
-        );
-        if self.rank() == root {
-            self.arena_run(turn, "reduce", plan, data, &signature)
+        let (rank, world) = (self.rank(), self.size());
+        let key = PlanKey::reduce(root, count, element, op);
+        let make = |s| plans::reduce(rank, world, root, count, element, op, s);
+        if rank == root {
+            self.arena_run_kept(turn, "reduce", key, make, Exec::InPlace(data), &signature)
                 .await?;
             op.finish(element, data, self.size());
             Ok(())
         } else {
-            self.arena_run(turn, "reduce", plan, &mut data.to_vec(), &signature)
-                .await
+            let mut scratch = data.to_vec();
+            self.arena_run_kept(
+                turn,
+                "reduce",
+                key,
+                make,
+                Exec::InPlace(&mut scratch),
+                &signature,
+            )
+            .await
+            .map(|_| ())
         }
     }
 
@@ -652,21 +698,17 @@ impl Group {
         data: &mut [u8],
         root: usize,
     ) -> Result<(), ProcessGroupError> {
-        let plan = plans::broadcast(
-            self.rank(),
-            self.size(),
-            root,
-            data.len(),
-            turn.slot_bytes(),
-        );
-        self.arena_run(
+        let (rank, world, len) = (self.rank(), self.size(), data.len());
+        self.arena_run_kept(
             turn,
             "broadcast",
-            plan,
-            data,
-            &[root as u64, data.len() as u64],
+            PlanKey::broadcast(root, len),
+            |s| plans::broadcast(rank, world, root, len, s),
+            Exec::InPlace(data),
+            &[root as u64, len as u64],
         )
         .await
+        .map(|_| ())
     }
 
     pub(super) async fn arena_broadcast_bytes(
@@ -729,11 +771,18 @@ impl Group {
         let lens = self
             .arena_block_lens(turn, "all_gather", input.len())
             .await?;
-        let plan = plans::all_gather(rank, &lens, turn.slot_bytes());
         // The receiving buffer is never cleared: the plan writes every byte of it.
         let buffer = self
-            .arena_run_fresh(turn, "all_gather", plan, input, &as_words(&lens))
-            .await?;
+            .arena_run_kept(
+                turn,
+                "all_gather",
+                PlanKey::all_gather(&lens),
+                |s| plans::all_gather(rank, &lens, s),
+                Exec::Fresh(input),
+                &as_words(&lens),
+            )
+            .await?
+            .unwrap_or_default();
         Ok(split(buffer.into(), &lens))
     }
 

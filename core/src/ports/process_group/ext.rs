@@ -17,12 +17,13 @@ use super::{Buf, Done, Op, Pending, ProcessGroup, ProcessGroupError, UNBOUNDED};
 /// Each is issued when its future is first polled (the ordering point, see the
 /// [port's contract](super)) and completes when the collective has on this rank.
 pub trait Collectives: ProcessGroup {
-    /// Runs `op` to its end: [`start`](ProcessGroup::start) and wait.
+    /// Runs `op` to its end: [`start`](ProcessGroup::start) and wait
+    /// ([`run_op`](ProcessGroup::run_op)), issued at the first poll.
     fn run<'a>(
         &'a self,
         op: Op<'a>,
     ) -> impl Future<Output = Result<Done, ProcessGroupError>> + Send + 'a {
-        async move { self.start(op).wait(UNBOUNDED).await }
+        async move { self.run_op(op).await }
     }
 
     /// Returns once every rank has entered the barrier.

@@ -1,0 +1,316 @@
+//! Arena plans kept between collectives: a plan is a pure function of the rank, the world, the
+//! slot size and the collective's arguments ([`arena`](super::arena)), so a group that runs
+//! the same small collective again (a barrier, an 8-byte all_reduce in a loop) may run the plan
+//! it made last time instead of building the same phases again (several allocations and a walk
+//! over the world per call, against a collective that takes a few microseconds).
+//!
+//! [`PlanCache`] decides what is kept: at most [`PLAN_CACHE_ENTRIES`] plans, each of at most
+//! [`PLAN_CACHE_MAX_PHASES`] phases (a large message's plan, with a phase per chunk, is made
+//! each time: its copies dwarf the plan), under a key that holds the collective's name and
+//! every argument the plan depends on besides rank, world and slot (those are the arena's and
+//! never change). A key that does not fit [`PlanKey::new`] is not cached.
+
+use super::arena::ArenaPlan;
+use super::{ElementType, ReduceOp};
+
+/// How many plans a [`PlanCache`] keeps.
+pub const PLAN_CACHE_ENTRIES: usize = 8;
+
+/// The most phases a plan may have to be kept.
+pub const PLAN_CACHE_MAX_PHASES: usize = 2;
+
+/// The most argument words a [`PlanKey`] holds.
+pub const PLAN_KEY_WORDS: usize = 4;
+
+/// What a cached plan was made for: the collective and its arguments, exactly (no hash: two
+/// keys are equal only when every word is).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanKey {
+    collective: &'static str,
+    len: usize,
+    words: [u64; PLAN_KEY_WORDS],
+}
+
+impl PlanKey {
+    /// The key of `collective` with `words`, its arguments besides rank, world and slot (the
+    /// arena's); `None` when there are more than [`PLAN_KEY_WORDS`] (such a plan is not kept).
+    /// The keys of the collectives below are made by their own functions, which give every
+    /// argument a word of its own.
+    pub fn new(collective: &'static str, words: &[u64]) -> Option<Self> {
+        let mut key = PlanKey {
+            collective,
+            len: words.len(),
+            words: [0; PLAN_KEY_WORDS],
+        };
+        key.words.get_mut(..words.len())?.copy_from_slice(words);
+        Some(key)
+    }
+
+    /// [`barrier`](super::arena::barrier)'s key.
+    pub fn barrier() -> Option<Self> {
+        Self::new("barrier", &[])
+    }
+
+    /// [`all_reduce`](super::arena::all_reduce)'s key.
+    pub fn all_reduce(count: usize, element: ElementType, op: ReduceOp) -> Option<Self> {
+        Self::new(
+            "all_reduce",
+            &[count as u64, element_word(element), op_word(op)],
+        )
+    }
+
+    /// [`reduce`](fn@super::arena::reduce)'s key.
+    pub fn reduce(root: usize, count: usize, element: ElementType, op: ReduceOp) -> Option<Self> {
+        Self::new(
+            "reduce",
+            &[
+                root as u64,
+                count as u64,
+                element_word(element),
+                op_word(op),
+            ],
+        )
+    }
+
+    /// [`broadcast`](super::arena::broadcast)'s key.
+    pub fn broadcast(root: usize, len: usize) -> Option<Self> {
+        Self::new("broadcast", &[root as u64, len as u64])
+    }
+
+    /// [`all_gather`](super::arena::all_gather)'s key when every block has the same length
+    /// (`None` otherwise: such a plan is not kept).
+    pub fn all_gather(lens: &[usize]) -> Option<Self> {
+        let first = *lens.first()?;
+        if lens.iter().any(|l| *l != first) {
+            return None;
+        }
+        Self::new("all_gather", &[lens.len() as u64, first as u64])
+    }
+}
+
+/// `element`'s place in [`ElementType::ALL`]: a word of its own for each.
+fn element_word(element: ElementType) -> u64 {
+    ElementType::ALL
+        .iter()
+        .position(|e| *e == element)
+        .map_or(u64::MAX, |i| i as u64)
+}
+
+/// `op`'s place in [`ReduceOp::ALL`].
+fn op_word(op: ReduceOp) -> u64 {
+    ReduceOp::ALL
+        .iter()
+        .position(|o| *o == op)
+        .map_or(u64::MAX, |i| i as u64)
+}
+
+/// The plans of one arena, kept between its collectives (see the [module docs](self)). Made
+/// for one rank, world and slot size: a plan made for others is never kept.
+#[derive(Debug, Clone)]
+pub struct PlanCache {
+    rank: usize,
+    world: usize,
+    slot: usize,
+    /// Least recently used first.
+    plans: Vec<(PlanKey, ArenaPlan)>,
+}
+
+impl PlanCache {
+    /// An empty cache for the plans of `rank` of `world`, with slots of `slot` bytes.
+    pub fn new(rank: usize, world: usize, slot: usize) -> Self {
+        PlanCache {
+            rank,
+            world,
+            slot,
+            plans: Vec::with_capacity(PLAN_CACHE_ENTRIES),
+        }
+    }
+
+    /// The plan kept under `key`, taken out (give it back with [`keep`](Self::keep)), or
+    /// `None`.
+    pub fn take(&mut self, key: &PlanKey) -> Option<ArenaPlan> {
+        let at = self.plans.iter().position(|(k, _)| k == key)?;
+        Some(self.plans.remove(at).1)
+    }
+
+    /// The plan under `key`, from the cache or made by `make` (a plan `make` refuses is
+    /// returned as its error, and nothing is kept).
+    pub fn take_or<E>(
+        &mut self,
+        key: Option<PlanKey>,
+        make: impl FnOnce() -> Result<ArenaPlan, E>,
+    ) -> Result<ArenaPlan, E> {
+        match key.and_then(|k| self.take(&k)) {
+            Some(plan) => Ok(plan),
+            None => make(),
+        }
+    }
+
+    /// Keeps `plan` under `key` as the most recently used, dropping the least recently used
+    /// past [`PLAN_CACHE_ENTRIES`]. Not kept: a plan of more than [`PLAN_CACHE_MAX_PHASES`]
+    /// phases, one made for another rank, world or slot size, or one without a key. Returns
+    /// whether it was kept.
+    pub fn keep(&mut self, key: Option<PlanKey>, plan: ArenaPlan) -> bool {
+        let Some(key) = key else {
+            return false;
+        };
+        if plan.phases().len() > PLAN_CACHE_MAX_PHASES
+            || (plan.rank(), plan.world(), plan.slot_bytes()) != (self.rank, self.world, self.slot)
+        {
+            return false;
+        }
+        self.plans.retain(|(k, _)| *k != key);
+        if self.plans.len() == PLAN_CACHE_ENTRIES {
+            self.plans.remove(0);
+        }
+        self.plans.push((key, plan));
+        true
+    }
+
+    /// How many plans are kept.
+    pub fn len(&self) -> usize {
+        self.plans.len()
+    }
+
+    /// Whether no plan is kept.
+    pub fn is_empty(&self) -> bool {
+        self.plans.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::arena as plans;
+    use super::*;
+
+    const SLOT: usize = 4096;
+
+    fn all_reduce(count: usize) -> ArenaPlan {
+        plans::all_reduce(1, 4, count, ElementType::F32, ReduceOp::Sum, SLOT).unwrap()
+    }
+
+    fn key(count: u64) -> Option<PlanKey> {
+        PlanKey::new("all_reduce", &[0, 401, count])
+    }
+
+    #[test]
+    fn a_kept_plan_comes_back_only_under_its_own_key() {
+        let mut cache = PlanCache::new(1, 4, SLOT);
+        assert!(cache.keep(key(2), all_reduce(2)));
+        assert_eq!(cache.take(&key(3).unwrap()), None);
+        assert_eq!(
+            cache.take(&PlanKey::new("reduce", &[0, 401, 2]).unwrap()),
+            None
+        );
+        // A key with fewer words is another key, even where the words it has agree.
+        assert_eq!(
+            cache.take(&PlanKey::new("all_reduce", &[0, 401]).unwrap()),
+            None
+        );
+        assert_eq!(cache.take(&key(2).unwrap()), Some(all_reduce(2)));
+        // Taken out: not there again until it is given back.
+        assert_eq!(cache.take(&key(2).unwrap()), None);
+        assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn take_or_makes_a_plan_it_does_not_hold_and_keeps_none_itself() {
+        let mut cache = PlanCache::new(1, 4, SLOT);
+        let mut made = 0;
+        let mut make = || {
+            made += 1;
+            Ok::<_, ()>(all_reduce(2))
+        };
+        let plan = cache.take_or(key(2), &mut make).unwrap();
+        assert!(cache.is_empty());
+        cache.keep(key(2), plan);
+        assert_eq!(cache.take_or(key(2), &mut make), Ok(all_reduce(2)));
+        assert_eq!(made, 1);
+        // A refused plan is the caller's error, and nothing is kept.
+        assert_eq!(
+            cache.take_or(key(5), || Err::<ArenaPlan, _>("bad")),
+            Err("bad")
+        );
+        assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn every_element_type_and_op_has_a_key_of_its_own() {
+        let mut keys = Vec::new();
+        for element in ElementType::ALL {
+            for op in ReduceOp::ALL {
+                keys.push(PlanKey::all_reduce(8, element, op).unwrap());
+                keys.push(PlanKey::reduce(0, 8, element, op).unwrap());
+            }
+        }
+        keys.extend([
+            PlanKey::all_reduce(9, ElementType::F32, ReduceOp::Sum).unwrap(),
+            PlanKey::reduce(1, 8, ElementType::F32, ReduceOp::Sum).unwrap(),
+            PlanKey::barrier().unwrap(),
+            PlanKey::broadcast(0, 8).unwrap(),
+            PlanKey::broadcast(1, 8).unwrap(),
+            PlanKey::all_gather(&[8, 8]).unwrap(),
+            PlanKey::all_gather(&[8, 8, 8]).unwrap(),
+        ]);
+        for (i, a) in keys.iter().enumerate() {
+            for b in &keys[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+        // Blocks of different lengths: not kept.
+        assert_eq!(PlanKey::all_gather(&[8, 16]), None);
+        assert_eq!(PlanKey::all_gather(&[]), None);
+    }
+
+    #[test]
+    fn keys_longer_than_the_words_are_not_cached() {
+        assert!(PlanKey::new("all_gather", &[1, 2, 3, 4, 5]).is_none());
+        assert!(PlanKey::new("all_gather", &[1, 2, 3, 4]).is_some());
+        let mut cache = PlanCache::new(1, 4, SLOT);
+        assert!(!cache.keep(None, all_reduce(2)));
+        assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn the_cache_is_bounded_and_drops_the_least_recently_used() {
+        let mut cache = PlanCache::new(1, 4, SLOT);
+        for c in 0..PLAN_CACHE_ENTRIES as u64 {
+            assert!(cache.keep(key(c + 1), all_reduce(c as usize + 1)));
+        }
+        // Use the oldest: it becomes the newest.
+        let oldest = cache.take(&key(1).unwrap()).unwrap();
+        cache.keep(key(1), oldest);
+        assert!(cache.keep(key(100), all_reduce(100)));
+        assert_eq!(cache.len(), PLAN_CACHE_ENTRIES);
+        // The one dropped is the second kept, now the least recently used.
+        assert_eq!(cache.take(&key(2).unwrap()), None);
+        assert!(cache.take(&key(1).unwrap()).is_some());
+        assert!(cache.take(&key(100).unwrap()).is_some());
+        // Keeping a key again replaces its plan rather than holding two.
+        let mut cache = PlanCache::new(1, 4, SLOT);
+        cache.keep(key(2), all_reduce(2));
+        cache.keep(key(2), all_reduce(2));
+        assert_eq!(cache.len(), 1);
+    }
+
+    #[test]
+    fn long_plans_and_plans_of_another_arena_are_not_kept() {
+        let mut cache = PlanCache::new(1, 4, SLOT);
+        // A message of many slots: a phase (or two) per chunk.
+        let long = all_reduce(64 * SLOT);
+        assert!(long.phases().len() > PLAN_CACHE_MAX_PHASES);
+        assert!(!cache.keep(key(64 * SLOT as u64), long));
+        for other in [
+            plans::barrier(2, 4, SLOT).unwrap(),
+            plans::barrier(1, 5, SLOT).unwrap(),
+            plans::barrier(1, 4, 2 * SLOT).unwrap(),
+        ] {
+            assert!(!cache.keep(PlanKey::new("barrier", &[]), other));
+        }
+        assert!(cache.is_empty());
+        assert!(cache.keep(
+            PlanKey::new("barrier", &[]),
+            plans::barrier(1, 4, SLOT).unwrap()
+        ));
+    }
+}
