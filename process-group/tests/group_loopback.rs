@@ -681,6 +681,43 @@ async fn a_dtype_mismatch_fails_naming_both_sides() {
     .await;
 }
 
+/// On the arena path, ranks that disagree only on an element type of the same size (i8 against
+/// u8, u8 against bool) fail both: the arena's signature word told them apart by size and
+/// float-ness alone, so these ranks reduced each other's bytes as their own type.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_arena_tells_element_types_of_one_size_apart() {
+    bounded(async {
+        for (i, (x, y)) in [
+            (ElementType::I8, ElementType::U8),
+            (ElementType::U8, ElementType::Bool),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let gs = groups(2, &format!("same-size-{i}"), Duration::from_secs(5)).await;
+            let (mut a, mut b) = ([1u8; 4], [1u8; 4]);
+            let (ra, rb) = tokio::join!(
+                gs[0].all_reduce(&mut a, x, ReduceOp::Max),
+                gs[1].all_reduce(&mut b, y, ReduceOp::Max),
+            );
+            for (rank, r) in [(0, ra), (1, rb)] {
+                let e = r.expect_err("ranks that disagree on the element type must fail");
+                // The arena's account: the rank that found it names the other; a rank that
+                // read its peer's report first names the reporter.
+                assert!(
+                    matches!(
+                        e,
+                        ProcessGroupError::Mismatch { peer, .. }
+                            | ProcessGroupError::PeerAborted { rank: peer, .. } if peer == 1 - rank
+                    ),
+                    "{x:?}/{y:?} rank {rank}: {e}"
+                );
+            }
+        }
+    })
+    .await;
+}
+
 /// Issue 20, defect 3: a call refused for its own arguments takes no place in the sequence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_locally_refused_call_leaves_the_group_in_step() {

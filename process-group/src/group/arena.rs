@@ -997,8 +997,13 @@ fn op_code(op: ReduceOp) -> u64 {
     ReduceOp::ALL.iter().position(|o| *o == op).unwrap_or(99) as u64
 }
 
+/// The element type's place in [`ElementType::ALL`]: one word per type (its size and
+/// float-ness alone would take i8, u8 and bool for one another).
 fn element_code(element: ElementType) -> u64 {
-    element.size() as u64 * 100 + u64::from(element.is_float())
+    ElementType::ALL
+        .iter()
+        .position(|e| *e == element)
+        .map_or(u64::MAX, |p| p as u64)
 }
 
 /// `bytes` cut into consecutive blocks of `lens`.
