@@ -222,7 +222,16 @@ def _worker(rank: int, conn: Any, module_name: str, env: dict) -> None:
             except BaseException:
                 conn.send(("failed", traceback.format_exc(), _rpc_up()))
             continue
-        module._fresh_state()
+        if command == "fresh":
+            # The module state PyTorch's new processes start with, set on every rank before
+            # any rank starts the body (a body calls the other ranks at once, and a rank
+            # that set its state afterwards would wipe what such a call recorded).
+            try:
+                module._fresh_state()
+                conn.send(("ok", "", _rpc_up()))
+            except BaseException:
+                conn.send(("failed", traceback.format_exc(), _rpc_up()))
+            continue
         test = cls(rank, init_method)
         method = getattr(test, name)
         try:
@@ -335,6 +344,10 @@ class World:
             self.fresh_group = True
         init_method = self._init_method()
         try:
+            fresh = self._send_all(("fresh", name, init_method, self._pg_init()))
+            bad = [f"rank {r}:\n{trace}" for r, (status, trace, _) in enumerate(fresh) if status != "ok"]
+            if bad:
+                raise AssertionError(f"{name}: a rank failed to set its fresh state:\n" + "\n".join(bad))
             replies = self._send_all(("run", name, init_method, self._pg_init()))
         except (TimeoutError, EOFError, OSError) as e:
             self.restart()
