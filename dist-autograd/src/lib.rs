@@ -113,10 +113,12 @@ use tensorwire_core::tensor::Tensor as HostTensor;
 use tensorwire_rpc::{Agent, CallContext, InitError, PeerEvent, RRef, RpcError};
 
 mod engine;
+mod inspect;
 pub mod optim;
 mod release;
 mod responding;
 
+pub use inspect::FunctionRecord;
 pub use optim::{BuiltinState, DistributedOptimizer, LocalOptimizer, Parameter};
 pub use responding::Responder;
 pub use tensorwire_core::autograd::optim::{Adagrad, Adam, AdamW, Optimizer, RmsProp, Sgd};

@@ -1,6 +1,6 @@
 """Type stubs of tensorwire's native module (Rust, pyo3)."""
 
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -213,6 +213,14 @@ class PyDistAutograd:
     def check_context(self, context: int) -> None:
         """Raises PyTorch's "Could not find autograd context" error unless held here."""
     def context_count(self) -> int: ...
+    def debug_info(self) -> tuple[int, int]:
+        """(contexts held here, contexts with backward work running here)."""
+    def known_workers(self, context: int) -> list[int]:
+        """The ranks of the workers ``context`` reached from here."""
+    def send_functions(self, context: int) -> list[tuple[int, int, list[Any]]]:
+        """``[(message id, receiver's rank, tensors)]`` of ``context``'s send functions here."""
+    def recv_functions(self, context: int) -> list[tuple[int, int, list[Any]]]:
+        """``[(message id, sender's rank, tensors)]`` of ``context``'s recv functions here."""
     def call(
         self,
         context: int,

@@ -11,7 +11,9 @@ group is started once, and again only after a test left it shut down); a
 replaced by the controller's barrier: the next test starts once every rank reported; a
 ``@dist_init(clean_shutdown=False)`` test's ranks let go of their agent at once when the body
 returns (``rpc.shutdown(graceful=False)``, as PyTorch's ``dist_init`` does), and the next test
-meets in a new group.
+meets in a new group. A body that ends its process with ``sys.exit(0)`` (which PyTorch's
+``MultiProcessTestCase`` counts as a pass) ends this one too, and the world starts new
+processes for the next test.
 
 ``initialize_pg`` (PyTorch's ``dist_utils.initialize_pg``: a gloo process group for
 ``dist.barrier()``) starts a group over a ``file://`` store of its own
@@ -220,7 +222,16 @@ def _worker(rank: int, conn: Any, module_name: str, env: dict) -> None:
             except BaseException:
                 conn.send(("failed", traceback.format_exc(), _rpc_up()))
             continue
-        module._fresh_state()
+        if command == "fresh":
+            # The module state PyTorch's new processes start with, set on every rank before
+            # any rank starts the body (a body calls the other ranks at once, and a rank
+            # that set its state afterwards would wipe what such a call recorded).
+            try:
+                module._fresh_state()
+                conn.send(("ok", "", _rpc_up()))
+            except BaseException:
+                conn.send(("failed", traceback.format_exc(), _rpc_up()))
+            continue
         test = cls(rank, init_method)
         method = getattr(test, name)
         try:
@@ -250,6 +261,15 @@ def _worker(rank: int, conn: Any, module_name: str, env: dict) -> None:
                     # PyTorch's dist_init(clean_shutdown=False): no barrier with the others.
                     rpc.shutdown(graceful=False)
             conn.send(("ok", "", _rpc_up(), dist.is_initialized()))
+        except SystemExit as e:
+            if e.code not in (0, None):
+                conn.send(("failed", traceback.format_exc(), _rpc_up(), dist.is_initialized()))
+                continue
+            # The body ended its process with exit code 0, as PyTorch's tests may (its
+            # MultiProcessTestCase passes a rank that exits 0): this one ends too, and the
+            # world starts new processes for the next test.
+            conn.send(("exited", "", _rpc_up(), dist.is_initialized()))
+            break
         except BaseException:
             conn.send(("failed", traceback.format_exc(), _rpc_up(), dist.is_initialized()))
     if _rpc_up():
@@ -324,10 +344,26 @@ class World:
             self.fresh_group = True
         init_method = self._init_method()
         try:
+            fresh = self._send_all(("fresh", name, init_method, self._pg_init()))
+            bad = [f"rank {r}:\n{trace}" for r, (status, trace, _) in enumerate(fresh) if status != "ok"]
+            if bad:
+                raise AssertionError(f"{name}: a rank failed to set its fresh state:\n" + "\n".join(bad))
             replies = self._send_all(("run", name, init_method, self._pg_init()))
         except (TimeoutError, EOFError, OSError) as e:
             self.restart()
             raise AssertionError(f"{name}: {e}; the world was restarted") from None
+        failures = [
+            f"rank {r}:\n{trace}"
+            for r, (status, trace, _, _) in enumerate(replies)
+            if status not in ("ok", "exited")
+        ]
+        if any(status == "exited" for status, _, _, _ in replies):
+            # Some rank's body ended its process (``sys.exit(0)``): new processes, as PyTorch
+            # has for every test.
+            self.restart()
+            if failures:
+                raise AssertionError(f"{name} failed:\n" + "\n".join(failures))
+            return
         if not all(up for _, _, up, _ in replies):
             # Some rank ended without RPC: every rank lets go of its agent, and the next test
             # meets in a new group.
@@ -336,7 +372,6 @@ class World:
             except (TimeoutError, EOFError, OSError):
                 self.restart()
             self.fresh_group = True
-        failures = [f"rank {r}:\n{trace}" for r, (status, trace, _, _) in enumerate(replies) if status != "ok"]
         if failures and any(pg for _, _, _, pg in replies):
             # Some rank may have left a collective the others were in: a new process group.
             self.pg_generation += 1

@@ -775,6 +775,22 @@ impl PyDistAutograd {
     }
 }
 
+/// A send or recv function as Python sees it: message id, the peer's rank, the tensors.
+type FunctionRow = (u64, u32, Vec<Py<PyAny>>);
+
+fn function_rows(
+    py: Python<'_>,
+    records: Vec<tensorwire_dist_autograd::FunctionRecord<TorchTensor>>,
+) -> Vec<FunctionRow> {
+    records
+        .into_iter()
+        .map(|r| {
+            let tensors = r.tensors.iter().map(|t| t.0.clone_ref(py)).collect();
+            (r.message.0, r.peer, tensors)
+        })
+        .collect()
+}
+
 /// The tracked tensors of a Python list.
 fn tracked_list(list: &Bound<'_, PyList>) -> PyResult<Vec<TorchTensor>> {
     tracked_of(list.as_any())
@@ -854,6 +870,31 @@ impl PyDistAutograd {
     /// How many contexts this worker holds.
     fn context_count(&self, py: Python<'_>) -> usize {
         py.detach(|| self.dist.context_count())
+    }
+
+    /// `(contexts held here, contexts with backward work running here)`: PyTorch's
+    /// `num_autograd_contexts` and `num_current_backward_passes`.
+    fn debug_info(&self, py: Python<'_>) -> (usize, usize) {
+        py.detach(|| (self.dist.context_count(), self.dist.backward_passes()))
+    }
+
+    /// The ranks of the workers `context` reached from here (PyTorch's `_known_worker_ids`).
+    fn known_workers(&self, py: Python<'_>, context: u64) -> PyResult<Vec<u32>> {
+        py.detach(|| Ok(self.retrieve(context)?.known_workers()))
+    }
+
+    /// The send functions of `context` here: `[(message id, receiver's rank, [tensors])]`, the
+    /// tensors each message carried that require grad.
+    fn send_functions(&self, py: Python<'_>, context: u64) -> PyResult<Vec<FunctionRow>> {
+        let records = py.detach(|| Ok::<_, PyErr>(self.retrieve(context)?.send_functions()))?;
+        Ok(function_rows(py, records))
+    }
+
+    /// The recv functions of `context` here: `[(message id, sender's rank, [tensors])]`, the
+    /// tracked tensors each message brought in.
+    fn recv_functions(&self, py: Python<'_>, context: u64) -> PyResult<Vec<FunctionRow>> {
+        let records = py.detach(|| Ok::<_, PyErr>(self.retrieve(context)?.recv_functions()))?;
+        Ok(function_rows(py, records))
     }
 
     /// Calls `function` on `to` in `context`: `payload` is the pickled arguments, `tensors`

@@ -125,8 +125,10 @@ def get_gradients(context_id: int) -> dict:
 
 
 class _Context:
-    """What ``_retrieve_context`` and ``_current_context`` return (PyTorch's
-    ``DistAutogradContext``, the part that is not its internals)."""
+    """What ``_retrieve_context``, ``_current_context`` and ``_new_context`` return (PyTorch's
+    ``DistAutogradContext``): the id, and what the context holds on this worker, read from
+    the native driver's records (tensorwire's send and recv functions are records of the
+    driver, not nodes of torch's graph: see :class:`_SendFunction`)."""
 
     def __init__(self, context_id: int):
         self._id = context_id
@@ -134,8 +136,117 @@ class _Context:
     def _context_id(self) -> int:
         return self._id
 
+    def _known_worker_ids(self) -> set:
+        """The ranks of the workers this worker sent to or received from in the context
+        (every call made in it counts, tensors that require grad or not): those its release
+        is sent to."""
+        try:
+            return set(_native_ad().known_workers(self._id))
+        except _native.TensorwireError as e:
+            _raise(e)
+
+    def _send_functions(self) -> dict:
+        """``{autograd message id: _SendFunction}``: one per message that carried tensors
+        requiring grad out of this worker in the context."""
+        try:
+            rows = _native_ad().send_functions(self._id)
+        except _native.TensorwireError as e:
+            _raise(e)
+        return {m: _SendFunction(m, peer, tensors) for m, peer, tensors in rows}
+
+    def _recv_functions(self) -> dict:
+        """``{autograd message id: _RecvFunction}``: one per message that brought tensors
+        requiring grad into this worker in the context."""
+        try:
+            rows = _native_ad().recv_functions(self._id)
+        except _native.TensorwireError as e:
+            _raise(e)
+        return {m: _RecvFunction(m, peer, tensors) for m, peer, tensors in rows}
+
     def __repr__(self) -> str:
         return f"DistAutogradContext({self._id})"
+
+
+def _gradient_edge(t: torch.Tensor) -> tuple:
+    """``(node, input number)``: where a gradient for ``t`` enters this worker's graph, as
+    torch's ``next_functions`` give it (a leaf's ``AccumulateGrad`` node; a sparse leaf's is
+    reached through a clone, as sparse tensors have no views)."""
+    try:
+        edge = torch.autograd.graph.get_gradient_edge(t)
+        return (edge.node, edge.output_nr)
+    except (RuntimeError, NotImplementedError):
+        with torch.enable_grad():
+            return t.clone().grad_fn.next_functions[0]
+
+
+class _SendFunction:
+    """A send function of a context on this worker (PyTorch's ``SendRpcBackward``): the
+    tensors requiring grad that one message carried to ``to``. tensorwire's driver keeps
+    them under the message's id; a gradient that comes back for them starts a local pass
+    from them, entering the graph at ``next_functions`` (each tensor's gradient edge, in
+    the order sent, as torch's ``next_functions`` give them)."""
+
+    def __init__(self, message_id: int, to: int, tensors: list):
+        self.message_id = message_id
+        self.to = to
+        self.tensors = tuple(tensors)
+
+    @staticmethod
+    def name() -> str:
+        return "torch::distributed::autograd::SendRpcBackward"
+
+    @property
+    def next_functions(self) -> tuple:
+        return tuple(_gradient_edge(t) for t in self.tensors)
+
+    def __repr__(self) -> str:
+        return f"<SendRpcBackward message {self.message_id} to rank {self.to}>"
+
+
+class _RecvFunction:
+    """A recv function of a context on this worker (PyTorch's ``RecvRpcBackward``): the
+    tensors requiring grad that one message brought from ``sender``, leaves of this worker's
+    graph whose gradients go back to it (so no edges lead on from here)."""
+
+    def __init__(self, message_id: int, sender: int, tensors: list):
+        self.message_id = message_id
+        self.sender = sender
+        self.tensors = tuple(tensors)
+        self.next_functions: tuple = ()
+
+    @staticmethod
+    def name() -> str:
+        return "torch::distributed::autograd::RecvRpcBackward"
+
+    def __repr__(self) -> str:
+        return f"<RecvRpcBackward message {self.message_id} from rank {self.sender}>"
+
+
+def _new_context() -> _Context:
+    """A new context, made current on this thread without a ``with`` block (PyTorch's
+    ``_new_context``); :func:`_release_context` releases it."""
+    ctx = context()
+    return _Context(ctx.__enter__())
+
+
+def _release_context(context_id: int) -> None:
+    """Releases ``context_id`` here and on every worker it reached (PyTorch's
+    ``_release_context``); it stops being current on this thread if it was.
+    ``RuntimeError`` for a context this worker does not hold."""
+    if _autograd_engine.current_id() == context_id:
+        _autograd_engine.set_current(None)
+    try:
+        _native_ad().release(int(context_id))
+    except _native.TensorwireError as e:
+        _raise(e)
+
+
+def _get_debug_info() -> dict:
+    """PyTorch's ``_get_debug_info``: ``num_autograd_contexts`` (the contexts this worker
+    holds) and ``num_current_backward_passes`` (those with backward work running here now),
+    as strings."""
+    contexts, passes = _native_ad().debug_info()
+    return {"num_current_backward_passes": str(passes), "num_autograd_contexts": str(contexts)}
 
 
 def _retrieve_context(context_id: int) -> _Context:
