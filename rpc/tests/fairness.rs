@@ -228,19 +228,17 @@ async fn a_peer_that_does_not_read_its_replies_has_its_requests_held_and_honest_
         // w2 stops reading and asks w0 for far more than its budget would queue: w0 holds
         // w2's requests once their replies wait unread.
         let flood = flood_until_held(&agents, &open, &runs).await;
-        // Meanwhile honest calls are served at once (a bound far above their cost, far below
-        // the seconds they stalled for before).
-        let mut slowest = Duration::ZERO;
+        // Meanwhile honest calls are served while w2's requests stay held: each one is
+        // answered before anything of the flood is let go (before, they waited behind it). No
+        // clock: a loaded machine slows both alike.
         for i in 0..50u32 {
-            let t = Instant::now();
             let back: u32 = honest.rpc_sync("w0", "ping", &i, None).await.unwrap();
             assert_eq!(back, i);
-            slowest = slowest.max(t.elapsed());
+            assert!(
+                victim.budget().held(2).requests > 0,
+                "honest call {i} was answered only once w2's requests were let go"
+            );
         }
-        assert!(
-            slowest < Duration::from_secs(2),
-            "an honest call took {slowest:?}"
-        );
         // Nothing more of the flood ran since, and the held requests stay within the budget:
         // the peer is held, not dropped.
         let ran = runs.load(Ordering::Relaxed);
