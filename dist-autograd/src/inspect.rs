@@ -37,36 +37,30 @@ impl<E: AutogradEngine> AutogradContext<E> {
     /// none has a send record (its callee holds the context) but no send function, as in
     /// PyTorch.
     pub fn send_functions(&self) -> Vec<FunctionRecord<E::Tensor>> {
-        let sh = self.inner.lock();
-        let Some(data) = sh.data.get(&self.id) else {
-            return Vec::new();
-        };
-        sh.state
-            .send_records(self.id)
-            .into_iter()
-            .filter_map(|(message, peer)| {
-                let tensors = data.sends.get(&message)?;
-                (!tensors.is_empty()).then(|| FunctionRecord {
-                    message,
-                    peer,
-                    tensors: tensors.clone(),
-                })
-            })
-            .collect()
+        self.functions(Side::Send)
     }
 
     /// The recv functions of this context here, by message id: the messages that brought
     /// tracked tensors in, with those tensors (leaves of this worker's graph).
     pub fn recv_functions(&self) -> Vec<FunctionRecord<E::Tensor>> {
+        self.functions(Side::Recv)
+    }
+
+    /// The core's records of one side joined with the tensors the driver keeps under them
+    /// (a record without tracked tensors is no function).
+    fn functions(&self, side: Side) -> Vec<FunctionRecord<E::Tensor>> {
         let sh = self.inner.lock();
         let Some(data) = sh.data.get(&self.id) else {
             return Vec::new();
         };
-        sh.state
-            .recv_records(self.id)
+        let (records, kept) = match side {
+            Side::Send => (sh.state.send_records(self.id), &data.sends),
+            Side::Recv => (sh.state.recv_records(self.id), &data.recvs),
+        };
+        records
             .into_iter()
             .filter_map(|(message, peer)| {
-                let tensors = data.recvs.get(&message)?;
+                let tensors = kept.get(&message)?;
                 (!tensors.is_empty()).then(|| FunctionRecord {
                     message,
                     peer,
@@ -75,6 +69,13 @@ impl<E: AutogradEngine> AutogradContext<E> {
             })
             .collect()
     }
+}
+
+/// Which functions of a context [`AutogradContext::functions`] reads.
+#[derive(Clone, Copy)]
+enum Side {
+    Send,
+    Recv,
 }
 
 impl<E: AutogradEngine> DistAutograd<E> {
