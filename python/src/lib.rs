@@ -549,6 +549,18 @@ impl ProcessGroupHandle {
 }
 
 /// The native module.
+/// Sends the Rust side's log to stderr, filtered by `TENSORWIRE_LOG` (the `tracing` filter
+/// syntax, e.g. `debug` or `tensorwire_rpc=debug`; default `warn`, so that a dropped peer or a
+/// refused message is said). A subscriber installed already (an embedding program's) is kept.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TENSORWIRE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ProcessGroupHandle>()?;
@@ -561,6 +573,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rpc::check_worker_name, m)?)?;
     m.add("TensorwireError", m.py().get_type::<TensorwireError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    init_logging();
     // From the interpreter's exit on, nothing more is handed to the runners (see
     // `gil::interpreter_exiting`).
     let atexit = m.py().import("atexit")?;

@@ -375,7 +375,7 @@ impl Agent {
     fn transfer_error(&self, to: WorkerId, function: &str, e: TensorTransferError) -> RpcError {
         match e {
             TensorTransferError::Encode(e) => RpcError::Serialization {
-                what: format!("the arguments of {function:?}"),
+                what: format!("encode the arguments of {function:?}"),
                 source: Box::new(e),
             },
             other => RpcError::Tensors {
@@ -827,7 +827,7 @@ impl Agent {
     ) -> Result<Vec<T>, RpcError> {
         let what = format!("all_gather {name:?}");
         let bytes = gather::encode_value(value).map_err(|e| RpcError::Serialization {
-            what: format!("the {what} value"),
+            what: format!("encode the {what} value"),
             source: Box::new(e),
         })?;
         let blocks = match self.group() {
@@ -847,7 +847,7 @@ impl Agent {
             .enumerate()
             .map(|(r, b)| {
                 gather::decode_value(b).map_err(|e| RpcError::Serialization {
-                    what: format!("the {what} value of member {r}"),
+                    what: format!("decode the {what} value of member {r}"),
                     source: Box::new(e),
                 })
             })
@@ -1155,7 +1155,7 @@ impl Agent {
                 source: Box::new(source),
             })?;
         codec::decode(self, &body.data, tensors, &body.forks).map_err(|e| RpcError::Serialization {
-            what: format!("the result of {what:?} from {from}"),
+            what: format!("decode the result of {what:?} from {from}"),
             source: Box::new(e),
         })
     }

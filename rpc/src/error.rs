@@ -198,7 +198,7 @@ pub enum RpcError {
     /// Arguments or results could not be (de)serialized.
     #[error("cannot {what}: {source}")]
     Serialization {
-        /// What was being (de)serialized.
+        /// What failed, said with its verb ("encode the arguments of …").
         what: String,
         /// The codec's error (core's value codec, or postcard's for an all_gather value).
         #[source]
