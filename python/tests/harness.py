@@ -59,6 +59,11 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn: Callable, world: int, env: dict, args: tuple, errors: str) -> None:
+    # The rank's stderr (the native side's warnings among it) goes to a file of its own, shown
+    # with the failure if the rank fails or hangs.
+    log = os.open(f"{errors}.log.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log, 2)
+    os.close(log)
     os.environ.update(env)
     os.environ["RANK"] = str(rank)
     try:
@@ -127,5 +132,22 @@ def _run_world(
     if hung:
         problems.append(f"rank(s) {hung} did not finish within {WORLD_DEADLINE_S} s")
     if problems:
+        for r in range(world):
+            problems.append(f"rank {r}'s stderr (the last 40 lines):\n{_tail(f'{errors}.log.{r}', 40)}")
+    for r in range(world):
+        for path in (f"{errors}.{r}", f"{errors}.log.{r}"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    if problems:
         raise AssertionError("\n".join(problems))
     return {r: p.exitcode for r, p in enumerate(procs)}
+
+
+def _tail(path: str, lines: int) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:]) or "(empty)"
+    except OSError:
+        return "(none)"
