@@ -479,7 +479,7 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "shutdown did not complete: not every member reported that it is idle (a member \
-             was lost); waiting for rank 2 (w2)"
+             was lost: rank 2: it shut down); waiting for rank 2 (w2)"
         );
         let source = std::error::Error::source(&e).expect("the endpoint's error is the source");
         assert!(source.is::<ShutdownError>(), "{source:?}");

@@ -55,7 +55,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::{Endpoint, Event, Header, Payload, ProtocolViolation, RunState, Transmit, WorkerId};
+use super::{
+    Endpoint, Event, Header, LostCause, Payload, ProtocolViolation, RunState, Transmit, WorkerId,
+};
 
 /// One member's report in a round of a graceful shutdown (see the [module docs](self)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -94,7 +96,7 @@ impl ShutdownPhase {
 
 /// Why a graceful shutdown did not complete.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{}{}{}", .phase.describe(), if *.lost { " (a member was lost)" } else { "" }, .reported_by.map(|w| format!(" (as worker {w} reported: its own shutdown failed waiting for them)")).unwrap_or_default())]
+#[error("{}{}{}", .phase.describe(), lost_words(*.lost, .causes), .reported_by.map(|w| format!(" (as worker {w} reported: its own shutdown failed waiting for them)")).unwrap_or_default())]
 #[non_exhaustive]
 pub struct ShutdownError {
     /// The phase it stopped in.
@@ -103,10 +105,28 @@ pub struct ShutdownError {
     pub missing: Vec<WorkerId>,
     /// Whether it failed because a member was lost (else: the deadline passed).
     pub lost: bool,
+    /// Why each member this worker saw lost was lost, in rank order (the endpoint's first
+    /// cause of each): empty when the deadline passed or another member reported the failure.
+    pub causes: Vec<(WorkerId, LostCause)>,
     /// The member whose failed shutdown made this one fail, naming `missing` (a report about
     /// other workers is that member's word, and the error says whose); `None`: this worker
     /// saw the failure itself.
     pub reported_by: Option<WorkerId>,
+}
+
+/// " (a member was lost)", with each cause this worker knows ("rank 0: …").
+fn lost_words(lost: bool, causes: &[(WorkerId, LostCause)]) -> String {
+    match (lost, causes) {
+        (false, _) => String::new(),
+        (true, []) => " (a member was lost)".to_owned(),
+        (true, causes) => {
+            let each: Vec<String> = causes
+                .iter()
+                .map(|(w, cause)| format!("rank {w}: {cause}"))
+                .collect();
+            format!(" (a member was lost: {})", each.join("; "))
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -349,6 +369,7 @@ impl<B: Payload> Endpoint<B> {
             phase,
             missing,
             lost,
+            causes: Vec::new(),
             reported_by: Some(reporter),
         });
         true
@@ -511,6 +532,7 @@ impl<B: Payload> Endpoint<B> {
             phase,
             missing,
             lost: false,
+            causes: Vec::new(),
             reported_by: None,
         });
     }
@@ -569,10 +591,15 @@ impl<B: Payload> Endpoint<B> {
         if gone.is_empty() {
             return false;
         }
+        let causes = gone
+            .iter()
+            .filter_map(|m| Some((*m, self.lost.get(m)?.clone())))
+            .collect();
         self.finish_shutdown_with(ShutdownError {
             phase,
             missing: gone,
             lost: true,
+            causes,
             reported_by: None,
         });
         true

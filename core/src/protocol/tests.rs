@@ -2045,7 +2045,20 @@ fn a_lost_member_fails_the_shutdown_at_once_unless_it_was_idle() {
         .handle_peer_lost(2, LostCause::Transport("killed".into()), now);
     s.pump();
     let e = s.shutdowns[0][0].clone().unwrap_err();
-    assert_eq!((e.missing, e.lost), (vec![2], true));
+    // The error says why the member was lost, not only that it was.
+    assert!(
+        e.to_string()
+            .ends_with("(a member was lost: rank 2: killed)"),
+        "{e}"
+    );
+    assert_eq!(
+        (e.missing, e.lost, e.causes),
+        (
+            vec![2],
+            true,
+            vec![(2, LostCause::Transport("killed".into()))]
+        )
+    );
 
     let mut s = Sim::new(2);
     s.ep(0).begin_graceful_shutdown([0, 1], None);
