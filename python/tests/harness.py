@@ -134,7 +134,13 @@ def _run_world(
     if problems:
         for r in range(world):
             problems.append(f"rank {r}'s stderr (the last 40 lines):\n{_tail(f'{errors}.log.{r}', 40)}")
+    keep = os.environ.get("TENSORWIRE_TEST_KEEP_LOGS")  # a folder: every rank's stderr is kept there
     for r in range(world):
+        if keep:
+            try:
+                os.replace(f"{errors}.log.{r}", os.path.join(keep, f"{os.path.basename(errors)}.{fn.__name__}.{r}.log"))
+            except OSError:
+                pass
         for path in (f"{errors}.{r}", f"{errors}.log.{r}"):
             try:
                 os.unlink(path)

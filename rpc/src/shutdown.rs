@@ -7,7 +7,7 @@ use tensorwire_core::ports::process_group::ProcessGroup;
 use tensorwire_core::protocol::shutdown::graceful_deadline;
 use tensorwire_core::protocol::{Endpoint, WorkerId};
 use tokio::sync::oneshot;
-use tracing::{debug, warn};
+use tracing::{debug, info};
 
 use crate::error::{RpcError, WaitingFor};
 use crate::init::GROUP_KIND;
@@ -88,7 +88,7 @@ pub(crate) async fn graceful(
 ) -> Result<(), RpcError> {
     let info = this.debug_info();
     if info.protocol.holds_references() {
-        warn!(
+        info!(
             "graceful shutdown while this worker still holds remote references (they stop working): {info}"
         );
     }
