@@ -3,6 +3,7 @@ fork server that imported torch once: see ``process_context``)."""
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import pickle
@@ -66,6 +67,10 @@ def _entry(rank: int, fn: Callable, world: int, env: dict, args: tuple, errors: 
     os.close(log)
     os.environ.update(env)
     os.environ["RANK"] = str(rank)
+    # A rank that hangs writes every thread's Python stack to a file shortly before the world's
+    # deadline kills it; the failure shows it (a hang under CI's load leaves nothing else).
+    stacks = open(f"{errors}.{rank}.stacks", "w")
+    faulthandler.dump_traceback_later(max(WORLD_DEADLINE_S - 5, 1), exit=False, file=stacks)
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -131,6 +136,18 @@ def _run_world(
             problems.append(f"rank {r} exited with {p.exitcode}:\n{trace}")
     if hung:
         problems.append(f"rank(s) {hung} did not finish within {WORLD_DEADLINE_S} s")
+        for r in hung:
+            try:
+                stacks = open(f"{errors}.{r}.stacks").read()
+            except OSError:
+                stacks = ""
+            problems.append(f"rank {r}'s threads shortly before the deadline:\n{stacks or '(none written)'}")
+    for r in range(world):
+        for path in (f"{errors}.{r}", f"{errors}.{r}.stacks"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     if problems:
         for r in range(world):
             problems.append(f"rank {r}'s stderr (the last 40 lines):\n{_tail(f'{errors}.log.{r}', 40)}")

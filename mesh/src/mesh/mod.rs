@@ -135,6 +135,8 @@ pub struct Incoming {
 struct PeerLink {
     conn: Arc<dyn Connection>,
     inbox: Inbox,
+    /// `true` once the peer's reader has ended (everything the peer sent was read).
+    read_all: tokio::sync::watch::Sender<bool>,
 }
 
 struct Shared {
@@ -487,15 +489,21 @@ impl Mesh {
         } else {
             vec![payload]
         };
-        link.conn
-            .send(Frame::collective(header, payloads))
-            .await
-            .map_err(|e| {
-                self.broken().unwrap_or_else(|| ProcessGroupError::Send {
-                    rank: peer,
-                    reason: e.to_string(),
-                })
-            })
+        let Err(e) = link.conn.send(Frame::collective(header, payloads)).await else {
+            return Ok(());
+        };
+        // A peer that aborted sent why before it closed: its reader may not have read that
+        // yet. Waited for (bounded), so that the error names the abort, not the closed socket.
+        let mut read_all = link.read_all.subscribe();
+        let _ = self
+            .shared
+            .runtime
+            .timeout(ABORT_SEND_TIMEOUT, read_all.wait_for(|done| *done))
+            .await;
+        Err(self.broken().unwrap_or_else(|| ProcessGroupError::Send {
+            rank: peer,
+            reason: e.to_string(),
+        }))
     }
 
     /// Says goodbye to every peer and closes the connections; collectives fail afterwards.

@@ -43,6 +43,14 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
     let Some(link) = shared.peer(peer) else {
         return;
     };
+    // However this ends (or is aborted), a send that failed stops waiting for it.
+    struct ReadAll<'a>(&'a tokio::sync::watch::Sender<bool>);
+    impl Drop for ReadAll<'_> {
+        fn drop(&mut self) {
+            self.0.send_replace(true);
+        }
+    }
+    let _read_all = ReadAll(&link.read_all);
     let rank = shared.rank;
     let end = 'read: loop {
         let frame = match link.conn.recv().await {

@@ -304,6 +304,7 @@ impl Mesh {
                         PeerLink {
                             conn,
                             inbox: Inbox::new(account),
+                            read_all: tokio::sync::watch::Sender::new(false),
                         }
                     })
                 })
