@@ -142,12 +142,6 @@ def _run_world(
             except OSError:
                 stacks = ""
             problems.append(f"rank {r}'s threads shortly before the deadline:\n{stacks or '(none written)'}")
-    for r in range(world):
-        for path in (f"{errors}.{r}", f"{errors}.{r}.stacks"):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
     if problems:
         for r in range(world):
             problems.append(f"rank {r}'s stderr (the last 40 lines):\n{_tail(f'{errors}.log.{r}', 40)}")
@@ -158,7 +152,7 @@ def _run_world(
                 os.replace(f"{errors}.log.{r}", os.path.join(keep, f"{os.path.basename(errors)}.{fn.__name__}.{r}.log"))
             except OSError:
                 pass
-        for path in (f"{errors}.{r}", f"{errors}.log.{r}"):
+        for path in (f"{errors}.{r}", f"{errors}.{r}.stacks", f"{errors}.log.{r}"):
             try:
                 os.unlink(path)
             except OSError:
