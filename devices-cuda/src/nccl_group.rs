@@ -427,6 +427,7 @@ impl NcclGroup {
             Op::Barrier => self.native_barrier().await.map(|()| Done::Unit),
             Op::AllGather {
                 input: Buf::Device(buffer),
+                ..
             } => {
                 let buffer = self.on_device(name, buffer)?;
                 let parts = self.run(name, move |c| c.all_gather(&buffer)).await?;
@@ -434,7 +435,7 @@ impl NcclGroup {
                     parts.into_iter().map(Storage::Device).collect(),
                 ))
             }
-            Op::AllGather { input } => {
+            Op::AllGather { input, .. } => {
                 let input = input.host(name, self)?;
                 self.staged_all_gather(input).await.map(Done::from)
             }

@@ -351,7 +351,7 @@ mod tests {
             lazy(Box::pin(async move {
                 match op {
                     Op::Barrier => Ok(Done::Unit),
-                    Op::AllGather { input } => {
+                    Op::AllGather { input, .. } => {
                         Ok(Done::from(vec![input.into_bytes("all_gather", self)?]))
                     }
                     Op::Broadcast { data, .. } | Op::AllReduce { data, .. } => {

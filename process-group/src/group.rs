@@ -44,7 +44,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tensorwire_core::budget::Budget;
 use tensorwire_core::collective::inbox::InboxLimits;
-use tensorwire_core::collective::varlen::{self, SLOT_BYTES};
+use tensorwire_core::collective::varlen::{self, BlockLens, SLOT_BYTES};
 use tensorwire_core::collective::{
     self, AllGatherAlgorithm, AllReduceAlgorithm, CollectiveError, DebugLevel, ElementType,
     ReduceOp, Schedule, Signature, DEBUG_ENV,

@@ -785,25 +785,112 @@ async fn a_broadcast_root_learns_of_a_mismatch_by_its_next_collective() {
     .await;
 }
 
-/// Blocks of other lengths with the same total are a disagreement too, on both ranks.
+/// Whether `e` names `other` as the rank that ran something else: the links' disagreement
+/// (seen here, naming the sender; or reported by the other rank, naming it as the one that
+/// saw it), or the arena's account (the rank that found it names the other; a rank that read
+/// its peer's report first names the reporter).
+fn names_the_disagreeing_rank(e: &ProcessGroupError, other: usize) -> bool {
+    match e {
+        ProcessGroupError::Disagreement {
+            peer, rank, here, ..
+        } => (*here && *peer == other) || (!*here && *rank == other),
+        ProcessGroupError::Mismatch { peer: p, .. }
+        | ProcessGroupError::PeerAborted { rank: p, .. } => *p == other,
+        _ => false,
+    }
+}
+
+/// Blocks of other lengths with the same total are a disagreement too, on both ranks and both
+/// paths (given lengths run through the arena when the group has one).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_gather_with_other_lengths_is_a_disagreement() {
+    use tensorwire_process_group::CollectivePath;
     bounded(async {
-        let gs = groups(2, "lengths", Duration::from_secs(5)).await;
-        let (a, b) = tokio::join!(
-            gs[0].all_gather_with_lens(b"abc", &[3, 5]),
-            gs[1].all_gather_with_lens(b"abc", &[5, 3]),
-        );
-        let (a, b) = (a.unwrap_err(), b.unwrap_err());
-        for e in [&a, &b] {
-            assert!(matches!(e, ProcessGroupError::Disagreement { .. }), "{e}");
+        for path in [CollectivePath::Links, CollectivePath::Arena] {
+            let gs = path_groups(path, 2, "lengths", Duration::from_secs(5)).await;
+            let (a, b) = tokio::join!(
+                gs[0].all_gather_with_lens(b"abc", &[3, 5]),
+                gs[1].all_gather_with_lens(b"abc", &[5, 3]),
+            );
+            let (a, b) = (a.unwrap_err(), b.unwrap_err());
+            for (rank, e) in [(0, &a), (1, &b)] {
+                assert!(names_the_disagreeing_rank(e, 1 - rank), "{path:?}: {e}");
+            }
+            // Arguments wrong on one rank only: it is refused there (no place in the sequence).
+            let e = gs[0]
+                .all_gather_with_lens(b"abc", &[4, 5])
+                .await
+                .unwrap_err();
+            assert!(matches!(e, ProcessGroupError::Arguments { .. }), "{e}");
         }
-        // Arguments wrong on one rank only: it is refused there (no place in the sequence).
-        let e = gs[0]
-            .all_gather_with_lens(b"abc", &[4, 5])
-            .await
-            .unwrap_err();
-        assert!(matches!(e, ProcessGroupError::Arguments { .. }), "{e}");
+    })
+    .await;
+}
+
+/// Given lengths run through the group arena (not the links) when the group has one, and
+/// give every block; equal blocks (`all_gather_equal`, the tensor all_gathers) skip the
+/// lengths round on both paths.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_gathers_of_known_lengths_give_every_block_on_both_paths() {
+    use tensorwire_process_group::CollectivePath;
+    bounded(async {
+        for path in [CollectivePath::Links, CollectivePath::Arena] {
+            let world = 3;
+            let gs = path_groups(path, world, "known", Duration::from_secs(5)).await;
+            // Inline-sized, slot-sized and larger than an arena slot.
+            for len in [8, 4096, 3 << 20] {
+                let results = on_all(&gs, move |g| async move {
+                    let mine = block(g.rank(), len);
+                    let equal = g.all_gather_equal(&mine).await?;
+                    let lens: Vec<usize> = (0..g.size()).map(|r| len + r).collect();
+                    let given = g
+                        .all_gather_with_lens(&block(g.rank(), lens[g.rank()]), &lens)
+                        .await?;
+                    Ok::<_, ProcessGroupError>((equal, given, lens))
+                })
+                .await;
+                for got in results {
+                    let (equal, given, lens) = got.unwrap();
+                    for r in 0..world {
+                        assert_eq!(equal[r], block(r, len), "{path:?} {len}");
+                        assert_eq!(given[r], block(r, lens[r]), "{path:?} {len}");
+                    }
+                }
+            }
+        }
+    })
+    .await;
+}
+
+/// A rank whose block is not as long as the others' (another shape, or a forged size) is
+/// named by the ranks that skipped the lengths round, on both paths, for sizes within and
+/// beyond a slot; and a rank that skips it never takes another's lengths round for its data
+/// (were the skip not taken, these would all succeed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_of_another_size_is_named_when_lengths_are_not_exchanged() {
+    use tensorwire_process_group::CollectivePath;
+    bounded(async {
+        for path in [CollectivePath::Links, CollectivePath::Arena] {
+            for (i, (a, b)) in [(16, 24), (64, 3 << 20), (8, 8)].into_iter().enumerate() {
+                let name = format!("forged-{i}");
+                let gs = path_groups(path, 2, &name, Duration::from_secs(5)).await;
+                let (x, y) = (block(0, a), block(1, b));
+                let (ra, rb) = if a != b {
+                    // Both skip: their signatures hold other lengths.
+                    tokio::join!(gs[0].all_gather_equal(&x), gs[1].all_gather_equal(&y))
+                } else {
+                    // One skips, the other exchanges: the data round meets the lengths round.
+                    tokio::join!(gs[0].all_gather_equal(&x), gs[1].all_gather(&y))
+                };
+                for (rank, r) in [(0, ra), (1, rb)] {
+                    let e = r.expect_err("ranks that disagree on the lengths must fail");
+                    assert!(
+                        names_the_disagreeing_rank(&e, 1 - rank),
+                        "{path:?} {a}/{b} rank {rank}: {e}"
+                    );
+                }
+            }
+        }
     })
     .await;
 }

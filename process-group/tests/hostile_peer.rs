@@ -593,6 +593,34 @@ async fn a_rank_claimed_twice_during_setup_fails_the_setup_naming_the_claim(net:
     .await;
 }
 
+/// A rank that skips the lengths round (an all_gather of equal blocks) reads each message as
+/// long as its own lengths say: a peer whose message carries the signature of equal blocks but
+/// another size (a forged size) is named, and no byte past the block is taken.
+async fn a_forged_block_size_is_named_when_lengths_are_not_exchanged(net: Net) {
+    bounded(async {
+        let c = cluster(net, "forged-size", options("forged-size")).await;
+        let lens = [16usize; WORLD];
+        // Bruck at three ranks: rank 1's first message comes from rank 2, one block long.
+        let forged = 4096;
+        let frame = GroupFrame::Data {
+            seq: 0,
+            signature: Signature::all_gather(&lens).encode(),
+        }
+        .frame(vec![Bytes::from(vec![7u8; forged])]);
+        c.hostile[1].send(frame).await.unwrap();
+        let e = c.honest[1]
+            .all_gather_equal(&[1u8; 16])
+            .await
+            .expect_err("a block of another size was taken");
+        assert!(
+            matches!(&e, ProcessGroupError::Mismatch { peer: HOSTILE, reason, .. }
+                if reason.contains("4096 bytes")),
+            "{e}"
+        );
+    })
+    .await;
+}
+
 // Every attack over every transport: `mod tcp`, `mod shm`, `mod quic`, a test each.
 tensorwire_testkit::over_every_net! {
     an_abort_naming_another_rank_is_the_senders_violation,
@@ -607,4 +635,5 @@ tensorwire_testkit::over_every_net! {
     a_stage_report_for_a_group_not_across_hosts_is_the_senders_violation,
     a_hello_after_setup_drops_its_sender_not_the_rank_it_names,
     a_rank_claimed_twice_during_setup_fails_the_setup_naming_the_claim,
+    a_forged_block_size_is_named_when_lengths_are_not_exchanged,
 }

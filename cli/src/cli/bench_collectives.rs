@@ -5,7 +5,8 @@
 //! store on a free port. The workers time, after warm-up and with a barrier before each series:
 //! `barrier_w{N}_us`, `all_gather_w{N}_8B_us`, `broadcast_w{N}_8B_us` and `reduce_w{N}_8B_us`
 //! (8 bytes from / to rank 0), `all_gather_w{N}_1MiB_us` (1 MiB per rank,
-//! through the variable-size API, lengths exchange included) and `all_reduce_w{N}_1MiB_us`
+//! through `all_gather_equal`: equal blocks, no lengths exchange, as gloo's and MPI's
+//! all_gathers know their sizes) and `all_reduce_w{N}_1MiB_us`
 //! (1 MiB of f32 summed), `reduce_w{N}_1MiB_us` (to rank 0), `reduce_scatter_w{N}_1MiB_us`,
 //! `all_to_all_w{N}_1MiB_us` (even blocks) and `broadcast_w{N}_1MiB_us` (from rank 0), each the
 //! median over its iterations on rank 0; the last four are also given over
@@ -799,7 +800,7 @@ async fn worker_main(args: &WorkerArgs) -> Result<()> {
 
         let small = [rank as u8; 8];
         let t = time_series(p, args.small_iters, || async {
-            p.all_gather(&small).await?;
+            p.all_gather_equal(&small).await?;
             Ok(())
         })
         .await?;
@@ -833,7 +834,7 @@ async fn worker_main(args: &WorkerArgs) -> Result<()> {
 
         let block = vec![rank as u8; MIB];
         let t = time_series(p, args.large_iters, || async {
-            let got = p.all_gather(&block).await?;
+            let got = p.all_gather_equal(&block).await?;
             if got.len() != world || got.iter().any(|b| b.len() != MIB) {
                 bail!("all_gather returned the wrong blocks");
             }
@@ -967,7 +968,7 @@ async fn curve_series(
         out.insert(format!("all_reduce_{bytes}_us"), json!(median_us(t)));
         let block = vec![rank as u8; bytes];
         let t = time_series(p, iters, || async {
-            let got = p.all_gather(&block).await?;
+            let got = p.all_gather_equal(&block).await?;
             if got.len() != world || got.iter().any(|b| b.len() != bytes) {
                 bail!("all_gather returned the wrong blocks");
             }

@@ -88,20 +88,14 @@ impl PlanKey {
     }
 }
 
-/// `element`'s place in [`ElementType::ALL`]: a word of its own for each.
+/// `element`'s word: its code in a [`Signature`](super::Signature) (one coder for both).
 fn element_word(element: ElementType) -> u64 {
-    ElementType::ALL
-        .iter()
-        .position(|e| *e == element)
-        .map_or(u64::MAX, |i| i as u64)
+    u64::from(super::signature::element_code(element))
 }
 
-/// `op`'s place in [`ReduceOp::ALL`].
+/// `op`'s word: its code in a [`Signature`](super::Signature).
 fn op_word(op: ReduceOp) -> u64 {
-    ReduceOp::ALL
-        .iter()
-        .position(|o| *o == op)
-        .map_or(u64::MAX, |i| i as u64)
+    u64::from(super::signature::op_code(op))
 }
 
 /// The plans of one arena, kept between its collectives (see the [module docs](self)). Made

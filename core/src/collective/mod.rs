@@ -120,7 +120,7 @@ pub use algorithms::{
 };
 pub use check::{agreement_check, DebugLevel, UnknownDebugLevel, DEBUG_ENV};
 pub use reduce::{reduce_into, ElementType, ReduceOp};
-pub use signature::{Signature, SIGNATURE_LEN};
+pub use signature::{Signature, SIGNATURE_LEN, WORD_EXACT_BITS};
 pub use violation::MeshViolation;
 
 /// Total bytes below which [`all_gather`] uses recursive doubling when the world size is a

@@ -284,6 +284,37 @@ impl Signature {
     }
 }
 
+impl Signature {
+    /// This signature as the one word the group arena compares between the ranks of a phase
+    /// (a shared segment has a word per rank for it, not [`SIGNATURE_LEN`] bytes), with
+    /// `extra`: arguments the link path checks per message instead (a gather's block lengths,
+    /// an all_to_all's matrix), which the arena must compare up front.
+    ///
+    /// The top [`WORD_EXACT_BITS`] bits are the encoding's tag, op and element type as they
+    /// are, so two signatures that differ in kind, op or element type (i8, u8 and bool are one
+    /// byte each) always have different words; the rest is FNV-1a (64-bit) over the root, the
+    /// count and `extra`, folded, so signatures that differ only there collide once in 2^40.
+    pub fn word(&self, extra: &[usize]) -> u64 {
+        let encoded = self.encode();
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |byte: u8| {
+            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        };
+        encoded[3..].iter().copied().for_each(&mut eat);
+        for v in extra {
+            (*v as u64).to_le_bytes().into_iter().for_each(&mut eat);
+        }
+        let low_bits = 64 - WORD_EXACT_BITS;
+        let low = (hash ^ (hash >> low_bits)) & ((1u64 << low_bits) - 1);
+        let exact =
+            u64::from(encoded[0]) << 16 | u64::from(encoded[1]) << 8 | u64::from(encoded[2]);
+        exact << low_bits | low
+    }
+}
+
+/// Bits of a [`Signature::word`] that hold the tag, op and element type exactly.
+pub const WORD_EXACT_BITS: u32 = 24;
+
 /// FNV-1a over the values as little-endian `u64`s.
 fn fnv(values: &[usize]) -> u32 {
     let mut hash: u32 = 0x811c_9dc5;
@@ -295,11 +326,13 @@ fn fnv(values: &[usize]) -> u32 {
     hash
 }
 
-fn op_code(op: ReduceOp) -> u8 {
+/// `op`'s code: its place in [`ReduceOp::ALL`] (the arena's plan keys use it too).
+pub(super) fn op_code(op: ReduceOp) -> u8 {
     ReduceOp::ALL.iter().position(|o| *o == op).unwrap_or(0) as u8
 }
 
-fn element_code(element: ElementType) -> u8 {
+/// `element`'s code: its place in [`ElementType::ALL`] (the arena's plan keys use it too).
+pub(super) fn element_code(element: ElementType) -> u8 {
     ElementType::ALL
         .iter()
         .position(|e| *e == element)
@@ -486,7 +519,62 @@ mod tests {
         assert_eq!(Signature::decode(&reduce), None);
     }
 
+    #[test]
+    fn the_arenas_word_tells_every_op_and_element_type_apart() {
+        // Every op on every element type (i8, u8 and bool are one byte each, f16 and bf16
+        // two, and were once taken for one another), in each reduction: one word each.
+        let mut words = std::collections::HashMap::new();
+        for op in ReduceOp::ALL {
+            for element in ElementType::ALL {
+                let all = [
+                    Signature::AllReduce {
+                        op,
+                        element,
+                        count: 1,
+                    },
+                    Signature::Reduce {
+                        op,
+                        element,
+                        root: 0,
+                        count: 1,
+                    },
+                    Signature::reduce_scatter(op, element, &[1, 1]),
+                    Signature::reduce_scatter_v(op, element, &[1, 1]),
+                ];
+                for s in all {
+                    assert_eq!(words.insert(s.word(&[]), s), None, "{s}");
+                }
+            }
+        }
+        // The arguments the link path checks per message count when given.
+        let gather = Signature::Gather { root: 1 };
+        assert_ne!(gather.word(&[3, 5]), gather.word(&[5, 3]));
+        assert_ne!(gather.word(&[]), gather.word(&[0]));
+        assert_eq!(
+            gather.word(&[3, 5]),
+            Signature::Gather { root: 1 }.word(&[3, 5])
+        );
+        assert_ne!(gather.word(&[]), Signature::Gather { root: 2 }.word(&[]));
+    }
+
     proptest! {
+        #[test]
+        fn the_arenas_word_keeps_kind_op_and_element_exact(
+            a in any_signature(),
+            b in any_signature(),
+            extra in proptest::collection::vec(any::<usize>(), 0..4),
+        ) {
+            let (ea, eb) = (a.encode(), b.encode());
+            let shift = 64 - WORD_EXACT_BITS;
+            prop_assert_eq!(a.word(&extra) >> shift, u64::from(ea[0]) << 16 | u64::from(ea[1]) << 8 | u64::from(ea[2]));
+            if ea[..3] != eb[..3] {
+                prop_assert_ne!(a.word(&extra), b.word(&extra));
+            }
+            if a == b {
+                prop_assert_eq!(a.word(&extra), b.word(&extra));
+            }
+        }
+
         #[test]
         fn encoding_round_trips_and_tells_signatures_apart(a in any_signature(), b in any_signature()) {
             prop_assert_eq!(Signature::decode(&a.encode()), Some(a));

@@ -13,7 +13,9 @@
 //! Collectives through the arena run one at a time, in the order they were issued (a fair lock
 //! taken in the issuing call). Collectives whose lengths only the sender knows (all_gather,
 //! gather, scatter, all_to_all, the byte broadcast) first exchange the lengths through the
-//! arena too.
+//! arena too, unless core says they are known ([`BlockLens::known`]: an all_gather of equal
+//! shapes, or of given lengths). What the ranks of each phase compare is core's
+//! [`Signature::word`]: one coder for both paths.
 
 use tensorwire_core::collective::arena as plans;
 use tensorwire_core::collective::arena::ArenaPlan;
@@ -435,7 +437,7 @@ impl Group {
         key: Option<PlanKey>,
         make: impl FnOnce(usize) -> Result<ArenaPlan, CollectiveError>,
         buffer: Exec<'_>,
-        signature: &[u64],
+        signature: u64,
     ) -> Result<Option<Vec<u8>>, ProcessGroupError> {
         let plan = turn.take_plan(key, make);
         let result = self
@@ -460,7 +462,7 @@ impl Group {
         collective: &'static str,
         plan: Result<ArenaPlan, CollectiveError>,
         buffer: &mut [u8],
-        signature: &[u64],
+        signature: u64,
     ) -> Result<(), ProcessGroupError> {
         let plan = plan.as_ref().map_err(Clone::clone);
         self.arena_exec(turn, collective, plan, Exec::InPlace(buffer), signature)
@@ -477,7 +479,7 @@ impl Group {
         collective: &'static str,
         plan: Result<ArenaPlan, CollectiveError>,
         input: &[u8],
-        signature: &[u64],
+        signature: u64,
     ) -> Result<Vec<u8>, ProcessGroupError> {
         let plan = plan.as_ref().map_err(Clone::clone);
         let out = self
@@ -486,7 +488,9 @@ impl Group {
         Ok(out.unwrap_or_default())
     }
 
-    /// Runs `plan` over `buffer` through the arena in `slot`, bounded by the group's timeout
+    /// Runs `plan` over `buffer` through the arena in `slot` as the collective whose
+    /// [`Signature::word`] is `signature` (the arena compares it between the ranks of each
+    /// phase: core's coder, as the links compare [`Signature`]s), bounded by the group's timeout
     /// on its runtime's clock and by the wait of the [`Work`](crate::Work) running it, if any.
     /// A failure fails every later collective through the arena with the same error; a timeout
     /// also breaks the group (as on the links: the ranks no longer agree where the collectives
@@ -497,7 +501,7 @@ impl Group {
         collective: &'static str,
         plan: Result<&ArenaPlan, CollectiveError>,
         buffer: Exec<'_>,
-        signature: &[u64],
+        signature: u64,
     ) -> Result<Option<Vec<u8>>, ProcessGroupError> {
         let seq = turn.seq;
         let mesh = &self.inner.mesh;
@@ -535,7 +539,7 @@ impl Group {
             runtime,
             deadline: runtime.deadline_after(timeout),
             timeout,
-            signature: fingerprint(collective, signature),
+            signature,
             gone: &gone,
         };
         let result = match buffer {
@@ -595,11 +599,13 @@ impl Group {
         Err(error)
     }
 
-    /// Every rank's 8-byte value, through the arena.
+    /// Every rank's value of `mine.len()` bytes (the same on every rank), through the arena,
+    /// as the round of `signature`.
     async fn arena_lengths(
         &self,
         turn: &mut Turn<'_>,
         collective: &'static str,
+        signature: Signature,
         mine: &[u8],
     ) -> Result<Vec<u8>, ProcessGroupError> {
         let (rank, world) = (self.rank(), self.size());
@@ -612,7 +618,7 @@ impl Group {
             PlanKey::all_gather(&lens),
             |s| plans::all_gather(rank, &lens, s),
             Exec::InPlace(&mut buffer),
-            &[1, mine.len() as u64],
+            signature.word(&[mine.len()]),
         )
         .await?;
         Ok(buffer)
@@ -626,7 +632,7 @@ impl Group {
             PlanKey::barrier(),
             |s| plans::barrier(rank, world, s),
             Exec::InPlace(&mut []),
-            &[],
+            Signature::Barrier.word(&[]),
         )
         .await
         .map(|_| ())
@@ -647,7 +653,12 @@ impl Group {
             PlanKey::all_reduce(count, element, op),
             |s| plans::all_reduce(rank, world, count, element, op, s),
             Exec::InPlace(data),
-            &[op_code(op), element_code(element), count as u64],
+            Signature::AllReduce {
+                op,
+                element,
+                count: count as u64,
+            }
+            .word(&[]),
         )
         .await?;
         op.finish(element, data, self.size());
@@ -663,17 +674,18 @@ impl Group {
         root: usize,
     ) -> Result<(), ProcessGroupError> {
         let count = whole_elements("reduce", data.len(), element)?;
-        let signature = [
-            op_code(op),
-            element_code(element),
-            root as u64,
-            count as u64,
-        ];
+        let signature = Signature::Reduce {
+            op,
+            element,
+            root: root as u32,
+            count: count as u64,
+        }
+        .word(&[]);
         let (rank, world) = (self.rank(), self.size());
         let key = PlanKey::reduce(root, count, element, op);
         let make = |s| plans::reduce(rank, world, root, count, element, op, s);
         if rank == root {
-            self.arena_run_kept(turn, "reduce", key, make, Exec::InPlace(data), &signature)
+            self.arena_run_kept(turn, "reduce", key, make, Exec::InPlace(data), signature)
                 .await?;
             op.finish(element, data, self.size());
             Ok(())
@@ -685,7 +697,7 @@ impl Group {
                 key,
                 make,
                 Exec::InPlace(&mut scratch),
-                &signature,
+                signature,
             )
             .await
             .map(|_| ())
@@ -698,14 +710,30 @@ impl Group {
         data: &mut [u8],
         root: usize,
     ) -> Result<(), ProcessGroupError> {
+        let signature = Signature::Broadcast {
+            root: root as u32,
+            len: data.len() as u64,
+        };
+        self.arena_broadcast_as(turn, data, root, signature).await
+    }
+
+    /// A broadcast of `data` from `root` as the round of `signature` (a broadcast's own, or
+    /// the lengths round of another collective: ranks that run different ones are told).
+    async fn arena_broadcast_as(
+        &self,
+        turn: &mut Turn<'_>,
+        data: &mut [u8],
+        root: usize,
+        signature: Signature,
+    ) -> Result<(), ProcessGroupError> {
         let (rank, world, len) = (self.rank(), self.size(), data.len());
         self.arena_run_kept(
             turn,
-            "broadcast",
+            signature.name(),
             PlanKey::broadcast(root, len),
             |s| plans::broadcast(rank, world, root, len, s),
             Exec::InPlace(data),
-            &[root as u64, len as u64],
+            signature.word(&[]),
         )
         .await
         .map(|_| ())
@@ -725,7 +753,9 @@ impl Group {
             });
         }
         let mut len = (data.len() as u64).to_le_bytes();
-        self.arena_broadcast(turn, &mut len, root).await?;
+        let announce = Signature::BroadcastLength { root: root as u32 };
+        self.arena_broadcast_as(turn, &mut len, root, announce)
+            .await?;
         let len = u64::from_le_bytes(len);
         if len > MAX_BLOCK_BYTES as u64 {
             return Err(ProcessGroupError::Mismatch {
@@ -744,15 +774,17 @@ impl Group {
         Ok(out.into())
     }
 
-    /// Every rank's announced block length, refused past [`MAX_BLOCK_BYTES`].
+    /// Every rank's announced block length, as the lengths round of `signature`, refused
+    /// past [`MAX_BLOCK_BYTES`].
     async fn arena_block_lens(
         &self,
         turn: &mut Turn<'_>,
-        collective: &'static str,
+        signature: Signature,
         mine: usize,
     ) -> Result<Vec<usize>, ProcessGroupError> {
+        let collective = signature.name();
         let all = self
-            .arena_lengths(turn, collective, &(mine as u64).to_le_bytes())
+            .arena_lengths(turn, collective, signature, &(mine as u64).to_le_bytes())
             .await?;
         let lens: Vec<u64> = all
             .chunks_exact(8)
@@ -762,15 +794,30 @@ impl Group {
         Ok(lens.into_iter().map(|l| l as usize).collect())
     }
 
+    /// An all_gather through the arena: with its lengths known ([`BlockLens::known`]: equal
+    /// shapes, or given), its data phases alone; otherwise the lengths first. Either way each
+    /// rank reads from every other as many bytes as its own lengths say, and the data phases'
+    /// signature holds those lengths, so a rank of another size is told apart.
     pub(super) async fn arena_all_gather(
         &self,
         turn: &mut Turn<'_>,
         input: &[u8],
+        lens: &BlockLens,
     ) -> Result<Vec<Bytes>, ProcessGroupError> {
-        let rank = self.rank();
-        let lens = self
-            .arena_block_lens(turn, "all_gather", input.len())
-            .await?;
+        let (rank, world) = (self.rank(), self.size());
+        let known = lens.known(rank, world, input.len()).map_err(|source| {
+            ProcessGroupError::Arguments {
+                collective: "all_gather",
+                source,
+            }
+        })?;
+        let lens = match known {
+            Some(lens) => lens,
+            None => {
+                self.arena_block_lens(turn, Signature::AllGatherLengths, input.len())
+                    .await?
+            }
+        };
         // The receiving buffer is never cleared: the plan writes every byte of it.
         let buffer = self
             .arena_run_kept(
@@ -779,7 +826,7 @@ impl Group {
                 PlanKey::all_gather(&lens),
                 |s| plans::all_gather(rank, &lens, s),
                 Exec::Fresh(input),
-                &as_words(&lens),
+                Signature::all_gather(&lens).word(&[]),
             )
             .await?
             .unwrap_or_default();
@@ -799,17 +846,19 @@ impl Group {
                 source: CollectiveError::RootOutOfRange { root, world },
             });
         }
-        let lens = self.arena_block_lens(turn, "gather", input.len()).await?;
+        let root32 = root as u32;
+        let lens = self
+            .arena_block_lens(turn, Signature::GatherLengths { root: root32 }, input.len())
+            .await?;
         let plan = plans::gather(rank, root, &lens, turn.slot_bytes());
-        let mut signature = as_words(&lens);
-        signature.push(root as u64);
+        let signature = Signature::Gather { root: root32 }.word(&lens);
         if rank != root {
-            self.arena_run(turn, "gather", plan, &mut input.to_vec(), &signature)
+            self.arena_run(turn, "gather", plan, &mut input.to_vec(), signature)
                 .await?;
             return Ok(None);
         }
         let buffer = self
-            .arena_run_fresh(turn, "gather", plan, input, &signature)
+            .arena_run_fresh(turn, "gather", plan, input, signature)
             .await?;
         Ok(Some(split(buffer.into(), &lens)))
     }
@@ -840,7 +889,9 @@ impl Group {
                 c.copy_from_slice(&(b.len() as u64).to_le_bytes());
             }
         }
-        self.arena_broadcast(turn, &mut lens_bytes, root).await?;
+        let announce = Signature::ScatterLengths { root: root as u32 };
+        self.arena_broadcast_as(turn, &mut lens_bytes, root, announce)
+            .await?;
         let lens: Vec<u64> = lens_bytes
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
@@ -848,16 +899,15 @@ impl Group {
         check_block_lens("scatter", 0, &lens, |_| root)?;
         let lens: Vec<usize> = lens.into_iter().map(|l| l as usize).collect();
         let plan = plans::scatter(rank, root, &lens, turn.slot_bytes());
-        let mut signature = as_words(&lens);
-        signature.push(root as u64);
+        let signature = Signature::Scatter { root: root as u32 }.word(&lens);
         if rank == root {
             let mut buffer: Vec<u8> = blocks.iter().flat_map(|b| b.iter().copied()).collect();
-            self.arena_run(turn, "scatter", plan, &mut buffer, &signature)
+            self.arena_run(turn, "scatter", plan, &mut buffer, signature)
                 .await?;
             return Ok(blocks[root].clone());
         }
         let mut buffer = vec![0u8; lens[rank]];
-        self.arena_run(turn, "scatter", plan, &mut buffer, &signature)
+        self.arena_run(turn, "scatter", plan, &mut buffer, signature)
             .await?;
         Ok(buffer.into())
     }
@@ -889,10 +939,9 @@ impl Group {
             }));
         }
         let output = plan.output_range();
-        let mut signature = as_words(counts);
-        signature.extend([op_code(op), element_code(element)]);
+        let signature = Signature::reduce_scatter(op, element, counts).word(counts);
         let mut buffer = input.to_vec();
-        self.arena_run(turn, "reduce_scatter", Ok(plan), &mut buffer, &signature)
+        self.arena_run(turn, "reduce_scatter", Ok(plan), &mut buffer, signature)
             .await?;
         let mut out = buffer[output].to_vec();
         op.finish(element, &mut out, self.size());
@@ -919,7 +968,9 @@ impl Group {
             .iter()
             .flat_map(|b| (b.len() as u64).to_le_bytes())
             .collect();
-        let all = self.arena_lengths(turn, "all_to_all", &row).await?;
+        let all = self
+            .arena_lengths(turn, "all_to_all", Signature::AllToAll, &row)
+            .await?;
         let matrix: Vec<Vec<usize>> = all
             .chunks_exact(8 * world)
             .map(|row| {
@@ -942,7 +993,8 @@ impl Group {
             }
         }
         let plan = plans::all_to_all(rank, &matrix, turn.slot_bytes()).map_err(arguments)?;
-        let signature: Vec<u64> = matrix.iter().flat_map(|row| as_words(row)).collect();
+        let cells: Vec<usize> = matrix.iter().flatten().copied().collect();
+        let signature = Signature::AllToAll.word(&cells);
         let mut buffer = vec![0u8; plan.buffer_len()];
         let mut at = 0;
         for b in inputs {
@@ -950,7 +1002,7 @@ impl Group {
             at += b.len();
         }
         let output = plan.output_range();
-        self.arena_run(turn, "all_to_all", Ok(plan), &mut buffer, &signature)
+        self.arena_run(turn, "all_to_all", Ok(plan), &mut buffer, signature)
             .await?;
         let out = Bytes::from(buffer).slice(output);
         Ok(split(out, output_lens))
@@ -972,38 +1024,6 @@ async fn delete_name(store: &dyn Store, key: &str) -> Result<(), String> {
         .await
         .map(|_| ())
         .map_err(|e| format!("removing the arena's name: {e}"))
-}
-
-/// A collective's signature in one word (FNV-1a over its name and the arguments every rank
-/// must agree on), which the arena compares between ranks.
-fn fingerprint(collective: &str, args: &[u64]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |b: u8| {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    };
-    collective.bytes().for_each(&mut eat);
-    for a in args {
-        a.to_le_bytes().into_iter().for_each(&mut eat);
-    }
-    h
-}
-
-fn as_words(lens: &[usize]) -> Vec<u64> {
-    lens.iter().map(|l| *l as u64).collect()
-}
-
-fn op_code(op: ReduceOp) -> u64 {
-    ReduceOp::ALL.iter().position(|o| *o == op).unwrap_or(99) as u64
-}
-
-/// The element type's place in [`ElementType::ALL`]: one word per type (its size and
-/// float-ness alone would take i8, u8 and bool for one another).
-fn element_code(element: ElementType) -> u64 {
-    ElementType::ALL
-        .iter()
-        .position(|e| *e == element)
-        .map_or(u64::MAX, |p| p as u64)
 }
 
 /// `bytes` cut into consecutive blocks of `lens`.

@@ -40,6 +40,14 @@ impl Group {
         {
             check_splits(input.len(), input_splits)?;
         }
+        if let Op::AllGather { input, lens } = &op {
+            // Given lengths that do not fit this rank are its own error, before any turn.
+            lens.known(self.rank(), self.size(), input.len())
+                .map_err(|source| ProcessGroupError::Arguments {
+                    collective: "all_gather",
+                    source,
+                })?;
+        }
         let op = match self.on_hierarchy(op).await {
             Ok(done) => return done,
             Err(op) => op,
@@ -79,9 +87,11 @@ impl Group {
         let name = op.name();
         match op {
             Op::Barrier => self.arena_barrier(turn).await.map(|()| Done::Unit),
-            Op::AllGather { input } => {
+            Op::AllGather { input, lens } => {
                 let input = input.host(name, self)?;
-                self.arena_all_gather(turn, input).await.map(Done::from)
+                self.arena_all_gather(turn, input, &lens)
+                    .await
+                    .map(Done::from)
             }
             Op::Broadcast { data, root } => {
                 let mut data = data.into_host_mut(name, self)?;
@@ -165,9 +175,9 @@ impl Group {
                 .links_monitored_barrier(timeout, wait_all_ranks)
                 .await
                 .map(|()| Done::Unit),
-            Op::AllGather { input } => {
+            Op::AllGather { input, lens } => {
                 let input = input.host(name, self)?;
-                self.links_all_gather(input).await.map(Done::from)
+                self.links_all_gather(input, &lens).await.map(Done::from)
             }
             Op::Broadcast { data, root } => {
                 let mut data = data.into_host_mut(name, self)?;

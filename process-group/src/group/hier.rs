@@ -195,6 +195,12 @@ impl Group {
         };
         // Checked, numbered and queued in the issuing call.
         let checked = match &op {
+            // Given lengths take the flat path (its data round alone, as before); equal ones
+            // are checked against what the stages gather.
+            Op::AllGather {
+                lens: BlockLens::Given(_),
+                ..
+            } => return Err(op),
             Op::Barrier | Op::AllGather { .. } => Ok(()),
             Op::AllReduce { data, element, op } => reduction(*element, *op, data.len()),
             Op::Reduce {
@@ -261,9 +267,26 @@ impl Group {
                         .await?;
                     Ok(data.done())
                 }
-                Op::AllGather { input } => {
+                Op::AllGather { input, lens } => {
                     let input = input.host(name, self)?;
-                    staged.all_gather(input).await.map(Done::from)
+                    let blocks = staged.all_gather(input).await?;
+                    if lens == BlockLens::Equal {
+                        // Every block must be as long as this rank's, as on the other paths
+                        // (whose signatures hold the lengths): a rank of another size is named.
+                        if let Some(peer) = blocks.iter().position(|b| b.len() != input.len()) {
+                            return Err(ProcessGroupError::Mismatch {
+                                peer,
+                                collective: name,
+                                seq: staged.seq,
+                                reason: format!(
+                                    "its block has {} bytes, this rank's {}",
+                                    blocks[peer].len(),
+                                    input.len()
+                                ),
+                            });
+                        }
+                    }
+                    Ok(Done::from(blocks))
                 }
                 _ => unreachable!("refused above"),
             }

@@ -10,15 +10,29 @@ impl Group {
             .await
     }
 
-    /// Two rounds, both numbered when the call is issued: one slot per rank with its block's
-    /// length (and the block itself up to [`INLINE_GATHER_BYTES`]), then, unless every block
-    /// fitted, the blocks.
+    /// An all_gather over the links: with its lengths known ([`BlockLens::known`]), the data
+    /// round alone, under the first of its [`varlen::ROUNDS`] numbers (where a rank that
+    /// exchanges them sends its lengths: ranks that disagree on it are told); otherwise the
+    /// lengths first: two rounds, both numbered when the call is issued, one slot per rank
+    /// with its block's length (and the block itself up to [`INLINE_GATHER_BYTES`]), then,
+    /// unless every block fitted, the blocks.
     pub(super) async fn links_all_gather(
         &self,
         input: &[u8],
+        lens: &BlockLens,
     ) -> Result<Vec<Bytes>, ProcessGroupError> {
         let world = self.size();
         let rank = self.rank();
+        let arguments = |source| ProcessGroupError::Arguments {
+            collective: "all_gather",
+            source,
+        };
+        if let Some(lens) = lens.known(rank, world, input.len()).map_err(arguments)? {
+            let schedule = collective::all_gather(rank, &lens, AllGatherAlgorithm::select(&lens))
+                .map_err(arguments)?;
+            let seq = self.reserve(varlen::ROUNDS);
+            return self.gather_known(seq, schedule, input, &lens).await;
+        }
         let mut first = vec![0u8; SLOT_BYTES * world];
         let mine: &mut [u8; SLOT_BYTES] = (&mut first[SLOT_BYTES * rank..SLOT_BYTES * (rank + 1)])
             .try_into()

@@ -320,9 +320,11 @@ impl Group {
     }
 
     /// All-gather of blocks whose lengths every rank already knows (`lens[i]` is rank i's);
-    /// skips the exchange of lengths that [`all_gather`](Collectives::all_gather) does first.
-    /// Returns the blocks in rank order, sharing one buffer. Every rank must pass the same
-    /// `lens` (ranks that do not fail with [`ProcessGroupError::Disagreement`]).
+    /// skips the exchange of lengths that [`all_gather`](Collectives::all_gather) does first,
+    /// through the group arena when the group has one, else over the links. Returns the
+    /// blocks in rank order. Every rank must pass the same `lens` (ranks that do not fail with
+    /// [`ProcessGroupError::Disagreement`] over the links, or the arena's account naming the
+    /// rank: [`ProcessGroupError::Mismatch`] or [`ProcessGroupError::PeerAborted`]).
     ///
     /// # Errors
     /// [`ProcessGroupError::Arguments`] when `input` is not `lens[rank]` bytes or `lens` does
@@ -333,28 +335,29 @@ impl Group {
         input: &[u8],
         lens: &[usize],
     ) -> Result<Vec<Bytes>, ProcessGroupError> {
-        let rank = self.rank();
-        let arguments = |source| ProcessGroupError::Arguments {
-            collective: "all_gather",
-            source,
+        use tensorwire_core::ports::process_group::Buf;
+        use tensorwire_core::tensor::Storage;
+        let op = Op::AllGather {
+            input: Buf::Ref(input),
+            lens: BlockLens::Given(lens.to_vec()),
         };
-        if lens.len() != self.size() {
-            return Err(arguments(CollectiveError::LengthsCount {
-                lens: lens.len(),
-                world: self.size(),
-            }));
+        let unexpected = |kind: String| ProcessGroupError::Backend {
+            backend: self.backend(),
+            collective: "all_gather",
+            seq: 0,
+            rank: self.rank(),
+            reason: format!("the group gave {kind} back"),
+        };
+        match self.execute(op).await? {
+            Done::Buffers(blocks) => blocks
+                .into_iter()
+                .map(|block| match block {
+                    Storage::Host(bytes) => Ok(bytes),
+                    Storage::Device(_) => Err(unexpected("a device buffer".to_owned())),
+                })
+                .collect(),
+            other => Err(unexpected(other.kind())),
         }
-        if lens[rank] != input.len() {
-            return Err(arguments(CollectiveError::InputLength {
-                rank,
-                expected: lens[rank],
-                actual: input.len(),
-            }));
-        }
-        let schedule = collective::all_gather(rank, lens, AllGatherAlgorithm::select(lens))
-            .map_err(arguments)?;
-        let seq = self.reserve(1);
-        self.gather_known(seq, schedule, input, lens).await
     }
 
     /// The data round of an all_gather, as collective `seq`, once the lengths are known.

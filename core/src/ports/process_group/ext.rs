@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::collective::varlen::BlockLens;
 use crate::collective::{ElementType, ReduceOp};
 use crate::tensor::Storage;
 
@@ -39,7 +40,29 @@ pub trait Collectives: ProcessGroup {
     ) -> impl Future<Output = Result<Vec<Bytes>, ProcessGroupError>> + Send {
         async move {
             let input = Buf::Ref(input);
-            blocks(self, "all_gather", self.run(Op::AllGather { input }).await?)
+            let op = Op::AllGather {
+                input,
+                lens: BlockLens::Exchanged,
+            };
+            blocks(self, "all_gather", self.run(op).await?)
+        }
+    }
+
+    /// [`all_gather`](Self::all_gather) of blocks as long as this rank's on every rank (as
+    /// a tensor all_gather's, or MPI's `Allgather`): the group need not exchange the lengths
+    /// first. A rank whose block is of another length fails, and so do the ranks it meets,
+    /// naming it.
+    fn all_gather_equal(
+        &self,
+        input: &[u8],
+    ) -> impl Future<Output = Result<Vec<Bytes>, ProcessGroupError>> + Send {
+        async move {
+            let input = Buf::Ref(input);
+            let op = Op::AllGather {
+                input,
+                lens: BlockLens::Equal,
+            };
+            blocks(self, "all_gather", self.run(op).await?)
         }
     }
 

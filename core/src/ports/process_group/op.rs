@@ -239,6 +239,11 @@ pub enum Op<'a> {
     AllGather {
         /// This rank's block.
         input: Buf<'a>,
+        /// What the caller knows of every rank's length: with them known
+        /// ([`BlockLens::known`](collective::varlen::BlockLens::known)), a group may skip
+        /// exchanging them (a backend may always exchange them, or need none); a rank whose
+        /// block is not as long as the others were told fails, naming it.
+        lens: collective::varlen::BlockLens,
     },
     /// Every rank's block on `root`. Gives [`Done::Gathered`]: `Some` on the root.
     Gather {

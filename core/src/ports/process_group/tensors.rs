@@ -9,6 +9,7 @@ use std::future::Future;
 
 use bytes::Bytes;
 
+use crate::collective::varlen::BlockLens;
 use crate::collective::{CollectiveError, ElementType, ReduceOp};
 use crate::tensor::{Storage, Tensor};
 
@@ -596,7 +597,12 @@ fn all_gather<P: ProcessGroup + ?Sized>(pg: &P, tensor: Tensor) -> Prep<Vec<Tens
     const NAME: &str = "all_gather";
     let input = data(pg, NAME, &tensor)?;
     let (backend, rank) = (pg.backend(), pg.rank());
-    prepared(Op::AllGather { input }, move |done| {
+    // Every rank's tensor has this one's shape (PyTorch's contract): no lengths to exchange.
+    let op = Op::AllGather {
+        input,
+        lens: BlockLens::Equal,
+    };
+    prepared(op, move |done| {
         let Done::Buffers(blocks) = done else {
             return Err(wrong_result(backend, rank, NAME, &done));
         };
@@ -629,7 +635,11 @@ fn all_gather_into<P: ProcessGroup + ?Sized>(
     let data = data(pg, NAME, &input)?;
     self::data(pg, NAME, &output)?;
     let (backend, rank) = (pg.backend(), pg.rank());
-    prepared(Op::AllGather { input: data }, move |done| {
+    let op = Op::AllGather {
+        input: data,
+        lens: BlockLens::Equal,
+    };
+    prepared(op, move |done| {
         let Done::Buffers(blocks) = done else {
             return Err(wrong_result(backend, rank, NAME, &done));
         };

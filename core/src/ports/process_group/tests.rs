@@ -189,7 +189,7 @@ impl ProcessGroup for Solo {
                     self.gate().await;
                     Ok(Done::Unit)
                 }
-                Op::AllGather { input } => {
+                Op::AllGather { input, .. } => {
                     self.gate().await;
                     Ok(Done::from(vec![input.into_bytes("all_gather", self)?]))
                 }
