@@ -317,8 +317,10 @@ impl ProcessGroupHandle {
         Ok(self.issue("allgather", keep, move |g| async move {
             let mut pending = Vec::with_capacity(ins.len());
             for b in &ins {
+                // Every output is the input's size (the Python layer checks, as gloo does), so
+                // no round exchanges the lengths; a rank whose block differs is named.
                 // SAFETY: the work holds the input tensor.
-                pending.push(g.all_gather(unsafe { b.bytes() }));
+                pending.push(g.all_gather_equal(unsafe { b.bytes() }));
             }
             let gathered = work::all_in_order(pending).await?;
             for (blocks, outs) in gathered.iter().zip(&outs) {
@@ -349,7 +351,7 @@ impl ProcessGroupHandle {
         }
         Ok(self.issue("_allgather_base", keep, move |g| async move {
             // SAFETY: the work holds both tensors.
-            let blocks = g.all_gather(unsafe { inp.bytes() }).await?;
+            let blocks = g.all_gather_equal(unsafe { inp.bytes() }).await?;
             copy_blocks("_allgather_base", &blocks, &out.split(world))?;
             Ok(Outcome::Done)
         }))
