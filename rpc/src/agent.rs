@@ -496,8 +496,13 @@ impl Agent {
             self.pump();
         }
         let watch = (self.inner.metrics).call(&|id| self.name_of(id), to, function, id, bytes);
-        let (to, function) = ((to, self.name_of(to)), function.to_owned());
-        Ok(RpcFuture::new(self.clone(), rx, to, function, watch))
+        Ok(RpcFuture::new(
+            self.clone(),
+            rx,
+            to,
+            function.to_owned(),
+            watch,
+        ))
     }
 
     /// Undoes the forks made for `to` by an encode whose bytes will not be sent.
@@ -1118,16 +1123,17 @@ impl<R: DeserializeOwned + Send + 'static> RpcFuture<R> {
     fn new(
         agent: Agent,
         rx: oneshot::Receiver<Result<Body, CallError>>,
-        (to_id, to): (WorkerId, String),
+        to: WorkerId,
         function: String,
         watch: crate::metrics::CallWatch,
     ) -> Self {
         Self {
             inner: Box::pin(watch.watch(async move {
                 match rx.await {
-                    Ok(Ok(body)) => agent.decode_body(body, to_id, &to, &function).await,
+                    // The peer's name is looked up only for an error (not on every call).
+                    Ok(Ok(body)) => agent.decode_body(body, to, None, &function).await,
                     Ok(Err(source)) => Err(RpcError::Call {
-                        to,
+                        to: agent.name_of(to),
                         function,
                         source,
                     }),
@@ -1139,23 +1145,25 @@ impl<R: DeserializeOwned + Send + 'static> RpcFuture<R> {
 }
 
 impl Agent {
-    /// Places a received body's tensors and decodes its value.
+    /// Places a received body's tensors and decodes its value. `from` names the sender in an
+    /// error (`None`: its name now, looked up only then).
     pub(crate) async fn decode_body<R: DeserializeOwned>(
         &self,
         body: Body,
         from_id: WorkerId,
-        from: &str,
+        from: Option<&str>,
         what: &str,
     ) -> Result<R, RpcError> {
+        let name = || from.map_or_else(|| self.name_of(from_id), str::to_owned);
         let tensors = crate::ipc::from_wire(self, from_id, body.tensors)
             .await
             .map_err(|source| RpcError::Tensors {
-                to: from.to_owned(),
+                to: name(),
                 function: what.to_owned(),
                 source: Box::new(source),
             })?;
         codec::decode(self, &body.data, tensors, &body.forks).map_err(|e| RpcError::Serialization {
-            what: format!("decode the result of {what:?} from {from}"),
+            what: format!("decode the result of {what:?} from {}", name()),
             source: Box::new(e),
         })
     }

@@ -113,7 +113,17 @@ pub(crate) async fn pump_direct(this: &Agent) {
 pub(crate) fn pump_now(this: &Agent) {
     let mut writes = Vec::new();
     pump_with(this, Some(&mut writes));
-    for w in writes {
+    for mut w in writes {
+        // Written here and now when the connection takes it all (no future, no box); else
+        // the rest goes on below, as `try_send_now` asks.
+        match w.conn.try_send_now(&mut w.frames) {
+            Some(Ok(())) => continue,
+            Some(Err(e)) => {
+                links::peer_lost(this, w.peer, LostCause::Transport(e.to_string()));
+                continue;
+            }
+            None => {}
+        }
         let agent = this.clone();
         let mut write = Box::pin(async move {
             let DirectWrite {

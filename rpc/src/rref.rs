@@ -167,7 +167,11 @@ impl<T: Send + Sync + 'static> RRef<T> {
         let rx = self.agent().fetch(self.shared.handle, timeout)?;
         let WorkerInfo { name: owner, id } = self.owner();
         match rx.await {
-            Ok(Ok(body)) => self.agent().decode_body(body, id, &owner, "to_here").await,
+            Ok(Ok(body)) => {
+                self.agent()
+                    .decode_body(body, id, Some(&owner), "to_here")
+                    .await
+            }
             Ok(Err(source)) => Err(RpcError::Call {
                 to: owner,
                 function: "to_here".into(),

@@ -87,6 +87,14 @@ impl Reader {
     }
 }
 
+/// The sending side: the socket's write half, and what a [`Connection::try_send_now`] that
+/// could not finish left to write (the rest of a frame it started, and the frames after it),
+/// which the next `send_many` writes first.
+struct Writer {
+    half: OwnedWriteHalf,
+    held: Vec<OutgoingFrame>,
+}
+
 /// An authenticated TCP connection.
 pub(crate) struct TcpConnection {
     peer: SocketAddr,
@@ -96,7 +104,7 @@ pub(crate) struct TcpConnection {
     reader: Mutex<Reader>,
     /// An account handed in by `bill_to`, taken by the reader at its next read.
     bill_to: std::sync::Mutex<Option<Account>>,
-    writer: Mutex<OwnedWriteHalf>,
+    writer: Mutex<Writer>,
     /// Set when a send was abandoned half-way (its future dropped) or failed: the byte stream
     /// may hold part of a frame, so nothing more can be sent.
     write_broken: AtomicBool,
@@ -140,7 +148,10 @@ impl TcpConnection {
                 charged: 0,
             }),
             bill_to: std::sync::Mutex::new(None),
-            writer: Mutex::new(write),
+            writer: Mutex::new(Writer {
+                half: write,
+                held: Vec::new(),
+            }),
             write_broken: AtomicBool::new(false),
             spin: (!config.spin.is_zero()).then(|| {
                 SpinPolicy::new(
@@ -245,6 +256,47 @@ impl TcpConnection {
         }
     }
 
+    /// `frames` checked against the limits and ready to write.
+    fn outgoing(&self, frames: Vec<Frame>) -> Result<Vec<OutgoingFrame>, TransportError> {
+        frames
+            .into_iter()
+            .map(|frame| {
+                OutgoingFrame::new(frame, &self.limits).map_err(|source| TransportError::Wire {
+                    peer: self.peer,
+                    source,
+                })
+            })
+            .collect()
+    }
+
+    /// A send finished: a receive may poll for its answer (see [`TcpConfig::spin`]).
+    fn sent(&self) {
+        if self.spin.is_some() {
+            let nanos = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.last_send.store(nanos.max(1), Ordering::Release);
+        }
+    }
+
+    fn broken_error(&self) -> TransportError {
+        TransportError::Io {
+            addr: self.peer,
+            op: "sending",
+            kind: std::io::ErrorKind::BrokenPipe,
+            message: "an earlier send failed or was cancelled half-way; the connection cannot \
+                      send any more"
+                .to_owned(),
+        }
+    }
+
+    fn write_zero(&self) -> TransportError {
+        TransportError::Io {
+            addr: self.peer,
+            op: "sending",
+            kind: std::io::ErrorKind::WriteZero,
+            message: "the socket accepted no bytes".to_owned(),
+        }
+    }
+
     fn eof_error(&self, decoder: &FrameDecoder) -> TransportError {
         match decoder.finish() {
             Ok(()) => TransportError::Closed { peer: self.peer },
@@ -319,6 +371,22 @@ fn fill_slices<'a>(outs: &'a [OutgoingFrame], slices: &mut [IoSlice<'a>]) -> usi
     n
 }
 
+/// Marks `written` bytes of `outs` as written; returns how many frames that finished.
+fn advance(outs: &mut [OutgoingFrame], written: usize) -> usize {
+    let (mut left, mut done) = (written, 0);
+    while left > 0 && done < outs.len() {
+        let step = usize::try_from(outs[done].remaining())
+            .unwrap_or(usize::MAX)
+            .min(left);
+        outs[done].advance(step);
+        left -= step;
+        if outs[done].is_done() {
+            done += 1;
+        }
+    }
+    done
+}
+
 #[async_trait]
 impl Connection for TcpConnection {
     fn peer_addr(&self) -> SocketAddr {
@@ -347,29 +415,21 @@ impl Connection for TcpConnection {
     }
 
     async fn send_many(&self, frames: Vec<Frame>) -> Result<(), TransportError> {
-        let mut outs = frames
-            .into_iter()
-            .map(|frame| {
-                OutgoingFrame::new(frame, &self.limits).map_err(|source| TransportError::Wire {
-                    peer: self.peer,
-                    source,
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut outs = self.outgoing(frames)?;
         let mut writer = self.writer.lock().await;
         if self.write_broken.load(Ordering::Acquire) {
-            return Err(TransportError::Io {
-                addr: self.peer,
-                op: "sending",
-                kind: std::io::ErrorKind::BrokenPipe,
-                message: "an earlier send failed or was cancelled half-way; the connection \
-                          cannot send any more"
-                    .to_owned(),
-            });
+            return Err(self.broken_error());
+        }
+        // What a `try_send_now` left goes first: the stream may be in the middle of its frame.
+        let held = !writer.held.is_empty();
+        if held {
+            let mut all = std::mem::take(&mut writer.held);
+            all.append(&mut outs);
+            outs = all;
         }
         // Armed while frames remain: a drop or failure then leaves the stream mid-frame (or,
         // conservatively, between frames of the batch).
-        let mut guard = BrokenOnDrop(&self.write_broken, false);
+        let mut guard = BrokenOnDrop(&self.write_broken, held);
         let mut first = 0;
         while first < outs.len() {
             let written = {
@@ -377,7 +437,7 @@ impl Connection for TcpConnection {
                 // would add 1 KiB to this future, which `async_trait` boxes on every send
                 // (past the allocator's small-size caches: ~600 instructions a send).
                 let pending = &outs[first..];
-                let writer = &mut *writer;
+                let writer = &mut writer.half;
                 let wrote = std::future::poll_fn(|cx| {
                     let mut slices = [IoSlice::new(&[]); MAX_IOV];
                     let n = fill_slices(pending, &mut slices);
@@ -390,12 +450,7 @@ impl Connection for TcpConnection {
                 match wrote.await {
                     Ok(0) => {
                         guard.1 = true;
-                        return Err(TransportError::Io {
-                            addr: self.peer,
-                            op: "sending",
-                            kind: std::io::ErrorKind::WriteZero,
-                            message: "the socket accepted no bytes".to_owned(),
-                        });
+                        return Err(self.write_zero());
                     }
                     Ok(written) => written,
                     Err(e) => {
@@ -404,24 +459,48 @@ impl Connection for TcpConnection {
                     }
                 }
             };
-            let mut left = written;
-            while left > 0 && first < outs.len() {
-                let step = usize::try_from(outs[first].remaining())
-                    .unwrap_or(usize::MAX)
-                    .min(left);
-                outs[first].advance(step);
-                left -= step;
-                if outs[first].is_done() {
-                    first += 1;
-                }
-            }
+            first += advance(&mut outs[first..], written);
             guard.1 = first < outs.len();
         }
-        if self.spin.is_some() {
-            let nanos = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            self.last_send.store(nanos.max(1), Ordering::Release);
-        }
+        self.sent();
         Ok(())
+    }
+
+    fn try_send_now(&self, frames: &mut Vec<Frame>) -> Option<Result<(), TransportError>> {
+        let mut writer = self.writer.try_lock().ok()?;
+        if !writer.held.is_empty() {
+            // The next `send_many` writes that first.
+            return None;
+        }
+        if self.write_broken.load(Ordering::Acquire) {
+            return Some(Err(self.broken_error()));
+        }
+        let mut outs = match self.outgoing(std::mem::take(frames)) {
+            Ok(outs) => outs,
+            Err(e) => return Some(Err(e)),
+        };
+        let mut guard = BrokenOnDrop(&self.write_broken, true);
+        let mut first = 0;
+        while first < outs.len() {
+            let mut slices = [IoSlice::new(&[]); MAX_IOV];
+            let n = fill_slices(&outs[first..], &mut slices);
+            let written = match writer.half.try_write_vectored(&slices[..n]) {
+                Ok(0) => return Some(Err(self.write_zero())),
+                Ok(written) => written,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    // The socket is full: the rest goes with the next `send_many`.
+                    outs.drain(..first);
+                    writer.held = outs;
+                    guard.1 = false;
+                    return None;
+                }
+                Err(e) => return Some(Err(TransportError::io(self.peer, "sending", &e))),
+            };
+            first += advance(&mut outs[first..], written);
+        }
+        guard.1 = false;
+        self.sent();
+        Some(Ok(()))
     }
 
     async fn recv(&self) -> Result<Frame, TransportError> {
@@ -552,6 +631,7 @@ impl Connection for TcpConnection {
     async fn close(&self) -> Result<(), TransportError> {
         let mut writer = self.writer.lock().await;
         writer
+            .half
             .shutdown()
             .await
             .map_err(|e| TransportError::io(self.peer, "closing", &e))

@@ -235,6 +235,64 @@ async fn received_all_says_whether_a_frame_of_the_same_read_waits() -> Result<()
     Ok(())
 }
 
+/// `try_send_now` writes on the caller's thread when the socket takes everything; when it
+/// fills, what it took is held and the next `send_many` writes it first, so the peer gets
+/// every frame whole and in order. A frame over the limits fails before anything is sent.
+#[tokio::test]
+async fn try_send_now_writes_at_once_or_leaves_the_rest_to_the_next_send() -> Result<()> {
+    let t = with_secret("s");
+    let listener = t.listen(localhost()).await?;
+    let (c, s) =
+        within(async { tokio::join!(t.connect(listener.local_addr()), listener.accept()) }).await?;
+    let (c, s) = (c?, s?);
+    let mut frames = vec![Frame::message(&b"small"[..], vec![])];
+    ensure!(matches!(c.try_send_now(&mut frames), Some(Ok(()))));
+    ensure!(frames.is_empty(), "the frame was taken");
+    ensure!(&within(s.recv()).await??.header[..] == b"small");
+
+    // More payloads than the frame header's 64 KiB can list.
+    let mut over = vec![Frame::message(Bytes::new(), vec![Bytes::new(); 70_000])];
+    match c.try_send_now(&mut over) {
+        Some(Err(TransportError::Wire { .. })) => {}
+        other => {
+            return Err(anyhow!(
+                "an oversized frame header was not refused: {other:?}"
+            ))
+        }
+    }
+
+    // Nobody reads: 32 MiB cannot all fit in the socket buffers.
+    let big = Bytes::from(vec![7u8; 32 << 20]);
+    let mut frames = vec![
+        Frame::message(&b"big"[..], vec![big.clone()]),
+        Frame::message(&b"after big"[..], vec![]),
+    ];
+    ensure!(
+        c.try_send_now(&mut frames).is_none(),
+        "32 MiB went out with no reader"
+    );
+    ensure!(frames.is_empty(), "both frames are held");
+    let mut later = vec![Frame::message(&b"later"[..], vec![])];
+    ensure!(c.try_send_now(&mut later).is_none(), "held bytes go first");
+    ensure!(later.len() == 1, "nothing was taken while bytes are held");
+    let (sent, got) = within(async {
+        tokio::join!(c.send_many(later), async {
+            let mut got = Vec::new();
+            for _ in 0..3 {
+                got.push(s.recv().await?);
+            }
+            Ok::<_, TransportError>(got)
+        })
+    })
+    .await?;
+    sent?;
+    let got = got?;
+    ensure!(&got[0].header[..] == b"big" && got[0].payloads == vec![big]);
+    ensure!(&got[1].header[..] == b"after big");
+    ensure!(&got[2].header[..] == b"later");
+    Ok(())
+}
+
 /// A send cancelled half-way through a frame (its future dropped) leaves no half frame for a
 /// later send to follow: later sends fail, and the peer sees the frame cut off, never garbage.
 #[tokio::test]

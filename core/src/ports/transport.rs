@@ -121,6 +121,19 @@ pub trait Connection: Send + Sync {
         Ok(())
     }
 
+    /// Sends `frames` now, on this thread, if the connection takes them without waiting: no
+    /// future, no box (a sender's hot path). `Some(result)` when it is done, as
+    /// [`send_many`](Self::send_many) would have finished (frames over the limits fail before
+    /// anything is sent). `None` when it could not finish without waiting: the frames left in
+    /// `frames` are unsent, and the ones it took out are held by the connection, which writes
+    /// them first in its next `send_many`: the caller must then call `send_many` with what is
+    /// left (possibly nothing) before sending anything else. The default takes nothing and
+    /// says `None`.
+    fn try_send_now(&self, frames: &mut Vec<Frame>) -> Option<Result<(), TransportError>> {
+        let _ = frames;
+        None
+    }
+
     /// Receives the next frame. Meant for one reader task; concurrent callers are served one
     /// after the other.
     async fn recv(&self) -> Result<Frame, TransportError>;

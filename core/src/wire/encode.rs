@@ -12,6 +12,15 @@ use super::{Frame, WireError, WireLimits, MAGIC, PREFIX_LEN, VERSION};
 /// [`OutgoingFrame`]). Fails when the frame breaks `limits`, so a sender learns of a frame its
 /// peer would refuse before sending it.
 pub fn encode_preamble(frame: &Frame, limits: &WireLimits) -> Result<Bytes, WireError> {
+    let (table_len, body_len) = check_preamble(frame, limits)?;
+    // Fits: table_len <= max_frame_header_len, a u32.
+    let mut out = BytesMut::with_capacity(PREFIX_LEN + table_len as usize);
+    put_preamble(&mut out, frame, table_len, body_len);
+    Ok(out.freeze())
+}
+
+/// Checks `frame` against `limits`; returns the length of its frame header and of its body.
+fn check_preamble(frame: &Frame, limits: &WireLimits) -> Result<(u64, u64), WireError> {
     let message_len = frame.header.len() as u64;
     if message_len > limits.max_message_header_len {
         return Err(WireError::MessageHeaderTooLarge {
@@ -42,20 +51,23 @@ pub fn encode_preamble(frame: &Frame, limits: &WireLimits) -> Result<Bytes, Wire
             max: limits.max_frame_len,
         });
     }
-    // Fits: table_len <= max_frame_header_len, a u32.
-    let mut out = BytesMut::with_capacity(PREFIX_LEN + table_len as usize);
+    Ok((table_len, body_len))
+}
+
+/// Writes the preamble of `frame` (checked by [`check_preamble`]) to `out`.
+fn put_preamble(out: &mut impl BufMut, frame: &Frame, table_len: u64, body_len: u64) {
     out.put_slice(&MAGIC);
     out.put_u8(VERSION);
     out.put_u8(frame.kind.to_wire());
     out.put_u16_le(0);
+    // At most max_frame_header_len, a u32.
     out.put_u32_le(table_len as u32);
     out.put_u64_le(body_len);
-    put_varint(&mut out, message_len);
-    put_varint(&mut out, frame.payloads.len() as u64);
+    put_varint(out, frame.header.len() as u64);
+    put_varint(out, frame.payloads.len() as u64);
     for p in &frame.payloads {
-        put_varint(&mut out, p.len() as u64);
+        put_varint(out, p.len() as u64);
     }
-    Ok(out.freeze())
 }
 
 /// The bytes of `v` as a postcard varint (LEB128: seven bits a byte, low bits first).
@@ -64,7 +76,7 @@ fn varint_len(v: u64) -> usize {
 }
 
 /// Writes `v` as a postcard varint ([`varint_len`] bytes).
-pub(super) fn put_varint(out: &mut BytesMut, mut v: u64) {
+pub(super) fn put_varint(out: &mut impl BufMut, mut v: u64) {
     while v >= 0x80 {
         out.put_u8((v as u8) | 0x80);
         v >>= 7;
@@ -83,12 +95,25 @@ pub fn encode_to_vec(frame: &Frame, limits: &WireLimits) -> Result<Vec<u8>, Wire
     Ok(v)
 }
 
-/// A frame being sent: preamble, message header and payloads as a list of [`Bytes`] chunks, with
-/// a cursor that survives partial writes. Nothing is copied.
+/// Preambles of at most this many bytes (a frame with a few payloads) are kept in the
+/// [`OutgoingFrame`] itself, not in an allocation of their own.
+const INLINE_PREAMBLE: usize = 48;
+
+/// A frame being sent: preamble, message header and payloads as a list of chunks, with a
+/// cursor that survives partial writes. Nothing is copied, and nothing is allocated for a
+/// frame with a few payloads (its preamble is kept in place, its payloads in the frame's list).
 #[derive(Debug, Clone)]
 pub struct OutgoingFrame {
-    chunks: Vec<Bytes>,
-    /// Index of the first chunk not fully written.
+    /// The preamble, in place (its first `preamble_len` bytes) or, when longer, in `spilled`.
+    preamble: [u8; INLINE_PREAMBLE],
+    preamble_len: usize,
+    spilled: Bytes,
+    /// How much of the preamble is written.
+    preamble_at: usize,
+    header: Bytes,
+    payloads: Vec<Bytes>,
+    /// Index of the first chunk not fully written: 0 the preamble, 1 the message header, then
+    /// the payloads.
     next: usize,
     remaining: u64,
 }
@@ -96,18 +121,47 @@ pub struct OutgoingFrame {
 impl OutgoingFrame {
     /// Prepares `frame` for sending, checking it against `limits`.
     pub fn new(frame: Frame, limits: &WireLimits) -> Result<Self, WireError> {
-        let preamble = encode_preamble(&frame, limits)?;
-        let mut chunks = Vec::with_capacity(2 + frame.payloads.len());
-        chunks.push(preamble);
-        chunks.push(frame.header);
-        chunks.extend(frame.payloads);
-        chunks.retain(|c| !c.is_empty());
-        let remaining = chunks.iter().map(|c| c.len() as u64).sum();
+        let (table_len, body_len) = check_preamble(&frame, limits)?;
+        // Fits: table_len <= max_frame_header_len, a u32.
+        let len = PREFIX_LEN + table_len as usize;
+        let mut preamble = [0u8; INLINE_PREAMBLE];
+        let spilled = if len <= INLINE_PREAMBLE {
+            put_preamble(&mut &mut preamble[..], &frame, table_len, body_len);
+            Bytes::new()
+        } else {
+            let mut out = BytesMut::with_capacity(len);
+            put_preamble(&mut out, &frame, table_len, body_len);
+            out.freeze()
+        };
         Ok(OutgoingFrame {
-            chunks,
+            preamble,
+            preamble_len: if spilled.is_empty() { len } else { 0 },
+            spilled,
+            preamble_at: 0,
+            header: frame.header,
+            payloads: frame.payloads,
             next: 0,
-            remaining,
+            remaining: PREFIX_LEN as u64 + body_len,
         })
+    }
+
+    /// Chunk `i` as it is left to write (see `next`).
+    fn chunk(&self, i: usize) -> &[u8] {
+        match i {
+            0 if self.spilled.is_empty() => &self.preamble[self.preamble_at..self.preamble_len],
+            0 => &self.spilled[self.preamble_at..],
+            1 => &self.header,
+            _ => &self.payloads[i - 2],
+        }
+    }
+
+    /// Marks `n` bytes (at most its length) of chunk `i` as written.
+    fn advance_chunk(&mut self, i: usize, n: usize) {
+        match i {
+            0 => self.preamble_at += n,
+            1 => self.header.advance(n),
+            _ => self.payloads[i - 2].advance(n),
+        }
     }
 
     /// Bytes still to write.
@@ -124,9 +178,14 @@ impl OutgoingFrame {
     /// filled. Pass them to one vectored write, then call [`advance`](Self::advance).
     pub fn io_slices<'a>(&'a self, dst: &mut [IoSlice<'a>]) -> usize {
         let mut n = 0;
-        for (slot, chunk) in dst.iter_mut().zip(&self.chunks[self.next..]) {
-            *slot = IoSlice::new(chunk);
-            n += 1;
+        let mut i = self.next;
+        while n < dst.len() && i < 2 + self.payloads.len() {
+            let chunk = self.chunk(i);
+            if !chunk.is_empty() {
+                dst[n] = IoSlice::new(chunk);
+                n += 1;
+            }
+            i += 1;
         }
         n
     }
@@ -143,11 +202,10 @@ impl OutgoingFrame {
         );
         self.remaining -= n as u64;
         while n > 0 {
-            let chunk = &mut self.chunks[self.next];
-            let step = n.min(chunk.len());
-            chunk.advance(step);
+            let step = n.min(self.chunk(self.next).len());
+            self.advance_chunk(self.next, step);
             n -= step;
-            if chunk.is_empty() {
+            if self.chunk(self.next).is_empty() {
                 self.next += 1;
             }
         }
@@ -155,7 +213,20 @@ impl OutgoingFrame {
 
     /// The chunks still to write, for transports that take owned buffers (QUIC streams).
     pub fn into_chunks(mut self) -> Vec<Bytes> {
-        self.chunks.drain(..self.next);
-        self.chunks
+        let mut chunks = Vec::with_capacity(2 + self.payloads.len());
+        let preamble = self.chunk(0);
+        if self.next == 0 && !preamble.is_empty() {
+            chunks.push(if self.spilled.is_empty() {
+                Bytes::copy_from_slice(preamble)
+            } else {
+                self.spilled.slice(self.preamble_at..)
+            });
+        }
+        if self.next <= 1 && !self.header.is_empty() {
+            chunks.push(std::mem::take(&mut self.header));
+        }
+        let first = self.next.saturating_sub(2);
+        chunks.extend(self.payloads.drain(first..).filter(|p| !p.is_empty()));
+        chunks
     }
 }

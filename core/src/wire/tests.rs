@@ -347,6 +347,48 @@ fn outgoing_frame_survives_partial_writes() {
     assert_eq!(written, whole);
 }
 
+/// Whether its preamble is kept in place (a few payloads) or spilled to a buffer of its own
+/// (many), a frame written a few bytes at a time, or handed over as chunks part-way through,
+/// gives the bytes `encode_to_vec` gives.
+#[test]
+fn outgoing_frame_bytes_match_with_the_preamble_in_place_or_spilled() {
+    for payloads in [0usize, 1, 3, 40] {
+        let f = Frame::message(
+            &b"header"[..],
+            (0..payloads)
+                .map(|i| Bytes::from(vec![i as u8; i % 5]))
+                .collect(),
+        );
+        let whole = encode_to_vec(&f, &WireLimits::default()).unwrap();
+        for cut in [0usize, 3, 19, 20, 23, whole.len() - 1] {
+            let mut out = OutgoingFrame::new(f.clone(), &WireLimits::default()).unwrap();
+            assert_eq!(out.remaining(), whole.len() as u64);
+            let mut written = Vec::new();
+            // Written 7 bytes at a time up to `cut`, then the rest taken as chunks.
+            while written.len() < cut {
+                let mut slices = [IoSlice::new(&[]); 64];
+                let n = out.io_slices(&mut slices);
+                let mut took = 0;
+                for s in &slices[..n] {
+                    let k = s.len().min(7 - took).min(cut - written.len());
+                    written.extend_from_slice(&s[..k]);
+                    took += k;
+                    if took == 7 || written.len() == cut {
+                        break;
+                    }
+                }
+                out.advance(took);
+            }
+            assert_eq!(out.remaining(), (whole.len() - cut) as u64);
+            for chunk in out.into_chunks() {
+                assert!(!chunk.is_empty(), "no empty chunk is handed over");
+                written.extend_from_slice(&chunk);
+            }
+            assert_eq!(written, whole, "{payloads} payloads, cut at {cut}");
+        }
+    }
+}
+
 /// A peer announces a 1 GiB payload and sends 3 MiB: the receiver holds about what
 /// arrived, whichever way it reads, and gives it up when told the peer is gone.
 #[test]
