@@ -52,7 +52,7 @@ async fn arguments_decode_exactly_and_the_callee_logs_failures() {
     let subscriber = tracing_subscriber::fmt()
         .with_writer(move || writer.clone())
         .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
+        .with_max_level(tracing::Level::INFO)
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
     let (_cluster, agents) = pair().await;
@@ -93,7 +93,8 @@ async fn arguments_decode_exactly_and_the_callee_logs_failures() {
         .await
         .unwrap_err();
     assert_eq!(e.remote().unwrap().kind, RemoteErrorKind::UnknownFunction);
-    // A graceful shutdown while this worker still holds a reference warns, listing it.
+    // A graceful shutdown while this worker still holds a reference says so at info (PyTorch
+    // says nothing: holding one at shutdown is common), listing it.
     let held: tensorwire_rpc::RRef<usize> = a.remote("w1", "len", &3usize, None).unwrap();
     held.created().await.unwrap();
     let limit = Duration::from_secs(20);
@@ -112,10 +113,12 @@ async fn arguments_decode_exactly_and_the_callee_logs_failures() {
             .unwrap_or_else(|| panic!("no log line with {needle:?} in:\n{text}"))
             .to_owned()
     };
-    let warning = line("graceful shutdown while this worker still holds remote references");
+    let said = line("graceful shutdown while this worker still holds remote references");
     assert!(
-        warning.contains("w0 (rank 0)") && warning.contains("on rank 1 (1 handles)"),
-        "{warning}"
+        said.contains("INFO")
+            && said.contains("w0 (rank 0)")
+            && said.contains("on rank 1 (1 handles)"),
+        "{said}"
     );
     for (needle, function) in [
         ("refused: x", "fail"),
