@@ -129,19 +129,13 @@ def _run_world(
         if r in expect_fail or r in hung:
             continue
         if p.exitcode != 0:
-            try:
-                trace = open(f"{errors}.{r}").read()
-            except OSError:
-                trace = "(no traceback: the process died)"
+            trace = _read(f"{errors}.{r}") or "(no traceback: the process died)"
             problems.append(f"rank {r} exited with {p.exitcode}:\n{trace}")
     if hung:
         problems.append(f"rank(s) {hung} did not finish within {WORLD_DEADLINE_S} s")
         for r in hung:
-            try:
-                stacks = open(f"{errors}.{r}.stacks").read()
-            except OSError:
-                stacks = ""
-            problems.append(f"rank {r}'s threads shortly before the deadline:\n{stacks or '(none written)'}")
+            stacks = _read(f"{errors}.{r}.stacks") or "(none written)"
+            problems.append(f"rank {r}'s threads shortly before the deadline:\n{stacks}")
     if problems:
         for r in range(world):
             problems.append(f"rank {r}'s stderr (the last 40 lines):\n{_tail(f'{errors}.log.{r}', 40)}")
@@ -162,9 +156,16 @@ def _run_world(
     return {r: p.exitcode for r, p in enumerate(procs)}
 
 
-def _tail(path: str, lines: int) -> str:
+def _read(path: str) -> str:
+    """The file's text ("" if it cannot be read)."""
     try:
         with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:]) or "(empty)"
+            return f.read()
     except OSError:
+        return ""
+
+
+def _tail(path: str, lines: int) -> str:
+    if not os.path.exists(path):
         return "(none)"
+    return "".join(_read(path).splitlines(keepends=True)[-lines:]) or "(empty)"

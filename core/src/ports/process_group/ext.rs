@@ -38,14 +38,7 @@ pub trait Collectives: ProcessGroup {
         &self,
         input: &[u8],
     ) -> impl Future<Output = Result<Vec<Bytes>, ProcessGroupError>> + Send {
-        async move {
-            let input = Buf::Ref(input);
-            let op = Op::AllGather {
-                input,
-                lens: BlockLens::Exchanged,
-            };
-            blocks(self, "all_gather", self.run(op).await?)
-        }
+        gathered(self, input, BlockLens::Exchanged)
     }
 
     /// [`all_gather`](Self::all_gather) of blocks as long as this rank's on every rank (as
@@ -56,14 +49,7 @@ pub trait Collectives: ProcessGroup {
         &self,
         input: &[u8],
     ) -> impl Future<Output = Result<Vec<Bytes>, ProcessGroupError>> + Send {
-        async move {
-            let input = Buf::Ref(input);
-            let op = Op::AllGather {
-                input,
-                lens: BlockLens::Equal,
-            };
-            blocks(self, "all_gather", self.run(op).await?)
-        }
+        gathered(self, input, BlockLens::Equal)
     }
 
     /// Copies `root`'s `data` into `data` on every other rank; every rank passes a buffer of
@@ -413,6 +399,20 @@ pub(super) fn bytes<P: ProcessGroup + ?Sized>(
         Done::Buffer(Storage::Host(b)) => Ok(b),
         other => Err(unexpected(pg, collective, &other)),
     }
+}
+
+/// The blocks of an all_gather whose lengths are as `lens` says (both forms of
+/// [`Collectives`]).
+async fn gathered<P: Collectives + ?Sized>(
+    pg: &P,
+    input: &[u8],
+    lens: BlockLens,
+) -> Result<Vec<Bytes>, ProcessGroupError> {
+    let op = Op::AllGather {
+        input: Buf::Ref(input),
+        lens,
+    };
+    blocks(pg, "all_gather", pg.run(op).await?)
 }
 
 fn blocks<P: ProcessGroup + ?Sized>(
