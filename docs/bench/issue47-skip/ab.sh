@@ -2,7 +2,7 @@
 # A/B of the arena bench (issue 47, one coder + all_gather length skip): main's binary (A,
 # aac994a) against hB's (B), alternating, unpinned and pinned.
 set -u
-cd /work/binB/ab47
+cd "${OUT:-/work/binB/ab47}"  # the run folder (the idle runs: OUT=/work/binB/idle)
 ROUNDS=${ROUNDS:-3}
 EXTRA=${EXTRA:-}
 for r in $(seq ${FIRST:-1} $ROUNDS); do
