@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::ports::transport::{Connection, Transport, TransportError};
+use tensorwire_core::protocol::mesh::MeshFrameError;
 use tracing::debug;
 
 use tensorwire_store::backoff::Backoff;
@@ -28,7 +29,7 @@ use tensorwire_store::backoff::Backoff;
 pub use tensorwire_core::protocol::mesh::Hello;
 
 /// Why a link could not be set up.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum LinkError {
     /// Connecting failed until the deadline, or for good (authentication).
@@ -37,7 +38,8 @@ pub enum LinkError {
         /// Where it dialled.
         addr: SocketAddr,
         /// The last failure.
-        reason: String,
+        #[source]
+        reason: LinkStepError,
     },
     /// The connection is up but the hello could not be sent.
     #[error("cannot greet {addr}: {reason}")]
@@ -45,7 +47,8 @@ pub enum LinkError {
         /// Where it dialled.
         addr: SocketAddr,
         /// What failed.
-        reason: String,
+        #[source]
+        reason: LinkStepError,
     },
     /// An accepted connection sent no valid hello by the deadline.
     #[error("the connection from {addr} sent no valid hello: {reason}")]
@@ -53,8 +56,24 @@ pub enum LinkError {
         /// The peer's address.
         addr: SocketAddr,
         /// What it sent instead, or what failed.
-        reason: String,
+        #[source]
+        reason: LinkStepError,
     },
+}
+
+/// What failed in one step of a link's setup ([`LinkError`]'s cause).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkStepError {
+    /// The step did not complete by the deadline.
+    #[error("timed out")]
+    TimedOut,
+    /// The transport failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The peer's first frame is not a hello.
+    #[error(transparent)]
+    NotAHello(#[from] MeshFrameError),
 }
 
 /// The retry policy of [`dial`]: 10 ms doubling to 1 s, jittered.
@@ -73,33 +92,31 @@ pub async fn dial(
 ) -> Result<Box<dyn Connection>, LinkError> {
     let mut backoff = dial_backoff();
     let conn = loop {
-        let failed = |reason: String| LinkError::Connect { addr, reason };
+        let failed = |reason: LinkStepError| LinkError::Connect { addr, reason };
         let attempt = rt.timeout_at(deadline, transport.connect(addr)).await;
         match attempt {
             Ok(Ok(conn)) => break conn,
-            Ok(Err(e @ TransportError::Authentication { .. })) => {
-                return Err(failed(e.to_string()))
-            }
+            Ok(Err(e @ TransportError::Authentication { .. })) => return Err(failed(e.into())),
             Ok(Err(e)) => {
                 let delay = backoff.next_delay();
                 if rt.now() + delay > deadline {
-                    return Err(failed(e.to_string()));
+                    return Err(failed(e.into()));
                 }
                 debug!("connect to {addr} failed ({e}); retrying in {delay:?}");
                 rt.sleep(delay).await;
             }
-            Err(_) => return Err(failed("timed out".to_owned())),
+            Err(_) => return Err(failed(LinkStepError::TimedOut)),
         }
     };
     match rt.timeout_at(deadline, conn.send(hello.frame())).await {
         Ok(Ok(())) => Ok(conn),
         Ok(Err(e)) => Err(LinkError::Greet {
             addr,
-            reason: e.to_string(),
+            reason: e.into(),
         }),
         Err(_) => Err(LinkError::Greet {
             addr,
-            reason: "timed out".to_owned(),
+            reason: LinkStepError::TimedOut,
         }),
     }
 }
@@ -111,10 +128,10 @@ pub async fn read_hello(
     deadline: Instant,
 ) -> Result<Hello, LinkError> {
     let addr = conn.peer_addr();
-    let no_hello = |reason: String| LinkError::NoHello { addr, reason };
+    let no_hello = |reason: LinkStepError| LinkError::NoHello { addr, reason };
     match rt.timeout_at(deadline, conn.recv()).await {
-        Ok(Ok(frame)) => Hello::from_frame(&frame).map_err(|e| no_hello(e.to_string())),
-        Ok(Err(e)) => Err(no_hello(e.to_string())),
-        Err(_) => Err(no_hello("none arrived in time".to_owned())),
+        Ok(Ok(frame)) => Hello::from_frame(&frame).map_err(|e| no_hello(e.into())),
+        Ok(Err(e)) => Err(no_hello(e.into())),
+        Err(_) => Err(no_hello(LinkStepError::TimedOut)),
     }
 }

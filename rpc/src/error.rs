@@ -1,5 +1,6 @@
 //! The agent's errors.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tensorwire_core::auth::AuthError;
@@ -11,11 +12,13 @@ use tensorwire_core::protocol::{CallError, ConfirmError, RemoteError, WorkerId};
 use tensorwire_core::validate::DeviceMapError;
 use tensorwire_rendezvous::RendezvousError;
 
-use tensorwire_core::protocol::membership::WorkerInfo;
+use tensorwire_core::protocol::membership::{LastTry, WorkerInfo};
+use tensorwire_core::protocol::mesh::MeshFrameError;
+use tensorwire_mesh::link::LinkError;
 
 /// Who a wait that timed out was waiting for: kept as data (ranks, names, the error of the last
 /// try), rendered only when displayed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum WaitingFor {
     /// These workers, in rank order ("rank 2 (w2), ..."; "nobody in particular" when empty).
@@ -25,14 +28,28 @@ pub enum WaitingFor {
     Ranks(Vec<WorkerId>),
     /// The store, which did not answer.
     Store,
-    /// A join retried until the deadline: the coordinator it last asked, and why that try
-    /// failed.
-    LastTry {
-        /// The coordinator (by name; `None` when no coordinator was published yet).
-        coordinator: Option<String>,
-        /// Why the last try failed.
-        error: String,
-    },
+    /// A join retried until the deadline: the coordinator it last asked (its record's address)
+    /// and why that try failed.
+    LastTry(Arc<LastTry<IntroductionError>>),
+}
+
+/// Why a worker this one introduced itself to (a dynamic group's coordinator, or a member the
+/// join asked it to connect to) did not welcome it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum IntroductionError {
+    /// It could not be reached, or the introduction could not be sent.
+    #[error(transparent)]
+    Unreachable(#[from] LinkError),
+    /// It answered with something other than a welcome or a refusal.
+    #[error("it answered the introduction with something else: {0}")]
+    Garbled(#[source] MeshFrameError),
+    /// The connection failed before its answer came.
+    #[error("it did not welcome this worker: {0}")]
+    NoWelcome(#[source] TransportError),
+    /// No answer came within the limit.
+    #[error("it did not answer the introduction")]
+    NoAnswer,
 }
 
 impl WaitingFor {
@@ -40,7 +57,7 @@ impl WaitingFor {
     pub fn names(&self, name: &str) -> bool {
         match self {
             WaitingFor::Workers(w) => w.iter().any(|w| w.name == name),
-            WaitingFor::LastTry { coordinator, .. } => coordinator.as_deref() == Some(name),
+            WaitingFor::LastTry(last) => last.coordinator.name == name,
             WaitingFor::Ranks(_) | WaitingFor::Store => false,
         }
     }
@@ -55,10 +72,7 @@ impl std::fmt::Display for WaitingFor {
                 f.write_str(&ranks.join(", "))
             }
             WaitingFor::Store => f.write_str("the store, which did not answer"),
-            WaitingFor::LastTry { coordinator, error } => match coordinator {
-                Some(c) => write!(f, "{c}: {error}"),
-                None => write!(f, "a coordinator: {error}"),
-            },
+            WaitingFor::LastTry(last) => last.fmt(f),
         }
     }
 }

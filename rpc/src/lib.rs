@@ -73,7 +73,7 @@ pub use backend::{
 pub use backend::{QuicBackend, QUIC_BACKEND};
 pub use context::CallContext;
 pub use debug::GatherDebugInfo;
-pub use error::{InitError, RRefError, RpcError, WaitingFor};
+pub use error::{InitError, IntroductionError, RRefError, RpcError, WaitingFor};
 pub use init::start_agent;
 pub use init_rpc::init_rpc;
 pub use metrics::{PeerMetrics, RpcMetrics};

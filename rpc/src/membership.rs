@@ -21,7 +21,7 @@ use tensorwire_core::protocol::WorkerId;
 use tensorwire_mesh::link;
 use tracing::warn;
 
-use crate::error::{RpcError, WaitingFor};
+use crate::error::{IntroductionError, RpcError, WaitingFor};
 use crate::runtime::Runtime;
 use crate::state::Agent;
 use crate::state::RPC_GROUP;
@@ -124,7 +124,7 @@ pub(crate) enum Introduction {
     /// The member refused this worker, saying why.
     Refused(String),
     /// It could not be reached, or did not answer.
-    Failed(String),
+    Failed(IntroductionError),
     /// Its credentials are not issued for the name it is known by (an impostor, or a
     /// certificate made for another worker): nothing was sent to it but the hello.
     NotCertified(IdentityError),
@@ -133,7 +133,8 @@ pub(crate) enum Introduction {
 impl std::fmt::Display for Introduction {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Refused(s) | Self::Failed(s) => f.write_str(s),
+            Self::Refused(s) => f.write_str(s),
+            Self::Failed(e) => e.fmt(f),
             Self::NotCertified(e) => e.fmt(f),
         }
     }
@@ -148,7 +149,6 @@ pub(crate) async fn introduce(
     (addr, expected): (std::net::SocketAddr, &str),
     limit: Duration,
 ) -> Result<Box<dyn Connection>, Introduction> {
-    let failed = |e: String| Introduction::Failed(e);
     let hello = link::Hello {
         group: RPC_GROUP.to_owned(),
         rank,
@@ -158,7 +158,7 @@ pub(crate) async fn introduce(
     let deadline = runtime.deadline_after(limit);
     let conn = link::dial(runtime, transport, addr, &hello, deadline)
         .await
-        .map_err(|e| failed(e.to_string()))?;
+        .map_err(|e| Introduction::Failed(e.into()))?;
     if let Err(e) = conn.check_peer_name(expected) {
         let _ = conn.close().await;
         return Err(Introduction::NotCertified(e));
@@ -168,12 +168,10 @@ pub(crate) async fn introduce(
         Ok(Ok(f)) => match HelloReply::from_frame(&f) {
             Ok(HelloReply::Welcome) => Ok(conn),
             Ok(HelloReply::Refused { reason, .. }) => Err(Introduction::Refused(reason)),
-            Err(e) => Err(failed(format!(
-                "it answered the introduction with something else: {e}"
-            ))),
+            Err(e) => Err(Introduction::Failed(IntroductionError::Garbled(e))),
         },
-        Ok(Err(e)) => Err(failed(format!("it did not welcome this worker: {e}"))),
-        Err(_) => Err(failed("it did not answer the introduction".into())),
+        Ok(Err(e)) => Err(Introduction::Failed(IntroductionError::NoWelcome(e))),
+        Err(_) => Err(Introduction::Failed(IntroductionError::NoAnswer)),
     }
 }
 

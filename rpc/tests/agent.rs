@@ -815,6 +815,47 @@ async fn dynamic_groups_let_workers_join_and_leave() {
     }
 }
 
+/// A joiner whose coordinator died (its record still in the store, nothing listening) tries
+/// again until its init timeout, then fails naming that coordinator, with the last try's error
+/// kept as data: which link step failed, not its text.
+#[tokio::test(start_paused = true)]
+async fn a_join_through_a_dead_coordinator_times_out_naming_it_and_why() {
+    let cluster = Cluster::new();
+    let a0 = dynamic(0, &cluster, |_| {}).await.unwrap();
+    assert!(cluster.kill(0));
+    let e = dynamic(1, &cluster, |o| o.init_timeout = Duration::from_secs(3))
+        .await
+        .unwrap_err();
+    let RpcError::Timeout {
+        waiting_for: Some(w @ WaitingFor::LastTry(last)),
+        after,
+        ..
+    } = &e
+    else {
+        panic!("not a join's timeout naming its last try: {e:?}");
+    };
+    assert_eq!(*after, Duration::from_secs(3));
+    assert!(w.names("w0"), "{e}");
+    assert_eq!(
+        (last.coordinator.name.as_str(), last.coordinator.id),
+        ("w0", 0)
+    );
+    assert!(
+        matches!(
+            &last.error,
+            tensorwire_core::protocol::membership::TryError::Unreachable(
+                tensorwire_rpc::IntroductionError::Unreachable(_)
+                    | tensorwire_rpc::IntroductionError::NoWelcome(_)
+                    | tensorwire_rpc::IntroductionError::NoAnswer
+            )
+        ),
+        "{e}"
+    );
+    let text = e.to_string();
+    assert!(text.contains("w0 (rank 0) at "), "{text}");
+    drop(a0);
+}
+
 /// A worker that leaves a dynamic group: new calls to it are refused while it settles, calls it
 /// took are answered, and once it is gone the values it referred to on the others are freed and
 /// the references to values it owned fail naming it.

@@ -28,7 +28,7 @@ pub use dynamic::{
     Accepted, DynMessage, DynamicMembership, MemberRecord, MembershipError, MembershipEvent,
 };
 pub mod joining;
-pub use joining::{JoinFailure, JoinStart, Joining, LastTry, TryEnd};
+pub use joining::{JoinFailure, JoinStart, Joining, LastTry, TryEnd, TryError};
 pub mod records;
 pub use records::{check_static_records, RecordError};
 pub mod directory;

@@ -18,7 +18,7 @@ use std::time::Duration;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Transport;
 use tensorwire_core::protocol::membership::{
-    JoinFailure, JoinStart, Joining, LastTry, MemberRecord, TryEnd,
+    JoinFailure, JoinStart, Joining, MemberRecord, TryEnd,
 };
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_core::validate::WorkerDeviceInfo;
@@ -28,7 +28,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
 use crate::driver::drive;
-use crate::error::{InitError, RpcError, WaitingFor};
+use crate::error::{InitError, IntroductionError, RpcError, WaitingFor};
 use crate::init::advertise_ip;
 use crate::membership::{
     self, accept_connections, introduce, with_membership, Introduction, COORDINATOR,
@@ -87,7 +87,7 @@ pub(crate) async fn join(
         let (coordinator, end) = match join_once(&agent, &*transport, &*store, &joining).await {
             Ok(()) => return Ok(agent),
             Err(Attempt::Ended(ended)) => *ended,
-            Err(Attempt::Failed(e)) => break join_error(e, options.init_timeout),
+            Err(Attempt::Failed(e)) => break join_error(*e, options.init_timeout),
             Err(Attempt::Fail(e)) => break e,
         };
         let (now, delay) = (agent.now(), backoff.next_delay());
@@ -110,9 +110,9 @@ pub(crate) async fn join(
 enum Attempt {
     /// It asked the coordinator (its record), which ended it so (core's [`Joining`] decides
     /// what follows).
-    Ended(Box<(MemberRecord, TryEnd)>),
+    Ended(Box<(MemberRecord, TryEnd<IntroductionError>)>),
     /// Core's [`Joining`] refused it (no try helps).
-    Failed(JoinFailure),
+    Failed(Box<JoinFailure<IntroductionError>>),
     /// The store or the agent failed.
     Fail(RpcError),
 }
@@ -124,7 +124,7 @@ impl From<RpcError> for Attempt {
 }
 
 /// Why the join failed, as `init_rpc` says it.
-fn join_error(e: JoinFailure, after: Duration) -> RpcError {
+fn join_error(e: JoinFailure<IntroductionError>, after: Duration) -> RpcError {
     match e {
         JoinFailure::CoordinatorRecord(e) => InitError::CoordinatorRecord(e).into(),
         JoinFailure::AlreadyAMember { joiner, member } => {
@@ -152,13 +152,10 @@ fn join_error(e: JoinFailure, after: Duration) -> RpcError {
             after,
             waiting_for: Some(WaitingFor::Workers(vec![coordinator])),
         },
-        JoinFailure::Deadline(LastTry { coordinator, error }) => RpcError::Timeout {
+        JoinFailure::Deadline(last) => RpcError::Timeout {
             what: "joining the group".into(),
             after,
-            waiting_for: Some(WaitingFor::LastTry {
-                coordinator: Some(coordinator),
-                error,
-            }),
+            waiting_for: Some(WaitingFor::LastTry(Arc::new(last))),
         },
         JoinFailure::Membership(e) => InitError::Join(e).into(),
     }
@@ -182,7 +179,7 @@ async fn join_once(
             return Ok(());
         }
         Ok(JoinStart::Ask { coordinator, limit }) => (coordinator, limit),
-        Err(e) => return Err(Attempt::Failed(e)),
+        Err(e) => return Err(Attempt::Failed(Box::new(e))),
     };
     let ended = |end| Err(Attempt::Ended(Box::new((coordinator.clone(), end))));
     let me = (agent.worker_info().id, joining.record().to_vec());

@@ -17,6 +17,7 @@
 //! member's already (the coordinator's), a refusal, a coordinator whose credentials do not
 //! name it, any other outcome of the membership.
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use super::{DynamicMembership, MemberRecord, MembershipError, WorkerInfo};
@@ -54,10 +55,12 @@ pub enum JoinStart {
 }
 
 /// How a try that asked a coordinator ended without a membership ([`Joining::handle_try_ended`]).
+/// `E` is the driver's error for a coordinator it could not reach (its transport's and links'
+/// errors, which core does not name): kept as it is, never flattened to text.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TryEnd {
-    /// It could not be reached, or did not answer the introduction (why, in words).
-    Unreachable(String),
+pub enum TryEnd<E> {
+    /// It could not be reached, or did not answer the introduction.
+    Unreachable(E),
     /// It refused this worker, saying why (text from another process).
     Refused(String),
     /// Its credentials are not issued for the name it is known by.
@@ -66,19 +69,35 @@ pub enum TryEnd {
     Ended(MembershipError),
 }
 
-/// The try the deadline cut short, as a timeout names it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LastTry {
-    /// The coordinator it asked ("name (rank r) at addr").
-    pub coordinator: String,
+/// The try the deadline cut short, as a timeout names it ("w0 (rank 0) at addr: why").
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{coordinator} at {addr}: {error}")]
+pub struct LastTry<E> {
+    /// The coordinator it asked.
+    pub coordinator: WorkerInfo,
+    /// Where it asked it (the address of its record).
+    pub addr: SocketAddr,
     /// Why that try failed.
-    pub error: String,
+    #[source]
+    pub error: TryError<E>,
+}
+
+/// Why a try that is worth another failed ([`LastTry::error`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TryError<E> {
+    /// The coordinator could not be reached, or did not answer the introduction.
+    #[error(transparent)]
+    Unreachable(E),
+    /// The join it coordinated ended with an error that another try may not meet
+    /// ([`MembershipError::is_retryable`]).
+    #[error(transparent)]
+    Ended(MembershipError),
 }
 
 /// Why a join fails (no further try helps). Exhaustive: a new failure breaks the driver's
-/// build instead of being said some other way.
+/// build instead of being said some other way. `E` is [`TryEnd`]'s.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum JoinFailure {
+pub enum JoinFailure<E> {
     /// The coordinator's record in the store does not parse.
     #[error("the coordinator's record in the store: {0}")]
     CoordinatorRecord(#[source] Undecodable),
@@ -122,8 +141,8 @@ pub enum JoinFailure {
     #[error("joining the group: {0}")]
     Membership(MembershipError),
     /// The deadline passed before a try succeeded.
-    #[error("joining the group timed out; the last try asked {}: {}", .0.coordinator, .0.error)]
-    Deadline(LastTry),
+    #[error("joining the group timed out; the last try asked {0}")]
+    Deadline(LastTry<E>),
 }
 
 /// One worker's join of a dynamic group, over its tries (see the [module docs](self)).
@@ -158,7 +177,7 @@ impl Joining {
     ///
     /// # Errors
     /// [`JoinFailure::CoordinatorRecord`], [`JoinFailure::AlreadyAMember`].
-    pub fn handle_store(&self, held: &[u8], now: Instant) -> Result<JoinStart, JoinFailure> {
+    pub fn handle_store<E>(&self, held: &[u8], now: Instant) -> Result<JoinStart, JoinFailure<E>> {
         if held == self.encoded.as_slice() {
             let founder = DynamicMembership::found(self.me.clone(), self.op_timeout);
             return Ok(JoinStart::Found(Box::new(founder)));
@@ -197,17 +216,17 @@ impl Joining {
     /// # Errors
     /// The [`JoinFailure`] to fail with: what no retry helps, or
     /// [`JoinFailure::Deadline`] when the next try would start past the deadline.
-    pub fn handle_try_ended(
+    pub fn handle_try_ended<E>(
         &self,
         coordinator: &MemberRecord,
-        end: TryEnd,
+        end: TryEnd<E>,
         now: Instant,
         delay: Duration,
-    ) -> Result<Instant, JoinFailure> {
+    ) -> Result<Instant, JoinFailure<E>> {
         let who: WorkerInfo = coordinator.into();
         let why = match end {
-            TryEnd::Unreachable(why) => why,
-            TryEnd::Ended(e) if e.is_retryable() => e.to_string(),
+            TryEnd::Unreachable(why) => TryError::Unreachable(why),
+            TryEnd::Ended(e) if e.is_retryable() => TryError::Ended(e),
             TryEnd::Refused(reason) => {
                 return Err(JoinFailure::Refused {
                     coordinator: who,
@@ -236,7 +255,8 @@ impl Joining {
             return Ok(at);
         }
         Err(JoinFailure::Deadline(LastTry {
-            coordinator: format!("{who} at {}", coordinator.addr),
+            coordinator: who,
+            addr: coordinator.addr,
             error: why,
         }))
     }
@@ -273,7 +293,7 @@ mod tests {
     fn a_free_key_founds_the_group_and_a_held_one_asks_its_coordinator() {
         let clock = Clock::new();
         let j = joining(&clock, Duration::from_secs(60));
-        match j.handle_store(j.record(), clock.now()) {
+        match j.handle_store::<Refused>(j.record(), clock.now()) {
             Ok(JoinStart::Found(m)) => {
                 assert!(m.is_coordinator());
                 assert_eq!(m.me(), &record(3, "w3"));
@@ -281,7 +301,7 @@ mod tests {
             other => panic!("the founder coordinates: {other:?}"),
         }
         let c = record(0, "w0");
-        match j.handle_store(&c.encode(), clock.now()) {
+        match j.handle_store::<Refused>(&c.encode(), clock.now()) {
             Ok(JoinStart::Ask { coordinator, limit }) => {
                 assert_eq!(coordinator, c);
                 assert_eq!(limit, INTRODUCTION_LIMIT);
@@ -290,7 +310,7 @@ mod tests {
         }
         // Near the deadline, the introduction gets what is left.
         let late = joining(&clock, Duration::from_millis(300));
-        match late.handle_store(&c.encode(), clock.now()) {
+        match late.handle_store::<Refused>(&c.encode(), clock.now()) {
             Ok(JoinStart::Ask { limit, .. }) => assert_eq!(limit, Duration::from_millis(300)),
             other => panic!("{other:?}"),
         }
@@ -301,11 +321,13 @@ mod tests {
         let clock = Clock::new();
         let j = joining(&clock, Duration::from_secs(60));
         assert!(matches!(
-            j.handle_store(b"\xff\xff\xff", clock.now()),
+            j.handle_store::<Refused>(b"\xff\xff\xff", clock.now()),
             Err(JoinFailure::CoordinatorRecord(_))
         ));
         for member in [record(3, "other"), record(0, "w3")] {
-            let e = j.handle_store(&member.encode(), clock.now()).unwrap_err();
+            let e = j
+                .handle_store::<Refused>(&member.encode(), clock.now())
+                .unwrap_err();
             assert_eq!(
                 e,
                 JoinFailure::AlreadyAMember {
@@ -337,18 +359,18 @@ mod tests {
         );
     }
 
+    /// A driver's error for an unreachable coordinator, as a test stands it in.
+    #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+    #[error("connection refused")]
+    struct Refused;
+
     #[test]
     fn an_unreachable_coordinator_is_tried_again_until_the_deadline() {
         let mut clock = Clock::new();
         let j = joining(&clock, Duration::from_secs(1));
         let c = record(0, "w0");
         let delay = Duration::from_millis(40);
-        let again = j.handle_try_ended(
-            &c,
-            TryEnd::Unreachable("refused".into()),
-            clock.now(),
-            delay,
-        );
+        let again = j.handle_try_ended(&c, TryEnd::Unreachable(Refused), clock.now(), delay);
         assert_eq!(again, Ok(clock.now() + delay));
         // A retryable outcome of the membership (the coordinator was leaving) too.
         let leaving = MembershipError::Refused {
@@ -356,24 +378,25 @@ mod tests {
             retry: true,
         };
         assert!(j
-            .handle_try_ended(&c, TryEnd::Ended(leaving), clock.now(), delay)
+            .handle_try_ended(&c, TryEnd::<Refused>::Ended(leaving), clock.now(), delay)
             .is_ok());
         // A next try that would start at the deadline is a timeout naming the last one.
         clock.advance(Duration::from_millis(960));
         let e = j
-            .handle_try_ended(
-                &c,
-                TryEnd::Unreachable("refused".into()),
-                clock.now(),
-                delay,
-            )
+            .handle_try_ended(&c, TryEnd::Unreachable(Refused), clock.now(), delay)
             .unwrap_err();
         assert_eq!(
             e,
             JoinFailure::Deadline(LastTry {
-                coordinator: "w0 (rank 0) at 127.0.0.1:1000".into(),
-                error: "refused".into(),
+                coordinator: (&c).into(),
+                addr: c.addr,
+                error: TryError::Unreachable(Refused),
             })
+        );
+        assert_eq!(
+            e.to_string(),
+            "joining the group timed out; the last try asked w0 (rank 0) at 127.0.0.1:1000: \
+             connection refused"
         );
     }
 
@@ -383,7 +406,9 @@ mod tests {
         let j = joining(&clock, Duration::from_secs(60));
         let c = record(0, "w0");
         let who: WorkerInfo = (&c).into();
-        let ended = |end| j.handle_try_ended(&c, end, clock.now(), Duration::from_millis(1));
+        let ended = |end: TryEnd<Refused>| {
+            j.handle_try_ended(&c, end, clock.now(), Duration::from_millis(1))
+        };
         assert_eq!(
             ended(TryEnd::Refused("no".into())),
             Err(JoinFailure::Refused {
