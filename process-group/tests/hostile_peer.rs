@@ -99,12 +99,45 @@ fn data_frame(key: u64, payload: Bytes) -> Frame {
     .frame(vec![payload])
 }
 
-/// The hostile rank's connection to `rank` is dropped: it ends without another frame.
+/// The hostile rank's connection to honest rank 0 is dropped: rank 0 tells it why first (an
+/// abort in rank 0's name that names the hostile rank's violation; best effort: a close with
+/// the hostile rank's bytes still unread resets a TCP connection, which may discard it), then
+/// nothing more comes.
 async fn assert_dropped(conn: &Arc<dyn Connection>) {
-    assert!(
-        conn.recv().await.is_err(),
-        "the victim kept the hostile peer's connection open"
-    );
+    if let Err(e) = told_why_then_dropped(conn).await {
+        eprintln!("dropped without being told why: {e}");
+    }
+}
+
+/// As [`assert_dropped`], but rank 0 must have told the hostile rank why (where the hostile
+/// rank left nothing unread at rank 0, whose close then cannot discard the abort).
+async fn assert_told_why_and_dropped(conn: &Arc<dyn Connection>) {
+    if let Err(e) = told_why_then_dropped(conn).await {
+        panic!("rank 0 dropped the hostile rank without telling it why: {e}");
+    }
+}
+
+/// Reads what rank 0 sent the hostile rank it dropped: `Err` when the connection ended at
+/// once; an abort naming the violation and then the end; anything else fails the test.
+async fn told_why_then_dropped(
+    conn: &Arc<dyn Connection>,
+) -> Result<(), tensorwire_core::ports::transport::TransportError> {
+    match conn.recv().await {
+        Ok(frame) => {
+            let told = GroupFrame::from_frame(&frame);
+            assert!(
+                matches!(&told, Ok(GroupFrame::Abort { rank: 0, reason })
+                    if reason.starts_with(&format!("rank {HOSTILE} broke the group's protocol: "))),
+                "rank 0 sent something other than why it dropped the hostile rank: {told:?}"
+            );
+            assert!(
+                conn.recv().await.is_err(),
+                "the victim kept the hostile peer's connection open"
+            );
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Both honest ranks make the subgroup of ranks 0 and 1 (id 1), which the hostile rank is
@@ -398,7 +431,7 @@ async fn a_group_frame_that_does_not_decode_is_the_senders_violation(net: Net) {
             .send(Frame::collective(Bytes::from_static(&[9]), Vec::new()))
             .await
             .unwrap();
-        assert_dropped(&c.hostile[0]).await;
+        assert_told_why_and_dropped(&c.hostile[0]).await;
         let err = c.honest[0].barrier().await.unwrap_err();
         match &err {
             ProcessGroupError::Misbehaved {

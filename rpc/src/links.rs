@@ -5,10 +5,12 @@
 use std::sync::Arc;
 
 use tensorwire_core::ports::transport::Connection;
+use tensorwire_core::protocol::mesh::GroupFrame;
 use tensorwire_core::protocol::{
     Header, LostCause, MessageId, MethodTarget, ProtocolViolation, Transmit, WorkerId,
 };
 use tensorwire_core::wire::{Frame, FrameKind};
+use tensorwire_mesh::mesh::ABORT_SEND_TIMEOUT;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
@@ -227,13 +229,7 @@ pub(crate) fn fail_peer(this: &Agent, peer: WorkerId, violation: ProtocolViolati
     }
     // A static group's connection is the group's (the agent's writer does not close it):
     // closed here, as the group closes one whose frame broke the protocol.
-    let conn = this.lock().peers.get(&peer).map(|l| Arc::clone(&l.conn));
-    peer_lost(this, peer, LostCause::Misbehaved(Box::new(violation)));
-    if let Some(conn) = conn {
-        this.spawn(async move {
-            let _ = conn.close().await;
-        });
-    }
+    drop_peer(this, peer, LostCause::Misbehaved(Box::new(violation)));
 }
 
 /// Drops `peer` for passing its budget outside its queue (its held requests): lost as
@@ -243,10 +239,30 @@ pub(crate) fn drop_over_budget(
     peer: WorkerId,
     over: tensorwire_core::budget::OverBudget,
 ) {
+    drop_peer(this, peer, LostCause::OverBudget(Box::new(over)));
+}
+
+/// Loses `peer` for `cause` and closes its connection, telling it why first where it can hear
+/// it: a static group's connection is the group mesh's, whose reader at the peer takes an
+/// abort in this worker's name (best effort, bounded as the mesh bounds its own), so that the
+/// peer's errors name the cause rather than a connection closed by this worker. A dynamic
+/// group's peer reads no group frames: its connection just closes.
+fn drop_peer(this: &Agent, peer: WorkerId, cause: LostCause) {
     let conn = this.lock().peers.get(&peer).map(|l| Arc::clone(&l.conn));
-    peer_lost(this, peer, LostCause::OverBudget(Box::new(over)));
+    let why = (!this.is_dynamic()).then(|| {
+        GroupFrame::Abort {
+            rank: this.worker_info().id,
+            reason: format!("it dropped rank {peer}: {cause}"),
+        }
+        .frame(Vec::new())
+    });
+    peer_lost(this, peer, cause);
     if let Some(conn) = conn {
+        let runtime = Arc::clone(&this.inner.runtime);
         this.spawn(async move {
+            if let Some(abort) = why {
+                let _ = runtime.timeout(ABORT_SEND_TIMEOUT, conn.send(abort)).await;
+            }
             let _ = conn.close().await;
         });
     }

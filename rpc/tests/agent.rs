@@ -815,6 +815,43 @@ async fn dynamic_groups_let_workers_join_and_leave() {
     }
 }
 
+/// A worker that a member of its static group drops (here for a violation found above the
+/// endpoint, as distributed autograd reports one) hears why: its loss of that member names
+/// the cause, not a connection closed by its peer.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_worker_hears_why() {
+    use tensorwire_core::protocol::ProtocolViolation;
+    use tensorwire_rpc::PeerEvent;
+    let cluster = Cluster::new();
+    let agents: Vec<Agent> = group_in(&cluster, 2, |_, _| {})
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let mut events = agents[1].peer_events();
+    agents[0].fail_peer(
+        1,
+        ProtocolViolation::UnknownId {
+            id: 77,
+            what: "reply",
+        },
+    );
+    let cause = match events.recv().await {
+        Some(PeerEvent::Lost { worker: 0, cause }) => cause.to_string(),
+        other => panic!("w1 did not lose w0: {other:?}"),
+    };
+    assert_eq!(
+        cause,
+        "it aborted its group: it dropped rank 1: it broke the RPC protocol: it sent a reply \
+         for message 77, which this worker never sent"
+    );
+    let e = agents[1]
+        .rpc_sync::<_, i64>("w0", "add", &(1i64, 2i64), None)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("it dropped rank 1"), "{e}");
+}
+
 /// A joiner whose coordinator died (its record still in the store, nothing listening) tries
 /// again until its init timeout, then fails naming that coordinator, with the last try's error
 /// kept as data: which link step failed, not its text.

@@ -80,8 +80,9 @@ pub use setup::MeshSetup;
 use group::split_key;
 use peer_inbox::{Inbox, PeerStatus};
 
-/// How long a dying mesh tries to tell each other peer which rank died.
-const ABORT_SEND_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a dying mesh tries to tell each other peer which rank died (and a rank that drops
+/// a peer, that peer why).
+pub const ABORT_SEND_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The store key under which `rank` of `group` publishes its address.
 pub fn address_key(group: &str, rank: usize) -> String {
@@ -112,6 +113,13 @@ pub enum PeerEnd {
     Goodbye,
     /// It broke, or broke the protocol (the words say what).
     Broken(String),
+    /// It aborted its group, saying why (its own words, checked to be in its own name), and
+    /// then its connection ended: a rank that drops this one for breaking the protocol says
+    /// so first.
+    Aborted {
+        /// What it said.
+        reason: String,
+    },
 }
 
 impl std::fmt::Display for PeerEnd {
@@ -119,6 +127,7 @@ impl std::fmt::Display for PeerEnd {
         match self {
             PeerEnd::Goodbye => f.write_str("it shut its group down"),
             PeerEnd::Broken(reason) => f.write_str(reason),
+            PeerEnd::Aborted { reason } => write!(f, "it aborted its group: {reason}"),
         }
     }
 }

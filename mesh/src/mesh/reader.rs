@@ -16,8 +16,10 @@ use super::{Incoming, PeerEnd, Shared, ABORT_SEND_TIMEOUT};
 
 /// Why a peer's connection delivers nothing more.
 enum End {
-    /// It broke, or the layer above refused what it sent (the words say what).
+    /// It broke (the words say what).
     Broken(String),
+    /// The layer above refused what it sent (the words say why).
+    Refused(String),
     /// It sent a group frame it had no right to send.
     Violation(MeshViolation),
 }
@@ -52,6 +54,9 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
     }
     let _read_all = ReadAll(&link.read_all);
     let rank = shared.rank;
+    // What the peer said when it aborted its group (it may close right after): how its
+    // connection's end is told to the layer above.
+    let mut aborted: Option<String> = None;
     let end = 'read: loop {
         let frame = match link.conn.recv().await {
             Ok(frame) => frame,
@@ -64,8 +69,7 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
                 break End::Violation(MeshViolation::NotAGroupFrame { kind: frame.kind });
             };
             if let Err(reason) = sink.on_frame(peer, &link.conn, frame) {
-                let _ = link.conn.close().await;
-                break End::Broken(reason);
+                break End::Refused(reason);
             }
             continue;
         }
@@ -103,6 +107,7 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
                     break 'read End::Violation(v);
                 }
                 warn!(rank, peer, %reason, "peer aborted its group");
+                aborted = Some(reason.clone());
                 // Breaking the mesh wakes every collective waiting on any rank.
                 shared.fail(ProcessGroupError::PeerAborted { rank: peer, reason });
             }
@@ -162,29 +167,56 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
             }
         }
     };
-    let (reason, error) = match end {
+    // A peer dropped for what it sent hears why before its connection closes (best effort,
+    // bounded: an abort in this rank's name, as the others get below), so that its own errors
+    // name the cause instead of a connection closed by its peer.
+    let (reason, error, why) = match end {
         End::Broken(reason) => {
             let error = ProcessGroupError::PeerDied {
                 rank: peer,
                 reported_by: None,
                 reason: reason.clone(),
             };
-            (reason, error)
+            (reason, error, None)
+        }
+        End::Refused(reason) => {
+            let why = format!("rank {peer} {reason}");
+            let error = ProcessGroupError::PeerDied {
+                rank: peer,
+                reported_by: None,
+                reason: reason.clone(),
+            };
+            (reason, error, Some(why))
         }
         End::Violation(violation) => {
-            // Dropped: nothing more is read from it.
-            let _ = link.conn.close().await;
-            (
-                violation.to_string(),
-                ProcessGroupError::Misbehaved {
-                    rank: peer,
-                    violation,
-                },
-            )
+            let reason = violation.to_string();
+            let error = ProcessGroupError::Misbehaved {
+                rank: peer,
+                violation,
+            };
+            let why = error.to_string();
+            (reason, error, Some(why))
         }
     };
+    if let Some(why) = why {
+        let abort = GroupFrame::Abort {
+            rank: rank as u32,
+            reason: why,
+        }
+        .frame(Vec::new());
+        let _ = shared
+            .runtime
+            .timeout(ABORT_SEND_TIMEOUT, link.conn.send(abort))
+            .await;
+        // Dropped: nothing more is read from it.
+        let _ = link.conn.close().await;
+    }
+    let end = match aborted {
+        Some(reason) => PeerEnd::Aborted { reason },
+        None => PeerEnd::Broken(reason),
+    };
     if let Some(sink) = shared.sink.get() {
-        sink.on_closed(peer, &PeerEnd::Broken(reason.clone()));
+        sink.on_closed(peer, &end);
     }
     if matches!(link.inbox.status(), PeerStatus::Left) {
         return;
