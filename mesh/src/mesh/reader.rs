@@ -198,6 +198,21 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
             (reason, error, Some(why))
         }
     };
+    let end = match aborted {
+        Some(reason) => PeerEnd::Aborted { reason },
+        None => PeerEnd::Broken(reason),
+    };
+    if let Some(sink) = shared.sink.get() {
+        sink.on_closed(peer, &end);
+    }
+    let left = matches!(link.inbox.status(), PeerStatus::Left);
+    // The failure is recorded before any inbox closes (`fail` closes them all), so that a
+    // collective woken by the close reports why, not just that the connection closed; and
+    // before the dropped peer is told, which may take up to the abort's bound.
+    let first = !left && {
+        warn!(rank, peer, %error, "dropping the peer");
+        shared.fail(error.clone())
+    };
     if let Some(why) = why {
         let abort = GroupFrame::Abort {
             rank: rank as u32,
@@ -211,20 +226,6 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
         // Dropped: nothing more is read from it.
         let _ = link.conn.close().await;
     }
-    let end = match aborted {
-        Some(reason) => PeerEnd::Aborted { reason },
-        None => PeerEnd::Broken(reason),
-    };
-    if let Some(sink) = shared.sink.get() {
-        sink.on_closed(peer, &end);
-    }
-    if matches!(link.inbox.status(), PeerStatus::Left) {
-        return;
-    }
-    warn!(rank, peer, %error, "dropping the peer");
-    // The failure is recorded before any inbox closes (`fail` closes them all), so that a
-    // collective woken by the close reports why, not just that the connection closed.
-    let first = shared.fail(error.clone());
     if first {
         // Tell the others, in case they cannot see it (a half-open connection elsewhere):
         // this rank aborts, in its own name; the reason says what it saw.
