@@ -250,26 +250,31 @@ def test_leaf_hooks_run_as_in_pytorchs_dist_engine_and_nothing_lands_in_grad():
 
 
 
-# Four threads run local passes from one leaf at once, as the handlers of two gradients that
-# come back for one sent tensor do. In a process of its own: torch 2.15 deadlocked this with
-# the GIL held (the engine's binding, given the leaf itself, took its autograd lock with the
-# GIL held, while another pass's view of the leaf held that lock and waited for the GIL), and
-# nothing in this process could then have stopped it.
+# Four threads run local passes from one tensor at once, as the handlers of two gradients that
+# come back for one sent tensor do: a leaf, and a received tensor (its recv function's
+# output). In a process of its own: torch 2.15 deadlocked this with the GIL held (the engine's
+# binding, given the leaf itself, took its autograd lock with the GIL held, while another
+# pass's view of the leaf held that lock and waited for the GIL), and nothing in this process
+# could then have stopped it.
 _CONCURRENT_PASSES = textwrap.dedent(
     """
     import threading, torch
     from tensorwire.rpc import _autograd_engine as engine
 
-    t = torch.rand(3, requires_grad=True)
-    t._tensorwire_received = True
+    leaf = torch.rand(3, requires_grad=True)
+    t = engine.import_tensor("float32", (3,), bytearray(12), True)
+    engine.receive([t])
+    assert not t.is_leaf and t.grad_fn.name() == "torch::distributed::autograd::RecvRpcBackward"
     errors = []
 
     def passes():
         try:
             for i in range(300):
                 g = torch.full((3,), float(i))
-                [(leaf, got, received)] = engine.backward([t], [g])
-                assert leaf is t and received and torch.equal(got, g), (got, g)
+                [(got_t, got, received)] = engine.backward([t], [g])
+                assert got_t is t and received and torch.equal(got, g), (got, g)
+                [(got_leaf, got, received)] = engine.backward([leaf], [g])
+                assert got_leaf is leaf and not received and torch.equal(got, g), (got, g)
         except BaseException as e:
             errors.append(repr(e))
 
@@ -279,7 +284,7 @@ _CONCURRENT_PASSES = textwrap.dedent(
     for th in threads:
         th.join()
     assert not errors, errors
-    assert t.grad is None
+    assert leaf.grad is None
     print("passes done")
     """
 )
