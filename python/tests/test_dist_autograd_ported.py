@@ -1,5 +1,5 @@
 """Tests ported from PyTorch's torch/testing/_internal/distributed/rpc/dist_autograd_test.py
-(73 of its 102 tests: the CPU, non-TorchScript ones that use the public API, dense and sparse,
+(89 of its 102 tests: the CPU, non-TorchScript ones that use the public API, dense and sparse,
 and the private functions tensorwire provides: ``_retrieve_context``, ``_current_context``,
 ``_new_context``, ``_release_context``, ``_get_debug_info``, and a context's
 ``_known_worker_ids``, ``_send_functions`` and ``_recv_functions``), run as PyTorch runs them:
@@ -18,24 +18,23 @@ default operations);
 ``self.assert*`` are ``assert`` and ``pytest.raises``; the test class's helpers are module
 functions or static methods of a ``_Case`` object (``DistAutogradTest.f`` is ``_Case.f``);
 ``@dist_init`` is kept only where it says ``clean_shutdown=False`` (every body here expects RPC
-up). The sparse tests are those of PyTorch's ``TensorPipeAgentDistAutogradTest`` (21 of its
+up). The sparse tests are those of PyTorch's ``TensorPipeAgentDistAutogradTest`` (29 of its
 30 ``*_sparse`` tests and ``test_embedding_bag_with_no_grad_tensors``) and
-``test_no_grad_copy_sparse`` and ``test_grad_copy_sparse_indices_extra_ref``: 24 of PyTorch's
+``test_no_grad_copy_sparse`` and ``test_grad_copy_sparse_indices_extra_ref``: 32 of PyTorch's
 33 sparse tests; the helpers they share with the dense tests keep PyTorch's text, sparse
 branches included. Tests changed beyond that say why in their docstring.
 
 A send function is a record of tensorwire's native driver, not a node of torch's graph:
 ``_send_functions()`` gives, per message that carried tensors requiring grad, an object whose
 ``next_functions`` are those tensors' gradient edges (where a gradient that comes back enters
-this worker's graph), as a ``SendRpcBackward`` node's are. A received tensor is a leaf of the
-receiver's graph (its gradient goes back to the sender), not the output of a
-``RecvRpcBackward`` node.
+this worker's graph), as a ``SendRpcBackward`` node's are. A received tensor that requires
+grad is, as in PyTorch, an output of its message's recv function, a node of torch's graph
+named ``torch::distributed::autograd::RecvRpcBackward`` (a ``torch.autograd.Function`` of
+tensorwire's, whose gradient goes back to the sender), which ``_recv_functions()`` gives: the
+8 ``test_graph_for_*`` tests and their 8 ``*_sparse`` twins check that graph.
 
-Not ported (29), by reason:
+Not ported (13), by reason:
 
-- the nodes of torch's graph around a call (a received tensor's ``grad_fn`` is its
-  ``RecvRpcBackward`` node, the ops on it lead to that node; tensorwire's received tensors are
-  leaves): the 8 ``test_graph_for_*`` tests and their 8 ``*_sparse`` twins (16);
 - the profiler integration of torch's engine: ``test_dist_autograd_profiling``;
 - TorchScript: ``test_backward_simple_script_call``, ``test_backward_simple_script_call_sparse``,
   ``test_trainer_ps_torchscript_functions``;

@@ -10,11 +10,13 @@
 //!
 //! - [`TorchEngine`]: the adapter behind core's [`AutogradEngine`] port. Its tensors are torch
 //!   tensors (Python objects); each method calls one small function of the Python layer
-//!   (`tensorwire.rpc._autograd_engine`) with the GIL. A received tensor that required grad on
-//!   its sender becomes a leaf (the recv function: the gradient the engine computes for it goes
-//!   back to the sender); the tensors a message sent are kept by the driver (the send
-//!   function: a gradient that comes back for them starts a local pass from them). A local pass
-//!   is one `torch.autograd.grad` call over the leaves the roots reach, keeping the graph, so
+//!   (`tensorwire.rpc._autograd_engine`) with the GIL. The received tensors of a message that
+//!   required grad on their sender become, once the Python layer has them, the outputs of one
+//!   node of torch's graph, the message's recv function (named as PyTorch's
+//!   `RecvRpcBackward`): the gradient the engine computes for each goes back to the sender;
+//!   the tensors a message sent are kept by the driver (the send function: a gradient that
+//!   comes back for them starts a local pass from them). A local pass is one run of torch's
+//!   engine from the roots to the leaves and recv functions they reach, keeping the graph, so
 //!   FAST mode may run a send function once per gradient; nothing lands in `.grad`.
 //! - the functions a Python call in a context travels through ([`PY_FN`], [`PY_REMOTE`],
 //!   [`PY_FETCH`]), registered with the driver, which records the recv (and the send of the
