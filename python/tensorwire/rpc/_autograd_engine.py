@@ -12,9 +12,9 @@ lost peers) is decided in tensorwire's core and driven by the native module
   the native side keeps the tensor itself (its *send function*: a gradient that comes back for
   it starts a local pass from it);
 - ``backward``: one local pass of torch's engine from given roots and seed gradients over the
-  leaves and recv functions they reach, keeping the graph (FAST mode may run a send function once per gradient
-  that reaches it); gradients are returned to the native side, which accumulates them in the
-  context, never in ``.grad``;
+  leaves and recv functions they reach, keeping the graph (FAST mode may run a send function
+  once per gradient that reaches it); gradients are returned to the native side, which
+  accumulates them in the context, never in ``.grad``;
 - ``serve`` / ``create`` / ``fetch``: a call, a ``remote()`` creation or a ``to_here()`` made
   in a context, with the context current on the serving thread (so calls the function makes
   are recorded in it too, as in PyTorch).
@@ -288,10 +288,10 @@ def _captured(
 ) -> tuple[list[Optional[torch.Tensor]], list[Optional[tuple]]]:
     """The gradient of each leaf, and the gradients that reach each recv function in
     ``recvs`` (one per output, ``None`` for an output none reached), in one pass of torch's
-    engine from ``outputs`` with ``grads``, keeping the graph, each leaf's ``AccumulateGrad`` node run as PyTorch's distributed engine
-    runs it (its ``DistAccumulateGradCaptureHook``): the node's pre hooks first (they may change
-    the gradient), then the gradient is taken for the context, then the node's post hooks; the
-    gradient never lands in ``.grad``.
+    engine from ``outputs`` with ``grads``, keeping the graph, each leaf's ``AccumulateGrad``
+    node run as PyTorch's distributed engine runs it (its ``DistAccumulateGradCaptureHook``):
+    the node's pre hooks first (they may change the gradient), then the gradient is taken for
+    the context, then the node's post hooks; the gradient never lands in ``.grad``.
 
     The pass runs every leaf's node (``torch.autograd.backward`` with the leaves as inputs, not
     ``torch.autograd.grad``, which captures the gradients without running the nodes or their
