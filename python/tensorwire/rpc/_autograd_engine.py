@@ -141,10 +141,11 @@ def unpack_sparse(buffer: Any) -> torch.Tensor:
 
 def import_tensor(dtype: str, shape: tuple, buffer: Any, requires_grad: bool) -> torch.Tensor:
     """A received tensor over its bytes (no copy). ``uint8`` is the packed form of a sparse COO
-    tensor (:func:`pack_sparse`). One that required grad on its sender is marked so, and is
-    no view (a tensor of its own over the same storage): :func:`receive` makes it an output
-    of its message's recv function, and torch forbids writing in place into a view that a
-    function with several outputs returned, which PyTorch's received tensors allow."""
+    tensor (:func:`pack_sparse`). A dense one is no view (a tensor of its own over the
+    buffer's storage): :func:`receive` makes one that required grad on its sender (marked
+    so) an output of its message's recv function, and torch forbids writing in place into a
+    view that a function with several outputs returned, which PyTorch's received tensors
+    allow."""
     if dtype == "uint8":
         t = unpack_sparse(buffer)
     else:
@@ -152,9 +153,10 @@ def import_tensor(dtype: str, shape: tuple, buffer: Any, requires_grad: bool) ->
         if len(buffer) == 0:
             t = torch.empty(shape, dtype=dt)
         else:
-            t = torch.frombuffer(buffer, dtype=torch.uint8).view(dt).view(shape)
-            if requires_grad:
-                t = torch.empty(0, dtype=dt).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+            t = torch.frombuffer(buffer, dtype=dt)
+            if t.numel() != math.prod(shape):
+                raise ValueError(f"a received tensor of shape {tuple(shape)} over {len(buffer)} bytes of {dtype}")
+            t.set_(t.untyped_storage(), 0, shape)
     if requires_grad:
         # Its gradient goes back to the sender, once :func:`receive` has given it its node.
         t._tensorwire_received = True
@@ -204,8 +206,11 @@ def receive(tracked: Sequence[Any]) -> None:
     received = [t for t in tracked if getattr(t, "_tensorwire_received", False) and t.grad_fn is None]
     if not received:
         return
-    with torch.enable_grad():
+    if torch.is_grad_enabled():
         _RecvRpc.apply(_RECV_ANCHOR, received)
+    else:
+        with torch.enable_grad():
+            _RecvRpc.apply(_RECV_ANCHOR, received)
     node = received[0].grad_fn
     for t in received:
         t._tensorwire_recv = node
