@@ -159,8 +159,9 @@ fn export_now(t: &Bound<'_, PyAny>) -> PyResult<Result<Tensor, EngineError>> {
     Ok(Tensor::new(dtype, shape, Storage::Host(bytes)).map_err(|e| EngineError(e.to_string())))
 }
 
-/// A leaf of torch's graph (a parameter, a received tensor), by the identity of its Python
-/// object; it keeps the object alive, so the identity is not reused while it is held.
+/// A leaf of the context (a parameter, or a received tensor: an output of its recv function
+/// in torch's graph), by the identity of its Python object; it keeps the object alive, so the
+/// identity is not reused while it is held.
 #[derive(Clone)]
 pub(crate) struct Leaf {
     address: usize,
@@ -342,7 +343,7 @@ impl AutogradEngine for TorchEngine {
                 for pair in out.cast::<PyList>()?.iter() {
                     let pair = pair.cast::<PyTuple>()?;
                     let leaf = TorchTensor::held(pair.get_item(0)?);
-                    // A recv leaf's gradient goes back to its sender; the others stay here.
+                    // A received tensor's gradient goes back to its sender; the others stay here.
                     let grad = if pair.get_item(2)?.extract::<bool>()? {
                         TorchTensor::to_send(pair.get_item(1)?)
                     } else {

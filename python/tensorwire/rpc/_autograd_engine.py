@@ -3,7 +3,7 @@ inside a context.
 
 The protocol (contexts, send and recv records, which gradient goes where, completion, release,
 lost peers) is decided in tensorwire's core and driven by the native module
-(``python/src/autograd.rs``); this module only does what torch must do on request:
+(``python/src/rpc/autograd.rs``); this module only does what torch must do on request:
 
 - ``import_tensor`` / ``export_tensor`` / ``receive``: the tensors a message brought that
   required grad on their sender become the outputs of one *recv function*, a node of torch's
