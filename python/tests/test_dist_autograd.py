@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -249,27 +250,80 @@ def test_leaf_hooks_run_as_in_pytorchs_dist_engine_and_nothing_lands_in_grad():
     run_world(leaf_hooks, 2)
 
 
+RECV = "torch::distributed::autograd::RecvRpcBackward"
 
-# Four threads run local passes from one leaf at once, as the handlers of two gradients that
-# come back for one sent tensor do. In a process of its own: torch 2.15 deadlocked this with
-# the GIL held (the engine's binding, given the leaf itself, took its autograd lock with the
-# GIL held, while another pass's view of the leaf held that lock and waited for the GIL), and
-# nothing in this process could then have stopped it.
+
+@rpc.expose
+def scale_in_place(h: torch.Tensor) -> torch.Tensor:
+    # A received tensor is its recv function's output, as in PyTorch: no leaf, no .grad (with
+    # torch's warning for a non-leaf), and it may be written in place (a leaf refuses it).
+    assert not h.is_leaf and h.requires_grad and h.grad_fn.name() == RECV
+    assert h.grad_fn.next_functions[0][0].name() == "torch::autograd::AccumulateGrad"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert h.grad is None
+    assert any("not a leaf" in str(w.message) for w in seen), [str(w.message) for w in seen]
+    h.mul_(3)
+    assert h.grad_fn.name() == "MulBackward0" and h.grad_fn.next_functions[0][0].name() == RECV
+    return (h @ my_weight()).sum()
+
+
+def received_tensors(rank: int, world: int) -> None:
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    if rank == 0:
+        torch.manual_seed(3)
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        w0 = params_of(0)
+        with dist_autograd.context() as cid:
+            r = rpc.rpc_sync("worker1", scale_in_place, args=(x @ w0,))
+            assert not r.is_leaf and r.grad_fn.name() == RECV
+            assert list(dist_autograd._current_context()._recv_functions().values()) == [r.grad_fn]
+            r.mul_(2)
+            dist_autograd.backward(cid, [r])
+            grads = dist_autograd.get_gradients(cid)
+            g1 = rpc.rpc_sync("worker1", weight_grad, args=(cid,))
+        # The same ops, in place too, by torch in this process: a chain, so bit for bit.
+        xl, w0l, w1l = x.detach().requires_grad_(), params_of(0), params_of(1)
+        h = xl @ w0l
+        h.mul_(3)
+        loss = (h @ w1l).sum()
+        loss.mul_(2)
+        loss.backward()
+        assert torch.equal(grads[x], xl.grad) and torch.equal(grads[w0], w0l.grad)
+        assert torch.equal(g1, w1l.grad)
+    rpc.shutdown()
+
+
+def test_received_tensors_are_recv_function_outputs_written_in_place_as_in_pytorch():
+    run_world(received_tensors, 2)
+
+
+
+# Four threads run local passes from one tensor at once, as the handlers of two gradients that
+# come back for one sent tensor do: a leaf, and a received tensor (its recv function's
+# output). In a process of its own: torch 2.15 deadlocked this with the GIL held (the engine's
+# binding, given the leaf itself, took its autograd lock with the GIL held, while another
+# pass's view of the leaf held that lock and waited for the GIL), and nothing in this process
+# could then have stopped it.
 _CONCURRENT_PASSES = textwrap.dedent(
     """
     import threading, torch
     from tensorwire.rpc import _autograd_engine as engine
 
-    t = torch.rand(3, requires_grad=True)
-    t._tensorwire_received = True
+    leaf = torch.rand(3, requires_grad=True)
+    t = engine.import_tensor("float32", (3,), bytearray(12), True)
+    engine.receive([t])
+    assert not t.is_leaf and t.grad_fn.name() == "torch::distributed::autograd::RecvRpcBackward"
     errors = []
 
     def passes():
         try:
             for i in range(300):
                 g = torch.full((3,), float(i))
-                [(leaf, got, received)] = engine.backward([t], [g])
-                assert leaf is t and received and torch.equal(got, g), (got, g)
+                [(got_t, got, received)] = engine.backward([t], [g])
+                assert got_t is t and received and torch.equal(got, g), (got, g)
+                [(got_leaf, got, received)] = engine.backward([leaf], [g])
+                assert got_leaf is leaf and not received and torch.equal(got, g), (got, g)
         except BaseException as e:
             errors.append(repr(e))
 
@@ -279,7 +333,7 @@ _CONCURRENT_PASSES = textwrap.dedent(
     for th in threads:
         th.join()
     assert not errors, errors
-    assert t.grad is None
+    assert leaf.grad is None
     print("passes done")
     """
 )

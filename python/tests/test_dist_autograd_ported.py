@@ -1,5 +1,5 @@
 """Tests ported from PyTorch's torch/testing/_internal/distributed/rpc/dist_autograd_test.py
-(73 of its 102 tests: the CPU, non-TorchScript ones that use the public API, dense and sparse,
+(89 of its 102 tests: the CPU, non-TorchScript ones that use the public API, dense and sparse,
 and the private functions tensorwire provides: ``_retrieve_context``, ``_current_context``,
 ``_new_context``, ``_release_context``, ``_get_debug_info``, and a context's
 ``_known_worker_ids``, ``_send_functions`` and ``_recv_functions``), run as PyTorch runs them:
@@ -18,24 +18,23 @@ default operations);
 ``self.assert*`` are ``assert`` and ``pytest.raises``; the test class's helpers are module
 functions or static methods of a ``_Case`` object (``DistAutogradTest.f`` is ``_Case.f``);
 ``@dist_init`` is kept only where it says ``clean_shutdown=False`` (every body here expects RPC
-up). The sparse tests are those of PyTorch's ``TensorPipeAgentDistAutogradTest`` (21 of its
+up). The sparse tests are those of PyTorch's ``TensorPipeAgentDistAutogradTest`` (29 of its
 30 ``*_sparse`` tests and ``test_embedding_bag_with_no_grad_tensors``) and
-``test_no_grad_copy_sparse`` and ``test_grad_copy_sparse_indices_extra_ref``: 24 of PyTorch's
+``test_no_grad_copy_sparse`` and ``test_grad_copy_sparse_indices_extra_ref``: 32 of PyTorch's
 33 sparse tests; the helpers they share with the dense tests keep PyTorch's text, sparse
 branches included. Tests changed beyond that say why in their docstring.
 
 A send function is a record of tensorwire's native driver, not a node of torch's graph:
 ``_send_functions()`` gives, per message that carried tensors requiring grad, an object whose
 ``next_functions`` are those tensors' gradient edges (where a gradient that comes back enters
-this worker's graph), as a ``SendRpcBackward`` node's are. A received tensor is a leaf of the
-receiver's graph (its gradient goes back to the sender), not the output of a
-``RecvRpcBackward`` node.
+this worker's graph), as a ``SendRpcBackward`` node's are. A received tensor that requires
+grad is, as in PyTorch, an output of its message's recv function, a node of torch's graph
+named ``torch::distributed::autograd::RecvRpcBackward`` (a ``torch.autograd.Function`` of
+tensorwire's, whose gradient goes back to the sender), which ``_recv_functions()`` gives: the
+8 ``test_graph_for_*`` tests and their 8 ``*_sparse`` twins check that graph.
 
-Not ported (29), by reason:
+Not ported (13), by reason:
 
-- the nodes of torch's graph around a call (a received tensor's ``grad_fn`` is its
-  ``RecvRpcBackward`` node, the ops on it lead to that node; tensorwire's received tensors are
-  leaves): the 8 ``test_graph_for_*`` tests and their 8 ``*_sparse`` twins (16);
 - the profiler integration of torch's engine: ``test_dist_autograd_profiling``;
 - TorchScript: ``test_backward_simple_script_call``, ``test_backward_simple_script_call_sparse``,
   ``test_trainer_ps_torchscript_functions``;
@@ -819,6 +818,332 @@ class _Case:
         self.context_cleanup_test_helper(
             rpc_args=args, func=my_py_nested_call, nested=True
         )
+
+    # --- the graph around a call: send functions and recv functions (RecvRpcBackward nodes) ---
+
+    # For current context, this rank sends t1 and t2 tensors to dst_rank,
+    # then get t3 = torch.add(t1, t2) result tensor.
+    # For the current context in this rank, it expects graph like this:
+    #  send function:
+    #              rpcSendBackward
+    #                  /          \
+    #  t1.AccumulateGrad         t2.AccumulateGrad
+    #
+    #  recv function:
+    #
+    #            |
+    #          t3.rpcRecvBackward
+    #
+    def _verify_graph_for_first_rpc_call(
+        self, send_function, recv_function, t1, t2, ret
+    ):
+        # Retrieve the next functions in the graph.
+        next_funcs = send_function.next_functions
+        assert 2 == len(next_funcs)
+
+        # We should now hit t1 and t2 in the autograd graph.
+        assert "torch::autograd::AccumulateGrad" == next_funcs[0][0].name()
+        torch.testing.assert_close(t1, next_funcs[0][0].variable)
+        assert 0 == next_funcs[0][1]
+        assert "torch::autograd::AccumulateGrad" == next_funcs[1][0].name()
+        torch.testing.assert_close(t2, next_funcs[1][0].variable)
+        assert 0 == next_funcs[1][1]
+
+        # Test recv functions.
+        assert ret.grad_fn == recv_function
+
+    # For a context passed from previous nested chain calls, this rank
+    # receives two tensors t1 and t2, executes torch.add(t1, t2) and sends
+    # result tensor t3 back.
+    # For this context in this rank, it expects graph like this:
+    #  send and recv functions:
+    #       rpcSendBackward
+    #           |
+    #          t3.AddBackward0
+    #          /             \
+    # t1.recvRpcBackward    t2.recvRpcBackward
+    def _verify_graph_for_rpc_call_exec(self, send_function):
+        # Verify next function is AddBackward0
+        next_funcs = send_function.next_functions
+        assert 1 == len(next_funcs)
+        add_backward_fn = next_funcs[0][0]
+        assert "AddBackward0" == add_backward_fn.name()
+
+        # Verify the next two functions are the same recv backward function.
+        next_funcs = add_backward_fn.next_functions
+        assert 2 == len(next_funcs)
+        assert "torch::distributed::autograd::RecvRpcBackward" == next_funcs[0][0].name()
+        assert "torch::distributed::autograd::RecvRpcBackward" == next_funcs[1][0].name()
+        assert next_funcs[0][0] == next_funcs[1][0]
+
+    # For a context passed from previous nested chain calls, this rank
+    # receives two tensors t1 and t2, forwards t1 and t2 tensors using
+    # nested rpc call to next dst. In return route, receive result tensor t3
+    # from next dst and forwarding t3 back to previous calls.
+    # For this context in this rank, it expects graph like this:
+    #  send and recv functions for receiving and forwarding t1 and t2:
+    #       rpcSendBackward
+    #          /          \
+    # t1.recvRpcBackward    t2.recvRpcBackward
+    #  send and recv functions for receiving and forwarding t3:
+    #       rpcSendBackward
+    #             |
+    #           t3.recvRpcBackward
+    def _verify_graph_for_nested_rpc_call(self, ctx):
+        send_functions = ctx._send_functions()
+        assert 2 == len(send_functions)
+
+        # For send function when making nest rpc call,
+        # next functions of the send function are two recv functions
+        # for received two tensors from previous call
+        next_funcs = next(iter(send_functions.values())).next_functions
+        assert 2 == len(next_funcs)
+        assert "torch::distributed::autograd::RecvRpcBackward" == next_funcs[0][0].name()
+        assert "torch::distributed::autograd::RecvRpcBackward" == next_funcs[1][0].name()
+        assert next_funcs[0][0] == next_funcs[1][0]
+
+        # For send function when returning response to previous call
+        # next function of the send function is the recv function
+        # for received tensor result returned from nested call
+        next_funcs = list(send_functions.values())[1].next_functions
+        assert 1 == len(next_funcs)
+        assert "torch::distributed::autograd::RecvRpcBackward" == next_funcs[0][0].name()
+
+    def _test_graph(self, fn, exec_mode, sparse):
+        dst_rank = (self.rank + 1) % self.world_size
+
+        initialize_pg(self.file_init_method, self.rank, self.world_size)
+
+        with dist_autograd.context() as context_id:
+            if sparse:
+                t1 = build_sparse_tensor()
+                t2 = build_sparse_tensor()
+            else:
+                t1 = torch.ones(3, 3, requires_grad=True)
+                t2 = torch.zeros(3, 3, requires_grad=True)
+            if ExecMode.RPC_SYNC == exec_mode:
+                ret = rpc.rpc_sync(worker_name(dst_rank), fn, args=(t1, t2))
+            elif ExecMode.REMOTE == exec_mode:
+                ret = rpc.remote(worker_name(dst_rank), fn, args=(t1, t2)).to_here()
+            else:
+                raise ValueError(f"Unrecognized ExecMode {exec_mode}")
+
+            rpc.rpc_sync(worker_name(dst_rank), _set_rpc_done, args=(context_id, 1))
+
+            # Verify graph for current context id.
+            ctx = dist_autograd._current_context()
+            assert context_id == ctx._context_id()
+            send_functions = ctx._send_functions()
+            assert 1 == len(send_functions)
+            recv_functions = ctx._recv_functions()
+            assert 1 == len(recv_functions)
+            self._verify_graph_for_first_rpc_call(
+                next(iter(send_functions.values())),
+                next(iter(recv_functions.values())),
+                t1,
+                t2,
+                ret,
+            )
+
+            # Wait for the prev rank to be done with rpc.
+            self._check_rpc_done(1)
+            # Verify graph for previous context id.
+            ctx = dist_autograd._retrieve_context(ctx_ids[1])
+            send_functions = ctx._send_functions()
+            assert 1 == len(send_functions)
+            self._verify_graph_for_rpc_call_exec(next(iter(send_functions.values())))
+            # this barrier is needed so one worker does not clean up their
+            # autograd context before another worker tries to access it.
+            dist.barrier()
+
+        # autograd context should be cleaned up by now.
+        with pytest.raises(RuntimeError):
+            ctx = dist_autograd._retrieve_context(context_id)
+
+        # No autograd context available.
+        with pytest.raises(RuntimeError):
+            ctx = dist_autograd._current_context()
+
+    # 3-layer nested calls
+    def _test_graph_for_py_nested_call(self, exec_mode, sparse):
+        dst_rank = (self.rank + 1) % self.world_size
+
+        initialize_pg(self.file_init_method, self.rank, self.world_size)
+
+        with dist_autograd.context() as context_id:
+            if sparse:
+                t1 = build_sparse_tensor(requires_grad=True)
+                t2 = build_sparse_tensor(requires_grad=True)
+            else:
+                t1 = torch.ones(3, 3, requires_grad=True)
+                t2 = torch.zeros(3, 3, requires_grad=True)
+            if ExecMode.RPC_SYNC == exec_mode:
+                ret = rpc.rpc_sync(
+                    worker_name(dst_rank),
+                    my_py_nested_call,
+                    args=(t1, t2, dst_rank, self.world_size, 1),
+                )
+            elif ExecMode.REMOTE == exec_mode:
+                ret = rpc.remote(
+                    worker_name(dst_rank),
+                    my_py_nested_call,
+                    args=(t1, t2, dst_rank, self.world_size, 1),
+                ).to_here()
+            else:
+                raise ValueError(f"Unrecognized ExecMode {exec_mode}")
+
+            # Barrier to ensure all RPCs are done.
+            dist.barrier()
+
+            for rd in [1, 2, 3]:
+                rpc.rpc_sync(
+                    worker_name((self.rank + rd) % self.world_size),
+                    _set_rpc_done,
+                    args=(context_id, rd),
+                )
+
+            # Barrier to ensure all set_rpc_done have completed.
+            dist.barrier()
+
+            # For self.rank, it has 4 graphs to verify
+            # One is for current context id when this rank send first rpc call.
+            # Second one is for prev context id when this rank make 1st nested
+            # call.
+            # Third one is for prev prev context id when this rank make
+            # 2nd nested call.
+            # Last one is for prev prev prev context id when this rank
+            # execute the torch.add() operator.
+
+            # Verify first graph for current context id.
+            ctx = dist_autograd._current_context()
+            assert context_id == ctx._context_id()
+            send_functions = ctx._send_functions()
+            assert 1 == len(send_functions)
+            recv_functions = ctx._recv_functions()
+            assert 1 == len(recv_functions)
+            self._verify_graph_for_first_rpc_call(
+                next(iter(send_functions.values())),
+                next(iter(recv_functions.values())),
+                t1,
+                t2,
+                ret,
+            )
+
+            # Verify second graph for 1st nested call.
+            ctx = dist_autograd._retrieve_context(ctx_ids[1])
+            self._verify_graph_for_nested_rpc_call(ctx)
+
+            # Verify third graph for 2nd nested call.
+            ctx = dist_autograd._retrieve_context(ctx_ids[2])
+            self._verify_graph_for_nested_rpc_call(ctx)
+
+            # verify last graph for rpc call execution.
+            ctx = dist_autograd._retrieve_context(ctx_ids[3])
+            send_functions = ctx._send_functions()
+            assert 1 == len(send_functions)
+            self._verify_graph_for_rpc_call_exec(next(iter(send_functions.values())))
+            # this barrier is needed so one worker does not clean up their
+            # autograd context before another worker tries to access it.
+            dist.barrier()
+
+    # Rank0->Rank1->Rank0
+    def _test_graph_for_py_nested_call_itself(self, exec_mode, sparse):
+        dst_rank = (self.rank + 1) % self.world_size
+
+        initialize_pg(self.file_init_method, self.rank, self.world_size)
+
+        with dist_autograd.context() as context_id:
+            if sparse:
+                t1 = build_sparse_tensor(requires_grad=True)
+                t2 = build_sparse_tensor(requires_grad=True)
+            else:
+                t1 = torch.ones(3, 3, requires_grad=True)
+                t2 = torch.zeros(3, 3, requires_grad=True)
+            if ExecMode.RPC_SYNC == exec_mode:
+                ret = rpc.rpc_sync(
+                    worker_name(dst_rank),
+                    my_py_nested_call,
+                    args=(
+                        t1,
+                        t2,
+                        (self.rank - 1 + self.world_size) % self.world_size,
+                        self.world_size,
+                        0,
+                    ),
+                )
+            elif ExecMode.REMOTE == exec_mode:
+                ret = rpc.remote(
+                    worker_name(dst_rank),
+                    my_py_nested_call,
+                    args=(
+                        t1,
+                        t2,
+                        (self.rank - 1 + self.world_size) % self.world_size,
+                        self.world_size,
+                        0,
+                    ),
+                ).to_here()
+            else:
+                raise ValueError(f"Unrecognized ExecMode {exec_mode}")
+
+            rpc.rpc_sync(
+                worker_name((self.rank + 1) % self.world_size),
+                _set_rpc_done,
+                args=(context_id, 1),
+            )
+
+            # For self.rank, it has 2 graphs to verify.
+            # One is for current context id when this rank send first rpc
+            # call and execute the torch.add() operator.
+            # Another one is for prev context id when this rank make
+            # nested call.
+            ctx = dist_autograd._current_context()
+            assert context_id == ctx._context_id()
+            send_functions = ctx._send_functions()
+            assert 2 == len(send_functions)
+            recv_functions = ctx._recv_functions()
+            assert 2 == len(recv_functions)
+            self._verify_graph_for_first_rpc_call(
+                next(iter(send_functions.values())),
+                list(recv_functions.values())[1],
+                t1,
+                t2,
+                ret,
+            )
+            self._verify_graph_for_rpc_call_exec(list(send_functions.values())[1])
+
+            # Verify two pairs of send and recv functions for nested
+            # call
+            self._check_rpc_done(1)
+            ctx = dist_autograd._retrieve_context(ctx_ids[1])
+            self._verify_graph_for_nested_rpc_call(ctx)
+            # this barrier is needed so one worker does not clean up their
+            # autograd context before another worker tries to access it.
+            dist.barrier()
+
+    def test_graph_for_builtin_call(self):
+        self._test_graph(torch.add, ExecMode.RPC_SYNC, False)
+
+    def test_graph_for_python_call(self):
+        self._test_graph(my_py_add, ExecMode.RPC_SYNC, False)
+
+    def test_graph_for_builtin_remote_call(self):
+        self._test_graph(torch.add, ExecMode.REMOTE, False)
+
+    def test_graph_for_python_remote_call(self):
+        self._test_graph(my_py_add, ExecMode.REMOTE, False)
+
+    def test_graph_for_py_nested_call(self):
+        self._test_graph_for_py_nested_call(ExecMode.RPC_SYNC, False)
+
+    def test_graph_for_py_nested_remote_call(self):
+        self._test_graph_for_py_nested_call(ExecMode.REMOTE, False)
+
+    def test_graph_for_py_nested_call_itself(self):
+        self._test_graph_for_py_nested_call_itself(ExecMode.RPC_SYNC, False)
+
+    def test_graph_for_py_nested_remote_call_itself(self):
+        self._test_graph_for_py_nested_call_itself(ExecMode.REMOTE, False)
 
     # --- the context's records: known workers, send and recv functions, debug info ---
 
@@ -1701,6 +2026,30 @@ class _Case:
         self.context_cleanup_test_helper(
             rpc_args=args, func=my_py_nested_call, nested=True
         )
+
+    def test_graph_for_builtin_call_sparse(self):
+        self._test_graph(torch.add, ExecMode.RPC_SYNC, True)
+
+    def test_graph_for_python_call_sparse(self):
+        self._test_graph(my_py_add, ExecMode.RPC_SYNC, True)
+
+    def test_graph_for_builtin_remote_call_sparse(self):
+        self._test_graph(torch.add, ExecMode.REMOTE, True)
+
+    def test_graph_for_python_remote_call_sparse(self):
+        self._test_graph(my_py_add, ExecMode.REMOTE, True)
+
+    def test_graph_for_py_nested_call_sparse(self):
+        self._test_graph_for_py_nested_call(ExecMode.RPC_SYNC, True)
+
+    def test_graph_for_py_nested_remote_call_sparse(self):
+        self._test_graph_for_py_nested_call(ExecMode.REMOTE, True)
+
+    def test_graph_for_py_nested_call_itself_sparse(self):
+        self._test_graph_for_py_nested_call_itself(ExecMode.RPC_SYNC, True)
+
+    def test_graph_for_py_nested_remote_call_itself_sparse(self):
+        self._test_graph_for_py_nested_call_itself(ExecMode.REMOTE, True)
 
     def test_no_graph_with_tensors_not_require_grad_sparse(self):
         self._test_no_graph_with_tensors_not_require_grad(ExecMode.RPC_SYNC, True)

@@ -10,11 +10,13 @@
 //!
 //! - [`TorchEngine`]: the adapter behind core's [`AutogradEngine`] port. Its tensors are torch
 //!   tensors (Python objects); each method calls one small function of the Python layer
-//!   (`tensorwire.rpc._autograd_engine`) with the GIL. A received tensor that required grad on
-//!   its sender becomes a leaf (the recv function: the gradient the engine computes for it goes
-//!   back to the sender); the tensors a message sent are kept by the driver (the send
-//!   function: a gradient that comes back for them starts a local pass from them). A local pass
-//!   is one `torch.autograd.grad` call over the leaves the roots reach, keeping the graph, so
+//!   (`tensorwire.rpc._autograd_engine`) with the GIL. The received tensors of a message that
+//!   required grad on their sender become, once the Python layer has them, the outputs of one
+//!   node of torch's graph, the message's recv function (named as PyTorch's
+//!   `RecvRpcBackward`): the gradient the engine computes for each goes back to the sender;
+//!   the tensors a message sent are kept by the driver (the send function: a gradient that
+//!   comes back for them starts a local pass from them). A local pass is one run of torch's
+//!   engine from the roots to the leaves and recv functions they reach, keeping the graph, so
 //!   FAST mode may run a send function once per gradient; nothing lands in `.grad`.
 //! - the functions a Python call in a context travels through ([`PY_FN`], [`PY_REMOTE`],
 //!   [`PY_FETCH`]), registered with the driver, which records the recv (and the send of the
@@ -157,8 +159,9 @@ fn export_now(t: &Bound<'_, PyAny>) -> PyResult<Result<Tensor, EngineError>> {
     Ok(Tensor::new(dtype, shape, Storage::Host(bytes)).map_err(|e| EngineError(e.to_string())))
 }
 
-/// A leaf of torch's graph (a parameter, a received tensor), by the identity of its Python
-/// object; it keeps the object alive, so the identity is not reused while it is held.
+/// A leaf of the context (a parameter, or a received tensor: an output of its recv function
+/// in torch's graph), by the identity of its Python object; it keeps the object alive, so the
+/// identity is not reused while it is held.
 #[derive(Clone)]
 pub(crate) struct Leaf {
     address: usize,
@@ -340,7 +343,7 @@ impl AutogradEngine for TorchEngine {
                 for pair in out.cast::<PyList>()?.iter() {
                     let pair = pair.cast::<PyTuple>()?;
                     let leaf = TorchTensor::held(pair.get_item(0)?);
-                    // A recv leaf's gradient goes back to its sender; the others stay here.
+                    // A received tensor's gradient goes back to its sender; the others stay here.
                     let grad = if pair.get_item(2)?.extract::<bool>()? {
                         TorchTensor::to_send(pair.get_item(1)?)
                     } else {

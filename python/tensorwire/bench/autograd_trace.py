@@ -71,6 +71,7 @@ def _instrument() -> None:
         ("dumps_split", "pickle"),
         ("backward", "engine.backward"),
         ("import_tensor", "import"),
+        ("receive", "receive"),
         ("export_tensor", "export"),
         ("accumulate", "accumulate"),
         ("owner_call", "owner_call"),

@@ -3,17 +3,18 @@ inside a context.
 
 The protocol (contexts, send and recv records, which gradient goes where, completion, release,
 lost peers) is decided in tensorwire's core and driven by the native module
-(``python/src/autograd.rs``); this module only does what torch must do on request:
+(``python/src/rpc/autograd.rs``); this module only does what torch must do on request:
 
-- ``import_tensor`` / ``export_tensor``: a received tensor that required grad on its sender
-  becomes a leaf of this worker's graph (its *recv function*: the gradient torch computes for it
-  goes back to the sender); a tensor sent is handed over as bytes, and the native side keeps
-  the tensor itself (its *send function*: a gradient that comes back for it starts a local pass
-  from it);
+- ``import_tensor`` / ``export_tensor`` / ``receive``: the tensors a message brought that
+  required grad on their sender become the outputs of one *recv function*, a node of torch's
+  graph named as PyTorch's (``torch::distributed::autograd::RecvRpcBackward``): the gradient
+  torch computes for each goes back to the sender; a tensor sent is handed over as bytes, and
+  the native side keeps the tensor itself (its *send function*: a gradient that comes back for
+  it starts a local pass from it);
 - ``backward``: one local pass of torch's engine from given roots and seed gradients over the
-  leaves they reach, keeping the graph (FAST mode may run a send function once per gradient
-  that reaches it); gradients are returned to the native side, which accumulates them in the
-  context, never in ``.grad``;
+  leaves and recv functions they reach, keeping the graph (FAST mode may run a send function
+  once per gradient that reaches it); gradients are returned to the native side, which
+  accumulates them in the context, never in ``.grad``;
 - ``serve`` / ``create`` / ``fetch``: a call, a ``remote()`` creation or a ``to_here()`` made
   in a context, with the context current on the serving thread (so calls the function makes
   are recorded in it too, as in PyTorch).
@@ -29,9 +30,11 @@ import io
 import math
 import struct
 import threading
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
+from torch.autograd import Function
 from torch.autograd.graph import GradientEdge, _engine_run_backward
 from torch.overrides import has_torch_function
 
@@ -137,8 +140,12 @@ def unpack_sparse(buffer: Any) -> torch.Tensor:
 
 
 def import_tensor(dtype: str, shape: tuple, buffer: Any, requires_grad: bool) -> torch.Tensor:
-    """A received tensor over its bytes; a leaf that records its gradient if it required grad
-    on its sender. ``uint8`` is the packed form of a sparse COO tensor (:func:`pack_sparse`)."""
+    """A received tensor over its bytes (no copy). ``uint8`` is the packed form of a sparse COO
+    tensor (:func:`pack_sparse`). A dense one is no view (a tensor of its own over the
+    buffer's storage): :func:`receive` makes one that required grad on its sender (marked
+    so) an output of its message's recv function, and torch forbids writing in place into a
+    view that a function with several outputs returned, which PyTorch's received tensors
+    allow."""
     if dtype == "uint8":
         t = unpack_sparse(buffer)
     else:
@@ -146,12 +153,67 @@ def import_tensor(dtype: str, shape: tuple, buffer: Any, requires_grad: bool) ->
         if len(buffer) == 0:
             t = torch.empty(shape, dtype=dt)
         else:
-            t = torch.frombuffer(buffer, dtype=torch.uint8).view(dt).view(shape)
+            t = torch.frombuffer(buffer, dtype=dt)
+            if t.numel() != math.prod(shape):
+                raise ValueError(f"a received tensor of shape {tuple(shape)} over {len(buffer)} bytes of {dtype}")
+            t.set_(t.untyped_storage(), 0, shape)
     if requires_grad:
-        t.requires_grad_(True)
-        # A recv leaf: its gradient goes back to the sender (``backward`` says so).
+        # Its gradient goes back to the sender, once :func:`receive` has given it its node.
         t._tensorwire_received = True
     return t
+
+
+def _recv_forward(ctx: Any, anchor: torch.Tensor, received: list) -> tuple:
+    # The received tensors themselves become the outputs (they are no inputs, so torch sets
+    # their gradient function in place: the same objects, no copy). The node keeps weak
+    # references: a tensor's node referring to the tensor would make a cycle.
+    ctx.received = [weakref.ref(t) for t in received]
+    return tuple(received)
+
+
+def _recv_backward(ctx: Any, *grads: Any) -> tuple:
+    # The gradients are taken before the node runs (``backward`` hooks it); nothing flows on.
+    return None, None
+
+
+#: The recv function of a message: a ``torch.autograd.Function`` made on purpose under the name
+#: whose backward node reports PyTorch's, ``torch::distributed::autograd::RecvRpcBackward``
+#: (torch names a Function's node after the class, plus ``Backward``), so that a received
+#: tensor's ``grad_fn``, and the ``next_functions`` that lead to it, read as in PyTorch. Its
+#: input is one shared empty leaf (:data:`_RECV_ANCHOR`): torch records a Function's node only
+#: when an input requires grad; PyTorch's node has no next functions, this one has that
+#: leaf's, which no pass of :func:`backward` runs (its gradient is ``None``).
+_RecvRpc = type(
+    "torch::distributed::autograd::RecvRpc",
+    (Function,),
+    {
+        "__module__": __name__,
+        "__doc__": "The recv function of a message (see the module's ``_RecvRpc``).",
+        "forward": staticmethod(_recv_forward),
+        "backward": staticmethod(_recv_backward),
+    },
+)
+_RECV_NODE = _RecvRpc._backward_cls
+_RECV_ANCHOR = torch.empty(0, requires_grad=True)
+
+
+def receive(tracked: Sequence[Any]) -> None:
+    """Gives the tensors of one message that required grad on their sender (those
+    :func:`import_tensor` marked, in order) their recv function: one node of torch's graph,
+    whose outputs they become, in place (as PyTorch's ``RecvRpcBackward``; grad mode does
+    not matter, as it does not for PyTorch's). Each keeps its node in ``_tensorwire_recv``
+    (a context's ``_recv_functions`` gives it)."""
+    received = [t for t in tracked if getattr(t, "_tensorwire_received", False) and t.grad_fn is None]
+    if not received:
+        return
+    if torch.is_grad_enabled():
+        _RecvRpc.apply(_RECV_ANCHOR, received)
+    else:
+        with torch.enable_grad():
+            _RecvRpc.apply(_RECV_ANCHOR, received)
+    node = received[0].grad_fn
+    for t in received:
+        t._tensorwire_recv = node
 
 
 def export_tensor(t: torch.Tensor) -> tuple:
@@ -168,14 +230,17 @@ def export_tensor(t: torch.Tensor) -> tuple:
     return str(prepared.dtype).removeprefix("torch."), tuple(prepared.shape), prepared
 
 
-def _leaves(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any], list[int]]:
+def _leaves(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any], list[int], list[Any]]:
     """The leaves that require grad reached from ``outputs`` (an output that is a leaf
-    included), each once, in the order found; the ``AccumulateGrad`` node of each; and the
+    included), each once, in the order found; the ``AccumulateGrad`` node of each; the
     outputs that are leaves whose node torch does not give (a sparse leaf: its gradient edge
     is found through a view, which sparse tensors do not have) and that no other output
-    reaches, by index: their gradient is their seed, taken without a pass."""
+    reaches, by index: their gradient is their seed, taken without a pass; and the recv
+    functions reached (:data:`_RecvRpc`'s nodes: the walk stops there, their gradients go
+    back to the senders)."""
     leaves: list[torch.Tensor] = []
     nodes: list[Any] = []
+    recvs: list[Any] = []
     seen_leaves: set[int] = set()
     seen_nodes: set[int] = set()
     held: list[Any] = []  # keeps nodes alive, so that their ids stay theirs
@@ -199,6 +264,9 @@ def _leaves(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[A
             continue
         seen_nodes.add(id(node))
         held.append(node)
+        if type(node) is _RECV_NODE:
+            recvs.append(node)
+            continue
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
             add_leaf(variable, node)
@@ -216,17 +284,19 @@ def _leaves(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[A
             unhooked.append(i)
             continue
         add_leaf(o, node)
-    return leaves, nodes, unhooked
+    return leaves, nodes, unhooked, recvs
 
 
 def _captured(
-    outputs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor], nodes: list[Any]
-) -> list[Optional[torch.Tensor]]:
-    """The gradient of each leaf in one pass of torch's engine from ``outputs`` with ``grads``,
-    keeping the graph, each leaf's ``AccumulateGrad`` node run as PyTorch's distributed engine
-    runs it (its ``DistAccumulateGradCaptureHook``): the node's pre hooks first (they may change
-    the gradient), then the gradient is taken for the context, then the node's post hooks; the
-    gradient never lands in ``.grad``.
+    outputs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor], nodes: list[Any],
+    recvs: list[Any],
+) -> tuple[list[Optional[torch.Tensor]], list[Optional[tuple]]]:
+    """The gradient of each leaf, and the gradients that reach each recv function in
+    ``recvs`` (one per output, ``None`` for an output none reached), in one pass of torch's
+    engine from ``outputs`` with ``grads``, keeping the graph, each leaf's ``AccumulateGrad``
+    node run as PyTorch's distributed engine runs it (its ``DistAccumulateGradCaptureHook``):
+    the node's pre hooks first (they may change the gradient), then the gradient is taken for
+    the context, then the node's post hooks; the gradient never lands in ``.grad``.
 
     The pass runs every leaf's node (``torch.autograd.backward`` with the leaves as inputs, not
     ``torch.autograd.grad``, which captures the gradients without running the nodes or their
@@ -240,8 +310,13 @@ def _captured(
     a plain ``loss.backward()`` elsewhere is untouched. So every leaf must be on the CPU
     (``backward`` captures a pass with a leaf on a device with ``torch.autograd.grad``,
     without the nodes' hooks).
+
+    A recv function is run as PyTorch's ``RecvRpcBackward`` is: what reaches it (after the
+    hooks of the tensors it made) is taken, by a pre hook of this pass (its own backward
+    hands nothing on).
     """
     got: list[Optional[torch.Tensor]] = [None] * len(leaves)
+    recv_got: list[Optional[tuple]] = [None] * len(recvs)
     token = object()
     # The gradient each node's post hooks see in this pass, by their dict's id.
     given: dict[int, torch.Tensor] = {}
@@ -260,20 +335,29 @@ def _captured(
 
         return take
 
+    def taking_recv(j: int) -> Any:
+        def take(grad_outputs: tuple) -> None:
+            if getattr(_tls, "capture", None) is token:
+                recv_got[j] = grad_outputs
+
+        return take
+
     handles = [node.register_prehook(taking(i)) for i, node in enumerate(nodes)]
+    handles += [node.register_prehook(taking_recv(j)) for j, node in enumerate(recvs)]
     previous = getattr(_tls, "capture", None), getattr(_tls, "given", None)
     _tls.capture, _tls.given = token, given
     try:
-        _run_backward(outputs, grads, leaves, nodes)
+        _run_backward(outputs, grads, leaves, nodes, recvs)
     finally:
         _tls.capture, _tls.given = previous
         for h in handles:
             h.remove()
-    return got
+    return got, recv_got
 
 
 def _run_backward(
-    outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor], nodes: list[Any]
+    outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor], nodes: list[Any],
+    recvs: list[Any],
 ) -> None:
     """``torch.autograd.backward(outputs, grads, retain_graph=True, inputs=inputs)`` without
     its Python preamble (``_make_grads``, which checks each seed against its root in Python):
@@ -284,12 +368,16 @@ def _run_backward(
     through ``torch.autograd.backward``, as they would.
 
     ``nodes[i]`` is the ``AccumulateGrad`` node of leaf ``inputs[i]``: the leaves (and the
-    roots that are leaves) are handed to the engine as their gradient edges (:func:`_edges`)."""
+    roots that are leaves) are handed to the engine as their gradient edges (:func:`_edges`);
+    so is each recv function of ``recvs`` (one edge of it marks the node to run)."""
+    recv_edges = tuple(GradientEdge(node, 0) for node in recvs)
     if has_torch_function(tuple(outputs) + tuple(inputs)):
-        torch.autograd.backward(outputs, grads, retain_graph=True, inputs=inputs)
+        torch.autograd.backward(outputs, grads, retain_graph=True, inputs=list(inputs) + list(recv_edges))
         return
     roots, edges = _edges(outputs, inputs, nodes)
-    _engine_run_backward(roots, tuple(grads), True, False, edges, allow_unreachable=True, accumulate_grad=True)
+    _engine_run_backward(
+        roots, tuple(grads), True, False, edges + recv_edges, allow_unreachable=True, accumulate_grad=True
+    )
 
 
 def _edges(outputs: list[torch.Tensor], leaves: list[torch.Tensor], nodes: list[Any]) -> tuple[tuple, tuple]:
@@ -345,9 +433,10 @@ def _given_gradient(hook: Any, key: int) -> Any:
 
 def backward(roots: list, seeds: list) -> list:
     """One local pass from ``roots`` with ``seeds`` (``None``: ones, for a scalar), keeping the
-    graph: ``[(leaf, gradient, received)]`` for every leaf it reached, ``received`` true for a
-    leaf that came in a message (its gradient is sent back). The leaves' ``AccumulateGrad``
-    hooks run as in PyTorch's distributed engine (``_captured``)."""
+    graph: ``[(tensor, gradient, received)]`` for every leaf it reached (``received`` false)
+    and every received tensor whose recv function it reached with a gradient for it
+    (``received`` true: its gradient is sent back). The leaves' ``AccumulateGrad`` hooks run
+    as in PyTorch's distributed engine (``_captured``)."""
     outputs, grads = [], []
     for root, seed in zip(roots, seeds):
         if not root.requires_grad:
@@ -356,7 +445,7 @@ def backward(roots: list, seeds: list) -> list:
         grads.append(torch.ones_like(root) if seed is None else seed)
     if not outputs:
         return []
-    leaves, nodes, unhooked = _leaves(outputs)
+    leaves, nodes, unhooked, recvs = _leaves(outputs)
     seeded: dict[int, Any] = {}
     for i in unhooked:
         o = outputs[i]
@@ -367,18 +456,37 @@ def backward(roots: list, seeds: list) -> list:
     if unhooked:
         kept = [i for i in range(len(outputs)) if i not in set(unhooked)]
         outputs, grads = [outputs[i] for i in kept], [grads[i] for i in kept]
-    if not leaves:
+    recv_got: list[Optional[tuple]] = []
+    if not leaves and not recvs:
         got = []
     elif all(leaf.device.type == "cpu" for leaf in leaves):
-        got = _captured(outputs, grads, leaves, nodes)
+        got, recv_got = _captured(outputs, grads, leaves, nodes, recvs)
     else:
         # A leaf on a device: its node runs on that device's autograd thread, where the hook
         # keyed to this thread would not take its gradient. The gradients are captured
-        # without running the nodes (their hooks do not run).
+        # without running the nodes (their hooks do not run); a recv function's, one edge
+        # per output.
         roots, edges = _edges(outputs, leaves, nodes)
+        widths = [len(node.received) for node in recvs]
+        edges += tuple(GradientEdge(node, k) for node, n in zip(recvs, widths) for k in range(n))
         got = list(torch.autograd.grad(roots, edges, grads, retain_graph=True, allow_unused=True))
+        at = len(leaves)
+        for n in widths:
+            recv_got.append(tuple(got[at:at + n]))
+            at += n
+        del got[len(leaves):]
     leaves = leaves + [o for o, _ in seeded.values()]
     got = got + [g for _, g in seeded.values()]
+    # The received tensors that got a gradient, after the leaves (a tensor the native side
+    # no longer holds has no record left to answer for: its gradient is dropped).
+    for node, taken in zip(recvs, recv_got):
+        if taken is None:
+            continue
+        for ref, g in zip(node.received, taken):
+            t = ref()
+            if g is not None and t is not None:
+                leaves.append(t)
+                got.append(g)
     # How many leaves each gradient object reached (``(a + b).sum()`` gives a and b one).
     uses: dict[int, int] = {}
     for g in got:
@@ -388,7 +496,7 @@ def backward(roots: list, seeds: list) -> list:
     for leaf, g in zip(leaves, got):
         if g is None:
             continue
-        received = getattr(leaf, "_tensorwire_received", False)
+        received = getattr(leaf, "_tensorwire_recv", None) is not None
         if not received:
             g = _owned_gradient(g, leaf, shared=uses[id(g)] > 1)
         out.append((leaf, g, received))
@@ -517,6 +625,7 @@ def _run_in(
     previous = set_current(context_id)
     try:
         buffers = merge(plain, tracked_at, tracked, caller)
+        receive(tracked)
         result, later = rpc._invoke(caller, function, payload, buffers, rrefs, None)
         # An async_execution function's future is waited for here, in the context.
         return result.wait() if later else result
@@ -700,6 +809,7 @@ def _decode(outcome: Any, worker: str, callee: Any, trusted: bool) -> Any:
     if outcome[0] == "returned":
         _, payload, plain, rrefs, tracked_at, tracked = outcome
         tensors = merge(plain, tracked_at, tracked, worker)
+        receive(tracked)
         return _serialize.loads(payload, tensors, rrefs, trusted=trusted, origin=worker)
     raise rpc._remote_exception(callee, outcome[1], outcome[2], outcome[3])
 

@@ -19,6 +19,13 @@ gradient that reaches a recv back to its sender, which runs torch's engine from 
 send, and so on; it returns once every worker the pass reached is done. Gradients accumulate in
 the context of the worker that holds the tensor (:func:`get_gradients`), never in ``.grad``.
 
+A tensor that arrives in a context and required grad on its sender (an argument at the callee,
+a result at the caller) is, as in PyTorch, no leaf: it is an output of its message's recv
+function, a node of torch's graph whose ``name()`` is
+``torch::distributed::autograd::RecvRpcBackward`` (its ``grad_fn``; ``is_leaf`` is false, its
+``.grad`` stays ``None``, with torch's warning for a non-leaf, and it may be written in place,
+which torch then records). It shares the received bytes (no copy).
+
 The protocol is tensorwire's core state machine (``tensorwire_core::autograd``): context ids
 carry a capability that only the workers a context reached know (a peer cannot join or release
 another's context by guessing its id), each peer may make this worker hold a bounded number of
@@ -127,8 +134,8 @@ def get_gradients(context_id: int) -> dict:
 class _Context:
     """What ``_retrieve_context``, ``_current_context`` and ``_new_context`` return (PyTorch's
     ``DistAutogradContext``): the id, and what the context holds on this worker, read from
-    the native driver's records (tensorwire's send and recv functions are records of the
-    driver, not nodes of torch's graph: see :class:`_SendFunction`)."""
+    the native driver's records (a send function is a record of the driver, not a node of
+    torch's graph: see :class:`_SendFunction`; a recv function is a node of torch's graph)."""
 
     def __init__(self, context_id: int):
         self._id = context_id
@@ -155,13 +162,15 @@ class _Context:
         return {m: _SendFunction(m, peer, tensors) for m, peer, tensors in rows}
 
     def _recv_functions(self) -> dict:
-        """``{autograd message id: _RecvFunction}``: one per message that brought tensors
-        requiring grad into this worker in the context."""
+        """``{autograd message id: recv function}``: one per message that brought tensors
+        requiring grad into this worker in the context, the node of torch's graph those
+        tensors are the outputs of (``torch::distributed::autograd::RecvRpcBackward``, a
+        received tensor's ``grad_fn``, as in PyTorch)."""
         try:
             rows = _native_ad().recv_functions(self._id)
         except _native.TensorwireError as e:
             _raise(e)
-        return {m: _RecvFunction(m, peer, tensors) for m, peer, tensors in rows}
+        return {m: _recv_function(m, peer, tensors) for m, peer, tensors in rows}
 
     def __repr__(self) -> str:
         return f"DistAutogradContext({self._id})"
@@ -203,10 +212,21 @@ class _SendFunction:
         return f"<SendRpcBackward message {self.message_id} to rank {self.to}>"
 
 
+def _recv_function(message_id: int, sender: int, tensors: list) -> Any:
+    """The recv function of the message ``message_id``: the node of torch's graph its tensors
+    were given when they arrived (``_autograd_engine.receive``), or, for a message whose
+    tensors never reached the Python layer (a call refused before it ran), its record."""
+    for t in tensors:
+        node = getattr(t, "_tensorwire_recv", None)
+        if node is not None:
+            return node
+    return _RecvFunction(message_id, sender, tensors)
+
+
 class _RecvFunction:
-    """A recv function of a context on this worker (PyTorch's ``RecvRpcBackward``): the
-    tensors requiring grad that one message brought from ``sender``, leaves of this worker's
-    graph whose gradients go back to it (so no edges lead on from here)."""
+    """The record of a recv function whose tensors were given no node of torch's graph (see
+    :func:`_recv_function`): the tensors requiring grad that one message brought from
+    ``sender``."""
 
     def __init__(self, message_id: int, sender: int, tensors: list):
         self.message_id = message_id
