@@ -390,8 +390,8 @@ impl ProcessGroup for Group {
     /// The future [`start`](ProcessGroup::start)'s handle polls, without the handle: the
     /// awaited collectives issue it in their first poll, as `start` does in the call.
     fn run_op<'a>(&'a self, op: Op<'a>) -> Pending<'a, Done> {
-        if matches!(op, Op::Barrier) && self.barrier_alone_on_arena() {
-            return Box::pin(self.arena_barrier_alone());
+        if self.alone_on_arena(&op) {
+            return Box::pin(self.arena_alone(op));
         }
         Box::pin(self.execute(op))
     }

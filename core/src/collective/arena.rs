@@ -285,8 +285,12 @@ impl ArenaState {
     /// returns the counter value to store, which every rank of the phase's `waits_on` waits for.
     pub fn posted(&mut self, wrote: bool, readers: &[usize]) -> u32 {
         if wrote {
+            // The half's vector is reused: no allocation once it has held as many readers.
             let half = self.half();
-            self.last[half] = (self.phase, readers.to_vec());
+            let last = &mut self.last[half];
+            last.0 = self.phase;
+            last.1.clear();
+            last.1.extend_from_slice(readers);
         }
         self.phase += 1;
         counter(self.phase)

@@ -105,8 +105,31 @@ pub struct PlanCache {
     rank: usize,
     world: usize,
     slot: usize,
-    /// Least recently used first.
-    plans: Vec<(PlanKey, ArenaPlan)>,
+    /// The plans, each with the tick of its last use (the least recently used goes first).
+    plans: Vec<(PlanKey, ArenaPlan, u64)>,
+    /// Counts the uses: the tick of the latest.
+    tick: u64,
+}
+
+/// A plan from [`PlanCache::plan`]: lent by the cache, or made for this collective alone (one
+/// the cache does not keep).
+#[derive(Debug)]
+pub enum Planned<'c> {
+    /// Kept in the cache.
+    Kept(&'c ArenaPlan),
+    /// Made now, kept nowhere.
+    Made(ArenaPlan),
+}
+
+impl std::ops::Deref for Planned<'_> {
+    type Target = ArenaPlan;
+
+    fn deref(&self) -> &ArenaPlan {
+        match self {
+            Planned::Kept(plan) => plan,
+            Planned::Made(plan) => plan,
+        }
+    }
 }
 
 impl PlanCache {
@@ -117,14 +140,62 @@ impl PlanCache {
             world,
             slot,
             plans: Vec::with_capacity(PLAN_CACHE_ENTRIES),
+            tick: 0,
         }
     }
 
     /// The plan kept under `key`, taken out (give it back with [`keep`](Self::keep)), or
     /// `None`.
     pub fn take(&mut self, key: &PlanKey) -> Option<ArenaPlan> {
-        let at = self.plans.iter().position(|(k, _)| k == key)?;
-        Some(self.plans.remove(at).1)
+        let at = self.plans.iter().position(|(k, ..)| k == key)?;
+        Some(self.plans.swap_remove(at).1)
+    }
+
+    /// The plan under `key`, lent where it is kept (then the most recently used), else made by
+    /// `make` and kept if [`keep`](Self::keep) would keep it (lent from there), else made for
+    /// this call alone. A plan `make` refuses is returned as its error, and nothing is kept.
+    /// Nothing moves when the plan is kept already: the small collectives that repeat (a
+    /// barrier, an 8-byte all_reduce in a loop) run their plan where it lies.
+    pub fn plan<E>(
+        &mut self,
+        key: Option<PlanKey>,
+        make: impl FnOnce() -> Result<ArenaPlan, E>,
+    ) -> Result<Planned<'_>, E> {
+        let Some(key) = key else {
+            return make().map(Planned::Made);
+        };
+        self.tick += 1;
+        if let Some(at) = self.plans.iter().position(|(k, ..)| *k == key) {
+            self.plans[at].2 = self.tick;
+            return Ok(Planned::Kept(&self.plans[at].1));
+        }
+        let plan = make()?;
+        if !self.keepable(&plan) {
+            return Ok(Planned::Made(plan));
+        }
+        self.insert(key, plan);
+        let last = self.plans.len() - 1;
+        Ok(Planned::Kept(&self.plans[last].1))
+    }
+
+    /// Whether a plan may be kept: of at most [`PLAN_CACHE_MAX_PHASES`] phases, made for this
+    /// cache's rank, world and slot size.
+    fn keepable(&self, plan: &ArenaPlan) -> bool {
+        plan.phases().len() <= PLAN_CACHE_MAX_PHASES
+            && (plan.rank(), plan.world(), plan.slot_bytes()) == (self.rank, self.world, self.slot)
+    }
+
+    /// Keeps `plan` under `key` (replacing a plan kept under it) as the most recently used,
+    /// dropping the least recently used past [`PLAN_CACHE_ENTRIES`].
+    fn insert(&mut self, key: PlanKey, plan: ArenaPlan) {
+        self.plans.retain(|(k, ..)| *k != key);
+        if self.plans.len() >= PLAN_CACHE_ENTRIES {
+            if let Some(oldest) = (0..self.plans.len()).min_by_key(|i| self.plans[*i].2) {
+                self.plans.swap_remove(oldest);
+            }
+        }
+        self.tick += 1;
+        self.plans.push((key, plan, self.tick));
     }
 
     /// The plan under `key`, from the cache or made by `make` (a plan `make` refuses is
@@ -148,16 +219,10 @@ impl PlanCache {
         let Some(key) = key else {
             return false;
         };
-        if plan.phases().len() > PLAN_CACHE_MAX_PHASES
-            || (plan.rank(), plan.world(), plan.slot_bytes()) != (self.rank, self.world, self.slot)
-        {
+        if !self.keepable(&plan) {
             return false;
         }
-        self.plans.retain(|(k, _)| *k != key);
-        if self.plans.len() == PLAN_CACHE_ENTRIES {
-            self.plans.remove(0);
-        }
-        self.plans.push((key, plan));
+        self.insert(key, plan);
         true
     }
 
@@ -226,6 +291,61 @@ mod tests {
             Err("bad")
         );
         assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn plan_lends_what_it_keeps_and_makes_it_once() {
+        let mut cache = PlanCache::new(1, 4, SLOT);
+        let mut made = 0;
+        for _ in 0..3 {
+            let plan = cache
+                .plan(key(2), || {
+                    made += 1;
+                    Ok::<_, ()>(all_reduce(2))
+                })
+                .unwrap();
+            assert!(matches!(plan, Planned::Kept(_)));
+            assert_eq!(*plan, all_reduce(2));
+        }
+        assert_eq!((made, cache.len()), (1, 1));
+        // Without a key, or too long to keep: made for the call, kept nowhere.
+        let plan = cache.plan(None, || Ok::<_, ()>(all_reduce(3))).unwrap();
+        assert!(matches!(plan, Planned::Made(_)));
+        let long =
+            plans::all_reduce(1, 4, 64 * SLOT, ElementType::F32, ReduceOp::Sum, SLOT).unwrap();
+        assert!(long.phases().len() > PLAN_CACHE_MAX_PHASES);
+        let plan = cache
+            .plan(key(64 * SLOT as u64), || Ok::<_, ()>(long.clone()))
+            .unwrap();
+        assert!(matches!(plan, Planned::Made(ref p) if *p == long));
+        // A refused plan is the caller's error, and nothing is kept.
+        assert_eq!(
+            cache
+                .plan(key(5), || Err::<ArenaPlan, _>("bad"))
+                .unwrap_err(),
+            "bad"
+        );
+        assert_eq!(cache.len(), 1);
+    }
+
+    #[test]
+    fn plan_keeps_the_most_recently_used() {
+        let mut cache = PlanCache::new(1, 4, SLOT);
+        for c in 0..PLAN_CACHE_ENTRIES as u64 {
+            cache
+                .plan(key(c + 1), || Ok::<_, ()>(all_reduce(c as usize + 1)))
+                .unwrap();
+        }
+        // Key 1, the oldest, is used again: key 2 is now the least recently used.
+        let used = cache.plan(key(1), || Err("kept: not made")).unwrap();
+        assert_eq!(*used, all_reduce(1));
+        cache
+            .plan(key(100), || Ok::<_, ()>(all_reduce(100)))
+            .unwrap();
+        assert_eq!(cache.len(), PLAN_CACHE_ENTRIES);
+        assert_eq!(cache.take(&key(2).unwrap()), None);
+        assert!(cache.take(&key(1).unwrap()).is_some());
+        assert!(cache.take(&key(100).unwrap()).is_some());
     }
 
     #[test]

@@ -97,29 +97,8 @@ pub(super) struct Turn<'a> {
 }
 
 impl Turn<'_> {
-    /// The plan under `key`: kept from an earlier collective, or made now by `make` (given the
-    /// slot size). Give it back with [`Turn::keep_plan`].
-    fn take_plan(
-        &mut self,
-        key: Option<PlanKey>,
-        make: impl FnOnce(usize) -> Result<ArenaPlan, CollectiveError>,
-    ) -> Result<ArenaPlan, CollectiveError> {
-        let slot = self.slot_bytes();
-        match &mut *self.slot {
-            ArenaSlot::Ready(_, cache) => cache.take_or(key, || make(slot)),
-            _ => make(slot),
-        }
-    }
-
-    /// Keeps `plan` for the next collective under `key`, if the cache takes it.
-    fn keep_plan(&mut self, key: Option<PlanKey>, plan: ArenaPlan) {
-        if let ArenaSlot::Ready(_, cache) = &mut *self.slot {
-            cache.keep(key, plan);
-        }
-    }
-
     /// The slot size plans are made with. When the arena failed (or never came) it is the
-    /// smallest a plan takes: such plans are never run ([`Group::arena_run`] fails them with
+    /// smallest a plan takes: such plans are never run ([`Group::arena_exec`] fails them with
     /// the arena's failure), but they must not fail as arguments first.
     fn slot_bytes(&self) -> usize {
         match &*self.slot {
@@ -324,6 +303,9 @@ impl Group {
             return None;
         }
         let seq = self.reserve(rounds);
+        // Through the lock's future even when it is free (not `try_lock`): it spends the task's
+        // budget of the runtime's cooperative scheduling, which is what gives the runtime (the
+        // links' tasks) a turn in a loop of collectives that each complete within the spin.
         let mut slot = self.inner.arena.lock().await;
         if let ArenaSlot::Pending { pids } = &*slot {
             let pids = pids.clone();
@@ -427,9 +409,9 @@ impl Group {
         }
     }
 
-    /// Runs the plan under `key` (kept from an earlier collective, or made by `make` from the
-    /// slot size) over `buffer` through the arena, see [`Group::arena_exec`], and keeps it for
-    /// the next collective.
+    /// Runs the plan under `key` (lent by the arena's [`PlanCache`], which makes it with `make`
+    /// from the slot size the first time and keeps it if it may) over `buffer` through the
+    /// arena: see [`Group::arena_exec`].
     async fn arena_run_kept(
         &self,
         turn: &mut Turn<'_>,
@@ -439,20 +421,8 @@ impl Group {
         buffer: Exec<'_>,
         signature: u64,
     ) -> Result<Option<Vec<u8>>, ProcessGroupError> {
-        let plan = turn.take_plan(key, make);
-        let result = self
-            .arena_exec(
-                turn,
-                collective,
-                plan.as_ref().map_err(Clone::clone),
-                buffer,
-                signature,
-            )
-            .await;
-        if let Ok(plan) = plan {
-            turn.keep_plan(key, plan);
-        }
-        result
+        self.arena_exec(turn, collective, key, make, buffer, signature)
+            .await
     }
 
     /// Runs `plan` over `buffer` through the arena in `slot`: see [`Group::arena_exec`].
@@ -464,10 +434,16 @@ impl Group {
         buffer: &mut [u8],
         signature: u64,
     ) -> Result<(), ProcessGroupError> {
-        let plan = plan.as_ref().map_err(Clone::clone);
-        self.arena_exec(turn, collective, plan, Exec::InPlace(buffer), signature)
-            .await
-            .map(|_| ())
+        self.arena_exec(
+            turn,
+            collective,
+            None,
+            |_| plan,
+            Exec::InPlace(buffer),
+            signature,
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Runs `plan` through the arena in `slot` over a buffer of its own that starts with
@@ -481,14 +457,21 @@ impl Group {
         input: &[u8],
         signature: u64,
     ) -> Result<Vec<u8>, ProcessGroupError> {
-        let plan = plan.as_ref().map_err(Clone::clone);
         let out = self
-            .arena_exec(turn, collective, plan, Exec::Fresh(input), signature)
+            .arena_exec(
+                turn,
+                collective,
+                None,
+                |_| plan,
+                Exec::Fresh(input),
+                signature,
+            )
             .await?;
         Ok(out.unwrap_or_default())
     }
 
-    /// Runs `plan` over `buffer` through the arena in `slot` as the collective whose
+    /// Runs the plan under `key` (see [`PlanCache::plan`]: lent by the cache, or made by `make`
+    /// from the slot size) over `buffer` through the arena in `slot` as the collective whose
     /// [`Signature::word`] is `signature` (the arena compares it between the ranks of each
     /// phase: core's coder, as the links compare [`Signature`]s), bounded by the group's timeout
     /// on its runtime's clock and by the wait of the [`Work`](crate::Work) running it, if any.
@@ -499,14 +482,15 @@ impl Group {
         &self,
         turn: &mut Turn<'_>,
         collective: &'static str,
-        plan: Result<&ArenaPlan, CollectiveError>,
+        key: Option<PlanKey>,
+        make: impl FnOnce(usize) -> Result<ArenaPlan, CollectiveError>,
         buffer: Exec<'_>,
         signature: u64,
     ) -> Result<Option<Vec<u8>>, ProcessGroupError> {
         let seq = turn.seq;
         let mesh = &self.inner.mesh;
-        let arena = match &mut *turn.slot {
-            ArenaSlot::Ready(arena, _) => arena,
+        let (arena, cache) = match &mut *turn.slot {
+            ArenaSlot::Ready(arena, cache) => (arena, cache),
             ArenaSlot::Failed(e) => return Err(e.clone()),
             ArenaSlot::Off | ArenaSlot::Pending { .. } => {
                 unreachable!("a turn is handed out only for a set-up arena")
@@ -519,7 +503,10 @@ impl Group {
             arena.report_failed();
             return Err(e);
         }
-        let plan = plan.map_err(|source| ProcessGroupError::Arguments { collective, source })?;
+        let slot = arena.slot_bytes();
+        let plan = cache
+            .plan(key, || make(slot))
+            .map_err(|source| ProcessGroupError::Arguments { collective, source })?;
         let timeout = self.op_timeout();
         let runtime = &**mesh.runtime();
         // Subscribed now, in the collective's first poll (see `work::expired`).
@@ -544,12 +531,12 @@ impl Group {
         };
         let result = match buffer {
             Exec::InPlace(buffer) => arena
-                .run(plan, buffer, &bounds, give_up)
+                .run(&plan, buffer, &bounds, give_up)
                 .instrument(span)
                 .await
                 .map(|()| None),
             Exec::Fresh(input) => arena
-                .run_fresh(plan, input, &bounds, give_up)
+                .run_fresh(&plan, input, &bounds, give_up)
                 .instrument(span)
                 .await
                 .map(Some),
@@ -590,6 +577,8 @@ impl Group {
                 other => other,
             },
         };
+        // The plan is the cache's, in the slot replaced below.
+        drop(plan);
         if failed {
             if matches!(error, ProcessGroupError::Timeout { .. }) {
                 mesh.fail(error.clone());
@@ -625,6 +614,9 @@ impl Group {
     }
 
     pub(super) async fn arena_barrier(&self, turn: &mut Turn<'_>) -> Result<(), ProcessGroupError> {
+        /// A barrier's word never changes: coded once per process, not at every barrier.
+        static BARRIER_WORD: std::sync::LazyLock<u64> =
+            std::sync::LazyLock::new(|| Signature::Barrier.word(&[]));
         let (rank, world) = (self.rank(), self.size());
         self.arena_run_kept(
             turn,
@@ -632,7 +624,7 @@ impl Group {
             PlanKey::barrier(),
             |s| plans::barrier(rank, world, s),
             Exec::InPlace(&mut []),
-            Signature::Barrier.word(&[]),
+            *BARRIER_WORD,
         )
         .await
         .map(|_| ())
