@@ -768,6 +768,10 @@ impl Connection for ShmConnection {
         self.send_prepared(frames).await
     }
 
+    fn try_send_now(&self, frames: &mut Vec<Frame>) -> Option<Result<(), TransportError>> {
+        self.try_send_frames(frames)
+    }
+
     async fn recv(&self) -> Result<Frame, TransportError> {
         let mut rx = self.rx.lock().await;
         if let Some(e) = &rx.failed {
@@ -794,7 +798,9 @@ impl Connection for ShmConnection {
     }
 
     async fn close(&self) -> Result<(), TransportError> {
-        let _tx = self.tx.lock().await;
+        let mut tx = self.tx.lock().await;
+        // Frames a `try_send_now` held come before the end of the stream.
+        self.flush_held(&mut tx).await?;
         self.tx_ring.closed().store(1, Ordering::Release);
         wake(self.tx_ring.consumer_waiting(), &self.peer_data_efd);
         Ok(())

@@ -6,11 +6,11 @@ use std::sync::atomic::Ordering;
 
 use tensorwire_core::ports::transport::TransportError;
 use tensorwire_core::spin::requeue;
-use tensorwire_core::wire::{Frame, OutgoingFrame};
+use tensorwire_core::wire::{Frame, OutgoingFrame, PREFIX_LEN};
 
 use super::{wake, ShmConnection, MAX_SEGMENTS_IN_FLIGHT, SLAB_ALIGN};
 use crate::mem;
-use crate::ring::{Chunks, Producer, RingError, SlabRecord, SEGMENT_RECORD, SLAB_RECORD};
+use crate::ring::{Chunks, Producer, RingError, SlabRecord, Source, SEGMENT_RECORD, SLAB_RECORD};
 use crate::sock;
 
 /// Bytes a sender copies into a slab between two turns of the runtime's other tasks.
@@ -50,11 +50,14 @@ pub(super) struct Tx {
     slabs: Vec<Option<SendSlab>>,
     /// Set when a send failed or was dropped half-way: the ring may hold part of a frame.
     broken: bool,
+    /// Frames a [`ShmConnection::try_send_now`] could not finish (the ring was full), the
+    /// first possibly part-written: the next `send_many` (or `close`) writes them first.
+    held: Vec<Prepared>,
 }
 
 /// A frame ready to send: stream chunks for the ring, chunks for a slab, or a sealed segment.
 enum Prepared {
-    Inline(Vec<bytes::Bytes>),
+    Inline(OutgoingFrame),
     Slab(Vec<bytes::Bytes>),
     Segment(u64, OwnedFd),
 }
@@ -77,6 +80,7 @@ impl Tx {
             segments_sent: 0,
             slabs: (0..crate::ring::MAX_SLABS).map(|_| None).collect(),
             broken: false,
+            held: Vec::new(),
         }
     }
 }
@@ -94,13 +98,13 @@ impl ShmConnection {
                     source,
                 })?;
             let len = out.remaining();
+            if len < self.slab_min.min(self.segment_min) as u64 {
+                prepared.push(Prepared::Inline(out));
+                continue;
+            }
             let chunks = out.into_chunks();
             if len < self.segment_min as u64 {
-                prepared.push(if len >= self.slab_min as u64 {
-                    Prepared::Slab(chunks)
-                } else {
-                    Prepared::Inline(chunks)
-                });
+                prepared.push(Prepared::Slab(chunks));
                 continue;
             }
             // The one copy of a large frame, off the runtime's threads.
@@ -116,17 +120,16 @@ impl ShmConnection {
         }
         let mut tx = self.tx.lock().await;
         if tx.broken {
-            return Err(TransportError::Io {
-                addr: self.peer,
-                op: "sending",
-                kind: std::io::ErrorKind::BrokenPipe,
-                message: "an earlier send failed or was cancelled half-way; the connection \
-                          cannot send any more"
-                    .to_owned(),
-            });
+            return Err(self.broken_error());
         }
         if self.shared.is_dead() {
             return Err(self.gone_error("sending"));
+        }
+        // What a `try_send_now` left goes first: the ring may be in the middle of its frame.
+        if !tx.held.is_empty() {
+            let mut all = std::mem::take(&mut tx.held);
+            all.append(&mut prepared);
+            prepared = all;
         }
         let mut guard = BrokenOnDrop(&mut tx, true);
         let result = self.send_frames(guard.0, prepared).await;
@@ -134,8 +137,102 @@ impl ShmConnection {
         result
     }
 
+    /// Writes what a [`try_send_now`](Self::try_send_now) left (before the end of the stream).
+    pub(super) async fn flush_held(&self, tx: &mut Tx) -> Result<(), TransportError> {
+        let held = std::mem::take(&mut tx.held);
+        if held.is_empty() || tx.broken {
+            return Ok(());
+        }
+        let mut guard = BrokenOnDrop(tx, true);
+        let result = self.send_frames(guard.0, held).await;
+        guard.1 = result.is_err();
+        result
+    }
+
+    fn broken_error(&self) -> TransportError {
+        TransportError::Io {
+            addr: self.peer,
+            op: "sending",
+            kind: std::io::ErrorKind::BrokenPipe,
+            message: "an earlier send failed or was cancelled half-way; the connection \
+                      cannot send any more"
+                .to_owned(),
+        }
+    }
+
+    /// [`Connection::try_send_now`](tensorwire_core::ports::transport::Connection::try_send_now):
+    /// small frames (below the slab and segment sizes) are copied into the ring on this thread
+    /// when no other send holds the ring; the reader is woken as a `send_many` wakes it (only
+    /// if it sleeps). Frames that the ring's free space does not take are held, and the next
+    /// `send_many` writes them first; a frame that could be large takes nothing (the slabs and
+    /// segments wait for space and descriptors, which only `send_many` may).
+    pub(super) fn try_send_frames(
+        &self,
+        frames: &mut Vec<Frame>,
+    ) -> Option<Result<(), TransportError>> {
+        let small = self.slab_min.min(self.segment_min);
+        if frames.iter().any(|f| may_reach(f, small)) {
+            return None;
+        }
+        let mut tx = self.tx.try_lock().ok()?;
+        if !tx.held.is_empty() {
+            // The next `send_many` writes those first.
+            return None;
+        }
+        if tx.broken {
+            return Some(Err(self.broken_error()));
+        }
+        if self.shared.is_dead() {
+            return Some(Err(self.gone_error("sending")));
+        }
+        let mut outs = Vec::with_capacity(frames.len());
+        for frame in frames.drain(..) {
+            match OutgoingFrame::new(frame, &self.limits) {
+                Ok(out) => outs.push(out),
+                Err(source) => {
+                    return Some(Err(TransportError::Wire {
+                        peer: self.peer,
+                        source,
+                    }))
+                }
+            }
+        }
+        let mut outs = outs.into_iter();
+        while let Some(mut out) = outs.next() {
+            while !out.is_done() {
+                let free = match tx.producer.free(&self.tx_ring) {
+                    Ok(free) => free.min(self.max_record),
+                    Err(e) => {
+                        // What was written of this frame stays unpublished; nothing can follow.
+                        tx.broken = true;
+                        return Some(Err(self.ring_error(e)));
+                    }
+                };
+                if tx.producer.write_data(&self.tx_ring, free, &mut out) == 0 {
+                    // The ring is full: the rest goes with the next `send_many`.
+                    self.publish(&tx);
+                    tx.held = std::iter::once(out)
+                        .chain(outs)
+                        .map(Prepared::Inline)
+                        .collect();
+                    return None;
+                }
+                if !out.is_done() {
+                    // A frame of several records: the reader may start on this one.
+                    self.publish(&tx);
+                }
+            }
+        }
+        self.publish(&tx);
+        Some(Ok(()))
+    }
+
     /// Writes `chunks` into the ring, waiting for space as needed. Publishes as it goes.
-    async fn write_stream(&self, tx: &mut Tx, chunks: &mut Chunks) -> Result<(), TransportError> {
+    async fn write_stream(
+        &self,
+        tx: &mut Tx,
+        chunks: &mut impl Source,
+    ) -> Result<(), TransportError> {
         while !chunks.is_done() {
             let free = tx
                 .producer
@@ -198,9 +295,8 @@ impl ShmConnection {
         let mut published = true;
         for out in outs {
             match out {
-                Prepared::Inline(chunks) => {
-                    let mut chunks = Chunks::new(chunks);
-                    self.write_stream(tx, &mut chunks).await?;
+                Prepared::Inline(mut out) => {
+                    self.write_stream(tx, &mut out).await?;
                     published = false;
                 }
                 Prepared::Slab(chunks) => {
@@ -377,4 +473,14 @@ impl ShmConnection {
         self.publish(&tx);
         Ok(())
     }
+}
+
+/// Whether `frame` may take `min` bytes or more on the wire: its header and payloads, and a
+/// bound on its preamble (the prefix and a varint of at most 10 bytes per length).
+fn may_reach(frame: &Frame, min: usize) -> bool {
+    let body: usize = frame.payloads.iter().map(|p| p.len()).sum();
+    let preamble = PREFIX_LEN + 10 * (frame.payloads.len() + 2);
+    body.saturating_add(frame.header.len())
+        .saturating_add(preamble)
+        >= min
 }
