@@ -185,19 +185,27 @@ impl ShmConnection {
         if self.shared.is_dead() {
             return Some(Err(self.gone_error("sending")));
         }
-        let mut outs = Vec::with_capacity(frames.len());
-        for frame in frames.drain(..) {
-            match OutgoingFrame::new(frame, &self.limits) {
-                Ok(out) => outs.push(out),
-                Err(source) => {
-                    return Some(Err(TransportError::Wire {
-                        peer: self.peer,
-                        source,
-                    }))
-                }
-            }
-        }
-        let mut outs = outs.into_iter();
+        // No list for the usual single frame: the first apart, the rest (none) collected.
+        let wire = |source| {
+            Some(Err(TransportError::Wire {
+                peer: self.peer,
+                source,
+            }))
+        };
+        let mut taken = frames.drain(..);
+        let Some(first) = taken.next() else {
+            return Some(Ok(()));
+        };
+        let first = match OutgoingFrame::new(first, &self.limits) {
+            Ok(out) => out,
+            Err(source) => return wire(source),
+        };
+        let rest: Result<Vec<_>, _> = taken.map(|f| OutgoingFrame::new(f, &self.limits)).collect();
+        let rest = match rest {
+            Ok(rest) => rest,
+            Err(source) => return wire(source),
+        };
+        let mut outs = std::iter::once(first).chain(rest);
         while let Some(mut out) = outs.next() {
             while !out.is_done() {
                 let free = match tx.producer.free(&self.tx_ring) {
