@@ -1,5 +1,6 @@
 //! One connection: two rings, eventfd wake-ups, sealed segments for large frames, and a task
-//! that watches the Unix socket (segment descriptors, and the peer going away).
+//! that watches the Unix socket (segment descriptors, and the peer going away). The sending
+//! side is in `send`.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -13,7 +14,7 @@ use bytes::BytesMut;
 use tensorwire_core::ports::transport::{Connection, IdentityError, TransportError};
 use tensorwire_core::spin::{requeue, SpinPolicy, SpinStep, SpinWait, Turn};
 use tensorwire_core::wire::{
-    decode_frame_shared, Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits, PREFIX_LEN,
+    decode_frame_shared, Frame, FrameDecoder, WireError, WireLimits, PREFIX_LEN,
 };
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -22,11 +23,11 @@ use tokio::task::JoinHandle;
 
 use crate::handshake::Link;
 use crate::mem;
-use crate::ring::{
-    Chunks, Consumer, Next, Producer, Ring, RingError, SlabRecord, MAX_SLABS, SEGMENT_RECORD,
-    SLAB_RECORD,
-};
+use crate::ring::{Consumer, Next, Ring, RingError, SlabRecord, MAX_SLABS, SEGMENT_RECORD};
 use crate::sock;
+
+mod send;
+use send::Tx;
 
 /// Segments sent and not yet taken by the receiver, at most: bounds the memory a fast sender
 /// can pin in a slow receiver (the ring bounds the rest).
@@ -39,35 +40,6 @@ const MAX_RECORD: u64 = 64 << 10;
 const DIRECT_MIN: usize = 4096;
 /// Slabs are sized in multiples of this (so that frames of about one size reuse one slab).
 const SLAB_ALIGN: usize = 1 << 20;
-/// Bytes a sender copies into a slab between two turns of the runtime's other tasks.
-const SLAB_COPY_STEP: usize = 4 << 20;
-
-/// Payloads in a slab start at a multiple of this when they can, so that the receiver can hand
-/// them out in place ([`crate::private_view`]): 64 bytes suit every element type and a cache
-/// line.
-const PAYLOAD_ALIGN: usize = 64;
-
-/// Where in a slab to write the frame `chunks`: the offset (below [`PAYLOAD_ALIGN`]) that
-/// puts the start of its largest chunk (its largest tensor's bytes) on a multiple of
-/// [`PAYLOAD_ALIGN`].
-fn slab_offset(chunks: &[bytes::Bytes]) -> usize {
-    let Some(largest) = (0..chunks.len()).max_by_key(|&i| (chunks[i].len(), std::cmp::Reverse(i)))
-    else {
-        return 0;
-    };
-    let before: usize = chunks[..largest].iter().map(|c| c.len()).sum();
-    (PAYLOAD_ALIGN - before % PAYLOAD_ALIGN) % PAYLOAD_ALIGN
-}
-
-/// A slab of ours that the peer maps: we write a frame at its start, the peer hands the bytes
-/// up without copying and tells us (`slab_done` in the ring) when nothing references them.
-#[derive(Debug)]
-struct SendSlab {
-    map: mem::Mapping,
-    /// The last use (0: never used yet; uses count from 1).
-    seq: u64,
-}
-
 /// A slab of the peer's, mapped read-only; the last [`SlabView`] of a use releases it.
 #[derive(Debug)]
 struct RecvSlab {
@@ -215,15 +187,6 @@ struct Rx {
     failed: Option<TransportError>,
 }
 
-struct Tx {
-    producer: Producer,
-    segments_sent: u64,
-    /// Our slabs, by id.
-    slabs: Vec<Option<SendSlab>>,
-    /// Set when a send failed or was dropped half-way: the ring may hold part of a frame.
-    broken: bool,
-}
-
 /// An authenticated shared-memory connection.
 pub(crate) struct ShmConnection {
     peer: SocketAddr,
@@ -333,12 +296,7 @@ impl ShmConnection {
                 slabs: (0..MAX_SLABS).map(|_| None).collect(),
                 failed: None,
             }),
-            tx: Mutex::new(Tx {
-                producer: Producer::default(),
-                segments_sent: 0,
-                slabs: (0..MAX_SLABS).map(|_| None).collect(),
-                broken: false,
-            }),
+            tx: Mutex::new(Tx::new()),
             watcher,
         })
     }
@@ -451,240 +409,6 @@ impl ShmConnection {
                 reason: format!("shared-memory ring: {e}"),
             },
         }
-    }
-
-    /// Writes `chunks` into the ring, waiting for space as needed. Publishes as it goes.
-    async fn write_stream(&self, tx: &mut Tx, chunks: &mut Chunks) -> Result<(), TransportError> {
-        while !chunks.is_done() {
-            let free = tx
-                .producer
-                .free(&self.tx_ring)
-                .map_err(|e| self.ring_error(e))?;
-            // Small records, each published at once: the consumer copies one out while the next
-            // is copied in, and each side sees the other progress within its polling time, so
-            // neither goes to sleep (no system call) while a large frame streams through.
-            let free = free.min(self.max_record);
-            if tx.producer.write_data(&self.tx_ring, free, chunks) == 0 {
-                self.wait_for_space(tx, 2 * SEGMENT_RECORD as u64, 0)
-                    .await?;
-            } else {
-                self.publish(tx);
-            }
-        }
-        Ok(())
-    }
-
-    fn publish(&self, tx: &Tx) {
-        tx.producer.publish(&self.tx_ring);
-        wake(self.tx_ring.consumer_waiting(), &self.peer_data_efd);
-    }
-
-    /// Waits until `bytes` are free in the ring and fewer than `MAX - segments` segments are in
-    /// flight.
-    async fn wait_for_space(
-        &self,
-        tx: &Tx,
-        bytes: u64,
-        segments: u64,
-    ) -> Result<(), TransportError> {
-        let check = |tx: &Tx| -> Result<bool, RingError> {
-            let done = self.tx_ring.segments_done().load(Ordering::Acquire);
-            if done > tx.segments_sent {
-                return Err(RingError::BadSegmentCount {
-                    done,
-                    sent: tx.segments_sent,
-                });
-            }
-            Ok(tx.producer.free(&self.tx_ring)? >= bytes
-                && tx.segments_sent - done + segments <= MAX_SEGMENTS_IN_FLIGHT)
-        };
-        loop {
-            if check(tx).map_err(|e| self.ring_error(e))? {
-                return Ok(());
-            }
-            if self.shared.is_dead() {
-                return Err(self.gone_error("sending"));
-            }
-            // A bad value ends the wait; `check` above reports it.
-            self.wait(self.tx_ring.producer_waiting(), &self.space_efd, || {
-                check(tx).unwrap_or(true)
-            })
-            .await?;
-        }
-    }
-
-    async fn send_frames(&self, tx: &mut Tx, outs: Vec<Prepared>) -> Result<(), TransportError> {
-        let mut published = true;
-        for out in outs {
-            match out {
-                Prepared::Inline(chunks) => {
-                    let mut chunks = Chunks::new(chunks);
-                    self.write_stream(tx, &mut chunks).await?;
-                    published = false;
-                }
-                Prepared::Slab(chunks) => {
-                    if !published {
-                        self.publish(tx);
-                        published = true;
-                    }
-                    if !self.send_in_slab(tx, &chunks).await? {
-                        // Every slab is still referenced by the peer (or the budget is spent):
-                        // the frame streams through the ring instead.
-                        let mut chunks = Chunks::new(chunks);
-                        self.write_stream(tx, &mut chunks).await?;
-                        published = false;
-                    }
-                }
-                Prepared::Segment(len, fd) => {
-                    if !published {
-                        self.publish(tx);
-                    }
-                    self.wait_for_space(tx, SEGMENT_RECORD as u64, 1).await?;
-                    if self.shared.is_dead() {
-                        return Err(self.gone_error("sending"));
-                    }
-                    sock::send_packet(&self.shared.sock, &len.to_le_bytes(), &[fd.as_fd()])
-                        .await
-                        .map_err(|e| TransportError::io(self.peer, "sending a segment", &e))?;
-                    tx.producer.write_segment(&self.tx_ring, len);
-                    tx.segments_sent += 1;
-                    self.publish(tx);
-                    published = true;
-                }
-            }
-        }
-        if !published {
-            self.publish(tx);
-        }
-        Ok(())
-    }
-
-    /// Picks a slab for a frame of `len` bytes: the smallest free one that holds it, else a
-    /// new one (in a free id, or replacing a free one too small) within `slab_bytes`. Returns
-    /// its id and whether it is new (its descriptor still to be sent), or `None`.
-    fn pick_slab(
-        &self,
-        tx: &mut Tx,
-        len: usize,
-    ) -> Result<Option<(u32, Option<OwnedFd>)>, TransportError> {
-        let free = |id: usize, slab: &SendSlab| {
-            self.tx_ring.slab_done(id as u32).load(Ordering::Acquire) == slab.seq
-        };
-        let mut best: Option<(usize, usize)> = None;
-        let mut replace: Option<usize> = None;
-        let mut empty: Option<usize> = None;
-        let mut total = 0usize;
-        for (id, slot) in tx.slabs.iter().enumerate() {
-            match slot {
-                None => {
-                    empty.get_or_insert(id);
-                }
-                Some(slab) => {
-                    total += slab.map.len();
-                    if !free(id, slab) {
-                        continue;
-                    }
-                    let cap = slab.map.len();
-                    if cap >= len {
-                        if best.is_none_or(|(_, c)| cap < c) {
-                            best = Some((id, cap));
-                        }
-                    } else if replace
-                        .is_none_or(|r| tx.slabs[r].as_ref().is_some_and(|s| s.map.len() > cap))
-                    {
-                        replace = Some(id);
-                    }
-                }
-            }
-        }
-        if let Some((id, _)) = best {
-            return Ok(Some((id as u32, None)));
-        }
-        let cap = len.div_ceil(SLAB_ALIGN) * SLAB_ALIGN;
-        let id = match (empty, replace) {
-            (Some(id), _) if total + cap <= self.slab_bytes => id,
-            (_, Some(id))
-                if total - tx.slabs[id].as_ref().map_or(0, |s| s.map.len()) + cap
-                    <= self.slab_bytes =>
-            {
-                id
-            }
-            _ => return Ok(None),
-        };
-        let (map, fd) = mem::create_slab(cap).map_err(|e| {
-            TransportError::io(self.peer, "creating a slab", &std::io::Error::other(e))
-        })?;
-        // A replaced slab keeps counting uses where it was: the peer's "done" is at its last.
-        let seq = tx.slabs[id].as_ref().map_or(0, |s| s.seq);
-        tx.slabs[id] = Some(SendSlab { map, seq });
-        Ok(Some((id as u32, Some(fd))))
-    }
-
-    /// Sends one frame, `chunks`, in a slab: one copy into memory the peer maps, then a slab
-    /// record in the ring. `false` when no slab is free (nothing was sent).
-    async fn send_in_slab(
-        &self,
-        tx: &mut Tx,
-        chunks: &[bytes::Bytes],
-    ) -> Result<bool, TransportError> {
-        let len: usize = chunks.iter().map(|c| c.len()).sum();
-        let start = slab_offset(chunks);
-        let Some((id, fd)) = self.pick_slab(tx, start + len)? else {
-            return Ok(false);
-        };
-        // The copy, in steps between which the runtime's other tasks run.
-        let mut at = start;
-        for chunk in chunks {
-            let mut rest = &chunk[..];
-            while !rest.is_empty() {
-                let n = rest.len().min(SLAB_COPY_STEP);
-                let slab = tx.slabs[id as usize]
-                    .as_ref()
-                    .map(|s| s.map.ptr())
-                    .ok_or_else(|| self.gone_error("sending"))?;
-                // SAFETY: the slab holds at least `start + len` bytes (`pick_slab`) and
-                // `at + n <= start + len`;
-                // the peer is done with its last use (`slab_done`), so nothing reads them, and
-                // nothing else of ours writes them (we hold the send side).
-                unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), slab.add(at), n) };
-                at += n;
-                rest = &rest[n..];
-                if at < start + len {
-                    requeue().await;
-                }
-            }
-        }
-        let new = fd.is_some();
-        if let Some(fd) = fd {
-            self.wait_for_space(tx, SLAB_RECORD as u64, 1).await?;
-            if self.shared.is_dead() {
-                return Err(self.gone_error("sending"));
-            }
-            let cap = tx.slabs[id as usize].as_ref().map_or(0, |s| s.map.len()) as u64;
-            sock::send_packet(&self.shared.sock, &cap.to_le_bytes(), &[fd.as_fd()])
-                .await
-                .map_err(|e| TransportError::io(self.peer, "sending a slab", &e))?;
-            tx.segments_sent += 1;
-        } else {
-            self.wait_for_space(tx, SLAB_RECORD as u64, 0).await?;
-        }
-        let slab = tx.slabs[id as usize]
-            .as_mut()
-            .ok_or_else(|| self.gone_error("sending"))?;
-        slab.seq += 1;
-        let seq = slab.seq;
-        tx.producer.write_slab(
-            &self.tx_ring,
-            SlabRecord {
-                id,
-                new,
-                at: start as u32,
-                seq,
-                len: len as u64,
-            },
-        );
-        self.publish(tx);
-        Ok(true)
     }
 
     /// Closes the connection after a protocol error: the peer sees it go away at once.
@@ -1000,16 +724,6 @@ impl ShmConnection {
         wake(self.rx_ring.producer_waiting(), &self.peer_space_efd);
     }
 
-    /// Writes raw bytes into the ring (for the conformance suite's hostile peers).
-    #[cfg(feature = "__testing")]
-    pub(crate) async fn send_raw(&self, bytes: &[u8]) -> Result<(), TransportError> {
-        let mut tx = self.tx.lock().await;
-        let mut chunks = Chunks::new(vec![bytes::Bytes::copy_from_slice(bytes)]);
-        self.write_stream(&mut tx, &mut chunks).await?;
-        self.publish(&tx);
-        Ok(())
-    }
-
     /// Waits until the peer has closed the socket.
     #[cfg(feature = "__testing")]
     pub(crate) async fn closed_by_peer(&self) {
@@ -1021,24 +735,6 @@ enum Pumped {
     Frame(Frame),
     Pending(Pending),
     Empty,
-}
-
-/// A frame ready to send: stream chunks for the ring, chunks for a slab, or a sealed segment.
-enum Prepared {
-    Inline(Vec<bytes::Bytes>),
-    Slab(Vec<bytes::Bytes>),
-    Segment(u64, OwnedFd),
-}
-
-/// Marks the send side broken when dropped armed.
-struct BrokenOnDrop<'a>(&'a mut Tx, bool);
-
-impl Drop for BrokenOnDrop<'_> {
-    fn drop(&mut self) {
-        if self.1 {
-            self.0.broken = true;
-        }
-    }
 }
 
 #[async_trait]
@@ -1069,52 +765,11 @@ impl Connection for ShmConnection {
     }
 
     async fn send_many(&self, frames: Vec<Frame>) -> Result<(), TransportError> {
-        let mut prepared = Vec::with_capacity(frames.len());
-        for frame in frames {
-            let out =
-                OutgoingFrame::new(frame, &self.limits).map_err(|source| TransportError::Wire {
-                    peer: self.peer,
-                    source,
-                })?;
-            let len = out.remaining();
-            let chunks = out.into_chunks();
-            if len < self.segment_min as u64 {
-                prepared.push(if len >= self.slab_min as u64 {
-                    Prepared::Slab(chunks)
-                } else {
-                    Prepared::Inline(chunks)
-                });
-                continue;
-            }
-            // The one copy of a large frame, off the runtime's threads.
-            let fd = tokio::task::spawn_blocking(move || mem::write_segment(&chunks, len as usize))
-                .await
-                .map_err(|e| {
-                    TransportError::io(self.peer, "writing a segment", &std::io::Error::other(e))
-                })?
-                .map_err(|e| {
-                    TransportError::io(self.peer, "writing a segment", &std::io::Error::other(e))
-                })?;
-            prepared.push(Prepared::Segment(len, fd));
-        }
-        let mut tx = self.tx.lock().await;
-        if tx.broken {
-            return Err(TransportError::Io {
-                addr: self.peer,
-                op: "sending",
-                kind: std::io::ErrorKind::BrokenPipe,
-                message: "an earlier send failed or was cancelled half-way; the connection \
-                          cannot send any more"
-                    .to_owned(),
-            });
-        }
-        if self.shared.is_dead() {
-            return Err(self.gone_error("sending"));
-        }
-        let mut guard = BrokenOnDrop(&mut tx, true);
-        let result = self.send_frames(guard.0, prepared).await;
-        guard.1 = result.is_err();
-        result
+        self.send_prepared(frames).await
+    }
+
+    fn try_send_now(&self, frames: &mut Vec<Frame>) -> Option<Result<(), TransportError>> {
+        self.try_send_frames(frames)
     }
 
     async fn recv(&self) -> Result<Frame, TransportError> {
@@ -1143,7 +798,9 @@ impl Connection for ShmConnection {
     }
 
     async fn close(&self) -> Result<(), TransportError> {
-        let _tx = self.tx.lock().await;
+        let mut tx = self.tx.lock().await;
+        // Frames a `try_send_now` held come before the end of the stream.
+        self.flush_held(&mut tx).await?;
         self.tx_ring.closed().store(1, Ordering::Release);
         wake(self.tx_ring.consumer_waiting(), &self.peer_data_efd);
         Ok(())

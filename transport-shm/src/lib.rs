@@ -214,7 +214,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use bytes::Bytes;
-    use tensorwire_core::wire::Frame;
+    use tensorwire_core::wire::{Frame, WireLimits};
 
     use super::*;
 
@@ -261,5 +261,83 @@ mod tests {
             took < Duration::from_secs(5),
             "the reader held the block_on future off for {took:?}"
         );
+    }
+
+    /// `try_send_now` copies small frames into the ring at once. What a full ring does not
+    /// take is held and goes first with the next `send_many` (or before `close`'s end of
+    /// stream): a later frame never overtakes it, through `try_send_now` (which then takes
+    /// nothing) or `send_many`. A frame that may need a slab takes nothing; one over the
+    /// limits fails.
+    #[tokio::test]
+    async fn try_send_now_writes_at_once_or_holds_the_rest_for_the_next_send() {
+        let secret = ClusterSecret::new(vec![7; 32]).unwrap();
+        let mut limits = WireLimits::default();
+        limits.max_message_header_len = 1024;
+        let config = ShmConfig::new(secret)
+            .with_ring_bytes(4096)
+            .with_limits(limits);
+        let transport = ShmTransport::new(config).unwrap();
+        let listener = transport
+            .listen("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let client = transport.connect(listener.local_addr()).await.unwrap();
+        let server = listener.accept().await.unwrap();
+        let frame = |i: u8, len: usize| Frame::message(vec![i], vec![Bytes::from(vec![i; len])]);
+        let check = |got: Frame, i: u8, len: usize| {
+            assert_eq!(&got.header[..], &[i], "frame {i} in its place");
+            assert_eq!(got.payloads.len(), 1);
+            assert!(got.payloads[0].len() == len && got.payloads[0].iter().all(|&b| b == i));
+        };
+
+        let mut frames = vec![frame(0, 100)];
+        assert!(matches!(client.try_send_now(&mut frames), Some(Ok(()))));
+        assert!(frames.is_empty());
+        check(server.recv().await.unwrap(), 0, 100);
+
+        // Nobody reads: the 4 KiB ring takes two frames of 1,500 bytes, not three.
+        let mut frames = vec![frame(1, 1500), frame(2, 1500), frame(3, 1500)];
+        assert!(
+            client.try_send_now(&mut frames).is_none(),
+            "the ring is full"
+        );
+        assert!(frames.is_empty(), "what was not written is held");
+        let mut later = vec![frame(4, 10)];
+        assert!(
+            client.try_send_now(&mut later).is_none(),
+            "held frames go first"
+        );
+        assert_eq!(later.len(), 1, "nothing taken");
+        let received = async {
+            for (i, len) in [(1, 1500), (2, 1500), (3, 1500), (4, 10)] {
+                check(server.recv().await.unwrap(), i, len);
+            }
+        };
+        let (sent, ()) = tokio::join!(client.send_many(later), received);
+        sent.unwrap();
+
+        // A frame that may need a slab (1 MiB by default) is left to `send_many`.
+        let mut large = vec![frame(8, 1 << 20)];
+        assert!(client.try_send_now(&mut large).is_none());
+        assert_eq!(large.len(), 1, "nothing taken");
+        // Over the limits: an error, nothing sent.
+        let mut huge = vec![Frame::message(vec![0u8; 2000], vec![])];
+        assert!(matches!(
+            client.try_send_now(&mut huge),
+            Some(Err(TransportError::Wire { .. }))
+        ));
+
+        // Held frames are written before the end of the stream.
+        let mut frames = vec![frame(5, 1500), frame(6, 1500), frame(7, 1500)];
+        assert!(client.try_send_now(&mut frames).is_none());
+        let received = async {
+            for i in 5..=7 {
+                check(server.recv().await.unwrap(), i, 1500);
+            }
+            server.recv().await
+        };
+        let (closed, end) = tokio::join!(client.close(), received);
+        closed.unwrap();
+        assert!(matches!(end, Err(TransportError::Closed { .. })), "{end:?}");
     }
 }

@@ -38,6 +38,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use bytes::{BufMut, Bytes};
+use tensorwire_core::wire::OutgoingFrame;
 
 use crate::mem::{self, Mapping, MemError, RING_SEALS};
 
@@ -604,6 +605,48 @@ impl Chunks {
     }
 }
 
+/// Stream bytes to copy into the ring, front first: [`Chunks`], or a frame's own
+/// [`OutgoingFrame`] (no list of chunks to build, no preamble to copy out of it).
+pub(crate) trait Source {
+    /// Whether nothing is left.
+    fn is_done(&self) -> bool;
+    /// The next bytes to copy (empty only when done).
+    fn front(&self) -> &[u8];
+    /// Marks the first `n` bytes of [`front`](Self::front) as copied.
+    fn consume(&mut self, n: usize);
+}
+
+impl Source for Chunks {
+    fn is_done(&self) -> bool {
+        Chunks::is_done(self)
+    }
+
+    fn front(&self) -> &[u8] {
+        self.chunks
+            .get(self.next)
+            .map_or(&[][..], |c| &c[self.offset..])
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.offset += n;
+        self.skip_empty();
+    }
+}
+
+impl Source for OutgoingFrame {
+    fn is_done(&self) -> bool {
+        OutgoingFrame::is_done(self)
+    }
+
+    fn front(&self) -> &[u8] {
+        OutgoingFrame::front(self)
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.advance(n);
+    }
+}
+
 /// The producer's private state.
 #[derive(Debug, Default)]
 pub(crate) struct Producer {
@@ -620,18 +663,17 @@ impl Producer {
 
     /// Writes as much of `src` as fits in `free` bytes as one DATA record (not yet published);
     /// returns the bytes of stream written (0 when too little room).
-    pub(crate) fn write_data(&mut self, ring: &Ring, free: u64, src: &mut Chunks) -> u64 {
+    pub(crate) fn write_data(&mut self, ring: &Ring, free: u64, src: &mut impl Source) -> u64 {
         let room = free.saturating_sub(RECORD_HEADER) & !7;
         let room = room.min(u64::from(u32::MAX) & !7);
         let start = self.w + RECORD_HEADER;
         let mut written = 0u64;
         while written < room && !src.is_done() {
-            let chunk = &src.chunks[src.next][src.offset..];
+            let chunk = src.front();
             let n = (chunk.len() as u64).min(room - written) as usize;
             ring.copy_in(start + written, &chunk[..n]);
             written += n as u64;
-            src.offset += n;
-            src.skip_empty();
+            src.consume(n);
         }
         if written > 0 {
             ring.write_u64(self.w, u64::from(DATA) | (written << 32));

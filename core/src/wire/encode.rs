@@ -174,6 +174,20 @@ impl OutgoingFrame {
         self.remaining == 0
     }
 
+    /// The next bytes to write, in place (empty once everything is written): for a writer
+    /// that copies the frame out chunk by chunk, then calls [`advance`](Self::advance).
+    pub fn front(&self) -> &[u8] {
+        let mut i = self.next;
+        while i < 2 + self.payloads.len() {
+            let chunk = self.chunk(i);
+            if !chunk.is_empty() {
+                return chunk;
+            }
+            i += 1;
+        }
+        &[]
+    }
+
     /// Fills `dst` with slices of what remains to be written, in order; returns how many it
     /// filled. Pass them to one vectored write, then call [`advance`](Self::advance).
     pub fn io_slices<'a>(&'a self, dst: &mut [IoSlice<'a>]) -> usize {

@@ -347,6 +347,36 @@ fn outgoing_frame_survives_partial_writes() {
     assert_eq!(written, whole);
 }
 
+/// Copied out front by front, 5 bytes at most at a time, a frame with an empty payload in
+/// the middle and its preamble in place or spilled gives the bytes `encode_to_vec` gives;
+/// `front` is never empty before the end.
+#[test]
+fn outgoing_frame_front_by_front_gives_the_encoded_bytes() {
+    for payloads in [0usize, 2, 40] {
+        let f = Frame::message(
+            &b"hdr"[..],
+            (0..payloads)
+                .map(|i| Bytes::from(vec![i as u8; i % 3]))
+                .collect(),
+        );
+        let whole = encode_to_vec(&f, &WireLimits::default()).unwrap();
+        let mut out = OutgoingFrame::new(f, &WireLimits::default()).unwrap();
+        let mut written = Vec::new();
+        while !out.is_done() {
+            let front = out.front();
+            assert!(
+                !front.is_empty(),
+                "{payloads} payloads: an empty front before the end"
+            );
+            let n = front.len().min(5);
+            written.extend_from_slice(&front[..n]);
+            out.advance(n);
+        }
+        assert!(out.front().is_empty());
+        assert_eq!(written, whole, "{payloads} payloads");
+    }
+}
+
 /// Whether its preamble is kept in place (a few payloads) or spilled to a buffer of its own
 /// (many), a frame written a few bytes at a time, or handed over as chunks part-way through,
 /// gives the bytes `encode_to_vec` gives.
