@@ -71,7 +71,17 @@ impl Group {
         let Some(mut turn) = self.arena_turn(1).await else {
             return Box::pin(self.execute(op)).await;
         };
-        let turn = &mut turn;
+        self.one_round_on_arena(&mut turn, op).await
+    }
+
+    /// A barrier, broadcast, all_reduce or reduce through the group arena (its future holds
+    /// only these four's state: [`Group::arena_alone`] boxes it alone); any other `op` goes to
+    /// [`Group::on_arena`].
+    async fn one_round_on_arena(
+        &self,
+        turn: &mut arena::Turn<'_>,
+        op: Op<'_>,
+    ) -> Result<Done, ProcessGroupError> {
         let name = op.name();
         match op {
             Op::Barrier => self.arena_barrier(turn).await.map(|()| Done::Unit),
@@ -96,7 +106,6 @@ impl Group {
                     .await?;
                 Ok(self.reduced(data, root))
             }
-            // Not reached ([`Group::alone_on_arena`] sends only the four above).
             other => Box::pin(self.on_arena(turn, other)).await,
         }
     }
@@ -119,39 +128,21 @@ impl Group {
     ) -> Result<Done, ProcessGroupError> {
         let name = op.name();
         match op {
-            Op::Barrier => self.arena_barrier(turn).await.map(|()| Done::Unit),
+            op
+            @ (Op::Barrier | Op::AllReduce { .. } | Op::Broadcast { .. } | Op::Reduce { .. }) => {
+                Box::pin(self.one_round_on_arena(turn, op)).await
+            }
             Op::AllGather { input, lens } => {
                 let input = input.host(name, self)?;
                 self.arena_all_gather(turn, input, &lens)
                     .await
                     .map(Done::from)
             }
-            Op::Broadcast { data, root } => {
-                let mut data = data.into_host_mut(name, self)?;
-                self.arena_broadcast(turn, &mut data, root).await?;
-                Ok(data.done())
-            }
             Op::BroadcastBytes { data, root } => {
                 let data = data.host(name, self)?;
                 self.arena_broadcast_bytes(turn, data, root)
                     .await
                     .map(Done::from)
-            }
-            Op::AllReduce { data, element, op } => {
-                let mut data = data.into_host_mut(name, self)?;
-                self.arena_all_reduce(turn, &mut data, element, op).await?;
-                Ok(data.done())
-            }
-            Op::Reduce {
-                data,
-                element,
-                op,
-                root,
-            } => {
-                let mut data = data.into_host_mut(name, self)?;
-                self.arena_reduce(turn, &mut data, element, op, root)
-                    .await?;
-                Ok(self.reduced(data, root))
             }
             Op::Gather { input, root } => {
                 let input = input.host(name, self)?;
