@@ -50,6 +50,17 @@ use crate::sim::{Clock, Links, SimRng};
 mod app;
 mod groups;
 
+/// A peer's loss as a transport reports it when the peer's process is killed: its
+/// connection reset. For simulations, tests and fuzzing, which have no sockets.
+pub fn lost_link() -> LostCause {
+    LostCause::Transport(Box::new(crate::ports::transport::TransportError::Io {
+        addr: std::net::SocketAddr::from(([127, 0, 0, 1], 1)),
+        op: "receiving",
+        kind: std::io::ErrorKind::ConnectionReset,
+        message: "connection reset by peer".to_owned(),
+    }))
+}
+
 /// What travels through the simulated endpoints: some bytes and the references passed along.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Body {
@@ -534,11 +545,7 @@ impl Cluster {
                     }
                     if self.dead.contains(&t.to) || self.is_gone(t.to) {
                         // As the agent's driver does when a peer has no connection.
-                        self.eps[w as usize].handle_peer_lost(
-                            t.to,
-                            LostCause::Transport("killed".into()),
-                            self.clock.now(),
-                        );
+                        self.eps[w as usize].handle_peer_lost(t.to, lost_link(), self.clock.now());
                         continue;
                     }
                     if t.to == w {
@@ -709,11 +716,7 @@ impl Cluster {
         }
         for w in 0..self.n() {
             if !self.dead.contains(&w) && !self.is_gone(w) {
-                self.eps[w as usize].handle_peer_lost(
-                    victim,
-                    LostCause::Transport("killed".into()),
-                    now,
-                );
+                self.eps[w as usize].handle_peer_lost(victim, lost_link(), now);
             }
         }
         self.pump();

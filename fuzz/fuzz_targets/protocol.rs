@@ -34,9 +34,8 @@ use std::time::{Duration, Instant};
 
 use libfuzzer_sys::fuzz_target;
 use tensorwire_core::protocol::{
-    CallError, Endpoint, EndpointConfig, Event, GlobalId, Header, LostCause, MessageId,
-    MethodTarget, ProtocolViolation, RRefHandle, RRefId, RemoteError, RemoteErrorKind, Transmit,
-    WorkerId,
+    CallError, Endpoint, EndpointConfig, Event, GlobalId, Header, MessageId, MethodTarget,
+    ProtocolViolation, RRefHandle, RRefId, RemoteError, RemoteErrorKind, Transmit, WorkerId,
 };
 use tensorwire_core::protocol_sim::{Body, Cluster};
 
@@ -209,7 +208,7 @@ impl World {
                 self.hostile_lost = true;
                 let now = self.now;
                 for ep in &mut self.eps {
-                    ep.handle_peer_lost(HOSTILE, LostCause::Transport("dropped".into()), now);
+                    ep.handle_peer_lost(HOSTILE, tensorwire_core::protocol_sim::lost_link(), now);
                 }
             }
             // Confirmations, confirm waits, shutdown: nothing the checks need.
@@ -333,7 +332,11 @@ fn hostile(data: &[u8]) {
                     w.hostile_lost = true;
                     let now = w.now;
                     for ep in &mut w.eps {
-                        ep.handle_peer_lost(HOSTILE, LostCause::Transport("gone".into()), now);
+                        ep.handle_peer_lost(
+                            HOSTILE,
+                            tensorwire_core::protocol_sim::lost_link(),
+                            now,
+                        );
                     }
                 }
             }

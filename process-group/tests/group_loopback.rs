@@ -1215,9 +1215,12 @@ impl tensorwire_mesh::FrameSink for Recorder {
         peer: usize,
         _conn: &Arc<dyn tensorwire_core::ports::transport::Connection>,
         frame: tensorwire_core::wire::Frame,
-    ) -> Result<(), String> {
+    ) -> Result<(), tensorwire_core::protocol::ProtocolViolation> {
         if &frame.header[..] == b"bad" {
-            return Err("sent a bad frame".to_owned());
+            return Err(tensorwire_core::protocol::ProtocolViolation::UnknownId {
+                id: 7,
+                what: "reply",
+            });
         }
         self.frames
             .lock()
@@ -1295,8 +1298,12 @@ async fn other_frames_share_the_connections_with_the_collectives() {
             .await
             .unwrap();
         let e = gs[0].barrier().await.unwrap_err();
-        assert!(
-            matches!(e, ProcessGroupError::PeerDied { rank: 1, .. }),
+        assert_eq!(
+            e,
+            ProcessGroupError::RefusedFrame {
+                rank: 1,
+                kind: tensorwire_core::wire::FrameKind::Message
+            },
             "{e}"
         );
         assert!(sinks[0].closed.lock().unwrap().contains(&1));

@@ -84,6 +84,7 @@ pub(crate) fn to_py(error: &ProcessGroupError) -> PyErr {
         ProcessGroupError::PeerDied { rank, .. }
         | ProcessGroupError::PeerAborted { rank, .. }
         | ProcessGroupError::Misbehaved { rank, .. }
+        | ProcessGroupError::RefusedFrame { rank, .. }
         | ProcessGroupError::PeerLeft { rank, .. } => vec![*rank],
         ProcessGroupError::Mismatch { peer, .. } | ProcessGroupError::Disagreement { peer, .. } => {
             vec![*peer]

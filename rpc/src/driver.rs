@@ -53,7 +53,7 @@ pub(crate) fn attach(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection>) {
                 }
                 Err(e) => {
                     if agent.lock().node.ep().state() == RunState::Running {
-                        peer_lost_on(&agent, peer, LostCause::Transport(e.to_string()), &conn);
+                        peer_lost_on(&agent, peer, LostCause::Transport(Box::new(e)), &conn);
                     }
                     return;
                 }
@@ -119,7 +119,7 @@ pub(crate) fn pump_now(this: &Agent) {
         match w.conn.try_send_now(&mut w.frames) {
             Some(Ok(())) => continue,
             Some(Err(e)) => {
-                links::peer_lost(this, w.peer, LostCause::Transport(e.to_string()));
+                links::peer_lost(this, w.peer, LostCause::Transport(Box::new(e)));
                 continue;
             }
             None => {}
@@ -133,7 +133,7 @@ pub(crate) fn pump_now(this: &Agent) {
                 _turn,
             } = w;
             if let Err(e) = conn.send_many(frames).await {
-                links::peer_lost(&agent, peer, LostCause::Transport(e.to_string()));
+                links::peer_lost(&agent, peer, LostCause::Transport(Box::new(e)));
             }
         });
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());

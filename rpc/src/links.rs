@@ -141,7 +141,7 @@ pub(crate) fn attach_conn(
                     peer_lost_on(
                         &agent,
                         peer,
-                        LostCause::Transport(e.to_string()),
+                        LostCause::Transport(Box::new(e)),
                         &writer_conn,
                     );
                     return;
@@ -362,7 +362,7 @@ pub(crate) fn send(
             // Lost earlier: the endpoint keeps that first cause. Never connected: this is
             // its loss, and subscribers hear of it as of any other (once: the endpoint's
             // `Event::PeerLost`, which the pump that sends this dispatches next).
-            let cause = LostCause::Transport(format!("no connection to {}", this.name_of(t.to)));
+            let cause = LostCause::NoConnection;
             st.node.ep_mut().handle_peer_lost(t.to, cause, this.now());
         }
     }

@@ -174,8 +174,10 @@ pub struct IdentityError {
     pub reason: String,
 }
 
-/// Why a transport operation failed. Every variant names the peer (or local) address.
-#[derive(Debug, thiserror::Error)]
+/// Why a transport operation failed. Every variant names the peer (or local) address. It is
+/// plain data (`Clone`, `Eq`), so a peer's loss keeps it as it is (the protocol's
+/// `LostCause::Transport`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum TransportError {
     /// The handshake failed: the peer does not know the cluster secret, we do not, or (QUIC)

@@ -87,6 +87,7 @@ mod debug;
 pub mod envelope;
 pub mod gather;
 mod input;
+mod lost;
 pub mod membership;
 pub mod mesh;
 pub mod node;
@@ -100,6 +101,7 @@ mod violation;
 
 pub use bounds::{IDEMPOTENCE_RECORD_BYTES, PARKED_FETCH_BYTES, REFERENCE_RECORD_BYTES};
 pub use debug::{DebugInfo, ForkInfo, OwnedInfo};
+pub use lost::LostCause;
 pub use membership::{JoinError, JoinMessage, JoinPhase, StaticJoin};
 use requests::Serving;
 pub use shutdown::{ShutdownError, ShutdownPhase, ShutdownSignal};
@@ -443,34 +445,6 @@ pub enum Header {
         /// Whether they were lost (else: the deadline passed).
         lost: bool,
     },
-}
-
-/// Why a peer is gone ([`Endpoint::handle_peer_lost`]), recorded once per peer: the first
-/// cause the driver reports stays (a link's reader and writer may both see its end).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum LostCause {
-    /// Its connection broke or closed: the transport's words.
-    #[error("{0}")]
-    Transport(String),
-    /// It sent what it had no right to send (or bytes that are no message): the driver
-    /// dropped it. Every survivor's calls to it fail with this. (Boxed: errors that carry a
-    /// cause stay small.)
-    #[error("it broke the RPC protocol: {0}")]
-    Misbehaved(Box<ProtocolViolation>),
-    /// It left the group (dynamic groups).
-    #[error("it left the group")]
-    Left,
-    /// It shut down (its graceful shutdown completed, or it stopped at once).
-    #[error("it shut down")]
-    Shutdown,
-    /// It made this worker hold more than its memory budget per peer (`peer_budget`, see
-    /// [`crate::budget`]): frames queued for it that it did not read, collective messages no
-    /// collective took, a frame it is sending, records kept for it, all counted together. The
-    /// driver dropped it and freed what was queued for it. (Boxed: errors that carry a cause
-    /// stay small.)
-    #[error("it passed its memory budget: {0}")]
-    OverBudget(Box<crate::budget::OverBudget>),
 }
 
 /// A message to send.

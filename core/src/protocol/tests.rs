@@ -348,7 +348,7 @@ fn lost_peer_fails_its_calls_by_name() {
     let to2 = s.ep(0).call(2, "echo", vec![], T, now).unwrap();
     s.pump();
     s.ep(0)
-        .handle_peer_lost(1, LostCause::Transport("connection reset".into()), now);
+        .handle_peer_lost(1, crate::protocol_sim::lost_link(), now);
     s.pump();
     match s.outcome(0, to1) {
         Some(Err(e @ CallError::PeerLost { peer: 1, .. })) => {
@@ -797,7 +797,7 @@ fn waits_for_confirmation_are_parked_with_their_deadlines() {
     let hc2 = s.ep(3).accept_fork(to_c, now);
     let w3 = s.ep(3).wait_confirmed(&[hc, hc2], None).unwrap();
     s.ep(3)
-        .handle_peer_lost(0, LostCause::Transport("killed".into()), now);
+        .handle_peer_lost(0, crate::protocol_sim::lost_link(), now);
     s.pump();
     assert_eq!(
         s.confirm_waits[3][2],
@@ -822,7 +822,7 @@ fn lost_child_does_not_pin_its_parent() {
     s.links.clear((3, 0));
     for w in 0..3 {
         s.ep(w)
-            .handle_peer_lost(3, LostCause::Transport("killed".into()), now);
+            .handle_peer_lost(3, crate::protocol_sim::lost_link(), now);
     }
     s.drain();
     assert_eq!(s.released, vec![ha.rref]);
@@ -840,7 +840,7 @@ fn a_fork_given_to_a_worker_that_dies_does_not_pin_the_value() {
     s.pump();
     assert!(s.released.is_empty(), "worker 1's fork still counts");
     s.ep(0)
-        .handle_peer_lost(1, LostCause::Transport("killed".into()), now);
+        .handle_peer_lost(1, crate::protocol_sim::lost_link(), now);
     s.pump();
     assert_eq!(s.released, vec![h.rref]);
 }
@@ -2042,22 +2042,18 @@ fn a_lost_member_fails_the_shutdown_at_once_unless_it_was_idle() {
     s.ep(1).begin_graceful_shutdown([0, 1, 2], None);
     s.drain();
     s.ep(0)
-        .handle_peer_lost(2, LostCause::Transport("killed".into()), now);
+        .handle_peer_lost(2, crate::protocol_sim::lost_link(), now);
     s.pump();
     let e = s.shutdowns[0][0].clone().unwrap_err();
     // The error says why the member was lost, not only that it was.
     assert!(
         e.to_string()
-            .ends_with("(a member was lost: rank 2: killed)"),
+            .ends_with("(a member was lost: rank 2: I/O error on 127.0.0.1:1 while receiving: connection reset by peer)"),
         "{e}"
     );
     assert_eq!(
         (e.missing, e.lost, e.causes),
-        (
-            vec![2],
-            true,
-            vec![(2, LostCause::Transport("killed".into()))]
-        )
+        (vec![2], true, vec![(2, crate::protocol_sim::lost_link())])
     );
 
     let mut s = Sim::new(2);
@@ -2066,7 +2062,7 @@ fn a_lost_member_fails_the_shutdown_at_once_unless_it_was_idle() {
     s.drain();
     assert_eq!(s.shutdowns, vec![vec![Ok(())], vec![Ok(())]]);
     s.ep(0)
-        .handle_peer_lost(1, LostCause::Transport("closed".into()), now);
+        .handle_peer_lost(1, crate::protocol_sim::lost_link(), now);
     s.pump();
     assert_eq!(s.shutdowns[0].len(), 1);
 }
@@ -2292,7 +2288,7 @@ fn a_failed_shutdown_passes_on_whom_it_waited_for() {
     s.ep(0).begin_graceful_shutdown([0, 1, 2], None);
     s.drain();
     s.ep(0)
-        .handle_peer_lost(2, LostCause::Transport("killed".into()), now);
+        .handle_peer_lost(2, crate::protocol_sim::lost_link(), now);
     s.pump();
     // Worker 1 begins later, after 0 gave up: it names 2, not 0.
     s.ep(1).begin_graceful_shutdown([0, 1, 2], None);
@@ -2339,7 +2335,7 @@ fn a_lost_peer_keeps_its_first_typed_cause() {
     s.ep(0)
         .handle_peer_lost(1, LostCause::Misbehaved(Box::new(violation.clone())), now);
     s.ep(0)
-        .handle_peer_lost(1, LostCause::Transport("connection reset".into()), now);
+        .handle_peer_lost(1, crate::protocol_sim::lost_link(), now);
     s.pump();
     let expected = LostCause::Misbehaved(Box::new(violation));
     assert_eq!(s.ep(0).lost_cause(1), Some(&expected));
@@ -2822,12 +2818,12 @@ fn every_loss_is_reported_once_with_its_cause_however_it_was_found() {
     // reader then sees it end: nothing more is reported, and the first cause stays.
     s.ep(1).handle_peer_lost(3, misbehaved.clone(), now);
     s.ep(1)
-        .handle_peer_lost(3, LostCause::Transport("connection reset".into()), now);
+        .handle_peer_lost(3, crate::protocol_sim::lost_link(), now);
     s.pump();
     assert_eq!(s.lost, vec![(1, 3, misbehaved.clone())]);
     assert_eq!(s.ep(1).lost_cause(3), Some(&misbehaved));
     // A loss the driver finds: reported once, whoever reports it again.
-    let reset = LostCause::Transport("connection reset".into());
+    let reset = crate::protocol_sim::lost_link();
     s.ep(1).handle_peer_lost(2, reset.clone(), now);
     s.ep(1).handle_peer_lost(2, LostCause::Shutdown, now);
     s.pump();

@@ -657,11 +657,7 @@ impl Cluster {
                 .and_then(|g| g.ms[other as usize].as_mut())
             {
                 m.handle_lost(w, now);
-                self.eps[other as usize].handle_peer_lost(
-                    w,
-                    LostCause::Transport("its connection closed".into()),
-                    now,
-                );
+                self.eps[other as usize].handle_peer_lost(w, super::lost_link(), now);
             }
         }
     }

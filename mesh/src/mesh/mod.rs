@@ -63,8 +63,9 @@ use tensorwire_core::collective::stage_failure::StageReport;
 use tensorwire_core::collective::SIGNATURE_LEN;
 use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroupError};
 use tensorwire_core::ports::runtime::Runtime;
-use tensorwire_core::ports::transport::Connection;
+use tensorwire_core::ports::transport::{Connection, TransportError};
 use tensorwire_core::protocol::mesh::GroupFrame;
+use tensorwire_core::protocol::ProtocolViolation;
 use tensorwire_core::wire::Frame;
 use tokio::task::JoinHandle;
 use tracing::warn;
@@ -98,21 +99,33 @@ pub trait FrameSink: Send + Sync {
     /// [`FrameKind::Control`](tensorwire_core::wire::FrameKind::Control)) from world rank
     /// `peer`, on `conn`. An error means the peer broke the protocol above: its connection is
     /// dropped, which the group takes as that rank dying.
-    fn on_frame(&self, peer: usize, conn: &Arc<dyn Connection>, frame: Frame)
-        -> Result<(), String>;
+    ///
+    /// The error is what the peer did wrong in the RPC protocol (the layer that shares the
+    /// group's connections); the group names the peer and the frame's kind
+    /// ([`ProcessGroupError::RefusedFrame`]) and tells the peer why before it closes.
+    fn on_frame(
+        &self,
+        peer: usize,
+        conn: &Arc<dyn Connection>,
+        frame: Frame,
+    ) -> Result<(), ProtocolViolation>;
     /// Rank `peer`'s connection delivers nothing more: it said goodbye, or it broke (or
     /// broke the protocol).
     fn on_closed(&self, peer: usize, end: &PeerEnd);
 }
 
-/// How a peer's connection ended ([`FrameSink::on_closed`]).
+/// How a peer's connection ended ([`FrameSink::on_closed`]). Exhaustive: a layer above
+/// decides what each end means for it, and a new kind of end must reach those decisions.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum PeerEnd {
     /// It said goodbye: it shut its group down, in order.
     Goodbye,
-    /// It broke, or broke the protocol (the words say what).
-    Broken(String),
+    /// Its connection broke or closed: the transport's error.
+    Transport(TransportError),
+    /// The layer above refused a frame it sent ([`FrameSink::on_frame`]'s error).
+    Refused(Box<ProtocolViolation>),
+    /// It sent a group frame it had no right to send: the group dropped it.
+    Misbehaved(MeshViolation),
     /// It aborted its group, saying why (its own words, checked to be in its own name), and
     /// then its connection ended: a rank that drops this one for breaking the protocol says
     /// so first.
@@ -126,7 +139,9 @@ impl std::fmt::Display for PeerEnd {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             PeerEnd::Goodbye => f.write_str("it shut its group down"),
-            PeerEnd::Broken(reason) => f.write_str(reason),
+            PeerEnd::Transport(e) => e.fmt(f),
+            PeerEnd::Refused(v) => write!(f, "it broke the RPC protocol: {v}"),
+            PeerEnd::Misbehaved(v) => write!(f, "it broke the group's protocol: {v}"),
             PeerEnd::Aborted { reason } => write!(f, "it aborted its group: {reason}"),
         }
     }

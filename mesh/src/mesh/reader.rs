@@ -6,7 +6,9 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use tensorwire_core::collective::inbox::{self};
 use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroupError};
+use tensorwire_core::ports::transport::TransportError;
 use tensorwire_core::protocol::mesh::GroupFrame;
+use tensorwire_core::protocol::ProtocolViolation;
 use tensorwire_core::wire::FrameKind;
 use tracing::{debug, warn};
 
@@ -16,10 +18,10 @@ use super::{Incoming, PeerEnd, Shared, ABORT_SEND_TIMEOUT};
 
 /// Why a peer's connection delivers nothing more.
 enum End {
-    /// It broke (the words say what).
-    Broken(String),
-    /// The layer above refused what it sent (the words say why).
-    Refused(String),
+    /// Its connection broke or closed.
+    Broken(TransportError),
+    /// The layer above refused a frame of this kind that it sent.
+    Refused(FrameKind, ProtocolViolation),
     /// It sent a group frame it had no right to send.
     Violation(MeshViolation),
 }
@@ -60,7 +62,7 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
     let end = 'read: loop {
         let frame = match link.conn.recv().await {
             Ok(frame) => frame,
-            Err(e) => break End::Broken(e.to_string()),
+            Err(e) => break End::Broken(e),
         };
         if frame.kind != FrameKind::Collective {
             let Some(sink) = shared.sink.get() else {
@@ -68,8 +70,9 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
                 // violation; the connection is closed below.
                 break End::Violation(MeshViolation::NotAGroupFrame { kind: frame.kind });
             };
-            if let Err(reason) = sink.on_frame(peer, &link.conn, frame) {
-                break End::Refused(reason);
+            let kind = frame.kind;
+            if let Err(violation) = sink.on_frame(peer, &link.conn, frame) {
+                break End::Refused(kind, violation);
             }
             continue;
         }
@@ -170,37 +173,33 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
     // A peer dropped for what it sent hears why before its connection closes (best effort,
     // bounded: an abort in this rank's name, as the others get below), so that its own errors
     // name the cause instead of a connection closed by its peer.
-    let (reason, error, why) = match end {
-        End::Broken(reason) => {
+    let (error, why, end) = match end {
+        End::Broken(e) => {
             let error = ProcessGroupError::PeerDied {
                 rank: peer,
                 reported_by: None,
-                reason: reason.clone(),
+                reason: e.to_string(),
             };
-            (reason, error, None)
+            (error, None, PeerEnd::Transport(e))
         }
-        End::Refused(reason) => {
-            let why = format!("rank {peer} {reason}");
-            let error = ProcessGroupError::PeerDied {
-                rank: peer,
-                reported_by: None,
-                reason: reason.clone(),
-            };
-            (reason, error, Some(why))
+        End::Refused(kind, violation) => {
+            // The abort's reason is words on the wire: the peer reads what it did.
+            let why = format!("rank {peer} broke the RPC protocol: {violation}");
+            let error = ProcessGroupError::RefusedFrame { rank: peer, kind };
+            (error, Some(why), PeerEnd::Refused(Box::new(violation)))
         }
         End::Violation(violation) => {
-            let reason = violation.to_string();
             let error = ProcessGroupError::Misbehaved {
                 rank: peer,
-                violation,
+                violation: violation.clone(),
             };
             let why = error.to_string();
-            (reason, error, Some(why))
+            (error, Some(why), PeerEnd::Misbehaved(violation))
         }
     };
     let end = match aborted {
         Some(reason) => PeerEnd::Aborted { reason },
-        None => PeerEnd::Broken(reason),
+        None => end,
     };
     if let Some(sink) = shared.sink.get() {
         sink.on_closed(peer, &end);

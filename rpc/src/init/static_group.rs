@@ -9,7 +9,7 @@ use std::time::Duration;
 use tensorwire_core::ports::process_group::{Collectives, ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::protocol::membership::{check_static_records, RecordError};
-use tensorwire_core::protocol::{LostCause, WorkerId};
+use tensorwire_core::protocol::{LostCause, ProtocolViolation, WorkerId};
 use tensorwire_core::validate::WorkerDeviceInfo;
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{
@@ -156,7 +156,7 @@ impl FrameSink for AgentFrames {
         peer: usize,
         conn: &Arc<dyn Connection>,
         frame: Frame,
-    ) -> Result<(), String> {
+    ) -> Result<(), ProtocolViolation> {
         let agent = &self.0;
         let peer = peer as WorkerId;
         crate::driver::on_frame(
@@ -165,15 +165,13 @@ impl FrameSink for AgentFrames {
             frame,
             conn.cheap_sends() || conn.received_all(),
         )
-        .map_err(|violation| {
-            let reason = format!("broke the RPC protocol: {violation}");
+        .inspect_err(|violation| {
             links::peer_lost_on(
                 agent,
                 peer,
-                LostCause::Misbehaved(Box::new(violation)),
+                LostCause::Misbehaved(Box::new(violation.clone())),
                 conn,
             );
-            reason
         })
     }
 
@@ -189,7 +187,14 @@ impl FrameSink for AgentFrames {
             let cause = match end {
                 // Its group said goodbye: the peer shut down (at once, or ahead of us).
                 PeerEnd::Goodbye => LostCause::Shutdown,
-                other => LostCause::Transport(other.to_string()),
+                PeerEnd::Transport(e) => LostCause::Transport(Box::new(e.clone())),
+                PeerEnd::Refused(violation) => LostCause::Misbehaved(violation.clone()),
+                PeerEnd::Misbehaved(violation) => {
+                    LostCause::GroupViolation(Box::new(violation.clone()))
+                }
+                PeerEnd::Aborted { reason } => LostCause::Aborted {
+                    reason: reason.clone(),
+                },
             };
             links::peer_lost(agent, peer, cause);
         }

@@ -73,6 +73,16 @@ pub enum ProcessGroupError {
         /// What it did.
         violation: MeshViolation,
     },
+    /// A peer sent, on a connection the group shares with the RPC agent, a frame the agent
+    /// refused (it broke the RPC protocol; the agent's own errors name how): its connection
+    /// was dropped, which breaks the group as a dead rank would.
+    #[error("rank {rank} broke the RPC protocol on the group's connection (the agent refused a {kind:?} frame it sent)")]
+    RefusedFrame {
+        /// The rank that sent the frame.
+        rank: usize,
+        /// The frame's kind.
+        kind: crate::wire::FrameKind,
+    },
     /// A peer shut its group down cleanly while this rank still expected messages from it.
     #[error("rank {rank} left the group (shut down) while {collective} #{seq} still expected a message from it")]
     PeerLeft {

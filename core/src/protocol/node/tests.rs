@@ -456,12 +456,9 @@ fn a_lost_peer_reaches_the_endpoint_and_the_membership() {
     let mut net = Net::new(2, true);
     net.join();
     let now = net.now();
-    net.nodes[0].handle_peer_lost(1, LostCause::Transport("reset".into()), now);
+    net.nodes[0].handle_peer_lost(1, crate::protocol_sim::lost_link(), now);
     net.pump();
-    assert_eq!(
-        net.lost(0),
-        vec![(1, &LostCause::Transport("reset".into()))]
-    );
+    assert_eq!(net.lost(0), vec![(1, &crate::protocol_sim::lost_link())]);
     assert!(net.membership_events(0).contains(&&MemberAction::Remove {
         rank: 1,
         close: false
@@ -571,7 +568,7 @@ fn the_node_leads_gathers_on_its_timer_and_its_losses() {
 
     // A round waiting for member 2, which is lost: ended by the loss, not by its deadline.
     let c = net.nodes[0].handle_contribution(now, 1, contribution(&[0, 1, 2], wait, b"x"));
-    net.nodes[0].handle_peer_lost(2, LostCause::Transport("reset".into()), now);
+    net.nodes[0].handle_peer_lost(2, crate::protocol_sim::lost_link(), now);
     net.pump();
     let ended = gathered(&net, 0)
         .into_iter()

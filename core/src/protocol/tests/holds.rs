@@ -275,7 +275,7 @@ fn a_lost_callers_request_lets_go_of_what_it_held() {
         let (token, _) = p.requests(1).pop().expect("the request");
         let now = p.now;
         p.ep(1)
-            .handle_peer_lost(0, LostCause::Transport("closed".into()), now);
+            .handle_peer_lost(0, crate::protocol_sim::lost_link(), now);
         p.collect();
         assert!(p.released(1).contains(&h.rref), "{pattern:?}");
         assert!(p.eps[1].debug_info().owned.is_empty(), "{pattern:?}");
