@@ -240,12 +240,13 @@ impl<T> Future for Work<T> {
 fn ended<T>(
     joined: Result<Result<T, ProcessGroupError>, tokio::task::JoinError>,
     rank: usize,
-    what: &str,
+    what: &'static str,
 ) -> Result<T, ProcessGroupError> {
     joined.unwrap_or_else(|e| {
-        Err(ProcessGroupError::Send {
+        Err(ProcessGroupError::TaskFailed {
+            collective: what,
             rank,
-            reason: format!("the {what} task ended abnormally: {e}"),
+            panicked: e.is_panic(),
         })
     })
 }

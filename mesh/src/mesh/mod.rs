@@ -502,10 +502,10 @@ impl Mesh {
         signature: &[u8; SIGNATURE_LEN],
         payload: Bytes,
     ) -> Result<(), ProcessGroupError> {
-        let link = self.shared.peer(peer).ok_or(ProcessGroupError::Send {
-            rank: peer,
-            reason: "no connection to that rank".to_owned(),
-        })?;
+        let link = self
+            .shared
+            .peer(peer)
+            .ok_or(ProcessGroupError::NoConnection { rank: peer })?;
         self.shared.touch(seq);
         let header = GroupFrame::data_header(seq, signature);
         let payloads = if payload.is_empty() {
@@ -526,7 +526,7 @@ impl Mesh {
             .await;
         Err(self.broken().unwrap_or_else(|| ProcessGroupError::Send {
             rank: peer,
-            reason: e.to_string(),
+            source: Box::new(e),
         }))
     }
 

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::collective::{CollectiveError, Signature};
 use crate::device::Device;
+use crate::ports::transport::TransportError;
 
 /// Why a collective (or setting up a group) failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -137,13 +138,33 @@ pub enum ProcessGroupError {
         #[source]
         source: CollectiveError,
     },
-    /// Sending to a peer failed.
-    #[error("sending to rank {rank} failed: {reason}")]
+    /// Sending to a peer failed: the transport's error. (Boxed: errors that carry a cause
+    /// stay small.)
+    #[error("sending to rank {rank} failed: {source}")]
     Send {
         /// The peer.
         rank: usize,
-        /// The transport error.
-        reason: String,
+        /// The transport's error.
+        #[source]
+        source: Box<TransportError>,
+    },
+    /// This rank has no connection to a peer it must send to (its link is gone, or it never
+    /// had one in this group).
+    #[error("sending to rank {rank} failed: no connection to that rank")]
+    NoConnection {
+        /// The peer.
+        rank: usize,
+    },
+    /// The task that ran a collective on this rank's runtime panicked or was cancelled (the
+    /// runtime shut down under it), so the collective has no result.
+    #[error("the {collective} task for rank {rank} {}", if *.panicked { "panicked" } else { "was cancelled" })]
+    TaskFailed {
+        /// The collective.
+        collective: &'static str,
+        /// The rank the task sent to or waited for.
+        rank: usize,
+        /// Whether it panicked (else it was cancelled).
+        panicked: bool,
     },
     /// A tensor is not on the device the group works on.
     #[error("{collective}: the tensor is on {tensor}, but this {backend} group works on {group} tensors{}", if *.group == Device::Cpu { " (use an nccl group for CUDA tensors)" } else { "" })]

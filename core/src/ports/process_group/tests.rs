@@ -37,6 +37,43 @@ fn errors_name_the_ranks() {
     assert_eq!(e.to_string(), "rank 4 died: closed");
 }
 
+/// What a send or a collective's task failed with stays typed: the transport's error is the
+/// source, not words copied from it.
+#[test]
+fn send_failures_keep_their_cause() {
+    let peer = std::net::SocketAddr::from(([127, 0, 0, 1], 9));
+    let closed = crate::ports::transport::TransportError::Closed { peer };
+    let e = ProcessGroupError::Send {
+        rank: 3,
+        source: Box::new(closed.clone()),
+    };
+    assert_eq!(
+        e.to_string(),
+        "sending to rank 3 failed: connection to 127.0.0.1:9 closed by the peer"
+    );
+    let source = std::error::Error::source(&e).expect("the transport's error is the source");
+    assert_eq!(source.to_string(), closed.to_string());
+    assert_eq!(
+        ProcessGroupError::NoConnection { rank: 1 }.to_string(),
+        "sending to rank 1 failed: no connection to that rank"
+    );
+    let e = ProcessGroupError::TaskFailed {
+        collective: "all_gather",
+        rank: 2,
+        panicked: true,
+    };
+    assert_eq!(e.to_string(), "the all_gather task for rank 2 panicked");
+    let e = ProcessGroupError::RefusedFrame {
+        rank: 1,
+        kind: crate::wire::FrameKind::Control,
+    };
+    assert_eq!(
+        e.to_string(),
+        "rank 1 broke the RPC protocol on the group's connection (the agent refused a Control \
+         frame it sent)"
+    );
+}
+
 #[test]
 fn disagreements_name_both_sides() {
     let e = ProcessGroupError::Disagreement {
