@@ -41,17 +41,9 @@ impl<T: Serialize + Send + Sync + 'static> Value for T {
     }
 }
 
-/// Why a handler failed, before it is reported to the caller.
-#[derive(Debug)]
-pub(crate) enum HandlerError {
-    /// The arguments did not decode.
-    BadArguments(String),
-    /// The function returned an error.
-    Failed(String),
-    /// A method was called without a value, or on a value of another type; or a reference in
-    /// the arguments was not confirmed by its owner in time.
-    Target(String),
-}
+/// Why a handler failed, before it is reported to the caller (core decides what the caller
+/// is told: `ServeFailure::Handler`).
+pub(crate) use tensorwire_core::protocol::served::HandlerError;
 
 pub(crate) type HandlerFuture =
     Pin<Box<dyn Future<Output = Result<Arc<dyn Value>, HandlerError>> + Send>>;

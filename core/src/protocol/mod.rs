@@ -93,6 +93,7 @@ pub mod node;
 mod requests;
 mod rrefs;
 mod secrets;
+pub mod served;
 pub mod shutdown;
 pub mod typed;
 pub mod value;
