@@ -82,6 +82,7 @@ use serde::{Deserialize, Serialize};
 
 mod bounds;
 mod calls;
+mod config;
 mod control;
 mod debug;
 pub mod envelope;
@@ -95,11 +96,13 @@ mod rrefs;
 mod secrets;
 pub mod served;
 pub mod shutdown;
+pub mod start;
 pub mod typed;
 pub mod value;
 mod violation;
 
 pub use bounds::{IDEMPOTENCE_RECORD_BYTES, PARKED_FETCH_BYTES, REFERENCE_RECORD_BYTES};
+pub use config::ConfigError;
 pub use debug::{DebugInfo, ForkInfo, OwnedInfo};
 pub use membership::{JoinError, JoinMessage, JoinPhase, StaticJoin};
 use requests::Serving;
