@@ -133,17 +133,10 @@ pub(crate) fn method_target<T: Send + Sync + 'static>(
     name: &str,
     target: Option<Arc<dyn Any + Send + Sync>>,
 ) -> Result<Arc<T>, HandlerError> {
-    let target = target.ok_or_else(|| {
-        HandlerError::Target(format!(
-            "method {name:?} needs a remote reference to call it on"
-        ))
-    })?;
-    target.downcast::<T>().map_err(|_| {
-        HandlerError::Target(format!(
-            "method {name:?} expects a value of type {}",
-            std::any::type_name::<T>()
-        ))
-    })
+    let target = target.ok_or_else(|| HandlerError::no_target(name))?;
+    target
+        .downcast::<T>()
+        .map_err(|_| HandlerError::target_of_another_type(name, std::any::type_name::<T>()))
 }
 
 /// `handler`, counted in the agent's metrics and run in an `rpc_serve` span.

@@ -19,6 +19,7 @@
 
 use std::any::Any;
 
+use super::typed::{Signature, TypeMismatch};
 use super::{RRefId, RemoteError, RemoteErrorKind, WorkerId};
 
 /// Why a handler (a registered function run for a call) failed, as the handler says it.
@@ -32,6 +33,35 @@ pub enum HandlerError {
     /// A method was called without a value, or on a value of another type; or a reference in
     /// the arguments was not confirmed by its owner in time.
     Target(String),
+}
+
+impl HandlerError {
+    /// A typed function `function`, served here as `ours`, called with arguments whose type
+    /// fingerprint does not match ([`Signature::check`]'s `mismatch`).
+    pub fn type_mismatch(function: &str, ours: &Signature, mismatch: &TypeMismatch) -> Self {
+        HandlerError::BadArguments(match mismatch {
+            TypeMismatch::Untyped => format!(
+                "{function:?} is a typed function ({ours}) and the call carries no type \
+                 fingerprint: call it through its Function descriptor (Agent::call), not by name"
+            ),
+            other => format!("{other}, but this worker serves it as {ours}"),
+        })
+    }
+
+    /// Method `method` called without a value to call it on (not through a reference).
+    pub fn no_target(method: &str) -> Self {
+        HandlerError::Target(format!(
+            "method {method:?} needs a remote reference to call it on"
+        ))
+    }
+
+    /// Method `method`, which takes a value of type `expected`, called on a value of another
+    /// type.
+    pub fn target_of_another_type(method: &str, expected: &str) -> Self {
+        HandlerError::Target(format!(
+            "method {method:?} expects a value of type {expected}"
+        ))
+    }
 }
 
 /// Why a call served here failed, before its caller is told ([`ServeFailure::to_caller`]).
@@ -283,5 +313,37 @@ mod tests {
         assert_eq!(panic_message(&*literal), "static text");
         assert_eq!(panic_message(&*formatted), "formatted 42");
         assert_eq!(panic_message(&*other), "unknown panic");
+    }
+
+    #[test]
+    fn a_typed_functions_refusal_names_both_signatures_or_says_how_to_call_it() {
+        let ours = Signature::new("fn(u32) -> u32".into());
+        let HandlerError::BadArguments(untyped) =
+            HandlerError::type_mismatch("add", &ours, &TypeMismatch::Untyped)
+        else {
+            panic!("a type mismatch is a matter of arguments");
+        };
+        assert!(
+            untyped.starts_with("\"add\" is a typed function (`fn(u32) -> u32`"),
+            "{untyped}"
+        );
+        assert!(untyped.ends_with("(Agent::call), not by name"), "{untyped}");
+        let other = TypeMismatch::Other {
+            called_as: "fn(i64) -> u32".into(),
+            fingerprint: 7,
+        };
+        let HandlerError::BadArguments(m) = HandlerError::type_mismatch("add", &ours, &other)
+        else {
+            panic!("a type mismatch is a matter of arguments");
+        };
+        assert_eq!(m, format!("{other}, but this worker serves it as {ours}"));
+        assert_eq!(
+            HandlerError::no_target("get"),
+            HandlerError::Target("method \"get\" needs a remote reference to call it on".into())
+        );
+        assert_eq!(
+            HandlerError::target_of_another_type("get", "u8"),
+            HandlerError::Target("method \"get\" expects a value of type u8".into())
+        );
     }
 }
