@@ -100,7 +100,8 @@ mod tests {
             peer_budget: 1,
         };
         assert!(one.check().is_ok(), "the smallest settings that work pass");
-        let zeroed: [(&str, fn(&mut EndpointConfig)); 7] = [
+        type Zero = fn(&mut EndpointConfig);
+        let zeroed: [(&str, Zero); 7] = [
             ("control_retry", |c| c.control_retry = Duration::ZERO),
             ("idempotence_records_per_peer", |c| {
                 c.idempotence_records_per_peer = 0

@@ -79,7 +79,7 @@ pub async fn start_agent(
         .and_then(|()| (options.endpoint.check()).map_err(|e| InitError::Endpoint(e).into()))
     {
         Ok(()) => guard_group_kind(&*rdv.store, GroupKind::of(world_size)).await,
-        Err(e) => Err(e.into()),
+        Err(e) => Err(e),
     };
     if let Err(e) = checked {
         rdv.shutdown().await;
