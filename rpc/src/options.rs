@@ -82,7 +82,8 @@ pub struct RpcOptions {
     /// it and its records, all together; see [`with_peer_budget`](Self::with_peer_budget)) —
     /// and how often unacknowledged control messages are
     /// sent again (`control_retry`). The guide's bounds table gives each default and what a
-    /// peer gets past it.
+    /// peer gets past it. None may be zero: the agent refuses to start with one
+    /// ([`InitError::Endpoint`](crate::InitError::Endpoint), core's `EndpointConfig::check`).
     pub endpoint: EndpointConfig,
 }
 
