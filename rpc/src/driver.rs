@@ -9,16 +9,15 @@ use std::sync::Arc;
 
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::node::{NodeEvent, Outgoing};
-use tensorwire_core::protocol::{
-    Event, LostCause, ProtocolViolation, RemoteErrorKind, RunState, WorkerId,
-};
+use tensorwire_core::protocol::{Event, LostCause, ProtocolViolation, RunState, WorkerId};
 use tensorwire_core::wire::Frame;
 
 use crate::links::{self, peer_lost_on, until_failed, DirectWrite};
 use crate::membership;
-use crate::serve::{self, remote_error};
+use crate::serve;
 use crate::state::Agent;
 use crate::state::Body;
+use tensorwire_core::protocol::served::ServeFailure;
 
 /// Attaches an agent-owned connection to `peer` (its writer: see [`links::attach_conn`]) and
 /// starts its reader, which hands every frame to the endpoint through [`on_frame`].
@@ -237,12 +236,12 @@ fn run(this: &Agent, ev: Event<Body>) {
             let answer = async move {
                 let me = agent.inner.me.id;
                 let outcome = match value {
-                    Some(v) => serve::reply_body(&agent, &*v, token.from()).await,
-                    None => Err(remote_error(
-                        me,
-                        RemoteErrorKind::RRef,
-                        format!("no value is kept for {rref}"),
-                    )),
+                    Some(v) => serve::reply_body(&agent, &*v, token.from(), None).await,
+                    None => Err(ServeFailure::NoValue {
+                        rref,
+                        worker: agent.inner.me.name.clone(),
+                    }
+                    .to_caller(me)),
                 };
                 agent.lock().node.ep_mut().respond(token, outcome);
             };

@@ -14,6 +14,7 @@ use tensorwire_rendezvous::RendezvousError;
 
 use tensorwire_core::protocol::membership::{LastTry, WorkerInfo};
 use tensorwire_core::protocol::mesh::MeshFrameError;
+use tensorwire_core::protocol::start::StartError;
 use tensorwire_mesh::link::LinkError;
 
 /// Who a wait that timed out was waiting for: kept as data (ranks, names, the error of the last
@@ -168,6 +169,10 @@ pub enum InitError {
         /// Why it needs one.
         why: &'static str,
     },
+    /// A setting of [`RpcOptions::endpoint`](crate::RpcOptions::endpoint) no agent can work
+    /// with (core's check says which and why).
+    #[error("the endpoint's settings: {0}")]
+    Endpoint(#[source] tensorwire_core::protocol::ConfigError),
     /// The task starting the agent ended without its outcome (it panicked or was cancelled).
     #[error("the task starting the agent failed: {0}")]
     StartTask(#[source] tokio::task::JoinError),
@@ -423,6 +428,30 @@ fn unconfirmed(owner: &str, e: &ConfirmError) -> String {
             format!("in the arguments, its creation on {owner} failed: {error}")
         }
         other => other.to_string(),
+    }
+}
+
+impl From<StartError> for RpcError {
+    fn from(e: StartError) -> Self {
+        match e {
+            StartError::RankOutOfRange { rank, world_size } => {
+                RpcError::RankOutOfRange { rank, world_size }
+            }
+            StartError::RendezvousMismatch {
+                rank,
+                world_size,
+                got_rank,
+                got_world_size,
+            } => RpcError::RendezvousMismatch {
+                rank,
+                world_size,
+                got_rank,
+                got_world_size,
+            },
+            StartError::GroupKindMismatch { group, worker } => {
+                RpcError::GroupKindMismatch { group, worker }
+            }
+        }
     }
 }
 

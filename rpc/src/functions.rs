@@ -41,17 +41,9 @@ impl<T: Serialize + Send + Sync + 'static> Value for T {
     }
 }
 
-/// Why a handler failed, before it is reported to the caller.
-#[derive(Debug)]
-pub(crate) enum HandlerError {
-    /// The arguments did not decode.
-    BadArguments(String),
-    /// The function returned an error.
-    Failed(String),
-    /// A method was called without a value, or on a value of another type; or a reference in
-    /// the arguments was not confirmed by its owner in time.
-    Target(String),
-}
+/// Why a handler failed, before it is reported to the caller (core decides what the caller
+/// is told: `ServeFailure::Handler`).
+pub(crate) use tensorwire_core::protocol::served::HandlerError;
 
 pub(crate) type HandlerFuture =
     Pin<Box<dyn Future<Output = Result<Arc<dyn Value>, HandlerError>> + Send>>;
@@ -141,17 +133,10 @@ pub(crate) fn method_target<T: Send + Sync + 'static>(
     name: &str,
     target: Option<Arc<dyn Any + Send + Sync>>,
 ) -> Result<Arc<T>, HandlerError> {
-    let target = target.ok_or_else(|| {
-        HandlerError::Target(format!(
-            "method {name:?} needs a remote reference to call it on"
-        ))
-    })?;
-    target.downcast::<T>().map_err(|_| {
-        HandlerError::Target(format!(
-            "method {name:?} expects a value of type {}",
-            std::any::type_name::<T>()
-        ))
-    })
+    let target = target.ok_or_else(|| HandlerError::no_target(name))?;
+    target
+        .downcast::<T>()
+        .map_err(|_| HandlerError::target_of_another_type(name, std::any::type_name::<T>()))
 }
 
 /// `handler`, counted in the agent's metrics and run in an `rpc_serve` span.

@@ -4,9 +4,10 @@
 
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::name::check_worker_name;
+use tensorwire_core::protocol::start;
 use tensorwire_process_group::{rendezvous, RendezvousOptions};
 
-use crate::error::RpcError;
+use crate::error::{InitError, RpcError};
 use crate::init::secret_bytes;
 use crate::options::RpcOptions;
 use crate::state::Agent;
@@ -37,11 +38,8 @@ pub async fn init_rpc(
     options: RpcOptions,
 ) -> Result<Agent, RpcError> {
     check_worker_name(name)?;
-    if let Some(world_size) = world_size {
-        if rank >= world_size {
-            return Err(RpcError::RankOutOfRange { rank, world_size });
-        }
-    }
+    start::check_rank(rank, world_size)?;
+    options.endpoint.check().map_err(InitError::Endpoint)?;
     let backend = crate::backend::lookup(&options.backend)?;
     let secret = secret_bytes(&options);
     let rdv_options = RendezvousOptions {
@@ -51,73 +49,10 @@ pub async fn init_rpc(
         wait_for_all: world_size.is_some(),
         ..RendezvousOptions::default()
     };
-    let url = match world_size {
-        Some(n) => with_rank(&options.init_method, rank, n),
-        None => dynamic_url(&options.init_method, rank),
-    };
+    let url = start::rendezvous_url(&options.init_method, rank, world_size);
     let rdv = rendezvous(&url, rdv_options).await?;
-    if rdv.rank != rank || world_size.is_some_and(|n| rdv.world_size != n) {
-        return Err(RpcError::RendezvousMismatch {
-            rank,
-            world_size,
-            got_rank: rdv.rank,
-            got_world_size: rdv.world_size,
-        });
-    }
+    start::check_rendezvous((rank, world_size), (rdv.rank, rdv.world_size))?;
     backend
         .init_backend(rdv, name, rank, world_size, options)
         .await
-}
-
-/// The rendezvous URL of a dynamic group's member: its rank, and `world_size=-1` (no fixed
-/// size, as PyTorch writes it): nobody waits for a count, and no store handle counts the
-/// others out (a `file://` store stays while members come and go).
-fn dynamic_url(url: &str, rank: usize) -> String {
-    let (base, query) = url.split_once('?').unwrap_or((url, ""));
-    let mut pairs: Vec<String> = query
-        .split('&')
-        .filter(|p| !p.is_empty() && !p.starts_with("rank=") && !p.starts_with("world_size="))
-        .map(str::to_owned)
-        .collect();
-    pairs.push(format!("rank={rank}"));
-    pairs.push("world_size=-1".to_owned());
-    format!("{base}?{}", pairs.join("&"))
-}
-
-/// `url` with `rank` and `world_size` added to its query where it lacks them, for every scheme,
-/// as PyTorch's `rendezvous(url, rank, world_size)` does: `tcp://host:port` and
-/// `file:///path` work without repeating what `init_rpc` was given.
-fn with_rank(url: &str, rank: usize, world_size: usize) -> String {
-    let query = url.split_once('?').map_or("", |(_, q)| q);
-    let has = |key: &str| query.split('&').any(|kv| kv.split('=').next() == Some(key));
-    let mut out = url.to_owned();
-    for (key, value) in [("rank", rank), ("world_size", world_size)] {
-        if !has(key) {
-            out.push(if out.contains('?') { '&' } else { '?' });
-            out.push_str(&format!("{key}={value}"));
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::with_rank;
-
-    #[test]
-    fn init_urls_get_the_missing_rank_and_world_size() {
-        assert_eq!(with_rank("env://", 1, 4), "env://?rank=1&world_size=4");
-        assert_eq!(
-            with_rank("tcp://10.0.0.1:29500", 0, 2),
-            "tcp://10.0.0.1:29500?rank=0&world_size=2"
-        );
-        assert_eq!(
-            with_rank("file:///tmp/x?world_size=2", 1, 2),
-            "file:///tmp/x?world_size=2&rank=1"
-        );
-        assert_eq!(
-            with_rank("tcp://h:1?rank=3&world_size=5", 3, 5),
-            "tcp://h:1?rank=3&world_size=5"
-        );
-    }
 }

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use tensorwire_core::ports::transport::Connection;
-use tensorwire_core::protocol::mesh::GroupFrame;
+use tensorwire_core::protocol::node::Dropped;
 use tensorwire_core::protocol::{
     Header, LostCause, MessageId, MethodTarget, ProtocolViolation, Transmit, WorkerId,
 };
@@ -220,13 +220,9 @@ pub(crate) fn send_control_locked(st: &mut State, to: WorkerId, frame: Frame) {
 /// [`LostCause::Misbehaved`] (its calls fail naming the violation, subscribers are told once,
 /// the contexts and references it took part in go), and its connection is closed at once
 /// (what was queued for it is dropped; in a static group the world group's mesh breaks, as
-/// for a frame's violation). A peer lost already keeps its first cause; this worker itself is
-/// never dropped.
+/// for a frame's violation). The node decides: a peer lost already keeps its first cause;
+/// this worker itself is never dropped.
 pub(crate) fn fail_peer(this: &Agent, peer: WorkerId, violation: ProtocolViolation) {
-    if peer == this.worker_info().id {
-        warn!("a violation of this worker's own messages is not applied: {violation}");
-        return;
-    }
     // A static group's connection is the group's (the agent's writer does not close it):
     // closed here, as the group closes one whose frame broke the protocol.
     drop_peer(this, peer, LostCause::Misbehaved(Box::new(violation)));
@@ -242,25 +238,33 @@ pub(crate) fn drop_over_budget(
     drop_peer(this, peer, LostCause::OverBudget(Box::new(over)));
 }
 
-/// Loses `peer` for `cause` and closes its connection, telling it why first where it can hear
-/// it: a static group's connection is the group mesh's, whose reader at the peer takes an
-/// abort in this worker's name (best effort, bounded as the mesh bounds its own), so that the
-/// peer's errors name the cause rather than a connection closed by this worker. A dynamic
-/// group's peer reads no group frames: its connection just closes.
+/// Loses `peer` for `cause` and closes its connection, after telling it why where the node
+/// says it can hear it (`Node::handle_dropped`: a static group's abort in this worker's name,
+/// sent best effort, bounded as the mesh bounds its own).
 fn drop_peer(this: &Agent, peer: WorkerId, cause: LostCause) {
-    let conn = this.lock().peers.get(&peer).map(|l| Arc::clone(&l.conn));
-    let why = (!this.is_dynamic()).then(|| {
-        GroupFrame::Abort {
-            rank: this.worker_info().id,
-            reason: format!("it dropped rank {peer}: {cause}"),
+    let said = cause.to_string();
+    let (conn, dropped) = {
+        let mut st = this.lock();
+        let conn = st.peers.get(&peer).map(|l| Arc::clone(&l.conn));
+        let dropped = st.node.handle_dropped(peer, cause, this.now());
+        if dropped != Dropped::Itself {
+            st.peers.remove(&peer);
         }
-        .frame(Vec::new())
-    });
-    peer_lost(this, peer, cause);
+        (conn, dropped)
+    };
+    let Dropped::Close { tell } = dropped else {
+        warn!("a violation of this worker's own messages is not applied: {said}");
+        return;
+    };
+    warn!(
+        "lost the connection to {} (rank {peer}): {said}",
+        this.name_of(peer)
+    );
+    this.pump();
     if let Some(conn) = conn {
         let runtime = Arc::clone(&this.inner.runtime);
         this.spawn(async move {
-            if let Some(abort) = why {
+            if let Some(abort) = tell {
                 let _ = runtime.timeout(ABORT_SEND_TIMEOUT, conn.send(abort)).await;
             }
             let _ = conn.close().await;

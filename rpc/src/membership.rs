@@ -16,7 +16,9 @@ use tokio::sync::oneshot;
 use tensorwire_core::ports::transport::{Connection, IdentityError, Listener, Transport};
 use tensorwire_core::protocol::membership::{DynamicMembership, MemberRecord, MembershipError};
 use tensorwire_core::protocol::mesh::HelloReply;
-use tensorwire_core::protocol::node::{Introduced, MemberAction};
+use tensorwire_core::protocol::node::{
+    joiner_hello, welcome_wait, Introduced, MemberAction, HELLO_WAIT,
+};
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_mesh::link;
 use tracing::warn;
@@ -24,7 +26,6 @@ use tracing::warn;
 use crate::error::{IntroductionError, RpcError, WaitingFor};
 use crate::runtime::Runtime;
 use crate::state::Agent;
-use crate::state::RPC_GROUP;
 
 pub(crate) use tensorwire_core::protocol::node::COORDINATOR_KEY as COORDINATOR;
 
@@ -149,12 +150,7 @@ pub(crate) async fn introduce(
     (addr, expected): (std::net::SocketAddr, &str),
     limit: Duration,
 ) -> Result<Box<dyn Connection>, Introduction> {
-    let hello = link::Hello {
-        group: RPC_GROUP.to_owned(),
-        rank,
-        world: None,
-        introduction,
-    };
+    let hello = joiner_hello(rank, introduction);
     let deadline = runtime.deadline_after(limit);
     let conn = link::dial(runtime, transport, addr, &hello, deadline)
         .await
@@ -163,7 +159,7 @@ pub(crate) async fn introduce(
         let _ = conn.close().await;
         return Err(Introduction::NotCertified(e));
     }
-    let answer_by = runtime.deadline_after(limit.max(Duration::from_secs(1)));
+    let answer_by = runtime.deadline_after(welcome_wait(limit));
     match runtime.timeout_at(answer_by, conn.recv()).await {
         Ok(Ok(f)) => match HelloReply::from_frame(&f) {
             Ok(HelloReply::Welcome) => Ok(conn),
@@ -241,29 +237,23 @@ impl Drop for Connecting<'_> {
 async fn welcome(agent: Agent, conn: Box<dyn Connection>) {
     let peer = conn.peer_addr();
     let runtime = &*agent.inner.runtime;
-    let deadline = runtime.deadline_after(Duration::from_secs(30));
+    let deadline = runtime.deadline_after(HELLO_WAIT);
     let hello = match link::read_hello(runtime, &*conn, deadline).await {
-        Ok(hello) if hello.group == RPC_GROUP && hello.world.is_none() => hello,
-        Ok(hello) => {
-            warn!("dropping a connection from {peer} with a hello for another group: {hello:?}");
-            return;
-        }
+        Ok(hello) => hello,
         Err(e) => {
             warn!("dropping a connection: {e}");
             return;
         }
     };
     let rank = hello.rank;
-    // The node reads its record, checks that its credentials are issued for the name it
-    // gives (QUIC node certificates), and asks the membership whether it is expected. What it
+    // The node checks that the hello is a joiner's, reads its record, checks that its
+    // credentials are issued for the name it gives (QUIC node certificates), and asks the
+    // membership whether it is expected. What it
     // says to it from here waits for its connection (after the welcome).
     let answer = {
         let now = agent.now();
         let certify = |name: &str| conn.check_peer_name(name);
-        let answer = agent
-            .lock()
-            .node
-            .handle_hello(now, rank, &hello.introduction, certify);
+        let answer = agent.lock().node.handle_hello(now, &hello, certify);
         agent.pump();
         answer
     };

@@ -15,51 +15,8 @@ use crate::state::Functions;
 /// The default timeout of a call (PyTorch's too).
 pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// How [`Agent::shutdown`](crate::Agent::shutdown) stops the agent.
-///
-/// ```
-/// use std::time::Duration;
-/// use tensorwire_rpc::Shutdown;
-///
-/// assert_eq!(
-///     Shutdown::graceful(Duration::from_secs(30)),
-///     Shutdown::Graceful { timeout: Duration::from_secs(30) }
-/// );
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Shutdown {
-    /// Wait until no worker has work left and no call is in flight anywhere — including the
-    /// calls that functions started without awaiting them (fire-and-forget chains) — then
-    /// stop; all within `timeout` (PyTorch's `shutdown(graceful=True)`, whose
-    /// `_wait_all_workers` repeats a global count of calls in flight until a round sees none;
-    /// see `tensorwire_core::protocol::shutdown` for ours).
-    Graceful {
-        /// The bound on the whole shutdown.
-        timeout: Duration,
-    },
-    /// Fail pending calls at once and stop; queued messages get
-    /// [`IMMEDIATE_CLOSE_TIMEOUT`] to leave before the connections close.
-    Immediate,
-}
-
-/// How long an immediate shutdown lets queued messages leave before it closes the connections.
-pub const IMMEDIATE_CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
-
-impl Shutdown {
-    /// [`Shutdown::Graceful`] within `timeout`.
-    pub const fn graceful(timeout: Duration) -> Self {
-        Shutdown::Graceful { timeout }
-    }
-
-    /// Whether to wait for the others, and the bound on the whole shutdown.
-    pub(crate) fn parts(self) -> (bool, Duration) {
-        match self {
-            Shutdown::Graceful { timeout } => (true, timeout),
-            Shutdown::Immediate => (false, IMMEDIATE_CLOSE_TIMEOUT),
-        }
-    }
-}
+// How `Agent::shutdown` stops the agent: core decides what each way does (`Shutdown::plan`).
+pub use tensorwire_core::protocol::shutdown::plan::{Shutdown, IMMEDIATE_CLOSE_TIMEOUT};
 
 /// How to start an agent.
 #[derive(Clone)]
@@ -125,7 +82,8 @@ pub struct RpcOptions {
     /// it and its records, all together; see [`with_peer_budget`](Self::with_peer_budget)) —
     /// and how often unacknowledged control messages are
     /// sent again (`control_retry`). The guide's bounds table gives each default and what a
-    /// peer gets past it.
+    /// peer gets past it. None may be zero: the agent refuses to start with one
+    /// ([`InitError::Endpoint`](crate::InitError::Endpoint), core's `EndpointConfig::check`).
     pub endpoint: EndpointConfig,
 }
 

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
-use tensorwire_core::protocol::{RRefId, RemoteError, RemoteErrorKind, RequestToken, WorkerId};
+use tensorwire_core::protocol::served::{panic_message, ServeFailure};
+use tensorwire_core::protocol::{RRefId, RemoteError, RequestToken, WorkerId};
 use tracing::warn;
 
 use crate::functions::{HandlerError, Invocation, Value};
@@ -14,36 +15,38 @@ use crate::state::Agent;
 use crate::state::Body;
 use crate::tensors::TensorTransferError;
 
-pub(crate) fn remote_error(
-    worker: WorkerId,
-    kind: RemoteErrorKind,
-    message: impl Into<String>,
-) -> RemoteError {
-    RemoteError {
-        worker,
-        kind,
-        message: message.into(),
-    }
-}
-
-/// Encodes a result for `to`, with its tensors placed by the reverse map and copied to host.
+/// Encodes a result for `to`, with its tensors placed by the reverse map and copied to host;
+/// what fails is said of the result of `function` (core decides the words).
 pub(crate) async fn reply_body(
     this: &Agent,
     value: &dyn Value,
     to: WorkerId,
+    function: Option<&str>,
 ) -> Result<Body, RemoteError> {
     let me = this.inner.me.id;
-    let prepared = value.prepare(this, to).map_err(|e| match e {
-        TensorTransferError::Encode(e) => remote_error(
-            me,
-            RemoteErrorKind::Serialization,
-            format!("cannot encode: {e}"),
-        ),
-        other => remote_error(me, RemoteErrorKind::DeviceMap, other.to_string()),
+    let function = || function.map(str::to_owned);
+    let prepared = value.prepare(this, to).map_err(|e| {
+        match e {
+            TensorTransferError::Encode(e) => ServeFailure::ResultUnencodable {
+                function: function(),
+                reason: e.to_string(),
+            },
+            other => ServeFailure::ResultUnplaceable {
+                function: function(),
+                reason: other.to_string(),
+            },
+        }
+        .to_caller(me)
     })?;
     let wire = crate::ipc::to_wire(this, to, prepared.tensors)
         .await
-        .map_err(|e| remote_error(me, RemoteErrorKind::DeviceMap, e.to_string()))?;
+        .map_err(|e| {
+            ServeFailure::ResultUnplaceable {
+                function: function(),
+                reason: e.to_string(),
+            }
+            .to_caller(me)
+        })?;
     Ok(Body {
         target: None,
         data: prepared.data,
@@ -71,15 +74,12 @@ pub(crate) fn serve(
         this.inner.functions.get(&function)
     };
     let Some(handler) = handler else {
-        let names = this.inner.functions.names().join(", ");
-        let err = remote_error(
-            me,
-            RemoteErrorKind::UnknownFunction,
-            format!(
-                "no function {function:?} is registered on {} (registered: {names})",
-                this.inner.me.name
-            ),
-        );
+        let err = ServeFailure::UnknownFunction {
+            function: function.clone(),
+            worker: this.inner.me.name.clone(),
+            registered: this.inner.functions.names(),
+        }
+        .to_caller(me);
         warn!(
             function = %function,
             caller = %this.name_of(token.from()),
@@ -108,10 +108,14 @@ pub(crate) fn serve(
         // A method call reaches this point only once its value exists (the endpoint parks
         // it until then, by its caller's deadline).
         let target = match body.target {
-            Some(t) => match owned_value(&agent, t.rref) {
-                Ok(v) => Some(v),
-                Err(reason) => {
-                    let err = remote_error(me, RemoteErrorKind::RRef, reason);
+            Some(t) => match agent.local_value(t.rref) {
+                Some(v) => Some(v),
+                None => {
+                    let err = ServeFailure::NoValue {
+                        rref: t.rref,
+                        worker: agent.inner.me.name.clone(),
+                    }
+                    .to_caller(me);
                     agent.lock().node.ep_mut().respond(token, Err(err));
                     return Some(serving);
                 }
@@ -121,11 +125,11 @@ pub(crate) fn serve(
         let tensors = match crate::ipc::from_wire(&agent, token.from(), body.tensors).await {
             Ok(t) => t,
             Err(e) => {
-                let err = remote_error(
-                    me,
-                    RemoteErrorKind::DeviceMap,
-                    format!("cannot place the tensors of {function:?}: {e}"),
-                );
+                let err = ServeFailure::Unplaceable {
+                    function: function.clone(),
+                    reason: e.to_string(),
+                }
+                .to_caller(me);
                 agent.lock().node.ep_mut().respond(token, Err(err));
                 return Some(serving);
             }
@@ -167,32 +171,18 @@ pub(crate) fn serve(
                     drop(replaced);
                     Ok(Body::default())
                 }
-                None => reply_body(&agent, &*value, token.from())
-                    .await
-                    .map_err(|mut e| {
-                        e.message = format!("the result of {function:?}: {}", e.message);
-                        e
-                    }),
+                None => reply_body(&agent, &*value, token.from(), Some(&function)).await,
             },
-            Ok(Err(HandlerError::BadArguments(m))) => Err(remote_error(
-                me,
-                RemoteErrorKind::Serialization,
-                format!("bad arguments for {function:?}: {m}"),
-            )),
-            Ok(Err(HandlerError::Failed(m))) => Err(remote_error(me, RemoteErrorKind::Failed, m)),
-            Ok(Err(HandlerError::Target(m))) => Err(remote_error(me, RemoteErrorKind::RRef, m)),
-            Err(panic) => {
-                let msg = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "unknown panic".into());
-                Err(remote_error(
-                    me,
-                    RemoteErrorKind::Panicked,
-                    format!("{function:?} panicked: {msg}"),
-                ))
+            Ok(Err(error)) => Err(ServeFailure::Handler {
+                function: function.clone(),
+                error,
             }
+            .to_caller(me)),
+            Err(panic) => Err(ServeFailure::Panicked {
+                function: function.clone(),
+                message: panic_message(&*panic),
+            }
+            .to_caller(me)),
         };
         if let Err(e) = &outcome {
             // The caller gets the error; the callee's operator should see it too.
@@ -289,14 +279,18 @@ impl Reply {
         let (agent, token, from) = (self.agent.clone(), self.token, self.from);
         let mut task = Box::pin(async move {
             let outcome = match outcome {
-                Ok(value) => reply_body(&agent, &*value, token.from()).await,
+                Ok(value) => reply_body(&agent, &*value, token.from(), None).await,
                 Err(m) => {
                     // As for a call answered by its task: the callee's operator sees it too.
                     warn!(
                         caller = %agent.name_of(token.from()),
                         "a call failed on this worker: {m}"
                     );
-                    Err(remote_error(agent.inner.me.id, RemoteErrorKind::Failed, m))
+                    Err(ServeFailure::Handler {
+                        function: String::new(),
+                        error: HandlerError::Failed(m),
+                    }
+                    .to_caller(agent.inner.me.id))
                 }
             };
             agent.lock().node.ep_mut().respond(token, outcome);
@@ -313,17 +307,6 @@ impl Drop for Reply {
     fn drop(&mut self) {
         self.answer(Err("the function dropped its reply unsent".into()));
     }
-}
-
-/// The value of `rref`, owned here. (A method call on a value still being created waits
-/// in the endpoint, by its caller's deadline, and is only handed over once the value is
-/// kept: see `Payload::target` in core.)
-pub(crate) fn owned_value(
-    this: &Agent,
-    rref: RRefId,
-) -> Result<Arc<dyn Any + Send + Sync>, String> {
-    this.local_value(rref)
-        .ok_or_else(|| format!("no value is kept for {rref} on {}", this.inner.me.name))
 }
 
 /// A request being served, counted in `Inner::serving` until it leaves (or is dropped: a

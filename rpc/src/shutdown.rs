@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use tensorwire_core::ports::process_group::ProcessGroup;
 use tensorwire_core::protocol::shutdown::graceful_deadline;
+use tensorwire_core::protocol::shutdown::plan::Stage;
 use tensorwire_core::protocol::{Endpoint, WorkerId};
 use tokio::sync::oneshot;
 use tracing::{debug, info};
@@ -137,20 +138,16 @@ pub(crate) async fn run_shutdown(
 
 /// [`Agent::shutdown`]: the stages within one deadline, then the release on a task of its own.
 pub(crate) async fn shutdown(this: &Agent, how: crate::Shutdown) -> Result<(), RpcError> {
-    let (graceful, timeout) = how.parts();
+    let plan = how.plan(this.inner.dynamic, this.inner.me.id);
+    let timeout = plan.timeout;
     let deadline = this.runtime().deadline_after(timeout);
     let stages = async {
-        match (graceful, this.inner.dynamic) {
-            (true, false) => self::graceful(this, deadline, timeout).await,
-            (true, true) => crate::init::dynamic::leave(this, timeout).await,
-            (false, _) => Ok(()),
-        }
-    };
-    // Rank 0 of a static group removes the last key the agent put in the store (the group's
-    // kind); a dynamic group's last member removes its keys when it leaves.
-    let stages = async {
-        let outcome = stages.await;
-        if this.inner.me.id == 0 && !this.inner.dynamic {
+        let outcome = match plan.stage {
+            Stage::Graceful => self::graceful(this, deadline, timeout).await,
+            Stage::Leave => crate::init::dynamic::leave(this, timeout).await,
+            Stage::Nothing => Ok(()),
+        };
+        if plan.clears_group_kind {
             if let Ok(store) = this.store() {
                 if let Err(e) = store.delete_key(GROUP_KIND).await {
                     debug!("could not remove {GROUP_KIND} from the store: {e}");

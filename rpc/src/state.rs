@@ -29,9 +29,7 @@ use crate::tensors::WireTensors;
 use tensorwire_core::ports::device::DeviceBackend;
 use tensorwire_core::protocol::membership::WorkerInfo;
 
-/// The name of the mesh group whose connections carry RPC (a static group's process group,
-/// its store keys, and the hello of every RPC connection).
-pub(crate) const RPC_GROUP: &str = "rpc";
+pub(crate) use tensorwire_core::protocol::node::RPC_GROUP;
 
 /// The functions a worker serves (a registry of functions run on an [`Agent`]). Cloning shares
 /// the table.

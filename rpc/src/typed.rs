@@ -56,7 +56,7 @@ use crate::rref::RRef;
 use crate::state::{Agent, Functions};
 use tensorwire_core::protocol::membership::WorkerRef;
 pub use tensorwire_core::protocol::typed::Signature;
-use tensorwire_core::protocol::typed::{TypeHeader, TypeMismatch};
+use tensorwire_core::protocol::typed::TypeHeader;
 
 /// A function served by name with arguments `A` and result `R`. Make it a `const` shared by
 /// the callers and the callee: `serve` on [`Functions`] registers it, [`Agent::call`] calls it.
@@ -164,15 +164,7 @@ fn check_header(
     ours: &Signature,
     inv: &mut Invocation<Agent>,
 ) -> Result<(), HandlerError> {
-    let start = ours.check(&inv.args).map_err(|e| {
-        HandlerError::BadArguments(match e {
-            TypeMismatch::Untyped => format!(
-                "{name:?} is a typed function ({ours}) and the call carries no type \
-                 fingerprint: call it through its Function descriptor (Agent::call), not by name"
-            ),
-            other => format!("{other}, but this worker serves it as {ours}"),
-        })
-    })?;
+    let start = (ours.check(&inv.args)).map_err(|e| HandlerError::type_mismatch(name, ours, &e))?;
     inv.args = Bytes::slice(&inv.args, start..);
     Ok(())
 }

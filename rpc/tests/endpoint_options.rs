@@ -60,3 +60,28 @@ async fn the_bounds_per_peer_are_set_through_the_options() {
         a.shutdown(Shutdown::Immediate).await.unwrap();
     }
 }
+
+/// A bound no agent can work with (here: no request served at all) is refused at start,
+/// naming the setting, rather than failing every call later.
+#[tokio::test(start_paused = true)]
+async fn a_zero_bound_is_refused_at_start_naming_it() {
+    let cluster = MemoryCluster::new();
+    let e = cluster
+        .group(1, |_, options| {
+            options.endpoint = EndpointConfig {
+                requests_per_peer: 0,
+                ..EndpointConfig::default()
+            };
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &e.error,
+            tensorwire_rpc::RpcError::Init(tensorwire_rpc::InitError::Endpoint(c))
+                if c.setting == "requests_per_peer"
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("requests_per_peer is zero"), "{e}");
+}

@@ -30,7 +30,7 @@ pub use dynamic::{
 pub mod joining;
 pub use joining::{JoinFailure, JoinStart, Joining, LastTry, TryEnd, TryError};
 pub mod records;
-pub use records::{check_static_records, RecordError};
+pub use records::{check_certified, check_static_records, NotCertified, RecordError};
 pub mod directory;
 pub use directory::{Directory, UnknownWorker, WorkerInfo, WorkerRef};
 

@@ -82,6 +82,7 @@ use serde::{Deserialize, Serialize};
 
 mod bounds;
 mod calls;
+mod config;
 mod control;
 mod debug;
 pub mod envelope;
@@ -94,12 +95,15 @@ pub mod node;
 mod requests;
 mod rrefs;
 mod secrets;
+pub mod served;
 pub mod shutdown;
+pub mod start;
 pub mod typed;
 pub mod value;
 mod violation;
 
 pub use bounds::{IDEMPOTENCE_RECORD_BYTES, PARKED_FETCH_BYTES, REFERENCE_RECORD_BYTES};
+pub use config::ConfigError;
 pub use debug::{DebugInfo, ForkInfo, OwnedInfo};
 pub use lost::LostCause;
 pub use membership::{JoinError, JoinMessage, JoinPhase, StaticJoin};

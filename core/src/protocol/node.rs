@@ -39,8 +39,8 @@ use std::time::Instant;
 mod held;
 pub mod members;
 pub use members::{
-    read_introduction, Introduced, IntroductionError, MemberAction, COORDINATOR_KEY,
-    DIAL_WITHOUT_DEADLINE,
+    joiner_hello, read_introduction, welcome_wait, Introduced, IntroductionError, MemberAction,
+    COORDINATOR_KEY, DIAL_WITHOUT_DEADLINE, HELLO_WAIT, RPC_GROUP,
 };
 
 use bytes::Bytes;
@@ -50,12 +50,26 @@ use super::gather::{
     Contribution, GatherConfig, GatherError, GatherLeader, GatherOutcome, GatherToken,
 };
 use super::membership::{DynMessage, DynamicMembership};
+use super::mesh::GroupFrame;
 use super::{
     Endpoint, Event, Header, LostCause, MalformedMessage, Payload, ProtocolViolation, Transmit,
     WorkerId,
 };
 use crate::ipc::{encode_message, IpcMessage, IpcState};
 use crate::wire::{Frame, FrameKind};
+
+/// What the driver does about a peer it dropped ([`Node::handle_dropped`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Dropped {
+    /// The peer is this worker: nothing changed.
+    Itself,
+    /// The peer is lost: close its connection, after sending `tell` if there is one (bounded
+    /// as the mesh bounds its own aborts).
+    Close {
+        /// What tells the peer why (a static group's abort), sent before the close.
+        tell: Option<Frame>,
+    },
+}
 
 /// A frame received on an agent's connection, told apart by its kind ([`route`]).
 #[derive(Debug)]
@@ -434,6 +448,31 @@ impl<B: Payload, H> Node<B, H> {
         self.held.drop_peer(&mut self.ep, peer, now);
         self.ep.handle_peer_lost(peer, cause, now);
         self.with_membership(now, |m| m.handle_lost(peer, now));
+    }
+
+    /// The driver drops `peer` at `now` for `cause`, found above the endpoint (a layer's
+    /// check: a violation of distributed autograd's state, a budget passed by what the driver
+    /// holds for it). Never this worker ([`Dropped::Itself`]: its own messages' violations are
+    /// not applied); otherwise the peer is lost as [`handle_peer_lost`](Self::handle_peer_lost)
+    /// loses it (a peer lost already keeps its first cause), and its connection is to close,
+    /// after `tell` where the peer can hear why: a static group's connection is the group
+    /// mesh's, whose reader at the peer takes an abort in this worker's name, so that the
+    /// peer's errors name the cause rather than a connection closed; a dynamic group's peer
+    /// reads no group frames.
+    pub fn handle_dropped(&mut self, peer: WorkerId, cause: LostCause, now: Instant) -> Dropped {
+        let me = self.ep.id();
+        if peer == me {
+            return Dropped::Itself;
+        }
+        let tell = (!self.dynamic).then(|| {
+            GroupFrame::Abort {
+                rank: me,
+                reason: format!("it dropped rank {peer}: {cause}"),
+            }
+            .frame(Vec::new())
+        });
+        self.handle_peer_lost(peer, cause, now);
+        Dropped::Close { tell }
     }
 
     /// Runs every part's timers due at `now`.

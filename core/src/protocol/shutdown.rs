@@ -48,6 +48,8 @@
 //! outstanding here and the references it passed on are confirmed by their owners, and is
 //! done; the others are not waited for (the membership protocol removes it from them).
 
+pub mod plan;
+
 use std::collections::BTreeSet;
 
 use crate::hashing::HashMap;

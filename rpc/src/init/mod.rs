@@ -13,12 +13,13 @@ use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::name::check_worker_name;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Transport;
+use tensorwire_core::protocol::start::{self, GroupKind};
 use tensorwire_core::protocol::WorkerId;
 use tensorwire_process_group::Rendezvous;
 use tracing::info;
 
 use crate::driver::drive;
-use crate::error::RpcError;
+use crate::error::{InitError, RpcError};
 use crate::options::RpcOptions;
 use crate::state::Agent;
 use static_group::join_static;
@@ -39,19 +40,15 @@ pub(crate) fn advertise_ip(options: &RpcOptions) -> Result<IpAddr, RpcError> {
 }
 
 /// The store key that holds a group's kind (`static` or `dynamic`).
-pub(crate) const GROUP_KIND: &str = "rpc/group_kind";
+pub(crate) const GROUP_KIND: &str = start::GROUP_KIND_KEY;
 
-/// Records the group's kind in the store on first use; a worker of the other kind is refused.
-async fn guard_group_kind(store: &dyn Store, dynamic: bool) -> Result<(), RpcError> {
-    let kind = if dynamic { "dynamic" } else { "static" };
-    let held = store.compare_set(GROUP_KIND, b"", kind.as_bytes()).await?;
-    if held != kind.as_bytes() {
-        return Err(RpcError::GroupKindMismatch {
-            group: String::from_utf8_lossy(&held).into_owned(),
-            worker: kind,
-        });
-    }
-    Ok(())
+/// Records the group's kind in the store on first use; core refuses a worker of the other
+/// kind.
+async fn guard_group_kind(store: &dyn Store, kind: GroupKind) -> Result<(), RpcError> {
+    let held = store
+        .compare_set(GROUP_KIND, b"", kind.name().as_bytes())
+        .await?;
+    Ok(kind.admits(&held)?)
 }
 
 /// The cluster secret from the options, else from `TENSORWIRE_SECRET`.
@@ -77,9 +74,12 @@ pub async fn start_agent(
     world_size: Option<usize>,
     options: RpcOptions,
 ) -> Result<Agent, RpcError> {
-    let checked = match check_worker_name(name) {
-        Ok(()) => guard_group_kind(&*rdv.store, world_size.is_none()).await,
-        Err(e) => Err(e.into()),
+    let checked = match check_worker_name(name)
+        .map_err(RpcError::from)
+        .and_then(|()| (options.endpoint.check()).map_err(|e| InitError::Endpoint(e).into()))
+    {
+        Ok(()) => guard_group_kind(&*rdv.store, GroupKind::of(world_size)).await,
+        Err(e) => Err(e),
     };
     if let Err(e) = checked {
         rdv.shutdown().await;

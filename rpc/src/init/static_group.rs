@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use tensorwire_core::ports::process_group::{Collectives, ProcessGroup, ProcessGroupError};
 use tensorwire_core::ports::transport::{Connection, Transport};
-use tensorwire_core::protocol::membership::{check_static_records, RecordError};
+use tensorwire_core::protocol::membership::{
+    check_certified, check_static_records, NotCertified, RecordError,
+};
 use tensorwire_core::protocol::{LostCause, ProtocolViolation, WorkerId};
 use tensorwire_core::validate::WorkerDeviceInfo;
 use tensorwire_core::wire::Frame;
@@ -82,28 +84,16 @@ pub(crate) async fn join_static(
     Ok((group, records))
 }
 
-/// Every peer's credentials are issued for the name its record gives (QUIC node certificates;
-/// a cluster secret lets any member take any name, and the check says yes), or for its rank:
-/// a rank certificate (`rank-N`, which the mesh already checked against the rank the peer
-/// claimed) certifies the connection's own record, whatever name the user chose in it. The
-/// record may have come through other ranks; the connection is the one to the rank itself.
+/// Each member's connection must certify the name its record gives (core decides what
+/// certifies what: `check_certified`).
 fn check_names(group: &Group, records: &[WorkerRecord]) -> Result<(), RpcError> {
     for (rank, conn) in group.connections() {
-        let Some(record) = records.get(rank) else {
-            continue;
-        };
-        let name = &record.devices.name;
-        let rank_certified =
-            u32::try_from(rank).is_ok_and(|r| conn.peer_credentials().ranks().contains(&r));
-        if rank_certified && record.rank as usize == rank {
-            continue;
+        if let Some(record) = records.get(rank) {
+            let ranks = conn.peer_credentials().ranks();
+            check_certified(rank, record, &ranks, |name| conn.check_peer_name(name)).map_err(
+                |NotCertified { rank, name, source }| RpcError::NotCertified { rank, name, source },
+            )?;
         }
-        conn.check_peer_name(name)
-            .map_err(|source| RpcError::NotCertified {
-                rank: rank as WorkerId,
-                name: name.clone(),
-                source,
-            })?;
     }
     Ok(())
 }

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 
 use super::dynamic::MemberRecord;
+use crate::ports::transport::IdentityError;
 use crate::protocol::WorkerId;
 use crate::validate::{validate_device_maps, DeviceMapError, GroupKind, WorkerDeviceInfo};
 
@@ -58,6 +59,45 @@ pub fn check_static_records(records: &[MemberRecord]) -> Result<(), RecordError>
     let infos: Vec<WorkerDeviceInfo> = records.iter().map(|r| r.devices.clone()).collect();
     validate_device_maps(&infos, GroupKind::Static)
         .map_err(|e| RecordError::DeviceMaps(Box::new(e)))
+}
+
+/// A static group's member whose credentials do not certify the name its record gives
+/// ([`check_certified`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("rank {rank} says it is {name:?}, but {source}")]
+pub struct NotCertified {
+    /// The member's rank.
+    pub rank: WorkerId,
+    /// The name its record gives.
+    pub name: String,
+    /// What its credentials say.
+    #[source]
+    pub source: IdentityError,
+}
+
+/// Checks that the credentials of the connection to the member at rank `rank` (the ranks
+/// they certify, and `certify`: whether they are issued for a name,
+/// `Connection::check_peer_name`) certify its record, which may have come through other
+/// ranks: a rank certificate (`rank-N`, which the mesh already checked against the rank the
+/// peer claimed) certifies the connection's own record, whatever name the user chose in it;
+/// anything else must be issued for the name (QUIC node certificates; a cluster secret lets
+/// any member take any name, and `certify` says yes).
+pub fn check_certified(
+    rank: usize,
+    record: &MemberRecord,
+    certified_ranks: &[u32],
+    certify: impl FnOnce(&str) -> Result<(), IdentityError>,
+) -> Result<(), NotCertified> {
+    let rank_certified = u32::try_from(rank).is_ok_and(|r| certified_ranks.contains(&r));
+    if rank_certified && record.rank as usize == rank {
+        return Ok(());
+    }
+    let name = record.name();
+    certify(name).map_err(|source| NotCertified {
+        rank: rank as WorkerId,
+        name: name.to_owned(),
+        source,
+    })
 }
 
 #[cfg(test)]
@@ -142,5 +182,39 @@ mod tests {
             }
             e => panic!("{e:?}"),
         }
+    }
+
+    #[test]
+    fn a_rank_certificate_certifies_its_own_rank_under_any_name_and_nothing_else() {
+        let refuse = |name: &str| {
+            Err(IdentityError {
+                peer: "127.0.0.1:1".parse().unwrap(),
+                name: name.to_owned(),
+                reason: "issued for rank-1".into(),
+            })
+        };
+        let certified = [1_u32];
+        assert!(check_certified(1, &record(1, "anyone"), &certified, refuse).is_ok());
+        // The same certificate at another rank, or with the record of another rank, must
+        // be issued for the name.
+        let e = check_certified(2, &record(2, "w2"), &certified, refuse).unwrap_err();
+        assert_eq!((e.rank, e.name.as_str()), (2, "w2"));
+        assert!(
+            e.to_string().starts_with("rank 2 says it is \"w2\", but "),
+            "{e}"
+        );
+        assert!(check_certified(1, &record(3, "w3"), &certified, refuse).is_err());
+        // Credentials issued for the name (or a cluster secret's) pass.
+        assert!(check_certified(2, &record(2, "w2"), &[], |_| Ok(())).is_ok());
+        let asked = std::cell::RefCell::new(String::new());
+        let _ = check_certified(4, &record(4, "w4"), &[], |n| {
+            *asked.borrow_mut() = n.to_owned();
+            Ok(())
+        });
+        assert_eq!(
+            *asked.borrow(),
+            "w4",
+            "the record's name is the one checked"
+        );
     }
 }

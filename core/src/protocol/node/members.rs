@@ -16,7 +16,7 @@ use super::Node;
 use crate::codec::Undecodable;
 use crate::ports::transport::IdentityError;
 use crate::protocol::membership::{Accepted, MemberRecord, MembershipError, MembershipEvent};
-use crate::protocol::mesh::HelloReply;
+use crate::protocol::mesh::{Hello, HelloReply};
 use crate::protocol::{LostCause, Payload, WorkerId};
 use crate::wire::Frame;
 
@@ -100,6 +100,41 @@ pub enum IntroductionError {
         /// The rank of the record it sent.
         record: WorkerId,
     },
+    /// The hello is for another group than a dynamic RPC group's (a process group's, or one
+    /// with a world size).
+    #[error("whose hello is for group {group:?} (world size {world:?}), not a dynamic RPC group")]
+    OtherGroup {
+        /// The group the hello names.
+        group: String,
+        /// The world size it gives.
+        world: Option<u32>,
+    },
+}
+
+/// The name of the mesh group whose connections carry RPC: a static group's world process
+/// group (and its store keys) has it, and every RPC connection's hello says it (a worker
+/// dialling a dynamic group's member: [`joiner_hello`]).
+pub const RPC_GROUP: &str = "rpc";
+
+/// How long a connection on the listener may take to say hello before it is dropped.
+pub const HELLO_WAIT: Duration = Duration::from_secs(30);
+
+/// The hello of a worker of rank `rank` dialling a dynamic group's member: the RPC group, no
+/// world size, and `introduction` (its record, encoded).
+pub fn joiner_hello(rank: WorkerId, introduction: Vec<u8>) -> Hello {
+    Hello {
+        group: RPC_GROUP.to_owned(),
+        rank,
+        world: None,
+        introduction,
+    }
+}
+
+/// How long a joiner waits for the answer to its hello once connected, when the dial may
+/// take `limit`: as long, and never under a second (an answer needs a round trip even when
+/// the dial's limit is nearly spent).
+pub fn welcome_wait(limit: Duration) -> Duration {
+    limit.max(Duration::from_secs(1))
 }
 
 /// The record a worker of rank `rank` (its hello's) introduced itself with.
@@ -229,20 +264,26 @@ impl<B: Payload, H> Node<B, H> {
         answer
     }
 
-    /// A worker that dialled this one said hello at `now`: rank `rank`, introduced by
-    /// `introduction` (its record, encoded); `certify` says whether its credentials are
-    /// issued for a name. Its record is read ([`read_introduction`]); a worker whose
-    /// credentials do not name it is refused, told why so that its init fails with the reason
-    /// (with a cluster secret any member may take any name); else the membership decides
-    /// ([`handle_introduced`](Self::handle_introduced)).
+    /// A worker that dialled this one said `hello` at `now`: its rank, and its record
+    /// (encoded) as its introduction; `certify` says whether its credentials are issued for a
+    /// name. A hello for another group than a dynamic RPC group's is dropped
+    /// ([`IntroductionError::OtherGroup`]); its record is read ([`read_introduction`]); a
+    /// worker whose credentials do not name it is refused, told why so that its init fails
+    /// with the reason (with a cluster secret any member may take any name); else the
+    /// membership decides ([`handle_introduced`](Self::handle_introduced)).
     pub fn handle_hello(
         &mut self,
         now: Instant,
-        rank: WorkerId,
-        introduction: &[u8],
+        hello: &Hello,
         certify: impl FnOnce(&str) -> Result<(), IdentityError>,
     ) -> Introduced {
-        let record = match read_introduction(rank, introduction) {
+        if hello.group != RPC_GROUP || hello.world.is_some() {
+            return Introduced::Unreadable(IntroductionError::OtherGroup {
+                group: hello.group.clone(),
+                world: hello.world,
+            });
+        }
+        let record = match read_introduction(hello.rank, &hello.introduction) {
             Ok(record) => record,
             Err(e) => return Introduced::Unreadable(e),
         };

@@ -913,9 +913,10 @@ fn an_introduction_is_welcomed_refused_or_dropped_by_the_node() {
     ));
 }
 
-/// A hello is read and its credentials checked by the node: an introduction that is no record
-/// of the hello's rank is dropped with its error, a worker whose credentials do not name it is
-/// refused (told why), and the rest goes to the membership.
+/// A hello is read and its credentials checked by the node: a hello for another group, or an
+/// introduction that is no record of the hello's rank, is dropped with its error, a worker
+/// whose credentials do not name it is refused (told why), and the rest goes to the
+/// membership.
 #[test]
 fn a_hello_is_read_and_certified_by_the_node() {
     use crate::ports::transport::IdentityError;
@@ -924,13 +925,31 @@ fn a_hello_is_read_and_certified_by_the_node() {
     let n = &mut net.nodes[0];
     n.set_membership(DynamicMembership::found(record(0), OP), now);
     let unread = |_: &str| -> Result<(), IdentityError> { panic!("no record, no check") };
+    let hello = |rank, introduction: Vec<u8>| joiner_hello(rank, introduction);
     assert_eq!(
-        n.handle_hello(now, 4, &record(3).encode(), unread),
+        n.handle_hello(now, &hello(4, record(3).encode()), unread),
         Introduced::Unreadable(IntroductionError::OtherRank { rank: 4, record: 3 })
     );
     assert!(matches!(
-        n.handle_hello(now, 4, &[0xff; 7], unread),
+        n.handle_hello(now, &hello(4, vec![0xff; 7]), unread),
         Introduced::Unreadable(IntroductionError::Undecodable(_))
+    ));
+    // A process group's hello (another name, or a world size) is no joiner's, whatever it
+    // carries.
+    let mut of_a_group = hello(1, record(1).encode());
+    of_a_group.group = "trainers".into();
+    assert_eq!(
+        n.handle_hello(now, &of_a_group, unread),
+        Introduced::Unreadable(IntroductionError::OtherGroup {
+            group: "trainers".into(),
+            world: None
+        })
+    );
+    let mut sized = hello(1, record(1).encode());
+    sized.world = Some(4);
+    assert!(matches!(
+        n.handle_hello(now, &sized, unread),
+        Introduced::Unreadable(IntroductionError::OtherGroup { world: Some(4), .. })
     ));
     let impostor = |name: &str| {
         Err(IdentityError {
@@ -939,7 +958,7 @@ fn a_hello_is_read_and_certified_by_the_node() {
             reason: "issued for w7".into(),
         })
     };
-    match n.handle_hello(now, 1, &record(1).encode(), impostor) {
+    match n.handle_hello(now, &hello(1, record(1).encode()), impostor) {
         Introduced::Refuse(HelloReply::Refused { reason, retry }) => {
             assert!(reason.contains("credentials do not name it"), "{reason}");
             assert!(reason.contains("issued for w7"), "{reason}");
@@ -953,7 +972,7 @@ fn a_hello_is_read_and_certified_by_the_node() {
         Ok(())
     };
     assert_eq!(
-        n.handle_hello(now, 1, &record(1).encode(), named),
+        n.handle_hello(now, &hello(1, record(1).encode()), named),
         Introduced::Welcome
     );
 }
@@ -1030,5 +1049,77 @@ fn an_impostors_introduction_leaves_what_is_held_for_the_rank_it_claims() {
             Ok(DynMessage::JoinRequest { .. })
         )),
         other => panic!("the join request was lost: {other:?}"),
+    }
+}
+
+/// A joiner waits for the answer to its hello as long as its dial may take, but never under a
+/// second: an answer needs a round trip even when the dial's limit is nearly spent.
+#[test]
+fn a_joiner_waits_for_its_welcome_at_least_a_second() {
+    assert_eq!(welcome_wait(Duration::ZERO), Duration::from_secs(1));
+    assert_eq!(
+        welcome_wait(Duration::from_millis(999)),
+        Duration::from_secs(1)
+    );
+    assert_eq!(welcome_wait(Duration::from_secs(7)), Duration::from_secs(7));
+    let hello = joiner_hello(3, vec![1, 2]);
+    assert_eq!(
+        (hello.group.as_str(), hello.rank, hello.world),
+        (RPC_GROUP, 3, None)
+    );
+}
+
+/// A peer the driver drops (a layer's violation) is lost as a lost connection is: its calls
+/// fail naming the cause, once; in a static group it is told why by an abort in this worker's
+/// name before its connection closes, in a dynamic one it is not (it reads no group frames).
+/// The node never drops its own worker.
+#[test]
+fn a_dropped_peer_is_lost_and_a_static_one_is_told_why() {
+    for dynamic in [false, true] {
+        let mut net = Net::new(2, dynamic);
+        if dynamic {
+            net.join();
+        }
+        let now = net.now();
+        let id = net.nodes[0]
+            .ep_mut()
+            .call(1, "slow", b"x".to_vec(), Duration::from_secs(5), now)
+            .unwrap();
+        net.settle().unwrap();
+        let violation = ProtocolViolation::MembershipInStaticGroup;
+        let cause = || LostCause::Misbehaved(Box::new(violation.clone()));
+        assert_eq!(
+            net.nodes[0].handle_dropped(0, cause(), now),
+            Dropped::Itself
+        );
+        assert!(
+            net.lost(0).is_empty(),
+            "this worker is never lost to itself"
+        );
+        let Dropped::Close { tell } = net.nodes[0].handle_dropped(1, cause(), now) else {
+            panic!("a peer is dropped");
+        };
+        match (dynamic, tell) {
+            (true, None) => {}
+            (false, Some(frame)) => match GroupFrame::decode(&frame.header).unwrap() {
+                GroupFrame::Abort { rank, reason } => {
+                    assert_eq!(rank, 0, "the abort is in this worker's name");
+                    assert!(reason.starts_with("it dropped rank 1: "), "{reason}");
+                }
+                other => panic!("a static peer is told by an abort, not {other:?}"),
+            },
+            (dynamic, tell) => panic!("dynamic {dynamic}: told {tell:?}"),
+        }
+        // Dropped again (a second violation found meanwhile), it stays lost once.
+        let _ = net.nodes[0].handle_dropped(1, LostCause::Left, now);
+        net.pump();
+        assert_eq!(net.lost(0), vec![(1, &cause())]);
+        assert!(net.events[0].iter().any(|e| matches!(
+            e,
+            NodeEvent::Endpoint(Event::Completed {
+                id: i,
+                outcome: Err(CallError::PeerLost { peer: 1, .. })
+            }) if *i == id
+        )));
     }
 }
