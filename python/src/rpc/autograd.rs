@@ -81,34 +81,129 @@ const ENGINE_MODULE: &str = "tensorwire.rpc._autograd_engine";
 /// usually still holds. A tensor sent, and a gradient received, carry their shape and dtype
 /// too: the driver compares a gradient's with its tensor's (under its lock) for every gradient
 /// a peer sends.
+///
+/// A dense tensor received (a message's tracked tensor, a peer's gradient) is *not* made a
+/// torch tensor by the runtime worker that read it: that would take the GIL there (a wait
+/// behind the Python thread that holds it, then a hand-off to the GIL runner anyway). It is
+/// made by the first thread that needs it with the GIL held (the runner that serves the call
+/// or runs the pass, the caller's thread that decodes the reply): see [`Object`].
 #[derive(Clone)]
-pub(crate) struct TorchTensor(
-    Arc<Py<PyAny>>,
-    Option<Arc<(Tensor, bool)>>,
-    Option<Arc<Meta>>,
-);
+pub(crate) struct TorchTensor(Arc<Object>, Option<Arc<(Tensor, bool)>>, Option<Arc<Meta>>);
 
-/// A tensor's logical shape and dtype (a sparse one's: its size and its values' dtype; `None`
-/// for a dtype tensorwire's tensors cannot carry).
-pub(crate) struct Meta {
+/// The Python object of a [`TorchTensor`], or what makes it once a thread holding the GIL asks
+/// for it, and the key the tensor is known by as a leaf ([`Leaf`]).
+pub(crate) struct Object {
+    object: PyOnceLock<Py<PyAny>>,
+    /// A received dense tensor not made yet: its bytes and `requires_grad`.
+    pending: Option<Pending>,
+    /// A held tensor's key is its Python object's address (even: CPython's objects are
+    /// aligned); a received one's an odd number of its own, never reused, that its Python
+    /// object carries as `_tensorwire_key` once made (if it required grad on its sender: only
+    /// those are leaves the driver looks up), so that the tensor torch's engine hands back is
+    /// known as the one received ([`TorchTensor::keyed`]).
+    key: usize,
+}
+
+/// A received dense tensor's wire form, made a torch tensor on demand.
+struct Pending {
+    dtype: &'static str,
     shape: Vec<usize>,
-    dtype: Option<DType>,
+    bytes: Bytes,
+    requires_grad: bool,
+}
+
+/// The next key of a received tensor (odd: see [`Object::key`]).
+fn next_key() -> usize {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+    NEXT.fetch_add(2, std::sync::atomic::Ordering::Relaxed) | 1
 }
 
 impl TorchTensor {
-    fn bind<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
-        self.0.bind(py)
+    /// The Python object, made now if the tensor was received and not made yet.
+    fn bind<'py>(&self, py: Python<'py>) -> PyResult<&Bound<'py, PyAny>> {
+        let object = self.0.object.get_or_try_init(py, || {
+            let pending = self.0.pending.as_ref().ok_or_else(|| {
+                pyo3::exceptions::PyRuntimeError::new_err("a tensor without its Python object")
+            })?;
+            let buffer = Py::new(py, WireBuffer::new(pending.bytes.clone()))?;
+            let t = engine_fn(py, "import_tensor")?.call1((
+                pending.dtype,
+                PyTuple::new(py, &pending.shape)?,
+                buffer,
+                pending.requires_grad,
+            ))?;
+            if pending.requires_grad {
+                t.setattr("_tensorwire_key", self.0.key)?;
+            }
+            Ok::<_, PyErr>(t.unbind())
+        })?;
+        Ok(object.bind(py))
+    }
+
+    /// The Python object, a new reference.
+    fn object(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.bind(py).map(|t| t.clone().unbind())
+    }
+
+    fn with_object(t: Bound<'_, PyAny>, key: usize) -> Arc<Object> {
+        let object = PyOnceLock::new();
+        let _ = object.set(t.py(), t.unbind());
+        Arc::new(Object {
+            object,
+            pending: None,
+            key,
+        })
     }
 
     /// The tensor `t`, held as it is.
     fn held(t: Bound<'_, PyAny>) -> TorchTensor {
-        TorchTensor(Arc::new(t.unbind()), None, None)
+        let key = t.as_ptr() as usize;
+        TorchTensor(Self::with_object(t, key), None, None)
+    }
+
+    /// The tensor `t`, held as it is, known by the key it was received with if it was
+    /// received (a leaf torch's engine hands back, a root).
+    fn keyed(t: Bound<'_, PyAny>) -> TorchTensor {
+        let key = t
+            .getattr_opt("_tensorwire_key")
+            .ok()
+            .flatten()
+            .and_then(|k| k.extract::<usize>().ok())
+            .filter(|k| k % 2 == 1)
+            .unwrap_or(t.as_ptr() as usize);
+        TorchTensor(Self::with_object(t, key), None, None)
     }
 
     /// The tensor `t`, held with its shape and dtype taken now.
     fn shaped(t: Bound<'_, PyAny>) -> TorchTensor {
         let meta = meta_of(&t);
-        TorchTensor(Arc::new(t.unbind()), None, meta)
+        let key = t.as_ptr() as usize;
+        TorchTensor(Self::with_object(t, key), None, meta)
+    }
+
+    /// A received dense tensor, made a torch tensor once a thread with the GIL needs it.
+    fn pending(
+        dtype: DType,
+        name: &'static str,
+        shape: Vec<usize>,
+        bytes: Bytes,
+        requires_grad: bool,
+    ) -> TorchTensor {
+        let meta = Arc::new(Meta {
+            shape: shape.clone(),
+            dtype: Some(dtype),
+        });
+        let object = Arc::new(Object {
+            object: PyOnceLock::new(),
+            pending: Some(Pending {
+                dtype: name,
+                shape,
+                bytes,
+                requires_grad,
+            }),
+            key: next_key(),
+        });
+        TorchTensor(object, None, Some(meta))
     }
 
     /// The tensor `t`, about to be sent: its wire form (and shape) taken now. A tensor the wire
@@ -119,8 +214,16 @@ impl TorchTensor {
             .and_then(Result::ok)
             .and_then(|wire| Some((wire, t.getattr("requires_grad").ok()?.extract().ok()?)));
         let meta = meta_of(&t);
-        TorchTensor(Arc::new(t.unbind()), prepared.map(Arc::new), meta)
+        let key = t.as_ptr() as usize;
+        TorchTensor(Self::with_object(t, key), prepared.map(Arc::new), meta)
     }
+}
+
+/// A tensor's logical shape and dtype (a sparse one's: its size and its values' dtype; `None`
+/// for a dtype tensorwire's tensors cannot carry).
+pub(crate) struct Meta {
+    shape: Vec<usize>,
+    dtype: Option<DType>,
 }
 
 /// `t.shape` and `t.dtype` (the logical ones: a sparse tensor's too).
@@ -245,7 +348,7 @@ impl AutogradEngine for TorchEngine {
 
     fn leaf_id(&self, tensor: &TorchTensor) -> Leaf {
         Leaf {
-            address: tensor.0.as_ptr() as usize,
+            address: tensor.0.key,
             tensor: tensor.clone(),
         }
     }
@@ -257,7 +360,7 @@ impl AutogradEngine for TorchEngine {
         Python::attach(|py| {
             tensor
                 .bind(py)
-                .getattr("requires_grad")
+                .and_then(|t| t.getattr("requires_grad"))
                 .and_then(|r| r.extract::<bool>())
                 .unwrap_or(false)
         })
@@ -267,7 +370,7 @@ impl AutogradEngine for TorchEngine {
         Python::attach(|py| {
             tensor
                 .bind(py)
-                .getattr("grad_fn")
+                .and_then(|t| t.getattr("grad_fn"))
                 .is_ok_and(|f| !f.is_none())
         })
     }
@@ -276,14 +379,20 @@ impl AutogradEngine for TorchEngine {
         if let Some(meta) = &tensor.2 {
             return meta.shape.clone();
         }
-        Python::attach(|py| meta_of(tensor.bind(py)).map_or_else(Vec::new, |m| m.shape.clone()))
+        Python::attach(|py| {
+            tensor
+                .bind(py)
+                .ok()
+                .and_then(meta_of)
+                .map_or_else(Vec::new, |m| m.shape.clone())
+        })
     }
 
     fn dtype(&self, tensor: &TorchTensor) -> Option<DType> {
         if let Some(meta) = &tensor.2 {
             return meta.dtype;
         }
-        Python::attach(|py| dtype_attr(tensor.bind(py)))
+        Python::attach(|py| tensor.bind(py).ok().and_then(dtype_attr))
     }
 
     fn import(&self, tensor: &Tensor, requires_grad: bool) -> Result<TorchTensor, EngineError> {
@@ -302,6 +411,19 @@ impl AutogradEngine for TorchEngine {
         })?;
         let bytes = bytes.clone();
         let shape = tensor.shape().to_vec();
+        if tensor.dtype() != DType::U8 {
+            // Dense: made a torch tensor by the thread that needs it with the GIL (see
+            // [`TorchTensor`]); its bytes are its shape's (core's `Tensor` checked them).
+            return Ok(TorchTensor::pending(
+                tensor.dtype(),
+                dtype,
+                shape,
+                bytes,
+                requires_grad,
+            ));
+        }
+        // A packed sparse COO tensor: unpacked now, with torch's invariant checks, so that a
+        // malformed one is refused with its message.
         Python::attach(|py| {
             let run = || -> PyResult<TorchTensor> {
                 let buffer = Py::new(py, WireBuffer::new(bytes))?;
@@ -321,7 +443,10 @@ impl AutogradEngine for TorchEngine {
         if let Some(prepared) = &tensor.1 {
             return Ok(prepared.0.clone());
         }
-        Python::attach(|py| export_now(tensor.bind(py)).map_err(|e| engine_error(py, e))?)
+        Python::attach(|py| {
+            let t = tensor.bind(py).map_err(|e| engine_error(py, e))?;
+            export_now(t).map_err(|e| engine_error(py, e))?
+        })
     }
 
     fn backward(
@@ -330,24 +455,34 @@ impl AutogradEngine for TorchEngine {
     ) -> Result<LeafGradients<Self>, EngineError> {
         Python::attach(|py| {
             let run = || -> PyResult<LeafGradients<Self>> {
-                let tensors = PyList::new(py, roots.iter().map(|(t, _)| t.bind(py)))?;
-                let seeds = PyList::new(
-                    py,
-                    roots.iter().map(|(_, s)| match s {
-                        Some(s) => s.bind(py).clone(),
-                        None => py.None().into_bound(py),
-                    }),
-                )?;
+                let tensors = roots
+                    .iter()
+                    .map(|(t, _)| t.bind(py).cloned())
+                    .collect::<PyResult<Vec<_>>>()?;
+                let tensors = PyList::new(py, tensors)?;
+                let seeds = roots
+                    .iter()
+                    .map(|(_, s)| match s {
+                        Some(s) => s.bind(py).cloned(),
+                        None => Ok(py.None().into_bound(py)),
+                    })
+                    .collect::<PyResult<Vec<_>>>()?;
+                let seeds = PyList::new(py, seeds)?;
                 let out = engine_fn(py, "backward")?.call1((tensors, seeds))?;
                 let mut grads = Vec::new();
                 for pair in out.cast::<PyList>()?.iter() {
                     let pair = pair.cast::<PyTuple>()?;
-                    let leaf = TorchTensor::held(pair.get_item(0)?);
                     // A received tensor's gradient goes back to its sender; the others stay here.
-                    let grad = if pair.get_item(2)?.extract::<bool>()? {
-                        TorchTensor::to_send(pair.get_item(1)?)
+                    let (leaf, grad) = if pair.get_item(2)?.extract::<bool>()? {
+                        (
+                            TorchTensor::keyed(pair.get_item(0)?),
+                            TorchTensor::to_send(pair.get_item(1)?),
+                        )
                     } else {
-                        TorchTensor::held(pair.get_item(1)?)
+                        (
+                            TorchTensor::held(pair.get_item(0)?),
+                            TorchTensor::held(pair.get_item(1)?),
+                        )
                     };
                     grads.push((self.leaf_id(&leaf), grad));
                 }
@@ -361,7 +496,7 @@ impl AutogradEngine for TorchEngine {
         let values = self.import(values, false)?;
         Python::attach(|py| {
             engine_fn(py, "assign")
-                .and_then(|f| f.call1((leaf.bind(py), values.bind(py))))
+                .and_then(|f| f.call1((leaf.bind(py)?, values.bind(py)?)))
                 .map(drop)
                 .map_err(|e| engine_error(py, e))
         })
@@ -376,7 +511,7 @@ impl AutogradEngine for TorchEngine {
         // which `sum.add(grad)` refuses) are the Python layer's `accumulate`.
         Python::attach(|py| {
             engine_fn(py, "accumulate")
-                .and_then(|f| f.call1((sum.bind(py), grad.bind(py))))
+                .and_then(|f| f.call1((sum.bind(py)?, grad.bind(py)?)))
                 .map(|t| TorchTensor::held(t))
                 .map_err(|e| engine_error(py, e))
         })
@@ -411,7 +546,11 @@ struct TrackedCall {
 }
 
 fn tensors_of<'py>(py: Python<'py>, tracked: &[TorchTensor]) -> PyResult<Bound<'py, PyList>> {
-    PyList::new(py, tracked.iter().map(|t| t.bind(py)))
+    let tensors = tracked
+        .iter()
+        .map(|t| t.bind(py).cloned())
+        .collect::<PyResult<Vec<_>>>()?;
+    PyList::new(py, tensors)
 }
 
 /// The tensors of a Python list about to be sent (tracked arguments or results).
@@ -784,12 +923,16 @@ type FunctionRow = (u64, u32, Vec<Py<PyAny>>);
 fn function_rows(
     py: Python<'_>,
     records: Vec<tensorwire_dist_autograd::FunctionRecord<TorchTensor>>,
-) -> Vec<FunctionRow> {
+) -> PyResult<Vec<FunctionRow>> {
     records
         .into_iter()
         .map(|r| {
-            let tensors = r.tensors.iter().map(|t| t.0.clone_ref(py)).collect();
-            (r.message.0, r.peer, tensors)
+            let tensors = r
+                .tensors
+                .iter()
+                .map(|t| t.object(py))
+                .collect::<PyResult<_>>()?;
+            Ok((r.message.0, r.peer, tensors))
         })
         .collect()
 }
@@ -890,14 +1033,14 @@ impl PyDistAutograd {
     /// tensors each message carried that require grad.
     fn send_functions(&self, py: Python<'_>, context: u64) -> PyResult<Vec<FunctionRow>> {
         let records = py.detach(|| Ok::<_, PyErr>(self.retrieve(context)?.send_functions()))?;
-        Ok(function_rows(py, records))
+        function_rows(py, records)
     }
 
     /// The recv functions of `context` here: `[(message id, sender's rank, [tensors])]`, the
     /// tracked tensors each message brought in.
     fn recv_functions(&self, py: Python<'_>, context: u64) -> PyResult<Vec<FunctionRow>> {
         let records = py.detach(|| Ok::<_, PyErr>(self.retrieve(context)?.recv_functions()))?;
-        Ok(function_rows(py, records))
+        function_rows(py, records)
     }
 
     /// Calls `function` on `to` in `context`: `payload` is the pickled arguments, `tensors`
@@ -1100,8 +1243,10 @@ impl PyDistAutograd {
         roots: &Bound<'_, PyList>,
         retain_graph: bool,
     ) -> PyResult<()> {
-        let roots: Vec<(TorchTensor, Option<TorchTensor>)> =
-            roots.iter().map(|t| (TorchTensor::held(t), None)).collect();
+        let roots: Vec<(TorchTensor, Option<TorchTensor>)> = roots
+            .iter()
+            .map(|t| (TorchTensor::keyed(t), None))
+            .collect();
         // This thread checks the roots and runs this worker's first local pass itself (it
         // may run Python: the user's thread, the GIL released until the pass takes it), then
         // waits for the rest.
@@ -1128,9 +1273,9 @@ impl PyDistAutograd {
                     ContextId(context),
                 )))
             })?;
-        Ok(grads
+        grads
             .into_iter()
-            .map(|(leaf, grad)| (leaf.tensor.0.clone_ref(py), grad.0.clone_ref(py)))
-            .collect())
+            .map(|(leaf, grad)| Ok((leaf.tensor.object(py)?, grad.object(py)?)))
+            .collect()
     }
 }
