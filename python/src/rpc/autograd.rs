@@ -1261,6 +1261,9 @@ impl PyDistAutograd {
     }
 
     /// The gradients this worker holds in `context`: `[(leaf, gradient)]`.
+    // A `Leaf` hashes and compares by its key alone, which never changes; the cell that may
+    // make its Python object later is no part of it.
+    #[allow(clippy::mutable_key_type)]
     fn gradients<'py>(
         &self,
         py: Python<'py>,
