@@ -43,10 +43,53 @@ pub(super) enum Action<E: AutogradEngine> {
     },
     /// The answer to a gradient request.
     Answer {
-        tx: oneshot::Sender<GradientAnswer>,
+        tx: Answerer,
         answer: GradientAnswer,
     },
     Drop(Box<ContextData<E>>),
+}
+
+/// Where the answer to a gradient request goes: the request's reply itself, written by the
+/// thread that carries out the state machine's answer (the runner that ran the pass the
+/// request started, with no hand-off back to a runtime worker), or the request's task (when
+/// the agent could not hand the reply over: a call run inline by a current-thread runtime).
+pub(super) enum Answerer {
+    Reply(AnswerReply),
+    Task(oneshot::Sender<GradientAnswer>),
+}
+
+impl Answerer {
+    fn send(self, answer: GradientAnswer) {
+        match self {
+            Answerer::Reply(mut r) => {
+                if let Some(reply) = r.reply.take() {
+                    reply.send(Ok::<_, String>(answer));
+                }
+            }
+            Answerer::Task(tx) => drop(tx.send(answer)),
+        }
+    }
+}
+
+/// A gradient request's reply, taken from its task. Dropped unanswered (this worker's
+/// autograd state went away), it answers that the backward stopped here, as the request's task
+/// did when its answer never came.
+pub(super) struct AnswerReply {
+    reply: Option<tensorwire_rpc::Reply>,
+    worker: WorkerId,
+    context: ContextId,
+}
+
+impl Drop for AnswerReply {
+    fn drop(&mut self) {
+        if let Some(reply) = self.reply.take() {
+            let stopped: GradientAnswer = Err(BackwardError::Stopped {
+                worker: self.worker,
+                context: self.context,
+            });
+            reply.send(Ok::<_, String>(stopped));
+        }
+    }
 }
 
 impl<E: AutogradEngine> Inner<E> {
@@ -355,9 +398,24 @@ impl<E: AutogradEngine> Inner<E> {
                     if let (Some(task), Some(d)) = (task, sh.data.get_mut(&req.context)) {
                         d.seeds.insert(task, seeds);
                     }
-                    let (tx, rx) = oneshot::channel();
-                    sh.requests.insert(token, tx);
-                    rx
+                    // The answer is written by whichever thread carries it out (the runner
+                    // that ran the pass), not handed back to this task first.
+                    match tensorwire_rpc::Reply::take() {
+                        Some(reply) => {
+                            let reply = AnswerReply {
+                                reply: Some(reply),
+                                worker: self.agent.worker_info().id,
+                                context: req.context,
+                            };
+                            sh.requests.insert(token, Answerer::Reply(reply));
+                            None
+                        }
+                        None => {
+                            let (tx, rx) = oneshot::channel();
+                            sh.requests.insert(token, Answerer::Task(tx));
+                            Some(rx)
+                        }
+                    }
                 }
                 Err(v) => {
                     drop(sh);
@@ -367,6 +425,10 @@ impl<E: AutogradEngine> Inner<E> {
             }
         };
         self.pump();
+        let Some(rx) = rx else {
+            // The reply was taken: this outcome is not sent.
+            return Ok(Ok(Vec::new()));
+        };
         let span = context_span(&self.agent, req.context);
         // Every request is answered by the state machine (even when its context is dropped);
         // the sender goes away unanswered only with this worker's autograd state.
@@ -554,9 +616,7 @@ impl<E: AutogradEngine> Inner<E> {
                     Action::Reply { tx, result } => {
                         let _ = tx.send(result);
                     }
-                    Action::Answer { tx, answer } => {
-                        let _ = tx.send(answer);
-                    }
+                    Action::Answer { tx, answer } => tx.send(answer),
                     Action::Drop(data) => drop(data),
                 }
             }

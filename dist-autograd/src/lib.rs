@@ -313,7 +313,7 @@ struct Shared<E: AutogradEngine> {
     state: State,
     data: HashMap<ContextId, ContextData<E>>,
     roots: HashMap<ContextId, oneshot::Sender<Result<(), BackwardError>>>,
-    requests: HashMap<RequestToken, oneshot::Sender<GradientAnswer>>,
+    requests: HashMap<RequestToken, engine::Answerer>,
     next_token: RequestToken,
 }
 

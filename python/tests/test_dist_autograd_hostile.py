@@ -96,3 +96,44 @@ def world(rank: int, world_size: int) -> None:
 
 def test_a_gradient_of_another_dtype_is_the_peers_violation():
     run_world(world, 3)
+
+
+def test_flat_payloads_round_trip_and_forged_ones_are_refused():
+    # A call in a context whose arguments are tracked tensors and scalars, and a result that is
+    # one tracked tensor, travel without a pickled skeleton (_serialize.dumps_flat); what a
+    # peer forges in that form is refused, naming it, before anything runs.
+    import pickle
+
+    from tensorwire.rpc import _serialize
+    from tensorwire.rpc._exposed import RefusedError
+
+    h = torch.rand(3, requires_grad=True)
+    payload, tensors = _serialize.dumps_flat((("engine", "stage2", h, 1, 2.5, None, True), {}))
+    assert payload[:1] == b"\x00" and tensors == [h]
+    args, kwargs = _serialize.loads(payload, tensors, [], trusted=False, origin="worker1")
+    assert args == ("engine", "stage2", h, 1, 2.5, None, True) and args[2] is h and kwargs == {}
+    payload, tensors = _serialize.dumps_flat(h)
+    assert payload == b"\x00T" and _serialize.loads(payload, tensors, trusted=False, origin="w") is h
+    # Not flat: a tensor twice, one that does not require grad, keyword arguments, a list.
+    for value in (((h, h), {}), ((torch.rand(2),), {}), ((h,), {"a": 1}), (([1],), {}), torch.rand(2)):
+        assert _serialize.dumps_flat(value) is None
+    # Every pickle of tensorwire's starts with PROTO (0x80), never with the flat marker.
+    assert _serialize.dumps(((h.detach(),), {}))[0][:1] == b"\x80"
+    forged = [
+        (b"\x00T", [h, h]),  # one tensor claimed, two came
+        (b"\x00Tx", [h]),
+        (b"\x00X", []),
+        (b"\x00C" + pickle.dumps(((), (1,))), [h]),  # a slot past the end
+        (b"\x00C" + pickle.dumps(((), (0, 0))), [h, h]),  # slots not increasing
+        (b"\x00C" + pickle.dumps(((), (0,))), [bytearray(4)]),  # an untracked buffer
+        (b"\x00C" + pickle.dumps(((RefusedError,), ())), []),  # a global
+        (b"\x00C" + pickle.dumps(((), ("0",))), [h]),
+        (b"\x00C" + pickle.dumps(([1], ())), []),
+        (b"\x00C" + pickle.dumps((([1],), ())), []),  # a container among the scalars
+        (b"\x00C\x80", []),  # a truncated pickle
+    ]
+    for payload, buffers in forged:
+        with pytest.raises(RefusedError, match="worker7"):
+            _serialize.loads(payload, buffers, [], trusted=False, origin="worker7")
+    with pytest.raises(RefusedError, match="worker7"):
+        _serialize.loads(b"\x00T", [h], ["an rref"], trusted=False, origin="worker7")

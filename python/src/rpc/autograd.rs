@@ -28,24 +28,20 @@
 //! releases the GIL first; Python never waits for the driver while it holds the GIL.
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use serde::{Deserialize, Serialize};
 use tensorwire_core::autograd::{AutogradError, BackwardError, ContextId, RootProblem};
-use tensorwire_core::ports::autograd::{AutogradEngine, EngineError, LeafGradients};
-use tensorwire_core::tensor::{DType, Storage, Tensor};
+use tensorwire_core::tensor::Tensor;
 use tensorwire_dist_autograd::{AutogradContext, DistAutograd, DistAutogradError};
 use tensorwire_rpc::{Agent, RpcError};
 
 use super::{
-    buffers, duration, lend, lent_bytes, py_references, references, reply, rpc_error, wait, PyCall,
-    PyRRef, PyReply, PyValue, WireBuffer,
+    buffers, duration, lend, py_references, references, reply, rpc_error, wait, PyCall, PyRRef,
+    PyReply, PyValue,
 };
 use crate::{runtime, TensorwireError};
 
@@ -69,319 +65,9 @@ const PY_OWNER_CALL: &str = "tensorwire.py_owner_call";
 /// The barrier of a static group's workers once distributed autograd is set up on each.
 pub(crate) const READY_BARRIER: &str = "tensorwire.dist_autograd.ready";
 
-/// The Python module that holds the engine's operations and serves calls made in a context.
-const ENGINE_MODULE: &str = "tensorwire.rpc._autograd_engine";
+mod torch;
 
-/// A torch tensor, as the engine holds it (cloning shares the Python object).
-///
-/// A tensor about to be sent carries its wire form and `requires_grad`, taken while the GIL was
-/// held anyway (by the thread that handed it over: the caller, or the job that served the call
-/// or ran the backward pass). The driver asks for both on a runtime worker; answering from here
-/// spares that worker a wait for the GIL, which the Python thread that just produced the tensor
-/// usually still holds. A tensor sent, and a gradient received, carry their shape and dtype
-/// too: the driver compares a gradient's with its tensor's (under its lock) for every gradient
-/// a peer sends.
-#[derive(Clone)]
-pub(crate) struct TorchTensor(
-    Arc<Py<PyAny>>,
-    Option<Arc<(Tensor, bool)>>,
-    Option<Arc<Meta>>,
-);
-
-/// A tensor's logical shape and dtype (a sparse one's: its size and its values' dtype; `None`
-/// for a dtype tensorwire's tensors cannot carry).
-pub(crate) struct Meta {
-    shape: Vec<usize>,
-    dtype: Option<DType>,
-}
-
-impl TorchTensor {
-    fn bind<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
-        self.0.bind(py)
-    }
-
-    /// The tensor `t`, held as it is.
-    fn held(t: Bound<'_, PyAny>) -> TorchTensor {
-        TorchTensor(Arc::new(t.unbind()), None, None)
-    }
-
-    /// The tensor `t`, held with its shape and dtype taken now.
-    fn shaped(t: Bound<'_, PyAny>) -> TorchTensor {
-        let meta = meta_of(&t);
-        TorchTensor(Arc::new(t.unbind()), None, meta)
-    }
-
-    /// The tensor `t`, about to be sent: its wire form (and shape) taken now. A tensor the wire
-    /// cannot carry is held as it is, so that the driver's own export reports why.
-    fn to_send(t: Bound<'_, PyAny>) -> TorchTensor {
-        let prepared = export_now(&t)
-            .ok()
-            .and_then(Result::ok)
-            .and_then(|wire| Some((wire, t.getattr("requires_grad").ok()?.extract().ok()?)));
-        let meta = meta_of(&t);
-        TorchTensor(Arc::new(t.unbind()), prepared.map(Arc::new), meta)
-    }
-}
-
-/// `t.shape` and `t.dtype` (the logical ones: a sparse tensor's too).
-fn meta_of(t: &Bound<'_, PyAny>) -> Option<Arc<Meta>> {
-    let shape = t
-        .getattr("shape")
-        .and_then(|s| s.extract::<Vec<usize>>())
-        .ok()?;
-    Some(Arc::new(Meta {
-        shape,
-        dtype: dtype_attr(t),
-    }))
-}
-
-/// `t.dtype`, for the dtypes tensorwire's tensors carry.
-fn dtype_attr(t: &Bound<'_, PyAny>) -> Option<DType> {
-    let name = t.getattr("dtype").ok()?.str().ok()?;
-    dtype_of(name.to_str().ok()?.strip_prefix("torch.")?)
-}
-
-/// `t`'s wire form: its bytes lent without a copy (the outer error is Python's, the inner one
-/// says what the wire cannot carry).
-fn export_now(t: &Bound<'_, PyAny>) -> PyResult<Result<Tensor, EngineError>> {
-    let py = t.py();
-    let out = engine_fn(py, "export_tensor")?.call1((t,))?;
-    let out = out.cast::<PyTuple>()?;
-    let name: String = out.get_item(0)?.extract()?;
-    let shape: Vec<usize> = out.get_item(1)?.extract()?;
-    let Some(dtype) = dtype_of(&name) else {
-        return Ok(Err(EngineError(format!(
-            "a tensor of torch.{name} requires grad: distributed autograd carries float16, \
-             bfloat16, float32 and float64 tensors, dense or sparse COO"
-        ))));
-    };
-    let bytes: Bytes = lent_bytes(out.get_item(2)?)?;
-    Ok(Tensor::new(dtype, shape, Storage::Host(bytes)).map_err(|e| EngineError(e.to_string())))
-}
-
-/// A leaf of the context (a parameter, or a received tensor: an output of its recv function
-/// in torch's graph), by the identity of its Python object; it keeps the object alive, so the
-/// identity is not reused while it is held.
-#[derive(Clone)]
-pub(crate) struct Leaf {
-    address: usize,
-    tensor: TorchTensor,
-}
-
-impl PartialEq for Leaf {
-    fn eq(&self, other: &Self) -> bool {
-        self.address == other.address
-    }
-}
-
-impl Eq for Leaf {}
-
-impl Hash for Leaf {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.address.hash(state);
-    }
-}
-
-impl std::fmt::Debug for Leaf {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Leaf({:#x})", self.address)
-    }
-}
-
-/// torch's autograd, behind core's engine port (see the module's docs).
-#[derive(Clone, Default)]
-pub(crate) struct TorchEngine {
-    _private: (),
-}
-
-/// A function of the engine's Python module.
-fn engine_fn<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
-    static MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
-    let module = MODULE.get_or_try_init(py, || py.import(ENGINE_MODULE).map(Bound::unbind))?;
-    module.bind(py).getattr(name)
-}
-
-/// torch's engine raised `e`: its message first (PyTorch's "Error on Node N: <message>"
-/// puts it there), then the traceback and the exception's type, as Python prints them.
-fn engine_error(py: Python<'_>, e: PyErr) -> EngineError {
-    let traceback = e
-        .traceback(py)
-        .and_then(|t| t.format().ok())
-        .unwrap_or_default();
-    let message = e.value(py).str().map(|s| s.to_string()).unwrap_or_default();
-    EngineError(format!("{message}\n{traceback}{e}"))
-}
-
-/// The name torch gives `dtype` (`torch.float32` is `"float32"`), for the dtypes a tracked
-/// tensor may have on the wire: those that can require grad and that tensorwire carries, and
-/// `uint8`, the engine's packed form of a sparse COO tensor (no dense tensor of an integer type
-/// requires grad, so the form is unambiguous; the Python layer packs it, and unpacks it with
-/// torch's invariant checks: `_autograd_engine.pack_sparse`).
-fn dtype_name(dtype: DType) -> Option<&'static str> {
-    Some(match dtype {
-        DType::U8 => "uint8",
-        DType::F16 => "float16",
-        DType::BF16 => "bfloat16",
-        DType::F32 => "float32",
-        DType::F64 => "float64",
-        _ => return None,
-    })
-}
-
-fn dtype_of(name: &str) -> Option<DType> {
-    Some(match name {
-        "uint8" => DType::U8,
-        "float16" => DType::F16,
-        "bfloat16" => DType::BF16,
-        "float32" => DType::F32,
-        "float64" => DType::F64,
-        _ => return None,
-    })
-}
-
-impl AutogradEngine for TorchEngine {
-    type Tensor = TorchTensor;
-    type LeafId = Leaf;
-
-    fn leaf_id(&self, tensor: &TorchTensor) -> Leaf {
-        Leaf {
-            address: tensor.0.as_ptr() as usize,
-            tensor: tensor.clone(),
-        }
-    }
-
-    fn requires_grad(&self, tensor: &TorchTensor) -> bool {
-        if let Some(prepared) = &tensor.1 {
-            return prepared.1;
-        }
-        Python::attach(|py| {
-            tensor
-                .bind(py)
-                .getattr("requires_grad")
-                .and_then(|r| r.extract::<bool>())
-                .unwrap_or(false)
-        })
-    }
-
-    fn has_grad_fn(&self, tensor: &TorchTensor) -> bool {
-        Python::attach(|py| {
-            tensor
-                .bind(py)
-                .getattr("grad_fn")
-                .is_ok_and(|f| !f.is_none())
-        })
-    }
-
-    fn shape(&self, tensor: &TorchTensor) -> Vec<usize> {
-        if let Some(meta) = &tensor.2 {
-            return meta.shape.clone();
-        }
-        Python::attach(|py| meta_of(tensor.bind(py)).map_or_else(Vec::new, |m| m.shape.clone()))
-    }
-
-    fn dtype(&self, tensor: &TorchTensor) -> Option<DType> {
-        if let Some(meta) = &tensor.2 {
-            return meta.dtype;
-        }
-        Python::attach(|py| dtype_attr(tensor.bind(py)))
-    }
-
-    fn import(&self, tensor: &Tensor, requires_grad: bool) -> Result<TorchTensor, EngineError> {
-        let Storage::Host(bytes) = tensor.storage() else {
-            return Err(EngineError(format!(
-                "torch's engine gets host tensors; one on {} must be copied to the host first",
-                tensor.device()
-            )));
-        };
-        let dtype = dtype_name(tensor.dtype()).ok_or_else(|| {
-            EngineError(format!(
-                "a tracked tensor of {:?}: distributed autograd carries float16, bfloat16, \
-                 float32 and float64 tensors, dense or sparse COO",
-                tensor.dtype()
-            ))
-        })?;
-        let bytes = bytes.clone();
-        let shape = tensor.shape().to_vec();
-        Python::attach(|py| {
-            let run = || -> PyResult<TorchTensor> {
-                let buffer = Py::new(py, WireBuffer::new(bytes))?;
-                let t = engine_fn(py, "import_tensor")?.call1((
-                    dtype,
-                    PyTuple::new(py, &shape)?,
-                    buffer,
-                    requires_grad,
-                ))?;
-                Ok(TorchTensor::shaped(t))
-            };
-            run().map_err(|e| engine_error(py, e))
-        })
-    }
-
-    fn export(&self, tensor: &TorchTensor) -> Result<Tensor, EngineError> {
-        if let Some(prepared) = &tensor.1 {
-            return Ok(prepared.0.clone());
-        }
-        Python::attach(|py| export_now(tensor.bind(py)).map_err(|e| engine_error(py, e))?)
-    }
-
-    fn backward(
-        &self,
-        roots: &[(TorchTensor, Option<TorchTensor>)],
-    ) -> Result<LeafGradients<Self>, EngineError> {
-        Python::attach(|py| {
-            let run = || -> PyResult<LeafGradients<Self>> {
-                let tensors = PyList::new(py, roots.iter().map(|(t, _)| t.bind(py)))?;
-                let seeds = PyList::new(
-                    py,
-                    roots.iter().map(|(_, s)| match s {
-                        Some(s) => s.bind(py).clone(),
-                        None => py.None().into_bound(py),
-                    }),
-                )?;
-                let out = engine_fn(py, "backward")?.call1((tensors, seeds))?;
-                let mut grads = Vec::new();
-                for pair in out.cast::<PyList>()?.iter() {
-                    let pair = pair.cast::<PyTuple>()?;
-                    let leaf = TorchTensor::held(pair.get_item(0)?);
-                    // A received tensor's gradient goes back to its sender; the others stay here.
-                    let grad = if pair.get_item(2)?.extract::<bool>()? {
-                        TorchTensor::to_send(pair.get_item(1)?)
-                    } else {
-                        TorchTensor::held(pair.get_item(1)?)
-                    };
-                    grads.push((self.leaf_id(&leaf), grad));
-                }
-                Ok(grads)
-            };
-            run().map_err(|e| engine_error(py, e))
-        })
-    }
-
-    fn assign(&self, leaf: &TorchTensor, values: &Tensor) -> Result<(), EngineError> {
-        let values = self.import(values, false)?;
-        Python::attach(|py| {
-            engine_fn(py, "assign")
-                .and_then(|f| f.call1((leaf.bind(py), values.bind(py))))
-                .map(drop)
-                .map_err(|e| engine_error(py, e))
-        })
-    }
-
-    fn accumulate(
-        &self,
-        sum: &TorchTensor,
-        grad: &TorchTensor,
-    ) -> Result<TorchTensor, EngineError> {
-        // torch's AccumulateGrad rules (a sparse sum and a dense gradient make a dense one,
-        // which `sum.add(grad)` refuses) are the Python layer's `accumulate`.
-        Python::attach(|py| {
-            engine_fn(py, "accumulate")
-                .and_then(|f| f.call1((sum.bind(py), grad.bind(py))))
-                .map(|t| TorchTensor::held(t))
-                .map_err(|e| engine_error(py, e))
-        })
-    }
-}
+use torch::{engine_fn, TorchEngine, TorchTensor};
 
 /// What a Python call in a context ended with: a pickled value whose tensors travel partly
 /// beside it (`tensors`, untracked) and partly as the driver's tracked tensors, with
@@ -411,7 +97,11 @@ struct TrackedCall {
 }
 
 fn tensors_of<'py>(py: Python<'py>, tracked: &[TorchTensor]) -> PyResult<Bound<'py, PyList>> {
-    PyList::new(py, tracked.iter().map(|t| t.bind(py)))
+    let tensors = tracked
+        .iter()
+        .map(|t| t.bind(py).cloned())
+        .collect::<PyResult<Vec<_>>>()?;
+    PyList::new(py, tensors)
 }
 
 /// The tensors of a Python list about to be sent (tracked arguments or results).
@@ -784,12 +474,16 @@ type FunctionRow = (u64, u32, Vec<Py<PyAny>>);
 fn function_rows(
     py: Python<'_>,
     records: Vec<tensorwire_dist_autograd::FunctionRecord<TorchTensor>>,
-) -> Vec<FunctionRow> {
+) -> PyResult<Vec<FunctionRow>> {
     records
         .into_iter()
         .map(|r| {
-            let tensors = r.tensors.iter().map(|t| t.0.clone_ref(py)).collect();
-            (r.message.0, r.peer, tensors)
+            let tensors = r
+                .tensors
+                .iter()
+                .map(|t| t.object(py))
+                .collect::<PyResult<_>>()?;
+            Ok((r.message.0, r.peer, tensors))
         })
         .collect()
 }
@@ -890,14 +584,14 @@ impl PyDistAutograd {
     /// tensors each message carried that require grad.
     fn send_functions(&self, py: Python<'_>, context: u64) -> PyResult<Vec<FunctionRow>> {
         let records = py.detach(|| Ok::<_, PyErr>(self.retrieve(context)?.send_functions()))?;
-        Ok(function_rows(py, records))
+        function_rows(py, records)
     }
 
     /// The recv functions of `context` here: `[(message id, sender's rank, [tensors])]`, the
     /// tracked tensors each message brought in.
     fn recv_functions(&self, py: Python<'_>, context: u64) -> PyResult<Vec<FunctionRow>> {
         let records = py.detach(|| Ok::<_, PyErr>(self.retrieve(context)?.recv_functions()))?;
-        Ok(function_rows(py, records))
+        function_rows(py, records)
     }
 
     /// Calls `function` on `to` in `context`: `payload` is the pickled arguments, `tensors`
@@ -1100,8 +794,10 @@ impl PyDistAutograd {
         roots: &Bound<'_, PyList>,
         retain_graph: bool,
     ) -> PyResult<()> {
-        let roots: Vec<(TorchTensor, Option<TorchTensor>)> =
-            roots.iter().map(|t| (TorchTensor::held(t), None)).collect();
+        let roots: Vec<(TorchTensor, Option<TorchTensor>)> = roots
+            .iter()
+            .map(|t| (TorchTensor::keyed(t), None))
+            .collect();
         // This thread checks the roots and runs this worker's first local pass itself (it
         // may run Python: the user's thread, the GIL released until the pass takes it), then
         // waits for the rest.
@@ -1116,6 +812,9 @@ impl PyDistAutograd {
     }
 
     /// The gradients this worker holds in `context`: `[(leaf, gradient)]`.
+    // A `Leaf` hashes and compares by its key alone, which never changes; the cell that may
+    // make its Python object later is no part of it.
+    #[allow(clippy::mutable_key_type)]
     fn gradients<'py>(
         &self,
         py: Python<'py>,
@@ -1128,9 +827,9 @@ impl PyDistAutograd {
                     ContextId(context),
                 )))
             })?;
-        Ok(grads
+        grads
             .into_iter()
-            .map(|(leaf, grad)| (leaf.tensor.0.clone_ref(py), grad.0.clone_ref(py)))
-            .collect())
+            .map(|(leaf, grad)| Ok((leaf.tensor.object(py)?, grad.object(py)?)))
+            .collect()
     }
 }

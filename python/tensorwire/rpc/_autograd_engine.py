@@ -581,7 +581,13 @@ def assign(leaf: torch.Tensor, values: torch.Tensor) -> None:
 def dumps_split(value: Any) -> tuple[bytes, list, list, list, list]:
     """``value`` pickled as ``tensorwire.rpc`` pickles it, its tensors split in two:
     ``(payload, untracked, native references, tracked_at, tracked)``; the tracked ones are the
-    tensors that require grad, as they are (the native side records them as sent)."""
+    tensors that require grad, as they are (the native side records them as sent). A value
+    of one of the flat shapes (a tensor that requires grad; a call's tracked tensors and
+    scalars) is not pickled (:func:`_serialize.dumps_flat`)."""
+    flat = _serialize.dumps_flat(value)
+    if flat is not None:
+        payload, tracked = flat
+        return payload, [], [], list(range(len(tracked))), tracked
     buf = io.BytesIO()
     p = _serialize._Pickler(buf, split=True)
     p.dump(value)

@@ -433,6 +433,92 @@ class _Unpickler(pickle.Unpickler):
         return rref
 
 
+_FLAT_ONE = b"\x00T"
+_FLAT_CALL = b"\x00C"
+_FLAT_SCALARS = frozenset((str, int, float, bool, type(None)))
+
+
+def dumps_flat(value: Any) -> Any:
+    """``value`` as a flat payload, or ``None`` when it is not one of the two flat shapes of a
+    call in a distributed autograd context: one tensor that requires grad (a stage's result;
+    the payload is two bytes, nothing pickled), or a call's ``(args, {})`` whose arguments are
+    tensors that require grad (each once) and scalars (``str``, ``int``, ``float``, ``bool``,
+    ``None``; only they are pickled, by the C pickler, with no persistent ids). Every tensor
+    travels as a tracked one, in order: ``(payload, tensors)``. A flat payload begins with a
+    zero byte, which no pickle does (protocol 2 and later begin with ``PROTO``, 0x80);
+    :func:`loads` reads both shapes and refuses a peer's malformed one."""
+    if type(value) is _Tensor:
+        if not value.requires_grad:
+            return None
+        check_carried(value)
+        return _FLAT_ONE, [value]
+    if not (
+        type(value) is tuple and len(value) == 2 and type(value[0]) is tuple
+        and type(value[1]) is dict and not value[1]
+    ):
+        return None
+    scalars: list = []
+    slots: list[int] = []
+    tensors: list = []
+    for i, a in enumerate(value[0]):
+        kind = type(a)
+        if kind in _FLAT_SCALARS:
+            scalars.append(a)
+        elif kind is _Tensor and a.requires_grad and not any(a is t for t in tensors):
+            slots.append(i)
+            tensors.append(a)
+        else:
+            return None
+    for t in tensors:
+        check_carried(t)
+    return _FLAT_CALL + pickle.dumps((tuple(scalars), tuple(slots)), protocol=PROTOCOL), tensors
+
+
+class _ScalarUnpickler(pickle.Unpickler):
+    """Reads a flat call's scalars: no global, no persistent id."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise RefusedError(f"a flat payload names {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise RefusedError("a flat payload refers to a tensor by id")
+
+
+def _loads_flat(payload: bytes, buffers: Sequence[Any], rrefs: Sequence[Any], origin: str) -> Any:
+    """A flat payload's value (:func:`dumps_flat`), its tensors the tracked ones received."""
+    if rrefs or not all(isinstance(b, _Tensor) for b in buffers):
+        raise RefusedError(f"a flat payload from {origin} with untracked tensors or references")
+    head = payload[:2]
+    if head == _FLAT_ONE and len(payload) == 2:
+        if len(buffers) != 1:
+            raise RefusedError(f"a flat tensor from {origin} with {len(buffers)} tensors")
+        return buffers[0]
+    if head != _FLAT_CALL:
+        raise RefusedError(f"a malformed flat payload from {origin}")
+    try:
+        decoded = _ScalarUnpickler(io.BytesIO(payload[2:])).load()
+    except Exception as e:  # noqa: BLE001 - whatever a malformed pickle raises, or a global
+        raise RefusedError(f"a malformed flat payload from {origin}: {e}") from None
+    if not (
+        type(decoded) is tuple and len(decoded) == 2
+        and type(decoded[0]) is tuple and type(decoded[1]) is tuple
+        and all(type(x) in _FLAT_SCALARS for x in decoded[0])
+    ):
+        raise RefusedError(f"a malformed flat payload from {origin}")
+    scalars, slots = decoded
+    total = len(scalars) + len(slots)
+    if len(slots) != len(buffers) or not all(
+        type(i) is int and 0 <= i < total for i in slots
+    ) or any(a >= b for a, b in zip(slots, slots[1:])):
+        raise RefusedError(f"malformed flat tensor positions from {origin}: {slots!r}")
+    args: list = []
+    tensors, rest = iter(buffers), iter(scalars)
+    at = set(slots)
+    for i in range(total):
+        args.append(next(tensors) if i in at else next(rest))
+    return tuple(args), {}
+
+
 def loads(
     payload: bytes,
     buffers: Sequence[Any],
@@ -443,5 +529,8 @@ def loads(
 ) -> Any:
     """Decodes what a peer sent (``origin`` names it in errors), with the tensors' buffers and
     the native references that came with it: ``RefusedError`` for anything outside the
-    allow-list unless ``trusted``."""
+    allow-list unless ``trusted``. A flat payload (:func:`dumps_flat`) is read without the
+    pickle machinery."""
+    if payload[:1] == b"\x00":
+        return _loads_flat(payload, buffers, rrefs, origin)
     return _Unpickler(payload, buffers, rrefs, trusted, origin).load()
