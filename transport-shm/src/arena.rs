@@ -69,9 +69,9 @@ use tensorwire_core::spin::{SpinPolicy, SpinStep};
 use tokio::io::unix::AsyncFd;
 
 use crate::mem::{self, Mapping, RING_SEALS};
+use crate::sock;
 pub use now::Unfinished;
 use now::{At, Blocked, Look};
-use crate::sock;
 
 /// The default size of a group's arena: 32 MiB per group and host (slots of 2 MiB a half at 8
 /// ranks, 256 KiB at 64). Pages are touched only as messages use them.
@@ -736,14 +736,13 @@ impl Arena {
         mut give_up: GiveUp<'_>,
         at: At,
     ) -> Result<(), ArenaError> {
-        let reported = if at.is_start() {
-            self.reported()
-        } else {
-            None
-        };
+        let reported = if at.is_start() { self.reported() } else { None };
         let result = match reported {
             Some(failure) => Err(failure),
-            None => self.phases(plan, buffer, bounds, give_up.as_mut(), at).await,
+            None => {
+                self.phases(plan, buffer, bounds, give_up.as_mut(), at)
+                    .await
+            }
         };
         result.map_err(|failure| self.failed(failure))
     }

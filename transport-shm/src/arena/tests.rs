@@ -399,7 +399,12 @@ async fn try_run_stops_where_its_spin_ends_and_resume_finishes_with_the_same_res
         .map(|r| arena::all_reduce(r, world, 2, ElementType::I32, ReduceOp::Sum, slot).unwrap())
         .collect();
     let mut data: Vec<Vec<u8>> = (0..world)
-        .map(|r| [r as i32 + 1, 10 * (r as i32 + 1)].iter().flat_map(|v| v.to_le_bytes()).collect())
+        .map(|r| {
+            [r as i32 + 1, 10 * (r as i32 + 1)]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect()
+        })
         .collect();
     let (first, rest) = arenas.split_at_mut(1);
     let (a0, a1) = (&mut first[0], &mut rest[0]);
@@ -435,7 +440,10 @@ async fn try_run_stops_where_its_spin_ends_and_resume_finishes_with_the_same_res
     // Rank 0 runs a barrier as 11, rank 1 as 12: rank 1 sees rank 0's signature at once.
     let _ = a0.try_run(&barrier0, &mut [], 11).unwrap().unwrap();
     let e = a1.try_run(&barrier1, &mut [], 12).unwrap_err();
-    assert_eq!(e, ArenaError::Failed(ArenaFailure::Disagreement { rank: 0 }));
+    assert_eq!(
+        e,
+        ArenaError::Failed(ArenaFailure::Disagreement { rank: 0 })
+    );
     // And every later run of rank 1 fails with the same, without a wait.
     assert_eq!(a1.try_run(&barrier1, &mut [], 12).unwrap_err(), e);
 }
