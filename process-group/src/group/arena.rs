@@ -569,7 +569,7 @@ impl Group {
             Ok(out) => return Ok(out),
             Err(e) => e,
         };
-        // The plan is the cache's, in the slot `failed` may replace.
+        // The plan is the cache's, in the slot `arena_failed` may replace.
         drop(plan);
         Err(self.arena_failed(turn, collective, e))
     }
