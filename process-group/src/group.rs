@@ -26,6 +26,7 @@ mod dispatch;
 mod ext;
 mod hier;
 mod links;
+mod now;
 mod running;
 mod setup;
 
@@ -394,6 +395,17 @@ impl ProcessGroup for Group {
             return Box::pin(self.arena_alone(op));
         }
         Box::pin(self.execute(op))
+    }
+
+    /// [`run_op`](ProcessGroup::run_op), or a barrier or small all_reduce on the group's
+    /// arena run to its end in this call when its turn is free and its waits end within the
+    /// spin (see `group::now`).
+    fn run_now<'a>(
+        &'a self,
+        op: Op<'a>,
+        cx: &mut std::task::Context<'_>,
+    ) -> tensorwire_core::ports::process_group::Now<'a> {
+        self.now(op, cx)
     }
 
     /// A [`Work`] on its own task (see [`Group::issue`]).

@@ -70,6 +70,8 @@ use tokio::io::unix::AsyncFd;
 
 use crate::mem::{self, Mapping, RING_SEALS};
 use crate::sock;
+pub use now::Unfinished;
+use now::{At, Blocked, Look};
 
 /// The default size of a group's arena: 32 MiB per group and host (slots of 2 MiB a half at 8
 /// ranks, 256 KiB at 64). Pages are touched only as messages use them.
@@ -655,7 +657,7 @@ impl Arena {
         };
         // SAFETY: every byte of a slice is initialised, and the slice is ours (borrowed
         // mutably) for the whole call.
-        unsafe { self.run_over(plan, buffer, bounds, give_up) }.await
+        unsafe { self.run_over(plan, buffer, bounds, give_up, At::START) }.await
     }
 
     /// Runs `plan` as [`Arena::run`] does, over a buffer of its own holding `input` in the
@@ -697,7 +699,7 @@ impl Arena {
         // SAFETY: the plan fills its buffer (core's check above): it draws only on bytes the
         // input or its own reads have written. The allocation is not touched otherwise (nor
         // moved: only the vector's handle is, with the future) until the run has ended.
-        unsafe { self.run_over(plan, raw, bounds, give_up) }.await?;
+        unsafe { self.run_over(plan, raw, bounds, give_up, At::START) }.await?;
         // SAFETY: the plan ran to its end, and a plan that fills its buffer has then written
         // every byte of it.
         unsafe { buffer.set_len(len) };
@@ -724,87 +726,147 @@ impl Arena {
     /// `buffer` is writable for its length, not touched by anything else until the returned
     /// future has finished or been dropped, and its bytes that the plan draws on (its writes,
     /// its reducing reads, its local copy's source) are initialised before it draws on them:
-    /// all of them for a slice, or those [`ArenaPlan::fills_buffer`] promises.
+    /// all of them for a slice, or those [`ArenaPlan::fills_buffer`] promises. `at` is where
+    /// a run of this plan over this buffer stopped ([`At::START`] for a new one).
     async unsafe fn run_over(
         &mut self,
         plan: &ArenaPlan,
         buffer: Buffer,
         bounds: &Bounds<'_>,
         mut give_up: GiveUp<'_>,
+        at: At,
     ) -> Result<(), ArenaError> {
-        let reported = reported_disagreement(self.world, self.rank, |q| {
-            self.disagreed(q).load(Ordering::Acquire) == SAW_DISAGREEMENT
-        });
+        let reported = if at.is_start() { self.reported() } else { None };
         let result = match reported {
             Some(failure) => Err(failure),
-            None => self.phases(plan, buffer, bounds, give_up.as_mut()).await,
+            None => {
+                self.phases(plan, buffer, bounds, give_up.as_mut(), at)
+                    .await
+            }
         };
-        result.map_err(|failure| {
-            self.report_failure(match failure {
-                ArenaFailure::Disagreement { .. } => SAW_DISAGREEMENT,
-                _ => FAILED,
-            });
-            self.state.fail(failure).into()
+        result.map_err(|failure| self.failed(failure))
+    }
+
+    /// A disagreement another rank reported in the arena (checked before a collective's first
+    /// phase).
+    fn reported(&self) -> Option<ArenaFailure> {
+        reported_disagreement(self.world, self.rank, |q| {
+            self.disagreed(q).load(Ordering::Acquire) == SAW_DISAGREEMENT
         })
     }
 
-    /// The phases of `plan` over `buffer` (see [`Arena::run_over`] for what it must be).
+    /// Says `failure` in this rank's line, and keeps it: every later collective fails with it.
+    fn failed(&mut self, failure: ArenaFailure) -> ArenaError {
+        self.report_failure(match failure {
+            ArenaFailure::Disagreement { .. } => SAW_DISAGREEMENT,
+            _ => FAILED,
+        });
+        self.state.fail(failure).into()
+    }
+
+    /// The phases of `plan` over `buffer` from `at` (see [`Arena::run_over`] for what it must
+    /// be): [`Arena::advance`] looks once at each wait, and [`Arena::wait`] waits where it
+    /// stopped. The first wait after a synchronous run's spin ([`At::spun`]) goes to sleep at
+    /// once: its budget was spent.
     async fn phases(
         &mut self,
         plan: &ArenaPlan,
         buffer: Buffer,
         bounds: &Bounds<'_>,
         mut give_up: GiveUp<'_>,
+        mut at: At,
     ) -> Result<(), ArenaFailure> {
-        if let Some((from, to)) = plan.local_copy() {
-            assert!(from.end <= buffer.len && to.start + from.len() <= buffer.len);
-            // SAFETY: both in the buffer (asserted); the source is initialised (the caller's
-            // promise); `copy` allows them to overlap.
-            unsafe {
-                std::ptr::copy(
-                    buffer.ptr.add(from.start),
-                    buffer.ptr.add(to.start),
-                    from.len(),
-                )
-            };
-        }
-        let signature = bounds.signature;
-        for phase in plan.phases() {
-            let half = self.state.half();
-            if !phase.writes.is_empty() {
-                let (readers, target) = self.state.free_wait();
-                if !all_reached(readers, target, |q| self.counter_value(q)) {
+        loop {
+            let stopped = (at.phase, at.published.is_some());
+            let blocked = self.advance(plan, buffer, &mut at, bounds.signature, Look::Once)?;
+            // Only the wait the spin was spent on sleeps at once.
+            let spun =
+                std::mem::take(&mut at.spun) && stopped == (at.phase, at.published.is_some());
+            match blocked {
+                None => return Ok(()),
+                Some(Blocked::Free) => {
+                    let (readers, target) = self.state.free_wait();
                     let readers = readers.to_vec();
-                    self.wait(&readers, target, bounds, give_up.as_mut())
+                    self.wait(&readers, target, bounds, give_up.as_mut(), spun)
                         .await?;
                 }
-                let slot = self.slot_ptr(self.rank, half);
-                for w in &phase.writes {
-                    // SAFETY: the plan fits the slot (checked in core: `to + len <= slot`,
-                    // asserted below) and the buffer, whose bytes it draws on are initialised
-                    // (the caller's promise); the slot's half is ours to write: its readers
-                    // have moved on (the waits above).
-                    assert!(w.to + w.from.len() <= self.slot && w.from.end <= buffer.len);
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            buffer.ptr.add(w.from.start),
-                            slot.add(w.to),
-                            w.from.len(),
-                        )
-                    };
+                Some(Blocked::Phase) => {
+                    let target = self.state.phase_target();
+                    let ranks = &plan.phases()[at.phase].waits_on;
+                    self.wait(ranks, target, bounds, give_up.as_mut(), spun)
+                        .await?;
                 }
             }
-            let phase_no = self.state.phase();
-            let (tag, sig) = self.signature_words(self.rank, half);
-            tag.store(u64::MAX, Ordering::Relaxed);
-            sig.store(signature, Ordering::Relaxed);
-            tag.store(phase_no, Ordering::Release);
-            let value = self.state.posted(!phase.writes.is_empty(), &phase.readers);
-            self.counter(self.rank).store(value, Ordering::Release);
-            self.announce();
-            let target = self.state.phase_target();
-            self.wait(&phase.waits_on, target, bounds, give_up.as_mut())
-                .await?;
+        }
+    }
+
+    /// Runs the phases of `plan` over `buffer` from `at` as far as the counters allow, looking
+    /// at each wait as `look` says: `None` once the plan ran to its end, else what it waits
+    /// for, with `at` where it stopped (see [`Arena::run_over`] for what `buffer` must be).
+    fn advance(
+        &mut self,
+        plan: &ArenaPlan,
+        buffer: Buffer,
+        at: &mut At,
+        signature: u64,
+        look: Look,
+    ) -> Result<Option<Blocked>, ArenaFailure> {
+        if at.is_start() {
+            if let Some((from, to)) = plan.local_copy() {
+                assert!(from.end <= buffer.len && to.start + from.len() <= buffer.len);
+                // SAFETY: both in the buffer (asserted); the source is initialised (the
+                // caller's promise); `copy` allows them to overlap.
+                unsafe {
+                    std::ptr::copy(
+                        buffer.ptr.add(from.start),
+                        buffer.ptr.add(to.start),
+                        from.len(),
+                    )
+                };
+            }
+            at.copied = true;
+        }
+        while let Some(phase) = plan.phases().get(at.phase) {
+            let (half, phase_no) = match at.published {
+                Some(published) => published,
+                None => {
+                    let half = self.state.half();
+                    if !phase.writes.is_empty() {
+                        let (readers, target) = self.state.free_wait();
+                        if !self.reached(readers, target, look) {
+                            return Ok(Some(Blocked::Free));
+                        }
+                        let slot = self.slot_ptr(self.rank, half);
+                        for w in &phase.writes {
+                            // SAFETY: the plan fits the slot (checked in core: `to + len <=
+                            // slot`, asserted below) and the buffer, whose bytes it draws on are
+                            // initialised (the caller's promise); the slot's half is ours to
+                            // write: its readers have moved on (the waits above).
+                            assert!(w.to + w.from.len() <= self.slot && w.from.end <= buffer.len);
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    buffer.ptr.add(w.from.start),
+                                    slot.add(w.to),
+                                    w.from.len(),
+                                )
+                            };
+                        }
+                    }
+                    let phase_no = self.state.phase();
+                    let (tag, sig) = self.signature_words(self.rank, half);
+                    tag.store(u64::MAX, Ordering::Relaxed);
+                    sig.store(signature, Ordering::Relaxed);
+                    tag.store(phase_no, Ordering::Release);
+                    let value = self.state.posted(!phase.writes.is_empty(), &phase.readers);
+                    self.counter(self.rank).store(value, Ordering::Release);
+                    self.announce();
+                    at.published = Some((half, phase_no));
+                    (half, phase_no)
+                }
+            };
+            if !self.reached(&phase.waits_on, self.state.phase_target(), look) {
+                return Ok(Some(Blocked::Phase));
+            }
             for q in &phase.waits_on {
                 // Best effort: a rank that has moved on two phases has overwritten its
                 // signature, and is not checked here (it was by the ranks that waited on it).
@@ -847,8 +909,10 @@ impl Arena {
                     unsafe { std::ptr::copy_nonoverlapping(incoming, dst, read.to.len()) };
                 }
             }
+            at.phase += 1;
+            at.published = None;
         }
-        Ok(())
+        Ok(None)
     }
 
     fn counter_value(&self, rank: usize) -> u32 {
@@ -880,17 +944,22 @@ impl Arena {
     /// for the spin budget, then sleeps until its eventfd is written, the time core's
     /// [`ArenaWait`] names on the group's clock, or the caller gives up; after each sleep, core
     /// decides on what the counters, the clock and the ranks' processes say. Nothing is
-    /// allocated unless it comes to sleeping.
+    /// allocated unless it comes to sleeping. `spun`: the budget was spent already (by
+    /// [`Arena::try_run`]), so it sleeps at once.
     async fn wait(
         &mut self,
         ranks: &[usize],
         target: u32,
         bounds: &Bounds<'_>,
         give_up: GiveUp<'_>,
+        spun: bool,
     ) -> Result<(), ArenaFailure> {
         let done = |this: &Self| all_reached(ranks, target, |q| this.counter_value(q));
         if done(self) {
             return Ok(());
+        }
+        if spun {
+            return Box::pin(self.sleep(ranks, target, bounds, give_up)).await;
         }
         // The spin budget is CPU time spent looking, on the system's clock; no deadline is
         // judged here.
@@ -1054,5 +1123,6 @@ fn exited(pidfd: &OwnedFd) -> bool {
         && fds[0].revents().contains(rustix::event::PollFlags::IN)
 }
 
+mod now;
 #[cfg(test)]
 mod tests;

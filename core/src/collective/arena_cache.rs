@@ -132,6 +132,19 @@ impl std::ops::Deref for Planned<'_> {
     }
 }
 
+impl Planned<'_> {
+    /// Whether the group runs this plan in the issuing call first (the port's
+    /// [`run_now`](crate::ports::process_group::ProcessGroup::run_now): no future, each wait
+    /// spinning for at most the spin budget before the rest goes to a future): a kept plan,
+    /// a small collective that repeats (a barrier, an 8-byte all_reduce), whose run is a few
+    /// microseconds against the future's cost. A plan made for one call (a large message's,
+    /// a phase per chunk, or one without a key) runs in a future from its start, whose waits
+    /// hand the caller's runtime a turn while they spin.
+    pub fn runs_now(&self) -> bool {
+        matches!(self, Planned::Kept(_))
+    }
+}
+
 impl PlanCache {
     /// An empty cache for the plans of `rank` of `world`, with slots of `slot` bytes.
     pub fn new(rank: usize, world: usize, slot: usize) -> Self {
@@ -308,9 +321,11 @@ mod tests {
             assert_eq!(*plan, all_reduce(2));
         }
         assert_eq!((made, cache.len()), (1, 1));
+        assert!(cache.plan(key(2), || Err(())).unwrap().runs_now());
         // Without a key, or too long to keep: made for the call, kept nowhere.
         let plan = cache.plan(None, || Ok::<_, ()>(all_reduce(3))).unwrap();
         assert!(matches!(plan, Planned::Made(_)));
+        assert!(!plan.runs_now());
         let long =
             plans::all_reduce(1, 4, 64 * SLOT, ElementType::F32, ReduceOp::Sum, SLOT).unwrap();
         assert!(long.phases().len() > PLAN_CACHE_MAX_PHASES);
@@ -318,6 +333,7 @@ mod tests {
             .plan(key(64 * SLOT as u64), || Ok::<_, ()>(long.clone()))
             .unwrap();
         assert!(matches!(plan, Planned::Made(ref p) if *p == long));
+        assert!(!plan.runs_now());
         // A refused plan is the caller's error, and nothing is kept.
         assert_eq!(
             cache

@@ -45,6 +45,7 @@
 //! (NCCL), which stages the byte forms through its device.
 
 use std::sync::Arc;
+use std::task::Context;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -65,7 +66,7 @@ pub use ext::Collectives;
 pub use op::{Buf, Done, HostMut, Op, Scheduled};
 pub use stage::stage_report;
 pub use tensors::{TensorCollectives, TensorWork};
-pub use work::{failed, lazy, map, Pending, Started, WorkHandle};
+pub use work::{failed, lazy, map, Now, Pending, Started, WorkHandle};
 
 /// Collectives among the ranks of a group: one [`Op`] at a time through
 /// [`start`](Self::start); the forms users call are the extension traits' ([`Collectives`],
@@ -104,6 +105,23 @@ pub trait ProcessGroup: Send + Sync {
     /// would in the call. The default starts it and waits on the handle.
     fn run_op<'a>(&'a self, op: Op<'a>) -> Pending<'a, Done> {
         self.start(op).wait(UNBOUNDED)
+    }
+
+    /// [`run_op`](Self::run_op) that may run `op` to its end in this call, without a future:
+    /// what every awaited extension method ([`Collectives`]) calls in its first poll, with
+    /// that poll's `cx`. `op` is issued here in either case (the ordering point, as
+    /// [`start`](Self::start)'s call); [`Now::Done`] gives the result, [`Now::Later`] a future
+    /// to await for it (which may continue what the call began).
+    ///
+    /// A backend may finish small collectives here when they end within a short spin (a
+    /// shared-memory barrier whose peers are already there): it must bound what it spends in
+    /// the call (the caller's task holds its thread meanwhile), keep its waits that sleep,
+    /// time out and notice failures in the future it returns, and let the caller's runtime
+    /// run its other tasks as often as awaiting `run_op`'s future would (`cx` is for that: a
+    /// runtime's cooperative budget). The default is `run_op`'s future, issued here.
+    fn run_now<'a>(&'a self, op: Op<'a>, cx: &mut Context<'_>) -> Now<'a> {
+        let _ = cx;
+        Now::Later(self.run_op(op))
     }
 
     /// The backend's name, for errors and logs (`"tensorwire"`, `"nccl"`).

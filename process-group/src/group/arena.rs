@@ -21,7 +21,7 @@ use tensorwire_core::collective::arena as plans;
 use tensorwire_core::collective::arena::ArenaPlan;
 use tensorwire_core::collective::arena_cache::{PlanCache, PlanKey};
 use tensorwire_transport_shm::arena::{
-    host_key, Arena, ArenaError, ArenaFailure, ArenaHost, Bounds,
+    host_key, Arena, ArenaError, ArenaFailure, ArenaHost, Bounds, Unfinished,
 };
 
 use super::*;
@@ -326,6 +326,21 @@ impl Group {
         })
     }
 
+    /// A one-round collective's turn taken in the issuing call, without waiting: `None` when
+    /// the arena is not set up, or held (an earlier collective's, or waited for: turns come in
+    /// issue order), and then nothing is taken. Its sequence number is taken here.
+    pub(super) fn try_turn(&self) -> Option<Turn<'_>> {
+        let slot = self.inner.arena.try_lock().ok()?;
+        if !matches!(*slot, ArenaSlot::Ready(..)) {
+            return None;
+        }
+        Some(Turn {
+            slot,
+            seq: self.reserve(1),
+            world: self.size(),
+        })
+    }
+
     async fn fetch_subgroup_arena(&self, pids: &[u32]) -> Result<Arena, ProcessGroupError> {
         let key = format!("tensorwire/pg/{}/arena", self.name());
         self.fetch_arena(&key, pids, self.inner.arena_bytes, false)
@@ -421,7 +436,7 @@ impl Group {
         buffer: Exec<'_>,
         signature: u64,
     ) -> Result<Option<Vec<u8>>, ProcessGroupError> {
-        self.arena_exec(turn, collective, key, make, buffer, signature)
+        self.arena_exec(turn, collective, key, make, buffer, signature, None)
             .await
     }
 
@@ -441,6 +456,7 @@ impl Group {
             |_| plan,
             Exec::InPlace(buffer),
             signature,
+            None,
         )
         .await
         .map(|_| ())
@@ -465,6 +481,7 @@ impl Group {
                 |_| plan,
                 Exec::Fresh(input),
                 signature,
+                None,
             )
             .await?;
         Ok(out.unwrap_or_default())
@@ -477,8 +494,9 @@ impl Group {
     /// on its runtime's clock and by the wait of the [`Work`](crate::Work) running it, if any.
     /// A failure fails every later collective through the arena with the same error; a timeout
     /// also breaks the group (as on the links: the ranks no longer agree where the collectives
-    /// stand).
-    async fn arena_exec(
+    /// stand). `from`: the rest of a run [`Group::arena_now`] began (over the same buffer).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn arena_exec(
         &self,
         turn: &mut Turn<'_>,
         collective: &'static str,
@@ -486,8 +504,8 @@ impl Group {
         make: impl FnOnce(usize) -> Result<ArenaPlan, CollectiveError>,
         buffer: Exec<'_>,
         signature: u64,
+        from: Option<Unfinished>,
     ) -> Result<Option<Vec<u8>>, ProcessGroupError> {
-        let seq = turn.seq;
         let mesh = &self.inner.mesh;
         let (arena, cache) = match &mut *turn.slot {
             ArenaSlot::Ready(arena, cache) => (arena, cache),
@@ -496,7 +514,8 @@ impl Group {
                 unreachable!("a turn is handed out only for a set-up arena")
             }
         };
-        if let Some(e) = mesh.broken() {
+        let begun = from.is_some_and(|f| f != Unfinished::NOT_BEGUN);
+        if let (false, Some(e)) = (begun, mesh.broken()) {
             // Said in the arena before this rank stops taking part, so that the ranks still
             // waiting for it, once its process ends, name the rank that broke the group rather
             // than this one.
@@ -512,7 +531,7 @@ impl Group {
         // Subscribed now, in the collective's first poll (see `work::expired`).
         let give_up = crate::work::expired();
         tokio::pin!(give_up);
-        let span = tracing::debug_span!("arena", collective, seq);
+        let span = tracing::debug_span!("arena", collective, seq = turn.seq);
         let gone = |peer: usize| -> Option<String> {
             if let Some(e) = mesh.broken() {
                 return Some(e.to_string());
@@ -529,13 +548,18 @@ impl Group {
             signature,
             gone: &gone,
         };
-        let result = match buffer {
-            Exec::InPlace(buffer) => arena
+        let result = match (buffer, from) {
+            (Exec::InPlace(buffer), Some(from)) => arena
+                .resume(&plan, buffer, &bounds, give_up, from)
+                .instrument(span)
+                .await
+                .map(|()| None),
+            (Exec::InPlace(buffer), None) => arena
                 .run(&plan, buffer, &bounds, give_up)
                 .instrument(span)
                 .await
                 .map(|()| None),
-            Exec::Fresh(input) => arena
+            (Exec::Fresh(input), _) => arena
                 .run_fresh(&plan, input, &bounds, give_up)
                 .instrument(span)
                 .await
@@ -544,6 +568,63 @@ impl Group {
         let e = match result {
             Ok(out) => return Ok(out),
             Err(e) => e,
+        };
+        // The plan is the cache's, in the slot `arena_failed` may replace.
+        drop(plan);
+        Err(self.arena_failed(turn, collective, e))
+    }
+
+    /// Runs the plan under `key` (as [`Group::arena_exec`] does) over `buffer` in this call,
+    /// when core says it runs so ([`Planned::runs_now`](tensorwire_core::collective::arena_cache::Planned::runs_now))
+    /// and for as long as the arena's waits end within their spin ([`Arena::try_run`]): `None`
+    /// when it ran to its end, else what [`Group::arena_exec`] is to finish (the whole of it
+    /// when it was not begun). No clock is read, nothing subscribed, no deadline made here:
+    /// that is the rest's.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn arena_now(
+        &self,
+        turn: &mut Turn<'_>,
+        collective: &'static str,
+        key: Option<PlanKey>,
+        make: impl FnOnce(usize) -> Result<ArenaPlan, CollectiveError>,
+        buffer: &mut [u8],
+        signature: u64,
+    ) -> Result<Option<Unfinished>, ProcessGroupError> {
+        let (arena, cache) = match &mut *turn.slot {
+            ArenaSlot::Ready(arena, cache) => (arena, cache),
+            _ => return Ok(Some(Unfinished::NOT_BEGUN)),
+        };
+        if self.inner.mesh.broken().is_some() {
+            // The rest says so in the arena, as every collective does.
+            return Ok(Some(Unfinished::NOT_BEGUN));
+        }
+        let slot = arena.slot_bytes();
+        let plan = cache
+            .plan(key, || make(slot))
+            .map_err(|source| ProcessGroupError::Arguments { collective, source })?;
+        if !plan.runs_now() {
+            return Ok(Some(Unfinished::NOT_BEGUN));
+        }
+        let e = match arena.try_run(&plan, buffer, signature) {
+            Ok(rest) => return Ok(rest),
+            Err(e) => e,
+        };
+        drop(plan);
+        Err(self.arena_failed(turn, collective, e))
+    }
+
+    /// The error of a collective through the arena that failed with `e`: a failure of the
+    /// arena's fails every later collective through it with the same error, and a timeout also
+    /// breaks the group.
+    fn arena_failed(
+        &self,
+        turn: &mut Turn<'_>,
+        collective: &'static str,
+        e: ArenaError,
+    ) -> ProcessGroupError {
+        let (seq, mesh) = (turn.seq, &self.inner.mesh);
+        let ArenaSlot::Ready(arena, _) = &*turn.slot else {
+            unreachable!("a run failed on a set-up arena")
         };
         let failed = matches!(e, ArenaError::Failed(_));
         let error = match (e, mesh.broken()) {
@@ -577,15 +658,13 @@ impl Group {
                 other => other,
             },
         };
-        // The plan is the cache's, in the slot replaced below.
-        drop(plan);
         if failed {
             if matches!(error, ProcessGroupError::Timeout { .. }) {
                 mesh.fail(error.clone());
             }
             *turn.slot = ArenaSlot::Failed(error.clone());
         }
-        Err(error)
+        error
     }
 
     /// Every rank's value of `mine.len()` bytes (the same on every rank), through the arena,
@@ -614,9 +693,6 @@ impl Group {
     }
 
     pub(super) async fn arena_barrier(&self, turn: &mut Turn<'_>) -> Result<(), ProcessGroupError> {
-        /// A barrier's word never changes: coded once per process, not at every barrier.
-        static BARRIER_WORD: std::sync::LazyLock<u64> =
-            std::sync::LazyLock::new(|| Signature::Barrier.word(&[]));
         let (rank, world) = (self.rank(), self.size());
         self.arena_run_kept(
             turn,
@@ -624,7 +700,7 @@ impl Group {
             PlanKey::barrier(),
             |s| plans::barrier(rank, world, s),
             Exec::InPlace(&mut []),
-            *BARRIER_WORD,
+            barrier_word(),
         )
         .await
         .map(|_| ())
@@ -1002,11 +1078,19 @@ impl Group {
 }
 
 /// What a collective runs over through the arena.
-enum Exec<'b> {
+pub(super) enum Exec<'b> {
     /// The caller's buffer, input in place.
     InPlace(&'b mut [u8]),
     /// A buffer of the run's own, starting with this input (see [`Arena::run_fresh`]).
     Fresh(&'b [u8]),
+}
+
+/// A barrier's signature word: it never changes, so it is coded once per process, not at
+/// every barrier.
+pub(super) fn barrier_word() -> u64 {
+    static BARRIER_WORD: std::sync::LazyLock<u64> =
+        std::sync::LazyLock::new(|| Signature::Barrier.word(&[]));
+    *BARRIER_WORD
 }
 
 /// Removes an arena's name from the store (`Err`: why it could not).

@@ -383,3 +383,67 @@ async fn a_sleeping_rank_is_woken_by_the_publication_it_waits_for() {
         assert!(ended >= t0 + late);
     }
 }
+
+/// The synchronous path: a rank whose peer has not come stops where its spin ends (having
+/// published its phase), the peer runs the whole plan in its call, and the first rank's
+/// `resume` finishes with the same result as the peer's; a barrier likewise; and a rank whose
+/// signature differs from the phase's is told in its call.
+#[tokio::test]
+async fn try_run_stops_where_its_spin_ends_and_resume_finishes_with_the_same_result() {
+    let world = 2;
+    let mut arenas = arenas(world, 1 << 16).await;
+    let slot = arenas[0].slot_bytes();
+    let never = never();
+    tokio::pin!(never);
+    let plans: Vec<ArenaPlan> = (0..world)
+        .map(|r| arena::all_reduce(r, world, 2, ElementType::I32, ReduceOp::Sum, slot).unwrap())
+        .collect();
+    let mut data: Vec<Vec<u8>> = (0..world)
+        .map(|r| {
+            [r as i32 + 1, 10 * (r as i32 + 1)]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect()
+        })
+        .collect();
+    let (first, rest) = arenas.split_at_mut(1);
+    let (a0, a1) = (&mut first[0], &mut rest[0]);
+    let (d0, d1) = data.split_at_mut(1);
+    let unfinished = a0.try_run(&plans[0], &mut d0[0], 7).unwrap();
+    let unfinished = unfinished.expect("rank 1 has not come: rank 0 cannot finish");
+    assert_eq!(a1.try_run(&plans[1], &mut d1[0], 7).unwrap(), None);
+    // A plan that does not fit where the run stopped is refused, and changes nothing.
+    let barrier0 = arena::barrier(0, world, slot).unwrap();
+    let bounds = bounds(Duration::from_secs(5));
+    let mismatch = a0
+        .resume(&barrier0, &mut [], &bounds, never.as_mut(), unfinished)
+        .await;
+    assert!(matches!(mismatch, Err(ArenaError::PlanMismatch { .. })));
+    a0.resume(&plans[0], &mut d0[0], &bounds, never.as_mut(), unfinished)
+        .await
+        .unwrap();
+    let expected: Vec<u8> = [3i32, 30].iter().flat_map(|v| v.to_le_bytes()).collect();
+    assert_eq!(data, vec![expected.clone(), expected]);
+
+    let barrier1 = arena::barrier(1, world, slot).unwrap();
+    let bounds = Bounds {
+        signature: 9,
+        ..bounds
+    };
+    for _ in 0..3 {
+        let unfinished = a0.try_run(&barrier0, &mut [], 9).unwrap().unwrap();
+        assert_eq!(a1.try_run(&barrier1, &mut [], 9).unwrap(), None);
+        a0.resume(&barrier0, &mut [], &bounds, never.as_mut(), unfinished)
+            .await
+            .unwrap();
+    }
+    // Rank 0 runs a barrier as 11, rank 1 as 12: rank 1 sees rank 0's signature at once.
+    let _ = a0.try_run(&barrier0, &mut [], 11).unwrap().unwrap();
+    let e = a1.try_run(&barrier1, &mut [], 12).unwrap_err();
+    assert_eq!(
+        e,
+        ArenaError::Failed(ArenaFailure::Disagreement { rank: 0 })
+    );
+    // And every later run of rank 1 fails with the same, without a wait.
+    assert_eq!(a1.try_run(&barrier1, &mut [], 12).unwrap_err(), e);
+}

@@ -3,6 +3,7 @@
 //! reads the [`Done`].
 
 use std::future::Future;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -11,20 +12,33 @@ use crate::collective::varlen::BlockLens;
 use crate::collective::{ElementType, ReduceOp};
 use crate::tensor::Storage;
 
-use super::{Buf, Done, Op, Pending, ProcessGroup, ProcessGroupError, UNBOUNDED};
+use super::{Buf, Done, Now, Op, Pending, ProcessGroup, ProcessGroupError, UNBOUNDED};
 
 /// The awaited byte forms of every collective, for any [`ProcessGroup`] (blanket-implemented).
 ///
 /// Each is issued when its future is first polled (the ordering point, see the
 /// [port's contract](super)) and completes when the collective has on this rank.
 pub trait Collectives: ProcessGroup {
-    /// Runs `op` to its end: [`start`](ProcessGroup::start) and wait
-    /// ([`run_op`](ProcessGroup::run_op)), issued at the first poll.
+    /// Runs `op` to its end: [`start`](ProcessGroup::start) and wait, issued at the first
+    /// poll ([`run_now`](ProcessGroup::run_now): in that poll when the backend can, else
+    /// awaiting the future it gives).
     fn run<'a>(
         &'a self,
         op: Op<'a>,
     ) -> impl Future<Output = Result<Done, ProcessGroupError>> + Send + 'a {
-        async move { self.run_op(op).await }
+        async move {
+            let mut op = Some(op);
+            // Ready at its first poll (so polled once): `run_now` is called there, with its
+            // context.
+            let now =
+                std::future::poll_fn(|cx| Poll::Ready(op.take().map(|op| self.run_now(op, cx))))
+                    .await
+                    .expect("a ready `poll_fn` is not polled again");
+            match now {
+                Now::Done(result) => result,
+                Now::Later(rest) => rest.await,
+            }
+        }
     }
 
     /// Returns once every rank has entered the barrier.

@@ -9,6 +9,26 @@ use super::{Done, ProcessGroupError};
 pub type Pending<'a, T> =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, ProcessGroupError>> + Send + 'a>>;
 
+/// What [`ProcessGroup::run_now`](super::ProcessGroup::run_now) did with an operation: ran it
+/// to its end in the call, or gave the future that runs it (or its rest).
+#[must_use = "a `Later` is the operation's rest: the peers wait for it"]
+pub enum Now<'a> {
+    /// Finished in the call: its result.
+    Done(Result<Done, ProcessGroupError>),
+    /// Issued (it has its place in the group's sequence, and may have begun): await the
+    /// future for the result, as [`run_op`](super::ProcessGroup::run_op)'s.
+    Later(Pending<'a, Done>),
+}
+
+impl std::fmt::Debug for Now<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Now::Done(r) => f.debug_tuple("Done").field(r).finish(),
+            Now::Later(_) => f.write_str("Later(..)"),
+        }
+    }
+}
+
 /// What [`ProcessGroup::start`](super::ProcessGroup::start) returns: the operation's handle.
 pub type Started<'a> = Box<dyn WorkHandle<'a, Done> + 'a>;
 
