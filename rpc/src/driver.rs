@@ -14,7 +14,7 @@ use tensorwire_core::protocol::{
 };
 use tensorwire_core::wire::Frame;
 
-use crate::links::{self, peer_lost_on, until_failed, DirectWrite};
+use crate::links::{self, peer_lost_on, until_failed, DirectWrite, Few};
 use crate::membership;
 use crate::serve::{self, remote_error};
 use crate::state::Agent;
@@ -111,12 +111,18 @@ pub(crate) async fn pump_direct(this: &Agent) {
 /// goes on in a writer task, which shutdown lets finish, holding the peer's write turn (so
 /// order is kept).
 pub(crate) fn pump_now(this: &Agent) {
-    let mut writes = Vec::new();
+    let mut writes = Few::default();
     pump_with(this, Some(&mut writes));
     for mut w in writes {
         // Written here and now when the connection takes it all (no future, no box); else
         // the rest goes on below, as `try_send_now` asks.
-        match w.conn.try_send_now(&mut w.frames) {
+        let now = w.conn.try_send_now(&mut w.frames);
+        if now.is_some() {
+            // What a failed send left is not sent after it.
+            w.frames.clear();
+            w.trim();
+        }
+        match now {
             Some(Ok(())) => continue,
             Some(Err(e)) => {
                 links::peer_lost(this, w.peer, LostCause::Transport(e.to_string()));
@@ -129,10 +135,10 @@ pub(crate) fn pump_now(this: &Agent) {
             let DirectWrite {
                 peer,
                 conn,
-                frames,
-                _turn,
+                mut frames,
             } = w;
-            if let Err(e) = conn.send_many(frames).await {
+            let rest = std::mem::take(&mut *frames);
+            if let Err(e) = conn.send_many(rest).await {
                 links::peer_lost(&agent, peer, LostCause::Transport(e.to_string()));
             }
         });
@@ -143,7 +149,7 @@ pub(crate) fn pump_now(this: &Agent) {
     }
 }
 
-pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>) {
+pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>) {
     loop {
         let (events, wake_driver, released) = {
             let mut st = this.lock();
@@ -155,7 +161,7 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>)
                     }
                 }
             }
-            let mut events = Vec::new();
+            let mut events = Few::default();
             while let Some(e) = st.node.poll_event() {
                 events.push(e);
             }

@@ -30,12 +30,68 @@ pub(crate) async fn until_failed(failed: &mut tokio::sync::watch::Receiver<bool>
     }
 }
 
-/// Frames a task writes itself, holding its peer's write lock.
+/// At most this many frames' room is kept in a peer's write turn between direct writes.
+const KEPT_FRAME_ROOM: usize = WRITE_BATCH;
+
+/// Frames a task writes itself, holding its peer's write lock: they are gathered in the list
+/// the lock guards, which stays there between writes (emptied, its room kept up to
+/// [`KEPT_FRAME_ROOM`]), so that a message's write allocates no list.
 pub(crate) struct DirectWrite {
     pub(crate) peer: WorkerId,
     pub(crate) conn: Arc<dyn Connection>,
-    pub(crate) frames: Vec<Frame>,
-    pub(crate) _turn: tokio::sync::OwnedMutexGuard<()>,
+    pub(crate) frames: tokio::sync::OwnedMutexGuard<Vec<Frame>>,
+}
+
+impl DirectWrite {
+    /// Lets go of the room of a list that grew past [`KEPT_FRAME_ROOM`] (a large batch).
+    pub(crate) fn trim(&mut self) {
+        if self.frames.capacity() > KEPT_FRAME_ROOM {
+            *self.frames = Vec::new();
+        }
+    }
+}
+
+/// A list that holds its first item in place: a pump writes to one peer and runs one event
+/// per message, and this allocates only for the second.
+pub(crate) struct Few<T> {
+    first: Option<T>,
+    rest: Vec<T>,
+}
+
+impl<T> Default for Few<T> {
+    fn default() -> Self {
+        Few {
+            first: None,
+            rest: Vec::new(),
+        }
+    }
+}
+
+impl<T> Few<T> {
+    pub(crate) fn push(&mut self, item: T) {
+        if self.first.is_none() {
+            self.first = Some(item);
+        } else {
+            self.rest.push(item);
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.first.is_none()
+    }
+
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.first.iter_mut().chain(self.rest.iter_mut())
+    }
+}
+
+impl<T> IntoIterator for Few<T> {
+    type Item = T;
+    type IntoIter = std::iter::Chain<std::option::IntoIter<T>, std::vec::IntoIter<T>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.first.into_iter().chain(self.rest)
+    }
 }
 
 /// Registers the connection to `peer` and starts its writer task. With `owned` the agent
@@ -59,7 +115,7 @@ pub(crate) fn attach_conn(
         return None;
     }
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
-    let write = Arc::new(tokio::sync::Mutex::new(()));
+    let write = Arc::new(tokio::sync::Mutex::new(Vec::new()));
     let budget = this.lock().node.ep().budget().clone();
     // The frame being received from it draws from its budget too (for transports that
     // count it: TCP).
@@ -292,7 +348,7 @@ pub(crate) fn send(
     this: &Agent,
     st: &mut State,
     t: Transmit<Body>,
-    direct: Option<&mut Vec<DirectWrite>>,
+    direct: Option<&mut Few<DirectWrite>>,
 ) {
     // A shutdown's last words go through the writers, which shutdown lets finish; a task
     // writing directly may be one that stopping the agent cancels.
@@ -341,12 +397,13 @@ pub(crate) fn send(
             return;
         }
         if link.queued.is_empty() {
-            if let Ok(turn) = Arc::clone(&link.write).try_lock_owned() {
+            if let Ok(mut frames) = Arc::clone(&link.write).try_lock_owned() {
+                // (Empty: every direct write sends or takes what it gathered.)
+                frames.push(frame);
                 out.push(DirectWrite {
                     peer: t.to,
                     conn: Arc::clone(&link.conn),
-                    frames: vec![frame],
-                    _turn: turn,
+                    frames,
                 });
                 return;
             }
