@@ -30,13 +30,15 @@ pub(crate) fn attach(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection>) {
     };
     let agent = this.clone();
     let cheap_sends = conn.cheap_sends();
+    // One receive future for every frame (the adapter's), not a boxed `recv` per frame.
+    let mut frames = Arc::clone(&conn).into_frames();
     this.spawn(async move {
         loop {
             let received = tokio::select! {
                 biased;
                 // The writer fails the peer (its queue passed the bound): stop reading it.
                 _ = until_failed(&mut reader_failed) => return,
-                received = conn.recv() => received,
+                received = std::future::poll_fn(|cx| frames.poll_recv(cx)) => received,
             };
             match received {
                 Ok(frame) => {
