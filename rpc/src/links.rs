@@ -30,67 +30,37 @@ pub(crate) async fn until_failed(failed: &mut tokio::sync::watch::Receiver<bool>
     }
 }
 
-/// At most this many frames' room is kept in a peer's write turn between direct writes.
-const KEPT_FRAME_ROOM: usize = WRITE_BATCH;
-
 /// Frames a task writes itself, holding its peer's write lock: they are gathered in the list
-/// the lock guards, which stays there between writes (emptied, its room kept up to
-/// [`KEPT_FRAME_ROOM`]), so that a message's write allocates no list.
+/// the lock guards, which stays there between writes (emptied; its room kept up to
+/// [`WRITE_BATCH`] frames), so that a message's write allocates no list.
 pub(crate) struct DirectWrite {
     pub(crate) peer: WorkerId,
     pub(crate) conn: Arc<dyn Connection>,
     pub(crate) frames: tokio::sync::OwnedMutexGuard<Vec<Frame>>,
 }
 
-impl DirectWrite {
-    /// Lets go of the room of a list that grew past [`KEPT_FRAME_ROOM`] (a large batch).
-    pub(crate) fn trim(&mut self) {
-        if self.frames.capacity() > KEPT_FRAME_ROOM {
-            *self.frames = Vec::new();
-        }
-    }
-}
-
 /// A list that holds its first item in place: a pump writes to one peer and runs one event
-/// per message, and this allocates only for the second.
-pub(crate) struct Few<T> {
-    first: Option<T>,
-    rest: Vec<T>,
-}
-
-impl<T> Default for Few<T> {
-    fn default() -> Self {
-        Few {
-            first: None,
-            rest: Vec::new(),
-        }
-    }
-}
+/// per message, and this allocates only for a second.
+pub(crate) struct Few<T>(pub(crate) Option<T>, Vec<T>);
 
 impl<T> Few<T> {
-    pub(crate) fn push(&mut self, item: T) {
-        if self.first.is_none() {
-            self.first = Some(item);
-        } else {
-            self.rest.push(item);
-        }
+    pub(crate) fn new() -> Self {
+        Few(None, Vec::new())
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
-        self.first.is_none()
+    pub(crate) fn push(&mut self, item: T) {
+        match self.0 {
+            None => self.0 = Some(item),
+            Some(_) => self.1.push(item),
+        }
     }
 
     pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
-        self.first.iter_mut().chain(self.rest.iter_mut())
+        self.0.iter_mut().chain(&mut self.1)
     }
-}
 
-impl<T> IntoIterator for Few<T> {
-    type Item = T;
-    type IntoIter = std::iter::Chain<std::option::IntoIter<T>, std::vec::IntoIter<T>>;
-
-    fn into_iter(self) -> Self::IntoIter {
-        self.first.into_iter().chain(self.rest)
+    pub(crate) fn all(self) -> impl Iterator<Item = T> {
+        self.0.into_iter().chain(self.1)
     }
 }
 
