@@ -12,7 +12,7 @@ use tensorwire_core::protocol::node::{NodeEvent, Outgoing};
 use tensorwire_core::protocol::{Event, LostCause, ProtocolViolation, RunState, WorkerId};
 use tensorwire_core::wire::Frame;
 
-use crate::links::{self, peer_lost_on, until_failed, DirectWrite};
+use crate::links::{self, peer_lost_on, until_failed, DirectWrite, Few};
 use crate::membership;
 use crate::serve;
 use crate::state::Agent;
@@ -29,13 +29,15 @@ pub(crate) fn attach(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection>) {
     };
     let agent = this.clone();
     let cheap_sends = conn.cheap_sends();
+    // One receive future for every frame (the adapter's), not a boxed `recv` per frame.
+    let mut frames = Arc::clone(&conn).into_frames();
     this.spawn(async move {
         loop {
             let received = tokio::select! {
                 biased;
                 // The writer fails the peer (its queue passed the bound): stop reading it.
                 _ = until_failed(&mut reader_failed) => return,
-                received = conn.recv() => received,
+                received = std::future::poll_fn(|cx| frames.poll_recv(cx)) => received,
             };
             match received {
                 Ok(frame) => {
@@ -67,7 +69,7 @@ pub(crate) fn attach(this: &Agent, peer: WorkerId, conn: Arc<dyn Connection>) {
 /// With `direct` (a connection whose sends are cheap, or one that holds no further frame
 /// of the same read: see `Connection::cheap_sends` and `Connection::received_all`), what
 /// handling it produced is written on the reader's task, before it waits for the next
-/// frame (see [`pump_now`](Self::pump_now)); else it goes through the writers, which batch
+/// frame (see [`pump_now`]); else it goes through the writers, which batch
 /// it with the replies to the other frames of the same read.
 pub(crate) fn on_frame(
     this: &Agent,
@@ -94,28 +96,26 @@ pub(crate) fn pump(this: &Agent) {
     pump_with(this, None);
 }
 
-/// [`pump`](Self::pump), writing messages on this task where the peer's writer is idle
-/// (one wake-up less per message). Only for tasks of ours that nobody cancels mid-write.
-///
-/// Each peer's write is its own: a write that cannot finish at once (a peer that does not
-/// read) goes on in a task of its own, as in [`pump_now`], so that the replies to the other
-/// peers in the same pump never wait behind it.
-pub(crate) async fn pump_direct(this: &Agent) {
-    pump_now(this);
-}
-
 /// [`pump`](Self::pump) for a task that cannot wait (a caller's `rpc_async`): messages to a
 /// peer whose writer is idle are written on this task as far as the connection takes them
 /// without waiting (one wake-up of the writer less per message); the rest of such a write
 /// goes on in a writer task, which shutdown lets finish, holding the peer's write turn (so
 /// order is kept).
 pub(crate) fn pump_now(this: &Agent) {
-    let mut writes = Vec::new();
+    let mut writes = Few::new();
     pump_with(this, Some(&mut writes));
-    for mut w in writes {
+    for mut w in writes.all() {
         // Written here and now when the connection takes it all (no future, no box); else
         // the rest goes on below, as `try_send_now` asks.
-        match w.conn.try_send_now(&mut w.frames) {
+        let now = w.conn.try_send_now(&mut w.frames);
+        if now.is_some() {
+            // What a failed send left is not sent after it; a large batch's room goes.
+            w.frames.clear();
+            if w.frames.capacity() > links::WRITE_BATCH {
+                *w.frames = Vec::new();
+            }
+        }
+        match now {
             Some(Ok(())) => continue,
             Some(Err(e)) => {
                 links::peer_lost(this, w.peer, LostCause::Transport(Box::new(e)));
@@ -128,10 +128,10 @@ pub(crate) fn pump_now(this: &Agent) {
             let DirectWrite {
                 peer,
                 conn,
-                frames,
-                _turn,
+                mut frames,
             } = w;
-            if let Err(e) = conn.send_many(frames).await {
+            let rest = std::mem::take(&mut *frames);
+            if let Err(e) = conn.send_many(rest).await {
                 links::peer_lost(&agent, peer, LostCause::Transport(Box::new(e)));
             }
         });
@@ -142,7 +142,7 @@ pub(crate) fn pump_now(this: &Agent) {
     }
 }
 
-pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>) {
+pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>) {
     loop {
         let (events, wake_driver, released) = {
             let mut st = this.lock();
@@ -154,7 +154,7 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>)
                     }
                 }
             }
-            let mut events = Vec::new();
+            let mut events = Few::new();
             while let Some(e) = st.node.poll_event() {
                 events.push(e);
             }
@@ -171,10 +171,10 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Vec<DirectWrite>>)
         if wake_driver {
             this.wake();
         }
-        if events.is_empty() {
+        if events.0.is_none() {
             return;
         }
-        for e in events {
+        for e in events.all() {
             match e {
                 NodeEvent::Endpoint(e) => run(this, e),
                 NodeEvent::OverBudget { peer, over } => links::drop_over_budget(this, peer, over),
@@ -256,7 +256,7 @@ fn run(this: &Agent, ev: Event<Body>) {
                 let agent = this.clone();
                 this.spawn(async move {
                     answer.await;
-                    pump_direct(&agent).await;
+                    pump_now(&agent);
                 });
             }
         }
@@ -331,7 +331,7 @@ fn serve_in_task(
     this.spawn(async move {
         // A function that took its reply sends it, and reports the request finished.
         if rest.await {
-            pump_direct(&agent).await;
+            pump_now(&agent);
             finished(&agent, from);
         }
     });

@@ -30,12 +30,38 @@ pub(crate) async fn until_failed(failed: &mut tokio::sync::watch::Receiver<bool>
     }
 }
 
-/// Frames a task writes itself, holding its peer's write lock.
+/// Frames a task writes itself, holding its peer's write lock: they are gathered in the list
+/// the lock guards, which stays there between writes (emptied; its room kept up to
+/// [`WRITE_BATCH`] frames), so that a message's write allocates no list.
 pub(crate) struct DirectWrite {
     pub(crate) peer: WorkerId,
     pub(crate) conn: Arc<dyn Connection>,
-    pub(crate) frames: Vec<Frame>,
-    pub(crate) _turn: tokio::sync::OwnedMutexGuard<()>,
+    pub(crate) frames: tokio::sync::OwnedMutexGuard<Vec<Frame>>,
+}
+
+/// A list that holds its first item in place: a pump writes to one peer and runs one event
+/// per message, and this allocates only for a second.
+pub(crate) struct Few<T>(pub(crate) Option<T>, Vec<T>);
+
+impl<T> Few<T> {
+    pub(crate) fn new() -> Self {
+        Few(None, Vec::new())
+    }
+
+    pub(crate) fn push(&mut self, item: T) {
+        match self.0 {
+            None => self.0 = Some(item),
+            Some(_) => self.1.push(item),
+        }
+    }
+
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.0.iter_mut().chain(&mut self.1)
+    }
+
+    pub(crate) fn all(self) -> impl Iterator<Item = T> {
+        self.0.into_iter().chain(self.1)
+    }
 }
 
 /// Registers the connection to `peer` and starts its writer task. With `owned` the agent
@@ -59,7 +85,7 @@ pub(crate) fn attach_conn(
         return None;
     }
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
-    let write = Arc::new(tokio::sync::Mutex::new(()));
+    let write = Arc::new(tokio::sync::Mutex::new(Vec::new()));
     let budget = this.lock().node.ep().budget().clone();
     // The frame being received from it draws from its budget too (for transports that
     // count it: TCP).
@@ -296,7 +322,7 @@ pub(crate) fn send(
     this: &Agent,
     st: &mut State,
     t: Transmit<Body>,
-    direct: Option<&mut Vec<DirectWrite>>,
+    direct: Option<&mut Few<DirectWrite>>,
 ) {
     // A shutdown's last words go through the writers, which shutdown lets finish; a task
     // writing directly may be one that stopping the agent cancels.
@@ -345,12 +371,13 @@ pub(crate) fn send(
             return;
         }
         if link.queued.is_empty() {
-            if let Ok(turn) = Arc::clone(&link.write).try_lock_owned() {
+            if let Ok(mut frames) = Arc::clone(&link.write).try_lock_owned() {
+                // (Empty: every direct write sends or takes what it gathered.)
+                frames.push(frame);
                 out.push(DirectWrite {
                     peer: t.to,
                     conn: Arc::clone(&link.conn),
-                    frames: vec![frame],
-                    _turn: turn,
+                    frames,
                 });
                 return;
             }

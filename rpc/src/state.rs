@@ -95,7 +95,9 @@ pub(crate) struct PeerLink {
     pub(crate) conn: Arc<dyn Connection>,
     /// The connection's transport (`Connection::transport`), for [`Agent::connections`].
     pub(crate) transport: &'static str,
-    pub(crate) write: Arc<tokio::sync::Mutex<()>>,
+    /// The write turn. What it guards is the list a direct write gathers its frames in,
+    /// kept between writes (no list allocated per message; see `links::DirectWrite`).
+    pub(crate) write: Arc<tokio::sync::Mutex<Vec<Frame>>>,
     pub(crate) queued: Arc<crate::queue::OutQueue>,
 }
 

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::BytesMut;
-use tensorwire_core::ports::transport::{Connection, IdentityError, TransportError};
+use tensorwire_core::ports::transport::{
+    Connection, EachFrame, FrameReader, IdentityError, TransportError,
+};
 use tensorwire_core::spin::{requeue, SpinPolicy, SpinStep, SpinWait, Turn};
 use tensorwire_core::wire::{
     decode_frame_shared, Frame, FrameDecoder, WireError, WireLimits, PREFIX_LEN,
@@ -737,6 +739,34 @@ enum Pumped {
     Empty,
 }
 
+impl ShmConnection {
+    /// [`Connection::recv`], unboxed: what [`Connection::into_frames`] runs for each frame.
+    async fn recv_frame(&self) -> Result<Frame, TransportError> {
+        let mut rx = self.rx.lock().await;
+        if let Some(e) = &rx.failed {
+            return Err(match e {
+                TransportError::Wire { peer, source } => TransportError::Wire {
+                    peer: *peer,
+                    source: source.clone(),
+                },
+                other => TransportError::Io {
+                    addr: self.peer,
+                    op: "receiving",
+                    kind: std::io::ErrorKind::InvalidData,
+                    message: other.to_string(),
+                },
+            });
+        }
+        match self.recv_inner(&mut rx).await {
+            Ok(frame) => Ok(frame),
+            Err(e @ (TransportError::Wire { .. } | TransportError::Io { .. })) => {
+                Err(self.fail(&mut rx, e))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
 #[async_trait]
 impl Connection for ShmConnection {
     fn peer_addr(&self) -> SocketAddr {
@@ -773,28 +803,15 @@ impl Connection for ShmConnection {
     }
 
     async fn recv(&self) -> Result<Frame, TransportError> {
-        let mut rx = self.rx.lock().await;
-        if let Some(e) = &rx.failed {
-            return Err(match e {
-                TransportError::Wire { peer, source } => TransportError::Wire {
-                    peer: *peer,
-                    source: source.clone(),
-                },
-                other => TransportError::Io {
-                    addr: self.peer,
-                    op: "receiving",
-                    kind: std::io::ErrorKind::InvalidData,
-                    message: other.to_string(),
-                },
-            });
-        }
-        match self.recv_inner(&mut rx).await {
-            Ok(frame) => Ok(frame),
-            Err(e @ (TransportError::Wire { .. } | TransportError::Io { .. })) => {
-                Err(self.fail(&mut rx, e))
-            }
-            Err(e) => Err(e),
-        }
+        self.recv_frame().await
+    }
+
+    fn into_frames(self: Arc<Self>) -> Box<dyn FrameReader> {
+        // One receive future for all frames, not one box per frame.
+        Box::new(EachFrame::new(self, |c| async move {
+            let received = c.recv_frame().await;
+            (received, c)
+        }))
     }
 
     async fn close(&self) -> Result<(), TransportError> {

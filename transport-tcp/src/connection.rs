@@ -3,12 +3,15 @@
 use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::BytesMut;
 use tensorwire_core::budget::{Account, OverBudget, Use};
-use tensorwire_core::ports::transport::{Connection, IdentityError, TransportError};
+use tensorwire_core::ports::transport::{
+    Connection, EachFrame, FrameReader, IdentityError, TransportError,
+};
 use tensorwire_core::spin::{requeue, SpinPolicy, SpinStep, SpinWait, Turn};
 use tensorwire_core::wire::{Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -387,6 +390,127 @@ fn advance(outs: &mut [OutgoingFrame], written: usize) -> usize {
     done
 }
 
+impl TcpConnection {
+    /// [`Connection::recv`], unboxed: what [`Connection::into_frames`] runs for each frame.
+    async fn recv_frame(&self) -> Result<Frame, TransportError> {
+        let mut guard = self.reader.lock().await;
+        let r = &mut *guard;
+        // Close both directions at once: the peer sees the connection go away and we do not
+        // need the writer's lock (a sender may hold it).
+        let shut = |r: &Reader| {
+            let _ = socket2::SockRef::from(r.half.as_ref()).shutdown(std::net::Shutdown::Both);
+        };
+        loop {
+            if let Some(account) = self
+                .bill_to
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take()
+            {
+                let charged = r.charged;
+                r.recharge(0).ok();
+                r.account = Some(account);
+                r.recharge(charged).ok();
+            }
+            match r.decoder.decode(&mut r.buf) {
+                Ok(Some(frame)) => {
+                    r.frame_deadline = None;
+                    // Complete: its holder counts it now.
+                    r.recharge(0).ok();
+                    self.received_all.store(r.buf.is_empty(), Ordering::Relaxed);
+                    return Ok(frame);
+                }
+                Ok(None) => {}
+                Err(source) => {
+                    shut(r);
+                    r.release();
+                    tracing::warn!(peer = %self.peer, error = %source, "closing connection: bad frame");
+                    return Err(TransportError::Wire {
+                        peer: self.peer,
+                        source,
+                    });
+                }
+            }
+            // What the frame being received holds so far (what arrived, or its buffer if
+            // larger) is the peer's, within its budget.
+            let holding = usize::try_from(r.decoder.received())
+                .unwrap_or(usize::MAX)
+                .max(r.decoder.reserved());
+            if let Err(source) = r.recharge(holding) {
+                shut(r);
+                r.release();
+                tracing::warn!(peer = %self.peer, error = %source, "closing connection: over the peer's budget");
+                return Err(TransportError::OverBudget {
+                    peer: self.peer,
+                    source,
+                });
+            }
+            if r.decoder.is_mid_frame() && r.frame_deadline.is_none() {
+                r.frame_deadline = self.frame_timeout.map(|t| tokio::time::Instant::now() + t);
+            }
+            // The decoder consumed everything buffered; read more. Between frames, the answer
+            // to a recent send is polled for first (see `TcpConfig::spin`).
+            if !r.decoder.is_mid_frame() {
+                match self.poll_for_answer(r).await {
+                    Ok(Polled::Bytes) => continue,
+                    Ok(Polled::End) => {
+                        let e = self.eof_error(&r.decoder);
+                        r.release();
+                        return Err(e);
+                    }
+                    Ok(Polled::Nothing) => {}
+                    Err(e) => {
+                        let e = self.read_error(&r.decoder, &e);
+                        r.release();
+                        return Err(e);
+                    }
+                }
+            }
+            let deadline = r.frame_deadline;
+            let reader = &mut *r;
+            let read = async {
+                if let Some(mut direct) = reader.decoder.direct_read_buf(DIRECT_READ_MIN) {
+                    reader.half.read_buf(&mut direct).await
+                } else {
+                    reader.buf.reserve(READ_BUF);
+                    reader.half.read_buf(&mut reader.buf).await
+                }
+            };
+            let read = match deadline {
+                Some(at) => match tokio::time::timeout_at(at, read).await {
+                    Ok(read) => read,
+                    Err(_) => {
+                        let received = r.decoder.received();
+                        shut(r);
+                        r.release();
+                        let after = self.frame_timeout.unwrap_or_default();
+                        tracing::warn!(peer = %self.peer, ?after, received, "closing connection: a frame stalled");
+                        return Err(TransportError::FrameTimeout {
+                            peer: self.peer,
+                            after,
+                            received,
+                        });
+                    }
+                },
+                None => read.await,
+            };
+            match read {
+                Ok(0) => {
+                    let e = self.eof_error(&r.decoder);
+                    r.release();
+                    return Err(e);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    let e = self.read_error(&r.decoder, &e);
+                    r.release();
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
 #[async_trait]
 impl Connection for TcpConnection {
     fn peer_addr(&self) -> SocketAddr {
@@ -504,121 +628,15 @@ impl Connection for TcpConnection {
     }
 
     async fn recv(&self) -> Result<Frame, TransportError> {
-        let mut guard = self.reader.lock().await;
-        let r = &mut *guard;
-        // Close both directions at once: the peer sees the connection go away and we do not
-        // need the writer's lock (a sender may hold it).
-        let shut = |r: &Reader| {
-            let _ = socket2::SockRef::from(r.half.as_ref()).shutdown(std::net::Shutdown::Both);
-        };
-        loop {
-            if let Some(account) = self
-                .bill_to
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .take()
-            {
-                let charged = r.charged;
-                r.recharge(0).ok();
-                r.account = Some(account);
-                r.recharge(charged).ok();
-            }
-            match r.decoder.decode(&mut r.buf) {
-                Ok(Some(frame)) => {
-                    r.frame_deadline = None;
-                    // Complete: its holder counts it now.
-                    r.recharge(0).ok();
-                    self.received_all.store(r.buf.is_empty(), Ordering::Relaxed);
-                    return Ok(frame);
-                }
-                Ok(None) => {}
-                Err(source) => {
-                    shut(r);
-                    r.release();
-                    tracing::warn!(peer = %self.peer, error = %source, "closing connection: bad frame");
-                    return Err(TransportError::Wire {
-                        peer: self.peer,
-                        source,
-                    });
-                }
-            }
-            // What the frame being received holds so far (what arrived, or its buffer if
-            // larger) is the peer's, within its budget.
-            let holding = usize::try_from(r.decoder.received())
-                .unwrap_or(usize::MAX)
-                .max(r.decoder.reserved());
-            if let Err(source) = r.recharge(holding) {
-                shut(r);
-                r.release();
-                tracing::warn!(peer = %self.peer, error = %source, "closing connection: over the peer's budget");
-                return Err(TransportError::OverBudget {
-                    peer: self.peer,
-                    source,
-                });
-            }
-            if r.decoder.is_mid_frame() && r.frame_deadline.is_none() {
-                r.frame_deadline = self.frame_timeout.map(|t| tokio::time::Instant::now() + t);
-            }
-            // The decoder consumed everything buffered; read more. Between frames, the answer
-            // to a recent send is polled for first (see `TcpConfig::spin`).
-            if !r.decoder.is_mid_frame() {
-                match self.poll_for_answer(r).await {
-                    Ok(Polled::Bytes) => continue,
-                    Ok(Polled::End) => {
-                        let e = self.eof_error(&r.decoder);
-                        r.release();
-                        return Err(e);
-                    }
-                    Ok(Polled::Nothing) => {}
-                    Err(e) => {
-                        let e = self.read_error(&r.decoder, &e);
-                        r.release();
-                        return Err(e);
-                    }
-                }
-            }
-            let deadline = r.frame_deadline;
-            let reader = &mut *r;
-            let read = async {
-                if let Some(mut direct) = reader.decoder.direct_read_buf(DIRECT_READ_MIN) {
-                    reader.half.read_buf(&mut direct).await
-                } else {
-                    reader.buf.reserve(READ_BUF);
-                    reader.half.read_buf(&mut reader.buf).await
-                }
-            };
-            let read = match deadline {
-                Some(at) => match tokio::time::timeout_at(at, read).await {
-                    Ok(read) => read,
-                    Err(_) => {
-                        let received = r.decoder.received();
-                        shut(r);
-                        r.release();
-                        let after = self.frame_timeout.unwrap_or_default();
-                        tracing::warn!(peer = %self.peer, ?after, received, "closing connection: a frame stalled");
-                        return Err(TransportError::FrameTimeout {
-                            peer: self.peer,
-                            after,
-                            received,
-                        });
-                    }
-                },
-                None => read.await,
-            };
-            match read {
-                Ok(0) => {
-                    let e = self.eof_error(&r.decoder);
-                    r.release();
-                    return Err(e);
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    let e = self.read_error(&r.decoder, &e);
-                    r.release();
-                    return Err(e);
-                }
-            }
-        }
+        self.recv_frame().await
+    }
+
+    fn into_frames(self: Arc<Self>) -> Box<dyn FrameReader> {
+        // One receive future for all frames, not one box per frame.
+        Box::new(EachFrame::new(self, |c| async move {
+            let received = c.recv_frame().await;
+            (received, c)
+        }))
     }
 
     fn bill_to(&self, account: Account) {

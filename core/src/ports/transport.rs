@@ -25,7 +25,10 @@
 //! Timeouts are the caller's business (wrap calls in the runtime's timeout); adapters bound only
 //! the authentication handshake.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use async_trait::async_trait;
 
@@ -138,6 +141,21 @@ pub trait Connection: Send + Sync {
     /// after the other.
     async fn recv(&self) -> Result<Frame, TransportError>;
 
+    /// Every frame this connection receives, in order, through one reader made once: for a
+    /// reader task that receives until the connection ends, instead of a [`recv`](Self::recv)
+    /// per frame (whose future `async_trait` boxes every time). The default calls `recv`; an
+    /// adapter overrides it to keep one receive future, in one box, for all frames
+    /// ([`EachFrame`]). Its frames and errors are `recv`'s; do not call `recv` besides it.
+    fn into_frames(self: std::sync::Arc<Self>) -> Box<dyn FrameReader>
+    where
+        Self: 'static,
+    {
+        Box::new(EachFrame::new(self, |c| async move {
+            let received = c.recv().await;
+            (received, c)
+        }))
+    }
+
     /// Closes the sending direction gracefully after frames already sent: the peer's `recv`
     /// then gives [`TransportError::Closed`]. Frames can still be received.
     async fn close(&self) -> Result<(), TransportError>;
@@ -159,6 +177,46 @@ pub trait Connection: Send + Sync {
     /// [`check_rank_claim`](crate::identity::check_rank_claim). No default, for the reason
     /// [`check_peer_name`](Self::check_peer_name) has none.
     fn peer_credentials(&self) -> Credentials;
+}
+
+/// The frames of one connection, read by one long-lived reader
+/// ([`Connection::into_frames`]).
+pub trait FrameReader: Send {
+    /// The next frame, as [`Connection::recv`] gives it; `Pending` registers `cx`'s waker.
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Frame, TransportError>>;
+}
+
+/// A [`FrameReader`] made of a function that turns its state into one receive, which gives
+/// the state back with the frame: each receive's future is written over the last one's, in
+/// the one box made with the reader (no allocation per frame).
+pub struct EachFrame<S, Fut> {
+    make: fn(S) -> Fut,
+    fut: Pin<Box<Fut>>,
+}
+
+impl<S, Fut> EachFrame<S, Fut>
+where
+    Fut: Future<Output = (Result<Frame, TransportError>, S)>,
+{
+    /// A reader whose first receive is `make(state)` (not polled before the reader is).
+    pub fn new(state: S, make: fn(S) -> Fut) -> Self {
+        EachFrame {
+            make,
+            fut: Box::pin(make(state)),
+        }
+    }
+}
+
+impl<S, Fut> FrameReader for EachFrame<S, Fut>
+where
+    S: Send,
+    Fut: Future<Output = (Result<Frame, TransportError>, S)> + Send,
+{
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Frame, TransportError>> {
+        let (received, state) = std::task::ready!(self.fut.as_mut().poll(cx));
+        self.fut.set((self.make)(state));
+        Poll::Ready(received)
+    }
 }
 
 /// A peer's credentials do not name the worker it says it is
@@ -293,6 +351,47 @@ mod tests {
         assert_send_sync::<dyn Listener>();
         assert_send_sync::<dyn Connection>();
         let _: Option<std::sync::Arc<dyn Connection>> = None;
+    }
+
+    /// One box for all frames: each receive starts from the state the last one gave back,
+    /// and a pending receive is polled again, not restarted.
+    #[test]
+    fn each_frame_reuses_its_receive_and_passes_the_state_on() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::task::Waker;
+        static MADE: AtomicUsize = AtomicUsize::new(0);
+        struct Twice(bool, u8);
+        impl Future for Twice {
+            type Output = (Result<Frame, TransportError>, u8);
+            fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+                if !self.0 {
+                    self.0 = true;
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                let n = self.1;
+                let frame = Frame {
+                    kind: crate::wire::FrameKind::Message,
+                    header: vec![n].into(),
+                    payloads: Vec::new(),
+                };
+                Poll::Ready((Ok(frame), n + 1))
+            }
+        }
+        let mut reader = EachFrame::new(0u8, |n| {
+            MADE.fetch_add(1, Ordering::Relaxed);
+            Twice(false, n)
+        });
+        let mut cx = Context::from_waker(Waker::noop());
+        for n in 0..3u8 {
+            assert!(reader.poll_recv(&mut cx).is_pending());
+            match reader.poll_recv(&mut cx) {
+                Poll::Ready(Ok(frame)) => assert_eq!(&frame.header[..], &[n]),
+                other => panic!("frame {n}: {:?}", other.map(|r| r.map(|_| ()))),
+            }
+        }
+        // The first and one after each frame, and never one per poll.
+        assert_eq!(MADE.load(Ordering::Relaxed), 4);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use bytes::buf::Limit;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use super::{Frame, FrameHeader, FrameKind, WireError, WireLimits, MAGIC, PREFIX_LEN, VERSION};
+use super::{Frame, FrameKind, WireError, WireLimits, MAGIC, PREFIX_LEN, VERSION};
 
 /// Fields of a validated prefix.
 #[derive(Debug, Clone, Copy)]
@@ -64,25 +64,71 @@ fn parse_prefix(buf: &[u8; PREFIX_LEN], limits: &WireLimits) -> Result<Prefix, W
     })
 }
 
-/// Decodes and checks the frame header; returns the segment lengths (message header first).
-fn parse_table(table: &[u8], prefix: &Prefix, limits: &WireLimits) -> Result<Vec<u64>, WireError> {
-    let (header, rest): (FrameHeader, _) =
-        postcard::take_from_bytes(table).map_err(|e| WireError::MalformedHeader {
-            reason: format!("frame header does not decode: {e}"),
-        })?;
-    if !rest.is_empty() {
+/// Takes one postcard varint (LEB128, at most 10 bytes, the last one at most 1: 64 bits) from
+/// the front of `table`, as postcard decodes a `u64` and a sequence's length; `None` if it is
+/// cut off or too long.
+fn take_varint(table: &mut &[u8]) -> Option<u64> {
+    let mut value = 0u64;
+    for i in 0..10 {
+        let (&byte, rest) = table.split_first()?;
+        *table = rest;
+        if i == 9 && byte > 1 {
+            return None;
+        }
+        value |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return Some(value);
+        }
+    }
+    None
+}
+
+/// Decodes the frame header (postcard's `FrameHeader`: the message header's length, then the
+/// payloads' lengths as a sequence) into `segments`, message header first, without a list of
+/// its own (a frame allocates none for its header; postcard would, for the sequence).
+pub(super) fn decode_table(mut table: &[u8], segments: &mut Vec<u64>) -> Result<(), WireError> {
+    let bad = |what: &str| WireError::MalformedHeader {
+        reason: format!("frame header does not decode: {what}"),
+    };
+    segments.clear();
+    let message_len = take_varint(&mut table).ok_or_else(|| bad("the message header's length"))?;
+    let count = take_varint(&mut table).ok_or_else(|| bad("the number of payloads"))?;
+    // Each length takes at least a byte: a count past what is left cannot be right (and
+    // reserves nothing).
+    if count > table.len() as u64 {
+        return Err(bad("more payloads than bytes left"));
+    }
+    segments.reserve(1 + count as usize);
+    segments.push(message_len);
+    for _ in 0..count {
+        segments.push(take_varint(&mut table).ok_or_else(|| bad("a payload's length"))?);
+    }
+    if !table.is_empty() {
         return Err(WireError::MalformedHeader {
-            reason: format!("{} trailing bytes after the frame header", rest.len()),
+            reason: format!("{} trailing bytes after the frame header", table.len()),
         });
     }
-    if header.message_len > limits.max_message_header_len {
+    Ok(())
+}
+
+/// Decodes and checks the frame header; the segment lengths (message header first) go into
+/// `segments` (emptied first; a decoder passes the list of its last frame).
+fn parse_table(
+    table: &[u8],
+    prefix: &Prefix,
+    limits: &WireLimits,
+    mut segments: Vec<u64>,
+) -> Result<Vec<u64>, WireError> {
+    decode_table(table, &mut segments)?;
+    let message_len = segments[0];
+    if message_len > limits.max_message_header_len {
         return Err(WireError::MessageHeaderTooLarge {
-            len: header.message_len,
+            len: message_len,
             max: limits.max_message_header_len,
         });
     }
     let mut total = u64::from(prefix.table_len);
-    for len in std::iter::once(&header.message_len).chain(&header.payload_lens) {
+    for len in &segments {
         total = total
             .checked_add(*len)
             .filter(|t| *t <= prefix.body_len)
@@ -101,9 +147,6 @@ fn parse_table(table: &[u8], prefix: &Prefix, limits: &WireLimits) -> Result<Vec
             ),
         });
     }
-    let mut segments = Vec::with_capacity(1 + header.payload_lens.len());
-    segments.push(header.message_len);
-    segments.extend(header.payload_lens);
     Ok(segments)
 }
 
@@ -160,7 +203,13 @@ pub struct FrameDecoder {
     limits: WireLimits,
     state: State,
     pool: BufferPool,
+    /// The segment lengths' list of the last frame, emptied, for the next one.
+    spare: Vec<u64>,
 }
+
+/// A decoder keeps its last frame's list of segment lengths for the next frame while it has
+/// room for at most this many.
+const KEPT_SEGMENT_LENGTHS: usize = 16;
 
 /// Segments at least this large get their buffers from the [`BufferPool`].
 const POOL_MIN_SEGMENT: usize = 64 << 10;
@@ -263,6 +312,7 @@ impl FrameDecoder {
                 handles: Vec::new(),
                 budget: DEFAULT_BUFFER_REUSE,
             },
+            spare: Vec::new(),
         }
     }
 
@@ -316,7 +366,9 @@ impl FrameDecoder {
                     if src.len() >= table_len {
                         // The whole frame header has arrived (the usual case): parsed where
                         // it lies, with no buffer of its own.
-                        let segments = parse_table(&src[..table_len], &prefix, &self.limits)?;
+                        let spare = std::mem::take(&mut self.spare);
+                        let segments =
+                            parse_table(&src[..table_len], &prefix, &self.limits, spare)?;
                         src.advance(table_len);
                         self.state = State::body(prefix, segments);
                     } else {
@@ -334,7 +386,8 @@ impl FrameDecoder {
                         return Ok(None);
                     }
                     let prefix = *prefix;
-                    let segments = parse_table(buf, &prefix, &self.limits)?;
+                    let spare = std::mem::take(&mut self.spare);
+                    let segments = parse_table(buf, &prefix, &self.limits, spare)?;
                     self.state = State::body(prefix, segments);
                 }
                 State::Body {
@@ -409,6 +462,12 @@ impl FrameDecoder {
                     }
                     debug_assert_eq!(*received + u64::from(prefix.table_len), prefix.body_len);
                     let kind = prefix.kind;
+                    // The list of lengths serves the next frame (a few words, kept only
+                    // while it is small).
+                    let lengths = std::mem::take(segments);
+                    if lengths.capacity() <= KEPT_SEGMENT_LENGTHS {
+                        self.spare = lengths;
+                    }
                     let mut segs = std::mem::take(done).into_iter();
                     let header = segs.next().unwrap_or_default();
                     let frame = Frame {
@@ -584,7 +643,7 @@ pub fn decode_frame_shared(
             expected,
         });
     }
-    let segments = parse_table(&body[..table_len], &prefix, limits)?;
+    let segments = parse_table(&body[..table_len], &prefix, limits, Vec::new())?;
     let mut at = PREFIX_LEN + table_len;
     let mut parts = segments.into_iter().map(|len| {
         // parse_table checked that the lengths add up to body_len, which `input` holds.

@@ -42,6 +42,7 @@
 //! ```
 
 use bytes::Bytes;
+#[cfg(test)]
 use serde::{Deserialize, Serialize};
 
 mod decode;
@@ -228,7 +229,9 @@ impl WireLimits {
     }
 }
 
-/// The postcard-encoded frame header: the lengths of the segments that follow it.
+/// The postcard-encoded frame header: the lengths of the segments that follow it. Written and
+/// read by hand (`encode_preamble`, `decode::decode_table`); the tests hold both to postcard.
+#[cfg(test)]
 #[derive(Debug, Serialize, Deserialize)]
 struct FrameHeader {
     message_len: u64,

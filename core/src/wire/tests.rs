@@ -621,3 +621,53 @@ fn the_preamble_holds_the_frame_header_postcard_writes() {
         assert_eq!(&out[..], &postcard::to_allocvec(&v).unwrap()[..], "{v}");
     }
 }
+
+proptest! {
+    /// The hand-written frame-header decoder takes what postcard takes, gives the same lengths,
+    /// and refuses what postcard refuses (cut-off and too-long varints, trailing bytes).
+    #[test]
+    fn the_frame_header_decodes_as_postcard_decodes_it(
+        message_len in any::<u64>(),
+        payload_lens in proptest::collection::vec(any::<u64>(), 0..20),
+        noise in proptest::collection::vec(any::<u8>(), 0..24),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let table = postcard::to_allocvec(&FrameHeader { message_len, payload_lens: payload_lens.clone() }).unwrap();
+        let mut segments = vec![7, 7, 7];
+        decode::decode_table(&table, &mut segments).unwrap();
+        let mut expected = vec![message_len];
+        expected.extend(&payload_lens);
+        prop_assert_eq!(&segments, &expected);
+        // Cut off, or with other bytes after it, or any bytes at all: accepted exactly when
+        // postcard accepts them whole, with the same lengths.
+        let cut_table = &table[..cut.index(table.len())];
+        let mut longer = table.clone();
+        longer.extend(&noise);
+        for bytes in [cut_table, &longer[..], &noise[..]] {
+            let ours = decode::decode_table(bytes, &mut segments).map(|()| segments.clone());
+            let theirs = match postcard::take_from_bytes::<FrameHeader>(bytes) {
+                Ok((h, [])) => Ok(std::iter::once(h.message_len).chain(h.payload_lens).collect::<Vec<_>>()),
+                _ => Err(()),
+            };
+            prop_assert_eq!(ours.ok(), theirs.ok(), "bytes {:?}", bytes);
+        }
+    }
+}
+
+#[test]
+fn a_frame_header_with_too_long_a_varint_is_refused_by_name() {
+    // Eleven bytes of continuation: no u64 is that long.
+    let mut table = vec![0xff; 10];
+    table.push(0);
+    let err = decode::decode_table(&table, &mut Vec::new()).unwrap_err();
+    assert!(
+        err.to_string().contains("the message header's length"),
+        "{err}"
+    );
+    // A count of payloads past the bytes left reserves nothing and is refused.
+    let err = decode::decode_table(&[0, 0xff, 0xff, 0xff, 0x0f], &mut Vec::new()).unwrap_err();
+    assert!(
+        err.to_string().contains("more payloads than bytes left"),
+        "{err}"
+    );
+}
