@@ -123,3 +123,82 @@ async fn the_rest_of_a_barrier_whose_peer_never_comes_times_out_naming_it() {
         e.to_string()
     );
 }
+
+/// What a rank's `run_now` gives, finished: at once, or through the rest's future.
+async fn finished(now: Now<'_>) -> Result<Done, ProcessGroupError> {
+    match now {
+        Now::Done(result) => result,
+        Now::Later(rest) => rest.await,
+    }
+}
+
+/// A broadcast and a reduce take the same path, from either root and whichever rank comes
+/// first: the results the future path gives (a reduce's root holds the sum; the other rank's
+/// tensor stays as it was).
+#[tokio::test]
+async fn broadcasts_and_reduces_run_now_with_the_futures_results() {
+    let gs = tokio::time::timeout(
+        Duration::from_secs(60),
+        pair("now-rooted", Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
+    let mut cx = Context::from_waker(Waker::noop());
+    for root in [0usize, 1] {
+        let other = 1 - root;
+        // Broadcast: the rank that is not the root comes first.
+        let mut data = [[0u8; 16], [0u8; 16]];
+        data[root] = [root as u8 + 7; 16];
+        let (d0, d1) = data.split_at_mut(1);
+        let mut bufs = [&mut d0[0], &mut d1[0]];
+        let [b0, b1] = &mut bufs;
+        let (first, second) = if root == 0 { (b1, b0) } else { (b0, b1) };
+        let a = gs[other].run_now(
+            Op::Broadcast {
+                data: Buf::Mut(&mut first[..]),
+                root,
+            },
+            &mut cx,
+        );
+        let b = gs[root].run_now(
+            Op::Broadcast {
+                data: Buf::Mut(&mut second[..]),
+                root,
+            },
+            &mut cx,
+        );
+        let (a, b) = tokio::join!(finished(a), finished(b));
+        a.unwrap();
+        b.unwrap();
+        assert_eq!(
+            data,
+            [[root as u8 + 7; 16], [root as u8 + 7; 16]],
+            "root {root}"
+        );
+
+        // Reduce: the root comes first.
+        let mut mine = [3i64.to_le_bytes(), 4i64.to_le_bytes()];
+        let (m0, m1) = mine.split_at_mut(1);
+        fn reduce(data: &mut [u8], root: usize) -> Op<'_> {
+            Op::Reduce {
+                data: Buf::Mut(data),
+                element: ElementType::I64,
+                op: ReduceOp::Sum,
+                root,
+            }
+        }
+        let (at_root, at_other) = if root == 0 {
+            (&mut m0[0], &mut m1[0])
+        } else {
+            (&mut m1[0], &mut m0[0])
+        };
+        let a = gs[root].run_now(reduce(&mut at_root[..], root), &mut cx);
+        let b = gs[other].run_now(reduce(&mut at_other[..], root), &mut cx);
+        let (a, b) = tokio::join!(finished(a), finished(b));
+        a.unwrap();
+        b.unwrap();
+        let mut want = [3i64.to_le_bytes(), 4i64.to_le_bytes()];
+        want[root] = 7i64.to_le_bytes();
+        assert_eq!(mine, want, "root {root}");
+    }
+}

@@ -1,5 +1,6 @@
 //! The synchronous arena path of the awaited collectives (the port's
-//! [`run_now`](ProcessGroup::run_now)): a barrier or an all_reduce of a group on its arena
+//! [`run_now`](ProcessGroup::run_now)): a barrier, broadcast, all_reduce or reduce of a group
+//! on its arena
 //! (no hierarchy), whose plan core says runs now (a kept plan:
 //! [`Planned::runs_now`](tensorwire_core::collective::arena_cache::Planned::runs_now)), runs in
 //! the issuing call when the arena's turn is free: no boxed future, no work handle, no expiry
@@ -12,33 +13,36 @@
 //! one unit of the task's cooperative budget (tokio's, which the turn's lock spends on the
 //! future path), and once it is spent the collective takes the future, which yields.
 
+use std::ops::DerefMut;
 use std::task::{Context, Poll};
 
 use tensorwire_core::collective::arena as plans;
+use tensorwire_core::collective::arena::ArenaPlan;
 use tensorwire_core::collective::arena_cache::PlanKey;
+use tensorwire_core::collective::CollectiveError;
 use tensorwire_core::ports::process_group::{HostMut, Now};
 
-use super::arena::{barrier_word, Exec};
+use super::arena::{barrier_word, Exec, Turn};
 use super::*;
 
 impl Group {
     /// [`ProcessGroup::run_now`] (see the module's docs).
     pub(super) fn now<'a>(&'a self, op: Op<'a>, cx: &mut Context<'_>) -> Now<'a> {
-        if !matches!(op, Op::Barrier | Op::AllReduce { .. }) || !self.alone_on_arena(&op) {
+        if !self.alone_on_arena(&op) {
             return Now::Later(self.run_op(op));
         }
         let Poll::Ready(coop) = tokio::task::coop::poll_proceed(cx) else {
             // The task's budget is spent: the future yields (its lock sees the same).
             return Now::Later(self.run_op(op));
         };
-        let Some(mut turn) = self.try_turn() else {
+        let Some(turn) = self.try_turn() else {
             return Now::Later(self.run_op(op));
         };
         coop.made_progress();
         let (rank, world) = (self.rank(), self.size());
         match op {
             Op::AllReduce { data, element, op } => {
-                let mut data = match data.into_host_mut("all_reduce", self) {
+                let data = match data.into_host_mut("all_reduce", self) {
                     Ok(data) => data,
                     Err(e) => return Now::Done(Err(e)),
                 };
@@ -46,54 +50,131 @@ impl Group {
                     Ok(count) => count,
                     Err(e) => return Now::Done(Err(e)),
                 };
-                let key = PlanKey::all_reduce(count, element, op);
-                let make = move |s| plans::all_reduce(rank, world, count, element, op, s);
                 let signature = Signature::AllReduce {
                     op,
                     element,
                     count: count as u64,
                 }
                 .word(&[]);
-                let rest = self.arena_now(&mut turn, "all_reduce", key, make, &mut data, signature);
-                let finish = move |mut data: HostMut<'a>| {
-                    op.finish(element, &mut data, world);
-                    data.done()
+                self.now_or_later(
+                    turn,
+                    "all_reduce",
+                    PlanKey::all_reduce(count, element, op),
+                    move |s| plans::all_reduce(rank, world, count, element, op, s),
+                    data,
+                    signature,
+                    move |mut data: HostMut<'a>| {
+                        op.finish(element, &mut data, world);
+                        data.done()
+                    },
+                )
+            }
+            Op::Broadcast { data, root } => {
+                let data = match data.into_host_mut("broadcast", self) {
+                    Ok(data) => data,
+                    Err(e) => return Now::Done(Err(e)),
                 };
-                match rest {
-                    Ok(None) => Now::Done(Ok(finish(data))),
-                    Err(e) => Now::Done(Err(e)),
-                    Ok(Some(from)) => Now::Later(Box::pin(async move {
-                        let buffer = Exec::InPlace(&mut data);
-                        let from = Some(from);
-                        self.arena_exec(
-                            &mut turn,
-                            "all_reduce",
-                            key,
-                            make,
-                            buffer,
-                            signature,
-                            from,
-                        )
-                        .await?;
-                        Ok(finish(data))
-                    })),
+                let len = data.len();
+                let signature = Signature::Broadcast {
+                    root: root as u32,
+                    len: len as u64,
+                }
+                .word(&[]);
+                self.now_or_later(
+                    turn,
+                    "broadcast",
+                    PlanKey::broadcast(root, len),
+                    move |s| plans::broadcast(rank, world, root, len, s),
+                    data,
+                    signature,
+                    |data: HostMut<'a>| data.done(),
+                )
+            }
+            Op::Reduce {
+                data,
+                element,
+                op,
+                root,
+            } => {
+                let data = match data.into_host_mut("reduce", self) {
+                    Ok(data) => data,
+                    Err(e) => return Now::Done(Err(e)),
+                };
+                let count = match whole_elements("reduce", data.len(), element) {
+                    Ok(count) => count,
+                    Err(e) => return Now::Done(Err(e)),
+                };
+                let signature = Signature::Reduce {
+                    op,
+                    element,
+                    root: root as u32,
+                    count: count as u64,
+                }
+                .word(&[]);
+                let key = PlanKey::reduce(root, count, element, op);
+                let make = move |s| plans::reduce(rank, world, root, count, element, op, s);
+                if rank == root {
+                    let finish = move |mut data: HostMut<'a>| {
+                        op.finish(element, &mut data, world);
+                        data.done()
+                    };
+                    self.now_or_later(turn, "reduce", key, make, data, signature, finish)
+                } else {
+                    // A rank that is not the root reduces a copy: its own tensor stays as it
+                    // was, as through the future (`Group::arena_reduce`).
+                    let scratch = data.to_vec();
+                    let finish = |_: Vec<u8>| Done::Unit;
+                    self.now_or_later(turn, "reduce", key, make, scratch, signature, finish)
                 }
             }
-            _ => {
-                let key = PlanKey::barrier();
-                let make = move |s| plans::barrier(rank, world, s);
-                match self.arena_now(&mut turn, "barrier", key, make, &mut [], barrier_word()) {
-                    Ok(None) => Now::Done(Ok(Done::Unit)),
-                    Err(e) => Now::Done(Err(e)),
-                    Ok(Some(from)) => Now::Later(Box::pin(async move {
-                        let buffer = Exec::InPlace(&mut []);
-                        let (signature, from) = (barrier_word(), Some(from));
-                        self.arena_exec(&mut turn, "barrier", key, make, buffer, signature, from)
-                            .await?;
-                        Ok(Done::Unit)
-                    })),
-                }
-            }
+            _ => self.now_or_later(
+                turn,
+                "barrier",
+                PlanKey::barrier(),
+                move |s| plans::barrier(rank, world, s),
+                Vec::new(),
+                barrier_word(),
+                |_: Vec<u8>| Done::Unit,
+            ),
+        }
+    }
+
+    /// Runs one round of the arena on `buffer` in this call as far as its spin allows
+    /// ([`Group::arena_now`]), then `finish` makes the result: at once when it ran to its end,
+    /// else after [`Group::arena_exec`]'s future ran the rest from where it stopped.
+    #[allow(clippy::too_many_arguments)]
+    fn now_or_later<'a, B, M, F>(
+        &'a self,
+        mut turn: Turn<'a>,
+        collective: &'static str,
+        key: Option<PlanKey>,
+        make: M,
+        mut buffer: B,
+        signature: u64,
+        finish: F,
+    ) -> Now<'a>
+    where
+        B: DerefMut<Target = [u8]> + Send + 'a,
+        M: Fn(usize) -> Result<ArenaPlan, CollectiveError> + Copy + Send + 'a,
+        F: FnOnce(B) -> Done + Send + 'a,
+    {
+        match self.arena_now(&mut turn, collective, key, make, &mut buffer, signature) {
+            Ok(None) => Now::Done(Ok(finish(buffer))),
+            Err(e) => Now::Done(Err(e)),
+            Ok(Some(from)) => Now::Later(Box::pin(async move {
+                let exec = Exec::InPlace(&mut buffer);
+                self.arena_exec(
+                    &mut turn,
+                    collective,
+                    key,
+                    make,
+                    exec,
+                    signature,
+                    Some(from),
+                )
+                .await?;
+                Ok(finish(buffer))
+            })),
         }
     }
 }
