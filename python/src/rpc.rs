@@ -29,6 +29,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use serde::{Deserialize, Serialize};
 use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
+use tensorwire_core::protocol::start::StartError;
 use tensorwire_core::protocol::CallError;
 use tensorwire_core::tensor::{DType, Storage, Tensor};
 use tensorwire_rpc::{Agent, CallContext, Functions, RRef, RpcError, RpcOptions, Shutdown};
@@ -380,7 +381,7 @@ pub(crate) fn rpc_error(e: &RpcError) -> PyErr {
         RpcError::NotRunning => "not_running",
         RpcError::UnknownWorker { .. }
         | RpcError::Name(_)
-        | RpcError::RankOutOfRange { .. }
+        | RpcError::Start(StartError::RankOutOfRange { .. })
         | RpcError::InvalidArgument(_) => "argument",
         RpcError::Rendezvous(_) | RpcError::Store(_) | RpcError::Transport(_) => "network",
         RpcError::DeviceMaps(_) | RpcError::DeviceMapConfig { .. } | RpcError::Device(_) => {

@@ -266,34 +266,11 @@ pub enum RpcError {
     /// backend's TLS material unusable, ...): the [`InitError`] says which, with its data.
     #[error("init_rpc: {0}")]
     Init(#[from] InitError),
-    /// `init_rpc` was given a rank that is not below its world size.
-    #[error("init_rpc: rank {rank} is not below world_size {world_size}")]
-    RankOutOfRange {
-        /// The rank given.
-        rank: usize,
-        /// The world size given.
-        world_size: usize,
-    },
-    /// The rendezvous assigned another rank or world size than `init_rpc` was called with.
-    #[error("init_rpc: rendezvous gave rank {got_rank} of {got_world_size}, but init_rpc was called with rank {rank} of {world_size:?}")]
-    RendezvousMismatch {
-        /// The rank given to `init_rpc`.
-        rank: usize,
-        /// The world size given to `init_rpc` (`None`: a dynamic group).
-        world_size: Option<usize>,
-        /// The rank the rendezvous gave.
-        got_rank: usize,
-        /// The world size the rendezvous gave.
-        got_world_size: usize,
-    },
-    /// A static worker tried to join a dynamic group, or the other way round.
-    #[error("init_rpc: this group is {group}; a {worker} worker cannot join it (mixing static and dynamic members is refused)")]
-    GroupKindMismatch {
-        /// The group's kind, as the store holds it (`static` or `dynamic`).
-        group: String,
-        /// This worker's kind.
-        worker: &'static str,
-    },
+    /// `init_rpc` cannot start with what it was given or what the rendezvous and the store
+    /// say (a rank not below the world size, a rendezvous that assigned another rank, a group
+    /// of the other kind): core decides it ([`StartError`]).
+    #[error(transparent)]
+    Start(#[from] StartError),
     /// The cluster secret cannot be used (it is empty).
     #[error("init_rpc: the cluster secret: {0}")]
     Secret(#[source] AuthError),
@@ -428,30 +405,6 @@ fn unconfirmed(owner: &str, e: &ConfirmError) -> String {
             format!("in the arguments, its creation on {owner} failed: {error}")
         }
         other => other.to_string(),
-    }
-}
-
-impl From<StartError> for RpcError {
-    fn from(e: StartError) -> Self {
-        match e {
-            StartError::RankOutOfRange { rank, world_size } => {
-                RpcError::RankOutOfRange { rank, world_size }
-            }
-            StartError::RendezvousMismatch {
-                rank,
-                world_size,
-                got_rank,
-                got_world_size,
-            } => RpcError::RendezvousMismatch {
-                rank,
-                world_size,
-                got_rank,
-                got_world_size,
-            },
-            StartError::GroupKindMismatch { group, worker } => {
-                RpcError::GroupKindMismatch { group, worker }
-            }
-        }
     }
 }
 

@@ -1025,7 +1025,7 @@ async fn static_and_dynamic_members_do_not_mix() {
     );
     assert!(e.to_string().contains("this group is static"), "{e}");
     assert!(
-        matches!(&e, RpcError::GroupKindMismatch { group, worker: "dynamic" } if group == "static"),
+        matches!(&e, RpcError::Start(tensorwire_core::protocol::start::StartError::GroupKindMismatch { group, worker: "dynamic" }) if group == "static"),
         "{e:?}"
     );
     shutdown_all(statics).await;

@@ -524,10 +524,12 @@ pub async fn hostile_group(
     let hostile = hostile.ok_or_else(|| StartError {
         rank: 0,
         // No rank at all: rank 0, the hostile one's, is not below the world size.
-        error: tensorwire_rpc::RpcError::RankOutOfRange {
-            rank: 0,
-            world_size: world,
-        },
+        error: tensorwire_rpc::RpcError::Start(
+            tensorwire_core::protocol::start::StartError::RankOutOfRange {
+                rank: 0,
+                world_size: world,
+            },
+        ),
     })?;
     Ok(HostileGroup { agents, hostile })
 }

@@ -417,18 +417,8 @@ impl ShmConnection {
     fn fail(&self, rx: &mut Rx, err: TransportError) -> TransportError {
         self.shared.shutdown();
         tracing::warn!(peer = %self.peer, error = %err, "closing shared-memory connection");
-        rx.failed = Some(match &err {
-            TransportError::Wire { peer, source } => TransportError::Wire {
-                peer: *peer,
-                source: source.clone(),
-            },
-            other => TransportError::Io {
-                addr: self.peer,
-                op: "receiving",
-                kind: std::io::ErrorKind::InvalidData,
-                message: other.to_string(),
-            },
-        });
+        // Every later receive fails with the same error (it is plain data).
+        rx.failed = Some(err.clone());
         err
     }
 
@@ -744,18 +734,7 @@ impl ShmConnection {
     async fn recv_frame(&self) -> Result<Frame, TransportError> {
         let mut rx = self.rx.lock().await;
         if let Some(e) = &rx.failed {
-            return Err(match e {
-                TransportError::Wire { peer, source } => TransportError::Wire {
-                    peer: *peer,
-                    source: source.clone(),
-                },
-                other => TransportError::Io {
-                    addr: self.peer,
-                    op: "receiving",
-                    kind: std::io::ErrorKind::InvalidData,
-                    message: other.to_string(),
-                },
-            });
+            return Err(e.clone());
         }
         match self.recv_inner(&mut rx).await {
             Ok(frame) => Ok(frame),
