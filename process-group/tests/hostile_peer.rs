@@ -286,9 +286,19 @@ async fn a_peer_may_hold_only_so_many_unclaimed_bytes(net: Net) {
             // before it is whole; elsewhere the frame arrives whole and the inbox refuses it.
             ProcessGroupError::PeerDied {
                 rank: HOSTILE,
-                reason,
+                cause: tensorwire_core::ports::process_group::DeathCause::Transport(e),
                 ..
             } if net == Net::Tcp => {
+                // The transport's error, kept as it is: the budget it passed.
+                let tensorwire_core::ports::transport::TransportError::OverBudget {
+                    source: over,
+                    ..
+                } = &*e
+                else {
+                    panic!("{e}")
+                };
+                assert_eq!((over.budget, over.held.inbox), (1 << 20, 700 << 10));
+                let reason = e.to_string();
                 assert!(
                     reason.contains("past its budget of 1048576 bytes per peer (peer_budget)"),
                     "{reason}"

@@ -62,7 +62,7 @@ use tensorwire_core::collective::arena::{self, ArenaPlan, ArenaState, ARENA_ALIG
 use tensorwire_core::collective::arena_wait::{
     all_reached, reported_disagreement, ArenaWait, Lost, WaitStep,
 };
-pub use tensorwire_core::collective::arena_wait::{ArenaFailure, LIVENESS_PERIOD};
+pub use tensorwire_core::collective::arena_wait::{ArenaFailure, Gone, LIVENESS_PERIOD};
 use tensorwire_core::collective::reduce_into;
 use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::spin::{SpinPolicy, SpinStep};
@@ -138,7 +138,7 @@ pub struct Bounds<'a> {
     /// For a rank still awaited, whether the group knows it is gone (its links ended: it shut
     /// down, or its connection broke), and why; asked after every sleep, as the rank's process
     /// is checked.
-    pub gone: &'a (dyn Fn(usize) -> Option<String> + Send + Sync),
+    pub gone: &'a (dyn Fn(usize) -> Option<Gone> + Send + Sync),
 }
 
 impl std::fmt::Debug for Bounds<'_> {

@@ -64,13 +64,27 @@ pub fn all_reached(ranks: &[usize], target: u32, counter: impl Fn(usize) -> u32)
 /// waits for (a rank whose process ended is named within about this long).
 pub const LIVENESS_PERIOD: Duration = Duration::from_millis(20);
 
+/// Why the group says a rank is gone ([`Lost::Gone`], [`ArenaFailure::Gone`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Gone {
+    /// It shut its group down (it said goodbye).
+    #[error("it left the group")]
+    Left,
+    /// Its connection broke, or the group dropped it.
+    #[error("its connection broke")]
+    ConnectionBroke,
+    /// The group is broken (the group's own error names why; the driver reports that).
+    #[error("the group is broken")]
+    GroupBroken,
+}
+
 /// What the executor knows of an awaited rank that will not publish again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Lost {
     /// Its process ended.
     Died,
     /// The group says it is gone (it left, or its connection broke): why.
-    Gone(String),
+    Gone(Gone),
     /// It saw ranks run different collectives (or one with other arguments) and said so in
     /// the arena: it fails that collective and every later one, so it will not publish again.
     Disagreed,
@@ -102,12 +116,12 @@ pub enum ArenaFailure {
         rank: usize,
     },
     /// The group said `rank` is gone while this rank waited for it.
-    #[error("rank {rank} is gone: {reason}")]
+    #[error("rank {rank} is gone: {why}")]
     Gone {
         /// The group rank.
         rank: usize,
         /// What the group knows.
-        reason: String,
+        why: Gone,
     },
     /// `rank` saw ranks run different collectives (or one with other arguments) and said so in
     /// the arena: the ranks are out of step. (A broadcast's root, which waits for nobody, learns
@@ -220,7 +234,7 @@ impl ArenaWait {
             }
             return WaitStep::Failed(match end {
                 Lost::Died => ArenaFailure::Died { rank: *q },
-                Lost::Gone(reason) => ArenaFailure::Gone { rank: *q, reason },
+                Lost::Gone(why) => ArenaFailure::Gone { rank: *q, why },
                 Lost::Disagreed => ArenaFailure::DisagreementReported { rank: *q },
                 Lost::EndedAfterFailing => {
                     after_failing.get_or_insert(*q);
@@ -380,14 +394,14 @@ mod tests {
         // Rank 1 died after it published: not this wait's business.
         let lost = |q: usize| match q {
             1 => Some(Lost::Died),
-            3 => Some(Lost::Gone("left".into())),
+            3 => Some(Lost::Gone(Gone::Left)),
             _ => None,
         };
         assert_eq!(
             wait.step(|q| counters[q], t0, lost),
             WaitStep::Failed(ArenaFailure::Gone {
                 rank: 3,
-                reason: "left".into()
+                why: Gone::Left
             })
         );
         let lost = |q: usize| (q == 2).then_some(Lost::Died);
@@ -418,14 +432,14 @@ mod tests {
                 4
             }
         };
-        let gone = |q: usize| (q == 2).then(|| Lost::Gone("left".into()));
+        let gone = |q: usize| (q == 2).then_some(Lost::Gone(Gone::Left));
         assert_eq!(wait.step(counter, t0, gone), WaitStep::Done);
         // Had it not published before it went, its end is the answer.
         assert_eq!(
             wait.step(|q| if q == 2 { 3 } else { 4 }, t0, gone),
             WaitStep::Failed(ArenaFailure::Gone {
                 rank: 2,
-                reason: "left".into()
+                why: Gone::Left
             })
         );
         // The same for a process that exited.

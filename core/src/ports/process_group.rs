@@ -61,7 +61,7 @@ mod stage;
 mod tensors;
 mod work;
 
-pub use error::{MeshViolation, ProcessGroupError};
+pub use error::{DeathCause, MeshViolation, ProcessGroupError};
 pub use ext::Collectives;
 pub use op::{Buf, Done, HostMut, Op, Scheduled};
 pub use stage::stage_report;

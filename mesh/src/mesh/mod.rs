@@ -61,7 +61,7 @@ use tensorwire_core::collective::disagreement::Disagreements;
 use tensorwire_core::collective::inbox::Admission;
 use tensorwire_core::collective::stage_failure::StageReport;
 use tensorwire_core::collective::SIGNATURE_LEN;
-use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroupError};
+use tensorwire_core::ports::process_group::{DeathCause, MeshViolation, ProcessGroupError};
 use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::ports::transport::{Connection, TransportError};
 use tensorwire_core::protocol::mesh::GroupFrame;
@@ -424,7 +424,7 @@ impl Mesh {
             _ => ProcessGroupError::PeerDied {
                 rank: peer,
                 reported_by: None,
-                reason: "its connection closed".to_owned(),
+                cause: DeathCause::ConnectionClosed,
             },
         }
     }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use tensorwire_core::collective::inbox::{self};
-use tensorwire_core::ports::process_group::{MeshViolation, ProcessGroupError};
+use tensorwire_core::ports::process_group::{DeathCause, MeshViolation, ProcessGroupError};
 use tensorwire_core::ports::transport::TransportError;
 use tensorwire_core::protocol::mesh::GroupFrame;
 use tensorwire_core::protocol::ProtocolViolation;
@@ -178,7 +178,7 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
             let error = ProcessGroupError::PeerDied {
                 rank: peer,
                 reported_by: None,
-                reason: e.to_string(),
+                cause: DeathCause::Transport(Box::new(e.clone())),
             };
             (error, None, PeerEnd::Transport(e))
         }

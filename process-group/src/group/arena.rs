@@ -20,8 +20,9 @@
 use tensorwire_core::collective::arena as plans;
 use tensorwire_core::collective::arena::ArenaPlan;
 use tensorwire_core::collective::arena_cache::{PlanCache, PlanKey};
+use tensorwire_core::ports::process_group::DeathCause;
 use tensorwire_transport_shm::arena::{
-    host_key, Arena, ArenaError, ArenaFailure, ArenaHost, Bounds, Unfinished,
+    host_key, Arena, ArenaError, ArenaFailure, ArenaHost, Bounds, Gone, Unfinished,
 };
 
 use super::*;
@@ -157,24 +158,28 @@ fn arena_error(
         ArenaFailure::Died { rank: dead } => ProcessGroupError::PeerDied {
             rank: dead,
             reported_by: None,
-            reason: match pid(dead) {
-                Some(pid) => {
-                    format!("its process {pid} ended during {collective} through the group arena")
-                }
-                None => format!("its process ended during {collective} through the group arena"),
+            cause: DeathCause::ProcessEnded {
+                pid: pid(dead),
+                collective,
             },
         },
-        ArenaFailure::Gone { rank: gone, reason } if reason == "left" => {
-            ProcessGroupError::PeerLeft {
-                rank: gone,
-                collective,
-                seq,
-            }
-        }
-        ArenaFailure::Gone { rank: gone, reason } => ProcessGroupError::PeerDied {
+        ArenaFailure::Gone {
+            rank: gone,
+            why: Gone::Left,
+        } => ProcessGroupError::PeerLeft {
+            rank: gone,
+            collective,
+            seq,
+        },
+        // A broken group is reported as the group's own error by the caller; were it not
+        // (it is kept once broken), the rank's link is what broke.
+        ArenaFailure::Gone {
+            rank: gone,
+            why: Gone::ConnectionBroke | Gone::GroupBroken,
+        } => ProcessGroupError::PeerDied {
             rank: gone,
             reported_by: None,
-            reason,
+            cause: DeathCause::ConnectionBroke { collective },
         },
         ArenaFailure::Timeout {
             waiting_on,
@@ -532,13 +537,13 @@ impl Group {
         let give_up = crate::work::expired();
         tokio::pin!(give_up);
         let span = tracing::debug_span!("arena", collective, seq = turn.seq);
-        let gone = |peer: usize| -> Option<String> {
-            if let Some(e) = mesh.broken() {
-                return Some(e.to_string());
+        let gone = |peer: usize| -> Option<Gone> {
+            if mesh.broken().is_some() {
+                return Some(Gone::GroupBroken);
             }
             mesh.peer_gone(peer).map(|kind| match kind {
-                tensorwire_mesh::PeerStatusKind::Left => "left".to_owned(),
-                tensorwire_mesh::PeerStatusKind::Dead => "its connection broke".to_owned(),
+                tensorwire_mesh::PeerStatusKind::Left => Gone::Left,
+                tensorwire_mesh::PeerStatusKind::Dead => Gone::ConnectionBroke,
             })
         };
         let bounds = Bounds {
@@ -636,11 +641,11 @@ impl Group {
                 ProcessGroupError::PeerDied {
                     rank,
                     reported_by,
-                    reason,
+                    cause,
                 } => ProcessGroupError::PeerDied {
                     rank: self.world_rank(rank),
                     reported_by,
-                    reason,
+                    cause,
                 },
                 ProcessGroupError::PeerLeft {
                     rank,

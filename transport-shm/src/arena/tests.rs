@@ -28,7 +28,7 @@ fn rt() -> &'static dyn Runtime {
     &Tokio
 }
 
-fn alive(_: usize) -> Option<String> {
+fn alive(_: usize) -> Option<Gone> {
     None
 }
 
@@ -221,7 +221,7 @@ async fn a_rank_the_group_says_is_gone_is_named() {
     let slot = arenas[0].slot_bytes();
     let plan = arena::barrier(0, world, slot).unwrap();
     let t0 = Tokio.now();
-    let gone = |q: usize| (q == 1).then(|| "left".to_owned());
+    let gone = |q: usize| (q == 1).then_some(Gone::Left);
     let bounds = Bounds {
         gone: &gone,
         ..bounds(Duration::from_secs(3600))
@@ -236,7 +236,7 @@ async fn a_rank_the_group_says_is_gone_is_named() {
         err,
         ArenaError::Failed(ArenaFailure::Gone {
             rank: 1,
-            reason: "left".into()
+            why: Gone::Left
         })
     );
     assert!(Tokio.now() < t0 + Duration::from_secs(1));

@@ -7,6 +7,39 @@ use crate::collective::{CollectiveError, Signature};
 use crate::device::Device;
 use crate::ports::transport::TransportError;
 
+/// What a rank saw of a peer that died ([`ProcessGroupError::PeerDied`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeathCause {
+    /// Its connection failed or closed: the transport's error. (Boxed: errors that carry a
+    /// cause stay small.)
+    #[error("{0}")]
+    Transport(Box<TransportError>),
+    /// Its connection closed while a collective still expected a message from it.
+    #[error("its connection closed")]
+    ConnectionClosed,
+    /// The group told the arena its connection broke while this rank waited for it there.
+    #[error("its connection broke during {collective} through the group arena")]
+    ConnectionBroke {
+        /// The collective.
+        collective: &'static str,
+    },
+    /// Its process ended while this rank waited for it in the group arena.
+    #[error("its process{} ended during {collective} through the group arena", pid.map(|p| format!(" {p}")).unwrap_or_default())]
+    ProcessEnded {
+        /// Its process id, where the arena knows it.
+        pid: Option<u32>,
+        /// The collective.
+        collective: &'static str,
+    },
+    /// It ended (its process, or its connection) during a stage of a collective across hosts,
+    /// as the rank that reported it saw.
+    #[error(
+        "its process ended (or its connection broke) during a stage of a collective across hosts"
+    )]
+    InStage,
+}
+
 /// Why a collective (or setting up a group) failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -30,14 +63,14 @@ pub enum ProcessGroupError {
     },
     /// A peer's connection broke without a clean shutdown: the process died or the network
     /// failed. The group cannot be used any more.
-    #[error("rank {rank} died{}: {reason}", reported_by.map(|r| format!(" (reported by rank {r})")).unwrap_or_default())]
+    #[error("rank {rank} died{}: {cause}", reported_by.map(|r| format!(" (reported by rank {r})")).unwrap_or_default())]
     PeerDied {
         /// The rank that died.
         rank: usize,
         /// Another rank that saw it die and told us, if we did not see it ourselves.
         reported_by: Option<usize>,
-        /// What was seen (the transport error).
-        reason: String,
+        /// What was seen.
+        cause: DeathCause,
     },
     /// Another rank of a group spanning hosts told this rank that `waiting_on` (world ranks)
     /// did not come within its stage of a collective that this rank's own stage waited on in

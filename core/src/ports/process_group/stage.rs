@@ -6,7 +6,7 @@
 
 use crate::collective::stage_failure::{StageCause, StageReport};
 
-use super::ProcessGroupError;
+use super::{DeathCause, ProcessGroupError};
 
 /// The report a rank sends when a stage of its hierarchical collective failed with `error`
 /// (the stage's own group's error: a timeout names that group's ranks, `members` gives their
@@ -52,9 +52,7 @@ impl StageReport {
             StageCause::Died => ProcessGroupError::PeerDied {
                 rank: self.ranks[0],
                 reported_by: Some(reporter),
-                reason: "its process ended (or its connection broke) during a stage of a \
-                         collective across hosts"
-                    .to_owned(),
+                cause: DeathCause::InStage,
             },
             StageCause::TimedOut { waited } => ProcessGroupError::StageTimedOut {
                 waiting_on: self.ranks.clone(),

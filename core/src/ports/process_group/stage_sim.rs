@@ -14,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 use super::stage_report;
 use crate::collective::hierarchy::{HierOp, HostPlan, Stage};
 use crate::collective::stage_failure::*;
-use crate::ports::process_group::{MeshViolation, ProcessGroupError};
+use crate::ports::process_group::{DeathCause, MeshViolation, ProcessGroupError};
 
 const T: Duration = Duration::from_secs(8);
 
@@ -345,7 +345,7 @@ fn only_failures_seen_here_on_awaited_ranks_are_reported() {
     let died = |reported_by| ProcessGroupError::PeerDied {
         rank: 9,
         reported_by,
-        reason: "reset".into(),
+        cause: DeathCause::ConnectionClosed,
     };
     assert_eq!(
         stage_report(&died(None), &members),
@@ -359,7 +359,7 @@ fn only_failures_seen_here_on_awaited_ranks_are_reported() {
     let elsewhere = ProcessGroupError::PeerDied {
         rank: 5,
         reported_by: None,
-        reason: "reset".into(),
+        cause: DeathCause::ConnectionClosed,
     };
     assert_eq!(stage_report(&elsewhere, &members), None);
     // What another rank said is not said again.
@@ -401,9 +401,7 @@ fn only_failures_seen_here_on_awaited_ranks_are_reported() {
         ProcessGroupError::PeerDied {
             rank: 9,
             reported_by: Some(4),
-            reason: "its process ended (or its connection broke) during a stage of a collective \
-                     across hosts"
-                .into()
+            cause: DeathCause::InStage
         }
     );
 }

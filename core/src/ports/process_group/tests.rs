@@ -23,18 +23,31 @@ fn errors_name_the_ranks() {
     let e = ProcessGroupError::PeerDied {
         rank: 2,
         reported_by: Some(1),
-        reason: "connection reset".into(),
+        cause: DeathCause::InStage,
     };
     assert_eq!(
         e.to_string(),
-        "rank 2 died (reported by rank 1): connection reset"
+        "rank 2 died (reported by rank 1): its process ended (or its connection broke) during a \
+         stage of a collective across hosts"
     );
     let e = ProcessGroupError::PeerDied {
         rank: 4,
         reported_by: None,
-        reason: "closed".into(),
+        cause: DeathCause::ConnectionClosed,
     };
-    assert_eq!(e.to_string(), "rank 4 died: closed");
+    assert_eq!(e.to_string(), "rank 4 died: its connection closed");
+    let e = ProcessGroupError::PeerDied {
+        rank: 3,
+        reported_by: None,
+        cause: DeathCause::ProcessEnded {
+            pid: Some(42),
+            collective: "barrier",
+        },
+    };
+    assert_eq!(
+        e.to_string(),
+        "rank 3 died: its process 42 ended during barrier through the group arena"
+    );
 }
 
 /// What a send or a collective's task failed with stays typed: the transport's error is the
