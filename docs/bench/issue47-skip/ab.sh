@@ -7,7 +7,8 @@ ROUNDS=${ROUNDS:-3}
 EXTRA=${EXTRA:-}
 for r in $(seq ${FIRST:-1} $ROUNDS); do
   for b in A B; do
-    bin=/work/binB/tensorwire-$([ $b = A ] && echo main || echo hB)
+    # The two builds (A_BIN and B_BIN override them, e.g. for idle-rooted/).
+    bin=${A_BIN:-/work/binB/tensorwire-main}; [ $b = B ] && bin=${B_BIN:-/work/binB/tensorwire-hB}
     for pl in unpinned pinned; do
       pre=""; [ $pl = pinned ] && pre="taskset -c 0"
       echo "$(date -u +%T) $b $pl $r load: $(cut -d' ' -f1-3 /proc/loadavg)" >> loads.txt
