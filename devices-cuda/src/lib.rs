@@ -386,11 +386,7 @@ fn driver_error(device: Device, op: &'static str, e: DriverError) -> DeviceError
 }
 
 fn panicked(device: Device, op: &'static str, p: &(dyn std::any::Any + Send)) -> DeviceError {
-    let what = p
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into());
+    let what = tensorwire_core::protocol::served::panic_message(p);
     DeviceError::Backend {
         device,
         op,

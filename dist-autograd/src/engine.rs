@@ -1016,11 +1016,7 @@ impl<E: AutogradEngine> Inner<E> {
             // The engine's own words: the error says it is the engine's already.
             Ok(Err(e)) => Err(e.0),
             Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a panic without a message".into());
+                let what = tensorwire_core::protocol::served::panic_message(panic.as_ref());
                 Err(format!("the engine panicked: {what}"))
             }
         }
