@@ -25,6 +25,13 @@
 //! cost less than process switches; see `bench_raw_barrier`). `rendezvous_barrier_w32_ms` is the wall time from starting
 //! rank 0 of 32 processes until all of them finished their first barrier.
 //!
+//! The `memcpy` floors of the 1 MiB all_gather and all_reduce (the bytes each rank must
+//! receive: N - 1 MiB and 1 MiB) are measured twice: copied once in this process alone
+//! (`memcpy_w{N}_all_gather_1MiB_us`, `memcpy_1MiB_us`; ratios `*_over_memcpy`), and copied by
+//! N processes at once between barriers, in the group's shape and sharing the cores as its
+//! ranks do (`memcpy_all_ranks_w{N}_all_gather_1MiB_us`, `memcpy_all_ranks_w{N}_1MiB_us`;
+//! ratios `*_over_memcpy_all_ranks`).
+//!
 //! With `--torch-python PYTHON` (a Python with torch, such as the CI venv's), PyTorch's gloo
 //! groups of each world size run the same series right after tensorwire's (`gloo_*` keys) and
 //! `ratios` gains `*_over_gloo` (below 1: tensorwire is faster).
@@ -260,6 +267,20 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
             };
             out.insert(key, json!(median_us(times)));
         }
+        // The same floor in the group's shape: every rank copies what it must receive at once,
+        // sharing the cores as the collective's ranks do.
+        bar.set_message(format!("memcpy of all {world} ranks"));
+        for (key, bytes) in [
+            (format!("memcpy_all_ranks_w{world}_1MiB_us"), MIB),
+            (
+                format!("memcpy_all_ranks_w{world}_all_gather_1MiB_us"),
+                (world - 1) * MIB,
+            ),
+        ] {
+            let us = raw_barrier::copies(world, bytes, args.large_iters.max(10))
+                .with_context(|| format!("the memcpy of {world} processes"))?;
+            out.insert(key, json!(us));
+        }
         if let Some(python) = &args.torch_python {
             bar.set_message(format!("gloo, {world} processes"));
             let bound = Duration::from_secs(args.timeout);
@@ -411,6 +432,20 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
                 ratios.insert(format!("{op}_w{world}_1MiB_over_memcpy"), json!(t / m));
             }
         }
+        for (op, floor) in [
+            (
+                "all_gather",
+                format!("memcpy_all_ranks_w{world}_all_gather_1MiB_us"),
+            ),
+            ("all_reduce", format!("memcpy_all_ranks_w{world}_1MiB_us")),
+        ] {
+            if let (Some(t), Some(m)) = (get(&format!("{op}_w{world}_1MiB_us")), get(&floor)) {
+                ratios.insert(
+                    format!("{op}_w{world}_1MiB_over_memcpy_all_ranks"),
+                    json!(t / m),
+                );
+            }
+        }
     }
     let mut targets = Map::new();
     // Issue 47: the group arena on one host.
@@ -434,6 +469,12 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
             if let Some(r) = ratio(&format!("{op}_w8_1MiB_over_memcpy")) {
                 targets.insert(
                     format!("arena: {op}_w8_1MiB <= 1.3x memcpy"),
+                    json!(r <= 1.3),
+                );
+            }
+            if let Some(r) = ratio(&format!("{op}_w8_1MiB_over_memcpy_all_ranks")) {
+                targets.insert(
+                    format!("arena: {op}_w8_1MiB <= 1.3x memcpy of all ranks"),
                     json!(r <= 1.3),
                 );
             }

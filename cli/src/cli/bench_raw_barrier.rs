@@ -9,6 +9,10 @@
 //!   polled while the processes have a core each, `sched_yield` between looks otherwise (the
 //!   rule of [`tensorwire_core::spin`]).
 //!
+//! [`copies`] runs the shared-memory barrier with a `memcpy` of a given size after each, in
+//! every rank: the `memcpy` floor of a collective in the shape of the group (every rank copying
+//! what it must receive at once, on the cores they share), beside the one-process floor.
+//!
 //! Rank 0 runs in this process and is timed; ranks 1.. are this binary re-run with the hidden
 //! `bench raw-barrier-rank`, given the descriptors they inherit. The same barrier among threads
 //! of one process ([`threads`]) is kept beside it: thread switches are cheaper than process
@@ -55,6 +59,9 @@ pub(crate) struct RankArgs {
     /// With `shm`: the inherited memfd of the counters.
     #[arg(long)]
     fd: Option<i32>,
+    /// Bytes to copy (`memcpy`, private buffers) after each barrier ([`copies`]); 0: none.
+    #[arg(long, default_value_t = 0)]
+    copy_bytes: usize,
 }
 
 /// Rounds of the dissemination barrier among `world` ranks.
@@ -75,15 +82,22 @@ trait Links {
     fn wait(&mut self, from: usize, k: usize, epoch: u64) -> Result<()>;
 }
 
-/// Runs `total` barriers as `rank`; the times of those after the first tenth.
+/// Runs `total` barriers as `rank`, each followed by a copy of `copy` bytes (none if 0); the
+/// times of those after the first tenth. With a copy, a barrier waits for every rank's previous
+/// copy, so each time is that of the slowest rank's copy.
 fn run_rank(
     rank: usize,
     world: usize,
     total: usize,
+    copy: usize,
     links: &mut impl Links,
 ) -> Result<Vec<Duration>> {
     let warm = total / 11;
     let mut times = Vec::with_capacity(total - warm);
+    // Faulted in before the first barrier (the floor is the copy, not the page faults).
+    let src = vec![7u8; copy];
+    let mut dst = vec![0u8; copy];
+    dst.copy_from_slice(&src);
     for i in 0..total {
         let t = Instant::now();
         let mut distance = 1;
@@ -93,6 +107,10 @@ fn run_rank(
             links.wait((rank + world - distance) % world, k, i as u64 + 1)?;
             distance *= 2;
             k += 1;
+        }
+        if copy > 0 {
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
         }
         if i >= warm {
             times.push(t.elapsed());
@@ -245,6 +263,18 @@ fn inheritable(fd: impl AsFd, on: bool) -> Result<()> {
 /// The median time of rank 0's barriers among `world` processes over `medium`, in µs (after a
 /// tenth as many for warm-up).
 pub(crate) fn processes(medium: Medium, world: usize, iters: usize) -> Result<f64> {
+    processes_copying(medium, world, iters, 0)
+}
+
+/// The `memcpy` floor in the group's shape: `world` processes pass the shared-memory barrier
+/// and then each copies `bytes` (between private buffers faulted in beforehand), `iters` times
+/// (after a tenth as many for warm-up); the median of rank 0's barrier-and-copy, in µs. With
+/// more ranks than cores, the ranks share the cores for their copies as a collective's ranks do.
+pub(crate) fn copies(world: usize, bytes: usize, iters: usize) -> Result<f64> {
+    processes_copying(Medium::Shm, world, iters, bytes)
+}
+
+fn processes_copying(medium: Medium, world: usize, iters: usize, copy: usize) -> Result<f64> {
     if world < 2 {
         bail!("a raw barrier needs 2 ranks or more, not {world}");
     }
@@ -263,7 +293,7 @@ pub(crate) fn processes(medium: Medium, world: usize, iters: usize) -> Result<f6
                 for s in peers.iter().flatten() {
                     inheritable(s, true)?;
                 }
-                let child = spawn_rank(&exe, medium, rank, world, total)
+                let child = spawn_rank(&exe, medium, rank, world, total, copy)
                     .arg("--sockets")
                     .arg(fds.join(","))
                     .spawn();
@@ -275,7 +305,7 @@ pub(crate) fn processes(medium: Medium, world: usize, iters: usize) -> Result<f6
             // Only the children hold their ends now.
             let mine = std::mem::take(&mut conns[0]);
             drop(conns);
-            run_rank(0, world, total, &mut TcpLinks { peers: mine })
+            run_rank(0, world, total, copy, &mut TcpLinks { peers: mine })
         }
         Medium::Shm => {
             let fd: OwnedFd =
@@ -285,7 +315,7 @@ pub(crate) fn processes(medium: Medium, world: usize, iters: usize) -> Result<f6
                 .context("sizing the raw barrier's counters")?;
             let counters = Counters::map(&fd, world)?;
             for rank in 1..world {
-                let child = spawn_rank(&exe, medium, rank, world, total)
+                let child = spawn_rank(&exe, medium, rank, world, total, copy)
                     .arg("--fd")
                     .arg(fd.as_raw_fd().to_string())
                     .spawn()
@@ -297,6 +327,7 @@ pub(crate) fn processes(medium: Medium, world: usize, iters: usize) -> Result<f6
                 0,
                 world,
                 total,
+                copy,
                 &mut ShmLinks {
                     counters,
                     rank: 0,
@@ -328,6 +359,7 @@ fn spawn_rank(
     rank: usize,
     world: usize,
     total: usize,
+    copy: usize,
 ) -> std::process::Command {
     let mut cmd = std::process::Command::new(exe);
     cmd.args(["bench", "raw-barrier-rank", "--medium"])
@@ -338,6 +370,7 @@ fn spawn_rank(
         .args(["--rank", &rank.to_string()])
         .args(["--world", &world.to_string()])
         .args(["--iters", &total.to_string()])
+        .args(["--copy-bytes", &copy.to_string()])
         .stdin(std::process::Stdio::null());
     cmd
 }
@@ -374,7 +407,13 @@ pub(crate) fn rank(args: &RankArgs) -> Result<()> {
             if let Some(j) = (0..args.world).find(|&j| j != args.rank && peers[j].is_none()) {
                 return Err(usage(format!("--sockets names no socket to rank {j}")));
             }
-            run_rank(args.rank, args.world, args.iters, &mut TcpLinks { peers })?;
+            run_rank(
+                args.rank,
+                args.world,
+                args.iters,
+                args.copy_bytes,
+                &mut TcpLinks { peers },
+            )?;
         }
         Medium::Shm => {
             let Some(fd) = args.fd.filter(|&fd| fd >= 0) else {
@@ -394,7 +433,13 @@ pub(crate) fn rank(args: &RankArgs) -> Result<()> {
                 rank: args.rank,
                 patience: PATIENCE,
             };
-            run_rank(args.rank, args.world, args.iters, &mut links)?;
+            run_rank(
+                args.rank,
+                args.world,
+                args.iters,
+                args.copy_bytes,
+                &mut links,
+            )?;
         }
     }
     Ok(())
@@ -412,7 +457,7 @@ pub(crate) fn threads(medium: Medium, world: usize, iters: usize) -> Result<f64>
             .into_iter()
             .enumerate()
             .map(|(rank, peers)| {
-                std::thread::spawn(move || run_rank(rank, world, total, &mut TcpLinks { peers }))
+                std::thread::spawn(move || run_rank(rank, world, total, 0, &mut TcpLinks { peers }))
             })
             .collect(),
         Medium::Shm => {
@@ -429,6 +474,7 @@ pub(crate) fn threads(medium: Medium, world: usize, iters: usize) -> Result<f64>
                         rank,
                         world,
                         total,
+                        0,
                         &mut ShmLinks {
                             counters,
                             rank,
