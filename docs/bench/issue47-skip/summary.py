@@ -11,12 +11,14 @@ keys = [
  ("8","all_gather_w8_1MiB_over_memcpy","all_gather 1 MiB / memcpy floor","<= 1.3"),
  ("8","all_reduce_w8_1MiB_over_mpi","all_reduce 1 MiB / MPICH","<= 1"),
  ("8","all_reduce_w8_1MiB_over_memcpy","all_reduce 1 MiB / memcpy floor","<= 1.3"),
+ ("8","all_gather_w8_1MiB_over_memcpy_all_ranks","all_gather 1 MiB / memcpy of all ranks","<= 1.3"),
+ ("8","all_reduce_w8_1MiB_over_memcpy_all_ranks","all_reduce 1 MiB / memcpy of all ranks","<= 1.3"),
  ("2","all_gather_w2_8B_over_mpi","all_gather 8 B / MPICH","-"),
  ("8","all_gather_w8_8B_over_mpi","all_gather 8 B / MPICH","-"),
  ("8","all_gather_w8_1MiB_over_gloo","all_gather 1 MiB / gloo","<= 0.5"),
  ("8","all_reduce_w8_1MiB_over_gloo","all_reduce 1 MiB / gloo","<= 0.5"),
 ]
-raw = ["all_gather_w2_8B_us","all_gather_w8_8B_us","barrier_w2_us","all_reduce_w2_8B_us","raw_shm_barrier_w2_us","mpi_all_reduce_w2_8B_us","all_gather_w8_1MiB_us","mpi_all_gather_w8_1MiB_us","memcpy_w8_all_gather_1MiB_us"]
+raw = ["all_gather_w2_8B_us","all_gather_w8_8B_us","barrier_w2_us","all_reduce_w2_8B_us","raw_shm_barrier_w2_us","mpi_all_reduce_w2_8B_us","all_gather_w8_1MiB_us","mpi_all_gather_w8_1MiB_us","memcpy_w8_all_gather_1MiB_us","memcpy_all_ranks_w8_all_gather_1MiB_us","memcpy_all_ranks_w8_1MiB_us","all_reduce_w8_1MiB_us"]
 def med(b, pl, k, r=True):
     vals=[]
     for f in sorted(glob.glob(f"{PRE}{b}-{pl}-*.json")):
