@@ -299,6 +299,45 @@ def test_received_tensors_are_recv_function_outputs_written_in_place_as_in_pytor
 
 
 
+def test_a_pass_captures_what_torch_computes_and_runs_node_hooks_only_where_there_are_some():
+    # A local pass (no RPC): without node hooks the engine captures the gradients without
+    # running the leaves' nodes nor the recv function (tensor hooks still run, as in
+    # torch.autograd.grad); with a node hook it runs the nodes, that hook included.
+    from tensorwire.rpc import _autograd_engine as engine
+
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(4, 3).double()
+    data = torch.randn(2, 4, dtype=torch.float64)
+    t = engine.import_tensor("float64", (2, 4), bytearray(data.numpy().tobytes()), True)
+    engine.receive([t])
+    y = torch.relu(lin(t)).sum()
+    lin.bias.register_hook(lambda g: g * 2)
+    want = torch.autograd.grad(y, [lin.weight, lin.bias, t], retain_graph=True)
+    node = torch.autograd.graph.get_gradient_edge(lin.weight).node
+    assert not any(map(engine._has_node_hooks, (node, t.grad_fn)))
+
+    def grads() -> dict:
+        return {id(leaf): (g, received) for leaf, g, received in engine.backward([y], [None])}
+
+    got = grads()
+    assert torch.equal(got[id(lin.weight)][0], want[0]) and not got[id(lin.weight)][1]
+    assert torch.equal(got[id(lin.bias)][0], want[1])
+    assert torch.equal(got[id(t)][0], want[2]) and got[id(t)][1]
+    handle = node.register_prehook(lambda grad_outputs: (grad_outputs[0] * 3,))
+    ran = []
+    recv_handle = t.grad_fn.register_hook(lambda grad_inputs, grad_outputs: ran.append(grad_outputs))
+    assert engine._has_node_hooks(node) and engine._has_node_hooks(t.grad_fn)
+    got = grads()
+    assert torch.equal(got[id(lin.weight)][0], 3 * want[0])
+    assert torch.equal(got[id(lin.bias)][0], want[1]) and torch.equal(got[id(t)][0], want[2])
+    assert len(ran) == 1
+    handle.remove()
+    recv_handle.remove()
+    assert not engine._has_node_hooks(node) and not engine._has_node_hooks(t.grad_fn)
+    assert torch.equal(grads()[id(lin.weight)][0], want[0]) and len(ran) == 1
+    assert lin.weight.grad is None and lin.bias.grad is None
+
+
 # Four threads run local passes from one tensor at once, as the handlers of two gradients that
 # come back for one sent tensor do: a leaf, and a received tensor (its recv function's
 # output). In a process of its own: torch 2.15 deadlocked this with the GIL held (the engine's

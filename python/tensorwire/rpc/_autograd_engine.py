@@ -194,6 +194,8 @@ _RecvRpc = type(
     },
 )
 _RECV_NODE = _RecvRpc._backward_cls
+#: The node torch makes for a leaf that requires grad (its ``variable`` is the leaf).
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 _RECV_ANCHOR = torch.empty(0, requires_grad=True)
 
 
@@ -258,21 +260,26 @@ def _leaves(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[A
             leaf_outputs.append(i)
         else:
             stack.append(o.grad_fn)
+    push = stack.append
     while stack:
         node = stack.pop()
-        if id(node) in seen_nodes:
+        key = id(node)
+        if key in seen_nodes:
             continue
-        seen_nodes.add(id(node))
+        seen_nodes.add(key)
         held.append(node)
-        if type(node) is _RECV_NODE:
+        kind = type(node)
+        if kind is _ACCUMULATE_GRAD:
+            # (Only this kind has a ``variable``: asking another for it raises, which costs.)
+            variable = node.variable
+            if isinstance(variable, torch.Tensor):
+                add_leaf(variable, node)
+        elif kind is _RECV_NODE:
             recvs.append(node)
             continue
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            add_leaf(variable, node)
         for nxt, _ in node.next_functions:
             if nxt is not None:
-                stack.append(nxt)
+                push(nxt)
     unhooked = []
     for i in leaf_outputs:
         o = outputs[i]
@@ -400,6 +407,52 @@ def _no_post_hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
     return None
 
 
+def _no_pre_hook(grad_outputs: tuple) -> None:
+    return None
+
+
+def _has_node_hooks(node: Any) -> bool:
+    """Whether ``node`` has Python pre or post hooks of its own (``node.register_prehook``,
+    ``node.register_hook``; a tensor's own hooks are not the node's). torch keeps each kind in
+    one dict that only a hook's handle refers to: a hook is added and removed to reach it
+    (which leaves the node an empty dict of that kind if it had none)."""
+    for register, hook in ((node.register_prehook, _no_pre_hook), (node.register_hook, _no_post_hook)):
+        handle = register(hook)
+        hooks = handle.hooks_dict_ref()
+        handle.remove()
+        if hooks:
+            return True
+    return False
+
+
+def _grads(
+    outputs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor], nodes: list[Any],
+    recvs: list[Any],
+) -> tuple[list[Optional[torch.Tensor]], list[Optional[tuple]]]:
+    """As :func:`_captured`, without running the leaves' ``AccumulateGrad`` nodes nor the recv
+    functions: one pass of torch's engine that captures the gradients reaching them (as
+    ``torch.autograd.grad``: the tensors' own hooks run before, the nodes' hooks do not), the
+    leaves and the recv functions' outputs given as gradient edges (:func:`_edges`). Every seed
+    is checked as :func:`_run_backward` says. Tensor subclasses that override torch functions
+    go through ``torch.autograd.grad``, as they would."""
+    roots, edges = _edges(outputs, leaves, nodes)
+    widths = [len(node.received) for node in recvs]
+    edges += tuple(GradientEdge(node, k) for node, n in zip(recvs, widths) for k in range(n))
+    if has_torch_function(tuple(outputs) + tuple(leaves)) or not all(t.is_cpu for t in outputs):
+        got = list(torch.autograd.grad(roots, edges, grads, retain_graph=True, allow_unused=True))
+    else:
+        got = list(_engine_run_backward(
+            roots, tuple(grads), True, False, edges, allow_unreachable=True, accumulate_grad=False
+        ))
+    recv_got: list[Optional[tuple]] = []
+    at = len(leaves)
+    for n in widths:
+        recv_got.append(tuple(got[at:at + n]))
+        at += n
+    del got[len(leaves):]
+    return got, recv_got
+
+
 def _post_hooks(node: Any) -> Any:
     """``node``'s Python post hooks, each wrapped once so that in a pass of :func:`_captured`
     it sees the gradient the pass took (``_tls.given``) rather than the ``None`` the node ran
@@ -435,8 +488,10 @@ def backward(roots: list, seeds: list) -> list:
     """One local pass from ``roots`` with ``seeds`` (``None``: ones, for a scalar), keeping the
     graph: ``[(tensor, gradient, received)]`` for every leaf it reached (``received`` false)
     and every received tensor whose recv function it reached with a gradient for it
-    (``received`` true: its gradient is sent back). The leaves' ``AccumulateGrad`` hooks run
-    as in PyTorch's distributed engine (``_captured``)."""
+    (``received`` true: its gradient is sent back). Where a leaf's ``AccumulateGrad`` node or
+    a recv function has hooks of its own, the nodes run, their hooks as in PyTorch's
+    distributed engine (:func:`_captured`); else (the common case) the gradients are captured
+    without running them (:func:`_grads`: no Python called back per node)."""
     outputs, grads = [], []
     for root, seed in zip(roots, seeds):
         if not root.requires_grad:
@@ -459,22 +514,15 @@ def backward(roots: list, seeds: list) -> list:
     recv_got: list[Optional[tuple]] = []
     if not leaves and not recvs:
         got = []
-    elif all(leaf.device.type == "cpu" for leaf in leaves):
+    elif all(leaf.is_cpu for leaf in leaves) and any(map(_has_node_hooks, nodes + recvs)):
         got, recv_got = _captured(outputs, grads, leaves, nodes, recvs)
     else:
-        # A leaf on a device: its node runs on that device's autograd thread, where the hook
-        # keyed to this thread would not take its gradient. The gradients are captured
-        # without running the nodes (their hooks do not run); a recv function's, one edge
-        # per output.
-        roots, edges = _edges(outputs, leaves, nodes)
-        widths = [len(node.received) for node in recvs]
-        edges += tuple(GradientEdge(node, k) for node, n in zip(recvs, widths) for k in range(n))
-        got = list(torch.autograd.grad(roots, edges, grads, retain_graph=True, allow_unused=True))
-        at = len(leaves)
-        for n in widths:
-            recv_got.append(tuple(got[at:at + n]))
-            at += n
-        del got[len(leaves):]
+        # No node hook to run (the common case), or a leaf on a device (its node runs on that
+        # device's autograd thread, where the hook keyed to this thread would not take its
+        # gradient): the gradients are captured without running the nodes, as
+        # ``torch.autograd.grad`` captures them (the tensors' own hooks run; a recv
+        # function's gradients, one edge per output).
+        got, recv_got = _grads(outputs, grads, leaves, nodes, recvs)
     leaves = leaves + [o for o, _ in seeded.values()]
     got = got + [g for _, g in seeded.values()]
     # The received tensors that got a gradient, after the leaves (a tensor the native side
