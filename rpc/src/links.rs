@@ -80,13 +80,16 @@ pub(crate) fn attach_conn(
     owned: bool,
     on_reading_again: fn(&Agent, WorkerId),
 ) -> Option<tokio::sync::watch::Receiver<bool>> {
-    if this.owned().closed {
-        // Shut down already: the connection closes here.
-        return None;
-    }
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
     let write = Arc::new(tokio::sync::Mutex::new(Vec::new()));
-    let budget = this.lock().node.ep().budget().clone();
+    let budget = {
+        let st = this.lock();
+        if st.owned.closed {
+            // Shut down already: the connection closes here.
+            return None;
+        }
+        st.node.ep().budget().clone()
+    };
     // The frame being received from it draws from its budget too (for transports that
     // count it: TCP).
     conn.bill_to(budget.account(peer));
