@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tensorwire_core::hashing::HashMap;
 
-use bytes::Bytes;
 use tensorwire_core::device::DeviceMaps;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
@@ -18,8 +17,7 @@ use tensorwire_core::protocol::gather::{GatherOutcome, GatherToken};
 use tensorwire_core::protocol::membership::MembershipError;
 use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, MessageId, MethodTarget, Payload, RRefForkData, RRefId, ShutdownError,
-    WaitId, WorkerId,
+    CallError, ConfirmError, MessageId, RRefId, ShutdownError, WaitId, WorkerId,
 };
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
@@ -27,7 +25,6 @@ use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::functions::{Registry, Value};
 use crate::runtime::Runtime;
-use crate::tensors::WireTensors;
 use tensorwire_core::ports::device::DeviceBackend;
 use tensorwire_core::protocol::membership::WorkerInfo;
 
@@ -43,45 +40,10 @@ pub struct Agent {
     pub(crate) inner: Arc<Inner>,
 }
 
-/// What travels through the endpoint with a message: the encoded arguments or result, and for
-/// methods the reference they are called on.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Body {
-    pub(crate) target: Option<MethodTarget>,
-    pub(crate) data: Bytes,
-    pub(crate) tensors: WireTensors,
-    /// The forks made for the receiver of the references inside `data`: they also travel in a
-    /// reply's header, so that the receiver's endpoint releases them if the reply is late.
-    pub(crate) forks: Vec<RRefForkData>,
-}
-
-impl From<FrameBody> for Body {
-    fn from(b: FrameBody) -> Self {
-        Self {
-            target: b.target,
-            data: b.data,
-            tensors: b.tensors,
-            forks: b.forks,
-        }
-    }
-}
-
-impl Payload for Body {
-    fn forks(&self) -> Vec<RRefForkData> {
-        self.forks.clone()
-    }
-
-    fn target(&self) -> Option<MethodTarget> {
-        self.target
-    }
-
-    fn wire_bytes(&self) -> usize {
-        self.tensors
-            .iter()
-            .map(|(_, b)| b.len())
-            .fold(self.data.len(), usize::saturating_add)
-    }
-}
+/// What travels through the endpoint with a message: the encoded arguments or result, their
+/// tensors, the forks made for the receiver and for methods the reference they are called on
+/// (core's frame body, which core encodes and decodes).
+pub(crate) type Body = FrameBody;
 
 pub(crate) type Waiter = oneshot::Sender<Result<Body, CallError>>;
 
