@@ -147,7 +147,7 @@ pub(crate) fn pump_now(this: &Agent) {
 
 pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>) {
     loop {
-        let (events, deliveries, wake_driver, released) = {
+        let (steps, wake_driver, released) = {
             let mut st = this.lock();
             while let Some(out) = st.node.poll_transmit() {
                 match out {
@@ -157,15 +157,12 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>)
                     }
                 }
             }
-            // An event that only tells its waiter (a call's reply, above all) is taken care of
-            // under this lock (no second take per reply); the rest is dispatched after it.
-            let (mut events, mut deliveries) = (Few::new(), Few::new());
+            // An event that only tells its waiter (a call's reply, above all) has its waiter
+            // taken under this lock (no second take per reply); every event is acted on after
+            // it, in order.
+            let mut steps = Few::new();
             while let Some(e) = st.node.poll_event() {
-                match deliver(&mut st, e) {
-                    Ok(Some(d)) => deliveries.push(d),
-                    Ok(None) => {}
-                    Err(e) => events.push(e),
-                }
+                steps.push(deliver(&mut st, e));
             }
             let next = st.node.poll_timeout();
             let wake_driver = match (next, st.driver_wakes_at) {
@@ -173,22 +170,24 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>)
                 (Some(_), None) => true,
                 (None, _) => false,
             };
-            (events, deliveries, wake_driver, st.node.take_released())
+            (steps, wake_driver, st.node.take_released())
         };
-        // The IPC exports the node let go of, dropped outside the lock; the waiters are told
-        // outside it too (a value that leaves the map may hold remote references, whose
-        // `Drop` takes the lock again).
+        // The IPC exports the node let go of, dropped outside the lock.
         drop(released);
-        for d in deliveries.all() {
-            d.send();
-        }
         if wake_driver {
             this.wake();
         }
-        if events.0.is_none() {
-            return;
-        }
-        for e in events.all() {
+        // Only an event dispatched may have given the node more to do.
+        let mut dispatched = false;
+        for step in steps.all() {
+            let e = match step {
+                Step::Deliver(d) => {
+                    d.send();
+                    continue;
+                }
+                Step::Dispatch(e) => e,
+            };
+            dispatched = true;
             match e {
                 NodeEvent::Endpoint(e) => run(this, e),
                 NodeEvent::OverBudget { peer, over } => links::drop_over_budget(this, peer, over),
@@ -196,6 +195,9 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>)
                 // Taken care of under the pump's lock (see `deliver`).
                 NodeEvent::Gathered { .. } => {}
             }
+        }
+        if !dispatched {
+            return;
         }
     }
 }
@@ -373,6 +375,8 @@ enum Delivery {
     /// A value released: dropped after the lock (a user value may hold remote references,
     /// whose `Drop` takes the lock again).
     Released(Option<Arc<dyn crate::functions::Value>>),
+    /// Its waiter is gone, or none waits.
+    Nobody,
 }
 
 impl Delivery {
@@ -383,15 +387,24 @@ impl Delivery {
             Delivery::Shutdown(tx, outcome) => drop(tx.send(outcome)),
             Delivery::Gathered(tx, outcome) => drop(tx.send(outcome)),
             Delivery::Released(value) => drop(value),
+            Delivery::Nobody => {}
         }
     }
 }
 
-/// Takes what `e` hands its waiter from `st`, if `e` only tells one (`Ok(None)`: its waiter
-/// is gone, or none waits: `RRef::confirmed_by_owner` asks the endpoint, `is_confirmed`, and
-/// waits for every confirmation end in `ConfirmWaitDone`); `Err(e)`: an event to dispatch.
-fn deliver(st: &mut State, e: NodeEvent<Body>) -> Result<Option<Delivery>, NodeEvent<Body>> {
-    Ok(match e {
+/// What the pump does with an event once the lock is let go of.
+enum Step {
+    /// Tell its waiter (taken under the lock).
+    Deliver(Delivery),
+    /// Dispatch it.
+    Dispatch(NodeEvent<Body>),
+}
+
+/// Takes what `e` hands its waiter from `st`, if `e` only tells one (dropped if its waiter
+/// is gone, or if none waits: `RRef::confirmed_by_owner` asks the endpoint, `is_confirmed`,
+/// and waits for every confirmation end in `ConfirmWaitDone`); else `e` is to be dispatched.
+fn deliver(st: &mut State, e: NodeEvent<Body>) -> Step {
+    let delivery = match e {
         NodeEvent::Endpoint(Event::Completed { id, outcome }) => {
             (st.waiters.remove(&id)).map(|tx| Delivery::Call(tx, outcome))
         }
@@ -408,6 +421,7 @@ fn deliver(st: &mut State, e: NodeEvent<Body>) -> Result<Option<Delivery>, NodeE
         NodeEvent::Gathered { token, outcome } => {
             (st.gathers_waiting.remove(&token)).map(|tx| Delivery::Gathered(tx, outcome))
         }
-        other => return Err(other),
-    })
+        other => return Step::Dispatch(other),
+    };
+    Step::Deliver(delivery.unwrap_or(Delivery::Nobody))
 }
