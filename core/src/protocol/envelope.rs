@@ -24,7 +24,7 @@ pub struct Envelope {
     /// For a method: the reference whose value it is called on, and the caller's fork of it.
     pub target: Option<MethodTarget>,
     /// For a request (a call or a `remote`): the forks made for the receiver of the references
-    /// inside its arguments ([`Payload::forks`](super::Payload::forks)), so that the receiving
+    /// inside its arguments ([`Payload::forks`]), so that the receiving
     /// endpoint checks them and holds the values it owns among them from the request's arrival,
     /// before anything decodes the arguments. Empty for a reply, whose header carries its own
     /// ([`Header::Reply`]).
