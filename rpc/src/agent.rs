@@ -59,10 +59,15 @@ pub struct PeerConnection {
 
 impl fmt::Debug for Agent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Agent")
-            .field("me", &self.inner.me)
-            .field("world", &self.lock().node.directory().len())
-            .finish()
+        // Never waits for the lock: an agent may be printed where it is held.
+        let world = (self.inner.state.try_lock()).map(|st| st.node.directory().len());
+        let mut d = f.debug_struct("Agent");
+        d.field("me", &self.inner.me);
+        match world {
+            Ok(world) => d.field("world", &world),
+            Err(_) => d.field("world", &format_args!("(the state is busy)")),
+        };
+        d.finish()
     }
 }
 

@@ -173,6 +173,8 @@ async fn a_method_on_a_reference_whose_creation_failed_unseen_is_refused_naming_
     );
     let agents = group(3, Some(&backend)).await;
     let a = &agents[0];
+    // (Printed, the agent counts the world from the directory, without waiting for the lock.)
+    assert!(format!("{a:?}").contains("world: 3"), "{a:?}");
     let timeout = Duration::from_millis(200);
     let r: RRef<Vec<i64>> = a.remote("w1", "make_vec", &3usize, Some(timeout)).unwrap();
     // The creation times out in the endpoint; nobody awaits it here.
