@@ -59,10 +59,15 @@ pub struct PeerConnection {
 
 impl fmt::Debug for Agent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Agent")
-            .field("me", &self.inner.me)
-            .field("world", &self.members().len())
-            .finish()
+        // Never waits for the lock: an agent may be printed where it is held.
+        let world = (self.inner.state.try_lock()).map(|st| st.node.directory().len());
+        let mut d = f.debug_struct("Agent");
+        d.field("me", &self.inner.me);
+        match world {
+            Ok(world) => d.field("world", &world),
+            Err(_) => d.field("world", &format_args!("(the state is busy)")),
+        };
+        d.finish()
     }
 }
 
@@ -83,7 +88,6 @@ impl Agent {
                 name: name.to_owned(),
                 id: me_id,
             },
-            members: std::sync::RwLock::new(members),
             dynamic,
             rpc_timeout_nanos: std::sync::atomic::AtomicU64::new(duration_nanos(
                 options.rpc_timeout,
@@ -110,6 +114,7 @@ impl Agent {
                         options.share_device_memory,
                         options.ipc_limits,
                     ),
+                    members,
                 ),
                 dyn_state: crate::state::DynState::default(),
                 gathers_waiting: HashMap::default(),
@@ -119,24 +124,51 @@ impl Agent {
                 driver_wakes_at: None,
                 confirm_waits: HashMap::default(),
                 shutdown_waiter: None,
+                owned: Owned {
+                    store: Some(Arc::clone(&rdv.store)),
+                    rendezvous: None,
+                    group: None,
+                    writers: tokio::task::JoinSet::new(),
+                    others: tokio::task::JoinSet::new(),
+                    closed: false,
+                },
             }),
             wake: Notify::new(),
             device_maps: options.device_maps.clone(),
             metrics: crate::metrics::AgentMetrics::new(name),
-            owned: Mutex::new(Owned {
-                store: Some(Arc::clone(&rdv.store)),
-                rendezvous: None,
-                group: None,
-                writers: tokio::task::JoinSet::new(),
-                others: tokio::task::JoinSet::new(),
-                closed: false,
-            }),
             runtime: Arc::clone(&options.runtime),
             peer_events: crate::peer_events::PeerEventHub::new(),
             serving: std::sync::atomic::AtomicUsize::new(0),
             queued_bytes: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         });
         Agent { inner }
+    }
+}
+
+/// The name of worker `id` in the directory of `st`, or `rank {id}` for one it does not know
+/// (for errors made under the lock: taking it again there would deadlock).
+fn name_in(st: &State, id: WorkerId) -> String {
+    st.node
+        .directory()
+        .get(id)
+        .map_or_else(|| format!("rank {id}"), |w| w.name.clone())
+}
+
+/// [`Agent::rref_error`] under the lock, held as `st`.
+fn rref_error_in(st: &State, handle: RRefHandle, e: CallError) -> RpcError {
+    match e {
+        CallError::NotRunning => RpcError::NotRunning,
+        e @ (CallError::RRefCreationTimedOut { .. } | CallError::Remote(_)) => {
+            RpcError::RRefCreation {
+                rref: handle.rref.to_string(),
+                owner: name_in(st, handle.owner),
+                source: e,
+            }
+        }
+        other => RpcError::RRef {
+            rref: handle.rref.to_string(),
+            reason: RRefError::Refused(other),
+        },
     }
 }
 
@@ -163,14 +195,6 @@ impl Agent {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// What the agent holds until shutdown, and its tasks (see [`Owned`]).
-    pub(crate) fn owned(&self) -> MutexGuard<'_, Owned> {
-        self.inner
-            .owned
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
     /// Runs `task` as one of the agent's tasks: shutdown ends it and waits until it has ended.
     /// After shutdown nothing new starts (`task` is dropped, outside the lock: it may hold
     /// user values).
@@ -184,7 +208,8 @@ impl Agent {
         task: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
         let refused = {
-            let mut tasks = self.owned();
+            let mut st = self.lock();
+            let tasks = &mut st.owned;
             if tasks.closed {
                 Some(task)
             } else {
@@ -211,16 +236,9 @@ impl Agent {
         &self.inner.me
     }
 
-    pub(crate) fn members(&self) -> std::sync::RwLockReadGuard<'_, Directory> {
-        self.inner
-            .members
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
     /// Every worker of the group now, in rank order.
     pub fn worker_infos(&self) -> Vec<WorkerInfo> {
-        self.members().workers().cloned().collect()
+        self.lock().node.directory().workers().cloned().collect()
     }
 
     /// The worker named `name`.
@@ -239,7 +257,7 @@ impl Agent {
 
     /// The devices this agent handles (sorted, without the CPU).
     pub fn devices(&self) -> Vec<Device> {
-        self.members().devices().to_vec()
+        self.lock().node.directory().devices().to_vec()
     }
 
     /// This worker's device maps.
@@ -249,7 +267,7 @@ impl Agent {
 
     /// This worker's reverse device maps (where its responses' tensors land).
     pub fn reverse_device_maps(&self) -> DeviceMaps {
-        self.members().reverse().clone()
+        self.lock().node.directory().reverse().clone()
     }
 
     /// The functions this worker serves; functions registered later are served too.
@@ -265,39 +283,18 @@ impl Agent {
     /// The group's store; [`RpcError::NotRunning`] once [`shutdown`](Self::shutdown) has let
     /// go of it.
     pub fn store(&self) -> Result<Arc<dyn Store>, RpcError> {
-        self.owned().store.clone().ok_or(RpcError::NotRunning)
+        self.lock().owned.store.clone().ok_or(RpcError::NotRunning)
     }
 
     fn resolve(&self, to: &WorkerRef) -> Result<WorkerId, RpcError> {
-        self.members()
+        self.lock()
+            .node
+            .directory()
             .resolve(to)
             .map_err(|e| RpcError::UnknownWorker {
                 worker: e.worker,
                 known: e.known,
             })
-    }
-
-    /// Adds a worker that joined (dynamic groups) and recomputes this worker's reverse maps and
-    /// device list.
-    pub(crate) fn add_member(&self, record: WorkerRecord) {
-        let rank = record.rank;
-        // (The node has told the endpoint: `Node` applies the membership's events to it.)
-        self.members_mut().insert(record);
-        self.inner
-            .peer_events
-            .emit(crate::peer_events::PeerEvent::Joined { worker: rank });
-    }
-
-    /// Drops a worker that left or died (dynamic groups).
-    pub(crate) fn remove_member(&self, rank: WorkerId) {
-        self.members_mut().remove(rank);
-    }
-
-    fn members_mut(&self) -> std::sync::RwLockWriteGuard<'_, Directory> {
-        self.inner
-            .members
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Worker `id`, named as [`name_of`](Self::name_of) does.
@@ -310,9 +307,7 @@ impl Agent {
 
     /// The name of worker `id`, or `rank {id}` for one this worker does not know.
     pub fn name_of(&self, id: WorkerId) -> String {
-        self.members()
-            .get(id)
-            .map_or_else(|| format!("rank {id}"), |w| w.name.clone())
+        name_in(&self.lock(), id)
     }
 
     fn timeout_or_default(&self, timeout: Option<Duration>) -> Duration {
@@ -462,7 +457,7 @@ impl Agent {
                 forks: prepared.forks.clone(),
             };
             let mut st = self.lock();
-            self.check_target(&st, target)?;
+            Self::check_target(&st, target)?;
             let id = st
                 .node
                 .ep_mut()
@@ -478,7 +473,7 @@ impl Agent {
             // (id, deadline, order among our messages to `to`) and goes out when they are.
             let id = {
                 let mut st = self.lock();
-                self.check_target(&st, target)?;
+                Self::check_target(&st, target)?;
                 let id = st
                     .node
                     .ep_mut()
@@ -577,7 +572,7 @@ impl Agent {
                 forks: prepared.forks.clone(),
             };
             let mut st = self.lock();
-            self.check_target(&st, target)?;
+            Self::check_target(&st, target)?;
             let (handle, id) = st
                 .node
                 .ep_mut()
@@ -591,7 +586,7 @@ impl Agent {
             // own `to_here` never finds the reference unknown).
             let (handle, id) = {
                 let mut st = self.lock();
-                self.check_target(&st, target)?;
+                Self::check_target(&st, target)?;
                 let (handle, id) = st
                     .node
                     .ep_mut()
@@ -764,49 +759,35 @@ impl Agent {
         let (tx, rx) = oneshot::channel();
         {
             let mut st = self.lock();
-            let id = st
-                .node
-                .ep_mut()
-                .fetch(handle, timeout, self.now())
-                .map_err(|e| self.rref_error(handle, e))?;
+            let id = match st.node.ep_mut().fetch(handle, timeout, self.now()) {
+                Ok(id) => id,
+                Err(e) => return Err(rref_error_in(&st, handle, e)),
+            };
             st.waiters.insert(id, tx);
         }
         self.pump();
         Ok(rx)
     }
 
-    /// The error of a reference that cannot be used: a failed or timed-out creation is
-    /// [`RpcError::RRefCreation`], naming the reference and its owner.
     /// A method call (or remote method) on `target` may go: the endpoint still holds the
     /// reference. Checked under the same lock as the call is made, so a reference whose owner
     /// leaves (and whose rank a new worker takes) in between cannot slip through to the new
     /// worker, which never had the value.
-    fn check_target(&self, st: &State, target: Option<RRefHandle>) -> Result<(), RpcError> {
+    fn check_target(st: &State, target: Option<RRefHandle>) -> Result<(), RpcError> {
         match target {
             Some(h) => st
                 .node
                 .ep()
                 .check_reference(h)
-                .map_err(|e| self.rref_error(h, e)),
+                .map_err(|e| rref_error_in(st, h, e)),
             None => Ok(()),
         }
     }
 
+    /// The error of a reference that cannot be used: a failed or timed-out creation is
+    /// [`RpcError::RRefCreation`], naming the reference and its owner.
     pub(crate) fn rref_error(&self, handle: RRefHandle, e: CallError) -> RpcError {
-        match e {
-            CallError::NotRunning => RpcError::NotRunning,
-            e @ (CallError::RRefCreationTimedOut { .. } | CallError::Remote(_)) => {
-                RpcError::RRefCreation {
-                    rref: handle.rref.to_string(),
-                    owner: self.name_of(handle.owner),
-                    source: e,
-                }
-            }
-            other => RpcError::RRef {
-                rref: handle.rref.to_string(),
-                reason: RRefError::Refused(other),
-            },
-        }
+        rref_error_in(&self.lock(), handle, e)
     }
 
     /// Gathers one value from every worker, in rank order.
@@ -927,7 +908,7 @@ impl Agent {
 
     /// A static group's world process group.
     pub(crate) fn group(&self) -> Option<Group> {
-        self.owned().group.clone()
+        self.lock().owned.group.clone()
     }
 
     /// A failed collective of the agent's group: a timeout names the workers it waited for.

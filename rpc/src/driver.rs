@@ -16,8 +16,11 @@ use crate::links::{self, peer_lost_on, until_failed, DirectWrite, Few};
 use crate::membership;
 use crate::serve;
 use crate::state::Agent;
-use crate::state::Body;
+use crate::state::{Body, State};
+use tensorwire_core::protocol::gather::GatherOutcome;
 use tensorwire_core::protocol::served::ServeFailure;
+use tensorwire_core::protocol::{CallError, ConfirmError, ShutdownError};
+use tokio::sync::oneshot;
 
 /// Attaches an agent-owned connection to `peer` (its writer: see [`links::attach_conn`]) and
 /// starts its reader, which hands every frame to the endpoint through [`on_frame`].
@@ -144,7 +147,7 @@ pub(crate) fn pump_now(this: &Agent) {
 
 pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>) {
     loop {
-        let (events, wake_driver, released) = {
+        let (steps, wake_driver, released) = {
             let mut st = this.lock();
             while let Some(out) = st.node.poll_transmit() {
                 match out {
@@ -154,9 +157,12 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>)
                     }
                 }
             }
-            let mut events = Few::new();
+            // An event that only tells its waiter (a call's reply, above all) has its waiter
+            // taken under this lock (no second take per reply); every event is acted on after
+            // it, in order.
+            let mut steps = Few::new();
             while let Some(e) = st.node.poll_event() {
-                events.push(e);
+                steps.push(deliver(&mut st, e));
             }
             let next = st.node.poll_timeout();
             let wake_driver = match (next, st.driver_wakes_at) {
@@ -164,25 +170,34 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>)
                 (Some(_), None) => true,
                 (None, _) => false,
             };
-            (events, wake_driver, st.node.take_released())
+            (steps, wake_driver, st.node.take_released())
         };
         // The IPC exports the node let go of, dropped outside the lock.
         drop(released);
         if wake_driver {
             this.wake();
         }
-        if events.0.is_none() {
-            return;
-        }
-        for e in events.all() {
+        // Only an event dispatched may have given the node more to do.
+        let mut dispatched = false;
+        for step in steps.all() {
+            let e = match step {
+                Step::Deliver(d) => {
+                    d.send();
+                    continue;
+                }
+                Step::Dispatch(e) => e,
+            };
+            dispatched = true;
             match e {
                 NodeEvent::Endpoint(e) => run(this, e),
                 NodeEvent::OverBudget { peer, over } => links::drop_over_budget(this, peer, over),
                 NodeEvent::Member(a) => membership::perform(this, a),
-                NodeEvent::Gathered { token, outcome } => {
-                    crate::gather::answer(this, token, outcome);
-                }
+                // Taken care of under the pump's lock (see `deliver`).
+                NodeEvent::Gathered { .. } => {}
             }
+        }
+        if !dispatched {
+            return;
         }
     }
 }
@@ -224,11 +239,6 @@ fn run(this: &Agent, ev: Event<Body>) {
                 serve::serve(this, (token, from), function, body, Some(rref), deadline),
             )
         }
-        Event::ConfirmWaitDone { wait, outcome } => {
-            if let Some(tx) = this.lock().confirm_waits.remove(&wait) {
-                let _ = tx.send(outcome);
-            }
-        }
         Event::Fetch { token, rref } => {
             let value = this.lock().values.get(&rref).cloned();
             let from_peer = token.from() != this.inner.me.id;
@@ -260,23 +270,6 @@ fn run(this: &Agent, ev: Event<Body>) {
                 });
             }
         }
-        Event::Completed { id, outcome } => {
-            let waiter = this.lock().waiters.remove(&id);
-            if let Some(tx) = waiter {
-                let _ = tx.send(outcome);
-            }
-        }
-        Event::ReleaseValue { rref } => {
-            // The value leaves the map under the lock and is dropped after the guard is gone:
-            // a user value may hold remote references, whose `Drop` takes the lock again.
-            let value = this.lock().values.remove(&rref);
-            drop(value);
-        }
-        Event::ShutdownComplete { outcome } => {
-            if let Some(tx) = this.lock().shutdown_waiter.take() {
-                let _ = tx.send(outcome);
-            }
-        }
         // Every loss, however it was found (a link's end, a violation, a forgery found after
         // its message), once: subscribers hear of it here and only here.
         Event::PeerLost { peer, cause } => {
@@ -291,9 +284,12 @@ fn run(this: &Agent, ev: Event<Body>) {
         // handled the peer as lost (and reported it); its connection is dropped as for any
         // violation.
         Event::Misbehaved { peer, violation } => crate::links::fail_peer(this, peer, violation),
-        // Nobody waits on one confirmation: `RRef::confirmed_by_owner` asks the endpoint
-        // (`is_confirmed`), and waits for every confirmation end in `ConfirmWaitDone`.
-        Event::Confirmed { .. } => {}
+        // Taken care of under the pump's lock (see `deliver`).
+        Event::Completed { .. }
+        | Event::ConfirmWaitDone { .. }
+        | Event::ReleaseValue { .. }
+        | Event::ShutdownComplete { .. }
+        | Event::Confirmed { .. } => {}
     }
 }
 
@@ -361,4 +357,71 @@ pub(crate) async fn drive(agent: Agent) {
             None => agent.inner.wake.notified().await,
         }
     }
+}
+
+/// What an event that only tells its waiter hands over, taken under the lock and done after
+/// it ([`Delivery::send`]).
+enum Delivery {
+    Call(crate::state::Waiter, Result<Body, CallError>),
+    Confirmed(
+        oneshot::Sender<Result<(), ConfirmError>>,
+        Result<(), ConfirmError>,
+    ),
+    Shutdown(
+        oneshot::Sender<Result<(), ShutdownError>>,
+        Result<(), ShutdownError>,
+    ),
+    Gathered(oneshot::Sender<GatherOutcome>, GatherOutcome),
+    /// A value released: dropped after the lock (a user value may hold remote references,
+    /// whose `Drop` takes the lock again).
+    Released(Option<Arc<dyn crate::functions::Value>>),
+    /// Its waiter is gone, or none waits.
+    Nobody,
+}
+
+impl Delivery {
+    fn send(self) {
+        match self {
+            Delivery::Call(tx, outcome) => drop(tx.send(outcome)),
+            Delivery::Confirmed(tx, outcome) => drop(tx.send(outcome)),
+            Delivery::Shutdown(tx, outcome) => drop(tx.send(outcome)),
+            Delivery::Gathered(tx, outcome) => drop(tx.send(outcome)),
+            Delivery::Released(value) => drop(value),
+            Delivery::Nobody => {}
+        }
+    }
+}
+
+/// What the pump does with an event once the lock is let go of.
+enum Step {
+    /// Tell its waiter (taken under the lock).
+    Deliver(Delivery),
+    /// Dispatch it.
+    Dispatch(NodeEvent<Body>),
+}
+
+/// Takes what `e` hands its waiter from `st`, if `e` only tells one (dropped if its waiter
+/// is gone, or if none waits: `RRef::confirmed_by_owner` asks the endpoint, `is_confirmed`,
+/// and waits for every confirmation end in `ConfirmWaitDone`); else `e` is to be dispatched.
+fn deliver(st: &mut State, e: NodeEvent<Body>) -> Step {
+    let delivery = match e {
+        NodeEvent::Endpoint(Event::Completed { id, outcome }) => {
+            (st.waiters.remove(&id)).map(|tx| Delivery::Call(tx, outcome))
+        }
+        NodeEvent::Endpoint(Event::ConfirmWaitDone { wait, outcome }) => {
+            (st.confirm_waits.remove(&wait)).map(|tx| Delivery::Confirmed(tx, outcome))
+        }
+        NodeEvent::Endpoint(Event::ShutdownComplete { outcome }) => {
+            (st.shutdown_waiter.take()).map(|tx| Delivery::Shutdown(tx, outcome))
+        }
+        NodeEvent::Endpoint(Event::ReleaseValue { rref }) => {
+            Some(Delivery::Released(st.values.remove(&rref)))
+        }
+        NodeEvent::Endpoint(Event::Confirmed { .. }) => None,
+        NodeEvent::Gathered { token, outcome } => {
+            (st.gathers_waiting.remove(&token)).map(|tx| Delivery::Gathered(tx, outcome))
+        }
+        other => return Step::Dispatch(other),
+    };
+    Step::Deliver(delivery.unwrap_or(Delivery::Nobody))
 }

@@ -30,14 +30,6 @@ use crate::state::Agent;
 /// The internal function the members call on the leader (not in the user's table).
 pub(crate) const GATHER: &str = gather::GATHER_FUNCTION;
 
-/// Hands the answer the node gave under `token` to the call waiting for it.
-pub(crate) fn answer(agent: &Agent, token: GatherToken, outcome: GatherOutcome) {
-    let waiter = agent.lock().gathers_waiting.remove(&token);
-    if let Some(tx) = waiter {
-        let _ = tx.send(outcome);
-    }
-}
-
 /// Tells the node when a call of [`GATHER`] ends without its answer (the handler dropped).
 struct Abandon<'a> {
     agent: &'a Agent,

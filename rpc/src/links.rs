@@ -9,7 +9,7 @@ use tensorwire_core::protocol::node::Dropped;
 use tensorwire_core::protocol::{
     Header, LostCause, MessageId, MethodTarget, ProtocolViolation, Transmit, WorkerId,
 };
-use tensorwire_core::wire::{Frame, FrameKind};
+use tensorwire_core::wire::Frame;
 use tensorwire_mesh::mesh::ABORT_SEND_TIMEOUT;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
@@ -80,13 +80,16 @@ pub(crate) fn attach_conn(
     owned: bool,
     on_reading_again: fn(&Agent, WorkerId),
 ) -> Option<tokio::sync::watch::Receiver<bool>> {
-    if this.owned().closed {
-        // Shut down already: the connection closes here.
-        return None;
-    }
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
     let write = Arc::new(tokio::sync::Mutex::new(Vec::new()));
-    let budget = this.lock().node.ep().budget().clone();
+    let budget = {
+        let st = this.lock();
+        if st.owned.closed {
+            // Shut down already: the connection closes here.
+            return None;
+        }
+        st.node.ep().budget().clone()
+    };
     // The frame being received from it draws from its budget too (for transports that
     // count it: TCP).
     conn.bill_to(budget.account(peer));
@@ -333,36 +336,13 @@ pub(crate) fn send(
         )
     });
     // A request announces the references in its arguments (their owner holds them from its
-    // arrival); a reply's header carries its own.
-    let request = matches!(t.header, Header::Call { .. } | Header::Remote { .. });
-    let (target, forks, payloads, metas) = match t.body {
-        Some(b) => {
-            let (metas, bytes): (Vec<_>, Vec<_>) = b.tensors.into_iter().unzip();
-            let mut payloads = Vec::with_capacity(1 + bytes.len());
-            payloads.push(b.data);
-            payloads.extend(bytes);
-            let forks = if request { b.forks } else { Vec::new() };
-            (b.target, forks, payloads, metas)
-        }
-        None => (None, vec![], vec![], vec![]),
-    };
-    let envelope = Envelope {
-        header: t.header,
-        target,
-        forks,
-        tensors: metas,
-    };
-    let header = match envelope.encode() {
-        Ok(h) => h,
+    // arrival); a reply's header carries its own (core's one encoder decides).
+    let frame = match Envelope::frame(t.header, t.body) {
+        Ok(f) => f,
         Err(e) => {
             warn!("cannot encode a message header: {e}");
             return;
         }
-    };
-    let frame = Frame {
-        kind: FrameKind::Message,
-        header: header.into(),
-        payloads,
     };
     if let (Some(out), Some(link)) = (direct, st.peers.get(&t.to)) {
         // Already writing to this peer: the frame joins that write.

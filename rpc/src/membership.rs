@@ -88,13 +88,17 @@ pub(crate) fn perform(agent: &Agent, action: MemberAction) {
             introduction,
             limit,
         } => agent.spawn(dial_member(agent.clone(), record, introduction, limit)),
-        MemberAction::Add(record) => agent.add_member(record),
-        MemberAction::Remove { rank, close } => {
-            if close {
-                agent.member_left(rank);
-            }
-            agent.remove_member(rank);
+        // (The node has added it to the endpoint and the directory already.)
+        MemberAction::Add(record) => {
+            agent
+                .inner
+                .peer_events
+                .emit(crate::peer_events::PeerEvent::Joined {
+                    worker: record.rank,
+                })
         }
+        MemberAction::Remove { rank, close: true } => agent.member_left(rank),
+        MemberAction::Remove { close: false, .. } => {}
         MemberAction::JoinDone(outcome) => {
             if let Some(tx) = agent.lock().dyn_state.join_waiter.take() {
                 let _ = tx.send(outcome);

@@ -20,15 +20,17 @@ use crate::state::Body;
 /// close their connections. (A graceful shutdown of a static group runs over the members'
 /// connections, not the store: rank 0, which hosts it, need not wait for anyone.)
 pub(crate) async fn stop_and_release(this: &Agent, deadline: Instant) {
+    // The task sets are taken out under the lock and ended after it (ending a task may drop
+    // what takes the lock).
     let (writers, mut others) = {
-        let mut tasks = this.owned();
-        tasks.closed = true;
+        let mut st = this.lock();
+        st.owned.closed = true;
+        st.node.ep_mut().stop();
         (
-            std::mem::take(&mut tasks.writers),
-            std::mem::take(&mut tasks.others),
+            std::mem::take(&mut st.owned.writers),
+            std::mem::take(&mut st.owned.others),
         )
     };
-    this.lock().node.ep_mut().stop();
     this.inner.peer_events.close();
     // Deliver the failures of pending calls now (the driver is about to stop).
     this.pump();
@@ -59,7 +61,7 @@ pub(crate) async fn stop_and_release(this: &Agent, deadline: Instant) {
         while writers.join_next().await.is_some() {}
     }
     // The group's goodbyes close the shared connections (its readers end with them).
-    let group = this.owned().group.take();
+    let group = this.lock().owned.group.take();
     if let Some(group) = group {
         if this
             .runtime()
@@ -70,9 +72,9 @@ pub(crate) async fn stop_and_release(this: &Agent, deadline: Instant) {
             debug!("the group's goodbyes did not all go out before the deadline");
         }
     }
-    let store = this.owned().store.take();
+    let store = this.lock().owned.store.take();
     drop(store);
-    let rdv = this.owned().rendezvous.take();
+    let rdv = this.lock().owned.rendezvous.take();
     if let Some(rdv) = rdv {
         rdv.shutdown().await;
     }
@@ -93,7 +95,9 @@ pub(crate) async fn graceful(
             "graceful shutdown while this worker still holds remote references (they stop working): {info}"
         );
     }
-    let members: Vec<WorkerId> = this.members().workers().map(|w| w.id).collect();
+    let members: Vec<WorkerId> = (this.lock().node.directory().workers())
+        .map(|w| w.id)
+        .collect();
     let ends = graceful_deadline(deadline, timeout);
     this.run_shutdown(timeout, |ep| {
         ep.begin_graceful_shutdown(members, Some(ends));

@@ -1,23 +1,23 @@
 //! What the agent holds, shared by its handle ([`Agent`]), its driver and its tasks: core's
-//! [`Node`] (the endpoint, the gathers, the IPC state and a dynamic group's membership) and what waits on it (`State`, under
-//! one lock), and the rest of the agent (`Inner`).
+//! [`Node`] (the endpoint, the gathers, the IPC state, the directory of members and a dynamic
+//! group's membership), what waits on it and what the agent owns until shutdown (`State`,
+//! under the agent's one lock), and the rest of the agent (`Inner`), which is not the
+//! node's state: fixed at init, the user's table of functions, counters and wake-ups.
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tensorwire_core::hashing::HashMap;
 
-use bytes::Bytes;
 use tensorwire_core::device::DeviceMaps;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
 use tensorwire_core::protocol::envelope::FrameBody;
 use tensorwire_core::protocol::gather::{GatherOutcome, GatherToken};
-use tensorwire_core::protocol::membership::{Directory, MembershipError};
+use tensorwire_core::protocol::membership::MembershipError;
 use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
-    CallError, ConfirmError, MessageId, MethodTarget, Payload, RRefForkData, RRefId, ShutdownError,
-    WaitId, WorkerId,
+    CallError, ConfirmError, MessageId, RRefId, ShutdownError, WaitId, WorkerId,
 };
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
@@ -25,7 +25,6 @@ use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::functions::{Registry, Value};
 use crate::runtime::Runtime;
-use crate::tensors::WireTensors;
 use tensorwire_core::ports::device::DeviceBackend;
 use tensorwire_core::protocol::membership::WorkerInfo;
 
@@ -41,45 +40,10 @@ pub struct Agent {
     pub(crate) inner: Arc<Inner>,
 }
 
-/// What travels through the endpoint with a message: the encoded arguments or result, and for
-/// methods the reference they are called on.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Body {
-    pub(crate) target: Option<MethodTarget>,
-    pub(crate) data: Bytes,
-    pub(crate) tensors: WireTensors,
-    /// The forks made for the receiver of the references inside `data`: they also travel in a
-    /// reply's header, so that the receiver's endpoint releases them if the reply is late.
-    pub(crate) forks: Vec<RRefForkData>,
-}
-
-impl From<FrameBody> for Body {
-    fn from(b: FrameBody) -> Self {
-        Self {
-            target: b.target,
-            data: b.data,
-            tensors: b.tensors,
-            forks: b.forks,
-        }
-    }
-}
-
-impl Payload for Body {
-    fn forks(&self) -> Vec<RRefForkData> {
-        self.forks.clone()
-    }
-
-    fn target(&self) -> Option<MethodTarget> {
-        self.target
-    }
-
-    fn wire_bytes(&self) -> usize {
-        self.tensors
-            .iter()
-            .map(|(_, b)| b.len())
-            .fold(self.data.len(), usize::saturating_add)
-    }
-}
+/// What travels through the endpoint with a message: the encoded arguments or result, their
+/// tensors, the forks made for the receiver and for methods the reference they are called on
+/// (core's frame body, which core encodes and decodes).
+pub(crate) type Body = FrameBody;
 
 pub(crate) type Waiter = oneshot::Sender<Result<Body, CallError>>;
 
@@ -101,9 +65,12 @@ pub(crate) struct PeerLink {
     pub(crate) queued: Arc<crate::queue::OutQueue>,
 }
 
+/// The agent's state, under its one lock. No guard is held across an `.await`, and nothing
+/// that blocks or runs user code runs under it: a value, a task set, the store or the group
+/// is taken out under the lock and dropped, ended or called after.
 pub(crate) struct State {
-    /// The endpoint, the gathers this worker leads, the IPC state and a dynamic group's
-    /// membership, driven as one (core's sans-IO node).
+    /// The endpoint, the gathers this worker leads, the IPC state, the directory of members
+    /// and a dynamic group's membership, driven as one (core's sans-IO node).
     pub(crate) node: Node<Body, IpcHeld>,
     /// A dynamic group's driver state beside the node's membership.
     pub(crate) dyn_state: DynState,
@@ -119,27 +86,32 @@ pub(crate) struct State {
     pub(crate) confirm_waits: HashMap<WaitId, oneshot::Sender<Result<(), ConfirmError>>>,
     /// The graceful shutdown (or leave) in progress: told its outcome.
     pub(crate) shutdown_waiter: Option<oneshot::Sender<Result<(), ShutdownError>>>,
+    /// What the agent holds until shutdown lets go of it, and the tasks it runs.
+    pub(crate) owned: Owned,
 }
 
 pub(crate) struct Inner {
     pub(crate) me: WorkerInfo,
-    pub(crate) members: std::sync::RwLock<Directory>,
     /// Whether workers join and leave (`world_size = None`).
     pub(crate) dynamic: bool,
     /// The default call timeout, in nanoseconds (changed by `set_rpc_timeout`).
     pub(crate) rpc_timeout_nanos: std::sync::atomic::AtomicU64,
+    /// The user's registry (its own lock): read on every served call, written by the user's
+    /// `register`, and shared with the [`Functions`] the user holds; not the node's state.
     pub(crate) functions: Functions,
     pub(crate) backend: Arc<dyn DeviceBackend>,
+    /// The agent's one lock (see [`State`]).
     pub(crate) state: Mutex<State>,
+    /// Wakes the driver: a wake-up, not state (the driver reads the state under the lock).
     pub(crate) wake: Notify,
     pub(crate) device_maps: DeviceMaps,
-    /// What the agent holds until shutdown lets go of it, and the tasks it runs (one lock:
-    /// each use is short and takes no other lock).
-    pub(crate) owned: Mutex<Owned>,
     /// The one runtime the agent reads time from, sleeps on and spawns with.
     pub(crate) runtime: Arc<dyn Runtime>,
+    /// Counters (atomics, and a table of peers' counters behind its own lock, taken once per
+    /// new peer): updated beside the state, never under its lock.
     pub(crate) metrics: crate::metrics::AgentMetrics,
-    /// Who hears of lost and joined peers ([`Agent::peer_events`]).
+    /// Who hears of lost and joined peers ([`Agent::peer_events`]): the subscribers' channels,
+    /// sent to outside the state's lock (a subscriber's channel is the user's).
     pub(crate) peer_events: crate::peer_events::PeerEventHub,
     /// Handlers running now (requests being served), so that one that finishes alone writes its
     /// reply at once instead of waiting for others to join it.

@@ -154,6 +154,58 @@ fn faulty(_name: &str, backend: FaultyBackend) -> Arc<FaultyBackend> {
     Arc::new(backend)
 }
 
+/// A method called on a reference whose creation the endpoint has failed, before anyone
+/// awaited the creation: the call is refused under the agent's one lock, and the error names
+/// the owner from the directory under that same lock (issue 45: a second take of the lock to
+/// name it would deadlock, and this call would never return).
+#[tokio::test(start_paused = true)]
+async fn a_method_on_a_reference_whose_creation_failed_unseen_is_refused_naming_its_owner() {
+    let backend = faulty(
+        "FAULTY_CREATION_UNSEEN",
+        FaultyBackend::new().with_fault(
+            0,
+            Fault::new(
+                MessageKind::Remote,
+                FaultAction::Delay(Duration::from_millis(1500)),
+                1,
+            ),
+        ),
+    );
+    let agents = group(3, Some(&backend)).await;
+    let a = &agents[0];
+    // (Printed, the agent counts the world from the directory, without waiting for the lock.)
+    assert!(format!("{a:?}").contains("world: 3"), "{a:?}");
+    let timeout = Duration::from_millis(200);
+    let r: RRef<Vec<i64>> = a.remote("w1", "make_vec", &3usize, Some(timeout)).unwrap();
+    // The creation times out in the endpoint; nobody awaits it here.
+    wait_until("the creation timed out", || {
+        a.debug_info()
+            .protocol
+            .calls_in_flight
+            .values()
+            .sum::<usize>()
+            == 0
+    })
+    .await;
+    let e = r
+        .rpc_async::<_, i64>("increment", &1i64, None)
+        .err()
+        .expect("a method on a failed reference is refused");
+    assert!(
+        matches!(
+            &e,
+            RpcError::RRefCreation {
+                owner,
+                source: CallError::RRefCreationTimedOut { owner: 1, .. },
+                ..
+            } if owner == "w1"
+        ),
+        "{e:?}"
+    );
+    drop(r);
+    shutdown_all(agents).await;
+}
+
 /// Issue: a `remote` whose creation outlived its timeout returned the value from `to_here`
 /// anyway, and the owner kept the value forever after every reference was gone.
 #[tokio::test(start_paused = true)]

@@ -6,9 +6,10 @@
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use super::{Header, MalformedMessage, MethodTarget, ProtocolViolation, RRefForkData};
+use super::{Header, MalformedMessage, MethodTarget, Payload, ProtocolViolation, RRefForkData};
 use crate::codec::{self, Format};
 use crate::tensor::TensorMeta;
+use crate::wire::{Frame, FrameKind};
 
 /// The capacity a message header is encoded into (most are smaller; a larger one grows).
 const ENCODE_CAPACITY: usize = 128;
@@ -23,7 +24,7 @@ pub struct Envelope {
     /// For a method: the reference whose value it is called on, and the caller's fork of it.
     pub target: Option<MethodTarget>,
     /// For a request (a call or a `remote`): the forks made for the receiver of the references
-    /// inside its arguments ([`Payload::forks`](super::Payload::forks)), so that the receiving
+    /// inside its arguments ([`Payload::forks`]), so that the receiving
     /// endpoint checks them and holds the values it owns among them from the request's arrival,
     /// before anything decodes the arguments. Empty for a reply, whose header carries its own
     /// ([`Header::Reply`]).
@@ -33,8 +34,8 @@ pub struct Envelope {
 }
 
 /// A message's body as a frame carries it: the encoded value, and each tensor's metadata with
-/// its bytes.
-#[derive(Debug, Clone, PartialEq)]
+/// its bytes. The agent's messages carry it through the endpoint as their [`Payload`].
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct FrameBody {
     /// For a method: the reference whose value it is called on, and the caller's fork of it.
     pub target: Option<MethodTarget>,
@@ -47,7 +48,55 @@ pub struct FrameBody {
     pub tensors: Vec<(TensorMeta, Bytes)>,
 }
 
+impl Payload for FrameBody {
+    fn forks(&self) -> Vec<RRefForkData> {
+        self.forks.clone()
+    }
+
+    fn target(&self) -> Option<MethodTarget> {
+        self.target
+    }
+
+    fn wire_bytes(&self) -> usize {
+        (self.tensors.iter())
+            .map(|(_, b)| b.len())
+            .fold(self.data.len(), usize::saturating_add)
+    }
+}
+
 impl Envelope {
+    /// The message frame of `header` and `body`, as [`decode`](Self::decode) and
+    /// [`attach`](Self::attach) read it back: the envelope (a request's forks in it, a reply's
+    /// in its header), then the encoded value and each tensor's bytes as payloads.
+    ///
+    /// # Errors
+    /// [`encode`](Self::encode)'s.
+    pub fn frame(header: Header, body: Option<FrameBody>) -> Result<Frame, postcard::Error> {
+        let request = matches!(header, Header::Call { .. } | Header::Remote { .. });
+        let (target, forks, payloads, tensors) = match body {
+            Some(b) => {
+                let (metas, bytes): (Vec<_>, Vec<_>) = b.tensors.into_iter().unzip();
+                let mut payloads = Vec::with_capacity(1 + bytes.len());
+                payloads.push(b.data);
+                payloads.extend(bytes);
+                let forks = if request { b.forks } else { Vec::new() };
+                (b.target, forks, payloads, metas)
+            }
+            None => (None, Vec::new(), Vec::new(), Vec::new()),
+        };
+        let envelope = Envelope {
+            header,
+            target,
+            forks,
+            tensors,
+        };
+        Ok(Frame {
+            kind: FrameKind::Message,
+            header: envelope.encode()?.into(),
+            payloads,
+        })
+    }
+
     /// Encodes the envelope as a frame's message header: the one encoder (the agent's links
     /// and every test or fuzz helper use it), as [`decode`](Self::decode) is the one decoder.
     ///
@@ -179,6 +228,41 @@ mod tests {
                 (meta(), Bytes::from_static(b"abc")),
                 (meta(), Bytes::from_static(b"def"))
             ]
+        );
+    }
+
+    /// `frame` is `decode` and `attach` backwards: a request's forks travel in its envelope,
+    /// a reply's only in its header (the envelope's are dropped), and a body-less message has
+    /// no payloads.
+    #[test]
+    fn a_frame_made_reads_back_as_its_header_and_body() {
+        let body = FrameBody {
+            target: envelope(0).target,
+            forks: envelope(0).forks,
+            data: Bytes::from_static(b"args"),
+            tensors: vec![(meta(), Bytes::from_static(b"abc"))],
+        };
+        let read = |f: Frame| {
+            assert_eq!(f.kind, FrameKind::Message);
+            Envelope::decode(&f.header)
+                .unwrap()
+                .attach(f.payloads)
+                .unwrap()
+        };
+        let call = envelope(0).header;
+        let (header, got) = read(Envelope::frame(call.clone(), Some(body.clone())).unwrap());
+        assert_eq!((header, got.as_ref()), (call, Some(&body)));
+        let reply = Header::Reply {
+            id: 7,
+            outcome: Ok(()),
+            forks: Vec::new(),
+        };
+        let (header, got) = read(Envelope::frame(reply.clone(), Some(body.clone())).unwrap());
+        assert_eq!(header, reply);
+        assert_eq!(got.unwrap().forks, Vec::new());
+        assert_eq!(
+            read(Envelope::frame(reply.clone(), None).unwrap()),
+            (reply, None)
         );
     }
 

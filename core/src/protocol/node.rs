@@ -9,8 +9,9 @@
 //!
 //! What one part tells another is applied here, not by the driver: a member admitted, added or
 //! removed by the membership is handed to the endpoint (its ids, a joined peer, a peer that
-//! left), a lost peer reaches the membership, and every loss the endpoint reports (however it
-//! was found) reaches the gathers.
+//! left) and to the [`Directory`] (the members' names and device plans, which callers name
+//! workers by), a lost peer reaches the membership, and every loss the endpoint reports
+//! (however it was found) reaches the gathers.
 //!
 //! A peer's requests are held back while its budget says so (its replies wait unread, or as
 //! many of its requests run as one peer's may): they come out of `poll_event` once it reads
@@ -49,7 +50,7 @@ use super::envelope::{Envelope, FrameBody};
 use super::gather::{
     Contribution, GatherConfig, GatherError, GatherLeader, GatherOutcome, GatherToken,
 };
-use super::membership::{DynMessage, DynamicMembership};
+use super::membership::{Directory, DynMessage, DynamicMembership};
 use super::mesh::GroupFrame;
 use super::{
     Endpoint, Event, Header, LostCause, MalformedMessage, Payload, ProtocolViolation, Transmit,
@@ -184,6 +185,9 @@ pub struct Node<B, H = ()> {
     /// Whether workers join and leave (a dynamic group): calls and replies only from members.
     dynamic: bool,
     membership: Option<DynamicMembership>,
+    /// Who is in the group (names, ranks, device plans) as this worker sees it: fixed in a
+    /// static group, changed with the membership's events in a dynamic one.
+    directory: Directory,
     /// The dynamic group's gathers this worker leads (idle until a member contributes).
     gathers: GatherLeader,
     /// Same-host device memory sharing with the peers (its messages are control frames).
@@ -200,15 +204,16 @@ pub struct Node<B, H = ()> {
 }
 
 impl<B: Payload, H> Node<B, H> {
-    /// A node over `ep` and `ipc`; `dynamic` for a group whose workers join and leave (its
-    /// membership is set once this worker founds or joins it:
-    /// [`set_membership`](Self::set_membership)).
-    pub fn new(ep: Endpoint<B>, dynamic: bool, ipc: IpcState<H>) -> Self {
+    /// A node over `ep`, `ipc` and the members `directory` knows at the start; `dynamic` for
+    /// a group whose workers join and leave (its membership is set once this worker founds or
+    /// joins it: [`set_membership`](Self::set_membership)).
+    pub fn new(ep: Endpoint<B>, dynamic: bool, ipc: IpcState<H>, directory: Directory) -> Self {
         let gathers = GatherLeader::new(ep.id(), GatherConfig::default());
         Self {
             ep,
             dynamic,
             membership: None,
+            directory,
             gathers,
             ipc,
             released: Vec::new(),
@@ -228,6 +233,12 @@ impl<B: Payload, H> Node<B, H> {
     /// produces comes out of the node's `poll_*`.
     pub fn ep_mut(&mut self) -> &mut Endpoint<B> {
         &mut self.ep
+    }
+
+    /// Who is in the group as this worker sees it now (names, ranks, device plans): the
+    /// membership's additions and removals are applied to it as they are to the endpoint.
+    pub fn directory(&self) -> &Directory {
+        &self.directory
     }
 
     /// The IPC state, to read (the paths each peer's tensors took).

@@ -78,7 +78,7 @@ pub(crate) async fn join(
         tensorwire_core::budget::Budget::new(options.endpoint.peer_budget),
     );
     membership::set_up(&agent, Arc::clone(&transport));
-    agent.owned().rendezvous = Some(rdv);
+    agent.lock().owned.rendezvous = Some(rdv);
     agent.spawn(accept_connections(agent.clone(), listener));
     agent.spawn(drive(agent.clone()));
     let joining = Joining::new(record, options.init_timeout, deadline);

@@ -108,7 +108,7 @@ pub async fn start_agent(
         &options,
         budget,
     );
-    agent.owned().rendezvous = Some(rdv);
+    agent.lock().owned.rendezvous = Some(rdv);
     if let Err(e) = static_group::attach_group(&agent, group, options.init_timeout).await {
         agent.stop_and_release(agent.now()).await;
         return Err(e);

@@ -211,7 +211,7 @@ pub(crate) async fn attach_group(
             crate::driver::resume_requests,
         );
     }
-    this.owned().group = Some(group.clone());
+    this.lock().owned.group = Some(group.clone());
     routed.map_err(RpcError::ProcessGroup)?;
     group
         .barrier()

@@ -44,11 +44,12 @@ pub enum MemberAction {
         /// How long the dial and the welcome may take (what is left of the join).
         limit: Duration,
     },
-    /// A worker became a member: address calls to it by its name, and tell whoever listens
-    /// for joined peers.
+    /// A worker became a member (the node's [`Directory`](crate::protocol::membership::Directory)
+    /// names it already): tell whoever listens for joined peers.
     Add(MemberRecord),
-    /// A member is gone: forget its name. With `close` (it left) its connection closes once
-    /// what is queued for it is sent; a lost one's connection is gone already.
+    /// A member is gone (the node's directory forgot it already). With `close` (it left) its
+    /// connection closes once what is queued for it is sent; a lost one's connection is gone
+    /// already.
     Remove {
         /// The member.
         rank: WorkerId,
@@ -332,8 +333,9 @@ impl<B: Payload, H> Node<B, H> {
         self.membership.as_ref().map(|m| m.me())
     }
 
-    /// Applies a membership event to the endpoint where it concerns it (a joiner's ids, a
-    /// member added, one that left), and queues what the driver must do for it.
+    /// Applies a membership event to the endpoint and the directory where it concerns them (a
+    /// joiner's ids, a member added, one that left or was lost), and queues what the driver
+    /// must do for it.
     pub(super) fn apply_membership_event(&mut self, ev: MembershipEvent, now: Instant) {
         match &ev {
             // Ids above every earlier incarnation of this rank's, before any member can
@@ -341,13 +343,18 @@ impl<B: Payload, H> Node<B, H> {
             MembershipEvent::Admitted { seq } => {
                 self.ep.begin_incarnation(*seq);
             }
-            MembershipEvent::MemberAdded(record) => self.ep.handle_peer_joined(record.rank),
-            MembershipEvent::MemberRemoved { rank, left: true } => {
-                self.held.drop_peer(&mut self.ep, *rank, now);
-                self.ep.handle_peer_lost(*rank, LostCause::Left, now);
+            MembershipEvent::MemberAdded(record) => {
+                self.ep.handle_peer_joined(record.rank);
+                self.directory.insert(record.clone());
             }
-            MembershipEvent::MemberRemoved { left: false, .. }
-            | MembershipEvent::Connect(_)
+            MembershipEvent::MemberRemoved { rank, left } => {
+                if *left {
+                    self.held.drop_peer(&mut self.ep, *rank, now);
+                    self.ep.handle_peer_lost(*rank, LostCause::Left, now);
+                }
+                self.directory.remove(*rank);
+            }
+            MembershipEvent::Connect(_)
             | MembershipEvent::Joined
             | MembershipEvent::JoinFailed(_)
             | MembershipEvent::Left { .. }

@@ -26,6 +26,17 @@ fn node(id: WorkerId, dynamic: bool) -> Node<Body> {
         Endpoint::new(id, EndpointConfig::default()),
         dynamic,
         IpcState::new(None, crate::ipc::IpcConfig::default()),
+        directory(id),
+    )
+}
+
+/// The directory of worker `id` that knows only itself.
+fn directory(id: WorkerId) -> Directory {
+    Directory::new(
+        &format!("w{id}"),
+        &[],
+        &crate::device::DeviceMaps::new(),
+        &[record(id)],
     )
 }
 
@@ -136,6 +147,7 @@ fn sharing_node(id: WorkerId) -> Node<Body, u32> {
         Endpoint::new(id, EndpointConfig::default()),
         false,
         IpcState::new(Some(sharing(100 + id)), crate::ipc::IpcConfig::default()),
+        directory(id),
     )
 }
 
@@ -431,6 +443,10 @@ fn a_dynamic_node_takes_calls_from_members_only_and_applies_the_join() {
         .membership_events(0)
         .iter()
         .any(|e| matches!(e, MemberAction::Add(r) if r.rank == 1)));
+    // The directories name the new member (and the founder, to the joiner): the node applied
+    // the additions, as it did to the endpoints.
+    assert_eq!(net.nodes[0].directory().resolve(&"w1".into()), Ok(1));
+    assert_eq!(net.nodes[1].directory().resolve(&"w0".into()), Ok(0));
     let seq = net.nodes[1]
         .membership()
         .and_then(DynamicMembership::seq)
@@ -464,6 +480,9 @@ fn a_lost_peer_reaches_the_endpoint_and_the_membership() {
         close: false
     }));
     assert!(!net.nodes[0].may_call(1));
+    // Its name is forgotten with it (one lock, one change: the node's directory).
+    assert!(net.nodes[0].directory().resolve(&"w1".into()).is_err());
+    assert_eq!(net.nodes[0].directory().len(), 1);
 }
 
 /// A member that leaves is handed to the endpoint as gone for `Left`, by the node: its calls
@@ -725,6 +744,7 @@ fn a_lost_peers_held_requests_are_dropped_and_one_past_its_budget_drops_it() {
         ep,
         false,
         IpcState::new(None, crate::ipc::IpcConfig::default()),
+        directory(0),
     );
     n.ep().budget().set_running_cap(1);
     n.handle_frame(now, 1, call_from_peer(1, "a", b"x"))
