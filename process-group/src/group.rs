@@ -29,6 +29,7 @@ mod links;
 mod now;
 mod running;
 mod setup;
+mod turn;
 
 pub use arena::{arena_bytes_from_env, CollectivePath, ARENA_BYTES_ENV, COLLECTIVES_ENV};
 
@@ -222,7 +223,7 @@ struct Inner {
     /// Kept so that an embedded store server (rank 0) lives as long as the group.
     _store: Arc<dyn Store>,
     /// The group arena (see [`arena`]), and whether collectives go through it.
-    arena: tokio::sync::Mutex<arena::ArenaSlot>,
+    arena: turn::TurnLock<arena::ArenaSlot>,
     arena_on: std::sync::atomic::AtomicBool,
     /// Every world rank's host and process (the world group, once connected).
     hosts: std::sync::OnceLock<Vec<arena::HostRecord>>,

@@ -10,7 +10,7 @@
 //! makes its own segment on its first collective (its lowest rank hands it out; the socket's
 //! name goes through the store, under the subgroup's name).
 //!
-//! Collectives through the arena run one at a time, in the order they were issued (a fair lock
+//! Collectives through the arena run one at a time, in the order they were issued (`turn`: a fair lock
 //! taken in the issuing call). Collectives whose lengths only the sender knows (all_gather,
 //! gather, scatter, all_to_all, the byte broadcast) first exchange the lengths through the
 //! arena too, unless core says they are known ([`BlockLens::known`]: an all_gather of equal
@@ -92,7 +92,7 @@ pub(super) enum ArenaSlot {
 /// A collective's turn at the arena: the arena, held, and the sequence number the collective
 /// took when it was issued (the link path's numbering, so errors read the same).
 pub(super) struct Turn<'a> {
-    slot: tokio::sync::MutexGuard<'a, ArenaSlot>,
+    slot: turn::TurnGuard<'a, ArenaSlot>,
     seq: u64,
     world: usize,
 }
@@ -335,7 +335,7 @@ impl Group {
     /// the arena is not set up, or held (an earlier collective's, or waited for: turns come in
     /// issue order), and then nothing is taken. Its sequence number is taken here.
     pub(super) fn try_turn(&self) -> Option<Turn<'_>> {
-        let slot = self.inner.arena.try_lock().ok()?;
+        let slot = self.inner.arena.try_lock()?;
         if !matches!(*slot, ArenaSlot::Ready(..)) {
             return None;
         }
