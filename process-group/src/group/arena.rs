@@ -10,12 +10,12 @@
 //! makes its own segment on its first collective (its lowest rank hands it out; the socket's
 //! name goes through the store, under the subgroup's name).
 //!
-//! Collectives through the arena run one at a time, in the order they were issued (`turn`: a
-//! fair lock taken in the issuing call). Collectives whose lengths only the sender knows (all_gather,
-//! gather, scatter, all_to_all, the byte broadcast) first exchange the lengths through the
-//! arena too, unless core says they are known ([`BlockLens::known`]: an all_gather of equal
-//! shapes, or of given lengths). What the ranks of each phase compare is core's
-//! [`Signature::word`]: one coder for both paths.
+//! Collectives through the arena run one at a time, in the order they were issued (`turn`: a fair
+//! lock taken in the issuing call). Collectives whose lengths only the sender knows (all_gather,
+//! gather, scatter, all_to_all, the byte broadcast) first exchange the lengths through the arena
+//! too, unless core says they are known ([`BlockLens::known`]: an all_gather of equal shapes, or of
+//! given lengths). What the ranks of each phase compare is core's [`Signature::word`]: one coder
+//! for both paths.
 
 use tensorwire_core::collective::arena as plans;
 use tensorwire_core::collective::arena::ArenaPlan;
