@@ -746,34 +746,25 @@ impl Group {
         op: ReduceOp,
         root: usize,
     ) -> Result<(), ProcessGroupError> {
-        let count = whole_elements("reduce", data.len(), element)?;
-        let signature = Signature::Reduce {
-            op,
-            element,
-            root: root as u32,
-            count: count as u64,
-        }
-        .word(&[]);
-        let (rank, world) = (self.rank(), self.size());
-        let key = PlanKey::reduce(root, count, element, op);
-        let make = |s| plans::reduce(rank, world, root, count, element, op, s);
-        if rank == root {
-            self.arena_run_kept(turn, "reduce", key, make, Exec::InPlace(data), signature)
-                .await?;
-            op.finish(element, data, self.size());
-            Ok(())
-        } else {
-            let mut scratch = data.to_vec();
+        let r = ArenaReduce::new(self, data.len(), element, op, root)?;
+        if r.at_root() {
             self.arena_run_kept(
                 turn,
                 "reduce",
-                key,
-                make,
-                Exec::InPlace(&mut scratch),
-                signature,
+                r.key,
+                r.make(),
+                Exec::InPlace(data),
+                r.signature,
             )
-            .await
-            .map(|_| ())
+            .await?;
+            op.finish(element, data, self.size());
+            Ok(())
+        } else {
+            let mut scratch = ArenaReduce::scratch(data);
+            let exec = Exec::InPlace(&mut scratch);
+            self.arena_run_kept(turn, "reduce", r.key, r.make(), exec, r.signature)
+                .await
+                .map(|_| ())
         }
     }
 
@@ -1079,6 +1070,71 @@ impl Group {
             .await?;
         let out = Bytes::from(buffer).slice(output);
         Ok(split(out, output_lens))
+    }
+}
+
+/// A reduce through the arena, as both paths run it ([`Group::arena_reduce`], and the
+/// synchronous one): its signature, plan key and plan, and the copy a rank that is not the
+/// root reduces.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ArenaReduce {
+    pub(super) signature: u64,
+    pub(super) key: Option<PlanKey>,
+    rank: usize,
+    world: usize,
+    root: usize,
+    count: usize,
+    element: ElementType,
+    op: ReduceOp,
+}
+
+impl ArenaReduce {
+    /// A reduce of `len` bytes of `element` to `root` by `group`'s rank, or the caller's error
+    /// for bytes that are not whole elements.
+    pub(super) fn new(
+        group: &Group,
+        len: usize,
+        element: ElementType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<Self, ProcessGroupError> {
+        let count = whole_elements("reduce", len, element)?;
+        let signature = Signature::Reduce {
+            op,
+            element,
+            root: root as u32,
+            count: count as u64,
+        }
+        .word(&[]);
+        Ok(ArenaReduce {
+            signature,
+            key: PlanKey::reduce(root, count, element, op),
+            rank: group.rank(),
+            world: group.size(),
+            root,
+            count,
+            element,
+            op,
+        })
+    }
+
+    /// Whether this rank is the root (it reduces into its own tensor).
+    pub(super) fn at_root(&self) -> bool {
+        self.rank == self.root
+    }
+
+    /// The plan, from the arena's slot size.
+    pub(super) fn make(
+        self,
+    ) -> impl Fn(usize) -> Result<ArenaPlan, CollectiveError> + Copy + Send + 'static {
+        let r = self;
+        move |s| plans::reduce(r.rank, r.world, r.root, r.count, r.element, r.op, s)
+    }
+
+    /// What a rank that is not the root reduces: a copy, so that its own tensor stays as it
+    /// was.
+    pub(super) fn scratch(data: &[u8]) -> Vec<u8> {
+        data.to_vec()
     }
 }
 

@@ -22,7 +22,7 @@ use tensorwire_core::collective::arena_cache::PlanKey;
 use tensorwire_core::collective::CollectiveError;
 use tensorwire_core::ports::process_group::{HostMut, Now};
 
-use super::arena::{barrier_word, Exec, Turn};
+use super::arena::{barrier_word, ArenaReduce, Exec, Turn};
 use super::*;
 
 impl Group {
@@ -100,29 +100,19 @@ impl Group {
                     Ok(data) => data,
                     Err(e) => return Now::Done(Err(e)),
                 };
-                let count = match whole_elements("reduce", data.len(), element) {
-                    Ok(count) => count,
+                let r = match ArenaReduce::new(self, data.len(), element, op, root) {
+                    Ok(r) => r,
                     Err(e) => return Now::Done(Err(e)),
                 };
-                let signature = Signature::Reduce {
-                    op,
-                    element,
-                    root: root as u32,
-                    count: count as u64,
-                }
-                .word(&[]);
-                let key = PlanKey::reduce(root, count, element, op);
-                let make = move |s| plans::reduce(rank, world, root, count, element, op, s);
-                if rank == root {
+                let (key, make, signature) = (r.key, r.make(), r.signature);
+                if r.at_root() {
                     let finish = move |mut data: HostMut<'a>| {
                         op.finish(element, &mut data, world);
                         data.done()
                     };
                     self.now_or_later(turn, "reduce", key, make, data, signature, finish)
                 } else {
-                    // A rank that is not the root reduces a copy: its own tensor stays as it
-                    // was, as through the future (`Group::arena_reduce`).
-                    let scratch = data.to_vec();
+                    let scratch = ArenaReduce::scratch(&data);
                     let finish = |_: Vec<u8>| Done::Unit;
                     self.now_or_later(turn, "reduce", key, make, scratch, signature, finish)
                 }
