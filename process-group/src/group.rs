@@ -398,9 +398,9 @@ impl ProcessGroup for Group {
         Box::pin(self.execute(op))
     }
 
-    /// [`run_op`](ProcessGroup::run_op), or a barrier or small all_reduce on the group's
-    /// arena run to its end in this call when its turn is free and its waits end within the
-    /// spin (see `group::now`).
+    /// [`run_op`](ProcessGroup::run_op), or a small barrier, broadcast, all_reduce, reduce or
+    /// all_gather of known lengths on the group's arena run to its end in this call when its
+    /// turn is free and its waits end within the spin (see `group::now`).
     fn run_now<'a>(
         &'a self,
         op: Op<'a>,

@@ -22,7 +22,7 @@ use tensorwire_core::collective::arena::ArenaPlan;
 use tensorwire_core::collective::arena_cache::{PlanCache, PlanKey};
 use tensorwire_core::ports::process_group::DeathCause;
 use tensorwire_transport_shm::arena::{
-    host_key, Arena, ArenaError, ArenaFailure, ArenaHost, Bounds, Gone, Unfinished,
+    host_key, Arena, ArenaError, ArenaFailure, ArenaHost, Bounds, Gone, Unfinished, UnfinishedFresh,
 };
 
 use super::*;
@@ -519,7 +519,8 @@ impl Group {
                 unreachable!("a turn is handed out only for a set-up arena")
             }
         };
-        let begun = from.is_some_and(|f| f != Unfinished::NOT_BEGUN);
+        let begun = matches!(buffer, Exec::FreshRest(_))
+            || from.is_some_and(|f| f != Unfinished::NOT_BEGUN);
         if let (false, Some(e)) = (begun, mesh.broken()) {
             // Said in the arena before this rank stops taking part, so that the ranks still
             // waiting for it, once its process ends, name the rank that broke the group rather
@@ -569,6 +570,11 @@ impl Group {
                 .instrument(span)
                 .await
                 .map(Some),
+            (Exec::FreshRest(rest), _) => arena
+                .resume_fresh(&plan, rest, &bounds, give_up)
+                .instrument(span)
+                .await
+                .map(Some),
         };
         let e = match result {
             Ok(out) => return Ok(out),
@@ -595,23 +601,40 @@ impl Group {
         buffer: &mut [u8],
         signature: u64,
     ) -> Result<Option<Unfinished>, ProcessGroupError> {
+        let run = |arena: &mut Arena, plan: &ArenaPlan| arena.try_run(plan, buffer, signature);
+        Ok(self
+            .arena_now_with(turn, collective, key, make, run)?
+            .unwrap_or(Some(Unfinished::NOT_BEGUN)))
+    }
+
+    /// [`Group::arena_now`]'s choice and failures, with `run` the arena's synchronous run of the
+    /// plan: `None` when it is not run in this call (not kept, no arena, a broken group: the
+    /// rest runs all of it), else what `run` gave.
+    pub(super) fn arena_now_with<R>(
+        &self,
+        turn: &mut Turn<'_>,
+        collective: &'static str,
+        key: Option<PlanKey>,
+        make: impl FnOnce(usize) -> Result<ArenaPlan, CollectiveError>,
+        run: impl FnOnce(&mut Arena, &ArenaPlan) -> Result<R, ArenaError>,
+    ) -> Result<Option<R>, ProcessGroupError> {
         let (arena, cache) = match &mut *turn.slot {
             ArenaSlot::Ready(arena, cache) => (arena, cache),
-            _ => return Ok(Some(Unfinished::NOT_BEGUN)),
+            _ => return Ok(None),
         };
         if self.inner.mesh.broken().is_some() {
             // The rest says so in the arena, as every collective does.
-            return Ok(Some(Unfinished::NOT_BEGUN));
+            return Ok(None);
         }
         let slot = arena.slot_bytes();
         let plan = cache
             .plan(key, || make(slot))
             .map_err(|source| ProcessGroupError::Arguments { collective, source })?;
         if !plan.runs_now() {
-            return Ok(Some(Unfinished::NOT_BEGUN));
+            return Ok(None);
         }
-        let e = match arena.try_run(&plan, buffer, signature) {
-            Ok(rest) => return Ok(rest),
+        let e = match run(arena, &plan) {
+            Ok(ran) => return Ok(Some(ran)),
             Err(e) => e,
         };
         drop(plan);
@@ -1144,6 +1167,8 @@ pub(super) enum Exec<'b> {
     InPlace(&'b mut [u8]),
     /// A buffer of the run's own, starting with this input (see [`Arena::run_fresh`]).
     Fresh(&'b [u8]),
+    /// The rest of a run over a buffer of its own that [`Arena::try_run_fresh`] began.
+    FreshRest(UnfinishedFresh),
 }
 
 /// A barrier's signature word: it never changes, so it is coded once per process, not at
@@ -1164,7 +1189,7 @@ async fn delete_name(store: &dyn Store, key: &str) -> Result<(), String> {
 }
 
 /// `bytes` cut into consecutive blocks of `lens`.
-fn split(bytes: Bytes, lens: &[usize]) -> Vec<Bytes> {
+pub(super) fn split(bytes: Bytes, lens: &[usize]) -> Vec<Bytes> {
     let mut at = 0;
     lens.iter()
         .map(|len| {

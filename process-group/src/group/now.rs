@@ -1,6 +1,6 @@
 //! The synchronous arena path of the awaited collectives (the port's
-//! [`run_now`](ProcessGroup::run_now)): a barrier, broadcast, all_reduce or reduce of a group
-//! on its arena
+//! [`run_now`](ProcessGroup::run_now)): a barrier, broadcast, all_reduce, reduce or all_gather
+//! of known block lengths (equal or given: no round of lengths first) of a group on its arena
 //! (no hierarchy), whose plan core says runs now (a kept plan:
 //! [`Planned::runs_now`](tensorwire_core::collective::arena_cache::Planned::runs_now)), runs in
 //! the issuing call when the arena's turn is free: no boxed future, no work handle, no expiry
@@ -20,15 +20,26 @@ use tensorwire_core::collective::arena as plans;
 use tensorwire_core::collective::arena::ArenaPlan;
 use tensorwire_core::collective::arena_cache::PlanKey;
 use tensorwire_core::collective::CollectiveError;
-use tensorwire_core::ports::process_group::{HostMut, Now};
+use tensorwire_core::ports::process_group::{Buf, HostMut, Now};
 
-use super::arena::{barrier_word, ArenaReduce, Exec, Turn};
+use super::arena::{barrier_word, split, ArenaReduce, Exec, Turn};
 use super::*;
 
 impl Group {
     /// [`ProcessGroup::run_now`] (see the module's docs).
     pub(super) fn now<'a>(&'a self, op: Op<'a>, cx: &mut Context<'_>) -> Now<'a> {
-        if !self.alone_on_arena(&op) {
+        // An all_gather whose lengths are known (no round of lengths first) on the arena.
+        let gather = match &op {
+            Op::AllGather { input, lens }
+                if self.inner.hierarchy.get().is_none() && self.uses_arena() =>
+            {
+                lens.known(self.rank(), self.size(), input.len())
+                    .ok()
+                    .flatten()
+            }
+            _ => None,
+        };
+        if gather.is_none() && !self.alone_on_arena(&op) {
             return Now::Later(self.run_op(op));
         }
         let Poll::Ready(coop) = tokio::task::coop::poll_proceed(cx) else {
@@ -41,6 +52,10 @@ impl Group {
         coop.made_progress();
         let (rank, world) = (self.rank(), self.size());
         match op {
+            Op::AllGather { input, .. } => {
+                let lens = gather.expect("an all_gather runs here with its lengths known");
+                self.all_gather_now(turn, input, lens)
+            }
             Op::AllReduce { data, element, op } => {
                 let data = match data.into_host_mut("all_reduce", self) {
                     Ok(data) => data,
@@ -127,6 +142,49 @@ impl Group {
                 |_: Vec<u8>| Done::Unit,
             ),
         }
+    }
+
+    /// An all_gather of known block lengths `lens` (this rank's block: `input`) in this call
+    /// as far as the arena's spin allows, as [`Group::arena_all_gather`] runs it (over a buffer
+    /// of its own); the rest, or the whole when it is not run here, through
+    /// [`Group::arena_exec`]'s future.
+    fn all_gather_now<'a>(
+        &'a self,
+        mut turn: Turn<'a>,
+        input: Buf<'a>,
+        lens: Vec<usize>,
+    ) -> Now<'a> {
+        let (rank, collective) = (self.rank(), "all_gather");
+        let key = PlanKey::all_gather(&lens);
+        let signature = Signature::all_gather(&lens).word(&[]);
+        let ran = match input.host(collective, self) {
+            Ok(data) => self.arena_now_with(
+                &mut turn,
+                collective,
+                key,
+                |s| plans::all_gather(rank, &lens, s),
+                |arena, plan| arena.try_run_fresh(plan, data, signature),
+            ),
+            Err(e) => Err(e),
+        };
+        let rest = match ran {
+            Err(e) => return Now::Done(Err(e)),
+            Ok(Some(Ok(buffer))) => return Now::Done(Ok(Done::from(split(buffer.into(), &lens)))),
+            Ok(Some(Err(rest))) => Some(rest),
+            Ok(None) => None,
+        };
+        Now::Later(Box::pin(async move {
+            let data = input.host(collective, self)?;
+            let exec = match rest {
+                Some(rest) => Exec::FreshRest(rest),
+                None => Exec::Fresh(data),
+            };
+            let make = |s| plans::all_gather(rank, &lens, s);
+            let out = self
+                .arena_exec(&mut turn, collective, key, make, exec, signature, None)
+                .await?;
+            Ok(Done::from(split(out.unwrap_or_default().into(), &lens)))
+        }))
     }
 
     /// Runs one round of the arena on `buffer` in this call as far as its spin allows
