@@ -622,7 +622,7 @@ impl Group {
             ArenaSlot::Ready(arena, cache) => (arena, cache),
             _ => return Ok(None),
         };
-        if self.inner.mesh.broken().is_some() {
+        if self.inner.mesh.is_broken() {
             // The rest says so in the arena, as every collective does.
             return Ok(None);
         }
