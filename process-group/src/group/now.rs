@@ -132,7 +132,7 @@ impl Group {
                     self.now_or_later(turn, "reduce", key, make, scratch, signature, finish)
                 }
             }
-            _ => self.now_or_later(
+            Op::Barrier => self.now_or_later(
                 turn,
                 "barrier",
                 PlanKey::barrier(),
@@ -141,6 +141,12 @@ impl Group {
                 barrier_word(),
                 |_: Vec<u8>| Done::Unit,
             ),
+            // Not reached (the ops above are those taken here); with its turn taken, the future
+            // runs it (the op moves there: nothing of it is dropped in the call).
+            other => Now::Later(Box::pin(async move {
+                let mut turn = turn;
+                self.on_arena(&mut turn, other).await
+            })),
         }
     }
 
