@@ -35,7 +35,11 @@ pub trait Collectives: ProcessGroup {
 
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> impl Future<Output = Result<(), ProcessGroupError>> + Send {
-        async move { unit(self, "barrier", self.run(Op::Barrier).await?) }
+        RunUnit(Run {
+            pg: self,
+            op: Some(Op::Barrier),
+            rest: None,
+        })
     }
 
     /// Gathers one block of bytes from every rank (blocks may differ in length); the result
@@ -362,6 +366,23 @@ struct Run<'a, P: ?Sized> {
     op: Option<Op<'a>>,
     /// What `run_now` left to await.
     rest: Option<Pending<'a, Done>>,
+}
+
+/// A [`Run`] whose result is [`Done::Unit`] (the barrier's), written out as `Run` is.
+struct RunUnit<'a, P: ?Sized>(Run<'a, P>);
+
+impl<P: ProcessGroup + ?Sized> Future for RunUnit<'_, P> {
+    type Output = Result<(), ProcessGroupError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Self::Output> {
+        let run = &mut self.0;
+        let done = std::task::ready!(std::pin::Pin::new(&mut *run).poll(cx));
+        let pg = run.pg;
+        Poll::Ready(done.and_then(|done| unit(pg, "barrier", done)))
+    }
 }
 
 impl<P: ProcessGroup + ?Sized> Future for Run<'_, P> {
