@@ -52,7 +52,9 @@ impl Group {
         coop.made_progress();
         let (rank, world) = (self.rank(), self.size());
         match op {
-            Op::AllGather { input, .. } => {
+            Op::AllGather { input, lens: given } => {
+                // Moved out whole (a part left in `op` would be dropped through its glue).
+                drop(given);
                 let lens = gather.expect("an all_gather runs here with its lengths known");
                 self.all_gather_now(turn, input, lens)
             }
