@@ -29,6 +29,7 @@ mod links;
 mod now;
 mod running;
 mod setup;
+mod turn;
 
 pub use arena::{arena_bytes_from_env, CollectivePath, ARENA_BYTES_ENV, COLLECTIVES_ENV};
 
@@ -222,7 +223,7 @@ struct Inner {
     /// Kept so that an embedded store server (rank 0) lives as long as the group.
     _store: Arc<dyn Store>,
     /// The group arena (see [`arena`]), and whether collectives go through it.
-    arena: tokio::sync::Mutex<arena::ArenaSlot>,
+    arena: turn::TurnLock<arena::ArenaSlot>,
     arena_on: std::sync::atomic::AtomicBool,
     /// Every world rank's host and process (the world group, once connected).
     hosts: std::sync::OnceLock<Vec<arena::HostRecord>>,
@@ -397,9 +398,9 @@ impl ProcessGroup for Group {
         Box::pin(self.execute(op))
     }
 
-    /// [`run_op`](ProcessGroup::run_op), or a barrier or small all_reduce on the group's
-    /// arena run to its end in this call when its turn is free and its waits end within the
-    /// spin (see `group::now`).
+    /// [`run_op`](ProcessGroup::run_op), or a small barrier, broadcast, all_reduce, reduce or
+    /// all_gather of known lengths on the group's arena run to its end in this call when its
+    /// turn is free and its waits end within the spin (see `group::now`).
     fn run_now<'a>(
         &'a self,
         op: Op<'a>,

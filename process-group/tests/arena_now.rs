@@ -7,11 +7,13 @@ use std::sync::Arc;
 use std::task::{Context, Waker};
 use std::time::Duration;
 
+use tensorwire_core::collective::varlen::BlockLens;
 use tensorwire_core::collective::{ElementType, ReduceOp};
 use tensorwire_core::ports::process_group::{
     Buf, Collectives, Done, Now, Op, ProcessGroup, ProcessGroupError,
 };
 use tensorwire_core::ports::store::Store;
+use tensorwire_core::tensor::Storage;
 use tensorwire_process_group::{CollectivePath, Group, GroupOptions, InMemoryStore};
 use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};
 
@@ -201,4 +203,83 @@ async fn broadcasts_and_reduces_run_now_with_the_futures_results() {
         want[root] = 7i64.to_le_bytes();
         assert_eq!(mine, want, "root {root}");
     }
+}
+
+fn all_gather(input: &[u8]) -> Op<'_> {
+    Op::AllGather {
+        input: Buf::Ref(input),
+        lens: BlockLens::Equal,
+    }
+}
+
+/// The blocks of a finished all_gather.
+fn blocks(done: Result<Done, ProcessGroupError>) -> Vec<Vec<u8>> {
+    match done.unwrap() {
+        Done::Buffers(blocks) => blocks
+            .into_iter()
+            .map(|b| match b {
+                Storage::Host(b) => b.to_vec(),
+                other => panic!("a block not on the host: {other:?}"),
+            })
+            .collect(),
+        other => panic!("an all_gather gave {other:?}"),
+    }
+}
+
+/// An all_gather of equal blocks (its lengths known: no round of lengths) takes the same path,
+/// whichever rank comes first: the rank whose peer is there finishes in its call, and both get
+/// the blocks the future path gives (awaited after, the same group).
+#[tokio::test]
+async fn all_gathers_of_known_lengths_run_now_with_the_futures_results() {
+    let gs = tokio::time::timeout(
+        Duration::from_secs(60),
+        pair("now-gather", Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
+    let mut cx = Context::from_waker(Waker::noop());
+    for (round, first) in [0usize, 1, 0, 1].into_iter().enumerate() {
+        let second = 1 - first;
+        let inputs: Vec<Vec<u8>> = (0..2u8).map(|r| vec![r * 10 + round as u8; 8]).collect();
+        let a = gs[first].run_now(all_gather(&inputs[first]), &mut cx);
+        assert!(
+            matches!(a, Now::Later(_)),
+            "rank {first} finished an all_gather its peer had not come to"
+        );
+        let b = gs[second].run_now(all_gather(&inputs[second]), &mut cx);
+        let Now::Done(b) = b else {
+            panic!("rank {second}, whose peer was there, did not finish in its call");
+        };
+        let a = finished(a).await;
+        let want = inputs.clone();
+        assert_eq!(blocks(a), want, "round {round}");
+        assert_eq!(blocks(b), want, "round {round}");
+        // The future path (each rank awaited through `all_gather_equal`): the same blocks.
+        let (fa, fb) = tokio::join!(
+            gs[0].all_gather_equal(&inputs[0]),
+            gs[1].all_gather_equal(&inputs[1])
+        );
+        for got in [fa.unwrap(), fb.unwrap()] {
+            let got: Vec<Vec<u8>> = got.iter().map(|b| b.to_vec()).collect();
+            assert_eq!(got, want, "round {round}, awaited");
+        }
+    }
+    // A block of another length than the peer's is told apart (each names the other), in
+    // the call or its rest.
+    let (short, long) = ([1u8; 4], [2u8; 8]);
+    let a = gs[0].run_now(all_gather(&short), &mut cx);
+    let b = gs[1].run_now(all_gather(&long), &mut cx);
+    let (a, b) = tokio::join!(finished(a), finished(b));
+    assert!(
+        matches!(b, Err(ProcessGroupError::Mismatch { peer: 0, .. })),
+        "{b:?}"
+    );
+    assert!(
+        matches!(
+            a,
+            Err(ProcessGroupError::Mismatch { peer: 1, .. }
+                | ProcessGroupError::PeerAborted { rank: 1, .. })
+        ),
+        "{a:?}"
+    );
 }

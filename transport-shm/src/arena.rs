@@ -70,8 +70,8 @@ use tokio::io::unix::AsyncFd;
 
 use crate::mem::{self, Mapping, RING_SEALS};
 use crate::sock;
-pub use now::Unfinished;
 use now::{At, Blocked, Look};
+pub use now::{Unfinished, UnfinishedFresh};
 
 /// The default size of a group's arena: 32 MiB per group and host (slots of 2 MiB a half at 8
 /// ranks, 256 KiB at 64). Pages are touched only as messages use them.

@@ -24,11 +24,23 @@ pub const PLAN_KEY_WORDS: usize = 4;
 
 /// What a cached plan was made for: the collective and its arguments, exactly (no hash: two
 /// keys are equal only when every word is).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Eq)]
 pub struct PlanKey {
     collective: &'static str,
     len: usize,
     words: [u64; PLAN_KEY_WORDS],
+}
+
+impl PartialEq for PlanKey {
+    /// The words first, then the collective's name: by its address when both keys hold the
+    /// same literal (a repeated collective's key, looked up at every call: no string compare),
+    /// by its bytes otherwise.
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len
+            && self.words == other.words
+            && (std::ptr::eq(self.collective, other.collective)
+                || self.collective == other.collective)
+    }
 }
 
 impl PlanKey {
@@ -390,6 +402,22 @@ mod tests {
         // Blocks of different lengths: not kept.
         assert_eq!(PlanKey::all_gather(&[8, 16]), None);
         assert_eq!(PlanKey::all_gather(&[]), None);
+    }
+
+    #[test]
+    fn keys_are_equal_by_the_names_bytes_not_only_their_address() {
+        // The same name at another address (not the literal's) is the same key.
+        let elsewhere: &'static str = String::from("barrier").leak();
+        assert_eq!(PlanKey::new(elsewhere, &[]), PlanKey::barrier());
+        assert_ne!(
+            PlanKey::new("broadcast", &[0, 8]),
+            PlanKey::new("reduce", &[0, 8])
+        );
+        assert_ne!(
+            PlanKey::new("all_gather", &[2, 8]),
+            PlanKey::new("all_gather", &[2, 9])
+        );
+        assert_ne!(PlanKey::new("barrier", &[]), PlanKey::new("barrier", &[0]));
     }
 
     #[test]

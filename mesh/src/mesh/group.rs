@@ -146,6 +146,12 @@ impl GroupMesh {
         self.closed.get().cloned().or_else(|| self.mesh.broken())
     }
 
+    /// Whether [`broken`](Self::broken) would say something, without cloning it (looked at
+    /// before every collective on the arena's synchronous path).
+    pub fn is_broken(&self) -> bool {
+        self.closed.get().is_some() || self.mesh.is_broken()
+    }
+
     /// What fails collective `seq` of this group (or the point-to-point message under key
     /// `seq`), if anything: this subgroup's shutdown, a disagreement that covers it, or the
     /// failure that broke the mesh (see [`Mesh::failure`]).

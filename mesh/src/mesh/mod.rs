@@ -346,6 +346,11 @@ impl Mesh {
         self.shared.failure.get().cloned()
     }
 
+    /// Whether the mesh is broken ([`broken`](Self::broken) without the clone).
+    pub fn is_broken(&self) -> bool {
+        self.shared.failure.get().is_some()
+    }
+
     /// What fails the collective (or point-to-point message) under `key`, if anything: a
     /// disagreement recorded here that covers it (about it or an earlier collective of its
     /// group, or in another group; see

@@ -10,22 +10,25 @@
 //! makes its own segment on its first collective (its lowest rank hands it out; the socket's
 //! name goes through the store, under the subgroup's name).
 //!
-//! Collectives through the arena run one at a time, in the order they were issued (a fair lock
-//! taken in the issuing call). Collectives whose lengths only the sender knows (all_gather,
-//! gather, scatter, all_to_all, the byte broadcast) first exchange the lengths through the
-//! arena too, unless core says they are known ([`BlockLens::known`]: an all_gather of equal
-//! shapes, or of given lengths). What the ranks of each phase compare is core's
-//! [`Signature::word`]: one coder for both paths.
+//! Collectives through the arena run one at a time, in the order they were issued (`turn`: a fair
+//! lock taken in the issuing call). Collectives whose lengths only the sender knows (all_gather,
+//! gather, scatter, all_to_all, the byte broadcast) first exchange the lengths through the arena
+//! too, unless core says they are known ([`BlockLens::known`]: an all_gather of equal shapes, or of
+//! given lengths). What the ranks of each phase compare is core's [`Signature::word`]: one coder
+//! for both paths.
 
 use tensorwire_core::collective::arena as plans;
 use tensorwire_core::collective::arena::ArenaPlan;
 use tensorwire_core::collective::arena_cache::{PlanCache, PlanKey};
 use tensorwire_core::ports::process_group::DeathCause;
 use tensorwire_transport_shm::arena::{
-    host_key, Arena, ArenaError, ArenaFailure, ArenaHost, Bounds, Gone, Unfinished,
+    host_key, Arena, ArenaError, ArenaFailure, ArenaHost, Bounds, Gone, Unfinished, UnfinishedFresh,
 };
 
 use super::*;
+
+mod reduce;
+pub(super) use reduce::ArenaReduce;
 
 /// The environment variable that picks the collective path: `arena` (the default: through
 /// shared memory when every rank of a group is on one host) or `links`.
@@ -92,7 +95,7 @@ pub(super) enum ArenaSlot {
 /// A collective's turn at the arena: the arena, held, and the sequence number the collective
 /// took when it was issued (the link path's numbering, so errors read the same).
 pub(super) struct Turn<'a> {
-    slot: tokio::sync::MutexGuard<'a, ArenaSlot>,
+    slot: turn::TurnGuard<'a, ArenaSlot>,
     seq: u64,
     world: usize,
 }
@@ -335,7 +338,7 @@ impl Group {
     /// the arena is not set up, or held (an earlier collective's, or waited for: turns come in
     /// issue order), and then nothing is taken. Its sequence number is taken here.
     pub(super) fn try_turn(&self) -> Option<Turn<'_>> {
-        let slot = self.inner.arena.try_lock().ok()?;
+        let slot = self.inner.arena.try_lock()?;
         if !matches!(*slot, ArenaSlot::Ready(..)) {
             return None;
         }
@@ -519,7 +522,8 @@ impl Group {
                 unreachable!("a turn is handed out only for a set-up arena")
             }
         };
-        let begun = from.is_some_and(|f| f != Unfinished::NOT_BEGUN);
+        let begun = matches!(buffer, Exec::FreshRest(_))
+            || from.is_some_and(|f| f != Unfinished::NOT_BEGUN);
         if let (false, Some(e)) = (begun, mesh.broken()) {
             // Said in the arena before this rank stops taking part, so that the ranks still
             // waiting for it, once its process ends, name the rank that broke the group rather
@@ -569,6 +573,11 @@ impl Group {
                 .instrument(span)
                 .await
                 .map(Some),
+            (Exec::FreshRest(rest), _) => arena
+                .resume_fresh(&plan, rest, &bounds, give_up)
+                .instrument(span)
+                .await
+                .map(Some),
         };
         let e = match result {
             Ok(out) => return Ok(out),
@@ -595,23 +604,40 @@ impl Group {
         buffer: &mut [u8],
         signature: u64,
     ) -> Result<Option<Unfinished>, ProcessGroupError> {
+        let run = |arena: &mut Arena, plan: &ArenaPlan| arena.try_run(plan, buffer, signature);
+        Ok(self
+            .arena_now_with(turn, collective, key, make, run)?
+            .unwrap_or(Some(Unfinished::NOT_BEGUN)))
+    }
+
+    /// [`Group::arena_now`]'s choice and failures, with `run` the arena's synchronous run of the
+    /// plan: `None` when it is not run in this call (not kept, no arena, a broken group: the
+    /// rest runs all of it), else what `run` gave.
+    pub(super) fn arena_now_with<R>(
+        &self,
+        turn: &mut Turn<'_>,
+        collective: &'static str,
+        key: Option<PlanKey>,
+        make: impl FnOnce(usize) -> Result<ArenaPlan, CollectiveError>,
+        run: impl FnOnce(&mut Arena, &ArenaPlan) -> Result<R, ArenaError>,
+    ) -> Result<Option<R>, ProcessGroupError> {
         let (arena, cache) = match &mut *turn.slot {
             ArenaSlot::Ready(arena, cache) => (arena, cache),
-            _ => return Ok(Some(Unfinished::NOT_BEGUN)),
+            _ => return Ok(None),
         };
-        if self.inner.mesh.broken().is_some() {
+        if self.inner.mesh.is_broken() {
             // The rest says so in the arena, as every collective does.
-            return Ok(Some(Unfinished::NOT_BEGUN));
+            return Ok(None);
         }
         let slot = arena.slot_bytes();
         let plan = cache
             .plan(key, || make(slot))
             .map_err(|source| ProcessGroupError::Arguments { collective, source })?;
         if !plan.runs_now() {
-            return Ok(Some(Unfinished::NOT_BEGUN));
+            return Ok(None);
         }
-        let e = match arena.try_run(&plan, buffer, signature) {
-            Ok(rest) => return Ok(rest),
+        let e = match run(arena, &plan) {
+            Ok(ran) => return Ok(Some(ran)),
             Err(e) => e,
         };
         drop(plan);
@@ -746,34 +772,25 @@ impl Group {
         op: ReduceOp,
         root: usize,
     ) -> Result<(), ProcessGroupError> {
-        let count = whole_elements("reduce", data.len(), element)?;
-        let signature = Signature::Reduce {
-            op,
-            element,
-            root: root as u32,
-            count: count as u64,
-        }
-        .word(&[]);
-        let (rank, world) = (self.rank(), self.size());
-        let key = PlanKey::reduce(root, count, element, op);
-        let make = |s| plans::reduce(rank, world, root, count, element, op, s);
-        if rank == root {
-            self.arena_run_kept(turn, "reduce", key, make, Exec::InPlace(data), signature)
-                .await?;
-            op.finish(element, data, self.size());
-            Ok(())
-        } else {
-            let mut scratch = data.to_vec();
+        let r = ArenaReduce::new(self, data.len(), element, op, root)?;
+        if r.at_root() {
             self.arena_run_kept(
                 turn,
                 "reduce",
-                key,
-                make,
-                Exec::InPlace(&mut scratch),
-                signature,
+                r.key,
+                r.make(),
+                Exec::InPlace(data),
+                r.signature,
             )
-            .await
-            .map(|_| ())
+            .await?;
+            op.finish(element, data, self.size());
+            Ok(())
+        } else {
+            let mut scratch = ArenaReduce::scratch(data);
+            let exec = Exec::InPlace(&mut scratch);
+            self.arena_run_kept(turn, "reduce", r.key, r.make(), exec, r.signature)
+                .await
+                .map(|_| ())
         }
     }
 
@@ -1088,6 +1105,8 @@ pub(super) enum Exec<'b> {
     InPlace(&'b mut [u8]),
     /// A buffer of the run's own, starting with this input (see [`Arena::run_fresh`]).
     Fresh(&'b [u8]),
+    /// The rest of a run over a buffer of its own that [`Arena::try_run_fresh`] began.
+    FreshRest(UnfinishedFresh),
 }
 
 /// A barrier's signature word: it never changes, so it is coded once per process, not at
@@ -1108,7 +1127,7 @@ async fn delete_name(store: &dyn Store, key: &str) -> Result<(), String> {
 }
 
 /// `bytes` cut into consecutive blocks of `lens`.
-fn split(bytes: Bytes, lens: &[usize]) -> Vec<Bytes> {
+pub(super) fn split(bytes: Bytes, lens: &[usize]) -> Vec<Bytes> {
     let mut at = 0;
     lens.iter()
         .map(|len| {

@@ -121,7 +121,7 @@ impl Group {
     }
 
     /// `op` through the group arena (one of those [`arena_rounds`] names).
-    async fn on_arena(
+    pub(super) async fn on_arena(
         &self,
         turn: &mut arena::Turn<'_>,
         op: Op<'_>,

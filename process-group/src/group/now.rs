@@ -1,6 +1,6 @@
 //! The synchronous arena path of the awaited collectives (the port's
-//! [`run_now`](ProcessGroup::run_now)): a barrier, broadcast, all_reduce or reduce of a group
-//! on its arena
+//! [`run_now`](ProcessGroup::run_now)): a barrier, broadcast, all_reduce, reduce or all_gather
+//! of known block lengths (equal or given: no round of lengths first) of a group on its arena
 //! (no hierarchy), whose plan core says runs now (a kept plan:
 //! [`Planned::runs_now`](tensorwire_core::collective::arena_cache::Planned::runs_now)), runs in
 //! the issuing call when the arena's turn is free: no boxed future, no work handle, no expiry
@@ -20,15 +20,26 @@ use tensorwire_core::collective::arena as plans;
 use tensorwire_core::collective::arena::ArenaPlan;
 use tensorwire_core::collective::arena_cache::PlanKey;
 use tensorwire_core::collective::CollectiveError;
-use tensorwire_core::ports::process_group::{HostMut, Now};
+use tensorwire_core::ports::process_group::{Buf, HostMut, Now};
 
-use super::arena::{barrier_word, Exec, Turn};
+use super::arena::{barrier_word, split, ArenaReduce, Exec, Turn};
 use super::*;
 
 impl Group {
     /// [`ProcessGroup::run_now`] (see the module's docs).
     pub(super) fn now<'a>(&'a self, op: Op<'a>, cx: &mut Context<'_>) -> Now<'a> {
-        if !self.alone_on_arena(&op) {
+        // An all_gather whose lengths are known (no round of lengths first) on the arena.
+        let gather = match &op {
+            Op::AllGather { input, lens }
+                if self.inner.hierarchy.get().is_none() && self.uses_arena() =>
+            {
+                lens.known(self.rank(), self.size(), input.len())
+                    .ok()
+                    .flatten()
+            }
+            _ => None,
+        };
+        if gather.is_none() && !self.alone_on_arena(&op) {
             return Now::Later(self.run_op(op));
         }
         let Poll::Ready(coop) = tokio::task::coop::poll_proceed(cx) else {
@@ -41,6 +52,12 @@ impl Group {
         coop.made_progress();
         let (rank, world) = (self.rank(), self.size());
         match op {
+            Op::AllGather { input, lens: given } => {
+                // Moved out whole (a part left in `op` would be dropped through its glue).
+                drop(given);
+                let lens = gather.expect("an all_gather runs here with its lengths known");
+                self.all_gather_now(turn, input, lens)
+            }
             Op::AllReduce { data, element, op } => {
                 let data = match data.into_host_mut("all_reduce", self) {
                     Ok(data) => data,
@@ -100,43 +117,87 @@ impl Group {
                     Ok(data) => data,
                     Err(e) => return Now::Done(Err(e)),
                 };
-                let count = match whole_elements("reduce", data.len(), element) {
-                    Ok(count) => count,
+                let r = match ArenaReduce::new(self, data.len(), element, op, root) {
+                    Ok(r) => r,
                     Err(e) => return Now::Done(Err(e)),
                 };
-                let signature = Signature::Reduce {
-                    op,
-                    element,
-                    root: root as u32,
-                    count: count as u64,
-                }
-                .word(&[]);
-                let key = PlanKey::reduce(root, count, element, op);
-                let make = move |s| plans::reduce(rank, world, root, count, element, op, s);
-                if rank == root {
+                let (key, make, signature) = (r.key, r.make(), r.signature);
+                if r.at_root() {
                     let finish = move |mut data: HostMut<'a>| {
                         op.finish(element, &mut data, world);
                         data.done()
                     };
                     self.now_or_later(turn, "reduce", key, make, data, signature, finish)
                 } else {
-                    // A rank that is not the root reduces a copy: its own tensor stays as it
-                    // was, as through the future (`Group::arena_reduce`).
-                    let scratch = data.to_vec();
+                    let scratch = ArenaReduce::scratch(&data);
                     let finish = |_: Vec<u8>| Done::Unit;
                     self.now_or_later(turn, "reduce", key, make, scratch, signature, finish)
                 }
             }
-            _ => self.now_or_later(
-                turn,
-                "barrier",
-                PlanKey::barrier(),
-                move |s| plans::barrier(rank, world, s),
-                Vec::new(),
-                barrier_word(),
-                |_: Vec<u8>| Done::Unit,
-            ),
+            Op::Barrier => {
+                // A barrier holds nothing: forgotten here rather than dropped through the op's
+                // glue at the end (15 instructions per barrier, counted).
+                std::mem::forget(op);
+                self.now_or_later(
+                    turn,
+                    "barrier",
+                    PlanKey::barrier(),
+                    move |s| plans::barrier(rank, world, s),
+                    Vec::new(),
+                    barrier_word(),
+                    |_: Vec<u8>| Done::Unit,
+                )
+            }
+            // Not reached (the ops above are those taken here); with its turn taken, the future
+            // runs it (the op moves there: nothing of it is dropped in the call).
+            other => Now::Later(Box::pin(async move {
+                let mut turn = turn;
+                self.on_arena(&mut turn, other).await
+            })),
         }
+    }
+
+    /// An all_gather of known block lengths `lens` (this rank's block: `input`) in this call
+    /// as far as the arena's spin allows, as [`Group::arena_all_gather`] runs it (over a buffer
+    /// of its own); the rest, or the whole when it is not run here, through
+    /// [`Group::arena_exec`]'s future.
+    fn all_gather_now<'a>(
+        &'a self,
+        mut turn: Turn<'a>,
+        input: Buf<'a>,
+        lens: Vec<usize>,
+    ) -> Now<'a> {
+        let (rank, collective) = (self.rank(), "all_gather");
+        let key = PlanKey::all_gather(&lens);
+        let signature = Signature::all_gather(&lens).word(&[]);
+        let ran = match input.host(collective, self) {
+            Ok(data) => self.arena_now_with(
+                &mut turn,
+                collective,
+                key,
+                |s| plans::all_gather(rank, &lens, s),
+                |arena, plan| arena.try_run_fresh(plan, data, signature),
+            ),
+            Err(e) => Err(e),
+        };
+        let rest = match ran {
+            Err(e) => return Now::Done(Err(e)),
+            Ok(Some(Ok(buffer))) => return Now::Done(Ok(Done::from(split(buffer.into(), &lens)))),
+            Ok(Some(Err(rest))) => Some(rest),
+            Ok(None) => None,
+        };
+        Now::Later(Box::pin(async move {
+            let data = input.host(collective, self)?;
+            let exec = match rest {
+                Some(rest) => Exec::FreshRest(rest),
+                None => Exec::Fresh(data),
+            };
+            let make = |s| plans::all_gather(rank, &lens, s);
+            let out = self
+                .arena_exec(&mut turn, collective, key, make, exec, signature, None)
+                .await?;
+            Ok(Done::from(split(out.unwrap_or_default().into(), &lens)))
+        }))
     }
 
     /// Runs one round of the arena on `buffer` in this call as far as its spin allows

@@ -142,7 +142,7 @@ impl Group {
                 timeout,
                 next_group: AtomicU64::new(1),
                 _store: store,
-                arena: tokio::sync::Mutex::new(slot),
+                arena: turn::TurnLock::new(slot),
                 arena_on: std::sync::atomic::AtomicBool::new(arena_on),
                 hosts: std::sync::OnceLock::new(),
                 collectives,

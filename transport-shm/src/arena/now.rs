@@ -80,7 +80,121 @@ impl Unfinished {
     };
 }
 
+/// A run of [`Arena::try_run_fresh`] that a wait's spin budget left unfinished: the run's own
+/// buffer as far as it is written, and where it stopped. Give it to [`Arena::resume_fresh`] with
+/// the same plan and signature, before the arena runs anything else.
+#[derive(Debug)]
+#[must_use = "the run is finished by `Arena::resume_fresh`: the other ranks wait for it"]
+pub struct UnfinishedFresh {
+    /// The buffer: its allocation holds the plan's length; initialised (and its length set)
+    /// only when the plan does not fill it (then it was cleared before the input went in).
+    buffer: Vec<u8>,
+    rest: Unfinished,
+}
+
 impl Arena {
+    /// [`Arena::try_run`] over a buffer of the run's own that starts with `input` in the plan's
+    /// input range, as [`Arena::run_fresh`] makes it (never cleared when the plan fills it):
+    /// `Ok(buffer)` when the plan ran to its end, else where it stopped (finish it with
+    /// [`Arena::resume_fresh`]).
+    ///
+    /// # Errors
+    /// As [`Arena::run_fresh`].
+    pub fn try_run_fresh(
+        &mut self,
+        plan: &ArenaPlan,
+        input: &[u8],
+        signature: u64,
+    ) -> Result<Result<Vec<u8>, UnfinishedFresh>, ArenaError> {
+        let (len, at) = (plan.buffer_len(), plan.input_range());
+        if input.len() != at.len() || at.end > len {
+            return Err(ArenaError::PlanMismatch {
+                plan_world: plan.world(),
+                plan_slot: plan.slot_bytes(),
+            });
+        }
+        if !plan.fills_buffer() {
+            let mut buffer = vec![0u8; len];
+            buffer[at].copy_from_slice(input);
+            return Ok(match self.try_run(plan, &mut buffer, signature)? {
+                None => Ok(buffer),
+                Some(rest) => Err(UnfinishedFresh { buffer, rest }),
+            });
+        }
+        self.check_plan(plan, len)?;
+        if let Some(failure) = self.reported() {
+            return Err(self.failed(failure));
+        }
+        let mut buffer: Vec<u8> = Vec::with_capacity(len);
+        let raw = Buffer {
+            ptr: buffer.as_mut_ptr(),
+            len,
+        };
+        // SAFETY: the input range lies in the allocation (checked above); `input` is not in it.
+        unsafe { std::ptr::copy_nonoverlapping(input.as_ptr(), raw.ptr.add(at.start), at.len()) };
+        let mut at = At::START;
+        // The plan fills its buffer (core's check above): it draws only on bytes the input or
+        // its own reads have written (see `Arena::run_fresh`).
+        match self.advance(plan, raw, &mut at, signature, Look::Spin) {
+            Ok(None) => {
+                // SAFETY: the plan ran to its end, and a plan that fills its buffer has then
+                // written every byte of it.
+                unsafe { buffer.set_len(len) };
+                Ok(Ok(buffer))
+            }
+            Ok(Some(_)) => {
+                at.spun = true;
+                let ran = Some((signature, len, plan.phases().len()));
+                Ok(Err(UnfinishedFresh {
+                    buffer,
+                    rest: Unfinished { at, ran },
+                }))
+            }
+            Err(failure) => Err(self.failed(failure)),
+        }
+    }
+
+    /// Finishes the run [`Arena::try_run_fresh`] left (the same plan and signature, nothing
+    /// run through the arena in between) as [`Arena::resume`] does, and returns its buffer.
+    ///
+    /// # Errors
+    /// As [`Arena::resume`].
+    pub async fn resume_fresh(
+        &mut self,
+        plan: &ArenaPlan,
+        from: UnfinishedFresh,
+        bounds: &Bounds<'_>,
+        give_up: GiveUp<'_>,
+    ) -> Result<Vec<u8>, ArenaError> {
+        let UnfinishedFresh { mut buffer, rest } = from;
+        if buffer.len() == plan.buffer_len() {
+            self.resume(plan, &mut buffer, bounds, give_up, rest)
+                .await?;
+            return Ok(buffer);
+        }
+        let len = plan.buffer_len();
+        self.check_plan(plan, len)?;
+        let ran = (bounds.signature, len, plan.phases().len());
+        if rest.ran != Some(ran) || !plan.fills_buffer() || buffer.capacity() < len {
+            return Err(ArenaError::PlanMismatch {
+                plan_world: plan.world(),
+                plan_slot: plan.slot_bytes(),
+            });
+        }
+        let raw = Buffer {
+            ptr: buffer.as_mut_ptr(),
+            len,
+        };
+        // SAFETY: the allocation holds `len` bytes (checked), the input and what the run read
+        // so far are in it, and the plan fills its buffer (checked): as in `Arena::run_fresh`.
+        // The allocation does not move while the run goes on (only the vector's handle may).
+        unsafe { self.run_over(plan, raw, bounds, give_up, rest.at) }.await?;
+        // SAFETY: the plan ran to its end, and a plan that fills its buffer has then written
+        // every byte of it.
+        unsafe { buffer.set_len(len) };
+        Ok(buffer)
+    }
+
     /// Runs `plan` over `buffer` (of the plan's length, input in place) as [`Arena::run`]
     /// does, in this call and without a future, for as long as each wait ends within the
     /// spin budget: `None` when the plan ran to its end, else where it stopped (finish it
@@ -161,9 +275,11 @@ impl Arena {
         if look == Look::Once {
             return false;
         }
-        let spin = self.spin.begin(true, Instant::now());
+        // The first step at the time the wait began (one clock read fewer per wait).
+        let mut now = Instant::now();
+        let spin = self.spin.begin(true, now);
         loop {
-            match spin.step(Instant::now()) {
+            match spin.step(now) {
                 SpinStep::Poll => {
                     for _ in 0..16 {
                         if done() {
@@ -180,6 +296,7 @@ impl Arena {
                 }
                 SpinStep::Sleep => return false,
             }
+            now = Instant::now();
         }
     }
 }
