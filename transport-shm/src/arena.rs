@@ -675,27 +675,16 @@ impl Arena {
         bounds: &Bounds<'_>,
         give_up: GiveUp<'_>,
     ) -> Result<Vec<u8>, ArenaError> {
-        let (len, at) = (plan.buffer_len(), plan.input_range());
-        if input.len() != at.len() || at.end > len {
-            return Err(ArenaError::PlanMismatch {
-                plan_world: plan.world(),
-                plan_slot: plan.slot_bytes(),
-            });
-        }
-        if !plan.fills_buffer() {
-            let mut buffer = vec![0u8; len];
-            buffer[at].copy_from_slice(input);
-            self.run(plan, &mut buffer, bounds, give_up).await?;
-            return Ok(buffer);
-        }
-        self.check_plan(plan, len)?;
-        let mut buffer: Vec<u8> = Vec::with_capacity(len);
-        let raw = Buffer {
-            ptr: buffer.as_mut_ptr(),
-            len,
+        let mut buffer = match Fresh::start(plan, input)? {
+            Fresh::Zeroed(mut buffer) => {
+                self.run(plan, &mut buffer, bounds, give_up).await?;
+                return Ok(buffer);
+            }
+            Fresh::Filled(buffer) => buffer,
         };
-        // SAFETY: the input range lies in the allocation (checked above); `input` is not in it.
-        unsafe { std::ptr::copy_nonoverlapping(input.as_ptr(), raw.ptr.add(at.start), at.len()) };
+        let len = plan.buffer_len();
+        self.check_plan(plan, len)?;
+        let raw = Fresh::with_input(&mut buffer, plan, input);
         // SAFETY: the plan fills its buffer (core's check above): it draws only on bytes the
         // input or its own reads have written. The allocation is not touched otherwise (nor
         // moved: only the vector's handle is, with the future) until the run has ended.
@@ -1055,6 +1044,50 @@ impl Arena {
 struct Buffer {
     ptr: *mut u8,
     len: usize,
+}
+
+/// The start of a run over a buffer of its own (both paths: [`Arena::run_fresh`] and
+/// [`Arena::try_run_fresh`]).
+enum Fresh {
+    /// A plan that does not fill its buffer: the buffer zeroed, with the input in place.
+    Zeroed(Vec<u8>),
+    /// A plan that fills its buffer: an empty vector with room for it (never cleared).
+    Filled(Vec<u8>),
+}
+
+impl Fresh {
+    /// Checks `input` against the plan's input range and makes the buffer.
+    fn start(plan: &ArenaPlan, input: &[u8]) -> Result<Fresh, ArenaError> {
+        let (len, at) = (plan.buffer_len(), plan.input_range());
+        if input.len() != at.len() || at.end > len {
+            return Err(ArenaError::PlanMismatch {
+                plan_world: plan.world(),
+                plan_slot: plan.slot_bytes(),
+            });
+        }
+        Ok(if plan.fills_buffer() {
+            Fresh::Filled(Vec::with_capacity(len))
+        } else {
+            let mut buffer = vec![0u8; len];
+            buffer[at].copy_from_slice(input);
+            Fresh::Zeroed(buffer)
+        })
+    }
+
+    /// Copies `input` into the plan's input range of a [`Fresh::Filled`] vector (checked by
+    /// [`Fresh::start`]) and gives the view of the whole allocation a run goes over.
+    fn with_input(buffer: &mut Vec<u8>, plan: &ArenaPlan, input: &[u8]) -> Buffer {
+        let (len, at) = (plan.buffer_len(), plan.input_range());
+        assert!(buffer.capacity() >= len && at.end <= len && input.len() == at.len());
+        let raw = Buffer {
+            ptr: buffer.as_mut_ptr(),
+            len,
+        };
+        // SAFETY: the input range lies in the allocation (asserted above); `input` is not in
+        // it (the vector is the run's own).
+        unsafe { std::ptr::copy_nonoverlapping(input.as_ptr(), raw.ptr.add(at.start), at.len()) };
+        raw
+    }
 }
 
 // SAFETY: a `Buffer` is only a view the executor's future keeps of memory it has for the

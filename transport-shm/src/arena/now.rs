@@ -106,32 +106,21 @@ impl Arena {
         input: &[u8],
         signature: u64,
     ) -> Result<Result<Vec<u8>, UnfinishedFresh>, ArenaError> {
-        let (len, at) = (plan.buffer_len(), plan.input_range());
-        if input.len() != at.len() || at.end > len {
-            return Err(ArenaError::PlanMismatch {
-                plan_world: plan.world(),
-                plan_slot: plan.slot_bytes(),
-            });
-        }
-        if !plan.fills_buffer() {
-            let mut buffer = vec![0u8; len];
-            buffer[at].copy_from_slice(input);
-            return Ok(match self.try_run(plan, &mut buffer, signature)? {
-                None => Ok(buffer),
-                Some(rest) => Err(UnfinishedFresh { buffer, rest }),
-            });
-        }
+        let mut buffer = match Fresh::start(plan, input)? {
+            Fresh::Zeroed(mut buffer) => {
+                return Ok(match self.try_run(plan, &mut buffer, signature)? {
+                    None => Ok(buffer),
+                    Some(rest) => Err(UnfinishedFresh { buffer, rest }),
+                });
+            }
+            Fresh::Filled(buffer) => buffer,
+        };
+        let len = plan.buffer_len();
         self.check_plan(plan, len)?;
         if let Some(failure) = self.reported() {
             return Err(self.failed(failure));
         }
-        let mut buffer: Vec<u8> = Vec::with_capacity(len);
-        let raw = Buffer {
-            ptr: buffer.as_mut_ptr(),
-            len,
-        };
-        // SAFETY: the input range lies in the allocation (checked above); `input` is not in it.
-        unsafe { std::ptr::copy_nonoverlapping(input.as_ptr(), raw.ptr.add(at.start), at.len()) };
+        let raw = Fresh::with_input(&mut buffer, plan, input);
         let mut at = At::START;
         // The plan fills its buffer (core's check above): it draws only on bytes the input or
         // its own reads have written (see `Arena::run_fresh`).
