@@ -10,6 +10,7 @@
 
 pub mod certs;
 pub mod config;
+mod ended;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;

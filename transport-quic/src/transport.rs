@@ -27,15 +27,16 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::{BufMut, BytesMut};
-use quinn::{ConnectionError, ReadError, RecvStream, VarInt};
+use quinn::{ConnectionError, ReadError, RecvStream};
 use tensorwire_core::identity::Credentials;
 use tensorwire_core::ports::transport::{
-    Connection, IdentityError, Listener, Transport, TransportError,
+    Connection, Ended, IdentityError, Listener, Transport, TransportError,
 };
 use tensorwire_core::wire::{Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
+use crate::ended::{self, CODE_DONE, CODE_MALFORMED};
 use crate::order::{
     self, Decoded, Deps, Prefix, RecvOrder, SendOrder, TAG_FRAME, TAG_GOODBYE, TAG_GOODBYE_ACK,
 };
@@ -44,9 +45,6 @@ use crate::{QuicConfig, QuicError};
 /// What the server writes on its first stream once it has accepted the client's certificate.
 pub const ADMIT: &[u8] = b"tensorwire-quic-admit/1";
 
-/// Application close codes.
-const CODE_DONE: u32 = 0;
-const CODE_MALFORMED: u32 = 1;
 /// Stream reset code of a send that was cancelled (its future dropped).
 const CODE_CANCELLED: u32 = 1;
 
@@ -192,43 +190,6 @@ fn config_error(e: QuicError) -> TransportError {
     }
 }
 
-/// Whether a QUIC close code is a TLS alert (certificate refused and the like).
-fn is_crypto(code: quinn::TransportErrorCode) -> bool {
-    (u64::from(code) & !0xff) == 0x100
-}
-
-/// Maps a failed handshake to the port's error, naming certificate problems as such.
-fn handshake_error(peer: SocketAddr, e: &ConnectionError) -> TransportError {
-    match e {
-        ConnectionError::TransportError(te) if is_crypto(te.code) => {
-            TransportError::Authentication {
-                peer,
-                reason: format!(
-                    "we refused the peer's certificate: it is not signed by the cluster CA or is \
-                 otherwise invalid ({te})"
-                ),
-                source: None,
-            }
-        }
-        ConnectionError::ConnectionClosed(close) if is_crypto(close.error_code) => {
-            TransportError::Authentication {
-                peer,
-                reason: format!(
-                    "the peer refused our certificate: it is not signed by the peer's cluster CA \
-                     or is otherwise invalid ({close})"
-                ),
-                source: None,
-            }
-        }
-        other => TransportError::Io {
-            addr: peer,
-            op: "connecting",
-            kind: std::io::ErrorKind::ConnectionRefused,
-            message: other.to_string(),
-        },
-    }
-}
-
 #[async_trait]
 impl Transport for QuicTransport {
     fn name(&self) -> &'static str {
@@ -294,12 +255,7 @@ impl Transport for QuicTransport {
                 addr,
                 self.config.tls.server_name(),
             )
-            .map_err(|e| TransportError::Io {
-                addr,
-                op: "connecting",
-                kind: std::io::ErrorKind::InvalidInput,
-                message: e.to_string(),
-            })?;
+            .map_err(|e| ended::refused(addr, &e))?;
         let ctx = ConnContext {
             endpoint: endpoint.clone(),
             limits: self.limits(),
@@ -308,15 +264,17 @@ impl Transport for QuicTransport {
         };
         let timeout = self.config.connect_timeout;
         let handshake = async move {
-            let conn = connecting.await.map_err(|e| handshake_error(addr, &e))?;
+            let conn = connecting
+                .await
+                .map_err(|e| ended::handshake(addr, "connecting", &e))?;
             // Wait for the server's admission: only then has it accepted our certificate.
             let mut first = conn
                 .accept_uni()
                 .await
-                .map_err(|e| handshake_error(addr, &e))?;
+                .map_err(|e| ended::handshake(addr, "connecting", &e))?;
             let admit_msg = first.read_to_end(ADMIT.len()).await.map_err(|e| match e {
                 quinn::ReadToEndError::Read(ReadError::ConnectionLost(c)) => {
-                    handshake_error(addr, &c)
+                    ended::handshake(addr, "connecting", &c)
                 }
                 other => TransportError::Authentication {
                     peer: addr,
@@ -354,20 +312,21 @@ async fn admit(
     incoming: quinn::Incoming,
     server: Arc<quinn::ServerConfig>,
     ctx: ConnContext,
-) -> Result<QuicConnection, String> {
+) -> Result<QuicConnection, TransportError> {
     let remote = incoming.remote_address();
-    let connecting = incoming
+    let op = "accepting";
+    let handshake = |e: ConnectionError| ended::handshake(remote, op, &e);
+    let conn = incoming
         .accept_with(server)
-        .map_err(|e| format!("cannot accept: {e}"))?;
-    let conn = connecting.await.map_err(|e| match &e {
-        ConnectionError::TransportError(te) if is_crypto(te.code) => format!(
-            "its certificate is not signed by the cluster CA or is otherwise invalid ({te})"
-        ),
-        other => format!("handshake failed: {other}"),
-    })?;
-    let mut stream = conn.open_uni().await.map_err(|e| e.to_string())?;
-    stream.write_all(ADMIT).await.map_err(|e| e.to_string())?;
-    stream.finish().map_err(|e| e.to_string())?;
+        .map_err(handshake)?
+        .await
+        .map_err(handshake)?;
+    let mut stream = conn.open_uni().await.map_err(handshake)?;
+    let admission = stream.write_all(ADMIT).await;
+    admission.map_err(|e| ended::write(remote, op, &e))?;
+    stream
+        .finish()
+        .map_err(|_| ended::stream_closed(remote, op))?;
     tracing::debug!(peer = %remote, "QUIC peer admitted");
     // Our stream 0 was the admission; theirs all carry frames.
     Ok(QuicConnection::start(conn, ctx, 1, 0))
@@ -426,7 +385,7 @@ enum Terminal {
     Pending(usize),
     MidFrame(WireError),
     Wire(WireError),
-    Io(String),
+    Ended(Ended),
 }
 
 impl Terminal {
@@ -445,11 +404,10 @@ impl Terminal {
                 peer,
                 source: source.clone(),
             },
-            Terminal::Io(message) => TransportError::Io {
-                addr: peer,
+            Terminal::Ended(how) => TransportError::Ended {
+                peer,
                 op: "receiving",
-                kind: std::io::ErrorKind::ConnectionAborted,
-                message: message.clone(),
+                how: how.clone(),
             },
         }
     }
@@ -607,30 +565,6 @@ impl Shared {
         );
     }
 
-    fn write_error(&self, op: &'static str, e: &quinn::WriteError) -> TransportError {
-        match e {
-            quinn::WriteError::ConnectionLost(c) => self.lost_error(op, c),
-            other => TransportError::Io {
-                addr: self.peer,
-                op,
-                kind: std::io::ErrorKind::BrokenPipe,
-                message: other.to_string(),
-            },
-        }
-    }
-
-    fn lost_error(&self, op: &'static str, c: &ConnectionError) -> TransportError {
-        match terminal_of(c) {
-            Terminal::Closed => TransportError::Closed { peer: self.peer },
-            _ => TransportError::Io {
-                addr: self.peer,
-                op,
-                kind: std::io::ErrorKind::ConnectionAborted,
-                message: c.to_string(),
-            },
-        }
-    }
-
     /// Sends a stream with `tag` and (for frames and goodbyes) ordering dependencies. `frame`
     /// chunks follow. Cancellation resets the stream and counts it as complete. With
     /// `wait_acked`, returns only once the peer has acknowledged the whole stream.
@@ -646,7 +580,7 @@ impl Shared {
             .conn
             .open_uni()
             .await
-            .map_err(|e| self.lost_error(op, &e))?;
+            .map_err(|e| ended::lost(self.peer, op, &e))?;
         let seq = stream.id().index();
         let mut guard = SendGuard {
             shared: self,
@@ -668,23 +602,16 @@ impl Shared {
         stream
             .write_all_chunks(&mut chunks)
             .await
-            .map_err(|e| self.write_error(op, &e))?;
-        stream.finish().map_err(|e| TransportError::Io {
-            addr: self.peer,
-            op,
-            kind: std::io::ErrorKind::BrokenPipe,
-            message: e.to_string(),
-        })?;
+            .map_err(|e| ended::write(self.peer, op, &e))?;
+        stream
+            .finish()
+            .map_err(|_| ended::stream_closed(self.peer, op))?;
         let stream = guard.stream.take();
         drop(guard);
         if let (true, Some(stream)) = (wait_acked, stream) {
             // Resolves once the peer has acknowledged every byte of the stream.
-            stream.stopped().await.map_err(|e| TransportError::Io {
-                addr: self.peer,
-                op,
-                kind: std::io::ErrorKind::BrokenPipe,
-                message: e.to_string(),
-            })?;
+            let acked = stream.stopped().await;
+            acked.map_err(|e| ended::stopped(self.peer, op, &e))?;
         }
         Ok(())
     }
@@ -852,11 +779,10 @@ impl Connection for QuicConnection {
             .unwrap_or_else(|e| e.into_inner())
             .sent_goodbye
         {
-            return Err(TransportError::Io {
-                addr: shared.peer,
+            return Err(TransportError::Ended {
+                peer: shared.peer,
                 op: "sending",
-                kind: std::io::ErrorKind::BrokenPipe,
-                message: "this side already closed the connection".into(),
+                how: Ended::ClosedHere,
             });
         }
         let out =
@@ -908,24 +834,7 @@ impl Connection for QuicConnection {
 
 /// Maps how a connection ended to what `recv` reports between frames.
 fn terminal_of(e: &ConnectionError) -> Terminal {
-    match e {
-        ConnectionError::ApplicationClosed(close)
-            if close.error_code == VarInt::from(CODE_DONE) =>
-        {
-            Terminal::Closed
-        }
-        // Silence for the whole idle timeout despite keep-alives: the peer died or the
-        // network between us failed; not a close.
-        ConnectionError::TimedOut => Terminal::Io(
-            "no word from the peer for the idle timeout (keep-alives unanswered): it died or \
-             the network failed"
-                .to_owned(),
-        ),
-        ConnectionError::LocallyClosed
-        | ConnectionError::Reset
-        | ConnectionError::ConnectionClosed(_) => Terminal::Closed,
-        other => Terminal::Io(format!("the peer closed the connection: {other}")),
-    }
+    ended::unclean(e).map_or(Terminal::Closed, Terminal::Ended)
 }
 
 /// Accepts the peer's streams in order and reads each in its own task.
@@ -948,8 +857,8 @@ async fn read_loop(shared: Arc<Shared>, max_frames: usize) {
     // Streams still being read report their own errors (mid-frame) before the end.
     while tasks.join_next().await.is_some() {}
     let terminal = lost.as_ref().map_or(Terminal::Closed, terminal_of);
-    if let Terminal::Io(msg) = &terminal {
-        tracing::debug!(peer = %shared.peer, "QUIC connection ended: {msg}");
+    if let Terminal::Ended(how) = &terminal {
+        tracing::debug!(peer = %shared.peer, "QUIC connection ended: {how}");
     }
     shared.end(terminal);
 }

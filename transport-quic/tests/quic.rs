@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
-use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
+use tensorwire_core::ports::transport::{Connection, Ended, Listener, Transport, TransportError};
 use tensorwire_core::wire::{encode_to_vec, Frame, WireLimits};
 use tensorwire_transport_quic::certs::ClusterCa;
 use tensorwire_transport_quic::{ClusterTls, QuicConfig, QuicTransport, ADMIT};
@@ -391,6 +391,40 @@ async fn garbage_and_oversized_lengths_close_the_connection_not_the_process_body
     .await?;
     c?.send(frame_of(100, 1)).await?;
     assert_eq!(within("receiving", s?.recv()).await??, frame_of(100, 1));
+    Ok(())
+}
+
+/// A peer that closes the connection with an error code of its own (not a clean close): the
+/// receiver's `recv` and a later `send` say so as data, with the peer's code and words.
+#[tokio::test]
+async fn a_peer_closing_with_an_error_code_is_told_as_data() -> Result<()> {
+    bounded(a_peer_closing_with_an_error_code_is_told_as_data_body()).await
+}
+
+async fn a_peer_closing_with_an_error_code_is_told_as_data_body() -> Result<()> {
+    let ca = ClusterCa::generate()?;
+    let server = QuicTransport::new(node(&ca, "server")?)?;
+    let listener = server.listen(loopback()).await?;
+    let (_ep, raw) = within("raw connect", raw_client(&ca, listener.local_addr())).await??;
+    let s = within("accepting", listener.accept()).await??;
+    raw.close(42u32.into(), b"shutting down for maintenance");
+    let expected = Ended::ClosedByPeer {
+        code: 42,
+        reason: "shutting down for maintenance".into(),
+    };
+    match within("receiving", s.recv()).await? {
+        Err(TransportError::Ended { op, how, .. }) => {
+            assert_eq!((op, &how), ("receiving", &expected));
+        }
+        other => panic!("expected the peer's close as data, got {other:?}"),
+    }
+    let err = within("sending after", s.send(frame_of(10, 0)))
+        .await?
+        .unwrap_err();
+    match &err {
+        TransportError::Ended { op, how, .. } => assert_eq!((*op, how), ("sending", &expected)),
+        other => panic!("expected the peer's close as data, got {other}"),
+    }
     Ok(())
 }
 

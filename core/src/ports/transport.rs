@@ -305,7 +305,20 @@ pub enum TransportError {
         #[source]
         source: WireError,
     },
-    /// An operating-system or QUIC-stack error.
+    /// The connection ended in a way that is neither a clean close nor an operating system's
+    /// error: what the transport's own protocol said (QUIC: an idle timeout, a close with an
+    /// error code, a reset), kept as data.
+    #[error("connection to {peer} ended while {op}: {how}")]
+    Ended {
+        /// The peer.
+        peer: SocketAddr,
+        /// What was being done (`"connecting"`, `"sending"`, `"receiving"`, ...).
+        op: &'static str,
+        /// How it ended.
+        #[source]
+        how: Ended,
+    },
+    /// An operating-system error, or a condition of the adapter's own it describes in words.
     #[error("I/O error on {addr} while {op}: {message}")]
     Io {
         /// The peer's address, or the local address for `listen`.
@@ -321,6 +334,74 @@ pub enum TransportError {
     /// certificate, ...).
     #[error("transport configuration: {0}")]
     Config(String),
+}
+
+/// How a connection ended ([`TransportError::Ended`]) when it was neither a clean close nor an
+/// operating system's error. The words a peer sent with a close are its own (text from another
+/// process, bounded by the transport).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Ended {
+    /// No word from the peer for the idle timeout, keep-alives unanswered: it died or the
+    /// network between the two failed.
+    #[error(
+        "no word from the peer for the idle timeout (keep-alives unanswered): it died or the \
+         network failed"
+    )]
+    IdleTimeout,
+    /// The peer's application closed the connection with an error code (not the code of a
+    /// clean close).
+    #[error("the peer closed it with error code {code}{}", said(.reason))]
+    ClosedByPeer {
+        /// The code.
+        code: u64,
+        /// Its words.
+        reason: String,
+    },
+    /// The transport's protocol failed (a QUIC transport error, raised here or by the peer).
+    #[error("the transport's protocol failed with code {code:#x}{}", said(.reason))]
+    Protocol {
+        /// The transport error code.
+        code: u64,
+        /// The words that came with it.
+        reason: String,
+    },
+    /// The peer reset the connection: it no longer knows it (it restarted, or lost its state).
+    #[error("the peer reset it (it no longer knows this connection)")]
+    Reset,
+    /// The peer speaks no version of the transport's protocol this side does.
+    #[error("the peer speaks no protocol version this side does")]
+    VersionMismatch,
+    /// The connection ran out of connection ids.
+    #[error("it ran out of connection ids")]
+    IdsExhausted,
+    /// This side closed it, or said goodbye on it, before the operation.
+    #[error("this side had closed it already")]
+    ClosedHere,
+    /// The peer stopped the stream the operation wrote, with this code.
+    #[error("the peer stopped the stream with code {code}")]
+    StreamStopped {
+        /// The code.
+        code: u64,
+    },
+    /// The stream had been finished or reset on this side already.
+    #[error("the stream was finished or reset already")]
+    StreamClosed,
+    /// Early (0-RTT) data was rejected by the peer.
+    #[error("the peer rejected early (0-RTT) data")]
+    EarlyDataRejected,
+    /// The local endpoint is stopping or stopped.
+    #[error("the local endpoint stopped")]
+    EndpointStopped,
+}
+
+/// `": words"`, or nothing when there are none.
+fn said(reason: &str) -> String {
+    if reason.is_empty() {
+        String::new()
+    } else {
+        format!(": {reason}")
+    }
 }
 
 impl TransportError {
@@ -407,5 +488,37 @@ mod tests {
         let e = TransportError::io(peer, "sending", &std::io::Error::other("boom"));
         assert!(e.to_string().contains("127.0.0.1:4000") && e.to_string().contains("boom"));
         assert!(TransportError::Closed { peer }.is_clean_close());
+    }
+
+    /// An ended connection keeps how it ended as data, and says the peer's words only when
+    /// it sent some.
+    #[test]
+    fn an_ended_connection_says_how_as_data() {
+        let peer: SocketAddr = "127.0.0.1:4000".parse().unwrap();
+        let e = TransportError::Ended {
+            peer,
+            op: "receiving",
+            how: Ended::ClosedByPeer {
+                code: 7,
+                reason: "going away".into(),
+            },
+        };
+        assert_eq!(
+            e.to_string(),
+            "connection to 127.0.0.1:4000 ended while receiving: the peer closed it with error \
+             code 7: going away"
+        );
+        assert!(!e.is_clean_close());
+        let quiet = Ended::ClosedByPeer {
+            code: 7,
+            reason: String::new(),
+        };
+        assert_eq!(quiet.to_string(), "the peer closed it with error code 7");
+        let source = std::error::Error::source(&e).map(ToString::to_string);
+        assert_eq!(
+            source.as_deref(),
+            Some("the peer closed it with error code 7: going away")
+        );
+        assert!(Ended::IdleTimeout.to_string().contains("idle timeout"));
     }
 }
