@@ -34,6 +34,7 @@
 //! - [`gather`]: barriers and all_gathers of a dynamic group through a leader
 //!   ([`gather::GatherLeader`]).
 //! - [`typed`]: the type fingerprint a typed call sends in front of its arguments, and its check.
+//! - [`metrics`]: the agent's counters per peer and the rules of their updates.
 //! - [`mesh`]: the mesh's frames (hellos and their answers, a process group's own frames).
 //! - [`membership`]: joining a static group ([`StaticJoin`]: who dials whom, when the group is
 //!   complete, the closing handshake), and joining and leaving a dynamic one
@@ -91,6 +92,7 @@ mod input;
 mod lost;
 pub mod membership;
 pub mod mesh;
+pub mod metrics;
 pub mod node;
 mod requests;
 mod rrefs;
