@@ -35,6 +35,7 @@
 //!   ([`gather::GatherLeader`]).
 //! - [`typed`]: the type fingerprint a typed call sends in front of its arguments, and its check.
 //! - [`metrics`]: the agent's counters per peer and the rules of their updates.
+//! - [`queued`]: what is queued for a peer's writer, counted against its budget.
 //! - [`mesh`]: the mesh's frames (hellos and their answers, a process group's own frames).
 //! - [`membership`]: joining a static group ([`StaticJoin`]: who dials whom, when the group is
 //!   complete, the closing handshake), and joining and leaving a dynamic one
@@ -94,6 +95,7 @@ pub mod membership;
 pub mod mesh;
 pub mod metrics;
 pub mod node;
+pub mod queued;
 mod requests;
 mod rrefs;
 mod secrets;
