@@ -21,7 +21,7 @@ use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
-    CallError, Endpoint, MethodTarget, RRefForkData, RRefHandle, RRefId, WorkerId,
+    CallError, Endpoint, MessageId, MethodTarget, RRefForkData, RRefHandle, RRefId, WorkerId,
 };
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{oneshot, Notify};
@@ -30,7 +30,7 @@ pub use crate::debug::AgentDebugInfo;
 use crate::error::{RRefError, RpcError};
 use crate::functions::Value;
 pub use crate::future::RpcFuture;
-use crate::metrics::RpcMetrics;
+use crate::metrics::{message_bytes, RpcMetrics};
 use crate::options::RpcOptions;
 use crate::rref::RRef;
 use crate::runtime::Runtime;
@@ -444,47 +444,16 @@ impl Agent {
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
         let (tx, rx) = oneshot::channel();
-        let bytes = crate::metrics::message_bytes(
-            prepared.data.len(),
-            prepared.tensors.iter().map(|t| &t.0),
-        );
-        let mut alone = false;
-        let id = if prepared.on_host() {
-            let body = Body {
-                target: target.map(MethodTarget::from),
-                data: prepared.data,
-                tensors: tensors::host_to_wire(prepared.tensors),
-                forks: prepared.forks.clone(),
-            };
-            let mut st = self.lock();
-            Self::check_target(&st, target)?;
-            let id = st
-                .node
-                .ep_mut()
-                .call(to, function, body, timeout, self.now())
-                .map_err(|_| RpcError::NotRunning)?;
-            st.waiters.insert(id, tx);
-            // The only call waiting: nothing would join it in the writer's batch, so it is
-            // written here and now. With others in flight, the writer batches them.
-            alone = st.waiters.len() == 1;
-            id
-        } else {
-            // Device tensors are copied to host memory first. The call takes its place now
-            // (id, deadline, order among our messages to `to`) and goes out when they are.
-            let id = {
-                let mut st = self.lock();
-                Self::check_target(&st, target)?;
-                let id = st
-                    .node
-                    .ep_mut()
-                    .call_deferred(to, function, timeout, self.now())
-                    .map_err(|_| RpcError::NotRunning)?;
-                st.waiters.insert(id, tx);
-                id
-            };
-            links::supply_when_copied(self, id, to, target.map(MethodTarget::from), prepared);
-            id
-        };
+        let bytes = message_bytes(prepared.data.len(), prepared.tensors.iter().map(|t| &t.0));
+        let ((), id, alone) = self.submit(to, target, prepared, tx, |ep, body, now| {
+            match body {
+                Some(body) => ep.call(to, function, body, timeout, now),
+                None => ep.call_deferred(to, function, timeout, now),
+            }
+            .map(|id| ((), id))
+        })?;
+        // The only call waiting: nothing would join it in the writer's batch, so it is
+        // written here and now. With others in flight, the writer batches them.
         if alone {
             driver::pump_now(self);
         } else {
@@ -498,6 +467,51 @@ impl Agent {
             function.to_owned(),
             watch,
         ))
+    }
+
+    /// Hands a call or a remote with `prepared` arguments for `to` to the endpoint, under one
+    /// lock with the check of its `target` and its waiter `tx`: `enter` gets its body when
+    /// every tensor is in host memory, else `None`, and then takes the message's place now (id,
+    /// deadline, order among our messages to `to`) for the body supplied once the device
+    /// tensors are copied to host memory. Gives what `enter` made, the message's id, and
+    /// whether it went with its body as the only call waiting.
+    fn submit<T>(
+        &self,
+        to: WorkerId,
+        target: Option<RRefHandle>,
+        prepared: tensors::Prepared,
+        tx: crate::state::Waiter,
+        enter: impl FnOnce(
+            &mut Endpoint<Body>,
+            Option<Body>,
+            Instant,
+        ) -> Result<(T, MessageId), CallError>,
+    ) -> Result<(T, MessageId, bool), RpcError> {
+        let method = target.map(MethodTarget::from);
+        let (body, later) = if prepared.on_host() {
+            let body = Body {
+                target: method,
+                data: prepared.data,
+                tensors: tensors::host_to_wire(prepared.tensors),
+                forks: prepared.forks,
+            };
+            (Some(body), None)
+        } else {
+            (None, Some(prepared))
+        };
+        let (made, id, alone) = {
+            let mut st = self.lock();
+            Self::check_target(&st, target)?;
+            let now = self.now();
+            let (made, id) =
+                enter(st.node.ep_mut(), body, now).map_err(|_| RpcError::NotRunning)?;
+            st.waiters.insert(id, tx);
+            (made, id, later.is_none() && st.waiters.len() == 1)
+        };
+        if let Some(prepared) = later {
+            links::supply_when_copied(self, id, to, method, prepared);
+        }
+        Ok((made, id, alone))
     }
 
     /// Undoes the forks made for `to` by an encode whose bytes will not be sent.
@@ -557,47 +571,14 @@ impl Agent {
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
         let (tx, rx) = oneshot::channel();
-        let bytes = crate::metrics::message_bytes(
-            prepared.data.len(),
-            prepared.tensors.iter().map(|t| &t.0),
-        );
+        let bytes = message_bytes(prepared.data.len(), prepared.tensors.iter().map(|t| &t.0));
         self.inner
             .metrics
             .remote(&|id| self.name_of(id), to, function, bytes);
-        let handle = if prepared.on_host() {
-            let body = Body {
-                target: target.map(MethodTarget::from),
-                data: prepared.data,
-                tensors: tensors::host_to_wire(prepared.tensors),
-                forks: prepared.forks.clone(),
-            };
-            let mut st = self.lock();
-            Self::check_target(&st, target)?;
-            let (handle, id) = st
-                .node
-                .ep_mut()
-                .remote(to, function, body, timeout, self.now())
-                .map_err(|_| RpcError::NotRunning)?;
-            st.waiters.insert(id, tx);
-            handle
-        } else {
-            // As in `send_call`: the reference exists now; the creation leaves when the device
-            // copies are done, and nothing we send the owner meanwhile overtakes it (so our
-            // own `to_here` never finds the reference unknown).
-            let (handle, id) = {
-                let mut st = self.lock();
-                Self::check_target(&st, target)?;
-                let (handle, id) = st
-                    .node
-                    .ep_mut()
-                    .remote_deferred(to, function, timeout, self.now())
-                    .map_err(|_| RpcError::NotRunning)?;
-                st.waiters.insert(id, tx);
-                (handle, id)
-            };
-            links::supply_when_copied(self, id, to, target.map(MethodTarget::from), prepared);
-            handle
-        };
+        let (handle, _, _) = self.submit(to, target, prepared, tx, |ep, body, now| match body {
+            Some(body) => ep.remote(to, function, body, timeout, now),
+            None => ep.remote_deferred(to, function, timeout, now),
+        })?;
         self.pump();
         Ok(RRef::from_handle(self.clone(), handle, Some(rx)))
     }

@@ -5,7 +5,6 @@
 //! its owner (a parameter server's weights) is shared by every call.
 
 use std::any::Any;
-use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -19,6 +18,8 @@ use crate::error::RpcError;
 use crate::tensors::{self, Prepared, Routes, TensorTransferError};
 use std::time::Instant;
 use tensorwire_core::placement::Direction;
+use tensorwire_core::protocol::functions::{AlreadyRegistered, FunctionTable};
+use tensorwire_core::protocol::served::ServeFailure;
 use tensorwire_core::protocol::value as codec;
 use tensorwire_core::protocol::{RRefForkData, RRefHandle, WorkerId};
 use tensorwire_core::tensor::Tensor;
@@ -160,7 +161,7 @@ fn observed<H: Host>(name: &str, handler: Handler<H>) -> Handler<H> {
 /// The functions a worker serves, run on an agent of type `H` (the crate's
 /// [`Functions`](crate::Functions)). Cloning shares the table.
 pub struct Registry<H> {
-    table: Arc<RwLock<HashMap<String, Handler<H>>>>,
+    table: Arc<RwLock<FunctionTable<Handler<H>>>>,
 }
 
 impl<H> Clone for Registry<H> {
@@ -181,9 +182,7 @@ impl<H> Default for Registry<H> {
 
 impl<H> fmt::Debug for Registry<H> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut names: Vec<String> = self.read().keys().cloned().collect();
-        names.sort();
-        f.debug_tuple("Functions").field(&names).finish()
+        f.debug_tuple("Functions").field(&self.names()).finish()
     }
 }
 
@@ -193,48 +192,42 @@ impl<H> Registry<H> {
         Self::default()
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Handler<H>>> {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, FunctionTable<Handler<H>>> {
         self.table
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Adds `handler` under `name`; a name taken already is an error (as the backend
-    /// registries do), never a silent replacement.
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, FunctionTable<Handler<H>>> {
+        self.table
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Adds `handler` under `name`; a name taken already is an error (core's table refuses
+    /// it), never a silent replacement.
     pub(crate) fn insert(&self, name: &str, handler: Handler<H>) -> Result<(), RpcError>
     where
         H: Host,
     {
-        let mut table = self
-            .table
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if table.contains_key(name) {
-            return Err(RpcError::FunctionRegistered(name.to_owned()));
-        }
-        table.insert(name.to_owned(), observed(name, handler));
-        Ok(())
+        (self.write().insert(name, observed(name, handler)))
+            .map_err(|AlreadyRegistered(name)| RpcError::FunctionRegistered(name))
     }
 
     /// Removes the function registered under `name`; whether there was one. Calls already
     /// running finish; later calls of `name` fail as calls of an unknown function.
     pub fn unregister(&self, name: &str) -> bool {
-        self.table
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(name)
-            .is_some()
+        self.write().remove(name)
     }
 
-    pub(crate) fn get(&self, name: &str) -> Option<Handler<H>> {
-        self.read().get(name).cloned()
+    /// The handler of a call of `name` on worker `worker`, or what its caller is told.
+    pub(crate) fn lookup(&self, name: &str, worker: &str) -> Result<Handler<H>, ServeFailure> {
+        self.read().lookup(name, worker)
     }
 
     /// Registered names, sorted.
     pub fn names(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.read().keys().cloned().collect();
-        v.sort();
-        v
+        self.read().names()
     }
 }
 

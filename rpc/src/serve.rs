@@ -69,25 +69,23 @@ pub(crate) fn serve(
     let me = this.inner.me.id;
     let agent = this.clone();
     let handler = if function == crate::gather::GATHER {
-        Some(crate::gather::handler())
+        Ok(crate::gather::handler())
     } else {
-        this.inner.functions.get(&function)
+        this.inner.functions.lookup(&function, &this.inner.me.name)
     };
-    let Some(handler) = handler else {
-        let err = ServeFailure::UnknownFunction {
-            function: function.clone(),
-            worker: this.inner.me.name.clone(),
-            registered: this.inner.functions.names(),
+    let handler = match handler {
+        Ok(handler) => handler,
+        Err(unknown) => {
+            let err = unknown.to_caller(me);
+            warn!(
+                function = %function,
+                caller = %this.name_of(token.from()),
+                "a call asked for a function that is not registered here"
+            );
+            this.lock().node.ep_mut().respond(token, Err(err));
+            this.pump();
+            return None;
         }
-        .to_caller(me);
-        warn!(
-            function = %function,
-            caller = %this.name_of(token.from()),
-            "a call asked for a function that is not registered here"
-        );
-        this.lock().node.ep_mut().respond(token, Err(err));
-        this.pump();
-        return None;
     };
     let serving = Serving::enter(this);
     let from_peer = token.from() != me;

@@ -56,7 +56,6 @@ use crate::rref::RRef;
 use crate::state::{Agent, Functions};
 use tensorwire_core::protocol::membership::WorkerRef;
 pub use tensorwire_core::protocol::typed::Signature;
-use tensorwire_core::protocol::typed::TypeHeader;
 
 /// A function served by name with arguments `A` and result `R`. Make it a `const` shared by
 /// the callers and the callee: `serve` on [`Functions`] registers it, [`Agent::call`] calls it.
@@ -83,11 +82,7 @@ impl<A, R> Function<A, R> {
 impl<A: 'static, R: 'static> Function<A, R> {
     /// Its signature: `type_name` of the arguments and the result, and their hash.
     pub fn signature(&self) -> Signature {
-        Signature::new(format!(
-            "{} -> {}",
-            std::any::type_name::<A>(),
-            std::any::type_name::<R>()
-        ))
+        Signature::function::<A, R>()
     }
 }
 
@@ -130,12 +125,7 @@ impl<T, A, R> Method<T, A, R> {
 impl<T: 'static, A: 'static, R: 'static> Method<T, A, R> {
     /// Its signature: `type_name` of the value, the arguments and the result, and their hash.
     pub fn signature(&self) -> Signature {
-        Signature::new(format!(
-            "{}::({}) -> {}",
-            std::any::type_name::<T>(),
-            std::any::type_name::<A>(),
-            std::any::type_name::<R>()
-        ))
+        Signature::method::<T, A, R>()
     }
 }
 
@@ -150,11 +140,6 @@ impl<T: 'static, A: 'static, R: 'static> fmt::Debug for Method<T, A, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Method({:?}: {})", self.name, self.signature().text())
     }
-}
-
-/// The arguments as a typed call sends them: the fingerprint, then `A`.
-fn with_header<'a, A: ?Sized>(signature: &'a Signature, args: &'a A) -> (TypeHeader<'a>, &'a A) {
-    (signature.header(), args)
 }
 
 /// Checks the fingerprint in front of `inv`'s arguments against `ours`, and leaves only the
@@ -301,7 +286,7 @@ where
         self.agent.rpc_async(
             self.to,
             self.name,
-            &with_header(&self.signature, self.args),
+            &self.signature.with(self.args),
             self.timeout,
         )
     }
@@ -318,7 +303,7 @@ where
         self.agent.remote(
             self.to,
             self.name,
-            &with_header(&self.signature, self.args),
+            &self.signature.with(self.args),
             self.timeout,
         )
     }
@@ -397,11 +382,8 @@ where
 
     /// Sends the call now; the future of its result can be awaited later.
     pub fn send(self) -> Result<RpcFuture<R>, RpcError> {
-        self.rref.rpc_async(
-            self.name,
-            &with_header(&self.signature, self.args),
-            self.timeout,
-        )
+        self.rref
+            .rpc_async(self.name, &self.signature.with(self.args), self.timeout)
     }
 }
 
@@ -413,11 +395,8 @@ where
 {
     /// Runs the method on the owner and keeps its result there, as a new reference.
     pub fn remote(self) -> Result<RRef<R>, RpcError> {
-        self.rref.remote(
-            self.name,
-            &with_header(&self.signature, self.args),
-            self.timeout,
-        )
+        self.rref
+            .remote(self.name, &self.signature.with(self.args), self.timeout)
     }
 }
 

@@ -34,6 +34,9 @@
 //! - [`gather`]: barriers and all_gathers of a dynamic group through a leader
 //!   ([`gather::GatherLeader`]).
 //! - [`typed`]: the type fingerprint a typed call sends in front of its arguments, and its check.
+//! - [`functions`]: the table of the functions a worker serves, and its rules.
+//! - [`metrics`]: the agent's counters per peer and the rules of their updates.
+//! - [`queued`]: what is queued for a peer's writer, counted against its budget.
 //! - [`mesh`]: the mesh's frames (hellos and their answers, a process group's own frames).
 //! - [`membership`]: joining a static group ([`StaticJoin`]: who dials whom, when the group is
 //!   complete, the closing handshake), and joining and leaving a dynamic one
@@ -86,12 +89,15 @@ mod config;
 mod control;
 mod debug;
 pub mod envelope;
+pub mod functions;
 pub mod gather;
 mod input;
 mod lost;
 pub mod membership;
 pub mod mesh;
+pub mod metrics;
 pub mod node;
+pub mod queued;
 mod requests;
 mod rrefs;
 mod secrets;

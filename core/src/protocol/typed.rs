@@ -43,6 +43,32 @@ impl Signature {
         Self { text, fingerprint }
     }
 
+    /// The signature of a function with arguments `A` and result `R`: `A -> R`, each by
+    /// `std::any::type_name` (the text a callee built from other sources compares).
+    pub fn function<A: ?Sized, R: ?Sized>() -> Self {
+        Self::new(format!(
+            "{} -> {}",
+            std::any::type_name::<A>(),
+            std::any::type_name::<R>()
+        ))
+    }
+
+    /// The signature of a method on values of type `T` with arguments `A` and result `R`:
+    /// `T::(A) -> R`, each by `std::any::type_name`.
+    pub fn method<T: ?Sized, A: ?Sized, R: ?Sized>() -> Self {
+        Self::new(format!(
+            "{}::({}) -> {}",
+            std::any::type_name::<T>(),
+            std::any::type_name::<A>(),
+            std::any::type_name::<R>()
+        ))
+    }
+
+    /// The arguments as a call of this signature sends them: its header, then `args`.
+    pub fn with<'a, A: ?Sized>(&'a self, args: &'a A) -> (TypeHeader<'a>, &'a A) {
+        (self.header(), args)
+    }
+
     /// The signature as text, e.g. `(i64, i64) -> i64`.
     pub fn text(&self) -> &str {
         &self.text
@@ -112,6 +138,21 @@ mod tests {
 
     fn add() -> Signature {
         Signature::new("(i64, i64) -> i64".to_owned())
+    }
+
+    #[test]
+    fn a_function_and_a_method_are_signed_by_their_types_names() {
+        let f = Signature::function::<(i64, i64), String>();
+        assert_eq!(f.text(), "(i64, i64) -> alloc::string::String");
+        assert_eq!(f, Signature::new(f.text().to_owned()));
+        assert_ne!(f, Signature::function::<(i32, i32), String>());
+        let m = Signature::method::<Vec<u8>, u32, ()>();
+        assert_eq!(m.text(), "alloc::vec::Vec<u8>::(u32) -> ()");
+        // A method's value type is part of it: the same arguments on another type differ.
+        assert_ne!(m, Signature::method::<Vec<u16>, u32, ()>());
+        let args = 7u32;
+        let (header, sent) = m.with(&args);
+        assert_eq!((header, *sent), (m.header(), 7));
     }
 
     #[test]
