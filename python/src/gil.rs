@@ -14,6 +14,14 @@
 //! runner is ready starts one, and so does a runner that takes a job and leaves others queued
 //! with no runner ready: a queued job never waits behind a blocked one, as with a thread per
 //! job.
+//!
+//! A job that arrives while nothing is queued, running or ready (the common case of a call
+//! served or a reply completed one at a time) costs a runner's wake-up on its critical path:
+//! the worker that read the message wakes a runner and the job waits until it is scheduled.
+//! Such a job runs on the worker itself instead ([`run_here_or_submit`]), which first hands its
+//! other tasks to another thread (`block_in_place`), so the runtime is never held while Python
+//! runs or waits for the GIL. It counts as running: jobs that arrive meanwhile queue for a
+//! runner as before.
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -79,6 +87,78 @@ pub(crate) fn submit(job: Job) {
     }
 }
 
+/// Whether this thread may run a job itself, blocking: a worker of a multi-thread runtime
+/// (`block_in_place` hands the worker's other tasks to another thread first) or a thread
+/// outside any runtime's workers; never a current-thread runtime's only thread, nor a thread
+/// once the interpreter has begun to exit (see [`wait_idle`]).
+fn may_run_here() -> bool {
+    !interpreter_exiting()
+        && tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() != tokio::runtime::RuntimeFlavor::CurrentThread)
+}
+
+/// Counts a job about to run on the calling thread, if no job is queued, running, or waited
+/// for by a ready runner: a ready runner takes a new job with no wake-up (it holds or is taking
+/// the GIL), a queued job must not be overtaken, and one job at a time runs so (jobs that
+/// arrive together queue for one runner, which takes the GIL once for all, as before).
+/// `false`: submit instead.
+fn claim_here() -> bool {
+    if !may_run_here() {
+        return false;
+    }
+    let mut q = queue();
+    if !q.jobs.is_empty() || q.ready > 0 || q.running > 0 {
+        return false;
+    }
+    q.running += 1;
+    true
+}
+
+/// The end of a job counted by [`claim_here`].
+fn done_here() {
+    let mut q = queue();
+    q.running -= 1;
+    if q.running == 0 && q.jobs.is_empty() {
+        IDLE.notify_all();
+    }
+}
+
+/// Runs `job` as [`submit`] does, but on this thread and now when no runner would take it
+/// without a wake-up (no job queued, no runner ready) and this thread may block (see
+/// [`may_run_here`]): a runtime worker that read a call runs its Python itself, its other
+/// tasks handed to another worker thread meanwhile (`block_in_place`), instead of waking a
+/// runner and waiting for it to be scheduled. The job counts as running, as a runner's does,
+/// so jobs submitted meanwhile start runners of their own.
+pub(crate) fn run_here_or_submit(job: Job) {
+    if !claim_here() {
+        submit(job);
+        return;
+    }
+    tokio::task::block_in_place(|| {
+        Python::attach(|py| {
+            if std::panic::catch_unwind(AssertUnwindSafe(|| job(py))).is_err() {
+                tracing::error!("a tensorwire.rpc job panicked");
+            }
+        })
+    });
+    done_here();
+}
+
+/// Runs `job`, which may take the GIL itself (it is called without it), on this thread and
+/// now under the conditions of [`run_here_or_submit`], else as a job of the runners with the
+/// GIL released around it; resolves once it has run. `Err` if it did not complete (it
+/// panicked).
+pub(crate) async fn run_detached_here_or_submit(
+    job: Box<dyn FnOnce() + Send>,
+) -> Result<(), String> {
+    if !claim_here() {
+        return on_python(move |py| py.detach(job)).await;
+    }
+    let ran = tokio::task::block_in_place(|| std::panic::catch_unwind(AssertUnwindSafe(job)));
+    done_here();
+    ran.map_err(|_| "the Python call ended abnormally".to_owned())
+}
+
 /// A runner: takes the GIL and runs jobs until the queue is empty.
 fn run() {
     Python::attach(|py| loop {
@@ -131,11 +211,19 @@ pub(crate) fn wait_idle(bound: Duration) -> bool {
     true
 }
 
-/// Runs `f` as a job and waits for its result without holding a runtime worker. `Err` if the
-/// job did not complete (it panicked).
+/// Runs `f` as a job and waits for its result without holding a runtime worker (on this
+/// thread, blocking, when [`run_here_or_submit`] would). `Err` if the job did not complete (it
+/// panicked).
 pub(crate) async fn on_python<T: Send + 'static>(
     f: impl FnOnce(Python<'_>) -> T + Send + 'static,
 ) -> Result<T, String> {
+    if claim_here() {
+        let ran = tokio::task::block_in_place(|| {
+            Python::attach(|py| std::panic::catch_unwind(AssertUnwindSafe(|| f(py))))
+        });
+        done_here();
+        return ran.map_err(|_| "the Python call ended abnormally".to_owned());
+    }
     let (tx, rx) = tokio::sync::oneshot::channel();
     submit(Box::new(move |py| {
         let _ = tx.send(f(py));

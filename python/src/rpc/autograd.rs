@@ -174,7 +174,9 @@ fn register(dist: &DistAutograd<TorchEngine>) -> Result<(), RpcError> {
         |call, args: TrackedCall, tracked: Vec<TorchTensor>, responder| {
             let caller = call.call().caller().name.clone();
             let context = call.context().id();
-            crate::gil::submit(Box::new(move |py| {
+            // On the thread that read the call when no runner would take it at once (no
+            // wake-up of another thread before the function runs), else by a runner.
+            crate::gil::run_here_or_submit(Box::new(move |py| {
                 let run = || {
                     let out = call_python(py, "serve", caller, context, args, &tracked)?;
                     tracked_reply(out.bind(py))
@@ -288,7 +290,9 @@ pub(crate) fn start(agent: &Agent) -> Result<DistAutograd<TorchEngine>, RpcError
     let dist = DistAutograd::new(agent, TorchEngine::default())?;
     // A pass of torch's engine costs more than a hand-off to a blocking thread, and Python
     // runs on blocking threads, not on the runtime's workers: every pass is a Python job, run
-    // by a thread that holds the GIL already (`gil`), not by a blocking thread of its own.
+    // by a thread that holds the GIL already (`gil`), not by a blocking thread of its own, or
+    // by the worker that read the gradient, its other tasks handed off (`block_in_place`),
+    // when no runner would take the job at once.
     dist.set_inline_bound(Duration::ZERO);
     dist.set_executor(Arc::new(|job: tensorwire_dist_autograd::BlockingJob| {
         Box::pin(async move {
@@ -297,7 +301,7 @@ pub(crate) fn start(agent: &Agent) -> Result<DistAutograd<TorchEngine>, RpcError
             // gradients), and the driver's lock comes before the GIL: it runs without the GIL,
             // which the pass takes back at once (this runner released it, so no other thread
             // waits for it in between unless one was already waiting).
-            let _ = crate::gil::on_python(move |py| py.detach(job)).await;
+            let _ = crate::gil::run_detached_here_or_submit(job).await;
         })
     }));
     register(&dist)?;
@@ -404,12 +408,14 @@ fn tracked_outcome(
     value.unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any())
 }
 
-/// Hands a tracked call's outcome ([`tracked_outcome`]) to `on_done`, as a Python job.
+/// Hands a tracked call's outcome ([`tracked_outcome`]) to `on_done`, as a Python job (run by
+/// the thread the outcome reached when no runner would take it at once: see
+/// [`run_here_or_submit`](crate::gil::run_here_or_submit)).
 fn complete(
     on_done: Py<PyAny>,
     outcome: Result<(TrackedReply, Vec<TorchTensor>), DistAutogradError>,
 ) {
-    crate::gil::submit(Box::new(move |py| {
+    crate::gil::run_here_or_submit(Box::new(move |py| {
         let value = tracked_outcome(py, outcome);
         if let Err(e) = on_done.call1(py, (value,)) {
             e.write_unraisable(py, Some(on_done.bind(py)));
