@@ -40,8 +40,8 @@ use tensorwire_dist_autograd::{AutogradContext, DistAutograd, DistAutogradError}
 use tensorwire_rpc::{Agent, RpcError};
 
 use super::{
-    buffers, duration, lend, py_references, references, reply, rpc_error, wait, PyCall, PyRRef,
-    PyReply, PyValue,
+    buffers, duration, lend, py_references, references, reply, rpc_error, wait_here, PyCall,
+    PyRRef, PyReply, PyValue,
 };
 use crate::{runtime, TensorwireError};
 
@@ -647,7 +647,7 @@ impl PyDistAutograd {
         let future = self.send_call(
             py, context, &to, function, payload, tensors, rrefs, tracked_at, tracked, timeout,
         )?;
-        let outcome = wait(py, future)?;
+        let outcome = wait_here(py, future);
         Ok(tracked_outcome(py, outcome))
     }
 
@@ -774,7 +774,7 @@ impl PyDistAutograd {
         // Every call is on its way (a failed send is its outcome): the caller's own part runs
         // now, beside the owners', and its exceptions are its own to report.
         let own = meanwhile.call0();
-        let replies = wait(py, async move {
+        let replies = wait_here(py, async move {
             let mut out = Vec::with_capacity(sent.len());
             for s in sent {
                 out.push(match s {
@@ -783,7 +783,7 @@ impl PyDistAutograd {
                 });
             }
             out
-        })?;
+        });
         Ok((
             own?,
             replies.into_iter().map(|r| super::outcome(py, r)).collect(),
@@ -814,7 +814,7 @@ impl PyDistAutograd {
                 .backward_here(&roots, retain_graph)
                 .map_err(|e| autograd_error(&e))
         })?;
-        wait(py, rest)?.map_err(|e| autograd_error(&e))
+        wait_here(py, rest).map_err(|e| autograd_error(&e))
     }
 
     /// The gradients this worker holds in `context`: `[(leaf, gradient)]`.
