@@ -70,9 +70,25 @@ fn queue() -> MutexGuard<'static, Queue> {
     QUEUE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Jobs run by the thread that had them ([`run_here_or_submit`] and kin), and jobs queued for
+/// the runners, since the module loaded.
+static RUN_HERE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static QUEUED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// `(jobs run in place, jobs queued for the runners)` in this process so far: what the tests
+/// check the hand-offs by.
+#[pyo3::pyfunction]
+pub(crate) fn job_counts() -> (u64, u64) {
+    (
+        RUN_HERE.load(std::sync::atomic::Ordering::Relaxed),
+        QUEUED.load(std::sync::atomic::Ordering::Relaxed),
+    )
+}
+
 /// Runs `job` with the GIL on a blocking thread, soon, in submission order with other jobs
 /// (jobs may overlap when one blocks). Callable from any thread.
 pub(crate) fn submit(job: Job) {
+    QUEUED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let start = {
         let mut q = queue();
         q.jobs.push_back(job);
@@ -111,6 +127,7 @@ fn claim_here() -> bool {
         return false;
     }
     q.running += 1;
+    RUN_HERE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     true
 }
 
