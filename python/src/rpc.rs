@@ -708,12 +708,11 @@ pub(crate) fn outcome(py: Python<'_>, reply: Result<PyReply, RpcError>) -> Bound
     outcome.unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any())
 }
 
-/// Hands `reply` (or the call's failure) to `on_done` with the GIL, as a [`gil`](crate::gil)
-/// job (replies arriving together are completed under one GIL hold), run by the thread the
-/// reply reached when no runner would take it at once
-/// ([`run_here_or_submit`](crate::gil::run_here_or_submit)).
+/// Hands `reply` (or the call's failure) to `on_done` with the GIL, on a blocking thread (a
+/// [`gil`](crate::gil) job, so that replies arriving together are completed under one GIL
+/// hold).
 pub(crate) fn complete(on_done: Py<PyAny>, reply: Result<PyReply, RpcError>) {
-    crate::gil::run_here_or_submit(Box::new(move |py| {
+    crate::gil::submit(Box::new(move |py| {
         let outcome = outcome(py, reply);
         if let Err(e) = on_done.call1(py, (outcome,)) {
             e.write_unraisable(py, Some(on_done.bind(py)));

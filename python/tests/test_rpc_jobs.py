@@ -80,19 +80,26 @@ def test_blocked_python_work_never_holds_up_work_queued_behind_it():
 
 
 def _one_at_a_time(rank: int, world: int) -> None:
+    from tensorwire.rpc import dist_autograd
+
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
     if rank == 0:
         calls = 40
         before = rpc.rpc_sync("worker1", job_counts)
-        for i in range(calls):
-            assert rpc.rpc_sync("worker1", plus_one, args=(torch.tensor([i]),)).item() == i + 1
+        with dist_autograd.context() as context_id:
+            for i in range(calls):
+                x = torch.tensor([float(i)], requires_grad=True)
+                y = rpc.rpc_sync("worker1", plus_one, args=(x,))
+                assert y.item() == i + 1
+            dist_autograd.backward(context_id, [y.sum()])
         here, queued = (a - b for a, b in zip(rpc.rpc_sync("worker1", job_counts), before))
-        # Each call reached an idle callee: the worker that read it ran it (the last
-        # `job_counts` included), with no runner woken for it. A job queued now and then (a
-        # value dropped off the GIL, a runner still about) may take one call's turn.
-        assert here >= calls // 2, f"only {here} of {calls + 1} calls ran in place ({queued} queued)"
+        # Each call in the context reached an idle callee: the worker that read it ran it,
+        # with no runner woken for it (and so did the backward pass's gradient). A job queued
+        # now and then (a value dropped off the GIL, a runner still about) may take one
+        # call's turn; plain calls (`job_counts`) are queued.
+        assert here >= calls // 2, f"only {here} of {calls} calls in a context ran in place ({queued} queued)"
     rpc.shutdown()
 
 
-def test_calls_served_one_at_a_time_run_on_the_worker_that_read_them():
+def test_calls_in_a_context_served_one_at_a_time_run_on_the_worker_that_read_them():
     run_world(_one_at_a_time, 2)

@@ -250,7 +250,9 @@ fn register(dist: &DistAutograd<TorchEngine>) -> Result<(), RpcError> {
     dist.agent().functions().register_method(
         PY_OWNER_CALL,
         |value: Arc<PyValue>, call: PyCall| async move {
-            crate::gil::on_python(move |py| {
+            // On the worker that read it when no runner would take it at once: an owner's
+            // optimizer step is on the training step's critical path.
+            crate::gil::on_python_here(move |py| {
                 let run = || -> PyResult<PyReply> {
                     let (object, call) = match &*value {
                         PyValue::Object(o) => (o.clone_ref(py), call),
@@ -408,14 +410,12 @@ fn tracked_outcome(
     value.unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any())
 }
 
-/// Hands a tracked call's outcome ([`tracked_outcome`]) to `on_done`, as a Python job (run by
-/// the thread the outcome reached when no runner would take it at once: see
-/// [`run_here_or_submit`](crate::gil::run_here_or_submit)).
+/// Hands a tracked call's outcome ([`tracked_outcome`]) to `on_done`, as a Python job.
 fn complete(
     on_done: Py<PyAny>,
     outcome: Result<(TrackedReply, Vec<TorchTensor>), DistAutogradError>,
 ) {
-    crate::gil::run_here_or_submit(Box::new(move |py| {
+    crate::gil::submit(Box::new(move |py| {
         let value = tracked_outcome(py, outcome);
         if let Err(e) = on_done.call1(py, (value,)) {
             e.write_unraisable(py, Some(on_done.bind(py)));
