@@ -15,8 +15,8 @@
 //! with no runner ready: a queued job never waits behind a blocked one, as with a thread per
 //! job.
 //!
-//! A job that arrives while nothing is queued, running or ready (the common case of a call
-//! served or a reply completed one at a time) costs a runner's wake-up on its critical path:
+//! A job that arrives while nothing is queued, running or ready (the common case of calls
+//! served one at a time) costs a runner's wake-up on its critical path:
 //! the worker that read the message wakes a runner and the job waits until it is scheduled.
 //! Such a job on a training step's critical path (a call served in a distributed autograd
 //! context, a backward pass, an owner's optimizer step) runs on the worker itself instead
@@ -142,7 +142,7 @@ fn done_here() {
 }
 
 /// Runs `job` as [`submit`] does, but on this thread and now when no runner would take it
-/// without a wake-up (no job queued, no runner ready) and this thread may block (see
+/// without a wake-up (no job queued or running, no runner ready) and this thread may block (see
 /// [`may_run_here`]): a runtime worker that read a call runs its Python itself, its other
 /// tasks handed to another worker thread meanwhile (`block_in_place`), instead of waking a
 /// runner and waiting for it to be scheduled. The job counts as running, as a runner's does,
