@@ -395,6 +395,45 @@ pub(crate) fn rpc_error(e: &RpcError) -> PyErr {
     TensorwireError::new_err((kind, e.to_string(), Vec::<usize>::new()))
 }
 
+/// Wakes the thread that polls a future in [`wait_here`].
+struct Unpark(std::thread::Thread);
+
+impl std::task::Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Waits for `future` without the GIL by polling it on this thread (inside the runtime's
+/// context, so that it may register timers and I/O and spawn tasks), parked between polls:
+/// whoever completes it (the runtime worker that read a reply) wakes this thread directly.
+/// [`wait`] spawns a task instead, which costs a worker's wake-up to start it (the task is
+/// scheduled from outside the runtime) and a poll on that worker before this thread is
+/// woken. For futures that are only woken by others (a call's reply, a backward pass's end):
+/// nothing here drives the runtime. From any thread, a runtime worker included once Python
+/// runs there (it is in `block_in_place`).
+pub(crate) fn wait_here<T: Send>(
+    py: Python<'_>,
+    future: impl std::future::Future<Output = T> + Send,
+) -> T {
+    py.detach(move || {
+        let _runtime = runtime().enter();
+        let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = std::task::Context::from_waker(&waker);
+        let mut future = std::pin::pin!(future);
+        loop {
+            if let std::task::Poll::Ready(v) = future.as_mut().poll(&mut cx) {
+                return v;
+            }
+            std::thread::park();
+        }
+    })
+}
+
 /// Runs `future` on the runtime and waits for it without the GIL, from any thread (also a
 /// blocking thread of the runtime's own, where `block_on` may not be used).
 pub(crate) fn wait<T: Send + 'static>(
@@ -749,7 +788,7 @@ impl PyRRef {
                 .rpc_async::<(), PyReply>(PY_FETCH, &(), timeout)
                 .map_err(|e| rpc_error(&e))?
         };
-        let reply = wait(py, future)?;
+        let reply = wait_here(py, future);
         Ok(outcome(py, reply))
     }
 
@@ -1064,7 +1103,7 @@ impl RpcAgent {
                 .map_err(|e| rpc_error(&e))?
         };
         drop(call);
-        let reply = wait(py, future)?;
+        let reply = wait_here(py, future);
         Ok(outcome(py, reply))
     }
 

@@ -89,6 +89,12 @@ def check_worker_name(name: str) -> None:
     """Raises ``TensorwireError("argument", why)`` if ``name`` breaks the naming rule
     (``A-Z a-z 0-9 _ : -``, non-empty, shorter than 128)."""
 
+def job_counts() -> tuple[int, int]:
+    """``(jobs run in place, jobs queued for the GIL runners)`` in this process so far: a call
+    served in a distributed autograd context, a backward pass or an owner's optimizer step runs
+    on the runtime worker that read it when no runner would take it at once (the tests check
+    the hand-offs by it)."""
+
 class Settler:
     """The done-callback the agent attaches to the future an ``async_execution`` function
     returned: it completes the call with the future's outcome."""

@@ -39,6 +39,13 @@ def plus_one(x: torch.Tensor) -> torch.Tensor:
     return x + 1
 
 
+@rpc.expose
+def job_counts() -> tuple[int, int]:
+    from tensorwire import _native
+
+    return _native.job_counts()
+
+
 def _world(rank: int, world: int) -> None:
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=60)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
@@ -70,3 +77,29 @@ def _world(rank: int, world: int) -> None:
 
 def test_blocked_python_work_never_holds_up_work_queued_behind_it():
     run_world(_world, 2)
+
+
+def _one_at_a_time(rank: int, world: int) -> None:
+    from tensorwire.rpc import dist_autograd
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    if rank == 0:
+        calls = 40
+        before = rpc.rpc_sync("worker1", job_counts)
+        with dist_autograd.context() as context_id:
+            for i in range(calls):
+                x = torch.tensor([float(i)], requires_grad=True)
+                y = rpc.rpc_sync("worker1", plus_one, args=(x,))
+                assert y.item() == i + 1
+            dist_autograd.backward(context_id, [y.sum()])
+        here, queued = (a - b for a, b in zip(rpc.rpc_sync("worker1", job_counts), before))
+        # Each call in the context reached an idle callee: the worker that read it ran it,
+        # with no runner woken for it (and so did the backward pass's gradient). A job queued
+        # now and then (a value dropped off the GIL, a runner still about) may take one
+        # call's turn; plain calls (`job_counts`) are queued.
+        assert here >= calls // 2, f"only {here} of {calls} calls in a context ran in place ({queued} queued)"
+    rpc.shutdown()
+
+
+def test_calls_in_a_context_served_one_at_a_time_run_on_the_worker_that_read_them():
+    run_world(_one_at_a_time, 2)

@@ -40,8 +40,8 @@ use tensorwire_dist_autograd::{AutogradContext, DistAutograd, DistAutogradError}
 use tensorwire_rpc::{Agent, RpcError};
 
 use super::{
-    buffers, duration, lend, py_references, references, reply, rpc_error, wait, PyCall, PyRRef,
-    PyReply, PyValue,
+    buffers, duration, lend, py_references, references, reply, rpc_error, wait_here, PyCall,
+    PyRRef, PyReply, PyValue,
 };
 use crate::{runtime, TensorwireError};
 
@@ -174,7 +174,9 @@ fn register(dist: &DistAutograd<TorchEngine>) -> Result<(), RpcError> {
         |call, args: TrackedCall, tracked: Vec<TorchTensor>, responder| {
             let caller = call.call().caller().name.clone();
             let context = call.context().id();
-            crate::gil::submit(Box::new(move |py| {
+            // On the thread that read the call when no runner would take it at once (no
+            // wake-up of another thread before the function runs), else by a runner.
+            crate::gil::run_here_or_submit(Box::new(move |py| {
                 let run = || {
                     let out = call_python(py, "serve", caller, context, args, &tracked)?;
                     tracked_reply(out.bind(py))
@@ -248,7 +250,9 @@ fn register(dist: &DistAutograd<TorchEngine>) -> Result<(), RpcError> {
     dist.agent().functions().register_method(
         PY_OWNER_CALL,
         |value: Arc<PyValue>, call: PyCall| async move {
-            crate::gil::on_python(move |py| {
+            // On the worker that read it when no runner would take it at once: an owner's
+            // optimizer step is on the training step's critical path.
+            crate::gil::on_python_here(move |py| {
                 let run = || -> PyResult<PyReply> {
                     let (object, call) = match &*value {
                         PyValue::Object(o) => (o.clone_ref(py), call),
@@ -288,7 +292,9 @@ pub(crate) fn start(agent: &Agent) -> Result<DistAutograd<TorchEngine>, RpcError
     let dist = DistAutograd::new(agent, TorchEngine::default())?;
     // A pass of torch's engine costs more than a hand-off to a blocking thread, and Python
     // runs on blocking threads, not on the runtime's workers: every pass is a Python job, run
-    // by a thread that holds the GIL already (`gil`), not by a blocking thread of its own.
+    // by a thread that holds the GIL already (`gil`), not by a blocking thread of its own, or
+    // by the worker that read the gradient, its other tasks handed off (`block_in_place`),
+    // when no runner would take the job at once.
     dist.set_inline_bound(Duration::ZERO);
     dist.set_executor(Arc::new(|job: tensorwire_dist_autograd::BlockingJob| {
         Box::pin(async move {
@@ -297,7 +303,7 @@ pub(crate) fn start(agent: &Agent) -> Result<DistAutograd<TorchEngine>, RpcError
             // gradients), and the driver's lock comes before the GIL: it runs without the GIL,
             // which the pass takes back at once (this runner released it, so no other thread
             // waits for it in between unless one was already waiting).
-            let _ = crate::gil::on_python(move |py| py.detach(job)).await;
+            let _ = crate::gil::run_detached_here_or_submit(job).await;
         })
     }));
     register(&dist)?;
@@ -641,7 +647,7 @@ impl PyDistAutograd {
         let future = self.send_call(
             py, context, &to, function, payload, tensors, rrefs, tracked_at, tracked, timeout,
         )?;
-        let outcome = wait(py, future)?;
+        let outcome = wait_here(py, future);
         Ok(tracked_outcome(py, outcome))
     }
 
@@ -768,7 +774,7 @@ impl PyDistAutograd {
         // Every call is on its way (a failed send is its outcome): the caller's own part runs
         // now, beside the owners', and its exceptions are its own to report.
         let own = meanwhile.call0();
-        let replies = wait(py, async move {
+        let replies = wait_here(py, async move {
             let mut out = Vec::with_capacity(sent.len());
             for s in sent {
                 out.push(match s {
@@ -777,7 +783,7 @@ impl PyDistAutograd {
                 });
             }
             out
-        })?;
+        });
         Ok((
             own?,
             replies.into_iter().map(|r| super::outcome(py, r)).collect(),
@@ -808,7 +814,7 @@ impl PyDistAutograd {
                 .backward_here(&roots, retain_graph)
                 .map_err(|e| autograd_error(&e))
         })?;
-        wait(py, rest)?.map_err(|e| autograd_error(&e))
+        wait_here(py, rest).map_err(|e| autograd_error(&e))
     }
 
     /// The gradients this worker holds in `context`: `[(leaf, gradient)]`.
