@@ -18,9 +18,10 @@ use std::task::{Context, Poll};
 
 use tensorwire_core::collective::arena as plans;
 use tensorwire_core::collective::arena::ArenaPlan;
-use tensorwire_core::collective::arena_cache::PlanKey;
+use tensorwire_core::collective::arena_cache::{PlanKey, Planned};
 use tensorwire_core::collective::CollectiveError;
 use tensorwire_core::ports::process_group::{Buf, HostMut, Now};
+use tensorwire_transport_shm::arena::Unfinished;
 
 use super::arena::{barrier_word, split, ArenaReduce, Exec, Turn};
 use super::*;
@@ -138,15 +139,7 @@ impl Group {
                 // A barrier holds nothing: forgotten here rather than dropped through the op's
                 // glue at the end (15 instructions per barrier, counted).
                 std::mem::forget(op);
-                self.now_or_later(
-                    turn,
-                    "barrier",
-                    PlanKey::barrier(),
-                    move |s| plans::barrier(rank, world, s),
-                    Vec::new(),
-                    barrier_word(),
-                    |_: Vec<u8>| Done::Unit,
-                )
+                self.barrier_now(turn)
             }
             // Not reached (the ops above are those taken here); with its turn taken, the future
             // runs it (the op moves there: nothing of it is dropped in the call).
@@ -155,6 +148,39 @@ impl Group {
                 self.on_arena(&mut turn, other).await
             })),
         }
+    }
+
+    /// A barrier in this call as far as the arena's spin allows: its plan, the same at every
+    /// call, is the one the arena's [`PlanCache`](tensorwire_core::collective::arena_cache::PlanCache) keeps resolved (no key to make or compare);
+    /// the rest, from where it stopped, through [`Group::arena_exec`]'s future.
+    fn barrier_now<'a>(&'a self, mut turn: Turn<'a>) -> Now<'a> {
+        let signature = barrier_word();
+        let ran = self.arena_now_with(
+            &mut turn,
+            "barrier",
+            |cache, _| cache.barrier().map(Planned::Kept),
+            |arena, plan| arena.try_run(plan, &mut [], signature),
+        );
+        let from = match ran {
+            Ok(Some(None)) => return Now::Done(Ok(Done::Unit)),
+            Err(e) => return Now::Done(Err(e)),
+            Ok(Some(Some(from))) => from,
+            Ok(None) => Unfinished::NOT_BEGUN,
+        };
+        let (rank, world) = (self.rank(), self.size());
+        Now::Later(Box::pin(async move {
+            self.arena_exec(
+                &mut turn,
+                "barrier",
+                PlanKey::barrier(),
+                |s| plans::barrier(rank, world, s),
+                Exec::InPlace(&mut []),
+                signature,
+                Some(from),
+            )
+            .await?;
+            Ok(Done::Unit)
+        }))
     }
 
     /// An all_gather of known block lengths `lens` (this rank's block: `input`) in this call
@@ -174,8 +200,7 @@ impl Group {
             Ok(data) => self.arena_now_with(
                 &mut turn,
                 collective,
-                key,
-                |s| plans::all_gather(rank, &lens, s),
+                |cache, slot| cache.plan(key, || plans::all_gather(rank, &lens, slot)),
                 |arena, plan| arena.try_run_fresh(plan, data, signature),
             ),
             Err(e) => Err(e),

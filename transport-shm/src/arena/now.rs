@@ -78,6 +78,26 @@ impl Unfinished {
         at: At::START,
         ran: None,
     };
+
+    /// Where it stopped and what it ran (for the tests).
+    #[cfg(test)]
+    pub(super) fn parts(&self) -> (At, Option<(u64, usize, usize)>) {
+        (self.at, self.ran)
+    }
+
+    /// Where [`Arena::advance`] leaves a run of `plan` (one that only signals) that published
+    /// its phase (`published`: its half and number) and spent the spin budget waiting.
+    pub(super) fn signal_spun(plan: &ArenaPlan, published: (usize, u64), signature: u64) -> Self {
+        Unfinished {
+            at: At {
+                phase: 0,
+                published: Some(published),
+                copied: true,
+                spun: true,
+            },
+            ran: Some((signature, plan.buffer_len(), plan.phases().len())),
+        }
+    }
 }
 
 /// A run of [`Arena::try_run_fresh`] that a wait's spin budget left unfinished: the run's own
@@ -204,6 +224,9 @@ impl Arena {
         self.check_plan(plan, buffer.len())?;
         if let Some(failure) = self.reported() {
             return Err(self.failed(failure));
+        }
+        if plan.signals_only() {
+            return self.try_signal(plan, signature);
         }
         let buffer = Buffer {
             ptr: buffer.as_mut_ptr(),
