@@ -289,7 +289,7 @@ impl Arena {
         }
         // The first step at the time the wait began (one clock read fewer per wait).
         let mut now = Instant::now();
-        let spin = self.spin.begin(true, now);
+        let spin = self.spin_from(now);
         loop {
             match spin.step(now) {
                 SpinStep::Poll => {
