@@ -191,10 +191,16 @@ impl ArenaPlan {
     /// Refuses a plan whose reducing reads have no reduction, or whose reduction does not fit
     /// them (an operation the element type does not support, a read of a part of an element):
     /// the reason. Settled when core made the plan, so a kept plan is not walked again.
+    #[inline]
     pub fn check_reductions(&self) -> Result<(), String> {
         if self.settled.reductions_fit {
             return Ok(());
         }
+        self.reduction_misfit()
+    }
+
+    /// [`check_reductions`](Self::check_reductions)'s walk over the reads.
+    fn reduction_misfit(&self) -> Result<(), String> {
         for read in self.phases.iter().flat_map(|p| &p.reads) {
             if !read.reduce {
                 continue;
@@ -217,6 +223,7 @@ impl ArenaPlan {
     /// local copy, an empty buffer), in which each rank publishes the phase and waits for its
     /// `waits_on`: a [`barrier`]'s. An executor may run such a plan without the general
     /// step's copies and bookkeeping.
+    #[inline]
     pub fn signals_only(&self) -> bool {
         self.settled.signals_only
     }
@@ -224,9 +231,8 @@ impl ArenaPlan {
     /// The plan with what core settles about it recorded (see [`Settled`]): the last step of
     /// every constructor.
     fn settle(mut self) -> Self {
-        self.settled = Settled::default();
         self.settled = Settled {
-            reductions_fit: self.check_reductions().is_ok(),
+            reductions_fit: self.reduction_misfit().is_ok(),
             signals_only: self.buffer_len == 0
                 && self.local.is_none()
                 && matches!(&self.phases[..], [p] if p.writes.is_empty() && p.reads.is_empty()),

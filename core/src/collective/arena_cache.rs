@@ -189,11 +189,12 @@ impl PlanCache {
     ///
     /// # Errors
     /// As [`barrier`](super::arena::barrier) (the first time; nothing is kept then).
+    #[inline]
     pub fn barrier(&mut self) -> Result<&ArenaPlan, super::CollectiveError> {
-        Ok(match &mut self.barrier {
-            Some(plan) => plan,
-            none => none.insert(super::arena::barrier(self.rank, self.world, self.slot)?),
-        })
+        if self.barrier.is_none() {
+            self.barrier = Some(super::arena::barrier(self.rank, self.world, self.slot)?);
+        }
+        Ok(self.barrier.as_ref().expect("made above"))
     }
 
     /// The plan kept under `key`, taken out (give it back with [`keep`](Self::keep)), or

@@ -29,6 +29,12 @@ use super::*;
 impl Group {
     /// [`ProcessGroup::run_now`] (see the module's docs).
     pub(super) fn now<'a>(&'a self, op: Op<'a>, cx: &mut Context<'_>) -> Now<'a> {
+        if matches!(op, Op::Barrier) {
+            // A barrier holds nothing: forgotten here rather than dropped through the op's
+            // glue at the end (15 instructions per barrier, counted).
+            std::mem::forget(op);
+            return self.barrier_now(cx);
+        }
         // An all_gather whose lengths are known (no round of lengths first) on the arena.
         let gather = match &op {
             Op::AllGather { input, lens }
@@ -43,14 +49,9 @@ impl Group {
         if gather.is_none() && !self.alone_on_arena(&op) {
             return Now::Later(self.run_op(op));
         }
-        let Poll::Ready(coop) = tokio::task::coop::poll_proceed(cx) else {
-            // The task's budget is spent: the future yields (its lock sees the same).
+        let Some(turn) = self.turn_now(cx) else {
             return Now::Later(self.run_op(op));
         };
-        let Some(turn) = self.try_turn() else {
-            return Now::Later(self.run_op(op));
-        };
-        coop.made_progress();
         let (rank, world) = (self.rank(), self.size());
         match op {
             Op::AllGather { input, lens: given } => {
@@ -135,12 +136,6 @@ impl Group {
                     self.now_or_later(turn, "reduce", key, make, scratch, signature, finish)
                 }
             }
-            Op::Barrier => {
-                // A barrier holds nothing: forgotten here rather than dropped through the op's
-                // glue at the end (15 instructions per barrier, counted).
-                std::mem::forget(op);
-                self.barrier_now(turn)
-            }
             // Not reached (the ops above are those taken here); with its turn taken, the future
             // runs it (the op moves there: nothing of it is dropped in the call).
             other => Now::Later(Box::pin(async move {
@@ -150,10 +145,29 @@ impl Group {
         }
     }
 
+    /// The arena's turn for a collective run in this call: `None` when the task's cooperative
+    /// budget is spent (the future yields then, and its lock sees the same) or the turn is
+    /// not free.
+    fn turn_now(&self, cx: &mut Context<'_>) -> Option<Turn<'_>> {
+        let Poll::Ready(coop) = tokio::task::coop::poll_proceed(cx) else {
+            return None;
+        };
+        let turn = self.try_turn()?;
+        coop.made_progress();
+        Some(turn)
+    }
+
     /// A barrier in this call as far as the arena's spin allows: its plan, the same at every
-    /// call, is the one the arena's [`PlanCache`](tensorwire_core::collective::arena_cache::PlanCache) keeps resolved (no key to make or compare);
-    /// the rest, from where it stopped, through [`Group::arena_exec`]'s future.
-    fn barrier_now<'a>(&'a self, mut turn: Turn<'a>) -> Now<'a> {
+    /// call, is the one the arena's
+    /// [`PlanCache`](tensorwire_core::collective::arena_cache::PlanCache) keeps resolved (no
+    /// key to make or compare); the rest, from where it stopped, through
+    /// [`Group::arena_exec`]'s future; the whole through [`run_op`](ProcessGroup::run_op)'s
+    /// when it is not run here.
+    fn barrier_now(&self, cx: &mut Context<'_>) -> Now<'_> {
+        let on_arena = self.alone_on_arena(&Op::Barrier);
+        let Some(mut turn) = on_arena.then(|| self.turn_now(cx)).flatten() else {
+            return Now::Later(self.run_op(Op::Barrier));
+        };
         let signature = barrier_word();
         let ran = self.arena_now_with(
             &mut turn,
