@@ -715,8 +715,22 @@ impl Arena {
     /// Refuses a plan that does not fit this arena or a buffer of `len` bytes, or whose
     /// reductions do not fit its reads (core's [`ArenaPlan::check_reductions`], settled when
     /// it made the plan); fails at once when an earlier collective failed.
-    #[inline]
+    #[inline(always)]
     fn check_plan(&self, plan: &ArenaPlan, len: usize) -> Result<(), ArenaError> {
+        let fits = self.state.failure().is_none()
+            && plan.world() == self.world
+            && plan.slot_bytes() == self.slot
+            && len == plan.buffer_len()
+            && plan.check_reductions().is_ok();
+        if fits {
+            return Ok(());
+        }
+        self.refuse_plan(plan, len)
+    }
+
+    /// [`Arena::check_plan`]'s error for a plan it refuses.
+    #[cold]
+    fn refuse_plan(&self, plan: &ArenaPlan, len: usize) -> Result<(), ArenaError> {
         if let Some(failure) = self.state.failure() {
             return Err(failure.clone().into());
         }

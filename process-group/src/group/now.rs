@@ -27,14 +27,11 @@ use super::arena::{barrier_word, split, ArenaReduce, Exec, Turn};
 use super::*;
 
 impl Group {
-    /// [`ProcessGroup::run_now`] (see the module's docs).
+    /// [`ProcessGroup::run_now`] of every collective but the barrier ([`Group::barrier_now`])
+    /// (see the module's docs). Not inlined into `run_now`: the barrier's path there saves
+    /// and restores the few registers it needs, not all of this one's.
+    #[inline(never)]
     pub(super) fn now<'a>(&'a self, op: Op<'a>, cx: &mut Context<'_>) -> Now<'a> {
-        if matches!(op, Op::Barrier) {
-            // A barrier holds nothing: forgotten here rather than dropped through the op's
-            // glue at the end (15 instructions per barrier, counted).
-            std::mem::forget(op);
-            return self.barrier_now(cx);
-        }
         // An all_gather whose lengths are known (no round of lengths first) on the arena.
         let gather = match &op {
             Op::AllGather { input, lens }
@@ -148,6 +145,7 @@ impl Group {
     /// The arena's turn for a collective run in this call: `None` when the task's cooperative
     /// budget is spent (the future yields then, and its lock sees the same) or the turn is
     /// not free.
+    #[inline(always)]
     fn turn_now(&self, cx: &mut Context<'_>) -> Option<Turn<'_>> {
         let Poll::Ready(coop) = tokio::task::coop::poll_proceed(cx) else {
             return None;
@@ -163,7 +161,7 @@ impl Group {
     /// key to make or compare); the rest, from where it stopped, through
     /// [`Group::arena_exec`]'s future; the whole through [`run_op`](ProcessGroup::run_op)'s
     /// when it is not run here.
-    fn barrier_now(&self, cx: &mut Context<'_>) -> Now<'_> {
+    pub(super) fn barrier_now(&self, cx: &mut Context<'_>) -> Now<'_> {
         let on_arena = self.alone_on_arena(&Op::Barrier);
         let Some(mut turn) = on_arena.then(|| self.turn_now(cx)).flatten() else {
             return Now::Later(self.run_op(Op::Barrier));

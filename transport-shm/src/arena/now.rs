@@ -215,7 +215,23 @@ impl Arena {
     /// # Errors
     /// As [`Arena::run`]: a failure seen without waiting (a disagreement reported or seen in
     /// a signature, an earlier failure), or a plan that does not fit.
+    #[inline]
     pub fn try_run(
+        &mut self,
+        plan: &ArenaPlan,
+        buffer: &mut [u8],
+        signature: u64,
+    ) -> Result<Option<Unfinished>, ArenaError> {
+        // A plan that only signals takes its own short path (a function of its own, which
+        // saves and restores fewer registers than the general step's caller).
+        if plan.signals_only() && buffer.is_empty() {
+            return self.try_signal(plan, signature);
+        }
+        self.try_run_steps(plan, buffer, signature)
+    }
+
+    /// [`Arena::try_run`] through the general step ([`Arena::advance`]).
+    fn try_run_steps(
         &mut self,
         plan: &ArenaPlan,
         buffer: &mut [u8],
@@ -224,9 +240,6 @@ impl Arena {
         self.check_plan(plan, buffer.len())?;
         if let Some(failure) = self.reported() {
             return Err(self.failed(failure));
-        }
-        if plan.signals_only() {
-            return self.try_signal(plan, signature);
         }
         let buffer = Buffer {
             ptr: buffer.as_mut_ptr(),

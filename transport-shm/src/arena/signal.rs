@@ -9,15 +9,20 @@
 use super::*;
 
 impl Arena {
-    /// The rest of [`Arena::try_run`] for a plan that [`ArenaPlan::signals_only`], once the
-    /// plan was checked against this arena and no disagreement was reported: publishes its
-    /// phase, waits for its `waits_on` for the spin budget and checks their signatures.
+    /// [`Arena::try_run`] of a plan that [`ArenaPlan::signals_only`] (over an empty buffer):
+    /// checks the plan against this arena and the disagreements reported, as for every plan;
+    /// then publishes its phase, waits for its `waits_on` for the spin budget and checks their
+    /// signatures.
     pub(super) fn try_signal(
         &mut self,
         plan: &ArenaPlan,
         signature: u64,
     ) -> Result<Option<Unfinished>, ArenaError> {
         debug_assert!(plan.signals_only());
+        self.check_plan(plan, 0)?;
+        if let Some(failure) = self.reported() {
+            return Err(self.failed(failure));
+        }
         let phase = &plan.phases()[0];
         let published = self.publish(signature, false, phase);
         if !self.reached(&phase.waits_on, self.state.phase_target(), Look::Spin) {
