@@ -73,10 +73,6 @@ pub fn budget_from_env(
 /// A `sched_yield` that takes longer than this ran another thread on our core.
 pub const SOMEONE_ELSE_RAN: Duration = Duration::from_micros(3);
 
-/// How many budgets a polling wait lasts when this side has just woken the peer it waits for
-/// ([`SpinPolicy::begin_after_waking`]).
-pub const AFTER_WAKING_BUDGETS: u32 = 4;
-
 /// Every this many turns a waiting side gives its runtime (see [`Turn`]), one is a
 /// [`Turn::Runtime`].
 pub const RUNTIME_TURN_EVERY: u32 = 2;
@@ -163,36 +159,6 @@ impl SpinPolicy {
     /// [`SpinPolicy::for_host`]) the processes waiting for each other outnumber its CPUs.
     pub fn one_core(&self) -> bool {
         self.one_core
-    }
-
-    /// A polling wait that starts at `now` for a peer this side has just woken (it published
-    /// what the peer waits for, and found it asleep): it lasts [`AFTER_WAKING_BUDGETS`]
-    /// budgets. The peer answers only once it is awake, which on a virtual machine takes tens
-    /// of microseconds, more than a budget; a side that slept on after one budget would be
-    /// woken as late in turn, and its peer, waiting for it meanwhile, would sleep too: each
-    /// side's wait then outlasts its budget because the other slept, and both sleep at every
-    /// collective for good (a group arena's 2-rank barrier at 30 µs instead of 0.2). Polling
-    /// past the peer's wake-up breaks that. Waits that never poll (one core, or more
-    /// processes than CPUs: [`SpinPolicy::for_host`]) keep their budget: their yields already
-    /// give the peer the core, and longer yielding was measured slower there.
-    ///
-    /// ```
-    /// use std::time::{Duration, Instant};
-    /// use tensorwire_core::spin::{SpinPolicy, SpinStep};
-    ///
-    /// let us = Duration::from_micros(1);
-    /// let t0 = Instant::now();
-    /// let wait = SpinPolicy::new(20 * us, false).begin_after_waking(t0);
-    /// assert_eq!(wait.step(t0 + 50 * us), SpinStep::Poll);
-    /// assert_eq!(wait.step(t0 + 80 * us), SpinStep::Sleep);
-    /// ```
-    pub fn begin_after_waking(&self, now: Instant) -> SpinWait {
-        let mut wait = self.begin(true, now);
-        if wait.poll {
-            let budget = self.budget.saturating_mul(AFTER_WAKING_BUDGETS);
-            wait.until = now.checked_add(budget).unwrap_or(wait.until);
-        }
-        wait
     }
 
     /// A wait that starts at `now`; `paid` is what the last wait learnt (whether polling pays;
@@ -321,66 +287,6 @@ mod tests {
 
     fn policy(one_core: bool) -> SpinPolicy {
         SpinPolicy::new(20 * US, one_core)
-    }
-
-    /// Two sides pass a barrier again and again; a side whose wait outlasts its spin sleeps,
-    /// and then answers only a wake-up later (`wake`, longer than the budget). Returns how
-    /// many of the last `rounds / 2` rounds had a side sleeping.
-    fn sleeping_rounds(policy: SpinPolicy, after_waking: bool, rounds: usize) -> usize {
-        let wake = 30 * US;
-        let t0 = Instant::now();
-        // When each side publishes its arrival, and whether it is asleep in its wait.
-        let mut arrive = [t0, t0 + 25 * US];
-        let mut asleep = [false, false];
-        let mut slept = 0;
-        for round in 0..rounds {
-            // Each side waits from its arrival for the other's; it woke the other if that
-            // one was asleep when it arrived.
-            let mut done = [t0; 2];
-            let mut sleeps = [false; 2];
-            for me in 0..2 {
-                let peer = 1 - me;
-                let woke = asleep[peer];
-                let wait = if after_waking && woke {
-                    policy.begin_after_waking(arrive[me])
-                } else {
-                    policy.begin(true, arrive[me])
-                };
-                let theirs = arrive[peer].max(arrive[me]);
-                if wait.step(theirs) == SpinStep::Sleep {
-                    // Slept at the end of its spin: up a wake-up after the publication.
-                    sleeps[me] = true;
-                    done[me] = theirs + wake;
-                } else {
-                    done[me] = theirs;
-                }
-            }
-            if round >= rounds / 2 && sleeps.iter().any(|s| *s) {
-                slept += 1;
-            }
-            asleep = sleeps;
-            arrive = done;
-        }
-        slept
-    }
-
-    #[test]
-    fn a_side_that_woke_its_peer_polls_past_the_wake_up_and_both_stop_sleeping() {
-        let polling = policy(false);
-        // One budget per wait: a late arrival (25 us > 20) puts one side to sleep, and from
-        // then on each side sleeps because the other did.
-        assert_eq!(sleeping_rounds(polling, false, 100), 50);
-        // Polling past the wake-up of the peer it woke: the sleeping stops.
-        assert_eq!(sleeping_rounds(polling, true, 100), 0);
-        let t0 = Instant::now();
-        let wait = polling.begin_after_waking(t0);
-        assert_eq!(wait.step(t0 + 79 * US), SpinStep::Poll);
-        assert_eq!(wait.step(t0 + 80 * US), SpinStep::Sleep);
-        // Waits that never poll keep their budget; a zero budget still sleeps at once.
-        let yielding = policy(true).begin_after_waking(t0);
-        assert_eq!(yielding, policy(true).begin(true, t0));
-        let never = SpinPolicy::new(Duration::ZERO, false).begin_after_waking(t0);
-        assert_eq!(never.step(t0), SpinStep::Sleep);
     }
 
     #[test]

@@ -65,7 +65,7 @@ use tensorwire_core::collective::arena_wait::{
 pub use tensorwire_core::collective::arena_wait::{ArenaFailure, Gone, LIVENESS_PERIOD};
 use tensorwire_core::collective::reduce_into;
 use tensorwire_core::ports::runtime::Runtime;
-use tensorwire_core::spin::{SpinPolicy, SpinStep, SpinWait};
+use tensorwire_core::spin::{SpinPolicy, SpinStep};
 use tokio::io::unix::AsyncFd;
 
 use crate::mem::{self, Mapping, RING_SEALS};
@@ -387,8 +387,6 @@ pub struct Arena {
     /// The ranks whose process this rank has seen end.
     ended: Vec<bool>,
     spin: SpinPolicy,
-    /// Whether this rank's last publication woke a sleeping rank (its next wait polls longer).
-    woke: bool,
     /// Every rank's eventfd, by rank: a writer wakes a sleeping rank through it.
     wakes: Vec<OwnedFd>,
     /// This rank's eventfd (a duplicate), registered with the runtime's reactor: it sleeps on it.
@@ -526,7 +524,6 @@ impl Arena {
             pidfds,
             ended: vec![false; world],
             spin: SpinPolicy::for_host(world, cpus(), spin),
-            woke: false,
             woken,
             wakes,
         })
@@ -598,27 +595,13 @@ impl Arena {
     /// Wakes, after a publication (a counter, a failure word), every other rank whose line
     /// says it sleeps. Paired with [`Arena::sleep_flag`]'s fence: either the sleeper sees the
     /// publication before it sleeps, or this sees its word and writes its eventfd.
-    /// Returns whether it woke one.
-    fn announce(&self) -> bool {
+    fn announce(&self) {
         fence(Ordering::SeqCst);
-        let mut woke = false;
         for (q, wake) in self.wakes.iter().enumerate() {
             if q != self.rank && self.sleeping(q).load(Ordering::Relaxed) != 0 {
                 // Only a full counter (2^64 - 2 unread wake-ups) refuses: it is readable then.
                 let _ = rustix::io::write(wake, &1u64.to_ne_bytes());
-                woke = true;
             }
-        }
-        woke
-    }
-
-    /// The spin of a wait that starts at `now`: longer when this rank's last publication woke
-    /// a sleeping rank (core's [`SpinPolicy::begin_after_waking`]).
-    fn spin_from(&self, now: Instant) -> SpinWait {
-        if self.woke {
-            self.spin.begin_after_waking(now)
-        } else {
-            self.spin.begin(true, now)
         }
     }
 
@@ -932,7 +915,7 @@ impl Arena {
         tag.store(phase_no, Ordering::Release);
         let value = self.state.posted(wrote, &phase.readers);
         self.counter(self.rank).store(value, Ordering::Release);
-        self.woke = self.announce();
+        self.announce();
         (half, phase_no)
     }
 
@@ -1007,7 +990,7 @@ impl Arena {
         }
         // The spin budget is CPU time spent looking, on the system's clock; no deadline is
         // judged here.
-        let spin = self.spin_from(Instant::now());
+        let spin = self.spin.begin(true, Instant::now());
         let mut looks = 0u32;
         loop {
             match spin.step(Instant::now()) {

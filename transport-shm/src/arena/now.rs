@@ -302,7 +302,7 @@ impl Arena {
         }
         // The first step at the time the wait began (one clock read fewer per wait).
         let mut now = Instant::now();
-        let spin = self.spin_from(now);
+        let spin = self.spin.begin(true, now);
         loop {
             match spin.step(now) {
                 SpinStep::Poll => {
