@@ -291,10 +291,11 @@ impl Arena {
     }
 
     /// Whether every rank of `ranks` has published `target`: looked at once, or (`Look::Spin`)
-    /// for the spin budget, without a future (see [`Arena::try_run`]).
+    /// for the spin budget, without a future (see [`Arena::try_run`]). A spin polls or yields
+    /// as core's [`SpinWait`] says from what the last spin learnt ([`Arena::learn`]).
     pub(super) fn reached(&self, ranks: &[usize], target: u32, look: Look) -> bool {
-        let done = || all_reached(ranks, target, |q| self.counter_value(q));
-        if done() {
+        let done = |this: &Self| all_reached(ranks, target, |q| this.counter_value(q));
+        if done(self) {
             return true;
         }
         if look == Look::Once {
@@ -302,26 +303,31 @@ impl Arena {
         }
         // The first step at the time the wait began (one clock read fewer per wait).
         let mut now = Instant::now();
-        let spin = self.spin.begin(true, now);
-        loop {
+        let mut spin = self.spin.begin(self.polling_pays.get(), now);
+        let reached = 'spin: loop {
             match spin.step(now) {
                 SpinStep::Poll => {
                     for _ in 0..16 {
-                        if done() {
-                            return true;
+                        if done(self) {
+                            break 'spin true;
                         }
                         std::hint::spin_loop();
                     }
+                    now = Instant::now();
                 }
                 SpinStep::Yield => {
                     std::thread::yield_now();
-                    if done() {
-                        return true;
+                    let after = Instant::now();
+                    spin.yielded(after.saturating_duration_since(now));
+                    now = after;
+                    if done(self) {
+                        break true;
                     }
                 }
-                SpinStep::Sleep => return false,
+                SpinStep::Sleep => break false,
             }
-            now = Instant::now();
-        }
+        };
+        self.learn(&spin, reached);
+        reached
     }
 }
