@@ -65,7 +65,7 @@ use tensorwire_core::collective::arena_wait::{
 pub use tensorwire_core::collective::arena_wait::{ArenaFailure, Gone, LIVENESS_PERIOD};
 use tensorwire_core::collective::reduce_into;
 use tensorwire_core::ports::runtime::Runtime;
-use tensorwire_core::spin::{SpinPolicy, SpinStep, SpinWait};
+use tensorwire_core::spin::{SpinPolicy, SpinStep};
 use tokio::io::unix::AsyncFd;
 
 use crate::mem::{self, Mapping, RING_SEALS};
@@ -387,8 +387,6 @@ pub struct Arena {
     /// The ranks whose process this rank has seen end.
     ended: Vec<bool>,
     spin: SpinPolicy,
-    /// Whether this rank's waits poll (what the last spin learnt, see [`Arena::learn`]).
-    polling_pays: std::cell::Cell<bool>,
     /// Every rank's eventfd, by rank: a writer wakes a sleeping rank through it.
     wakes: Vec<OwnedFd>,
     /// This rank's eventfd (a duplicate), registered with the runtime's reactor: it sleeps on it.
@@ -526,7 +524,6 @@ impl Arena {
             pidfds,
             ended: vec![false; world],
             spin: SpinPolicy::for_host(world, cpus(), spin),
-            polling_pays: std::cell::Cell::new(true),
             woken,
             wakes,
         })
@@ -945,22 +942,6 @@ impl Arena {
         Ok(())
     }
 
-    /// Keeps what a spin that ended (`reached`: its ranks published within it; else it
-    /// sleeps) says of whether polling pays, as core's [`SpinWait`] decides: a spin that
-    /// polled its whole budget while its peer shared this core (both ranks on one core, as a
-    /// loaded host's scheduler may put them) polls no more, but yields, until a yield that
-    /// comes back at once says the peer runs elsewhere again.
-    fn learn(&self, spin: &SpinWait, reached: bool) {
-        let pays = if reached {
-            spin.found()
-        } else {
-            Some(spin.slept())
-        };
-        if let Some(pays) = pays {
-            self.polling_pays.set(pays);
-        }
-    }
-
     fn counter_value(&self, rank: usize) -> u32 {
         self.counter(rank).load(Ordering::Acquire)
     }
@@ -1009,39 +990,30 @@ impl Arena {
         }
         // The spin budget is CPU time spent looking, on the system's clock; no deadline is
         // judged here.
-        let mut now = Instant::now();
-        let mut spin = self.spin.begin(self.polling_pays.get(), now);
+        let spin = self.spin.begin(true, Instant::now());
         let mut looks = 0u32;
-        let reached = loop {
-            match spin.step(now) {
+        loop {
+            match spin.step(Instant::now()) {
                 SpinStep::Poll => {
-                    if (0..16).any(|_| {
+                    for _ in 0..16 {
+                        if done(self) {
+                            return Ok(());
+                        }
                         std::hint::spin_loop();
-                        done(self)
-                    }) {
-                        break true;
                     }
                     looks += 1;
                     if looks % 16 == 0 {
                         tokio::task::yield_now().await;
                     }
-                    now = Instant::now();
                 }
                 SpinStep::Yield => {
                     std::thread::yield_now();
-                    let after = Instant::now();
-                    spin.yielded(after.saturating_duration_since(now));
-                    now = after;
                     if done(self) {
-                        break true;
+                        return Ok(());
                     }
                 }
-                SpinStep::Sleep => break false,
+                SpinStep::Sleep => break,
             }
-        };
-        self.learn(&spin, reached);
-        if reached {
-            return Ok(());
         }
         // Boxed: every collective's future holds its waits, and the port boxes that future at
         // every call; the sleeping half (a `select!` over the wake-up, the pidfds, the clock and

@@ -291,11 +291,10 @@ impl Arena {
     }
 
     /// Whether every rank of `ranks` has published `target`: looked at once, or (`Look::Spin`)
-    /// for the spin budget, without a future (see [`Arena::try_run`]). A spin polls or yields
-    /// as core's [`SpinWait`] says from what the last spin learnt ([`Arena::learn`]).
+    /// for the spin budget, without a future (see [`Arena::try_run`]).
     pub(super) fn reached(&self, ranks: &[usize], target: u32, look: Look) -> bool {
-        let done = |this: &Self| all_reached(ranks, target, |q| this.counter_value(q));
-        if done(self) {
+        let done = || all_reached(ranks, target, |q| self.counter_value(q));
+        if done() {
             return true;
         }
         if look == Look::Once {
@@ -303,31 +302,26 @@ impl Arena {
         }
         // The first step at the time the wait began (one clock read fewer per wait).
         let mut now = Instant::now();
-        let mut spin = self.spin.begin(self.polling_pays.get(), now);
-        let reached = 'spin: loop {
+        let spin = self.spin.begin(true, now);
+        loop {
             match spin.step(now) {
                 SpinStep::Poll => {
                     for _ in 0..16 {
-                        if done(self) {
-                            break 'spin true;
+                        if done() {
+                            return true;
                         }
                         std::hint::spin_loop();
                     }
-                    now = Instant::now();
                 }
                 SpinStep::Yield => {
                     std::thread::yield_now();
-                    let after = Instant::now();
-                    spin.yielded(after.saturating_duration_since(now));
-                    now = after;
-                    if done(self) {
-                        break true;
+                    if done() {
+                        return true;
                     }
                 }
-                SpinStep::Sleep => break false,
+                SpinStep::Sleep => return false,
             }
-        };
-        self.learn(&spin, reached);
-        reached
+            now = Instant::now();
+        }
     }
 }

@@ -498,19 +498,3 @@ async fn a_barrier_on_the_short_path_stops_where_the_general_step_stops() {
         assert_eq!(pair[0].state.phase(), 1);
     }
 }
-
-/// The arena's spins learn as the transports' do (core's `SpinWait`): a spin that polled its
-/// whole budget without its peer (on a loaded host, quite possibly kept from running by the
-/// poll, on the same core) polls no more next time but yields; one that ends in time keeps
-/// what it found.
-#[tokio::test]
-async fn a_spin_that_ran_out_polls_no_more_next_time() {
-    let arenas = arenas(2, 1 << 16).await;
-    assert!(arenas[0].polling_pays.get());
-    // Rank 1 never publishes 1: the spin runs out.
-    assert!(!arenas[0].reached(&[1], arena::counter(1), Look::Spin));
-    assert!(!arenas[0].polling_pays.get());
-    // Published already: no spin, nothing learnt.
-    assert!(arenas[0].reached(&[1], arena::counter(0), Look::Spin));
-    assert!(!arenas[0].polling_pays.get());
-}
