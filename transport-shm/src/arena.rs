@@ -58,7 +58,7 @@ use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tensorwire_core::collective::arena::{self, ArenaPlan, ArenaState, ARENA_ALIGN};
+use tensorwire_core::collective::arena::{self, ArenaPhase, ArenaPlan, ArenaState, ARENA_ALIGN};
 use tensorwire_core::collective::arena_wait::{
     all_reached, reported_disagreement, ArenaWait, Lost, WaitStep,
 };
@@ -696,8 +696,24 @@ impl Arena {
     }
 
     /// Refuses a plan that does not fit this arena or a buffer of `len` bytes, or whose
-    /// reductions do not fit its reads; fails at once when an earlier collective failed.
+    /// reductions do not fit its reads (core's [`ArenaPlan::check_reductions`], settled when
+    /// it made the plan); fails at once when an earlier collective failed.
+    #[inline(always)]
     fn check_plan(&self, plan: &ArenaPlan, len: usize) -> Result<(), ArenaError> {
+        let fits = self.state.failure().is_none()
+            && plan.world() == self.world
+            && plan.slot_bytes() == self.slot
+            && len == plan.buffer_len()
+            && plan.check_reductions().is_ok();
+        if fits {
+            return Ok(());
+        }
+        self.refuse_plan(plan, len)
+    }
+
+    /// [`Arena::check_plan`]'s error for a plan it refuses.
+    #[cold]
+    fn refuse_plan(&self, plan: &ArenaPlan, len: usize) -> Result<(), ArenaError> {
         if let Some(failure) = self.state.failure() {
             return Err(failure.clone().into());
         }
@@ -708,7 +724,7 @@ impl Arena {
                 plan_slot: plan.slot_bytes(),
             });
         }
-        check_reductions(plan)
+        plan.check_reductions().map_err(ArenaError::Reduce)
     }
 
     /// # Safety
@@ -841,32 +857,15 @@ impl Arena {
                             };
                         }
                     }
-                    let phase_no = self.state.phase();
-                    let (tag, sig) = self.signature_words(self.rank, half);
-                    tag.store(u64::MAX, Ordering::Relaxed);
-                    sig.store(signature, Ordering::Relaxed);
-                    tag.store(phase_no, Ordering::Release);
-                    let value = self.state.posted(!phase.writes.is_empty(), &phase.readers);
-                    self.counter(self.rank).store(value, Ordering::Release);
-                    self.announce();
-                    at.published = Some((half, phase_no));
-                    (half, phase_no)
+                    let published = self.publish(signature, !phase.writes.is_empty(), phase);
+                    at.published = Some(published);
+                    published
                 }
             };
             if !self.reached(&phase.waits_on, self.state.phase_target(), look) {
                 return Ok(Some(Blocked::Phase));
             }
-            for q in &phase.waits_on {
-                // Best effort: a rank that has moved on two phases has overwritten its
-                // signature, and is not checked here (it was by the ranks that waited on it).
-                let (tag, sig) = self.signature_words(*q, half);
-                if tag.load(Ordering::Acquire) == phase_no {
-                    let theirs = sig.load(Ordering::Relaxed);
-                    if tag.load(Ordering::Acquire) == phase_no && theirs != signature {
-                        return Err(ArenaFailure::Disagreement { rank: *q });
-                    }
-                }
-            }
+            self.check_signatures(&phase.waits_on, (half, phase_no), signature)?;
             for read in &phase.reads {
                 assert!(read.from + read.to.len() <= self.slot && read.to.end <= buffer.len);
                 let src = self.slot_ptr(read.peer, half);
@@ -902,6 +901,45 @@ impl Arena {
             at.published = None;
         }
         Ok(None)
+    }
+
+    /// Publishes the current phase (`phase` of a plan, whose writes, if `wrote`, are in this
+    /// rank's half): its signature, then its counter, then wakes the sleepers. Returns the
+    /// half and the number of the phase.
+    #[inline]
+    fn publish(&mut self, signature: u64, wrote: bool, phase: &ArenaPhase) -> (usize, u64) {
+        let (half, phase_no) = (self.state.half(), self.state.phase());
+        let (tag, sig) = self.signature_words(self.rank, half);
+        tag.store(u64::MAX, Ordering::Relaxed);
+        sig.store(signature, Ordering::Relaxed);
+        tag.store(phase_no, Ordering::Release);
+        let value = self.state.posted(wrote, &phase.readers);
+        self.counter(self.rank).store(value, Ordering::Release);
+        self.announce();
+        (half, phase_no)
+    }
+
+    /// Fails on a rank of `waits_on` whose signature of the phase `published` (its half and
+    /// number), read after its counter said it published it, is not `signature`. Best effort:
+    /// a rank that has moved on two phases has overwritten its signature, and is not checked
+    /// here (it was by the ranks that waited on it).
+    #[inline]
+    fn check_signatures(
+        &self,
+        waits_on: &[usize],
+        (half, phase_no): (usize, u64),
+        signature: u64,
+    ) -> Result<(), ArenaFailure> {
+        for q in waits_on {
+            let (tag, sig) = self.signature_words(*q, half);
+            if tag.load(Ordering::Acquire) == phase_no {
+                let theirs = sig.load(Ordering::Relaxed);
+                if tag.load(Ordering::Acquire) == phase_no && theirs != signature {
+                    return Err(ArenaFailure::Disagreement { rank: *q });
+                }
+            }
+        }
+        Ok(())
     }
 
     fn counter_value(&self, rank: usize) -> u32 {
@@ -1094,27 +1132,6 @@ impl Fresh {
 // whole run (a borrowed slice, or a vector of the future's own); it moves with the future.
 unsafe impl Send for Buffer {}
 
-/// Refuses a plan whose reducing reads have no reduction, or one that does not fit them.
-fn check_reductions(plan: &ArenaPlan) -> Result<(), ArenaError> {
-    for read in plan.phases().iter().flat_map(|p| &p.reads) {
-        if !read.reduce {
-            continue;
-        }
-        let (element, op) = plan
-            .reduction()
-            .ok_or_else(|| ArenaError::Reduce("a reducing read without a reduction".into()))?;
-        op.check(element)
-            .map_err(|e| ArenaError::Reduce(e.to_string()))?;
-        if read.to.len() % element.size() != 0 {
-            return Err(ArenaError::Reduce(format!(
-                "a reducing read of {} bytes, not whole {element:?} elements",
-                read.to.len()
-            )));
-        }
-    }
-    Ok(())
-}
-
 /// Whether `fd` is an eventfd (what a leader must hand out as wake-up descriptors: writing
 /// 8 bytes to anything else, a file say, would change it).
 fn is_eventfd(fd: &OwnedFd) -> bool {
@@ -1157,5 +1174,6 @@ fn exited(pidfd: &OwnedFd) -> bool {
 }
 
 mod now;
+mod signal;
 #[cfg(test)]
 mod tests;

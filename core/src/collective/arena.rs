@@ -101,6 +101,18 @@ pub struct ArenaPlan {
     local: Option<(Range<usize>, Range<usize>)>,
     reduction: Option<(ElementType, ReduceOp)>,
     phases: Vec<ArenaPhase>,
+    /// What was settled about the plan when it was made ([`Settled`]).
+    settled: Settled,
+}
+
+/// What core settles about a plan once, when it makes it, so that an executor running a kept
+/// plan again and again does not look again at every call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Settled {
+    /// Its reductions fit its reads ([`ArenaPlan::check_reductions`] found nothing).
+    reductions_fit: bool,
+    /// It only signals ([`ArenaPlan::signals_only`]).
+    signals_only: bool,
 }
 
 impl ArenaPlan {
@@ -176,9 +188,63 @@ impl ArenaPlan {
         filled.covers(&(0..self.buffer_len))
     }
 
-    /// The phases, to break a plan in a test.
+    /// Refuses a plan whose reducing reads have no reduction, or whose reduction does not fit
+    /// them (an operation the element type does not support, a read of a part of an element):
+    /// the reason. Settled when core made the plan, so a kept plan is not walked again.
+    #[inline]
+    pub fn check_reductions(&self) -> Result<(), String> {
+        if self.settled.reductions_fit {
+            return Ok(());
+        }
+        self.reduction_misfit()
+    }
+
+    /// [`check_reductions`](Self::check_reductions)'s walk over the reads.
+    fn reduction_misfit(&self) -> Result<(), String> {
+        for read in self.phases.iter().flat_map(|p| &p.reads) {
+            if !read.reduce {
+                continue;
+            }
+            let (element, op) = self
+                .reduction
+                .ok_or_else(|| "a reducing read without a reduction".to_owned())?;
+            op.check(element).map_err(|e| e.to_string())?;
+            if read.to.len() % element.size() != 0 {
+                return Err(format!(
+                    "a reducing read of {} bytes, not whole {element:?} elements",
+                    read.to.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the plan only signals: one phase that copies nothing (no writes, no reads, no
+    /// local copy, an empty buffer), in which each rank publishes the phase and waits for its
+    /// `waits_on`: a [`barrier`]'s. An executor may run such a plan without the general
+    /// step's copies and bookkeeping.
+    #[inline]
+    pub fn signals_only(&self) -> bool {
+        self.settled.signals_only
+    }
+
+    /// The plan with what core settles about it recorded (see [`Settled`]): the last step of
+    /// every constructor.
+    fn settle(mut self) -> Self {
+        self.settled = Settled {
+            reductions_fit: self.reduction_misfit().is_ok(),
+            signals_only: self.buffer_len == 0
+                && self.local.is_none()
+                && matches!(&self.phases[..], [p] if p.writes.is_empty() && p.reads.is_empty()),
+        };
+        self
+    }
+
+    /// The phases, to break a plan in a test (what was settled about it is forgotten: it is
+    /// looked at again at every run).
     #[cfg(test)]
     pub(super) fn phases_mut(&mut self) -> &mut [ArenaPhase] {
+        self.settled = Settled::default();
         &mut self.phases
     }
 }
@@ -381,7 +447,9 @@ fn plan(
         local: None,
         reduction: None,
         phases,
+        settled: Settled::default(),
     }
+    .settle()
 }
 
 /// A barrier: one phase in which every rank publishes and waits for every other.
@@ -631,7 +699,7 @@ pub fn all_reduce(
     let phases = reduction_phases(rank, world, count, element, slot, None);
     let mut p = plan(rank, world, slot, len, 0..len, 0..len, phases);
     p.reduction = Some((element, op));
-    Ok(p)
+    Ok(p.settle())
 }
 
 /// Reduce of `count` elements to `root`: as [`all_reduce`], but only the root folds (small)
@@ -657,7 +725,7 @@ pub fn reduce(
     let phases = reduction_phases(rank, world, count, element, slot, Some(root));
     let mut p = plan(rank, world, slot, len, 0..len, 0..len, phases);
     p.reduction = Some((element, op));
-    Ok(p)
+    Ok(p.settle())
 }
 
 /// Reduce-scatter: the buffer holds every rank's segment (`counts[i]` elements for rank i), in
@@ -719,7 +787,7 @@ pub fn reduce_scatter(
         phases,
     );
     p.reduction = Some((element, op));
-    Ok(p)
+    Ok(p.settle())
 }
 
 /// Gather to `root` (`lens[i]` bytes from rank i): the root's buffer holds every block in rank
@@ -929,5 +997,5 @@ pub fn all_to_all(
     if lens[rank][rank] > 0 {
         p.local = Some((sent[rank].clone(), received[rank].clone()));
     }
-    Ok(p)
+    Ok(p.settle())
 }

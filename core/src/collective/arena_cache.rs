@@ -58,9 +58,10 @@ impl PlanKey {
         Some(key)
     }
 
-    /// [`barrier`](super::arena::barrier)'s key.
+    /// [`barrier`](super::arena::barrier)'s key: its plan is kept apart from the others
+    /// ([`PlanCache::barrier`]).
     pub fn barrier() -> Option<Self> {
-        Self::new("barrier", &[])
+        Some(BARRIER)
     }
 
     /// [`all_reduce`](super::arena::all_reduce)'s key.
@@ -100,6 +101,13 @@ impl PlanKey {
     }
 }
 
+/// The barrier's key (no arguments).
+const BARRIER: PlanKey = PlanKey {
+    collective: "barrier",
+    len: 0,
+    words: [0; PLAN_KEY_WORDS],
+};
+
 /// `element`'s word: its code in a [`Signature`](super::Signature) (one coder for both).
 fn element_word(element: ElementType) -> u64 {
     u64::from(super::signature::element_code(element))
@@ -121,6 +129,9 @@ pub struct PlanCache {
     plans: Vec<(PlanKey, ArenaPlan, u64)>,
     /// Counts the uses: the tick of the latest.
     tick: u64,
+    /// The barrier's plan, once made: the same at every call, kept apart from the others
+    /// (never dropped for them) and lent without a look-up ([`PlanCache::barrier`]).
+    barrier: Option<ArenaPlan>,
 }
 
 /// A plan from [`PlanCache::plan`]: lent by the cache, or made for this collective alone (one
@@ -166,7 +177,24 @@ impl PlanCache {
             slot,
             plans: Vec::with_capacity(PLAN_CACHE_ENTRIES),
             tick: 0,
+            barrier: None,
         }
+    }
+
+    /// The barrier's plan for this cache's rank, world and slot size, made the first time
+    /// ([`barrier`](super::arena::barrier)) and kept: a barrier, the same every time, takes
+    /// its plan without a key to compare. [`plan`](Self::plan) lends the same plan under
+    /// [`PlanKey::barrier`] (the plans [`take`](Self::take) and [`keep`](Self::keep) move are
+    /// the others).
+    ///
+    /// # Errors
+    /// As [`barrier`](super::arena::barrier) (the first time; nothing is kept then).
+    #[inline]
+    pub fn barrier(&mut self) -> Result<&ArenaPlan, super::CollectiveError> {
+        if self.barrier.is_none() {
+            self.barrier = Some(super::arena::barrier(self.rank, self.world, self.slot)?);
+        }
+        Ok(self.barrier.as_ref().expect("made above"))
     }
 
     /// The plan kept under `key`, taken out (give it back with [`keep`](Self::keep)), or
@@ -189,6 +217,16 @@ impl PlanCache {
         let Some(key) = key else {
             return make().map(Planned::Made);
         };
+        if key == BARRIER {
+            if self.barrier.is_none() {
+                let plan = make()?;
+                if !self.keepable(&plan) {
+                    return Ok(Planned::Made(plan));
+                }
+                self.barrier = Some(plan);
+            }
+            return Ok(Planned::Kept(self.barrier.as_ref().expect("kept above")));
+        }
         self.tick += 1;
         if let Some(at) = self.plans.iter().position(|(k, ..)| *k == key) {
             self.plans[at].2 = self.tick;
@@ -251,12 +289,12 @@ impl PlanCache {
         true
     }
 
-    /// How many plans are kept.
+    /// How many plans are kept (besides the barrier's).
     pub fn len(&self) -> usize {
         self.plans.len()
     }
 
-    /// Whether no plan is kept.
+    /// Whether no plan is kept (besides the barrier's).
     pub fn is_empty(&self) -> bool {
         self.plans.is_empty()
     }
@@ -470,5 +508,46 @@ mod tests {
             PlanKey::new("barrier", &[]),
             plans::barrier(1, 4, SLOT).unwrap()
         ));
+    }
+
+    #[test]
+    fn the_barriers_plan_is_made_once_kept_apart_and_lent_under_its_key_too() {
+        let mut cache = PlanCache::new(1, 4, SLOT);
+        let first: *const ArenaPlan = cache.barrier().unwrap();
+        assert_eq!(
+            cache.barrier().unwrap(),
+            &plans::barrier(1, 4, SLOT).unwrap()
+        );
+        // Under its key: the same plan where it lies, not made again.
+        let mut made = 0;
+        let under_key: *const ArenaPlan = match cache
+            .plan(PlanKey::barrier(), || {
+                made += 1;
+                plans::barrier(1, 4, SLOT)
+            })
+            .unwrap()
+        {
+            Planned::Kept(plan) => plan,
+            Planned::Made(_) => panic!("the barrier's plan was not kept"),
+        };
+        assert_eq!((made, under_key), (0, first));
+        // The other plans neither count it nor push it out.
+        assert!(cache.is_empty());
+        for c in 0..2 * PLAN_CACHE_ENTRIES as u64 {
+            cache
+                .plan(key(c + 1), || Ok::<_, ()>(all_reduce(c as usize + 1)))
+                .unwrap();
+        }
+        assert_eq!(cache.len(), PLAN_CACHE_ENTRIES);
+        assert_eq!(cache.barrier().unwrap() as *const ArenaPlan, first);
+        // A slot too small for the world: refused, and nothing kept.
+        let mut small = PlanCache::new(1, 4, 64);
+        assert!(small.barrier().is_err());
+        assert!(small.barrier.is_none());
+        // Made under its key by a caller for another rank: lent for this call, not kept.
+        let mut other = PlanCache::new(1, 4, SLOT);
+        let lent = other.plan(PlanKey::barrier(), || plans::barrier(2, 4, SLOT));
+        assert!(matches!(lent, Ok(Planned::Made(_))));
+        assert!(other.barrier.is_none());
     }
 }

@@ -693,6 +693,59 @@ fn which_plans_fill_their_buffer() {
 }
 
 #[test]
+fn what_core_settles_about_a_plan_when_it_makes_it() {
+    let mut rng = SimRng::new(7);
+    for world in 1..=9 {
+        for slot in [64 * world, 64 * world * 3 + 1024] {
+            let c = case(world, slot, &mut rng);
+            for (r, plans) in c.plans.iter().enumerate() {
+                for (plan, name) in plans.iter().zip(&c.names) {
+                    let at = format!("{name}, rank {r} of {world}, slot {slot}");
+                    assert_eq!(plan.check_reductions(), Ok(()), "{at}");
+                    // The barrier only signals; so may a plan of nothing (a broadcast of 0
+                    // bytes), never one that copies.
+                    let copies = plan.buffer_len() > 0
+                        || plan.local_copy().is_some()
+                        || plan.phases().len() != 1
+                        || plan
+                            .phases()
+                            .iter()
+                            .any(|p| !p.writes.is_empty() || !p.reads.is_empty());
+                    assert_eq!(plan.signals_only(), !copies, "{at}");
+                    assert!(plan.signals_only() || name != "barrier", "{at}");
+                }
+            }
+        }
+    }
+    // A plan broken after it was made is looked at again: a reducing read of part of an
+    // element, and one without a reduction.
+    let mut part = arena::all_reduce(0, 2, 4, ElementType::F32, ReduceOp::Sum, 1024).unwrap();
+    let read = part.phases_mut()[0]
+        .reads
+        .iter_mut()
+        .find(|r| r.reduce)
+        .unwrap();
+    read.to.end -= 1;
+    assert!(part.check_reductions().unwrap_err().contains("not whole"));
+    let mut stray = arena::all_gather(0, &[8, 8], 1024).unwrap();
+    stray.phases_mut()[0].reads[0].reduce = true;
+    assert_eq!(
+        stray.check_reductions(),
+        Err("a reducing read without a reduction".to_owned())
+    );
+    // And one that signals no more once it copies.
+    let mut barrier = arena::barrier(0, 2, 1024).unwrap();
+    assert!(barrier.signals_only());
+    barrier.phases_mut()[0].reads.push(arena::ArenaRead {
+        peer: 1,
+        from: 0,
+        to: 0..0,
+        reduce: false,
+    });
+    assert!(!barrier.signals_only());
+}
+
+#[test]
 fn plans_refuse_bad_arguments() {
     use super::CollectiveError;
     assert_eq!(

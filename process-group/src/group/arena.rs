@@ -19,7 +19,7 @@
 
 use tensorwire_core::collective::arena as plans;
 use tensorwire_core::collective::arena::ArenaPlan;
-use tensorwire_core::collective::arena_cache::{PlanCache, PlanKey};
+use tensorwire_core::collective::arena_cache::{PlanCache, PlanKey, Planned};
 use tensorwire_core::ports::process_group::DeathCause;
 use tensorwire_transport_shm::arena::{
     host_key, Arena, ArenaError, ArenaFailure, ArenaHost, Bounds, Gone, Unfinished, UnfinishedFresh,
@@ -606,19 +606,24 @@ impl Group {
     ) -> Result<Option<Unfinished>, ProcessGroupError> {
         let run = |arena: &mut Arena, plan: &ArenaPlan| arena.try_run(plan, buffer, signature);
         Ok(self
-            .arena_now_with(turn, collective, key, make, run)?
+            .arena_now_with(
+                turn,
+                collective,
+                |cache, slot| cache.plan(key, || make(slot)),
+                run,
+            )?
             .unwrap_or(Some(Unfinished::NOT_BEGUN)))
     }
 
-    /// [`Group::arena_now`]'s choice and failures, with `run` the arena's synchronous run of the
-    /// plan: `None` when it is not run in this call (not kept, no arena, a broken group: the
-    /// rest runs all of it), else what `run` gave.
+    /// [`Group::arena_now`]'s choice and failures, with `plan` the plan's look-up in the
+    /// arena's [`PlanCache`] (given the slot size) and `run` the arena's synchronous run of it:
+    /// `None` when it is not run in this call (not kept, no arena, a broken group: the rest
+    /// runs all of it), else what `run` gave.
     pub(super) fn arena_now_with<R>(
         &self,
         turn: &mut Turn<'_>,
         collective: &'static str,
-        key: Option<PlanKey>,
-        make: impl FnOnce(usize) -> Result<ArenaPlan, CollectiveError>,
+        plan: impl FnOnce(&mut PlanCache, usize) -> Result<Planned<'_>, CollectiveError>,
         run: impl FnOnce(&mut Arena, &ArenaPlan) -> Result<R, ArenaError>,
     ) -> Result<Option<R>, ProcessGroupError> {
         let (arena, cache) = match &mut *turn.slot {
@@ -630,8 +635,7 @@ impl Group {
             return Ok(None);
         }
         let slot = arena.slot_bytes();
-        let plan = cache
-            .plan(key, || make(slot))
+        let plan = plan(cache, slot)
             .map_err(|source| ProcessGroupError::Arguments { collective, source })?;
         if !plan.runs_now() {
             return Ok(None);

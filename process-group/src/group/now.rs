@@ -18,15 +18,19 @@ use std::task::{Context, Poll};
 
 use tensorwire_core::collective::arena as plans;
 use tensorwire_core::collective::arena::ArenaPlan;
-use tensorwire_core::collective::arena_cache::PlanKey;
+use tensorwire_core::collective::arena_cache::{PlanKey, Planned};
 use tensorwire_core::collective::CollectiveError;
 use tensorwire_core::ports::process_group::{Buf, HostMut, Now};
+use tensorwire_transport_shm::arena::Unfinished;
 
 use super::arena::{barrier_word, split, ArenaReduce, Exec, Turn};
 use super::*;
 
 impl Group {
-    /// [`ProcessGroup::run_now`] (see the module's docs).
+    /// [`ProcessGroup::run_now`] of every collective but the barrier ([`Group::barrier_now`])
+    /// (see the module's docs). Not inlined into `run_now`: the barrier's path there saves
+    /// and restores the few registers it needs, not all of this one's.
+    #[inline(never)]
     pub(super) fn now<'a>(&'a self, op: Op<'a>, cx: &mut Context<'_>) -> Now<'a> {
         // An all_gather whose lengths are known (no round of lengths first) on the arena.
         let gather = match &op {
@@ -42,14 +46,9 @@ impl Group {
         if gather.is_none() && !self.alone_on_arena(&op) {
             return Now::Later(self.run_op(op));
         }
-        let Poll::Ready(coop) = tokio::task::coop::poll_proceed(cx) else {
-            // The task's budget is spent: the future yields (its lock sees the same).
+        let Some(turn) = self.turn_now(cx) else {
             return Now::Later(self.run_op(op));
         };
-        let Some(turn) = self.try_turn() else {
-            return Now::Later(self.run_op(op));
-        };
-        coop.made_progress();
         let (rank, world) = (self.rank(), self.size());
         match op {
             Op::AllGather { input, lens: given } => {
@@ -134,20 +133,6 @@ impl Group {
                     self.now_or_later(turn, "reduce", key, make, scratch, signature, finish)
                 }
             }
-            Op::Barrier => {
-                // A barrier holds nothing: forgotten here rather than dropped through the op's
-                // glue at the end (15 instructions per barrier, counted).
-                std::mem::forget(op);
-                self.now_or_later(
-                    turn,
-                    "barrier",
-                    PlanKey::barrier(),
-                    move |s| plans::barrier(rank, world, s),
-                    Vec::new(),
-                    barrier_word(),
-                    |_: Vec<u8>| Done::Unit,
-                )
-            }
             // Not reached (the ops above are those taken here); with its turn taken, the future
             // runs it (the op moves there: nothing of it is dropped in the call).
             other => Now::Later(Box::pin(async move {
@@ -155,6 +140,59 @@ impl Group {
                 self.on_arena(&mut turn, other).await
             })),
         }
+    }
+
+    /// The arena's turn for a collective run in this call: `None` when the task's cooperative
+    /// budget is spent (the future yields then, and its lock sees the same) or the turn is
+    /// not free.
+    #[inline(always)]
+    fn turn_now(&self, cx: &mut Context<'_>) -> Option<Turn<'_>> {
+        let Poll::Ready(coop) = tokio::task::coop::poll_proceed(cx) else {
+            return None;
+        };
+        let turn = self.try_turn()?;
+        coop.made_progress();
+        Some(turn)
+    }
+
+    /// A barrier in this call as far as the arena's spin allows: its plan, the same at every
+    /// call, is the one the arena's
+    /// [`PlanCache`](tensorwire_core::collective::arena_cache::PlanCache) keeps resolved (no
+    /// key to make or compare); the rest, from where it stopped, through
+    /// [`Group::arena_exec`]'s future; the whole through [`run_op`](ProcessGroup::run_op)'s
+    /// when it is not run here.
+    pub(super) fn barrier_now(&self, cx: &mut Context<'_>) -> Now<'_> {
+        let on_arena = self.alone_on_arena(&Op::Barrier);
+        let Some(mut turn) = on_arena.then(|| self.turn_now(cx)).flatten() else {
+            return Now::Later(self.run_op(Op::Barrier));
+        };
+        let signature = barrier_word();
+        let ran = self.arena_now_with(
+            &mut turn,
+            "barrier",
+            |cache, _| cache.barrier().map(Planned::Kept),
+            |arena, plan| arena.try_run(plan, &mut [], signature),
+        );
+        let from = match ran {
+            Ok(Some(None)) => return Now::Done(Ok(Done::Unit)),
+            Err(e) => return Now::Done(Err(e)),
+            Ok(Some(Some(from))) => from,
+            Ok(None) => Unfinished::NOT_BEGUN,
+        };
+        let (rank, world) = (self.rank(), self.size());
+        Now::Later(Box::pin(async move {
+            self.arena_exec(
+                &mut turn,
+                "barrier",
+                PlanKey::barrier(),
+                |s| plans::barrier(rank, world, s),
+                Exec::InPlace(&mut []),
+                signature,
+                Some(from),
+            )
+            .await?;
+            Ok(Done::Unit)
+        }))
     }
 
     /// An all_gather of known block lengths `lens` (this rank's block: `input`) in this call
@@ -174,8 +212,7 @@ impl Group {
             Ok(data) => self.arena_now_with(
                 &mut turn,
                 collective,
-                key,
-                |s| plans::all_gather(rank, &lens, s),
+                |cache, slot| cache.plan(key, || plans::all_gather(rank, &lens, slot)),
                 |arena, plan| arena.try_run_fresh(plan, data, signature),
             ),
             Err(e) => Err(e),

@@ -78,6 +78,26 @@ impl Unfinished {
         at: At::START,
         ran: None,
     };
+
+    /// Where it stopped and what it ran (for the tests).
+    #[cfg(test)]
+    pub(super) fn parts(&self) -> (At, Option<(u64, usize, usize)>) {
+        (self.at, self.ran)
+    }
+
+    /// Where [`Arena::advance`] leaves a run of `plan` (one that only signals) that published
+    /// its phase (`published`: its half and number) and spent the spin budget waiting.
+    pub(super) fn signal_spun(plan: &ArenaPlan, published: (usize, u64), signature: u64) -> Self {
+        Unfinished {
+            at: At {
+                phase: 0,
+                published: Some(published),
+                copied: true,
+                spun: true,
+            },
+            ran: Some((signature, plan.buffer_len(), plan.phases().len())),
+        }
+    }
 }
 
 /// A run of [`Arena::try_run_fresh`] that a wait's spin budget left unfinished: the run's own
@@ -195,7 +215,23 @@ impl Arena {
     /// # Errors
     /// As [`Arena::run`]: a failure seen without waiting (a disagreement reported or seen in
     /// a signature, an earlier failure), or a plan that does not fit.
+    #[inline]
     pub fn try_run(
+        &mut self,
+        plan: &ArenaPlan,
+        buffer: &mut [u8],
+        signature: u64,
+    ) -> Result<Option<Unfinished>, ArenaError> {
+        // A plan that only signals takes its own short path (a function of its own, which
+        // saves and restores fewer registers than the general step's caller).
+        if plan.signals_only() && buffer.is_empty() {
+            return self.try_signal(plan, signature);
+        }
+        self.try_run_steps(plan, buffer, signature)
+    }
+
+    /// [`Arena::try_run`] through the general step ([`Arena::advance`]).
+    fn try_run_steps(
         &mut self,
         plan: &ArenaPlan,
         buffer: &mut [u8],

@@ -447,3 +447,54 @@ async fn try_run_stops_where_its_spin_ends_and_resume_finishes_with_the_same_res
     // And every later run of rank 1 fails with the same, without a wait.
     assert_eq!(a1.try_run(&barrier1, &mut [], 12).unwrap_err(), e);
 }
+
+/// A plan that only signals (a barrier) runs on its own short path in `try_run`: where its
+/// spin ends it stops exactly where the general step ([`Arena::advance`]) stops the same plan,
+/// having published the same, and `resume` finishes it alike.
+#[tokio::test]
+async fn a_barrier_on_the_short_path_stops_where_the_general_step_stops() {
+    let world = 2;
+    let (mut short, mut general) = (arenas(world, 1 << 16).await, arenas(world, 1 << 16).await);
+    let slot = short[0].slot_bytes();
+    let plans: Vec<ArenaPlan> = (0..world)
+        .map(|r| arena::barrier(r, world, slot).unwrap())
+        .collect();
+    assert!(plans.iter().all(ArenaPlan::signals_only));
+    let by_short = short[0].try_run(&plans[0], &mut [], 5).unwrap();
+    let by_short = by_short.expect("rank 1 has not come: rank 0 cannot finish");
+    let mut at = At::START;
+    let empty = Buffer {
+        ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(),
+        len: 0,
+    };
+    let blocked = general[0].advance(&plans[0], empty, &mut at, 5, Look::Spin);
+    assert_eq!(blocked, Ok(Some(Blocked::Phase)));
+    at.spun = true;
+    assert_eq!(by_short.parts(), (at, Some((5, 0, 1))));
+    let published = |a: &Arena| {
+        let (tag, sig) = a.signature_words(0, 0);
+        (
+            a.counter_value(0),
+            tag.load(Ordering::Relaxed),
+            sig.load(Ordering::Relaxed),
+            a.state.phase(),
+        )
+    };
+    assert_eq!(published(&short[0]), published(&general[0]));
+    assert_eq!(published(&short[0]), (arena::counter(1), 0, 5, 1));
+    // Rank 1 comes (on the short path, in both pairs); rank 0 resumes.
+    let bounds = Bounds {
+        signature: 5,
+        ..bounds(Duration::from_secs(5))
+    };
+    let never = never();
+    tokio::pin!(never);
+    for pair in [&mut short, &mut general] {
+        assert_eq!(pair[1].try_run(&plans[1], &mut [], 5).unwrap(), None);
+        pair[0]
+            .resume(&plans[0], &mut [], &bounds, never.as_mut(), by_short)
+            .await
+            .unwrap();
+        assert_eq!(pair[0].state.phase(), 1);
+    }
+}
