@@ -54,7 +54,7 @@ def _main(rank: int, port: int, out: str) -> None:
         TENSORWIRE_SECRET=os.environ.get("TENSORWIRE_SECRET", "step-switches"), OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
-    if os.environ.get("PIN"):
+    if os.environ.get("PIN", "0") != "0":
         os.sched_setaffinity(0, {0})
     import tensorwire.rpc as rpc
     from tensorwire.bench import autograd as suite
@@ -105,7 +105,7 @@ def _main(rank: int, port: int, out: str) -> None:
         d = [tuple(b[i] - a[i] for i in range(3)) for a, b in zip(u0, u1)]
         record = {
             "steps": STEPS,
-            "pinned": bool(os.environ.get("PIN")),
+            "pinned": os.environ.get("PIN", "0") != "0",
             "wall_us_median": statistics.median(walls) * 1e6,
             "voluntary_switches_per_step": [v / STEPS for v, _, _ in d],
             "involuntary_switches_per_step": [iv / STEPS for _, iv, _ in d],
