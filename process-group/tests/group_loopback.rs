@@ -10,6 +10,7 @@ use tensorwire_core::ports::process_group::{
     Collectives, ProcessGroup, ProcessGroupError, TensorCollectives,
 };
 use tensorwire_core::ports::store::Store;
+use tensorwire_core::ports::transport::TransportError;
 use tensorwire_process_group::{CollectivesExt, Group, GroupOptions, InMemoryStore};
 use tensorwire_transport_tcp::{ClusterSecret, TcpConfig, TcpTransport};
 
@@ -463,6 +464,43 @@ async fn setup_names_the_ranks_that_never_arrive() {
             .await
             .unwrap_err();
         assert!(err.to_string().contains("out of range"), "{err}");
+    })
+    .await;
+}
+
+/// A rank that cannot listen where it is told to fails its setup with the transport's own
+/// error as data (what it was doing, and the address in use), not the error's text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_setup_that_cannot_listen_carries_the_transports_error() {
+    bounded(async {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        let store: Arc<dyn Store> = Arc::new(InMemoryStore::new());
+        let options = GroupOptions::new("taken")
+            .with_timeout(Duration::from_millis(500))
+            .with_listen(addr);
+        // Rank 1 of 2 accepts rank 0's connection, so it listens.
+        let err = Group::connect(store, transport(), 1, 2, options)
+            .await
+            .unwrap_err();
+        match &err {
+            ProcessGroupError::SetupTransport {
+                rank: 1,
+                doing: "listening",
+                source,
+            } => assert!(
+                matches!(
+                    **source,
+                    TransportError::Io {
+                        kind: std::io::ErrorKind::AddrInUse,
+                        ..
+                    }
+                ),
+                "{source}"
+            ),
+            other => panic!("expected the transport's error, got {other}"),
+        }
+        assert!(err.to_string().contains(&addr.to_string()), "{err}");
     })
     .await;
 }

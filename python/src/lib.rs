@@ -68,6 +68,8 @@ pub(crate) fn kind_of(error: &ProcessGroupError) -> &'static str {
         | ProcessGroupError::UnsupportedType { .. } => "argument",
         ProcessGroupError::Unsupported { .. } => "unsupported",
         ProcessGroupError::Setup { .. }
+        | ProcessGroupError::SetupStore { .. }
+        | ProcessGroupError::SetupTransport { .. }
         | ProcessGroupError::SetupTimeout { .. }
         | ProcessGroupError::ClaimedTwice { .. } => "network",
         _ => "backend",

@@ -38,8 +38,10 @@ pub async fn exchange(
     readiness: Readiness,
 ) -> Result<Vec<u8>, ProcessGroupError> {
     let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
-    let store_err = |what: &str, e: tensorwire_core::ports::store::StoreError| {
-        setup(format!("{what} through the store failed: {e}"))
+    let store_err = |doing: &'static str, source| ProcessGroupError::SetupStore {
+        rank,
+        doing,
+        source,
     };
     let id_key = format!("{prefix}/id");
     let status_key = |r: usize| format!("{prefix}/status/{r}");
@@ -116,8 +118,10 @@ async fn read_outcome(
     readiness: Readiness,
 ) -> Result<Vec<u8>, ProcessGroupError> {
     let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
-    let store_err = |what: &str, e: tensorwire_core::ports::store::StoreError| {
-        setup(format!("{what} through the store failed: {e}"))
+    let store_err = |doing: &'static str, source| ProcessGroupError::SetupStore {
+        rank,
+        doing,
+        source,
     };
     let mut unable = Vec::new();
     for (r, key) in keys.iter().enumerate() {

@@ -99,17 +99,24 @@ impl Mesh {
             }
         };
         let listener = if accepts > 0 {
-            let listener = transport
-                .listen(listen)
-                .await
-                .map_err(|e| setup_err(format!("cannot listen on {listen}: {e}")))?;
+            let listener = transport.listen(listen).await.map_err(|source| {
+                ProcessGroupError::SetupTransport {
+                    rank,
+                    doing: "listening",
+                    source: Box::new(source),
+                }
+            })?;
             store
                 .set(
                     &address_key(group, rank),
                     listener.local_addr().to_string().as_bytes(),
                 )
                 .await
-                .map_err(|e| setup_err(format!("cannot publish this rank's address: {e}")))?;
+                .map_err(|source| ProcessGroupError::SetupStore {
+                    rank,
+                    doing: "publishing this rank's address",
+                    source,
+                })?;
             debug!(group, rank, world, local = %listener.local_addr(), "mesh listening");
             Some(listener)
         } else {

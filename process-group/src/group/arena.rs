@@ -374,6 +374,12 @@ impl Group {
     ) -> Result<Option<Arena>, ProcessGroupError> {
         let rank = self.rank();
         let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
+        let setup_store = |doing, source| ProcessGroupError::SetupStore {
+            rank,
+            doing,
+            source,
+        };
+        let removing = |source| setup_store("removing the arena's name", source);
         let store = &self.inner._store;
         let runtime = &**self.inner.mesh.runtime();
         let deadline = runtime.deadline_after(self.inner.timeout);
@@ -385,11 +391,11 @@ impl Group {
                     store
                         .set(key, b"")
                         .await
-                        .map_err(|e| setup(format!("publishing the arena: {e}")))?;
+                        .map_err(|e| setup_store("publishing the arena", e))?;
                     // Every rank reads the empty name before it enters this barrier (over the
                     // links: no rank has an arena), so once it is passed the key can go.
                     self.links_barrier().await?;
-                    delete_name(store.as_ref(), key).await.map_err(setup)?;
+                    delete_name(store.as_ref(), key).await.map_err(removing)?;
                     return Ok(None);
                 }
                 Err(e) => return Err(setup(e.to_string())),
@@ -397,7 +403,7 @@ impl Group {
             store
                 .set(key, host.name().as_bytes())
                 .await
-                .map_err(|e| setup(format!("publishing the arena: {e}")))?;
+                .map_err(|e| setup_store("publishing the arena", e))?;
             let accepted = host.accept(rank, pids, spin(), runtime, deadline).await;
             // Every rank has joined, so every rank has read the name: the key goes, and the
             // store holds nothing of the arena once it is set up. It goes too when a rank did
@@ -405,17 +411,17 @@ impl Group {
             // later could not join anyway (it fails waiting for the name instead).
             let deleted = delete_name(store.as_ref(), key).await;
             let arena = accepted.map_err(|e| setup(e.to_string()))?;
-            deleted.map_err(setup)?;
+            deleted.map_err(removing)?;
             Ok(Some(arena))
         } else {
             store
                 .wait(&[key], self.inner.timeout)
                 .await
-                .map_err(|e| setup(format!("waiting for the arena: {e}")))?;
+                .map_err(|e| setup_store("waiting for the arena", e))?;
             let name = store
                 .get(key)
                 .await
-                .map_err(|e| setup(format!("reading the arena's name: {e}")))?;
+                .map_err(|e| setup_store("reading the arena's name", e))?;
             let name =
                 String::from_utf8(name).map_err(|_| setup("a malformed arena name".into()))?;
             if name.is_empty() {
@@ -1121,13 +1127,9 @@ pub(super) fn barrier_word() -> u64 {
     *BARRIER_WORD
 }
 
-/// Removes an arena's name from the store (`Err`: why it could not).
-async fn delete_name(store: &dyn Store, key: &str) -> Result<(), String> {
-    store
-        .delete_key(key)
-        .await
-        .map(|_| ())
-        .map_err(|e| format!("removing the arena's name: {e}"))
+/// Removes an arena's name from the store.
+async fn delete_name(store: &dyn Store, key: &str) -> Result<(), crate::StoreError> {
+    store.delete_key(key).await.map(|_| ())
 }
 
 /// `bytes` cut into consecutive blocks of `lens`.

@@ -494,6 +494,18 @@ impl Staged<'_> {
                 rank: group.rank(),
                 reason,
             },
+            ProcessGroupError::SetupStore { doing, source, .. } => ProcessGroupError::SetupStore {
+                rank: group.rank(),
+                doing,
+                source,
+            },
+            ProcessGroupError::SetupTransport { doing, source, .. } => {
+                ProcessGroupError::SetupTransport {
+                    rank: group.rank(),
+                    doing,
+                    source,
+                }
+            }
             other => other,
         }
     }

@@ -277,13 +277,36 @@ pub enum ProcessGroupError {
         #[source]
         source: crate::identity::RankClaimError,
     },
-    /// Setting up the group failed (rendezvous, store, connections).
+    /// Setting up the group failed (rendezvous, store, connections), said in the group's
+    /// words with its data (a rank out of range, a malformed record, ...).
     #[error("process group setup on rank {rank}: {reason}")]
     Setup {
         /// This rank.
         rank: usize,
         /// What failed.
         reason: String,
+    },
+    /// Setting up the group failed where the store did.
+    #[error("process group setup on rank {rank}: {doing} failed: {source}")]
+    SetupStore {
+        /// This rank.
+        rank: usize,
+        /// What the setup was doing through the store (`"publishing the arena"`, ...).
+        doing: &'static str,
+        /// The store's error.
+        #[source]
+        source: crate::ports::store::StoreError,
+    },
+    /// Setting up the group failed where the transport did.
+    #[error("process group setup on rank {rank}: {doing} failed: {source}")]
+    SetupTransport {
+        /// This rank.
+        rank: usize,
+        /// What the setup was doing (`"listening"`, ...).
+        doing: &'static str,
+        /// The transport's error (boxed: it is large, and rare).
+        #[source]
+        source: Box<TransportError>,
     },
     /// The backend does not offer this operation.
     #[error("the {backend} backend does not support {collective}")]
