@@ -91,10 +91,9 @@ pub enum MeshViolation {
         kind: FrameKind,
     },
     /// A group frame whose header does not decode (core's `protocol::mesh::GroupFrame`).
-    #[error("it sent a group frame that does not decode: {source}")]
+    #[error("it sent a group frame that does not decode: {reason}")]
     MalformedGroupFrame {
-        /// What the decoder found wrong.
-        #[source]
-        source: crate::protocol::mesh::MeshFrameError,
+        /// The decoder's words.
+        reason: String,
     },
 }
