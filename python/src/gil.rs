@@ -152,15 +152,21 @@ pub(crate) fn run_here_or_submit(job: Job) {
         submit(job);
         return;
     }
-    tokio::task::block_in_place(|| {
-        Python::attach(|py| {
-            if std::panic::catch_unwind(AssertUnwindSafe(|| job(py))).is_err() {
-                tracing::error!("a tensorwire.rpc job panicked");
-            }
-        })
-    });
-    done_here();
+    if run_claimed(|| Python::attach(job)).is_err() {
+        tracing::error!("a tensorwire.rpc job panicked");
+    }
 }
+
+/// Runs `f` on this thread for a job [`claim_here`] counted, the worker's other tasks handed
+/// to another thread meanwhile (`block_in_place`), catching a panic; then ends the claim.
+fn run_claimed<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
+    let ran = tokio::task::block_in_place(|| std::panic::catch_unwind(AssertUnwindSafe(f)));
+    done_here();
+    ran
+}
+
+/// What a job that panicked gives the one waiting for it.
+const ABNORMAL: &str = "the Python call ended abnormally";
 
 /// Runs `job`, which may take the GIL itself (it is called without it), on this thread and
 /// now under the conditions of [`run_here_or_submit`], else as a job of the runners with the
@@ -172,9 +178,7 @@ pub(crate) async fn run_detached_here_or_submit(
     if !claim_here() {
         return on_python(move |py| py.detach(job)).await;
     }
-    let ran = tokio::task::block_in_place(|| std::panic::catch_unwind(AssertUnwindSafe(job)));
-    done_here();
-    ran.map_err(|_| "the Python call ended abnormally".to_owned())
+    run_claimed(job).map_err(|_| ABNORMAL.to_owned())
 }
 
 /// A runner: takes the GIL and runs jobs until the queue is empty.
@@ -239,11 +243,7 @@ pub(crate) async fn on_python_here<T: Send + 'static>(
     f: impl FnOnce(Python<'_>) -> T + Send + 'static,
 ) -> Result<T, String> {
     if claim_here() {
-        let ran = tokio::task::block_in_place(|| {
-            Python::attach(|py| std::panic::catch_unwind(AssertUnwindSafe(|| f(py))))
-        });
-        done_here();
-        return ran.map_err(|_| "the Python call ended abnormally".to_owned());
+        return run_claimed(|| Python::attach(f)).map_err(|_| ABNORMAL.to_owned());
     }
     on_python(f).await
 }
@@ -257,6 +257,5 @@ pub(crate) async fn on_python<T: Send + 'static>(
     submit(Box::new(move |py| {
         let _ = tx.send(f(py));
     }));
-    rx.await
-        .map_err(|_| "the Python call ended abnormally".to_owned())
+    rx.await.map_err(|_| ABNORMAL.to_owned())
 }
