@@ -284,9 +284,8 @@ async fn the_held_requests_of_a_peer_that_is_lost_are_dropped_and_their_bytes_fr
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        // Those it had sent and w0 had not read yet may have run (it read them after its
-        // queue for w2 was freed, as any request a peer sent before it left); the held ones
-        // never ran.
+        // The held ones never ran, nor any w0 read once it had w2 as lost (forgotten with
+        // it); those w0 had let through before may have run.
         let after = runs.load(Ordering::Relaxed);
         assert!(
             after < FLOOD,

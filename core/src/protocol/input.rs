@@ -494,6 +494,20 @@ impl<B: Payload> Endpoint<B> {
     /// [`Event::PeerLost`]; later ones keep that first cause and emit nothing.
     pub fn handle_peer_lost(&mut self, peer: WorkerId, cause: LostCause, now: Instant) {
         self.last_now = Some(now);
+        // Its requests the application has not taken yet go too (else a driver that holds a
+        // peer's requests while it does not read would hold these for good), their forks
+        // released as a refused request's are.
+        let mut forks = Vec::new();
+        self.events.retain_mut(|ev| match ev {
+            Event::Call { token, body, .. } | Event::Remote { token, body, .. }
+                if token.from == peer =>
+            {
+                forks.extend(body.forks());
+                false
+            }
+            _ => true,
+        });
+        self.release_forks(forks, now);
         let cause = match self.lost.entry(peer) {
             std::collections::hash_map::Entry::Occupied(e) => e.get().clone(),
             std::collections::hash_map::Entry::Vacant(e) => {

@@ -57,6 +57,15 @@ impl<B: Payload> Endpoint<B> {
         body: Option<B>,
         now: Instant,
     ) -> Option<B> {
+        if self.lost.contains_key(&from) {
+            // Its connection is gone: what it asked can never be answered. Its requests were
+            // forgotten when it was lost, and one still on its way goes the same way, its
+            // forks released as a refused request's are.
+            if let Some(b) = body {
+                self.release_forks(b.forks(), now);
+            }
+            return None;
+        }
         if !self.takes_requests() {
             self.refuse(from, id);
             // The references the request carried were forked for this worker: accepted and

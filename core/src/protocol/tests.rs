@@ -363,6 +363,31 @@ fn lost_peer_fails_its_calls_by_name() {
 }
 
 #[test]
+fn a_lost_peers_requests_are_forgotten_whether_waiting_here_or_still_on_their_way() {
+    let mut s = Sim::new(3);
+    let now = s.clock.now();
+    s.ep(1).call(0, "echo", vec![1], T, now).unwrap();
+    s.ep(1).call(0, "echo", vec![2], T, now).unwrap();
+    s.pump();
+    // The first reaches worker 0, whose application has not taken it yet when worker 1 is
+    // lost; the second arrives after the loss.
+    let first = s.links.pop((1, 0)).unwrap();
+    s.ep(0)
+        .handle_message(1, first.header, first.body, now)
+        .unwrap();
+    s.ep(0)
+        .handle_peer_lost(1, crate::protocol_sim::lost_link(), now);
+    assert!(s.deliver(1, 0));
+    s.pump();
+    assert!(s.deadlines[0].is_empty(), "a lost peer's request ran");
+    assert!(s.ep(0).debug_info().requests_being_served.is_empty());
+    // The others' requests run as before.
+    let id = s.ep(2).call(0, "echo", vec![3], T, now).unwrap();
+    s.drain();
+    assert_eq!(s.outcome(2, id), Some(&Ok(vec![3])));
+}
+
+#[test]
 fn shutdown_refuses_new_work_and_stop_fails_pending() {
     let mut s = Sim::new(2);
     let now = s.clock.now();

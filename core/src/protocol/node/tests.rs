@@ -736,6 +736,21 @@ fn a_lost_peers_held_requests_are_dropped_and_one_past_its_budget_drops_it() {
     assert!(!n.handle_request_finished(1), "nothing is held any more");
     assert!(calls_out(&mut n).is_empty());
 
+    // A request the node had not handed out yet when its peer was lost, and one that arrives
+    // after the loss, are forgotten: neither is held (nothing would ever drop it) nor runs.
+    let mut n = node(0, false);
+    n.ep().budget().set_running_cap(1);
+    n.handle_frame(now, 1, call_from_peer(1, "a", b"xyz"))
+        .unwrap();
+    assert_eq!(calls_out(&mut n), vec!["a"]);
+    n.handle_frame(now, 1, call_from_peer(2, "b", b"xyz"))
+        .unwrap();
+    n.handle_peer_lost(1, LostCause::Shutdown, now);
+    n.handle_frame(now, 1, call_from_peer(3, "c", b"xyz"))
+        .unwrap();
+    assert!(calls_out(&mut n).is_empty());
+    assert_eq!(n.ep().budget().held(1), crate::budget::Held::default());
+
     // A request past the budget while its peer's requests are held: the driver is told to
     // drop the peer.
     let mut ep = Endpoint::new(0, EndpointConfig::default());
