@@ -446,8 +446,8 @@ async fn a_group_frame_that_does_not_decode_is_the_senders_violation(net: Net) {
         match &err {
             ProcessGroupError::Misbehaved {
                 rank: HOSTILE,
-                violation: MeshViolation::MalformedGroupFrame { reason },
-            } => assert!(reason.contains("malformed"), "{err}"),
+                violation: MeshViolation::MalformedGroupFrame { source },
+            } => assert!(source.to_string().contains("malformed"), "{err}"),
             other => panic!("rank 0 failed with {other}"),
         }
     })

@@ -91,9 +91,10 @@ pub enum MeshViolation {
         kind: FrameKind,
     },
     /// A group frame whose header does not decode (core's `protocol::mesh::GroupFrame`).
-    #[error("it sent a group frame that does not decode: {reason}")]
+    #[error("it sent a group frame that does not decode: {source}")]
     MalformedGroupFrame {
-        /// The decoder's words.
-        reason: String,
+        /// What the decoder found wrong.
+        #[source]
+        source: crate::wire::MeshFrameError,
     },
 }

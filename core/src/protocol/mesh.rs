@@ -24,43 +24,7 @@ use crate::collective::stage_failure::{StageCause, StageReport};
 use crate::collective::{Signature, SIGNATURE_LEN};
 use crate::wire::{Frame, FrameKind};
 
-/// Why a frame is not the mesh frame it should be.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum MeshFrameError {
-    /// A frame of another kind where this one was due.
-    #[error("its {what} is a {kind:?} frame, not a {expected:?} frame")]
-    WrongKind {
-        /// What was due.
-        what: &'static str,
-        /// The kind that came.
-        kind: FrameKind,
-        /// The kind that was due.
-        expected: FrameKind,
-    },
-    /// The header does not parse.
-    #[error("its {what} is malformed ({reason})")]
-    Malformed {
-        /// What was due.
-        what: &'static str,
-        /// The decoder's words.
-        reason: String,
-    },
-    /// Bytes after the value.
-    #[error("its {what} has {extra} bytes after its end")]
-    Trailing {
-        /// What was due.
-        what: &'static str,
-        /// How many.
-        extra: usize,
-    },
-    /// A disagreement notice with a signature that no collective produces.
-    #[error("its {what} carries a malformed collective signature")]
-    BadSignature {
-        /// What was due.
-        what: &'static str,
-    },
-}
+pub use crate::wire::MeshFrameError;
 
 fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     // Serializing these plain values into a vector cannot fail (no maps, no custom

@@ -1,7 +1,8 @@
 //! What can be wrong with a frame.
 
+use super::FrameKind;
 #[cfg(doc)]
-use super::{FrameKind, WireLimits};
+use super::WireLimits;
 use super::{MAGIC, VERSION};
 
 /// What was wrong with a frame.
@@ -73,5 +74,45 @@ pub enum WireError {
         received: u64,
         /// Bytes of that part expected.
         expected: u64,
+    },
+}
+
+/// Why a frame is not the mesh frame it should be (its header is a value of
+/// `protocol::mesh`, decoded there; the error lives here, below both `protocol` and
+/// `collective`, which name it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MeshFrameError {
+    /// A frame of another kind where this one was due.
+    #[error("its {what} is a {kind:?} frame, not a {expected:?} frame")]
+    WrongKind {
+        /// What was due.
+        what: &'static str,
+        /// The kind that came.
+        kind: FrameKind,
+        /// The kind that was due.
+        expected: FrameKind,
+    },
+    /// The header does not parse.
+    #[error("its {what} is malformed ({reason})")]
+    Malformed {
+        /// What was due.
+        what: &'static str,
+        /// The decoder's words.
+        reason: String,
+    },
+    /// Bytes after the value.
+    #[error("its {what} has {extra} bytes after its end")]
+    Trailing {
+        /// What was due.
+        what: &'static str,
+        /// How many.
+        extra: usize,
+    },
+    /// A disagreement notice with a signature that no collective produces.
+    #[error("its {what} carries a malformed collective signature")]
+    BadSignature {
+        /// What was due.
+        what: &'static str,
     },
 }

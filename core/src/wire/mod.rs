@@ -56,7 +56,7 @@ pub use decode::{
     GROWTH_STEP,
 };
 pub use encode::{encode_preamble, encode_to_vec, OutgoingFrame};
-pub use error::WireError;
+pub use error::{MeshFrameError, WireError};
 
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"TWFR";

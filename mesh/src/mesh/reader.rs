@@ -163,11 +163,7 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
                 // the arena, with the ranks the report names.
                 shared.fail(error);
             }
-            Err(e) => {
-                break End::Violation(MeshViolation::MalformedGroupFrame {
-                    reason: e.to_string(),
-                })
-            }
+            Err(source) => break End::Violation(MeshViolation::MalformedGroupFrame { source }),
         }
     };
     // A peer dropped for what it sent hears why before its connection closes (best effort,
