@@ -536,21 +536,29 @@ impl Mesh {
     }
 
     /// Says goodbye to every peer and closes the connections; collectives fail afterwards.
+    /// The goodbyes go out side by side, each within `timeout`: a peer that does not read
+    /// delays nobody else's. The readers end here, or when the mesh is dropped if this is
+    /// cut short.
     pub async fn shutdown(&self, timeout: Duration) {
         self.shared.fail(ProcessGroupError::ShutDown);
-        let shared = &self.shared;
-        let goodbyes = shared.peers.iter().flatten().map(|link| async move {
-            let _ = shared
-                .runtime
-                .timeout(timeout, async {
-                    let _ = link.conn.send(GroupFrame::Goodbye.frame(Vec::new())).await;
-                    let _ = link.conn.close().await;
-                })
-                .await;
-        });
-        for goodbye in goodbyes {
-            goodbye.await;
+        let mut goodbyes = tokio::task::JoinSet::new();
+        for (peer, link) in self.shared.peers.iter().enumerate() {
+            let Some(link) = link else { continue };
+            let conn = Arc::clone(&link.conn);
+            let runtime = self.shared.runtime.clone();
+            goodbyes.spawn(async move {
+                let said = runtime
+                    .timeout(timeout, async {
+                        let _ = conn.send(GroupFrame::Goodbye.frame(Vec::new())).await;
+                        let _ = conn.close().await;
+                    })
+                    .await;
+                if said.is_err() {
+                    tracing::debug!(peer, "the goodbye did not go out within {timeout:?}");
+                }
+            });
         }
+        while goodbyes.join_next().await.is_some() {}
         for reader in &self.readers {
             reader.abort();
         }
