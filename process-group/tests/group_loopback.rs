@@ -2770,3 +2770,46 @@ async fn an_abort_in_a_subgroup_arena_names_the_world_rank() {
     }
     drop(gs);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_object_that_does_not_decode_and_a_root_without_a_value_are_typed_errors() {
+    bounded(async {
+        let gs = groups(2, "object-errors", Duration::from_secs(20)).await;
+        // Rank 0 sends a byte that is no `bool`: rank 1's decode of it fails naming rank 0,
+        // with the codec's error as its source.
+        let (zero, one) = tokio::join!(
+            gs[0].all_gather_object(&7u8),
+            gs[1].all_gather_object(&true)
+        );
+        assert_eq!(zero.unwrap(), [7, 1]);
+        match one.unwrap_err() {
+            ProcessGroupError::Object {
+                rank: 0,
+                op: "decoded",
+                source,
+            } => assert!(!source.to_string().is_empty()),
+            other => panic!("{other}"),
+        }
+        // A root with nothing to send fails before the collective starts.
+        let err = gs[0].broadcast_object::<u32>(None, 0).await.unwrap_err();
+        assert_eq!(
+            err,
+            ProcessGroupError::NoRootValue {
+                collective: "broadcast_object",
+                root: 0
+            }
+        );
+        let err = gs[1].scatter_object::<u32>(None, 1).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ProcessGroupError::NoRootValue {
+                    collective: "scatter_object",
+                    root: 1
+                }
+            ),
+            "{err}"
+        );
+    })
+    .await;
+}

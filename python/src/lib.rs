@@ -65,7 +65,8 @@ pub(crate) fn kind_of(error: &ProcessGroupError) -> &'static str {
     match error {
         ProcessGroupError::Arguments { .. }
         | ProcessGroupError::WrongDevice { .. }
-        | ProcessGroupError::UnsupportedType { .. } => "argument",
+        | ProcessGroupError::UnsupportedType { .. }
+        | ProcessGroupError::NoRootValue { .. } => "argument",
         ProcessGroupError::Unsupported { .. } => "unsupported",
         ProcessGroupError::Setup { .. }
         | ProcessGroupError::SetupStore { .. }

@@ -79,10 +79,10 @@ pub(super) fn encode_object<T: Serialize>(
     rank: usize,
     value: &T,
 ) -> Result<Vec<u8>, ProcessGroupError> {
-    postcard::to_allocvec(value).map_err(|e| ProcessGroupError::Object {
+    postcard::to_allocvec(value).map_err(|source| ProcessGroupError::Object {
         rank,
         op: "encoded",
-        reason: e.to_string(),
+        source,
     })
 }
 
@@ -90,10 +90,10 @@ pub(super) fn decode_object<T: DeserializeOwned>(
     rank: usize,
     bytes: &[u8],
 ) -> Result<T, ProcessGroupError> {
-    postcard::from_bytes(bytes).map_err(|e| ProcessGroupError::Object {
+    postcard::from_bytes(bytes).map_err(|source| ProcessGroupError::Object {
         rank,
         op: "decoded",
-        reason: e.to_string(),
+        source,
     })
 }
 
@@ -210,10 +210,9 @@ pub trait CollectivesExt: ProcessGroup {
     {
         let rank = self.rank();
         let blocks = if rank == root {
-            let values = values.ok_or_else(|| ProcessGroupError::Object {
-                rank,
-                op: "encoded",
-                reason: "the root passed no values to scatter".to_owned(),
+            let values = values.ok_or(ProcessGroupError::NoRootValue {
+                collective: "scatter_object",
+                root,
             })?;
             values
                 .iter()
@@ -233,22 +232,12 @@ pub trait CollectivesExt: ProcessGroup {
         T: Serialize + DeserializeOwned + Sync,
     {
         let rank = self.rank();
-        let bytes = postcard::to_allocvec(value).map_err(|e| ProcessGroupError::Object {
-            rank,
-            op: "encoded",
-            reason: e.to_string(),
-        })?;
+        let bytes = encode_object(rank, value)?;
         let blocks = self.all_gather(&bytes).await?;
         blocks
             .iter()
             .enumerate()
-            .map(|(peer, block)| {
-                postcard::from_bytes(block).map_err(|e| ProcessGroupError::Object {
-                    rank: peer,
-                    op: "decoded",
-                    reason: e.to_string(),
-                })
-            })
+            .map(|(peer, block)| decode_object(peer, block))
             .collect()
     }
 
@@ -264,25 +253,16 @@ pub trait CollectivesExt: ProcessGroup {
     {
         let rank = self.rank();
         let bytes = if rank == root {
-            let value = value.ok_or_else(|| ProcessGroupError::Object {
-                rank,
-                op: "encoded",
-                reason: "the root passed no value to broadcast".to_owned(),
+            let value = value.ok_or(ProcessGroupError::NoRootValue {
+                collective: "broadcast_object",
+                root,
             })?;
-            postcard::to_allocvec(value).map_err(|e| ProcessGroupError::Object {
-                rank,
-                op: "encoded",
-                reason: e.to_string(),
-            })?
+            encode_object(rank, value)?
         } else {
             Vec::new()
         };
         let bytes = self.broadcast_bytes(&bytes, root).await?;
-        postcard::from_bytes(&bytes).map_err(|e| ProcessGroupError::Object {
-            rank: root,
-            op: "decoded",
-            reason: e.to_string(),
-        })
+        decode_object(root, &bytes)
     }
 }
 

@@ -335,14 +335,24 @@ pub enum ProcessGroupError {
     #[error("the process group was shut down")]
     ShutDown,
     /// Encoding or decoding an object (`all_gather_object`) failed.
-    #[error("object from rank {rank} could not be {op}: {reason}")]
+    #[error("object from rank {rank} could not be {op}: {source}")]
     Object {
         /// The rank whose object it is.
         rank: usize,
         /// `"encoded"` or `"decoded"`.
         op: &'static str,
-        /// The serde error.
-        reason: String,
+        /// The codec's error.
+        #[source]
+        source: postcard::Error,
+    },
+    /// The root of an object collective (`broadcast_object`, `scatter_object`) passed no
+    /// value to send.
+    #[error("{collective}: the root (rank {root}) passed no value to send")]
+    NoRootValue {
+        /// The collective.
+        collective: &'static str,
+        /// The root, this rank.
+        root: usize,
     },
 }
 
