@@ -188,7 +188,14 @@ impl ProcessGroupFactory for NcclFactory {
         for (key, value) in options {
             match key.as_str() {
                 "group_name" => name = Some(value),
-                _ => return Err(setup(format!("Unknown option {key}"))),
+                _ => {
+                    return Err(ProcessGroupError::BadOption {
+                        rank,
+                        key,
+                        value,
+                        expected: "no such option (known: group_name)",
+                    })
+                }
             }
         }
         let name = name
@@ -643,7 +650,10 @@ mod tests {
             .await
             .err()
             .unwrap();
-        assert!(e.to_string().contains("Unknown option bogus"), "{e}");
+        assert!(
+            matches!(&e, ProcessGroupError::BadOption { key, .. } if key == "bogus"),
+            "{e}"
+        );
     }
 
     /// On a machine without a GPU or NCCL (CI), every rank's `new_group` fails at once naming

@@ -214,6 +214,17 @@ impl TensorwireFactory {
         options: BackendOptions,
     ) -> Result<Group, ProcessGroupError> {
         let setup = |reason: String| ProcessGroupError::Setup { rank, reason };
+        let bad = |key: &str, value: &str, expected| ProcessGroupError::BadOption {
+            rank,
+            key: key.to_owned(),
+            value: value.to_owned(),
+            expected,
+        };
+        let transport = |source| ProcessGroupError::SetupTransport {
+            rank,
+            doing: "configuring the transport",
+            source: Box::new(source),
+        };
         let mut name = None;
         let mut listen_ip = None;
         let mut insecure = false;
@@ -226,51 +237,55 @@ impl TensorwireFactory {
                     collectives = Some(match value.trim().to_ascii_lowercase().as_str() {
                         "arena" => crate::CollectivePath::Arena,
                         "links" => crate::CollectivePath::Links,
-                        _ => {
-                            return Err(setup(format!(
-                                "option collectives={value:?}: use arena or links"
-                            )))
-                        }
+                        _ => return Err(bad(&key, &value, "arena or links")),
                     })
                 }
                 "arena_bytes" => {
-                    arena_bytes = Some(value.trim().parse::<usize>().map_err(|e| {
-                        setup(format!("option arena_bytes={value:?} is not a size ({e})"))
-                    })?)
+                    arena_bytes = Some(
+                        value
+                            .trim()
+                            .parse::<usize>()
+                            .map_err(|_| bad(&key, &value, "a size in bytes"))?,
+                    )
                 }
                 "group_name" => name = Some(value),
                 "listen_ip" => {
-                    listen_ip = Some(value.parse::<IpAddr>().map_err(|e| {
-                        setup(format!(
-                            "option listen_ip={value:?} is not an IP address ({e})"
-                        ))
-                    })?)
+                    listen_ip = Some(
+                        value
+                            .parse::<IpAddr>()
+                            .map_err(|_| bad(&key, &value, "an IP address"))?,
+                    )
                 }
                 "insecure" => insecure = value == "true" || value == "1",
                 "debug" => {
                     debug = Some(
                         tensorwire_core::collective::DebugLevel::parse(&value)
-                            .map_err(|e| setup(e.to_string()))?,
+                            .map_err(|_| bad(&key, &value, "off, info or detail"))?,
                     )
                 }
-                _ => return Err(setup(format!("Unknown option {key}"))),
+                _ => {
+                    return Err(bad(
+                        &key,
+                        &value,
+                        "no such option (known: group_name, listen_ip, insecure, debug, \
+                         collectives, arena_bytes)",
+                    ))
+                }
             }
         }
         let name =
             name.unwrap_or_else(|| format!("tw{}", GROUP_COUNTER.fetch_add(1, Ordering::Relaxed)));
         let ip = advertise_ip(listen_ip).map_err(|e| setup(e.to_string()))?;
-        let config = TcpConfig::resolve(None, insecure).map_err(|e| setup(e.to_string()))?;
+        let config = TcpConfig::resolve(None, insecure).map_err(transport)?;
         // Shared memory for ranks on this host, TCP for the others (TENSORWIRE_TRANSPORT).
         #[cfg(target_os = "linux")]
         let transport = Arc::new(
             tensorwire_transport_shm::SelectingTransport::from_tcp_config(config)
-                .map_err(|e| setup(e.to_string()))?,
+                .map_err(transport)?,
         );
         #[cfg(not(target_os = "linux"))]
-        let transport = Arc::new(
-            tensorwire_transport_tcp::TcpTransport::new(config)
-                .map_err(|e| setup(e.to_string()))?,
-        );
+        let transport =
+            Arc::new(tensorwire_transport_tcp::TcpTransport::new(config).map_err(transport)?);
         let mut options = GroupOptions::new(name)
             .with_timeout(timeout)
             .with_listen(SocketAddr::new(ip, 0));
@@ -429,7 +444,10 @@ mod tests {
             .await
             .err()
             .unwrap();
-        assert!(err.to_string().contains("Unknown option bogus"), "{err}");
+        assert!(
+            matches!(&err, ProcessGroupError::BadOption { key, .. } if key == "bogus"),
+            "{err}"
+        );
         let err = TensorwireFactory
             .create(
                 store.clone(),

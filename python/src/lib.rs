@@ -66,7 +66,8 @@ pub(crate) fn kind_of(error: &ProcessGroupError) -> &'static str {
         ProcessGroupError::Arguments { .. }
         | ProcessGroupError::WrongDevice { .. }
         | ProcessGroupError::UnsupportedType { .. }
-        | ProcessGroupError::NoRootValue { .. } => "argument",
+        | ProcessGroupError::NoRootValue { .. }
+        | ProcessGroupError::BadOption { .. } => "argument",
         ProcessGroupError::Unsupported { .. } => "unsupported",
         ProcessGroupError::Setup { .. }
         | ProcessGroupError::SetupStore { .. }

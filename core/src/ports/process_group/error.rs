@@ -345,6 +345,18 @@ pub enum ProcessGroupError {
         #[source]
         source: postcard::Error,
     },
+    /// A backend option the group was created with is unknown or has a bad value.
+    #[error("process group setup on rank {rank}: option {key}={value:?}: {expected}")]
+    BadOption {
+        /// This rank.
+        rank: usize,
+        /// The option's name.
+        key: String,
+        /// Its value.
+        value: String,
+        /// What the backend takes for it (for an unknown option, the options it knows).
+        expected: &'static str,
+    },
     /// The root of an object collective (`broadcast_object`, `scatter_object`) passed no
     /// value to send.
     #[error("{collective}: the root (rank {root}) passed no value to send")]
