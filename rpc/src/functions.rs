@@ -235,7 +235,15 @@ impl<H: Host> Registry<H> {
         F: Fn(A) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<R, E>> + Send + 'static,
     {
-        self.register_with_context(name, move |_: H::Context, args: A| f(args))
+        let f = Arc::new(f);
+        self.insert(
+            name,
+            Arc::new(move |mut inv: Invocation<H>| {
+                let f = Arc::clone(&f);
+                // No context made (its caller's name looked up) for a function that takes none.
+                Box::pin(async move { finish(f(inv.arguments().await?).await) })
+            }),
+        )
     }
 
     /// Registers `f` under `name`; `f` also gets the [`CallContext`](crate::CallContext): the caller, the agent
