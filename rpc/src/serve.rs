@@ -167,7 +167,9 @@ pub(crate) fn serve(
         let outcome = REPLY
             .scope(std::cell::Cell::new(reply), async {
                 let outcome = handler.await;
-                served.map(|served| served(matches!(outcome, Ok(Ok(_)))));
+                if let Some(served) = served {
+                    served(matches!(outcome, Ok(Ok(_))));
+                }
                 let kept = REPLY
                     .with(|r| r.take().map(|mut r| r.sent = true))
                     .is_some();
