@@ -23,7 +23,6 @@ use tensorwire_core::protocol::served::ServeFailure;
 use tensorwire_core::protocol::value as codec;
 use tensorwire_core::protocol::{RRefForkData, RRefHandle, WorkerId};
 use tensorwire_core::tensor::Tensor;
-use tracing::Instrument;
 
 /// A value a function produced: kept on its owner (remote references) or encoded for a reply.
 pub(crate) trait Value: Any + Send + Sync {
@@ -140,24 +139,6 @@ pub(crate) fn method_target<T: Send + Sync + 'static>(
         .map_err(|_| HandlerError::target_of_another_type(name, std::any::type_name::<T>()))
 }
 
-/// `handler`, counted in the agent's metrics and run in an `rpc_serve` span.
-fn observed<H: Host>(name: &str, handler: Handler<H>) -> Handler<H> {
-    let name: Arc<str> = Arc::from(name);
-    Arc::new(move |inv: Invocation<H>| {
-        let bytes = crate::metrics::message_bytes(inv.args.len(), inv.tensors.iter());
-        let (span, served) = inv.agent.serving(inv.caller, &name, bytes);
-        let running = handler(inv);
-        Box::pin(
-            async move {
-                let outcome = running.await;
-                served(outcome.is_ok());
-                outcome
-            }
-            .instrument(span),
-        )
-    })
-}
-
 /// The functions a worker serves, run on an agent of type `H` (the crate's
 /// [`Functions`](crate::Functions)). Cloning shares the table.
 pub struct Registry<H> {
@@ -210,7 +191,7 @@ impl<H> Registry<H> {
     where
         H: Host,
     {
-        (self.write().insert(name, observed(name, handler)))
+        (self.write().insert(name, handler))
             .map_err(|AlreadyRegistered(name)| RpcError::FunctionRegistered(name))
     }
 
@@ -254,7 +235,15 @@ impl<H: Host> Registry<H> {
         F: Fn(A) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<R, E>> + Send + 'static,
     {
-        self.register_with_context(name, move |_: H::Context, args: A| f(args))
+        let f = Arc::new(f);
+        self.insert(
+            name,
+            Arc::new(move |mut inv: Invocation<H>| {
+                let f = Arc::clone(&f);
+                // No context made (its caller's name looked up) for a function that takes none.
+                Box::pin(async move { finish(f(inv.arguments().await?).await) })
+            }),
+        )
     }
 
     /// Registers `f` under `name`; `f` also gets the [`CallContext`](crate::CallContext): the caller, the agent

@@ -10,7 +10,7 @@ use tensorwire_core::protocol::served::{panic_message, ServeFailure};
 use tensorwire_core::protocol::{RRefId, RemoteError, RequestToken, WorkerId};
 use tracing::warn;
 
-use crate::functions::{HandlerError, Invocation, Value};
+use crate::functions::{HandlerError, Host as _, Invocation, Value};
 use crate::state::Agent;
 use crate::state::Body;
 use crate::tensors::TensorTransferError;
@@ -68,7 +68,9 @@ pub(crate) fn serve(
 ) -> Option<impl std::future::Future<Output = bool> + Send + 'static> {
     let me = this.inner.me.id;
     let agent = this.clone();
-    let handler = if function == crate::gather::GATHER {
+    // The agent's own gather is not a registered function: not counted as one served.
+    let gather = function == crate::gather::GATHER;
+    let handler = if gather {
         Ok(crate::gather::handler())
     } else {
         this.inner.functions.lookup(&function, &this.inner.me.name)
@@ -132,6 +134,12 @@ pub(crate) fn serve(
                 return Some(serving);
             }
         };
+        // Counted in the metrics and run in an `rpc_serve` span, in this task's box (no box
+        // of its own around the function's future).
+        let bytes = crate::metrics::message_bytes(body.data.len(), tensors.iter());
+        let (span, served) = (!gather)
+            .then(|| agent.serving(token.from(), &function, bytes))
+            .unzip();
         let inv = Invocation {
             agent: agent.clone(),
             caller: token.from(),
@@ -150,12 +158,18 @@ pub(crate) fn serve(
             sent: false,
         });
         let handler = CatchPanic {
-            inner: handler(inv),
+            inner: tracing::Instrument::instrument(
+                handler(inv),
+                span.unwrap_or_else(tracing::Span::none),
+            ),
         };
         // `None` once the function took its reply.
         let outcome = REPLY
             .scope(std::cell::Cell::new(reply), async {
                 let outcome = handler.await;
+                if let Some(served) = served {
+                    served(matches!(outcome, Ok(Ok(_))));
+                }
                 let kept = REPLY
                     .with(|r| r.take().map(|mut r| r.sent = true))
                     .is_some();

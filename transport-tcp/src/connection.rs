@@ -28,6 +28,9 @@ const DIRECT_READ_MIN: usize = 64 << 10;
 const READ_BUF: usize = 64 << 10;
 /// At most this many slices per vectored write (Linux's IOV_MAX is 1024).
 const MAX_IOV: usize = 64;
+/// The writer keeps the room of its list of outgoing frames between direct sends up to this
+/// many frames (a larger batch's room is let go of).
+const KEPT_OUTGOING: usize = 64;
 
 /// Sets the socket options every connection uses: `TCP_NODELAY`, and the liveness settings of
 /// `config` (keepalive probes and `TCP_USER_TIMEOUT`).
@@ -263,13 +266,16 @@ impl TcpConnection {
     fn outgoing(&self, frames: Vec<Frame>) -> Result<Vec<OutgoingFrame>, TransportError> {
         frames
             .into_iter()
-            .map(|frame| {
-                OutgoingFrame::new(frame, &self.limits).map_err(|source| TransportError::Wire {
-                    peer: self.peer,
-                    source,
-                })
-            })
+            .map(|frame| self.outgoing_frame(frame))
             .collect()
+    }
+
+    /// `frame` checked against the limits and ready to write.
+    fn outgoing_frame(&self, frame: Frame) -> Result<OutgoingFrame, TransportError> {
+        OutgoingFrame::new(frame, &self.limits).map_err(|source| TransportError::Wire {
+            peer: self.peer,
+            source,
+        })
     }
 
     /// A send finished: a receive may poll for its answer (see [`TcpConfig::spin`]).
@@ -599,10 +605,15 @@ impl Connection for TcpConnection {
         if self.write_broken.load(Ordering::Acquire) {
             return Some(Err(self.broken_error()));
         }
-        let mut outs = match self.outgoing(std::mem::take(frames)) {
-            Ok(outs) => outs,
-            Err(e) => return Some(Err(e)),
-        };
+        // The frames move into the writer's own list (empty here, with the room earlier
+        // writes left): neither list is allocated or freed per send.
+        let mut outs = std::mem::take(&mut writer.held);
+        for frame in frames.drain(..) {
+            match self.outgoing_frame(frame) {
+                Ok(out) => outs.push(out),
+                Err(e) => return Some(Err(e)),
+            }
+        }
         let mut guard = BrokenOnDrop(&self.write_broken, true);
         let mut first = 0;
         while first < outs.len() {
@@ -624,6 +635,11 @@ impl Connection for TcpConnection {
         }
         guard.1 = false;
         self.sent();
+        // Written: the list's room serves the next send (a large batch's goes).
+        outs.clear();
+        if outs.capacity() <= KEPT_OUTGOING {
+            writer.held = outs;
+        }
         Some(Ok(()))
     }
 

@@ -248,7 +248,14 @@ async fn try_send_now_writes_at_once_or_leaves_the_rest_to_the_next_send() -> Re
     let mut frames = vec![Frame::message(&b"small"[..], vec![])];
     ensure!(matches!(c.try_send_now(&mut frames), Some(Ok(()))));
     ensure!(frames.is_empty(), "the frame was taken");
+    ensure!(frames.capacity() >= 1, "the caller's list keeps its room");
     ensure!(&within(s.recv()).await??.header[..] == b"small");
+    // The same list again, with two frames: both go, in order (the writer's list reused).
+    frames.push(Frame::message(&b"one"[..], vec![]));
+    frames.push(Frame::message(&b"two"[..], vec![]));
+    ensure!(matches!(c.try_send_now(&mut frames), Some(Ok(()))));
+    ensure!(&within(s.recv()).await??.header[..] == b"one");
+    ensure!(&within(s.recv()).await??.header[..] == b"two");
 
     // More payloads than the frame header's 64 KiB can list.
     let mut over = vec![Frame::message(Bytes::new(), vec![Bytes::new(); 70_000])];

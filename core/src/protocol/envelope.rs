@@ -90,9 +90,12 @@ impl Envelope {
             forks,
             tensors,
         };
+        // Written in the thread's scratch buffer and copied out at its size: one allocation,
+        // where `encode`'s buffer with room to spare cost `Bytes` a second (its shared header).
+        let header = crate::wire::exact_bytes(|buf| postcard::to_extend(&envelope, buf))?;
         Ok(Frame {
             kind: FrameKind::Message,
-            header: envelope.encode()?.into(),
+            header,
             payloads,
         })
     }

@@ -357,6 +357,9 @@ impl<B: Payload> Endpoint<B> {
 
     /// A member whose shutdown failed makes ours fail, naming what it named.
     fn fail_if_member_failed(&mut self, phase: ShutdownPhase) -> bool {
+        if self.shutdown.failed.is_empty() {
+            return false;
+        }
         let Some(s) = self.shutdown.ours.as_ref() else {
             return false;
         };
@@ -570,6 +573,11 @@ impl<B: Payload> Endpoint<B> {
     /// one) can never send it: fail naming them. A member that completed and closed its
     /// connections delivered its last report first, and we complete on that same round.
     fn fail_if_member_lost(&mut self, phase: ShutdownPhase) -> bool {
+        // Only a lost peer can be a member gone (checked after every message while a
+        // shutdown waits: no walk of the members when none is lost).
+        if self.lost.is_empty() {
+            return false;
+        }
         let Some(s) = self.shutdown.ours.as_ref() else {
             return false;
         };

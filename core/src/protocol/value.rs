@@ -201,15 +201,18 @@ pub fn encode<T: Serialize + ?Sized>(
         forks: RefCell::new(Vec::new()),
         errors: Errors::default(),
     };
-    let mut out = postcard::Serializer {
-        output: postcard::ser_flavors::AllocVec::new(),
-    };
-    let encoded = value
-        .serialize(encoder::Encoder::new(&mut out, &ctx))
-        .and_then(|()| out.output.finalize().map_err(|e| ctx.errors.lift(e)));
+    // Written in the thread's scratch buffer and copied out at its size (one allocation).
+    let encoded = crate::wire::exact_bytes(|buf| {
+        let mut out = postcard::Serializer {
+            output: postcard::ser_flavors::ExtendFlavor::new(buf),
+        };
+        value
+            .serialize(encoder::Encoder::new(&mut out, &ctx))
+            .and_then(|()| out.output.finalize().map_err(|e| ctx.errors.lift(e)))
+    });
     let forks = ctx.forks.into_inner();
     match encoded {
-        Ok(bytes) => Ok((Bytes::from(bytes), forks)),
+        Ok(bytes) => Ok((bytes, forks)),
         Err(e) => {
             agent.cancel_forks(to, &forks);
             Err(e)

@@ -95,6 +95,36 @@ pub fn encode_to_vec(frame: &Frame, limits: &WireLimits) -> Result<Vec<u8>, Wire
     Ok(v)
 }
 
+thread_local! {
+    /// This thread's buffer for small encodings (see [`exact_bytes`]).
+    static SCRATCH: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Encodings of at most this many bytes are copied out of the thread's scratch buffer by
+/// [`exact_bytes`]; a longer one keeps the buffer it was written in.
+pub const EXACT_COPY_MAX: usize = 4 << 10;
+
+/// Runs `encode` on this thread's scratch buffer (empty, with the room earlier encodings left)
+/// and returns what it wrote as [`Bytes`] of exactly that size: one allocation per encoding.
+/// Grown in a `Vec` of its own, an encoding reallocates as it grows, and with room to spare
+/// costs `Bytes::from` a second allocation (its shared header). An encoding longer than
+/// [`EXACT_COPY_MAX`] keeps the buffer it was written in (not copied; the thread's next
+/// encoding starts from an empty one). An encoding inside `encode` (a nested one) finds the
+/// buffer taken and starts from an empty one of its own.
+///
+/// # Errors
+/// `encode`'s (the buffer is then let go of).
+pub fn exact_bytes<E>(encode: impl FnOnce(Vec<u8>) -> Result<Vec<u8>, E>) -> Result<Bytes, E> {
+    let mut buf = encode(SCRATCH.with(std::cell::Cell::take))?;
+    if buf.len() > EXACT_COPY_MAX {
+        return Ok(Bytes::from(buf));
+    }
+    let bytes = Bytes::copy_from_slice(&buf);
+    buf.clear();
+    SCRATCH.with(|s| s.set(buf));
+    Ok(bytes)
+}
+
 /// Preambles of at most this many bytes (a frame with a few payloads) are kept in the
 /// [`OutgoingFrame`] itself, not in an allocation of their own.
 const INLINE_PREAMBLE: usize = 48;

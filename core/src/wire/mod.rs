@@ -55,7 +55,7 @@ pub use decode::{
     decode_frame, decode_frame_shared, FrameDecoder, COPY_SEGMENT_MAX, DEFAULT_BUFFER_REUSE,
     GROWTH_STEP,
 };
-pub use encode::{encode_preamble, encode_to_vec, OutgoingFrame};
+pub use encode::{encode_preamble, encode_to_vec, exact_bytes, OutgoingFrame, EXACT_COPY_MAX};
 pub use error::{MeshFrameError, WireError};
 
 /// The four bytes every frame starts with.

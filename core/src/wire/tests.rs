@@ -671,3 +671,61 @@ fn a_frame_header_with_too_long_a_varint_is_refused_by_name() {
         "{err}"
     );
 }
+
+#[test]
+fn exact_bytes_copies_a_small_encoding_out_and_keeps_the_room_for_the_next() {
+    // Each test runs on a thread of its own: the scratch buffer starts empty.
+    let first = exact_bytes(|mut buf| {
+        assert!(buf.is_empty());
+        buf.extend_from_slice(b"envelope");
+        Ok::<_, ()>(buf)
+    })
+    .unwrap();
+    assert_eq!(first, Bytes::from_static(b"envelope"));
+    // The next encoding gets the same room back, emptied.
+    let second = exact_bytes(|mut buf| {
+        assert!(buf.is_empty(), "the scratch buffer comes back empty");
+        assert!(buf.capacity() >= 8, "and with the room the first left");
+        buf.push(7);
+        Ok::<_, ()>(buf)
+    })
+    .unwrap();
+    assert_eq!(second, Bytes::from_static(&[7]));
+    // The first result is its own copy: the buffer's reuse did not change it.
+    assert_eq!(first, Bytes::from_static(b"envelope"));
+}
+
+#[test]
+fn exact_bytes_keeps_a_large_encoding_in_its_buffer_and_passes_errors_on() {
+    let large = exact_bytes(|mut buf| {
+        buf.resize(EXACT_COPY_MAX + 1, 3);
+        Ok::<_, ()>(buf)
+    })
+    .unwrap();
+    assert_eq!(large.len(), EXACT_COPY_MAX + 1);
+    assert!(large.iter().all(|&b| b == 3));
+    // That buffer went with its bytes: the next encoding starts from an empty one.
+    exact_bytes(|buf| {
+        assert_eq!(buf.capacity(), 0);
+        Ok::<_, ()>(buf)
+    })
+    .unwrap();
+    let failed = exact_bytes(|_| Err::<Vec<u8>, _>("cannot encode"));
+    assert_eq!(failed, Err("cannot encode"));
+}
+
+#[test]
+fn exact_bytes_inside_an_encoding_gets_a_buffer_of_its_own() {
+    let outer = exact_bytes(|mut buf| {
+        buf.extend_from_slice(b"outer:");
+        let inner = exact_bytes(|mut buf| {
+            assert!(buf.is_empty());
+            buf.extend_from_slice(b"inner");
+            Ok::<_, ()>(buf)
+        })?;
+        buf.extend_from_slice(&inner);
+        Ok::<_, ()>(buf)
+    })
+    .unwrap();
+    assert_eq!(outer, Bytes::from_static(b"outer:inner"));
+}
