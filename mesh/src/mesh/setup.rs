@@ -135,7 +135,11 @@ impl Mesh {
                 let (conn, hello) = tokio::select! {
                     conn = listener.accept() => {
                         let conn: Arc<dyn Connection> = Arc::from(conn.map_err(|e| {
-                            setup_err(format!("listener on {} failed: {e}", listener.local_addr()))
+                            ProcessGroupError::SetupTransport {
+                                rank,
+                                doing: "accepting the lower ranks' connections",
+                                source: Box::new(e),
+                            }
                         })?);
                         let runtime = runtime.clone();
                         hellos.spawn(async move {
@@ -254,8 +258,12 @@ impl Mesh {
                     timeout,
                 });
             }
-            let values = store.multi_get(&key_refs).await.map_err(|e| {
-                setup_err(format!("reading the addresses of the higher ranks: {e}"))
+            let values = store.multi_get(&key_refs).await.map_err(|source| {
+                ProcessGroupError::SetupStore {
+                    rank,
+                    doing: "reading the addresses of the higher ranks",
+                    source,
+                }
             })?;
             let hello = link::Hello {
                 group: group.to_owned(),
