@@ -23,6 +23,11 @@
 //! ([`run_here_or_submit`], [`on_python_here`]), which first hands its other tasks to another
 //! thread (`block_in_place`), so the runtime is never held while Python runs or waits for the
 //! GIL. It counts as running: jobs that arrive meanwhile queue for a runner as before.
+//!
+//! A run of torch's engine that comes back to a worker whose caller waits in
+//! `dist_autograd.backward` (the gradients an answer carries for its sends) is run by that
+//! waiting thread when it is parked idle ([`wait_helping`], [`offer_to_waiter`]): it is woken
+//! when the pass ends anyway, and the worker that read the answer hands nothing off.
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
