@@ -34,6 +34,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use pyo3::prelude::PyAnyMethods;
 use pyo3::Python;
 
 /// A piece of Python work: it runs with the GIL held, on a blocking thread.
@@ -333,11 +334,34 @@ pub(crate) fn offer_to_waiter(
     })
 }
 
+/// Makes `context` the distributed autograd context current on this thread (Python's
+/// `_autograd_engine.set_current`); returns the one it replaces (`None` if that failed).
+fn set_current_context(context: Option<u64>) -> Option<u64> {
+    Python::attach(|py| {
+        py.import("tensorwire.rpc._autograd_engine")
+            .and_then(|m| m.getattr("set_current"))
+            .and_then(|f| f.call1((context,)))
+            .and_then(|previous| previous.extract::<Option<u64>>())
+            .unwrap_or_else(|e| {
+                tracing::error!("tensorwire.rpc could not set the current context: {e}");
+                None
+            })
+    })
+}
+
 /// Runs a job handed to this waiting thread, counted as a running job (see [`wait_idle`]).
+/// The thread's caller may have a context current (its `with dist_autograd.context()`); the
+/// run, perhaps another context's pass, runs as a runtime worker would run it, with none
+/// current (a hook's calls are not recorded in the waiter's context), and it is restored
+/// after.
 fn run_handed((job, tx): Handed) {
     queue().running += 1;
     RUN_BY_WAITER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let previous = set_current_context(None);
     let ran = std::panic::catch_unwind(AssertUnwindSafe(job)).is_ok();
+    if previous.is_some() {
+        set_current_context(previous);
+    }
     done_here();
     if !ran {
         tracing::error!("a tensorwire.rpc job panicked");

@@ -118,11 +118,19 @@ def _waiter_runs_the_pass_that_comes_back(rank: int, world: int) -> None:
     if rank == 0:
         rounds = 20
         before = _native.waiter_runs()
+        from tensorwire.rpc import _autograd_engine as engine
+
         for i in range(rounds):
             x = torch.full((3,), float(i), requires_grad=True)
+            # The pass that comes back runs with no context current, as on a runtime worker
+            # (a hook's calls are not recorded in the waiting thread's context), which the
+            # waiting thread has current again once it returns.
+            seen: list = []
+            x.register_hook(lambda g, seen=seen: seen.append(engine.current_id()))
             with dist_autograd.context() as context_id:
                 y = rpc.rpc_sync("worker1", times_three, args=(x * x,))
                 dist_autograd.backward(context_id, [y.sum()])
+                assert seen == [None] and engine.current_id() == context_id
                 # x's gradient is the pass that came back (worker1's answer carried the
                 # gradient for x * x): run here, by the thread that waited, and exact.
                 assert torch.equal(dist_autograd.get_gradients(context_id)[x], 6 * x.detach())
