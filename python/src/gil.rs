@@ -298,6 +298,19 @@ pub(crate) fn waiter_runs() -> u64 {
     RUN_BY_WAITER.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// Wakes the thread that polls a future in [`wait_helping`].
+struct Unpark(std::thread::Thread);
+
+impl std::task::Wake for Unpark {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.unpark();
+    }
+
+    fn wake_by_ref(self: &std::sync::Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
 fn waiting() -> MutexGuard<'static, Waiting> {
     // A job never runs under the lock.
     WAITING.lock().unwrap_or_else(|e| e.into_inner())
@@ -369,7 +382,7 @@ fn run_handed((job, tx): Handed) {
     let _ = tx.send(ran);
 }
 
-/// [`crate::rpc::wait_here`] for a thread that waits for a backward pass: while it is parked,
+/// `rpc::wait_here` for a thread that waits for a backward pass: while it is parked,
 /// a run of torch's engine that comes in ([`offer_to_waiter`]) is run by it. Only one thread
 /// per process waits so at a time; another waits as `wait_here` does.
 pub(crate) fn wait_helping<T: Send>(
@@ -388,7 +401,7 @@ pub(crate) fn wait_helping<T: Send>(
                 false
             }
         };
-        let waker = std::task::Waker::from(std::sync::Arc::new(crate::rpc::Unpark(me.clone())));
+        let waker = std::task::Waker::from(std::sync::Arc::new(Unpark(me.clone())));
         let mut cx = std::task::Context::from_waker(&waker);
         let mut future = std::pin::pin!(future);
         loop {

@@ -396,7 +396,7 @@ pub(crate) fn rpc_error(e: &RpcError) -> PyErr {
 }
 
 /// Wakes the thread that polls a future in [`wait_here`].
-pub(crate) struct Unpark(pub(crate) std::thread::Thread);
+struct Unpark(std::thread::Thread);
 
 impl std::task::Wake for Unpark {
     fn wake(self: Arc<Self>) {
