@@ -23,12 +23,18 @@
 //! ([`run_here_or_submit`], [`on_python_here`]), which first hands its other tasks to another
 //! thread (`block_in_place`), so the runtime is never held while Python runs or waits for the
 //! GIL. It counts as running: jobs that arrive meanwhile queue for a runner as before.
+//!
+//! A run of torch's engine that comes back to a worker whose caller waits in
+//! `dist_autograd.backward` (the gradients an answer carries for its sends) is run by that
+//! waiting thread when it is parked idle ([`wait_helping`], [`offer_to_waiter`]): it is woken
+//! when the pass ends anyway, and the worker that read the answer hands nothing off.
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use pyo3::prelude::PyAnyMethods;
 use pyo3::Python;
 
 /// A piece of Python work: it runs with the GIL held, on a blocking thread.
@@ -258,4 +264,177 @@ pub(crate) async fn on_python<T: Send + 'static>(
         let _ = tx.send(f(py));
     }));
     rx.await.map_err(|_| ABNORMAL.to_owned())
+}
+
+// --- a thread waiting for a backward pass runs the engine's runs meanwhile ---------------
+
+/// The thread waiting in [`wait_helping`] (at most one per process at a time): `Idle` while
+/// it is parked there and would take a job at once, `Busy` while it has one to run.
+enum Waiter {
+    Idle(std::thread::Thread),
+    Busy,
+}
+
+/// A job handed to the waiting thread, and who is told once it has run (`true`) or panicked.
+type Handed = (Box<dyn FnOnce() + Send>, tokio::sync::oneshot::Sender<bool>);
+
+struct Waiting {
+    waiter: Option<Waiter>,
+    job: Option<Handed>,
+}
+
+static WAITING: Mutex<Waiting> = Mutex::new(Waiting {
+    waiter: None,
+    job: None,
+});
+
+/// Jobs run by a thread waiting in [`wait_helping`], since the module loaded.
+static RUN_BY_WAITER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Jobs run by a thread that waited for a backward pass (`dist_autograd.backward`) and took the
+/// engine's runs that came in meanwhile, in this process so far.
+#[pyo3::pyfunction]
+pub(crate) fn waiter_runs() -> u64 {
+    RUN_BY_WAITER.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Wakes the thread that polls a future in [`wait_helping`].
+struct Unpark(std::thread::Thread);
+
+impl std::task::Wake for Unpark {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.unpark();
+    }
+
+    fn wake_by_ref(self: &std::sync::Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+fn waiting() -> MutexGuard<'static, Waiting> {
+    // A job never runs under the lock.
+    WAITING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Hands `job` (called without the GIL; it takes the GIL itself) to the thread parked in
+/// [`wait_helping`], if one is and has nothing to run: that thread is woken anyway when the
+/// pass it waits for ends, and a run it takes is one wake-up instead of the reading worker's
+/// `block_in_place` hand-off (a thread woken to take its other tasks) and the waiter's own.
+/// Resolves once the job has run (`Err` if it panicked). `job` comes back when no thread
+/// waits idle: a waiter that is running a job (a user's hook blocked in it, say) never holds
+/// up another.
+pub(crate) fn offer_to_waiter(
+    job: Box<dyn FnOnce() + Send>,
+) -> Result<impl std::future::Future<Output = Result<(), String>>, Box<dyn FnOnce() + Send>> {
+    if interpreter_exiting() {
+        return Err(job);
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    {
+        let mut w = waiting();
+        let Some(Waiter::Idle(thread)) = w.waiter.take() else {
+            return Err(job);
+        };
+        w.waiter = Some(Waiter::Busy);
+        w.job = Some((job, tx));
+        thread.unpark();
+    }
+    Ok(async move {
+        match rx.await {
+            Ok(true) => Ok(()),
+            _ => Err(ABNORMAL.to_owned()),
+        }
+    })
+}
+
+/// Makes `context` the distributed autograd context current on this thread (Python's
+/// `_autograd_engine.set_current`); returns the one it replaces (`None` if that failed).
+fn set_current_context(context: Option<u64>) -> Option<u64> {
+    Python::attach(|py| {
+        py.import("tensorwire.rpc._autograd_engine")
+            .and_then(|m| m.getattr("set_current"))
+            .and_then(|f| f.call1((context,)))
+            .and_then(|previous| previous.extract::<Option<u64>>())
+            .unwrap_or_else(|e| {
+                tracing::error!("tensorwire.rpc could not set the current context: {e}");
+                None
+            })
+    })
+}
+
+/// Runs a job handed to this waiting thread, counted as a running job (see [`wait_idle`]).
+/// The thread's caller may have a context current (its `with dist_autograd.context()`); the
+/// run, perhaps another context's pass, runs as a runtime worker would run it, with none
+/// current (a hook's calls are not recorded in the waiter's context), and it is restored
+/// after.
+fn run_handed((job, tx): Handed) {
+    queue().running += 1;
+    RUN_BY_WAITER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let previous = set_current_context(None);
+    let ran = std::panic::catch_unwind(AssertUnwindSafe(job)).is_ok();
+    if previous.is_some() {
+        set_current_context(previous);
+    }
+    done_here();
+    if !ran {
+        tracing::error!("a tensorwire.rpc job panicked");
+    }
+    let _ = tx.send(ran);
+}
+
+/// `rpc::wait_here` for a thread that waits for a backward pass: while it is parked,
+/// a run of torch's engine that comes in ([`offer_to_waiter`]) is run by it. Only one thread
+/// per process waits so at a time; another waits as `wait_here` does.
+pub(crate) fn wait_helping<T: Send>(
+    py: Python<'_>,
+    future: impl std::future::Future<Output = T> + Send,
+) -> T {
+    py.detach(move || {
+        let _runtime = crate::runtime().enter();
+        let me = std::thread::current();
+        let helping = {
+            let mut w = waiting();
+            if w.waiter.is_none() && !interpreter_exiting() {
+                w.waiter = Some(Waiter::Idle(me.clone()));
+                true
+            } else {
+                false
+            }
+        };
+        let waker = std::task::Waker::from(std::sync::Arc::new(Unpark(me.clone())));
+        let mut cx = std::task::Context::from_waker(&waker);
+        let mut future = std::pin::pin!(future);
+        loop {
+            if let std::task::Poll::Ready(v) = future.as_mut().poll(&mut cx) {
+                if helping {
+                    // A job handed over before the slot closes is run here; none after.
+                    let left = {
+                        let mut w = waiting();
+                        w.waiter = None;
+                        w.job.take()
+                    };
+                    if let Some(handed) = left {
+                        run_handed(handed);
+                    }
+                }
+                return v;
+            }
+            if helping {
+                let handed = {
+                    let mut w = waiting();
+                    let handed = w.job.take();
+                    if handed.is_some() {
+                        w.waiter = Some(Waiter::Busy);
+                    }
+                    handed
+                };
+                if let Some(handed) = handed {
+                    run_handed(handed);
+                    waiting().waiter = Some(Waiter::Idle(me.clone()));
+                    continue;
+                }
+            }
+            std::thread::park();
+        }
+    })
 }

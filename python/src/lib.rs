@@ -580,6 +580,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rpc::Settler>()?;
     m.add_function(wrap_pyfunction!(rpc::check_worker_name, m)?)?;
     m.add_function(wrap_pyfunction!(gil::job_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(gil::waiter_runs, m)?)?;
     m.add("TensorwireError", m.py().get_type::<TensorwireError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     init_logging();

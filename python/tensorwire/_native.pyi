@@ -95,6 +95,11 @@ def job_counts() -> tuple[int, int]:
     on the runtime worker that read it when no runner would take it at once (the tests check
     the hand-offs by it)."""
 
+def waiter_runs() -> int:
+    """Runs of torch's engine (local passes of distributed autograd) in this process so far
+    that the thread waiting in ``dist_autograd.backward`` ran itself while it waited (the
+    passes the gradients coming back to this worker start), instead of a runtime worker."""
+
 class Settler:
     """The done-callback the agent attaches to the future an ``async_execution`` function
     returned: it completes the call with the future's outcome."""

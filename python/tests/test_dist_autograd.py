@@ -338,6 +338,70 @@ def test_a_pass_captures_what_torch_computes_and_runs_node_hooks_only_where_ther
     assert lin.weight.grad is None and lin.bias.grad is None
 
 
+def test_a_pass_from_received_tensors_hands_their_seeds_on_as_the_engine_would():
+    # A pass whose roots are received tensors as they arrived (a relay: a tensor received and
+    # sent on) gives each its seed without torch's engine; a hook on the tensor or on its recv
+    # function, a seed the engine would convert, or a root given twice gives what the engine
+    # gives (compared with torch.autograd.grad on the same graph).
+    from tensorwire.rpc import _autograd_engine as engine
+
+    torch.manual_seed(6)
+
+    def received(*shape: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        data = torch.randn(shape, dtype=dtype)
+        t = engine.import_tensor(str(dtype).removeprefix("torch."), shape, bytearray(data.numpy().tobytes()), True)
+        engine.receive([t])
+        return t
+
+    def want(roots: list, seeds: list) -> torch.Tensor:
+        return torch.autograd.grad(roots, [roots[0]], seeds, retain_graph=True)[0]
+
+    t, seed = received(2, 3), torch.randn(2, 3, dtype=torch.float64)
+    runs = []
+    run_backward = engine._engine_run_backward
+    engine._engine_run_backward = lambda *a, **k: runs.append(1) or run_backward(*a, **k)
+    try:
+        [(tensor, grad, is_received)] = engine.backward([t], [seed])
+        assert tensor is t and grad is seed and is_received and not runs
+        engine.backward([torch.tanh(t).sum()], [None])
+        assert len(runs) == 1  # (a pass with work in it runs the engine)
+    finally:
+        engine._engine_run_backward = run_backward
+    [(_, ones, _)] = engine.backward([received()], [None])
+    assert torch.equal(ones, torch.ones((), dtype=torch.float64))
+    # The same tensor twice: the seeds summed.
+    [(tensor, grad, _)] = engine.backward([t, t], [seed, 2 * seed])
+    assert tensor is t and torch.equal(grad, want([t, t], [seed, 2 * seed]))
+    # Two outputs of one recv function: each its own seed.
+    data = bytearray(torch.randn(4, dtype=torch.float64).numpy().tobytes())
+    a = engine.import_tensor("float64", (4,), data, True)
+    b = engine.import_tensor("float64", (4,), bytearray(data), True)
+    engine.receive([a, b])
+    sa, sb = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    got = {id(x): g for x, g, _ in engine.backward([a, b], [sa, sb])}
+    assert got[id(a)] is sa and got[id(b)] is sb
+    # A tensor hook runs.
+    hooked = received(2, 3)
+    hooked.register_hook(lambda g: g * 3)
+    [(_, grad, _)] = engine.backward([hooked], [seed])
+    assert torch.equal(grad, 3 * seed) and torch.equal(grad, want([hooked], [seed]))
+    # A hook on the recv function runs.
+    pre = received(2, 3)
+    handle = pre.grad_fn.register_prehook(lambda grad_outputs: (grad_outputs[0] * 5,))
+    [(_, grad, _)] = engine.backward([pre], [seed])
+    handle.remove()
+    assert torch.equal(grad, 5 * seed)
+    # A seed of another dtype is converted as the engine converts it.
+    t32 = received(2, 3, dtype=torch.float32)
+    [(_, grad, _)] = engine.backward([t32], [seed])
+    assert grad.dtype == torch.float32 and torch.equal(grad, want([t32], [seed]))
+    # Written in place after it arrived: no longer the recv function's output as it was.
+    moved = received(2, 3)
+    moved.mul_(2)
+    [(tensor, grad, _)] = engine.backward([moved], [seed])
+    assert torch.equal(grad, 2 * seed)
+
+
 # Four threads run local passes from one tensor at once, as the handlers of two gradients that
 # come back for one sent tensor do: a leaf, and a received tensor (its recv function's
 # output). In a process of its own: torch 2.15 deadlocked this with the GIL held (the engine's

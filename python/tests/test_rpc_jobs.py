@@ -103,3 +103,44 @@ def _one_at_a_time(rank: int, world: int) -> None:
 
 def test_calls_in_a_context_served_one_at_a_time_run_on_the_worker_that_read_them():
     run_world(_one_at_a_time, 2)
+
+
+@rpc.expose
+def times_three(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+def _waiter_runs_the_pass_that_comes_back(rank: int, world: int) -> None:
+    from tensorwire import _native
+    from tensorwire.rpc import dist_autograd
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+    if rank == 0:
+        rounds = 20
+        before = _native.waiter_runs()
+        from tensorwire.rpc import _autograd_engine as engine
+
+        for i in range(rounds):
+            x = torch.full((3,), float(i), requires_grad=True)
+            # The pass that comes back runs with no context current, as on a runtime worker
+            # (a hook's calls are not recorded in the waiting thread's context), which the
+            # waiting thread has current again once it returns.
+            seen: list = []
+            x.register_hook(lambda g, seen=seen: seen.append(engine.current_id()))
+            with dist_autograd.context() as context_id:
+                y = rpc.rpc_sync("worker1", times_three, args=(x * x,))
+                dist_autograd.backward(context_id, [y.sum()])
+                assert seen == [None] and engine.current_id() == context_id
+                # x's gradient is the pass that came back (worker1's answer carried the
+                # gradient for x * x): run here, by the thread that waited, and exact.
+                assert torch.equal(dist_autograd.get_gradients(context_id)[x], 6 * x.detach())
+        ran = _native.waiter_runs() - before
+        # Each backward's second pass came back while this thread waited idle; a run that
+        # found it not parked yet went the usual way (a runtime worker), which is allowed.
+        assert ran >= rounds // 2, f"only {ran} of {rounds} passes that came back ran on the waiting thread"
+        assert ran <= rounds
+    rpc.shutdown()
+
+
+def test_the_thread_waiting_in_backward_runs_the_pass_that_comes_back_to_it():
+    run_world(_waiter_runs_the_pass_that_comes_back, 2)

@@ -303,7 +303,14 @@ pub(crate) fn start(agent: &Agent) -> Result<DistAutograd<TorchEngine>, RpcError
             // gradients), and the driver's lock comes before the GIL: it runs without the GIL,
             // which the pass takes back at once (this runner released it, so no other thread
             // waits for it in between unless one was already waiting).
-            let _ = crate::gil::run_detached_here_or_submit(job).await;
+            //
+            // A thread parked in `dist_autograd.backward` (the driver's, waiting for the pass
+            // to come back to it) takes the run if it is idle: it is woken when the pass ends
+            // anyway, and this worker hands nothing off (see `gil::offer_to_waiter`).
+            let _ = match crate::gil::offer_to_waiter(job) {
+                Ok(ran) => ran.await,
+                Err(job) => crate::gil::run_detached_here_or_submit(job).await,
+            };
         })
     }));
     register(&dist)?;
@@ -814,7 +821,9 @@ impl PyDistAutograd {
                 .backward_here(&roots, retain_graph)
                 .map_err(|e| autograd_error(&e))
         })?;
-        wait_here(py, rest).map_err(|e| autograd_error(&e))
+        // While it waits, this thread runs the passes that come back to this worker (the
+        // gradients a pass's answers carry for its sends), in place of a runtime worker.
+        crate::gil::wait_helping(py, rest).map_err(|e| autograd_error(&e))
     }
 
     /// The gradients this worker holds in `context`: `[(leaf, gradient)]`.
