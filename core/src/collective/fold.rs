@@ -3,12 +3,14 @@
 //!
 //! Folding the operands one by one into the destination ([`reduce_into`] per operand) reads
 //! and writes the whole destination once per operand; this folds each block of
-//! [`FOLD_BLOCK`] bytes through a scratch block that stays in the first-level cache, so each
-//! operand is read once and the destination written once, and one of the operands may be the
-//! destination's own bytes (a rank's own input, never copied anywhere first). The result is
+//! [`FOLD_BLOCK`] bytes through a scratch block that stays in the first-level cache (the first
+//! two operands combined into it, the last one with it into the destination: nothing copied
+//! first), so each operand is read once and the destination written once, and one of the
+//! operands may be the destination's own bytes (a rank's own input, never copied anywhere). The result is
 //! bitwise the one of folding the operands in their order with [`reduce_into`]: the same
 //! operations on the same values in the same order.
 
+use super::reduce::reduce_pair_into;
 use super::{reduce_into, CollectiveError, ElementType, ReduceOp};
 
 /// Bytes folded at a time: a multiple of every element's size, small enough for the scratch
@@ -63,25 +65,62 @@ where
     let mut start = 0;
     while start < len {
         let end = (start + FOLD_BLOCK).min(len);
-        let acc = &mut scratch[..end - start];
-        let mut first = true;
-        for operand in operands.clone() {
-            let block = match operand {
-                Some(bytes) => &bytes[start..end],
-                None => &dst[start..end],
-            };
-            if first {
-                acc.copy_from_slice(block);
-                first = false;
-            } else {
-                reduce_into(op, element, acc, block, false)?;
-            }
-        }
-        if first {
+        let n = end - start;
+        let mut rest = operands.clone().peekable();
+        let Some(first) = rest.next() else {
             // No operand: nothing to fold.
             return Ok(());
+        };
+        let Some(second) = rest.next() else {
+            if let Some(only) = first {
+                dst[start..end].copy_from_slice(&only[start..end]);
+            }
+            start = end;
+            continue;
+        };
+        if rest.peek().is_none() {
+            // Two operands: straight into the destination.
+            let d = &mut dst[start..end];
+            match (first, second) {
+                (None, Some(b)) => reduce_into(op, element, d, &b[start..end], false)?,
+                (Some(a), None) => reduce_into(op, element, d, &a[start..end], true)?,
+                (Some(a), Some(b)) => {
+                    reduce_pair_into(op, element, d, &a[start..end], &b[start..end])?;
+                }
+                (None, None) => {
+                    scratch[..n].copy_from_slice(d);
+                    reduce_into(op, element, d, &scratch[..n], false)?;
+                }
+            }
+            start = end;
+            continue;
         }
-        dst[start..end].copy_from_slice(acc);
+        // The first two into the scratch block, the middle ones into it, the last one with
+        // it into the destination: no operand copied anywhere first.
+        let acc = &mut scratch[..n];
+        {
+            let own = &dst[start..end];
+            let block = |o: Option<&'a [u8]>| o.map_or(own, |b| &b[start..end]);
+            reduce_pair_into(op, element, acc, block(first), block(second))?;
+        }
+        while let Some(operand) = rest.next() {
+            if rest.peek().is_some() {
+                let own = &dst[start..end];
+                reduce_into(
+                    op,
+                    element,
+                    acc,
+                    operand.map_or(own, |b| &b[start..end]),
+                    false,
+                )?;
+                continue;
+            }
+            let d = &mut dst[start..end];
+            match operand {
+                None => reduce_into(op, element, d, acc, true)?,
+                Some(b) => reduce_pair_into(op, element, d, acc, &b[start..end])?,
+            }
+        }
         start = end;
     }
     Ok(())
@@ -102,9 +141,12 @@ mod tests {
         let mut rng = crate::sim::SimRng::new(47);
         for element in ElementType::ALL {
             for op in ReduceOp::ALL.into_iter().filter(|op| op.supports(element)) {
-                for count in [0, 1, 3, FOLD_BLOCK / element.size() + 1, 2 * FOLD_BLOCK + 5] {
+                for (count, k) in [0, 1, 3, FOLD_BLOCK / element.size() + 1, 2 * FOLD_BLOCK + 5]
+                    .into_iter()
+                    .flat_map(|c| (1..=5).map(move |k| (c, k)))
+                {
                     let len = count * element.size();
-                    let inputs: Vec<Vec<u8>> = (0..5)
+                    let inputs: Vec<Vec<u8>> = (0..k)
                         .map(|_| (0..len).map(|_| rng.next_u64() as u8).collect())
                         .collect();
                     for own in 0..inputs.len() {
@@ -115,7 +157,13 @@ mod tests {
                         let mut got = inputs[own].clone();
                         let order = (0..inputs.len()).map(|q| (q != own).then_some(&inputs[q][..]));
                         fold_in_order(op, element, &mut got, order).unwrap();
-                        assert_eq!(got, want, "{element:?} {op} {count}, own {own}");
+                        assert_eq!(got, want, "{element:?} {op} {count} x {k}, own {own}");
+                        // The own bytes twice (a fold of a rank's own bytes with themselves).
+                        let mut want = inputs[own].clone();
+                        reduce_into(op, element, &mut want, &inputs[own], false).unwrap();
+                        let mut got = inputs[own].clone();
+                        fold_in_order(op, element, &mut got, [None, None]).unwrap();
+                        assert_eq!(got, want, "{element:?} {op} {count}, own twice");
                     }
                 }
             }
