@@ -63,7 +63,7 @@ use tensorwire_core::collective::arena_wait::{
     all_reached, reported_disagreement, ArenaWait, Lost, WaitStep,
 };
 pub use tensorwire_core::collective::arena_wait::{ArenaFailure, Gone, LIVENESS_PERIOD};
-use tensorwire_core::collective::reduce_into;
+use tensorwire_core::collective::{reduce_into, ElementType, ReduceOp};
 use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::spin::{SpinPolicy, SpinStep};
 use tokio::io::unix::AsyncFd;
@@ -897,6 +897,9 @@ impl Arena {
                     unsafe { std::ptr::copy_nonoverlapping(incoming, dst, read.to.len()) };
                 }
             }
+            for fold in &phase.folds {
+                self.fold(fold, plan.reduction(), half, buffer);
+            }
             at.phase += 1;
             at.published = None;
         }
@@ -1173,6 +1176,7 @@ fn exited(pidfd: &OwnedFd) -> bool {
         && fds[0].revents().contains(rustix::event::PollFlags::IN)
 }
 
+mod fold;
 mod now;
 mod signal;
 #[cfg(test)]

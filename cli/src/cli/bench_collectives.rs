@@ -7,7 +7,9 @@
 //! (8 bytes from / to rank 0), `all_gather_w{N}_1MiB_us` (1 MiB per rank,
 //! through `all_gather_equal`: equal blocks, no lengths exchange, as gloo's and MPI's
 //! all_gathers know their sizes) and `all_reduce_w{N}_1MiB_us`
-//! (1 MiB of f32 summed), `reduce_w{N}_1MiB_us` (to rank 0), `reduce_scatter_w{N}_1MiB_us`,
+//! (1 MiB of f32 summed, a copy of the input made in each timed call;
+//! `all_reduce_w{N}_1MiB_in_place_us` without it, one buffer reduced again and again),
+//! `reduce_w{N}_1MiB_us` (to rank 0), `reduce_scatter_w{N}_1MiB_us`,
 //! `all_to_all_w{N}_1MiB_us` (even blocks) and `broadcast_w{N}_1MiB_us` (from rank 0), each the
 //! median over its iterations on rank 0; the last four are also given over
 //! `raw_tcp_bulk_1MiB_us` (one raw transfer of 1 MiB). In the same run this
@@ -442,6 +444,23 @@ pub(crate) fn run(args: &CollectivesArgs) -> Result<()> {
             if let (Some(t), Some(m)) = (get(&format!("{op}_w{world}_1MiB_us")), get(&floor)) {
                 ratios.insert(
                     format!("{op}_w{world}_1MiB_over_memcpy_all_ranks"),
+                    json!(t / m),
+                );
+            }
+        }
+        // The all_reduce without the input's copy in the timed call, against the floor of all
+        // ranks and MPICH's out-of-place Allreduce.
+        let in_place = get(&format!("all_reduce_w{world}_1MiB_in_place_us"));
+        for (floor, name) in [
+            (
+                format!("memcpy_all_ranks_w{world}_1MiB_us"),
+                "memcpy_all_ranks",
+            ),
+            (format!("mpi_all_reduce_w{world}_1MiB_us"), "mpi"),
+        ] {
+            if let (Some(t), Some(m)) = (in_place, get(&floor)) {
+                ratios.insert(
+                    format!("all_reduce_w{world}_1MiB_in_place_over_{name}"),
                     json!(t / m),
                 );
             }
@@ -897,6 +916,23 @@ async fn worker_main(args: &WorkerArgs) -> Result<()> {
         })
         .await?;
         out.insert(format!("all_reduce_w{world}_1MiB_us"), json!(median_us(t)));
+        // The same without the copy of the input each call makes above (a fresh 1 MiB, one
+        // more read and write of it in the timed call, which the memcpy floors and MPICH's
+        // out-of-place Allreduce do not make): one buffer reduced again and again (its sums
+        // grow by the world size a call, to infinity in f32 after some 40 calls: timed alike).
+        let again = std::cell::Cell::new(Some(data.borrow().clone()));
+        let t = time_series(p, args.large_iters, || async {
+            let mut buf = again.take().context("the buffer of the last call")?;
+            p.all_reduce(&mut buf, ElementType::F32, ReduceOp::Sum)
+                .await?;
+            again.set(Some(buf));
+            Ok(())
+        })
+        .await?;
+        out.insert(
+            format!("all_reduce_w{world}_1MiB_in_place_us"),
+            json!(median_us(t)),
+        );
 
         // 1 MiB per rank: reduce to rank 0, reduce_scatter into even chunks, all_to_all of
         // even blocks, broadcast from rank 0.

@@ -12,11 +12,13 @@
 //! 3. publishes its counter as `k + 1` ([`ArenaState::posted`]);
 //! 4. waits until each rank of [`ArenaPhase::waits_on`] has published `k + 1`;
 //! 5. applies its [`ArenaRead`]s: copies (or reduces) ranges of those ranks' half `k % 2` into
-//!    its buffer.
+//!    its buffer; then its [`ArenaFold`]s: folds the same range of several of those halves and
+//!    its own bytes, in rank order, into its buffer in one pass.
 //!
-//! So every block is copied once into the arena and once out, reductions run in place over the
-//! slots (each rank reducing its share of a large message, in rank order, so that every rank
-//! ends with bitwise identical results), and a message larger than a slot streams through it in
+//! So every block is copied once into the arena and once out, reductions run over the slots
+//! (each rank folding its share of a large message, in rank order, its own operand where it
+//! lies in its buffer, and handing the result to the others, so that every rank ends with
+//! bitwise identical results), and a message larger than a slot streams through it in
 //! as many phases as it needs, double-buffered. A plan is a pure function of the rank, the world
 //! size, the sizes and the slot size, like the link [`Schedule`](super::Schedule)s; the
 //! simulation (`arena_sim`) runs every plan for every world size up to 64 with seeded
@@ -30,9 +32,9 @@
 //! | [`barrier`] | 1 | nobody | nothing; waits on everyone |
 //! | [`broadcast`] | 1 | the root | every other rank |
 //! | [`all_gather`] | 1 | everyone, its block | everyone, every other block |
-//! | [`all_reduce`] | 1 (small: every rank reduces everything) or 2 (each rank reduces its share, then everyone copies the shares) | everyone | everyone |
+//! | [`all_reduce`] | 1 (small: every rank reduces everything) or 2 (each rank folds its share, then everyone copies the shares) | everyone (large: all but its own share) | everyone |
 //! | [`reduce`](fn@reduce) | 1 (small) or 2 | everyone | the root (and, for large, everyone its share) |
-//! | [`reduce_scatter`] | 1 | everyone, a piece for each rank | everyone, its own piece of every slot |
+//! | [`reduce_scatter`] | 1 | everyone, a piece for each other rank | everyone, its own piece of every other slot (folded with its own) |
 //! | [`gather`] | 1 | everyone but the root | the root |
 //! | [`scatter`] | 1 | the root, a piece for each rank | every other rank |
 //! | [`all_to_all`] | 1 | everyone, a piece for each rank | everyone, its piece of every slot |
@@ -75,6 +77,22 @@ pub struct ArenaRead {
     pub reduce: bool,
 }
 
+/// A fold of the same range of several ranks' slots (the half of the phase) and of this rank's
+/// own bytes, in a given order, into this rank's buffer (with the plan's
+/// [`ArenaPlan::reduction`]), in one pass: [`fold_in_order`](super::fold_in_order). A rank
+/// reduces its share of a large reduction so, its own operand taken where it lies in its
+/// buffer (never copied into its slot first).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArenaFold {
+    /// Where the operands start in each of those slots' half.
+    pub from: usize,
+    /// Where the result goes in the buffer; this rank's own operand is the bytes there before
+    /// the fold.
+    pub to: Range<usize>,
+    /// The ranks whose operands are folded, in this order (this rank for its own bytes).
+    pub order: Vec<usize>,
+}
+
 /// One phase of a plan, for one rank.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ArenaPhase {
@@ -87,6 +105,8 @@ pub struct ArenaPhase {
     pub waits_on: Vec<usize>,
     /// Reads from slots, applied in order, after the waits.
     pub reads: Vec<ArenaRead>,
+    /// Folds, applied in order after the reads.
+    pub folds: Vec<ArenaFold>,
 }
 
 /// A collective as phases through the arena, for one rank: pure data.
@@ -184,6 +204,12 @@ impl ArenaPlan {
                     filled.add(read.to.clone());
                 }
             }
+            for fold in &phase.folds {
+                if fold.order.contains(&self.rank) && !filled.covers(&fold.to) {
+                    return false;
+                }
+                filled.add(fold.to.clone());
+            }
         }
         filled.covers(&(0..self.buffer_len))
     }
@@ -201,18 +227,20 @@ impl ArenaPlan {
 
     /// [`check_reductions`](Self::check_reductions)'s walk over the reads.
     fn reduction_misfit(&self) -> Result<(), String> {
-        for read in self.phases.iter().flat_map(|p| &p.reads) {
-            if !read.reduce {
-                continue;
-            }
+        let reads = self.phases.iter().flat_map(|p| &p.reads);
+        let folds = self.phases.iter().flat_map(|p| &p.folds);
+        let reducing = reads
+            .filter(|r| r.reduce)
+            .map(|r| r.to.len())
+            .chain(folds.map(|f| f.to.len()));
+        for len in reducing {
             let (element, op) = self
                 .reduction
                 .ok_or_else(|| "a reducing read without a reduction".to_owned())?;
             op.check(element).map_err(|e| e.to_string())?;
-            if read.to.len() % element.size() != 0 {
+            if len % element.size() != 0 {
                 return Err(format!(
-                    "a reducing read of {} bytes, not whole {element:?} elements",
-                    read.to.len()
+                    "a reducing read of {len} bytes, not whole {element:?} elements"
                 ));
             }
         }
@@ -235,7 +263,7 @@ impl ArenaPlan {
             reductions_fit: self.reduction_misfit().is_ok(),
             signals_only: self.buffer_len == 0
                 && self.local.is_none()
-                && matches!(&self.phases[..], [p] if p.writes.is_empty() && p.reads.is_empty()),
+                && matches!(&self.phases[..], [p] if p.writes.is_empty() && p.reads.is_empty() && p.folds.is_empty()),
         };
         self
     }
@@ -566,6 +594,25 @@ fn shares(base: usize, elements: usize, size: usize, world: usize) -> Vec<Range<
         .collect()
 }
 
+/// The writes of a chunk into a slot (at its offset within the chunk) but for `hole`, a part of
+/// it (none when empty).
+fn around(chunk: &Range<usize>, hole: &Range<usize>) -> Vec<ArenaWrite> {
+    if hole.is_empty() {
+        return vec![ArenaWrite {
+            from: chunk.clone(),
+            to: 0,
+        }];
+    }
+    [chunk.start..hole.start, hole.end..chunk.end]
+        .into_iter()
+        .filter(|r| !r.is_empty())
+        .map(|from| ArenaWrite {
+            to: from.start - chunk.start,
+            from,
+        })
+        .collect()
+}
+
 /// Reads of `to` from the same offset of every slot, in rank order: stored from rank 0,
 /// reduced with each later rank's.
 fn reduce_reads(world: usize, from: usize, to: &Range<usize>) -> Vec<ArenaRead> {
@@ -621,8 +668,9 @@ fn reduction_phases(
             phases.push(phase);
             continue;
         }
-        // Each rank reduces its share of the chunk from every slot, then the shares are copied
-        // (to every rank, or to the root).
+        // Each rank folds its share of the chunk from every other slot and its own buffer (its
+        // own share never goes into its slot), then the shares are copied (to every rank, or to
+        // the root).
         let parts = shares(chunk.start, chunk.len() / size, size, world);
         let mine = parts[rank].clone();
         let readers: Vec<usize> = others(rank, world)
@@ -630,16 +678,17 @@ fn reduction_phases(
             .filter(|q| !parts[*q].is_empty())
             .collect();
         let mut first = ArenaPhase {
-            writes: vec![ArenaWrite {
-                from: chunk.clone(),
-                to: 0,
-            }],
+            writes: around(&chunk, &mine),
             readers,
             ..ArenaPhase::default()
         };
         if !mine.is_empty() {
             first.waits_on = others(rank, world);
-            first.reads = reduce_reads(world, mine.start - chunk.start, &mine);
+            first.folds = vec![ArenaFold {
+                from: mine.start - chunk.start,
+                to: mine.clone(),
+                order: (0..world).collect(),
+            }];
         }
         phases.push(first);
         let mut second = ArenaPhase::default();
@@ -677,7 +726,8 @@ fn check_reduction(element: ElementType, op: ReduceOp) -> Result<(), CollectiveE
 
 /// All-reduce of `count` elements: up to [`ARENA_REDUCE_ALL_MAX_BYTES`] every rank writes
 /// its data and folds every slot in rank order (one phase); above it, chunks of a slot, each
-/// rank reducing its share in place of the slots, then everyone copying the shares. Every rank
+/// rank writing the others' shares into its slot and folding its own share (from the other
+/// slots and its own buffer, in rank order) into its buffer, then everyone copying the shares. Every rank
 /// ends with bitwise identical results. ([`ReduceOp::Avg`] still needs
 /// [`ReduceOp::finish`].)
 ///
@@ -730,8 +780,8 @@ pub fn reduce(
 
 /// Reduce-scatter: the buffer holds every rank's segment (`counts[i]` elements for rank i), in
 /// rank order; rank i ends with segment i reduced over every rank. Each phase every rank writes
-/// the next piece of every segment (a slot cut into one piece per rank), and each rank folds its
-/// own piece from every slot in rank order.
+/// the next piece of every other rank's segment (a slot cut into one piece per rank), and each
+/// rank folds its own piece from every other slot and its own buffer, in rank order.
 ///
 /// # Errors
 /// As [`all_reduce`].
@@ -756,22 +806,25 @@ pub fn reduce_scatter(
     let phases = (0..count.max(1))
         .map(|i| {
             let mut phase = ArenaPhase::default();
+            // Its own piece stays in its buffer: it folds it with the others' there.
             for (d, segment) in segments.iter().enumerate() {
                 let part = piece_of(segment, i, piece);
-                if !part.is_empty() {
+                if !part.is_empty() && d != rank {
                     phase.writes.push(ArenaWrite {
                         from: part,
                         to: d * piece,
                     });
-                    if d != rank {
-                        phase.readers.push(d);
-                    }
+                    phase.readers.push(d);
                 }
             }
             let mine = piece_of(&segments[rank], i, piece);
             if !mine.is_empty() {
                 phase.waits_on = others(rank, world);
-                phase.reads = reduce_reads(world, rank * piece, &mine);
+                phase.folds = vec![ArenaFold {
+                    from: rank * piece,
+                    to: mine,
+                    order: (0..world).collect(),
+                }];
             }
             phase
         })

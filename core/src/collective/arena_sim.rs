@@ -6,7 +6,7 @@
 //! done). Results are checked against a reference computed directly.
 
 use super::arena::{self, reached, ArenaPlan, ArenaState};
-use super::{reduce_into, ElementType, ReduceOp};
+use super::{fold_in_order, reduce_into, ElementType, ReduceOp};
 use crate::sim::SimRng;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -195,7 +195,11 @@ fn check_structure(plans: &[&ArenaPlan]) -> Result<(), String> {
             let phase = &plan.phases()[k];
             let mut readers: Vec<usize> = (0..world)
                 .filter(|q| *q != r)
-                .filter(|q| plans[*q].phases()[k].reads.iter().any(|x| x.peer == r))
+                .filter(|q| {
+                    let theirs = &plans[*q].phases()[k];
+                    theirs.reads.iter().any(|x| x.peer == r)
+                        || theirs.folds.iter().any(|f| f.order.contains(&r))
+                })
                 .collect();
             readers.sort_unstable();
             let mut told = phase.readers.clone();
@@ -214,6 +218,23 @@ fn check_structure(plans: &[&ArenaPlan]) -> Result<(), String> {
                 }
                 if read.from + read.to.len() > slot || read.to.end > plan.buffer_len() {
                     return Err(format!("phase {k}: rank {r}: a read out of bounds"));
+                }
+            }
+            for fold in &phase.folds {
+                if let Some(q) = fold
+                    .order
+                    .iter()
+                    .find(|q| **q != r && !phase.waits_on.contains(q))
+                {
+                    return Err(format!(
+                        "phase {k}: rank {r} folds rank {q}'s slot without waiting"
+                    ));
+                }
+                if fold.from + fold.to.len() > slot
+                    || fold.to.end > plan.buffer_len()
+                    || fold.order.iter().any(|q| *q >= world)
+                {
+                    return Err(format!("phase {k}: rank {r}: a fold out of bounds"));
                 }
             }
             for write in &phase.writes {
@@ -297,14 +318,35 @@ fn step(r: usize, rank: &mut Rank, mem: &mut Memory) -> Result<bool, String> {
             };
         }
         Pc::Read(i) => {
-            let Some(read) = phase.reads.get(i) else {
-                rank.phase += 1;
-                rank.pc = Pc::Start;
-                return Ok(true);
-            };
             // The phase this rank published last is the one being read.
             let g = rank.state.phase() - 1;
             let h = (g % 2) as usize;
+            let Some(read) = phase.reads.get(i) else {
+                let Some(fold) = phase.folds.get(i - phase.reads.len()) else {
+                    rank.phase += 1;
+                    rank.pc = Pc::Start;
+                    return Ok(true);
+                };
+                let mut operands = Vec::new();
+                for &q in &fold.order {
+                    if q == r {
+                        operands.push(None);
+                        continue;
+                    }
+                    if mem.tags[q][h] != Some(g) {
+                        return Err(format!(
+                            "rank {r} folded rank {q}'s half {h} in phase {g}, which holds phase {:?}",
+                            mem.tags[q][h]
+                        ));
+                    }
+                    operands.push(Some(&mem.data[q][h][fold.from..fold.from + fold.to.len()]));
+                }
+                let (element, op) = plan.reduction().ok_or("a fold without a reduction")?;
+                let dst = &mut rank.buffers[rank.plan][fold.to.clone()];
+                fold_in_order(op, element, dst, operands).map_err(|e| e.to_string())?;
+                rank.pc = Pc::Read(i + 1);
+                return Ok(true);
+            };
             if mem.tags[read.peer][h] != Some(g) {
                 return Err(format!(
                     "rank {r} read rank {}'s half {h} in phase {g}, which holds phase {:?}",

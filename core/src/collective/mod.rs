@@ -100,6 +100,7 @@ mod arena_sim;
 pub mod arena_wait;
 pub mod check;
 pub mod disagreement;
+mod fold;
 pub mod hierarchy;
 pub mod inbox;
 mod reduce;
@@ -119,6 +120,7 @@ pub use algorithms::{
     monitored_barrier_missing, reduce, reduce_scatter, reduce_scatter_v, scatter,
 };
 pub use check::{agreement_check, DebugLevel, UnknownDebugLevel, DEBUG_ENV};
+pub use fold::{fold_in_order, FOLD_BLOCK};
 pub use reduce::{reduce_into, ElementType, ReduceOp};
 pub use signature::{Signature, SIGNATURE_LEN, WORD_EXACT_BITS};
 pub use violation::MeshViolation;

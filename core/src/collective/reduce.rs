@@ -373,67 +373,74 @@ pub fn reduce_into(
             incoming: incoming.len(),
         });
     }
-    let op = op.step_op();
-    let i = incoming_first;
-    match element {
-        ElementType::F32 => float_op!(op, f32, |f| combine(
+    dispatch(
+        op.step_op(),
+        element,
+        InPlace {
             acc,
             incoming,
-            i,
+            incoming_first,
+        },
+    );
+    Ok(())
+}
+
+/// Combines `a` and `b` into `out` element by element: `out[i] = op(a[i], b[i])`, as
+/// [`reduce_into`] combines (the same operations, conversions and rounding): the first step of
+/// a fold whose first two operands are not its destination, or its last one into the
+/// destination, without a copy first.
+///
+/// # Errors
+/// As [`reduce_into`], for `out` and each operand.
+pub(super) fn reduce_pair_into(
+    op: ReduceOp,
+    element: ElementType,
+    out: &mut [u8],
+    a: &[u8],
+    b: &[u8],
+) -> Result<(), CollectiveError> {
+    op.check(element)?;
+    for x in [a, b] {
+        if out.len() != x.len() || !out.len().is_multiple_of(element.size()) {
+            return Err(CollectiveError::ReduceLength {
+                element,
+                acc: out.len(),
+                incoming: x.len(),
+            });
+        }
+    }
+    dispatch(op.step_op(), element, Pair { out, a, b });
+    Ok(())
+}
+
+/// Runs `pass` with the loads, stores and function of `element` and `op` (a step op).
+fn dispatch(op: ReduceOp, element: ElementType, pass: impl Pass) {
+    match element {
+        ElementType::F32 => float_op!(op, f32, |f| pass.run(
             f32::from_le_bytes,
             f32::to_le_bytes,
             f
         )),
-        ElementType::F64 => float_op!(op, f64, |f| combine(
-            acc,
-            incoming,
-            i,
+        ElementType::F64 => float_op!(op, f64, |f| pass.run(
             f64::from_le_bytes,
             f64::to_le_bytes,
             f
         )),
-        ElementType::F16 => float_op!(op, f32, |f| combine(
-            acc, incoming, i, f16_load, f16_store, f
-        )),
-        ElementType::BF16 => float_op!(op, f32, |f| combine(
-            acc, incoming, i, bf16_load, bf16_store, f
-        )),
-        ElementType::I32 => int_op!(op, i32, |f| combine(
-            acc,
-            incoming,
-            i,
+        ElementType::F16 => float_op!(op, f32, |f| pass.run(f16_load, f16_store, f)),
+        ElementType::BF16 => float_op!(op, f32, |f| pass.run(bf16_load, bf16_store, f)),
+        ElementType::I32 => int_op!(op, i32, |f| pass.run(
             i32::from_le_bytes,
             i32::to_le_bytes,
             f
         )),
-        ElementType::I64 => int_op!(op, i64, |f| combine(
-            acc,
-            incoming,
-            i,
+        ElementType::I64 => int_op!(op, i64, |f| pass.run(
             i64::from_le_bytes,
             i64::to_le_bytes,
             f
         )),
-        ElementType::U8 => int_op!(op, u8, |f| combine(
-            acc,
-            incoming,
-            i,
-            u8::from_le_bytes,
-            u8::to_le_bytes,
-            f
-        )),
-        ElementType::I8 => int_op!(op, i8, |f| combine(
-            acc,
-            incoming,
-            i,
-            i8::from_le_bytes,
-            i8::to_le_bytes,
-            f
-        )),
-        ElementType::I16 => int_op!(op, i16, |f| combine(
-            acc,
-            incoming,
-            i,
+        ElementType::U8 => int_op!(op, u8, |f| pass.run(u8::from_le_bytes, u8::to_le_bytes, f)),
+        ElementType::I8 => int_op!(op, i8, |f| pass.run(i8::from_le_bytes, i8::to_le_bytes, f)),
+        ElementType::I16 => int_op!(op, i16, |f| pass.run(
             i16::from_le_bytes,
             i16::to_le_bytes,
             f
@@ -445,10 +452,63 @@ pub fn reduce_into(
                 // Sum, Max, BOr: or (a sum of bools stored as a bool is true when any is).
                 _ => |a, b| a | b,
             };
-            combine(acc, incoming, i, bool_load, bool_store, f)
+            pass.run(bool_load, bool_store, f)
         }
     }
-    Ok(())
+}
+
+/// One element-wise pass over bytes, given the element's load, store and binary function.
+trait Pass {
+    fn run<T: Copy, const W: usize>(
+        self,
+        load: impl Fn([u8; W]) -> T,
+        store: impl Fn(T) -> [u8; W],
+        f: impl Fn(T, T) -> T,
+    );
+}
+
+/// [`reduce_into`]'s pass: into the accumulator.
+struct InPlace<'a> {
+    acc: &'a mut [u8],
+    incoming: &'a [u8],
+    incoming_first: bool,
+}
+
+impl Pass for InPlace<'_> {
+    fn run<T: Copy, const W: usize>(
+        self,
+        load: impl Fn([u8; W]) -> T,
+        store: impl Fn(T) -> [u8; W],
+        f: impl Fn(T, T) -> T,
+    ) {
+        combine(self.acc, self.incoming, self.incoming_first, load, store, f);
+    }
+}
+
+/// [`reduce_pair_into`]'s pass: two operands into a third place.
+struct Pair<'a> {
+    out: &'a mut [u8],
+    a: &'a [u8],
+    b: &'a [u8],
+}
+
+impl Pass for Pair<'_> {
+    fn run<T: Copy, const W: usize>(
+        self,
+        load: impl Fn([u8; W]) -> T,
+        store: impl Fn(T) -> [u8; W],
+        f: impl Fn(T, T) -> T,
+    ) {
+        // As `combine`: arrays, indexed, one length for all three.
+        let (out, _) = self.out.as_chunks_mut::<W>();
+        let (a, _) = self.a.as_chunks::<W>();
+        let (b, _) = self.b.as_chunks::<W>();
+        let n = out.len().min(a.len()).min(b.len());
+        let (out, a, b) = (&mut out[..n], &a[..n], &b[..n]);
+        for i in 0..n {
+            out[i] = store(f(load(a[i]), load(b[i])));
+        }
+    }
 }
 
 fn combine<T: Copy, const W: usize>(
