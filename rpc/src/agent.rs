@@ -346,7 +346,10 @@ impl Agent {
         A: Serialize + ?Sized,
         R: DeserializeOwned + Send + 'static,
     {
-        self.rpc_async(to, function, args, timeout)?.await
+        // Awaited here, where `function` lives: no future to box, no copy of the name.
+        let to = self.resolve(&to.into())?;
+        let (rx, watch) = self.begin_call(to, function, args, None, timeout, Direction::Request)?;
+        watch.watch(self.call_result(rx, to, function)).await
     }
 
     /// Sends `function(args)` to `to` now and returns a future of its result, to await later.
@@ -440,6 +443,24 @@ impl Agent {
         A: Serialize + ?Sized,
         R: DeserializeOwned + Send + 'static,
     {
+        let (rx, watch) = self.begin_call(to, function, args, target, timeout, placement)?;
+        let (agent, function) = (self.clone(), function.to_owned());
+        let result = async move { agent.call_result(rx, to, &function).await };
+        Ok(RpcFuture {
+            inner: Box::pin(watch.watch(result)),
+        })
+    }
+
+    /// Sends a call: the receiver of its outcome and its watch (counted, in its span).
+    fn begin_call<A: Serialize + ?Sized>(
+        &self,
+        to: WorkerId,
+        function: &str,
+        args: &A,
+        target: Option<RRefHandle>,
+        timeout: Option<Duration>,
+        placement: Direction,
+    ) -> Result<(Outcome, crate::metrics::CallWatch), RpcError> {
         let prepared = tensors::prepare(self, to, args, placement)
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
@@ -460,13 +481,7 @@ impl Agent {
             self.pump();
         }
         let watch = (self.inner.metrics).call(&|id| self.name_of(id), to, function, id, bytes);
-        Ok(RpcFuture::new(
-            self.clone(),
-            rx,
-            to,
-            function.to_owned(),
-            watch,
-        ))
+        Ok((rx, watch))
     }
 
     /// Hands a call or a remote with `prepared` arguments for `to` to the endpoint, under one
@@ -1081,32 +1096,29 @@ impl tensors::Routes for Agent {
     }
 }
 
-impl<R: DeserializeOwned + Send + 'static> RpcFuture<R> {
-    fn new(
-        agent: Agent,
-        rx: oneshot::Receiver<Result<Body, CallError>>,
-        to: WorkerId,
-        function: String,
-        watch: crate::metrics::CallWatch,
-    ) -> Self {
-        Self {
-            inner: Box::pin(watch.watch(async move {
-                match rx.await {
-                    // The peer's name is looked up only for an error (not on every call).
-                    Ok(Ok(body)) => agent.decode_body(body, to, None, &function).await,
-                    Ok(Err(source)) => Err(RpcError::Call {
-                        to: agent.name_of(to),
-                        function,
-                        source,
-                    }),
-                    Err(_) => Err(RpcError::NotRunning),
-                }
-            })),
-        }
-    }
-}
+/// Where a call's outcome arrives.
+type Outcome = oneshot::Receiver<Result<Body, CallError>>;
 
 impl Agent {
+    /// The value of the call whose outcome `rx` receives.
+    async fn call_result<R: DeserializeOwned>(
+        &self,
+        rx: Outcome,
+        to: WorkerId,
+        function: &str,
+    ) -> Result<R, RpcError> {
+        match rx.await {
+            // The peer's name is looked up only for an error (not on every call).
+            Ok(Ok(body)) => self.decode_body(body, to, None, function).await,
+            Ok(Err(source)) => Err(RpcError::Call {
+                to: self.name_of(to),
+                function: function.to_owned(),
+                source,
+            }),
+            Err(_) => Err(RpcError::NotRunning),
+        }
+    }
+
     /// Places a received body's tensors and decodes its value. `from` names the sender in an
     /// error (`None`: its name now, looked up only then).
     pub(crate) async fn decode_body<R: DeserializeOwned>(

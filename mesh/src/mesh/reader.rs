@@ -59,8 +59,10 @@ pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
     // What the peer said when it aborted its group (it may close right after): how its
     // connection's end is told to the layer above.
     let mut aborted: Option<String> = None;
+    // One receive future for every frame (the adapter's), not a boxed `recv` per frame.
+    let mut frames = Arc::clone(&link.conn).into_frames();
     let end = 'read: loop {
-        let frame = match link.conn.recv().await {
+        let frame = match std::future::poll_fn(|cx| frames.poll_recv(cx)).await {
             Ok(frame) => frame,
             Err(e) => break End::Broken(e),
         };
