@@ -5,7 +5,7 @@
 //! one retry policy and one way to refuse a stranger:
 //!
 //! - [`dial`] connects with exponential backoff and jitter ([`Backoff`]) until a deadline (a
-//!   failed authentication is final, not retried), then sends the [`Hello`].
+//!   failed authentication is final, not retried: `dial_gives_up`), then sends the [`Hello`].
 //! - [`read_hello`] reads the first frame of an accepted connection, bounded by a deadline.
 //!
 //! Who dials whom in a group of known size is decided in core
@@ -16,6 +16,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use tensorwire_core::ports::handshake::dial_gives_up;
 use tensorwire_core::ports::runtime::Runtime;
 use tensorwire_core::ports::transport::{Connection, Transport, TransportError};
 use tensorwire_core::protocol::mesh::MeshFrameError;
@@ -82,7 +83,9 @@ pub fn dial_backoff() -> Backoff {
 }
 
 /// Connects to `addr` over `transport`, retrying with [`dial_backoff`] until `deadline` on
-/// `rt`'s clock (an authentication failure is final), and sends `hello`.
+/// `rt`'s clock, and sends `hello`. An authentication's verdict is final; a handshake cut
+/// short is retried a few times (a listener going away cuts it so: see
+/// [`dial_gives_up`]).
 pub async fn dial(
     rt: &dyn Runtime,
     transport: &dyn Transport,
@@ -91,13 +94,18 @@ pub async fn dial(
     deadline: Instant,
 ) -> Result<Box<dyn Connection>, LinkError> {
     let mut backoff = dial_backoff();
+    // Handshakes that ended without a verdict so far (core decides when that is final).
+    let mut closed = 0;
     let conn = loop {
         let failed = |reason: LinkStepError| LinkError::Connect { addr, reason };
         let attempt = rt.timeout_at(deadline, transport.connect(addr)).await;
         match attempt {
             Ok(Ok(conn)) => break conn,
-            Ok(Err(e @ TransportError::Authentication { .. })) => return Err(failed(e.into())),
+            Ok(Err(e)) if dial_gives_up(&e, closed) => return Err(failed(e.into())),
             Ok(Err(e)) => {
+                if matches!(e, TransportError::Authentication { .. }) {
+                    closed += 1;
+                }
                 let delay = backoff.next_delay();
                 if rt.now() + delay > deadline {
                     return Err(failed(e.into()));

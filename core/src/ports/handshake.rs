@@ -140,3 +140,50 @@ pub async fn authenticate_server(
         .map_err(|e| handshake_failed(peer, "wrong cluster secret", Some(e)))?;
     ch.send(&verdict).await
 }
+
+/// How many times a dialer meets a connection closed mid-handshake, with no verdict, before
+/// it takes that as final (see [`dial_gives_up`]).
+pub const CLOSED_HANDSHAKES_RETRIED: u32 = 3;
+
+/// Whether a dialer stops for good on `error`, having met `closed_before` handshakes that
+/// ended without a verdict before this one. A verdict (a refusal, a proof that does not
+/// match: an [`AuthError`](crate::auth::AuthError) source) is final at once. A connection
+/// closed mid-handshake is ambiguous: a listener without the secret closes so, but so does
+/// a listener that is going away, whose address refuses the next dial (a transient end,
+/// retried as one). It is final only once it repeats past [`CLOSED_HANDSHAKES_RETRIED`].
+/// Any other error is not an authentication's and is left to the dialer's deadline.
+pub fn dial_gives_up(error: &TransportError, closed_before: u32) -> bool {
+    match error {
+        TransportError::Authentication {
+            source: Some(_), ..
+        } => true,
+        TransportError::Authentication { source: None, .. } => {
+            closed_before >= CLOSED_HANDSHAKES_RETRIED
+        }
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::AuthError;
+
+    #[test]
+    fn a_verdict_is_final_and_a_handshake_cut_short_only_once_it_repeats() {
+        let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let refused = handshake_failed(peer, "refused", Some(AuthError::Refused));
+        assert!(dial_gives_up(&refused, 0));
+        let cut = handshake_failed(peer, "the listener closed the connection", None);
+        for before in 0..CLOSED_HANDSHAKES_RETRIED {
+            assert!(!dial_gives_up(&cut, before), "after {before}");
+        }
+        assert!(dial_gives_up(&cut, CLOSED_HANDSHAKES_RETRIED));
+        let refused_tcp = TransportError::io(
+            peer,
+            "connecting",
+            &std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
+        );
+        assert!(!dial_gives_up(&refused_tcp, 100));
+    }
+}
