@@ -147,7 +147,7 @@ pub const CLOSED_HANDSHAKES_RETRIED: u32 = 3;
 
 /// Whether a dialer stops for good on `error`, having met `closed_before` handshakes that
 /// ended without a verdict before this one. A verdict (a refusal, a proof that does not
-/// match: an [`AuthError`](crate::auth::AuthError) source) is final at once. A connection
+/// match: an [`AuthError`] source) is final at once. A connection
 /// closed mid-handshake is ambiguous: a listener without the secret closes so, but so does
 /// a listener that is going away, whose address refuses the next dial (a transient end,
 /// retried as one). It is final only once it repeats past [`CLOSED_HANDSHAKES_RETRIED`].
