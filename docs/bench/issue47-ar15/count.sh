@@ -3,8 +3,8 @@
 # (callgrind, pinned to one core, arena path): `bench collectives --world 8` at --large-iters 4
 # and 8 (3 warm-up calls in both), the difference over the 4 more calls, in the functions
 # matching --toggle-collect="*PATTERN*" (e.g. "Collectives::all_reduce" for the whole call,
-# "reduce_into" for the reduction). byfn.py TAG PATTERN: the same difference by function
-# (docs/bench/issue47-sync13/byfn.py with N=4). Each rank's figure is printed, sorted.
+# "reduce_into" for the reduction). By function: `python3 ../issue47-sync13/byfn.py TAG
+# PATTERN 4 8 4` (PATTERN as this names its folder). Each rank's figure is printed, sorted.
 set -u
 cd "${OUT:-/work/binB/cg15}"
 bin=$1; tag=$2; shift 2

@@ -1,6 +1,11 @@
 import subprocess, sys, glob, re, os
-# byfn.py TAG FUNC: exclusive per call, grouped by the (inlined-into) function
+# byfn.py TAG FUNC [LO HI CALLS]: exclusive per call, grouped by the (inlined-into) function,
+# the difference of the runs at LO and HI iterations over the CALLS more calls between them
+# (defaults: count.sh's 1000 and 2000 small iterations, 1,100 calls; issue47-ar15/count.sh's
+# runs are 4 8 4)
 tag, f = sys.argv[1], sys.argv[2]
+lo_n, hi_n, calls = (sys.argv[3:6] + ["1000", "2000", "1100"][len(sys.argv[3:6]):])
+calls = int(calls)
 def prof(d):
     files = sorted(glob.glob(d + "/cg.*"), key=lambda p: -os.path.getsize(p))
     res = []
@@ -18,9 +23,9 @@ def prof(d):
         if tot > 0: res.append((tot, m))
     res.sort(key=lambda x: x[0])
     return res
-lo, hi = prof(f"{tag}-1000-{f}"), prof(f"{tag}-2000-{f}")
+lo, hi = prof(f"{tag}-{lo_n}-{f}"), prof(f"{tag}-{hi_n}-{f}")
 for (tl, ml), (th, mh) in list(zip(lo, hi))[:1]:
-    print("rank total per call", round((th - tl) / 1100))
-    rows = sorted(((mh[k] - ml.get(k, 0)) / 1100, k) for k in mh)[::-1]
+    print("rank total per call", round((th - tl) / calls))
+    rows = sorted(((mh[k] - ml.get(k, 0)) / calls, k) for k in mh)[::-1]
     for d, k in rows:
         if abs(d) >= 2: print(f"{d:8.1f}  {k[:220]}")
