@@ -42,6 +42,7 @@ pub mod codec;
 pub mod collective;
 pub mod device;
 pub mod devices_sim;
+pub mod env;
 pub mod hashing;
 pub mod identity;
 pub mod ipc;

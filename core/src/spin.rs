@@ -43,6 +43,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::env::BadVariable;
+
 /// A spin budget from the environment variable `name`, as `env` looks it up: `Ok(None)` when it
 /// is unset, else its value in whole microseconds (`0`: sleep at once, never poll). A malformed
 /// value is an error that names the variable and the value. The transports' spin settings
@@ -55,19 +57,15 @@ use std::time::{Duration, Instant};
 /// let env = |v: &'static str| move |_: &str| Some(v.to_string());
 /// assert_eq!(budget_from_env("SPIN", env(" 50 ")), Ok(Some(Duration::from_micros(50))));
 /// assert_eq!(budget_from_env("SPIN", |_: &str| None), Ok(None));
-/// assert!(budget_from_env("SPIN", env("fast")).unwrap_err().contains("SPIN=\"fast\""));
+/// let bad = budget_from_env("SPIN", env("fast")).unwrap_err();
+/// assert_eq!((bad.var.as_str(), bad.value.as_str()), ("SPIN", "fast"));
 /// ```
 pub fn budget_from_env(
     name: &str,
     env: impl Fn(&str) -> Option<String>,
-) -> Result<Option<Duration>, String> {
-    let Some(value) = env(name) else {
-        return Ok(None);
-    };
-    let us: u64 = value.trim().parse().map_err(|_| {
-        format!("{name}={value:?}: expected a whole number of microseconds (0: never poll)")
-    })?;
-    Ok(Some(Duration::from_micros(us)))
+) -> Result<Option<Duration>, BadVariable> {
+    let us = crate::env::whole_number(name, env, "a whole number of microseconds (0: never poll)")?;
+    Ok(us.map(Duration::from_micros))
 }
 
 /// A `sched_yield` that takes longer than this ran another thread on our core.

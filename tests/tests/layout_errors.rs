@@ -62,12 +62,6 @@ const ALLOWED: &[(&str, &str, &str)] = &[
         "Unsupported",
         "the element type or optimizer a Python or candle caller named, as that caller spells it",
     ),
-    (
-        "TransportError",
-        "Config",
-        "each transport crate's own configuration rule, in its words (the port cannot know \
-         every transport's settings)",
-    ),
 ];
 
 fn root() -> PathBuf {

@@ -33,7 +33,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 // The network keeps tokio's clock, so a paused clock (tokio's `test-util`) drives its delays.
 use tensorwire_core::ports::transport::{
-    Connection, IdentityError, Listener, Transport, TransportError,
+    ConfigError, Connection, Ended, IdentityError, Listener, Transport, TransportError,
 };
 use tensorwire_core::wire::Frame;
 use tokio::sync::{mpsc, watch};
@@ -97,9 +97,10 @@ impl MemoryNetwork {
 
     fn next_port(&self) -> Result<u16, TransportError> {
         let mut net = self.lock();
-        net.last_port = net.last_port.checked_add(1).ok_or_else(|| {
-            TransportError::Config("the in-memory network ran out of ports".into())
-        })?;
+        net.last_port = net
+            .last_port
+            .checked_add(1)
+            .ok_or(TransportError::Config(ConfigError::PortsExhausted))?;
         Ok(net.last_port)
     }
 }
@@ -298,10 +299,11 @@ impl Connection for MemoryConnection {
             Some(tx) => tx
                 .send((at, frame))
                 .map_err(|_| TransportError::Closed { peer: self.peer }),
-            None => Err(TransportError::Config(format!(
-                "sending on the connection to {} after closing it",
-                self.peer
-            ))),
+            None => Err(TransportError::Ended {
+                peer: self.peer,
+                op: "sending",
+                how: Ended::ClosedHere,
+            }),
         }
     }
 

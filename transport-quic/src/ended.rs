@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 
 use quinn::{ConnectError, ConnectionError, StoppedError, VarInt, WriteError};
-use tensorwire_core::ports::transport::{Ended, TransportError};
+use tensorwire_core::ports::transport::{ConfigError, Ended, TransportError};
 
 /// The application close code of a connection both sides are done with.
 pub(crate) const CODE_DONE: u32 = 0;
@@ -120,9 +120,7 @@ pub(crate) fn refused(peer: SocketAddr, e: &ConnectError) -> TransportError {
         ConnectError::CidsExhausted => Ended::IdsExhausted,
         ConnectError::UnsupportedVersion => Ended::VersionMismatch,
         ConnectError::InvalidServerName(name) => {
-            return TransportError::Config(format!(
-                "the TLS server name {name:?} is not a valid DNS name"
-            ))
+            return ConfigError::ServerName { name: name.clone() }.into()
         }
         ConnectError::InvalidRemoteAddress(addr) => {
             return TransportError::Io {
@@ -135,7 +133,7 @@ pub(crate) fn refused(peer: SocketAddr, e: &ConnectError) -> TransportError {
             }
         }
         ConnectError::NoDefaultClientConfig => {
-            return TransportError::Config("no QUIC client configuration".to_owned())
+            return ConfigError::NoClientConfig { transport: "QUIC" }.into()
         }
     };
     TransportError::Ended { peer, op, how }

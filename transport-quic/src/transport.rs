@@ -30,7 +30,7 @@ use bytes::{BufMut, BytesMut};
 use quinn::{ConnectionError, ReadError, RecvStream};
 use tensorwire_core::identity::Credentials;
 use tensorwire_core::ports::transport::{
-    Connection, Ended, IdentityError, Listener, Transport, TransportError,
+    ConfigError, Connection, Ended, IdentityError, Listener, Transport, TransportError,
 };
 use tensorwire_core::wire::{Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -186,7 +186,11 @@ fn config_error(e: QuicError) -> TransportError {
         QuicError::Socket { addr, source } => {
             TransportError::io(addr, "binding a UDP socket", &source)
         }
-        other => TransportError::Config(other.to_string()),
+        other => ConfigError::Adapter {
+            transport: "QUIC",
+            message: other.to_string(),
+        }
+        .into(),
     }
 }
 

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use tensorwire_core::auth::ClusterSecret;
-use tensorwire_core::ports::transport::TransportError;
+use tensorwire_core::ports::transport::{ConfigError, TransportError};
 use tensorwire_core::wire::{WireLimits, DEFAULT_BUFFER_REUSE};
 
 /// The environment variable [`ShmConfig::from_env`] reads the cluster secret from (the same
@@ -91,14 +91,19 @@ impl ShmConfig {
     pub fn from_env() -> Result<Self, TransportError> {
         match std::env::var_os(SECRET_ENV) {
             Some(value) if !value.is_empty() => {
-                let secret = ClusterSecret::new(value.into_encoded_bytes())
-                    .map_err(|e| TransportError::Config(format!("{SECRET_ENV}: {e}")))?;
+                let secret = ClusterSecret::new(value.into_encoded_bytes()).map_err(|source| {
+                    ConfigError::Secret {
+                        var: SECRET_ENV,
+                        source,
+                    }
+                })?;
                 Self::new(secret).with_spin_from(|name| std::env::var(name).ok())
             }
-            _ => Err(TransportError::Config(format!(
-                "no cluster secret: set {SECRET_ENV} (the same value on every worker); to run \
-                 without one, ask for it explicitly (ShmConfig::insecure)"
-            ))),
+            _ => Err(ConfigError::NoSecret {
+                var: SECRET_ENV,
+                insecure: "ShmConfig::insecure",
+            }
+            .into()),
         }
     }
 
@@ -150,7 +155,7 @@ impl ShmConfig {
         match tensorwire_core::spin::budget_from_env(SPIN_ENV, env) {
             Ok(Some(spin)) => Ok(self.with_spin(spin)),
             Ok(None) => Ok(self),
-            Err(message) => Err(TransportError::Config(message)),
+            Err(bad) => Err(ConfigError::from(bad).into()),
         }
     }
 
@@ -168,11 +173,12 @@ impl ShmConfig {
     /// Checks the settings that are not checked by their types.
     pub(crate) fn validate(&self) -> Result<(), TransportError> {
         if !self.ring_bytes.is_power_of_two() || !(MIN_RING..=MAX_RING).contains(&self.ring_bytes) {
-            return Err(TransportError::Config(format!(
-                "ShmConfig::ring_bytes is {}; it must be a power of two from {MIN_RING} to \
-                 {MAX_RING}",
-                self.ring_bytes
-            )));
+            return Err(ConfigError::Setting {
+                setting: "ShmConfig::ring_bytes",
+                value: self.ring_bytes as u64,
+                expected: format!("a power of two from {MIN_RING} to {MAX_RING}"),
+            }
+            .into());
         }
         Ok(())
     }
@@ -188,6 +194,22 @@ mod tests {
                 .find(|(k, _)| *k == name)
                 .map(|(_, v)| v.to_string())
         }
+    }
+
+    #[test]
+    fn a_ring_size_out_of_range_is_a_setting_error_naming_it() {
+        for bytes in [3 * 4096, MIN_RING / 2, MAX_RING * 2] {
+            match ShmConfig::insecure().with_ring_bytes(bytes).validate() {
+                Err(TransportError::Config(ConfigError::Setting { setting, value, .. })) => {
+                    assert_eq!((setting, value), ("ShmConfig::ring_bytes", bytes as u64))
+                }
+                other => panic!("{bytes}: {other:?}"),
+            }
+        }
+        assert!(ShmConfig::insecure()
+            .with_ring_bytes(MIN_RING)
+            .validate()
+            .is_ok());
     }
 
     #[test]

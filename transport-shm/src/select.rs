@@ -28,7 +28,10 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use tensorwire_core::ports::transport::{Connection, Listener, Transport, TransportError};
+use tensorwire_core::env::BadVariable;
+use tensorwire_core::ports::transport::{
+    ConfigError, Connection, Listener, Transport, TransportError,
+};
 use tensorwire_transport_tcp::{TcpConfig, TcpTransport};
 use tokio::sync::{mpsc, Mutex};
 use tokio::task::JoinHandle;
@@ -37,6 +40,9 @@ use crate::{listener, sock, ShmConfig, ShmTransport};
 
 /// The environment variable that overrides transport selection: `tcp`, `shm` or `auto`.
 pub const TRANSPORT_ENV: &str = "TENSORWIRE_TRANSPORT";
+
+/// What [`TRANSPORT_ENV`] takes.
+const SELECTIONS: &str = "a transport selection: tcp, shm or auto";
 
 /// Which transport a [`SelectingTransport`] uses for a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,9 +62,7 @@ impl Selection {
             "auto" => Ok(Selection::Auto),
             "tcp" => Ok(Selection::Tcp),
             "shm" => Ok(Selection::Shm),
-            _ => Err(TransportError::Config(format!(
-                "{TRANSPORT_ENV}={value:?} is not a transport selection: use tcp, shm or auto"
-            ))),
+            _ => Err(ConfigError::from(BadVariable::new(TRANSPORT_ENV, value, SELECTIONS)).into()),
         }
     }
 
@@ -67,9 +71,12 @@ impl Selection {
         match std::env::var(TRANSPORT_ENV) {
             Ok(v) if !v.trim().is_empty() => Self::parse(&v),
             Ok(_) | Err(std::env::VarError::NotPresent) => Ok(Selection::Auto),
-            Err(std::env::VarError::NotUnicode(v)) => Err(TransportError::Config(format!(
-                "{TRANSPORT_ENV}={v:?} is not a transport selection: use tcp, shm or auto"
-            ))),
+            Err(std::env::VarError::NotUnicode(v)) => Err(ConfigError::from(BadVariable::new(
+                TRANSPORT_ENV,
+                v.to_string_lossy(),
+                SELECTIONS,
+            ))
+            .into()),
         }
     }
 
@@ -227,11 +234,10 @@ impl Transport for SelectingTransport {
             Selection::Tcp => None,
             Selection::Auto => self.dial_shm(addr).await?,
             Selection::Shm => Some(self.dial_shm(addr).await?.ok_or_else(|| {
-                TransportError::Config(format!(
-                    "{TRANSPORT_ENV}=shm, but no tensorwire shared-memory listener answers for \
-                     {addr} on this host (is the peer on another host, or does it run with \
-                     {TRANSPORT_ENV}=tcp?)"
-                ))
+                TransportError::from(ConfigError::NoSharedMemoryPeer {
+                    addr,
+                    var: TRANSPORT_ENV,
+                })
             })?),
         };
         let (conn, transport) = match conn {
@@ -358,8 +364,8 @@ mod tests {
             "a tcp listener has no shm side"
         );
         match round_trip(&tcp, &shm).await {
-            Err(TransportError::Config(m)) => {
-                assert!(m.contains("TENSORWIRE_TRANSPORT=shm"), "{m}")
+            Err(TransportError::Config(ConfigError::NoSharedMemoryPeer { var, .. })) => {
+                assert_eq!(var, "TENSORWIRE_TRANSPORT")
             }
             other => panic!("shm cannot reach a tcp-only listener: {other:?}"),
         }
@@ -380,10 +386,19 @@ mod tests {
         assert_eq!(Selection::parse(" SHM ").unwrap(), Selection::Shm);
         assert_eq!(Selection::parse("tcp").unwrap(), Selection::Tcp);
         assert_eq!(Selection::parse("auto").unwrap(), Selection::Auto);
-        let e = Selection::parse("carrier-pigeon").unwrap_err().to_string();
+        let e = Selection::parse("carrier-pigeon").unwrap_err();
+        let msg = e.to_string();
         assert!(
-            e.contains("TENSORWIRE_TRANSPORT") && e.contains("carrier-pigeon"),
-            "{e}"
+            msg.contains("TENSORWIRE_TRANSPORT") && msg.contains("carrier-pigeon"),
+            "{msg}"
+        );
+        assert_eq!(
+            e,
+            TransportError::Config(ConfigError::Variable(BadVariable::new(
+                TRANSPORT_ENV,
+                "carrier-pigeon",
+                SELECTIONS
+            )))
         );
     }
 

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use tensorwire_core::auth::ClusterSecret;
-use tensorwire_core::ports::transport::TransportError;
+use tensorwire_core::ports::transport::{ConfigError, TransportError};
 use tensorwire_core::wire::{WireLimits, DEFAULT_BUFFER_REUSE};
 
 /// The environment variable [`TcpConfig::from_env`] reads the cluster secret from.
@@ -156,15 +156,20 @@ impl TcpConfig {
         }
         match std::env::var_os(SECRET_ENV) {
             Some(value) if !value.is_empty() => {
-                let secret = ClusterSecret::new(value.into_encoded_bytes())
-                    .map_err(|e| TransportError::Config(format!("{SECRET_ENV}: {e}")))?;
+                let secret = ClusterSecret::new(value.into_encoded_bytes()).map_err(|source| {
+                    ConfigError::Secret {
+                        var: SECRET_ENV,
+                        source,
+                    }
+                })?;
                 Ok(Self::new(secret))
             }
             _ if insecure => Ok(Self::insecure()),
-            _ => Err(TransportError::Config(format!(
-                "no cluster secret: set {SECRET_ENV} (the same value on every worker) or \
-                 configure one; to run without authentication, ask for it explicitly (insecure)"
-            ))),
+            _ => Err(ConfigError::NoSecret {
+                var: SECRET_ENV,
+                insecure: "insecure",
+            }
+            .into()),
         }
     }
 
@@ -229,7 +234,7 @@ impl TcpConfig {
         match tensorwire_core::spin::budget_from_env(SPIN_ENV, env) {
             Ok(Some(spin)) => Ok(self.with_spin(spin)),
             Ok(None) => Ok(self),
-            Err(message) => Err(TransportError::Config(message)),
+            Err(bad) => Err(ConfigError::from(bad).into()),
         }
     }
 
@@ -243,15 +248,13 @@ impl TcpConfig {
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Self, TransportError> {
         let ms = |name: &str| -> Result<Option<Option<Duration>>, TransportError> {
-            let Some(value) = env(name) else {
-                return Ok(None);
-            };
-            let ms: u64 = value.trim().parse().map_err(|_| {
-                TransportError::Config(format!(
-                    "{name}={value:?}: expected a whole number of milliseconds (0 turns it off)"
-                ))
-            })?;
-            Ok(Some((ms > 0).then(|| Duration::from_millis(ms))))
+            let ms = tensorwire_core::env::whole_number(
+                name,
+                &env,
+                "a whole number of milliseconds (0 turns it off)",
+            )
+            .map_err(ConfigError::from)?;
+            Ok(ms.map(|ms| (ms > 0).then(|| Duration::from_millis(ms))))
         };
         if let Some(keepalive) = ms(KEEPALIVE_ENV)? {
             self.keepalive = keepalive;
@@ -308,6 +311,15 @@ mod tests {
             msg.contains(DEAD_PEER_ENV) && msg.contains("\"5s\""),
             "{msg}"
         );
+        match e {
+            TransportError::Config(ConfigError::Variable(bad)) => {
+                assert_eq!(
+                    (bad.var.as_str(), bad.value.as_str()),
+                    (DEAD_PEER_ENV, "5s")
+                )
+            }
+            other => panic!("not a variable's error: {other:?}"),
+        }
     }
 
     #[test]
@@ -321,10 +333,14 @@ mod tests {
             .with_spin_from(env(&[(SPIN_ENV, " 120 ")]))
             .unwrap();
         assert_eq!(c.spin, Duration::from_micros(120));
-        let msg = TcpConfig::insecure()
+        let e = TcpConfig::insecure()
             .with_spin_from(env(&[(SPIN_ENV, "fast")]))
-            .unwrap_err()
-            .to_string();
+            .unwrap_err();
+        let msg = e.to_string();
         assert!(msg.contains(SPIN_ENV) && msg.contains("\"fast\""), "{msg}");
+        assert!(
+            matches!(&e, TransportError::Config(ConfigError::Variable(bad)) if bad.var == SPIN_ENV),
+            "{e:?}"
+        );
     }
 }

@@ -33,6 +33,7 @@ use std::task::{Context, Poll};
 use async_trait::async_trait;
 
 use crate::auth::AuthError;
+use crate::env::BadVariable;
 use crate::identity::Credentials;
 use crate::wire::{Frame, WireError};
 
@@ -330,10 +331,87 @@ pub enum TransportError {
         /// The error message.
         message: String,
     },
-    /// The transport is misconfigured (no secret and not explicitly insecure, unreadable
-    /// certificate, ...).
+    /// The transport is misconfigured (no secret and not explicitly insecure, a bad value in
+    /// one of its environment variables, an unreadable certificate, ...).
     #[error("transport configuration: {0}")]
-    Config(String),
+    Config(#[from] ConfigError),
+}
+
+/// What is wrong with a transport's settings ([`TransportError::Config`]): each variant names
+/// the setting or variable and, where there is one, the value found.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// No cluster secret was given, and running without one was not asked for.
+    #[error(
+        "no cluster secret: set {var} (the same value on every worker) or configure one; to run \
+         without authentication, ask for it explicitly ({insecure})"
+    )]
+    NoSecret {
+        /// The environment variable that holds the secret.
+        var: &'static str,
+        /// How to ask for no authentication (`ShmConfig::insecure`, ...).
+        insecure: &'static str,
+    },
+    /// The cluster secret given cannot be used.
+    #[error("{var}: {source}")]
+    Secret {
+        /// Where it came from (the environment variable).
+        var: &'static str,
+        /// Why.
+        #[source]
+        source: AuthError,
+    },
+    /// An environment variable holds a value its setting does not take.
+    #[error(transparent)]
+    Variable(#[from] BadVariable),
+    /// A setting is outside the values it may take.
+    #[error("{setting} is {value}; it must be {expected}")]
+    Setting {
+        /// The setting (`ShmConfig::ring_bytes`, ...).
+        setting: &'static str,
+        /// Its value.
+        value: u64,
+        /// What it must be.
+        expected: String,
+    },
+    /// The shared-memory transport was required, but no shared-memory listener of this host
+    /// answers for the peer's address.
+    #[error(
+        "{var}=shm, but no tensorwire shared-memory listener answers for {addr} on this host (is \
+         the peer on another host, or does it run with {var}=tcp?)"
+    )]
+    NoSharedMemoryPeer {
+        /// The peer's address.
+        addr: SocketAddr,
+        /// The variable that asked for shared memory.
+        var: &'static str,
+    },
+    /// The name a TLS peer is checked against is not a valid DNS name.
+    #[error("the TLS server name {name:?} is not a valid DNS name")]
+    ServerName {
+        /// The name.
+        name: String,
+    },
+    /// A client connection was asked of an endpoint configured without a client side.
+    #[error("no {transport} client configuration")]
+    NoClientConfig {
+        /// The transport (`"QUIC"`).
+        transport: &'static str,
+    },
+    /// The in-memory network handed out every port number.
+    #[error("the in-memory network ran out of ports")]
+    PortsExhausted,
+    /// A setting of the adapter's own that core cannot name (certificate files, TLS material),
+    /// in the adapter's words: its error type is not plain data (it holds I/O and library
+    /// errors), and this error is.
+    #[error("{transport}: {message}")]
+    Adapter {
+        /// The transport.
+        transport: &'static str,
+        /// The adapter's error, rendered.
+        message: String,
+    },
 }
 
 /// How a connection ended ([`TransportError::Ended`]) when it was neither a clean close nor an
