@@ -74,13 +74,7 @@ async fn lead(
 
 /// What the gathers this worker leads hold now.
 pub(crate) fn debug_info(agent: &Agent) -> crate::debug::GatherDebugInfo {
-    let mut info = crate::debug::GatherDebugInfo::default();
-    let st = agent.lock();
-    let leader = st.node.gathers();
-    info.rounds = leader.rounds();
-    info.held_bytes = leader.held_bytes();
-    info.waiting = leader.waiting();
-    info
+    agent.lock().node.gathers().debug_info()
 }
 
 /// The leader's side: the handler of [`GATHER`].

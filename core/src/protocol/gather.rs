@@ -256,6 +256,29 @@ pub enum GatherFailure {
     },
 }
 
+/// What the leader of a dynamic group's gathers holds ([`GatherLeader::debug_info`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GatherDebugInfo {
+    /// Rounds under way (candidates the leader has not joined included).
+    pub rounds: usize,
+    /// Bytes of members' values held.
+    pub held_bytes: usize,
+    /// Calls waiting for their answer.
+    pub waiting: usize,
+}
+
+/// "gathers led 2 (10 bytes, 1 waiting)".
+impl std::fmt::Display for GatherDebugInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "gathers led {} ({} bytes, {} waiting)",
+            self.rounds, self.held_bytes, self.waiting
+        )
+    }
+}
+
 /// The bounds of a [`GatherLeader`]: what its peers can make it hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -484,6 +507,15 @@ impl GatherLeader {
     /// Callers waiting for an answer.
     pub fn waiting(&self) -> usize {
         self.waiting.len()
+    }
+
+    /// What it holds now, for the agent's debug view.
+    pub fn debug_info(&self) -> GatherDebugInfo {
+        GatherDebugInfo {
+            rounds: self.rounds(),
+            held_bytes: self.held_bytes(),
+            waiting: self.waiting(),
+        }
     }
 
     /// Whether the leader holds nothing and has nothing to say.
