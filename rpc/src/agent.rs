@@ -122,7 +122,6 @@ impl Agent {
                 waiters: HashMap::default(),
                 values: HashMap::default(),
                 peers: HashMap::default(),
-                driver_wakes_at: None,
                 confirm_waits: HashMap::default(),
                 shutdown_waiter: None,
                 owned: Owned {
