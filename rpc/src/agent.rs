@@ -869,12 +869,9 @@ impl Agent {
         for w in workers {
             members.insert(self.resolve(&w.into())?);
         }
-        if !members.contains(&self.inner.me.id) {
-            return Err(RpcError::InvalidArgument(format!(
-                "barrier_among {name:?}: this worker ({}) is not among the workers listed",
-                self.inner.me.name
-            )));
-        }
+        let me = (self.inner.me.id, self.inner.me.name.as_str());
+        gather::check_among(name, me, &members)
+            .map_err(|e| RpcError::InvalidArgument(e.to_string()))?;
         let what = format!("barrier {name:?} among {} workers", members.len());
         crate::gather::gather_among(
             self,
