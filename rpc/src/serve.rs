@@ -54,8 +54,10 @@ pub(crate) fn serve(
     // that finishes at once has answered: the pump that dispatched this request sends the
     // reply, with whatever else it sends (replies to the other requests of the same read,
     // in one write). One that waits goes on in a task.
-    let current_thread = tokio::runtime::Handle::try_current()
-        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
+    let current_thread = || {
+        tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread)
+    };
     let from_peer = token.from() != me;
     let mode = ServeMode::of(&function, from_peer, current_thread, keep_as.is_some());
     let (inline, takeable) = (mode.inline, mode.takeable);

@@ -221,14 +221,19 @@ pub struct ServeMode {
 
 impl ServeMode {
     /// How a request of `function` is served: inline only for a peer's request on a
-    /// current-thread runtime, where every task runs on this thread anyway (no spawn, no turn
+    /// current-thread runtime (`current_thread`, asked only for a peer's request), where every task runs on this thread anyway (no spawn, no turn
     /// of the scheduler; a call to this worker itself is dispatched from inside its caller's
     /// `rpc_async`, where the caller may hold locks its handler takes, so it gets a task, as
     /// every handler does on a multi-thread runtime, to run in parallel). Its reply is the
     /// function's to take only when it is sent (not when a `remote()` keeps the value here,
     /// `keeps_value`) and not by the pump that runs it inline.
-    pub fn of(function: &str, from_peer: bool, current_thread: bool, keeps_value: bool) -> Self {
-        let inline = from_peer && current_thread;
+    pub fn of(
+        function: &str,
+        from_peer: bool,
+        current_thread: impl FnOnce() -> bool,
+        keeps_value: bool,
+    ) -> Self {
+        let inline = from_peer && current_thread();
         ServeMode {
             internal: function == super::gather::GATHER_FUNCTION,
             inline,
@@ -440,24 +445,24 @@ mod tests {
     #[test]
     fn only_a_peers_request_on_a_current_thread_runtime_runs_inline() {
         let gather = super::super::gather::GATHER_FUNCTION;
-        let mode = ServeMode::of("f", true, true, false);
+        let mode = ServeMode::of("f", true, || true, false);
         assert_eq!(
             (mode.internal, mode.inline, mode.takeable),
             (false, true, false),
             "run inline, its reply is the pump's"
         );
-        let mode = ServeMode::of("f", false, true, false);
+        let mode = ServeMode::of("f", false, || panic!("asked only for a peer"), false);
         assert_eq!(
             (mode.inline, mode.takeable),
             (false, true),
             "a call to itself"
         );
-        let mode = ServeMode::of("f", true, false, true);
+        let mode = ServeMode::of("f", true, || false, true);
         assert_eq!(
             (mode.inline, mode.takeable),
             (false, false),
             "a remote() keeps its value"
         );
-        assert!(ServeMode::of(gather, true, false, false).internal);
+        assert!(ServeMode::of(gather, true, || false, false).internal);
     }
 }
