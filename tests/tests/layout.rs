@@ -148,7 +148,7 @@ fn the_agent_holds_no_more_code_than_the_protocol_it_drives() {
 /// error, a dropped handler one), what is queued for a peer's writer counted against its
 /// budget, `core::protocol::queued`, the table of served functions and its refusals,
 /// `core::protocol::functions`, a typed call's signature text, `Signature::function`, and a
-/// call and a remote handed to the endpoint by one helper, not two); 0.594 and 60 (the issue's
+/// call and a remote handed to the endpoint by one helper, not two); 0.593 and 60 (the issue's
 /// target) with a message's tensors encoded and placed for a peer and a received one's landing
 /// checked, and their errors, `core::protocol::tensors`; why a reference cannot be used and
 /// which error a refusal is, `RRefError` and `RRefFailure`; the debug view's words,
