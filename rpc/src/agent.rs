@@ -21,7 +21,8 @@ use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
-    CallError, Endpoint, MessageId, MethodTarget, RRefForkData, RRefHandle, RRefId, WorkerId,
+    CallError, Endpoint, MessageId, MethodTarget, RRefFailure, RRefForkData, RRefHandle, RRefId,
+    WorkerId,
 };
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{oneshot, Notify};
@@ -121,7 +122,6 @@ impl Agent {
                 waiters: HashMap::default(),
                 values: HashMap::default(),
                 peers: HashMap::default(),
-                driver_wakes_at: None,
                 confirm_waits: HashMap::default(),
                 shutdown_waiter: None,
                 owned: Owned {
@@ -154,21 +154,17 @@ fn name_in(st: &State, id: WorkerId) -> String {
         .map_or_else(|| format!("rank {id}"), |w| w.name.clone())
 }
 
-/// [`Agent::rref_error`] under the lock, held as `st`.
+/// [`Agent::rref_error`] under the lock, held as `st`: core says which error it is.
 fn rref_error_in(st: &State, handle: RRefHandle, e: CallError) -> RpcError {
-    match e {
-        CallError::NotRunning => RpcError::NotRunning,
-        e @ (CallError::RRefCreationTimedOut { .. } | CallError::Remote(_)) => {
-            RpcError::RRefCreation {
-                rref: handle.rref.to_string(),
-                owner: name_in(st, handle.owner),
-                source: e,
-            }
-        }
-        other => RpcError::RRef {
-            rref: handle.rref.to_string(),
-            reason: RRefError::Refused(other),
+    let rref = handle.rref.to_string();
+    match RRefFailure::of(e) {
+        RRefFailure::NotRunning => RpcError::NotRunning,
+        RRefFailure::Creation(source) => RpcError::RRefCreation {
+            rref,
+            owner: name_in(st, handle.owner),
+            source,
         },
+        RRefFailure::Refused(reason) => RpcError::RRef { rref, reason },
     }
 }
 
@@ -873,12 +869,9 @@ impl Agent {
         for w in workers {
             members.insert(self.resolve(&w.into())?);
         }
-        if !members.contains(&self.inner.me.id) {
-            return Err(RpcError::InvalidArgument(format!(
-                "barrier_among {name:?}: this worker ({}) is not among the workers listed",
-                self.inner.me.name
-            )));
-        }
+        let me = (self.inner.me.id, self.inner.me.name.as_str());
+        gather::check_among(name, me, &members)
+            .map_err(|e| RpcError::InvalidArgument(e.to_string()))?;
         let what = format!("barrier {name:?} among {} workers", members.len());
         crate::gather::gather_among(
             self,
@@ -1040,15 +1033,10 @@ impl Agent {
             Ok(Err(e)) => e,
             Err(_) => return Err(RpcError::NotRunning),
         };
-        // The reference it names is one of `handles` (the endpoint waits on those only; the
-        // id's creator stands in for an owner never needed).
-        let rref = source.rref();
-        let owner = handles
-            .iter()
-            .find(|h| h.rref == rref)
-            .map_or(rref.created_on, |h| h.owner);
+        // Core names the owner among `handles`.
+        let owner = source.owner_among(handles);
         Err(RpcError::RRef {
-            rref: rref.to_string(),
+            rref: source.rref().to_string(),
             reason: RRefError::Unconfirmed {
                 owner: self.worker(owner),
                 source,

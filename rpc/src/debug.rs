@@ -23,40 +23,15 @@ pub struct AgentDebugInfo {
 }
 
 /// What the leader of a dynamic group's gathers holds ([`AgentDebugInfo::gathers`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct GatherDebugInfo {
-    /// Rounds under way (candidates the leader has not joined included).
-    pub rounds: usize,
-    /// Bytes of members' values held.
-    pub held_bytes: usize,
-    /// Calls waiting for their answer.
-    pub waiting: usize,
-}
+pub use tensorwire_core::protocol::gather::GatherDebugInfo;
 
+/// "w0 (rank 0): 1 values kept; " and core's words for the protocol's view and the gathers.
 impl fmt::Display for AgentDebugInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let p = &self.protocol;
         write!(
             f,
-            "{}: {} values kept; owned references {}; forks held {}; calls in flight {:?}; requests being served {:?}; gathers led {} ({} bytes, {} waiting)",
-            self.worker,
-            self.kept_values,
-            p.owned
-                .iter()
-                .map(|o| format!("{} ({} forks elsewhere, {} handles here{}{})", o.rref, o.forks, o.local_handles, if o.request_holds > 0 { format!(", held by {} requests being served", o.request_holds) } else { String::new() }, if o.being_created { ", being created" } else { "" }))
-                .collect::<Vec<_>>()
-                .join(", "),
-            p.forks
-                .iter()
-                .map(|u| format!("{} of {} on rank {} ({} handles{})", u.fork, u.rref, u.owner, u.handles, if u.confirmed { "" } else { ", pending user" }))
-                .collect::<Vec<_>>()
-                .join(", "),
-            p.calls_in_flight,
-            p.requests_being_served,
-            self.gathers.rounds,
-            self.gathers.held_bytes,
-            self.gathers.waiting,
+            "{}: {} values kept; {}; {}",
+            self.worker, self.kept_values, self.protocol, self.gathers
         )
     }
 }

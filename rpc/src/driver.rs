@@ -164,12 +164,7 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>)
             while let Some(e) = st.node.poll_event() {
                 steps.push(deliver(&mut st, e));
             }
-            let next = st.node.poll_timeout();
-            let wake_driver = match (next, st.driver_wakes_at) {
-                (Some(n), Some(at)) => n < at,
-                (Some(_), None) => true,
-                (None, _) => false,
-            };
+            let wake_driver = st.node.timer_moved_earlier();
             (steps, wake_driver, st.node.take_released())
         };
         // The IPC exports the node let go of, dropped outside the lock.
@@ -338,12 +333,7 @@ fn serve_in_task(
 pub(crate) async fn drive(agent: Agent) {
     loop {
         agent.pump();
-        let next = {
-            let mut st = agent.lock();
-            let next = st.node.poll_timeout();
-            st.driver_wakes_at = next;
-            next
-        };
+        let next = agent.lock().node.arm_timer();
         match next {
             Some(at) => {
                 tokio::select! {

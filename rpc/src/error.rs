@@ -8,7 +8,7 @@ use tensorwire_core::device::DeviceParseError;
 use tensorwire_core::name::NameError;
 use tensorwire_core::ports::store::StoreError;
 use tensorwire_core::ports::transport::TransportError;
-use tensorwire_core::protocol::{CallError, ConfirmError, RemoteError, WorkerId};
+use tensorwire_core::protocol::{CallError, RemoteError, WorkerId};
 use tensorwire_core::validate::DeviceMapError;
 use tensorwire_rendezvous::RendezvousError;
 
@@ -204,7 +204,7 @@ pub enum RpcError {
         function: String,
         /// What is wrong.
         #[source]
-        source: Box<crate::tensors::TensorTransferError>,
+        source: Box<tensorwire_core::protocol::tensors::TensorTransferError>,
     },
     /// No worker has this name or rank.
     #[error("unknown worker {worker}; known workers: {}", list(.known, "none"))]
@@ -359,54 +359,9 @@ pub enum RpcError {
     InvalidArgument(String),
 }
 
-/// Why a remote reference could not be used ([`RpcError::RRef`]).
-#[derive(Debug, Clone, thiserror::Error)]
-#[non_exhaustive]
-pub enum RRefError {
-    /// Its value was asked for on a worker that is not its owner.
-    #[error("local_value() is only available on the owner, {owner}")]
-    NotOwner {
-        /// The owner.
-        owner: WorkerInfo,
-    },
-    /// Its owner keeps no value for it any more.
-    #[error("the value is gone")]
-    Gone,
-    /// Its value is of another type than the one asked for.
-    #[error("the value is not a {expected}")]
-    OtherType {
-        /// The type asked for.
-        expected: &'static str,
-    },
-    /// Its owner did not confirm it (the endpoint decided: the owner was lost, the deadline
-    /// passed, or its creation failed).
-    #[error("{}", unconfirmed(&owner.name, source))]
-    Unconfirmed {
-        /// The owner.
-        owner: WorkerInfo,
-        /// What the endpoint decided.
-        #[source]
-        source: ConfirmError,
-    },
-    /// The endpoint refuses it (its owner is lost, or it was released).
-    #[error("{0}")]
-    Refused(#[source] CallError),
-}
-
-fn unconfirmed(owner: &str, e: &ConfirmError) -> String {
-    match e {
-        ConfirmError::OwnerLost { .. } => {
-            format!("in the arguments, its owner {owner} was lost before confirming it")
-        }
-        ConfirmError::Deadline { .. } => format!(
-            "in the arguments, its owner {owner} did not confirm it before the call's deadline"
-        ),
-        ConfirmError::Creation { error, .. } => {
-            format!("in the arguments, its creation on {owner} failed: {error}")
-        }
-        other => other.to_string(),
-    }
-}
+/// Why a remote reference could not be used ([`RpcError::RRef`]): core decides which and
+/// says it.
+pub use tensorwire_core::protocol::RRefError;
 
 impl RpcError {
     /// The remote error, if the callee reported one.

@@ -18,9 +18,11 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::protocol::gather::{self, GatherFailure, GatherOutcome, GatherToken};
+use tensorwire_core::protocol::gather::{
+    self, GatherEnd, GatherFailure, GatherOutcome, GatherToken,
+};
 use tensorwire_core::protocol::node::GatherCallRefused;
-use tensorwire_core::protocol::{CallError, RemoteError, RemoteErrorKind, WorkerId};
+use tensorwire_core::protocol::WorkerId;
 use tokio::sync::oneshot;
 
 use crate::error::{RpcError, WaitingFor};
@@ -74,13 +76,7 @@ async fn lead(
 
 /// What the gathers this worker leads hold now.
 pub(crate) fn debug_info(agent: &Agent) -> crate::debug::GatherDebugInfo {
-    let mut info = crate::debug::GatherDebugInfo::default();
-    let st = agent.lock();
-    let leader = st.node.gathers();
-    info.rounds = leader.rounds();
-    info.held_bytes = leader.held_bytes();
-    info.waiting = leader.waiting();
-    info
+    agent.lock().node.gathers().debug_info()
 }
 
 /// The leader's side: the handler of [`GATHER`].
@@ -140,22 +136,18 @@ pub(crate) async fn gather_among(
     let resolved = GatherOutcome::decode(&answer)
         .map_err(GatherFailure::from)
         .and_then(|outcome| gather::resolve(&members, outcome));
-    resolved.map_err(|failure| match failure {
-        GatherFailure::Missing(missing) => RpcError::Timeout {
+    resolved.map_err(|failure| match failure.told(leader) {
+        GatherEnd::TimedOut(missing) => RpcError::Timeout {
             what: what.to_owned(),
             after: timeout,
             waiting_for: Some(WaitingFor::Workers(
                 missing.iter().map(|r| agent.worker(*r)).collect(),
             )),
         },
-        other => RpcError::Call {
+        GatherEnd::Failed(source) => RpcError::Call {
             to: agent.name_of(leader),
             function: what.to_owned(),
-            source: CallError::Remote(RemoteError {
-                worker: leader,
-                kind: RemoteErrorKind::Failed,
-                message: other.to_string(),
-            }),
+            source,
         },
     })
 }

@@ -8,7 +8,6 @@
 //! receiver says it copied it out, or is lost. `RpcOptions::share_device_memory = false` or
 //! `TENSORWIRE_CUDA_IPC=0` turns sharing off in a worker (its peers then stage too).
 
-use bytes::Bytes;
 use tensorwire_core::device::Device;
 use tensorwire_core::ipc::{IpcConfig, IpcState, Route, StagedReason};
 use tensorwire_core::ports::device::{DeviceBackend, DeviceIpc};
@@ -17,8 +16,8 @@ use tensorwire_core::tensor::{Storage, Tensor, TensorMeta};
 
 use crate::state::Agent;
 use crate::state::IpcHeld as Held;
-use crate::tensors::WireTensors;
-use crate::tensors::{MalformedTensor, TensorTransferError};
+use crate::tensors::{TensorTransferError, WireTensors};
+use tensorwire_core::protocol::tensors::{landing, IpcReceiver};
 
 /// The IPC state of an agent over `backend` (sharing unless the backend cannot, `share` is
 /// off, or `TENSORWIRE_CUDA_IPC=0`), for its node to own.
@@ -112,15 +111,23 @@ pub(crate) async fn from_wire(
         return Ok(Vec::new());
     }
     let backend = agent.device_backend().clone();
+    let receiver = match backend.ipc() {
+        Some(_) => IpcReceiver::Opens,
+        None => IpcReceiver::Unsupported,
+    };
     let mut out = Vec::with_capacity(tensors.len());
     let (mut failed, mut shared) = (None, false);
     for (meta, bytes) in tensors {
+        let on = landing(&meta, receiver, || backend.device_count());
         let Some(id) = meta.ipc else {
-            out.push(crate::tensors::place(&*backend, meta, bytes).await?);
+            out.push(crate::tensors::place(&*backend, meta, on?, bytes).await?);
             continue;
         };
         shared = true;
-        let landed = import(&*backend, &meta, &bytes).await;
+        let landed = match on {
+            Ok(on) => crate::tensors::place(&*backend, meta, on, bytes).await,
+            Err(e) => Err(e),
+        };
         {
             let mut st = agent.lock();
             let ipc = st.node.ipc_mut();
@@ -145,27 +152,6 @@ pub(crate) async fn from_wire(
         Some(e) => Err(e),
         None => Ok(out),
     }
-}
-
-/// Opens one IPC descriptor into a tensor on its landing device.
-async fn import(
-    backend: &dyn DeviceBackend,
-    meta: &TensorMeta,
-    descriptor: &Bytes,
-) -> Result<Tensor, TensorTransferError> {
-    let Some(sharing) = backend.ipc() else {
-        return Err(TensorTransferError::Malformed(
-            MalformedTensor::IpcUnsupported,
-        ));
-    };
-    if meta.device.is_cpu() {
-        return Err(TensorTransferError::Malformed(MalformedTensor::IpcOnCpu));
-    }
-    let len = tensorwire_core::tensor::byte_len(meta.dtype, &meta.shape)
-        .map_err(|e| TensorTransferError::Malformed(e.into()))?;
-    let buffer = sharing.import(descriptor, len, meta.device).await?;
-    Tensor::new(meta.dtype, meta.shape.clone(), Storage::Device(buffer))
-        .map_err(|e| TensorTransferError::Malformed(e.into()))
 }
 
 #[cfg(test)]

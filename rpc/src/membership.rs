@@ -13,8 +13,10 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use tensorwire_core::ports::transport::{Connection, IdentityError, Listener, Transport};
-use tensorwire_core::protocol::membership::{DynamicMembership, MemberRecord, MembershipError};
+use tensorwire_core::ports::transport::{Connection, Listener, Transport};
+use tensorwire_core::protocol::membership::{
+    DynamicMembership, MemberRecord, MembershipError, TryEnd,
+};
 use tensorwire_core::protocol::mesh::HelloReply;
 use tensorwire_core::protocol::node::{
     joiner_hello, welcome_wait, Introduced, MemberAction, HELLO_WAIT,
@@ -124,26 +126,9 @@ pub(crate) fn perform(agent: &Agent, action: MemberAction) {
     }
 }
 
-/// Why an introduction did not get a welcome.
-pub(crate) enum Introduction {
-    /// The member refused this worker, saying why.
-    Refused(String),
-    /// It could not be reached, or did not answer.
-    Failed(IntroductionError),
-    /// Its credentials are not issued for the name it is known by (an impostor, or a
-    /// certificate made for another worker): nothing was sent to it but the hello.
-    NotCertified(IdentityError),
-}
-
-impl std::fmt::Display for Introduction {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Refused(s) => f.write_str(s),
-            Self::Failed(e) => e.fmt(f),
-            Self::NotCertified(e) => e.fmt(f),
-        }
-    }
-}
+/// Why an introduction did not get a welcome: core's [`TryEnd`] (never its `Ended`, which
+/// only a join's membership says).
+pub(crate) type Introduction = TryEnd<IntroductionError>;
 
 /// Connects to `addr` (the member named `expected`), says who this worker is, and waits for
 /// the welcome. A member whose credentials are not issued for `expected` is not believed.
@@ -158,20 +143,20 @@ pub(crate) async fn introduce(
     let deadline = runtime.deadline_after(limit);
     let conn = link::dial(runtime, transport, addr, &hello, deadline)
         .await
-        .map_err(|e| Introduction::Failed(e.into()))?;
+        .map_err(|e| TryEnd::Unreachable(e.into()))?;
     if let Err(e) = conn.check_peer_name(expected) {
         let _ = conn.close().await;
-        return Err(Introduction::NotCertified(e));
+        return Err(TryEnd::NotCertified(e));
     }
     let answer_by = runtime.deadline_after(welcome_wait(limit));
     match runtime.timeout_at(answer_by, conn.recv()).await {
         Ok(Ok(f)) => match HelloReply::from_frame(&f) {
             Ok(HelloReply::Welcome) => Ok(conn),
-            Ok(HelloReply::Refused { reason, .. }) => Err(Introduction::Refused(reason)),
-            Err(e) => Err(Introduction::Failed(IntroductionError::Garbled(e))),
+            Ok(HelloReply::Refused { reason, .. }) => Err(TryEnd::Refused(reason)),
+            Err(e) => Err(TryEnd::Unreachable(IntroductionError::Garbled(e))),
         },
-        Ok(Err(e)) => Err(Introduction::Failed(IntroductionError::NoWelcome(e))),
-        Err(_) => Err(Introduction::Failed(IntroductionError::NoAnswer)),
+        Ok(Err(e)) => Err(TryEnd::Unreachable(IntroductionError::NoWelcome(e))),
+        Err(_) => Err(TryEnd::Unreachable(IntroductionError::NoAnswer)),
     }
 }
 

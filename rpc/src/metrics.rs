@@ -29,11 +29,10 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
-use tensorwire_core::hashing::HashMap;
 pub(crate) use tensorwire_core::protocol::metrics::message_bytes;
-use tensorwire_core::protocol::metrics::{Export, InFlight, PeerCounters, Served};
+use tensorwire_core::protocol::metrics::{Export, InFlight, PeerCounters, PeerTable, Served};
 pub use tensorwire_core::protocol::metrics::{PeerMetrics, RpcMetrics};
 use tensorwire_core::protocol::{MessageId, WorkerId};
 use tracing::Instrument;
@@ -88,11 +87,11 @@ impl Export for Facade {
 
 type Peer = PeerCounters<Facade>;
 
-/// The counters of one agent, per peer. The agent holds one and calls it where calls start
-/// and end.
+/// The counters of one agent, per peer (core's table). The agent holds one and calls it where
+/// calls start and end.
 pub(crate) struct AgentMetrics {
     worker: String,
-    peers: RwLock<HashMap<WorkerId, Arc<Peer>>>,
+    peers: PeerTable<Facade>,
 }
 
 impl fmt::Debug for AgentMetrics {
@@ -108,30 +107,17 @@ impl AgentMetrics {
     pub(crate) fn new(worker: &str) -> Self {
         Self {
             worker: worker.to_owned(),
-            peers: RwLock::new(HashMap::default()),
+            peers: PeerTable::default(),
         }
     }
 
+    /// The counters of peer `id`, with its facade's handles registered when it has none.
     fn peer(&self, name_of: &dyn Fn(WorkerId) -> String, id: WorkerId) -> Arc<Peer> {
-        if let Some(p) = self
-            .peers
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(&id)
-        {
-            return Arc::clone(p);
-        }
-        let name = name_of(id);
-        Arc::clone(
-            self.peers
-                .write()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .entry(id)
-                .or_insert_with(|| {
-                    let facade = Facade::new(&self.worker, &name);
-                    Arc::new(PeerCounters::new(name, facade))
-                }),
-        )
+        self.peers.peer(id, || {
+            let name = name_of(id);
+            let facade = Facade::new(&self.worker, &name);
+            (name, facade)
+        })
     }
 
     /// A call to `to` was sent (message `id`, `bytes` of arguments): counts it, and counts it
@@ -188,11 +174,7 @@ impl AgentMetrics {
 
     /// The counters now.
     pub(crate) fn read(&self) -> RpcMetrics {
-        let peers = self
-            .peers
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        RpcMetrics::sum(peers.values().map(|p| (p.name(), p.read())))
+        self.peers.read()
     }
 }
 

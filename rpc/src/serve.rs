@@ -6,14 +6,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
-use tensorwire_core::protocol::served::{panic_message, ServeFailure};
+use tensorwire_core::protocol::served::{ServeFailure, ServeMode};
 use tensorwire_core::protocol::{RRefId, RemoteError, RequestToken, WorkerId};
 use tracing::warn;
 
 use crate::functions::{HandlerError, Host as _, Invocation, Value};
 use crate::state::Agent;
 use crate::state::Body;
-use crate::tensors::TensorTransferError;
 
 /// Encodes a result for `to`, with its tensors placed by the reverse map and copied to host;
 /// what fails is said of the result of `function` (core decides the words).
@@ -25,28 +24,10 @@ pub(crate) async fn reply_body(
 ) -> Result<Body, RemoteError> {
     let me = this.inner.me.id;
     let function = || function.map(str::to_owned);
-    let prepared = value.prepare(this, to).map_err(|e| {
-        match e {
-            TensorTransferError::Encode(e) => ServeFailure::ResultUnencodable {
-                function: function(),
-                reason: e.to_string(),
-            },
-            other => ServeFailure::ResultUnplaceable {
-                function: function(),
-                reason: other.to_string(),
-            },
-        }
-        .to_caller(me)
-    })?;
-    let wire = crate::ipc::to_wire(this, to, prepared.tensors)
-        .await
-        .map_err(|e| {
-            ServeFailure::ResultUnplaceable {
-                function: function(),
-                reason: e.to_string(),
-            }
-            .to_caller(me)
-        })?;
+    let prepared = (value.prepare(this, to))
+        .map_err(|e| ServeFailure::result_not_sent(function(), &e).to_caller(me))?;
+    let wire = (crate::ipc::to_wire(this, to, prepared.tensors).await)
+        .map_err(|e| ServeFailure::result_not_sent(function(), &e).to_caller(me))?;
     Ok(Body {
         target: None,
         data: prepared.data,
@@ -68,9 +49,19 @@ pub(crate) fn serve(
 ) -> Option<impl std::future::Future<Output = bool> + Send + 'static> {
     let me = this.inner.me.id;
     let agent = this.clone();
-    // The agent's own gather is not a registered function: not counted as one served.
-    let gather = function == crate::gather::GATHER;
-    let handler = if gather {
+    // Core decides how it runs (inline on a current-thread runtime, for a peer's request;
+    // whether its function may take its reply; the agent's own gather apart). One inline
+    // that finishes at once has answered: the pump that dispatched this request sends the
+    // reply, with whatever else it sends (replies to the other requests of the same read,
+    // in one write). One that waits goes on in a task.
+    let current_thread = || {
+        tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread)
+    };
+    let from_peer = token.from() != me;
+    let mode = ServeMode::of(&function, from_peer, current_thread, keep_as.is_some());
+    let (inline, takeable) = (mode.inline, mode.takeable);
+    let handler = if mode.internal {
         Ok(crate::gather::handler())
     } else {
         this.inner.functions.lookup(&function, &this.inner.me.name)
@@ -90,20 +81,6 @@ pub(crate) fn serve(
         }
     };
     let serving = Serving::enter(this);
-    let from_peer = token.from() != me;
-    // On a current-thread runtime every task runs on this thread anyway: the handler starts
-    // here, on the task that received the request, instead of in a task of its own (no
-    // spawn, no turn of the scheduler). One that finishes at once has answered: the pump
-    // that dispatched this request sends the reply, with whatever else it sends (replies
-    // to the other requests of the same read, in one write). One that waits goes on in a
-    // task. On a multi-thread runtime handlers always get a task, so that they run in
-    // parallel; so does a call to this worker itself (it is dispatched from inside the
-    // caller's `rpc_async`, where the caller may hold locks its handler takes).
-    let inline = from_peer
-        && tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
-    // Not while the dispatching pump runs it inline: the reply is that pump's to send.
-    let takeable = keep_as.is_none() && !inline;
     let task = async move {
         // A method call reaches this point only once its value exists (the endpoint parks
         // it until then, by its caller's deadline).
@@ -137,7 +114,7 @@ pub(crate) fn serve(
         // Counted in the metrics and run in an `rpc_serve` span, in this task's box (no box
         // of its own around the function's future).
         let bytes = crate::metrics::message_bytes(body.data.len(), tensors.iter());
-        let (span, served) = (!gather)
+        let (span, served) = (!mode.internal)
             .then(|| agent.serving(token.from(), &function, bytes))
             .unzip();
         let inv = Invocation {
@@ -185,16 +162,8 @@ pub(crate) fn serve(
                 }
                 None => reply_body(&agent, &*value, token.from(), Some(&function)).await,
             },
-            Ok(Err(error)) => Err(ServeFailure::Handler {
-                function: function.clone(),
-                error,
-            }
-            .to_caller(me)),
-            Err(panic) => Err(ServeFailure::Panicked {
-                function: function.clone(),
-                message: panic_message(&*panic),
-            }
-            .to_caller(me)),
+            Ok(Err(error)) => Err(ServeFailure::ran(function.clone(), Ok(error)).to_caller(me)),
+            Err(panic) => Err(ServeFailure::ran(function.clone(), Err(panic)).to_caller(me)),
         };
         if let Err(e) = &outcome {
             // The caller gets the error; the callee's operator should see it too.

@@ -6,7 +6,6 @@
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 use tensorwire_core::hashing::HashMap;
 
 use tensorwire_core::device::DeviceMaps;
@@ -79,8 +78,6 @@ pub(crate) struct State {
     pub(crate) waiters: HashMap<MessageId, Waiter>,
     pub(crate) values: HashMap<RRefId, Arc<dyn Value>>,
     pub(crate) peers: HashMap<WorkerId, PeerLink>,
-    /// When the driver task wakes up next for timers (`None`: only when woken).
-    pub(crate) driver_wakes_at: Option<Instant>,
     /// Functions waiting until the owners confirm the references in their arguments (the
     /// endpoint decides when, and fails them by their deadline or a lost owner).
     pub(crate) confirm_waits: HashMap<WaitId, oneshot::Sender<Result<(), ConfirmError>>>,

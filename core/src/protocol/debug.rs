@@ -31,6 +31,52 @@ impl DebugInfo {
     }
 }
 
+/// The references and calls, as the agent's debug view says them: "owned references r (n
+/// forks elsewhere, m handles here, ...); forks held f of r on rank o (h handles, pending
+/// user); calls in flight {..}; requests being served {..}".
+impl fmt::Display for DebugInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "owned references {}; forks held {}; calls in flight {:?}; requests being served {:?}",
+            self.owned
+                .iter()
+                .map(|o| format!(
+                    "{} ({} forks elsewhere, {} handles here{}{})",
+                    o.rref,
+                    o.forks,
+                    o.local_handles,
+                    if o.request_holds > 0 {
+                        format!(", held by {} requests being served", o.request_holds)
+                    } else {
+                        String::new()
+                    },
+                    if o.being_created {
+                        ", being created"
+                    } else {
+                        ""
+                    }
+                ))
+                .collect::<Vec<_>>()
+                .join(", "),
+            self.forks
+                .iter()
+                .map(|u| format!(
+                    "{} of {} on rank {} ({} handles{})",
+                    u.fork,
+                    u.rref,
+                    u.owner,
+                    u.handles,
+                    if u.confirmed { "" } else { ", pending user" }
+                ))
+                .collect::<Vec<_>>()
+                .join(", "),
+            self.calls_in_flight,
+            self.requests_being_served,
+        )
+    }
+}
+
 /// An owned reference in [`DebugInfo`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

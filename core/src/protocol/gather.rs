@@ -256,6 +256,29 @@ pub enum GatherFailure {
     },
 }
 
+/// What the leader of a dynamic group's gathers holds ([`GatherLeader::debug_info`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GatherDebugInfo {
+    /// Rounds under way (candidates the leader has not joined included).
+    pub rounds: usize,
+    /// Bytes of members' values held.
+    pub held_bytes: usize,
+    /// Calls waiting for their answer.
+    pub waiting: usize,
+}
+
+/// "gathers led 2 (10 bytes, 1 waiting)".
+impl std::fmt::Display for GatherDebugInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "gathers led {} ({} bytes, {} waiting)",
+            self.rounds, self.held_bytes, self.waiting
+        )
+    }
+}
+
 /// The bounds of a [`GatherLeader`]: what its peers can make it hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -386,6 +409,57 @@ pub fn resolve(
     }
 }
 
+/// How a member's gather that failed ends for its caller ([`GatherFailure::told`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GatherEnd {
+    /// The wait timed out: these members did not send in time.
+    TimedOut(Vec<WorkerId>),
+    /// Anything else is the leader's failure, as a remote error of its.
+    Failed(super::CallError),
+}
+
+impl GatherFailure {
+    /// What the caller of a gather led by `leader` is told of this failure: members missing
+    /// are a timeout naming them; a refusal, a round ended, an answer that does not parse or
+    /// names other members are the leader's failure ([`RemoteErrorKind::Failed`](super::RemoteErrorKind::Failed)).
+    pub fn told(self, leader: WorkerId) -> GatherEnd {
+        match self {
+            GatherFailure::Missing(missing) => GatherEnd::TimedOut(missing),
+            other => GatherEnd::Failed(super::CallError::Remote(super::RemoteError {
+                worker: leader,
+                kind: super::RemoteErrorKind::Failed,
+                message: other.to_string(),
+            })),
+        }
+    }
+}
+
+/// A gather among workers listed by the caller, who is not among them ([`check_among`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("barrier_among {name:?}: this worker ({me}) is not among the workers listed")]
+pub struct NotAmong {
+    /// The barrier's name.
+    pub name: String,
+    /// This worker's name.
+    pub me: String,
+}
+
+/// A barrier among `members` only is this worker's (`me`, named `my_name`) to take part in
+/// only if it is one of them.
+pub fn check_among(
+    name: &str,
+    (me, my_name): (WorkerId, &str),
+    members: &BTreeSet<WorkerId>,
+) -> Result<(), NotAmong> {
+    if members.contains(&me) {
+        return Ok(());
+    }
+    Err(NotAmong {
+        name: name.to_owned(),
+        me: my_name.to_owned(),
+    })
+}
+
 /// Names one contribution waiting for its answer at the leader.
 pub type GatherToken = u64;
 
@@ -484,6 +558,15 @@ impl GatherLeader {
     /// Callers waiting for an answer.
     pub fn waiting(&self) -> usize {
         self.waiting.len()
+    }
+
+    /// What it holds now, for the agent's debug view.
+    pub fn debug_info(&self) -> GatherDebugInfo {
+        GatherDebugInfo {
+            rounds: self.rounds(),
+            held_bytes: self.held_bytes(),
+            waiting: self.waiting(),
+        }
     }
 
     /// Whether the leader holds nothing and has nothing to say.

@@ -22,6 +22,8 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use super::WorkerId;
+use crate::hashing::HashMap;
 use crate::tensor::Tensor;
 
 /// One peer's counters, as read from the agent (`Agent::metrics` in the rpc crate).
@@ -230,6 +232,52 @@ impl<X: Export> Drop for Served<X> {
     }
 }
 
+/// The counters of every peer an agent talked to, by rank: a peer's are made when it is
+/// first counted, under the name it has then (a worker that left and joined again under
+/// another rank has two, added up by name when read). Shared by the agent's tasks.
+pub struct PeerTable<X> {
+    peers: std::sync::RwLock<HashMap<WorkerId, Arc<PeerCounters<X>>>>,
+}
+
+impl<X> Default for PeerTable<X> {
+    fn default() -> Self {
+        Self {
+            peers: std::sync::RwLock::new(HashMap::default()),
+        }
+    }
+}
+
+impl<X: Export> PeerTable<X> {
+    /// The counters of peer `id`; made with `make` (its name and export) if it has none yet.
+    pub fn peer(&self, id: WorkerId, make: impl FnOnce() -> (String, X)) -> Arc<PeerCounters<X>> {
+        if let Some(p) = self
+            .peers
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&id)
+        {
+            return Arc::clone(p);
+        }
+        let (name, export) = make();
+        Arc::clone(
+            self.peers
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .entry(id)
+                .or_insert_with(|| Arc::new(PeerCounters::new(name, export))),
+        )
+    }
+
+    /// The table now ([`RpcMetrics::sum`] of every peer's counters).
+    pub fn read(&self) -> RpcMetrics {
+        let peers = self
+            .peers
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        RpcMetrics::sum(peers.values().map(|p| (p.name(), p.read())))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -347,5 +395,21 @@ mod tests {
         let t = Tensor::from_f32(vec![3], &[1.0, 2.0, 3.0]).unwrap();
         assert_eq!(message_bytes(5, [&t, &t].into_iter()), 5 + 2 * 12);
         assert_eq!(message_bytes(0, std::iter::empty()), 0);
+    }
+
+    #[test]
+    fn a_peers_counters_are_made_once_under_its_first_name() {
+        let table = PeerTable::<()>::default();
+        let first = table.peer(1, || ("w1".to_owned(), ()));
+        first.sent(10);
+        let again = table.peer(1, || panic!("made once"));
+        assert!(Arc::ptr_eq(&first, &again));
+        // A worker that left and joined again under another rank: added up by name.
+        table.peer(2, || ("w1".to_owned(), ())).sent(5);
+        table.peer(3, || ("w3".to_owned(), ()));
+        let m = table.read();
+        assert_eq!(m.total.bytes_sent, 15);
+        assert_eq!(m.per_peer["w1"].calls_sent, 2);
+        assert_eq!(m.per_peer["w3"], PeerMetrics::default());
     }
 }

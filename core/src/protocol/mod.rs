@@ -33,6 +33,7 @@
 //! - [`shutdown`]: the phases of a graceful shutdown and of leaving a dynamic group;
 //! - [`gather`]: barriers and all_gathers of a dynamic group through a leader
 //!   ([`gather::GatherLeader`]).
+//! - [`tensors`]: a message's tensors: where they land, how they travel, why they cannot.
 //! - [`typed`]: the type fingerprint a typed call sends in front of its arguments, and its check.
 //! - [`functions`]: the table of the functions a worker serves, and its rules.
 //! - [`metrics`]: the agent's counters per peer and the rules of their updates.
@@ -104,7 +105,9 @@ mod secrets;
 pub mod served;
 pub mod shutdown;
 pub mod start;
+pub mod tensors;
 pub mod typed;
+mod unusable;
 pub mod value;
 mod violation;
 
@@ -115,6 +118,7 @@ pub use lost::LostCause;
 pub use membership::{JoinError, JoinMessage, JoinPhase, StaticJoin};
 use requests::Serving;
 pub use shutdown::{ShutdownError, ShutdownPhase, ShutdownSignal};
+pub use unusable::{RRefError, RRefFailure};
 pub use violation::{MalformedMessage, ProtocolViolation};
 
 pub use crate::name::WorkerId;

@@ -201,6 +201,8 @@ pub struct Node<B, H = ()> {
     events: VecDeque<MemberAction>,
     /// The membership's messages for peers whose connection is being set up.
     connecting: members::Connecting,
+    /// The deadline the driver's timer sleeps until ([`arm_timer`](Self::arm_timer)).
+    armed: Option<Instant>,
 }
 
 impl<B: Payload, H> Node<B, H> {
@@ -221,6 +223,7 @@ impl<B: Payload, H> Node<B, H> {
             control: VecDeque::new(),
             events: VecDeque::new(),
             connecting: members::Connecting::default(),
+            armed: None,
         }
     }
 
@@ -508,6 +511,25 @@ impl<B: Payload, H> Node<B, H> {
         .into_iter()
         .flatten()
         .min()
+    }
+
+    /// The driver's timer sleeps until the next deadline ([`poll_timeout`](Self::poll_timeout)),
+    /// which is returned and remembered: [`timer_moved_earlier`](Self::timer_moved_earlier)
+    /// then tells whether a change needs the timer woken.
+    pub fn arm_timer(&mut self) -> Option<Instant> {
+        self.armed = self.poll_timeout();
+        self.armed
+    }
+
+    /// Whether the next deadline is now earlier than the one the driver's timer sleeps until
+    /// (or it sleeps on none): then the driver is to be woken to sleep on the new one. A
+    /// deadline as late or later waits for the timer as it is.
+    pub fn timer_moved_earlier(&self) -> bool {
+        match (self.poll_timeout(), self.armed) {
+            (Some(next), Some(armed)) => next < armed,
+            (Some(_), None) => true,
+            (None, _) => false,
+        }
     }
 
     /// The next frame for a peer: the membership's first (few, and rarely), then the IPC

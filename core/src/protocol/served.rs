@@ -19,6 +19,7 @@
 
 use std::any::Any;
 
+use super::tensors::TensorTransferError;
 use super::typed::{Signature, TypeMismatch};
 use super::{RRefId, RemoteError, RemoteErrorKind, WorkerId};
 
@@ -172,6 +173,71 @@ impl ServeFailure {
             worker: me,
             kind,
             message,
+        }
+    }
+}
+
+impl ServeFailure {
+    /// A result of `function` (`None`: a reply sent by the function itself) that cannot go
+    /// back to its caller: unencodable, or its tensors unplaceable (no reverse map entry for
+    /// their device, a device copy that failed).
+    pub fn result_not_sent(function: Option<String>, e: &TensorTransferError) -> Self {
+        match e {
+            TensorTransferError::Encode(e) => Self::ResultUnencodable {
+                function,
+                reason: e.to_string(),
+            },
+            other => Self::ResultUnplaceable {
+                function,
+                reason: other.to_string(),
+            },
+        }
+    }
+
+    /// Function `function` ran and did not succeed: it returned `Ok(error)`, or panicked with
+    /// the payload `Err(panic)`.
+    pub fn ran(function: String, failed: Result<HandlerError, Box<dyn Any + Send>>) -> Self {
+        match failed {
+            Ok(error) => Self::Handler { function, error },
+            Err(panic) => Self::Panicked {
+                function,
+                message: panic_message(&*panic),
+            },
+        }
+    }
+}
+
+/// How a request is served here ([`ServeMode::of`]); the agent runs it so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServeMode {
+    /// The agent's own gather ([`GATHER_FUNCTION`](super::gather::GATHER_FUNCTION)): not a
+    /// registered function, not looked up in the table nor counted as a function served.
+    pub internal: bool,
+    /// Started on the task that received it, instead of in a task of its own.
+    pub inline: bool,
+    /// Its function may take its reply to send it itself (`Reply::take`).
+    pub takeable: bool,
+}
+
+impl ServeMode {
+    /// How a request of `function` is served: inline only for a peer's request on a
+    /// current-thread runtime (`current_thread`, asked only for a peer's request), where every task runs on this thread anyway (no spawn, no turn
+    /// of the scheduler; a call to this worker itself is dispatched from inside its caller's
+    /// `rpc_async`, where the caller may hold locks its handler takes, so it gets a task, as
+    /// every handler does on a multi-thread runtime, to run in parallel). Its reply is the
+    /// function's to take only when it is sent (not when a `remote()` keeps the value here,
+    /// `keeps_value`) and not by the pump that runs it inline.
+    pub fn of(
+        function: &str,
+        from_peer: bool,
+        current_thread: impl FnOnce() -> bool,
+        keeps_value: bool,
+    ) -> Self {
+        let inline = from_peer && current_thread();
+        ServeMode {
+            internal: function == super::gather::GATHER_FUNCTION,
+            inline,
+            takeable: !keeps_value && !inline,
         }
     }
 }
@@ -345,5 +411,58 @@ mod tests {
             HandlerError::target_of_another_type("get", "u8"),
             HandlerError::Target("method \"get\" expects a value of type u8".into())
         );
+    }
+
+    #[test]
+    fn a_result_not_sent_and_a_function_that_failed_are_told_apart() {
+        let unencodable = TensorTransferError::Encode(serde::ser::Error::custom("no"));
+        assert_eq!(
+            told(ServeFailure::result_not_sent(
+                Some("f".into()),
+                &unencodable
+            )),
+            (
+                RemoteErrorKind::Serialization,
+                "the result of \"f\": cannot encode: no".into()
+            )
+        );
+        let nowhere = TensorTransferError::NoSuchDevice {
+            device: crate::device::Device::Cuda(3),
+            count: 1,
+        };
+        let (kind, message) = told(ServeFailure::result_not_sent(None, &nowhere));
+        assert_eq!(kind, RemoteErrorKind::DeviceMap);
+        assert_eq!(message, nowhere.to_string());
+        let failed = ServeFailure::ran("f".into(), Ok(HandlerError::Failed("bad".into())));
+        assert_eq!(told(failed), (RemoteErrorKind::Failed, "bad".into()));
+        let panicked = ServeFailure::ran("f".into(), Err(Box::new("boom")));
+        assert_eq!(
+            told(panicked),
+            (RemoteErrorKind::Panicked, "\"f\" panicked: boom".into())
+        );
+    }
+
+    #[test]
+    fn only_a_peers_request_on_a_current_thread_runtime_runs_inline() {
+        let gather = super::super::gather::GATHER_FUNCTION;
+        let mode = ServeMode::of("f", true, || true, false);
+        assert_eq!(
+            (mode.internal, mode.inline, mode.takeable),
+            (false, true, false),
+            "run inline, its reply is the pump's"
+        );
+        let mode = ServeMode::of("f", false, || panic!("asked only for a peer"), false);
+        assert_eq!(
+            (mode.inline, mode.takeable),
+            (false, true),
+            "a call to itself"
+        );
+        let mode = ServeMode::of("f", true, || false, true);
+        assert_eq!(
+            (mode.inline, mode.takeable),
+            (false, false),
+            "a remote() keeps its value"
+        );
+        assert!(ServeMode::of(gather, true, || false, false).internal);
     }
 }

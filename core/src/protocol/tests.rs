@@ -3159,3 +3159,20 @@ fn the_endpoints_graceful_deadline_comes_before_the_callers() {
     );
     assert_eq!(graceful_deadline(at, Duration::ZERO), at);
 }
+
+#[test]
+fn the_debug_view_says_the_references_and_calls() {
+    let now = crate::sim::Clock::new().now();
+    let mut ep = Endpoint::<Vec<u8>>::new(0, EndpointConfig::default());
+    let local = ep.local_rref().unwrap();
+    ep.call(1, "f", Vec::new(), Duration::from_secs(5), now)
+        .unwrap();
+    assert_eq!(
+        ep.debug_info().to_string(),
+        format!(
+            "owned references {} (0 forks elsewhere, 1 handles here); forks held ; calls in \
+             flight {{1: 1}}; requests being served {{}}",
+            local.rref
+        )
+    );
+}

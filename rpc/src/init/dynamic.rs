@@ -30,9 +30,7 @@ use tracing::{debug, warn};
 use crate::driver::drive;
 use crate::error::{InitError, IntroductionError, RpcError, WaitingFor};
 use crate::init::advertise_ip;
-use crate::membership::{
-    self, accept_connections, introduce, with_membership, Introduction, COORDINATOR,
-};
+use crate::membership::{self, accept_connections, introduce, with_membership, COORDINATOR};
 use crate::options::RpcOptions;
 use crate::state::{Agent, WorkerRecord};
 
@@ -186,9 +184,7 @@ async fn join_once(
     let target = (coordinator.addr, coordinator.name());
     let conn = match introduce(&*agent.inner.runtime, transport, me, target, limit).await {
         Ok(c) => c,
-        Err(Introduction::Refused(reason)) => return ended(TryEnd::Refused(reason)),
-        Err(Introduction::NotCertified(source)) => return ended(TryEnd::NotCertified(source)),
-        Err(Introduction::Failed(e)) => return ended(TryEnd::Unreachable(e)),
+        Err(end) => return ended(end),
     };
     let (tx, rx) = oneshot::channel();
     {

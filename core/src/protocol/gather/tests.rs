@@ -992,3 +992,44 @@ fn only_what_no_honest_request_sends_is_a_forgery() {
     let r = request("x", &set(&[2, 0, 1]), vec![], Duration::ZERO).unwrap();
     assert_eq!(r.contribution.expected, vec![0, 1, 2]);
 }
+
+#[test]
+fn a_member_is_told_a_timeout_naming_the_missing_else_the_leaders_failure() {
+    assert_eq!(
+        GatherFailure::Missing(vec![2, 3]).told(0),
+        GatherEnd::TimedOut(vec![2, 3])
+    );
+    let wrong = GatherFailure::WrongMembers {
+        got: vec![0],
+        expected: vec![0, 1],
+    };
+    let message = wrong.to_string();
+    let GatherEnd::Failed(super::super::CallError::Remote(e)) = wrong.told(4) else {
+        panic!("the leader's failure");
+    };
+    assert_eq!(
+        (e.worker, e.kind, e.message),
+        (4, super::super::RemoteErrorKind::Failed, message)
+    );
+}
+
+#[test]
+fn a_barrier_among_workers_is_only_theirs() {
+    assert!(check_among("b", (1, "w1"), &set(&[0, 1])).is_ok());
+    let e = check_among("b", (2, "w2"), &set(&[0, 1])).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "barrier_among \"b\": this worker (w2) is not among the workers listed"
+    );
+}
+
+#[test]
+fn the_leaders_debug_view_counts_what_it_holds() {
+    let mut l = GatherLeader::new(0, GatherConfig::default());
+    assert_eq!(l.debug_info(), GatherDebugInfo::default());
+    let now = Instant::now();
+    l.handle_contribution(now, 1, contribution("g", &[0, 1], 1000, b"abc"));
+    let info = l.debug_info();
+    assert_eq!((info.rounds, info.held_bytes, info.waiting), (1, 3, 1));
+    assert_eq!(info.to_string(), "gathers led 1 (3 bytes, 1 waiting)");
+}

@@ -69,6 +69,19 @@ pub enum TryEnd<E> {
     Ended(MembershipError),
 }
 
+/// Says how the try ended: the driver's error, the refusal's reason (as the coordinator sent
+/// it), the credentials' error or the membership's.
+impl<E: std::fmt::Display> std::fmt::Display for TryEnd<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TryEnd::Unreachable(e) => e.fmt(f),
+            TryEnd::Refused(reason) => f.write_str(reason),
+            TryEnd::NotCertified(e) => e.fmt(f),
+            TryEnd::Ended(e) => e.fmt(f),
+        }
+    }
+}
+
 /// The try the deadline cut short, as a timeout names it ("w0 (rank 0) at addr: why").
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{coordinator} at {addr}: {error}")]
@@ -455,5 +468,13 @@ mod tests {
             ended(TryEnd::Ended(lost)),
             Err(JoinFailure::Membership(_))
         ));
+    }
+
+    #[test]
+    fn a_try_end_says_why_in_its_own_words() {
+        let refused: TryEnd<String> = TryEnd::Refused("rank 3 is taken".into());
+        assert_eq!(refused.to_string(), "rank 3 is taken");
+        let unreachable: TryEnd<String> = TryEnd::Unreachable("connection refused".into());
+        assert_eq!(unreachable.to_string(), "connection refused");
     }
 }

@@ -1158,3 +1158,27 @@ fn a_dropped_peer_is_lost_and_a_static_one_is_told_why() {
         )));
     }
 }
+
+#[test]
+fn the_driver_is_woken_only_for_a_deadline_earlier_than_its_timer() {
+    let now = Clock::new().now();
+    let mut n = node(0, false);
+    assert_eq!(n.arm_timer(), None);
+    assert!(!n.timer_moved_earlier(), "no deadline: nothing to wake for");
+    n.ep_mut().call(1, "f", Vec::new(), OP, now).unwrap();
+    assert!(
+        n.timer_moved_earlier(),
+        "a first deadline wakes a timer that sleeps on none"
+    );
+    assert_eq!(n.arm_timer(), Some(now + OP));
+    assert!(!n.timer_moved_earlier(), "armed on it");
+    n.ep_mut().call(1, "f", Vec::new(), 2 * OP, now).unwrap();
+    assert!(
+        !n.timer_moved_earlier(),
+        "a later deadline waits for the timer"
+    );
+    n.ep_mut().call(1, "f", Vec::new(), OP / 2, now).unwrap();
+    assert!(n.timer_moved_earlier(), "an earlier one wakes it");
+    assert_eq!(n.arm_timer(), Some(now + OP / 2));
+    assert!(!n.timer_moved_earlier());
+}
