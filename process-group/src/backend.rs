@@ -234,11 +234,10 @@ impl TensorwireFactory {
         for (key, value) in options {
             match key.as_str() {
                 "collectives" => {
-                    collectives = Some(match value.trim().to_ascii_lowercase().as_str() {
-                        "arena" => crate::CollectivePath::Arena,
-                        "links" => crate::CollectivePath::Links,
-                        _ => return Err(bad(&key, &value, "arena or links")),
-                    })
+                    collectives = Some(
+                        crate::CollectivePath::parse(&value)
+                            .ok_or_else(|| bad(&key, &value, crate::group::PATHS))?,
+                    )
                 }
                 "arena_bytes" => {
                     arena_bytes = Some(

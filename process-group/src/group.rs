@@ -31,6 +31,7 @@ mod running;
 mod setup;
 mod turn;
 
+pub(crate) use arena::PATHS;
 pub use arena::{arena_bytes_from_env, CollectivePath, ARENA_BYTES_ENV, COLLECTIVES_ENV};
 
 pub use ext::{CollectivesExt, Element};
@@ -51,6 +52,7 @@ use tensorwire_core::collective::{
     self, AllGatherAlgorithm, AllReduceAlgorithm, CollectiveError, DebugLevel, ElementType,
     ReduceOp, Schedule, Signature, DEBUG_ENV,
 };
+use tensorwire_core::env::BadVariable;
 use tensorwire_core::ports::process_group::{
     lazy, Collectives, Done, Op, Pending, ProcessGroup, ProcessGroupError, Started,
 };
@@ -125,11 +127,49 @@ pub struct GroupOptions {
     /// a larger message streams through it in as many phases as it needs. Every rank must
     /// choose the same.
     pub arena_bytes: usize,
+    /// What [`new`](Self::new) found wrong in the environment, by the setting it was read
+    /// for: [`Group::connect`] fails with the first one still standing
+    /// ([`ProcessGroupError::BadVariable`]); a `with_*` call that replaces a setting drops its
+    /// variable's error.
+    bad_env: BadEnv,
+}
+
+/// Environment variables [`GroupOptions::new`] read that held a value their setting does not
+/// take, by setting.
+#[derive(Debug, Clone, Default)]
+struct BadEnv {
+    collectives: Option<BadVariable>,
+    arena_bytes: Option<BadVariable>,
+    spin: Option<BadVariable>,
+}
+
+impl BadEnv {
+    fn first(&self) -> Option<&BadVariable> {
+        self.collectives
+            .as_ref()
+            .or(self.arena_bytes.as_ref())
+            .or(self.spin.as_ref())
+    }
 }
 
 impl GroupOptions {
-    /// Options for the group `name`, listening on `127.0.0.1`, with the default timeout.
+    /// Options for the group `name`, listening on `127.0.0.1`, with the default timeout; the
+    /// collective path and the arena's size from [`COLLECTIVES_ENV`] and [`ARENA_BYTES_ENV`]
+    /// when they are set. A variable set to a value its setting does not take (and the
+    /// shared-memory spin the arena's waits use) fails [`Group::connect`] naming it, unless
+    /// the setting is replaced first ([`with_collectives`](Self::with_collectives),
+    /// [`with_arena_bytes`](Self::with_arena_bytes)).
     pub fn new(name: impl Into<String>) -> Self {
+        let mut bad_env = BadEnv::default();
+        let collectives = CollectivePath::from_env().unwrap_or_else(|bad| {
+            bad_env.collectives = Some(bad);
+            CollectivePath::Arena
+        });
+        let arena_bytes = arena_bytes_from_env().unwrap_or_else(|bad| {
+            bad_env.arena_bytes = Some(bad);
+            tensorwire_transport_shm::arena::DEFAULT_ARENA_BYTES
+        });
+        bad_env.spin = arena::spin_from_env().err();
         GroupOptions {
             name: name.into(),
             listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
@@ -139,20 +179,23 @@ impl GroupOptions {
             runtime: Arc::new(tensorwire_mesh::TokioRuntime),
             peer_budget: tensorwire_core::budget::DEFAULT_PEER_BUDGET,
             budget: None,
-            collectives: CollectivePath::from_env(),
-            arena_bytes: arena_bytes_from_env(),
+            collectives,
+            arena_bytes,
+            bad_env,
         }
     }
 
     /// These options with another collective path (see [`collectives`](Self::collectives)).
     pub fn with_collectives(mut self, path: CollectivePath) -> Self {
         self.collectives = path;
+        self.bad_env.collectives = None;
         self
     }
 
     /// These options with another arena size (see [`arena_bytes`](Self::arena_bytes)).
     pub fn with_arena_bytes(mut self, bytes: usize) -> Self {
         self.arena_bytes = bytes;
+        self.bad_env.arena_bytes = None;
         self
     }
 

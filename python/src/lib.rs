@@ -67,7 +67,8 @@ pub(crate) fn kind_of(error: &ProcessGroupError) -> &'static str {
         | ProcessGroupError::WrongDevice { .. }
         | ProcessGroupError::UnsupportedType { .. }
         | ProcessGroupError::NoRootValue { .. }
-        | ProcessGroupError::BadOption { .. } => "argument",
+        | ProcessGroupError::BadOption { .. }
+        | ProcessGroupError::BadVariable { .. } => "argument",
         ProcessGroupError::Unsupported { .. } => "unsupported",
         ProcessGroupError::Setup { .. }
         | ProcessGroupError::SetupStore { .. }

@@ -46,34 +46,72 @@ pub enum CollectivePath {
     Links,
 }
 
+/// What [`COLLECTIVES_ENV`] and the backend option `collectives` take.
+pub(crate) const PATHS: &str = "arena or links";
+
 impl CollectivePath {
-    /// From [`COLLECTIVES_ENV`]: `links` (any case) gives [`Links`](Self::Links), anything
-    /// else (or nothing) [`Arena`](Self::Arena).
-    pub fn from_env() -> Self {
+    /// `arena` or `links`, in any case, blanks around it ignored; `None` for anything else.
+    pub fn parse(value: &str) -> Option<Self> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "arena" => Some(CollectivePath::Arena),
+            "links" => Some(CollectivePath::Links),
+            _ => None,
+        }
+    }
+
+    /// From [`COLLECTIVES_ENV`]: [`Arena`](Self::Arena) when it is unset or empty.
+    ///
+    /// # Errors
+    /// A [`BadVariable`] naming it when it is neither `arena` nor `links`.
+    pub fn from_env() -> Result<Self, BadVariable> {
         match std::env::var(COLLECTIVES_ENV) {
-            Ok(v) if v.trim().eq_ignore_ascii_case("links") => CollectivePath::Links,
-            _ => CollectivePath::Arena,
+            Ok(v) if !v.trim().is_empty() => {
+                Self::parse(&v).ok_or_else(|| BadVariable::new(COLLECTIVES_ENV, v, PATHS))
+            }
+            Ok(_) | Err(std::env::VarError::NotPresent) => Ok(CollectivePath::Arena),
+            Err(std::env::VarError::NotUnicode(v)) => Err(BadVariable::new(
+                COLLECTIVES_ENV,
+                v.to_string_lossy(),
+                PATHS,
+            )),
         }
     }
 }
 
-/// The arena's default size: [`ARENA_BYTES_ENV`] when set to a number, else
+/// The arena's default size: [`ARENA_BYTES_ENV`] when it is set, else
 /// [`DEFAULT_ARENA_BYTES`](tensorwire_transport_shm::arena::DEFAULT_ARENA_BYTES).
-pub fn arena_bytes_from_env() -> usize {
-    std::env::var(ARENA_BYTES_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(tensorwire_transport_shm::arena::DEFAULT_ARENA_BYTES)
+///
+/// # Errors
+/// A [`BadVariable`] naming it when it is set to anything but a whole number of bytes.
+pub fn arena_bytes_from_env() -> Result<usize, BadVariable> {
+    let bytes = tensorwire_core::env::whole_number(
+        ARENA_BYTES_ENV,
+        |n| std::env::var(n).ok(),
+        "a size in bytes",
+    )?;
+    Ok(
+        bytes.map_or(tensorwire_transport_shm::arena::DEFAULT_ARENA_BYTES, |b| {
+            usize::try_from(b).unwrap_or(usize::MAX)
+        }),
+    )
 }
 
-/// The spin budget of the arena's waits: the shared-memory transport's.
-fn spin() -> Duration {
-    tensorwire_core::spin::budget_from_env(tensorwire_transport_shm::SPIN_ENV, |n| {
+/// The spin budget of the arena's waits: the shared-memory transport's
+/// ([`SPIN_ENV`](tensorwire_transport_shm::SPIN_ENV)), 20 µs when it is unset.
+///
+/// # Errors
+/// A [`BadVariable`] naming it when it is set to anything but a whole number of microseconds.
+pub(crate) fn spin_from_env() -> Result<Duration, BadVariable> {
+    let spin = tensorwire_core::spin::budget_from_env(tensorwire_transport_shm::SPIN_ENV, |n| {
         std::env::var(n).ok()
-    })
-    .ok()
-    .flatten()
-    .unwrap_or(Duration::from_micros(20))
+    })?;
+    Ok(spin.unwrap_or(Duration::from_micros(20)))
+}
+
+/// The spin budget of the arena's waits, read when an arena is joined; a bad value failed the
+/// group's setup already ([`GroupOptions::new`] reads it first).
+fn spin() -> Duration {
+    spin_from_env().unwrap_or(Duration::from_micros(20))
 }
 
 /// Where a group stands with its arena.

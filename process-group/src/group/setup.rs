@@ -17,16 +17,19 @@ impl Group {
         world: usize,
         options: GroupOptions,
     ) -> Result<Group, ProcessGroupError> {
-        let debug =
-            match options.debug {
-                Some(level) => level,
-                None => DebugLevel::parse(&std::env::var(DEBUG_ENV).unwrap_or_default()).map_err(
-                    |e| ProcessGroupError::Setup {
-                        rank,
-                        reason: e.to_string(),
-                    },
-                )?,
-            };
+        let bad_variable = |source| ProcessGroupError::BadVariable { rank, source };
+        if let Some(bad) = options.bad_env.first() {
+            return Err(bad_variable(bad.clone()));
+        }
+        let debug = match options.debug {
+            Some(level) => level,
+            None => {
+                let value = std::env::var(DEBUG_ENV).unwrap_or_default();
+                DebugLevel::parse(&value).map_err(|_| {
+                    bad_variable(BadVariable::new(DEBUG_ENV, value, "off, info or detail"))
+                })?
+            }
+        };
         let span = tracing::debug_span!("pg_connect", group = %options.name, rank, world);
         let mesh = Mesh::connect(MeshSetup {
             store: store.as_ref(),

@@ -514,7 +514,7 @@ async fn work(world: &Group, store: &dyn Store) -> Result<(), Error> {
     let size = world.size();
     ensure(size == 4, || "the work scenario runs at world 4".into())?;
     // The path asked for is the path taken (the ranks share this host).
-    let arena = tensorwire_process_group::CollectivePath::from_env()
+    let arena = tensorwire_process_group::CollectivePath::from_env()?
         == tensorwire_process_group::CollectivePath::Arena;
     ensure(world.uses_arena() == arena, || {
         format!("the arena in use: {}, asked: {arena}", world.uses_arena())

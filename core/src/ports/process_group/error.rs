@@ -357,6 +357,17 @@ pub enum ProcessGroupError {
         /// What the backend takes for it (for an unknown option, the options it knows).
         expected: &'static str,
     },
+    /// An environment variable the group's options were read from (`TENSORWIRE_COLLECTIVES`,
+    /// `TENSORWIRE_ARENA_BYTES`, `TENSORWIRE_DEBUG`, the shared-memory spin) holds a value its
+    /// setting does not take.
+    #[error("process group setup on rank {rank}: {source}")]
+    BadVariable {
+        /// This rank.
+        rank: usize,
+        /// The variable, its value and what it takes.
+        #[source]
+        source: crate::env::BadVariable,
+    },
     /// The root of an object collective (`broadcast_object`, `scatter_object`) passed no
     /// value to send.
     #[error("{collective}: the root (rank {root}) passed no value to send")]
