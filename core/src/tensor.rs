@@ -329,10 +329,14 @@ pub mod sidecar {
 
     /// Runs `f` (a decode) with `tensors` available by index; each can be taken once.
     pub fn provide_tensors<R>(tensors: Vec<Tensor>, f: impl FnOnce() -> R) -> R {
-        let prev = SOURCE.with(|s| {
-            s.borrow_mut()
-                .replace(tensors.into_iter().map(Some).collect())
-        });
+        // No list built for the usual message without tensors: an empty one is made in place
+        // (no allocation, no collecting pass).
+        let slots = if tensors.is_empty() {
+            Vec::new()
+        } else {
+            tensors.into_iter().map(Some).collect()
+        };
+        let prev = SOURCE.with(|s| s.replace(Some(slots)));
         let r = f();
         SOURCE.with(|s| *s.borrow_mut() = prev);
         r
