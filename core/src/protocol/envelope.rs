@@ -275,6 +275,37 @@ mod tests {
         );
     }
 
+    /// The usual body, a value without tensors: its one payload is the data, a request's
+    /// forks come from the envelope and a reply's from its header.
+    #[test]
+    fn a_body_without_tensors_reads_back() {
+        let body = FrameBody {
+            target: envelope(0).target,
+            forks: envelope(0).forks,
+            data: Bytes::from_static(b"args"),
+            tensors: Vec::new(),
+        };
+        let read = |f: Frame| {
+            assert_eq!(f.payloads.len(), 1);
+            Envelope::decode(&f.header)
+                .unwrap()
+                .attach(f.payloads)
+                .unwrap()
+        };
+        let call = envelope(0).header;
+        let (header, got) = read(Envelope::frame(call.clone(), Some(body.clone())).unwrap());
+        assert_eq!((header, got.as_ref()), (call, Some(&body)));
+        let reply = Header::Reply {
+            id: 7,
+            outcome: Ok(()),
+            forks: envelope(0).forks,
+        };
+        let (header, got) = read(Envelope::frame(reply.clone(), Some(body.clone())).unwrap());
+        assert_eq!(header, reply);
+        let got = got.unwrap();
+        assert_eq!((got.forks, got.data), (envelope(0).forks, body.data));
+    }
+
     #[test]
     fn a_frame_without_payloads_has_no_body() {
         let (header, body) = envelope(0).attach(Vec::new()).unwrap();
