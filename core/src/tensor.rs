@@ -283,6 +283,26 @@ mod tests {
         );
         assert!(matches!(e, Err(TensorError::Overflow(_))));
     }
+
+    /// A decode given no tensors still runs in a scope of its own: a tensor index in its bytes
+    /// is refused as one the message lacks (not as one outside a message), and an outer
+    /// scope's tensors are hidden from it and back after it.
+    #[test]
+    fn a_decode_without_tensors_has_a_scope_of_its_own() {
+        let t = Tensor::from_f32(vec![1], &[2.0]).unwrap();
+        // What a tensor's `Deserialize` does with the index it read.
+        let decode = || sidecar::take(0).map(|t| t.nbytes());
+        let e = sidecar::provide_tensors(Vec::new(), decode).unwrap_err();
+        assert!(e.contains("no tensor #0"), "{e}");
+        let (inner, outer) = sidecar::provide_tensors(vec![t], || {
+            let inner = sidecar::provide_tensors(Vec::new(), decode);
+            (inner, decode())
+        });
+        assert!(inner.unwrap_err().contains("no tensor #0"));
+        assert_eq!(outer, Ok(4));
+        let e = decode().unwrap_err();
+        assert!(e.contains("only be decoded from"), "{e}");
+    }
 }
 
 /// What the receiver needs to rebuild a tensor sent beside a message: element type, shape, and
@@ -329,10 +349,14 @@ pub mod sidecar {
 
     /// Runs `f` (a decode) with `tensors` available by index; each can be taken once.
     pub fn provide_tensors<R>(tensors: Vec<Tensor>, f: impl FnOnce() -> R) -> R {
-        let prev = SOURCE.with(|s| {
-            s.borrow_mut()
-                .replace(tensors.into_iter().map(Some).collect())
-        });
+        // No list built for the usual message without tensors: an empty one is made in place
+        // (no allocation, no collecting pass).
+        let slots = if tensors.is_empty() {
+            Vec::new()
+        } else {
+            tensors.into_iter().map(Some).collect()
+        };
+        let prev = SOURCE.with(|s| s.replace(Some(slots)));
         let r = f();
         SOURCE.with(|s| *s.borrow_mut() = prev);
         r

@@ -140,19 +140,31 @@ pub(crate) fn serve(
                 span.unwrap_or_else(tracing::Span::none),
             ),
         };
+        // A reply the function may take is in scope while it runs. One it may not (a call
+        // run inline by the pump that received it, `reply` is `None`) needs a scope only
+        // inside another call's (a handler whose own call's pump dispatched this one), to
+        // hide that call's reply from this function's `Reply::take`; elsewhere `take` finds
+        // no scope and gives `None` as a scope of `None` would, and the poll pays no
+        // task-local swap (both ways, every poll).
+        let scoped = takeable || REPLY.try_with(|_| ()).is_ok();
+        let run = async {
+            let outcome = handler.await;
+            if let Some(served) = served {
+                served(matches!(outcome, Ok(Ok(_))));
+            }
+            let kept = REPLY
+                .try_with(|r| r.take().map(|mut r| r.sent = true))
+                .ok()
+                .flatten()
+                .is_some();
+            (kept || !takeable).then_some(outcome)
+        };
         // `None` once the function took its reply.
-        let outcome = REPLY
-            .scope(std::cell::Cell::new(reply), async {
-                let outcome = handler.await;
-                if let Some(served) = served {
-                    served(matches!(outcome, Ok(Ok(_))));
-                }
-                let kept = REPLY
-                    .with(|r| r.take().map(|mut r| r.sent = true))
-                    .is_some();
-                (kept || !takeable).then_some(outcome)
-            })
-            .await?;
+        let outcome = if scoped {
+            REPLY.scope(std::cell::Cell::new(reply), run).await
+        } else {
+            run.await
+        }?;
         let outcome = match outcome {
             Ok(Ok(value)) => match keep_as {
                 Some(rref) => {

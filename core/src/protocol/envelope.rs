@@ -126,34 +126,40 @@ impl Envelope {
         self,
         payloads: Vec<Bytes>,
     ) -> Result<(Header, Option<FrameBody>), ProtocolViolation> {
-        let mut payloads = payloads.into_iter();
-        let body = match payloads.next() {
-            Some(data) => {
-                let bytes: Vec<Bytes> = payloads.collect();
-                if bytes.len() != self.tensors.len() {
-                    return Err(ProtocolViolation::Malformed(
-                        MalformedMessage::TensorCount {
-                            announced: self.tensors.len(),
-                            carried: bytes.len(),
-                        },
-                    ));
-                }
-                // The forks the body's bytes may hold: a request's travel in the envelope, a
-                // reply's in its header; decoding the value refuses any other.
-                let forks = match &self.header {
-                    Header::Reply { forks, .. } => forks.clone(),
-                    _ => self.forks,
-                };
-                Some(FrameBody {
-                    target: self.target,
-                    forks,
-                    data,
-                    tensors: self.tensors.into_iter().zip(bytes).collect(),
-                })
-            }
-            None => None,
+        // The payloads after the first (the encoded value) are the tensors' bytes.
+        let Some(carried) = payloads.len().checked_sub(1) else {
+            return Ok((self.header, None));
         };
-        Ok((self.header, body))
+        if carried != self.tensors.len() {
+            return Err(ProtocolViolation::Malformed(
+                MalformedMessage::TensorCount {
+                    announced: self.tensors.len(),
+                    carried,
+                },
+            ));
+        }
+        // The forks the body's bytes may hold: a request's travel in the envelope, a
+        // reply's in its header; decoding the value refuses any other.
+        let forks = match &self.header {
+            Header::Reply { forks, .. } => forks.clone(),
+            _ => self.forks,
+        };
+        let (data, tensors) = if carried == 0 {
+            // The usual message without tensors: its one payload taken out, no list built.
+            let mut payloads = payloads;
+            (payloads.pop().unwrap_or_default(), Vec::new())
+        } else {
+            let mut payloads = payloads.into_iter();
+            let data = payloads.next().unwrap_or_default();
+            (data, self.tensors.into_iter().zip(payloads).collect())
+        };
+        let body = FrameBody {
+            target: self.target,
+            forks,
+            data,
+            tensors,
+        };
+        Ok((self.header, Some(body)))
     }
 }
 
@@ -267,6 +273,37 @@ mod tests {
             read(Envelope::frame(reply.clone(), None).unwrap()),
             (reply, None)
         );
+    }
+
+    /// The usual body, a value without tensors: its one payload is the data, a request's
+    /// forks come from the envelope and a reply's from its header.
+    #[test]
+    fn a_body_without_tensors_reads_back() {
+        let body = FrameBody {
+            target: envelope(0).target,
+            forks: envelope(0).forks,
+            data: Bytes::from_static(b"args"),
+            tensors: Vec::new(),
+        };
+        let read = |f: Frame| {
+            assert_eq!(f.payloads.len(), 1);
+            Envelope::decode(&f.header)
+                .unwrap()
+                .attach(f.payloads)
+                .unwrap()
+        };
+        let call = envelope(0).header;
+        let (header, got) = read(Envelope::frame(call.clone(), Some(body.clone())).unwrap());
+        assert_eq!((header, got.as_ref()), (call, Some(&body)));
+        let reply = Header::Reply {
+            id: 7,
+            outcome: Ok(()),
+            forks: envelope(0).forks,
+        };
+        let (header, got) = read(Envelope::frame(reply.clone(), Some(body.clone())).unwrap());
+        assert_eq!(header, reply);
+        let got = got.unwrap();
+        assert_eq!((got.forks, got.data), (envelope(0).forks, body.data));
     }
 
     #[test]
