@@ -641,7 +641,9 @@ impl<E: AutogradEngine> Inner<E> {
             placement,
         ) {
             Ok(f) => {
-                tokio::spawn(async move {
+                // Sent from a pass's thread, which holds no runtime worker: the wait for the
+                // answer becomes a task only once the answer wakes it (see `lazy`).
+                crate::lazy::spawn_when_woken(async move {
                     let result = f.await;
                     inner.on_gradient_answer(gradient, to, req.context, result);
                 });

@@ -114,6 +114,7 @@ use tensorwire_rpc::{Agent, CallContext, InitError, PeerEvent, RRef, RpcError};
 
 mod engine;
 mod inspect;
+mod lazy;
 pub mod optim;
 mod release;
 mod responding;

@@ -43,7 +43,11 @@ impl<E: AutogradEngine> AutogradContext<E> {
             if !waits.is_empty() {
                 let inner = self.inner.clone();
                 let span = self.span.clone();
-                tokio::spawn(async move { inner.await_releases(waits).instrument(span).await });
+                // Left by the caller's thread: the wait becomes a task once an answer wakes
+                // it (see `lazy`).
+                crate::lazy::spawn_when_woken(async move {
+                    inner.await_releases(waits).instrument(span).await
+                });
             }
         }
         Ok(())
