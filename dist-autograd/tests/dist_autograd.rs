@@ -1459,3 +1459,90 @@ async fn backward_here_with_an_executor_matches_one_process() {
     ctx.release().await.unwrap();
     shutdown(workers).await;
 }
+
+/// An executor may resolve before its job has run, and a job may be dropped unrun or panic: the
+/// job reports its run failed as it goes, so the backward pass fails naming the worker instead
+/// of waiting for a run that never reports (Python's waiting thread runs jobs handed to it and
+/// tells no one when they end).
+#[tokio::test(start_paused = true)]
+async fn a_job_dropped_unrun_or_panicking_fails_the_backward_instead_of_hanging() {
+    let workers = cluster(3).await;
+    workers[1].dist.set_inline_bound(Duration::ZERO);
+    workers[1]
+        .dist
+        .set_executor(Arc::new(|job: tensorwire_dist_autograd::BlockingJob| {
+            drop(job);
+            Box::pin(async {})
+        }));
+    workers[2].dist.set_inline_bound(Duration::ZERO);
+    workers[2]
+        .dist
+        .set_executor(Arc::new(|job: tensorwire_dist_autograd::BlockingJob| {
+            Box::pin(async move {
+                // The job "panics" before it runs: its unwinding drops it, as a panic in the
+                // engine would.
+                let _ = tokio::task::spawn_blocking(move || {
+                    let _held = job;
+                    panic!("the engine failed");
+                })
+                .await;
+            })
+        }));
+    for to in ["w1", "w2"] {
+        let w0 = &workers[0];
+        let ctx = w0.dist.context().unwrap();
+        let x = hop(&input(), &w0.param);
+        let ((), out) = ctx
+            .rpc_sync(to, "hop", &Vec::<String>::new(), &[x], None)
+            .await
+            .unwrap();
+        let rest = ctx.backward_here(&[(loss(&out[0]), None)], false).unwrap();
+        let err = tokio::time::timeout(Duration::from_secs(30), rest)
+            .await
+            .expect("the backward pass ended")
+            .unwrap_err();
+        assert!(err.to_string().contains("ended abnormally"), "{to}: {err}");
+        ctx.release().await.unwrap();
+    }
+    shutdown(workers).await;
+}
+
+/// An executor that resolves at once and leaves its job to a thread that tells no one when it
+/// is done (Python's waiting thread): the job reports its run itself, and the backward pass
+/// completes with the gradients of one process.
+#[tokio::test(start_paused = true)]
+async fn an_executor_may_resolve_before_its_job_has_run() {
+    let workers = cluster(3).await;
+    for w in &workers {
+        w.dist.set_inline_bound(Duration::ZERO);
+        w.dist
+            .set_executor(Arc::new(|job: tensorwire_dist_autograd::BlockingJob| {
+                // Handed to a blocking thread and not waited for (a blocking task, so that
+                // the paused clock does not run ahead of it).
+                drop(tokio::task::spawn_blocking(job));
+                Box::pin(async {})
+            }));
+    }
+    let route = [1usize, 2, 0];
+    let w0 = &workers[0];
+    let ctx = w0.dist.context().unwrap();
+    let x = hop(&input(), &w0.param);
+    let names: Vec<String> = route.iter().map(|r| format!("w{r}")).collect();
+    let ((), out) = ctx
+        .rpc_sync(&names[0], "hop", &names[1..].to_vec(), &[x], None)
+        .await
+        .unwrap();
+    let rest = ctx.backward_here(&[(loss(&out[0]), None)], false).unwrap();
+    rest.await.unwrap();
+    for (rank, want) in local_route(&route, 3).iter().enumerate() {
+        if let Some(want) = want {
+            assert_close(
+                &grad_on(&workers, rank, ctx.id()),
+                want,
+                &format!("rank {rank}"),
+            );
+        }
+    }
+    ctx.release().await.unwrap();
+    shutdown(workers).await;
+}
