@@ -1041,25 +1041,21 @@ impl<E: AutogradEngine> Inner<E> {
                 // The executor's thread also reports the run and carries out what it made (the
                 // gradients it sends, the runs it starts): a pass's messages leave from the
                 // thread that computed them, with no hand-off back to a runtime worker between.
-                // A job that ends without reporting (it panicked, or it was dropped unrun)
-                // reports the run failed as it goes (`Unreported`): so the executor may resolve
-                // before its job has run, and a thread that ran it need wake no one after.
-                let mut unreported = Unreported {
-                    inner,
-                    task,
-                    context,
-                    runtime: tokio::runtime::Handle::current(),
-                    reported: false,
-                };
+                let runtime = tokio::runtime::Handle::current();
+                let reported = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let flag = reported.clone();
                 executor(Box::new(move || {
-                    let computed = unreported.inner.compute(&roots);
-                    let _runtime = unreported.runtime.enter();
-                    unreported.reported = true;
-                    unreported.inner.finish_run(task, context, computed);
-                    unreported.inner.pump_here();
+                    let computed = inner.compute(&roots);
+                    let _runtime = runtime.enter();
+                    flag.store(true, std::sync::atomic::Ordering::Release);
+                    inner.finish_run(task, context, computed);
+                    inner.pump_here();
                 }))
                 .await;
-                return;
+                if reported.load(std::sync::atomic::Ordering::Acquire) {
+                    return;
+                }
+                Err("the engine's run ended abnormally".to_owned())
             }
         };
         self.finish_run(task, context, computed);
@@ -1119,31 +1115,6 @@ impl<E: AutogradEngine> Inner<E> {
             }
             None => sh.state.local_done(task, &reached),
         }
-    }
-}
-
-/// An executor's job until it has reported its run: dropped before (the job panicked, or
-/// was dropped unrun), it reports the run failed, so that its task's work still ends.
-struct Unreported<E: AutogradEngine> {
-    inner: Arc<Inner<E>>,
-    task: TaskId,
-    context: ContextId,
-    runtime: tokio::runtime::Handle,
-    reported: bool,
-}
-
-impl<E: AutogradEngine> Drop for Unreported<E> {
-    fn drop(&mut self) {
-        if self.reported {
-            return;
-        }
-        let _runtime = self.runtime.enter();
-        self.inner.finish_run(
-            self.task,
-            self.context,
-            Err("the engine's run ended abnormally".to_owned()),
-        );
-        self.inner.pump();
     }
 }
 

@@ -362,9 +362,8 @@ pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 /// A job that may block (a run of the local engine).
 pub type BlockingJob = Box<dyn FnOnce() + Send>;
 
-/// Runs a [`BlockingJob`] off the runtime's workers (see [`DistAutograd::set_executor`]). It may
-/// resolve before the job has run: a job reports its run itself, and one dropped unrun reports
-/// it failed.
+/// Runs a [`BlockingJob`] off the runtime's workers and resolves once it has run (see
+/// [`DistAutograd::set_executor`]).
 pub type Executor = Arc<dyn Fn(BlockingJob) -> BoxFuture<()> + Send + Sync>;
 
 /// The result of a call in a context: the function's result and the tracked tensors of it.

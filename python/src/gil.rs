@@ -275,9 +275,8 @@ enum Waiter {
     Busy,
 }
 
-/// A job handed to the waiting thread. Nobody is told when it has run: a job reports itself
-/// (the engine's run, or its failure), so the thread that ran it wakes no one after.
-type Handed = Box<dyn FnOnce() + Send>;
+/// A job handed to the waiting thread, and who is told once it has run (`true`) or panicked.
+type Handed = (Box<dyn FnOnce() + Send>, tokio::sync::oneshot::Sender<bool>);
 
 struct Waiting {
     waiter: Option<Waiter>,
@@ -321,21 +320,31 @@ fn waiting() -> MutexGuard<'static, Waiting> {
 /// [`wait_helping`], if one is and has nothing to run: that thread is woken anyway when the
 /// pass it waits for ends, and a run it takes is one wake-up instead of the reading worker's
 /// `block_in_place` hand-off (a thread woken to take its other tasks) and the waiter's own.
-/// `Ok` once handed over (the job is run by that thread, which tells no one when it is done:
-/// the job must report itself, a panic included); `job` comes back when no thread waits idle:
-/// a waiter that is running a job (a user's hook blocked in it, say) never holds up another.
-pub(crate) fn offer_to_waiter(job: Handed) -> Result<(), Handed> {
+/// Resolves once the job has run (`Err` if it panicked). `job` comes back when no thread
+/// waits idle: a waiter that is running a job (a user's hook blocked in it, say) never holds
+/// up another.
+pub(crate) fn offer_to_waiter(
+    job: Box<dyn FnOnce() + Send>,
+) -> Result<impl std::future::Future<Output = Result<(), String>>, Box<dyn FnOnce() + Send>> {
     if interpreter_exiting() {
         return Err(job);
     }
-    let mut w = waiting();
-    let Some(Waiter::Idle(thread)) = w.waiter.take() else {
-        return Err(job);
-    };
-    w.waiter = Some(Waiter::Busy);
-    w.job = Some(job);
-    thread.unpark();
-    Ok(())
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    {
+        let mut w = waiting();
+        let Some(Waiter::Idle(thread)) = w.waiter.take() else {
+            return Err(job);
+        };
+        w.waiter = Some(Waiter::Busy);
+        w.job = Some((job, tx));
+        thread.unpark();
+    }
+    Ok(async move {
+        match rx.await {
+            Ok(true) => Ok(()),
+            _ => Err(ABNORMAL.to_owned()),
+        }
+    })
 }
 
 /// Makes `context` the distributed autograd context current on this thread (Python's
@@ -358,7 +367,7 @@ fn set_current_context(context: Option<u64>) -> Option<u64> {
 /// run, perhaps another context's pass, runs as a runtime worker would run it, with none
 /// current (a hook's calls are not recorded in the waiter's context), and it is restored
 /// after.
-fn run_handed(job: Handed) {
+fn run_handed((job, tx): Handed) {
     queue().running += 1;
     RUN_BY_WAITER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let previous = set_current_context(None);
@@ -370,6 +379,7 @@ fn run_handed(job: Handed) {
     if !ran {
         tracing::error!("a tensorwire.rpc job panicked");
     }
+    let _ = tx.send(ran);
 }
 
 /// `rpc::wait_here` for a thread that waits for a backward pass: while it is parked,

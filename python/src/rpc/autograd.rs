@@ -298,7 +298,7 @@ pub(crate) fn start(agent: &Agent) -> Result<DistAutograd<TorchEngine>, RpcError
     dist.set_inline_bound(Duration::ZERO);
     dist.set_executor(Arc::new(|job: tensorwire_dist_autograd::BlockingJob| {
         Box::pin(async move {
-            // A job that panics reports its run failed as it unwinds (the driver's part). The
+            // An error here is a job that panicked: the driver reports the run as failed. The
             // job takes the driver's lock after the pass (to report it and send its
             // gradients), and the driver's lock comes before the GIL: it runs without the GIL,
             // which the pass takes back at once (this runner released it, so no other thread
@@ -306,13 +306,11 @@ pub(crate) fn start(agent: &Agent) -> Result<DistAutograd<TorchEngine>, RpcError
             //
             // A thread parked in `dist_autograd.backward` (the driver's, waiting for the pass
             // to come back to it) takes the run if it is idle: it is woken when the pass ends
-            // anyway, and this worker hands nothing off (see `gil::offer_to_waiter`). The job
-            // reports itself (or its failure, dropped unrun), so nothing waits for it here:
-            // the waiter wakes no runtime worker once it has run it.
-            if let Err(job) = crate::gil::offer_to_waiter(job) {
-                // (A job that panicked reported its run failed as it unwound.)
-                let _ = crate::gil::run_detached_here_or_submit(job).await;
-            }
+            // anyway, and this worker hands nothing off (see `gil::offer_to_waiter`).
+            let _ = match crate::gil::offer_to_waiter(job) {
+                Ok(ran) => ran.await,
+                Err(job) => crate::gil::run_detached_here_or_submit(job).await,
+            };
         })
     }));
     register(&dist)?;
