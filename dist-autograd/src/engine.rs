@@ -641,9 +641,7 @@ impl<E: AutogradEngine> Inner<E> {
             placement,
         ) {
             Ok(f) => {
-                // Sent from a pass's thread, which holds no runtime worker: the wait for the
-                // answer becomes a task only once the answer wakes it (see `lazy`).
-                crate::lazy::spawn_when_woken(async move {
+                tokio::spawn(async move {
                     let result = f.await;
                     inner.on_gradient_answer(gradient, to, req.context, result);
                 });

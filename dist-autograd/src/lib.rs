@@ -114,7 +114,6 @@ use tensorwire_rpc::{Agent, CallContext, InitError, PeerEvent, RRef, RpcError};
 
 mod engine;
 mod inspect;
-mod lazy;
 pub mod optim;
 mod release;
 mod responding;

@@ -43,11 +43,7 @@ impl<E: AutogradEngine> AutogradContext<E> {
             if !waits.is_empty() {
                 let inner = self.inner.clone();
                 let span = self.span.clone();
-                // Left by the caller's thread: the wait becomes a task once an answer wakes
-                // it (see `lazy`).
-                crate::lazy::spawn_when_woken(async move {
-                    inner.await_releases(waits).instrument(span).await
-                });
+                tokio::spawn(async move { inner.await_releases(waits).instrument(span).await });
             }
         }
         Ok(())
