@@ -176,6 +176,12 @@ def _measure(cfg: dict) -> dict:
     for w in workers:
         events[w] = tw.rpc_sync(w, take_events, args=(False,))
     phases["tensorwire"] = _phases(events["worker0"])
+    raw = os.environ.get("TENSORWIRE_TRACE_RAW")
+    if raw:
+        # Every mark of every process (ns, tag, native thread id), for lining up with a
+        # system-wide scheduler trace taken meanwhile (``perf record -k CLOCK_MONOTONIC``).
+        with open(raw, "w") as f:
+            json.dump(events, f)
     return {
         "figure": "trace",
         "plain_us": {n: statistics.median(v) for n, v in plain.items()},
