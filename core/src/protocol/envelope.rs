@@ -240,70 +240,62 @@ mod tests {
         );
     }
 
+    /// A call's body with `tensors`.
+    fn body_with(tensors: Vec<(TensorMeta, Bytes)>) -> FrameBody {
+        FrameBody {
+            target: envelope(0).target,
+            forks: envelope(0).forks,
+            data: Bytes::from_static(b"args"),
+            tensors,
+        }
+    }
+
+    /// A frame made by `Envelope::frame`, read back as the agent reads it, with `payloads`
+    /// frame payloads.
+    fn read_back(f: Frame, payloads: usize) -> (Header, Option<FrameBody>) {
+        assert_eq!((f.kind, f.payloads.len()), (FrameKind::Message, payloads));
+        Envelope::decode(&f.header)
+            .unwrap()
+            .attach(f.payloads)
+            .unwrap()
+    }
+
     /// `frame` is `decode` and `attach` backwards: a request's forks travel in its envelope,
     /// a reply's only in its header (the envelope's are dropped), and a body-less message has
     /// no payloads.
     #[test]
     fn a_frame_made_reads_back_as_its_header_and_body() {
-        let body = FrameBody {
-            target: envelope(0).target,
-            forks: envelope(0).forks,
-            data: Bytes::from_static(b"args"),
-            tensors: vec![(meta(), Bytes::from_static(b"abc"))],
-        };
-        let read = |f: Frame| {
-            assert_eq!(f.kind, FrameKind::Message);
-            Envelope::decode(&f.header)
-                .unwrap()
-                .attach(f.payloads)
-                .unwrap()
-        };
-        let call = envelope(0).header;
-        let (header, got) = read(Envelope::frame(call.clone(), Some(body.clone())).unwrap());
-        assert_eq!((header, got.as_ref()), (call, Some(&body)));
+        // With a tensor (its bytes a payload after the data's) and without (the usual body:
+        // the data its one payload).
+        for (tensors, payloads) in [(vec![(meta(), Bytes::from_static(b"abc"))], 2), (vec![], 1)] {
+            let body = body_with(tensors);
+            let read = |f: Frame| read_back(f, payloads);
+            let call = envelope(0).header;
+            let (header, got) = read(Envelope::frame(call.clone(), Some(body.clone())).unwrap());
+            assert_eq!((header, got.as_ref()), (call, Some(&body)));
+            // A reply's forks are its header's; the body's are dropped.
+            let reply = Header::Reply {
+                id: 7,
+                outcome: Ok(()),
+                forks: Vec::new(),
+            };
+            let (header, got) = read(Envelope::frame(reply.clone(), Some(body.clone())).unwrap());
+            assert_eq!(header, reply);
+            let got = got.unwrap();
+            assert_eq!(
+                (got.forks, got.data, got.tensors),
+                (Vec::new(), body.data, body.tensors)
+            );
+        }
         let reply = Header::Reply {
             id: 7,
             outcome: Ok(()),
-            forks: Vec::new(),
+            forks: envelope(0).forks,
         };
-        let (header, got) = read(Envelope::frame(reply.clone(), Some(body.clone())).unwrap());
-        assert_eq!(header, reply);
-        assert_eq!(got.unwrap().forks, Vec::new());
         assert_eq!(
-            read(Envelope::frame(reply.clone(), None).unwrap()),
+            read_back(Envelope::frame(reply.clone(), None).unwrap(), 0),
             (reply, None)
         );
-    }
-
-    /// The usual body, a value without tensors: its one payload is the data, a request's
-    /// forks come from the envelope and a reply's from its header.
-    #[test]
-    fn a_body_without_tensors_reads_back() {
-        let body = FrameBody {
-            target: envelope(0).target,
-            forks: envelope(0).forks,
-            data: Bytes::from_static(b"args"),
-            tensors: Vec::new(),
-        };
-        let read = |f: Frame| {
-            assert_eq!(f.payloads.len(), 1);
-            Envelope::decode(&f.header)
-                .unwrap()
-                .attach(f.payloads)
-                .unwrap()
-        };
-        let call = envelope(0).header;
-        let (header, got) = read(Envelope::frame(call.clone(), Some(body.clone())).unwrap());
-        assert_eq!((header, got.as_ref()), (call, Some(&body)));
-        let reply = Header::Reply {
-            id: 7,
-            outcome: Ok(()),
-            forks: envelope(0).forks,
-        };
-        let (header, got) = read(Envelope::frame(reply.clone(), Some(body.clone())).unwrap());
-        assert_eq!(header, reply);
-        let got = got.unwrap();
-        assert_eq!((got.forks, got.data), (envelope(0).forks, body.data));
     }
 
     #[test]

@@ -218,18 +218,24 @@ def _phase_medians(steps: list[list[int]]) -> dict[str, float]:
     return out
 
 
+def marked_windows(marks: list, begin: str, end: str) -> list[tuple[int, int]]:
+    """The spans of one process's marks ``(t, tag, thread)`` from each ``begin`` tag to the
+    ``end`` tag that follows it (an ``end`` with no ``begin`` before it is passed over)."""
+    windows = []
+    start = None
+    for t, tag, _ in marks:
+        if tag == begin:
+            start = t
+        elif tag == end and start is not None:
+            windows.append((start, t))
+            start = None
+    return windows
+
+
 def _timeline(events: dict[str, list]) -> list[dict]:
     """The median step: every stage every process passed, by its median offset from the step's
     start (the k-th occurrence of a tag in a step is one stage)."""
-    driver = events["worker0"]
-    windows = []
-    start = None
-    for t, tag, _ in driver:
-        if tag == "step>":
-            start = t
-        elif tag == "step<" and start is not None:
-            windows.append((start, t))
-            start = None
+    windows = marked_windows(events["worker0"], "step>", "step<")
     offsets: dict[tuple[str, str, int], list[int]] = {}
     threads: dict[tuple[str, str, int], list[int]] = {}
     thread_names: dict[tuple[str, int], str] = {}

@@ -25,6 +25,8 @@ import statistics
 import sys
 from bisect import bisect_left, bisect_right
 
+from tensorwire.bench.autograd_trace import marked_windows
+
 LINE = re.compile(r"^\s*(\d+)/(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+(\S+):\s*(.*)$")
 
 
@@ -55,14 +57,7 @@ def main() -> int:
     pid_proc = {v: k for k, v in proc_pid.items()}
     print("processes:", proc_pid)
     # Backward windows on the driver.
-    drv = raw["worker0"]
-    wins, start = [], None
-    for t, tag, _ in drv:
-        if tag == "dist_backward>":
-            start = t
-        elif tag == "dist_backward<" and start is not None:
-            wins.append((start, t))
-            start = None
+    wins = marked_windows(raw["worker0"], "dist_backward>", "dist_backward<")
     marks = sorted((t, tag, tid, proc) for proc, evs in raw.items() for t, tag, tid in evs)
     mtimes = [m[0] for m in marks]
     rows: dict[str, list[dict]] = {}
