@@ -31,6 +31,7 @@ mod running;
 mod setup;
 mod turn;
 
+#[cfg(feature = "tcp")]
 pub(crate) use arena::PATHS;
 pub use arena::{arena_bytes_from_env, CollectivePath, ARENA_BYTES_ENV, COLLECTIVES_ENV};
 

@@ -24,9 +24,11 @@ pub(crate) async fn reply_body(
 ) -> Result<Body, RemoteError> {
     let me = this.inner.me.id;
     let function = || function.map(str::to_owned);
-    let prepared = (value.prepare(this, to))
+    let prepared = value
+        .prepare(this, to)
         .map_err(|e| ServeFailure::result_not_sent(function(), &e).to_caller(me))?;
-    let wire = (crate::ipc::to_wire(this, to, prepared.tensors).await)
+    let wire = crate::ipc::to_wire(this, to, prepared.tensors)
+        .await
         .map_err(|e| ServeFailure::result_not_sent(function(), &e).to_caller(me))?;
     Ok(Body {
         target: None,

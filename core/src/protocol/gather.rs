@@ -421,7 +421,8 @@ pub enum GatherEnd {
 impl GatherFailure {
     /// What the caller of a gather led by `leader` is told of this failure: members missing
     /// are a timeout naming them; a refusal, a round ended, an answer that does not parse or
-    /// names other members are the leader's failure ([`RemoteErrorKind::Failed`](super::RemoteErrorKind::Failed)).
+    /// names other members are the leader's failure
+    /// ([`RemoteErrorKind::Failed`](super::RemoteErrorKind::Failed)).
     pub fn told(self, leader: WorkerId) -> GatherEnd {
         match self {
             GatherFailure::Missing(missing) => GatherEnd::TimedOut(missing),

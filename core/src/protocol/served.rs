@@ -221,10 +221,11 @@ pub struct ServeMode {
 
 impl ServeMode {
     /// How a request of `function` is served: inline only for a peer's request on a
-    /// current-thread runtime (`current_thread`, asked only for a peer's request), where every task runs on this thread anyway (no spawn, no turn
-    /// of the scheduler; a call to this worker itself is dispatched from inside its caller's
-    /// `rpc_async`, where the caller may hold locks its handler takes, so it gets a task, as
-    /// every handler does on a multi-thread runtime, to run in parallel). Its reply is the
+    /// current-thread runtime (`current_thread`, asked only for a peer's request), where every
+    /// task runs on this thread anyway (no spawn, no turn of the scheduler; a call to this
+    /// worker itself is dispatched from inside its caller's `rpc_async`, where the caller may
+    /// hold locks its handler takes, so it gets a task, as every handler does on a
+    /// multi-thread runtime, to run in parallel). Its reply is the
     /// function's to take only when it is sent (not when a `remote()` keeps the value here,
     /// `keeps_value`) and not by the pump that runs it inline.
     pub fn of(
