@@ -8,7 +8,7 @@ engine in a world where the other agent is started too or not at all::
 
     python solo.py ENGINE OTHER STEPS OUT.json    # ENGINE: tensorwire|tensorpipe; OTHER: 0|1
 
-and appends ``{engine, other, median_us, steps, cpu_s_worker0}`` to OUT.json (a line).
+and appends ``{engine, other, median_us, mean_us, p90_us, steps, cpu_s_worker0}`` to OUT.json (a line).
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def _rank_main(rank: int, world: int, env: dict, cfg: dict, out_path: str) -> No
         c1 = time.process_time()
         with open(out_path, "a") as f:
             f.write(json.dumps({"engine": engine, "other": other, "median_us": statistics.median(s) * 1e6,
+                                "mean_us": statistics.fmean(s) * 1e6,
+                                "p90_us": statistics.quantiles(s, n=10)[-1] * 1e6,
                                 "steps": len(s), "cpu_s_worker0": c1 - c0}) + "\n")
     if engine == "tensorpipe" or other:
         tp.shutdown()
