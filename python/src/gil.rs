@@ -1,4 +1,5 @@
-//! Python work handed over by the runtime: calls to serve, replies to complete.
+//! Python work handed over by the runtime: calls to serve, replies to complete, the callbacks
+//! of c10d works that ended.
 //!
 //! Python may not run on a runtime worker (it would hold the worker while it waits for the GIL),
 //! so every such job runs on a blocking thread. Handing each job to a thread of its own
@@ -58,10 +59,35 @@ static QUEUE: Mutex<Queue> = Mutex::new(Queue {
 /// the GIL from then on may be ended on the spot (see [`wait_idle`]).
 static EXITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Registered with `atexit` when the module loads.
+/// Set once the `atexit` handler has let the jobs already handed over finish: from then on a
+/// runner drops the jobs it finds instead of taking the GIL for them.
+static CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// How long the interpreter's exit waits for jobs already handed over (a callback still
+/// running, a reply being completed) before it goes on without them.
+const EXIT_WAIT: Duration = Duration::from_secs(2);
+
+/// Registered with `atexit` when the module loads. No job runs on the calling thread from now
+/// on; the jobs queued or running finish first, the GIL released for them, so that no runner
+/// is inside Python when the interpreter finalizes: CPython 3.11 ends a thread that takes the
+/// GIL back after that with `pthread_exit`, and its unwinding through a C++ frame (torch's
+/// `Future.set_result` releases the GIL while it runs the future's callbacks) aborts the
+/// process ("terminate called without an active exception"). Jobs handed over later are
+/// dropped, not run.
 #[pyo3::pyfunction]
-pub(crate) fn mark_exiting() {
+pub(crate) fn mark_exiting(py: Python<'_>) {
     EXITING.store(true, std::sync::atomic::Ordering::Release);
+    if !py.detach(|| wait_idle(EXIT_WAIT)) {
+        tracing::warn!(
+            "tensorwire: Python callbacks still running {} s into the interpreter's exit",
+            EXIT_WAIT.as_secs()
+        );
+    }
+    CLOSED.store(true, std::sync::atomic::Ordering::Release);
+}
+
+fn closed() -> bool {
+    CLOSED.load(std::sync::atomic::Ordering::Acquire)
 }
 
 /// Whether the interpreter has begun to exit (its `atexit` handlers ran).
@@ -187,12 +213,24 @@ pub(crate) async fn run_detached_here_or_submit(
     run_claimed(job).map_err(|_| ABNORMAL.to_owned())
 }
 
-/// A runner: takes the GIL and runs jobs until the queue is empty.
+/// A runner: takes the GIL and runs jobs until the queue is empty; once the interpreter's
+/// exit has closed the queue (see [`mark_exiting`]), drops them instead.
 fn run() {
-    Python::attach(|py| loop {
+    if closed() {
+        abandon();
+        return;
+    }
+    let ran = Python::try_attach(|py| loop {
         let job = {
             let mut q = queue();
             q.ready -= 1;
+            if closed() {
+                let jobs = std::mem::take(&mut q.jobs);
+                drop(q);
+                drop(jobs);
+                IDLE.notify_all();
+                return;
+            }
             let Some(job) = q.jobs.pop_front() else {
                 return;
             };
@@ -215,7 +253,23 @@ fn run() {
         if q.running == 0 && q.jobs.is_empty() {
             IDLE.notify_all();
         }
-    })
+    });
+    if ran.is_none() {
+        // The interpreter is finalizing (or gone): this runner may not take the GIL.
+        abandon();
+    }
+}
+
+/// A runner that may not take the GIL any more gives up its place and drops the queued jobs
+/// unrun (their Python objects are released by pyo3's own queue, without the GIL).
+fn abandon() {
+    let jobs = {
+        let mut q = queue();
+        q.ready -= 1;
+        std::mem::take(&mut q.jobs)
+    };
+    drop(jobs);
+    IDLE.notify_all();
 }
 
 /// Waits, at most `bound`, until no job runs or waits (call it without the GIL, which the jobs

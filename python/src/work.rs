@@ -188,20 +188,17 @@ impl Work {
             };
             ending.ended.notify_all();
             if !callbacks.is_empty() {
-                // Python code runs on a blocking thread, never on the runtime's workers.
-                tokio::task::spawn_blocking(move || run_callbacks(callbacks, ok));
+                // Python code runs on a GIL runner, never on the runtime's workers; a runner's
+                // jobs finish before the interpreter exits (`gil::mark_exiting`).
+                crate::gil::submit(Box::new(move |py| {
+                    for callback in callbacks {
+                        callback.run(py, ok);
+                    }
+                }));
             }
         });
         Work { shared }
     }
-}
-
-fn run_callbacks(callbacks: Vec<Callback>, ok: bool) {
-    Python::attach(|py| {
-        for callback in callbacks {
-            callback.run(py, ok);
-        }
-    })
 }
 
 impl Work {
