@@ -181,21 +181,24 @@ impl Work {
             // Released without the GIL: pyo3 defers the reference counts to the next holder.
             drop(keep);
             let ok = result.is_ok();
-            let callbacks = {
+            {
                 let mut state = ending.lock();
                 state.result = Some(result);
-                std::mem::take(&mut state.callbacks)
-            };
-            ending.ended.notify_all();
-            if !callbacks.is_empty() {
-                // Python code runs on a GIL runner, never on the runtime's workers; a runner's
-                // jobs finish before the interpreter exits (`gil::mark_exiting`).
-                crate::gil::submit(Box::new(move |py| {
-                    for callback in callbacks {
-                        callback.run(py, ok);
-                    }
-                }));
+                let callbacks = std::mem::take(&mut state.callbacks);
+                if !callbacks.is_empty() {
+                    // Python code runs on a GIL runner, never on the runtime's workers; a
+                    // runner's jobs finish before the interpreter exits (`gil::mark_exiting`).
+                    // Queued before the result is seen (under the lock that publishes it): a
+                    // script that returns after `wait()` finds them queued, and its exit waits
+                    // for them. (`submit` takes only the runners' queue lock.)
+                    crate::gil::submit(Box::new(move |py| {
+                        for callback in callbacks {
+                            callback.run(py, ok);
+                        }
+                    }));
+                }
             }
+            ending.ended.notify_all();
         });
         Work { shared }
     }
