@@ -26,6 +26,8 @@ def install():
         _wrap(S, n)
     for n in ("_invoke", "_returned", "_decoded", "_bind", "_function_name", "_worker_name"):
         if hasattr(R, n): _wrap(R, n)
+    if os.environ.get("TW_PROBE"):
+        install_probe()
 def reset_all():
     for v in TOTALS.values(): v[0] = 0; v[1] = 0
 def dump(rank):
@@ -60,3 +62,32 @@ def install_lines():
             a[0] += d; a[1] += 1
         return t
     E.import_tensor = import_tensor
+
+def install_probe():
+    """(TW_PROBE=1, eighteenth round) What one more entry from native code into Python costs
+    inside the step: at every ``import_tensor`` and ``export_tensor`` call (the entries a fused
+    serve/backward would save), a no-op Python function of four arguments called from C
+    (``map``), timed by the thread's CPU clock, and an empty interval of the same clock to
+    subtract. ``probe.entry`` minus ``probe.empty`` per call is an entry's own cost, cold as the
+    step leaves it."""
+    from tensorwire.rpc import _autograd_engine as E
+    pc = time.thread_time_ns
+    empty = TOTALS.setdefault("probe.empty", [0, 0])
+    entry = TOTALS.setdefault("probe.entry", [0, 0])
+    def _noop(a, b, c, d):
+        return a
+    args = ((None,), (None,), (None,), (None,))
+    def probe():
+        t0 = pc(); t1 = pc()
+        empty[0] += t1 - t0; empty[1] += 1
+        t0 = pc()
+        for _ in map(_noop, *args):
+            pass
+        t1 = pc()
+        entry[0] += t1 - t0; entry[1] += 1
+    for name in ("import_tensor", "export_tensor"):
+        f = getattr(E, name)
+        def w(*a, _f=f, **k):
+            probe()
+            return _f(*a, **k)
+        setattr(E, name, w)
