@@ -195,7 +195,7 @@ def _forging_export(honest):
     def export(t):
         if _FORGE["on"] and t.layout == torch.sparse_coo:
             packed = _forged_packed(7)
-            return "uint8", tuple(packed.shape), packed
+            return "uint8", tuple(packed.shape), packed, t.requires_grad
         return honest(t)
 
     return export

@@ -38,8 +38,13 @@ from torch.autograd import Function
 from torch.autograd.graph import GradientEdge, _engine_run_backward
 from torch.overrides import has_torch_function
 
+# (Imported once here, not in each function that uses them: a ``from package import name``
+# inside a function runs importlib's ``_handle_fromlist`` in Python at every call, about twenty
+# times a step. ``tensorwire.rpc`` is initialized before this module, its submodule, is.)
+from tensorwire import _native, rpc
 from tensorwire.rpc import _serialize
 from tensorwire.rpc._exposed import RefusedError
+from tensorwire.rpc._types import WorkerInfo
 
 _tls = threading.local()
 
@@ -150,13 +155,16 @@ def import_tensor(dtype: str, shape: tuple, buffer: Any, requires_grad: bool) ->
         t = unpack_sparse(buffer)
     else:
         dt = _serialize._DTYPES[dtype]
-        if len(buffer) == 0:
+        n = len(buffer)
+        if n == 0:
             t = torch.empty(shape, dtype=dt)
         else:
-            t = torch.frombuffer(buffer, dtype=dt)
-            if t.numel() != math.prod(shape):
-                raise ValueError(f"a received tensor of shape {tuple(shape)} over {len(buffer)} bytes of {dtype}")
-            t.set_(t.untyped_storage(), 0, shape)
+            if n != dt.itemsize * math.prod(shape):
+                raise ValueError(f"a received tensor of shape {tuple(shape)} over {n} bytes of {dtype}")
+            # ``resize_`` to the buffer's own element count gives the flat tensor its shape in
+            # place (contiguous, over the same storage, no view): one op of torch's dispatcher
+            # where ``set_(t.untyped_storage(), 0, shape)`` took two calls.
+            t = torch.frombuffer(buffer, dtype=dt).resize_(shape)
     if requires_grad:
         # Its gradient goes back to the sender, once :func:`receive` has given it its node.
         t._tensorwire_received = True
@@ -219,17 +227,18 @@ def receive(tracked: Sequence[Any]) -> None:
 
 
 def export_tensor(t: torch.Tensor) -> tuple:
-    """``(dtype name, shape, contiguous CPU tensor without graph)`` of a tensor to send (a
-    sparse COO one packed: :func:`pack_sparse`)."""
+    """``(dtype name, shape, contiguous CPU tensor without graph, t.requires_grad)`` of a
+    tensor to send (a sparse COO one packed: :func:`pack_sparse`)."""
     if t.layout == torch.sparse_coo:
         packed = pack_sparse(t)
-        return "uint8", tuple(packed.shape), packed
+        return "uint8", tuple(packed.shape), packed, t.requires_grad
     prepared = _serialize._prepare(t)
-    if prepared.dtype == torch.uint8:
+    dtype = prepared.dtype
+    if dtype == torch.uint8:
         # uint8 on the wire is the packed form: no tensor that requires grad (nor any gradient)
         # is a dense uint8 one, and none may be taken for a packed one.
         raise ValueError("a dense uint8 tensor cannot travel as a tracked tensor or a gradient")
-    return str(prepared.dtype).removeprefix("torch."), tuple(prepared.shape), prepared
+    return _serialize._DTYPE_NAMES[dtype], tuple(prepared.shape), prepared, t.requires_grad
 
 
 def _leaves(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any], list[int], list[Any]]:
@@ -415,14 +424,18 @@ def _has_node_hooks(node: Any) -> bool:
     """Whether ``node`` has Python pre or post hooks of its own (``node.register_prehook``,
     ``node.register_hook``; a tensor's own hooks are not the node's). torch keeps each kind in
     one dict that only a hook's handle refers to: a hook is added and removed to reach it
-    (which leaves the node an empty dict of that kind if it had none)."""
-    for register, hook in ((node.register_prehook, _no_pre_hook), (node.register_hook, _no_post_hook)):
-        handle = register(hook)
-        hooks = handle.hooks_dict_ref()
-        handle.remove()
-        if hooks:
-            return True
-    return False
+    (which leaves the node an empty dict of that kind if it had none). The probe is taken out
+    of the dict directly (what ``handle.remove()`` does, without its method call and its loop
+    over extra dicts, which a node's hook handle has none of)."""
+    handle = node.register_prehook(_no_pre_hook)
+    hooks = handle.hooks_dict_ref()
+    del hooks[handle.id]
+    if hooks:
+        return True
+    handle = node.register_hook(_no_post_hook)
+    hooks = handle.hooks_dict_ref()
+    del hooks[handle.id]
+    return bool(hooks)
 
 
 def _grads(
@@ -709,7 +722,6 @@ def _run_in(
     context_id: int, caller: str, function: str, payload: bytes, plain: list, rrefs: list,
     tracked_at: list, tracked: list,
 ) -> Any:
-    from tensorwire import rpc
 
     previous = set_current(context_id)
     try:
@@ -728,8 +740,6 @@ def serve(
 ) -> tuple:
     """A call from ``caller`` in ``context_id``: ``("returned", payload, untracked, rrefs,
     tracked_at, tracked)`` or ``("raised", type, message, traceback)``."""
-    from tensorwire import rpc
-
     rpc._wait_ready()
     try:
         value = _run_in(context_id, caller, function, payload, plain, rrefs, tracked_at, tracked)
@@ -744,8 +754,6 @@ def create(
 ) -> tuple:
     """A ``remote()`` creation from ``caller`` in ``context_id``: ``("returned", value)`` or
     ``("raised", ...)``."""
-    from tensorwire import rpc
-
     rpc._wait_ready()
     try:
         return ("returned", _run_in(context_id, caller, function, payload, plain, rrefs, tracked_at, tracked))
@@ -756,8 +764,6 @@ def create(
 def fetch(value: Any) -> tuple:
     """A reference's value for ``to_here()`` in a context, its tensors that require grad
     tracked."""
-    from tensorwire import rpc
-
     try:
         return ("returned", *dumps_split(value))
     except Exception as e:
@@ -774,8 +780,6 @@ OWNER_FUNCTIONS: dict[str, Any] = {}
 def owner_call(value: Any, function: str, payload: bytes, buffers: list, rrefs: list) -> tuple:
     """Runs ``OWNER_FUNCTIONS[function](value, *args)`` on a reference's owner:
     ``("returned", payload, tensors, rrefs)`` or ``("raised", type, message, traceback)``."""
-    from tensorwire import rpc
-
     rpc._wait_ready()
     try:
         fn = _owner_function(function)
@@ -828,8 +832,6 @@ def owner_call_all(rrefs: Any, function: str, args: tuple, timeout: Any = -1.0) 
     them) while the other owners run theirs; then one native wait, the GIL released, takes
     every answer. An owner's failure reads as it would through a call
     (:func:`tensorwire.rpc._decoded`), the local ones included."""
-    from tensorwire import _native, rpc
-
     owners = rrefs if isinstance(rrefs, Owners) else Owners(rrefs, values=False)
     mine = owners.mine
     payload, tensors, _ = _serialize.dumps(tuple(args))
@@ -868,8 +870,6 @@ def owner_call_all(rrefs: Any, function: str, args: tuple, timeout: Any = -1.0) 
 
 def owner_call_async(rref: Any, function: str, args: tuple, timeout: Any = -1.0) -> torch.futures.Future:
     """Runs the owner-side function ``function`` on ``rref``'s value, on its owner."""
-    from tensorwire import _native, rpc
-
     fut, on_done = rpc._future(rref.owner())
     payload, tensors, _ = _serialize.dumps(tuple(args))
     try:
@@ -884,15 +884,11 @@ def owner_call_async(rref: Any, function: str, args: tuple, timeout: Any = -1.0)
 
 def native() -> Any:
     """This worker's native distributed autograd (RPC must be initialized)."""
-    from tensorwire import rpc
-
     return rpc._require_agent().dist_autograd()
 
 
 def _decode(outcome: Any, worker: str, callee: Any, trusted: bool) -> Any:
     """The value a tracked call's outcome carries, or raises what it carries."""
-    from tensorwire import rpc
-
     if isinstance(outcome, BaseException):
         raise rpc._runtime_error(outcome)
     if outcome[0] == "returned":
@@ -905,8 +901,6 @@ def _decode(outcome: Any, worker: str, callee: Any, trusted: bool) -> Any:
 
 def _outcome_future(worker: str, callee: Any) -> tuple[torch.futures.Future, Any]:
     """A future and the ``on_done`` that completes it from a tracked call's outcome."""
-    from tensorwire import rpc
-
     fut: torch.futures.Future = torch.futures.Future()
     trusted = rpc._trusted
 
@@ -922,9 +916,6 @@ def _outcome_future(worker: str, callee: Any) -> tuple[torch.futures.Future, Any
 
 
 def _prepare_call(to: Any, func: Any, args: Any, kwargs: Any) -> tuple:
-    from tensorwire import _native, rpc
-    from tensorwire.rpc._types import WorkerInfo
-
     agent = rpc._require_agent()
     worker = rpc._worker_name(to, agent)
     try:
@@ -939,8 +930,6 @@ def _prepare_call(to: Any, func: Any, args: Any, kwargs: Any) -> tuple:
 def rpc_async(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> torch.futures.Future:
     """``rpc_async`` inside ``context_id``: the send and the recv of its tensors (and of its
     result's) are recorded."""
-    from tensorwire import _native, rpc
-
     worker, callee, name, (payload, plain, rrefs, tracked_at, tracked) = _prepare_call(to, func, args, kwargs)
     fut, on_done = _outcome_future(worker, callee)
     try:
@@ -955,8 +944,6 @@ def rpc_async(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeo
 def rpc_sync(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
     """``rpc_sync`` inside ``context_id``: as :func:`rpc_async` and a wait, without the future
     (this thread waits for the reply, the GIL released, and decodes it itself)."""
-    from tensorwire import _native, rpc
-
     worker, callee, name, (payload, plain, rrefs, tracked_at, tracked) = _prepare_call(to, func, args, kwargs)
     try:
         outcome = native().call_wait(
@@ -969,8 +956,6 @@ def rpc_sync(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeou
 
 def remote(context_id: int, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
     """``remote`` inside ``context_id``."""
-    from tensorwire import _native, rpc
-
     worker, _, name, (payload, plain, rrefs, tracked_at, tracked) = _prepare_call(to, func, args, kwargs)
     try:
         made = native().remote(
@@ -985,8 +970,6 @@ def fetch_async(context_id: int, rref: Any, timeout: Any) -> torch.futures.Futur
     """``rref.to_here()`` inside ``context_id``: the value's tensors that require grad are
     tracked, so their gradients reach the owner; on the owner, the value itself (its graph
     carries the gradients, as in PyTorch)."""
-    from tensorwire import _native, rpc
-
     if rref.is_owner():
         fut: torch.futures.Future = torch.futures.Future()
         try:
@@ -1006,8 +989,6 @@ def fetch_async(context_id: int, rref: Any, timeout: Any) -> torch.futures.Futur
 def _install() -> None:
     """Calls made inside a context go through this module (``tensorwire.rpc``'s hook)."""
     import sys
-
-    from tensorwire import rpc
 
     rpc._autograd = sys.modules[__name__]
 

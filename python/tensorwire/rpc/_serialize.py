@@ -66,6 +66,7 @@ del _name, _dtype
 #: references.
 _PLAIN_TYPES = frozenset((str, int, float, bool, bytes, tuple, list, dict, type(None)))
 _Tensor = torch.Tensor
+_STRIDED = torch.strided
 
 
 def _torch_allowed() -> dict[str, Any]:
@@ -92,6 +93,9 @@ def _own_types() -> dict[str, Any]:
 def check_carried(t: torch.Tensor) -> None:
     """Raises if ``t`` is a tensor tensorwire.rpc does not carry: one off the CPU, or of a
     layout other than dense (strided) and sparse COO, or quantized."""
+    if t.is_cpu and t.layout is _STRIDED and not t.is_quantized:
+        # The common case, in three attribute reads (``t.device`` makes an object).
+        return
     if t.device.type != "cpu":
         raise RuntimeError(
             f"tensorwire.rpc carries CPU tensors; this one is on {t.device}: move it to the "
@@ -110,7 +114,14 @@ def _resolved(t: torch.Tensor) -> torch.Tensor:
     check_carried(t)
     if t.layout != torch.strided:
         raise ValueError(f"a {t.layout} tensor travels as its parts (sparse_parts)")
-    return t.detach().resolve_conj().resolve_neg()
+    t = t.detach()
+    # (Each ``resolve_*`` is an op of torch's dispatcher even when it has nothing to do; the
+    # bits are read without one.)
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
 
 
 def _prepare(t: torch.Tensor) -> torch.Tensor:

@@ -53,15 +53,13 @@ from typing import Any, Optional
 
 import torch
 
-from tensorwire import _native
+from tensorwire import _native, rpc
 from tensorwire.rpc import _autograd_engine
 
 __all__ = ["context", "backward", "get_gradients"]
 
 
 def _native_ad() -> Any:
-    from tensorwire import rpc
-
     try:
         return _autograd_engine.native()
     except _native.TensorwireError as e:
@@ -69,8 +67,6 @@ def _native_ad() -> Any:
 
 
 def _raise(e: BaseException) -> None:
-    from tensorwire import rpc
-
     raise rpc._runtime_error(e) from e
 
 

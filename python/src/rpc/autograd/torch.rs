@@ -152,14 +152,22 @@ impl TorchTensor {
 
     /// The tensor `t`, about to be sent: its wire form (and shape) taken now. A tensor the wire
     /// cannot carry is held as it is, so that the driver's own export reports why.
+    ///
+    /// One call of the Python layer gives all of it (`export_tensor`: the wire form and
+    /// `requires_grad`); a dense tensor's shape and dtype are its wire form's, and only a
+    /// sparse one (packed as `uint8` bytes) has its logical ones asked for.
     pub(super) fn to_send(t: Bound<'_, PyAny>) -> TorchTensor {
-        let prepared = export_now(&t)
-            .ok()
-            .and_then(Result::ok)
-            .and_then(|wire| Some((wire, t.getattr("requires_grad").ok()?.extract().ok()?)));
-        let meta = meta_of(&t);
+        let exported = export_now(&t).ok().and_then(Result::ok);
+        let meta = match &exported {
+            Some(e) if e.wire.dtype() != DType::U8 => Some(Arc::new(Meta {
+                shape: e.wire.shape().to_vec(),
+                dtype: Some(e.wire.dtype()),
+            })),
+            _ => meta_of(&t),
+        };
+        let prepared = exported.map(|e| Arc::new((e.wire, e.requires_grad)));
         let key = t.as_ptr() as usize;
-        TorchTensor(Self::with_object(t, key), prepared.map(Arc::new), meta)
+        TorchTensor(Self::with_object(t, key), prepared, meta)
     }
 }
 
@@ -188,9 +196,15 @@ fn dtype_attr(t: &Bound<'_, PyAny>) -> Option<DType> {
     dtype_of(name.to_str().ok()?.strip_prefix("torch.")?)
 }
 
+/// A tensor's wire form, and whether the tensor requires grad (`export_tensor`'s answer).
+struct Exported {
+    wire: Tensor,
+    requires_grad: bool,
+}
+
 /// `t`'s wire form: its bytes lent without a copy (the outer error is Python's, the inner one
 /// says what the wire cannot carry).
-fn export_now(t: &Bound<'_, PyAny>) -> PyResult<Result<Tensor, EngineError>> {
+fn export_now(t: &Bound<'_, PyAny>) -> PyResult<Result<Exported, EngineError>> {
     let py = t.py();
     let out = engine_fn(py, "export_tensor")?.call1((t,))?;
     let out = out.cast::<PyTuple>()?;
@@ -203,7 +217,13 @@ fn export_now(t: &Bound<'_, PyAny>) -> PyResult<Result<Tensor, EngineError>> {
         ))));
     };
     let bytes: Bytes = lent_bytes(out.get_item(2)?)?;
-    Ok(Tensor::new(dtype, shape, Storage::Host(bytes)).map_err(|e| EngineError(e.to_string())))
+    let requires_grad: bool = out.get_item(3)?.extract()?;
+    Ok(Tensor::new(dtype, shape, Storage::Host(bytes))
+        .map(|wire| Exported {
+            wire,
+            requires_grad,
+        })
+        .map_err(|e| EngineError(e.to_string())))
 }
 
 /// A leaf of the context (a parameter, or a received tensor: an output of its recv function
@@ -389,7 +409,7 @@ impl AutogradEngine for TorchEngine {
         }
         Python::attach(|py| {
             let t = tensor.bind(py).map_err(|e| engine_error(py, e))?;
-            export_now(t).map_err(|e| engine_error(py, e))?
+            Ok(export_now(t).map_err(|e| engine_error(py, e))??.wire)
         })
     }
 
