@@ -2034,6 +2034,37 @@ fn a_graceful_shutdown_waits_for_calls_everywhere_then_completes_on_every_member
     assert!(s.shutdowns.iter().all(|o| o.len() == 1));
 }
 
+/// A worker waiting for a member's report serves that member's calls meanwhile without
+/// moving on (it remembers that the report is missing), and moves on as soon as the report
+/// comes, in each of the rounds the termination takes.
+#[test]
+fn a_shutdown_waiting_for_a_report_moves_on_when_it_comes_not_before() {
+    let mut s = Sim::new(2);
+    let now = s.clock.now();
+    s.ep(0).begin_graceful_shutdown([0, 1], None);
+    s.drain();
+    assert_eq!(
+        s.ep(0).shutdown_phase(),
+        Some(ShutdownPhase::WaitingForReports)
+    );
+    for i in 0..3u8 {
+        let id = s.ep(1).call(0, "echo", vec![i], T, now).unwrap();
+        s.drain();
+        assert_eq!(s.outcome(1, id), Some(&Ok(vec![i])));
+        assert_eq!(
+            s.ep(0).shutdown_phase(),
+            Some(ShutdownPhase::WaitingForReports)
+        );
+        assert!(s.shutdowns[0].is_empty());
+    }
+    // Worker 0 reported round 1 before these calls; worker 1's reports of rounds 1 and 2
+    // each let it go on (round 1's activity differs from nothing before it: a second round).
+    s.ep(1).begin_graceful_shutdown([0, 1], None);
+    s.drain();
+    assert!(s.ep(0).shutdown_round() >= 2);
+    assert_eq!(s.shutdowns, vec![vec![Ok(())], vec![Ok(())]]);
+}
+
 /// A member that never shuts down is named at the deadline, and not before.
 #[test]
 fn a_silent_member_is_named_at_the_deadline() {
