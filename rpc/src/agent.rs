@@ -956,14 +956,6 @@ impl Agent {
         driver::pump(self);
     }
 
-    /// A request from `from` (counted as running, see [`driver::finished`]) is answered:
-    /// the reply is written on this thread where the peer's writer is idle
-    /// ([`driver::pump_now`]).
-    pub(crate) fn answered(&self, from: Option<WorkerId>) {
-        driver::pump_now(self);
-        driver::finished(self, from);
-    }
-
     /// Member `peer` left a dynamic group (see [`links::member_left`]).
     pub(crate) fn member_left(&self, peer: WorkerId) {
         links::member_left(self, peer);

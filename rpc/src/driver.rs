@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use tensorwire_core::ports::transport::Connection;
-use tensorwire_core::protocol::node::{NodeEvent, Outgoing};
+use tensorwire_core::protocol::node::{counts_as_running, NodeEvent, Outgoing};
 use tensorwire_core::protocol::{Event, LostCause, ProtocolViolation, RunState, WorkerId};
 use tensorwire_core::wire::Frame;
 
@@ -215,9 +215,8 @@ fn run(this: &Agent, ev: Event<Body>) {
         } => {
             let from = running(this, token.from(), &function);
             serve_in_task(
-                this,
-                from,
                 serve::serve(this, (token, from), function, body, None, deadline),
+                this,
             )
         }
         Event::Remote {
@@ -229,9 +228,8 @@ fn run(this: &Agent, ev: Event<Body>) {
         } => {
             let from = running(this, token.from(), &function);
             serve_in_task(
-                this,
-                from,
                 serve::serve(this, (token, from), function, body, Some(rref), deadline),
+                this,
             )
         }
         Event::Fetch { token, rref } => {
@@ -290,40 +288,24 @@ fn run(this: &Agent, ev: Event<Body>) {
 
 /// A request of `function` from `from` is served: `Some(from)` if it counts as one of its
 /// sender's running requests (the node counted it as it came out: its end is told to the node
-/// in [`finished`]).
+/// with its answer, `Node::respond`). Core decides, without the node's lock.
 fn running(this: &Agent, from: WorkerId, function: &str) -> Option<WorkerId> {
-    this.lock()
-        .node
-        .counts_as_running(from, function)
-        .then_some(from)
-}
-
-/// A peer's request is answered: its held requests run if its budget lets them.
-pub(crate) fn finished(this: &Agent, from: Option<WorkerId>) {
-    let Some(peer) = from else { return };
-    if this.lock().node.handle_request_finished(peer) {
-        this.pump();
-    }
+    counts_as_running(this.inner.me.id, from, function).then_some(from)
 }
 
 /// Runs the rest of a request's serving (a handler that waits) in a task of its own, then
-/// moves what it produced along, writing on that task (its reply, and those of the handlers
-/// that answered meanwhile).
+/// moves what it produced along, writing on that task (its reply, those of the handlers that
+/// answered meanwhile, and the requests its answer let run).
 fn serve_in_task(
-    this: &Agent,
-    from: Option<WorkerId>,
     rest: Option<impl std::future::Future<Output = bool> + Send + 'static>,
+    this: &Agent,
 ) {
-    let Some(rest) = rest else {
-        finished(this, from);
-        return;
-    };
+    let Some(rest) = rest else { return };
     let agent = this.clone();
     this.spawn(async move {
-        // A function that took its reply sends it, and reports the request finished.
+        // A function that took its reply sends it itself.
         if rest.await {
             pump_now(&agent);
-            finished(&agent, from);
         }
     });
 }

@@ -77,7 +77,7 @@ pub(crate) fn serve(
                 caller = %this.name_of(token.from()),
                 "a call asked for a function that is not registered here"
             );
-            this.lock().node.ep_mut().respond(token, Err(err));
+            this.lock().node.respond(token, Err(err), from.is_some());
             this.pump();
             return None;
         }
@@ -95,7 +95,7 @@ pub(crate) fn serve(
                         worker: agent.inner.me.name.clone(),
                     }
                     .to_caller(me);
-                    agent.lock().node.ep_mut().respond(token, Err(err));
+                    agent.lock().node.respond(token, Err(err), from.is_some());
                     return Some(serving);
                 }
             },
@@ -109,7 +109,7 @@ pub(crate) fn serve(
                     reason: e.to_string(),
                 }
                 .to_caller(me);
-                agent.lock().node.ep_mut().respond(token, Err(err));
+                agent.lock().node.respond(token, Err(err), from.is_some());
                 return Some(serving);
             }
         };
@@ -192,7 +192,7 @@ pub(crate) fn serve(
         let orphan = {
             let mut st = agent.lock();
             let created = keep_as.filter(|_| outcome.is_ok());
-            let expected = st.node.ep_mut().respond(token, outcome);
+            let expected = st.node.respond(token, outcome, from.is_some());
             // A value made for a creator lost meanwhile: nobody will ever refer to it.
             created
                 .filter(|_| !expected)
@@ -288,8 +288,8 @@ impl Reply {
                     .to_caller(agent.inner.me.id))
                 }
             };
-            agent.lock().node.ep_mut().respond(token, outcome);
-            agent.answered(from);
+            agent.lock().node.respond(token, outcome, from.is_some());
+            crate::driver::pump_now(&agent);
         });
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         if std::future::Future::poll(task.as_mut(), &mut cx).is_pending() {
