@@ -214,10 +214,7 @@ fn run(this: &Agent, ev: Event<Body>) {
             deadline,
         } => {
             let from = running(this, token.from(), &function);
-            serve_in_task(
-                serve::serve(this, (token, from), function, body, None, deadline),
-                this,
-            )
+            serve::serve(this, (token, from), function, body, None, deadline);
         }
         Event::Remote {
             token,
@@ -227,10 +224,7 @@ fn run(this: &Agent, ev: Event<Body>) {
             deadline,
         } => {
             let from = running(this, token.from(), &function);
-            serve_in_task(
-                serve::serve(this, (token, from), function, body, Some(rref), deadline),
-                this,
-            )
+            serve::serve(this, (token, from), function, body, Some(rref), deadline);
         }
         Event::Fetch { token, rref } => {
             let value = this.lock().values.get(&rref).cloned();
@@ -291,23 +285,6 @@ fn run(this: &Agent, ev: Event<Body>) {
 /// with its answer, `Node::respond`). Core decides, without the node's lock.
 fn running(this: &Agent, from: WorkerId, function: &str) -> Option<WorkerId> {
     counts_as_running(this.inner.me.id, from, function).then_some(from)
-}
-
-/// Runs the rest of a request's serving (a handler that waits) in a task of its own, then
-/// moves what it produced along, writing on that task (its reply, those of the handlers that
-/// answered meanwhile, and the requests its answer let run).
-fn serve_in_task(
-    rest: Option<impl std::future::Future<Output = bool> + Send + 'static>,
-    this: &Agent,
-) {
-    let Some(rest) = rest else { return };
-    let agent = this.clone();
-    this.spawn(async move {
-        // A function that took its reply sends it itself.
-        if rest.await {
-            pump_now(&agent);
-        }
-    });
 }
 
 /// The driver: moves the node's output to peers and the application, and runs its one timer
