@@ -956,6 +956,11 @@ impl Agent {
         driver::pump(self);
     }
 
+    /// [`pump`](Self::pump) writing on the calling task (see [`driver::pump_now`]).
+    pub(crate) fn pump_now(&self) {
+        driver::pump_now(self);
+    }
+
     /// Member `peer` left a dynamic group (see [`links::member_left`]).
     pub(crate) fn member_left(&self, peer: WorkerId) {
         links::member_left(self, peer);

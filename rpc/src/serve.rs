@@ -166,7 +166,6 @@ pub(crate) fn serve(
     deadline: Option<Instant>,
 ) {
     let me = this.inner.me.id;
-    let agent = this.clone();
     // Core decides how it runs (inline on a current-thread runtime, for a peer's request;
     // whether its function may take its reply; the agent's own gather apart). One inline
     // that finishes at once has answered: the pump that dispatched this request sends the
@@ -198,20 +197,68 @@ pub(crate) fn serve(
             return;
         }
     };
-    // A call inline whose arguments carry no tensors runs its function here and now.
+    // A call inline whose arguments carry no tensors (no copy to wait for) runs its
+    // function here and now: one that finishes at once is answered with no task and no box
+    // but its handler's future; one that waits goes on in a task, as does the copy of its
+    // result's tensors, each pumping after.
     if inline && body.tensors.is_empty() {
-        return serve_now(
-            this,
-            (token, from),
-            function,
-            body,
-            keep_as,
+        let Ok(target) = target_of(this, (token, from), body.target) else {
+            return;
+        };
+        let inv = Invocation {
+            agent: this.clone(),
+            caller: token.from(),
             deadline,
-            handler,
-            mode,
-        );
+            args: body.data,
+            tensors: Vec::new(),
+            forks: body.forks,
+            target,
+        };
+        let (mut handler, served) = run_of(this, &function, mode.internal, &handler, inv);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut poll = || std::future::Future::poll(std::pin::Pin::new(&mut handler), &mut cx);
+        // Inside another call's reply scope (a handler whose own call's pump dispatched this
+        // one), a scope of none hides that call's reply from this function's `Reply::take`.
+        let first = match REPLY.try_with(|_| ()) {
+            Ok(()) => REPLY.sync_scope(std::cell::Cell::new(None), poll),
+            Err(_) => poll(),
+        };
+        let std::task::Poll::Ready(outcome) = first else {
+            // It waits: the rest goes on in a task, which polls it again with its own waker.
+            let (agent, serving) = (this.clone(), Serving::enter(this));
+            this.spawn(async move {
+                let outcome = handler.await;
+                if let Some(served) = served {
+                    served(matches!(outcome, Ok(Ok(_))));
+                }
+                conclude(&agent, (token, from), &function, keep_as, outcome).await;
+                if serving.leave() > 0 {
+                    tokio::task::yield_now().await;
+                }
+                agent.pump_now();
+            });
+            return;
+        };
+        if let Some(served) = served {
+            served(matches!(outcome, Ok(Ok(_))));
+        }
+        let answer = match answer_of(this, token.from(), &function, keep_as, outcome) {
+            Ok(Encoded::Body(body)) => Ok(body),
+            Ok(Encoded::Tensors(prepared)) => {
+                let agent = this.clone();
+                this.spawn(async move {
+                    let answer = place(&agent, prepared, token.from(), Some(&function)).await;
+                    give(&agent, (token, from), &function, keep_as, answer);
+                    agent.pump_now();
+                });
+                return;
+            }
+            Err(e) => Err(e),
+        };
+        give(this, (token, from), &function, keep_as, answer);
+        return;
     }
-    let serving = Serving::enter(this);
+    let (agent, serving) = (this.clone(), Serving::enter(this));
     let task = async move {
         let Ok(target) = target_of(&agent, (token, from), body.target) else {
             return Some(serving);
@@ -296,79 +343,8 @@ pub(crate) fn serve(
         if serving.leave() > 0 {
             tokio::task::yield_now().await;
         }
-        crate::driver::pump_now(&agent);
+        agent.pump_now();
     });
-}
-
-/// Serves a call inline on the task that received it ([`ServeMode::of`]), its arguments
-/// without tensors (no copy to wait for): a function that finishes at once is
-/// answered here, with no task and no box but its handler's future; one that waits goes on
-/// in a task, as does the copy of its result's tensors, each pumping after.
-#[allow(clippy::too_many_arguments)]
-fn serve_now(
-    this: &Agent,
-    (token, from): (RequestToken, Option<WorkerId>),
-    function: String,
-    body: Body,
-    keep_as: Option<RRefId>,
-    deadline: Option<Instant>,
-    handler: crate::functions::Handler<Agent>,
-    mode: ServeMode,
-) {
-    let Ok(target) = target_of(this, (token, from), body.target) else {
-        return;
-    };
-    let inv = Invocation {
-        agent: this.clone(),
-        caller: token.from(),
-        deadline,
-        args: body.data,
-        tensors: Vec::new(),
-        forks: body.forks,
-        target,
-    };
-    let (mut handler, served) = run_of(this, &function, mode.internal, &handler, inv);
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    let mut poll = || std::future::Future::poll(std::pin::Pin::new(&mut handler), &mut cx);
-    // Inside another call's reply scope (a handler whose own call's pump dispatched this
-    // one), a scope of none hides that call's reply from this function's `Reply::take`.
-    let first = match REPLY.try_with(|_| ()) {
-        Ok(()) => REPLY.sync_scope(std::cell::Cell::new(None), poll),
-        Err(_) => poll(),
-    };
-    let std::task::Poll::Ready(outcome) = first else {
-        // It waits: the rest goes on in a task, which polls it again with its own waker.
-        let (agent, serving) = (this.clone(), Serving::enter(this));
-        this.spawn(async move {
-            let outcome = handler.await;
-            if let Some(served) = served {
-                served(matches!(outcome, Ok(Ok(_))));
-            }
-            conclude(&agent, (token, from), &function, keep_as, outcome).await;
-            if serving.leave() > 0 {
-                tokio::task::yield_now().await;
-            }
-            crate::driver::pump_now(&agent);
-        });
-        return;
-    };
-    if let Some(served) = served {
-        served(matches!(outcome, Ok(Ok(_))));
-    }
-    let answer = match answer_of(this, token.from(), &function, keep_as, outcome) {
-        Ok(Encoded::Body(body)) => Ok(body),
-        Ok(Encoded::Tensors(prepared)) => {
-            let agent = this.clone();
-            this.spawn(async move {
-                let answer = place(&agent, prepared, token.from(), Some(&function)).await;
-                give(&agent, (token, from), &function, keep_as, answer);
-                crate::driver::pump_now(&agent);
-            });
-            return;
-        }
-        Err(e) => Err(e),
-    };
-    give(this, (token, from), &function, keep_as, answer);
 }
 
 /// A method call's value (a call reaches serving only once it exists: the endpoint parks it
@@ -476,7 +452,7 @@ impl Reply {
                 }
             };
             agent.lock().node.respond(token, outcome, from.is_some());
-            crate::driver::pump_now(&agent);
+            agent.pump_now();
         });
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         if std::future::Future::poll(task.as_mut(), &mut cx).is_pending() {
