@@ -1062,12 +1062,13 @@ impl<B: Payload> Endpoint<B> {
     /// O(log n): every deadline is in one ordered set or, for calls whose deadlines come in
     /// order, one queue.
     pub fn poll_timeout(&self) -> Option<Instant> {
+        let earlier = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let first = self.timers.first().map(|(t, _)| *t);
         let call = self.call_deadlines.first().map(|(t, _)| t);
-        [first, call, self.shutdown_deadline()]
-            .into_iter()
-            .flatten()
-            .min()
+        earlier(earlier(first, call), self.shutdown_deadline())
     }
 
     // ----- commands -----
