@@ -510,6 +510,19 @@ impl Account {
         self.budget.holds_requests(self.peer)
     }
 
+    /// Unless this account's peer's requests are held ([`Ledger::holds_requests`]), starts
+    /// one running when it is `counted` ([`Ledger::start_request`]): true if it may run. One
+    /// turn of the ledger's lock for both.
+    pub fn start_request_unless_held(&self, counted: bool) -> bool {
+        self.budget.with(|l| {
+            let run = !l.holds_requests(self.peer);
+            if run && counted {
+                l.start_request(self.peer);
+            }
+            run
+        })
+    }
+
     /// [`Ledger::start_request`] for this account's peer.
     pub fn start_request(&self) {
         self.budget.with(|l| l.start_request(self.peer));

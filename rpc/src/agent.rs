@@ -956,12 +956,9 @@ impl Agent {
         driver::pump(self);
     }
 
-    /// A request from `from` (counted as running, see [`driver::finished`]) is answered:
-    /// the reply is written on this thread where the peer's writer is idle
-    /// ([`driver::pump_now`]).
-    pub(crate) fn answered(&self, from: Option<WorkerId>) {
+    /// [`pump`](Self::pump) writing on the calling task (see [`driver::pump_now`]).
+    pub(crate) fn pump_now(&self) {
         driver::pump_now(self);
-        driver::finished(self, from);
     }
 
     /// Member `peer` left a dynamic group (see [`links::member_left`]).

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use tensorwire_core::ports::transport::Connection;
-use tensorwire_core::protocol::node::{NodeEvent, Outgoing};
+use tensorwire_core::protocol::node::{counts_as_running, NodeEvent, Outgoing};
 use tensorwire_core::protocol::{Event, LostCause, ProtocolViolation, RunState, WorkerId};
 use tensorwire_core::wire::Frame;
 
@@ -214,11 +214,7 @@ fn run(this: &Agent, ev: Event<Body>) {
             deadline,
         } => {
             let from = running(this, token.from(), &function);
-            serve_in_task(
-                this,
-                from,
-                serve::serve(this, (token, from), function, body, None, deadline),
-            )
+            serve::serve(this, (token, from), function, body, None, deadline);
         }
         Event::Remote {
             token,
@@ -228,11 +224,7 @@ fn run(this: &Agent, ev: Event<Body>) {
             deadline,
         } => {
             let from = running(this, token.from(), &function);
-            serve_in_task(
-                this,
-                from,
-                serve::serve(this, (token, from), function, body, Some(rref), deadline),
-            )
+            serve::serve(this, (token, from), function, body, Some(rref), deadline);
         }
         Event::Fetch { token, rref } => {
             let value = this.lock().values.get(&rref).cloned();
@@ -290,42 +282,9 @@ fn run(this: &Agent, ev: Event<Body>) {
 
 /// A request of `function` from `from` is served: `Some(from)` if it counts as one of its
 /// sender's running requests (the node counted it as it came out: its end is told to the node
-/// in [`finished`]).
+/// with its answer, `Node::respond`). Core decides, without the node's lock.
 fn running(this: &Agent, from: WorkerId, function: &str) -> Option<WorkerId> {
-    this.lock()
-        .node
-        .counts_as_running(from, function)
-        .then_some(from)
-}
-
-/// A peer's request is answered: its held requests run if its budget lets them.
-pub(crate) fn finished(this: &Agent, from: Option<WorkerId>) {
-    let Some(peer) = from else { return };
-    if this.lock().node.handle_request_finished(peer) {
-        this.pump();
-    }
-}
-
-/// Runs the rest of a request's serving (a handler that waits) in a task of its own, then
-/// moves what it produced along, writing on that task (its reply, and those of the handlers
-/// that answered meanwhile).
-fn serve_in_task(
-    this: &Agent,
-    from: Option<WorkerId>,
-    rest: Option<impl std::future::Future<Output = bool> + Send + 'static>,
-) {
-    let Some(rest) = rest else {
-        finished(this, from);
-        return;
-    };
-    let agent = this.clone();
-    this.spawn(async move {
-        // A function that took its reply sends it, and reports the request finished.
-        if rest.await {
-            pump_now(&agent);
-            finished(&agent, from);
-        }
-    });
+    counts_as_running(this.inner.me.id, from, function).then_some(from)
 }
 
 /// The driver: moves the node's output to peers and the application, and runs its one timer

@@ -7,8 +7,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 use tensorwire_core::protocol::served::{ServeFailure, ServeMode};
+use tensorwire_core::protocol::tensors::Prepared;
 use tensorwire_core::protocol::{RRefId, RemoteError, RequestToken, WorkerId};
-use tracing::warn;
+use tracing::{warn, Instrument as _, Span};
 
 use crate::functions::{HandlerError, Host as _, Invocation, Value};
 use crate::state::Agent;
@@ -22,14 +23,52 @@ pub(crate) async fn reply_body(
     to: WorkerId,
     function: Option<&str>,
 ) -> Result<Body, RemoteError> {
-    let me = this.inner.me.id;
-    let function = || function.map(str::to_owned);
-    let prepared = value
-        .prepare(this, to)
-        .map_err(|e| ServeFailure::result_not_sent(function(), &e).to_caller(me))?;
+    match encode(this, value, to, function)? {
+        Encoded::Body(body) => Ok(body),
+        Encoded::Tensors(prepared) => place(this, prepared, to, function).await,
+    }
+}
+
+/// A result encoded for its caller: whole, or with tensors still to copy ([`place`]).
+enum Encoded {
+    Body(Body),
+    Tensors(Prepared),
+}
+
+/// [`reply_body`] up to its tensors: a result without any is whole at once.
+fn encode(
+    this: &Agent,
+    value: &dyn Value,
+    to: WorkerId,
+    function: Option<&str>,
+) -> Result<Encoded, RemoteError> {
+    let prepared = value.prepare(this, to).map_err(|e| {
+        ServeFailure::result_not_sent(function.map(str::to_owned), &e).to_caller(this.inner.me.id)
+    })?;
+    if !prepared.tensors.is_empty() {
+        return Ok(Encoded::Tensors(prepared));
+    }
+    Ok(Encoded::Body(Body {
+        target: None,
+        data: prepared.data,
+        tensors: Vec::new(),
+        forks: prepared.forks,
+    }))
+}
+
+/// The rest of [`reply_body`]: the tensors copied to host (or shared) for `to`.
+async fn place(
+    this: &Agent,
+    prepared: Prepared,
+    to: WorkerId,
+    function: Option<&str>,
+) -> Result<Body, RemoteError> {
     let wire = crate::ipc::to_wire(this, to, prepared.tensors)
         .await
-        .map_err(|e| ServeFailure::result_not_sent(function(), &e).to_caller(me))?;
+        .map_err(|e| {
+            ServeFailure::result_not_sent(function.map(str::to_owned), &e)
+                .to_caller(this.inner.me.id)
+        })?;
     Ok(Body {
         target: None,
         data: prepared.data,
@@ -38,9 +77,86 @@ pub(crate) async fn reply_body(
     })
 }
 
+/// How a function's run ended: its value or error, or its panic.
+type Outcome = Result<Result<Arc<dyn Value>, HandlerError>, Box<dyn Any + Send>>;
+
+/// What `outcome` answers to the caller of `function`: a value kept for a `remote()`
+/// (`keep_as`), a result encoded, or the failure the caller is told.
+fn answer_of(
+    agent: &Agent,
+    to: WorkerId,
+    function: &str,
+    keep_as: Option<RRefId>,
+    outcome: Outcome,
+) -> Result<Encoded, RemoteError> {
+    let me = agent.inner.me.id;
+    match outcome {
+        Ok(Ok(value)) => match keep_as {
+            Some(rref) => {
+                let replaced = agent.lock().values.insert(rref, value);
+                drop(replaced);
+                Ok(Encoded::Body(Body::default()))
+            }
+            None => encode(agent, &*value, to, Some(function)),
+        },
+        Ok(Err(error)) => Err(ServeFailure::ran(function.to_owned(), Ok(error)).to_caller(me)),
+        Err(panic) => Err(ServeFailure::ran(function.to_owned(), Err(panic)).to_caller(me)),
+    }
+}
+
+/// Gives the node `answer` to request `token` (with the end of a running request, `from`);
+/// a failure is told to the callee's operator too, and a value made for a creator lost
+/// meanwhile is dropped.
+fn give(
+    agent: &Agent,
+    (token, from): (RequestToken, Option<WorkerId>),
+    function: &str,
+    keep_as: Option<RRefId>,
+    answer: Result<Body, RemoteError>,
+) {
+    if let Err(e) = &answer {
+        // The caller gets the error; the callee's operator should see it too.
+        warn!(
+            function = %function,
+            caller = %agent.name_of(token.from()),
+            kind = %e.kind,
+            "a call failed on this worker: {}",
+            e.message
+        );
+    }
+    let orphan = {
+        let mut st = agent.lock();
+        let created = keep_as.filter(|_| answer.is_ok());
+        let expected = st.node.respond(token, answer, from.is_some());
+        // A value made for a creator lost meanwhile: nobody will ever refer to it.
+        created
+            .filter(|_| !expected)
+            .and_then(|rref| st.values.remove(&rref))
+    };
+    drop(orphan);
+}
+
+/// The end of a call's serving once its function ran: its `outcome` kept or encoded (its
+/// tensors copied) and given to the node.
+async fn conclude(
+    agent: &Agent,
+    request: (RequestToken, Option<WorkerId>),
+    function: &str,
+    keep_as: Option<RRefId>,
+    outcome: Outcome,
+) {
+    let to = request.0.from();
+    let answer = match answer_of(agent, to, function, keep_as, outcome) {
+        Ok(Encoded::Tensors(prepared)) => place(agent, prepared, to, Some(function)).await,
+        Ok(Encoded::Body(body)) => Ok(body),
+        Err(e) => Err(e),
+    };
+    give(agent, request, function, keep_as, answer);
+}
+
 /// Runs a registered function for a request, catching errors and panics. A handler that
-/// answered at once (or a call that failed before it ran) is done; one that waits comes back
-/// as the rest of its serving, for the driver to run in a task of its own and to pump after.
+/// answered at once (or a call that failed before it ran) is done; one that waits goes on in
+/// a task of its own, which pumps after.
 pub(crate) fn serve(
     this: &Agent,
     (token, from): (RequestToken, Option<WorkerId>),
@@ -48,9 +164,8 @@ pub(crate) fn serve(
     body: Body,
     keep_as: Option<RRefId>,
     deadline: Option<Instant>,
-) -> Option<impl std::future::Future<Output = bool> + Send + 'static> {
+) {
     let me = this.inner.me.id;
-    let agent = this.clone();
     // Core decides how it runs (inline on a current-thread runtime, for a peer's request;
     // whether its function may take its reply; the agent's own gather apart). One inline
     // that finishes at once has answered: the pump that dispatched this request sends the
@@ -77,29 +192,76 @@ pub(crate) fn serve(
                 caller = %this.name_of(token.from()),
                 "a call asked for a function that is not registered here"
             );
-            this.lock().node.ep_mut().respond(token, Err(err));
+            this.lock().node.respond(token, Err(err), from.is_some());
             this.pump();
-            return None;
+            return;
         }
     };
-    let serving = Serving::enter(this);
-    let task = async move {
-        // A method call reaches this point only once its value exists (the endpoint parks
-        // it until then, by its caller's deadline).
-        let target = match body.target {
-            Some(t) => match agent.local_value(t.rref) {
-                Some(v) => Some(v),
-                None => {
-                    let err = ServeFailure::NoValue {
-                        rref: t.rref,
-                        worker: agent.inner.me.name.clone(),
-                    }
-                    .to_caller(me);
-                    agent.lock().node.ep_mut().respond(token, Err(err));
-                    return Some(serving);
+    // A call inline whose arguments carry no tensors (no copy to wait for) runs its
+    // function here and now: one that finishes at once is answered with no task and no box
+    // but its handler's future; one that waits goes on in a task, as does the copy of its
+    // result's tensors, each pumping after.
+    if inline && body.tensors.is_empty() {
+        let Ok(target) = target_of(this, (token, from), body.target) else {
+            return;
+        };
+        let inv = Invocation {
+            agent: this.clone(),
+            caller: token.from(),
+            deadline,
+            args: body.data,
+            tensors: Vec::new(),
+            forks: body.forks,
+            target,
+        };
+        let (mut handler, served) = run_of(this, &function, mode.internal, &handler, inv);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut poll = || std::future::Future::poll(std::pin::Pin::new(&mut handler), &mut cx);
+        // Inside another call's reply scope (a handler whose own call's pump dispatched this
+        // one), a scope of none hides that call's reply from this function's `Reply::take`.
+        let first = match REPLY.try_with(|_| ()) {
+            Ok(()) => REPLY.sync_scope(std::cell::Cell::new(None), poll),
+            Err(_) => poll(),
+        };
+        let std::task::Poll::Ready(outcome) = first else {
+            // It waits: the rest goes on in a task, which polls it again with its own waker.
+            let (agent, serving) = (this.clone(), Serving::enter(this));
+            this.spawn(async move {
+                let outcome = handler.await;
+                if let Some(served) = served {
+                    served(matches!(outcome, Ok(Ok(_))));
                 }
-            },
-            None => None,
+                conclude(&agent, (token, from), &function, keep_as, outcome).await;
+                if serving.leave() > 0 {
+                    tokio::task::yield_now().await;
+                }
+                agent.pump_now();
+            });
+            return;
+        };
+        if let Some(served) = served {
+            served(matches!(outcome, Ok(Ok(_))));
+        }
+        let answer = match answer_of(this, token.from(), &function, keep_as, outcome) {
+            Ok(Encoded::Body(body)) => Ok(body),
+            Ok(Encoded::Tensors(prepared)) => {
+                let agent = this.clone();
+                this.spawn(async move {
+                    let answer = place(&agent, prepared, token.from(), Some(&function)).await;
+                    give(&agent, (token, from), &function, keep_as, answer);
+                    agent.pump_now();
+                });
+                return;
+            }
+            Err(e) => Err(e),
+        };
+        give(this, (token, from), &function, keep_as, answer);
+        return;
+    }
+    let (agent, serving) = (this.clone(), Serving::enter(this));
+    let task = async move {
+        let Ok(target) = target_of(&agent, (token, from), body.target) else {
+            return Some(serving);
         };
         let tensors = match crate::ipc::from_wire(&agent, token.from(), body.tensors).await {
             Ok(t) => t,
@@ -109,16 +271,10 @@ pub(crate) fn serve(
                     reason: e.to_string(),
                 }
                 .to_caller(me);
-                agent.lock().node.ep_mut().respond(token, Err(err));
+                agent.lock().node.respond(token, Err(err), from.is_some());
                 return Some(serving);
             }
         };
-        // Counted in the metrics and run in an `rpc_serve` span, in this task's box (no box
-        // of its own around the function's future).
-        let bytes = crate::metrics::message_bytes(body.data.len(), tensors.iter());
-        let (span, served) = (!mode.internal)
-            .then(|| agent.serving(token.from(), &function, bytes))
-            .unzip();
         let inv = Invocation {
             agent: agent.clone(),
             caller: token.from(),
@@ -136,12 +292,8 @@ pub(crate) fn serve(
             from,
             sent: false,
         });
-        let handler = CatchPanic {
-            inner: tracing::Instrument::instrument(
-                handler(inv),
-                span.unwrap_or_else(tracing::Span::none),
-            ),
-        };
+        // Run in this task's box (no box of its own around the function's future).
+        let (handler, served) = run_of(&agent, &function, mode.internal, &handler, inv);
         // A reply the function may take is in scope while it runs. One it may not (a call
         // run inline by the pump that received it, `reply` is `None`) needs a scope only
         // inside another call's (a handler whose own call's pump dispatched this one), to
@@ -167,38 +319,7 @@ pub(crate) fn serve(
         } else {
             run.await
         }?;
-        let outcome = match outcome {
-            Ok(Ok(value)) => match keep_as {
-                Some(rref) => {
-                    let replaced = agent.lock().values.insert(rref, value);
-                    drop(replaced);
-                    Ok(Body::default())
-                }
-                None => reply_body(&agent, &*value, token.from(), Some(&function)).await,
-            },
-            Ok(Err(error)) => Err(ServeFailure::ran(function.clone(), Ok(error)).to_caller(me)),
-            Err(panic) => Err(ServeFailure::ran(function.clone(), Err(panic)).to_caller(me)),
-        };
-        if let Err(e) = &outcome {
-            // The caller gets the error; the callee's operator should see it too.
-            warn!(
-                function = %function,
-                caller = %agent.name_of(token.from()),
-                kind = %e.kind,
-                "a call failed on this worker: {}",
-                e.message
-            );
-        }
-        let orphan = {
-            let mut st = agent.lock();
-            let created = keep_as.filter(|_| outcome.is_ok());
-            let expected = st.node.ep_mut().respond(token, outcome);
-            // A value made for a creator lost meanwhile: nobody will ever refer to it.
-            created
-                .filter(|_| !expected)
-                .and_then(|rref| st.values.remove(&rref))
-        };
-        drop(orphan);
+        conclude(&agent, (token, from), &function, keep_as, outcome).await;
         Some(serving)
     };
     let mut task = Box::pin(task);
@@ -206,22 +327,64 @@ pub(crate) fn serve(
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         if let std::task::Poll::Ready(serving) = std::future::Future::poll(task.as_mut(), &mut cx) {
             drop(serving);
-            return None;
+            return;
         }
     }
-    // `true` once answered here; `false` when the function took its reply.
-    Some(async move {
-        let Some(serving) = task.await else {
-            return false;
-        };
+    // The rest goes on in a task of its own, which then moves what it produced along,
+    // writing on that task (its reply, those of the handlers that answered meanwhile, and
+    // the requests its answer let run).
+    let agent = this.clone();
+    this.spawn(async move {
+        // `None` when the function took its reply: it sends it itself.
+        let Some(serving) = task.await else { return };
         // Let the other handlers that are ready answer too, so that their replies leave in
         // the same write (one scheduler turn). Alone, the reply leaves at once: a yield
         // would cost a turn of the runtime's I/O driver (a system call) for nothing.
         if serving.leave() > 0 {
             tokio::task::yield_now().await;
         }
-        true
-    })
+        agent.pump_now();
+    });
+}
+
+/// A method call's value (a call reaches serving only once it exists: the endpoint parks it
+/// until then, by its caller's deadline); `Err` once the caller is told there is none.
+fn target_of(
+    agent: &Agent,
+    (token, from): (RequestToken, Option<WorkerId>),
+    target: Option<tensorwire_core::protocol::MethodTarget>,
+) -> Result<Option<Arc<dyn Any + Send + Sync>>, ()> {
+    let Some(t) = target else { return Ok(None) };
+    if let Some(value) = agent.local_value(t.rref) {
+        return Ok(Some(value));
+    }
+    let err = ServeFailure::NoValue {
+        rref: t.rref,
+        worker: agent.inner.me.name.clone(),
+    };
+    let err = err.to_caller(agent.inner.me.id);
+    agent.lock().node.respond(token, Err(err), from.is_some());
+    Err(())
+}
+
+/// A function's run for `inv`: counted in the metrics and run in an `rpc_serve` span (not
+/// the agent's own gather, `internal`), its panics caught; and what to tell when it ended.
+fn run_of<'a>(
+    agent: &'a Agent,
+    function: &'a str,
+    internal: bool,
+    handler: &crate::functions::Handler<Agent>,
+    inv: Invocation<Agent>,
+) -> (
+    CatchPanic<tracing::instrument::Instrumented<crate::functions::HandlerFuture>>,
+    Option<impl FnOnce(bool) + Send + 'static + use<'a>>,
+) {
+    let bytes = crate::metrics::message_bytes(inv.args.len(), inv.tensors.iter());
+    let (span, served) = (!internal)
+        .then(|| agent.serving(inv.caller, function, bytes))
+        .unzip();
+    let run = handler(inv).instrument(span.unwrap_or_else(Span::none));
+    (CatchPanic { inner: run }, served)
 }
 
 tokio::task_local! {
@@ -288,8 +451,8 @@ impl Reply {
                     .to_caller(agent.inner.me.id))
                 }
             };
-            agent.lock().node.ep_mut().respond(token, outcome);
-            agent.answered(from);
+            agent.lock().node.respond(token, outcome, from.is_some());
+            agent.pump_now();
         });
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         if std::future::Future::poll(task.as_mut(), &mut cx).is_pending() {

@@ -450,9 +450,31 @@ impl<B: Payload> Endpoint<B> {
         self.last_now = Some(now);
         let retry = self.config.control_retry;
         let mut resend = Vec::new();
-        while let Some(&(deadline, timer)) = self.timers.first() {
-            if deadline > now {
-                break;
+        loop {
+            // The earlier of the set's first and the in-order calls' first, in the set's
+            // order (deadline, then timer): as if every deadline were in the one set.
+            let set = self.timers.first().copied().filter(|(d, _)| *d <= now);
+            let call = (self.call_deadlines.first())
+                .filter(|(d, _)| *d <= now)
+                .map(|(d, id)| (d, Timer::Call(id)));
+            let (deadline, timer) = match (set, call) {
+                (Some(t), Some(c)) if c < t => c,
+                (Some(t), _) => t,
+                (None, Some(c)) => c,
+                (None, None) => break,
+            };
+            if call == Some((deadline, timer)) {
+                if let Timer::Call(id) = timer {
+                    // Its end takes it out of the queue (`finish`); one not pending any more
+                    // (never so: the first is a pending call's) goes here.
+                    self.expire_call(id, now);
+                    if self.call_deadlines.first() == Some((deadline, id)) {
+                        let pending = &self.pending;
+                        self.call_deadlines
+                            .remove(id, |call| pending.contains_key(&call));
+                    }
+                }
+                continue;
             }
             self.timers.pop_first();
             match timer {

@@ -88,6 +88,7 @@ mod bounds;
 mod calls;
 mod config;
 mod control;
+mod deadlines;
 mod debug;
 pub mod envelope;
 pub mod functions;
@@ -652,6 +653,8 @@ struct Pending {
     to: WorkerId,
     timeout: Duration,
     deadline: Option<Instant>,
+    /// Whether its deadline is in `call_deadlines` (else in `timers`).
+    queued: bool,
     /// For `remote`: the fork to confirm when the reply arrives.
     confirms: Option<RRefId>,
 }
@@ -760,6 +763,9 @@ pub struct Endpoint<B> {
     /// [`poll_timeout`](Self::poll_timeout) is O(log n) whatever the number of calls,
     /// references and waits (see [`Timer`]).
     timers: BTreeSet<(Instant, Timer)>,
+    /// The deadlines of our calls that come in order (most: see [`deadlines`]), beside
+    /// `timers`, which holds the others.
+    call_deadlines: deadlines::InOrder,
     unacked: HashMap<MessageId, Unacked>,
     /// The ids of `unacked`, per destination (for each message's floor, in O(log n)).
     unacked_to: HashMap<WorkerId, BTreeSet<MessageId>>,
@@ -933,6 +939,7 @@ impl<B: Payload> Endpoint<B> {
             first_id: 0,
             pending: HashMap::default(),
             timers: BTreeSet::new(),
+            call_deadlines: deadlines::InOrder::default(),
             unacked: HashMap::default(),
             unacked_to: HashMap::default(),
             incoming: Serving::default(),
@@ -1052,13 +1059,16 @@ impl<B: Payload> Endpoint<B> {
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) must be called next, if ever.
-    /// O(log n): every deadline is in one ordered set.
+    /// O(log n): every deadline is in one ordered set or, for calls whose deadlines come in
+    /// order, one queue.
     pub fn poll_timeout(&self) -> Option<Instant> {
+        let earlier = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let first = self.timers.first().map(|(t, _)| *t);
-        [first, self.shutdown_deadline()]
-            .into_iter()
-            .flatten()
-            .min()
+        let call = self.call_deadlines.first().map(|(t, _)| t);
+        earlier(earlier(first, call), self.shutdown_deadline())
     }
 
     // ----- commands -----
@@ -1084,7 +1094,8 @@ impl<B: Payload> Endpoint<B> {
         confirms: Option<RRefId>,
     ) {
         let deadline = deadline_after(now, timeout);
-        if let Some(d) = deadline {
+        let queued = deadline.is_some_and(|d| self.call_deadlines.push(d, id));
+        if let (Some(d), false) = (deadline, queued) {
             self.timers.insert((d, Timer::Call(id)));
         }
         self.pending.insert(
@@ -1093,6 +1104,7 @@ impl<B: Payload> Endpoint<B> {
                 to,
                 timeout,
                 deadline,
+                queued,
                 confirms,
             },
         );
@@ -1117,6 +1129,7 @@ impl<B: Payload> Endpoint<B> {
         self.unacked.clear();
         self.unacked_to.clear();
         self.timers.clear();
+        self.call_deadlines.clear();
         self.incoming.clear();
         self.holds.clear();
         self.parked_calls.clear();

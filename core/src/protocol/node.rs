@@ -53,8 +53,8 @@ use super::gather::{
 use super::membership::{Directory, DynMessage, DynamicMembership};
 use super::mesh::GroupFrame;
 use super::{
-    Endpoint, Event, Header, LostCause, MalformedMessage, Payload, ProtocolViolation, Transmit,
-    WorkerId,
+    Endpoint, Event, Header, LostCause, MalformedMessage, Payload, ProtocolViolation, RemoteError,
+    RequestToken, Transmit, WorkerId,
 };
 use crate::ipc::{encode_message, IpcMessage, IpcState};
 use crate::wire::{Frame, FrameKind};
@@ -176,6 +176,14 @@ pub enum GatherCallError {
     Forged(GatherError),
 }
 
+/// Whether a request of `function` from `from` to worker `me` counts as one of its sender's
+/// running requests (its end is told with [`Node::respond`] or
+/// [`Node::handle_request_finished`]): a peer's, except a gather's contribution. A pure
+/// decision, asked without the node (and its lock) as a request is dispatched.
+pub fn counts_as_running(me: WorkerId, from: WorkerId, function: &str) -> bool {
+    held::counts(me, from, function)
+}
+
 /// An agent's protocol state: the endpoint, the gathers it leads, its IPC state and the
 /// dynamic group's membership, driven as one. `B` is the body of the endpoint's messages, `H`
 /// what keeps one IPC export valid (the device backend's value, held until the peer releases
@@ -263,9 +271,27 @@ impl<B: Payload, H> Node<B, H> {
 
     /// Whether a request of `function` from `from` counts as one of its sender's running
     /// requests (its end is told with [`handle_request_finished`](Self::handle_request_finished)):
-    /// a peer's, except a gather's contribution.
+    /// a peer's, except a gather's contribution. [`counts_as_running`] without the node.
     pub fn counts_as_running(&self, from: WorkerId, function: &str) -> bool {
         held::counts(self.ep.id(), from, function)
+    }
+
+    /// Answers request `token` with `outcome` ([`Endpoint::respond`]: true if it was expected)
+    /// and, when it `counted` as one of its sender's running requests ([`counts_as_running`]),
+    /// tells its end as [`handle_request_finished`](Self::handle_request_finished) does, in the
+    /// same turn: its sender's held requests that may run now come out of
+    /// [`poll_event`](Self::poll_event).
+    pub fn respond(
+        &mut self,
+        token: RequestToken,
+        outcome: Result<B, RemoteError>,
+        counted: bool,
+    ) -> bool {
+        let expected = self.ep.respond(token, outcome);
+        if counted {
+            self.handle_request_finished(token.from());
+        }
+        expected
     }
 
     /// `peer` reads again (its queue came down to half the hold mark): its held requests come

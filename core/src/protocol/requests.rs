@@ -274,8 +274,16 @@ impl<B: Payload> Endpoint<B> {
 
     pub(super) fn finish(&mut self, id: MessageId, outcome: Result<B, CallError>) {
         if let Some(p) = self.pending.remove(&id) {
-            if let Some(d) = p.deadline {
-                self.timers.remove(&(d, Timer::Call(id)));
+            match p.deadline {
+                Some(_) if p.queued => {
+                    let pending = &self.pending;
+                    self.call_deadlines
+                        .remove(id, |call| pending.contains_key(&call));
+                }
+                Some(d) => {
+                    self.timers.remove(&(d, Timer::Call(id)));
+                }
+                None => {}
             }
             self.events.push_back(Event::Completed { id, outcome });
         }

@@ -141,6 +141,11 @@ pub(super) struct Shutdown {
     phase: ShutdownPhase,
     /// Our reports: the latest (its round is the round we wait for) and the one before.
     reports: Reports,
+    /// Waiting for reports, the last walk of the members found one of this round missing,
+    /// and no report has come since: only a report (or a failure or a loss, checked before)
+    /// moves the shutdown on, so the messages served meanwhile ask no walk of their own.
+    /// Cleared when a report comes, a peer is forgotten and the phase changes.
+    missing_known: bool,
 }
 
 /// A member's last two reports.
@@ -223,6 +228,7 @@ impl<B: Payload> Endpoint<B> {
             deadline,
             phase: ShutdownPhase::Settling,
             reports: Reports::default(),
+            missing_known: false,
         });
         self.advance_shutdown();
     }
@@ -243,6 +249,7 @@ impl<B: Payload> Endpoint<B> {
             deadline,
             phase: ShutdownPhase::DrainingOwnCalls,
             reports: Reports::default(),
+            missing_known: false,
         });
         self.advance_shutdown();
     }
@@ -327,6 +334,7 @@ impl<B: Payload> Endpoint<B> {
 
     pub(super) fn on_shutdown_signal(&mut self, from: WorkerId, signal: ShutdownSignal) {
         self.shutdown.heard.entry(from).or_default().push(signal);
+        self.forget_missing_reports();
         self.advance_shutdown();
     }
 
@@ -334,6 +342,14 @@ impl<B: Payload> Endpoint<B> {
     pub(super) fn forget_shutdown_of(&mut self, peer: WorkerId) {
         self.shutdown.heard.remove(&peer);
         self.shutdown.failed.remove(&peer);
+        self.forget_missing_reports();
+    }
+
+    /// What the reports heard say must be walked again ([`Shutdown::missing_known`]).
+    fn forget_missing_reports(&mut self) {
+        if let Some(s) = self.shutdown.ours.as_mut() {
+            s.missing_known = false;
+        }
     }
 
     /// A member's shutdown failed: ours fails too, naming whom it waited for (or the member
@@ -419,7 +435,7 @@ impl<B: Payload> Endpoint<B> {
                     if self.fail_if_member_lost(phase) {
                         return;
                     }
-                    if self.waits_for_reports() {
+                    if self.reports_missing() {
                         return;
                     }
                     if self.round_agrees() {
@@ -432,6 +448,7 @@ impl<B: Payload> Endpoint<B> {
             };
             if let Some(s) = self.shutdown.ours.as_mut() {
                 s.phase = next;
+                s.missing_known = false;
             }
             if next == ShutdownPhase::Done {
                 if self.state == RunState::Running {
@@ -489,9 +506,17 @@ impl<B: Payload> Endpoint<B> {
     }
 
     /// Whether a member has not reported this round yet (`missing_reports` without the
-    /// list: asked after every message while a shutdown waits).
-    fn waits_for_reports(&self) -> bool {
-        self.members_not_reported().next().is_some()
+    /// list: asked after every message while a shutdown waits). The members are walked only
+    /// when a report came since the last walk found one missing ([`Shutdown::missing_known`]).
+    fn reports_missing(&mut self) -> bool {
+        if self.shutdown.ours.as_ref().is_some_and(|s| s.missing_known) {
+            return true;
+        }
+        let missing = self.members_not_reported().next().is_some();
+        if let Some(s) = self.shutdown.ours.as_mut() {
+            s.missing_known = missing;
+        }
+        missing
     }
 
     fn members_not_reported(&self) -> impl Iterator<Item = WorkerId> + '_ {

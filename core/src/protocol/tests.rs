@@ -340,6 +340,46 @@ fn timeouts_fail_calls_and_zero_means_none() {
     );
 }
 
+/// Calls whose deadlines come in order (made with one timeout: kept in a queue) and one with
+/// an earlier deadline made after them (kept apart, in the timer set): each fails at its own
+/// deadline, in deadline order, and one answered before its deadline does not.
+#[test]
+fn calls_fail_at_their_own_deadlines_whether_they_came_in_order_or_not() {
+    let mut s = Sim::new(3);
+    let now = s.clock.now();
+    let long = Duration::from_secs(10);
+    let a = s.ep(0).call(1, "echo", vec![1], long, now).unwrap();
+    s.clock.advance(Duration::from_secs(1));
+    let later = s.clock.now();
+    let b = s.ep(0).call(2, "echo", vec![2], long, later).unwrap();
+    let c = s.ep(0).call(1, "echo", vec![3], long, later).unwrap();
+    let short = Duration::from_secs(3);
+    let d = s.ep(0).call(1, "echo", vec![4], short, later).unwrap();
+    s.pump();
+    assert_eq!(s.ep(0).poll_timeout(), Some(later + short));
+    // `b` is answered: worker 2 runs it at once and its reply arrives.
+    assert!(s.deliver(0, 2));
+    s.pump();
+    assert!(s.deliver(2, 0));
+    s.pump();
+    assert_eq!(s.outcome(0, b), Some(&Ok(vec![2])));
+    let timeout = |after| Some(Err(CallError::Timeout { to: 1, after }));
+    s.advance(short - Duration::from_millis(1));
+    assert_eq!(s.outcome(0, d), None);
+    s.advance(Duration::from_millis(1));
+    assert_eq!(s.outcome(0, d).cloned(), timeout(short));
+    assert_eq!((s.outcome(0, a), s.outcome(0, c)), (None, None));
+    assert_eq!(s.ep(0).poll_timeout(), Some(now + long));
+    s.advance(now + long - s.clock.now());
+    assert_eq!(s.outcome(0, a).cloned(), timeout(long));
+    assert_eq!(s.outcome(0, c), None);
+    assert_eq!(s.ep(0).poll_timeout(), Some(later + long));
+    s.advance(Duration::from_secs(1));
+    assert_eq!(s.outcome(0, c).cloned(), timeout(long));
+    assert_eq!(s.outcome(0, b), Some(&Ok(vec![2])));
+    assert_eq!(s.ep(0).poll_timeout(), None);
+}
+
 #[test]
 fn lost_peer_fails_its_calls_by_name() {
     let mut s = Sim::new(3);
@@ -357,8 +397,8 @@ fn lost_peer_fails_its_calls_by_name() {
         other => panic!("{other:?}"),
     }
     assert_eq!(s.outcome(0, to2), None);
-    s.deliver(0, 2);
-    s.deliver(2, 0);
+    assert!(s.deliver(0, 2));
+    assert!(s.deliver(2, 0));
     assert_eq!(s.outcome(0, to2), Some(&Ok(vec![])));
 }
 
@@ -2032,6 +2072,37 @@ fn a_graceful_shutdown_waits_for_calls_everywhere_then_completes_on_every_member
     // Nothing more comes, also after the deadline.
     s.advance(Duration::from_secs(20));
     assert!(s.shutdowns.iter().all(|o| o.len() == 1));
+}
+
+/// A worker waiting for a member's report serves that member's calls meanwhile without
+/// moving on (it remembers that the report is missing), and moves on as soon as the report
+/// comes, in each of the rounds the termination takes.
+#[test]
+fn a_shutdown_waiting_for_a_report_moves_on_when_it_comes_not_before() {
+    let mut s = Sim::new(2);
+    let now = s.clock.now();
+    s.ep(0).begin_graceful_shutdown([0, 1], None);
+    s.drain();
+    assert_eq!(
+        s.ep(0).shutdown_phase(),
+        Some(ShutdownPhase::WaitingForReports)
+    );
+    for i in 0..3u8 {
+        let id = s.ep(1).call(0, "echo", vec![i], T, now).unwrap();
+        s.drain();
+        assert_eq!(s.outcome(1, id), Some(&Ok(vec![i])));
+        assert_eq!(
+            s.ep(0).shutdown_phase(),
+            Some(ShutdownPhase::WaitingForReports)
+        );
+        assert!(s.shutdowns[0].is_empty());
+    }
+    // Worker 0 reported round 1 before these calls; worker 1's reports of rounds 1 and 2
+    // each let it go on (round 1's activity differs from nothing before it: a second round).
+    s.ep(1).begin_graceful_shutdown([0, 1], None);
+    s.drain();
+    assert!(s.ep(0).shutdown_round() >= 2);
+    assert_eq!(s.shutdowns, vec![vec![Ok(())], vec![Ok(())]]);
 }
 
 /// A member that never shuts down is named at the deadline, and not before.

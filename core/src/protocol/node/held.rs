@@ -79,10 +79,7 @@ impl<B: Payload> Held<B> {
         }
         let account = ep.budget().account(from);
         let behind_others = self.queues.get(&from).is_some_and(|q| !q.is_empty());
-        if !behind_others && !account.holds_requests() {
-            if counted {
-                account.start_request();
-            }
+        if !behind_others && account.start_request_unless_held(counted) {
             return Some(ev);
         }
         match account.take(Use::Requests, bytes, Admit::IfRoom) {

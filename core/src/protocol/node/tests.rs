@@ -720,6 +720,69 @@ fn a_peers_requests_past_its_running_cap_are_held_in_order_and_run_as_its_reques
     assert!(!n.counts_as_running(0, "a"));
 }
 
+/// A peer's request answered through the node with `counted` ends its running share in the
+/// same turn: the held one behind it comes out, and its reply goes out; one answered without
+/// (not counted as running) leaves the share as it was.
+#[test]
+fn a_request_answered_through_the_node_lets_the_held_one_behind_it_run() {
+    let now = Clock::new().now();
+    let mut n = node(0, false);
+    n.ep().budget().set_running_cap(1);
+    for (id, f) in [(1, "a"), (2, "b")] {
+        n.handle_frame(now, 1, call_from_peer(id, f, b"xyz"))
+            .unwrap();
+    }
+    let mut calls = std::iter::from_fn(|| n.poll_event())
+        .filter_map(|e| match e {
+            NodeEvent::Endpoint(Event::Call {
+                token, function, ..
+            }) => Some((token, function)),
+            _ => None,
+        })
+        .collect::<Vec<_>>();
+    assert_eq!(calls.len(), 1);
+    let (token, function) = calls.remove(0);
+    assert_eq!(function, "a");
+    assert!(counts_as_running(0, token.from(), &function));
+    assert!(!counts_as_running(0, 0, &function));
+    assert!(!counts_as_running(
+        0,
+        1,
+        crate::protocol::gather::GATHER_FUNCTION
+    ));
+    // Answered without counting: "b" stays held.
+    let mut uncounted = node(0, false);
+    uncounted.ep().budget().set_running_cap(1);
+    for (id, f) in [(1, "a"), (2, "b")] {
+        uncounted
+            .handle_frame(now, 1, call_from_peer(id, f, b"xyz"))
+            .unwrap();
+    }
+    let first = std::iter::from_fn(|| uncounted.poll_event())
+        .find_map(|e| match e {
+            NodeEvent::Endpoint(Event::Call { token, .. }) => Some(token),
+            _ => None,
+        })
+        .unwrap();
+    assert!(uncounted.respond(first, Ok(b"r".to_vec()), false));
+    assert!(calls_out(&mut uncounted).is_empty());
+    // Counted: "b" comes out, and the reply to "a" is sent.
+    assert!(n.respond(token, Ok(b"r".to_vec()), true));
+    assert_eq!(calls_out(&mut n), vec!["b"]);
+    let replies: Vec<u64> = std::iter::from_fn(|| n.poll_transmit())
+        .filter_map(|o| match o {
+            Outgoing::Message(Transmit {
+                header: Header::Reply { id, .. },
+                ..
+            }) => Some(id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(replies, vec![1]);
+    // A second answer to the same request is not expected.
+    assert!(!n.respond(token, Ok(b"r".to_vec()), false));
+}
+
 #[test]
 fn a_lost_peers_held_requests_are_dropped_and_one_past_its_budget_drops_it() {
     let now = Clock::new().now();
