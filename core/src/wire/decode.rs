@@ -380,7 +380,65 @@ impl FrameDecoder {
         result
     }
 
+    /// A frame with at most one payload that `src` holds whole, taken in one step (the usual
+    /// message): the same checks and the same segments as the state machine's, without its
+    /// states. `Ok(None)` leaves `src` as it was for the general way (part of a frame, or a
+    /// frame with several payloads).
+    fn decode_whole(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, WireError> {
+        let Some(head) = src.first_chunk::<PREFIX_LEN>() else {
+            return Ok(None);
+        };
+        let prefix = parse_prefix(head, &self.limits)?;
+        // Validated against the limits; saturate on 32-bit targets.
+        let table_len = prefix.table_len as usize;
+        let body_len = usize::try_from(prefix.body_len).unwrap_or(usize::MAX);
+        if src.len() - PREFIX_LEN < body_len {
+            return Ok(None);
+        }
+        let table = &src[PREFIX_LEN..PREFIX_LEN + table_len];
+        let spare = std::mem::take(&mut self.spare);
+        let segments = parse_table(table, &prefix, &self.limits, spare)?;
+        let (header_len, payload_len) = match segments[..] {
+            [header] => (header, None),
+            [header, payload] => (header, Some(payload)),
+            _ => {
+                self.spare = segments;
+                return Ok(None);
+            }
+        };
+        self.spare = segments;
+        // Each at most body_len (checked in parse_table), which `src` holds.
+        let header_len = header_len as usize;
+        src.advance(PREFIX_LEN + table_len);
+        // Split off in place, as the state machine does (see `decode`).
+        let header = if header_len == 0 {
+            Bytes::new()
+        } else {
+            src.split_to(header_len).freeze()
+        };
+        let payloads = match payload_len.map(|len| len as usize) {
+            None => Payloads::new(),
+            Some(0) => Payloads::one(Bytes::new()),
+            Some(len) if len <= COPY_SEGMENT_MAX => {
+                let payload = Bytes::copy_from_slice(&src[..len]);
+                src.advance(len);
+                Payloads::one(payload)
+            }
+            Some(len) => Payloads::one(src.split_to(len).freeze()),
+        };
+        Ok(Some(Frame {
+            kind: prefix.kind,
+            header,
+            payloads,
+        }))
+    }
+
     fn decode_inner(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, WireError> {
+        if let State::Prefix { filled: 0, .. } = self.state {
+            if let Some(frame) = self.decode_whole(src)? {
+                return Ok(Some(frame));
+            }
+        }
         loop {
             match &mut self.state {
                 State::Failed(e) => return Err(e.clone()),

@@ -629,6 +629,51 @@ fn a_forged_frame_cut_after_its_split_header_reports_what_arrived() {
 }
 
 #[test]
+fn a_forged_frame_is_refused_alike_whole_and_byte_by_byte() {
+    // A frame that arrives whole is taken in one step; one that arrives a byte at a time goes
+    // through the decoder's states. Both refuse the same forged frames with the same error.
+    let frame_of = |table: &[u8], body: &[u8], body_len: u64| {
+        let mut wire = prefix(1, table.len() as u32, body_len);
+        wire.extend_from_slice(table);
+        wire.extend_from_slice(body);
+        wire
+    };
+    let forged = [
+        // Segment lengths adding up to more than the body.
+        frame_of(&[4, 1, 10], &[0; 14], 3 + 13),
+        // ... and to less.
+        frame_of(&[4, 1, 10], &[0; 15], 3 + 15),
+        // More payloads than bytes left in the frame header.
+        frame_of(&[4, 9, 10], &[0; 14], 3 + 14),
+        // A cut-off varint.
+        frame_of(&[4, 1, 0x80], &[0; 14], 3 + 14),
+        // Trailing bytes after the frame header.
+        frame_of(&[4, 0, 0], &[0; 4], 3 + 4),
+        // A message header over the limit (1 KiB here).
+        frame_of(&[0x81, 0x10, 0], &[0; 2049], 3 + 2049),
+    ];
+    let limits = WireLimits::default().with_max_message_header_len(1024);
+    for (i, wire) in forged.iter().enumerate() {
+        let whole = FrameDecoder::new(limits)
+            .decode(&mut BytesMut::from(&wire[..]))
+            .unwrap_err();
+        let mut dec = FrameDecoder::new(limits);
+        let mut piecewise = None;
+        for byte in wire {
+            match dec.decode(&mut BytesMut::from(&[*byte][..])) {
+                Ok(None) => {}
+                Ok(Some(f)) => panic!("forged frame {i} decoded: {f:?}"),
+                Err(e) => {
+                    piecewise = Some(e);
+                    break;
+                }
+            }
+        }
+        assert_eq!(Some(whole), piecewise, "forged frame {i}");
+    }
+}
+
+#[test]
 fn a_header_cut_between_reads_is_copied_whole() {
     // A message header that has not all arrived is gathered in a buffer of its own, and the
     // frame is the same as one read at once.
