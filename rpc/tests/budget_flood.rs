@@ -249,7 +249,7 @@ async fn a_frame_past_what_is_left_of_the_budget_closes_the_connection_as_it_arr
         let big = Frame {
             kind: FrameKind::Message,
             header: Bytes::from_static(b"not read before the budget says no"),
-            payloads: vec![Bytes::from(vec![9u8; 4 << 20])],
+            payloads: vec![Bytes::from(vec![9u8; 4 << 20])].into(),
         };
         // The victim closes the connection while the frame is being written.
         let _ = g.hostile.send_frame(VICTIM as u32, big).await;

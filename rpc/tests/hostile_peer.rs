@@ -434,7 +434,7 @@ async fn run(net: Net, attack: Attack) {
             let frame = Frame {
                 kind: FrameKind::Message,
                 header: Bytes::from_static(&[0xff, 0xff, 0xff, 0xff, 0xff]),
-                payloads: Vec::new(),
+                payloads: Default::default(),
             };
             hostile.send_frame(to, frame).await.unwrap();
             Box::new(|v| {
@@ -587,7 +587,7 @@ async fn run(net: Net, attack: Attack) {
                     Frame {
                         kind: FrameKind::Message,
                         header: tensorwire_rpc::fuzzing::encode_message_header(&header, &[]).into(),
-                        payloads: Vec::new(),
+                        payloads: Default::default(),
                     }
                 })
                 .collect();
@@ -622,7 +622,7 @@ async fn run(net: Net, attack: Attack) {
             let frame = Frame {
                 kind: FrameKind::Message,
                 header: tensorwire_rpc::fuzzing::encode_message_header(&call, &[meta]).into(),
-                payloads: vec![Bytes::from_static(&[0; 64])],
+                payloads: vec![Bytes::from_static(&[0; 64])].into(),
             };
             violating(hostile.send_frame(to, frame).await);
             Box::new(|v| {

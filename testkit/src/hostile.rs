@@ -206,7 +206,7 @@ impl HostilePeer {
         let frame = Frame {
             kind: FrameKind::Message,
             header: header.into(),
-            payloads,
+            payloads: payloads.into(),
         };
         self.send_frame(to, frame).await
     }

@@ -247,7 +247,9 @@ pub async fn frame_sizes(h: impl Harness) -> Result<()> {
         ),
         Frame::message(
             pattern(100, 2),
-            (0..50).map(|i| pattern(i * 37, i as u8)).collect(),
+            (0..50)
+                .map(|i| pattern(i * 37, i as u8))
+                .collect::<Vec<_>>(),
         ),
     ];
     for (i, frame) in shapes.into_iter().enumerate() {

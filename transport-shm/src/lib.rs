@@ -294,6 +294,12 @@ mod tests {
         assert!(matches!(client.try_send_now(&mut frames), Some(Ok(()))));
         assert!(frames.is_empty());
         check(server.recv().await.unwrap(), 0, 100);
+        // A single frame longer than one record (a quarter of the ring) is not copied whole:
+        // it goes in several records, as any frame.
+        let mut frames = vec![frame(9, 1500)];
+        assert!(matches!(client.try_send_now(&mut frames), Some(Ok(()))));
+        assert!(frames.is_empty());
+        check(server.recv().await.unwrap(), 9, 1500);
 
         // Nobody reads: the 4 KiB ring takes two frames of 1,500 bytes, not three.
         let mut frames = vec![frame(1, 1500), frame(2, 1500), frame(3, 1500)];

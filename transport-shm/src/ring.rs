@@ -682,6 +682,25 @@ impl Producer {
         written
     }
 
+    /// Writes `parts`, one after the other, as one DATA record (not yet published) if they
+    /// all fit in `free` bytes; returns whether it wrote them (nothing written otherwise).
+    pub(crate) fn write_whole(&mut self, ring: &Ring, free: u64, parts: &[&[u8]]) -> bool {
+        let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        let room = free.saturating_sub(RECORD_HEADER) & !7;
+        let room = room.min(u64::from(u32::MAX) & !7);
+        if len == 0 || len > room {
+            return false;
+        }
+        let mut at = self.w + RECORD_HEADER;
+        for part in parts {
+            ring.copy_in(at, part);
+            at += part.len() as u64;
+        }
+        ring.write_u64(self.w, u64::from(DATA) | (len << 32));
+        self.w += pad8(RECORD_HEADER + len);
+        true
+    }
+
     /// Writes a SEGMENT record for a frame of `len` bytes (not yet published); needs
     /// [`SEGMENT_RECORD`] bytes free.
     pub(crate) fn write_segment(&mut self, ring: &Ring, len: u64) {

@@ -13,7 +13,7 @@ use tensorwire_core::ports::transport::{
     Connection, EachFrame, FrameReader, IdentityError, TransportError,
 };
 use tensorwire_core::spin::{requeue, SpinPolicy, SpinStep, SpinWait, Turn};
-use tensorwire_core::wire::{Frame, FrameDecoder, OutgoingFrame, WireError, WireLimits};
+use tensorwire_core::wire::{Frame, FrameDecoder, OutgoingFrame, Preamble, WireError, WireLimits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -26,6 +26,9 @@ use crate::config::TcpConfig;
 const DIRECT_READ_MIN: usize = 64 << 10;
 /// Size of the read buffer.
 const READ_BUF: usize = 64 << 10;
+/// A direct send of one frame with at most this many payloads writes it straight from the
+/// frame (its preamble on the stack), with no [`OutgoingFrame`] made.
+const WHOLE_PAYLOADS: usize = 2;
 /// At most this many slices per vectored write (Linux's IOV_MAX is 1024).
 const MAX_IOV: usize = 64;
 /// The writer keeps the room of its list of outgoing frames between direct sends up to this
@@ -278,6 +281,44 @@ impl TcpConnection {
         })
     }
 
+    /// Writes `frame` (with at most [`WHOLE_PAYLOADS`] payloads) in one vectored write straight
+    /// from its parts, its preamble on the stack: no [`OutgoingFrame`] made, moved and walked.
+    fn try_write_whole(&self, half: &OwnedWriteHalf, frame: &Frame) -> Whole {
+        if frame.payloads.len() > WHOLE_PAYLOADS {
+            return Whole::NotInPlace;
+        }
+        let preamble = match Preamble::new(frame, &self.limits) {
+            Ok(Some(preamble)) => preamble,
+            Ok(None) => return Whole::NotInPlace,
+            Err(source) => {
+                return Whole::Failed(TransportError::Wire {
+                    peer: self.peer,
+                    source,
+                })
+            }
+        };
+        let mut slices = [IoSlice::new(&[]); 2 + WHOLE_PAYLOADS];
+        slices[0] = IoSlice::new(preamble.as_bytes());
+        slices[1] = IoSlice::new(&frame.header);
+        for (slice, payload) in slices[2..].iter_mut().zip(frame.payloads.iter()) {
+            *slice = IoSlice::new(payload);
+        }
+        let n = 2 + frame.payloads.len();
+        match half.try_write_vectored(&slices[..n]) {
+            Ok(written) if written as u64 == preamble.frame_len() => Whole::Written,
+            Ok(0) => {
+                self.write_broken.store(true, Ordering::Release);
+                Whole::Failed(self.write_zero())
+            }
+            Ok(written) => Whole::Short(preamble, written),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Whole::Short(preamble, 0),
+            Err(e) => {
+                self.write_broken.store(true, Ordering::Release);
+                Whole::Failed(TransportError::io(self.peer, "sending", &e))
+            }
+        }
+    }
+
     /// A send finished: a receive may poll for its answer (see [`TcpConfig::spin`]).
     fn sent(&self) {
         if self.spin.is_some() {
@@ -363,6 +404,19 @@ impl Drop for BrokenOnDrop<'_> {
             self.0.store(true, Ordering::Release);
         }
     }
+}
+
+/// What [`TcpConnection::try_write_whole`] did.
+enum Whole {
+    /// The frame's preamble does not fit in place, or it has too many payloads: nothing written.
+    NotInPlace,
+    /// All of it is written.
+    Written,
+    /// This many bytes of it (fewer than all, possibly none) are written: the socket is full.
+    Short(Preamble, usize),
+    /// The frame breaks the limits (nothing written), or the write failed (the connection is
+    /// marked broken).
+    Failed(TransportError),
 }
 
 /// Fills `slices` with as many whole frames of `outs` as fit in one vectored write, then part
@@ -608,6 +662,28 @@ impl Connection for TcpConnection {
         // The frames move into the writer's own list (empty here, with the room earlier
         // writes left): neither list is allocated or freed per send.
         let mut outs = std::mem::take(&mut writer.held);
+        if let [frame] = &frames[..] {
+            // The usual single message: written straight from the frame.
+            match self.try_write_whole(&writer.half, frame) {
+                Whole::NotInPlace => {}
+                Whole::Failed(e) => {
+                    writer.held = outs;
+                    return Some(Err(e));
+                }
+                Whole::Written => {
+                    frames.clear();
+                    writer.held = outs;
+                    self.sent();
+                    return Some(Ok(()));
+                }
+                Whole::Short(preamble, written) => {
+                    // The rest goes on as any frame's below (or with the next `send_many`).
+                    let mut out = OutgoingFrame::with_preamble(preamble, frames.remove(0));
+                    out.advance(written);
+                    outs.push(out);
+                }
+            }
+        }
         for frame in frames.drain(..) {
             match self.outgoing_frame(frame) {
                 Ok(out) => outs.push(out),

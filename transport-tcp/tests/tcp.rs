@@ -235,6 +235,43 @@ async fn received_all_says_whether_a_frame_of_the_same_read_waits() -> Result<()
     Ok(())
 }
 
+/// A single frame is written by `try_send_now` straight from the frame; when the socket does
+/// not take it whole, what it took stays written and the rest is held, written first by the
+/// next `send_many`: the peer gets the frame whole, then the next.
+#[tokio::test]
+async fn a_single_frame_the_socket_does_not_take_whole_is_held_past_what_was_written() -> Result<()>
+{
+    let t = with_secret("s");
+    let listener = t.listen(localhost()).await?;
+    let (c, s) =
+        within(async { tokio::join!(t.connect(listener.local_addr()), listener.accept()) }).await?;
+    let (c, s) = (c?, s?);
+    // Nobody reads: 32 MiB cannot all fit in the socket buffers.
+    let big = Bytes::from((0..32u32 << 20).map(|i| i as u8).collect::<Vec<_>>());
+    let mut frames = vec![Frame::message(&b"big"[..], vec![big.clone()])];
+    ensure!(
+        c.try_send_now(&mut frames).is_none(),
+        "32 MiB went out with no reader"
+    );
+    ensure!(frames.is_empty(), "the frame is held");
+    let mut later = vec![Frame::message(&b"later"[..], vec![])];
+    ensure!(c.try_send_now(&mut later).is_none(), "held bytes go first");
+    ensure!(later.len() == 1, "nothing was taken while bytes are held");
+    let (sent, got) = within(async {
+        tokio::join!(c.send_many(later), async {
+            let first = s.recv().await?;
+            let second = s.recv().await?;
+            Ok::<_, TransportError>((first, second))
+        })
+    })
+    .await?;
+    sent?;
+    let (first, second) = got?;
+    ensure!(&first.header[..] == b"big" && first.payloads == vec![big]);
+    ensure!(&second.header[..] == b"later" && second.payloads.is_empty());
+    Ok(())
+}
+
 /// `try_send_now` writes on the caller's thread when the socket takes everything; when it
 /// fills, what it took is held and the next `send_many` writes it first, so the peer gets
 /// every frame whole and in order. A frame over the limits fails before anything is sent.

@@ -532,7 +532,7 @@ mod tests {
                 let frame = Frame {
                     kind: crate::wire::FrameKind::Message,
                     header: vec![n].into(),
-                    payloads: Vec::new(),
+                    payloads: crate::wire::Payloads::new(),
                 };
                 Poll::Ready((Ok(frame), n + 1))
             }

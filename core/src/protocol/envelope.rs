@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::{Header, MalformedMessage, MethodTarget, Payload, ProtocolViolation, RRefForkData};
 use crate::codec::{self, Format};
 use crate::tensor::TensorMeta;
-use crate::wire::{Frame, FrameKind};
+use crate::wire::{Frame, FrameKind, Payloads};
 
 /// The capacity a message header is encoded into (most are smaller; a larger one grows).
 const ENCODE_CAPACITY: usize = 128;
@@ -76,13 +76,14 @@ impl Envelope {
         let (target, forks, payloads, tensors) = match body {
             Some(b) => {
                 let (metas, bytes): (Vec<_>, Vec<_>) = b.tensors.into_iter().unzip();
-                let mut payloads = Vec::with_capacity(1 + bytes.len());
+                // No list for the usual body without tensors: its value held in the frame.
+                let mut payloads = Payloads::with_capacity(1 + bytes.len());
                 payloads.push(b.data);
                 payloads.extend(bytes);
                 let forks = if request { b.forks } else { Vec::new() };
                 (b.target, forks, payloads, metas)
             }
-            None => (None, Vec::new(), Vec::new(), Vec::new()),
+            None => (None, Vec::new(), Payloads::new(), Vec::new()),
         };
         let envelope = Envelope {
             header,
@@ -124,7 +125,7 @@ impl Envelope {
     /// payloads do not match the announced tensors is a [`ProtocolViolation::Malformed`].
     pub fn attach(
         self,
-        payloads: Vec<Bytes>,
+        payloads: Payloads,
     ) -> Result<(Header, Option<FrameBody>), ProtocolViolation> {
         // The payloads after the first (the encoded value) are the tensors' bytes.
         let Some(carried) = payloads.len().checked_sub(1) else {
@@ -225,7 +226,7 @@ mod tests {
             Bytes::from_static(b"abc"),
             Bytes::from_static(b"def"),
         ];
-        let (header, body) = decoded.attach(payloads).unwrap();
+        let (header, body) = decoded.attach(payloads.into()).unwrap();
         assert_eq!(header, envelope(0).header);
         let body = body.unwrap();
         assert_eq!(body.target, envelope(0).target);
@@ -300,7 +301,7 @@ mod tests {
 
     #[test]
     fn a_frame_without_payloads_has_no_body() {
-        let (header, body) = envelope(0).attach(Vec::new()).unwrap();
+        let (header, body) = envelope(0).attach(Payloads::new()).unwrap();
         assert_eq!(header, envelope(0).header);
         assert_eq!(body, None);
     }
@@ -330,7 +331,7 @@ mod tests {
         for (announced, carried) in [(2, 1), (0, 1), (1, 3)] {
             let mut payloads = vec![Bytes::from_static(b"args")];
             payloads.extend((0..carried).map(|_| Bytes::from_static(b"x")));
-            let e = envelope(announced).attach(payloads).unwrap_err();
+            let e = envelope(announced).attach(payloads.into()).unwrap_err();
             assert_eq!(
                 e,
                 ProtocolViolation::Malformed(MalformedMessage::TensorCount { announced, carried })

@@ -255,7 +255,7 @@ impl GroupFrame {
     }
 
     /// The frame, with `payloads` (a collective message's; none for the others).
-    pub fn frame(&self, payloads: Vec<Bytes>) -> Frame {
+    pub fn frame(&self, payloads: impl Into<crate::wire::Payloads>) -> Frame {
         Frame::collective(self.header(), payloads)
     }
 

@@ -44,8 +44,6 @@ pub use members::{
     COORDINATOR_KEY, DIAL_WITHOUT_DEADLINE, HELLO_WAIT, RPC_GROUP,
 };
 
-use bytes::Bytes;
-
 use super::envelope::{Envelope, FrameBody};
 use super::gather::{
     Contribution, GatherConfig, GatherError, GatherLeader, GatherOutcome, GatherToken,
@@ -57,7 +55,7 @@ use super::{
     RequestToken, Transmit, WorkerId,
 };
 use crate::ipc::{encode_message, IpcMessage, IpcState};
-use crate::wire::{Frame, FrameKind};
+use crate::wire::{Frame, FrameKind, Payloads};
 
 /// What the driver does about a peer it dropped ([`Node::handle_dropped`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,7 +79,7 @@ pub enum Inbound {
         /// The decoded envelope.
         envelope: Envelope,
         /// The frame's payloads: the encoded value, then one per announced tensor.
-        payloads: Vec<Bytes>,
+        payloads: Payloads,
     },
     /// A same-host IPC message (a control frame with the IPC tag).
     Ipc(IpcMessage),

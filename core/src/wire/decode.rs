@@ -3,7 +3,7 @@
 use bytes::buf::Limit;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use super::{Frame, FrameKind, WireError, WireLimits, MAGIC, PREFIX_LEN, VERSION};
+use super::{Frame, FrameKind, Payloads, WireError, WireLimits, MAGIC, PREFIX_LEN, VERSION};
 
 /// Fields of a validated prefix.
 #[derive(Debug, Clone, Copy)]
@@ -165,7 +165,7 @@ enum State {
         /// Lengths of the segments: message header, then payloads. All validated.
         segments: Vec<u64>,
         /// Completed segments.
-        done: Vec<Bytes>,
+        done: Done,
         /// The segment being filled, once started. Capacity reserved only after validation,
         /// and only as data arrives (see [`GROWTH_STEP`]), unless a free pooled buffer fits.
         current: Option<BytesMut>,
@@ -182,11 +182,40 @@ impl State {
     fn body(prefix: Prefix, segments: Vec<u64>) -> Self {
         State::Body {
             prefix,
-            done: Vec::with_capacity(segments.len()),
+            done: Done {
+                header: None,
+                // No list for one payload (the usual frame).
+                payloads: Payloads::with_capacity(segments.len().saturating_sub(1)),
+            },
             segments,
             current: None,
             pooled: false,
             received: 0,
+        }
+    }
+}
+
+/// The completed segments of the frame being received: its message header, then its payloads.
+#[derive(Debug, Default)]
+struct Done {
+    header: Option<Bytes>,
+    payloads: Payloads,
+}
+
+impl Done {
+    fn len(&self) -> usize {
+        usize::from(self.header.is_some()) + self.payloads.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.header.is_none()
+    }
+
+    fn push(&mut self, segment: Bytes) {
+        if self.header.is_none() {
+            self.header = Some(segment);
+        } else {
+            self.payloads.push(segment);
         }
     }
 }
@@ -220,7 +249,7 @@ const POOL_MIN_SEGMENT: usize = 64 << 10;
 pub const GROWTH_STEP: usize = 1 << 20;
 /// At most this many buffers are kept for reuse.
 const POOL_MAX_BUFFERS: usize = 8;
-/// Segments up to this size that `src` holds entirely are copied out rather than split off:
+/// Payloads up to this size that `src` holds entirely are copied out rather than split off:
 /// a split-off segment shares `src`'s allocation, and while the frame lives (the application
 /// holds it as the transport reads the next one) `src` cannot grow in place, so every read
 /// would allocate a fresh read buffer (64 KiB on TCP) for a frame of a few dozen bytes.
@@ -338,8 +367,11 @@ impl FrameDecoder {
     /// Consumes bytes from the front of `src`, at most up to the end of the current frame, and
     /// returns the frame once it is complete. Bytes after the frame stay in `src`.
     ///
-    /// Segments that `src` holds entirely are split off without copying, but for those of
-    /// [`COPY_SEGMENT_MAX`] bytes or fewer, which are copied so that `src` stays unshared.
+    /// Segments that `src` holds entirely are split off without copying, but for payloads of
+    /// [`COPY_SEGMENT_MAX`] bytes or fewer, which are copied so that `src` stays unshared
+    /// while the application holds them. The message header is always split off: a holder
+    /// decodes it and drops it before the next read (while one is held, `src` cannot make
+    /// room in place and a read that needs room allocates a new buffer).
     pub fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, WireError> {
         let result = self.decode_inner(src);
         if let Err(e) = &result {
@@ -348,7 +380,65 @@ impl FrameDecoder {
         result
     }
 
+    /// A frame with at most one payload that `src` holds whole, taken in one step (the usual
+    /// message): the same checks and the same segments as the state machine's, without its
+    /// states. `Ok(None)` leaves `src` as it was for the general way (part of a frame, or a
+    /// frame with several payloads).
+    fn decode_whole(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, WireError> {
+        let Some(head) = src.first_chunk::<PREFIX_LEN>() else {
+            return Ok(None);
+        };
+        let prefix = parse_prefix(head, &self.limits)?;
+        // Validated against the limits; saturate on 32-bit targets.
+        let table_len = prefix.table_len as usize;
+        let body_len = usize::try_from(prefix.body_len).unwrap_or(usize::MAX);
+        if src.len() - PREFIX_LEN < body_len {
+            return Ok(None);
+        }
+        let table = &src[PREFIX_LEN..PREFIX_LEN + table_len];
+        let spare = std::mem::take(&mut self.spare);
+        let segments = parse_table(table, &prefix, &self.limits, spare)?;
+        let (header_len, payload_len) = match segments[..] {
+            [header] => (header, None),
+            [header, payload] => (header, Some(payload)),
+            _ => {
+                self.spare = segments;
+                return Ok(None);
+            }
+        };
+        self.spare = segments;
+        // Each at most body_len (checked in parse_table), which `src` holds.
+        let header_len = header_len as usize;
+        src.advance(PREFIX_LEN + table_len);
+        // Split off in place, as the state machine does (see `decode`).
+        let header = if header_len == 0 {
+            Bytes::new()
+        } else {
+            src.split_to(header_len).freeze()
+        };
+        let payloads = match payload_len.map(|len| len as usize) {
+            None => Payloads::new(),
+            Some(0) => Payloads::one(Bytes::new()),
+            Some(len) if len <= COPY_SEGMENT_MAX => {
+                let payload = Bytes::copy_from_slice(&src[..len]);
+                src.advance(len);
+                Payloads::one(payload)
+            }
+            Some(len) => Payloads::one(src.split_to(len).freeze()),
+        };
+        Ok(Some(Frame {
+            kind: prefix.kind,
+            header,
+            payloads,
+        }))
+    }
+
     fn decode_inner(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, WireError> {
+        if let State::Prefix { filled: 0, .. } = self.state {
+            if let Some(frame) = self.decode_whole(src)? {
+                return Ok(Some(frame));
+            }
+        }
         loop {
             match &mut self.state {
                 State::Failed(e) => return Err(e.clone()),
@@ -398,6 +488,21 @@ impl FrameDecoder {
                     received,
                     prefix,
                 } => {
+                    if current.is_none() && done.is_empty() {
+                        // The message header, when it has all arrived, is split off where it
+                        // lies: no copy and no allocation (after `src`'s first split, which
+                        // makes its buffer shared). Its holder decodes it and drops it before
+                        // the transport reads again (the agent's node, the mesh's reader), so
+                        // `src` then owns its buffer alone and grows in place, as it does
+                        // under a copied header.
+                        let len = usize::try_from(segments[0]).unwrap_or(usize::MAX);
+                        if len == 0 {
+                            done.push(Bytes::new());
+                        } else if src.len() >= len {
+                            done.push(src.split_to(len).freeze());
+                            *received += len as u64;
+                        }
+                    }
                     if current.is_none() && done.len() + 1 < segments.len() {
                         // Small segments that have all arrived (a call's message header and
                         // its arguments) share one copy: one allocation instead of one each.
@@ -468,12 +573,11 @@ impl FrameDecoder {
                     if lengths.capacity() <= KEPT_SEGMENT_LENGTHS {
                         self.spare = lengths;
                     }
-                    let mut segs = std::mem::take(done).into_iter();
-                    let header = segs.next().unwrap_or_default();
+                    let Done { header, payloads } = std::mem::take(done);
                     let frame = Frame {
                         kind,
-                        header,
-                        payloads: segs.collect(),
+                        header: header.unwrap_or_default(),
+                        payloads,
                     };
                     self.state = State::Prefix {
                         buf: [0; PREFIX_LEN],

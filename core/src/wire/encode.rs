@@ -4,7 +4,7 @@ use std::io::IoSlice;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use super::{Frame, WireError, WireLimits, MAGIC, PREFIX_LEN, VERSION};
+use super::{Frame, Payloads, WireError, WireLimits, MAGIC, PREFIX_LEN, VERSION};
 
 /// Encodes the preamble of `frame`: the fixed prefix and the frame header.
 ///
@@ -129,6 +129,66 @@ pub fn exact_bytes<E>(encode: impl FnOnce(Vec<u8>) -> Result<Vec<u8>, E>) -> Res
 /// [`OutgoingFrame`] itself, not in an allocation of their own.
 const INLINE_PREAMBLE: usize = 48;
 
+/// A frame's preamble (the prefix and the frame header) written in place, for a frame with a
+/// few payloads: what a transport that writes a frame whole at once (into a ring's record, in
+/// one vectored write) puts before the frame's message header and payloads, with no
+/// [`OutgoingFrame`] made and walked. Checked against the limits as [`OutgoingFrame::new`]
+/// checks.
+#[derive(Clone, Copy)]
+pub struct Preamble {
+    bytes: [u8; INLINE_PREAMBLE],
+    len: usize,
+    /// Bytes of the whole frame: preamble, message header and payloads.
+    frame_len: u64,
+}
+
+impl std::fmt::Debug for Preamble {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Preamble")
+            .field("len", &self.len)
+            .field("frame_len", &self.frame_len)
+            .finish()
+    }
+}
+
+impl Preamble {
+    /// The preamble of `frame`, or `Ok(None)` when it does not fit in place (a frame with many
+    /// or very large payloads: an [`OutgoingFrame`] then spills it to a buffer of its own).
+    ///
+    /// # Errors
+    /// [`encode_preamble`]'s: the frame breaks `limits`.
+    pub fn new(frame: &Frame, limits: &WireLimits) -> Result<Option<Preamble>, WireError> {
+        let (table_len, body_len) = check_preamble(frame, limits)?;
+        Ok(Preamble::checked(frame, table_len, body_len))
+    }
+
+    /// The preamble of `frame`, checked by [`check_preamble`], if it fits in place.
+    fn checked(frame: &Frame, table_len: u64, body_len: u64) -> Option<Preamble> {
+        // Fits: table_len <= max_frame_header_len, a u32.
+        let len = PREFIX_LEN + table_len as usize;
+        if len > INLINE_PREAMBLE {
+            return None;
+        }
+        let mut bytes = [0u8; INLINE_PREAMBLE];
+        put_preamble(&mut &mut bytes[..], frame, table_len, body_len);
+        Some(Preamble {
+            bytes,
+            len,
+            frame_len: PREFIX_LEN as u64 + body_len,
+        })
+    }
+
+    /// The preamble's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+
+    /// Bytes of the whole frame on the wire: the preamble, the message header and the payloads.
+    pub fn frame_len(&self) -> u64 {
+        self.frame_len
+    }
+}
+
 /// A frame being sent: preamble, message header and payloads as a list of chunks, with a
 /// cursor that survives partial writes. Nothing is copied, and nothing is allocated for a
 /// frame with a few payloads (its preamble is kept in place, its payloads in the frame's list).
@@ -141,7 +201,7 @@ pub struct OutgoingFrame {
     /// How much of the preamble is written.
     preamble_at: usize,
     header: Bytes,
-    payloads: Vec<Bytes>,
+    payloads: Payloads,
     /// Index of the first chunk not fully written: 0 the preamble, 1 the message header, then
     /// the payloads.
     next: usize,
@@ -152,27 +212,38 @@ impl OutgoingFrame {
     /// Prepares `frame` for sending, checking it against `limits`.
     pub fn new(frame: Frame, limits: &WireLimits) -> Result<Self, WireError> {
         let (table_len, body_len) = check_preamble(&frame, limits)?;
+        if let Some(preamble) = Preamble::checked(&frame, table_len, body_len) {
+            return Ok(OutgoingFrame::with_preamble(preamble, frame));
+        }
         // Fits: table_len <= max_frame_header_len, a u32.
-        let len = PREFIX_LEN + table_len as usize;
-        let mut preamble = [0u8; INLINE_PREAMBLE];
-        let spilled = if len <= INLINE_PREAMBLE {
-            put_preamble(&mut &mut preamble[..], &frame, table_len, body_len);
-            Bytes::new()
-        } else {
-            let mut out = BytesMut::with_capacity(len);
-            put_preamble(&mut out, &frame, table_len, body_len);
-            out.freeze()
-        };
+        let mut out = BytesMut::with_capacity(PREFIX_LEN + table_len as usize);
+        put_preamble(&mut out, &frame, table_len, body_len);
         Ok(OutgoingFrame {
-            preamble,
-            preamble_len: if spilled.is_empty() { len } else { 0 },
-            spilled,
+            preamble: [0; INLINE_PREAMBLE],
+            preamble_len: 0,
+            spilled: out.freeze(),
             preamble_at: 0,
             header: frame.header,
             payloads: frame.payloads,
             next: 0,
             remaining: PREFIX_LEN as u64 + body_len,
         })
+    }
+
+    /// `frame` to send after its `preamble` (made by [`Preamble::new`] from this frame, so
+    /// checked): for a transport whose write of the whole frame at once fell short, with what
+    /// is left then marked written by [`advance`](Self::advance).
+    pub fn with_preamble(preamble: Preamble, frame: Frame) -> Self {
+        OutgoingFrame {
+            preamble: preamble.bytes,
+            preamble_len: preamble.len,
+            spilled: Bytes::new(),
+            preamble_at: 0,
+            header: frame.header,
+            payloads: frame.payloads,
+            next: 0,
+            remaining: preamble.frame_len,
+        }
     }
 
     /// Chunk `i` as it is left to write (see `next`).
@@ -270,7 +341,8 @@ impl OutgoingFrame {
             chunks.push(std::mem::take(&mut self.header));
         }
         let first = self.next.saturating_sub(2);
-        chunks.extend(self.payloads.drain(first..).filter(|p| !p.is_empty()));
+        let payloads = std::mem::take(&mut self.payloads).into_iter();
+        chunks.extend(payloads.skip(first).filter(|p| !p.is_empty()));
         chunks
     }
 }

@@ -48,6 +48,7 @@ use serde::{Deserialize, Serialize};
 mod decode;
 mod encode;
 mod error;
+mod payloads;
 #[cfg(test)]
 mod tests;
 
@@ -55,8 +56,11 @@ pub use decode::{
     decode_frame, decode_frame_shared, FrameDecoder, COPY_SEGMENT_MAX, DEFAULT_BUFFER_REUSE,
     GROWTH_STEP,
 };
-pub use encode::{encode_preamble, encode_to_vec, exact_bytes, OutgoingFrame, EXACT_COPY_MAX};
+pub use encode::{
+    encode_preamble, encode_to_vec, exact_bytes, OutgoingFrame, Preamble, EXACT_COPY_MAX,
+};
 pub use error::{MeshFrameError, WireError};
+pub use payloads::{Payloads, PayloadsIntoIter};
 
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"TWFR";
@@ -123,8 +127,8 @@ pub struct Frame {
     pub kind: FrameKind,
     /// The message header, encoded by the layers above (postcard); opaque here.
     pub header: Bytes,
-    /// Tensor payloads as raw bytes; never re-encoded.
-    pub payloads: Vec<Bytes>,
+    /// Tensor payloads as raw bytes; never re-encoded. One is held in place, with no list.
+    pub payloads: Payloads,
 }
 
 impl std::fmt::Debug for Frame {
@@ -138,43 +142,36 @@ impl std::fmt::Debug for Frame {
         f.debug_struct("Frame")
             .field("kind", &self.kind)
             .field("header", &Len(self.header.len()))
-            .field(
-                "payloads",
-                &self
-                    .payloads
-                    .iter()
-                    .map(|p| Len(p.len()))
-                    .collect::<Vec<_>>(),
-            )
+            .field("payloads", &self.payloads)
             .finish()
     }
 }
 
 impl Frame {
     /// A [`FrameKind::Message`] frame.
-    pub fn message(header: impl Into<Bytes>, payloads: Vec<Bytes>) -> Self {
+    pub fn message(header: impl Into<Bytes>, payloads: impl Into<Payloads>) -> Self {
         Frame {
             kind: FrameKind::Message,
             header: header.into(),
-            payloads,
+            payloads: payloads.into(),
         }
     }
 
     /// A [`FrameKind::Control`] frame.
-    pub fn control(header: impl Into<Bytes>, payloads: Vec<Bytes>) -> Self {
+    pub fn control(header: impl Into<Bytes>, payloads: impl Into<Payloads>) -> Self {
         Frame {
             kind: FrameKind::Control,
             header: header.into(),
-            payloads,
+            payloads: payloads.into(),
         }
     }
 
     /// A [`FrameKind::Collective`] frame.
-    pub fn collective(header: impl Into<Bytes>, payloads: Vec<Bytes>) -> Self {
+    pub fn collective(header: impl Into<Bytes>, payloads: impl Into<Payloads>) -> Self {
         Frame {
             kind: FrameKind::Collective,
             header: header.into(),
-            payloads,
+            payloads: payloads.into(),
         }
     }
 

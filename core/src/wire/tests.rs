@@ -357,7 +357,7 @@ fn outgoing_frame_front_by_front_gives_the_encoded_bytes() {
             &b"hdr"[..],
             (0..payloads)
                 .map(|i| Bytes::from(vec![i as u8; i % 3]))
-                .collect(),
+                .collect::<Payloads>(),
         );
         let whole = encode_to_vec(&f, &WireLimits::default()).unwrap();
         let mut out = OutgoingFrame::new(f, &WireLimits::default()).unwrap();
@@ -387,7 +387,7 @@ fn outgoing_frame_bytes_match_with_the_preamble_in_place_or_spilled() {
             &b"header"[..],
             (0..payloads)
                 .map(|i| Bytes::from(vec![i as u8; i % 5]))
-                .collect(),
+                .collect::<Payloads>(),
         );
         let whole = encode_to_vec(&f, &WireLimits::default()).unwrap();
         for cut in [0usize, 3, 19, 20, 23, whole.len() - 1] {
@@ -542,10 +542,11 @@ proptest! {
 }
 
 #[test]
-fn a_held_small_frame_leaves_the_read_buffer_unshared() {
-    // A transport reads into one buffer; the application still holds the last frame when
-    // the next read needs room. A small frame must not pin the buffer, else room means a
-    // fresh allocation per read.
+fn a_held_small_payload_leaves_the_read_buffer_unshared() {
+    // A transport reads into one buffer; the application still holds the last frame's
+    // payloads when the next read needs room (its header decoded and dropped by then, as the
+    // agent's node and the mesh's reader do). A small payload must not pin the buffer, else
+    // room means a fresh allocation per read.
     let limits = WireLimits::default();
     let small = Frame::message(&b"header"[..], vec![Bytes::from(vec![3u8; 64])]);
     let large = Frame::message(
@@ -563,6 +564,10 @@ fn a_held_small_frame_leaves_the_read_buffer_unshared() {
     assert_eq!(held, small);
     let in_buffer = |p: *const u8| (base..base + ROOM).contains(&(p as usize));
     assert!(
+        in_buffer(held.header.as_ptr()),
+        "the message header was split off in place, not copied"
+    );
+    assert!(
         !in_buffer(held.payloads[0].as_ptr()),
         "a small segment was copied out"
     );
@@ -570,11 +575,126 @@ fn a_held_small_frame_leaves_the_read_buffer_unshared() {
     let big = dec.decode(&mut buf).unwrap().unwrap();
     assert_eq!(big, large);
     assert!(in_buffer(big.payloads[0].as_ptr()));
+    assert!(in_buffer(big.header.as_ptr()));
     drop(big);
-    // Only the small frame is held now: the buffer makes room in place.
+    let Frame {
+        header,
+        payloads: held,
+        ..
+    } = held;
+    drop(header);
+    // Only the small frame's payload is held now: the buffer makes room in place.
     buf.reserve(ROOM);
     assert!(in_buffer(buf.as_ptr()), "the read buffer was reallocated");
-    assert_eq!(held, small);
+    assert_eq!(held, small.payloads);
+}
+
+#[test]
+fn a_forged_frame_cut_after_its_split_header_reports_what_arrived() {
+    // Forged by hand: a frame header announcing a 4-byte message header and one 10-byte
+    // payload, with the header sent whole (split off in place) and 3 bytes of the payload.
+    let table = [4u8, 1, 10];
+    let body_len = (table.len() + 4 + 10) as u64;
+    let mut wire = prefix(1, table.len() as u32, body_len);
+    wire.extend_from_slice(&table);
+    wire.extend_from_slice(b"head");
+    wire.extend_from_slice(&[7, 7, 7]);
+    let mut dec = FrameDecoder::new(WireLimits::default());
+    let mut buf = BytesMut::from(&wire[..]);
+    assert_eq!(dec.decode(&mut buf).unwrap(), None);
+    assert!(buf.is_empty());
+    assert_eq!(
+        dec.finish().unwrap_err(),
+        WireError::Truncated {
+            part: "body",
+            received: (table.len() + 4 + 3) as u64,
+            expected: body_len,
+        }
+    );
+    assert_eq!(dec.received(), (PREFIX_LEN + table.len() + 4 + 3) as u64);
+    // The rest arrives: the frame is whole, its payload in one piece.
+    buf.extend_from_slice(&[7; 7]);
+    let frame = dec.decode(&mut buf).unwrap().unwrap();
+    assert_eq!(&frame.header[..], b"head");
+    assert_eq!(frame.payloads, vec![Bytes::from(vec![7u8; 10])]);
+    // A forged count of payloads past the bytes the frame header has left is refused, with
+    // no list reserved for them.
+    let table = [4u8, 200, 10];
+    let mut wire = prefix(1, table.len() as u32, (table.len() + 14) as u64);
+    wire.extend_from_slice(&table);
+    assert!(matches!(
+        FrameDecoder::new(WireLimits::default()).decode(&mut BytesMut::from(&wire[..])),
+        Err(WireError::MalformedHeader { .. })
+    ));
+}
+
+#[test]
+fn a_forged_frame_is_refused_alike_whole_and_byte_by_byte() {
+    // A frame that arrives whole is taken in one step; one that arrives a byte at a time goes
+    // through the decoder's states. Both refuse the same forged frames with the same error.
+    let frame_of = |table: &[u8], body: &[u8], body_len: u64| {
+        let mut wire = prefix(1, table.len() as u32, body_len);
+        wire.extend_from_slice(table);
+        wire.extend_from_slice(body);
+        wire
+    };
+    let forged = [
+        // Segment lengths adding up to more than the body.
+        frame_of(&[4, 1, 10], &[0; 14], 3 + 13),
+        // ... and to less.
+        frame_of(&[4, 1, 10], &[0; 15], 3 + 15),
+        // More payloads than bytes left in the frame header.
+        frame_of(&[4, 9, 10], &[0; 14], 3 + 14),
+        // A cut-off varint.
+        frame_of(&[4, 1, 0x80], &[0; 14], 3 + 14),
+        // Trailing bytes after the frame header.
+        frame_of(&[4, 0, 0], &[0; 4], 3 + 4),
+        // A message header over the limit (1 KiB here).
+        frame_of(&[0x81, 0x10, 0], &[0; 2049], 3 + 2049),
+    ];
+    let limits = WireLimits::default().with_max_message_header_len(1024);
+    for (i, wire) in forged.iter().enumerate() {
+        let whole = FrameDecoder::new(limits)
+            .decode(&mut BytesMut::from(&wire[..]))
+            .unwrap_err();
+        let mut dec = FrameDecoder::new(limits);
+        let mut piecewise = None;
+        for byte in wire {
+            match dec.decode(&mut BytesMut::from(&[*byte][..])) {
+                Ok(None) => {}
+                Ok(Some(f)) => panic!("forged frame {i} decoded: {f:?}"),
+                Err(e) => {
+                    piecewise = Some(e);
+                    break;
+                }
+            }
+        }
+        assert_eq!(Some(whole), piecewise, "forged frame {i}");
+    }
+}
+
+#[test]
+fn a_header_cut_between_reads_is_copied_whole() {
+    // A message header that has not all arrived is gathered in a buffer of its own, and the
+    // frame is the same as one read at once.
+    let limits = WireLimits::default();
+    let frame = Frame::message(
+        &b"a header of some length"[..],
+        vec![Bytes::from(vec![5u8; 9])],
+    );
+    let wire = encode_to_vec(&frame, &limits).unwrap();
+    for cut in PREFIX_LEN + 1..wire.len() {
+        let mut dec = FrameDecoder::new(limits);
+        let mut buf = BytesMut::from(&wire[..cut]);
+        assert_eq!(dec.decode(&mut buf).unwrap(), None, "cut at {cut}");
+        assert!(buf.is_empty());
+        buf.extend_from_slice(&wire[cut..]);
+        assert_eq!(
+            dec.decode(&mut buf).unwrap(),
+            Some(frame.clone()),
+            "cut at {cut}"
+        );
+    }
 }
 
 /// The preamble writes the frame header itself: the bytes postcard writes for `FrameHeader`,

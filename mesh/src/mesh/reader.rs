@@ -9,7 +9,7 @@ use tensorwire_core::ports::process_group::{DeathCause, MeshViolation, ProcessGr
 use tensorwire_core::ports::transport::TransportError;
 use tensorwire_core::protocol::mesh::GroupFrame;
 use tensorwire_core::protocol::ProtocolViolation;
-use tensorwire_core::wire::FrameKind;
+use tensorwire_core::wire::{FrameKind, Payloads};
 use tracing::{debug, warn};
 
 use super::group::split_key;
@@ -27,7 +27,7 @@ enum End {
 }
 
 /// Joins a frame's payloads into one message (a sender sends at most one).
-fn message_bytes(payloads: Vec<Bytes>) -> Bytes {
+fn message_bytes(payloads: Payloads) -> Bytes {
     match payloads.len() {
         0 => Bytes::new(),
         1 => payloads.into_iter().next().unwrap_or_default(),

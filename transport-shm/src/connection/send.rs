@@ -6,12 +6,16 @@ use std::sync::atomic::Ordering;
 
 use tensorwire_core::ports::transport::TransportError;
 use tensorwire_core::spin::requeue;
-use tensorwire_core::wire::{Frame, OutgoingFrame, PREFIX_LEN};
+use tensorwire_core::wire::{Frame, OutgoingFrame, Preamble, PREFIX_LEN};
 
 use super::{wake, ShmConnection, MAX_SEGMENTS_IN_FLIGHT, SLAB_ALIGN};
 use crate::mem;
 use crate::ring::{Chunks, Producer, RingError, SlabRecord, Source, SEGMENT_RECORD, SLAB_RECORD};
 use crate::sock;
+
+/// A direct send of one frame with at most this many payloads copies it into the ring
+/// straight from the frame (its preamble on the stack), with no [`OutgoingFrame`] made.
+const WHOLE_PAYLOADS: usize = 2;
 
 /// Bytes a sender copies into a slab between two turns of the runtime's other tasks.
 const SLAB_COPY_STEP: usize = 4 << 20;
@@ -192,6 +196,18 @@ impl ShmConnection {
                 source,
             }))
         };
+        if let [frame] = &frames[..] {
+            // The usual single message: copied into one record straight from the frame.
+            match self.try_write_whole(&mut tx, frame) {
+                Ok(false) => {}
+                Ok(true) => {
+                    frames.clear();
+                    self.publish(&tx);
+                    return Some(Ok(()));
+                }
+                Err(e) => return Some(Err(e)),
+            }
+        }
         let mut taken = frames.drain(..);
         let Some(first) = taken.next() else {
             return Some(Ok(()));
@@ -233,6 +249,42 @@ impl ShmConnection {
         }
         self.publish(&tx);
         Some(Ok(()))
+    }
+
+    /// Copies `frame` (with at most [`WHOLE_PAYLOADS`] payloads) into the ring as one record
+    /// straight from its parts, its preamble on the stack, when the ring's free space takes it
+    /// whole: `Ok(true)` then (not yet published), `Ok(false)` when it wrote nothing (the frame
+    /// goes the general way).
+    fn try_write_whole(&self, tx: &mut Tx, frame: &Frame) -> Result<bool, TransportError> {
+        if frame.payloads.len() > WHOLE_PAYLOADS {
+            return Ok(false);
+        }
+        let preamble = match Preamble::new(frame, &self.limits) {
+            Ok(Some(preamble)) => preamble,
+            Ok(None) => return Ok(false),
+            Err(source) => {
+                return Err(TransportError::Wire {
+                    peer: self.peer,
+                    source,
+                })
+            }
+        };
+        let free = match tx.producer.free(&self.tx_ring) {
+            Ok(free) => free.min(self.max_record),
+            Err(e) => {
+                tx.broken = true;
+                return Err(self.ring_error(e));
+            }
+        };
+        let mut parts: [&[u8]; 2 + WHOLE_PAYLOADS] = [&[]; 2 + WHOLE_PAYLOADS];
+        parts[0] = preamble.as_bytes();
+        parts[1] = &frame.header;
+        for (part, payload) in parts[2..].iter_mut().zip(frame.payloads.iter()) {
+            *part = payload;
+        }
+        Ok(tx
+            .producer
+            .write_whole(&self.tx_ring, free, &parts[..2 + frame.payloads.len()]))
     }
 
     /// Writes `chunks` into the ring, waiting for space as needed. Publishes as it goes.

@@ -4,6 +4,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use bytes::Bytes;
+
 use super::*;
 use crate::ipc::encode_message;
 use crate::protocol::gather::{Contribution, GatherOutcome, GatherToken};
