@@ -131,17 +131,21 @@ pub struct Frame {
     pub payloads: Payloads,
 }
 
+/// A length shown as "N bytes" in a `Debug` view (a frame's parts show their lengths, not their
+/// contents: payloads can be gigabytes).
+pub(crate) struct ByteLen(pub(crate) usize);
+
+impl std::fmt::Debug for ByteLen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} bytes", self.0)
+    }
+}
+
 impl std::fmt::Debug for Frame {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        struct Len(usize);
-        impl std::fmt::Debug for Len {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                write!(f, "{} bytes", self.0)
-            }
-        }
         f.debug_struct("Frame")
             .field("kind", &self.kind)
-            .field("header", &Len(self.header.len()))
+            .field("header", &ByteLen(self.header.len()))
             .field("payloads", &self.payloads)
             .finish()
     }

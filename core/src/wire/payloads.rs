@@ -95,14 +95,8 @@ impl std::ops::DerefMut for Payloads {
 /// Shows lengths, not contents: payloads can be gigabytes.
 impl std::fmt::Debug for Payloads {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        struct Len(usize);
-        impl std::fmt::Debug for Len {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                write!(f, "{} bytes", self.0)
-            }
-        }
         f.debug_list()
-            .entries(self.iter().map(|p| Len(p.len())))
+            .entries(self.iter().map(|p| super::ByteLen(p.len())))
             .finish()
     }
 }
