@@ -9,10 +9,15 @@ engine in a world where the other agent is started too or not at all::
     python solo.py ENGINE OTHER STEPS OUT.json    # ENGINE: tensorwire|tensorpipe; OTHER: 0|1
 
 and appends ``{engine, other, median_us, mean_us, p90_us, steps, cpu_s_worker0}`` to OUT.json (a line).
+
+``SOLO_HOOKS=MODULE`` (importable in the workers) has every worker call ``MODULE.install()`` before
+it starts its agents, worker0 ``MODULE.reset_all()`` after the warm-up steps, and every worker
+``MODULE.dump(rank)`` at its end (``pieces17/solo_tw.py`` times the Python layer's pieces so).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import statistics
@@ -38,6 +43,9 @@ def _rank_main(rank: int, world: int, env: dict, cfg: dict, out_path: str) -> No
     import tensorwire.rpc as tw
 
     engine, other = cfg["engine"], cfg["other"]
+    hooks = importlib.import_module(os.environ["SOLO_HOOKS"]) if os.environ.get("SOLO_HOOKS") else None
+    if hooks:
+        hooks.install()
     for fn in (suite.stage_forward, suite.stage_parameter):
         tw.expose(fn)
     timeout = 60.0
@@ -67,6 +75,8 @@ def _rank_main(rank: int, world: int, env: dict, cfg: dict, out_path: str) -> No
             e.step(forward, y, opt)
 
         timed(step, 20)
+        if hooks:
+            hooks.reset_all()
         c0 = time.process_time()
         s = timed(step, cfg["steps"])
         c1 = time.process_time()
@@ -79,6 +89,8 @@ def _rank_main(rank: int, world: int, env: dict, cfg: dict, out_path: str) -> No
         tp.shutdown()
     if engine == "tensorwire" or other:
         tw.shutdown()
+    if hooks:
+        hooks.dump(rank)
 
 
 def main() -> int:
