@@ -682,15 +682,22 @@ fn calls_out(n: &mut Node<Body>) -> Vec<String> {
         .collect()
 }
 
-#[test]
-fn a_peers_requests_past_its_running_cap_are_held_in_order_and_run_as_its_requests_end() {
-    let now = Clock::new().now();
+/// Node 0 with a running cap of one, after peer 1's calls to `functions` (ids from 1) arrived:
+/// the first runs, the rest are held.
+fn capped_with_calls(now: Instant, functions: &[&str]) -> Node<Body> {
     let mut n = node(0, false);
     n.ep().budget().set_running_cap(1);
-    for (id, f) in [(1, "a"), (2, "b"), (3, "c")] {
+    for (id, f) in (1..).zip(functions) {
         n.handle_frame(now, 1, call_from_peer(id, f, b"xyz"))
             .unwrap();
     }
+    n
+}
+
+#[test]
+fn a_peers_requests_past_its_running_cap_are_held_in_order_and_run_as_its_requests_end() {
+    let now = Clock::new().now();
+    let mut n = capped_with_calls(now, &["a", "b", "c"]);
     // One runs; the others wait, counted in the peer's budget.
     assert_eq!(calls_out(&mut n), vec!["a"]);
     assert_eq!(n.ep().budget().held(1).requests, 6);
@@ -728,12 +735,7 @@ fn a_peers_requests_past_its_running_cap_are_held_in_order_and_run_as_its_reques
 #[test]
 fn a_request_answered_through_the_node_lets_the_held_one_behind_it_run() {
     let now = Clock::new().now();
-    let mut n = node(0, false);
-    n.ep().budget().set_running_cap(1);
-    for (id, f) in [(1, "a"), (2, "b")] {
-        n.handle_frame(now, 1, call_from_peer(id, f, b"xyz"))
-            .unwrap();
-    }
+    let mut n = capped_with_calls(now, &["a", "b"]);
     let mut calls = std::iter::from_fn(|| n.poll_event())
         .filter_map(|e| match e {
             NodeEvent::Endpoint(Event::Call {
@@ -753,13 +755,7 @@ fn a_request_answered_through_the_node_lets_the_held_one_behind_it_run() {
         crate::protocol::gather::GATHER_FUNCTION
     ));
     // Answered without counting: "b" stays held.
-    let mut uncounted = node(0, false);
-    uncounted.ep().budget().set_running_cap(1);
-    for (id, f) in [(1, "a"), (2, "b")] {
-        uncounted
-            .handle_frame(now, 1, call_from_peer(id, f, b"xyz"))
-            .unwrap();
-    }
+    let mut uncounted = capped_with_calls(now, &["a", "b"]);
     let first = std::iter::from_fn(|| uncounted.poll_event())
         .find_map(|e| match e {
             NodeEvent::Endpoint(Event::Call { token, .. }) => Some(token),
@@ -788,12 +784,7 @@ fn a_request_answered_through_the_node_lets_the_held_one_behind_it_run() {
 #[test]
 fn a_lost_peers_held_requests_are_dropped_and_one_past_its_budget_drops_it() {
     let now = Clock::new().now();
-    let mut n = node(0, false);
-    n.ep().budget().set_running_cap(1);
-    for (id, f) in [(1, "a"), (2, "b")] {
-        n.handle_frame(now, 1, call_from_peer(id, f, b"xyz"))
-            .unwrap();
-    }
+    let mut n = capped_with_calls(now, &["a", "b"]);
     assert_eq!(calls_out(&mut n), vec!["a"]);
     assert_eq!(n.ep().budget().held(1).requests, 3);
     n.handle_peer_lost(1, LostCause::Shutdown, now);
