@@ -40,6 +40,8 @@ fn bench_collectives_writes_every_key() {
         keys.push(format!("raw_shm_barrier_threads_w{n}_us"));
         keys.push(format!("memcpy_all_ranks_w{n}_1MiB_us"));
         keys.push(format!("memcpy_all_ranks_w{n}_all_gather_1MiB_us"));
+        keys.push(format!("memcpy_all_ranks_w{n}_all_reduce_1MiB_us"));
+        keys.push(format!("memcpy_w{n}_all_reduce_1MiB_us"));
         for op in ["all_gather", "all_reduce"] {
             for floor in ["memcpy", "memcpy_all_ranks"] {
                 let r = v["ratios"][format!("{op}_w{n}_1MiB_over_{floor}")]
@@ -47,6 +49,14 @@ fn bench_collectives_writes_every_key() {
                     .unwrap_or_else(|| panic!("{op} over {floor} for w{n} missing in {v}"));
                 assert!(r > 0.0 && r.is_finite());
             }
+        }
+        // all_reduce's floor is the copy of what each rank must receive, 2 (n - 1) / n MiB,
+        // beside the copy of its output's size kept for reference.
+        for floor in ["memcpy_output", "memcpy_output_all_ranks"] {
+            let r = v["ratios"][format!("all_reduce_w{n}_1MiB_over_{floor}")]
+                .as_f64()
+                .unwrap_or_else(|| panic!("all_reduce over {floor} for w{n} missing in {v}"));
+            assert!(r > 0.0 && r.is_finite());
         }
         for op in ["reduce", "reduce_scatter", "all_to_all", "broadcast"] {
             keys.push(format!("{op}_w{n}_1MiB_us"));
