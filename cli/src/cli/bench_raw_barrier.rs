@@ -62,6 +62,47 @@ pub(crate) struct RankArgs {
     /// Bytes to copy (`memcpy`, private buffers) after each barrier ([`copies`]); 0: none.
     #[arg(long, default_value_t = 0)]
     copy_bytes: usize,
+    /// The size of the buffers the bytes are copied through, again and again until all are
+    /// copied ([`copies`]); 0: the bytes' own size, one copy.
+    #[arg(long, default_value_t = 0)]
+    copy_window: usize,
+}
+
+/// What each rank copies after each barrier: `bytes` in all, through buffers of `window` bytes
+/// (the last piece shorter); none if `bytes` is 0.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CopyPlan {
+    /// Bytes copied in all.
+    pub(crate) bytes: usize,
+    /// The buffers' size (clamped to 1..=bytes).
+    pub(crate) window: usize,
+}
+
+impl CopyPlan {
+    const NONE: CopyPlan = CopyPlan {
+        bytes: 0,
+        window: 0,
+    };
+
+    /// The length of the buffers copied between.
+    pub(crate) fn buffer_len(self) -> usize {
+        if self.window == 0 {
+            self.bytes
+        } else {
+            self.window.min(self.bytes)
+        }
+    }
+
+    /// Copies `bytes` from `src` to `dst` (both `buffer_len` long), a window at a time.
+    pub(crate) fn run(self, src: &[u8], dst: &mut [u8]) {
+        let mut left = self.bytes;
+        while left > 0 {
+            let n = left.min(src.len());
+            dst[..n].copy_from_slice(std::hint::black_box(&src[..n]));
+            std::hint::black_box(&mut *dst);
+            left -= n;
+        }
+    }
 }
 
 /// Rounds of the dissemination barrier among `world` ranks.
@@ -82,21 +123,21 @@ trait Links {
     fn wait(&mut self, from: usize, k: usize, epoch: u64) -> Result<()>;
 }
 
-/// Runs `total` barriers as `rank`, each followed by a copy of `copy` bytes (none if 0); the
+/// Runs `total` barriers as `rank`, each followed by the copy `copy` plans (none if empty); the
 /// times of those after the first tenth. With a copy, a barrier waits for every rank's previous
 /// copy, so each time is that of the slowest rank's copy.
 fn run_rank(
     rank: usize,
     world: usize,
     total: usize,
-    copy: usize,
+    copy: CopyPlan,
     links: &mut impl Links,
 ) -> Result<Vec<Duration>> {
     let warm = total / 11;
     let mut times = Vec::with_capacity(total - warm);
     // Faulted in before the first barrier (the floor is the copy, not the page faults).
-    let src = vec![7u8; copy];
-    let mut dst = vec![0u8; copy];
+    let src = vec![7u8; copy.buffer_len()];
+    let mut dst = vec![0u8; copy.buffer_len()];
     dst.copy_from_slice(&src);
     for i in 0..total {
         let t = Instant::now();
@@ -108,10 +149,7 @@ fn run_rank(
             distance *= 2;
             k += 1;
         }
-        if copy > 0 {
-            dst.copy_from_slice(std::hint::black_box(&src));
-            std::hint::black_box(&mut dst);
-        }
+        copy.run(&src, &mut dst);
         if i >= warm {
             times.push(t.elapsed());
         }
@@ -263,18 +301,19 @@ fn inheritable(fd: impl AsFd, on: bool) -> Result<()> {
 /// The median time of rank 0's barriers among `world` processes over `medium`, in µs (after a
 /// tenth as many for warm-up).
 pub(crate) fn processes(medium: Medium, world: usize, iters: usize) -> Result<f64> {
-    processes_copying(medium, world, iters, 0)
+    processes_copying(medium, world, iters, CopyPlan::NONE)
 }
 
 /// The `memcpy` floor in the group's shape: `world` processes pass the shared-memory barrier
-/// and then each copies `bytes` (between private buffers faulted in beforehand), `iters` times
-/// (after a tenth as many for warm-up); the median of rank 0's barrier-and-copy, in µs. With
-/// more ranks than cores, the ranks share the cores for their copies as a collective's ranks do.
-pub(crate) fn copies(world: usize, bytes: usize, iters: usize) -> Result<f64> {
-    processes_copying(Medium::Shm, world, iters, bytes)
+/// and then each copies what `copy` plans (between private buffers faulted in beforehand),
+/// `iters` times (after a tenth as many for warm-up); the median of rank 0's barrier-and-copy,
+/// in µs. With more ranks than cores, the ranks share the cores for their copies as a
+/// collective's ranks do.
+pub(crate) fn copies(world: usize, copy: CopyPlan, iters: usize) -> Result<f64> {
+    processes_copying(Medium::Shm, world, iters, copy)
 }
 
-fn processes_copying(medium: Medium, world: usize, iters: usize, copy: usize) -> Result<f64> {
+fn processes_copying(medium: Medium, world: usize, iters: usize, copy: CopyPlan) -> Result<f64> {
     if world < 2 {
         bail!("a raw barrier needs 2 ranks or more, not {world}");
     }
@@ -359,7 +398,7 @@ fn spawn_rank(
     rank: usize,
     world: usize,
     total: usize,
-    copy: usize,
+    copy: CopyPlan,
 ) -> std::process::Command {
     let mut cmd = std::process::Command::new(exe);
     cmd.args(["bench", "raw-barrier-rank", "--medium"])
@@ -370,7 +409,8 @@ fn spawn_rank(
         .args(["--rank", &rank.to_string()])
         .args(["--world", &world.to_string()])
         .args(["--iters", &total.to_string()])
-        .args(["--copy-bytes", &copy.to_string()])
+        .args(["--copy-bytes", &copy.bytes.to_string()])
+        .args(["--copy-window", &copy.window.to_string()])
         .stdin(std::process::Stdio::null());
     cmd
 }
@@ -411,7 +451,10 @@ pub(crate) fn rank(args: &RankArgs) -> Result<()> {
                 args.rank,
                 args.world,
                 args.iters,
-                args.copy_bytes,
+                CopyPlan {
+                    bytes: args.copy_bytes,
+                    window: args.copy_window,
+                },
                 &mut TcpLinks { peers },
             )?;
         }
@@ -437,7 +480,10 @@ pub(crate) fn rank(args: &RankArgs) -> Result<()> {
                 args.rank,
                 args.world,
                 args.iters,
-                args.copy_bytes,
+                CopyPlan {
+                    bytes: args.copy_bytes,
+                    window: args.copy_window,
+                },
                 &mut links,
             )?;
         }
@@ -457,7 +503,9 @@ pub(crate) fn threads(medium: Medium, world: usize, iters: usize) -> Result<f64>
             .into_iter()
             .enumerate()
             .map(|(rank, peers)| {
-                std::thread::spawn(move || run_rank(rank, world, total, 0, &mut TcpLinks { peers }))
+                std::thread::spawn(move || {
+                    run_rank(rank, world, total, CopyPlan::NONE, &mut TcpLinks { peers })
+                })
             })
             .collect(),
         Medium::Shm => {
@@ -474,7 +522,7 @@ pub(crate) fn threads(medium: Medium, world: usize, iters: usize) -> Result<f64>
                         rank,
                         world,
                         total,
-                        0,
+                        CopyPlan::NONE,
                         &mut ShmLinks {
                             counters,
                             rank,
