@@ -39,8 +39,8 @@
 //! `memcpy_all_ranks_w{N}_all_reduce_1MiB_us`; ratios `*_over_memcpy_all_ranks`). The copy of
 //! 1 MiB alone, the output's size (`memcpy_1MiB_us`, `memcpy_all_ranks_w{N}_1MiB_us`; ratios
 //! `all_reduce_*_over_memcpy_output*`), stays beside them for reference: before 2026-12-01 it
-//! was taken as all_reduce's floor, which no all_reduce can reach (at 8 ranks each rank must
-//! receive 1.75 MiB).
+//! was taken as all_reduce's floor, though it counts fewer bytes than any all_reduce must move
+//! (at 8 ranks each rank must receive 1.75 MiB).
 //!
 //! With `--torch-python PYTHON` (a Python with torch, such as the CI venv's), PyTorch's gloo
 //! groups of each world size run the same series right after tensorwire's (`gloo_*` keys) and
