@@ -19,6 +19,7 @@ use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
 use tensorwire_core::ports::process_group::{Collectives, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
+use tensorwire_core::protocol::by_id::ById;
 use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
     CallError, Endpoint, MessageId, MethodTarget, RRefFailure, RRefForkData, RRefHandle, RRefId,
@@ -119,7 +120,7 @@ impl Agent {
                 ),
                 dyn_state: crate::state::DynState::default(),
                 gathers_waiting: HashMap::default(),
-                waiters: HashMap::default(),
+                waiters: ById::default(),
                 values: HashMap::default(),
                 peers: HashMap::default(),
                 confirm_waits: HashMap::default(),

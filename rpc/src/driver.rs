@@ -355,7 +355,7 @@ enum Step {
 fn deliver(st: &mut State, e: NodeEvent<Body>) -> Step {
     let delivery = match e {
         NodeEvent::Endpoint(Event::Completed { id, outcome }) => {
-            (st.waiters.remove(&id)).map(|tx| Delivery::Call(tx, outcome))
+            (st.waiters.remove(id)).map(|tx| Delivery::Call(tx, outcome))
         }
         NodeEvent::Endpoint(Event::ConfirmWaitDone { wait, outcome }) => {
             (st.confirm_waits.remove(&wait)).map(|tx| Delivery::Confirmed(tx, outcome))

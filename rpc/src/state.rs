@@ -11,13 +11,12 @@ use tensorwire_core::hashing::HashMap;
 use tensorwire_core::device::DeviceMaps;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::protocol::by_id::ById;
 use tensorwire_core::protocol::envelope::FrameBody;
 use tensorwire_core::protocol::gather::{GatherOutcome, GatherToken};
 use tensorwire_core::protocol::membership::MembershipError;
 use tensorwire_core::protocol::node::Node;
-use tensorwire_core::protocol::{
-    CallError, ConfirmError, MessageId, RRefId, ShutdownError, WaitId, WorkerId,
-};
+use tensorwire_core::protocol::{CallError, ConfirmError, RRefId, ShutdownError, WaitId, WorkerId};
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{mpsc, oneshot, Notify};
@@ -75,7 +74,8 @@ pub(crate) struct State {
     pub(crate) dyn_state: DynState,
     /// The calls of the gathers this worker leads (the node's), each waiting for its answer.
     pub(crate) gathers_waiting: HashMap<GatherToken, oneshot::Sender<GatherOutcome>>,
-    pub(crate) waiters: HashMap<MessageId, Waiter>,
+    /// Each call's (and fetch's) waiter, by its message id: no hashing (ids only grow).
+    pub(crate) waiters: ById<Waiter>,
     pub(crate) values: HashMap<RRefId, Arc<dyn Value>>,
     pub(crate) peers: HashMap<WorkerId, PeerLink>,
     /// Functions waiting until the owners confirm the references in their arguments (the
