@@ -20,6 +20,9 @@ use tensorwire_core::ports::process_group::{Collectives, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::by_id::ById;
+
+use crate::future::Outcome;
+use crate::state::Waiter;
 use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
     CallError, Endpoint, MessageId, MethodTarget, RRefFailure, RRefForkData, RRefHandle, RRefId,
@@ -461,15 +464,15 @@ impl Agent {
         let prepared = tensors::prepare(self, to, args, placement)
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
-        let (tx, rx) = oneshot::channel();
         let bytes = message_bytes(prepared.data.len(), prepared.tensors.iter().map(|t| &t.0));
-        let ((), id, alone) = self.submit(to, target, prepared, tx, |ep, body, now| {
+        let ((), id, alone) = self.submit(to, target, prepared, |ep, body, now| {
             match body {
                 Some(body) => ep.call(to, function, body, timeout, now),
                 None => ep.call_deferred(to, function, timeout, now),
             }
             .map(|id| ((), id))
         })?;
+        let rx = Outcome::new(self.clone(), id);
         // The only call waiting: nothing would join it in the writer's batch, so it is
         // written here and now. With others in flight, the writer batches them.
         if alone {
@@ -492,7 +495,6 @@ impl Agent {
         to: WorkerId,
         target: Option<RRefHandle>,
         prepared: tensors::Prepared,
-        tx: crate::state::Waiter,
         enter: impl FnOnce(
             &mut Endpoint<Body>,
             Option<Body>,
@@ -517,7 +519,7 @@ impl Agent {
             let now = self.now();
             let (made, id) =
                 enter(st.node.ep_mut(), body, now).map_err(|_| RpcError::NotRunning)?;
-            st.waiters.insert(id, tx);
+            st.waiters.insert(id, Waiter::Waiting(None));
             (made, id, later.is_none() && st.waiters.len() == 1)
         };
         if let Some(prepared) = later {
@@ -582,15 +584,15 @@ impl Agent {
         let prepared = tensors::prepare(self, to, args, Direction::Request)
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
-        let (tx, rx) = oneshot::channel();
         let bytes = message_bytes(prepared.data.len(), prepared.tensors.iter().map(|t| &t.0));
         self.inner
             .metrics
             .remote(&|id| self.name_of(id), to, function, bytes);
-        let (handle, _, _) = self.submit(to, target, prepared, tx, |ep, body, now| match body {
+        let (handle, id, _) = self.submit(to, target, prepared, |ep, body, now| match body {
             Some(body) => ep.remote(to, function, body, timeout, now),
             None => ep.remote_deferred(to, function, timeout, now),
         })?;
+        let rx = Outcome::new(self.clone(), id);
         self.pump();
         Ok(RRef::from_handle(self.clone(), handle, Some(rx)))
     }
@@ -747,17 +749,18 @@ impl Agent {
         &self,
         handle: RRefHandle,
         timeout: Option<Duration>,
-    ) -> Result<oneshot::Receiver<Result<Body, CallError>>, RpcError> {
+    ) -> Result<Outcome, RpcError> {
         let timeout = self.timeout_or_default(timeout);
-        let (tx, rx) = oneshot::channel();
-        {
+        let id = {
             let mut st = self.lock();
             let id = match st.node.ep_mut().fetch(handle, timeout, self.now()) {
                 Ok(id) => id,
                 Err(e) => return Err(rref_error_in(&st, handle, e)),
             };
-            st.waiters.insert(id, tx);
-        }
+            st.waiters.insert(id, Waiter::Waiting(None));
+            id
+        };
+        let rx = Outcome::new(self.clone(), id);
         self.pump();
         Ok(rx)
     }
@@ -1081,9 +1084,6 @@ impl tensors::Routes for Agent {
         }
     }
 }
-
-/// Where a call's outcome arrives.
-type Outcome = oneshot::Receiver<Result<Body, CallError>>;
 
 impl Agent {
     /// The value of the call whose outcome `rx` receives.

@@ -16,10 +16,10 @@ use crate::links::{self, peer_lost_on, until_failed, DirectWrite, Few};
 use crate::membership;
 use crate::serve;
 use crate::state::Agent;
-use crate::state::{Body, State};
+use crate::state::{Body, State, Waiter};
 use tensorwire_core::protocol::gather::GatherOutcome;
 use tensorwire_core::protocol::served::ServeFailure;
-use tensorwire_core::protocol::{CallError, ConfirmError, ShutdownError};
+use tensorwire_core::protocol::{ConfirmError, ShutdownError};
 use tokio::sync::oneshot;
 
 /// Attaches an agent-owned connection to `peer` (its writer: see [`links::attach_conn`]) and
@@ -311,7 +311,8 @@ pub(crate) async fn drive(agent: Agent) {
 /// What an event that only tells its waiter hands over, taken under the lock and done after
 /// it ([`Delivery::send`]).
 enum Delivery {
-    Call(crate::state::Waiter, Result<Body, CallError>),
+    /// A call ended: its outcome is in its waiter, and this task reads it.
+    Call(std::task::Waker),
     Confirmed(
         oneshot::Sender<Result<(), ConfirmError>>,
         Result<(), ConfirmError>,
@@ -331,7 +332,7 @@ enum Delivery {
 impl Delivery {
     fn send(self) {
         match self {
-            Delivery::Call(tx, outcome) => drop(tx.send(outcome)),
+            Delivery::Call(waker) => waker.wake(),
             Delivery::Confirmed(tx, outcome) => drop(tx.send(outcome)),
             Delivery::Shutdown(tx, outcome) => drop(tx.send(outcome)),
             Delivery::Gathered(tx, outcome) => drop(tx.send(outcome)),
@@ -355,7 +356,17 @@ enum Step {
 fn deliver(st: &mut State, e: NodeEvent<Body>) -> Step {
     let delivery = match e {
         NodeEvent::Endpoint(Event::Completed { id, outcome }) => {
-            (st.waiters.remove(id)).map(|tx| Delivery::Call(tx, outcome))
+            match st.waiters.get_mut(id) {
+                Some(w) => match std::mem::replace(w, Waiter::Done(outcome)) {
+                    Waiter::Waiting(waker) => waker.map(Delivery::Call),
+                    // Ended once only: the first outcome stays.
+                    Waiter::Done(first) => {
+                        *w = Waiter::Done(first);
+                        None
+                    }
+                },
+                None => None,
+            }
         }
         NodeEvent::Endpoint(Event::ConfirmWaitDone { wait, outcome }) => {
             (st.confirm_waits.remove(&wait)).map(|tx| Delivery::Confirmed(tx, outcome))

@@ -43,7 +43,15 @@ pub struct Agent {
 /// (core's frame body, which core encodes and decodes).
 pub(crate) type Body = FrameBody;
 
-pub(crate) type Waiter = oneshot::Sender<Result<Body, CallError>>;
+/// What the agent keeps for a call (a fetch, a remote) under its id until its
+/// [`Outcome`](crate::future::Outcome) reads it: the task to wake once it ends, then how it
+/// ended.
+pub(crate) enum Waiter {
+    /// Not ended: the task to wake when it does (none until first polled).
+    Waiting(Option<std::task::Waker>),
+    /// Ended, not read yet.
+    Done(Result<Body, CallError>),
+}
 
 /// What every worker publishes at init (the membership protocol's record).
 pub(crate) type WorkerRecord = tensorwire_core::protocol::membership::MemberRecord;

@@ -77,6 +77,20 @@ impl<T> ById<T> {
         Some(value)
     }
 
+    /// The value under `id`, if one is held.
+    pub fn get_mut(&mut self, id: MessageId) -> Option<&mut T> {
+        let i = match self.queue.front() {
+            Some((first, _)) if *first == id => 0,
+            _ => self.position(id).ok()?,
+        };
+        self.queue[i].1.as_mut()
+    }
+
+    /// The values held, in id order.
+    pub fn into_values(self) -> impl Iterator<Item = T> {
+        self.queue.into_iter().filter_map(|(_, v)| v)
+    }
+
     /// How many values are held.
     pub fn len(&self) -> usize {
         self.live
@@ -142,6 +156,10 @@ mod tests {
         by_id.insert(9, 'b');
         assert_eq!(by_id.insert(7, 'c'), None);
         assert_eq!(by_id.insert(9, 'd'), Some('b'));
+        *by_id.get_mut(5).unwrap() = 'e';
+        assert_eq!(by_id.get_mut(6), None);
+        assert_eq!(by_id.remove(5), Some('e'));
+        by_id.insert(5, 'a');
         assert_eq!(by_id.len(), 3);
         assert_eq!(by_id.remove(7), Some('c'));
         assert_eq!(by_id.remove(7), None);
@@ -149,5 +167,10 @@ mod tests {
         assert_eq!(by_id.remove(9), Some('d'));
         assert!(by_id.is_empty());
         assert_eq!(by_id.entries(), 0);
+        by_id.insert(3, 'x');
+        by_id.insert(4, 'y');
+        by_id.remove(3);
+        by_id.insert(2, 'z');
+        assert_eq!(by_id.into_values().collect::<String>(), "zy");
     }
 }
