@@ -88,6 +88,7 @@ impl Agent {
         budget: tensorwire_core::budget::Budget,
     ) -> Agent {
         let members = Directory::new(name, &options.devices, &options.device_maps, records);
+        let (abandoned, abandoned_rx) = tokio::sync::mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             me: WorkerInfo {
                 name: name.to_owned(),
@@ -124,6 +125,7 @@ impl Agent {
                 dyn_state: crate::state::DynState::default(),
                 gathers_waiting: HashMap::default(),
                 waiters: ById::default(),
+                abandoned: abandoned_rx,
                 values: HashMap::default(),
                 peers: HashMap::default(),
                 confirm_waits: HashMap::default(),
@@ -144,6 +146,7 @@ impl Agent {
             peer_events: crate::peer_events::PeerEventHub::new(),
             serving: std::sync::atomic::AtomicUsize::new(0),
             queued_bytes: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            abandoned,
         });
         Agent { inner }
     }
@@ -348,7 +351,15 @@ impl Agent {
     {
         // Awaited here, where `function` lives: no future to box, no copy of the name.
         let to = self.resolve(&to.into())?;
-        let (rx, watch) = self.begin_call(to, function, args, None, timeout, Direction::Request)?;
+        // This task's waker goes in with the call's waiter: the outcome's first poll, by this
+        // task, has nothing to register (no second lock a call).
+        let waker = std::future::poll_fn(|cx| std::task::Poll::Ready(cx.waker().clone())).await;
+        let how = CallHow {
+            target: None,
+            placement: Direction::Request,
+            waker: Some(waker),
+        };
+        let (rx, watch) = self.begin_call(to, function, args, timeout, how)?;
         watch.watch(self.call_result(rx, to, function)).await
     }
 
@@ -443,7 +454,12 @@ impl Agent {
         A: Serialize + ?Sized,
         R: DeserializeOwned + Send + 'static,
     {
-        let (rx, watch) = self.begin_call(to, function, args, target, timeout, placement)?;
+        let how = CallHow {
+            target,
+            placement,
+            waker: None,
+        };
+        let (rx, watch) = self.begin_call(to, function, args, timeout, how)?;
         let (agent, function) = (self.clone(), function.to_owned());
         let result = async move { agent.call_result(rx, to, &function).await };
         Ok(RpcFuture {
@@ -457,22 +473,27 @@ impl Agent {
         to: WorkerId,
         function: &str,
         args: &A,
-        target: Option<RRefHandle>,
         timeout: Option<Duration>,
-        placement: Direction,
+        how: CallHow,
     ) -> Result<(Outcome, crate::metrics::CallWatch), RpcError> {
+        let CallHow {
+            target,
+            placement,
+            waker,
+        } = how;
         let prepared = tensors::prepare(self, to, args, placement)
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
         let bytes = message_bytes(prepared.data.len(), prepared.tensors.iter().map(|t| &t.0));
-        let ((), id, alone) = self.submit(to, target, prepared, |ep, body, now| {
+        let registered = waker.as_ref().map(crate::future::Registered::of);
+        let ((), id, alone) = self.submit(to, target, prepared, waker, |ep, body, now| {
             match body {
                 Some(body) => ep.call(to, function, body, timeout, now),
                 None => ep.call_deferred(to, function, timeout, now),
             }
             .map(|id| ((), id))
         })?;
-        let rx = Outcome::new(self.clone(), id);
+        let rx = Outcome::new(self.clone(), id, registered);
         // The only call waiting: nothing would join it in the writer's batch, so it is
         // written here and now. With others in flight, the writer batches them.
         if alone {
@@ -495,6 +516,7 @@ impl Agent {
         to: WorkerId,
         target: Option<RRefHandle>,
         prepared: tensors::Prepared,
+        waker: Option<std::task::Waker>,
         enter: impl FnOnce(
             &mut Endpoint<Body>,
             Option<Body>,
@@ -519,7 +541,7 @@ impl Agent {
             let now = self.now();
             let (made, id) =
                 enter(st.node.ep_mut(), body, now).map_err(|_| RpcError::NotRunning)?;
-            st.waiters.insert(id, Waiter::Waiting(None));
+            st.waiters.insert(id, Waiter::Waiting(waker));
             (made, id, later.is_none() && st.waiters.len() == 1)
         };
         if let Some(prepared) = later {
@@ -588,11 +610,12 @@ impl Agent {
         self.inner
             .metrics
             .remote(&|id| self.name_of(id), to, function, bytes);
-        let (handle, id, _) = self.submit(to, target, prepared, |ep, body, now| match body {
-            Some(body) => ep.remote(to, function, body, timeout, now),
-            None => ep.remote_deferred(to, function, timeout, now),
-        })?;
-        let rx = Outcome::new(self.clone(), id);
+        let (handle, id, _) =
+            self.submit(to, target, prepared, None, |ep, body, now| match body {
+                Some(body) => ep.remote(to, function, body, timeout, now),
+                None => ep.remote_deferred(to, function, timeout, now),
+            })?;
+        let rx = Outcome::new(self.clone(), id, None);
         self.pump();
         Ok(RRef::from_handle(self.clone(), handle, Some(rx)))
     }
@@ -760,7 +783,7 @@ impl Agent {
             st.waiters.insert(id, Waiter::Waiting(None));
             id
         };
-        let rx = Outcome::new(self.clone(), id);
+        let rx = Outcome::new(self.clone(), id, None);
         self.pump();
         Ok(rx)
     }
@@ -1083,6 +1106,15 @@ impl tensors::Routes for Agent {
             Direction::Response => self.reverse_device_maps().get(to_name).cloned(),
         }
     }
+}
+
+/// How a call is sent besides its arguments: the reference whose method it calls, where its
+/// tensors go, and the waker of the task that will await it, if known now (see
+/// [`Outcome::new`]).
+struct CallHow {
+    target: Option<RRefHandle>,
+    placement: Direction,
+    waker: Option<std::task::Waker>,
 }
 
 impl Agent {

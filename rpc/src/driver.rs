@@ -292,7 +292,11 @@ fn running(this: &Agent, from: WorkerId, function: &str) -> Option<WorkerId> {
 pub(crate) async fn drive(agent: Agent) {
     loop {
         agent.pump();
-        let next = agent.lock().node.arm_timer();
+        let (next, swept) = {
+            let mut st = agent.lock();
+            (st.node.arm_timer(), crate::future::sweep_abandoned(&mut st))
+        };
+        drop(swept);
         match next {
             Some(at) => {
                 tokio::select! {

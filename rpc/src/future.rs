@@ -3,12 +3,13 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::TryLockError;
 use std::task::{Context, Poll};
 
 use tensorwire_core::protocol::{CallError, MessageId};
 
 use crate::error::RpcError;
-use crate::state::{Agent, Body, Waiter};
+use crate::state::{Agent, Body, State, Waiter};
 
 /// The result of [`Agent::rpc_async`](crate::Agent::rpc_async): await it for the callee's result.
 pub struct RpcFuture<R> {
@@ -38,16 +39,35 @@ pub(crate) struct Outcome {
     id: MessageId,
     /// Read (or found gone): nothing of it is left in the agent.
     read: bool,
+    /// The waker its waiter was made with, until the first poll.
+    registered: Option<Registered>,
 }
 
 impl Outcome {
-    /// The outcome of message `id`, whose waiter `agent` holds.
-    pub(crate) fn new(agent: Agent, id: MessageId) -> Self {
+    /// The outcome of message `id`, whose waiter `agent` holds, made with the waker that
+    /// `registered` identifies (if any): a first poll with that waker returns `Pending` at
+    /// once, as the waiter will wake it.
+    pub(crate) fn new(agent: Agent, id: MessageId, registered: Option<Registered>) -> Self {
         Self {
             agent,
             id,
             read: false,
+            registered,
         }
+    }
+}
+
+/// Which waker a waiter was made with (its data and vtable, as `Waker::will_wake` compares
+/// them), kept without a reference to it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Registered(usize, usize);
+
+impl Registered {
+    pub(crate) fn of(waker: &std::task::Waker) -> Self {
+        Self(
+            waker.data() as usize,
+            std::ptr::from_ref(waker.vtable()) as usize,
+        )
     }
 }
 
@@ -58,6 +78,11 @@ impl Future for Outcome {
         let this = &mut *self;
         if this.read {
             return Poll::Ready(Err(Closed));
+        }
+        // Polled first by the task whose waker the waiter holds: nothing to register, and an
+        // outcome already in has woken that task, which polls again.
+        if this.registered.take() == Some(Registered::of(cx.waker())) {
+            return Poll::Pending;
         }
         let mut st = this.agent.lock();
         if let Some(Waiter::Waiting(waker)) = st.waiters.get_mut(this.id) {
@@ -76,10 +101,37 @@ impl Future for Outcome {
 
 impl Drop for Outcome {
     fn drop(&mut self) {
-        if !self.read {
-            // Its body (if it ended) is dropped after the lock.
-            let left = self.agent.lock().waiters.remove(self.id);
-            drop(left);
+        if self.read {
+            return;
         }
+        // Never waits for the agent's lock: whoever holds it (this very thread, dropping a
+        // call from under it, or another) would deadlock or stall the drop. Taken, its waiter
+        // goes now (its body, if it ended, dropped after the lock); else its id goes to the
+        // driver, which takes the waiter out when it next runs ([`sweep_abandoned`]).
+        let left = match self.agent.inner.state.try_lock() {
+            Ok(mut st) => st.waiters.remove(self.id),
+            Err(TryLockError::Poisoned(st)) => st.into_inner().waiters.remove(self.id),
+            Err(TryLockError::WouldBlock) => {
+                // Refused only once the state (the receiver's holder) is gone, which this
+                // outcome's agent keeps alive.
+                let _ = self.agent.inner.abandoned.send(self.id);
+                self.agent.wake();
+                None
+            }
+        };
+        drop(left);
     }
 }
+
+/// Takes the waiters of the calls dropped unread while the lock was held (see [`Outcome`]'s
+/// `Drop`) out of `st`, for the caller to drop after the lock.
+pub(crate) fn sweep_abandoned(st: &mut State) -> Vec<Waiter> {
+    let mut swept = Vec::new();
+    while let Ok(id) = st.abandoned.try_recv() {
+        swept.extend(st.waiters.remove(id));
+    }
+    swept
+}
+
+#[cfg(test)]
+mod tests;

@@ -69,6 +69,9 @@ pub(crate) struct PeerLink {
     /// kept between writes (no list allocated per message; see `links::DirectWrite`).
     pub(crate) write: Arc<tokio::sync::Mutex<Vec<Frame>>>,
     pub(crate) queued: Arc<crate::queue::OutQueue>,
+    /// Where the message headers of the frames for this peer are encoded, one after another
+    /// (`wire::bytes_in`): no allocation a header.
+    pub(crate) room: bytes::BytesMut,
 }
 
 /// The agent's state, under its one lock. No guard is held across an `.await`, and nothing
@@ -84,6 +87,8 @@ pub(crate) struct State {
     pub(crate) gathers_waiting: HashMap<GatherToken, oneshot::Sender<GatherOutcome>>,
     /// Each call's (and fetch's) waiter, by its message id: no hashing (ids only grow).
     pub(crate) waiters: ById<Waiter>,
+    /// Calls whose waiters are to be taken out: dropped unread while this lock was held.
+    pub(crate) abandoned: mpsc::UnboundedReceiver<tensorwire_core::protocol::MessageId>,
     pub(crate) values: HashMap<RRefId, Arc<dyn Value>>,
     pub(crate) peers: HashMap<WorkerId, PeerLink>,
     /// Functions waiting until the owners confirm the references in their arguments (the
@@ -123,6 +128,9 @@ pub(crate) struct Inner {
     pub(crate) serving: std::sync::atomic::AtomicUsize,
     /// Bytes queued for every peer's writer ([`Agent::queued_bytes`]).
     pub(crate) queued_bytes: Arc<std::sync::atomic::AtomicUsize>,
+    /// The ids of calls dropped unread while the state's lock was held, for the driver to
+    /// take their waiters out ([`State::abandoned`]; see `future::Outcome`'s `Drop`).
+    pub(crate) abandoned: mpsc::UnboundedSender<tensorwire_core::protocol::MessageId>,
 }
 
 /// What the agent holds until shutdown lets go of it — the group's store, the rendezvous, a
