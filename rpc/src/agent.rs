@@ -19,10 +19,8 @@ use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
 use tensorwire_core::ports::process_group::{Collectives, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
-use tensorwire_core::protocol::by_id::ById;
 
 use crate::future::Outcome;
-use crate::state::Waiter;
 use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
     CallError, Endpoint, MessageId, MethodTarget, RRefFailure, RRefForkData, RRefHandle, RRefId,
@@ -124,7 +122,7 @@ impl Agent {
                 ),
                 dyn_state: crate::state::DynState::default(),
                 gathers_waiting: HashMap::default(),
-                waiters: ById::default(),
+                waiters: Default::default(),
                 abandoned: abandoned_rx,
                 values: HashMap::default(),
                 peers: HashMap::default(),
@@ -485,7 +483,9 @@ impl Agent {
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
         let bytes = message_bytes(prepared.data.len(), prepared.tensors.iter().map(|t| &t.0));
-        let registered = waker.as_ref().map(crate::future::Registered::of);
+        let registered = waker
+            .as_ref()
+            .map(tensorwire_core::protocol::by_id::Registered::of);
         let ((), id, alone) = self.submit(to, target, prepared, waker, |ep, body, now| {
             match body {
                 Some(body) => ep.call(to, function, body, timeout, now),
@@ -541,7 +541,7 @@ impl Agent {
             let now = self.now();
             let (made, id) =
                 enter(st.node.ep_mut(), body, now).map_err(|_| RpcError::NotRunning)?;
-            st.waiters.insert(id, Waiter::Waiting(waker));
+            st.waiters.wait(id, waker);
             (made, id, later.is_none() && st.waiters.len() == 1)
         };
         if let Some(prepared) = later {
@@ -780,7 +780,7 @@ impl Agent {
                 Ok(id) => id,
                 Err(e) => return Err(rref_error_in(&st, handle, e)),
             };
-            st.waiters.insert(id, Waiter::Waiting(None));
+            st.waiters.wait(id, None);
             id
         };
         let rx = Outcome::new(self.clone(), id, None);

@@ -16,7 +16,7 @@ use crate::links::{self, peer_lost_on, until_failed, DirectWrite, Few};
 use crate::membership;
 use crate::serve;
 use crate::state::Agent;
-use crate::state::{Body, State, Waiter};
+use crate::state::{Body, State};
 use tensorwire_core::protocol::gather::GatherOutcome;
 use tensorwire_core::protocol::served::ServeFailure;
 use tensorwire_core::protocol::{ConfirmError, ShutdownError};
@@ -360,17 +360,7 @@ enum Step {
 fn deliver(st: &mut State, e: NodeEvent<Body>) -> Step {
     let delivery = match e {
         NodeEvent::Endpoint(Event::Completed { id, outcome }) => {
-            match st.waiters.get_mut(id) {
-                Some(w) => match std::mem::replace(w, Waiter::Done(outcome)) {
-                    Waiter::Waiting(waker) => waker.map(Delivery::Call),
-                    // Ended once only: the first outcome stays.
-                    Waiter::Done(first) => {
-                        *w = Waiter::Done(first);
-                        None
-                    }
-                },
-                None => None,
-            }
+            st.waiters.end(id, outcome).map(Delivery::Call)
         }
         NodeEvent::Endpoint(Event::ConfirmWaitDone { wait, outcome }) => {
             (st.confirm_waits.remove(&wait)).map(|tx| Delivery::Confirmed(tx, outcome))

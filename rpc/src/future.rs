@@ -10,6 +10,7 @@ use tensorwire_core::protocol::{CallError, MessageId};
 
 use crate::error::RpcError;
 use crate::state::{Agent, Body, State, Waiter};
+use tensorwire_core::protocol::by_id::Registered;
 
 /// The result of [`Agent::rpc_async`](crate::Agent::rpc_async): await it for the callee's result.
 pub struct RpcFuture<R> {
@@ -57,20 +58,6 @@ impl Outcome {
     }
 }
 
-/// Which waker a waiter was made with (its data and vtable, as `Waker::will_wake` compares
-/// them), kept without a reference to it.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Registered(usize, usize);
-
-impl Registered {
-    pub(crate) fn of(waker: &std::task::Waker) -> Self {
-        Self(
-            waker.data() as usize,
-            std::ptr::from_ref(waker.vtable()) as usize,
-        )
-    }
-}
-
 impl Future for Outcome {
     type Output = Result<Result<Body, CallError>, Closed>;
 
@@ -84,18 +71,13 @@ impl Future for Outcome {
         if this.registered.take() == Some(Registered::of(cx.waker())) {
             return Poll::Pending;
         }
-        let mut st = this.agent.lock();
-        if let Some(Waiter::Waiting(waker)) = st.waiters.get_mut(this.id) {
-            if !waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-                *waker = Some(cx.waker().clone());
+        match this.agent.lock().waiters.poll(this.id, cx.waker()) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(outcome) => {
+                this.read = true;
+                Poll::Ready(outcome.ok_or(Closed))
             }
-            return Poll::Pending;
         }
-        this.read = true;
-        Poll::Ready(match st.waiters.remove(this.id) {
-            Some(Waiter::Done(outcome)) => Ok(outcome),
-            _ => Err(Closed),
-        })
     }
 }
 

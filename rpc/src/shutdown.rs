@@ -47,11 +47,7 @@ pub(crate) async fn stop_and_release(this: &Agent, deadline: Instant) {
         )
     };
     // A call still waited for is woken to find its waiter gone.
-    for waiter in waiters.into_values() {
-        if let crate::state::Waiter::Waiting(Some(waker)) = waiter {
-            waker.wake();
-        }
-    }
+    waiters.into_wakers().for_each(std::task::Waker::wake);
     drop((values, peers));
     others.abort_all();
     while others.join_next().await.is_some() {}

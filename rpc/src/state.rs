@@ -11,7 +11,7 @@ use tensorwire_core::hashing::HashMap;
 use tensorwire_core::device::DeviceMaps;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
-use tensorwire_core::protocol::by_id::ById;
+use tensorwire_core::protocol::by_id::Waiters;
 use tensorwire_core::protocol::envelope::FrameBody;
 use tensorwire_core::protocol::gather::{GatherOutcome, GatherToken};
 use tensorwire_core::protocol::membership::MembershipError;
@@ -44,14 +44,8 @@ pub struct Agent {
 pub(crate) type Body = FrameBody;
 
 /// What the agent keeps for a call (a fetch, a remote) under its id until its
-/// [`Outcome`](crate::future::Outcome) reads it: the task to wake once it ends, then how it
-/// ended.
-pub(crate) enum Waiter {
-    /// Not ended: the task to wake when it does (none until first polled).
-    Waiting(Option<std::task::Waker>),
-    /// Ended, not read yet.
-    Done(Result<Body, CallError>),
-}
+/// [`Outcome`](crate::future::Outcome) reads it (core's [`Waiters`]).
+pub(crate) type Waiter = tensorwire_core::protocol::by_id::Waiter<Result<Body, CallError>>;
 
 /// What every worker publishes at init (the membership protocol's record).
 pub(crate) type WorkerRecord = tensorwire_core::protocol::membership::MemberRecord;
@@ -86,7 +80,7 @@ pub(crate) struct State {
     /// The calls of the gathers this worker leads (the node's), each waiting for its answer.
     pub(crate) gathers_waiting: HashMap<GatherToken, oneshot::Sender<GatherOutcome>>,
     /// Each call's (and fetch's) waiter, by its message id: no hashing (ids only grow).
-    pub(crate) waiters: ById<Waiter>,
+    pub(crate) waiters: Waiters<Result<Body, CallError>>,
     /// Calls whose waiters are to be taken out: dropped unread while this lock was held.
     pub(crate) abandoned: mpsc::UnboundedReceiver<tensorwire_core::protocol::MessageId>,
     pub(crate) values: HashMap<RRefId, Arc<dyn Value>>,

@@ -4,6 +4,7 @@
 //! by a binary search over the few in flight (one, for a caller that waits on each call).
 
 use std::collections::VecDeque;
+use std::task::{Poll, Waker};
 
 use super::MessageId;
 
@@ -111,6 +112,108 @@ impl<T> ById<T> {
     }
 }
 
+/// A call's waiter in [`Waiters`]: the task to wake once the call ends, then how it ended.
+#[derive(Debug)]
+pub enum Waiter<T> {
+    /// Not ended: the task to wake when it does (none until first polled).
+    Waiting(Option<Waker>),
+    /// Ended, not read yet.
+    Done(T),
+}
+
+/// The waiters of our calls (fetches, remotes) by message id, each read once by the call's
+/// future: made when the call is sent, ended by its outcome, taken when read or let go of.
+#[derive(Debug)]
+pub struct Waiters<T> {
+    by_id: ById<Waiter<T>>,
+}
+
+impl<T> Default for Waiters<T> {
+    fn default() -> Self {
+        Self {
+            by_id: ById::default(),
+        }
+    }
+}
+
+impl<T> Waiters<T> {
+    /// A waiter for call `id`, which wakes `waker` (when known now) once the call ends.
+    pub fn wait(&mut self, id: MessageId, waker: Option<Waker>) {
+        self.by_id.insert(id, Waiter::Waiting(waker));
+    }
+
+    /// Call `id` ended with `outcome`: kept for its future, and the task to wake (after the
+    /// caller's lock), if one waits. A call ends once only: a later outcome is dropped, as is
+    /// one for a call no longer waited for.
+    pub fn end(&mut self, id: MessageId, outcome: T) -> Option<Waker> {
+        let waiter = self.by_id.get_mut(id)?;
+        match waiter {
+            Waiter::Waiting(waker) => {
+                let waker = waker.take();
+                *waiter = Waiter::Done(outcome);
+                waker
+            }
+            Waiter::Done(_) => None,
+        }
+    }
+
+    /// Call `id`'s outcome for the task of `waker`: pending while it has not ended (`waker`
+    /// kept to be woken, unless the one kept wakes the same task), then its outcome once (the
+    /// waiter goes), or `None` when no waiter is left (taken at shutdown, or read already).
+    pub fn poll(&mut self, id: MessageId, waker: &Waker) -> Poll<Option<T>> {
+        if let Some(Waiter::Waiting(kept)) = self.by_id.get_mut(id) {
+            if !kept.as_ref().is_some_and(|k| k.will_wake(waker)) {
+                *kept = Some(waker.clone());
+            }
+            return Poll::Pending;
+        }
+        Poll::Ready(match self.by_id.remove(id) {
+            Some(Waiter::Done(outcome)) => Some(outcome),
+            _ => None,
+        })
+    }
+
+    /// Takes call `id`'s waiter (its future let go of it).
+    pub fn remove(&mut self, id: MessageId) -> Option<Waiter<T>> {
+        self.by_id.remove(id)
+    }
+
+    /// How many calls are waited for (or ended and not read).
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    /// Whether no call is waited for.
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    /// The tasks still waiting, to wake once the waiters are gone (at shutdown: each finds
+    /// its waiter gone).
+    pub fn into_wakers(self) -> impl Iterator<Item = Waker> {
+        self.by_id.into_values().filter_map(|w| match w {
+            Waiter::Waiting(waker) => waker,
+            Waiter::Done(_) => None,
+        })
+    }
+}
+
+/// Which waker a waiter was made with (its data and vtable, as [`Waker::will_wake`] compares
+/// them), kept without a reference to it: a call's future polled first with that waker has
+/// nothing to register.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registered(usize, usize);
+
+impl Registered {
+    /// The identity of `waker`.
+    pub fn of(waker: &Waker) -> Self {
+        Self(
+            waker.data() as usize,
+            std::ptr::from_ref(waker.vtable()) as usize,
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
@@ -172,5 +275,62 @@ mod tests {
         by_id.remove(3);
         by_id.insert(2, 'z');
         assert_eq!(by_id.into_values().collect::<String>(), "zy");
+    }
+
+    /// Counts its wake-ups.
+    struct Count(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for Count {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    fn counting() -> (std::sync::Arc<Count>, Waker) {
+        let count = std::sync::Arc::new(Count(Default::default()));
+        (count.clone(), Waker::from(count))
+    }
+
+    fn woken(count: &Count) -> usize {
+        count.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    #[test]
+    fn a_waiter_wakes_its_latest_task_once_and_gives_its_first_outcome_once() {
+        let mut waiters = Waiters::default();
+        let (a, waker_a) = counting();
+        let (b, waker_b) = counting();
+        // Made with no waker: the first poll keeps one; a poll by another task replaces it.
+        waiters.wait(1, None);
+        assert_eq!(waiters.poll(1, &waker_a), Poll::Pending);
+        assert_eq!(waiters.poll(1, &waker_b), Poll::Pending);
+        let waker = waiters.end(1, "first").expect("a task waits");
+        waker.wake();
+        assert_eq!((woken(&a), woken(&b)), (0, 1));
+        // Ended once only; read once.
+        assert!(waiters.end(1, "second").is_none());
+        assert_eq!(waiters.poll(1, &waker_b), Poll::Ready(Some("first")));
+        assert_eq!(waiters.poll(1, &waker_b), Poll::Ready(None));
+        assert!(waiters.end(1, "late").is_none());
+        assert!(waiters.is_empty());
+        // Made with a waker: no poll needed to be woken; ended before any poll, read at once.
+        waiters.wait(2, Some(waker_a.clone()));
+        assert!(waiters
+            .end(2, "done")
+            .is_some_and(|w| w.will_wake(&waker_a)));
+        assert_eq!(waiters.poll(2, &waker_a), Poll::Ready(Some("done")));
+        // Taken away (shutdown): the tasks still waiting are handed back, and find nothing.
+        waiters.wait(3, Some(waker_a.clone()));
+        waiters.wait(4, None);
+        waiters.wait(5, None);
+        waiters.end(5, "unread");
+        assert_eq!(waiters.len(), 3);
+        let wakers: Vec<Waker> = std::mem::take(&mut waiters).into_wakers().collect();
+        assert_eq!(wakers.len(), 1);
+        assert!(wakers[0].will_wake(&waker_a));
+        assert_eq!(waiters.poll(3, &waker_a), Poll::Ready(None));
+        assert!(waiters.remove(4).is_none());
+        assert_eq!(Registered::of(&waker_a), Registered::of(&waker_a.clone()));
+        assert_ne!(Registered::of(&waker_a), Registered::of(&waker_b));
     }
 }
