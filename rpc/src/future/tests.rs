@@ -8,11 +8,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_store::InMemoryStore;
-use tensorwire_transport_memory::MemoryNetwork;
 use tokio::sync::Semaphore;
 
-use crate::{start_agent, Agent, Functions, Rendezvous, RpcOptions, Shutdown};
+use crate::tests::{pair_of, until};
+use crate::{Agent, Functions, RpcOptions, Shutdown};
 
 /// Two agents, w0 and w1; w1's `hold` counts itself started and waits for a permit of `gate`.
 async fn pair(gate: &Arc<Semaphore>, started: &Arc<AtomicUsize>) -> Vec<Agent> {
@@ -32,37 +31,12 @@ async fn pair(gate: &Arc<Semaphore>, started: &Arc<AtomicUsize>) -> Vec<Agent> {
         |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) },
     )
     .unwrap();
-    let net = MemoryNetwork::new();
-    let store: Arc<dyn tensorwire_core::ports::store::Store> = Arc::new(InMemoryStore::new());
-    let mut tasks = Vec::new();
-    for rank in 0..2 {
-        let o = RpcOptions {
-            init_timeout: Duration::from_secs(20),
-            functions: f.clone(),
-            ..RpcOptions::default()
-        };
-        let transport = Arc::new(net.transport());
-        let rdv = Rendezvous::from_store(Arc::clone(&store), rank, 2);
-        tasks.push(tokio::spawn(async move {
-            start_agent(transport, rdv, &format!("w{rank}"), rank, Some(2), o).await
-        }));
-    }
-    let mut agents = Vec::new();
-    for t in tasks {
-        agents.push(t.await.unwrap().unwrap());
-    }
-    agents
-}
-
-/// Lets the agents' tasks run until `done` holds (virtual time: nothing really waits).
-async fn until(mut done: impl FnMut() -> bool) {
-    for _ in 0..1000 {
-        if done() {
-            return;
-        }
-        tokio::task::yield_now().await;
-    }
-    panic!("the condition never held");
+    pair_of(|_| RpcOptions {
+        init_timeout: Duration::from_secs(20),
+        functions: f.clone(),
+        ..RpcOptions::default()
+    })
+    .await
 }
 
 fn waiting(a: &Agent) -> usize {
