@@ -19,6 +19,8 @@ use tensorwire_core::device::{Device, DeviceMap, DeviceMaps};
 use tensorwire_core::ports::process_group::{Collectives, ProcessGroupError};
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::Connection;
+
+use crate::future::Outcome;
 use tensorwire_core::protocol::node::Node;
 use tensorwire_core::protocol::{
     CallError, Endpoint, MessageId, MethodTarget, RRefFailure, RRefForkData, RRefHandle, RRefId,
@@ -84,6 +86,7 @@ impl Agent {
         budget: tensorwire_core::budget::Budget,
     ) -> Agent {
         let members = Directory::new(name, &options.devices, &options.device_maps, records);
+        let (abandoned, abandoned_rx) = tokio::sync::mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             me: WorkerInfo {
                 name: name.to_owned(),
@@ -119,7 +122,8 @@ impl Agent {
                 ),
                 dyn_state: crate::state::DynState::default(),
                 gathers_waiting: HashMap::default(),
-                waiters: HashMap::default(),
+                waiters: Default::default(),
+                abandoned: abandoned_rx,
                 values: HashMap::default(),
                 peers: HashMap::default(),
                 confirm_waits: HashMap::default(),
@@ -140,6 +144,7 @@ impl Agent {
             peer_events: crate::peer_events::PeerEventHub::new(),
             serving: std::sync::atomic::AtomicUsize::new(0),
             queued_bytes: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            abandoned,
         });
         Agent { inner }
     }
@@ -344,7 +349,15 @@ impl Agent {
     {
         // Awaited here, where `function` lives: no future to box, no copy of the name.
         let to = self.resolve(&to.into())?;
-        let (rx, watch) = self.begin_call(to, function, args, None, timeout, Direction::Request)?;
+        // This task's waker goes in with the call's waiter: the outcome's first poll, by this
+        // task, has nothing to register (no second lock a call).
+        let waker = std::future::poll_fn(|cx| std::task::Poll::Ready(cx.waker().clone())).await;
+        let how = CallHow {
+            target: None,
+            placement: Direction::Request,
+            waker: Some(waker),
+        };
+        let (rx, watch) = self.begin_call(to, function, args, timeout, how)?;
         watch.watch(self.call_result(rx, to, function)).await
     }
 
@@ -439,7 +452,12 @@ impl Agent {
         A: Serialize + ?Sized,
         R: DeserializeOwned + Send + 'static,
     {
-        let (rx, watch) = self.begin_call(to, function, args, target, timeout, placement)?;
+        let how = CallHow {
+            target,
+            placement,
+            waker: None,
+        };
+        let (rx, watch) = self.begin_call(to, function, args, timeout, how)?;
         let (agent, function) = (self.clone(), function.to_owned());
         let result = async move { agent.call_result(rx, to, &function).await };
         Ok(RpcFuture {
@@ -453,22 +471,29 @@ impl Agent {
         to: WorkerId,
         function: &str,
         args: &A,
-        target: Option<RRefHandle>,
         timeout: Option<Duration>,
-        placement: Direction,
+        how: CallHow,
     ) -> Result<(Outcome, crate::metrics::CallWatch), RpcError> {
+        let CallHow {
+            target,
+            placement,
+            waker,
+        } = how;
         let prepared = tensors::prepare(self, to, args, placement)
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
-        let (tx, rx) = oneshot::channel();
         let bytes = message_bytes(prepared.data.len(), prepared.tensors.iter().map(|t| &t.0));
-        let ((), id, alone) = self.submit(to, target, prepared, tx, |ep, body, now| {
+        let registered = waker
+            .as_ref()
+            .map(tensorwire_core::protocol::by_id::Registered::of);
+        let ((), id, alone) = self.submit(to, target, prepared, waker, |ep, body, now| {
             match body {
                 Some(body) => ep.call(to, function, body, timeout, now),
                 None => ep.call_deferred(to, function, timeout, now),
             }
             .map(|id| ((), id))
         })?;
+        let rx = Outcome::new(self.clone(), id, registered);
         // The only call waiting: nothing would join it in the writer's batch, so it is
         // written here and now. With others in flight, the writer batches them.
         if alone {
@@ -491,7 +516,7 @@ impl Agent {
         to: WorkerId,
         target: Option<RRefHandle>,
         prepared: tensors::Prepared,
-        tx: crate::state::Waiter,
+        waker: Option<std::task::Waker>,
         enter: impl FnOnce(
             &mut Endpoint<Body>,
             Option<Body>,
@@ -516,7 +541,7 @@ impl Agent {
             let now = self.now();
             let (made, id) =
                 enter(st.node.ep_mut(), body, now).map_err(|_| RpcError::NotRunning)?;
-            st.waiters.insert(id, tx);
+            st.waiters.wait(id, waker);
             (made, id, later.is_none() && st.waiters.len() == 1)
         };
         if let Some(prepared) = later {
@@ -581,15 +606,16 @@ impl Agent {
         let prepared = tensors::prepare(self, to, args, Direction::Request)
             .map_err(|e| self.transfer_error(to, function, e))?;
         let timeout = self.timeout_or_default(timeout);
-        let (tx, rx) = oneshot::channel();
         let bytes = message_bytes(prepared.data.len(), prepared.tensors.iter().map(|t| &t.0));
         self.inner
             .metrics
             .remote(&|id| self.name_of(id), to, function, bytes);
-        let (handle, _, _) = self.submit(to, target, prepared, tx, |ep, body, now| match body {
-            Some(body) => ep.remote(to, function, body, timeout, now),
-            None => ep.remote_deferred(to, function, timeout, now),
-        })?;
+        let (handle, id, _) =
+            self.submit(to, target, prepared, None, |ep, body, now| match body {
+                Some(body) => ep.remote(to, function, body, timeout, now),
+                None => ep.remote_deferred(to, function, timeout, now),
+            })?;
+        let rx = Outcome::new(self.clone(), id, None);
         self.pump();
         Ok(RRef::from_handle(self.clone(), handle, Some(rx)))
     }
@@ -746,17 +772,18 @@ impl Agent {
         &self,
         handle: RRefHandle,
         timeout: Option<Duration>,
-    ) -> Result<oneshot::Receiver<Result<Body, CallError>>, RpcError> {
+    ) -> Result<Outcome, RpcError> {
         let timeout = self.timeout_or_default(timeout);
-        let (tx, rx) = oneshot::channel();
-        {
+        let id = {
             let mut st = self.lock();
             let id = match st.node.ep_mut().fetch(handle, timeout, self.now()) {
                 Ok(id) => id,
                 Err(e) => return Err(rref_error_in(&st, handle, e)),
             };
-            st.waiters.insert(id, tx);
-        }
+            st.waiters.wait(id, None);
+            id
+        };
+        let rx = Outcome::new(self.clone(), id, None);
         self.pump();
         Ok(rx)
     }
@@ -1081,8 +1108,14 @@ impl tensors::Routes for Agent {
     }
 }
 
-/// Where a call's outcome arrives.
-type Outcome = oneshot::Receiver<Result<Body, CallError>>;
+/// How a call is sent besides its arguments: the reference whose method it calls, where its
+/// tensors go, and the waker of the task that will await it, if known now (see
+/// [`Outcome::new`]).
+struct CallHow {
+    target: Option<RRefHandle>,
+    placement: Direction,
+    waker: Option<std::task::Waker>,
+}
 
 impl Agent {
     /// The value of the call whose outcome `rx` receives.

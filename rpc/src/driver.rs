@@ -19,7 +19,7 @@ use crate::state::Agent;
 use crate::state::{Body, State};
 use tensorwire_core::protocol::gather::GatherOutcome;
 use tensorwire_core::protocol::served::ServeFailure;
-use tensorwire_core::protocol::{CallError, ConfirmError, ShutdownError};
+use tensorwire_core::protocol::{ConfirmError, ShutdownError};
 use tokio::sync::oneshot;
 
 /// Attaches an agent-owned connection to `peer` (its writer: see [`links::attach_conn`]) and
@@ -292,7 +292,11 @@ fn running(this: &Agent, from: WorkerId, function: &str) -> Option<WorkerId> {
 pub(crate) async fn drive(agent: Agent) {
     loop {
         agent.pump();
-        let next = agent.lock().node.arm_timer();
+        let (next, swept) = {
+            let mut st = agent.lock();
+            (st.node.arm_timer(), crate::future::sweep_abandoned(&mut st))
+        };
+        drop(swept);
         match next {
             Some(at) => {
                 tokio::select! {
@@ -311,7 +315,8 @@ pub(crate) async fn drive(agent: Agent) {
 /// What an event that only tells its waiter hands over, taken under the lock and done after
 /// it ([`Delivery::send`]).
 enum Delivery {
-    Call(crate::state::Waiter, Result<Body, CallError>),
+    /// A call ended: its outcome is in its waiter, and this task reads it.
+    Call(std::task::Waker),
     Confirmed(
         oneshot::Sender<Result<(), ConfirmError>>,
         Result<(), ConfirmError>,
@@ -331,7 +336,7 @@ enum Delivery {
 impl Delivery {
     fn send(self) {
         match self {
-            Delivery::Call(tx, outcome) => drop(tx.send(outcome)),
+            Delivery::Call(waker) => waker.wake(),
             Delivery::Confirmed(tx, outcome) => drop(tx.send(outcome)),
             Delivery::Shutdown(tx, outcome) => drop(tx.send(outcome)),
             Delivery::Gathered(tx, outcome) => drop(tx.send(outcome)),
@@ -355,7 +360,7 @@ enum Step {
 fn deliver(st: &mut State, e: NodeEvent<Body>) -> Step {
     let delivery = match e {
         NodeEvent::Endpoint(Event::Completed { id, outcome }) => {
-            (st.waiters.remove(&id)).map(|tx| Delivery::Call(tx, outcome))
+            st.waiters.end(id, outcome).map(Delivery::Call)
         }
         NodeEvent::Endpoint(Event::ConfirmWaitDone { wait, outcome }) => {
             (st.confirm_waits.remove(&wait)).map(|tx| Delivery::Confirmed(tx, outcome))

@@ -1,7 +1,16 @@
 //! The future of a call's result ([`RpcFuture`]), made by the agent and counted by its
 //! metrics.
 
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::TryLockError;
+use std::task::{Context, Poll};
+
+use tensorwire_core::protocol::{CallError, MessageId};
+
 use crate::error::RpcError;
+use crate::state::{Agent, Body, State, Waiter};
+use tensorwire_core::protocol::by_id::Registered;
 
 /// The result of [`Agent::rpc_async`](crate::Agent::rpc_async): await it for the callee's result.
 pub struct RpcFuture<R> {
@@ -19,3 +28,92 @@ impl<R> std::future::Future for RpcFuture<R> {
         self.inner.as_mut().poll(cx)
     }
 }
+
+/// The agent stopped before a call ended (its waiter was let go of).
+#[derive(Debug)]
+pub(crate) struct Closed;
+
+/// How a call (a fetch, a remote) ended, read from the agent's waiter under its id: no
+/// channel of its own. Dropped unread, it takes its waiter with it.
+pub(crate) struct Outcome {
+    agent: Agent,
+    id: MessageId,
+    /// Read (or found gone): nothing of it is left in the agent.
+    read: bool,
+    /// The waker its waiter was made with, until the first poll.
+    registered: Option<Registered>,
+}
+
+impl Outcome {
+    /// The outcome of message `id`, whose waiter `agent` holds, made with the waker that
+    /// `registered` identifies (if any): a first poll with that waker returns `Pending` at
+    /// once, as the waiter will wake it.
+    pub(crate) fn new(agent: Agent, id: MessageId, registered: Option<Registered>) -> Self {
+        Self {
+            agent,
+            id,
+            read: false,
+            registered,
+        }
+    }
+}
+
+impl Future for Outcome {
+    type Output = Result<Result<Body, CallError>, Closed>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        if this.read {
+            return Poll::Ready(Err(Closed));
+        }
+        // Polled first by the task whose waker the waiter holds: nothing to register, and an
+        // outcome already in has woken that task, which polls again.
+        if this.registered.take() == Some(Registered::of(cx.waker())) {
+            return Poll::Pending;
+        }
+        match this.agent.lock().waiters.poll(this.id, cx.waker()) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(outcome) => {
+                this.read = true;
+                Poll::Ready(outcome.ok_or(Closed))
+            }
+        }
+    }
+}
+
+impl Drop for Outcome {
+    fn drop(&mut self) {
+        if self.read {
+            return;
+        }
+        // Never waits for the agent's lock: whoever holds it (this very thread, dropping a
+        // call from under it, or another) would deadlock or stall the drop. Taken, its waiter
+        // goes now (its body, if it ended, dropped after the lock); else its id goes to the
+        // driver, which takes the waiter out when it next runs ([`sweep_abandoned`]).
+        let left = match self.agent.inner.state.try_lock() {
+            Ok(mut st) => st.waiters.remove(self.id),
+            Err(TryLockError::Poisoned(st)) => st.into_inner().waiters.remove(self.id),
+            Err(TryLockError::WouldBlock) => {
+                // Refused only once the state (the receiver's holder) is gone, which this
+                // outcome's agent keeps alive.
+                let _ = self.agent.inner.abandoned.send(self.id);
+                self.agent.wake();
+                None
+            }
+        };
+        drop(left);
+    }
+}
+
+/// Takes the waiters of the calls dropped unread while the lock was held (see [`Outcome`]'s
+/// `Drop`) out of `st`, for the caller to drop after the lock.
+pub(crate) fn sweep_abandoned(st: &mut State) -> Vec<Waiter> {
+    let mut swept = Vec::new();
+    while let Ok(id) = st.abandoned.try_recv() {
+        swept.extend(st.waiters.remove(id));
+    }
+    swept
+}
+
+#[cfg(test)]
+mod tests;

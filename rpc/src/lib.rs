@@ -89,3 +89,6 @@ pub use tensorwire_core::protocol::{
 };
 pub use tensorwire_rendezvous::Rendezvous;
 pub use typed::{Call, Function, Method, MethodCall, Signature};
+
+#[cfg(test)]
+mod tests;

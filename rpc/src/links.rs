@@ -110,6 +110,7 @@ pub(crate) fn attach_conn(
                 conn: Arc::clone(&conn),
                 write: Arc::clone(&write),
                 queued: Arc::clone(&queued),
+                room: bytes::BytesMut::new(),
             },
         );
     }
@@ -337,7 +338,13 @@ pub(crate) fn send(
     });
     // A request announces the references in its arguments (their owner holds them from its
     // arrival); a reply's header carries its own (core's one encoder decides).
-    let frame = match Envelope::frame(t.header, t.body) {
+    // The header goes into the link's room (no allocation of its own), and straight into a
+    // frame of its own for a peer with no link (counted lost below).
+    let framed = match st.peers.get_mut(&t.to) {
+        Some(link) => Envelope::frame_in(t.header, t.body, &mut link.room),
+        None => Envelope::frame(t.header, t.body),
+    };
+    let frame = match framed {
         Ok(f) => f,
         Err(e) => {
             warn!("cannot encode a message header: {e}");

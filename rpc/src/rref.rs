@@ -13,16 +13,14 @@ use std::time::Duration;
 use serde::de::{DeserializeOwned, Error as _, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tensorwire_core::protocol::{CallError, RRefHandle};
-use tokio::sync::oneshot;
 
 use crate::error::{RRefError, RpcError};
 use crate::future::RpcFuture;
 use crate::state::Agent;
-use crate::state::Body;
 use tensorwire_core::protocol::membership::WorkerInfo;
 use tensorwire_core::protocol::value as codec;
 
-type Created = oneshot::Receiver<Result<Body, CallError>>;
+type Created = crate::future::Outcome;
 
 struct Shared {
     agent: Agent,

@@ -46,7 +46,9 @@ pub(crate) async fn stop_and_release(this: &Agent, deadline: Instant) {
             std::mem::take(&mut st.waiters),
         )
     };
-    drop((values, peers, waiters));
+    // A call still waited for is woken to find its waiter gone.
+    waiters.into_wakers().for_each(std::task::Waker::wake);
+    drop((values, peers));
     others.abort_all();
     while others.join_next().await.is_some() {}
     let mut writers = writers;

@@ -11,13 +11,12 @@ use tensorwire_core::hashing::HashMap;
 use tensorwire_core::device::DeviceMaps;
 use tensorwire_core::ports::store::Store;
 use tensorwire_core::ports::transport::{Connection, Transport};
+use tensorwire_core::protocol::by_id::Waiters;
 use tensorwire_core::protocol::envelope::FrameBody;
 use tensorwire_core::protocol::gather::{GatherOutcome, GatherToken};
 use tensorwire_core::protocol::membership::MembershipError;
 use tensorwire_core::protocol::node::Node;
-use tensorwire_core::protocol::{
-    CallError, ConfirmError, MessageId, RRefId, ShutdownError, WaitId, WorkerId,
-};
+use tensorwire_core::protocol::{CallError, ConfirmError, RRefId, ShutdownError, WaitId, WorkerId};
 use tensorwire_core::wire::Frame;
 use tensorwire_process_group::{Group, Rendezvous};
 use tokio::sync::{mpsc, oneshot, Notify};
@@ -44,7 +43,9 @@ pub struct Agent {
 /// (core's frame body, which core encodes and decodes).
 pub(crate) type Body = FrameBody;
 
-pub(crate) type Waiter = oneshot::Sender<Result<Body, CallError>>;
+/// What the agent keeps for a call (a fetch, a remote) under its id until its
+/// [`Outcome`](crate::future::Outcome) reads it (core's [`Waiters`]).
+pub(crate) type Waiter = tensorwire_core::protocol::by_id::Waiter<Result<Body, CallError>>;
 
 /// What every worker publishes at init (the membership protocol's record).
 pub(crate) type WorkerRecord = tensorwire_core::protocol::membership::MemberRecord;
@@ -62,6 +63,9 @@ pub(crate) struct PeerLink {
     /// kept between writes (no list allocated per message; see `links::DirectWrite`).
     pub(crate) write: Arc<tokio::sync::Mutex<Vec<Frame>>>,
     pub(crate) queued: Arc<crate::queue::OutQueue>,
+    /// Where the message headers of the frames for this peer are encoded, one after another
+    /// (`wire::bytes_in`): no allocation a header.
+    pub(crate) room: bytes::BytesMut,
 }
 
 /// The agent's state, under its one lock. No guard is held across an `.await`, and nothing
@@ -75,7 +79,10 @@ pub(crate) struct State {
     pub(crate) dyn_state: DynState,
     /// The calls of the gathers this worker leads (the node's), each waiting for its answer.
     pub(crate) gathers_waiting: HashMap<GatherToken, oneshot::Sender<GatherOutcome>>,
-    pub(crate) waiters: HashMap<MessageId, Waiter>,
+    /// Each call's (and fetch's) waiter, by its message id: no hashing (ids only grow).
+    pub(crate) waiters: Waiters<Result<Body, CallError>>,
+    /// Calls whose waiters are to be taken out: dropped unread while this lock was held.
+    pub(crate) abandoned: mpsc::UnboundedReceiver<tensorwire_core::protocol::MessageId>,
     pub(crate) values: HashMap<RRefId, Arc<dyn Value>>,
     pub(crate) peers: HashMap<WorkerId, PeerLink>,
     /// Functions waiting until the owners confirm the references in their arguments (the
@@ -115,6 +122,9 @@ pub(crate) struct Inner {
     pub(crate) serving: std::sync::atomic::AtomicUsize,
     /// Bytes queued for every peer's writer ([`Agent::queued_bytes`]).
     pub(crate) queued_bytes: Arc<std::sync::atomic::AtomicUsize>,
+    /// The ids of calls dropped unread while the state's lock was held, for the driver to
+    /// take their waiters out ([`State::abandoned`]; see `future::Outcome`'s `Drop`).
+    pub(crate) abandoned: mpsc::UnboundedSender<tensorwire_core::protocol::MessageId>,
 }
 
 /// What the agent holds until shutdown lets go of it — the group's store, the rendezvous, a

@@ -72,6 +72,34 @@ impl Envelope {
     /// # Errors
     /// [`encode`](Self::encode)'s.
     pub fn frame(header: Header, body: Option<FrameBody>) -> Result<Frame, postcard::Error> {
+        // Written in the thread's scratch buffer and copied out at its size: one allocation,
+        // where `encode`'s buffer with room to spare cost `Bytes` a second (its shared header).
+        Self::frame_with(header, body, |envelope| {
+            crate::wire::exact_bytes(|buf| postcard::to_extend(envelope, buf))
+        })
+    }
+
+    /// [`frame`](Self::frame), with the message header copied into `room` (see
+    /// [`wire::bytes_in`](crate::wire::bytes_in)): a sender's buffer for its frames to one
+    /// peer, from which the headers are split off with no allocation of their own.
+    ///
+    /// # Errors
+    /// [`encode`](Self::encode)'s.
+    pub fn frame_in(
+        header: Header,
+        body: Option<FrameBody>,
+        room: &mut bytes::BytesMut,
+    ) -> Result<Frame, postcard::Error> {
+        Self::frame_with(header, body, |envelope| {
+            crate::wire::bytes_in(room, |buf| postcard::to_extend(envelope, buf))
+        })
+    }
+
+    fn frame_with(
+        header: Header,
+        body: Option<FrameBody>,
+        encode: impl FnOnce(&Envelope) -> Result<Bytes, postcard::Error>,
+    ) -> Result<Frame, postcard::Error> {
         let request = matches!(header, Header::Call { .. } | Header::Remote { .. });
         let (target, forks, payloads, tensors) = match body {
             Some(b) => {
@@ -91,9 +119,7 @@ impl Envelope {
             forks,
             tensors,
         };
-        // Written in the thread's scratch buffer and copied out at its size: one allocation,
-        // where `encode`'s buffer with room to spare cost `Bytes` a second (its shared header).
-        let header = crate::wire::exact_bytes(|buf| postcard::to_extend(&envelope, buf))?;
+        let header = encode(&envelope)?;
         Ok(Frame {
             kind: FrameKind::Message,
             header,

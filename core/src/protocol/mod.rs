@@ -85,6 +85,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 mod bounds;
+pub mod by_id;
 mod calls;
 mod config;
 mod control;

@@ -125,6 +125,45 @@ pub fn exact_bytes<E>(encode: impl FnOnce(Vec<u8>) -> Result<Vec<u8>, E>) -> Res
     Ok(bytes)
 }
 
+/// A room ([`bytes_in`]) takes this many bytes at a time: a few dozen message headers.
+pub const ROOM_CHUNK: usize = 1 << 10;
+
+/// Encodings of at most this many bytes go into a room ([`bytes_in`]); a longer one is copied
+/// out at its size as [`exact_bytes`] does.
+pub const ROOM_MAX: usize = 256;
+
+/// [`exact_bytes`], with a small encoding copied into `room` (a buffer kept by whoever encodes a
+/// run of frames for one peer) and split off it: the bytes share the room's allocation, and
+/// none is made per encoding. Once the room is full it is reclaimed in place if every earlier
+/// encoding split off it is gone (frames written and dropped); else a new room of
+/// [`ROOM_CHUNK`] bytes is taken, and the old one goes with its last encoding. What a room
+/// holds beyond the encodings still alive is at most one chunk, plus the chunks that those
+/// encodings, consecutive frames for the same peer, fill.
+///
+/// # Errors
+/// `encode`'s (the scratch buffer is then let go of).
+pub fn bytes_in<E>(
+    room: &mut BytesMut,
+    encode: impl FnOnce(Vec<u8>) -> Result<Vec<u8>, E>,
+) -> Result<Bytes, E> {
+    let mut buf = encode(SCRATCH.with(std::cell::Cell::take))?;
+    if buf.len() > EXACT_COPY_MAX {
+        return Ok(Bytes::from(buf));
+    }
+    let bytes = if buf.len() > ROOM_MAX {
+        Bytes::copy_from_slice(&buf)
+    } else {
+        if room.capacity() < buf.len() {
+            room.reserve(ROOM_CHUNK);
+        }
+        room.extend_from_slice(&buf);
+        room.split().freeze()
+    };
+    buf.clear();
+    SCRATCH.with(|s| s.set(buf));
+    Ok(bytes)
+}
+
 /// Preambles of at most this many bytes (a frame with a few payloads) are kept in the
 /// [`OutgoingFrame`] itself, not in an allocation of their own.
 const INLINE_PREAMBLE: usize = 48;

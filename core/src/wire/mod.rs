@@ -57,7 +57,8 @@ pub use decode::{
     GROWTH_STEP,
 };
 pub use encode::{
-    encode_preamble, encode_to_vec, exact_bytes, OutgoingFrame, Preamble, EXACT_COPY_MAX,
+    bytes_in, encode_preamble, encode_to_vec, exact_bytes, OutgoingFrame, Preamble, EXACT_COPY_MAX,
+    ROOM_CHUNK, ROOM_MAX,
 };
 pub use error::{MeshFrameError, WireError};
 pub use payloads::{Payloads, PayloadsIntoIter};

@@ -849,3 +849,49 @@ fn exact_bytes_inside_an_encoding_gets_a_buffer_of_its_own() {
     .unwrap();
     assert_eq!(outer, Bytes::from_static(b"outer:inner"));
 }
+
+#[test]
+fn bytes_in_a_room_share_it_and_the_room_is_reclaimed_once_they_are_gone() {
+    let mut room = BytesMut::new();
+    let header = |n: usize, b: u8| {
+        move |mut buf: Vec<u8>| {
+            buf.resize(n, b);
+            Ok::<_, ()>(buf)
+        }
+    };
+    // Consecutive encodings lie one after the other in one allocation.
+    let first = bytes_in(&mut room, header(40, 1)).unwrap();
+    let second = bytes_in(&mut room, header(40, 2)).unwrap();
+    assert_eq!(&first[..], &[1; 40][..]);
+    assert_eq!(&second[..], &[2; 40][..]);
+    assert_eq!(first.as_ptr().wrapping_add(40), second.as_ptr());
+    let start = first.as_ptr();
+    // Gone before the room fills: the room starts over at the same place.
+    drop((first, second));
+    let mut held = Vec::new();
+    assert!(room.capacity() >= 40);
+    while room.capacity() >= 40 {
+        held.push(bytes_in(&mut room, header(40, 3)).unwrap());
+    }
+    drop(held);
+    let again = bytes_in(&mut room, header(40, 4)).unwrap();
+    assert_eq!(again.as_ptr(), start, "reclaimed in place");
+    // Still held when it fills: a new room, the held bytes unchanged.
+    let mut held = vec![again];
+    while room.capacity() >= 40 {
+        held.push(bytes_in(&mut room, header(40, 5)).unwrap());
+    }
+    let next = bytes_in(&mut room, header(40, 6)).unwrap();
+    let old = start..start.wrapping_add(ROOM_CHUNK);
+    assert!(!old.contains(&next.as_ptr()), "a new room");
+    assert_eq!(&held[0][..], &[4; 40][..]);
+    assert!(held[1..].iter().all(|h| h[..] == [5; 40][..]));
+    assert_eq!(&next[..], &[6; 40][..]);
+    // A long encoding is copied out at its size (the room untouched); errors pass on.
+    let before = room.capacity();
+    let long = bytes_in(&mut room, header(ROOM_MAX + 1, 7)).unwrap();
+    assert_eq!(long.len(), ROOM_MAX + 1);
+    assert_eq!(room.capacity(), before);
+    let failed = bytes_in(&mut room, |_| Err::<Vec<u8>, _>("cannot encode"));
+    assert_eq!(failed, Err("cannot encode"));
+}

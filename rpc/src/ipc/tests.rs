@@ -11,10 +11,9 @@ use tensorwire_core::ports::device::relocate;
 use tensorwire_core::protocol::{LostCause, ProtocolViolation};
 use tensorwire_core::tensor::Tensor;
 use tensorwire_core::wire::Frame;
-use tensorwire_store::InMemoryStore;
 
-use crate::{start_agent, Agent, Functions, PeerEvent, Rendezvous, RpcOptions, Shutdown};
-use tensorwire_transport_memory::MemoryNetwork;
+use crate::tests::{pair_of, until};
+use crate::{Agent, Functions, PeerEvent, RpcOptions, Shutdown};
 
 use super::*;
 
@@ -39,32 +38,21 @@ async fn pair_with(
     to: &str,
     tweak: impl Fn(usize, &mut RpcOptions),
 ) -> Vec<Agent> {
-    let net = MemoryNetwork::new();
-    let store: Arc<dyn tensorwire_core::ports::store::Store> = Arc::new(InMemoryStore::new());
-    let mut tasks = Vec::new();
-    for (rank, backend) in backends.into_iter().enumerate() {
+    pair_of(|rank| {
         let mut o = RpcOptions {
             init_timeout: Duration::from_secs(20),
             functions: functions(),
             listen_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
             ..RpcOptions::default()
         };
-        o.device_backend = backend;
+        o.device_backend = Arc::clone(&backends[rank]) as _;
         tweak(rank, &mut o);
         if rank == 0 {
             o.set_device_map("w1", &[("cuda:0", to)]).unwrap();
         }
-        let transport = Arc::new(net.transport());
-        let rdv = Rendezvous::from_store(Arc::clone(&store), rank, 2);
-        tasks.push(tokio::spawn(async move {
-            start_agent(transport, rdv, &format!("w{rank}"), rank, Some(2), o).await
-        }));
-    }
-    let mut agents = Vec::new();
-    for t in tasks {
-        agents.push(t.await.unwrap().unwrap());
-    }
-    agents
+        o
+    })
+    .await
 }
 
 async fn shutdown(agents: Vec<Agent>) {
@@ -91,17 +79,6 @@ async fn round_trip(a: &Agent, t: &Tensor, values: &[f32], backend: &SimulatedDe
     let host = relocate(backend, &back, Device::Cpu).await.unwrap();
     assert_eq!(host.to_f32_vec().unwrap(), values);
     landed
-}
-
-/// Lets the agents' tasks run until `done` holds (virtual time: nothing really waits).
-async fn until(mut done: impl FnMut() -> bool) {
-    for _ in 0..1000 {
-        if done() {
-            return;
-        }
-        tokio::task::yield_now().await;
-    }
-    panic!("the condition never held");
 }
 
 #[tokio::test(start_paused = true)]
