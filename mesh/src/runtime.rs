@@ -3,7 +3,7 @@
 //! `tokio::time`.
 //!
 //! A sleep further off than [`FAR`] on a real clock waits on one process-wide timer thread
-//! (a [`FarTimer`]), not in tokio's timer wheel: while any timer is pending in the wheel, every
+//! (a `FarTimer`), not in tokio's timer wheel: while any timer is pending in the wheel, every
 //! wait of tokio's reactor in `epoll_wait` carries a timeout, an hrtimer the kernel arms and
 //! cancels per wait (about 0.6 µs a round trip pinned, issue 45), and the agent's driver
 //! always sleeps on one (the earliest call's deadline, 60 s by default). Nearer sleeps keep
