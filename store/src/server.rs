@@ -588,9 +588,11 @@ async fn serve_connection(
     // Since when the connection has waited for room in the memory budget.
     let mut starved_since: Option<Instant> = None;
     let (mut reader, mut writer) = stream.split();
-    // The connection's one timer, moved to each turn's deadline (a busy connection arms none).
-    let timer = tokio::time::sleep_until(accepted + config.handshake_timeout);
-    tokio::pin!(timer);
+    // The connection's one timer, moved to each turn's deadline (a busy connection arms none),
+    // and dropped while no deadline applies: a sleep left in tokio's wheel after the handshake
+    // would give every wait of this runtime's reactor in `epoll_wait` a timeout (an hrtimer
+    // armed and cancelled in the kernel per wait; issue 45), the agent's on rank 0 included.
+    let mut timer = std::pin::pin!(None::<tokio::time::Sleep>);
     // The server's stop, one future for the connection's life (a `changed()` made every turn
     // registered with the watch's notifier and left it again on each request).
     let stop = async move {
@@ -718,8 +720,17 @@ async fn serve_connection(
             Some((at, why)) => (at, Some(why)),
             None => (now, None),
         };
-        if why.is_some() && timer.deadline() != at {
-            timer.as_mut().reset(at);
+        let armed = timer.as_ref().as_pin_ref().map(|armed| armed.deadline());
+        match (why.is_some(), armed) {
+            (false, None) => {}
+            (false, Some(_)) => timer.set(None),
+            (true, Some(armed)) if armed == at => {}
+            (true, Some(_)) => {
+                if let Some(armed) = timer.as_mut().as_pin_mut() {
+                    armed.reset(at);
+                }
+            }
+            (true, None) => timer.set(Some(tokio::time::sleep_until(at))),
         }
         if grant > 0 && input.capacity() == input.len() {
             // Grows by doubling (from 4 KiB), never by more than the grant.
@@ -748,7 +759,11 @@ async fn serve_connection(
             }
             _ = async { if let Some(freed) = freed.as_mut() { freed.await } }, if starved => {}
             () = &mut stop => return Closed::Shutdown,
-            _ = &mut timer, if why.is_some() => {
+            () = async {
+                if let Some(armed) = timer.as_mut().as_pin_mut() {
+                    armed.await;
+                }
+            }, if why.is_some() => {
                 if let Some(Expiry::Memory) = why {
                     let refusal = Refusal::at(
                         "memory_budget",

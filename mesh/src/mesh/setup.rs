@@ -1,8 +1,11 @@
 //! Setting a mesh up: listening, publishing the address, dialling the higher ranks and
 //! accepting the lower ones (through [`crate::link`]), then starting a reader per connection.
 
+use std::future::{poll_fn, Future};
 use std::net::SocketAddr;
+use std::pin::pin;
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::Duration;
 
 use tensorwire_core::budget::Budget;
@@ -299,7 +302,7 @@ impl Mesh {
             Ok(connected)
         };
 
-        let (accepted, connected) = tokio::try_join!(accept, connect)?;
+        let (accepted, connected) = accept_and_connect(accept, connect).await?;
         drop(listener);
         let mut conns: Vec<Option<Arc<dyn Connection>>> = (0..world).map(|_| None).collect();
         for (peer, conn) in accepted.into_iter().chain(connected) {
@@ -339,5 +342,106 @@ impl Mesh {
             world,
             readers,
         })
+    }
+}
+
+/// Both sides of a rank's setup, as `try_join!` but for which failure is told: the dialing
+/// side's failure at once; the accepting side's once the dialing side has ended too (it ends by
+/// the same deadline) and has not failed. At the deadline the dialing side names the higher
+/// ranks that never published an address, while the accepting side can only name who has not
+/// connected, which includes a lower rank that is itself waiting for the same missing rank;
+/// which of the two timers fires first must not decide which is told.
+async fn accept_and_connect<A, C>(
+    accept: impl Future<Output = Result<A, ProcessGroupError>>,
+    connect: impl Future<Output = Result<C, ProcessGroupError>>,
+) -> Result<(A, C), ProcessGroupError> {
+    let (mut accept, mut connect) = (pin!(accept), pin!(connect));
+    let (mut accepted, mut connected) = (None, None);
+    poll_fn(|cx| {
+        if accepted.is_none() {
+            if let Poll::Ready(outcome) = accept.as_mut().poll(cx) {
+                accepted = Some(outcome);
+            }
+        }
+        if connected.is_none() {
+            if let Poll::Ready(outcome) = connect.as_mut().poll(cx) {
+                connected = Some(outcome);
+            }
+        }
+        match (accepted.take(), connected.take()) {
+            (_, Some(Err(e))) => Poll::Ready(Err(e)),
+            (Some(a), Some(Ok(c))) => Poll::Ready(a.map(|a| (a, c))),
+            (a, c) => {
+                (accepted, connected) = (a, c);
+                Poll::Pending
+            }
+        }
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::task::{Context, Waker};
+
+    use super::*;
+
+    fn timed_out(waiting_on: usize) -> ProcessGroupError {
+        ProcessGroupError::SetupTimeout {
+            rank: 1,
+            waiting_on: vec![waiting_on],
+            timeout: Duration::ZERO,
+        }
+    }
+
+    fn waiting_on(e: ProcessGroupError) -> Vec<usize> {
+        match e {
+            ProcessGroupError::SetupTimeout { waiting_on, .. } => waiting_on,
+            other => panic!("not a setup timeout: {other}"),
+        }
+    }
+
+    #[test]
+    fn the_dialing_sides_failure_is_told_though_the_accepting_side_failed_first() {
+        let mut cx = Context::from_waker(Waker::noop());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let accept = async { Err::<(), _>(timed_out(0)) };
+        let connect = async {
+            let _ = rx.await;
+            Err::<(), _>(timed_out(2))
+        };
+        let mut both = pin!(accept_and_connect(accept, connect));
+        assert!(both.as_mut().poll(&mut cx).is_pending());
+        tx.send(()).unwrap();
+        let Poll::Ready(Err(e)) = both.as_mut().poll(&mut cx) else {
+            panic!("not ended with an error");
+        };
+        assert_eq!(waiting_on(e), [2]);
+    }
+
+    #[test]
+    fn a_failure_to_dial_is_told_at_once_and_the_accepting_sides_when_dialing_succeeded() {
+        let mut cx = Context::from_waker(Waker::noop());
+        let never = std::future::pending::<Result<(), ProcessGroupError>>();
+        let mut both = pin!(accept_and_connect(never, async {
+            Err::<(), _>(timed_out(2))
+        }));
+        let Poll::Ready(Err(e)) = both.as_mut().poll(&mut cx) else {
+            panic!("a failure to dial waited for the accepting side");
+        };
+        assert_eq!(waiting_on(e), [2]);
+        let mut both = pin!(accept_and_connect(
+            async { Err::<(), _>(timed_out(0)) },
+            async { Ok(7) }
+        ));
+        let Poll::Ready(Err(e)) = both.as_mut().poll(&mut cx) else {
+            panic!("not ended with the accepting side's error");
+        };
+        assert_eq!(waiting_on(e), [0]);
+        let mut both = pin!(accept_and_connect(async { Ok(1) }, async { Ok(2) }));
+        assert!(matches!(
+            both.as_mut().poll(&mut cx),
+            Poll::Ready(Ok((1, 2)))
+        ));
     }
 }
