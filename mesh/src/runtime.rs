@@ -36,10 +36,13 @@ impl Runtime for TokioRuntime {
     }
 
     fn sleep_until(&self, at: Instant) -> BoxFuture {
-        match far_sleep(at) {
-            Some(far) => Box::pin(far),
-            None => Box::pin(tokio::time::sleep_until(tokio::time::Instant::from_std(at))),
+        if at.saturating_duration_since(self.now()) <= FAR {
+            return tokio_sleep(at);
         }
+        // Where a far one waits is decided at its first poll: the bound of an operation that
+        // ends at its first poll (most of a process group's) is never polled, and then costs
+        // no registration on the thread and no more clock readings.
+        Box::pin(LazySleep::Unpolled(at))
     }
 
     fn spawn(&self, task: BoxFuture) -> BoxFuture {
@@ -47,6 +50,43 @@ impl Runtime for TokioRuntime {
         Box::pin(async move {
             let _ = handle.await;
         })
+    }
+}
+
+/// tokio's own sleep until `at`.
+fn tokio_sleep(at: Instant) -> BoxFuture {
+    Box::pin(tokio::time::sleep_until(tokio::time::Instant::from_std(at)))
+}
+
+/// A far sleep of [`TokioRuntime`]'s, which takes its place (the [`FarTimer`] or tokio's
+/// timer, by [`far_sleep`]) at its first poll.
+enum LazySleep {
+    /// Not polled yet: the deadline.
+    Unpolled(Instant),
+    /// On the timer thread.
+    Far(FarSleep),
+    /// In tokio's wheel (a paused clock, or a deadline that came near before the first poll).
+    Tokio(BoxFuture),
+}
+
+impl Future for LazySleep {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        loop {
+            match this {
+                LazySleep::Far(far) => return Pin::new(far).poll(cx),
+                LazySleep::Tokio(sleep) => return sleep.as_mut().poll(cx),
+                LazySleep::Unpolled(at) => {
+                    let at = *at;
+                    *this = match far_sleep(at) {
+                        Some(far) => LazySleep::Far(far),
+                        None => LazySleep::Tokio(tokio_sleep(at)),
+                    };
+                }
+            }
+        }
     }
 }
 
@@ -259,6 +299,28 @@ mod tests {
         let at = rt.now() + FAR + Duration::from_millis(30);
         rt.sleep_until(at).await;
         assert!(Instant::now() >= at);
+    }
+
+    #[tokio::test]
+    async fn a_far_sleep_is_registered_at_its_first_poll_and_not_before() {
+        // A deadline no other test uses (the process's timer may be shared with them).
+        let at = Instant::now() + FAR + Duration::from_millis(30) + Duration::from_nanos(4_177);
+        let registered = || {
+            let timer = FarTimer::global().expect("the timer thread starts");
+            let found = timer.lock().pending.keys().any(|k| k.0 == at);
+            found
+        };
+        // Made through the port and dropped unpolled (an operation that ended at once).
+        drop(TokioRuntime.sleep_until(at));
+        assert!(!registered());
+        let mut sleep = LazySleep::Unpolled(at);
+        assert!(!registered());
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(Pin::new(&mut sleep).poll(&mut cx).is_pending());
+        assert!(matches!(sleep, LazySleep::Far(_)));
+        assert!(registered());
+        drop(sleep);
+        assert!(!registered());
     }
 
     #[tokio::test]
