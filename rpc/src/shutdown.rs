@@ -37,17 +37,18 @@ pub(crate) async fn stop_and_release(this: &Agent, deadline: Instant) {
     // The values this worker kept for others go too, dropped once the guard is gone (they
     // may hold remote references, whose `Drop` takes the lock; kept, they would also keep
     // the agent alive through those references). Dropping the links lets the writers
-    // finish; a waiter still left learns that the agent stopped.
-    let (values, peers, waiters) = {
+    // finish; a waiter still left learns that the agent stopped. A call that ended keeps its
+    // outcome for its future, which may be awaited after the shutdown returned.
+    let (values, peers, waiting) = {
         let mut st = this.lock();
         (
             std::mem::take(&mut st.values),
             std::mem::take(&mut st.peers),
-            std::mem::take(&mut st.waiters),
+            st.waiters.take_waiting(),
         )
     };
     // A call still waited for is woken to find its waiter gone.
-    waiters.into_wakers().for_each(std::task::Waker::wake);
+    waiting.into_iter().for_each(std::task::Waker::wake);
     drop((values, peers));
     others.abort_all();
     while others.join_next().await.is_some() {}

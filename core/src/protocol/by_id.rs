@@ -188,13 +188,22 @@ impl<T> Waiters<T> {
         self.by_id.is_empty()
     }
 
-    /// The tasks still waiting, to wake once the waiters are gone (at shutdown: each finds
-    /// its waiter gone).
-    pub fn into_wakers(self) -> impl Iterator<Item = Waker> {
-        self.by_id.into_values().filter_map(|w| match w {
-            Waiter::Waiting(waker) => waker,
-            Waiter::Done(_) => None,
-        })
+    /// At shutdown: takes out the calls still waited for and gives their tasks, to wake once
+    /// the caller's lock is let go (each finds its waiter gone). The calls that ended stay for
+    /// their futures to read: an outcome that came before the shutdown is still the call's
+    /// result (a call awaited only after the shutdown returned).
+    pub fn take_waiting(&mut self) -> Vec<Waker> {
+        let mut wakers = Vec::new();
+        let held = std::mem::take(&mut self.by_id);
+        for (id, waiter) in held.queue.into_iter().filter_map(|(id, w)| Some((id, w?))) {
+            match waiter {
+                Waiter::Waiting(waker) => wakers.extend(waker),
+                done @ Waiter::Done(_) => {
+                    self.by_id.insert(id, done);
+                }
+            }
+        }
+        wakers
     }
 }
 
@@ -319,17 +328,25 @@ mod tests {
             .end(2, "done")
             .is_some_and(|w| w.will_wake(&waker_a)));
         assert_eq!(waiters.poll(2, &waker_a), Poll::Ready(Some("done")));
-        // Taken away (shutdown): the tasks still waiting are handed back, and find nothing.
+        // Shutdown: the calls still waited for are taken out, their tasks handed back, and
+        // find nothing; a call that ended before it keeps its outcome for its future (read
+        // after the shutdown returned, as the processes' chains test does).
         waiters.wait(3, Some(waker_a.clone()));
         waiters.wait(4, None);
         waiters.wait(5, None);
         waiters.end(5, "unread");
-        assert_eq!(waiters.len(), 3);
-        let wakers: Vec<Waker> = std::mem::take(&mut waiters).into_wakers().collect();
-        assert_eq!(wakers.len(), 1);
+        waiters.wait(6, Some(waker_b.clone()));
+        assert_eq!(waiters.len(), 4);
+        let wakers = waiters.take_waiting();
+        assert_eq!(wakers.len(), 2);
         assert!(wakers[0].will_wake(&waker_a));
+        assert!(wakers[1].will_wake(&waker_b));
+        assert_eq!(waiters.len(), 1);
         assert_eq!(waiters.poll(3, &waker_a), Poll::Ready(None));
         assert!(waiters.remove(4).is_none());
+        assert_eq!(waiters.poll(6, &waker_b), Poll::Ready(None));
+        assert_eq!(waiters.poll(5, &waker_a), Poll::Ready(Some("unread")));
+        assert!(waiters.is_empty());
         assert_eq!(Registered::of(&waker_a), Registered::of(&waker_a.clone()));
         assert_ne!(Registered::of(&waker_a), Registered::of(&waker_b));
     }
