@@ -90,6 +90,10 @@ impl Reader {
             return Ok(());
         };
         let charged = self.charged;
+        if bytes == charged {
+            // `resize` to the same size moves nothing and cannot fail: skip its lock.
+            return Ok(());
+        }
         account.resize(Use::Frame, charged, bytes)?;
         self.charged = bytes;
         Ok(())
@@ -113,6 +117,8 @@ pub(crate) struct TcpConnection {
     reader: Mutex<Reader>,
     /// An account handed in by `bill_to`, taken by the reader at its next read.
     bill_to: std::sync::Mutex<Option<Account>>,
+    /// Set by `bill_to` once `bill_to` holds its account: the reader locks `bill_to` only then.
+    bill_to_set: AtomicBool,
     writer: Mutex<Writer>,
     /// Set when a send was abandoned half-way (its future dropped) or failed: the byte stream
     /// may hold part of a frame, so nothing more can be sent.
@@ -157,6 +163,7 @@ impl TcpConnection {
                 charged: 0,
             }),
             bill_to: std::sync::Mutex::new(None),
+            bill_to_set: AtomicBool::new(false),
             writer: Mutex::new(Writer {
                 half: write,
                 held: Vec::new(),
@@ -461,52 +468,67 @@ impl TcpConnection {
             let _ = socket2::SockRef::from(r.half.as_ref()).shutdown(std::net::Shutdown::Both);
         };
         loop {
-            if let Some(account) = self
-                .bill_to
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .take()
+            // A hand-over is seen at the first pass after `bill_to` set the flag, before the
+            // next charge; the lock is taken only then.
+            if self.bill_to_set.load(Ordering::Relaxed)
+                && self.bill_to_set.swap(false, Ordering::Acquire)
             {
-                let charged = r.charged;
-                r.recharge(0).ok();
-                r.account = Some(account);
-                r.recharge(charged).ok();
-            }
-            match r.decoder.decode(&mut r.buf) {
-                Ok(Some(frame)) => {
-                    r.frame_deadline = None;
-                    // Complete: its holder counts it now.
+                if let Some(account) = self
+                    .bill_to
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .take()
+                {
+                    let charged = r.charged;
                     r.recharge(0).ok();
-                    self.received_all.store(r.buf.is_empty(), Ordering::Relaxed);
-                    return Ok(frame);
+                    r.account = Some(account);
+                    r.recharge(charged).ok();
                 }
-                Ok(None) => {}
-                Err(source) => {
+            }
+            // Between frames with nothing buffered (the usual first pass of a receive) the
+            // decoder has nothing to look at; a failed decoder counts as mid-frame and repeats
+            // its error here.
+            let mid_frame = r.decoder.is_mid_frame();
+            if !mid_frame && r.buf.is_empty() {
+                // Nothing is held between frames: a completed frame's charge was dropped.
+                debug_assert_eq!(r.charged, 0);
+            } else {
+                match r.decoder.decode(&mut r.buf) {
+                    Ok(Some(frame)) => {
+                        r.frame_deadline = None;
+                        // Complete: its holder counts it now.
+                        r.recharge(0).ok();
+                        self.received_all.store(r.buf.is_empty(), Ordering::Relaxed);
+                        return Ok(frame);
+                    }
+                    Ok(None) => {}
+                    Err(source) => {
+                        shut(r);
+                        r.release();
+                        tracing::warn!(peer = %self.peer, error = %source, "closing connection: bad frame");
+                        return Err(TransportError::Wire {
+                            peer: self.peer,
+                            source,
+                        });
+                    }
+                }
+                // What the frame being received holds so far (what arrived, or its buffer if
+                // larger) is the peer's, within its budget.
+                let holding = usize::try_from(r.decoder.received())
+                    .unwrap_or(usize::MAX)
+                    .max(r.decoder.reserved());
+                if let Err(source) = r.recharge(holding) {
                     shut(r);
                     r.release();
-                    tracing::warn!(peer = %self.peer, error = %source, "closing connection: bad frame");
-                    return Err(TransportError::Wire {
+                    tracing::warn!(peer = %self.peer, error = %source, "closing connection: over the peer's budget");
+                    return Err(TransportError::OverBudget {
                         peer: self.peer,
                         source,
                     });
                 }
-            }
-            // What the frame being received holds so far (what arrived, or its buffer if
-            // larger) is the peer's, within its budget.
-            let holding = usize::try_from(r.decoder.received())
-                .unwrap_or(usize::MAX)
-                .max(r.decoder.reserved());
-            if let Err(source) = r.recharge(holding) {
-                shut(r);
-                r.release();
-                tracing::warn!(peer = %self.peer, error = %source, "closing connection: over the peer's budget");
-                return Err(TransportError::OverBudget {
-                    peer: self.peer,
-                    source,
-                });
-            }
-            if r.decoder.is_mid_frame() && r.frame_deadline.is_none() {
-                r.frame_deadline = self.frame_timeout.map(|t| tokio::time::Instant::now() + t);
+                if r.decoder.is_mid_frame() && r.frame_deadline.is_none() {
+                    r.frame_deadline = self.frame_timeout.map(|t| tokio::time::Instant::now() + t);
+                }
             }
             // The decoder consumed everything buffered; read more. Between frames, the answer
             // to a recent send is polled for first (see `TcpConfig::spin`).
@@ -736,6 +758,8 @@ impl Connection for TcpConnection {
             .bill_to
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(account);
+        // After the account is in place: the reader that sees the flag finds it.
+        self.bill_to_set.store(true, Ordering::Release);
     }
 
     async fn close(&self) -> Result<(), TransportError> {
