@@ -205,17 +205,24 @@ async fn flood_until_held(
                 .unwrap()
         })
         .collect();
+    until_held(&agents[0], runs).await;
+    flood
+}
+
+/// Waits (60 s at most) until `victim` holds requests of w2's. The budget tells no one when it
+/// starts holding, so this looks every 5 ms of real time: the kernel's socket buffers, not a
+/// clock the test could pause, decide when that is.
+async fn until_held(victim: &tensorwire_rpc::Agent, runs: &AtomicUsize) {
     let started = Instant::now();
-    while agents[0].budget().held(2).requests == 0 {
+    while victim.budget().held(2).requests == 0 {
         assert!(
             started.elapsed() < Duration::from_secs(60),
-            "w2's requests were never held; {} ran, {:?}",
+            "w2's requests are not held though it reads nothing; {} ran, {:?}",
             runs.load(Ordering::Relaxed),
-            agents[0].budget().held(2)
+            victim.budget().held(2)
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    flood
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -244,14 +251,7 @@ async fn a_peer_that_does_not_read_its_replies_has_its_requests_held_and_honest_
             );
         }
         // And w0 still holds w2's requests: its replies wait unread.
-        let started = Instant::now();
-        while victim.budget().held(2).requests == 0 {
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "w2's requests are no longer held though it reads nothing"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        until_held(victim, &runs).await;
         // Nothing more of the flood ran since, and the held requests stay within the budget:
         // the peer is held, not dropped.
         let ran = runs.load(Ordering::Relaxed);
