@@ -351,6 +351,24 @@ impl ShmConnection {
             }
         }
         self.spin_paid.store(wait.slept(), Ordering::Relaxed);
+        if ready() || self.shared.is_dead() {
+            return Ok(());
+        }
+        // The sleep, in a box of its own: its futures (the eventfd's readiness, the watcher's
+        // notification) would otherwise make every receive's future larger, and each frame's
+        // receive future is written over the last one's (`EachFrame`), copied whole.
+        Box::pin(self.sleep(flag, efd, ready)).await
+    }
+
+    /// The rest of [`wait`](Self::wait) once its budget is spent: sleeps on `efd` after raising
+    /// `flag` (which the other side clears when it wakes us) until `ready()` holds or the peer
+    /// is gone.
+    async fn sleep(
+        &self,
+        flag: &AtomicU32,
+        efd: &AsyncFd<OwnedFd>,
+        mut ready: impl FnMut() -> bool,
+    ) -> Result<(), TransportError> {
         loop {
             let notified = self.shared.notify.notified();
             tokio::pin!(notified);
@@ -440,7 +458,15 @@ impl ShmConnection {
     /// empty, or a segment comes next.
     fn pump(&self, rx: &mut Rx) -> Result<Pumped, TransportError> {
         loop {
-            match rx.decoder.decode(&mut rx.staging) {
+            // Between frames with nothing staged the decoder has nothing to do (in its first
+            // state, with no input, it returns `Ok(None)` and changes nothing): not asked. A
+            // failed decoder counts as mid-frame, so it still repeats its error.
+            let idle = !rx.decoder.is_mid_frame() && rx.staging.is_empty();
+            let decoded = match idle {
+                true => Ok(None),
+                false => rx.decoder.decode(&mut rx.staging),
+            };
+            match decoded {
                 Ok(Some(frame)) => return Ok(Pumped::Frame(frame)),
                 Ok(None) => {}
                 Err(source) => {
@@ -589,9 +615,11 @@ impl ShmConnection {
     async fn recv_inner(&self, rx: &mut Rx) -> Result<Frame, TransportError> {
         loop {
             if let (true, Some(pending)) = (rx.consumer.segment_pending(), rx.pending) {
+                // Boxed: rare (large frames), and their futures would make every receive's
+                // future larger (see `wait`).
                 let frame = match pending {
-                    Pending::Segment(len) => self.take_segment(rx, len).await,
-                    Pending::Slab(record) => self.take_slab(rx, record).await,
+                    Pending::Segment(len) => Box::pin(self.take_segment(rx, len)).await,
+                    Pending::Slab(record) => Box::pin(self.take_slab(rx, record)).await,
                 };
                 rx.pending = None;
                 self.release(rx);
