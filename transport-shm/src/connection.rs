@@ -889,22 +889,17 @@ mod tests {
     use std::sync::Arc;
 
     use bytes::Bytes;
-    use tensorwire_core::ports::transport::{Connection, Transport};
+    use tensorwire_core::ports::transport::Connection;
     use tensorwire_core::wire::Frame;
 
-    use crate::{ClusterSecret, ShmConfig, ShmTransport};
+    use crate::tests::listening;
 
     /// A reader made while a `recv` holds the receive side cannot take it: it reads through
     /// the lock, as `recv` does, the receive side stays with the connection, and a `recv`
     /// besides it still works (it gets the next frame, not an error).
     #[tokio::test]
     async fn a_reader_made_while_a_recv_holds_the_receive_side_reads_through_the_lock() {
-        let secret = ClusterSecret::new(vec![7; 32]).unwrap();
-        let transport = ShmTransport::new(ShmConfig::new(secret)).unwrap();
-        let listener = transport
-            .listen("127.0.0.1:0".parse().unwrap())
-            .await
-            .unwrap();
+        let (transport, listener) = listening().await;
         let client = Arc::new(transport.connect_shm(listener.local_addr()).await.unwrap());
         let server = listener.accept().await.unwrap();
         let held = client.rx.try_lock().unwrap();
