@@ -223,6 +223,20 @@ impl SpinWait {
         }
     }
 
+    /// Whether how long a `sched_yield` took can change what this wait learns: not when it
+    /// never polls (one core, or more waiting processes than CPUs), whose waits learn the same
+    /// whatever their yields took. Such a wait tells its yields with
+    /// [`yielded_untimed`](Self::yielded_untimed) and reads no clock around them.
+    pub fn times_yields(&self) -> bool {
+        !self.one_core
+    }
+
+    /// A `sched_yield` was made and not timed ([`times_yields`](Self::times_yields) is
+    /// `false`): counted, with nothing said about whether it ran someone else.
+    pub fn yielded_untimed(&mut self) {
+        self.yields = self.yields.saturating_add(1);
+    }
+
     /// A `sched_yield` ([`SpinStep::Yield`]) took `took`.
     pub fn yielded(&mut self, took: Duration) {
         self.yields = self.yields.saturating_add(1);
@@ -316,6 +330,32 @@ mod tests {
         wait.yielded(US);
         assert_eq!(wait.found(), Some(false));
         assert!(!wait.slept());
+    }
+
+    #[test]
+    fn a_wait_that_never_polls_learns_the_same_whatever_its_yields_took() {
+        let t0 = Instant::now();
+        for policy in [policy(true), SpinPolicy::for_host(8, 2, 20 * US)] {
+            let learnt = |yield_took: Option<Duration>| {
+                let mut wait = policy.begin(true, t0);
+                assert!(!wait.times_yields());
+                match yield_took {
+                    Some(took) => wait.yielded(took),
+                    None => wait.yielded_untimed(),
+                }
+                assert_eq!(wait.yields().0, 1);
+                let before_sleep = wait.found();
+                assert_eq!(wait.step(t0 + 20 * US), SpinStep::Sleep);
+                (before_sleep, wait.slept())
+            };
+            let untimed = learnt(None);
+            assert_eq!(untimed, (Some(false), false));
+            assert_eq!(learnt(Some(US)), untimed);
+            assert_eq!(learnt(Some(10 * US)), untimed);
+        }
+        // A wait that may poll times them: what they took decides what it learns.
+        let wait = policy(false).begin(false, t0);
+        assert!(wait.times_yields());
     }
 
     #[test]

@@ -181,6 +181,8 @@ struct Rx {
     decoder: FrameDecoder,
     staging: BytesMut,
     segments_done: u64,
+    /// The read position last released to the producer.
+    released: u64,
     /// The SEGMENT or SLAB record found (copied once from the ring).
     pending: Option<Pending>,
     /// The peer's slabs, by id.
@@ -210,7 +212,9 @@ pub(crate) struct ShmConnection {
     space_efd: AsyncFd<OwnedFd>,
     peer_data_efd: OwnedFd,
     peer_space_efd: OwnedFd,
-    rx: Mutex<Rx>,
+    /// The receive side, `None` once the connection's reader took it
+    /// ([`Connection::into_frames`]: no lock a frame).
+    rx: Mutex<Option<Box<Rx>>>,
     tx: Mutex<Tx>,
     watcher: JoinHandle<()>,
 }
@@ -289,15 +293,16 @@ impl ShmConnection {
             space_efd: efd(link.space_efd)?,
             peer_data_efd: link.peer_data_efd,
             peer_space_efd: link.peer_space_efd,
-            rx: Mutex::new(Rx {
+            rx: Mutex::new(Some(Box::new(Rx {
                 consumer: Consumer::default(),
                 decoder: FrameDecoder::new(limits).with_buffer_reuse(buffer_reuse),
                 staging: BytesMut::new(),
                 segments_done: 0,
+                released: 0,
                 pending: None,
                 slabs: (0..MAX_SLABS).map(|_| None).collect(),
                 failed: None,
-            }),
+            }))),
             tx: Mutex::new(Tx::new()),
             watcher,
         })
@@ -318,11 +323,13 @@ impl ShmConnection {
         // whole budget. A yield first lets those tasks run (on the caller's side, the one that
         // sends the next request: handing the core to the peer before they ran would only bring
         // it back here with nothing new to read), then hands the core over.
-        let mut wait = self
-            .spin
-            .begin(self.spin_paid.load(Ordering::Relaxed), Instant::now());
+        // The clock is read once at the start and once after each turn or yield (the reading
+        // that the next step needs), and not around a yield whose length teaches nothing
+        // (`times_yields`: one core).
+        let mut now = Instant::now();
+        let mut wait = self.spin.begin(self.spin_paid.load(Ordering::Relaxed), now);
         loop {
-            match wait.step(Instant::now()) {
+            match wait.step(now) {
                 SpinStep::Poll => {
                     for _ in 0..POLLS_PER_YIELD {
                         if ready() || self.shared.is_dead() {
@@ -332,6 +339,7 @@ impl ShmConnection {
                         std::hint::spin_loop();
                     }
                     give_turn(&mut wait).await;
+                    now = Instant::now();
                 }
                 SpinStep::Yield => {
                     if ready() || self.shared.is_dead() {
@@ -343,14 +351,39 @@ impl ShmConnection {
                         self.learn_spin(wait.found());
                         return Ok(());
                     }
-                    let before = Instant::now();
-                    std::thread::yield_now();
-                    wait.yielded(before.elapsed());
+                    if wait.times_yields() {
+                        let before = Instant::now();
+                        std::thread::yield_now();
+                        now = Instant::now();
+                        wait.yielded(now.saturating_duration_since(before));
+                    } else {
+                        std::thread::yield_now();
+                        wait.yielded_untimed();
+                        now = Instant::now();
+                    }
                 }
                 SpinStep::Sleep => break,
             }
         }
         self.spin_paid.store(wait.slept(), Ordering::Relaxed);
+        if ready() || self.shared.is_dead() {
+            return Ok(());
+        }
+        // The sleep, in a box of its own: its futures (the eventfd's readiness, the watcher's
+        // notification) would otherwise make every receive's future larger, and each frame's
+        // receive future is written over the last one's (`EachFrame`), copied whole.
+        Box::pin(self.sleep(flag, efd, ready)).await
+    }
+
+    /// The rest of [`wait`](Self::wait) once its budget is spent: sleeps on `efd` after raising
+    /// `flag` (which the other side clears when it wakes us) until `ready()` holds or the peer
+    /// is gone.
+    async fn sleep(
+        &self,
+        flag: &AtomicU32,
+        efd: &AsyncFd<OwnedFd>,
+        mut ready: impl FnMut() -> bool,
+    ) -> Result<(), TransportError> {
         loop {
             let notified = self.shared.notify.notified();
             tokio::pin!(notified);
@@ -440,7 +473,15 @@ impl ShmConnection {
     /// empty, or a segment comes next.
     fn pump(&self, rx: &mut Rx) -> Result<Pumped, TransportError> {
         loop {
-            match rx.decoder.decode(&mut rx.staging) {
+            // Between frames with nothing staged the decoder has nothing to do (in its first
+            // state, with no input, it returns `Ok(None)` and changes nothing): not asked. A
+            // failed decoder counts as mid-frame, so it still repeats its error.
+            let idle = !rx.decoder.is_mid_frame() && rx.staging.is_empty();
+            let decoded = match idle {
+                true => Ok(None),
+                false => rx.decoder.decode(&mut rx.staging),
+            };
+            match decoded {
                 Ok(Some(frame)) => return Ok(Pumped::Frame(frame)),
                 Ok(None) => {}
                 Err(source) => {
@@ -589,9 +630,11 @@ impl ShmConnection {
     async fn recv_inner(&self, rx: &mut Rx) -> Result<Frame, TransportError> {
         loop {
             if let (true, Some(pending)) = (rx.consumer.segment_pending(), rx.pending) {
+                // Boxed: rare (large frames), and their futures would make every receive's
+                // future larger (see `wait`).
                 let frame = match pending {
-                    Pending::Segment(len) => self.take_segment(rx, len).await,
-                    Pending::Slab(record) => self.take_slab(rx, record).await,
+                    Pending::Segment(len) => Box::pin(self.take_segment(rx, len)).await,
+                    Pending::Slab(record) => Box::pin(self.take_slab(rx, record)).await,
                 };
                 rx.pending = None;
                 self.release(rx);
@@ -711,7 +754,15 @@ impl ShmConnection {
         Ok(frame)
     }
 
-    fn release(&self, rx: &Rx) {
+    /// Frees what was read for the producer and wakes it if it sleeps for space; nothing when
+    /// the read position has not moved since the last release (nothing freed, so nothing to
+    /// tell: the fence and the flag's swap are skipped).
+    fn release(&self, rx: &mut Rx) {
+        let at = rx.consumer.position();
+        if at == rx.released {
+            return;
+        }
+        rx.released = at;
         rx.consumer.release(&self.rx_ring);
         wake(self.rx_ring.producer_waiting(), &self.peer_space_efd);
     }
@@ -730,16 +781,30 @@ enum Pumped {
 }
 
 impl ShmConnection {
-    /// [`Connection::recv`], unboxed: what [`Connection::into_frames`] runs for each frame.
+    /// [`Connection::recv`]: through the receive side's lock, while the reader has not taken
+    /// it; after, an error.
     async fn recv_frame(&self) -> Result<Frame, TransportError> {
         let mut rx = self.rx.lock().await;
+        let Some(rx) = rx.as_deref_mut() else {
+            return Err(TransportError::Io {
+                addr: self.peer,
+                op: "receiving",
+                kind: std::io::ErrorKind::Other,
+                message: "the connection's frames go to its reader (into_frames)".to_owned(),
+            });
+        };
+        self.recv_from(rx).await
+    }
+
+    /// The next frame from the receive side `rx`.
+    async fn recv_from(&self, rx: &mut Rx) -> Result<Frame, TransportError> {
         if let Some(e) = &rx.failed {
             return Err(e.clone());
         }
-        match self.recv_inner(&mut rx).await {
+        match self.recv_inner(rx).await {
             Ok(frame) => Ok(frame),
             Err(e @ (TransportError::Wire { .. } | TransportError::Io { .. })) => {
-                Err(self.fail(&mut rx, e))
+                Err(self.fail(rx, e))
             }
             Err(e) => Err(e),
         }
@@ -786,11 +851,20 @@ impl Connection for ShmConnection {
     }
 
     fn into_frames(self: Arc<Self>) -> Box<dyn FrameReader> {
-        // One receive future for all frames, not one box per frame.
-        Box::new(EachFrame::new(self, |c| async move {
-            let received = c.recv_frame().await;
-            (received, c)
-        }))
+        // One receive future for all frames, not one box per frame. The reader takes the
+        // receive side with it, so a frame costs no turn of its lock (a later `recv` fails);
+        // while a `recv` holds it, the reader goes through the lock as `recv` does.
+        let taken = self.rx.try_lock().ok().and_then(|mut rx| rx.take());
+        match taken {
+            Some(rx) => Box::new(EachFrame::new((self, rx), |(c, mut rx)| async move {
+                let received = c.recv_from(&mut rx).await;
+                (received, (c, rx))
+            })),
+            None => Box::new(EachFrame::new(self, |c| async move {
+                let received = c.recv_frame().await;
+                (received, c)
+            })),
+        }
     }
 
     async fn close(&self) -> Result<(), TransportError> {
@@ -807,5 +881,44 @@ impl Drop for ShmConnection {
     fn drop(&mut self) {
         self.shared.shutdown();
         self.watcher.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use tensorwire_core::ports::transport::Connection;
+    use tensorwire_core::wire::Frame;
+
+    use crate::tests::listening;
+
+    /// A reader made while a `recv` holds the receive side cannot take it: it reads through
+    /// the lock, as `recv` does, the receive side stays with the connection, and a `recv`
+    /// besides it still works (it gets the next frame, not an error).
+    #[tokio::test]
+    async fn a_reader_made_while_a_recv_holds_the_receive_side_reads_through_the_lock() {
+        let (transport, listener) = listening().await;
+        let client = Arc::new(transport.connect_shm(listener.local_addr()).await.unwrap());
+        let server = listener.accept().await.unwrap();
+        let held = client.rx.try_lock().unwrap();
+        let mut frames = Arc::clone(&client).into_frames();
+        drop(held);
+        assert!(
+            client.rx.try_lock().unwrap().is_some(),
+            "the receive side stays"
+        );
+        for header in [&b"one"[..], b"two"] {
+            server
+                .send(Frame::message(Bytes::from(header), vec![]))
+                .await
+                .unwrap();
+        }
+        let first = std::future::poll_fn(|cx| frames.poll_recv(cx))
+            .await
+            .unwrap();
+        assert_eq!(&first.header[..], b"one");
+        assert_eq!(&client.recv().await.unwrap().header[..], b"two");
     }
 }

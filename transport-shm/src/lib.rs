@@ -346,4 +346,62 @@ mod tests {
         closed.unwrap();
         assert!(matches!(end, Err(TransportError::Closed { .. })), "{end:?}");
     }
+
+    /// A transport with the default settings, and a listener of it on a free port.
+    pub(crate) async fn listening() -> (ShmTransport, Box<dyn Listener>) {
+        let secret = ClusterSecret::new(vec![7; 32]).unwrap();
+        let transport = ShmTransport::new(ShmConfig::new(secret)).unwrap();
+        let listener = transport
+            .listen("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        (transport, listener)
+    }
+
+    /// The reader (`into_frames`) takes the receive side with it: it gets every frame, in
+    /// order, with no lock a frame, and a `recv` besides it fails with a typed error (it
+    /// neither waits for ever nor takes the reader's frames).
+    #[tokio::test]
+    async fn the_reader_takes_the_receive_side_and_a_recv_besides_it_fails() {
+        let (transport, listener) = listening().await;
+        let client = transport.connect(listener.local_addr()).await.unwrap();
+        let server: std::sync::Arc<dyn Connection> = listener.accept().await.unwrap().into();
+        // Before the reader is made, `recv` works.
+        client
+            .send(Frame::message(Bytes::from_static(b"first"), vec![]))
+            .await
+            .unwrap();
+        assert_eq!(&server.recv().await.unwrap().header[..], b"first");
+        let mut frames = std::sync::Arc::clone(&server).into_frames();
+        for (i, header) in [&b"one"[..], b"two"].into_iter().enumerate() {
+            let payload = Bytes::from(vec![i as u8; 10]);
+            client
+                .send(Frame::message(Bytes::from(header), vec![payload.clone()]))
+                .await
+                .unwrap();
+            if i == 1 {
+                let err = server.recv().await.unwrap_err();
+                assert!(
+                    matches!(
+                        err,
+                        TransportError::Io {
+                            op: "receiving",
+                            ..
+                        }
+                    ),
+                    "{err:?}"
+                );
+            }
+            let frame = std::future::poll_fn(|cx| frames.poll_recv(cx))
+                .await
+                .unwrap();
+            assert_eq!(
+                (&frame.header[..], &frame.payloads[..]),
+                (header, &[payload][..])
+            );
+        }
+        client.close().await.unwrap();
+        let end = std::future::poll_fn(|cx| frames.poll_recv(cx)).await;
+        assert!(matches!(end, Err(TransportError::Closed { .. })), "{end:?}");
+    }
 }

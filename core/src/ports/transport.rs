@@ -146,7 +146,8 @@ pub trait Connection: Send + Sync {
     /// reader task that receives until the connection ends, instead of a [`recv`](Self::recv)
     /// per frame (whose future `async_trait` boxes every time). The default calls `recv`; an
     /// adapter overrides it to keep one receive future, in one box, for all frames
-    /// ([`EachFrame`]). Its frames and errors are `recv`'s; do not call `recv` besides it.
+    /// ([`EachFrame`]). Its frames and errors are `recv`'s; do not call `recv` besides it (an
+    /// adapter whose reader takes the receive side with it fails such a `recv`).
     fn into_frames(self: std::sync::Arc<Self>) -> Box<dyn FrameReader>
     where
         Self: 'static,
