@@ -114,7 +114,9 @@ pub(crate) struct TcpConnection {
     limits: WireLimits,
     /// See [`TcpConfig::frame_timeout`].
     frame_timeout: Option<std::time::Duration>,
-    reader: Mutex<Reader>,
+    /// The receiving side: locked by each [`Connection::recv`], and once, for its whole life,
+    /// by the reader [`Connection::into_frames`] makes (no lock a frame).
+    reader: Arc<Mutex<Reader>>,
     /// An account handed in by `bill_to`, taken by the reader at its next read.
     bill_to: std::sync::Mutex<Option<Account>>,
     /// Set by `bill_to` once `bill_to` holds its account: the reader locks `bill_to` only then.
@@ -154,14 +156,14 @@ impl TcpConnection {
             peer,
             limits,
             frame_timeout: config.frame_timeout,
-            reader: Mutex::new(Reader {
+            reader: Arc::new(Mutex::new(Reader {
                 half: read,
                 decoder: FrameDecoder::new(limits).with_buffer_reuse(config.buffer_reuse),
                 buf: BytesMut::with_capacity(READ_BUF),
                 frame_deadline: None,
                 account: None,
                 charged: 0,
-            }),
+            })),
             bill_to: std::sync::Mutex::new(None),
             bill_to_set: AtomicBool::new(false),
             writer: Mutex::new(Writer {
@@ -458,10 +460,16 @@ fn advance(outs: &mut [OutgoingFrame], written: usize) -> usize {
 }
 
 impl TcpConnection {
-    /// [`Connection::recv`], unboxed: what [`Connection::into_frames`] runs for each frame.
+    /// [`Connection::recv`], unboxed: the receiving side locked for this one frame.
     async fn recv_frame(&self) -> Result<Frame, TransportError> {
         let mut guard = self.reader.lock().await;
-        let r = &mut *guard;
+        self.recv_from(&mut guard).await
+    }
+
+    /// The next frame from `r`, the receiving side, held by the caller: locked for one frame
+    /// ([`recv_frame`](Self::recv_frame)) or for the life of [`Connection::into_frames`]'s
+    /// reader.
+    async fn recv_from(&self, r: &mut Reader) -> Result<Frame, TransportError> {
         // Close both directions at once: the peer sees the connection go away and we do not
         // need the writer's lock (a sender may hold it).
         let shut = |r: &Reader| {
@@ -592,6 +600,13 @@ impl TcpConnection {
         }
     }
 }
+
+/// What [`Connection::into_frames`]' reader keeps between frames: its connection, and the
+/// receiving side once its first receive has locked it.
+type Held = (
+    Arc<TcpConnection>,
+    Option<tokio::sync::OwnedMutexGuard<Reader>>,
+);
 
 #[async_trait]
 impl Connection for TcpConnection {
@@ -746,10 +761,17 @@ impl Connection for TcpConnection {
     }
 
     fn into_frames(self: Arc<Self>) -> Box<dyn FrameReader> {
-        // One receive future for all frames, not one box per frame.
-        Box::new(EachFrame::new(self, |c| async move {
-            let received = c.recv_frame().await;
-            (received, c)
+        // One receive future for all frames, not one box per frame; the receiving side is
+        // locked at the first receive and held until the reader is dropped, not locked and
+        // let go of for every frame (a `recv` meanwhile, which the port forbids, waits for
+        // the reader's drop).
+        Box::new(EachFrame::new((self, None), |(c, held): Held| async move {
+            let mut r = match held {
+                Some(r) => r,
+                None => Arc::clone(&c.reader).lock_owned().await,
+            };
+            let received = c.recv_from(&mut r).await;
+            (received, (c, Some(r)))
         }))
     }
 
@@ -849,6 +871,32 @@ mod tests {
         assert!(polls >= 1);
         // The server had sent nothing before the question: it waited without polling.
         assert_eq!(server.polls(), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn the_frame_reader_locks_the_receiving_side_once_for_its_life() {
+        let (client, server) = pair(Duration::ZERO).await;
+        let server = Arc::new(server);
+        for text in [&b"one"[..], b"two", b"three"] {
+            client
+                .send(Frame::message(bytes::Bytes::from_static(text), vec![]))
+                .await
+                .unwrap();
+        }
+        let mut frames = Arc::clone(&server).into_frames();
+        async fn next(frames: &mut Box<dyn FrameReader>) -> bytes::Bytes {
+            let frame = std::future::poll_fn(|cx| frames.poll_recv(cx)).await;
+            frame.unwrap().header
+        }
+        assert_eq!(&next(&mut frames).await[..], b"one");
+        // Held between frames: not let go of after each.
+        assert!(server.reader.try_lock().is_err());
+        assert_eq!(&next(&mut frames).await[..], b"two");
+        assert!(server.reader.try_lock().is_err());
+        drop(frames);
+        // Let go of with the reader: a `recv` gets the next frame, in order.
+        assert!(server.reader.try_lock().is_ok());
+        assert_eq!(&server.recv().await.unwrap().header[..], b"three");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
