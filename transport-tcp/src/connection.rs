@@ -14,7 +14,7 @@ use tensorwire_core::ports::transport::{
 };
 use tensorwire_core::spin::{requeue, SpinPolicy, SpinStep, SpinWait, Turn};
 use tensorwire_core::wire::{Frame, FrameDecoder, OutgoingFrame, Preamble, WireError, WireLimits};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::Mutex;
@@ -106,6 +106,9 @@ impl Reader {
 struct Writer {
     half: OwnedWriteHalf,
     held: Vec<OutgoingFrame>,
+    /// A `send_many` is under way (it holds the senders' turn and may have frames in its own
+    /// list, part written): a `try_send_now` then takes nothing.
+    busy: bool,
 }
 
 /// An authenticated TCP connection.
@@ -114,12 +117,20 @@ pub(crate) struct TcpConnection {
     limits: WireLimits,
     /// See [`TcpConfig::frame_timeout`].
     frame_timeout: Option<std::time::Duration>,
-    reader: Mutex<Reader>,
+    /// The receiving side: locked by each [`Connection::recv`], and once, for its whole life,
+    /// by the reader [`Connection::into_frames`] makes (no lock a frame).
+    reader: Arc<Mutex<Reader>>,
     /// An account handed in by `bill_to`, taken by the reader at its next read.
     bill_to: std::sync::Mutex<Option<Account>>,
     /// Set by `bill_to` once `bill_to` holds its account: the reader locks `bill_to` only then.
     bill_to_set: AtomicBool,
-    writer: Mutex<Writer>,
+    /// Taken within one poll at a time (a `try_send_now`, a step of a `send_many`), never
+    /// across an await: a plain lock, whose uncontended round trip costs a fraction of an
+    /// async one's.
+    writer: std::sync::Mutex<Writer>,
+    /// The turn of the sends that wait (`send_many`, `close`), held across their awaits; a
+    /// `try_send_now` never waits for it (it finds [`Writer::busy`]).
+    turn: Mutex<()>,
     /// Set when a send was abandoned half-way (its future dropped) or failed: the byte stream
     /// may hold part of a frame, so nothing more can be sent.
     write_broken: AtomicBool,
@@ -154,20 +165,22 @@ impl TcpConnection {
             peer,
             limits,
             frame_timeout: config.frame_timeout,
-            reader: Mutex::new(Reader {
+            reader: Arc::new(Mutex::new(Reader {
                 half: read,
                 decoder: FrameDecoder::new(limits).with_buffer_reuse(config.buffer_reuse),
                 buf: BytesMut::with_capacity(READ_BUF),
                 frame_deadline: None,
                 account: None,
                 charged: 0,
-            }),
+            })),
             bill_to: std::sync::Mutex::new(None),
             bill_to_set: AtomicBool::new(false),
-            writer: Mutex::new(Writer {
+            writer: std::sync::Mutex::new(Writer {
                 half: write,
                 held: Vec::new(),
+                busy: false,
             }),
+            turn: Mutex::new(()),
             write_broken: AtomicBool::new(false),
             spin: (!config.spin.is_zero()).then(|| {
                 SpinPolicy::new(
@@ -334,6 +347,14 @@ impl TcpConnection {
         }
     }
 
+    /// The sending side, for one poll (a poisoned lock's state is still whole: nothing
+    /// under it panics half-way through a change).
+    fn writer(&self) -> std::sync::MutexGuard<'_, Writer> {
+        self.writer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn broken_error(&self) -> TransportError {
         TransportError::Io {
             addr: self.peer,
@@ -405,6 +426,15 @@ async fn give_turn(wait: &mut SpinWait) {
 /// half-way through a frame.
 struct BrokenOnDrop<'a>(&'a AtomicBool, bool);
 
+/// Clears [`Writer::busy`] when the `send_many` that set it ends, however it ends.
+struct BusyUntilDrop<'a>(&'a TcpConnection);
+
+impl Drop for BusyUntilDrop<'_> {
+    fn drop(&mut self) {
+        self.0.writer().busy = false;
+    }
+}
+
 impl Drop for BrokenOnDrop<'_> {
     fn drop(&mut self) {
         if self.1 {
@@ -458,10 +488,16 @@ fn advance(outs: &mut [OutgoingFrame], written: usize) -> usize {
 }
 
 impl TcpConnection {
-    /// [`Connection::recv`], unboxed: what [`Connection::into_frames`] runs for each frame.
+    /// [`Connection::recv`], unboxed: the receiving side locked for this one frame.
     async fn recv_frame(&self) -> Result<Frame, TransportError> {
         let mut guard = self.reader.lock().await;
-        let r = &mut *guard;
+        self.recv_from(&mut guard).await
+    }
+
+    /// The next frame from `r`, the receiving side, held by the caller: locked for one frame
+    /// ([`recv_frame`](Self::recv_frame)) or for the life of [`Connection::into_frames`]'s
+    /// reader.
+    async fn recv_from(&self, r: &mut Reader) -> Result<Frame, TransportError> {
         // Close both directions at once: the peer sees the connection go away and we do not
         // need the writer's lock (a sender may hold it).
         let shut = |r: &Reader| {
@@ -593,6 +629,13 @@ impl TcpConnection {
     }
 }
 
+/// What [`Connection::into_frames`]' reader keeps between frames: its connection, and the
+/// receiving side once its first receive has locked it.
+type Held = (
+    Arc<TcpConnection>,
+    Option<tokio::sync::OwnedMutexGuard<Reader>>,
+);
+
 #[async_trait]
 impl Connection for TcpConnection {
     fn peer_addr(&self) -> SocketAddr {
@@ -622,17 +665,24 @@ impl Connection for TcpConnection {
 
     async fn send_many(&self, frames: Vec<Frame>) -> Result<(), TransportError> {
         let mut outs = self.outgoing(frames)?;
-        let mut writer = self.writer.lock().await;
-        if self.write_broken.load(Ordering::Acquire) {
-            return Err(self.broken_error());
-        }
-        // What a `try_send_now` left goes first: the stream may be in the middle of its frame.
-        let held = !writer.held.is_empty();
-        if held {
-            let mut all = std::mem::take(&mut writer.held);
-            all.append(&mut outs);
-            outs = all;
-        }
+        let _turn = self.turn.lock().await;
+        let held = {
+            let mut writer = self.writer();
+            if self.write_broken.load(Ordering::Acquire) {
+                return Err(self.broken_error());
+            }
+            // What a `try_send_now` left goes first: the stream may be in the middle of its
+            // frame.
+            let held = !writer.held.is_empty();
+            if held {
+                let mut all = std::mem::take(&mut writer.held);
+                all.append(&mut outs);
+                outs = all;
+            }
+            writer.busy = true;
+            held
+        };
+        let _busy = BusyUntilDrop(self);
         // Armed while frames remain: a drop or failure then leaves the stream mid-frame (or,
         // conservatively, between frames of the batch).
         let mut guard = BrokenOnDrop(&self.write_broken, held);
@@ -643,12 +693,11 @@ impl Connection for TcpConnection {
                 // would add 1 KiB to this future, which `async_trait` boxes on every send
                 // (past the allocator's small-size caches: ~600 instructions a send).
                 let pending = &outs[first..];
-                let writer = &mut writer.half;
                 let wrote = std::future::poll_fn(|cx| {
                     let mut slices = [IoSlice::new(&[]); MAX_IOV];
                     let n = fill_slices(pending, &mut slices);
                     tokio::io::AsyncWrite::poll_write_vectored(
-                        std::pin::Pin::new(&mut *writer),
+                        std::pin::Pin::new(&mut self.writer().half),
                         cx,
                         &slices[..n],
                     )
@@ -673,9 +722,13 @@ impl Connection for TcpConnection {
     }
 
     fn try_send_now(&self, frames: &mut Vec<Frame>) -> Option<Result<(), TransportError>> {
-        let mut writer = self.writer.try_lock().ok()?;
-        if !writer.held.is_empty() {
-            // The next `send_many` writes that first.
+        let mut writer = match self.writer.try_lock() {
+            Ok(writer) => writer,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        if writer.busy || !writer.held.is_empty() {
+            // A `send_many` under way, or the next one writes what was held first.
             return None;
         }
         if self.write_broken.load(Ordering::Acquire) {
@@ -746,10 +799,17 @@ impl Connection for TcpConnection {
     }
 
     fn into_frames(self: Arc<Self>) -> Box<dyn FrameReader> {
-        // One receive future for all frames, not one box per frame.
-        Box::new(EachFrame::new(self, |c| async move {
-            let received = c.recv_frame().await;
-            (received, c)
+        // One receive future for all frames, not one box per frame; the receiving side is
+        // locked at the first receive and held until the reader is dropped, not locked and
+        // let go of for every frame (a `recv` meanwhile, which the port forbids, waits for
+        // the reader's drop).
+        Box::new(EachFrame::new((self, None), |(c, held): Held| async move {
+            let mut r = match held {
+                Some(r) => r,
+                None => Arc::clone(&c.reader).lock_owned().await,
+            };
+            let received = c.recv_from(&mut r).await;
+            (received, (c, Some(r)))
         }))
     }
 
@@ -763,12 +823,12 @@ impl Connection for TcpConnection {
     }
 
     async fn close(&self) -> Result<(), TransportError> {
-        let mut writer = self.writer.lock().await;
-        writer
-            .half
-            .shutdown()
-            .await
-            .map_err(|e| TransportError::io(self.peer, "closing", &e))
+        let _turn = self.turn.lock().await;
+        std::future::poll_fn(|cx| {
+            tokio::io::AsyncWrite::poll_shutdown(std::pin::Pin::new(&mut self.writer().half), cx)
+        })
+        .await
+        .map_err(|e| TransportError::io(self.peer, "closing", &e))
     }
 }
 
@@ -849,6 +909,58 @@ mod tests {
         assert!(polls >= 1);
         // The server had sent nothing before the question: it waited without polling.
         assert_eq!(server.polls(), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn the_frame_reader_locks_the_receiving_side_once_for_its_life() {
+        let (client, server) = pair(Duration::ZERO).await;
+        let server = Arc::new(server);
+        for text in [&b"one"[..], b"two", b"three"] {
+            client
+                .send(Frame::message(bytes::Bytes::from_static(text), vec![]))
+                .await
+                .unwrap();
+        }
+        let mut frames = Arc::clone(&server).into_frames();
+        async fn next(frames: &mut Box<dyn FrameReader>) -> bytes::Bytes {
+            let frame = std::future::poll_fn(|cx| frames.poll_recv(cx)).await;
+            frame.unwrap().header
+        }
+        assert_eq!(&next(&mut frames).await[..], b"one");
+        // Held between frames: not let go of after each.
+        assert!(server.reader.try_lock().is_err());
+        assert_eq!(&next(&mut frames).await[..], b"two");
+        assert!(server.reader.try_lock().is_err());
+        drop(frames);
+        // Let go of with the reader: a `recv` gets the next frame, in order.
+        assert!(server.reader.try_lock().is_ok());
+        assert_eq!(&server.recv().await.unwrap().header[..], b"three");
+    }
+
+    #[tokio::test]
+    async fn try_send_now_takes_nothing_while_a_send_many_is_under_way() {
+        let (client, server) = pair(Duration::ZERO).await;
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        // Nobody reads yet: 32 MiB cannot all fit in the socket buffers, so the send is
+        // under way (part written, the rest in its own list) after its first poll.
+        let big = || Frame::message(&b"big"[..], vec![bytes::Bytes::from(vec![7u8; 32 << 20])]);
+        let mut send = client.send_many(vec![big()]);
+        assert!(std::future::Future::poll(send.as_mut(), &mut cx).is_pending());
+        let mut small = vec![frame(b"small")];
+        assert!(client.try_send_now(&mut small).is_none());
+        assert_eq!(small.len(), 1, "nothing taken while a send is under way");
+        let (sent, got) = tokio::join!(send, server.recv());
+        sent.unwrap();
+        assert_eq!(&got.unwrap().header[..], b"big");
+        // The send ended: the next is written at once, after it.
+        assert!(matches!(client.try_send_now(&mut small), Some(Ok(()))));
+        assert_eq!(&server.recv().await.unwrap().header[..], b"small");
+        // A send dropped half-way lets go of the sending side too (which it left broken).
+        let mut send = client.send_many(vec![big()]);
+        assert!(std::future::Future::poll(send.as_mut(), &mut cx).is_pending());
+        drop(send);
+        let mut after = vec![frame(b"after")];
+        assert!(matches!(client.try_send_now(&mut after), Some(Err(_))));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
