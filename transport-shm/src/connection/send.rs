@@ -55,8 +55,9 @@ pub(super) struct Tx {
     slabs: Vec<Option<SendSlab>>,
     /// Set when a send failed or was dropped half-way: the ring may hold part of a frame.
     broken: bool,
-    /// Frames a [`ShmConnection::try_send_now`] could not finish (the ring was full), the
-    /// first possibly part-written: the next `send_many` (or `close`) writes them first.
+    /// Frames a [`try_send_now`](tensorwire_core::ports::transport::Connection::try_send_now)
+    /// could not finish (the ring was full), the first possibly part-written: the next
+    /// `send_many` (or `close`) writes them first.
     held: Vec<Prepared>,
 }
 
@@ -179,7 +180,8 @@ impl ShmConnection {
         })
     }
 
-    /// Writes what a [`try_send_now`](Self::try_send_now) left (before the end of the stream).
+    /// Writes what a [`try_send_now`](tensorwire_core::ports::transport::Connection::try_send_now)
+    /// left (before the end of the stream).
     pub(super) async fn flush_held(&self, loan: &mut Loan<'_>) -> Result<(), TransportError> {
         let Some(tx) = loan.tx.as_deref_mut() else {
             return Ok(());
