@@ -105,7 +105,7 @@ impl Tx {
 impl ShmConnection {
     /// [`Connection::send_many`](tensorwire_core::ports::transport::Connection::send_many):
     /// prepares each frame (a large one into a segment, off the runtime's threads), then
-    /// writes them in order under the send lock.
+    /// writes them in order with the send side on loan (in the senders' turn).
     pub(super) async fn send_prepared(&self, frames: Vec<Frame>) -> Result<(), TransportError> {
         let mut prepared = Vec::with_capacity(frames.len());
         for frame in frames {
