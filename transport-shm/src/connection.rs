@@ -215,7 +215,13 @@ pub(crate) struct ShmConnection {
     /// The receive side, `None` once the connection's reader took it
     /// ([`Connection::into_frames`]: no lock a frame).
     rx: Mutex<Option<Box<Rx>>>,
-    tx: Mutex<Tx>,
+    /// The send side: taken within one step at a time by a `try_send_now` (a plain lock,
+    /// whose uncontended round trip costs a fraction of an async one's), or out of the slot
+    /// for as long as a send that waits runs (`send_many`, `close`: [`send::Loan`]).
+    tx: std::sync::Mutex<Option<Box<Tx>>>,
+    /// The turn of the sends that wait, held across their awaits; a `try_send_now` never
+    /// waits for it (it finds the send side's slot empty).
+    turn: Mutex<()>,
     watcher: JoinHandle<()>,
 }
 
@@ -303,7 +309,8 @@ impl ShmConnection {
                 slabs: (0..MAX_SLABS).map(|_| None).collect(),
                 failed: None,
             }))),
-            tx: Mutex::new(Tx::new()),
+            tx: std::sync::Mutex::new(Some(Tx::new())),
+            turn: Mutex::new(()),
             watcher,
         })
     }
@@ -868,9 +875,9 @@ impl Connection for ShmConnection {
     }
 
     async fn close(&self) -> Result<(), TransportError> {
-        let mut tx = self.tx.lock().await;
+        let mut loan = self.lend_tx().await?;
         // Frames a `try_send_now` held come before the end of the stream.
-        self.flush_held(&mut tx).await?;
+        self.flush_held(&mut loan).await?;
         self.tx_ring.closed().store(1, Ordering::Release);
         wake(self.tx_ring.consumer_waiting(), &self.peer_data_efd);
         Ok(())

@@ -349,13 +349,62 @@ mod tests {
 
     /// A transport with the default settings, and a listener of it on a free port.
     pub(crate) async fn listening() -> (ShmTransport, Box<dyn Listener>) {
+        listening_with(|config| config).await
+    }
+
+    /// A transport with the default settings as `change` changes them, and a listener of it
+    /// on a free port.
+    async fn listening_with(
+        change: impl FnOnce(ShmConfig) -> ShmConfig,
+    ) -> (ShmTransport, Box<dyn Listener>) {
         let secret = ClusterSecret::new(vec![7; 32]).unwrap();
-        let transport = ShmTransport::new(ShmConfig::new(secret)).unwrap();
+        let transport = ShmTransport::new(change(ShmConfig::new(secret))).unwrap();
         let listener = transport
             .listen("127.0.0.1:0".parse().unwrap())
             .await
             .unwrap();
         (transport, listener)
+    }
+
+    /// While a `send_many` is under way (its frame part-written into a full ring, the rest
+    /// waiting for space), a `try_send_now` takes nothing, so that the two never interleave in
+    /// the ring; once the send ends, the next is written at once, after it. A send dropped
+    /// half-way puts the send side back broken: a `try_send_now` then fails.
+    #[tokio::test]
+    async fn try_send_now_takes_nothing_while_a_send_many_is_under_way() {
+        let (transport, listener) = listening_with(|c| c.with_ring_bytes(4096)).await;
+        let client = transport.connect(listener.local_addr()).await.unwrap();
+        let server = listener.accept().await.unwrap();
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        // Nobody reads yet: 64 KiB (streamed through the ring: below the slab size) do not fit
+        // in the 4 KiB ring, so after its first poll the send is under way.
+        let big = || Frame::message(&b"big"[..], vec![Bytes::from(vec![7u8; 64 << 10])]);
+        let small = || vec![Frame::message(&b"small"[..], vec![])];
+        let mut send = client.send_many(vec![big()]);
+        assert!(std::future::Future::poll(send.as_mut(), &mut cx).is_pending());
+        let mut frames = small();
+        assert!(client.try_send_now(&mut frames).is_none());
+        assert_eq!(frames.len(), 1, "nothing taken while a send is under way");
+        let (sent, got) = tokio::join!(send, server.recv());
+        sent.unwrap();
+        let got = got.unwrap();
+        assert_eq!(&got.header[..], b"big");
+        assert_eq!(got.payloads.len(), 1);
+        assert!(got.payloads[0].len() == 64 << 10 && got.payloads[0].iter().all(|&b| b == 7));
+        // The send ended: the next is written at once, after it.
+        assert!(matches!(client.try_send_now(&mut frames), Some(Ok(()))));
+        assert!(frames.is_empty());
+        assert_eq!(&server.recv().await.unwrap().header[..], b"small");
+        // A send dropped half-way puts the send side back, broken.
+        let mut send = client.send_many(vec![big()]);
+        assert!(std::future::Future::poll(send.as_mut(), &mut cx).is_pending());
+        drop(send);
+        let mut frames = small();
+        let after = client.try_send_now(&mut frames);
+        assert!(
+            matches!(after, Some(Err(TransportError::Io { op: "sending", .. }))),
+            "{after:?}"
+        );
     }
 
     /// The reader (`into_frames`) takes the receive side with it: it gets every frame, in

@@ -46,7 +46,8 @@ struct SendSlab {
     seq: u64,
 }
 
-/// The send side's state, behind the connection's send lock.
+/// The send side's state, in the connection's slot for it ([`ShmConnection`]'s `tx`): there
+/// while no send that waits runs, taken out by one ([`Loan`]) for as long as it runs.
 pub(super) struct Tx {
     producer: Producer,
     segments_sent: u64,
@@ -54,8 +55,9 @@ pub(super) struct Tx {
     slabs: Vec<Option<SendSlab>>,
     /// Set when a send failed or was dropped half-way: the ring may hold part of a frame.
     broken: bool,
-    /// Frames a [`ShmConnection::try_send_now`] could not finish (the ring was full), the
-    /// first possibly part-written: the next `send_many` (or `close`) writes them first.
+    /// Frames a [`try_send_now`](tensorwire_core::ports::transport::Connection::try_send_now)
+    /// could not finish (the ring was full), the first possibly part-written: the next
+    /// `send_many` (or `close`) writes them first.
     held: Vec<Prepared>,
 }
 
@@ -66,33 +68,44 @@ enum Prepared {
     Segment(u64, OwnedFd),
 }
 
-/// Marks the send side broken when dropped armed.
-struct BrokenOnDrop<'a>(&'a mut Tx, bool);
+/// The send side taken out of its slot by a send that waits (`send_many`, `close`) for as
+/// long as it runs, with the senders' turn: put back when the send ends, however it ends,
+/// marked broken if it ends armed (dropped or failed half-way: the ring may hold part of a
+/// frame). While it is out, a `try_send_now` finds the slot empty and takes nothing.
+pub(super) struct Loan<'a> {
+    conn: &'a ShmConnection,
+    /// Always `Some` until the loan drops (an `Option` only so that `drop` can put it back).
+    tx: Option<Box<Tx>>,
+    armed: bool,
+    /// Released after `drop` has put the send side back (fields drop after it).
+    _turn: tokio::sync::MutexGuard<'a, ()>,
+}
 
-impl Drop for BrokenOnDrop<'_> {
+impl Drop for Loan<'_> {
     fn drop(&mut self) {
-        if self.1 {
-            self.0.broken = true;
+        if let Some(mut tx) = self.tx.take() {
+            tx.broken |= self.armed;
+            *self.conn.tx_slot() = Some(tx);
         }
     }
 }
 
 impl Tx {
-    pub(super) fn new() -> Self {
-        Tx {
+    pub(super) fn new() -> Box<Self> {
+        Box::new(Tx {
             producer: Producer::default(),
             segments_sent: 0,
             slabs: (0..crate::ring::MAX_SLABS).map(|_| None).collect(),
             broken: false,
             held: Vec::new(),
-        }
+        })
     }
 }
 
 impl ShmConnection {
     /// [`Connection::send_many`](tensorwire_core::ports::transport::Connection::send_many):
     /// prepares each frame (a large one into a segment, off the runtime's threads), then
-    /// writes them in order under the send lock.
+    /// writes them in order with the send side on loan (in the senders' turn).
     pub(super) async fn send_prepared(&self, frames: Vec<Frame>) -> Result<(), TransportError> {
         let mut prepared = Vec::with_capacity(frames.len());
         for frame in frames {
@@ -122,7 +135,10 @@ impl ShmConnection {
                 })?;
             prepared.push(Prepared::Segment(len, fd));
         }
-        let mut tx = self.tx.lock().await;
+        let mut loan = self.lend_tx().await?;
+        let Some(tx) = loan.tx.as_deref_mut() else {
+            return Err(self.broken_error());
+        };
         if tx.broken {
             return Err(self.broken_error());
         }
@@ -135,21 +151,48 @@ impl ShmConnection {
             all.append(&mut prepared);
             prepared = all;
         }
-        let mut guard = BrokenOnDrop(&mut tx, true);
-        let result = self.send_frames(guard.0, prepared).await;
-        guard.1 = result.is_err();
+        loan.armed = true;
+        let result = self.send_frames(tx, prepared).await;
+        loan.armed = result.is_err();
         result
     }
 
-    /// Writes what a [`try_send_now`](Self::try_send_now) left (before the end of the stream).
-    pub(super) async fn flush_held(&self, tx: &mut Tx) -> Result<(), TransportError> {
+    /// The send side's slot, for one step that does not wait (a poisoned lock's state is
+    /// still whole: nothing under it panics half-way through a change).
+    pub(super) fn tx_slot(&self) -> std::sync::MutexGuard<'_, Option<Box<Tx>>> {
+        self.tx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Waits for the senders' turn and takes the send side out of its slot until the loan
+    /// drops.
+    pub(super) async fn lend_tx(&self) -> Result<Loan<'_>, TransportError> {
+        let turn = self.turn.lock().await;
+        // Only the turn's holder takes the send side out, and it puts it back before the turn
+        // passes on: the slot is never empty here.
+        let tx = self.tx_slot().take().ok_or_else(|| self.broken_error())?;
+        Ok(Loan {
+            conn: self,
+            tx: Some(tx),
+            armed: false,
+            _turn: turn,
+        })
+    }
+
+    /// Writes what a [`try_send_now`](tensorwire_core::ports::transport::Connection::try_send_now)
+    /// left (before the end of the stream).
+    pub(super) async fn flush_held(&self, loan: &mut Loan<'_>) -> Result<(), TransportError> {
+        let Some(tx) = loan.tx.as_deref_mut() else {
+            return Ok(());
+        };
         let held = std::mem::take(&mut tx.held);
         if held.is_empty() || tx.broken {
             return Ok(());
         }
-        let mut guard = BrokenOnDrop(tx, true);
-        let result = self.send_frames(guard.0, held).await;
-        guard.1 = result.is_err();
+        loan.armed = true;
+        let result = self.send_frames(tx, held).await;
+        loan.armed = result.is_err();
         result
     }
 
@@ -178,7 +221,14 @@ impl ShmConnection {
         if frames.iter().any(|f| may_reach(f, small)) {
             return None;
         }
-        let mut tx = self.tx.try_lock().ok()?;
+        let mut slot = match self.tx.try_lock() {
+            Ok(slot) => slot,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        // An empty slot: a `send_many` (or `close`) is under way, and may be half-way through
+        // a frame in the ring.
+        let tx = slot.as_deref_mut()?;
         if !tx.held.is_empty() {
             // The next `send_many` writes those first.
             return None;
@@ -198,11 +248,11 @@ impl ShmConnection {
         };
         if let [frame] = &frames[..] {
             // The usual single message: copied into one record straight from the frame.
-            match self.try_write_whole(&mut tx, frame) {
+            match self.try_write_whole(tx, frame) {
                 Ok(false) => {}
                 Ok(true) => {
                     frames.clear();
-                    self.publish(&tx);
+                    self.publish(tx);
                     return Some(Ok(()));
                 }
                 Err(e) => return Some(Err(e)),
@@ -234,7 +284,7 @@ impl ShmConnection {
                 };
                 if tx.producer.write_data(&self.tx_ring, free, &mut out) == 0 {
                     // The ring is full: the rest goes with the next `send_many`.
-                    self.publish(&tx);
+                    self.publish(tx);
                     tx.held = std::iter::once(out)
                         .chain(outs)
                         .map(Prepared::Inline)
@@ -243,11 +293,11 @@ impl ShmConnection {
                 }
                 if !out.is_done() {
                     // A frame of several records: the reader may start on this one.
-                    self.publish(&tx);
+                    self.publish(tx);
                 }
             }
         }
-        self.publish(&tx);
+        self.publish(tx);
         Some(Ok(()))
     }
 
@@ -527,10 +577,13 @@ impl ShmConnection {
     /// Writes raw bytes into the ring (for the conformance suite's hostile peers).
     #[cfg(feature = "__testing")]
     pub(crate) async fn send_raw(&self, bytes: &[u8]) -> Result<(), TransportError> {
-        let mut tx = self.tx.lock().await;
+        let mut loan = self.lend_tx().await?;
+        let Some(tx) = loan.tx.as_deref_mut() else {
+            return Err(self.broken_error());
+        };
         let mut chunks = Chunks::new(vec![bytes::Bytes::copy_from_slice(bytes)]);
-        self.write_stream(&mut tx, &mut chunks).await?;
-        self.publish(&tx);
+        self.write_stream(tx, &mut chunks).await?;
+        self.publish(tx);
         Ok(())
     }
 }
