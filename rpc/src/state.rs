@@ -81,8 +81,8 @@ pub(crate) struct State {
     pub(crate) gathers_waiting: HashMap<GatherToken, oneshot::Sender<GatherOutcome>>,
     /// Each call's (and fetch's) waiter, by its message id: no hashing (ids only grow).
     pub(crate) waiters: Waiters<Result<Body, CallError>>,
-    /// Calls whose waiters are to be taken out: dropped unread while this lock was held.
-    pub(crate) abandoned: mpsc::UnboundedReceiver<tensorwire_core::protocol::MessageId>,
+    /// What handles dropped while this lock was busy left to do ([`Abandoned`]).
+    pub(crate) abandoned: mpsc::UnboundedReceiver<Abandoned>,
     pub(crate) values: HashMap<RRefId, Arc<dyn Value>>,
     pub(crate) peers: HashMap<WorkerId, PeerLink>,
     /// Functions waiting until the owners confirm the references in their arguments (the
@@ -122,9 +122,42 @@ pub(crate) struct Inner {
     pub(crate) serving: std::sync::atomic::AtomicUsize,
     /// Bytes queued for every peer's writer ([`Agent::queued_bytes`]).
     pub(crate) queued_bytes: Arc<std::sync::atomic::AtomicUsize>,
-    /// The ids of calls dropped unread while the state's lock was held, for the driver to
-    /// take their waiters out ([`State::abandoned`]; see `future::Outcome`'s `Drop`).
-    pub(crate) abandoned: mpsc::UnboundedSender<tensorwire_core::protocol::MessageId>,
+    /// What handles dropped while the state's lock was busy left for the driver to do
+    /// ([`State::abandoned`]; see `Agent::let_go`).
+    pub(crate) abandoned: mpsc::UnboundedSender<Abandoned>,
+}
+
+/// What a handle of the application's leaves the agent to do when it is dropped, under the
+/// lock: done at once when the lock is free, else by the driver ([`Agent::let_go`]).
+pub(crate) enum Abandoned {
+    /// A call's outcome dropped unread: its waiter is taken out.
+    Waiter(tensorwire_core::protocol::MessageId),
+    /// A reference's last clone dropped (then): the endpoint decides what that means.
+    Reference(tensorwire_core::protocol::RRefHandle, std::time::Instant),
+}
+
+impl State {
+    /// Does what `item` leaves to do; a waiter taken out is returned, to be dropped after the
+    /// lock (its body may hold what takes it).
+    pub(crate) fn let_go(&mut self, item: Abandoned) -> Option<Waiter> {
+        match item {
+            Abandoned::Waiter(id) => self.waiters.remove(id),
+            Abandoned::Reference(handle, at) => {
+                self.node.ep_mut().drop_handle(handle, at);
+                None
+            }
+        }
+    }
+
+    /// Does what the handles dropped while the lock was busy left ([`State::abandoned`]), for
+    /// the driver: `None` if nothing, else the waiters taken out, to be dropped after the lock.
+    pub(crate) fn sweep_abandoned(&mut self) -> Option<Vec<Waiter>> {
+        let mut swept = None;
+        while let Ok(item) = self.abandoned.try_recv() {
+            swept.get_or_insert_with(Vec::new).extend(self.let_go(item));
+        }
+        swept
+    }
 }
 
 /// What the agent holds until shutdown lets go of it — the group's store, the rendezvous, a
