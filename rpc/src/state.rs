@@ -26,7 +26,7 @@ use crate::runtime::Runtime;
 use tensorwire_core::ports::device::DeviceBackend;
 use tensorwire_core::protocol::membership::WorkerInfo;
 
-pub(crate) use tensorwire_core::protocol::node::RPC_GROUP;
+pub(crate) use tensorwire_core::protocol::node::{Abandoned, RPC_GROUP};
 
 /// The functions a worker serves (a registry of functions run on an [`Agent`]). Cloning shares
 /// the table.
@@ -127,26 +127,11 @@ pub(crate) struct Inner {
     pub(crate) abandoned: mpsc::UnboundedSender<Abandoned>,
 }
 
-/// What a handle of the application's leaves the agent to do when it is dropped, under the
-/// lock: done at once when the lock is free, else by the driver ([`Agent::let_go`]).
-pub(crate) enum Abandoned {
-    /// A call's outcome dropped unread: its waiter is taken out.
-    Waiter(tensorwire_core::protocol::MessageId),
-    /// A reference's last clone dropped (then): the endpoint decides what that means.
-    Reference(tensorwire_core::protocol::RRefHandle, std::time::Instant),
-}
-
 impl State {
-    /// Does what `item` leaves to do; a waiter taken out is returned, to be dropped after the
-    /// lock (its body may hold what takes it).
+    /// Does what `item` leaves to do (core's [`Node::let_go`]); a waiter taken out is
+    /// returned, to be dropped after the lock.
     pub(crate) fn let_go(&mut self, item: Abandoned) -> Option<Waiter> {
-        match item {
-            Abandoned::Waiter(id) => self.waiters.remove(id),
-            Abandoned::Reference(handle, at) => {
-                self.node.ep_mut().drop_handle(handle, at);
-                None
-            }
-        }
+        self.node.let_go(&mut self.waiters, item)
     }
 
     /// Does what the handles dropped while the lock was busy left ([`State::abandoned`]), for
