@@ -208,6 +208,7 @@ impl Agent {
         writer: bool,
         task: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
+        let mut ended = Vec::new();
         let refused = {
             let mut st = self.lock();
             let tasks = &mut st.owned;
@@ -219,13 +220,16 @@ impl Agent {
                 } else {
                     &mut tasks.others
                 };
-                // Forget the ones that ended, so the set holds the running ones only.
-                while set.try_join_next().is_some() {}
+                // Forget the ones that ended, so the set holds the running ones only (a panic's
+                // payload, the user's, is dropped after the lock).
+                while let Some(end) = set.try_join_next() {
+                    ended.extend(end.err());
+                }
                 set.spawn(task);
                 None
             }
         };
-        drop(refused);
+        drop((refused, ended));
     }
 
     pub(crate) fn wake(&self) {

@@ -4,6 +4,9 @@
 //! in both cases): the drop goes to the driver, which tells the endpoint on its next pass, and
 //! the owner frees the value as it would have at once.
 //!
+//! The same for what [`Agent::spawn`] forgets of the agent's tasks that ended (a panic's
+//! payload, whatever its `Drop` does): dropped after the lock.
+//!
 //! Each drop that could deadlock runs on a thread of its own, waited for within
 //! [`DEADLOCK`] of real time, so that a drop that waits for the lock fails the test instead of
 //! hanging it.
@@ -140,6 +143,45 @@ async fn a_task_that_panicked_holding_a_reference_is_forgotten_without_deadlock(
         agent.spawn(async {});
     });
     until(|| b.owned_value_count() == 0).await;
+    for a in agents {
+        a.shutdown(Shutdown::Immediate).await.unwrap();
+    }
+}
+
+/// Takes the agent's lock when dropped, as every handle of the agent's did or does from its
+/// `Drop` (a reference before it deferred, a call's `Reply`, a gather's end).
+struct TakesTheLock(Agent, Arc<AtomicBool>);
+
+impl Drop for TakesTheLock {
+    fn drop(&mut self) {
+        drop(self.0.lock());
+        self.1.store(true, Ordering::SeqCst);
+    }
+}
+
+/// [`Agent::spawn`] drops nothing of the user's under the agent's lock: a panic's payload
+/// left by one of the agent's tasks is dropped after it, whatever its `Drop` does.
+#[tokio::test(start_paused = true)]
+async fn the_payload_of_a_task_that_panicked_is_dropped_after_the_lock() {
+    let agents = pair().await;
+    let a = &agents[0];
+    let (panicked, dropped) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let payload = TakesTheLock(a.clone(), Arc::clone(&dropped));
+    let flag = Arc::clone(&panicked);
+    a.spawn(async move {
+        flag.store(true, Ordering::SeqCst);
+        std::panic::panic_any(payload);
+    });
+    until(|| panicked.load(Ordering::SeqCst)).await;
+    assert!(!dropped.load(Ordering::SeqCst), "kept with the task's end");
+    let agent = a.clone();
+    returns("a spawn that forgets a task which panicked", move || {
+        agent.spawn(async {});
+    });
+    assert!(dropped.load(Ordering::SeqCst));
     for a in agents {
         a.shutdown(Shutdown::Immediate).await.unwrap();
     }
