@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use crate::tests::{pair_of, until};
-use crate::{Agent, Functions, RRef, RpcOptions, Shutdown};
+use crate::tests::{pair_serving, until};
+use crate::{Agent, Functions, RRef, Shutdown};
 
 /// How long a drop may take before the test calls it a deadlock (real time: the drop itself
 /// takes microseconds; the agents' clock is paused and nothing here waits on it).
@@ -46,12 +46,7 @@ async fn pair() -> Vec<Agent> {
     let f = Functions::new();
     f.register("make", |n: i64| async move { Ok::<_, String>(n) })
         .unwrap();
-    pair_of(|_| RpcOptions {
-        init_timeout: Duration::from_secs(20),
-        functions: f.clone(),
-        ..RpcOptions::default()
-    })
-    .await
+    pair_serving(&f).await
 }
 
 /// A reference of w0's to a value kept on w1, confirmed by w1 (so dropping it tells w1).
