@@ -8,7 +8,7 @@
 
 use std::any::Any;
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use std::time::{Duration, Instant};
 use tensorwire_core::hashing::HashMap;
 
@@ -38,7 +38,7 @@ use crate::options::RpcOptions;
 use crate::rref::RRef;
 use crate::runtime::Runtime;
 pub use crate::state::Agent;
-use crate::state::{Body, Functions, Inner, Owned, State, WorkerRecord};
+use crate::state::{Abandoned, Body, Functions, Inner, Owned, State, WorkerRecord};
 use crate::tensors::{self, TensorTransferError};
 use crate::typed::{Call, Function};
 use crate::{driver, links, shutdown};
@@ -208,6 +208,7 @@ impl Agent {
         writer: bool,
         task: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
+        let mut ended = Vec::new();
         let refused = {
             let mut st = self.lock();
             let tasks = &mut st.owned;
@@ -219,13 +220,16 @@ impl Agent {
                 } else {
                     &mut tasks.others
                 };
-                // Forget the ones that ended, so the set holds the running ones only.
-                while set.try_join_next().is_some() {}
+                // Forget the ones that ended, so the set holds the running ones only (a panic's
+                // payload, the user's, is dropped after the lock).
+                while let Some(end) = set.try_join_next() {
+                    ended.extend(end.err());
+                }
                 set.spawn(task);
                 None
             }
         };
-        drop(refused);
+        drop((refused, ended));
     }
 
     pub(crate) fn wake(&self) {
@@ -722,11 +726,34 @@ impl Agent {
     }
 
     /// A reference handle of this worker's is gone (its last [`RRef`] clone dropped): the
-    /// endpoint tells the owner when it may.
+    /// endpoint tells the owner when it may (the driver moves that along). Never waits for
+    /// the lock ([`let_go`](Self::let_go)).
     pub(crate) fn drop_reference(&self, handle: RRefHandle) {
-        let now = self.now();
-        self.lock().node.ep_mut().drop_handle(handle, now);
+        self.let_go(Abandoned::Reference(handle, self.now()));
         self.wake();
+    }
+
+    /// Does what a dropped handle of the application's (a call's unread outcome, a
+    /// reference's last clone) leaves the agent to do, never waiting for the lock: whoever
+    /// holds it (this very thread, dropping the handle from under it, or another that waits
+    /// for this one) would deadlock or stall the drop, which may run anywhere (a user value,
+    /// a task's panic, a future dropped under the lock). Free (or poisoned), it is done now;
+    /// busy, `item` goes to the driver, which does it under the lock on its next pass
+    /// ([`State::sweep_abandoned`]). That channel is unbounded but holds at most one item per
+    /// handle of this process (each sends once, from its `Drop`), drained on every pass.
+    pub(crate) fn let_go(&self, item: Abandoned) {
+        let left = match self.inner.state.try_lock() {
+            Ok(mut st) => st.let_go(item),
+            Err(TryLockError::Poisoned(st)) => st.into_inner().let_go(item),
+            Err(TryLockError::WouldBlock) => {
+                // Refused only once the state (the receiver's holder) is gone, which this
+                // agent keeps alive.
+                let _ = self.inner.abandoned.send(item);
+                self.wake();
+                None
+            }
+        };
+        drop(left);
     }
 
     /// Whether the owner has confirmed this worker's `handle`.

@@ -294,9 +294,14 @@ pub(crate) async fn drive(agent: Agent) {
         agent.pump();
         let (next, swept) = {
             let mut st = agent.lock();
-            (st.node.arm_timer(), crate::future::sweep_abandoned(&mut st))
+            let swept = st.sweep_abandoned();
+            (st.node.arm_timer(), swept)
         };
-        drop(swept);
+        // What was swept (its waiters dropped here, after the lock) may have given the node
+        // a message to send (a dropped reference's delete): pumped before the driver sleeps.
+        if swept.is_some() {
+            continue;
+        }
         match next {
             Some(at) => {
                 tokio::select! {

@@ -3,13 +3,12 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::TryLockError;
 use std::task::{Context, Poll};
 
 use tensorwire_core::protocol::{CallError, MessageId};
 
 use crate::error::RpcError;
-use crate::state::{Agent, Body, State, Waiter};
+use crate::state::{Abandoned, Agent, Body};
 use tensorwire_core::protocol::by_id::Registered;
 
 /// The result of [`Agent::rpc_async`](crate::Agent::rpc_async): await it for the callee's result.
@@ -34,7 +33,8 @@ impl<R> std::future::Future for RpcFuture<R> {
 pub(crate) struct Closed;
 
 /// How a call (a fetch, a remote) ended, read from the agent's waiter under its id: no
-/// channel of its own. Dropped unread, it takes its waiter with it.
+/// channel of its own. Dropped unread, it takes its waiter with it (never waiting for the
+/// agent's lock: `Agent::let_go`).
 pub(crate) struct Outcome {
     agent: Agent,
     id: MessageId,
@@ -83,36 +83,10 @@ impl Future for Outcome {
 
 impl Drop for Outcome {
     fn drop(&mut self) {
-        if self.read {
-            return;
+        if !self.read {
+            self.agent.let_go(Abandoned::Waiter(self.id));
         }
-        // Never waits for the agent's lock: whoever holds it (this very thread, dropping a
-        // call from under it, or another) would deadlock or stall the drop. Taken, its waiter
-        // goes now (its body, if it ended, dropped after the lock); else its id goes to the
-        // driver, which takes the waiter out when it next runs ([`sweep_abandoned`]).
-        let left = match self.agent.inner.state.try_lock() {
-            Ok(mut st) => st.waiters.remove(self.id),
-            Err(TryLockError::Poisoned(st)) => st.into_inner().waiters.remove(self.id),
-            Err(TryLockError::WouldBlock) => {
-                // Refused only once the state (the receiver's holder) is gone, which this
-                // outcome's agent keeps alive.
-                let _ = self.agent.inner.abandoned.send(self.id);
-                self.agent.wake();
-                None
-            }
-        };
-        drop(left);
     }
-}
-
-/// Takes the waiters of the calls dropped unread while the lock was held (see [`Outcome`]'s
-/// `Drop`) out of `st`, for the caller to drop after the lock.
-pub(crate) fn sweep_abandoned(st: &mut State) -> Vec<Waiter> {
-    let mut swept = Vec::new();
-    while let Ok(id) = st.abandoned.try_recv() {
-        swept.extend(st.waiters.remove(id));
-    }
-    swept
 }
 
 #[cfg(test)]

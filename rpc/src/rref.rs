@@ -363,3 +363,6 @@ pub(crate) mod handoff {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

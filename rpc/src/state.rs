@@ -26,7 +26,7 @@ use crate::runtime::Runtime;
 use tensorwire_core::ports::device::DeviceBackend;
 use tensorwire_core::protocol::membership::WorkerInfo;
 
-pub(crate) use tensorwire_core::protocol::node::RPC_GROUP;
+pub(crate) use tensorwire_core::protocol::node::{Abandoned, RPC_GROUP};
 
 /// The functions a worker serves (a registry of functions run on an [`Agent`]). Cloning shares
 /// the table.
@@ -81,8 +81,8 @@ pub(crate) struct State {
     pub(crate) gathers_waiting: HashMap<GatherToken, oneshot::Sender<GatherOutcome>>,
     /// Each call's (and fetch's) waiter, by its message id: no hashing (ids only grow).
     pub(crate) waiters: Waiters<Result<Body, CallError>>,
-    /// Calls whose waiters are to be taken out: dropped unread while this lock was held.
-    pub(crate) abandoned: mpsc::UnboundedReceiver<tensorwire_core::protocol::MessageId>,
+    /// What handles dropped while this lock was busy left to do ([`Abandoned`]).
+    pub(crate) abandoned: mpsc::UnboundedReceiver<Abandoned>,
     pub(crate) values: HashMap<RRefId, Arc<dyn Value>>,
     pub(crate) peers: HashMap<WorkerId, PeerLink>,
     /// Functions waiting until the owners confirm the references in their arguments (the
@@ -122,9 +122,27 @@ pub(crate) struct Inner {
     pub(crate) serving: std::sync::atomic::AtomicUsize,
     /// Bytes queued for every peer's writer ([`Agent::queued_bytes`]).
     pub(crate) queued_bytes: Arc<std::sync::atomic::AtomicUsize>,
-    /// The ids of calls dropped unread while the state's lock was held, for the driver to
-    /// take their waiters out ([`State::abandoned`]; see `future::Outcome`'s `Drop`).
-    pub(crate) abandoned: mpsc::UnboundedSender<tensorwire_core::protocol::MessageId>,
+    /// What handles dropped while the state's lock was busy left for the driver to do
+    /// ([`State::abandoned`]; see `Agent::let_go`).
+    pub(crate) abandoned: mpsc::UnboundedSender<Abandoned>,
+}
+
+impl State {
+    /// Does what `item` leaves to do (core's [`Node::let_go`]); a waiter taken out is
+    /// returned, to be dropped after the lock.
+    pub(crate) fn let_go(&mut self, item: Abandoned) -> Option<Waiter> {
+        self.node.let_go(&mut self.waiters, item)
+    }
+
+    /// Does what the handles dropped while the lock was busy left ([`State::abandoned`]), for
+    /// the driver: `None` if nothing, else the waiters taken out, to be dropped after the lock.
+    pub(crate) fn sweep_abandoned(&mut self) -> Option<Vec<Waiter>> {
+        let mut swept = None;
+        while let Ok(item) = self.abandoned.try_recv() {
+            swept.get_or_insert_with(Vec::new).extend(self.let_go(item));
+        }
+        swept
+    }
 }
 
 /// What the agent holds until shutdown lets go of it — the group's store, the rendezvous, a

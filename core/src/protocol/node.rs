@@ -44,6 +44,7 @@ pub use members::{
     COORDINATOR_KEY, DIAL_WITHOUT_DEADLINE, HELLO_WAIT, RPC_GROUP,
 };
 
+use super::by_id::{Waiter, Waiters};
 use super::envelope::{Envelope, FrameBody};
 use super::gather::{
     Contribution, GatherConfig, GatherError, GatherLeader, GatherOutcome, GatherToken,
@@ -51,11 +52,23 @@ use super::gather::{
 use super::membership::{Directory, DynMessage, DynamicMembership};
 use super::mesh::GroupFrame;
 use super::{
-    Endpoint, Event, Header, LostCause, MalformedMessage, Payload, ProtocolViolation, RemoteError,
-    RequestToken, Transmit, WorkerId,
+    Endpoint, Event, Header, LostCause, MalformedMessage, MessageId, Payload, ProtocolViolation,
+    RRefHandle, RemoteError, RequestToken, Transmit, WorkerId,
 };
 use crate::ipc::{encode_message, IpcMessage, IpcState};
 use crate::wire::{Frame, FrameKind, Payloads};
+
+/// What a handle of the application's leaves to do when it is dropped: done by
+/// [`Node::let_go`] under the driver's lock, at once or, when that lock was busy at the drop
+/// (a drop may run anywhere, even under it), on the driver's next pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Abandoned {
+    /// A call's outcome dropped unread: its waiter is taken out.
+    Waiter(MessageId),
+    /// A reference's local handle dropped, at that time: the endpoint decides what that
+    /// means ([`Endpoint::drop_handle`]).
+    Reference(RRefHandle, Instant),
+}
 
 /// What the driver does about a peer it dropped ([`Node::handle_dropped`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -242,6 +255,19 @@ impl<B: Payload, H> Node<B, H> {
     /// produces comes out of the node's `poll_*`.
     pub fn ep_mut(&mut self) -> &mut Endpoint<B> {
         &mut self.ep
+    }
+
+    /// Does what a dropped handle left to do (`item`), with the driver's `waiters`: a waiter
+    /// taken out is returned, for the driver to drop after its lock (its body may hold what
+    /// takes that lock).
+    pub fn let_go<T>(&mut self, waiters: &mut Waiters<T>, item: Abandoned) -> Option<Waiter<T>> {
+        match item {
+            Abandoned::Waiter(id) => waiters.remove(id),
+            Abandoned::Reference(handle, at) => {
+                self.ep.drop_handle(handle, at);
+                None
+            }
+        }
     }
 
     /// Who is in the group as this worker sees it now (names, ranks, device plans): the

@@ -6,12 +6,11 @@
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
-use crate::tests::{pair_of, until};
-use crate::{Agent, Functions, RpcOptions, Shutdown};
+use crate::tests::{pair_serving, until};
+use crate::{Agent, Functions, Shutdown};
 
 /// Two agents, w0 and w1; w1's `hold` counts itself started and waits for a permit of `gate`.
 async fn pair(gate: &Arc<Semaphore>, started: &Arc<AtomicUsize>) -> Vec<Agent> {
@@ -31,12 +30,7 @@ async fn pair(gate: &Arc<Semaphore>, started: &Arc<AtomicUsize>) -> Vec<Agent> {
         |(a, b): (i64, i64)| async move { Ok::<_, String>(a + b) },
     )
     .unwrap();
-    pair_of(|_| RpcOptions {
-        init_timeout: Duration::from_secs(20),
-        functions: f.clone(),
-        ..RpcOptions::default()
-    })
-    .await
+    pair_serving(&f).await
 }
 
 fn waiting(a: &Agent) -> usize {

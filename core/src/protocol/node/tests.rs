@@ -1238,3 +1238,32 @@ fn the_driver_is_woken_only_for_a_deadline_earlier_than_its_timer() {
     assert_eq!(n.arm_timer(), Some(now + OP / 2));
     assert!(!n.timer_moved_earlier());
 }
+
+/// What a dropped handle leaves to do is done whenever the driver gets to it: a call's
+/// waiter is taken out (and handed back, its outcome with it); an owner's last reference
+/// releases its value, at the time of the drop the item keeps.
+#[test]
+fn a_dropped_handle_is_let_go_of_whenever_the_driver_gets_to_it() {
+    let now = Clock::new().now();
+    let mut n = node(0, false);
+    let mut waiters: Waiters<u8> = Waiters::default();
+    waiters.wait(5, None);
+    waiters.end(5, 9);
+    match n.let_go(&mut waiters, Abandoned::Waiter(5)) {
+        Some(Waiter::Done(9)) => {}
+        other => panic!("the waiter was not handed back: {other:?}"),
+    }
+    assert!(waiters.is_empty());
+    assert!(n.let_go(&mut waiters, Abandoned::Waiter(5)).is_none());
+
+    let handle = n.ep_mut().local_rref().unwrap();
+    assert!(n.poll_event().is_none());
+    assert!(n
+        .let_go(&mut waiters, Abandoned::Reference(handle, now))
+        .is_none());
+    match n.poll_event() {
+        Some(NodeEvent::Endpoint(Event::ReleaseValue { rref })) => assert_eq!(rref, handle.rref),
+        other => panic!("the value was not released: {other:?}"),
+    }
+    assert!(n.ep().debug_info().owned.is_empty());
+}
