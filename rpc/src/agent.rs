@@ -362,7 +362,7 @@ impl Agent {
             waker: Some(waker),
         };
         let (rx, watch) = self.begin_call(to, function, args, timeout, how)?;
-        watch.watch(self.call_result(rx, to, function)).await
+        watch.watch(|| self.call_result(rx, to, function)).await
     }
 
     /// Sends `function(args)` to `to` now and returns a future of its result, to await later.
@@ -463,7 +463,7 @@ impl Agent {
         };
         let (rx, watch) = self.begin_call(to, function, args, timeout, how)?;
         let (agent, function) = (self.clone(), function.to_owned());
-        let result = async move { agent.call_result(rx, to, &function).await };
+        let result = move || async move { agent.call_result(rx, to, &function).await };
         Ok(RpcFuture {
             inner: Box::pin(watch.watch(result)),
         })
