@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tensorwire_store::InMemoryStore;
 use tensorwire_transport_memory::MemoryNetwork;
 
-use crate::{start_agent, Agent, Rendezvous, RpcOptions};
+use crate::{start_agent, Agent, Functions, Rendezvous, RpcOptions};
 
 /// Two agents, w0 and w1, started with the options `options` gives for each rank.
 pub(crate) async fn pair_of(options: impl Fn(usize) -> RpcOptions) -> Vec<Agent> {
@@ -26,6 +26,16 @@ pub(crate) async fn pair_of(options: impl Fn(usize) -> RpcOptions) -> Vec<Agent>
         agents.push(t.await.unwrap().unwrap());
     }
     agents
+}
+
+/// Two agents, w0 and w1, serving `functions` (the default options otherwise, a long start).
+pub(crate) async fn pair_serving(functions: &Functions) -> Vec<Agent> {
+    pair_of(|_| RpcOptions {
+        init_timeout: std::time::Duration::from_secs(20),
+        functions: functions.clone(),
+        ..RpcOptions::default()
+    })
+    .await
 }
 
 /// Lets the agents' tasks run until `done` holds (virtual time: nothing really waits).

@@ -5,10 +5,9 @@ use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
-use std::time::Duration;
 
-use crate::tests::{pair_of, until};
-use crate::{Agent, Functions, RpcFuture, RpcOptions, Shutdown};
+use crate::tests::{pair_serving, until};
+use crate::{Agent, Functions, RpcFuture, Shutdown};
 
 use super::*;
 
@@ -62,12 +61,7 @@ async fn pair(seen: &Arc<Mutex<Vec<u32>>>) -> Vec<Agent> {
         async move { Ok::<_, String>(n) }
     })
     .unwrap();
-    pair_of(|_| RpcOptions {
-        init_timeout: Duration::from_secs(20),
-        functions: f.clone(),
-        ..RpcOptions::default()
-    })
-    .await
+    pair_serving(&f).await
 }
 
 /// While a write to a peer is under way (its turn's list lent out), a call's request is queued
