@@ -2,10 +2,8 @@
 //! direct-write fast path (a task of ours writes itself when the peer's writer is idle), the
 //! reader tasks that hand received frames to the endpoint, and the loss of a peer.
 
-use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Poll, Waker};
+use std::sync::Arc;
 
-use tensorwire_core::budget::OverBudget;
 use tensorwire_core::ports::transport::Connection;
 use tensorwire_core::protocol::node::Dropped;
 use tensorwire_core::protocol::{
@@ -32,68 +30,13 @@ pub(crate) async fn until_failed(failed: &mut tokio::sync::watch::Receiver<bool>
     }
 }
 
-/// Frames a task writes itself, holding its peer's write turn: they are gathered in the list
-/// the turn lends out, which stays with the link between writes (emptied; its room kept up to
+/// Frames a task writes itself, holding its peer's write lock: they are gathered in the list
+/// the lock guards, which stays there between writes (emptied; its room kept up to
 /// [`WRITE_BATCH`] frames), so that a message's write allocates no list.
 pub(crate) struct DirectWrite {
     pub(crate) peer: WorkerId,
     pub(crate) conn: Arc<dyn Connection>,
-    pub(crate) frames: Loan,
-}
-
-/// A link's write turn, with no async lock on the direct path: the list a direct write
-/// gathers its frames in sits here while no one writes, and whoever writes takes it out (a
-/// [`Loan`], whose drop puts it back). A direct write takes it under a plain lock without
-/// waiting ([`try_take`](Self::try_take)); the writes that wait (the link's writer task, the
-/// one such write, so one waker) leave their waker here and are woken when it comes back.
-///
-/// Order: a direct write starts only under the state lock, with nothing queued for the peer
-/// (its queue counts a frame until the writer has sent it) and the list here (no write under
-/// way); a frame taken from the endpoint after it finds the list gone and is queued, and the
-/// writer sends it only once it holds the list, after the direct write and its rest.
-pub(crate) struct WriteTurn(Mutex<(Option<Vec<Frame>>, Option<Waker>)>);
-
-/// The list of a [`WriteTurn`], taken out: its holder alone writes to the link.
-pub(crate) struct Loan(Vec<Frame>, Arc<WriteTurn>);
-
-impl WriteTurn {
-    /// The list, if no one writes (and the plain lock is free: a taker or a loan's return
-    /// holds it for a few steps); else `None`, and the frame is queued.
-    pub(crate) fn try_take(self: &Arc<Self>) -> Option<Loan> {
-        (self.0.try_lock().ok()?.0.take()).map(|list| Loan(list, Arc::clone(self)))
-    }
-
-    /// The list, or the writer task's waker left for its return (the writer's turn).
-    fn poll_take(self: &Arc<Self>, cx: &mut std::task::Context<'_>) -> Poll<Loan> {
-        let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(list) = slot.0.take() {
-            return Poll::Ready(Loan(list, Arc::clone(self)));
-        }
-        slot.1 = Some(cx.waker().clone());
-        Poll::Pending
-    }
-}
-
-impl std::ops::Deref for Loan {
-    type Target = Vec<Frame>;
-    fn deref(&self) -> &Vec<Frame> {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for Loan {
-    fn deref_mut(&mut self) -> &mut Vec<Frame> {
-        &mut self.0
-    }
-}
-
-impl Drop for Loan {
-    /// Puts the list back and wakes the writer if it waits for it.
-    fn drop(&mut self) {
-        let mut slot = (self.1).0.lock().unwrap_or_else(PoisonError::into_inner);
-        slot.0 = Some(std::mem::take(&mut self.0));
-        slot.1.take().into_iter().for_each(Waker::wake);
-    }
+    pub(crate) frames: tokio::sync::OwnedMutexGuard<Vec<Frame>>,
 }
 
 /// A list that holds its first item in place: a pump writes to one peer and runs one event
@@ -138,7 +81,7 @@ pub(crate) fn attach_conn(
     on_reading_again: fn(&Agent, WorkerId),
 ) -> Option<tokio::sync::watch::Receiver<bool>> {
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
-    let write = Arc::new(WriteTurn(Mutex::new((Some(Vec::new()), None))));
+    let write = Arc::new(tokio::sync::Mutex::new(Vec::new()));
     let budget = {
         let st = this.lock();
         if st.owned.closed {
@@ -176,15 +119,14 @@ pub(crate) fn attach_conn(
     let mut failed = queued.subscribe_failed();
     let reader_failed = queued.subscribe_failed();
     let writer = async move {
-        // `None`: past the budget (its cause is the queue's); else how the connection broke.
-        let broke = loop {
+        loop {
             let next = tokio::select! {
                 biased;
                 _ = until_failed(&mut failed) => None,
                 frame = rx.recv() => Some(frame),
             };
             let frame = match next {
-                None => break None,
+                None => break,
                 Some(Some(frame)) => frame,
                 Some(None) => {
                     if owned {
@@ -196,46 +138,58 @@ pub(crate) fn attach_conn(
             // Everything queued meanwhile goes out with it, in as few writes as possible.
             let mut batch = vec![frame];
             while batch.len() < WRITE_BATCH {
-                let Ok(f) = rx.try_recv() else { break };
-                batch.push(f);
+                match rx.try_recv() {
+                    Ok(f) => batch.push(f),
+                    Err(_) => break,
+                }
             }
             let bytes: usize = batch.iter().map(frame_bytes).sum();
             let sent = tokio::select! {
                 biased;
                 _ = until_failed(&mut failed) => None,
                 sent = async {
-                    let _turn = std::future::poll_fn(|cx| write.poll_take(cx)).await;
+                    let _turn = write.lock().await;
                     writer_conn.send_many(batch).await
                 } => Some(sent),
             };
             let resumed = queued.sub(bytes);
             match sent {
-                None => break None,
+                None => break,
                 Some(Ok(())) => {
                     if resumed {
                         // It reads again: its held requests run (the driver's part).
                         on_reading_again(&agent, peer);
                     }
                 }
-                Some(Err(e)) => break Some(LostCause::Transport(Box::new(e))),
+                Some(Err(e)) => {
+                    // Nothing more goes out on it: what is queued is dropped and no longer
+                    // counted (`Agent::queued_bytes` drops back; the peer's budget is freed).
+                    rx.close();
+                    while let Ok(frame) = rx.try_recv() {
+                        queued.sub(frame_bytes(&frame));
+                    }
+                    peer_lost_on(
+                        &agent,
+                        peer,
+                        LostCause::Transport(Box::new(e)),
+                        &writer_conn,
+                    );
+                    return;
+                }
             }
-        };
-        // Nothing more goes out on it: what is queued is dropped and no longer counted
-        // (`Agent::queued_bytes` drops back; the peer's budget is freed). Then the peer is
-        // lost (past the budget its calls fail naming the budget) and the connection closed
-        // (one that broke is left to its reader).
+        }
+        // Past the budget: free what is queued, then fail the peer (its calls fail naming the
+        // budget) and close the connection.
         rx.close();
         while let Ok(frame) = rx.try_recv() {
             queued.sub(frame_bytes(&frame));
         }
         drop(rx);
-        let closes = broke.is_none();
-        if let Some(cause) = broke.or_else(|| queued.cause()) {
+        let cause = queued.cause();
+        if let Some(cause) = cause {
             peer_lost_on(&agent, peer, cause, &writer_conn);
         }
-        if closes {
-            let _ = writer_conn.close().await;
-        }
+        let _ = writer_conn.close().await;
     };
     this.track(true, writer);
     Some(reader_failed)
@@ -306,7 +260,11 @@ pub(crate) fn fail_peer(this: &Agent, peer: WorkerId, violation: ProtocolViolati
 
 /// Drops `peer` for passing its budget outside its queue (its held requests): lost as
 /// [`LostCause::OverBudget`], its connection closed, as a queue past the budget drops it.
-pub(crate) fn drop_over_budget(this: &Agent, peer: WorkerId, over: OverBudget) {
+pub(crate) fn drop_over_budget(
+    this: &Agent,
+    peer: WorkerId,
+    over: tensorwire_core::budget::OverBudget,
+) {
     drop_peer(this, peer, LostCause::OverBudget(Box::new(over)));
 }
 
@@ -399,17 +357,17 @@ pub(crate) fn send(
             w.frames.push(frame);
             return;
         }
-        // Nothing queued and no write under way (see `WriteTurn`: the order kept).
-        if let Some(mut frames) = (link.queued.is_empty().then(|| link.write.try_take())).flatten()
-        {
-            // (Empty: every direct write sends or takes what it gathered.)
-            frames.push(frame);
-            out.push(DirectWrite {
-                peer: t.to,
-                conn: Arc::clone(&link.conn),
-                frames,
-            });
-            return;
+        if link.queued.is_empty() {
+            if let Ok(mut frames) = Arc::clone(&link.write).try_lock_owned() {
+                // (Empty: every direct write sends or takes what it gathered.)
+                frames.push(frame);
+                out.push(DirectWrite {
+                    peer: t.to,
+                    conn: Arc::clone(&link.conn),
+                    frames,
+                });
+                return;
+            }
         }
     }
     let queued = st

@@ -61,7 +61,7 @@ pub(crate) struct PeerLink {
     pub(crate) transport: &'static str,
     /// The write turn. What it guards is the list a direct write gathers its frames in,
     /// kept between writes (no list allocated per message; see `links::DirectWrite`).
-    pub(crate) write: Arc<crate::links::WriteTurn>,
+    pub(crate) write: Arc<tokio::sync::Mutex<Vec<Frame>>>,
     pub(crate) queued: Arc<crate::queue::OutQueue>,
     /// Where the message headers of the frames for this peer are encoded, one after another
     /// (`wire::bytes_in`): no allocation a header.
