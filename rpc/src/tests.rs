@@ -28,7 +28,7 @@ pub(crate) async fn pair_of(options: impl Fn(usize) -> RpcOptions) -> Vec<Agent>
     agents
 }
 
-/// Two agents, w0 and w1, serving `functions` (the default options otherwise, a long start).
+/// Two agents, w0 and w1, both serving `functions`.
 pub(crate) async fn pair_serving(functions: &Functions) -> Vec<Agent> {
     pair_of(|_| RpcOptions {
         init_timeout: std::time::Duration::from_secs(20),
