@@ -422,3 +422,6 @@ pub(crate) fn supply_when_copied(
         agent.pump();
     });
 }
+
+#[cfg(test)]
+mod tests;
