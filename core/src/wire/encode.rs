@@ -71,12 +71,12 @@ fn put_preamble(out: &mut impl BufMut, frame: &Frame, table_len: u64, body_len: 
 }
 
 /// The bytes of `v` as a postcard varint (LEB128: seven bits a byte, low bits first).
-fn varint_len(v: u64) -> usize {
+pub(crate) fn varint_len(v: u64) -> usize {
     (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
 }
 
 /// Writes `v` as a postcard varint ([`varint_len`] bytes).
-pub(super) fn put_varint(out: &mut impl BufMut, mut v: u64) {
+pub(crate) fn put_varint(out: &mut impl BufMut, mut v: u64) {
     while v >= 0x80 {
         out.put_u8((v as u8) | 0x80);
         v >>= 7;
@@ -153,15 +153,28 @@ pub fn bytes_in<E>(
     let bytes = if buf.len() > ROOM_MAX {
         Bytes::copy_from_slice(&buf)
     } else {
-        if room.capacity() < buf.len() {
-            room.reserve(ROOM_CHUNK);
-        }
-        room.extend_from_slice(&buf);
-        room.split().freeze()
+        written_in(room, buf.len(), |room| room.extend_from_slice(&buf))
     };
     buf.clear();
     SCRATCH.with(|s| s.set(buf));
     Ok(bytes)
+}
+
+/// The `len` bytes (at most [`ROOM_MAX`]) that `write` appends to `room` (see [`bytes_in`]),
+/// split off it: for an encoder that knows its length before it writes (no scratch buffer,
+/// no copy).
+pub(crate) fn written_in(
+    room: &mut BytesMut,
+    len: usize,
+    write: impl FnOnce(&mut BytesMut),
+) -> Bytes {
+    debug_assert!(len <= ROOM_MAX && room.is_empty());
+    if room.capacity() < len {
+        room.reserve(ROOM_CHUNK);
+    }
+    write(room);
+    debug_assert_eq!(room.len(), len);
+    room.split().freeze()
 }
 
 /// Preambles of at most this many bytes (a frame with a few payloads) are kept in the
