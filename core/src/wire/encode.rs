@@ -153,27 +153,30 @@ pub fn bytes_in<E>(
     let bytes = if buf.len() > ROOM_MAX {
         Bytes::copy_from_slice(&buf)
     } else {
-        written_in(room, buf.len(), |room| room.extend_from_slice(&buf))
+        written_in(room, buf.len(), |out| out.put_slice(&buf))
     };
     buf.clear();
     SCRATCH.with(|s| s.set(buf));
     Ok(bytes)
 }
 
-/// The `len` bytes (at most [`ROOM_MAX`]) that `write` appends to `room` (see [`bytes_in`]),
+/// The `len` bytes (at most [`ROOM_MAX`]) that `write` puts in `room` (see [`bytes_in`]),
 /// split off it: for an encoder that knows its length before it writes (no scratch buffer,
-/// no copy).
+/// no copy). `write` fills a slice of exactly `len` bytes: a plain slice's puts cost a
+/// bounds check each, where a `BytesMut`'s check its room and may grow it.
 pub(crate) fn written_in(
     room: &mut BytesMut,
     len: usize,
-    write: impl FnOnce(&mut BytesMut),
+    write: impl FnOnce(&mut &mut [u8]),
 ) -> Bytes {
     debug_assert!(len <= ROOM_MAX && room.is_empty());
     if room.capacity() < len {
         room.reserve(ROOM_CHUNK);
     }
-    write(room);
-    debug_assert_eq!(room.len(), len);
+    room.resize(len, 0);
+    let mut out = &mut room[..];
+    write(&mut out);
+    debug_assert!(out.is_empty(), "{} of {len} bytes not written", out.len());
     room.split().freeze()
 }
 
