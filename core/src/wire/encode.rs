@@ -30,21 +30,22 @@ fn check_preamble(frame: &Frame, limits: &WireLimits) -> Result<(u64, u64), Wire
     }
     // The frame header (`FrameHeader` in postcard: varints of the message length, the number
     // of payloads and each payload's length), written in place: no list of lengths and no
-    // buffer of its own on every frame sent.
-    let table_len = (varint_len(message_len)
-        + varint_len(frame.payloads.len() as u64)
-        + frame
-            .payloads
-            .iter()
-            .map(|p| varint_len(p.len() as u64))
-            .sum::<usize>()) as u64;
+    // buffer of its own on every frame sent. One pass over the payloads for both lengths.
+    let payloads: &[Bytes] = &frame.payloads;
+    let mut table_len = varint_len(message_len) + varint_len(payloads.len() as u64);
+    let mut content_len = message_len;
+    for p in payloads {
+        table_len += varint_len(p.len() as u64);
+        content_len += p.len() as u64;
+    }
+    let table_len = table_len as u64;
     if table_len > u64::from(limits.max_frame_header_len) {
         return Err(WireError::FrameHeaderTooLarge {
             len: table_len,
             max: limits.max_frame_header_len,
         });
     }
-    let body_len = table_len + frame.content_len();
+    let body_len = table_len + content_len;
     if body_len > limits.max_frame_len {
         return Err(WireError::FrameTooLarge {
             len: body_len,
@@ -56,13 +57,15 @@ fn check_preamble(frame: &Frame, limits: &WireLimits) -> Result<(u64, u64), Wire
 
 /// Writes the preamble of `frame` (checked by [`check_preamble`]) to `out`.
 fn put_preamble(out: &mut impl BufMut, frame: &Frame, table_len: u64, body_len: u64) {
-    out.put_slice(&MAGIC);
-    out.put_u8(VERSION);
-    out.put_u8(frame.kind.to_wire());
-    out.put_u16_le(0);
-    // At most max_frame_header_len, a u32.
-    out.put_u32_le(table_len as u32);
-    out.put_u64_le(body_len);
+    // The fixed prefix made whole, then put at once (one copy, not six puts).
+    let mut prefix = [0u8; PREFIX_LEN];
+    prefix[..4].copy_from_slice(&MAGIC);
+    prefix[4] = VERSION;
+    prefix[5] = frame.kind.to_wire();
+    // (Two reserved bytes, zero.) At most max_frame_header_len, a u32.
+    prefix[8..12].copy_from_slice(&(table_len as u32).to_le_bytes());
+    prefix[12..].copy_from_slice(&body_len.to_le_bytes());
+    out.put_slice(&prefix);
     put_varint(out, frame.header.len() as u64);
     put_varint(out, frame.payloads.len() as u64);
     for p in &frame.payloads {
