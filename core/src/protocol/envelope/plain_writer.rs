@@ -36,10 +36,10 @@ pub(super) fn write_in(
     match header {
         Header::Call {
             id,
-            function,
+            function: name,
             timeout,
         } => {
-            let name = function.as_bytes();
+            let name = name.as_bytes();
             let (secs, nanos) = (timeout.as_secs(), u64::from(timeout.subsec_nanos()));
             let len = 1
                 + varint_len(*id)
