@@ -336,22 +336,27 @@ pub(crate) fn send(
             Header::Shutdown { .. } | Header::ShutdownFailed { .. }
         )
     });
-    // A request announces the references in its arguments (their owner holds them from its
-    // arrival); a reply's header carries its own (core's one encoder decides).
-    // The header goes into the link's room (no allocation of its own), and straight into a
-    // frame of its own for a peer with no link (counted lost below).
-    let framed = match st.peers.get_mut(&t.to) {
-        Some(link) => Envelope::frame_in(t.header, t.body, &mut link.room),
-        None => Envelope::frame(t.header, t.body),
+    // One look-up of the link. Lost earlier: the endpoint keeps that first cause. Never
+    // connected: this is its loss, and subscribers hear of it as of any other (once: the
+    // endpoint's `Event::PeerLost`, which the pump that sends this dispatches next).
+    let to = t.to;
+    let lost = |st: &mut State| {
+        (st.node.ep_mut()).handle_peer_lost(to, LostCause::NoConnection, this.now());
     };
-    let frame = match framed {
+    let Some(link) = st.peers.get_mut(&t.to) else {
+        return lost(st);
+    };
+    // A request announces the references in its arguments (their owner holds them from its
+    // arrival); a reply's header carries its own (core's one encoder decides). The header
+    // goes into the link's room (no allocation of its own).
+    let frame = match Envelope::frame_in(t.header, t.body, &mut link.room) {
         Ok(f) => f,
         Err(e) => {
             warn!("cannot encode a message header: {e}");
             return;
         }
     };
-    if let (Some(out), Some(link)) = (direct, st.peers.get(&t.to)) {
+    if let Some(out) = direct {
         // Already writing to this peer: the frame joins that write.
         if let Some(w) = out.iter_mut().find(|w| w.peer == t.to) {
             w.frames.push(frame);
@@ -370,19 +375,8 @@ pub(crate) fn send(
             }
         }
     }
-    let queued = st
-        .peers
-        .get(&t.to)
-        .map(|link| link.queued.enqueue(&link.tx, frame));
-    match queued {
-        Some(true) => {}
-        _ => {
-            // Lost earlier: the endpoint keeps that first cause. Never connected: this is
-            // its loss, and subscribers hear of it as of any other (once: the endpoint's
-            // `Event::PeerLost`, which the pump that sends this dispatches next).
-            let cause = LostCause::NoConnection;
-            st.node.ep_mut().handle_peer_lost(t.to, cause, this.now());
-        }
+    if !link.queued.enqueue(&link.tx, frame) {
+        lost(st);
     }
 }
 

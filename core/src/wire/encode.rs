@@ -30,21 +30,22 @@ fn check_preamble(frame: &Frame, limits: &WireLimits) -> Result<(u64, u64), Wire
     }
     // The frame header (`FrameHeader` in postcard: varints of the message length, the number
     // of payloads and each payload's length), written in place: no list of lengths and no
-    // buffer of its own on every frame sent.
-    let table_len = (varint_len(message_len)
-        + varint_len(frame.payloads.len() as u64)
-        + frame
-            .payloads
-            .iter()
-            .map(|p| varint_len(p.len() as u64))
-            .sum::<usize>()) as u64;
+    // buffer of its own on every frame sent. One pass over the payloads for both lengths.
+    let payloads: &[Bytes] = &frame.payloads;
+    let mut table_len = varint_len(message_len) + varint_len(payloads.len() as u64);
+    let mut content_len = message_len;
+    for p in payloads {
+        table_len += varint_len(p.len() as u64);
+        content_len += p.len() as u64;
+    }
+    let table_len = table_len as u64;
     if table_len > u64::from(limits.max_frame_header_len) {
         return Err(WireError::FrameHeaderTooLarge {
             len: table_len,
             max: limits.max_frame_header_len,
         });
     }
-    let body_len = table_len + frame.content_len();
+    let body_len = table_len + content_len;
     if body_len > limits.max_frame_len {
         return Err(WireError::FrameTooLarge {
             len: body_len,
@@ -56,13 +57,15 @@ fn check_preamble(frame: &Frame, limits: &WireLimits) -> Result<(u64, u64), Wire
 
 /// Writes the preamble of `frame` (checked by [`check_preamble`]) to `out`.
 fn put_preamble(out: &mut impl BufMut, frame: &Frame, table_len: u64, body_len: u64) {
-    out.put_slice(&MAGIC);
-    out.put_u8(VERSION);
-    out.put_u8(frame.kind.to_wire());
-    out.put_u16_le(0);
-    // At most max_frame_header_len, a u32.
-    out.put_u32_le(table_len as u32);
-    out.put_u64_le(body_len);
+    // The fixed prefix made whole, then put at once (one copy, not six puts).
+    let mut prefix = [0u8; PREFIX_LEN];
+    prefix[..4].copy_from_slice(&MAGIC);
+    prefix[4] = VERSION;
+    prefix[5] = frame.kind.to_wire();
+    // (Two reserved bytes, zero.) At most max_frame_header_len, a u32.
+    prefix[8..12].copy_from_slice(&(table_len as u32).to_le_bytes());
+    prefix[12..].copy_from_slice(&body_len.to_le_bytes());
+    out.put_slice(&prefix);
     put_varint(out, frame.header.len() as u64);
     put_varint(out, frame.payloads.len() as u64);
     for p in &frame.payloads {
@@ -71,12 +74,12 @@ fn put_preamble(out: &mut impl BufMut, frame: &Frame, table_len: u64, body_len: 
 }
 
 /// The bytes of `v` as a postcard varint (LEB128: seven bits a byte, low bits first).
-fn varint_len(v: u64) -> usize {
+pub(crate) fn varint_len(v: u64) -> usize {
     (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
 }
 
 /// Writes `v` as a postcard varint ([`varint_len`] bytes).
-pub(super) fn put_varint(out: &mut impl BufMut, mut v: u64) {
+pub(crate) fn put_varint(out: &mut impl BufMut, mut v: u64) {
     while v >= 0x80 {
         out.put_u8((v as u8) | 0x80);
         v >>= 7;
@@ -153,15 +156,31 @@ pub fn bytes_in<E>(
     let bytes = if buf.len() > ROOM_MAX {
         Bytes::copy_from_slice(&buf)
     } else {
-        if room.capacity() < buf.len() {
-            room.reserve(ROOM_CHUNK);
-        }
-        room.extend_from_slice(&buf);
-        room.split().freeze()
+        written_in(room, buf.len(), |out| out.put_slice(&buf))
     };
     buf.clear();
     SCRATCH.with(|s| s.set(buf));
     Ok(bytes)
+}
+
+/// The `len` bytes (at most [`ROOM_MAX`]) that `write` puts in `room` (see [`bytes_in`]),
+/// split off it: for an encoder that knows its length before it writes (no scratch buffer,
+/// no copy). `write` fills a slice of exactly `len` bytes: a plain slice's puts cost a
+/// bounds check each, where a `BytesMut`'s check its room and may grow it.
+pub(crate) fn written_in(
+    room: &mut BytesMut,
+    len: usize,
+    write: impl FnOnce(&mut &mut [u8]),
+) -> Bytes {
+    debug_assert!(len <= ROOM_MAX && room.is_empty());
+    if room.capacity() < len {
+        room.reserve(ROOM_CHUNK);
+    }
+    room.resize(len, 0);
+    let mut out = &mut room[..];
+    write(&mut out);
+    debug_assert!(out.is_empty(), "{} of {len} bytes not written", out.len());
+    room.split().freeze()
 }
 
 /// Preambles of at most this many bytes (a frame with a few payloads) are kept in the

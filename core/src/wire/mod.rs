@@ -60,6 +60,7 @@ pub use encode::{
     bytes_in, encode_preamble, encode_to_vec, exact_bytes, OutgoingFrame, Preamble, EXACT_COPY_MAX,
     ROOM_CHUNK, ROOM_MAX,
 };
+pub(crate) use encode::{put_varint, varint_len, written_in};
 pub use error::{MeshFrameError, WireError};
 pub use payloads::{Payloads, PayloadsIntoIter};
 
