@@ -34,6 +34,8 @@ def test_a_mapped_optimizer_steps_functionally_as_the_class_does(cls, kwargs):
     optim = cls(mine, **kwargs)
     functional = dist_optim._as_functional(cls, optim, mine)
     assert functional is not None and type(functional).__name__.startswith("_Functional")
+    # On CPU tensors torch's per-step choice of kernels (``None``) is made once: none.
+    assert functional.foreach is False and getattr(functional, "fused", False) is False
     reference = cls(theirs, **kwargs)
     g = torch.Generator().manual_seed(1)
     for step in range(4):

@@ -175,6 +175,13 @@ def _as_functional(cls: type, optim: torch.optim.Optimizer, params: list) -> Any
             return None
     # (Its constructor warns that TorchScript support for functional optimizers is
     # deprecated, forcing the warning on: no TorchScript is used here.)
+    if all(p.device.type == "cpu" for p in params):
+        # What torch makes of ``None`` (its default: pick per step) for CPU tensors, decided
+        # once here: no foreach or fused kernels (they are for CUDA and other devices). Else
+        # each step asks ``_default_to_fused_or_foreach``, ten Python calls.
+        for key in ("foreach", "fused"):
+            if key in settings and settings[key] is None:
+                settings[key] = False
     try:
         with warnings.catch_warnings(record=True):
             return functional(params, **settings)
