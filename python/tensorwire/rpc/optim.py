@@ -95,8 +95,8 @@ def _functional_class(cls: type) -> Optional[type]:
     is disabled, as in PyTorch), for the classes of :data:`_FUNCTIONAL_CLASSES`, or ``None``.
     It computes the same update through the same ``torch.optim._functional`` function,
     without ``Optimizer.step``'s wrappers (its profiler record, its hooks, the grad mode),
-    and does not set ``.grad``: about 30 us a step instead of 70 for SGD over a Linear(256)'s
-    two parameters (alone, hot)."""
+    and does not set ``.grad``: about 19 us a step instead of 50 for SGD over a Linear(256)'s
+    two parameters (alone, hot; ``docs/bench/python/twentieth-C/owner_step.py``)."""
     if cls not in _FUNCTIONAL_CLASSES:
         return None
     try:
