@@ -81,3 +81,14 @@ def test_a_node_has_hooks_only_when_some_were_registered_on_it_and_the_probe_lea
     assert engine._has_node_hooks(acc)
     post.remove()
     assert not engine._has_node_hooks(acc)
+
+
+@pytest.mark.parametrize("value", [None, 7, -1.5, "a", True, (), (3,), (1, 2.5, "s", None, False), 10**30])
+def test_plain_values_pickle_to_the_picklers_bytes_and_back(value):
+    import io
+
+    buf = io.BytesIO()
+    _serialize._Pickler(buf).dump(value)
+    assert _serialize.dumps(value) == (buf.getvalue(), [], [])
+    assert _serialize.loads(buf.getvalue(), [], [], trusted=False, origin="a test") == value
+

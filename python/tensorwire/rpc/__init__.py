@@ -54,6 +54,7 @@ import os
 import sys
 import threading
 import traceback
+import types
 import warnings
 from typing import Any, Callable, Optional, Union
 
@@ -473,10 +474,15 @@ def _function_name(func: Union[Callable[..., Any], str]) -> str:
     return func if isinstance(func, str) else _exposed.qualified_name(func)
 
 
+_FunctionType = types.FunctionType
+
+
 def _bind(func: Any, args: Optional[tuple]) -> tuple[Any, tuple]:
     """A method bound to an instance travels as its class's function with the instance as
     the first argument (the instance's class must be exposed on the callee, as any value's);
     a class method travels as itself."""
+    if type(func) is _FunctionType:
+        return func, tuple(args or ())
     owner = getattr(func, "__self__", None)
     if inspect.ismethod(func) and not isinstance(owner, type):
         return func.__func__, (owner, *(args or ()))
@@ -603,6 +609,12 @@ def _decode_call(caller: str, payload: bytes, buffers: list, rrefs: list) -> tup
 def _resolve(function: str, target: Any) -> Callable[..., Any]:
     """What a call runs: an exposed function, or a method of ``target`` (a reference's value)
     this worker lets peers call; anything under ``trust_peers=True``."""
+    if target is None and not _trusted:
+        # An exposed function, found first as ``resolve_function`` finds it, without naming
+        # this worker for an error first.
+        fn = _exposed._functions.get(function)
+        if fn is not None and callable(fn):
+            return fn
     me = _me
     worker = str(me) if me is not None else "this worker"
     if target is not None:

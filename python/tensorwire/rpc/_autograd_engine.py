@@ -884,11 +884,15 @@ def owner_call_async(rref: Any, function: str, args: tuple, timeout: Any = -1.0)
 
 def native() -> Any:
     """This worker's native distributed autograd (RPC must be initialized)."""
-    return rpc._require_agent().dist_autograd()
+    agent = rpc._agent
+    if agent is None:
+        agent = rpc._require_agent()  # raises
+    return agent.dist_autograd()
 
 
 def _decode(outcome: Any, worker: str, callee: Any, trusted: bool) -> Any:
-    """The value a tracked call's outcome carries, or raises what it carries."""
+    """The value a tracked call's outcome carries, or raises what it carries (``callee``: the
+    ``(name, id)`` of the worker called, made a :class:`WorkerInfo` only for an exception)."""
     if isinstance(outcome, BaseException):
         raise rpc._runtime_error(outcome)
     if outcome[0] == "returned":
@@ -896,11 +900,12 @@ def _decode(outcome: Any, worker: str, callee: Any, trusted: bool) -> Any:
         tensors = merge(plain, tracked_at, tracked, worker)
         receive(tracked)
         return _serialize.loads(payload, tensors, rrefs, trusted=trusted, origin=worker)
-    raise rpc._remote_exception(callee, outcome[1], outcome[2], outcome[3])
+    raise rpc._remote_exception(WorkerInfo(*callee), outcome[1], outcome[2], outcome[3])
 
 
 def _outcome_future(worker: str, callee: Any) -> tuple[torch.futures.Future, Any]:
-    """A future and the ``on_done`` that completes it from a tracked call's outcome."""
+    """A future and the ``on_done`` that completes it from a tracked call's outcome
+    (``callee`` as :func:`_decode` takes it)."""
     fut: torch.futures.Future = torch.futures.Future()
     trusted = rpc._trusted
 
@@ -919,7 +924,8 @@ def _prepare_call(to: Any, func: Any, args: Any, kwargs: Any) -> tuple:
     agent = rpc._require_agent()
     worker = rpc._worker_name(to, agent)
     try:
-        callee = WorkerInfo(*agent.worker(worker))
+        # ``(name, id)``: a :class:`WorkerInfo` is made of it only for an exception.
+        callee = agent.worker(worker)
     except _native.TensorwireError as e:
         raise rpc._runtime_error(e) from e
     func, args = rpc._bind(func, args)
@@ -978,7 +984,7 @@ def fetch_async(context_id: int, rref: Any, timeout: Any) -> torch.futures.Futur
             fut.set_exception(e)
         return fut
     owner = rref.owner()
-    fut, on_done = _outcome_future(owner.name, owner)
+    fut, on_done = _outcome_future(owner.name, (owner.name, owner.id))
     try:
         native().fetch(context_id, rref._native, rpc._timeout(timeout), on_done)
     except _native.TensorwireError as e:

@@ -274,7 +274,13 @@ class _Pickler(pickle.Pickler):
 
 def dumps(value: Any) -> tuple[bytes, list[torch.Tensor], list[Any]]:
     """``value`` pickled, the contiguous CPU tensors and the native references the pickle
-    refers to by index."""
+    refers to by index. A scalar (``None``, ``bool``, ``int``, ``float``, ``str``) or a tuple
+    of them, which holds neither, is pickled by the C pickler alone, to the same bytes (no
+    :class:`_Pickler`, whose ``persistent_id`` is a Python call per object: an owner's
+    ``None`` result, a distributed optimizer step's arguments)."""
+    kind = type(value)
+    if kind in _FLAT_SCALARS or (kind is tuple and all(type(v) in _FLAT_SCALARS for v in value)):
+        return pickle.dumps(value, protocol=PROTOCOL), [], []
     buf = io.BytesIO()
     p = _Pickler(buf)
     p.dump(value)
@@ -444,6 +450,8 @@ class _Unpickler(pickle.Unpickler):
         return rref
 
 
+#: ``None`` pickled, as :func:`dumps` pickles it.
+_NONE = pickle.dumps(None, protocol=PROTOCOL)
 _FLAT_ONE = b"\x00T"
 _FLAT_CALL = b"\x00C"
 _FLAT_SCALARS = frozenset((str, int, float, bool, type(None)))
@@ -544,4 +552,6 @@ def loads(
     pickle machinery."""
     if payload[:1] == b"\x00":
         return _loads_flat(payload, buffers, rrefs, origin)
+    if payload == _NONE and not buffers and not rrefs:
+        return None  # (an owner's answer to most calls: what unpickling it gives)
     return _Unpickler(payload, buffers, rrefs, trusted, origin).load()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# (Imported here, not in ``__init__``: an import inside a function runs importlib's
+# ``_handle_fromlist`` in Python at every call.)
+from tensorwire import _native
+
 
 class WorkerInfo:
     """A worker of the group: its ``name`` and ``id`` (its rank), as PyTorch's ``WorkerInfo``."""
@@ -9,8 +13,6 @@ class WorkerInfo:
     __slots__ = ("name", "id")
 
     def __init__(self, name: str, id: int):
-        from tensorwire import _native
-
         try:
             _native.check_worker_name(name)
         except _native.TensorwireError as e:

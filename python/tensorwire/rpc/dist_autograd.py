@@ -120,11 +120,15 @@ def backward(context_id: int, roots: list, retain_graph: bool = False) -> None:
 def get_gradients(context_id: int) -> dict:
     """The gradients this worker accumulated in ``context_id``: ``{tensor: gradient}`` for
     the tensors that require grad and were reached here (parameters, inputs)."""
+    return {leaf: grad for leaf, grad in _gradient_pairs(context_id)}
+
+
+def _gradient_pairs(context_id: int) -> list:
+    """:func:`get_gradients` as ``[(tensor, gradient)]``."""
     try:
-        pairs = _native_ad().gradients(int(context_id))
+        return _native_ad().gradients(int(context_id))
     except _native.TensorwireError as e:
         _raise(e)
-    return {leaf: grad for leaf, grad in pairs}
 
 
 class _Context:
