@@ -146,8 +146,12 @@ pub(crate) fn pump_now(this: &Agent) {
 }
 
 pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>) {
+    // One list for every round, filled under the lock and emptied in place after it: a step
+    // holds a whole event, and each move of the list (out of the lock's block, into an
+    // iterator) and the iterator's drop were a cost of every message.
+    let mut steps = Few::new();
     loop {
-        let (steps, wake_driver, released) = {
+        let (wake_driver, released) = {
             let mut st = this.lock();
             while let Some(out) = st.node.poll_transmit() {
                 match out {
@@ -160,12 +164,11 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>)
             // An event that only tells its waiter (a call's reply, above all) has its waiter
             // taken under this lock (no second take per reply); every event is acted on after
             // it, in order.
-            let mut steps = Few::new();
             while let Some(e) = st.node.poll_event() {
                 steps.push(deliver(&mut st, e));
             }
             let wake_driver = st.node.timer_moved_earlier();
-            (steps, wake_driver, st.node.take_released())
+            (wake_driver, st.node.take_released())
         };
         // The IPC exports the node let go of, dropped outside the lock.
         drop(released);
@@ -174,12 +177,9 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>)
         }
         // Only an event dispatched may have given the node more to do.
         let mut dispatched = false;
-        for step in steps.all() {
+        steps.take_each(|step| {
             let e = match step {
-                Step::Deliver(d) => {
-                    d.send();
-                    continue;
-                }
+                Step::Deliver(d) => return d.send(),
                 Step::Dispatch(e) => e,
             };
             dispatched = true;
@@ -190,7 +190,7 @@ pub(crate) fn pump_with(this: &Agent, mut direct: Option<&mut Few<DirectWrite>>)
                 // Taken care of under the pump's lock (see `deliver`).
                 NodeEvent::Gathered { .. } => {}
             }
-        }
+        });
         if !dispatched {
             return;
         }

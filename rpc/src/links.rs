@@ -62,6 +62,16 @@ impl<T> Few<T> {
     pub(crate) fn all(self) -> impl Iterator<Item = T> {
         self.0.into_iter().chain(self.1)
     }
+
+    /// Hands each item to `f`, in order, and leaves the list empty (its room kept).
+    pub(crate) fn take_each(&mut self, mut f: impl FnMut(T)) {
+        if let Some(first) = self.0.take() {
+            f(first);
+        }
+        if !self.1.is_empty() {
+            self.1.drain(..).for_each(f);
+        }
+    }
 }
 
 /// Registers the connection to `peer` and starts its writer task. With `owned` the agent

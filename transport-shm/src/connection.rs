@@ -793,12 +793,7 @@ impl ShmConnection {
     async fn recv_frame(&self) -> Result<Frame, TransportError> {
         let mut rx = self.rx.lock().await;
         let Some(rx) = rx.as_deref_mut() else {
-            return Err(TransportError::Io {
-                addr: self.peer,
-                op: "receiving",
-                kind: std::io::ErrorKind::Other,
-                message: "the connection's frames go to its reader (into_frames)".to_owned(),
-            });
+            return Err(TransportError::read_by_frames(self.peer));
         };
         self.recv_from(rx).await
     }

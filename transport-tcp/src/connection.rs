@@ -120,6 +120,9 @@ pub(crate) struct TcpConnection {
     /// The receiving side: locked by each [`Connection::recv`], and once, for its whole life,
     /// by the reader [`Connection::into_frames`] makes (no lock a frame).
     reader: Arc<Mutex<Reader>>,
+    /// Set by [`Connection::into_frames`]: the frames go to its reader, and a `recv` fails at
+    /// once (it would wait for the receiving side the reader holds).
+    framed: AtomicBool,
     /// An account handed in by `bill_to`, taken by the reader at its next read.
     bill_to: std::sync::Mutex<Option<Account>>,
     /// Set by `bill_to` once `bill_to` holds its account: the reader locks `bill_to` only then.
@@ -194,6 +197,7 @@ impl TcpConnection {
             polls: AtomicU64::new(0),
             polls_found: AtomicU64::new(0),
             received_all: AtomicBool::new(false),
+            framed: AtomicBool::new(false),
         }
     }
 
@@ -488,8 +492,12 @@ fn advance(outs: &mut [OutgoingFrame], written: usize) -> usize {
 }
 
 impl TcpConnection {
-    /// [`Connection::recv`], unboxed: the receiving side locked for this one frame.
+    /// [`Connection::recv`], unboxed: the receiving side locked for this one frame; once a
+    /// frame reader was made, an error at once.
     async fn recv_frame(&self) -> Result<Frame, TransportError> {
+        if self.framed.load(Ordering::Acquire) {
+            return Err(TransportError::read_by_frames(self.peer));
+        }
         let mut guard = self.reader.lock().await;
         self.recv_from(&mut guard).await
     }
@@ -801,8 +809,9 @@ impl Connection for TcpConnection {
     fn into_frames(self: Arc<Self>) -> Box<dyn FrameReader> {
         // One receive future for all frames, not one box per frame; the receiving side is
         // locked at the first receive and held until the reader is dropped, not locked and
-        // let go of for every frame (a `recv` meanwhile, which the port forbids, waits for
-        // the reader's drop).
+        // let go of for every frame. A `recv` from now on (which the port forbids) fails at
+        // once, as shared memory's does, instead of waiting for the reader's drop.
+        self.framed.store(true, Ordering::Release);
         Box::new(EachFrame::new((self, None), |(c, held): Held| async move {
             let mut r = match held {
                 Some(r) => r,
@@ -912,7 +921,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_frame_reader_locks_the_receiving_side_once_for_its_life() {
+    async fn the_frame_reader_holds_the_receiving_side_and_a_recv_besides_it_fails() {
         let (client, server) = pair(Duration::ZERO).await;
         let server = Arc::new(server);
         for text in [&b"one"[..], b"two", b"three"] {
@@ -931,10 +940,31 @@ mod tests {
         assert!(server.reader.try_lock().is_err());
         assert_eq!(&next(&mut frames).await[..], b"two");
         assert!(server.reader.try_lock().is_err());
+        // A `recv` besides the reader fails at once (typed, as shared memory's), where it
+        // waited for the reader's drop, and takes no frame from it.
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let recv_fails_at_once = |c: &TcpConnection, cx: &mut std::task::Context<'_>| {
+            let got = std::future::Future::poll(c.recv().as_mut(), cx);
+            let std::task::Poll::Ready(Err(e)) = got else {
+                panic!("a recv besides the frame reader did not fail at once: {got:?}");
+            };
+            assert!(
+                matches!(
+                    e,
+                    TransportError::Io {
+                        op: "receiving",
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+        };
+        recv_fails_at_once(&server, &mut cx);
+        assert_eq!(&next(&mut frames).await[..], b"three");
         drop(frames);
-        // Let go of with the reader: a `recv` gets the next frame, in order.
+        // Let go of with the reader; the frames stay its (a `recv` still fails).
         assert!(server.reader.try_lock().is_ok());
-        assert_eq!(&server.recv().await.unwrap().header[..], b"three");
+        recv_fails_at_once(&server, &mut cx);
     }
 
     #[tokio::test]

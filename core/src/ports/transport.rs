@@ -147,7 +147,8 @@ pub trait Connection: Send + Sync {
     /// per frame (whose future `async_trait` boxes every time). The default calls `recv`; an
     /// adapter overrides it to keep one receive future, in one box, for all frames
     /// ([`EachFrame`]). Its frames and errors are `recv`'s; do not call `recv` besides it (an
-    /// adapter whose reader takes the receive side with it fails such a `recv`).
+    /// adapter whose reader takes the receive side with it fails such a `recv` at once, as
+    /// [`TransportError::read_by_frames`], as TCP's and shared memory's do).
     fn into_frames(self: std::sync::Arc<Self>) -> Box<dyn FrameReader>
     where
         Self: 'static,
@@ -491,6 +492,18 @@ impl TransportError {
             op,
             kind: err.kind(),
             message: err.to_string(),
+        }
+    }
+
+    /// What a [`Connection::recv`] besides the connection's frame reader gets (see
+    /// [`Connection::into_frames`]), at once, from an adapter whose reader owns the receive
+    /// side: an [`Io`](Self::Io) error of op `"receiving"`.
+    pub fn read_by_frames(addr: SocketAddr) -> Self {
+        TransportError::Io {
+            addr,
+            op: "receiving",
+            kind: std::io::ErrorKind::Other,
+            message: "the connection's frames go to its reader (into_frames)".to_owned(),
         }
     }
 

@@ -20,7 +20,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, RwLock};
 
 use super::WorkerId;
 use crate::hashing::HashMap;
@@ -235,23 +235,47 @@ impl<X: Export> Drop for Served<X> {
 /// The counters of every peer an agent talked to, by rank: a peer's are made when it is
 /// first counted, under the name it has then (a worker that left and joined again under
 /// another rank has two, added up by name when read). Shared by the agent's tasks.
+///
+/// Every call made and served looks its peer up: the ranks below [`PeerTable::SLOTS`] (every
+/// worker of a group that size) each have a slot set once and read with one atomic load, no
+/// lock and no hashing; the ranks above it are kept in a map behind a lock.
 pub struct PeerTable<X> {
-    peers: std::sync::RwLock<HashMap<WorkerId, Arc<PeerCounters<X>>>>,
+    /// The counters of peers `0..SLOTS`, each set once.
+    first: [OnceLock<Arc<PeerCounters<X>>>; PEER_SLOTS],
+    /// Those of peers from `SLOTS` on.
+    rest: RwLock<HashMap<WorkerId, Arc<PeerCounters<X>>>>,
 }
+
+/// [`PeerTable::SLOTS`].
+const PEER_SLOTS: usize = 64;
 
 impl<X> Default for PeerTable<X> {
     fn default() -> Self {
         Self {
-            peers: std::sync::RwLock::new(HashMap::default()),
+            first: std::array::from_fn(|_| OnceLock::new()),
+            rest: RwLock::new(HashMap::default()),
         }
     }
 }
 
 impl<X: Export> PeerTable<X> {
+    /// How many ranks, from 0, have a slot of their own (looked up without a lock).
+    pub const SLOTS: usize = PEER_SLOTS;
+
     /// The counters of peer `id`; made with `make` (its name and export) if it has none yet.
+    /// `make` runs with no lock of the table held (it may look the name up elsewhere); made by
+    /// two threads at once, one is kept and the other dropped.
     pub fn peer(&self, id: WorkerId, make: impl FnOnce() -> (String, X)) -> Arc<PeerCounters<X>> {
+        let slot = usize::try_from(id).ok().and_then(|i| self.first.get(i));
+        if let Some(slot) = slot {
+            if let Some(p) = slot.get() {
+                return Arc::clone(p);
+            }
+            let (name, export) = make();
+            return Arc::clone(slot.get_or_init(|| Arc::new(PeerCounters::new(name, export))));
+        }
         if let Some(p) = self
-            .peers
+            .rest
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .get(&id)
@@ -260,7 +284,7 @@ impl<X: Export> PeerTable<X> {
         }
         let (name, export) = make();
         Arc::clone(
-            self.peers
+            self.rest
                 .write()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .entry(id)
@@ -270,11 +294,12 @@ impl<X: Export> PeerTable<X> {
 
     /// The table now ([`RpcMetrics::sum`] of every peer's counters).
     pub fn read(&self) -> RpcMetrics {
-        let peers = self
-            .peers
+        let rest = self
+            .rest
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        RpcMetrics::sum(peers.values().map(|p| (p.name(), p.read())))
+        let first = self.first.iter().filter_map(OnceLock::get);
+        RpcMetrics::sum(first.chain(rest.values()).map(|p| (p.name(), p.read())))
     }
 }
 
@@ -411,5 +436,28 @@ mod tests {
         assert_eq!(m.total.bytes_sent, 15);
         assert_eq!(m.per_peer["w1"].calls_sent, 2);
         assert_eq!(m.per_peer["w3"], PeerMetrics::default());
+    }
+
+    /// The ranks with a slot and those in the map behind it are made once each and read
+    /// together, the last slot and the first rank past the slots alike.
+    #[test]
+    fn peers_past_the_slots_are_made_once_and_read_with_the_others() {
+        let table = PeerTable::<()>::default();
+        let slots = u32::try_from(PeerTable::<()>::SLOTS).unwrap();
+        for id in [0, slots - 1, slots, u32::MAX] {
+            let made = table.peer(id, || (format!("w{id}"), ()));
+            made.sent(u64::from(id % 1000) + 1);
+            let again = table.peer(id, || panic!("made once"));
+            assert!(Arc::ptr_eq(&made, &again), "rank {id}");
+        }
+        // Ranks past the slots under a name a slot has too: added up by name.
+        table.peer(slots + 1, || ("w0".to_owned(), ())).sent(7);
+        let m = table.read();
+        assert_eq!(m.per_peer.len(), 4);
+        assert_eq!(m.per_peer["w0"].bytes_sent, 1 + 7);
+        assert_eq!(m.per_peer[&format!("w{}", slots - 1)].bytes_sent, 64);
+        assert_eq!(m.per_peer[&format!("w{slots}")].bytes_sent, 65);
+        assert_eq!(m.per_peer[&format!("w{}", u32::MAX)].calls_sent, 1);
+        assert_eq!(m.total.calls_sent, 5);
     }
 }

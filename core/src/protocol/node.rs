@@ -108,6 +108,9 @@ pub enum Inbound {
 /// [`ProtocolViolation::Ipc`] for an IPC message that does not parse), or of a kind that never
 /// reaches an agent ([`MalformedMessage::UnexpectedKind`]: a process group's frames are taken
 /// by the group before the agent sees them).
+// Inlined into `Node::handle_frame`: the `Inbound` it makes is then taken apart in place,
+// not moved (with its envelope) through a returned `Result`.
+#[inline]
 pub fn route(frame: Frame) -> Result<Inbound, ProtocolViolation> {
     match frame.kind {
         FrameKind::Message => Ok(Inbound::Message {

@@ -6,7 +6,9 @@ def load(f):
     for line in out.splitlines():
         m = re.match(r'\s*([\d,]+) \([^)]*\)\s+(.*)', line)
         if m:
-            k = re.sub(r' \[.*\]$','',m.group(2)); d[k] = d.get(k,0) + int(m.group(1).replace(',',''))
+            # The binary's name off, and the worktree's (/work/main/, /work/wB/ ...), so that builds
+            # from two worktrees compare.
+            k = re.sub(r'^/work/\w+/','',re.sub(r' \[.*\]$','',m.group(2))); d[k] = d.get(k,0) + int(m.group(1).replace(',',''))
     return d
 a1,a2,b1,b2 = [load(f) for f in sys.argv[1:5]]; n=float(sys.argv[5])
 keys=set(a2)|set(b2)
