@@ -69,7 +69,7 @@ use tensorwire_mesh::{GroupMesh, Mesh, MeshSetup, MAX_GROUP_ID};
 
 /// Blocks up to this size travel with their lengths in [`Collectives::all_gather`]'s first
 /// round, so small all_gathers take one round instead of two (see
-/// [`varlen`](tensorwire_core::collective::varlen)).
+/// [`varlen`]).
 pub const INLINE_GATHER_BYTES: usize = varlen::INLINE_BYTES;
 
 /// Largest block [`Collectives::all_gather`] accepts from a rank: the transports' default

@@ -1,10 +1,10 @@
 //! The RPC backend registry, with PyTorch's semantics (`torch.distributed.rpc.backend_registry`).
 //!
-//! A backend is a value of [`RpcBackend`](tensorwire_core::registry::RpcBackend): two hooks,
+//! A backend is a value of [`RpcBackend`]: two hooks,
 //! one that builds the options from the common ones (`construct_options(rpc_timeout,
 //! init_method)`), one that starts the agent on a rendezvous (`init_backend(rendezvous, name,
 //! rank, world_size, options)`). `TCP` is registered by default. A user can register a backend
-//! of their own — typically one that starts [`start_agent`](crate::start_agent) over another
+//! of their own — typically one that starts [`start_agent`] over another
 //! [`Transport`](tensorwire_core::ports::transport::Transport) — and select it with
 //! [`RpcOptions::backend`]. Registering a name twice is an error that names it.
 //!

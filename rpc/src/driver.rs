@@ -94,12 +94,12 @@ pub(crate) fn on_frame(
 /// Moves what the endpoint produced along, on the calling task: messages to the peers'
 /// writers (in order, under the lock) and events to their handlers. Wakes the driver only
 /// when a timer is now due earlier than the one it sleeps on. Must run inside the runtime
-/// (dispatching may spawn tasks); `Drop` impls use [`wake`](Self::wake) instead.
+/// (dispatching may spawn tasks); `Drop` impls use [`wake`](crate::agent::Agent::wake) instead.
 pub(crate) fn pump(this: &Agent) {
     pump_with(this, None);
 }
 
-/// [`pump`](Self::pump) for a task that cannot wait (a caller's `rpc_async`): messages to a
+/// [`pump`] for a task that cannot wait (a caller's `rpc_async`): messages to a
 /// peer whose writer is idle are written on this task as far as the connection takes them
 /// without waiting (one wake-up of the writer less per message); the rest of such a write
 /// goes on in a writer task, which shutdown lets finish, holding the peer's write turn (so

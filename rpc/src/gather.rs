@@ -3,7 +3,7 @@
 //! everything (who leads, what a round is, when it ends, what is refused, what a peer can make
 //! the leader hold). This module only carries bytes and timers:
 //!
-//! - a member sends its [`Contribution`] to the leader as a call of the internal function
+//! - a member sends its [`Contribution`](tensorwire_core::protocol::gather::Contribution) to the leader as a call of the internal function
 //!   [`GATHER`] ([`gather_among`]) and turns the answer into values or an [`RpcError`]; both
 //!   travel as bytes in core's formats (`Contribution::encode`/`decode`,
 //!   `GatherOutcome::encode`/`decode`), which the fuzz targets read with the same decoders;

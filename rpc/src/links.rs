@@ -205,7 +205,7 @@ pub(crate) fn attach_conn(
     Some(reader_failed)
 }
 
-/// [`peer_lost`](Self::peer_lost), if `conn` is still the connection to `peer` (a worker
+/// [`peer_lost`], if `conn` is still the connection to `peer` (a worker
 /// that left and joined again has a new one, which the old one's end must not touch).
 pub(crate) fn peer_lost_on(
     this: &Agent,

@@ -41,7 +41,7 @@ pub struct RpcOptions {
     /// then gets a certificate issued for its name), or `ca.pem` plus this worker's
     /// `<name>.pem` and `<name>.key.pem` from your own PKI. Every peer's certificate must be
     /// issued for the name it gives (its common name, or a DNS name it is valid for; else
-    /// [`RpcError::NotCertified`](crate::RpcError::NotCertified)). That binds names to
+    /// [`RpcError::NotCertified`]). That binds names to
     /// workers only with your own PKI: whoever holds `ca.key.pem` can issue any name. A
     /// folder with `rank-N.pem` and `rank-N.key.pem` (this worker's rank; what
     /// `tensorwire launch --quic-certs` writes) is used when `<name>.pem` is not there: a rank

@@ -31,7 +31,7 @@ struct Slot {
 struct InboxState {
     slots: HashMap<u64, Slot>,
     status: PeerStatus,
-    /// What the slots hold: bounded by the mesh's [`InboxLimits`].
+    /// What the slots hold: bounded by the mesh's [`InboxLimits`](tensorwire_core::collective::inbox::InboxLimits).
     held: Held,
 }
 

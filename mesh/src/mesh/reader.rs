@@ -1,5 +1,5 @@
 //! The reader task of each connection: it takes frames off the connection, checks and files
-//! the group's own, hands the others to the [`FrameSink`], and records how the peer ended.
+//! the group's own, hands the others to the [`FrameSink`](super::FrameSink), and records how the peer ended.
 
 use std::sync::Arc;
 
@@ -42,7 +42,7 @@ fn message_bytes(payloads: Payloads) -> Bytes {
 }
 
 /// Reads `peer`'s connection until it ends: the group's own frames are filed by sequence
-/// number or acted on; every other frame goes to the [`FrameSink`], on this task.
+/// number or acted on; every other frame goes to the [`FrameSink`](super::FrameSink), on this task.
 pub(super) async fn read_loop(shared: Arc<Shared>, peer: usize) {
     let Some(link) = shared.peer(peer) else {
         return;

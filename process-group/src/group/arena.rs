@@ -543,7 +543,7 @@ impl Group {
     /// from the slot size) over `buffer` through the arena in `slot` as the collective whose
     /// [`Signature::word`] is `signature` (the arena compares it between the ranks of each
     /// phase: core's coder, as the links compare [`Signature`]s), bounded by the group's timeout
-    /// on its runtime's clock and by the wait of the [`Work`](crate::Work) running it, if any.
+    /// on its runtime's clock and by the wait of the [`Work`] running it, if any.
     /// A failure fails every later collective through the arena with the same error; a timeout
     /// also breaks the group (as on the links: the ranks no longer agree where the collectives
     /// stand). `from`: the rest of a run [`Group::arena_now`] began (over the same buffer).

@@ -63,7 +63,7 @@ pub(crate) fn cluster_secret(options: &RpcOptions) -> Result<Option<ClusterSecre
 /// The agent over `transport`, for a backend's `init_backend`: the world process group over
 /// `transport` on the rendezvous store, an `all_gather_object` of the worker records, their
 /// validation, then the agent over the group's connections (see
-/// [`init_rpc`](crate::init_rpc) for what that guarantees). With `world_size = None` it joins a dynamic group instead. A static init that
+/// [`init_rpc`](crate::init_rpc()) for what that guarantees). With `world_size = None` it joins a dynamic group instead. A static init that
 /// fails shuts the group and the rendezvous down (a store this worker hosts is closed) before
 /// it returns the error.
 pub async fn start_agent(

@@ -404,7 +404,7 @@ impl<P: ProcessGroup + ?Sized> Future for RunUnit<'_, P> {
     }
 }
 
-/// A barrier's result from what the backend gave ([`unit`]'s, in the future's poll).
+/// A barrier's result from what the backend gave ([`unit()`]'s, in the future's poll).
 #[inline(always)]
 fn barrier<P: ProcessGroup + ?Sized>(pg: &P, done: Done) -> Result<(), ProcessGroupError> {
     if let Done::Unit = done {
