@@ -5,6 +5,10 @@ settings, and that they compute what the class computes, bit for bit."""
 
 from __future__ import annotations
 
+import sys
+import threading
+import warnings
+
 import pytest
 import torch
 
@@ -75,3 +79,61 @@ def test_an_unmapped_optimizer_keeps_the_class():
         pass
 
     assert dist_optim._as_functional(Mine, Mine(params, lr=0.1), params) is None
+
+
+def test_building_a_functional_optimizer_warns_nothing():
+    # torch's functional constructors force a TorchScript deprecation warning on; none is used.
+    params = _params(0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for cls, kwargs in MAPPED:
+            assert dist_optim._as_functional(cls, cls(params, **kwargs), params) is not None
+    assert [str(w.message) for w in seen] == []
+
+
+def test_building_functional_optimizers_in_threads_leaves_other_threads_warnings_alone():
+    # ``warnings.catch_warnings`` swaps process-wide state: built under one (ours or torch's),
+    # a warning another thread raises meanwhile can be swallowed, or the filters left changed.
+    warm = _params(0)  # torch's lazy imports (sympy's) add filters of their own: done first
+    dist_optim._as_functional(torch.optim.SGD, torch.optim.SGD(warm, lr=0.1), warm)
+    filters, showwarning = list(warnings.filters), warnings.showwarning
+    shown: list[str] = []
+
+    def show(message, *rest, **kw) -> None:
+        shown.append(str(message))
+
+    warnings.showwarning = show
+    warnings.simplefilter("always")
+    set_filters = list(warnings.filters)
+    stop = threading.Event()
+    built: list[int] = []
+
+    def build() -> None:
+        params = _params(0)
+        while not stop.is_set():
+            dist_optim._as_functional(torch.optim.SGD, torch.optim.SGD(params, lr=0.1), params)
+            built.append(1)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads interleave inside each other's constructions
+    try:
+        for t in threads:
+            t.start()
+        sent = 0
+        while sent < 2000 or len(built) < 1000:  # both sides well inside each other's windows
+            warnings.warn(f"mine {sent}", UserWarning)
+            sent += 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(interval)
+        after_show, after_filters = warnings.showwarning, list(warnings.filters)
+        warnings.filters[:] = filters
+        warnings.showwarning = showwarning
+        warnings._filters_mutated()
+    assert [m for m in shown if m.startswith("mine ")] == [f"mine {i}" for i in range(sent)]
+    assert not [m for m in shown if not m.startswith("mine ")]
+    # Still as this thread set them: nobody restored a stale copy over them.
+    assert after_show is show and after_filters == set_filters

@@ -45,7 +45,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import threading
-import warnings
+import types
 import weakref
 from typing import Any, Optional
 
@@ -173,8 +173,6 @@ def _as_functional(cls: type, optim: torch.optim.Optimizer, params: list) -> Any
                 return None
         elif key in defaults:
             return None
-    # (Its constructor warns that TorchScript support for functional optimizers is
-    # deprecated, forcing the warning on: no TorchScript is used here.)
     if all(p.device.type == "cpu" for p in params):
         # What torch makes of ``None`` (its default: pick per step) for CPU tensors, decided
         # once here: no foreach or fused kernels (they are for CUDA and other devices). Else
@@ -183,10 +181,44 @@ def _as_functional(cls: type, optim: torch.optim.Optimizer, params: list) -> Any
             if key in settings and settings[key] is None:
                 settings[key] = False
     try:
-        with warnings.catch_warnings(record=True):
-            return functional(params, **settings)
+        return _construct_quietly(functional, params, settings)
     except (TypeError, ValueError):
         return None  # settings it refuses: the class steps
+
+
+# A functional class's constructor warns that TorchScript support for functional optimizers is
+# deprecated, forcing the warning on with ``warnings.catch_warnings()``; no TorchScript is used
+# here. ``catch_warnings`` swaps the process's filter list and is not thread-safe (owners build
+# optimizers on the agent's threads, beside the user's own), so neither torch's nor a
+# ``catch_warnings`` of ours may run: each class's ``__init__`` is rebuilt once, over a copy of
+# its module's globals in which that one function does nothing.
+_QUIET_NAME = "_scripted_functional_optimizer_deprecation_warning"
+_quiet_inits: dict = {}
+_quiet_lock = threading.Lock()
+
+
+def _quiet_init(functional: type) -> Any:
+    """``functional.__init__`` without its deprecation warning, or the plain ``__init__``
+    where it does not call that function by name (a torch that renamed it: it then warns)."""
+    with _quiet_lock:
+        init = _quiet_inits.get(functional)
+        if init is None:
+            init = original = functional.__init__
+            if isinstance(original, types.FunctionType) and _QUIET_NAME in original.__code__.co_names:
+                namespace = dict(original.__globals__)
+                namespace[_QUIET_NAME] = lambda *args, **kwargs: None
+                init = types.FunctionType(
+                    original.__code__, namespace, original.__name__, original.__defaults__, original.__closure__
+                )
+                init.__kwdefaults__ = original.__kwdefaults__
+            _quiet_inits[functional] = init
+        return init
+
+
+def _construct_quietly(functional: type, params: list, settings: dict) -> Any:
+    optim = functional.__new__(functional)
+    _quiet_init(functional)(optim, params, **settings)
+    return optim
 
 
 def _same_setting(a: Any, b: Any) -> bool:
