@@ -220,13 +220,31 @@ impl Ledger {
 
     /// One of `peer`'s requests is answered. True when its held requests may run now.
     pub fn finish_request(&mut self, peer: u32) -> bool {
-        if let Some(n) = self.running.get_mut(&peer) {
+        // A count that reaches 0 stays (one entry per peer, as `peaks` keeps one): the peer's
+        // next request finds it, with no removal and insert of an entry a request.
+        let running = self.running.get_mut(&peer).map_or(0, |n| {
             *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.running.remove(&peer);
-            }
+            *n
+        });
+        !(self.holding.contains(&peer) || running >= self.running_cap)
+    }
+
+    /// Unless `peer`'s requests are held ([`holds_requests`](Self::holds_requests)), starts
+    /// one running when it is `counted` ([`start_request`](Self::start_request)): true if it
+    /// may run. One look-up of its count for both.
+    pub fn start_request_unless_held(&mut self, peer: u32, counted: bool) -> bool {
+        if self.holding.contains(&peer) {
+            return false;
         }
-        !self.holds_requests(peer)
+        if !counted {
+            return self.running(peer) < self.running_cap;
+        }
+        let running = self.running.entry(peer).or_insert(0);
+        if *running >= self.running_cap {
+            return false;
+        }
+        *running += 1;
+        true
     }
 
     /// How many of `peer`'s requests run now.
@@ -514,13 +532,8 @@ impl Account {
     /// one running when it is `counted` ([`Ledger::start_request`]): true if it may run. One
     /// turn of the ledger's lock for both.
     pub fn start_request_unless_held(&self, counted: bool) -> bool {
-        self.budget.with(|l| {
-            let run = !l.holds_requests(self.peer);
-            if run && counted {
-                l.start_request(self.peer);
-            }
-            run
-        })
+        self.budget
+            .with(|l| l.start_request_unless_held(self.peer, counted))
     }
 
     /// [`Ledger::start_request`] for this account's peer.
@@ -682,6 +695,42 @@ mod tests {
         assert!(!l.finish_request(1));
         assert_eq!(l.running(1), 0);
         assert!(l.holds_requests(1));
+    }
+
+    #[test]
+    fn a_request_starts_unless_held_by_the_cap_or_the_queue() {
+        let mut l = Ledger::new(1 << 20);
+        l.set_running_cap(2);
+        assert!(l.start_request_unless_held(1, true));
+        assert!(
+            l.start_request_unless_held(1, false),
+            "not counted: runs, not counted"
+        );
+        assert!(l.start_request_unless_held(1, true));
+        assert_eq!(l.running(1), 2);
+        assert!(!l.start_request_unless_held(1, true), "at the cap: held");
+        assert!(
+            !l.start_request_unless_held(1, false),
+            "at the cap, uncounted too"
+        );
+        assert_eq!(l.running(1), 2, "a held request is not counted");
+        assert!(l.start_request_unless_held(2, true), "another peer's runs");
+        // Down to none and up again: the count kept at 0 counts from there.
+        assert!(l.finish_request(1));
+        assert!(l.finish_request(1));
+        assert!(
+            l.finish_request(1),
+            "one more finish than starts stays at 0"
+        );
+        assert_eq!(l.running(1), 0);
+        assert!(l.start_request_unless_held(1, true));
+        assert_eq!(l.running(1), 1);
+        // Held for its queue: nothing starts, counted or not.
+        l.set_hold_mark(10);
+        l.take(1, Use::Queued, 10, Admit::IfRoom).unwrap();
+        assert!(!l.start_request_unless_held(1, true));
+        assert!(!l.start_request_unless_held(1, false));
+        assert_eq!(l.running(1), 1);
     }
 
     #[test]

@@ -1174,13 +1174,18 @@ impl Agent {
         what: &str,
     ) -> Result<R, RpcError> {
         let name = || from.map_or_else(|| self.name_of(from_id), str::to_owned);
-        let tensors = crate::ipc::from_wire(self, from_id, body.tensors)
-            .await
-            .map_err(|source| RpcError::Tensors {
-                to: name(),
-                function: what.to_owned(),
-                source: Box::new(source),
-            })?;
+        // Most results carry no tensor: no placing future made and polled for none.
+        let tensors = if body.tensors.is_empty() {
+            Vec::new()
+        } else {
+            crate::ipc::from_wire(self, from_id, body.tensors)
+                .await
+                .map_err(|source| RpcError::Tensors {
+                    to: name(),
+                    function: what.to_owned(),
+                    source: Box::new(source),
+                })?
+        };
         codec::decode(self, &body.data, tensors, &body.forks).map_err(|e| RpcError::Serialization {
             what: format!("decode the result of {what:?} from {}", name()),
             source: Box::new(e),

@@ -538,6 +538,9 @@ impl<B: Payload> Endpoint<B> {
                     peer,
                     cause: cause.clone(),
                 });
+                // A shutdown waiting for reports looks at its members again (this one may
+                // never send its report).
+                self.forget_missing_reports();
                 cause
             }
         };

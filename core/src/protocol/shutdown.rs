@@ -141,10 +141,11 @@ pub(super) struct Shutdown {
     phase: ShutdownPhase,
     /// Our reports: the latest (its round is the round we wait for) and the one before.
     reports: Reports,
-    /// Waiting for reports, the last walk of the members found one of this round missing,
-    /// and no report has come since: only a report (or a failure or a loss, checked before)
-    /// moves the shutdown on, so the messages served meanwhile ask no walk of their own.
-    /// Cleared when a report comes, a peer is forgotten and the phase changes.
+    /// Waiting for reports, the last walk of the members found none lost and one report of
+    /// this round missing, and neither a report nor a loss has come since: only a report, a
+    /// failure or a loss moves the shutdown on, so the messages served meanwhile ask no walk
+    /// of their own. Cleared when a report comes, a peer is lost or forgotten and the phase
+    /// changes.
     missing_known: bool,
 }
 
@@ -346,7 +347,7 @@ impl<B: Payload> Endpoint<B> {
     }
 
     /// What the reports heard say must be walked again ([`Shutdown::missing_known`]).
-    fn forget_missing_reports(&mut self) {
+    pub(super) fn forget_missing_reports(&mut self) {
         if let Some(s) = self.shutdown.ours.as_mut() {
             s.missing_known = false;
         }
@@ -398,7 +399,21 @@ impl<B: Payload> Endpoint<B> {
 
     /// Moves the shutdown on as far as the state allows. Called after every input that can
     /// change what it waits for.
+    // Inlined: most calls find no shutdown, or one waiting for a report known missing with
+    // nothing come since that could move it (the messages served meanwhile, after every one).
+    #[inline]
     pub(super) fn advance_shutdown(&mut self) {
+        match &self.shutdown.ours {
+            None => {}
+            // Set only while waiting for reports, after a walk that found no member lost and
+            // one report missing; a report, a loss, a forgotten peer or a new phase clear it.
+            Some(s) if s.missing_known && self.shutdown.failed.is_empty() => {}
+            Some(_) => self.advance_shutdown_walk(),
+        }
+    }
+
+    /// [`advance_shutdown`](Self::advance_shutdown) past its quick answers.
+    fn advance_shutdown_walk(&mut self) {
         loop {
             let Some(s) = self.shutdown.ours.as_ref() else {
                 return;
